@@ -1,0 +1,30 @@
+"""dsrun: a declarative experiment runner for large-model training, compatible with DeepSpeed.
+
+The training API keeps DeepSpeed's names (``dsrun.initialize``, ``dsrun.init_distributed``,
+``dsrun.add_config_arguments``, ``dsrun.zero``, ``dsrun.comm``), so a DeepSpeed script switches by changing
+its import. Those names are loaded on first use, so ``import dsrun`` stays cheap for the CLI.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> "module:attribute" (attribute empty for a submodule)
+_LAZY: dict[str, str] = {}
+
+
+def __getattr__(name: str) -> Any:
+    target = _LAZY.get(name)
+    if target is None:
+        raise AttributeError(f"module 'dsrun' has no attribute '{name}'")
+    module_name, _, attribute = target.partition(":")
+    module = importlib.import_module(module_name)
+    value = getattr(module, attribute) if attribute else module
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(_LAZY))

@@ -1,0 +1,1 @@
+"""Small helpers shared by every layer: user-facing errors, suggestions, package paths."""

@@ -1,0 +1,101 @@
+"""Helpers shared by the test suite: free ports, running the CLI, and bounded multi-rank runs."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+REPO = Path(__file__).resolve().parents[1]
+CORES = os.cpu_count() or 1
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_cli(*args: str, cwd: str | Path | None = None, env: dict[str, str] | None = None,
+            timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run ``python -m dsrun ARGS`` as a user would; stdout/stderr captured as text."""
+    full_env = {**os.environ, **(env or {})}
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full_env.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-m", "dsrun", *args], cwd=cwd, env=full_env, text=True,
+                          capture_output=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def _rank_entry(fn: Callable, rank: int, world_size: int, port: int, threads: int, results: Any,
+                args: Sequence[Any]) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      OMP_NUM_THREADS=str(threads))
+    import torch
+
+    torch.set_num_threads(threads)
+    try:
+        results.put((rank, "ok", fn(rank, world_size, *args)))
+    except BaseException:  # report everything, including assertion errors, to the parent
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes with the torch.distributed
+    environment variables set (gloo on 127.0.0.1, a free port), threads split across the cores.
+
+    Returns each rank's return value (picklable), in rank order. Raises AssertionError with the rank's
+    traceback if any rank fails, and kills every rank (by PID) if they do not all finish in ``timeout``
+    seconds, so a hang fails the test instead of stalling CI. ``fn`` must be importable (module level).
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    threads = max(1, CORES // world_size)
+    procs = [ctx.Process(target=_rank_entry, args=(fn, r, world_size, port, threads, results, args), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    outcome: dict[int, Any] = {}
+    errors: list[str] = []
+    import time
+
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outcome) + len(errors) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError(f"ranks did not finish within {timeout}s "
+                                     f"(finished: {sorted(outcome)}; errors: {len(errors)})")
+            try:
+                rank, status, value = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead and len(outcome) + len(errors) < world_size:
+                    # a rank died without reporting (segfault, os._exit): give the queue a moment, then fail
+                    try:
+                        rank, status, value = results.get(timeout=2.0)
+                    except queue.Empty:
+                        raise AssertionError(
+                            f"rank process exited with code {dead[0].exitcode} without reporting") from None
+                else:
+                    continue
+            if status == "ok":
+                outcome[rank] = value
+            else:
+                errors.append(f"rank {rank} failed:\n{value}")
+                break  # one failure is enough; the others may now hang in a collective
+        if errors:
+            raise AssertionError("\n".join(errors))
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    return [outcome[r] for r in range(world_size)]
