@@ -78,6 +78,10 @@ def test_valid_config_loads_and_round_trips(path):
         ds = cfg.to_ds_dict()
         again = load_ds_config(ds, world_size=world)
     assert again.to_ds_dict() == ds
-    assert ds["train_batch_size"] == (ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]
-                                      * (world if not cfg.elasticity.enabled else world // cfg.elasticity.model_parallel_size))
+    dp_size = world // cfg.elasticity.model_parallel_size if cfg.elasticity.enabled else world
+    assert cfg.train_batch_size == cfg.train_micro_batch_size_per_gpu * cfg.gradient_accumulation_steps * dp_size
+    assert (again.train_batch_size, again.train_micro_batch_size_per_gpu, again.gradient_accumulation_steps) == (
+        cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps)
+    if not cfg.elasticity.enabled:
+        assert ds["train_batch_size"] == cfg.train_batch_size
     json.dumps(ds)  # plain JSON, loadable by DeepSpeed
