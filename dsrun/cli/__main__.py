@@ -83,6 +83,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("dsrun: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `dsrun config --json | head`: the reader left; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

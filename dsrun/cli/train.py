@@ -71,7 +71,7 @@ def _dry_run(resolved, run_dir: Path) -> None:
         f"model           {model._target_}({sizes})",
         f"data            {resolved.runspec.data._target_}",
         f"world size      {resolved.world_size} ({resolved.world_size_source})",
-        f"batch           {ds.batch_explanation}",
+        "batch           " + ds.batch_explanation.replace("\n", "\n                "),
         f"zero stage      {ds.zero_optimization.stage}",
         f"precision       {precision}",
         f"optimizer       {ds.optimizer.type if ds.optimizer else '(client)'}",
