@@ -93,3 +93,32 @@ def test_forward_flops_formula_and_agreement_with_torch_flop_counter():
     # Every matmul is counted exactly; torch counts the CPU attention kernel only on some versions.
     assert counter.get_total_flops() in (forward_flops(model, batch, seq),
                                          forward_flops(model, batch, seq) - attention_term)
+
+
+def test_the_docs_size_table_matches_the_models():
+    from tests.helpers import REPO
+
+    rows = {}
+    for line in (REPO / "docs" / "models.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 10 and cells[0].startswith("`gpt-"):
+            rows[cells[0].strip("`")] = cells
+    assert sorted(rows) == EXPECTED_SIZES
+    for name, cells in rows.items():
+        config = gpt_config(name)
+        assert int(cells[6].split()[0].replace(",", "")) == config.num_parameters(), name
+        assert int(cells[7].replace(",", "")) == config.num_parameters(exclude_embeddings=True), name
+        assert int(cells[8].replace(",", "")) == config.largest_layer_params(), name
+
+
+def test_hydra_composes_model_and_data_groups_together(tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+        cfg = compose(overrides=["+model=gpt-micro", "+data=pystdlib", "model.positions=rotary",
+                                 "data.max_bytes=60000", f"data.cache_dir={tmp_path}"])
+    model = instantiate(cfg.model)
+    corpus = instantiate(cfg.data)
+    assert model.config.positions == "rotary" and corpus.seq_len == model.config.block_size == 256
+    inputs, targets = next(corpus.train_loader(2))
+    assert model(inputs, targets).ndim == 0
