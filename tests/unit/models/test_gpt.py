@@ -162,3 +162,26 @@ def test_generate_extends_the_context():
     out = model.generate(torch.zeros(2, 3, dtype=torch.long), max_new_tokens=5, temperature=0)
     assert out.shape == (2, 8)
     assert torch.equal(out, model.generate(torch.zeros(2, 3, dtype=torch.long), 5, temperature=0))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("positions", ["learned", "rotary"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_analytic_counts_match_every_option_combination(bias, positions, tied):
+    from dsrun.models import largest_layer_params
+
+    with torch.device("meta"):
+        model = GPT(**TINY, bias=bias, positions=positions, tie_embeddings=tied)
+    assert num_parameters(model) == model.config.num_parameters()
+    assert num_parameters(model, exclude_embeddings=True) == model.config.num_parameters(exclude_embeddings=True)
+    assert largest_layer_params(model) == model.config.largest_layer_params()
+
+
+def test_bfloat16_forward_and_backward():
+    torch.manual_seed(0)
+    model = GPT(**TINY, positions="rotary").to(torch.bfloat16)
+    loss = model(*_batch())
+    assert loss.dtype == torch.float32  # the loss is computed in fp32
+    loss.backward()
+    assert model.transformer["wte"].weight.grad.dtype == torch.bfloat16
+    assert loss.item() == pytest.approx(math.log(64), abs=0.1)
