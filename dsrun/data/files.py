@@ -24,6 +24,14 @@ BIN_DTYPES = ("uint16", "uint32")
 _SNIFF_BYTES = 8192
 
 
+def user_path(path: str | os.PathLike[str]) -> str:
+    """``path`` with ``~`` expanded, relative to where the user launched the run even when Hydra has
+    changed into the run directory."""
+    from hydra.utils import to_absolute_path
+
+    return to_absolute_path(os.path.expanduser(str(path)))
+
+
 def _looks_binary(path: Path) -> bool:
     with open(path, "rb") as handle:
         return b"\0" in handle.read(_SNIFF_BYTES)
@@ -34,7 +42,7 @@ def resolve_text_files(path: str | os.PathLike[str] | Sequence[str | os.PathLike
     entries = [path] if isinstance(path, (str, os.PathLike)) else list(path)
     found: list[Path] = []
     for entry in entries:
-        text = os.path.expanduser(str(entry))
+        text = user_path(entry)
         if any(char in text for char in "*?["):
             candidates = [Path(p) for p in glob.glob(text, recursive=True)]
         elif Path(text).is_dir():
@@ -95,7 +103,7 @@ def text_corpus(path: str | Sequence[str], seq_len: int = 128, eval_fraction: fl
 
 def load_token_file(path: str | os.PathLike[str], dtype: str = "uint16") -> np.ndarray:
     """A memory map of the token ids in a ``.npy`` or ``.bin`` file (``dtype`` applies to ``.bin`` only)."""
-    file = Path(os.path.expanduser(str(path)))
+    file = Path(user_path(path))
     if not file.is_file():
         raise UserError(Problem("data.path", f"{file} does not exist", "give a .npy or .bin token file"))
     if file.suffix == ".npy":

@@ -70,7 +70,9 @@ class TiktokenTokenizer:
 class HFTokenizer:
     def __init__(self, path: str):
         tokenizers = _require("tokenizers", f"tokenizers:{path}")
-        file = Path(path).expanduser()
+        from dsrun.data.files import user_path
+
+        file = Path(user_path(path))
         if not file.is_file():
             raise UserError(Problem("data.tokenizer", f"no tokenizer file at {file}",
                                     "give the path of a tokenizer.json"))

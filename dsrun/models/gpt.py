@@ -58,18 +58,20 @@ class GPT(nn.Module):
         else:
             config = GPTConfig.from_kwargs({**(config or {}), **kwargs})
         self.config = config
-        self.transformer = nn.ModuleDict(dict(
-            wte=_embedding(config.vocab_size, config.n_embd),
-            drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList(Block(config) for _ in range(config.n_layer)),
-            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
-        ))
+        layers: dict[str, nn.Module] = {"wte": _embedding(config.vocab_size, config.n_embd)}
         if config.positions == "learned":
-            self.transformer["wpe"] = _embedding(config.block_size, config.n_embd)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+            layers["wpe"] = _embedding(config.block_size, config.n_embd)
+        layers["drop"] = nn.Dropout(config.dropout)
+        layers["h"] = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        layers["ln_f"] = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.transformer = nn.ModuleDict(layers)
         if config.tie_embeddings:
-            # One Parameter object in two places: optimisers, parameter counts and ZeRO see it once.
+            # Built on meta (no vocab x width allocation), then given the token table itself: one Parameter
+            # object in two places, which optimisers, parameter counts and ZeRO see once.
+            self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False, device="meta")
             self.lm_head.weight = self.transformer["wte"].weight
+        else:
+            self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.checkpoint_fn: CheckpointFn | None = _torch_checkpoint if config.activation_checkpointing else None
         self.reset_parameters()
 

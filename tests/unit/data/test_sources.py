@@ -135,3 +135,10 @@ def test_tokenizers_bytes_round_trip_and_optional_ones_explain_themselves(monkey
         get_tokenizer("tiktoken:gpt2")
     with pytest.raises(UserError, match="pip install tokenizers"):
         get_tokenizer("tokenizers:tokenizer.json")
+
+
+def test_relative_paths_are_taken_from_the_launch_directory(tmp_path, monkeypatch):
+    (tmp_path / "notes.txt").write_text("relative paths work " * 50)
+    monkeypatch.chdir(tmp_path)
+    corpus = text_corpus("notes.txt", seq_len=8, cache_dir=str(tmp_path / "cache"))
+    assert corpus.sources == [str(tmp_path / "notes.txt")]
