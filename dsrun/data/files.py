@@ -79,23 +79,17 @@ def tokenize_files(files: Sequence[Path], tokenizer: Tokenizer, max_bytes: int |
     return np.concatenate(pieces).astype(dtype, copy=False) if pieces else np.zeros(0, dtype=dtype)
 
 
-def cached_text_tokens(kind: str, files: Sequence[Path], tokenizer: Tokenizer, max_bytes: int | None,
-                       cache_dir: str | os.PathLike[str] | None, extra: Sequence[object] = ()) -> tuple[np.ndarray, bool]:
-    """Tokenise ``files`` once; later calls with the same files (paths, sizes, mtimes), tokenizer and cap
-    read the cached array."""
-    stats = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
-    key = fingerprint(kind, stats, tokenizer.name, max_bytes, list(extra))
-    path = cache_root(cache_dir) / f"{kind}-{key}.npy"
-    return load_or_build(path, lambda: tokenize_files(files, tokenizer, max_bytes))
-
-
 def text_corpus(path: str | Sequence[str], seq_len: int = 128, eval_fraction: float = 0.05,
                 tokenizer: str = "bytes", max_bytes: int | None = None,
                 cache_dir: str | None = None) -> TokenCorpus:
     """A corpus from the user's text files (``data=text data.path=...``)."""
     files = resolve_text_files(path)
     encoder = get_tokenizer(tokenizer)
-    tokens, from_cache = cached_text_tokens("text", files, encoder, max_bytes, cache_dir)
+    # Keyed by every file's path, size and modification time: an edited file is tokenised afresh.
+    stats = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    key = fingerprint("text", stats, encoder.name, max_bytes)
+    tokens, from_cache = load_or_build(cache_root(cache_dir) / f"text-{key}.npy",
+                                       lambda: tokenize_files(files, encoder, max_bytes))
     train, evaluation = split_tokens(tokens, eval_fraction, seq_len)
     return TokenCorpus(train, evaluation, seq_len, encoder.vocab_size, description=f"text {path}",
                        tokenizer=encoder, from_cache=from_cache, sources=[str(f) for f in files])
