@@ -85,4 +85,27 @@ def _dry_run(resolved, run_dir: Path) -> None:
 
 
 def _train(resolved, run_dir: Path):
-    raise UserError("dsrun train: training is not available in this build yet; use --dry-run")
+    """Launch the worker on every rank of the plan; return the final eval loss (what sweepers optimise)."""
+    import json
+    import sys
+
+    from dsrun.launcher import launch_from_mapping
+    from dsrun.rundir import METRICS_JSON, write_run_files
+
+    write_run_files(run_dir, resolved)
+    print(f"[dsrun] run directory {run_dir}", flush=True)
+    launcher = dict(resolved.launcher.model_dump())
+    launcher["log_dir"] = launcher.get("log_dir") or str(run_dir / "logs")
+    code = launch_from_mapping(launcher, "dsrun.worker", ["--run-dir", str(run_dir)], module=True)
+    metrics_path = run_dir / METRICS_JSON
+    if code != 0:
+        print(f"[dsrun] training failed (exit code {code}); logs per rank in {launcher['log_dir']}",
+              file=sys.stderr, flush=True)
+        sys.exit(code)
+    metrics = json.loads(metrics_path.read_text())
+    losses = [e["loss"] for e in metrics["eval_losses"]]
+    print(f"[dsrun] done: {metrics['steps']} steps in {metrics['wall_time_s']:.1f}s, "
+          f"{metrics['tokens_per_second']:,.0f} tokens/s; eval loss {losses[0]:.3f} -> {losses[-1]:.3f} "
+          f"({metrics['loss_unit']})" if losses else "[dsrun] done", flush=True)
+    print(f"[dsrun] metrics: {metrics_path}", flush=True)
+    return metrics.get("final_eval_loss")
