@@ -99,10 +99,12 @@ def _worker_command(ns: argparse.Namespace) -> list[str]:
 
 def _watch_stdin() -> None:
     def wait_for_eof() -> None:
+        # os.read on the raw descriptor: a daemon thread blocked inside sys.stdin's buffered reader would
+        # hold its lock and abort the interpreter at exit
         try:
-            while sys.stdin.buffer.read(4096):
+            while os.read(0, 4096):
                 pass
-        except (OSError, ValueError):
+        except OSError:
             pass
         os.kill(os.getpid(), signal.SIGTERM)
 

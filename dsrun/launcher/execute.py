@@ -174,9 +174,9 @@ class _Job:
         lines: list[str] = []
         if cause is not None:
             lines.append(f"dsrun: job failed: {cause['message']}")
-            if cause.get("tail"):
-                lines.append(f"dsrun: last lines of rank {cause['rank']}'s log ({cause.get('log')}):")
-                lines.extend(f"    {line}" for line in cause["tail"])
+            for log in cause.get("logs") or []:
+                lines.append(f"dsrun: last lines of rank {cause['rank']}'s log {log['path']}:")
+                lines.extend(f"    {line}" for line in log["tail"])
             code = exit_code_for(cause["exitcode"]) if cause.get("exitcode") else 1
         else:
             bad = next(node for node in self.nodes if node.process.returncode != 0)

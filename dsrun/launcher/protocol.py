@@ -31,8 +31,9 @@ def exit_code_for(exitcode: int) -> int:
     return exitcode if 0 < exitcode < 256 else 1
 
 
-def log_tail(paths: list[str], lines: int = TAIL_LINES) -> tuple[str | None, list[str]]:
-    """``(path, last lines)`` of the first of ``paths`` that has any content; ``(None, [])`` if none has."""
+def log_tails(paths: list[str], lines: int = TAIL_LINES) -> list[dict[str, Any]]:
+    """``[{"path": ..., "tail": [last lines]}]`` for each of ``paths`` that has any content."""
+    tails = []
     for path in paths:
         try:
             with open(path, "rb") as handle:
@@ -42,8 +43,8 @@ def log_tail(paths: list[str], lines: int = TAIL_LINES) -> tuple[str | None, lis
         except OSError:
             continue
         if text.strip():
-            return path, text.rstrip("\n").splitlines()[-lines:]
-    return None, []
+            tails.append({"path": path, "tail": text.rstrip("\n").splitlines()[-lines:]})
+    return tails
 
 
 def report_failure(report: dict[str, Any]) -> None:

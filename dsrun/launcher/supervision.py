@@ -29,7 +29,7 @@ from torch.distributed.elastic.multiprocessing import LogsDest, LogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
 
-from dsrun.launcher.protocol import exit_code_for, log_tail, report_failure
+from dsrun.launcher.protocol import exit_code_for, log_tails, report_failure
 
 _LEAVE_WAIT = 5.0  # how long node 0 keeps the store up for the other agents to read the outcome
 
@@ -110,11 +110,10 @@ class NodeAgent(LocalElasticAgent):
         if failure.exitcode < 0:
             signal_name = failure.signal_name()
             how += f" ({signal_name})"
-        log, tail = log_tail([p for p in (stderr, stdout) if p])
         return {
             "rank": rank, "local_rank": local_rank, "host": self._host, "node_rank": self._node_rank,
             "exitcode": failure.exitcode, "signal": signal_name, "pid": failure.pid,
-            "log": log or stderr or stdout or None, "tail": tail,
+            "logs": log_tails([p for p in (stdout, stderr) if p]),
             "round": self._round(),
             "message": f"rank {rank} (local rank {local_rank}) on host {self._host} exited with {how}",
         }
@@ -122,7 +121,7 @@ class NodeAgent(LocalElasticAgent):
     def _agent_report(self, message: str, node_rank: int | None = None) -> dict[str, Any]:
         node = self._node_rank if node_rank is None else node_rank
         return {"rank": None, "local_rank": None, "host": self._host_names[node], "node_rank": node,
-                "exitcode": None, "signal": None, "pid": None, "log": None, "tail": [],
+                "exitcode": None, "signal": None, "pid": None, "logs": [],
                 "round": self._round(), "message": message}
 
     # ---- torch elastic hooks ------------------------------------------------------------------------
