@@ -47,6 +47,7 @@ def test_ssh_runner_runs_four_ranks_on_two_hosts(two_hosts, tmp_path):
         kill_job(tag)
 
 
+@pytest.mark.slow
 def test_no_ssh_mode_runs_one_launcher_per_host(two_hosts, tmp_path):
     tag = new_tag()
     port = str(free_port())
