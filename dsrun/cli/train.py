@@ -91,12 +91,13 @@ def _train(resolved, run_dir: Path):
 
     from dsrun.launcher import launch_from_mapping
     from dsrun.rundir import METRICS_JSON, write_run_files
+    from dsrun.runspec import WORKER_MODULE
 
     write_run_files(run_dir, resolved)
     print(f"[dsrun] run directory {run_dir}", flush=True)
-    launcher = dict(resolved.launcher.model_dump())
+    launcher = dict(resolved.runspec.launcher)
     launcher["log_dir"] = launcher.get("log_dir") or str(run_dir / "logs")
-    code = launch_from_mapping(launcher, "dsrun.worker", ["--run-dir", str(run_dir)], module=True)
+    code = launch_from_mapping(launcher, WORKER_MODULE, ["--run-dir", str(run_dir)], module=True)
     metrics_path = run_dir / METRICS_JSON
     if code != 0:
         print(f"[dsrun] training failed (exit code {code}); logs per rank in {launcher['log_dir']}",

@@ -32,17 +32,30 @@ import sys
 from typing import Any, Mapping, Sequence
 
 from dsrun.launcher.execute import run
-from dsrun.launcher.options import LaunchOptions, options_from_mapping
+from dsrun.launcher.options import LaunchOptions, key_path, options_from_mapping
 from dsrun.launcher.plan import LaunchPlan, plan_launch
+from dsrun.utils.errors import Problem, UserError
 
-__all__ = ["LaunchOptions", "LaunchPlan", "plan_launch", "run", "options_from_mapping", "launch_from_mapping"]
+__all__ = ["LaunchOptions", "LaunchPlan", "plan_launch", "run", "options_from_mapping", "plan_from_mapping",
+           "launch_from_mapping"]
+
+
+def plan_from_mapping(mapping: Mapping[str, Any] | None, target: str, target_args: Sequence[str] = (), *,
+                      module: bool = False, path: str = "launcher", **extra: Any) -> LaunchPlan:
+    """Plan a job from a RunSpec ``launcher:`` mapping; every problem names its RunSpec key path
+    (``launcher.num_procs``), not the CLI flag."""
+    options = options_from_mapping(mapping, target, target_args, module=module, path=path, **extra)
+    try:
+        return plan_launch(options)
+    except UserError as err:
+        raise UserError([Problem(key_path(p.path, path), p.message, p.hint) for p in err.problems]) from None
 
 
 def launch_from_mapping(mapping: Mapping[str, Any] | None, target: str, target_args: Sequence[str] = (), *,
                         module: bool = False, dry_run: bool = False, **extra: Any) -> int:
     """Plan and run a job from a RunSpec ``launcher:`` mapping; with ``dry_run`` print the plan as JSON
     and start nothing. Returns the exit code; raises :class:`~dsrun.utils.errors.UserError` on bad input."""
-    plan = plan_launch(options_from_mapping(mapping, target, target_args, module=module, **extra))
+    plan = plan_from_mapping(mapping, target, target_args, module=module, **extra)
     if dry_run:
         print(json.dumps(plan.to_json(), indent=2))
         sys.stdout.flush()

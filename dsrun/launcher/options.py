@@ -158,21 +158,20 @@ def options_from_mapping(mapping: Mapping[str, Any] | None, target: str, target_
             problems.append(Problem(f"{path}.{key}", f"must be {expected}, got {show(value)}"))
             continue
         values[attribute] = value
-    if problems:
-        raise UserError(problems)
     known = {f.name for f in fields(LaunchOptions)}
     unknown = set(extra) - known
     if unknown:
         raise TypeError(f"unknown LaunchOptions fields: {sorted(unknown)}")
     options = LaunchOptions(target=target, target_args=list(target_args), module=module, **{**values, **extra})
-    problems = options.problems()
+    # report the mapping's own problems together with the option checks, all under their key paths
+    # (named by RunSpec keys rather than the CLI flags the option checks use)
+    problems = problems + [Problem(key_path(p.path, path), p.message, p.hint) for p in options.problems()]
     if problems:
-        # name the RunSpec keys rather than the CLI flags the messages use
-        raise UserError([Problem(_key_path(p.path, path), p.message, p.hint) for p in problems])
+        raise UserError(problems)
     return options
 
 
-def _key_path(flags: str, path: str) -> str:
+def key_path(flags: str, path: str) -> str:
     """``--include/--exclude`` -> ``launcher.include/launcher.exclude``; ``--launcher`` -> ``launcher.runner``."""
     parts = []
     for flag in flags.split("/"):

@@ -25,7 +25,7 @@ def test_recipe_overrides_groups_and_ds_keys_land_in_ds():
     assert cfg.ds.zero_optimization.stage == 3
     assert cfg.ds.bf16.enabled is True
     assert cfg.ds.optimizer.type == "Lion"
-    assert cfg.model.n_embd == 192  # gpt-micro
+    assert cfg.model.n_layer == 4 and cfg.model.block_size == 256  # gpt-micro
 
 
 def test_ds_shorthand_and_explicit_forms_agree():
