@@ -114,6 +114,10 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
         print(f"[dsrun] training {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} "
               f"parameters) for {max_steps} steps on {world_size} rank(s); "
               f"{engine.train_batch_size()} samples x {corpus.seq_len} tokens per step", flush=True)
+    initial = evaluate(engine, corpus, micro_batch, rank, world_size, cfg.eval_iters)
+    metrics["eval_losses"].append({"step": 0, "loss": initial})
+    if rank == 0:
+        print(f"[dsrun] step 0/{max_steps} | eval {initial:.4f}", flush=True)
     start = time.perf_counter()
     for step in range(1, max_steps + 1):
         step_loss = 0.0
