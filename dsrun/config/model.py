@@ -67,8 +67,9 @@ class DeepSpeedConfig(Section):
     train_micro_batch_size_per_gpu: PosInt | None = None
     gradient_accumulation_steps: PosInt | None = None
 
-    optimizer: OptimizerConfig | None = None
-    scheduler: SchedulerConfig | None = None
+    # Always present (type None when the config has no such section), so callers can read .type/.params.
+    optimizer: OptimizerConfig = _section(OptimizerConfig)
+    scheduler: SchedulerConfig = _section(SchedulerConfig)
 
     # communication
     communication_data_type: DTypeName | None = None

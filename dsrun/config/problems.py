@@ -46,37 +46,45 @@ def _data_path(data: Any, loc: tuple, error_type: str) -> tuple[list[str | int],
     return parts, current
 
 
+def _child(annotation: Any, part: str | int) -> Any:
+    """The annotation of ``part`` inside ``annotation`` (a model, dict[str, X], list[X] or a union of them)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        if isinstance(part, str) and part in annotation.model_fields:
+            return annotation.model_fields[part].annotation
+        return None
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is dict and len(args) == 2 and isinstance(part, str):
+        return args[1]
+    if origin is list and args and isinstance(part, int):
+        return args[0]
+    for arg in args:  # Optional / Union / Annotated
+        found = _child(arg, part)
+        if found is not None:
+            return found
+    return None
+
+
+def _as_model(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if typing.get_origin(annotation) in (dict, list):
+        return None
+    for arg in typing.get_args(annotation):
+        found = _as_model(arg)
+        if found is not None:
+            return found
+    return None
+
+
 def _model_at(model: type[BaseModel], parts: list[str | int]) -> type[BaseModel] | None:
     """The section model that holds the last key of ``parts`` (for "did you mean" suggestions)."""
     current: Any = model
     for part in parts[:-1]:
-        if isinstance(part, int):
-            current = _unwrap_item(current)
-            continue
-        if not (isinstance(current, type) and issubclass(current, BaseModel)) or part not in current.model_fields:
-            # inside an open dict of sections (e.g. different_groups.<name>): step into the value type
-            current = _unwrap_item(current) if not isinstance(current, type) else None
-            if current is None:
-                return None
-            continue
-        current = _unwrap(current.model_fields[part].annotation)
-    return current if isinstance(current, type) and issubclass(current, BaseModel) else None
-
-
-def _unwrap(annotation: Any) -> Any:
-    """The model class inside Optional[...], dict[str, ...] or list[...]."""
-    args = typing.get_args(annotation)
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in args:
-        inner = _unwrap(arg)
-        if isinstance(inner, type) and issubclass(inner, BaseModel):
-            return inner
-    return annotation
-
-
-def _unwrap_item(current: Any) -> Any:
-    return _unwrap(current)
+        current = _child(current, part)
+        if current is None:
+            return None
+    return _as_model(current)
 
 
 def _allowed_text(msg: str) -> str:

@@ -63,12 +63,12 @@ def check_zero(cfg: DeepSpeedConfig, raw: dict[str, Any], p: str) -> tuple[list[
     zp = f"{p}zero_optimization"
     problems: list[Problem] = []
     notes: list[str] = []
-    if z.offload_param is not None and z.offload_param.device != "none" and z.stage != 3:
+    if z.offload_param.device != "none" and z.stage != 3:
         problems.append(Problem(f"{zp}.offload_param.device",
                                 f"parameter offload ({z.offload_param.device!r}) needs ZeRO stage 3, stage is {z.stage}",
                                 "set zero_optimization.stage to 3 or remove offload_param"))
     opt = z.offload_optimizer
-    if opt is not None and opt.device != "none":
+    if opt.device != "none":
         if z.stage == 0:
             problems.append(Problem(f"{zp}.offload_optimizer.device",
                                     f"optimizer offload ({opt.device!r}) needs ZeRO stage 1, 2 or 3, stage is 0",
@@ -81,7 +81,7 @@ def check_zero(cfg: DeepSpeedConfig, raw: dict[str, Any], p: str) -> tuple[list[
             problems.append(Problem(f"{zp}.offload_optimizer.ratio",
                                     f"got {opt.ratio}; partial offload (ratio < 1) needs ZeRO stage 3, stage is {z.stage}"))
     for name, section in (("offload_param", z.offload_param), ("offload_optimizer", z.offload_optimizer)):
-        if section is not None and section.device == "nvme" and not section.nvme_path:
+        if section.device == "nvme" and not section.nvme_path:
             problems.append(Problem(f"{zp}.{name}.nvme_path", "required when device is 'nvme'",
                                     "a directory on a fast local NVMe drive, e.g. /local_nvme"))
 
@@ -103,11 +103,9 @@ def check_zero(cfg: DeepSpeedConfig, raw: dict[str, Any], p: str) -> tuple[list[
 
 def check_optimizer_rules(cfg: DeepSpeedConfig, p: str) -> list[Problem]:
     problems: list[Problem] = []
-    if cfg.optimizer is not None:
-        problems += check_optimizer(cfg.optimizer, p)
-    if cfg.scheduler is not None:
-        problems += check_scheduler(cfg.scheduler, p)
-    if cfg.optimizer is None or cfg.optimizer.type is None:
+    problems += check_optimizer(cfg.optimizer, p)
+    problems += check_scheduler(cfg.scheduler, p)
+    if cfg.optimizer.type is None:
         return problems
     name = cfg.optimizer.type.lower()
     stage = cfg.zero_optimization.stage
@@ -128,8 +126,9 @@ def check_optimizer_rules(cfg: DeepSpeedConfig, p: str) -> list[Problem]:
     return problems
 
 
-def check_monitors(cfg: DeepSpeedConfig, p: str) -> list[Problem]:
+def check_monitors(cfg: DeepSpeedConfig, p: str) -> tuple[list[Problem], list[str]]:
     problems: list[Problem] = []
+    notes: list[str] = []
     comet = cfg.comet
     if comet.experiment_key is not None and not _COMET_KEY.match(comet.experiment_key):
         problems.append(Problem(f"{p}comet.experiment_key",
@@ -138,9 +137,8 @@ def check_monitors(cfg: DeepSpeedConfig, p: str) -> list[Problem]:
         problems.append(Problem(f"{p}comet.experiment_key", "required when comet.mode is 'get'",
                                 "the key of the experiment to continue"))
     if not cfg.comms_logger.prof_all and cfg.comms_logger.enabled and not cfg.comms_logger.prof_ops:
-        problems.append(Problem(f"{p}comms_logger.prof_ops", "is empty while prof_all is false: nothing would be "
-                                "logged", "list ops such as [\"all_reduce\"] or set prof_all true"))
-    return problems
+        notes.append(f"{p}comms_logger: prof_all is false and prof_ops is empty, so no collective is profiled")
+    return problems, notes
 
 
 def check_tooling(cfg: DeepSpeedConfig, raw: dict[str, Any], p: str) -> tuple[list[Problem], list[str]]:
@@ -226,7 +224,9 @@ def check_rules(cfg: DeepSpeedConfig, raw: dict[str, Any], prefix: str) -> tuple
     problems += zero_problems
     notes += zero_notes
     problems += check_optimizer_rules(cfg, prefix)
-    problems += check_monitors(cfg, prefix)
+    monitor_problems, monitor_notes = check_monitors(cfg, prefix)
+    problems += monitor_problems
+    notes += monitor_notes
     tool_problems, tool_notes = check_tooling(cfg, raw, prefix)
     problems += tool_problems
     notes += tool_notes

@@ -87,8 +87,9 @@ class ZeroConfig(Section):
     ignore_unused_parameters: bool = True
     legacy_stage1: bool = False
     sub_group_size: NonNegInt = 1_000_000_000
-    offload_param: OffloadParamConfig | None = None
-    offload_optimizer: OffloadOptimizerConfig | None = None
+    # Always present (device "none" when not configured), so callers can read .device directly.
+    offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig)
+    offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig)
     stage3_max_live_parameters: NonNegInt = 1_000_000_000
     stage3_max_reuse_distance: NonNegInt = 1_000_000_000
     stage3_prefetch_bucket_size: NonNegInt = 50_000_000
@@ -123,11 +124,11 @@ class ZeroConfig(Section):
 
     @property
     def offload_optimizer_device(self) -> str:
-        return self.offload_optimizer.device if self.offload_optimizer else "none"
+        return self.offload_optimizer.device
 
     @property
     def offload_param_device(self) -> str:
-        return self.offload_param.device if self.offload_param else "none"
+        return self.offload_param.device
 
     # grad_hooks is documented but DeepSpeed's ZeRO model forbids it; it is accepted and not written.
     not_written_keys: ClassVar[frozenset[str]] = frozenset({"grad_hooks"})
