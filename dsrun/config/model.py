@@ -144,6 +144,15 @@ class DeepSpeedConfig(Section):
             self.__dict__["wall_clock_breakdown"] = True
         return self
 
+    def __eq__(self, other: object) -> bool:
+        # Equal when every setting is equal; how the batch numbers were found (the explanation) and the
+        # load notes do not count, so a config equals the one loaded back from its to_ds_dict().
+        if not isinstance(other, DeepSpeedConfig):
+            return NotImplemented
+        return self.model_dump() == other.model_dump()
+
+    __hash__ = None  # type: ignore[assignment]
+
     # --- derived values ----------------------------------------------------------------------------
 
     @property
