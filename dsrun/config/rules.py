@@ -51,10 +51,10 @@ def check_precision(cfg: DeepSpeedConfig, p: str) -> list[Problem]:
         problems.append(Problem(f"{p}data_types.grad_accum_dtype",
                                 f"got {cfg.data_types.grad_accum_dtype!r}; with amp the gradients accumulate "
                                 "in the model dtype, fp32"))
-    if cfg.fp16.fp16_master_weights_and_grads and not (cfg.fp16.enabled and cfg.zero_optimization.stage == 2):
+    # DeepSpeed reads the flag only when fp16 is enabled, and then requires ZeRO stage 2.
+    if cfg.fp16.enabled and cfg.fp16.fp16_master_weights_and_grads and cfg.zero_optimization.stage != 2:
         problems.append(Problem(f"{p}fp16.fp16_master_weights_and_grads",
-                                "needs fp16 enabled and zero_optimization.stage 2",
-                                f"stage is {cfg.zero_optimization.stage}"))
+                                f"needs zero_optimization.stage 2, stage is {cfg.zero_optimization.stage}"))
     return problems
 
 
@@ -130,10 +130,10 @@ def check_monitors(cfg: DeepSpeedConfig, p: str) -> tuple[list[Problem], list[st
     problems: list[Problem] = []
     notes: list[str] = []
     comet = cfg.comet
-    if comet.experiment_key is not None and not _COMET_KEY.match(comet.experiment_key):
+    if comet.enabled and comet.experiment_key is not None and not _COMET_KEY.match(comet.experiment_key):
         problems.append(Problem(f"{p}comet.experiment_key",
                                 f"got {show(comet.experiment_key)}; allowed: 32 to 50 letters and digits"))
-    if comet.mode == "get" and comet.experiment_key is None:
+    if comet.enabled and comet.mode == "get" and comet.experiment_key is None:
         problems.append(Problem(f"{p}comet.experiment_key", "required when comet.mode is 'get'",
                                 "the key of the experiment to continue"))
     if not cfg.comms_logger.prof_all and cfg.comms_logger.enabled and not cfg.comms_logger.prof_ops:
@@ -145,24 +145,24 @@ def check_tooling(cfg: DeepSpeedConfig, raw: dict[str, Any], p: str) -> tuple[li
     problems: list[Problem] = []
     notes: list[str] = []
     at = cfg.autotuning
-    if at.end_profile_step < at.start_profile_step:
+    if at.enabled and at.end_profile_step < at.start_profile_step:
         problems.append(Problem(f"{p}autotuning.end_profile_step",
                                 f"got {at.end_profile_step}; must be >= start_profile_step ({at.start_profile_step})"))
-    if at.min_train_micro_batch_size_per_gpu > at.max_train_micro_batch_size_per_gpu:
+    if at.enabled and at.min_train_micro_batch_size_per_gpu > at.max_train_micro_batch_size_per_gpu:
         problems.append(Problem(f"{p}autotuning.min_train_micro_batch_size_per_gpu",
                                 f"got {at.min_train_micro_batch_size_per_gpu}; must be <= "
                                 f"max_train_micro_batch_size_per_gpu ({at.max_train_micro_batch_size_per_gpu})"))
-    if at.max_train_batch_size is not None and at.max_train_batch_size < at.min_train_batch_size:
+    if at.enabled and at.max_train_batch_size is not None and at.max_train_batch_size < at.min_train_batch_size:
         problems.append(Problem(f"{p}autotuning.max_train_batch_size",
                                 f"got {at.max_train_batch_size}; must be >= min_train_batch_size ({at.min_train_batch_size})"))
 
     el = cfg.elasticity
     ep = f"{p}elasticity"
-    if el.version not in (0.1, 0.2):
-        problems.append(Problem(f"{ep}.version", f"got {el.version}; allowed: 0.1 or 0.2"))
-    if el.max_gpus < el.min_gpus:
-        problems.append(Problem(f"{ep}.max_gpus", f"got {el.max_gpus}; must be >= min_gpus ({el.min_gpus})"))
-    if el.enabled:
+    if el.enabled:  # DeepSpeed reads the section only when it is enabled
+        if el.version not in (0.1, 0.2):
+            problems.append(Problem(f"{ep}.version", f"got {el.version}; allowed: 0.1 or 0.2"))
+        if el.max_gpus < el.min_gpus:
+            problems.append(Problem(f"{ep}.max_gpus", f"got {el.max_gpus}; must be >= min_gpus ({el.min_gpus})"))
         for key in ("max_train_batch_size", "micro_batch_sizes"):
             if getattr(el, key) is None:
                 problems.append(Problem(f"{ep}.{key}", "required when elasticity is enabled"))
