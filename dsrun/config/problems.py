@@ -87,6 +87,15 @@ def _model_at(model: type[BaseModel], parts: list[str | int]) -> type[BaseModel]
     return _as_model(current)
 
 
+# Plain words for pydantic's type errors.
+_TYPE_WORDS = {
+    "bool_parsing": "true or false", "bool_type": "true or false",
+    "int_parsing": "an integer", "int_type": "an integer", "int_from_float": "a whole number",
+    "float_parsing": "a number", "float_type": "a number", "string_type": "a string",
+    "list_type": "a list", "tuple_type": "a list", "dict_type": "an object (a dict of keys)",
+}
+
+
 def _allowed_text(msg: str) -> str:
     # pydantic says "Input should be ..."; rephrase as what is allowed.
     if msg.startswith("Input should be "):
@@ -117,6 +126,8 @@ def problems_from_validation_error(
             message = "required key is missing"
         elif error_type in ("model_type", "model_attributes_type", "dict_type"):
             message = f"got {show(value)}; must be an object (a dict of keys)"
+        elif error_type in _TYPE_WORDS:
+            message = f"got {show(value)}; allowed: {_TYPE_WORDS[error_type]}"
         else:
             message = f"got {show(value)}; {_allowed_text(error['msg'])}"
             if error_type == "literal_error" and isinstance(value, str):
@@ -128,7 +139,21 @@ def problems_from_validation_error(
             continue
         seen.add(marker)
         problems.append(Problem(path, message, hint))
-    return problems
+    return _merge_alternatives(problems)
+
+
+def _merge_alternatives(problems: list[Problem]) -> list[Problem]:
+    """One line per key: a value failing every branch of a union ("an int >= 1, or 'auto'") is reported
+    once, with the alternatives joined."""
+    merged: dict[str, Problem] = {}
+    for problem in problems:
+        first = merged.get(problem.path)
+        if first is None:
+            merged[problem.path] = problem
+            continue
+        extra = problem.message.split("; ", 1)[-1].replace("allowed: ", "")
+        merged[problem.path] = Problem(first.path, f"{first.message}, or {extra}", first.hint or problem.hint)
+    return list(merged.values())
 
 
 def validate_model(model: type[BaseModel], data: Any, prefix: str) -> tuple[BaseModel | None, list[Problem]]:

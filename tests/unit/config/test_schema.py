@@ -196,3 +196,15 @@ def test_disabled_sections_are_not_cross_checked_as_deepspeed_skips_them():
         "fp16": {"enabled": False, "fp16_master_weights_and_grads": True},
         "compression_training": {"weight_quantization": {"different_groups": {"g": {"params": {"start_bits": 4, "target_bits": 8}}}}},
     }) == []
+
+
+@pytest.mark.parametrize("extra, path, text", [
+    ({"pipeline": {"stages": 0}}, "pipeline.stages", "got 0; allowed: greater than or equal to 1, or 'auto'"),
+    ({"prescale_gradients": "x"}, "prescale_gradients", "got 'x'; allowed: true or false"),
+    ({"fp16": {"initial_scale_power": 15.5}}, "fp16.initial_scale_power", "got 15.5; allowed: a whole number"),
+    ({"comms_logger": {"prof_ops": "all_reduce"}}, "comms_logger.prof_ops", "got 'all_reduce'; allowed: a list"),
+    ({"bfloat16": {"enabled": True}, "bf16": {}}, "bfloat16", "deprecated key given together with its replacement 'bf16'"),
+])
+def test_one_plain_line_per_problem(extra, path, text):
+    (problem,) = validate_ds_config({**MBS, **extra})
+    assert problem.path == path and problem.message == text
