@@ -15,7 +15,7 @@ DeepSpeed also accepts the stage-3 keys without their ``stage3_`` prefix (``pref
 from __future__ import annotations
 
 import sys
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
