@@ -168,6 +168,14 @@ def check_tooling(cfg: DeepSpeedConfig, raw: dict[str, Any], p: str) -> tuple[li
                 problems.append(Problem(f"{ep}.{key}", "required when elasticity is enabled"))
         if el.micro_batch_sizes is not None and not el.micro_batch_sizes:
             problems.append(Problem(f"{ep}.micro_batch_sizes", "must list at least one micro batch size"))
+        if el.micro_batch_sizes and el.max_train_batch_size is not None \
+                and max(el.micro_batch_sizes) > el.max_train_batch_size:
+            problems.append(Problem(f"{ep}.micro_batch_sizes",
+                                    f"got {el.micro_batch_sizes}; every size must be <= max_train_batch_size "
+                                    f"({el.max_train_batch_size})"))
+        if el.model_parallel_size > 1 and el.version != 0.2:
+            problems.append(Problem(f"{ep}.model_parallel_size",
+                                    f"got {el.model_parallel_size}; model parallelism needs elasticity version 0.2"))
         if not el.ignore_non_elastic_batch_info:
             for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
                 if key in raw:
@@ -178,8 +186,8 @@ def check_tooling(cfg: DeepSpeedConfig, raw: dict[str, Any], p: str) -> tuple[li
             problems.append(Problem(f"{ep}.model_parallel_size",
                                     f"got {el.model_parallel_size}; must divide num_gpus_per_node ({el.num_gpus_per_node})"))
         el_raw = raw.get("elasticity", {})
-        if el.version == 0.1 and any(k in el_raw for k in ("num_gpus_per_node", "model_parallel_size")):
-            notes.append(f"{ep}: num_gpus_per_node and model_parallel_size only matter in version 0.2")
+        if el.version == 0.1 and "num_gpus_per_node" in el_raw:
+            notes.append(f"{ep}.num_gpus_per_node only matters in version 0.2")
         if el.version == 0.2 and "min_time" in el_raw:
             notes.append(f"{ep}.min_time only matters in version 0.1")
 
