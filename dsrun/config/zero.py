@@ -15,9 +15,9 @@ DeepSpeed also accepts the stage-3 keys without their ``stage3_`` prefix (``pref
 from __future__ import annotations
 
 import sys
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BeforeValidator, Field, model_validator
 
 from .base import Fraction, NonNegInt, OpenDict, Section
 
@@ -63,6 +63,10 @@ class OffloadOptimizerConfig(Section):
 ZeroStage = Annotated[int, Field(ge=0, le=3)]
 
 
+def _none_as_empty(value: Any) -> Any:
+    return {} if value is None else value
+
+
 class ZeroConfig(Section):
     """``zero_optimization``: the ZeRO stages 0 (off) to 3 and their tuning keys.
 
@@ -87,9 +91,12 @@ class ZeroConfig(Section):
     ignore_unused_parameters: bool = True
     legacy_stage1: bool = False
     sub_group_size: NonNegInt = 1_000_000_000
-    # Always present (device "none" when not configured), so callers can read .device directly.
-    offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig)
-    offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig)
+    # Always present (device "none" when not configured), so callers can read .device directly; an
+    # explicit null (which DeepSpeed accepts) means the same as an absent section.
+    offload_param: Annotated[OffloadParamConfig, BeforeValidator(_none_as_empty)] = Field(
+        default_factory=OffloadParamConfig)
+    offload_optimizer: Annotated[OffloadOptimizerConfig, BeforeValidator(_none_as_empty)] = Field(
+        default_factory=OffloadOptimizerConfig)
     stage3_max_live_parameters: NonNegInt = 1_000_000_000
     stage3_max_reuse_distance: NonNegInt = 1_000_000_000
     stage3_prefetch_bucket_size: NonNegInt = 50_000_000

@@ -208,3 +208,9 @@ def test_disabled_sections_are_not_cross_checked_as_deepspeed_skips_them():
 def test_one_plain_line_per_problem(extra, path, text):
     (problem,) = validate_ds_config({**MBS, **extra})
     assert problem.path == path and problem.message == text
+
+
+def test_null_offload_sections_mean_no_offload():
+    cfg = load({"zero_optimization": {"stage": 3, "offload_param": None, "offload_optimizer": None}})
+    assert cfg.zero_optimization.offload_param.device == "none"
+    assert cfg.zero_optimization.offload_optimizer.device == "none"
