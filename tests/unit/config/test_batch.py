@@ -103,3 +103,8 @@ def test_elastic_batch_rejects_an_incompatible_world_size():
                                                   "max_gpus": 8, "version": 0.1}}, world_size=7)
     assert [p.path for p in problems] == ["elasticity"]
     assert "valid data-parallel sizes" in problems[0].hint
+
+
+def test_world_size_below_one_is_reported():
+    problems = validate_ds_config({MBS: 2}, world_size=0, world_size_source="--world-size", path_prefix="ds")
+    assert [p.path for p in problems] == ["world_size"] and "--world-size" in problems[0].message
