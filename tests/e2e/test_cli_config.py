@@ -105,3 +105,11 @@ def test_recipes_lists_each_with_description():
     result = run_cli("recipes")
     assert result.returncode == 0
     assert "gpt_zero3" in result.stdout and "ZeRO-3" in result.stdout
+
+
+def test_multirun_dry_run_makes_one_directory_per_job(tmp_path):
+    result = run_cli("train", "--dry-run", "-m", "zero=stage1,stage2", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    stages = sorted(json.loads(p.read_text())["zero_optimization"]["stage"]
+                    for p in tmp_path.glob("multirun/*/*/*/ds_config.json"))
+    assert stages == [1, 2]

@@ -96,3 +96,10 @@ def test_every_recipe_has_a_description():
     recipes = list_recipes()
     assert {"default", "gpt_zero0", "gpt_zero1", "gpt_zero2", "gpt_zero3"} <= set(recipes)
     assert all(description for _, description in recipes.values())
+
+
+def test_hydra_searchpath_recipes(tmp_path):
+    (tmp_path / "recipe").mkdir()
+    (tmp_path / "recipe" / "viasp.yaml").write_text("# @package _global_\n# via searchpath\ntrain:\n  max_steps: 7\n")
+    cfg = compose_runspec([f"hydra.searchpath=[file://{tmp_path}]", "+recipe=viasp"])
+    assert cfg.train.max_steps == 7
