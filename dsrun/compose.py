@@ -211,8 +211,14 @@ def _reapply_ds_overrides(cfg: DictConfig, hydra_overrides: Sequence[str]) -> No
 
 def composition_error(err: Exception, overrides: Sequence[str], recipes_dirs: Sequence[str | Path]) -> UserError:
     """Turn one of Hydra's composition errors into a one-line :class:`UserError`."""
+    import yaml
     from hydra.errors import MissingConfigException
 
+    if isinstance(err, yaml.MarkedYAMLError) and err.problem_mark is not None:
+        mark = err.problem_mark
+        where = f"{mark.name}:{mark.line + 1}:{mark.column + 1}"
+        return UserError(Problem(where, f"malformed YAML: {err.problem}"
+                                 + (f" ({err.context})" if err.context else ""), "fix the file's syntax"))
     if isinstance(err, MissingConfigException) and err.missing_cfg_file:
         group, _, option = str(err.missing_cfg_file).rpartition("/")
         if group == "recipe":

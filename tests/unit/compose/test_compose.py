@@ -103,3 +103,11 @@ def test_hydra_searchpath_recipes(tmp_path):
     (tmp_path / "recipe" / "viasp.yaml").write_text("# @package _global_\n# via searchpath\ntrain:\n  max_steps: 7\n")
     cfg = compose_runspec([f"hydra.searchpath=[file://{tmp_path}]", "+recipe=viasp"])
     assert cfg.train.max_steps == 7
+
+
+def test_malformed_recipe_yaml_names_file_and_line(tmp_path):
+    (tmp_path / "broken.yaml").write_text("# @package _global_\n# broken\ntrain: [1, 2\n")
+    with pytest.raises(UserError) as info:
+        compose_runspec(["+recipe=broken"], recipes_dirs=[tmp_path])
+    (problem,) = info.value.problems
+    assert problem.path.startswith(str(tmp_path / "broken.yaml") + ":") and "malformed YAML" in problem.message
