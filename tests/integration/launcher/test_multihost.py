@@ -127,3 +127,28 @@ def test_max_restarts_survives_a_crash_on_host_b(two_hosts, tmp_path):
         assert wait_until_gone(tag, 5) == []
     finally:
         kill_job(tag)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "launcher-killed"])
+def test_stopping_the_launcher_stops_every_rank_on_every_host(two_hosts, tmp_path, sig):
+    """Ctrl-C stops the job cleanly; even a SIGKILLed launcher leaves no process of the job behind (its ssh
+    clients die with it, and each remote agent stops its ranks when its ssh connection closes)."""
+    tag = new_tag()
+    out = tmp_path / "out"
+    try:
+        launcher = subprocess.Popen(_ssh_job(two_hosts, out, script_args=("--hang",)), env=job_env(tag),
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    cwd=two_hosts.job_dir(tmp_path))
+        wait_for_files([out / f"rank{rank}.pid" for rank in range(4)], timeout=90, process=launcher)
+        stopped_at = time.monotonic()
+        launcher.send_signal(sig)
+        _, stderr = launcher.communicate(timeout=30)
+        if sig == signal.SIGINT:
+            assert launcher.returncode == 130
+            assert "dsrun: stopped by SIGINT; all ranks on 2 host(s) were stopped" in stderr
+        left = wait_until_gone(tag, 15)
+        assert left == [], f"processes of the job left after {sig.name} of the launcher: {left}"
+        print(f"every process of the job gone {time.monotonic() - stopped_at:.2f} s after {sig.name}")
+    finally:
+        kill_job(tag)
