@@ -30,9 +30,10 @@ def test_prefixes_and_files_from_home_then_working_directory(tmp_path):
     (work / ".deepspeed_env").write_text("SHARED=work-ds\n")
     (work / ".dsrun_env").write_text("SHARED=work-dsrun\nNCCL_DEBUG=INFO\n")
     environ = {"HOME": str(home), "NCCL_DEBUG": "WARN", "PYTHONPATH": "/x", "MLFLOW_TRACKING_URI": "file:/m",
-               "UCX_TLS": "tcp", "MV2_X": "1", "OMP_NUM_THREADS": "3", "SECRET_TOKEN": "nope", "PATH": "/bin"}
+               "UCX_TLS": "tcp", "MV2_X": "1", "OMP_NUM_THREADS": "3", "GLOO_SOCKET_IFNAME": "eth1",
+               "SECRET_TOKEN": "nope", "PATH": "/bin"}
     assert exported_environment(work, environ) == {
-        "FROM_HOME": "1", "MLFLOW_TRACKING_URI": "file:/m", "MV2_X": "1", "NCCL_DEBUG": "INFO",
+        "FROM_HOME": "1", "GLOO_SOCKET_IFNAME": "eth1", "MLFLOW_TRACKING_URI": "file:/m", "MV2_X": "1", "NCCL_DEBUG": "INFO",
         "OMP_NUM_THREADS": "3", "PYTHONPATH": "/x", "SHARED": "work-dsrun", "UCX_TLS": "tcp",
     }
 
