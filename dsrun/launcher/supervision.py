@@ -31,7 +31,8 @@ from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCP
 
 from dsrun.launcher.protocol import exit_code_for, log_tails, report_failure
 
-_LEAVE_WAIT = 5.0  # how long node 0 keeps the store up for the other agents to read the outcome
+_LEAVE_WAIT = 5.0
+_CONSEQUENCE_WAIT = 0.5  # how long an exit-code failure waits for an earlier failure elsewhere  # how long node 0 keeps the store up for the other agents to read the outcome
 
 
 class RankLogs(LogsSpecs):
@@ -141,14 +142,7 @@ class NodeAgent(LocalElasticAgent):
         store = worker_group.store
         current = self._round()
         if result.state == WorkerState.FAILED:
-            self._cause = self._local_report(worker_group, result)
-            try:
-                if store.add(f"dsrun/failed/{current}", 1) == 1:
-                    store.set(f"dsrun/cause/{current}", json.dumps(self._cause))
-                if self._remaining_restarts == 0:
-                    store.set("dsrun/abort", "1")
-            except Exception:  # noqa: BLE001 - the store host is gone; our own report still reaches the launcher
-                pass
+            self._cause = self._publish_cause(store, current, self._local_report(worker_group, result))
             return result
         if result.state == WorkerState.HEALTHY:
             peer = self._check_peers(store, current)
@@ -156,6 +150,30 @@ class NodeAgent(LocalElasticAgent):
                 self._cause = peer
                 return RunResult(state=WorkerState.FAILED, failures={})
         return result
+
+    def _publish_cause(self, store: Any, current: int, local: dict[str, Any]) -> dict[str, Any]:
+        """Publish ``local`` as the round's cause unless another node's failure came first; return the cause.
+
+        A rank that dies because a peer vanished (a collective fails, the rank exits with an error) is a
+        consequence, not the cause. Such exits are seen a moment after the real failure, so an exit code
+        (not a signal) waits briefly for another node's report before claiming to be the cause.
+        """
+        cause_key = f"dsrun/cause/{current}"
+        try:
+            if local["signal"] in (None, "SIGTERM"):
+                deadline = time.monotonic() + _CONSEQUENCE_WAIT
+                while time.monotonic() < deadline and not store.check([cause_key]):
+                    time.sleep(0.05)
+            if store.add(f"dsrun/failed/{current}", 1) == 1:
+                store.set(cause_key, json.dumps(local))
+                cause = local
+            else:
+                cause = json.loads(store.get(cause_key))
+            if self._remaining_restarts == 0:
+                store.set("dsrun/abort", "1")
+            return cause
+        except Exception:  # noqa: BLE001 - the store host is gone; our own report still reaches the launcher
+            return local
 
     def _check_peers(self, store: Any, current: int) -> dict[str, Any] | None:
         try:
