@@ -18,6 +18,7 @@ from dsrun.launcher.options import DEFAULT_MASTER_PORT, LaunchOptions
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.allow_abbrev = False  # a script's own --flags must never be taken for abbreviated launcher flags
     where = parser.add_argument_group("where to run")
     where.add_argument("-H", "--hostfile", default=None,
                        help="hostfile with lines 'HOST slots=N' (default /job/hostfile if it exists, else this machine)")

@@ -220,3 +220,13 @@ def test_conflicting_flags_exit_2(tmp_path, hostfile):
         "error: --master_port: must be a TCP port 1..65535, got 0",
         "error: --node_rank: is required with --no_ssh (run one launcher per node with --node_rank 0, 1, ...)",
     ]
+
+
+def test_everything_after_the_script_belongs_to_the_script(tmp_path):
+    (tmp_path / "train.py").write_text("")
+    done = run_cli("launch", "--num_procs", "2", "--dry-run", "train.py", "-a", "--b", "c", "--num_procs", "3",
+                   "--master_port", "1", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    plan_json = json.loads(done.stdout)
+    assert plan_json["world_size"] == 2 and plan_json["master_port"] == 29500
+    assert plan_json["commands"][0][1].endswith("train.py -a --b c --num_procs 3 --master_port 1")
