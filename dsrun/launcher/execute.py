@@ -185,9 +185,13 @@ class _Job:
             code = exit_code_for(cause["exitcode"]) if cause.get("exitcode") else 1
         else:
             bad = next(node for node in self.nodes if node.process.returncode != 0)
-            what = "ssh" if self.plan.runner == "ssh" else bad.command.argv[0]
-            lines.append(f"dsrun: job failed: {what} for {bad.command.label} exited with code "
-                         f"{bad.process.returncode} before any rank reported")
+            what = {"ssh": "ssh", "local": "the agent", "no_ssh": "the agent"}.get(self.plan.runner,
+                                                                                    bad.command.argv[0])
+            code_text = str(bad.process.returncode)
+            if bad.process.returncode < 0:
+                code_text += f" ({signal.Signals(-bad.process.returncode).name})"
+            lines.append(f"dsrun: job failed: {what} for {bad.command.label} exited with code {code_text} "
+                         f"before any rank reported")
             lines.extend(f"    {line}" for line in bad.stderr_tail)
             code = exit_code_for(bad.process.returncode) if bad.process.returncode else 1
         lines.append(f"dsrun: stopped all ranks on {len(self.plan.hosts)} host(s)")

@@ -127,3 +127,24 @@ def test_module_mode_runs_python_dash_m(tmp_path):
         assert wait_until_gone(tag, 5) == []
     finally:
         kill_job(tag)
+
+
+def test_ranks_die_with_a_killed_agent_and_the_launcher_says_so(tmp_path):
+    """No orphans even when the node agent itself is SIGKILLed: its ranks die with it (PDEATHSIG)."""
+    tag = new_tag()
+    out = tmp_path / "out"
+    try:
+        launcher = subprocess.Popen(dsrun_launch("--num_procs", "2", "--master_port", str(free_port()), "--save_pid",
+                                                 EXAMPLE, "--out", str(out), "--hang"),
+                                    env=job_env(tag), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    cwd=tmp_path)
+        wait_for_files([out / "rank0.pid", out / "rank1.pid"], timeout=90, process=launcher)
+        agent = json.loads(Path(f"/tmp/dsrun-{launcher.pid}-node0.json").read_text())["agent"]
+        os.kill(agent, signal.SIGKILL)
+        _, stderr = launcher.communicate(timeout=30)
+        assert launcher.returncode == 128 + signal.SIGKILL
+        assert "the agent for localhost exited with code -9 (SIGKILL) before any rank reported" in stderr
+        assert wait_until_gone(tag, 5) == []
+    finally:
+        kill_job(tag)
+        Path(f"/tmp/dsrun-{launcher.pid}-node0.json").unlink(missing_ok=True)
