@@ -20,6 +20,17 @@ def _launch(tmp_path: Path, tag: str, flags: list[str], script_args: list[str] =
                           cwd=tmp_path)
 
 
+def _start_hanging_job(tmp_path: Path, tag: str) -> subprocess.Popen:
+    """A 2-rank job that all-reduces until stopped, with --save_pid; returns once both ranks are running."""
+    out = tmp_path / "out"
+    launcher = subprocess.Popen(dsrun_launch("--num_procs", "2", "--master_port", str(free_port()), "--save_pid",
+                                             EXAMPLE, "--out", str(out), "--hang"),
+                                env=job_env(tag), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                cwd=tmp_path)
+    wait_for_files([out / "rank0.pid", out / "rank1.pid"], timeout=90, process=launcher)
+    return launcher
+
+
 def test_two_ranks_all_reduce_and_get_their_environment(tmp_path):
     tag = new_tag()
     env = job_env(tag)
@@ -74,12 +85,9 @@ def test_max_restarts_recovers_from_one_crash_and_keeps_per_rank_logs(tmp_path):
 def test_sigterm_to_the_launcher_stops_every_rank(tmp_path):
     tag = new_tag()
     out = tmp_path / "out"
+    launcher = None
     try:
-        launcher = subprocess.Popen(dsrun_launch("--num_procs", "2", "--master_port", str(free_port()), "--save_pid",
-                                                 EXAMPLE, "--out", str(out), "--hang"),
-                                    env=job_env(tag), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                    cwd=tmp_path)
-        wait_for_files([out / "rank0.pid", out / "rank1.pid"], timeout=90, process=launcher)
+        launcher = _start_hanging_job(tmp_path, tag)
         pid_file = Path(f"/tmp/dsrun-{launcher.pid}-node0.json")
         saved = json.loads(pid_file.read_text())  # --save_pid: the agent's and the ranks' PIDs
         assert sorted(saved["ranks"].values()) == sorted(int((out / f"rank{r}.pid").read_text()) for r in (0, 1))
@@ -133,12 +141,9 @@ def test_ranks_die_with_a_killed_agent_and_the_launcher_says_so(tmp_path):
     """No orphans even when the node agent itself is SIGKILLed: its ranks die with it (PDEATHSIG)."""
     tag = new_tag()
     out = tmp_path / "out"
+    launcher = None
     try:
-        launcher = subprocess.Popen(dsrun_launch("--num_procs", "2", "--master_port", str(free_port()), "--save_pid",
-                                                 EXAMPLE, "--out", str(out), "--hang"),
-                                    env=job_env(tag), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                    cwd=tmp_path)
-        wait_for_files([out / "rank0.pid", out / "rank1.pid"], timeout=90, process=launcher)
+        launcher = _start_hanging_job(tmp_path, tag)
         agent = json.loads(Path(f"/tmp/dsrun-{launcher.pid}-node0.json").read_text())["agent"]
         os.kill(agent, signal.SIGKILL)
         _, stderr = launcher.communicate(timeout=30)
@@ -147,4 +152,5 @@ def test_ranks_die_with_a_killed_agent_and_the_launcher_says_so(tmp_path):
         assert wait_until_gone(tag, 5) == []
     finally:
         kill_job(tag)
-        Path(f"/tmp/dsrun-{launcher.pid}-node0.json").unlink(missing_ok=True)
+        if launcher is not None:
+            Path(f"/tmp/dsrun-{launcher.pid}-node0.json").unlink(missing_ok=True)
