@@ -128,9 +128,10 @@ def two_hosts(tmp_path_factory: pytest.TempPathFactory):
         for host in (hosts.a, hosts.b):
             config = _write_sshd_config(folder, host.address)
             _run(SSHD, "-t", "-f", str(config))
-            sshd_processes.append(subprocess.Popen(
-                ["ip", "netns", "exec", host.namespace, SSHD, "-D", "-e", "-f", str(config)],
-                stdout=subprocess.DEVNULL, stderr=open(folder / f"sshd_{host.address}.log", "w")))
+            with open(folder / f"sshd_{host.address}.log", "w") as log:  # the child keeps its own copy
+                sshd_processes.append(subprocess.Popen(
+                    ["ip", "netns", "exec", host.namespace, SSHD, "-D", "-e", "-f", str(config)],
+                    stdout=subprocess.DEVNULL, stderr=log))
         deadline = time.monotonic() + 30
         for host in (hosts.a, hosts.b):
             _wait_for_ssh(hosts, host, deadline)
