@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(s) for s in slots)
 
     temporary_logs = ns.log_dir is None
-    log_dir = Path(ns.log_dir) if ns.log_dir else Path(tempfile.mkdtemp(prefix=f"dsrun-{ns.job_id}-node{node_rank}-"))
+    log_dir = Path(ns.log_dir) if ns.log_dir else Path(tempfile.mkdtemp(prefix=f"dsrun-logs-node{node_rank}-"))
     rank_exec = [sys.executable, "-m", "dsrun.launcher.rank_exec"]
     if core_groups:
         # every rank gets all groups and picks its own by local rank (torch elastic substitutes the macro)

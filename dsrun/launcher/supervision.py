@@ -31,8 +31,8 @@ from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCP
 
 from dsrun.launcher.protocol import exit_code_for, log_tails, report_failure
 
-_LEAVE_WAIT = 5.0
-_CONSEQUENCE_WAIT = 0.5  # how long an exit-code failure waits for an earlier failure elsewhere  # how long node 0 keeps the store up for the other agents to read the outcome
+_LEAVE_WAIT = 5.0  # how long node 0 keeps the store up for the other agents to read the outcome
+_CONSEQUENCE_WAIT = 0.5  # how long an exit-code failure waits for an earlier failure elsewhere
 
 
 class RankLogs(LogsSpecs):

@@ -16,7 +16,7 @@ def _launch(tmp_path: Path, tag: str, flags: list[str], script_args: list[str] =
             timeout: float = 120) -> subprocess.CompletedProcess:
     argv = dsrun_launch("--master_port", str(free_port()), *flags, EXAMPLE, "--out", str(tmp_path / "out"),
                         *script_args)
-    return subprocess.run(argv, env=env or job_env(tag), capture_output=True, text=True, timeout=timeout,
+    return subprocess.run(argv, env=env or job_env(tag, tmp_path), capture_output=True, text=True, timeout=timeout,
                           cwd=tmp_path)
 
 
@@ -25,7 +25,7 @@ def _start_hanging_job(tmp_path: Path, tag: str) -> subprocess.Popen:
     out = tmp_path / "out"
     launcher = subprocess.Popen(dsrun_launch("--num_procs", "2", "--master_port", str(free_port()), "--save_pid",
                                              EXAMPLE, "--out", str(out), "--hang"),
-                                env=job_env(tag), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=job_env(tag, tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 cwd=tmp_path)
     wait_for_files([out / "rank0.pid", out / "rank1.pid"], timeout=90, process=launcher)
     return launcher
@@ -33,7 +33,7 @@ def _start_hanging_job(tmp_path: Path, tag: str) -> subprocess.Popen:
 
 def test_two_ranks_all_reduce_and_get_their_environment(tmp_path):
     tag = new_tag()
-    env = job_env(tag)
+    env = job_env(tag, tmp_path)
     env.pop("OMP_NUM_THREADS")  # the launcher chooses cores / local ranks when the user did not
     try:
         done = _launch(tmp_path, tag, ["--num_procs", "2"], env=env)
@@ -128,7 +128,7 @@ def test_module_mode_runs_python_dash_m(tmp_path):
     try:
         done = subprocess.run(dsrun_launch("--num_procs", "2", "--master_port", str(free_port()), "--module",
                                            "userpkg.hello", "--flag", "a b"),
-                              env=job_env(tag, PYTHONPATH=f"{tmp_path}:{job_env(tag)['PYTHONPATH']}"),
+                              env=job_env(tag, tmp_path, PYTHONPATH=f"{tmp_path}:{job_env(tag)['PYTHONPATH']}"),
                               capture_output=True, text=True, timeout=120, cwd=tmp_path)
         assert done.returncode == 0, done.stderr
         assert "hello from 1 args ['--flag', 'a b', '--local_rank=1']" in done.stdout

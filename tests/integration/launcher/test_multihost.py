@@ -37,7 +37,7 @@ def _ssh_job(hosts, out, flags: tuple[str, ...] = (), script_args: tuple[str, ..
 def test_ssh_runner_runs_four_ranks_on_two_hosts(two_hosts, tmp_path):
     tag = new_tag()
     try:
-        done = subprocess.run(_ssh_job(two_hosts, tmp_path / "out"), env=job_env(tag), capture_output=True,
+        done = subprocess.run(_ssh_job(two_hosts, tmp_path / "out"), env=job_env(tag, tmp_path), capture_output=True,
                               text=True, timeout=120, cwd=two_hosts.job_dir(tmp_path))
         assert done.returncode == 0, done.stderr
         _check_four_ranks(tmp_path / "out", two_hosts)
@@ -58,7 +58,7 @@ def test_no_ssh_mode_runs_one_launcher_per_host(two_hosts, tmp_path):
             subprocess.Popen(two_hosts.in_namespace(host, dsrun_launch(
                 "-H", hostfile, "--no_ssh", "--node_rank", str(node_rank), "--master_addr", two_hosts.a.address,
                 "--master_port", port, EXAMPLE, "--out", str(out))),
-                env=job_env(tag), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                env=job_env(tag, tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                 cwd=two_hosts.job_dir(tmp_path))
             for node_rank, host in enumerate((two_hosts.a, two_hosts.b))]
         for launcher in launchers:
@@ -77,7 +77,8 @@ def test_sigkill_of_a_rank_on_host_b_stops_every_rank_and_names_it(two_hosts, tm
     try:
         launcher = subprocess.Popen(_ssh_job(two_hosts, out, ("--enable_each_rank_log", str(tmp_path / "logs")),
                                              ("--hang",)),
-                                    env=job_env(tag), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    env=job_env(tag, tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True,
                                     cwd=two_hosts.job_dir(tmp_path))
         pid_files = [out / f"rank{rank}.pid" for rank in range(4)]
         wait_for_files(pid_files, timeout=90, process=launcher)
@@ -117,7 +118,7 @@ def test_max_restarts_survives_a_crash_on_host_b(two_hosts, tmp_path):
     tag = new_tag()
     try:
         done = subprocess.run(_ssh_job(two_hosts, tmp_path / "out", ("--max_restarts", "1"), ("--crash-once", "3")),
-                              env=job_env(tag), capture_output=True, text=True, timeout=180,
+                              env=job_env(tag, tmp_path), capture_output=True, text=True, timeout=180,
                               cwd=two_hosts.job_dir(tmp_path))
         assert done.returncode == 0, done.stderr
         assert (tmp_path / "out" / "crashed3").exists()  # the crash did happen
@@ -137,7 +138,7 @@ def test_stopping_the_launcher_stops_every_rank_on_every_host(two_hosts, tmp_pat
     tag = new_tag()
     out = tmp_path / "out"
     try:
-        launcher = subprocess.Popen(_ssh_job(two_hosts, out, script_args=("--hang",)), env=job_env(tag),
+        launcher = subprocess.Popen(_ssh_job(two_hosts, out, script_args=("--hang",)), env=job_env(tag, tmp_path),
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                     cwd=two_hosts.job_dir(tmp_path))
         wait_for_files([out / f"rank{rank}.pid" for rank in range(4)], timeout=90, process=launcher)

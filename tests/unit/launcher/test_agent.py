@@ -60,7 +60,8 @@ def test_log_tails_keep_the_last_lines_of_each_non_empty_log(tmp_path):
     err.write_text("boom\n")
     empty.write_text("")
     tails = log_tails([str(out), str(empty), str(err), str(tmp_path / "missing")], lines=3)
-    assert tails == [{"path": str(out), "tail": ["line 27", "line 28", "line 29"]}, {"path": str(err), "tail": ["boom"]}]
+    assert tails == [{"path": str(out), "tail": ["line 27", "line 28", "line 29"]},
+                     {"path": str(err), "tail": ["boom"]}]
 
 
 def test_rank_exec_binds_cores_and_execs_the_command():

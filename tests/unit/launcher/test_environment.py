@@ -33,7 +33,8 @@ def test_prefixes_and_files_from_home_then_working_directory(tmp_path):
                "UCX_TLS": "tcp", "MV2_X": "1", "OMP_NUM_THREADS": "3", "GLOO_SOCKET_IFNAME": "eth1",
                "SECRET_TOKEN": "nope", "PATH": "/bin"}
     assert exported_environment(work, environ) == {
-        "FROM_HOME": "1", "GLOO_SOCKET_IFNAME": "eth1", "MLFLOW_TRACKING_URI": "file:/m", "MV2_X": "1", "NCCL_DEBUG": "INFO",
+        "FROM_HOME": "1", "GLOO_SOCKET_IFNAME": "eth1", "MLFLOW_TRACKING_URI": "file:/m", "MV2_X": "1",
+        "NCCL_DEBUG": "INFO",
         "OMP_NUM_THREADS": "3", "PYTHONPATH": "/x", "SHARED": "work-dsrun", "UCX_TLS": "tcp",
     }
 

@@ -16,7 +16,8 @@ def problems(excinfo: pytest.ExceptionInfo) -> list[str]:
 # ---- hostfile ------------------------------------------------------------------------------------------
 
 def test_hostfile_keeps_order_and_ignores_comments_and_blank_lines():
-    text = "# cluster\n\nworker-1 slots=4\n   \nworker-0 slots=2   # the small one\n10.0.0.7 slots=1\nroot@gpu-3 slots=8\n"
+    text = ("# cluster\n\nworker-1 slots=4\n   \nworker-0 slots=2   # the small one\n10.0.0.7 slots=1\n"
+            "root@gpu-3 slots=8\n")
     assert list(parse_hostfile(text).items()) == [("worker-1", 4), ("worker-0", 2), ("10.0.0.7", 1), ("root@gpu-3", 8)]
 
 
