@@ -153,3 +153,37 @@ def test_stopping_the_launcher_stops_every_rank_on_every_host(two_hosts, tmp_pat
         print(f"every process of the job gone {time.monotonic() - stopped_at:.2f} s after {sig.name}")
     finally:
         kill_job(tag)
+
+
+@pytest.mark.slow
+def test_no_ssh_mode_a_dead_rank_stops_idle_ranks_on_the_other_host(two_hosts, tmp_path):
+    """Ranks that sleep never notice a dead peer themselves: only the agents' failure fan-out through the
+    job store can stop them, with no ssh connection to close."""
+    tag = new_tag()
+    port = str(free_port())
+    out = tmp_path / "out"
+    hostfile = str(two_hosts.hostfile())
+    try:
+        launchers = [
+            subprocess.Popen(two_hosts.in_namespace(host, dsrun_launch(
+                "-H", hostfile, "--no_ssh", "--node_rank", str(node_rank), "--master_addr", two_hosts.a.address,
+                "--master_port", port, EXAMPLE, "--out", str(out), "--idle")),
+                env=job_env(tag, tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                cwd=two_hosts.job_dir(tmp_path))
+            for node_rank, host in enumerate((two_hosts.a, two_hosts.b))]
+        pid_files = [out / f"rank{rank}.pid" for rank in range(4)]
+        wait_for_files(pid_files, timeout=90, process=launchers[0])
+        pids = [int(p.read_text()) for p in pid_files]
+        killed_at = time.monotonic()
+        os.kill(pids[2], signal.SIGKILL)  # rank 2: host B, local rank 0
+        while any(_alive(pid) for pid in pids) and time.monotonic() < killed_at + 10:
+            time.sleep(0.05)
+        assert [rank for rank, pid in enumerate(pids) if _alive(pid)] == []
+        print(f"idle ranks gone {time.monotonic() - killed_at:.2f} s after SIGKILL of rank 2")
+        for launcher in launchers:  # both launchers fail and name the same cause
+            _, stderr = launcher.communicate(timeout=30)
+            assert launcher.returncode == 128 + signal.SIGKILL, stderr
+            assert "dsrun: job failed: rank 2 (local rank 0) on host 10.213.77.2 exited with exit code -9" in stderr
+        assert wait_until_gone(tag, 5) == []
+    finally:
+        kill_job(tag)
