@@ -8,7 +8,7 @@ the rendezvous store (keys under ``dsrun/``):
   stops (or, with restarts left, restarts) every node's ranks in the same round;
 - ``dsrun/beat/N``: node N's heartbeat counter, bumped once a second while its ranks run;
 - ``dsrun/done/N``, ``dsrun/done_count``: node N's ranks all finished; replaces torch's exit barrier with
-  one that also stops waiting when another node fails;
+  one that keeps making the monitor tick's checks, so it stops waiting when another node fails or goes silent;
 - ``dsrun/abort``: a node left the job for good while others may still run; nobody restarts after it;
 - ``dsrun/left``: agents that are about to exit, so node 0 (which hosts the store) leaves last.
 
@@ -211,14 +211,14 @@ class NodeAgent(LocalElasticAgent):
         try:
             store.set(f"dsrun/done/{self._node_rank}", "1")
             done = store.add("dsrun/done_count", 1)
-            while done < self._nnodes:
-                for key in (f"dsrun/cause/{self._round()}", "dsrun/abort"):
-                    if store.check([key]):
-                        cause = store.get(key).decode()
-                        self._late_cause = json.loads(cause) if cause.startswith("{") else \
-                            self._agent_report("another node left the job after a failure")
-                        store.set("dsrun/abort", "1")  # restarting nodes would wait for us forever
-                        return
+            deadline = time.monotonic() + self._exit_barrier_timeout
+            while done < self._nnodes and time.monotonic() < deadline:
+                # the same checks as while the ranks ran: a failure, an abort, a silent peer, a lost store
+                problem = self._check_peers(store, self._round())
+                if problem is not None:
+                    self._late_cause = problem
+                    store.set("dsrun/abort", "1")  # nodes about to restart would wait for us forever
+                    return
                 time.sleep(0.25)
                 done = store.add("dsrun/done_count", 0)
         except Exception as err:  # noqa: BLE001
