@@ -226,6 +226,19 @@ class NodeAgent(LocalElasticAgent):
 
     # ---- the whole life of the agent ----------------------------------------------------------------
 
+    def _announce_stop(self, report: dict[str, Any]) -> None:
+        """We were told to stop (Ctrl-C, SIGTERM): make the other nodes stop now, not at a heartbeat timeout."""
+        store = self._store
+        if store is None:  # stopped before the rendezvous: nobody depends on us yet
+            return
+        try:
+            current = self._round()
+            if store.add(f"dsrun/failed/{current}", 1) == 1:
+                store.set(f"dsrun/cause/{current}", json.dumps(report))
+            store.set("dsrun/abort", "1")
+        except Exception:  # noqa: BLE001 - the store is gone; the others notice that on their own
+            pass
+
     def _leave(self) -> None:
         """Tell node 0 we are done with the store; node 0 waits (briefly) until everyone has."""
         store = self._store
@@ -246,8 +259,10 @@ class NodeAgent(LocalElasticAgent):
             try:
                 result = self.run()
             except SignalException as err:
-                report_failure(self._agent_report(f"the agent on {self._host} was stopped by "
-                                                  f"{getattr(err.sigval, 'name', err.sigval)}"))
+                report = self._agent_report(f"the agent on {self._host} was stopped by "
+                                            f"{getattr(err.sigval, 'name', err.sigval)}")
+                self._announce_stop(report)
+                report_failure(report)
                 return 128 + int(err.sigval)
             except Exception as err:  # noqa: BLE001 - rendezvous/store errors: one clear line, not a traceback
                 text = str(err).splitlines()[0] if str(err) else type(err).__name__

@@ -1,4 +1,7 @@
-"""A real multi-host job: two network-namespace hosts with their own sshd, 2 slots each, 4 ranks."""
+"""A real multi-host job: two network-namespace hosts with their own sshd, 2 slots each, 4 ranks.
+
+Every test here starts 6+ Python processes that import torch, so each takes 10-30 s on 2 cores: all are
+marked slow (they still run in CI)."""
 from __future__ import annotations
 
 import os
@@ -34,6 +37,7 @@ def _ssh_job(hosts, out, flags: tuple[str, ...] = (), script_args: tuple[str, ..
         "--master_port", str(free_port()), *flags, EXAMPLE, "--out", str(out), *script_args))
 
 
+@pytest.mark.slow
 def test_ssh_runner_runs_four_ranks_on_two_hosts(two_hosts, tmp_path):
     tag = new_tag()
     try:
@@ -156,9 +160,10 @@ def test_stopping_the_launcher_stops_every_rank_on_every_host(two_hosts, tmp_pat
 
 
 @pytest.mark.slow
-def test_no_ssh_mode_a_dead_rank_stops_idle_ranks_on_the_other_host(two_hosts, tmp_path):
-    """Ranks that sleep never notice a dead peer themselves: only the agents' failure fan-out through the
-    job store can stop them, with no ssh connection to close."""
+@pytest.mark.parametrize("stop", ["kill-rank", "sigterm-launcher"])
+def test_no_ssh_mode_stopping_host_b_stops_idle_ranks_on_host_a(two_hosts, tmp_path, stop):
+    """Ranks that sleep never notice a dead peer themselves: only the agents' fan-out through the job store
+    can stop them, with no ssh connection to close. Host B loses a rank, or its launcher gets SIGTERM."""
     tag = new_tag()
     port = str(free_port())
     out = tmp_path / "out"
@@ -175,15 +180,24 @@ def test_no_ssh_mode_a_dead_rank_stops_idle_ranks_on_the_other_host(two_hosts, t
         wait_for_files(pid_files, timeout=90, process=launchers[0])
         pids = [int(p.read_text()) for p in pid_files]
         killed_at = time.monotonic()
-        os.kill(pids[2], signal.SIGKILL)  # rank 2: host B, local rank 0
+        if stop == "kill-rank":
+            os.kill(pids[2], signal.SIGKILL)  # rank 2: host B, local rank 0
+        else:
+            launchers[1].send_signal(signal.SIGTERM)
         while any(_alive(pid) for pid in pids) and time.monotonic() < killed_at + 10:
             time.sleep(0.05)
         assert [rank for rank, pid in enumerate(pids) if _alive(pid)] == []
-        print(f"idle ranks gone {time.monotonic() - killed_at:.2f} s after SIGKILL of rank 2")
-        for launcher in launchers:  # both launchers fail and name the same cause
-            _, stderr = launcher.communicate(timeout=30)
-            assert launcher.returncode == 128 + signal.SIGKILL, stderr
-            assert "dsrun: job failed: rank 2 (local rank 0) on host 10.213.77.2 exited with exit code -9" in stderr
+        print(f"idle ranks gone {time.monotonic() - killed_at:.2f} s after {stop} on host B")
+        stderr_a = launchers[0].communicate(timeout=30)[1]
+        stderr_b = launchers[1].communicate(timeout=30)[1]
+        if stop == "kill-rank":  # both launchers fail and name the same cause
+            for launcher, stderr in zip(launchers, (stderr_a, stderr_b)):
+                assert launcher.returncode == 128 + signal.SIGKILL, stderr
+                assert "job failed: rank 2 (local rank 0) on host 10.213.77.2 exited with exit code -9" in stderr
+        else:
+            assert launchers[1].returncode == 128 + signal.SIGTERM
+            assert launchers[0].returncode != 0
+            assert "dsrun: job failed: the agent on 10.213.77.2 was stopped by SIGTERM" in stderr_a
         assert wait_until_gone(tag, 5) == []
     finally:
         kill_job(tag)

@@ -133,3 +133,12 @@ def test_exit_barrier_gives_up_after_its_timeout(tmp_path, clock, monkeypatch):
     started = clock.now
     agent._exit_barrier()  # node 1 never finishes and never fails (and keeps beating)
     assert clock.now - started >= agent._exit_barrier_timeout and agent._late_cause is None
+
+
+def test_a_stopped_agent_tells_the_others_at_once(tmp_path, clock):
+    store = HashStore()
+    stopped, other = make_agent(tmp_path / "a", node_rank=1), make_agent(tmp_path / "b", node_rank=0)
+    stopped._store = store
+    stopped._announce_stop(stopped._agent_report("the agent on h1 was stopped by SIGTERM"))
+    assert other._check_peers(store, 0)["message"] == "the agent on h1 was stopped by SIGTERM"
+    assert store.check(["dsrun/abort"])
