@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         nnodes=nnodes, max_restarts=ns.max_restarts, rdzv_timeout=ns.rdzv_timeout,
         monitor_interval=MONITOR_INTERVAL)
     agent = NodeAgent(spec, RankLogs(str(log_dir)), host=host, host_names=host_names, node_rank=node_rank,
-                      core_groups=core_groups, save_pid=ns.save_pid, peer_timeout=ns.peer_timeout,
+                      save_pid=ns.save_pid, peer_timeout=ns.peer_timeout,
                       shutdown_grace=SHUTDOWN_GRACE)
     code = agent.run_to_exit_code()
     if temporary_logs and code == 0:

@@ -76,7 +76,7 @@ class NodeAgent(LocalElasticAgent):
     """torch elastic's local agent plus cross-node failure fan-out, heartbeats and a watchful exit."""
 
     def __init__(self, spec: WorkerSpec, logs: RankLogs, *, host: str, host_names: list[str], node_rank: int,
-                 core_groups: list[list[int]], save_pid: int, peer_timeout: float, shutdown_grace: int) -> None:
+                 save_pid: int, peer_timeout: float, shutdown_grace: int) -> None:
         super().__init__(spec, logs, start_method="spawn", exit_barrier_timeout=24 * 3600,
                          log_line_prefix_template="[rank${rank}]:", shutdown_timeout=shutdown_grace)
         self._host = host
@@ -90,7 +90,6 @@ class NodeAgent(LocalElasticAgent):
         self._late_cause: dict[str, Any] | None = None
         self._beats: dict[int, tuple[int, float]] = {}
         self._last_beat = 0.0
-        self._core_groups = core_groups
 
     # ---- rounds and reports -------------------------------------------------------------------------
 

@@ -32,7 +32,7 @@ def make_agent(tmp_path, node_rank: int = 0, nnodes: int = 2, max_restarts: int 
                       local_world_size=1, master_addr="127.0.0.1", master_port=1, job_id="t", node_rank=node_rank,
                       nnodes=nnodes, max_restarts=max_restarts, rdzv_timeout=1, monitor_interval=0.25)
     return NodeAgent(spec, RankLogs(str(tmp_path)), host=f"h{node_rank}",
-                     host_names=[f"h{i}" for i in range(nnodes)], node_rank=node_rank, core_groups=[], save_pid=0,
+                     host_names=[f"h{i}" for i in range(nnodes)], node_rank=node_rank, save_pid=0,
                      peer_timeout=30, shutdown_grace=1)
 
 
