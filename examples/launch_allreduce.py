@@ -8,6 +8,8 @@ OMP_NUM_THREADS, its PID and network namespace) and the all-reduce result. Optio
 tests to exercise failure handling:
 
 - ``--hang``: after the first all-reduce, write ``OUT/rank<R>.pid`` and keep all-reducing until killed;
+- ``--idle``: like ``--hang`` but sleep instead of all-reducing, so a rank never notices that a peer died
+  (only the launcher can stop it);
 - ``--crash-once RANK``: that rank exits with code 3 the first time (a marker file in OUT remembers it),
   so a job with ``--max_restarts 1`` finishes on its second attempt.
 """
@@ -26,6 +28,7 @@ def main() -> int:
     parser.add_argument("--out", required=True, help="directory for the per-rank reports")
     parser.add_argument("--local_rank", type=int, default=-1, help="passed by the launcher")
     parser.add_argument("--hang", action="store_true")
+    parser.add_argument("--idle", action="store_true")
     parser.add_argument("--crash-once", type=int, default=None, metavar="RANK")
     args = parser.parse_args()
 
@@ -59,11 +62,12 @@ def main() -> int:
     print(f"rank {rank}/{world_size}: all-reduce sum {value.item()} (expected {expected})", flush=True)
     if value.item() != expected:
         return 1
-    if args.hang:
+    if args.hang or args.idle:
         with open(os.path.join(out, f"rank{rank}.pid"), "w") as handle:
             handle.write(str(os.getpid()))
-        while True:  # keep the group busy in collectives until the launcher stops us
-            dist.all_reduce(value)
+        while True:  # until the launcher stops us: busy in collectives (--hang) or asleep (--idle)
+            if args.hang:
+                dist.all_reduce(value)
             time.sleep(0.05)
     dist.destroy_process_group()
     return 0

@@ -18,9 +18,11 @@ from dsrun.launcher.options import DEFAULT_MASTER_PORT, LaunchOptions
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.allow_abbrev = False  # a script's own --flags must never be taken for abbreviated launcher flags
     where = parser.add_argument_group("where to run")
     where.add_argument("-H", "--hostfile", default=None,
-                       help="hostfile with lines 'HOST slots=N' (default /job/hostfile if it exists, else this machine)")
+                       help="hostfile with lines 'HOST slots=N' "
+                            "(default /job/hostfile if it exists, else this machine)")
     where.add_argument("-i", "--include", default=None, help='hosts/slots to use: "host[:slot,slot]@host..."')
     where.add_argument("-e", "--exclude", default=None, help='hosts/slots to skip: "host[:slot,slot]@host..."')
     where.add_argument("--num_nodes", type=int, default=None, help="use the first N hosts of the hostfile")

@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(s) for s in slots)
 
     temporary_logs = ns.log_dir is None
-    log_dir = Path(ns.log_dir) if ns.log_dir else Path(tempfile.mkdtemp(prefix=f"dsrun-{ns.job_id}-node{node_rank}-"))
+    log_dir = Path(ns.log_dir) if ns.log_dir else Path(tempfile.mkdtemp(prefix=f"dsrun-logs-node{node_rank}-"))
     rank_exec = [sys.executable, "-m", "dsrun.launcher.rank_exec"]
     if core_groups:
         # every rank gets all groups and picks its own by local rank (torch elastic substitutes the macro)
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         nnodes=nnodes, max_restarts=ns.max_restarts, rdzv_timeout=ns.rdzv_timeout,
         monitor_interval=MONITOR_INTERVAL)
     agent = NodeAgent(spec, RankLogs(str(log_dir)), host=host, host_names=host_names, node_rank=node_rank,
-                      core_groups=core_groups, save_pid=ns.save_pid, peer_timeout=ns.peer_timeout,
+                      save_pid=ns.save_pid, peer_timeout=ns.peer_timeout,
                       shutdown_grace=SHUTDOWN_GRACE)
     code = agent.run_to_exit_code()
     if temporary_logs and code == 0:

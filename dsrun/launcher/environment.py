@@ -15,7 +15,8 @@ from typing import Mapping
 
 from dsrun.utils.errors import Problem, UserError, show
 
-EXPORT_PREFIXES: tuple[str, ...] = ("NCCL", "PYTHON", "MLFLOW", "UCX", "MV2", "OMP")
+# DeepSpeed's list, plus GLOO: on CPU clusters GLOO_SOCKET_IFNAME plays the part NCCL_SOCKET_IFNAME does on GPUs.
+EXPORT_PREFIXES: tuple[str, ...] = ("NCCL", "PYTHON", "MLFLOW", "UCX", "MV2", "OMP", "GLOO")
 ENV_FILE_NAMES: tuple[str, ...] = (".deepspeed_env", ".dsrun_env")
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import IO, Any
@@ -159,7 +159,12 @@ class _Job:
         """The report that explains the failure: a rank's own failure beats an agent's "stopped" note."""
         rank_failures = [r for r in self.reports if r.get("rank") is not None]
         if rank_failures:
-            return min(rank_failures, key=lambda r: (r.get("round", 0), r.get("rank")))
+            # agents repeat the cause they read from the job store; the one most of them name wins, the
+            # earliest received breaks ties
+            last_round = max(r.get("round", 0) for r in rank_failures)
+            in_round = [r for r in rank_failures if r.get("round", 0) == last_round]
+            votes = Counter((r["rank"], r.get("exitcode")) for r in in_round)
+            return max(in_round, key=lambda r: votes[(r["rank"], r.get("exitcode"))])
         return self.reports[0] if self.reports else None
 
     def summarize(self) -> int:
@@ -180,9 +185,13 @@ class _Job:
             code = exit_code_for(cause["exitcode"]) if cause.get("exitcode") else 1
         else:
             bad = next(node for node in self.nodes if node.process.returncode != 0)
-            what = "ssh" if self.plan.runner == "ssh" else bad.command.argv[0]
-            lines.append(f"dsrun: job failed: {what} for {bad.command.label} exited with code "
-                         f"{bad.process.returncode} before any rank reported")
+            what = {"ssh": "ssh", "local": "the agent", "no_ssh": "the agent"}.get(self.plan.runner,
+                                                                                    bad.command.argv[0])
+            code_text = str(bad.process.returncode)
+            if bad.process.returncode < 0:
+                code_text += f" ({signal.Signals(-bad.process.returncode).name})"
+            lines.append(f"dsrun: job failed: {what} for {bad.command.label} exited with code {code_text} "
+                         f"before any rank reported")
             lines.extend(f"    {line}" for line in bad.stderr_tail)
             code = exit_code_for(bad.process.returncode) if bad.process.returncode else 1
         lines.append(f"dsrun: stopped all ranks on {len(self.plan.hosts)} host(s)")

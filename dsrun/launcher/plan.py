@@ -155,7 +155,8 @@ def plan_launch(options: LaunchOptions, environ: dict[str, str] | None = None) -
     env = exported_environment(options.cwd, environ)
     if runner not in ("local", "no_ssh"):
         # remote nodes start in the working directory but need it on the import path, as DeepSpeed does
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [options.cwd, env.get("PYTHONPATH", "")]))
+        rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != options.cwd]
+        env["PYTHONPATH"] = os.pathsep.join([options.cwd, *rest])
     save_pid = os.getpid() if options.save_pid else 0
     commands = build_commands(runner, options, hosts, master_addr, env, save_pid=save_pid)
     return LaunchPlan(hosts=hosts, world_size=sum(len(s) for s in hosts.values()), master_addr=master_addr,

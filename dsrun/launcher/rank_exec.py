@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"dsrun.launcher.rank_exec: unknown option {option!r}", file=sys.stderr)
             return 2
     if not argv or argv[0] != "--" or len(argv) < 2:
-        print("usage: python -m dsrun.launcher.rank_exec [--core_groups=0,1/2,3 --local_rank=N] -- COMMAND [ARGS...]", file=sys.stderr)
+        print("usage: python -m dsrun.launcher.rank_exec [--core_groups=0,1/2,3 --local_rank=N] -- COMMAND [ARGS...]",
+              file=sys.stderr)
         return 2
     command = argv[1:]
     _die_with_parent()

@@ -8,7 +8,7 @@ the rendezvous store (keys under ``dsrun/``):
   stops (or, with restarts left, restarts) every node's ranks in the same round;
 - ``dsrun/beat/N``: node N's heartbeat counter, bumped once a second while its ranks run;
 - ``dsrun/done/N``, ``dsrun/done_count``: node N's ranks all finished; replaces torch's exit barrier with
-  one that also stops waiting when another node fails;
+  one that keeps making the monitor tick's checks, so it stops waiting when another node fails or goes silent;
 - ``dsrun/abort``: a node left the job for good while others may still run; nobody restarts after it;
 - ``dsrun/left``: agents that are about to exit, so node 0 (which hosts the store) leaves last.
 
@@ -32,6 +32,7 @@ from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCP
 from dsrun.launcher.protocol import exit_code_for, log_tails, report_failure
 
 _LEAVE_WAIT = 5.0  # how long node 0 keeps the store up for the other agents to read the outcome
+_CONSEQUENCE_WAIT = 0.5  # how long an exit-code failure waits for an earlier failure elsewhere
 
 
 class RankLogs(LogsSpecs):
@@ -75,7 +76,7 @@ class NodeAgent(LocalElasticAgent):
     """torch elastic's local agent plus cross-node failure fan-out, heartbeats and a watchful exit."""
 
     def __init__(self, spec: WorkerSpec, logs: RankLogs, *, host: str, host_names: list[str], node_rank: int,
-                 core_groups: list[list[int]], save_pid: int, peer_timeout: float, shutdown_grace: int) -> None:
+                 save_pid: int, peer_timeout: float, shutdown_grace: int) -> None:
         super().__init__(spec, logs, start_method="spawn", exit_barrier_timeout=24 * 3600,
                          log_line_prefix_template="[rank${rank}]:", shutdown_timeout=shutdown_grace)
         self._host = host
@@ -89,7 +90,6 @@ class NodeAgent(LocalElasticAgent):
         self._late_cause: dict[str, Any] | None = None
         self._beats: dict[int, tuple[int, float]] = {}
         self._last_beat = 0.0
-        self._core_groups = core_groups
 
     # ---- rounds and reports -------------------------------------------------------------------------
 
@@ -141,14 +141,7 @@ class NodeAgent(LocalElasticAgent):
         store = worker_group.store
         current = self._round()
         if result.state == WorkerState.FAILED:
-            self._cause = self._local_report(worker_group, result)
-            try:
-                if store.add(f"dsrun/failed/{current}", 1) == 1:
-                    store.set(f"dsrun/cause/{current}", json.dumps(self._cause))
-                if self._remaining_restarts == 0:
-                    store.set("dsrun/abort", "1")
-            except Exception:  # noqa: BLE001 - the store host is gone; our own report still reaches the launcher
-                pass
+            self._cause = self._publish_cause(store, current, self._local_report(worker_group, result))
             return result
         if result.state == WorkerState.HEALTHY:
             peer = self._check_peers(store, current)
@@ -156,6 +149,30 @@ class NodeAgent(LocalElasticAgent):
                 self._cause = peer
                 return RunResult(state=WorkerState.FAILED, failures={})
         return result
+
+    def _publish_cause(self, store: Any, current: int, local: dict[str, Any]) -> dict[str, Any]:
+        """Publish ``local`` as the round's cause unless another node's failure came first; return the cause.
+
+        A rank that dies because a peer vanished (a collective fails, the rank exits with an error) is a
+        consequence, not the cause. Such exits are seen a moment after the real failure, so an exit code
+        (not a signal) waits briefly for another node's report before claiming to be the cause.
+        """
+        cause_key = f"dsrun/cause/{current}"
+        try:
+            if local["signal"] in (None, "SIGTERM"):
+                deadline = time.monotonic() + _CONSEQUENCE_WAIT
+                while time.monotonic() < deadline and not store.check([cause_key]):
+                    time.sleep(0.05)
+            if store.add(f"dsrun/failed/{current}", 1) == 1:
+                store.set(cause_key, json.dumps(local))
+                cause = local
+            else:
+                cause = json.loads(store.get(cause_key))
+            if self._remaining_restarts == 0:
+                store.set("dsrun/abort", "1")
+            return cause
+        except Exception:  # noqa: BLE001 - the store host is gone; our own report still reaches the launcher
+            return local
 
     def _check_peers(self, store: Any, current: int) -> dict[str, Any] | None:
         try:
@@ -193,20 +210,33 @@ class NodeAgent(LocalElasticAgent):
         try:
             store.set(f"dsrun/done/{self._node_rank}", "1")
             done = store.add("dsrun/done_count", 1)
-            while done < self._nnodes:
-                for key in (f"dsrun/cause/{self._round()}", "dsrun/abort"):
-                    if store.check([key]):
-                        cause = store.get(key).decode()
-                        self._late_cause = json.loads(cause) if cause.startswith("{") else \
-                            self._agent_report("another node left the job after a failure")
-                        store.set("dsrun/abort", "1")  # restarting nodes would wait for us forever
-                        return
+            deadline = time.monotonic() + self._exit_barrier_timeout
+            while done < self._nnodes and time.monotonic() < deadline:
+                # the same checks as while the ranks ran: a failure, an abort, a silent peer, a lost store
+                problem = self._check_peers(store, self._round())
+                if problem is not None:
+                    self._late_cause = problem
+                    store.set("dsrun/abort", "1")  # nodes about to restart would wait for us forever
+                    return
                 time.sleep(0.25)
                 done = store.add("dsrun/done_count", 0)
         except Exception as err:  # noqa: BLE001
             self._late_cause = self._agent_report(f"lost contact with the job store: {err}", 0)
 
     # ---- the whole life of the agent ----------------------------------------------------------------
+
+    def _announce_stop(self, report: dict[str, Any]) -> None:
+        """We were told to stop (Ctrl-C, SIGTERM): make the other nodes stop now, not at a heartbeat timeout."""
+        store = self._store
+        if store is None:  # stopped before the rendezvous: nobody depends on us yet
+            return
+        try:
+            current = self._round()
+            if store.add(f"dsrun/failed/{current}", 1) == 1:
+                store.set(f"dsrun/cause/{current}", json.dumps(report))
+            store.set("dsrun/abort", "1")
+        except Exception:  # noqa: BLE001 - the store is gone; the others notice that on their own
+            pass
 
     def _leave(self) -> None:
         """Tell node 0 we are done with the store; node 0 waits (briefly) until everyone has."""
@@ -228,8 +258,10 @@ class NodeAgent(LocalElasticAgent):
             try:
                 result = self.run()
             except SignalException as err:
-                report_failure(self._agent_report(f"the agent on {self._host} was stopped by "
-                                                  f"{getattr(err.sigval, 'name', err.sigval)}"))
+                report = self._agent_report(f"the agent on {self._host} was stopped by "
+                                            f"{getattr(err.sigval, 'name', err.sigval)}")
+                self._announce_stop(report)
+                report_failure(report)
                 return 128 + int(err.sigval)
             except Exception as err:  # noqa: BLE001 - rendezvous/store errors: one clear line, not a traceback
                 text = str(err).splitlines()[0] if str(err) else type(err).__name__

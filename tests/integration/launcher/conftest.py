@@ -45,7 +45,8 @@ class TwoHosts:
         (the hostname resolves to loopback in every namespace)."""
         folder = tmp_path / "job"
         folder.mkdir(exist_ok=True)
-        (folder / ".dsrun_env").write_text(f"# exported to every node\nGLOO_SOCKET_IFNAME={INTERFACE}\n")
+        (folder / ".dsrun_env").write_text(f"# exported to every node\nGLOO_SOCKET_IFNAME={INTERFACE}\n"
+                                           f"TMPDIR={tmp_path}\n")  # agents' temporary logs stay in the test's folder
         return folder
 
     def hostfile(self, slots: int = 2) -> Path:
@@ -123,14 +124,16 @@ def two_hosts(tmp_path_factory: pytest.TempPathFactory):
             "  BatchMode yes", "",
         ]))
         os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege-separation directory
-        hosts = TwoHosts(a=Host(ns_a, f"{SUBNET}.1", _netns_inode(ns_a)), b=Host(ns_b, f"{SUBNET}.2", _netns_inode(ns_b)),
+        hosts = TwoHosts(a=Host(ns_a, f"{SUBNET}.1", _netns_inode(ns_a)),
+                         b=Host(ns_b, f"{SUBNET}.2", _netns_inode(ns_b)),
                          ssh_config=ssh_config, workdir=folder)
         for host in (hosts.a, hosts.b):
             config = _write_sshd_config(folder, host.address)
             _run(SSHD, "-t", "-f", str(config))
-            sshd_processes.append(subprocess.Popen(
-                ["ip", "netns", "exec", host.namespace, SSHD, "-D", "-e", "-f", str(config)],
-                stdout=subprocess.DEVNULL, stderr=open(folder / f"sshd_{host.address}.log", "w")))
+            with open(folder / f"sshd_{host.address}.log", "w") as log:  # the child keeps its own copy
+                sshd_processes.append(subprocess.Popen(
+                    ["ip", "netns", "exec", host.namespace, SSHD, "-D", "-e", "-f", str(config)],
+                    stdout=subprocess.DEVNULL, stderr=log))
         deadline = time.monotonic() + 30
         for host in (hosts.a, hosts.b):
             _wait_for_ssh(hosts, host, deadline)

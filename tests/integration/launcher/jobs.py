@@ -21,8 +21,11 @@ def new_tag() -> str:
     return uuid.uuid4().hex
 
 
-def job_env(tag: str, **extra: str) -> dict[str, str]:
+def job_env(tag: str, tmp_path: Path | None = None, **extra: str) -> dict[str, str]:
+    """The environment of a test job; with ``tmp_path`` the agents' temporary log folders go there."""
     env = dict(os.environ)
+    if tmp_path is not None:
+        env["TMPDIR"] = str(tmp_path)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     env[TAG_VARIABLE] = tag
     env.setdefault("OMP_NUM_THREADS", "1")

@@ -16,13 +16,24 @@ def _launch(tmp_path: Path, tag: str, flags: list[str], script_args: list[str] =
             timeout: float = 120) -> subprocess.CompletedProcess:
     argv = dsrun_launch("--master_port", str(free_port()), *flags, EXAMPLE, "--out", str(tmp_path / "out"),
                         *script_args)
-    return subprocess.run(argv, env=env or job_env(tag), capture_output=True, text=True, timeout=timeout,
+    return subprocess.run(argv, env=env or job_env(tag, tmp_path), capture_output=True, text=True, timeout=timeout,
                           cwd=tmp_path)
+
+
+def _start_hanging_job(tmp_path: Path, tag: str) -> subprocess.Popen:
+    """A 2-rank job that all-reduces until stopped, with --save_pid; returns once both ranks are running."""
+    out = tmp_path / "out"
+    launcher = subprocess.Popen(dsrun_launch("--num_procs", "2", "--master_port", str(free_port()), "--save_pid",
+                                             EXAMPLE, "--out", str(out), "--hang"),
+                                env=job_env(tag, tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                cwd=tmp_path)
+    wait_for_files([out / "rank0.pid", out / "rank1.pid"], timeout=90, process=launcher)
+    return launcher
 
 
 def test_two_ranks_all_reduce_and_get_their_environment(tmp_path):
     tag = new_tag()
-    env = job_env(tag)
+    env = job_env(tag, tmp_path)
     env.pop("OMP_NUM_THREADS")  # the launcher chooses cores / local ranks when the user did not
     try:
         done = _launch(tmp_path, tag, ["--num_procs", "2"], env=env)
@@ -74,12 +85,9 @@ def test_max_restarts_recovers_from_one_crash_and_keeps_per_rank_logs(tmp_path):
 def test_sigterm_to_the_launcher_stops_every_rank(tmp_path):
     tag = new_tag()
     out = tmp_path / "out"
+    launcher = None
     try:
-        launcher = subprocess.Popen(dsrun_launch("--num_procs", "2", "--master_port", str(free_port()), "--save_pid",
-                                                 EXAMPLE, "--out", str(out), "--hang"),
-                                    env=job_env(tag), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                    cwd=tmp_path)
-        wait_for_files([out / "rank0.pid", out / "rank1.pid"], timeout=90, process=launcher)
+        launcher = _start_hanging_job(tmp_path, tag)
         pid_file = Path(f"/tmp/dsrun-{launcher.pid}-node0.json")
         saved = json.loads(pid_file.read_text())  # --save_pid: the agent's and the ranks' PIDs
         assert sorted(saved["ranks"].values()) == sorted(int((out / f"rank{r}.pid").read_text()) for r in (0, 1))
@@ -120,10 +128,29 @@ def test_module_mode_runs_python_dash_m(tmp_path):
     try:
         done = subprocess.run(dsrun_launch("--num_procs", "2", "--master_port", str(free_port()), "--module",
                                            "userpkg.hello", "--flag", "a b"),
-                              env=job_env(tag, PYTHONPATH=f"{tmp_path}:{job_env(tag)['PYTHONPATH']}"),
+                              env=job_env(tag, tmp_path, PYTHONPATH=f"{tmp_path}:{job_env(tag)['PYTHONPATH']}"),
                               capture_output=True, text=True, timeout=120, cwd=tmp_path)
         assert done.returncode == 0, done.stderr
         assert "hello from 1 args ['--flag', 'a b', '--local_rank=1']" in done.stdout
         assert wait_until_gone(tag, 5) == []
     finally:
         kill_job(tag)
+
+
+def test_ranks_die_with_a_killed_agent_and_the_launcher_says_so(tmp_path):
+    """No orphans even when the node agent itself is SIGKILLed: its ranks die with it (PDEATHSIG)."""
+    tag = new_tag()
+    out = tmp_path / "out"
+    launcher = None
+    try:
+        launcher = _start_hanging_job(tmp_path, tag)
+        agent = json.loads(Path(f"/tmp/dsrun-{launcher.pid}-node0.json").read_text())["agent"]
+        os.kill(agent, signal.SIGKILL)
+        _, stderr = launcher.communicate(timeout=30)
+        assert launcher.returncode == 128 + signal.SIGKILL
+        assert "the agent for localhost exited with code -9 (SIGKILL) before any rank reported" in stderr
+        assert wait_until_gone(tag, 5) == []
+    finally:
+        kill_job(tag)
+        if launcher is not None:
+            Path(f"/tmp/dsrun-{launcher.pid}-node0.json").unlink(missing_ok=True)
