@@ -1,0 +1,47 @@
+"""`dsrun train` across two namespace hosts over ssh trains exactly as the same 4 ranks on one host."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import free_port, run_cli
+from tests.integration.launcher.jobs import job_env, kill_job, new_tag, wait_until_gone
+
+pytestmark = [pytest.mark.multihost]
+
+SHORT = ["train.max_steps=4", "train.eval_interval=0", "train.eval_iters=1", "data.max_bytes=300000",
+         "ds.train_micro_batch_size_per_gpu=4"]
+
+
+def _losses(folder) -> list[float]:
+    (metrics,) = folder.glob("outputs/*/*/metrics.json")
+    data = json.loads(metrics.read_text())
+    assert data["world_size"] == 4
+    return data["train_losses"]
+
+
+@pytest.mark.slow
+def test_train_on_two_hosts_equals_one_host(two_hosts, tmp_path):
+    single = tmp_path / "single"
+    single.mkdir()
+    result = run_cli("train", *SHORT, "launcher.num_procs=4", cwd=single, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    tag = new_tag()
+    job_dir = two_hosts.job_dir(tmp_path)
+    try:
+        command = two_hosts.in_namespace(two_hosts.a, [
+            sys.executable, "-m", "dsrun", "train", *SHORT, "launcher=ssh",
+            f"launcher.hostfile={two_hosts.hostfile()}", f"launcher.launcher_args=-F {two_hosts.ssh_config}",
+            f"launcher.master_port={free_port()}"])
+        done = subprocess.run(command, env=job_env(tag, tmp_path), capture_output=True, text=True, timeout=300,
+                              cwd=job_dir)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert f"[{two_hosts.b.address}]" in done.stdout  # ranks really ran on host B
+        assert _losses(job_dir) == pytest.approx(_losses(single), rel=1e-6, abs=0)
+        assert wait_until_gone(tag, 10) == []
+    finally:
+        kill_job(tag)
