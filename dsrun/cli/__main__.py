@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("dsrun.cli.train", "compose a recipe and train it (Hydra overrides; -m for multirun)"),
     "config": ("dsrun.cli.config", "print the resolved RunSpec or DeepSpeed config; validate a DeepSpeed config file"),
     "recipes": ("dsrun.cli.recipes", "list the available recipes"),
+    "estimate-memory": ("dsrun.cli.estimate_memory", "estimate memory per rank and per host for a recipe or a parameter count"),
 }
 
 
