@@ -10,6 +10,8 @@ dsrun's own estimate, pure arithmetic on numbers (so the autotuner can prune tri
 from __future__ import annotations
 
 from dsrun.estimate.counting import ParameterCounts, count_parameters
+from dsrun.estimate.inputs import BufferSettings, EstimateInputs, GPTShape
+from dsrun.estimate.peak import Breakdown, estimate_peak_bytes_per_rank, estimate_zero_options
 from dsrun.estimate.deepspeed_compat import (
     estimate_zero2_model_states_mem_needs,
     estimate_zero2_model_states_mem_needs_all_cold,
@@ -20,6 +22,12 @@ from dsrun.estimate.deepspeed_compat import (
 )
 
 __all__ = [
+    "Breakdown",
+    "BufferSettings",
+    "EstimateInputs",
+    "GPTShape",
+    "estimate_peak_bytes_per_rank",
+    "estimate_zero_options",
     "ParameterCounts",
     "count_parameters",
     "estimate_zero2_model_states_mem_needs",
