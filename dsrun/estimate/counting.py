@@ -51,10 +51,32 @@ def count_parameters(model: torch.nn.Module) -> ParameterCounts:
                            largest_layer=largest, largest_layer_name=largest_name)
 
 
+# In-place ops that only change values. On a meta tensor they change nothing we can see, and running the
+# first of them (e.g. normal_) makes torch import its Python meta kernels (sympy and ~800 modules, seconds),
+# so weight initialisation is skipped while a model is built on the meta device.
+_VALUE_ONLY_INPLACE = frozenset({
+    "normal_", "uniform_", "trunc_normal_", "fill_", "zero_", "copy_", "erfinv_", "mul_", "div_", "add_",
+    "sub_", "clamp_", "clamp_min_", "clamp_max_", "exponential_", "bernoulli_", "random_", "log_normal_",
+    "geometric_", "cauchy_", "sqrt_", "abs_", "neg_", "exp_", "fmod_", "remainder_", "masked_fill_",
+    "index_fill_", "orthogonal_", "sign_", "tanh_", "sigmoid_", "addcmul_", "addcdiv_", "lerp_",
+})
+
+
+class _SkipMetaInit(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in _VALUE_ONLY_INPLACE:
+            # Tensor methods pass the tensor first; torch.nn.init functions may pass it as tensor=...
+            target = args[0] if args else kwargs.get("tensor", kwargs.get("input"))
+            if isinstance(target, torch.Tensor) and target.device.type == "meta":
+                return target
+        return func(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def meta_device() -> Iterator[None]:
-    """Build modules on the meta device: shapes and dtypes only, no memory for weights."""
-    with torch.device("meta"):
+    """Build modules on the meta device: shapes and dtypes only, no memory for weights, no initialisation."""
+    with torch.device("meta"), _SkipMetaInit():
         yield
 
 
