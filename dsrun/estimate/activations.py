@@ -22,8 +22,12 @@ dropout masks (attention out, MLP)     ``2*sbh`` when dropout is on
 
 With e=2, f=4h, dropout and explicit attention this is Korthikanti's 34*sbh + 5*a*s*s*b (we also count
 the small LayerNorm statistics). Around the blocks: the final LayerNorm input and the LM-head input
-(``2*e*sbh``), and at the loss the logits, their fp32 log-softmax and its fp32 gradient, which exist
-together when backward starts (``b*s*V*(e + 8)``).
+(``2*e*sbh``), and at the loss the logits the caller holds, their fp32 log-softmax (saved), and, when
+backward starts, the fp32 gradients of both, which exist together (``b*s*V*(e + 12)``).
+
+Backward also needs a workspace while it walks through a block: the gradients of the MLP's wide
+activations (``2*e*sbf``), or of the attention scores with explicit attention (``2*e*a*s*s*b``), whichever
+is larger.
 
 Checkpointing each block keeps only the blocks' inputs (``L*e*sbh``) and recomputes one block at a time in
 backward, so one block's full activations are live on top of them.
@@ -38,15 +42,17 @@ from dsrun.estimate.inputs import GPTShape
 @dataclass(frozen=True)
 class ActivationBytes:
     """Activation bytes of one micro batch on one rank: ``per_block`` (one transformer block's saved
-    tensors), ``blocks`` (all blocks, as kept in the chosen mode), ``head`` (final norm, LM head, loss)."""
+    tensors), ``blocks`` (all blocks, as kept in the chosen mode), ``head`` (final norm, LM head, loss),
+    ``workspace`` (gradients of one block's activations during backward)."""
 
     per_block: int
     blocks: int
     head: int
+    workspace: int = 0
 
     @property
     def total(self) -> int:
-        return self.blocks + self.head
+        return self.blocks + self.head + self.workspace
 
 
 def element_size(precision: str) -> int:
@@ -76,9 +82,17 @@ def gpt_block_activation_bytes(shape: GPTShape, micro_batch: int, seq_len: int, 
 
 
 def gpt_head_activation_bytes(shape: GPTShape, micro_batch: int, seq_len: int, elem: int) -> int:
-    """Bytes around the blocks: final LayerNorm and LM-head inputs, logits, fp32 log-probs and gradient."""
+    """Bytes around the blocks: final LayerNorm and LM-head inputs, logits, fp32 log-probs and gradients."""
     b, s = micro_batch, seq_len
-    return 2 * elem * s * b * shape.n_embd + 8 * s * b + b * s * shape.vocab_size * (elem + 8)
+    return 2 * elem * s * b * shape.n_embd + 8 * s * b + b * s * shape.vocab_size * (elem + 12)
+
+
+def gpt_backward_workspace_bytes(shape: GPTShape, micro_batch: int, seq_len: int, elem: int) -> int:
+    """Gradients of one block's widest activations, live while backward passes through it."""
+    b, s = micro_batch, seq_len
+    mlp = 2 * elem * s * b * shape.ffn
+    attention = 0 if shape.flash_attention else 2 * elem * shape.n_head * s * s * b
+    return max(mlp, attention)
 
 
 def gpt_activation_bytes(shape: GPTShape, micro_batch: int, seq_len: int, precision: str,
@@ -91,4 +105,5 @@ def gpt_activation_bytes(shape: GPTShape, micro_batch: int, seq_len: int, precis
     else:
         blocks = shape.n_layer * per_block
     head = gpt_head_activation_bytes(shape, micro_batch, seq_len, elem)
-    return ActivationBytes(per_block=per_block, blocks=blocks, head=head)
+    workspace = gpt_backward_workspace_bytes(shape, micro_batch, seq_len, elem)
+    return ActivationBytes(per_block=per_block, blocks=blocks, head=head, workspace=workspace)

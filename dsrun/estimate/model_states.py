@@ -6,6 +6,9 @@ Bytes per parameter (P = all parameters, T = trainable ones, N = data-parallel r
 * mixed precision adds an fp32 master copy (4) and an fp32 gradient copy the optimizer reads (4);
 * optimizer states: 4 bytes each, ``optimizer_state_count`` of them (Adam 2, Lion 1, SGD 0 or 1, ...).
 
+The optimizer step adds one fp32 temporary of the partition it updates on the device (a multi-tensor
+step's workspace, e.g. Adam's ``sqrt(v) + eps``), none for stateless SGD or an offloaded (fused) step.
+
 ZeRO partitions, over N ranks: stage 1 the optimizer side (master, fp32 grads, states); stage 2 also the
 gradients; stage 3 also the parameters (parameters below the persistence threshold stay whole). Optimizer
 offload moves the optimizer side to host RAM (cpu) or NVMe, where the CPU optimizer needs an fp32 copy of
@@ -63,6 +66,7 @@ class ModelStates:
     device_master_params: int  # fp32 master parameters on the device (mixed precision, no offload)
     device_gradients: int     # working gradients + fp32 gradient copy kept on the device
     device_optimizer_states: int
+    device_step_workspace: int  # temporaries of the optimizer step on the device
     host: int                 # offloaded optimizer side and parameters in host RAM
     nvme: int                 # offloaded to NVMe
     host_buffers: int         # pinned swap buffers in host RAM for NVMe offload
@@ -106,10 +110,14 @@ def model_state_bytes(spec: EstimateInputs) -> ModelStates:
             pool = spec.buffers.offload_param_buffer_count * spec.buffers.offload_param_buffer_size
             host_buffers += min(pool, _ceil_div(total, n)) * w
 
+    step_workspace = 0
     if spec.offload_optimizer == "none":
         device_master = t_part * master
         device_grads = grad_elems * w + t_part * grad32
         device_states = t_part * states
+        # A multi-tensor (foreach) step builds one fp32 temporary the size of what it updates, e.g. Adam's
+        # sqrt(v) + eps; optimizers without state update in place. The CPU optimizer (offload) is fused.
+        step_workspace = t_part * FP32 if states else 0
     else:
         device_master = device_states = 0
         # Stage 1 accumulates whole gradients on the device; stages 2-3 stream them out per bucket.
@@ -123,7 +131,7 @@ def model_state_bytes(spec: EstimateInputs) -> ModelStates:
             host_buffers += spec.buffers.offload_optimizer_buffer_count * chunk * FP32
     return ModelStates(device_params=device_params, device_master_params=device_master,
                        device_gradients=device_grads, device_optimizer_states=device_states,
-                       host=host, nvme=nvme, host_buffers=host_buffers)
+                       device_step_workspace=step_workspace, host=host, nvme=nvme, host_buffers=host_buffers)
 
 
 def init_bytes_per_rank(spec: EstimateInputs) -> int:

@@ -4,7 +4,8 @@ A rank's device memory at any moment is its resident model states plus what the 
 
 * forward/backward: the activations of one micro batch, the gradient reduction bucket(s) and, at ZeRO-3,
   the gathered parameters;
-* optimizer step: the parameter all-gather bucket (stages 1-2); activations are freed by then.
+* optimizer step: the optimizer's workspace and the parameter all-gather bucket (stages 1-2); activations
+  are freed by then.
 
 ``peak = resident + max(forward/backward extra, step extra) + runtime_overhead_bytes``. Host RAM per rank is
 the offloaded states plus the NVMe swap buffers; building the model needs its own host RAM first.
@@ -28,7 +29,8 @@ class Breakdown:
     Device (the accelerator, or the CPU when ranks run on it): ``params`` (working + fp32 master copy),
     ``gradients`` (working + fp32 copy), ``optimizer_states``, ``activations`` (one micro batch; 0 when
     the model shape is unknown, see ``notes``), ``buffers`` (reduction/all-gather buckets and ZeRO-3
-    gathered parameters at the peak phase), ``peak_per_rank`` (the total at the peak phase).
+    gathered parameters at the peak phase), ``optimizer_workspace`` (the step's temporaries),
+    ``peak_phase`` ("forward/backward" or "optimizer step"), ``peak_per_rank`` (the total at that phase).
     Host: ``host_per_rank`` (offloaded states and NVMe swap buffers while training), ``init_per_rank``
     (host RAM while building the model), ``host_peak_per_rank`` (the larger of the two).
     ``nvme_per_rank``: bytes offloaded to NVMe. ``ranks_per_node`` turns these into per-host figures.
@@ -39,6 +41,8 @@ class Breakdown:
     optimizer_states: int
     activations: int
     buffers: int
+    optimizer_workspace: int
+    peak_phase: str
     runtime: int
     peak_per_rank: int
     host_per_rank: int
@@ -97,8 +101,9 @@ def estimate_peak_bytes_per_rank(spec: EstimateInputs) -> Breakdown:
         act_total = acts.total
     resident = states.device_total + spec.runtime_overhead_bytes
     backward_extra = act_total + buffers.backward
-    step_extra = buffers.step
-    peak_buffers = buffers.backward if backward_extra >= step_extra else buffers.step
+    step_extra = buffers.step + states.device_step_workspace
+    backward_is_peak = backward_extra >= step_extra
+    peak_buffers = buffers.backward if backward_is_peak else buffers.step
     init = init_bytes_per_rank(spec)
     return Breakdown(
         params=states.device_params + states.device_master_params,
@@ -106,6 +111,8 @@ def estimate_peak_bytes_per_rank(spec: EstimateInputs) -> Breakdown:
         optimizer_states=states.device_optimizer_states,
         activations=act_total,
         buffers=peak_buffers,
+        optimizer_workspace=states.device_step_workspace,
+        peak_phase="forward/backward" if backward_is_peak else "optimizer step",
         runtime=spec.runtime_overhead_bytes,
         peak_per_rank=resident + max(backward_extra, step_extra),
         host_per_rank=states.host + states.host_buffers,

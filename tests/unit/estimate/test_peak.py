@@ -32,8 +32,18 @@ def test_peak_is_resident_states_plus_the_larger_phase():
     acts = gpt_activation_bytes(SHAPE, 4, 1024, "bf16", False).total
     buffers = buffer_bytes(s)
     assert b.activations == acts
-    assert b.peak_per_rank == model_state_bytes(s).device_total + max(acts + buffers.backward, buffers.step)
-    assert b.model_states == model_state_bytes(s).device_total
+    states = model_state_bytes(s)
+    assert states.device_step_workspace == 4 * 350_000_000 // 4  # Adam's fp32 temporary of the partition
+    assert b.peak_per_rank == states.device_total + max(acts + buffers.backward,
+                                                        buffers.step + states.device_step_workspace)
+    assert b.peak_phase == "forward/backward"
+    assert b.model_states == states.device_total
+
+
+def test_without_activations_the_optimizer_step_is_the_peak():
+    b = estimate_peak_bytes_per_rank(spec(zero_stage=0, ranks_per_node=1, model_shape=None))
+    assert b.peak_phase == "optimizer step" and b.optimizer_workspace == 4 * 350_000_000
+    assert b.peak_per_rank == b.model_states + b.optimizer_workspace
 
 
 def test_runtime_overhead_is_added_to_the_peak():
