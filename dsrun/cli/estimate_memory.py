@@ -38,8 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name in ("n-layer", "n-embd", "n-head", "vocab-size"):
         cold.add_argument(f"--{name}", type=int, help="GPT shape, for the activation estimate")
     measure = parser.add_argument_group("predicted vs measured")
-    measure.add_argument("--measured", metavar="JSON",
-                         help='compare with measured peaks: {"peak_bytes_per_rank": {"0": BYTES, ...}}')
+    measure.add_argument("--measured", metavar="PATH",
+                         help="compare with measured peaks: a run directory holding memory_peak_rank*.json files, "
+                              "or a JSON file {\"peak_bytes_per_rank\": {\"0\": BYTES, ...}}")
     measure.add_argument("--measure", action="store_true",
                          help="launch a few real steps and measure (not available yet: use --measured)")
     measure.add_argument("--tolerance", type=float, default=15.0, help="allowed error in percent (default 15)")
@@ -81,6 +82,22 @@ def _cold_inputs(args: argparse.Namespace) -> tuple[Any, dict[str, Any], dict[st
     return spec, {"name": "(given counts)"}, sources
 
 
+def _planned_layout(cfg: Any) -> tuple[int, int, str] | None:
+    """(nodes, ranks on the busiest node, source) from the launcher's plan, which reads hostfiles and
+    filters too; None when no launcher is available in this build."""
+    try:
+        from dsrun.launcher import plan_from_mapping
+    except ImportError:
+        return None
+    from omegaconf import OmegaConf
+
+    launcher = cfg.get("launcher")
+    mapping = OmegaConf.to_container(launcher, resolve=True) if launcher is not None else None
+    plan = plan_from_mapping(mapping, "dsrun.worker", module=True)
+    slots = [len(s) for s in plan.hosts.values()] or [plan.world_size]
+    return len(slots), max(slots), f"launch plan ({plan.world_size} ranks on {len(slots)} host(s))"
+
+
 def _recipe_inputs(args: argparse.Namespace) -> tuple[Any, dict[str, Any], dict[str, str]]:
     try:
         from dsrun.compose import compose_runspec
@@ -93,6 +110,10 @@ def _recipe_inputs(args: argparse.Namespace) -> tuple[Any, dict[str, Any], dict[
     model = build_recipe_model(cfg)
     spec, sources = inputs_from_runspec(cfg, model)
     changes: dict[str, Any] = {}
+    layout = _planned_layout(cfg)
+    if layout is not None:
+        changes["nodes"], changes["ranks_per_node"], sources["nodes"] = layout
+        sources["ranks_per_node"] = sources["nodes"]
     for flag, field_name in (("gpus_per_node", "ranks_per_node"), ("nodes", "nodes"), ("stage", "zero_stage"),
                              ("precision", "precision"), ("optimizer", "optimizer"),
                              ("micro_batch", "micro_batch_size"), ("seq_len", "seq_len"),

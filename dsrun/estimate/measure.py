@@ -1,14 +1,21 @@
 """Predicted versus measured peak memory per rank: the comparison behind ``--measure``.
 
-The measuring side (launching a few real steps and recording each rank's peak) belongs to the engine
-and the worker; this module only needs the numbers. A measurement is a JSON file
-``{"peak_bytes_per_rank": {"0": 123, "1": 456}}`` (a list in rank order also works), or a dict given
-directly. :func:`compare_peaks` pairs it with the prediction and :func:`comparison_table` renders the
-rows, with the error ``(predicted - measured) / measured`` in percent.
+Launching a few real steps belongs to the engine and the worker; this module gives them the two ends:
+
+* in each rank: ``baseline = current_rss()`` before building the model, then after a few steps
+  ``write_rank_peak(run_dir, rank, rank_peak_bytes(baseline))``. On CUDA the peak is
+  ``torch.cuda.max_memory_allocated()``; on CPU it is the process's peak RSS (``ru_maxrss``, a high-water
+  mark) minus the baseline, which tracks tensor memory when glibc returns large blocks at once
+  (``MALLOC_MMAP_THRESHOLD_=65536`` in the rank's environment);
+* in the estimator: :func:`load_measured_peaks` reads those files back (or one JSON file
+  ``{"peak_bytes_per_rank": {"0": 123, "1": 456}}``, or a list in rank order), :func:`compare_peaks`
+  pairs them with the prediction and :func:`comparison_table` renders the rows with the error
+  ``(predicted - measured) / measured`` in percent.
 """
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -16,6 +23,35 @@ from typing import Any, Mapping, Sequence
 from dsrun.utils.errors import UserError, Problem
 
 DEFAULT_TOLERANCE_PCT = 15.0
+PEAK_FILE_PREFIX = "memory_peak_rank"
+
+
+def current_rss() -> int:
+    """This process's resident memory now, in bytes."""
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+def rank_peak_bytes(baseline_rss: int = 0) -> int:
+    """This rank's peak memory: CUDA's peak allocation if it used CUDA, else peak RSS minus ``baseline_rss``."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return int(torch.cuda.max_memory_allocated())
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak *= 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
+    return int(peak - baseline_rss)
+
+
+def write_rank_peak(directory: str | Path, rank: int, peak_bytes: int) -> Path:
+    """Record one rank's measured peak as ``<directory>/memory_peak_rank<rank>.json``."""
+    path = Path(directory) / f"{PEAK_FILE_PREFIX}{rank}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"rank": int(rank), "peak_bytes": int(peak_bytes)}))
+    return path
 
 
 @dataclass(frozen=True)
@@ -52,7 +88,18 @@ def compare_peaks(predicted: int | Mapping[int, int], measured: Mapping[int, int
 
 
 def load_measured_peaks(source: str | Path | Mapping[str, Any]) -> dict[int, int]:
-    """Per-rank measured peaks from a JSON file or an already-loaded dict (see the module docstring)."""
+    """Per-rank measured peaks from a run directory holding ``memory_peak_rank*.json`` files, a JSON file,
+    or an already-loaded dict (see the module docstring)."""
+    if not isinstance(source, Mapping) and Path(source).is_dir():
+        files = sorted(Path(source).glob(f"{PEAK_FILE_PREFIX}*.json"))
+        if not files:
+            raise UserError(Problem(str(source), f"no {PEAK_FILE_PREFIX}*.json files in this directory",
+                                    "run the measured steps first"))
+        peaks = {}
+        for file in files:
+            record = json.loads(file.read_text())
+            peaks[int(record["rank"])] = int(record["peak_bytes"])
+        return peaks
     if isinstance(source, Mapping):
         data: Any = source
         where = "measured peaks"

@@ -7,8 +7,9 @@ to the inputs, where each one came from (a key path, or "default"), so the repor
 * ``ds``: ``zero_optimization`` (stage, offload, buckets), ``bf16.enabled`` / ``fp16.enabled``,
   ``optimizer.type`` and ``optimizer.params``, ``train_micro_batch_size_per_gpu`` (or
   ``train_batch_size / gradient_accumulation_steps / world size``);
-* ``launcher``: nodes from ``num_nodes`` / ``nnodes`` / ``nodes``; ranks per node from ``num_gpus`` /
-  ``nproc_per_node`` / ``gpus_per_node`` / ``procs_per_node``;
+* ``launcher``: nodes from ``num_nodes`` / ``nnodes`` / ``nodes``; ranks per node from ``num_procs`` /
+  ``num_gpus`` / ``nproc_per_node`` / ``gpus_per_node`` (the CLI prefers the launch plan when it can make
+  one, which also covers hostfiles);
 * sequence length: ``data.seq_len`` / ``data.block_size`` / ``data.sequence_length``, else the model's
   ``block_size``;
 * activation checkpointing: ``train.activation_checkpointing`` / ``model.activation_checkpointing`` /
@@ -130,8 +131,7 @@ def inputs_from_runspec(cfg: Any, model: RecipeModel) -> tuple[EstimateInputs, d
 
     nodes, sources["nodes"] = _first(tree, ["launcher.num_nodes", "launcher.nnodes", "launcher.nodes"], 1)
     rpn, sources["ranks_per_node"] = _first(
-        tree, ["launcher.num_gpus", "launcher.nproc_per_node", "launcher.gpus_per_node",
-               "launcher.procs_per_node"], 1)
+        tree, ["launcher.num_procs", "launcher.num_gpus", "launcher.nproc_per_node", "launcher.gpus_per_node"], 1)
     nodes, rpn = int(nodes), int(rpn)
     stage = int(zero.get("stage", 0))
     sources["zero_stage"] = "ds.zero_optimization.stage" if "stage" in zero else "default"

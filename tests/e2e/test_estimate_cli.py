@@ -74,7 +74,7 @@ def fake_compose(monkeypatch):
     def compose_runspec(overrides, recipes_dirs=()):
         calls.append((list(overrides), tuple(recipes_dirs)))
         base = OmegaConf.create({
-            "model": dict(TINY), "data": {"seq_len": 64}, "train": {}, "launcher": {"num_nodes": 1, "num_gpus": 2},
+            "model": dict(TINY), "data": {"seq_len": 64}, "train": {}, "launcher": {"runner": "local", "num_procs": 2},
             "ds": {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2},
                    "optimizer": {"type": "AdamW"}},
         })
@@ -87,10 +87,10 @@ def fake_compose(monkeypatch):
 
 
 def test_recipe_mode_composes_builds_on_meta_and_estimates(fake_compose, capsys):
-    code = main(["estimate-memory", "ds.zero_optimization.stage=3", "--json", "launcher.num_gpus=4",
+    code = main(["estimate-memory", "ds.zero_optimization.stage=3", "--json", "launcher.num_procs=4",
                  "--recipes-dir", "/tmp/recipes"])
     assert code == 0
-    assert fake_compose == [(["ds.zero_optimization.stage=3", "launcher.num_gpus=4"], ("/tmp/recipes",))]
+    assert fake_compose == [(["ds.zero_optimization.stage=3", "launcher.num_procs=4"], ("/tmp/recipes",))]
     data = json.loads(capsys.readouterr().out)
     assert data["model"]["name"] == TINY["_target_"] and data["model"]["largest_layer_name"] == "wte"
     assert data["inputs"]["zero_stage"] == 3 and data["layout"]["world_size"] == 4

@@ -20,7 +20,7 @@ def runspec(**sections):
         "model": dict(TINY),
         "data": {"seq_len": 32},
         "train": {"activation_checkpointing": True},
-        "launcher": {"num_nodes": 2, "num_gpus": 4},
+        "launcher": {"num_nodes": 2, "num_procs": 4},
         "ds": {"train_micro_batch_size_per_gpu": 3, "bf16": {"enabled": True},
                "optimizer": {"type": "Lion", "params": {"lr": 1e-4}},
                "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
@@ -57,7 +57,7 @@ def test_inputs_come_from_the_runspec_with_their_sources():
     assert spec.model_shape.n_layer == 2 and spec.model_shape.vocab_size == 512
     assert spec.small_params == small_parameter_count(build_recipe_model(cfg).module, 1000) > 0
     assert sources["precision"] == "ds.bf16.enabled" and sources["seq_len"] == "data.seq_len"
-    assert sources["ranks_per_node"] == "launcher.num_gpus"
+    assert sources["ranks_per_node"] == "launcher.num_procs"
     assert estimate_peak_bytes_per_rank(spec).activations > 0
 
 
