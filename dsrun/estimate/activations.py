@@ -12,6 +12,9 @@ tensor saved for backward              bytes
 LayerNorm 1 input (+ fp32 mean, rstd)  ``e*sbh + 8*sb``
 QKV projection input                   ``e*sbh``
 Q, K, V                                ``3*e*sbh``
+rotary positions only                  ``3*e*sbh`` (rotated Q and K; the fused kernel
+                                       then writes its output head-major, so the
+                                       output projection gets its own copy)
 attention, fused kernel                ``4*a*s*b`` (fp32 log-sum-exp)
 attention, explicit softmax            ``e*a*s*s*b`` (+ ``(1+e)*a*s*s*b`` with dropout)
 output projection input                ``e*sbh``
@@ -67,6 +70,10 @@ def gpt_block_activation_bytes(shape: GPTShape, micro_batch: int, seq_len: int, 
     total = elem * sbh + 8 * sb          # LayerNorm 1 input and statistics
     total += elem * sbh                  # QKV projection input
     total += 3 * elem * sbh              # Q, K, V
+    if shape.rotary:
+        # Rotated Q and K are new tensors; contiguous Q also makes the fused kernel write its output
+        # head-major, so the output projection's input is a separate copy.
+        total += 3 * elem * sbh
     if shape.flash_attention:
         total += 4 * a * s * b           # fused attention keeps only the log-sum-exp
     else:

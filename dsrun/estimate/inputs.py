@@ -26,6 +26,8 @@ class GPTShape:
     ``ffn_hidden`` defaults to ``4 * n_embd``. ``flash_attention``: attention through a fused kernel
     (``scaled_dot_product_attention``) that saves no ``seq x seq`` score matrix; False for the explicit
     softmax(QK^T)V that keeps it. ``dropout``: dropout layers active (each keeps a one-byte mask).
+    ``rotary``: rotary position embeddings (the rotated queries and keys are new tensors, and the attention
+    output gets copied once more on its way to the output projection).
     """
 
     n_layer: int
@@ -35,6 +37,7 @@ class GPTShape:
     ffn_hidden: int | None = None
     flash_attention: bool = True
     dropout: bool = False
+    rotary: bool = False
 
     @property
     def ffn(self) -> int:

@@ -90,25 +90,26 @@ def model_state_bytes(spec: EstimateInputs) -> ModelStates:
     states = FP32 * optimizer_state_count(spec.optimizer, spec.optimizer_params)
     total, trainable = spec.total_params, spec.trainable
 
-    # Parameters: whole below stage 3; the partition plus the small persistent ones at stage 3.
+    # Parameters: whole below stage 3; at stage 3 the small ones stay whole and the rest is partitioned.
+    small = min(spec.small_params, total)
     if stage < 3:
         param_elems = total
     else:
-        param_elems = _ceil_div(total, n) + spec.small_params
+        param_elems = _ceil_div(total - small, n) + small
     t_part = _ceil_div(trainable, n) if stage >= 1 else trainable
     grad_elems = trainable if stage <= 1 else _ceil_div(trainable, n)
 
     host = nvme = host_buffers = 0
     device_params = param_elems * w
     if spec.offload_param != "none":
-        partition = _ceil_div(total, n) * w
-        device_params = spec.small_params * w
+        partition = _ceil_div(total - small, n) * w
+        device_params = small * w
         if spec.offload_param == "cpu":
             host += partition
         else:
             nvme += partition
             pool = spec.buffers.offload_param_buffer_count * spec.buffers.offload_param_buffer_size
-            host_buffers += min(pool, _ceil_div(total, n)) * w
+            host_buffers += min(pool, _ceil_div(total - small, n)) * w
 
     step_workspace = 0
     if spec.offload_optimizer == "none":

@@ -58,7 +58,8 @@ class MemoryReport:
         spec = self.inputs
         shape = spec.model_shape
         data = {
-            "model": self.model,
+            "model": {**self.model, "total_params": spec.total_params, "trainable_params": spec.trainable,
+                      "largest_layer_params": spec.largest_layer_params},
             "layout": {"nodes": spec.nodes, "ranks_per_node": spec.ranks_per_node, "world_size": spec.world_size},
             "inputs": {
                 "zero_stage": spec.zero_stage, "offload_optimizer": spec.offload_optimizer,

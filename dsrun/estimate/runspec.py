@@ -15,7 +15,8 @@ to the inputs, where each one came from (a key path, or "default"), so the repor
 * activation checkpointing: ``train.activation_checkpointing`` / ``model.activation_checkpointing`` /
   ``model.gradient_checkpointing``;
 * the GPT shape from the built model's ``config`` (``n_layer``, ``n_embd``, ``n_head``, ``vocab_size``,
-  optional ``dropout`` and ``flash``), else from the same keys under ``cfg.model``.
+  optional ``ffn_hidden``, ``dropout``, ``flash`` and ``positions``), else from the same keys under
+  ``cfg.model``.
 """
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ def gpt_shape_of(model: torch.nn.Module | None, model_cfg: Mapping[str, Any]) ->
             flash = get("flash")
             return GPTShape(**fields, ffn_hidden=get("ffn_hidden") if isinstance(get("ffn_hidden"), int) else None,
                             flash_attention=True if flash is None else bool(flash),
-                            dropout=bool(get("dropout") or 0))
+                            dropout=bool(get("dropout") or 0), rotary=get("positions") == "rotary")
     return None
 
 
