@@ -2,6 +2,7 @@
 
   dsrun estimate-memory +recipe=gpt_zero3 launcher.num_gpus=4      # a recipe, with Hydra overrides
   dsrun estimate-memory --total-params 2.851e9 --largest-layer-params 3.2e7 --gpus-per-node 8 --nodes 1
+  dsrun estimate-memory +recipe=gpt_zero2 --measure    # also train 3 steps and compare each rank's peak
 
 The model is built on the meta device (no weights are allocated), so a 10B-parameter model takes about a
 second. Prints DeepSpeed's ZeRO-2 and ZeRO-3 model-state tables (identical to DeepSpeed's estimators),
@@ -12,6 +13,7 @@ per host, and a verdict against this machine's memory. See docs/estimate.md for 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from dsrun.utils.errors import Problem, UserError
@@ -42,7 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="compare with measured peaks: a run directory holding memory_peak_rank*.json files, "
                               "or a JSON file {\"peak_bytes_per_rank\": {\"0\": BYTES, ...}}")
     measure.add_argument("--measure", action="store_true",
-                         help="launch a few real steps and measure (not available yet: use --measured)")
+                         help="train the recipe for a few steps (dsrun train) and compare each rank's peak "
+                              "with the prediction")
+    measure.add_argument("--measure-steps", type=int, default=3, help="optimizer steps of the measured run")
+    measure.add_argument("--measure-timeout", type=float, default=600, help="seconds before the run is stopped")
     measure.add_argument("--tolerance", type=float, default=15.0, help="allowed error in percent (default 15)")
     parser.add_argument("--recipes-dir", action="append", default=[], metavar="DIR",
                         help="an extra folder of recipes (repeatable)")
@@ -129,10 +134,39 @@ def _recipe_inputs(args: argparse.Namespace) -> tuple[Any, dict[str, Any], dict[
     return spec, info, sources
 
 
+def measure_run(overrides: list[str], recipes_dirs: list[str], steps: int, timeout: float,
+                run_dir: Path) -> dict[int, int]:
+    """Train the recipe for ``steps`` optimizer steps in ``run_dir`` (``dsrun train``, as a user would) and
+    read back the peak each rank recorded there (``memory_peak_rank<r>.json``)."""
+    import os
+    import subprocess
+    import sys
+
+    from dsrun.estimate.measure import load_measured_peaks
+
+    command = [sys.executable, "-m", "dsrun", "train", *overrides,
+               *[arg for d in recipes_dirs for arg in ("--recipes-dir", d)],
+               f"train.max_steps={steps}", "train.eval_interval=0", "train.eval_iters=1", "train.save_interval=0",
+               f"hydra.run.dir={run_dir}"]
+    # glibc then returns large blocks to the system at once, so a rank's peak RSS tracks its tensors.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", "65536")}
+    try:
+        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout,
+                                stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise UserError(Problem("--measure", f"the measured run did not finish in {timeout:g}s",
+                                "raise --measure-timeout or lower --measure-steps")) from None
+    if result.returncode != 0:
+        tail = " | ".join((result.stderr or result.stdout).strip().splitlines()[-3:])
+        raise UserError(Problem("--measure", f"the measured run failed with exit code {result.returncode}: {tail}"))
+    return load_measured_peaks(run_dir)
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.measure:
-        raise UserError(Problem("--measure", "live measurement needs the training engine, which is not wired "
-                                "into the estimator yet", "run the steps yourself and pass --measured FILE"))
+    if args.measure and args.total_params is not None:
+        raise UserError(Problem("--measure", "needs a recipe to train, not --total-params"))
+    if args.measure and args.measured:
+        raise UserError(Problem("--measure", "give either --measure or --measured, not both"))
     if args.total_params is not None and args.overrides:
         raise UserError(Problem("--total-params", "give either a recipe (overrides) or --total-params, not both"))
     if args.total_params is None and args.largest_layer_params is not None:
@@ -144,10 +178,18 @@ def run(args: argparse.Namespace) -> int:
     spec, model_info, sources = _cold_inputs(args) if args.total_params is not None else _recipe_inputs(args)
     report = build_report(spec, model_info, sources, detect_budget())
     rows = None
-    if args.measured:
+    if args.measured or args.measure:
         from dsrun.estimate.measure import compare_peaks, load_measured_peaks
 
-        rows = compare_peaks(report.recipe.peak_per_rank, load_measured_peaks(args.measured))
+        if args.measure:
+            import tempfile
+
+            run_dir = Path(tempfile.mkdtemp(prefix="dsrun-measure-"))
+            peaks = measure_run(list(args.overrides), list(args.recipes_dir), args.measure_steps,
+                                args.measure_timeout, run_dir)
+        else:
+            peaks = load_measured_peaks(args.measured)
+        rows = compare_peaks(report.recipe.peak_per_rank, peaks)
     if args.json:
         import json
 

@@ -2,8 +2,9 @@
 
 Launching a few real steps belongs to the engine and the worker; this module gives them the two ends:
 
-* in each rank: ``baseline = current_rss()`` before building the model, then after a few steps
-  ``write_rank_peak(run_dir, rank, rank_peak_bytes(baseline))``. On CUDA the peak is
+* in each rank: ``baseline = current_rss()`` before building the model, then after the steps
+  ``record_rank_peak(run_dir, rank, baseline)`` (= ``write_rank_peak(run_dir, rank,
+  rank_peak_bytes(baseline))``). On CUDA the peak is
   ``torch.cuda.max_memory_allocated()``; on CPU it is the process's peak RSS (``ru_maxrss``, a high-water
   mark) minus the baseline, which tracks tensor memory when glibc returns large blocks at once
   (``MALLOC_MMAP_THRESHOLD_=65536`` in the rank's environment);
@@ -87,6 +88,11 @@ def compare_peaks(predicted: int | Mapping[int, int], measured: Mapping[int, int
     return rows
 
 
+def record_rank_peak(run_dir: str | Path, rank: int, baseline_rss: int = 0) -> Path:
+    """What a rank calls at the end of its run: measure its peak and write it into the run directory."""
+    return write_rank_peak(run_dir, rank, rank_peak_bytes(baseline_rss))
+
+
 def load_measured_peaks(source: str | Path | Mapping[str, Any]) -> dict[int, int]:
     """Per-rank measured peaks from a run directory holding ``memory_peak_rank*.json`` files, a JSON file,
     or an already-loaded dict (see the module docstring)."""
@@ -94,7 +100,7 @@ def load_measured_peaks(source: str | Path | Mapping[str, Any]) -> dict[int, int
         files = sorted(Path(source).glob(f"{PEAK_FILE_PREFIX}*.json"))
         if not files:
             raise UserError(Problem(str(source), f"no {PEAK_FILE_PREFIX}*.json files in this directory",
-                                    "run the measured steps first"))
+                                    "the ranks record them with dsrun.estimate.measure.record_rank_peak"))
         peaks = {}
         for file in files:
             record = json.loads(file.read_text())

@@ -48,7 +48,8 @@ def test_json_output_is_one_document_for_machines():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--measure", "--total-params", "1e9"], "--measure: live measurement needs the training engine"),
+    (["--measure", "--total-params", "1e9"], "--measure: needs a recipe to train"),
+    (["--measure", "--measured", "x.json"], "either --measure or --measured"),
     (["+recipe=x", "--total-params", "1e9"], "either a recipe (overrides) or --total-params"),
     (["--largest-layer-params", "1e6"], "needs --total-params"),
     (["--total-params", "1e9", "--n-layer", "2"], "give all four"),
@@ -136,3 +137,45 @@ def test_without_compose_the_recipe_mode_explains_the_way_out(monkeypatch, capsy
     monkeypatch.setitem(sys.modules, "dsrun.compose", None)  # import fails, as before the lead's module lands
     assert main(["estimate-memory", "+recipe=gpt"]) == 2
     assert "pass --total-params" in capsys.readouterr().err
+
+
+@pytest.fixture
+def fake_train(monkeypatch):
+    """Stand in for the `dsrun train` subprocess of --measure: each "rank" records its peak in the run
+    directory the way dsrun.worker does (dsrun.estimate.measure.write_rank_peak)."""
+    import subprocess
+
+    from dsrun.estimate.measure import write_rank_peak
+
+    state = {"calls": [], "peaks": {0: 150 * 2**20, 1: 160 * 2**20}, "returncode": 0}
+
+    def run(command, **kwargs):
+        state["calls"].append((command, kwargs))
+        run_dir = next(a.split("=", 1)[1] for a in command if a.startswith("hydra.run.dir="))
+        if state["returncode"] == 0:
+            for rank, peak in state["peaks"].items():
+                write_rank_peak(run_dir, rank, peak)
+        return subprocess.CompletedProcess(command, state["returncode"], "", "Traceback\nRuntimeError: boom\n")
+
+    monkeypatch.setattr(subprocess, "run", run)
+    return state
+
+
+def test_measure_trains_a_few_steps_and_compares_each_rank(fake_compose, fake_train, capsys):
+    assert main(["estimate-memory", "+recipe=gpt_zero2", "--measure", "--measure-steps", "2", "--json"]) == 0
+    (command, kwargs), = fake_train["calls"]
+    assert command[1:4] == ["-m", "dsrun", "train"] and "+recipe=gpt_zero2" in command
+    assert "train.max_steps=2" in command and kwargs["env"]["MALLOC_MMAP_THRESHOLD_"]
+    data = json.loads(capsys.readouterr().out)
+    predicted = data["recipe"]["peak_per_rank"]
+    assert [(r["rank"], r["measured"], r["predicted"]) for r in data["measured"]] == [
+        (0, 150 * 2**20, predicted), (1, 160 * 2**20, predicted)]
+
+
+def test_measure_reports_a_failed_run_and_a_run_without_records(fake_compose, fake_train, capsys):
+    fake_train["returncode"] = 1
+    assert main(["estimate-memory", "--measure"]) == 2
+    assert "failed with exit code 1" in capsys.readouterr().err
+    fake_train["returncode"], fake_train["peaks"] = 0, {}
+    assert main(["estimate-memory", "--measure"]) == 2
+    assert "record_rank_peak" in capsys.readouterr().err

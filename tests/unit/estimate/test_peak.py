@@ -156,3 +156,24 @@ def test_load_measured_peaks_accepts_a_dict_or_a_list(tmp_path):
         load_measured_peaks({"peaks": [1]})
     with pytest.raises(UserError, match="file not found"):
         load_measured_peaks(tmp_path / "missing.json")
+
+
+def test_a_rank_records_its_peak_above_the_baseline(tmp_path):
+    # A fresh process, as a rank is: 256 MiB of touched tensor memory must show up as about 256 MiB.
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    script = ("import sys, torch\n"
+              "from dsrun.estimate.measure import current_rss, record_rank_peak\n"
+              "baseline = current_rss()\n"
+              "t = torch.ones(64 * 2**20)\n"
+              "del t\n"
+              "record_rank_peak(sys.argv[1], 3, baseline)\n")
+    env = {"PYTHONPATH": str(REPO), "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1",
+           "PATH": "/usr/bin:/bin"}
+    subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, check=True, timeout=120, cwd=REPO)
+    peaks = load_measured_peaks(tmp_path)
+    assert list(peaks) == [3]
+    assert 250 * 2**20 <= peaks[3] <= 300 * 2**20, peaks[3] / 2**20
