@@ -1,19 +1,28 @@
 """Model states per rank: parameters, gradients and optimizer states, by ZeRO stage, offload and precision.
 
-Bytes per parameter (P = all parameters, T = trainable ones, N = data-parallel ranks):
+Bytes per parameter (P = all parameters, T = trainable ones, N = data-parallel ranks, w = 2 in fp16/bf16
+or 4 in fp32, k = ``optimizer_state_count``), as dsrun's ZeRO strategies hold them (checked against the
+engine's own ``memory_breakdown()`` for stages 0-3 on 1 and 2 ranks, fp32 and bf16):
 
-* working parameters ``w`` = 2 (fp16/bf16) or 4 (fp32); working gradients the same ``w``;
-* mixed precision adds an fp32 master copy (4) and an fp32 gradient copy the optimizer reads (4);
-* optimizer states: 4 bytes each, ``optimizer_state_count`` of them (Adam 2, Lion 1, SGD 0 or 1, ...).
+=====  =====================  ======================  ==============================  ===========
+stage  parameters             fp32 master copy        gradients                       states
+=====  =====================  ======================  ==============================  ===========
+0      ``P*w``                ``4T`` if mixed         ``T*w`` (+ ``4T`` if mixed)     ``4kT``
+1      ``P*w``                ``4T/N``                ``T*w + 4T/N`` (+ ``wT/N`` if   ``4kT/N``
+                                                      mixed: the received piece)
+2      ``P*w``                ``4T/N``                ``4T/N`` (fp32 accumulator)     ``4kT/N``
+3      ``(P/N + small)*w``    ``4T/N`` if mixed       ``4T/N``                        ``4kT/N``
+=====  =====================  ======================  ==============================  ===========
 
-The optimizer step adds one fp32 temporary of the partition it updates on the device (a multi-tensor
-step's workspace, e.g. Adam's ``sqrt(v) + eps``), none for stateless SGD or an offloaded (fused) step.
+Stages 1-2 step an fp32 clone of the partition even in fp32 training; stage 3 in fp32 steps its fp32
+partition directly. ``small`` = parameters below ``stage3_param_persistence_threshold``, kept gathered on
+every rank besides their share of the partition. The optimizer step adds one fp32 temporary of the
+partition it updates (a multi-tensor step's workspace, e.g. Adam's ``sqrt(v) + eps``), none for stateless
+SGD or an offloaded (fused) step.
 
-ZeRO partitions, over N ranks: stage 1 the optimizer side (master, fp32 grads, states); stage 2 also the
-gradients; stage 3 also the parameters (parameters below the persistence threshold stay whole). Optimizer
-offload moves the optimizer side to host RAM (cpu) or NVMe, where the CPU optimizer needs an fp32 copy of
-the partition even in fp32 training; with it, stage 2/3 gradients leave the device bucket by bucket.
-Parameter offload (stage 3) moves the parameter partition to host RAM or NVMe.
+Optimizer offload moves master copy, fp32 gradients and states to host RAM (cpu) or NVMe; the CPU
+optimizer needs an fp32 copy of the partition even in fp32 training; with it, stage 2/3 gradients leave
+the device bucket by bucket. Parameter offload (stage 3) moves the parameter partition to host RAM or NVMe.
 """
 from __future__ import annotations
 
@@ -84,37 +93,40 @@ def model_state_bytes(spec: EstimateInputs) -> ModelStates:
     """Model-state bytes per rank for ``spec`` (see the module docstring for the rules)."""
     n = spec.world_size
     stage = spec.zero_stage
-    w = 2 if spec.mixed_precision else FP32
-    master = FP32 if spec.mixed_precision else 0
-    grad32 = FP32 if spec.mixed_precision else 0
+    mixed = spec.mixed_precision
+    w = 2 if mixed else FP32
+    # fp32 master copy: always in mixed precision; in fp32 the partitioned stages 1-2 step a clone.
+    master = FP32 if mixed or stage in (1, 2) else 0
     states = FP32 * optimizer_state_count(spec.optimizer, spec.optimizer_params)
     total, trainable = spec.total_params, spec.trainable
 
-    # Parameters: whole below stage 3; at stage 3 the small ones stay whole and the rest is partitioned.
+    # Parameters: whole below stage 3; at stage 3 the partition plus the small ones kept gathered.
     small = min(spec.small_params, total)
-    if stage < 3:
-        param_elems = total
-    else:
-        param_elems = _ceil_div(total - small, n) + small
+    param_elems = total if stage < 3 else _ceil_div(total, n) + small
     t_part = _ceil_div(trainable, n) if stage >= 1 else trainable
-    grad_elems = trainable if stage <= 1 else _ceil_div(trainable, n)
+    if stage == 0:
+        grad_bytes = trainable * w + (trainable * FP32 if mixed else 0)
+    elif stage == 1:  # whole working gradients, the fp32 partition, and (16-bit) the received piece
+        grad_bytes = trainable * w + t_part * FP32 + (t_part * w if mixed else 0)
+    else:  # only the fp32 partition accumulator
+        grad_bytes = t_part * FP32
 
     host = nvme = host_buffers = 0
     device_params = param_elems * w
     if spec.offload_param != "none":
-        partition = _ceil_div(total - small, n) * w
+        partition = _ceil_div(total, n) * w
         device_params = small * w
         if spec.offload_param == "cpu":
             host += partition
         else:
             nvme += partition
             pool = spec.buffers.offload_param_buffer_count * spec.buffers.offload_param_buffer_size
-            host_buffers += min(pool, _ceil_div(total - small, n)) * w
+            host_buffers += min(pool, _ceil_div(total, n)) * w
 
     step_workspace = 0
     if spec.offload_optimizer == "none":
         device_master = t_part * master
-        device_grads = grad_elems * w + t_part * grad32
+        device_grads = grad_bytes
         device_states = t_part * states
         # A multi-tensor (foreach) step builds one fp32 temporary the size of what it updates, e.g. Adam's
         # sqrt(v) + eps; optimizers without state update in place. The CPU optimizer (offload) is fused.

@@ -4,8 +4,8 @@ A rank's device memory at any moment is its resident model states plus what the 
 
 * forward/backward: the activations of one micro batch, the gradient reduction bucket(s) and, at ZeRO-3,
   the gathered parameters;
-* optimizer step: the optimizer's workspace and the parameter all-gather bucket (stages 1-2); activations
-  are freed by then.
+* optimizer step: the optimizer's workspace; activations are freed by then, and the updated partitions
+  are all-gathered straight into the parameters.
 
 ``peak = resident + max(forward/backward extra, step extra) + runtime_overhead_bytes``. Host RAM per rank is
 the offloaded states plus the NVMe swap buffers; building the model needs its own host RAM first.
@@ -28,7 +28,7 @@ class Breakdown:
 
     Device (the accelerator, or the CPU when ranks run on it): ``params`` (working + fp32 master copy),
     ``gradients`` (working + fp32 copy), ``optimizer_states``, ``activations`` (one micro batch; 0 when
-    the model shape is unknown, see ``notes``), ``buffers`` (reduction/all-gather buckets and ZeRO-3
+    the model shape is unknown, see ``notes``), ``buffers`` (gradient reduction buckets and ZeRO-3
     gathered parameters at the peak phase), ``optimizer_workspace`` (the step's temporaries),
     ``peak_phase`` ("forward/backward" or "optimizer step"), ``peak_per_rank`` (the total at that phase).
     Host: ``host_per_rank`` (offloaded states and NVMe swap buffers while training), ``init_per_rank``
@@ -101,9 +101,9 @@ def estimate_peak_bytes_per_rank(spec: EstimateInputs) -> Breakdown:
         act_total = acts.total
     resident = states.device_total + spec.runtime_overhead_bytes
     backward_extra = act_total + buffers.backward
-    step_extra = buffers.step + states.device_step_workspace
+    step_extra = states.device_step_workspace
     backward_is_peak = backward_extra >= step_extra
-    peak_buffers = buffers.backward if backward_is_peak else buffers.step
+    peak_buffers = buffers.backward if backward_is_peak else 0
     init = init_bytes_per_rank(spec)
     return Breakdown(
         params=states.device_params + states.device_master_params,

@@ -103,18 +103,31 @@ def spec(**kw) -> EstimateInputs:
     return EstimateInputs(**base)
 
 
-def test_reduce_bucket_is_capped_by_the_model_and_doubled_by_overlap():
+def test_stage2_bucket_and_received_piece_are_capped_by_the_model_and_doubled_by_overlap():
     small = buffer_bytes(spec(zero_stage=2))  # default bucket 5e8 elements > 1e7 params
-    assert small.reduce_bucket == 10_000_000 * 2
+    assert small.reduce_bucket == (10_000_000 + 10_000_000 // 4) * 2
     overlapped = buffer_bytes(spec(zero_stage=2, buffers=BufferSettings(overlap_comm=True)))
     assert overlapped.reduce_bucket == 2 * small.reduce_bucket
     tiny_bucket = buffer_bytes(spec(zero_stage=2, buffers=BufferSettings(reduce_bucket_size=1000)))
-    assert tiny_bucket.reduce_bucket == 1000 * 2
+    assert tiny_bucket.reduce_bucket == (1000 + 250) * 2
 
 
-def test_one_rank_has_no_communication_buffers():
-    for stage in range(4):
-        assert buffer_bytes(spec(zero_stage=stage, ranks_per_node=1)).backward == 0
+@pytest.mark.parametrize("precision, ranks, engine_bytes", [
+    ("fp32", 1, 3_764_224), ("fp32", 2, 2_823_168), ("bf16", 1, 1_882_112), ("bf16", 2, 1_411_584)])
+def test_stage2_buffers_match_the_engines_pool(precision, ranks, engine_bytes):
+    # Oracle: the engine's pooled stage-2 buffers (memory_breakdown().buffers) for a 470,528-parameter GPT.
+    s = EstimateInputs(total_params=470_528, largest_layer_params=65_536, ranks_per_node=ranks, zero_stage=2,
+                       precision=precision)
+    assert buffer_bytes(s).reduce_bucket == engine_bytes
+
+
+def test_stages_0_and_1_reduce_in_place():
+    for stage in (0, 1):
+        assert buffer_bytes(spec(zero_stage=stage)).backward == 0
+
+
+def test_one_rank_at_stage3_gathers_nothing():
+    assert buffer_bytes(spec(zero_stage=3, ranks_per_node=1)).backward == 0
 
 
 def test_stage3_without_prefetch_gathers_deepspeeds_largest_layer_memory():
@@ -129,9 +142,4 @@ def test_stage3_prefetch_is_capped_by_max_live_parameters_and_the_model():
     assert capped.gathered_params == (3_000_000 + 1_000_000) * 2
     whole = buffer_bytes(spec(zero_stage=3))  # default prefetch 5e7 > the 1e7-parameter model
     assert whole.gathered_params == (10_000_000 + 1_000_000) * 2
-
-
-def test_allgather_bucket_only_for_stages_1_and_2():
-    assert buffer_bytes(spec(zero_stage=0)).step == 0
-    assert buffer_bytes(spec(zero_stage=1)).step == 10_000_000 * 2
-    assert buffer_bytes(spec(zero_stage=3)).step == 0
+    assert whole.reduce_bucket == 10_000_000 * 2 * 2  # overlap_comm is on by default at stage 3

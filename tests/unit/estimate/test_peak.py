@@ -34,8 +34,7 @@ def test_peak_is_resident_states_plus_the_larger_phase():
     assert b.activations == acts
     states = model_state_bytes(s)
     assert states.device_step_workspace == 4 * 350_000_000 // 4  # Adam's fp32 temporary of the partition
-    assert b.peak_per_rank == states.device_total + max(acts + buffers.backward,
-                                                        buffers.step + states.device_step_workspace)
+    assert b.peak_per_rank == states.device_total + max(acts + buffers.backward, states.device_step_workspace)
     assert b.peak_phase == "forward/backward"
     assert b.model_states == states.device_total
 
@@ -53,7 +52,7 @@ def test_runtime_overhead_is_added_to_the_peak():
 
 
 def test_higher_stages_need_less_per_rank_and_checkpointing_less_still():
-    same_buffers = BufferSettings(overlap_comm=False)
+    same_buffers = BufferSettings(overlap_comm=False, reduce_bucket_size=20_000_000)
     peaks = [estimate_peak_bytes_per_rank(spec(zero_stage=st, buffers=same_buffers)).peak_per_rank
              for st in range(4)]
     assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == 4
@@ -64,8 +63,9 @@ def test_higher_stages_need_less_per_rank_and_checkpointing_less_still():
 def test_stage3_double_buffers_by_default_which_can_cost_a_small_model_more_than_stage2():
     # DeepSpeed turns overlap_comm on at stage 3: two reduce buckets, plus the prefetched parameters.
     stage2, stage3 = (estimate_peak_bytes_per_rank(spec(zero_stage=st)) for st in (2, 3))
-    assert stage3.buffers > 2 * stage2.buffers
+    assert stage3.buffers > stage2.buffers
     assert stage3.model_states < stage2.model_states
+    assert stage3.peak_per_rank > stage2.peak_per_rank
 
 
 def test_unknown_model_shape_is_reported_not_guessed():
