@@ -1,6 +1,6 @@
 """Estimate the memory a recipe needs, per rank and per host, before launching it.
 
-  dsrun estimate-memory +recipe=gpt_zero3 launcher.num_gpus=4      # a recipe, with Hydra overrides
+  dsrun estimate-memory +recipe=gpt_zero3 launcher.num_procs=4     # a recipe, with Hydra overrides
   dsrun estimate-memory --total-params 2.851e9 --largest-layer-params 3.2e7 --gpus-per-node 8 --nodes 1
   dsrun estimate-memory +recipe=gpt_zero2 --measure    # also train 3 steps and compare each rank's peak
 

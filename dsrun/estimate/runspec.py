@@ -105,6 +105,16 @@ def build_recipe_model(cfg: Mapping[str, Any]) -> RecipeModel:
                        block_size=int(block) if block else None)
 
 
+def _count(value: Any) -> int | None:
+    """A batch-size value as an int; None when absent or left to DeepSpeed ("auto")."""
+    if isinstance(value, bool) or value is None:
+        return None
+    try:
+        return int(float(value))
+    except (TypeError, ValueError):
+        return None
+
+
 def _precision(ds: Mapping[str, Any]) -> tuple[str, str]:
     if _get(ds, "bf16.enabled") is True:
         return "bf16", "ds.bf16.enabled"
@@ -141,11 +151,11 @@ def inputs_from_runspec(cfg: Any, model: RecipeModel) -> tuple[EstimateInputs, d
     opt_type = str(optimizer.get("type", "adam"))
     sources["optimizer"] = "ds.optimizer.type" if "type" in optimizer else "default"
 
-    mbs = ds.get("train_micro_batch_size_per_gpu")
+    mbs = _count(ds.get("train_micro_batch_size_per_gpu"))
     sources["micro_batch_size"] = "ds.train_micro_batch_size_per_gpu"
-    if mbs is None and ds.get("train_batch_size") is not None:
-        gas = int(ds.get("gradient_accumulation_steps") or 1)
-        mbs = max(1, int(ds["train_batch_size"]) // gas // (nodes * rpn))
+    if mbs is None and _count(ds.get("train_batch_size")) is not None:
+        gas = _count(ds.get("gradient_accumulation_steps")) or 1
+        mbs = max(1, _count(ds["train_batch_size"]) // gas // (nodes * rpn))
         sources["micro_batch_size"] = "ds.train_batch_size / gradient_accumulation_steps / world size"
     if mbs is None:
         mbs, sources["micro_batch_size"] = 1, "default"

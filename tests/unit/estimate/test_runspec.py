@@ -63,7 +63,8 @@ def test_inputs_come_from_the_runspec_with_their_sources():
 
 def test_defaults_and_derived_values_when_keys_are_missing():
     cfg = runspec(data={}, train={}, launcher={"nproc_per_node": 2},
-                  ds={"train_batch_size": 16, "gradient_accumulation_steps": 2})
+                  ds={"train_micro_batch_size_per_gpu": "auto", "train_batch_size": 16,
+                      "gradient_accumulation_steps": 2})
     spec, sources = inputs_from_runspec(cfg, build_recipe_model(cfg))
     assert spec.micro_batch_size == 4  # 16 / 2 accumulation steps / 2 ranks
     assert spec.seq_len == 64 and sources["seq_len"] == "model.block_size"
