@@ -2,12 +2,13 @@
 
 A rank's device memory at any moment is its resident model states plus what the current phase adds:
 
-* forward/backward: the activations of one micro batch, the gradient reduction bucket(s) and, at ZeRO-3,
-  the gathered parameters;
+* forward/backward: the activations of one micro batch, stage 2's bucket pool and, at ZeRO-3, the
+  gathered parameters (and the reduction buckets when the model needs more than one);
+* end of backward (ZeRO-3): the activations are gone; the gathered parameters and the reduction buckets;
 * optimizer step: the optimizer's workspace; activations are freed by then, and the updated partitions
   are all-gathered straight into the parameters.
 
-``peak = resident + max(forward/backward extra, step extra) + runtime_overhead_bytes``. Host RAM per rank is
+``peak = resident + max(phase extras) + runtime_overhead_bytes``. Host RAM per rank is
 the offloaded states plus the NVMe swap buffers; building the model needs its own host RAM first.
 This module is pure arithmetic on :class:`EstimateInputs`, so the autotuner can call it for every candidate.
 """
@@ -30,7 +31,8 @@ class Breakdown:
     ``gradients`` (working + fp32 copy), ``optimizer_states``, ``activations`` (one micro batch; 0 when
     the model shape is unknown, see ``notes``), ``buffers`` (gradient reduction buckets and ZeRO-3
     gathered parameters at the peak phase), ``optimizer_workspace`` (the step's temporaries),
-    ``peak_phase`` ("forward/backward" or "optimizer step"), ``peak_per_rank`` (the total at that phase).
+    ``peak_phase`` ("forward/backward", "end of backward" or "optimizer step"), ``peak_per_rank`` (the
+    total at that phase).
     Host: ``host_per_rank`` (offloaded states and NVMe swap buffers while training), ``init_per_rank``
     (host RAM while building the model), ``host_peak_per_rank`` (the larger of the two).
     ``nvme_per_rank``: bytes offloaded to NVMe. ``ranks_per_node`` turns these into per-host figures.
@@ -101,9 +103,12 @@ def estimate_peak_bytes_per_rank(spec: EstimateInputs) -> Breakdown:
         act_total = acts.total
     resident = states.device_total + spec.runtime_overhead_bytes
     backward_extra = act_total + buffers.backward
+    end_extra = buffers.end_of_backward
     step_extra = states.device_step_workspace
-    backward_is_peak = backward_extra >= step_extra
-    peak_buffers = buffers.backward if backward_is_peak else 0
+    phases = {"forward/backward": (backward_extra, buffers.backward), "end of backward": (end_extra, end_extra),
+              "optimizer step": (step_extra, 0)}
+    peak_phase = max(phases, key=lambda name: phases[name][0])  # ties keep the earlier phase
+    peak_extra, peak_buffers = phases[peak_phase]
     init = init_bytes_per_rank(spec)
     return Breakdown(
         params=states.device_params + states.device_master_params,
@@ -112,9 +117,9 @@ def estimate_peak_bytes_per_rank(spec: EstimateInputs) -> Breakdown:
         activations=act_total,
         buffers=peak_buffers,
         optimizer_workspace=states.device_step_workspace,
-        peak_phase="forward/backward" if backward_is_peak else "optimizer step",
+        peak_phase=peak_phase,
         runtime=spec.runtime_overhead_bytes,
-        peak_per_rank=resident + max(backward_extra, step_extra),
+        peak_per_rank=resident + peak_extra,
         host_per_rank=states.host + states.host_buffers,
         init_per_rank=init,
         nvme_per_rank=states.nvme,

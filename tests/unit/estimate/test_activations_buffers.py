@@ -142,4 +142,16 @@ def test_stage3_prefetch_is_capped_by_max_live_parameters_and_the_model():
     assert capped.gathered_params == (3_000_000 + 1_000_000) * 2
     whole = buffer_bytes(spec(zero_stage=3))  # default prefetch 5e7 > the 1e7-parameter model
     assert whole.gathered_params == (10_000_000 + 1_000_000) * 2
-    assert whole.reduce_bucket == 10_000_000 * 2 * 2  # overlap_comm is on by default at stage 3
+
+
+
+def test_stage3_reduction_is_transient_and_after_the_activations_when_one_bucket_holds_the_model():
+    one_bucket = buffer_bytes(spec(zero_stage=3))  # 1e7 params < 5e8 bucket; overlap keeps all shards
+    assert one_bucket.reduce_transient == (2 * 10_000_000 + 10_000_000 // 4) * 2
+    assert not one_bucket.transient_during_backward
+    assert one_bucket.backward == one_bucket.gathered_params
+    assert one_bucket.end_of_backward == one_bucket.gathered_params + one_bucket.reduce_transient
+    many = buffer_bytes(spec(zero_stage=3, buffers=BufferSettings(reduce_bucket_size=1_000_000,
+                                                                  overlap_comm=False)))
+    assert many.reduce_transient == (2 * 1_000_000 + 250_000) * 2 and many.transient_during_backward
+    assert many.backward == many.end_of_backward

@@ -60,12 +60,14 @@ def test_higher_stages_need_less_per_rank_and_checkpointing_less_still():
     assert ckpt.peak_per_rank < peaks[3]
 
 
-def test_stage3_double_buffers_by_default_which_can_cost_a_small_model_more_than_stage2():
-    # DeepSpeed turns overlap_comm on at stage 3: two reduce buckets, plus the prefetched parameters.
-    stage2, stage3 = (estimate_peak_bytes_per_rank(spec(zero_stage=st)) for st in (2, 3))
-    assert stage3.buffers > stage2.buffers
-    assert stage3.model_states < stage2.model_states
-    assert stage3.peak_per_rank > stage2.peak_per_rank
+def test_stage3_reduction_peaks_after_the_activations_are_gone():
+    with_acts = estimate_peak_bytes_per_rank(spec(zero_stage=3))
+    assert with_acts.peak_phase == "forward/backward"
+    no_acts = estimate_peak_bytes_per_rank(spec(zero_stage=3, model_shape=None))
+    buffers = buffer_bytes(spec(zero_stage=3, model_shape=None))
+    assert no_acts.peak_phase == "end of backward"
+    assert no_acts.buffers == buffers.gathered_params + buffers.reduce_transient
+    assert no_acts.peak_per_rank == no_acts.model_states + no_acts.buffers
 
 
 def test_unknown_model_shape_is_reported_not_guessed():
