@@ -1,0 +1,116 @@
+"""Activation memory of a GPT-style decoder for one micro batch, with and without activation checkpointing.
+
+The count follows Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models"
+(2022), which gives ``s*b*h*(34 + 5*a*s/h)`` bytes per layer for 16-bit activations with dropout and
+explicit attention. We keep its term-by-term derivation, with the element size ``e`` (2 for fp16/bf16, 4
+for fp32), the feed-forward width ``f`` (4h by default), dropout on or off, and fused attention, so each
+term says which tensor autograd keeps (b = micro batch, s = sequence, h = hidden, a = heads):
+
+=====================================  =======================================
+tensor saved for backward              bytes
+=====================================  =======================================
+LayerNorm 1 input (+ fp32 mean, rstd)  ``e*sbh + 8*sb``
+QKV projection input                   ``e*sbh``
+Q, K, V                                ``3*e*sbh``
+rotary positions only                  ``3*e*sbh`` (rotated Q and K; the fused kernel
+                                       then writes its output head-major, so the
+                                       output projection gets its own copy)
+attention, fused kernel                ``4*a*s*b`` (fp32 log-sum-exp)
+attention, explicit softmax            ``e*a*s*s*b`` (+ ``(1+e)*a*s*s*b`` with dropout)
+output projection input                ``e*sbh``
+LayerNorm 2 input (+ mean, rstd)       ``e*sbh + 8*sb``
+MLP input, GeLU input, GeLU output     ``e*sbh + 2*e*sbf``
+dropout masks (attention out, MLP)     ``2*sbh`` when dropout is on
+=====================================  =======================================
+
+With e=2, f=4h, dropout and explicit attention this is Korthikanti's 34*sbh + 5*a*s*s*b (we also count
+the small LayerNorm statistics). Around the blocks: the final LayerNorm input and the LM-head input
+(``2*e*sbh``), and at the loss the logits the caller holds, their fp32 log-softmax (saved), and, when
+backward starts, the fp32 gradients of both, which exist together (``b*s*V*(e + 12)``).
+
+Backward also needs a workspace while it walks through a block: the gradients of the MLP's wide
+activations (``2*e*sbf``), or of the attention scores with explicit attention (``2*e*a*s*s*b``), whichever
+is larger.
+
+Checkpointing each block keeps only the blocks' inputs (``L*e*sbh``) and recomputes one block at a time in
+backward, so one block's full activations are live on top of them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dsrun.estimate.inputs import GPTShape
+
+
+@dataclass(frozen=True)
+class ActivationBytes:
+    """Activation bytes of one micro batch on one rank: ``per_block`` (one transformer block's saved
+    tensors), ``blocks`` (all blocks, as kept in the chosen mode), ``head`` (final norm, LM head, loss),
+    ``workspace`` (gradients of one block's activations during backward)."""
+
+    per_block: int
+    blocks: int
+    head: int
+    workspace: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.blocks + self.head + self.workspace
+
+
+def element_size(precision: str) -> int:
+    """Bytes of one activation element: 2 in fp16/bf16 (the model runs in 16-bit), 4 in fp32."""
+    return 2 if precision in ("fp16", "bf16") else 4
+
+
+def gpt_block_activation_bytes(shape: GPTShape, micro_batch: int, seq_len: int, elem: int) -> int:
+    """Bytes one transformer block saves for backward (the table in the module docstring)."""
+    b, s, h, a, f = micro_batch, seq_len, shape.n_embd, shape.n_head, shape.ffn
+    sbh, sb = s * b * h, s * b
+    total = elem * sbh + 8 * sb          # LayerNorm 1 input and statistics
+    total += elem * sbh                  # QKV projection input
+    total += 3 * elem * sbh              # Q, K, V
+    if shape.rotary:
+        # Rotated Q and K are new tensors; contiguous Q also makes the fused kernel write its output
+        # head-major, so the output projection's input is a separate copy.
+        total += 3 * elem * sbh
+    if shape.flash_attention:
+        total += 4 * a * s * b           # fused attention keeps only the log-sum-exp
+    else:
+        total += elem * a * s * s * b    # softmax output
+        if shape.dropout:
+            total += (1 + elem) * a * s * s * b  # dropout mask and dropped-out scores
+    total += elem * sbh                  # output projection input
+    total += elem * sbh + 8 * sb         # LayerNorm 2 input and statistics
+    total += elem * sbh + 2 * elem * s * b * f  # MLP input, GeLU input, GeLU output
+    if shape.dropout:
+        total += 2 * sbh                 # one-byte masks after attention and after the MLP
+    return total
+
+
+def gpt_head_activation_bytes(shape: GPTShape, micro_batch: int, seq_len: int, elem: int) -> int:
+    """Bytes around the blocks: final LayerNorm and LM-head inputs, logits, fp32 log-probs and gradients."""
+    b, s = micro_batch, seq_len
+    return 2 * elem * s * b * shape.n_embd + 8 * s * b + b * s * shape.vocab_size * (elem + 12)
+
+
+def gpt_backward_workspace_bytes(shape: GPTShape, micro_batch: int, seq_len: int, elem: int) -> int:
+    """Gradients of one block's widest activations, live while backward passes through it."""
+    b, s = micro_batch, seq_len
+    mlp = 2 * elem * s * b * shape.ffn
+    attention = 0 if shape.flash_attention else 2 * elem * shape.n_head * s * s * b
+    return max(mlp, attention)
+
+
+def gpt_activation_bytes(shape: GPTShape, micro_batch: int, seq_len: int, precision: str,
+                         checkpointing: bool) -> ActivationBytes:
+    """Peak activation bytes of one micro batch through a GPT (see the module docstring)."""
+    elem = element_size(precision)
+    per_block = gpt_block_activation_bytes(shape, micro_batch, seq_len, elem)
+    if checkpointing:
+        blocks = shape.n_layer * elem * seq_len * micro_batch * shape.n_embd + per_block
+    else:
+        blocks = shape.n_layer * per_block
+    head = gpt_head_activation_bytes(shape, micro_batch, seq_len, elem)
+    workspace = gpt_backward_workspace_bytes(shape, micro_batch, seq_len, elem)
+    return ActivationBytes(per_block=per_block, blocks=blocks, head=head, workspace=workspace)

@@ -1,0 +1,177 @@
+"""The numbers a memory estimate is computed from.
+
+:class:`EstimateInputs` holds everything :func:`dsrun.estimate.estimate_peak_bytes_per_rank` needs: the
+model's parameter counts (and, for activations, its GPT shape), the hardware layout, and the DeepSpeed
+settings that change memory (ZeRO stage, offload, precision, optimizer, bucket sizes). It is plain data,
+so the CLI builds it from a recipe and the autotuner builds it from a trial's settings without a model.
+Invalid values raise :class:`~dsrun.utils.errors.ConfigError` naming the field.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, Mapping
+
+from dsrun.utils.errors import ConfigError, Problem
+
+Precision = Literal["fp32", "fp16", "bf16"]
+Offload = Literal["none", "cpu", "nvme"]
+PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "bf16")
+OFFLOADS: tuple[str, ...] = ("none", "cpu", "nvme")
+
+
+@dataclass(frozen=True)
+class GPTShape:
+    """The shape of a GPT-style decoder, enough to count its activations.
+
+    ``ffn_hidden`` defaults to ``4 * n_embd``. ``flash_attention``: attention through a fused kernel
+    (``scaled_dot_product_attention``) that saves no ``seq x seq`` score matrix; False for the explicit
+    softmax(QK^T)V that keeps it. ``dropout``: dropout layers active (each keeps a one-byte mask).
+    ``rotary``: rotary position embeddings (the rotated queries and keys are new tensors, and the attention
+    output gets copied once more on its way to the output projection).
+    """
+
+    n_layer: int
+    n_embd: int
+    n_head: int
+    vocab_size: int
+    ffn_hidden: int | None = None
+    flash_attention: bool = True
+    dropout: bool = False
+    rotary: bool = False
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden if self.ffn_hidden is not None else 4 * self.n_embd
+
+
+@dataclass(frozen=True)
+class BufferSettings:
+    """The ZeRO communication and offload buffer settings, in elements (DeepSpeed's keys and defaults).
+
+    ``overlap_comm`` None means DeepSpeed's default: on for stage 3, off otherwise (double buffering of
+    the reduce bucket when on). The offload buffer pools matter only for NVMe offload.
+    """
+
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    overlap_comm: bool | None = None
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_param_persistence_threshold: int = 100_000
+    sub_group_size: int = 1_000_000_000
+    offload_param_buffer_count: int = 5
+    offload_param_buffer_size: int = 100_000_000
+    offload_optimizer_buffer_count: int = 4
+
+    @classmethod
+    def from_zero_config(cls, zero: Mapping[str, Any]) -> "BufferSettings":
+        """Read the settings from a ``zero_optimization`` section (missing keys keep their defaults)."""
+        def num(key: str, default: int) -> int:
+            value = zero.get(key, default)
+            return int(float(value)) if value is not None else default
+
+        offload_param = zero.get("offload_param") or {}
+        offload_optimizer = zero.get("offload_optimizer") or {}
+        d = cls()
+        return cls(
+            reduce_bucket_size=num("reduce_bucket_size", d.reduce_bucket_size),
+            allgather_bucket_size=num("allgather_bucket_size", d.allgather_bucket_size),
+            overlap_comm=zero.get("overlap_comm"),
+            stage3_prefetch_bucket_size=num("stage3_prefetch_bucket_size", d.stage3_prefetch_bucket_size),
+            stage3_max_live_parameters=num("stage3_max_live_parameters", d.stage3_max_live_parameters),
+            stage3_param_persistence_threshold=num("stage3_param_persistence_threshold",
+                                                   d.stage3_param_persistence_threshold),
+            sub_group_size=num("sub_group_size", d.sub_group_size),
+            offload_param_buffer_count=int(offload_param.get("buffer_count", d.offload_param_buffer_count)),
+            offload_param_buffer_size=int(float(offload_param.get("buffer_size", d.offload_param_buffer_size))),
+            offload_optimizer_buffer_count=int(offload_optimizer.get("buffer_count",
+                                                                     d.offload_optimizer_buffer_count)),
+        )
+
+
+@dataclass(frozen=True)
+class EstimateInputs:
+    """Inputs of :func:`~dsrun.estimate.estimate_peak_bytes_per_rank` (all counts in elements).
+
+    Model: ``total_params`` (shared parameters once), ``largest_layer_params`` (most parameters one module
+    owns), ``trainable_params`` (None: all; frozen ones get no gradients or optimizer states),
+    ``small_params`` (parameters below ``stage3_param_persistence_threshold``, kept whole on every rank
+    by ZeRO-3), ``model_shape`` (a :class:`GPTShape`; None: activations are not estimated).
+    Layout: ``ranks_per_node`` x ``nodes`` data-parallel ranks. ZeRO: ``zero_stage`` 0-3,
+    ``offload_optimizer`` / ``offload_param`` in none/cpu/nvme. Training: ``precision`` fp32/fp16/bf16,
+    ``optimizer`` (a DeepSpeed optimizer type, e.g. ``AdamW``) with its ``optimizer_params`` (SGD's
+    ``momentum`` decides whether it keeps a state), ``micro_batch_size``, ``seq_len``,
+    ``activation_checkpointing`` (one checkpoint per transformer block), ``buffers`` (bucket sizes),
+    ``zero_init`` (ZeRO-3 builds the model partitioned, so no rank ever holds all of it),
+    ``runtime_overhead_bytes`` (memory outside tensors you want counted, e.g. a CUDA context).
+    """
+
+    total_params: int
+    largest_layer_params: int
+    ranks_per_node: int = 1
+    nodes: int = 1
+    zero_stage: int = 0
+    offload_optimizer: str = "none"
+    offload_param: str = "none"
+    precision: str = "fp32"
+    optimizer: str = "adam"
+    optimizer_params: Mapping[str, Any] = field(default_factory=dict)
+    micro_batch_size: int = 1
+    seq_len: int = 1024
+    activation_checkpointing: bool = False
+    model_shape: GPTShape | None = None
+    trainable_params: int | None = None
+    small_params: int = 0
+    buffers: BufferSettings = field(default_factory=BufferSettings)
+    zero_init: bool = True
+    runtime_overhead_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        problems = list(self._problems())
+        if problems:
+            raise ConfigError(problems)
+
+    def _problems(self):
+        for name in ("total_params", "largest_layer_params", "ranks_per_node", "nodes", "micro_batch_size",
+                     "seq_len"):
+            value = getattr(self, name)
+            low = 0 if name.endswith("params") else 1
+            if not isinstance(value, int) or value < low:
+                yield Problem(name, f"must be an integer >= {low}, got {value!r}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            yield Problem("zero_optimization.stage", f"must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        if self.precision not in PRECISIONS:
+            yield Problem("precision", f"must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        for name in ("offload_optimizer", "offload_param"):
+            if getattr(self, name) not in OFFLOADS:
+                yield Problem(f"zero_optimization.{name}.device",
+                              f"must be one of {', '.join(OFFLOADS)}, got {getattr(self, name)!r}")
+        if self.offload_optimizer != "none" and self.zero_stage == 0:
+            yield Problem("zero_optimization.offload_optimizer", "needs ZeRO stage 1, 2 or 3",
+                          "set zero_optimization.stage")
+        if self.offload_optimizer == "nvme" and self.zero_stage != 3:
+            yield Problem("zero_optimization.offload_optimizer.device", "nvme needs ZeRO stage 3")
+        if self.offload_param != "none" and self.zero_stage != 3:
+            yield Problem("zero_optimization.offload_param", "needs ZeRO stage 3")
+        if self.trainable_params is not None and not 0 <= self.trainable_params <= self.total_params:
+            yield Problem("trainable_params", f"must be between 0 and total_params, got {self.trainable_params}")
+
+    @property
+    def world_size(self) -> int:
+        return self.ranks_per_node * self.nodes
+
+    @property
+    def trainable(self) -> int:
+        return self.total_params if self.trainable_params is None else self.trainable_params
+
+    @property
+    def mixed_precision(self) -> bool:
+        return self.precision in ("fp16", "bf16")
+
+    @property
+    def overlap_comm(self) -> bool:
+        return self.zero_stage == 3 if self.buffers.overlap_comm is None else bool(self.buffers.overlap_comm)
+
+    def with_(self, **changes: Any) -> "EstimateInputs":
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)

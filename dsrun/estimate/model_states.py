@@ -1,0 +1,155 @@
+"""Model states per rank: parameters, gradients and optimizer states, by ZeRO stage, offload and precision.
+
+Bytes per parameter (P = all parameters, T = trainable ones, N = data-parallel ranks, w = 2 in fp16/bf16
+or 4 in fp32, k = ``optimizer_state_count``), as dsrun's ZeRO strategies hold them (checked against the
+engine's own ``memory_breakdown()`` for stages 0-3 on 1 and 2 ranks, fp32 and bf16):
+
+=====  =====================  ======================  ==============================  ===========
+stage  parameters             fp32 master copy        gradients                       states
+=====  =====================  ======================  ==============================  ===========
+0      ``P*w``                ``4T`` if mixed         ``T*w`` (+ ``4T`` if mixed)     ``4kT``
+1      ``P*w``                ``4T/N``                ``T*w + 4T/N`` (+ ``wT/N`` if   ``4kT/N``
+                                                      mixed: the received piece)
+2      ``P*w``                ``4T/N``                ``4T/N`` (fp32 accumulator)     ``4kT/N``
+3      ``(P/N + small)*w``    ``4T/N`` if mixed       ``4T/N``                        ``4kT/N``
+=====  =====================  ======================  ==============================  ===========
+
+Stages 1-2 step an fp32 clone of the partition even in fp32 training; stage 3 in fp32 steps its fp32
+partition directly. ``small`` = parameters below ``stage3_param_persistence_threshold``, kept gathered on
+every rank besides their share of the partition. The optimizer step adds one fp32 temporary of the
+partition it updates (a multi-tensor step's workspace, e.g. Adam's ``sqrt(v) + eps``), none for stateless
+SGD or an offloaded (fused) step.
+
+Optimizer offload moves master copy, fp32 gradients and states to host RAM (cpu) or NVMe; the CPU
+optimizer needs an fp32 copy of the partition even in fp32 training; with it, stage 2/3 gradients leave
+the device bucket by bucket. Parameter offload (stage 3) moves the parameter partition to host RAM or NVMe.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from dsrun.estimate.inputs import EstimateInputs
+from dsrun.utils.errors import ConfigError, Problem
+from dsrun.utils.suggest import did_you_mean
+
+FP32 = 4
+
+# DeepSpeed optimizer type (lower case, "_" removed) -> fp32 states per parameter. SGD and RMSprop
+# depend on their settings and are handled in optimizer_state_count.
+_STATES: dict[str, int] = {
+    "adam": 2, "adamw": 2, "fusedadam": 2, "cpuadam": 2, "deepspeedcpuadam": 2,
+    "lamb": 2, "fusedlamb": 2, "cpulamb": 2,
+    "onebitadam": 3, "zerooneadam": 3, "onebitlamb": 3,  # + error-feedback buffer for compression
+    "lion": 1, "fusedlion": 1, "cpulion": 1,
+    "adagrad": 1, "cpuadagrad": 1,
+    "sgd": 0, "rmsprop": 1,
+}
+
+
+def optimizer_state_count(optimizer: str, params: Mapping[str, Any] | None = None) -> int:
+    """How many fp32 tensors of a parameter's size the optimizer keeps per parameter.
+
+    Adam/AdamW/Lamb: 2 (first and second moments); 1-bit Adam/0-1 Adam/1-bit Lamb: 3 (plus the error
+    feedback of the compressed all-reduce); Lion, Adagrad: 1; SGD: 1 with ``momentum`` > 0 else 0;
+    RMSprop: 1, plus 1 with momentum, plus 1 when ``centered``.
+    """
+    params = params or {}
+    key = optimizer.lower().replace("_", "").replace("-", "")
+    if key not in _STATES:
+        raise ConfigError(Problem("ds.optimizer.type", f"unknown optimizer {optimizer!r} for the memory estimate",
+                                  did_you_mean(key, _STATES) or f"known: {', '.join(sorted(_STATES))}"))
+    count = _STATES[key]
+    if key == "sgd" and float(params.get("momentum", 0) or 0) > 0:
+        count = 1
+    if key == "rmsprop":
+        count += int(float(params.get("momentum", 0) or 0) > 0) + int(bool(params.get("centered", False)))
+    return count
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Bytes of model states for one rank, split by where they live."""
+
+    device_params: int        # working-precision parameters resident on the device (partition or all)
+    device_master_params: int  # fp32 master parameters on the device (mixed precision, no offload)
+    device_gradients: int     # working gradients + fp32 gradient copy kept on the device
+    device_optimizer_states: int
+    device_step_workspace: int  # temporaries of the optimizer step on the device
+    host: int                 # offloaded optimizer side and parameters in host RAM
+    nvme: int                 # offloaded to NVMe
+    host_buffers: int         # pinned swap buffers in host RAM for NVMe offload
+
+    @property
+    def device_total(self) -> int:
+        return self.device_params + self.device_master_params + self.device_gradients + self.device_optimizer_states
+
+
+def _ceil_div(count: int, parts: int) -> int:
+    return -(-count // parts)
+
+
+def model_state_bytes(spec: EstimateInputs) -> ModelStates:
+    """Model-state bytes per rank for ``spec`` (see the module docstring for the rules)."""
+    n = spec.world_size
+    stage = spec.zero_stage
+    mixed = spec.mixed_precision
+    w = 2 if mixed else FP32
+    # fp32 master copy: always in mixed precision; in fp32 the partitioned stages 1-2 step a clone.
+    master = FP32 if mixed or stage in (1, 2) else 0
+    states = FP32 * optimizer_state_count(spec.optimizer, spec.optimizer_params)
+    total, trainable = spec.total_params, spec.trainable
+
+    # Parameters: whole below stage 3; at stage 3 the partition plus the small ones kept gathered.
+    small = min(spec.small_params, total)
+    param_elems = total if stage < 3 else _ceil_div(total, n) + small
+    t_part = _ceil_div(trainable, n) if stage >= 1 else trainable
+    if stage == 0:
+        grad_bytes = trainable * w + (trainable * FP32 if mixed else 0)
+    elif stage == 1:  # whole working gradients, the fp32 partition, and (16-bit) the received piece
+        grad_bytes = trainable * w + t_part * FP32 + (t_part * w if mixed else 0)
+    else:  # only the fp32 partition accumulator
+        grad_bytes = t_part * FP32
+
+    host = nvme = host_buffers = 0
+    device_params = param_elems * w
+    if spec.offload_param != "none":
+        partition = _ceil_div(total, n) * w
+        device_params = small * w
+        if spec.offload_param == "cpu":
+            host += partition
+        else:
+            nvme += partition
+            pool = spec.buffers.offload_param_buffer_count * spec.buffers.offload_param_buffer_size
+            host_buffers += min(pool, _ceil_div(total, n)) * w
+
+    step_workspace = 0
+    if spec.offload_optimizer == "none":
+        device_master = t_part * master
+        device_grads = grad_bytes
+        device_states = t_part * states
+        # A multi-tensor (foreach) step builds one fp32 temporary the size of what it updates, e.g. Adam's
+        # sqrt(v) + eps; optimizers without state update in place. The CPU optimizer (offload) is fused.
+        step_workspace = t_part * FP32 if states else 0
+    else:
+        device_master = device_states = 0
+        # Stage 1 accumulates whole gradients on the device; stages 2-3 stream them out per bucket.
+        device_grads = trainable * w if stage == 1 else 0
+        if spec.offload_optimizer == "cpu":
+            host += t_part * (FP32 + FP32 + states)  # fp32 params, fp32 grads, states
+        else:
+            host += t_part * FP32  # fp32 gradients are gathered in RAM before being swapped with the states
+            nvme += t_part * (FP32 + states)
+            chunk = min(t_part, spec.buffers.sub_group_size)
+            host_buffers += spec.buffers.offload_optimizer_buffer_count * chunk * FP32
+    return ModelStates(device_params=device_params, device_master_params=device_master,
+                       device_gradients=device_grads, device_optimizer_states=device_states,
+                       device_step_workspace=step_workspace, host=host, nvme=nvme, host_buffers=host_buffers)
+
+
+def init_bytes_per_rank(spec: EstimateInputs) -> int:
+    """Host RAM a rank needs while building the model: the whole model in fp32, unless ZeRO-3's
+    ``zero.Init`` partitions it as it is built (then the partition plus one whole layer)."""
+    if spec.zero_stage == 3 and spec.zero_init:
+        return (_ceil_div(spec.total_params, spec.world_size) + spec.largest_layer_params) * FP32
+    return spec.total_params * FP32

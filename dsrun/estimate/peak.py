@@ -1,0 +1,168 @@
+"""The per-rank peak: model states + activations + buffers, phase by phase.
+
+A rank's device memory at any moment is its resident model states plus what the current phase adds:
+
+* forward/backward: the activations of one micro batch, stage 2's bucket pool and, at ZeRO-3, the
+  gathered parameters (and the reduction buckets when the model needs more than one);
+* end of backward (ZeRO-3): the activations are gone; the gathered parameters and the reduction buckets;
+* optimizer step: the optimizer's workspace; activations are freed by then, and the updated partitions
+  are all-gathered straight into the parameters.
+
+``peak = resident + max(phase extras) + runtime_overhead_bytes``. Host RAM per rank is
+the offloaded states plus the NVMe swap buffers; building the model needs its own host RAM first.
+This module is pure arithmetic on :class:`EstimateInputs`, so the autotuner can call it for every candidate.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from dsrun.estimate.activations import ActivationBytes, gpt_activation_bytes
+from dsrun.estimate.buffers import buffer_bytes
+from dsrun.estimate.inputs import EstimateInputs
+from dsrun.estimate.model_states import init_bytes_per_rank, model_state_bytes
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Estimated memory of one rank, in bytes.
+
+    Device (the accelerator, or the CPU when ranks run on it): ``params`` (working + fp32 master copy),
+    ``gradients`` (working + fp32 copy), ``optimizer_states``, ``activations`` (one micro batch; 0 when
+    the model shape is unknown, see ``notes``), ``buffers`` (gradient reduction buckets and ZeRO-3
+    gathered parameters at the peak phase), ``optimizer_workspace`` (the step's temporaries),
+    ``peak_phase`` ("forward/backward", "end of backward" or "optimizer step"), ``peak_per_rank`` (the
+    total at that phase).
+    Host: ``host_per_rank`` (offloaded states and NVMe swap buffers while training), ``init_per_rank``
+    (host RAM while building the model), ``host_peak_per_rank`` (the larger of the two).
+    ``nvme_per_rank``: bytes offloaded to NVMe. ``ranks_per_node`` turns these into per-host figures.
+    """
+
+    params: int
+    gradients: int
+    optimizer_states: int
+    activations: int
+    buffers: int
+    optimizer_workspace: int
+    peak_phase: str
+    runtime: int
+    peak_per_rank: int
+    host_per_rank: int
+    init_per_rank: int
+    nvme_per_rank: int
+    ranks_per_node: int
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def model_states(self) -> int:
+        return self.params + self.gradients + self.optimizer_states
+
+    @property
+    def host_peak_per_rank(self) -> int:
+        return max(self.host_per_rank, self.init_per_rank)
+
+    @property
+    def peak_per_host(self) -> int:
+        return self.peak_per_rank * self.ranks_per_node
+
+    @property
+    def host_per_host(self) -> int:
+        return self.host_peak_per_rank * self.ranks_per_node
+
+    @property
+    def nvme_per_host(self) -> int:
+        return self.nvme_per_rank * self.ranks_per_node
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["notes"] = list(self.notes)
+        data.update(model_states=self.model_states, host_peak_per_rank=self.host_peak_per_rank,
+                    peak_per_host=self.peak_per_host,
+                    host_per_host=self.host_per_host, nvme_per_host=self.nvme_per_host)
+        return data
+
+
+def activation_bytes(spec: EstimateInputs) -> ActivationBytes | None:
+    """Activations of one micro batch for ``spec``; None when the model is not described by a GPT shape."""
+    if spec.model_shape is None:
+        return None
+    return gpt_activation_bytes(spec.model_shape, spec.micro_batch_size, spec.seq_len, spec.precision,
+                                spec.activation_checkpointing)
+
+
+def estimate_peak_bytes_per_rank(spec: EstimateInputs) -> Breakdown:
+    """Estimate the peak memory of one data-parallel rank for ``spec`` (see the module docstring)."""
+    states = model_state_bytes(spec)
+    buffers = buffer_bytes(spec)
+    acts = activation_bytes(spec)
+    notes: list[str] = []
+    act_total = 0
+    if acts is None:
+        notes.append("activations not estimated: the model has no GPT shape (n_layer, n_embd, n_head, vocab_size)")
+    else:
+        act_total = acts.total
+    resident = states.device_total + spec.runtime_overhead_bytes
+    backward_extra = act_total + buffers.backward
+    end_extra = buffers.end_of_backward
+    step_extra = states.device_step_workspace
+    phases = {"forward/backward": (backward_extra, buffers.backward), "end of backward": (end_extra, end_extra),
+              "optimizer step": (step_extra, 0)}
+    peak_phase = max(phases, key=lambda name: phases[name][0])  # ties keep the earlier phase
+    peak_extra, peak_buffers = phases[peak_phase]
+    init = init_bytes_per_rank(spec)
+    return Breakdown(
+        params=states.device_params + states.device_master_params,
+        gradients=states.device_gradients,
+        optimizer_states=states.device_optimizer_states,
+        activations=act_total,
+        buffers=peak_buffers,
+        optimizer_workspace=states.device_step_workspace,
+        peak_phase=peak_phase,
+        runtime=spec.runtime_overhead_bytes,
+        peak_per_rank=resident + peak_extra,
+        host_per_rank=states.host + states.host_buffers,
+        init_per_rank=init,
+        nvme_per_rank=states.nvme,
+        ranks_per_node=spec.ranks_per_node,
+        notes=tuple(notes),
+    )
+
+
+# (stage, offload_optimizer, offload_param) combinations DeepSpeed supports: optimizer offload from stage 1,
+# NVMe and parameter offload only at stage 3, parameters offloaded only with the optimizer.
+ZERO_OPTIONS: tuple[tuple[int, str, str], ...] = (
+    (0, "none", "none"),
+    (1, "none", "none"), (1, "cpu", "none"),
+    (2, "none", "none"), (2, "cpu", "none"),
+    (3, "none", "none"), (3, "cpu", "none"), (3, "nvme", "none"),
+    (3, "cpu", "cpu"), (3, "nvme", "cpu"), (3, "cpu", "nvme"), (3, "nvme", "nvme"),
+)
+
+
+@dataclass(frozen=True)
+class OptionEstimate:
+    """One row of the stage x offload table: the option and its estimate with and without checkpointing."""
+
+    zero_stage: int
+    offload_optimizer: str
+    offload_param: str
+    without_checkpointing: Breakdown
+    with_checkpointing: Breakdown
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"zero_stage": self.zero_stage, "offload_optimizer": self.offload_optimizer,
+                "offload_param": self.offload_param,
+                "without_checkpointing": self.without_checkpointing.to_dict(),
+                "with_checkpointing": self.with_checkpointing.to_dict()}
+
+
+def estimate_zero_options(spec: EstimateInputs) -> list[OptionEstimate]:
+    """Estimate ``spec`` under every supported stage x offload option, with and without checkpointing."""
+    rows = []
+    for stage, optim, param in ZERO_OPTIONS:
+        variant = spec.with_(zero_stage=stage, offload_optimizer=optim, offload_param=param)
+        rows.append(OptionEstimate(
+            zero_stage=stage, offload_optimizer=optim, offload_param=param,
+            without_checkpointing=estimate_peak_bytes_per_rank(variant.with_(activation_checkpointing=False)),
+            with_checkpointing=estimate_peak_bytes_per_rank(variant.with_(activation_checkpointing=True))))
+    return rows

@@ -1,0 +1,183 @@
+"""From a composed RunSpec (model/data/train/launcher/ds) to :class:`EstimateInputs`, with provenance.
+
+The model is instantiated from ``cfg.model`` on the meta device, so its parameters are counted without
+allocating them. Every other number is looked up in the RunSpec; :func:`inputs_from_runspec` returns, next
+to the inputs, where each one came from (a key path, or "default"), so the report can say so. Keys read:
+
+* ``ds``: ``zero_optimization`` (stage, offload, buckets), ``bf16.enabled`` / ``fp16.enabled``,
+  ``optimizer.type`` and ``optimizer.params``, ``train_micro_batch_size_per_gpu`` (or
+  ``train_batch_size / gradient_accumulation_steps / world size``);
+* ``launcher``: nodes from ``num_nodes`` / ``nnodes`` / ``nodes``; ranks per node from ``num_procs`` /
+  ``num_gpus`` / ``nproc_per_node`` / ``gpus_per_node`` (the CLI prefers the launch plan when it can make
+  one, which also covers hostfiles);
+* sequence length: ``data.seq_len`` / ``data.block_size`` / ``data.sequence_length``, else the model's
+  ``block_size``;
+* activation checkpointing: ``train.activation_checkpointing`` / ``model.activation_checkpointing`` /
+  ``model.gradient_checkpointing``;
+* the GPT shape from the built model's ``config`` (``n_layer``, ``n_embd``, ``n_head``, ``vocab_size``,
+  optional ``ffn_hidden``, ``dropout``, ``flash`` and ``positions``), else from the same keys under
+  ``cfg.model``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from dsrun.estimate.counting import ParameterCounts, count_parameters, instantiate_on_meta
+from dsrun.estimate.inputs import BufferSettings, EstimateInputs, GPTShape
+from dsrun.utils.errors import ConfigError, Problem
+
+_MISSING = object()
+
+
+def _plain(value: Any) -> Any:
+    """A DictConfig/ListConfig as plain containers (resolving interpolations); anything else unchanged."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+    except ImportError:  # pragma: no cover - omegaconf is a dependency
+        return value
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+def _get(tree: Any, path: str) -> Any:
+    node = tree
+    for part in path.split("."):
+        if not isinstance(node, Mapping) or part not in node or node[part] is None:
+            return _MISSING
+        node = node[part]
+    return node
+
+
+def _first(tree: Mapping[str, Any], paths: Iterable[str], default: Any) -> tuple[Any, str]:
+    for path in paths:
+        value = _get(tree, path)
+        if value is not _MISSING:
+            return value, path
+    return default, "default"
+
+
+def small_parameter_count(model: torch.nn.Module, threshold: int) -> int:
+    """Parameters (each counted once) with fewer than ``threshold`` elements: ZeRO-3 keeps these whole."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values() if p.numel() < threshold)
+
+
+def gpt_shape_of(model: torch.nn.Module | None, model_cfg: Mapping[str, Any]) -> GPTShape | None:
+    """The GPT shape of ``model`` (its ``config`` attribute) or of its config keys; None if not a GPT."""
+    sources: list[Any] = []
+    if model is not None and getattr(model, "config", None) is not None:
+        sources.append(model.config)
+    sources.append(model_cfg)
+    for src in sources:
+        get = (lambda k, s=src: s.get(k)) if isinstance(src, Mapping) else (lambda k, s=src: getattr(s, k, None))
+        fields = {k: get(k) for k in ("n_layer", "n_embd", "n_head", "vocab_size")}
+        if all(isinstance(v, int) for v in fields.values()):
+            flash = get("flash")
+            return GPTShape(**fields, ffn_hidden=get("ffn_hidden") if isinstance(get("ffn_hidden"), int) else None,
+                            flash_attention=True if flash is None else bool(flash),
+                            dropout=bool(get("dropout") or 0), rotary=get("positions") == "rotary")
+    return None
+
+
+@dataclass(frozen=True)
+class RecipeModel:
+    """A recipe's model, as the estimator sees it: the meta-device module, its counts and its shape."""
+
+    module: torch.nn.Module | None
+    counts: ParameterCounts
+    shape: GPTShape | None
+    block_size: int | None
+
+
+def build_recipe_model(cfg: Mapping[str, Any]) -> RecipeModel:
+    """Instantiate ``cfg.model`` on the meta device and count it (no weights are allocated)."""
+    model_cfg = cfg.get("model")
+    if not model_cfg or "_target_" not in model_cfg:
+        raise ConfigError(Problem("model._target_", "the recipe has no model to build",
+                                  "pick a model (model=...) or pass --total-params"))
+    module = instantiate_on_meta(model_cfg)
+    plain_cfg = _plain(model_cfg)
+    block = getattr(getattr(module, "config", None), "block_size", None) or plain_cfg.get("block_size")
+    return RecipeModel(module=module, counts=count_parameters(module), shape=gpt_shape_of(module, plain_cfg),
+                       block_size=int(block) if block else None)
+
+
+def _count(value: Any) -> int | None:
+    """A batch-size value as an int; None when absent or left to DeepSpeed ("auto")."""
+    if isinstance(value, bool) or value is None:
+        return None
+    try:
+        return int(float(value))
+    except (TypeError, ValueError):
+        return None
+
+
+def _precision(ds: Mapping[str, Any]) -> tuple[str, str]:
+    if _get(ds, "bf16.enabled") is True:
+        return "bf16", "ds.bf16.enabled"
+    if _get(ds, "fp16.enabled") is True:
+        return "fp16", "ds.fp16.enabled"
+    return "fp32", "default"
+
+
+def _offload(zero: Mapping[str, Any], key: str) -> str:
+    section = zero.get(key)
+    if not section:
+        return "none"
+    device = section.get("device", "none") if isinstance(section, Mapping) else "none"
+    return str(device or "none").lower()
+
+
+def inputs_from_runspec(cfg: Any, model: RecipeModel) -> tuple[EstimateInputs, dict[str, str]]:
+    """:class:`EstimateInputs` for a composed RunSpec and its counted model, and each input's source."""
+    tree = _plain(cfg)
+    ds = tree.get("ds") or {}
+    zero = ds.get("zero_optimization") or {}
+    if isinstance(zero, bool):  # the legacy boolean form means stage 1
+        zero = {"stage": 1 if zero else 0}
+    sources: dict[str, str] = {}
+
+    nodes, sources["nodes"] = _first(tree, ["launcher.num_nodes", "launcher.nnodes", "launcher.nodes"], 1)
+    rpn, sources["ranks_per_node"] = _first(
+        tree, ["launcher.num_procs", "launcher.num_gpus", "launcher.nproc_per_node", "launcher.gpus_per_node"], 1)
+    nodes, rpn = int(nodes), int(rpn)
+    stage = int(zero.get("stage", 0))
+    sources["zero_stage"] = "ds.zero_optimization.stage" if "stage" in zero else "default"
+    precision, sources["precision"] = _precision(ds)
+    optimizer = ds.get("optimizer") or {}
+    opt_type = str(optimizer.get("type", "adam"))
+    sources["optimizer"] = "ds.optimizer.type" if "type" in optimizer else "default"
+
+    mbs = _count(ds.get("train_micro_batch_size_per_gpu"))
+    sources["micro_batch_size"] = "ds.train_micro_batch_size_per_gpu"
+    if mbs is None and _count(ds.get("train_batch_size")) is not None:
+        gas = _count(ds.get("gradient_accumulation_steps")) or 1
+        mbs = max(1, _count(ds["train_batch_size"]) // gas // (nodes * rpn))
+        sources["micro_batch_size"] = "ds.train_batch_size / gradient_accumulation_steps / world size"
+    if mbs is None:
+        mbs, sources["micro_batch_size"] = 1, "default"
+    seq, sources["seq_len"] = _first(tree, ["data.seq_len", "data.block_size", "data.sequence_length"], None)
+    if seq is None:
+        seq, sources["seq_len"] = (model.block_size, "model.block_size") if model.block_size else (1024, "default")
+    ckpt, sources["activation_checkpointing"] = _first(
+        tree, ["train.activation_checkpointing", "model.activation_checkpointing",
+               "model.gradient_checkpointing"], False)
+    if isinstance(ckpt, Mapping):  # e.g. {enabled: true, ...}
+        ckpt = ckpt.get("enabled", True)
+
+    buffers = BufferSettings.from_zero_config(zero)
+    small = 0
+    if model.module is not None:
+        small = small_parameter_count(model.module, buffers.stage3_param_persistence_threshold)
+    inputs = EstimateInputs(
+        total_params=model.counts.total, largest_layer_params=model.counts.largest_layer,
+        trainable_params=model.counts.trainable, small_params=small,
+        ranks_per_node=rpn, nodes=nodes, zero_stage=stage,
+        offload_optimizer=_offload(zero, "offload_optimizer"), offload_param=_offload(zero, "offload_param"),
+        precision=precision, optimizer=opt_type, optimizer_params=dict(optimizer.get("params") or {}),
+        micro_batch_size=int(mbs), seq_len=int(seq), activation_checkpointing=bool(ckpt),
+        model_shape=model.shape, buffers=buffers)
+    return inputs, sources
