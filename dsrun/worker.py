@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from dsrun.estimate.measure import current_rss, record_rank_peak
 from dsrun.rundir import METRICS_JSON, RESOLVED_YAML, atomic_write_text
 
 
@@ -91,6 +92,7 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
     rank, world_size = comm.get_rank(), comm.get_world_size()
     cfg = spec.train
     seed_everything(cfg.seed)
+    baseline_rss = current_rss()  # for `dsrun estimate-memory --measure`: this rank's peak above start-up
 
     model = hydra.utils.instantiate(spec.model, _convert_="all")
     corpus = hydra.utils.instantiate(spec.data, _convert_="all")
@@ -153,6 +155,7 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
     metrics.update(steps=steps_done, wall_time_s=wall, samples_per_second=steps_done * engine.train_batch_size() / wall,
                    tokens_per_second=steps_done * tokens_per_step / wall,
                    final_eval_loss=metrics["eval_losses"][-1]["loss"] if metrics["eval_losses"] else None)
+    record_rank_peak(run_dir, rank, baseline_rss)
     if rank == 0:
         atomic_write_text(run_dir / METRICS_JSON, json.dumps(metrics, indent=2) + "\n")
     comm.barrier()
