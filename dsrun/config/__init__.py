@@ -1,0 +1,159 @@
+"""The DeepSpeed config schema: load, validate and resolve a DeepSpeed JSON config.
+
+::
+
+    from dsrun.config import load_ds_config, validate_ds_config
+    cfg = load_ds_config("ds_config.json", world_size=8, world_size_source="launcher plan")
+    cfg.train_micro_batch_size_per_gpu, cfg.zero_optimization.stage, cfg.to_ds_dict()
+
+Loading goes: read the source (:mod:`.sources`) -> migrate legacy keys (:mod:`.migrate`) -> resolve or drop
+``"auto"`` values (:mod:`.auto`) -> validate every section (:mod:`.model`) -> resolve the batch triad
+(:mod:`.batch`, :mod:`.elastic`) -> cross-field rules (:mod:`.rules`). Every problem found on the way is
+collected, so one :class:`~dsrun.utils.errors.ConfigError` lists them all.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+from dsrun.utils.errors import ConfigError, Problem
+
+from .auto import resolve_auto
+from .batch import GAS, MBS, TBS, BatchResolution, resolve_batch
+from .elastic import resolve_elastic_batch
+from .migrate import LegacyConfigWarning, migrate_legacy
+from .model import DeepSpeedConfig
+from .problems import validate_model
+from .rules import check_rules
+from .sources import ConfigSource, read_config_source
+
+__all__ = [
+    "DeepSpeedConfig",
+    "LegacyConfigWarning",
+    "load_ds_config",
+    "read_config_source",
+    "validate_ds_config",
+]
+
+logger = logging.getLogger("dsrun.config")
+
+
+def _analyse(
+    source: ConfigSource | DeepSpeedConfig,
+    world_size: int,
+    world_size_source: str,
+    auto_values: Mapping[str, Any] | None,
+    path_prefix: str,
+) -> tuple[DeepSpeedConfig | None, list[Problem]]:
+    prefix = f"{path_prefix.rstrip('.')}." if path_prefix else ""
+    if isinstance(source, DeepSpeedConfig):
+        source = source.to_ds_dict()
+    try:
+        raw = read_config_source(source)
+    except ConfigError as err:
+        return None, list(err.problems)
+
+    data, problems, notes = migrate_legacy(raw, prefix)
+    data, auto_problems, auto_batch = resolve_auto(data, auto_values, prefix)
+    problems += auto_problems
+
+    model, schema_problems = validate_model(DeepSpeedConfig, data, prefix.rstrip("."))
+    problems += schema_problems
+    failed_sections = {pr.path[len(prefix):].split(".")[0].split("[")[0] for pr in schema_problems}
+    if model is None:
+        # Validate what is left so the batch and cross-field checks still report their problems.
+        partial = {k: v for k, v in data.items() if k not in failed_sections}
+        model, _ = validate_model(DeepSpeedConfig, partial, prefix.rstrip("."))
+    if model is None:  # pragma: no cover - the partial dict holds only keys that validated
+        return None, problems
+    assert isinstance(model, DeepSpeedConfig)
+
+    batch_failed = failed_sections & {TBS, MBS, GAS, "elasticity"}
+    resolution: BatchResolution | None = None
+    if not batch_failed:
+        if model.elasticity.enabled:
+            resolution, batch_problems = resolve_elastic_batch(model, data, world_size, world_size_source, prefix)
+        else:
+            resolution, batch_problems = resolve_batch(
+                model.train_batch_size, model.train_micro_batch_size_per_gpu, model.gradient_accumulation_steps,
+                world_size, world_size_source, prefix)
+        if not batch_problems:
+            auto_batch = []
+        auto_paths = {f"{prefix}{key}" for key in auto_batch}
+        problems += batch_problems if not auto_paths else [
+            Problem(path, "\"auto\" cannot be resolved: the batch sizes given do not determine it",
+                    "write a number, or let the runner supply it") for path in sorted(auto_paths)
+        ] + [pr for pr in batch_problems if pr.path not in auto_paths]
+
+    rule_problems, rule_notes = check_rules(model, data, prefix)
+    problems += [pr for pr in rule_problems if pr.path[len(prefix):].split(".")[0] not in failed_sections]
+    notes += rule_notes
+    for note in rule_notes:
+        logger.info("%s", note)
+
+    if problems:
+        # A key reported as an unresolvable "auto" is not reported again as missing.
+        auto_reported = {pr.path for pr in auto_problems}
+        problems = auto_problems + [pr for pr in problems if pr.path not in auto_reported]
+        return None, _unique(problems)
+    assert resolution is not None
+    model = model.model_copy(update={
+        TBS: resolution.train_batch_size,
+        MBS: resolution.train_micro_batch_size_per_gpu,
+        GAS: resolution.gradient_accumulation_steps,
+    })
+    model._batch_explanation = resolution.explanation
+    model._world_size = world_size
+    model._world_size_source = world_size_source
+    model._warnings = notes
+    return model, []
+
+
+def _unique(problems: list[Problem]) -> list[Problem]:
+    seen: set[tuple[str, str]] = set()
+    out = []
+    for problem in problems:
+        if (problem.path, problem.message) not in seen:
+            seen.add((problem.path, problem.message))
+            out.append(problem)
+    return out
+
+
+def load_ds_config(
+    source: ConfigSource | DeepSpeedConfig,
+    world_size: int = 1,
+    *,
+    world_size_source: str = "default",
+    auto_values: Mapping[str, Any] | None = None,
+    path_prefix: str = "",
+) -> DeepSpeedConfig:
+    """Read, migrate, validate and resolve a DeepSpeed config.
+
+    ``source``: a dict, a path (``.json``/``.hjson``/``.yaml``/``.yml``), JSON text, or base64 JSON.
+    ``world_size`` is the data-parallel size used for the batch arithmetic; ``world_size_source`` says where
+    it came from (shown in errors and :attr:`DeepSpeedConfig.batch_explanation`). ``auto_values`` maps
+    dotted keys (relative to the config root, e.g. ``"optimizer.params.lr"``) to the values that replace
+    ``"auto"``. ``path_prefix`` is put before every key path in problems (``"ds"`` gives
+    ``ds.zero_optimization.stage``).
+
+    Raises :class:`~dsrun.utils.errors.ConfigError` listing every problem. Legacy keys are migrated with a
+    :class:`LegacyConfigWarning`.
+    """
+    model, problems = _analyse(source, world_size, world_size_source, auto_values, path_prefix)
+    if problems:
+        raise ConfigError(problems)
+    assert model is not None
+    return model
+
+
+def validate_ds_config(
+    source: ConfigSource | DeepSpeedConfig,
+    world_size: int = 1,
+    *,
+    world_size_source: str = "default",
+    auto_values: Mapping[str, Any] | None = None,
+    path_prefix: str = "",
+) -> list[Problem]:
+    """The same checks as :func:`load_ds_config`; returns the problems (empty when valid), never raises
+    for a bad config."""
+    return _analyse(source, world_size, world_size_source, auto_values, path_prefix)[1]

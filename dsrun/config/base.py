@@ -1,0 +1,79 @@
+"""The building blocks every section model shares.
+
+Every section is a :class:`Section`: a pydantic model that forbids unknown keys (DeepSpeed ignores unknown
+keys in most sections; dsrun reports them with a suggestion), accepts DeepSpeed's key names as attribute
+names, and renders back to a DeepSpeed JSON dict with :meth:`Section.to_ds_dict`.
+
+Numbers: DeepSpeed configs write sizes as ``5e8``; an integer field accepts a float with no fractional part
+(pydantic's lax mode does this), and a size field is ``>= 0`` as DeepSpeed's own ZeRO models require.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+NonNegInt = Annotated[int, Field(ge=0)]
+PosInt = Annotated[int, Field(ge=1)]
+NonNegFloat = Annotated[float, Field(ge=0)]
+Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
+OpenDict = dict[str, Any]
+
+DTYPE_NAMES = ("fp16", "bf16", "fp32")
+
+
+def _lower(value: Any) -> Any:
+    return value.lower() if isinstance(value, str) else value
+
+
+# DeepSpeed lower-cases dtype names before comparing them ("FP16" is accepted).
+DTypeName = Annotated[Literal["fp16", "bf16", "fp32"], BeforeValidator(_lower)]
+
+
+class Section(BaseModel):
+    """Base of every DeepSpeed config section: unknown keys are errors; DeepSpeed key names are fields.
+
+    ``_explicit_only`` names fields written back by :meth:`to_ds_dict` only when the user set them (keys
+    whose absence means something different to DeepSpeed than any value, e.g. ``overlap_comm``).
+    """
+
+    model_config = ConfigDict(
+        extra="forbid",
+        populate_by_name=True,
+        protected_namespaces=(),
+        validate_default=False,
+        arbitrary_types_allowed=False,
+    )
+
+    # Keys accepted (documented) but never written back, because DeepSpeed itself would reject them.
+    not_written_keys: ClassVar[frozenset[str]] = frozenset()
+
+    def to_ds_dict(self) -> dict[str, Any]:
+        """This section as DeepSpeed JSON: the keys the user set (after migration and "auto" resolution),
+        by their DeepSpeed names, nested sections included.
+
+        Unset keys are left out so DeepSpeed applies its own (identical) default; this keeps the file
+        loadable by DeepSpeed releases that predate a key dsrun knows.
+        """
+        out: dict[str, Any] = {}
+        for name in type(self).model_fields:
+            if name in self.model_fields_set and name not in self.not_written_keys:
+                out[name] = _dump(getattr(self, name))
+        return out
+
+
+def _dump(value: Any) -> Any:
+    if isinstance(value, Section):
+        return value.to_ds_dict()
+    if isinstance(value, BaseModel):
+        return value.model_dump()
+    if isinstance(value, dict):
+        return {k: _dump(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_dump(v) for v in value]
+    return value
+
+
+def field_names(model: type[BaseModel]) -> list[str]:
+    """Every key a section accepts."""
+    return list(model.model_fields)

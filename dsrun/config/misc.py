@@ -1,0 +1,208 @@
+"""The remaining sections: ``activation_checkpointing``, ``sparse_attention``, ``autotuning``,
+``elasticity``, ``checkpoint``, ``eigenvalue``, ``pipeline`` and the undocumented ``hybrid_engine``,
+``compile``, ``timers`` and ``nebula``.
+
+Defaults that follow DeepSpeed rather than the documentation (config-keys.md §6):
+
+* D7: ``autotuning.overwrite`` is True, ``tuner_type`` ``gridsearch`` and ``metric`` values are lower
+  case (``flops``); the names are accepted in any case and stored lower-cased.
+* D9: ``elasticity.prefer_larger_batch`` is the key DeepSpeed reads (see :mod:`.migrate` for the
+  documented spelling).
+* D11: ``sparse_attention.num_different_global_patterns`` defaults to 1.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator, Field
+
+from .base import NonNegFloat, NonNegInt, OpenDict, PosInt, Section
+
+
+def _lower(value: Any) -> Any:
+    return value.lower() if isinstance(value, str) else value
+
+
+def _capitalise(value: Any) -> Any:
+    return value.capitalize() if isinstance(value, str) else value
+
+
+class ActivationCheckpointingConfig(Section):
+    """``activation_checkpointing``: ``cpu_checkpointing`` takes effect only with
+    ``partition_activations`` (for model parallelism); ``number_checkpoints`` sizes the buffer of
+    ``contiguous_memory_optimization``."""
+
+    partition_activations: bool = False
+    cpu_checkpointing: bool = False
+    contiguous_memory_optimization: bool = False
+    number_checkpoints: PosInt | None = None
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
+
+
+SparseMode = Literal["dense", "fixed", "bigbird", "bslongformer", "variable"]
+
+# Keys each sparse-attention mode reads besides block and different_layout_per_head (§3 rule 28).
+SPARSE_MODE_KEYS: dict[str, frozenset[str]] = {
+    "dense": frozenset(),
+    "fixed": frozenset({"num_local_blocks", "num_global_blocks", "attention", "horizontal_global_attention",
+                        "num_different_global_patterns"}),
+    "bigbird": frozenset({"num_global_blocks", "num_random_blocks", "num_sliding_window_blocks"}),
+    "bslongformer": frozenset({"global_block_indices", "global_block_end_indices", "num_sliding_window_blocks"}),
+    "variable": frozenset({"num_random_blocks", "local_window_blocks", "global_block_indices",
+                           "global_block_end_indices", "attention", "horizontal_global_attention"}),
+}
+
+
+class SparseAttentionConfig(Section):
+    """``sparse_attention``: block-sparse attention layouts. Which keys matter depends on ``mode``
+    (:data:`SPARSE_MODE_KEYS`); ``horizontal_global_attention`` needs bidirectional attention and
+    ``global_block_end_indices`` must match ``global_block_indices`` in length."""
+
+    mode: SparseMode = "fixed"
+    block: PosInt = 16
+    different_layout_per_head: bool = False
+    num_local_blocks: PosInt = 4
+    num_global_blocks: PosInt = 1
+    attention: Literal["unidirectional", "bidirectional"] = "bidirectional"
+    horizontal_global_attention: bool = False
+    num_different_global_patterns: PosInt = 1
+    num_random_blocks: NonNegInt = 0
+    local_window_blocks: list[PosInt] = Field(default_factory=lambda: [4])
+    global_block_indices: list[NonNegInt] = Field(default_factory=lambda: [0])
+    global_block_end_indices: list[NonNegInt] | None = None
+    num_sliding_window_blocks: PosInt = 3
+
+
+class ModelInfo(Section):
+    """``autotuning.model_info`` (undocumented): model facts that spare the profiling run."""
+
+    profile: bool = False
+    num_params: PosInt | None = None
+    hidden_size: PosInt | None = None
+    num_layers: PosInt | None = None
+
+
+class AutotuningConfig(Section):
+    """``autotuning``: profile steps ``start_profile_step``..``end_profile_step`` of each experiment;
+    ``fast`` tunes only the ZeRO stage and micro batch size. Defaults per DeepSpeed (D7)."""
+
+    enabled: bool = False
+    fast: bool = True
+    results_dir: str = "autotuning_results"
+    exps_dir: str = "autotuning_exps"
+    overwrite: bool = True
+    metric: Annotated[Literal["latency", "throughput", "flops"], BeforeValidator(_lower)] = "throughput"
+    metric_path: str | None = None
+    start_profile_step: NonNegInt = 3
+    end_profile_step: NonNegInt = 5
+    max_train_batch_size: PosInt | None = None
+    min_train_batch_size: PosInt = 1
+    max_train_micro_batch_size_per_gpu: PosInt = 1024
+    min_train_micro_batch_size_per_gpu: PosInt = 1
+    num_tuning_micro_batch_sizes: PosInt = 3
+    mp_size: PosInt = 1
+    tuner_type: Annotated[Literal["gridsearch", "random", "model_based"], BeforeValidator(_lower)] = "gridsearch"
+    tuner_early_stopping: PosInt = 5
+    tuner_num_trials: PosInt = 50
+    arg_mappings: dict[str, str] | None = None
+    model_info: ModelInfo | None = None
+    model_info_path: str | None = None
+
+
+class ElasticityConfig(Section):
+    """``elasticity``: pick a global batch size that works for many GPU counts. When enabled,
+    ``max_train_batch_size`` and ``micro_batch_sizes`` are required (as in DeepSpeed), and unless
+    ``ignore_non_elastic_batch_info`` the top-level batch keys must be absent. ``min_time`` applies to
+    version 0.1 only; ``num_gpus_per_node`` and ``model_parallel_size`` to version 0.2 only."""
+
+    enabled: bool = False
+    max_train_batch_size: PosInt | None = None
+    micro_batch_sizes: list[PosInt] | None = None
+    min_gpus: PosInt = 1
+    max_gpus: PosInt = 10000
+    min_time: NonNegInt = 0
+    prefer_larger_batch: bool = True
+    version: float = 0.2
+    ignore_non_elastic_batch_info: bool = False
+    num_gpus_per_node: PosInt = 1
+    model_parallel_size: PosInt = 1
+
+
+class ParallelWriteConfig(Section):
+    pipeline_stage: bool = False
+
+
+class CheckpointConfig(Section):
+    """``checkpoint``: ``tag_validation`` (Ignore/Warn/Fail, any case) checks tags agree across ranks."""
+
+    tag_validation: Annotated[Literal["Ignore", "Warn", "Fail"], BeforeValidator(_capitalise)] = "Warn"
+    load_universal: bool = False
+    use_node_local_storage: bool = False
+    parallel_write: ParallelWriteConfig = Field(default_factory=ParallelWriteConfig)
+
+
+class EigenvalueConfig(Section):
+    """``eigenvalue`` (undocumented; referenced by the monitor docs): power iteration on block Hessians."""
+
+    enabled: bool = False
+    verbose: bool = False
+    max_iter: PosInt = 100
+    tol: NonNegFloat = 1e-2
+    stability: NonNegFloat = 1e-6
+    gas_boundary_resolution: PosInt = 1
+    layer_name: str = "bert.encoder.layer"
+    layer_num: NonNegInt = 0
+
+
+class PipelineConfig(Section):
+    """``pipeline`` (undocumented; read by DeepSpeed's pipeline engine). ``stages`` is an int or the
+    literal ``"auto"`` (a real value here, not a Hugging Face placeholder)."""
+
+    stages: PosInt | Literal["auto"] = "auto"
+    partition: str = "best"
+    seed_layers: bool = False
+    activation_checkpoint_interval: NonNegInt = 0
+    pipe_partitioned: bool = True
+    grad_partitioned: bool = True
+
+
+class HybridEngineConfig(Section):
+    """``hybrid_engine`` (undocumented; DeepSpeed-Chat's train/generate engine)."""
+
+    enabled: bool = False
+    max_out_tokens: PosInt = 512
+    inference_tp_size: PosInt = 1
+    release_inference_cache: bool = False
+    pin_parameters: bool = True
+    tp_gather_partition_size: PosInt = 8
+
+
+class CompileConfig(Section):
+    """``compile`` (undocumented): ``torch.compile`` the engine's module with ``backend`` and ``kwargs``."""
+
+    enabled: bool = False
+    backend: str = "inductor"
+    kwargs: OpenDict = Field(default_factory=dict)
+
+
+class ThroughputTimerConfig(Section):
+    enabled: bool = True
+    synchronized: bool = True
+
+
+class TimersConfig(Section):
+    """``timers`` (undocumented): the throughput timer."""
+
+    throughput: ThroughputTimerConfig = Field(default_factory=ThroughputTimerConfig)
+
+
+class NebulaConfig(Section):
+    """``nebula`` (undocumented): Azure Nebula checkpoint service."""
+
+    enabled: bool = False
+    load_path: str | None = None
+    enable_nebula_load: bool = True
+    persistent_storage_path: str | None = None
+    persistent_time_interval: PosInt = 100
+    num_of_version_in_retention: PosInt = 2

@@ -1,0 +1,202 @@
+"""The top-level DeepSpeed config model: batch keys, communication keys, logging keys and every section.
+
+Attribute names are exactly DeepSpeed's keys. After :func:`dsrun.config.load_ds_config` the three batch
+numbers are resolved ints and :attr:`DeepSpeedConfig.batch_explanation` says where each came from.
+
+Defaults that follow DeepSpeed's behaviour rather than the documentation (config-keys.md §6):
+
+* D1: ``gradient_clipping`` defaults to 0.0 (no clipping), not 1.0.
+* D2: ``communication_data_type`` is a string ``fp16``/``bf16``/``fp32`` (case-insensitive), not a bool;
+  None means "follow the precision mode" (:attr:`DeepSpeedConfig.resolved_communication_data_type`).
+* ``wall_clock_breakdown`` reads True whenever ``flops_profiler.enabled`` is, as DeepSpeed's getter does.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, PrivateAttr, model_validator
+
+from .base import DTypeName, NonNegFloat, PosInt, Section
+from .misc import (
+    ActivationCheckpointingConfig,
+    AutotuningConfig,
+    CheckpointConfig,
+    CompileConfig,
+    EigenvalueConfig,
+    ElasticityConfig,
+    HybridEngineConfig,
+    NebulaConfig,
+    PipelineConfig,
+    SparseAttentionConfig,
+    TimersConfig,
+)
+from .compression import CompressionConfig
+from .data_efficiency import CurriculumLearningConfig, DataEfficiencyConfig, ProgressiveLayerDropConfig
+from .monitoring import (
+    CometConfig,
+    CommsLoggerConfig,
+    CSVMonitorConfig,
+    FlopsProfilerConfig,
+    MLflowConfig,
+    TensorBoardConfig,
+    WandbConfig,
+)
+from .optim import OptimizerConfig, SchedulerConfig
+from .precision import AMPConfig, BF16Config, DataTypesConfig, FP16Config
+from .zero import AIOConfig, ZeroConfig
+
+
+def _section(model: type[Section]) -> Any:
+    return Field(default_factory=model)
+
+
+class DeepSpeedConfig(Section):
+    """A whole DeepSpeed config: one typed model per section; unknown keys are errors at every level.
+
+    Undocumented keys DeepSpeed reads are accepted with DeepSpeed's defaults (``zero_allow_untested_optimizer``,
+    ``zero_force_ds_cpu_optimizer``, ``memory_breakdown``, ``disable_allgather``, ``dataloader_drop_last``,
+    ``vocabulary_size``, ``seq_parallel_comm_data_type``, ``graph_harvesting``,
+    ``use_data_before_expert_parallelism``, and the sections ``eigenvalue``, ``progressive_layer_drop``,
+    ``pipeline``, ``hybrid_engine``, ``compile``, ``timers``, ``nebula``, ``weight_quantization``).
+    ``mlflow`` is dsrun's own monitor section; it is left out of :meth:`to_ds_dict` unless set.
+    """
+
+    # batch (resolved by load_ds_config)
+    train_batch_size: PosInt | None = None
+    train_micro_batch_size_per_gpu: PosInt | None = None
+    gradient_accumulation_steps: PosInt | None = None
+
+    optimizer: OptimizerConfig | None = None
+    scheduler: SchedulerConfig | None = None
+
+    # communication
+    communication_data_type: DTypeName | None = None
+    seq_parallel_comm_data_type: DTypeName = "fp32"
+    prescale_gradients: bool = False
+    gradient_predivide_factor: NonNegFloat = 1.0
+    sparse_gradients: bool = False
+    disable_allgather: bool = False
+
+    # precision
+    fp16: FP16Config = _section(FP16Config)
+    bf16: BF16Config = _section(BF16Config)
+    amp: AMPConfig = _section(AMPConfig)
+    data_types: DataTypesConfig = _section(DataTypesConfig)
+    gradient_clipping: NonNegFloat = 0.0
+
+    # ZeRO
+    zero_optimization: ZeroConfig = _section(ZeroConfig)
+    zero_allow_untested_optimizer: bool = False
+    zero_force_ds_cpu_optimizer: bool = True
+    aio: AIOConfig = _section(AIOConfig)
+
+    # logging
+    steps_per_print: PosInt = 10
+    wall_clock_breakdown: bool = False
+    dump_state: bool = False
+    memory_breakdown: bool = False
+
+    # monitors and profilers
+    tensorboard: TensorBoardConfig = _section(TensorBoardConfig)
+    wandb: WandbConfig = _section(WandbConfig)
+    comet: CometConfig = _section(CometConfig)
+    csv_monitor: CSVMonitorConfig = _section(CSVMonitorConfig)
+    mlflow: MLflowConfig = _section(MLflowConfig)
+    comms_logger: CommsLoggerConfig = _section(CommsLoggerConfig)
+    flops_profiler: FlopsProfilerConfig = _section(FlopsProfilerConfig)
+
+    # training techniques
+    activation_checkpointing: ActivationCheckpointingConfig = _section(ActivationCheckpointingConfig)
+    sparse_attention: SparseAttentionConfig | None = None
+    data_efficiency: DataEfficiencyConfig = _section(DataEfficiencyConfig)
+    curriculum_learning: CurriculumLearningConfig = _section(CurriculumLearningConfig)
+    progressive_layer_drop: ProgressiveLayerDropConfig = _section(ProgressiveLayerDropConfig)
+    compression_training: CompressionConfig = _section(CompressionConfig)
+    eigenvalue: EigenvalueConfig = _section(EigenvalueConfig)
+
+    # tooling
+    autotuning: AutotuningConfig = _section(AutotuningConfig)
+    elasticity: ElasticityConfig = _section(ElasticityConfig)
+    checkpoint: CheckpointConfig = _section(CheckpointConfig)
+    pipeline: PipelineConfig = _section(PipelineConfig)
+    hybrid_engine: HybridEngineConfig = _section(HybridEngineConfig)
+    compile: CompileConfig = _section(CompileConfig)
+    timers: TimersConfig = _section(TimersConfig)
+    nebula: NebulaConfig = _section(NebulaConfig)
+    weight_quantization: dict[str, Any] | None = None
+    dataloader_drop_last: bool = False
+    vocabulary_size: PosInt | None = None
+    graph_harvesting: bool = False
+    use_data_before_expert_parallelism: bool = False
+
+    _batch_explanation: str = PrivateAttr(default="")
+    _world_size: int = PrivateAttr(default=1)
+    _world_size_source: str = PrivateAttr(default="default")
+    _warnings: list[str] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="after")
+    def _profiler_implies_timing(self) -> "DeepSpeedConfig":
+        # DeepSpeed's wall_clock_breakdown() is "wall_clock_breakdown or flops_profiler.enabled".
+        if self.flops_profiler.enabled and not self.wall_clock_breakdown:
+            self.__dict__["wall_clock_breakdown"] = True
+        return self
+
+    # --- derived values ----------------------------------------------------------------------------
+
+    @property
+    def batch_explanation(self) -> str:
+        """Where each batch number came from, with the world size and its source."""
+        return self._batch_explanation
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def world_size_source(self) -> str:
+        return self._world_size_source
+
+    @property
+    def warnings(self) -> list[str]:
+        """Texts of the migration warnings raised while loading this config."""
+        return list(self._warnings)
+
+    @property
+    def precision(self) -> str:
+        """``fp16``, ``bf16``, ``amp`` or ``fp32``: the single precision mode the rules allow."""
+        if self.fp16.enabled:
+            return "fp16"
+        if self.bf16.enabled:
+            return "bf16"
+        if self.amp.enabled:
+            return "amp"
+        return "fp32"
+
+    @property
+    def resolved_communication_data_type(self) -> str:
+        """``communication_data_type``, or DeepSpeed's choice when unset: the precision's dtype."""
+        if self.communication_data_type is not None:
+            return self.communication_data_type
+        return {"fp16": "fp16", "bf16": "bf16"}.get(self.precision, "fp32")
+
+    @property
+    def resolved_grad_accum_dtype(self) -> str:
+        """``data_types.grad_accum_dtype``, or DeepSpeed's choice: fp32 for bf16 without ZeRO, else the
+        model dtype."""
+        if self.data_types.grad_accum_dtype is not None:
+            return self.data_types.grad_accum_dtype
+        if self.precision == "bf16" and not self.zero_optimization.enabled:
+            return "fp32"
+        return {"fp16": "fp16", "bf16": "bf16"}.get(self.precision, "fp32")
+
+    @property
+    def zero_enabled(self) -> bool:
+        return self.zero_optimization.stage > 0
+
+    def to_ds_dict(self) -> dict[str, Any]:
+        """The resolved DeepSpeed JSON: batch triad filled, legacy keys migrated, "auto" resolved or dropped.
+
+        Keys the user did not set are left to DeepSpeed's defaults (which dsrun's match). dsrun's own
+        ``mlflow`` section is written only when set; DeepSpeed ignores unknown top-level keys.
+        """
+        return super().to_ds_dict()

@@ -1,0 +1,199 @@
+"""``optimizer`` and ``scheduler`` sections, and the checks on their ``params``.
+
+``optimizer.params`` is an open dict (constructor keyword arguments); only the common keys are
+type-checked (``lr``, ``betas``, ``eps``, ``weight_decay``). An optimizer ``type`` is one of DeepSpeed's
+native names (case-insensitive) or a class in ``torch.optim`` (case-sensitive, as DeepSpeed looks it up).
+
+``scheduler.type`` is one of DeepSpeed's five schedules or a class in ``torch.optim.lr_scheduler``. For the
+five DeepSpeed schedules the ``params`` are their constructor's keyword arguments, so a misspelled name
+(which DeepSpeed would turn into a TypeError at initialize) is reported with a suggestion, and the required
+ones (``total_num_steps`` for the decay schedules, ``cycle_min_lr``/``cycle_max_lr`` for OneCycle) are
+enforced.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from dsrun.utils.errors import Problem, show
+from dsrun.utils.suggest import did_you_mean
+
+from .base import NonNegInt, OpenDict, Section
+from .problems import validate_model
+
+# DeepSpeed's own optimizers, compared lower-cased (config-keys.md §4.1 and v0.14.3).
+NATIVE_OPTIMIZERS = {
+    "adam": "Adam", "adamw": "AdamW", "lamb": "Lamb", "onebitadam": "OneBitAdam",
+    "zerooneadam": "ZeroOneAdam", "onebitlamb": "OneBitLamb", "adagrad": "Adagrad", "lion": "Lion",
+    "muadam": "MuAdam", "muadamw": "MuAdamW", "musgd": "MuSGD",
+}
+ONE_BIT_OPTIMIZERS = frozenset({"onebitadam", "zerooneadam", "onebitlamb"})
+DYNAMIC_LOSS_SCALE_OPTIMIZERS = frozenset({"lamb", "onebitlamb"})
+# Optimizers ZeRO is tested with (DeepSpeed asserts unless zero_allow_untested_optimizer is set).
+ZERO_TESTED_OPTIMIZERS = frozenset({"adam", "adamw", "lamb", "adagrad", "lion"})
+
+DEEPSPEED_SCHEDULERS = ("LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+
+
+class OptimizerConfig(Section):
+    """``optimizer``: ``type`` (native DeepSpeed name or a ``torch.optim`` class) and ``params`` (open dict
+    of constructor keyword arguments). ``legacy_fusion`` is undocumented but read by DeepSpeed."""
+
+    type: str | None = None
+    params: OpenDict = Field(default_factory=dict)
+    legacy_fusion: bool = False
+
+    @property
+    def name(self) -> str | None:
+        """The type lower-cased when it is a DeepSpeed optimizer (as DeepSpeed stores it), else as given."""
+        if self.type is None:
+            return None
+        return self.type.lower() if self.type.lower() in NATIVE_OPTIMIZERS else self.type
+
+    @property
+    def is_native(self) -> bool:
+        return self.type is not None and self.type.lower() in NATIVE_OPTIMIZERS
+
+
+class SchedulerConfig(Section):
+    """``scheduler``: ``type`` and ``params`` (keyword arguments of the scheduler's constructor).
+    DeepSpeed steps the scheduler at every training step, inside ``engine.step()``."""
+
+    type: str | None = None
+    params: OpenDict = Field(default_factory=dict)
+
+
+# --- params schemas, used only to check params (the config keeps params as a plain dict) -------------
+
+Number = float
+LrValue = float | list[float]  # DeepSpeed schedules accept one value or one per parameter group
+WarmupType = Literal["log", "linear"]
+
+
+class _Params(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    last_batch_iteration: int = -1
+
+
+class LRRangeTestParams(_Params):
+    lr_range_test_min_lr: LrValue = 0.001
+    lr_range_test_step_size: NonNegInt = 2000
+    lr_range_test_step_rate: Number = 1.0
+    lr_range_test_staircase: bool = False
+
+
+class OneCycleParams(_Params):
+    cycle_min_lr: Number
+    cycle_max_lr: Number
+    decay_lr_rate: Number = 0.0
+    cycle_first_step_size: Annotated[int, Field(ge=1)] = 2000
+    cycle_second_step_size: Annotated[int, Field(ge=1)] | None = None
+    cycle_first_stair_count: NonNegInt = 0
+    cycle_second_stair_count: NonNegInt | None = None
+    decay_step_size: NonNegInt = 0
+    cycle_momentum: bool = True
+    cycle_min_mom: Number = 0.8
+    cycle_max_mom: Number = 0.9
+    decay_mom_rate: Number = 0.0
+
+
+class WarmupLRParams(_Params):
+    warmup_min_lr: LrValue = 0.0
+    warmup_max_lr: LrValue = 0.001
+    warmup_num_steps: NonNegInt = 1000
+    warmup_type: WarmupType = "log"
+
+
+class WarmupDecayLRParams(WarmupLRParams):
+    total_num_steps: Annotated[int, Field(ge=1)]
+
+
+class WarmupCosineLRParams(_Params):
+    total_num_steps: Annotated[int, Field(ge=1)]
+    warmup_min_ratio: Number = 0.0
+    warmup_num_steps: NonNegInt = 1000
+    cos_min_ratio: Number = 0.0001
+    warmup_type: WarmupType = "log"
+
+
+SCHEDULER_PARAMS: dict[str, type[_Params]] = {
+    "LRRangeTest": LRRangeTestParams,
+    "OneCycle": OneCycleParams,
+    "WarmupLR": WarmupLRParams,
+    "WarmupDecayLR": WarmupDecayLRParams,
+    "WarmupCosineLR": WarmupCosineLRParams,
+}
+
+
+class _CommonOptimizerParams(BaseModel):
+    """Types of the keys every optimizer shares; other keys pass through unchecked."""
+
+    model_config = ConfigDict(extra="allow")
+    lr: Annotated[float, Field(ge=0)] | None = None
+    betas: tuple[float, float] | None = None
+    eps: Annotated[float, Field(ge=0)] | None = None
+    weight_decay: Annotated[float, Field(ge=0)] | None = None
+
+
+@lru_cache(maxsize=None)
+def _torch_names(module: str) -> frozenset[str]:
+    """Public class names in a torch module; imported lazily so plain validation stays fast."""
+    import importlib
+
+    mod = importlib.import_module(module)
+    return frozenset(n for n in dir(mod) if not n.startswith("_") and isinstance(getattr(mod, n), type))
+
+
+def check_optimizer(optimizer: OptimizerConfig, prefix: str) -> list[Problem]:
+    """Problems with ``optimizer.type`` and the common ``optimizer.params``."""
+    problems: list[Problem] = []
+    base = f"{prefix}optimizer"
+    if optimizer.type is not None and not optimizer.is_native:
+        torch_names = _torch_names("torch.optim")
+        if optimizer.type not in torch_names or optimizer.type in ("Optimizer",):
+            choices = list(NATIVE_OPTIMIZERS.values()) + sorted(n for n in torch_names if n[0].isupper())
+            problems.append(Problem(
+                f"{base}.type",
+                f"got {show(optimizer.type)}; allowed: a DeepSpeed optimizer ({', '.join(NATIVE_OPTIMIZERS.values())}, "
+                "case-insensitive) or a torch.optim class name",
+                did_you_mean(optimizer.type, choices),
+            ))
+    if optimizer.type is None and optimizer.params:
+        problems.append(Problem(f"{base}.type", "required key is missing (params are given without a type)",
+                                "add e.g. \"type\": \"AdamW\""))
+    _, params_problems = validate_model(_CommonOptimizerParams, optimizer.params, f"{base}.params")
+    problems.extend(params_problems)
+    return problems
+
+
+def check_scheduler(scheduler: SchedulerConfig, prefix: str) -> list[Problem]:
+    """Problems with ``scheduler.type`` and, for DeepSpeed's schedules, ``scheduler.params``."""
+    base = f"{prefix}scheduler"
+    if scheduler.type is None:
+        if scheduler.params:
+            return [Problem(f"{base}.type", "required key is missing (params are given without a type)",
+                            f"one of {', '.join(DEEPSPEED_SCHEDULERS)}")]
+        return []
+    params_model = SCHEDULER_PARAMS.get(scheduler.type)
+    if params_model is not None:
+        return validate_model(params_model, scheduler.params, f"{base}.params")[1]
+    torch_names = _torch_names("torch.optim.lr_scheduler")
+    if scheduler.type in torch_names and scheduler.type not in ("LRScheduler", "_LRScheduler"):
+        return []
+    return [Problem(
+        f"{base}.type",
+        f"got {show(scheduler.type)}; allowed: {', '.join(DEEPSPEED_SCHEDULERS)} or a torch.optim.lr_scheduler "
+        "class name (case-sensitive)",
+        did_you_mean(scheduler.type, list(DEEPSPEED_SCHEDULERS) + sorted(torch_names)),
+    )]
+
+
+def required_scheduler_params(scheduler_type: str) -> list[str]:
+    """Names of the params a DeepSpeed schedule cannot do without."""
+    model = SCHEDULER_PARAMS.get(scheduler_type)
+    if model is None:
+        return []
+    return [name for name, field in model.model_fields.items() if field.is_required()]
+

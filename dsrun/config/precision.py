@@ -1,0 +1,75 @@
+"""Precision sections: ``fp16``, ``bf16`` (old name ``bfloat16``), ``amp`` and ``data_types``.
+
+fp16, bf16 and amp exclude one another, and amp excludes ZeRO; those rules live in :mod:`.rules`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ConfigDict, Field
+
+from .base import DTypeName, NonNegFloat, NonNegInt, Section
+
+
+class FP16Config(Section):
+    """``fp16``: mixed precision with DeepSpeed's loss scaler (Apex O2-like, not Apex itself).
+
+    ``loss_scale`` 0 selects dynamic scaling starting at ``2**initial_scale_power``. Defaults follow
+    DeepSpeed (config-keys.md §6 D3): ``initial_scale_power`` 16 and ``min_loss_scale`` 1, not the old
+    documentation's 32 and 1000. ``min_loss_scale`` is a float because DeepSpeed passes it to the scaler
+    unchanged and real configs write values such as ``1e-4``.
+    """
+
+    enabled: bool = False
+    auto_cast: bool = False
+    loss_scale: NonNegFloat = 0.0
+    initial_scale_power: NonNegInt = 16
+    loss_scale_window: NonNegInt = 1000
+    hysteresis: NonNegInt = 2
+    consecutive_hysteresis: bool = False
+    min_loss_scale: NonNegFloat = 1.0
+    # Undocumented but read by DeepSpeed; requires ZeRO stage 2 (see rules).
+    fp16_master_weights_and_grads: bool = False
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        return self.loss_scale == 0
+
+
+class BF16Config(Section):
+    """``bf16``: bfloat16 training; no loss scaling. Needs hardware support on GPUs.
+
+    ``immediate_grad_update`` (undocumented in the seed docs, read by DeepSpeed's bf16 optimizer) and the
+    later-documented ``bf16_master_weights_and_grads`` / ``bf16_optimizer_states`` are accepted because
+    DeepSpeed defines them.
+    """
+
+    enabled: bool = False
+    immediate_grad_update: bool = False
+    bf16_master_weights_and_grads: bool = False
+    bf16_optimizer_states: bool = False
+
+
+class AMPConfig(Section):
+    """``amp``: NVIDIA Apex AMP. Every key but ``enabled`` is passed to ``apex.amp.initialize`` unchanged,
+    so this section is an open dict (e.g. ``opt_level``); amp excludes fp16, bf16 and ZeRO.
+    """
+
+    model_config = ConfigDict(extra="allow")
+
+    enabled: bool = False
+
+    @property
+    def params(self) -> dict[str, Any]:
+        """The keyword arguments for ``apex.amp.initialize``."""
+        return dict(self.model_extra or {})
+
+    def to_ds_dict(self) -> dict[str, Any]:
+        return {"enabled": self.enabled, **self.params}
+
+
+class DataTypesConfig(Section):
+    """``data_types``: ``grad_accum_dtype`` (None = DeepSpeed decides: fp32 for bf16 without ZeRO, else the
+    model dtype; see :meth:`DeepSpeedConfig.resolved_grad_accum_dtype`)."""
+
+    grad_accum_dtype: DTypeName | None = Field(default=None)

@@ -1,0 +1,131 @@
+"""Turning pydantic's validation errors into dsrun :class:`~dsrun.utils.errors.Problem` lines.
+
+Each problem names the dotted key path (``zero_optimization.offload_optimizer.device``; list items as
+``[i]``), the bad value, what is allowed, and for an unknown key the closest known key.
+"""
+from __future__ import annotations
+
+import typing
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from dsrun.utils.errors import Problem, show
+from dsrun.utils.suggest import did_you_mean
+
+_MISSING = object()
+
+
+def join_path(prefix: str, parts: list[str | int]) -> str:
+    """``prefix`` + parts as ``a.b[0].c``."""
+    text = prefix
+    for part in parts:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        else:
+            text = f"{text}.{part}" if text else str(part)
+    return text
+
+
+def _data_path(data: Any, loc: tuple, error_type: str) -> tuple[list[str | int], Any]:
+    """The parts of pydantic's ``loc`` that index the user's data (dropping union tags), and the value."""
+    parts: list[str | int] = []
+    current = data
+    for index, part in enumerate(loc):
+        last = index == len(loc) - 1
+        if isinstance(current, dict) and isinstance(part, str) and part in current:
+            parts.append(part)
+            current = current[part]
+        elif isinstance(current, list) and isinstance(part, int) and 0 <= part < len(current):
+            parts.append(part)
+            current = current[part]
+        elif last and error_type == "missing" and isinstance(part, str):
+            parts.append(part)
+            current = _MISSING
+        # anything else is a pydantic union/function tag such as 'int' or 'function-after[...]'
+    return parts, current
+
+
+def _model_at(model: type[BaseModel], parts: list[str | int]) -> type[BaseModel] | None:
+    """The section model that holds the last key of ``parts`` (for "did you mean" suggestions)."""
+    current: Any = model
+    for part in parts[:-1]:
+        if isinstance(part, int):
+            current = _unwrap_item(current)
+            continue
+        if not (isinstance(current, type) and issubclass(current, BaseModel)) or part not in current.model_fields:
+            # inside an open dict of sections (e.g. different_groups.<name>): step into the value type
+            current = _unwrap_item(current) if not isinstance(current, type) else None
+            if current is None:
+                return None
+            continue
+        current = _unwrap(current.model_fields[part].annotation)
+    return current if isinstance(current, type) and issubclass(current, BaseModel) else None
+
+
+def _unwrap(annotation: Any) -> Any:
+    """The model class inside Optional[...], dict[str, ...] or list[...]."""
+    args = typing.get_args(annotation)
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in args:
+        inner = _unwrap(arg)
+        if isinstance(inner, type) and issubclass(inner, BaseModel):
+            return inner
+    return annotation
+
+
+def _unwrap_item(current: Any) -> Any:
+    return _unwrap(current)
+
+
+def _allowed_text(msg: str) -> str:
+    # pydantic says "Input should be ..."; rephrase as what is allowed.
+    if msg.startswith("Input should be "):
+        return "allowed: " + msg[len("Input should be "):]
+    return msg[:1].lower() + msg[1:]
+
+
+def problems_from_validation_error(
+    err: ValidationError, data: Any, model: type[BaseModel], prefix: str = ""
+) -> list[Problem]:
+    """One Problem per pydantic error, keyed by the dotted path under ``prefix``."""
+    problems: list[Problem] = []
+    seen: set[tuple[str, str]] = set()
+    for error in err.errors(include_url=False):
+        error_type = error["type"]
+        parts, value = _data_path(data, tuple(error["loc"]), error_type)
+        path = join_path(prefix, parts)
+        hint = ""
+        if error_type == "extra_forbidden":
+            key = str(parts[-1]) if parts else ""
+            owner = _model_at(model, parts)
+            choices = list(owner.model_fields) if owner else []
+            message = f"unknown key {key!r} (value {show(value)})"
+            hint = did_you_mean(key, choices)
+            if not hint and choices:
+                hint = "allowed keys: " + ", ".join(choices[:25]) + (", ..." if len(choices) > 25 else "")
+        elif error_type == "missing":
+            message = "required key is missing"
+        elif error_type in ("model_type", "model_attributes_type", "dict_type"):
+            message = f"got {show(value)}; must be an object (a dict of keys)"
+        else:
+            message = f"got {show(value)}; {_allowed_text(error['msg'])}"
+            if error_type == "literal_error" and isinstance(value, str):
+                expected = error.get("ctx", {}).get("expected", "")
+                choices = [c.strip().strip("'") for c in expected.replace(" or ", ",").split(",") if c.strip()]
+                hint = did_you_mean(value, choices)
+        marker = (path, message)
+        if marker in seen:
+            continue
+        seen.add(marker)
+        problems.append(Problem(path, message, hint))
+    return problems
+
+
+def validate_model(model: type[BaseModel], data: Any, prefix: str) -> tuple[BaseModel | None, list[Problem]]:
+    """Validate ``data`` against ``model``; the instance or None, and the problems under ``prefix``."""
+    try:
+        return model.model_validate(data), []
+    except ValidationError as err:
+        return None, problems_from_validation_error(err, data, model, prefix)

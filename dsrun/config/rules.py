@@ -1,0 +1,235 @@
+"""Cross-field rules: what one section allows depends on another (config-keys.md §3 and §5).
+
+Errors are :class:`~dsrun.utils.errors.Problem`; advice about keys that have no effect in the chosen
+setting (DeepSpeed ignores them silently) is returned as note strings and logged, not raised.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from dsrun.utils.errors import Problem, show
+
+from .compression import check_compression
+from .data_efficiency import check_data_efficiency
+from .misc import SPARSE_MODE_KEYS
+from .model import DeepSpeedConfig
+from .optim import (
+    DYNAMIC_LOSS_SCALE_OPTIMIZERS,
+    NATIVE_OPTIMIZERS,
+    ONE_BIT_OPTIMIZERS,
+    ZERO_TESTED_OPTIMIZERS,
+    check_optimizer,
+    check_scheduler,
+)
+
+_COMET_KEY = re.compile(r"^[A-Za-z0-9]{32,50}$")
+
+
+def _given(raw: dict[str, Any], *keys: str) -> bool:
+    node: Any = raw
+    for key in keys:
+        if not isinstance(node, dict) or key not in node:
+            return False
+        node = node[key]
+    return True
+
+
+def check_precision(cfg: DeepSpeedConfig, p: str) -> list[Problem]:
+    problems: list[Problem] = []
+    if cfg.fp16.enabled and cfg.bf16.enabled:
+        problems.append(Problem(f"{p}bf16.enabled", "fp16 and bf16 cannot both be enabled", "choose one precision"))
+    if cfg.amp.enabled and (cfg.fp16.enabled or cfg.bf16.enabled):
+        other = "fp16" if cfg.fp16.enabled else "bf16"
+        problems.append(Problem(f"{p}amp.enabled", f"amp cannot be combined with {other}",
+                                f"disable {other} or amp"))
+    if cfg.amp.enabled and cfg.zero_optimization.stage > 0:
+        problems.append(Problem(f"{p}amp.enabled",
+                                f"amp is not compatible with ZeRO (zero_optimization.stage is "
+                                f"{cfg.zero_optimization.stage})", "use fp16 or bf16 with ZeRO instead of amp"))
+    if cfg.amp.enabled and cfg.data_types.grad_accum_dtype not in (None, "fp32"):
+        problems.append(Problem(f"{p}data_types.grad_accum_dtype",
+                                f"got {cfg.data_types.grad_accum_dtype!r}; with amp the gradients accumulate "
+                                "in the model dtype, fp32"))
+    if cfg.fp16.fp16_master_weights_and_grads and not (cfg.fp16.enabled and cfg.zero_optimization.stage == 2):
+        problems.append(Problem(f"{p}fp16.fp16_master_weights_and_grads",
+                                "needs fp16 enabled and zero_optimization.stage 2",
+                                f"stage is {cfg.zero_optimization.stage}"))
+    return problems
+
+
+def check_zero(cfg: DeepSpeedConfig, raw: dict[str, Any], p: str) -> tuple[list[Problem], list[str]]:
+    z = cfg.zero_optimization
+    zp = f"{p}zero_optimization"
+    problems: list[Problem] = []
+    notes: list[str] = []
+    if z.offload_param is not None and z.offload_param.device != "none" and z.stage != 3:
+        problems.append(Problem(f"{zp}.offload_param.device",
+                                f"parameter offload ({z.offload_param.device!r}) needs ZeRO stage 3, stage is {z.stage}",
+                                "set zero_optimization.stage to 3 or remove offload_param"))
+    opt = z.offload_optimizer
+    if opt is not None and opt.device != "none":
+        if z.stage == 0:
+            problems.append(Problem(f"{zp}.offload_optimizer.device",
+                                    f"optimizer offload ({opt.device!r}) needs ZeRO stage 1, 2 or 3, stage is 0",
+                                    "set zero_optimization.stage"))
+        elif opt.device == "nvme" and z.stage != 3:
+            problems.append(Problem(f"{zp}.offload_optimizer.device",
+                                    f"NVMe optimizer offload needs ZeRO stage 3, stage is {z.stage}",
+                                    "use device 'cpu' or stage 3"))
+        if opt.ratio < 1.0 and z.stage != 3:
+            problems.append(Problem(f"{zp}.offload_optimizer.ratio",
+                                    f"got {opt.ratio}; partial offload (ratio < 1) needs ZeRO stage 3, stage is {z.stage}"))
+    for name, section in (("offload_param", z.offload_param), ("offload_optimizer", z.offload_optimizer)):
+        if section is not None and section.device == "nvme" and not section.nvme_path:
+            problems.append(Problem(f"{zp}.{name}.nvme_path", "required when device is 'nvme'",
+                                    "a directory on a fast local NVMe drive, e.g. /local_nvme"))
+
+    zraw = raw.get("zero_optimization") if isinstance(raw.get("zero_optimization"), dict) else {}
+    stage3_keys = [k for k in zraw if k.startswith("stage3_")]
+    if z.stage != 3 and stage3_keys:
+        notes.append(f"{zp}: {', '.join(stage3_keys)} only matter at stage 3 (stage is {z.stage})")
+    if "grad_hooks" in zraw and z.stage != 1:
+        notes.append(f"{zp}.grad_hooks only matters at stage 1")
+    if z.round_robin_gradients and (z.stage not in (1, 2) or z.offload_optimizer_device != "cpu"):
+        notes.append(f"{zp}.round_robin_gradients only matters at stages 1-2 with CPU optimizer offload")
+    if z.zero_hpz_partition_size > 1 and z.stage != 3:
+        notes.append(f"{zp}.zero_hpz_partition_size (hpZ) only matters at stage 3")
+    uses_nvme = "nvme" in (z.offload_param_device, z.offload_optimizer_device)
+    if _given(raw, "aio") and not uses_nvme:
+        notes.append(f"{p}aio only matters with NVMe offload")
+    return problems, notes
+
+
+def check_optimizer_rules(cfg: DeepSpeedConfig, p: str) -> list[Problem]:
+    problems: list[Problem] = []
+    if cfg.optimizer is not None:
+        problems += check_optimizer(cfg.optimizer, p)
+    if cfg.scheduler is not None:
+        problems += check_scheduler(cfg.scheduler, p)
+    if cfg.optimizer is None or cfg.optimizer.type is None:
+        return problems
+    name = cfg.optimizer.type.lower()
+    stage = cfg.zero_optimization.stage
+    if name in ONE_BIT_OPTIMIZERS and stage > 0:
+        problems.append(Problem(f"{p}optimizer.type",
+                                f"{NATIVE_OPTIMIZERS[name]} is not compatible with ZeRO (stage {stage})",
+                                "set zero_optimization.stage to 0 or use Adam/AdamW"))
+    elif stage > 0 and name not in ZERO_TESTED_OPTIMIZERS and not cfg.zero_allow_untested_optimizer \
+            and not any(pr.path == f"{p}optimizer.type" for pr in problems):
+        problems.append(Problem(f"{p}optimizer.type",
+                                f"{cfg.optimizer.type!r} is not an optimizer ZeRO is tested with "
+                                "(Adam, AdamW, Lamb, Adagrad, Lion)",
+                                "set \"zero_allow_untested_optimizer\": true to use it anyway"))
+    if name in DYNAMIC_LOSS_SCALE_OPTIMIZERS and cfg.fp16.enabled and not cfg.fp16.dynamic_loss_scale:
+        problems.append(Problem(f"{p}fp16.loss_scale",
+                                f"got {cfg.fp16.loss_scale}; {NATIVE_OPTIMIZERS[name]} needs dynamic loss scaling",
+                                "set fp16.loss_scale to 0"))
+    return problems
+
+
+def check_monitors(cfg: DeepSpeedConfig, p: str) -> list[Problem]:
+    problems: list[Problem] = []
+    comet = cfg.comet
+    if comet.experiment_key is not None and not _COMET_KEY.match(comet.experiment_key):
+        problems.append(Problem(f"{p}comet.experiment_key",
+                                f"got {show(comet.experiment_key)}; allowed: 32 to 50 letters and digits"))
+    if comet.mode == "get" and comet.experiment_key is None:
+        problems.append(Problem(f"{p}comet.experiment_key", "required when comet.mode is 'get'",
+                                "the key of the experiment to continue"))
+    if not cfg.comms_logger.prof_all and cfg.comms_logger.enabled and not cfg.comms_logger.prof_ops:
+        problems.append(Problem(f"{p}comms_logger.prof_ops", "is empty while prof_all is false: nothing would be "
+                                "logged", "list ops such as [\"all_reduce\"] or set prof_all true"))
+    return problems
+
+
+def check_tooling(cfg: DeepSpeedConfig, raw: dict[str, Any], p: str) -> tuple[list[Problem], list[str]]:
+    problems: list[Problem] = []
+    notes: list[str] = []
+    at = cfg.autotuning
+    if at.end_profile_step < at.start_profile_step:
+        problems.append(Problem(f"{p}autotuning.end_profile_step",
+                                f"got {at.end_profile_step}; must be >= start_profile_step ({at.start_profile_step})"))
+    if at.min_train_micro_batch_size_per_gpu > at.max_train_micro_batch_size_per_gpu:
+        problems.append(Problem(f"{p}autotuning.min_train_micro_batch_size_per_gpu",
+                                f"got {at.min_train_micro_batch_size_per_gpu}; must be <= "
+                                f"max_train_micro_batch_size_per_gpu ({at.max_train_micro_batch_size_per_gpu})"))
+    if at.max_train_batch_size is not None and at.max_train_batch_size < at.min_train_batch_size:
+        problems.append(Problem(f"{p}autotuning.max_train_batch_size",
+                                f"got {at.max_train_batch_size}; must be >= min_train_batch_size ({at.min_train_batch_size})"))
+
+    el = cfg.elasticity
+    ep = f"{p}elasticity"
+    if el.version not in (0.1, 0.2):
+        problems.append(Problem(f"{ep}.version", f"got {el.version}; allowed: 0.1 or 0.2"))
+    if el.max_gpus < el.min_gpus:
+        problems.append(Problem(f"{ep}.max_gpus", f"got {el.max_gpus}; must be >= min_gpus ({el.min_gpus})"))
+    if el.enabled:
+        for key in ("max_train_batch_size", "micro_batch_sizes"):
+            if getattr(el, key) is None:
+                problems.append(Problem(f"{ep}.{key}", "required when elasticity is enabled"))
+        if el.micro_batch_sizes is not None and not el.micro_batch_sizes:
+            problems.append(Problem(f"{ep}.micro_batch_sizes", "must list at least one micro batch size"))
+        if not el.ignore_non_elastic_batch_info:
+            for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+                if key in raw:
+                    problems.append(Problem(f"{p}{key}", "must not be given when elasticity is enabled: "
+                                            "elasticity computes the batch sizes",
+                                            "remove it, or set elasticity.ignore_non_elastic_batch_info"))
+        if el.version == 0.2 and el.num_gpus_per_node % el.model_parallel_size:
+            problems.append(Problem(f"{ep}.model_parallel_size",
+                                    f"got {el.model_parallel_size}; must divide num_gpus_per_node ({el.num_gpus_per_node})"))
+        el_raw = raw.get("elasticity", {})
+        if el.version == 0.1 and any(k in el_raw for k in ("num_gpus_per_node", "model_parallel_size")):
+            notes.append(f"{ep}: num_gpus_per_node and model_parallel_size only matter in version 0.2")
+        if el.version == 0.2 and "min_time" in el_raw:
+            notes.append(f"{ep}.min_time only matters in version 0.1")
+
+    ac = cfg.activation_checkpointing
+    if ac.cpu_checkpointing and not ac.partition_activations:
+        notes.append(f"{p}activation_checkpointing.cpu_checkpointing only takes effect with partition_activations")
+
+    sa = cfg.sparse_attention
+    if sa is not None:
+        sp = f"{p}sparse_attention"
+        used = SPARSE_MODE_KEYS[sa.mode]
+        if sa.horizontal_global_attention and sa.attention != "bidirectional" and "attention" in used:
+            problems.append(Problem(f"{sp}.horizontal_global_attention",
+                                    "only valid with attention 'bidirectional'", f"attention is {sa.attention!r}"))
+        if sa.global_block_end_indices is not None and "global_block_indices" in used:
+            if len(sa.global_block_end_indices) != len(sa.global_block_indices):
+                problems.append(Problem(f"{sp}.global_block_end_indices",
+                                        f"has {len(sa.global_block_end_indices)} entries, global_block_indices has "
+                                        f"{len(sa.global_block_indices)}; they must match"))
+            else:
+                for i, (start, end) in enumerate(zip(sa.global_block_indices, sa.global_block_end_indices)):
+                    if end <= start:
+                        problems.append(Problem(f"{sp}.global_block_end_indices[{i}]",
+                                                f"got {end}; must be > global_block_indices[{i}] ({start})"))
+        if sa.mode == "fixed" and sa.num_different_global_patterns > 1 and not sa.different_layout_per_head:
+            problems.append(Problem(f"{sp}.num_different_global_patterns",
+                                    f"got {sa.num_different_global_patterns}; more than one pattern needs "
+                                    "different_layout_per_head true"))
+        sa_raw = raw.get("sparse_attention", {})
+        unused = sorted(k for k in sa_raw if k not in used and k not in ("mode", "block", "different_layout_per_head"))
+        if unused:
+            notes.append(f"{sp}: {', '.join(unused)} not used by mode {sa.mode!r}")
+    return problems, notes
+
+
+def check_rules(cfg: DeepSpeedConfig, raw: dict[str, Any], prefix: str) -> tuple[list[Problem], list[str]]:
+    """Every cross-field rule; (problems, notes). ``raw`` is the migrated input, to see which keys were given."""
+    problems: list[Problem] = []
+    notes: list[str] = []
+    problems += check_precision(cfg, prefix)
+    zero_problems, zero_notes = check_zero(cfg, raw, prefix)
+    problems += zero_problems
+    notes += zero_notes
+    problems += check_optimizer_rules(cfg, prefix)
+    problems += check_monitors(cfg, prefix)
+    tool_problems, tool_notes = check_tooling(cfg, raw, prefix)
+    problems += tool_problems
+    notes += tool_notes
+    problems += check_data_efficiency(cfg.data_efficiency, cfg.curriculum_learning, prefix)
+    problems += check_compression(cfg.compression_training, prefix)
+    return problems, notes
