@@ -113,13 +113,13 @@ def reference_run(name: str, steps: int, global_size: int, clip: float = 0.0) ->
     return {"losses": losses, "params": flat_params(model), "norms": norms}
 
 
-def ds_config(stage: int, micro: int, gas: int, **extra: Any) -> dict[str, Any]:
+def ds_config(stage: int, micro: int, gas: int, bucket: int = 3000, **extra: Any) -> dict[str, Any]:
     cfg = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": gas,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
         # small buckets so a bucket crosses parameter and partition boundaries
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 700, "allgather_bucket_size": 900},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": 4 * bucket // 3},
         "steps_per_print": 1000,
     }
     for key, value in extra.items():
@@ -181,11 +181,12 @@ def suite_cases(world: int) -> dict[str, tuple[str, dict[str, Any]]]:
         for stage in (0, 1, 2):
             # alternate overlap_comm so both reduction paths of every stage run at some world size
             overlap = (stage + world) % 2 == 0
-            cases[f"parity/{name}/{stage}"] = (name, ds_config(stage, 2, 1, zero_optimization={"overlap_comm": overlap}))
+            cases[f"parity/{name}/{stage}"] = (name, ds_config(stage, 2, 1, bucket=3000 if name == "gpt" else 300,
+                                                               zero_optimization={"overlap_comm": overlap}))
     if world == 2:
         for stage in (0, 1, 2):
-            cases[f"gas4/{stage}"] = ("mlp", ds_config(stage, 1, 4))
-            cases[f"gas1/{stage}"] = ("mlp", ds_config(stage, 4, 1))
+            cases[f"gas4/{stage}"] = ("mlp", ds_config(stage, 1, 4, bucket=300))
+            cases[f"gas1/{stage}"] = ("mlp", ds_config(stage, 4, 1, bucket=300))
         for stage in (1, 2):
             cases[f"clip/{stage}"] = ("gpt", ds_config(stage, 2, 1, gradient_clipping=0.05))
         for stage in (0, 2):
@@ -226,3 +227,19 @@ def fp16_overflow_ranks(rank: int, world: int, stage: int) -> list[dict[str, Any
                         "sched_iter": scheduler.last_batch_iteration, "lr": engine.get_lr()[0],
                         "global_steps": engine.global_steps})
     return records
+
+
+def hang_ranks(rank: int, world: int) -> None:
+    """The last rank never reaches its first optimizer step; the others wait in a collective."""
+    import time
+    from datetime import timedelta
+
+    import dsrun
+
+    dsrun.init_distributed(timeout=timedelta(seconds=5), verbose=False)
+    engine, _, _, _ = dsrun.initialize(model=build_model("mlp"), config=ds_config(1, 2, 1, bucket=300))
+    loss = engine(slice_batch(global_batch("mlp", 0, 2 * world), 2 * rank, 2 * rank + 2))
+    if rank == world - 1:
+        time.sleep(120)  # stuck: never joins the reduce-scatter
+    engine.backward(loss)
+    engine.step()
