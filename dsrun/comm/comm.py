@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from dsrun.accelerator import get_accelerator
 
-from .logger import CommsLogger, Timer
+from .logger import CommsLogger, Timer, format_summary, straggler_breakdown
 
 ReduceOp = dist.ReduceOp
 ProcessGroup = Any  # torch's ProcessGroup type, or None for the default (world) group
@@ -76,6 +76,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     if backend == "nccl":
         get_accelerator().set_device(get_local_rank())
     dist.init_process_group(**kwargs)
+    comms_logger.rank = get_rank()
     if verbose and get_rank() == 0:
         print(f"[dsrun] initialized torch.distributed: backend={backend} world_size={get_world_size()}",
               flush=True)
@@ -142,12 +143,14 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 def _run(op: str, message_bytes: int, traffic: float, call: Any, async_op: bool) -> Any:
-    if async_op:
+    if async_op and not comms_logger.timing(op):
         work = call()
         comms_logger.record(op, message_bytes, traffic)
         return work
     with Timer() as t:
         work = call()
+        if async_op:  # the comms logger times every logged op to completion, as DeepSpeed does
+            work.wait()
     comms_logger.record(op, message_bytes, traffic, t.elapsed)
     return work
 
@@ -235,9 +238,35 @@ def reset_comms_stats() -> None:
     comms_logger.reset()
 
 
-def log_summary() -> str:
-    """Print (on rank 0) and return the per-op table, as ``deepspeed.comm.log_summary()`` does."""
-    text = comms_logger.summary()
+def log_summary(show_straggler: bool = False) -> dict[str, Any]:
+    """Print DeepSpeed's summary table on rank 0 and return its data on every rank:
+    ``{op: {count, message_bytes, traffic_bytes, sizes: [{message_bytes, count, total_latency_ms,
+    avg_latency_ms, algbw_gbps, busbw_gbps}, ...]}}``. With ``show_straggler`` each op also gets
+    ``"straggler"`` rows, and every rank must call it (it gathers all ranks' latencies)."""
+    ops = comms_logger.summary_data()
+    straggler = None
+    if show_straggler:
+        own = comms_logger.latencies()
+        every = [own]
+        if is_initialized() and get_world_size() > 1:
+            every = [None] * get_world_size()
+            dist.all_gather_object(every, own)  # straight to torch: the summary itself is not counted
+        straggler = straggler_breakdown(own, every)
+        for op, rows in straggler.items():
+            ops[op]["straggler"] = rows
     if get_rank() == 0:
-        print(text, flush=True)
-    return text
+        print(format_summary(ops, straggler), flush=True)
+    return ops
+
+
+def comms_report(show_straggler: bool = False) -> dict[str, Any]:
+    """What ``comms.json`` holds: ``{"world_size", "rank", "ops": log_summary's data, "table": text}``.
+    Prints nothing; with ``show_straggler`` every rank must call it."""
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        ops = log_summary(show_straggler)
+    straggler = {op: entry["straggler"] for op, entry in ops.items() if "straggler" in entry}
+    return {"world_size": get_world_size(), "rank": get_rank(), "ops": ops,
+            "table": format_summary(ops, straggler if show_straggler else None)}
