@@ -19,6 +19,7 @@ from the writer thread.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import queue
 import sys
@@ -109,6 +110,7 @@ class MonitorMaster(Monitor):
             self._thread.start()
         else:
             self._build_sinks()
+        atexit.register(self.close)  # a script that never calls close() still gets its events written
 
     # --- the public contract ----------------------------------------------------------------------------
     def write_events(self, events: Sequence[Event]) -> None:

@@ -17,6 +17,7 @@ from dsrun.accelerator import get_accelerator
 from dsrun.optim import build_optimizer, check_zero_optimizer
 from dsrun.runtime.dataloader import DeepSpeedDataLoader
 from dsrun.runtime.lr_schedules import build_lr_scheduler
+from dsrun.runtime.observer import EngineObserver
 from dsrun.runtime.precision import PrecisionStrategy, build_precision
 from dsrun.runtime.timers import WallClockTimers
 from dsrun.runtime.zero import MemoryBreakdown, StrategyContext, ZeroStrategy, build_zero_strategy
@@ -76,6 +77,10 @@ class DeepSpeedEngine(torch.nn.Module):
                                     if training_data is not None else None)
         self._comm_at_step_start = comm.get_comms_stats()
         self._last_step_comm: dict[str, dict[str, float]] = {}
+        # observability (monitors, wall-clock breakdown, flops profiler): dsrun/runtime/observer.py
+        self.observer = EngineObserver(self, config)
+        self.monitor = self.observer.monitor
+        self.flops_profiler = self.observer.flops_profiler
 
     # --- construction ---------------------------------------------------------------------------------
     def _broadcast_model(self) -> None:
@@ -114,17 +119,20 @@ class DeepSpeedEngine(torch.nn.Module):
 
     # --- the training loop ----------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        self.observer.before_forward()
         self.timers.start(FORWARD_TIMER)
         if self.strategy is not None:
             self.strategy.before_forward()
         out = self.module(*inputs, **kwargs)
         self.timers.stop(FORWARD_TIMER)
+        self.observer.after_forward()
         return out
 
     def backward(self, loss: torch.Tensor, allreduce_gradients: bool = True, release_loss: bool = False,
                  retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss`` divided by the accumulation steps; on the boundary micro-step gradients are
         reduced across ranks (stage 2 reduces on every micro-step)."""
+        self.observer.before_backward()
         self.timers.start(BACKWARD_TIMER)
         gas = self.gradient_accumulation_steps()
         if scale_wrt_gas and gas > 1:
@@ -140,13 +148,16 @@ class DeepSpeedEngine(torch.nn.Module):
             self.strategy.after_backward(boundary)
         self.timers.stop(BACKWARD_REDUCE_TIMER)
         self.timers.stop(BACKWARD_TIMER)
+        self.observer.after_backward(loss)
         return loss
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Count the micro-step; at a boundary update the weights (unless the gradients overflowed), step
         the scheduler, and advance ``global_steps``/``global_samples``."""
+        self.observer.before_step()
         self.timers.start(STEP_TIMER)
-        if self.is_gradient_accumulation_boundary():
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
             overflow = False
             if self.strategy is not None:
                 outcome = self.strategy.step(float(self._config.gradient_clipping or 0.0))
@@ -164,6 +175,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self.micro_steps += 1
         self._boundary_override = None
         self.timers.stop(STEP_TIMER)
+        self.observer.after_step(boundary)  # monitor events; wall-clock means every steps_per_print
 
     def _close_comm_window(self) -> None:
         now = comm.get_comms_stats()
@@ -181,10 +193,6 @@ class DeepSpeedEngine(torch.nn.Module):
         if not every or self.global_steps % every or self.global_rank != 0:
             return
         print(f"[dsrun] step={self.global_steps}, skipped={self.skipped_steps}, lr={self.get_lr()}", flush=True)
-        if self.timers.enabled:
-            print(f"[dsrun] {self.timers.report([FORWARD_TIMER, BACKWARD_TIMER, BACKWARD_INNER_TIMER, BACKWARD_REDUCE_TIMER, STEP_TIMER])}",
-                  flush=True)
-            self.timers.reset()
 
     def zero_grad(self) -> None:
         if self.strategy is not None:
