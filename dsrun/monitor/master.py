@@ -98,8 +98,10 @@ class MonitorMaster(Monitor):
         self.sinks: list[Monitor] = []
         self.errors: list[str] = []
         self._flush_interval_s = flush_interval_s
+        # runs grouped under one MLflow parent (multirun jobs, tuning trials); see run_defaults.py
+        parent = mlflow_parent_key or os.environ.get("DSRUN_MLFLOW_PARENT") or None
         self._factory: Callable[[str], Monitor] = lambda section: build_sink(
-            monitor_config, section, default_output_dir, mlflow_parent_key)
+            monitor_config, section, default_output_dir, parent)
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._closed = False

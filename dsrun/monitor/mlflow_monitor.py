@@ -41,6 +41,8 @@ class MLflowMonitor(Monitor):
         from mlflow.tracking import MlflowClient
 
         self.tracking_uri = tracking_uri
+        if tracking_uri.startswith("sqlite:///"):
+            Path(tracking_uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
         self.client = MlflowClient(tracking_uri=tracking_uri)
         self.experiment_id = self._experiment(experiment_name)
         all_tags = dict(tags or {})

@@ -112,3 +112,39 @@ class EngineObserver:
 
 
 __all__ = ["EngineObserver", "BREAKDOWN_TIMERS"]
+
+
+COMMS_JSON = "comms.json"
+FLOPS_REPORT = "flops_profile.txt"
+
+
+def write_run_reports(engine: Any, run_dir: Any) -> list[Any]:
+    """End of a ``dsrun train`` run; every rank must call it. Prints DeepSpeed's comms summary on rank 0
+    when ``comms_logger`` is enabled; rank 0 writes ``comms.json`` (every collective that went through
+    :mod:`dsrun.comm` in this process, see :func:`dsrun.comm.comms_report`) and ``flops_profile.txt`` (when
+    a profile was taken) into ``run_dir``, sends the per-op totals to the monitors as
+    ``Comms/<op>/count|message_bytes|total_latency_ms`` and returns the paths written."""
+    import json
+    from pathlib import Path
+
+    from dsrun import comm
+
+    if engine._config.comms_logger.enabled:
+        comm.log_summary()
+    report = comm.comms_report()
+    if engine.global_rank != 0:
+        return []
+    run_dir = Path(run_dir)
+    paths = [run_dir / COMMS_JSON]
+    paths[0].write_text(json.dumps(report, indent=2) + "\n")
+    step = engine.global_samples
+    events = []
+    for op, entry in report["ops"].items():
+        latency = sum(row["total_latency_ms"] for row in entry["sizes"])
+        events += [(f"Comms/{op}/count", entry["count"], step), (f"Comms/{op}/message_bytes", entry["message_bytes"], step),
+                   (f"Comms/{op}/total_latency_ms", latency, step)]
+    engine.monitor.write_events(events)
+    if engine.observer.flops_report:
+        paths.append(run_dir / FLOPS_REPORT)
+        paths[-1].write_text(engine.observer.flops_report)
+    return paths
