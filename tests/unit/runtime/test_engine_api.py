@@ -146,7 +146,8 @@ def test_memory_breakdown_counts_model_state() -> None:
     numel = sum(p.numel() for p in engine.module.parameters())
     assert mem["parameters"] == numel * 4 and mem["gradients"] == numel * 4
     assert mem["optimizer_states"] == 2 * numel * 4  # Adam's two moments
-    assert mem["total"] == mem["parameters"] + mem["gradients"] + mem["master_weights"] + mem["optimizer_states"]
+    assert mem["total"] == (mem["parameters"] + mem["gradients"] + mem["master_weights"] + mem["optimizer_states"]
+                            + mem["buffers"])
 
 
 def test_bf16_engine_keeps_fp32_master_weights() -> None:
