@@ -43,8 +43,9 @@ class EngineObserver:
     # --- hooks the engine calls -----------------------------------------------------------------------
     def before_forward(self) -> None:
         prof = self.flops_profiler
+        at_profile_step = self.engine.global_steps == self.config.flops_profiler.profile_step
         if (prof is not None and self._profile_phase is None and self.flops_report is None
-                and self.engine.module.training and self.engine.global_steps == self.config.flops_profiler.profile_step):
+                and self.engine.module.training and at_profile_step):
             prof.start_profile()
             self._profile_phase = "forward"
             self._started = time.perf_counter()
@@ -79,7 +80,8 @@ class EngineObserver:
         if self._profile_phase == "step":
             self._finish_profile(time.perf_counter() - self._started)
         if self.monitor.enabled:
-            events = [("Train/Samples/lr", float(engine.get_lr()[0]), engine.global_samples)] if engine.get_lr() else []
+            lrs = engine.get_lr()
+            events = [("Train/Samples/lr", float(lrs[0]), engine.global_samples)] if lrs else []
             if self._loss_sum is not None:
                 events.insert(0, ("Train/Samples/train_loss", float(self._loss_sum.item()), engine.global_samples))
             if engine.fp16_enabled():
@@ -141,7 +143,8 @@ def write_run_reports(engine: Any, run_dir: Any) -> list[Any]:
     events = []
     for op, entry in report["ops"].items():
         latency = sum(row["total_latency_ms"] for row in entry["sizes"])
-        events += [(f"Comms/{op}/count", entry["count"], step), (f"Comms/{op}/message_bytes", entry["message_bytes"], step),
+        events += [(f"Comms/{op}/count", entry["count"], step),
+                   (f"Comms/{op}/message_bytes", entry["message_bytes"], step),
                    (f"Comms/{op}/total_latency_ms", latency, step)]
     engine.monitor.write_events(events)
     if engine.observer.flops_report:

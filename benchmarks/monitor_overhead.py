@@ -1,0 +1,136 @@
+"""Step-time overhead of the monitors: dsrun's GPT trained with every monitor off vs on.
+
+Each measurement is a fresh single-rank process (gloo world of one) that builds the engine, waits until the
+monitors are up (MLflow's import and store creation happen once, in the writer thread, before timing),
+runs ``--warmup`` steps, then times ``--steps`` optimizer steps (forward, backward, step, and the worker's
+per-step monitor events). Configurations alternate (off, on, off, on, ...) ``--repeats`` times so load from
+other processes hits both alike; the table reports, per configuration, the median wall time of a step
+and the process CPU time per step (all threads, so the monitors' writer thread is included; unlike wall
+time it hardly moves when other processes load the machine), each against ``off``.
+
+    python benchmarks/monitor_overhead.py [--steps 60] [--warmup 5] [--repeats 3] [--json out.json]
+
+Configurations:
+  off       no monitor
+  monitors  csv_monitor + tensorboard + mlflow (local SQLite store), every step's events
+  all       monitors + wall_clock_breakdown + comms_logger (for information: those synchronise timers)
+
+Target (issue 8): ``monitors`` step time < 1.03 x ``off``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+CONFIGS = ("off", "monitors", "all")
+
+
+def ds_config(name: str, out: Path) -> dict:
+    config = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "steps_per_print": 10,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    if name in ("monitors", "all"):
+        config.update(csv_monitor={"enabled": True, "output_path": str(out), "job_name": "bench"},
+                      tensorboard={"enabled": True, "output_path": str(out), "job_name": "bench"},
+                      mlflow={"enabled": True, "tracking_uri": f"sqlite:///{out / 'mlflow.db'}",
+                              "experiment_name": "bench"})
+    if name == "all":
+        config.update(wall_clock_breakdown=True, comms_logger={"enabled": True})
+    return config
+
+
+def child(name: str, steps: int, warmup: int, out: Path, width: int, layers: int, seq: int) -> dict:
+    import torch
+
+    import dsrun
+    from dsrun.models.gpt import GPT
+
+    torch.manual_seed(0)
+    model = GPT(vocab_size=256, block_size=seq, n_layer=layers, n_head=4, n_embd=width)
+    engine, *_ = dsrun.initialize(model=model, model_parameters=model.parameters(), config=ds_config(name, out))
+    engine.monitor.flush()  # sinks built (MLflow imported, store created) before anything is timed
+    batch = engine.train_micro_batch_size_per_gpu()
+    times = []
+    cpu_start = 0.0
+    for i in range(warmup + steps):
+        if i == warmup:
+            cpu_start = time.process_time()
+        idx = torch.randint(0, 256, (batch, seq + 1))
+        start = time.perf_counter()
+        loss = engine(idx[:, :-1], idx[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        # what the worker adds per step
+        engine.monitor.write_events([("Train/Samples/samples_per_second", 1.0, engine.global_samples),
+                                     ("Train/Samples/tokens_per_second", 1.0, engine.global_samples)])
+        loss.item()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    cpu_per_step = (time.process_time() - cpu_start) / steps  # every thread: the writer's work counts too
+    engine.monitor.close()
+    return {"config": name, "median_step_s": statistics.median(times), "mean_step_s": statistics.fmean(times),
+            "cpu_step_s": cpu_per_step}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args.steps, args.warmup, args.out, args.width, args.layers, args.seq)))
+        return 0
+
+    configs = args.configs.split(",")
+    runs: dict[str, dict[str, list[float]]] = {name: {"wall": [], "cpu": []} for name in configs}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    for repeat in range(args.repeats):
+        for name in configs:
+            with tempfile.TemporaryDirectory() as tmp:
+                cmd = [sys.executable, __file__, "--child", name, "--out", tmp, "--steps", str(args.steps),
+                       "--warmup", str(args.warmup), "--width", str(args.width), "--layers", str(args.layers),
+                       "--seq", str(args.seq)]
+                done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=tmp)
+                if done.returncode != 0:
+                    print(done.stdout[-2000:], done.stderr[-2000:], file=sys.stderr)
+                    return 1
+                result = json.loads(done.stdout.strip().splitlines()[-1])
+                runs[name]["wall"].append(result["median_step_s"])
+                runs[name]["cpu"].append(result["cpu_step_s"])
+                print(f"repeat {repeat + 1}: {name:<9} median step {result['median_step_s'] * 1e3:8.2f} ms wall, "
+                      f"{result['cpu_step_s'] * 1e3:8.2f} ms cpu", flush=True)
+    base = {kind: statistics.median(runs[configs[0]][kind]) for kind in ("wall", "cpu")}
+    summary = {}
+    print(f"\n{'config':<10}{'wall ms':>10}{'vs off':>9}{'cpu ms':>10}{'vs off':>9}")
+    for name in configs:
+        wall, cpu = statistics.median(runs[name]["wall"]), statistics.median(runs[name]["cpu"])
+        summary[name] = {"median_step_ms": wall * 1e3, "cpu_step_ms": cpu * 1e3,
+                         "wall_overhead": wall / base["wall"] - 1, "cpu_overhead": cpu / base["cpu"] - 1,
+                         "runs": runs[name]}
+        print(f"{name:<10}{wall * 1e3:>10.2f}{(wall / base['wall'] - 1) * 100:>8.2f}%"
+              f"{cpu * 1e3:>10.2f}{(cpu / base['cpu'] - 1) * 100:>8.2f}%")
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": summary},
+                                        indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
