@@ -97,6 +97,7 @@ class MonitorMaster(Monitor):
                 require_package(PACKAGES[section], section)
         self.sinks: list[Monitor] = []
         self.errors: list[str] = []
+        self.writer_cpu_s = 0.0  # CPU time the writer thread spent writing (sinks built excluded)
         self._flush_interval_s = flush_interval_s
         # runs grouped under one MLflow parent (multirun jobs, tuning trials); see run_defaults.py
         parent = mlflow_parent_key or os.environ.get("DSRUN_MLFLOW_PARENT") or None
@@ -186,13 +187,25 @@ class MonitorMaster(Monitor):
                 method, payload = self._queue.get(timeout=wait)
             except queue.Empty:
                 method, payload = "tick", None
-            if method in ("write_events", "log_params", "log_artifacts"):
-                self._each(method, payload)
-            if method in ("tick", "flush", "close") or time.monotonic() - last_flush >= self._flush_interval_s:
-                self._each("flush")
-                last_flush = time.monotonic()
-            if method == "flush":
-                payload.set()
+            started = time.thread_time()
+            try:
+                if self._handle(method, payload, last_flush):
+                    last_flush = time.monotonic()
+            finally:
+                self.writer_cpu_s += time.thread_time() - started
             if method == "close":
-                self._each("close")
                 return
+
+    def _handle(self, method: str, payload: Any, last_flush: float) -> bool:
+        """Carry out one request; True when the sinks were flushed."""
+        flushed = False
+        if method in ("write_events", "log_params", "log_artifacts"):
+            self._each(method, payload)
+        if method in ("tick", "flush", "close") or time.monotonic() - last_flush >= self._flush_interval_s:
+            self._each("flush")
+            flushed = True
+        if method == "flush":
+            payload.set()
+        if method == "close":
+            self._each("close")
+        return flushed

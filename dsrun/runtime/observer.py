@@ -35,6 +35,7 @@ class EngineObserver:
         if profiler_cfg.enabled and engine.global_rank == 0:
             self.flops_profiler = FlopsProfiler(engine.module, ds_engine=engine,
                                                 recompute_fwd_factor=profiler_cfg.recompute_fwd_factor)
+            self.flops_profiler.count_outside_modules = False
         self.flops_report: str | None = None
         self._profile_phase: str | None = None  # None → "forward" → "backward" → "step" → done
         self._started = 0.0

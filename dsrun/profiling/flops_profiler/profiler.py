@@ -74,6 +74,8 @@ class FlopsProfiler:
         self._self_macs: dict[int, int] = defaultdict(int)
         self._duration: dict[int, float] = defaultdict(float)
         self._outside = [0, 0]  # flops, macs of counted calls made outside any module of the model
+        # the engine turns this off: work its strategies do around the model's forward is not the model's
+        self.count_outside_modules = True
         # latencies of the profiled step, filled in by the engine (seconds); None when unknown
         self.fwd_latency: float | None = None
         self.bwd_latency: float | None = None
@@ -126,7 +128,7 @@ class FlopsProfiler:
             key = id(self._stack[-1])
             self._self_flops[key] += flops
             self._self_macs[key] += macs
-        else:
+        elif self.count_outside_modules:
             self._outside[0] += flops
             self._outside[1] += macs
 
