@@ -5,11 +5,17 @@ so it is only used on a terminal. Anywhere else (CI, a log file, ``dsrun train``
 line is printed every ``print_every`` steps and at the last step::
 
     [dsrun] step 20/300 | loss 2.4312 | lr 3.000e-04 | 412 samples/s | 52,736 tokens/s | eta 1m04s
+
+``DSRUN_PROGRESS=bar`` or ``lines`` overrides the choice (a launcher that relays rank 0's output to a
+terminal through a pipe can ask for the bar).
 """
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, TextIO
+
+PROGRESS_ENV = "DSRUN_PROGRESS"
 
 
 def format_seconds(seconds: float) -> str:
@@ -20,8 +26,8 @@ def format_seconds(seconds: float) -> str:
 class TrainingProgress:
     """``update()`` once per optimizer step; ``note()`` for one-off lines (evaluations); ``close()`` at the end.
 
-    ``enabled`` False (ranks other than 0) makes every call a no-op. ``bar`` None means "a bar if the
-    stream is a terminal".
+    ``enabled`` False (ranks other than 0) makes every call a no-op. ``bar`` None means ``DSRUN_PROGRESS``
+    if set, else "a bar if the stream is a terminal".
     """
 
     def __init__(self, total_steps: int, enabled: bool = True, print_every: int = 10, bar: bool | None = None,
@@ -30,7 +36,10 @@ class TrainingProgress:
         self.enabled = enabled
         self.print_every = max(1, print_every)
         self.stream = stream or sys.stdout
-        self.use_bar = enabled and (self.stream.isatty() if bar is None else bar)
+        if bar is None:
+            choice = os.environ.get(PROGRESS_ENV, "").lower()
+            bar = choice == "bar" if choice in ("bar", "lines") else self.stream.isatty()
+        self.use_bar = enabled and bar
         self._bar: Any = None
         self._task: Any = None
         if self.use_bar:
@@ -39,7 +48,7 @@ class TrainingProgress:
 
             self._bar = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(),
                                  TextColumn("{task.fields[stats]}"), TimeRemainingColumn(),
-                                 console=Console(file=self.stream), transient=False)
+                                 console=Console(file=self.stream, force_terminal=True), transient=False)
             self._task = self._bar.add_task("train", total=total_steps, stats="")
             self._bar.start()
 

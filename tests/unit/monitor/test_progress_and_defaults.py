@@ -12,7 +12,8 @@ class _Terminal(io.StringIO):
         return True
 
 
-def test_plain_lines_every_print_every_steps_and_at_the_end():
+def test_plain_lines_every_print_every_steps_and_at_the_end(monkeypatch):
+    monkeypatch.delenv("DSRUN_PROGRESS", raising=False)
     out = io.StringIO()
     progress = TrainingProgress(5, print_every=2, stream=out)
     for step in range(1, 6):
@@ -25,7 +26,8 @@ def test_plain_lines_every_print_every_steps_and_at_the_end():
                         " | eval 1.5")
 
 
-def test_rich_bar_on_a_terminal_and_silence_off_rank_0():
+def test_rich_bar_on_a_terminal_and_silence_off_rank_0(monkeypatch):
+    monkeypatch.delenv("DSRUN_PROGRESS", raising=False)
     term = _Terminal()
     progress = TrainingProgress(3, stream=term)
     assert progress.use_bar
@@ -40,6 +42,12 @@ def test_rich_bar_on_a_terminal_and_silence_off_rank_0():
     other.update(3, 1.0, 1e-3, 1.0, 1.0, 1.0)
     other.note("x")
     assert quiet.getvalue() == ""
+    monkeypatch.setenv("DSRUN_PROGRESS", "bar")
+    forced = TrainingProgress(3, stream=io.StringIO())
+    forced.close()
+    assert forced.use_bar  # a launcher relaying rank 0 to a terminal asks for the bar
+    monkeypatch.setenv("DSRUN_PROGRESS", "lines")
+    assert not TrainingProgress(3, stream=_Terminal()).use_bar
 
 
 def test_run_defaults_put_outputs_in_the_run_dir_and_mlflow_beside_the_outputs(tmp_path, monkeypatch):
