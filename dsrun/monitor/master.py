@@ -2,7 +2,7 @@
 
 The step loop must not wait on disks or databases, so :meth:`MonitorMaster.write_events` only hands the
 events to a writer thread; the thread builds the sinks (importing MLflow and opening its store take
-seconds, which then overlap with training), passes events on, and flushes every ``flush_interval_s``.
+seconds, which then overlap with training), passes events on, and flushes every ``flush_interval_s`` (10 s).
 :meth:`flush` waits until everything handed over so far is written; :meth:`close` flushes and closes.
 
 Sinks and their sections (DeepSpeed's, plus dsrun's ``mlflow``)::
@@ -88,7 +88,7 @@ class MonitorMaster(Monitor):
     name = "monitor"
 
     def __init__(self, monitor_config: Any, *, rank: int | None = None, default_output_dir: str | None = None,
-                 mlflow_parent_key: str | None = None, flush_interval_s: float = 2.0, background: bool = True):
+                 mlflow_parent_key: str | None = None, flush_interval_s: float = 10.0, background: bool = True):
         self.rank = _default_rank() if rank is None else rank
         self.sections = [s for s in SINK_SECTIONS if _enabled(monitor_config, s)]
         self.enabled = self.rank == 0 and bool(self.sections)
