@@ -20,13 +20,13 @@ def _engine(tmp_path, **extra):
     return engine
 
 
-def _train(engine, steps: int) -> list[float]:
+def _train(engine, steps: int, dtype: torch.dtype = torch.float32) -> list[float]:
     losses = []
     for _ in range(steps):
         step_loss = 0.0
         for _ in range(engine.gradient_accumulation_steps()):
             x, y = torch.randn(4, 16), torch.randn(4, 1)
-            loss = torch.nn.functional.mse_loss(engine(x), y)
+            loss = torch.nn.functional.mse_loss(engine(x.to(dtype)).float(), y)
             engine.backward(loss)
             engine.step()
             step_loss += loss.item() / engine.gradient_accumulation_steps()
@@ -69,3 +69,12 @@ def test_flops_profiler_reports_the_profile_step(tmp_path):
         assert key in text
     rows = _rows(tmp_path / "job" / "Train_Samples_fwd_flops_per_gpu.csv")
     assert rows == [["16", repr(float(2 * macs + 4 * 32))]]  # Linears (2 x MACs) + ReLU (1 per element)
+
+
+def test_fp16_adds_the_loss_scale_event(tmp_path):
+    engine = _engine(tmp_path, fp16={"enabled": True, "initial_scale_power": 8})
+    _train(engine, 2, torch.float16)
+    engine.monitor.close()
+    rows = _rows(tmp_path / "job" / "Train_Samples_loss_scale.csv")
+    assert [int(step) for step, _ in rows] == [8, 16]
+    assert float(rows[-1][1]) == engine.loss_scale
