@@ -1,9 +1,12 @@
 """``MonitorMaster``: DeepSpeed's fan-out to every enabled sink, written only from rank 0.
 
-The step loop must not wait on disks or databases, so :meth:`MonitorMaster.write_events` only hands the
-events to a writer thread; the thread builds the sinks (importing MLflow and opening its store take
-seconds, which then overlap with training), passes events on, and flushes every ``flush_interval_s`` (10 s).
-:meth:`flush` waits until everything handed over so far is written; :meth:`close` flushes and closes.
+The step loop must not wait on disks or databases, nor share the interpreter with a busy writer at every
+step, so :meth:`MonitorMaster.write_events` only appends the events to a buffer. A writer thread builds
+the sinks (importing MLflow and opening its store take seconds, which then overlap with training) and,
+every ``flush_interval_s`` (10 s), takes the buffer, passes it to the sinks in one batch and flushes them:
+one burst every few seconds instead of a wake-up per step, which on a loaded machine costs the loop
+more than the writing itself (the writer would hold the GIL while waiting for a core). :meth:`flush`
+waits until everything handed over so far is written; :meth:`close` flushes and closes.
 
 Sinks and their sections (DeepSpeed's, plus dsrun's ``mlflow``)::
 
@@ -30,6 +33,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 from .base import Event, Monitor, require_package, section_value
 
 SINK_SECTIONS = ("csv_monitor", "tensorboard", "wandb", "comet", "mlflow")
+MAX_BUFFERED_EVENTS = 20_000  # hand over early past this many, so a long interval cannot grow memory
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "comet": "comet_ml", "mlflow": "mlflow"}
 
 
@@ -104,6 +108,8 @@ class MonitorMaster(Monitor):
         self._factory: Callable[[str], Monitor] = lambda section: build_sink(
             monitor_config, section, default_output_dir, parent)
         self._queue: queue.Queue = queue.Queue()
+        self._buffer: list[Event] = []
+        self._buffer_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._closed = False
         if not self.enabled:
@@ -118,8 +124,16 @@ class MonitorMaster(Monitor):
     # --- the public contract ----------------------------------------------------------------------------
     def write_events(self, events: Sequence[Event]) -> None:
         """Hand over ``(label, value, step)`` events; returns at once."""
-        if self.enabled and events:
-            self._submit("write_events", list(events))
+        if not self.enabled or not events or self._closed:
+            return
+        if self._thread is None:
+            self._each("write_events", list(events))
+            return
+        with self._buffer_lock:
+            self._buffer.extend(events)
+            full = len(self._buffer) >= MAX_BUFFERED_EVENTS
+        if full:
+            self._queue.put(("drain", None))
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         if self.enabled:
@@ -199,8 +213,12 @@ class MonitorMaster(Monitor):
     def _handle(self, method: str, payload: Any, last_flush: float) -> bool:
         """Carry out one request; True when the sinks were flushed."""
         flushed = False
-        if method in ("write_events", "log_params", "log_artifacts"):
+        if method in ("log_params", "log_artifacts"):
             self._each(method, payload)
+        with self._buffer_lock:
+            events, self._buffer = self._buffer, []
+        if events:
+            self._each("write_events", events)
         if method in ("tick", "flush", "close") or time.monotonic() - last_flush >= self._flush_interval_s:
             self._each("flush")
             flushed = True
