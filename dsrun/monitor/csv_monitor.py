@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Sequence
 
 from .base import Event, Monitor
 
@@ -31,13 +31,6 @@ class CSVMonitor(Monitor):
     def write_events(self, events: Sequence[Event]) -> None:
         for label, value, step in events:
             self._pending.setdefault(label, []).append(f"{int(step)},{float(value)!r}\n")
-
-    def write_config(self, flat_config: Mapping[str, Any]) -> None:
-        """``deepspeed_config.csv``: one ``key,value`` row per flattened config key (as DeepSpeed writes)."""
-        with open(self.log_dir / "deepspeed_config.csv", "w", encoding="utf-8") as handle:
-            handle.write("key,value\n")
-            for key, value in flat_config.items():
-                handle.write(f"{key},{str(value).replace(',', ';')}\n")
 
     def flush(self) -> None:
         pending, self._pending = self._pending, {}

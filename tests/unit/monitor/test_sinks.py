@@ -96,3 +96,31 @@ def test_wandb_sink_logs_each_event_at_its_step(monkeypatch):
     assert calls == {"project": "p", "group": "g", "entity": "t", "name": None}
     assert run.logged == [({"Train/Samples/train_loss": 2.5}, 8), ({"Train/Samples/lr": 0.001}, 8)]
     assert run.params == {"lr": 0.1} and run.finished
+
+
+class _FakeExperiment:
+    def __init__(self):
+        self.metrics, self.name, self.ended = [], None, False
+
+    def set_name(self, name):
+        self.name = name
+
+    def log_metric(self, name, value, step):
+        self.metrics.append((name, value, step))
+
+    def end(self):
+        self.ended = True
+
+
+def test_comet_sink_thins_events_by_samples_log_interval(monkeypatch):
+    experiment = _FakeExperiment()
+    started = {}
+    fake = types.ModuleType("comet_ml")
+    fake.start = lambda **kw: started.update(kw) or experiment
+    monkeypatch.setitem(sys.modules, "comet_ml", fake)
+    master = MonitorMaster({"comet": {"enabled": True, "project": "p", "experiment_name": "e",
+                                      "samples_log_interval": 16}}, rank=0, background=False)
+    master.write_events([("loss", 1.0, 8), ("loss", 0.9, 12), ("loss", 0.8, 16), ("loss", 0.7, 40)])
+    master.close()
+    assert started == {"project": "p"} and experiment.name == "e" and experiment.ended
+    assert experiment.metrics == [("loss", 1.0, 8), ("loss", 0.8, 16), ("loss", 0.7, 40)]
