@@ -54,7 +54,8 @@ def ds_config(name: str, out: Path) -> dict:
     return config
 
 
-def child(name: str, steps: int, warmup: int, out: Path, width: int, layers: int, seq: int) -> dict:
+def build_engine(name: str, out: Path, width: int, layers: int, seq: int):
+    """dsrun's GPT in an engine configured as ``name``, its monitors up (MLflow imported, store created)."""
     import torch
 
     import dsrun
@@ -63,24 +64,31 @@ def child(name: str, steps: int, warmup: int, out: Path, width: int, layers: int
     torch.manual_seed(0)
     model = GPT(vocab_size=256, block_size=seq, n_layer=layers, n_head=4, n_embd=width)
     engine, *_ = dsrun.initialize(model=model, model_parameters=model.parameters(), config=ds_config(name, out))
-    engine.monitor.flush()  # sinks built (MLflow imported, store created) before anything is timed
-    batch = engine.train_micro_batch_size_per_gpu()
-    times = []
-    cpu_start = 0.0
-    for i in range(warmup + steps):
-        if i == warmup:
-            cpu_start = time.process_time()
-        idx = torch.randint(0, 256, (batch, seq + 1))
-        start = time.perf_counter()
-        loss = engine(idx[:, :-1], idx[:, 1:])
-        engine.backward(loss)
-        engine.step()
-        # what the worker adds per step
-        engine.monitor.write_events([("Train/Samples/samples_per_second", 1.0, engine.global_samples),
-                                     ("Train/Samples/tokens_per_second", 1.0, engine.global_samples)])
-        loss.item()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
+    engine.monitor.flush()
+    return engine
+
+
+def timed_step(engine, seq: int) -> float:
+    """One optimizer step plus what the worker adds per step (throughput events, the loss value)."""
+    import torch
+
+    idx = torch.randint(0, 256, (engine.train_micro_batch_size_per_gpu(), seq + 1))
+    start = time.perf_counter()
+    loss = engine(idx[:, :-1], idx[:, 1:])
+    engine.backward(loss)
+    engine.step()
+    engine.monitor.write_events([("Train/Samples/samples_per_second", 1.0, engine.global_samples),
+                                 ("Train/Samples/tokens_per_second", 1.0, engine.global_samples)])
+    loss.item()
+    return time.perf_counter() - start
+
+
+def child(name: str, steps: int, warmup: int, out: Path, width: int, layers: int, seq: int) -> dict:
+    engine = build_engine(name, out, width, layers, seq)
+    for _ in range(warmup):
+        timed_step(engine, seq)
+    cpu_start = time.process_time()
+    times = [timed_step(engine, seq) for _ in range(steps)]
     cpu_per_step = (time.process_time() - cpu_start) / steps  # every thread: the writer's work counts too
     engine.monitor.close()
     return {"config": name, "median_step_s": statistics.median(times), "mean_step_s": statistics.fmean(times),
@@ -88,39 +96,23 @@ def child(name: str, steps: int, warmup: int, out: Path, width: int, layers: int
 
 
 def child_interleaved(steps: int, warmup: int, out: Path, width: int, layers: int, seq: int) -> dict:
-    import torch
-
-    import dsrun
-    from dsrun.models.gpt import GPT
-
-    torch.manual_seed(0)
-    model = GPT(vocab_size=256, block_size=seq, n_layer=layers, n_head=4, n_embd=width)
-    engine, *_ = dsrun.initialize(model=model, model_parameters=model.parameters(),
-                                  config=ds_config("monitors", out))
+    engine = build_engine("monitors", out, width, layers, seq)
     monitor = engine.monitor
-    monitor.flush()
     cpu_before = monitor.writer_cpu_s  # building the sinks is a one-off, not per step
-    batch = engine.train_micro_batch_size_per_gpu()
     times: dict[bool, list[float]] = {True: [], False: []}
     for i in range(2 * (warmup + steps)):
         on = i % 2 == 0
         monitor.enabled = on
-        idx = torch.randint(0, 256, (batch, seq + 1))
-        start = time.perf_counter()
-        loss = engine(idx[:, :-1], idx[:, 1:])
-        engine.backward(loss)
-        engine.step()
-        engine.monitor.write_events([("Train/Samples/samples_per_second", 1.0, engine.global_samples),
-                                     ("Train/Samples/tokens_per_second", 1.0, engine.global_samples)])
-        loss.item()
+        elapsed = timed_step(engine, seq)
         if i >= 2 * warmup:
-            times[on].append(time.perf_counter() - start)
+            times[on].append(elapsed)
     monitor.enabled = True
+    monitor.flush()  # every event of the timed steps written; closing (finishing the runs) is a one-off
+    writer = (monitor.writer_cpu_s - cpu_before) / steps
     monitor.close()
     on, off = statistics.median(times[True]), statistics.median(times[False])
     # each monitored step against the unmonitored step right after it: the same load, so drift cancels
     direct = statistics.median(a / b for a, b in zip(times[True], times[False])) - 1
-    writer = (monitor.writer_cpu_s - cpu_before) / steps
     return {"step_on_s": on, "step_off_s": off, "writer_cpu_per_step_s": writer,
             "direct": direct, "writer": writer / off, "total": direct + writer / off}
 
