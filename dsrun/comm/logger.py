@@ -25,7 +25,7 @@ reduce-scatter, ``algbw`` for broadcast and reduce). Bandwidths are in Gbps (10^
 from __future__ import annotations
 
 import datetime
-import inspect
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
@@ -90,10 +90,10 @@ def gbps(nbytes: float, seconds: float) -> float:
 
 def _caller() -> str:
     """The first function outside dsrun.comm on the stack (``debug`` mode's ``[Caller Func: ...]``)."""
-    for frame in inspect.stack()[2:]:
-        if "/dsrun/comm/" not in frame.filename.replace("\\", "/"):
-            return frame.function
-    return "?"
+    frame = sys._getframe(1)  # walking frames: inspect.stack() would read every source file on the way
+    while frame is not None and "/dsrun/comm/" in frame.f_code.co_filename.replace("\\", "/"):
+        frame = frame.f_back
+    return frame.f_code.co_name if frame is not None else "?"
 
 
 @dataclass
