@@ -10,6 +10,7 @@ child runs of one parent run tagged with that key, created by whichever child co
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -20,6 +21,12 @@ PARENT_KEY_TAG = "dsrun.parent_key"
 _MAX_PARAM_VALUE = 6000  # MLflow's limit on a param value
 _PARAMS_PER_BATCH = 100  # MLflow's limit on params per log_batch call
 _METRICS_PER_BATCH = 1000
+
+
+def mlflow_key(name: str) -> str:
+    """``name`` with the characters MLflow rejects in metric and param keys replaced by ``_`` (MLflow
+    allows letters, digits, ``_ - . / `` and spaces)."""
+    return re.sub(r"[^\w\-. /]", "_", str(name))
 
 
 def local_tracking_uri(directory: str | os.PathLike) -> str:
@@ -81,12 +88,12 @@ class MLflowMonitor(Monitor):
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self._pending.extend(Metric(label, float(value), now, int(step)) for label, value, step in events)
+        self._pending.extend(Metric(mlflow_key(label), float(value), now, int(step)) for label, value, step in events)
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         from mlflow.entities import Param
 
-        items = [Param(str(key), str(value)[:_MAX_PARAM_VALUE]) for key, value in params.items()]
+        items = [Param(mlflow_key(key), str(value)[:_MAX_PARAM_VALUE]) for key, value in params.items()]
         for start in range(0, len(items), _PARAMS_PER_BATCH):
             self.client.log_batch(self.run_id, params=items[start:start + _PARAMS_PER_BATCH])
 

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from dsrun.monitor import MonitorMaster
-from dsrun.monitor.mlflow_monitor import PARENT_KEY_TAG, local_tracking_uri, resolve_tracking_uri
+from dsrun.monitor.mlflow_monitor import PARENT_KEY_TAG, local_tracking_uri, mlflow_key, resolve_tracking_uri
+
+
+def test_keys_mlflow_would_reject_are_made_safe():
+    assert mlflow_key("Train/Samples/train_loss") == "Train/Samples/train_loss"
+    assert mlflow_key("Time per step") == "Time per step"
+    assert mlflow_key("ds.optimizer.params.betas[0]:x") == "ds.optimizer.params.betas_0__x"
 
 
 def test_tracking_uri_precedence(monkeypatch, tmp_path):
