@@ -24,7 +24,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from dsrun.estimate.measure import current_rss, record_rank_peak
-from dsrun.rundir import METRICS_JSON, RESOLVED_YAML, atomic_write_text
+from dsrun.monitor.progress import TrainingProgress
+from dsrun.monitor.run_defaults import PARENT_ENV, apply_run_defaults, flatten, mlflow_parent_key
+from dsrun.rundir import DS_CONFIG_JSON, METRICS_JSON, RESOLVED_YAML, atomic_write_text
+from dsrun.runtime.observer import write_run_reports
 
 
 def seed_everything(seed: int) -> None:
@@ -76,9 +79,14 @@ def evaluate(engine: Any, corpus: Any, batch_size: int, rank: int, world_size: i
     return mean_across_ranks(sum(losses) / max(1, len(losses)))
 
 
-def format_seconds(seconds: float) -> str:
-    minutes, secs = divmod(int(seconds), 60)
-    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+def _train_step_flops(model: Any, batch_size: int, seq_len: int) -> int | None:
+    """Analytic forward+backward FLOPs of one optimizer step (dsrun's GPT only), for the TFLOPs metric."""
+    from dsrun.models.accounting import train_step_flops
+
+    try:
+        return train_step_flops(model, batch_size, seq_len)
+    except TypeError:
+        return None
 
 
 def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
@@ -97,8 +105,11 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
     model = hydra.utils.instantiate(spec.model, _convert_="all")
     corpus = hydra.utils.instantiate(spec.data, _convert_="all")
     corpus.check_vocab(model.config.vocab_size)
-    ds_config = OmegaConf.to_container(spec.ds, resolve=True)
+    ds_config = apply_run_defaults(OmegaConf.to_container(spec.ds, resolve=True), run_dir)  # monitors → run dir
+    if mlflow_parent_key(run_dir):  # the jobs of a multirun become MLflow child runs of one parent
+        os.environ[PARENT_ENV] = mlflow_parent_key(run_dir)
     engine, _, _, _ = dsrun.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    engine.monitor.log_params(flatten(OmegaConf.to_container(spec, resolve=True)))
 
     micro_batch, accumulation = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     tokens_per_step = engine.train_batch_size() * corpus.seq_len
@@ -107,7 +118,8 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
         max_steps = min(max_steps, math.ceil(cfg.max_tokens / tokens_per_step))
     loader = corpus.train_loader(batch_size=micro_batch, rank=rank, world_size=world_size, seed=cfg.seed)
     eval_every = cfg.eval_interval or max_steps
-    print_every = max(1, engine.steps_per_print())
+    progress = TrainingProgress(max_steps, enabled=rank == 0, print_every=max(1, engine.steps_per_print()))
+    step_flops = _train_step_flops(model, engine.train_batch_size(), corpus.seq_len)
 
     metrics: dict[str, Any] = {"train_losses": [], "eval_losses": [], "lrs": [], "world_size": world_size,
                                "tokens_per_step": tokens_per_step, "max_steps": max_steps,
@@ -138,26 +150,34 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
         if step % eval_every == 0 or step == max_steps:
             eval_loss = evaluate(engine, corpus, micro_batch, rank, world_size, cfg.eval_iters)
             metrics["eval_losses"].append({"step": step, "loss": eval_loss})
-        if rank == 0 and (step % print_every == 0 or step == max_steps):
-            elapsed = time.perf_counter() - start
-            line = (f"[dsrun] step {step}/{max_steps} | loss {step_loss:.4f} | lr {engine.get_lr()[0]:.3e} | "
-                    f"{step * tokens_per_step / elapsed:,.0f} tokens/s | "
-                    f"eta {format_seconds(elapsed / step * (max_steps - step))}")
-            if metrics["eval_losses"] and metrics["eval_losses"][-1]["step"] == step:
-                line += f" | eval {metrics['eval_losses'][-1]['loss']:.4f}"
-            print(line, flush=True)
+            engine.monitor.write_events([("Eval/Samples/eval_loss", eval_loss, engine.global_samples)])
+        elapsed = time.perf_counter() - start
+        samples_s, tokens_s = step * engine.train_batch_size() / elapsed, step * tokens_per_step / elapsed
+        throughput = [("Train/Samples/samples_per_second", samples_s, engine.global_samples),
+                      ("Train/Samples/tokens_per_second", tokens_s, engine.global_samples)]
+        if step_flops:
+            throughput.append(("Train/Samples/tflops", step * step_flops / elapsed / 1e12, engine.global_samples))
+        engine.monitor.write_events(throughput)
+        evaluated = metrics["eval_losses"] and metrics["eval_losses"][-1]["step"] == step
+        progress.update(step, step_loss, engine.get_lr()[0], samples_s, tokens_s, elapsed,
+                        extra=f"eval {metrics['eval_losses'][-1]['loss']:.4f}" if evaluated else "")
         if stop_agreed(stop):
             metrics["stopped_by_signal"] = stop.signal or "another rank"
             break
 
+    progress.close()
     wall = time.perf_counter() - start
     steps_done = len(metrics["train_losses"])
     metrics.update(steps=steps_done, wall_time_s=wall, samples_per_second=steps_done * engine.train_batch_size() / wall,
                    tokens_per_second=steps_done * tokens_per_step / wall,
                    final_eval_loss=metrics["eval_losses"][-1]["loss"] if metrics["eval_losses"] else None)
     record_rank_peak(run_dir, rank, baseline_rss)
+    reports = write_run_reports(engine, run_dir)  # comms.json, flops_profile.txt (rank 0)
     if rank == 0:
         atomic_write_text(run_dir / METRICS_JSON, json.dumps(metrics, indent=2) + "\n")
+    engine.monitor.log_artifacts([run_dir / RESOLVED_YAML, run_dir / DS_CONFIG_JSON, run_dir / METRICS_JSON,
+                                  *reports])
+    engine.monitor.close()
     comm.barrier()
     comm.destroy_process_group()
     return metrics

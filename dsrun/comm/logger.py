@@ -1,0 +1,252 @@
+"""The comms logger: counts every collective that goes through :mod:`dsrun.comm`.
+
+For each op name it keeps the number of calls, the message bytes (the tensor the caller handed in, as
+DeepSpeed's comms logger reports "message size") and the traffic bytes this rank sends under the
+bandwidth-optimal (ring) algorithm, the same factors nccl-tests use for "bus bandwidth":
+
+=================  =====================================
+all_reduce         2 * S * (N - 1) / N
+reduce_scatter     S_in * (N - 1) / N   (S_in - own piece when pieces differ in size)
+all_gather         S_out * (N - 1) / N
+broadcast, reduce  S
+=================  =====================================
+
+So ZeRO stage 0 (one all-reduce of the gradients) and stages 1-2 (a reduce-scatter of the gradients plus
+an all-gather of the parameters) both show 2 * psi * bytes * (N - 1) / N per step, as the theory says.
+Latency is measured for synchronous calls; while the logger is enabled an async call is waited on inside
+the timer (as DeepSpeed does: logged ops are synchronised), so every logged call has a latency.
+
+Per (op, message size) the logger also keeps each call's latency, for DeepSpeed's summary table
+(:meth:`CommsLogger.summary_data`, :func:`format_summary`): count, total latency, and the 10%-trimmed means
+of latency, algorithmic bandwidth (message bytes / time) and bus bandwidth (traffic bytes / time, which
+is nccl-tests' busbw: ``algbw * 2(N-1)/N`` for all-reduce, ``algbw * (N-1)/N`` for all-gather and
+reduce-scatter, ``algbw`` for broadcast and reduce). Bandwidths are in Gbps (10^9 bits per second).
+"""
+from __future__ import annotations
+
+import datetime
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+COLUMN = 20  # DeepSpeed's summary columns are 20 characters, left-justified
+SUMMARY_HEADER = ["Comm. Op", "Message Size", "Count", "Total Latency(ms)", "Avg Latency(ms)",
+                  "tput_avg (Gbps)", "busbw_avg (Gbps)"]
+STRAGGLER_HEADER = ["Comm. Op", "Message Size", "Count", "Total comm lat(ms)", "Total straggler(ms)",
+                    "Avg comm lat(ms)", "Avg straggler(ms)"]
+
+
+@dataclass
+class OpStats:
+    """Totals for one op name."""
+
+    count: int = 0
+    message_bytes: int = 0
+    traffic_bytes: float = 0.0
+    latency_s: float = 0.0
+    timed_calls: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        return {"count": self.count, "message_bytes": self.message_bytes,
+                "traffic_bytes": self.traffic_bytes, "latency_s": self.latency_s}
+
+
+@dataclass
+class SizeStats:
+    """Calls of one op with one message size: how many, their traffic, and each timed call's latency."""
+
+    count: int = 0
+    traffic_bytes: float = 0.0
+    latencies_s: list[float] = field(default_factory=list)
+    caller: str = ""
+
+
+def convert_size(size_bytes: float) -> str:
+    """Binary units as DeepSpeed prints message sizes: ``2.0 KB``, ``678.86 MB``, ``0 B``."""
+    if size_bytes <= 0:
+        return "0 B"
+    units = ["B", "KB", "MB", "GB", "TB", "PB"]
+    index = 0
+    while size_bytes >= 1024 and index < len(units) - 1:
+        size_bytes /= 1024
+        index += 1
+    return f"{round(size_bytes, 2)} {units[index]}"
+
+
+def trim_mean(values: Sequence[float], proportion: float = 0.1) -> float:
+    """Mean after cutting ``proportion`` of the values from each end (scipy's ``trim_mean``)."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    cut = int(proportion * len(ordered))
+    kept = ordered[cut:len(ordered) - cut] or ordered
+    return sum(kept) / len(kept)
+
+
+def gbps(nbytes: float, seconds: float) -> float:
+    return nbytes * 8 / seconds / 1e9 if seconds > 0 else 0.0
+
+
+def _caller() -> str:
+    """The first function outside dsrun.comm on the stack (``debug`` mode's ``[Caller Func: ...]``)."""
+    frame = sys._getframe(1)  # walking frames: inspect.stack() would read every source file on the way
+    while frame is not None and "/dsrun/comm/" in frame.f_code.co_filename.replace("\\", "/"):
+        frame = frame.f_back
+    return frame.f_code.co_name if frame is not None else "?"
+
+
+@dataclass
+class CommsLogger:
+    """Accounting of collectives. Counting is always on (it is a few additions per call); ``enabled``
+    (the ``comms_logger`` config section) adds timing of every profiled op, ``verbose`` prints each call
+    as it happens, ``debug`` records the calling function."""
+
+    enabled: bool = False
+    verbose: bool = False
+    prof_all: bool = True
+    prof_ops: list[str] = field(default_factory=list)
+    debug: bool = False
+    stats: dict[str, OpStats] = field(default_factory=dict)
+    by_size: dict[tuple[str, int], SizeStats] = field(default_factory=dict)
+    rank: int = 0
+
+    def configure(self, enabled: bool = False, verbose: bool = False, prof_all: bool = True,
+                  prof_ops: Iterable[str] = (), debug: bool = False) -> None:
+        self.enabled, self.verbose, self.prof_all, self.debug = enabled, verbose, prof_all, debug
+        self.prof_ops = list(prof_ops)
+
+    def _profiled(self, op: str) -> bool:
+        return self.prof_all or op in self.prof_ops
+
+    def timing(self, op: str) -> bool:
+        """Whether calls of ``op`` are timed synchronously (the logger is on and profiles this op)."""
+        return self.enabled and self._profiled(op)
+
+    def record(self, op: str, message_bytes: int, traffic_bytes: float, latency_s: float | None = None) -> None:
+        stats = self.stats.setdefault(op, OpStats())
+        stats.count += 1
+        stats.message_bytes += int(message_bytes)
+        stats.traffic_bytes += float(traffic_bytes)
+        per_size = self.by_size.setdefault((op, int(message_bytes)), SizeStats())
+        per_size.count += 1
+        per_size.traffic_bytes += float(traffic_bytes)
+        if latency_s is not None:
+            stats.latency_s += latency_s
+            stats.timed_calls += 1
+            if self.timing(op):
+                per_size.latencies_s.append(latency_s)
+        if self.enabled and self.debug and not per_size.caller:
+            per_size.caller = _caller()
+        if self.enabled and self.verbose and self._profiled(op) and latency_s is not None:
+            print(self.verbose_line(op, message_bytes, traffic_bytes, latency_s), flush=True)
+
+    def verbose_line(self, op: str, message_bytes: int, traffic_bytes: float, latency_s: float) -> str:
+        """One call in DeepSpeed's format (two spaces before ``| busbw``, as upstream prints)."""
+        stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S,%f")[:-3]
+        name = op + (f" | [Caller Func: {_caller()}]" if self.debug else "")
+        return (f"[{stamp}] [INFO] [dsrun.comm] [Rank {self.rank}] rank={self.rank} | comm op: {name} | "
+                f"time (ms): {latency_s * 1e3:.2f} | msg size: {convert_size(message_bytes)} | "
+                f"algbw (Gbps): {gbps(message_bytes, latency_s):.2f}  | busbw (Gbps): "
+                f"{gbps(traffic_bytes, latency_s):.2f}")
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        """A copy of the totals, op name -> {count, message_bytes, traffic_bytes, latency_s}."""
+        return {op: s.as_dict() for op, s in self.stats.items()}
+
+    def reset(self) -> None:
+        self.stats.clear()
+        self.by_size.clear()
+
+    def total_traffic_bytes(self) -> float:
+        return sum(s.traffic_bytes for s in self.stats.values())
+
+    def summary_data(self) -> dict[str, Any]:
+        """DeepSpeed's summary as data: ``{op: {count, message_bytes, traffic_bytes, sizes: [...]}}``, each
+        size row ``{message_bytes, count, total_latency_ms, avg_latency_ms, algbw_gbps, busbw_gbps}`` with
+        the averages as 10%-trimmed means over the timed calls; rows sorted by message size."""
+        ops: dict[str, Any] = {}
+        for (op, size), s in sorted(self.by_size.items()):
+            if not self._profiled(op):
+                continue
+            totals = self.stats[op]
+            entry = ops.setdefault(op, {"count": totals.count, "message_bytes": totals.message_bytes,
+                                        "traffic_bytes": totals.traffic_bytes, "sizes": []})
+            traffic_per_call = s.traffic_bytes / s.count
+            row = {"message_bytes": size, "count": s.count,
+                   "total_latency_ms": sum(s.latencies_s) * 1e3,
+                   "avg_latency_ms": trim_mean(s.latencies_s) * 1e3,
+                   "algbw_gbps": trim_mean([gbps(size, t) for t in s.latencies_s]),
+                   "busbw_gbps": trim_mean([gbps(traffic_per_call, t) for t in s.latencies_s]),
+                   "timed_calls": len(s.latencies_s)}
+            if s.caller:
+                row["caller"] = s.caller
+            entry["sizes"].append(row)
+        return ops
+
+    def latencies(self) -> dict[str, list[float]]:
+        """Each timed call's latency per ``"op|size"`` key (what the straggler analysis compares)."""
+        return {f"{op}|{size}": list(s.latencies_s) for (op, size), s in self.by_size.items() if s.latencies_s}
+
+    def summary(self) -> str:
+        return format_summary(self.summary_data())
+
+
+def _cells(values: Sequence[Any]) -> str:
+    return "".join(str(v).ljust(COLUMN) for v in values).rstrip()
+
+
+def format_summary(data: dict[str, Any], straggler: dict[str, Any] | None = None) -> str:
+    """DeepSpeed's ``log_summary`` table (and its straggler section when ``straggler`` is given)."""
+    lines = [_cells(SUMMARY_HEADER)]
+    for op, entry in data.items():
+        caller = next((r["caller"] for r in entry["sizes"] if r.get("caller")), "")
+        lines.append(op + (f" | [Caller Func: {caller}]" if caller else ""))
+        for row in entry["sizes"]:
+            lines.append(_cells(["", convert_size(row["message_bytes"]), row["count"],
+                                 f"{row['total_latency_ms']:.2f}", f"{row['avg_latency_ms']:.2f}",
+                                 f"{row['algbw_gbps']:.2f}", f"{row['busbw_gbps']:.2f}"]))
+    if straggler is not None:
+        lines += ["_______________________________", "Breakdown with straggler effect",
+                  "-------------------------------", _cells(STRAGGLER_HEADER)]
+        for op, rows in straggler.items():
+            lines.append(op)
+            for row in rows:
+                lines.append(_cells(["", convert_size(row["message_bytes"]), row["count"],
+                                     f"{row['total_latency_ms']:.2f}", f"{row['total_straggler_ms']:.2f}",
+                                     f"{row['avg_latency_ms']:.2f}", f"{row['avg_straggler_ms']:.2f}"]))
+    return "\n".join(lines)
+
+
+def straggler_breakdown(own: dict[str, list[float]], every_rank: Sequence[dict[str, list[float]]]
+                        ) -> dict[str, list[dict[str, Any]]]:
+    """DeepSpeed's straggler effect: per call, this rank's latency minus the fastest rank's for the same
+    call (how long it waited for the slowest arrival), summed and trimmed-averaged per op and size."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for key in sorted(own, key=lambda k: (k.split("|")[0], int(k.split("|")[1]))):
+        op, size = key.split("|")
+        mine = own[key]
+        n = min(len(rank.get(key, [])) for rank in every_rank) if every_rank else 0
+        n = min(n, len(mine))
+        if not n:
+            continue
+        fastest = [min(rank[key][i] for rank in every_rank) for i in range(n)]
+        waits = [mine[i] - fastest[i] for i in range(n)]
+        out.setdefault(op, []).append({"message_bytes": int(size), "count": n,
+                                       "total_latency_ms": sum(mine[:n]) * 1e3,
+                                       "total_straggler_ms": sum(waits) * 1e3,
+                                       "avg_latency_ms": trim_mean(mine[:n]) * 1e3,
+                                       "avg_straggler_ms": trim_mean(waits) * 1e3})
+    return out
+
+
+class Timer:
+    """Wall time of a synchronous call, for the logger."""
+
+    def __enter__(self) -> "Timer":
+        self.start = time.perf_counter()
+        self.elapsed = 0.0
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.elapsed = time.perf_counter() - self.start

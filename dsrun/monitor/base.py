@@ -1,0 +1,54 @@
+"""The monitor contract shared by every sink: DeepSpeed's ``write_events([(label, value, step), ...])``.
+
+``step`` is the x-axis; the engine uses ``global_samples`` (DeepSpeed's advice: some backends do not accept
+mixed step values). A sink may buffer; ``flush()`` makes everything written so far visible and ``close()``
+flushes and releases files and connections.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from typing import Any, Iterable, Mapping, Sequence, Tuple
+
+from dsrun.utils.errors import ConfigError, Problem
+
+Event = Tuple[str, float, int]
+
+
+class Monitor:
+    """A metric sink. Subclasses implement :meth:`write_events`; the rest are optional."""
+
+    name = "monitor"
+
+    def write_events(self, events: Sequence[Event]) -> None:
+        raise NotImplementedError
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        """Run parameters (hyper-parameters, the resolved config); ignored by sinks without the notion."""
+
+    def log_artifacts(self, paths: Iterable[str]) -> None:
+        """Files to keep with the run; ignored by sinks without the notion."""
+
+    def flush(self) -> None:
+        """Make every event written so far durable."""
+
+    def close(self) -> None:
+        self.flush()
+
+
+def require_package(package: str, section: str) -> None:
+    """Fail at configuration time, with the fix, when a monitor's package is missing."""
+    if package in sys.modules:  # already imported (or provided by a test double)
+        return
+    if importlib.util.find_spec(package) is None:
+        raise ConfigError(Problem(f"{section}.enabled", f"is true but the '{package}' package is not installed",
+                                  f"pip install {package}, or set {section}.enabled to false"))
+
+
+def section_value(section: Any, name: str, default: Any = None) -> Any:
+    """Read a key from a config section that may be a dict, a pydantic model, or DeepSpeed's config object."""
+    if section is None:
+        return default
+    if isinstance(section, Mapping):
+        return section.get(name, default)
+    return getattr(section, name, default)

@@ -1,0 +1,154 @@
+"""What the engine reports about itself: monitor events, the wall-clock breakdown and the flops profile.
+
+The engine calls a handful of hooks (``before_forward`` … ``after_step``); everything observability needs
+lives here, so the engine's own code stays about training. Events use DeepSpeed's names and its x-axis,
+``global_samples``:
+
+* every optimizer step: ``Train/Samples/train_loss`` (the step's loss on rank 0: the sum of the
+  accumulation-scaled micro-batch losses), ``Train/Samples/lr``, and with fp16 ``Train/Samples/loss_scale``;
+* every ``steps_per_print`` steps with ``wall_clock_breakdown``: ``Train/Samples/elapsed_time_ms_<timer>``
+  for forward, backward, backward_inner, backward_allreduce and step, averaged over those steps (also
+  printed on rank 0);
+* with ``flops_profiler``: the first micro-batch of the step where ``global_steps == profile_step`` is
+  profiled on rank 0, and the report is printed at the end of that step (or written to ``output_file``);
+  its text stays in :attr:`EngineObserver.flops_report`.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from dsrun.monitor import MonitorMaster
+from dsrun.profiling.flops_profiler import FlopsProfiler
+from dsrun.profiling.wall_clock import BREAKDOWN_TIMERS, breakdown_events, breakdown_line
+
+
+class EngineObserver:
+    def __init__(self, engine: Any, config: Any):
+        self.engine = engine
+        self.config = config
+        self.monitor = MonitorMaster(config, rank=engine.global_rank)
+        profiler_cfg = config.flops_profiler
+        self.flops_profiler: FlopsProfiler | None = None
+        if profiler_cfg.enabled and engine.global_rank == 0:
+            self.flops_profiler = FlopsProfiler(engine.module, ds_engine=engine,
+                                                recompute_fwd_factor=profiler_cfg.recompute_fwd_factor)
+            self.flops_profiler.count_outside_modules = False
+        self.flops_report: str | None = None
+        self._profile_phase: str | None = None  # None → "forward" → "backward" → "step" → done
+        self._started = 0.0
+        self._loss_sum: torch.Tensor | None = None
+
+    # --- hooks the engine calls -----------------------------------------------------------------------
+    def before_forward(self) -> None:
+        prof = self.flops_profiler
+        at_profile_step = self.engine.global_steps == self.config.flops_profiler.profile_step
+        if (prof is not None and self._profile_phase is None and self.flops_report is None
+                and self.engine.module.training and at_profile_step):
+            prof.start_profile()
+            self._profile_phase = "forward"
+            self._started = time.perf_counter()
+
+    def after_forward(self) -> None:
+        if self._profile_phase == "forward":
+            self.flops_profiler.fwd_latency = time.perf_counter() - self._started
+            self.flops_profiler.stop_profile()  # the counts stay; nothing more is counted
+            self._profile_phase = "backward"
+
+    def before_backward(self) -> None:
+        if self._profile_phase == "backward":
+            self._started = time.perf_counter()
+
+    def after_backward(self, loss: torch.Tensor) -> None:
+        if self.monitor.enabled:
+            value = loss.detach().float()
+            self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
+        if self._profile_phase == "backward":
+            self.flops_profiler.bwd_latency = time.perf_counter() - self._started
+            self._profile_phase = "step"
+
+    def before_step(self) -> None:
+        if self._profile_phase == "step":
+            self._started = time.perf_counter()
+
+    def after_step(self, boundary: bool) -> None:
+        """Called at the end of ``engine.step()``; ``boundary`` says whether the optimizer stepped."""
+        if not boundary:
+            return
+        engine = self.engine
+        if self._profile_phase == "step":
+            self._finish_profile(time.perf_counter() - self._started)
+        if self.monitor.enabled:
+            lrs = engine.get_lr()
+            events = [("Train/Samples/lr", float(lrs[0]), engine.global_samples)] if lrs else []
+            if self._loss_sum is not None:
+                events.insert(0, ("Train/Samples/train_loss", float(self._loss_sum.item()), engine.global_samples))
+            if engine.fp16_enabled():
+                events.append(("Train/Samples/loss_scale", float(engine.loss_scale), engine.global_samples))
+            self.monitor.write_events(events)
+        self._loss_sum = None
+        every = engine.steps_per_print()
+        if engine.timers.enabled and every and engine.global_steps % every == 0:
+            means = engine.timers.mean_ms()
+            if engine.global_rank == 0:
+                print(f"[dsrun] {breakdown_line(means, engine.global_rank)}", flush=True)
+            self.monitor.write_events(breakdown_events(means, engine.global_samples))
+            engine.timers.reset()
+
+    def _finish_profile(self, step_latency: float) -> None:
+        prof = self.flops_profiler
+        cfg = self.config.flops_profiler
+        prof.step_latency = step_latency
+        self.flops_report = prof.print_model_profile(profile_step=cfg.profile_step, module_depth=cfg.module_depth,
+                                                     top_modules=cfg.top_modules, detailed=cfg.detailed,
+                                                     output_file=cfg.output_file)
+        self.monitor.write_events([("Train/Samples/fwd_flops_per_gpu", float(prof.get_total_flops()),
+                                    self.engine.global_samples)])
+        prof.end_profile()
+        self._profile_phase = None
+
+    def close(self) -> None:
+        """Flush and close the monitors (the worker calls it at the end of training)."""
+        self.monitor.close()
+
+
+__all__ = ["EngineObserver", "BREAKDOWN_TIMERS"]
+
+
+COMMS_JSON = "comms.json"
+FLOPS_REPORT = "flops_profile.txt"
+
+
+def write_run_reports(engine: Any, run_dir: Any) -> list[Any]:
+    """End of a ``dsrun train`` run; every rank must call it. Prints DeepSpeed's comms summary on rank 0
+    when ``comms_logger`` is enabled; rank 0 writes ``comms.json`` (every collective that went through
+    :mod:`dsrun.comm` in this process, see :func:`dsrun.comm.comms_report`) and ``flops_profile.txt`` (when
+    a profile was taken) into ``run_dir``, sends the per-op totals to the monitors as
+    ``Comms/<op>/count|message_bytes|total_latency_ms`` and returns the paths written."""
+    import json
+    from pathlib import Path
+
+    from dsrun import comm
+
+    if engine._config.comms_logger.enabled:
+        comm.log_summary()
+    report = comm.comms_report()
+    if engine.global_rank != 0:
+        return []
+    run_dir = Path(run_dir)
+    paths = [run_dir / COMMS_JSON]
+    paths[0].write_text(json.dumps(report, indent=2) + "\n")
+    step = engine.global_samples
+    events = []
+    for op, entry in report["ops"].items():
+        latency = sum(row["total_latency_ms"] for row in entry["sizes"])
+        events += [(f"Comms/{op}/count", entry["count"], step),
+                   (f"Comms/{op}/message_bytes", entry["message_bytes"], step),
+                   (f"Comms/{op}/total_latency_ms", latency, step)]
+    engine.monitor.write_events(events)
+    if engine.observer.flops_report:
+        paths.append(run_dir / FLOPS_REPORT)
+        paths[-1].write_text(engine.observer.flops_report)
+    return paths

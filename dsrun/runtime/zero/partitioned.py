@@ -1,0 +1,249 @@
+"""ZeRO stages 1 and 2: fp32 master weights and optimizer state partitioned across ranks.
+
+Each flat group is padded to a multiple of ``2 * world_size`` and split into equal contiguous partitions;
+rank r keeps the fp32 master copy and the optimizer state of partition r only, updates it, and the
+updated partitions are all-gathered back into every rank's model (``allgather_bucket_size`` elements per
+collective).
+
+* **Stage 1** keeps full gradients: they accumulate locally over micro-steps in a flat buffer, and on the
+  boundary micro-step each bucket is reduce-scattered (as soon as backward completes it with
+  ``overlap_comm``, else after backward) so each rank receives the sum for its own partition.
+* **Stage 2** never holds the full gradient: on every micro-step each parameter's gradient is copied into
+  its bucket and released; a complete bucket is reduce-scattered at once (asynchronously with
+  ``overlap_comm``) and each rank adds its share into an fp32 partition-sized accumulator.
+
+A bucket may cross partition boundaries, so the reduce-scatter gives each rank the piece of the bucket it
+owns, which may be empty (a variable-size reduce-scatter). ``reduce_scatter: false`` all-reduces the
+bucket instead and keeps the owned piece (DeepSpeed's option; twice the traffic).
+"""
+from __future__ import annotations
+
+import torch
+
+from dsrun import comm
+
+from .base import FlatStrategy, MemoryBreakdown, optimizer_state_bytes, tensor_bytes
+from .buckets import Bucket
+from .layout import FlatGroup, attach_grad_views, ensure_grad_views
+
+
+class PartitionedStrategy(FlatStrategy):
+    alignment_per_rank = 2  # DeepSpeed pads each flat group to a multiple of 2 * world_size
+    partitioned = True
+
+    def _owned_slices(self, group: FlatGroup, bucket: Bucket) -> list[tuple[int, int]]:
+        """For each rank, the part of ``bucket`` inside its partition, as offsets into the bucket."""
+        pieces = []
+        for r in range(self.world_size):
+            lo, hi = group.partition_range(r)
+            lo, hi = max(lo, bucket.start), min(hi, bucket.end)
+            pieces.append((lo - bucket.start, hi - bucket.start) if hi > lo else (0, 0))
+        return pieces
+
+    def _owned_part(self, partition_buffers: list[torch.Tensor], bucket: Bucket) -> torch.Tensor:
+        """The slice of this rank's partition-sized buffer (of ``bucket``'s group) that ``bucket`` covers."""
+        group = self.groups[bucket.group_index]
+        lo, hi = self._owned_slices(group, bucket)[self.rank]
+        offset = bucket.start + lo - group.partition_range(self.rank)[0]
+        return partition_buffers[bucket.group_index][offset:offset + (hi - lo)]
+
+    def _build_masters(self) -> list[torch.nn.Parameter]:
+        masters = []
+        for group in self.groups:
+            lo, hi = group.partition_range(self.rank)
+            masters.append(torch.nn.Parameter(group.flat_param[lo:hi].detach().float().clone()))
+        return masters
+
+    def _reduce_bucket(self, bucket: Bucket, source: torch.Tensor, out: torch.Tensor, async_op: bool) -> None:
+        """Reduce-scatter ``source`` (the bucket's gradients) so ``out`` gets this rank's owned piece."""
+        group = self.groups[bucket.group_index]
+        self._divide_before_reduce(source)
+        if self.world_size == 1:
+            out.copy_(source)
+            bucket.handles.append((None, out, out))
+            return
+        pieces = self._owned_slices(group, bucket)
+        if self.comm_dtype != source.dtype:
+            source = source.to(self.comm_dtype)
+        lo, hi = pieces[self.rank]
+        if not self.ctx.reduce_scatter:
+            target = source
+            bucket.handles.append((comm.all_reduce(target, group=self.ctx.group, async_op=async_op), target[lo:hi], out))
+            return
+        target = out if out.dtype == self.comm_dtype else torch.empty(hi - lo, dtype=self.comm_dtype, device=out.device)
+        inputs = [source[a:b] for a, b in pieces]
+        bucket.handles.append((comm.reduce_scatter(target, inputs, group=self.ctx.group, async_op=async_op),
+                               target, out))
+
+    def _finish_handles(self, bucket: Bucket) -> None:
+        """Wait for the bucket's collectives and move each result into its destination."""
+        for handle, result, out in bucket.handles:
+            if handle is not None:
+                handle.wait()
+            if result is not out:
+                out.copy_(result)
+        bucket.handles = []
+
+    def _publish(self) -> None:
+        chunk = max(1, int(self.ctx.allgather_bucket_size) // self.world_size)
+        with torch.no_grad():
+            for group, master in zip(self.groups, self.masters):
+                part = master.detach() if self.model_dtype == torch.float32 else master.detach().to(self.model_dtype)
+                if self.world_size == 1:
+                    group.flat_param.copy_(part)
+                    continue
+                size = group.partition_numel
+                if size <= chunk:
+                    comm.all_gather_into_tensor(group.flat_param, part, group=self.ctx.group)
+                    continue
+                for start in range(0, size, chunk):
+                    end = min(size, start + chunk)
+                    outputs = [group.flat_param[r * size + start:r * size + end] for r in range(self.world_size)]
+                    comm.all_gather(outputs, part[start:end].contiguous(), group=self.ctx.group)
+
+    def _partition_state_bytes(self) -> tuple[int, int]:
+        return optimizer_state_bytes(self.optimizer), self._master_bytes()
+
+
+class Stage1Strategy(PartitionedStrategy):
+    """Optimizer state partitioned; gradients kept whole and reduce-scattered at the boundary."""
+
+    stage = 1
+
+    def _build_buffers(self) -> None:
+        self.flat_grads, self.partition_grads = [], []
+        for group in self.groups:
+            flat_grad = torch.zeros_like(group.flat_param)
+            attach_grad_views(group, flat_grad)
+            self.flat_grads.append(flat_grad)
+            self.partition_grads.append(torch.zeros(group.partition_numel, dtype=self.model_dtype,
+                                                    device=self.ctx.device))
+        if self.model_dtype == torch.float32:
+            self.master_grads = self.partition_grads
+        else:
+            self.master_grads = [torch.zeros(g.partition_numel, dtype=torch.float32, device=self.ctx.device)
+                                 for g in self.groups]
+
+    def _reduce(self, bucket: Bucket, async_op: bool) -> None:
+        source = self.flat_grads[bucket.group_index][bucket.start:bucket.end]
+        self._reduce_bucket(bucket, source, self._owned_part(self.partition_grads, bucket), async_op)
+
+    def _complete(self, bucket: Bucket) -> None:
+        self._finish_handles(bucket)
+
+    def _master_grads(self) -> list[torch.Tensor]:
+        if self.master_grads is not self.partition_grads:
+            for master_grad, part in zip(self.master_grads, self.partition_grads):
+                master_grad.copy_(part)
+        return self.master_grads
+
+    def zero_grad(self) -> None:
+        for group, flat_grad in zip(self.groups, self.flat_grads):
+            flat_grad.zero_()
+            ensure_grad_views(group, flat_grad)
+
+    def memory_breakdown(self) -> MemoryBreakdown:
+        grads = sum(tensor_bytes(g) for g in self.flat_grads) + sum(tensor_bytes(g) for g in self.partition_grads)
+        if self.master_grads is not self.partition_grads:
+            grads += sum(tensor_bytes(g) for g in self.master_grads)
+        states, masters = self._partition_state_bytes()
+        return MemoryBreakdown(parameters=self._param_bytes(), gradients=grads, master_weights=masters,
+                               optimizer_states=states, padding=self._padding_bytes())
+
+
+class Stage2Strategy(PartitionedStrategy):
+    """Optimizer state and gradients partitioned; buckets reduce-scattered during every backward."""
+
+    stage = 2
+    reduce_every_micro_step = True
+
+    # A released bucket buffer is kept for reuse (at most this many per size): allocating and first-touching
+    # a fresh buffer of reduce_bucket_size elements on every bucket of every step costs more than the copy.
+    POOLED_BUFFERS_PER_SIZE = 2
+
+    def _build_buffers(self) -> None:
+        # fp32 accumulators for this rank's partition: the only gradient storage that outlives a bucket
+        self.master_grads = [torch.zeros(g.partition_numel, dtype=torch.float32, device=self.ctx.device)
+                             for g in self.groups]
+        self._pool: dict[int, list[torch.Tensor]] = {}
+        self._ready: set[tuple[int, int]] = set()
+        for group in self.groups:
+            for p in group.params:
+                p.grad = None
+
+    def _take(self, numel: int) -> torch.Tensor:
+        free = self._pool.get(numel)
+        return free.pop() if free else torch.empty(numel, dtype=self.model_dtype, device=self.ctx.device)
+
+    def _give_back(self, buffer: torch.Tensor | None) -> None:
+        if buffer is not None:
+            free = self._pool.setdefault(buffer.numel(), [])
+            if len(free) < self.POOLED_BUFFERS_PER_SIZE:
+                free.append(buffer)
+
+    def _staging(self, bucket: Bucket) -> torch.Tensor:
+        if bucket.staging is None:
+            # contiguous_gradients: each bucket's gradients are packed into one buffer as they arrive
+            bucket.staging = self._take(bucket.numel)
+            group = self.groups[bucket.group_index]
+            if bucket.end > group.numel:  # the alignment padding at the end of the group
+                bucket.staging[max(0, group.numel - bucket.start):].zero_()
+        return bucket.staging
+
+    def before_backward(self, boundary: bool) -> None:
+        self._ready.clear()
+        super().before_backward(boundary)
+
+    def _on_param_ready(self, gi: int, pi: int, buckets: list[Bucket]) -> None:
+        group = self.groups[gi]
+        param = group.params[pi]
+        grad = param.grad.reshape(-1)
+        off, n = group.offsets[pi], group.numels[pi]
+        for bucket in buckets:
+            lo, hi = max(off, bucket.start), min(off + n, bucket.end)
+            self._staging(bucket)[lo - bucket.start:hi - bucket.start].copy_(grad[lo - off:hi - off])
+        self._ready.add((gi, pi))
+        param.grad = None  # the full gradient of this parameter is not kept
+
+    @property
+    def reduce_during_backward(self) -> bool:
+        return True  # the gradients are released as buckets fill, so they must be reduced then
+
+    def _reduce(self, bucket: Bucket, async_op: bool) -> None:
+        staging = self._staging(bucket)
+        if bucket.pending > 0:  # parameters that got no gradient this pass (unused) contribute zeros
+            group = self.groups[bucket.group_index]
+            for pi in bucket.param_indices:
+                if (bucket.group_index, pi) not in self._ready:
+                    off, n = group.offsets[pi], group.numels[pi]
+                    lo, hi = max(off, bucket.start), min(off + n, bucket.end)
+                    staging[lo - bucket.start:hi - bucket.start].zero_()
+        bucket.received = self._take(self._owned_part(self.master_grads, bucket).numel())
+        self._reduce_bucket(bucket, staging, bucket.received, async_op=async_op)
+
+    def _complete(self, bucket: Bucket) -> None:
+        if bucket.received is None:  # already completed inside backward
+            return
+        self._finish_handles(bucket)
+        self._owned_part(self.master_grads, bucket).add_(bucket.received)  # accumulate over micro-steps
+        self._give_back(bucket.received)
+        self._give_back(bucket.staging)  # release the bucket's copy of the gradients
+        bucket.received = None
+        bucket.staging = None
+
+    def _master_grads(self) -> list[torch.Tensor]:
+        return self.master_grads
+
+    def zero_grad(self) -> None:
+        for g in self.master_grads:
+            g.zero_()
+        for group in self.groups:
+            for p in group.params:
+                p.grad = None
+
+    def memory_breakdown(self) -> MemoryBreakdown:
+        grads = sum(tensor_bytes(g) for g in self.master_grads)
+        states, masters = self._partition_state_bytes()
+        pooled = sum(tensor_bytes(b) for free in self._pool.values() for b in free)
+        return MemoryBreakdown(parameters=self._param_bytes(), gradients=grads, master_weights=masters,
+                               optimizer_states=states, padding=self._padding_bytes(), buffers=pooled)

@@ -1,0 +1,53 @@
+"""MLflow: a local store with no server, params/metrics/artifacts read back through the MLflow client,
+child runs under one parent."""
+from __future__ import annotations
+
+import pytest
+
+from dsrun.monitor import MonitorMaster
+from dsrun.monitor.mlflow_monitor import PARENT_KEY_TAG, local_tracking_uri, mlflow_key, resolve_tracking_uri
+
+
+def test_keys_mlflow_would_reject_are_made_safe():
+    assert mlflow_key("Train/Samples/train_loss") == "Train/Samples/train_loss"
+    assert mlflow_key("Time per step") == "Time per step"
+    assert mlflow_key("ds.optimizer.params.betas[0]:x") == "ds.optimizer.params.betas_0__x"
+
+
+def test_tracking_uri_precedence(monkeypatch, tmp_path):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert resolve_tracking_uri(None, tmp_path) == f"sqlite:///{tmp_path.resolve()}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://tracking:5000")
+    assert resolve_tracking_uri(None, tmp_path) == "http://tracking:5000"
+    assert resolve_tracking_uri("sqlite:///x.db", tmp_path) == "sqlite:///x.db"
+
+
+@pytest.mark.slow  # creating an MLflow SQLite store runs its migrations: ~10-20 s on a busy machine
+def test_mlflow_run_with_params_metrics_artifacts_and_a_parent(monkeypatch, tmp_path):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    artifact = tmp_path / "resolved.yaml"
+    artifact.write_text("model: gpt\n")
+    cfg = {"mlflow": {"enabled": True, "experiment_name": "unit", "run_name": "r"}}
+    ids = []
+    for job in range(2):
+        master = MonitorMaster(cfg, rank=0, default_output_dir=str(tmp_path), mlflow_parent_key="sweep-1")
+        master.log_params({"model.n_layer": 2, "ds.zero_optimization.stage": job})
+        master.write_events([("Train/Samples/train_loss", 3.0 - job, 8), ("Train/Samples/train_loss", 2.0, 16)])
+        master.log_artifacts([str(artifact)])
+        master.close()
+        assert not master.errors
+        ids.append(master.sinks[0].run_id)
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=local_tracking_uri(tmp_path))
+    run = client.get_run(ids[1])
+    assert run.data.params == {"model.n_layer": "2", "ds.zero_optimization.stage": "1"}
+    history = client.get_metric_history(ids[1], "Train/Samples/train_loss")
+    assert [(m.step, m.value) for m in history] == [(8, 2.0), (16, 2.0)]
+    assert [a.path for a in client.list_artifacts(ids[1])] == ["resolved.yaml"]
+    assert run.info.status == "FINISHED" and run.info.run_name == "r"
+    parents = {client.get_run(i).data.tags["mlflow.parentRunId"] for i in ids}
+    assert len(parents) == 1
+    assert client.get_run(parents.pop()).data.tags[PARENT_KEY_TAG] == "sweep-1"
+    assert (tmp_path / "mlartifacts").is_dir()  # artifacts beside the store, not in the current directory
