@@ -1,0 +1,243 @@
+"""The only door to ``torch.distributed``: process-group setup and the collectives dsrun uses.
+
+Every collective is recorded in the comms logger (:mod:`dsrun.comm.logger`) with its message and traffic
+bytes, so the engine, the monitor and the tests can see what a training step moved. Names and signatures
+follow ``deepspeed.comm`` (which follows ``torch.distributed``), so code written against either works.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from dsrun.accelerator import get_accelerator
+
+from .logger import CommsLogger, Timer
+
+ReduceOp = dist.ReduceOp
+ProcessGroup = Any  # torch's ProcessGroup type, or None for the default (world) group
+
+comms_logger = CommsLogger()
+
+# torch >= 2.10 renamed the tensor-shaped collectives; prefer the new names when present.
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True,
+                     distributed_port: int = 29500, verbose: bool = True,
+                     timeout: timedelta = timedelta(seconds=1800), init_method: str | None = None,
+                     dist_init_required: bool | None = None, config: dict | None = None,
+                     rank: int = -1, world_size: int = -1) -> None:
+    """Initialize torch.distributed, as ``deepspeed.init_distributed`` does.
+
+    The backend defaults to the accelerator's (gloo on CPU, NCCL on CUDA). Rank and world size come from the
+    arguments or the ``RANK``/``WORLD_SIZE`` environment (set by ``dsrun`` and ``torchrun``); without either,
+    a single-process world on 127.0.0.1 is created so a plain ``python train.py`` works. ``timeout`` bounds
+    every collective: a rank that never joins makes the others fail after it instead of hanging.
+    ``config`` may carry a ``comms_logger`` section (a dict or an object with those attributes).
+    ``auto_mpi_discovery`` is accepted for compatibility; MPI launch is not supported.
+    """
+    if config is not None:
+        configure(config)
+    if dist_init_required is False:
+        return
+    if dist.is_initialized():
+        return
+    if rank < 0 and "RANK" not in os.environ:
+        # A single process started by hand: make a world of one.
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    else:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(distributed_port))
+    backend = dist_backend or get_accelerator().communication_backend_name()
+    kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout}
+    if init_method is not None:
+        kwargs["init_method"] = init_method
+    if rank >= 0:
+        kwargs["rank"] = rank
+    if world_size > 0:
+        kwargs["world_size"] = world_size
+    if backend == "nccl":
+        get_accelerator().set_device(get_local_rank())
+    dist.init_process_group(**kwargs)
+    if verbose and get_rank() == 0:
+        print(f"[dsrun] initialized torch.distributed: backend={backend} world_size={get_world_size()}",
+              flush=True)
+
+
+def configure(config: Any = None, enabled: bool | None = None, verbose: bool | None = None,
+              prof_all: bool | None = None, prof_ops: Sequence[str] | None = None,
+              debug: bool | None = None) -> None:
+    """Configure the comms logger from a DeepSpeed config (its ``comms_logger`` section) or keywords."""
+    section: Any = None
+    if config is not None:
+        section = config.get("comms_logger") if isinstance(config, dict) else getattr(config, "comms_logger", None)
+
+    def pick(name: str, given: Any, default: Any) -> Any:
+        if given is not None:
+            return given
+        if section is None:
+            return default
+        return section.get(name, default) if isinstance(section, dict) else getattr(section, name, default)
+
+    comms_logger.configure(enabled=pick("enabled", enabled, comms_logger.enabled),
+                           verbose=pick("verbose", verbose, comms_logger.verbose),
+                           prof_all=pick("prof_all", prof_all, comms_logger.prof_all),
+                           prof_ops=pick("prof_ops", prof_ops, comms_logger.prof_ops) or [],
+                           debug=pick("debug", debug, comms_logger.debug))
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank(group: ProcessGroup = None) -> int:
+    return dist.get_rank(group) if is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def get_world_size(group: ProcessGroup = None) -> int:
+    return dist.get_world_size(group) if is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def get_global_rank(group: ProcessGroup, group_rank: int) -> int:
+    """The global rank of ``group_rank`` within ``group``."""
+    return dist.get_global_rank(group, group_rank) if group is not None else group_rank
+
+
+def get_local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def get_backend(group: ProcessGroup = None) -> str:
+    return dist.get_backend(group)
+
+
+def new_group(ranks: Sequence[int] | None = None, timeout: timedelta | None = None) -> ProcessGroup:
+    return dist.new_group(ranks=list(ranks) if ranks is not None else None, timeout=timeout)
+
+
+def destroy_process_group(group: ProcessGroup = None) -> None:
+    if is_initialized():
+        dist.destroy_process_group(group)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _run(op: str, message_bytes: int, traffic: float, call: Any, async_op: bool) -> Any:
+    if async_op:
+        work = call()
+        comms_logger.record(op, message_bytes, traffic)
+        return work
+    with Timer() as t:
+        work = call()
+    comms_logger.record(op, message_bytes, traffic, t.elapsed)
+    return work
+
+
+def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: ProcessGroup = None,
+               async_op: bool = False) -> Any:
+    n = get_world_size(group)
+    size = _nbytes(tensor)
+    return _run("all_reduce", size, 2 * size * (n - 1) / n,
+                lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), async_op)
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = ReduceOp.SUM,
+                          group: ProcessGroup = None, async_op: bool = False) -> Any:
+    """Reduce ``input`` (N equal pieces, piece r for rank r) across ranks; rank r gets piece r in ``output``."""
+    n = get_world_size(group)
+    size = _nbytes(input)
+    return _run("reduce_scatter", size, size * (n - 1) / n,
+                lambda: _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op), async_op)
+
+
+def reduce_scatter(output: torch.Tensor, input_list: Sequence[torch.Tensor], op: Any = ReduceOp.SUM,
+                   group: ProcessGroup = None, async_op: bool = False) -> Any:
+    """Reduce-scatter with one input tensor per rank; pieces may differ in size (some may be empty)."""
+    total = sum(_nbytes(t) for t in input_list)
+    own = _nbytes(input_list[get_rank(group)])
+    return _run("reduce_scatter", total, total - own,
+                lambda: dist.reduce_scatter(output, list(input_list), op=op, group=group, async_op=async_op),
+                async_op)
+
+
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup = None,
+                           async_op: bool = False) -> Any:
+    """Gather every rank's ``input`` into ``output`` (rank r's at piece r)."""
+    n = get_world_size(group)
+    size = _nbytes(output)
+    return _run("all_gather", size, size * (n - 1) / n,
+                lambda: _all_gather_single(output, input, group=group, async_op=async_op), async_op)
+
+
+def all_gather(tensor_list: Sequence[torch.Tensor], tensor: torch.Tensor, group: ProcessGroup = None,
+               async_op: bool = False) -> Any:
+    total = sum(_nbytes(t) for t in tensor_list)
+    return _run("all_gather", total, total - _nbytes(tensor),
+                lambda: dist.all_gather(list(tensor_list), tensor, group=group, async_op=async_op), async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup = None, async_op: bool = False) -> Any:
+    size = _nbytes(tensor)
+    return _run("broadcast", size, size if get_world_size(group) > 1 else 0,
+                lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op), async_op)
+
+
+def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: ProcessGroup = None,
+           async_op: bool = False) -> Any:
+    size = _nbytes(tensor)
+    return _run("reduce", size, size if get_world_size(group) > 1 else 0,
+                lambda: dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op), async_op)
+
+
+def all_gather_object(object_list: list, obj: Any, group: ProcessGroup = None) -> None:
+    comms_logger.record("all_gather_object", 0, 0)
+    dist.all_gather_object(object_list, obj, group=group)
+
+
+def broadcast_object_list(object_list: list, src: int = 0, group: ProcessGroup = None) -> None:
+    comms_logger.record("broadcast_object_list", 0, 0)
+    dist.broadcast_object_list(object_list, src=src, group=group)
+
+
+def barrier(group: ProcessGroup = None) -> None:
+    if get_world_size(group) == 1 and not is_initialized():
+        return
+    with Timer() as t:
+        dist.barrier(group=group)
+    comms_logger.record("barrier", 0, 0, t.elapsed)
+
+
+def get_comms_stats() -> dict[str, dict[str, float]]:
+    """Totals per op since the last reset: {op: {count, message_bytes, traffic_bytes, latency_s}}."""
+    return comms_logger.snapshot()
+
+
+def reset_comms_stats() -> None:
+    comms_logger.reset()
+
+
+def log_summary() -> str:
+    """Print (on rank 0) and return the per-op table, as ``deepspeed.comm.log_summary()`` does."""
+    text = comms_logger.summary()
+    if get_rank() == 0:
+        print(text, flush=True)
+    return text

@@ -1,0 +1,129 @@
+"""Optimizers by DeepSpeed name.
+
+``optimizer.type`` in a DeepSpeed config is matched case-insensitively against DeepSpeed's own names
+(Adam, AdamW, Lamb, Lion, Adagrad); anything else is looked up in ``torch.optim`` (exact case first, then
+case-insensitively, so ``sgd`` finds ``SGD``). Adam and AdamW use the compiled CPU op
+(``dsrun.ops.adam.DeepSpeedCPUAdam``) when it is built and the model lives on the CPU; otherwise torch's
+``Adam``/``AdamW`` (or dsrun's torch Adam for options torch lacks). DeepSpeed's "Adam" decays weights
+AdamW-style unless ``"adam_w_mode": false``; ``"torch_adam": true`` forces torch's implementation.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any, Iterable
+
+import torch
+
+from dsrun.utils.errors import ConfigError, Problem, show
+from dsrun.utils.suggest import did_you_mean
+
+from .adam import Adam
+from .lamb import Lamb
+from .lion import Lion
+
+NATIVE_NAMES = {"adam": "Adam", "adamw": "AdamW", "lamb": "Lamb", "lion": "Lion", "adagrad": "Adagrad"}
+GPU_ONLY_NAMES = {"onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam", "onebitlamb": "OneBitLamb",
+                  "muadam": "MuAdam", "muadamw": "MuAdamW", "musgd": "MuSGD"}
+# Optimizer classes ZeRO is tested with; others need "zero_allow_untested_optimizer": true.
+ZERO_TESTED_CLASS_NAMES = frozenset({"Adam", "AdamW", "Lamb", "Lion", "Adagrad", "DeepSpeedCPUAdam",
+                                     "DeepSpeedCPUAdagrad", "DeepSpeedCPULion", "FusedAdam", "FusedLamb"})
+
+
+def compiled_cpu_adam() -> type | None:
+    """``DeepSpeedCPUAdam`` if the compiled-ops package is importable and its op is built, else None."""
+    try:
+        module = importlib.import_module("dsrun.ops.adam")
+    except ImportError:
+        return None
+    cls = getattr(module, "DeepSpeedCPUAdam", None)
+    if cls is None:
+        return None
+    # The ops package may expose whether the C++ kernel (rather than its torch fallback) is loaded.
+    for probe in ("is_compiled", "compiled_available", "is_available"):
+        check = getattr(module, probe, None) or getattr(cls, probe, None)
+        if callable(check):
+            try:
+                if not check():
+                    return None
+            except Exception:  # a failed build probe means: use the torch path
+                return None
+            break
+    return cls
+
+
+def _torch_optim_class(name: str) -> type | None:
+    candidates = {n: getattr(torch.optim, n) for n in dir(torch.optim)
+                  if not n.startswith("_") and inspect.isclass(getattr(torch.optim, n))
+                  and issubclass(getattr(torch.optim, n), torch.optim.Optimizer) and n != "Optimizer"}
+    if name in candidates:
+        return candidates[name]
+    lowered = {n.lower(): cls for n, cls in candidates.items()}
+    return lowered.get(name.lower())
+
+
+def _adam(params: Iterable[Any], kwargs: dict[str, Any], force_w_mode: bool, on_cpu: bool) -> torch.optim.Optimizer:
+    kwargs = dict(kwargs)
+    adam_w_mode = True if force_w_mode else bool(kwargs.pop("adam_w_mode", True))
+    kwargs.pop("adam_w_mode", None)
+    torch_adam = bool(kwargs.pop("torch_adam", False))
+    bias_correction = bool(kwargs.pop("bias_correction", True))
+    compiled = None if torch_adam or not on_cpu else compiled_cpu_adam()
+    if compiled is not None:
+        return compiled(params, bias_correction=bias_correction, adamw_mode=adam_w_mode, **kwargs)
+    if bias_correction:
+        cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
+        if cls is torch.optim.AdamW:
+            kwargs.setdefault("weight_decay", 0.0)  # torch's AdamW defaults to 0.01; DeepSpeed's to 0
+        return cls(params, **kwargs)
+    return Adam(params, bias_correction=False, adam_w_mode=adam_w_mode, **kwargs)
+
+
+def build_optimizer(type_name: str, params: Iterable[Any], optimizer_params: dict[str, Any] | None = None,
+                    on_cpu: bool = True) -> torch.optim.Optimizer:
+    """Build the optimizer a DeepSpeed config names, over ``params`` (tensors or param-group dicts)."""
+    kwargs = dict(optimizer_params or {})
+    key = type_name.lower()
+    if key in GPU_ONLY_NAMES:
+        raise ConfigError(Problem("optimizer.type", f"{GPU_ONLY_NAMES[key]} needs CUDA/NCCL communication "
+                                  "kernels and is not available in dsrun", "use Adam, AdamW, Lamb or Lion"))
+    try:
+        if key == "adam":
+            return _adam(params, kwargs, force_w_mode=False, on_cpu=on_cpu)
+        if key == "adamw":
+            return _adam(params, kwargs, force_w_mode=True, on_cpu=on_cpu)
+        if key == "lamb":
+            return Lamb(params, **kwargs)
+        if key == "lion":
+            return Lion(params, **kwargs)
+        if key == "adagrad":
+            return torch.optim.Adagrad(params, **kwargs)
+        cls = _torch_optim_class(type_name)
+    except TypeError as exc:  # a params key the constructor does not take
+        raise ConfigError(Problem("optimizer.params", f"{type_name} rejected the params {show(kwargs)}: {exc}",
+                                  "params must be keyword arguments of the optimizer's constructor")) from None
+    if cls is None:
+        choices = list(NATIVE_NAMES.values()) + [n for n in dir(torch.optim) if n[:1].isupper()]
+        raise ConfigError(Problem("optimizer.type", f"got {show(type_name)}; allowed: "
+                                  f"{', '.join(NATIVE_NAMES.values())} (any case) or a torch.optim class",
+                                  did_you_mean(type_name, choices)))
+    try:
+        return cls(params, **kwargs)
+    except TypeError as exc:
+        raise ConfigError(Problem("optimizer.params", f"{cls.__name__} rejected the params {show(kwargs)}: {exc}",
+                                  "params must be keyword arguments of the optimizer's constructor")) from None
+
+
+def is_zero_supported_optimizer(optimizer: torch.optim.Optimizer) -> bool:
+    """True for the optimizer classes ZeRO is tested with (by class name, so wrappers of the same name count)."""
+    return type(optimizer).__name__ in ZERO_TESTED_CLASS_NAMES
+
+
+def check_zero_optimizer(optimizer: torch.optim.Optimizer, zero_stage: int, allow_untested: bool) -> None:
+    """DeepSpeed's rule: ZeRO (stage > 0) with an untested optimizer needs ``zero_allow_untested_optimizer``."""
+    if zero_stage > 0 and not allow_untested and not is_zero_supported_optimizer(optimizer):
+        raise ConfigError(Problem(
+            "zero_allow_untested_optimizer",
+            f"ZeRO stage {zero_stage} is not tested with {type(optimizer).__name__}",
+            "add \"zero_allow_untested_optimizer\": true to the config to use it anyway, or pick "
+            "Adam, AdamW, Lamb, Lion or Adagrad"))

@@ -1,0 +1,314 @@
+"""The ZeRO strategy interface and the machinery stages 0-2 share.
+
+The engine holds one strategy, chosen once at initialize, and talks to it only through
+:class:`ZeroStrategy`: ``before_forward``/``before_backward``/``after_backward`` around the model's passes,
+``step`` at a gradient-accumulation boundary, ``zero_grad``, ``memory_breakdown`` and ``state_dict``. A new
+stage (stage 3) is a new subclass registered in :mod:`dsrun.runtime.zero`; the engine does not change.
+
+:class:`FlatStrategy` implements the shared part of stages 0-2: each optimizer param group is flattened
+(:mod:`.layout`), the optimizer is re-pointed at fp32 master tensors, and ``step`` unscales, checks for
+overflow on every rank, clips by the global norm and updates. Subclasses decide where gradients live and
+how they are reduced (:meth:`_launch`), and how updated weights reach the model (:meth:`_publish`).
+"""
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from dsrun import comm
+from dsrun.runtime.precision import PrecisionStrategy
+
+from .buckets import Bucket, BucketQueue, plan_buckets
+from .layout import FlatGroup, flatten_params
+
+
+@dataclass
+class StrategyContext:
+    """Everything a ZeRO strategy is built from (the engine fills it from the config)."""
+
+    module: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    precision: PrecisionStrategy
+    device: torch.device
+    group: Any = None
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    overlap_comm: bool = False
+    contiguous_gradients: bool = True
+    reduce_scatter: bool = True
+    communication_data_type: torch.dtype | None = None
+    prescale_gradients: bool = False
+    gradient_predivide_factor: float = 1.0
+
+    @property
+    def world_size(self) -> int:
+        return comm.get_world_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return comm.get_rank(self.group)
+
+
+@dataclass
+class StepOutcome:
+    overflow: bool
+    grad_norm: float | None
+
+
+@dataclass
+class MemoryBreakdown:
+    """Bytes this rank holds for model state. ``padding`` counts the alignment padding inside the flat
+    buffers (parameters and, at stages 1-2, the partitions); it is included in the other numbers."""
+
+    parameters: int
+    gradients: int
+    master_weights: int
+    optimizer_states: int
+    padding: int
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.master_weights + self.optimizer_states
+
+    def as_dict(self) -> dict[str, int]:
+        return {**asdict(self), "total": self.total}
+
+
+def tensor_bytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    total = 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if torch.is_tensor(value) and value.dim() > 0:
+                total += tensor_bytes(value)
+    return total
+
+
+class ZeroStrategy(ABC):
+    """What the engine needs from a ZeRO stage."""
+
+    stage: int = -1
+
+    def __init__(self, ctx: StrategyContext):
+        self.ctx = ctx
+
+    @property
+    @abstractmethod
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer that steps this rank's (master) parameters; schedulers act on its param groups."""
+
+    def before_forward(self) -> None:
+        """Called before each forward (stage 3 gathers parameters here)."""
+
+    @abstractmethod
+    def before_backward(self, boundary: bool) -> None:
+        """Called before ``loss.backward()``; ``boundary`` is True on the last micro-step of an optimizer step."""
+
+    @abstractmethod
+    def after_backward(self, boundary: bool) -> None:
+        """Called after ``loss.backward()``: finish whatever gradient reduction this micro-step needs."""
+
+    @abstractmethod
+    def step(self, gradient_clipping: float) -> StepOutcome:
+        """Unscale, check overflow, clip, update, and make the model's parameters current."""
+
+    @abstractmethod
+    def zero_grad(self) -> None:
+        ...
+
+    @abstractmethod
+    def memory_breakdown(self) -> MemoryBreakdown:
+        ...
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        ...
+
+    @abstractmethod
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        ...
+
+
+class FlatStrategy(ZeroStrategy):
+    """Shared implementation of stages 0-2 over flat param groups."""
+
+    alignment_per_rank = 0  # 0: no padding (stage 0); k: pad to k * world_size
+    partitioned = False  # gradients and master weights hold only this rank's partition
+    reduce_every_micro_step = False  # stage 2 cannot keep full gradients across micro-steps
+
+    def __init__(self, ctx: StrategyContext):
+        super().__init__(ctx)
+        self.world_size = ctx.world_size
+        self.rank = ctx.rank
+        self.precision = ctx.precision
+        self.model_dtype = ctx.precision.model_dtype
+        self._optimizer = ctx.optimizer
+        alignment = self.alignment_per_rank * self.world_size if self.alignment_per_rank else 1
+        self.groups: list[FlatGroup] = []
+        seen: set[int] = set()
+        for param_group in self._optimizer.param_groups:
+            params = []
+            for p in param_group["params"]:
+                if id(p) in seen or not p.requires_grad:
+                    continue
+                seen.add(id(p))
+                params.append(p)
+            self.groups.append(flatten_params(params, self.model_dtype, ctx.device, alignment, self.world_size))
+        self.comm_dtype = ctx.communication_data_type or self.model_dtype
+        if ctx.prescale_gradients:
+            self.pre_divide = float(ctx.gradient_predivide_factor)
+            self.post_scale = float(ctx.gradient_predivide_factor) / self.world_size
+        else:
+            self.pre_divide = float(self.world_size)
+            self.post_scale = 1.0
+        self._build_buffers()
+        self.masters: list[torch.nn.Parameter] = self._build_masters()
+        for param_group, master in zip(self._optimizer.param_groups, self.masters):
+            param_group["params"] = [master]
+        if self._optimizer.state:
+            self._optimizer.state.clear()  # state keyed by the old per-tensor params would never be used
+        self.queue = BucketQueue(self.groups, plan_buckets(self.groups, ctx.reduce_bucket_size), self._launch,
+                                 self._on_param_ready)
+        self.global_grad_norm: float | None = None
+
+    # --- what subclasses provide ---------------------------------------------------------------------------
+    @abstractmethod
+    def _build_buffers(self) -> None:
+        """Allocate gradient buffers (flat or partitioned)."""
+
+    @abstractmethod
+    def _build_masters(self) -> list[torch.nn.Parameter]:
+        """One fp32 master tensor per group (the full group at stage 0, this rank's partition at 1-2)."""
+
+    @abstractmethod
+    def _launch(self, bucket: Bucket) -> None:
+        """Start reducing one bucket of gradients."""
+
+    def _on_param_ready(self, gi: int, pi: int, buckets: list[Bucket]) -> None:
+        """A parameter's gradient is complete (stage 2 copies it out here)."""
+
+    @abstractmethod
+    def _complete(self, bucket: Bucket) -> None:
+        """Wait for a bucket's reduction and put the result where the step will read it."""
+
+    @abstractmethod
+    def _master_grads(self) -> list[torch.Tensor]:
+        """fp32 gradients matching ``self.masters``, averaged over ranks but still multiplied by
+        loss_scale / post_scale (the step removes both in one multiply)."""
+
+    @abstractmethod
+    def _publish(self) -> None:
+        """Copy the updated master weights into the model's parameters."""
+
+    # --- shared -------------------------------------------------------------------------------------------
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._optimizer
+
+    def before_backward(self, boundary: bool) -> None:
+        if boundary or self.reduce_every_micro_step:
+            self.queue.start()
+
+    def after_backward(self, boundary: bool) -> None:
+        if not self.queue.active:
+            return
+        self.queue.flush()
+        for bucket in self.queue.buckets:
+            self._complete(bucket)
+
+    def _divide_before_reduce(self, tensor: torch.Tensor) -> None:
+        if self.pre_divide != 1.0:
+            tensor.div_(self.pre_divide)
+
+    def _any_overflow(self, grads: list[torch.Tensor]) -> bool:
+        local = any(not bool(torch.isfinite(g).all()) for g in grads)
+        if self.world_size == 1:
+            return local
+        flag = torch.tensor([1.0 if local else 0.0], device=self.ctx.device)
+        comm.all_reduce(flag, op=comm.ReduceOp.MAX, group=self.ctx.group)
+        return bool(flag.item() > 0)
+
+    def _global_norm(self, grads: list[torch.Tensor], scale: float) -> float:
+        sq = torch.zeros(1, dtype=torch.float64, device=self.ctx.device)
+        for g in grads:
+            sq += g.double().pow(2).sum() if g.dtype != torch.float32 else g.float().pow(2).sum().double()
+        if self.partitioned and self.world_size > 1:
+            comm.all_reduce(sq, group=self.ctx.group)
+        return math.sqrt(sq.item()) * scale
+
+    def step(self, gradient_clipping: float) -> StepOutcome:
+        grads = self._master_grads()
+        if self.precision.checks_overflow and self._any_overflow(grads):
+            self.global_grad_norm = None
+            return StepOutcome(overflow=True, grad_norm=None)
+        # One multiply removes the loss scale, finishes the average, and clips.
+        coef = self.post_scale / self.precision.loss_scale
+        norm = None
+        if gradient_clipping and gradient_clipping > 0:
+            norm = self._global_norm(grads, coef)
+            clip_coef = gradient_clipping / (norm + 1e-6)
+            if clip_coef < 1.0:
+                coef *= clip_coef
+        self.global_grad_norm = norm
+        for master, g in zip(self.masters, grads):
+            if coef != 1.0:
+                g.mul_(coef)
+            master.grad = g
+        self._optimizer.step()
+        self._publish()
+        return StepOutcome(overflow=False, grad_norm=norm)
+
+    def _padding_bytes(self) -> int:
+        return sum(g.padding * g.flat_param.element_size() for g in self.groups)
+
+    def _param_bytes(self) -> int:
+        seen, total = set(), 0
+        for p in self.ctx.module.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += tensor_bytes(p)
+        return total + self._padding_bytes()
+
+    def _master_bytes(self) -> int:
+        own = {g.flat_param.data_ptr() for g in self.groups}
+        return sum(tensor_bytes(m) for m in self.masters if m.data_ptr() not in own)
+
+    # --- checkpoint state (DeepSpeed's names where they exist) -------------------------------------------
+    def _unpadded_master(self, gi: int) -> torch.Tensor:
+        master = self.masters[gi].detach()
+        group = self.groups[gi]
+        if self.partitioned:
+            pad = group.partition_padding(self.rank)
+            return master[: master.numel() - pad]
+        return master[: group.numel]
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = {
+            "zero_stage": self.stage,
+            "partition_count": self.world_size if self.partitioned else 1,
+            "base_optimizer_state": self._optimizer.state_dict(),
+            "single_partition_of_fp32_groups": [self._unpadded_master(i).float().clone()
+                                                for i in range(len(self.groups))],
+            "group_paddings": [g.partition_padding(self.rank) if self.partitioned else g.padding for g in self.groups],
+            "param_shapes": [g.param_shapes() for g in self.groups],
+        }
+        sd.update(self.precision.state_dict())
+        return sd
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if sd.get("partition_count", 1) != (self.world_size if self.partitioned else 1):
+            raise RuntimeError("ZeRO optimizer state was saved with a different data-parallel world size "
+                               f"({sd.get('partition_count')}) than this run ({self.world_size})")
+        with torch.no_grad():
+            for gi, saved in enumerate(sd["single_partition_of_fp32_groups"]):
+                self.masters[gi].data[: saved.numel()].copy_(saved)
+        self._optimizer.load_state_dict(sd["base_optimizer_state"])
+        self.precision.load_state_dict(sd)
+        self._publish()

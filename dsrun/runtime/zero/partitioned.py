@@ -1,0 +1,236 @@
+"""ZeRO stages 1 and 2: fp32 master weights and optimizer state partitioned across ranks.
+
+Each flat group is padded to a multiple of ``2 * world_size`` and split into equal contiguous partitions;
+rank r keeps the fp32 master copy and the optimizer state of partition r only, updates it, and the
+updated partitions are all-gathered back into every rank's model (``allgather_bucket_size`` elements per
+collective).
+
+* **Stage 1** keeps full gradients: they accumulate locally over micro-steps in a flat buffer, and on the
+  boundary micro-step each bucket is reduce-scattered (as soon as backward completes it with
+  ``overlap_comm``, else after backward) so each rank receives the sum for its own partition.
+* **Stage 2** never holds the full gradient: on every micro-step each parameter's gradient is copied into
+  its bucket and released; a complete bucket is reduce-scattered at once (asynchronously with
+  ``overlap_comm``) and each rank adds its share into an fp32 partition-sized accumulator.
+
+A bucket may cross partition boundaries, so the reduce-scatter gives each rank the piece of the bucket it
+owns, which may be empty (a variable-size reduce-scatter). ``reduce_scatter: false`` all-reduces the
+bucket instead and keeps the owned piece (DeepSpeed's option; twice the traffic).
+"""
+from __future__ import annotations
+
+import torch
+
+from dsrun import comm
+
+from .base import FlatStrategy, MemoryBreakdown, optimizer_state_bytes, tensor_bytes
+from .buckets import Bucket
+from .layout import FlatGroup, attach_grad_views
+
+
+class PartitionedStrategy(FlatStrategy):
+    alignment_per_rank = 2  # DeepSpeed pads each flat group to a multiple of 2 * world_size
+    partitioned = True
+
+    def _owned_slices(self, group: FlatGroup, bucket: Bucket) -> list[tuple[int, int]]:
+        """For each rank, the part of ``bucket`` inside its partition, as offsets into the bucket."""
+        pieces = []
+        for r in range(self.world_size):
+            lo, hi = group.partition_range(r)
+            lo, hi = max(lo, bucket.start), min(hi, bucket.end)
+            pieces.append((lo - bucket.start, hi - bucket.start) if hi > lo else (0, 0))
+        return pieces
+
+    def _build_masters(self) -> list[torch.nn.Parameter]:
+        masters = []
+        for group in self.groups:
+            lo, hi = group.partition_range(self.rank)
+            masters.append(torch.nn.Parameter(group.flat_param[lo:hi].detach().float().clone()))
+        return masters
+
+    def _reduce_bucket(self, bucket: Bucket, source: torch.Tensor, out: torch.Tensor, async_op: bool) -> None:
+        """Reduce-scatter ``source`` (the bucket's gradients) so ``out`` gets this rank's owned piece."""
+        group = self.groups[bucket.group_index]
+        self._divide_before_reduce(source)
+        if self.world_size == 1:
+            out.copy_(source)
+            bucket.handles.append((None, out, out))
+            return
+        pieces = self._owned_slices(group, bucket)
+        if self.comm_dtype != source.dtype:
+            source = source.to(self.comm_dtype)
+        lo, hi = pieces[self.rank]
+        if not self.ctx.reduce_scatter:
+            target = source
+            bucket.handles.append((comm.all_reduce(target, group=self.ctx.group, async_op=async_op), target[lo:hi], out))
+            return
+        target = out if out.dtype == self.comm_dtype else torch.empty(hi - lo, dtype=self.comm_dtype, device=out.device)
+        inputs = [source[a:b] for a, b in pieces]
+        bucket.handles.append((comm.reduce_scatter(target, inputs, group=self.ctx.group, async_op=async_op),
+                               target, out))
+
+    def _finish_handles(self, bucket: Bucket, accumulate: bool) -> None:
+        for handle, result, out in bucket.handles:
+            if handle is not None:
+                handle.wait()
+            if accumulate:
+                out.add_(result)
+            elif result is not out:
+                out.copy_(result)
+        bucket.handles = []
+
+    def _publish(self) -> None:
+        chunk = max(1, int(self.ctx.allgather_bucket_size) // self.world_size)
+        with torch.no_grad():
+            for group, master in zip(self.groups, self.masters):
+                part = master.detach() if self.model_dtype == torch.float32 else master.detach().to(self.model_dtype)
+                if self.world_size == 1:
+                    group.flat_param.copy_(part)
+                    continue
+                size = group.partition_numel
+                if size <= chunk:
+                    comm.all_gather_into_tensor(group.flat_param, part, group=self.ctx.group)
+                    continue
+                for start in range(0, size, chunk):
+                    end = min(size, start + chunk)
+                    outputs = [group.flat_param[r * size + start:r * size + end] for r in range(self.world_size)]
+                    comm.all_gather(outputs, part[start:end].contiguous(), group=self.ctx.group)
+
+    def _partition_state_bytes(self) -> tuple[int, int]:
+        return optimizer_state_bytes(self.optimizer), self._master_bytes()
+
+
+class Stage1Strategy(PartitionedStrategy):
+    """Optimizer state partitioned; gradients kept whole and reduce-scattered at the boundary."""
+
+    stage = 1
+
+    def _build_buffers(self) -> None:
+        self.flat_grads, self.partition_grads = [], []
+        for group in self.groups:
+            flat_grad = torch.zeros_like(group.flat_param)
+            attach_grad_views(group, flat_grad)
+            self.flat_grads.append(flat_grad)
+            self.partition_grads.append(torch.zeros(group.partition_numel, dtype=self.model_dtype,
+                                                    device=self.ctx.device))
+        if self.model_dtype == torch.float32:
+            self.master_grads = self.partition_grads
+        else:
+            self.master_grads = [torch.zeros(g.partition_numel, dtype=torch.float32, device=self.ctx.device)
+                                 for g in self.groups]
+
+    def _out_slice(self, bucket: Bucket) -> torch.Tensor:
+        group = self.groups[bucket.group_index]
+        lo, hi = self._owned_slices(group, bucket)[self.rank]
+        part_start = group.partition_range(self.rank)[0]
+        offset = bucket.start + lo - part_start
+        return self.partition_grads[bucket.group_index][offset:offset + (hi - lo)]
+
+    def after_backward(self, boundary: bool) -> None:
+        if self.queue.active and not self.ctx.overlap_comm:
+            self.queue.active = False
+            for bucket in self.queue.buckets:
+                self._reduce(bucket, async_op=False)
+            for bucket in self.queue.buckets:
+                self._complete(bucket)
+            return
+        super().after_backward(boundary)
+
+    def _launch(self, bucket: Bucket) -> None:
+        if self.ctx.overlap_comm:
+            self._reduce(bucket, async_op=True)
+
+    def _reduce(self, bucket: Bucket, async_op: bool) -> None:
+        source = self.flat_grads[bucket.group_index][bucket.start:bucket.end]
+        self._reduce_bucket(bucket, source, self._out_slice(bucket), async_op)
+
+    def _complete(self, bucket: Bucket) -> None:
+        self._finish_handles(bucket, accumulate=False)
+
+    def _master_grads(self) -> list[torch.Tensor]:
+        if self.master_grads is not self.partition_grads:
+            for master_grad, part in zip(self.master_grads, self.partition_grads):
+                master_grad.copy_(part)
+        return self.master_grads
+
+    def zero_grad(self) -> None:
+        for group, flat_grad in zip(self.groups, self.flat_grads):
+            flat_grad.zero_()
+            if group.params and (group.params[0].grad is None
+                                 or group.params[0].grad.data_ptr() != flat_grad.data_ptr()):
+                attach_grad_views(group, flat_grad)
+
+    def memory_breakdown(self) -> MemoryBreakdown:
+        grads = sum(tensor_bytes(g) for g in self.flat_grads) + sum(tensor_bytes(g) for g in self.partition_grads)
+        if self.master_grads is not self.partition_grads:
+            grads += sum(tensor_bytes(g) for g in self.master_grads)
+        states, masters = self._partition_state_bytes()
+        return MemoryBreakdown(parameters=self._param_bytes(), gradients=grads, master_weights=masters,
+                               optimizer_states=states, padding=self._padding_bytes())
+
+
+class Stage2Strategy(PartitionedStrategy):
+    """Optimizer state and gradients partitioned; buckets reduce-scattered during every backward."""
+
+    stage = 2
+    reduce_every_micro_step = True
+
+    def _build_buffers(self) -> None:
+        # fp32 accumulators for this rank's partition: the only gradient storage that outlives a bucket
+        self.master_grads = [torch.zeros(g.partition_numel, dtype=torch.float32, device=self.ctx.device)
+                             for g in self.groups]
+        for group in self.groups:
+            for p in group.params:
+                p.grad = None
+
+    def _on_param_ready(self, gi: int, pi: int, buckets: list[Bucket]) -> None:
+        group = self.groups[gi]
+        param = group.params[pi]
+        grad = param.grad.reshape(-1)
+        off, n = group.offsets[pi], group.numels[pi]
+        for bucket in buckets:
+            if bucket.staging is None:
+                # contiguous_gradients: each bucket's gradients are packed into one buffer as they arrive
+                bucket.staging = torch.zeros(bucket.numel, dtype=self.model_dtype, device=self.ctx.device)
+            lo, hi = max(off, bucket.start), min(off + n, bucket.end)
+            bucket.staging[lo - bucket.start:hi - bucket.start].copy_(grad[lo - off:hi - off])
+        param.grad = None  # the full gradient of this parameter is not kept
+
+    def _accumulator(self, bucket: Bucket) -> torch.Tensor:
+        """The slice of this rank's fp32 gradient partition that ``bucket``'s owned piece adds into."""
+        group = self.groups[bucket.group_index]
+        lo, hi = self._owned_slices(group, bucket)[self.rank]
+        offset = bucket.start + lo - group.partition_range(self.rank)[0]
+        return self.master_grads[bucket.group_index][offset:offset + (hi - lo)]
+
+    def _launch(self, bucket: Bucket) -> None:
+        if bucket.staging is None:  # only unused parameters (or padding) in this bucket
+            bucket.staging = torch.zeros(bucket.numel, dtype=self.model_dtype, device=self.ctx.device)
+        bucket.received = torch.empty(self._accumulator(bucket).numel(), dtype=self.model_dtype,
+                                      device=self.ctx.device)
+        self._reduce_bucket(bucket, bucket.staging, bucket.received, async_op=self.ctx.overlap_comm)
+        if not self.ctx.overlap_comm:
+            self._complete(bucket)
+
+    def _complete(self, bucket: Bucket) -> None:
+        if bucket.received is None:  # already completed inside backward
+            return
+        self._finish_handles(bucket, accumulate=False)
+        self._accumulator(bucket).add_(bucket.received)
+        bucket.received = None
+        bucket.staging = None  # release the bucket's copy of the gradients
+
+    def _master_grads(self) -> list[torch.Tensor]:
+        return self.master_grads
+
+    def zero_grad(self) -> None:
+        for g in self.master_grads:
+            g.zero_()
+        for group in self.groups:
+            for p in group.params:
+                p.grad = None
+
+    def memory_breakdown(self) -> MemoryBreakdown:
+        grads = sum(tensor_bytes(g) for g in self.master_grads)
+        states, masters = self._partition_state_bytes()
+        return MemoryBreakdown(parameters=self._param_bytes(), gradients=grads, master_weights=masters,
+                               optimizer_states=states, padding=self._padding_bytes())

@@ -1,0 +1,101 @@
+"""ZeRO stage 0: plain data parallelism with bucketed gradient all-reduce.
+
+Every rank holds the full model, gradients and optimizer state. Gradients accumulate locally over the
+micro-steps of one optimizer step (in a flat buffer the parameters' ``.grad`` point into); on the boundary
+micro-step each bucket of ``reduce_bucket_size`` elements is all-reduced as soon as backward has produced
+all of its gradients (``overlap_comm``: asynchronously, while backward continues), else all buckets are
+all-reduced after backward.
+"""
+from __future__ import annotations
+
+import torch
+
+from dsrun import comm
+
+from .base import FlatStrategy, MemoryBreakdown, optimizer_state_bytes, tensor_bytes
+from .buckets import Bucket
+from .layout import attach_grad_views
+
+
+class DataParallelStrategy(FlatStrategy):
+    stage = 0
+
+    def _build_buffers(self) -> None:
+        self.flat_grads = []
+        for group in self.groups:
+            flat_grad = torch.zeros_like(group.flat_param)
+            attach_grad_views(group, flat_grad)
+            self.flat_grads.append(flat_grad)
+
+    def _build_masters(self) -> list[torch.nn.Parameter]:
+        if not self.precision.needs_master_weights:
+            # fp32: the optimizer steps the model's own flat buffer; nothing to copy back
+            self.master_grads = self.flat_grads
+            return [torch.nn.Parameter(g.flat_param, requires_grad=True) for g in self.groups]
+        self.master_grads = [torch.zeros(g.padded_numel, dtype=torch.float32, device=self.ctx.device)
+                             for g in self.groups]
+        return [torch.nn.Parameter(g.flat_param.detach().float().clone()) for g in self.groups]
+
+    def after_backward(self, boundary: bool) -> None:
+        if self.queue.active and not self.ctx.overlap_comm:
+            # Without overlap nothing was launched during backward; reduce everything now, in order.
+            self.queue.active = False
+            for bucket in self.queue.buckets:
+                self._reduce(bucket, async_op=False)
+            for bucket in self.queue.buckets:
+                self._complete(bucket)
+            return
+        super().after_backward(boundary)
+
+    def _launch(self, bucket: Bucket) -> None:
+        if self.ctx.overlap_comm:
+            self._reduce(bucket, async_op=True)
+
+    def _reduce(self, bucket: Bucket, async_op: bool) -> None:
+        grad = self.flat_grads[bucket.group_index][bucket.start:bucket.end]
+        self._divide_before_reduce(grad)
+        if self.world_size == 1:
+            return
+        if self.comm_dtype != grad.dtype:
+            bucket.staging = grad.to(self.comm_dtype)
+            bucket.handles.append(comm.all_reduce(bucket.staging, group=self.ctx.group, async_op=async_op))
+        else:
+            bucket.handles.append(comm.all_reduce(grad, group=self.ctx.group, async_op=async_op))
+
+    def _complete(self, bucket: Bucket) -> None:
+        for handle in bucket.handles:
+            if handle is not None:
+                handle.wait()
+        bucket.handles = []
+        if bucket.staging is not None:
+            self.flat_grads[bucket.group_index][bucket.start:bucket.end].copy_(bucket.staging)
+            bucket.staging = None
+
+    def _master_grads(self) -> list[torch.Tensor]:
+        if self.master_grads is self.flat_grads:
+            return self.flat_grads
+        for master_grad, flat_grad in zip(self.master_grads, self.flat_grads):
+            master_grad.copy_(flat_grad)
+        return self.master_grads
+
+    def _publish(self) -> None:
+        if self.precision.needs_master_weights:
+            with torch.no_grad():
+                for group, master in zip(self.groups, self.masters):
+                    group.flat_param.copy_(master)
+
+    def zero_grad(self) -> None:
+        for group, flat_grad in zip(self.groups, self.flat_grads):
+            flat_grad.zero_()
+            # A user's optimizer.zero_grad(set_to_none=True) may have dropped the views; restore them.
+            if any(p.grad is None or p.grad.data_ptr() != flat_grad[off:].data_ptr()
+                   for p, off in zip(group.params[:1], group.offsets[:1])):
+                attach_grad_views(group, flat_grad)
+
+    def memory_breakdown(self) -> MemoryBreakdown:
+        grads = sum(tensor_bytes(g) for g in self.flat_grads)
+        if self.master_grads is not self.flat_grads:
+            grads += sum(tensor_bytes(g) for g in self.master_grads)
+        return MemoryBreakdown(parameters=self._param_bytes(), gradients=grads, master_weights=self._master_bytes(),
+                               optimizer_states=optimizer_state_bytes(self.optimizer),
+                               padding=self._padding_bytes())
