@@ -274,6 +274,32 @@ class DeepSpeedEngine(torch.nn.Module):
             data_parallel_world_size=dp_size, data_parallel_rank=dp_rank,
             dataloader_drop_last=bool(getattr(self._config, "dataloader_drop_last", False)))
 
+    # --- checkpoints (dsrun.checkpoint does the work; every rank must call these) -------------------------
+    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        """Save the full training state to ``save_dir/<tag>`` (default tag ``global_step<N>``), atomically."""
+        from dsrun.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+                               exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False) -> tuple[str | None, dict | None]:
+        """Restore a checkpoint (``tag`` None: the one ``latest`` names); returns ``(load_path, client_state)``."""
+        from dsrun.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
+                               load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Write the model's weights (training dtype) to ``save_dir/save_filename`` from rank 0."""
+        from dsrun.checkpoint import save_16bit_model
+
+        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
 
 def build_engine_optimizer(config: Any, model: torch.nn.Module, optimizer: Any,
                            model_parameters: Any) -> torch.optim.Optimizer | None:
