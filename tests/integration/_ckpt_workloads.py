@@ -76,7 +76,20 @@ def full_params(engine: Any) -> dict[str, torch.Tensor]:
     return {k: v.detach().float().cpu().clone() for k, v in engine.module.state_dict().items()}
 
 
+def run_jobs(rank: int, world: int, jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Several jobs in one launch (one process group), one after the other."""
+    from dsrun import comm
+
+    try:
+        return [run_job(rank, world, job) for job in jobs]
+    finally:
+        if comm.is_initialized():
+            comm.destroy_process_group()
+
+
 def run_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    import os
+
     import dsrun
     from dsrun import comm
 
@@ -94,6 +107,7 @@ def run_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
                                               load_optimizer_states=job.get("load_optimizer_states", True))
         result["load_path"], result["client"] = path, {k: v for k, v in client.items() if k != "stream"}
         stream.load_state_dict(client["stream"])
+        result["loaded_steps"], result["loaded_stream"] = engine.global_steps, stream.step
     for _ in range(job["steps"]):
         batch = stream.next()
         loss = engine(batch[:, :-1], batch[:, 1:])
@@ -103,13 +117,18 @@ def run_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
         comm.all_reduce(mean)
         result["losses"].append(mean.item() / world)
         if engine.global_steps in job.get("save_at", ()):
-            engine.save_checkpoint(job["save_dir"], client_state={"stream": stream.state_dict(), "note": "hi"})
+            if engine.global_steps == max(job["save_at"]) and job.get("crash_at"):
+                os.environ["DSRUN_TEST_CRASH_AT"] = job["crash_at"]  # this save SIGKILLs at that point
+                os.environ["DSRUN_TEST_CRASH_RANK"] = str(job.get("crash_rank", 0))
+            engine.save_checkpoint(job["save_dir"], tag=job.get("save_tag"),
+                                   client_state={"stream": stream.state_dict(), "note": "hi"})
     # numpy arrays travel to the parent by value (tensors would need the rank process to stay alive)
     result["params"] = {k: v.numpy() for k, v in full_params(engine).items()}
     result["global_steps"] = engine.global_steps
     result["lr"] = engine.get_lr()
     if job.get("export16"):
         result["saved16"] = engine.save_16bit_model(job["export16"])
+    if job.get("final_save"):
+        engine.save_checkpoint(job["final_save"], client_state={"stream": stream.state_dict()})
     comm.barrier()
-    comm.destroy_process_group()
     return result
