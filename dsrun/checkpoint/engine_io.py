@@ -119,7 +119,8 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
     staging = layout.staging_dir(root, tag)
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        atomic.remove_tree(staging)  # left over by a crashed save of the same tag
+        for leftover in layout.repair(root):  # from saves that crashed
+            atomic.remove_tree(leftover) if leftover.is_dir() else leftover.unlink(missing_ok=True)
         staging.mkdir()
     comm.barrier()
     atomic.crash_point("staging_created", rank)

@@ -63,6 +63,26 @@ def replaced_dir(save_dir: Path, tag: str) -> Path:
     return save_dir / f".{tag}{REPLACED_SUFFIX}"
 
 
+def repair(save_dir: Path) -> list[Path]:
+    """Tidy up after interrupted saves: a set-aside copy whose tag folder is missing (the crash fell between
+    the two renames of a re-save) is renamed back, as it is the only copy of that tag. Returns the leftovers
+    to delete: staging folders, temporary files, and set-aside copies of tags that exist again."""
+    stale = []
+    for entry in sorted(save_dir.iterdir()) if save_dir.is_dir() else []:
+        name = entry.name
+        if not name.startswith("."):
+            continue
+        if name.endswith(STAGING_SUFFIX) or ".tmp" in name:
+            stale.append(entry)
+        elif name.endswith(REPLACED_SUFFIX):
+            original = save_dir / name[1:-len(REPLACED_SUFFIX)]
+            if original.is_dir():
+                stale.append(entry)
+            else:
+                entry.rename(original)
+    return stale
+
+
 def read_latest(save_dir: str | os.PathLike) -> str | None:
     path = Path(save_dir) / LATEST
     if not path.is_file():
