@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("dsrun.cli.train", "compose a recipe and train it (Hydra overrides; -m for multirun)"),
     "config": ("dsrun.cli.config", "print the resolved RunSpec or DeepSpeed config; validate a DeepSpeed config file"),
     "recipes": ("dsrun.cli.recipes", "list the available recipes"),
+    "launch": ("dsrun.cli.launch", "launch a script on one or many machines, like the deepspeed launcher"),
 }
 
 
@@ -83,6 +84,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("dsrun: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `dsrun config --json | head`: the reader left; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

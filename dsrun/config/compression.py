@@ -66,7 +66,7 @@ class WeightQuantParams(Section):
 
     start_bits: PosInt = 8
     target_bits: PosInt = 8
-    quantization_period: PosInt = 1
+    quantization_period: NonNegInt = 1
 
 
 class WeightQuantGroup(_Group):

@@ -85,6 +85,7 @@ def _bool_flag(section: dict[str, Any], key: str, m: _Migration, parts: tuple[st
     if isinstance(value, bool):
         return value
     m.problems.append(Problem(m.path(*parts, key), f"got {show(value)}; allowed: true or false"))
+    del section[key]  # reported here; not again as an unknown key
     return None
 
 

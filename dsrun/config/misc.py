@@ -206,3 +206,38 @@ class NebulaConfig(Section):
     persistent_storage_path: str | None = None
     persistent_time_interval: PosInt = 100
     num_of_version_in_retention: PosInt = 2
+
+
+class QuantizeBits(Section):
+    start_bits: PosInt = 16
+    target_bits: PosInt = 8
+
+
+class QuantizeSchedule(Section):
+    quantize_period: NonNegInt = 1000
+    schedule_offset: NonNegInt = 1000
+
+
+class QuantizeAlgo(Section):
+    q_type: Literal["symmetric", "asymmetric"] = "symmetric"
+    rounding: Literal["nearest", "stochastic"] = "nearest"
+
+
+class FP16MixedQuantizeLegacy(Section):
+    enabled: bool = False
+    quantize_change_ratio: NonNegFloat = 0.001
+
+
+class QuantizeTrainingConfig(Section):
+    """``quantize_training`` (MoQ, the pre-compression-library quantizer; undocumented in the config page
+    but defined by DeepSpeed and used by the MoQ example): bits go from ``quantize_bits.start_bits`` to
+    ``target_bits``, one step every ``quantize_schedule.quantize_period`` steps."""
+
+    enabled: bool = False
+    quantize_verbose: bool = False
+    quantizer_kernel: bool = False
+    quantize_bits: QuantizeBits = Field(default_factory=QuantizeBits)
+    quantize_schedule: QuantizeSchedule = Field(default_factory=QuantizeSchedule)
+    quantize_groups: PosInt = 1
+    quantize_algo: QuantizeAlgo = Field(default_factory=QuantizeAlgo)
+    fp16_mixed_quantize: FP16MixedQuantizeLegacy = Field(default_factory=FP16MixedQuantizeLegacy)

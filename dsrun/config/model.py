@@ -27,6 +27,7 @@ from .misc import (
     HybridEngineConfig,
     NebulaConfig,
     PipelineConfig,
+    QuantizeTrainingConfig,
     SparseAttentionConfig,
     TimersConfig,
 )
@@ -57,7 +58,7 @@ class DeepSpeedConfig(Section):
     ``zero_force_ds_cpu_optimizer``, ``memory_breakdown``, ``disable_allgather``, ``dataloader_drop_last``,
     ``vocabulary_size``, ``seq_parallel_comm_data_type``, ``graph_harvesting``,
     ``use_data_before_expert_parallelism``, and the sections ``eigenvalue``, ``progressive_layer_drop``,
-    ``pipeline``, ``hybrid_engine``, ``compile``, ``timers``, ``nebula``, ``weight_quantization``).
+    ``pipeline``, ``quantize_training``, ``hybrid_engine``, ``compile``, ``timers``, ``nebula``, ``weight_quantization``).
     ``mlflow`` is dsrun's own monitor section; it is left out of :meth:`to_ds_dict` unless set.
     """
 
@@ -113,6 +114,7 @@ class DeepSpeedConfig(Section):
     progressive_layer_drop: ProgressiveLayerDropConfig = _section(ProgressiveLayerDropConfig)
     compression_training: CompressionConfig = _section(CompressionConfig)
     eigenvalue: EigenvalueConfig = _section(EigenvalueConfig)
+    quantize_training: QuantizeTrainingConfig = _section(QuantizeTrainingConfig)
 
     # tooling
     autotuning: AutotuningConfig = _section(AutotuningConfig)
@@ -198,5 +200,11 @@ class DeepSpeedConfig(Section):
 
         Keys the user did not set are left to DeepSpeed's defaults (which dsrun's match). dsrun's own
         ``mlflow`` section is written only when set; DeepSpeed ignores unknown top-level keys.
+        With elasticity enabled (and ``ignore_non_elastic_batch_info`` false) the batch keys are left out:
+        DeepSpeed refuses them there and computes the same numbers from the ``elasticity`` section.
         """
-        return super().to_ds_dict()
+        out = super().to_ds_dict()
+        if self.elasticity.enabled and not self.elasticity.ignore_non_elastic_batch_info:
+            for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+                out.pop(key, None)
+        return out

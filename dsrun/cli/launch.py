@@ -1,0 +1,86 @@
+"""Launch a user script on one or many machines, the way ``deepspeed SCRIPT`` does.
+
+Examples:
+  dsrun launch --num_procs 2 train.py --lr 0.1
+  dsrun launch -H hostfile --include "worker-1:0,1@worker-2" train.py
+  dsrun launch -H hostfile --no_ssh --node_rank 1 --master_addr 10.0.0.1 train.py   (on each node)
+  dsrun launch -H hostfile --dry-run train.py     (print the plan as JSON, start nothing)
+
+Launcher flags come before the script; everything after the script goes to it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+from dsrun.launcher.options import DEFAULT_MASTER_PORT, LaunchOptions
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    where = parser.add_argument_group("where to run")
+    where.add_argument("-H", "--hostfile", default=None,
+                       help="hostfile with lines 'HOST slots=N' (default /job/hostfile if it exists, else this machine)")
+    where.add_argument("-i", "--include", default=None, help='hosts/slots to use: "host[:slot,slot]@host..."')
+    where.add_argument("-e", "--exclude", default=None, help='hosts/slots to skip: "host[:slot,slot]@host..."')
+    where.add_argument("--num_nodes", type=int, default=None, help="use the first N hosts of the hostfile")
+    where.add_argument("--num_procs", "--num_gpus", "--num_accelerators", dest="num_procs", type=int, default=None,
+                       help="ranks per node (default: the visible GPUs, or 1 process on CPU)")
+    how = parser.add_argument_group("how to start the nodes")
+    how.add_argument("--launcher", dest="runner", default=None,
+                     choices=["ssh", "pdsh", "openmpi", "mpich", "slurm", "local"],
+                     help="multi-node runner (default: local for one host, ssh for several)")
+    how.add_argument("--launcher_args", default="", help="extra options for ssh / pdsh / srun / mpirun (one string)")
+    how.add_argument("--no_ssh", action="store_true",
+                     help="start only this node's ranks; run one launcher per node with --node_rank")
+    how.add_argument("--node_rank", type=int, default=None, help="this node's index in the hostfile (--no_ssh)")
+    how.add_argument("--no_ssh_check", action="store_true", help="skip the passwordless-ssh check before launching")
+    how.add_argument("--ssh_port", type=int, default=None, help="ssh port of the nodes")
+    how.add_argument("--master_addr", default=None,
+                     help="address of node 0 (default 127.0.0.1 on one host, else the first host)")
+    how.add_argument("--master_port", type=int, default=DEFAULT_MASTER_PORT, help="rendezvous port on node 0")
+    what = parser.add_argument_group("what each rank runs")
+    what.add_argument("--module", action="store_true", help="run SCRIPT as a module: python -m SCRIPT")
+    what.add_argument("--no_python", action="store_true", help="run SCRIPT directly, not through python")
+    what.add_argument("--no_local_rank", action="store_true", help="do not pass --local_rank=N to the script")
+    what.add_argument("--bind_cores_to_rank", action="store_true",
+                      help="split the node's cores evenly among its ranks and pin each rank to its share")
+    what.add_argument("--bind_core_list", default=None, help='cores to split among ranks, e.g. "0-13,16-29"')
+    run = parser.add_argument_group("supervision and output")
+    run.add_argument("--max_restarts", type=int, default=0, help="restart all ranks up to N times after a failure")
+    run.add_argument("--enable_each_rank_log", dest="log_dir", default=None, metavar="DIR",
+                     help="write each rank's stdout/stderr to DIR/rank<R>.{stdout,stderr}.log")
+    run.add_argument("--save_pid", action="store_true",
+                     help="write the agent and rank PIDs of each node to /tmp/dsrun-<launcher pid>-node<N>.json")
+    run.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true",
+                     help="print the launch plan as JSON and start nothing")
+    parser.add_argument("script", help="the script to run (a module name with --module)")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+
+def options_from_args(args: argparse.Namespace) -> LaunchOptions:
+    """:class:`LaunchOptions` from parsed ``dsrun launch`` flags."""
+    runner = args.runner
+    if args.no_ssh:
+        runner = "no_ssh"
+    return LaunchOptions(
+        target=args.script, target_args=list(args.script_args), runner=runner, num_procs=args.num_procs,
+        num_nodes=args.num_nodes, hostfile=args.hostfile, include=args.include, exclude=args.exclude,
+        master_addr=args.master_addr, master_port=args.master_port, node_rank=args.node_rank,
+        ssh_port=args.ssh_port, launcher_args=args.launcher_args, no_ssh_check=args.no_ssh_check,
+        module=args.module, no_python=args.no_python, no_local_rank=args.no_local_rank,
+        bind_cores_to_rank=args.bind_cores_to_rank, bind_core_list=args.bind_core_list, log_dir=args.log_dir,
+        save_pid=args.save_pid, max_restarts=args.max_restarts)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dsrun.launcher import plan_launch, run as run_plan
+    from dsrun.utils.errors import Problem, UserError
+
+    if args.no_ssh and args.runner not in (None, "local"):
+        raise UserError(Problem("--no_ssh", f"cannot be combined with --launcher {args.runner}"))
+    plan = plan_launch(options_from_args(args))
+    if args.dry_run:
+        print(json.dumps(plan.to_json(), indent=2))
+        return 0
+    return run_plan(plan)

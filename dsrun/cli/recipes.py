@@ -1,0 +1,24 @@
+"""List the recipes dsrun can compose (built-in, $DSRUN_RECIPES_PATH and --recipes-dir), one line each."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--recipes-dir", action="append", default=[], metavar="DIR",
+                        help="also list the recipes in this folder (repeatable)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from dsrun.compose import list_recipes
+
+    table = Table(title="recipes (use: dsrun train +recipe=NAME)", title_justify="left")
+    table.add_column("name", style="bold")
+    table.add_column("description")
+    for name, (_, description) in list_recipes(args.recipes_dir).items():
+        table.add_row(name, description)
+    Console(width=max(100, Console().width)).print(table)
+    return 0

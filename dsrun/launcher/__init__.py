@@ -1,0 +1,63 @@
+"""The launcher: from "run this on these machines" to ranks running, supervised, and cleaned up.
+
+Python API (what ``dsrun launch`` and ``dsrun train`` call)::
+
+    from dsrun.launcher import LaunchOptions, plan_launch, run, launch_from_mapping
+
+    plan = plan_launch(LaunchOptions(target="train.py", target_args=["--lr", "0.1"], num_procs=2))
+    plan.to_json()        # hosts, world_size, master_addr/port, launcher, commands, env (what --dry-run prints)
+    exit_code = run(plan) # 0 when every rank succeeded
+
+    # dsrun train: the RunSpec's ``launcher:`` mapping, the worker module and its arguments
+    exit_code = launch_from_mapping(runspec["launcher"], "dsrun.worker", ["--run-dir", run_dir], module=True)
+
+``launcher:`` mapping keys (all optional; see :mod:`dsrun.launcher.options`): ``runner`` (local | ssh |
+pdsh | no_ssh | slurm | openmpi | mpich), ``num_procs``, ``num_nodes``, ``hostfile``, ``include``,
+``exclude``, ``master_addr``, ``master_port``, ``node_rank``, ``ssh_port``, ``launcher_args``,
+``bind_cores_to_rank``, ``bind_core_list``, ``max_restarts``, ``log_dir``.
+
+Each rank gets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT``, ``CROSS_RANK`` (node index), ``CROSS_SIZE`` (node count) and ``--local_rank=N`` (unless
+``no_local_rank``); on CPU ``OMP_NUM_THREADS`` = cores / local ranks unless the user set it.
+Layout: :mod:`~dsrun.launcher.hostfile` (hostfile, filters), :mod:`~dsrun.launcher.options`,
+:mod:`~dsrun.launcher.environment` (exported variables, env files), :mod:`~dsrun.launcher.plan` (world
+plan), :mod:`~dsrun.launcher.runners` (command lines), :mod:`~dsrun.launcher.execute` (running a plan),
+:mod:`~dsrun.launcher.agent` + :mod:`~dsrun.launcher.supervision` (per-node torch elastic agent),
+:mod:`~dsrun.launcher.rank_exec` (per-rank exec shim).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, Mapping, Sequence
+
+from dsrun.launcher.execute import run
+from dsrun.launcher.options import LaunchOptions, key_path, options_from_mapping
+from dsrun.launcher.plan import LaunchPlan, plan_launch
+from dsrun.utils.errors import Problem, UserError
+
+__all__ = ["LaunchOptions", "LaunchPlan", "plan_launch", "run", "options_from_mapping", "plan_from_mapping",
+           "launch_from_mapping"]
+
+
+def plan_from_mapping(mapping: Mapping[str, Any] | None, target: str, target_args: Sequence[str] = (), *,
+                      module: bool = False, path: str = "launcher", **extra: Any) -> LaunchPlan:
+    """Plan a job from a RunSpec ``launcher:`` mapping; every problem names its RunSpec key path
+    (``launcher.num_procs``), not the CLI flag."""
+    options = options_from_mapping(mapping, target, target_args, module=module, path=path, **extra)
+    try:
+        return plan_launch(options)
+    except UserError as err:
+        raise UserError([Problem(key_path(p.path, path), p.message, p.hint) for p in err.problems]) from None
+
+
+def launch_from_mapping(mapping: Mapping[str, Any] | None, target: str, target_args: Sequence[str] = (), *,
+                        module: bool = False, dry_run: bool = False, **extra: Any) -> int:
+    """Plan and run a job from a RunSpec ``launcher:`` mapping; with ``dry_run`` print the plan as JSON
+    and start nothing. Returns the exit code; raises :class:`~dsrun.utils.errors.UserError` on bad input."""
+    plan = plan_from_mapping(mapping, target, target_args, module=module, **extra)
+    if dry_run:
+        print(json.dumps(plan.to_json(), indent=2))
+        sys.stdout.flush()
+        return 0
+    return run(plan)

@@ -1,0 +1,168 @@
+"""The per-node agent: ``python -m dsrun.launcher.agent [FLAGS] TARGET [ARGS...]``.
+
+One agent runs on every node of a job. It is a :class:`torch.distributed.elastic` ``LocalElasticAgent``
+(the machinery behind ``torchrun``) with a static rendezvous at ``MASTER_ADDR:MASTER_PORT`` whose store is
+hosted by node 0's agent and shared with the ranks (``TORCHELASTIC_USE_AGENT_STORE``). torch elastic spawns
+the node's ranks, sets ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/``LOCAL_WORLD_SIZE``/``MASTER_ADDR``/
+``MASTER_PORT``, writes per-rank logs, restarts the whole group on failure (``--max_restarts``) and stops
+the ranks on a signal. dsrun adds what a multi-node job needs on top:
+
+- **failure fan-out:** the agent that sees a rank fail publishes a report (rank, host, exit code, last log
+  lines) in the store; every other agent checks the store each monitor tick (0.25 s) and stops its ranks,
+  so one dead rank stops the whole job within seconds instead of leaving the rest hung in a collective;
+- **liveness:** agents bump a heartbeat counter; an agent whose peer stops beating for
+  ``--peer_timeout`` seconds (or that loses the store) stops its ranks too;
+- **no orphans:** ranks start through :mod:`dsrun.launcher.rank_exec` and die with their agent; with
+  ``--watch_stdin`` (the ssh runner) the agent stops everything when its ssh connection goes away;
+- ``CROSS_RANK``/``CROSS_SIZE``/``LOCAL_SIZE``, ``--local_rank=N``, ``OMP_NUM_THREADS`` and core binding.
+
+The agent prints each failure as one line ``@@dsrun-failure@@ {json}`` on stderr for the launcher to
+collect, and exits with the failed rank's exit code (128+signal for a rank killed by a signal).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+from dsrun.launcher.protocol import decode_world_info
+
+MONITOR_INTERVAL = 0.25
+SHUTDOWN_GRACE = 5  # seconds between SIGTERM and SIGKILL when stopping ranks
+_SCHEDULER_RANK_VARIABLES = ("SLURM_NODEID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+
+
+def _cores_for_ranks(local_world_size: int, core_list: list[int] | None) -> list[list[int]]:
+    cores = core_list if core_list else sorted(os.sched_getaffinity(0))
+    per_rank = len(cores) // local_world_size
+    if per_rank < 1:
+        raise SystemExit(f"dsrun: --bind_cores_to_rank: {len(cores)} cores cannot be split among "
+                         f"{local_world_size} ranks on this node")
+    return [cores[i * per_rank:(i + 1) * per_rank] for i in range(local_world_size)]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m dsrun.launcher.agent",
+                                     description="dsrun per-node agent (started by the launcher)")
+    parser.add_argument("--world_info", required=True, help="base64 JSON {host: [slots]} in node order")
+    parser.add_argument("--node_rank", type=int, default=-1,
+                        help="this node's index; -1 reads it from SLURM_NODEID / OMPI_COMM_WORLD_RANK / PMI_RANK")
+    parser.add_argument("--master_addr", required=True)
+    parser.add_argument("--master_port", type=int, required=True)
+    parser.add_argument("--job_id", default="dsrun")
+    parser.add_argument("--module", action="store_true")
+    parser.add_argument("--no_python", action="store_true")
+    parser.add_argument("--no_local_rank", action="store_true")
+    parser.add_argument("--max_restarts", type=int, default=0)
+    parser.add_argument("--log_dir", default=None)
+    parser.add_argument("--bind_cores_to_rank", action="store_true")
+    parser.add_argument("--bind_core_list", default=None)
+    parser.add_argument("--save_pid", type=int, default=0, help="launcher PID; write /tmp/dsrun-PID-nodeN.json")
+    parser.add_argument("--watch_stdin", action="store_true", help="stop everything when stdin closes")
+    parser.add_argument("--rdzv_timeout", type=int, default=300)
+    parser.add_argument("--peer_timeout", type=float, default=30.0)
+    parser.add_argument("target")
+    parser.add_argument("target_args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def _resolve_node_rank(requested: int, nnodes: int) -> int:
+    node_rank = requested
+    if node_rank < 0:
+        for variable in _SCHEDULER_RANK_VARIABLES:
+            if os.environ.get(variable, "").isdigit():
+                node_rank = int(os.environ[variable])
+                break
+    if not 0 <= node_rank < nnodes:
+        raise SystemExit(f"dsrun: node rank {node_rank} is outside 0..{nnodes - 1} "
+                         f"(no --node_rank and none of {', '.join(_SCHEDULER_RANK_VARIABLES)} set)")
+    return node_rank
+
+
+def _worker_command(ns: argparse.Namespace) -> list[str]:
+    if ns.no_python:
+        command = [ns.target]
+    elif ns.module:
+        command = [sys.executable, "-u", "-m", ns.target]
+    else:
+        command = [sys.executable, "-u", ns.target]
+    command += list(ns.target_args)
+    if not ns.no_local_rank:
+        command.append("--local_rank=${local_rank}")  # torch elastic substitutes the macro per rank
+    return command
+
+
+def _watch_stdin() -> None:
+    def wait_for_eof() -> None:
+        # os.read on the raw descriptor: a daemon thread blocked inside sys.stdin's buffered reader would
+        # hold its lock and abort the interpreter at exit
+        try:
+            while os.read(0, 4096):
+                pass
+        except OSError:
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=wait_for_eof, name="dsrun-stdin-watch", daemon=True).start()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    hosts = decode_world_info(ns.world_info)
+    host_names = list(hosts)
+    nnodes = len(host_names)
+    node_rank = _resolve_node_rank(ns.node_rank, nnodes)
+    host = host_names[node_rank]
+    slots = hosts[host]
+    local_world_size = len(slots)
+    if ns.watch_stdin:
+        _watch_stdin()
+
+    os.environ.update(CROSS_RANK=str(node_rank), CROSS_SIZE=str(nnodes), LOCAL_SIZE=str(local_world_size),
+                      DSRUN_JOB_ID=ns.job_id, DSRUN_HOST=host)
+    core_groups: list[list[int]] = []
+    if ns.bind_cores_to_rank:
+        from dsrun.launcher.hostfile import parse_core_list
+
+        core_list = parse_core_list(ns.bind_core_list) if ns.bind_core_list else None
+        core_groups = _cores_for_ranks(local_world_size, core_list)
+    elif "OMP_NUM_THREADS" not in os.environ:
+        cores = len(os.sched_getaffinity(0))
+        os.environ["OMP_NUM_THREADS"] = str(max(1, cores // local_world_size))
+
+    # torch is imported only now: the checks above fail fast without paying for it.
+    from dsrun.launcher.supervision import NodeAgent, RankLogs, build_spec
+
+    import torch
+
+    if torch.cuda.is_available():
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(s) for s in slots)
+
+    temporary_logs = ns.log_dir is None
+    log_dir = Path(ns.log_dir) if ns.log_dir else Path(tempfile.mkdtemp(prefix=f"dsrun-{ns.job_id}-node{node_rank}-"))
+    rank_exec = [sys.executable, "-m", "dsrun.launcher.rank_exec"]
+    if core_groups:
+        # every rank gets all groups and picks its own by local rank (torch elastic substitutes the macro)
+        rank_exec += ["--core_groups=" + "/".join(",".join(map(str, g)) for g in core_groups),
+                      "--local_rank=${local_rank}"]
+    spec = build_spec(
+        rank_exec=rank_exec, command=_worker_command(ns), local_world_size=local_world_size,
+        master_addr=ns.master_addr, master_port=ns.master_port, job_id=ns.job_id, node_rank=node_rank,
+        nnodes=nnodes, max_restarts=ns.max_restarts, rdzv_timeout=ns.rdzv_timeout,
+        monitor_interval=MONITOR_INTERVAL)
+    agent = NodeAgent(spec, RankLogs(str(log_dir)), host=host, host_names=host_names, node_rank=node_rank,
+                      core_groups=core_groups, save_pid=ns.save_pid, peer_timeout=ns.peer_timeout,
+                      shutdown_grace=SHUTDOWN_GRACE)
+    code = agent.run_to_exit_code()
+    if temporary_logs and code == 0:
+        shutil.rmtree(log_dir, ignore_errors=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

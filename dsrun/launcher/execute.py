@@ -1,0 +1,246 @@
+"""Running a :class:`~dsrun.launcher.plan.LaunchPlan`: start the node commands, relay their output, and
+turn the agents' failure reports into one clear message and exit code.
+
+The agents do the supervision (see :mod:`dsrun.launcher.supervision`); this side only has to make sure
+nothing outlives the job: when any node command exits non-zero, or the launcher gets SIGINT/SIGTERM, every
+other node is told to stop (the ssh runner closes the agent's stdin, which it watches; local agents get
+SIGTERM), and whatever is still running after a grace period is killed. Every child is also started with
+``PR_SET_PDEATHSIG`` so even a SIGKILLed launcher takes its agents (and, through them, the ranks) down.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from dsrun.launcher.protocol import FAILURE_MARKER, exit_code_for
+from dsrun.launcher.plan import LaunchPlan
+from dsrun.launcher.runners import NodeCommand
+from dsrun.utils.errors import Problem, UserError
+
+STOP_GRACE = 10.0  # seconds from "please stop" to SIGKILL
+SSH_CHECK_TIMEOUT = 20.0
+_TAIL = 10
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: the child gets SIGTERM when the launcher dies, however it dies."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+@dataclass
+class _Node:
+    command: NodeCommand
+    process: subprocess.Popen
+    stderr_tail: deque = field(default_factory=lambda: deque(maxlen=_TAIL))
+    threads: list[threading.Thread] = field(default_factory=list)
+
+
+class _Job:
+    def __init__(self, plan: LaunchPlan, out: IO[str], err: IO[str]) -> None:
+        self.plan = plan
+        self.out = out
+        self.err = err
+        self.nodes: list[_Node] = []
+        self.reports: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+        self.signal_received: int | None = None
+        self.prefix = len(plan.commands) > 1 or plan.runner not in ("local", "no_ssh")
+
+    # ---- output ----------------------------------------------------------------------------------
+
+    def _write(self, stream: IO[str], node: _Node, line: str) -> None:
+        text = f"[{node.command.label}] {line}" if self.prefix else line
+        with self.lock:
+            stream.write(text if text.endswith("\n") else text + "\n")
+            stream.flush()
+
+    def _relay(self, node: _Node, pipe: IO[bytes], is_stderr: bool) -> None:
+        for raw in iter(pipe.readline, b""):
+            line = raw.decode(errors="replace")
+            if is_stderr:
+                marker = line.find(FAILURE_MARKER)
+                if marker >= 0:
+                    try:
+                        report = json.loads(line[marker + len(FAILURE_MARKER):])
+                    except json.JSONDecodeError:
+                        report = None
+                    if isinstance(report, dict):
+                        with self.lock:
+                            self.reports.append(report)
+                        continue
+                node.stderr_tail.append(line.rstrip("\n"))
+            self._write(self.err if is_stderr else self.out, node, line)
+        pipe.close()
+
+    # ---- processes -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        env = dict(os.environ)
+        if self.plan.runner == "pdsh":
+            env.setdefault("PDSH_RCMD_TYPE", "ssh")
+            if self.plan.options.ssh_port:
+                env["PDSH_SSH_ARGS_APPEND"] = f"-p {self.plan.options.ssh_port}"
+        for command in self.plan.commands:
+            process = subprocess.Popen(
+                list(command.argv), cwd=self.plan.options.cwd, env=env,
+                stdin=subprocess.PIPE if self.plan.runner == "ssh" else subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_die_with_parent)
+            node = _Node(command, process)
+            for pipe, is_stderr in ((process.stdout, False), (process.stderr, True)):
+                thread = threading.Thread(target=self._relay, args=(node, pipe, is_stderr), daemon=True)
+                thread.start()
+                node.threads.append(thread)
+            self.nodes.append(node)
+
+    def ask_to_stop(self) -> None:
+        for node in self.nodes:
+            if node.process.poll() is not None:
+                continue
+            if node.process.stdin is not None:
+                try:
+                    node.process.stdin.close()  # the remote agent watches stdin and stops on EOF
+                except OSError:
+                    pass
+            else:
+                try:
+                    node.process.send_signal(signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+
+    def kill_all(self) -> None:
+        for node in self.nodes:
+            if node.process.poll() is None:
+                try:
+                    node.process.kill()
+                except ProcessLookupError:
+                    pass
+
+    def wait(self) -> None:
+        stop_deadline: float | None = None
+        terminated = False
+        while True:
+            codes = [node.process.poll() for node in self.nodes]
+            if all(code is not None for code in codes):
+                break
+            failed = any(code not in (None, 0) for code in codes)
+            if stop_deadline is None and (failed or self.signal_received is not None):
+                self.ask_to_stop()
+                stop_deadline = time.monotonic() + STOP_GRACE
+            if stop_deadline is not None and not terminated and time.monotonic() > stop_deadline - STOP_GRACE / 2:
+                for node in self.nodes:  # ssh clients that ignored the closed stdin get a signal too
+                    if node.process.poll() is None:
+                        node.process.send_signal(signal.SIGTERM)
+                terminated = True
+            if stop_deadline is not None and time.monotonic() > stop_deadline:
+                self.kill_all()
+                stop_deadline = float("inf")
+            time.sleep(0.1)
+        for node in self.nodes:
+            for thread in node.threads:
+                thread.join(timeout=5)
+
+    # ---- outcome ---------------------------------------------------------------------------------
+
+    def root_cause(self) -> dict[str, Any] | None:
+        """The report that explains the failure: a rank's own failure beats an agent's "stopped" note."""
+        rank_failures = [r for r in self.reports if r.get("rank") is not None]
+        if rank_failures:
+            return min(rank_failures, key=lambda r: (r.get("round", 0), r.get("rank")))
+        return self.reports[0] if self.reports else None
+
+    def summarize(self) -> int:
+        if self.signal_received is not None:
+            self.err.write(f"dsrun: stopped by {signal.Signals(self.signal_received).name}; "
+                           f"all ranks on {len(self.plan.hosts)} host(s) were stopped\n")
+            return 128 + self.signal_received
+        codes = [node.process.returncode for node in self.nodes]
+        if all(code == 0 for code in codes) and not self.reports:
+            return 0
+        cause = self.root_cause()
+        lines: list[str] = []
+        if cause is not None:
+            lines.append(f"dsrun: job failed: {cause['message']}")
+            for log in cause.get("logs") or []:
+                lines.append(f"dsrun: last lines of rank {cause['rank']}'s log {log['path']}:")
+                lines.extend(f"    {line}" for line in log["tail"])
+            code = exit_code_for(cause["exitcode"]) if cause.get("exitcode") else 1
+        else:
+            bad = next(node for node in self.nodes if node.process.returncode != 0)
+            what = "ssh" if self.plan.runner == "ssh" else bad.command.argv[0]
+            lines.append(f"dsrun: job failed: {what} for {bad.command.label} exited with code "
+                         f"{bad.process.returncode} before any rank reported")
+            lines.extend(f"    {line}" for line in bad.stderr_tail)
+            code = exit_code_for(bad.process.returncode) if bad.process.returncode else 1
+        lines.append(f"dsrun: stopped all ranks on {len(self.plan.hosts)} host(s)")
+        self.err.write("\n".join(lines) + "\n")
+        self.err.flush()
+        return code
+
+
+def check_ssh(plan: LaunchPlan) -> None:
+    """Fail early, naming the hosts, when passwordless ssh does not work (BatchMode: never prompts)."""
+    from dsrun.launcher.runners import ssh_argv
+
+    def probe(host: str) -> tuple[str, int, str]:
+        argv = ssh_argv(plan.options, host, "true")
+        try:
+            done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                                  timeout=SSH_CHECK_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            return host, -1, f"no answer within {SSH_CHECK_TIMEOUT:.0f} s"
+        return host, done.returncode, done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ""
+
+    with ThreadPoolExecutor(max_workers=min(32, len(plan.hosts))) as pool:
+        results = list(pool.map(probe, plan.hosts))
+    problems = [Problem(f"ssh {host}", f"failed ({detail or f'exit code {code}'})",
+                        "set up passwordless ssh, or pass --no_ssh_check to skip this check")
+                for host, code, detail in results if code != 0]
+    if problems:
+        raise UserError(problems)
+
+
+def _check_tools(plan: LaunchPlan) -> None:
+    tool = {"ssh": "ssh", "pdsh": "pdsh", "slurm": "srun", "openmpi": "mpirun", "mpich": "mpirun"}.get(plan.runner)
+    if tool and shutil.which(tool) is None:
+        raise UserError(Problem("--launcher", f"the {plan.runner} runner needs {tool!r}, which is not on PATH"))
+
+
+def run(plan: LaunchPlan, *, out: IO[str] | None = None, err: IO[str] | None = None) -> int:
+    """Run ``plan`` to completion and return the job's exit code (0 when every rank succeeded).
+
+    Raises :class:`UserError` before starting anything when a runner's tool is missing or (ssh runner,
+    unless ``no_ssh_check``) a host does not accept passwordless ssh.
+    """
+    _check_tools(plan)
+    if plan.runner == "ssh" and not plan.options.no_ssh_check:
+        check_ssh(plan)
+    job = _Job(plan, out or sys.stdout, err or sys.stderr)
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        def on_signal(signum: int, frame: Any) -> None:
+            job.signal_received = signum
+
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            previous[signum] = signal.signal(signum, on_signal)
+    try:
+        job.start()
+        job.wait()
+    finally:
+        job.kill_all()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    return job.summarize()

@@ -1,0 +1,180 @@
+"""What a user asks the launcher for: :class:`LaunchOptions`, built from ``dsrun launch`` flags or from the
+``launcher:`` mapping of a RunSpec.
+
+The RunSpec mapping (all keys optional)::
+
+    launcher:
+      runner: local            # local | ssh | pdsh | no_ssh | slurm | openmpi | mpich (default: local for
+                               # one host, ssh for several)
+      num_procs: 2             # ranks per node (--num_procs/--num_gpus/--num_accelerators)
+      num_nodes: null          # use the first N hosts of the hostfile
+      hostfile: null           # path; default /job/hostfile when it exists, else this machine only
+      include: null            # "host[:slot,slot]@host..."
+      exclude: null
+      master_addr: null        # default 127.0.0.1 for one host, else the first host
+      master_port: 29500
+      node_rank: null          # required with runner no_ssh
+      ssh_port: null
+      launcher_args: ""        # extra options for ssh / pdsh / srun / mpirun
+      bind_cores_to_rank: false
+      bind_core_list: null     # "0-13,14-27"
+      max_restarts: 0
+      log_dir: null            # per-rank log files (--enable_each_rank_log)
+
+Validation collects every problem at once and raises one :class:`~dsrun.utils.errors.UserError`.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping, Sequence
+
+from dsrun.utils.errors import Problem, UserError, show
+from dsrun.utils.suggest import did_you_mean
+
+RUNNERS: tuple[str, ...] = ("local", "ssh", "pdsh", "no_ssh", "slurm", "openmpi", "mpich")
+DEFAULT_MASTER_PORT = 29500
+
+# RunSpec key -> (LaunchOptions field, accepted Python types)
+MAPPING_KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
+    "runner": ("runner", (str,)),
+    "num_procs": ("num_procs", (int,)),
+    "num_nodes": ("num_nodes", (int,)),
+    "hostfile": ("hostfile", (str,)),
+    "include": ("include", (str,)),
+    "exclude": ("exclude", (str,)),
+    "master_addr": ("master_addr", (str,)),
+    "master_port": ("master_port", (int,)),
+    "node_rank": ("node_rank", (int,)),
+    "ssh_port": ("ssh_port", (int,)),
+    "launcher_args": ("launcher_args", (str,)),
+    "bind_cores_to_rank": ("bind_cores_to_rank", (bool,)),
+    "bind_core_list": ("bind_core_list", (str,)),
+    "max_restarts": ("max_restarts", (int,)),
+    "log_dir": ("log_dir", (str,)),
+}
+
+
+@dataclass
+class LaunchOptions:
+    """Everything the launcher needs to plan a job. ``None`` means "not given, use the default"."""
+
+    target: str = ""                       # script path, module name (module=True) or executable (no_python)
+    target_args: list[str] = field(default_factory=list)
+    runner: str | None = None              # one of RUNNERS; None picks local (one host) or ssh
+    num_procs: int | None = None
+    num_nodes: int | None = None
+    hostfile: str | None = None
+    include: str | None = None
+    exclude: str | None = None
+    master_addr: str | None = None
+    master_port: int = DEFAULT_MASTER_PORT
+    node_rank: int | None = None
+    ssh_port: int | None = None
+    launcher_args: str = ""
+    no_ssh_check: bool = False
+    module: bool = False
+    no_python: bool = False
+    no_local_rank: bool = False
+    bind_cores_to_rank: bool = False
+    bind_core_list: str | None = None
+    log_dir: str | None = None
+    save_pid: bool = False
+    max_restarts: int = 0
+    cwd: str = field(default_factory=os.getcwd)
+    python: str = sys.executable
+
+    def problems(self) -> list[Problem]:
+        """Every inconsistency among the options (the hostfile itself is checked when planning)."""
+        found: list[Problem] = []
+        if not self.target:
+            found.append(Problem("script", "is missing", "give the script (or module with --module) to run"))
+        if self.runner is not None and self.runner not in RUNNERS:
+            found.append(Problem("--launcher", f"unknown runner {show(self.runner)}; expected one of "
+                                 f"{', '.join(RUNNERS)}", did_you_mean(self.runner, RUNNERS)))
+        for name in ("num_procs", "num_nodes"):
+            value = getattr(self, name)
+            if value is not None and value != -1 and value < 1:
+                found.append(Problem(f"--{name}", f"must be at least 1 (or -1 for all), got {value}"))
+        if self.include and self.exclude:
+            found.append(Problem("--include/--exclude", "are mutually exclusive", "use one of them"))
+        if (self.include or self.exclude) and (_given(self.num_nodes) or _given(self.num_procs)):
+            flag = "--include" if self.include else "--exclude"
+            found.append(Problem(flag, "cannot be combined with --num_nodes/--num_procs",
+                                 "a filter already says which hosts and slots to use"))
+        if not 1 <= self.master_port <= 65535:
+            found.append(Problem("--master_port", f"must be a TCP port 1..65535, got {self.master_port}"))
+        if self.ssh_port is not None and not 1 <= self.ssh_port <= 65535:
+            found.append(Problem("--ssh_port", f"must be a TCP port 1..65535, got {self.ssh_port}"))
+        if self.max_restarts < 0:
+            found.append(Problem("--max_restarts", f"must be 0 or more, got {self.max_restarts}"))
+        if self.module and self.no_python:
+            found.append(Problem("--module", "cannot be combined with --no_python"))
+        if self.runner == "no_ssh":
+            if self.node_rank is None:
+                found.append(Problem("--node_rank", "is required with --no_ssh",
+                                     "run one launcher per node with --node_rank 0, 1, ..."))
+        elif self.node_rank is not None and self.runner not in (None, "local"):
+            found.append(Problem("--node_rank", f"only applies with --no_ssh, not with the {self.runner} runner"))
+        if self.node_rank is not None and self.node_rank < 0:
+            found.append(Problem("--node_rank", f"must be 0 or more, got {self.node_rank}"))
+        if self.bind_core_list and not self.bind_cores_to_rank:
+            found.append(Problem("--bind_core_list", "needs --bind_cores_to_rank"))
+        return found
+
+    def validate(self) -> "LaunchOptions":
+        found = self.problems()
+        if found:
+            raise UserError(found)
+        return self
+
+
+def _given(value: int | None) -> bool:
+    return value is not None and value != -1
+
+
+def options_from_mapping(mapping: Mapping[str, Any] | None, target: str, target_args: Sequence[str] = (),
+                         *, module: bool = False, path: str = "launcher", **extra: Any) -> LaunchOptions:
+    """Build :class:`LaunchOptions` from a RunSpec ``launcher:`` mapping (see the module docstring).
+
+    ``target``/``target_args``/``module`` say what each rank runs (``dsrun train`` passes the worker
+    module); ``extra`` sets any other :class:`LaunchOptions` field (``cwd``, ``no_local_rank``...).
+    Unknown keys and values of the wrong type are reported with their key path, e.g. ``launcher.num_procs``.
+    """
+    mapping = dict(mapping or {})
+    problems: list[Problem] = []
+    values: dict[str, Any] = {}
+    for key, value in mapping.items():
+        if key not in MAPPING_KEYS:
+            problems.append(Problem(f"{path}.{key}", "is not a launcher key",
+                                    did_you_mean(key, MAPPING_KEYS) or f"known keys: {', '.join(MAPPING_KEYS)}"))
+            continue
+        if value is None:
+            continue
+        attribute, types = MAPPING_KEYS[key]
+        if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+            expected = " or ".join(t.__name__ for t in types)
+            problems.append(Problem(f"{path}.{key}", f"must be {expected}, got {show(value)}"))
+            continue
+        values[attribute] = value
+    known = {f.name for f in fields(LaunchOptions)}
+    unknown = set(extra) - known
+    if unknown:
+        raise TypeError(f"unknown LaunchOptions fields: {sorted(unknown)}")
+    options = LaunchOptions(target=target, target_args=list(target_args), module=module, **{**values, **extra})
+    # report the mapping's own problems together with the option checks, all under their key paths
+    # (named by RunSpec keys rather than the CLI flags the option checks use)
+    problems = problems + [Problem(key_path(p.path, path), p.message, p.hint) for p in options.problems()]
+    if problems:
+        raise UserError(problems)
+    return options
+
+
+def key_path(flags: str, path: str) -> str:
+    """``--include/--exclude`` -> ``launcher.include/launcher.exclude``; ``--launcher`` -> ``launcher.runner``."""
+    parts = []
+    for flag in flags.split("/"):
+        name = flag[2:] if flag.startswith("--") else flag
+        parts.append(f"{path}.{'runner' if name == 'launcher' else name}" if flag.startswith("--") else flag)
+    return "/".join(parts)

@@ -1,0 +1,53 @@
+"""What the launcher and the node agents agree on: how the world is passed to an agent, how an agent
+reports a failure (one ``@@dsrun-failure@@ {json}`` line on stderr), and how exit codes are derived.
+
+Kept free of torch imports so the launcher can use it cheaply.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import sys
+from typing import Any
+
+FAILURE_MARKER = "@@dsrun-failure@@ "
+TAIL_LINES = 20
+
+
+def encode_world_info(hosts: dict[str, list[int]]) -> str:
+    """``{host: [slots]}`` as URL-safe base64 JSON: safe to pass through any shell unquoted."""
+    return base64.urlsafe_b64encode(json.dumps(hosts).encode()).decode()
+
+
+def decode_world_info(text: str) -> dict[str, list[int]]:
+    return json.loads(base64.urlsafe_b64decode(text.encode()).decode())
+
+
+def exit_code_for(exitcode: int) -> int:
+    """The launcher's exit code for a rank's exit code (negative: killed by that signal)."""
+    if exitcode < 0:
+        return 128 + (-exitcode)
+    return exitcode if 0 < exitcode < 256 else 1
+
+
+def log_tails(paths: list[str], lines: int = TAIL_LINES) -> list[dict[str, Any]]:
+    """``[{"path": ..., "tail": [last lines]}]`` for each of ``paths`` that has any content."""
+    tails = []
+    for path in paths:
+        try:
+            with open(path, "rb") as handle:
+                handle.seek(0, os.SEEK_END)
+                handle.seek(max(0, handle.tell() - 64 * 1024))
+                text = handle.read().decode(errors="replace")
+        except OSError:
+            continue
+        if text.strip():
+            tails.append({"path": path, "tail": text.rstrip("\n").splitlines()[-lines:]})
+    return tails
+
+
+def report_failure(report: dict[str, Any]) -> None:
+    """Print one failure report for the launcher (a single line on stderr)."""
+    sys.stderr.write(FAILURE_MARKER + json.dumps(report) + "\n")
+    sys.stderr.flush()

@@ -1,0 +1,81 @@
+"""Counting a model: parameters (shared ones once), the largest layer, and analytic FLOPs.
+
+These work on any ``nn.Module``, including one built on the meta device, so the memory estimator can size a
+model that does not fit in memory. Shared parameters are recognised by object identity, not by
+``data_ptr()``: every meta tensor reports the same null pointer.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+from torch import nn
+
+from dsrun.models.config import GPTConfig
+
+
+def _unique_parameters(module: nn.Module, recurse: bool = True) -> Iterator[nn.Parameter]:
+    seen: set[int] = set()
+    for param in module.parameters(recurse=recurse):
+        if id(param) not in seen:
+            seen.add(id(param))
+            yield param
+
+
+def num_parameters(model: nn.Module, exclude_embeddings: bool = False, trainable_only: bool = False) -> int:
+    """Number of parameters, each shared (tied) parameter counted once.
+
+    ``exclude_embeddings`` leaves out the weights of every ``nn.Embedding`` (token and position tables),
+    including where such a weight is tied to an output head: the usual "non-embedding" count.
+    """
+    excluded: set[int] = set()
+    if exclude_embeddings:
+        excluded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    return sum(p.numel() for p in _unique_parameters(model)
+               if id(p) not in excluded and (p.requires_grad or not trainable_only))
+
+
+def largest_layer_params(model: nn.Module) -> int:
+    """The most parameters any single module holds directly (not counting its children).
+
+    This is DeepSpeed's ``largest_layer_params`` for the ZeRO-3 estimator: the biggest set of parameters
+    gathered at once. For a GPT it is usually the token embedding (``vocab_size x n_embd``).
+    """
+    return max((sum(p.numel() for p in _unique_parameters(m, recurse=False)) for m in model.modules()),
+               default=0)
+
+
+def _config_of(model_or_config: GPTConfig | nn.Module) -> GPTConfig:
+    if isinstance(model_or_config, GPTConfig):
+        return model_or_config
+    config = getattr(model_or_config, "config", None)
+    if not isinstance(config, GPTConfig):
+        raise TypeError("analytic FLOPs need a GPTConfig or a dsrun GPT model; "
+                        "measure other models with the flops profiler")
+    return config
+
+
+def forward_flops(model_or_config: GPTConfig | nn.Module, batch_size: int, seq_len: int) -> int:
+    """Analytic floating-point operations of one forward pass over ``batch_size x seq_len`` tokens.
+
+    ``2 · N · tokens`` for the matrix multiplies, where ``N = 12·n_layer·d² + vocab·d`` counts the weights
+    that multiply activations (every block's linears and the output head; not the embedding lookups,
+    LayerNorms or biases), plus the attention scores and weighted sum: ``2 · 2 · n_layer · seq_len · d``
+    per token (``QKᵀ`` and ``AV``, each ``seq_len·d`` multiply-adds per query). The attention term counts
+    the full ``T x T`` square, as most published MFU figures do, although a causal kernel skips half.
+    """
+    config = _config_of(model_or_config)
+    tokens = batch_size * seq_len
+    d = config.n_embd
+    matmul_weights = 12 * config.n_layer * d * d + config.vocab_size * d
+    attention = 4 * config.n_layer * seq_len * d
+    return 2 * matmul_weights * tokens + attention * tokens
+
+
+def train_step_flops(model_or_config: GPTConfig | nn.Module, batch_size: int, seq_len: int,
+                     activation_checkpointing: bool | None = None) -> int:
+    """Forward + backward FLOPs: 3x the forward (backward costs twice the forward), 4x when activation
+    checkpointing recomputes the forward (the usual convention; strictly the output head is not
+    recomputed). ``None`` reads the choice from the config."""
+    config = _config_of(model_or_config)
+    recompute = config.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
+    return (4 if recompute else 3) * forward_flops(config, batch_size, seq_len)

@@ -1,0 +1,83 @@
+"""The pieces of a GPT block: causal self-attention (with optional rotary positions), the MLP, the block.
+
+Module names follow GPT-2 (``c_attn``, ``c_proj``, ``c_fc``, ``ln_1``, ``ln_2``) so checkpoints and
+parameter names read the way most people know them.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsrun.models.config import GPTConfig
+
+
+def rotary_cos_sin(seq_len: int, head_size: int, base: float, device: torch.device,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cosines and sines of the rotary angles, each ``[seq_len, head_size/2]``.
+
+    Computed on the fly rather than stored as buffers: it is cheap, and a model built on the meta device
+    and materialised later then has no buffer that needs re-initialising.
+    """
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_size, 2, device=device, dtype=torch.float32) / head_size))
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (first half, second half) of the last dimension of ``x`` ``[B, H, T, hs]`` by the angles."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_head = config.n_head
+        self.head_size = config.head_size
+        self.rotary = config.positions == "rotary"
+        self.rotary_base = config.rotary_base
+        self.dropout = config.dropout
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        q, k, v = self.c_attn(x).split(width, dim=2)
+        # [B, T, C] -> [B, H, T, hs]
+        q, k, v = (t.view(batch, seq, self.n_head, self.head_size).transpose(1, 2) for t in (q, k, v))
+        if self.rotary:
+            cos, sin = rotary_cos_sin(seq, self.head_size, self.rotary_base, x.device, q.dtype)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
+                                           is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(batch, seq, width)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: ``x + attn(ln(x))`` then ``x + mlp(ln(x))``."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))

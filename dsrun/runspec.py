@@ -1,0 +1,116 @@
+"""Validation of a whole composed RunSpec, and the ``train`` section's type.
+
+``ds`` is validated by the DeepSpeed schema (:mod:`dsrun.config`); ``launcher`` by planning the launch
+(:func:`dsrun.launcher.plan_from_mapping`), which also gives the world size the batch sizes resolve for;
+``train`` by :class:`TrainSpec`; ``model`` and ``data`` are ``_target_`` mappings whose keyword arguments
+their classes check when built. Every problem in every section is reported at once, each naming its key path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from omegaconf import DictConfig, OmegaConf
+from pydantic import BaseModel, ConfigDict, Field
+
+from dsrun.utils.errors import ConfigError, Problem
+from dsrun.utils.suggest import did_you_mean
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TrainSpec(_Section):
+    """``train:`` — the training loop's budget and bookkeeping."""
+
+    max_steps: int = Field(300, ge=1, description="optimizer steps to run")
+    max_tokens: int | None = Field(None, ge=1, description="stop after this many training tokens, all ranks")
+    seed: int = Field(1234, description="seed for the model, data order and dropout")
+    eval_interval: int = Field(100, ge=0, description="optimizer steps between evaluations (0: at the end)")
+    eval_iters: int = Field(10, ge=1, description="eval batches per evaluation")
+    save_interval: int = Field(0, ge=0, description="optimizer steps between checkpoints (0: none)")
+    resume: str | None = Field(None, description="null, 'auto' (latest checkpoint of the run) or a directory")
+    keep_last: int = Field(2, ge=0, description="checkpoints kept (0: all)")
+
+
+def _section(cfg: DictConfig, key: str) -> Mapping[str, Any]:
+    node = cfg.get(key)
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else (node or {})
+
+
+WORKER_MODULE = "dsrun.worker"
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    """A validated RunSpec: the composed config, its typed train section, the launch plan and the resolved
+    DeepSpeed config."""
+
+    runspec: DictConfig
+    train: TrainSpec
+    plan: Any  # dsrun.launcher.LaunchPlan for the worker (its target arguments are filled in at launch)
+    ds: Any  # dsrun.config.DeepSpeedConfig
+
+    @property
+    def world_size(self) -> int:
+        return self.plan.world_size
+
+    @property
+    def world_size_source(self) -> str:
+        return describe_world(self.plan)
+
+    def ds_dict(self) -> dict[str, Any]:
+        return self.ds.to_ds_dict()
+
+
+def describe_world(plan: Any) -> str:
+    """Where the world size came from, for the batch-size explanation."""
+    if plan.hostfile:
+        slots = " + ".join(str(len(s)) for s in plan.hosts.values())
+        return f"{len(plan.hosts)} host(s) of {plan.hostfile} after filters: {slots} slots"
+    return f"launcher.num_procs={plan.world_size} on this machine"
+
+
+def resolve_run(cfg: DictConfig) -> ResolvedRun:
+    """Validate every section of a composed RunSpec; raise :class:`ConfigError` listing all problems."""
+    from dsrun.config import load_ds_config
+    from dsrun.config.problems import validate_model
+    from dsrun.launcher import plan_from_mapping
+    from dsrun.utils.errors import UserError
+
+    problems: list[Problem] = []
+    unknown = [k for k in cfg if k not in ("model", "data", "train", "launcher", "ds", "ds_config")]
+    problems += [Problem(str(k), "unknown top-level key of the RunSpec",
+                         did_you_mean(str(k), ["model", "data", "train", "launcher", "ds"]) or
+                         "the RunSpec has model, data, train, launcher and ds") for k in unknown]
+    for key in ("model", "data"):
+        node = cfg.get(key)
+        if not isinstance(node, DictConfig) or "_target_" not in node:
+            problems.append(Problem(f"{key}._target_", "missing", f"pick a {key} config group, e.g. {key}=..."))
+    train, train_problems = validate_model(TrainSpec, _section(cfg, "train"), "train")
+    problems += train_problems
+    plan = None
+    try:
+        plan = plan_from_mapping(_section(cfg, "launcher"), WORKER_MODULE, module=True)
+    except UserError as err:
+        problems += err.problems
+    ds = None
+    try:
+        ds = load_ds_config(_section(cfg, "ds"), world_size=plan.world_size if plan else 1,
+                            world_size_source=describe_world(plan) if plan else "launcher (invalid, assumed 1)",
+                            auto_values=_auto_values(cfg), path_prefix="ds")
+    except ConfigError as err:
+        problems += err.problems
+    if problems:
+        raise ConfigError(problems)
+    return ResolvedRun(cfg, train, plan, ds)
+
+
+def _auto_values(cfg: DictConfig) -> dict[str, Any]:
+    """Values the RunSpec knows for DeepSpeed keys a Hugging Face-style config may leave as "auto"."""
+    values: dict[str, Any] = {}
+    steps = OmegaConf.select(cfg, "train.max_steps")
+    if steps is not None:
+        values["scheduler.params.total_num_steps"] = steps
+    return values

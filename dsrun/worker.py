@@ -1,0 +1,171 @@
+"""The rank entry point: a run directory's RunSpec → model and data → ``dsrun.initialize`` → training loop.
+
+``dsrun train`` writes the run directory and launches ``python -m dsrun.worker --run-dir RUN_DIR`` once per
+rank. The loop reads top to bottom: build, then for each optimizer step run ``gradient_accumulation_steps``
+micro-steps of forward / backward and one ``engine.step()``, evaluate now and then, and at the end write
+``metrics.json`` (rank 0). SIGTERM or SIGINT stops the loop at the next step boundary; the metrics gathered
+so far are still written.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from dsrun.rundir import METRICS_JSON, RESOLVED_YAML, atomic_write_text
+
+
+def seed_everything(seed: int) -> None:
+    """Same seed on every rank: identical initial weights without a broadcast, reproducible dropout."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT; the loop checks it between optimizer steps."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signal = signum
+
+    def __bool__(self) -> bool:
+        return self.signal is not None
+
+
+def mean_across_ranks(value: float) -> float:
+    from dsrun import comm
+
+    tensor = torch.tensor([value], dtype=torch.float64)
+    comm.all_reduce(tensor)
+    return tensor.item() / comm.get_world_size()
+
+
+def stop_agreed(stop: StopFlag) -> bool:
+    """True on every rank when any rank was asked to stop, so no rank is left waiting in a collective."""
+    from dsrun import comm
+
+    flag = torch.tensor([1.0 if stop else 0.0])
+    comm.all_reduce(flag)
+    return flag.item() > 0
+
+
+@torch.no_grad()
+def evaluate(engine: Any, corpus: Any, batch_size: int, rank: int, world_size: int, iters: int) -> float:
+    """Mean eval loss (nats per token) over the same ``iters`` global batches every time."""
+    engine.eval()
+    losses = [engine(inputs, targets).item()
+              for inputs, targets in corpus.eval_loader(batch_size, rank, world_size, max_batches=iters)]
+    engine.train()
+    return mean_across_ranks(sum(losses) / max(1, len(losses)))
+
+
+def format_seconds(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
+    import hydra.utils
+
+    import dsrun
+    from dsrun import comm
+
+    stop = StopFlag()
+    dsrun.init_distributed()
+    rank, world_size = comm.get_rank(), comm.get_world_size()
+    cfg = spec.train
+    seed_everything(cfg.seed)
+
+    model = hydra.utils.instantiate(spec.model, _convert_="all")
+    corpus = hydra.utils.instantiate(spec.data, _convert_="all")
+    corpus.check_vocab(model.config.vocab_size)
+    ds_config = OmegaConf.to_container(spec.ds, resolve=True)
+    engine, _, _, _ = dsrun.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+
+    micro_batch, accumulation = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    tokens_per_step = engine.train_batch_size() * corpus.seq_len
+    max_steps = cfg.max_steps
+    if cfg.max_tokens:
+        max_steps = min(max_steps, math.ceil(cfg.max_tokens / tokens_per_step))
+    loader = corpus.train_loader(batch_size=micro_batch, rank=rank, world_size=world_size, seed=cfg.seed)
+    eval_every = cfg.eval_interval or max_steps
+    print_every = max(1, engine.steps_per_print())
+
+    metrics: dict[str, Any] = {"train_losses": [], "eval_losses": [], "lrs": [], "world_size": world_size,
+                               "tokens_per_step": tokens_per_step, "max_steps": max_steps,
+                               "loss_unit": "nats per token"}
+    if rank == 0:
+        print(f"[dsrun] training {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} "
+              f"parameters) for {max_steps} steps on {world_size} rank(s); "
+              f"{engine.train_batch_size()} samples x {corpus.seq_len} tokens per step", flush=True)
+    start = time.perf_counter()
+    for step in range(1, max_steps + 1):
+        step_loss = 0.0
+        for _ in range(accumulation):
+            inputs, targets = next(loader)
+            loss = engine(inputs, targets)
+            engine.backward(loss)
+            engine.step()  # steps the optimizer only at the accumulation boundary
+            step_loss += loss.item() / accumulation
+        step_loss = mean_across_ranks(step_loss)
+        metrics["train_losses"].append(step_loss)
+        metrics["lrs"].append(engine.get_lr()[0])
+        if not math.isfinite(step_loss):
+            raise FloatingPointError(f"training loss became {step_loss} at step {step}")
+
+        if step % eval_every == 0 or step == max_steps:
+            eval_loss = evaluate(engine, corpus, micro_batch, rank, world_size, cfg.eval_iters)
+            metrics["eval_losses"].append({"step": step, "loss": eval_loss})
+        if rank == 0 and (step % print_every == 0 or step == max_steps):
+            elapsed = time.perf_counter() - start
+            line = (f"[dsrun] step {step}/{max_steps} | loss {step_loss:.4f} | lr {engine.get_lr()[0]:.3e} | "
+                    f"{step * tokens_per_step / elapsed:,.0f} tokens/s | "
+                    f"eta {format_seconds(elapsed / step * (max_steps - step))}")
+            if metrics["eval_losses"] and metrics["eval_losses"][-1]["step"] == step:
+                line += f" | eval {metrics['eval_losses'][-1]['loss']:.4f}"
+            print(line, flush=True)
+        if stop_agreed(stop):
+            metrics["stopped_by_signal"] = stop.signal or "another rank"
+            break
+
+    wall = time.perf_counter() - start
+    steps_done = len(metrics["train_losses"])
+    metrics.update(steps=steps_done, wall_time_s=wall, samples_per_second=steps_done * engine.train_batch_size() / wall,
+                   tokens_per_second=steps_done * tokens_per_step / wall,
+                   final_eval_loss=metrics["eval_losses"][-1]["loss"] if metrics["eval_losses"] else None)
+    if rank == 0:
+        atomic_write_text(run_dir / METRICS_JSON, json.dumps(metrics, indent=2) + "\n")
+    comm.barrier()
+    comm.destroy_process_group()
+    return metrics
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dsrun.worker", description=__doc__)
+    parser.add_argument("--run-dir", required=True, type=Path, help="the run directory dsrun train wrote")
+    parser.add_argument("--local_rank", type=int, default=None, help="set by the launcher (also LOCAL_RANK)")
+    args = parser.parse_args(argv)
+    spec = OmegaConf.load(args.run_dir / RESOLVED_YAML)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+    metrics = train(spec, args.run_dir)
+    return 143 if metrics.get("stopped_by_signal") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,20 @@
+"""The repository keeps its promises to a new user: README commands, CI, top-level layout."""
+import re
+
+from tests.helpers import REPO
+
+
+def readme_commands() -> list[str]:
+    text = (REPO / "README.md").read_text()
+    return re.findall(r"```bash\n(.+?)\n```", text)
+
+
+def test_ci_runs_the_readme_test_command():
+    test_command = next(c for c in readme_commands() if "pytest" in c)
+    assert test_command in (REPO / ".ci" / "run").read_text()
+
+
+def test_top_level_layout():
+    for name in ["dsrun", "recipes", "csrc", "op_builder", "conf", "tests", "examples", "benchmarks",
+                 "pyproject.toml", "README.md", ".ci/run"]:
+        assert (REPO / name).exists(), name
