@@ -12,7 +12,9 @@ from typing import Any
 __version__ = "0.1.0"
 
 # public name -> "module:attribute" (attribute empty for a submodule)
-_LAZY: dict[str, str] = {}
+_LAZY: dict[str, str] = {
+    "zero": "dsrun.zero:",
+}
 
 
 def __getattr__(name: str) -> Any:
