@@ -13,6 +13,10 @@ __version__ = "0.1.0"
 
 # public name -> "module:attribute" (attribute empty for a submodule)
 _LAZY: dict[str, str] = {
+    "initialize": "dsrun.runtime.initialize:initialize",
+    "add_config_arguments": "dsrun.runtime.initialize:add_config_arguments",
+    "init_distributed": "dsrun.comm.comm:init_distributed",
+    "comm": "dsrun.comm:",
     "zero": "dsrun.zero:",
 }
 

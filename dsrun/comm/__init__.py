@@ -7,14 +7,14 @@ collective is counted (calls, message bytes, traffic bytes) by the comms logger;
 """
 from .comm import (ReduceOp, all_gather, all_gather_into_tensor, all_gather_object, all_reduce, barrier,
                    broadcast, broadcast_object_list, comms_logger, configure, destroy_process_group, get_backend,
-                   get_comms_stats, get_local_rank, get_rank, get_world_size, init_distributed, is_initialized,
+                   get_comms_stats, get_global_rank, get_local_rank, get_rank, get_world_size, init_distributed, is_initialized,
                    log_summary, new_group, reduce, reduce_scatter, reduce_scatter_tensor, reset_comms_stats)
 from .logger import CommsLogger, OpStats
 
 __all__ = [
     "ReduceOp", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "barrier", "broadcast",
     "broadcast_object_list", "comms_logger", "configure", "destroy_process_group", "get_backend",
-    "get_comms_stats", "get_local_rank", "get_rank", "get_world_size", "init_distributed", "is_initialized",
+    "get_comms_stats", "get_global_rank", "get_local_rank", "get_rank", "get_world_size", "init_distributed", "is_initialized",
     "log_summary", "new_group", "reduce", "reduce_scatter", "reduce_scatter_tensor", "reset_comms_stats",
     "CommsLogger", "OpStats",
 ]

@@ -1,0 +1,1 @@
+"""The training runtime: engine, precision and ZeRO strategies, LR schedules, data loader."""

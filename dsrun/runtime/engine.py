@@ -1,0 +1,293 @@
+"""The training engine: ``loss = engine(batch); engine.backward(loss); engine.step()``.
+
+The engine is composed once at initialize from a precision strategy (:mod:`dsrun.runtime.precision`) and a
+ZeRO strategy (:mod:`dsrun.runtime.zero`), and then only orchestrates: gradient-accumulation boundaries,
+loss scaling, the optimizer/scheduler step, counters, timers and reporting. It keeps DeepSpeed's
+attribute and method names (``global_steps``, ``micro_steps``, ``skipped_steps``, ``get_lr()``,
+``train_batch_size()`` …) so DeepSpeed training scripts run unchanged.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from dsrun import comm
+from dsrun.accelerator import get_accelerator
+from dsrun.optim import build_optimizer, check_zero_optimizer
+from dsrun.runtime.dataloader import DeepSpeedDataLoader
+from dsrun.runtime.lr_schedules import build_lr_scheduler
+from dsrun.runtime.precision import PrecisionStrategy, build_precision
+from dsrun.runtime.timers import WallClockTimers
+from dsrun.runtime.zero import MemoryBreakdown, StrategyContext, ZeroStrategy, build_zero_strategy
+from dsrun.utils.errors import ConfigError, Problem
+
+_COMM_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+FORWARD_TIMER, BACKWARD_TIMER, BACKWARD_INNER_TIMER = "forward", "backward", "backward_inner"
+BACKWARD_REDUCE_TIMER, STEP_TIMER = "backward_allreduce", "step"
+
+
+class DeepSpeedEngine(torch.nn.Module):
+    """Wraps the model; built by :func:`dsrun.initialize`.
+
+    ``config`` is a loaded :class:`dsrun.config.DeepSpeedConfig`; ``optimizer`` an optimizer over the model's
+    parameters (client or from the config) or None; ``lr_scheduler`` a scheduler object, a callable taking
+    the optimizer, or None (then the config's ``scheduler`` section, if any, is used).
+    """
+
+    def __init__(self, model: torch.nn.Module, config: Any, optimizer: torch.optim.Optimizer | None = None,
+                 lr_scheduler: Any = None, training_data: Any = None, collate_fn: Callable | None = None,
+                 mpu: Any = None, raw_config: Any = None):
+        super().__init__()
+        self._config = config
+        self.config = raw_config if raw_config is not None else config
+        self.mpu = mpu
+        self.dp_group = mpu.get_data_parallel_group() if mpu is not None else None
+        self.global_rank = comm.get_rank()
+        self.local_rank = comm.get_local_rank()
+        self.world_size = comm.get_world_size()
+        self.dp_world_size = comm.get_world_size(self.dp_group)
+        self.device = get_accelerator().device(self.local_rank)
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._boundary_override: bool | None = None
+        self.timers = WallClockTimers(bool(config.wall_clock_breakdown))
+        comm.configure(config)
+
+        self.precision: PrecisionStrategy = build_precision(config.fp16, config.bf16)
+        model.to(self.device)
+        if self.precision.model_dtype != torch.float32:
+            model.to(dtype=self.precision.model_dtype)
+        self.module = model
+        self._broadcast_model()
+
+        self.strategy: ZeroStrategy | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        if optimizer is not None:
+            stage = int(config.zero_optimization.stage)
+            check_zero_optimizer(optimizer, stage, bool(config.zero_allow_untested_optimizer))
+            self.strategy = build_zero_strategy(stage, self._strategy_context(optimizer))
+            self.optimizer = self.strategy.optimizer
+        self.lr_scheduler = self._configure_lr_scheduler(lr_scheduler)
+        self.training_dataloader = (self.deepspeed_io(training_data, collate_fn=collate_fn)
+                                    if training_data is not None else None)
+        self._comm_at_step_start = comm.get_comms_stats()
+        self._last_step_comm: dict[str, dict[str, float]] = {}
+
+    # --- construction ---------------------------------------------------------------------------------
+    def _broadcast_model(self) -> None:
+        """Start every rank from rank 0's weights and buffers (as DeepSpeed does)."""
+        if self.dp_world_size == 1:
+            return
+        src = 0 if self.dp_group is None else comm.get_global_rank(self.dp_group, 0)
+        with torch.no_grad():
+            for tensor in list(self.module.parameters()) + list(self.module.buffers()):
+                comm.broadcast(tensor.data, src=src, group=self.dp_group)
+
+    def _strategy_context(self, optimizer: torch.optim.Optimizer) -> StrategyContext:
+        zero = self._config.zero_optimization
+        comm_type = self._config.communication_data_type
+        return StrategyContext(
+            module=self.module, optimizer=optimizer, precision=self.precision, device=self.device,
+            group=self.dp_group, reduce_bucket_size=int(zero.reduce_bucket_size),
+            allgather_bucket_size=int(zero.allgather_bucket_size), overlap_comm=bool(zero.overlap_comm),
+            contiguous_gradients=bool(zero.contiguous_gradients), reduce_scatter=bool(zero.reduce_scatter),
+            communication_data_type=_COMM_DTYPES[str(comm_type).lower()] if comm_type else None,
+            prescale_gradients=bool(self._config.prescale_gradients),
+            gradient_predivide_factor=float(self._config.gradient_predivide_factor))
+
+    def _configure_lr_scheduler(self, client_scheduler: Any) -> Any:
+        if client_scheduler is not None:
+            if callable(client_scheduler) and not hasattr(client_scheduler, "step"):
+                return client_scheduler(self.optimizer)
+            return client_scheduler
+        scheduler = self._config.scheduler
+        if scheduler is None or scheduler.type is None:
+            return None
+        if self.optimizer is None:
+            raise ConfigError(Problem("scheduler", "a scheduler needs an optimizer",
+                                      "add an \"optimizer\" section or pass optimizer= to initialize"))
+        return build_lr_scheduler(scheduler.type, self.optimizer, scheduler.params)
+
+    # --- the training loop ----------------------------------------------------------------------------
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        self.timers.start(FORWARD_TIMER)
+        if self.strategy is not None:
+            self.strategy.before_forward()
+        out = self.module(*inputs, **kwargs)
+        self.timers.stop(FORWARD_TIMER)
+        return out
+
+    def backward(self, loss: torch.Tensor, allreduce_gradients: bool = True, release_loss: bool = False,
+                 retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backward of ``loss`` divided by the accumulation steps; on the boundary micro-step gradients are
+        reduced across ranks (stage 2 reduces on every micro-step)."""
+        self.timers.start(BACKWARD_TIMER)
+        gas = self.gradient_accumulation_steps()
+        if scale_wrt_gas and gas > 1:
+            loss = loss.float() / gas
+        boundary = self.is_gradient_accumulation_boundary()
+        if self.strategy is not None:
+            self.strategy.before_backward(boundary)
+        self.timers.start(BACKWARD_INNER_TIMER)
+        self.precision.scale_loss(loss).backward(retain_graph=retain_graph)
+        self.timers.stop(BACKWARD_INNER_TIMER)
+        self.timers.start(BACKWARD_REDUCE_TIMER)
+        if self.strategy is not None:
+            self.strategy.after_backward(boundary)
+        self.timers.stop(BACKWARD_REDUCE_TIMER)
+        self.timers.stop(BACKWARD_TIMER)
+        return loss
+
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """Count the micro-step; at a boundary update the weights (unless the gradients overflowed), step
+        the scheduler, and advance ``global_steps``/``global_samples``."""
+        self.timers.start(STEP_TIMER)
+        if self.is_gradient_accumulation_boundary():
+            overflow = False
+            if self.strategy is not None:
+                outcome = self.strategy.step(float(self._config.gradient_clipping or 0.0))
+                overflow = outcome.overflow
+                self.precision.update(overflow)
+                self.strategy.zero_grad()
+            if overflow:
+                self.skipped_steps += 1
+            elif self.lr_scheduler is not None:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
+            self._close_comm_window()
+            self._report()
+        self.micro_steps += 1
+        self._boundary_override = None
+        self.timers.stop(STEP_TIMER)
+
+    def _close_comm_window(self) -> None:
+        now = comm.get_comms_stats()
+        before = self._comm_at_step_start
+        self._last_step_comm = {}
+        for op, stats in now.items():
+            prev = before.get(op, {})
+            delta = {k: v - prev.get(k, 0) for k, v in stats.items()}
+            if delta["count"]:
+                self._last_step_comm[op] = delta
+        self._comm_at_step_start = now
+
+    def _report(self) -> None:
+        every = int(self._config.steps_per_print or 0)
+        if not every or self.global_steps % every or self.global_rank != 0:
+            return
+        print(f"[dsrun] step={self.global_steps}, skipped={self.skipped_steps}, lr={self.get_lr()}", flush=True)
+        if self.timers.enabled:
+            print(f"[dsrun] {self.timers.report([FORWARD_TIMER, BACKWARD_TIMER, BACKWARD_INNER_TIMER, BACKWARD_REDUCE_TIMER, STEP_TIMER])}",
+                  flush=True)
+            self.timers.reset()
+
+    def zero_grad(self) -> None:
+        if self.strategy is not None:
+            self.strategy.zero_grad()
+
+    # --- DeepSpeed's accessors ------------------------------------------------------------------------
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Force the next backward/step to be (or not be) a boundary; reset after ``step()``."""
+        self._boundary_override = bool(is_boundary)
+
+    def train_batch_size(self) -> int:
+        return int(self._config.train_batch_size)
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return int(self._config.train_micro_batch_size_per_gpu)
+
+    def gradient_accumulation_steps(self) -> int:
+        return int(self._config.gradient_accumulation_steps)
+
+    def zero_optimization_stage(self) -> int:
+        return int(self._config.zero_optimization.stage)
+
+    def gradient_clipping(self) -> float:
+        return float(self._config.gradient_clipping or 0.0)
+
+    def fp16_enabled(self) -> bool:
+        return self.precision.name == "fp16"
+
+    def bfloat16_enabled(self) -> bool:
+        return self.precision.name == "bf16"
+
+    def wall_clock_breakdown(self) -> bool:
+        return self.timers.enabled
+
+    def steps_per_print(self) -> int:
+        return int(self._config.steps_per_print)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.precision.loss_scale
+
+    @property
+    def cur_scale(self) -> float:
+        return self.precision.loss_scale
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups] if self.optimizer is not None else []
+
+    def get_mom(self) -> list[Any]:
+        if self.optimizer is None:
+            return []
+        return [group.get("betas", group.get("momentum")) for group in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """The global gradient norm of the last step (computed when gradient_clipping is on)."""
+        return getattr(self.strategy, "global_grad_norm", None)
+
+    def memory_breakdown(self) -> MemoryBreakdown:
+        """This rank's bytes of parameters, gradients, master weights, optimizer states and padding."""
+        if self.strategy is None:
+            size = sum(p.numel() * p.element_size() for p in self.module.parameters())
+            return MemoryBreakdown(parameters=size, gradients=0, master_weights=0, optimizer_states=0, padding=0)
+        return self.strategy.memory_breakdown()
+
+    def comm_stats_last_step(self) -> dict[str, dict[str, float]]:
+        """Collectives of the last optimizer step on this rank: {op: {count, message_bytes, traffic_bytes,
+        latency_s}} — what moved between the previous boundary and this one."""
+        return dict(self._last_step_comm)
+
+    def deepspeed_io(self, dataset: Any, batch_size: int | None = None, route: str | None = None,
+                     pin_memory: bool = True, data_sampler: Any = None, collate_fn: Callable | None = None,
+                     num_local_io_workers: int | None = None) -> DeepSpeedDataLoader:
+        """A loader giving this data-parallel rank its shard of ``dataset`` in micro-batches."""
+        if self.mpu is not None:
+            dp_rank, dp_size = self.mpu.get_data_parallel_rank(), self.mpu.get_data_parallel_world_size()
+        else:
+            dp_rank, dp_size = self.global_rank, self.world_size
+        return DeepSpeedDataLoader(
+            dataset, batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
+            pin_memory=pin_memory and get_accelerator().pin_memory_enabled(), local_rank=self.local_rank,
+            collate_fn=collate_fn, num_local_io_workers=num_local_io_workers, data_sampler=data_sampler,
+            data_parallel_world_size=dp_size, data_parallel_rank=dp_rank,
+            dataloader_drop_last=bool(getattr(self._config, "dataloader_drop_last", False)))
+
+
+def build_engine_optimizer(config: Any, model: torch.nn.Module, optimizer: Any,
+                           model_parameters: Any) -> torch.optim.Optimizer | None:
+    """The optimizer the engine will step: a client optimizer (object, or callable on the parameters) wins
+    over the config's ``optimizer`` section."""
+    params = model_parameters if model_parameters is not None else model.parameters()
+    if optimizer is not None:
+        if isinstance(optimizer, torch.optim.Optimizer):
+            return optimizer
+        if callable(optimizer):
+            return optimizer(params)
+        raise ConfigError(Problem("initialize(optimizer=...)", f"got {type(optimizer).__name__}; allowed: a "
+                                  "torch.optim.Optimizer or a callable returning one"))
+    if config.optimizer is not None and config.optimizer.type:
+        on_cpu = get_accelerator().name == "cpu"
+        return build_optimizer(config.optimizer.type, params, config.optimizer.params, on_cpu=on_cpu)
+    return None

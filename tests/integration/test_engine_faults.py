@@ -1,0 +1,35 @@
+"""fp16 overflow handling across ranks, and a hung rank turning into a bounded failure."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.helpers import run_ranks
+from tests.integration import _workloads as w
+
+
+@pytest.mark.parametrize("stage", [2])
+def test_inf_gradient_on_one_rank_skips_the_step_everywhere(stage: int) -> None:
+    per_rank = run_ranks(w.fp16_overflow_ranks, 2, stage, timeout=300)
+    for records in per_rank:
+        scales = [r["scale"] for r in records]
+        # 2**10 to start; the overflow at step 2 halves it (hysteresis 1); 3 clean steps (window 3) double it
+        assert scales == [1024.0, 1024.0, 512.0, 512.0, 512.0, 1024.0, 1024.0]
+        assert [r["skipped"] for r in records] == [0, 0, 1, 1, 1, 1, 1]
+        assert records[2]["changed"] is False  # the skipped step left the weights alone on every rank
+        assert records[3]["changed"] is True
+        # the scheduler does not advance on the skipped step, global_steps does
+        assert [r["sched_iter"] for r in records] == [0, 1, 1, 2, 3, 4, 5]
+        assert [r["global_steps"] for r in records] == list(range(1, 8))
+    assert per_rank[0] == per_rank[1]
+
+
+def test_hung_rank_fails_within_bounded_time() -> None:
+    start = time.monotonic()
+    with pytest.raises(AssertionError) as info:
+        run_ranks(w.hang_ranks, 2, timeout=90)
+    elapsed = time.monotonic() - start
+    # the waiting rank's collective times out after 5 s (init_distributed(timeout=...)) and reports it
+    assert "rank 0 failed" in str(info.value) and "timed out" in str(info.value).lower()
+    assert elapsed < 80

@@ -1,0 +1,184 @@
+"""dsrun.initialize / the engine's public surface, in a one-rank world (multi-rank behaviour is in
+tests/integration)."""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+
+import pytest
+import torch
+
+import dsrun
+from dsrun.runtime.lr_schedules import WarmupLR
+from dsrun.utils.errors import ConfigError
+
+pytestmark = pytest.mark.usefixtures("world_of_one")
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+
+
+def _config(**extra) -> dict:
+    return {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}, **extra}
+
+
+def _batch(n: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(n, 4), torch.randn(n, 1)
+
+
+def _train_step(engine) -> torch.Tensor:
+    x, y = _batch(engine.train_micro_batch_size_per_gpu())
+    loss = torch.nn.functional.mse_loss(engine(x), y)
+    engine.backward(loss)
+    engine.step()
+    return loss
+
+
+def test_signatures_match_deepspeed() -> None:
+    assert list(inspect.signature(dsrun.initialize).parameters) == [
+        "args", "model", "optimizer", "model_parameters", "training_data", "lr_scheduler", "distributed_port",
+        "mpu", "dist_init_required", "collate_fn", "config", "config_params"]
+    params = inspect.signature(dsrun.init_distributed).parameters
+    assert list(params)[:3] == ["dist_backend", "auto_mpi_discovery", "distributed_port"]
+    assert params["timeout"].default.total_seconds() == 1800
+    backward = inspect.signature(dsrun.initialize(model=_model(), config=_config())[0].backward).parameters
+    assert list(backward) == ["loss", "allreduce_gradients", "release_loss", "retain_graph", "scale_wrt_gas"]
+
+
+def test_initialize_returns_engine_optimizer_loader_scheduler() -> None:
+    data = torch.utils.data.TensorDataset(*_batch(6))
+    engine, optimizer, loader, scheduler = dsrun.initialize(
+        model=_model(), config=_config(scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 4}}),
+        training_data=data)
+    assert optimizer is engine.optimizer and isinstance(optimizer, torch.optim.AdamW)
+    assert isinstance(scheduler, WarmupLR) and scheduler is engine.lr_scheduler
+    assert len(loader) == 3 and all(len(x) == 2 for x, _ in loader)
+    assert engine.train_batch_size() == 2 and engine.train_micro_batch_size_per_gpu() == 2
+    assert engine.gradient_accumulation_steps() == 1 and engine.zero_optimization_stage() == 0
+
+
+def test_client_optimizer_and_scheduler_win_over_config() -> None:
+    model = _model()
+    client = torch.optim.SGD(model.parameters(), lr=0.5)
+    engine, optimizer, _, scheduler = dsrun.initialize(
+        model=model, optimizer=client, lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, 0.5),
+        config=_config(scheduler={"type": "WarmupLR"}))
+    assert optimizer is client and isinstance(scheduler, torch.optim.lr_scheduler.StepLR)
+    _train_step(engine)
+    assert engine.get_lr() == [0.25]
+    made = dsrun.initialize(model=_model(), optimizer=lambda params: torch.optim.Adagrad(params, lr=0.3),
+                            config=_config())[1]
+    assert isinstance(made, torch.optim.Adagrad) and made.param_groups[0]["lr"] == 0.3
+
+
+def test_config_from_args_and_the_conflict_rules(tmp_path) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(_config()))
+    parser = dsrun.add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", str(path)])
+    assert args.deepspeed is True
+    engine = dsrun.initialize(args=args, model=_model())[0]
+    assert engine.train_batch_size() == 2
+    with pytest.raises(ConfigError, match="deepspeed_config"):
+        dsrun.initialize(args=args, model=_model(), config=_config())
+    with pytest.raises(ConfigError, match="no DeepSpeed config"):
+        dsrun.initialize(model=_model())
+    assert dsrun.initialize(model=_model(), config_params=_config())[0].train_batch_size() == 2
+    with pytest.warns(UserWarning, match="deprecated"):
+        old = parser.parse_args(["--deepscale_config", str(path)])
+        dsrun.initialize(args=old, model=_model())
+
+
+def test_gradient_accumulation_boundaries_and_counters() -> None:
+    engine, _, _, scheduler = dsrun.initialize(
+        model=_model(), config=_config(train_batch_size=6, train_micro_batch_size_per_gpu=2,
+                                       scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 10,
+                                                                                 "warmup_type": "linear",
+                                                                                 "warmup_max_lr": 0.1}}))
+    boundaries = []
+    for _ in range(7):
+        boundaries.append(engine.is_gradient_accumulation_boundary())
+        _train_step(engine)
+    assert boundaries == [False, False, True, False, False, True, False]
+    assert engine.micro_steps == 7 and engine.global_steps == 2 and engine.global_samples == 12
+    assert scheduler.last_batch_iteration == 1 and engine.get_lr() == pytest.approx([0.01])
+    engine.set_gradient_accumulation_boundary(True)
+    assert engine.is_gradient_accumulation_boundary()
+
+
+def test_weights_change_only_at_the_boundary() -> None:
+    engine = dsrun.initialize(model=_model(), config=_config(train_batch_size=4, train_micro_batch_size_per_gpu=2))[0]
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    _train_step(engine)
+    assert all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
+    _train_step(engine)
+    assert not all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
+
+
+def test_zero_with_an_untested_optimizer_needs_the_flag() -> None:
+    cfg = _config(optimizer={"type": "SGD", "params": {"lr": 0.1}}, zero_optimization={"stage": 1})
+    with pytest.raises(ConfigError, match="zero_allow_untested_optimizer"):
+        dsrun.initialize(model=_model(), config=cfg)
+    engine = dsrun.initialize(model=_model(), config={**cfg, "zero_allow_untested_optimizer": True})[0]
+    _train_step(engine)
+    assert engine.global_steps == 1
+
+
+def test_wall_clock_breakdown_times_each_phase(capsys) -> None:
+    engine = dsrun.initialize(model=_model(), config=_config(wall_clock_breakdown=True, steps_per_print=2))[0]
+    assert engine.wall_clock_breakdown()
+    _train_step(engine)
+    means = engine.timers.mean_ms()
+    assert {"forward", "backward", "backward_inner", "backward_allreduce", "step"} <= set(means)
+    assert all(v >= 0 for v in means.values())
+    _train_step(engine)
+    out = capsys.readouterr().out
+    assert "step=2" in out and "forward:" in out and "backward:" in out
+
+
+def test_memory_breakdown_counts_model_state() -> None:
+    engine = dsrun.initialize(model=_model(), config=_config())[0]
+    _train_step(engine)
+    mem = engine.memory_breakdown().as_dict()
+    numel = sum(p.numel() for p in engine.module.parameters())
+    assert mem["parameters"] == numel * 4 and mem["gradients"] == numel * 4
+    assert mem["optimizer_states"] == 2 * numel * 4  # Adam's two moments
+    assert mem["total"] == mem["parameters"] + mem["gradients"] + mem["master_weights"] + mem["optimizer_states"]
+
+
+def test_bf16_engine_keeps_fp32_master_weights() -> None:
+    engine = dsrun.initialize(model=_model(), config=_config(bf16={"enabled": True}, zero_optimization={"stage": 2}))[0]
+    assert engine.bfloat16_enabled() and next(engine.module.parameters()).dtype == torch.bfloat16
+    x, y = _batch()
+    loss = torch.nn.functional.mse_loss(engine(x.bfloat16()).float(), y)
+    engine.backward(loss)
+    engine.step()
+    assert engine.optimizer.param_groups[0]["params"][0].dtype == torch.float32
+    assert engine.memory_breakdown().master_weights > 0
+
+
+def test_stage_3_is_reported_until_it_exists() -> None:
+    from dsrun.runtime.zero import STRATEGY_CLASSES, strategy_class
+
+    assert 3 in STRATEGY_CLASSES
+    try:
+        import dsrun.runtime.zero.stage3  # noqa: F401
+    except ModuleNotFoundError:
+        with pytest.raises(ConfigError, match="stage 3 is not available"):
+            strategy_class(3)
+
+
+def test_comm_layer_counts_collectives() -> None:
+    from dsrun import comm
+
+    comm.reset_comms_stats()
+    t = torch.ones(10)
+    comm.all_reduce(t)
+    comm.all_gather_into_tensor(torch.empty(10), t)
+    stats = comm.get_comms_stats()
+    assert stats["all_reduce"]["count"] == 1 and stats["all_reduce"]["message_bytes"] == 40
+    assert stats["all_reduce"]["traffic_bytes"] == 0  # one rank sends nothing
+    assert "all_gather" in comm.log_summary()

@@ -1,0 +1,108 @@
+"""The five DeepSpeed LR schedules against the values of api-inventory.md §2.4."""
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+from dsrun.runtime.lr_schedules import (VALID_LR_SCHEDULES, LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR,
+                                        WarmupLR, build_lr_scheduler)
+from dsrun.utils.errors import ConfigError
+
+
+def _opt(lr: float = 0.1, cls: type = torch.optim.SGD) -> torch.optim.Optimizer:
+    return cls([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+
+
+def _lrs(scheduler, steps: int) -> list[float]:
+    out = []
+    for _ in range(steps):
+        scheduler.step()
+        out.append(scheduler.optimizer.param_groups[0]["lr"])
+    return out
+
+
+def test_warmup_lr_log_defaults() -> None:
+    lrs = _lrs(WarmupLR(_opt()), 1001)
+    assert lrs[0] == 0.0
+    assert lrs[1] == pytest.approx(0.0001003433319, rel=1e-9)
+    assert lrs[9] == pytest.approx(0.001 / 3, rel=1e-9)
+    assert lrs[99] == pytest.approx(0.002 / 3, rel=1e-9)
+    assert lrs[998] == pytest.approx(0.0009998551627, rel=1e-9)
+    assert lrs[999] == lrs[1000] == 0.001
+
+
+def test_warmup_lr_linear_then_constant() -> None:
+    lrs = _lrs(WarmupLR(_opt(), warmup_min_lr=0.0, warmup_max_lr=0.1, warmup_num_steps=10, warmup_type="linear"), 13)
+    assert lrs == pytest.approx([0.01 * k for k in range(10)] + [0.1] * 3)
+
+
+def test_warmup_decay_lr_linear() -> None:
+    lrs = _lrs(WarmupDecayLR(_opt(), total_num_steps=20, warmup_max_lr=0.1, warmup_num_steps=10,
+                             warmup_type="linear"), 22)
+    expected = [0.01 * k for k in range(10)] + [0.1 - 0.01 * i for i in range(11)] + [0.0]
+    assert lrs == pytest.approx(expected, abs=1e-12)
+
+
+def test_warmup_cosine_lr_including_the_rise_past_total() -> None:
+    lrs = _lrs(WarmupCosineLR(_opt(0.1), total_num_steps=20, warmup_num_steps=10, warmup_type="linear"), 21)
+    assert lrs[:10] == pytest.approx([0.01 * k for k in range(10)])
+    assert lrs[10] == pytest.approx(0.09755307053, rel=1e-9)
+    assert lrs[14] == pytest.approx(0.050005, rel=1e-9)
+    assert lrs[19] == pytest.approx(1e-05, rel=1e-9)
+    assert lrs[20] == pytest.approx(0.002456929468, rel=1e-9)
+
+
+def test_lr_range_test_continuous_and_staircase() -> None:
+    opt = _opt(0.5)
+    sched = LRRangeTest(opt, lr_range_test_min_lr=1e-3, lr_range_test_step_size=10)
+    assert opt.param_groups[0]["lr"] == 1e-3  # set to min_lr on construction
+    lrs = _lrs(sched, 20)
+    assert lrs[0] == pytest.approx(0.0011) and lrs[9] == pytest.approx(0.002) and lrs[19] == pytest.approx(0.003)
+    stairs = _lrs(LRRangeTest(_opt(), lr_range_test_min_lr=1e-3, lr_range_test_step_size=10,
+                              lr_range_test_staircase=True), 10)
+    assert stairs[0] == pytest.approx(0.001) and stairs[8] == pytest.approx(0.001) and stairs[9] == pytest.approx(0.002)
+
+
+def test_one_cycle_lr_and_momentum() -> None:
+    opt = _opt(cls=torch.optim.Adam)
+    sched = OneCycle(opt, cycle_min_lr=1e-4, cycle_max_lr=1e-3, cycle_first_step_size=4)
+    assert opt.param_groups[0]["betas"] == (0.8, 0.99)
+    lrs, moms = [], []
+    for _ in range(10):
+        sched.step()
+        lrs.append(opt.param_groups[0]["lr"])
+        moms.append(opt.param_groups[0]["betas"][0])
+    assert lrs == pytest.approx([0.000325, 0.00055, 0.000775, 0.001, 0.000775, 0.00055, 0.000325, 0.0001,
+                                 0.0001, 0.0001])
+    assert moms[3] == pytest.approx(0.8) and moms[0] == pytest.approx(0.875) and moms[7] == pytest.approx(0.9)
+
+
+def test_one_cycle_decay_after_the_cycle() -> None:
+    sched = OneCycle(_opt(cls=torch.optim.Adam), 1e-4, 1e-3, decay_lr_rate=0.5, cycle_first_step_size=2,
+                     decay_step_size=1)
+    lrs = _lrs(sched, 6)
+    # k = 4, 5 are past the 4-step cycle: min_lr / (1 + 0.5 * (k - 4 + 1))
+    assert lrs[4] == pytest.approx(1e-4 / 1.5) and lrs[5] == pytest.approx(1e-4 / 2.0)
+
+
+def test_state_dict_round_trip_resumes_the_sequence() -> None:
+    first = WarmupLR(_opt(), warmup_max_lr=0.1, warmup_num_steps=10, warmup_type="linear")
+    _lrs(first, 4)
+    second = WarmupLR(_opt(), warmup_max_lr=0.1, warmup_num_steps=10, warmup_type="linear")
+    second.load_state_dict(first.state_dict())
+    assert first.state_dict() == {"last_batch_iteration": 3}
+    assert _lrs(second, 1) == pytest.approx([0.04]) and second.get_last_lr() == pytest.approx([0.04])
+
+
+def test_build_from_config_names_and_errors() -> None:
+    assert VALID_LR_SCHEDULES == ["LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
+    sched = build_lr_scheduler("WarmupLR", _opt(), {"warmup_num_steps": 5})
+    assert isinstance(sched, WarmupLR) and sched.warmup_num_steps == 5
+    assert isinstance(build_lr_scheduler("StepLR", _opt(), {"step_size": 2}), torch.optim.lr_scheduler.StepLR)
+    with pytest.raises(ConfigError, match="WarmupLR"):
+        build_lr_scheduler("WarmupLr", _opt(), {})
+    with pytest.raises(ConfigError, match="scheduler.params"):
+        build_lr_scheduler("WarmupLR", _opt(), {"warmup_steps": 5})
+    with pytest.warns(UserWarning, match="using .log."):
+        assert WarmupLR(_opt(), warmup_type="cosine").warmup_type == "log"
