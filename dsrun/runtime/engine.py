@@ -8,6 +8,8 @@ attribute and method names (``global_steps``, ``micro_steps``, ``skipped_steps``
 """
 from __future__ import annotations
 
+import os
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -97,7 +99,7 @@ class DeepSpeedEngine(torch.nn.Module):
             contiguous_gradients=bool(zero.contiguous_gradients), reduce_scatter=bool(zero.reduce_scatter),
             communication_data_type=_COMM_DTYPES[str(comm_type).lower()] if comm_type else None,
             prescale_gradients=bool(self._config.prescale_gradients),
-            gradient_predivide_factor=float(self._config.gradient_predivide_factor))
+            gradient_predivide_factor=float(self._config.gradient_predivide_factor), zero_config=zero)
 
     def _configure_lr_scheduler(self, client_scheduler: Any) -> Any:
         if client_scheduler is not None:
@@ -273,6 +275,34 @@ class DeepSpeedEngine(torch.nn.Module):
             collate_fn=collate_fn, num_local_io_workers=num_local_io_workers, data_sampler=data_sampler,
             data_parallel_world_size=dp_size, data_parallel_rank=dp_rank,
             dataloader_drop_last=bool(getattr(self._config, "dataloader_drop_last", False)))
+
+    # --- 16-bit model export (ZeRO-3 gathers its partitioned weights through the strategy) -------------
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Save the model's weights (in the model's dtype) to ``save_dir/save_filename``; only global rank 0
+        writes. Collective under ZeRO-3 (every rank must call it). Under ZeRO-3 without
+        ``stage3_gather_16bit_weights_on_model_save`` nothing is saved and False is returned."""
+        if self.strategy is not None:
+            state = self.strategy.consolidated_16bit_state_dict(exclude_frozen_parameters)
+        else:
+            state = self.module.state_dict()
+        if state is None:
+            if self.global_rank == 0:
+                warnings.warn("save_16bit_model: nothing saved; under ZeRO-3 set "
+                              "zero_optimization.stage3_gather_16bit_weights_on_model_save to true")
+            return False
+        if self.global_rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            path = os.path.join(save_dir, save_filename)
+            torch.save(state, path + ".tmp")
+            os.replace(path + ".tmp", path)  # a reader never sees a half-written file
+        if self.dp_world_size > 1:
+            comm.barrier()
+        return True
+
+    def save_fp16_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+        """Deprecated name of :meth:`save_16bit_model`."""
+        return self.save_16bit_model(save_dir, save_filename)
 
 
 def build_engine_optimizer(config: Any, model: torch.nn.Module, optimizer: Any,

@@ -142,3 +142,36 @@ def rel_diff(a: float, b: float) -> float:
 def max_rel_param_diff(a: Any, b: Any) -> float:
     a, b = torch.as_tensor(a), torch.as_tensor(b)
     return float((a - b).abs().max() / b.abs().max())
+
+
+# --- one launch per world size runs every case --------------------------------------------------------------
+def suite_cases(world: int) -> dict[str, tuple[str, dict[str, Any], bool]]:
+    """case -> (model, ds config, build under zero.Init)."""
+    cases: dict[str, tuple[str, dict[str, Any], bool]] = {}
+    for name in ("mlp", "gpt"):
+        overlap = world % 2 == 0  # both reduction paths run across the world sizes
+        cases[f"parity/{name}"] = (name, ds_config(3, 2, 1, zero={"overlap_comm": overlap}), False)
+    if world in (2, 3):
+        cases["frozen/gpt"] = ("gpt_frozen", ds_config(3, 2, 1), False)
+        cases["frozen/mlp"] = ("mlp_frozen", ds_config(3, 2, 1), False)
+        cases["init/gpt"] = ("gpt", ds_config(3, 2, 1), True)
+        for stage in (0, 3):  # memory and traffic of stage 3 against stage 0
+            cases[f"account/{stage}"] = ("gpt", ds_config(stage, 2, 1), False)
+    if world == 2:
+        cases["gas4"] = ("mlp", ds_config(3, 1, 4), False)
+        cases["clip"] = ("gpt", ds_config(3, 2, 1, gradient_clipping=0.05), False)
+        cases["bf16/3"] = ("gpt", ds_config(3, 2, 1, bf16={"enabled": True}), False)
+        cases["bf16/0"] = ("gpt", ds_config(0, 2, 1, bf16={"enabled": True}), False)
+        cases["no_prefetch"] = ("gpt", ds_config(3, 2, 1, zero={"stage3_prefetch_bucket_size": 0}), False)
+        # DeepSpeed's defaults: every tiny parameter persistent, large prefetch and reuse distance
+        cases["defaults"] = ("gpt", ds_config(3, 2, 1, zero={"stage3_param_persistence_threshold": 100_000,
+                                                              "stage3_prefetch_bucket_size": 50_000_000,
+                                                              "stage3_max_reuse_distance": 1_000_000_000}), False)
+        cases["sub_groups"] = ("gpt", ds_config(3, 2, 1, zero={"sub_group_size": 3000}), False)
+    return cases
+
+
+def world_suite(rank: int, world: int) -> dict[str, dict]:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    return {key: engine_run(name, cfg, STEPS, rank, world, zero_init=init)
+            for key, (name, cfg, init) in suite_cases(world).items()}
