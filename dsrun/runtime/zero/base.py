@@ -70,10 +70,11 @@ class MemoryBreakdown:
     master_weights: int
     optimizer_states: int
     padding: int
+    buffers: int = 0  # reusable communication staging buffers (bounded by the bucket sizes)
 
     @property
     def total(self) -> int:
-        return self.parameters + self.gradients + self.master_weights + self.optimizer_states
+        return self.parameters + self.gradients + self.master_weights + self.optimizer_states + self.buffers
 
     def as_dict(self) -> dict[str, int]:
         return {**asdict(self), "total": self.total}
@@ -198,8 +199,13 @@ class FlatStrategy(ZeroStrategy):
         """One fp32 master tensor per group (the full group at stage 0, this rank's partition at 1-2)."""
 
     @abstractmethod
-    def _launch(self, bucket: Bucket) -> None:
-        """Start reducing one bucket of gradients."""
+    def _reduce(self, bucket: Bucket, async_op: bool) -> None:
+        """Start (or, with ``async_op=False``, do) the reduction of one bucket of gradients."""
+
+    @property
+    def reduce_during_backward(self) -> bool:
+        """Reduce buckets from the autograd hooks as they fill (``overlap_comm``), or all after backward."""
+        return bool(self.ctx.overlap_comm)
 
     def _on_param_ready(self, gi: int, pi: int, buckets: list[Bucket]) -> None:
         """A parameter's gradient is complete (stage 2 copies it out here)."""
@@ -226,10 +232,20 @@ class FlatStrategy(ZeroStrategy):
         if boundary or self.reduce_every_micro_step:
             self.queue.start()
 
+    def _launch(self, bucket: Bucket) -> None:
+        """Called by the bucket queue, in bucket order, once backward has filled ``bucket``."""
+        if self.reduce_during_backward:
+            self._reduce(bucket, async_op=bool(self.ctx.overlap_comm))
+            if not self.ctx.overlap_comm:
+                self._complete(bucket)
+
     def after_backward(self, boundary: bool) -> None:
         if not self.queue.active:
             return
         self.queue.flush()
+        if not self.reduce_during_backward:
+            for bucket in self.queue.buckets:
+                self._reduce(bucket, async_op=False)
         for bucket in self.queue.buckets:
             self._complete(bucket)
 
@@ -238,7 +254,8 @@ class FlatStrategy(ZeroStrategy):
             tensor.div_(self.pre_divide)
 
     def _any_overflow(self, grads: list[torch.Tensor]) -> bool:
-        local = any(not bool(torch.isfinite(g).all()) for g in grads)
+        # A sum is inf/nan when any element is (DeepSpeed's check too): one pass, no temporary.
+        local = any(not math.isfinite(float(g.sum())) for g in grads)
         if self.world_size == 1:
             return local
         flag = torch.tensor([1.0 if local else 0.0], device=self.ctx.device)
@@ -247,8 +264,8 @@ class FlatStrategy(ZeroStrategy):
 
     def _global_norm(self, grads: list[torch.Tensor], scale: float) -> float:
         sq = torch.zeros(1, dtype=torch.float64, device=self.ctx.device)
-        for g in grads:
-            sq += g.double().pow(2).sum() if g.dtype != torch.float32 else g.float().pow(2).sum().double()
+        for g in grads:  # master gradients are fp32 and flat: a dot product, no temporary
+            sq += torch.dot(g, g).double()
         if self.partitioned and self.world_size > 1:
             comm.all_reduce(sq, group=self.ctx.group)
         return math.sqrt(sq.item()) * scale

@@ -75,3 +75,11 @@ def attach_grad_views(group: FlatGroup, flat_grad: torch.Tensor) -> None:
     """Make each parameter's ``.grad`` a view into ``flat_grad`` so autograd accumulates in place there."""
     for p, off, n in zip(group.params, group.offsets, group.numels):
         p.grad = flat_grad[off:off + n].view_as(p)
+
+
+def ensure_grad_views(group: FlatGroup, flat_grad: torch.Tensor) -> None:
+    """Re-attach the views if something (``optimizer.zero_grad(set_to_none=True)``, user code) dropped them."""
+    for p, off in zip(group.params, group.offsets):
+        if p.grad is None or p.grad.data_ptr() != flat_grad[off:].data_ptr():
+            attach_grad_views(group, flat_grad)
+            return

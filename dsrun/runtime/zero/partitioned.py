@@ -24,7 +24,7 @@ from dsrun import comm
 
 from .base import FlatStrategy, MemoryBreakdown, optimizer_state_bytes, tensor_bytes
 from .buckets import Bucket
-from .layout import FlatGroup, attach_grad_views
+from .layout import FlatGroup, attach_grad_views, ensure_grad_views
 
 
 class PartitionedStrategy(FlatStrategy):
@@ -125,20 +125,6 @@ class Stage1Strategy(PartitionedStrategy):
         offset = bucket.start + lo - part_start
         return self.partition_grads[bucket.group_index][offset:offset + (hi - lo)]
 
-    def after_backward(self, boundary: bool) -> None:
-        if self.queue.active and not self.ctx.overlap_comm:
-            self.queue.active = False
-            for bucket in self.queue.buckets:
-                self._reduce(bucket, async_op=False)
-            for bucket in self.queue.buckets:
-                self._complete(bucket)
-            return
-        super().after_backward(boundary)
-
-    def _launch(self, bucket: Bucket) -> None:
-        if self.ctx.overlap_comm:
-            self._reduce(bucket, async_op=True)
-
     def _reduce(self, bucket: Bucket, async_op: bool) -> None:
         source = self.flat_grads[bucket.group_index][bucket.start:bucket.end]
         self._reduce_bucket(bucket, source, self._out_slice(bucket), async_op)
@@ -155,9 +141,7 @@ class Stage1Strategy(PartitionedStrategy):
     def zero_grad(self) -> None:
         for group, flat_grad in zip(self.groups, self.flat_grads):
             flat_grad.zero_()
-            if group.params and (group.params[0].grad is None
-                                 or group.params[0].grad.data_ptr() != flat_grad.data_ptr()):
-                attach_grad_views(group, flat_grad)
+            ensure_grad_views(group, flat_grad)
 
     def memory_breakdown(self) -> MemoryBreakdown:
         grads = sum(tensor_bytes(g) for g in self.flat_grads) + sum(tensor_bytes(g) for g in self.partition_grads)
@@ -174,13 +158,42 @@ class Stage2Strategy(PartitionedStrategy):
     stage = 2
     reduce_every_micro_step = True
 
+    # A released bucket buffer is kept for reuse (at most this many per size): allocating and first-touching
+    # a fresh buffer of reduce_bucket_size elements on every bucket of every step costs more than the copy.
+    POOLED_BUFFERS_PER_SIZE = 2
+
     def _build_buffers(self) -> None:
         # fp32 accumulators for this rank's partition: the only gradient storage that outlives a bucket
         self.master_grads = [torch.zeros(g.partition_numel, dtype=torch.float32, device=self.ctx.device)
                              for g in self.groups]
+        self._pool: dict[int, list[torch.Tensor]] = {}
+        self._ready: set[tuple[int, int]] = set()
         for group in self.groups:
             for p in group.params:
                 p.grad = None
+
+    def _take(self, numel: int) -> torch.Tensor:
+        free = self._pool.get(numel)
+        return free.pop() if free else torch.empty(numel, dtype=self.model_dtype, device=self.ctx.device)
+
+    def _give_back(self, buffer: torch.Tensor | None) -> None:
+        if buffer is not None:
+            free = self._pool.setdefault(buffer.numel(), [])
+            if len(free) < self.POOLED_BUFFERS_PER_SIZE:
+                free.append(buffer)
+
+    def _staging(self, bucket: Bucket) -> torch.Tensor:
+        if bucket.staging is None:
+            # contiguous_gradients: each bucket's gradients are packed into one buffer as they arrive
+            bucket.staging = self._take(bucket.numel)
+            group = self.groups[bucket.group_index]
+            if bucket.end > group.numel:  # the alignment padding at the end of the group
+                bucket.staging[max(0, group.numel - bucket.start):].zero_()
+        return bucket.staging
+
+    def before_backward(self, boundary: bool) -> None:
+        self._ready.clear()
+        super().before_backward(boundary)
 
     def _on_param_ready(self, gi: int, pi: int, buckets: list[Bucket]) -> None:
         group = self.groups[gi]
@@ -188,11 +201,9 @@ class Stage2Strategy(PartitionedStrategy):
         grad = param.grad.reshape(-1)
         off, n = group.offsets[pi], group.numels[pi]
         for bucket in buckets:
-            if bucket.staging is None:
-                # contiguous_gradients: each bucket's gradients are packed into one buffer as they arrive
-                bucket.staging = torch.zeros(bucket.numel, dtype=self.model_dtype, device=self.ctx.device)
             lo, hi = max(off, bucket.start), min(off + n, bucket.end)
-            bucket.staging[lo - bucket.start:hi - bucket.start].copy_(grad[lo - off:hi - off])
+            self._staging(bucket)[lo - bucket.start:hi - bucket.start].copy_(grad[lo - off:hi - off])
+        self._ready.add((gi, pi))
         param.grad = None  # the full gradient of this parameter is not kept
 
     def _accumulator(self, bucket: Bucket) -> torch.Tensor:
@@ -202,22 +213,31 @@ class Stage2Strategy(PartitionedStrategy):
         offset = bucket.start + lo - group.partition_range(self.rank)[0]
         return self.master_grads[bucket.group_index][offset:offset + (hi - lo)]
 
-    def _launch(self, bucket: Bucket) -> None:
-        if bucket.staging is None:  # only unused parameters (or padding) in this bucket
-            bucket.staging = torch.zeros(bucket.numel, dtype=self.model_dtype, device=self.ctx.device)
-        bucket.received = torch.empty(self._accumulator(bucket).numel(), dtype=self.model_dtype,
-                                      device=self.ctx.device)
-        self._reduce_bucket(bucket, bucket.staging, bucket.received, async_op=self.ctx.overlap_comm)
-        if not self.ctx.overlap_comm:
-            self._complete(bucket)
+    @property
+    def reduce_during_backward(self) -> bool:
+        return True  # the gradients are released as buckets fill, so they must be reduced then
+
+    def _reduce(self, bucket: Bucket, async_op: bool) -> None:
+        staging = self._staging(bucket)
+        if bucket.pending > 0:  # parameters that got no gradient this pass (unused) contribute zeros
+            group = self.groups[bucket.group_index]
+            for pi in bucket.param_indices:
+                if (bucket.group_index, pi) not in self._ready:
+                    off, n = group.offsets[pi], group.numels[pi]
+                    lo, hi = max(off, bucket.start), min(off + n, bucket.end)
+                    staging[lo - bucket.start:hi - bucket.start].zero_()
+        bucket.received = self._take(self._accumulator(bucket).numel())
+        self._reduce_bucket(bucket, staging, bucket.received, async_op=async_op)
 
     def _complete(self, bucket: Bucket) -> None:
         if bucket.received is None:  # already completed inside backward
             return
         self._finish_handles(bucket, accumulate=False)
         self._accumulator(bucket).add_(bucket.received)
+        self._give_back(bucket.received)
+        self._give_back(bucket.staging)  # release the bucket's copy of the gradients
         bucket.received = None
-        bucket.staging = None  # release the bucket's copy of the gradients
+        bucket.staging = None
 
     def _master_grads(self) -> list[torch.Tensor]:
         return self.master_grads
@@ -232,5 +252,6 @@ class Stage2Strategy(PartitionedStrategy):
     def memory_breakdown(self) -> MemoryBreakdown:
         grads = sum(tensor_bytes(g) for g in self.master_grads)
         states, masters = self._partition_state_bytes()
+        pooled = sum(tensor_bytes(b) for free in self._pool.values() for b in free)
         return MemoryBreakdown(parameters=self._param_bytes(), gradients=grads, master_weights=masters,
-                               optimizer_states=states, padding=self._padding_bytes())
+                               optimizer_states=states, padding=self._padding_bytes(), buffers=pooled)

@@ -14,7 +14,7 @@ from dsrun import comm
 
 from .base import FlatStrategy, MemoryBreakdown, optimizer_state_bytes, tensor_bytes
 from .buckets import Bucket
-from .layout import attach_grad_views
+from .layout import attach_grad_views, ensure_grad_views
 
 
 class DataParallelStrategy(FlatStrategy):
@@ -35,21 +35,6 @@ class DataParallelStrategy(FlatStrategy):
         self.master_grads = [torch.zeros(g.padded_numel, dtype=torch.float32, device=self.ctx.device)
                              for g in self.groups]
         return [torch.nn.Parameter(g.flat_param.detach().float().clone()) for g in self.groups]
-
-    def after_backward(self, boundary: bool) -> None:
-        if self.queue.active and not self.ctx.overlap_comm:
-            # Without overlap nothing was launched during backward; reduce everything now, in order.
-            self.queue.active = False
-            for bucket in self.queue.buckets:
-                self._reduce(bucket, async_op=False)
-            for bucket in self.queue.buckets:
-                self._complete(bucket)
-            return
-        super().after_backward(boundary)
-
-    def _launch(self, bucket: Bucket) -> None:
-        if self.ctx.overlap_comm:
-            self._reduce(bucket, async_op=True)
 
     def _reduce(self, bucket: Bucket, async_op: bool) -> None:
         grad = self.flat_grads[bucket.group_index][bucket.start:bucket.end]
@@ -87,10 +72,7 @@ class DataParallelStrategy(FlatStrategy):
     def zero_grad(self) -> None:
         for group, flat_grad in zip(self.groups, self.flat_grads):
             flat_grad.zero_()
-            # A user's optimizer.zero_grad(set_to_none=True) may have dropped the views; restore them.
-            if any(p.grad is None or p.grad.data_ptr() != flat_grad[off:].data_ptr()
-                   for p, off in zip(group.params[:1], group.offsets[:1])):
-                attach_grad_views(group, flat_grad)
+            ensure_grad_views(group, flat_grad)
 
     def memory_breakdown(self) -> MemoryBreakdown:
         grads = sum(tensor_bytes(g) for g in self.flat_grads)
