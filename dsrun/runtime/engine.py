@@ -97,7 +97,7 @@ class DeepSpeedEngine(torch.nn.Module):
             contiguous_gradients=bool(zero.contiguous_gradients), reduce_scatter=bool(zero.reduce_scatter),
             communication_data_type=_COMM_DTYPES[str(comm_type).lower()] if comm_type else None,
             prescale_gradients=bool(self._config.prescale_gradients),
-            gradient_predivide_factor=float(self._config.gradient_predivide_factor))
+            gradient_predivide_factor=float(self._config.gradient_predivide_factor), zero_config=zero)
 
     def _configure_lr_scheduler(self, client_scheduler: Any) -> Any:
         if client_scheduler is not None:
@@ -295,10 +295,16 @@ class DeepSpeedEngine(torch.nn.Module):
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
-        """Write the model's weights (training dtype) to ``save_dir/save_filename`` from rank 0."""
+        """Save the model's weights (in the model's dtype) to ``save_dir/save_filename``; only global rank 0
+        writes. Collective under ZeRO-3 (every rank must call it). Under ZeRO-3 without
+        ``stage3_gather_16bit_weights_on_model_save`` nothing is saved and False is returned."""
         from dsrun.checkpoint import save_16bit_model
 
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
+    def save_fp16_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+        """Deprecated name of :meth:`save_16bit_model`."""
+        return self.save_16bit_model(save_dir, save_filename)
 
 
 def build_engine_optimizer(config: Any, model: torch.nn.Module, optimizer: Any,

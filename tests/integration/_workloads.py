@@ -196,8 +196,12 @@ def suite_cases(world: int) -> dict[str, tuple[str, dict[str, Any]]]:
     return cases
 
 
-def world_suite(rank: int, world: int) -> dict[str, dict]:
-    return {key: engine_run(name, cfg, STEPS, rank, world) for key, (name, cfg) in suite_cases(world).items()}
+def world_suite(rank: int, world: int) -> dict[str, Any]:
+    results: dict[str, Any] = {key: engine_run(name, cfg, STEPS, rank, world)
+                               for key, (name, cfg) in suite_cases(world).items()}
+    if world == 2:
+        results["fp16_overflow/2"] = fp16_overflow_ranks(rank, world, 2)
+    return results
 
 
 def fp16_overflow_ranks(rank: int, world: int, stage: int) -> list[dict[str, Any]]:

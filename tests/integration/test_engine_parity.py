@@ -33,7 +33,9 @@ def _global_size(cfg: dict, world: int) -> int:
     return cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * world
 
 
-WORLDS = [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)]
+# Each world size is one multi-process launch (tens of seconds on a loaded 2-core machine): all slow.
+pytestmark = pytest.mark.slow
+WORLDS = [1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -92,7 +94,7 @@ def test_mixed_precision_tracks_fp32(precision: str) -> None:
         assert w.max_rel_param_diff(got["params"], ref["params"]) <= param_tol
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world", [2, 4])
 def test_memory_breakdown_partitions_optimizer_state_and_gradients(world: int) -> None:
     results = suite(world)[0]
     for name in ("mlp", "gpt"):

@@ -183,3 +183,29 @@ def test_comm_layer_counts_collectives() -> None:
     assert stats["all_reduce"]["count"] == 1 and stats["all_reduce"]["message_bytes"] == 40
     assert stats["all_reduce"]["traffic_bytes"] == 0  # one rank sends nothing
     assert "all_gather" in comm.log_summary()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_param_groups_keep_their_own_hyperparameters(stage: int) -> None:
+    def groups(model):
+        decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+        no_decay = [p for n, p in model.named_parameters() if n.endswith("bias")]
+        return [{"params": decay, "weight_decay": 0.5}, {"params": no_decay, "weight_decay": 0.0, "lr": 0.05}]
+
+    model, reference = _model(), _model()
+    engine = dsrun.initialize(model=model, model_parameters=groups(model),
+                              config=_config(zero_optimization={"stage": stage}))[0]
+    ref_opt = torch.optim.AdamW(groups(reference), lr=0.01)
+    assert [g["weight_decay"] for g in engine.optimizer.param_groups] == [0.5, 0.0]
+    for _ in range(3):
+        x, y = _batch()
+        loss = torch.nn.functional.mse_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        ref_loss = torch.nn.functional.mse_loss(reference(x), y)
+        ref_opt.zero_grad()
+        ref_loss.backward()
+        ref_opt.step()
+        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-6)
+    for a, b in zip(engine.module.parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b)
