@@ -12,7 +12,7 @@ from .conftest import make_engine, train
 pytestmark = pytest.mark.usefixtures("single_rank")
 
 
-@pytest.mark.parametrize("stage,precision", [(0, "fp32"), (1, "bf16"), (2, "fp32")])
+@pytest.mark.parametrize("stage,precision", [(0, "fp32"), (1, "bf16"), (2, "fp32"), (3, "bf16")])
 def test_layout_and_keys(tmp_path, stage, precision):
     engine = make_engine(stage, precision)
     train(engine, 2)
@@ -22,8 +22,9 @@ def test_layout_and_keys(tmp_path, stage, precision):
     tag_dir = tmp_path / "global_step2"
     names = sorted(p.name for p in tag_dir.iterdir())
     optim = [f"{'bf16_' if precision == 'bf16' else ''}zero_pp_rank_0_mp_rank_00_optim_states.pt"] if stage else []
-    assert names == sorted(["mp_rank_00_model_states.pt", "rng_states_rank_0.pt", *optim])
-    states = load_file(tag_dir / "mp_rank_00_model_states.pt")
+    model_file = "zero_pp_rank_0_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
+    assert names == sorted([model_file, "rng_states_rank_0.pt", *optim])
+    states = load_file(tag_dir / model_file)
     for key in ("module", "buffer_names", "optimizer", "param_shapes", "shared_params", "lr_scheduler",
                 "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
                 "ds_version"):
@@ -34,8 +35,9 @@ def test_layout_and_keys(tmp_path, stage, precision):
     assert (states["optimizer"] is not None) == (stage == 0)
     if stage:
         inner = load_file(tag_dir / optim[0])["optimizer_state_dict"]
-        for key in ("zero_stage", "partition_count", "base_optimizer_state", "single_partition_of_fp32_groups",
-                    "group_paddings"):
+        keys = (("optimizer_state_dict", "fp32_flat_groups") if stage == 3 else
+                ("base_optimizer_state", "single_partition_of_fp32_groups", "group_paddings"))
+        for key in ("zero_stage", "partition_count", *keys):
             assert key in inner
         assert inner["zero_stage"] == stage
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no staging left behind
@@ -104,13 +106,16 @@ def test_resave_same_tag_replaces_it(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best", "latest", "zero_to_fp32.py"]
 
 
-@pytest.mark.parametrize("stage,precision", [(0, "fp32"), (0, "bf16"), (1, "fp32"), (2, "bf16")])
+@pytest.mark.parametrize("stage,precision", [(0, "fp32"), (0, "bf16"), (1, "fp32"), (2, "bf16"), (3, "fp32"),
+                                             (3, "bf16")])
 def test_zero_to_fp32_equals_live_model(tmp_path, stage, precision):
-    engine = make_engine(stage, precision, frozen=True)
+    from tests.integration._ckpt_workloads import full_params
+
+    engine = make_engine(stage, precision, frozen=True)  # a frozen parameter too
     train(engine, 2)
     engine.save_checkpoint(str(tmp_path))
     sd = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path))
-    live = engine.module.state_dict()
+    live = {k: v.to(engine.precision.model_dtype) for k, v in full_params(engine).items()}
     assert list(sd) == list(live)  # same keys, same order, the tied alias included
     assert sd["lm_head.weight"] is sd["transformer.wte.weight"]
     for key, value in live.items():
