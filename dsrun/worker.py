@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from dsrun.checkpoint.training import TrainingCheckpoints
 from dsrun.rundir import METRICS_JSON, RESOLVED_YAML, atomic_write_text
 
 
@@ -114,12 +115,18 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
         print(f"[dsrun] training {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} "
               f"parameters) for {max_steps} steps on {world_size} rank(s); "
               f"{engine.train_batch_size()} samples x {corpus.seq_len} tokens per step", flush=True)
+    # --- checkpoints: resume before the first step (train.resume), save every train.save_interval steps ---
+    checkpoints = TrainingCheckpoints(engine, loader, run_dir, cfg.save_interval, cfg.resume, cfg.keep_last)
+    first_step = checkpoints.resume() + 1
+    if first_step > 1:
+        metrics["resumed_from_step"] = first_step - 1
+
     initial = evaluate(engine, corpus, micro_batch, rank, world_size, cfg.eval_iters)
-    metrics["eval_losses"].append({"step": 0, "loss": initial})
+    metrics["eval_losses"].append({"step": first_step - 1, "loss": initial})
     if rank == 0:
-        print(f"[dsrun] step 0/{max_steps} | eval {initial:.4f}", flush=True)
+        print(f"[dsrun] step {first_step - 1}/{max_steps} | eval {initial:.4f}", flush=True)
     start = time.perf_counter()
-    for step in range(1, max_steps + 1):
+    for step in range(first_step, max_steps + 1):
         step_loss = 0.0
         for _ in range(accumulation):
             inputs, targets = next(loader)
@@ -137,14 +144,16 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
             eval_loss = evaluate(engine, corpus, micro_batch, rank, world_size, cfg.eval_iters)
             metrics["eval_losses"].append({"step": step, "loss": eval_loss})
         if rank == 0 and (step % print_every == 0 or step == max_steps):
-            elapsed = time.perf_counter() - start
+            elapsed, done = time.perf_counter() - start, step - first_step + 1
             line = (f"[dsrun] step {step}/{max_steps} | loss {step_loss:.4f} | lr {engine.get_lr()[0]:.3e} | "
-                    f"{step * tokens_per_step / elapsed:,.0f} tokens/s | "
-                    f"eta {format_seconds(elapsed / step * (max_steps - step))}")
+                    f"{done * tokens_per_step / elapsed:,.0f} tokens/s | "
+                    f"eta {format_seconds(elapsed / done * (max_steps - step))}")
             if metrics["eval_losses"] and metrics["eval_losses"][-1]["step"] == step:
                 line += f" | eval {metrics['eval_losses'][-1]['loss']:.4f}"
             print(line, flush=True)
-        if stop_agreed(stop):
+        stopping = stop_agreed(stop)
+        checkpoints.save_if_due(step, force=stopping)  # a stopped run saves where it is, if saving is on
+        if stopping:
             metrics["stopped_by_signal"] = stop.signal or "another rank"
             break
 
