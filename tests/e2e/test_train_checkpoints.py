@@ -12,6 +12,7 @@ QUICK = ["train.eval_iters=1", "train.eval_interval=0", "data.max_bytes=300000"]
 
 
 def train(cwd: Path, *overrides: str) -> tuple[dict, Path]:
+    cwd.mkdir(parents=True, exist_ok=True)
     result = run_cli("train", *QUICK, *overrides, cwd=cwd, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     (metrics_path,) = cwd.glob("outputs/*/*/metrics.json")
