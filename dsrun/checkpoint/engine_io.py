@@ -51,21 +51,27 @@ def _say(engine: Any, message: str, level: int = logging.INFO) -> None:
         print(f"[dsrun] {message}", flush=True)
 
 
-def _validate_tag(engine: Any, tag: str) -> None:
+def _validate_tag(engine: Any, tag: str) -> str:
+    """Check the tag is the same on every rank (SHA1 compared with a MAX and a MIN all-reduce). Fail raises;
+    Warn warns and then every rank uses rank 0's tag, so the files still land in one folder; Ignore skips."""
     mode = str(getattr(getattr(engine._config, "checkpoint", None), "tag_validation", "Warn")).capitalize()
     if mode == "Ignore" or engine.world_size == 1:
-        return
+        return tag
     digest = torch.tensor(list(hashlib.sha1(tag.encode()).digest()), dtype=torch.int64)
     high, low = digest.clone(), digest.clone()
     comm.all_reduce(high, op=comm.ReduceOp.MAX)
     comm.all_reduce(low, op=comm.ReduceOp.MIN)
     if torch.equal(high, low):
-        return
+        return tag
     problem = Problem("save_checkpoint(tag=...)", f"the tag differs across ranks (rank {engine.global_rank} has {tag!r})",
                       "pass the same tag on every rank, or leave it None for global_step<N>")
     if mode == "Fail":
         raise CheckpointTagError(problem)
-    _say(engine, f"warning: {problem}", logging.WARNING)
+    chosen = [tag]
+    comm.broadcast_object_list(chosen, src=0)
+    log.warning("%s; saving under rank 0's tag %r", problem, chosen[0])
+    print(f"[dsrun] warning (rank {engine.global_rank}): {problem}; saving under rank 0's tag {chosen[0]!r}", flush=True)
+    return chosen[0]
 
 
 def _strategy_stage(engine: Any) -> int:
@@ -113,7 +119,7 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
     """Save the engine's full training state under ``save_dir/<tag>``; every rank must call it."""
     rank, dp_rank = engine.global_rank, comm.get_rank(engine.dp_group)
     tag = layout.check_tag(str(tag) if tag is not None else layout.default_tag(engine.global_steps))
-    _validate_tag(engine, tag)
+    tag = _validate_tag(engine, tag)
     root = Path(save_dir)
     stage = _strategy_stage(engine)
     staging = layout.staging_dir(root, tag)
@@ -188,7 +194,7 @@ def _rank_optimizer_states(tag_dir: Path, model_states: dict[str, Any], stage: i
     return [load_file(path)["optimizer_state_dict"] for path in _optim_files(tag_dir, world, bf16)]
 
 
-def _load_module(engine: Any, module_sd: dict[str, Any], strict: bool, live_stage: int) -> None:
+def _load_module(engine: Any, module_sd: dict[str, Any], strict: bool, live_stage: int, tag_dir: Path) -> None:
     if live_stage == 3:
         # partitioned parameters are restored through the strategy's master weights; only buffers load here
         with torch.no_grad():
@@ -196,10 +202,14 @@ def _load_module(engine: Any, module_sd: dict[str, Any], strict: bool, live_stag
                 if name in module_sd:
                     buf.copy_(module_sd[name])
         return
-    params_missing = [n for n, _ in engine.module.named_parameters() if n in module_sd and module_sd[n].numel() == 0]
+    live = engine.module.state_dict()
+    params_missing = [n for n, v in module_sd.items() if v.numel() == 0 and n in live and live[n].numel() > 0]
     if params_missing:  # a stage-3 checkpoint: placeholders only; the weights come with the master weights
         module_sd = {k: v for k, v in module_sd.items() if k not in params_missing}
         strict = False
+        if engine.strategy is None:  # no optimizer to carry them: consolidate the fp32 masters here
+            full = z2f.get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag_dir.name)
+            module_sd.update({k: full[k].to(live[k].dtype) for k in params_missing if k in full})
     engine.module.load_state_dict(module_sd, strict=strict)
 
 
@@ -259,7 +269,7 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
     model_states = load_file(model_path)
     live_stage = _strategy_stage(engine)
 
-    _load_module(engine, model_states["module"], load_module_strict, live_stage)
+    _load_module(engine, model_states["module"], load_module_strict, live_stage, tag_dir)
     if engine.strategy is not None:
         load_universal = bool(getattr(getattr(engine._config, "checkpoint", None), "load_universal", False))
         _restore_strategy(engine, tag_dir, model_states, load_optimizer_states and not load_module_only,

@@ -132,3 +132,22 @@ def run_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
         engine.save_checkpoint(job["final_save"], client_state={"stream": stream.state_dict()})
     comm.barrier()
     return result
+
+
+def mismatched_tags(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Each rank passes its own tag: Fail raises on every rank; Warn saves once, under rank 0's tag."""
+    import dsrun
+    from dsrun import comm
+    from dsrun.checkpoint import CheckpointTagError
+
+    out: dict[str, Any] = {}
+    for mode in ("Fail", "Warn"):
+        model = build_model(0.0)
+        engine, *_ = dsrun.initialize(model=model, config=ds_config(1, "fp32", 2, {"checkpoint": {"tag_validation": mode}}))
+        try:
+            engine.save_checkpoint(f"{root}/{mode}", tag=f"mine{rank}")
+            out[mode] = "saved"
+        except CheckpointTagError as exc:
+            out[mode] = str(exc)
+    comm.destroy_process_group()
+    return out
