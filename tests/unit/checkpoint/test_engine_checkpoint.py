@@ -174,3 +174,29 @@ def test_stage3_checkpoint_loads_into_an_engine_without_optimizer(tmp_path):
     bare.load_checkpoint(str(tmp_path))
     want = full_params(engine)
     assert all(torch.equal(v, want[k]) for k, v in bare.module.state_dict().items())
+
+
+def test_fp16_loss_scaler_state_is_restored(tmp_path):
+    extra = {"fp16": {"enabled": True, "initial_scale_power": 40, "loss_scale_window": 2, "hysteresis": 2}}
+    engine = make_engine(1, extra=extra)
+    train(engine, 4)  # 2^40 overflows: some steps are skipped and the scale shrinks
+    assert engine.skipped_steps > 0
+    engine.save_checkpoint(str(tmp_path))
+    scaler, skipped = dict(engine.precision.scaler.state_dict()), engine.skipped_steps
+    expected = train(engine, 3, start=4)
+    fresh = make_engine(1, extra=extra)
+    fresh.load_checkpoint(str(tmp_path))
+    assert fresh.precision.scaler.state_dict() == scaler and fresh.skipped_steps == skipped
+    assert train(fresh, 3, start=4) == expected
+
+
+def test_clone_tensors_for_torch_save_drops_shared_storage(tmp_path):
+    from dsrun.checkpoint import clone_tensors_for_torch_save
+
+    flat = torch.arange(10_000, dtype=torch.float32)
+    item = {"a": [flat[:3], (flat[3:5], 7)], "b": "x"}
+    cloned = clone_tensors_for_torch_save(item)
+    assert torch.equal(cloned["a"][0], flat[:3]) and cloned["a"][1][1] == 7 and cloned["b"] == "x"
+    torch.save(item, tmp_path / "view.pt")
+    torch.save(cloned, tmp_path / "clone.pt")
+    assert (tmp_path / "clone.pt").stat().st_size < (tmp_path / "view.pt").stat().st_size / 10
