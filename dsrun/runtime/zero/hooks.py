@@ -21,20 +21,17 @@ differs from the trace, prefetch and reuse stop for the rest of that step and th
 """
 from __future__ import annotations
 
-import warnings
 import weakref
 from typing import Any, Iterable
 
 import torch
 
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
 from .partition_params import ParamStatus, gather_params, is_zero_param, release_param, start_gather
 
 EXTERNAL_ATTR = "_ds_external_params"
 FORWARD, BACKWARD = "fwd", "bwd"
-
-# Only the *pre*-backward hook is used; torch's note about the full backward hook of a module whose inputs
-# need no gradient (the first layer) is about post-hooks and would only be noise here.
-warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with respect")
 
 # coordinators alive in this process, so a late register_external_parameter can hook its module
 LIVE_COORDINATORS: "weakref.WeakSet[ParameterCoordinator]" = weakref.WeakSet()
@@ -74,6 +71,7 @@ class ParameterCoordinator:
         self.trace_complete = False
         self.cursor = 0
         self.following_trace = False
+        self._off_trace = False  # this pass left the recorded order
         self._keep_after: dict[int, set[int]] = {}  # trace index -> ids of params kept after that forward
         self._forward_index: dict[int, int] = {}  # module -> its event's index in the trace, during its forward
         self.in_use: dict[int, int] = {}
@@ -93,7 +91,6 @@ class ParameterCoordinator:
             self.params[id(p)] = p
         self._hooks.append(module.register_forward_pre_hook(self._pre_forward))
         self._hooks.append(module.register_forward_hook(self._post_forward))
-        self._hooks.append(module.register_full_backward_pre_hook(self._pre_backward))
 
     def remove_hooks(self) -> None:
         for handle in self._hooks:
@@ -111,10 +108,10 @@ class ParameterCoordinator:
         for p in params:
             self.in_use[id(p)] = self.in_use.get(id(p), 0) + 1
 
-    def _post_forward(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
+    def _post_forward(self, module: torch.nn.Module, inputs: Any, output: Any) -> Any:
         params = module_params(module)
         if not params:
-            return
+            return None
         keep: set[int] = set()
         if self.following_trace and id(module) in self._forward_index:
             keep = self._keep_after.get(self._forward_index.pop(id(module)), set())
@@ -125,8 +122,9 @@ class ParameterCoordinator:
             if id(p) in keep and self.live_numel() <= self.max_live_parameters:
                 continue
             release_param(p)
+        return _gather_before_backward(self, module, output)
 
-    def _pre_backward(self, module: torch.nn.Module, grad_output: Any) -> None:
+    def _pre_backward(self, module: torch.nn.Module) -> None:
         params = module_params(module)
         if params:
             self._fetch(module, BACKWARD, params)
@@ -140,6 +138,8 @@ class ParameterCoordinator:
 
     def _record(self, module: torch.nn.Module, phase: str) -> None:
         event = (id(module), phase)
+        if self._off_trace:
+            return  # this pass left the trace; the next one records afresh
         if not self.trace_complete:
             self.trace.append(event)
             return
@@ -152,6 +152,7 @@ class ParameterCoordinator:
             self.trace_complete = False
             self.trace = []
             self._keep_after = {}
+            self._off_trace = True
 
     def _prefetch(self) -> None:
         budget = self.prefetch_bucket_size
@@ -180,6 +181,7 @@ class ParameterCoordinator:
         self.release_all(keep_persistent=True)
         self.cursor = 0
         self.following_trace = self.trace_complete
+        self._off_trace = False
 
     def release_after_grad(self, param: torch.nn.Parameter) -> None:
         if not param.ds_persist:
@@ -233,6 +235,36 @@ class ParameterCoordinator:
                         break
             if keep:
                 self._keep_after[i] = keep
+
+
+class _GatherBeforeBackward(torch.autograd.Function):
+    """Identity on a module's outputs whose backward gathers the module's parameters before autograd runs
+    the module's own backward (which reads them through its saved tensors)."""
+
+    @staticmethod
+    def forward(ctx: Any, coordinator: ParameterCoordinator, module: torch.nn.Module, *tensors: torch.Tensor) -> Any:
+        ctx.coordinator, ctx.module = coordinator, module
+        return tuple(t.detach() for t in tensors)  # detached, not views: callers may modify them in place
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        ctx.coordinator._pre_backward(ctx.module)
+        return (None, None) + grads
+
+
+def _gather_before_backward(coordinator: ParameterCoordinator, module: torch.nn.Module, output: Any) -> Any:
+    """``output`` with its differentiable tensors routed through :class:`_GatherBeforeBackward` (None: no
+    tensor needs it, keep the output as it is)."""
+    if not torch.is_grad_enabled():
+        return None
+    leaves, spec = tree_flatten(output)
+    positions = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not positions:
+        return None
+    wrapped = _GatherBeforeBackward.apply(coordinator, module, *(leaves[i] for i in positions))
+    for i, t in zip(positions, wrapped):
+        leaves[i] = t
+    return tree_unflatten(leaves, spec)
 
 
 def iter_unique_params(modules: Iterable[torch.nn.Module]) -> list[torch.nn.Parameter]:
