@@ -8,7 +8,8 @@ optimizer step; the table reports medians over the measured steps.
     python benchmarks/engine_step.py [--steps 8] [--warmup 2] [--layers 6] [--width 512] [--json out.json]
 
 Targets (issue 3): stage 0 <= 1.05x DDP, stages 1-2 <= 1.15x DDP. Issue 4: stage 3 <= 1.4x DDP, with and
-without ``stage3_prefetch_bucket_size`` (prefetch on uses DeepSpeed's default 5e7 elements).
+without ``stage3_prefetch_bucket_size`` (prefetch on uses DeepSpeed's default 5e7 elements), with
+DeepSpeed's default ``stage3_max_reuse_distance`` and with 0.
 """
 from __future__ import annotations
 
@@ -95,9 +96,12 @@ def rank_main(rank: int, world: int, port: int, opts: dict, queue) -> None:
 
     runners["torch DDP"] = ddp_step
     engines = {}
-    # stage 3 with DeepSpeed's default prefetch bucket (5e7 elements) and with prefetch off
-    variants = [(0, "", {}), (1, "", {}), (2, "", {}), (3, "", {}),
-                (3, " no prefetch", {"stage3_prefetch_bucket_size": 0})]
+    # stage 3 with DeepSpeed's defaults (prefetch 5e7 elements; reuse distance 1e9, which keeps every
+    # parameter gathered from forward to backward) and with reuse distance 0 (the textbook ZeRO-3: gathered
+    # again in backward), each with prefetch on and off
+    no_prefetch, no_reuse = {"stage3_prefetch_bucket_size": 0}, {"stage3_max_reuse_distance": 0}
+    variants = [(0, "", {}), (1, "", {}), (2, "", {}), (3, "", {}), (3, " no prefetch", no_prefetch),
+                (3, " reuse 0", no_reuse), (3, " reuse 0, no prefetch", {**no_reuse, **no_prefetch})]
     for stage, label, extra in variants:
         cfg = {"train_micro_batch_size_per_gpu": opts["micro"], "steps_per_print": 10**6,
                "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
