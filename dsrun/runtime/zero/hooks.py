@@ -76,6 +76,8 @@ class ParameterCoordinator:
         self._forward_index: dict[int, int] = {}  # module -> its event's index in the trace, during its forward
         self.in_use: dict[int, int] = {}
         self.params: dict[int, torch.nn.Parameter] = {}
+        self._params_of: dict[int, list[torch.nn.Parameter]] = {}  # module id -> module_params(module)
+        self.total_numel = 0
         self.prefetched_numel = 0  # statistics: elements gathered ahead of use
         for module in root.modules():
             if module_params(module):
@@ -84,11 +86,14 @@ class ParameterCoordinator:
 
     # --- hooks --------------------------------------------------------------------------------------------
     def hook_module(self, module: torch.nn.Module) -> None:
+        """Gather ``module``'s parameters around its passes (again: refresh its list after a registration)."""
+        self._params_of[id(module)] = module_params(module)
+        for p in self._params_of[id(module)]:
+            self.params[id(p)] = p
+        self.total_numel = sum(p.ds_numel for p in self.params.values())
         if id(module) in self._hooked:
             return
         self._hooked[id(module)] = module
-        for p in module_params(module):
-            self.params[id(p)] = p
         self._hooks.append(module.register_forward_pre_hook(self._pre_forward))
         self._hooks.append(module.register_forward_hook(self._post_forward))
 
@@ -99,7 +104,7 @@ class ParameterCoordinator:
         self._hooked = {}
 
     def _pre_forward(self, module: torch.nn.Module, inputs: Any) -> None:
-        params = module_params(module)
+        params = self._params_of.get(id(module), [])
         if not params:
             return
         self._fetch(module, FORWARD, params)
@@ -109,7 +114,7 @@ class ParameterCoordinator:
             self.in_use[id(p)] = self.in_use.get(id(p), 0) + 1
 
     def _post_forward(self, module: torch.nn.Module, inputs: Any, output: Any) -> Any:
-        params = module_params(module)
+        params = self._params_of.get(id(module), [])
         if not params:
             return None
         keep: set[int] = set()
@@ -125,7 +130,7 @@ class ParameterCoordinator:
         return _gather_before_backward(self, module, output)
 
     def _pre_backward(self, module: torch.nn.Module) -> None:
-        params = module_params(module)
+        params = self._params_of.get(id(module), [])
         if params:
             self._fetch(module, BACKWARD, params)
 
@@ -158,10 +163,7 @@ class ParameterCoordinator:
         budget = self.prefetch_bucket_size
         live = self.live_numel()
         for index in range(self.cursor, len(self.trace)):
-            module = self._hooked.get(self.trace[index][0])
-            if module is None:
-                continue
-            for p in module_params(module):
+            for p in self._params_of.get(self.trace[index][0], []):
                 if p.ds_status is not ParamStatus.NOT_AVAILABLE:
                     continue
                 if budget <= 0 or live + p.ds_numel > self.max_live_parameters:
@@ -173,6 +175,8 @@ class ParameterCoordinator:
 
     def live_numel(self) -> int:
         """Elements currently gathered (or being gathered)."""
+        if self.total_numel <= self.max_live_parameters:
+            return 0  # the limit cannot be reached: skip the count
         return sum(p.ds_numel for p in self.params.values() if p.ds_status is not ParamStatus.NOT_AVAILABLE)
 
     # --- pass boundaries (called by the strategy) ---------------------------------------------------------
@@ -215,8 +219,7 @@ class ParameterCoordinator:
         sizes = []
         params_at = []
         for module_id, _ in self.trace:
-            module = self._hooked.get(module_id)
-            ps = module_params(module) if module is not None else []
+            ps = self._params_of.get(module_id, [])
             params_at.append({id(p) for p in ps})
             sizes.append(sum(p.ds_numel for p in ps))
         for i, (_, phase) in enumerate(self.trace):

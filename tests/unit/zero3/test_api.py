@@ -40,3 +40,24 @@ def test_disabled_init_builds_an_ordinary_model() -> None:
     with dsrun.zero.Init(enabled=False):
         lin = nn.Linear(3, 3)
     assert lin.weight.shape == (3, 3) and not dsrun.zero.is_zero_param(lin.weight)
+
+
+def test_init_context_leaves_torch_as_it_found_it() -> None:
+    import dsrun.zero.init as zero_init
+
+    before = {name: getattr(torch.nn.init, name) for name in zero_init._INIT_FUNCTIONS}
+    linear_init = nn.Linear.__init__
+    zero_init._install()
+    try:
+        assert nn.Linear.__init__ is not linear_init
+
+        class Defined(nn.Module):  # a class defined while the context is active is wrapped too
+            def __init__(self) -> None:
+                super().__init__()
+
+        assert hasattr(Defined.__init__, "_ds_original")
+    finally:
+        zero_init._uninstall()
+    assert nn.Linear.__init__ is linear_init and not hasattr(Defined.__init__, "_ds_original")
+    assert {name: getattr(torch.nn.init, name) for name in zero_init._INIT_FUNCTIONS} == before
+    assert "__init_subclass__" not in nn.Module.__dict__

@@ -92,3 +92,18 @@ def test_external_parameters_are_gathered_for_the_module_that_uses_them() -> Non
     assert module_params(user) == []  # not a ZeRO parameter yet
     partition_param(owner.weight)
     assert module_params(user) == [owner.weight]
+
+
+def test_max_live_parameters_bounds_prefetch_and_reuse() -> None:
+    model = _partitioned(nn.Sequential(*(nn.Linear(4, 4, bias=False) for _ in range(4))))
+    coordinator = ParameterCoordinator(model, prefetch_bucket_size=1000, max_live_parameters=20,
+                                       max_reuse_distance=10**9)
+    for _ in range(2):
+        coordinator.begin_forward()
+        out = model(torch.ones(1, 4))
+        # one 16-element layer at a time fits under 20; keeping or prefetching a second one would not
+        assert coordinator.total_numel == 64
+        assert sum(p.ds_status is not ParamStatus.NOT_AVAILABLE for p in model.parameters()) <= 1
+        out.sum().backward()
+        coordinator.end_backward()
+    assert coordinator.prefetched_numel == 0
