@@ -104,7 +104,7 @@ def rank_main(rank: int, world: int, port: int, opts: dict, queue) -> None:
                 (3, " reuse 0", no_reuse), (3, " reuse 0, no prefetch", {**no_reuse, **no_prefetch})]
     for stage, label, extra in variants:
         cfg = {"train_micro_batch_size_per_gpu": opts["micro"], "steps_per_print": 10**6,
-               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": not opts["compiled_adam"]}},
                "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
                                      "overlap_comm": True, **extra}}
         engine = dsrun.initialize(model=make(), config=cfg)[0]
@@ -151,10 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bucket-elements", type=int, default=int(25 * 2**20 / 4),
                         help="gradient bucket size in elements (default: DDP's 25 MiB of fp32)")
     parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
+    parser.add_argument("--compiled-adam", action="store_true",
+                        help="let dsrun use DeepSpeedCPUAdam when built (default: torch's AdamW, as DDP uses)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     opts = {k: getattr(args, k) for k in ("steps", "warmup", "layers", "width", "heads", "vocab", "seq", "micro",
-                                          "bucket_elements", "threads")}
+                                          "bucket_elements", "threads", "compiled_adam")}
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
@@ -169,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
             if p.is_alive():
                 p.kill()
     base = statistics.median(result["times"]["torch DDP"])
+    if args.compiled_adam:
+        print("dsrun optimizer: AdamW through DeepSpeedCPUAdam when built; DDP: torch.optim.AdamW")
     print(f"GPT {result['numel'] / 1e6:.1f}M params, 2 gloo ranks x {args.threads} thread(s), micro-batch "
           f"{args.micro} x {args.seq} tokens, {args.steps} measured steps (median); load avg "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")

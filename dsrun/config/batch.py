@@ -46,8 +46,8 @@ def resolve_batch(
     where = _world(w, world_size_source)
     origin = {TBS: "given", MBS: "given", GAS: "given"}
     if w < 1:
-        return None, [Problem(f"{prefix}world_size" if prefix else "world_size",
-                              f"got {w}; the world size must be >= 1 ({where})")]
+        # The world size is not a config key; the problem names it by itself.
+        return None, [Problem("world_size", f"got {w}; the world size must be >= 1 ({where})")]
     if tbs is not None and mbs is not None and gas is not None:
         pass
     elif tbs is not None and mbs is not None:

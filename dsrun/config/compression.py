@@ -203,7 +203,9 @@ def check_compression(c: CompressionConfig, prefix: str) -> list[Problem]:
             problems.append(Problem(f"{base}.layer_reduction.teacher_layer",
                                     f"has {len(lr.teacher_layer)} entries but keep_number_layer is "
                                     f"{lr.keep_number_layer}; they must match"))
-    for name, group in c.weight_quantization.different_groups.items():
+    # DeepSpeed reads a technique's groups only when it is enabled; so are these checks.
+    wq = c.weight_quantization
+    for name, group in (wq.different_groups.items() if wq.shared_parameters.enabled else ()):
         if group.params.target_bits > group.params.start_bits:
             problems.append(Problem(
                 f"{base}.weight_quantization.different_groups.{name}.params.target_bits",
@@ -214,10 +216,10 @@ def check_compression(c: CompressionConfig, prefix: str) -> list[Problem]:
             if getattr(sp, key) is None:
                 problems.append(Problem(f"{base}.sparse_pruning.shared_parameters.{key}",
                                         "required when method is 'snip_momentum'"))
-    if sp.block_pattern is not None and not _BLOCK_PATTERN.match(sp.block_pattern):
+    if sp.enabled and sp.block_pattern is not None and not _BLOCK_PATTERN.match(sp.block_pattern):
         problems.append(Problem(f"{base}.sparse_pruning.shared_parameters.block_pattern",
                                 f"got {sp.block_pattern!r}; allowed: 'NxM' or 'N:M', e.g. '4x1' or '2:4'"))
-    if sp.schedule_offset_end is not None and sp.schedule_offset_end < sp.schedule_offset:
+    if sp.enabled and sp.schedule_offset_end is not None and sp.schedule_offset_end < sp.schedule_offset:
         problems.append(Problem(f"{base}.sparse_pruning.shared_parameters.schedule_offset_end",
                                 f"got {sp.schedule_offset_end}; must be >= schedule_offset ({sp.schedule_offset})"))
     hp = c.head_pruning.shared_parameters

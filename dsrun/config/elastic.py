@@ -1,9 +1,9 @@
 """Elastic batch sizes: with ``elasticity.enabled`` the batch triad comes from the elasticity search,
 not from the top-level keys (config-keys.md §3 rule 3 and §5).
 
-The search follows DeepSpeed's published algorithm. Version 0.1: for each acceptable micro batch size,
-the candidate global batch is the micro batch times the largest highly composite number that keeps it under
-``max_train_batch_size``; the candidate valid for the most GPU counts in ``[min_gpus, max_gpus]`` wins
+The search follows DeepSpeed's published algorithm. Version 0.1: for each acceptable micro batch size
+and for their least common multiple, the candidate global batch is that base times the largest highly
+composite number that keeps it under ``max_train_batch_size``; the candidate valid for the most GPU counts in ``[min_gpus, max_gpus]`` wins
 (ties go to the larger batch when ``prefer_larger_batch``). Version 0.2 runs the same search per node,
 counting data-parallel ranks (``num_gpus_per_node // model_parallel_size`` per node), and falls back to a
 batch fitted to the current world size when that size is not among the valid ones.
@@ -28,7 +28,8 @@ HIGHLY_COMPOSITE = (
 
 def _candidate_batches(micro_batches: list[int], max_batch: int) -> list[int]:
     candidates = set()
-    for micro in micro_batches:
+    # Each micro batch size, and their least common multiple, is a base to scale.
+    for micro in [*micro_batches, math.lcm(*micro_batches)]:
         if micro >= max_batch:
             candidates.add(micro)
             continue

@@ -72,6 +72,7 @@ class _Migration:
         old_path, new_path = self.path(*parts, old), self.path(*parts, new)
         if new in section:
             self.conflict(old_path, new_path)
+            del section[old]  # reported here; not again as an unknown key
             return
         section[new] = section.pop(old)
         if deprecated:
@@ -95,6 +96,7 @@ def _offload_flag(zero: dict[str, Any], old: str, new: str, m: _Migration) -> No
     old_path, new_path = m.path("zero_optimization", old), m.path("zero_optimization", new)
     if new in zero:
         m.conflict(old_path, new_path)
+        del zero[old]
         return
     value = _bool_flag(zero, old, m, ("zero_optimization",))
     if value is None:
@@ -130,6 +132,7 @@ def migrate_legacy(data: dict[str, Any], prefix: str = "") -> tuple[dict[str, An
         if value is not None:
             if value and "communication_data_type" in out:
                 m.conflict(m.path("fp32_allreduce"), m.path("communication_data_type"))
+                out.pop("fp32_allreduce")
             else:
                 out.pop("fp32_allreduce")
                 if value:
@@ -144,6 +147,7 @@ def migrate_legacy(data: dict[str, Any], prefix: str = "") -> tuple[dict[str, An
         _offload_flag(zero, "cpu_offload", "offload_optimizer", m)
         if "cpu_offload_param" in zero and "cpu_offload_params" in zero:
             m.conflict(m.path("zero_optimization", "cpu_offload_params"), m.path("zero_optimization", "cpu_offload_param"))
+            del zero["cpu_offload_params"]
         _offload_flag(zero, "cpu_offload_param", "offload_param", m)
         _offload_flag(zero, "cpu_offload_params", "offload_param", m)
         if "cpu_offload_use_pin_memory" in zero:

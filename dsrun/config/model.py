@@ -67,8 +67,9 @@ class DeepSpeedConfig(Section):
     train_micro_batch_size_per_gpu: PosInt | None = None
     gradient_accumulation_steps: PosInt | None = None
 
-    optimizer: OptimizerConfig | None = None
-    scheduler: SchedulerConfig | None = None
+    # Always present (type None when the config has no such section), so callers can read .type/.params.
+    optimizer: OptimizerConfig = _section(OptimizerConfig)
+    scheduler: SchedulerConfig = _section(SchedulerConfig)
 
     # communication
     communication_data_type: DTypeName | None = None
@@ -142,6 +143,15 @@ class DeepSpeedConfig(Section):
         if self.flops_profiler.enabled and not self.wall_clock_breakdown:
             self.__dict__["wall_clock_breakdown"] = True
         return self
+
+    def __eq__(self, other: object) -> bool:
+        # Equal when every setting is equal; how the batch numbers were found (the explanation) and the
+        # load notes do not count, so a config equals the one loaded back from its to_ds_dict().
+        if not isinstance(other, DeepSpeedConfig):
+            return NotImplemented
+        return self.model_dump() == other.model_dump()
+
+    __hash__ = None  # type: ignore[assignment]
 
     # --- derived values ----------------------------------------------------------------------------
 

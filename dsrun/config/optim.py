@@ -13,7 +13,7 @@ enforced.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -158,7 +158,7 @@ def check_optimizer(optimizer: OptimizerConfig, prefix: str) -> list[Problem]:
                 f"{base}.type",
                 f"got {show(optimizer.type)}; allowed: a DeepSpeed optimizer ({', '.join(NATIVE_OPTIMIZERS.values())}, "
                 "case-insensitive) or a torch.optim class name",
-                did_you_mean(optimizer.type, choices),
+                did_you_mean(optimizer.type, NATIVE_OPTIMIZERS.values()) or did_you_mean(optimizer.type, choices),
             ))
     if optimizer.type is None and optimizer.params:
         problems.append(Problem(f"{base}.type", "required key is missing (params are given without a type)",

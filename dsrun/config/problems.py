@@ -46,37 +46,54 @@ def _data_path(data: Any, loc: tuple, error_type: str) -> tuple[list[str | int],
     return parts, current
 
 
+def _child(annotation: Any, part: str | int) -> Any:
+    """The annotation of ``part`` inside ``annotation`` (a model, dict[str, X], list[X] or a union of them)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        if isinstance(part, str) and part in annotation.model_fields:
+            return annotation.model_fields[part].annotation
+        return None
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is dict and len(args) == 2 and isinstance(part, str):
+        return args[1]
+    if origin is list and args and isinstance(part, int):
+        return args[0]
+    for arg in args:  # Optional / Union / Annotated
+        found = _child(arg, part)
+        if found is not None:
+            return found
+    return None
+
+
+def _as_model(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if typing.get_origin(annotation) in (dict, list):
+        return None
+    for arg in typing.get_args(annotation):
+        found = _as_model(arg)
+        if found is not None:
+            return found
+    return None
+
+
 def _model_at(model: type[BaseModel], parts: list[str | int]) -> type[BaseModel] | None:
     """The section model that holds the last key of ``parts`` (for "did you mean" suggestions)."""
     current: Any = model
     for part in parts[:-1]:
-        if isinstance(part, int):
-            current = _unwrap_item(current)
-            continue
-        if not (isinstance(current, type) and issubclass(current, BaseModel)) or part not in current.model_fields:
-            # inside an open dict of sections (e.g. different_groups.<name>): step into the value type
-            current = _unwrap_item(current) if not isinstance(current, type) else None
-            if current is None:
-                return None
-            continue
-        current = _unwrap(current.model_fields[part].annotation)
-    return current if isinstance(current, type) and issubclass(current, BaseModel) else None
+        current = _child(current, part)
+        if current is None:
+            return None
+    return _as_model(current)
 
 
-def _unwrap(annotation: Any) -> Any:
-    """The model class inside Optional[...], dict[str, ...] or list[...]."""
-    args = typing.get_args(annotation)
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in args:
-        inner = _unwrap(arg)
-        if isinstance(inner, type) and issubclass(inner, BaseModel):
-            return inner
-    return annotation
-
-
-def _unwrap_item(current: Any) -> Any:
-    return _unwrap(current)
+# Plain words for pydantic's type errors.
+_TYPE_WORDS = {
+    "bool_parsing": "true or false", "bool_type": "true or false",
+    "int_parsing": "an integer", "int_type": "an integer", "int_from_float": "a whole number",
+    "float_parsing": "a number", "float_type": "a number", "string_type": "a string",
+    "list_type": "a list", "tuple_type": "a list", "dict_type": "an object (a dict of keys)",
+}
 
 
 def _allowed_text(msg: str) -> str:
@@ -109,6 +126,8 @@ def problems_from_validation_error(
             message = "required key is missing"
         elif error_type in ("model_type", "model_attributes_type", "dict_type"):
             message = f"got {show(value)}; must be an object (a dict of keys)"
+        elif error_type in _TYPE_WORDS:
+            message = f"got {show(value)}; allowed: {_TYPE_WORDS[error_type]}"
         else:
             message = f"got {show(value)}; {_allowed_text(error['msg'])}"
             if error_type == "literal_error" and isinstance(value, str):
@@ -120,7 +139,21 @@ def problems_from_validation_error(
             continue
         seen.add(marker)
         problems.append(Problem(path, message, hint))
-    return problems
+    return _merge_alternatives(problems)
+
+
+def _merge_alternatives(problems: list[Problem]) -> list[Problem]:
+    """One line per key: a value failing every branch of a union ("an int >= 1, or 'auto'") is reported
+    once, with the alternatives joined."""
+    merged: dict[str, Problem] = {}
+    for problem in problems:
+        first = merged.get(problem.path)
+        if first is None:
+            merged[problem.path] = problem
+            continue
+        extra = problem.message.split("; ", 1)[-1].replace("allowed: ", "")
+        merged[problem.path] = Problem(first.path, f"{first.message}, or {extra}", first.hint or problem.hint)
+    return list(merged.values())
 
 
 def validate_model(model: type[BaseModel], data: Any, prefix: str) -> tuple[BaseModel | None, list[Problem]]:

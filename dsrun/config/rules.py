@@ -51,10 +51,10 @@ def check_precision(cfg: DeepSpeedConfig, p: str) -> list[Problem]:
         problems.append(Problem(f"{p}data_types.grad_accum_dtype",
                                 f"got {cfg.data_types.grad_accum_dtype!r}; with amp the gradients accumulate "
                                 "in the model dtype, fp32"))
-    if cfg.fp16.fp16_master_weights_and_grads and not (cfg.fp16.enabled and cfg.zero_optimization.stage == 2):
+    # DeepSpeed reads the flag only when fp16 is enabled, and then requires ZeRO stage 2.
+    if cfg.fp16.enabled and cfg.fp16.fp16_master_weights_and_grads and cfg.zero_optimization.stage != 2:
         problems.append(Problem(f"{p}fp16.fp16_master_weights_and_grads",
-                                "needs fp16 enabled and zero_optimization.stage 2",
-                                f"stage is {cfg.zero_optimization.stage}"))
+                                f"needs zero_optimization.stage 2, stage is {cfg.zero_optimization.stage}"))
     return problems
 
 
@@ -63,12 +63,12 @@ def check_zero(cfg: DeepSpeedConfig, raw: dict[str, Any], p: str) -> tuple[list[
     zp = f"{p}zero_optimization"
     problems: list[Problem] = []
     notes: list[str] = []
-    if z.offload_param is not None and z.offload_param.device != "none" and z.stage != 3:
+    if z.offload_param.device != "none" and z.stage != 3:
         problems.append(Problem(f"{zp}.offload_param.device",
                                 f"parameter offload ({z.offload_param.device!r}) needs ZeRO stage 3, stage is {z.stage}",
                                 "set zero_optimization.stage to 3 or remove offload_param"))
     opt = z.offload_optimizer
-    if opt is not None and opt.device != "none":
+    if opt.device != "none":
         if z.stage == 0:
             problems.append(Problem(f"{zp}.offload_optimizer.device",
                                     f"optimizer offload ({opt.device!r}) needs ZeRO stage 1, 2 or 3, stage is 0",
@@ -81,7 +81,7 @@ def check_zero(cfg: DeepSpeedConfig, raw: dict[str, Any], p: str) -> tuple[list[
             problems.append(Problem(f"{zp}.offload_optimizer.ratio",
                                     f"got {opt.ratio}; partial offload (ratio < 1) needs ZeRO stage 3, stage is {z.stage}"))
     for name, section in (("offload_param", z.offload_param), ("offload_optimizer", z.offload_optimizer)):
-        if section is not None and section.device == "nvme" and not section.nvme_path:
+        if section.device == "nvme" and not section.nvme_path:
             problems.append(Problem(f"{zp}.{name}.nvme_path", "required when device is 'nvme'",
                                     "a directory on a fast local NVMe drive, e.g. /local_nvme"))
 
@@ -103,11 +103,9 @@ def check_zero(cfg: DeepSpeedConfig, raw: dict[str, Any], p: str) -> tuple[list[
 
 def check_optimizer_rules(cfg: DeepSpeedConfig, p: str) -> list[Problem]:
     problems: list[Problem] = []
-    if cfg.optimizer is not None:
-        problems += check_optimizer(cfg.optimizer, p)
-    if cfg.scheduler is not None:
-        problems += check_scheduler(cfg.scheduler, p)
-    if cfg.optimizer is None or cfg.optimizer.type is None:
+    problems += check_optimizer(cfg.optimizer, p)
+    problems += check_scheduler(cfg.scheduler, p)
+    if cfg.optimizer.type is None:
         return problems
     name = cfg.optimizer.type.lower()
     stage = cfg.zero_optimization.stage
@@ -128,48 +126,56 @@ def check_optimizer_rules(cfg: DeepSpeedConfig, p: str) -> list[Problem]:
     return problems
 
 
-def check_monitors(cfg: DeepSpeedConfig, p: str) -> list[Problem]:
+def check_monitors(cfg: DeepSpeedConfig, p: str) -> tuple[list[Problem], list[str]]:
     problems: list[Problem] = []
+    notes: list[str] = []
     comet = cfg.comet
-    if comet.experiment_key is not None and not _COMET_KEY.match(comet.experiment_key):
+    if comet.enabled and comet.experiment_key is not None and not _COMET_KEY.match(comet.experiment_key):
         problems.append(Problem(f"{p}comet.experiment_key",
                                 f"got {show(comet.experiment_key)}; allowed: 32 to 50 letters and digits"))
-    if comet.mode == "get" and comet.experiment_key is None:
+    if comet.enabled and comet.mode == "get" and comet.experiment_key is None:
         problems.append(Problem(f"{p}comet.experiment_key", "required when comet.mode is 'get'",
                                 "the key of the experiment to continue"))
     if not cfg.comms_logger.prof_all and cfg.comms_logger.enabled and not cfg.comms_logger.prof_ops:
-        problems.append(Problem(f"{p}comms_logger.prof_ops", "is empty while prof_all is false: nothing would be "
-                                "logged", "list ops such as [\"all_reduce\"] or set prof_all true"))
-    return problems
+        notes.append(f"{p}comms_logger: prof_all is false and prof_ops is empty, so no collective is profiled")
+    return problems, notes
 
 
 def check_tooling(cfg: DeepSpeedConfig, raw: dict[str, Any], p: str) -> tuple[list[Problem], list[str]]:
     problems: list[Problem] = []
     notes: list[str] = []
     at = cfg.autotuning
-    if at.end_profile_step < at.start_profile_step:
+    if at.enabled and at.end_profile_step < at.start_profile_step:
         problems.append(Problem(f"{p}autotuning.end_profile_step",
                                 f"got {at.end_profile_step}; must be >= start_profile_step ({at.start_profile_step})"))
-    if at.min_train_micro_batch_size_per_gpu > at.max_train_micro_batch_size_per_gpu:
+    if at.enabled and at.min_train_micro_batch_size_per_gpu > at.max_train_micro_batch_size_per_gpu:
         problems.append(Problem(f"{p}autotuning.min_train_micro_batch_size_per_gpu",
                                 f"got {at.min_train_micro_batch_size_per_gpu}; must be <= "
                                 f"max_train_micro_batch_size_per_gpu ({at.max_train_micro_batch_size_per_gpu})"))
-    if at.max_train_batch_size is not None and at.max_train_batch_size < at.min_train_batch_size:
+    if at.enabled and at.max_train_batch_size is not None and at.max_train_batch_size < at.min_train_batch_size:
         problems.append(Problem(f"{p}autotuning.max_train_batch_size",
                                 f"got {at.max_train_batch_size}; must be >= min_train_batch_size ({at.min_train_batch_size})"))
 
     el = cfg.elasticity
     ep = f"{p}elasticity"
-    if el.version not in (0.1, 0.2):
-        problems.append(Problem(f"{ep}.version", f"got {el.version}; allowed: 0.1 or 0.2"))
-    if el.max_gpus < el.min_gpus:
-        problems.append(Problem(f"{ep}.max_gpus", f"got {el.max_gpus}; must be >= min_gpus ({el.min_gpus})"))
-    if el.enabled:
+    if el.enabled:  # DeepSpeed reads the section only when it is enabled
+        if el.version not in (0.1, 0.2):
+            problems.append(Problem(f"{ep}.version", f"got {el.version}; allowed: 0.1 or 0.2"))
+        if el.max_gpus < el.min_gpus:
+            problems.append(Problem(f"{ep}.max_gpus", f"got {el.max_gpus}; must be >= min_gpus ({el.min_gpus})"))
         for key in ("max_train_batch_size", "micro_batch_sizes"):
             if getattr(el, key) is None:
                 problems.append(Problem(f"{ep}.{key}", "required when elasticity is enabled"))
         if el.micro_batch_sizes is not None and not el.micro_batch_sizes:
             problems.append(Problem(f"{ep}.micro_batch_sizes", "must list at least one micro batch size"))
+        if el.micro_batch_sizes and el.max_train_batch_size is not None \
+                and max(el.micro_batch_sizes) > el.max_train_batch_size:
+            problems.append(Problem(f"{ep}.micro_batch_sizes",
+                                    f"got {el.micro_batch_sizes}; every size must be <= max_train_batch_size "
+                                    f"({el.max_train_batch_size})"))
+        if el.model_parallel_size > 1 and el.version != 0.2:
+            problems.append(Problem(f"{ep}.model_parallel_size",
+                                    f"got {el.model_parallel_size}; model parallelism needs elasticity version 0.2"))
         if not el.ignore_non_elastic_batch_info:
             for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
                 if key in raw:
@@ -180,8 +186,8 @@ def check_tooling(cfg: DeepSpeedConfig, raw: dict[str, Any], p: str) -> tuple[li
             problems.append(Problem(f"{ep}.model_parallel_size",
                                     f"got {el.model_parallel_size}; must divide num_gpus_per_node ({el.num_gpus_per_node})"))
         el_raw = raw.get("elasticity", {})
-        if el.version == 0.1 and any(k in el_raw for k in ("num_gpus_per_node", "model_parallel_size")):
-            notes.append(f"{ep}: num_gpus_per_node and model_parallel_size only matter in version 0.2")
+        if el.version == 0.1 and "num_gpus_per_node" in el_raw:
+            notes.append(f"{ep}.num_gpus_per_node only matters in version 0.2")
         if el.version == 0.2 and "min_time" in el_raw:
             notes.append(f"{ep}.min_time only matters in version 0.1")
 
@@ -226,7 +232,9 @@ def check_rules(cfg: DeepSpeedConfig, raw: dict[str, Any], prefix: str) -> tuple
     problems += zero_problems
     notes += zero_notes
     problems += check_optimizer_rules(cfg, prefix)
-    problems += check_monitors(cfg, prefix)
+    monitor_problems, monitor_notes = check_monitors(cfg, prefix)
+    problems += monitor_problems
+    notes += monitor_notes
     tool_problems, tool_notes = check_tooling(cfg, raw, prefix)
     problems += tool_problems
     notes += tool_notes

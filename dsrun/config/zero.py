@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BeforeValidator, Field, model_validator
 
 from .base import Fraction, NonNegInt, OpenDict, Section
 
@@ -63,6 +63,10 @@ class OffloadOptimizerConfig(Section):
 ZeroStage = Annotated[int, Field(ge=0, le=3)]
 
 
+def _none_as_empty(value: Any) -> Any:
+    return {} if value is None else value
+
+
 class ZeroConfig(Section):
     """``zero_optimization``: the ZeRO stages 0 (off) to 3 and their tuning keys.
 
@@ -87,8 +91,12 @@ class ZeroConfig(Section):
     ignore_unused_parameters: bool = True
     legacy_stage1: bool = False
     sub_group_size: NonNegInt = 1_000_000_000
-    offload_param: OffloadParamConfig | None = None
-    offload_optimizer: OffloadOptimizerConfig | None = None
+    # Always present (device "none" when not configured), so callers can read .device directly; an
+    # explicit null (which DeepSpeed accepts) means the same as an absent section.
+    offload_param: Annotated[OffloadParamConfig, BeforeValidator(_none_as_empty)] = Field(
+        default_factory=OffloadParamConfig)
+    offload_optimizer: Annotated[OffloadOptimizerConfig, BeforeValidator(_none_as_empty)] = Field(
+        default_factory=OffloadOptimizerConfig)
     stage3_max_live_parameters: NonNegInt = 1_000_000_000
     stage3_max_reuse_distance: NonNegInt = 1_000_000_000
     stage3_prefetch_bucket_size: NonNegInt = 50_000_000
@@ -123,11 +131,11 @@ class ZeroConfig(Section):
 
     @property
     def offload_optimizer_device(self) -> str:
-        return self.offload_optimizer.device if self.offload_optimizer else "none"
+        return self.offload_optimizer.device
 
     @property
     def offload_param_device(self) -> str:
-        return self.offload_param.device if self.offload_param else "none"
+        return self.offload_param.device
 
     # grad_hooks is documented but DeepSpeed's ZeRO model forbids it; it is accepted and not written.
     not_written_keys: ClassVar[frozenset[str]] = frozenset({"grad_hooks"})

@@ -30,25 +30,38 @@ ZERO_TESTED_CLASS_NAMES = frozenset({"Adam", "AdamW", "Lamb", "Lion", "Adagrad",
                                      "DeepSpeedCPUAdagrad", "DeepSpeedCPULion", "FusedAdam", "FusedLamb"})
 
 
+def _op_is_built(module: object, cls: type) -> bool:
+    """Whether the compiled kernel behind ``cls`` is ready to load without compiling at training start.
+
+    Asks ``op_builder`` (the ops package's builder) first; an op it does not know, or a missing
+    ``op_builder``, falls back to a ``is_compiled``/``compiled_available``/``is_available`` probe on the
+    module or class, and to "built" when there is none.
+    """
+    try:
+        from op_builder import get_builder
+
+        return bool(get_builder(getattr(cls, "OP_NAME", "cpu_adam")).is_built())
+    except (ImportError, ValueError):
+        pass
+    for probe in ("is_compiled", "compiled_available", "is_available"):
+        check = getattr(module, probe, None) or getattr(cls, probe, None)
+        if callable(check):
+            try:
+                return bool(check())
+            except Exception:  # a failing probe means: use the torch path
+                return False
+    return True
+
+
 def compiled_cpu_adam() -> type | None:
-    """``DeepSpeedCPUAdam`` if the compiled-ops package is importable and its op is built, else None."""
+    """``DeepSpeedCPUAdam`` if the compiled-ops package is importable and its kernel is built, else None."""
     try:
         module = importlib.import_module("dsrun.ops.adam")
     except ImportError:
         return None
     cls = getattr(module, "DeepSpeedCPUAdam", None)
-    if cls is None:
+    if cls is None or not _op_is_built(module, cls):
         return None
-    # The ops package may expose whether the C++ kernel (rather than its torch fallback) is loaded.
-    for probe in ("is_compiled", "compiled_available", "is_available"):
-        check = getattr(module, probe, None) or getattr(cls, probe, None)
-        if callable(check):
-            try:
-                if not check():
-                    return None
-            except Exception:  # a failed build probe means: use the torch path
-                return None
-            break
     return cls
 
 

@@ -191,6 +191,9 @@ def suite_cases(world: int) -> dict[str, tuple[str, dict[str, Any]]]:
             cases[f"clip/{stage}"] = ("gpt", ds_config(stage, 2, 1, gradient_clipping=0.05))
         for stage in (0, 2):
             cases[f"bf16/{stage}"] = ("gpt", ds_config(stage, 2, 1, bf16={"enabled": True}))
+        for stage in (0, 2):
+            cases[f"comm_bf16/{stage}"] = ("gpt", ds_config(stage, 2, 1, communication_data_type="bf16"))
+        cases["prescale/1"] = ("gpt", ds_config(1, 2, 1, prescale_gradients=True, gradient_predivide_factor=2.0))
         for stage in (1, 2):
             cases[f"fp16/{stage}"] = ("gpt", ds_config(stage, 2, 1, fp16={"enabled": True, "initial_scale_power": 10}))
     return cases

@@ -126,3 +126,20 @@ def test_comm_bytes_per_step_match_theory(world: int) -> None:
                 assert {"reduce_scatter", "all_gather"} <= set(comm)
                 # padding to a multiple of 2N elements adds at most 2N elements per collective pair
                 assert moved == pytest.approx(theory, abs=2 * 2 * world * nbytes)
+
+
+def test_communication_dtype_and_prescaling() -> None:
+    results = suite(2)[0]
+    ref = reference("gpt", 4)
+    loss_tol, param_tol = MIXED_TOL["bf16"]
+    for stage in (0, 2):
+        got = results[f"comm_bf16/{stage}"]
+        assert max(w.rel_diff(a, b) for a, b in zip(got["losses"], ref["losses"])) <= loss_tol
+        assert w.max_rel_param_diff(got["params"], ref["params"]) <= param_tol
+        # gradients travel in bf16: half the bytes of the fp32 runs
+        fp32 = results[f"parity/gpt/{stage}"]["comm"]
+        op = "all_reduce" if stage == 0 else "reduce_scatter"
+        assert got["comm"][op]["message_bytes"] * 2 == pytest.approx(fp32[op]["message_bytes"], abs=16)
+    prescaled = results["prescale/1"]  # divide by 2 before the sum and by N/2 after: same average
+    assert max(w.rel_diff(a, b) for a, b in zip(prescaled["losses"], ref["losses"])) <= FP32_TOL
+    assert w.max_rel_param_diff(prescaled["params"], ref["params"]) <= FP32_TOL

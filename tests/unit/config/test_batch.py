@@ -86,3 +86,25 @@ def test_world_size_changes_the_answer():
     a = load_ds_config({TBS: 32, MBS: 2}, world_size=2)
     b = load_ds_config({TBS: 32, MBS: 2}, world_size=4)
     assert (a.gradient_accumulation_steps, b.gradient_accumulation_steps) == (8, 4)
+
+
+def test_elastic_batch_v01_matches_the_published_search():
+    # bases 2, 4, 6 and their lcm 12, each scaled by the largest highly composite number that fits 2000:
+    # 2*840=1680, 4*360=1440, 6*240=1440, 12*120=1440; 1680 is valid for the most GPU counts.
+    cfg = load_ds_config({"elasticity": {"enabled": True, "max_train_batch_size": 2000, "micro_batch_sizes": [2, 4, 6],
+                                         "version": 0.1}}, world_size=8, world_size_source="launcher plan")
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (1680, 6, 35)
+    assert "elasticity v0.1" in cfg.batch_explanation and "launcher plan" in cfg.batch_explanation
+    assert "train_batch_size" not in cfg.to_ds_dict()
+
+
+def test_elastic_batch_rejects_an_incompatible_world_size():
+    problems = validate_ds_config({"elasticity": {"enabled": True, "max_train_batch_size": 64, "micro_batch_sizes": [8],
+                                                  "max_gpus": 8, "version": 0.1}}, world_size=7)
+    assert [p.path for p in problems] == ["elasticity"]
+    assert "valid data-parallel sizes" in problems[0].hint
+
+
+def test_world_size_below_one_is_reported():
+    problems = validate_ds_config({MBS: 2}, world_size=0, world_size_source="--world-size", path_prefix="ds")
+    assert [p.path for p in problems] == ["world_size"] and "--world-size" in problems[0].message

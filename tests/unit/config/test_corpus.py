@@ -78,6 +78,7 @@ def test_valid_config_loads_and_round_trips(path):
         ds = cfg.to_ds_dict()
         again = load_ds_config(ds, world_size=world)
     assert again.to_ds_dict() == ds
+    assert again == cfg  # every setting, defaults included, survives the round trip
     dp_size = world // cfg.elasticity.model_parallel_size if cfg.elasticity.enabled else world
     assert cfg.train_batch_size == cfg.train_micro_batch_size_per_gpu * cfg.gradient_accumulation_steps * dp_size
     assert (again.train_batch_size, again.train_micro_batch_size_per_gpu, again.gradient_accumulation_steps) == (

@@ -10,7 +10,6 @@ import pytest
 from pydantic import BaseModel
 
 from dsrun.config import DeepSpeedConfig, load_ds_config
-from dsrun.config.migrate import STAGE3_ALIASES
 
 CASES = Path(__file__).parent / "cases"
 DOCUMENTED = [line.strip() for line in (CASES / "documented_keys.txt").read_text().splitlines() if line.strip()]

@@ -25,7 +25,7 @@ MBS = {"train_micro_batch_size_per_gpu": 1}
      lambda c: c.zero_optimization.allgather_bucket_size == 10_000_000),
     ({"fp32_allreduce": True}, lambda c: c.communication_data_type == "fp32"),
     ({"zero_optimization": {"stage": 2, "cpu_offload_use_pin_memory": True}},
-     lambda c: c.zero_optimization.offload_optimizer is None),
+     lambda c: c.zero_optimization.offload_optimizer.device == "none"),
 ])
 def test_legacy_key_migrates_with_warning(legacy, check):
     with pytest.warns(LegacyConfigWarning):

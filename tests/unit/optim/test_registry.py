@@ -49,6 +49,8 @@ def test_unknown_and_gpu_only_names_are_config_errors() -> None:
 
 def test_compiled_cpu_adam_is_preferred_when_built(monkeypatch: pytest.MonkeyPatch) -> None:
     class DeepSpeedCPUAdam(torch.optim.AdamW):
+        OP_NAME = "test_fake_adam"  # unknown to op_builder: the module-level probe decides
+
         def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
                      amsgrad=False, adamw_mode=True, fp32_optimizer_states=True):
             self.adamw_mode = adamw_mode
