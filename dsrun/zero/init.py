@@ -32,6 +32,7 @@ _INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_",
 _ACTIVE: list["Init"] = []  # the Init contexts entered, innermost last
 _saved_init_functions: dict[str, Callable] = {}
 _wrapped_classes: dict[type, Callable] = {}
+_saved_init_subclass: list[Any] = []  # torch.nn.Module's own __init_subclass__, if it ever has one
 _RUNNING = "_ds_init_running"
 
 
@@ -113,6 +114,7 @@ def _install() -> None:
     for cls in _all_module_classes():
         if cls is not torch.nn.Module:
             _wrap_module_init(cls)
+    _saved_init_subclass[:] = [torch.nn.Module.__dict__.get("__init_subclass__")]
     torch.nn.Module.__init_subclass__ = classmethod(_on_new_subclass)  # type: ignore[assignment]
     for name in _INIT_FUNCTIONS:
         original = getattr(torch.nn.init, name)
@@ -124,10 +126,12 @@ def _uninstall() -> None:
     for cls, original in _wrapped_classes.items():
         cls.__init__ = original
     _wrapped_classes.clear()
-    try:
+    original = _saved_init_subclass[0] if _saved_init_subclass else None
+    if original is None:
         del torch.nn.Module.__init_subclass__
-    except AttributeError:
-        pass
+    else:
+        torch.nn.Module.__init_subclass__ = original
+    _saved_init_subclass.clear()
     for name, original in _saved_init_functions.items():
         setattr(torch.nn.init, name, original)
     _saved_init_functions.clear()

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.integration._workloads import max_rel_param_diff, rel_diff  # noqa: F401 (used by the tests)
+
 LR, WEIGHT_DECAY, STEPS = 3e-3, 0.01, 20
 GPT_KW = dict(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)
 SEQ = 16
@@ -133,15 +135,6 @@ def engine_run(name: str, config: dict[str, Any], steps: int, rank: int, world: 
     return {"losses": losses, "params": flat_params(params).numpy(), "norms": norms,
             "memory": engine.memory_breakdown().as_dict(), "comm": engine.comm_stats_last_step(),
             "numel": sum(v.numel() for v in params.values()), "skipped": engine.skipped_steps}
-
-
-def rel_diff(a: float, b: float) -> float:
-    return abs(a - b) / max(abs(b), 1e-12)
-
-
-def max_rel_param_diff(a: Any, b: Any) -> float:
-    a, b = torch.as_tensor(a), torch.as_tensor(b)
-    return float((a - b).abs().max() / b.abs().max())
 
 
 # --- one launch per world size runs every case --------------------------------------------------------------

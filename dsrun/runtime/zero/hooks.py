@@ -21,20 +21,17 @@ differs from the trace, prefetch and reuse stop for the rest of that step and th
 """
 from __future__ import annotations
 
-import warnings
 import weakref
 from typing import Any, Iterable
 
 import torch
 
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
 from .partition_params import ParamStatus, gather_params, is_zero_param, release_param, start_gather
 
 EXTERNAL_ATTR = "_ds_external_params"
 FORWARD, BACKWARD = "fwd", "bwd"
-
-# Only the *pre*-backward hook is used; torch's note about the full backward hook of a module whose inputs
-# need no gradient (the first layer) is about post-hooks and would only be noise here.
-warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with respect")
 
 # coordinators alive in this process, so a late register_external_parameter can hook its module
 LIVE_COORDINATORS: "weakref.WeakSet[ParameterCoordinator]" = weakref.WeakSet()
@@ -74,10 +71,13 @@ class ParameterCoordinator:
         self.trace_complete = False
         self.cursor = 0
         self.following_trace = False
+        self._off_trace = False  # this pass left the recorded order
         self._keep_after: dict[int, set[int]] = {}  # trace index -> ids of params kept after that forward
         self._forward_index: dict[int, int] = {}  # module -> its event's index in the trace, during its forward
         self.in_use: dict[int, int] = {}
         self.params: dict[int, torch.nn.Parameter] = {}
+        self._params_of: dict[int, list[torch.nn.Parameter]] = {}  # module id -> module_params(module)
+        self.total_numel = 0
         self.prefetched_numel = 0  # statistics: elements gathered ahead of use
         for module in root.modules():
             if module_params(module):
@@ -86,14 +86,16 @@ class ParameterCoordinator:
 
     # --- hooks --------------------------------------------------------------------------------------------
     def hook_module(self, module: torch.nn.Module) -> None:
+        """Gather ``module``'s parameters around its passes (again: refresh its list after a registration)."""
+        self._params_of[id(module)] = module_params(module)
+        for p in self._params_of[id(module)]:
+            self.params[id(p)] = p
+        self.total_numel = sum(p.ds_numel for p in self.params.values())
         if id(module) in self._hooked:
             return
         self._hooked[id(module)] = module
-        for p in module_params(module):
-            self.params[id(p)] = p
         self._hooks.append(module.register_forward_pre_hook(self._pre_forward))
         self._hooks.append(module.register_forward_hook(self._post_forward))
-        self._hooks.append(module.register_full_backward_pre_hook(self._pre_backward))
 
     def remove_hooks(self) -> None:
         for handle in self._hooks:
@@ -102,7 +104,7 @@ class ParameterCoordinator:
         self._hooked = {}
 
     def _pre_forward(self, module: torch.nn.Module, inputs: Any) -> None:
-        params = module_params(module)
+        params = self._params_of.get(id(module), [])
         if not params:
             return
         self._fetch(module, FORWARD, params)
@@ -111,10 +113,10 @@ class ParameterCoordinator:
         for p in params:
             self.in_use[id(p)] = self.in_use.get(id(p), 0) + 1
 
-    def _post_forward(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
-        params = module_params(module)
+    def _post_forward(self, module: torch.nn.Module, inputs: Any, output: Any) -> Any:
+        params = self._params_of.get(id(module), [])
         if not params:
-            return
+            return None
         keep: set[int] = set()
         if self.following_trace and id(module) in self._forward_index:
             keep = self._keep_after.get(self._forward_index.pop(id(module)), set())
@@ -125,9 +127,10 @@ class ParameterCoordinator:
             if id(p) in keep and self.live_numel() <= self.max_live_parameters:
                 continue
             release_param(p)
+        return _gather_before_backward(self, module, output)
 
-    def _pre_backward(self, module: torch.nn.Module, grad_output: Any) -> None:
-        params = module_params(module)
+    def _pre_backward(self, module: torch.nn.Module) -> None:
+        params = self._params_of.get(id(module), [])
         if params:
             self._fetch(module, BACKWARD, params)
 
@@ -140,6 +143,8 @@ class ParameterCoordinator:
 
     def _record(self, module: torch.nn.Module, phase: str) -> None:
         event = (id(module), phase)
+        if self._off_trace:
+            return  # this pass left the trace; the next one records afresh
         if not self.trace_complete:
             self.trace.append(event)
             return
@@ -152,15 +157,13 @@ class ParameterCoordinator:
             self.trace_complete = False
             self.trace = []
             self._keep_after = {}
+            self._off_trace = True
 
     def _prefetch(self) -> None:
         budget = self.prefetch_bucket_size
         live = self.live_numel()
         for index in range(self.cursor, len(self.trace)):
-            module = self._hooked.get(self.trace[index][0])
-            if module is None:
-                continue
-            for p in module_params(module):
+            for p in self._params_of.get(self.trace[index][0], []):
                 if p.ds_status is not ParamStatus.NOT_AVAILABLE:
                     continue
                 if budget <= 0 or live + p.ds_numel > self.max_live_parameters:
@@ -172,6 +175,8 @@ class ParameterCoordinator:
 
     def live_numel(self) -> int:
         """Elements currently gathered (or being gathered)."""
+        if self.total_numel <= self.max_live_parameters:
+            return 0  # the limit cannot be reached: skip the count
         return sum(p.ds_numel for p in self.params.values() if p.ds_status is not ParamStatus.NOT_AVAILABLE)
 
     # --- pass boundaries (called by the strategy) ---------------------------------------------------------
@@ -180,6 +185,7 @@ class ParameterCoordinator:
         self.release_all(keep_persistent=True)
         self.cursor = 0
         self.following_trace = self.trace_complete
+        self._off_trace = False
 
     def release_after_grad(self, param: torch.nn.Parameter) -> None:
         if not param.ds_persist:
@@ -213,8 +219,7 @@ class ParameterCoordinator:
         sizes = []
         params_at = []
         for module_id, _ in self.trace:
-            module = self._hooked.get(module_id)
-            ps = module_params(module) if module is not None else []
+            ps = self._params_of.get(module_id, [])
             params_at.append({id(p) for p in ps})
             sizes.append(sum(p.ds_numel for p in ps))
         for i, (_, phase) in enumerate(self.trace):
@@ -233,6 +238,36 @@ class ParameterCoordinator:
                         break
             if keep:
                 self._keep_after[i] = keep
+
+
+class _GatherBeforeBackward(torch.autograd.Function):
+    """Identity on a module's outputs whose backward gathers the module's parameters before autograd runs
+    the module's own backward (which reads them through its saved tensors)."""
+
+    @staticmethod
+    def forward(ctx: Any, coordinator: ParameterCoordinator, module: torch.nn.Module, *tensors: torch.Tensor) -> Any:
+        ctx.coordinator, ctx.module = coordinator, module
+        return tuple(t.detach() for t in tensors)  # detached, not views: callers may modify them in place
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        ctx.coordinator._pre_backward(ctx.module)
+        return (None, None) + grads
+
+
+def _gather_before_backward(coordinator: ParameterCoordinator, module: torch.nn.Module, output: Any) -> Any:
+    """``output`` with its differentiable tensors routed through :class:`_GatherBeforeBackward` (None: no
+    tensor needs it, keep the output as it is)."""
+    if not torch.is_grad_enabled():
+        return None
+    leaves, spec = tree_flatten(output)
+    positions = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not positions:
+        return None
+    wrapped = _GatherBeforeBackward.apply(coordinator, module, *(leaves[i] for i in positions))
+    for i, t in zip(positions, wrapped):
+        leaves[i] = t
+    return tree_unflatten(leaves, spec)
 
 
 def iter_unique_params(modules: Iterable[torch.nn.Module]) -> list[torch.nn.Parameter]:

@@ -95,7 +95,8 @@ class Stage3Strategy(ZeroStrategy):
                 self._slot[id(p)] = (sg, off)
         self._pending: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         self._pending_numel = 0
-        self._inflight: list[tuple[Any, torch.Tensor, list[tuple[torch.nn.Parameter, int]]]] = []
+        # (work, output, [(param, offset)], input kept alive until the collective completes)
+        self._inflight: list[tuple[Any, torch.Tensor, list[tuple[torch.nn.Parameter, int]], torch.Tensor]] = []
         self._armed = False
         self._grad_hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
                             for p in self.params if p.requires_grad and id(p) in self._slot]
@@ -205,17 +206,17 @@ class Stage3Strategy(ZeroStrategy):
         if self.pre_divide != 1.0:
             rows.div_(self.pre_divide)
         if self.world_size == 1:
-            self._inflight.append((None, rows[0], placed))
+            self._inflight.append((None, rows[0], placed, rows))
         else:
             out = torch.empty(total, dtype=self.comm_dtype, device=self.ctx.device)
             work = comm.reduce_scatter_tensor(out, rows.view(-1), group=self.ctx.group,
                                               async_op=self.ctx.overlap_comm)
-            self._inflight.append((work if self.ctx.overlap_comm else None, out, placed))
+            self._inflight.append((work if self.ctx.overlap_comm else None, out, placed, rows))
         if not self.ctx.overlap_comm:
             self._complete_all()
 
     def _complete_all(self) -> None:
-        for work, out, placed in self._inflight:
+        for work, out, placed, _ in self._inflight:
             if work is not None:
                 work.wait()
             for p, off in placed:
