@@ -2,8 +2,9 @@
 ``RUN_DIR/checkpoints``, keep the newest ``train.keep_last``.
 
 ``train.resume``: ``null`` starts fresh; ``auto`` resumes from ``RUN_DIR/checkpoints`` when it holds a
-checkpoint (else starts fresh); a path resumes from that checkpoint folder (the one holding ``latest``) or
-from a run directory's ``checkpoints/`` folder, and it is an error if there is nothing to resume from.
+checkpoint (else starts fresh); a path resumes from that checkpoint folder (the one holding ``latest``), from
+a run directory's ``checkpoints/`` folder, or from one tag's folder (``.../checkpoints/global_step400``), and
+it is an error if there is nothing to resume from.
 The data loader's position travels in the checkpoint's client state, so a resumed run reads the very batches
 the interrupted one would have.
 """
@@ -21,20 +22,22 @@ CHECKPOINTS_DIR = "checkpoints"
 LOADER_KEY = "data_loader"
 
 
-def find_checkpoint_dir(resume: str | None, run_dir: Path) -> Path | None:
-    """The folder to resume from (holding ``latest``), or None to start fresh."""
+def find_checkpoint(resume: str | None, run_dir: Path) -> tuple[Path, str | None] | None:
+    """``(checkpoint folder, tag or None for latest)`` to resume from, or None to start fresh."""
     if resume is None or str(resume).lower() in ("", "none", "null", "false"):
         return None
     if str(resume).lower() == "auto":
         own = run_dir / CHECKPOINTS_DIR
-        return own if layout.read_latest(own) else None
+        return (own, None) if layout.read_latest(own) else None
     given = Path(resume).expanduser()
     for candidate in (given, given / CHECKPOINTS_DIR):
         if layout.read_latest(candidate):
-            return candidate
-    raise UserError(Problem("train.resume", f"no checkpoint at {given} (looked for {given / layout.LATEST} and "
-                            f"{given / CHECKPOINTS_DIR / layout.LATEST})",
-                            "pass a checkpoint folder, a run directory, 'auto' or null"))
+            return candidate, None
+    if given.is_dir() and any(given.glob("*model_states.pt")):  # one tag's folder: resume from that tag
+        return given.parent, given.name
+    raise UserError(Problem("train.resume", f"no checkpoint at {given} (looked for {given / layout.LATEST}, "
+                            f"{given / CHECKPOINTS_DIR / layout.LATEST} and model states files)",
+                            "pass a checkpoint folder, a tag folder, a run directory, 'auto' or null"))
 
 
 class TrainingCheckpoints:
@@ -45,14 +48,15 @@ class TrainingCheckpoints:
         self.engine, self.loader = engine, loader
         self.save_dir = run_dir / CHECKPOINTS_DIR
         self.save_interval, self.keep_last = int(save_interval or 0), int(keep_last or 0)
-        self.resume_dir = find_checkpoint_dir(resume, run_dir)
+        self.resume_from = find_checkpoint(resume, run_dir)
         self.last_saved_step: int | None = None
 
     def resume(self) -> int:
         """Load the checkpoint to resume from, if any; returns the optimizer step training continues after."""
-        if self.resume_dir is None:
+        if self.resume_from is None:
             return 0
-        path, client_state = self.engine.load_checkpoint(str(self.resume_dir))
+        load_dir, tag = self.resume_from
+        path, client_state = self.engine.load_checkpoint(str(load_dir), tag=tag)
         if path is None:
             return 0
         if client_state and LOADER_KEY in client_state:

@@ -173,7 +173,13 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | Non
     extras = first.get("dsrun") or {}
     group_shapes = [OrderedDict(g) for g in first.get("param_shapes") or []]
     optim_files = _files(tag_dir, OPTIM_SUFFIX)
-    module = first["module"]
+    shared = dict(first.get("shared_params") or {})
+    order = extras.get("state_dict_keys") or list(first["module"].keys())
+    # keep only what the fp32 masters do not provide (buffers, frozen parameters), so the 16-bit or fp32
+    # module copy is not held next to the output
+    trainable = {name for shapes in group_shapes for name in shapes} | set(shared)
+    module = {k: v for k, v in first.pop("module").items() if k not in trainable}
+    stage0_optimizer = first.pop("optimizer", None)
 
     out: dict[str, torch.Tensor] = {}
     if optim_files:
@@ -189,7 +195,7 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | Non
                              f"{len(optim_files)} files. Possibly due to an overwrite of an old checkpoint, "
                              "or a checkpoint didn't get saved by one or more processes.")
         sources = [(rank, path) for rank, path in enumerate(optim_files)]
-    elif isinstance(first.get("optimizer"), dict) and "single_partition_of_fp32_groups" in first["optimizer"]:
+    elif isinstance(stage0_optimizer, dict) and "single_partition_of_fp32_groups" in stage0_optimizer:
         stage, world, sources = 0, 1, [(0, None)]  # stage 0: the one full master copy is in the model states
     else:
         stage, world, sources = -1, 1, []  # no optimizer: the module's weights are all there is
@@ -198,7 +204,7 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | Non
 
     total = 0
     for rank, path in sources:
-        osd = first["optimizer"] if path is None else load_file(path)["optimizer_state_dict"]
+        osd = stage0_optimizer if path is None else load_file(path)["optimizer_state_dict"]
         masters = optimizer_master_tensors(osd)
         del osd  # keep only this rank's master weights, not its Adam moments
         slots, _ = master_slots(stage, world, rank, group_shapes)
@@ -206,6 +212,7 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | Non
         for master, group_slots in zip(masters, slots):
             total += _copy_slots(out, all_shapes, group_slots, master)
         del masters
+    stage0_optimizer = None
     for shapes in group_shapes:
         for name, shape in shapes.items():
             if name in out:
@@ -216,9 +223,7 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | Non
                          "param_shapes")
 
     frozen = _frozen_params(first, model_files, stage) if not exclude_frozen_parameters else {}
-    shared = dict(first.get("shared_params") or {})
     buffers = set(first["buffer_names"])
-    order = extras.get("state_dict_keys") or list(module.keys())
     result: "OrderedDict[str, torch.Tensor]" = OrderedDict()
     for name in order:
         if name in shared:
