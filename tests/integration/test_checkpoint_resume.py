@@ -55,3 +55,39 @@ def test_zero_to_fp32_matches_live_model_after_two_rank_training(runs, stage, pr
         if precision == "bf16":  # fp32 masters; the live bf16 model holds them rounded
             got = got.to(torch.bfloat16).float()
         assert np.array_equal(got.numpy(), live), key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_to_fp32_holds_one_rank_file_at_a_time(runs, monkeypatch, stage):
+    """Memory stays near the largest file plus the output: by the time a rank's optimizer file is read, the
+    previous one's tensors (Adam moments included) and the model-states copy of the trained weights are gone."""
+    import gc
+    import weakref
+
+    from dsrun.utils import zero_to_fp32 as z2f
+
+    root, _ = runs
+    real_load = z2f.load_file
+    alive: list[weakref.ref] = []
+    reads = []
+
+    def tracking_load(path):
+        gc.collect()
+        reads.append((path, sum(ref() is not None for ref in alive)))
+        obj = real_load(path)
+        if path.endswith("optim_states.pt"):
+            osd = obj["optimizer_state_dict"]
+            base = osd.get("base_optimizer_state") or osd["optimizer_state_dict"]
+            alive.extend(weakref.ref(t) for entry in base["state"].values() for t in entry.values()
+                         if torch.is_tensor(t) and t.dim())
+        elif "module" in obj:
+            alive.extend(weakref.ref(obj["module"][name]) for shapes in obj["param_shapes"] for name in shapes
+                         if obj["module"][name].numel())
+        return obj
+
+    monkeypatch.setattr(z2f, "load_file", tracking_load)
+    z2f.get_fp32_state_dict_from_zero_checkpoint(str(root / f"final{stage}fp32"))
+    optim_reads = [(p, n) for p, n in reads if p.endswith("optim_states.pt")]
+    assert len(optim_reads) >= 3  # the header read, then one read per rank
+    assert all(n == 0 for _, n in optim_reads[1:]), reads
