@@ -193,6 +193,7 @@ def suite_cases(world: int) -> dict[str, tuple[str, dict[str, Any]]]:
             cases[f"bf16/{stage}"] = ("gpt", ds_config(stage, 2, 1, bf16={"enabled": True}))
         for stage in (0, 2):
             cases[f"comm_bf16/{stage}"] = ("gpt", ds_config(stage, 2, 1, communication_data_type="bf16"))
+        cases["allreduce/1"] = ("gpt", ds_config(1, 2, 1, zero_optimization={"reduce_scatter": False}))
         cases["prescale/1"] = ("gpt", ds_config(1, 2, 1, prescale_gradients=True, gradient_predivide_factor=2.0))
         for stage in (1, 2):
             cases[f"fp16/{stage}"] = ("gpt", ds_config(stage, 2, 1, fp16={"enabled": True, "initial_scale_power": 10}))
