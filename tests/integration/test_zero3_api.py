@@ -66,6 +66,12 @@ def test_save_16bit_model_needs_gather_flag_and_writes_the_full_model() -> None:
         assert r["export/on"]["saved"] is True
         # engine.module.state_dict() under stage 3 holds empty placeholders (documented)
         assert set(r["export/on"]["placeholders"].values()) == {0}
+        # small (persistent) parameters stay gathered after a forward until empty_partition_cache() (so
+        # does the tied head, kept for the backward that this no_grad forward never ran)
+        kept = set(r["export/on"]["kept"])
+        assert {"transformer.ln_f.weight", "transformer.h.0.attn.c_attn.bias"} <= kept
+        assert "transformer.h.0.mlp.c_fc.weight" not in kept
+        assert r["export/on"]["kept_after"] == []
     assert not os.path.exists(os.path.join(SAVE_DIR, "off", "model.bin"))
     saved = torch.load(os.path.join(SAVE_DIR, "on", "model.bin"))
     full = results[0]["export/on"]["full"]
