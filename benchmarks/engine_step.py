@@ -176,13 +176,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"GPT {result['numel'] / 1e6:.1f}M params, 2 gloo ranks x {args.threads} thread(s), micro-batch "
           f"{args.micro} x {args.seq} tokens, {args.steps} measured steps (median); load avg "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    print(f"{'config':<28}{'median ms':>12}{'min ms':>10}{'vs DDP':>9}{'comm MB/step/rank':>20}")
+    print(f"{'config':<36}{'median ms':>12}{'min ms':>10}{'vs DDP':>9}{'comm MB/step/rank':>20}")
     rows = {}
     for name, values in result["times"].items():
         med = statistics.median(values)
         comm_mb = result["comm_bytes"].get(name)
         rows[name] = {"median_s": med, "min_s": min(values), "ratio": med / base, "comm_bytes": comm_mb}
-        print(f"{name:<28}{med * 1e3:>12.1f}{min(values) * 1e3:>10.1f}{med / base:>8.2f}x"
+        print(f"{name:<36}{med * 1e3:>12.1f}{min(values) * 1e3:>10.1f}{med / base:>8.2f}x"
               f"{(f'{comm_mb / 2**20:.1f}' if comm_mb is not None else '-'):>20}")
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "numel": result["numel"], "memory": result["memory"],

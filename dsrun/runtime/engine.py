@@ -303,6 +303,13 @@ class DeepSpeedEngine(torch.nn.Module):
 
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
+    def empty_partition_cache(self) -> None:
+        """Release the ZeRO-3 parameters kept gathered between uses (persistent or kept for reuse), e.g. at the
+        end of training; they are gathered again when next needed. A no-op at stages 0-2."""
+        release = getattr(self.strategy, "empty_partition_cache", None)
+        if release is not None:
+            release()
+
     def save_fp16_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
         """Deprecated name of :meth:`save_16bit_model`."""
         return self.save_16bit_model(save_dir, save_filename)

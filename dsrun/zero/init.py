@@ -13,6 +13,8 @@ directly does not; use :class:`~dsrun.zero.GatheredParameters` with ``modifier_r
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
 import json
 from pathlib import Path
@@ -34,6 +36,18 @@ _saved_init_functions: dict[str, Callable] = {}
 _wrapped_classes: dict[type, Callable] = {}
 _saved_init_subclass: list[Any] = []  # torch.nn.Module's own __init_subclass__, if it ever has one
 _RUNNING = "_ds_init_running"
+
+
+def _load_malloc_trim() -> Callable[[int], int] | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        return None
+
+
+_malloc_trim = _load_malloc_trim()
+_TRIM_AFTER_BYTES = 1 << 20
 
 
 def _read_config(config_dict_or_path: Any) -> dict[str, Any]:
@@ -189,6 +203,7 @@ class Init:
     def partition_module(self, module: torch.nn.Module) -> None:
         """Partition every parameter of ``module`` not partitioned yet (rank 0's values win)."""
         seen: set[int] = set()
+        freed = 0
         with torch.no_grad():
             for p in module.parameters():
                 if id(p) in seen or is_zero_param(p) or p.is_meta:
@@ -198,11 +213,16 @@ class Init:
                     p.data = p.data.to(self.dtype)
                 if comm.get_world_size(self.group) > 1:
                     comm.broadcast(p.data, src=self.src, group=self.group)
+                freed += p.numel() * p.element_size()
                 partition_param(p, self.group, device=self.device)
                 if self.pin_memory:
                     from dsrun.accelerator import get_accelerator
 
                     p.ds_tensor = get_accelerator().pin_memory(p.ds_tensor)
+        if freed >= _TRIM_AFTER_BYTES and _malloc_trim is not None:
+            # The full tensors just freed sit in the middle of the heap, where glibc keeps them resident;
+            # hand their pages back so the process really holds only its shards.
+            _malloc_trim(0)
 
     def __enter__(self) -> "Init":
         if not self.enabled:

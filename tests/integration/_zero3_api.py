@@ -176,7 +176,8 @@ def export_16bit(rank: int, world: int, save_dir: str, gather: bool) -> dict[str
     from dsrun.runtime.initialize import initialize
 
     cfg = w.ds_config(3, 2, 1, bf16={"enabled": True},
-                      zero={"stage3_gather_16bit_weights_on_model_save": gather})
+                      zero={"stage3_gather_16bit_weights_on_model_save": gather,
+                            "stage3_param_persistence_threshold": 100})  # LayerNorms and biases persist
     engine, _, _, _ = initialize(model=w.build_model("gpt"), config=cfg)
     batch = w.global_batch("gpt", 0, 2 * world)
     loss = engine(w.slice_batch(batch, 2 * rank, 2 * rank + 2))
@@ -185,7 +186,12 @@ def export_16bit(rank: int, world: int, save_dir: str, gather: bool) -> dict[str
     placeholder_numels = {k: v.numel() for k, v in engine.module.state_dict().items()}
     saved = engine.save_16bit_model(save_dir, "model.bin")
     full = dsrun.zero.full_state_dict(engine.module)
-    return {"saved": saved, "placeholders": placeholder_numels,
+    with torch.no_grad():
+        engine(w.slice_batch(batch, 2 * rank, 2 * rank + 2))
+    kept = sorted(n for n, p in engine.module.named_parameters() if p.numel())
+    engine.empty_partition_cache()
+    kept_after = sorted(n for n, p in engine.module.named_parameters() if p.numel())
+    return {"saved": saved, "placeholders": placeholder_numels, "kept": kept, "kept_after": kept_after,
             "full": {k: v.float().numpy() for k, v in full.items()}}
 
 

@@ -95,6 +95,7 @@ def test_memory_per_rank_is_one_nth_of_stage_0(world: int) -> None:
         m0, m3 = rank_result["account/0"]["memory"], rank_result["account/3"]["memory"]
         # no persistent parameters in this config; padding is at most N-1 elements per parameter
         expected = m0["total"] / world
+        print(f"N={world}: stage-3 total {m3['total']} B = {m3['total'] / m0['total']:.4f} of stage 0")
         assert abs(m3["total"] - expected) <= 0.1 * expected, (m3, m0)
         assert abs(m3["total"] - m3["padding"] - expected) <= 0.01 * expected
 
@@ -111,4 +112,5 @@ def test_traffic_per_step_is_one_and_a_half_times_stage_0(world: int) -> None:
     # forward gather + backward gather + reduce-scatter, each psi * (N - 1) / N, padding aside
     assert comm3["reduce_scatter"]["traffic_bytes"] == pytest.approx(psi * (world - 1) / world, rel=0.01)
     assert comm3["all_gather"]["traffic_bytes"] == pytest.approx(2 * psi * (world - 1) / world, rel=0.01)
+    print(f"stage-3 / stage-0 traffic per step at N={world}: {t3 / t0:.4f}")
     assert t3 / t0 == pytest.approx(1.5, rel=0.01)

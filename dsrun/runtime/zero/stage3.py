@@ -270,6 +270,10 @@ class Stage3Strategy(ZeroStrategy):
                         p.ds_tensor.copy_(sg.master.data[off:off + p.ds_partition_numel])
         self.coordinator.invalidate()
 
+    def empty_partition_cache(self) -> None:
+        """Release every gathered parameter, persistent ones included (``engine.empty_partition_cache()``)."""
+        self.coordinator.invalidate()
+
     def zero_grad(self) -> None:
         for sg in self.sub_groups:
             sg.grad.zero_()
