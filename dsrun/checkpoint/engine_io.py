@@ -74,6 +74,34 @@ def _validate_tag(engine: Any, tag: str) -> str:
     return chosen[0]
 
 
+def _on_rank0_then_all(engine: Any, action: Any) -> None:
+    """Run ``action`` on rank 0 while the others wait; if it fails, every rank raises (instead of the others
+    hanging in the next collective)."""
+    error, failure = None, [None]
+    if engine.global_rank == 0:
+        try:
+            action()
+        except Exception as exc:  # re-raised below, after the other ranks have heard of it
+            error, failure[0] = exc, f"{type(exc).__name__}: {exc}"
+    if engine.world_size > 1:
+        comm.broadcast_object_list(failure, src=0)
+    if error is not None:
+        raise error
+    if failure[0] is not None:
+        raise RuntimeError(f"checkpoint save failed on rank 0: {failure[0]}")
+
+
+def _all_ranks_succeeded(engine: Any, error: Exception | None) -> None:
+    """A barrier that also tells every rank whether any rank failed (e.g. a full disk), so all raise."""
+    flag = torch.tensor([0.0 if error is None else 1.0])
+    if engine.world_size > 1:
+        comm.all_reduce(flag, op=comm.ReduceOp.MAX)
+    if error is not None:
+        raise error
+    if flag.item() > 0:
+        raise RuntimeError("checkpoint save failed on another rank (see its log); nothing was committed")
+
+
 def _strategy_stage(engine: Any) -> int:
     return engine.strategy.stage if engine.strategy is not None else engine.zero_optimization_stage()
 
@@ -123,27 +151,37 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
     root = Path(save_dir)
     stage = _strategy_stage(engine)
     staging = layout.staging_dir(root, tag)
-    if rank == 0:
+
+    def prepare() -> None:
         root.mkdir(parents=True, exist_ok=True)
         for leftover in layout.repair(root):  # from saves that crashed
-            atomic.remove_tree(leftover) if leftover.is_dir() else leftover.unlink(missing_ok=True)
+            if leftover.is_dir():
+                atomic.remove_tree(leftover)
+            else:
+                leftover.unlink(missing_ok=True)
         staging.mkdir()
-    comm.barrier()
+
+    _on_rank0_then_all(engine, prepare)
     atomic.crash_point("staging_created", rank)
 
-    if stage == 3 or dp_rank == 0:
-        atomic.save_torch(_model_states(engine, client_state or {}, exclude_frozen_parameters, stage),
-                          staging / layout.model_states_name(stage, dp_rank), rank, torn_point="model_states_torn")
-    atomic.crash_point("after_model_states", rank)
-    if engine.strategy is not None and stage >= 1:
-        optim = {"optimizer_state_dict": engine.strategy.state_dict(), "ds_config": state.plain_config(engine),
-                 "ds_version": DS_VERSION}
-        atomic.save_torch(optim, staging / layout.optim_states_name(dp_rank, engine.bfloat16_enabled()), rank)
-    atomic.save_torch(state.capture_rng_state(), staging / layout.rng_states_name(rank), rank)
-    atomic.crash_point("after_optim_states", rank)
-    comm.barrier()
+    error = None
+    try:
+        if stage == 3 or dp_rank == 0:
+            atomic.save_torch(_model_states(engine, client_state or {}, exclude_frozen_parameters, stage),
+                              staging / layout.model_states_name(stage, dp_rank), rank,
+                              torn_point="model_states_torn")
+        atomic.crash_point("after_model_states", rank)
+        if engine.strategy is not None and stage >= 1:
+            optim = {"optimizer_state_dict": engine.strategy.state_dict(), "ds_config": state.plain_config(engine),
+                     "ds_version": DS_VERSION}
+            atomic.save_torch(optim, staging / layout.optim_states_name(dp_rank, engine.bfloat16_enabled()), rank)
+        atomic.save_torch(state.capture_rng_state(), staging / layout.rng_states_name(rank), rank)
+        atomic.crash_point("after_optim_states", rank)
+    except Exception as exc:  # e.g. a full disk: every rank must learn of it, or the others wait forever
+        error = exc
+    _all_ranks_succeeded(engine, error)
 
-    if rank == 0:
+    def commit() -> None:
         atomic.crash_point("before_commit", rank)
         atomic.fsync_dir(staging)
         final, replaced = root / tag, layout.replaced_dir(root, tag)
@@ -159,7 +197,8 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
         if save_latest:
             atomic.write_text(root / layout.LATEST, tag, rank, crash_before_rename="latest_tmp_written")
         atomic.crash_point("after_latest", rank)
-    comm.barrier()
+
+    _on_rank0_then_all(engine, commit)
     return True
 
 

@@ -134,11 +134,12 @@ def run_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def mismatched_tags(rank: int, world: int, root: str) -> dict[str, Any]:
-    """Each rank passes its own tag: Fail raises on every rank; Warn saves once, under rank 0's tag."""
+def save_failures(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Each rank passes its own tag: Fail raises on every rank; Warn saves once, under rank 0's tag. Then a
+    write fails on rank 1 only (a full disk): every rank raises instead of hanging, nothing is committed."""
     import dsrun
     from dsrun import comm
-    from dsrun.checkpoint import CheckpointTagError
+    from dsrun.checkpoint import CheckpointTagError, atomic
 
     out: dict[str, Any] = {}
     for mode in ("Fail", "Warn"):
@@ -149,5 +150,19 @@ def mismatched_tags(rank: int, world: int, root: str) -> dict[str, Any]:
             out[mode] = "saved"
         except CheckpointTagError as exc:
             out[mode] = str(exc)
+    real_save = atomic.save_torch
+
+    def full_disk(obj: Any, path: Any, *args: Any, **kwargs: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    if rank == 1:
+        atomic.save_torch = full_disk
+    try:
+        engine.save_checkpoint(f"{root}/Warn", tag="broken")
+        out["disk"] = "saved"
+    except Exception as exc:
+        out["disk"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        atomic.save_torch = real_save
     comm.destroy_process_group()
     return out
