@@ -205,7 +205,17 @@ def world_suite(rank: int, world: int) -> dict[str, Any]:
                                for key, (name, cfg) in suite_cases(world).items()}
     if world == 2:
         results["fp16_overflow/2"] = fp16_overflow_ranks(rank, world, 2)
+        results["loader"] = loader_indices(rank, world)
     return results
+
+
+def loader_indices(rank: int, world: int) -> list[list[int]]:
+    """The sample indices this rank's ``training_data`` loader yields over two epochs."""
+    import dsrun
+
+    data = torch.utils.data.TensorDataset(torch.arange(12))
+    _, _, loader, _ = dsrun.initialize(model=build_model("mlp"), config=ds_config(0, 3, 1), training_data=data)
+    return [[int(i) for (batch,) in loader for i in batch] for _ in range(2)]
 
 
 def fp16_overflow_ranks(rank: int, world: int, stage: int) -> list[dict[str, Any]]:

@@ -146,3 +146,12 @@ def test_communication_options() -> None:
         assert max(w.rel_diff(a, b) for a, b in zip(got["losses"], ref["losses"])) <= FP32_TOL, key
         assert w.max_rel_param_diff(got["params"], ref["params"]) <= FP32_TOL, key
     assert "reduce_scatter" not in results["allreduce/1"]["comm"]
+
+
+def test_training_data_loader_shards_across_ranks() -> None:
+    per_rank = [results["loader"] for results in suite(2)]
+    for epoch in range(2):
+        shards = [set(r[epoch]) for r in per_rank]
+        assert all(len(r[epoch]) == 6 for r in per_rank)  # micro-batches of 3, 6 samples per rank
+        assert shards[0].isdisjoint(shards[1]) and shards[0] | shards[1] == set(range(12))
+    assert per_rank[0][0] != per_rank[0][1]  # reshuffled each epoch
