@@ -119,6 +119,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self.timers.start(FORWARD_TIMER)
         if self.strategy is not None:
             self.strategy.before_forward()
+        inputs, kwargs = self.precision.prepare_inputs(inputs, kwargs)
         out = self.module(*inputs, **kwargs)
         self.timers.stop(FORWARD_TIMER)
         return out

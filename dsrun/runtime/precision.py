@@ -109,6 +109,10 @@ class PrecisionStrategy:
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss
 
+    def prepare_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The forward's inputs, as the model should see them (fp16 ``auto_cast`` casts float tensors)."""
+        return args, kwargs
+
     def update(self, overflow: bool) -> None:
         """Called once per optimizer step with whether its gradients overflowed."""
 
@@ -135,8 +139,14 @@ class FP16Precision(PrecisionStrategy):
     model_dtype = torch.float16
     checks_overflow = True
 
-    def __init__(self, scaler: DynamicLossScaler | StaticLossScaler):
+    def __init__(self, scaler: DynamicLossScaler | StaticLossScaler, auto_cast: bool = False):
         self.scaler = scaler
+        self.auto_cast = auto_cast
+
+    def prepare_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if not self.auto_cast:
+            return args, kwargs
+        return _cast_floats(args, self.model_dtype), _cast_floats(kwargs, self.model_dtype)
 
     @property
     def loss_scale(self) -> float:
@@ -156,18 +166,30 @@ class FP16Precision(PrecisionStrategy):
             self.scaler.load_state_dict(sd["loss_scaler"])
 
 
+def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` with every floating-point tensor (also inside lists, tuples and dicts) cast to ``dtype``."""
+    if torch.is_tensor(value):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast_floats(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast_floats(v, dtype) for k, v in value.items()}
+    return value
+
+
 def build_precision(fp16: Any = None, bf16: Any = None) -> PrecisionStrategy:
     """The strategy for a config's ``fp16``/``bf16`` sections (objects with DeepSpeed's key names, or None)."""
     if fp16 is not None and getattr(fp16, "enabled", False):
         loss_scale = float(getattr(fp16, "loss_scale", 0.0) or 0.0)
+        auto_cast = bool(getattr(fp16, "auto_cast", False))
         if loss_scale > 0:
-            return FP16Precision(StaticLossScaler(loss_scale))
+            return FP16Precision(StaticLossScaler(loss_scale), auto_cast)
         return FP16Precision(DynamicLossScaler(
             init_scale=2.0 ** int(getattr(fp16, "initial_scale_power", 16)),
             scale_window=int(getattr(fp16, "loss_scale_window", 1000)),
             min_scale=float(getattr(fp16, "min_loss_scale", 1)),
             delayed_shift=int(getattr(fp16, "hysteresis", 2)),
-            consecutive_hysteresis=bool(getattr(fp16, "consecutive_hysteresis", False))))
+            consecutive_hysteresis=bool(getattr(fp16, "consecutive_hysteresis", False))), auto_cast)
     if bf16 is not None and getattr(bf16, "enabled", False):
         return BF16Precision()
     return PrecisionStrategy()

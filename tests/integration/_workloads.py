@@ -193,6 +193,7 @@ def suite_cases(world: int) -> dict[str, tuple[str, dict[str, Any]]]:
             cases[f"bf16/{stage}"] = ("gpt", ds_config(stage, 2, 1, bf16={"enabled": True}))
         for stage in (0, 2):
             cases[f"comm_bf16/{stage}"] = ("gpt", ds_config(stage, 2, 1, communication_data_type="bf16"))
+        cases["allreduce/1"] = ("gpt", ds_config(1, 2, 1, zero_optimization={"reduce_scatter": False}))
         cases["prescale/1"] = ("gpt", ds_config(1, 2, 1, prescale_gradients=True, gradient_predivide_factor=2.0))
         for stage in (1, 2):
             cases[f"fp16/{stage}"] = ("gpt", ds_config(stage, 2, 1, fp16={"enabled": True, "initial_scale_power": 10}))
@@ -204,7 +205,17 @@ def world_suite(rank: int, world: int) -> dict[str, Any]:
                                for key, (name, cfg) in suite_cases(world).items()}
     if world == 2:
         results["fp16_overflow/2"] = fp16_overflow_ranks(rank, world, 2)
+        results["loader"] = loader_indices(rank, world)
     return results
+
+
+def loader_indices(rank: int, world: int) -> list[list[int]]:
+    """The sample indices this rank's ``training_data`` loader yields over two epochs."""
+    import dsrun
+
+    data = torch.utils.data.TensorDataset(torch.arange(12))
+    _, _, loader, _ = dsrun.initialize(model=build_model("mlp"), config=ds_config(0, 3, 1), training_data=data)
+    return [[int(i) for (batch,) in loader for i in batch] for _ in range(2)]
 
 
 def fp16_overflow_ranks(rank: int, world: int, stage: int) -> list[dict[str, Any]]:

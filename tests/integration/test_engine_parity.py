@@ -128,7 +128,7 @@ def test_comm_bytes_per_step_match_theory(world: int) -> None:
                 assert moved == pytest.approx(theory, abs=2 * 2 * world * nbytes)
 
 
-def test_communication_dtype_and_prescaling() -> None:
+def test_communication_options() -> None:
     results = suite(2)[0]
     ref = reference("gpt", 4)
     loss_tol, param_tol = MIXED_TOL["bf16"]
@@ -140,6 +140,18 @@ def test_communication_dtype_and_prescaling() -> None:
         fp32 = results[f"parity/gpt/{stage}"]["comm"]
         op = "all_reduce" if stage == 0 else "reduce_scatter"
         assert got["comm"][op]["message_bytes"] * 2 == pytest.approx(fp32[op]["message_bytes"], abs=16)
-    prescaled = results["prescale/1"]  # divide by 2 before the sum and by N/2 after: same average
-    assert max(w.rel_diff(a, b) for a, b in zip(prescaled["losses"], ref["losses"])) <= FP32_TOL
-    assert w.max_rel_param_diff(prescaled["params"], ref["params"]) <= FP32_TOL
+    # prescale: divide by 2 before the sum and by N/2 after; reduce_scatter false: all-reduce, keep own piece
+    for key in ("prescale/1", "allreduce/1"):
+        got = results[key]
+        assert max(w.rel_diff(a, b) for a, b in zip(got["losses"], ref["losses"])) <= FP32_TOL, key
+        assert w.max_rel_param_diff(got["params"], ref["params"]) <= FP32_TOL, key
+    assert "reduce_scatter" not in results["allreduce/1"]["comm"]
+
+
+def test_training_data_loader_shards_across_ranks() -> None:
+    per_rank = [results["loader"] for results in suite(2)]
+    for epoch in range(2):
+        shards = [set(r[epoch]) for r in per_rank]
+        assert all(len(r[epoch]) == 6 for r in per_rank)  # micro-batches of 3, 6 samples per rank
+        assert shards[0].isdisjoint(shards[1]) and shards[0] | shards[1] == set(range(12))
+    assert per_rank[0][0] != per_rank[0][1]  # reshuffled each epoch

@@ -40,6 +40,13 @@ class PartitionedStrategy(FlatStrategy):
             pieces.append((lo - bucket.start, hi - bucket.start) if hi > lo else (0, 0))
         return pieces
 
+    def _owned_part(self, partition_buffers: list[torch.Tensor], bucket: Bucket) -> torch.Tensor:
+        """The slice of this rank's partition-sized buffer (of ``bucket``'s group) that ``bucket`` covers."""
+        group = self.groups[bucket.group_index]
+        lo, hi = self._owned_slices(group, bucket)[self.rank]
+        offset = bucket.start + lo - group.partition_range(self.rank)[0]
+        return partition_buffers[bucket.group_index][offset:offset + (hi - lo)]
+
     def _build_masters(self) -> list[torch.nn.Parameter]:
         masters = []
         for group in self.groups:
@@ -68,13 +75,12 @@ class PartitionedStrategy(FlatStrategy):
         bucket.handles.append((comm.reduce_scatter(target, inputs, group=self.ctx.group, async_op=async_op),
                                target, out))
 
-    def _finish_handles(self, bucket: Bucket, accumulate: bool) -> None:
+    def _finish_handles(self, bucket: Bucket) -> None:
+        """Wait for the bucket's collectives and move each result into its destination."""
         for handle, result, out in bucket.handles:
             if handle is not None:
                 handle.wait()
-            if accumulate:
-                out.add_(result)
-            elif result is not out:
+            if result is not out:
                 out.copy_(result)
         bucket.handles = []
 
@@ -118,19 +124,12 @@ class Stage1Strategy(PartitionedStrategy):
             self.master_grads = [torch.zeros(g.partition_numel, dtype=torch.float32, device=self.ctx.device)
                                  for g in self.groups]
 
-    def _out_slice(self, bucket: Bucket) -> torch.Tensor:
-        group = self.groups[bucket.group_index]
-        lo, hi = self._owned_slices(group, bucket)[self.rank]
-        part_start = group.partition_range(self.rank)[0]
-        offset = bucket.start + lo - part_start
-        return self.partition_grads[bucket.group_index][offset:offset + (hi - lo)]
-
     def _reduce(self, bucket: Bucket, async_op: bool) -> None:
         source = self.flat_grads[bucket.group_index][bucket.start:bucket.end]
-        self._reduce_bucket(bucket, source, self._out_slice(bucket), async_op)
+        self._reduce_bucket(bucket, source, self._owned_part(self.partition_grads, bucket), async_op)
 
     def _complete(self, bucket: Bucket) -> None:
-        self._finish_handles(bucket, accumulate=False)
+        self._finish_handles(bucket)
 
     def _master_grads(self) -> list[torch.Tensor]:
         if self.master_grads is not self.partition_grads:
@@ -206,13 +205,6 @@ class Stage2Strategy(PartitionedStrategy):
         self._ready.add((gi, pi))
         param.grad = None  # the full gradient of this parameter is not kept
 
-    def _accumulator(self, bucket: Bucket) -> torch.Tensor:
-        """The slice of this rank's fp32 gradient partition that ``bucket``'s owned piece adds into."""
-        group = self.groups[bucket.group_index]
-        lo, hi = self._owned_slices(group, bucket)[self.rank]
-        offset = bucket.start + lo - group.partition_range(self.rank)[0]
-        return self.master_grads[bucket.group_index][offset:offset + (hi - lo)]
-
     @property
     def reduce_during_backward(self) -> bool:
         return True  # the gradients are released as buckets fill, so they must be reduced then
@@ -226,14 +218,14 @@ class Stage2Strategy(PartitionedStrategy):
                     off, n = group.offsets[pi], group.numels[pi]
                     lo, hi = max(off, bucket.start), min(off + n, bucket.end)
                     staging[lo - bucket.start:hi - bucket.start].zero_()
-        bucket.received = self._take(self._accumulator(bucket).numel())
+        bucket.received = self._take(self._owned_part(self.master_grads, bucket).numel())
         self._reduce_bucket(bucket, staging, bucket.received, async_op=async_op)
 
     def _complete(self, bucket: Bucket) -> None:
         if bucket.received is None:  # already completed inside backward
             return
-        self._finish_handles(bucket, accumulate=False)
-        self._accumulator(bucket).add_(bucket.received)
+        self._finish_handles(bucket)
+        self._owned_part(self.master_grads, bucket).add_(bucket.received)  # accumulate over micro-steps
         self._give_back(bucket.received)
         self._give_back(bucket.staging)  # release the bucket's copy of the gradients
         bucket.received = None

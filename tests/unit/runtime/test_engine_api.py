@@ -210,3 +210,14 @@ def test_param_groups_keep_their_own_hyperparameters(stage: int) -> None:
         assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-6)
     for a, b in zip(engine.module.parameters(), reference.parameters()):
         torch.testing.assert_close(a, b)
+
+
+def test_fp16_auto_cast_casts_float_inputs() -> None:
+    engine = dsrun.initialize(model=_model(), config=_config(fp16={"enabled": True, "auto_cast": True,
+                                                                   "initial_scale_power": 8}))[0]
+    x, y = _batch()
+    out = engine(x)  # fp32 input, fp16 model
+    assert out.dtype == torch.float16 and engine.fp16_enabled() and engine.loss_scale == 256
+    engine.backward(torch.nn.functional.mse_loss(out.float(), y))
+    engine.step()
+    assert engine.global_steps == 1 and engine.skipped_steps == 0
