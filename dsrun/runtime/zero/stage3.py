@@ -116,7 +116,7 @@ class Stage3Strategy(ZeroStrategy):
             floating = p.is_floating_point() or (is_zero_param(p) and p.ds_tensor.is_floating_point())
             dtype = self.model_dtype if floating else None
             if is_zero_param(p):
-                if dtype is not None and p.ds_tensor.dtype != dtype or p.ds_tensor.device != self.ctx.device:
+                if (dtype is not None and p.ds_tensor.dtype != dtype) or p.ds_tensor.device != self.ctx.device:
                     p.ds_tensor = p.ds_tensor.to(device=self.ctx.device, dtype=dtype or p.ds_tensor.dtype)
                     p.data = torch.empty(0, dtype=p.ds_tensor.dtype, device=self.ctx.device)
                 continue
