@@ -13,8 +13,6 @@ directly does not; use :class:`~dsrun.zero.GatheredParameters` with ``modifier_r
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import functools
 import json
 from pathlib import Path
@@ -23,6 +21,7 @@ from typing import Any, Callable
 import torch
 
 from dsrun import comm
+from dsrun.runtime.zero import host_memory
 from dsrun.runtime.zero.partition_params import is_zero_param, partition_param
 from dsrun.utils.errors import ConfigError, Problem
 
@@ -38,15 +37,6 @@ _saved_init_subclass: list[Any] = []  # torch.nn.Module's own __init_subclass__,
 _RUNNING = "_ds_init_running"
 
 
-def _load_malloc_trim() -> Callable[[int], int] | None:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc.malloc_trim
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        return None
-
-
-_malloc_trim = _load_malloc_trim()
 _TRIM_AFTER_BYTES = 1 << 20
 
 
@@ -189,6 +179,8 @@ class Init:
         from dsrun.accelerator import get_accelerator
 
         self.device = torch.device("cpu") if remote_device == "cpu" else get_accelerator().device()
+        if self.device.type == "cpu":
+            host_memory.fix_mmap_threshold()  # each freed full tensor goes back to the OS at once
         self.pin_memory = pin_memory
         self.src = 0 if self.group is None else comm.get_global_rank(self.group, 0)
         if module is not None:
@@ -219,10 +211,10 @@ class Init:
                     from dsrun.accelerator import get_accelerator
 
                     p.ds_tensor = get_accelerator().pin_memory(p.ds_tensor)
-        if freed >= _TRIM_AFTER_BYTES and _malloc_trim is not None:
-            # The full tensors just freed sit in the middle of the heap, where glibc keeps them resident;
+        if freed >= _TRIM_AFTER_BYTES:
+            # The full tensors just freed may sit in the middle of the heap, where glibc keeps them resident;
             # hand their pages back so the process really holds only its shards.
-            _malloc_trim(0)
+            host_memory.trim()
 
     def __enter__(self) -> "Init":
         if not self.enabled:

@@ -1,8 +1,9 @@
 """When ZeRO-3 parameters are gathered and released: module hooks, the recorded trace, prefetch, reuse.
 
-Every submodule that owns parameters (or has external ones, :func:`register_external_parameter`) gets three
-hooks: before its forward its parameters are gathered, after its forward they are released, and before its
-backward they are gathered again (autograd's saved tensors see the full ``.data`` then). Trainable
+Every submodule that owns parameters (or has external ones, ``dsrun.zero.register_external_parameter``) gets
+a forward pre-hook that gathers them and a forward hook that releases them and routes the module's outputs
+through :class:`_GatherBeforeBackward`, an identity whose backward gathers them again before autograd
+reaches the module's own backward (whose saved tensors then see the full ``.data``). Trainable
 parameters are released during backward as soon as their gradient is complete (the ZeRO-3 strategy calls
 :meth:`ParameterCoordinator.release_after_grad`); anything still gathered is released when backward ends.
 

@@ -27,6 +27,7 @@ import torch
 from dsrun import comm
 
 from .base import MemoryBreakdown, StepOutcome, StrategyContext, ZeroStrategy, optimizer_state_bytes, tensor_bytes
+from . import host_memory, linear
 from .hooks import ParameterCoordinator, iter_unique_params
 from .partition_params import full_tensor, is_zero_param, partition_param, shard_padding
 
@@ -75,6 +76,10 @@ class Stage3Strategy(ZeroStrategy):
         else:
             self.pre_divide, self.post_scale = float(self.world_size), 1.0
 
+        if bool(_config_value(zc, "memory_efficient_linear", True)):
+            linear.install()
+        if ctx.device.type == "cpu":
+            host_memory.fix_mmap_threshold()  # freed gather buffers go back to the OS at once
         self.params = iter_unique_params([ctx.module])
         self._partition_all()
         self._mark_persistent(int(_config_value(zc, "stage3_param_persistence_threshold", 100_000)),
@@ -98,6 +103,7 @@ class Stage3Strategy(ZeroStrategy):
         # (work, output, [(param, offset)], input kept alive until the collective completes)
         self._inflight: list[tuple[Any, torch.Tensor, list[tuple[torch.nn.Parameter, int]], torch.Tensor]] = []
         self._armed = False
+        self.max_buckets_in_flight = 2
         self._grad_hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
                             for p in self.params if p.requires_grad and id(p) in self._slot]
         self.global_grad_norm: float | None = None
@@ -110,7 +116,7 @@ class Stage3Strategy(ZeroStrategy):
             floating = p.is_floating_point() or (is_zero_param(p) and p.ds_tensor.is_floating_point())
             dtype = self.model_dtype if floating else None
             if is_zero_param(p):
-                if dtype is not None and p.ds_tensor.dtype != dtype or p.ds_tensor.device != self.ctx.device:
+                if (dtype is not None and p.ds_tensor.dtype != dtype) or p.ds_tensor.device != self.ctx.device:
                     p.ds_tensor = p.ds_tensor.to(device=self.ctx.device, dtype=dtype or p.ds_tensor.dtype)
                     p.data = torch.empty(0, dtype=p.ds_tensor.dtype, device=self.ctx.device)
                 continue
@@ -142,9 +148,10 @@ class Stage3Strategy(ZeroStrategy):
                     masters.append(current)
                 current.add(p)
             for sg in masters:
-                shards = [p.ds_tensor.detach().float() for p in sg.params]
-                flat = torch.cat(shards) if shards else torch.zeros(0)
-                sg.master = torch.nn.Parameter(flat.to(self.ctx.device).clone())
+                shards = [p.ds_tensor.detach().to(device=self.ctx.device, dtype=torch.float32) for p in sg.params]
+                flat = torch.cat(shards) if shards else torch.zeros(0, device=self.ctx.device)
+                del shards
+                sg.master = torch.nn.Parameter(flat)  # cat made a new tensor: nothing shares it
                 sg.grad = torch.zeros_like(sg.master.data)
                 for p, off in zip(sg.params, sg.offsets):
                     p.ds_fp32_shard = sg.master.data[off:off + p.ds_partition_numel]  # GatheredParameters writes here
@@ -214,14 +221,22 @@ class Stage3Strategy(ZeroStrategy):
             self._inflight.append((work if self.ctx.overlap_comm else None, out, placed, rows))
         if not self.ctx.overlap_comm:
             self._complete_all()
+        # each bucket in flight holds N x its size of gradients: bound them, or a whole model's gradient
+        # would pile up until the end of backward
+        while len(self._inflight) > self.max_buckets_in_flight:
+            self._complete(self._inflight.pop(0))
+
+    def _complete(self, entry: tuple[Any, torch.Tensor, list[tuple[torch.nn.Parameter, int]], torch.Tensor]) -> None:
+        work, out, placed, _ = entry
+        if work is not None:
+            work.wait()
+        for p, off in placed:
+            sg, sg_off = self._slot[id(p)]
+            sg.grad[sg_off:sg_off + p.ds_partition_numel].add_(out[off:off + p.ds_partition_numel])
 
     def _complete_all(self) -> None:
-        for work, out, placed, _ in self._inflight:
-            if work is not None:
-                work.wait()
-            for p, off in placed:
-                sg, sg_off = self._slot[id(p)]
-                sg.grad[sg_off:sg_off + p.ds_partition_numel].add_(out[off:off + p.ds_partition_numel])
+        for entry in self._inflight:
+            self._complete(entry)
         self._inflight = []
 
     # --- the optimizer step -------------------------------------------------------------------------------
