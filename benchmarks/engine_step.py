@@ -1,4 +1,4 @@
-"""Step time of dsrun's ZeRO stages 0, 1, 2 against torch DistributedDataParallel.
+"""Step time of dsrun's ZeRO stages 0-3 against torch DistributedDataParallel.
 
 Two gloo ranks on this machine train the same ~20M-parameter GPT on the same batch with AdamW; each
 configuration keeps its own model copy, and the configurations take turns step by step (round robin), so
@@ -7,7 +7,9 @@ optimizer step; the table reports medians over the measured steps.
 
     python benchmarks/engine_step.py [--steps 8] [--warmup 2] [--layers 6] [--width 512] [--json out.json]
 
-Targets (issue 3): stage 0 <= 1.05x DDP, stages 1-2 <= 1.15x DDP.
+Targets (issue 3): stage 0 <= 1.05x DDP, stages 1-2 <= 1.15x DDP. Issue 4: stage 3 <= 1.4x DDP, with and
+without ``stage3_prefetch_bucket_size`` (prefetch on uses DeepSpeed's default 5e7 elements), with
+DeepSpeed's default ``stage3_max_reuse_distance`` and with 0.
 """
 from __future__ import annotations
 
@@ -94,20 +96,26 @@ def rank_main(rank: int, world: int, port: int, opts: dict, queue) -> None:
 
     runners["torch DDP"] = ddp_step
     engines = {}
-    for stage in (0, 1, 2):
+    # stage 3 with DeepSpeed's defaults (prefetch 5e7 elements; reuse distance 1e9, which keeps every
+    # parameter gathered from forward to backward) and with reuse distance 0 (the textbook ZeRO-3: gathered
+    # again in backward), each with prefetch on and off
+    no_prefetch, no_reuse = {"stage3_prefetch_bucket_size": 0}, {"stage3_max_reuse_distance": 0}
+    variants = [(0, "", {}), (1, "", {}), (2, "", {}), (3, "", {}), (3, " no prefetch", no_prefetch),
+                (3, " reuse 0", no_reuse), (3, " reuse 0, no prefetch", {**no_reuse, **no_prefetch})]
+    for stage, label, extra in variants:
         cfg = {"train_micro_batch_size_per_gpu": opts["micro"], "steps_per_print": 10**6,
                "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": not opts["compiled_adam"]}},
                "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
-                                     "overlap_comm": True}}
+                                     "overlap_comm": True, **extra}}
         engine = dsrun.initialize(model=make(), config=cfg)[0]
-        engines[stage] = engine
+        engines[f"{stage}{label}"] = engine
 
         def step(tokens, engine=engine):
             loss = engine(tokens)
             engine.backward(loss)
             engine.step()
 
-        runners[f"dsrun stage {stage}"] = step
+        runners[f"dsrun stage {stage}{label}"] = step
 
     gen = torch.Generator().manual_seed(rank)
     times = {name: [] for name in runners}
@@ -168,13 +176,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"GPT {result['numel'] / 1e6:.1f}M params, 2 gloo ranks x {args.threads} thread(s), micro-batch "
           f"{args.micro} x {args.seq} tokens, {args.steps} measured steps (median); load avg "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    print(f"{'config':<16}{'median ms':>12}{'min ms':>10}{'vs DDP':>9}{'comm MB/step/rank':>20}")
+    print(f"{'config':<36}{'median ms':>12}{'min ms':>10}{'vs DDP':>9}{'comm MB/step/rank':>20}")
     rows = {}
     for name, values in result["times"].items():
         med = statistics.median(values)
         comm_mb = result["comm_bytes"].get(name)
         rows[name] = {"median_s": med, "min_s": min(values), "ratio": med / base, "comm_bytes": comm_mb}
-        print(f"{name:<16}{med * 1e3:>12.1f}{min(values) * 1e3:>10.1f}{med / base:>8.2f}x"
+        print(f"{name:<36}{med * 1e3:>12.1f}{min(values) * 1e3:>10.1f}{med / base:>8.2f}x"
               f"{(f'{comm_mb / 2**20:.1f}' if comm_mb is not None else '-'):>20}")
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "numel": result["numel"], "memory": result["memory"],

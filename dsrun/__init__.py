@@ -17,6 +17,7 @@ _LAZY: dict[str, str] = {
     "add_config_arguments": "dsrun.runtime.initialize:add_config_arguments",
     "init_distributed": "dsrun.comm.comm:init_distributed",
     "comm": "dsrun.comm:",
+    "zero": "dsrun.zero:",
 }
 
 

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from dsrun.checkpoint.training import TrainingCheckpoints
 from dsrun.estimate.measure import current_rss, record_rank_peak
 from dsrun.monitor.progress import TrainingProgress
 from dsrun.monitor.run_defaults import PARENT_ENV, apply_run_defaults, flatten, mlflow_parent_key
@@ -89,6 +90,18 @@ def _train_step_flops(model: Any, batch_size: int, seq_len: int) -> int | None:
         return None
 
 
+def report_throughput(engine: Any, steps: int, elapsed: float, tokens_per_step: int,
+                      step_flops: int | None) -> tuple[float, float]:
+    """Samples/s and tokens/s over the ``steps`` run so far; also sent to the monitors (with TFLOPs)."""
+    samples_s, tokens_s = steps * engine.train_batch_size() / elapsed, steps * tokens_per_step / elapsed
+    events = [("Train/Samples/samples_per_second", samples_s, engine.global_samples),
+              ("Train/Samples/tokens_per_second", tokens_s, engine.global_samples)]
+    if step_flops:
+        events.append(("Train/Samples/tflops", steps * step_flops / elapsed / 1e12, engine.global_samples))
+    engine.monitor.write_events(events)
+    return samples_s, tokens_s
+
+
 def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
     import hydra.utils
 
@@ -118,7 +131,6 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
         max_steps = min(max_steps, math.ceil(cfg.max_tokens / tokens_per_step))
     loader = corpus.train_loader(batch_size=micro_batch, rank=rank, world_size=world_size, seed=cfg.seed)
     eval_every = cfg.eval_interval or max_steps
-    progress = TrainingProgress(max_steps, enabled=rank == 0, print_every=max(1, engine.steps_per_print()))
     step_flops = _train_step_flops(model, engine.train_batch_size(), corpus.seq_len)
 
     metrics: dict[str, Any] = {"train_losses": [], "eval_losses": [], "lrs": [], "world_size": world_size,
@@ -128,12 +140,19 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
         print(f"[dsrun] training {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} "
               f"parameters) for {max_steps} steps on {world_size} rank(s); "
               f"{engine.train_batch_size()} samples x {corpus.seq_len} tokens per step", flush=True)
+    # --- checkpoints: resume before the first step (train.resume), save every train.save_interval steps ---
+    checkpoints = TrainingCheckpoints(engine, loader, run_dir, cfg.save_interval, cfg.resume, cfg.keep_last)
+    first_step = checkpoints.resume() + 1
+    if first_step > 1:
+        metrics["resumed_from_step"] = first_step - 1
+
+    progress = TrainingProgress(max_steps, enabled=rank == 0, print_every=max(1, engine.steps_per_print()),
+                                start_step=first_step - 1)
     initial = evaluate(engine, corpus, micro_batch, rank, world_size, cfg.eval_iters)
-    metrics["eval_losses"].append({"step": 0, "loss": initial})
-    if rank == 0:
-        print(f"[dsrun] step 0/{max_steps} | eval {initial:.4f}", flush=True)
+    metrics["eval_losses"].append({"step": first_step - 1, "loss": initial})
+    progress.note(f"[dsrun] step {first_step - 1}/{max_steps} | eval {initial:.4f}")
     start = time.perf_counter()
-    for step in range(1, max_steps + 1):
+    for step in range(first_step, max_steps + 1):
         step_loss = 0.0
         for _ in range(accumulation):
             inputs, targets = next(loader)
@@ -151,17 +170,14 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
             eval_loss = evaluate(engine, corpus, micro_batch, rank, world_size, cfg.eval_iters)
             metrics["eval_losses"].append({"step": step, "loss": eval_loss})
             engine.monitor.write_events([("Eval/Samples/eval_loss", eval_loss, engine.global_samples)])
-        elapsed = time.perf_counter() - start
-        samples_s, tokens_s = step * engine.train_batch_size() / elapsed, step * tokens_per_step / elapsed
-        throughput = [("Train/Samples/samples_per_second", samples_s, engine.global_samples),
-                      ("Train/Samples/tokens_per_second", tokens_s, engine.global_samples)]
-        if step_flops:
-            throughput.append(("Train/Samples/tflops", step * step_flops / elapsed / 1e12, engine.global_samples))
-        engine.monitor.write_events(throughput)
-        evaluated = metrics["eval_losses"] and metrics["eval_losses"][-1]["step"] == step
-        progress.update(step, step_loss, engine.get_lr()[0], samples_s, tokens_s, elapsed,
+        samples_s, tokens_s = report_throughput(engine, step - first_step + 1, time.perf_counter() - start,
+                                                tokens_per_step, step_flops)
+        evaluated = metrics["eval_losses"][-1]["step"] == step
+        progress.update(step, step_loss, engine.get_lr()[0], samples_s, tokens_s, time.perf_counter() - start,
                         extra=f"eval {metrics['eval_losses'][-1]['loss']:.4f}" if evaluated else "")
-        if stop_agreed(stop):
+        stopping = stop_agreed(stop)
+        checkpoints.save_if_due(step, force=stopping)  # a stopped run saves where it is, if saving is on
+        if stopping:
             metrics["stopped_by_signal"] = stop.signal or "another rank"
             break
 

@@ -23,6 +23,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "recipes": ("dsrun.cli.recipes", "list the available recipes"),
     "launch": ("dsrun.cli.launch", "launch a script on one or many machines, like the deepspeed launcher"),
     "estimate-memory": ("dsrun.cli.estimate_memory", "estimate memory per rank and per host for a recipe or a parameter count"),
+    "convert": ("dsrun.cli.convert", "convert checkpoints: zero-to-fp32 consolidates a ZeRO checkpoint"),
 }
 
 

@@ -31,8 +31,9 @@ class TrainingProgress:
     """
 
     def __init__(self, total_steps: int, enabled: bool = True, print_every: int = 10, bar: bool | None = None,
-                 stream: TextIO | None = None):
+                 stream: TextIO | None = None, start_step: int = 0):
         self.total = total_steps
+        self.start_step = start_step  # steps done before this process started (a resumed run)
         self.enabled = enabled
         self.print_every = max(1, print_every)
         self.stream = stream or sys.stdout
@@ -61,7 +62,7 @@ class TrainingProgress:
             self._bar.update(self._task, completed=step, stats=stats + (f" | {extra}" if extra else ""))
             return
         if step % self.print_every == 0 or step == self.total:
-            eta = format_seconds(elapsed_s / max(step, 1) * (self.total - step))
+            eta = format_seconds(elapsed_s / max(step - self.start_step, 1) * (self.total - step))
             line = f"[dsrun] step {step}/{self.total} | {stats} | eta {eta}" + (f" | {extra}" if extra else "")
             print(line, file=self.stream, flush=True)
 

@@ -102,7 +102,7 @@ class DeepSpeedEngine(torch.nn.Module):
             contiguous_gradients=bool(zero.contiguous_gradients), reduce_scatter=bool(zero.reduce_scatter),
             communication_data_type=_COMM_DTYPES[str(comm_type).lower()] if comm_type else None,
             prescale_gradients=bool(self._config.prescale_gradients),
-            gradient_predivide_factor=float(self._config.gradient_predivide_factor))
+            gradient_predivide_factor=float(self._config.gradient_predivide_factor), zero_config=zero)
 
     def _configure_lr_scheduler(self, client_scheduler: Any) -> Any:
         if client_scheduler is not None:
@@ -282,6 +282,45 @@ class DeepSpeedEngine(torch.nn.Module):
             collate_fn=collate_fn, num_local_io_workers=num_local_io_workers, data_sampler=data_sampler,
             data_parallel_world_size=dp_size, data_parallel_rank=dp_rank,
             dataloader_drop_last=bool(getattr(self._config, "dataloader_drop_last", False)))
+
+    # --- checkpoints (dsrun.checkpoint does the work; every rank must call these) -------------------------
+    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        """Save the full training state to ``save_dir/<tag>`` (default tag ``global_step<N>``), atomically."""
+        from dsrun.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+                               exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False) -> tuple[str | None, dict | None]:
+        """Restore a checkpoint (``tag`` None: the one ``latest`` names); returns ``(load_path, client_state)``."""
+        from dsrun.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
+                               load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Save the model's weights (in the model's dtype) to ``save_dir/save_filename``; only global rank 0
+        writes. Collective under ZeRO-3 (every rank must call it). Under ZeRO-3 without
+        ``stage3_gather_16bit_weights_on_model_save`` nothing is saved and False is returned."""
+        from dsrun.checkpoint import save_16bit_model
+
+        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
+    def empty_partition_cache(self) -> None:
+        """Release the ZeRO-3 parameters kept gathered between uses (persistent or kept for reuse), e.g. at the
+        end of training; they are gathered again when next needed. A no-op at stages 0-2."""
+        release = getattr(self.strategy, "empty_partition_cache", None)
+        if release is not None:
+            release()
+
+    def save_fp16_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+        """Deprecated name of :meth:`save_16bit_model`."""
+        return self.save_16bit_model(save_dir, save_filename)
 
 
 def build_engine_optimizer(config: Any, model: torch.nn.Module, optimizer: Any,

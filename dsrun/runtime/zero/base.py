@@ -43,6 +43,7 @@ class StrategyContext:
     communication_data_type: torch.dtype | None = None
     prescale_gradients: bool = False
     gradient_predivide_factor: float = 1.0
+    zero_config: Any = None  # the whole ``zero_optimization`` section, for stage-specific keys (stage 3)
 
     @property
     def world_size(self) -> int:
@@ -135,6 +136,15 @@ class ZeroStrategy(ABC):
     @abstractmethod
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         ...
+
+    def consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Any] | None:
+        """The model's full state dict for ``save_16bit_model`` (collective under stage 3); None when this
+        strategy cannot give one (stage 3 without ``stage3_gather_16bit_weights_on_model_save``)."""
+        sd = self.ctx.module.state_dict()
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.ctx.module.named_parameters() if not p.requires_grad}
+            sd = {k: v for k, v in sd.items() if k not in frozen}
+        return sd
 
 
 class FlatStrategy(ZeroStrategy):

@@ -1,0 +1,84 @@
+"""Durable file writes: a file is written under a temporary name, fsynced, and renamed, and the folder is
+fsynced, so after a crash a name either holds the complete new content or the old one.
+
+Tests simulate a crash at named points of a save: with ``DSRUN_TEST_CRASH_AT=<point>`` (and optionally
+``DSRUN_TEST_CRASH_RANK=<rank>``) the process SIGKILLs itself when it reaches ``crash_point(<point>)``.
+Nothing happens when the variable is unset.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CRASH_ENV, CRASH_RANK_ENV = "DSRUN_TEST_CRASH_AT", "DSRUN_TEST_CRASH_RANK"
+
+# The points of a save where tests kill a rank (in order); see dsrun.checkpoint.engine_io.save_checkpoint.
+CRASH_POINTS = ("staging_created", "model_states_torn", "after_model_states", "after_optim_states",
+                "before_commit", "old_tag_moved_aside", "after_commit", "latest_tmp_written", "after_latest")
+
+
+def crash_point(name: str, rank: int) -> None:
+    """SIGKILL this process if a test asked for a crash at ``name`` (on ``rank``, or any rank)."""
+    if os.environ.get(CRASH_ENV) != name:
+        return
+    wanted = os.environ.get(CRASH_RANK_ENV)
+    if wanted is not None and int(wanted) != rank:
+        return
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new entry in ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _tmp_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp{os.getpid()}")
+
+
+def save_torch(obj: Any, path: Path, rank: int = 0, torn_point: str | None = None) -> None:
+    """``torch.save`` to ``path`` atomically and durably. ``torn_point``: a crash point at which a test
+    leaves a half-written temporary file behind."""
+    tmp = _tmp_name(path)
+    with open(tmp, "wb") as fh:
+        torch.save(obj, fh)
+        fh.flush()
+        if torn_point is not None and os.environ.get(CRASH_ENV) == torn_point:
+            fh.truncate(max(1, fh.tell() // 2))
+            crash_point(torn_point, rank)
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def write_text(path: Path, text: str, rank: int = 0, crash_before_rename: str | None = None) -> None:
+    tmp = _tmp_name(path)
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    if crash_before_rename:
+        crash_point(crash_before_rename, rank)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def copy_file(src: Path, dst: Path) -> None:
+    tmp = _tmp_name(dst)
+    shutil.copyfile(src, tmp)
+    os.chmod(tmp, 0o755)
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, dst)
+
+
+def remove_tree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,334 @@
+"""``engine.save_checkpoint`` / ``engine.load_checkpoint``: DeepSpeed's files and keys, written atomically.
+
+Save, on every rank (a collective, like DeepSpeed's):
+
+1. the tag (default ``global_step<N>``) is checked to be the same on all ranks (``checkpoint.tag_validation``);
+2. rank 0 creates ``save_dir/.<tag>.staging``; every rank writes its files there (each under a temporary name,
+   fsynced, renamed), then all meet at a barrier;
+3. rank 0 renames the staging folder to ``save_dir/<tag>`` (a previous copy of the same tag is moved aside to
+   ``.<tag>.replaced`` first and deleted after), copies ``zero_to_fp32.py``, and only then rewrites ``latest``
+   (temporary file, fsync, rename).
+
+A crash before step 3 leaves ``latest`` and its folder untouched; a crash inside step 3 leaves either the old
+or the new complete folder under the tag (the loader also looks in ``.<tag>.replaced``).
+
+Load restores the module, the ZeRO optimizer state (resharded when the world size or the stage differ), the
+LR scheduler, the loss scale, the step counters and each rank's RNG states, and returns the client state.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dsrun import comm
+from dsrun.utils import zero_to_fp32 as z2f
+from dsrun.utils.errors import Problem, UserError
+
+from . import atomic, layout, reshard, state
+from .safe_load import load_file
+
+log = logging.getLogger("dsrun.checkpoint")
+
+# Keys DeepSpeed owns in a model states file; everything else is the client's state.
+DS_KEYS = frozenset({"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes",
+                     "frozen_param_fragments", "shared_params", "lr_scheduler", "data_sampler", "random_ltd",
+                     "sparse_tensor_module_names", "skipped_steps", "global_steps", "global_samples",
+                     "dp_world_size", "mp_world_size", "ds_config", "ds_version", "dsrun"})
+DS_VERSION = "0.14.1"  # the DeepSpeed layout these files follow
+
+
+class CheckpointTagError(UserError):
+    """Ranks passed different tags to save_checkpoint with ``checkpoint.tag_validation: Fail``."""
+
+
+def _say(engine: Any, message: str, level: int = logging.INFO) -> None:
+    log.log(level, message)
+    if engine.global_rank == 0:
+        print(f"[dsrun] {message}", flush=True)
+
+
+def _validate_tag(engine: Any, tag: str) -> str:
+    """Check the tag is the same on every rank (SHA1 compared with a MAX and a MIN all-reduce). Fail raises;
+    Warn warns and then every rank uses rank 0's tag, so the files still land in one folder; Ignore skips."""
+    mode = str(getattr(getattr(engine._config, "checkpoint", None), "tag_validation", "Warn")).capitalize()
+    if mode == "Ignore" or engine.world_size == 1:
+        return tag
+    digest = torch.tensor(list(hashlib.sha1(tag.encode()).digest()), dtype=torch.int64)
+    high, low = digest.clone(), digest.clone()
+    comm.all_reduce(high, op=comm.ReduceOp.MAX)
+    comm.all_reduce(low, op=comm.ReduceOp.MIN)
+    if torch.equal(high, low):
+        return tag
+    problem = Problem("save_checkpoint(tag=...)", f"the tag differs across ranks (rank {engine.global_rank} has {tag!r})",
+                      "pass the same tag on every rank, or leave it None for global_step<N>")
+    if mode == "Fail":
+        raise CheckpointTagError(problem)
+    chosen = [tag]
+    comm.broadcast_object_list(chosen, src=0)
+    log.warning("%s; saving under rank 0's tag %r", problem, chosen[0])
+    print(f"[dsrun] warning (rank {engine.global_rank}): {problem}; saving under rank 0's tag {chosen[0]!r}", flush=True)
+    return chosen[0]
+
+
+def _on_rank0_then_all(engine: Any, action: Any) -> None:
+    """Run ``action`` on rank 0 while the others wait; if it fails, every rank raises (instead of the others
+    hanging in the next collective)."""
+    error, failure = None, [None]
+    if engine.global_rank == 0:
+        try:
+            action()
+        except Exception as exc:  # re-raised below, after the other ranks have heard of it
+            error, failure[0] = exc, f"{type(exc).__name__}: {exc}"
+    if engine.world_size > 1:
+        comm.broadcast_object_list(failure, src=0)
+    if error is not None:
+        raise error
+    if failure[0] is not None:
+        raise RuntimeError(f"checkpoint save failed on rank 0: {failure[0]}")
+
+
+def _all_ranks_succeeded(engine: Any, error: Exception | None) -> None:
+    """A barrier that also tells every rank whether any rank failed (e.g. a full disk), so all raise."""
+    flag = torch.tensor([0.0 if error is None else 1.0])
+    if engine.world_size > 1:
+        comm.all_reduce(flag, op=comm.ReduceOp.MAX)
+    if error is not None:
+        raise error
+    if flag.item() > 0:
+        raise RuntimeError("checkpoint save failed on another rank (see its log); nothing was committed")
+
+
+def _strategy_stage(engine: Any) -> int:
+    return engine.strategy.stage if engine.strategy is not None else engine.zero_optimization_stage()
+
+
+def _model_states(engine: Any, client_state: dict[str, Any], exclude_frozen: bool, stage: int) -> dict[str, Any]:
+    strategy = engine.strategy
+    sd: dict[str, Any] = {
+        "module": state.module_state_cpu(engine.module, exclude_frozen),
+        "buffer_names": state.buffer_names(engine.module),
+        # stage 0 has no per-rank optimizer files: its (full) optimizer state lives here, as DeepSpeed does
+        "optimizer": strategy.state_dict() if strategy is not None and stage == 0 else None,
+        "param_shapes": state.named_group_shapes(strategy, engine.module) if strategy is not None else None,
+        "shared_params": state.shared_params(engine.module),
+        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        "data_sampler": None,
+        "random_ltd": None,
+        "sparse_tensor_module_names": [],
+        "skipped_steps": engine.skipped_steps,
+        "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples,
+        "dp_world_size": engine.dp_world_size,
+        "mp_world_size": 1,
+        "ds_config": state.plain_config(engine),
+        "ds_version": DS_VERSION,
+        "dsrun": {"micro_steps": engine.micro_steps, "zero_stage": stage, "precision": engine.precision.name,
+                  "state_dict_keys": list(engine.module.state_dict().keys())},
+    }
+    loader = getattr(engine, "training_dataloader", None)
+    if loader is not None and hasattr(loader, "epoch"):
+        sd["data_sampler"] = {"epoch": loader.epoch}
+    if stage == 3:
+        sd["frozen_param_shapes"], sd["frozen_param_fragments"] = state.frozen_params(engine.module)
+    for key, value in (client_state or {}).items():
+        if key in DS_KEYS:
+            raise UserError(Problem(f"save_checkpoint(client_state[{key!r}])", "is a key DeepSpeed's checkpoint "
+                                    "owns", "rename it"))
+        sd[key] = value
+    return sd
+
+
+def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: dict[str, Any] | None = None,
+                    save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+    """Save the engine's full training state under ``save_dir/<tag>``; every rank must call it."""
+    rank, dp_rank = engine.global_rank, comm.get_rank(engine.dp_group)
+    tag = layout.check_tag(str(tag) if tag is not None else layout.default_tag(engine.global_steps))
+    tag = _validate_tag(engine, tag)
+    root = Path(save_dir)
+    stage = _strategy_stage(engine)
+    staging = layout.staging_dir(root, tag)
+
+    def prepare() -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        for leftover in layout.repair(root):  # from saves that crashed
+            if leftover.is_dir():
+                atomic.remove_tree(leftover)
+            else:
+                leftover.unlink(missing_ok=True)
+        staging.mkdir()
+
+    _on_rank0_then_all(engine, prepare)
+    atomic.crash_point("staging_created", rank)
+
+    error = None
+    try:
+        if stage == 3 or dp_rank == 0:
+            atomic.save_torch(_model_states(engine, client_state or {}, exclude_frozen_parameters, stage),
+                              staging / layout.model_states_name(stage, dp_rank), rank,
+                              torn_point="model_states_torn")
+        atomic.crash_point("after_model_states", rank)
+        if engine.strategy is not None and stage >= 1:
+            optim = {"optimizer_state_dict": engine.strategy.state_dict(), "ds_config": state.plain_config(engine),
+                     "ds_version": DS_VERSION}
+            atomic.save_torch(optim, staging / layout.optim_states_name(dp_rank, engine.bfloat16_enabled()), rank)
+        atomic.save_torch(state.capture_rng_state(), staging / layout.rng_states_name(rank), rank)
+        atomic.crash_point("after_optim_states", rank)
+    except Exception as exc:  # e.g. a full disk: every rank must learn of it, or the others wait forever
+        error = exc
+    _all_ranks_succeeded(engine, error)
+
+    def commit() -> None:
+        atomic.crash_point("before_commit", rank)
+        atomic.fsync_dir(staging)
+        final, replaced = root / tag, layout.replaced_dir(root, tag)
+        atomic.remove_tree(replaced)
+        if final.exists():
+            final.rename(replaced)
+            atomic.crash_point("old_tag_moved_aside", rank)
+        staging.rename(final)
+        atomic.fsync_dir(root)
+        atomic.remove_tree(replaced)
+        atomic.crash_point("after_commit", rank)
+        atomic.copy_file(Path(z2f.__file__), root / layout.ZERO_TO_FP32)
+        if save_latest:
+            atomic.write_text(root / layout.LATEST, tag, rank, crash_before_rename="latest_tmp_written")
+        atomic.crash_point("after_latest", rank)
+
+    _on_rank0_then_all(engine, commit)
+    return True
+
+
+# --- load -----------------------------------------------------------------------------------------------
+def _saved_world(model_states: dict[str, Any]) -> int:
+    return int(model_states.get("dp_world_size", 1))
+
+
+def _saved_stage(model_states: dict[str, Any], tag_dir: Path) -> int:
+    extras = model_states.get("dsrun") or {}
+    if "zero_stage" in extras:
+        return int(extras["zero_stage"])
+    if any(tag_dir.glob("zero_pp_rank_*_model_states.pt")):
+        return 3
+    optim = sorted(tag_dir.glob("*zero_pp_rank_0_*optim_states.pt"))
+    return int(load_file(optim[0])["optimizer_state_dict"]["zero_stage"]) if optim else 0
+
+
+def _optim_files(tag_dir: Path, world: int, bf16: bool) -> list[Path]:
+    """The saved ranks' optimizer files, preferring this run's precision prefix (as DeepSpeed does)."""
+    for prefer in (bf16, not bf16):
+        files = [tag_dir / layout.optim_states_name(r, prefer) for r in range(world)]
+        if all(f.is_file() for f in files):
+            return files
+    raise FileNotFoundError(f"{tag_dir}: expected {world} '*_optim_states.pt' files (one per saved rank)")
+
+
+def _rank_optimizer_states(tag_dir: Path, model_states: dict[str, Any], stage: int, world: int,
+                           bf16: bool) -> list[dict[str, Any]]:
+    if stage == 0:
+        return [model_states["optimizer"]]
+    return [load_file(path)["optimizer_state_dict"] for path in _optim_files(tag_dir, world, bf16)]
+
+
+def _load_module(engine: Any, module_sd: dict[str, Any], strict: bool, live_stage: int, tag_dir: Path) -> None:
+    if live_stage == 3:
+        # partitioned parameters are restored through the strategy's master weights; only buffers load here
+        with torch.no_grad():
+            for name, buf in engine.module.named_buffers():
+                if name in module_sd:
+                    buf.copy_(module_sd[name])
+        return
+    live = engine.module.state_dict()
+    params_missing = [n for n, v in module_sd.items() if v.numel() == 0 and n in live and live[n].numel() > 0]
+    if params_missing:  # a stage-3 checkpoint: placeholders only; the weights come with the master weights
+        module_sd = {k: v for k, v in module_sd.items() if k not in params_missing}
+        strict = False
+        if engine.strategy is None:  # no optimizer to carry them: consolidate the fp32 masters here
+            full = z2f.get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag_dir.name)
+            module_sd.update({k: full[k].to(live[k].dtype) for k in params_missing if k in full})
+    engine.module.load_state_dict(module_sd, strict=strict)
+
+
+def _restore_strategy(engine: Any, tag_dir: Path, model_states: dict[str, Any], load_optimizer_states: bool,
+                      load_universal: bool) -> None:
+    strategy = engine.strategy
+    live_stage, live_world = strategy.stage, engine.dp_world_size
+    saved_stage, saved_world = _saved_stage(model_states, tag_dir), _saved_world(model_states)
+    live_shapes = state.named_group_shapes(strategy, engine.module)
+    dp_rank = comm.get_rank(engine.dp_group)
+    same_layout = saved_stage == live_stage and saved_world == live_world and not load_universal
+    if load_optimizer_states and same_layout:
+        own = (model_states["optimizer"] if saved_stage == 0 else
+               load_file(_optim_files(tag_dir, saved_world, engine.bfloat16_enabled())[dp_rank])["optimizer_state_dict"])
+        strategy.load_state_dict(own)
+        return
+    if load_optimizer_states and model_states.get("param_shapes") is not None:
+        _say(engine, f"resharding checkpoint {tag_dir.name}: saved by {saved_world} rank(s) at ZeRO stage "
+                     f"{saved_stage}, loading into {live_world} rank(s) at stage {live_stage}")
+        full = reshard.merge_rank_states(
+            _rank_optimizer_states(tag_dir, model_states, saved_stage, saved_world, engine.bfloat16_enabled()),
+            saved_stage, model_states["param_shapes"])
+    else:
+        # weights only (load_module_only / load_optimizer_states=False): the fp32 master values, optimizer kept
+        full = reshard.fp32_as_full_state(z2f.get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag_dir.name))
+        load_optimizer_states = False
+    target = reshard.state_for_rank(strategy.state_dict(), full, live_stage, live_world, dp_rank, live_shapes,
+                                    load_optimizer_states=load_optimizer_states)
+    strategy.load_state_dict(target)
+
+
+def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+                    load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                    load_module_only: bool = False) -> tuple[str | None, dict[str, Any] | None]:
+    """Restore a checkpoint saved by :func:`save_checkpoint`; returns ``(load_path, client_state)`` (the model
+    states file read, and the saved keys that are not DeepSpeed's), or
+    ``(None, None)`` (with a warning) when ``tag`` is None and ``load_dir`` has no ``latest``."""
+    root = Path(load_dir)
+    if tag is None:
+        tag = layout.read_latest(root)
+        if tag is None:
+            _say(engine, f"warning: Unable to find latest file at {root / layout.LATEST}, if trying to load latest "
+                         "checkpoint please ensure this file exists or pass an explicit checkpoint tag when loading a "
+                         "checkpoint.", logging.WARNING)
+            return None, None
+    tag_dir = layout.resolve_tag_dir(root, str(tag))
+    if tag_dir is None:
+        raise FileNotFoundError(f"checkpoint tag folder {root / str(tag)} does not exist "
+                                f"(tags here: {', '.join(layout.list_tags(root)) or 'none'})")
+    stage_files = sorted(tag_dir.glob("zero_pp_rank_*_model_states.pt"), key=lambda p: z2f.natural_key(p.name))
+    dp_rank = comm.get_rank(engine.dp_group)
+    if stage_files:
+        own = tag_dir / layout.model_states_name(3, dp_rank)
+        model_path = own if own.is_file() else stage_files[0]
+    else:
+        model_path = tag_dir / layout.model_states_name(0, 0)
+    model_states = load_file(model_path)
+    live_stage = _strategy_stage(engine)
+
+    _load_module(engine, model_states["module"], load_module_strict, live_stage, tag_dir)
+    if engine.strategy is not None:
+        load_universal = bool(getattr(getattr(engine._config, "checkpoint", None), "load_universal", False))
+        _restore_strategy(engine, tag_dir, model_states, load_optimizer_states and not load_module_only,
+                          load_universal)
+    if not load_module_only:
+        if load_lr_scheduler_states and engine.lr_scheduler is not None and model_states.get("lr_scheduler"):
+            engine.lr_scheduler.load_state_dict(model_states["lr_scheduler"])
+        engine.global_steps = int(model_states.get("global_steps", 0))
+        engine.global_samples = int(model_states.get("global_samples",
+                                                     engine.global_steps * engine.train_batch_size()))
+        engine.skipped_steps = int(model_states.get("skipped_steps", 0))
+        extras = model_states.get("dsrun") or {}
+        engine.micro_steps = int(extras.get("micro_steps", engine.global_steps * engine.gradient_accumulation_steps()))
+        loader = getattr(engine, "training_dataloader", None)
+        if loader is not None and isinstance(model_states.get("data_sampler"), dict):
+            loader.epoch = int(model_states["data_sampler"].get("epoch", loader.epoch))
+        rng_file = tag_dir / layout.rng_states_name(engine.global_rank)
+        if _saved_world(model_states) == engine.dp_world_size and rng_file.is_file():
+            state.restore_rng_state(load_file(rng_file))
+        elif engine.global_rank == 0:
+            _say(engine, "note: random number generator states not restored (the world size changed)")
+    client_state = {k: v for k, v in model_states.items() if k not in DS_KEYS}
+    return str(model_path), client_state

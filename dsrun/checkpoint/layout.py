@@ -1,0 +1,116 @@
+"""Names in a checkpoint folder (DeepSpeed's layout) and how a tag is chosen and checked.
+
+```
+save_dir/
+├── latest                         the tag of the newest complete checkpoint, no newline
+├── zero_to_fp32.py                standalone converter (torch only)
+└── global_step<N>/
+    ├── mp_rank_00_model_states.pt                     stages 0-2, data-parallel rank 0
+    ├── zero_pp_rank_<r>_mp_rank_00_model_states.pt    stage 3, every rank
+    ├── [bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt   stages 1-3, every rank
+    └── rng_states_rank_<r>.pt                         dsrun: each rank's RNG states (exact resume)
+```
+A save is staged in ``save_dir/.<tag>.staging`` and renamed into place when every rank has written it.
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from dsrun.utils.errors import Problem, UserError
+
+LATEST = "latest"
+ZERO_TO_FP32 = "zero_to_fp32.py"
+STAGING_SUFFIX = ".staging"
+REPLACED_SUFFIX = ".replaced"
+_TAG_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-+=]*$")
+
+
+def model_states_name(stage: int, dp_rank: int, mp_rank: int = 0) -> str:
+    if stage == 3:
+        return f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_model_states.pt"
+    return f"mp_rank_{mp_rank:02d}_model_states.pt"
+
+
+def optim_states_name(dp_rank: int, bf16: bool, mp_rank: int = 0) -> str:
+    prefix = "bf16_" if bf16 else ""
+    return f"{prefix}zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
+
+
+def rng_states_name(rank: int) -> str:
+    return f"rng_states_rank_{rank}.pt"
+
+
+def default_tag(global_steps: int) -> str:
+    return f"global_step{global_steps}"
+
+
+def check_tag(tag: str) -> str:
+    """A tag names one folder: letters, digits, ``_ . - + =``, not starting with a dot."""
+    if not _TAG_PATTERN.match(tag):
+        raise UserError(Problem("save_checkpoint(tag=...)", f"got {tag!r}; a tag is one folder name of letters, "
+                                "digits and _ . - + =, not starting with a dot", "e.g. tag='global_step100'"))
+    return tag
+
+
+def staging_dir(save_dir: Path, tag: str) -> Path:
+    return save_dir / f".{tag}{STAGING_SUFFIX}"
+
+
+def replaced_dir(save_dir: Path, tag: str) -> Path:
+    """Where the previous copy of a re-saved tag waits while the new one is renamed in."""
+    return save_dir / f".{tag}{REPLACED_SUFFIX}"
+
+
+def repair(save_dir: Path) -> list[Path]:
+    """Tidy up after interrupted saves: a set-aside copy whose tag folder is missing (the crash fell between
+    the two renames of a re-save) is renamed back, as it is the only copy of that tag. Returns the leftovers
+    to delete: staging folders, temporary files, and set-aside copies of tags that exist again."""
+    stale = []
+    for entry in sorted(save_dir.iterdir()) if save_dir.is_dir() else []:
+        name = entry.name
+        if not name.startswith("."):
+            continue
+        if name.endswith(STAGING_SUFFIX) or ".tmp" in name:
+            stale.append(entry)
+        elif name.endswith(REPLACED_SUFFIX):
+            original = save_dir / name[1:-len(REPLACED_SUFFIX)]
+            if original.is_dir():
+                stale.append(entry)
+            else:
+                entry.rename(original)
+    return stale
+
+
+def read_latest(save_dir: str | os.PathLike) -> str | None:
+    path = Path(save_dir) / LATEST
+    if not path.is_file():
+        return None
+    return path.read_text().strip() or None
+
+
+def resolve_tag_dir(save_dir: str | os.PathLike, tag: str) -> Path | None:
+    """The folder holding tag ``tag``; a tag whose re-save was interrupted mid-swap is found in its
+    ``.replaced`` copy. None when neither exists."""
+    save_dir = Path(save_dir)
+    for candidate in (save_dir / tag, replaced_dir(save_dir, tag)):
+        if candidate.is_dir():
+            return candidate
+    return None
+
+
+def list_tags(save_dir: str | os.PathLike) -> list[str]:
+    """Complete checkpoint tags under ``save_dir`` (folders with a model states file), oldest first by the
+    step number in the name (then by name)."""
+    save_dir = Path(save_dir)
+    if not save_dir.is_dir():
+        return []
+    tags = [p.name for p in save_dir.iterdir()
+            if p.is_dir() and not p.name.startswith(".") and any(p.glob("*model_states.pt"))]
+
+    def key(tag: str) -> tuple[int, str]:
+        match = re.search(r"(\d+)$", tag)
+        return (int(match.group(1)) if match else -1, tag)
+
+    return sorted(tags, key=key)

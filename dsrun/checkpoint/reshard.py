@@ -1,0 +1,133 @@
+"""Loading ZeRO optimizer state saved by N ranks (any stage) into an engine with M ranks (any stage).
+
+The saved per-rank files are first merged into one *full* state, keyed by parameter name: each parameter's
+fp32 master value and each of its optimizer moments (``exp_avg``…) as flat full-length tensors, plus the
+per-group scalars (``step``) and hyper-parameters. That full state is then cut the way the live strategy lays
+out its own rank's master tensors (:func:`dsrun.utils.zero_to_fp32.master_slots` describes both layouts) and
+handed to ``strategy.load_state_dict`` in the strategy's own format, as if it had been saved by this run.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dsrun.utils.zero_to_fp32 import BASE_OPTIMIZER_KEYS, master_slots, optimizer_master_tensors
+
+log = logging.getLogger("dsrun.checkpoint")
+
+_PRECISION_KEYS = ("loss_scaler", "dynamic_loss_scale")
+
+
+@dataclass
+class FullOptimizerState:
+    """Optimizer state independent of world size and stage."""
+
+    fp32: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> flat fp32 master value
+    moments: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # name -> key -> flat value
+    group_scalars: dict[int, dict[str, Any]] = field(default_factory=dict)  # param group -> {"step": ...}
+    param_groups: list[dict[str, Any]] = field(default_factory=list)  # hyper-parameters, without "params"
+    precision: dict[str, Any] = field(default_factory=dict)
+
+
+def _base_state(osd: dict[str, Any]) -> dict[str, Any]:
+    for key in BASE_OPTIMIZER_KEYS:
+        if key in osd:
+            return osd[key]
+    raise KeyError("no base optimizer state in a ZeRO optimizer state dict")
+
+
+def _master_to_group(base: dict[str, Any]) -> dict[int, int]:
+    owner = {}
+    for gi, group in enumerate(base["param_groups"]):
+        for index in group["params"]:
+            owner[int(index)] = gi
+    return owner
+
+
+def merge_rank_states(rank_states: list[dict[str, Any]], stage: int,
+                      group_shapes: list[dict[str, Any]]) -> FullOptimizerState:
+    """Merge the optimizer state dicts of every saved rank (in rank order) into a :class:`FullOptimizerState`."""
+    world = len(rank_states)
+    numels = {name: math.prod(shape) for shapes in group_shapes for name, shape in shapes.items()}
+    full = FullOptimizerState()
+    for rank, osd in enumerate(rank_states):
+        slots, lengths = master_slots(stage, world, rank, group_shapes)
+        base = _base_state(osd)
+        owner = _master_to_group(base)
+        if rank == 0:
+            full.param_groups = [{k: v for k, v in g.items() if k != "params"} for g in base["param_groups"]]
+            full.precision = {k: osd[k] for k in _PRECISION_KEYS if k in osd}
+        for mi, (master, master_slots_) in enumerate(zip(optimizer_master_tensors(osd), slots)):
+            state = base["state"].get(mi, base["state"].get(str(mi), {}))
+            per_element = {k: v.reshape(-1) for k, v in state.items()
+                           if torch.is_tensor(v) and v.dim() > 0 and v.numel() == lengths[mi]}
+            if rank == 0 and owner.get(mi, 0) not in full.group_scalars:
+                full.group_scalars[owner.get(mi, 0)] = {k: v for k, v in state.items() if k not in per_element}
+            flat = master.reshape(-1).float()
+            for slot in master_slots_:
+                target = full.fp32.setdefault(slot.name, torch.zeros(numels[slot.name]))
+                target[slot.full_offset:slot.full_offset + slot.length] = flat[slot.master_offset:slot.master_offset + slot.length]
+                for key, value in per_element.items():
+                    moments = full.moments.setdefault(slot.name, {})
+                    dest = moments.setdefault(key, torch.zeros(numels[slot.name], dtype=value.dtype))
+                    dest[slot.full_offset:slot.full_offset + slot.length] = value[slot.master_offset:slot.master_offset + slot.length]
+    return full
+
+
+def _fill(length: int, slots: list[Any], values: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    out = torch.zeros(length, dtype=dtype)
+    for slot in slots:
+        out[slot.master_offset:slot.master_offset + slot.length] = values[slot.name][slot.full_offset:slot.full_offset + slot.length]
+    return out
+
+
+def state_for_rank(template: dict[str, Any], full: FullOptimizerState, stage: int, world_size: int, rank: int,
+                   group_shapes: list[dict[str, Any]], load_optimizer_states: bool = True) -> dict[str, Any]:
+    """A state dict in the live strategy's own format (``template`` = its current ``state_dict()``) holding
+    ``full`` cut to rank ``rank`` of ``world_size`` at ``stage``. With ``load_optimizer_states=False`` only
+    the master weights are replaced; the optimizer keeps its current state."""
+    slots, lengths = master_slots(stage, world_size, rank, group_shapes)
+    master_key = "fp32_flat_groups" if "fp32_flat_groups" in template else "single_partition_of_fp32_groups"
+    current = optimizer_master_tensors(template)
+    missing = [name for shapes in group_shapes for name in shapes if name not in full.fp32]
+    if missing:
+        raise KeyError(f"the checkpoint has no value for parameter(s) {missing[:5]}")
+    masters = []
+    for mi, master_slots_ in enumerate(slots):
+        value = _fill(lengths[mi], master_slots_, full.fp32, torch.float32)
+        masters.append(value[: current[mi].numel()])  # stages 1-2 keep the padding out of the saved masters
+    out = dict(template)
+    out[master_key] = masters
+    if not load_optimizer_states:
+        return out
+    base_key = next(k for k in BASE_OPTIMIZER_KEYS if k in template)
+    base = template[base_key]
+    owner = _master_to_group(base)
+    groups = []
+    for gi, group in enumerate(base["param_groups"]):
+        saved = full.param_groups[gi] if gi < len(full.param_groups) else {}
+        groups.append({**group, **saved, "params": group["params"]})
+    state: dict[int, dict[str, Any]] = {}
+    for mi, master_slots_ in enumerate(slots):
+        names = [s.name for s in master_slots_]
+        keys = sorted({k for n in names for k in full.moments.get(n, {})})
+        if not keys:
+            continue  # the saved optimizer had not stepped yet
+        entry = {k: (v.clone() if torch.is_tensor(v) else v)
+                 for k, v in full.group_scalars.get(owner.get(mi, 0), {}).items()}
+        for key in keys:
+            dtype = next(full.moments[n][key].dtype for n in names if key in full.moments.get(n, {}))
+            entry[key] = _fill(lengths[mi], master_slots_, {n: full.moments[n][key] for n in names}, dtype)
+        state[mi] = entry
+    out[base_key] = {"state": state, "param_groups": groups}
+    out.update(full.precision)
+    return out
+
+
+def fp32_as_full_state(state_dict: dict[str, torch.Tensor]) -> FullOptimizerState:
+    """Master weights only (no optimizer moments), from a consolidated fp32 state dict."""
+    return FullOptimizerState(fp32={k: v.reshape(-1).float() for k, v in state_dict.items()})

@@ -1,0 +1,47 @@
+"""Loading checkpoint files without running code from them.
+
+Every file goes through ``torch.load(weights_only=True)``: only tensors, containers, numbers, strings and the
+globals on the allow-list can be unpickled. dsrun writes nothing else (RNG states are stored as tensors and
+tuples, configs as plain dicts), so the list is short; :func:`add_safe_globals` extends it for a user's own
+``client_state`` types. A file that needs anything more fails with :class:`UnsafeCheckpointError`.
+"""
+from __future__ import annotations
+
+import collections
+import os
+from typing import Any
+
+import torch
+
+from dsrun.utils.errors import Problem, UserError
+
+_ALLOWED: list[Any] = [collections.OrderedDict, torch.Size]
+
+
+class UnsafeCheckpointError(UserError):
+    """A checkpoint file holds pickled objects outside the allow-list (loading it could execute code)."""
+
+
+def add_safe_globals(*objects: Any) -> None:
+    """Allow these classes/functions in checkpoint files (for your own types in ``client_state``)."""
+    _ALLOWED.extend(objects)
+
+
+def safe_globals() -> list[Any]:
+    return list(_ALLOWED)
+
+
+def load_file(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
+    """Load one checkpoint file with ``weights_only=True`` and the allow-list."""
+    try:
+        with torch.serialization.safe_globals(safe_globals()):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as exc:
+        text = str(exc)
+        if "weights_only" in text or "Unsupported global" in text or "Unpickl" in type(exc).__name__:
+            first = next((line for line in text.splitlines() if "GLOBAL" in line or "global" in line), text[:200])
+            raise UnsafeCheckpointError(Problem(
+                str(path), f"refusing to load: it holds objects outside the allow-list ({first.strip()})",
+                "loading it could execute code; if you trust the file and the type is yours, register it with "
+                "dsrun.checkpoint.add_safe_globals(YourType)")) from None
+        raise

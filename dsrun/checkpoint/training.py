@@ -1,0 +1,88 @@
+"""Checkpoints for ``dsrun train``: resume before the first step, save every ``train.save_interval`` steps into
+``RUN_DIR/checkpoints``, keep the newest ``train.keep_last``.
+
+``train.resume``: ``null`` starts fresh; ``auto`` resumes from ``RUN_DIR/checkpoints`` when it holds a
+checkpoint (else starts fresh); a path resumes from that checkpoint folder (the one holding ``latest``), from
+a run directory's ``checkpoints/`` folder, or from one tag's folder (``.../checkpoints/global_step400``), and
+it is an error if there is nothing to resume from.
+The data loader's position travels in the checkpoint's client state, so a resumed run reads the very batches
+the interrupted one would have.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from dsrun import comm
+from dsrun.utils.errors import Problem, UserError
+
+from . import atomic, layout
+
+CHECKPOINTS_DIR = "checkpoints"
+LOADER_KEY = "data_loader"
+
+
+def find_checkpoint(resume: str | None, run_dir: Path) -> tuple[Path, str | None] | None:
+    """``(checkpoint folder, tag or None for latest)`` to resume from, or None to start fresh."""
+    if resume is None or str(resume).lower() in ("", "none", "null", "false"):
+        return None
+    if str(resume).lower() == "auto":
+        own = run_dir / CHECKPOINTS_DIR
+        return (own, None) if layout.read_latest(own) else None
+    given = Path(resume).expanduser()
+    for candidate in (given, given / CHECKPOINTS_DIR):
+        if layout.read_latest(candidate):
+            return candidate, None
+    if given.is_dir() and any(given.glob("*model_states.pt")):  # one tag's folder: resume from that tag
+        return given.parent, given.name
+    raise UserError(Problem("train.resume", f"no checkpoint at {given} (looked for {given / layout.LATEST}, "
+                            f"{given / CHECKPOINTS_DIR / layout.LATEST} and model states files)",
+                            "pass a checkpoint folder, a tag folder, a run directory, 'auto' or null"))
+
+
+class TrainingCheckpoints:
+    """The worker's checkpoint hooks, bound to one engine and its data loader."""
+
+    def __init__(self, engine: Any, loader: Any, run_dir: Path, save_interval: int, resume: str | None,
+                 keep_last: int):
+        self.engine, self.loader = engine, loader
+        self.save_dir = run_dir / CHECKPOINTS_DIR
+        self.save_interval, self.keep_last = int(save_interval or 0), int(keep_last or 0)
+        self.resume_from = find_checkpoint(resume, run_dir)
+        self.last_saved_step: int | None = None
+
+    def resume(self) -> int:
+        """Load the checkpoint to resume from, if any; returns the optimizer step training continues after."""
+        if self.resume_from is None:
+            return 0
+        load_dir, tag = self.resume_from
+        path, client_state = self.engine.load_checkpoint(str(load_dir), tag=tag)
+        if path is None:
+            return 0
+        if client_state and LOADER_KEY in client_state:
+            self.loader.load_state_dict(client_state[LOADER_KEY])
+        self.last_saved_step = self.engine.global_steps
+        if self.engine.global_rank == 0:
+            print(f"[dsrun] resumed from {path} at step {self.engine.global_steps}", flush=True)
+        return self.engine.global_steps
+
+    def save_if_due(self, step: int, force: bool = False) -> bool:
+        """Save after ``step`` when it is a multiple of ``save_interval`` (or ``force``, e.g. on SIGTERM, when
+        saving is on at all); then delete checkpoints beyond the newest ``keep_last``."""
+        if not self.save_interval or step == self.last_saved_step:
+            return False
+        if not force and step % self.save_interval:
+            return False
+        self.engine.save_checkpoint(str(self.save_dir), client_state={LOADER_KEY: self.loader.state_dict()})
+        self.last_saved_step = step
+        self._prune()
+        return True
+
+    def _prune(self) -> None:
+        if self.keep_last and self.engine.global_rank == 0:
+            keep = layout.read_latest(self.save_dir)
+            tags = [t for t in layout.list_tags(self.save_dir) if t != keep]
+            # the newest keep_last - 1 others survive next to the one `latest` names
+            for tag in tags[: max(0, len(tags) - (self.keep_last - 1))]:
+                atomic.remove_tree(self.save_dir / tag)
+        comm.barrier()

@@ -1,0 +1,22 @@
+"""``clone_tensors_for_torch_save`` (DeepSpeed's ``deepspeed.checkpoint.utils``)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def clone_tensors_for_torch_save(item: Any, device: torch.device | str = torch.device("cpu")) -> Any:
+    """A copy of ``item`` with every tensor (nested in lists, tuples and dicts too) cloned onto ``device``.
+
+    ``torch.save`` writes a tensor's whole storage; a parameter that is a view into a flat ZeRO buffer would
+    drag the entire buffer into the file. Cloning first stores only the tensor's own elements."""
+    if torch.is_tensor(item):
+        return item.detach().clone().to(device)
+    if isinstance(item, list):
+        return [clone_tensors_for_torch_save(v, device) for v in item]
+    if isinstance(item, tuple):
+        return tuple(clone_tensors_for_torch_save(v, device) for v in item)
+    if isinstance(item, dict):
+        return type(item)((k, clone_tensors_for_torch_save(v, device)) for k, v in item.items())
+    return item

@@ -1,0 +1,169 @@
+"""ZeRO-3 parameter partitioning: one parameter split across the ranks of a data-parallel group.
+
+Each parameter is split on its own (DeepSpeed's layout): every rank keeps ``ceil(numel / N)`` elements of
+the flattened tensor, rank r the elements ``[r * P, (r + 1) * P)``, and the last ranks' shards are padded with
+zeros. A partitioned parameter keeps its ``torch.nn.Parameter`` object (so optimizers, tied weights and
+``named_parameters`` still see one thing) but its ``.data`` is an empty placeholder; the shard lives in
+``param.ds_tensor``. Gathering all-gathers the shards into a fresh full buffer and points ``.data`` at it;
+releasing drops the buffer again. Attributes (DeepSpeed's names, so code that inspects them keeps working):
+
+``ds_id``            a number unique in this process, the same on every rank for the same construction order
+``ds_shape``         the full shape; ``ds_numel`` its number of elements
+``ds_tensor``        this rank's shard, 1-D, ``ds_partition_numel`` elements
+``ds_status``        :class:`ParamStatus`
+``ds_persist``       kept gathered between uses (small parameters, ``stage3_param_persistence_threshold``)
+``ds_process_group`` the group it is partitioned over (None: the world)
+"""
+from __future__ import annotations
+
+import itertools
+from enum import Enum
+from typing import Any, Iterable
+
+import torch
+
+from dsrun import comm
+
+
+class ParamStatus(Enum):
+    NOT_AVAILABLE = "not_available"  # only the shard exists
+    INFLIGHT = "inflight"  # an asynchronous all-gather is filling the full buffer
+    AVAILABLE = "available"  # .data is the full tensor
+
+
+_ids = itertools.count()
+
+
+def is_zero_param(param: Any) -> bool:
+    return hasattr(param, "ds_id")
+
+
+def partition_numel(numel: int, world_size: int) -> int:
+    """Elements each rank keeps of a parameter with ``numel`` elements."""
+    return -(-numel // world_size) if numel else 0
+
+
+def _placeholder(param: torch.Tensor) -> torch.Tensor:
+    return torch.empty(0, dtype=param.dtype, device=param.device)
+
+
+def partition_param(param: torch.nn.Parameter, group: Any = None, dtype: torch.dtype | None = None,
+                    device: torch.device | None = None) -> torch.nn.Parameter:
+    """Turn a full parameter (identical on every rank) into a partitioned one, in place; returns it.
+
+    The full tensor is freed (unless something else still references it)."""
+    if is_zero_param(param):
+        return param
+    world, rank = comm.get_world_size(group), comm.get_rank(group)
+    full = param.data
+    dtype = dtype or full.dtype
+    device = device or full.device
+    numel = full.numel()
+    part = partition_numel(numel, world)
+    shard = torch.zeros(part, dtype=dtype, device=device)
+    start = min(rank * part, numel)
+    end = min(start + part, numel)
+    if end > start:
+        shard[: end - start].copy_(full.reshape(-1)[start:end])
+    param.ds_id = next(_ids)
+    param.ds_shape = full.shape
+    param.ds_numel = numel
+    param.ds_partition_numel = part
+    param.ds_tensor = shard
+    param.ds_status = ParamStatus.NOT_AVAILABLE
+    param.ds_persist = False
+    param.ds_process_group = group
+    param.ds_world_size = world
+    param.ds_handle = None
+    param.data = torch.empty(0, dtype=dtype, device=device)
+    return param
+
+
+def shard_padding(param: torch.nn.Parameter, rank: int) -> int:
+    """Zero padding elements at the end of ``rank``'s shard of ``param``."""
+    start = rank * param.ds_partition_numel
+    return max(0, param.ds_partition_numel - max(0, param.ds_numel - start))
+
+
+class GatherHandle:
+    """An all-gather in flight for one parameter; :meth:`wait` makes the parameter available."""
+
+    def __init__(self, param: torch.nn.Parameter, buffer: torch.Tensor, work: Any):
+        self.param = param
+        self.buffer = buffer
+        self.work = work
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        param = self.param
+        if param.ds_handle is self:
+            param.data = self.buffer[: param.ds_numel].view(param.ds_shape)
+            param.ds_status = ParamStatus.AVAILABLE
+            param.ds_handle = None
+
+
+def start_gather(param: torch.nn.Parameter, async_op: bool) -> GatherHandle | None:
+    """Begin gathering ``param`` unless it is available or already in flight; returns the handle (None when
+    nothing had to start)."""
+    if param.ds_status is not ParamStatus.NOT_AVAILABLE:
+        return None
+    shard = param.ds_tensor
+    world = param.ds_world_size
+    if world == 1:
+        buffer = shard
+        work = None
+    else:
+        buffer = torch.empty(param.ds_partition_numel * world, dtype=shard.dtype, device=shard.device)
+        work = comm.all_gather_into_tensor(buffer, shard, group=param.ds_process_group, async_op=async_op)
+        if not async_op:
+            work = None
+    handle = GatherHandle(param, buffer, work)
+    param.ds_handle = handle
+    param.ds_status = ParamStatus.INFLIGHT
+    return handle
+
+
+def gather_params(params: Iterable[torch.nn.Parameter]) -> None:
+    """Make every parameter available (synchronously; waits for ones already in flight)."""
+    for param in params:
+        if param.ds_status is ParamStatus.NOT_AVAILABLE:
+            start_gather(param, async_op=False).wait()
+        elif param.ds_status is ParamStatus.INFLIGHT:
+            param.ds_handle.wait()
+
+
+def release_param(param: torch.nn.Parameter) -> None:
+    """Drop the full tensor; only the shard remains."""
+    if param.ds_status is ParamStatus.INFLIGHT:
+        param.ds_handle.wait()  # a collective in flight must finish before its buffer can go
+    if param.ds_status is ParamStatus.AVAILABLE:
+        param.data = _placeholder(param)
+        param.ds_status = ParamStatus.NOT_AVAILABLE
+
+
+def write_full_value(param: torch.nn.Parameter, full: torch.Tensor) -> None:
+    """Replace ``param``'s value with ``full`` (the same on every rank): this rank keeps its shard of it."""
+    rank = comm.get_rank(param.ds_process_group)
+    part = param.ds_partition_numel
+    flat = full.detach().reshape(-1)
+    start = min(rank * part, param.ds_numel)
+    end = min(start + part, param.ds_numel)
+    with torch.no_grad():
+        param.ds_tensor.zero_()
+        if end > start:
+            param.ds_tensor[: end - start].copy_(flat[start:end])
+        master = getattr(param, "ds_fp32_shard", None)
+        if master is not None and master.data_ptr() != param.ds_tensor.data_ptr():
+            master.copy_(param.ds_tensor)  # the optimizer's fp32 copy follows the change
+
+
+def full_tensor(param: torch.nn.Parameter) -> torch.Tensor:
+    """A copy of the full value of a partitioned parameter (collective: every rank must call it)."""
+    was_available = param.ds_status is ParamStatus.AVAILABLE
+    gather_params([param])
+    value = param.data.detach().clone()
+    if not was_available:
+        release_param(param)
+    return value

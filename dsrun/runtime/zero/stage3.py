@@ -1,0 +1,363 @@
+"""ZeRO stage 3: parameters, gradients and optimizer state all partitioned across the data-parallel ranks.
+
+* **Parameters** are split one by one (:mod:`.partition_params`): rank r keeps ``ceil(numel / N)`` elements
+  of each. :class:`~.hooks.ParameterCoordinator` all-gathers a submodule's parameters just before its
+  forward and again before its backward, and releases them after use (prefetching along the recorded
+  module order, keeping small ``stage3_param_persistence_threshold`` parameters gathered).
+* **Gradients** never stay whole: when autograd has finished a parameter's gradient (its post-accumulate
+  hook) the gradient goes into a bucket and the full copy is dropped; a bucket of ``reduce_bucket_size``
+  elements is reduce-scattered (asynchronously with ``overlap_comm``) so each rank receives the sum for its
+  own shards, added into an fp32 accumulator. This happens on every micro-step.
+* **Optimizer**: each param group's shards are laid end to end in fp32 *sub-groups* of at most
+  ``sub_group_size`` elements (one optimizer tensor each); the step updates only these, then writes the
+  model-dtype shards. No all-gather follows the step: the next forward gathers what it needs.
+
+Per step this moves 3 * psi * (N - 1) / N elements per rank (gather in forward, gather in backward,
+reduce-scatter), 1.5 times stage 0's all-reduce, as the ZeRO paper says.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dsrun import comm
+
+from .base import MemoryBreakdown, StepOutcome, StrategyContext, ZeroStrategy, optimizer_state_bytes, tensor_bytes
+from . import host_memory, linear
+from .hooks import ParameterCoordinator, iter_unique_params
+from .partition_params import full_tensor, is_zero_param, partition_param, shard_padding
+
+
+@dataclass
+class SubGroup:
+    """Consecutive shards of one optimizer param group, stepped as one fp32 tensor."""
+
+    group_index: int
+    params: list[torch.nn.Parameter] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    numel: int = 0
+    master: torch.nn.Parameter | None = None
+    grad: torch.Tensor | None = None
+
+    def add(self, param: torch.nn.Parameter) -> None:
+        self.params.append(param)
+        self.offsets.append(self.numel)
+        self.numel += param.ds_partition_numel
+
+
+def _config_value(zero_config: Any, name: str, default: Any) -> Any:
+    if zero_config is None:
+        return default
+    value = getattr(zero_config, name, None)
+    return default if value is None else value
+
+
+class Stage3Strategy(ZeroStrategy):
+    stage = 3
+
+    def __init__(self, ctx: StrategyContext):
+        super().__init__(ctx)
+        zc = getattr(ctx, "zero_config", None)
+        self.world_size = ctx.world_size
+        self.rank = ctx.rank
+        self.precision = ctx.precision
+        self.model_dtype = ctx.precision.model_dtype
+        self.comm_dtype = ctx.communication_data_type or self.model_dtype
+        self.reduce_bucket_numel = max(1, int(ctx.reduce_bucket_size))
+        self.sub_group_size = max(1, int(_config_value(zc, "sub_group_size", 1_000_000_000)))
+        self.gather_16bit_on_save = bool(_config_value(zc, "stage3_gather_16bit_weights_on_model_save", False))
+        if ctx.prescale_gradients:
+            self.pre_divide = float(ctx.gradient_predivide_factor)
+            self.post_scale = float(ctx.gradient_predivide_factor) / self.world_size
+        else:
+            self.pre_divide, self.post_scale = float(self.world_size), 1.0
+
+        if bool(_config_value(zc, "memory_efficient_linear", True)):
+            linear.install()
+        if ctx.device.type == "cpu":
+            host_memory.fix_mmap_threshold()  # freed gather buffers go back to the OS at once
+        self.params = iter_unique_params([ctx.module])
+        self._partition_all()
+        self._mark_persistent(int(_config_value(zc, "stage3_param_persistence_threshold", 100_000)),
+                              int(_config_value(zc, "stage3_model_persistence_threshold", 2**63 - 1)))
+        self.coordinator = ParameterCoordinator(
+            ctx.module, prefetch_bucket_size=int(_config_value(zc, "stage3_prefetch_bucket_size", 50_000_000)),
+            max_live_parameters=int(_config_value(zc, "stage3_max_live_parameters", 1_000_000_000)),
+            max_reuse_distance=int(_config_value(zc, "stage3_max_reuse_distance", 1_000_000_000)))
+
+        self._optimizer = ctx.optimizer
+        self.sub_groups = self._build_sub_groups()
+        self.masters = [sg.master for sg in self.sub_groups]
+        if self._optimizer.state:
+            self._optimizer.state.clear()  # state keyed by the old full parameters would never be used
+        self._slot: dict[int, tuple[SubGroup, int]] = {}
+        for sg in self.sub_groups:
+            for p, off in zip(sg.params, sg.offsets):
+                self._slot[id(p)] = (sg, off)
+        self._pending: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        self._pending_numel = 0
+        # (work, output, [(param, offset)], input kept alive until the collective completes)
+        self._inflight: list[tuple[Any, torch.Tensor, list[tuple[torch.nn.Parameter, int]], torch.Tensor]] = []
+        self._armed = False
+        self.max_buckets_in_flight = 2
+        self._grad_hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
+                            for p in self.params if p.requires_grad and id(p) in self._slot]
+        self.global_grad_norm: float | None = None
+
+    # --- construction -------------------------------------------------------------------------------------
+    def _partition_all(self) -> None:
+        """Partition every parameter (those built under ``zero.Init`` already are: bring their shards to the
+        engine's device and dtype)."""
+        for p in self.params:
+            floating = p.is_floating_point() or (is_zero_param(p) and p.ds_tensor.is_floating_point())
+            dtype = self.model_dtype if floating else None
+            if is_zero_param(p):
+                if (dtype is not None and p.ds_tensor.dtype != dtype) or p.ds_tensor.device != self.ctx.device:
+                    p.ds_tensor = p.ds_tensor.to(device=self.ctx.device, dtype=dtype or p.ds_tensor.dtype)
+                    p.data = torch.empty(0, dtype=p.ds_tensor.dtype, device=self.ctx.device)
+                continue
+            partition_param(p, self.ctx.group, dtype=dtype, device=self.ctx.device)
+
+    def _mark_persistent(self, threshold: int, model_threshold: int) -> None:
+        budget = model_threshold
+        for p in self.params:
+            if p.ds_numel < threshold and p.ds_numel <= budget:
+                p.ds_persist = True
+                budget -= p.ds_numel
+
+    def _build_sub_groups(self) -> list[SubGroup]:
+        names = {id(p): n for n, p in self.ctx.module.named_parameters(remove_duplicate=True)}
+        sub_groups: list[SubGroup] = []
+        seen: set[int] = set()
+        for gi, param_group in enumerate(self._optimizer.param_groups):
+            current: SubGroup | None = None
+            masters = []
+            for p in param_group["params"]:
+                if id(p) in seen or not p.requires_grad:
+                    continue
+                if id(p) not in names:
+                    raise ValueError("ZeRO stage 3: the optimizer holds a parameter that is not part of the model")
+                seen.add(id(p))
+                if current is None or (current.numel and current.numel + p.ds_partition_numel > self.sub_group_size):
+                    current = SubGroup(gi)
+                    sub_groups.append(current)
+                    masters.append(current)
+                current.add(p)
+            for sg in masters:
+                shards = [p.ds_tensor.detach().to(device=self.ctx.device, dtype=torch.float32) for p in sg.params]
+                flat = torch.cat(shards) if shards else torch.zeros(0, device=self.ctx.device)
+                del shards
+                sg.master = torch.nn.Parameter(flat)  # cat made a new tensor: nothing shares it
+                sg.grad = torch.zeros_like(sg.master.data)
+                for p, off in zip(sg.params, sg.offsets):
+                    p.ds_fp32_shard = sg.master.data[off:off + p.ds_partition_numel]  # GatheredParameters writes here
+                if not self.precision.needs_master_weights:
+                    # fp32: the model's shards are views of the master, so the step updates them in place
+                    for p, off in zip(sg.params, sg.offsets):
+                        p.ds_tensor = sg.master.data[off:off + p.ds_partition_numel]
+            param_group["params"] = [sg.master for sg in masters]
+        return sub_groups
+
+    # --- the engine's calls -------------------------------------------------------------------------------
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._optimizer
+
+    def before_forward(self) -> None:
+        self.coordinator.begin_forward()
+
+    def before_backward(self, boundary: bool) -> None:
+        # gradients are reduced on every micro-step: no rank ever keeps a full gradient
+        self._armed = True
+
+    def after_backward(self, boundary: bool) -> None:
+        if self._pending:
+            self._launch_bucket()
+        self._complete_all()
+        self._armed = False
+        self.coordinator.end_backward()
+
+    # --- gradient reduction -------------------------------------------------------------------------------
+    def _grad_ready(self, param: torch.nn.Parameter) -> None:
+        if not self._armed or param.grad is None:
+            return
+        grad = param.grad
+        param.grad = None
+        self.coordinator.release_after_grad(param)
+        self._pending.append((param, grad))
+        self._pending_numel += param.ds_partition_numel * self.world_size
+        if self._pending_numel >= self.reduce_bucket_numel:
+            self._launch_bucket()
+
+    def _launch_bucket(self) -> None:
+        items, self._pending, self._pending_numel = self._pending, [], 0
+        total = sum(p.ds_partition_numel for p, _ in items)
+        rows = torch.zeros(self.world_size, total, dtype=self.comm_dtype, device=self.ctx.device)
+        placed: list[tuple[torch.nn.Parameter, int]] = []
+        off = 0
+        for p, grad in items:
+            part = p.ds_partition_numel
+            flat = grad.reshape(-1)
+            whole = p.ds_numel // part if part else 0
+            if whole:
+                rows[:whole, off:off + part].copy_(flat[: whole * part].view(whole, part))
+            rest = p.ds_numel - whole * part
+            if rest:
+                rows[whole, off:off + rest].copy_(flat[whole * part:])
+            placed.append((p, off))
+            off += part
+        if self.pre_divide != 1.0:
+            rows.div_(self.pre_divide)
+        if self.world_size == 1:
+            self._inflight.append((None, rows[0], placed, rows))
+        else:
+            out = torch.empty(total, dtype=self.comm_dtype, device=self.ctx.device)
+            work = comm.reduce_scatter_tensor(out, rows.view(-1), group=self.ctx.group,
+                                              async_op=self.ctx.overlap_comm)
+            self._inflight.append((work if self.ctx.overlap_comm else None, out, placed, rows))
+        if not self.ctx.overlap_comm:
+            self._complete_all()
+        # each bucket in flight holds N x its size of gradients: bound them, or a whole model's gradient
+        # would pile up until the end of backward
+        while len(self._inflight) > self.max_buckets_in_flight:
+            self._complete(self._inflight.pop(0))
+
+    def _complete(self, entry: tuple[Any, torch.Tensor, list[tuple[torch.nn.Parameter, int]], torch.Tensor]) -> None:
+        work, out, placed, _ = entry
+        if work is not None:
+            work.wait()
+        for p, off in placed:
+            sg, sg_off = self._slot[id(p)]
+            sg.grad[sg_off:sg_off + p.ds_partition_numel].add_(out[off:off + p.ds_partition_numel])
+
+    def _complete_all(self) -> None:
+        for entry in self._inflight:
+            self._complete(entry)
+        self._inflight = []
+
+    # --- the optimizer step -------------------------------------------------------------------------------
+    def _any_overflow(self) -> bool:
+        local = any(not bool(torch.isfinite(sg.grad).all()) for sg in self.sub_groups)
+        if self.world_size == 1:
+            return local
+        flag = torch.tensor([1.0 if local else 0.0], device=self.ctx.device)
+        comm.all_reduce(flag, op=comm.ReduceOp.MAX, group=self.ctx.group)
+        return bool(flag.item() > 0)
+
+    def _global_norm(self, scale: float) -> float:
+        sq = torch.zeros(1, dtype=torch.float64, device=self.ctx.device)
+        for sg in self.sub_groups:
+            sq += sg.grad.double().pow(2).sum()  # shard padding holds zeros: it adds nothing
+        if self.world_size > 1:
+            comm.all_reduce(sq, group=self.ctx.group)
+        return math.sqrt(sq.item()) * scale
+
+    def step(self, gradient_clipping: float) -> StepOutcome:
+        if self.precision.checks_overflow and self._any_overflow():
+            self.global_grad_norm = None
+            return StepOutcome(overflow=True, grad_norm=None)
+        coef = self.post_scale / self.precision.loss_scale
+        norm = None
+        if gradient_clipping and gradient_clipping > 0:
+            norm = self._global_norm(coef)
+            clip_coef = gradient_clipping / (norm + 1e-6)
+            if clip_coef < 1.0:
+                coef *= clip_coef
+        self.global_grad_norm = norm
+        for sg in self.sub_groups:
+            if coef != 1.0:
+                sg.grad.mul_(coef)
+            sg.master.grad = sg.grad
+        self._optimizer.step()
+        self._publish()
+        return StepOutcome(overflow=False, grad_norm=norm)
+
+    def _publish(self) -> None:
+        """Write the updated fp32 shards into the model's shards; gathered copies are now stale."""
+        if self.precision.needs_master_weights:
+            with torch.no_grad():
+                for sg in self.sub_groups:
+                    for p, off in zip(sg.params, sg.offsets):
+                        p.ds_tensor.copy_(sg.master.data[off:off + p.ds_partition_numel])
+        self.coordinator.invalidate()
+
+    def empty_partition_cache(self) -> None:
+        """Release every gathered parameter, persistent ones included (``engine.empty_partition_cache()``)."""
+        self.coordinator.invalidate()
+
+    def zero_grad(self) -> None:
+        for sg in self.sub_groups:
+            sg.grad.zero_()
+        for p in self.params:
+            p.grad = None
+
+    # --- accounting ---------------------------------------------------------------------------------------
+    def memory_breakdown(self) -> MemoryBreakdown:
+        """Shards of every parameter plus the full copies of persistent ones; the fp32 gradient and master
+        partitions; the optimizer state. ``padding`` counts the zero tail of this rank's shards in all of them."""
+        shards = sum(tensor_bytes(p.ds_tensor) for p in self.params)
+        persistent = sum(p.ds_numel * p.ds_tensor.element_size() for p in self.params if p.ds_persist)
+        grads = sum(tensor_bytes(sg.grad) for sg in self.sub_groups)
+        masters = sum(tensor_bytes(sg.master) for sg in self.sub_groups) if self.precision.needs_master_weights else 0
+        states = optimizer_state_bytes(self._optimizer)
+        trainable_elems = sum(sg.numel for sg in self.sub_groups)
+        per_elem = (grads + masters + states) / trainable_elems if trainable_elems else 0.0
+        padding = 0.0
+        for p in self.params:
+            pad = shard_padding(p, self.rank)
+            padding += pad * p.ds_tensor.element_size() + (pad * per_elem if id(p) in self._slot else 0)
+        return MemoryBreakdown(parameters=shards + persistent, gradients=grads, master_weights=masters,
+                               optimizer_states=states, padding=int(padding))
+
+    # --- checkpoints and exports --------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        names = {id(p): n for n, p in self.ctx.module.named_parameters()}
+        sd = {
+            "zero_stage": 3,
+            "partition_count": self.world_size,
+            "overflow": False,
+            "optimizer_state_dict": self._optimizer.state_dict(),
+            "fp32_flat_groups": [sg.master.detach().clone() for sg in self.sub_groups],
+            "param_shapes": [OrderedDict((names[id(p)], p.ds_shape) for p in sg.params) for sg in self.sub_groups],
+        }
+        sd.update(self.precision.state_dict())
+        return sd
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if sd.get("partition_count") != self.world_size:
+            raise RuntimeError("ZeRO-3 state was saved with a different data-parallel world size "
+                               f"({sd.get('partition_count')}) than this run ({self.world_size})")
+        with torch.no_grad():
+            for sg, saved in zip(self.sub_groups, sd["fp32_flat_groups"]):
+                sg.master.data.copy_(saved)
+        self._optimizer.load_state_dict(sd["optimizer_state_dict"])
+        self.precision.load_state_dict(sd)
+        self._publish()
+
+    def consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor] | None:
+        """The full model state dict (collective); None when ``stage3_gather_16bit_weights_on_model_save``
+        is off, as DeepSpeed then saves nothing."""
+        if not self.gather_16bit_on_save:
+            return None
+        return full_state_dict(self.ctx.module, exclude_frozen_parameters=exclude_frozen_parameters)
+
+
+def full_state_dict(module: torch.nn.Module, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
+    """``module.state_dict()`` with every partitioned parameter gathered to its full value (on CPU, in the
+    model's dtype). Collective: every rank must call it; every rank gets the result."""
+    gathered: dict[int, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = OrderedDict()
+    for name, value in module.state_dict(keep_vars=True).items():
+        if isinstance(value, torch.nn.Parameter) and exclude_frozen_parameters and not value.requires_grad:
+            continue
+        if is_zero_param(value):
+            if id(value) not in gathered:
+                gathered[id(value)] = full_tensor(value).cpu()
+            out[name] = gathered[id(value)]
+        else:
+            out[name] = value.detach().cpu().clone()
+    return out

@@ -1,0 +1,320 @@
+#!/usr/bin/env python
+"""Consolidate a dsrun (DeepSpeed-layout) ZeRO checkpoint into one fp32 state dict.
+
+This file needs only PyTorch (and ``safetensors`` for ``--safe_serialization``): ``save_checkpoint`` copies
+it next to the tag folders so a checkpoint can be converted where dsrun is not installed::
+
+    python zero_to_fp32.py CHECKPOINT_DIR OUTPUT_FILE [-t TAG] [--exclude_frozen_parameters] [--safe_serialization]
+
+``CHECKPOINT_DIR`` is the folder holding ``latest`` and the ``global_step*`` tag folders. Stages 0, 1, 2 and
+3 are understood. The fp32 values are the optimizer's master weights, so a bf16/fp16 run converts to the
+exact fp32 weights the optimizer was stepping. Files are read one at a time and only their master weights
+are kept, so memory stays near the largest file plus the output.
+
+Tied weights (``shared_params`` in the model states): the alias key holds the very same tensor as its source,
+so ``torch.save`` stores it once. safetensors cannot store two names for one tensor: the alias key is left out
+and the file's metadata ``dsrun_shared_params`` (JSON ``{alias: source}``) names it; re-tie after loading or
+load with ``strict=False`` into a model whose weights are tied.
+
+Every file is read with ``torch.load(weights_only=True)``: a checkpoint cannot run code while loading.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import re
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+OPTIM_SUFFIX = "optim_states.pt"
+MODEL_SUFFIX = "model_states.pt"
+LATEST = "latest"
+SHARED_PARAMS_METADATA = "dsrun_shared_params"
+BASE_OPTIMIZER_KEYS = ("base_optimizer_state", "optimizer_state_dict")
+
+
+# --- the layout of ZeRO master weights (shared with dsrun.checkpoint.reshard) --------------------------------
+@dataclass(frozen=True)
+class Slot:
+    """``length`` elements of parameter ``name``, from ``full_offset`` in its flattened full value, sit at
+    ``master_offset`` in one rank's flat master tensor."""
+
+    name: str
+    master_offset: int
+    full_offset: int
+    length: int
+
+
+def _aligned(numel: int, alignment: int) -> int:
+    return -(-numel // alignment) * alignment
+
+
+def master_slots(stage: int, world_size: int, rank: int,
+                 group_shapes: list[dict[str, Any]]) -> tuple[list[list[Slot]], list[int]]:
+    """Where each parameter's elements sit in rank ``rank``'s master tensors, one list per master tensor
+    (a param group at stages 0-2, a sub-group at stage 3), and each master tensor's padded length.
+
+    Stages 0-2 flatten a group end to end (stages 1-2 pad it to a multiple of ``2 * world_size`` and give
+    rank r the r-th equal slice); stage 3 splits every parameter on its own into ``ceil(numel / world)``
+    elements per rank and lays this rank's shards end to end.
+    """
+    slots: list[list[Slot]] = []
+    lengths: list[int] = []
+    for shapes in group_shapes:
+        numels = [(name, math.prod(shape)) for name, shape in shapes.items()]
+        group_slots = []
+        if stage == 3:
+            offset = 0
+            for name, numel in numels:
+                part = -(-numel // world_size) if numel else 0
+                length = max(0, min(part, numel - rank * part))
+                if length:
+                    group_slots.append(Slot(name, offset, rank * part, length))
+                offset += part
+            lengths.append(offset)
+        else:
+            total = sum(n for _, n in numels)
+            if stage == 0:
+                padded, lo, hi = max(total, 1), 0, max(total, 1)
+            else:
+                padded = _aligned(max(total, 1), 2 * world_size)
+                part = padded // world_size
+                lo, hi = rank * part, (rank + 1) * part
+            offset = 0
+            for name, numel in numels:
+                start, end = max(offset, lo), min(offset + numel, hi)
+                if end > start:
+                    group_slots.append(Slot(name, start - lo, start - offset, end - start))
+                offset += numel
+            lengths.append(hi - lo)
+        slots.append(group_slots)
+    return slots, lengths
+
+
+# --- reading a checkpoint folder ---------------------------------------------------------------------------
+def natural_key(text: str) -> list[Any]:
+    """Sort key that orders ``rank_2`` before ``rank_10``."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
+
+
+def load_file(path: str) -> Any:
+    """``torch.load`` on CPU with ``weights_only=True``: tensors, containers and numbers only."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # an UnpicklingError names the global that was refused
+        if "weights_only" in str(exc) or "Unsupported global" in str(exc):
+            raise ValueError(f"{path}: refusing to load: the file holds objects that could run code when "
+                             f"unpickled ({str(exc).splitlines()[0]})") from None
+        raise
+
+
+def resolve_tag_dir(checkpoint_dir: str, tag: str | None = None) -> str:
+    """``checkpoint_dir/tag`` (the tag read from ``latest`` when not given)."""
+    if tag is None:
+        latest = os.path.join(checkpoint_dir, LATEST)
+        if not os.path.isfile(latest):
+            raise ValueError(f"Unable to find 'latest' file at {latest}; pass the tag explicitly")
+        with open(latest) as fh:
+            tag = fh.read().strip()
+    tag_dir = os.path.join(checkpoint_dir, str(tag))
+    if not os.path.isdir(tag_dir):
+        replaced = os.path.join(checkpoint_dir, f".{tag}.replaced")
+        if os.path.isdir(replaced):  # a save of the same tag was interrupted mid-swap: the old copy is whole
+            return replaced
+        raise FileNotFoundError(f"Directory '{tag_dir}' doesn't exist")
+    return tag_dir
+
+
+def _files(tag_dir: str, suffix: str) -> list[str]:
+    found = glob.glob(os.path.join(tag_dir, f"*{suffix}"))
+    return sorted(found, key=natural_key)
+
+
+def optimizer_master_tensors(osd: dict[str, Any]) -> list[torch.Tensor]:
+    """The fp32 master tensors of one rank's ZeRO optimizer state (stages 0-2: padding removed)."""
+    if "fp32_flat_groups" in osd:
+        return list(osd["fp32_flat_groups"])
+    return list(osd["single_partition_of_fp32_groups"])
+
+
+def _copy_slots(out: dict[str, torch.Tensor], shapes: dict[str, Any], slots: list[Slot],
+                master: torch.Tensor) -> int:
+    copied = 0
+    flat = master.reshape(-1)
+    for slot in slots:
+        if slot.name not in out:
+            out[slot.name] = torch.zeros(math.prod(shapes[slot.name]), dtype=torch.float32)
+        out[slot.name][slot.full_offset:slot.full_offset + slot.length].copy_(
+            flat[slot.master_offset:slot.master_offset + slot.length])
+        copied += slot.length
+    return copied
+
+
+def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | None = None,
+                                             exclude_frozen_parameters: bool = False,
+                                             verbose: bool = False) -> "OrderedDict[str, torch.Tensor]":
+    """The full fp32 state dict (on CPU) of the checkpoint ``checkpoint_dir/tag`` (``tag`` from ``latest``
+    when None). Buffers come from the model states; tied aliases share their source's tensor."""
+    tag_dir = resolve_tag_dir(checkpoint_dir, tag)
+    say = print if verbose else (lambda *_: None)
+    say(f"Processing zero checkpoint '{tag_dir}'")
+    model_files = _files(tag_dir, MODEL_SUFFIX)
+    if not model_files:
+        raise FileNotFoundError(f"no '*_{MODEL_SUFFIX}' files in {tag_dir}")
+    first = load_file(model_files[0])
+    if "buffer_names" not in first:
+        raise ValueError(f"{model_files[0]} is not a model states file (no 'buffer_names')")
+    extras = first.get("dsrun") or {}
+    group_shapes = [OrderedDict(g) for g in first.get("param_shapes") or []]
+    optim_files = _files(tag_dir, OPTIM_SUFFIX)
+    shared = dict(first.get("shared_params") or {})
+    order = extras.get("state_dict_keys") or list(first["module"].keys())
+    # keep only what the fp32 masters do not provide (buffers, frozen parameters), so the 16-bit or fp32
+    # module copy is not held next to the output
+    trainable = {name for shapes in group_shapes for name in shapes} | set(shared)
+    module = {k: v for k, v in first.pop("module").items() if k not in trainable}
+    stage0_optimizer = first.pop("optimizer", None)
+
+    out: dict[str, torch.Tensor] = {}
+    if optim_files:
+        head = load_file(optim_files[0])["optimizer_state_dict"]
+        if "zero_stage" not in head:
+            raise ValueError(f"{optim_files[0]} is not a zero checkpoint (no 'zero_stage')")
+        stage = int(head["zero_stage"])
+        count = head["partition_count"]
+        world = max(count) if isinstance(count, (list, tuple)) else int(count)
+        del head
+        if world != len(optim_files):
+            raise ValueError(f"Expected {world} of '*_{OPTIM_SUFFIX}' under '{tag_dir}' but found "
+                             f"{len(optim_files)} files. Possibly due to an overwrite of an old checkpoint, "
+                             "or a checkpoint didn't get saved by one or more processes.")
+        sources = [(rank, path) for rank, path in enumerate(optim_files)]
+    elif isinstance(stage0_optimizer, dict) and "single_partition_of_fp32_groups" in stage0_optimizer:
+        stage, world, sources = 0, 1, [(0, None)]  # stage 0: the one full master copy is in the model states
+    else:
+        stage, world, sources = -1, 1, []  # no optimizer: the module's weights are all there is
+    say(f"Detected checkpoint of type zero stage {stage}, world_size: {world}")
+    say(f"Parsing checkpoint created by dsrun, DeepSpeed layout {first.get('ds_version', '?')}")
+
+    total = 0
+    for rank, path in sources:
+        osd = stage0_optimizer if path is None else load_file(path)["optimizer_state_dict"]
+        masters = optimizer_master_tensors(osd)
+        del osd  # keep only this rank's master weights, not its Adam moments
+        slots, _ = master_slots(stage, world, rank, group_shapes)
+        all_shapes = {k: v for g in group_shapes for k, v in g.items()}
+        for master, group_slots in zip(masters, slots):
+            total += _copy_slots(out, all_shapes, group_slots, master)
+        del masters
+    stage0_optimizer = None
+    for shapes in group_shapes:
+        for name, shape in shapes.items():
+            if name in out:
+                out[name] = out[name].view(shape)
+    expected = sum(math.prod(s) for g in group_shapes for s in g.values())
+    if sources and total != expected:
+        raise ValueError(f"consumed {total} numels out of {expected}: the checkpoint's files do not match its "
+                         "param_shapes")
+
+    frozen = _frozen_params(first, model_files, stage) if not exclude_frozen_parameters else {}
+    buffers = set(first["buffer_names"])
+    result: "OrderedDict[str, torch.Tensor]" = OrderedDict()
+    for name in order:
+        if name in shared:
+            continue  # filled from its source below
+        if name in out:
+            result[name] = out[name]
+        elif name in frozen:
+            result[name] = frozen[name]
+        elif name in buffers and name in module:
+            result[name] = module[name].float() if module[name].is_floating_point() else module[name]
+        elif name in module and stage != 3 and not exclude_frozen_parameters:
+            result[name] = module[name].float() if module[name].is_floating_point() else module[name]
+    for alias, source in shared.items():
+        if source in result:
+            result[alias] = result[source]
+    if order:  # the model's own key order, aliases included
+        result = OrderedDict((k, result[k]) for k in order if k in result)
+    say(f"Reconstructed fp32 state dict with {len(out)} params {total} elements")
+    return result
+
+
+def _frozen_params(first: dict[str, Any], model_files: list[str], stage: int) -> dict[str, torch.Tensor]:
+    """Parameters without gradients. Stages 0-2 keep them whole in ``module``; stage 3 has one fragment per
+    rank's model states file."""
+    shapes = first.get("frozen_param_shapes") or {}
+    if not shapes or stage != 3:
+        return {}
+    pieces: dict[str, list[torch.Tensor]] = {name: [] for name in shapes}
+    for path in model_files:
+        fragments = load_file(path).get("frozen_param_fragments") or {}
+        for name in shapes:
+            pieces[name].append(fragments[name].reshape(-1).float())
+    return {name: torch.cat(parts)[: math.prod(shapes[name])].view(shapes[name]) for name, parts in pieces.items()}
+
+
+def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_file: str, tag: str | None = None,
+                                               exclude_frozen_parameters: bool = False,
+                                               safe_serialization: bool = False, verbose: bool = True) -> str:
+    """Write the consolidated fp32 state dict to ``output_file`` (``torch.save``, or safetensors); returns
+    the path written. The file appears only when complete (written under a temporary name, then renamed)."""
+    state_dict = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters, verbose)
+    parent = os.path.dirname(os.path.abspath(output_file))
+    os.makedirs(parent, exist_ok=True)
+    tmp = f"{output_file}.tmp{os.getpid()}"
+    if verbose:
+        print(f"Saving fp32 state dict to {output_file}")
+    if safe_serialization:
+        from safetensors.torch import save_file
+
+        sources: dict[int, str] = {}
+        tensors: dict[str, torch.Tensor] = {}
+        aliases: dict[str, str] = {}
+        for name, tensor in state_dict.items():
+            if id(tensor) in sources:
+                aliases[name] = sources[id(tensor)]
+                continue
+            sources[id(tensor)] = name
+            tensors[name] = tensor.contiguous()
+        save_file(tensors, tmp, metadata={SHARED_PARAMS_METADATA: json.dumps(aliases)})
+    else:
+        torch.save(state_dict, tmp)
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, output_file)
+    return output_file
+
+
+def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir: str,
+                                         tag: str | None = None) -> torch.nn.Module:
+    """Move ``model`` to CPU and load the checkpoint's fp32 weights into it (``strict=False``, as DeepSpeed
+    does); returns the model. A model wrapped by an engine must be re-initialized afterwards."""
+    state_dict = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
+    model = model.cpu()
+    model.load_state_dict(state_dict, strict=False)
+    return model
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint_dir", help="the folder holding 'latest' and the tag folders")
+    parser.add_argument("output_file", help="where to write the fp32 state dict, e.g. pytorch_model.bin")
+    parser.add_argument("-t", "--tag", default=None, help="checkpoint tag (default: the one in 'latest')")
+    parser.add_argument("--exclude_frozen_parameters", action="store_true", help="leave frozen parameters out")
+    parser.add_argument("--safe_serialization", action="store_true", help="write safetensors instead of torch.save")
+    parser.add_argument("-d", "--debug", action="store_true", help="print progress")
+    args = parser.parse_args(argv)
+    convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output_file, tag=args.tag,
+                                               exclude_frozen_parameters=args.exclude_frozen_parameters,
+                                               safe_serialization=args.safe_serialization, verbose=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

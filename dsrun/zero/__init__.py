@@ -1,0 +1,17 @@
+"""``dsrun.zero``: DeepSpeed's ZeRO-3 user API.
+
+* :class:`Init` — build a model with its parameters partitioned across ranks from the start.
+* :class:`GatheredParameters` — gather partitioned parameters for a ``with`` block (and broadcast changes).
+* :func:`register_external_parameter` — a module uses a parameter it does not own.
+* :func:`full_state_dict` — the model's state dict with every partitioned parameter gathered.
+
+See ``docs/zero3.md``.
+"""
+from dsrun.runtime.zero.partition_params import ParamStatus, is_zero_param
+from dsrun.runtime.zero.stage3 import full_state_dict
+
+from .gathered import GatheredParameters, register_external_parameter, unregister_external_parameter
+from .init import Init
+
+__all__ = ["GatheredParameters", "Init", "ParamStatus", "full_state_dict", "is_zero_param",
+           "register_external_parameter", "unregister_external_parameter"]

@@ -1,0 +1,232 @@
+"""``dsrun.zero.Init``: build a model with its parameters partitioned from the start.
+
+Inside ``with dsrun.zero.Init():`` every ``torch.nn.Module`` partitions its parameters across the
+data-parallel ranks as soon as its ``__init__`` returns: rank 0's freshly initialised values are broadcast,
+each rank keeps its shard (:mod:`dsrun.runtime.zero.partition_params`) and the full tensors are freed. So a
+model is never whole on any rank: at any moment a rank holds its shards of the modules built so far plus the
+parameters of the one module being constructed (as in DeepSpeed).
+
+A parent that re-initialises its children's weights after they were built (``GPT.reset_parameters``,
+Hugging Face's ``_init_weights``) keeps working: inside the context, the ``torch.nn.init`` functions gather a
+partitioned parameter, apply the init on rank 0, and re-partition the result. Writing ``param.data``
+directly does not; use :class:`~dsrun.zero.GatheredParameters` with ``modifier_rank=0`` for that.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from dsrun import comm
+from dsrun.runtime.zero import host_memory
+from dsrun.runtime.zero.partition_params import is_zero_param, partition_param
+from dsrun.utils.errors import ConfigError, Problem
+
+from .gathered import GatheredParameters
+
+_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
+                   "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_",
+                   "sparse_")
+_ACTIVE: list["Init"] = []  # the Init contexts entered, innermost last
+_saved_init_functions: dict[str, Callable] = {}
+_wrapped_classes: dict[type, Callable] = {}
+_saved_init_subclass: list[Any] = []  # torch.nn.Module's own __init_subclass__, if it ever has one
+_RUNNING = "_ds_init_running"
+
+
+_TRIM_AFTER_BYTES = 1 << 20
+
+
+def _read_config(config_dict_or_path: Any) -> dict[str, Any]:
+    if config_dict_or_path is None:
+        return {}
+    if isinstance(config_dict_or_path, dict):
+        return config_dict_or_path
+    if hasattr(config_dict_or_path, "to_ds_dict"):
+        return config_dict_or_path.to_ds_dict()
+    path = Path(config_dict_or_path)
+    if not path.is_file():
+        raise ConfigError(Problem("zero.Init(config_dict_or_path=...)", f"{str(path)!r} is not a file",
+                                  "pass a config dict or the path of a DeepSpeed JSON config"))
+    from dsrun.config.sources import read_config_source
+
+    return read_config_source(str(path)) if path.suffix != ".json" else json.loads(path.read_text())
+
+
+def _config_dtype(config: dict[str, Any]) -> torch.dtype | None:
+    if (config.get("fp16") or {}).get("enabled"):
+        return torch.float16
+    if (config.get("bf16") or config.get("bfloat16") or {}).get("enabled"):
+        return torch.bfloat16
+    return None
+
+
+def _current() -> "Init | None":
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+def _wrap_module_init(cls: type) -> None:
+    original = cls.__dict__.get("__init__")
+    if original is None or getattr(original, "_ds_original", None) is not None:
+        return
+
+    @functools.wraps(original)
+    def init(self: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        ctx = _current()
+        if ctx is None or self.__dict__.get(_RUNNING):
+            return original(self, *args, **kwargs)  # not under Init, or a super().__init__ inside one
+        self.__dict__[_RUNNING] = True
+        try:
+            original(self, *args, **kwargs)
+        finally:
+            self.__dict__.pop(_RUNNING, None)
+        ctx.partition_module(self)
+
+    init._ds_original = original  # type: ignore[attr-defined]
+    cls.__init__ = init
+    _wrapped_classes[cls] = original
+
+
+def _all_module_classes() -> list[type]:
+    seen, stack = [], [torch.nn.Module]
+    while stack:
+        cls = stack.pop()
+        seen.append(cls)
+        stack.extend(c for c in cls.__subclasses__() if c not in seen)
+    return seen
+
+
+def _on_new_subclass(cls: type, **kwargs: Any) -> None:
+    _wrap_module_init(cls)
+
+
+def _zero_aware_init(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def init_fn(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(tensor, torch.nn.Parameter) and is_zero_param(tensor):
+            with GatheredParameters(tensor, modifier_rank=0):
+                original(tensor, *args, **kwargs)
+            return tensor
+        return original(tensor, *args, **kwargs)
+    return init_fn
+
+
+def _install() -> None:
+    for cls in _all_module_classes():
+        if cls is not torch.nn.Module:
+            _wrap_module_init(cls)
+    _saved_init_subclass[:] = [torch.nn.Module.__dict__.get("__init_subclass__")]
+    torch.nn.Module.__init_subclass__ = classmethod(_on_new_subclass)  # type: ignore[assignment]
+    for name in _INIT_FUNCTIONS:
+        original = getattr(torch.nn.init, name)
+        _saved_init_functions[name] = original
+        setattr(torch.nn.init, name, _zero_aware_init(original))
+
+
+def _uninstall() -> None:
+    for cls, original in _wrapped_classes.items():
+        cls.__init__ = original
+    _wrapped_classes.clear()
+    original = _saved_init_subclass[0] if _saved_init_subclass else None
+    if original is None:
+        del torch.nn.Module.__init_subclass__
+    else:
+        torch.nn.Module.__init_subclass__ = original
+    _saved_init_subclass.clear()
+    for name, original in _saved_init_functions.items():
+        setattr(torch.nn.init, name, original)
+    _saved_init_functions.clear()
+
+
+class Init:
+    """Partition parameters at construction: ``with dsrun.zero.Init(): model = MyModel()``.
+
+    ``module``: partition an already built model now instead (no ``with`` needed). ``data_parallel_group``
+    (or ``mpu.get_data_parallel_group()``): the ranks to partition over (default: all). ``remote_device``:
+    where shards live, ``"cpu"`` or None (the accelerator's device; on a CPU machine both are the host);
+    ``pin_memory`` needs ``remote_device="cpu"``. ``dtype``: convert floating parameters to this dtype
+    (default: the config's fp16/bf16 precision if ``config_dict_or_path``/``config`` is given, else keep
+    each parameter's dtype). ``enabled=False`` makes it a no-op. Initializes ``dsrun.comm`` if needed.
+    Only meaningful with ZeRO stage 3: the engine takes the partitioned model as it is.
+    """
+
+    def __init__(self, module: torch.nn.Module | None = None, data_parallel_group: Any = None,
+                 remote_device: str | None = None, pin_memory: bool = False, config_dict_or_path: Any = None,
+                 config: Any = None, enabled: bool = True, dtype: torch.dtype | None = None, mpu: Any = None,
+                 **_unused: Any):
+        self.enabled = enabled
+        if not enabled:
+            return
+        if remote_device not in (None, "cpu", "none", "nvme"):
+            raise ConfigError(Problem("zero.Init(remote_device=...)", f"got {remote_device!r}",
+                                      "allowed: None, \"cpu\", \"nvme\""))
+        if remote_device == "nvme":
+            raise ConfigError(Problem("zero.Init(remote_device=...)", "\"nvme\" parameter offload is not available",
+                                      "use remote_device=\"cpu\" or None"))
+        if pin_memory and remote_device != "cpu":
+            raise ConfigError(Problem("zero.Init(pin_memory=...)", "pin_memory=True needs remote_device=\"cpu\"",
+                                      "pass remote_device=\"cpu\" or drop pin_memory"))
+        cfg = _read_config(config_dict_or_path if config_dict_or_path is not None else config)
+        self.dtype = dtype or _config_dtype(cfg)
+        if not comm.is_initialized():
+            comm.init_distributed(verbose=False)
+        if data_parallel_group is None and mpu is not None:
+            data_parallel_group = mpu.get_data_parallel_group()
+        self.group = data_parallel_group
+        from dsrun.accelerator import get_accelerator
+
+        self.device = torch.device("cpu") if remote_device == "cpu" else get_accelerator().device()
+        if self.device.type == "cpu":
+            host_memory.fix_mmap_threshold()  # each freed full tensor goes back to the OS at once
+        self.pin_memory = pin_memory
+        self.src = 0 if self.group is None else comm.get_global_rank(self.group, 0)
+        if module is not None:
+            self.partition_module(module)
+
+    def get_dp_process_group(self) -> Any:
+        return self.group
+
+    def get_partition_rank(self) -> int:
+        return comm.get_rank(self.group)
+
+    def partition_module(self, module: torch.nn.Module) -> None:
+        """Partition every parameter of ``module`` not partitioned yet (rank 0's values win)."""
+        seen: set[int] = set()
+        freed = 0
+        with torch.no_grad():
+            for p in module.parameters():
+                if id(p) in seen or is_zero_param(p) or p.is_meta:
+                    continue  # meta parameters hold no values (typically replaced, as a tied head is)
+                seen.add(id(p))
+                if self.dtype is not None and p.is_floating_point() and p.dtype != self.dtype:
+                    p.data = p.data.to(self.dtype)
+                if comm.get_world_size(self.group) > 1:
+                    comm.broadcast(p.data, src=self.src, group=self.group)
+                freed += p.numel() * p.element_size()
+                partition_param(p, self.group, device=self.device)
+                if self.pin_memory:
+                    from dsrun.accelerator import get_accelerator
+
+                    p.ds_tensor = get_accelerator().pin_memory(p.ds_tensor)
+        if freed >= _TRIM_AFTER_BYTES:
+            # The full tensors just freed may sit in the middle of the heap, where glibc keeps them resident;
+            # hand their pages back so the process really holds only its shards.
+            host_memory.trim()
+
+    def __enter__(self) -> "Init":
+        if not self.enabled:
+            return self
+        if not _ACTIVE:
+            _install()
+        _ACTIVE.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.enabled:
+            return
+        _ACTIVE.remove(self)
+        if not _ACTIVE:
+            _uninstall()

@@ -1,0 +1,168 @@
+"""Per-rank training jobs for the checkpoint tests (importable by ``tests.helpers.run_ranks`` ranks).
+
+A job is a dict: ``stage``, ``precision`` (fp32|bf16), ``steps`` (optimizer steps to run), ``global_batch``,
+``save_dir`` and ``save_at`` (steps after which to save), ``load`` (a dir to resume from first), ``dropout``.
+Every step's global batch comes from the data loader below: a deterministic, resumable stream, so a resumed run
+sees exactly the batches the uninterrupted one saw (its position travels in ``client_state``). Dropout makes
+the loss depend on the RNG states, so they must be restored too.
+"""
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+VOCAB, SEQ = 64, 8
+
+
+class StepStream:
+    """The global batch of step k is fixed by (seed, k); each rank takes its contiguous slice."""
+
+    def __init__(self, global_batch: int, rank: int, world: int, seed: int = 7):
+        self.global_batch, self.rank, self.world, self.seed = global_batch, rank, world, seed
+        self.step = 0
+
+    def next(self) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(self.seed * 100_003 + self.step)
+        tokens = torch.randint(0, VOCAB, (self.global_batch, SEQ + 1), generator=gen)
+        self.step += 1
+        per = self.global_batch // self.world
+        return tokens[self.rank * per:(self.rank + 1) * per]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step}
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        self.step = sd["step"]
+
+
+def build_model(dropout: float = 0.1, frozen: bool = False) -> torch.nn.Module:
+    from dsrun.models.gpt import GPT
+
+    torch.manual_seed(1234)
+    model = GPT(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2, n_embd=32, dropout=dropout)
+    if frozen:
+        model.transformer["wpe"].weight.requires_grad_(False)
+    return model
+
+
+def ds_config(stage: int, precision: str, micro: int, extra: dict | None = None) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-3, "warmup_num_steps": 5}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000, "allgather_bucket_size": 2000},
+        "gradient_clipping": 1.0,
+        "steps_per_print": 1000,
+    }
+    if precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    if stage == 3:
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+        cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    cfg.update(extra or {})
+    return cfg
+
+
+def full_params(engine: Any) -> dict[str, torch.Tensor]:
+    """The live model's full fp32 state (gathered under stage 3)."""
+    if engine.zero_optimization_stage() == 3:
+        from dsrun.runtime.zero.stage3 import full_state_dict
+
+        return {k: v.float().clone() for k, v in full_state_dict(engine.module).items()}
+    return {k: v.detach().float().cpu().clone() for k, v in engine.module.state_dict().items()}
+
+
+def run_jobs(rank: int, world: int, jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Several jobs in one launch (one process group), one after the other."""
+    from dsrun import comm
+
+    try:
+        return [run_job(rank, world, job) for job in jobs]
+    finally:
+        if comm.is_initialized():
+            comm.destroy_process_group()
+
+
+def run_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    import os
+
+    import dsrun
+    from dsrun import comm
+
+    random.seed(11 + rank)
+    np.random.seed(11 + rank)
+    torch.manual_seed(11 + rank)  # per-rank dropout streams; re-seeded identically in every launch
+    model = build_model(job.get("dropout", 0.1), job.get("frozen", False))
+    micro = job["global_batch"] // world
+    engine, *_ = dsrun.initialize(model=model, model_parameters=model.parameters(),
+                                  config=ds_config(job["stage"], job["precision"], micro, job.get("extra")))
+    stream = StepStream(job["global_batch"], rank, world)
+    result: dict[str, Any] = {"losses": []}
+    if job.get("load"):
+        path, client = engine.load_checkpoint(job["load"], tag=job.get("load_tag"),
+                                              load_optimizer_states=job.get("load_optimizer_states", True))
+        result["load_path"], result["client"] = path, {k: v for k, v in client.items() if k != "stream"}
+        stream.load_state_dict(client["stream"])
+        result["loaded_steps"], result["loaded_stream"] = engine.global_steps, stream.step
+    for _ in range(job["steps"]):
+        batch = stream.next()
+        loss = engine(batch[:, :-1], batch[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().double().reshape(1)
+        comm.all_reduce(mean)
+        result["losses"].append(mean.item() / world)
+        if engine.global_steps in job.get("save_at", ()):
+            if engine.global_steps == max(job["save_at"]) and job.get("crash_at"):
+                os.environ["DSRUN_TEST_CRASH_AT"] = job["crash_at"]  # this save SIGKILLs at that point
+                os.environ["DSRUN_TEST_CRASH_RANK"] = str(job.get("crash_rank", 0))
+            engine.save_checkpoint(job["save_dir"], tag=job.get("save_tag"),
+                                   client_state={"stream": stream.state_dict(), "note": "hi"})
+    # numpy arrays travel to the parent by value (tensors would need the rank process to stay alive)
+    result["params"] = {k: v.numpy() for k, v in full_params(engine).items()}
+    result["global_steps"] = engine.global_steps
+    result["lr"] = engine.get_lr()
+    if job.get("export16"):
+        result["saved16"] = engine.save_16bit_model(job["export16"])
+    if job.get("final_save"):
+        engine.save_checkpoint(job["final_save"], client_state={"stream": stream.state_dict()})
+    comm.barrier()
+    return result
+
+
+def save_failures(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Each rank passes its own tag: Fail raises on every rank; Warn saves once, under rank 0's tag. Then a
+    write fails on rank 1 only (a full disk): every rank raises instead of hanging, nothing is committed."""
+    import dsrun
+    from dsrun import comm
+    from dsrun.checkpoint import CheckpointTagError, atomic
+
+    out: dict[str, Any] = {}
+    for mode in ("Fail", "Warn"):
+        model = build_model(0.0)
+        engine, *_ = dsrun.initialize(model=model, config=ds_config(1, "fp32", 2, {"checkpoint": {"tag_validation": mode}}))
+        try:
+            engine.save_checkpoint(f"{root}/{mode}", tag=f"mine{rank}")
+            out[mode] = "saved"
+        except CheckpointTagError as exc:
+            out[mode] = str(exc)
+    real_save = atomic.save_torch
+
+    def full_disk(obj: Any, path: Any, *args: Any, **kwargs: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    if rank == 1:
+        atomic.save_torch = full_disk
+    try:
+        engine.save_checkpoint(f"{root}/Warn", tag="broken")
+        out["disk"] = "saved"
+    except Exception as exc:
+        out["disk"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        atomic.save_torch = real_save
+    comm.destroy_process_group()
+    return out

@@ -1,0 +1,232 @@
+"""Rank entry points for the ZeRO-3 API tests: zero.Init memory, GatheredParameters, external parameters,
+16-bit export, and peak RSS of a 100M-parameter GPT (importable by spawned ranks)."""
+from __future__ import annotations
+
+import os
+import weakref
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.integration import _zero3_workloads as w
+
+
+def _vm_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(field)
+
+
+def _reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM (peak RSS) to the current RSS
+
+
+class Tower(nn.Module):
+    def __init__(self, layers: int, width: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width, bias=False) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def init_memory(rank: int, world: int, layers: int, width: int) -> dict[str, Any]:
+    """Build a ``layers`` x ``width``^2 tower under zero.Init; measure the parameter bytes alive at every
+    parameter registration (the moments full tensors exist) and the peak RSS growth."""
+    import dsrun
+    from dsrun import comm
+
+    comm.init_distributed(verbose=False)
+    with dsrun.zero.Init():
+        Tower(1, 64)  # warm-up: first-use allocations of torch and gloo are not the model's
+    tracked: list[weakref.ref] = []
+
+    def live_bytes() -> int:
+        total = 0
+        for ref in tracked:
+            p = ref()
+            if p is None:
+                continue
+            total += p.data.untyped_storage().nbytes()
+            if hasattr(p, "ds_tensor"):
+                total += p.ds_tensor.untyped_storage().nbytes()
+        return total
+
+    peak = {"live": 0}
+
+    def on_register(module: nn.Module, name: str, param: Any) -> None:
+        if param is not None:
+            tracked.append(weakref.ref(param))
+            peak["live"] = max(peak["live"], live_bytes())
+
+    handle = torch.nn.modules.module.register_module_parameter_registration_hook(on_register)
+    rss_before = _vm_kib("VmRSS")
+    _reset_peak_rss()
+    with dsrun.zero.Init():
+        model = Tower(layers, width)
+    rss_growth = (_vm_kib("VmHWM") - rss_before) * 1024
+    handle.remove()
+    after = live_bytes()
+    shards = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in model.parameters())
+    full_data = sum(p.data.numel() for p in model.parameters())
+    return {"peak_live": peak["live"], "after": after, "shards": shards, "full_data_elems": full_data,
+            "rss_growth": rss_growth, "total": layers * width * width * 4, "module": width * width * 4}
+
+
+class Gatherable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 5)
+        self.head = nn.Linear(5, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.lin(x.to(self.lin.weight.dtype)))).float().mean()
+
+
+def gathered_modifier(rank: int, world: int, precision: str) -> dict[str, Any]:
+    """Rank 0 changes a weight inside GatheredParameters(modifier_rank=0): every rank sees it afterwards, in
+    the gathered value, in the forward, and in the optimizer's fp32 copy (the next step starts from it)."""
+    import dsrun
+    from dsrun.runtime.initialize import initialize
+
+    torch.manual_seed(0)
+    cfg = w.ds_config(3, 2, 1, **({"bf16": {"enabled": True}} if precision == "bf16" else {}))
+    cfg["optimizer"]["params"]["lr"] = 0.0
+    cfg["optimizer"]["params"]["weight_decay"] = 0.0
+    engine, _, _, _ = initialize(model=Gatherable(), config=cfg)
+    module = engine.module
+    before_empty = module.lin.weight.numel()
+    with dsrun.zero.GatheredParameters(module.lin.weight, modifier_rank=0):
+        inside_shape = tuple(module.lin.weight.shape)
+        if rank == 0:
+            with torch.no_grad():
+                module.lin.weight.fill_(0.25)
+        elif world > 1:
+            with torch.no_grad():
+                module.lin.weight.fill_(-7.0)  # a non-modifier rank's change is discarded
+    after_empty = module.lin.weight.numel()
+    value = dsrun.zero.full_state_dict(module)["lin.weight"]
+    x = torch.ones(2, 6)
+    loss = engine(x)
+    engine.backward(loss)
+    engine.step()  # lr 0: the fp32 master is written back to the model as is
+    after_step = dsrun.zero.full_state_dict(module)["lin.weight"]
+    with dsrun.zero.GatheredParameters(list(module.parameters())):  # read-only gather of everything
+        reference = Gatherable()
+        reference.load_state_dict({k: v.float() for k, v in module.state_dict().items()})
+    return {"before_empty": before_empty, "inside_shape": inside_shape, "after_empty": after_empty,
+            "value": value.float().numpy(), "after_step": after_step.float().numpy(), "loss": loss.item(),
+            "ref_loss": reference(x).item()}
+
+
+class ParentUsesChildWeight(nn.Module):
+    """The parent reads its child's weight in its own forward (an 'external' parameter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.mix = nn.Linear(8, 8)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.mix(self.emb(idx))
+        return F.cross_entropy(h @ self.emb.weight.t(), idx.reshape(-1)[: h.shape[0]].clamp(max=9))
+
+
+def external_parameter(rank: int, world: int, register: bool) -> dict[str, Any]:
+    import dsrun
+    from dsrun.runtime.initialize import initialize
+
+    torch.manual_seed(0)
+    model = ParentUsesChildWeight()
+    ref_model = ParentUsesChildWeight()
+    ref_model.load_state_dict(model.state_dict())
+    engine, _, _, _ = initialize(model=model, config=w.ds_config(3, 2, 1))
+    if register:
+        dsrun.zero.register_external_parameter(engine.module, engine.module.emb.weight)
+    idx = torch.arange(8) % 10
+    try:
+        losses = []
+        for _ in range(3):
+            loss = engine(idx)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    except RuntimeError as exc:
+        return {"error": str(exc).splitlines()[0]}
+    opt = torch.optim.AdamW(ref_model.parameters(), lr=w.LR, weight_decay=w.WEIGHT_DECAY)
+    ref = []
+    for _ in range(3):
+        loss = ref_model(idx)  # every rank uses the same batch, so the average gradient is this one
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ref.append(loss.item())
+    return {"losses": losses, "ref": ref}
+
+
+def export_16bit(rank: int, world: int, save_dir: str, gather: bool) -> dict[str, Any]:
+    import dsrun
+    from dsrun.runtime.initialize import initialize
+
+    cfg = w.ds_config(3, 2, 1, bf16={"enabled": True},
+                      zero={"stage3_gather_16bit_weights_on_model_save": gather,
+                            "stage3_param_persistence_threshold": 100})  # LayerNorms and biases persist
+    engine, _, _, _ = initialize(model=w.build_model("gpt"), config=cfg)
+    batch = w.global_batch("gpt", 0, 2 * world)
+    loss = engine(w.slice_batch(batch, 2 * rank, 2 * rank + 2))
+    engine.backward(loss)
+    engine.step()
+    placeholder_numels = {k: v.numel() for k, v in engine.module.state_dict().items()}
+    saved = engine.save_16bit_model(save_dir, "model.bin")
+    full = dsrun.zero.full_state_dict(engine.module)
+    with torch.no_grad():
+        engine(w.slice_batch(batch, 2 * rank, 2 * rank + 2))
+    kept = sorted(n for n, p in engine.module.named_parameters() if p.numel())
+    engine.empty_partition_cache()
+    kept_after = sorted(n for n, p in engine.module.named_parameters() if p.numel())
+    return {"saved": saved, "placeholders": placeholder_numels, "kept": kept, "kept_after": kept_after,
+            "full": {k: v.float().numpy() for k, v in full.items()}}
+
+
+def peak_rss_100m(rank: int, world: int) -> dict[str, Any]:
+    """One training step of a ~100M-parameter GPT built under zero.Init; this rank's peak RSS."""
+    import dsrun
+    from dsrun import comm
+    from dsrun.models.gpt import GPT
+    from dsrun.runtime.initialize import initialize
+
+    comm.init_distributed(verbose=False)
+    cfg = w.ds_config(3, 1, 1, zero={"reduce_bucket_size": 5_000_000, "stage3_prefetch_bucket_size": 5_000_000})
+    torch.manual_seed(0)
+    with dsrun.zero.Init(config_dict_or_path=cfg):
+        model = GPT(vocab_size=256, block_size=16, n_layer=12, n_head=8, n_embd=832)
+    numel = sum(p.ds_numel for p in model.parameters())
+    engine, _, _, _ = initialize(model=model, config=cfg)
+    tokens = torch.randint(0, 256, (1, 17))
+    loss = engine((tokens[:, :-1], tokens[:, 1:]))
+    engine.backward(loss)
+    engine.step()
+    return {"numel": numel, "peak_rss": _vm_kib("VmHWM") * 1024, "loss": loss.item(),
+            "memory": engine.memory_breakdown().as_dict()}
+
+
+def _env_threads() -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def api_suite(rank: int, world: int, save_dir: str) -> dict[str, Any]:
+    """Every API check that can share one launch."""
+    _env_threads()
+    return {"gathered/fp32": gathered_modifier(rank, world, "fp32"),
+            "gathered/bf16": gathered_modifier(rank, world, "bf16"),
+            "external/unregistered": external_parameter(rank, world, register=False),
+            "external/registered": external_parameter(rank, world, register=True),
+            "export/off": export_16bit(rank, world, os.path.join(save_dir, "off"), gather=False),
+            "export/on": export_16bit(rank, world, os.path.join(save_dir, "on"), gather=True)}

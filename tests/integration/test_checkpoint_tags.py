@@ -1,0 +1,24 @@
+"""Saves that cannot go ahead on every rank: checkpoint.tag_validation (Fail stops every rank with a clear
+error, Warn saves under rank 0's tag so the ranks' files never end up in different folders), and a write that
+fails on one rank only (every rank raises, nothing is committed, `latest` is untouched)."""
+
+import pytest
+
+from dsrun.checkpoint import read_latest
+from tests.helpers import run_ranks
+from tests.integration._ckpt_workloads import save_failures
+
+@pytest.mark.slow
+def test_save_failures(tmp_path):
+    results = run_ranks(save_failures, 2, str(tmp_path), timeout=200)
+    for rank, result in enumerate(results):
+        assert f"the tag differs across ranks (rank {rank} has 'mine{rank}')" in result["Fail"]
+        assert result["Warn"] == "saved"
+    assert not (tmp_path / "Fail").exists()  # checked before anything is written
+    assert read_latest(tmp_path / "Warn") == "mine0"
+    assert sorted(p.name for p in (tmp_path / "Warn" / "mine0").iterdir()) == [
+        "mp_rank_00_model_states.pt", "rng_states_rank_0.pt", "rng_states_rank_1.pt",
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    assert results[1]["disk"] == "OSError: [Errno 28] No space left on device"
+    assert results[0]["disk"].startswith("RuntimeError: checkpoint save failed on another rank")
+    assert read_latest(tmp_path / "Warn") == "mine0" and not (tmp_path / "Warn" / "broken").exists()

@@ -1,0 +1,106 @@
+"""The converter: the copy saved with a checkpoint runs with torch alone; the CLI; safetensors; errors."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import venv
+
+import pytest
+import torch
+
+from dsrun.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint, load_state_dict_from_zero_checkpoint
+from tests.helpers import run_cli
+
+from .conftest import make_engine, train
+
+pytestmark = pytest.mark.usefixtures("single_rank")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, single_rank):
+    root = tmp_path_factory.mktemp("ckpt")
+    engine = make_engine(2, "bf16")
+    train(engine, 2)
+    engine.save_checkpoint(str(root))
+    live = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    return root, live
+
+
+def test_saved_script_runs_in_a_venv_without_dsrun(checkpoint, tmp_path):
+    root, live = checkpoint
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(system_site_packages=False, with_pip=False).create(env_dir)
+    python = str(env_dir / "bin" / "python")
+    # torch from the system, added as a plain path: the system site-packages' own .pth hooks (an editable
+    # dsrun install, for one) are not processed, so only what sits in that folder is importable
+    site = subprocess.run([python, "-c", "import site; print(site.getsitepackages()[0])"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    with open(os.path.join(site, "system_torch.pth"), "w") as fh:
+        fh.write(os.path.dirname(os.path.dirname(torch.__file__)) + "\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    probe = subprocess.run([python, "-c", "import dsrun"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert probe.returncode != 0 and "No module named 'dsrun'" in probe.stderr  # nothing of dsrun importable
+    out = tmp_path / "pytorch_model.bin"
+    done = subprocess.run([python, str(root / "zero_to_fp32.py"), str(root), str(out)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "Detected checkpoint of type zero stage 2, world_size: 1" in done.stdout
+    sd = torch.load(out, weights_only=True)
+    assert list(sd) == list(live)
+    assert all(torch.equal(sd[k].to(torch.bfloat16), live[k]) for k in live)
+    assert sd["lm_head.weight"].data_ptr() == sd["transformer.wte.weight"].data_ptr()
+
+
+def test_cli_safetensors_stores_tied_weight_once(checkpoint, tmp_path):
+    from safetensors import safe_open
+
+    root, live = checkpoint
+    out = tmp_path / "model.safetensors"
+    done = run_cli("convert", "zero-to-fp32", str(root), str(out), "--safe-serialization")
+    assert done.returncode == 0, done.stderr
+    with safe_open(str(out), "pt") as fh:
+        keys = set(fh.keys())
+        shared = json.loads(fh.metadata()["dsrun_shared_params"])
+        values = {k: fh.get_tensor(k) for k in keys}
+    assert shared == {"lm_head.weight": "transformer.wte.weight"}
+    assert keys == set(live) - {"lm_head.weight"}
+    assert all(torch.equal(values[k].to(torch.bfloat16), live[k]) for k in keys)
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    done = run_cli("convert", "zero-to-fp32", str(tmp_path), str(tmp_path / "x.bin"))
+    assert done.returncode == 2
+    assert "Unable to find 'latest'" in done.stderr and "Traceback" not in done.stderr
+    done = run_cli("convert", "zero-to-fp32", str(tmp_path), str(tmp_path / "x.bin"), "--tag", "nope")
+    assert done.returncode == 2 and "doesn't exist" in done.stderr
+
+
+def test_api_load_into_a_fresh_model(checkpoint):
+    from tests.integration._ckpt_workloads import build_model
+
+    root, live = checkpoint
+    model = build_model(0.0)
+    load_state_dict_from_zero_checkpoint(model, str(root))
+    assert all(torch.equal(v.to(torch.bfloat16), live[k]) for k, v in model.state_dict().items())
+    assert get_fp32_state_dict_from_zero_checkpoint(str(root), tag="global_step2").keys() == live.keys()
+
+
+def test_missing_rank_file_is_reported(checkpoint, tmp_path):
+    import shutil
+
+    root, _ = checkpoint
+    copy = tmp_path / "c"
+    shutil.copytree(root, copy)
+    (copy / "global_step2" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt").unlink()
+    (copy / "global_step2" / "extra_optim_states.pt").write_bytes(b"")
+    with pytest.raises(Exception):
+        get_fp32_state_dict_from_zero_checkpoint(str(copy))
+
+
+def test_script_help_runs_standalone(checkpoint):
+    root, _ = checkpoint
+    done = subprocess.run([sys.executable, "-I", str(root / "zero_to_fp32.py"), "--help"], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0 and "--safe_serialization" in done.stdout
