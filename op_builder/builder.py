@@ -85,6 +85,11 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def _extra_simd_flags(level: str) -> list[str]:
+    # bf16 conversion in one instruction where the CPU has it (the code checks __AVX512BF16__).
+    return ["-mavx512bf16"] if level == "avx512" and "avx512_bf16" in cpu_flags() else []
+
+
 def simd_level() -> str:
     """The SIMD level to build for: the best the CPU supports, or ``$DSRUN_SIMD`` (avx512, avx2, scalar)."""
     wanted = os.environ.get("DSRUN_SIMD", "").strip().lower()
@@ -159,7 +164,8 @@ class OpBuilder:
 
     def cxx_flags(self) -> list[str]:
         # -ffp-contract=off: kernels decide where fma is used, so vector body and scalar tail round alike.
-        return ["-O3", "-std=c++17", "-fopenmp", "-ffp-contract=off", *_SIMD_FLAGS[self.simd_level()]]
+        return ["-O3", "-std=c++17", "-fopenmp", "-ffp-contract=off", *_SIMD_FLAGS[self.simd_level()],
+                *_extra_simd_flags(self.simd_level())]
 
     def ld_flags(self) -> list[str]:
         return ["-fopenmp"]

@@ -58,12 +58,17 @@ inline __m512 bf16x16_to_f32(__m256i h) {
 }
 
 inline __m256i f32x16_to_bf16(__m512 x) {
+#if defined(__AVX512BF16__)
+    // One instruction: round to nearest even, NaN kept (CPUs with avx512_bf16, e.g. Sapphire Rapids).
+    return (__m256i)_mm512_cvtneps_pbh(x);
+#else
     __m512i bits = _mm512_castps_si512(x);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
     __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
     __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0));
     return _mm512_cvtepi32_epi16(rounded);
+#endif
 }
 
 struct VecF {
