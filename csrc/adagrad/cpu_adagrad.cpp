@@ -17,7 +17,8 @@ struct AdagradKernel {
     inline void at(int64_t i) const {
         V g = V::load(grad + i);
         V p = V::load(param + i);
-        if (weight_decay != 0.f) g = g + p * V::set1(weight_decay);
+        // fma, as torch's add(alpha=) does: g + wd * p can cancel exactly, and a twice-rounded sum would differ
+        if (weight_decay != 0.f) g = V::fma(p, V::set1(weight_decay), g);
         V s = V::load(sum + i);
         s = s + g * g;
         p = p - V::set1(lr) * (g / (V::sqrt(s) + V::set1(eps)));

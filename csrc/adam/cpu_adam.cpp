@@ -32,7 +32,7 @@ struct AdamKernel {
         V p = V::load(param + i);
         if (c.weight_decay != 0.f) {
             if (c.adamw) p = p * V::set1(c.decay);
-            else g = g + p * V::set1(c.weight_decay);
+            else g = V::fma(p, V::set1(c.weight_decay), g);  // fused like torch's add(alpha=)
         }
         V m = V::load(exp_avg + i);
         V v = V::load(exp_avg_sq + i);
