@@ -21,6 +21,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("dsrun.cli.train", "compose a recipe and train it (Hydra overrides; -m for multirun)"),
     "config": ("dsrun.cli.config", "print the resolved RunSpec or DeepSpeed config; validate a DeepSpeed config file"),
     "recipes": ("dsrun.cli.recipes", "list the available recipes"),
+    "report": ("dsrun.cli.report", "show the compiled ops (built, compatible, SIMD level) and the environment"),
+    "ops": ("dsrun.cli.ops", "build the compiled ops ahead of time: dsrun ops build [NAME...|--all]"),
 }
 
 
