@@ -224,6 +224,7 @@ class AioHandle {
     int64_t intra_op_parallelism() const { return threads_; }
     std::string engine() const { return engine_; }
     bool use_o_direct() const { return use_o_direct_; }
+    int64_t direct_bytes() const { return direct_bytes_.load(); }
 
   private:
     std::shared_ptr<Request> submit(const at::Tensor& buffer, const std::string& file, bool read) {
@@ -289,6 +290,7 @@ class AioHandle {
             if (fd.get() >= 0) {
                 error = move(fd.get(), req.read, buf, offset, direct_len, req.file);
                 done = direct_len;
+                if (error.empty()) direct_bytes_ += direct_len;
             } else if (errno != EINVAL) {
                 error = errno_text("cannot open", req.file, errno);
             }  // EINVAL: the filesystem refuses O_DIRECT; do it all buffered below
@@ -340,6 +342,7 @@ class AioHandle {
     std::vector<std::shared_ptr<Request>> pending_;
     std::vector<std::thread> workers_;
     bool stopping_ = false;
+    std::atomic<int64_t> direct_bytes_{0};  // bytes moved with O_DIRECT, for tests and tuning
 };
 
 // A page-aligned CPU tensor (eligible for O_DIRECT), freed when the tensor is.
@@ -383,7 +386,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("get_overlap_events", &AioHandle::overlap_events)
         .def("get_intra_op_parallelism", &AioHandle::intra_op_parallelism)
         .def("get_engine", &AioHandle::engine)
-        .def("get_use_o_direct", &AioHandle::use_o_direct);
+        .def("get_use_o_direct", &AioHandle::use_o_direct)
+        .def("get_direct_bytes", &AioHandle::direct_bytes);
     m.def("aligned_tensor", &dsrun::aligned_tensor, py::arg("num_elem"), py::arg("example"));
     m.def("have_libaio", &dsrun::have_libaio);
 }

@@ -148,6 +148,10 @@ class AsyncIOHandle:
         """``"libaio"``, ``"threads"`` or ``"python"`` (the no-compiler fallback)."""
         return self._impl.get_engine()
 
+    def get_direct_bytes(self) -> int:
+        """How many bytes this handle has moved with O_DIRECT (0 where the filesystem refuses it)."""
+        return self._impl.get_direct_bytes()
+
 
 aio_handle = AsyncIOHandle  # DeepSpeed's name
 
@@ -250,3 +254,6 @@ class _PythonHandle:
 
     def get_engine(self) -> str:
         return "python"
+
+    def get_direct_bytes(self) -> int:
+        return 0
