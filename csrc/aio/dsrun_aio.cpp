@@ -243,8 +243,10 @@ class AioHandle {
                                          " bytes but the buffer needs " + std::to_string(req->nbytes));
         } else {
             // Create and size the file once, before the slices are written in parallel.
-            Fd fd(file, O_WRONLY | O_CREAT | O_TRUNC);
+            Fd fd(file, O_WRONLY | O_CREAT);
             if (fd.get() < 0) throw std::runtime_error(errno_text("cannot create", file, errno));
+            // Size the file up front: direct AIO writes that extend a file serialise on the inode (measured
+            // 3-5x slower). No O_TRUNC: rewriting a swap file of the same size reuses its blocks.
             if (::ftruncate(fd.get(), req->nbytes) != 0) throw std::runtime_error(errno_text("cannot size", file, errno));
         }
         // Slices: block-aligned so every slice but the last is O_DIRECT-eligible.

@@ -83,14 +83,28 @@ void dispatch_low_precision(const at::Tensor& lp, F&& f) {
     }
 }
 
-// f(param_tag, grad_tag, state_tag, low_precision_tag)
+// f(param_tag, grad_tag, state_tag, low_precision_tag). Only the combinations that make sense are compiled
+// (26, not 54): an fp32 (master) parameter takes any grad dtype and an optional 16-bit copy; a 16-bit
+// parameter is updated directly from an fp32 grad or one of its own dtype.
 template <class F>
 void dispatch_types(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& state, const at::Tensor& lp, F&& f) {
     dispatch_float(param.scalar_type(), "param", [&](auto p) {
-        dispatch_float(grad.scalar_type(), "grad", [&](auto g) {
-            dispatch_state(state.scalar_type(), [&](auto s) {
-                dispatch_low_precision(lp, [&](auto l) { f(p, g, s, l); });
-            });
+        using P = decltype(p);
+        dispatch_state(state.scalar_type(), [&](auto s) {
+            if constexpr (std::is_same_v<P, float>) {
+                dispatch_float(grad.scalar_type(), "grad", [&](auto g) {
+                    dispatch_low_precision(lp, [&](auto l) { f(p, g, s, l); });
+                });
+            } else {
+                TORCH_CHECK(!lp.defined() || lp.numel() == 0, "a low-precision copy needs float32 (master) params");
+                if (grad.scalar_type() == at::kFloat) {
+                    f(p, float{}, s, NoLowPrecision{});
+                } else {
+                    TORCH_CHECK(grad.scalar_type() == param.scalar_type(), "the grad of a ", param.scalar_type(),
+                                " parameter must be float32 or ", param.scalar_type(), ", got ", grad.scalar_type());
+                    f(p, p, s, NoLowPrecision{});
+                }
+            }
         });
     });
 }

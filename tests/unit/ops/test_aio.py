@@ -29,12 +29,13 @@ def test_odd_sizes_round_trip_exactly(engine: str, threads: int, aligned: bool, 
     gen = torch.Generator().manual_seed(0)
     for n in ODD_SIZES:
         data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
-        src = h.new_cpu_locked_tensor(n, data) if aligned else data.clone()
+        # unaligned: a view one byte into an allocation, so O_DIRECT is never possible
+        src = h.new_cpu_locked_tensor(n, data) if aligned else torch.empty(n + 1, dtype=torch.uint8)[1:]
         src.copy_(data)
         path = tmp_path / f"t{n}.bin"
         assert h.sync_pwrite(src, path) == 1
         assert path.stat().st_size == n
-        dst = h.new_cpu_locked_tensor(n, data) if aligned else torch.empty(n, dtype=torch.uint8)
+        dst = h.new_cpu_locked_tensor(n, data) if aligned else torch.empty(n + 1, dtype=torch.uint8)[1:]
         h.sync_pread(dst, path)
         assert torch.equal(dst, data), f"{n} bytes differ after the round trip"
     if aligned and _filesystem_takes_o_direct(tmp_path):
