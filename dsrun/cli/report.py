@@ -17,7 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def op_rows() -> list[tuple[str, str, str, str, str]]:
     """(op, built, compatible, SIMD / engine, where) for every op."""
-    from op_builder import ALL_OPS
+    from op_builder import ALL_OPS, compiler
 
     rows = []
     for name, cls in ALL_OPS.items():
@@ -29,6 +29,8 @@ def op_rows() -> list[tuple[str, str, str, str, str]]:
             library = builder.cached_library()
             built = f"{_OK} cached" if library else f"{_NO} (builds on first use)"
             where = str(library or builder.build_dir())
+        if ok and not builder.is_built() and not compiler().ok:
+            ok, why = False, "no working C++ compiler: the pure-torch fallback will be used"
         rows.append((name, built, _OK if ok else f"{_NO} {why}", builder.backend(), where))
     return rows
 

@@ -36,6 +36,14 @@ class CPUOptimizer(torch.optim.Optimizer):
         # None means the compiled op is unavailable and the torch fallback runs (a warning was given).
         self.op = load_op(self.OP_NAME)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # the compiled module cannot be pickled or deep-copied; it is looked up again on unpickling
+        return {k: v for k, v in self.__dict__.items() if k != "op"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.op = load_op(self.OP_NAME)
+
     @property
     def uses_compiled_op(self) -> bool:
         return self.op is not None

@@ -232,3 +232,16 @@ def test_unsupported_options_are_rejected_clearly():
         DeepSpeedCPUAdam([torch.nn.Parameter(torch.ones(1))], amsgrad=True)
     with pytest.raises(ValueError, match="betas"):
         DeepSpeedCPULion([torch.nn.Parameter(torch.ones(1))], betas=(1.5, 0.9))
+
+
+def test_deepcopy_and_pickle_keep_settings_and_the_op():
+    import copy
+    import pickle
+
+    p = torch.nn.Parameter(torch.ones(3).bfloat16())
+    opt = DeepSpeedCPUAdam([p], lr=0.1, adamw_mode=False, fp32_optimizer_states=False)
+    p.grad = torch.ones(3).bfloat16()
+    opt.step()
+    for clone in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
+        assert clone.uses_compiled_op and clone.adamw_mode is False and clone.fp32_optimizer_states is False
+        assert clone.param_groups[0]["lr"] == 0.1
