@@ -2,8 +2,9 @@
 
     PYTHONPATH=. python benchmarks/aio.py [--dir /tmp] [--gib 1] [--rounds 3]
 
-Each round runs, on the same file system: ``dd oflag=direct`` then ``dd iflag=direct`` (bs=1M), then our handle
-with each engine/setting in ENGINES (page-aligned buffers, so the bulk goes through O_DIRECT). Figures are
+Each round runs, on the same file system, for ``dd`` (bs=1M, O_DIRECT) and then our handle with each setting in
+ENGINES (page-aligned buffers, so the bulk goes through O_DIRECT): a write to a new file, an overwrite of the
+existing file in place (dd ``conv=notrunc``), and a read. Figures are
 medians over rounds with the min-max spread; GB/s = 1e9 bytes per second.
 """
 from __future__ import annotations
@@ -32,18 +33,24 @@ ENGINES: dict[str, dict] = {
 }
 
 
-def dd(path: Path, nbytes: int, write: bool) -> float:
+def dd(path: Path, nbytes: int, mode: str) -> float:
+    """mode: "new" (write a fresh file), "overwrite" (rewrite an existing one in place) or "read"."""
     count = nbytes // (1 << 20)
-    args = (["dd", "if=/dev/zero", f"of={path}", "oflag=direct"] if write
-            else ["dd", f"if={path}", "of=/dev/null", "iflag=direct"])
+    if mode == "new":
+        path.unlink(missing_ok=True)
+    args = {"new": ["dd", "if=/dev/zero", f"of={path}", "oflag=direct"],
+            "overwrite": ["dd", "if=/dev/zero", f"of={path}", "oflag=direct", "conv=notrunc"],
+            "read": ["dd", f"if={path}", "of=/dev/null", "iflag=direct"]}[mode]
     t0 = time.perf_counter()
     subprocess.run([*args, "bs=1M", f"count={count}", "status=none"], check=True)
     return nbytes / (time.perf_counter() - t0) / 1e9
 
 
-def ours(handle: AsyncIOHandle, buffer: torch.Tensor, path: Path, write: bool) -> float:
+def ours(handle: AsyncIOHandle, buffer: torch.Tensor, path: Path, mode: str) -> float:
+    if mode == "new":
+        path.unlink(missing_ok=True)
     t0 = time.perf_counter()
-    if write:
+    if mode != "read":
         handle.async_pwrite(buffer, path)
     else:
         handle.async_pread(buffer, path)
@@ -63,17 +70,16 @@ def main(argv: list[str] | None = None) -> int:
     handles = {label: AsyncIOHandle(**kw) for label, kw in ENGINES.items()}
     buffer = next(iter(handles.values())).new_cpu_locked_tensor(nbytes, torch.empty(0, dtype=torch.uint8))
     buffer.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
-    results: dict[str, list[tuple[float, float]]] = {"dd (O_DIRECT, bs=1M)": []}
+    modes = ("new", "overwrite", "read")
+    results: dict[str, list[tuple[float, ...]]] = {"dd (O_DIRECT, bs=1M)": []}
     direct: dict[str, int] = {}
     try:
         for r in range(args.rounds):
-            results["dd (O_DIRECT, bs=1M)"].append((dd(path, nbytes, True), dd(path, nbytes, False)))
+            results["dd (O_DIRECT, bs=1M)"].append(tuple(dd(path, nbytes, m) for m in modes))
             for label, handle in handles.items():
                 before = handle.get_direct_bytes()
-                w = ours(handle, buffer, path, True)
-                rd = ours(handle, buffer, path, False)
+                results.setdefault(label, []).append(tuple(ours(handle, buffer, path, m) for m in modes))
                 direct[label] = handle.get_direct_bytes() - before
-                results.setdefault(label, []).append((w, rd))
             print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
     finally:
         path.unlink(missing_ok=True)
@@ -84,18 +90,19 @@ def main(argv: list[str] | None = None) -> int:
     def cell(values: list[float]) -> str:
         return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
 
-    dd_w = statistics.median(w for w, _ in results["dd (O_DIRECT, bs=1M)"])
-    dd_r = statistics.median(r for _, r in results["dd (O_DIRECT, bs=1M)"])
+    dd_label = "dd (O_DIRECT, bs=1M)"
+    dd_medians = [statistics.median(rec[i] for rec in results[dd_label]) for i in range(len(modes))]
     table = Table(title=f"async I/O, {nbytes / (1 << 30):g} GiB in {args.dir}: GB/s, median over {args.rounds} "
-                        "rounds [min-max]")
-    for col in ("engine", "write GB/s", "read GB/s", "write vs dd", "read vs dd", "O_DIRECT share"):
+                        "rounds [min-max]; (x dd) = ratio to dd's median")
+    for col in ("engine", "write new file", "overwrite file", "read", "O_DIRECT share"):
         table.add_column(col, justify="left" if col == "engine" else "right")
     for label, recs in results.items():
-        w = statistics.median(x for x, _ in recs)
-        rd = statistics.median(x for _, x in recs)
-        share = "100%" if label.startswith("dd") else f"{100 * direct[label] / (2 * nbytes):.0f}%"
-        table.add_row(label, cell([x for x, _ in recs]), cell([x for _, x in recs]), f"{w / dd_w:.2f}x",
-                      f"{rd / dd_r:.2f}x", share)
+        cells = []
+        for i in range(len(modes)):
+            values = [rec[i] for rec in recs]
+            cells.append(f"{cell(values)} ({statistics.median(values) / dd_medians[i]:.2f}x dd)")
+        share = "100%" if label == dd_label else f"{100 * direct[label] / (len(modes) * nbytes):.0f}%"
+        table.add_row(label, *cells, share)
     Console(width=160).print(table)
     return 0
 
