@@ -37,6 +37,7 @@ class AsyncIOBuilder(OpBuilder):
 
     NAME = "async_io"
     SOURCES = ("aio/dsrun_aio.cpp",)
+    INCLUDES = ()  # self-contained: editing the optimizer headers must not invalidate this op's cache
 
     def _with_libaio(self) -> bool:
         return os.environ.get("DSRUN_AIO_NO_LIBAIO") != "1" and libaio_available()

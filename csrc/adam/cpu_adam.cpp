@@ -62,11 +62,7 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
         check_operand(exp_avgs[t], p, "exp_avgs", t);
         check_operand(exp_avg_sqs[t], p, "exp_avg_sqs", t);
         TORCH_CHECK(exp_avgs[t].scalar_type() == exp_avg_sqs[t].scalar_type(), "exp_avg and exp_avg_sq dtypes differ");
-        at::Tensor lp = low_precision.empty() ? at::Tensor() : low_precision[t];
-        if (lp.defined() && lp.numel() > 0) {
-            check_operand(lp, p, "low_precision", t);
-            TORCH_CHECK(p.scalar_type() == at::kFloat, "a low-precision copy needs float32 (master) params");
-        }
+        const at::Tensor lp = low_precision_at(low_precision, t, p);
         TORCH_CHECK(steps[t] >= 1, "step counts start at 1");
 
         AdamScalars c{};

@@ -116,6 +116,17 @@ inline void check_operand(const at::Tensor& t, const at::Tensor& param, const ch
                 param.numel());
 }
 
+// The low-precision copy for tensor t (undefined when there is none), checked against its master param.
+inline at::Tensor low_precision_at(const std::vector<at::Tensor>& low_precision, size_t t, const at::Tensor& param) {
+    TORCH_CHECK(low_precision.empty() || t < low_precision.size(), "expected one low-precision copy per param");
+    at::Tensor lp = low_precision.empty() ? at::Tensor() : low_precision[t];
+    if (lp.defined() && lp.numel() > 0) {
+        check_operand(lp, param, "low_precision", t);
+        TORCH_CHECK(param.scalar_type() == at::kFloat, "a low-precision copy needs float32 (master) params");
+    }
+    return lp;
+}
+
 inline void check_lists(size_t n, std::initializer_list<std::pair<const char*, size_t>> sizes) {
     for (const auto& s : sizes) TORCH_CHECK(s.second == n, "expected ", n, " ", s.first, ", got ", s.second);
 }

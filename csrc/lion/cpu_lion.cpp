@@ -41,11 +41,7 @@ void lion_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
         check_operand(p, p, "params", t);
         check_operand(grads[t], p, "grads", t);
         check_operand(exp_avgs[t], p, "exp_avgs", t);
-        at::Tensor lp = low_precision.empty() ? at::Tensor() : low_precision[t];
-        if (lp.defined() && lp.numel() > 0) {
-            check_operand(lp, p, "low_precision", t);
-            TORCH_CHECK(p.scalar_type() == at::kFloat, "a low-precision copy needs float32 (master) params");
-        }
+        const at::Tensor lp = low_precision_at(low_precision, t, p);
         dispatch_types(p, grads[t], exp_avgs[t], lp, [&](auto p_tag, auto g_tag, auto s_tag, auto l_tag) {
             using P = decltype(p_tag);
             using G = decltype(g_tag);
