@@ -24,6 +24,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "launch": ("dsrun.cli.launch", "launch a script on one or many machines, like the deepspeed launcher"),
     "estimate-memory": ("dsrun.cli.estimate_memory", "estimate memory per rank and per host for a recipe or a parameter count"),
     "convert": ("dsrun.cli.convert", "convert checkpoints: zero-to-fp32 consolidates a ZeRO checkpoint"),
+    "report": ("dsrun.cli.report", "show the compiled ops (built, compatible, SIMD level) and the environment"),
+    "ops": ("dsrun.cli.ops", "build the compiled ops ahead of time: dsrun ops build [NAME...|--all]"),
 }
 
 

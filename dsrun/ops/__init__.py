@@ -1,0 +1,10 @@
+"""Python wrappers over dsrun's compiled ops, with DeepSpeed's names.
+
+- ``dsrun.ops.adam.DeepSpeedCPUAdam``, ``dsrun.ops.adagrad.DeepSpeedCPUAdagrad``,
+  ``dsrun.ops.lion.DeepSpeedCPULion``: ``torch.optim.Optimizer`` subclasses over the SIMD + OpenMP kernels.
+- ``dsrun.ops.aio.AsyncIOHandle`` (alias ``aio_handle``): async tensor <-> file I/O for NVMe offload.
+
+Each op is built on first use (see ``op_builder``). Without a working C++ compiler the wrappers use a
+pure-torch implementation and warn once (:class:`dsrun.ops.loader.OpFallbackWarning`); a build that fails for
+any other reason raises ``op_builder.OpBuildError`` with the compiler's output.
+"""

@@ -1,0 +1,147 @@
+"""What the CPU optimizers share: state layout, low-precision master copies, one kernel call per group.
+
+Parameter and state dtypes:
+
+- fp32 parameters: the kernel updates them in place; states are fp32 (``fp32_optimizer_states=True``) or bf16.
+- bf16/fp16 parameters with ``fp32_optimizer_states=True`` (the default): the optimizer keeps an fp32 master
+  copy in ``state["master_param"]`` and fp32 states; each step updates the master and writes the rounded
+  low-precision value back to the parameter in the same pass.
+- bf16/fp16 parameters with ``fp32_optimizer_states=False``: as in DeepSpeed, states take a 16-bit dtype
+  (bf16; fp16 would underflow the second moment) and the parameter is updated directly, with no master copy.
+  This halves optimizer memory and traffic at the cost of update precision.
+
+Gradients may be fp32 or the parameter's 16-bit dtype; arithmetic is always fp32.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Iterable
+
+import torch
+
+from dsrun.ops.loader import load_op
+
+_EMPTY = torch.empty(0)
+
+
+class CPUOptimizer(torch.optim.Optimizer):
+    """Base class: subclasses name their op, their state keys, and implement ``_kernel`` and ``_fallback``."""
+
+    OP_NAME = ""
+    STATE_KEYS: tuple[str, ...] = ()
+
+    def __init__(self, params: Iterable[Any], defaults: dict[str, Any], fp32_optimizer_states: bool = True):
+        super().__init__(params, defaults)
+        self.fp32_optimizer_states = bool(fp32_optimizer_states)
+        # None means the compiled op is unavailable and the torch fallback runs (a warning was given).
+        self.op = load_op(self.OP_NAME)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # the compiled module cannot be pickled or deep-copied; it is looked up again on unpickling
+        return {k: v for k, v in self.__dict__.items() if k != "op"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.op = load_op(self.OP_NAME)
+
+    @property
+    def uses_compiled_op(self) -> bool:
+        return self.op is not None
+
+    def _state_dtype(self) -> torch.dtype:
+        return torch.float32 if self.fp32_optimizer_states else torch.bfloat16
+
+    def _init_state(self, p: torch.Tensor) -> dict[str, Any]:
+        state = self.state[p]
+        if not state:
+            state["step"] = 0
+            master_source = p.detach()
+            if p.dtype != torch.float32 and self.fp32_optimizer_states:
+                state["master_param"] = master_source.float().contiguous()
+            for key in self.STATE_KEYS:
+                state[key] = torch.zeros(p.shape, dtype=self._state_dtype(), device=p.device)
+        return state
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Update every parameter that has a gradient; returns ``closure()``'s loss if a closure is given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            work = _GroupWork()
+            for p in group["params"]:
+                if p.grad is None or p.numel() == 0:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                if p.device.type != "cpu":
+                    raise RuntimeError(f"{type(self).__name__} updates CPU tensors; got a parameter on {p.device}")
+                state = self._init_state(p)
+                state["step"] += 1
+                work.add(p, state, self.STATE_KEYS)
+            if work.params:
+                if self.op is not None:
+                    self._kernel(group, work)
+                else:
+                    self._fallback(group, work)
+                work.finish()
+        return loss
+
+    def _kernel(self, group: dict[str, Any], work: "_GroupWork") -> None:
+        raise NotImplementedError
+
+    def _fallback(self, group: dict[str, Any], work: "_GroupWork") -> None:
+        raise NotImplementedError
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Like torch's, but keeps each state tensor's saved dtype: torch would cast the fp32 master copy and
+        states of a bf16 parameter to bf16, losing their precision."""
+        saved_state = state_dict["state"]
+        stripped = {**state_dict, "state": {}}
+        super().load_state_dict(stripped)
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for param_id, p in zip(saved_ids, params):
+            if param_id not in saved_state:
+                continue
+            self.state[p] = {k: (v.detach().to(p.device).clone() if torch.is_tensor(v) else copy.deepcopy(v))
+                             for k, v in saved_state[param_id].items()}
+
+
+class _GroupWork:
+    """The tensors of one param group that get updated this step, laid out as the kernels want them."""
+
+    def __init__(self) -> None:
+        self.params: list[torch.Tensor] = []  # what the kernel updates: the master copy or the parameter
+        self.grads: list[torch.Tensor] = []
+        self.low_precision: list[torch.Tensor] = []  # the 16-bit parameter to write, or an empty tensor
+        self.states: dict[str, list[torch.Tensor]] = {}
+        self.steps: list[int] = []
+        self._copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def add(self, p: torch.Tensor, state: dict[str, Any], keys: tuple[str, ...]) -> None:
+        data = p.detach()
+        if not data.is_contiguous():  # rare (e.g. a transposed view); update a copy and write it back
+            contiguous = data.contiguous()
+            self._copy_back.append((data, contiguous))
+            data = contiguous
+        if "master_param" in state:
+            self.params.append(state["master_param"])
+            self.low_precision.append(data)
+        else:
+            self.params.append(data)
+            self.low_precision.append(_EMPTY)
+        self.grads.append(p.grad.detach().contiguous())
+        for key in keys:
+            self.states.setdefault(key, []).append(state[key])
+        self.steps.append(int(state["step"]))
+
+    @property
+    def has_low_precision(self) -> bool:
+        return any(t.numel() for t in self.low_precision)
+
+    def finish(self) -> None:
+        for target, updated in self._copy_back:
+            target.copy_(updated)

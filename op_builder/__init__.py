@@ -1,0 +1,34 @@
+"""Builders for dsrun's compiled ops (``csrc/``): JIT through torch's cpp_extension + ninja, cached per sources,
+flags and torch version; built ahead of time with ``dsrun ops build`` or ``DSRUN_BUILD_OPS=1 pip install .``.
+
+``ALL_OPS`` maps each op name to its builder class; ``get_builder(name)`` returns a fresh builder.
+"""
+from __future__ import annotations
+
+from op_builder.builder import (
+    CompilerUnavailableError,
+    OpBuilder,
+    OpBuildError,
+    cache_root,
+    compiler,
+    csrc_root,
+    simd_level,
+)
+from op_builder.cpu_ops import AsyncIOBuilder, CPUAdagradBuilder, CPUAdamBuilder, CPULionBuilder
+
+ALL_OPS: dict[str, type[OpBuilder]] = {
+    b.NAME: b for b in (CPUAdamBuilder, CPUAdagradBuilder, CPULionBuilder, AsyncIOBuilder)
+}
+
+
+def get_builder(name: str) -> OpBuilder:
+    """A builder for the op called ``name`` (see ``ALL_OPS``); ValueError naming the known ops otherwise."""
+    try:
+        return ALL_OPS[name]()
+    except KeyError:
+        raise ValueError(f"unknown op {name!r}; expected one of {', '.join(ALL_OPS)}") from None
+
+
+__all__ = ["ALL_OPS", "AsyncIOBuilder", "CPUAdagradBuilder", "CPUAdamBuilder", "CPULionBuilder",
+           "CompilerUnavailableError", "OpBuildError", "OpBuilder", "cache_root", "compiler", "csrc_root",
+           "get_builder", "simd_level"]
