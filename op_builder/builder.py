@@ -255,6 +255,8 @@ class OpBuilder:
 
         build_dir = self.build_dir(key)
         build_dir.mkdir(parents=True, exist_ok=True)
+        # a first use compiles for 30-60 s: say so, so a quiet pause is not mistaken for a hang
+        print(f"[dsrun] building op '{self.NAME}' (first use; cached in {build_dir})", file=sys.stderr, flush=True)
         try:
             return cpp_extension.load(
                 name=name,

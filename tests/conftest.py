@@ -11,3 +11,14 @@ def port():
     from tests.helpers import free_port
 
     return free_port()
+
+
+def pytest_sessionstart(session):
+    """Engines on CPU use the compiled CPU Adam, which compiles on first use (30-60 s, then cached). Build it
+    once here, outside every test's time limit; without a compiler the op's torch fallback is used."""
+    from op_builder import CompilerUnavailableError, get_builder
+
+    try:
+        get_builder("cpu_adam").load()
+    except CompilerUnavailableError:
+        pass

@@ -3,7 +3,7 @@
 ``optimizer.type`` in a DeepSpeed config is matched case-insensitively against DeepSpeed's own names
 (Adam, AdamW, Lamb, Lion, Adagrad); anything else is looked up in ``torch.optim`` (exact case first, then
 case-insensitively, so ``sgd`` finds ``SGD``). Adam and AdamW use the compiled CPU op
-(``dsrun.ops.adam.DeepSpeedCPUAdam``) when it is built and the model lives on the CPU; otherwise torch's
+(``dsrun.ops.adam.DeepSpeedCPUAdam``, built on first use) when the model lives on the CPU; otherwise torch's
 ``Adam``/``AdamW`` (or dsrun's torch Adam for options torch lacks). DeepSpeed's "Adam" decays weights
 AdamW-style unless ``"adam_w_mode": false``; ``"torch_adam": true`` forces torch's implementation.
 """
@@ -30,39 +30,18 @@ ZERO_TESTED_CLASS_NAMES = frozenset({"Adam", "AdamW", "Lamb", "Lion", "Adagrad",
                                      "DeepSpeedCPUAdagrad", "DeepSpeedCPULion", "FusedAdam", "FusedLamb"})
 
 
-def _op_is_built(module: object, cls: type) -> bool:
-    """Whether the compiled kernel behind ``cls`` is ready to load without compiling at training start.
-
-    Asks ``op_builder`` (the ops package's builder) first; an op it does not know, or a missing
-    ``op_builder``, falls back to a ``is_compiled``/``compiled_available``/``is_available`` probe on the
-    module or class, and to "built" when there is none.
-    """
-    try:
-        from op_builder import get_builder
-
-        return bool(get_builder(getattr(cls, "OP_NAME", "cpu_adam")).is_built())
-    except (ImportError, ValueError):
-        pass
-    for probe in ("is_compiled", "compiled_available", "is_available"):
-        check = getattr(module, probe, None) or getattr(cls, probe, None)
-        if callable(check):
-            try:
-                return bool(check())
-            except Exception:  # a failing probe means: use the torch path
-                return False
-    return True
-
-
 def compiled_cpu_adam() -> type | None:
-    """``DeepSpeedCPUAdam`` if the compiled-ops package is importable and its kernel is built, else None."""
+    """``DeepSpeedCPUAdam`` when the compiled-ops package is importable, else None.
+
+    The choice does not depend on whether the kernel happens to be in the build cache: the op builds itself
+    on first use (cached afterwards) and falls back to its own torch path, with one warning, only where no
+    C++ compiler exists. So the same config always trains with the same optimizer code.
+    """
     try:
         module = importlib.import_module("dsrun.ops.adam")
     except ImportError:
         return None
-    cls = getattr(module, "DeepSpeedCPUAdam", None)
-    if cls is None or not _op_is_built(module, cls):
-        return None
-    return cls
+    return getattr(module, "DeepSpeedCPUAdam", None)
 
 
 def _torch_optim_class(name: str) -> type | None:

@@ -47,9 +47,9 @@ def test_unknown_and_gpu_only_names_are_config_errors() -> None:
         build_optimizer("Lion", _params(), {"momentum": 0.9})
 
 
-def test_compiled_cpu_adam_is_preferred_when_built(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_compiled_cpu_adam_is_used_on_cpu_whatever_the_build_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     class DeepSpeedCPUAdam(torch.optim.AdamW):
-        OP_NAME = "test_fake_adam"  # unknown to op_builder: the module-level probe decides
+        OP_NAME = "test_fake_adam"
 
         def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
                      amsgrad=False, adamw_mode=True, fp32_optimizer_states=True):
@@ -65,8 +65,14 @@ def test_compiled_cpu_adam_is_preferred_when_built(monkeypatch: pytest.MonkeyPat
     assert type(opt) is DeepSpeedCPUAdam and opt.adamw_mode is False
     assert type(build_optimizer("Adam", _params(), {"torch_adam": True})) is torch.optim.AdamW
     assert type(build_optimizer("Adam", _params(), {}, on_cpu=False)) is torch.optim.AdamW
-    fake.is_compiled = lambda: False  # built without the kernel: the torch path
+    fake.is_compiled = lambda: False  # not in the build cache yet: still the same class (it builds on first use)
+    assert compiled_cpu_adam() is DeepSpeedCPUAdam
+
+
+def test_no_ops_package_means_torch_adam(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "dsrun.ops.adam", None)  # import fails
     assert compiled_cpu_adam() is None
+    assert type(build_optimizer("AdamW", _params(), {})) is torch.optim.AdamW
 
 
 def _train(opt_factory, steps: int = 5) -> torch.Tensor:
