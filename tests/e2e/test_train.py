@@ -18,6 +18,7 @@ SHORT = ["train.max_steps=3", "train.eval_iters=1", "train.eval_interval=0", "da
 
 
 def train(tmp_path: Path, *overrides: str, timeout: float = 600) -> tuple[dict, Path]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     result = run_cli("train", *overrides, cwd=tmp_path, timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     (metrics_path,) = tmp_path.glob("outputs/*/*/metrics.json")
