@@ -108,5 +108,27 @@ def _train(resolved, run_dir: Path):
     print(f"[dsrun] done: {metrics['steps']} steps in {metrics['wall_time_s']:.1f}s, "
           f"{metrics['tokens_per_second']:,.0f} tokens/s; eval loss {losses[0]:.3f} -> {losses[-1]:.3f} "
           f"({metrics['loss_unit']})" if losses else "[dsrun] done", flush=True)
-    print(f"[dsrun] metrics: {metrics_path}", flush=True)
+    for line in where_outputs_went(resolved, run_dir):
+        print(f"[dsrun] {line}", flush=True)
     return metrics.get("final_eval_loss")
+
+
+def where_outputs_went(resolved, run_dir: Path) -> list[str]:
+    """One line per output a user looks for after a run: metrics, monitor files, checkpoints, MLflow."""
+    import os
+
+    from dsrun.rundir import METRICS_JSON
+
+    ds = resolved.ds
+    lines = [f"metrics: {run_dir / METRICS_JSON}"]
+    for name in ("csv_monitor", "tensorboard"):
+        section = getattr(ds, name)
+        if section.enabled:
+            lines.append(f"{name}: {Path(section.output_path or run_dir) / section.job_name}")
+    checkpoints = run_dir / "checkpoints"
+    if checkpoints.is_dir():
+        lines.append(f"checkpoints: {checkpoints}")
+    if ds.mlflow.enabled:
+        uri = ds.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or str(Path.cwd() / "mlruns")
+        lines.append(f"mlflow: experiment '{ds.mlflow.experiment_name}' in {uri}")
+    return lines

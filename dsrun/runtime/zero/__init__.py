@@ -41,5 +41,20 @@ def build_zero_strategy(stage: int, ctx: StrategyContext) -> ZeroStrategy:
     return strategy_class(stage)(ctx)
 
 
+def check_supported(zero_config) -> None:
+    """Refuse settings the strategies do not implement yet, rather than training without them.
+
+    Offload to CPU or NVMe (``offload_optimizer`` / ``offload_param``) validates as a config and is understood
+    by the estimator, but no strategy moves state off the training device yet.
+    """
+    problems = [Problem(f"zero_optimization.{name}.device",
+                        f"offload to {section.device!r} is not implemented by dsrun's engine yet",
+                        "remove the offload section (offload=none in a recipe) to train without offload")
+                for name in ("offload_optimizer", "offload_param")
+                for section in [getattr(zero_config, name)] if section.device not in (None, "none")]
+    if problems:
+        raise ConfigError(problems)
+
+
 __all__ = ["MemoryBreakdown", "STRATEGY_CLASSES", "StepOutcome", "StrategyContext", "ZeroStrategy",
-           "build_zero_strategy", "strategy_class"]
+           "build_zero_strategy", "check_supported", "strategy_class"]
