@@ -7,12 +7,14 @@ compiled CPU op is not available. The update follows torch's order of operations
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import torch
 
+from .base import PerParameterOptimizer
 
-class Adam(torch.optim.Optimizer):
+
+class Adam(PerParameterOptimizer):
     """Adam/AdamW. ``adam_w_mode=True`` decays weights directly (decoupled, AdamW); ``False`` adds
     ``weight_decay * p`` to the gradient (L2, classic Adam)."""
 
@@ -26,39 +28,23 @@ class Adam(torch.optim.Optimizer):
                         weight_decay=weight_decay, adam_w_mode=adam_w_mode)
         super().__init__(params, defaults)
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                grad = p.grad
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["step"] += 1
-                step = state["step"]
-                if wd != 0:
-                    if group["adam_w_mode"]:
-                        p.mul_(1 - lr * wd)
-                    else:
-                        grad = grad.add(p, alpha=wd)
-                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-                exp_avg.lerp_(grad, 1 - beta1)
-                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                if group["bias_correction"]:
-                    bc1 = 1 - beta1 ** step
-                    bc2 = 1 - beta2 ** step
-                else:
-                    bc1 = bc2 = 1.0
-                denom = (exp_avg_sq.sqrt() / math.sqrt(bc2)).add_(eps)
-                p.addcdiv_(exp_avg, denom, value=-lr / bc1)
-        return loss
+    def update(self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+        beta1, beta2 = group["betas"]
+        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["step"] += 1
+        step = state["step"]
+        if wd != 0:
+            if group["adam_w_mode"]:
+                p.mul_(1 - lr * wd)
+            else:
+                grad = grad.add(p, alpha=wd)
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        bc1, bc2 = (1 - beta1 ** step, 1 - beta2 ** step) if group["bias_correction"] else (1.0, 1.0)
+        denom = (exp_avg_sq.sqrt() / math.sqrt(bc2)).add_(eps)
+        p.addcdiv_(exp_avg, denom, value=-lr / bc1)

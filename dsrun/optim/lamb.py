@@ -6,12 +6,14 @@ partition, as in DeepSpeed, so the trust ratio there is per partition rather tha
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import torch
 
+from .base import PerParameterOptimizer
 
-class Lamb(torch.optim.Optimizer):
+
+class Lamb(PerParameterOptimizer):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, bias_correction: bool = True,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, eps_inside_sqrt: bool = False,
                  weight_decay: float = 0.0, max_grad_norm: float = 0.0, max_coeff: float = 10.0,
@@ -23,44 +25,29 @@ class Lamb(torch.optim.Optimizer):
                         max_coeff=max_coeff, min_coeff=min_coeff)
         super().__init__(params, defaults)
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                grad = p.grad.float()
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-                state["step"] += 1
-                step = state["step"]
-                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-                exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
-                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                if group["bias_correction"]:
-                    m_hat = exp_avg / (1 - beta1 ** step)
-                    v_hat = exp_avg_sq / (1 - beta2 ** step)
-                else:
-                    m_hat, v_hat = exp_avg, exp_avg_sq
-                if group["eps_inside_sqrt"]:
-                    update = m_hat / (v_hat + group["eps"]).sqrt()
-                else:
-                    update = m_hat / (v_hat.sqrt() + group["eps"])
-                if group["weight_decay"] != 0:
-                    update.add_(p.float(), alpha=group["weight_decay"])
-                w_norm = p.float().norm()
-                u_norm = update.norm()
-                if w_norm > 0 and u_norm > 0:
-                    trust = (w_norm / u_norm).clamp(group["min_coeff"], group["max_coeff"]).item()
-                else:
-                    trust = 1.0
-                p.add_(update.to(p.dtype), alpha=-group["lr"] * trust)
-        return loss
+    def update(self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+        beta1, beta2 = group["betas"]
+        grad = grad.float()
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+        state["step"] += 1
+        step = state["step"]
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        if group["bias_correction"]:
+            m_hat, v_hat = exp_avg / (1 - beta1 ** step), exp_avg_sq / (1 - beta2 ** step)
+        else:
+            m_hat, v_hat = exp_avg, exp_avg_sq
+        if group["eps_inside_sqrt"]:
+            update = m_hat / (v_hat + group["eps"]).sqrt()
+        else:
+            update = m_hat / (v_hat.sqrt() + group["eps"])
+        if group["weight_decay"] != 0:
+            update.add_(p.float(), alpha=group["weight_decay"])
+        w_norm, u_norm = p.float().norm(), update.norm()
+        trust = ((w_norm / u_norm).clamp(group["min_coeff"], group["max_coeff"]).item()
+                 if w_norm > 0 and u_norm > 0 else 1.0)
+        p.add_(update.to(p.dtype), alpha=-group["lr"] * trust)

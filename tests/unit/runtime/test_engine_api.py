@@ -221,3 +221,34 @@ def test_fp16_auto_cast_casts_float_inputs() -> None:
     engine.backward(torch.nn.functional.mse_loss(out.float(), y))
     engine.step()
     assert engine.global_steps == 1 and engine.skipped_steps == 0
+
+
+class _WithUnused(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.used = torch.nn.Linear(4, 1)
+        self.unused = torch.nn.Linear(4, 4)  # gets no gradient: its bucket is launched at the end of backward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_unused_parameters_do_not_stall_or_skew_the_step(stage: int) -> None:
+    engine = dsrun.initialize(model=_WithUnused(), config={
+        "train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "torch_adam": True}},
+        "zero_optimization": {"stage": stage, "overlap_comm": True, "reduce_bucket_size": 8}})[0]
+    reference = _WithUnused()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01, weight_decay=0.0)
+    unused_before = engine.module.unused.weight.detach().clone()
+    for _ in range(3):
+        x, y = _batch()
+        loss = torch.nn.functional.mse_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        ref_opt.zero_grad()
+        torch.nn.functional.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+    torch.testing.assert_close(engine.module.used.weight, reference.used.weight)
+    assert torch.equal(engine.module.unused.weight, unused_before)  # zero gradient, zero decay: unchanged
