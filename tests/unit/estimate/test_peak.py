@@ -169,6 +169,7 @@ def test_a_rank_records_its_peak_above_the_baseline(tmp_path):
 
     script = ("import sys, torch\n"
               "from dsrun.estimate.measure import current_rss, record_rank_peak\n"
+              "torch.ones(1024).add_(1)\n"  # first tensor op loads torch's kernels: not part of the peak
               "baseline = current_rss()\n"
               "t = torch.ones(64 * 2**20)\n"
               "del t\n"
