@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from dsrun.compose import list_recipes
-from tests.helpers import REPO, run_cli
+from tests.helpers import REPO, free_port, run_cli
 
 CURVE = REPO / "tests" / "assets" / "default_recipe_curve.json"
 SHORT = ["train.max_steps=3", "train.eval_iters=1", "train.eval_interval=0", "data.max_bytes=300000"]
@@ -19,7 +19,7 @@ SHORT = ["train.max_steps=3", "train.eval_iters=1", "train.eval_interval=0", "da
 
 def train(tmp_path: Path, *overrides: str, timeout: float = 600) -> tuple[dict, Path]:
     tmp_path.mkdir(parents=True, exist_ok=True)
-    result = run_cli("train", *overrides, cwd=tmp_path, timeout=timeout)
+    result = run_cli("train", *overrides, f"launcher.master_port={free_port()}", cwd=tmp_path, timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     (metrics_path,) = tmp_path.glob("outputs/*/*/metrics.json")
     return json.loads(metrics_path.read_text()), metrics_path.parent
@@ -64,6 +64,7 @@ def test_same_seed_same_curve_and_matches_stored_curve(tmp_path):
 
 def test_train_failure_exits_non_zero_and_names_the_rank(tmp_path):
     # a model key the GPT does not know fails inside every rank, after the launch
-    result = run_cli("train", "+model.not_a_key=1", *SHORT, cwd=tmp_path, timeout=300)
+    result = run_cli("train", "+model.not_a_key=1", *SHORT, f"launcher.master_port={free_port()}", cwd=tmp_path,
+                     timeout=300)
     assert result.returncode != 0
     assert "not_a_key" in result.stdout + result.stderr

@@ -6,7 +6,6 @@ micro-batches equals the loss of the whole global batch, and the averaged gradie
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch

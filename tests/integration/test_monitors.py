@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_cli, run_ranks
+from tests.helpers import free_port, run_cli, run_ranks
 
 
 def _csv(path: Path) -> tuple[list[str], list[tuple[int, float]]]:
@@ -20,7 +20,8 @@ def _csv(path: Path) -> tuple[list[str], list[tuple[int, float]]]:
 @pytest.mark.slow  # two ranks train for a few steps; MLflow's first store takes ~15 s to create
 def test_two_rank_run_with_every_monitor(tmp_path):
     steps, micro, seq = 4, 2, 32
-    result = run_cli("train", "monitor=all", "launcher.num_procs=2", f"train.max_steps={steps}",
+    result = run_cli("train", "monitor=all", "launcher.num_procs=2", f"launcher.master_port={free_port()}",
+                     f"train.max_steps={steps}",
                      "train.eval_interval=2", "train.eval_iters=1", "ds.steps_per_print=2",
                      f"ds.train_micro_batch_size_per_gpu={micro}", "ds.gradient_accumulation_steps=1",
                      f"data.seq_len={seq}", "ds.wall_clock_breakdown=true", "+ds.comms_logger.enabled=true",
@@ -126,7 +127,8 @@ def test_comms_summary_equals_the_engines_accounting():
 
 @pytest.mark.slow  # two one-rank jobs of a Hydra multirun
 def test_multirun_jobs_are_mlflow_child_runs_of_one_parent(tmp_path):
-    result = run_cli("train", "-m", "monitor=mlflow", "launcher.num_procs=1", "train.max_steps=1",
+    result = run_cli("train", "-m", "monitor=mlflow", "launcher.num_procs=1", f"launcher.master_port={free_port()}",
+                     "train.max_steps=1",
                      "train.eval_iters=1", "ds.train_micro_batch_size_per_gpu=2", "data.seq_len=16",
                      "train.seed=1,2", cwd=tmp_path, env={"OMP_NUM_THREADS": "1", "MLFLOW_TRACKING_URI": ""},
                      timeout=280)

@@ -27,7 +27,8 @@ def _losses(folder) -> list[float]:
 def test_train_on_two_hosts_equals_one_host(two_hosts, tmp_path):
     single = tmp_path / "single"
     single.mkdir()
-    result = run_cli("train", *SHORT, "launcher.num_procs=4", cwd=single, timeout=300)
+    result = run_cli("train", *SHORT, "launcher.num_procs=4", f"launcher.master_port={free_port()}", cwd=single,
+                     timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
 
     tag = new_tag()
