@@ -40,11 +40,27 @@ def rank_peak_bytes(baseline_rss: int = 0) -> int:
 
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return int(torch.cuda.max_memory_allocated())
+    return peak_rss_bytes() - baseline_rss
+
+
+def peak_rss_bytes() -> int:
+    """This process's own peak resident memory.
+
+    On Linux this is ``VmHWM`` (the address space's high-water mark), not ``getrusage``'s ``ru_maxrss``:
+    the latter survives fork + exec, so a rank started by a launcher or agent would report its parent's peak
+    whenever that was higher than its own.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
     import resource
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    peak *= 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
-    return int(peak - baseline_rss)
+    return int(peak * (1 if sys.platform == "darwin" else 1024))  # bytes on macOS, KiB elsewhere
 
 
 def write_rank_peak(directory: str | Path, rank: int, peak_bytes: int) -> Path:

@@ -169,10 +169,6 @@ def test_a_rank_records_its_peak_above_the_baseline(tmp_path):
 
     script = ("import sys, torch\n"
               "from dsrun.estimate.measure import current_rss, record_rank_peak\n"
-              # The first large allocation maps kernels and allocator pages once (up to ~140 MiB seen in a full
-              # suite run): take that path before the baseline, so the peak above it is the tensor's alone.
-              "w = torch.ones(64 * 2**20)\n"
-              "del w\n"
               "baseline = current_rss()\n"
               "t = torch.ones(64 * 2**20)\n"
               "del t\n"
@@ -183,3 +179,28 @@ def test_a_rank_records_its_peak_above_the_baseline(tmp_path):
     peaks = load_measured_peaks(tmp_path)
     assert list(peaks) == [3]
     assert 250 * 2**20 <= peaks[3] <= 300 * 2**20, peaks[3] / 2**20
+
+
+def test_a_rank_does_not_inherit_its_parents_peak(tmp_path):
+    # ru_maxrss survives fork + exec: a rank started by a big parent (the launcher's agent, or pytest) would
+    # report the parent's peak. The measured peak must be the rank's own.
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    child = ("import sys, torch\n"
+             "from dsrun.estimate.measure import current_rss, record_rank_peak\n"
+             "baseline = current_rss()\n"
+             "t = torch.ones(16 * 2**20)\n"
+             "del t\n"
+             "record_rank_peak(sys.argv[1], 0, baseline)\n")
+    parent = ("import subprocess, sys\n"
+              "ballast = bytearray(768 * 2**20)\n"  # the parent's peak: 768 MiB, touched
+              "subprocess.run([sys.executable, '-c', sys.argv[1], sys.argv[2]], check=True, close_fds=True)\n")
+    env = {"PYTHONPATH": str(REPO), "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1",
+           "PATH": "/usr/bin:/bin"}
+    subprocess.run([sys.executable, "-c", parent, child, str(tmp_path)], env=env, check=True, timeout=120,
+                   cwd=REPO)
+    peaks = load_measured_peaks(tmp_path)
+    assert 60 * 2**20 <= peaks[0] <= 100 * 2**20, peaks[0] / 2**20  # the child's 64 MiB tensor, not 768 MiB
