@@ -6,7 +6,7 @@ micro-batches equals the loss of the whole global batch, and the averaged gradie
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -129,18 +129,18 @@ def ds_config(stage: int, micro: int, gas: int, bucket: int = 3000, **extra: Any
     return cfg
 
 
-def engine_run(name: str, config: dict[str, Any], steps: int, rank: int, world: int) -> dict[str, Any]:
-    """Train ``steps`` optimizer steps with dsrun on this rank; returns the global mean loss per step (the
-    mean over every rank's micro-batches), the final parameters, and the grad norms."""
-    import dsrun
+def train_steps(engine: Any, batch_at: Callable[[int, int], Any], steps: int, rank: int,
+                world: int) -> tuple[list[float], list[Any]]:
+    """Run ``steps`` optimizer steps on this rank's slices of the shared global batches (``batch_at(step,
+    size)``); returns the global mean loss per step (the mean over every rank's micro-batches) and the grad
+    norms."""
     from dsrun import comm
 
-    engine, _, _, _ = dsrun.initialize(model=build_model(name), config=config)
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     global_size = micro * gas * world
     losses, norms = [], []
     for step in range(steps):
-        batch = global_batch(name, step, global_size)
+        batch = batch_at(step, global_size)
         total = torch.zeros(1, dtype=torch.float64)
         for m in range(gas):
             start = (m * world + rank) * micro  # any fixed split of the global batch works
@@ -151,6 +151,16 @@ def engine_run(name: str, config: dict[str, Any], steps: int, rank: int, world: 
         comm.all_reduce(total)
         losses.append(total.item() / (world * gas))
         norms.append(engine.get_global_grad_norm())
+    return losses, norms
+
+
+def engine_run(name: str, config: dict[str, Any], steps: int, rank: int, world: int) -> dict[str, Any]:
+    """Train ``steps`` optimizer steps with dsrun on this rank; returns the global mean loss per step (the
+    mean over every rank's micro-batches), the final parameters, and the grad norms."""
+    import dsrun
+
+    engine, _, _, _ = dsrun.initialize(model=build_model(name), config=config)
+    losses, norms = train_steps(engine, lambda step, size: global_batch(name, step, size), steps, rank, world)
     # numpy, not torch: tensors sent through a multiprocessing queue need the sender alive
     return {"losses": losses, "params": flat_params(engine.module).numpy(), "norms": norms,
             "memory": engine.memory_breakdown().as_dict(), "comm": engine.comm_stats_last_step(),

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.integration._workloads import max_rel_param_diff, rel_diff  # noqa: F401 (used by the tests)
+from tests.integration._workloads import train_steps
 
 LR, WEIGHT_DECAY, STEPS = 3e-3, 0.01, 20
 GPT_KW = dict(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)
@@ -113,21 +114,7 @@ def engine_run(name: str, config: dict[str, Any], steps: int, rank: int, world: 
     else:
         model = build_model(name)
     engine, _, _, _ = initialize(model=model, config=config)
-    micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-    global_size = micro * gas * world
-    losses, norms = [], []
-    for step in range(steps):
-        batch = global_batch(name, step, global_size)
-        total = torch.zeros(1, dtype=torch.float64)
-        for m in range(gas):
-            start = (m * world + rank) * micro
-            loss = engine(slice_batch(batch, start, start + micro))
-            engine.backward(loss)
-            engine.step()
-            total += loss.item()
-        comm.all_reduce(total)
-        losses.append(total.item() / (world * gas))
-        norms.append(engine.get_global_grad_norm())
+    losses, norms = train_steps(engine, lambda step, size: global_batch(name, step, size), steps, rank, world)
     full = dsrun.zero.full_state_dict(engine.module) if engine.zero_optimization_stage() == 3 else \
         {k: v for k, v in engine.module.state_dict().items()}
     names = {n for n, _ in engine.module.named_parameters()}
