@@ -146,6 +146,7 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
     if first_step > 1:
         metrics["resumed_from_step"] = first_step - 1
 
+    engine.print_step_lines = False  # the progress line below carries step, loss and lr
     progress = TrainingProgress(max_steps, enabled=rank == 0, print_every=max(1, engine.steps_per_print()),
                                 start_step=first_step - 1)
     initial = evaluate(engine, corpus, micro_batch, rank, world_size, cfg.eval_iters)

@@ -55,6 +55,9 @@ class DeepSpeedEngine(torch.nn.Module):
         self.global_samples = 0
         self.micro_steps = 0
         self.skipped_steps = 0
+        # DeepSpeed's "step=N, skipped=S, lr=[...]" line every steps_per_print steps; a caller that prints its
+        # own progress (dsrun's worker) turns it off
+        self.print_step_lines = True
         self._boundary_override: bool | None = None
         self.timers = WallClockTimers(bool(config.wall_clock_breakdown))
         comm.configure(config)
@@ -193,7 +196,7 @@ class DeepSpeedEngine(torch.nn.Module):
 
     def _report(self) -> None:
         every = int(self._config.steps_per_print or 0)
-        if not every or self.global_steps % every or self.global_rank != 0:
+        if not (self.print_step_lines and every) or self.global_steps % every or self.global_rank != 0:
             return
         print(f"[dsrun] step={self.global_steps}, skipped={self.skipped_steps}, lr={self.get_lr()}", flush=True)
 

@@ -140,6 +140,15 @@ def test_wall_clock_breakdown_times_each_phase(capsys) -> None:
     assert "step=2" in out and "forward:" in out and "backward:" in out
 
 
+def test_step_line_every_steps_per_print_unless_turned_off(capsys) -> None:
+    engine = dsrun.initialize(model=_model(), config=_config(steps_per_print=1))[0]
+    _train_step(engine)
+    assert "[dsrun] step=1, skipped=0, lr=[" in capsys.readouterr().out
+    engine.print_step_lines = False  # what the worker does: its own progress line replaces this one
+    _train_step(engine)
+    assert "step=2" not in capsys.readouterr().out
+
+
 def test_memory_breakdown_counts_model_state() -> None:
     engine = dsrun.initialize(model=_model(), config=_config())[0]
     _train_step(engine)
