@@ -152,7 +152,7 @@ def test_stopping_the_launcher_stops_every_rank_on_every_host(two_hosts, tmp_pat
         if sig == signal.SIGINT:
             assert launcher.returncode == 130
             assert "dsrun: stopped by SIGINT; all ranks on 2 host(s) were stopped" in stderr
-        left = wait_until_gone(tag, 15)
+        left = wait_until_gone(tag, 40)  # generous: a loaded machine delays SIGTERM handling
         assert left == [], f"processes of the job left after {sig.name} of the launcher: {left}"
         print(f"every process of the job gone {time.monotonic() - stopped_at:.2f} s after {sig.name}")
     finally:
