@@ -10,6 +10,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from dsrun.cli.common import add_compose_arguments
@@ -33,29 +34,67 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import sys
-
+    from dsrun.cli.multirun import JobResult, summary_table
     from dsrun.compose import app_overrides, compose_runspec, finish_runspec, run_app
     from dsrun.runspec import resolve_run
 
     if not args.multirun:
         resolve_run(compose_runspec(args.overrides, args.recipes_dir))  # fail fast, before any run directory
     hydra_overrides = app_overrides(args.overrides, args.recipes_dir)
+    jobs: list[JobResult] = []  # a sweep's jobs, in the order they ran
 
     def task(cfg):
+        """One job: compose, launch, and return the final eval loss (what a sweeper optimises)."""
         from hydra.core.hydra_config import HydraConfig
 
-        run_dir = Path(HydraConfig.get().runtime.output_dir)
+        hydra_cfg = HydraConfig.get()
+        run_dir = Path(hydra_cfg.runtime.output_dir)
+        job = JobResult(len(jobs), list(hydra_cfg.overrides.task), run_dir)
         try:
             resolved = resolve_run(finish_runspec(cfg, hydra_overrides))
-            return _dry_run(resolved, run_dir) if args.dry_run else _train(resolved, run_dir)
+            if args.dry_run:
+                return _dry_run(resolved, run_dir)
+            metrics = _train(resolved, run_dir)
+            job.final_eval_loss, job.tokens_per_second = metrics.get("final_eval_loss"), metrics["tokens_per_second"]
         except UserError as err:
             for problem in err.problems:
                 print(f"error: {problem}", file=sys.stderr)
-            sys.exit(EXIT_USAGE)
+            job.error = "; ".join(str(p) for p in err.problems)
+            if not args.multirun:
+                sys.exit(EXIT_USAGE)
+        except TrainingFailed as err:
+            job.error = str(err)
+            if not args.multirun:
+                sys.exit(err.exit_code)
+        finally:
+            jobs.append(job)
+            if args.multirun:
+                _sweep_dir(hydra_cfg).mkdir(parents=True, exist_ok=True)
+                (_sweep_dir(hydra_cfg) / "summary.txt").write_text(summary_table(jobs, _sweep_dir(hydra_cfg)) + "\n")
+        # a failed job returns None: the sweep goes on, and an Optuna sweeper records the trial as failed
+        return job.final_eval_loss
 
     run_app(task, args.overrides, args.recipes_dir, multirun=args.multirun)
+    if args.multirun and jobs and not args.dry_run:
+        print(summary_table(jobs, _sweep_dir_of(jobs)), flush=True)
+        return 1 if any(not job.ok for job in jobs) else 0
     return 0
+
+
+def _sweep_dir(hydra_cfg) -> Path:
+    return Path(hydra_cfg.sweep.dir).resolve()
+
+
+def _sweep_dir_of(jobs) -> Path:
+    return jobs[0].run_dir.resolve().parent  # a job runs in <sweep dir>/<job number>
+
+
+class TrainingFailed(Exception):
+    """The ranks of a run exited with an error; the message says where to look."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def _dry_run(resolved, run_dir: Path) -> None:
@@ -84,10 +123,9 @@ def _dry_run(resolved, run_dir: Path) -> None:
     print("\n".join(lines))
 
 
-def _train(resolved, run_dir: Path):
-    """Launch the worker on every rank of the plan; return the final eval loss (what sweepers optimise)."""
+def _train(resolved, run_dir: Path) -> dict:
+    """Launch the worker on every rank of the plan; return the run's metrics (``metrics.json``)."""
     import json
-    import sys
 
     from dsrun.launcher import launch_from_mapping
     from dsrun.rundir import METRICS_JSON, write_run_files
@@ -102,7 +140,7 @@ def _train(resolved, run_dir: Path):
     if code != 0:
         print(f"[dsrun] training failed (exit code {code}); logs per rank in {launcher['log_dir']}",
               file=sys.stderr, flush=True)
-        sys.exit(code)
+        raise TrainingFailed(f"exit code {code}{_first_error(Path(launcher['log_dir']))}", code)
     metrics = json.loads(metrics_path.read_text())
     losses = [e["loss"] for e in metrics["eval_losses"]]
     print(f"[dsrun] done: {metrics['steps']} steps in {metrics['wall_time_s']:.1f}s, "
@@ -110,13 +148,26 @@ def _train(resolved, run_dir: Path):
           f"({metrics['loss_unit']})" if losses else "[dsrun] done", flush=True)
     for line in where_outputs_went(resolved, run_dir):
         print(f"[dsrun] {line}", flush=True)
-    return metrics.get("final_eval_loss")
+    return metrics
+
+
+def _first_error(log_dir: Path) -> str:
+    """`` (rankN: <the exception>)`` from the first rank log that holds a Python traceback, or ''."""
+    import re
+
+    for log in sorted(log_dir.glob("rank*.stderr.log")):
+        text = log.read_text(errors="replace")
+        if "Traceback (most recent call last)" in text:
+            last = [line.strip() for line in text.splitlines() if line.strip()][-1]
+            last = re.sub(r"^\[rank\d+\]:\s*", "", last)
+            last = re.sub(r"^(\w+\.)+(?=\w+(Error|Exception|Interrupt)\b)", "", last)  # dsrun.x.UserError → UserError
+            return f" ({log.name.split('.')[0]}: {last[:300]})"
+    return ""
 
 
 def where_outputs_went(resolved, run_dir: Path) -> list[str]:
     """One line per output a user looks for after a run: metrics, monitor files, checkpoints, MLflow."""
-    import os
-
+    from dsrun.monitor.mlflow_monitor import resolve_tracking_uri
     from dsrun.rundir import METRICS_JSON
 
     ds = resolved.ds
@@ -129,6 +180,8 @@ def where_outputs_went(resolved, run_dir: Path) -> list[str]:
     if checkpoints.is_dir():
         lines.append(f"checkpoints: {checkpoints}")
     if ds.mlflow.enabled:
-        uri = ds.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or str(Path.cwd() / "mlruns")
-        lines.append(f"mlflow: experiment '{ds.mlflow.experiment_name}' in {uri}")
+        uri = resolve_tracking_uri(ds.mlflow.tracking_uri, Path.cwd() / "mlruns")  # as the worker resolved it
+        name = ds.mlflow.run_name or f"{run_dir.parent.name}/{run_dir.name}"
+        lines.append(f"mlflow: run '{name}' in experiment '{ds.mlflow.experiment_name}' at {uri}"
+                     + (f" (browse: mlflow ui --backend-store-uri {uri})" if uri.startswith("sqlite:") else ""))
     return lines

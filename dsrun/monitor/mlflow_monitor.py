@@ -9,11 +9,12 @@ child runs of one parent run tagged with that key, created by whichever child co
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from .base import Event, Monitor, require_package
 
@@ -39,6 +40,32 @@ def resolve_tracking_uri(configured: str | None, default_dir: str | os.PathLike)
     return configured or os.environ.get("MLFLOW_TRACKING_URI") or local_tracking_uri(default_dir)
 
 
+@contextlib.contextmanager
+def store_lock(tracking_uri: str) -> Iterator[None]:
+    """Hold an exclusive lock beside a local SQLite store (``mlflow.db.lock``) while a run is set up.
+
+    Jobs that start together (a parallel multirun, tuning trials) would otherwise all create a new store's
+    tables at once, or create the same experiment or parent run twice; with the lock the first one does it
+    and the others find it done. Other stores (a tracking server, ...) need no lock.
+    """
+    if not tracking_uri.startswith("sqlite:///"):
+        yield
+        return
+    db = Path(tracking_uri[len("sqlite:///"):])
+    db.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock, as before
+        yield
+        return
+    with open(db.with_name(db.name + ".lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 class MLflowMonitor(Monitor):
     name = "mlflow"
 
@@ -48,14 +75,13 @@ class MLflowMonitor(Monitor):
         from mlflow.tracking import MlflowClient
 
         self.tracking_uri = tracking_uri
-        if tracking_uri.startswith("sqlite:///"):
-            Path(tracking_uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
-        self.client = MlflowClient(tracking_uri=tracking_uri)
-        self.experiment_id = self._experiment(experiment_name)
-        all_tags = dict(tags or {})
-        if parent_key:
-            all_tags["mlflow.parentRunId"] = self._parent_run(parent_key)
-        run = self.client.create_run(self.experiment_id, run_name=run_name, tags=all_tags)
+        with store_lock(tracking_uri):
+            self.client = MlflowClient(tracking_uri=tracking_uri)  # creates a new store's tables
+            self.experiment_id = self._experiment(experiment_name)
+            all_tags = dict(tags or {})
+            if parent_key:
+                all_tags["mlflow.parentRunId"] = self._parent_run(parent_key)
+            run = self.client.create_run(self.experiment_id, run_name=run_name, tags=all_tags)
         self.run_id: str = run.info.run_id
         self.log_artifacts_enabled = log_artifacts
         self._pending: list[Any] = []
