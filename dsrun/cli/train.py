@@ -5,7 +5,10 @@ Examples:
   dsrun train +recipe=gpt_zero3 launcher.num_procs=2
   dsrun train --dry-run +recipe=gpt_zero3       compose, validate, write the run directory; launch nothing
   dsrun train ds_config=my_ds_config.json       your DeepSpeed JSON, merged into the recipe's ds section
-  dsrun train -m zero=stage1,stage2 optimizer.params.lr=1e-4,3e-4   a Hydra multirun sweep
+  dsrun train -m zero=stage1,stage2 optimizer.params.lr=1e-4,3e-4   a Hydra multirun sweep: one job each,
+                                                a summary table of the jobs at the end
+  dsrun train -m hydra/sweeper=optuna hydra.sweeper.n_trials=20 'optimizer.params.lr=tag(log, interval(1e-5, 1e-2))'
+                                                an Optuna search minimising the final eval loss (docs/sweeps.md)
 """
 from __future__ import annotations
 
@@ -22,7 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true",
                         help="compose, validate, resolve batch sizes, write the run directory and print the "
                              "plan; launch nothing")
-    parser.add_argument("-m", "--multirun", action="store_true", help="Hydra multirun: one job per combination")
+    parser.add_argument("-m", "--multirun", action="store_true",
+                        help="Hydra multirun: one job per combination (or per trial with hydra/sweeper=optuna), "
+                             "then a table of the jobs")
     add_compose_arguments(parser)
     from dsrun.compose import list_recipes
 
@@ -68,25 +73,18 @@ def run(args: argparse.Namespace) -> int:
                 sys.exit(err.exit_code)
         finally:
             jobs.append(job)
-            if args.multirun:
-                _sweep_dir(hydra_cfg).mkdir(parents=True, exist_ok=True)
-                (_sweep_dir(hydra_cfg) / "summary.txt").write_text(summary_table(jobs, _sweep_dir(hydra_cfg)) + "\n")
+            if args.multirun and not args.dry_run:  # the table so far, kept even if the sweep is killed
+                sweep_dir = Path(hydra_cfg.sweep.dir)
+                sweep_dir.mkdir(parents=True, exist_ok=True)
+                (sweep_dir / "summary.txt").write_text(summary_table(jobs, sweep_dir) + "\n")
         # a failed job returns None: the sweep goes on, and an Optuna sweeper records the trial as failed
         return job.final_eval_loss
 
     run_app(task, args.overrides, args.recipes_dir, multirun=args.multirun)
     if args.multirun and jobs and not args.dry_run:
-        print(summary_table(jobs, _sweep_dir_of(jobs)), flush=True)
+        print(summary_table(jobs, jobs[0].run_dir.parent), flush=True)  # a job runs in <sweep dir>/<N>
         return 1 if any(not job.ok for job in jobs) else 0
     return 0
-
-
-def _sweep_dir(hydra_cfg) -> Path:
-    return Path(hydra_cfg.sweep.dir).resolve()
-
-
-def _sweep_dir_of(jobs) -> Path:
-    return jobs[0].run_dir.resolve().parent  # a job runs in <sweep dir>/<job number>
 
 
 class TrainingFailed(Exception):
@@ -182,6 +180,11 @@ def where_outputs_went(resolved, run_dir: Path) -> list[str]:
     if ds.mlflow.enabled:
         uri = resolve_tracking_uri(ds.mlflow.tracking_uri, Path.cwd() / "mlruns")  # as the worker resolved it
         name = ds.mlflow.run_name or f"{run_dir.parent.name}/{run_dir.name}"
-        lines.append(f"mlflow: run '{name}' in experiment '{ds.mlflow.experiment_name}' at {uri}"
-                     + (f" (browse: mlflow ui --backend-store-uri {uri})" if uri.startswith("sqlite:") else ""))
+        if uri.startswith("sqlite:///"):  # a local store: its file, and the command that browses it
+            db = Path(uri[len("sqlite:///"):])
+            shown = db.relative_to(Path.cwd()) if db.is_relative_to(Path.cwd()) else db
+            where = f"{shown}; browse: mlflow ui --backend-store-uri sqlite:///{shown}"
+        else:
+            where = uri
+        lines.append(f"mlflow: run '{name}' (experiment '{ds.mlflow.experiment_name}') in {where}")
     return lines

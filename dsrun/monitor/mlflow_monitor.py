@@ -76,6 +76,7 @@ def new_local_store(db: Path) -> None:
     one (nothing to wait for), then every new store is a file copy. Should anything go wrong, MLflow
     creates the store itself, as before.
     """
+    import logging
     import shutil
     import sqlite3
     import tempfile
@@ -89,9 +90,15 @@ def new_local_store(db: Path) -> None:
 
             cache.mkdir(parents=True, exist_ok=True)
             ram = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+            quiet = logging.getLogger("mlflow.store.db.utils")  # "Creating initial MLflow database tables..."
+            level = quiet.level
+            quiet.setLevel(logging.WARNING)
             with tempfile.TemporaryDirectory(dir=ram) as scratch:
                 fresh = Path(scratch) / "mlflow.db"
-                MlflowClient(tracking_uri=f"sqlite:///{fresh}").search_experiments(max_results=1)
+                try:
+                    MlflowClient(tracking_uri=f"sqlite:///{fresh}").search_experiments(max_results=1)
+                finally:
+                    quiet.setLevel(level)
                 partial = template.with_name(f"{template.name}.{os.getpid()}")
                 shutil.copyfile(fresh, partial)
                 os.replace(partial, template)  # whole or not at all, for jobs that start together
