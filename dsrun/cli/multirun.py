@@ -53,24 +53,24 @@ def summary_table(jobs: Sequence[JobResult], sweep_dir: Path | None = None) -> s
     shown = varying_overrides(jobs)
     header = ["#", "overrides", "final eval loss", "tokens/s", "run dir", "status"]
     rows = [[str(job.number), " ".join(overrides) or "(none)", _number(job.final_eval_loss, ".4f"),
-             _number(job.tokens_per_second, ",.0f"), _short(job.run_dir), "ok" if job.ok else f"FAILED: {job.error}"]
-            for job, overrides in zip(jobs, shown)]
+             _number(job.tokens_per_second, ",.0f"), short_path(job.run_dir),
+             "ok" if job.ok else f"FAILED: {job.error}"] for job, overrides in zip(jobs, shown)]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header) - 1)]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1]
              for row in [header, *rows]]
     failed = sum(not job.ok for job in jobs)
     title = f"[dsrun] sweep of {len(jobs)} job(s): {len(jobs) - failed} finished, {failed} failed" + (
-        f"; sweep directory {_short(sweep_dir)}" if sweep_dir else "")
+        f"; sweep directory {short_path(sweep_dir)}" if sweep_dir else "")
     ranked = [job for job in jobs if job.ok and job.final_eval_loss is not None]
     footer = []
     if ranked:
         best = min(ranked, key=lambda job: job.final_eval_loss)
         footer.append(f"best final eval loss {best.final_eval_loss:.4f}: job {best.number} "
-                      f"({' '.join(shown[jobs.index(best)]) or _short(best.run_dir)})")
+                      f"({' '.join(shown[jobs.index(best)]) or short_path(best.run_dir)})")
     return "\n".join([title, lines[0], "-" * len(lines[0]), *lines[1:], *footer])
 
 
-def _short(path: Path) -> str:
+def short_path(path: Path) -> str:
     """``path`` relative to the current directory when it lies below it (``multirun/DATE/TIME/N``)."""
     try:
         return str(path.resolve().relative_to(Path.cwd().resolve()))

@@ -164,26 +164,27 @@ def _first_error(log_dir: Path) -> str:
 
 
 def where_outputs_went(resolved, run_dir: Path) -> list[str]:
-    """One line per output a user looks for after a run: metrics, monitor files, checkpoints, MLflow."""
+    """One line per output a user looks for after a run: metrics, monitor files, checkpoints, MLflow (paths
+    relative to the current directory when they lie below it)."""
+    from dsrun.cli.multirun import short_path
     from dsrun.monitor.mlflow_monitor import resolve_tracking_uri
     from dsrun.rundir import METRICS_JSON
 
     ds = resolved.ds
-    lines = [f"metrics: {run_dir / METRICS_JSON}"]
+    lines = [f"metrics: {short_path(run_dir / METRICS_JSON)}"]
     for name in ("csv_monitor", "tensorboard"):
         section = getattr(ds, name)
         if section.enabled:
-            lines.append(f"{name}: {Path(section.output_path or run_dir) / section.job_name}")
+            lines.append(f"{name}: {short_path(Path(section.output_path or run_dir) / section.job_name)}")
     checkpoints = run_dir / "checkpoints"
     if checkpoints.is_dir():
-        lines.append(f"checkpoints: {checkpoints}")
+        lines.append(f"checkpoints: {short_path(checkpoints)}")
     if ds.mlflow.enabled:
         uri = resolve_tracking_uri(ds.mlflow.tracking_uri, Path.cwd() / "mlruns")  # as the worker resolved it
         name = ds.mlflow.run_name or f"{run_dir.parent.name}/{run_dir.name}"
         if uri.startswith("sqlite:///"):  # a local store: its file, and the command that browses it
-            db = Path(uri[len("sqlite:///"):])
-            shown = db.relative_to(Path.cwd()) if db.is_relative_to(Path.cwd()) else db
-            where = f"{shown}; browse: mlflow ui --backend-store-uri sqlite:///{shown}"
+            db = short_path(Path(uri[len("sqlite:///"):]))
+            where = f"{db}; browse: mlflow ui --backend-store-uri sqlite:///{db}"
         else:
             where = uri
         lines.append(f"mlflow: run '{name}' (experiment '{ds.mlflow.experiment_name}') in {where}")

@@ -18,8 +18,9 @@ A param that is not a sweep (``key=value``) is passed to every trial unchanged. 
 ``hydra.sweeper.params`` and win for the same key.
 
 A trial fails when its job raises or returns no number (``None``, NaN, inf); it is told to Optuna as
-FAIL and the sweep goes on while at most ``max_failure_rate * n_trials`` trials have failed. Past that, the sweep launches no more trials and ends normally (the finished trials' results are kept); the
-log says why. ``optimization_results.yaml`` in the sweep directory holds the best params and value.
+FAIL and the sweep goes on while at most ``max_failure_rate * n_trials`` trials have failed. Past that,
+the sweep launches no more trials and ends normally (the finished trials' results are kept); the log says
+why. ``optimization_results.yaml`` in the sweep directory holds the best params and value.
 """
 from __future__ import annotations
 

@@ -42,8 +42,9 @@ def test_default_recipe_learns(tmp_path):
     assert check.returncode == 0, check.stderr
 
     store = tmp_path / "mlruns" / "mlflow.db"
-    assert f"[dsrun] metrics: {run_dir / 'metrics.json'}" in result.stdout
-    assert f"[dsrun] checkpoints: {run_dir / 'checkpoints'}" in result.stdout
+    where = run_dir.relative_to(tmp_path)  # the closing lines show paths below the current directory relative
+    assert f"[dsrun] metrics: {where / 'metrics.json'}" in result.stdout
+    assert f"[dsrun] checkpoints: {where / 'checkpoints'}" in result.stdout
     assert (f"[dsrun] mlflow: run '{run_dir.parent.name}/{run_dir.name}' (experiment 'dsrun') in mlruns/mlflow.db; "
             "browse: mlflow ui --backend-store-uri sqlite:///mlruns/mlflow.db") in result.stdout
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.is_dir()) == ["global_step200",
