@@ -30,5 +30,6 @@ def test_the_table_lists_every_job_the_failure_and_the_best(tmp_path, monkeypatc
     assert set(lines[2]) == {"-"}
     assert lines[3].split() == ["0", "ds.optimizer.params.lr=0.001", "zero=stage1", "2.5000", "41,000", "0", "ok"]
     assert lines[4].split()[3:] == ["2.2500", "40,000", "1", "ok"]
-    assert lines[5].split()[3:6] == ["-", "-", "2"] and lines[5].endswith("FAILED: exit code 1 (rank1: RuntimeError: boom)")
+    assert lines[5].split()[3:6] == ["-", "-", "2"]
+    assert lines[5].endswith("FAILED: exit code 1 (rank1: RuntimeError: boom)")
     assert lines[6] == "best final eval loss 2.2500: job 1 (ds.optimizer.params.lr=0.003 zero=stage1)"
