@@ -10,13 +10,18 @@ import pytest
 from tests.helpers import REPO
 
 
-@pytest.mark.slow
-def test_wheel_install_composes_recipes(tmp_path):
+def build_wheel(tmp_path) -> str:
     wheel_dir = tmp_path / "wheel"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                     "-w", str(wheel_dir), str(REPO)], check=True, timeout=240, cwd=tmp_path,
                    env={**os.environ, "DSRUN_BUILD_OPS": "0"})
     (wheel,) = wheel_dir.glob("dsrun-*.whl")
+    return str(wheel)
+
+
+@pytest.mark.slow
+def test_wheel_install_composes_recipes(tmp_path):
+    wheel = build_wheel(tmp_path)
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(system_site_packages=True, with_pip=False).create(env_dir)
     python = env_dir / "bin" / "python"
@@ -50,13 +55,9 @@ print(found.get("hydra_plugins.dsrun_optuna_sweeper.optuna_sweeper", "missing"))
 
 @pytest.mark.slow
 def test_the_optuna_sweeper_plugin_is_found_after_a_wheel_and_an_editable_install(tmp_path):
-    wheel_dir = tmp_path / "wheel"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(wheel_dir), str(REPO)], check=True, timeout=240, cwd=tmp_path,
-                   env={**os.environ, "DSRUN_BUILD_OPS": "0"})
-    (wheel,) = wheel_dir.glob("dsrun-*.whl")
+    wheel = build_wheel(tmp_path)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # only what the install put in place
-    for kind, target in (("wheel", [str(wheel)]), ("editable", ["-e", str(REPO)])):
+    for kind, target in (("wheel", [wheel]), ("editable", ["-e", str(REPO)])):
         env_dir = tmp_path / kind
         venv.EnvBuilder(system_site_packages=True, with_pip=False).create(env_dir)
         python = str(env_dir / "bin" / "python")
