@@ -25,16 +25,17 @@ def test_wheel_install_composes_recipes(tmp_path):
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(system_site_packages=True, with_pip=False).create(env_dir)
     python = env_dir / "bin" / "python"
+    plain = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # a dev PYTHONPATH may show a dsrun
     subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", "-q", str(wheel)],
-                   check=True, timeout=240)
+                   check=True, timeout=240, env=plain)                     # that makes pip skip the install
     work = tmp_path / "elsewhere"
     work.mkdir()
     result = subprocess.run([str(env_dir / "bin" / "dsrun"), "config", "--json", "+recipe=gpt_zero3"],
-                            cwd=work, capture_output=True, text=True, timeout=120)
+                            cwd=work, capture_output=True, text=True, timeout=120, env=plain)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["zero_optimization"]["stage"] == 3
     where = subprocess.run([str(python), "-c", "import dsrun.utils.paths as p; print(p.conf_dir())"],
-                           cwd=work, capture_output=True, text=True, timeout=60)
+                           cwd=work, capture_output=True, text=True, timeout=60, env=plain)
     assert str(env_dir) in where.stdout, where.stdout + where.stderr
 
 
