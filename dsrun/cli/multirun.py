@@ -76,3 +76,32 @@ def short_path(path: Path) -> str:
         return str(path.resolve().relative_to(Path.cwd().resolve()))
     except ValueError:
         return str(path)
+
+
+def first_job_overrides(overrides: Sequence[str]) -> list[str]:
+    """The command line's overrides with each sweep replaced by its first value and Hydra's own settings
+    (``hydra/...``, ``hydra.*``) left out: enough to compose the sweep's config once, so that a misspelt key
+    or option is reported in one line before any job starts. Values are not checked here: a value only
+    one job has is that job's failure, not the sweep's."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ChoiceSweep
+
+    from hydra_plugins.dsrun_optuna_sweeper.optuna_sweeper import override_text
+
+    parser = OverridesParser.create()
+    first: list[str] = []
+    for text in overrides:
+        try:
+            (override,) = parser.parse_overrides([text])
+        except Exception:  # noqa: BLE001 - composing reports the parse error with its key
+            first.append(text)
+            continue
+        if override.key_or_group.startswith(("hydra.", "hydra/")) or override.key_or_group == "hydra":
+            continue
+        if override.is_sweep_override():
+            sweep = override.value()
+            value = (sweep.list[0] if sweep.list else None) if isinstance(sweep, ChoiceSweep) else sweep.start
+            first.append(override_text(override.get_key_element(), value))
+        else:
+            first.append(text)
+    return first

@@ -33,3 +33,22 @@ def test_the_table_lists_every_job_the_failure_and_the_best(tmp_path, monkeypatc
     assert lines[5].split()[3:6] == ["-", "-", "2"]
     assert lines[5].endswith("FAILED: exit code 1 (rank1: RuntimeError: boom)")
     assert lines[6] == "best final eval loss 2.2500: job 1 (ds.optimizer.params.lr=0.003 zero=stage1)"
+
+
+def test_a_sweep_is_checked_once_with_each_sweeps_first_value():
+    from dsrun.cli.multirun import first_job_overrides
+
+    assert first_job_overrides([
+        "optimizer.params.lr=1e-4,3e-4", "zero=choice(stage1,stage2)", "train.seed=range(3,9)",
+        "ds.gradient_clipping=tag(log, interval(0.5, 2.0))", "+recipe=gpt_zero3", "hydra/sweeper=optuna",
+        "hydra.sweeper.n_trials=3", "~ds.scheduler",
+    ]) == ["optimizer.params.lr=0.0001", "zero=stage1", "train.seed=3", "ds.gradient_clipping=0.5",
+           "+recipe=gpt_zero3", "~ds.scheduler"]
+
+
+def test_a_misspelt_key_fails_the_sweep_before_any_job(tmp_path):
+    from tests.helpers import run_cli
+
+    done = run_cli("train", "-m", "train.max_stepz=1,2", cwd=tmp_path, timeout=120)
+    assert done.returncode == 2 and not (tmp_path / "multirun").exists()
+    assert "error: train.max_stepz: no such key" in done.stderr
