@@ -105,3 +105,34 @@ def first_job_overrides(overrides: Sequence[str]) -> list[str]:
         else:
             first.append(text)
     return first
+
+
+def unknown_sweep_options(overrides: Sequence[str], recipes_dirs: Sequence[str | Path] = ()) -> list:
+    """A :class:`~dsrun.utils.errors.Problem` for each option of a swept config group (``zero=stage1,stage9``,
+    ``+recipe=a,b``) that does not exist, so the sweep stops before its first job instead of in Hydra."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ChoiceSweep
+
+    from dsrun.compose import config_groups, list_recipes
+    from dsrun.utils.errors import Problem
+    from dsrun.utils.paths import conf_dir
+    from dsrun.utils.suggest import did_you_mean
+
+    groups = set(config_groups())
+    problems = []
+    for text in overrides:
+        try:
+            (override,) = OverridesParser.create().parse_overrides([text])
+        except Exception:  # noqa: BLE001 - composing reports it
+            continue
+        group, sweep = override.key_or_group, override.value() if override.is_sweep_override() else None
+        if group not in groups or not isinstance(sweep, ChoiceSweep):
+            continue
+        known = list(list_recipes(recipes_dirs)) if group == "recipe" else sorted(
+            p.stem for p in (conf_dir() / group).glob("*.yaml"))
+        for option in sweep.list:
+            if str(option) not in known:
+                problems.append(Problem(f"{override.get_key_element()}={option}", f"unknown option '{option}' for config group "
+                                        f"'{group}'; available: {', '.join(known)}",
+                                        did_you_mean(str(option), known)))
+    return problems

@@ -39,13 +39,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dsrun.cli.multirun import JobResult, first_job_overrides, summary_table
+    from dsrun.cli.multirun import JobResult, first_job_overrides, summary_table, unknown_sweep_options
     from dsrun.compose import app_overrides, compose_runspec, finish_runspec, run_app
     from dsrun.runspec import resolve_run
 
     if not args.multirun:
         resolve_run(compose_runspec(args.overrides, args.recipes_dir))  # fail fast, before any run directory
     else:  # a misspelt key or option fails the sweep at once; a bad value fails only its own job
+        problems = unknown_sweep_options(args.overrides, args.recipes_dir)
+        if problems:
+            raise UserError(problems)
         compose_runspec(first_job_overrides(args.overrides), args.recipes_dir)
     hydra_overrides = app_overrides(args.overrides, args.recipes_dir)
     jobs: list[JobResult] = []  # a sweep's jobs, in the order they ran

@@ -52,3 +52,13 @@ def test_a_misspelt_key_fails_the_sweep_before_any_job(tmp_path):
     done = run_cli("train", "-m", "train.max_stepz=1,2", cwd=tmp_path, timeout=120)
     assert done.returncode == 2 and not (tmp_path / "multirun").exists()
     assert "error: train.max_stepz: no such key" in done.stderr
+
+
+def test_an_unknown_option_anywhere_in_a_group_sweep_is_named_with_a_suggestion():
+    from dsrun.cli.multirun import unknown_sweep_options
+
+    problems = unknown_sweep_options(["zero=stage1,stage9", "+recipe=default,gpt_zer3", "train.seed=1,2",
+                                      "precision=bf16"])
+    assert [(p.path, p.hint) for p in problems] == [("zero=stage9", "did you mean 'stage3'?"),
+                                                    ("+recipe=gpt_zer3", "did you mean 'gpt_zero3'?")]
+    assert "available: stage0, stage1, stage2, stage3" in problems[0].message
