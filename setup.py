@@ -16,7 +16,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from setuptools import find_packages, setup
+from setuptools import find_namespace_packages, find_packages, setup
 from setuptools.command.build_py import build_py
 
 HERE = Path(__file__).resolve().parent
@@ -61,6 +61,7 @@ def ahead_of_time_ops() -> tuple[list, dict]:
 
 
 ext_modules, ext_commands = ahead_of_time_ops()
+# hydra_plugins/ is Hydra's namespace package for plugins (dsrun's Optuna sweeper); it has no __init__.py
 setup(packages=find_packages(include=["dsrun", "dsrun.*", "op_builder", "op_builder.*"])
-      + ["dsrun._conf", "dsrun._recipes"],
+      + find_namespace_packages(include=["hydra_plugins.*"]) + ["dsrun._conf", "dsrun._recipes"],
       cmdclass={"build_py": BuildPyWithCsrc, **ext_commands}, ext_modules=ext_modules)

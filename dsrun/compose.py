@@ -271,6 +271,9 @@ def run_app(task_function, overrides: Sequence[str] = (), recipes_dirs: Iterable
 
     import hydra
 
+    from hydra_plugins.dsrun_optuna_sweeper import register_with_hydra
+
+    register_with_hydra()  # hydra/sweeper=optuna, whatever kind of install dsrun has
     hydra_overrides = app_overrides(overrides, recipes_dirs)
     argv = sys.argv
     sys.argv = ["dsrun", *hydra_overrides, "hydra.job.name=dsrun", *(["--multirun"] if multirun else [])]

@@ -4,6 +4,9 @@ import pytest
 
 # Keep every test single-threaded unless it splits the cores itself: the machine has 2 cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The default recipe logs an MLflow run; tests that do not test MLflow skip it (those that do set it to true
+# or pick monitor=mlflow, which this does not affect).
+os.environ.setdefault("DSRUN_MLFLOW", "false")
 
 
 @pytest.fixture

@@ -40,7 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     how.add_argument("--ssh_port", type=int, default=None, help="ssh port of the nodes")
     how.add_argument("--master_addr", default=None,
                      help="address of node 0 (default 127.0.0.1 on one host, else the first host)")
-    how.add_argument("--master_port", type=int, default=DEFAULT_MASTER_PORT, help="rendezvous port on node 0")
+    how.add_argument("--master_port", type=int, default=None,
+                     help=f"rendezvous port on node 0 (default: a free port for a single-node local run, "
+                          f"else {DEFAULT_MASTER_PORT})")
     what = parser.add_argument_group("what each rank runs")
     what.add_argument("--module", action="store_true", help="run SCRIPT as a module: python -m SCRIPT")
     what.add_argument("--no_python", action="store_true", help="run SCRIPT directly, not through python")

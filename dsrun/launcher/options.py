@@ -12,7 +12,7 @@ The RunSpec mapping (all keys optional)::
       include: null            # "host[:slot,slot]@host..."
       exclude: null
       master_addr: null        # default 127.0.0.1 for one host, else the first host
-      master_port: 29500
+      master_port: null        # null: a free port for a local single-node run, else 29500
       node_rank: null          # required with runner no_ssh
       ssh_port: null
       launcher_args: ""        # extra options for ssh / pdsh / srun / mpirun
@@ -69,7 +69,7 @@ class LaunchOptions:
     include: str | None = None
     exclude: str | None = None
     master_addr: str | None = None
-    master_port: int = DEFAULT_MASTER_PORT
+    master_port: int | None = None        # None: a free port (local runner) or DEFAULT_MASTER_PORT
     node_rank: int | None = None
     ssh_port: int | None = None
     launcher_args: str = ""
@@ -103,7 +103,7 @@ class LaunchOptions:
             flag = "--include" if self.include else "--exclude"
             found.append(Problem(flag, "cannot be combined with --num_nodes/--num_procs",
                                  "a filter already says which hosts and slots to use"))
-        if not 1 <= self.master_port <= 65535:
+        if self.master_port is not None and not 1 <= self.master_port <= 65535:
             found.append(Problem("--master_port", f"must be a TCP port 1..65535, got {self.master_port}"))
         if self.ssh_port is not None and not 1 <= self.ssh_port <= 65535:
             found.append(Problem("--ssh_port", f"must be a TCP port 1..65535, got {self.ssh_port}"))

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import glob
 import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dsrun.launcher.environment import exported_environment
 from dsrun.launcher.hostfile import Pool, apply_filters, parse_core_list, read_hostfile
-from dsrun.launcher.options import LaunchOptions
+from dsrun.launcher.options import DEFAULT_MASTER_PORT, LaunchOptions
 from dsrun.launcher.runners import NodeCommand, build_commands
 from dsrun.utils.errors import Problem, UserError
 
@@ -107,6 +108,22 @@ def _strip_user(host: str) -> str:
     return host.split("@", 1)[1] if "@" in host else host
 
 
+def free_local_port() -> int:
+    """A TCP port that is free on this machine right now (the OS picks one from its ephemeral range)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]
+
+
+def master_port_for(options: LaunchOptions, runner: str) -> int:
+    """The port given, else a free one for a single-node local job (two local jobs at once, such as the jobs
+    of a multirun or two terminals, must not both take 29500), else DeepSpeed's 29500, which every node of
+    a multi-node job can agree on without being told."""
+    if options.master_port is not None:
+        return options.master_port
+    return free_local_port() if runner == "local" else DEFAULT_MASTER_PORT
+
+
 def plan_launch(options: LaunchOptions, environ: dict[str, str] | None = None) -> LaunchPlan:
     """Check ``options`` and work out the job: hosts, world size, master, commands, exported environment.
 
@@ -150,6 +167,7 @@ def plan_launch(options: LaunchOptions, environ: dict[str, str] | None = None) -
         master_addr = "127.0.0.1"
     else:
         master_addr = _strip_user(next(iter(hosts)))
+    options.master_port = master_port_for(options, runner)
     if options.log_dir and not os.path.isabs(options.log_dir):
         options.log_dir = os.path.join(options.cwd, options.log_dir)
     env = exported_environment(options.cwd, environ)

@@ -9,11 +9,12 @@ child runs of one parent run tagged with that key, created by whichever child co
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from .base import Event, Monitor, require_package
 
@@ -39,6 +40,81 @@ def resolve_tracking_uri(configured: str | None, default_dir: str | os.PathLike)
     return configured or os.environ.get("MLFLOW_TRACKING_URI") or local_tracking_uri(default_dir)
 
 
+@contextlib.contextmanager
+def store_lock(tracking_uri: str) -> Iterator[None]:
+    """Hold an exclusive lock beside a local SQLite store (``mlflow.db.lock``) while a run is set up.
+
+    Jobs that start together (a parallel multirun, tuning trials) would otherwise all create a new store's
+    tables at once, or create the same experiment or parent run twice; with the lock the first one does it
+    and the others find it done. Other stores (a tracking server, ...) need no lock.
+    """
+    if not tracking_uri.startswith("sqlite:///"):
+        yield
+        return
+    db = Path(tracking_uri[len("sqlite:///"):])
+    db.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock, as before
+        yield
+        return
+    with open(db.with_name(db.name + ".lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def new_local_store(db: Path) -> None:
+    """Create an empty MLflow SQLite store at ``db``, fast: by copying an empty store of this MLflow version,
+    made once per machine in dsrun's cache.
+
+    Creating a store runs MLflow's schema migrations (about a hundred, each committed to disk): 2-3 s of
+    CPU but 15-20 s of waiting for the disk on a busy machine, which a short run would spend at its end
+    waiting for its monitor. The cached store is made in a RAM-backed temporary folder when the machine has
+    one (nothing to wait for), then every new store is a file copy. Should anything go wrong, MLflow
+    creates the store itself, as before.
+    """
+    import logging
+    import shutil
+    import sqlite3
+    import tempfile
+    from importlib.metadata import version
+
+    try:
+        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dsrun"
+        template = cache / f"mlflow-{version('mlflow')}-empty.db"
+        if not template.is_file():
+            from mlflow.tracking import MlflowClient
+
+            cache.mkdir(parents=True, exist_ok=True)
+            ram = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+            quiet = logging.getLogger("mlflow.store.db.utils")  # "Creating initial MLflow database tables..."
+            level = quiet.level
+            quiet.setLevel(logging.WARNING)
+            with tempfile.TemporaryDirectory(dir=ram) as scratch:
+                fresh = Path(scratch) / "mlflow.db"
+                try:
+                    MlflowClient(tracking_uri=f"sqlite:///{fresh}").search_experiments(max_results=1)
+                finally:
+                    quiet.setLevel(level)
+                partial = template.with_name(f"{template.name}.{os.getpid()}")
+                shutil.copyfile(fresh, partial)
+                os.replace(partial, template)  # whole or not at all, for jobs that start together
+        db.parent.mkdir(parents=True, exist_ok=True)
+        partial = db.with_name(f"{db.name}.{os.getpid()}")
+        shutil.copyfile(template, partial)
+        with contextlib.closing(sqlite3.connect(partial)) as connection, connection:
+            # the Default experiment's artifacts: beside the store, as dsrun's own experiments (not the cache)
+            connection.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = 0",
+                               ((db.parent / "mlartifacts" / "0").as_uri(),))
+        os.replace(partial, db)
+    except Exception:  # noqa: BLE001 - an optimisation only: MLflow makes the store the slow way
+        for leftover in db.parent.glob(f"{db.name}.{os.getpid()}"):
+            leftover.unlink(missing_ok=True)
+
+
 class MLflowMonitor(Monitor):
     name = "mlflow"
 
@@ -48,14 +124,15 @@ class MLflowMonitor(Monitor):
         from mlflow.tracking import MlflowClient
 
         self.tracking_uri = tracking_uri
-        if tracking_uri.startswith("sqlite:///"):
-            Path(tracking_uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
-        self.client = MlflowClient(tracking_uri=tracking_uri)
-        self.experiment_id = self._experiment(experiment_name)
-        all_tags = dict(tags or {})
-        if parent_key:
-            all_tags["mlflow.parentRunId"] = self._parent_run(parent_key)
-        run = self.client.create_run(self.experiment_id, run_name=run_name, tags=all_tags)
+        with store_lock(tracking_uri):
+            if tracking_uri.startswith("sqlite:///") and not Path(tracking_uri[len("sqlite:///"):]).exists():
+                new_local_store(Path(tracking_uri[len("sqlite:///"):]))
+            self.client = MlflowClient(tracking_uri=tracking_uri)
+            self.experiment_id = self._experiment(experiment_name)
+            all_tags = dict(tags or {})
+            if parent_key:
+                all_tags["mlflow.parentRunId"] = self._parent_run(parent_key)
+            run = self.client.create_run(self.experiment_id, run_name=run_name, tags=all_tags)
         self.run_id: str = run.info.run_id
         self.log_artifacts_enabled = log_artifacts
         self._pending: list[Any] = []

@@ -10,24 +10,67 @@ import pytest
 from tests.helpers import REPO
 
 
-@pytest.mark.slow
-def test_wheel_install_composes_recipes(tmp_path):
+def build_wheel(tmp_path) -> str:
     wheel_dir = tmp_path / "wheel"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                     "-w", str(wheel_dir), str(REPO)], check=True, timeout=240, cwd=tmp_path,
                    env={**os.environ, "DSRUN_BUILD_OPS": "0"})
     (wheel,) = wheel_dir.glob("dsrun-*.whl")
+    return str(wheel)
+
+
+@pytest.mark.slow
+def test_wheel_install_composes_recipes(tmp_path):
+    wheel = build_wheel(tmp_path)
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(system_site_packages=True, with_pip=False).create(env_dir)
     python = env_dir / "bin" / "python"
+    plain = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # a dev PYTHONPATH may show a dsrun
     subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", "-q", str(wheel)],
-                   check=True, timeout=240)
+                   check=True, timeout=240, env=plain)                     # that makes pip skip the install
     work = tmp_path / "elsewhere"
     work.mkdir()
     result = subprocess.run([str(env_dir / "bin" / "dsrun"), "config", "--json", "+recipe=gpt_zero3"],
-                            cwd=work, capture_output=True, text=True, timeout=120)
+                            cwd=work, capture_output=True, text=True, timeout=120, env=plain)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["zero_optimization"]["stage"] == 3
     where = subprocess.run([str(python), "-c", "import dsrun.utils.paths as p; print(p.conf_dir())"],
-                           cwd=work, capture_output=True, text=True, timeout=60)
+                           cwd=work, capture_output=True, text=True, timeout=60, env=plain)
     assert str(env_dir) in where.stdout, where.stdout + where.stderr
+
+
+# Which sweepers Hydra knows, and where the Optuna sweeper's code comes from: after a plain Hydra plugin scan
+# (what any Hydra app does) and after dsrun's own registration (what dsrun train -m does).
+SWEEPERS = """
+import sys
+from hydra.core.plugins import Plugins
+from hydra.plugins.sweeper import Sweeper
+found = {p.__module__: sys.modules[p.__module__].__file__ for p in Plugins.instance().discover(Sweeper)}
+if sys.argv[1] == "dsrun":
+    from hydra_plugins.dsrun_optuna_sweeper import register_with_hydra
+    register_with_hydra()
+    found = {p.__module__: sys.modules[p.__module__].__file__ for p in Plugins.instance().discover(Sweeper)}
+print(found.get("hydra_plugins.dsrun_optuna_sweeper.optuna_sweeper", "missing"))
+"""
+
+
+@pytest.mark.slow
+def test_the_optuna_sweeper_plugin_is_found_after_a_wheel_and_an_editable_install(tmp_path):
+    wheel = build_wheel(tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # only what the install put in place
+    for kind, target in (("wheel", [wheel]), ("editable", ["-e", str(REPO)])):
+        env_dir = tmp_path / kind
+        venv.EnvBuilder(system_site_packages=True, with_pip=False).create(env_dir)
+        python = str(env_dir / "bin" / "python")
+        subprocess.run([python, "-m", "pip", "install", "--no-deps", "--no-index", "--no-build-isolation", "-q",
+                        *target], check=True, timeout=240, env={**env, "DSRUN_BUILD_OPS": "0"})
+        where = tmp_path / "elsewhere"
+        where.mkdir(exist_ok=True)
+        # a wheel puts hydra_plugins/ in site-packages, where Hydra's own scan finds it; an editable install
+        # serves it through an import hook that the scan cannot list, so dsrun registers it itself
+        for how in ("dsrun",) if kind == "editable" else ("scan", "dsrun"):
+            done = subprocess.run([python, "-c", SWEEPERS, how], cwd=where, env=env, capture_output=True,
+                                  text=True, timeout=120)
+            expected = env_dir if kind == "wheel" else REPO
+            assert done.returncode == 0 and done.stdout.strip().startswith(str(expected)), (kind, how, done.stdout,
+                                                                                            done.stderr[-2000:])

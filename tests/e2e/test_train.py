@@ -27,8 +27,12 @@ def train(tmp_path: Path, *overrides: str, timeout: float = 600) -> tuple[dict, 
 
 @pytest.mark.slow
 def test_default_recipe_learns(tmp_path):
-    """The README's main-job command: the default recipe's whole budget, eval loss in nats per byte."""
-    metrics, run_dir = train(tmp_path)
+    """The README's main-job command: the default recipe's whole budget, eval loss in nats per byte, and the
+    closing lines that say where its metrics, checkpoints and MLflow run went."""
+    result = run_cli("train", cwd=tmp_path, timeout=600, env={"DSRUN_MLFLOW": "true", "MLFLOW_TRACKING_URI": ""})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (run_dir,) = tmp_path.glob("outputs/*/*")
+    metrics = json.loads((run_dir / "metrics.json").read_text())
     evals = [e["loss"] for e in metrics["eval_losses"]]
     assert metrics["eval_losses"][0]["step"] == 0 and evals[0] > 5.0  # ln(256) = 5.55 at initialisation
     assert evals[-1] < 2.5, evals
@@ -36,6 +40,21 @@ def test_default_recipe_learns(tmp_path):
     assert metrics["world_size"] == 2 and metrics["tokens_per_second"] > 0
     check = run_cli("config", "--validate", str(run_dir / "ds_config.json"), "--world-size", "2")
     assert check.returncode == 0, check.stderr
+
+    store = tmp_path / "mlruns" / "mlflow.db"
+    where = run_dir.relative_to(tmp_path)  # the closing lines show paths below the current directory relative
+    assert f"[dsrun] metrics: {where / 'metrics.json'}" in result.stdout
+    assert f"[dsrun] checkpoints: {where / 'checkpoints'}" in result.stdout
+    assert (f"[dsrun] mlflow: run '{run_dir.parent.name}/{run_dir.name}' (experiment 'dsrun') in mlruns/mlflow.db; "
+            "browse: mlflow ui --backend-store-uri sqlite:///mlruns/mlflow.db") in result.stdout
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.is_dir()) == ["global_step200",
+                                                                                         "global_step300"]
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{store}")
+    (run,) = client.search_runs([client.get_experiment_by_name("dsrun").experiment_id])
+    assert run.info.status == "FINISHED" and run.info.run_name == f"{run_dir.parent.name}/{run_dir.name}"
+    assert run.data.metrics["Eval/Samples/eval_loss"] == pytest.approx(evals[-1])
 
 
 @pytest.mark.slow

@@ -123,22 +123,3 @@ def test_comms_summary_equals_the_engines_accounting():
             assert sum(r["count"] * r["message_bytes"] for r in rows) == entry["message_bytes"]
             assert all(r["timed_calls"] == r["count"] for r in rows)  # logged ops are all timed
             assert sum(r["count"] for r in entry["straggler"]) == entry["count"]
-
-
-@pytest.mark.slow  # two one-rank jobs of a Hydra multirun
-def test_multirun_jobs_are_mlflow_child_runs_of_one_parent(tmp_path):
-    result = run_cli("train", "-m", "monitor=mlflow", "launcher.num_procs=1", f"launcher.master_port={free_port()}",
-                     "train.max_steps=1",
-                     "train.eval_iters=1", "ds.train_micro_batch_size_per_gpu=2", "data.seq_len=16",
-                     "train.seed=1,2", cwd=tmp_path, env={"OMP_NUM_THREADS": "1", "MLFLOW_TRACKING_URI": ""},
-                     timeout=280)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}")
-    runs = client.search_runs([client.get_experiment_by_name("dsrun").experiment_id])
-    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
-    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
-    assert len(children) == 2 and len(parents) == 1
-    assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parents[0].info.run_id}
-    assert sorted(r.data.params["train.seed"] for r in children) == ["1", "2"]

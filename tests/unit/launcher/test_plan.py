@@ -39,8 +39,24 @@ def plan(tmp_path: Path, **kwargs) -> object:
 def test_no_hostfile_on_cpu_is_one_local_process(tmp_path):
     (tmp_path / "train.py").write_text("")
     p = plan(tmp_path)
-    assert (p.hosts, p.world_size, p.runner, p.master_addr, p.master_port) == (
-        {"localhost": [0]}, 1, "local", "127.0.0.1", 29500)
+    assert (p.hosts, p.world_size, p.runner, p.master_addr) == ({"localhost": [0]}, 1, "local", "127.0.0.1")
+
+
+def test_a_local_job_without_a_port_takes_a_free_one_and_a_given_port_is_kept(tmp_path):
+    import socket
+
+    (tmp_path / "train.py").write_text("")
+    local = plan(tmp_path)
+    with socket.socket() as probe:  # free: it does not clash with 29500 or any other job's port
+        probe.bind(("127.0.0.1", local.master_port))
+    assert f"--master_port={local.master_port} " in local.commands[0].argv[-1]
+    assert plan(tmp_path, master_port=29611).master_port == 29611
+
+
+def test_a_multi_node_job_without_a_port_uses_29500_as_deepspeed_does(tmp_path):
+    (tmp_path / "train.py").write_text("")
+    (tmp_path / "hostfile").write_text("worker-0 slots=1\nworker-1 slots=1\n")
+    assert plan(tmp_path, hostfile=str(tmp_path / "hostfile"), runner="pdsh").master_port == 29500
 
 
 def test_num_procs_without_hostfile(tmp_path):
@@ -228,5 +244,5 @@ def test_everything_after_the_script_belongs_to_the_script(tmp_path):
                    "--master_port", "1", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     plan_json = json.loads(done.stdout)
-    assert plan_json["world_size"] == 2 and plan_json["master_port"] == 29500
+    assert plan_json["world_size"] == 2 and plan_json["master_port"] != 1  # the script's flag is the script's
     assert plan_json["commands"][0][1].endswith("train.py -a --b c --num_procs 3 --master_port 1")
