@@ -1,0 +1,60 @@
+"""Rank entry points for the optimizer-offload tests (importable by spawned ranks)."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from tests.integration import _workloads as w
+
+STEPS = 8
+
+
+def offload_section(device: str, nvme_path: str | None = None, **extra: Any) -> dict[str, Any]:
+    section: dict[str, Any] = {"device": device, "pin_memory": True, **extra}
+    if device == "nvme":
+        section["nvme_path"] = nvme_path
+        section.setdefault("buffer_count", 12)
+    return section
+
+
+def config(stage: int, offload: dict[str, Any] | None, precision: str = "fp32", sub_group_size: int = 3000,
+           gas: int = 1, **extra: Any) -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": stage, "sub_group_size": sub_group_size}
+    if stage == 3:
+        zero["stage3_param_persistence_threshold"] = 0
+    if offload is not None:
+        zero["offload_optimizer"] = offload
+    cfg = w.ds_config(stage, 2, gas, zero_optimization=zero, **extra)
+    if precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def cases(nvme_path: str) -> dict[str, tuple[str, dict[str, Any]]]:
+    """name -> (model, config): each offloaded run and the in-memory run it must track."""
+    out: dict[str, tuple[str, dict[str, Any]]] = {}
+    for stage in (1, 2, 3):
+        out[f"base/{stage}"] = ("gpt", config(stage, None))
+        out[f"cpu/{stage}"] = ("gpt", config(stage, offload_section("cpu")))
+    out["nvme/3"] = ("gpt", config(3, offload_section("nvme", nvme_path)))
+    out["nvme_fast/3"] = ("gpt", config(3, offload_section("nvme", nvme_path, fast_init=True, buffer_count=4)))
+    out["ratio/3"] = ("gpt", config(3, offload_section("cpu", ratio=0.5)))
+    out["base_bf16/3"] = ("gpt", config(3, None, "bf16"))
+    out["nvme_bf16/3"] = ("gpt", config(3, offload_section("nvme", nvme_path), "bf16"))
+    out["base_bf16/2"] = ("gpt", config(2, None, "bf16"))
+    out["cpu_bf16/2"] = ("gpt", config(2, offload_section("cpu"), "bf16"))
+    out["base_gas/3"] = ("gpt", config(3, None, gas=2, gradient_clipping=0.05))
+    out["nvme_gas/3"] = ("gpt", config(3, offload_section("nvme", nvme_path, buffer_count=5), gas=2,
+                                       gradient_clipping=0.05))
+    return out
+
+
+def parity_suite(rank: int, world: int, nvme_path: str, only: list[str] | None = None) -> dict[str, Any]:
+    results = {}
+    for key, (name, cfg) in cases(nvme_path).items():
+        if only and key not in only:
+            continue
+        results[key] = w.engine_run(name, cfg, STEPS, rank, world)
+    return results
