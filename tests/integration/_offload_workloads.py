@@ -58,3 +58,28 @@ def parity_suite(rank: int, world: int, nvme_path: str, only: list[str] | None =
             continue
         results[key] = w.engine_run(name, cfg, STEPS, rank, world)
     return results
+
+
+# --- checkpoints ----------------------------------------------------------------------------------------
+def nvme_zero(nvme_path: str, **extra: Any) -> dict[str, Any]:
+    return {"sub_group_size": 2000,
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 12, **extra}}
+
+
+def checkpoint_jobs(root: str, nvme_path: str) -> list[dict[str, Any]]:
+    """Save with NVMe offload / in memory; load each into the other, into stage-2 CPU offload (resharded)."""
+    base = dict(stage=3, precision="fp32", global_batch=4, dropout=0.0)
+    nvme = dict(base, zero=nvme_zero(nvme_path))
+    a, b = f"{root}/nvme", f"{root}/mem"
+    return [
+        dict(nvme, steps=2, save_at=(2,), save_dir=a),                      # 0: NVMe run saved at step 2
+        dict(base, steps=4, save_at=(2,), save_dir=b),                      # 1: in-memory reference, 4 steps
+        dict(base, steps=2, load=a),                                        # 2: NVMe -> in memory
+        dict(nvme, steps=2, load=b),                                        # 3: in memory -> NVMe
+        dict(nvme, steps=2, load=a),                                        # 4: NVMe -> NVMe
+        dict(base, stage=2, steps=2, load=a,                                # 5: NVMe stage 3 -> CPU stage 2
+             zero={"offload_optimizer": {"device": "cpu"}}),
+        dict(base, stage=1, steps=2, save_at=(2,), save_dir=f"{root}/cpu1",  # 6: CPU stage 1 saved at 2
+             zero={"offload_optimizer": {"device": "cpu"}}),
+        dict(base, stage=1, steps=2, load=f"{root}/cpu1"),                 # 7: CPU stage 1 -> in memory
+    ]
