@@ -83,3 +83,39 @@ def checkpoint_jobs(root: str, nvme_path: str) -> list[dict[str, Any]]:
              zero={"offload_optimizer": {"device": "cpu"}}),
         dict(base, stage=1, steps=2, load=f"{root}/cpu1"),                 # 7: CPU stage 1 -> in memory
     ]
+
+
+# --- resident memory --------------------------------------------------------------------------------------
+def resident_memory(rank: int, world: int, nvme_path: str | None, steps: int = 2) -> dict[str, Any]:
+    """Train a ~20M-parameter GPT in bf16 at ZeRO-3 (NVMe optimizer offload when ``nvme_path``); this rank's
+    RSS (psutil) after the steps, and the bytes its swap files hold."""
+    import psutil
+
+    import dsrun
+    from dsrun.models.gpt import GPT
+
+    torch.manual_seed(0)
+    model = GPT(vocab_size=2048, block_size=16, n_layer=6, n_head=8, n_embd=512, dropout=0.0)
+    zero: dict[str, Any] = {"stage": 3, "stage3_param_persistence_threshold": 0, "sub_group_size": 500_000,
+                            "reduce_bucket_size": 500_000, "stage3_prefetch_bucket_size": 500_000}
+    if nvme_path:
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 12}
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": zero, "steps_per_print": 1000}
+    engine, *_ = dsrun.initialize(model=model, config=cfg)
+    gen = torch.Generator().manual_seed(rank)
+    losses = []
+    for _ in range(steps):
+        tokens = torch.randint(0, 2048, (2, 17), generator=gen)
+        loss = engine(tokens[:, :-1], tokens[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    from dsrun.runtime.zero import host_memory
+
+    host_memory.trim()
+    swapped = getattr(engine.strategy, "swapped", None)
+    return {"rss": psutil.Process().memory_info().rss, "losses": losses,
+            "swapped_bytes": swapped.swapped_bytes if swapped is not None else 0,
+            "trainable": sum(sg.numel for sg in engine.strategy.sub_groups),
+            "memory": engine.memory_breakdown().as_dict()}
