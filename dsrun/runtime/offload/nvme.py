@@ -101,12 +101,14 @@ class SwappedOptimizerState:
     """Masters, optimizer states and gradients of the NVMe-offloaded sub-groups of one rank."""
 
     def __init__(self, settings: OffloadOptimizerSettings, optimizer: Any, rank: int,
-                 model_dtype: torch.dtype):
+                 model_dtype: torch.dtype, measure_gradients: bool = True):
         self.settings = settings
         self.optimizer = optimizer
         self.state_keys: tuple[str, ...] = tuple(optimizer.STATE_KEYS)
         self.state_dtype: torch.dtype = optimizer._state_dtype()
         self.model_dtype = model_dtype
+        # record each gradient's norm and finiteness as it is swapped out (needed for clipping / fp16 skips)
+        self.measure_gradients = measure_gradients
         self.per_slot = 2 + len(self.state_keys)  # master, gradient, states
         if settings.buffer_count < self.per_slot:
             raise ConfigError(Problem(f"{KEY}.buffer_count", f"got {settings.buffer_count}; NVMe offload with "
@@ -199,7 +201,7 @@ class SwappedOptimizerState:
     def _close(self, index: int, final: bool) -> None:
         entry = self._open.pop(index)
         grad = entry.buffer[:self._unit_by_index[index].numel]
-        if final and self._boundary:
+        if final and self._boundary and self.measure_gradients:
             self.stats[index] = grad_stats(grad)
         self.store.async_write(self._key("grad", index), grad)
         self._writing.append(entry.buffer)

@@ -140,3 +140,23 @@ def test_step_pipeline_runs_fetch_ahead_and_store_behind():
     times = StepPipeline().run(3, fetch, compute, store)
     assert times.units == 3 and events.index(("fetch", 1)) < events.index(("compute", 0))
     assert sorted(events) == sorted([(k, i) for k in ("fetch", "compute", "store") for i in range(3)])
+
+
+def test_nvme_with_bf16_states_and_partial_offload_match_in_memory(tmp_path: Path):
+    """``fp32_optimizer_states: false`` keeps Adam's moments in bf16 in the swap files; ``ratio`` 0.5 swaps
+    half of the sub-groups and steps the rest in memory: both step like the in-memory run."""
+    def config(offload: dict) -> dict:
+        cfg = _config(3, offload, bf16={"enabled": True})
+        cfg["optimizer"]["params"]["fp32_optimizer_states"] = False
+        return cfg
+
+    reference = _train(dsrun.initialize(model=_model(), config=config({"device": "none"}))[0])
+    nvme = {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 8}
+    engine = dsrun.initialize(model=_model(), config=config(nvme))[0]
+    assert _train(engine) == reference
+    swapped = engine.strategy.swapped
+    assert swapped.depth == 2 and swapped.store.entry("exp_avg.0").dtype == torch.bfloat16
+    engine = dsrun.initialize(model=_model(), config=config({**nvme, "ratio": 0.5}))[0]
+    placements = [sg.placement for sg in engine.strategy.sub_groups]
+    assert "nvme" in placements and "device" in placements
+    assert _train(engine) == reference
