@@ -29,7 +29,7 @@ from dsrun.runtime.zero.partitioned import Stage1Strategy, Stage2Strategy
 from dsrun.runtime.zero.stage3 import Stage3Strategy, SubGroup
 from dsrun.runtime.zero.partition_params import shard_padding
 
-from .nvme import SwappedOptimizerState, SwappedUnit
+from .nvme import SwappedOptimizerState, SwappedShard, SwappedUnit
 from .pipeline import PipelineTimes, StepPipeline, scatter_to_shards
 from .settings import CPU_TILE_ELEMENTS, OffloadOptimizerSettings, host_empty, require_cpu_optimizer
 
@@ -247,6 +247,8 @@ class OffloadStage3Strategy(Stage3Strategy):
             assert self.swapped is not None
             self.swapped.add_unit(SwappedUnit(index, sg.numel, len(sg.params), sg.group_index), flat)
             del flat
+            for p, off in zip(sg.params, sg.offsets):  # GatheredParameters writes through to the file
+                p.ds_fp32_shard = SwappedShard(self.swapped, index, off, p.ds_partition_numel)
             # the optimizer's param is a placeholder with the right size and no storage
             sg.master = torch.nn.Parameter(torch.empty(sg.numel, dtype=torch.float32, device="meta"))
             sg.grad = None

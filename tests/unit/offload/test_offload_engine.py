@@ -160,3 +160,18 @@ def test_nvme_with_bf16_states_and_partial_offload_match_in_memory(tmp_path: Pat
     placements = [sg.placement for sg in engine.strategy.sub_groups]
     assert "nvme" in placements and "device" in placements
     assert _train(engine) == reference
+
+
+def test_gathered_parameters_changes_reach_swapped_masters(tmp_path: Path):
+    """What GatheredParameters(modifier_rank=...) does on exit (write_full_value) reaches the swapped master."""
+    from dsrun.runtime.zero.partition_params import write_full_value
+    from dsrun.zero import GatheredParameters
+
+    cfg = _config(3, {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 4})
+    engine = dsrun.initialize(model=_model(), config=cfg)[0]
+    weight = engine.module[2].weight
+    write_full_value(weight, torch.full(tuple(weight.ds_shape), 0.5))
+    _train(engine, 1)  # the step starts from the modified master, not from the old one
+    with GatheredParameters([weight]):
+        value = weight.detach().clone()
+    assert (value - 0.5).abs().max() < 0.05  # one Adam step of lr 0.01 away from 0.5
