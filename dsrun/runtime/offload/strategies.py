@@ -306,12 +306,7 @@ class OffloadStage3Strategy(Stage3Strategy):
     def _apply_update(self, coef: float) -> None:
         device_groups = [sg for sg in self.sub_groups if sg.placement == "device"]
         if self.cpu_optimizer is None:  # another optimizer on the host tensors (CPU offload only)
-            for sg in self.sub_groups:
-                if coef != 1.0:
-                    sg.grad.mul_(coef)
-                sg.master.grad = sg.grad
-            self._optimizer.step()
-            self._publish()
+            super()._apply_update(coef)
             return
         if self.swapped is not None:
             self.swapped.step(coef, lambda gi: self._optimizer.param_groups[gi], self._publish_swapped)

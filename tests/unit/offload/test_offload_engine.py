@@ -79,13 +79,15 @@ def test_clear_errors():
     with pytest.raises(ConfigError, match="zero_force_ds_cpu_optimizer: ZeRO-Offload needs DeepSpeedCPUAdam"):
         dsrun.initialize(model=_model(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
                          config=_config(2, {"device": "cpu"}, zero_allow_untested_optimizer=True))
-    # allowed when asked for: SGD steps the host partition
-    engine = dsrun.initialize(model=_model(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
-                              config=_config(2, {"device": "cpu"}, zero_force_ds_cpu_optimizer=False,
-                                             zero_allow_untested_optimizer=True))[0]
-    before = engine.module[0].weight.detach().clone()
-    _train(engine, 1)
-    assert not torch.equal(before, engine.module[0].weight)
+    # allowed when asked for: SGD steps the host partitions / sub-groups like in memory
+    for stage in (2, 3):
+        losses = []
+        for device in ("cpu", "none"):
+            engine = dsrun.initialize(model=_model(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                                      config=_config(stage, {"device": device}, zero_force_ds_cpu_optimizer=False,
+                                                     zero_allow_untested_optimizer=True))[0]
+            losses.append(_train(engine, 3))
+        assert losses[0] == losses[1] and losses[0][2] != losses[0][0]
     with pytest.raises(ConfigError, match="buffer_count: got 3"):
         dsrun.initialize(model=_model(), config=_config(3, {"device": "nvme", "nvme_path": "/tmp", "buffer_count": 3}))
     with pytest.raises(ConfigError, match="NVMe optimizer offload needs ZeRO stage 3"):
