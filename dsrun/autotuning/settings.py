@@ -3,9 +3,9 @@ section (the search space and dsrun's own knobs), checked into one :class:`TuneS
 
 ``tune`` keys (set by the ``conf/autotuning/`` groups; every one can be overridden, ``tune.space.KEY=[...]``):
 
-* ``space``: ``{override key: [values]}``; a key is what ``dsrun train`` accepts as an override, with DeepSpeed
-  keys written with or without ``ds.`` (``zero_optimization.stage``, ``train_micro_batch_size_per_gpu``,
-  ``data.seq_len``). Without ``train_micro_batch_size_per_gpu`` the micro batch sizes come from
+* ``space``: ``{override key: [values]}``, nested (``zero_optimization: {stage: [0, 1]}``) or with dotted keys; a
+  key is what ``dsrun train`` accepts as an override, with DeepSpeed keys written with or without ``ds.``
+  (``zero_optimization.stage``, ``train_micro_batch_size_per_gpu``, ``data.seq_len``). Without ``train_micro_batch_size_per_gpu`` the micro batch sizes come from
   ``ds.autotuning`` (``num_tuning_micro_batch_sizes`` powers of two from ``min_train_micro_batch_size_per_gpu``).
 * ``memory_limit``: bytes per rank a trial may need by the memory estimator (``"2GiB"``, ``"500MB"`` or a
   number); null: this machine's budget (one device's memory, or on CPU the RAM shared by the ranks).
@@ -44,6 +44,20 @@ def parse_bytes(value: Any, key: str) -> int | None:
         if number > 0:
             return int(number)
     raise UserError(Problem(key, f"got {value!r}; expected a size in bytes such as 2GiB, 500MB or 1e9"))
+
+
+def flatten_space(space: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{zero_optimization: {stage: [0, 1]}}`` → ``{"zero_optimization.stage": [0, 1]}``; dotted keys are
+    accepted as they are. A later entry wins, so ``tune.space.zero_optimization.stage=[1,2]`` on the command
+    line replaces the recipe's list whichever way the recipe wrote it."""
+    flat: dict[str, Any] = {}
+    for key, value in space.items():
+        if isinstance(value, Mapping):
+            flat.update(flatten_space(value, f"{prefix}{key}."))
+        else:
+            flat.pop(f"{prefix}{key}", None)
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 @dataclass(frozen=True)
@@ -111,7 +125,7 @@ def settings_from(autotuning: Any, raw_autotuning: Mapping[str, Any], tune: Mapp
                                 "{override key: [values]}", "see docs/autotuning.md"))
         space = {}
     clean_space: dict[str, list[Any]] = {}
-    for key, values in space.items():
+    for key, values in flatten_space(space).items():
         values = list(values) if isinstance(values, (list, tuple)) else [values]
         bad = [v for v in values if not (v is None or isinstance(v, (bool, int, float, str)))]
         if bad:

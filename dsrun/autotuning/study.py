@@ -26,8 +26,8 @@ from dsrun.autotuning.memory import MemoryGate
 from dsrun.autotuning.metrics import ProfileError, metric_value, profile_metrics
 from dsrun.autotuning.settings import TuneSettings
 from dsrun.autotuning.space import MICRO_BATCH_KEY, ACCUMULATION_KEY, SearchSpace, override_key
-from dsrun.autotuning.trial import (Experiment, error_summary, launch, measurement_overrides, train_command,
-                                    without_keys)
+from dsrun.autotuning.trial import (Experiment, error_summary, launch, measurement_overrides, stop_leftover_launch,
+                                    train_command, without_keys)
 from dsrun.utils.errors import Problem, UserError
 
 STUDY_NAME = "dsrun-tune"
@@ -52,7 +52,13 @@ def make_sampler(settings: TuneSettings, space: SearchSpace) -> Any:
     import optuna
 
     if settings.tuner_type == "gridsearch":
-        return optuna.samplers.GridSampler(space.dims, seed=settings.seed)
+        class AskTellGridSampler(optuna.samplers.GridSampler):
+            # GridSampler stops the study when the grid is done, which only works inside study.optimize;
+            # the tuner's ask/tell loop checks for an exhausted space itself.
+            def after_trial(self, study: Any, trial: Any, state: Any, values: Any) -> None:
+                pass
+
+        return AskTellGridSampler(space.dims, seed=settings.seed)
     if settings.tuner_type == "random":
         return optuna.samplers.RandomSampler(seed=settings.seed)
     return optuna.samplers.TPESampler(seed=settings.seed, n_startup_trials=min(4, max(1, space.size // 4)))
@@ -151,6 +157,7 @@ class Tuner:
 
         study, requeued = self.study, []
         for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            stop_leftover_launch(trial.user_attrs.get("launch_pid"))
             storage = study._storage
             storage.set_trial_user_attr(trial._trial_id, "kind", INTERRUPTED)
             storage.set_trial_user_attr(trial._trial_id, "error", "interrupted: dsrun tune stopped while this "
@@ -182,8 +189,9 @@ class Tuner:
         overrides = [*without_keys(self.base_overrides, [f"ds.{k}" for k in config]),
                      *self.space.overrides(config)]
         cfg, resolved = self.compose(overrides)
+        measurement = measurement_overrides(1, free_port())
         exp = Experiment(MODEL_INFO_DIR, s.results_dir / MODEL_INFO_DIR,
-                         train_command([*overrides, *measurement_overrides(1, free_port())], self.recipes_dirs,
+                         train_command([*without_keys(overrides, measurement), *measurement], self.recipes_dirs,
                                        s.results_dir / MODEL_INFO_DIR / "run"),
                          ds_for_file(resolved), {"num_gpus": resolved.world_size, "purpose": "model info"})
         exp.write_files(s.exps_dir)
@@ -338,6 +346,7 @@ class Tuner:
             return self._finish(trial, PRUNED, pruned=True, reason=f"train batch size {tbs} < "
                                 f"min_train_batch_size {s.min_train_batch_size}")
         overrides = [*self.base_overrides, *space.overrides(config, s.arg_mappings)]
+        measurement = measurement_overrides(s.end_profile_step, free_port())
         try:
             cfg, resolved = self.compose(overrides)
         except UserError as err:
@@ -351,8 +360,8 @@ class Tuner:
         if run_dir.exists():  # an interrupted attempt of this configuration
             shutil.rmtree(run_dir)
         exp = Experiment(name, s.results_dir / name,
-                         train_command([*overrides, *measurement_overrides(s.end_profile_step, free_port())],
-                                       self.recipes_dirs, run_dir),
+                         train_command([*without_keys(overrides, measurement), *measurement], self.recipes_dirs,
+                                       run_dir),
                          ds_for_file(resolved),
                          {"trial": trial.number, "params": params, "overrides": overrides,
                           "num_gpus": resolved.plan.world_size, "num_nodes": len(resolved.plan.hosts),
@@ -360,7 +369,7 @@ class Tuner:
                           "memory_check": memory.reason})
         exp.write_files(s.exps_dir)
         (exp.directory / "metrics.json").unlink(missing_ok=True)
-        result = launch(exp, s.trial_timeout)
+        result = launch(exp, s.trial_timeout, on_start=lambda pid: trial.set_user_attr("launch_pid", pid))
         trial.set_user_attr("launch_seconds", round(result.elapsed_s, 3))
         if not result.ok:
             return self._finish(trial, LAUNCHED, error=result.error, error_line=error_summary(result.error))

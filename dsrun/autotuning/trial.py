@@ -24,7 +24,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 MONITOR_SECTIONS = ("csv_monitor", "tensorboard", "wandb", "comet", "mlflow")
 STOP_GRACE_S = 15.0
@@ -112,8 +112,27 @@ def _stop_group(process: subprocess.Popen) -> None:
             continue
 
 
-def launch(exp: Experiment, timeout: float, env: Mapping[str, str] | None = None) -> LaunchResult:
-    """Run ``exp.command``; stdout/stderr go to the experiment's logs. Never raises for a failed run."""
+def stop_leftover_launch(pid: Any) -> None:
+    """Stop the process group of a launch a killed tuner left behind (it normally dies with the tuner, but
+    may still be shutting down). Only a group whose leader is still a ``dsrun train`` is touched."""
+    try:
+        cmdline = Path(f"/proc/{int(pid)}/cmdline").read_bytes().split(b"\0")
+    except (OSError, TypeError, ValueError):
+        return
+    if b"dsrun" in cmdline and b"train" in cmdline:
+        try:
+            os.killpg(int(pid), signal.SIGKILL)
+        except OSError:
+            return
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{int(pid)}").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
+def launch(exp: Experiment, timeout: float, env: Mapping[str, str] | None = None,
+           on_start: Callable[[int], None] | None = None) -> LaunchResult:
+    """Run ``exp.command``; stdout/stderr go to the experiment's logs. Never raises for a failed run.
+    ``on_start(pid)`` is called once the launch runs (its process group has the same id)."""
     from dsrun.rundir import METRICS_JSON
 
     started = time.monotonic()
@@ -122,6 +141,8 @@ def launch(exp: Experiment, timeout: float, env: Mapping[str, str] | None = None
                                    env={**os.environ, **(env or {})}, start_new_session=True,
                                    preexec_fn=_die_with_parent)
         try:
+            if on_start is not None:
+                on_start(process.pid)
             code = process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             _stop_group(process)
