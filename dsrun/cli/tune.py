@@ -79,10 +79,11 @@ def run(args: argparse.Namespace) -> int:
         raise
     paths = write_results(tuner)
     reporter.finish(paths)
+    if "cmd_optimal" not in paths:
+        print(f"[tune] no trial completed, so there is no optimal config; see {paths['summary']}",
+              file=sys.stderr, flush=True)
+        return 1
     if args.run:
-        if "cmd_optimal" not in paths:
-            print("[tune] --run: no trial completed, nothing to train", file=sys.stderr)
-            return 1
         import shlex
 
         command = shlex.split(paths["cmd_optimal"].read_text())
@@ -223,14 +224,23 @@ class _MLflowTrials:
                       "KILLED" if trial.state.name == "PRUNED" else "FAILED")
 
     def finish(self, best: Any) -> None:
-        if self.parent_id is None or best is None:
+        if best is None:
             return
+        import time
+
         from mlflow.entities import Metric
         from mlflow.tracking import MlflowClient
 
-        import time
+        from dsrun.monitor.mlflow_monitor import PARENT_KEY_TAG
 
         client = MlflowClient(tracking_uri=self.uri)
+        if self.parent_id is None:  # a resumed study that launched nothing this time: find its parent
+            experiment = client.get_experiment_by_name(self.experiment)
+            found = client.search_runs([experiment.experiment_id], f"tags.`{PARENT_KEY_TAG}` = '{self.key}'",
+                                       max_results=1) if experiment else []
+            if not found:
+                return
+            self.parent_id = found[0].info.run_id
         client.log_batch(self.parent_id, metrics=[Metric(f"best_{self.settings.metric}", float(best.value),
                                                          int(time.time() * 1000), 0)])
         client.set_tag(self.parent_id, "dsrun.tune.best_exp_name", best.name)

@@ -99,6 +99,9 @@ def test_grid_search_decides_every_configuration_once(tmp_path, monkeypatch):
     assert summary.rstrip().endswith("Total number of experiments: 6.")
     optimal = json.loads(paths["ds_config_optimal"].read_text())
     assert optimal == {"train_micro_batch_size_per_gpu": 4}  # the trial's config, autotuning block removed
+    # the same command again: the study is complete, nothing is launched or added
+    again = make_tuner(tmp_path, monkeypatch, calls, crash_stage=3, tuner_type="gridsearch", tuner_num_trials=50)
+    assert len(again.run().trials) == 9 and len(calls) == 6
 
 
 def test_model_based_never_launches_a_configuration_twice(tmp_path, monkeypatch):
