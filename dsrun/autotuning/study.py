@@ -219,14 +219,32 @@ class Tuner:
         return info
 
     # -------------------------------------------------------------------------------------- the loop
+    def _lock(self) -> None:
+        """One tuner per results dir: a second one would take the first one's running trial for an
+        interrupted one. The lock dies with its process, however it ends."""
+        import fcntl
+
+        self.settings.results_dir.mkdir(parents=True, exist_ok=True)
+        self._lock_file = open(self.settings.results_dir / ".lock", "w")
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise UserError(Problem("ds.autotuning.results_dir", f"another dsrun tune is using "
+                                    f"{self.settings.results_dir}", "wait for it, or pick another results_dir")) from None
+
     def run(self) -> Any:
         from optuna.trial import TrialState
 
-        self.study = self._open_study()
-        requeued = self._recover_interrupted()
-        if requeued:
-            self.on_event("requeued", {"trials": requeued})
-        info = self.model_info()
+        self._lock()
+        try:
+            self.study = self._open_study()
+            requeued = self._recover_interrupted()
+            if requeued:
+                self.on_event("requeued", {"trials": requeued})
+            info = self.model_info()
+        except BaseException:
+            self._lock_file.close()
+            raise
         self.study.set_user_attr("model_info", info)
         self.on_event("model_info", info)
         explored = self._explored()
@@ -268,6 +286,7 @@ class Tuner:
             raise
         finally:
             self._save_elapsed()
+            self._lock_file.close()
         return self.study
 
     def _explored(self) -> dict[str, Any]:

@@ -159,3 +159,16 @@ def test_a_different_space_in_the_same_results_dir_is_refused_unless_overwrite(t
     tuner = make_tuner(tmp_path, monkeypatch, calls, tuner_type="gridsearch", tuner_num_trials=2, metric="latency")
     tuner.settings = replace(tuner.settings, overwrite=True)
     assert len(tuner.run().trials) == 2  # a fresh study
+
+
+def test_one_tuner_per_results_dir(tmp_path, monkeypatch):
+    import fcntl
+
+    calls = []
+    tuner = make_tuner(tmp_path, monkeypatch, calls, tuner_type="gridsearch", tuner_num_trials=1)
+    (tmp_path / "results").mkdir()
+    with open(tmp_path / "results" / ".lock", "w") as held:  # as if another dsrun tune were running
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(Exception, match="another dsrun tune is using"):
+            tuner.run()
+    assert len(tuner.run().trials) == 1  # free again once the other one is gone
