@@ -36,8 +36,8 @@ def tune(work: Path, name: str, overrides: list[str], tuner: str, trials: int) -
 
     results = work / name
     command = [sys.executable, "-m", "dsrun", "tune", *overrides, f"autotuning.tuner_type={tuner}",
-               f"autotuning.tuner_num_trials={trials}", f"autotuning.results_dir={results}",
-               f"autotuning.exps_dir={work / (name + '_exps')}", "autotuning.overwrite=true"]
+               f"autotuning.tuner_num_trials={trials}", f"++ds.autotuning.results_dir={results}",
+               f"++ds.autotuning.exps_dir={work / (name + '_exps')}", "autotuning.overwrite=true"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     started = time.monotonic()
     done = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True)

@@ -35,6 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds before a trial's launch is stopped and recorded as failed "
                              "(default: tune.trial_timeout, 600)")
     add_compose_arguments(parser)
+    parser.parse_args = parser.parse_intermixed_args  # type: ignore[method-assign]  # flags anywhere
 
 
 def run(args: argparse.Namespace) -> int:

@@ -172,3 +172,25 @@ def test_one_tuner_per_results_dir(tmp_path, monkeypatch):
         with pytest.raises(Exception, match="another dsrun tune is using"):
             tuner.run()
     assert len(tuner.run().trials) == 1  # free again once the other one is gone
+
+
+def test_ctrl_c_marks_the_running_trial_interrupted_and_queues_it_again(tmp_path, monkeypatch):
+    calls = []
+    tuner = make_tuner(tmp_path, monkeypatch, calls, tuner_type="gridsearch", tuner_num_trials=3)
+    real = study_module.launch
+
+    def interrupted_launch(exp, timeout, env=None, on_start=None):
+        if len(calls) == 1:  # the second launch is interrupted by Ctrl-C
+            calls.append("interrupted")
+            raise KeyboardInterrupt
+        return real(exp, timeout, env, on_start)
+
+    monkeypatch.setattr(study_module, "launch", interrupted_launch)
+    with pytest.raises(KeyboardInterrupt):
+        tuner.run()
+    lost = [t for t in tuner.study.trials if t.user_attrs.get("kind") == "interrupted"]
+    assert len(lost) == 1 and lost[0].state.name == "FAIL" and tuner.stop.text == "interrupted"
+    again = make_tuner(tmp_path, monkeypatch, calls, tuner_type="gridsearch", tuner_num_trials=3)
+    study = again.run()
+    retry = [t for t in study.trials if t.user_attrs.get("retry_of") == lost[0].number]
+    assert len(retry) == 1 and retry[0].params == lost[0].params and retry[0].state.name != "RUNNING"
