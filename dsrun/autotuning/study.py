@@ -194,6 +194,8 @@ class Tuner:
                          train_command([*without_keys(overrides, measurement), *measurement], self.recipes_dirs,
                                        s.results_dir / MODEL_INFO_DIR / "run"),
                          ds_for_file(resolved), {"num_gpus": resolved.world_size, "purpose": "model info"})
+        if exp.run_dir.exists():  # an interrupted attempt
+            shutil.rmtree(exp.run_dir)
         exp.write_files(s.exps_dir)
         self.on_event("model_info_start", {"dir": str(exp.directory)})
         result = launch(exp, s.trial_timeout)
