@@ -65,10 +65,10 @@ def main() -> None:
     budget = max(1, int(size * args.fraction))
     tpe, tpe_s = tune(work, "model_based", overrides, "model_based", budget)
 
-    measured = {json.dumps(t.params, sort_keys=True): t.value for t in grid if t.value is not None}
+    measured = {t.user_attrs["exp_name"]: t.value for t in grid if t.value is not None}
     grid_best = max((t for t in grid if t.value is not None), key=lambda t: t.value)
     tpe_best = max((t for t in tpe if t.value is not None), key=lambda t: t.value)
-    pick_in_grid = measured.get(json.dumps(tpe_best.params, sort_keys=True))
+    pick_in_grid = measured.get(tpe_best.user_attrs["exp_name"])
 
     print(f"\nsearch space: {size} configurations; model_based budget: {budget} trials ({args.fraction:.0%})")
     print(f"{'configuration':<22} {'grid samples/s':>15} {'model_based samples/s':>22}")

@@ -65,7 +65,7 @@ def trial_rows(study: Any) -> list[TrialRow]:
         elif status == "interrupted":
             note = t.user_attrs.get("error", "")
         rows.append(TrialRow(t.number, t.user_attrs.get("exp_name", "?"), status,
-                             t.user_attrs.get("tuning_space", ""), dict(t.params),
+                             t.user_attrs.get("tuning_space", ""), dict(t.user_attrs.get("config") or t.params),
                              t.value if t.state == TrialState.COMPLETE else None,
                              dict(t.user_attrs.get("metrics") or {}), note,
                              t.user_attrs.get("error", "") if status in ("failed", "invalid") else ""))

@@ -90,6 +90,34 @@ class SearchSpace:
         for combo in itertools.product(*self.dims.values()):
             yield dict(zip(self.dims, combo))
 
+    def is_ordered(self, key: str) -> bool:
+        """Numbers (not booleans): the samplers see their rank, so a model-based sampler can learn trends
+        (micro batch 4 did well, so 8 may too) instead of unrelated categories."""
+        return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in self.dims[key])
+
+    def choices(self, key: str) -> list[Any]:
+        """A dimension's values in the order the samplers index them (ascending for numbers)."""
+        return sorted(self.dims[key]) if self.is_ordered(key) else list(self.dims[key])
+
+    def sampler_space(self) -> dict[str, list[Any]]:
+        """What Optuna sees: the index of each ordered dimension's value, the values of the others."""
+        return {k: list(range(len(v))) if self.is_ordered(k) else list(v) for k, v in self.dims.items()}
+
+    def suggest(self, trial: Any) -> dict[str, Any]:
+        """Sample one configuration's tuned values through an Optuna trial."""
+        params = {}
+        for key in self.dims:
+            if self.is_ordered(key):
+                params[key] = self.choices(key)[trial.suggest_int(key, 0, len(self.dims[key]) - 1)]
+            else:
+                params[key] = trial.suggest_categorical(key, self.dims[key])
+        return params
+
+    def decode(self, sampled: Mapping[str, Any]) -> dict[str, Any]:
+        """An Optuna trial's ``params`` (indices for ordered dimensions) as values."""
+        return {k: self.choices(k)[int(v)] if k in self.dims and self.is_ordered(k) else v
+                for k, v in sampled.items()}
+
     def config(self, params: Mapping[str, Any]) -> dict[str, Any]:
         """The full configuration of a trial: fixed keys, then the sampled ones."""
         return {**self.fixed, **params}

@@ -58,10 +58,14 @@ def make_sampler(settings: TuneSettings, space: SearchSpace) -> Any:
             def after_trial(self, study: Any, trial: Any, state: Any, values: Any) -> None:
                 pass
 
-        return AskTellGridSampler(space.dims, seed=settings.seed)
+        return AskTellGridSampler(space.sampler_space(), seed=settings.seed)
     if settings.tuner_type == "random":
         return optuna.samplers.RandomSampler(seed=settings.seed)
-    return optuna.samplers.TPESampler(seed=settings.seed, n_startup_trials=min(4, max(1, space.size // 4)))
+    import warnings
+
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)  # multivariate
+    return optuna.samplers.TPESampler(seed=settings.seed, n_startup_trials=min(4, max(1, space.size // 4)),
+                                      multivariate=True)
 
 
 def config_key(params: dict[str, Any]) -> str:
@@ -263,7 +267,8 @@ class Tuner:
                 if self._early_stop():
                     break
                 trial = self.study.ask()
-                params = {k: trial.suggest_categorical(k, v) for k, v in self.space.dims.items()}
+                params = self.space.suggest(trial)
+                trial.set_user_attr("config", params)
                 key = config_key(params)
                 if key in explored and "retry_of" not in trial.user_attrs:
                     self._tell_duplicate(trial, explored[key])
@@ -299,7 +304,7 @@ class Tuner:
         for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED,
                                                                TrialState.FAIL)):
             if t.user_attrs.get("kind") in (LAUNCHED, PRUNED, INVALID):
-                done.setdefault(config_key(t.params), t)
+                done.setdefault(config_key(self.space.decode(t.params)), t)
         return done
 
     def _counted(self) -> int:

@@ -215,7 +215,7 @@ class _MLflowTrials:
                                 parent_key=self.key, tags={"dsrun.tune.trial": str(trial.number),
                                                            "dsrun.tune.status": trial.state.name.lower()})
         self.parent_id = monitor.client.get_run(monitor.run_id).data.tags.get("mlflow.parentRunId")
-        monitor.log_params({**trial.params, "exp_name": attrs.get("exp_name"), "kind": attrs.get("kind"),
+        monitor.log_params({**(attrs.get("config") or trial.params), "exp_name": attrs.get("exp_name"), "kind": attrs.get("kind"),
                             "note": attrs.get("reason") or attrs.get("error_line") or ""})
         events = [(f"autotuning/{k}", v, 0) for k, v in (attrs.get("metrics") or {}).items() if v is not None]
         monitor.write_events(events)

@@ -142,8 +142,9 @@ def test_every_output_is_written_and_the_optimal_config_validates(tuned):
     assert "Tuning completed in " in summary and "Total number of experiments:" in summary
     optimal = json.loads((results / "ds_config_optimal.json").read_text())
     assert "autotuning" not in optimal
-    assert optimal["train_micro_batch_size_per_gpu"] == best.params["train_micro_batch_size_per_gpu"]
-    assert optimal["zero_optimization"]["stage"] == best.params["zero_optimization.stage"]
+    config = best.user_attrs["config"]  # the values (the sampler's params index the ordered dimensions)
+    assert optimal["train_micro_batch_size_per_gpu"] == config["train_micro_batch_size_per_gpu"]
+    assert optimal["zero_optimization"]["stage"] == config["zero_optimization.stage"]
     load_ds_config(optimal, world_size=1)  # validates
     assert f"ds_config={results / 'ds_config_optimal.json'}" in (results / "cmd_optimal.txt").read_text()
     assert "dsrun tune: throughput (samples/s)" in tuned["output"]  # the rich table

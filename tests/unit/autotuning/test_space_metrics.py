@@ -116,3 +116,23 @@ def test_summary_table_is_tabulates_pipe_format():
         "| :----------- | --------------: | --------------: | :-------------- |",
         "| z0           |               4 |         59.0229 | z0_gas1_tmbspg2 |",
         "| global       |              13 |         87.3017 | z1_gas1_tmbspg3 |"]
+
+
+def test_samplers_see_numbers_by_rank_and_other_values_as_categories():
+    import optuna
+
+    from dsrun.autotuning.study import make_sampler
+
+    s = settings({"zero_optimization": {"stage": [3, 0, 1], "overlap_comm": [True, False]},
+                  "train_micro_batch_size_per_gpu": [8, 2]}, fast=False, tuner_type="gridsearch")
+    space = build_space(s, BASE_DS, 1)
+    assert space.sampler_space() == {"zero_optimization.stage": [0, 1, 2], "zero_optimization.overlap_comm":
+                                     [True, False], "train_micro_batch_size_per_gpu": [0, 1]}
+    study = optuna.create_study(sampler=make_sampler(s, space))
+    seen = []
+    for _ in range(space.size):
+        trial = study.ask()
+        seen.append(space.suggest(trial))
+        assert space.decode(trial.params) == seen[-1]
+        study.tell(trial, 0.0)
+    assert sorted(map(str, seen)) == sorted(map(str, space.grid()))  # every configuration, as values

@@ -112,6 +112,7 @@ def test_model_based_never_launches_a_configuration_twice(tmp_path, monkeypatch)
     counted = [t for t in study.trials if t.user_attrs["kind"] in ("launched", "pruned")]
     assert len(counted) == 7  # duplicates are answered from the study and not counted
     assert all(t.user_attrs["duplicate_of"] is not None for t in study.trials if t.user_attrs["kind"] == "duplicate")
+    assert all(t.user_attrs["config"]["train_micro_batch_size_per_gpu"] in (1, 4, 8) for t in study.trials)
 
 
 def test_early_stopping_after_trials_without_improvement(tmp_path, monkeypatch):
@@ -131,12 +132,13 @@ def test_an_interrupted_trial_is_marked_and_its_configuration_runs_again(tmp_pat
     # as if the tuner had been SIGKILLed during a fifth trial: it stays RUNNING in the database
     study = optuna.load_study(study_name="dsrun-tune", storage=f"sqlite:///{tuner.db_path}")
     done = {json.dumps(t.params, sort_keys=True) for t in study.trials}
+    # the sampler's params are indices into the (ordered) values: stage 0,1,3 -> 0,1,2; micro batch 1,4 -> 0,1
     left = next(p for p in ({"zero_optimization.stage": s, "train_micro_batch_size_per_gpu": m}
-                            for s in (0, 1, 3) for m in (1, 4)) if json.dumps(p, sort_keys=True) not in done)
+                            for s in (0, 1, 2) for m in (0, 1)) if json.dumps(p, sort_keys=True) not in done)
     study.enqueue_trial(left)
     running = study.ask()
-    for key, values in SPACE.items():
-        running.suggest_categorical(key, values)
+    for key in SPACE:
+        running.suggest_int(key, 0, 2)
     first_calls = list(calls)
     again = make_tuner(tmp_path, monkeypatch, calls, tuner_type="gridsearch", tuner_num_trials=5)
     result = again.run()
