@@ -4,9 +4,11 @@ The worker records, per optimizer step, the engine's own ``wall_clock_breakdown`
 backward and step, summed over the step's micro-steps: ``step_timers_ms``) and the step's wall time
 (``step_times_ms``). Over steps ``start_profile_step`` … ``end_profile_step`` (1-based, inclusive):
 
-* ``fwd``, ``bwd``, ``step``: mean milliseconds per optimizer step of each timer;
-* ``latency`` = fwd + bwd + step (DeepSpeed's ``(fwd + bwd + step) x gas`` with per-micro-step means), in
-  ms per optimizer step; the step's wall time when the timers were off (``latency_source`` says which);
+* ``fwd``, ``bwd``, ``step``: median milliseconds per optimizer step of each timer;
+* ``latency`` = the median over the window of each step's fwd + bwd + step (DeepSpeed's ``(fwd + bwd +
+  step) x gas``), in ms per optimizer step; the step's wall time when the timers were off
+  (``latency_source`` says which). DeepSpeed takes a 10%-trimmed mean; the median is what such a trim
+  tends to on a short window, and keeps one step that a busy machine slowed from deciding a trial;
 * ``throughput`` = train_batch_size x 1000 / latency (samples/s);
 * ``FLOPS_per_gpu`` = the step's analytic FLOPs (dsrun's GPT) / ranks x 1000 / latency.
 
@@ -14,7 +16,7 @@ As in DeepSpeed the metric leaves out data loading and evaluation, so it is high
 """
 from __future__ import annotations
 
-from statistics import fmean
+from statistics import median
 from typing import Any, Mapping
 
 METRIC_KEYS = {"throughput": "throughput", "latency": "latency", "flops": "FLOPS_per_gpu"}
@@ -36,11 +38,11 @@ def profile_metrics(worker: Mapping[str, Any], start: int, end: int) -> dict[str
     result: dict[str, Any] = {"profile_steps": [start, end]}
     if len(timers) == len(window):
         for short, name in (("fwd", "forward"), ("bwd", "backward"), ("step", "step")):
-            result[short] = fmean(t[name] for t in timers)
-        latency = result["fwd"] + result["bwd"] + result["step"]
+            result[short] = median(t[name] for t in timers)
+        latency = median(t["forward"] + t["backward"] + t["step"] for t in timers)
         result["latency_source"] = "engine timers (forward + backward + step)"
     else:
-        latency = fmean(times[i] for i in window)
+        latency = median(times[i] for i in window)
         result["latency_source"] = "step wall time (wall_clock_breakdown was off)"
     if latency <= 0:
         raise ProfileError(f"measured a latency of {latency} ms")
