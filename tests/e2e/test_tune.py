@@ -135,7 +135,7 @@ def test_every_output_is_written_and_the_optimal_config_validates(tuned):
     summary = (results / "summary.txt").read_text()
     assert summary.startswith("| tuning_space | num_experiments | best_metric_val | best_exp_name")
     best = max(completed, key=lambda t: t.value)
-    assert f"| global " in summary and best.user_attrs["exp_name"] in summary
+    assert "| global " in summary and best.user_attrs["exp_name"] in summary
     assert f"Best experiment: {best.user_attrs['exp_name']} (trial {best.number})" in summary
     assert "Tuning space: 16 configurations" in summary and "Pruned before launch:" in summary
     assert "memory limit 4.5 MiB" in summary

@@ -3,7 +3,6 @@ DeepSpeed's summary table, without launching anything."""
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
