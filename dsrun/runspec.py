@@ -80,7 +80,8 @@ def resolve_run(cfg: DictConfig) -> ResolvedRun:
     from dsrun.utils.errors import UserError
 
     problems: list[Problem] = []
-    unknown = [k for k in cfg if k not in ("model", "data", "train", "launcher", "ds", "ds_config")]
+    # `tune` (a recipe's search space for `dsrun tune`, docs/autotuning.md) is read by the tuner only
+    unknown = [k for k in cfg if k not in ("model", "data", "train", "launcher", "ds", "ds_config", "tune")]
     problems += [Problem(str(k), "unknown top-level key of the RunSpec",
                          did_you_mean(str(k), ["model", "data", "train", "launcher", "ds"]) or
                          "the RunSpec has model, data, train, launcher and ds") for k in unknown]

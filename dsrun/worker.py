@@ -102,6 +102,19 @@ def report_throughput(engine: Any, steps: int, elapsed: float, tokens_per_step: 
     return samples_s, tokens_s
 
 
+def step_timer_ms(engine: Any, before: dict[str, float] | None) -> dict[str, float] | None:
+    """The engine's forward/backward/step timer totals (``wall_clock_breakdown``) now, minus ``before``;
+    None when the timers are off, or when the engine reset them at the end of this step (every
+    ``steps_per_print`` steps), which loses the step's figures."""
+    if not engine.timers.enabled:
+        return None
+    now = {name: engine.timers.elapsed_ms(name) for name in ("forward", "backward", "step")}
+    if before is None:
+        return now
+    every = engine.steps_per_print()
+    return None if every and engine.global_steps % every == 0 else {k: v - before[k] for k, v in now.items()}
+
+
 def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
     import hydra.utils
 
@@ -135,7 +148,10 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
 
     metrics: dict[str, Any] = {"train_losses": [], "eval_losses": [], "lrs": [], "world_size": world_size,
                                "tokens_per_step": tokens_per_step, "max_steps": max_steps,
-                               "loss_unit": "nats per token"}
+                               "loss_unit": "nats per token", "train_batch_size": engine.train_batch_size(),
+                               "micro_batch_size": micro_batch, "gradient_accumulation_steps": accumulation,
+                               "num_params": sum(p.numel() for p in model.parameters()), "step_flops": step_flops,
+                               "step_times_ms": [], "step_timers_ms": []}  # per step, for dsrun tune
     if rank == 0:
         print(f"[dsrun] training {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} "
               f"parameters) for {max_steps} steps on {world_size} rank(s); "
@@ -154,13 +170,15 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
     progress.note(f"[dsrun] step {first_step - 1}/{max_steps} | eval {initial:.4f}")
     start = time.perf_counter()
     for step in range(first_step, max_steps + 1):
-        step_loss = 0.0
+        step_loss, step_started, timers_before = 0.0, time.perf_counter(), step_timer_ms(engine, None)
         for _ in range(accumulation):
             inputs, targets = next(loader)
             loss = engine(inputs, targets)
             engine.backward(loss)
             engine.step()  # steps the optimizer only at the accumulation boundary
             step_loss += loss.item() / accumulation
+        metrics["step_times_ms"].append((time.perf_counter() - step_started) * 1e3)
+        metrics["step_timers_ms"].append(step_timer_ms(engine, timers_before))
         step_loss = mean_across_ranks(step_loss)
         metrics["train_losses"].append(step_loss)
         metrics["lrs"].append(engine.get_lr()[0])

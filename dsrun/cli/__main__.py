@@ -22,6 +22,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "config": ("dsrun.cli.config", "print the resolved RunSpec or DeepSpeed config; validate a DeepSpeed config file"),
     "recipes": ("dsrun.cli.recipes", "list the available recipes"),
     "launch": ("dsrun.cli.launch", "launch a script on one or many machines, like the deepspeed launcher"),
+    "tune": ("dsrun.cli.tune", "tune a recipe's ZeRO stage, micro batch and other knobs with Optuna (real short runs)"),
     "estimate-memory": ("dsrun.cli.estimate_memory", "estimate memory per rank and per host for a recipe or a parameter count"),
     "convert": ("dsrun.cli.convert", "convert checkpoints: zero-to-fp32 consolidates a ZeRO checkpoint"),
     "report": ("dsrun.cli.report", "show the compiled ops (built, compatible, SIMD level) and the environment"),

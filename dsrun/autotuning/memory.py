@@ -1,0 +1,80 @@
+"""Pruning before launch: does a trial's configuration fit the memory limit, by dsrun's estimator?
+
+The estimate (``dsrun.estimate``: model states + activations + buffers per rank, docs/estimate.md) is made
+on the trial's composed RunSpec, with the model built on the meta device (once per distinct model). The need
+of one rank is its device peak, plus its host-side (offloaded) bytes when the ranks run on the CPU.
+
+The limit is ``tune.memory_limit`` / ``--memory-limit`` (bytes per rank) when set. Otherwise it is this
+machine: a trial is pruned when the estimator's verdict against the host's RAM and the device's memory is
+"too big" (:func:`dsrun.estimate.verdict.judge`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class MemoryCheck:
+    fits: bool
+    need_bytes: int  # per rank
+    limit_bytes: int | None  # per rank; None when judged against the machine
+    reason: str
+    breakdown: dict[str, Any]
+
+
+def _mib(n: int) -> str:
+    return f"{n / MIB:,.1f} MiB"
+
+
+class MemoryGate:
+    def __init__(self, limit_bytes: int | None):
+        self.limit = limit_bytes
+        self._models: dict[str, Any] = {}
+        self._budget = None
+
+    def _model(self, cfg: Any) -> Any:
+        from omegaconf import OmegaConf
+
+        from dsrun.estimate.runspec import build_recipe_model
+
+        key = OmegaConf.to_yaml(cfg.model)
+        if key not in self._models:
+            self._models[key] = build_recipe_model(cfg)
+        return self._models[key]
+
+    def estimate(self, cfg: Any, **changes: Any) -> Any:
+        """The estimator's :class:`~dsrun.estimate.Breakdown` for a composed RunSpec (``changes`` edit its
+        inputs, e.g. ``micro_batch_size=1``)."""
+        from dsrun.estimate import estimate_peak_bytes_per_rank
+        from dsrun.estimate.runspec import inputs_from_runspec
+
+        inputs, _ = inputs_from_runspec(cfg, self._model(cfg))
+        return estimate_peak_bytes_per_rank(inputs.with_(**changes) if changes else inputs)
+
+    def parameter_count(self, cfg: Any) -> int:
+        return int(self._model(cfg).counts.total)
+
+    def check(self, cfg: Any) -> MemoryCheck:
+        import torch
+
+        b = self.estimate(cfg)
+        on_cpu = not torch.cuda.is_available()
+        need = b.peak_per_rank + (b.host_per_rank if on_cpu else 0)
+        parts = (f"model states {_mib(b.model_states)}, activations {_mib(b.activations)}, "
+                 f"buffers {_mib(b.buffers)}")
+        breakdown = {"need_per_rank": need, **{k: v for k, v in b.to_dict().items() if isinstance(v, (int, str))}}
+        if self.limit is not None:
+            fits = need <= self.limit
+            relation = "<=" if fits else ">"
+            return MemoryCheck(fits, need, self.limit, f"estimated {_mib(need)} per rank ({parts}) {relation} "
+                               f"memory limit {_mib(self.limit)}", breakdown)
+        from dsrun.estimate.verdict import NO_FIT, detect_budget, judge
+
+        if self._budget is None:
+            self._budget = detect_budget()
+        verdict = judge(b, self._budget)
+        return MemoryCheck(verdict.level != NO_FIT, need, None,
+                           f"estimated {_mib(need)} per rank ({parts}): {verdict.level}: {verdict.reason}", breakdown)

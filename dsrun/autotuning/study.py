@@ -1,0 +1,409 @@
+"""The Optuna study: sampling configurations, pruning, launching, early stopping and resuming.
+
+State lives in ``RESULTS_DIR/study.db`` (Optuna's SQLite storage, study ``dsrun-tune``). Running ``dsrun
+tune`` again with the same results dir continues the study: finished trials (complete, pruned, failed) are
+never repeated. A trial that was still running when the tuner was stopped (Ctrl-C, SIGKILL, a crash) is
+marked failed with the note ``interrupted`` and its configuration is queued again, so it runs once more on
+the next start; interrupted trials do not count against ``tuner_num_trials``.
+
+``tuner_type`` picks the sampler: ``gridsearch`` → ``GridSampler`` (every configuration once, in a
+seeded random order), ``random`` → ``RandomSampler``, ``model_based`` → ``TPESampler``. A sampler that
+proposes a configuration already explored gets that trial's outcome back at no cost (the trial is recorded
+as a duplicate and not counted). Tuning stops after ``tuner_num_trials`` trials, when every configuration
+has been explored, or after ``tuner_early_stopping`` launched trials in a row without a better metric.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from dsrun.autotuning.memory import MemoryGate
+from dsrun.autotuning.metrics import ProfileError, metric_value, profile_metrics
+from dsrun.autotuning.settings import TuneSettings
+from dsrun.autotuning.space import MICRO_BATCH_KEY, ACCUMULATION_KEY, SearchSpace, override_key
+from dsrun.autotuning.trial import (Experiment, error_summary, launch, measurement_overrides, stop_leftover_launch,
+                                    train_command, without_keys)
+from dsrun.utils.errors import Problem, UserError
+
+STUDY_NAME = "dsrun-tune"
+STUDY_DB = "study.db"
+MODEL_INFO_DIR = "profile_model_info"
+MAX_DUPLICATES_IN_A_ROW = 200
+
+# user attribute "kind" of a finished trial
+LAUNCHED, PRUNED, INVALID, DUPLICATE, INTERRUPTED = "launched", "pruned", "invalid", "duplicate", "interrupted"
+
+ComposeFn = Callable[[list[str]], tuple[Any, Any]]  # overrides -> (composed RunSpec, dsrun.runspec.ResolvedRun)
+EventFn = Callable[[str, dict[str, Any]], None]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_sampler(settings: TuneSettings, space: SearchSpace) -> Any:
+    import optuna
+
+    if settings.tuner_type == "gridsearch":
+        class AskTellGridSampler(optuna.samplers.GridSampler):
+            # GridSampler stops the study when the grid is done, which only works inside study.optimize;
+            # the tuner's ask/tell loop checks for an exhausted space itself.
+            def after_trial(self, study: Any, trial: Any, state: Any, values: Any) -> None:
+                pass
+
+        return AskTellGridSampler(space.sampler_space(), seed=settings.seed)
+    if settings.tuner_type == "random":
+        return optuna.samplers.RandomSampler(seed=settings.seed)
+    import warnings
+
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)  # multivariate
+    return optuna.samplers.TPESampler(seed=settings.seed, n_startup_trials=min(4, max(1, space.size // 4)),
+                                      multivariate=True)
+
+
+def config_key(params: dict[str, Any]) -> str:
+    return json.dumps(params, sort_keys=True, default=str)
+
+
+def space_signature(settings: TuneSettings, space: SearchSpace) -> str:
+    return json.dumps({"dims": space.dims, "fixed": space.fixed, "metric": settings.metric}, sort_keys=True,
+                      default=str)
+
+
+def ds_for_file(resolved: Any) -> dict[str, Any]:
+    """The resolved DeepSpeed config of a trial as it would train: without the ``autotuning`` block."""
+    ds = resolved.ds_dict()
+    ds.pop("autotuning", None)
+    return ds
+
+
+@dataclass
+class StopReason:
+    text: str = ""
+
+
+class Tuner:
+    """One ``dsrun tune``: ``run()`` tunes (resuming the study in ``settings.results_dir``) and returns the
+    Optuna study."""
+
+    def __init__(self, settings: TuneSettings, space: SearchSpace, base_overrides: Sequence[str],
+                 recipes_dirs: Sequence[str], compose: ComposeFn, on_event: EventFn | None = None):
+        self.settings = settings
+        self.space = space
+        self.recipes_dirs = list(recipes_dirs)
+        self.compose = compose
+        self.on_event = on_event or (lambda kind, data: None)
+        tuned = [override_key(k) for k in space.config({k: v[0] for k, v in space.dims.items()})]
+        tuned += [f"ds.{MICRO_BATCH_KEY}", f"ds.{ACCUMULATION_KEY}", "ds.train_batch_size",
+                  *settings.arg_mappings.values()]
+        self.base_overrides = without_keys(base_overrides, [*tuned, "hydra.run.dir"])
+        self.gate = MemoryGate(settings.memory_limit)
+        self.stop = StopReason()
+        self.study: Any = None
+        self._session_start = time.monotonic()
+        self._elapsed_before = 0.0
+
+    # ------------------------------------------------------------------------------------------ study
+    @property
+    def db_path(self) -> Path:
+        return self.settings.results_dir / STUDY_DB
+
+    def _open_study(self) -> Any:
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.ERROR)
+        s = self.settings
+        s.results_dir.mkdir(parents=True, exist_ok=True)
+        if s.overwrite and self.db_path.exists():
+            self._discard_previous()
+        study = optuna.create_study(study_name=STUDY_NAME, storage=f"sqlite:///{self.db_path}",
+                                    sampler=make_sampler(s, self.space), load_if_exists=True,
+                                    direction=s.direction)
+        signature = space_signature(s, self.space)
+        previous = study.user_attrs.get("signature")
+        if previous is not None and previous != signature and study.trials:
+            raise UserError(Problem("ds.autotuning.results_dir",
+                                    f"{s.results_dir} holds a study over another search space or metric",
+                                    "set ds.autotuning.overwrite=true to start over, or pick another results_dir"))
+        study.set_user_attr("signature", signature)
+        study.set_user_attr("space", {k: list(v) for k, v in self.space.dims.items()})
+        self._elapsed_before = float(study.user_attrs.get("tuning_seconds", 0.0))
+        return study
+
+    def _discard_previous(self) -> None:
+        """``overwrite: true``: remove what an earlier study wrote (and only that)."""
+        import optuna
+
+        try:
+            old = optuna.load_study(study_name=STUDY_NAME, storage=f"sqlite:///{self.db_path}")
+            names = {t.user_attrs.get("exp_name") for t in old.trials} - {None}
+        except Exception:  # an unreadable database: nothing to clean up but the file
+            names = set()
+        for name in [*names, MODEL_INFO_DIR]:
+            target = self.settings.results_dir / name
+            if target.is_dir():
+                shutil.rmtree(target)
+            (self.settings.exps_dir / f"{name}.json").unlink(missing_ok=True)
+        for name in (STUDY_DB, "summary.txt", "ds_config_optimal.json", "cmd_optimal.txt"):
+            (self.settings.results_dir / name).unlink(missing_ok=True)
+
+    def _recover_interrupted(self) -> list[int]:
+        """Trials left RUNNING by a tuner that was killed: mark them failed (interrupted) and queue their
+        configurations again."""
+        from optuna.trial import TrialState
+
+        study, requeued = self.study, []
+        for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            stop_leftover_launch(trial.user_attrs.get("launch_pid"))
+            storage = study._storage
+            storage.set_trial_user_attr(trial._trial_id, "kind", INTERRUPTED)
+            storage.set_trial_user_attr(trial._trial_id, "error", "interrupted: dsrun tune stopped while this "
+                                        "trial ran; its configuration was queued again")
+            storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+            if trial.params:
+                study.enqueue_trial(trial.params, user_attrs={"retry_of": trial.number})
+            requeued.append(trial.number)
+        return requeued
+
+    def _save_elapsed(self) -> None:
+        self.study.set_user_attr("tuning_seconds", self.elapsed_s)
+
+    @property
+    def elapsed_s(self) -> float:
+        return self._elapsed_before + time.monotonic() - self._session_start
+
+    # ---------------------------------------------------------------------------------- model info
+    def model_info(self) -> dict[str, Any]:
+        """DeepSpeed's first run: the model's parameter count and activation memory. Given
+        ``ds.autotuning.model_info.num_params``, nothing is launched; a previous run's file is reused."""
+        s = self.settings
+        path = s.results_dir / MODEL_INFO_DIR / "model_info.json"
+        if s.model_info and s.model_info.get("num_params"):
+            return {**s.model_info, "source": "ds.autotuning.model_info"}
+        if path.is_file() and not s.overwrite:
+            return json.loads(path.read_text())
+        config = {MICRO_BATCH_KEY: 1, ACCUMULATION_KEY: 1}
+        overrides = [*without_keys(self.base_overrides, [f"ds.{k}" for k in config]),
+                     *self.space.overrides(config)]
+        cfg, resolved = self.compose(overrides)
+        measurement = measurement_overrides(1, free_port())
+        exp = Experiment(MODEL_INFO_DIR, s.results_dir / MODEL_INFO_DIR,
+                         train_command([*without_keys(overrides, measurement), *measurement], self.recipes_dirs,
+                                       s.results_dir / MODEL_INFO_DIR / "run"),
+                         ds_for_file(resolved), {"num_gpus": resolved.world_size, "purpose": "model info"})
+        if exp.run_dir.exists():  # an interrupted attempt
+            shutil.rmtree(exp.run_dir)
+        exp.write_files(s.exps_dir)
+        self.on_event("model_info_start", {"dir": str(exp.directory)})
+        result = launch(exp, s.trial_timeout)
+        if not result.ok:
+            raise UserError(Problem("model info run", "the model is not runnable with this config: "
+                                    + error_summary(result.error), f"see {exp.directory / 'stderr.log'}"))
+        from dsrun.estimate.measure import load_measured_peaks
+
+        try:
+            peaks = load_measured_peaks(exp.run_dir)
+        except UserError:
+            peaks = {}
+        activations = self.gate.estimate(cfg, micro_batch_size=1).activations
+        model = cfg.model
+        info = {"num_params": int(result.worker_metrics["num_params"]),
+                "trainable_num_params": int(result.worker_metrics["num_params"]),
+                "activation_mem_per_gpu": int(activations),
+                "activation_mem_source": "dsrun estimator, micro batch 1",
+                "measured_peak_bytes_per_rank": {str(k): int(v) for k, v in peaks.items()},
+                "hidden_size": model.get("n_embd"), "num_layers": model.get("n_layer"), "rank": 0,
+                "launch_seconds": round(result.elapsed_s, 2)}
+        path.write_text(json.dumps(info, indent=2) + "\n")
+        return info
+
+    # -------------------------------------------------------------------------------------- the loop
+    def _lock(self) -> None:
+        """One tuner per results dir: a second one would take the first one's running trial for an
+        interrupted one. The lock dies with its process, however it ends."""
+        import fcntl
+
+        self.settings.results_dir.mkdir(parents=True, exist_ok=True)
+        self._lock_file = open(self.settings.results_dir / ".lock", "w")
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise UserError(Problem("ds.autotuning.results_dir", f"another dsrun tune is using "
+                                    f"{self.settings.results_dir}", "wait for it, or pick another results_dir")) from None
+
+    def run(self) -> Any:
+        from optuna.trial import TrialState
+
+        self._lock()
+        try:
+            self.study = self._open_study()
+            requeued = self._recover_interrupted()
+            if requeued:
+                self.on_event("requeued", {"trials": requeued})
+            info = self.model_info()
+        except BaseException:
+            self._lock_file.close()
+            raise
+        self.study.set_user_attr("model_info", info)
+        self.on_event("model_info", info)
+        explored = self._explored()
+        duplicates_in_a_row = 0
+        try:
+            while True:
+                counted = self._counted()
+                if counted >= self.settings.tuner_num_trials:
+                    self.stop.text = f"reached tuner_num_trials={self.settings.tuner_num_trials}"
+                    break
+                if len(explored) >= self.space.size:
+                    self.stop.text = f"explored all {self.space.size} configurations"
+                    break
+                if self._early_stop():
+                    break
+                trial = self.study.ask()
+                params = self.space.suggest(trial)
+                trial.set_user_attr("config", params)
+                key = config_key(params)
+                if key in explored and "retry_of" not in trial.user_attrs:
+                    self._tell_duplicate(trial, explored[key])
+                    duplicates_in_a_row += 1
+                    if duplicates_in_a_row >= MAX_DUPLICATES_IN_A_ROW:
+                        self.stop.text = "the sampler proposed only explored configurations"
+                        break
+                    continue
+                duplicates_in_a_row = 0
+                self.on_event("trial_start", {"number": trial.number, "index": counted + 1,
+                                              "total": min(self.settings.tuner_num_trials, self.space.size),
+                                              "name": self.space.experiment_name(self.space.config(params))})
+                self._evaluate(trial, params)
+                explored[key] = self.study._storage.get_trial(trial._trial_id)
+                self._save_elapsed()
+                self.on_event("trial_end", {"trial": explored[key], "best": self.best_trial()})
+        except KeyboardInterrupt:
+            self.stop.text = "interrupted"
+            running = self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+            if running:
+                self._recover_interrupted()
+            raise
+        finally:
+            self._save_elapsed()
+            self._lock_file.close()
+        return self.study
+
+    def _explored(self) -> dict[str, Any]:
+        """Configurations with an outcome: key → the trial that has it."""
+        from optuna.trial import TrialState
+
+        done = {}
+        for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED,
+                                                               TrialState.FAIL)):
+            if t.user_attrs.get("kind") in (LAUNCHED, PRUNED, INVALID):
+                done.setdefault(config_key(self.space.decode(t.params)), t)
+        return done
+
+    def _counted(self) -> int:
+        return sum(1 for t in self.study.get_trials(deepcopy=False)
+                   if t.state.is_finished() and t.user_attrs.get("kind") in (LAUNCHED, PRUNED, INVALID))
+
+    def _launched(self) -> list[Any]:
+        return [t for t in self.study.get_trials(deepcopy=False)
+                if t.state.is_finished() and t.user_attrs.get("kind") == LAUNCHED]
+
+    def best_trial(self) -> Any | None:
+        from optuna.trial import TrialState
+
+        best = None
+        for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+            if t.user_attrs.get("kind") == LAUNCHED and (best is None or self.settings.better(t.value, best.value)):
+                best = t
+        return best
+
+    def _early_stop(self) -> bool:
+        launched = self._launched()
+        best = self.best_trial()
+        since = [t for t in launched if best is None or t.number > best.number]
+        if len(since) >= self.settings.tuner_early_stopping:
+            self.stop.text = (f"early stopping: {len(since)} launched trials without improvement "
+                              f"(tuner_early_stopping={self.settings.tuner_early_stopping})")
+            return True
+        return False
+
+    def _tell_duplicate(self, trial: Any, original: Any) -> None:
+        from optuna.trial import TrialState
+
+        trial.set_user_attr("kind", DUPLICATE)
+        trial.set_user_attr("duplicate_of", original.number)
+        trial.set_user_attr("exp_name", original.user_attrs.get("exp_name"))
+        if original.state == TrialState.COMPLETE:
+            self.study.tell(trial, original.value)
+        else:
+            self.study.tell(trial, state=original.state if original.state == TrialState.PRUNED else TrialState.FAIL)
+
+    # ------------------------------------------------------------------------------------ one trial
+    def _finish(self, trial: Any, kind: str, *, value: float | None = None, pruned: bool = False,
+                **attrs: Any) -> None:
+        from optuna.trial import TrialState
+
+        trial.set_user_attr("kind", kind)
+        for key, val in attrs.items():
+            trial.set_user_attr(key, val)
+        if value is not None:
+            self.study.tell(trial, value)
+        else:
+            self.study.tell(trial, state=TrialState.PRUNED if pruned else TrialState.FAIL)
+
+    def _evaluate(self, trial: Any, params: dict[str, Any]) -> None:
+        s, space = self.settings, self.space
+        config = space.config(params)
+        name = space.experiment_name(config)
+        trial.set_user_attr("exp_name", name)
+        trial.set_user_attr("tuning_space", space.tuning_space_of(config))
+        tbs = space.train_batch_size(config)
+        if s.max_train_batch_size and tbs > s.max_train_batch_size:
+            return self._finish(trial, PRUNED, pruned=True, reason=f"train batch size {tbs} > "
+                                f"max_train_batch_size {s.max_train_batch_size}")
+        if tbs < s.min_train_batch_size:
+            return self._finish(trial, PRUNED, pruned=True, reason=f"train batch size {tbs} < "
+                                f"min_train_batch_size {s.min_train_batch_size}")
+        overrides = [*self.base_overrides, *space.overrides(config, s.arg_mappings)]
+        measurement = measurement_overrides(s.end_profile_step, free_port())
+        try:
+            cfg, resolved = self.compose(overrides)
+        except UserError as err:
+            text = "; ".join(str(p) for p in err.problems)
+            return self._finish(trial, INVALID, error=f"invalid configuration: {text}", error_line=text)
+        memory = self.gate.check(cfg)
+        trial.set_user_attr("estimated_bytes_per_rank", memory.need_bytes)
+        if not memory.fits:
+            return self._finish(trial, PRUNED, pruned=True, reason=memory.reason)
+        run_dir = s.results_dir / name / "run"
+        if run_dir.exists():  # an interrupted attempt of this configuration
+            shutil.rmtree(run_dir)
+        exp = Experiment(name, s.results_dir / name,
+                         train_command([*without_keys(overrides, measurement), *measurement], self.recipes_dirs,
+                                       run_dir),
+                         ds_for_file(resolved),
+                         {"trial": trial.number, "params": params, "overrides": overrides,
+                          "num_gpus": resolved.plan.world_size, "num_nodes": len(resolved.plan.hosts),
+                          "hostfile": resolved.plan.hostfile, "memory_estimate": memory.breakdown,
+                          "memory_check": memory.reason})
+        exp.write_files(s.exps_dir)
+        (exp.directory / "metrics.json").unlink(missing_ok=True)
+        result = launch(exp, s.trial_timeout, on_start=lambda pid: trial.set_user_attr("launch_pid", pid))
+        trial.set_user_attr("launch_seconds", round(result.elapsed_s, 3))
+        if not result.ok:
+            return self._finish(trial, LAUNCHED, error=result.error, error_line=error_summary(result.error))
+        try:
+            profile = profile_metrics(result.worker_metrics, s.start_profile_step, s.end_profile_step)
+            value = metric_value(profile, s.metric)
+        except ProfileError as err:
+            return self._finish(trial, LAUNCHED, error=str(err), error_line=str(err))
+        (exp.directory / "metrics.json").write_text(json.dumps(profile, indent=2) + "\n")
+        self._finish(trial, LAUNCHED, value=value, metrics={k: profile[k] for k in
+                                                             ("latency", "throughput", "FLOPS_per_gpu")})

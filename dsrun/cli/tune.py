@@ -1,0 +1,248 @@
+"""Tune a recipe's DeepSpeed settings with Optuna: every trial is a short, real `dsrun train` launch.
+
+The search space is the recipe's `tune.space` (from the `autotuning` config group: `autotuning=fast` tunes the
+ZeRO stage x micro batch size, `autotuning=full` more ZeRO knobs); DeepSpeed's `ds.autotuning` section sets the
+metric, profile steps, tuner and budget. The memory estimator prunes trials that cannot fit before they launch.
+State is an Optuna SQLite study in the results dir: run the same command again to continue an interrupted study.
+
+Examples:
+  dsrun tune +recipe=gpt_tune                                   tune, write autotuning_results/
+  dsrun tune +recipe=gpt_tune autotuning.tuner_type=random autotuning.tuner_num_trials=6
+  dsrun tune +recipe=gpt_zero2 autotuning=fast --memory-limit 4GiB
+  dsrun tune +recipe=gpt_tune --run                             then train with the best config
+Outputs (docs/autotuning.md): RESULTS_DIR/<exp>/{cmd.txt,ds_config.json,exp.json,metrics.json,stdout.log,
+stderr.log}, summary.txt, ds_config_optimal.json, cmd_optimal.txt, study.db.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from dsrun.cli.common import add_compose_arguments
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("--run", action="store_true",
+                        help="after tuning, train with the best config (cmd_optimal.txt), like DeepSpeed's "
+                             "--autotuning run")
+    parser.add_argument("--memory-limit", metavar="SIZE", default=None,
+                        help="memory a trial may need per rank by the estimator (2GiB, 500MB, bytes); trials "
+                             "above it are pruned before launch (default: tune.memory_limit, else this machine)")
+    parser.add_argument("--trial-timeout", metavar="S", type=float, default=None,
+                        help="seconds before a trial's launch is stopped and recorded as failed "
+                             "(default: tune.trial_timeout, 600)")
+    add_compose_arguments(parser)
+    parser.parse_args = parser.parse_intermixed_args  # type: ignore[method-assign]  # flags anywhere
+
+
+def run(args: argparse.Namespace) -> int:
+    import subprocess
+
+    from omegaconf import OmegaConf
+
+    from dsrun.autotuning import Tuner, build_space, settings_from, write_results
+    from dsrun.compose import compose_runspec
+    from dsrun.runspec import resolve_run
+
+    cfg = compose_runspec(args.overrides, args.recipes_dir)
+    resolved = resolve_run(cfg)
+    raw = OmegaConf.select(cfg, "ds.autotuning")
+    raw = OmegaConf.to_container(raw, resolve=True) if raw is not None else {}
+    tune = OmegaConf.to_container(cfg.tune, resolve=True) if cfg.get("tune") is not None else None
+    settings = settings_from(resolved.ds.autotuning, raw or {}, tune, Path.cwd(),
+                             memory_limit=args.memory_limit, trial_timeout=args.trial_timeout)
+    if not settings.space:
+        from dsrun.utils.errors import Problem, UserError
+
+        raise UserError(Problem("tune.space", "this recipe has no search space",
+                                "add autotuning=fast (ZeRO stage x micro batch) or autotuning=full"))
+    space = build_space(settings, resolved.ds_dict(), resolved.world_size)
+
+    def compose(overrides: list[str]) -> tuple[Any, Any]:
+        composed = compose_runspec(overrides, args.recipes_dir)
+        return composed, resolve_run(composed)
+
+    reporter = Reporter(settings, space, mlflow=resolved.ds.mlflow if resolved.ds.mlflow.enabled else None)
+    tuner = Tuner(settings, space, args.overrides, args.recipes_dir, compose, on_event=reporter.event)
+    reporter.tuner = tuner
+    reporter.print_header()
+    try:
+        with reporter:
+            tuner.run()
+    except KeyboardInterrupt:
+        if tuner.study is not None:
+            write_results(tuner)
+            print(f"[tune] interrupted; run the same command again to continue (study in {tuner.db_path})",
+                  file=sys.stderr, flush=True)
+        raise
+    paths = write_results(tuner)
+    reporter.finish(paths)
+    if "cmd_optimal" not in paths:
+        print(f"[tune] no trial completed, so there is no optimal config; see {paths['summary']}",
+              file=sys.stderr, flush=True)
+        return 1
+    if args.run:
+        import shlex
+
+        command = shlex.split(paths["cmd_optimal"].read_text())
+        print(f"[tune] training with the best config: {shlex.join(command)}", flush=True)
+        return subprocess.run(command, stdin=subprocess.DEVNULL).returncode
+    return 0
+
+
+class Reporter:
+    """Progress while tuning (a rich progress bar on a terminal, one line per trial always), the rich table at
+    the end, and with MLflow on a parent run with one child run per trial."""
+
+    def __init__(self, settings: Any, space: Any, mlflow: Any = None):
+        from rich.console import Console
+
+        self.settings = settings
+        self.space = space
+        self.console = Console(highlight=False)
+        if not self.console.is_terminal:  # logs and CI: wide enough for the table's notes
+            self.console = Console(highlight=False, width=160)
+        self.tuner: Any = None
+        self.progress: Any = None
+        self.task: Any = None
+        self.mlflow = _MLflowTrials(mlflow, settings) if mlflow is not None else None
+
+    def print_header(self) -> None:
+        s = self.settings
+        self._say(f"[tune] search space: {self.space.describe()}")
+        if self.space.ignored:
+            self._say(f"[tune] fast mode: {', '.join(self.space.ignored)} keep the recipe's value")
+        limit = f"{s.memory_limit / 2**20:,.1f} MiB per rank" if s.memory_limit else "this machine's memory"
+        self._say(f"[tune] metric {s.metric} ({s.unit}) over steps {s.start_profile_step}..{s.end_profile_step}; "
+                  f"tuner {s.tuner_type}; up to {s.tuner_num_trials} trials; memory limit: {limit}; "
+                  f"results in {s.results_dir}")
+
+    def __enter__(self) -> "Reporter":
+        if self.console.is_terminal:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                     TimeElapsedColumn(), console=self.console, transient=True)
+            self.progress.start()
+            self.task = self.progress.add_task("tuning", total=min(self.settings.tuner_num_trials, self.space.size))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+    def _say(self, text: str) -> None:
+        (self.progress.console if self.progress else self.console).print(text, soft_wrap=True, markup=False)
+
+    def event(self, kind: str, data: dict[str, Any]) -> None:
+        if kind == "requeued":
+            self._say(f"[tune] resuming: trial(s) {data['trials']} were interrupted; their configurations run again")
+        elif kind == "model_info_start":
+            self._say(f"[tune] model info run in {data['dir']}")
+        elif kind == "model_info":
+            self._say(f"[tune] model: {data.get('num_params'):,} parameters; activation memory (micro batch 1) "
+                      f"{int(data.get('activation_mem_per_gpu') or 0) / 2**20:,.2f} MiB")
+        elif kind == "trial_start":
+            self._say(f"[tune] trial {data['index']}/{data['total']} (#{data['number']}) {data['name']} ...")
+            if self.progress is not None:
+                self.progress.update(self.task, description=f"trial {data['index']}/{data['total']} {data['name']}")
+        elif kind == "trial_end":
+            trial, best = data["trial"], data["best"]
+            attrs = trial.user_attrs
+            if trial.value is not None and trial.state.name == "COMPLETE":
+                outcome = f"{trial.value:,.4g} {self.settings.unit}"
+            elif trial.state.name == "PRUNED":
+                outcome = f"pruned: {attrs.get('reason')}"
+            else:
+                outcome = f"FAILED: {attrs.get('error_line')}"
+            best_text = (f"best {best.value:,.4g} ({best.user_attrs.get('exp_name')}, trial {best.number})"
+                         if best is not None else "no best yet")
+            self._say(f"[tune]   -> {outcome} | {best_text}")
+            if self.progress is not None:
+                self.progress.advance(self.task)
+            if self.mlflow is not None:
+                self.mlflow.log_trial(trial, self.settings.results_dir / str(attrs.get("exp_name")))
+
+    def finish(self, paths: dict[str, Path]) -> None:
+        from rich.table import Table
+
+        from dsrun.autotuning import best_row, trial_rows
+
+        rows = trial_rows(self.tuner.study)
+        table = Table(title=f"dsrun tune: {self.settings.metric} ({self.settings.unit})")
+        for name, justify in (("trial", "right"), ("experiment", "left"), ("status", "left"),
+                              (self.settings.metric, "right"), ("latency ms", "right"), ("note", "left")):
+            table.add_column(name, justify=justify, overflow="fold")
+        best = best_row(rows, self.settings)
+        for r in rows:
+            style = "bold green" if best is not None and r.number == best.number else None
+            table.add_row(str(r.number), r.name, r.status, f"{r.value:,.4g}" if r.value is not None else "",
+                          f"{r.metrics['latency']:,.2f}" if r.metrics.get("latency") else "", r.note[:120],
+                          style=style)
+        self.console.print(table)
+        self.console.print(f"[tune] stopped: {self.tuner.stop.text}", markup=False)
+        if best is not None:
+            self.console.print(f"[tune] {best.name} is the optimal setup after tuning ({best.value:,.4g} "
+                               f"{self.settings.unit}). The exp result is at {self.settings.results_dir / best.name}.",
+                               markup=False, soft_wrap=True)
+        for key, path in paths.items():
+            self.console.print(f"[tune] {key}: {path}", markup=False, soft_wrap=True)
+        if self.mlflow is not None:
+            self.mlflow.finish(best)
+
+
+class _MLflowTrials:
+    """A parent run for the study (keyed by its results dir, so a resumed study keeps its parent) and a child
+    run per finished trial: params, status, the metric, and the experiment's files as artifacts."""
+
+    def __init__(self, section: Any, settings: Any):
+        from dsrun.monitor.mlflow_monitor import resolve_tracking_uri
+
+        self.uri = resolve_tracking_uri(section.tracking_uri, Path.cwd() / "mlruns")
+        self.experiment = section.experiment_name or "dsrun"
+        self.key = f"dsrun-tune:{settings.results_dir}"
+        self.settings = settings
+        self.parent_id: str | None = None
+
+    def log_trial(self, trial: Any, exp_dir: Path) -> None:
+        from dsrun.monitor.mlflow_monitor import MLflowMonitor
+
+        attrs = trial.user_attrs
+        monitor = MLflowMonitor(self.uri, self.experiment, run_name=f"trial {trial.number} {attrs.get('exp_name')}",
+                                parent_key=self.key, tags={"dsrun.tune.trial": str(trial.number),
+                                                           "dsrun.tune.status": trial.state.name.lower()})
+        self.parent_id = monitor.client.get_run(monitor.run_id).data.tags.get("mlflow.parentRunId")
+        monitor.log_params({**(attrs.get("config") or trial.params), "exp_name": attrs.get("exp_name"), "kind": attrs.get("kind"),
+                            "note": attrs.get("reason") or attrs.get("error_line") or ""})
+        events = [(f"autotuning/{k}", v, 0) for k, v in (attrs.get("metrics") or {}).items() if v is not None]
+        monitor.write_events(events)
+        monitor.log_artifacts([exp_dir / n for n in ("cmd.txt", "ds_config.json", "exp.json", "metrics.json",
+                                                     "stderr.log")] if exp_dir.is_dir() else [])
+        monitor.close("FINISHED" if trial.state.name == "COMPLETE" else
+                      "KILLED" if trial.state.name == "PRUNED" else "FAILED")
+
+    def finish(self, best: Any) -> None:
+        if best is None:
+            return
+        import time
+
+        from mlflow.entities import Metric
+        from mlflow.tracking import MlflowClient
+
+        from dsrun.monitor.mlflow_monitor import PARENT_KEY_TAG
+
+        client = MlflowClient(tracking_uri=self.uri)
+        if self.parent_id is None:  # a resumed study that launched nothing this time: find its parent
+            experiment = client.get_experiment_by_name(self.experiment)
+            found = client.search_runs([experiment.experiment_id], f"tags.`{PARENT_KEY_TAG}` = '{self.key}'",
+                                       max_results=1) if experiment else []
+            if not found:
+                return
+            self.parent_id = found[0].info.run_id
+        client.log_batch(self.parent_id, metrics=[Metric(f"best_{self.settings.metric}", float(best.value),
+                                                         int(time.time() * 1000), 0)])
+        client.set_tag(self.parent_id, "dsrun.tune.best_exp_name", best.name)
+        client.set_tag(self.parent_id, "dsrun.tune.best_trial", str(best.number))
