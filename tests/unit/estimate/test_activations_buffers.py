@@ -106,10 +106,14 @@ def spec(**kw) -> EstimateInputs:
 def test_stage2_bucket_and_received_piece_are_capped_by_the_model_and_doubled_by_overlap():
     small = buffer_bytes(spec(zero_stage=2))  # default bucket 5e8 elements > 1e7 params
     assert small.reduce_bucket == (10_000_000 + 10_000_000 // 4) * 2
+    # one bucket holds the whole model: nothing else can be in flight, overlap or not
     overlapped = buffer_bytes(spec(zero_stage=2, buffers=BufferSettings(overlap_comm=True)))
-    assert overlapped.reduce_bucket == 2 * small.reduce_bucket
+    assert overlapped.reduce_bucket == small.reduce_bucket
     tiny_bucket = buffer_bytes(spec(zero_stage=2, buffers=BufferSettings(reduce_bucket_size=1000)))
     assert tiny_bucket.reduce_bucket == (1000 + 250) * 2
+    tiny_overlapped = buffer_bytes(spec(zero_stage=2, buffers=BufferSettings(reduce_bucket_size=1000,
+                                                                            overlap_comm=True)))
+    assert tiny_overlapped.reduce_bucket == 2 * tiny_bucket.reduce_bucket  # a second bucket in flight
 
 
 @pytest.mark.parametrize("precision, ranks, engine_bytes", [
