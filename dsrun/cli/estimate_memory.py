@@ -159,6 +159,9 @@ def _with_process(spec: Any, args: argparse.Namespace, sources: dict[str, str], 
         runtime = _positive(args.rank_runtime, "--rank-runtime")
         sources["rank_runtime_bytes"] = "--rank-runtime"
     else:
+        from dsrun.estimate.model_states import optimizer_state_count
+
+        optimizer_state_count(spec.optimizer, spec.optimizer_params)  # an unknown optimizer: one clear error first
         threads = threads or rank_threads(spec.ranks_per_node)
         probe = measure_rank_runtime(threads, spec.optimizer, model_cfg, spec.precision)
         runtime = probe.resident

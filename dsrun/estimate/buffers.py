@@ -34,10 +34,15 @@ collective                                 temporary
 
 So: stages 1-2 reduce-scatter each bucket (``B * w * (N-1)/N``; none with ``reduce_scatter: false``,
 which all-reduces), during backward when K > 1 and at its end otherwise; after the optimizer step they
-all-gather the updated model into the flat parameters (``min(P, N * allgather_bucket_size/N) * w``, plus,
-in 16-bit, the partition cast to the working precision, ``P/N * w``). Stage 3 all-gathers each module's
-parameters (``L * w`` at most, live with the activations) and reduce-scatters each bucket's rows
-(``B * w``).
+all-gather the updated model into the flat parameters (``min(P, N * allgather_bucket_size/N) * w``).
+Stage 3 all-gathers each module's parameters (``L * w`` at most, live with the activations) and
+reduce-scatters each bucket's rows (``B * w``).
+
+Two more temporaries of the same kind, on any device (measured): in 16-bit, stage 2 adds each bucket's
+received piece into its fp32 accumulator with ``add_``, which first makes an fp32 copy of the piece
+(``4 * B/N``, when the bucket completes); and stages 1-2 cast the updated fp32 partition to the working
+precision before gathering it (``P/N * w``, also with one rank). They are reported with the collective
+temporaries.
 """
 from __future__ import annotations
 
@@ -122,14 +127,24 @@ def buffer_bytes(spec: EstimateInputs) -> BufferBytes:
     if spec.zero_stage == 2:
         received = _ceil_div(bucket, n) if spec.offload_optimizer == "none" else 0
         reduce_bucket = (bucket + received) * w * in_flight
+    accumulate = 0
+    if spec.zero_stage == 2 and spec.mixed_precision and spec.offload_optimizer == "none":
+        # fp32_accumulator.add_(16-bit received piece) materialises the piece in fp32 first
+        accumulate = _ceil_div(bucket, n) * 4
     if spec.zero_stage in (1, 2) and gloo:
         scatter = bucket * w * (n - 1) // n if b.reduce_scatter else 0
         during = several and (spec.zero_stage == 2 or spec.overlap_comm)
         coll_backward = scatter if during else 0
         coll_end = scatter
         chunk = max(1, b.allgather_bucket_size // n)
-        cast = _ceil_div(spec.total_params, n) * w if spec.mixed_precision else 0
-        coll_publish = min(spec.total_params, chunk * n) * w + cast
+        coll_publish = min(spec.total_params, chunk * n) * w
+    if spec.zero_stage in (1, 2):
+        # the updated partition cast to the working precision before it is gathered (or copied, N = 1)
+        coll_publish += _ceil_div(spec.total_params, n) * w if spec.mixed_precision else 0
+    if accumulate:
+        if several:
+            coll_backward += accumulate
+        coll_end += accumulate
     if spec.zero_stage == 3:
         if n > 1:  # one rank's partition is already the whole model
             gathered = stage3_gathered_elements(spec) * w + spec.largest_layer_params * w

@@ -72,8 +72,14 @@ model.eval()
 with torch.no_grad():
     run()
 model.train()
+def as_loss(out):
+    if isinstance(out, (tuple, list)):
+        tensors = [t for t in out if torch.is_tensor(t)]
+        scalars = [t for t in tensors if t.dim() == 0]
+        out = scalars[-1] if scalars else tensors[0]
+    return out.float().sum()
 for _ in range(2):
-    run().float().backward()
+    as_loss(run()).backward()
     optimizer.step()
     optimizer.zero_grad()
 dist.all_reduce(torch.ones(1))
@@ -160,6 +166,10 @@ def measure_rank_runtime(threads: int = 1, optimizer: str = "AdamW", model: dict
         raise UserError(Problem("estimate runtime probe", f"did not finish in {timeout:g}s",
                                 "retry when the machine is less busy, or pass --rank-runtime")) from None
     lines = [line for line in result.stdout.splitlines() if line.startswith("DSRUN_PROBE ")]
+    if (result.returncode != 0 or not lines) and (model or optimizer.lower() != "adamw"):
+        # a model class or optimizer the probe cannot run on its own: an idle rank with AdamW and a small MLP
+        generic = measure_rank_runtime(threads, "AdamW", None, precision, refresh, timeout)
+        return RankRuntime(**{**asdict(generic), "optimizer": f"{optimizer} (probed as AdamW + MLP)"})
     if result.returncode != 0 or not lines:
         tail = " | ".join((result.stderr or result.stdout).strip().splitlines()[-3:])
         raise UserError(Problem("estimate runtime probe", f"failed (exit code {result.returncode}): {tail}",

@@ -65,7 +65,7 @@ def prepare(recipe: str, world_size: int, root: Path, extra: Sequence[str] = SHA
     overrides = [f"+recipe={recipe}", f"launcher.num_procs={world_size}", *extra]
     run_dir = root / f"{recipe}-{world_size}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    write_run_files(run_dir, resolve_run(compose_runspec([*overrides, *STEPS])))
+    write_run_files(run_dir, resolve_run(compose_runspec([*STEPS, *overrides])))  # the case may change STEPS
     return MeasuredCase(recipe, world_size, overrides, str(run_dir))
 
 
