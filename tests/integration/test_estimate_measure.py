@@ -10,6 +10,8 @@ runtime alone.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.integration._estimate_cases import RANKS, RECIPES, measure_cases, predict, prepare
@@ -18,12 +20,15 @@ TOLERANCE_PCT = 15.0
 ABOVE_RUNTIME_TOLERANCE_PCT = 25.0  # the modelled part alone (model states, activations, buffers, data)
 MIN_MODEL_STATE_SHARE_PCT = 8.0
 MiB = 2**20
+# ~170 s of CPU in all (28 rank start-ups, each importing torch and its optimizer machinery, plus the steps):
+# about 90 s on 2 idle cores. On a loaded machine raise the limit: DSRUN_ESTIMATE_CASES_TIMEOUT=SECONDS.
+CASES_TIMEOUT = float(os.environ.get("DSRUN_ESTIMATE_CASES_TIMEOUT", "560"))
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(CASES_TIMEOUT + 40)
 def test_predicted_peak_is_within_15_percent_for_stages_0_to_3_on_1_2_4_ranks(tmp_path, estimate_table_log):
-    cases = measure_cases([prepare(recipe, n, tmp_path) for n in RANKS for recipe in RECIPES], timeout=560)
+    cases = measure_cases([prepare(recipe, n, tmp_path) for n in RANKS for recipe in RECIPES], timeout=CASES_TIMEOUT)
     header = (f"{'case':<13} {'rank':>4} {'predicted':>10} {'measured':>10} {'error':>7} {'above-rt err':>12} "
               f"{'states':>7} {'runtime':>8}  peak phase")
     lines = [f"GPT 2 x 768 (14.4M params), micro batch 2 x 64, fp32 AdamW, 2 steps; MiB; "
