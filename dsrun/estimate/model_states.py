@@ -163,16 +163,16 @@ def model_state_bytes(spec: EstimateInputs) -> ModelStates:
         if spec.offload_optimizer == "cpu":
             host += t_part * (FP32 + FP32 + states)  # fp32 params, fp32 grads, states
         else:
-            # ZeRO-Infinity: each sub-group's fp32 master, states and gradient live in swap files; host RAM
-            # holds buffer_count buffers of one sub-group, plus (16-bit model) the step's 16-bit output for
-            # each of its pipeline slots (a slot = master + gradient + the states).
+            # dsrun.runtime.offload.nvme: master, fp32 gradient and states of each sub-group in swap files;
+            # resident: buffer_count fp32 buffers of one sub-group, and (16-bit model) one 16-bit output
+            # per pipeline slot (a slot = master + gradient + states buffers, at most 3 slots)
             nvme += t_part * (FP32 + FP32 + states)
             chunk = min(t_part, spec.buffers.sub_group_size)
             count = spec.buffers.offload_optimizer_buffer_count
             host_buffers += count * chunk * FP32
             if mixed:
-                depth = max(1, min(3, count // (2 + states // FP32)))
-                host_buffers += depth * chunk * w
+                slots = max(1, min(3, count // (2 + states // FP32)))
+                host_buffers += slots * chunk * w
     return ModelStates(device_params=device_params, device_master_params=device_master,
                        device_gradients=device_grads, device_optimizer_states=device_states,
                        device_step_workspace=step_workspace, host=host, nvme=nvme, host_buffers=host_buffers)
