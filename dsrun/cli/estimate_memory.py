@@ -49,6 +49,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     measure.add_argument("--measure-steps", type=int, default=3, help="optimizer steps of the measured run")
     measure.add_argument("--measure-timeout", type=float, default=600, help="seconds before the run is stopped")
     measure.add_argument("--tolerance", type=float, default=15.0, help="allowed error in percent (default 15)")
+    process = parser.add_argument_group("the rank process")
+    process.add_argument("--rank-runtime", type=float, metavar="BYTES",
+                         help="resident memory of an idle rank (interpreter, torch, dsrun, process group, "
+                              "optimizer machinery); default: measured once on this host by a small "
+                              "subprocess and cached; 0 leaves it out")
+    process.add_argument("--device", choices=("cpu", "cuda"),
+                         help="where ranks compute (default: cuda if this host has it, else cpu)")
     parser.add_argument("--recipes-dir", action="append", default=[], metavar="DIR",
                         help="an extra folder of recipes (repeatable)")
     # Hydra overrides and flags may come in any order.
@@ -130,8 +137,50 @@ def _recipe_inputs(args: argparse.Namespace) -> tuple[Any, dict[str, Any], dict[
     if changes:
         spec = spec.with_(**changes)
     target = cfg["model"]["_target_"]
-    info = {"name": str(target), "largest_layer_name": model.counts.largest_layer_name}
+    from omegaconf import OmegaConf
+
+    info = {"name": str(target), "largest_layer_name": model.counts.largest_layer_name,
+            "config": OmegaConf.to_container(cfg["model"], resolve=True)}
     return spec, info, sources
+
+
+def _with_process(spec: Any, args: argparse.Namespace, sources: dict[str, str], threads: int | None = None,
+                  model_cfg: dict | None = None) -> Any:
+    """Add what the rank process itself holds: the device kind and the idle rank's measured memory
+    (with ``threads`` OpenMP threads, default what dsrun's launcher gives each rank on this host, and the
+    recipe's model class ``model_cfg``)."""
+    import torch
+
+    from dsrun.estimate.runtime import measure_rank_runtime, rank_threads
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    sources["device"] = "--device" if args.device else "this host"
+    if args.rank_runtime is not None:
+        runtime = _positive(args.rank_runtime, "--rank-runtime")
+        sources["rank_runtime_bytes"] = "--rank-runtime"
+    else:
+        from dsrun.estimate.model_states import optimizer_state_count
+
+        optimizer_state_count(spec.optimizer, spec.optimizer_params)  # an unknown optimizer: one clear error first
+        threads = threads or rank_threads(spec.ranks_per_node)
+        probe = measure_rank_runtime(threads, spec.optimizer, model_cfg, spec.precision)
+        runtime = probe.resident
+        sources["rank_runtime_bytes"] = (f"measured: a rank with a tiny model of the same class, {spec.optimizer}, "
+                                         f"{spec.precision}, {threads} thread(s); torch {probe.torch} on "
+                                         f"{probe.host} (cached)")
+    return spec.with_(device=device, rank_runtime_bytes=int(runtime))
+
+
+def estimate_recipe(overrides: list[str], recipes_dirs: tuple[str, ...] = (), threads: int | None = None) -> Any:
+    """The estimate ``dsrun estimate-memory OVERRIDES`` prints for the recipe's own setting, as a
+    :class:`~dsrun.estimate.Breakdown` (``rank_peak`` is what ``--measure`` compares with each rank)."""
+    from dsrun.estimate import estimate_peak_bytes_per_rank
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args([*overrides, *[a for d in recipes_dirs for a in ("--recipes-dir", str(d))]])
+    spec, info, sources = _recipe_inputs(args)
+    return estimate_peak_bytes_per_rank(_with_process(spec, args, sources, threads, info.get("config")))
 
 
 def measure_run(overrides: list[str], recipes_dirs: list[str], steps: int, timeout: float,
@@ -176,6 +225,7 @@ def run(args: argparse.Namespace) -> int:
     from dsrun.estimate.verdict import detect_budget
 
     spec, model_info, sources = _cold_inputs(args) if args.total_params is not None else _recipe_inputs(args)
+    spec = _with_process(spec, args, sources, model_cfg=model_info.pop("config", None))
     report = build_report(spec, model_info, sources, detect_budget())
     rows = None
     if args.measured or args.measure:
@@ -189,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
                                 args.measure_timeout, run_dir)
         else:
             peaks = load_measured_peaks(args.measured)
-        rows = compare_peaks(report.recipe.peak_per_rank, peaks)
+        rows = compare_peaks(report.recipe.rank_peak, peaks)
     if args.json:
         import json
 

@@ -1,21 +1,48 @@
-"""Communication buffers per rank: gradient reduction buckets and ZeRO-3 gathered parameters.
+"""Communication buffers per rank: gradient reduction buckets, ZeRO-3 gathered parameters, and the
+temporaries gloo's collectives allocate.
 
 Sizes are DeepSpeed's element counts (``zero_optimization.*``) times the working element size ``w``, never
-more than what they could hold; ``B = min(reduce_bucket_size, T)``. They follow dsrun's ZeRO strategies:
+more than what they could hold; ``B = min(reduce_bucket_size, T)``, ``K = ceil(T / B)`` buckets. They
+follow dsrun's ZeRO strategies:
 
 * stages 0-1 reduce in place from the flat gradient buffer, and the updated partitions are all-gathered
-  straight into the flat parameter buffer: no extra memory;
+  straight into the flat parameter buffer: no buffers of their own;
 * stage 2 keeps a pool of a bucket of copied gradients and the received piece, ``(B + B/N) * w``, twice
-  with ``overlap_comm`` (a second bucket in flight); ``B * w`` with optimizer offload. The pool persists,
-  so it is live with the activations;
+  when ``overlap_comm`` has a second bucket in flight (K > 1); ``B * w`` with optimizer offload. The pool
+  persists from the first backward on, so it is live in every later phase;
 * stage 3 holds gathered parameters (N > 1) while the activations are live: the largest layer plus what
   is prefetched ahead, ``min(P, max(L, min(stage3_max_live_parameters, L + stage3_prefetch_bucket_size)))
   * w``, plus the largest layer's full gradient ``L * w`` (with no prefetch: DeepSpeed's
   ``largest_layer_memory = 4 * largest_layer_params`` in fp16). Its reduction is transient: a bucket's
   full gradients and their rows for the reduce-scatter, ``2 * B * w``, plus the received shards, up to
-  ``T/N * w`` with ``overlap_comm`` (they are added up only when backward ends). When the whole model fits
-  in one bucket that happens once, at the end of backward, after the activations are gone; otherwise
-  buckets are launched while activations are still live.
+  ``T/N * w`` with ``overlap_comm`` (they are added up only when backward ends). With one bucket (K = 1)
+  that happens once, at the end of backward, after the activations are gone and each module's gathered
+  parameters were released after its gradient; otherwise buckets are launched while they are live.
+
+Collective temporaries (gloo, ranks on the CPU, N > 1). Measured with torch's gloo backend: an all-reduce
+works in place, but every other collective first copies its data into one flat buffer of the whole
+collective's size (NCCL works in place, so these are 0 on CUDA):
+
+=========================================  ==================================================
+collective                                 temporary
+=========================================  ==================================================
+``reduce_scatter`` (a list of pieces)      input minus this rank's piece, ``S * (N-1)/N``
+``reduce_scatter_tensor``                  the whole input ``S``
+``all_gather_into_tensor`` / a list        the whole output ``S``
+``all_reduce``                             none
+=========================================  ==================================================
+
+So: stages 1-2 reduce-scatter each bucket (``B * w * (N-1)/N``; none with ``reduce_scatter: false``,
+which all-reduces), during backward when K > 1 and at its end otherwise; after the optimizer step they
+all-gather the updated model into the flat parameters (``min(P, N * allgather_bucket_size/N) * w``).
+Stage 3 all-gathers each module's parameters (``L * w`` at most, live with the activations) and
+reduce-scatters each bucket's rows (``B * w``).
+
+Two more temporaries of the same kind, on any device (measured): in 16-bit, stage 2 adds each bucket's
+received piece into its fp32 accumulator with ``add_``, which first makes an fp32 copy of the piece
+(``4 * B/N``, when the bucket completes); and stages 1-2 cast the updated fp32 partition to the working
+precision before gathering it (``P/N * w``, also with one rank). They are reported with the collective
+temporaries.
 """
 from __future__ import annotations
 
@@ -26,28 +53,51 @@ from dsrun.estimate.inputs import EstimateInputs
 
 @dataclass(frozen=True)
 class BufferBytes:
-    """Buffer bytes per rank: ``reduce_bucket`` (stage 2's persistent pool), ``gathered_params`` (stage 3),
-    ``reduce_transient`` (stage 3's buckets while they are reduced) and whether those buckets are launched
-    while activations are live (``transient_during_backward``, when the model needs more than one).
-    ``backward``: what is live with the activations; ``end_of_backward``: what is live when reduction ends."""
+    """Buffer bytes per rank.
+
+    ``reduce_bucket``: stage 2's persistent pool; ``gathered_params``: stage 3's gathered parameters;
+    ``reduce_transient``: stage 3's buckets while they are reduced, launched while activations are live when
+    ``transient_during_backward``. Collective temporaries (gloo only): ``collective_backward`` (live with
+    the activations), ``collective_end`` (at the end of backward), ``collective_publish`` (the all-gather of
+    the updated parameters after the optimizer step).
+    """
 
     reduce_bucket: int
     gathered_params: int
     reduce_transient: int = 0
     transient_during_backward: bool = False
+    collective_backward: int = 0
+    collective_end: int = 0
+    collective_publish: int = 0
 
     @property
     def backward(self) -> int:
+        """Buffers live with the activations (forward/backward)."""
         transient = self.reduce_transient if self.transient_during_backward else 0
-        return self.reduce_bucket + self.gathered_params + transient
+        return self.reduce_bucket + self.gathered_params + transient + self.collective_backward
 
     @property
     def end_of_backward(self) -> int:
-        return self.reduce_bucket + self.gathered_params + self.reduce_transient
+        """Buffers live when the last buckets are reduced (activations and gathered parameters released)."""
+        return self.reduce_bucket + self.reduce_transient + self.collective_end
+
+    @property
+    def publish(self) -> int:
+        """Buffers live while the updated parameters are all-gathered after the step."""
+        return self.reduce_bucket + self.collective_publish
+
+    @property
+    def persistent(self) -> int:
+        """Buffers that stay allocated between steps (live during the optimizer step too)."""
+        return self.reduce_bucket
 
 
 def working_bytes(spec: EstimateInputs) -> int:
     return 2 if spec.mixed_precision else 4
+
+
+def _ceil_div(count: int, parts: int) -> int:
+    return -(-count // parts)
 
 
 def stage3_gathered_elements(spec: EstimateInputs) -> int:
@@ -58,21 +108,51 @@ def stage3_gathered_elements(spec: EstimateInputs) -> int:
     return min(spec.total_params, max(largest, ahead))
 
 
+def bucket_count(spec: EstimateInputs) -> int:
+    """How many reduce buckets one backward fills: ``ceil(T / reduce_bucket_size)`` (at least 1)."""
+    return max(1, _ceil_div(spec.trainable, max(1, spec.buffers.reduce_bucket_size)))
+
+
 def buffer_bytes(spec: EstimateInputs) -> BufferBytes:
     """Communication buffer bytes per rank for ``spec`` (see the module docstring)."""
     w = working_bytes(spec)
     b = spec.buffers
     n = spec.world_size
     bucket = min(b.reduce_bucket_size, spec.trainable)
-    in_flight = 2 if spec.overlap_comm else 1
+    several = bucket_count(spec) > 1
+    in_flight = 2 if spec.overlap_comm and several else 1
     reduce_bucket = gathered = transient = 0
+    coll_backward = coll_end = coll_publish = 0
+    gloo = spec.gloo and n > 1
     if spec.zero_stage == 2:
-        received = -(-bucket // n) if spec.offload_optimizer == "none" else 0
+        received = _ceil_div(bucket, n) if spec.offload_optimizer == "none" else 0
         reduce_bucket = (bucket + received) * w * in_flight
+    accumulate = 0
+    if spec.zero_stage == 2 and spec.mixed_precision and spec.offload_optimizer == "none":
+        # fp32_accumulator.add_(16-bit received piece) materialises the piece in fp32 first
+        accumulate = _ceil_div(bucket, n) * 4
+    if spec.zero_stage in (1, 2) and gloo:
+        scatter = bucket * w * (n - 1) // n if b.reduce_scatter else 0
+        during = several and (spec.zero_stage == 2 or spec.overlap_comm)
+        coll_backward = scatter if during else 0
+        coll_end = scatter
+        chunk = max(1, b.allgather_bucket_size // n)
+        coll_publish = min(spec.total_params, chunk * n) * w
+    if spec.zero_stage in (1, 2):
+        # the updated partition cast to the working precision before it is gathered (or copied, N = 1)
+        coll_publish += _ceil_div(spec.total_params, n) * w if spec.mixed_precision else 0
+    if accumulate:
+        if several:
+            coll_backward += accumulate
+        coll_end += accumulate
     if spec.zero_stage == 3:
         if n > 1:  # one rank's partition is already the whole model
             gathered = stage3_gathered_elements(spec) * w + spec.largest_layer_params * w
-        received = (-(-spec.trainable // n) if spec.overlap_comm else -(-bucket // n)) if n > 1 else 0
+        received = (_ceil_div(spec.trainable, n) if spec.overlap_comm else _ceil_div(bucket, n)) if n > 1 else 0
         transient = (2 * bucket + received) * w
+        if gloo:
+            coll_backward = spec.largest_layer_params * w + (bucket * w if several else 0)
+            coll_end = bucket * w
     return BufferBytes(reduce_bucket=reduce_bucket, gathered_params=gathered, reduce_transient=transient,
-                       transient_during_backward=spec.zero_stage == 3 and bucket < spec.trainable)
+                       transient_during_backward=spec.zero_stage == 3 and several,
+                       collective_backward=coll_backward, collective_end=coll_end, collective_publish=coll_publish)

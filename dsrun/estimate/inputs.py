@@ -55,6 +55,7 @@ class BufferSettings:
     reduce_bucket_size: int = 500_000_000
     allgather_bucket_size: int = 500_000_000
     overlap_comm: bool | None = None
+    reduce_scatter: bool = True
     stage3_prefetch_bucket_size: int = 50_000_000
     stage3_max_live_parameters: int = 1_000_000_000
     stage3_param_persistence_threshold: int = 100_000
@@ -77,6 +78,7 @@ class BufferSettings:
             reduce_bucket_size=num("reduce_bucket_size", d.reduce_bucket_size),
             allgather_bucket_size=num("allgather_bucket_size", d.allgather_bucket_size),
             overlap_comm=zero.get("overlap_comm"),
+            reduce_scatter=bool(zero.get("reduce_scatter", True)),
             stage3_prefetch_bucket_size=num("stage3_prefetch_bucket_size", d.stage3_prefetch_bucket_size),
             stage3_max_live_parameters=num("stage3_max_live_parameters", d.stage3_max_live_parameters),
             stage3_param_persistence_threshold=num("stage3_param_persistence_threshold",
@@ -103,7 +105,13 @@ class EstimateInputs:
     ``momentum`` decides whether it keeps a state), ``micro_batch_size``, ``seq_len``,
     ``activation_checkpointing`` (one checkpoint per transformer block), ``buffers`` (bucket sizes),
     ``zero_init`` (ZeRO-3 builds the model partitioned, so no rank ever holds all of it),
-    ``runtime_overhead_bytes`` (memory outside tensors you want counted, e.g. a CUDA context).
+    ``runtime_overhead_bytes`` (device memory outside tensors you want counted, e.g. a CUDA context).
+    Process (host RAM of each rank): ``device`` "cpu" (ranks compute on the CPU and talk over gloo, so
+    device memory *is* the process's RAM) or "cuda" (NCCL); ``rank_runtime_bytes`` (the resident memory of
+    an idle rank: interpreter, libraries, process group, optimizer machinery; measured by
+    :func:`dsrun.estimate.runtime.measure_rank_runtime`, 0 = not counted); ``data_bytes`` (the data
+    pipeline's resident share: the memory-mapped token array). ``gradient_clipping`` (DeepSpeed's key; > 0
+    makes the ZeRO-3 step compute the gradient norm, whose temporaries count).
     """
 
     total_params: int
@@ -125,6 +133,10 @@ class EstimateInputs:
     buffers: BufferSettings = field(default_factory=BufferSettings)
     zero_init: bool = True
     runtime_overhead_bytes: int = 0
+    device: str = "cuda"
+    rank_runtime_bytes: int = 0
+    data_bytes: int = 0
+    gradient_clipping: float = 0.0
 
     def __post_init__(self) -> None:
         problems = list(self._problems())
@@ -153,6 +165,11 @@ class EstimateInputs:
             yield Problem("zero_optimization.offload_optimizer.device", "nvme needs ZeRO stage 3")
         if self.offload_param != "none" and self.zero_stage != 3:
             yield Problem("zero_optimization.offload_param", "needs ZeRO stage 3")
+        if self.device not in ("cpu", "cuda"):
+            yield Problem("device", f"must be cpu or cuda, got {self.device!r}")
+        for name in ("rank_runtime_bytes", "data_bytes", "runtime_overhead_bytes"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                yield Problem(name, f"must be an integer >= 0, got {getattr(self, name)!r}")
         if self.trainable_params is not None and not 0 <= self.trainable_params <= self.total_params:
             yield Problem("trainable_params", f"must be between 0 and total_params, got {self.trainable_params}")
 
@@ -167,6 +184,11 @@ class EstimateInputs:
     @property
     def mixed_precision(self) -> bool:
         return self.precision in ("fp16", "bf16")
+
+    @property
+    def gloo(self) -> bool:
+        """Collectives go through gloo (ranks on the CPU), whose collectives allocate temporaries."""
+        return self.device == "cpu"
 
     @property
     def overlap_comm(self) -> bool:

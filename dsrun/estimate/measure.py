@@ -2,12 +2,13 @@
 
 Launching a few real steps belongs to the engine and the worker; this module gives them the two ends:
 
-* in each rank: ``baseline = current_rss()`` before building the model, then after the steps
-  ``record_rank_peak(run_dir, rank, baseline)`` (= ``write_rank_peak(run_dir, rank,
-  rank_peak_bytes(baseline))``). On CUDA the peak is
-  ``torch.cuda.max_memory_allocated()``; on CPU it is the process's peak RSS (``ru_maxrss``, a high-water
-  mark) minus the baseline, which tracks tensor memory when glibc returns large blocks at once
-  (``MALLOC_MMAP_THRESHOLD_=65536`` in the rank's environment);
+* in each rank: ``start = current_rss()`` before building the model, then after the steps
+  ``record_rank_peak(run_dir, rank, start)``. On CUDA the recorded peak is
+  ``torch.cuda.max_memory_allocated()`` (device memory); on CPU it is the whole process's own peak resident
+  memory (``VmHWM``): runtime, data, model states, activations and buffers together, which is what the
+  host must provide for that rank and what the estimate's ``rank_peak`` predicts. ``start`` (the resident
+  memory before the model was built) is recorded next to it. glibc is told to return large blocks at once
+  (``MALLOC_MMAP_THRESHOLD_=65536`` in the rank's environment), so the peak follows tensor memory;
 * in the estimator: :func:`load_measured_peaks` reads those files back (or one JSON file
   ``{"peak_bytes_per_rank": {"0": 123, "1": 456}}``, or a list in rank order), :func:`compare_peaks`
   pairs them with the prediction and :func:`comparison_table` renders the rows with the error
@@ -34,13 +35,32 @@ def current_rss() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
-def rank_peak_bytes(baseline_rss: int = 0) -> int:
-    """This rank's peak memory: CUDA's peak allocation if it used CUDA, else peak RSS minus ``baseline_rss``."""
+def used_cuda() -> bool:
+    """Whether this process initialised CUDA (then its peak is device memory, not RSS)."""
     import torch
 
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    return bool(torch.cuda.is_available() and torch.cuda.is_initialized())
+
+
+def rank_peak_bytes(baseline_rss: int = 0) -> int:
+    """This rank's peak memory: CUDA's peak allocation if it used CUDA, else its peak RSS minus
+    ``baseline_rss`` (0: the whole process's peak, as ``record_rank_peak`` records it)."""
+    import torch
+
+    if used_cuda():
         return int(torch.cuda.max_memory_allocated())
     return peak_rss_bytes() - baseline_rss
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's ``VmHWM`` to its current resident memory (Linux ``clear_refs``: 5), so a later
+    :func:`peak_rss_bytes` sees only what came after. False where the kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as refs:
+            refs.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def peak_rss_bytes() -> int:
@@ -63,11 +83,12 @@ def peak_rss_bytes() -> int:
     return int(peak * (1 if sys.platform == "darwin" else 1024))  # bytes on macOS, KiB elsewhere
 
 
-def write_rank_peak(directory: str | Path, rank: int, peak_bytes: int) -> Path:
-    """Record one rank's measured peak as ``<directory>/memory_peak_rank<rank>.json``."""
+def write_rank_peak(directory: str | Path, rank: int, peak_bytes: int, **extra: Any) -> Path:
+    """Record one rank's measured peak as ``<directory>/memory_peak_rank<rank>.json`` (``extra``: more
+    fields, e.g. ``start_bytes`` and ``device``)."""
     path = Path(directory) / f"{PEAK_FILE_PREFIX}{rank}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"rank": int(rank), "peak_bytes": int(peak_bytes)}))
+    path.write_text(json.dumps({"rank": int(rank), "peak_bytes": int(peak_bytes), **extra}))
     return path
 
 
@@ -104,9 +125,13 @@ def compare_peaks(predicted: int | Mapping[int, int], measured: Mapping[int, int
     return rows
 
 
-def record_rank_peak(run_dir: str | Path, rank: int, baseline_rss: int = 0) -> Path:
-    """What a rank calls at the end of its run: measure its peak and write it into the run directory."""
-    return write_rank_peak(run_dir, rank, rank_peak_bytes(baseline_rss))
+def record_rank_peak(run_dir: str | Path, rank: int, start_rss: int = 0) -> Path:
+    """What a rank calls at the end of its run: write its peak into the run directory. ``peak_bytes`` is
+    the device's peak allocation on CUDA, else the process's whole peak RSS; ``start_bytes`` the resident
+    memory the rank had before building the model (``start_rss``), ``device`` "cuda" or "cpu"."""
+    cuda = used_cuda()
+    return write_rank_peak(run_dir, rank, rank_peak_bytes(0), start_bytes=int(start_rss),
+                           device="cuda" if cuda else "cpu")
 
 
 def load_measured_peaks(source: str | Path | Mapping[str, Any]) -> dict[int, int]:

@@ -16,14 +16,20 @@ stage  parameters             fp32 master copy        gradients                 
 
 Stages 1-2 step an fp32 clone of the partition even in fp32 training; stage 3 in fp32 steps its fp32
 partition directly. ``small`` = parameters below ``stage3_param_persistence_threshold``, kept gathered on
-every rank besides their share of the partition. The optimizer step adds one fp32 temporary of the
+every rank besides their share of the partition. On CUDA the optimizer step adds one fp32 temporary of the
 partition it updates (a multi-tensor step's workspace, e.g. Adam's ``sqrt(v) + eps``), none for stateless
-SGD or an offloaded (fused) step.
+SGD or an offloaded (fused) step; on the CPU none for the fused compiled Adam/Lion/Adagrad and one of the
+largest layer for torch's per-tensor optimizers. With ``gradient_clipping`` the ZeRO-3 step computes the
+norm of each fp32 sub-group's gradient through a float64 copy and its square: ``16 * min(T/N,
+sub_group_size)`` bytes, the larger of the two.
 
-Optimizer offload moves master copy, fp32 gradients and states to host RAM (cpu) or NVMe (the gradients
-too: each sub-group's is written out as it completes, so only ``buffer_count`` sub-group buffers stay
-resident); the CPU optimizer needs an fp32 copy of the partition even in fp32 training; with it, stage 2/3
-gradients leave the device bucket by bucket. Parameter offload (stage 3) moves the parameter partition to host RAM or NVMe.
+Optimizer offload moves master copy, fp32 gradients and states to host RAM (cpu) or NVMe; the CPU
+optimizer needs an fp32 copy of the partition even in fp32 training; with it, stage 2/3 gradients leave
+the device bucket by bucket. NVMe keeps master, states and gradients in files; host RAM then holds only
+``buffer_count`` swap buffers of one sub-group (``min(T/N, sub_group_size)`` fp32 elements each) and, for
+a 16-bit model, the step's 16-bit output per pipeline slot. When ranks run on the CPU, host RAM is also
+the device's memory, so CPU offload moves bytes without saving any; NVMe saves what it moves to files
+minus its buffers. Parameter offload (stage 3) moves the parameter partition to host RAM or NVMe.
 """
 from __future__ import annotations
 
@@ -86,6 +92,12 @@ class ModelStates:
         return self.device_params + self.device_master_params + self.device_gradients + self.device_optimizer_states
 
 
+def _fused_on_cpu(optimizer: str) -> bool:
+    """Optimizers dsrun steps with a fused compiled op when ranks run on the CPU (no step temporaries)."""
+    key = optimizer.lower().replace("_", "").replace("-", "")
+    return key in {"adam", "adamw", "cpuadam", "deepspeedcpuadam", "lion", "cpulion", "adagrad", "cpuadagrad"}
+
+
 def _ceil_div(count: int, parts: int) -> int:
     return -(-count // parts)
 
@@ -129,9 +141,21 @@ def model_state_bytes(spec: EstimateInputs) -> ModelStates:
         device_master = t_part * master
         device_grads = grad_bytes
         device_states = t_part * states
-        # A multi-tensor (foreach) step builds one fp32 temporary the size of what it updates, e.g. Adam's
-        # sqrt(v) + eps; optimizers without state update in place. The CPU optimizer (offload) is fused.
-        step_workspace = t_part * FP32 if states else 0
+        # On CUDA a multi-tensor (foreach) step builds one fp32 temporary the size of what it updates, e.g.
+        # Adam's sqrt(v) + eps; optimizers without state update in place. On the CPU dsrun steps Adam, Lion
+        # and Adagrad with its fused compiled ops (no temporary), and torch's optimizers go tensor by tensor
+        # (foreach is off on the CPU): at most one temporary of the largest layer.
+        if not states:
+            step_workspace = 0
+        elif spec.device == "cuda":
+            step_workspace = t_part * FP32
+        elif _fused_on_cpu(spec.optimizer):
+            step_workspace = 0
+        else:
+            step_workspace = min(t_part, spec.largest_layer_params) * FP32
+        if stage == 3 and spec.gradient_clipping > 0:
+            # the ZeRO-3 step's gradient norm: a float64 copy of a sub-group's fp32 gradient and its square
+            step_workspace = max(step_workspace, 16 * min(t_part, spec.buffers.sub_group_size))
     else:
         device_master = device_states = 0
         # Stage 1 accumulates whole gradients on the device; stages 2-3 stream them out per bucket.

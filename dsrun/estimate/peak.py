@@ -1,15 +1,20 @@
-"""The per-rank peak: model states + activations + buffers, phase by phase.
+"""The per-rank peak: model states + activations + buffers, phase by phase, and the process around them.
 
 A rank's device memory at any moment is its resident model states plus what the current phase adds:
 
-* forward/backward: the activations of one micro batch, stage 2's bucket pool and, at ZeRO-3, the
-  gathered parameters (and the reduction buckets when the model needs more than one);
-* end of backward (ZeRO-3): the activations are gone; the gathered parameters and the reduction buckets;
-* optimizer step: the optimizer's workspace; activations are freed by then, and the updated partitions
-  are all-gathered straight into the parameters.
+* forward/backward: the activations of one micro batch, stage 2's bucket pool, at ZeRO-3 the gathered
+  parameters (and the reduction buckets when the model needs more than one), and gloo's temporaries of the
+  collectives launched meanwhile;
+* end of backward: the activations are gone; the pool, ZeRO-3's gathered parameters and reduction buckets
+  and the last buckets' collective temporaries;
+* optimizer step: the pool and the optimizer's workspace;
+* parameter all-gather (stages 1-2): the pool and gloo's copy of the gathered model.
 
-``peak = resident + max(phase extras) + runtime_overhead_bytes``. Host RAM per rank is
-the offloaded states plus the NVMe swap buffers; building the model needs its own host RAM first.
+``peak = resident + max(phase extras) + runtime_overhead_bytes``. Host RAM per rank is the rank process
+itself (``rank_runtime_bytes``, measured; ``data_bytes``), the offloaded states and the NVMe swap buffers.
+Building the model needs the process and the model in fp32 first (``init_per_rank``). When ranks run on
+the CPU, device memory is the process's RAM, so the whole rank peaks at
+``rank_peak = max(peak + host, init)``: what ``--measure`` compares with the rank's measured peak RSS.
 This module is pure arithmetic on :class:`EstimateInputs`, so the autotuner can call it for every candidate.
 """
 from __future__ import annotations
@@ -31,11 +36,15 @@ class Breakdown:
     ``gradients`` (working + fp32 copy), ``optimizer_states``, ``activations`` (one micro batch; 0 when
     the model shape is unknown, see ``notes``), ``buffers`` (gradient reduction buckets and ZeRO-3
     gathered parameters at the peak phase), ``optimizer_workspace`` (the step's temporaries),
-    ``peak_phase`` ("forward/backward", "end of backward" or "optimizer step"), ``peak_per_rank`` (the
-    total at that phase).
-    Host: ``host_per_rank`` (offloaded states and NVMe swap buffers while training), ``init_per_rank``
-    (host RAM while building the model), ``host_peak_per_rank`` (the larger of the two).
-    ``nvme_per_rank``: bytes offloaded to NVMe. ``ranks_per_node`` turns these into per-host figures.
+    ``collective_temporaries`` (gloo's copies of the collectives in that phase; part of ``buffers``),
+    ``peak_phase`` ("forward/backward", "end of backward", "optimizer step" or "parameter all-gather"),
+    ``peak_per_rank`` (the total at that phase).
+    Host: ``rank_runtime`` (the idle rank process, measured), ``data_pipeline`` (its data's resident
+    share), ``offloaded`` (offloaded states and NVMe swap buffers), ``host_per_rank`` (the three together,
+    while training), ``init_per_rank`` (host RAM while building the model), ``host_peak_per_rank`` (the
+    larger of the two). ``nvme_per_rank``: bytes offloaded to NVMe. ``rank_peak``: what one rank's
+    process peaks at when ranks run on the CPU (``max(peak + host, init)``), else ``peak_per_rank``.
+    ``ranks_per_node`` turns these into per-host figures.
     """
 
     params: int
@@ -52,6 +61,11 @@ class Breakdown:
     nvme_per_rank: int
     ranks_per_node: int
     notes: tuple[str, ...] = field(default=())
+    collective_temporaries: int = 0
+    rank_runtime: int = 0
+    data_pipeline: int = 0
+    offloaded: int = 0
+    ranks_on_cpu: bool = False
 
     @property
     def model_states(self) -> int:
@@ -60,6 +74,14 @@ class Breakdown:
     @property
     def host_peak_per_rank(self) -> int:
         return max(self.host_per_rank, self.init_per_rank)
+
+    @property
+    def rank_peak(self) -> int:
+        """One rank's peak: on the CPU the whole process (device and host are the same RAM), else the
+        device's."""
+        if self.ranks_on_cpu:
+            return max(self.peak_per_rank + self.host_per_rank, self.init_per_rank)
+        return self.peak_per_rank
 
     @property
     def peak_per_host(self) -> int:
@@ -77,6 +99,7 @@ class Breakdown:
         data = asdict(self)
         data["notes"] = list(self.notes)
         data.update(model_states=self.model_states, host_peak_per_rank=self.host_peak_per_rank,
+                    rank_peak=self.rank_peak,
                     peak_per_host=self.peak_per_host,
                     host_per_host=self.host_per_host, nvme_per_host=self.nvme_per_host)
         return data
@@ -102,14 +125,19 @@ def estimate_peak_bytes_per_rank(spec: EstimateInputs) -> Breakdown:
     else:
         act_total = acts.total
     resident = states.device_total + spec.runtime_overhead_bytes
-    backward_extra = act_total + buffers.backward
-    end_extra = buffers.end_of_backward
-    step_extra = states.device_step_workspace
-    phases = {"forward/backward": (backward_extra, buffers.backward), "end of backward": (end_extra, end_extra),
-              "optimizer step": (step_extra, 0)}
+    step_extra = buffers.persistent + states.device_step_workspace
+    # phase -> (bytes on top of the resident states, buffers among them, collective temporaries among them)
+    phases = {
+        "forward/backward": (act_total + buffers.backward, buffers.backward, buffers.collective_backward),
+        "end of backward": (buffers.end_of_backward, buffers.end_of_backward, buffers.collective_end),
+        "optimizer step": (step_extra, buffers.persistent, 0),
+        "parameter all-gather": (buffers.publish, buffers.publish, buffers.collective_publish),
+    }
     peak_phase = max(phases, key=lambda name: phases[name][0])  # ties keep the earlier phase
-    peak_extra, peak_buffers = phases[peak_phase]
-    init = init_bytes_per_rank(spec)
+    peak_extra, peak_buffers, peak_collective = phases[peak_phase]
+    process = spec.rank_runtime_bytes + spec.data_bytes
+    offloaded = states.host + states.host_buffers
+    init = init_bytes_per_rank(spec) + process
     return Breakdown(
         params=states.device_params + states.device_master_params,
         gradients=states.device_gradients,
@@ -120,11 +148,16 @@ def estimate_peak_bytes_per_rank(spec: EstimateInputs) -> Breakdown:
         peak_phase=peak_phase,
         runtime=spec.runtime_overhead_bytes,
         peak_per_rank=resident + peak_extra,
-        host_per_rank=states.host + states.host_buffers,
+        host_per_rank=offloaded + process,
         init_per_rank=init,
         nvme_per_rank=states.nvme,
         ranks_per_node=spec.ranks_per_node,
         notes=tuple(notes),
+        collective_temporaries=peak_collective,
+        rank_runtime=spec.rank_runtime_bytes,
+        data_pipeline=spec.data_bytes,
+        offloaded=offloaded,
+        ranks_on_cpu=spec.device == "cpu",
     )
 
 

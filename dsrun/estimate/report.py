@@ -169,8 +169,48 @@ def render(report: MemoryReport, console: Any = None) -> None:
                   + (" (ranks run on the CPU, so their peaks count)" if on_cpu else "")
                   + "; the verdict uses the recipe's checkpointing setting.", markup=False, highlight=False,
                   style="dim")
+    console.print(breakdown_table(report.recipe, spec.activation_checkpointing))
     for note in report.recipe.notes:
         console.print(f"note: {note}", markup=False, highlight=False, style="yellow")
     v = report.verdict
     console.print(f"verdict for the recipe: [{_LEVEL_STYLE[v.level]}]{v.level}[/] ({v.reason}); "
-                  f"peak per rank {format_bytes(report.recipe.peak_per_rank)}", highlight=False)
+                  f"peak per rank {format_bytes(report.recipe.rank_peak)}", highlight=False)
+
+
+def breakdown_rows(b: Breakdown, checkpointing: bool = False) -> list[tuple[str, int, str]]:
+    """The recipe's estimate term by term: (term, bytes per rank, where it lives / when it counts)."""
+    where = "RAM (ranks on the CPU)" if b.ranks_on_cpu else "device"
+    rows = [
+        ("parameters (working + fp32 master)", b.params, where),
+        ("gradients", b.gradients, where),
+        ("optimizer states", b.optimizer_states, where),
+        (f"activations ({'with' if checkpointing else 'without'} checkpointing)", b.activations,
+         f"{where}, forward/backward"),
+        ("communication buffers at the peak phase", b.buffers, f"{where}, {b.peak_phase}"),
+        ("  of which collective temporaries (gloo)", b.collective_temporaries, f"{where}, {b.peak_phase}"),
+        ("optimizer step workspace", b.optimizer_workspace, f"{where}, optimizer step"),
+        ("device runtime overhead (given)", b.runtime, where),
+        ("device peak", b.peak_per_rank, f"{where}, at {b.peak_phase}"),
+        ("rank runtime (measured idle rank)", b.rank_runtime, "host RAM"),
+        ("data pipeline (mapped tokens)", b.data_pipeline, "host RAM"),
+        ("offloaded states and swap buffers", b.offloaded, "host RAM"),
+        ("building the model (runtime + fp32 model)", b.init_per_rank, "host RAM, before training"),
+        ("NVMe", b.nvme_per_rank, "files"),
+        ("rank peak" + (" (device peak + host RAM)" if b.ranks_on_cpu else " (device)"), b.rank_peak,
+         "what --measure compares"),
+    ]
+    return rows
+
+
+def breakdown_table(b: Breakdown, checkpointing: bool = False) -> Any:
+    """A rich table of :func:`breakdown_rows` for the recipe's own setting."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title="the recipe's estimate, term by term (per rank; formulas: docs/estimate.md)",
+                  title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for name in ("term", "bytes", "where / when"):
+        table.add_column(name, justify="right" if name == "bytes" else "left")
+    for term, value, where in breakdown_rows(b, checkpointing):
+        table.add_row(term, format_bytes(value), where, style="bold" if term.startswith("rank peak") else None)
+    return table

@@ -14,6 +14,7 @@ to the inputs, where each one came from (a key path, or "default"), so the repor
   ``block_size``;
 * activation checkpointing: ``train.activation_checkpointing`` / ``model.activation_checkpointing`` /
   ``model.gradient_checkpointing``;
+* data: the token array's bytes (``data_pipeline_bytes``), which a rank maps from disk;
 * the GPT shape from the built model's ``config`` (``n_layer``, ``n_embd``, ``n_head``, ``vocab_size``,
   optional ``ffn_hidden``, ``dropout``, ``flash`` and ``positions``), else from the same keys under
   ``cfg.model``.
@@ -131,6 +132,32 @@ def _offload(zero: Mapping[str, Any], key: str) -> str:
     return str(device or "none").lower()
 
 
+def data_pipeline_bytes(data_cfg: Mapping[str, Any]) -> tuple[int, str]:
+    """Resident bytes of a recipe's data pipeline and where the figure came from.
+
+    dsrun's corpora memory-map one token array and read windows from it, so a rank's resident share is at
+    most the array: ``data.max_bytes`` tokens stored as uint16 (2 bytes each) for the byte-level
+    standard-library corpus (``data=pystdlib``), the files' sizes for ``data=tokens``. The batches themselves (two int64 tensors of micro batch x sequence) are negligible
+    next to it and counted too by the caller's activations. 0 when the size cannot be known in advance.
+    """
+    import os
+
+    target = str(data_cfg.get("_target_", ""))
+    if target.endswith("pystdlib_corpus"):
+        max_bytes = data_cfg.get("max_bytes", 4_000_000)
+        tokenizer = str(data_cfg.get("tokenizer", "bytes"))
+        if max_bytes is not None and tokenizer == "bytes":
+            return 2 * int(max_bytes), "2 x data.max_bytes (uint16 byte tokens, memory-mapped)"
+        return 0, "unknown (not byte tokens)"
+    total, found = 0, False
+    for key in ("path", "eval_path"):
+        path = data_cfg.get(key)
+        if isinstance(path, str) and os.path.isfile(path):
+            total += os.path.getsize(path)
+            found = True
+    return (total, "data.path file size (memory-mapped)") if found else (0, "unknown")
+
+
 def inputs_from_runspec(cfg: Any, model: RecipeModel) -> tuple[EstimateInputs, dict[str, str]]:
     """:class:`EstimateInputs` for a composed RunSpec and its counted model, and each input's source."""
     tree = _plain(cfg)
@@ -169,6 +196,7 @@ def inputs_from_runspec(cfg: Any, model: RecipeModel) -> tuple[EstimateInputs, d
         ckpt = ckpt.get("enabled", True)
 
     buffers = BufferSettings.from_zero_config(zero)
+    data_bytes, sources["data_bytes"] = data_pipeline_bytes(tree.get("data") or {})
     small = 0
     if model.module is not None:
         small = small_parameter_count(model.module, buffers.stage3_param_persistence_threshold)
@@ -179,5 +207,7 @@ def inputs_from_runspec(cfg: Any, model: RecipeModel) -> tuple[EstimateInputs, d
         offload_optimizer=_offload(zero, "offload_optimizer"), offload_param=_offload(zero, "offload_param"),
         precision=precision, optimizer=opt_type, optimizer_params=dict(optimizer.get("params") or {}),
         micro_batch_size=int(mbs), seq_len=int(seq), activation_checkpointing=bool(ckpt),
-        model_shape=model.shape, buffers=buffers)
+        model_shape=model.shape, buffers=buffers, data_bytes=data_bytes,
+        gradient_clipping=float(ds.get("gradient_clipping") or 0.0))
+    sources["gradient_clipping"] = "ds.gradient_clipping" if ds.get("gradient_clipping") else "default"
     return inputs, sources

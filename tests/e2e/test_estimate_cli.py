@@ -97,10 +97,15 @@ def test_recipe_mode_composes_builds_on_meta_and_estimates(fake_compose, capsys)
     assert data["inputs"]["zero_stage"] == 3 and data["layout"]["world_size"] == 4
     assert data["sources"]["zero_stage"] == "ds.zero_optimization.stage"
     assert data["inputs"]["gpt_shape"]["n_layer"] == 2
+    # the idle rank's memory is measured on this host (a probe subprocess, cached) and counted
+    assert data["sources"]["rank_runtime_bytes"].startswith("measured")
+    assert data["recipe"]["rank_runtime"] > 50 * 2**20
+    assert data["recipe"]["rank_peak"] >= data["recipe"]["peak_per_rank"] + data["recipe"]["rank_runtime"]
 
 
 def test_flags_override_the_recipe_and_say_so(fake_compose, capsys):
-    assert main(["estimate-memory", "--json", "--stage", "1", "--gpus-per-node", "3", "--precision", "bf16"]) == 0
+    assert main(["estimate-memory", "--json", "--stage", "1", "--gpus-per-node", "3", "--precision", "bf16",
+                 "--rank-runtime", "3e8"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert (data["inputs"]["zero_stage"], data["layout"]["ranks_per_node"]) == (1, 3)
     assert data["sources"]["zero_stage"] == "--stage" and data["inputs"]["precision"] == "bf16"
@@ -121,14 +126,14 @@ def test_ten_billion_parameter_recipe_end_to_end_without_its_weights(fake_compos
 
 
 def test_measured_peaks_are_compared_with_the_prediction(fake_compose, tmp_path, capsys):
-    assert main(["estimate-memory", "--json"]) == 0
-    predicted = json.loads(capsys.readouterr().out)["recipe"]["peak_per_rank"]
+    assert main(["estimate-memory", "--json", "--rank-runtime", "3e8"]) == 0
+    predicted = json.loads(capsys.readouterr().out)["recipe"]["rank_peak"]
     measured = tmp_path / "peaks.json"
     measured.write_text(json.dumps({"peak_bytes_per_rank": {"0": predicted, "1": int(predicted / 1.25)}}))
-    assert main(["estimate-memory", "--measured", str(measured), "--json"]) == 0
+    assert main(["estimate-memory", "--measured", str(measured), "--json", "--rank-runtime", "3e8"]) == 0
     rows = json.loads(capsys.readouterr().out)["measured"]
     assert [(r["rank"], r["error_pct"]) for r in rows] == [(0, 0.0), (1, 25.0)]
-    assert main(["estimate-memory", "--measured", str(measured)]) == 0
+    assert main(["estimate-memory", "--measured", str(measured), "--rank-runtime", "3e8"]) == 0
     out = capsys.readouterr().out
     assert "predicted vs measured" in out and "+25.0%" in out
 
@@ -162,20 +167,22 @@ def fake_train(monkeypatch):
 
 
 def test_measure_trains_a_few_steps_and_compares_each_rank(fake_compose, fake_train, capsys):
-    assert main(["estimate-memory", "+recipe=gpt_zero2", "--measure", "--measure-steps", "2", "--json"]) == 0
+    assert main(["estimate-memory", "+recipe=gpt_zero2", "--measure", "--measure-steps", "2", "--json",
+                 "--rank-runtime", "3e8"]) == 0
     (command, kwargs), = fake_train["calls"]
     assert command[1:4] == ["-m", "dsrun", "train"] and "+recipe=gpt_zero2" in command
     assert "train.max_steps=2" in command and kwargs["env"]["MALLOC_MMAP_THRESHOLD_"]
     data = json.loads(capsys.readouterr().out)
-    predicted = data["recipe"]["peak_per_rank"]
+    predicted = data["recipe"]["rank_peak"]  # on the CPU: the whole rank process, runtime included
+    assert data["recipe"]["rank_runtime"] == 3 * 10**8 and predicted > data["recipe"]["peak_per_rank"]
     assert [(r["rank"], r["measured"], r["predicted"]) for r in data["measured"]] == [
         (0, 150 * 2**20, predicted), (1, 160 * 2**20, predicted)]
 
 
 def test_measure_reports_a_failed_run_and_a_run_without_records(fake_compose, fake_train, capsys):
     fake_train["returncode"] = 1
-    assert main(["estimate-memory", "--measure"]) == 2
+    assert main(["estimate-memory", "--measure", "--rank-runtime", "3e8"]) == 2
     assert "failed with exit code 1" in capsys.readouterr().err
     fake_train["returncode"], fake_train["peaks"] = 0, {}
-    assert main(["estimate-memory", "--measure"]) == 2
+    assert main(["estimate-memory", "--measure", "--rank-runtime", "3e8"]) == 2
     assert "record_rank_peak" in capsys.readouterr().err

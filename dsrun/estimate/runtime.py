@@ -1,0 +1,196 @@
+"""The resident memory of a rank before it holds any tensor: measured once on this host, then cached.
+
+A rank on the CPU is a whole Python process: the interpreter, torch's libraries, numpy, Hydra and dsrun,
+the gloo process group, and, from the first ``torch.optim.Optimizer`` on, the modules that torch's optimizer
+machinery imports (sympy and the compiler stack: about 70 MiB with torch 2.x). None of it is a tensor and
+none of it can be derived from the model, so it is measured: :func:`measure_rank_runtime` starts a tiny
+subprocess with the rank's environment (``OMP_NUM_THREADS``, ``MALLOC_MMAP_THRESHOLD_``) that
+
+1. imports what a rank imports (``dsrun.worker``: torch, numpy, omegaconf, Hydra, dsrun);
+2. initialises a one-rank gloo process group;
+3. builds the recipe's model class at a tiny size (:func:`tiny_model_config`: 1 layer, width 64) in the
+   recipe's precision, and the recipe's optimizer through dsrun's registry (which loads the compiled op it
+   uses); runs an eval forward and two training steps, so the kernels a real step runs have their library
+   code mapped and torch's thread pool started; and one all-reduce;
+
+and reports its resident memory (``VmRSS``) and peak (``VmHWM``). The result is cached under
+``$DSRUN_CACHE_DIR`` (or ``~/.cache/dsrun``) in ``estimate/`` per host, Python, torch and dsrun version,
+thread count, allocator setting, optimizer, model class and precision, so later estimates cost nothing.
+What it does not see grows with the model and is estimated term by term (model states, activations,
+buffers, collective temporaries, the data pipeline). The estimate uses the
+resident figure: a rank's peak comes long after start-up, when import-time transients are gone.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from dsrun.utils.errors import Problem, UserError
+
+MALLOC_MMAP_THRESHOLD = "65536"  # what dsrun's --measure runs use: large blocks go back to the system at once
+
+_PROBE = r"""
+import json, os, sys, tempfile
+def status():
+    out = {}
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                out[line.split(":")[0]] = int(line.split()[1]) * 1024
+    return out
+import torch
+import torch.distributed as dist
+import dsrun.worker  # noqa: F401  (what a rank imports)
+import dsrun.runtime.engine  # noqa: F401
+from dsrun.optim.registry import build_optimizer
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+optimizer_type, model_json, dtype_name = sys.argv[1], sys.argv[2], sys.argv[3]
+store = tempfile.mkdtemp(prefix="dsrun-probe-")
+dist.init_process_group("gloo", init_method=f"file://{store}/store", rank=0, world_size=1)
+model_cfg = json.loads(model_json)
+if model_cfg:
+    import hydra.utils
+    model = hydra.utils.instantiate(model_cfg, _convert_="all")
+    vocab, block = model_cfg.get("vocab_size", 256), model_cfg.get("block_size", 16)
+    batch = (torch.randint(0, vocab, (2, block)), torch.randint(0, vocab, (2, block)))
+    run = lambda: model(*batch)
+else:
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 1))
+    batch = torch.randn(2, 64)
+    run = lambda: model(batch).square().sum()
+model = model.to(getattr(torch, dtype_name))
+if not model_cfg:
+    batch = batch.to(getattr(torch, dtype_name))
+optimizer = build_optimizer(optimizer_type, model.parameters(), {})
+model.eval()
+with torch.no_grad():
+    run()
+model.train()
+def as_loss(out):
+    if isinstance(out, (tuple, list)):
+        tensors = [t for t in out if torch.is_tensor(t)]
+        scalars = [t for t in tensors if t.dim() == 0]
+        out = scalars[-1] if scalars else tensors[0]
+    return out.float().sum()
+for _ in range(2):
+    as_loss(run()).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+dist.all_reduce(torch.ones(1))
+dist.destroy_process_group()
+print("DSRUN_PROBE " + json.dumps(status()))
+"""
+
+
+def tiny_model_config(model_cfg: dict | None) -> dict:
+    """The recipe's model at a tiny size (same class, so the probe runs the same kernels): GPT-style
+    configs get 1 layer, width 64, 4 heads, 16 positions; anything else is left out (a small MLP runs)."""
+    if not model_cfg or "_target_" not in model_cfg:
+        return {}
+    keys = ("n_layer", "n_embd", "n_head", "block_size")
+    if not all(k in model_cfg for k in keys):
+        return {}
+    tiny = dict(model_cfg)
+    tiny.update(n_layer=1, n_embd=64, n_head=4, block_size=16)
+    for key in ("ffn_hidden", "n_kv_head"):
+        if key in tiny and tiny[key] is not None:
+            tiny.pop(key)
+    return tiny
+
+
+@dataclass(frozen=True)
+class RankRuntime:
+    """An idle rank's memory on this host: ``resident`` (VmRSS after start-up, bytes), ``peak`` (VmHWM),
+    and what it was measured with (``threads``, ``optimizer``, ``torch``, ``python``, ``host``)."""
+
+    resident: int
+    peak: int
+    threads: int
+    optimizer: str
+    torch: str
+    python: str
+    host: str
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("DSRUN_CACHE_DIR") or str(Path.home() / ".cache" / "dsrun")
+    return Path(root) / "estimate"
+
+
+def _versions() -> tuple[str, str, str, str]:
+    import torch
+
+    import dsrun
+
+    return torch.__version__, platform.python_version(), platform.node(), getattr(dsrun, "__version__", "0")
+
+
+def runtime_cache_path(threads: int, optimizer: str, model: dict | None = None, precision: str = "fp32") -> Path:
+    """Where the probe's result for these settings is cached (one small JSON file)."""
+    torch_version, python, host, dsrun_version = _versions()
+    key = json.dumps([torch_version, python, host, dsrun_version, int(threads), optimizer.lower(),
+                      tiny_model_config(model), precision,
+                      os.environ.get("MALLOC_MMAP_THRESHOLD_", MALLOC_MMAP_THRESHOLD)],
+                     sort_keys=True, default=str)
+    digest = hashlib.sha1(key.encode()).hexdigest()[:16]
+    return _cache_dir() / f"rank-runtime-{digest}.json"
+
+
+def measure_rank_runtime(threads: int = 1, optimizer: str = "AdamW", model: dict | None = None,
+                         precision: str = "fp32", refresh: bool = False, timeout: float = 180) -> RankRuntime:
+    """The resident memory of an idle rank with ``threads`` OpenMP threads, ``optimizer``, and the class of
+    ``model`` (a Hydra config with ``_target_``; None: a small MLP) in ``precision`` (see the module
+    docstring); from the cache unless ``refresh``."""
+    path = runtime_cache_path(threads, optimizer, model, precision)
+    if not refresh and path.is_file():
+        try:
+            return RankRuntime(**json.loads(path.read_text()))
+        except (TypeError, ValueError):
+            pass  # an old or damaged cache entry: measure again
+    # The optimizer's params do not change what it imports or loads: the probe uses its defaults.
+    env = {**os.environ, "OMP_NUM_THREADS": str(int(threads)),
+           "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", MALLOC_MMAP_THRESHOLD)}
+    repo_root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo_root, env.get("PYTHONPATH", "")]))
+    try:
+        dtype = {"fp16": "float16", "bf16": "bfloat16"}.get(precision, "float32")
+        result = subprocess.run([sys.executable, "-c", _PROBE, optimizer, json.dumps(tiny_model_config(model)), dtype],
+                                env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise UserError(Problem("estimate runtime probe", f"did not finish in {timeout:g}s",
+                                "retry when the machine is less busy, or pass --rank-runtime")) from None
+    lines = [line for line in result.stdout.splitlines() if line.startswith("DSRUN_PROBE ")]
+    if (result.returncode != 0 or not lines) and (model or optimizer.lower() != "adamw"):
+        # a model class or optimizer the probe cannot run on its own: an idle rank with AdamW and a small MLP
+        generic = measure_rank_runtime(threads, "AdamW", None, precision, refresh, timeout)
+        return RankRuntime(**{**asdict(generic), "optimizer": f"{optimizer} (probed as AdamW + MLP)"})
+    if result.returncode != 0 or not lines:
+        tail = " | ".join((result.stderr or result.stdout).strip().splitlines()[-3:])
+        raise UserError(Problem("estimate runtime probe", f"failed (exit code {result.returncode}): {tail}",
+                                "pass --rank-runtime to give the figure yourself"))
+    status = json.loads(lines[-1].split(" ", 1)[1])
+    torch_version, python, host, _ = _versions()
+    runtime = RankRuntime(resident=int(status["VmRSS"]), peak=int(status["VmHWM"]), threads=int(threads),
+                          optimizer=optimizer, torch=torch_version, python=python, host=host)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(runtime)))
+    except OSError:
+        pass  # a read-only home: measure again next time
+    return runtime
+
+
+def rank_threads(ranks_per_node: int, cores: int | None = None) -> int:
+    """OpenMP threads a CPU rank gets from dsrun's launcher: ``OMP_NUM_THREADS`` if set, else cores / ranks."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        try:
+            return max(1, int(os.environ["OMP_NUM_THREADS"]))
+        except ValueError:
+            pass
+    return max(1, (cores or os.cpu_count() or 1) // max(1, ranks_per_node))
