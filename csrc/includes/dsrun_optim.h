@@ -49,12 +49,19 @@ constexpr int64_t kPrefetchBytes = 2048;
 
 // Prefetch the lines of array `p` that the block starting at element i will cover kPrefetchBytes later
 // (SIMD builds only). Prefetches are hints that never fault, so running past the end of the array is harmless.
+// Written as inline asm: GCC 12 dropped __builtin_prefetch from these kernels (objdump found no prefetch
+// instruction in the built op, though a standalone copy of this code kept them; cause not found).
 template <class T>
 inline void prefetch_block(const T* p, int64_t i) {
-    if constexpr (!std::is_same_v<T, NoLowPrecision> && VecF::WIDTH > 1) {
+#if defined(DSRUN_SIMD_AVX512) || defined(DSRUN_SIMD_AVX2)
+    if constexpr (!std::is_same_v<T, NoLowPrecision>) {
         const char* a = reinterpret_cast<const char*>(p + i) + kPrefetchBytes;
-        for (size_t off = 0; off < kBlock * sizeof(T); off += 64) __builtin_prefetch(a + off, 0, 3);
+        for (size_t off = 0; off < kBlock * sizeof(T); off += 64) asm volatile("prefetcht0 %0" : : "m"(a[off]));
     }
+#else
+    (void)p;
+    (void)i;
+#endif
 }
 
 // Update elements [begin, end) of one tensor.
