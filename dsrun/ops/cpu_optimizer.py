@@ -12,9 +12,10 @@ Parameter and state dtypes:
 
 Gradients may be fp32 or the parameter's 16-bit dtype; arithmetic is always fp32.
 
-State memory: with the compiled op, every state tensor (moments, master copy) of 2 MiB or more gets its own
-2 MiB-aligned mapping advised ``MADV_HUGEPAGE`` (``empty_state`` in ``csrc/includes/dsrun_optim.h``), which
-cuts TLB misses of the streaming update; ``DSRUN_OPTIM_HUGE_PAGES=0`` turns this off (ordinary torch tensors).
+State memory: ``DSRUN_OPTIM_HUGE_PAGES=1`` (with the compiled op) gives every state tensor (moments, master
+copy) of 2 MiB or more its own 2 MiB-aligned mapping advised ``MADV_HUGEPAGE`` (``empty_state`` in
+``csrc/includes/dsrun_optim.h``). It is off by default: it made no consistent difference in
+``benchmarks/cpu_adam.py``. Otherwise states are ordinary torch tensors.
 """
 from __future__ import annotations
 
@@ -57,8 +58,8 @@ class CPUOptimizer(torch.optim.Optimizer):
         return torch.float32 if self.fp32_optimizer_states else torch.bfloat16
 
     def _new_state(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        """A zero-filled state tensor: in huge-page memory when the op is compiled (see the module doc)."""
-        if self.op is not None and os.environ.get("DSRUN_OPTIM_HUGE_PAGES", "1") != "0":
+        """A zero-filled state tensor: in huge-page memory with DSRUN_OPTIM_HUGE_PAGES=1 (see the module doc)."""
+        if self.op is not None and os.environ.get("DSRUN_OPTIM_HUGE_PAGES", "0") == "1":
             return self.op.empty_state(list(shape), dtype)
         return torch.zeros(shape, dtype=dtype)
 

@@ -139,7 +139,8 @@ def test_one_parallel_region_splits_many_tensors_of_any_length(name: str):
         assert relative_error(o.data, r.data) <= 1e-6
 
 
-def test_large_states_live_in_2mib_aligned_huge_page_memory(monkeypatch):
+def test_huge_page_states_are_2mib_aligned_when_asked_for(monkeypatch):
+    monkeypatch.setenv("DSRUN_OPTIM_HUGE_PAGES", "1")
     n = 1 << 20  # 4 MiB of fp32
     p = torch.nn.Parameter(torch.randn(n).bfloat16())
     p.grad = torch.randn(n).bfloat16()
@@ -155,13 +156,12 @@ def test_large_states_live_in_2mib_aligned_huge_page_memory(monkeypatch):
     restored = next(iter(resumed.state.values()))
     assert restored["exp_avg_sq"].data_ptr() % (2 << 20) == 0
     assert torch.equal(restored["exp_avg_sq"], state["exp_avg_sq"])
-    # small states and the opt-out use torch's allocator; new states start at zero either way
-    monkeypatch.setenv("DSRUN_OPTIM_HUGE_PAGES", "0")
+    # by default states are torch tensors; new states start at zero either way
+    monkeypatch.delenv("DSRUN_OPTIM_HUGE_PAGES")
     q = torch.nn.Parameter(torch.randn(n))
     plain = DeepSpeedCPUAdam([q])
     state = plain._init_state(q)
     assert not state["exp_avg"].any() and state["exp_avg"].dtype == torch.float32
-    monkeypatch.delenv("DSRUN_OPTIM_HUGE_PAGES")
     fresh = opt.op.empty_state([3, n], torch.bfloat16)
     assert fresh.shape == (3, n) and fresh.dtype == torch.bfloat16 and not fresh.any()
     assert fresh.data_ptr() % (2 << 20) == 0
