@@ -13,6 +13,13 @@ struct AdagradKernel {
     L* low_precision;
     float lr, eps, weight_decay;
 
+    inline void prefetch(int64_t i) const {
+        prefetch_block(grad, i);
+        prefetch_block(param, i);
+        prefetch_block(sum, i);
+        prefetch_block(low_precision, i);
+    }
+
     template <class V>
     inline void at(int64_t i) const {
         V g = V::load(grad + i);
@@ -34,6 +41,7 @@ void adagrad_step(const std::vector<at::Tensor>& params, const std::vector<at::T
     const size_t n = params.size();
     check_lists(n, {{"grads", grads.size()}, {"sums", sums.size()}});
     TORCH_CHECK(low_precision.empty() || low_precision.size() == n, "expected 0 or ", n, " low-precision copies");
+    StepWork work;
     for (size_t t = 0; t < n; ++t) {
         const at::Tensor& p = params[t];
         check_operand(p, p, "params", t);
@@ -48,9 +56,10 @@ void adagrad_step(const std::vector<at::Tensor>& params, const std::vector<at::T
             AdagradKernel<P, G, S, L> kernel{data_of<P>(p), data_of<G>(grads[t]), data_of<S>(sums[t]), data_of<L>(lp),
                                              static_cast<float>(lr), static_cast<float>(eps),
                                              static_cast<float>(weight_decay)};
-            run_kernel(kernel, p.numel());
+            work.add(kernel, p.numel());
         });
     }
+    work.run();
 }
 
 }  // namespace dsrun
@@ -61,5 +70,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("grads"), py::arg("sums"), py::arg("low_precision"), py::arg("lr"), py::arg("eps"),
           py::arg("weight_decay"),
           py::call_guard<py::gil_scoped_release>());  // offload overlaps transfers with the step
-    m.def("simd_level", [] { return std::string(DSRUN_SIMD_LEVEL); });
+    DSRUN_OPTIMIZER_COMMON_DEFS(m);
 }

@@ -26,6 +26,14 @@ struct AdamKernel {
     L* low_precision;
     AdamScalars c;
 
+    inline void prefetch(int64_t i) const {
+        prefetch_block(grad, i);
+        prefetch_block(param, i);
+        prefetch_block(exp_avg, i);
+        prefetch_block(exp_avg_sq, i);
+        prefetch_block(low_precision, i);
+    }
+
     template <class V>
     inline void at(int64_t i) const {
         V g = V::load(grad + i);
@@ -55,6 +63,7 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
     check_lists(n, {{"grads", grads.size()}, {"exp_avgs", exp_avgs.size()}, {"exp_avg_sqs", exp_avg_sqs.size()},
                     {"steps", steps.size()}});
     TORCH_CHECK(low_precision.empty() || low_precision.size() == n, "expected 0 or ", n, " low-precision copies");
+    StepWork work;
     for (size_t t = 0; t < n; ++t) {
         const at::Tensor& p = params[t];
         check_operand(p, p, "params", t);
@@ -86,9 +95,10 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
             using L = decltype(l_tag);
             AdamKernel<P, G, S, L> kernel{data_of<P>(p), data_of<G>(grads[t]), data_of<S>(exp_avgs[t]),
                                           data_of<S>(exp_avg_sqs[t]), data_of<L>(lp), c};
-            run_kernel(kernel, p.numel());
+            work.add(kernel, p.numel());
         });
     }
+    work.run();
 }
 
 }  // namespace dsrun
@@ -100,5 +110,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
           py::arg("bias_correction"), py::arg("adamw_mode"),
           py::call_guard<py::gil_scoped_release>());  // offload overlaps transfers with the step
-    m.def("simd_level", [] { return std::string(DSRUN_SIMD_LEVEL); });
+    DSRUN_OPTIMIZER_COMMON_DEFS(m);
 }

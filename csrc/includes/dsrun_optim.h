@@ -1,10 +1,14 @@
-// dsrun_optim.h: what the three CPU optimizers share: dtype dispatch, argument checks and the parallel
-// element loop.
+// dsrun_optim.h: what the three CPU optimizers share: dtype dispatch, argument checks, the parallel
+// element loop and huge-page state allocation.
 //
 // A kernel is a struct with `template <class V> void at(int64_t i) const` that updates elements
-// [i, i + V::WIDTH). `run_kernel` splits [0, n) across OpenMP threads in chunks that start on a 64-element
-// boundary (so two threads never write the same cache line of a 16-bit output), runs the full vectors of
-// each chunk with VecF and the remainder with ScalarF.
+// [i, i + V::WIDTH). A step collects one kernel per tensor in a `StepWork` (all argument checks happen
+// while collecting, so a bad tensor raises before anything is updated) and `StepWork::run` updates every
+// tensor in ONE OpenMP parallel region: the concatenated elements of all tensors are split into one
+// contiguous range per thread, each cut moved up to a multiple of kCutAlign elements of its tensor (4 KiB
+// of fp32: a page; two threads never write the same cache line of any output, 16-bit ones included).
+// Within a range, the body runs four vectors per iteration (more loads in flight), then single vectors,
+// then a ScalarF tail, so any length is handled.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -14,7 +18,10 @@
 #include <omp.h>
 #endif
 
+#include <sys/mman.h>
+
 #include <algorithm>
+#include <functional>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -26,32 +33,142 @@ namespace dsrun {
 // Tag for "no low-precision copy to write".
 struct NoLowPrecision {};
 
-// Below this many elements a parallel region costs more than it saves.
+// Below this many elements (all tensors of a step together) a parallel region costs more than it saves.
 constexpr int64_t kParallelThreshold = 1 << 15;
+// Thread ranges start at a multiple of this many elements of their tensor.
+constexpr int64_t kCutAlign = 1024;
 
-template <class K>
-void run_kernel(const K& kernel, int64_t n) {
-    auto body = [&kernel](int64_t begin, int64_t end) {
-        int64_t i = begin;
-        for (; i + VecF::WIDTH <= end; i += VecF::WIDTH) kernel.template at<VecF>(i);
-        for (; i < end; ++i) kernel.template at<ScalarF>(i);
-    };
-    int threads = at::get_num_threads();
-#ifdef _OPENMP
-    if (n >= kParallelThreshold && threads > 1) {
-#pragma omp parallel num_threads(threads)
-        {
-            const int64_t t = omp_get_thread_num();
-            const int64_t team = omp_get_num_threads();
-            const int64_t chunk = ((n + team - 1) / team + 63) / 64 * 64;
-            const int64_t begin = std::min(n, t * chunk);
-            const int64_t end = std::min(n, begin + chunk);
-            if (begin < end) body(begin, end);
-        }
-        return;
+// Elements per iteration of the unrolled body: four vectors.
+constexpr int64_t kBlock = 4 * VecF::WIDTH;
+// Software prefetch distance: 2 KiB ahead in every array the kernel streams through. The hardware
+// prefetchers alone keep too few lines in flight. Measured on the shared 2-core development VM (100M
+// parameters, 15 steps interleaved with torch's fused AdamW, load average ~16; speed-up over fused): fp32
+// Adam 1.11x without prefetch, 1.13x at 1 KiB, 1.20x at 2 KiB, 1.15x at 4 KiB, 1.13x at 8 KiB; bf16
+// params+states 1.73x without, 2.17x at 2 KiB, 2.15x at 4 KiB.
+constexpr int64_t kPrefetchBytes = 2048;
+
+// Prefetch the lines of array `p` that the block starting at element i will cover kPrefetchBytes later
+// (SIMD builds only). Prefetches are hints that never fault, so running past the end of the array is harmless.
+// Written as inline asm: GCC 12 dropped __builtin_prefetch from these kernels (objdump found no prefetch
+// instruction in the built op, though a standalone copy of this code kept them; cause not found).
+template <class T>
+inline void prefetch_block(const T* p, int64_t i) {
+#if defined(DSRUN_SIMD_AVX512) || defined(DSRUN_SIMD_AVX2)
+    if constexpr (!std::is_same_v<T, NoLowPrecision>) {
+        const char* a = reinterpret_cast<const char*>(p + i) + kPrefetchBytes;
+        for (size_t off = 0; off < kBlock * sizeof(T); off += 64) asm volatile("prefetcht0 %0" : : "m"(a[off]));
     }
+#else
+    (void)p;
+    (void)i;
 #endif
-    body(0, n);
+}
+
+// Update elements [begin, end) of one tensor.
+template <class K>
+void run_range(const K& shared_kernel, int64_t begin, int64_t end) {
+    // A local copy: the stores through the kernel's data pointers cannot alias it, so the compiler keeps its
+    // scalars (and their broadcasts) in registers instead of re-reading them after every store.
+    const K kernel = shared_kernel;
+    constexpr int64_t W = VecF::WIDTH;
+    int64_t i = begin;
+    for (; i + kBlock <= end; i += kBlock) {
+        kernel.prefetch(i);
+        kernel.template at<VecF>(i);
+        kernel.template at<VecF>(i + W);
+        kernel.template at<VecF>(i + 2 * W);
+        kernel.template at<VecF>(i + 3 * W);
+    }
+    for (; i + W <= end; i += W) kernel.template at<VecF>(i);
+    for (; i < end; ++i) kernel.template at<ScalarF>(i);
+}
+
+// The tensors of one optimizer step: `add` one kernel per tensor, then `run` them all.
+class StepWork {
+public:
+    template <class K>
+    void add(const K& kernel, int64_t numel) {
+        if (numel <= 0) return;
+        items_.push_back({[kernel](int64_t b, int64_t e) { run_range(kernel, b, e); }, numel});
+        total_ += numel;
+    }
+
+    void run() const {
+        const int threads = at::get_num_threads();
+#ifdef _OPENMP
+        if (total_ >= kParallelThreshold && threads > 1) {
+            std::vector<int64_t> offsets(items_.size() + 1, 0);
+            for (size_t k = 0; k < items_.size(); ++k) offsets[k + 1] = offsets[k] + items_[k].numel;
+#pragma omp parallel num_threads(threads)
+            {
+                const int64_t t = omp_get_thread_num();
+                const int64_t team = omp_get_num_threads();
+                run_span(offsets, cut(offsets, total_ * t / team), cut(offsets, total_ * (t + 1) / team));
+            }
+            return;
+        }
+#endif
+        for (const Item& item : items_) item.fn(0, item.numel);
+    }
+
+private:
+    struct Item {
+        std::function<void(int64_t, int64_t)> fn;
+        int64_t numel;
+    };
+
+    // The point x of the concatenated index space, moved up to a multiple of kCutAlign within its tensor
+    // (or that tensor's end). Monotone in x, so consecutive threads get adjacent, disjoint spans.
+    int64_t cut(const std::vector<int64_t>& offsets, int64_t x) const {
+        if (x >= total_) return total_;
+        const size_t k = std::upper_bound(offsets.begin(), offsets.end(), x) - offsets.begin() - 1;
+        const int64_t local = (x - offsets[k] + kCutAlign - 1) / kCutAlign * kCutAlign;
+        return offsets[k] + std::min(local, items_[k].numel);
+    }
+
+    // Update the concatenated elements [begin, end), tensor by tensor.
+    void run_span(const std::vector<int64_t>& offsets, int64_t begin, int64_t end) const {
+        if (begin >= end) return;
+        size_t k = std::upper_bound(offsets.begin(), offsets.end(), begin) - offsets.begin() - 1;
+        for (; k < items_.size() && offsets[k] < end; ++k) {
+            const int64_t lo = std::max(begin, offsets[k]) - offsets[k];
+            const int64_t hi = std::min(end, offsets[k + 1]) - offsets[k];
+            if (lo < hi) items_[k].fn(lo, hi);
+        }
+    }
+
+    std::vector<Item> items_;
+    int64_t total_ = 0;
+};
+
+// A zero-filled, contiguous CPU tensor for optimizer state (moments, fp32 master copies). From 2 MiB up,
+// the memory is its own 2 MiB-aligned anonymous mapping advised MADV_HUGEPAGE: the kernels stream through
+// several such arrays at once, and 2 MiB pages cut the TLB misses (and page walks) of those streams. Where
+// the kernel does not grant huge pages (transparent_hugepage=never) it is ordinary memory. Smaller tensors
+// use torch's allocator.
+inline at::Tensor empty_state(const std::vector<int64_t>& sizes, at::ScalarType dtype) {
+    constexpr size_t kHuge = size_t{2} << 20;
+    int64_t numel = 1;
+    for (int64_t s : sizes) numel *= s;
+    const size_t nbytes = static_cast<size_t>(numel) * c10::elementSize(dtype);
+    if (nbytes < kHuge) return at::zeros(sizes, at::TensorOptions().dtype(dtype));
+    const size_t length = (nbytes + kHuge - 1) / kHuge * kHuge;
+    // Map one huge page more than needed and trim, so the kept part starts on a 2 MiB boundary.
+    void* raw = mmap(nullptr, length + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    TORCH_CHECK(raw != MAP_FAILED, "cannot allocate ", nbytes, " bytes of optimizer state (mmap failed)");
+    const uintptr_t start = reinterpret_cast<uintptr_t>(raw);
+    const uintptr_t aligned = (start + kHuge - 1) / kHuge * kHuge;
+    if (aligned > start) munmap(raw, aligned - start);
+    munmap(reinterpret_cast<void*>(aligned + length), start + kHuge - aligned);  // the tail: never empty
+    void* data = reinterpret_cast<void*>(aligned);
+#ifdef MADV_HUGEPAGE
+    madvise(data, length, MADV_HUGEPAGE);  // advice only: failure leaves ordinary pages
+#endif
+    // Fresh anonymous memory reads as zeros; touch it now (in parallel) so the first step pays no faults.
+    at::Tensor t = torch::from_blob(data, sizes, [length](void* p) { munmap(p, length); },
+                                    at::TensorOptions().dtype(dtype));
+    t.zero_();
+    return t;
 }
 
 template <class F>
@@ -145,5 +262,12 @@ inline T* data_of(const at::Tensor& t) {
         return reinterpret_cast<T*>(t.data_ptr());
     }
 }
+
+// Registers what every optimizer module offers besides its step function.
+#define DSRUN_OPTIMIZER_COMMON_DEFS(m)                                                                         \
+    m.def("simd_level", [] { return std::string(DSRUN_SIMD_LEVEL); });                                          \
+    m.def("empty_state", &dsrun::empty_state,                                                                  \
+          "A zero-filled tensor for optimizer state (2 MiB-aligned, MADV_HUGEPAGE from 2 MiB up)",                \
+          py::arg("sizes"), py::arg("dtype"))
 
 }  // namespace dsrun

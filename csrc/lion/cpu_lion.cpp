@@ -15,6 +15,13 @@ struct LionKernel {
     float lr, beta1, one_minus_beta1, beta2, one_minus_beta2, decay;
     bool decays;
 
+    inline void prefetch(int64_t i) const {
+        prefetch_block(grad, i);
+        prefetch_block(param, i);
+        prefetch_block(exp_avg, i);
+        prefetch_block(low_precision, i);
+    }
+
     template <class V>
     inline void at(int64_t i) const {
         V g = V::load(grad + i);
@@ -36,6 +43,7 @@ void lion_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
     const size_t n = params.size();
     check_lists(n, {{"grads", grads.size()}, {"exp_avgs", exp_avgs.size()}});
     TORCH_CHECK(low_precision.empty() || low_precision.size() == n, "expected 0 or ", n, " low-precision copies");
+    StepWork work;
     for (size_t t = 0; t < n; ++t) {
         const at::Tensor& p = params[t];
         check_operand(p, p, "params", t);
@@ -52,9 +60,10 @@ void lion_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
                                           static_cast<float>(1.0 - beta1), static_cast<float>(beta2),
                                           static_cast<float>(1.0 - beta2), static_cast<float>(1.0 - lr * weight_decay),
                                           weight_decay != 0.0};
-            run_kernel(kernel, p.numel());
+            work.add(kernel, p.numel());
         });
     }
+    work.run();
 }
 
 }  // namespace dsrun
@@ -65,5 +74,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("exp_avgs"), py::arg("low_precision"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
           py::arg("weight_decay"),
           py::call_guard<py::gil_scoped_release>());  // offload overlaps transfers with the step
-    m.def("simd_level", [] { return std::string(DSRUN_SIMD_LEVEL); });
+    DSRUN_OPTIMIZER_COMMON_DEFS(m);
 }

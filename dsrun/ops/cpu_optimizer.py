@@ -11,10 +11,16 @@ Parameter and state dtypes:
   This halves optimizer memory and traffic at the cost of update precision.
 
 Gradients may be fp32 or the parameter's 16-bit dtype; arithmetic is always fp32.
+
+State memory: ``DSRUN_OPTIM_HUGE_PAGES=1`` (with the compiled op) gives every state tensor (moments, master
+copy) of 2 MiB or more its own 2 MiB-aligned mapping advised ``MADV_HUGEPAGE`` (``empty_state`` in
+``csrc/includes/dsrun_optim.h``). It is off by default: it made no consistent difference in
+``benchmarks/cpu_adam.py``. Otherwise states are ordinary torch tensors.
 """
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any, Callable, Iterable
 
 import torch
@@ -51,15 +57,20 @@ class CPUOptimizer(torch.optim.Optimizer):
     def _state_dtype(self) -> torch.dtype:
         return torch.float32 if self.fp32_optimizer_states else torch.bfloat16
 
+    def _new_state(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """A zero-filled state tensor: in huge-page memory with DSRUN_OPTIM_HUGE_PAGES=1 (see the module doc)."""
+        if self.op is not None and os.environ.get("DSRUN_OPTIM_HUGE_PAGES", "0") == "1":
+            return self.op.empty_state(list(shape), dtype)
+        return torch.zeros(shape, dtype=dtype)
+
     def _init_state(self, p: torch.Tensor) -> dict[str, Any]:
         state = self.state[p]
         if not state:
             state["step"] = 0
-            master_source = p.detach()
             if p.dtype != torch.float32 and self.fp32_optimizer_states:
-                state["master_param"] = master_source.float().contiguous()
+                state["master_param"] = self._new_state(p.shape, torch.float32).copy_(p.detach())
             for key in self.STATE_KEYS:
-                state[key] = torch.zeros(p.shape, dtype=self._state_dtype(), device=p.device)
+                state[key] = self._new_state(p.shape, self._state_dtype())
         return state
 
     @torch.no_grad()
@@ -135,7 +146,8 @@ class CPUOptimizer(torch.optim.Optimizer):
         for param_id, p in zip(saved_ids, params):
             if param_id not in saved_state:
                 continue
-            self.state[p] = {k: (v.detach().to(p.device).clone() if torch.is_tensor(v) else copy.deepcopy(v))
+            self.state[p] = {k: (self._new_state(v.shape, v.dtype).copy_(v.detach()) if torch.is_tensor(v)
+                                 else copy.deepcopy(v))
                              for k, v in saved_state[param_id].items()}
 
 

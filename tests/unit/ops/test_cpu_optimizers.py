@@ -125,6 +125,50 @@ def test_all_threads_split_a_large_tensor_correctly(name: str):
 
 
 @pytest.mark.parametrize("name", ["adamw", "adagrad", "lion"])
+def test_one_parallel_region_splits_many_tensors_of_any_length(name: str):
+    # All tensors of a step share one parallel region; thread ranges cross tensor boundaries and are cut at
+    # multiples of 1024 elements of a tensor, so tiny tensors, tails and cuts inside a tensor all occur.
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        shapes = [[1, 7, 1023, 40_961, 3], [70_001, 5, 1024]]
+        ours, ref, _ = run_both(name, shapes, [{}, {"lr": 3e-3}], steps=10)
+    finally:
+        torch.set_num_threads(before)
+    for o, r in zip(ours, ref):
+        assert relative_error(o.data, r.data) <= 1e-6
+
+
+def test_huge_page_states_are_2mib_aligned_when_asked_for(monkeypatch):
+    monkeypatch.setenv("DSRUN_OPTIM_HUGE_PAGES", "1")
+    n = 1 << 20  # 4 MiB of fp32
+    p = torch.nn.Parameter(torch.randn(n).bfloat16())
+    p.grad = torch.randn(n).bfloat16()
+    opt = DeepSpeedCPUAdam([p], lr=1e-3)
+    opt.step()
+    state = opt.state[p]
+    for key in ("exp_avg", "exp_avg_sq", "master_param"):
+        assert state[key].dtype == torch.float32 and state[key].data_ptr() % (2 << 20) == 0, key
+    assert torch.equal(p.data, state["master_param"].to(torch.bfloat16))
+    # a checkpoint restores into the same kind of memory, values unchanged
+    resumed = DeepSpeedCPUAdam([torch.nn.Parameter(p.detach().clone())], lr=1e-3)
+    resumed.load_state_dict(opt.state_dict())
+    restored = next(iter(resumed.state.values()))
+    assert restored["exp_avg_sq"].data_ptr() % (2 << 20) == 0
+    assert torch.equal(restored["exp_avg_sq"], state["exp_avg_sq"])
+    # by default states are torch tensors; new states start at zero either way
+    monkeypatch.delenv("DSRUN_OPTIM_HUGE_PAGES")
+    q = torch.nn.Parameter(torch.randn(n))
+    plain = DeepSpeedCPUAdam([q])
+    state = plain._init_state(q)
+    assert not state["exp_avg"].any() and state["exp_avg"].dtype == torch.float32
+    fresh = opt.op.empty_state([3, n], torch.bfloat16)
+    assert fresh.shape == (3, n) and fresh.dtype == torch.bfloat16 and not fresh.any()
+    assert fresh.data_ptr() % (2 << 20) == 0
+    assert opt.op.empty_state([5], torch.float32).shape == (5,)
+
+
+@pytest.mark.parametrize("name", ["adamw", "adagrad", "lion"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_16bit_params_keep_fp32_master_and_write_the_rounded_copy(name: str, dtype: torch.dtype):
     ours, ref, opt = run_both(name, [[1023, 70_001]], [{}], dtype=dtype)
