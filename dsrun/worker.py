@@ -102,6 +102,19 @@ def report_throughput(engine: Any, steps: int, elapsed: float, tokens_per_step: 
     return samples_s, tokens_s
 
 
+def zero_init_context(ds_config: dict[str, Any]) -> Any:
+    """``dsrun.zero.Init`` for ZeRO stage 3 (so the whole model never exists in one process, and with
+    ``offload_param`` its shards go straight to host memory or NVMe), else a no-op."""
+    import contextlib
+
+    import dsrun
+
+    zero = ds_config.get("zero_optimization")
+    if not isinstance(zero, dict) or int(zero.get("stage", 0) or 0) != 3:
+        return contextlib.nullcontext()
+    return dsrun.zero.Init(config_dict_or_path=ds_config)
+
+
 def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
     import hydra.utils
 
@@ -115,10 +128,11 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
     seed_everything(cfg.seed)
     baseline_rss = current_rss()  # for `dsrun estimate-memory --measure`: this rank's peak above start-up
 
-    model = hydra.utils.instantiate(spec.model, _convert_="all")
+    ds_config = apply_run_defaults(OmegaConf.to_container(spec.ds, resolve=True), run_dir)  # monitors → run dir
+    with zero_init_context(ds_config):  # ZeRO-3: partitioned (and offloaded) as each submodule is built
+        model = hydra.utils.instantiate(spec.model, _convert_="all")
     corpus = hydra.utils.instantiate(spec.data, _convert_="all")
     corpus.check_vocab(model.config.vocab_size)
-    ds_config = apply_run_defaults(OmegaConf.to_container(spec.ds, resolve=True), run_dir)  # monitors → run dir
     if mlflow_parent_key(run_dir):  # the jobs of a multirun become MLflow child runs of one parent
         os.environ[PARENT_ENV] = mlflow_parent_key(run_dir)
     engine, _, _, _ = dsrun.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
@@ -137,7 +151,8 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
                                "tokens_per_step": tokens_per_step, "max_steps": max_steps,
                                "loss_unit": "nats per token"}
     if rank == 0:
-        print(f"[dsrun] training {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} "
+        n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3: full sizes
+        print(f"[dsrun] training {type(model).__name__} ({n_params:,} "
               f"parameters) for {max_steps} steps on {world_size} rank(s); "
               f"{engine.train_batch_size()} samples x {corpus.seq_len} tokens per step", flush=True)
     # --- checkpoints: resume before the first step (train.resume), save every train.save_interval steps ---

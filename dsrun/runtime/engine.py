@@ -104,7 +104,8 @@ class DeepSpeedEngine(torch.nn.Module):
             contiguous_gradients=bool(zero.contiguous_gradients), reduce_scatter=bool(zero.reduce_scatter),
             communication_data_type=_COMM_DTYPES[str(comm_type).lower()] if comm_type else None,
             prescale_gradients=bool(self._config.prescale_gradients),
-            gradient_predivide_factor=float(self._config.gradient_predivide_factor), zero_config=zero)
+            gradient_predivide_factor=float(self._config.gradient_predivide_factor), zero_config=zero,
+            aio_config=getattr(self._config, "aio", None))
 
     def _configure_lr_scheduler(self, client_scheduler: Any) -> Any:
         if client_scheduler is not None:

@@ -44,13 +44,14 @@ def build_zero_strategy(stage: int, ctx: StrategyContext) -> ZeroStrategy:
 def check_supported(zero_config) -> None:
     """Refuse settings the strategies do not implement yet, rather than training without them.
 
-    Offload to CPU or NVMe (``offload_optimizer`` / ``offload_param``) validates as a config and is understood
-    by the estimator, but no strategy moves state off the training device yet.
+    Optimizer offload (``offload_optimizer``) validates as a config and is understood by the estimator, but
+    no strategy moves optimizer state off the training device yet. Parameter offload (``offload_param``,
+    stage 3) is implemented (:mod:`dsrun.runtime.offload.param_swapper`).
     """
     problems = [Problem(f"zero_optimization.{name}.device",
                         f"offload to {section.device!r} is not implemented by dsrun's engine yet",
                         "remove the offload section (offload=none in a recipe) to train without offload")
-                for name in ("offload_optimizer", "offload_param")
+                for name in ("offload_optimizer",)
                 for section in [getattr(zero_config, name)] if section.device not in (None, "none")]
     if problems:
         raise ConfigError(problems)

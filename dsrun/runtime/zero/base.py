@@ -44,6 +44,7 @@ class StrategyContext:
     prescale_gradients: bool = False
     gradient_predivide_factor: float = 1.0
     zero_config: Any = None  # the whole ``zero_optimization`` section, for stage-specific keys (stage 3)
+    aio_config: Any = None  # the ``aio`` section, for NVMe offload
 
     @property
     def world_size(self) -> int:
