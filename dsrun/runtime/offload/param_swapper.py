@@ -138,7 +138,7 @@ class ParamOffload:
 class _Slot:
     """Where one swapped shard is in host memory right now."""
 
-    __slots__ = ("key", "numel", "buffer", "reading", "pins", "cached")
+    __slots__ = ("key", "numel", "buffer", "reading", "pins", "cached", "ahead")
 
     def __init__(self, key: str, numel: int):
         self.key = key
@@ -147,6 +147,7 @@ class _Slot:
         self.reading = False  # an asynchronous read into ``buffer`` has not been waited for yet
         self.pins = 0  # gathers in flight that read ``buffer``
         self.cached: torch.Tensor | None = None  # a private host copy (counts towards max_in_cpu)
+        self.ahead = False  # the buffer was filled by read-ahead, before anything asked for it
 
 
 class NvmeParamOffload(ParamOffload):
@@ -266,6 +267,7 @@ class NvmeParamOffload(ParamOffload):
             self._free.append(slot.buffer)
             slot.buffer = None
             slot.reading = False
+            slot.ahead = False
         if slot.cached is not None:
             self.cached_numel -= slot.numel
             slot.cached = None
@@ -296,10 +298,11 @@ class NvmeParamOffload(ParamOffload):
         slot = self._start_read(param, set())
         if slot.cached is not None:
             return slot.cached
+        if slot.ahead:
+            self.read_ahead_hits += 1
+            slot.ahead = False
         if slot.reading:
             self._wait_reads()
-        else:
-            self.read_ahead_hits += 1
         return self._view(slot.buffer, slot.numel)
 
     def read_copy(self, param: torch.nn.Parameter) -> torch.Tensor:
@@ -353,7 +356,7 @@ class NvmeParamOffload(ParamOffload):
                 continue
             if not self._free and self._allocated >= self.buffer_count:
                 return
-            self._start_read(param, set())
+            self._start_read(param, set()).ahead = True
 
     # --- writing ------------------------------------------------------------------------------------------
     def _write(self, slot: _Slot, values: torch.Tensor) -> None:
