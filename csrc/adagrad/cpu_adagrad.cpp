@@ -59,6 +59,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "dsrun CPU Adagrad (SIMD " DSRUN_SIMD_LEVEL ")";
     m.def("adagrad_step", &dsrun::adagrad_step, "One Adagrad step over a list of tensors", py::arg("params"),
           py::arg("grads"), py::arg("sums"), py::arg("low_precision"), py::arg("lr"), py::arg("eps"),
-          py::arg("weight_decay"));
+          py::arg("weight_decay"),
+          py::call_guard<py::gil_scoped_release>());  // offload overlaps transfers with the step
     m.def("simd_level", [] { return std::string(DSRUN_SIMD_LEVEL); });
 }

@@ -98,6 +98,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("adam_step", &dsrun::adam_step, "One Adam/AdamW step over a list of tensors", py::arg("params"),
           py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("low_precision"), py::arg("steps"),
           py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
-          py::arg("bias_correction"), py::arg("adamw_mode"));
+          py::arg("bias_correction"), py::arg("adamw_mode"),
+          py::call_guard<py::gil_scoped_release>());  // offload overlaps transfers with the step
     m.def("simd_level", [] { return std::string(DSRUN_SIMD_LEVEL); });
 }

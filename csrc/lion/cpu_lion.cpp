@@ -63,6 +63,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "dsrun CPU Lion (SIMD " DSRUN_SIMD_LEVEL ")";
     m.def("lion_step", &dsrun::lion_step, "One Lion step over a list of tensors", py::arg("params"), py::arg("grads"),
           py::arg("exp_avgs"), py::arg("low_precision"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
-          py::arg("weight_decay"));
+          py::arg("weight_decay"),
+          py::call_guard<py::gil_scoped_release>());  // offload overlaps transfers with the step
     m.def("simd_level", [] { return std::string(DSRUN_SIMD_LEVEL); });
 }

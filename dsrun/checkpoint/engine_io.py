@@ -259,7 +259,10 @@ def _restore_strategy(engine: Any, tag_dir: Path, model_states: dict[str, Any], 
     saved_stage, saved_world = _saved_stage(model_states, tag_dir), _saved_world(model_states)
     live_shapes = state.named_group_shapes(strategy, engine.module)
     dp_rank = comm.get_rank(engine.dp_group)
-    same_layout = saved_stage == live_stage and saved_world == live_world and not load_universal
+    saved_shapes = model_states.get("param_shapes")
+    # the same masters, cut the same way (stage 3's sub_group_size may differ between the runs)
+    same_grouping = saved_shapes is None or [list(s) for s in saved_shapes] == [list(s) for s in live_shapes]
+    same_layout = saved_stage == live_stage and saved_world == live_world and same_grouping and not load_universal
     if load_optimizer_states and same_layout:
         own = (model_states["optimizer"] if saved_stage == 0 else
                load_file(_optim_files(tag_dir, saved_world, engine.bfloat16_enabled())[dp_rank])["optimizer_state_dict"])

@@ -89,6 +89,35 @@ class CPUOptimizer(torch.optim.Optimizer):
                 work.finish()
         return loss
 
+    # --- tiles: what ZeRO-Offload steps (a slice of a flat fp32 master, its gradient and its states) -------
+    def new_state_tensors(self, numel: int, device: Any = "cpu") -> dict[str, torch.Tensor]:
+        """Zero-initialised optimizer states (``STATE_KEYS``) for ``numel`` elements."""
+        return {key: torch.zeros(numel, dtype=self._state_dtype(), device=device) for key in self.STATE_KEYS}
+
+    def state_for(self, p: torch.Tensor) -> dict[str, Any]:
+        """``p``'s state, created (step 0, zero moments) if it has none yet."""
+        return self._init_state(p)
+
+    @torch.no_grad()
+    def update_tile(self, group: dict[str, Any], param: torch.Tensor, grad: torch.Tensor,
+                    states: dict[str, torch.Tensor], step: int, low_precision: torch.Tensor | None = None) -> None:
+        """One update of explicit tensors with ``group``'s hyper-parameters: ``param`` (fp32, or a 16-bit
+        tensor updated directly) from ``grad``, with ``states[key]`` for each of ``STATE_KEYS`` and the step
+        count ``step`` (already incremented). When ``low_precision`` (bf16/fp16) is given the updated value
+        is also written there, rounded, in the same pass. All tensors contiguous and of ``param``'s size;
+        views (tiles of larger tensors) are fine. Off the CPU the torch implementation runs instead."""
+        work = _GroupWork()
+        work.params.append(param)
+        work.grads.append(grad)
+        work.low_precision.append(_EMPTY if low_precision is None else low_precision)
+        for key in self.STATE_KEYS:
+            work.states.setdefault(key, []).append(states[key])
+        work.steps.append(int(step))
+        if self.op is not None and param.device.type == "cpu":
+            self._kernel(group, work)
+        else:
+            self._fallback(group, work)
+
     def _kernel(self, group: dict[str, Any], work: "_GroupWork") -> None:
         raise NotImplementedError
 

@@ -72,8 +72,11 @@ def _adam(params: Iterable[Any], kwargs: dict[str, Any], force_w_mode: bool, on_
 
 
 def build_optimizer(type_name: str, params: Iterable[Any], optimizer_params: dict[str, Any] | None = None,
-                    on_cpu: bool = True) -> torch.optim.Optimizer:
-    """Build the optimizer a DeepSpeed config names, over ``params`` (tensors or param-group dicts)."""
+                    on_cpu: bool = True, offload: bool = False) -> torch.optim.Optimizer:
+    """Build the optimizer a DeepSpeed config names, over ``params`` (tensors or param-group dicts).
+
+    ``offload`` (ZeRO-Offload of the optimizer): Adagrad and Lion become ``DeepSpeedCPUAdagrad`` /
+    ``DeepSpeedCPULion`` (Adam/AdamW already take ``DeepSpeedCPUAdam`` with ``on_cpu``), as DeepSpeed does."""
     kwargs = dict(optimizer_params or {})
     key = type_name.lower()
     if key in GPU_ONLY_NAMES:
@@ -87,8 +90,16 @@ def build_optimizer(type_name: str, params: Iterable[Any], optimizer_params: dic
         if key == "lamb":
             return Lamb(params, **kwargs)
         if key == "lion":
+            if offload:
+                from dsrun.ops.lion import DeepSpeedCPULion
+
+                return DeepSpeedCPULion(params, **kwargs)
             return Lion(params, **kwargs)
         if key == "adagrad":
+            if offload:
+                from dsrun.ops.adagrad import DeepSpeedCPUAdagrad
+
+                return DeepSpeedCPUAdagrad(params, **kwargs)
             return torch.optim.Adagrad(params, **kwargs)
         cls = _torch_optim_class(type_name)
     except TypeError as exc:  # a params key the constructor does not take

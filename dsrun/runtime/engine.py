@@ -105,7 +105,8 @@ class DeepSpeedEngine(torch.nn.Module):
             communication_data_type=_COMM_DTYPES[str(comm_type).lower()] if comm_type else None,
             prescale_gradients=bool(self._config.prescale_gradients),
             gradient_predivide_factor=float(self._config.gradient_predivide_factor), zero_config=zero,
-            aio_config=getattr(self._config, "aio", None))
+            aio_config=getattr(self._config, "aio", None),
+            force_ds_cpu_optimizer=bool(getattr(self._config, "zero_force_ds_cpu_optimizer", True)))
 
     def _configure_lr_scheduler(self, client_scheduler: Any) -> Any:
         if client_scheduler is not None:
@@ -340,5 +341,7 @@ def build_engine_optimizer(config: Any, model: torch.nn.Module, optimizer: Any,
                                   "torch.optim.Optimizer or a callable returning one"))
     if config.optimizer is not None and config.optimizer.type:
         on_cpu = get_accelerator().name == "cpu"
-        return build_optimizer(config.optimizer.type, params, config.optimizer.params, on_cpu=on_cpu)
+        offload = config.zero_optimization.offload_optimizer.device != "none" and config.zero_optimization.stage > 0
+        return build_optimizer(config.optimizer.type, params, config.optimizer.params, on_cpu=on_cpu or offload,
+                               offload=offload)
     return None

@@ -98,8 +98,11 @@ def run_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(11 + rank)  # per-rank dropout streams; re-seeded identically in every launch
     model = build_model(job.get("dropout", 0.1), job.get("frozen", False))
     micro = job["global_batch"] // world
-    engine, *_ = dsrun.initialize(model=model, model_parameters=model.parameters(),
-                                  config=ds_config(job["stage"], job["precision"], micro, job.get("extra")))
+    cfg = ds_config(job["stage"], job["precision"], micro, job.get("extra"))
+    cfg["zero_optimization"].update(job.get("zero", {}))  # e.g. offload_optimizer, sub_group_size
+    engine, *_ = dsrun.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    if job.get("kill_on_swap_write"):  # SIGKILL this rank in the middle of an NVMe swap (writes in flight)
+        _arm_swap_kill(engine, *job["kill_on_swap_write"])
     stream = StepStream(job["global_batch"], rank, world)
     result: dict[str, Any] = {"losses": []}
     if job.get("load"):
@@ -132,6 +135,25 @@ def run_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
         engine.save_checkpoint(job["final_save"], client_state={"stream": stream.state_dict()})
     comm.barrier()
     return result
+
+
+def _arm_swap_kill(engine: Any, step: int, writes: int) -> None:
+    """SIGKILL the process at the ``writes``-th swap write of optimizer step ``step`` (1-based), right after
+    issuing it, so the swap files are mid-update when the process dies."""
+    import os
+    import signal
+
+    store = engine.strategy.swapped.store
+    real_write, count = store.async_write, {"n": 0}
+
+    def write(key: str, tensor: torch.Tensor) -> None:
+        real_write(key, tensor)
+        if engine.global_steps + 1 == step and not key.startswith("grad."):
+            count["n"] += 1
+            if count["n"] == writes:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    store.async_write = write
 
 
 def save_failures(rank: int, world: int, root: str) -> dict[str, Any]:

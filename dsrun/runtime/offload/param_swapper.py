@@ -180,6 +180,7 @@ class NvmeParamOffload(ParamOffload):
         self._allocated = 0
         self._writing: list[torch.Tensor] = []  # buffers of writes not yet waited for
         self._pinned: "OrderedDict[int, torch.nn.Parameter]" = OrderedDict()  # params whose gather reads a buffer
+        self._staging: dict[int, list[Any]] = {}  # param id -> [buffer, elements filled] of a shard written in parts
         self.cached_numel = 0
         self.read_bytes = 0
         self.written_bytes = 0
@@ -367,21 +368,49 @@ class NvmeParamOffload(ParamOffload):
         self._writing.append(buffer)
         self.written_bytes += slot.numel * view.element_size()
 
+    def _forget_old_value(self, slot: _Slot) -> None:
+        if slot.buffer is not None:  # a read-ahead copy of the old value: give it up
+            if slot.reading:
+                self._wait_reads()
+            self._free.append(slot.buffer)
+            slot.buffer = None
+            slot.ahead = False
+
     def write_shard(self, param: torch.nn.Parameter, values: torch.Tensor) -> None:
         slot = self.slots.get(id(param))
         if slot is None:
             return super().write_shard(param, values)
         with torch.no_grad():
-            if slot.buffer is not None:  # a read-ahead copy of the old value: give it up
-                if slot.reading:
-                    self._wait_reads()
-                self._free.append(slot.buffer)
-                slot.buffer = None
+            self._forget_old_value(slot)
             if slot.cached is not None:
                 slot.cached.copy_(values.reshape(-1))
             self._write(slot, values)
 
+    def write_range(self, param: torch.nn.Parameter, lo: int, hi: int, values: torch.Tensor) -> None:
+        """Set elements ``[lo, hi)`` of ``param``'s shard (an optimizer that steps in tiles): the parts
+        are staged in a pool buffer and the file is written once the whole shard has arrived."""
+        slot = self.slots[id(param)]
+        if lo == 0 and hi == slot.numel:
+            return self.write_shard(param, values)
+        with torch.no_grad():
+            staged = self._staging.get(id(param))
+            if staged is None:
+                self._forget_old_value(slot)
+                staged = self._staging[id(param)] = [self._take_buffer({id(param)}), 0]
+            view = self._view(staged[0], slot.numel)
+            view[lo:hi].copy_(values.reshape(-1))
+            if slot.cached is not None:
+                slot.cached[lo:hi].copy_(values.reshape(-1))
+            staged[1] += hi - lo
+            if staged[1] >= slot.numel:
+                del self._staging[id(param)]
+                self.store.async_write(slot.key, view)
+                self._writing.append(staged[0])
+                self.written_bytes += slot.numel * view.element_size()
+
     def flush(self) -> None:
+        if self._staging:
+            raise RuntimeError(f"NVMe parameter offload: {len(self._staging)} shard(s) were only partly written")
         if self._writing:
             self._wait_writes()
 

@@ -44,7 +44,8 @@ class StrategyContext:
     prescale_gradients: bool = False
     gradient_predivide_factor: float = 1.0
     zero_config: Any = None  # the whole ``zero_optimization`` section, for stage-specific keys (stage 3)
-    aio_config: Any = None  # the ``aio`` section, for NVMe offload
+    aio_config: Any = None  # the ``aio`` section (NVMe offload)
+    force_ds_cpu_optimizer: bool = True  # ``zero_force_ds_cpu_optimizer``: offload needs a DeepSpeed CPU optimizer
 
     @property
     def world_size(self) -> int:
@@ -285,13 +286,18 @@ class FlatStrategy(ZeroStrategy):
             if clip_coef < 1.0:
                 coef *= clip_coef
         self.global_grad_norm = norm
+        self._apply_update(grads, coef)
+        self._publish()
+        return StepOutcome(overflow=False, grad_norm=norm)
+
+    def _apply_update(self, grads: list[torch.Tensor], coef: float) -> None:
+        """Scale the gradients by ``coef`` and step the optimizer on the masters (optimizer offload steps
+        them tile by tile on the host instead)."""
         for master, g in zip(self.masters, grads):
             if coef != 1.0:
                 g.mul_(coef)
             master.grad = g
         self._optimizer.step()
-        self._publish()
-        return StepOutcome(overflow=False, grad_norm=norm)
 
     def _padding_bytes(self) -> int:
         return sum(g.padding * g.flat_param.element_size() for g in self.groups)

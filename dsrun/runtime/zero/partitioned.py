@@ -88,7 +88,7 @@ class PartitionedStrategy(FlatStrategy):
         chunk = max(1, int(self.ctx.allgather_bucket_size) // self.world_size)
         with torch.no_grad():
             for group, master in zip(self.groups, self.masters):
-                part = master.detach() if self.model_dtype == torch.float32 else master.detach().to(self.model_dtype)
+                part = self._partition_for_publish(group, master)
                 if self.world_size == 1:
                     group.flat_param.copy_(part)
                     continue
@@ -100,6 +100,10 @@ class PartitionedStrategy(FlatStrategy):
                     end = min(size, start + chunk)
                     outputs = [group.flat_param[r * size + start:r * size + end] for r in range(self.world_size)]
                     comm.all_gather(outputs, part[start:end].contiguous(), group=self.ctx.group)
+
+    def _partition_for_publish(self, group: FlatGroup, master: torch.Tensor) -> torch.Tensor:
+        """This rank's updated partition in the model's dtype, on the device (the all-gather's input)."""
+        return master.detach() if self.model_dtype == torch.float32 else master.detach().to(self.model_dtype)
 
     def _partition_state_bytes(self) -> tuple[int, int]:
         return optimizer_state_bytes(self.optimizer), self._master_bytes()
@@ -225,7 +229,8 @@ class Stage2Strategy(PartitionedStrategy):
         if bucket.received is None:  # already completed inside backward
             return
         self._finish_handles(bucket)
-        self._owned_part(self.master_grads, bucket).add_(bucket.received)  # accumulate over micro-steps
+        owned = self._owned_part(self.master_grads, bucket)
+        owned.add_(bucket.received.to(owned.device))  # accumulate over micro-steps (on the host with offload)
         self._give_back(bucket.received)
         self._give_back(bucket.staging)  # release the bucket's copy of the gradients
         bucket.received = None

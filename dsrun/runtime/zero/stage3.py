@@ -163,26 +163,36 @@ class Stage3Strategy(ZeroStrategy):
                     sub_groups.append(current)
                     masters.append(current)
                 current.add(p)
-            for sg in masters:
-                shards = [param_swapper.shard_value(p).detach().to(device=self.ctx.device, dtype=torch.float32)
-                          for p in sg.params]
-                flat = torch.cat(shards) if shards else torch.zeros(0, device=self.ctx.device)
-                del shards
-                sg.master = torch.nn.Parameter(flat)  # cat made a new tensor: nothing shares it
-                sg.grad = torch.zeros_like(sg.master.data)
-                for p, off in zip(sg.params, sg.offsets):
-                    p.ds_fp32_shard = sg.master.data[off:off + p.ds_partition_numel]  # GatheredParameters writes here
-                if not self.precision.needs_master_weights:
-                    # fp32: the model's shards are views of the master, so the step updates them in place
-                    # (not an offloaded shard: it lives elsewhere and is written after the step)
-                    for p, off in zip(sg.params, sg.offsets):
-                        owner = param_swapper.offload_of(p)
-                        if owner is not None and not owner.can_alias(p, sg.master):
-                            self._separate_shards = True
-                            continue
-                        p.ds_tensor = sg.master.data[off:off + p.ds_partition_numel]
+            first = len(sub_groups) - len(masters)
+            for k, sg in enumerate(masters):
+                self._init_sub_group(first + k, sg)
             param_group["params"] = [sg.master for sg in masters]
         return sub_groups
+
+    def _init_sub_group(self, index: int, sg: SubGroup) -> None:
+        """Give sub-group ``index`` its fp32 master and gradient accumulator (on the device here; optimizer
+        offload puts them on the host or in swap files)."""
+        shards = [param_swapper.shard_value(p).detach().to(device=self.ctx.device, dtype=torch.float32)
+                  for p in sg.params]
+        flat = torch.cat(shards) if shards else torch.zeros(0, device=self.ctx.device)
+        del shards
+        sg.master = torch.nn.Parameter(flat)  # cat made a new tensor: nothing shares it
+        sg.grad = torch.zeros_like(sg.master.data)
+        for p, off in zip(sg.params, sg.offsets):
+            p.ds_fp32_shard = sg.master.data[off:off + p.ds_partition_numel]  # GatheredParameters writes here
+        if not self.precision.needs_master_weights:
+            self._alias_shards(sg)
+
+    def _alias_shards(self, sg: SubGroup) -> None:
+        """fp32: make the model's shards views of the master, so the step updates them in place; an
+        offloaded shard that lives elsewhere (NVMe, or host memory beside a device master) is written after
+        the step instead."""
+        for p, off in zip(sg.params, sg.offsets):
+            owner = param_swapper.offload_of(p)
+            if owner is not None and not owner.can_alias(p, sg.master):
+                self._separate_shards = True
+                continue
+            p.ds_tensor = sg.master.data[off:off + p.ds_partition_numel]
 
     # --- the engine's calls -------------------------------------------------------------------------------
     @property
@@ -254,7 +264,11 @@ class Stage3Strategy(ZeroStrategy):
             work.wait()
         for p, off in placed:
             sg, sg_off = self._slot[id(p)]
-            sg.grad[sg_off:sg_off + p.ds_partition_numel].add_(out[off:off + p.ds_partition_numel])
+            self._accumulate(sg, sg_off, out[off:off + p.ds_partition_numel])
+
+    def _accumulate(self, sg: SubGroup, offset: int, values: torch.Tensor) -> None:
+        """Add one parameter's reduced shard gradient into its sub-group's fp32 accumulator."""
+        sg.grad[offset:offset + values.numel()].add_(values)
 
     def _complete_all(self) -> None:
         for entry in self._inflight:
@@ -290,13 +304,17 @@ class Stage3Strategy(ZeroStrategy):
             if clip_coef < 1.0:
                 coef *= clip_coef
         self.global_grad_norm = norm
+        self._apply_update(coef)
+        return StepOutcome(overflow=False, grad_norm=norm)
+
+    def _apply_update(self, coef: float) -> None:
+        """Scale the gradients by ``coef``, step every sub-group and write the model's shards."""
         for sg in self.sub_groups:
             if coef != 1.0:
                 sg.grad.mul_(coef)
             sg.master.grad = sg.grad
         self._optimizer.step()
         self._publish()
-        return StepOutcome(overflow=False, grad_norm=norm)
 
     def _publish(self) -> None:
         """Write the updated fp32 shards into the model's shards; gathered copies are now stale."""
@@ -353,12 +371,18 @@ class Stage3Strategy(ZeroStrategy):
             "zero_stage": 3,
             "partition_count": self.world_size,
             "overflow": False,
-            "optimizer_state_dict": self._optimizer.state_dict(),
-            "fp32_flat_groups": [sg.master.detach().clone() for sg in self.sub_groups],
+            "optimizer_state_dict": self._optimizer_state_dict(),
+            "fp32_flat_groups": [self._master_for_checkpoint(i, sg) for i, sg in enumerate(self.sub_groups)],
             "param_shapes": [OrderedDict((names[id(p)], p.ds_shape) for p in sg.params) for sg in self.sub_groups],
         }
         sd.update(self.precision.state_dict())
         return sd
+
+    def _optimizer_state_dict(self) -> dict[str, Any]:
+        return self._optimizer.state_dict()
+
+    def _master_for_checkpoint(self, index: int, sg: SubGroup) -> torch.Tensor:
+        return sg.master.detach().clone()
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         if sd.get("partition_count") != self.world_size:

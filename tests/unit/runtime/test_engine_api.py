@@ -255,7 +255,6 @@ def test_unused_parameters_do_not_stall_or_skew_the_step(stage: int) -> None:
 
 
 @pytest.mark.parametrize("section, extra", [
-    ("offload_optimizer", {"offload_optimizer": {"device": "cpu"}}),
     ("offload_param", {"stage": 3, "offload_param": {"device": "cpu"}}),
 ])
 def test_offload_is_refused_not_silently_ignored(section, extra) -> None:

@@ -1,0 +1,74 @@
+"""The ``offload_optimizer`` settings a ZeRO strategy acts on, checked once when the strategy is built."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dsrun.utils.errors import ConfigError, Problem
+
+KEY = "zero_optimization.offload_optimizer"
+
+# A CPU-offloaded flat partition is stepped in tiles of at most this many elements, so the transfer of one
+# tile's gradient (and the write-back of its 16-bit copy) overlaps the update of the next.
+CPU_TILE_ELEMENTS = 1 << 22
+
+
+@dataclass
+class OffloadOptimizerSettings:
+    """``zero_optimization.offload_optimizer`` (+ ``aio``, ``sub_group_size``) as the strategies use them."""
+
+    device: str  # "cpu" | "nvme"
+    nvme_path: str | None = None
+    pin_memory: bool = False
+    buffer_count: int = 4
+    fast_init: bool = False
+    ratio: float = 1.0
+    aio: Any = None
+    sub_group_size: int = 1_000_000_000
+    force_ds_cpu_optimizer: bool = True
+
+    @classmethod
+    def from_context(cls, ctx: Any) -> "OffloadOptimizerSettings | None":
+        """The settings of ``ctx.zero_config.offload_optimizer``; None when the optimizer is not offloaded."""
+        zero = ctx.zero_config
+        section = getattr(zero, "offload_optimizer", None) if zero is not None else None
+        device = getattr(section, "device", "none") if section is not None else "none"
+        if device in (None, "none"):
+            return None
+        return cls(device=str(device), nvme_path=section.nvme_path, pin_memory=bool(section.pin_memory),
+                   buffer_count=int(section.buffer_count), fast_init=bool(section.fast_init),
+                   ratio=float(section.ratio), aio=getattr(ctx, "aio_config", None),
+                   sub_group_size=int(getattr(zero, "sub_group_size", 1_000_000_000) or 1_000_000_000),
+                   force_ds_cpu_optimizer=bool(getattr(ctx, "force_ds_cpu_optimizer", True)))
+
+    @property
+    def pinned(self) -> bool:
+        """Host buffers are page-locked: asked for, and an accelerator exists to transfer from them."""
+        return self.pin_memory and torch.cuda.is_available()
+
+
+def host_empty(numel: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+    """An uninitialised 1-D host tensor, page-locked when ``pinned``."""
+    return torch.empty(int(numel), dtype=dtype, pin_memory=pinned)
+
+
+def require_cpu_optimizer(optimizer: torch.optim.Optimizer, settings: OffloadOptimizerSettings) -> Any:
+    """The offloaded step needs one of DeepSpeed's CPU optimizers (DeepSpeedCPUAdam/Adagrad/Lion); returns it,
+    or None when ``zero_force_ds_cpu_optimizer: false`` lets another optimizer step the host tensors (CPU
+    offload only). Raises a one-line ConfigError otherwise."""
+    from dsrun.ops.cpu_optimizer import CPUOptimizer
+
+    if isinstance(optimizer, CPUOptimizer):
+        return optimizer
+    name = type(optimizer).__name__
+    if settings.device == "nvme":
+        raise ConfigError(Problem(f"{KEY}.device", f"NVMe optimizer offload steps swapped tiles with a DeepSpeed CPU "
+                                  f"optimizer; got {name}", "use optimizer type Adam, AdamW, Adagrad or Lion"))
+    if settings.force_ds_cpu_optimizer:
+        raise ConfigError(Problem("zero_force_ds_cpu_optimizer", f"ZeRO-Offload needs DeepSpeedCPUAdam, "
+                                  f"DeepSpeedCPUAdagrad or DeepSpeedCPULion; got {name}",
+                                  "use optimizer type Adam, AdamW, Adagrad or Lion, or set "
+                                  "\"zero_force_ds_cpu_optimizer\": false to step it on the host anyway"))
+    return None

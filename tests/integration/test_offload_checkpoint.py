@@ -1,0 +1,61 @@
+"""Checkpoints of optimizer-offloaded runs: the same DeepSpeed layout as in-memory runs, loadable both ways,
+resharded across stages, consolidated by zero_to_fp32; and a run SIGKILLed in the middle of an NVMe swap
+resumes from its last checkpoint on the same loss curve."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dsrun.checkpoint.safe_load import load_file
+from dsrun.runtime.offload.swap_store import SWAP_ROOT_NAME
+from dsrun.utils import zero_to_fp32 as z2f
+from tests.helpers import run_ranks
+from tests.integration import _offload_workloads as o
+from tests.integration._ckpt_workloads import run_jobs
+
+RTOL = 1e-5
+
+
+@pytest.mark.slow
+def test_offloaded_and_in_memory_checkpoints_load_into_each_other(tmp_path):
+    root, nvme = str(tmp_path / "ckpt"), str(tmp_path / "nvme")
+    out = run_ranks(run_jobs, 2, o.checkpoint_jobs(root, nvme), timeout=400)[0]
+    reference = out[1]["losses"]
+    for job in (2, 3, 4, 5):
+        assert out[job]["loaded_steps"] == 2
+        np.testing.assert_allclose(out[job]["losses"], reference[2:], rtol=RTOL, err_msg=f"job {job}")
+    # NVMe -> NVMe and in memory <-> NVMe at the same stage: the same arithmetic, exactly
+    assert out[3]["losses"] == out[4]["losses"] == out[2]["losses"]
+    np.testing.assert_allclose(out[0]["losses"], reference[:2], rtol=RTOL)
+    # the saved files have the in-memory layout: fp32 groups and Adam moments for every sub-group
+    optim = load_file(tmp_path / "ckpt/nvme/global_step2/zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    osd = optim["optimizer_state_dict"]
+    assert len(osd["fp32_flat_groups"]) == len(osd["optimizer_state_dict"]["state"]) > 1
+    assert all(s["step"] == 2 and s["exp_avg"].abs().sum() > 0 for s in osd["optimizer_state_dict"]["state"].values())
+    # zero_to_fp32 consolidates the NVMe run's masters into the model it had at step 2
+    full = z2f.get_fp32_state_dict_from_zero_checkpoint(f"{root}/nvme", "global_step2")
+    for name, value in out[0]["params"].items():
+        np.testing.assert_array_equal(full[name].numpy(), value, err_msg=name)
+    # CPU offload at stage 1 saved, loaded in memory: continues like the stage-3 reference
+    np.testing.assert_allclose(out[7]["losses"], reference[2:], rtol=RTOL)
+    assert not any((tmp_path / "nvme" / SWAP_ROOT_NAME).iterdir())  # every rank's swap folder was removed
+
+
+@pytest.mark.slow
+def test_killed_during_an_nvme_swap_resumes_on_the_same_curve(tmp_path):
+    root, nvme = str(tmp_path / "ckpt"), str(tmp_path / "nvme")
+    job = dict(stage=3, precision="fp32", global_batch=4, dropout=0.0, zero=o.nvme_zero(nvme), save_dir=root)
+    whole = run_ranks(run_jobs, 2, [dict(job, steps=5, save_dir=str(tmp_path / "whole"), save_at=())],
+                      timeout=300)[0][0]
+    # save at step 2, then die on rank 1 in step 4, after the 3rd swap write (files mid-update)
+    with pytest.raises(AssertionError, match="exit"):
+        run_ranks(run_jobs, 2, [dict(job, steps=5, save_at=(2,), kill_on_swap_write=(4, 3))], timeout=300)
+    left = list((tmp_path / "nvme" / SWAP_ROOT_NAME).iterdir())
+    assert left  # the killed ranks' swap files are still there
+    resumed = run_ranks(run_jobs, 2, [dict(job, steps=3, load=root, save_at=())], timeout=300)[0][0]
+    assert resumed["loaded_steps"] == 2
+    assert resumed["losses"] == whole["losses"][2:]
+    for name, value in whole["params"].items():
+        np.testing.assert_array_equal(resumed["params"][name], value, err_msg=name)
+    # the new run removed the dead processes' folders and its own
+    assert not any((tmp_path / "nvme" / SWAP_ROOT_NAME).iterdir())

@@ -1,0 +1,142 @@
+"""Optimizer offload in one process: which strategy runs, clear errors, the pipelines' ordering, accounting."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import dsrun
+from dsrun.ops.cpu_optimizer import CPUOptimizer
+from dsrun.runtime.offload.pipeline import StepPipeline, run_swap_pipeline
+from dsrun.utils.errors import ConfigError
+
+pytestmark = pytest.mark.usefixtures("world_of_one")
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+
+
+def _config(stage: int, offload: dict, optimizer: str = "AdamW", **extra) -> dict:
+    zero = {"stage": stage, "sub_group_size": 100, "offload_optimizer": offload,
+            "stage3_param_persistence_threshold": 0}
+    params = {"lr": 0.01, "betas": [0.9, 0.99]} if optimizer == "Lion" else {"lr": 0.01}
+    return {"train_batch_size": 4, "optimizer": {"type": optimizer, "params": params},
+            "zero_optimization": zero, "steps_per_print": 1000, **extra}
+
+
+def _train(engine, steps: int = 3) -> list[float]:
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        x, y = torch.randn(4, 16, generator=gen), torch.randn(4, 4, generator=gen)
+        loss = torch.nn.functional.mse_loss(engine(x.to(engine.module[0].weight.dtype)).float(), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("optimizer", ["AdamW", "Adagrad", "Lion"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_cpu_offload_steps_on_the_cpu_optimizer_like_in_memory(stage: int, optimizer: str):
+    engine = dsrun.initialize(model=_model(), config=_config(stage, {"device": "cpu"}, optimizer))[0]
+    assert type(engine.strategy).__name__ == f"OffloadStage{stage}Strategy"
+    assert isinstance(engine.optimizer, CPUOptimizer)
+    offloaded = _train(engine)
+    reference = dsrun.initialize(model=_model(), config=_config(stage, {"device": "none"}, optimizer))[0]
+    if optimizer != "AdamW":  # in memory the torch versions run: same math, different rounding order
+        torch.testing.assert_close(offloaded, _train(reference), rtol=1e-5, atol=0)
+    else:
+        assert offloaded == _train(reference)
+    assert engine.strategy.last_step_times.units > 1  # sub_group_size 100: several tiles were pipelined
+
+
+def test_nvme_offload_keeps_states_in_files(tmp_path: Path):
+    cfg = _config(3, {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 12}, bf16={"enabled": True})
+    engine = dsrun.initialize(model=_model(), config=cfg)[0]
+    swapped = engine.strategy.swapped
+    assert swapped.depth == 3 and len(swapped.units) > 2
+    _train(engine, 2)
+    keys = set(swapped.store.keys())
+    for unit in swapped.units:
+        assert {f"master.{unit.index}", f"exp_avg.{unit.index}", f"exp_avg_sq.{unit.index}"} <= keys
+    assert not any(k.startswith("grad.") for k in keys)  # zero_grad dropped the step's gradients
+    mem = engine.memory_breakdown()
+    assert mem.master_weights == 0 and mem.optimizer_states == 0 and mem.gradients == 0
+    assert 0 < mem.buffers <= 12 * swapped.pool.numel * 4 + 3 * swapped.pool.numel * 2
+    assert swapped.last_times.units == len(swapped.units)
+    folder = swapped.store.folder
+    engine.strategy.close()
+    assert not folder.exists()
+
+
+def test_clear_errors():
+    with pytest.raises(ConfigError, match="zero_force_ds_cpu_optimizer: ZeRO-Offload needs DeepSpeedCPUAdam"):
+        dsrun.initialize(model=_model(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                         config=_config(2, {"device": "cpu"}, zero_allow_untested_optimizer=True))
+    # allowed when asked for: SGD steps the host partition
+    engine = dsrun.initialize(model=_model(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                              config=_config(2, {"device": "cpu"}, zero_force_ds_cpu_optimizer=False,
+                                             zero_allow_untested_optimizer=True))[0]
+    before = engine.module[0].weight.detach().clone()
+    _train(engine, 1)
+    assert not torch.equal(before, engine.module[0].weight)
+    with pytest.raises(ConfigError, match="buffer_count: got 3"):
+        dsrun.initialize(model=_model(), config=_config(3, {"device": "nvme", "nvme_path": "/tmp", "buffer_count": 3}))
+    with pytest.raises(ConfigError, match="NVMe optimizer offload needs ZeRO stage 3"):
+        dsrun.initialize(model=_model(), config=_config(2, {"device": "nvme", "nvme_path": "/tmp"}))
+    with pytest.raises(ConfigError, match="ratio"):
+        dsrun.initialize(model=_model(), config=_config(2, {"device": "cpu", "ratio": 0.5}))
+
+
+def test_swap_pipeline_overlaps_reads_and_writes_with_compute():
+    for depth in (1, 2, 3):
+        log: list[str] = []
+        in_flight = {"r": [], "w": []}
+
+        def issue_read(i): in_flight["r"].append(i); log.append(f"R{i}")
+        def wait_reads(): log.append(f"wr{in_flight['r']}"); in_flight["r"].clear()
+        def compute(i): log.append(f"C{i}|r{in_flight['r']}|w{in_flight['w']}")
+        def issue_write(i): in_flight["w"].append(i); log.append(f"W{i}")
+        def wait_writes(): in_flight["w"].clear()
+
+        run_swap_pipeline(4, depth, issue_read, wait_reads, compute, issue_write, wait_writes)
+        computes = [e for e in log if e.startswith("C")]
+        assert len(computes) == 4
+        if depth == 3:  # read of i+1 and write of i-1 in flight during compute(i)
+            assert computes[1] == "C1|r[2]|w[0]" and computes[2] == "C2|r[3]|w[1]"
+        elif depth == 2:
+            assert computes[1] == "C1|r[2]|w[]"
+        else:
+            assert all(c.endswith("|r[]|w[]") for c in computes)
+
+
+def test_step_pipeline_runs_fetch_ahead_and_store_behind():
+    import threading
+
+    events: list[tuple[str, int]] = []
+    lock = threading.Lock()
+    release = threading.Event()
+
+    def fetch(i):
+        with lock:
+            events.append(("fetch", i))
+        if i == 1:
+            release.set()
+
+    def compute(i):
+        if i == 0:
+            assert release.wait(10)  # fetch(1) ran on the worker while compute(0) was running
+        with lock:
+            events.append(("compute", i))
+
+    def store(i):
+        with lock:
+            events.append(("store", i))
+
+    times = StepPipeline().run(3, fetch, compute, store)
+    assert times.units == 3 and events.index(("fetch", 1)) < events.index(("compute", 0))
+    assert sorted(events) == sorted([(k, i) for k in ("fetch", "compute", "store") for i in range(3)])
