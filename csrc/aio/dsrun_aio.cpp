@@ -89,10 +89,30 @@ std::string blocking_io(int fd, bool read, char* buf, int64_t offset, int64_t le
 }
 
 #ifdef DSRUN_HAVE_LIBAIO
+// One io context per worker thread, made on its first request and kept: io_destroy waits for an RCU grace
+// period (tens of milliseconds), which per request made every small read or write that slow.
+struct ThreadAioContext {
+    io_context_t ctx = nullptr;
+    int depth = 0;
+    ~ThreadAioContext() { if (ctx) io_destroy(ctx); }
+};
+
+int thread_aio_context(int queue_depth, io_context_t* out) {
+    thread_local ThreadAioContext holder;
+    if (holder.ctx == nullptr || holder.depth < queue_depth) {
+        if (holder.ctx) { io_destroy(holder.ctx); holder.ctx = nullptr; holder.depth = 0; }
+        int rc = io_setup(queue_depth, &holder.ctx);
+        if (rc < 0) { holder.ctx = nullptr; return rc; }
+        holder.depth = queue_depth;
+    }
+    *out = holder.ctx;
+    return 0;
+}
+
 std::string libaio_io(int fd, bool read, char* buf, int64_t offset, int64_t len, int64_t chunk, int queue_depth,
                       bool single_submit, bool overlap_events, const std::string& file) {
     io_context_t ctx = nullptr;
-    int rc = io_setup(queue_depth, &ctx);
+    int rc = thread_aio_context(queue_depth, &ctx);
     if (rc < 0) return errno_text("io_setup for", file, -rc);
     std::vector<iocb> cbs(queue_depth);
     std::vector<iocb*> free_cbs;
@@ -139,13 +159,12 @@ std::string libaio_io(int fd, bool read, char* buf, int64_t offset, int64_t len,
             --inflight;
         }
     }
-    // Never leave requests in flight on a buffer we are about to give back.
+    // Never leave requests in flight on a buffer we are about to give back (the context is reused).
     while (inflight > 0) {
         int got = io_getevents(ctx, 1, queue_depth, events.data(), nullptr);
         if (got < 0 && got != -EINTR) break;
         if (got > 0) inflight -= got;
     }
-    io_destroy(ctx);
     return error;
 }
 #endif

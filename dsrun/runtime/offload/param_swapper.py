@@ -138,14 +138,13 @@ class ParamOffload:
 class _Slot:
     """Where one swapped shard is in host memory right now."""
 
-    __slots__ = ("key", "numel", "buffer", "reading", "pins", "cached", "ahead")
+    __slots__ = ("key", "numel", "buffer", "reading", "cached", "ahead")
 
     def __init__(self, key: str, numel: int):
         self.key = key
         self.numel = numel
         self.buffer: torch.Tensor | None = None  # a pool buffer holding the shard (read or being read)
         self.reading = False  # an asynchronous read into ``buffer`` has not been waited for yet
-        self.pins = 0  # gathers in flight that read ``buffer``
         self.cached: torch.Tensor | None = None  # a private host copy (counts towards max_in_cpu)
         self.ahead = False  # the buffer was filled by read-ahead, before anything asked for it
 
@@ -179,7 +178,6 @@ class NvmeParamOffload(ParamOffload):
         self._free: list[torch.Tensor] = []
         self._allocated = 0
         self._writing: list[torch.Tensor] = []  # buffers of writes not yet waited for
-        self._pinned: "OrderedDict[int, torch.nn.Parameter]" = OrderedDict()  # params whose gather reads a buffer
         self._staging: dict[int, list[Any]] = {}  # param id -> [buffer, elements filled] of a shard written in parts
         self.cached_numel = 0
         self.read_bytes = 0
@@ -227,8 +225,8 @@ class NvmeParamOffload(ParamOffload):
         return buffer[:numel]
 
     def _take_buffer(self, protect: set[int]) -> torch.Tensor:
-        """A free pool buffer; frees one if needed (finished writes, read-ahead shards not in ``protect``,
-        gathers in flight), never more than ``buffer_count`` buffers in all."""
+        """A free pool buffer; frees one if needed (finished writes, read-ahead shards not in ``protect``),
+        never more than ``buffer_count`` buffers in all."""
         while True:
             if self._free:
                 return self._free.pop()
@@ -244,22 +242,13 @@ class NvmeParamOffload(ParamOffload):
                     self._wait_reads()
                 self._drop(victim)
                 continue
-            if self._pinned:
-                param = next(iter(self._pinned.values()))  # the oldest gather in flight
-                handle = getattr(param, "ds_handle", None)
-                if handle is not None:
-                    handle.wait()  # completes the gather, which calls gather_done and frees the buffer
-                if id(param) in self._pinned:
-                    self._unpin(param)
-                continue
             raise RuntimeError(
-                f"NVMe parameter offload: all {self.buffer_count} buffers hold shards in use at once; raise "
-                "zero_optimization.offload_param.buffer_count")
+                f"NVMe parameter offload: all {self.buffer_count} buffers hold shards being written at once; "
+                "raise zero_optimization.offload_param.buffer_count")
 
     def _read_ahead_victim(self, protect: set[int]) -> _Slot | None:
         """The read-ahead shard needed furthest in the future (the last one read ahead)."""
-        candidates = [(pid, s) for pid, s in self.slots.items()
-                      if s.buffer is not None and s.pins == 0 and pid not in protect]
+        candidates = [(pid, s) for pid, s in self.slots.items() if s.buffer is not None and pid not in protect]
         return candidates[-1][1] if candidates else None
 
     def _drop(self, slot: _Slot) -> None:
@@ -311,33 +300,20 @@ class NvmeParamOffload(ParamOffload):
             return param.ds_tensor
         slot = self.slots[id(param)]
         value = self._host_shard(param).clone()
-        if slot.pins == 0 and slot.cached is None:
+        if slot.cached is None:
             self._drop(slot)
         return value
 
     def gather_input(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """A private copy of the shard on the training device: the pool buffer is free again at once, so
+        asynchronous (prefetched) all-gathers never hold the pool and read-ahead keeps its buffers."""
         if id(param) not in self.slots:
             return super().gather_input(param)
         shard = self._host_shard(param)
         slot = self.slots[id(param)]
-        if self.compute_device.type != "cpu":
-            device_shard = shard.to(self.compute_device)
-            self._finish_use(param, slot)
-            return device_shard
-        slot.pins += 1
-        self._pinned[id(param)] = param
-        return shard
-
-    def gather_done(self, param: torch.nn.Parameter) -> None:
-        if id(param) in self._pinned:
-            self._unpin(param)
-
-    def _unpin(self, param: torch.nn.Parameter) -> None:
-        self._pinned.pop(id(param), None)
-        slot = self.slots[id(param)]
-        slot.pins = max(0, slot.pins - 1)
-        if slot.pins == 0:
-            self._finish_use(param, slot)
+        private = shard.to(self.compute_device, copy=True)
+        self._finish_use(param, slot)
+        return private
 
     def _finish_use(self, param: torch.nn.Parameter, slot: _Slot) -> None:
         """The gather has its data: keep the shard cached if ``max_in_cpu`` allows, and free the buffer."""

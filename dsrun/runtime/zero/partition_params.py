@@ -119,7 +119,7 @@ def start_gather(param: torch.nn.Parameter, async_op: bool) -> GatherHandle | No
     shard = owner.gather_input(param) if owner is not None else param.ds_tensor
     world = param.ds_world_size
     if world == 1:
-        buffer = shard if owner is None else shard.clone()  # an offloaded shard's buffer goes back to its pool
+        buffer = shard
         work = None
     else:
         buffer = torch.empty(param.ds_partition_numel * world, dtype=shard.dtype, device=shard.device)
