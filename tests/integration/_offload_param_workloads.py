@@ -37,7 +37,21 @@ def suite_cases(root: str) -> dict[str, tuple[dict[str, Any], bool]]:
         "nvme_init": (z3.ds_config(3, 2, 1, zero={"offload_param": nvme(root)}), True),
         "bf16_ref": (z3.ds_config(3, 2, 1, **bf16), False),
         "bf16_nvme": (z3.ds_config(3, 2, 1, zero={"offload_param": nvme(root)}, **bf16), False),
+        # with optimizer offload (dsrun/runtime/offload/strategies.py) as well: ZeRO-Offload / ZeRO-Infinity
+        "both_cpu": (z3.ds_config(3, 2, 1, zero={"offload_param": {"device": "cpu"},
+                                                  "offload_optimizer": {"device": "cpu"}}), False),
+        # the CPU optimizer steps 3000-element tiles: shards that straddle two tiles are written in parts
+        "opt_cpu_param_nvme": (z3.ds_config(3, 2, 1, zero={"offload_param": nvme(root), "sub_group_size": 3000,
+                                                            "offload_optimizer": {"device": "cpu"}}), False),
+        "both_nvme": (z3.ds_config(3, 2, 1, zero={"offload_param": nvme(root), **_nvme_optimizer(root)}), True),
+        "both_nvme_bf16": (z3.ds_config(3, 2, 1, zero={"offload_param": nvme(root), **_nvme_optimizer(root)},
+                                        **bf16), True),
     }
+
+
+def _nvme_optimizer(root: str) -> dict[str, Any]:
+    return {"sub_group_size": 3000,
+            "offload_optimizer": {"device": "nvme", "nvme_path": root, "buffer_count": 12}}
 
 
 def _build(cfg: dict[str, Any], zero_init: bool) -> Any:
@@ -75,8 +89,7 @@ def world_suite(rank: int, world: int, root: str, ckpt_dir: str) -> dict[str, An
         out[name] = {"losses": losses, "params": _params(engine), "memory": engine.memory_breakdown().as_dict(),
                      "stats": offload.stats() if hasattr(offload, "stats") else None,
                      "device": offload.device if offload is not None else None}
-        if offload is not None and hasattr(offload, "close"):
-            offload.close()
+        _close(engine)
     out["ckpt"] = checkpoint_round_trip(rank, world, root, ckpt_dir)
     out["leftover"] = sorted(str(p) for p in Path(root).rglob("*.swp"))
     return out
@@ -91,15 +104,22 @@ def checkpoint_round_trip(rank: int, world: int, root: str, ckpt_dir: str) -> di
     first.save_checkpoint(ckpt_dir, tag="ckpt")
     later = lambda step, size: _batch(step + 3, size)  # noqa: E731
     cont, _ = train_steps(first, later, 2, rank, world)
-    first.strategy.param_offload.close()
+    _close(first)
     results = {"continued": cont}
     for name, config in (("loaded_nvme", cfg), ("loaded_plain", z3.ds_config(3, 2, 1))):
         engine = _build(config, zero_init=False)
         engine.load_checkpoint(ckpt_dir, tag="ckpt")
         results[name], _ = train_steps(engine, later, 2, rank, world)
-        if engine.strategy.param_offload is not None:
-            engine.strategy.param_offload.close()
+        _close(engine)
     return results
+
+
+def _close(engine: Any) -> None:
+    """Remove this engine's swap files now (they would otherwise go when the process exits)."""
+    if hasattr(engine.strategy, "close"):  # optimizer offload's swap store
+        engine.strategy.close()
+    if engine.strategy.param_offload is not None:
+        engine.strategy.param_offload.close()
 
 
 # --- resident memory ------------------------------------------------------------------------------------
@@ -138,6 +158,5 @@ def rss_run(rank: int, world: int, offload: dict[str, Any] | None) -> dict[str, 
     result = {"rss": psutil.Process().memory_info().rss, "losses": losses,
               "offloaded": owner.offloaded_bytes() if owner is not None else 0,
               "pool": owner.buffer_bytes() if owner is not None else 0}
-    if owner is not None:
-        owner.close()
+    _close(engine)
     return result

@@ -1,8 +1,9 @@
 """ZeRO-Infinity parameter offload (``offload_param`` cpu | nvme, stage 3) over 2 gloo ranks.
 
-Parity: every offloaded run tracks the same run without offload: fp32 losses within 1e-5 relative (they
-come out identical: the arithmetic is the same, only where the shards rest changes), bf16 within 1e-3
-relative of the bf16 run without offload. Also: a model built under ``zero.Init`` with NVMe offload trains
+Parity: every offloaded run (parameters to CPU or NVMe, alone or with the optimizer offloaded to CPU or
+NVMe) tracks the same run without offload: fp32 losses within 1e-5 relative, bf16 within 1e-3 relative of
+the bf16 run without offload (parameter offload alone gives identical numbers; the CPU optimizer and the
+fused 16-bit write-back of optimizer offload differ in rounding only). Also: a model built under ``zero.Init`` with NVMe offload trains
 like one built whole; a checkpoint of an NVMe-offloaded run resumes exactly, offloaded or not; the swap
 files are gone afterwards; and with NVMe offload a rank's RSS is lower by the shards it no longer holds.
 """
@@ -33,19 +34,23 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return suite(str(tmp_path_factory.mktemp("offload_param")))
 
 
-@pytest.mark.parametrize("case", ["cpu", "nvme", "nvme_cached", "nvme_init"])
+@pytest.mark.parametrize("case", ["cpu", "nvme", "nvme_cached", "nvme_init", "both_cpu", "opt_cpu_param_nvme",
+                                  "both_nvme"])
 def test_fp32_offloaded_runs_track_the_in_memory_run(results: list[dict], case: str) -> None:
     ref, got = results[0]["ref"], results[0][case]
     for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
         assert rel(a, b) <= FP32_TOL, f"{case} step {step}: loss {a} vs {b}"
-    assert float(np.max(np.abs(got["params"] - ref["params"]))) <= 1e-6
+    # final parameters: within 1e-4 of the largest (Adam turns rounding noise of near-zero gradients into
+    # visible parameter noise, as in the ZeRO-3 parity tests)
+    assert w.z3.max_rel_param_diff(got["params"], ref["params"]) <= 1e-4
     np.testing.assert_array_equal(results[1][case]["params"], got["params"])  # both ranks gather the same
 
 
-def test_bf16_nvme_tracks_bf16_in_memory(results: list[dict]) -> None:
-    ref, got = results[0]["bf16_ref"], results[0]["bf16_nvme"]
+@pytest.mark.parametrize("case", ["bf16_nvme", "both_nvme_bf16"])
+def test_bf16_nvme_tracks_bf16_in_memory(results: list[dict], case: str) -> None:
+    ref, got = results[0]["bf16_ref"], results[0][case]
     for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
-        assert rel(a, b) <= BF16_TOL, f"bf16 step {step}: loss {a} vs {b}"
+        assert rel(a, b) <= BF16_TOL, f"{case} step {step}: loss {a} vs {b}"
 
 
 def test_nvme_shards_leave_memory_and_are_read_ahead(results: list[dict]) -> None:
