@@ -89,6 +89,7 @@ std::string blocking_io(int fd, bool read, char* buf, int64_t offset, int64_t le
 }
 
 #ifdef DSRUN_HAVE_LIBAIO
+<<<<<<< HEAD
 // One io context per worker thread, made on its first request and kept: io_destroy waits for an RCU grace
 // period (tens of milliseconds), which per request made every small read or write that slow.
 struct ThreadAioContext {
@@ -114,6 +115,32 @@ std::string libaio_io(int fd, bool read, char* buf, int64_t offset, int64_t len,
     io_context_t ctx = nullptr;
     int rc = thread_aio_context(queue_depth, &ctx);
     if (rc < 0) return errno_text("io_setup for", file, -rc);
+=======
+// One libaio context per worker thread, kept for the thread's life: io_destroy waits for an RCU grace period
+// (tens of milliseconds on a busy VM), which made every request of a swap-sized tensor that slow.
+struct ThreadAioContext {
+    io_context_t ctx = nullptr;
+    int depth = 0;
+    ~ThreadAioContext() { if (ctx != nullptr) io_destroy(ctx); }
+};
+
+std::string libaio_io(int fd, bool read, char* buf, int64_t offset, int64_t len, int64_t chunk, int queue_depth,
+                      bool single_submit, bool overlap_events, const std::string& file) {
+    thread_local ThreadAioContext context;
+    int rc = 0;
+    if (context.ctx == nullptr || context.depth < queue_depth) {
+        if (context.ctx != nullptr) io_destroy(context.ctx);
+        context.ctx = nullptr;
+        context.depth = 0;
+        rc = io_setup(queue_depth, &context.ctx);
+        if (rc < 0) {
+            context.ctx = nullptr;
+            return errno_text("io_setup for", file, -rc);
+        }
+        context.depth = queue_depth;
+    }
+    io_context_t ctx = context.ctx;
+>>>>>>> offload-opt
     std::vector<iocb> cbs(queue_depth);
     std::vector<iocb*> free_cbs;
     for (auto& cb : cbs) free_cbs.push_back(&cb);

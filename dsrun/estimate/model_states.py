@@ -20,9 +20,10 @@ every rank besides their share of the partition. The optimizer step adds one fp3
 partition it updates (a multi-tensor step's workspace, e.g. Adam's ``sqrt(v) + eps``), none for stateless
 SGD or an offloaded (fused) step.
 
-Optimizer offload moves master copy, fp32 gradients and states to host RAM (cpu) or NVMe; the CPU
-optimizer needs an fp32 copy of the partition even in fp32 training; with it, stage 2/3 gradients leave
-the device bucket by bucket. Parameter offload (stage 3) moves the parameter partition to host RAM or NVMe.
+Optimizer offload moves master copy, fp32 gradients and states to host RAM (cpu) or NVMe (the gradients
+too: each sub-group's is written out as it completes, so only ``buffer_count`` sub-group buffers stay
+resident); the CPU optimizer needs an fp32 copy of the partition even in fp32 training; with it, stage 2/3
+gradients leave the device bucket by bucket. Parameter offload (stage 3) moves the parameter partition to host RAM or NVMe.
 """
 from __future__ import annotations
 
@@ -143,10 +144,16 @@ def model_state_bytes(spec: EstimateInputs) -> ModelStates:
         if spec.offload_optimizer == "cpu":
             host += t_part * (FP32 + FP32 + states)  # fp32 params, fp32 grads, states
         else:
-            host += t_part * FP32  # fp32 gradients are gathered in RAM before being swapped with the states
-            nvme += t_part * (FP32 + states)
+            # dsrun.runtime.offload.nvme: master, fp32 gradient and states of each sub-group in swap files;
+            # resident: buffer_count fp32 buffers of one sub-group, and (16-bit model) one 16-bit output
+            # per pipeline slot (a slot = master + gradient + states buffers, at most 3 slots)
+            nvme += t_part * (FP32 + FP32 + states)
             chunk = min(t_part, spec.buffers.sub_group_size)
-            host_buffers += spec.buffers.offload_optimizer_buffer_count * chunk * FP32
+            count = spec.buffers.offload_optimizer_buffer_count
+            host_buffers += count * chunk * FP32
+            if mixed:
+                slots = max(1, min(3, count // (2 + states // FP32)))
+                host_buffers += slots * chunk * w
     return ModelStates(device_params=device_params, device_master_params=device_master,
                        device_gradients=device_grads, device_optimizer_states=device_states,
                        device_step_workspace=step_workspace, host=host, nvme=nvme, host_buffers=host_buffers)

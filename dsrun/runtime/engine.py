@@ -106,7 +106,8 @@ class DeepSpeedEngine(torch.nn.Module):
             prescale_gradients=bool(self._config.prescale_gradients),
             gradient_predivide_factor=float(self._config.gradient_predivide_factor), zero_config=zero,
             aio_config=getattr(self._config, "aio", None),
-            force_ds_cpu_optimizer=bool(getattr(self._config, "zero_force_ds_cpu_optimizer", True)))
+            force_ds_cpu_optimizer=bool(getattr(self._config, "zero_force_ds_cpu_optimizer", True)),
+            gradient_clipping=float(self._config.gradient_clipping or 0.0))
 
     def _configure_lr_scheduler(self, client_scheduler: Any) -> Any:
         if client_scheduler is not None:

@@ -101,12 +101,14 @@ class SwappedOptimizerState:
     """Masters, optimizer states and gradients of the NVMe-offloaded sub-groups of one rank."""
 
     def __init__(self, settings: OffloadOptimizerSettings, optimizer: Any, rank: int,
-                 model_dtype: torch.dtype):
+                 model_dtype: torch.dtype, measure_gradients: bool = True):
         self.settings = settings
         self.optimizer = optimizer
         self.state_keys: tuple[str, ...] = tuple(optimizer.STATE_KEYS)
         self.state_dtype: torch.dtype = optimizer._state_dtype()
         self.model_dtype = model_dtype
+        # record each gradient's norm and finiteness as it is swapped out (needed for clipping / fp16 skips)
+        self.measure_gradients = measure_gradients
         self.per_slot = 2 + len(self.state_keys)  # master, gradient, states
         if settings.buffer_count < self.per_slot:
             raise ConfigError(Problem(f"{KEY}.buffer_count", f"got {settings.buffer_count}; NVMe offload with "
@@ -199,7 +201,7 @@ class SwappedOptimizerState:
     def _close(self, index: int, final: bool) -> None:
         entry = self._open.pop(index)
         grad = entry.buffer[:self._unit_by_index[index].numel]
-        if final and self._boundary:
+        if final and self._boundary and self.measure_gradients:
             self.stats[index] = grad_stats(grad)
         self.store.async_write(self._key("grad", index), grad)
         self._writing.append(entry.buffer)
@@ -336,6 +338,18 @@ class SwappedOptimizerState:
                 if key in self.store:
                     self.store.delete(key)
 
+    def write_master_slice(self, index: int, offset: int, values: torch.Tensor) -> None:
+        """Overwrite elements ``[offset, offset + len)`` of sub-group ``index``'s fp32 master in its file (read,
+        modify, write: for ``GatheredParameters(modifier_rank=...)``, not for the training loop)."""
+        self.recycle()
+        buffer = self._take_buffer()
+        try:
+            master = self.store.read(self._key("master", index), buffer[:self._unit_by_index[index].numel])
+            master[offset:offset + values.numel()].copy_(values.reshape(-1))
+            self.store.write(self._key("master", index), master)
+        finally:
+            self.pool.give(buffer)
+
     def read_master(self, index: int, visit: Callable[[torch.Tensor], None]) -> None:
         """Read sub-group ``index``'s master into a pool buffer and pass it to ``visit``."""
         self.recycle()
@@ -358,3 +372,22 @@ class SwappedOptimizerState:
 
     def close(self) -> None:
         self.store.close()
+
+
+class SwappedShard:
+    """Stands for a parameter's fp32 master shard that lives in a swap file (``param.ds_fp32_shard``): a
+    ``copy_`` (what ``GatheredParameters(modifier_rank=...)`` does after a change) is written through to the
+    file, so the next step starts from the modified value."""
+
+    def __init__(self, state: SwappedOptimizerState, index: int, offset: int, numel: int):
+        self.state, self.index, self.offset, self.numel_ = state, index, offset, numel
+
+    def data_ptr(self) -> int:
+        return -1  # never the model's shard
+
+    def numel(self) -> int:
+        return self.numel_
+
+    def copy_(self, values: torch.Tensor) -> "SwappedShard":
+        self.state.write_master_slice(self.index, self.offset, values.detach().float().cpu())
+        return self

@@ -30,7 +30,7 @@ from dsrun.runtime.zero.stage3 import Stage3Strategy, SubGroup
 from dsrun.runtime.zero.partition_params import shard_padding
 
 from . import param_swapper
-from .nvme import SwappedOptimizerState, SwappedUnit
+from .nvme import SwappedOptimizerState, SwappedShard, SwappedUnit
 from .pipeline import PipelineTimes, StepPipeline, scatter_to_shards
 from .settings import CPU_TILE_ELEMENTS, OffloadOptimizerSettings, host_empty, require_cpu_optimizer
 
@@ -204,7 +204,9 @@ class OffloadStage3Strategy(Stage3Strategy):
                                       "a DeepSpeed CPU optimizer", "use optimizer type Adam, AdamW, Adagrad or Lion"))
         self.swapped: SwappedOptimizerState | None = None
         if settings.device == "nvme":
-            self.swapped = SwappedOptimizerState(settings, ctx.optimizer, ctx.rank, ctx.precision.model_dtype)
+            measure = ctx.precision.checks_overflow or float(getattr(ctx, "gradient_clipping", 0.0) or 0.0) > 0
+            self.swapped = SwappedOptimizerState(settings, ctx.optimizer, ctx.rank, ctx.precision.model_dtype,
+                                                 measure_gradients=measure)
         self._offload_budget: float | None = None
         self._placed_numel = 0
         self.pipeline = StepPipeline()
@@ -246,6 +248,8 @@ class OffloadStage3Strategy(Stage3Strategy):
             assert self.swapped is not None
             self.swapped.add_unit(SwappedUnit(index, sg.numel, len(sg.params), sg.group_index), flat)
             del flat
+            for p, off in zip(sg.params, sg.offsets):  # GatheredParameters writes through to the file
+                p.ds_fp32_shard = SwappedShard(self.swapped, index, off, p.ds_partition_numel)
             # the optimizer's param is a placeholder with the right size and no storage
             sg.master = torch.nn.Parameter(torch.empty(sg.numel, dtype=torch.float32, device="meta"))
             sg.grad = None

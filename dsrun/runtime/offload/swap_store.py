@@ -114,7 +114,11 @@ class SwapStore:
         self._entries: dict[str, SwapEntry] = {}
         self._reading: set[str] = set()
         self._writing: set[str] = set()
-        self._lock = threading.Lock()
+        # A handle's wait() returns once the requests it found pending are done; a request another thread
+        # is already waiting for is not among them. Submitting and waiting under one lock per handle keeps
+        # "after wait_*(), every write/read started before it is complete" true across threads.
+        self._read_lock = threading.RLock()
+        self._write_lock = threading.RLock()
         self._closed = False
         self._finalizer = weakref.finalize(self, _cleanup, self.folder, [self._read_handle, self._write_handle])
 
@@ -138,14 +142,12 @@ class SwapStore:
         self._check_open()
         tensor = _checked(tensor, "async_write")
         path = self.path(key)
-        with self._lock:
-            busy = key in self._reading or key in self._writing
-        if busy:
+        if key in self._reading or key in self._writing:
             self.wait()
-        with self._lock:
+        with self._write_lock:
             self._entries[key] = SwapEntry(tensor.numel() * tensor.element_size(), tensor.dtype, tensor.numel())
             self._writing.add(key)
-        self._write_handle.async_pwrite(tensor, path)
+            self._write_handle.async_pwrite(tensor, path)
 
     def async_read(self, key: str, out: torch.Tensor) -> None:
         """Start reading ``key`` into ``out`` (contiguous, CPU, exactly as many bytes as were written)."""
@@ -156,13 +158,11 @@ class SwapStore:
         if nbytes != entry.nbytes:
             raise ValueError(f"swap key {key!r} holds {entry.nbytes} bytes ({entry.numel} x {entry.dtype}); "
                              f"the output has {nbytes}")
-        with self._lock:
-            writing = key in self._writing
-        if writing:
+        if key in self._writing:
             self.wait_writes()
-        with self._lock:
+        with self._read_lock:
             self._reading.add(key)
-        self._read_handle.async_pread(out, self.path(key))
+            self._read_handle.async_pread(out, self.path(key))
 
     def write(self, key: str, tensor: torch.Tensor) -> None:
         """Write ``tensor`` as ``key`` and wait for it."""
@@ -180,18 +180,18 @@ class SwapStore:
 
     def wait_reads(self) -> int:
         """Block until every started read is done; returns how many completed."""
-        try:
-            return self._read_handle.wait()
-        finally:
-            with self._lock:
+        with self._read_lock:
+            try:
+                return self._read_handle.wait()
+            finally:
                 self._reading.clear()
 
     def wait_writes(self) -> int:
         """Block until every started write is done (the keys' files are then complete)."""
-        try:
-            return self._write_handle.wait()
-        finally:
-            with self._lock:
+        with self._write_lock:
+            try:
+                return self._write_handle.wait()
+            finally:
                 self._writing.clear()
 
     def wait(self) -> int:
@@ -228,9 +228,7 @@ class SwapStore:
 
     def delete(self, key: str) -> None:
         """Forget ``key`` and remove its file."""
-        with self._lock:
-            busy = key in self._reading or key in self._writing
-        if busy:
+        if key in self._reading or key in self._writing:
             self.wait()
         self._entries.pop(key, None)
         self.path(key).unlink(missing_ok=True)

@@ -46,6 +46,7 @@ class StrategyContext:
     zero_config: Any = None  # the whole ``zero_optimization`` section, for stage-specific keys (stage 3)
     aio_config: Any = None  # the ``aio`` section (NVMe offload)
     force_ds_cpu_optimizer: bool = True  # ``zero_force_ds_cpu_optimizer``: offload needs a DeepSpeed CPU optimizer
+    gradient_clipping: float = 0.0  # known ahead, so NVMe offload measures gradients only when the step needs it
 
     @property
     def world_size(self) -> int:

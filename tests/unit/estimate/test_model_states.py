@@ -103,10 +103,12 @@ def test_nvme_offload_puts_states_on_nvme_with_host_swap_buffers():
     states = model_state_bytes(spec(zero_stage=3, offload_optimizer="nvme", offload_param="nvme",
                                     buffers=BufferSettings(sub_group_size=10_000_000)))
     part = P // 8
-    assert states.nvme == part * (4 + 8) + part * 2
-    assert states.host == part * 4  # fp32 gradients
-    # optimizer swap buffers; the parameter pool (5 whole buffers of 1e8) and up to max_in_cpu cached shards
-    assert states.host_buffers == 4 * 10_000_000 * 4 + (5 * 100_000_000 + min(1_000_000_000, part)) * 2
+    assert states.nvme == part * (4 + 4 + 8) + part * 2  # master, fp32 gradient, Adam states; 16-bit params
+    assert states.host == 0  # gradients are swapped out sub-group by sub-group, not gathered in RAM
+    chunk = min(part, 10_000_000)
+    # buffer_count fp32 buffers of one sub-group; one pipeline slot (4 buffers) -> one bf16 output tile; the
+    # parameter pool (5 whole buffers of 1e8 elements) and up to max_in_cpu cached shards
+    assert states.host_buffers == 4 * chunk * 4 + chunk * 2 + (5 * 100_000_000 + min(1_000_000_000, part)) * 2
     assert states.device_total == 0
 
 
