@@ -89,33 +89,6 @@ std::string blocking_io(int fd, bool read, char* buf, int64_t offset, int64_t le
 }
 
 #ifdef DSRUN_HAVE_LIBAIO
-<<<<<<< HEAD
-// One io context per worker thread, made on its first request and kept: io_destroy waits for an RCU grace
-// period (tens of milliseconds), which per request made every small read or write that slow.
-struct ThreadAioContext {
-    io_context_t ctx = nullptr;
-    int depth = 0;
-    ~ThreadAioContext() { if (ctx) io_destroy(ctx); }
-};
-
-int thread_aio_context(int queue_depth, io_context_t* out) {
-    thread_local ThreadAioContext holder;
-    if (holder.ctx == nullptr || holder.depth < queue_depth) {
-        if (holder.ctx) { io_destroy(holder.ctx); holder.ctx = nullptr; holder.depth = 0; }
-        int rc = io_setup(queue_depth, &holder.ctx);
-        if (rc < 0) { holder.ctx = nullptr; return rc; }
-        holder.depth = queue_depth;
-    }
-    *out = holder.ctx;
-    return 0;
-}
-
-std::string libaio_io(int fd, bool read, char* buf, int64_t offset, int64_t len, int64_t chunk, int queue_depth,
-                      bool single_submit, bool overlap_events, const std::string& file) {
-    io_context_t ctx = nullptr;
-    int rc = thread_aio_context(queue_depth, &ctx);
-    if (rc < 0) return errno_text("io_setup for", file, -rc);
-=======
 // One libaio context per worker thread, kept for the thread's life: io_destroy waits for an RCU grace period
 // (tens of milliseconds on a busy VM), which made every request of a swap-sized tensor that slow.
 struct ThreadAioContext {
@@ -140,7 +113,6 @@ std::string libaio_io(int fd, bool read, char* buf, int64_t offset, int64_t len,
         context.depth = queue_depth;
     }
     io_context_t ctx = context.ctx;
->>>>>>> offload-opt
     std::vector<iocb> cbs(queue_depth);
     std::vector<iocb*> free_cbs;
     for (auto& cb : cbs) free_cbs.push_back(&cb);
@@ -186,7 +158,7 @@ std::string libaio_io(int fd, bool read, char* buf, int64_t offset, int64_t len,
             --inflight;
         }
     }
-    // Never leave requests in flight on a buffer we are about to give back (the context is reused).
+    // Never leave requests in flight on a buffer we are about to give back.
     while (inflight > 0) {
         int got = io_getevents(ctx, 1, queue_depth, events.data(), nullptr);
         if (got < 0 && got != -EINTR) break;
