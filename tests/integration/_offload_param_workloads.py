@@ -123,20 +123,28 @@ def _close(engine: Any) -> None:
 
 
 # --- resident memory ------------------------------------------------------------------------------------
-RSS_GPT = dict(vocab_size=256, block_size=32, n_layer=12, n_head=8, n_embd=512)
+RSS_GPT = dict(vocab_size=256, block_size=32, n_layer=16, n_head=8, n_embd=512)
 
 
-def rss_run(rank: int, world: int, offload: dict[str, Any] | None) -> dict[str, Any]:
-    """Build a 38M-parameter bf16 GPT under zero.Init, train 2 steps; return this rank's RSS afterwards."""
+def rss_run(rank: int, world: int, offload: dict[str, Any] | None, root: str) -> dict[str, Any]:
+    """Build a 50M-parameter bf16 GPT under zero.Init, train 2 steps; return this rank's RSS afterwards.
+    ``offload``: keys added to ``zero_optimization`` (None: everything in memory).
+
+    The in-memory run opens an (unused) swap store too, so both processes load the async I/O library and
+    start its threads: the difference between them is where the shards live, not the cost of the library."""
     import psutil
 
     import dsrun
     from dsrun.models.gpt import GPT
+    from dsrun.runtime.offload.swap_store import SwapStore
     from dsrun.runtime.zero import host_memory
 
-    zero = {"stage": 3, "stage3_param_persistence_threshold": 10_000, "reduce_bucket_size": 1_000_000}
+    idle_store = SwapStore(root, rank=rank) if offload is None else None
+
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 10_000, "reduce_bucket_size": 1_000_000,
+            "sub_group_size": 1_000_000}
     if offload is not None:
-        zero["offload_param"] = offload
+        zero.update(offload)
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": zero,
            "steps_per_print": 1000}
@@ -155,8 +163,13 @@ def rss_run(rank: int, world: int, offload: dict[str, Any] | None) -> dict[str, 
     gc.collect()
     host_memory.trim()
     owner = engine.strategy.param_offload
+    swapped = getattr(engine.strategy, "swapped", None)  # NVMe optimizer offload (masters and states)
     result = {"rss": psutil.Process().memory_info().rss, "losses": losses,
               "offloaded": owner.offloaded_bytes() if owner is not None else 0,
-              "pool": owner.buffer_bytes() if owner is not None else 0}
+              "pool": owner.buffer_bytes() if owner is not None else 0,
+              "optimizer_swapped": swapped.swapped_bytes if swapped is not None else 0,
+              "optimizer_pool": swapped.resident_bytes if swapped is not None else 0}
     _close(engine)
+    if idle_store is not None:
+        idle_store.close()
     return result
