@@ -85,7 +85,9 @@ def ds_config(mode: str, kwargs: dict[str, Any], nvme_root: str) -> dict[str, An
         zero["offload_optimizer"] = {"device": "cpu"}
         zero["offload_param"] = {"device": "cpu"}
     elif mode == "infinity":
-        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_root, "buffer_count": 12,
+        # 8 buffers (pipeline depth 2) of the largest sub-group: the token embedding is one sub-group of its
+        # own (50257 x 4096 = 206M elements: 8 x 824 MB at 4B-class widths); 12 would not leave room
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_root, "buffer_count": 8,
                                      "fast_init": True}
         zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_root, "buffer_count": 4,
                                  "buffer_size": largest_shard, "max_in_cpu": 0}
