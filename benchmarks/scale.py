@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO))
 MODES = ("torch", "zero3", "zero3_cpu", "infinity")
 MODE_TITLES = {"torch": "PyTorch AdamW (fp32)", "zero3": "ZeRO-3 (bf16)", "zero3_cpu": "ZeRO-3 + CPU offload",
                "infinity": "ZeRO-Infinity (NVMe)"}
-VOCAB, SEQ, LR = 50257, 64, 1e-4
+VOCAB, SEQ, LR = 50257, 64, 1e-5  # 1e-4 overshoots on one fixed batch at 0.8B+ (loss back up by step 3)
 # sizes between the named ones (same shape family as gpt-6.7b: width 4096, 32 heads)
 LADDER_EXTRA = {"gpt-3.2b": dict(n_layer=15, n_head=32, n_embd=4096),
                 "gpt-4b": dict(n_layer=19, n_head=32, n_embd=4096)}
