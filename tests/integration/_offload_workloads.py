@@ -96,7 +96,7 @@ def resident_memory(rank: int, world: int, nvme_path: str | None, steps: int = 2
 
     torch.manual_seed(0)
     model = GPT(vocab_size=2048, block_size=16, n_layer=6, n_head=8, n_embd=512, dropout=0.0)
-    zero: dict[str, Any] = {"stage": 3, "stage3_param_persistence_threshold": 0, "sub_group_size": 500_000,
+    zero: dict[str, Any] = {"stage": 3, "stage3_param_persistence_threshold": 0, "sub_group_size": 250_000,
                             "reduce_bucket_size": 500_000, "stage3_prefetch_bucket_size": 500_000}
     if nvme_path:
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 12}

@@ -45,14 +45,14 @@ def test_offloaded_and_in_memory_checkpoints_load_into_each_other(tmp_path):
 def test_killed_during_an_nvme_swap_resumes_on_the_same_curve(tmp_path):
     root, nvme = str(tmp_path / "ckpt"), str(tmp_path / "nvme")
     job = dict(stage=3, precision="fp32", global_batch=4, dropout=0.0, zero=o.nvme_zero(nvme), save_dir=root)
-    whole = run_ranks(run_jobs, 2, [dict(job, steps=5, save_dir=str(tmp_path / "whole"), save_at=())],
-                      timeout=300)[0][0]
-    # save at step 2, then die on rank 1 in step 4, after the 3rd swap write (files mid-update)
+    # save at step 2, then die in step 4, after the 3rd swap write (files mid-update)
     with pytest.raises(AssertionError, match="exit"):
         run_ranks(run_jobs, 2, [dict(job, steps=5, save_at=(2,), kill_on_swap_write=(4, 3))], timeout=300)
     left = list((tmp_path / "nvme" / SWAP_ROOT_NAME).iterdir())
     assert left  # the killed ranks' swap files are still there
-    resumed = run_ranks(run_jobs, 2, [dict(job, steps=3, load=root, save_at=())], timeout=300)[0][0]
+    # one launch: the uninterrupted run, then the resumed one
+    whole, resumed = run_ranks(run_jobs, 2, [dict(job, steps=5, save_dir=str(tmp_path / "whole"), save_at=()),
+                                             dict(job, steps=3, load=root, save_at=())], timeout=300)[0]
     assert resumed["loaded_steps"] == 2
     assert resumed["losses"] == whole["losses"][2:]
     for name, value in whole["params"].items():

@@ -294,35 +294,22 @@ class OffloadStage3Strategy(Stage3Strategy):
     def _resident(self) -> list[SubGroup]:
         return [sg for sg in self.sub_groups if sg.placement != "nvme"]
 
-    def _any_overflow(self) -> bool:
+    def _local_overflow(self) -> bool:
         local = any(not bool(torch.isfinite(sg.grad).all()) for sg in self._resident())
-        if self.swapped is not None:
-            local = local or not self.swapped.local_grad_stats()[1]
-        if self.world_size == 1:
-            return local
-        flag = torch.tensor([1.0 if local else 0.0], device=self.ctx.device)
-        comm.all_reduce(flag, op=comm.ReduceOp.MAX, group=self.ctx.group)
-        return bool(flag.item() > 0)
+        return local or (self.swapped is not None and not self.swapped.local_grad_stats()[1])
 
-    def _global_norm(self, scale: float) -> float:
+    def _local_sq_norm(self) -> torch.Tensor:
         sq = torch.zeros(1, dtype=torch.float64, device=self.ctx.device)
         for sg in self._resident():
             sq += sg.grad.double().pow(2).sum().to(self.ctx.device)
-        if self.swapped is not None:
+        if self.swapped is not None:  # measured as each gradient was swapped out
             sq += self.swapped.local_grad_stats()[0]
-        if self.world_size > 1:
-            comm.all_reduce(sq, group=self.ctx.group)
-        return math.sqrt(sq.item()) * scale
+        return sq
 
     def _apply_update(self, coef: float) -> None:
         device_groups = [sg for sg in self.sub_groups if sg.placement == "device"]
         if self.cpu_optimizer is None:  # another optimizer on the host tensors (CPU offload only)
-            for sg in self.sub_groups:
-                if coef != 1.0:
-                    sg.grad.mul_(coef)
-                sg.master.grad = sg.grad
-            self._optimizer.step()
-            self._publish()
+            super()._apply_update(coef)
             return
         if self.swapped is not None:
             self.swapped.step(coef, lambda gi: self._optimizer.param_groups[gi], self._publish_swapped)

@@ -276,8 +276,19 @@ class Stage3Strategy(ZeroStrategy):
         self._inflight = []
 
     # --- the optimizer step -------------------------------------------------------------------------------
+    def _local_overflow(self) -> bool:
+        """Whether this rank's gradients hold an inf or nan."""
+        return any(not bool(torch.isfinite(sg.grad).all()) for sg in self.sub_groups)
+
+    def _local_sq_norm(self) -> torch.Tensor:
+        """The sum of squares of this rank's gradients (float64, on the device)."""
+        sq = torch.zeros(1, dtype=torch.float64, device=self.ctx.device)
+        for sg in self.sub_groups:
+            sq += sg.grad.double().pow(2).sum()  # shard padding holds zeros: it adds nothing
+        return sq
+
     def _any_overflow(self) -> bool:
-        local = any(not bool(torch.isfinite(sg.grad).all()) for sg in self.sub_groups)
+        local = self._local_overflow()
         if self.world_size == 1:
             return local
         flag = torch.tensor([1.0 if local else 0.0], device=self.ctx.device)
@@ -285,9 +296,7 @@ class Stage3Strategy(ZeroStrategy):
         return bool(flag.item() > 0)
 
     def _global_norm(self, scale: float) -> float:
-        sq = torch.zeros(1, dtype=torch.float64, device=self.ctx.device)
-        for sg in self.sub_groups:
-            sq += sg.grad.double().pow(2).sum()  # shard padding holds zeros: it adds nothing
+        sq = self._local_sq_norm()
         if self.world_size > 1:
             comm.all_reduce(sq, group=self.ctx.group)
         return math.sqrt(sq.item()) * scale
