@@ -115,6 +115,19 @@ def step_timer_ms(engine: Any, before: dict[str, float] | None) -> dict[str, flo
     return None if every and engine.global_steps % every == 0 else {k: v - before[k] for k, v in now.items()}
 
 
+def zero_init_context(ds_config: dict[str, Any]) -> Any:
+    """``dsrun.zero.Init`` for ZeRO stage 3 (so the whole model never exists in one process, and with
+    ``offload_param`` its shards go straight to host memory or NVMe), else a no-op."""
+    import contextlib
+
+    import dsrun
+
+    zero = ds_config.get("zero_optimization")
+    if not isinstance(zero, dict) or int(zero.get("stage", 0) or 0) != 3:
+        return contextlib.nullcontext()
+    return dsrun.zero.Init(config_dict_or_path=ds_config)
+
+
 def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
     import hydra.utils
 
@@ -128,10 +141,11 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
     seed_everything(cfg.seed)
     baseline_rss = current_rss()  # for `dsrun estimate-memory --measure`: this rank's peak above start-up
 
-    model = hydra.utils.instantiate(spec.model, _convert_="all")
+    ds_config = apply_run_defaults(OmegaConf.to_container(spec.ds, resolve=True), run_dir)  # monitors → run dir
+    with zero_init_context(ds_config):  # ZeRO-3: partitioned (and offloaded) as each submodule is built
+        model = hydra.utils.instantiate(spec.model, _convert_="all")
     corpus = hydra.utils.instantiate(spec.data, _convert_="all")
     corpus.check_vocab(model.config.vocab_size)
-    ds_config = apply_run_defaults(OmegaConf.to_container(spec.ds, resolve=True), run_dir)  # monitors → run dir
     if mlflow_parent_key(run_dir):  # the jobs of a multirun become MLflow child runs of one parent
         os.environ[PARENT_ENV] = mlflow_parent_key(run_dir)
     engine, _, _, _ = dsrun.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
@@ -145,15 +159,16 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
     loader = corpus.train_loader(batch_size=micro_batch, rank=rank, world_size=world_size, seed=cfg.seed)
     eval_every = cfg.eval_interval or max_steps
     step_flops = _train_step_flops(model, engine.train_batch_size(), corpus.seq_len)
+    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3: full sizes
 
     metrics: dict[str, Any] = {"train_losses": [], "eval_losses": [], "lrs": [], "world_size": world_size,
                                "tokens_per_step": tokens_per_step, "max_steps": max_steps,
                                "loss_unit": "nats per token", "train_batch_size": engine.train_batch_size(),
                                "micro_batch_size": micro_batch, "gradient_accumulation_steps": accumulation,
-                               "num_params": sum(p.numel() for p in model.parameters()), "step_flops": step_flops,
+                               "num_params": n_params, "step_flops": step_flops,
                                "step_times_ms": [], "step_timers_ms": []}  # per step, for dsrun tune
     if rank == 0:
-        print(f"[dsrun] training {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} "
+        print(f"[dsrun] training {type(model).__name__} ({n_params:,} "
               f"parameters) for {max_steps} steps on {world_size} rank(s); "
               f"{engine.train_batch_size()} samples x {corpus.seq_len} tokens per step", flush=True)
     # --- checkpoints: resume before the first step (train.resume), save every train.save_interval steps ---

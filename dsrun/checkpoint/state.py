@@ -69,6 +69,9 @@ def frozen_params(module: torch.nn.Module) -> tuple[dict[str, torch.Size], dict[
         if not p.requires_grad:
             shapes[name] = torch.Size(getattr(p, "ds_shape", p.shape))
             shard = getattr(p, "ds_tensor", p.data)
+            owner = getattr(p, "ds_offload", None)  # offload_param: an NVMe shard is read from its file
+            if owner is not None:
+                shard = owner.read_copy(p)
             fragments[name] = shard.detach().reshape(-1).to("cpu", copy=True)
     return shapes, fragments
 

@@ -62,6 +62,7 @@ class BufferSettings:
     sub_group_size: int = 1_000_000_000
     offload_param_buffer_count: int = 5
     offload_param_buffer_size: int = 100_000_000
+    offload_param_max_in_cpu: int = 1_000_000_000
     offload_optimizer_buffer_count: int = 4
 
     @classmethod
@@ -86,6 +87,7 @@ class BufferSettings:
             sub_group_size=num("sub_group_size", d.sub_group_size),
             offload_param_buffer_count=int(offload_param.get("buffer_count", d.offload_param_buffer_count)),
             offload_param_buffer_size=int(float(offload_param.get("buffer_size", d.offload_param_buffer_size))),
+            offload_param_max_in_cpu=int(float(offload_param.get("max_in_cpu", d.offload_param_max_in_cpu))),
             offload_optimizer_buffer_count=int(offload_optimizer.get("buffer_count",
                                                                      d.offload_optimizer_buffer_count)),
         )

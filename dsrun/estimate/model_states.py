@@ -110,6 +110,8 @@ def model_state_bytes(spec: EstimateInputs) -> ModelStates:
     w = 2 if mixed else FP32
     # fp32 master copy: always in mixed precision; in fp32 the partitioned stages 1-2 step a clone.
     master = FP32 if mixed or stage in (1, 2) else 0
+    if stage == 3 and spec.offload_param == "nvme":
+        master = FP32  # fp32 too: the model's shards are in files, the optimizer steps an fp32 copy
     states = FP32 * optimizer_state_count(spec.optimizer, spec.optimizer_params)
     total, trainable = spec.total_params, spec.trainable
 
@@ -133,8 +135,11 @@ def model_state_bytes(spec: EstimateInputs) -> ModelStates:
             host += partition
         else:
             nvme += partition
+            # the read/write pool (buffer_count x buffer_size elements, each allocated whole when first
+            # needed) and the shards that may stay cached in host memory (max_in_cpu elements)
             pool = spec.buffers.offload_param_buffer_count * spec.buffers.offload_param_buffer_size
-            host_buffers += min(pool, _ceil_div(total, n)) * w
+            cached = min(spec.buffers.offload_param_max_in_cpu, _ceil_div(total, n))
+            host_buffers += (pool + cached) * w
 
     step_workspace = 0
     if spec.offload_optimizer == "none":

@@ -56,6 +56,13 @@ def _read_config(config_dict_or_path: Any) -> dict[str, Any]:
     return read_config_source(str(path)) if path.suffix != ".json" else json.loads(path.read_text())
 
 
+def _offload_param_section(config: dict[str, Any]) -> Any:
+    from dsrun.config.zero import OffloadParamConfig
+
+    zero = config.get("zero_optimization") if isinstance(config.get("zero_optimization"), dict) else {}
+    return OffloadParamConfig.model_validate(zero.get("offload_param") or {})
+
+
 def _config_dtype(config: dict[str, Any]) -> torch.dtype | None:
     if (config.get("fp16") or {}).get("enabled"):
         return torch.float16
@@ -146,8 +153,12 @@ class Init:
 
     ``module``: partition an already built model now instead (no ``with`` needed). ``data_parallel_group``
     (or ``mpu.get_data_parallel_group()``): the ranks to partition over (default: all). ``remote_device``:
-    where shards live, ``"cpu"`` or None (the accelerator's device; on a CPU machine both are the host);
-    ``pin_memory`` needs ``remote_device="cpu"``. ``dtype``: convert floating parameters to this dtype
+    where shards live: ``"cpu"`` (host memory), ``"nvme"`` (files under the config's
+    ``zero_optimization.offload_param.nvme_path``, through the same swapper the engine then uses), or None
+    (the config's ``offload_param.device`` if it sets one, else the accelerator's device; on a CPU machine
+    that is the host). Parameters below ``stage3_param_persistence_threshold`` stay in memory, as the engine
+    keeps them gathered anyway. ``pin_memory`` needs ``remote_device`` cpu or nvme (pinned I/O buffers).
+    ``dtype``: convert floating parameters to this dtype
     (default: the config's fp16/bf16 precision if ``config_dict_or_path``/``config`` is given, else keep
     each parameter's dtype). ``enabled=False`` makes it a no-op. Initializes ``dsrun.comm`` if needed.
     Only meaningful with ZeRO stage 3: the engine takes the partitioned model as it is.
@@ -163,14 +174,22 @@ class Init:
         if remote_device not in (None, "cpu", "none", "nvme"):
             raise ConfigError(Problem("zero.Init(remote_device=...)", f"got {remote_device!r}",
                                       "allowed: None, \"cpu\", \"nvme\""))
-        if remote_device == "nvme":
-            raise ConfigError(Problem("zero.Init(remote_device=...)", "\"nvme\" parameter offload is not available",
-                                      "use remote_device=\"cpu\" or None"))
-        if pin_memory and remote_device != "cpu":
-            raise ConfigError(Problem("zero.Init(pin_memory=...)", "pin_memory=True needs remote_device=\"cpu\"",
-                                      "pass remote_device=\"cpu\" or drop pin_memory"))
         cfg = _read_config(config_dict_or_path if config_dict_or_path is not None else config)
+        offload_section = _offload_param_section(cfg)
+        if remote_device is None and offload_section.device != "none":
+            remote_device = offload_section.device  # DeepSpeed: default to the config's param offload device
+        if pin_memory and remote_device not in ("cpu", "nvme"):
+            raise ConfigError(Problem("zero.Init(pin_memory=...)",
+                                      "pin_memory=True needs remote_device=\"cpu\" or \"nvme\"",
+                                      "pass remote_device=\"cpu\" or drop pin_memory"))
+        if remote_device == "nvme" and not offload_section.nvme_path:
+            raise ConfigError(Problem("zero.Init(remote_device=\"nvme\")",
+                                      "needs zero_optimization.offload_param.nvme_path in the config",
+                                      "pass config_dict_or_path= a config whose offload_param sets device: nvme "
+                                      "and nvme_path"))
         self.dtype = dtype or _config_dtype(cfg)
+        zero_section = cfg.get("zero_optimization") if isinstance(cfg.get("zero_optimization"), dict) else {}
+        self.persistence_threshold = int(float(zero_section.get("stage3_param_persistence_threshold", 100_000)))
         if not comm.is_initialized():
             comm.init_distributed(verbose=False)
         if data_parallel_group is None and mpu is not None:
@@ -178,10 +197,17 @@ class Init:
         self.group = data_parallel_group
         from dsrun.accelerator import get_accelerator
 
-        self.device = torch.device("cpu") if remote_device == "cpu" else get_accelerator().device()
+        self.device = torch.device("cpu") if remote_device in ("cpu", "nvme") else get_accelerator().device()
         if self.device.type == "cpu":
             host_memory.fix_mmap_threshold()  # each freed full tensor goes back to the OS at once
         self.pin_memory = pin_memory
+        self.offload = None  # shards go to host memory or NVMe files as they are made
+        if remote_device in ("cpu", "nvme"):
+            from dsrun.runtime.offload.param_swapper import build_param_offload
+
+            section = offload_section.model_copy(update={"device": remote_device, "pin_memory": pin_memory})
+            self.offload = build_param_offload(section, get_accelerator().device(), aio_config=cfg.get("aio"),
+                                               rank=comm.get_rank(), dtype=self.dtype)
         self.src = 0 if self.group is None else comm.get_global_rank(self.group, 0)
         if module is not None:
             self.partition_module(module)
@@ -207,10 +233,9 @@ class Init:
                     comm.broadcast(p.data, src=self.src, group=self.group)
                 freed += p.numel() * p.element_size()
                 partition_param(p, self.group, device=self.device)
-                if self.pin_memory:
-                    from dsrun.accelerator import get_accelerator
-
-                    p.ds_tensor = get_accelerator().pin_memory(p.ds_tensor)
+                if self.offload is not None and p.ds_numel >= self.persistence_threshold \
+                        and p.ds_tensor.is_floating_point():
+                    self.offload.adopt(p)  # pins (cpu) or writes the shard to its file and drops it (nvme)
         if freed >= _TRIM_AFTER_BYTES:
             # The full tensors just freed may sit in the middle of the heap, where glibc keeps them resident;
             # hand their pages back so the process really holds only its shards.

@@ -1,6 +1,7 @@
 """ZeRO-Offload and ZeRO-Infinity: optimizer state (and, at stage 3, parameters) on the host or in files.
 
 * :mod:`.swap_store` — :class:`SwapStore`, tensors in files under ``nvme_path`` through the async I/O op.
+* :mod:`.param_swapper` — where a ZeRO-3 parameter's shard lives with ``offload_param`` (CPU or NVMe).
 """
 from .swap_store import SwapStore, remove_stale_folders
 

@@ -148,5 +148,12 @@ def scatter_to_shards(params: list[torch.nn.Parameter], offsets: list[int], star
     with torch.no_grad():
         for p, off in zip(params, offsets):
             lo, hi = max(off, start), min(off + p.ds_partition_numel, end)
-            if hi > lo:
-                p.ds_tensor[lo - off:hi - off].copy_(values[lo - start:hi - start], non_blocking=True)
+            if hi <= lo:
+                continue
+            owner = getattr(p, "ds_offload", None)
+            if owner is not None and owner.swapped(p):  # offload_param nvme: staged, written once complete
+                owner.write_range(p, lo - off, hi - off, values[lo - start:hi - start])
+                continue
+            target, source = p.ds_tensor[lo - off:hi - off], values[lo - start:hi - start]
+            if target.data_ptr() != source.data_ptr():  # an aliased fp32 shard is the master itself
+                target.copy_(source, non_blocking=True)

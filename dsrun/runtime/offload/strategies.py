@@ -29,6 +29,7 @@ from dsrun.runtime.zero.partitioned import Stage1Strategy, Stage2Strategy
 from dsrun.runtime.zero.stage3 import Stage3Strategy, SubGroup
 from dsrun.runtime.zero.partition_params import shard_padding
 
+from . import param_swapper
 from .nvme import SwappedOptimizerState, SwappedShard, SwappedUnit
 from .pipeline import PipelineTimes, StepPipeline, scatter_to_shards
 from .settings import CPU_TILE_ELEMENTS, OffloadOptimizerSettings, host_empty, require_cpu_optimizer
@@ -240,7 +241,7 @@ class OffloadStage3Strategy(Stage3Strategy):
             super()._init_sub_group(index, sg)
             return
         sg.placement = self.offload.device
-        shards = [p.ds_tensor.detach().to(device=HOST, dtype=torch.float32) for p in sg.params]
+        shards = [param_swapper.shard_value(p).detach().to(device=HOST, dtype=torch.float32) for p in sg.params]
         flat = torch.cat(shards) if shards else torch.zeros(0)
         del shards
         if sg.placement == "nvme":
@@ -261,12 +262,14 @@ class OffloadStage3Strategy(Stage3Strategy):
         for p, off in zip(sg.params, sg.offsets):
             p.ds_fp32_shard = sg.master.data[off:off + p.ds_partition_numel]
         if self._aliased():
-            # fp32 on a CPU device: the model's shards are views of the host master (updated in place)
-            for p, off in zip(sg.params, sg.offsets):
-                p.ds_tensor = sg.master.data[off:off + p.ds_partition_numel]
+            # fp32 on a CPU device: the model's shards are views of the host master (updated in place),
+            # except NVMe-offloaded parameter shards (offload_param), which are written after the step
+            self._alias_shards(sg)
 
     def _aliased(self) -> bool:
-        return not self.precision.needs_master_weights and self.ctx.device.type == "cpu"
+        # once some shards cannot alias their master (offload_param nvme), the step writes every shard
+        return not self.precision.needs_master_weights and self.ctx.device.type == "cpu" \
+            and not self._separate_shards
 
     # --- backward -----------------------------------------------------------------------------------------
     def before_backward(self, boundary: bool) -> None:
@@ -322,6 +325,8 @@ class OffloadStage3Strategy(Stage3Strategy):
                 scatter_to_shards(sg.params, sg.offsets, 0, sg.master.detach())
         if self.ctx.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
+        if self.param_offload is not None:
+            self.param_offload.flush()  # offload_param: the updated shards are in their files
         self.coordinator.invalidate()
 
     def _publish_swapped(self, index: int, values: torch.Tensor) -> None:
@@ -371,6 +376,8 @@ class OffloadStage3Strategy(Stage3Strategy):
                     continue
                 else:
                     scatter_to_shards(sg.params, sg.offsets, 0, sg.master.detach())
+        if self.param_offload is not None:
+            self.param_offload.flush()
         self.coordinator.invalidate()
 
     def zero_grad(self) -> None:
@@ -434,6 +441,8 @@ class OffloadStage3Strategy(Stage3Strategy):
         buffers = sum(tensor_bytes(t) for t in self._lp_staging)
         if self.swapped is not None:
             buffers += self.swapped.resident_bytes
+        if self.param_offload is not None:
+            buffers += self.param_offload.buffer_bytes()  # offload_param nvme: read/write pool and cache
         padding = sum(shard_padding(p, self.rank) * p.ds_tensor.element_size() for p in self.params)
         return MemoryBreakdown(parameters=shards + persistent, gradients=grads, master_weights=masters,
                                optimizer_states=states, padding=int(padding), buffers=buffers)

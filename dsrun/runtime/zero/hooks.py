@@ -80,6 +80,8 @@ class ParameterCoordinator:
         self._params_of: dict[int, list[torch.nn.Parameter]] = {}  # module id -> module_params(module)
         self.total_numel = 0
         self.prefetched_numel = 0  # statistics: elements gathered ahead of use
+        # called after each fetch with the parameters the trace needs next (NVMe offload reads them ahead)
+        self.after_fetch: Any = None
         for module in root.modules():
             if module_params(module):
                 self.hook_module(module)
@@ -141,6 +143,13 @@ class ParameterCoordinator:
         gather_params(params)
         if self.following_trace and self.prefetch_bucket_size > 0:
             self._prefetch()
+        if self.after_fetch is not None and self.following_trace:
+            self.after_fetch(self.upcoming_params())
+
+    def upcoming_params(self) -> Iterable[torch.nn.Parameter]:
+        """The parameters the recorded trace fetches after the current position, in order."""
+        for index in range(self.cursor, len(self.trace)):
+            yield from self._params_of.get(self.trace[index][0], [])
 
     def _record(self, module: torch.nn.Module, phase: str) -> None:
         event = (id(module), phase)

@@ -13,6 +13,8 @@ releasing drops the buffer again. Attributes (DeepSpeed's names, so code that in
 ``ds_status``        :class:`ParamStatus`
 ``ds_persist``       kept gathered between uses (small parameters, ``stage3_param_persistence_threshold``)
 ``ds_process_group`` the group it is partitioned over (None: the world)
+``ds_offload``       with ``offload_param``: the object that owns the shard (:mod:`dsrun.runtime.offload.param_swapper`);
+                     for NVMe ``ds_tensor`` is then an empty placeholder and the shard lives in a file
 """
 from __future__ import annotations
 
@@ -88,15 +90,19 @@ def shard_padding(param: torch.nn.Parameter, rank: int) -> int:
 class GatherHandle:
     """An all-gather in flight for one parameter; :meth:`wait` makes the parameter available."""
 
-    def __init__(self, param: torch.nn.Parameter, buffer: torch.Tensor, work: Any):
+    def __init__(self, param: torch.nn.Parameter, buffer: torch.Tensor, work: Any, owner: Any = None):
         self.param = param
         self.buffer = buffer
         self.work = work
+        self.owner = owner  # the offload that lent the shard for this gather
 
     def wait(self) -> None:
         if self.work is not None:
             self.work.wait()
             self.work = None
+        if self.owner is not None:
+            owner, self.owner = self.owner, None
+            owner.gather_done(self.param)
         param = self.param
         if param.ds_handle is self:
             param.data = self.buffer[: param.ds_numel].view(param.ds_shape)
@@ -109,7 +115,8 @@ def start_gather(param: torch.nn.Parameter, async_op: bool) -> GatherHandle | No
     nothing had to start)."""
     if param.ds_status is not ParamStatus.NOT_AVAILABLE:
         return None
-    shard = param.ds_tensor
+    owner = getattr(param, "ds_offload", None)
+    shard = owner.gather_input(param) if owner is not None else param.ds_tensor
     world = param.ds_world_size
     if world == 1:
         buffer = shard
@@ -119,7 +126,7 @@ def start_gather(param: torch.nn.Parameter, async_op: bool) -> GatherHandle | No
         work = comm.all_gather_into_tensor(buffer, shard, group=param.ds_process_group, async_op=async_op)
         if not async_op:
             work = None
-    handle = GatherHandle(param, buffer, work)
+    handle = GatherHandle(param, buffer, work, owner)
     param.ds_handle = handle
     param.ds_status = ParamStatus.INFLIGHT
     return handle
@@ -151,12 +158,24 @@ def write_full_value(param: torch.nn.Parameter, full: torch.Tensor) -> None:
     start = min(rank * part, param.ds_numel)
     end = min(start + part, param.ds_numel)
     with torch.no_grad():
-        param.ds_tensor.zero_()
+        shard = torch.zeros(part, dtype=param.ds_tensor.dtype, device=param.ds_tensor.device)
         if end > start:
-            param.ds_tensor[: end - start].copy_(flat[start:end])
+            shard[: end - start].copy_(flat[start:end])
+        write_shard(param, shard)
         master = getattr(param, "ds_fp32_shard", None)
         if master is not None and master.data_ptr() != param.ds_tensor.data_ptr():
-            master.copy_(param.ds_tensor)  # the optimizer's fp32 copy follows the change
+            master.copy_(shard)  # the optimizer's fp32 copy follows the change
+
+
+def write_shard(param: torch.nn.Parameter, values: torch.Tensor) -> None:
+    """Set this rank's shard of ``param`` to ``values`` (``ds_partition_numel`` elements), wherever it lives."""
+    owner = getattr(param, "ds_offload", None)
+    if owner is not None:
+        owner.write_shard(param, values)
+        owner.flush()
+    elif values.data_ptr() != param.ds_tensor.data_ptr():
+        with torch.no_grad():
+            param.ds_tensor.copy_(values)
 
 
 def full_tensor(param: torch.nn.Parameter) -> torch.Tensor:

@@ -30,6 +30,7 @@ from .base import MemoryBreakdown, StepOutcome, StrategyContext, ZeroStrategy, o
 from . import host_memory, linear
 from .hooks import ParameterCoordinator, iter_unique_params
 from .partition_params import full_tensor, is_zero_param, partition_param, shard_padding
+from dsrun.runtime.offload import param_swapper
 
 
 @dataclass
@@ -84,12 +85,19 @@ class Stage3Strategy(ZeroStrategy):
         self._partition_all()
         self._mark_persistent(int(_config_value(zc, "stage3_param_persistence_threshold", 100_000)),
                               int(_config_value(zc, "stage3_model_persistence_threshold", 2**63 - 1)))
+        # offload_param: shards to host memory or NVMe files (dsrun/runtime/offload/param_swapper.py)
+        self.param_offload = param_swapper.attach_param_offload(
+            self.params, getattr(zc, "offload_param", None), ctx.device, self.model_dtype,
+            aio_config=getattr(ctx, "aio_config", None), rank=self.rank, module=ctx.module)
         self.coordinator = ParameterCoordinator(
             ctx.module, prefetch_bucket_size=int(_config_value(zc, "stage3_prefetch_bucket_size", 50_000_000)),
             max_live_parameters=int(_config_value(zc, "stage3_max_live_parameters", 1_000_000_000)),
             max_reuse_distance=int(_config_value(zc, "stage3_max_reuse_distance", 1_000_000_000)))
+        if self.param_offload is not None:
+            self.coordinator.after_fetch = self.param_offload.after_fetch
 
         self._optimizer = ctx.optimizer
+        self._separate_shards = False  # fp32 with offloaded shards: the step must write them
         self.sub_groups = self._build_sub_groups()
         self.masters = [sg.master for sg in self.sub_groups]
         if self._optimizer.state:
@@ -112,10 +120,18 @@ class Stage3Strategy(ZeroStrategy):
     def _partition_all(self) -> None:
         """Partition every parameter (those built under ``zero.Init`` already are: bring their shards to the
         engine's device and dtype)."""
+        wanted = getattr(getattr(self.ctx.zero_config, "offload_param", None), "device", "none")
         for p in self.params:
             floating = p.is_floating_point() or (is_zero_param(p) and p.ds_tensor.is_floating_point())
             dtype = self.model_dtype if floating else None
             if is_zero_param(p):
+                owner = param_swapper.offload_of(p)
+                if owner is not None:  # built under zero.Init(remote_device=...): its shard is offloaded
+                    if owner.device == wanted and (dtype is None or p.ds_tensor.dtype == dtype):
+                        continue
+                    owner.release(p)  # elsewhere or another dtype: bring it back, offload again later
+                    if not owner.params:
+                        owner.close()
                 if (dtype is not None and p.ds_tensor.dtype != dtype) or p.ds_tensor.device != self.ctx.device:
                     p.ds_tensor = p.ds_tensor.to(device=self.ctx.device, dtype=dtype or p.ds_tensor.dtype)
                     p.data = torch.empty(0, dtype=p.ds_tensor.dtype, device=self.ctx.device)
@@ -156,7 +172,8 @@ class Stage3Strategy(ZeroStrategy):
     def _init_sub_group(self, index: int, sg: SubGroup) -> None:
         """Give sub-group ``index`` its fp32 master and gradient accumulator (on the device here; optimizer
         offload puts them on the host or in swap files)."""
-        shards = [p.ds_tensor.detach().to(device=self.ctx.device, dtype=torch.float32) for p in sg.params]
+        shards = [param_swapper.shard_value(p).detach().to(device=self.ctx.device, dtype=torch.float32)
+                  for p in sg.params]
         flat = torch.cat(shards) if shards else torch.zeros(0, device=self.ctx.device)
         del shards
         sg.master = torch.nn.Parameter(flat)  # cat made a new tensor: nothing shares it
@@ -164,9 +181,18 @@ class Stage3Strategy(ZeroStrategy):
         for p, off in zip(sg.params, sg.offsets):
             p.ds_fp32_shard = sg.master.data[off:off + p.ds_partition_numel]  # GatheredParameters writes here
         if not self.precision.needs_master_weights:
-            # fp32: the model's shards are views of the master, so the step updates them in place
-            for p, off in zip(sg.params, sg.offsets):
-                p.ds_tensor = sg.master.data[off:off + p.ds_partition_numel]
+            self._alias_shards(sg)
+
+    def _alias_shards(self, sg: SubGroup) -> None:
+        """fp32: make the model's shards views of the master, so the step updates them in place; an
+        offloaded shard that lives elsewhere (NVMe, or host memory beside a device master) is written after
+        the step instead."""
+        for p, off in zip(sg.params, sg.offsets):
+            owner = param_swapper.offload_of(p)
+            if owner is not None and not owner.can_alias(p, sg.master):
+                self._separate_shards = True
+                continue
+            p.ds_tensor = sg.master.data[off:off + p.ds_partition_numel]
 
     # --- the engine's calls -------------------------------------------------------------------------------
     @property
@@ -301,11 +327,18 @@ class Stage3Strategy(ZeroStrategy):
 
     def _publish(self) -> None:
         """Write the updated fp32 shards into the model's shards; gathered copies are now stale."""
-        if self.precision.needs_master_weights:
+        if self.precision.needs_master_weights or self._separate_shards:
             with torch.no_grad():
                 for sg in self.sub_groups:
                     for p, off in zip(sg.params, sg.offsets):
-                        p.ds_tensor.copy_(sg.master.data[off:off + p.ds_partition_numel])
+                        value = sg.master.data[off:off + p.ds_partition_numel]
+                        owner = param_swapper.offload_of(p)
+                        if owner is not None:
+                            owner.write_shard(p, value)  # write-behind: overlaps the next sub-group's copy
+                        elif value.data_ptr() != p.ds_tensor.data_ptr():
+                            p.ds_tensor.copy_(value)
+            if self.param_offload is not None:
+                self.param_offload.flush()
         self.coordinator.invalidate()
 
     def empty_partition_cache(self) -> None:
@@ -325,7 +358,8 @@ class Stage3Strategy(ZeroStrategy):
         shards = sum(tensor_bytes(p.ds_tensor) for p in self.params)
         persistent = sum(p.ds_numel * p.ds_tensor.element_size() for p in self.params if p.ds_persist)
         grads = sum(tensor_bytes(sg.grad) for sg in self.sub_groups)
-        masters = sum(tensor_bytes(sg.master) for sg in self.sub_groups) if self.precision.needs_master_weights else 0
+        separate = self.precision.needs_master_weights or self._separate_shards
+        masters = sum(tensor_bytes(sg.master) for sg in self.sub_groups) if separate else 0
         states = optimizer_state_bytes(self._optimizer)
         trainable_elems = sum(sg.numel for sg in self.sub_groups)
         per_elem = (grads + masters + states) / trainable_elems if trainable_elems else 0.0
@@ -333,8 +367,11 @@ class Stage3Strategy(ZeroStrategy):
         for p in self.params:
             pad = shard_padding(p, self.rank)
             padding += pad * p.ds_tensor.element_size() + (pad * per_elem if id(p) in self._slot else 0)
+        # NVMe parameter offload: the shards are in files (ds_tensor is empty); the read/write pool and the
+        # shards cached in host memory (max_in_cpu) count as buffers
+        pool = self.param_offload.buffer_bytes() if self.param_offload is not None else 0
         return MemoryBreakdown(parameters=shards + persistent, gradients=grads, master_weights=masters,
-                               optimizer_states=states, padding=int(padding))
+                               optimizer_states=states, padding=int(padding), buffers=pool)
 
     # --- checkpoints and exports --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -106,8 +106,9 @@ def test_nvme_offload_puts_states_on_nvme_with_host_swap_buffers():
     assert states.nvme == part * (4 + 4 + 8) + part * 2  # master, fp32 gradient, Adam states; 16-bit params
     assert states.host == 0  # gradients are swapped out sub-group by sub-group, not gathered in RAM
     chunk = min(part, 10_000_000)
-    # buffer_count fp32 buffers of one sub-group; one pipeline slot (4 buffers) -> one bf16 output tile
-    assert states.host_buffers == 4 * chunk * 4 + chunk * 2 + min(5 * 100_000_000, part) * 2
+    # buffer_count fp32 buffers of one sub-group; one pipeline slot (4 buffers) -> one bf16 output tile; the
+    # parameter pool (5 whole buffers of 1e8 elements) and up to max_in_cpu cached shards
+    assert states.host_buffers == 4 * chunk * 4 + chunk * 2 + (5 * 100_000_000 + min(1_000_000_000, part)) * 2
     assert states.device_total == 0
 
 
