@@ -62,7 +62,7 @@ class MemoryGate:
 
         b = self.estimate(cfg)
         on_cpu = not torch.cuda.is_available()
-        need = b.peak_per_rank + (b.host_per_rank if on_cpu else 0)
+        need = b.peak_per_rank + (b.offloaded if on_cpu else 0)  # model state, not the process's runtime/data
         parts = (f"model states {_mib(b.model_states)}, activations {_mib(b.activations)}, "
                  f"buffers {_mib(b.buffers)}")
         breakdown = {"need_per_rank": need, **{k: v for k, v in b.to_dict().items() if isinstance(v, (int, str))}}
