@@ -20,8 +20,7 @@ from dsrun.runtime.lr_schedules import build_lr_scheduler
 from dsrun.runtime.observer import EngineObserver
 from dsrun.runtime.precision import PrecisionStrategy, build_precision
 from dsrun.runtime.timers import WallClockTimers
-from dsrun.runtime.zero import (MemoryBreakdown, StrategyContext, ZeroStrategy, build_zero_strategy,
-                                check_supported)
+from dsrun.runtime.zero import MemoryBreakdown, StrategyContext, ZeroStrategy, build_zero_strategy
 from dsrun.utils.errors import ConfigError, Problem
 
 _COMM_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -73,7 +72,6 @@ class DeepSpeedEngine(torch.nn.Module):
         self.optimizer: torch.optim.Optimizer | None = None
         if optimizer is not None:
             stage = int(config.zero_optimization.stage)
-            check_supported(config.zero_optimization)
             check_zero_optimizer(optimizer, stage, bool(config.zero_allow_untested_optimizer))
             self.strategy = build_zero_strategy(stage, self._strategy_context(optimizer))
             self.optimizer = self.strategy.optimizer

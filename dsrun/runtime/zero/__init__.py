@@ -58,17 +58,5 @@ def build_zero_strategy(stage: int, ctx: StrategyContext) -> ZeroStrategy:
     return strategy_class(stage)(ctx)
 
 
-def check_supported(zero_config) -> None:
-    """Refuse settings the strategies do not implement yet, rather than training without them.
-
-    Nothing is refused today: optimizer offload (``offload_optimizer``, :mod:`dsrun.runtime.offload`) and
-    parameter offload (``offload_param`` at stage 3, :mod:`dsrun.runtime.offload.param_swapper`) are both
-    implemented. The engine still calls this, so a future unimplemented setting fails here, early.
-    """
-    problems: list[Problem] = []
-    if problems:
-        raise ConfigError(problems)
-
-
 __all__ = ["MemoryBreakdown", "OFFLOAD_STRATEGY_CLASSES", "STRATEGY_CLASSES", "StepOutcome", "StrategyContext", "ZeroStrategy",
-           "build_zero_strategy", "check_supported", "strategy_class"]
+           "build_zero_strategy", "strategy_class"]

@@ -261,12 +261,3 @@ def test_unused_parameters_do_not_stall_or_skew_the_step(stage: int) -> None:
         ref_opt.step()
     torch.testing.assert_close(engine.module.used.weight, reference.used.weight)
     assert torch.equal(engine.module.unused.weight, unused_before)  # zero gradient, zero decay: unchanged
-
-
-@pytest.mark.parametrize("section, extra", [
-    ("offload_param", {"stage": 3, "offload_param": {"device": "cpu"}}),
-])
-def test_offload_is_refused_not_silently_ignored(section, extra) -> None:
-    zero = {"stage": 2, **extra}
-    with pytest.raises(ConfigError, match=f"zero_optimization.{section}.device: offload to 'cpu' is not implemented"):
-        dsrun.initialize(model=torch.nn.Linear(4, 2), config=_config(zero_optimization=zero))
