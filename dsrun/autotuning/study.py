@@ -15,6 +15,7 @@ has been explored, or after ``tuner_early_stopping`` launched trials in a row wi
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import time
@@ -84,6 +85,19 @@ def ds_for_file(resolved: Any) -> dict[str, Any]:
     return ds
 
 
+def _new_storage(db: Path) -> None:
+    """Create Optuna's schema in ``db`` under a temporary name, then rename it into place: a reader that opens
+    the file while the tuner starts (a test, ``optuna-dashboard``) sees no file or a whole one, never races
+    the tuner to stamp the schema version."""
+    import optuna
+
+    partial = db.with_name(f".{db.name}.{os.getpid()}.partial")
+    partial.unlink(missing_ok=True)
+    storage = optuna.storages.RDBStorage(f"sqlite:///{partial}")
+    storage.engine.dispose()
+    os.replace(partial, db)
+
+
 @dataclass
 class StopReason:
     text: str = ""
@@ -123,6 +137,8 @@ class Tuner:
         s.results_dir.mkdir(parents=True, exist_ok=True)
         if s.overwrite and self.db_path.exists():
             self._discard_previous()
+        if not self.db_path.exists():
+            _new_storage(self.db_path)
         study = optuna.create_study(study_name=STUDY_NAME, storage=f"sqlite:///{self.db_path}",
                                     sampler=make_sampler(s, self.space), load_if_exists=True,
                                     direction=s.direction)

@@ -42,9 +42,13 @@ def _trials(results: Path) -> list:
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     if not (results / "study.db").is_file():
         return []
+    from sqlalchemy.exc import OperationalError
+
     try:
         return optuna.load_study(study_name="dsrun-tune", storage=f"sqlite:///{results / 'study.db'}").trials
     except KeyError:  # the study is not created yet
+        return []
+    except OperationalError:  # the tuner holds the write lock right now: look again at the next poll
         return []
 
 

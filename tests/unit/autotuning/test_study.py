@@ -195,3 +195,41 @@ def test_ctrl_c_marks_the_running_trial_interrupted_and_queues_it_again(tmp_path
     study = again.run()
     retry = [t for t in study.trials if t.user_attrs.get("retry_of") == lost[0].number]
     assert len(retry) == 1 and retry[0].params == lost[0].params and retry[0].state.name != "RUNNING"
+
+
+def test_a_reader_polling_the_database_never_races_the_tuner_creating_it(tmp_path):
+    """The database appears whole: a reader that opens it while the tuner starts (as the SIGKILL test and
+    optuna-dashboard do) never stamps the schema concurrently with the tuner (UNIQUE alembic_version)."""
+    import sqlite3
+    import threading
+
+    errors, stop = [], threading.Event()
+    dbs = [tmp_path / f"r{i}" / "study.db" for i in range(15)]
+
+    def poll():
+        while not stop.is_set():
+            for db in dbs:
+                if db.is_file():
+                    try:
+                        optuna.load_study(study_name=study_module.STUDY_NAME, storage=f"sqlite:///{db}")
+                    except KeyError:  # schema whole, study not created yet
+                        pass
+                    except Exception as error:  # noqa: BLE001 - any other failure is the race
+                        errors.append(repr(error))
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    reader = threading.Thread(target=poll, daemon=True)
+    reader.start()
+    try:
+        for db in dbs:
+            db.parent.mkdir()
+            study_module._new_storage(db)
+            optuna.create_study(study_name=study_module.STUDY_NAME, storage=f"sqlite:///{db}", load_if_exists=True)
+    finally:
+        stop.set()
+        reader.join(timeout=30)
+    assert errors == []
+    for db in dbs:
+        assert sorted(p.name for p in db.parent.iterdir()) == ["study.db"]  # no partial file left behind
+        with sqlite3.connect(db) as connection:
+            assert len(connection.execute("SELECT version_num FROM alembic_version").fetchall()) == 1
