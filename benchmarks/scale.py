@@ -8,7 +8,7 @@ when the process's resident memory passes ``--mem-limit-gb`` or the machine's av
 ``--min-available-gb`` (the watchdog kills it first, so a failed attempt never takes the machine down with
 it), on an error, or past ``--timeout``. The parent samples the child's RSS (psutil) and the size of its swap
 folder, so the table reports measured peaks. A size whose NVMe files would not fit ``--disk-budget-gb``
-(bytes per parameter measured on the largest successful NVMe attempt, else 18 B) is reported, not run.
+(bytes per parameter measured on the largest successful NVMe attempt, else 16 B) is reported, not run.
 
     python benchmarks/scale.py                       # every mode, the full ladder (slow: tens of minutes)
     python benchmarks/scale.py --modes infinity --sizes gpt-2.7b gpt-3.2b
@@ -47,7 +47,7 @@ LADDER_EXTRA = {"gpt-3.2b": dict(n_layer=15, n_head=32, n_embd=4096),
                 "gpt-4b": dict(n_layer=19, n_head=32, n_embd=4096)}
 FULL_LADDER = ["gpt-medium", "gpt-large", "gpt-1.3b", "gpt-xl", "gpt-2.7b", "gpt-3.2b", "gpt-4b", "gpt-6.7b"]
 QUICK_LADDER = ["gpt-nano", "gpt-micro", "gpt-mini"]
-DEFAULT_NVME_BYTES_PER_PARAM = 18.0  # fp32 master + 2 Adam states + fp32 gradient + bf16 parameter
+DEFAULT_NVME_BYTES_PER_PARAM = 16.0  # fp32 master + 2 Adam states + bf16 gradient + bf16 parameter
 
 
 def model_kwargs(size: str) -> dict[str, Any]:

@@ -113,7 +113,8 @@ class EstimateInputs:
     an idle rank: interpreter, libraries, process group, optimizer machinery; measured by
     :func:`dsrun.estimate.runtime.measure_rank_runtime`, 0 = not counted); ``data_bytes`` (the data
     pipeline's resident share: the memory-mapped token array). ``gradient_clipping`` (DeepSpeed's key; > 0
-    makes the ZeRO-3 step compute the gradient norm, whose temporaries count).
+    makes the ZeRO-3 step compute the gradient norm, whose temporaries count). ``gradient_accumulation_steps``
+    (1 with a 16-bit model: NVMe optimizer offload writes the gradient files in the model dtype).
     """
 
     total_params: int
@@ -139,6 +140,7 @@ class EstimateInputs:
     rank_runtime_bytes: int = 0
     data_bytes: int = 0
     gradient_clipping: float = 0.0
+    gradient_accumulation_steps: int = 1
 
     def __post_init__(self) -> None:
         problems = list(self._problems())

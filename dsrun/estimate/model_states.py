@@ -168,10 +168,12 @@ def model_state_bytes(spec: EstimateInputs) -> ModelStates:
         if spec.offload_optimizer == "cpu":
             host += t_part * (FP32 + FP32 + states)  # fp32 params, fp32 grads, states
         else:
-            # dsrun.runtime.offload.nvme: master, fp32 gradient and states of each sub-group in swap files;
+            # dsrun.runtime.offload.nvme: master, gradient and states of each sub-group in swap files (the
+            # gradient in the 16-bit model dtype when each step is one micro-step, else fp32);
             # resident: buffer_count fp32 buffers of one sub-group, and (16-bit model) one 16-bit output
             # per pipeline slot (a slot = master + gradient + states buffers, at most 3 slots)
-            nvme += t_part * (FP32 + FP32 + states)
+            grad_file = w if mixed and spec.gradient_accumulation_steps == 1 else FP32
+            nvme += t_part * (FP32 + grad_file + states)
             chunk = min(t_part, spec.buffers.sub_group_size)
             count = spec.buffers.offload_optimizer_buffer_count
             host_buffers += count * chunk * FP32

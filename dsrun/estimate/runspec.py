@@ -208,6 +208,7 @@ def inputs_from_runspec(cfg: Any, model: RecipeModel) -> tuple[EstimateInputs, d
         precision=precision, optimizer=opt_type, optimizer_params=dict(optimizer.get("params") or {}),
         micro_batch_size=int(mbs), seq_len=int(seq), activation_checkpointing=bool(ckpt),
         model_shape=model.shape, buffers=buffers, data_bytes=data_bytes,
-        gradient_clipping=float(ds.get("gradient_clipping") or 0.0))
+        gradient_clipping=float(ds.get("gradient_clipping") or 0.0),
+        gradient_accumulation_steps=_count(ds.get("gradient_accumulation_steps")) or 1)
     sources["gradient_clipping"] = "ds.gradient_clipping" if ds.get("gradient_clipping") else "default"
     return inputs, sources

@@ -8,7 +8,10 @@ pool of ``buffer_count`` page-aligned buffers of the largest sub-group's size, s
   arrive; once all have arrived (or backward ends) it is written to ``grad.i`` behind the next buckets' work
   and the buffer is recycled. With gradient accumulation the next micro-step reads it back before adding.
   On the boundary micro-step the closing sub-group's squared norm and finiteness are recorded, so the step
-  can clip and skip without reading the gradients again;
+  can clip and skip without reading the gradients again. ``grad.i`` is written in the 16-bit model dtype
+  when that is exact: every element received at most one contribution this step, itself in the model dtype
+  (one micro-step per step and 16-bit reduction, the usual bf16 run). The file and its I/O are then half
+  the fp32 size; otherwise (gradient accumulation, fp32 reduction or model) it is fp32;
 * **the step**: ``depth`` slots of (master, gradient, states) buffers: the read of sub-group i+1 and the
   write of sub-group i-1 run on the async I/O threads while the CPU optimizer updates sub-group i and writes
   its 16-bit copy into the model's shards (:func:`~.pipeline.run_swap_pipeline`).
@@ -32,6 +35,32 @@ from .settings import KEY, OffloadOptimizerSettings
 from .swap_store import SwapStore
 
 NORM_CHUNK = 1 << 20
+CONVERT_CHUNK = 1 << 20
+
+
+def narrow_in_place(buffer: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Convert the first ``numel`` fp32 elements of ``buffer`` to the 2-byte ``dtype``, packed at the start of
+    the same memory, and return that view (no full-size temporary). In ascending chunks of ``C`` elements,
+    chunk ``c >= 1`` lands on bytes ``[2cC, 2(c+1)C)``, below its own source ``[4cC, ...)`` and on sources
+    already converted; only chunk 0 overlaps itself and goes through a temporary."""
+    src, dst = buffer[:numel], buffer.view(dtype)[:numel]
+    head = src[:CONVERT_CHUNK].to(dtype)
+    for lo in range(CONVERT_CHUNK, numel, CONVERT_CHUNK):
+        dst[lo:lo + CONVERT_CHUNK].copy_(src[lo:lo + CONVERT_CHUNK])
+    dst[:head.numel()].copy_(head)
+    return dst
+
+
+def widen_in_place(buffer: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of :func:`narrow_in_place`: ``numel`` 2-byte ``dtype`` elements packed at the start of
+    ``buffer`` become its first ``numel`` fp32 elements. Descending chunks: chunk ``c >= 1`` writes bytes
+    ``[4cC, 4(c+1)C)``, the sources of chunks ``2c`` and ``2c + 1``, already converted."""
+    src, dst = buffer.view(dtype)[:numel], buffer[:numel]
+    head = src[:CONVERT_CHUNK].float()
+    for lo in reversed(range(CONVERT_CHUNK, numel, CONVERT_CHUNK)):
+        dst[lo:lo + CONVERT_CHUNK].copy_(src[lo:lo + CONVERT_CHUNK])
+    dst[:head.numel()].copy_(head)
+    return dst
 
 
 def grad_stats(grad: torch.Tensor) -> tuple[float, bool]:
@@ -125,6 +154,11 @@ class SwappedOptimizerState:
         self._open: OrderedDict[int, _OpenGrad] = OrderedDict()
         self._remaining: dict[int, int] = {}
         self._writing: list[torch.Tensor] = []
+        # 16-bit gradient files: the elements that got a contribution this step, and the sub-groups whose
+        # gradient is no longer exact in the model dtype (a second contribution, or one in another dtype)
+        self.narrow_dtype = model_dtype if model_dtype in (torch.bfloat16, torch.float16) else None
+        self._contributed: dict[int, set[int]] = {}
+        self._wide: set[int] = set()
         self._boundary = True
         self.stats: dict[int, tuple[float, bool]] = {}
         self.last_times = PipelineTimes()
@@ -186,13 +220,16 @@ class SwappedOptimizerState:
             unit = self._unit_by_index[index]
             buffer = self._take_buffer()
             grad = buffer[:unit.numel]
-            key = self._key("grad", index)
-            if key in self.store:  # earlier micro-steps of this step (or an early write-out)
-                self.store.read(key, grad)
+            if self._key("grad", index) in self.store:  # earlier micro-steps of this step (or an early write-out)
+                self._read_grad(index, buffer)
             else:
                 grad.zero_()
             entry = self._open[index] = _OpenGrad(buffer, 0)
         grad = entry.buffer[:self._unit_by_index[index].numel]
+        contributed = self._contributed.setdefault(index, set())
+        if values.dtype != self.narrow_dtype or offset in contributed:
+            self._wide.add(index)
+        contributed.add(offset)
         grad[offset:offset + values.numel()].add_(values.to(grad.device))
         self._remaining[index] -= 1
         if self._remaining[index] <= 0:
@@ -203,8 +240,17 @@ class SwappedOptimizerState:
         grad = entry.buffer[:self._unit_by_index[index].numel]
         if final and self._boundary and self.measure_gradients:
             self.stats[index] = grad_stats(grad)
+        if self.narrow_dtype is not None and index not in self._wide:  # exact in the model dtype: half the bytes
+            grad = narrow_in_place(entry.buffer, grad.numel(), self.narrow_dtype)
         self.store.async_write(self._key("grad", index), grad)
         self._writing.append(entry.buffer)
+
+    def _read_grad(self, index: int, buffer: torch.Tensor) -> torch.Tensor:
+        """Read ``grad.index`` (fp32 or 16-bit) into ``buffer`` as fp32; returns the sub-group's slice."""
+        numel = self._unit_by_index[index].numel
+        dtype = self.store.entry(self._key("grad", index)).dtype
+        self.store.read(self._key("grad", index), as_dtype(buffer, dtype, numel))
+        return buffer[:numel] if dtype == torch.float32 else widen_in_place(buffer, numel, dtype)
 
     def end_micro_step(self) -> None:
         """Backward is over: write out every gradient still open (parameters without a gradient this pass)."""
@@ -220,7 +266,7 @@ class SwappedOptimizerState:
                 # no contribution on the boundary micro-step: measure what earlier micro-steps left
                 self.recycle()
                 buffer = self._take_buffer()
-                stats = grad_stats(self.store.read(self._key("grad", unit.index), buffer[:unit.numel]))
+                stats = grad_stats(self._read_grad(unit.index, buffer))
                 self.pool.give(buffer)
                 self.stats[unit.index] = stats
             if stats is not None:
@@ -235,6 +281,7 @@ class SwappedOptimizerState:
             if key in self.store:
                 self.store.delete(key)
         self.stats = {}
+        self._contributed, self._wide = {}, set()
 
     # ------------------------------------------------------------------ the step
     def _slots(self) -> list[_Slot]:
@@ -265,8 +312,8 @@ class SwappedOptimizerState:
             n = unit.numel
             self.store.async_read(self._key("master", unit.index), slot.master[:n])
             key = self._key("grad", unit.index)
-            if key in self.store:
-                self.store.async_read(key, slot.grad[:n])
+            if key in self.store:  # a 16-bit file is widened in place before the update
+                self.store.async_read(key, as_dtype(slot.grad, self.store.entry(key).dtype, n))
             else:
                 slot.grad[:n].zero_()  # no gradient reached this sub-group this step
             for name in self.state_keys:
@@ -280,7 +327,9 @@ class SwappedOptimizerState:
         def compute(k: int) -> None:
             unit, slot = order[k], slots[k % self.depth]
             n = unit.numel
-            grad = slot.grad[:n]
+            key = self._key("grad", unit.index)
+            narrow = key in self.store and self.store.entry(key).dtype != torch.float32
+            grad = widen_in_place(slot.grad, n, self.store.entry(key).dtype) if narrow else slot.grad[:n]
             if coef != 1.0:
                 grad.mul_(coef)
             self.steps[unit.index] += 1

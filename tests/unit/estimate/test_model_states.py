@@ -103,7 +103,11 @@ def test_nvme_offload_puts_states_on_nvme_with_host_swap_buffers():
     states = model_state_bytes(spec(zero_stage=3, offload_optimizer="nvme", offload_param="nvme",
                                     buffers=BufferSettings(sub_group_size=10_000_000)))
     part = P // 8
-    assert states.nvme == part * (4 + 4 + 8) + part * 2  # master, fp32 gradient, Adam states; 16-bit params
+    # master, 16-bit gradient (one micro-step per step: exact in bf16), Adam states; 16-bit params
+    assert states.nvme == part * (4 + 2 + 8) + part * 2
+    accumulating = model_state_bytes(spec(zero_stage=3, offload_optimizer="nvme", offload_param="nvme",
+                                          gradient_accumulation_steps=4))
+    assert accumulating.nvme == part * (4 + 4 + 8) + part * 2  # summed over micro-steps: an fp32 gradient
     assert states.host == 0  # gradients are swapped out sub-group by sub-group, not gathered in RAM
     chunk = min(part, 10_000_000)
     # buffer_count fp32 buffers of one sub-group; one pipeline slot (4 buffers) -> one bf16 output tile; the

@@ -179,3 +179,55 @@ def test_gathered_parameters_changes_reach_swapped_masters(tmp_path: Path):
     with GatheredParameters([weight]):
         value = weight.detach().clone()
     assert (value - 0.5).abs().max() < 0.05  # one Adam step of lr 0.01 away from 0.5
+
+
+@pytest.mark.parametrize("n", [0, 1, 4, 5, 9, 33, 1000])
+def test_narrow_and_widen_in_place_round_trip_exactly(monkeypatch, n: int):
+    from dsrun.runtime.offload import nvme
+
+    monkeypatch.setattr(nvme, "CONVERT_CHUNK", 4)  # many chunks, and a short last one
+    for dtype in (torch.bfloat16, torch.float16):
+        values = torch.randn(n).to(dtype)
+        buffer = torch.full((n + 3,), float("nan"))
+        buffer[:n] = values.float()
+        narrow = nvme.narrow_in_place(buffer, n, dtype)
+        assert narrow.dtype == dtype and torch.equal(narrow, values)
+        if n:
+            assert narrow.data_ptr() == buffer.data_ptr()  # packed at the start of the same memory
+        assert torch.equal(nvme.widen_in_place(buffer, n, dtype), values.float())
+
+
+def _gradient_file_dtypes(engine) -> set[torch.dtype]:
+    store = engine.strategy.swapped.store
+    return {store.entry(k).dtype for k in store.keys() if k.startswith("grad.")}
+
+
+@pytest.mark.parametrize("gas", [1, 2])
+def test_bf16_gradient_files_are_16_bit_when_exact_and_the_step_is_unchanged(tmp_path: Path, gas: int):
+    """One micro-step per step and a bf16 reduction: each gradient element is one bf16 value, so ``grad.i``
+    is written in bf16 (half the bytes) and the update equals CPU offload's (fp32 gradients in memory). With
+    gradient accumulation the sums are not bf16-exact and the files stay fp32."""
+    def run(offload: dict) -> tuple[list[float], list[torch.Tensor], set[torch.dtype]]:
+        cfg = _config(3, offload, bf16={"enabled": True}, gradient_accumulation_steps=gas)
+        cfg["train_batch_size"] = 4 * gas
+        engine = dsrun.initialize(model=_model(), config=cfg)[0]
+        gen, losses, dtypes = torch.Generator().manual_seed(1), [], set()
+        for _ in range(3 * gas):
+            x, y = torch.randn(4, 16, generator=gen), torch.randn(4, 4, generator=gen)
+            loss = torch.nn.functional.mse_loss(engine(x.bfloat16()).float(), y)
+            engine.backward(loss)
+            if engine.strategy.swapped is not None and engine.is_gradient_accumulation_boundary():
+                dtypes |= _gradient_file_dtypes(engine)
+            engine.step()
+            losses.append(loss.item())
+        with dsrun.zero.GatheredParameters(list(engine.module.parameters())):
+            params = [p.detach().float().clone() for p in engine.module.parameters()]
+        engine.strategy.close()
+        return losses, params, dtypes
+
+    nvme = run({"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 12})
+    cpu = run({"device": "cpu"})
+    assert nvme[2] == ({torch.bfloat16} if gas == 1 else {torch.float32})
+    assert nvme[0] == cpu[0]
+    for a, b in zip(nvme[1], cpu[1]):
+        assert torch.equal(a, b)
