@@ -1,9 +1,10 @@
 """The model-based tuner against the exhaustive grid, on one search space, in one run.
 
-Both are real ``dsrun tune`` studies over the same recipe and space (default: ``gpt_tune``, ZeRO stage 0-3 x
-micro batch 1, 2, 4, 8 = 16 configurations, 2 ranks): first ``tuner_type=gridsearch`` over every
-configuration, then ``tuner_type=model_based`` (Optuna's TPE) with at most half as many trials. Every trial
-is a real ``dsrun train`` launch measured by the engine's timers over the profile window.
+Both are real ``dsrun tune`` studies over the same recipe and space (default: ``gpt_tune``'s space, ZeRO
+stage 0-3 x micro batch 1, 2, 4, 8 = 16 configurations, 2 ranks, on a 4-layer, 128-wide GPT): first
+``tuner_type=gridsearch`` over every configuration, then ``tuner_type=model_based`` (Optuna's TPE) with at
+most half as many trials. Every trial is a real ``dsrun train`` launch measured by the engine's timers over
+the profile window.
 
 Three ratios are reported, because the two studies run minutes apart on a shared 2-core machine, whose
 speed drifts by several times over minutes (a trial of these millisecond steps measured 5x slower in one
@@ -35,8 +36,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT = ["+recipe=gpt_tune", "autotuning.start_profile_step=5", "autotuning.end_profile_step=60",
-           "+ds.autotuning.model_info.num_params=120576", "autotuning.tuner_early_stopping=100"]
+# gpt_tune's space on a model 6x its size (4 x 128, 128 tokens: 0.8M parameters), so that a step is compute
+# (10-100 ms) rather than scheduling noise; profile window of 36 steps
+DEFAULT = ["+recipe=gpt_tune", "model.n_layer=4", "model.n_embd=128", "model.block_size=128",
+           "autotuning.start_profile_step=5", "autotuning.end_profile_step=40", "autotuning.tuner_early_stopping=100",
+           "+ds.autotuning.model_info.num_params=842496"]
 
 
 def tune(work: Path, name: str, overrides: list[str], tuner: str, trials: int) -> tuple[list, float]:
