@@ -53,8 +53,11 @@ def narrow_in_place(buffer: torch.Tensor, numel: int, dtype: torch.dtype) -> tor
 
 def widen_in_place(buffer: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
     """The inverse of :func:`narrow_in_place`: ``numel`` 2-byte ``dtype`` elements packed at the start of
-    ``buffer`` become its first ``numel`` fp32 elements. Descending chunks: chunk ``c >= 1`` writes bytes
-    ``[4cC, 4(c+1)C)``, the sources of chunks ``2c`` and ``2c + 1``, already converted."""
+    ``buffer`` become its first ``numel`` fp32 elements (``dtype`` fp32: they already are). Descending chunks:
+    chunk ``c >= 1`` writes bytes ``[4cC, 4(c+1)C)``, the sources of chunks ``2c`` and ``2c + 1``, already
+    converted."""
+    if dtype == torch.float32:
+        return buffer[:numel]
     src, dst = buffer.view(dtype)[:numel], buffer[:numel]
     head = src[:CONVERT_CHUNK].float()
     for lo in reversed(range(CONVERT_CHUNK, numel, CONVERT_CHUNK)):
@@ -250,7 +253,7 @@ class SwappedOptimizerState:
         numel = self._unit_by_index[index].numel
         dtype = self.store.entry(self._key("grad", index)).dtype
         self.store.read(self._key("grad", index), as_dtype(buffer, dtype, numel))
-        return buffer[:numel] if dtype == torch.float32 else widen_in_place(buffer, numel, dtype)
+        return widen_in_place(buffer, numel, dtype)
 
     def end_micro_step(self) -> None:
         """Backward is over: write out every gradient still open (parameters without a gradient this pass)."""
@@ -328,8 +331,7 @@ class SwappedOptimizerState:
             unit, slot = order[k], slots[k % self.depth]
             n = unit.numel
             key = self._key("grad", unit.index)
-            narrow = key in self.store and self.store.entry(key).dtype != torch.float32
-            grad = widen_in_place(slot.grad, n, self.store.entry(key).dtype) if narrow else slot.grad[:n]
+            grad = widen_in_place(slot.grad, n, self.store.entry(key).dtype if key in self.store else torch.float32)
             if coef != 1.0:
                 grad.mul_(coef)
             self.steps[unit.index] += 1
