@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             table.add_row(case.name, str(nbytes), f"{s * 1e3:.0f}", f"{n / s / 1e6:.0f}", f"{gbs:.1f}",
                           f"{100 * gbs / bw:.0f}%", speedup, target, ceiling, baseline)
     Console(width=220).print(table)
-    print(f"bandwidth probe per group (GB/s, median): "
+    print("bandwidth probe per group (GB/s, median): "
           + ", ".join(f"{statistics.median(v):.1f}" for v in probe_gbs.values()))
     return 0
 

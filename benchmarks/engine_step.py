@@ -17,19 +17,12 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def build_gpt(vocab: int, seq: int, width: int, layers: int, heads: int):
@@ -159,7 +152,9 @@ def main(argv: list[str] | None = None) -> int:
                                           "bucket_elements", "threads", "compiled_adam")}
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    from dsrun.utils.net import free_port
+
+    port = free_port()
     procs = [ctx.Process(target=rank_main, args=(r, 2, port, opts, queue)) for r in range(2)]
     for p in procs:
         p.start()

@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -121,10 +120,8 @@ def run_attempt(mode: str, size: str, steps: int, nvme_root: str) -> dict[str, A
     else:
         import dsrun
 
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
         config = ds_config(mode, kwargs, nvme_root)
-        dsrun.init_distributed(verbose=False)
+        dsrun.init_distributed(verbose=False)  # a world of one on a free local port
         with dsrun.zero.Init(config_dict_or_path=config):  # partitioned (and offloaded) as it is built
             model = GPT(**kwargs)
         engine, _, _, _ = dsrun.initialize(model=model, config=config)
@@ -142,12 +139,6 @@ def run_attempt(mode: str, size: str, steps: int, nvme_root: str) -> dict[str, A
         times.append(time.perf_counter() - t)
         print(f"[scale] {mode} {size} step {len(losses)}: loss {losses[-1]:.4f} in {times[-1]:.1f}s", flush=True)
     return {"losses": losses, "step_times": times, "build_s": build_s}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --------------------------------------------------------------------------------------------------------

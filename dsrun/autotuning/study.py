@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ from dsrun.autotuning.space import MICRO_BATCH_KEY, ACCUMULATION_KEY, SearchSpac
 from dsrun.autotuning.trial import (Experiment, error_summary, launch, measurement_overrides, stop_leftover_launch,
                                     train_command, without_keys)
 from dsrun.utils.errors import Problem, UserError
+from dsrun.utils.net import free_port
 
 STUDY_NAME = "dsrun-tune"
 STUDY_DB = "study.db"
@@ -41,12 +41,6 @@ LAUNCHED, PRUNED, INVALID, DUPLICATE, INTERRUPTED = "launched", "pruned", "inval
 
 ComposeFn = Callable[[list[str]], tuple[Any, Any]]  # overrides -> (composed RunSpec, dsrun.runspec.ResolvedRun)
 EventFn = Callable[[str, dict[str, Any]], None]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_sampler(settings: TuneSettings, space: SearchSpace) -> Any:

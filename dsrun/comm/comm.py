@@ -7,7 +7,6 @@ follow ``deepspeed.comm`` (which follows ``torch.distributed``), so code written
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 from typing import Any, Sequence
 
@@ -15,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from dsrun.accelerator import get_accelerator
+from dsrun.utils.net import free_port
 
 from .logger import CommsLogger, Timer, format_summary, straggler_breakdown
 
@@ -26,12 +26,6 @@ comms_logger = CommsLogger()
 # torch >= 2.10 renamed the tensor-shaped collectives; prefer the new names when present.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True,
@@ -61,7 +55,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     else:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(distributed_port))

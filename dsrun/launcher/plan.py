@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import glob
 import os
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from dsrun.launcher.hostfile import Pool, apply_filters, parse_core_list, read_h
 from dsrun.launcher.options import DEFAULT_MASTER_PORT, LaunchOptions
 from dsrun.launcher.runners import NodeCommand, build_commands
 from dsrun.utils.errors import Problem, UserError
+from dsrun.utils.net import free_port
 
 DEFAULT_HOSTFILE = "/job/hostfile"
 LOCAL_HOST = "localhost"
@@ -108,20 +108,13 @@ def _strip_user(host: str) -> str:
     return host.split("@", 1)[1] if "@" in host else host
 
 
-def free_local_port() -> int:
-    """A TCP port that is free on this machine right now (the OS picks one from its ephemeral range)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("", 0))
-        return probe.getsockname()[1]
-
-
 def master_port_for(options: LaunchOptions, runner: str) -> int:
     """The port given, else a free one for a single-node local job (two local jobs at once, such as the jobs
     of a multirun or two terminals, must not both take 29500), else DeepSpeed's 29500, which every node of
     a multi-node job can agree on without being told."""
     if options.master_port is not None:
         return options.master_port
-    return free_local_port() if runner == "local" else DEFAULT_MASTER_PORT
+    return free_port() if runner == "local" else DEFAULT_MASTER_PORT
 
 
 def plan_launch(options: LaunchOptions, environ: dict[str, str] | None = None) -> LaunchPlan:
