@@ -101,10 +101,6 @@ class CPUOptimizer(torch.optim.Optimizer):
         return loss
 
     # --- tiles: what ZeRO-Offload steps (a slice of a flat fp32 master, its gradient and its states) -------
-    def new_state_tensors(self, numel: int, device: Any = "cpu") -> dict[str, torch.Tensor]:
-        """Zero-initialised optimizer states (``STATE_KEYS``) for ``numel`` elements."""
-        return {key: torch.zeros(numel, dtype=self._state_dtype(), device=device) for key in self.STATE_KEYS}
-
     def state_for(self, p: torch.Tensor) -> dict[str, Any]:
         """``p``'s state, created (step 0, zero moments) if it has none yet."""
         return self._init_state(p)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsrun.estimate.measure import reset_peak_rss
 from tests.integration import _zero3_workloads as w
 
 
@@ -19,11 +20,6 @@ def _vm_kib(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     raise RuntimeError(field)
-
-
-def _reset_peak_rss() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM (peak RSS) to the current RSS
 
 
 class Tower(nn.Module):
@@ -68,7 +64,7 @@ def init_memory(rank: int, world: int, layers: int, width: int) -> dict[str, Any
 
     handle = torch.nn.modules.module.register_module_parameter_registration_hook(on_register)
     rss_before = _vm_kib("VmRSS")
-    _reset_peak_rss()
+    assert reset_peak_rss()  # VmHWM (peak RSS) back to the current RSS
     with dsrun.zero.Init():
         model = Tower(layers, width)
     rss_growth = (_vm_kib("VmHWM") - rss_before) * 1024

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -82,12 +82,6 @@ class _Slot:
     grad: torch.Tensor
     states: dict[str, torch.Tensor]
     low_precision: torch.Tensor | None
-
-
-@dataclass
-class _OpenGrad:
-    buffer: torch.Tensor
-    remaining: int
 
 
 @dataclass
@@ -154,7 +148,7 @@ class SwappedOptimizerState:
         self.pool: BufferPool | None = None
         self._staging: list[torch.Tensor] = []
         # gradients
-        self._open: OrderedDict[int, _OpenGrad] = OrderedDict()
+        self._open: OrderedDict[int, torch.Tensor] = OrderedDict()  # sub-group -> its open gradient's buffer
         self._remaining: dict[int, int] = {}
         self._writing: list[torch.Tensor] = []
         # 16-bit gradient files: the elements that got a contribution this step, and the sub-groups whose
@@ -218,8 +212,8 @@ class SwappedOptimizerState:
     def accumulate(self, index: int, offset: int, values: torch.Tensor) -> None:
         """Add one parameter's reduced shard gradient (``values``, any device and dtype) at ``offset`` of
         sub-group ``index``."""
-        entry = self._open.get(index)
-        if entry is None:
+        buffer = self._open.get(index)
+        if buffer is None:
             unit = self._unit_by_index[index]
             buffer = self._take_buffer()
             grad = buffer[:unit.numel]
@@ -227,8 +221,8 @@ class SwappedOptimizerState:
                 self._read_grad(index, buffer)
             else:
                 grad.zero_()
-            entry = self._open[index] = _OpenGrad(buffer, 0)
-        grad = entry.buffer[:self._unit_by_index[index].numel]
+            self._open[index] = buffer
+        grad = buffer[:self._unit_by_index[index].numel]
         contributed = self._contributed.setdefault(index, set())
         if values.dtype != self.narrow_dtype or offset in contributed:
             self._wide.add(index)
@@ -239,14 +233,14 @@ class SwappedOptimizerState:
             self._close(index, final=True)
 
     def _close(self, index: int, final: bool) -> None:
-        entry = self._open.pop(index)
-        grad = entry.buffer[:self._unit_by_index[index].numel]
+        buffer = self._open.pop(index)
+        grad = buffer[:self._unit_by_index[index].numel]
         if final and self._boundary and self.measure_gradients:
             self.stats[index] = grad_stats(grad)
         if self.narrow_dtype is not None and index not in self._wide:  # exact in the model dtype: half the bytes
-            grad = narrow_in_place(entry.buffer, grad.numel(), self.narrow_dtype)
+            grad = narrow_in_place(buffer, grad.numel(), self.narrow_dtype)
         self.store.async_write(self._key("grad", index), grad)
-        self._writing.append(entry.buffer)
+        self._writing.append(buffer)
 
     def _read_grad(self, index: int, buffer: torch.Tensor) -> torch.Tensor:
         """Read ``grad.index`` (fp32 or 16-bit) into ``buffer`` as fp32; returns the sub-group's slice."""

@@ -3,8 +3,8 @@
 A partitioned parameter (:mod:`dsrun.runtime.zero.partition_params`) keeps this rank's shard in
 ``param.ds_tensor``. With ``zero_optimization.offload_param`` the shard moves off the training device and
 ``param.ds_offload`` names the object below that owns it; ZeRO-3 asks that object for the shard only when it
-all-gathers the parameter (:meth:`ParamOffload.gather_input` / :meth:`ParamOffload.gather_done`) and hands it
-the updated values after each optimizer step (:meth:`ParamOffload.write_shard`).
+all-gathers the parameter (:meth:`ParamOffload.gather_input`) and hands it the updated values after each
+optimizer step (:meth:`ParamOffload.write_shard`).
 
 * ``device: cpu`` (:class:`CpuParamOffload`): the shard stays in host memory (pinned when the accelerator
   benefits from it) and is copied to the training device for the all-gather. On a CPU-only machine host and
@@ -91,14 +91,11 @@ class ParamOffload:
 
     # --- the ZeRO-3 gather --------------------------------------------------------------------------------
     def gather_input(self, param: torch.nn.Parameter) -> torch.Tensor:
-        """The shard on the training device, ready to be all-gathered; pair with :meth:`gather_done`."""
+        """The shard on the training device, ready to be all-gathered; the all-gather reads it."""
         shard = param.ds_tensor
         if shard.device != self.compute_device:
             shard = shard.to(self.compute_device, non_blocking=self.pin)
         return shard
-
-    def gather_done(self, param: torch.nn.Parameter) -> None:
-        """The all-gather that read ``gather_input(param)`` has completed."""
 
     def after_fetch(self, upcoming: Iterable[torch.nn.Parameter]) -> None:
         """A module's parameters were fetched; ``upcoming`` are the next ones in the recorded order."""
@@ -120,10 +117,6 @@ class ParamOffload:
         """Bytes of shards this object keeps away from the training device."""
         if self.compute_device.type == "cpu":
             return 0  # host and device are the same memory
-        return sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in self.params.values())
-
-    def host_bytes(self) -> int:
-        """Host memory this object holds for shards and buffers."""
         return sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in self.params.values())
 
     def buffer_bytes(self) -> int:
@@ -399,9 +392,6 @@ class NvmeParamOffload(ParamOffload):
     def buffer_bytes(self) -> int:
         size = torch.empty(0, dtype=self.dtype or torch.float32).element_size()
         return (self._allocated * self.buffer_size + self.cached_numel) * size
-
-    def host_bytes(self) -> int:
-        return self.buffer_bytes() + super().host_bytes()
 
     def check_modules(self, root: torch.nn.Module) -> None:
         """Every module's swapped parameters must fit in the pool at once (they are gathered together)."""

@@ -452,5 +452,3 @@ class OffloadStage3Strategy(Stage3Strategy):
         if self.swapped is not None:
             self.swapped.close()
 
-
-OFFLOAD_STRATEGY_CLASSES = {1: OffloadStage1Strategy, 2: OffloadStage2Strategy, 3: OffloadStage3Strategy}

@@ -90,19 +90,15 @@ def shard_padding(param: torch.nn.Parameter, rank: int) -> int:
 class GatherHandle:
     """An all-gather in flight for one parameter; :meth:`wait` makes the parameter available."""
 
-    def __init__(self, param: torch.nn.Parameter, buffer: torch.Tensor, work: Any, owner: Any = None):
+    def __init__(self, param: torch.nn.Parameter, buffer: torch.Tensor, work: Any):
         self.param = param
         self.buffer = buffer
         self.work = work
-        self.owner = owner  # the offload that lent the shard for this gather
 
     def wait(self) -> None:
         if self.work is not None:
             self.work.wait()
             self.work = None
-        if self.owner is not None:
-            owner, self.owner = self.owner, None
-            owner.gather_done(self.param)
         param = self.param
         if param.ds_handle is self:
             param.data = self.buffer[: param.ds_numel].view(param.ds_shape)
@@ -126,7 +122,7 @@ def start_gather(param: torch.nn.Parameter, async_op: bool) -> GatherHandle | No
         work = comm.all_gather_into_tensor(buffer, shard, group=param.ds_process_group, async_op=async_op)
         if not async_op:
             work = None
-    handle = GatherHandle(param, buffer, work, owner)
+    handle = GatherHandle(param, buffer, work)
     param.ds_handle = handle
     param.ds_status = ParamStatus.INFLIGHT
     return handle
