@@ -268,8 +268,7 @@ class OffloadStage3Strategy(Stage3Strategy):
 
     def _aliased(self) -> bool:
         # once some shards cannot alias their master (offload_param nvme), the step writes every shard
-        return not self.precision.needs_master_weights and self.ctx.device.type == "cpu" \
-            and not self._separate_shards
+        return not self._writes_shards and self.ctx.device.type == "cpu"
 
     # --- backward -----------------------------------------------------------------------------------------
     def before_backward(self, boundary: bool) -> None:
@@ -321,7 +320,7 @@ class OffloadStage3Strategy(Stage3Strategy):
             state["step"] += 1
             self.cpu_optimizer.update_tile(self._optimizer.param_groups[sg.group_index], sg.master.detach(), sg.grad,
                                            {k: state[k] for k in self.cpu_optimizer.STATE_KEYS}, state["step"])
-            if self.precision.needs_master_weights:
+            if self._writes_shards:
                 scatter_to_shards(sg.params, sg.offsets, 0, sg.master.detach())
         if self.ctx.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
@@ -370,7 +369,7 @@ class OffloadStage3Strategy(Stage3Strategy):
             for i, sg in enumerate(self.sub_groups):
                 if sg.placement == "nvme":
                     self.swapped.read_master(i, lambda values, sg=sg: scatter_to_shards(sg.params, sg.offsets, 0, values))
-                elif sg.placement == "device" and not self.precision.needs_master_weights:
+                elif sg.placement == "device" and not self._writes_shards:
                     continue  # views of the master
                 elif sg.placement == "cpu" and self._aliased():
                     continue
@@ -436,7 +435,7 @@ class OffloadStage3Strategy(Stage3Strategy):
         resident = self._resident()
         grads = sum(tensor_bytes(sg.grad) for sg in resident)
         masters = sum(tensor_bytes(sg.master) for sg in resident
-                      if self.precision.needs_master_weights or (sg.placement == "cpu" and not self._aliased()))
+                      if self._writes_shards or (sg.placement == "cpu" and not self._aliased()))
         states = optimizer_state_bytes(self._optimizer)
         buffers = sum(tensor_bytes(t) for t in self._lp_staging)
         if self.swapped is not None:

@@ -194,6 +194,12 @@ class Stage3Strategy(ZeroStrategy):
                 continue
             p.ds_tensor = sg.master.data[off:off + p.ds_partition_numel]
 
+    @property
+    def _writes_shards(self) -> bool:
+        """Are the model's shards separate from the fp32 masters, so the step must write them? (16-bit
+        models; fp32 once an offloaded shard could not alias its master.)"""
+        return self.precision.needs_master_weights or self._separate_shards
+
     # --- the engine's calls -------------------------------------------------------------------------------
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -327,7 +333,7 @@ class Stage3Strategy(ZeroStrategy):
 
     def _publish(self) -> None:
         """Write the updated fp32 shards into the model's shards; gathered copies are now stale."""
-        if self.precision.needs_master_weights or self._separate_shards:
+        if self._writes_shards:
             with torch.no_grad():
                 for sg in self.sub_groups:
                     for p, off in zip(sg.params, sg.offsets):
@@ -358,8 +364,7 @@ class Stage3Strategy(ZeroStrategy):
         shards = sum(tensor_bytes(p.ds_tensor) for p in self.params)
         persistent = sum(p.ds_numel * p.ds_tensor.element_size() for p in self.params if p.ds_persist)
         grads = sum(tensor_bytes(sg.grad) for sg in self.sub_groups)
-        separate = self.precision.needs_master_weights or self._separate_shards
-        masters = sum(tensor_bytes(sg.master) for sg in self.sub_groups) if separate else 0
+        masters = sum(tensor_bytes(sg.master) for sg in self.sub_groups) if self._writes_shards else 0
         states = optimizer_state_bytes(self._optimizer)
         trainable_elems = sum(sg.numel for sg in self.sub_groups)
         per_elem = (grads + masters + states) / trainable_elems if trainable_elems else 0.0

@@ -231,3 +231,18 @@ def test_bf16_gradient_files_are_16_bit_when_exact_and_the_step_is_unchanged(tmp
     assert nvme[0] == cpu[0]
     for a, b in zip(nvme[1], cpu[1]):
         assert torch.equal(a, b)
+
+
+def test_fp32_partial_offload_writes_the_nvme_parameter_shards_of_the_sub_groups_kept_in_memory(tmp_path: Path):
+    """fp32 with ``offload_param`` on NVMe: no shard can alias its master, so the step writes every shard,
+    the sub-groups that ``ratio`` keeps on the device included (and so does loading a checkpoint)."""
+    def config(offload: dict) -> dict:
+        cfg = _config(3, offload)
+        cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": str(tmp_path / "params"),
+                                                     "buffer_count": 4, "max_in_cpu": 0}
+        return cfg
+
+    reference = _train(dsrun.initialize(model=_model(), config=config({"device": "none"}))[0])
+    engine = dsrun.initialize(model=_model(), config=config({"device": "cpu", "ratio": 0.5}))[0]
+    assert {sg.placement for sg in engine.strategy.sub_groups} == {"cpu", "device"}
+    assert _train(engine) == reference
