@@ -120,9 +120,10 @@ class _OffloadedPartitions:
             torch.cuda.current_stream().synchronize()
 
     def _partition_for_publish(self, group: Any, master: torch.Tensor) -> torch.Tensor:
-        # the step already wrote this rank's 16-bit (or fp32) partition into the model's flat buffer
+        # the step already wrote this rank's 16-bit (or fp32) partition into the model's flat buffer; the
+        # all-gather needs it as a separate input (one rank: nothing to gather, the buffer is already right)
         lo, hi = group.partition_range(self.rank)
-        return group.flat_param[lo:hi].clone()
+        return group.flat_param[lo:hi] if self.world_size == 1 else group.flat_param[lo:hi].clone()
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         super().load_state_dict(sd)  # type: ignore[misc]

@@ -90,7 +90,8 @@ class PartitionedStrategy(FlatStrategy):
             for group, master in zip(self.groups, self.masters):
                 part = self._partition_for_publish(group, master)
                 if self.world_size == 1:
-                    group.flat_param.copy_(part)
+                    if part.data_ptr() != group.flat_param.data_ptr():
+                        group.flat_param.copy_(part)
                     continue
                 size = group.partition_numel
                 if size <= chunk:
