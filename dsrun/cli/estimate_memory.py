@@ -198,7 +198,9 @@ def measure_run(overrides: list[str], recipes_dirs: list[str], steps: int, timeo
                f"train.max_steps={steps}", "train.eval_interval=0", "train.eval_iters=1", "train.save_interval=0",
                f"hydra.run.dir={run_dir}"]
     # glibc then returns large blocks to the system at once, so a rank's peak RSS tracks its tensors.
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", "65536")}
+    from dsrun.estimate.runtime import malloc_threshold
+
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": malloc_threshold()}
     try:
         result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout,
                                 stdin=subprocess.DEVNULL)

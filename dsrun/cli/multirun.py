@@ -120,9 +120,10 @@ def unknown_sweep_options(overrides: Sequence[str], recipes_dirs: Sequence[str |
 
     groups = set(config_groups())
     problems = []
+    parser = OverridesParser.create()
     for text in overrides:
         try:
-            (override,) = OverridesParser.create().parse_overrides([text])
+            (override,) = parser.parse_overrides([text])
         except Exception:  # noqa: BLE001 - composing reports it
             continue
         group, sweep = override.key_or_group, override.value() if override.is_sweep_override() else None

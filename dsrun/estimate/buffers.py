@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsrun.estimate.inputs import EstimateInputs
+from dsrun.estimate.inputs import EstimateInputs, ceil_div
 
 
 @dataclass(frozen=True)
@@ -96,10 +96,6 @@ def working_bytes(spec: EstimateInputs) -> int:
     return 2 if spec.mixed_precision else 4
 
 
-def _ceil_div(count: int, parts: int) -> int:
-    return -(-count // parts)
-
-
 def stage3_gathered_elements(spec: EstimateInputs) -> int:
     """Parameters ZeRO-3 holds gathered at once: the largest layer plus the prefetch, within the live cap."""
     largest = spec.largest_layer_params
@@ -110,7 +106,7 @@ def stage3_gathered_elements(spec: EstimateInputs) -> int:
 
 def bucket_count(spec: EstimateInputs) -> int:
     """How many reduce buckets one backward fills: ``ceil(T / reduce_bucket_size)`` (at least 1)."""
-    return max(1, _ceil_div(spec.trainable, max(1, spec.buffers.reduce_bucket_size)))
+    return max(1, ceil_div(spec.trainable, max(1, spec.buffers.reduce_bucket_size)))
 
 
 def buffer_bytes(spec: EstimateInputs) -> BufferBytes:
@@ -125,12 +121,12 @@ def buffer_bytes(spec: EstimateInputs) -> BufferBytes:
     coll_backward = coll_end = coll_publish = 0
     gloo = spec.gloo and n > 1
     if spec.zero_stage == 2:
-        received = _ceil_div(bucket, n) if spec.offload_optimizer == "none" else 0
+        received = ceil_div(bucket, n) if spec.offload_optimizer == "none" else 0
         reduce_bucket = (bucket + received) * w * in_flight
     accumulate = 0
     if spec.zero_stage == 2 and spec.mixed_precision and spec.offload_optimizer == "none":
         # fp32_accumulator.add_(16-bit received piece) materialises the piece in fp32 first
-        accumulate = _ceil_div(bucket, n) * 4
+        accumulate = ceil_div(bucket, n) * 4
     if spec.zero_stage in (1, 2) and gloo:
         scatter = bucket * w * (n - 1) // n if b.reduce_scatter else 0
         during = several and (spec.zero_stage == 2 or spec.overlap_comm)
@@ -140,7 +136,7 @@ def buffer_bytes(spec: EstimateInputs) -> BufferBytes:
         coll_publish = min(spec.total_params, chunk * n) * w
     if spec.zero_stage in (1, 2):
         # the updated partition cast to the working precision before it is gathered (or copied, N = 1)
-        coll_publish += _ceil_div(spec.total_params, n) * w if spec.mixed_precision else 0
+        coll_publish += ceil_div(spec.total_params, n) * w if spec.mixed_precision else 0
     if accumulate:
         if several:
             coll_backward += accumulate
@@ -148,7 +144,7 @@ def buffer_bytes(spec: EstimateInputs) -> BufferBytes:
     if spec.zero_stage == 3:
         if n > 1:  # one rank's partition is already the whole model
             gathered = stage3_gathered_elements(spec) * w + spec.largest_layer_params * w
-        received = (_ceil_div(spec.trainable, n) if spec.overlap_comm else _ceil_div(bucket, n)) if n > 1 else 0
+        received = (ceil_div(spec.trainable, n) if spec.overlap_comm else ceil_div(bucket, n)) if n > 1 else 0
         transient = (2 * bucket + received) * w
         if gloo:
             coll_backward = spec.largest_layer_params * w + (bucket * w if several else 0)

@@ -19,6 +19,11 @@ PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "bf16")
 OFFLOADS: tuple[str, ...] = ("none", "cpu", "nvme")
 
 
+def ceil_div(count: int, parts: int) -> int:
+    """``count / parts`` rounded up (a partition's size)."""
+    return -(-count // parts)
+
+
 @dataclass(frozen=True)
 class GPTShape:
     """The shape of a GPT-style decoder, enough to count its activations.

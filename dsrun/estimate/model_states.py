@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from dsrun.estimate.inputs import EstimateInputs
+from dsrun.estimate.inputs import EstimateInputs, ceil_div
 from dsrun.utils.errors import ConfigError, Problem
 from dsrun.utils.suggest import did_you_mean
 
@@ -98,10 +98,6 @@ def _fused_on_cpu(optimizer: str) -> bool:
     return key in {"adam", "adamw", "cpuadam", "deepspeedcpuadam", "lion", "cpulion", "adagrad", "cpuadagrad"}
 
 
-def _ceil_div(count: int, parts: int) -> int:
-    return -(-count // parts)
-
-
 def model_state_bytes(spec: EstimateInputs) -> ModelStates:
     """Model-state bytes per rank for ``spec`` (see the module docstring for the rules)."""
     n = spec.world_size
@@ -117,8 +113,8 @@ def model_state_bytes(spec: EstimateInputs) -> ModelStates:
 
     # Parameters: whole below stage 3; at stage 3 the partition plus the small ones kept gathered.
     small = min(spec.small_params, total)
-    param_elems = total if stage < 3 else _ceil_div(total, n) + small
-    t_part = _ceil_div(trainable, n) if stage >= 1 else trainable
+    param_elems = total if stage < 3 else ceil_div(total, n) + small
+    t_part = ceil_div(trainable, n) if stage >= 1 else trainable
     if stage == 0:
         grad_bytes = trainable * w + (trainable * FP32 if mixed else 0)
     elif stage == 1:  # whole working gradients, the fp32 partition, and (16-bit) the received piece
@@ -129,7 +125,7 @@ def model_state_bytes(spec: EstimateInputs) -> ModelStates:
     host = nvme = host_buffers = 0
     device_params = param_elems * w
     if spec.offload_param != "none":
-        partition = _ceil_div(total, n) * w
+        partition = ceil_div(total, n) * w
         device_params = small * w
         if spec.offload_param == "cpu":
             host += partition
@@ -138,7 +134,7 @@ def model_state_bytes(spec: EstimateInputs) -> ModelStates:
             # the read/write pool (buffer_count x buffer_size elements, each allocated whole when first
             # needed) and the shards that may stay cached in host memory (max_in_cpu elements)
             pool = spec.buffers.offload_param_buffer_count * spec.buffers.offload_param_buffer_size
-            cached = min(spec.buffers.offload_param_max_in_cpu, _ceil_div(total, n))
+            cached = min(spec.buffers.offload_param_max_in_cpu, ceil_div(total, n))
             host_buffers += (pool + cached) * w
 
     step_workspace = 0
@@ -189,5 +185,5 @@ def init_bytes_per_rank(spec: EstimateInputs) -> int:
     """Host RAM a rank needs while building the model: the whole model in fp32, unless ZeRO-3's
     ``zero.Init`` partitions it as it is built (then the partition plus one whole layer)."""
     if spec.zero_stage == 3 and spec.zero_init:
-        return (_ceil_div(spec.total_params, spec.world_size) + spec.largest_layer_params) * FP32
+        return (ceil_div(spec.total_params, spec.world_size) + spec.largest_layer_params) * FP32
     return spec.total_params * FP32

@@ -35,6 +35,12 @@ from dsrun.utils.errors import Problem, UserError
 
 MALLOC_MMAP_THRESHOLD = "65536"  # what dsrun's --measure runs use: large blocks go back to the system at once
 
+
+def malloc_threshold() -> str:
+    """The ``MALLOC_MMAP_THRESHOLD_`` a measured rank runs with: the environment's, else ours."""
+    return os.environ.get("MALLOC_MMAP_THRESHOLD_", MALLOC_MMAP_THRESHOLD)
+
+
 _PROBE = r"""
 import json, os, sys, tempfile
 def status():
@@ -136,7 +142,7 @@ def runtime_cache_path(threads: int, optimizer: str, model: dict | None = None, 
     torch_version, python, host, dsrun_version = _versions()
     key = json.dumps([torch_version, python, host, dsrun_version, int(threads), optimizer.lower(),
                       tiny_model_config(model), precision,
-                      os.environ.get("MALLOC_MMAP_THRESHOLD_", MALLOC_MMAP_THRESHOLD)],
+                      malloc_threshold()],
                      sort_keys=True, default=str)
     digest = hashlib.sha1(key.encode()).hexdigest()[:16]
     return _cache_dir() / f"rank-runtime-{digest}.json"
@@ -155,7 +161,7 @@ def measure_rank_runtime(threads: int = 1, optimizer: str = "AdamW", model: dict
             pass  # an old or damaged cache entry: measure again
     # The optimizer's params do not change what it imports or loads: the probe uses its defaults.
     env = {**os.environ, "OMP_NUM_THREADS": str(int(threads)),
-           "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", MALLOC_MMAP_THRESHOLD)}
+           "MALLOC_MMAP_THRESHOLD_": malloc_threshold()}
     repo_root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo_root, env.get("PYTHONPATH", "")]))
     try:
