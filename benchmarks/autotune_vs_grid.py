@@ -63,11 +63,10 @@ def tune(work: Path, name: str, overrides: list[str], tuner: str, trials: int) -
 def remeasure(trial_dir: Path, out: Path) -> float:
     """Run a trial's ``cmd.txt`` again (new port and run dir); its profile throughput in samples/s."""
     from dsrun.autotuning.metrics import profile_metrics
-    from dsrun.utils.net import free_port
 
     command = shlex.split((trial_dir / "cmd.txt").read_text())
     command = [a for a in command if not a.startswith(("launcher.master_port=", "hydra.run.dir="))]
-    command += [f"launcher.master_port={free_port()}", f"hydra.run.dir={out}"]
+    command += ["launcher.master_port=null", f"hydra.run.dir={out}"]  # null: a free port for a local job
     window = json.loads((trial_dir / "metrics.json").read_text())["profile_steps"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run(command, cwd=out.parent, env=env, capture_output=True, text=True, timeout=600)

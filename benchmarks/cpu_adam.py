@@ -33,6 +33,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Callable
+from unittest import mock
 
 import torch
 
@@ -70,15 +71,8 @@ def ours(param_dtype: torch.dtype, fp32_states: bool = True, huge_pages: bool = 
         p = _param(numel, param_dtype)
         opt = DeepSpeedCPUAdam([p], lr=1e-3, weight_decay=0.01, fp32_optimizer_states=fp32_states)
         assert opt.uses_compiled_op, "the cpu_adam op did not build; see the warning above"
-        saved = os.environ.get("DSRUN_OPTIM_HUGE_PAGES")
-        os.environ["DSRUN_OPTIM_HUGE_PAGES"] = "1" if huge_pages else "0"
-        try:
+        with mock.patch.dict(os.environ, {"DSRUN_OPTIM_HUGE_PAGES": "1" if huge_pages else "0"}):
             opt.step()  # creates the states now, with the setting above
-        finally:
-            if saved is None:
-                del os.environ["DSRUN_OPTIM_HUGE_PAGES"]
-            else:
-                os.environ["DSRUN_OPTIM_HUGE_PAGES"] = saved
         return opt.step
     return setup
 

@@ -56,20 +56,22 @@ def main() -> None:
     import torch
 
     import dsrun
+    from dsrun.models.config import GPTConfig
     from dsrun.models.gpt import GPT
 
     torch.set_num_threads(args.threads)
     nvme_root = args.nvme_path or tempfile.mkdtemp(prefix="dsrun_offload_bench_")
+    gpt = dict(vocab_size=4096, block_size=64, n_layer=args.layers, n_head=args.width // 64, n_embd=args.width,
+               dropout=0.0)
     engines = {}
     for name, zero in configs(args.sub_group, nvme_root).items():
         torch.manual_seed(0)
-        model = GPT(vocab_size=4096, block_size=64, n_layer=args.layers, n_head=args.width // 64, n_embd=args.width, dropout=0.0)
+        model = GPT(**gpt)
         cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
                "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": zero,
                "steps_per_print": 10_000}
         engines[name] = dsrun.initialize(model=model, config=cfg)[0]
-    numel = sum(p.numel() for p in GPT(vocab_size=4096, block_size=64, n_layer=args.layers, n_head=args.width // 64,
-                                        n_embd=args.width, dropout=0.0).parameters())
+    numel = GPTConfig.from_kwargs(gpt).num_parameters()
     gen = torch.Generator().manual_seed(1)
     times = {name: [] for name in engines}
     opt_times = {name: [] for name in engines}

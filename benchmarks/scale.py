@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -220,11 +221,9 @@ def attempt(mode: str, size: str, args: argparse.Namespace, steps: int = 3) -> d
         result["status"], result["reason"] = ("oom" if memory else "error"), reason
     else:
         result.update(json.loads(out.read_text()))
-        finite = all(loss == loss and abs(loss) != float("inf") for loss in result["losses"])
+        finite = all(map(math.isfinite, result["losses"]))
         falling = all(b < a for a, b in zip(result["losses"], result["losses"][1:]))
-        result["status"] = "ok" if finite and falling else "diverged"
-        if not finite:
-            result["status"] = "nonfinite"
+        result["status"] = "nonfinite" if not finite else "ok" if falling else "diverged"
         result["step_s"] = statistics.median(result["step_times"][1:] or result["step_times"])
     shutil.rmtree(nvme_root, ignore_errors=True)  # the swap files go as soon as the attempt ends
     return result
