@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from dsrun.runtime.offload.param_swapper import shard_value
+
 
 def param_names(module: torch.nn.Module) -> dict[int, str]:
     """id(parameter) -> its first name (a tied parameter's source name)."""
@@ -68,10 +70,8 @@ def frozen_params(module: torch.nn.Module) -> tuple[dict[str, torch.Size], dict[
     for name, p in module.named_parameters():
         if not p.requires_grad:
             shapes[name] = torch.Size(getattr(p, "ds_shape", p.shape))
-            shard = getattr(p, "ds_tensor", p.data)
-            owner = getattr(p, "ds_offload", None)  # offload_param: an NVMe shard is read from its file
-            if owner is not None:
-                shard = owner.read_copy(p)
+            # offload_param: an NVMe shard is read from its file
+            shard = shard_value(p) if hasattr(p, "ds_tensor") else p.data
             fragments[name] = shard.detach().reshape(-1).to("cpu", copy=True)
     return shapes, fragments
 

@@ -172,16 +172,15 @@ class ParameterCoordinator:
     def _prefetch(self) -> None:
         budget = self.prefetch_bucket_size
         live = self.live_numel()
-        for index in range(self.cursor, len(self.trace)):
-            for p in self._params_of.get(self.trace[index][0], []):
-                if p.ds_status is not ParamStatus.NOT_AVAILABLE:
-                    continue
-                if budget <= 0 or live + p.ds_numel > self.max_live_parameters:
-                    return
-                start_gather(p, async_op=True)
-                budget -= p.ds_numel
-                live += p.ds_numel
-                self.prefetched_numel += p.ds_numel
+        for p in self.upcoming_params():
+            if p.ds_status is not ParamStatus.NOT_AVAILABLE:
+                continue
+            if budget <= 0 or live + p.ds_numel > self.max_live_parameters:
+                return
+            start_gather(p, async_op=True)
+            budget -= p.ds_numel
+            live += p.ds_numel
+            self.prefetched_numel += p.ds_numel
 
     def live_numel(self) -> int:
         """Elements currently gathered (or being gathered)."""
