@@ -172,7 +172,7 @@ def where_outputs_went(resolved, run_dir: Path) -> list[str]:
     """One line per output a user looks for after a run: metrics, monitor files, checkpoints, MLflow (paths
     relative to the current directory when they lie below it)."""
     from dsrun.cli.multirun import short_path
-    from dsrun.monitor.mlflow_monitor import resolve_tracking_uri
+    from dsrun.monitor.mlflow_monitor import resolve_tracking_uri, sqlite_path
     from dsrun.rundir import METRICS_JSON
 
     ds = resolved.ds
@@ -187,8 +187,9 @@ def where_outputs_went(resolved, run_dir: Path) -> list[str]:
     if ds.mlflow.enabled:
         uri = resolve_tracking_uri(ds.mlflow.tracking_uri, Path.cwd() / "mlruns")  # as the worker resolved it
         name = ds.mlflow.run_name or f"{run_dir.parent.name}/{run_dir.name}"
-        if uri.startswith("sqlite:///"):  # a local store: its file, and the command that browses it
-            db = short_path(Path(uri[len("sqlite:///"):]))
+        store = sqlite_path(uri)
+        if store is not None:  # a local store: its file, and the command that browses it
+            db = short_path(store)
             where = f"{db}; browse: mlflow ui --backend-store-uri sqlite:///{db}"
         else:
             where = uri

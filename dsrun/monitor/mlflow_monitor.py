@@ -35,6 +35,12 @@ def local_tracking_uri(directory: str | os.PathLike) -> str:
     return f"sqlite:///{Path(directory).resolve() / 'mlflow.db'}"
 
 
+def sqlite_path(tracking_uri: str) -> Path | None:
+    """The database file of a local SQLite store (``sqlite:///PATH``); None for any other store."""
+    prefix = "sqlite:///"
+    return Path(tracking_uri[len(prefix):]) if tracking_uri.startswith(prefix) else None
+
+
 def resolve_tracking_uri(configured: str | None, default_dir: str | os.PathLike) -> str:
     """``mlflow.tracking_uri`` from the config, else ``MLFLOW_TRACKING_URI``, else the local store."""
     return configured or os.environ.get("MLFLOW_TRACKING_URI") or local_tracking_uri(default_dir)
@@ -48,10 +54,10 @@ def store_lock(tracking_uri: str) -> Iterator[None]:
     tables at once, or create the same experiment or parent run twice; with the lock the first one does it
     and the others find it done. Other stores (a tracking server, ...) need no lock.
     """
-    if not tracking_uri.startswith("sqlite:///"):
+    db = sqlite_path(tracking_uri)
+    if db is None:
         yield
         return
-    db = Path(tracking_uri[len("sqlite:///"):])
     db.parent.mkdir(parents=True, exist_ok=True)
     try:
         import fcntl
@@ -125,8 +131,9 @@ class MLflowMonitor(Monitor):
 
         self.tracking_uri = tracking_uri
         with store_lock(tracking_uri):
-            if tracking_uri.startswith("sqlite:///") and not Path(tracking_uri[len("sqlite:///"):]).exists():
-                new_local_store(Path(tracking_uri[len("sqlite:///"):]))
+            db = sqlite_path(tracking_uri)
+            if db is not None and not db.exists():
+                new_local_store(db)
             self.client = MlflowClient(tracking_uri=tracking_uri)
             self.experiment_id = self._experiment(experiment_name)
             all_tags = dict(tags or {})
@@ -143,10 +150,10 @@ class MLflowMonitor(Monitor):
         if existing is not None:
             return existing.experiment_id
         location = None
-        if self.tracking_uri.startswith("sqlite:///"):
+        db = sqlite_path(self.tracking_uri)
+        if db is not None:
             # SQLite stores put artifacts under ./mlruns of the *current* directory by default; keep them
             # next to the database instead.
-            db = Path(self.tracking_uri[len("sqlite:///"):])
             location = (db.parent / "mlartifacts").as_uri()
         return self.client.create_experiment(name, artifact_location=location)
 
