@@ -21,8 +21,17 @@ STRATEGY_CLASSES: dict[int, str] = {
 }
 
 
-def strategy_class(stage: int) -> type[ZeroStrategy]:
-    target = STRATEGY_CLASSES.get(stage)
+# stage -> the strategy with the optimizer offloaded (``zero_optimization.offload_optimizer``)
+OFFLOAD_STRATEGY_CLASSES: dict[int, str] = {
+    1: "dsrun.runtime.offload.strategies:OffloadStage1Strategy",
+    2: "dsrun.runtime.offload.strategies:OffloadStage2Strategy",
+    3: "dsrun.runtime.offload.strategies:OffloadStage3Strategy",
+}
+
+
+def strategy_class(stage: int, offloaded: bool = False) -> type[ZeroStrategy]:
+    """The strategy class of ``stage``; with ``offloaded``, its optimizer-offload variant (stages 1-3)."""
+    target = (OFFLOAD_STRATEGY_CLASSES if offloaded else STRATEGY_CLASSES).get(stage) or STRATEGY_CLASSES.get(stage)
     if target is None:
         raise ConfigError(Problem("zero_optimization.stage", f"got {stage!r}; allowed: 0, 1, 2, 3"))
     module_name, _, class_name = target.partition(":")
@@ -36,14 +45,6 @@ def strategy_class(stage: int) -> type[ZeroStrategy]:
     return getattr(module, class_name)
 
 
-# stage -> the strategy with the optimizer offloaded (``zero_optimization.offload_optimizer``)
-OFFLOAD_STRATEGY_CLASSES: dict[int, str] = {
-    1: "dsrun.runtime.offload.strategies:OffloadStage1Strategy",
-    2: "dsrun.runtime.offload.strategies:OffloadStage2Strategy",
-    3: "dsrun.runtime.offload.strategies:OffloadStage3Strategy",
-}
-
-
 def _optimizer_offloaded(zero_config) -> bool:
     section = getattr(zero_config, "offload_optimizer", None)
     return section is not None and getattr(section, "device", "none") not in (None, "none")
@@ -52,10 +53,7 @@ def _optimizer_offloaded(zero_config) -> bool:
 def build_zero_strategy(stage: int, ctx: StrategyContext) -> ZeroStrategy:
     """The strategy for ``stage``, built from ``ctx`` (module, optimizer, precision, bucket sizes…); the
     offloading variant of the stage when ``ctx.zero_config.offload_optimizer.device`` is cpu or nvme."""
-    if _optimizer_offloaded(ctx.zero_config) and stage in OFFLOAD_STRATEGY_CLASSES:
-        module_name, _, class_name = OFFLOAD_STRATEGY_CLASSES[stage].partition(":")
-        return getattr(importlib.import_module(module_name), class_name)(ctx)
-    return strategy_class(stage)(ctx)
+    return strategy_class(stage, _optimizer_offloaded(ctx.zero_config))(ctx)
 
 
 __all__ = ["MemoryBreakdown", "OFFLOAD_STRATEGY_CLASSES", "STRATEGY_CLASSES", "StepOutcome", "StrategyContext", "ZeroStrategy",
