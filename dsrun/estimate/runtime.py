@@ -192,11 +192,14 @@ def measure_rank_runtime(threads: int = 1, optimizer: str = "AdamW", model: dict
     return runtime
 
 
-def rank_threads(ranks_per_node: int, cores: int | None = None) -> int:
-    """OpenMP threads a CPU rank gets from dsrun's launcher: ``OMP_NUM_THREADS`` if set, else cores / ranks."""
+def rank_threads(ranks_per_node: int) -> int:
+    """OpenMP threads a CPU rank gets from dsrun's launcher: ``OMP_NUM_THREADS`` if set, else the launcher's
+    default (:func:`dsrun.launcher.environment.default_omp_threads`)."""
     if os.environ.get("OMP_NUM_THREADS"):
         try:
             return max(1, int(os.environ["OMP_NUM_THREADS"]))
         except ValueError:
             pass
-    return max(1, (cores or os.cpu_count() or 1) // max(1, ranks_per_node))
+    from dsrun.launcher.environment import default_omp_threads
+
+    return default_omp_threads(ranks_per_node)

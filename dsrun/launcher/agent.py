@@ -132,8 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         core_list = parse_core_list(ns.bind_core_list) if ns.bind_core_list else None
         core_groups = _cores_for_ranks(local_world_size, core_list)
     elif "OMP_NUM_THREADS" not in os.environ:
-        cores = len(os.sched_getaffinity(0))
-        os.environ["OMP_NUM_THREADS"] = str(max(1, cores // local_world_size))
+        from dsrun.launcher.environment import default_omp_threads
+
+        os.environ["OMP_NUM_THREADS"] = str(default_omp_threads(local_world_size))
 
     # torch is imported only now: the checks above fail fast without paying for it.
     from dsrun.launcher.supervision import NodeAgent, RankLogs, build_spec

@@ -76,3 +76,9 @@ def exported_environment(cwd: str | Path, environ: Mapping[str, str] | None = No
             raise UserError(Problem(str(path), f"cannot read environment file: {err.strerror}")) from None
         exported.update(parse_env_file(text, str(path)))
     return dict(sorted(exported.items()))
+
+
+def default_omp_threads(local_ranks: int) -> int:
+    """The ``OMP_NUM_THREADS`` a rank gets when neither the user nor core binding sets it: the cores this
+    process may use, divided among the node's ranks (at least 1)."""
+    return max(1, len(os.sched_getaffinity(0)) // max(1, local_ranks))
