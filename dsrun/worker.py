@@ -25,10 +25,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from dsrun.checkpoint.training import TrainingCheckpoints
 from dsrun.estimate.measure import current_rss, record_rank_peak
+from dsrun.launcher.protocol import debug_requested, report_user_error
 from dsrun.monitor.progress import TrainingProgress
 from dsrun.monitor.run_defaults import PARENT_ENV, apply_run_defaults, flatten, mlflow_parent_key
 from dsrun.rundir import DS_CONFIG_JSON, METRICS_JSON, RESOLVED_YAML, atomic_write_text
 from dsrun.runtime.observer import write_run_reports
+from dsrun.utils.errors import EXIT_USAGE, find_user_error
 
 
 def seed_everything(seed: int) -> None:
@@ -240,7 +242,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     spec = OmegaConf.load(args.run_dir / RESOLVED_YAML)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
-    metrics = train(spec, args.run_dir)
+    try:
+        metrics = train(spec, args.run_dir)
+    except Exception as err:  # the user's mistake: one line through the launcher, exit code 2, no traceback
+        user = find_user_error(err)
+        if user is None:
+            raise
+        if debug_requested():
+            import traceback
+
+            traceback.print_exc()
+        report_user_error([str(problem) for problem in user.problems])
+        return EXIT_USAGE
     return 143 if metrics.get("stopped_by_signal") else 0
 
 

@@ -30,7 +30,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from dsrun.launcher.protocol import decode_world_info
+from dsrun.launcher.protocol import debug_requested, decode_world_info
 
 MONITOR_INTERVAL = 0.25
 SHUTDOWN_GRACE = 5  # seconds between SIGTERM and SIGKILL when stopping ranks
@@ -111,6 +111,16 @@ def _watch_stdin() -> None:
     threading.Thread(target=wait_for_eof, name="dsrun-stdin-watch", daemon=True).start()
 
 
+def _quiet_torch_elastic() -> None:
+    """torch elastic's warnings ("Received 2 death signal", "Sending process N closing signal SIGTERM") say
+    in its words what the launcher reports in one line; they stay for ``--debug`` (``DSRUN_DEBUG=1``)."""
+    import logging
+
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     hosts = decode_world_info(ns.world_info)
@@ -140,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     from dsrun.launcher.supervision import NodeAgent, RankLogs, build_spec
 
     import torch
+
+    if not debug_requested():
+        _quiet_torch_elastic()
 
     if torch.cuda.is_available():
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(s) for s in slots)
