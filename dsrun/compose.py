@@ -10,6 +10,9 @@ Two conveniences on top of plain Hydra, both documented in the README:
 * a DeepSpeed key may be written without its ``ds.`` prefix (``optimizer.params.lr=3e-4``,
   ``gradient_clipping=0.5``) when it is not also a RunSpec key or a group name;
 * with no recipe given, ``+recipe=default`` is used.
+
+``source`` (``dsrun train --from RUN_DIR``) composes from a run directory's own record of its composition,
+``RUN_DIR/.hydra/config.yaml``, instead of ``conf/`` and a recipe; overrides then set its keys.
 """
 from __future__ import annotations
 
@@ -104,8 +107,15 @@ def _ds_top_level_keys() -> set[str]:
     return keys
 
 
-def normalize_overrides(overrides: Sequence[str]) -> tuple[list[str], list[str]]:
-    """Apply the two conveniences; split out the user's own ``hydra.searchpath`` entries.
+def config_location(source: Path | None = None) -> tuple[Path, str]:
+    """(config folder, config name) composition starts from: ``conf/dsrun.yaml``, or a run directory's
+    ``.hydra/config.yaml``."""
+    return (Path(source) / ".hydra", "config") if source is not None else (conf_dir(), PRIMARY_CONFIG)
+
+
+def normalize_overrides(overrides: Sequence[str], default_recipe: bool = True) -> tuple[list[str], list[str]]:
+    """Apply the two conveniences (the default recipe only with ``default_recipe``); split out the user's own
+    ``hydra.searchpath`` entries.
 
     Returns (overrides for Hydra, extra search-path entries).
     """
@@ -132,7 +142,7 @@ def normalize_overrides(overrides: Sequence[str]) -> tuple[list[str], list[str]]
             prefix = text[: len(text) - len(text.lstrip("+~"))]
             text = f"{prefix}ds.{text[len(prefix):]}"
         result.append(text)
-    if not has_recipe:
+    if not has_recipe and default_recipe:
         result.insert(0, f"+recipe={DEFAULT_RECIPE}")
     return result, user_searchpath
 
@@ -144,7 +154,7 @@ def _first_line(err: BaseException) -> str:
 
 # ------------------------------------------------------------------------------------------ composition
 def compose_runspec(overrides: Sequence[str] = (), recipes_dirs: Iterable[str | Path] = (),
-                    *, resolve: bool = True) -> DictConfig:
+                    *, resolve: bool = True, source: Path | None = None) -> DictConfig:
     """Compose the RunSpec from the built-in config, a recipe and ``overrides`` (Hydra syntax).
 
     ``ds_config=FILE`` merges a DeepSpeed file into ``ds``; ``ds.*`` overrides still win over it. Raises
@@ -155,11 +165,12 @@ def compose_runspec(overrides: Sequence[str] = (), recipes_dirs: Iterable[str | 
     from hydra.core.global_hydra import GlobalHydra
 
     recipes_dirs = list(recipes_dirs)
-    hydra_overrides = app_overrides(overrides, recipes_dirs)
+    hydra_overrides = app_overrides(overrides, recipes_dirs, source=source)
+    config_dir, config_name = config_location(source)
     GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3", job_name="dsrun"):
-            cfg = compose(config_name=PRIMARY_CONFIG, overrides=hydra_overrides)
+        with initialize_config_dir(config_dir=str(config_dir), version_base="1.3", job_name="dsrun"):
+            cfg = compose(config_name=config_name, overrides=hydra_overrides)
     except Exception as err:
         raise composition_error(err, hydra_overrides, recipes_dirs) from None
     finally:
@@ -260,7 +271,7 @@ def runspec_to_yaml(cfg: DictConfig) -> str:
 
 
 def run_app(task_function, overrides: Sequence[str] = (), recipes_dirs: Iterable[str | Path] = (),
-            *, multirun: bool = False):
+            *, multirun: bool = False, source: Path | None = None):
     """Run ``task_function(cfg)`` as a Hydra application: a run directory per job (``outputs/DATE/TIME`` or
     ``multirun/DATE/TIME/N``), Hydra's logging, and sweeps with ``multirun=True``.
 
@@ -274,18 +285,20 @@ def run_app(task_function, overrides: Sequence[str] = (), recipes_dirs: Iterable
     from hydra_plugins.dsrun_optuna_sweeper import register_with_hydra
 
     register_with_hydra()  # hydra/sweeper=optuna, whatever kind of install dsrun has
-    hydra_overrides = app_overrides(overrides, recipes_dirs)
+    hydra_overrides = app_overrides(overrides, recipes_dirs, source=source)
+    config_dir, config_name = config_location(source)
     argv = sys.argv
     sys.argv = ["dsrun", *hydra_overrides, "hydra.job.name=dsrun", *(["--multirun"] if multirun else [])]
     try:
-        main = hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name=PRIMARY_CONFIG)
+        main = hydra.main(version_base="1.3", config_path=str(config_dir), config_name=config_name)
         return main(task_function)()
     finally:
         sys.argv = argv
 
 
-def app_overrides(overrides: Sequence[str], recipes_dirs: Iterable[str | Path] = ()) -> list[str]:
+def app_overrides(overrides: Sequence[str], recipes_dirs: Iterable[str | Path] = (),
+                  *, source: Path | None = None) -> list[str]:
     """The overrides as Hydra receives them: conveniences applied, recipe folders on the search path."""
-    hydra_overrides, user_searchpath = normalize_overrides(overrides)
+    hydra_overrides, user_searchpath = normalize_overrides(overrides, default_recipe=source is None)
     hydra_overrides.append(searchpath_override(recipes_dirs, user_searchpath))
     return hydra_overrides
