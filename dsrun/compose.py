@@ -113,6 +113,49 @@ def config_location(source: Path | None = None) -> tuple[Path, str]:
     return (Path(source) / ".hydra", "config") if source is not None else (conf_dir(), PRIMARY_CONFIG)
 
 
+def _schema_section(annotation: object) -> type | None:
+    """The pydantic model a field's annotation holds (``ZeroConfig | None`` → ``ZeroConfig``), if any."""
+    import typing
+
+    from pydantic import BaseModel
+
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _schema_section(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _schema_fields(model: type) -> dict[str, object]:
+    fields = dict(model.model_fields)
+    fields.update({f.alias: f for f in model.model_fields.values() if f.alias})
+    return fields
+
+
+def ds_schema_keys(path: str) -> list[str] | None:
+    """The keys the DeepSpeed schema documents at ``path`` (``"tensorboard"``; ``""`` for the top level), or
+    None when ``path`` is not a section of the schema (an open dict such as ``optimizer.params``, a value)."""
+    from dsrun.config import DeepSpeedConfig
+
+    model: type | None = DeepSpeedConfig
+    for part in [p for p in path.split(".") if p]:
+        field = _schema_fields(model).get(part)
+        model = _schema_section(field.annotation) if field is not None else None
+        if model is None:
+            return None
+    return sorted(_schema_fields(model))
+
+
+def is_documented_ds_key(key: str) -> bool:
+    """True when ``key`` (``ds.tensorboard.output_path``) is a key of the DeepSpeed schema itself."""
+    if not key.startswith("ds."):
+        return False
+    parent, _, leaf = key[3:].rpartition(".")
+    return leaf in (ds_schema_keys(parent) or ())
+
+
 def normalize_overrides(overrides: Sequence[str], default_recipe: bool = True) -> tuple[list[str], list[str]]:
     """Apply the two conveniences (the default recipe only with ``default_recipe``); split out the user's own
     ``hydra.searchpath`` entries.
@@ -141,6 +184,8 @@ def normalize_overrides(overrides: Sequence[str], default_recipe: bool = True) -
             # `optimizer=adam` picks a group option; `optimizer.params.lr=1e-4` sets a DeepSpeed key
             prefix = text[: len(text) - len(text.lstrip("+~"))]
             text = f"{prefix}ds.{text[len(prefix):]}"
+        if text[:1] not in "+~" and is_documented_ds_key(text.split("=", 1)[0]):
+            text = f"++{text}"  # a documented DeepSpeed key the recipe does not set: add it, as a ds_config would
         result.append(text)
     if not has_recipe and default_recipe:
         result.insert(0, f"+recipe={DEFAULT_RECIPE}")
