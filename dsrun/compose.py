@@ -217,10 +217,28 @@ def compose_runspec(overrides: Sequence[str] = (), recipes_dirs: Iterable[str | 
         with initialize_config_dir(config_dir=str(config_dir), version_base="1.3", job_name="dsrun"):
             cfg = compose(config_name=config_name, overrides=hydra_overrides)
     except Exception as err:
-        raise composition_error(err, hydra_overrides, recipes_dirs) from None
+        raise composition_error(err, hydra_overrides, recipes_dirs, source=source) from None
     finally:
         GlobalHydra.instance().clear()
     return finish_runspec(cfg, hydra_overrides, resolve=resolve)
+
+
+def _composed_keys(parent: str, hydra_overrides: Sequence[str], source: Path | None) -> list[str]:
+    """The keys at ``parent`` in the config the overrides compose to (no interpolation resolved); [] when
+    they do not compose or ``parent`` is no mapping there."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    config_dir, config_name = config_location(source)
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir), version_base="1.3", job_name="dsrun"):
+            node = OmegaConf.select(compose(config_name=config_name, overrides=list(hydra_overrides)), parent)
+    except Exception:  # noqa: BLE001 - only a hint is at stake
+        return []
+    finally:
+        GlobalHydra.instance().clear()
+    return [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
 
 
 def finish_runspec(cfg: DictConfig, hydra_overrides: Sequence[str], *, resolve: bool = True) -> DictConfig:
@@ -265,7 +283,8 @@ def _reapply_ds_overrides(cfg: DictConfig, hydra_overrides: Sequence[str]) -> No
             OmegaConf.update(cfg, key, override.value(), merge=False, force_add=True)
 
 
-def composition_error(err: Exception, overrides: Sequence[str], recipes_dirs: Sequence[str | Path]) -> UserError:
+def composition_error(err: Exception, overrides: Sequence[str], recipes_dirs: Sequence[str | Path],
+                      *, source: Path | None = None) -> UserError:
     """Turn one of Hydra's composition errors into a one-line :class:`UserError`."""
     import yaml
     from hydra.errors import MissingConfigException
@@ -291,24 +310,22 @@ def composition_error(err: Exception, overrides: Sequence[str], recipes_dirs: Se
         key = text.lstrip("+~").split("=")[0]
         if f"'{key}'" in str(err):
             if "not in struct" in str(err) or "Could not override" in str(err):
+                parent = key.rpartition(".")[0]
+                siblings = _composed_keys(parent, [o for o in overrides if o != text], source) if parent else []
                 return UserError(Problem(key, "no such key in the composed config",
-                                         _struct_hint(key, text)))
+                                         _struct_hint(key, text, siblings)))
             return UserError(Problem(text, message))
     return UserError(Problem("", message, "run with --debug for Hydra's full report"))
 
 
-def _struct_hint(key: str, text: str) -> str:
-    hint = f"to add a new key write +{text.lstrip('+')}"
+def _struct_hint(key: str, text: str, siblings: Sequence[str]) -> str:
+    """"did you mean" a key the composed config has beside it, or (under ``ds``) one the DeepSpeed schema
+    documents there; with no close match, how to add a new key."""
     head, _, leaf = key.rpartition(".")
-    if head == "ds" or key.startswith("ds."):
-        try:
-            candidates = _ds_top_level_keys() if head == "ds" else ()
-        except Exception:
-            candidates = ()
-        suggestion = did_you_mean(leaf, candidates) if candidates else ""
-        if suggestion:
-            return f"{suggestion} Or, {hint}"
-    return hint
+    candidates = set(siblings)
+    if key.startswith("ds."):
+        candidates |= set(ds_schema_keys(head[3:]) or ())
+    return did_you_mean(leaf, candidates) or f"to add a new key write +{text.lstrip('+')}"
 
 
 def runspec_to_yaml(cfg: DictConfig) -> str:
