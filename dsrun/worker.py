@@ -16,6 +16,7 @@ import random
 import signal
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -241,6 +242,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--local_rank", type=int, default=None, help="set by the launcher (also LOCAL_RANK)")
     args = parser.parse_args(argv)
     spec = OmegaConf.load(args.run_dir / RESOLVED_YAML)
+    # dsrun train said it once before the launch (dsrun.cli.preflight.warmup_note), not once per rank
+    warnings.filterwarnings("ignore", message=r"total_num_steps \d+ is less than warmup_num_steps")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     try:
         metrics = train(spec, args.run_dir)
