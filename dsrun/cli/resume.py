@@ -98,8 +98,8 @@ def settle_auto(resolved: Any, run_dir: Path, overrides: Sequence[str], multirun
     if not found:
         saving = "" if resolved.train.save_interval else " (train.save_interval=0: this run saves none either)"
         return with_resume(resolved, None), (
-            f"train.resume=auto: none of the {looked} earlier run directories in {root} with the same recipe and "
-            f"overrides has a checkpoint; starting from step 0{saving}")
+            f"train.resume=auto: no checkpoint of an earlier run with the same recipe and overrides among the "
+            f"{looked} run directories in {root}; starting from step 0{saving}")
     _, folder, (tag, step) = max(found, key=lambda item: item[0])
     at = f" at step {step}" if step is not None else ""
     return with_resume(resolved, str(folder)), (
