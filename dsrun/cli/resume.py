@@ -28,7 +28,7 @@ from dsrun.utils.errors import Problem, UserError
 
 NOT_SHAPING = ("train.resume", "train.max_steps", "train.max_tokens", "train.save_interval", "train.keep_last",
                "train.eval_interval", "train.eval_iters", "launcher.master_port", "launcher.master_addr",
-               "launcher.log_dir")
+               "launcher.log_dir", "ds.steps_per_print")
 CHECKPOINTS = "checkpoints"
 
 

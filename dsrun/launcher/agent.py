@@ -33,7 +33,8 @@ from pathlib import Path
 from dsrun.launcher.protocol import debug_requested, decode_world_info
 
 MONITOR_INTERVAL = 0.25
-SHUTDOWN_GRACE = 5  # seconds between SIGTERM and SIGKILL when stopping ranks
+SHUTDOWN_GRACE = 5  # seconds between SIGTERM and SIGKILL when stopping the ranks of a failed job
+STOP_GRACE = 30  # ... when the agent was told to stop (Ctrl-C): time for a step, a checkpoint, the monitors
 _SCHEDULER_RANK_VARIABLES = ("SLURM_NODEID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
 
 
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         monitor_interval=MONITOR_INTERVAL)
     agent = NodeAgent(spec, RankLogs(str(log_dir)), host=host, host_names=host_names, node_rank=node_rank,
                       save_pid=ns.save_pid, peer_timeout=ns.peer_timeout,
-                      shutdown_grace=SHUTDOWN_GRACE)
+                      shutdown_grace=SHUTDOWN_GRACE, stop_grace=STOP_GRACE)
     code = agent.run_to_exit_code()
     if temporary_logs and code == 0:
         shutil.rmtree(log_dir, ignore_errors=True)

@@ -8,9 +8,10 @@ SIGTERM), and whatever is still running after a grace period is killed. Every ch
 ``PR_SET_PDEATHSIG`` so even a SIGKILLed launcher takes its agents (and, through them, the ranks) down.
 
 A caller that explains the outcome itself (``dsrun train``) passes a :class:`JobOutcome`: a rank's report of a
-user's mistake (:func:`~dsrun.launcher.protocol.report_user_error`) then ends the relay of the job's output
-(what follows is other ranks being stopped: torch elastic's and gloo's noise), the job's summary lines are
-left out, and the outcome holds the problems; with ``DSRUN_DEBUG=1`` everything is relayed as usual.
+user's mistake (:func:`~dsrun.launcher.protocol.report_user_error`) then ends the relay of the job's output,
+and a Ctrl-C or SIGTERM the relay of its stderr (what follows is ranks being stopped: torch elastic's and
+gloo's noise); the job's summary lines are left out, and the outcome holds the problems and the signal. With
+``DSRUN_DEBUG=1`` everything is relayed as usual. A second Ctrl-C kills the job at once.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from dsrun.launcher.plan import LaunchPlan
 from dsrun.launcher.runners import NodeCommand
 from dsrun.utils.errors import EXIT_USAGE, Problem, UserError
 
-STOP_GRACE = 10.0  # seconds from "please stop" to SIGKILL
+STOP_GRACE = 40.0  # seconds from "please stop" to SIGKILL (the agents give their ranks 30 s; Ctrl-C twice: now)
 SSH_CHECK_TIMEOUT = 20.0
 _TAIL = 10
 
@@ -71,11 +72,12 @@ class _Job:
         self.out = out
         self.err = err
         self.outcome = outcome
-        self.quiet_after_user_error = outcome is not None and not debug_requested()
+        self.quiet = outcome is not None and not debug_requested()  # the caller words the ending
         self.nodes: list[_Node] = []
         self.reports: list[dict[str, Any]] = []
         self.lock = threading.Lock()
         self.signal_received: int | None = None
+        self.signals = 0  # how many SIGINT/SIGTERM arrived: a second one kills the job at once
         self.prefix = len(plan.commands) > 1 or plan.runner not in ("local", "no_ssh")
 
     # ---- output ----------------------------------------------------------------------------------
@@ -83,8 +85,9 @@ class _Job:
     def _write(self, stream: IO[str], node: _Node, line: str) -> None:
         text = f"[{node.command.label}] {line}" if self.prefix else line
         with self.lock:
-            if self.quiet_after_user_error and self.outcome.user_errors:
-                return  # the rest is ranks being stopped; the caller prints the user's error once
+            if self.quiet and (self.outcome.user_errors or
+                                                (self.signal_received is not None and stream is self.err)):
+                return  # the rest is ranks being stopped; the caller says what happened once
             stream.write(text if text.endswith("\n") else text + "\n")
             stream.flush()
 
@@ -106,7 +109,7 @@ class _Job:
                 if problems:
                     with self.lock:
                         self.outcome.user_errors.extend(p for p in problems if p not in self.outcome.user_errors)
-                    if self.quiet_after_user_error:
+                    if self.quiet:
                         continue
                 node.stderr_tail.append(line.rstrip("\n"))
             self._write(self.err if is_stderr else self.out, node, line)
@@ -171,7 +174,7 @@ class _Job:
                     if node.process.poll() is None:
                         node.process.send_signal(signal.SIGTERM)
                 terminated = True
-            if stop_deadline is not None and time.monotonic() > stop_deadline:
+            if stop_deadline is not None and (time.monotonic() > stop_deadline or self.signals > 1):
                 self.kill_all()
                 stop_deadline = float("inf")
             time.sleep(0.1)
@@ -202,7 +205,7 @@ class _Job:
     def _summarize(self) -> int:
         if self.outcome is not None and self.signal_received is not None:
             return 128 + self.signal_received  # the caller says what stopped and what was saved
-        if self.quiet_after_user_error and self.outcome.user_errors:
+        if self.quiet and self.outcome.user_errors:
             return EXIT_USAGE
         if self.signal_received is not None:
             self.err.write(f"dsrun: stopped by {signal.Signals(self.signal_received).name}; "
@@ -280,6 +283,7 @@ def run(plan: LaunchPlan, *, out: IO[str] | None = None, err: IO[str] | None = N
     if threading.current_thread() is threading.main_thread():
         def on_signal(signum: int, frame: Any) -> None:
             job.signal_received = signum
+            job.signals += 1
 
         for signum in (signal.SIGINT, signal.SIGTERM):
             previous[signum] = signal.signal(signum, on_signal)
