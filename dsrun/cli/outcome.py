@@ -16,13 +16,8 @@ import signal
 from pathlib import Path
 from typing import Any, Callable
 
+from dsrun.cli.multirun import short_path
 from dsrun.rundir import METRICS_JSON
-
-
-def short_path(path: Path) -> str:
-    from dsrun.cli.multirun import short_path as shorten
-
-    return shorten(path)
 
 
 def done_lines(resolved: Any, run_dir: Path, metrics: dict[str, Any]) -> list[str]:
@@ -58,10 +53,6 @@ def stopped_lines(resolved: Any, run_dir: Path, signum: int) -> list[str]:
         lines[0] += f"; no checkpoint saved ({why})"
         lines.append(f"run it again: {command}")
     return lines
-
-
-def failed_lines(run_dir: Path, log_dir: Path, code: int) -> list[str]:
-    return [f"training failed (exit code {code}){first_error(log_dir)}; logs per rank in {short_path(log_dir)}"]
 
 
 def _metrics(run_dir: Path) -> dict[str, Any] | None:

@@ -12,6 +12,9 @@ What the ranks would otherwise find one traceback per rank later:
 * memory: the estimator's peak for this run against this machine (``dsrun estimate-memory`` shows the
   breakdown); "too big" stops the launch (``--skip-memory-check`` launches anyway), "tight" is a note.
 
+Files and memory are checked only when every rank runs on this machine: a plan with other hosts may read
+paths this machine does not have.
+
 :func:`check_before_launch` raises :class:`~dsrun.utils.errors.UserError` listing every problem, and returns
 the notes to print (e.g. a warm-up longer than the run) with what the run record keeps (the data's digest).
 """
@@ -51,14 +54,16 @@ def check_before_launch(resolved: Any, *, memory_check: bool = True) -> Prefligh
     result = Preflight()
     problems: list[Problem] = []
     model = _build_model(spec, problems, result)
-    corpus = _build_data(spec, problems)
+    here = runs_here(resolved.plan)  # files and memory of other machines are not ours to check
+    corpus = _build_data(spec, problems) if here else None
     if corpus is not None:
         result.data = data_digest(corpus)
         if model is not None:
             problems += fit_checks(corpus, getattr(model.module, "config", None))
-    problems += resume_problems(resolved.train.resume)
-    problems += monitor_path_problems(resolved.ds)
-    if not problems and model is not None and memory_check:
+    if here:
+        problems += resume_problems(resolved.train.resume)
+        problems += monitor_path_problems(resolved.ds)
+    if not problems and model is not None and memory_check and here:
         problems += _memory(resolved, model, result)
     if problems:
         raise UserError(problems)
@@ -66,6 +71,11 @@ def check_before_launch(resolved: Any, *, memory_check: bool = True) -> Prefligh
     if note:
         result.notes.append(note)
     return result
+
+
+def runs_here(plan: Any) -> bool:
+    """True when every rank of the plan runs on this machine."""
+    return all(host in ("localhost", "127.0.0.1") for host in plan.hosts)
 
 
 def missing_values(spec: DictConfig) -> list[Problem]:
@@ -130,18 +140,17 @@ def data_digest(corpus: Any, limit: int = 256 * 2**20) -> dict[str, Any]:
     import numpy as np
 
     digest = hashlib.sha256()
-    arrays = [np.ascontiguousarray(a) if a.nbytes <= limit else a for a in (corpus.train_tokens, corpus.eval_tokens)]
+    arrays = (corpus.train_tokens, corpus.eval_tokens)
     total = sum(a.nbytes for a in arrays)
     sampled = total > limit
     for array in arrays:
-        digest.update(f"{array.dtype.str}:{len(array)};".encode())
-        flat = array.reshape(-1)
-        if not sampled:
-            digest.update(memoryview(np.ascontiguousarray(flat)).cast("B"))
-            continue
-        chunk = max(1, (16 * 2**20) // max(1, array.itemsize))
-        for start in (0, max(0, len(flat) // 2 - chunk // 2), max(0, len(flat) - chunk)):
-            digest.update(memoryview(np.ascontiguousarray(flat[start:start + chunk])).cast("B"))
+        flat = np.asarray(array).reshape(-1)
+        digest.update(f"{flat.dtype.str}:{len(flat)};".encode())
+        chunk = max(1, (16 * 2**20) // flat.itemsize)
+        starts = (0, max(0, len(flat) // 2 - chunk // 2), max(0, len(flat) - chunk)) if sampled else (0,)
+        for start in starts:
+            piece = flat[start:start + chunk] if sampled else flat
+            digest.update(memoryview(np.ascontiguousarray(piece)).cast("B"))
     return {"sha256": digest.hexdigest(), "how": "sampled" if sampled else "full", "bytes": int(total),
             "description": corpus.description}
 
@@ -232,8 +241,6 @@ def _memory(resolved: Any, model: Any, result: Preflight) -> list[Problem]:
     from dsrun.estimate.verdict import NO_FIT, TIGHT, detect_budget, judge
 
     plan = resolved.plan
-    if any(host not in ("localhost", "127.0.0.1") for host in plan.hosts):
-        return []  # other machines' memory is not ours to read
     spec, _ = inputs_from_runspec(resolved.runspec, model)
     slots = [len(s) for s in plan.hosts.values()] or [plan.world_size]
     model_cfg = OmegaConf.to_container(resolved.runspec.model, resolve=True)

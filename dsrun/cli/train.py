@@ -22,11 +22,12 @@ train.resume, monitor folders, and memory by the estimator (docs/estimate.md).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from dsrun.cli.common import add_compose_arguments
 from dsrun.utils.errors import EXIT_USAGE, Problem, UserError
@@ -148,25 +149,24 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def quiet_legacy_notes(quiet: bool) -> Any:
+@contextlib.contextmanager
+def quiet_legacy_notes(quiet: bool) -> Iterator[None]:
     """While composing a run a second time, silence the legacy-key notes the first composition printed."""
-    import contextlib
+    if not quiet:
+        yield
+        return
     import logging
     import warnings
 
-    @contextlib.contextmanager
-    def silenced():
-        logger = logging.getLogger("dsrun.config")
-        level = logger.level
-        logger.setLevel(logging.ERROR)
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                yield
-        finally:
-            logger.setLevel(level)
-
-    return silenced() if quiet else contextlib.nullcontext()
+    logger = logging.getLogger("dsrun.config")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)
 
 
 def _settle_resume(resolved: Any, run_dir: Path, job_overrides: list[str], args: argparse.Namespace,
@@ -244,7 +244,7 @@ def _train(resolved: Any, run_dir: Path, preflight: Any, resume_line: str | None
     """Launch the worker on every rank of the plan; return the run's metrics (``metrics.json``)."""
     import json
 
-    from dsrun.cli.outcome import done_lines, failed_lines, mark_mlflow, stopped_lines
+    from dsrun.cli.outcome import done_lines, first_error, mark_mlflow, short_path, stopped_lines
     from dsrun.launcher import launch_from_mapping
     from dsrun.launcher.execute import JobOutcome
     from dsrun.rundir import METRICS_JSON, write_run_files
@@ -271,11 +271,10 @@ def _train(resolved: Any, run_dir: Path, preflight: Any, resume_line: str | None
         if outcome.user_errors:
             raise UserError(outcome.user_errors)
         log_dir = Path(launcher["log_dir"])
-        for line in failed_lines(run_dir, log_dir, outcome.exit_code):
-            log.say(line, err=True)
-        from dsrun.cli.outcome import first_error
-
-        raise TrainingFailed(f"exit code {outcome.exit_code}{first_error(log_dir)}", outcome.exit_code)
+        error = first_error(log_dir)
+        log.say(f"training failed (exit code {outcome.exit_code}){error}; logs per rank in {short_path(log_dir)}",
+                err=True)
+        raise TrainingFailed(f"exit code {outcome.exit_code}{error}", outcome.exit_code)
     metrics = json.loads((run_dir / METRICS_JSON).read_text())
     for line in done_lines(resolved, run_dir, metrics):
         log.say(line)
