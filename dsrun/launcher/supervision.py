@@ -16,6 +16,7 @@ Imports torch; :mod:`dsrun.launcher.agent` imports this module only after its ch
 """
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import signal
@@ -72,6 +73,9 @@ def build_spec(*, rank_exec: list[str], command: list[str], local_world_size: in
                       max_restarts=max_restarts, monitor_interval=monitor_interval)
 
 
+_AGENT_TAKES_SHUTDOWN_TIMEOUT = "shutdown_timeout" in inspect.signature(LocalElasticAgent.__init__).parameters
+
+
 class NodeAgent(LocalElasticAgent):
     """torch elastic's local agent plus cross-node failure fan-out, heartbeats and a watchful exit."""
 
@@ -79,10 +83,12 @@ class NodeAgent(LocalElasticAgent):
                  save_pid: int, peer_timeout: float, shutdown_grace: int, stop_grace: int | None = None) -> None:
         # torch elastic waits shutdown_timeout after passing on a signal the agent got (Ctrl-C, SIGTERM): the
         # ranks then finish their step, save a checkpoint and close their monitors, which takes longer than
-        # stopping the ranks of a failed job (_stop_workers, shutdown_grace)
+        # stopping the ranks of a failed job (_stop_workers passes shutdown_grace itself). torch < 2.13's agent
+        # has no shutdown_timeout and waits its own 30 s there.
+        stop = shutdown_grace if stop_grace is None else stop_grace
+        extra = {"shutdown_timeout": stop} if _AGENT_TAKES_SHUTDOWN_TIMEOUT else {}
         super().__init__(spec, logs, start_method="spawn", exit_barrier_timeout=24 * 3600,
-                         log_line_prefix_template="[rank${rank}]:",
-                         shutdown_timeout=shutdown_grace if stop_grace is None else stop_grace)
+                         log_line_prefix_template="[rank${rank}]:", **extra)
         self._host = host
         self._host_names = host_names
         self._node_rank = node_rank
@@ -131,7 +137,10 @@ class NodeAgent(LocalElasticAgent):
     # ---- torch elastic hooks ------------------------------------------------------------------------
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
-        self._shutdown(timeout=self._grace)
+        if _AGENT_TAKES_SHUTDOWN_TIMEOUT:
+            self._shutdown(timeout=self._grace)
+        else:  # torch < 2.13 waits its own fixed grace
+            self._shutdown()
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         pids = super()._start_workers(worker_group)
