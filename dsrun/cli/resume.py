@@ -8,8 +8,9 @@ bookkept, not what it trains, do not count (:data:`NOT_SHAPING`), so ``train.max
 continues a 300-step run.
 
 ``dsrun train --from RUN_DIR [OVERRIDES]`` composes from the run directory's record of its composition
-(``.hydra/config.yaml``) and resumes from its newest checkpoint, or runs it again from step 0 when it has
-none or had finished (then raise ``train.max_steps`` to continue it).
+(``.hydra/config.yaml``) and resumes from its newest checkpoint, or, when it has none or had finished (then
+raise ``train.max_steps`` to continue it), runs it again from where it started: the checkpoint it resumed
+from, else step 0.
 
 Either way the resolved ``train.resume`` (a folder, or null) is what ``resolved.yaml`` records.
 """
@@ -23,7 +24,7 @@ from typing import Any, Sequence
 
 from omegaconf import OmegaConf
 
-from dsrun.rundir import PROVENANCE_JSON
+from dsrun.rundir import PROVENANCE_JSON, RESOLVED_YAML
 from dsrun.utils.errors import Problem, UserError
 
 NOT_SHAPING = ("train.resume", "train.max_steps", "train.max_tokens", "train.save_interval", "train.keep_last",
@@ -129,19 +130,33 @@ def from_overrides(source: Path, overrides: Sequence[str]) -> list[str]:
     return [*extra, *overrides]
 
 
+def started_from(source: Path) -> str | None:
+    """The checkpoint folder a run resumed from, as its ``resolved.yaml`` records it, when it still holds a
+    checkpoint; None for a run that started from step 0."""
+    try:
+        resume = OmegaConf.select(OmegaConf.load(source / RESOLVED_YAML), "train.resume")
+    except (OSError, ValueError):
+        return None
+    if not resume or str(resume).lower() in ("none", "null", "false", "auto"):
+        return None
+    return str(resume) if Path(str(resume)).exists() else None
+
+
 def settle_from(resolved: Any, source: Path, overrides: Sequence[str]) -> tuple[Any, str]:
-    """Resume a ``--from`` run from the source's newest checkpoint unless the user set ``train.resume`` or
-    the source had finished: (the run, the line that says which)."""
+    """Resume a ``--from`` run from the source's newest checkpoint, unless the user set ``train.resume``;
+    when the source has none, or had finished, run it again from where it started (the checkpoint it
+    resumed from, else step 0): (the run, the line that says which)."""
     if any(override_key(o) == "train.resume" for o in overrides):
         return resolved, f"rerunning {source} with train.resume={resolved.train.resume}"
     checkpoint = checkpoint_step(source / CHECKPOINTS)
     steps = resolved.train.max_steps
-    if checkpoint is None:
-        return with_resume(resolved, None), f"rerunning {source} from step 0 (it has no checkpoint)"
-    tag, step = checkpoint
-    if step is not None and step >= steps:
-        return with_resume(resolved, None), (f"rerunning {source} from step 0: its checkpoint {tag} is at the "
-                                             f"end of its {steps} steps (raise train.max_steps to continue it)")
-    at = f" at step {step}" if step is not None else ""
-    return with_resume(resolved, str(source / CHECKPOINTS)), (f"resuming {source} from its checkpoint {tag}{at} "
-                                                              f"(of {steps} steps)")
+    if checkpoint is not None and (checkpoint[1] is None or checkpoint[1] < steps):
+        tag, step = checkpoint
+        at = f" at step {step}" if step is not None else ""
+        return with_resume(resolved, str(source / CHECKPOINTS)), (
+            f"resuming {source} from its checkpoint {tag}{at} (of {steps} steps)")
+    why = ("it has no checkpoint" if checkpoint is None else
+           f"its checkpoint {checkpoint[0]} is at the end of its {steps} steps; raise train.max_steps to continue it")
+    origin = started_from(source)
+    where = f"from {origin}, the checkpoint it started from" if origin else "from step 0"
+    return with_resume(resolved, origin), f"rerunning {source} {where} ({why})"

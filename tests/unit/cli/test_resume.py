@@ -72,7 +72,18 @@ def test_from_resumes_an_unfinished_run_and_reruns_a_finished_one(tmp_path, step
     source = earlier_run(tmp_path, "10-00-00", MINE[:2], step)
     run, line = settle_from(resolved(f"train.max_steps={max_steps}", "train.resume=auto"), source, [])
     assert run.train.resume == (str(source / "checkpoints") if resumes else None)
-    assert line.startswith("resuming" if resumes else "rerunning")
+    assert line.startswith("resuming" if resumes else f"rerunning {source} from step 0 (")
+
+
+def test_from_reruns_a_continued_run_from_the_checkpoint_it_started_from(tmp_path):
+    """A run that had resumed from another one and finished is run again from that same checkpoint."""
+    origin = earlier_run(tmp_path, "09-00-00", MINE[:2], 4)
+    source = earlier_run(tmp_path, "10-00-00", MINE[:2], 8)
+    (source / "resolved.yaml").write_text(f"train:\n  resume: {origin / 'checkpoints'}\n")
+    run, line = settle_from(resolved("train.max_steps=8"), source, [])
+    assert run.train.resume == str(origin / "checkpoints")
+    assert line == (f"rerunning {source} from {origin / 'checkpoints'}, the checkpoint it started from (its "
+                    "checkpoint global_step8 is at the end of its 8 steps; raise train.max_steps to continue it)")
     kept, _ = settle_from(resolved("train.resume=/elsewhere"), source, ["train.resume=/elsewhere"])
     assert kept.train.resume == "/elsewhere"  # the user's own choice wins
 
