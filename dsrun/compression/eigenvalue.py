@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dsrun import comm
 from dsrun.utils.errors import Problem, UserError
@@ -77,7 +78,8 @@ class Eigenvalue:
         raw = []
         for block in self.blocks:
             params = [p for p in block.parameters() if p.requires_grad]
-            loss = _loss_of(self.model(*args, **kwargs))
+            with sdpa_kernel(SDPBackend.MATH):  # the fused attention kernels have no double backward
+                loss = _loss_of(self.model(*args, **kwargs))
             grads = torch.autograd.grad(loss, params, create_graph=True)
             v = [torch.randn_like(p) for p in params]
             v = self._normalize(v)

@@ -128,6 +128,8 @@ class Distiller:
         if self.weight == 0:
             return loss
         with torch.no_grad():
+            if next(self.teacher.parameters()).device != inputs.device:
+                self.teacher.to(inputs.device)
             teacher_logits = self.teacher(inputs)
         kd = distillation_loss(logits, teacher_logits.to(logits.device), self.temperature, targets.eq(-100))
         return loss + self.weight * kd
