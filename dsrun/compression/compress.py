@@ -29,7 +29,8 @@ from dsrun.utils.errors import ConfigError, Problem, UserError
 
 from . import layers, matching, pruning
 from .layer_reduction import student_initialization
-from .layers import ActivationQuantization, ModuleCompression, Pruning, WeightQuantization
+from .layers import ActivationQuantization, Pruning, WeightQuantization
+from .quantizers import check_groups
 
 SECTION = "compression_training"
 PLAN_ATTR = "_ds_compression_plan"
@@ -108,8 +109,6 @@ def _weight_quantization(model: nn.Module, cfg: Any, names: list[str], group: st
         module = model.get_submodule(name)
         rows = layers.full_shape(module.weight)[0]
         groups = rows if isinstance(module, nn.Embedding) else shared.quantize_groups  # embeddings: per token
-        from .quantizers import check_groups
-
         check_groups(layers.full_shape(module.weight).numel(), groups, f"{where}.shared_parameters.quantize_groups "
                      f"(module {name})")
         layers.make_compressed(module, name).weight = WeightQuantization(
@@ -274,6 +273,3 @@ def redundancy_clean(model: nn.Module, deepspeed_config: Any, mpu: Any = None) -
     clean_model(target, plan)
     return model
 
-
-def module_settings(model: nn.Module) -> dict[str, ModuleCompression]:
-    return {n: m.ds_compression for n, m in model.named_modules() if layers.is_compressed(m)}

@@ -77,7 +77,8 @@ def export_run(run_dir: Path, out: Path, tag: str | None = None, w8a8: bool = Fa
 
     spec, state, compression_state = _run_files(Path(run_dir), tag)
     raw_ds = OmegaConf.to_container(spec.ds, resolve=True)
-    ds = load_ds_config(raw_ds, world_size=1)
+    # the run's batch size was resolved for its world size; here only the compression sections matter
+    ds = load_ds_config({k: v for k, v in raw_ds.items() if k != "train_batch_size"}, world_size=1)
     model = hydra.utils.instantiate(spec.model, _convert_="all")
     before = sum(p.numel() for p in model.parameters())
     if w8a8:

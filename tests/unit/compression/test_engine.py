@@ -177,3 +177,17 @@ def test_eigenvalue_resolution_layers_and_verbose(capsys):
     assert "eigenvalue: block 0: 1.0000" in capsys.readouterr().out
     with pytest.raises(UserError, match="eigenvalue.layer_name: 'bert.encoder.layer' is not a module"):
         Eigenvalue(model, EigenvalueConfig(enabled=True))
+
+
+def test_stored_weight_quantization_under_zero3_writes_the_16bit_shards():
+    from dsrun.zero import GatheredParameters
+
+    model, engine, history = _run_gpt({**_moq(quantize_bits={"start_bits": 6, "target_bits": 6}),
+                                       "zero_optimization": {"stage": 3}}, 3)
+    assert history == [6, 6, 6]
+    weight = model.transformer.h[0].mlp.c_fc.weight
+    with GatheredParameters([weight]):
+        rows = weight.detach().float().reshape(2, -1)
+        assert all(len(torch.unique(r)) <= 2 ** 6 - 1 for r in rows)  # 6-bit symmetric grid
+    master = engine.strategy.masters[0]
+    assert len(torch.unique(master.detach())) > 2 ** 6  # the fp32 master keeps full precision
