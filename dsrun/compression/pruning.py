@@ -15,11 +15,11 @@ Block patterns (``sparse_pruning.shared_parameters.block_pattern``) act on a wei
 from __future__ import annotations
 
 import re
-from typing import Any
-
 import torch
 
 from dsrun.utils.errors import Problem, UserError
+
+from .quantizers import straight_through
 
 _PATTERN = re.compile(r"^(\d+)(x|:)(\d+)$")
 
@@ -40,19 +40,9 @@ def topk_mask(scores: torch.Tensor, dense_ratio: float) -> torch.Tensor:
     return mask.reshape(scores.shape)
 
 
-class _TopKStraightThrough(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, scores: torch.Tensor, dense_ratio: float) -> torch.Tensor:
-        return topk_mask(scores, dense_ratio)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        return grad, None
-
-
 def learned_mask(scores: torch.Tensor, dense_ratio: float) -> torch.Tensor:
     """:func:`topk_mask` of learnable ``scores`` whose gradient is the mask's gradient (straight through)."""
-    return _TopKStraightThrough.apply(scores, dense_ratio)
+    return straight_through(topk_mask, scores, dense_ratio)
 
 
 def parse_block_pattern(pattern: str | None, where: str) -> tuple[int, str, int] | None:

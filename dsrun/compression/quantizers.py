@@ -118,17 +118,24 @@ def fake_quantize(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
 
 class _StraightThrough(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-        return fake_quantize(x, spec)
+    def forward(ctx: Any, fn: Any, x: torch.Tensor, *args: Any) -> torch.Tensor:
+        ctx.others = len(args)
+        return fn(x, *args)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        return grad, None
+        return (None, grad) + (None,) * ctx.others
+
+
+def straight_through(fn: Any, x: torch.Tensor, *args: Any) -> torch.Tensor:
+    """``fn(x, *args)`` whose gradient with respect to ``x`` is the identity (the straight-through
+    estimator); the other arguments get none."""
+    return _StraightThrough.apply(fn, x, *args)
 
 
 def fake_quantize_ste(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    """Fake quantization whose gradient is the identity (the straight-through estimator)."""
-    return _StraightThrough.apply(x, spec)
+    """Fake quantization with a straight-through gradient."""
+    return straight_through(fake_quantize, x, spec)
 
 
 # --- activations: ranges per token / per image, or a fixed range ------------------------------------------
@@ -168,21 +175,10 @@ def dynamic_range(x: torch.Tensor, per_sample_dims: int) -> tuple[torch.Tensor, 
     return values.amin(dim=reduce, keepdim=True), values.amax(dim=reduce, keepdim=True)
 
 
-class _ActivationSTE(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, low: torch.Tensor, high: torch.Tensor, bits: int,
-                symmetric: bool) -> torch.Tensor:
-        return fake_quantize_range(x, low, high, bits, symmetric)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        return grad, None, None, None, None
-
-
 def fake_quantize_activation(x: torch.Tensor, low: torch.Tensor, high: torch.Tensor, bits: int,
                              symmetric: bool) -> torch.Tensor:
     """Activation fake quantization on a given range, with a straight-through gradient."""
-    return _ActivationSTE.apply(x, low, high, bits, symmetric)
+    return straight_through(fake_quantize_range, x, low, high, bits, symmetric)
 
 
 # --- packing integer codes into bytes --------------------------------------------------------------------

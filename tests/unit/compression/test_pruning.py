@@ -91,8 +91,9 @@ def test_snip_momentum_prunes_to_the_schedule_by_weight_times_gradient(two_layer
     assert fc1.ds_compression.prunings["sparse"].density == 0.25
 
 
-def test_row_pruning_with_related_module_shrinks_and_keeps_outputs(two_layer):
-    config = technique("row_pruning", {"schedule_offset": 0, "method": "l1"}, {"dense_ratio": 0.25}, ["fc1"],
+@pytest.mark.parametrize("method", ["l1", "topk"])
+def test_row_pruning_with_related_module_shrinks_and_keeps_outputs(two_layer, method):
+    config = technique("row_pruning", {"schedule_offset": 0, "method": method}, {"dense_ratio": 0.25}, ["fc1"],
                        related=[["fc2"]])
     _start(two_layer, config)
     x = torch.randn(5, 16)
