@@ -103,7 +103,7 @@ def _remove_heads(model: nn.Module, record: CleanRecord, name: str, module: nn.M
                   keep: torch.Tensor) -> None:
     heads, width = p.num_heads, module.in_features // p.num_heads
     kept_heads = torch.nonzero(keep).reshape(-1)
-    cols = (kept_heads.unsqueeze(1) * width + torch.arange(width)).reshape(-1)
+    cols = (kept_heads.unsqueeze(1) * width + torch.arange(width, device=keep.device)).reshape(-1)
     _keep_columns(record, module, name, cols)
     parents = {_parent(model, name)}
     for rel_name in p.related:

@@ -96,9 +96,10 @@ class Eigenvalue:
         torch.random.set_rng_state(rng)
         self.model.train(was_training)
         if comm.is_initialized() and comm.get_world_size() > 1:  # every rank paces its weights alike
-            tensor = torch.tensor(raw, dtype=torch.float64)
+            device = next(self.model.parameters()).device  # NCCL reduces device tensors only
+            tensor = torch.tensor(raw, dtype=torch.float64, device=device)
             comm.all_reduce(tensor)
-            raw = (tensor / comm.get_world_size()).tolist()
+            raw = (tensor / comm.get_world_size()).cpu().tolist()
         top = max((abs(x) for x in raw), default=0.0)
         self.values = {i: (abs(x) / top if x != 0 and top > 0 else 1.0) for i, x in enumerate(raw)}
         if self.config.verbose and (not comm.is_initialized() or comm.get_rank() == 0):

@@ -219,7 +219,7 @@ def signed_codes(unsigned: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Unsigned codes (each < 2^bits) packed ``8 // container_bits(bits)`` to a byte, little end first."""
     width = container_bits(bits)
-    flat = codes.reshape(-1).to(torch.uint8)
+    flat = codes.reshape(-1).to(device="cpu", dtype=torch.uint8)  # packing is for files
     per_byte = 8 // width
     pad = (-flat.numel()) % per_byte
     if pad:
