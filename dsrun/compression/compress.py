@@ -126,8 +126,8 @@ def _pruning(model: nn.Module, technique: str, cfg: Any, names: list[str], relat
     ratio = params.dense_ratio
     pattern = None
     if kind == "sparse":
-        if method == "snip_momentum" and shared.dense_ratio is not None:
-            ratio = shared.dense_ratio
+        if method == "snip_momentum" and "dense_ratio" not in params.model_fields_set:
+            ratio = shared.dense_ratio  # the global target, unless the group sets its own
         pattern = pruning.parse_block_pattern(shared.block_pattern, f"{where}.shared_parameters.block_pattern")
         if pattern is not None and pattern[1] == ":" and ratio < pattern[0] / pattern[2] - 1e-12:
             raise UserError(Problem(f"{where}.shared_parameters.block_pattern",

@@ -238,6 +238,11 @@ def check_compression(c: CompressionConfig, prefix: str) -> list[Problem]:
     }
     for name, technique in techniques.items():
         shared = technique.shared_parameters
+        for group_name, group in technique.different_groups.items() if shared.enabled else ():
+            if group.related_modules is not None and name not in ("row_pruning", "head_pruning", "channel_pruning"):
+                problems.append(Problem(f"{base}.{name}.different_groups.{group_name}.related_modules",
+                                        "only row, head and channel pruning use related_modules",
+                                        "remove it from this group"))
         snip = getattr(shared, "method", None) == "snip_momentum"
         if shared.enabled and not technique.different_groups and not snip:
             problems.append(Problem(f"{base}.{name}.different_groups",

@@ -154,3 +154,17 @@ def test_channel_pruning_with_batchnorm_agrees_before_and_after_clean(method):
     redundancy_clean(net, config)
     assert net.conv1.weight.shape == (4, 3, 3, 3) and net.bn1.num_features == 4 and net.conv2.weight.shape == (4, 4, 3, 3)
     assert torch.allclose(net(x), masked, atol=1e-5)
+
+
+def test_snip_momentum_group_dense_ratio_overrides_the_shared_target(two_layer):
+    config = {"compression_training": {"sparse_pruning": {
+        "shared_parameters": {"enabled": True, "method": "snip_momentum", "schedule_offset": 0,
+                              "schedule_offset_end": 1, "schedule_offset_stride": 1, "block_pattern": "1x1",
+                              "dense_ratio": 0.25},
+        "different_groups": {"shared": {"params": {}, "modules": ["fc1"]},
+                             "own": {"params": {"dense_ratio": 0.5}, "modules": ["fc2"]}}}}}
+    scheduler = _start(two_layer, config)
+    two_layer(torch.randn(8, 16)).pow(2).sum().backward()
+    scheduler.step()
+    assert two_layer.fc1.sparse_pruning_mask.float().mean() == 0.25
+    assert two_layer.fc2.sparse_pruning_mask.float().mean() == 0.5
