@@ -234,13 +234,29 @@ def _split_heads_attrs(module: nn.Module, tp: TPGroup, where: str) -> None:
         setattr(module, attr, value // size)
 
 
+def check_split(model: nn.Module, tp_size: int, policy: Mapping[Any, Any] | None = None) -> list[BlockPlan]:
+    """The plan of ``model`` (which may live on the meta device), if it splits over ``tp_size`` ranks; a
+    ConfigError otherwise, one line per distinct problem (blocks alike are reported once, as ``h.*``)."""
+    plans = plan_model(model, policy)
+    problems: dict[tuple[str, str], Problem] = {}
+    for plan in plans:
+        for problem in _check_divisible(plan, tp_size):
+            leaf = problem.path[len(plan.name) + 1:]
+            key = (leaf, problem.message)
+            if key in problems:
+                generic = plan.name.rsplit(".", 1)[0] + ".*." + leaf
+                problems[key] = Problem(generic, problem.message, problem.hint)
+            else:
+                problems[key] = problem
+    if problems:
+        raise ConfigError(list(problems.values()))
+    return plans
+
+
 def shard_model(model: nn.Module, tp: TPGroup, policy: Mapping[Any, Any] | None = None) -> list[BlockPlan]:
     """Replace each pair's linears by this rank's column- and row-parallel slices (in place); returns the
     plan. With ``tp.size == 1`` the linears are replaced by whole ones (so they can be quantized)."""
-    plans = plan_model(model, policy)
-    problems = [p for plan in plans for p in _check_divisible(plan, tp.size)]
-    if problems:
-        raise ConfigError(problems)
+    plans = check_split(model, tp.size, policy)
     for plan in plans:
         attention_modules: dict[int, tuple[nn.Module, str]] = {}
         for pair in plan.pairs:

@@ -69,19 +69,19 @@ class FusedGPT(nn.Module):
         if attn.rotary:
             cos, sin = rotary_cos_sin(start + seq, head_size, attn.rotary_base, x.device, q.dtype)
             q, k = apply_rotary(q, cos[start:], sin[start:]), apply_rotary(k, cos[start:], sin[start:])
-        mask = None
         if cache is not None:
             cache.keys[layer, :, :, start:start + seq] = k
             cache.values[layer, :, :, start:start + seq] = v
             k, v = cache.keys[layer, :, :, :start + seq], cache.values[layer, :, :, :start + seq]
-            if self.causal and start > 0 and seq > 1:  # a chunk after the prompt: each query up to itself
-                mask = (torch.arange(start, start + seq, device=x.device)[:, None]
-                        >= torch.arange(start + seq, device=x.device)[None, :])
-        causal = self.causal and start == 0 and seq > 1
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+        # the prompt (start 0) is causal unless triangular_masking=False; after it, tokens come one at a
+        # time and each attends to every cached position
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal and start == 0 and seq > 1)
         return attn.c_proj(y.transpose(1, 2).reshape(batch, seq, heads * head_size))
 
     def _logits(self, idx: torch.Tensor, cache: KVCache | None = None, start: int = 0) -> torch.Tensor:
+        """Logits of ``idx`` at positions ``start...``: the whole prompt at 0, then one token at a time."""
+        if start > 0 and idx.shape[1] != 1:
+            raise ValueError("after the prompt the fused path takes one token per call")
         transformer = self.gpt.transformer
         seq = idx.shape[1]
         x = transformer["wte"](idx)
