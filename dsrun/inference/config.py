@@ -25,6 +25,7 @@ DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
     "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
     "int8": torch.int8,
+    "fp64": torch.float64, "float64": torch.float64, "double": torch.float64,  # dsrun's addition: exactness checks
 }
 
 
@@ -33,12 +34,12 @@ def _to_dtype(value: Any) -> Any:
         if value in DTYPES.values():
             return value
         raise ValueError(f"{value} is not an inference dtype; allowed: torch.float16, torch.bfloat16, "
-                         "torch.float32, torch.int8")
+                         "torch.float32, torch.int8, torch.float64")
     if isinstance(value, str):
         key = value.lower().removeprefix("torch.")
         if key in DTYPES:
             return DTYPES[key]
-    raise ValueError(f"{show(value)} is not an inference dtype; allowed: fp16, bf16, fp32, int8 "
+    raise ValueError(f"{show(value)} is not an inference dtype; allowed: fp16, bf16, fp32, int8, fp64 "
                      "(or the torch dtypes)")
 
 
