@@ -202,3 +202,45 @@ def load_split(rank: int, world: int, sources: dict[str, Any]) -> dict[str, Any]
                                       dtype=torch.float32)
         out[name] = engine(ids).numpy()
     return out
+
+
+class PairMPU:
+    """A Megatron-style mpu: ranks (0, 1), (2, 3), ... are model-parallel pairs."""
+
+    def __init__(self, group: Any):
+        self.group = group
+
+    def get_model_parallel_group(self) -> Any:
+        return self.group
+
+    def get_model_parallel_rank(self) -> int:
+        from dsrun import comm
+
+        return comm.get_rank(self.group)
+
+    def get_model_parallel_world_size(self) -> int:
+        from dsrun import comm
+
+        return comm.get_world_size(self.group)
+
+
+def group_sources(rank: int, world: int) -> dict[str, Any]:
+    """TP=2 inside a bigger world, with the group made by dsrun, passed as tp_group, or from an mpu."""
+    import dsrun
+    from dsrun import comm
+
+    comm.init_distributed(verbose=False)
+    ids = prompt()
+    with torch.no_grad():
+        out: dict[str, Any] = {"reference": dsrun_gpt()(ids).numpy()}
+    pairs = [comm.new_group([r, r + 1]) for r in range(0, world, 2)]  # every rank makes every group
+    mine = pairs[rank // 2]
+    settings = {"consecutive": {"tensor_parallel": {"tp_size": 2}},
+                "tp_group": {"tensor_parallel": {"tp_size": 2, "tp_group": mine}},
+                "mpu": {"mpu": PairMPU(mine)}, "tp.mpu": {"tensor_parallel": {"mpu": PairMPU(mine)}}}
+    for name, kwargs in settings.items():
+        comm.reset_comms_stats()
+        engine = dsrun.init_inference(dsrun_gpt(), dtype=torch.float32, **kwargs)
+        out[name] = {"logits": engine(ids).numpy(), "tp": (engine.tp.rank, engine.tp.size),
+                     "all_reduce": comm.get_comms_stats()["all_reduce"]["count"]}
+    return out

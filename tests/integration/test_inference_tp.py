@@ -75,3 +75,17 @@ def test_injection_policy_splits_a_user_model_whose_names_auto_tp_does_not_know(
         # fp32, 2 blocks (5 sequential sums), longest sum 96
         bound = 2 * 5 * 96 * np.finfo(np.float32).eps / 2 * max(1.0, np.abs(result["reference"]).max())
         assert np.abs(result["split"] - result["reference"]).max() <= bound
+
+
+def test_two_tensor_parallel_pairs_in_a_world_of_four_from_each_group_source():
+    from tests.integration._inference_models import group_sources
+
+    results = run_ranks(group_sources, 4, timeout=240)
+    for rank, result in enumerate(results):
+        # fp32, 2 blocks (5 sequential sums), longest sum 128
+        bound = 2 * 5 * 128 * np.finfo(np.float32).eps / 2 * max(1.0, np.abs(result["reference"]).max())
+        for source in ("consecutive", "tp_group", "mpu", "tp.mpu"):
+            entry = result[source]
+            assert entry["tp"] == (rank % 2, 2)
+            assert entry["all_reduce"] == 4  # two blocks, two all-reduces each, within the pair
+            assert np.abs(entry["logits"] - result["reference"]).max() <= bound

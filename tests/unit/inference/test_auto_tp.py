@@ -156,3 +156,16 @@ def test_int8_blocks_store_a_quarter_of_the_weight_bytes_and_qkv_can_stay_float(
     assert quantize_blocks(shard_model(other, TPGroup(None, 0, 1)), q_groups=1, qkv=False) == 6
     assert other.transformer["h"][0].attn.c_attn.weight.dtype == torch.float32
     assert other.transformer["h"][0].attn.c_proj.weight.dtype == torch.int8
+
+
+def test_injection_policy_and_its_tuple_form_through_init_inference():
+    import dsrun
+    from tests.integration._inference_models import UserBlock
+
+    for kwargs in ({"injection_policy": {UserBlock: ("mix", "shrink")}},
+                   {"injection_dict": {"UserBlock": ("mix", "shrink")}},
+                   {"injection_policy_tuple": (UserBlock, ("mix", "shrink"))}):
+        engine = dsrun.init_inference(UserModel(), dtype="fp32", **kwargs)
+        assert engine.block_plans[0].describe() == "layers.0 (UserBlock): to_qkv[x3] -> mix; expand -> shrink"
+    with pytest.raises(ConfigError, match="no output projection follows"):
+        dsrun.init_inference(UserModel(), dtype="int8")  # INT8 needs the block plan, which needs the policy
