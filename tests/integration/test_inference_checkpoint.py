@@ -32,6 +32,7 @@ def trained(tmp_path_factory):
     return params, loaded
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", [f"stage{s}" for s in STAGES] + ["tag", "bf16_file", "description"])
 def test_a_training_checkpoint_loads_resharded_to_tp2(trained, source):
     params, loaded = trained

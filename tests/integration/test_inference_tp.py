@@ -47,6 +47,7 @@ def test_dsrun_gpt_split_over_two_ranks_matches_the_whole_model(dsrun_results, n
     _check(dsrun_results, name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", HF_NAMES)
 def test_hugging_face_model_split_over_two_ranks_matches_the_whole_model(hf_results, name):
     _check(hf_results, name)
@@ -77,6 +78,7 @@ def test_injection_policy_splits_a_user_model_whose_names_auto_tp_does_not_know(
         assert np.abs(result["split"] - result["reference"]).max() <= bound
 
 
+@pytest.mark.slow
 def test_two_tensor_parallel_pairs_in_a_world_of_four_from_each_group_source():
     from tests.integration._inference_models import group_sources
 
