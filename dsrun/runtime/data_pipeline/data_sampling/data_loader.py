@@ -57,8 +57,12 @@ class CurriculumDataLoader:
 
     def _start(self) -> Iterator[Any]:
         self._states.clear()
+        # its own generator: a DataLoader draws its workers' base seed when iterated, which must not move the
+        # global RNG (a resumed run restarts the iteration and would otherwise drift from the uninterrupted one)
+        seeds = torch.Generator().manual_seed(self.data_sampler.seed + self.data_sampler.curriculum_step)
         loader = DataLoader(self.dataset, batch_sampler=_Recording(self.data_sampler, self._states),
-                            collate_fn=self.collate_fn, num_workers=self.num_workers, pin_memory=self.pin_memory)
+                            collate_fn=self.collate_fn, num_workers=self.num_workers, pin_memory=self.pin_memory,
+                            generator=seeds)
         return iter(loader)
 
     def __next__(self) -> Any:
