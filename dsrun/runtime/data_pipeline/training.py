@@ -141,7 +141,7 @@ class LayerMeter:
 
     @staticmethod
     def _counting(module: nn.Module) -> bool:
-        return module.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+        return module.training and torch._C._current_graph_task_id() == -1
 
     def _on_model(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._counting(module):

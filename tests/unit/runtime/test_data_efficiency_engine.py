@@ -97,15 +97,19 @@ def test_gpt_executes_the_expected_fraction_of_layers():
     hooks = [b.register_forward_pre_hook(lambda m, a, i=i: per_layer.__setitem__(i, per_layer[i] + 1))
              for i, b in enumerate(model.transformer["h"])]
     x = torch.randint(0, 16, (1, 4))
-    forwards = 3000
-    for _ in range(forwards):
-        model(x, progressive_layer_drop=True, pld_theta=0.5)
+    forwards = 1000
+    with torch.no_grad():
+        for _ in range(forwards):
+            model(x, progressive_layer_drop=True, pld_theta=0.5)
     for h in hooks:
         h.remove()
-    keep = pld_keep_probabilities(0.5, 8)
-    expected = sum(keep) / 8  # 1 - (L + 1)/(2L)·(1 - θ) = 0.71875
+    keep = np.array(pld_keep_probabilities(0.5, 8))
+    expected = keep.mean()  # 1 - (L + 1)/(2L)·(1 - θ) = 0.71875
+    # the fraction's standard error is sqrt(Σ p(1-p))/(8·1000) = 0.0048, so ±2% is about 3 of them
     assert abs(meter.totals()["layers_executed_fraction"] / expected - 1) <= 0.02
-    assert np.allclose((per_layer / forwards).numpy(), keep, atol=0.04)  # the first kept most, the last at θ
+    # each block at its own probability, within 5 standard errors: the first kept most, the last at θ
+    stderr = np.sqrt(keep * (1 - keep) / forwards)
+    assert np.all(np.abs(per_layer.numpy() / forwards - keep) <= 5 * stderr + 1e-12)
 
 
 def test_models_without_the_arguments_are_refused_at_initialize():

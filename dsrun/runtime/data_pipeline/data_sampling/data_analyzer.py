@@ -43,8 +43,10 @@ def split_index(start: int, end: int, parts: int) -> list[tuple[int, int]]:
 
 
 def _fetch(dataset: Any, indices: list[int], collate_fn: Callable | None) -> Any:
-    if hasattr(dataset, "__getitems__") and collate_fn is None:
-        return dataset.__getitems__(indices)
+    """A collated batch: read at once from a dataset with a ``batch(indices)`` method (dsrun's token windows),
+    else item by item through ``collate_fn`` (default: torch's ``default_collate``)."""
+    if collate_fn is None and callable(getattr(dataset, "batch", None)):
+        return dataset.batch(indices)
     items = [dataset[i] for i in indices]
     return (collate_fn or torch.utils.data.default_collate)(items)
 
