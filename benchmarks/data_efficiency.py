@@ -10,7 +10,7 @@ under θ(t). Wall-clock ratios are against the baseline measured in the same inv
 printed with them.
 
     python benchmarks/data_efficiency.py [--steps 400] [--eval-interval 25] [--variants none,pld,...]
-                                         [--procs 2] [--json out.json] [overrides ...]
+                                         [--procs 2] [--json out.json] [--direct] [overrides ...]
 """
 from __future__ import annotations
 
@@ -26,10 +26,28 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 VARIANTS = ("none", "curriculum_seqlen", "sampling_seqlen", "sampling_rarity", "random_ltd", "pld", "all")
 
 
-def run_variant(name: str, steps: int, eval_interval: int, procs: int, workdir: Path, extra: list[str]) -> dict:
+def _ranks_directly(run_dir: Path, procs: int, env: dict) -> subprocess.CompletedProcess:
+    """The ranks of a ``--dry-run`` run directory as plain processes (no launcher agent)."""
+    from dsrun.utils.net import free_port
+
+    port, threads = free_port(), max(1, (os.cpu_count() or 1) // procs)
+    ranks = [subprocess.Popen([sys.executable, "-m", "dsrun.worker", "--run-dir", str(run_dir)], text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(procs),
+                                   "LOCAL_WORLD_SIZE": str(procs), "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": str(port), "OMP_NUM_THREADS": str(threads)})
+             for r in range(procs)]
+    outputs = [rank.communicate()[0] for rank in ranks]
+    code = max(rank.returncode for rank in ranks)
+    return subprocess.CompletedProcess(ranks[0].args, code, "".join(outputs), "")
+
+
+def run_variant(name: str, steps: int, eval_interval: int, procs: int, workdir: Path, extra: list[str],
+                direct: bool = False) -> dict:
     run_dir = workdir / name
     cmd = [sys.executable, "-m", "dsrun", "train", "+recipe=gpt_data_efficiency", f"data_efficiency={name}",
            f"train.max_steps={steps}", f"train.eval_interval={eval_interval}", "train.save_interval=0",
@@ -37,7 +55,9 @@ def run_variant(name: str, steps: int, eval_interval: int, procs: int, workdir: 
     env = {**os.environ, "DSRUN_MLFLOW": "false",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}
     started = time.perf_counter()
-    done = subprocess.run(cmd, env=env, text=True, capture_output=True)
+    done = subprocess.run(cmd + (["--dry-run"] if direct else []), env=env, text=True, capture_output=True)
+    if direct and not done.returncode:
+        done = _ranks_directly(run_dir, procs, env)
     if done.returncode:
         raise RuntimeError(f"{name} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     metrics = json.loads((run_dir / "metrics.json").read_text())
@@ -71,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--procs", type=int, default=2)
     parser.add_argument("--workdir", type=Path, default=Path("outputs/bench_data_efficiency"))
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--direct", action="store_true",
+                        help="start the ranks as plain processes instead of through dsrun's launcher")
     parser.add_argument("overrides", nargs="*", help="more dsrun overrides for every variant")
     args = parser.parse_args(argv)
     names = args.variants.split(",")
@@ -78,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         names = ["none", *[n for n in names if n != "none"]]
     results = {}
     for name in names:
-        results[name] = run_variant(name, args.steps, args.eval_interval, args.procs, args.workdir, args.overrides)
+        results[name] = run_variant(name, args.steps, args.eval_interval, args.procs, args.workdir, args.overrides,
+                                    args.direct)
         print(f"[bench] {name}: final eval {results[name]['final_eval_loss']:.4f} "
               f"in {results[name]['wall_time_s']:.1f}s", flush=True)
     load = os.getloadavg()

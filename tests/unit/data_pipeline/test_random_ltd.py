@@ -12,6 +12,7 @@ from dsrun.runtime.data_pipeline import RandomLayerTokenDrop, remove_random_ltd_
 from dsrun.runtime.data_pipeline.data_routing.helper import convert_to_random_ltd
 
 B, S, H, R = 3, 10, 6, 4
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])  # the same plain-torch ops on both
 
 
 def dense_reference(hidden: torch.Tensor, kept: torch.Tensor, fn, batch_first: bool) -> torch.Tensor:
@@ -25,18 +26,19 @@ def dense_reference(hidden: torch.Tensor, kept: torch.Tensor, fn, batch_first: b
     return out
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("batch_first", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_gather_scatter_match_dense_reference_forward_and_backward(batch_first, dtype):
+def test_gather_scatter_match_dense_reference_forward_and_backward(batch_first, dtype, device):
     torch.manual_seed(0)
-    kept, _ = gpt_sample_tokens(R, S, B)
+    kept, _ = gpt_sample_tokens(R, S, B, device=device)
     kept = kept[0]
-    assert kept.shape == (B, R) and all(row.tolist() == sorted(set(row.tolist())) for row in kept)
-    weight = torch.randn(H, H, dtype=dtype, requires_grad=True)
+    assert kept.shape == (B, R) and all(row.tolist() == sorted(set(row.tolist())) for row in kept.cpu())
+    weight = torch.randn(H, H, dtype=dtype, device=device, requires_grad=True)
     fn = lambda x: torch.tanh(x @ weight) + x  # noqa: E731 - a layer with a residual, like a block
     shape = (B, S, H) if batch_first else (S, B, H)
-    base = torch.randn(*shape, dtype=dtype)
-    probe = torch.randn(*shape, dtype=dtype)
+    base = torch.randn(*shape, dtype=dtype, device=device)
+    probe = torch.randn(*shape, dtype=dtype, device=device)
     results = []
     for use_ops in (True, False):
         hidden = base.clone().requires_grad_(True)
@@ -70,26 +72,27 @@ class FixedSchedule:
         return self.kept
 
 
-def test_random_ltd_block_equals_running_the_block_on_the_kept_tokens_of_each_row():
+@pytest.mark.parametrize("device", DEVICES)
+def test_random_ltd_block_equals_running_the_block_on_the_kept_tokens_of_each_row(device):
     torch.manual_seed(0)
-    block = Block(GPTConfig(n_embd=16, n_head=2)).double()
+    block = Block(GPTConfig(n_embd=16, n_head=2)).double().to(device)
     wrapped = RandomLayerTokenDrop(block)
     wrapped.init_config({"model_type": "decoder", "hidden_state_order": "batch_seq_dim"}, FixedSchedule(R), 0)
-    x = torch.randn(B, S, 16, dtype=torch.float64)
-    probe = torch.randn(B, S, 16, dtype=torch.float64)
+    x = torch.randn(B, S, 16, dtype=torch.float64, device=device)
+    probe = torch.randn(B, S, 16, dtype=torch.float64, device=device)
     torch.manual_seed(5)
     x1 = x.clone().requires_grad_(True)
     out = wrapped(x1)
     grads = torch.autograd.grad((out * probe).sum(), [x1, *block.parameters()])
     torch.manual_seed(5)
-    kept = gpt_sample_tokens(R, S, B)[0][0]  # the same draw
+    kept = gpt_sample_tokens(R, S, B, device=device)[0][0]  # the same draw
     x2 = x.clone().requires_grad_(True)
     ref = dense_reference(x2, kept, block, batch_first=True)
     ref_grads = torch.autograd.grad((ref * probe).sum(), [x2, *block.parameters()])
     assert torch.allclose(out, ref, rtol=0, atol=1e-12)
     for got, want in zip(grads, ref_grads):
         assert torch.allclose(got, want, rtol=0, atol=1e-12)
-    dropped = torch.ones(B, S, dtype=torch.bool)
+    dropped = torch.ones(B, S, dtype=torch.bool, device=device)
     dropped[torch.arange(B)[:, None], kept] = False
     assert torch.equal(out.detach()[dropped], x[dropped])  # dropped tokens pass through unchanged
     wrapped.eval()
