@@ -79,7 +79,7 @@ class DeepSpeedEngine(DataEfficiencyEngineMixin, torch.nn.Module):
             self.optimizer = self.strategy.optimizer
         self.lr_scheduler = self._configure_lr_scheduler(lr_scheduler)
         # data efficiency (dsrun/runtime/data_pipeline): curriculum, PLD, random-LTD, curriculum data sampling
-        self.data_efficiency = DataEfficiency(config, self.train_batch_size(), self.global_rank)
+        self.data_efficiency = DataEfficiency(config, self.train_batch_size(), self.global_rank, self.dp_group)
         self.data_efficiency.check_model(self.module)
         self.training_dataloader = (self.deepspeed_io(training_data, collate_fn=collate_fn)
                                     if training_data is not None else None)

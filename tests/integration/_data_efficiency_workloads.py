@@ -127,3 +127,40 @@ class _Stream:
         self.position += 1
         items = [self.data[(first + i) % SAMPLES] for i in range(4)]
         return torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])
+
+
+def pld_zero3(rank: int, world: int) -> dict[str, Any]:
+    """PLD under ZeRO-3: ranks seeded alike train; ranks seeded apart are refused (instead of hanging when they
+    skip different blocks)."""
+    from dsrun import comm
+
+    try:
+        return {"same": _pld_zero3_run(rank, same_seed=True), "apart": _pld_zero3_run(rank, same_seed=False)}
+    finally:
+        comm.destroy_process_group()
+
+
+def _pld_zero3_run(rank: int, same_seed: bool) -> list[float] | str:
+    import dsrun
+    from dsrun.models.gpt import GPT
+    from dsrun.utils.errors import ConfigError
+
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3}, "steps_per_print": 1000,
+              "progressive_layer_drop": {"enabled": True, "theta": 0.3, "gamma": 0.5}}
+    torch.manual_seed(0)
+    with dsrun.zero.Init(config_dict_or_path=config):
+        model = GPT(vocab_size=VOCAB, block_size=SEQ, n_layer=LAYERS, n_head=2, n_embd=16)
+    engine, *_ = dsrun.initialize(model=model, config=config)
+    torch.manual_seed(0 if same_seed else rank)
+    losses = []
+    try:
+        for _ in range(6):
+            batch = torch.randint(0, VOCAB, (2, SEQ + 1))
+            loss = engine(batch[:, :-1], batch[:, 1:])
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    except ConfigError as exc:
+        return str(exc)
+    return losses

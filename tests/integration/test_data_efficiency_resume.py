@@ -1,7 +1,8 @@
 """Exact resume with each data-efficiency feature on (2 ranks, ZeRO-2, gradient accumulation 2, dropout on):
 8 uninterrupted steps equal 4 steps, a checkpoint, and 4 more in a new launch, bit for bit. The schedules'
 states (curriculum, θ, random-LTD's kept length and layer-token count, the sampler's clusters and positions)
-travel in the checkpoint."""
+travel in the checkpoint. And PLD under ZeRO-3, where every rank must skip the same blocks: it trains when the
+ranks are seeded alike and is refused, not hung, when they are not."""
 from __future__ import annotations
 
 import numpy as np
@@ -36,3 +37,11 @@ def test_resume_is_exact_with_each_feature(runs, feature):
     assert second_half["layer_tokens"] == straight["layer_tokens"]
     for key, value in straight["params"].items():
         assert np.array_equal(second_half["params"][key], value), key
+
+
+def test_pld_under_zero3_trains_or_refuses_but_never_hangs():
+    from tests.integration._data_efficiency_workloads import pld_zero3
+
+    outcomes = run_ranks(pld_zero3, 2, timeout=300)
+    assert all(isinstance(o["same"], list) and len(o["same"]) == 6 for o in outcomes)
+    assert all("every rank must skip the same layers" in o["apart"] for o in outcomes)

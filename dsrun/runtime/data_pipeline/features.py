@@ -18,8 +18,10 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+import torch
 from torch import nn
 
+from dsrun import comm
 from dsrun.utils.errors import ConfigError, Problem
 
 from .curriculum_scheduler import CurriculumScheduler
@@ -48,10 +50,23 @@ def _accepts(module: nn.Module, *names: str) -> bool:
     return any(p.kind is p.VAR_KEYWORD for p in params) or all(n in {p.name for p in params} for n in names)
 
 
+def _require_same_rng_on_every_rank(group: Any) -> None:
+    """Raise (on every rank) when the ranks' torch RNG states differ."""
+    state = torch.get_rng_state().to(torch.int64)
+    digest = (state * torch.arange(1, len(state) + 1)).sum().reshape(1)
+    high, low = digest.clone(), digest.clone()
+    comm.all_reduce(high, op=comm.ReduceOp.MAX, group=group)
+    comm.all_reduce(low, op=comm.ReduceOp.MIN, group=group)
+    if not torch.equal(high, low):
+        raise ConfigError(Problem("progressive_layer_drop.enabled", "with ZeRO stage 3 every rank must skip the same "
+                                  "layers, but the ranks' torch random number generators differ (a different seed "
+                                  "per rank?)", "seed torch alike on every rank (dsrun train does), or use stage 0-2"))
+
+
 class DataEfficiency:
     """Curriculum (legacy), progressive layer drop and random-LTD state for one engine."""
 
-    def __init__(self, config: Any, train_batch_size: int, rank: int = 0):
+    def __init__(self, config: Any, train_batch_size: int, rank: int = 0, group: Any = None):
         de = config.data_efficiency
         self.notes: list[str] = []
         self.sampling_enabled = _gated([("data_efficiency", de.enabled), ("data_efficiency.data_sampling",
@@ -73,6 +88,11 @@ class DataEfficiency:
                 raise ConfigError(Problem(f"{RANDOM_LTD_PATH}.layer_token_lr_schedule.enabled", "is not implemented "
                                           "(DeepSpeed raises NotImplementedError for it too)", "set it to false"))
             self.random_ltd_scheduler = RandomLTDScheduler(ltd, global_batch_size=train_batch_size)
+        # ZeRO-3 gathers each block's parameters as it runs: every rank must skip the same blocks, so their
+        # torch RNG states (which the model's PLD draws come from) are compared once, at the first PLD forward
+        self._group = group
+        self._check_pld_ranks = (self.progressive_layer_drop is not None
+                                 and int(config.zero_optimization.stage) == 3 and comm.get_world_size(group) > 1)
         self.random_ltd_layers: list[RandomLayerTokenDrop] = []
         self.training_dataloader: Any = None  # a curriculum loader from engine.deepspeed_io, when sampling is on
         if rank == 0:
@@ -128,6 +148,9 @@ class DataEfficiency:
         if not training:
             return kwargs
         if self.progressive_layer_drop is not None:
+            if self._check_pld_ranks:
+                self._check_pld_ranks = False
+                _require_same_rng_on_every_rank(self._group)
             kwargs.update(self.progressive_layer_drop.get_state())
         if self.curriculum_scheduler_legacy is not None:
             self.curriculum_scheduler_legacy.update_difficulty(global_steps + 1)
