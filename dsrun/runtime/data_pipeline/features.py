@@ -52,8 +52,10 @@ def _accepts(module: nn.Module, *names: str) -> bool:
 
 def _require_same_rng_on_every_rank(group: Any) -> None:
     """Raise (on every rank) when the ranks' torch RNG states differ."""
+    from dsrun.accelerator import get_accelerator
+
     state = torch.get_rng_state().to(torch.int64)
-    digest = (state * torch.arange(1, len(state) + 1)).sum().reshape(1)
+    digest = (state * torch.arange(1, len(state) + 1)).sum().reshape(1).to(get_accelerator().device())  # NCCL: device
     high, low = digest.clone(), digest.clone()
     comm.all_reduce(high, op=comm.ReduceOp.MAX, group=group)
     comm.all_reduce(low, op=comm.ReduceOp.MIN, group=group)

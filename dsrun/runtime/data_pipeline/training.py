@@ -200,7 +200,8 @@ class DataEfficiencyRun:
         from dsrun import comm
 
         totals = self.meter.totals()
-        summed = torch.tensor([totals["tokens"], totals["layer_tokens"]], dtype=torch.float64)
+        summed = torch.tensor([totals["tokens"], totals["layer_tokens"]], dtype=torch.float64,
+                              device=self.engine.device)  # NCCL reduces only device tensors
         comm.all_reduce(summed)
         return {"tokens": int(summed[0].item()), "layer_tokens": int(summed[1].item()),
                 "layers_executed_fraction": totals["layers_executed_fraction"]}
