@@ -224,3 +224,10 @@ def test_loader_state_is_that_after_the_last_delivered_batch_even_with_workers(i
 def test_sampler_names_a_missing_index(tmp_path):
     with pytest.raises(UserError, match="index_to_sample_path"):
         DeepSpeedDataSampler(sampling_config(tmp_path / "nowhere"), N, 4, 0, 1)
+
+
+def test_num_epochs_bounds_what_the_sampler_serves(indexed):
+    config = sampling_config(indexed)
+    config["data_sampling"]["num_epochs"] = 1
+    served = list(DeepSpeedDataSampler(config, N, 10, 0, 1))
+    assert len(served) == 101 and all(len(b) == 10 for b in served)  # one epoch: 1003 samples, in full batches of 10

@@ -110,3 +110,27 @@ def test_remove_random_ltd_state_dict_loads_into_the_plain_model():
     idx = torch.randint(0, 32, (2, 16))
     model.eval()
     assert torch.equal(plain(idx), model(idx))
+
+
+class MaskedLayer(torch.nn.Module):
+    """Records the mask it gets."""
+
+    def forward(self, hidden, attention_mask=None):
+        self.mask = attention_mask
+        return hidden * 2
+
+
+@pytest.mark.parametrize("model_type", ["decoder", "encoder"])
+def test_model_mask_name_cuts_the_mask_to_the_kept_tokens(model_type):
+    layer = MaskedLayer()
+    wrapped = RandomLayerTokenDrop(layer)
+    wrapped.init_config({"model_type": model_type, "hidden_state_order": "seq_batch_dim",
+                         "model_mask_name": "attention_mask"}, FixedSchedule(R), 0)
+    mask = torch.randint(0, 2, (B, 1, S, S)).float()
+    x = torch.randn(S, B, H)
+    out = wrapped(x, attention_mask=mask)
+    assert layer.mask.shape == (B, 1, R, R)
+    if model_type == "decoder":  # a causal mask over sorted positions: its leading block
+        assert torch.equal(layer.mask, mask[:, :, :R, :R])
+    changed = (out != x).any(dim=2)  # [S, B]: exactly R kept tokens per sample were doubled
+    assert changed.sum(dim=0).tolist() == [R] * B

@@ -180,3 +180,11 @@ def test_initialize_with_training_data_returns_the_curriculum_loader(tmp_path):
         assert batch.shape == (2, 2)
     assert [s["seqlen"] for s in seen] == [1, 1, 2, 2]
     assert engine.data_efficiency.checkpoint_entries()["data_sampler"]["curriculum_step"] == 4
+
+
+def test_layer_token_lr_schedule_is_refused():
+    config = _ltd()
+    config["data_efficiency"]["data_routing"]["random_ltd"]["layer_token_lr_schedule"] = {
+        "enabled": True, "total_layer_tokens": 10, "warmup_type": "linear", "warmup_layer_tokens": 1}
+    with pytest.raises(ConfigError, match="layer_token_lr_schedule"):
+        dsrun.initialize(model=_gpt(), config=_config(**config))
