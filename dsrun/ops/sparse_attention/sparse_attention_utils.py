@@ -64,7 +64,8 @@ class SparseAttentionUtils:
                 raise ValueError("this GPT has rotary positions: there is no position table to extend")
             embedding = model.transformer["wpe"]
             if max_position <= embedding.weight.shape[0]:
-                raise ValueError(f"max_position {max_position} must exceed model.block_size {embedding.weight.shape[0]}")
+                raise ValueError(f"max_position {max_position} must exceed model.block_size "
+                                 f"{embedding.weight.shape[0]}")
             _replace_embedding(embedding, _tile_rows(embedding.weight, 0, max_position))
             model.config = dataclasses.replace(model.config, block_size=max_position)
         else:
@@ -101,8 +102,8 @@ class SparseAttentionUtils:
         return model
 
     @staticmethod
-    def replace_self_attention_layer_with_sparse_self_attention_layer(config: Any, layers: Iterable[nn.Module],
-                                                                      sparsity_config: SparsityConfig) -> Iterable[nn.Module]:
+    def replace_self_attention_layer_with_sparse_self_attention_layer(
+            config: Any, layers: Iterable[nn.Module], sparsity_config: SparsityConfig) -> Iterable[nn.Module]:
         """Give each BERT layer's ``attention.self`` a :class:`BertSparseSelfAttention` with its own
         query/key/value projections."""
         for layer in layers:

@@ -86,7 +86,7 @@ class DeepSpeedTransformerLayer(nn.Module):
                 setattr(self, name, nn.Parameter(torch.empty(shape)))
             self.init_transformer_weights(config.adjust_init_range)
         else:
-            if initial_weights is None or initial_biases is None or len(initial_weights) != 8 or len(initial_biases) != 8:
+            if initial_weights is None or initial_biases is None or {len(initial_weights), len(initial_biases)} != {8}:
                 raise ValueError("initial_weights and initial_biases must both be lists of 8 tensors")
             self.attn_qkvw = nn.Parameter(torch.cat([w.detach() for w in initial_weights[:3]]))
             self.attn_qkvb = nn.Parameter(torch.cat([b.detach() for b in initial_biases[:3]]))
@@ -161,9 +161,10 @@ class DeepSpeedTransformerLayer(nn.Module):
         """
         given = [name for name, value in zip(_UNSUPPORTED_ARGUMENTS, (head_mask, layer_head_mask,
                  encoder_hidden_states, encoder_attention_mask, past_key_value)) if value is not None]
-        if given or output_attentions:
-            raise NotImplementedError(f"DeepSpeedTransformerLayer does not support {', '.join(given or ['output_attentions'])}"
-                                      " (a self-attention encoder layer without head masks or caches)")
+        given += ["output_attentions"] if output_attentions else []
+        if given:
+            raise NotImplementedError(f"DeepSpeedTransformerLayer does not support {', '.join(given)} (a "
+                                      "self-attention encoder layer without head masks or caches)")
         config = self.config
         batch, seq = hidden_states.shape[:2]
         if 0 < config.batch_size < batch or 0 < config.max_seq_length < seq:

@@ -70,8 +70,8 @@ class PlainBertSelfAttention(nn.Module):
 def fake_bert(layers: int = 2, hidden: int = 16, heads: int = 2, positions: int = 32, roberta: bool = False):
     """A module shaped like a Hugging Face BERT/RoBERTa as far as SparseAttentionUtils looks."""
     config = SimpleNamespace(hidden_size=hidden, num_attention_heads=heads, max_position_embeddings=positions)
-    encoder = SimpleNamespace(layer=[SimpleNamespace(attention=SimpleNamespace(self=PlainBertSelfAttention(hidden, heads)))
-                                     for _ in range(layers)])
+    encoder = SimpleNamespace(layer=[
+        SimpleNamespace(attention=SimpleNamespace(self=PlainBertSelfAttention(hidden, heads))) for _ in range(layers)])
     body = SimpleNamespace(embeddings=SimpleNamespace(position_embeddings=nn.Embedding(positions, hidden)),
                            encoder=encoder)
     model = nn.Module()
