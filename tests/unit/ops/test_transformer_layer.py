@@ -274,9 +274,10 @@ def test_fp16_computes_in_half_precision():
     torch.manual_seed(0)
     layer = DeepSpeedTransformerLayer(config())
     x = torch.randn(BATCH, SEQ, HIDDEN)
-    full = layer(x)
-    layer.config.fp16 = True
-    half = layer(x)
+    with torch.no_grad():
+        full = layer(x)
+        layer.config.fp16 = True
+        half = layer(x)
     assert half.dtype == torch.float16
     u16 = torch.finfo(torch.float16).eps / 2
     assert float((half.double() - full.double()).abs().max()) <= 8 * (HIDDEN + INTER + SEQ) * u16 * max(
