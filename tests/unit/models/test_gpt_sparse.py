@@ -92,3 +92,12 @@ def test_the_attention_option_passes_ds_sparse_attention_to_the_gpt():
 def test_a_section_the_gpt_would_ignore_is_refused():
     with pytest.raises(ConfigError, match="ds.sparse_attention: is set but model.attention is 'dense'"):
         resolve_run(compose_runspec(["+ds.sparse_attention.mode=fixed"]))
+
+
+def test_kernel_injection_refuses_a_sparse_gpt():
+    """The fused inference path computes dense attention; it must not silently replace the sparse one."""
+    from dsrun.inference.fused_gpt import FusedGPT
+    from dsrun.utils.errors import UserError
+
+    with pytest.raises(UserError, match="replace_with_kernel_inject: the fused path computes dense attention"):
+        FusedGPT(GPT(**SHAPE, attention="sparse", sparse_attention={"mode": "fixed"}))
