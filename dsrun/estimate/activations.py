@@ -32,14 +32,24 @@ Backward also needs a workspace while it walks through a block: the gradients of
 activations (``2*e*sbf``), or of the attention scores with explicit attention (``2*e*a*s*s*b``), whichever
 is larger.
 
-Checkpointing each block keeps only the blocks' inputs (``L*e*sbh``) and recomputes one block at a time in
-backward, so one block's full activations are live on top of them.
+Activation checkpointing (``model.activation_checkpointing``, :mod:`dsrun.runtime.activation_checkpointing.modes`)
+keeps less per block and recomputes one block at a time in backward, so one block's full activations are
+live on top of what is kept:
+
+* ``full``: each block keeps its input, ``L*e*sbh + block``;
+* ``every_N``: the ``k = ceil(L/N)`` checkpointed blocks keep their inputs, the others everything:
+  ``(L-k)*block + k*e*sbh + block``;
+* ``selective``: each block keeps its input and the outputs of the fused attention kernel (``e*sbh`` and
+  the fp32 log-sum-exp ``4*a*s*b``), the attention output projection (``e*sbh``), the MLP up-projection
+  (``e*sbf``) and down-projection (``e*sbh``): ``L*kept + block``. With explicit attention nothing of the
+  attention is kept.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from dsrun.estimate.inputs import GPTShape
+from dsrun.runtime.activation_checkpointing.modes import CheckpointMode
 
 
 @dataclass(frozen=True)
@@ -88,6 +98,15 @@ def gpt_block_activation_bytes(shape: GPTShape, micro_batch: int, seq_len: int, 
     return total
 
 
+def gpt_selective_kept_bytes(shape: GPTShape, micro_batch: int, seq_len: int, elem: int) -> int:
+    """Bytes one block keeps under selective checkpointing (the list in the module docstring)."""
+    b, s, h = micro_batch, seq_len, shape.n_embd
+    kept = elem * s * b * h * 3 + elem * s * b * shape.ffn  # input, attention out-projection, MLP up and down
+    if shape.flash_attention:
+        kept += elem * s * b * h + 4 * shape.n_head * s * b  # the fused kernel's output and log-sum-exp
+    return kept
+
+
 def gpt_head_activation_bytes(shape: GPTShape, micro_batch: int, seq_len: int, elem: int) -> int:
     """Bytes around the blocks: final LayerNorm and LM-head inputs, logits, fp32 log-probs and gradients."""
     b, s = micro_batch, seq_len
@@ -103,14 +122,18 @@ def gpt_backward_workspace_bytes(shape: GPTShape, micro_batch: int, seq_len: int
 
 
 def gpt_activation_bytes(shape: GPTShape, micro_batch: int, seq_len: int, precision: str,
-                         checkpointing: bool) -> ActivationBytes:
-    """Peak activation bytes of one micro batch through a GPT (see the module docstring)."""
+                         checkpointing: object) -> ActivationBytes:
+    """Peak activation bytes of one micro batch through a GPT (see the module docstring); ``checkpointing``
+    is a mode (``none``, ``full``, ``every_N``, ``selective``) or a bool (full/none)."""
     elem = element_size(precision)
     per_block = gpt_block_activation_bytes(shape, micro_batch, seq_len, elem)
-    if checkpointing:
-        blocks = shape.n_layer * elem * seq_len * micro_batch * shape.n_embd + per_block
+    mode = CheckpointMode.parse(checkpointing)
+    if mode.kind == "selective":
+        blocks = shape.n_layer * gpt_selective_kept_bytes(shape, micro_batch, seq_len, elem) + per_block
     else:
-        blocks = shape.n_layer * per_block
+        k = mode.checkpointed_blocks(shape.n_layer)
+        kept_inputs = k * elem * seq_len * micro_batch * shape.n_embd
+        blocks = (shape.n_layer - k) * per_block + kept_inputs + (per_block if k else 0)
     head = gpt_head_activation_bytes(shape, micro_batch, seq_len, elem)
     workspace = gpt_backward_workspace_bytes(shape, micro_batch, seq_len, elem)
     return ActivationBytes(per_block=per_block, blocks=blocks, head=head, workspace=workspace)

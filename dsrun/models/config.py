@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping
 
+from dsrun.runtime.activation_checkpointing.modes import CheckpointMode
 from dsrun.utils.errors import ConfigError, Problem, show
 from dsrun.utils.suggest import did_you_mean
 
@@ -22,6 +23,8 @@ class GPTConfig:
     ``block_size`` is the longest sequence the model accepts (the context length); the data layer's
     ``seq_len`` must not exceed it. ``positions="learned"`` adds a ``block_size x n_embd`` position table;
     ``"rotary"`` rotates queries and keys instead and has no position parameters.
+    ``activation_checkpointing`` is ``none``, ``full``, ``every_N`` or ``selective`` (``true``/``false``:
+    full/none; :class:`~dsrun.runtime.activation_checkpointing.modes.CheckpointMode`), kept in that spelling.
     """
 
     vocab_size: int = 256
@@ -33,7 +36,7 @@ class GPTConfig:
     bias: bool = True
     positions: str = "learned"
     tie_embeddings: bool = True
-    activation_checkpointing: bool = False
+    activation_checkpointing: str = "none"
     rotary_base: float = 10000.0
 
     def __post_init__(self) -> None:
@@ -53,6 +56,11 @@ class GPTConfig:
         if self.positions not in POSITIONS:
             problems.append(Problem("model.positions", f"unknown value {show(self.positions)}; allowed: "
                                     + ", ".join(POSITIONS), did_you_mean(str(self.positions), POSITIONS)))
+        try:
+            mode = CheckpointMode.parse(self.activation_checkpointing)
+            object.__setattr__(self, "activation_checkpointing", str(mode))  # the canonical spelling
+        except ConfigError as err:
+            problems.extend(err.problems)
         if problems:
             raise ConfigError(problems)
 
