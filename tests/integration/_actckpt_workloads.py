@@ -36,8 +36,8 @@ class WorldModelParallel:
         return comm.get_world_size()
 
 
-def saved_activation_bytes(fn: Any, module: torch.nn.Module) -> tuple[Any, int]:
-    """``fn()``'s result and the bytes of the distinct non-parameter storages autograd saved meanwhile."""
+def saved_storages(fn: Any, module: torch.nn.Module) -> tuple[Any, list[int]]:
+    """``fn()``'s result and the sizes (bytes) of the distinct non-parameter storages autograd saved meanwhile."""
     params = {p.untyped_storage().data_ptr() for p in module.parameters()}
     seen: dict[int, int] = {}
 
@@ -49,7 +49,7 @@ def saved_activation_bytes(fn: Any, module: torch.nn.Module) -> tuple[Any, int]:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
-    return out, sum(seen.values())
+    return out, sorted(seen.values())
 
 
 def _gpt_run(checkpoint_fn: Any) -> dict[str, Any]:
@@ -61,14 +61,15 @@ def _gpt_run(checkpoint_fn: Any) -> dict[str, Any]:
         model.enable_activation_checkpointing(True, checkpoint_fn)
     inputs, targets = global_batch("gpt", 0, 4)
     torch.manual_seed(1)
-    loss, saved = saved_activation_bytes(lambda: model(inputs, targets), model)
+    loss, storages = saved_storages(lambda: model(inputs, targets), model)
     loss.backward()
-    return {"saved": saved, "grads": {n: p.grad.numpy().copy() for n, p in model.named_parameters()}}
+    return {"storages": storages, "grads": {n: p.grad.numpy().copy() for n, p in model.named_parameters()}}
 
 
 def partition_suite(rank: int, world: int) -> dict[str, Any]:
     import dsrun.checkpointing as ckpt
     from dsrun import comm
+    from dsrun.utils.errors import ConfigError
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     comm.init_distributed(verbose=False)
@@ -78,9 +79,16 @@ def partition_suite(rank: int, world: int) -> dict[str, Any]:
         out[f"whole/{name}"] = _gpt_run(fn)
         ckpt.configure(WorldModelParallel(), partition_activations=True)
         out[f"partitioned/{name}"] = _gpt_run(fn)
+        for slots in (GPT_KW["n_layer"], GPT_KW["n_layer"] + 1):
+            ckpt.configure(WorldModelParallel(), partition_activations=True, contiguous_checkpointing=True,
+                           num_checkpoints=slots)
+            out[f"contiguous{slots}/{name}"] = _gpt_run(fn)
         ckpt.configure(WorldModelParallel(), partition_activations=True, contiguous_checkpointing=True,
-                       num_checkpoints=GPT_KW["n_layer"])
-        out[f"contiguous/{name}"] = _gpt_run(fn)
+                       num_checkpoints=GPT_KW["n_layer"] - 1)
+        try:
+            _gpt_run(fn)
+        except ConfigError as err:
+            out[f"too_few_slots/{name}"] = str(err)
     return out
 
 
@@ -95,35 +103,50 @@ def build_frozen_gpt(mode: str) -> torch.nn.Module:
     return model
 
 
-def engine_run(model: torch.nn.Module, config: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
-    """Train ``model`` with dsrun for ``STEPS`` steps; the global mean losses and the full final parameters."""
+def engine_run(model: torch.nn.Module, config: dict[str, Any], rank: int, world: int,
+               initial: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Train ``model`` with dsrun for ``STEPS`` steps: the global mean losses, the full final parameters,
+    whether the frozen ones still hold their ``initial`` values and every trainable one moved."""
     import dsrun
 
     engine, _, _, _ = dsrun.initialize(model=model, config=config)
     losses, _ = train_steps(engine, lambda step, size: global_batch("gpt", step, size), STEPS, rank, world)
     full = dsrun.zero.full_state_dict(engine.module) if engine.zero_optimization_stage() == 3 else \
         engine.module.state_dict()
-    names = {n for n, _ in engine.module.named_parameters()}
-    return {"losses": losses, "params": flat_params({k: v for k, v in full.items() if k in names}).numpy()}
+    params = dict(engine.module.named_parameters())
+    frozen = [n for n, p in params.items() if not p.requires_grad]
+    return {"losses": losses, "params": flat_params({k: v for k, v in full.items() if k in params}).numpy(),
+            "frozen_unchanged": bool(frozen) and all(torch.equal(full[n], initial[n]) for n in frozen),
+            "trained": all(not torch.equal(full[n], initial[n]) for n in params if n not in frozen)}
 
 
 ZERO_CASES = {  # case -> (stage, model.activation_checkpointing, checkpoint function, zero_optimization extras)
-    "0/none": (0, "none", None, {}), "0/full": (0, "full", None, {}), "1/full": (1, "full", None, {}),
-    "2/every_2": (2, "every_2", None, {}), "3/full": (3, "full", None, {}),
+    "0/none": (0, "none", None, {}), "0/full": (0, "full", None, {}),
+    "1/none": (1, "none", None, {}), "1/full": (1, "full", None, {}),
+    "2/none": (2, "none", None, {}), "2/every_2": (2, "every_2", None, {}),
+    "3/none": (3, "none", None, {}), "3/full": (3, "full", None, {}),
     "3/selective": (3, "selective", None, {}), "3/reentrant": (3, "full", "reentrant", {}),
-    "2/offload": (2, "full", None, {"offload_optimizer": {"device": "cpu"}}),
-    "3/offload": (3, "full", None, {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}),
+    "2+offload/none": (2, "none", None, {"offload_optimizer": {"device": "cpu"}}),
+    "2+offload/full": (2, "full", None, {"offload_optimizer": {"device": "cpu"}}),
+    "3+offload/none": (3, "none", None, {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}),
+    "3+offload/full": (3, "full", None, {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}),
 }
+
+
+def plain_case(key: str) -> str:
+    """The same stage and offload without checkpointing."""
+    return key.split("/")[0] + "/none"
 
 
 def zero_suite(rank: int, world: int) -> dict[str, Any]:
     import dsrun.checkpointing as ckpt
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    initial = {n: p.detach().clone() for n, p in build_frozen_gpt("none").named_parameters()}
     results = {}
     for key, (stage, mode, fn, zero) in ZERO_CASES.items():
         model = build_frozen_gpt(mode)
         if fn == "reentrant":
             model.enable_activation_checkpointing(True, ckpt.checkpoint)
-        results[key] = engine_run(model, zero_ds_config(stage, 2, 1, zero=zero), rank, world)
+        results[key] = engine_run(model, zero_ds_config(stage, 2, 1, zero=zero), rank, world, initial)
     return results
