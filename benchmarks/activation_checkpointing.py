@@ -135,14 +135,27 @@ def main() -> int:
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--cpu-checkpointing", action="store_true", help="configure(checkpoint_in_cpu=True)")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="deterministic kernels and the math attention (CUDA's fused attention backward and "
+                             "embedding backward accumulate with atomics, so not even two runs without "
+                             "checkpointing agree bitwise there)")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
     device = torch.device(args.device)
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(False)
     if args.cpu_checkpointing:  # configure(None, checkpoint_in_cpu=True), without configure's config checks
         STATE.settings = replace(STATE.settings, cpu_checkpointing=True)
     results = [measure(args, mode, device) for mode in MODES]
     none = results[0]
     reference = none["grads"]
+    # the control: a second run without checkpointing (does this device reproduce its own gradients?)
+    again = measure(args, "none", device)["grads"]
+    reproducible = all(torch.equal(a, b) for a, b in zip(again, reference))
     extra_full = results[1]["flops"] - none["flops"]
     rows = []
     for r in results:
@@ -153,7 +166,8 @@ def main() -> int:
     load = os.getloadavg()[0]
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"device {device_name}, load {load:.1f}; {args.n_layer} layers x {args.n_embd}, {args.n_head} heads, "
-          f"batch {args.batch} x {args.seq}, fp32, dropout {args.dropout}")
+          f"batch {args.batch} x {args.seq}, fp32, dropout {args.dropout}; deterministic {args.deterministic}; "
+          f"none's gradients reproducible: {reproducible}")
     for r in rows:
         peak = f" peak {r['peak_mib']:.1f} MiB (estimate {r['estimate_mib']:.1f})" if "peak_mib" in r else ""
         print(f"{r['mode']:>9}: saved {r['saved_mib']:8.1f} MiB {r['saved_by_device_mib']}{peak}; recompute "
@@ -161,8 +175,9 @@ def main() -> int:
               f"grads equal none: {r['grads_equal_none']}")
     if args.json:
         args.json.write_text(json.dumps({"device": device_name, "load": load, "args": vars(args) | {"json": None},
-                                         "results": rows}, indent=2, default=str) + "\n")
-    return 0 if all(r["grads_equal_none"] for r in rows) else 1
+                                         "none_reproducible": reproducible, "results": rows},
+                                        indent=2, default=str) + "\n")
+    return 0 if all(r["grads_equal_none"] for r in rows) or not reproducible else 1
 
 
 if __name__ == "__main__":

@@ -33,16 +33,20 @@ activations (``2*e*sbf``), or of the attention scores with explicit attention (`
 is larger.
 
 Activation checkpointing (``model.activation_checkpointing``, :mod:`dsrun.runtime.activation_checkpointing.modes`)
-keeps less per block and recomputes one block at a time in backward, so one block's full activations are
-live on top of what is kept:
+changes what each block keeps between its forward and its backward:
 
-* ``full``: each block keeps its input, ``L*e*sbh + block``;
-* ``every_N``: the ``k = ceil(L/N)`` checkpointed blocks keep their inputs, the others everything:
-  ``(L-k)*block + k*e*sbh + block``;
-* ``selective``: each block keeps its input and the outputs of the fused attention kernel (``e*sbh`` and
-  the fp32 log-sum-exp ``4*a*s*b``), the attention output projection (``e*sbh``), the MLP up-projection
-  (``e*sbf``) and down-projection (``e*sbh``): ``L*kept + block``. With explicit attention nothing of the
+* a block that is not checkpointed keeps everything (``block``);
+* a checkpointed block keeps its input (``e*sbh``);
+* under ``selective`` every block keeps its input and the outputs of the fused attention kernel (``e*sbh``
+  and the fp32 log-sum-exp ``4*a*s*b``), the attention output projection (``e*sbh``), the MLP
+  up-projection (``e*sbf``) and down-projection (``e*sbh``); with explicit attention nothing of the
   attention is kept.
+
+Backward walks the blocks from the last: while it is in block ``i``, blocks ``0..i-1`` still hold what they
+keep and block ``i`` holds its full activations again (recomputed around what it kept). That is largest at
+the last block: ``sum(kept of blocks 0..L-2) + block``. So ``none`` gives ``L*block``, ``full``
+``(L-1)*e*sbh + block``, ``every_N`` counts its non-checkpointed blocks whole, ``selective``
+``(L-1)*kept + block``.
 """
 from __future__ import annotations
 
@@ -128,12 +132,11 @@ def gpt_activation_bytes(shape: GPTShape, micro_batch: int, seq_len: int, precis
     elem = element_size(precision)
     per_block = gpt_block_activation_bytes(shape, micro_batch, seq_len, elem)
     mode = CheckpointMode.parse(checkpointing)
-    if mode.kind == "selective":
-        blocks = shape.n_layer * gpt_selective_kept_bytes(shape, micro_batch, seq_len, elem) + per_block
-    else:
-        k = mode.checkpointed_blocks(shape.n_layer)
-        kept_inputs = k * elem * seq_len * micro_batch * shape.n_embd
-        blocks = (shape.n_layer - k) * per_block + kept_inputs + (per_block if k else 0)
+    block_input = elem * seq_len * micro_batch * shape.n_embd
+    selective = gpt_selective_kept_bytes(shape, micro_batch, seq_len, elem)
+    kept = [per_block if not mode.checkpoints(i) else selective if mode.kind == "selective" else block_input
+            for i in range(shape.n_layer)]
+    blocks = sum(kept[:-1]) + per_block  # backward in the last block (see the module docstring)
     head = gpt_head_activation_bytes(shape, micro_batch, seq_len, elem)
     workspace = gpt_backward_workspace_bytes(shape, micro_batch, seq_len, elem)
     return ActivationBytes(per_block=per_block, blocks=blocks, head=head, workspace=workspace)

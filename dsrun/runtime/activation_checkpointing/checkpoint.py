@@ -181,12 +181,24 @@ class _Retain(torch.autograd.Function):
         return (None,) * (1 + ctx.count)
 
 
-def retain(tensors: Sequence[torch.Tensor]) -> Any:
-    """A node holding ``tensors`` (read them back with ``node.saved_tensors``); None when there are none."""
-    if not tensors:
-        return None
-    with torch.enable_grad():
-        return _Retain.apply(torch.empty(0, requires_grad=True), *tensors).grad_fn
+class Retained:
+    """Tensors kept for backward by a :class:`_Retain` node; ``saved_tensors`` reads them back. The node's
+    output is held too: some torch releases (2.11) free a node's saved tensors once its output is gone."""
+
+    __slots__ = ("output",)
+
+    def __init__(self, tensors: Sequence[torch.Tensor]):
+        with torch.enable_grad():
+            self.output = _Retain.apply(torch.empty(0, requires_grad=True), *tensors)
+
+    @property
+    def saved_tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.output.grad_fn.saved_tensors
+
+
+def retain(tensors: Sequence[torch.Tensor]) -> Retained | None:
+    """``tensors`` kept for backward (None when there are none)."""
+    return Retained(tensors) if tensors else None
 
 
 class _Holder:

@@ -25,6 +25,14 @@ def fresh_configuration():
     reset_configuration()
 
 
+@pytest.fixture
+def cpu_accelerator(monkeypatch):
+    """The tracker draws from the device generator: the host's on a CPU rank (also on a machine with a GPU)."""
+    import dsrun.accelerator
+
+    monkeypatch.setattr(dsrun.accelerator, "_ACCELERATOR", dsrun.accelerator.Accelerator("cpu"))
+
+
 def test_deepspeed_names_and_signatures():
     assert dsrun.checkpointing is ckpt
     for name in ("configure", "is_configured", "checkpoint", "non_reentrant_checkpoint", "reset",
@@ -147,7 +155,7 @@ def test_model_parallel_dropout_under_the_tracker_replays_in_the_recompute():
         assert torch.equal(x.grad, expected)
 
 
-def test_rng_tracker_on_cpu():
+def test_rng_tracker_on_cpu(cpu_accelerator):
     tracker = ckpt.CudaRNGStatesTracker()
     tracker.add("a", 5)
     before = torch.get_rng_state()
@@ -165,7 +173,7 @@ def test_rng_tracker_on_cpu():
             pass
 
 
-def test_model_parallel_seed_uses_the_model_parallel_rank():
+def test_model_parallel_seed_uses_the_model_parallel_rank(cpu_accelerator):
     class Mpu:
         def get_model_parallel_group(self):
             return None
