@@ -17,6 +17,7 @@ tensors, so a 13B model builds in milliseconds.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import replace
 from typing import Any, Sequence
@@ -38,6 +39,12 @@ def _embedding(num: int, dim: int) -> nn.Embedding:
     # Passing the (uninitialised) weight skips nn.Embedding's own init, which reset_parameters redoes anyway
     # and which on the meta device costs a one-off second importing torch._dynamo.
     return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+
+
+def pld_keep_probabilities(theta: float, num_layers: int) -> list[float]:
+    """The PLD paper's keep probability of each block at global keep probability ``theta``:
+    ``1 - (i/L)(1 - theta)`` for block ``i = 1..L``."""
+    return [1.0 - (i / num_layers) * (1.0 - theta) for i in range(1, num_layers + 1)]
 
 
 def sample_next_token(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
@@ -119,13 +126,22 @@ class GPT(nn.Module):
 
     # -------------------------------------------------------------------------------------- forward
     def forward(self, idx: torch.Tensor | Sequence[torch.Tensor], targets: torch.Tensor | None = None,
-                return_logits: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                return_logits: bool = False, curriculum_seqlen: int | None = None,
+                progressive_layer_drop: bool = False,
+                pld_theta: float | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits ``[B, T, V]`` without targets; the mean loss with them; ``(loss, logits)`` when
-        ``return_logits``. ``idx`` may also be the batch ``(inputs, targets)`` itself."""
+        ``return_logits``. ``idx`` may also be the batch ``(inputs, targets)`` itself.
+
+        The engine's data-efficiency arguments (DeepSpeed's names): ``curriculum_seqlen`` keeps the first that
+        many positions of inputs and targets (the legacy seqlen curriculum); ``progressive_layer_drop=True,
+        pld_theta=θ`` skips blocks while training as the PLD paper prescribes (:meth:`_pld_plan`)."""
         if isinstance(idx, (tuple, list)):
             if targets is not None or len(idx) not in (1, 2):
                 raise TypeError("pass either a batch (inputs, targets) or inputs and targets, not both")
             idx, targets = (idx[0], None) if len(idx) == 1 else (idx[0], idx[1])
+        if curriculum_seqlen is not None and curriculum_seqlen < idx.size(1):  # data efficiency: seqlen curriculum
+            idx = idx[:, :curriculum_seqlen]
+            targets = targets[:, :curriculum_seqlen] if targets is not None else None
         batch, seq = idx.shape
         if seq > self.config.block_size:
             raise UserError(f"sequence length {seq} exceeds model.block_size={self.config.block_size} "
@@ -134,7 +150,12 @@ class GPT(nn.Module):
         if "wpe" in self.transformer:
             x = x + self.transformer["wpe"](torch.arange(seq, device=idx.device))
         x = self.transformer["drop"](x)
+        plan = self._pld_plan(pld_theta) if progressive_layer_drop and self.training else None
         for index, block in enumerate(self.transformer["h"]):
+            if plan is not None:  # data efficiency: progressive layer drop
+                if plan[index] == 0.0:
+                    continue
+                block = functools.partial(block, residual_scale=plan[index]) if plan[index] != 1.0 else block
             x = self.activation_checkpointing(index, block, x) if self.training else block(x)
         logits = self.lm_head(self.transformer["ln_f"](x))
         if targets is None:
@@ -143,6 +164,15 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
                                ignore_index=IGNORE_INDEX)
         return (loss, logits) if return_logits else loss
+
+    def _pld_plan(self, pld_theta: float | None) -> list[float]:
+        """Progressive layer drop for one forward: block ``i`` (1-based) of ``L`` runs with probability
+        ``p_i = 1 - (i/L)(1 - θ)`` (the first blocks almost always, the last with probability θ) and its residual
+        branches are then scaled by ``1/p_i``. Returns each block's scale, 0 for a skipped block; the draws
+        come from torch's global generator (so checkpoints restore them)."""
+        keep = pld_keep_probabilities(1.0 if pld_theta is None else float(pld_theta), self.config.n_layer)
+        draws = torch.rand(len(keep)).tolist()
+        return [1.0 / p if u < p else 0.0 for u, p in zip(draws, keep)]
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
