@@ -19,27 +19,20 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable, Sequence
+from dataclasses import replace
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from dsrun.models.config import GPTConfig
 from dsrun.models.layers import Block
+from dsrun.runtime.activation_checkpointing.modes import BlockCheckpointing, CheckpointFn
 from dsrun.utils.errors import UserError
 
 IGNORE_INDEX = -100
 INIT_STD = 0.02
-
-CheckpointFn = Callable[..., torch.Tensor]
-
-
-def _torch_checkpoint(function: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
-    # Non-reentrant checkpointing works with inputs that do not require grad and with keyword args;
-    # it restores the RNG state, so dropout masks match the first forward.
-    return checkpoint(function, *args, use_reentrant=False)
 
 
 def _embedding(num: int, dim: int) -> nn.Embedding:
@@ -93,7 +86,7 @@ class GPT(nn.Module):
             self.lm_head.weight = self.transformer["wte"].weight
         else:
             self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.checkpoint_fn: CheckpointFn | None = _torch_checkpoint if config.activation_checkpointing else None
+        self.activation_checkpointing = BlockCheckpointing(config.activation_checkpointing)
         self.reset_parameters()
 
     # ----------------------------------------------------------------------------------------- init
@@ -117,15 +110,19 @@ class GPT(nn.Module):
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
 
-    def enable_activation_checkpointing(self, enabled: bool = True,
-                                        checkpoint_fn: CheckpointFn | None = None) -> None:
-        """Recompute each block in backward instead of keeping its activations.
+    def enable_activation_checkpointing(self, enabled: bool = True, checkpoint_fn: CheckpointFn | None = None,
+                                        mode: str | None = None) -> None:
+        """Recompute blocks in backward instead of keeping their activations.
 
-        ``checkpoint_fn(block, hidden)`` defaults to ``torch.utils.checkpoint.checkpoint`` (non-reentrant);
-        an engine may pass its own (for example ``dsrun.checkpointing.checkpoint``, which can partition or
-        offload the saved inputs).
+        ``mode`` is ``full``, ``every_N`` or ``selective`` (default: the configured mode, else ``full``);
+        ``enabled=False`` means ``none``. ``checkpoint_fn(block, hidden)`` defaults to dsrun's non-reentrant
+        checkpoint (selective: ``dsrun.checkpointing.selective_checkpoint``); pass your own, e.g.
+        ``dsrun.checkpointing.checkpoint`` for DeepSpeed's reentrant one.
         """
-        self.checkpoint_fn = (checkpoint_fn or _torch_checkpoint) if enabled else None
+        current = self.activation_checkpointing.mode
+        chosen = "none" if not enabled else mode or (str(current) if current.enabled else "full")
+        self.activation_checkpointing = BlockCheckpointing(chosen, checkpoint_fn)
+        self.config = replace(self.config, activation_checkpointing=chosen)
 
     # -------------------------------------------------------------------------------------- forward
     def forward(self, idx: torch.Tensor | Sequence[torch.Tensor], targets: torch.Tensor | None = None,
@@ -154,15 +151,12 @@ class GPT(nn.Module):
             x = x + self.transformer["wpe"](torch.arange(seq, device=idx.device))
         x = self.transformer["drop"](x)
         plan = self._pld_plan(pld_theta) if progressive_layer_drop and self.training else None
-        for i, block in enumerate(self.transformer["h"]):
+        for index, block in enumerate(self.transformer["h"]):
             if plan is not None:  # data efficiency: progressive layer drop
-                if plan[i] == 0.0:
+                if plan[index] == 0.0:
                     continue
-                block = functools.partial(block, residual_scale=plan[i]) if plan[i] != 1.0 else block
-            if self.checkpoint_fn is not None and self.training and torch.is_grad_enabled():
-                x = self.checkpoint_fn(block, x)
-            else:
-                x = block(x)
+                block = functools.partial(block, residual_scale=plan[index]) if plan[index] != 1.0 else block
+            x = self.activation_checkpointing(index, block, x) if self.training else block(x)
         logits = self.lm_head(self.transformer["ln_f"](x))
         if targets is None:
             return logits

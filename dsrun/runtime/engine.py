@@ -15,6 +15,7 @@ import torch
 from dsrun import comm
 from dsrun.accelerator import get_accelerator
 from dsrun.optim import build_optimizer, check_zero_optimizer
+from dsrun.runtime.activation_checkpointing.settings import configure_from_engine
 from dsrun.runtime.data_pipeline.engine_api import DataEfficiencyEngineMixin
 from dsrun.runtime.data_pipeline.features import DataEfficiency
 from dsrun.runtime.dataloader import DeepSpeedDataLoader
@@ -70,6 +71,7 @@ class DeepSpeedEngine(DataEfficiencyEngineMixin, torch.nn.Module):
             model.to(dtype=self.precision.model_dtype)
         self.module = model
         self._broadcast_model()
+        configure_from_engine(model, config, mpu)  # the activation_checkpointing section, if any
 
         self.strategy: ZeroStrategy | None = None
         self.optimizer: torch.optim.Optimizer | None = None
