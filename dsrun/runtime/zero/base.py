@@ -189,7 +189,7 @@ class FlatStrategy(ZeroStrategy):
         if self._optimizer.state:
             self._optimizer.state.clear()  # state keyed by the old per-tensor params would never be used
         self.queue = BucketQueue(self.groups, plan_buckets(self.groups, ctx.reduce_bucket_size), self._launch,
-                                 self._on_param_ready)
+                                 self._on_param_ready, self._on_accumulated)
         self.global_grad_norm: float | None = None
 
     # --- what subclasses provide ---------------------------------------------------------------------------
@@ -212,6 +212,8 @@ class FlatStrategy(ZeroStrategy):
 
     def _on_param_ready(self, gi: int, pi: int, buckets: list[Bucket]) -> None:
         """A parameter's gradient is complete (stage 2 copies it out here)."""
+
+    _on_accumulated = None  # stages 0-1: (gi, pi) -> None after every accumulation into a .grad
 
     @abstractmethod
     def _complete(self, bucket: Bucket) -> None:
