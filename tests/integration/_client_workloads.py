@@ -109,3 +109,94 @@ def gan_engines(rank: int, world: int, stage: int, how: str, steps: int, micro: 
     with GatheredParameters(list(net_d.parameters()) + list(net_g.parameters())):
         return {"d": flat(net_d).numpy(), "g": flat(net_g).numpy()}
 
+
+# --- modules that read a child's parameters in their own forward (ZeRO-3 must gather them) ---------------
+VOCAB, WIDTH, SEQ = 11, 8, 5
+
+
+class ProjectionHead(nn.Module):
+    """A parameterless parent that multiplies by its child's weight instead of calling the child."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.proj.weight.t() + self.proj.bias
+
+
+class ChildReaders(nn.Module):
+    """``nn.MultiheadAttention`` (reads ``out_proj.weight`` in its own forward), a TransformerEncoderLayer
+    (an MHA inside), a parameterless parent reading its child's weight, and a tied output head written as
+    ``F.linear(h, self.emb.weight)`` in the root's forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, WIDTH)
+        # no attention biases: a key bias has an exactly-zero true gradient, which Adam would turn from
+        # rounding noise into full-size steps that differ between any two summation orders
+        self.mha = nn.MultiheadAttention(WIDTH, 2, batch_first=True, bias=False)
+        self.enc = nn.TransformerEncoderLayer(WIDTH, 2, 2 * WIDTH, dropout=0.0, batch_first=True, bias=False)
+        self.head = ProjectionHead()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens)
+        y, _ = self.mha(x, x, x, need_weights=False)
+        h = self.head(self.enc(x + y))
+        logits = F.linear(h, self.emb.weight)
+        return F.cross_entropy(logits.reshape(-1, VOCAB), tokens.reshape(-1))
+
+
+def readers_model() -> nn.Module:
+    torch.manual_seed(11)
+    return ChildReaders()
+
+
+def readers_batch(step: int, size: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (size, SEQ), generator=torch.Generator().manual_seed(900 + step))
+
+
+def readers_reference(steps: int, global_size: int) -> dict[str, Any]:
+    model = readers_model()
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    losses = []
+    for step in range(steps):
+        loss = model(readers_batch(step, global_size))
+        losses.append(loss.item())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    with torch.no_grad():  # MHA's inference path: torch._native_multi_head_attention on out_proj.weight
+        eval_loss = model(readers_batch(steps, global_size)).item()
+    return {"losses": losses, "eval": eval_loss, "params": flat(model).numpy()}
+
+
+def readers_ranks(rank: int, world: int, steps: int, micro: int) -> dict[str, Any]:
+    import dsrun
+    from dsrun import comm
+
+    model = readers_model()
+    config = {"train_micro_batch_size_per_gpu": micro, "steps_per_print": 10**6,
+              "optimizer": {"type": "Adam", "params": {"lr": LR, "torch_adam": True}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "reduce_bucket_size": 100, "stage3_prefetch_bucket_size": 50}}
+    engine, _, _, _ = dsrun.initialize(model=model, config=config)
+    mine = slice(rank * micro, (rank + 1) * micro)
+    losses = []
+    for step in range(steps):
+        loss = engine(readers_batch(step, micro * world)[mine])
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().double().reshape(1)
+        comm.all_reduce(total)
+        losses.append(total.item() / world)
+    engine.eval()
+    with torch.no_grad():
+        total = engine(readers_batch(steps, micro * world)[mine]).double().reshape(1)
+    comm.all_reduce(total)
+    from dsrun.zero import GatheredParameters
+
+    with GatheredParameters(list(model.parameters())):
+        params = flat(model).numpy()
+    return {"losses": losses, "eval": total.item() / world, "params": params}
