@@ -261,3 +261,31 @@ def test_unused_parameters_do_not_stall_or_skew_the_step(stage: int) -> None:
         ref_opt.step()
     torch.testing.assert_close(engine.module.used.weight, reference.used.weight)
     assert torch.equal(engine.module.unused.weight, unused_before)  # zero gradient, zero decay: unchanged
+
+
+SCHEDULES = [("WarmupLR", {}), ("WarmupDecayLR", {"warmup_num_steps": 10, "total_num_steps": 20}),
+             ("WarmupCosineLR", {"warmup_num_steps": 10, "total_num_steps": 20}),
+             ("OneCycle", {"cycle_min_lr": 0, "cycle_max_lr": 0.1}), ("LRRangeTest", {})]
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.parametrize("kind, params", SCHEDULES, ids=[k for k, _ in SCHEDULES])
+def test_optimizer_lr_is_the_schedules_before_the_first_step(kind: str, params: dict, stage: int) -> None:
+    """DeepSpeed's TestGetLrBeforeTrain: after initialize the optimizer holds scheduler.get_lr(); a warm-up
+    from 0 (WarmupLR's default) makes the first optimizer step move nothing."""
+    cfg = _config(scheduler={"type": kind, "params": params}, gradient_clipping=1.0,
+                  optimizer={"type": "Adam", "params": {"lr": 0.00015}}, zero_optimization={"stage": stage})
+    engine, optimizer, _, scheduler = dsrun.initialize(model=_model(), config=cfg)
+    with pytest.warns(UserWarning) if kind.startswith("Warmup") else _quiet():
+        true_lrs = scheduler.get_lr()
+    assert [g["lr"] for g in optimizer.param_groups] == true_lrs
+    if kind == "WarmupLR":
+        before = [p.detach().clone() for p in engine.module.parameters()]
+        _train_step(engine)
+        assert all(torch.equal(a, p) for a, p in zip(before, engine.module.parameters()))
+
+
+def _quiet():
+    import contextlib
+
+    return contextlib.nullcontext()
