@@ -51,18 +51,24 @@ def _say(engine: Any, message: str, level: int = logging.INFO) -> None:
         print(f"[dsrun] {message}", flush=True)
 
 
-def _validate_tag(engine: Any, tag: str) -> str:
+def _validate_tag(engine: Any, tag: str) -> tuple[str, list[str]]:
     """Check the tag is the same on every rank (SHA1 compared with a MAX and a MIN all-reduce). Fail raises;
-    Warn warns and then every rank uses rank 0's tag, so the files still land in one folder; Ignore skips."""
+    Warn warns and then every rank uses rank 0's tag, so the files still land in one folder; Ignore lets each
+    rank keep its own tag (its files go to that tag's folder, as in DeepSpeed). Returns this rank's tag and
+    every rank's, in rank order."""
     mode = str(getattr(getattr(engine._config, "checkpoint", None), "tag_validation", "Warn")).capitalize()
-    if mode == "Ignore" or engine.world_size == 1:
-        return tag
+    if engine.world_size == 1:
+        return tag, [tag]
+    if mode == "Ignore":
+        tags: list[Any] = [None] * engine.world_size
+        comm.all_gather_object(tags, tag)
+        return tag, tags
     digest = torch.tensor(list(hashlib.sha1(tag.encode()).digest()), dtype=torch.int64)
     high, low = digest.clone(), digest.clone()
     comm.all_reduce(high, op=comm.ReduceOp.MAX)
     comm.all_reduce(low, op=comm.ReduceOp.MIN)
     if torch.equal(high, low):
-        return tag
+        return tag, [tag] * engine.world_size
     problem = Problem("save_checkpoint(tag=...)", f"the tag differs across ranks (rank {engine.global_rank} has {tag!r})",
                       "pass the same tag on every rank, or leave it None for global_step<N>")
     if mode == "Fail":
@@ -71,7 +77,7 @@ def _validate_tag(engine: Any, tag: str) -> str:
     comm.broadcast_object_list(chosen, src=0)
     log.warning("%s; saving under rank 0's tag %r", problem, chosen[0])
     print(f"[dsrun] warning (rank {engine.global_rank}): {problem}; saving under rank 0's tag {chosen[0]!r}", flush=True)
-    return chosen[0]
+    return chosen[0], [chosen[0]] * engine.world_size
 
 
 def _on_rank0_then_all(engine: Any, action: Any) -> None:
@@ -145,10 +151,11 @@ def _model_states(engine: Any, client_state: dict[str, Any], exclude_frozen: boo
 def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: dict[str, Any] | None = None,
                     save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
     """Save the engine's full training state under ``save_dir/<tag>``; every rank must call it."""
+    root = _checkpoint_dir(save_dir, "save_checkpoint(save_dir=...)")
     rank, dp_rank = engine.global_rank, comm.get_rank(engine.dp_group)
     tag = layout.check_tag(str(tag) if tag is not None else layout.default_tag(engine.global_steps))
-    tag = _validate_tag(engine, tag)
-    root = Path(save_dir)
+    tag, all_tags = _validate_tag(engine, tag)
+    tags = list(dict.fromkeys(all_tags))  # distinct, rank 0's first
     stage = _strategy_stage(engine)
     staging = layout.staging_dir(root, tag)
 
@@ -159,7 +166,8 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
                 atomic.remove_tree(leftover)
             else:
                 leftover.unlink(missing_ok=True)
-        staging.mkdir()
+        for each in tags:
+            layout.staging_dir(root, each).mkdir()
 
     _on_rank0_then_all(engine, prepare)
     atomic.crash_point("staging_created", rank)
@@ -183,23 +191,38 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
 
     def commit() -> None:
         atomic.crash_point("before_commit", rank)
-        atomic.fsync_dir(staging)
-        final, replaced = root / tag, layout.replaced_dir(root, tag)
-        atomic.remove_tree(replaced)
-        if final.exists():
-            final.rename(replaced)
-            atomic.crash_point("old_tag_moved_aside", rank)
-        staging.rename(final)
-        atomic.fsync_dir(root)
-        atomic.remove_tree(replaced)
-        atomic.crash_point("after_commit", rank)
+        for each in tags:
+            _commit_tag(root, each, rank)
         atomic.copy_file(Path(z2f.__file__), root / layout.ZERO_TO_FP32)
-        if save_latest:
-            atomic.write_text(root / layout.LATEST, tag, rank, crash_before_rename="latest_tmp_written")
+        if save_latest:  # rank 0's tag, as DeepSpeed's rank 0 writes it
+            atomic.write_text(root / layout.LATEST, tags[0], rank, crash_before_rename="latest_tmp_written")
         atomic.crash_point("after_latest", rank)
 
     _on_rank0_then_all(engine, commit)
     return True
+
+
+def _commit_tag(root: Path, tag: str, rank: int) -> None:
+    """Rename ``tag``'s staging folder into place (an older copy of the tag is set aside, then deleted)."""
+    staging = layout.staging_dir(root, tag)
+    atomic.fsync_dir(staging)
+    final, replaced = root / tag, layout.replaced_dir(root, tag)
+    atomic.remove_tree(replaced)
+    if final.exists():
+        final.rename(replaced)
+        atomic.crash_point("old_tag_moved_aside", rank)
+    staging.rename(final)
+    atomic.fsync_dir(root)
+    atomic.remove_tree(replaced)
+    atomic.crash_point("after_commit", rank)
+
+
+def _checkpoint_dir(path: Any, argument: str) -> Path:
+    """The checkpoint folder a save or load names; None or "" is a ValueError on every rank (before any
+    collective, so no rank is left waiting)."""
+    if path is None or str(path).strip() == "":
+        raise ValueError(f"{argument}: got {path!r}; pass the checkpoint folder, e.g. 'checkpoints'")
+    return Path(path)
 
 
 # --- load -----------------------------------------------------------------------------------------------
@@ -289,7 +312,7 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
     """Restore a checkpoint saved by :func:`save_checkpoint`; returns ``(load_path, client_state)`` (the model
     states file read, and the saved keys that are not DeepSpeed's), or
     ``(None, None)`` (with a warning) when ``tag`` is None and ``load_dir`` has no ``latest``."""
-    root = Path(load_dir)
+    root = _checkpoint_dir(load_dir, "load_checkpoint(load_dir=...)")
     if tag is None:
         tag = layout.read_latest(root)
         if tag is None:
