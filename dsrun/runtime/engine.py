@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 
 from dsrun import comm
+from dsrun.comm import ProcessGroups
 from dsrun.accelerator import get_accelerator
 from dsrun.optim import build_optimizer, check_zero_optimizer
 from dsrun.runtime.dataloader import DeepSpeedDataLoader
@@ -44,7 +45,11 @@ class DeepSpeedEngine(torch.nn.Module):
         self._config = config
         self.config = raw_config if raw_config is not None else config
         self.mpu = mpu
-        self.dp_group = mpu.get_data_parallel_group() if mpu is not None else None
+        # the run's topology and process groups, built once (dsrun/comm/groups.py); ZeRO partitions over
+        # the data-parallel group. A client mpu names the data-parallel group itself.
+        self.groups = (ProcessGroups() if mpu is None
+                       else comm.groups.from_data_group(mpu.get_data_parallel_group()))
+        self.dp_group = self.groups.data
         self.global_rank = comm.get_rank()
         self.local_rank = comm.get_local_rank()
         self.world_size = comm.get_world_size()
@@ -100,7 +105,7 @@ class DeepSpeedEngine(torch.nn.Module):
         comm_type = self._config.communication_data_type
         return StrategyContext(
             module=self.module, optimizer=optimizer, precision=self.precision, device=self.device,
-            group=self.dp_group, reduce_bucket_size=int(zero.reduce_bucket_size),
+            group=self.dp_group, groups=self.groups, reduce_bucket_size=int(zero.reduce_bucket_size),
             allgather_bucket_size=int(zero.allgather_bucket_size), overlap_comm=bool(zero.overlap_comm),
             contiguous_gradients=bool(zero.contiguous_gradients), reduce_scatter=bool(zero.reduce_scatter),
             communication_data_type=_COMM_DTYPES[str(comm_type).lower()] if comm_type else None,
@@ -316,6 +321,16 @@ class DeepSpeedEngine(torch.nn.Module):
         from dsrun.checkpoint import save_16bit_model
 
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
+    def destroy(self) -> None:
+        """Release what the engine holds beyond its Python objects: the ZeRO strategy's autograd and module
+        hooks, buckets, swap files and worker threads, the monitors, and the process groups it created
+        (DeepSpeed's ``engine.destroy()``). The module keeps its (gathered, for ZeRO-3) weights as plain
+        tensors only where the strategy can give them back; use the engine no further."""
+        if self.strategy is not None:
+            self.strategy.close()
+        self.observer.close()
+        self.groups.destroy()
 
     def empty_partition_cache(self) -> None:
         """Release the ZeRO-3 parameters kept gathered between uses (persistent or kept for reuse), e.g. at the

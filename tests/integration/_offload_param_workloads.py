@@ -116,10 +116,7 @@ def checkpoint_round_trip(rank: int, world: int, root: str, ckpt_dir: str) -> di
 
 def _close(engine: Any) -> None:
     """Remove this engine's swap files now (they would otherwise go when the process exits)."""
-    if hasattr(engine.strategy, "close"):  # optimizer offload's swap store
-        engine.strategy.close()
-    if engine.strategy.param_offload is not None:
-        engine.strategy.param_offload.close()
+    engine.destroy()
 
 
 # --- resident memory ------------------------------------------------------------------------------------

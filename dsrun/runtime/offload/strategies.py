@@ -137,6 +137,10 @@ class _OffloadedPartitions:
     def last_step_times(self) -> PipelineTimes:
         return self.pipeline.times
 
+    def close(self) -> None:
+        super().close()  # type: ignore[misc]
+        self.pipeline.close()
+
 
 class OffloadStage1Strategy(_OffloadedPartitions, Stage1Strategy):
     """ZeRO-1 with master partitions, optimizer states and the fp32 gradient partition on the host. The
@@ -448,6 +452,7 @@ class OffloadStage3Strategy(Stage3Strategy):
                                optimizer_states=states, padding=int(padding), buffers=buffers)
 
     def close(self) -> None:
+        super().close()
         self.pipeline.close()
         if self.swapped is not None:
             self.swapped.close()

@@ -34,7 +34,8 @@ class StrategyContext:
     optimizer: torch.optim.Optimizer
     precision: PrecisionStrategy
     device: torch.device
-    group: Any = None
+    group: Any = None  # the data-parallel group (groups.data)
+    groups: Any = None  # the run's dsrun.comm.ProcessGroups (topology, pipe/model/expert groups)
     reduce_bucket_size: int = 500_000_000
     allgather_bucket_size: int = 500_000_000
     overlap_comm: bool = False
@@ -140,6 +141,9 @@ class ZeroStrategy(ABC):
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         ...
 
+    def close(self) -> None:
+        """Release hooks, buffers, files and threads (``engine.destroy()``); the strategy is unusable after."""
+
     def consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Any] | None:
         """The model's full state dict for ``save_16bit_model`` (collective under stage 3); None when this
         strategy cannot give one (stage 3 without ``stage3_gather_16bit_weights_on_model_save``)."""
@@ -191,6 +195,9 @@ class FlatStrategy(ZeroStrategy):
         self.queue = BucketQueue(self.groups, plan_buckets(self.groups, ctx.reduce_bucket_size), self._launch,
                                  self._on_param_ready, self._on_accumulated)
         self.global_grad_norm: float | None = None
+
+    def close(self) -> None:
+        self.queue.remove()
 
     # --- what subclasses provide ---------------------------------------------------------------------------
     @abstractmethod

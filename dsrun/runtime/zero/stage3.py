@@ -347,6 +347,14 @@ class Stage3Strategy(ZeroStrategy):
                 self.param_offload.flush()
         self.coordinator.invalidate()
 
+    def close(self) -> None:
+        for handle in self._grad_hooks:
+            handle.remove()
+        self._grad_hooks = []
+        self.coordinator.remove_hooks()
+        if self.param_offload is not None:
+            self.param_offload.close()
+
     def empty_partition_cache(self) -> None:
         """Release every gathered parameter, persistent ones included (``engine.empty_partition_cache()``)."""
         self.coordinator.invalidate()

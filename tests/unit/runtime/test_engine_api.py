@@ -289,3 +289,19 @@ def _quiet():
     import contextlib
 
     return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_destroy_releases_hooks_and_groups(stage: int) -> None:
+    """engine.destroy() (DeepSpeed's name): no autograd or module hook of the engine survives it."""
+    model = _model()
+    engine, *_ = dsrun.initialize(model=model, config=_config(zero_optimization={"stage": stage}))
+    _train_step(engine)
+    hooked = lambda: (sum(len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in model.parameters())  # noqa: E731
+                      + sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()))
+    assert hooked() > 0
+    engine.groups.model  # a group of this rank alone, made on first use
+    engine.destroy()
+    assert hooked() == 0
+    assert all(type(m._parameters) is dict for m in model.modules())
+    assert engine.groups._axis_groups == {"pipe": None, "data": None, "model": None}
