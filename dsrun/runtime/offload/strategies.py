@@ -18,12 +18,10 @@ Checkpoints keep the stages' own layout (DeepSpeed's), so offloaded and in-memor
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
-from dsrun import comm
 from dsrun.runtime.zero.base import MemoryBreakdown, StrategyContext, optimizer_state_bytes, tensor_bytes
 from dsrun.runtime.zero.partitioned import Stage1Strategy, Stage2Strategy
 from dsrun.runtime.zero.stage3 import Stage3Strategy, SubGroup
@@ -78,7 +76,7 @@ class _OffloadedPartitions:
         """The host fp32 gradient of elements [a, b) of group gi's partition, scaled by ``coef``."""
         raise NotImplementedError
 
-    def _apply_update(self, grads: list[torch.Tensor], coef: float) -> None:
+    def _update_masters(self, grads: list[torch.Tensor], coef: float) -> None:
         if self.cpu_optimizer is None:  # zero_force_ds_cpu_optimizer: false: another optimizer, on the host
             for gi, master in enumerate(self.masters):
                 master.grad = self._host_grad_tile(gi, 0, master.numel(), coef)
@@ -162,17 +160,15 @@ class OffloadStage1Strategy(_OffloadedPartitions, Stage1Strategy):
             tile.mul_(coef)
         return tile
 
-    def _global_norm(self, grads: list[torch.Tensor], scale: float) -> float:
-        if all(g.dtype == torch.float32 for g in grads):
-            return super()._global_norm(grads, scale)
+    def _local_sq_norm(self) -> torch.Tensor:
+        if all(g.dtype == torch.float32 for g in self._step_grads):
+            return super()._local_sq_norm()
         sq = torch.zeros(1, dtype=torch.float64, device=self.ctx.device)
-        for g in grads:  # 16-bit partitions: square in fp32, a chunk at a time
+        for g in self._step_grads:  # 16-bit partitions: square in fp32, a chunk at a time
             for chunk in g.split(CPU_TILE_ELEMENTS):
                 c = chunk.float()
                 sq += torch.dot(c, c).double()
-        if self.world_size > 1:
-            comm.all_reduce(sq, group=self.ctx.group)
-        return math.sqrt(sq.item()) * scale
+        return sq
 
 
 class OffloadStage2Strategy(_OffloadedPartitions, Stage2Strategy):

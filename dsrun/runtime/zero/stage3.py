@@ -17,7 +17,6 @@ reduce-scatter), 1.5 times stage 0's all-reduce, as the ZeRO paper says.
 """
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +25,7 @@ import torch
 
 from dsrun import comm
 
-from .base import MemoryBreakdown, StepOutcome, StrategyContext, ZeroStrategy, optimizer_state_bytes, tensor_bytes
+from .base import MemoryBreakdown, StrategyContext, ZeroStrategy, optimizer_state_bytes, tensor_bytes
 from . import host_memory, linear
 from .hooks import ParameterCoordinator, iter_unique_params
 from .partition_params import full_tensor, is_zero_param, partition_param, shard_padding
@@ -63,19 +62,9 @@ class Stage3Strategy(ZeroStrategy):
     def __init__(self, ctx: StrategyContext):
         super().__init__(ctx)
         zc = getattr(ctx, "zero_config", None)
-        self.world_size = ctx.world_size
-        self.rank = ctx.rank
-        self.precision = ctx.precision
-        self.model_dtype = ctx.precision.model_dtype
-        self.comm_dtype = ctx.communication_data_type or self.model_dtype
         self.reduce_bucket_numel = max(1, int(ctx.reduce_bucket_size))
         self.sub_group_size = max(1, int(_config_value(zc, "sub_group_size", 1_000_000_000)))
         self.gather_16bit_on_save = bool(_config_value(zc, "stage3_gather_16bit_weights_on_model_save", False))
-        if ctx.prescale_gradients:
-            self.pre_divide = float(ctx.gradient_predivide_factor)
-            self.post_scale = float(ctx.gradient_predivide_factor) / self.world_size
-        else:
-            self.pre_divide, self.post_scale = float(self.world_size), 1.0
 
         if bool(_config_value(zc, "memory_efficient_linear", True)):
             linear.install()
@@ -114,7 +103,6 @@ class Stage3Strategy(ZeroStrategy):
         self.max_buckets_in_flight = 2
         self._grad_hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
                             for p in self.params if p.requires_grad and id(p) in self._slot]
-        self.global_grad_norm: float | None = None
 
     # --- construction -------------------------------------------------------------------------------------
     def _partition_all(self) -> None:
@@ -293,34 +281,8 @@ class Stage3Strategy(ZeroStrategy):
             sq += sg.grad.double().pow(2).sum()  # shard padding holds zeros: it adds nothing
         return sq
 
-    def _any_overflow(self) -> bool:
-        local = self._local_overflow()
-        if self.world_size == 1:
-            return local
-        flag = torch.tensor([1.0 if local else 0.0], device=self.ctx.device)
-        comm.all_reduce(flag, op=comm.ReduceOp.MAX, group=self.ctx.group)
-        return bool(flag.item() > 0)
-
-    def _global_norm(self, scale: float) -> float:
-        sq = self._local_sq_norm()
-        if self.world_size > 1:
-            comm.all_reduce(sq, group=self.ctx.group)
-        return math.sqrt(sq.item()) * scale
-
-    def step(self, gradient_clipping: float) -> StepOutcome:
-        if self.precision.checks_overflow and self._any_overflow():
-            self.global_grad_norm = None
-            return StepOutcome(overflow=True, grad_norm=None)
-        coef = self.post_scale / self.precision.loss_scale
-        norm = None
-        if gradient_clipping and gradient_clipping > 0:
-            norm = self._global_norm(coef)
-            clip_coef = gradient_clipping / (norm + 1e-6)
-            if clip_coef < 1.0:
-                coef *= clip_coef
-        self.global_grad_norm = norm
-        self._apply_update(coef)
-        return StepOutcome(overflow=False, grad_norm=norm)
+    def step_gradients(self) -> list[torch.Tensor]:
+        return [sg.grad for sg in self.sub_groups if sg.grad is not None and sg.grad.device.type != "meta"]
 
     def _apply_update(self, coef: float) -> None:
         """Scale the gradients by ``coef``, step every sub-group and write the model's shards."""

@@ -305,3 +305,34 @@ def test_destroy_releases_hooks_and_groups(stage: int) -> None:
     assert hooked() == 0
     assert all(type(m._parameters) is dict for m in model.modules())
     assert engine.groups._axis_groups == {"pipe": None, "data": None, "model": None}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_step_hooks_run_around_the_update_on_every_stage(stage: int) -> None:
+    """The one step path's named hooks (dsrun/runtime/zero/step_hooks.py): before_update sees the gradients and
+    may change the coefficient (0: the update moves nothing but Adam's state), after_update follows it."""
+    model = _model()
+    engine, *_ = dsrun.initialize(model=model, config=_config(zero_optimization={"stage": stage},
+                                                             optimizer={"type": "SGD", "params": {"lr": 0.1}},
+                                                             zero_allow_untested_optimizer=True))
+    seen = []
+
+    def before(state) -> None:
+        seen.append(("before", state.step, sum(float(g.abs().sum()) for g in state.gradients()) > 0))
+        state.coef = 0.0
+
+    handle = engine.strategy.hooks.add("before_update", before)
+    engine.strategy.hooks.add("after_update", lambda state: seen.append(("after", state.step, state.coef)))
+    gather = dsrun.zero.GatheredParameters(list(model.parameters()))
+    with gather:
+        start = [p.detach().clone() for p in model.parameters()]
+    _train_step(engine)
+    with gather:
+        assert all(torch.equal(a, p) for a, p in zip(start, model.parameters()))  # plain SGD with coef 0
+    handle.remove()
+    _train_step(engine)
+    with gather:
+        assert not all(torch.equal(a, p) for a, p in zip(start, model.parameters()))
+    assert seen == [("before", 0, True), ("after", 0, 0.0), ("after", 1, 1.0)]
+    with pytest.raises(ValueError, match="before_update"):
+        engine.strategy.hooks.add("before_reduce", before)
