@@ -108,18 +108,23 @@ def _all_ranks_succeeded(engine: Any, error: Exception | None) -> None:
         raise RuntimeError("checkpoint save failed on another rank (see its log); nothing was committed")
 
 
-def _strategy_stage(engine: Any) -> int:
-    return engine.strategy.stage if engine.strategy is not None else engine.zero_optimization_stage()
+def _layout(engine: Any) -> layout.CheckpointLayout:
+    """The strategy's own file layout (an engine without an optimizer: its configured stage's)."""
+    if engine.strategy is not None:
+        return engine.strategy.checkpoint_layout
+    return layout.layout_for_stage(engine.zero_optimization_stage())
 
 
-def _model_states(engine: Any, client_state: dict[str, Any], exclude_frozen: bool, stage: int) -> dict[str, Any]:
+def _model_states(engine: Any, client_state: dict[str, Any], exclude_frozen: bool,
+                  files: layout.CheckpointLayout) -> dict[str, Any]:
     strategy = engine.strategy
+    stage = files.stage
     sd: dict[str, Any] = {
         "module": state.module_state_cpu(engine.module, exclude_frozen),
         "buffer_names": state.buffer_names(engine.module),
         # stage 0 has no per-rank optimizer files: its (full) optimizer state lives here, as DeepSpeed does
-        "optimizer": strategy.state_dict() if strategy is not None and stage == 0 else None,
-        "param_shapes": state.named_group_shapes(strategy, engine.module) if strategy is not None else None,
+        "optimizer": strategy.state_dict() if strategy is not None and files.optimizer_in_model_states else None,
+        "param_shapes": strategy.checkpoint_param_shapes() if strategy is not None else None,
         "shared_params": state.shared_params(engine.module),
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
         "data_sampler": None,
@@ -138,8 +143,9 @@ def _model_states(engine: Any, client_state: dict[str, Any], exclude_frozen: boo
     loader = getattr(engine, "training_dataloader", None)
     if loader is not None and hasattr(loader, "epoch"):
         sd["data_sampler"] = {"epoch": loader.epoch}
-    if stage == 3:
-        sd["frozen_param_shapes"], sd["frozen_param_fragments"] = state.frozen_params(engine.module)
+    if files.model_states_every_rank:  # partitioned weights: this rank's shards of the frozen ones too
+        sd["frozen_param_shapes"], sd["frozen_param_fragments"] = (
+            strategy.frozen_param_fragments() if strategy is not None else state.frozen_params(engine.module))
     for key, value in (client_state or {}).items():
         if key in DS_KEYS:
             raise UserError(Problem(f"save_checkpoint(client_state[{key!r}])", "is a key DeepSpeed's checkpoint "
@@ -156,7 +162,7 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
     tag = layout.check_tag(str(tag) if tag is not None else layout.default_tag(engine.global_steps))
     tag, all_tags = _validate_tag(engine, tag)
     tags = list(dict.fromkeys(all_tags))  # distinct, rank 0's first
-    stage = _strategy_stage(engine)
+    files = _layout(engine)
     staging = layout.staging_dir(root, tag)
 
     def prepare() -> None:
@@ -174,12 +180,11 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
 
     error = None
     try:
-        if stage == 3 or dp_rank == 0:
-            atomic.save_torch(_model_states(engine, client_state or {}, exclude_frozen_parameters, stage),
-                              staging / layout.model_states_name(stage, dp_rank), rank,
-                              torn_point="model_states_torn")
+        if files.writes_model_states(dp_rank):
+            atomic.save_torch(_model_states(engine, client_state or {}, exclude_frozen_parameters, files),
+                              staging / files.model_states_name(dp_rank), rank, torn_point="model_states_torn")
         atomic.crash_point("after_model_states", rank)
-        if engine.strategy is not None and stage >= 1:
+        if engine.strategy is not None and files.optimizer_file_per_rank:
             optim = {"optimizer_state_dict": engine.strategy.state_dict(), "ds_config": state.plain_config(engine),
                      "ds_version": DS_VERSION}
             atomic.save_torch(optim, staging / layout.optim_states_name(dp_rank, engine.bfloat16_enabled()), rank)
@@ -256,8 +261,8 @@ def _rank_optimizer_states(tag_dir: Path, model_states: dict[str, Any], stage: i
     return [load_file(path)["optimizer_state_dict"] for path in _optim_files(tag_dir, world, bf16)]
 
 
-def _load_module(engine: Any, module_sd: dict[str, Any], strict: bool, live_stage: int, tag_dir: Path) -> None:
-    if live_stage == 3:
+def _load_module(engine: Any, module_sd: dict[str, Any], strict: bool, tag_dir: Path) -> None:
+    if _layout(engine).module_holds_placeholders:
         # partitioned parameters are restored through the strategy's master weights; only buffers load here
         with torch.no_grad():
             for name, buf in engine.module.named_buffers():
@@ -280,7 +285,7 @@ def _restore_strategy(engine: Any, tag_dir: Path, model_states: dict[str, Any], 
     strategy = engine.strategy
     live_stage, live_world = strategy.stage, engine.dp_world_size
     saved_stage, saved_world = _saved_stage(model_states, tag_dir), _saved_world(model_states)
-    live_shapes = state.named_group_shapes(strategy, engine.module)
+    live_shapes = strategy.checkpoint_param_shapes()
     dp_rank = comm.get_rank(engine.dp_group)
     saved_shapes = model_states.get("param_shapes")
     # the same masters, cut the same way (stage 3's sub_group_size may differ between the runs)
@@ -332,9 +337,7 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
     else:
         model_path = tag_dir / layout.model_states_name(0, 0)
     model_states = load_file(model_path)
-    live_stage = _strategy_stage(engine)
-
-    _load_module(engine, model_states["module"], load_module_strict, live_stage, tag_dir)
+    _load_module(engine, model_states["module"], load_module_strict, tag_dir)
     if engine.strategy is not None:
         load_universal = bool(getattr(getattr(engine._config, "checkpoint", None), "load_universal", False))
         _restore_strategy(engine, tag_dir, model_states, load_optimizer_states and not load_module_only,

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
 from dsrun import comm
+from dsrun.checkpoint.layout import CheckpointLayout, layout_for_stage
 from dsrun.runtime.precision import PrecisionStrategy
 
 from .buckets import Bucket, BucketQueue, plan_buckets
@@ -213,6 +215,26 @@ class ZeroStrategy(ABC):
     def close(self) -> None:
         """Release hooks, buffers, files and threads (``engine.destroy()``); the strategy is unusable after."""
 
+    # --- checkpoints: what this strategy saves and in which files -------------------------------------
+    @property
+    def checkpoint_layout(self) -> CheckpointLayout:
+        """The files this strategy's state goes to (DeepSpeed's layout of its stage)."""
+        return layout_for_stage(self.stage)
+
+    @abstractmethod
+    def checkpoint_param_shapes(self) -> list["OrderedDict[str, torch.Size]"]:
+        """One ``{name: full shape}`` per master tensor, in the order its elements are laid out (DeepSpeed's
+        ``param_shapes``, which resharding and zero_to_fp32 read)."""
+
+    def frozen_param_fragments(self) -> tuple[dict[str, torch.Size], dict[str, torch.Tensor]]:
+        """Shapes and this rank's pieces of the parameters that do not train (partitioned weights only)."""
+        from dsrun.checkpoint.state import frozen_params
+
+        return frozen_params(self.ctx.module)
+
+    def _names(self) -> dict[int, str]:
+        return {id(p): name for name, p in self.ctx.module.named_parameters()}
+
     def consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Any] | None:
         """The model's full state dict for ``save_16bit_model`` (collective under stage 3); None when this
         strategy cannot give one (stage 3 without ``stage3_gather_16bit_weights_on_model_save``)."""
@@ -379,6 +401,10 @@ class FlatStrategy(ZeroStrategy):
             pad = group.partition_padding(self.rank)
             return master[: master.numel() - pad]
         return master[: group.numel]
+
+    def checkpoint_param_shapes(self) -> list["OrderedDict[str, torch.Size]"]:
+        names = self._names()
+        return [OrderedDict((names[id(p)], p.shape) for p in group.params) for group in self.groups]
 
     def state_dict(self) -> dict[str, Any]:
         sd = {

@@ -27,7 +27,7 @@ from dsrun import comm
 
 from .base import MemoryBreakdown, StrategyContext, ZeroStrategy, optimizer_state_bytes, tensor_bytes
 from . import host_memory, linear
-from .hooks import ParameterCoordinator, iter_unique_params
+from .hooks import ParameterCoordinator, iter_unique_params, module_params
 from .partition_params import full_tensor, is_zero_param, partition_param, shard_padding
 from dsrun.runtime.offload import param_swapper
 
@@ -77,7 +77,8 @@ class Stage3Strategy(ZeroStrategy):
         # offload_param: shards to host memory or NVMe files (dsrun/runtime/offload/param_swapper.py)
         self.param_offload = param_swapper.attach_param_offload(
             self.params, getattr(zc, "offload_param", None), ctx.device, self.model_dtype,
-            aio_config=getattr(ctx, "aio_config", None), rank=self.rank, module=ctx.module)
+            aio_config=getattr(ctx, "aio_config", None), rank=self.rank,
+            gathered_together=[(name or "root", module_params(m)) for name, m in ctx.module.named_modules()])
         self.coordinator = ParameterCoordinator(
             ctx.module, prefetch_bucket_size=int(_config_value(zc, "stage3_prefetch_bucket_size", 50_000_000)),
             max_live_parameters=int(_config_value(zc, "stage3_max_live_parameters", 1_000_000_000)),
@@ -349,6 +350,15 @@ class Stage3Strategy(ZeroStrategy):
                                optimizer_states=states, padding=int(padding), buffers=pool)
 
     # --- checkpoints and exports --------------------------------------------------------------------------
+    def checkpoint_param_shapes(self) -> list["OrderedDict[str, torch.Size]"]:
+        names = self._names()  # shards of whole parameters, per sub-group
+        return [OrderedDict((names[id(p)], torch.Size(p.ds_shape)) for p in sg.params) for sg in self.sub_groups]
+
+    def frozen_param_fragments(self) -> tuple[dict[str, torch.Size], dict[str, torch.Tensor]]:
+        from dsrun.checkpoint.state import frozen_params
+
+        return frozen_params(self.ctx.module, shard_of=param_swapper.shard_value)  # NVMe shards: from files
+
     def state_dict(self) -> dict[str, Any]:
         names = {id(p): n for n, p in self.ctx.module.named_parameters()}
         sd = {

@@ -1,5 +1,8 @@
 """ZeRO strategies with the optimizer offloaded (``zero_optimization.offload_optimizer``).
 
+The stores they place state in (host buffers, swap files, the overlap pipeline) are :mod:`dsrun.runtime.offload`,
+a layer below the ZeRO strategies; the strategies here are the stages with that placement.
+
 Each class is its stage's strategy with the master weights, optimizer states and fp32 gradients moved off the
 training device; forward, backward and the collectives are the stage's own. The update runs on the compiled
 CPU optimizer (DeepSpeedCPUAdam/Adagrad/Lion) tile by tile; with a 16-bit model the same pass writes the
@@ -22,15 +25,15 @@ from typing import Any
 
 import torch
 
-from dsrun.runtime.zero.base import MemoryBreakdown, StrategyContext, optimizer_state_bytes, tensor_bytes
-from dsrun.runtime.zero.partitioned import Stage1Strategy, Stage2Strategy
-from dsrun.runtime.zero.stage3 import Stage3Strategy, SubGroup
-from dsrun.runtime.zero.partition_params import shard_padding
+from dsrun.runtime.offload import param_swapper
+from dsrun.runtime.offload.nvme import SwappedOptimizerState, SwappedShard, SwappedUnit
+from dsrun.runtime.offload.pipeline import PipelineTimes, StepPipeline, scatter_to_shards
+from dsrun.runtime.offload.settings import CPU_TILE_ELEMENTS, OffloadOptimizerSettings, host_empty, require_cpu_optimizer
 
-from . import param_swapper
-from .nvme import SwappedOptimizerState, SwappedShard, SwappedUnit
-from .pipeline import PipelineTimes, StepPipeline, scatter_to_shards
-from .settings import CPU_TILE_ELEMENTS, OffloadOptimizerSettings, host_empty, require_cpu_optimizer
+from .base import MemoryBreakdown, StrategyContext, optimizer_state_bytes, tensor_bytes
+from .partition_params import shard_padding
+from .partitioned import Stage1Strategy, Stage2Strategy
+from .stage3 import Stage3Strategy, SubGroup
 
 HOST = torch.device("cpu")
 
