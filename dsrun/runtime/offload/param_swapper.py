@@ -147,9 +147,9 @@ class NvmeParamOffload(ParamOffload):
 
     device = "nvme"
 
-    def __init__(self, nvme_path: str, compute_device: torch.device, pin_memory: bool = False,
-                 buffer_count: int = 5, buffer_size: int = 100_000_000, max_in_cpu: int = 1_000_000_000,
-                 aio_config: Any = None, rank: int = 0, dtype: torch.dtype | None = None):
+    def __init__(self, nvme_path: str, compute_device: torch.device, *, buffer_count: int, buffer_size: int,
+                 max_in_cpu: int, pin_memory: bool = False, aio_config: Any = None, rank: int = 0,
+                 dtype: torch.dtype | None = None):
         super().__init__(compute_device, pin_memory)
         from dsrun.runtime.offload.swap_store import SwapStore
 

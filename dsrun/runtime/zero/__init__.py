@@ -46,8 +46,7 @@ def strategy_class(stage: int, offloaded: bool = False) -> type[ZeroStrategy]:
 
 
 def _optimizer_offloaded(zero_config) -> bool:
-    section = getattr(zero_config, "offload_optimizer", None)
-    return section is not None and getattr(section, "device", "none") not in (None, "none")
+    return zero_config.offload_optimizer.device != "none"
 
 
 def build_zero_strategy(stage: int, ctx: StrategyContext) -> ZeroStrategy:

@@ -29,28 +29,25 @@ from .layout import FlatGroup, flatten_params
 from .step_hooks import AFTER_UPDATE, BEFORE_UPDATE, StepHooks, StepState
 
 
+_COMM_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
 @dataclass
 class StrategyContext:
-    """Everything a ZeRO strategy is built from (the engine fills it from the config)."""
+    """Everything a ZeRO strategy is built from: the live objects, the typed DeepSpeed config (the one source
+    of every setting and default, ``dsrun.config.DeepSpeedConfig``) and the run's process groups."""
 
     module: torch.nn.Module
     optimizer: torch.optim.Optimizer
     precision: PrecisionStrategy
     device: torch.device
-    group: Any = None  # the data-parallel group (groups.data)
-    groups: Any = None  # the run's dsrun.comm.ProcessGroups (topology, pipe/model/expert groups)
-    reduce_bucket_size: int = 500_000_000
-    allgather_bucket_size: int = 500_000_000
-    overlap_comm: bool = False
-    contiguous_gradients: bool = True
-    reduce_scatter: bool = True
-    communication_data_type: torch.dtype | None = None
-    prescale_gradients: bool = False
-    gradient_predivide_factor: float = 1.0
-    zero_config: Any = None  # the whole ``zero_optimization`` section, for stage-specific keys (stage 3)
-    aio_config: Any = None  # the ``aio`` section (NVMe offload)
-    force_ds_cpu_optimizer: bool = True  # ``zero_force_ds_cpu_optimizer``: offload needs a DeepSpeed CPU optimizer
-    gradient_clipping: float = 0.0  # known ahead, so NVMe offload measures gradients only when the step needs it
+    config: Any  # dsrun.config.DeepSpeedConfig
+    groups: Any = None  # dsrun.comm.ProcessGroups; None: the whole world is the data-parallel group
+
+    @property
+    def group(self) -> Any:
+        """The data-parallel group ZeRO partitions over (None: the world)."""
+        return self.groups.data if self.groups is not None else None
 
     @property
     def world_size(self) -> int:
@@ -59,6 +56,54 @@ class StrategyContext:
     @property
     def rank(self) -> int:
         return comm.get_rank(self.group)
+
+    @property
+    def zero_config(self) -> Any:
+        """The ``zero_optimization`` section (stage-specific keys, offload sections)."""
+        return self.config.zero_optimization
+
+    @property
+    def aio_config(self) -> Any:
+        return self.config.aio
+
+    @property
+    def reduce_bucket_size(self) -> int:
+        return int(self.zero_config.reduce_bucket_size)
+
+    @property
+    def allgather_bucket_size(self) -> int:
+        return int(self.zero_config.allgather_bucket_size)
+
+    @property
+    def overlap_comm(self) -> bool:
+        return bool(self.zero_config.overlap_comm)
+
+    @property
+    def reduce_scatter(self) -> bool:
+        return bool(self.zero_config.reduce_scatter)
+
+    @property
+    def communication_data_type(self) -> torch.dtype | None:
+        name = self.config.communication_data_type
+        return _COMM_DTYPES[str(name).lower()] if name else None
+
+    @property
+    def prescale_gradients(self) -> bool:
+        return bool(self.config.prescale_gradients)
+
+    @property
+    def gradient_predivide_factor(self) -> float:
+        return float(self.config.gradient_predivide_factor)
+
+    @property
+    def force_ds_cpu_optimizer(self) -> bool:
+        """``zero_force_ds_cpu_optimizer``: offload needs a DeepSpeed CPU optimizer."""
+        return bool(self.config.zero_force_ds_cpu_optimizer)
+
+    @property
+    def gradient_clipping(self) -> float:
+        """Known ahead, so NVMe offload measures gradients only when the step needs it."""
+        return float(self.config.gradient_clipping or 0.0)
 
 
 @dataclass

@@ -208,7 +208,7 @@ class OffloadStage3Strategy(Stage3Strategy):
                                       "a DeepSpeed CPU optimizer", "use optimizer type Adam, AdamW, Adagrad or Lion"))
         self.swapped: SwappedOptimizerState | None = None
         if settings.device == "nvme":
-            measure = ctx.precision.checks_overflow or float(getattr(ctx, "gradient_clipping", 0.0) or 0.0) > 0
+            measure = ctx.precision.checks_overflow or ctx.gradient_clipping > 0
             self.swapped = SwappedOptimizerState(settings, ctx.optimizer, ctx.rank, ctx.precision.model_dtype,
                                                  measure_gradients=measure)
         self._offload_budget: float | None = None

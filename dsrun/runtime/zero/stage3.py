@@ -49,40 +49,31 @@ class SubGroup:
         self.numel += param.ds_partition_numel
 
 
-def _config_value(zero_config: Any, name: str, default: Any) -> Any:
-    if zero_config is None:
-        return default
-    value = getattr(zero_config, name, None)
-    return default if value is None else value
-
-
 class Stage3Strategy(ZeroStrategy):
     stage = 3
 
     def __init__(self, ctx: StrategyContext):
         super().__init__(ctx)
-        zc = getattr(ctx, "zero_config", None)
+        zc = ctx.zero_config
         self.reduce_bucket_numel = max(1, int(ctx.reduce_bucket_size))
-        self.sub_group_size = max(1, int(_config_value(zc, "sub_group_size", 1_000_000_000)))
-        self.gather_16bit_on_save = bool(_config_value(zc, "stage3_gather_16bit_weights_on_model_save", False))
+        self.sub_group_size = max(1, int(zc.sub_group_size))
+        self.gather_16bit_on_save = bool(zc.stage3_gather_16bit_weights_on_model_save)
 
-        if bool(_config_value(zc, "memory_efficient_linear", True)):
+        if zc.memory_efficient_linear:
             linear.install()
         if ctx.device.type == "cpu":
             host_memory.fix_mmap_threshold()  # freed gather buffers go back to the OS at once
         self.params = iter_unique_params([ctx.module])
         self._partition_all()
-        self._mark_persistent(int(_config_value(zc, "stage3_param_persistence_threshold", 100_000)),
-                              int(_config_value(zc, "stage3_model_persistence_threshold", 2**63 - 1)))
+        self._mark_persistent(int(zc.stage3_param_persistence_threshold), int(zc.stage3_model_persistence_threshold))
         # offload_param: shards to host memory or NVMe files (dsrun/runtime/offload/param_swapper.py)
         self.param_offload = param_swapper.attach_param_offload(
-            self.params, getattr(zc, "offload_param", None), ctx.device, self.model_dtype,
-            aio_config=getattr(ctx, "aio_config", None), rank=self.rank,
+            self.params, zc.offload_param, ctx.device, self.model_dtype, aio_config=ctx.aio_config, rank=self.rank,
             gathered_together=[(name or "root", module_params(m)) for name, m in ctx.module.named_modules()])
         self.coordinator = ParameterCoordinator(
-            ctx.module, prefetch_bucket_size=int(_config_value(zc, "stage3_prefetch_bucket_size", 50_000_000)),
-            max_live_parameters=int(_config_value(zc, "stage3_max_live_parameters", 1_000_000_000)),
-            max_reuse_distance=int(_config_value(zc, "stage3_max_reuse_distance", 1_000_000_000)))
+            ctx.module, prefetch_bucket_size=int(zc.stage3_prefetch_bucket_size),
+            max_live_parameters=int(zc.stage3_max_live_parameters),
+            max_reuse_distance=int(zc.stage3_max_reuse_distance))
         if self.param_offload is not None:
             self.coordinator.after_fetch = self.param_offload.after_fetch
 
@@ -109,7 +100,7 @@ class Stage3Strategy(ZeroStrategy):
     def _partition_all(self) -> None:
         """Partition every parameter (those built under ``zero.Init`` already are: bring their shards to the
         engine's device and dtype)."""
-        wanted = getattr(getattr(self.ctx.zero_config, "offload_param", None), "device", "none")
+        wanted = self.ctx.zero_config.offload_param.device
         for p in self.params:
             floating = p.is_floating_point() or (is_zero_param(p) and p.ds_tensor.is_floating_point())
             dtype = self.model_dtype if floating else None
