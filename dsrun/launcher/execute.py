@@ -8,10 +8,11 @@ SIGTERM), and whatever is still running after a grace period is killed. Every ch
 ``PR_SET_PDEATHSIG`` so even a SIGKILLed launcher takes its agents (and, through them, the ranks) down.
 
 A caller that explains the outcome itself (``dsrun train``) passes a :class:`JobOutcome`: a rank's report of a
-user's mistake (:func:`~dsrun.launcher.protocol.report_user_error`) then ends the relay of the job's output,
-and a Ctrl-C or SIGTERM the relay of its stderr (what follows is ranks being stopped: torch elastic's and
-gloo's noise); the job's summary lines are left out, and the outcome holds the problems and the signal. With
-``DSRUN_DEBUG=1`` everything is relayed as usual. A second Ctrl-C kills the job at once.
+user's mistake (:func:`~dsrun.launcher.protocol.report_user_error`), a Ctrl-C or a SIGTERM then ends the
+relay of the job's stderr (what follows is ranks being stopped: torch elastic's and gloo's noise; stdout,
+read on another thread, keeps what the ranks printed before); the job's summary lines are left out, and the
+outcome holds the problems and the signal. With ``DSRUN_DEBUG=1`` everything is relayed as usual. A second
+Ctrl-C kills the job at once.
 """
 from __future__ import annotations
 
@@ -85,8 +86,7 @@ class _Job:
     def _write(self, stream: IO[str], node: _Node, line: str) -> None:
         text = f"[{node.command.label}] {line}" if self.prefix else line
         with self.lock:
-            if self.quiet and (self.outcome.user_errors or
-                                                (self.signal_received is not None and stream is self.err)):
+            if self.quiet and stream is self.err and (self.outcome.user_errors or self.signal_received is not None):
                 return  # the rest is ranks being stopped; the caller says what happened once
             stream.write(text if text.endswith("\n") else text + "\n")
             stream.flush()
