@@ -102,30 +102,13 @@ def config_groups() -> list[str]:
 def _ds_top_level_keys() -> set[str]:
     from dsrun.config import DeepSpeedConfig
 
-    keys = set(DeepSpeedConfig.model_fields)
-    keys |= {f.alias for f in DeepSpeedConfig.model_fields.values() if f.alias}
-    return keys
+    return set(_schema_fields(DeepSpeedConfig))
 
 
 def config_location(source: Path | None = None) -> tuple[Path, str]:
     """(config folder, config name) composition starts from: ``conf/dsrun.yaml``, or a run directory's
     ``.hydra/config.yaml``."""
     return (Path(source) / ".hydra", "config") if source is not None else (conf_dir(), PRIMARY_CONFIG)
-
-
-def _schema_section(annotation: object) -> type | None:
-    """The pydantic model a field's annotation holds (``ZeroConfig | None`` → ``ZeroConfig``), if any."""
-    import typing
-
-    from pydantic import BaseModel
-
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in typing.get_args(annotation):
-        found = _schema_section(arg)
-        if found is not None:
-            return found
-    return None
 
 
 def _schema_fields(model: type) -> dict[str, object]:
@@ -138,11 +121,12 @@ def ds_schema_keys(path: str) -> list[str] | None:
     """The keys the DeepSpeed schema documents at ``path`` (``"tensorboard"``; ``""`` for the top level), or
     None when ``path`` is not a section of the schema (an open dict such as ``optimizer.params``, a value)."""
     from dsrun.config import DeepSpeedConfig
+    from dsrun.config.problems import section_model
 
     model: type | None = DeepSpeedConfig
     for part in [p for p in path.split(".") if p]:
         field = _schema_fields(model).get(part)
-        model = _schema_section(field.annotation) if field is not None else None
+        model = section_model(field.annotation) if field is not None else None
         if model is None:
             return None
     return sorted(_schema_fields(model))
