@@ -39,7 +39,8 @@ def override_key(text: str) -> str:
 
 def shaping_overrides(overrides: Sequence[str]) -> list[str]:
     """``overrides`` without those of :data:`NOT_SHAPING` and Hydra's own, sorted (order does not matter)."""
-    return sorted(o for o in overrides if override_key(o) not in NOT_SHAPING and not override_key(o).startswith("hydra."))
+    return sorted(o for o in overrides
+                  if override_key(o) not in NOT_SHAPING and not override_key(o).startswith("hydra."))
 
 
 def with_resume(resolved: Any, value: str | None) -> Any:
