@@ -67,10 +67,19 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     if dist_init_required is not False and not comm.is_initialized():
         comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required,
                               verbose=False)
+    # A model that needs its own engine names it (a PipelineModule: dsrun.runtime.pipe), and brings its own
+    # process grid as the mpu, as deepspeed.initialize does with model.mpu().
+    engine_class = model.engine_class() if hasattr(model, "engine_class") else DeepSpeedEngine
+    if engine_class is not DeepSpeedEngine:
+        if mpu is not None:
+            raise ConfigError(Problem("initialize(mpu=...)", f"a {type(model).__name__} brings its own process "
+                                      "grid", "leave mpu=None"))
+        mpu = model.mpu()
     world = mpu.get_data_parallel_world_size() if mpu is not None else comm.get_world_size()
     ds_config = source if hasattr(source, "zero_optimization") else load_ds_config(
         source, world_size=world, world_size_source="data-parallel world size")
+    engine_class.prepare_model(model, ds_config)
     base_optimizer = build_engine_optimizer(ds_config, model, optimizer, model_parameters)
-    engine = DeepSpeedEngine(model, ds_config, optimizer=base_optimizer, lr_scheduler=lr_scheduler,
-                             training_data=training_data, collate_fn=collate_fn, mpu=mpu, raw_config=source)
+    engine = engine_class(model=model, config=ds_config, optimizer=base_optimizer, lr_scheduler=lr_scheduler,
+                          training_data=training_data, collate_fn=collate_fn, mpu=mpu, raw_config=source)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
