@@ -202,12 +202,17 @@ def torch_adamw(params: Any) -> torch.optim.Optimizer:
 
 
 def build_engine(model: str, stages: int, micro_batches: int, zero_stage: int = 1, partition: str = "uniform",
-                 **extra: Any) -> Any:
+                 model_parallel: int = 1, **extra: Any) -> Any:
     import dsrun
-    from dsrun.pipe import PipelineModule
+    from dsrun import comm
+    from dsrun.pipe import PipeModelDataParallelTopology, PipelineModule
 
-    net = PipelineModule(MODELS[model](), num_stages=stages, loss_fn=lm_loss, seed_layers=True, base_seed=BASE_SEED,
-                         partition_method=partition)
+    topology = None
+    if model_parallel > 1:  # layers replicated over the model axis: each model rank computes the same
+        topology = PipeModelDataParallelTopology(num_pp=stages, num_mp=model_parallel,
+                                                 num_dp=comm.get_world_size() // (stages * model_parallel))
+    net = PipelineModule(MODELS[model](), num_stages=stages, topology=topology, loss_fn=lm_loss, seed_layers=True,
+                         base_seed=BASE_SEED, partition_method=partition)
     engine, _, _, _ = dsrun.initialize(model=net, config=ds_config(micro_batches, zero_stage, **extra),
                                        optimizer=torch_adamw)
     return engine
@@ -230,9 +235,11 @@ def parity_case(model: str, stages: int, micro_batches: int, steps: int, seq_of:
                 **extra: Any) -> dict[str, Any]:
     engine = build_engine(model, stages, micro_batches, zero_stage, **extra)
     losses = train(engine, steps, seq_of=seq_of)
+    sent = engine.comm_stats_last_step().get("send", {})
     out = {"losses": losses, "params": named_params(engine), "timing": engine.last_batch_timing,
            "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
-           "global_samples": engine.global_samples, "stage": engine.stage_id}
+           "global_samples": engine.global_samples, "stage": engine.stage_id, "parts": list(engine.module.parts),
+           "sent_bytes": sent.get("message_bytes", 0)}
     engine.destroy()
     return out
 
@@ -300,6 +307,9 @@ def suite(rank: int, world: int, save_dir: str) -> dict[str, Any]:
         out["lm/3"] = parity_case("lm", 3, 6, 6, pipeline={"schedule": "zero_bubble"})
     if world == 4:
         out["lm/2x2"] = parity_case("lm", 2, 4, PARITY_STEPS)
+        for on in (True, False):  # a model axis: each model-parallel rank sends half of every message, or all
+            out[f"lm/mp/{on}"] = parity_case("lm", 2, 4, 4, model_parallel=2,
+                                              pipeline={"pipe_partitioned": on, "grad_partitioned": on})
         out["ckpt"] = checkpoint_case(f"{save_dir}/ckpt", world)
         out["write"] = parallel_write_case(f"{save_dir}/parallel")
     return out

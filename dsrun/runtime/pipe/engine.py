@@ -92,6 +92,7 @@ class PipelineEngine(DeepSpeedEngine):
         self._outputs: list[Any] = []
         self._loaded = 0
         self._compute_loss = True
+        self._split = self._model_parallel_split()
         self._handlers: dict[type, Callable[[Any], None]] = {
             LoadMicroBatch: self._exec_load_micro_batch, ForwardPass: self._exec_forward_pass,
             BackwardPass: self._exec_backward_pass, BackwardInputPass: self._exec_backward_input_pass,
@@ -215,6 +216,17 @@ class PipelineEngine(DeepSpeedEngine):
             if reduce_output == "avg" and outputs:
                 result = torch.stack([o.float() for o in outputs]).mean(dim=0)
         return (result, outputs) if return_logits else result
+
+    def _model_parallel_split(self) -> dict[int, p2p.Split]:
+        """``pipeline.pipe_partitioned`` / ``grad_partitioned``: with a model axis, each model-parallel rank
+        sends a slice of the activations / gradients and the receivers all-gather them."""
+        size = self.grid.get_model_parallel_world_size()
+        if size == 1:
+            return {}
+        cut = p2p.Split(self.grid.get_model_parallel_group(), size, self.grid.get_model_parallel_rank())
+        pipe = self._config.pipeline
+        return {kind: cut for kind, on in ((p2p.ACTIVATION, pipe.pipe_partitioned), (p2p.GRAD, pipe.grad_partitioned))
+                if on}
 
     # --- running a schedule -------------------------------------------------------------------------------------
     def _schedule(self, kind: str, micro_batches: int) -> PipeSchedule:
@@ -383,7 +395,7 @@ class PipelineEngine(DeepSpeedEngine):
                 incoming.append((cmd, p2p.Incoming(p2p.ACTIVATION, self._peer(-1))))
             elif isinstance(cmd, RecvGrad):
                 incoming.append((cmd, p2p.Incoming(p2p.GRAD, self._peer(+1))))
-        p2p.exchange(outgoing, [msg for _, msg in incoming], self.device)
+        p2p.exchange(outgoing, [msg for _, msg in incoming], self.device, self._split)
         for cmd in cmds:
             if isinstance(cmd, SendGrad):
                 buf = self._buffer(cmd)

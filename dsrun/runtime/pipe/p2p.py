@@ -109,14 +109,47 @@ def _wire(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous()
 
 
+@dataclass(frozen=True)
+class Split:
+    """Send only this model-parallel rank's 1/size of each payload and all-gather the rest over ``group`` on
+    arrival (``pipeline.pipe_partitioned`` / ``grad_partitioned`` with a model axis: the model-parallel ranks
+    of a stage hold the same activations, so each moves a slice)."""
+
+    group: Any
+    size: int
+    rank: int
+
+    def piece(self, numel: int) -> int:
+        return -(-numel // self.size)
+
+    def cut(self, wire: torch.Tensor) -> torch.Tensor:
+        flat, n = wire.reshape(-1), wire.numel()
+        size = self.piece(n)
+        out = torch.zeros(size, dtype=wire.dtype, device=wire.device)
+        part = flat[self.rank * size:min(n, (self.rank + 1) * size)]
+        out[:part.numel()] = part
+        return out
+
+    def join(self, piece: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        full = torch.empty(piece.numel() * self.size, dtype=piece.dtype, device=piece.device)
+        comm.all_gather_into_tensor(full, piece, group=self.group)
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        return full[:numel].view(shape)
+
+
 def _wait(works: Sequence[Any]) -> None:
     for work in works:
         if work is not None:
             work.wait()
 
 
-def exchange(outgoing: Sequence[Outgoing], incoming: Sequence[Incoming], device: torch.device) -> None:
-    """Send every ``outgoing`` message and receive every ``incoming`` one (filled in place)."""
+def exchange(outgoing: Sequence[Outgoing], incoming: Sequence[Incoming], device: torch.device,
+             split: dict[int, Split] | None = None) -> None:
+    """Send every ``outgoing`` message and receive every ``incoming`` one (filled in place); messages of a
+    kind in ``split`` move a model-parallel slice each (:class:`Split`)."""
+    split = split or {}
     sends = sorted(outgoing, key=lambda m: m.kind)
     recvs = sorted(incoming, key=lambda m: m.kind)
     ops, headers = [], []
@@ -134,6 +167,8 @@ def exchange(outgoing: Sequence[Outgoing], incoming: Sequence[Incoming], device:
         for item in _items(msg.tensors)[0]:
             if item is not None:
                 wire = _wire(item)
+                if msg.kind in split:
+                    wire = split[msg.kind].cut(wire)
                 keep.append(wire)
                 ops.append(comm.send_op(wire, msg.peer, tag=_tag(msg.kind, True)))
     buffers: list[list[torch.Tensor | None]] = []
@@ -147,7 +182,14 @@ def exchange(outgoing: Sequence[Outgoing], incoming: Sequence[Incoming], device:
                 row.append(None)
                 continue
             dtype, shape, _ = spec
-            wire = torch.empty(shape, dtype=torch.uint8 if dtype == torch.bool else dtype, device=device)
+            wire_dtype = torch.uint8 if dtype == torch.bool else dtype
+            if msg.kind in split:
+                numel = 1
+                for dim in shape:
+                    numel *= dim
+                wire = torch.empty(split[msg.kind].piece(numel), dtype=wire_dtype, device=device)
+            else:
+                wire = torch.empty(shape, dtype=wire_dtype, device=device)
             row.append(wire)
             ops.append(comm.recv_op(wire, msg.peer, tag=_tag(msg.kind, True)))
         buffers.append(row)
@@ -159,7 +201,9 @@ def exchange(outgoing: Sequence[Outgoing], incoming: Sequence[Incoming], device:
             if spec is None:
                 values.append(None)
                 continue
-            dtype, _, requires_grad = spec
+            dtype, shape, requires_grad = spec
+            if msg.kind in split:
+                wire = split[msg.kind].join(wire, shape)
             tensor = wire.to(torch.bool) if dtype == torch.bool else wire
             if requires_grad and tensor.is_floating_point():
                 tensor.requires_grad_(True)

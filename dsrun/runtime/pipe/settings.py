@@ -81,6 +81,9 @@ def check_module(module: Any, config: Any) -> None:
         problems.append(Problem("zero_optimization.stage", "got 2 with weights tied across pipeline stages "
                                 f"({', '.join(module.tied_comms)}): ZeRO-2 reduces each gradient as backward "
                                 "makes it, before the tied copies are summed", "use stage 0 or 1"))
+    if pipe.schedule == "interleaved" and module.num_stages < 2:
+        problems.append(Problem("pipeline.schedule", "interleaved needs at least 2 pipeline stages (the chunks "
+                                "of one rank hand their activations around the ring of stages)", "use 1f1b"))
     if pipe.schedule == "zero_bubble" and module.activation_checkpoint_interval:
         problems.append(Problem("pipeline.schedule", "zero_bubble splits backward in two passes over a kept "
                                 "graph; activation checkpointing recomputes that graph",
