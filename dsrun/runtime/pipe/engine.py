@@ -104,6 +104,7 @@ class PipelineEngine(DeepSpeedEngine):
     def prepare_model(cls, model: torch.nn.Module, config: Any) -> None:
         """Cut the module into ``stages x virtual_stages`` chunks for the interleaved schedule, before the
         optimizer is built over its parameters."""
+        settings.check_module(model, config)
         pipe = config.pipeline
         model.set_virtual_stages(pipe.virtual_stages if pipe.schedule == "interleaved" else 1)
 
