@@ -25,6 +25,8 @@ from dsrun.estimate.measure import current_rss, record_rank_peak
 from dsrun.monitor.run_defaults import PARENT_ENV, apply_run_defaults, flatten, mlflow_parent_key
 from dsrun.run_book import RunBook
 from dsrun.rundir import RESOLVED_YAML
+from dsrun.runtime.pipe.training import build_pipeline_model, pipeline_stages
+from dsrun.runtime.pipe.training import evaluate as pipeline_evaluate
 
 
 def seed_everything(seed: int) -> None:
@@ -146,8 +148,10 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
 
     # --- model, data, engine ---
     ds_config = apply_run_defaults(OmegaConf.to_container(spec.ds, resolve=True), run_dir)  # monitors → run dir
+    pipelined = pipeline_stages(spec.model) > 1  # a PipelineModule of the GPT: docs/pipeline.md
     with zero_init_context(ds_config):  # ZeRO-3: partitioned (and offloaded) as each submodule is built
-        model = hydra.utils.instantiate(spec.model, _convert_="all")
+        model = (build_pipeline_model(OmegaConf.to_container(spec.model, resolve=True), ds_config, world_size)
+                 if pipelined else hydra.utils.instantiate(spec.model, _convert_="all"))
     corpus = hydra.utils.instantiate(spec.data, _convert_="all")
     corpus.check_vocab(model.config.vocab_size)
     if mlflow_parent_key(run_dir):  # the jobs of a multirun become MLflow child runs of one parent
@@ -155,7 +159,8 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
     engine, _, _, _ = dsrun.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     engine.monitor.log_params(flatten(OmegaConf.to_container(spec, resolve=True)))
     micro_batch, accumulation = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-    loader = corpus.train_loader(batch_size=micro_batch, rank=rank, world_size=world_size, seed=cfg.seed)
+    data_rank, data_world = (engine.grid.get_data_parallel_rank(), engine.dp_world_size) if pipelined else (rank, world_size)
+    loader = corpus.train_loader(batch_size=micro_batch, rank=data_rank, world_size=data_world, seed=cfg.seed)
 
     # --- the run's budget and its bookkeeping (metrics, progress, evaluation, checkpoints: dsrun/run_book.py) ---
     tokens_per_step = engine.train_batch_size() * corpus.seq_len
@@ -163,9 +168,11 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
     if cfg.max_tokens:
         max_steps = min(max_steps, math.ceil(cfg.max_tokens / tokens_per_step))
     book = RunBook(engine, loader, run_dir, cfg, max_steps, tokens_per_step,
-                   num_params=sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),  # ZeRO-3: full
+                   num_params=(model.config.num_parameters() if pipelined  # the whole model, not one stage
+                               else sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())),  # ZeRO-3: full
                    step_flops=_train_step_flops(model, engine.train_batch_size(), corpus.seq_len),
-                   evaluate=lambda: evaluate(engine, corpus, micro_batch, rank, world_size, cfg.eval_iters),
+                   evaluate=(lambda: pipeline_evaluate(engine, corpus, micro_batch, cfg.eval_iters)) if pipelined
+                   else lambda: evaluate(engine, corpus, micro_batch, rank, world_size, cfg.eval_iters),
                    report_throughput=report_throughput, step_timers=step_timer_ms,
                    mean_across_ranks=mean_across_ranks, stop_agreed=lambda: stop_agreed(stop), world_size=world_size)
     book.announce(type(model).__name__, corpus.seq_len)
@@ -177,7 +184,9 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
     for step in range(first_step, max_steps + 1):
         book.step_begins()
         step_loss = 0.0
-        for _ in range(accumulation):
+        if pipelined:  # the schedule runs the micro-batches through the stages, then the optimizer steps
+            step_loss = float(engine.train_batch(loader))
+        for _ in range(0 if pipelined else accumulation):
             inputs, targets = next(loader)
             loss = engine(inputs.to(engine.device, non_blocking=True), targets.to(engine.device, non_blocking=True))
             engine.backward(loss)

@@ -21,7 +21,9 @@ class GPTConfig:
 
     ``block_size`` is the longest sequence the model accepts (the context length); the data layer's
     ``seq_len`` must not exceed it. ``positions="learned"`` adds a ``block_size x n_embd`` position table;
-    ``"rotary"`` rotates queries and keys instead and has no position parameters.
+    ``"rotary"`` rotates queries and keys instead and has no position parameters. ``pipeline_stages > 1``
+    cuts the model into that many pipeline stages: ``dsrun train`` then builds it as a ``PipelineModule``
+    (:func:`dsrun.runtime.pipe.gpt.gpt_pipeline`, docs/pipeline.md) instead of a :class:`~dsrun.models.gpt.GPT`.
     """
 
     vocab_size: int = 256
@@ -35,10 +37,11 @@ class GPTConfig:
     tie_embeddings: bool = True
     activation_checkpointing: bool = False
     rotary_base: float = 10000.0
+    pipeline_stages: int = 1
 
     def __post_init__(self) -> None:
         problems: list[Problem] = []
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "pipeline_stages"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 problems.append(Problem(f"model.{name}", f"must be a positive integer, got {show(value)}"))
