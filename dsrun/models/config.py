@@ -23,7 +23,8 @@ class GPTConfig:
     ``seq_len`` must not exceed it. ``positions="learned"`` adds a ``block_size x n_embd`` position table;
     ``"rotary"`` rotates queries and keys instead and has no position parameters. ``pipeline_stages > 1``
     cuts the model into that many pipeline stages: ``dsrun train`` then builds it as a ``PipelineModule``
-    (:func:`dsrun.runtime.pipe.gpt.gpt_pipeline`, docs/pipeline.md) instead of a :class:`~dsrun.models.gpt.GPT`.
+    (:func:`dsrun.runtime.pipe.gpt.gpt_pipeline`, docs/pipeline.md) instead of a :class:`~dsrun.models.gpt.GPT`
+    (a ``GPT`` object is always the whole model; the estimator and the autotuner count it whole too).
     """
 
     vocab_size: int = 256

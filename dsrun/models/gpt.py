@@ -78,10 +78,7 @@ class GPT(nn.Module):
                 config = GPTConfig.from_kwargs({**config.to_dict(), **kwargs})
         else:
             config = GPTConfig.from_kwargs({**(config or {}), **kwargs})
-        if config.pipeline_stages > 1:
-            raise UserError(f"model.pipeline_stages={config.pipeline_stages}: a pipelined GPT is a PipelineModule, "
-                            "built by dsrun.runtime.pipe.gpt.gpt_pipeline(config) (dsrun train does it)")
-        self.config = config
+        self.config = config  # config.pipeline_stages is for dsrun train, which builds a PipelineModule instead
         layers: dict[str, nn.Module] = {"wte": _embedding(config.vocab_size, config.n_embd)}
         if config.positions == "learned":
             layers["wpe"] = _embedding(config.block_size, config.n_embd)
