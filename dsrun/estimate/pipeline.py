@@ -49,7 +49,7 @@ def stage_memory(spec: EstimateInputs, stage: int, layers: str, params: int, blo
     if shape is not None:
         elem = element_size(spec.precision)
         block = gpt_block_activation_bytes(shape, b, s, elem)
-        if spec.activation_checkpointing:  # the blocks' inputs, plus one block recomputed in backward
+        if spec.checkpoint_mode.enabled:  # the blocks' inputs, plus one block recomputed in backward (full)
             activations = int(blocks_in_flight * elem * s * b * shape.n_embd) + block
         else:
             activations = int(blocks_in_flight * block)

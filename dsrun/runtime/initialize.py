@@ -93,7 +93,11 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     if engine_class is DeepSpeedEngine:
         _refuse_pipeline_settings(ds_config)
     engine_class.prepare_model(model, ds_config)
+    # [feature seam: compression] compress the model before the optimizer sees its parameters
+    from dsrun.compression.feature import CompressionFeature, prepare_for_training
+    model_parameters = prepare_for_training(model, ds_config, model_parameters, optimizer)
     base_optimizer = build_engine_optimizer(ds_config, model, optimizer, model_parameters)
     engine = engine_class(model=model, config=ds_config, optimizer=base_optimizer, lr_scheduler=lr_scheduler,
                           training_data=training_data, collate_fn=collate_fn, mpu=mpu, raw_config=source)
+    engine.compression = CompressionFeature.attach(engine)  # [feature seam: compression] steps with the engine
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
