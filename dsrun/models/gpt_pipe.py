@@ -98,17 +98,3 @@ def pipeline_layers(config: GPTConfig) -> list[PipeLayer]:
     return ([PipeLayer(TokenEmbedding, tie), PipeLayer(Positions)] + [PipeLayer(GPTBlock)] * config.n_layer
             + [PipeLayer(FinalNorm), head])
 
-
-def stage_parameter_counts(config: GPTConfig, parts: list[int]) -> list[int]:
-    """Parameters each stage holds for the cut ``parts`` of :func:`pipeline_layers` (a tied table counted on
-    every stage that uses it), computed on the meta device."""
-    layers = pipeline_layers(config)
-    counts = []
-    with torch.device("meta"):
-        sizes = [sum(p.numel() for p in layer.typename(config).parameters()) for layer in layers]
-    for s in range(len(parts) - 1):
-        local = range(parts[s], parts[s + 1])
-        tied = {layers[i].tie_key for i in local if layers[i].tie_key}
-        untied = sum(sizes[i] for i in local if not layers[i].tie_key)
-        counts.append(untied + sum(sizes[next(i for i in local if layers[i].tie_key == key)] for key in tied))
-    return counts

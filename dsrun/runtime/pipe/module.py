@@ -24,18 +24,12 @@ from torch import nn
 
 from dsrun import comm
 from dsrun.comm import PipeDataParallelTopology, ProcessTopology
+from dsrun.runtime.activation_checkpointing.checkpoint import checkpoint  # DeepSpeed's default checkpoint function
 from dsrun.utils.errors import Problem, UserError
 
 from .partition import partition_layers
 from .spec import LayerSpec, TiedLayerSpec
 from .topology import PipelineParallelGrid
-
-try:  # DeepSpeed's default is deepspeed.checkpointing.checkpoint: dsrun's, where activation checkpointing is built
-    from dsrun.runtime.activation_checkpointing.checkpoint import checkpoint
-except ImportError:  # until then torch's non-reentrant checkpoint (it restores the RNG state too)
-    def checkpoint(function: Callable[..., Any], *args: Any) -> Any:
-        """Recompute ``function(*args)`` in backward instead of keeping its activations."""
-        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
 
 
 def set_random_seed(seed: int) -> None:
