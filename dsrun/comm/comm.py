@@ -197,6 +197,16 @@ def all_gather(tensor_list: Sequence[torch.Tensor], tensor: torch.Tensor, group:
                 lambda: dist.all_gather(list(tensor_list), tensor, group=group, async_op=async_op), async_op)
 
 
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup = None,
+                      async_op: bool = False) -> Any:
+    """Split ``input`` into N equal pieces along dim 0 and send piece j to rank j; ``output`` receives every
+    rank's piece for this rank, in rank order (equal splits only)."""
+    n = get_world_size(group)
+    size = _nbytes(input)
+    return _run("all_to_all_single", size, size * (n - 1) / n,
+                lambda: dist.all_to_all_single(output, input, group=group, async_op=async_op), async_op)
+
+
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup = None, async_op: bool = False) -> Any:
     size = _nbytes(tensor)
     return _run("broadcast", size, size if get_world_size(group) > 1 else 0,
