@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from dsrun.config.optim import ONE_BIT_BACKENDS
 from dsrun.utils.errors import ConfigError, Problem, show
 
 from . import comm
@@ -45,7 +46,7 @@ from . import comm
 SCALE_BLOCK = 2048  # elements per scale: 32 bits of scale per 2048 bits of signs
 # DeepSpeed's comm_backend_name values; every one of them runs this all-reduce over the run's own
 # torch.distributed backend (gloo on the CPU, NCCL on CUDA), which holds the device tensors directly.
-BACKEND_NAMES = ("nccl", "mpi", "compressed", "hccl")
+BACKEND_NAMES = ONE_BIT_BACKENDS
 
 _BIT_WEIGHTS = (128, 64, 32, 16, 8, 4, 2, 1)
 _SHIFTS = (7, 6, 5, 4, 3, 2, 1, 0)

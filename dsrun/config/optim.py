@@ -137,6 +137,48 @@ class _CommonOptimizerParams(BaseModel):
     weight_decay: Annotated[float, Field(ge=0)] | None = None
 
 
+# The 1-bit optimizers' params are their constructors' keyword arguments (dsrun/runtime/fp16/onebit, where the
+# defaults live); listed here so `dsrun config --validate` names a misspelt one. comm_backend_name takes
+# DeepSpeed's names, each mapped onto dsrun's compressed all-reduce over the run's backend.
+ONE_BIT_BACKENDS = ("nccl", "mpi", "compressed", "hccl")
+PositiveInt = Annotated[int, Field(ge=1)]
+
+
+class _OneBitParams(_CommonOptimizerParams):
+    model_config = ConfigDict(extra="forbid")
+    bias_correction: bool | None = None
+    eps_inside_sqrt: bool | None = None
+    max_grad_norm: Annotated[float, Field(ge=0)] | None = None
+    amsgrad: bool | None = None
+    cuda_aware: bool | None = None
+    comm_backend_name: Literal["nccl", "mpi", "compressed", "hccl", "NCCL", "MPI", "COMPRESSED", "HCCL"] | None = None
+
+
+class OneBitAdamParams(_OneBitParams):
+    freeze_step: PositiveInt | None = None
+
+
+class ZeroOneAdamParams(_OneBitParams):
+    var_freeze_step: PositiveInt | None = None
+    var_update_scaler: PositiveInt | None = None
+    local_step_scaler: PositiveInt | None = None
+    local_step_clipper: PositiveInt | None = None
+
+
+class OneBitLambParams(_OneBitParams):
+    freeze_step: PositiveInt | None = None
+    max_coeff: Annotated[float, Field(gt=0)] | None = None
+    min_coeff: Annotated[float, Field(gt=0)] | None = None
+    coeff_beta: Annotated[float, Field(ge=0, lt=1)] | None = None
+    factor_max: Annotated[float, Field(gt=0)] | None = None
+    factor_min: Annotated[float, Field(gt=0)] | None = None
+    factor_threshold: Annotated[float, Field(ge=0)] | None = None
+
+
+ONE_BIT_PARAMS: dict[str, type[_OneBitParams]] = {"onebitadam": OneBitAdamParams, "zerooneadam": ZeroOneAdamParams,
+                                                  "onebitlamb": OneBitLambParams}
+
+
 @lru_cache(maxsize=None)
 def _torch_names(module: str) -> frozenset[str]:
     """Public class names in a torch module; imported lazily so plain validation stays fast."""
@@ -163,7 +205,8 @@ def check_optimizer(optimizer: OptimizerConfig, prefix: str) -> list[Problem]:
     if optimizer.type is None and optimizer.params:
         problems.append(Problem(f"{base}.type", "required key is missing (params are given without a type)",
                                 "add e.g. \"type\": \"AdamW\""))
-    _, params_problems = validate_model(_CommonOptimizerParams, optimizer.params, f"{base}.params")
+    params_model = ONE_BIT_PARAMS.get((optimizer.type or "").lower(), _CommonOptimizerParams)
+    _, params_problems = validate_model(params_model, optimizer.params, f"{base}.params")
     problems.extend(params_problems)
     return problems
 

@@ -18,7 +18,8 @@ def spec(**kw) -> EstimateInputs:
 
 
 @pytest.mark.parametrize("name, params, states", [
-    ("Adam", {}, 2), ("AdamW", {}, 2), ("adam_w", {}, 2), ("Lamb", {}, 2), ("OneBitAdam", {}, 3),
+    ("Adam", {}, 2), ("AdamW", {}, 2), ("adam_w", {}, 2), ("Lamb", {}, 2), ("OneBitAdam", {}, 2),
+    ("ZeroOneAdam", {}, 3), ("OneBitLamb", {}, 3),
     ("Lion", {}, 1), ("Adagrad", {}, 1), ("SGD", {}, 0), ("SGD", {"momentum": 0.9}, 1),
     ("RMSprop", {}, 1), ("RMSprop", {"momentum": 0.9, "centered": True}, 3),
 ])
