@@ -230,3 +230,29 @@ def all_cases(rank: int, world: int) -> dict[str, Any]:
            "mask": mask_cases(rank, world), "resume": resume_cases(rank, world)}
     comm.barrier()
     return out
+
+
+def save_for_resharding(rank: int, world: int, folder: str) -> None:
+    """2 ranks, stage 0: a checkpoint after 5 steps (two of them compressed)."""
+    import dsrun
+
+    engine, _, _, _ = dsrun.initialize(model=build_model("mlp"), config=config("OneBitAdam", 0, freeze_step=3))
+    train_steps(engine, _batch, 5, rank, world)
+    engine.save_checkpoint(folder)
+
+
+def load_resharded(rank: int, world: int, folder: str) -> dict[int, dict[str, Any]]:
+    """Another world size, at stages 0 and 1: the errors as loaded, then two more steps."""
+    import dsrun
+
+    out = {}
+    for stage in (0, 1):
+        engine, optimizer, _, _ = dsrun.initialize(model=build_model("mlp"),
+                                                   config=config("OneBitAdam", stage, freeze_step=3))
+        engine.load_checkpoint(folder)
+        loaded = {"worker": optimizer.worker_errors[0].tolist(), "server": optimizer.server_errors[0].tolist(),
+                  "reduces": engine.enable_backward_allreduce}
+        losses, _ = train_steps(engine, lambda step, size: _batch(5 + step, size), 2, rank, world)
+        out[stage] = {**loaded, "losses": losses}
+        engine.destroy()
+    return out

@@ -97,6 +97,11 @@ class OneBitOptimizer(torch.optim.Optimizer):
         self._coef = 1.0
         self._local: list[torch.Tensor] | None = None
         self._announced = False
+        if self.cuda_aware and comm.get_rank() == 0:
+            # DeepSpeed's flag for a CUDA-aware MPI; dsrun hands device tensors to torch.distributed directly
+            print(f"[dsrun] note: {type(self).__name__}: cuda_aware has no effect in dsrun: the compressed "
+                  "all-reduce runs over torch.distributed, which takes device tensors as they are (NCCL on "
+                  "CUDA, gloo on the CPU)", flush=True)
 
     # --- binding ----------------------------------------------------------------------------------------
     @property
