@@ -65,7 +65,11 @@ def check_backend_name(name: Any, key: str = "optimizer.params.comm_backend_name
 def pack_signs(values: torch.Tensor) -> torch.Tensor:
     """Bit 1 for ``values >= 0``, 8 elements per byte (first element in the highest bit), along the last
     dimension; a last dimension that is not a multiple of 8 is padded with 1 bits."""
-    bits = (values >= 0).to(torch.uint8)
+    return _pack(values >= 0)
+
+
+def _pack(positive: torch.Tensor) -> torch.Tensor:
+    bits = positive.to(torch.uint8)
     n = bits.shape[-1]
     if n % 8:
         bits = torch.cat([bits, bits.new_ones(*bits.shape[:-1], 8 - n % 8)], dim=-1)
@@ -180,9 +184,9 @@ class CompressedAllreduce:
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """(what the receiver will decode, the uint8 messages) for rows of ``chunk`` elements."""
         scales = self._scales(values * valid, counts)
-        signs = torch.where(values >= 0, 1.0, -1.0)
-        decoded = signs * self._expand(scales) * valid
-        message = torch.cat([pack_signs(values), scales.contiguous().view(torch.uint8)], dim=1)
+        positive = values >= 0
+        decoded = positive.to(torch.float32).mul_(2.0).sub_(1.0).mul_(self._expand(scales)).mul_(valid)
+        message = torch.cat([_pack(positive), scales.contiguous().view(torch.uint8)], dim=1)
         return decoded, message
 
     def _unpack(self, messages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
