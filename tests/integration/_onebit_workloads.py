@@ -222,12 +222,13 @@ def resume_cases(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-def all_cases(rank: int, world: int) -> dict[str, Any]:
+def all_cases(rank: int, world: int, reshard_folder: str) -> dict[str, Any]:
     from dsrun import comm
 
     comm.init_distributed(verbose=False)
     out = {"accuracy": accuracy_cases(rank, world), "traffic": traffic_cases(rank, world),
            "mask": mask_cases(rank, world), "resume": resume_cases(rank, world)}
+    save_for_resharding(rank, world, reshard_folder)
     comm.barrier()
     return out
 

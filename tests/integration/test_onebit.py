@@ -6,22 +6,34 @@
 * ZeRO-1 gives what stage 0 gives, in fp32 and bf16, and every rank holds the same weights;
 * once compression starts backward reduces nothing, and the comms logger's bytes meet the issue's bounds;
 * exp_avg_mask keeps masked momentum exactly zero and masked weights still; frozen parameters stay as they are;
-* resuming inside the compressed phase continues bitwise as the uninterrupted run.
+* resuming inside the compressed phase continues bitwise as the uninterrupted run;
+* a checkpoint saved by 2 ranks inside the compressed phase, loaded by 3 ranks at ZeRO stage 0 and 1: every
+  rank's worker error becomes the saved ranks' mean, the servers' errors are laid end to end and cut into the
+  new chunks, and training goes on compressed.
 """
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 
+from dsrun.checkpoint.safe_load import load_file
+from dsrun.comm.compressed import CompressedLayout, merge_server_errors, split_server_error
 from tests.helpers import run_ranks
-from tests.integration._onebit_workloads import all_cases, reference_onebit_adam
+from tests.integration._onebit_workloads import all_cases, load_resharded, reference_onebit_adam
 
 WORLD = 2
 
 
 @pytest.fixture(scope="module")
-def runs() -> list[dict]:
-    return run_ranks(all_cases, WORLD, timeout=1200)
+def reshard_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("onebit_reshard")
+
+
+@pytest.fixture(scope="module")
+def runs(reshard_folder: Path) -> list[dict]:
+    return run_ranks(all_cases, WORLD, str(reshard_folder), timeout=1200)
 
 
 def test_onebit_adam_equals_the_plain_torch_simulation(runs: list[dict]) -> None:
@@ -94,3 +106,28 @@ def test_exp_avg_mask_and_frozen_parameters(runs: list[dict]) -> None:
 def test_resume_inside_the_compressed_phase_is_exact(runs: list[dict], key: str) -> None:
     result = runs[0]["resume"][key]
     assert result["resumed"] == result["full"]
+
+
+@pytest.fixture(scope="module")
+def resharded(runs: list[dict], reshard_folder: Path):
+    tag = (reshard_folder / "latest").read_text()
+    saved = [load_file(reshard_folder / tag / f"optimizer_rank_states_{r}.pt") for r in range(WORLD)]
+    return saved, run_ranks(load_resharded, 3, str(reshard_folder), timeout=600)
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_error_buffers_are_recut_for_three_ranks(resharded, stage: int) -> None:
+    saved, loaded = resharded
+    numel = saved[0]["worker_errors"][0].numel()
+    assert all(torch.count_nonzero(s["worker_errors"][0]) for s in saved)  # compressed steps were taken
+    worker = (saved[0]["worker_errors"][0] + saved[1]["worker_errors"][0]) / 2
+    server = merge_server_errors([s["server_errors"][0] for s in saved], numel)
+    # stage 1 serves the ZeRO partitions: the flat group padded to a multiple of 2 x 3
+    layout = CompressedLayout.of(numel, 3, -(-numel // 6) * 2 if stage == 1 else None)
+    for rank, per_rank in enumerate(loaded):
+        result = per_rank[stage]
+        torch.testing.assert_close(torch.tensor(result["worker"]), worker, rtol=0, atol=0)
+        torch.testing.assert_close(torch.tensor(result["server"]), split_server_error(server, layout, rank),
+                                   rtol=0, atol=0)
+        assert result["reduces"] is False  # still in the compressed phase after the load
+        assert all(loss == loss for loss in result["losses"])

@@ -26,8 +26,9 @@ only, where DeepSpeed's also skips compression; with more ranks it refuses to st
 """
 from __future__ import annotations
 
-import logging
+import math
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
@@ -38,7 +39,6 @@ from dsrun.comm.compressed import (CompressedBackend, CompressedLayout, Compress
 from dsrun.utils.errors import ConfigError, Problem, show
 from dsrun.utils.zero_to_fp32 import Slot, master_slots
 
-log = logging.getLogger("dsrun.onebit")
 PARAMS = "optimizer.params"
 
 
@@ -66,14 +66,18 @@ def check_step_count(value: Any, key: str, minimum: int = 1) -> int:
     return int(value)
 
 
-class _MasterLayout:
-    """One master tensor's place in the flat group: its own elements (``own``, this rank's partition at
-    stage 1) and the whole group (``full``), both as checkpoint slots, and the compressed layout."""
+@dataclass
+class MasterLayout:
+    """One master tensor's place in its flat group: the parameters' shapes, their elements in this master
+    (``own``: this rank's partition at stage 1) and in the whole group (``full``) as checkpoint slots, the
+    group's trainable elements (``numel``), the master's length, and the compressed exchange's layout."""
 
-    def __init__(self, shapes: "OrderedDict[str, torch.Size]", own: list[Slot], full: list[Slot], numel: int,
-                 master_numel: int, compressed: CompressedLayout | None):
-        self.shapes, self.own, self.full = shapes, own, full
-        self.numel, self.master_numel, self.compressed = numel, master_numel, compressed
+    shapes: "OrderedDict[str, torch.Size]"
+    own: list[Slot]
+    full: list[Slot]
+    numel: int
+    master_numel: int
+    compressed: CompressedLayout
 
 
 class OneBitOptimizer(torch.optim.Optimizer):
@@ -88,7 +92,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
         self.cuda_aware = bool(cuda_aware)
         self.comm_backend_name = check_backend_name(comm_backend_name)
         self.strategy: Any = None
-        self.layouts: list[_MasterLayout] = []
+        self.layouts: list[MasterLayout] = []
         self.worker_errors: list[torch.Tensor | None] = []
         self.server_errors: list[torch.Tensor | None] = []
         self._backend: CompressedBackend | None = None
@@ -136,7 +140,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
             # stage 1: chunk r is rank r's partition; stage 0: the master is the whole group
             compressed = (self._backend.layout(numel, chunk=master.numel()) if strategy.stage == 1
                           else self._backend.layout(master.numel()))
-            self.layouts.append(_MasterLayout(shapes[gi], own[gi], full[gi], numel, master.numel(), compressed))
+            self.layouts.append(MasterLayout(shapes[gi], own[gi], full[gi], numel, master.numel(), compressed))
         self.worker_errors = [None] * len(self.param_groups)
         self.server_errors = [None] * len(self.param_groups)
         self._full_masks = [self._flat_mask(gi, group) for gi, group in enumerate(self.param_groups)]
@@ -323,14 +327,8 @@ class OneBitOptimizer(torch.optim.Optimizer):
         """Subclasses restore their own rank state here."""
 
 
-def _numel(shapes: "OrderedDict[str, Any]") -> int:
-    total = 0
-    for shape in shapes.values():
-        n = 1
-        for d in shape:
-            n *= int(d)
-        total += n
-    return total
+def shape_numel(shape: Any) -> int:
+    return math.prod(int(d) for d in shape)
 
 
 def merged_errors(states: list[dict[str, Any]]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -344,8 +342,8 @@ def merged_errors(states: list[dict[str, Any]]) -> tuple[dict[str, torch.Tensor]
         for state in states:
             for name, piece in flat_to_named(state["worker_errors"][k], shapes).items():
                 worker.setdefault(name, []).append(piece)
-        server.update(flat_to_named(merge_server_errors([s["server_errors"][k] for s in states], _numel(shapes)),
-                                    shapes))
+        numel = sum(shape_numel(shape) for shape in shapes.values())
+        server.update(flat_to_named(merge_server_errors([s["server_errors"][k] for s in states], numel), shapes))
     return {name: torch.stack(pieces).mean(dim=0) for name, pieces in worker.items()}, server
 
 
@@ -354,9 +352,7 @@ def flat_to_named(flat: torch.Tensor, shapes: "OrderedDict[str, Any]") -> dict[s
     out, offset = {}, 0
     flat = flat.reshape(-1).float().cpu()
     for name, shape in shapes.items():
-        n = 1
-        for d in shape:
-            n *= int(d)
+        n = shape_numel(shape)
         out[name] = flat[offset:offset + n].clone() if offset + n <= flat.numel() else torch.zeros(n)
         offset += n
     return out
@@ -366,9 +362,7 @@ def named_to_flat(named: dict[str, torch.Tensor] | None, shapes: "OrderedDict[st
     """The inverse of :func:`flat_to_named` (names it lacks are zeros), ``numel`` elements long."""
     out, offset = torch.zeros(numel), 0
     for name, shape in shapes.items():
-        n = 1
-        for d in shape:
-            n *= int(d)
+        n = shape_numel(shape)
         if named is not None and name in named and offset + n <= numel:
             out[offset:offset + n] = named[name].reshape(-1)[:n]
         offset += n

@@ -30,7 +30,8 @@ import torch
 
 from dsrun import comm
 
-from .base import (OneBitOptimizer, adam_denominator, bias_corrections, check_common, check_step_count, require)
+from .base import (OneBitOptimizer, adam_denominator, bias_corrections, check_common, check_step_count, require,
+                   shape_numel)
 
 
 class _Segment(NamedTuple):
@@ -174,7 +175,7 @@ class OnebitLamb(OneBitOptimizer):
                 part = self._per_param([self.state[p]["exp_avg"]], segments)[0]
                 sums = part if sums is None else torch.maximum(sums, part)  # each parameter in one master only
         if self.strategy is not None:
-            numels = [_prod(shape) for layout in self.layouts for shape in layout.shapes.values()]
+            numels = [shape_numel(shape) for layout in self.layouts for shape in layout.shapes.values()]
         else:
             numels = [p.numel() for g in self.param_groups for p in g["params"]]
         if sums is None:
@@ -283,9 +284,3 @@ class OnebitLamb(OneBitOptimizer):
         self.coeffs = {name: dict(values) for name, values in (states[0].get("lamb", {}) if states else {}).items()}
         self.scaling_frozen = bool(states[0].get("lamb_scaling_frozen", False)) if states else False
 
-
-def _prod(shape: Any) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
