@@ -3,6 +3,7 @@ the step time a 1 Gbit/s link would give, and convergence on the gpt_onebit reci
 
     PYTHONPATH=. python benchmarks/onebit.py traffic [--steps 30] [--warmup 10] [--json out.json]
     PYTHONPATH=. python benchmarks/onebit.py convergence [--steps 600] [--freeze 100] [--precisions fp32 bf16]
+                                                         [--runs Adam "1-bit Adam" ...]
 
 **traffic**: the recipe's model (gpt-nano, 372,576 parameters) on random bytes, micro-batch 16 per rank.
 Every optimizer keeps its own model copy in the same two processes and they take turns step by step, so load
@@ -179,6 +180,8 @@ def convergence(args: argparse.Namespace) -> dict:
     results: dict[str, dict] = {}
     for precision in args.precisions:
         for name, overrides in convergence_runs(args.freeze).items():
+            if args.runs and name not in args.runs:
+                continue
             run = train([*overrides, f"precision={precision}", f"train.max_steps={args.steps}"],
                         root / f"{precision}-{name.replace(' ', '_').replace('/', '')}")
             results[f"{precision}/{name}"] = run
@@ -189,9 +192,11 @@ def convergence(args: argparse.Namespace) -> dict:
     verdicts = {}
     for precision in args.precisions:
         for name, bases in BASELINES.items():
-            mine = results[f"{precision}/{name}"]
+            mine = results.get(f"{precision}/{name}")
             for base in bases:
-                ref = results[f"{precision}/{base}"]
+                ref = results.get(f"{precision}/{base}")
+                if mine is None or ref is None:
+                    continue
                 gap = (mine["final"] - ref["final"]) / ref["final"]
                 verdicts[f"{precision}/{name} vs {base}"] = gap
                 print(f"{precision:<5} {name:<11} vs {base:<18} loss {gap:+.2%} (bound +{BOUNDS[name]:.0%}), "
@@ -209,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--steps", type=int, default=600)
     c.add_argument("--freeze", type=int, default=100)
     c.add_argument("--precisions", nargs="+", default=["fp32", "bf16"])
+    c.add_argument("--runs", nargs="+", default=None, choices=list(convergence_runs(0)),
+                   help="only these runs (default: all six); a comparison needs both of its runs")
     for p in (t, c):
         p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args(argv)

@@ -206,8 +206,34 @@ def check_optimizer(optimizer: OptimizerConfig, prefix: str) -> list[Problem]:
         problems.append(Problem(f"{base}.type", "required key is missing (params are given without a type)",
                                 "add e.g. \"type\": \"AdamW\""))
     params_model = ONE_BIT_PARAMS.get((optimizer.type or "").lower(), _CommonOptimizerParams)
-    _, params_problems = validate_model(params_model, optimizer.params, f"{base}.params")
+    params, params_problems = validate_model(params_model, optimizer.params, f"{base}.params")
     problems.extend(params_problems)
+    if isinstance(params, _OneBitParams):
+        problems.extend(_one_bit_rules(params, optimizer.type or "", f"{base}.params"))
+    return problems
+
+
+def _one_bit_rules(params: _OneBitParams, name: str, base: str) -> list[Problem]:
+    """The rules between a 1-bit optimizer's params that its constructor enforces, checked before launch (a
+    pair is compared only when both are given: the defaults live in the constructors)."""
+    problems = []
+    if params.amsgrad:
+        problems.append(Problem(f"{base}.amsgrad", f"got true; {name} has no AMSGrad variant (as in DeepSpeed)",
+                                "remove it"))
+    if params.max_grad_norm:
+        problems.append(Problem(f"{base}.max_grad_norm", f"got {show(params.max_grad_norm)}; {name} does not clip "
+                                "by itself", "clip with the top-level \"gradient_clipping\" instead"))
+    if isinstance(params, OneBitLambParams):
+        for low, high in (("min_coeff", "max_coeff"), ("factor_min", "factor_max")):
+            lo, hi = getattr(params, low), getattr(params, high)
+            if lo is not None and hi is not None and lo > hi:
+                problems.append(Problem(f"{base}.{low}", f"got {low} {lo} > {high} {hi}",
+                                        f"expected {low} <= {high}"))
+        beta, freeze = params.coeff_beta, params.freeze_step
+        if beta is not None and freeze is not None and freeze * (1 - beta) < 1 - 1e-9:
+            problems.append(Problem(f"{base}.coeff_beta", f"1 / (1 - coeff_beta) = {1 / (1 - beta):g} exceeds "
+                                    f"freeze_step {freeze}: the frozen coefficient would still be biased towards 0",
+                                    "lower coeff_beta or raise freeze_step"))
     return problems
 
 
