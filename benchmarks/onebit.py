@@ -10,8 +10,8 @@ Every optimizer keeps its own model copy in the same two processes and they take
 from other processes hits them alike. The 1-bit ones warm up for ``--warmup`` steps; the table shows, per
 optimizer step, the comms logger's bytes sent by a rank (in warm-up and after it), the collectives issued,
 the measured step time (slowest rank, median over the steps after warm-up) and the time spent inside
-collectives, and an alpha-beta model of the same step on a 1 Gbit/s link: ``compute + sum over collectives
-(steps * ALPHA) + bytes / BETA``, where compute = measured step time - time inside collectives, ALPHA = 50 us
+collectives, and an alpha-beta model of the same step on a 1 Gbit/s link: its communication ``sum over
+collectives (steps * ALPHA) + bytes / BETA`` and the whole step, compute + that, where compute = measured step time - time inside collectives, ALPHA = 50 us
 per message step (a ring all-reduce on N ranks takes 2(N-1) steps, the other collectives N-1) and BETA =
 125e6 bytes/s.
 
@@ -28,6 +28,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -125,20 +126,23 @@ def traffic(args: argparse.Namespace) -> dict:
         comm_med = statistics.median(r["comm_time"] for r in after)
         bytes_after = statistics.mean(r["bytes"] for r in after)
         steps_after = statistics.mean(r["message_steps"] for r in after)
-        modelled = (time_med - comm_med) + steps_after * ALPHA + bytes_after / BETA
+        link = steps_after * ALPHA + bytes_after / BETA
+        modelled = (time_med - comm_med) + link
         rows[name] = {"bytes_warmup": statistics.mean(r["bytes"] for r in warm), "bytes_after": bytes_after,
                       "ratio_to_fp32_allreduce": bytes_after / fp32_allreduce,
                       "calls_after": statistics.mean(r["calls"] for r in after),
                       "rounds_after": sum(r["bytes"] > 1024 for r in after) / len(after),
-                      "step_ms": 1e3 * time_med, "comm_ms": 1e3 * comm_med, "step_ms_1gbps": 1e3 * modelled}
+                      "step_ms": 1e3 * time_med, "comm_ms": 1e3 * comm_med, "comm_ms_1gbps": 1e3 * link,
+                      "step_ms_1gbps": 1e3 * modelled}
     base = rows["Adam"]["step_ms_1gbps"]
     print(f"{result['params']:,} parameters, 2 ranks, {args.steps} steps ({args.warmup} of warm-up); "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print(f"{'optimizer':<11} {'bytes/step warm-up':>18} {'after':>9} {'vs fp32 AR':>10} {'rounds':>6} "
-          f"{'step ms':>8} {'in comm':>8} {'1 Gbit/s ms':>11} {'speed-up':>8}")
+          f"{'step ms':>8} {'in comm':>8} {'1 Gbit/s: comm ms':>17} {'step ms':>8} {'speed-up':>8}")
     for name, r in rows.items():
         print(f"{name:<11} {r['bytes_warmup']:>18,.0f} {r['bytes_after']:>9,.0f} 1/{1 / r['ratio_to_fp32_allreduce']:>8.1f} "
-              f"{r['rounds_after']:>6.2f} {r['step_ms']:>8.1f} {r['comm_ms']:>8.1f} {r['step_ms_1gbps']:>11.1f} "
+              f"{r['rounds_after']:>6.2f} {r['step_ms']:>8.1f} {r['comm_ms']:>8.1f} {r['comm_ms_1gbps']:>17.2f} "
+              f"{r['step_ms_1gbps']:>8.1f} "
               f"{base / r['step_ms_1gbps']:>7.2f}x")
     return {"params": result["params"], "rows": rows, "load": os.getloadavg()[0]}
 
@@ -161,6 +165,8 @@ BOUNDS = {"1-bit Adam": 0.02, "0/1 Adam": 0.03, "1-bit LAMB": 0.02}
 
 
 def train(overrides: list[str], out: Path) -> dict:
+    if (out / "metrics.json").exists() and (out / "comms.json").exists():  # finished before (--out): read it
+        return _figures(out, wall_s=float("nan"))
     env = {**os.environ, "DSRUN_MLFLOW": "false", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     cmd = [sys.executable, "-m", "dsrun", "train", "+recipe=gpt_onebit", f"hydra.run.dir={out}",
            "train.eval_interval=0", *overrides]
@@ -168,25 +174,29 @@ def train(overrides: list[str], out: Path) -> dict:
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=7200)
     if done.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    metrics = json.loads((out / "metrics.json").read_text())
+    return _figures(out, wall_s=time.perf_counter() - start)
+
+
+def _figures(out: Path, wall_s: float) -> dict:
+    losses = json.loads((out / "metrics.json").read_text())["train_losses"]
     comms = json.loads((out / "comms.json").read_text())
-    losses = metrics["train_losses"]
     total = sum(op["traffic_bytes"] for op in comms["ops"].values())
-    return {"final": statistics.mean(losses[-100:]), "bytes": total, "wall_s": time.perf_counter() - start}
+    return {"final": statistics.mean(losses[-100:]), "bytes": total, "wall_s": wall_s}
 
 
 def convergence(args: argparse.Namespace) -> dict:
-    root = Path(tempfile.mkdtemp(prefix="dsrun-onebit-bench-"))
+    root = args.out or Path(tempfile.mkdtemp(prefix="dsrun-onebit-bench-"))
     results: dict[str, dict] = {}
     for precision in args.precisions:
         for name, overrides in convergence_runs(args.freeze).items():
             if args.runs and name not in args.runs:
                 continue
             run = train([*overrides, f"precision={precision}", f"train.max_steps={args.steps}"],
-                        root / f"{precision}-{name.replace(' ', '_').replace('/', '')}")
+                        root / f"{precision}-{re.sub(r'[^A-Za-z0-9_-]', '', name.replace(' ', '_'))}")
             results[f"{precision}/{name}"] = run
-            print(f"{precision:<5} {name:<18} final loss {run['final']:.4f}  bytes {run['bytes']:,.0f}  "
-                  f"({run['wall_s']:.0f} s)", flush=True)
+            took = f"({run['wall_s']:.0f} s)" if run["wall_s"] == run["wall_s"] else "(read from --out)"
+            print(f"{precision:<5} {name:<18} final loss {run['final']:.4f}  bytes {run['bytes']:,.0f}  {took}",
+                  flush=True)
     print(f"\n{args.steps} steps, warm-up {args.freeze}; final = mean training loss of the last 100 steps; "
           f"load average {os.getloadavg()[0]:.1f}")
     verdicts = {}
@@ -216,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--precisions", nargs="+", default=["fp32", "bf16"])
     c.add_argument("--runs", nargs="+", default=None, choices=list(convergence_runs(0)),
                    help="only these runs (default: all six); a comparison needs both of its runs")
+    c.add_argument("--out", type=Path, default=None,
+                   help="the runs' folder (default: a new temporary one); a run finished there before is read, "
+                        "not repeated, so an interrupted benchmark goes on where it stopped")
     for p in (t, c):
         p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args(argv)
