@@ -180,3 +180,16 @@ def test_unbound_on_several_ranks_refuses_to_step(monkeypatch: pytest.MonkeyPatc
         p.grad = g
     with pytest.raises(RuntimeError, match="pass it to dsrun.initialize"):
         opt.step()
+
+
+def test_the_pipeline_engine_refuses_them(world_of_one) -> None:
+    import torch.nn.functional as F
+
+    import dsrun
+    from dsrun.pipe import PipelineModule
+
+    module = PipelineModule(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)), num_stages=1,
+                            loss_fn=F.mse_loss)
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "OneBitAdam", "params": {"freeze_step": 2}}}
+    with pytest.raises(ConfigError, match="optimizer.type: OnebitAdam does not run under the pipeline engine"):
+        dsrun.initialize(model=module, config=config)
