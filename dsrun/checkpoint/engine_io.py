@@ -177,6 +177,9 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
         atomic.crash_point("after_model_states", rank)
         if engine.strategy is not None and files.optimizer_file_per_rank:
             save_optimizer_states(engine, staging / layout.optim_states_name(dp_rank, engine.bfloat16_enabled()))
+        rank_state = engine.strategy.rank_state_dict() if engine.strategy is not None else None
+        if rank_state is not None:  # optimizer state that differs per data-parallel rank (1-bit error buffers)
+            atomic.save_torch(rank_state, staging / layout.rank_states_name(dp_rank), rank)
         atomic.save_torch(state.capture_rng_state(), staging / layout.rng_states_name(rank), rank)
         atomic.crash_point("after_optim_states", rank)
 
@@ -321,6 +324,7 @@ def _restore_strategy(engine: Any, tag_dir: Path, model_states: dict[str, Any], 
         own = (model_states["optimizer"] if saved_stage == 0 else
                load_file(_optim_files(tag_dir, saved_world, engine.bfloat16_enabled())[dp_rank])["optimizer_state_dict"])
         strategy.load_state_dict(own)
+        _restore_rank_states(strategy, tag_dir, saved_world, dp_rank, same_layout=True)
         return
     if load_optimizer_states and model_states.get("param_shapes") is not None:
         _say(engine, f"resharding checkpoint {tag_dir.name}: saved by {saved_world} rank(s) at ZeRO stage "
@@ -335,6 +339,18 @@ def _restore_strategy(engine: Any, tag_dir: Path, model_states: dict[str, Any], 
     target = reshard.state_for_rank(strategy.state_dict(), full, live_stage, live_world, dp_rank, live_shapes,
                                     load_optimizer_states=load_optimizer_states)
     strategy.load_state_dict(target)
+    if load_optimizer_states:
+        _restore_rank_states(strategy, tag_dir, saved_world, dp_rank, same_layout=False)
+
+
+def _restore_rank_states(strategy: Any, tag_dir: Path, saved_world: int, dp_rank: int, same_layout: bool) -> None:
+    """The per-rank optimizer state (``optimizer_rank_states_<r>.pt``): this rank's own file when the layout is
+    the same, every saved rank's otherwise (the optimizer re-cuts them); none saved: an empty list."""
+    files = [tag_dir / layout.rank_states_name(r) for r in range(saved_world)]
+    if not all(f.is_file() for f in files):
+        strategy.load_rank_state_dicts([])
+        return
+    strategy.load_rank_state_dicts([load_file(files[dp_rank])] if same_layout else [load_file(f) for f in files])
 
 
 def find_tag_dir(engine: Any, load_dir: str, tag: Any) -> Path | None:

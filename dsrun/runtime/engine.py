@@ -21,6 +21,7 @@ from dsrun.runtime.activation_checkpointing.settings import configure_from_engin
 from dsrun.runtime.data_pipeline.engine_api import DataEfficiencyEngineMixin
 from dsrun.runtime.data_pipeline.features import DataEfficiency
 from dsrun.runtime.dataloader import DeepSpeedDataLoader
+from dsrun.runtime.fp16.onebit import ONE_BIT_CLASSES, build_onebit_optimizer
 from dsrun.runtime.lr_schedules import build_lr_scheduler
 from dsrun.runtime.observer import EngineObserver
 from dsrun.runtime.precision import PrecisionStrategy, build_precision
@@ -241,6 +242,17 @@ class DeepSpeedEngine(DataEfficiencyEngineMixin, torch.nn.Module):
     def gradient_accumulation_steps(self) -> int:
         return int(self._config.gradient_accumulation_steps)
 
+    @property
+    def enable_backward_allreduce(self) -> bool:
+        """DeepSpeed's switch: whether backward all-reduces gradients (the 1-bit optimizers turn it off once
+        their warm-up ends); settable at ZeRO stages 0-1."""
+        return self.strategy.enable_backward_allreduce if self.strategy is not None else True
+
+    @enable_backward_allreduce.setter
+    def enable_backward_allreduce(self, value: bool) -> None:
+        if self.strategy is not None:
+            self.strategy.enable_backward_allreduce = value
+
     def zero_optimization_stage(self) -> int:
         return int(self._config.zero_optimization.stage)
 
@@ -375,6 +387,8 @@ def build_engine_optimizer(config: DeepSpeedConfig, model: torch.nn.Module, opti
         raise ConfigError(Problem("initialize(optimizer=...)", f"got {type(optimizer).__name__}; allowed: a "
                                   "torch.optim.Optimizer or a callable returning one"))
     if config.optimizer is not None and config.optimizer.type:
+        if config.optimizer.type.lower() in ONE_BIT_CLASSES:  # they communicate by themselves: docs/onebit.md
+            return build_onebit_optimizer(config.optimizer.type, params, config.optimizer.params)
         on_cpu = get_accelerator().name == "cpu"
         offload = config.zero_optimization.offload_optimizer.device != "none" and config.zero_optimization.stage > 0
         return build_optimizer(config.optimizer.type, params, config.optimizer.params, on_cpu=on_cpu or offload,

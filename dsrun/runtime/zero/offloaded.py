@@ -148,6 +148,8 @@ class OffloadStage1Strategy(_OffloadedPartitions, Stage1Strategy):
     gradient partition (model dtype, on the device) is copied to the host tile by tile during the step, each
     copy overlapping the previous tile's update."""
 
+    supports_local_gradients = False  # the step reads the reduced partition only
+
     def _build_buffers(self) -> None:
         super()._build_buffers()
         # fp32 host copy of the reduced gradient partition (distinct from the device's model-dtype partition)
