@@ -134,6 +134,19 @@ class ProcessGroups:
         entry = self._expert_entry(expert_parallel_size)
         return entry[2], entry[3]
 
+    # --- which group a parameter lives on ----------------------------------------------------------------
+    def group_of_param(self, param: Any) -> ProcessGroup:
+        """The group whose ranks hold copies of ``param``: its gradient is reduced, ZeRO partitions it, its
+        initial value is broadcast over it. The data-parallel group, or for an expert parameter (DeepSpeed's
+        marks: ``allreduce = False``, ``group_name = "ep_size_E"``) its expert-data-parallel group."""
+        size = expert_parallel_size_of(param)
+        return self.data if size is None else self.expert_data(size)
+
+    def members_of_param(self, param: Any) -> list[int]:
+        """The global ranks of :meth:`group_of_param`'s group (the first is the broadcast source)."""
+        size = expert_parallel_size_of(param)
+        return self.members("data") if size is None else self.expert_members(size)[1]
+
     def destroy(self) -> None:
         """Destroy the groups this object created (not the world's default group)."""
         created = [g for g in self._axis_groups.values() if g is not None and g is not _SINGLE]
@@ -143,6 +156,16 @@ class ProcessGroups:
             comm.destroy_process_group(group)
         self._axis_groups = {axis: None for axis in self._axis_groups}
         self._expert = {}
+
+
+def expert_parallel_size_of(param: Any) -> int | None:
+    """E for an expert parameter (``allreduce`` False, ``group_name`` "ep_size_E"), else None."""
+    if getattr(param, "allreduce", True):
+        return None
+    name = str(getattr(param, "group_name", "ep_size_1"))
+    if not name.startswith("ep_size_") or not name[len("ep_size_"):].isdigit():
+        raise ValueError(f"expert parameter with group_name {name!r}: expected 'ep_size_<E>'")
+    return int(name[len("ep_size_"):])
 
 
 def from_data_group(group: ProcessGroup) -> "ProcessGroups":

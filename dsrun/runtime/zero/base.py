@@ -53,6 +53,23 @@ class StrategyContext:
     def world_size(self) -> int:
         return comm.get_world_size(self.group)
 
+    def process_group_of(self, params: list[torch.nn.Parameter], where: str = "an optimizer param group"
+                         ) -> tuple[Any, int, int]:
+        """(group, its size, this rank's place in it) that ``params`` are reduced and partitioned over: the
+        data-parallel group, or for MoE experts their expert-data-parallel group. All of ``params`` must
+        share it."""
+        if self.groups is None or not params:
+            return self.group, self.world_size, self.rank
+        groups = {id(self.groups.group_of_param(p)): self.groups.group_of_param(p) for p in params}
+        if len(groups) > 1:
+            from dsrun.utils.errors import ConfigError, Problem
+
+            raise ConfigError(Problem(where, "mixes MoE expert parameters with shared ones (or experts of "
+                                      "different expert-parallel sizes)", "build the optimizer's param groups with "
+                                      "dsrun.moe.utils.split_params_into_different_moe_groups_for_optimizer"))
+        group = next(iter(groups.values()))
+        return group, comm.get_world_size(group), comm.get_rank(group)
+
     @property
     def rank(self) -> int:
         return comm.get_rank(self.group)
@@ -300,7 +317,6 @@ class FlatStrategy(ZeroStrategy):
     def __init__(self, ctx: StrategyContext):
         super().__init__(ctx)
         self._optimizer = ctx.optimizer
-        alignment = self.alignment_per_rank * self.world_size if self.alignment_per_rank else 1
         self.groups: list[FlatGroup] = []
         seen: set[int] = set()
         for param_group in self._optimizer.param_groups:
@@ -310,7 +326,14 @@ class FlatStrategy(ZeroStrategy):
                     continue
                 seen.add(id(p))
                 params.append(p)
-            self.groups.append(flatten_params(params, self.model_dtype, ctx.device, alignment, self.world_size))
+            group, size, rank = ctx.process_group_of(params)
+            alignment = self.alignment_per_rank * size if self.alignment_per_rank else 1
+            self.groups.append(flatten_params(params, self.model_dtype, ctx.device, alignment, size, group, rank))
+        # MoE experts are reduced over their own (smaller) groups: at stage 0 each rank then holds gradients
+        # the others do not, so the squared norm is summed over the data-parallel group with each group's
+        # copies counted once (see _local_sq_norm)
+        self._own_groups = any(g.world_size != self.world_size or g.process_group is not ctx.group
+                               for g in self.groups)
         self._build_buffers()
         self.masters: list[torch.nn.Parameter] = self._build_masters()
         for param_group, master in zip(self._optimizer.param_groups, self.masters):
@@ -392,7 +415,7 @@ class FlatStrategy(ZeroStrategy):
 
     @property
     def norm_is_partitioned(self) -> bool:  # type: ignore[override]
-        return self.partitioned
+        return self.partitioned or self._own_groups
 
     def _begin_step(self) -> None:
         self._step_grads = self._master_grads()
@@ -406,8 +429,11 @@ class FlatStrategy(ZeroStrategy):
 
     def _local_sq_norm(self) -> torch.Tensor:
         sq = torch.zeros(1, dtype=torch.float64, device=self.ctx.device)
-        for g in self._step_grads:  # master gradients are fp32 and flat: a dot product, no temporary
-            sq += torch.dot(g, g).double()
+        for group, g in zip(self.groups, self._step_grads):  # fp32 and flat: a dot product, no temporary
+            part = torch.dot(g, g).double()
+            if self._own_groups and not self.partitioned:  # whole copies on each of the group's ranks
+                part = part / group.world_size
+            sq += part
         return sq
 
     def _apply_update(self, coef: float) -> None:
@@ -443,7 +469,7 @@ class FlatStrategy(ZeroStrategy):
         master = self.masters[gi].detach()
         group = self.groups[gi]
         if self.partitioned:
-            pad = group.partition_padding(self.rank)
+            pad = group.partition_padding(group.rank)
             return master[: master.numel() - pad]
         return master[: group.numel]
 
@@ -458,7 +484,7 @@ class FlatStrategy(ZeroStrategy):
             "base_optimizer_state": self._optimizer.state_dict(),
             "single_partition_of_fp32_groups": [self._unpadded_master(i).float().clone()
                                                 for i in range(len(self.groups))],
-            "group_paddings": [g.partition_padding(self.rank) if self.partitioned else g.padding for g in self.groups],
+            "group_paddings": [g.partition_padding(g.rank) if self.partitioned else g.padding for g in self.groups],
             "param_shapes": [g.param_shapes() for g in self.groups],
         }
         sd.update(self.precision.state_dict())
