@@ -28,7 +28,7 @@ from dsrun import comm
 from dsrun.utils import zero_to_fp32 as z2f
 from dsrun.utils.errors import Problem, UserError
 
-from . import atomic, layout, reshard, state
+from . import atomic, experts, layout, reshard, state
 from .safe_load import load_file
 
 log = logging.getLogger("dsrun.checkpoint")
@@ -120,7 +120,7 @@ def _model_states(engine: Any, client_state: dict[str, Any], exclude_frozen: boo
     strategy = engine.strategy
     stage = files.stage
     sd: dict[str, Any] = {
-        "module": state.module_state_cpu(engine.module, exclude_frozen),
+        "module": state.module_state_cpu(engine.module, exclude_frozen),  # MoE experts: their own files
         "buffer_names": state.buffer_names(engine.module),
         # stage 0 has no per-rank optimizer files: its (full) optimizer state lives here, as DeepSpeed does
         "optimizer": strategy.state_dict() if strategy is not None and files.optimizer_in_model_states else None,
@@ -140,6 +140,8 @@ def _model_states(engine: Any, client_state: dict[str, Any], exclude_frozen: boo
         "dsrun": {"micro_steps": engine.micro_steps, "zero_stage": stage, "precision": engine.precision.name,
                   "state_dict_keys": list(engine.module.state_dict().keys())},
     }
+    if experts.applies(engine):
+        sd["module"] = experts.without_experts(sd["module"])
     loader = getattr(engine, "training_dataloader", None)
     if loader is not None and hasattr(loader, "epoch"):
         sd["data_sampler"] = {"epoch": loader.epoch}
@@ -184,6 +186,8 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
             atomic.save_torch(_model_states(engine, client_state or {}, exclude_frozen_parameters, files),
                               staging / files.model_states_name(dp_rank), rank, torn_point="model_states_torn")
         atomic.crash_point("after_model_states", rank)
+        if experts.applies(engine):  # one file per expert (collective within each expert-data group)
+            experts.save(engine, staging, rank)
         if engine.strategy is not None and files.optimizer_file_per_rank:
             optim = {"optimizer_state_dict": engine.strategy.state_dict(), "ds_config": state.plain_config(engine),
                      "ds_version": DS_VERSION}
@@ -291,6 +295,14 @@ def _restore_strategy(engine: Any, tag_dir: Path, model_states: dict[str, Any], 
     # the same masters, cut the same way (stage 3's sub_group_size may differ between the runs)
     same_grouping = saved_shapes is None or [list(s) for s in saved_shapes] == [list(s) for s in live_shapes]
     same_layout = saved_stage == live_stage and saved_world == live_world and same_grouping and not load_universal
+    if experts.applies(engine) and load_optimizer_states:
+        if live_stage == 0 and saved_stage == 0:  # shared groups from rank 0's state, experts by global id
+            strategy.load_state_dict(experts.stage0_optimizer_state(engine, tag_dir, model_states["optimizer"]))
+            return
+        if not same_layout:
+            raise RuntimeError(f"{tag_dir}: resharding an MoE checkpoint is implemented between ZeRO stage 0 runs "
+                               f"(saved: stage {saved_stage} on {saved_world} ranks; this run: stage {live_stage} "
+                               f"on {live_world}); load it with the saved topology, or save and load at stage 0")
     if load_optimizer_states and same_layout:
         own = (model_states["optimizer"] if saved_stage == 0 else
                load_file(_optim_files(tag_dir, saved_world, engine.bfloat16_enabled())[dp_rank])["optimizer_state_dict"])
@@ -337,7 +349,10 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
     else:
         model_path = tag_dir / layout.model_states_name(0, 0)
     model_states = load_file(model_path)
-    _load_module(engine, model_states["module"], load_module_strict, tag_dir)
+    module_sd = model_states["module"]
+    if experts.applies(engine):  # this rank's experts, by global id, from their own files
+        module_sd = experts.module_state(engine, tag_dir, module_sd)
+    _load_module(engine, module_sd, load_module_strict, tag_dir)
     if engine.strategy is not None:
         load_universal = bool(getattr(getattr(engine._config, "checkpoint", None), "load_universal", False))
         _restore_strategy(engine, tag_dir, model_states, load_optimizer_states and not load_module_only,

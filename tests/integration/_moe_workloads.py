@@ -224,3 +224,72 @@ def analytic_a2a_bytes(tokens: int, k: int, ep: int, capacity_factor: float = 1.
     (E, C, M) fp32 buffer."""
     cap = max(0, min(max(math.ceil(tokens * k * capacity_factor / EXPERTS), min_capacity), tokens))
     return 4 * EXPERTS * cap * D * 4
+
+
+# --- checkpoints: save with one expert-parallel size, load with another ------------------------------------
+def ckpt_engine(world: int) -> Any:
+    import dsrun
+
+    dsrun.init_distributed()
+
+    cfg = {"train_micro_batch_size_per_gpu": TOKENS, "gradient_accumulation_steps": 2 // world,
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": 0},
+           "steps_per_print": 1000}
+    engine, _, _, _ = dsrun.initialize(model=MoENet(world), config=cfg)
+    return engine
+
+
+def ckpt_step(engine: Any, rank: int, world: int, step: int) -> float:
+    """One optimizer step on the two shards of step ``step`` (2 ranks: one each; 1 rank: both, accumulated);
+    returns the mean loss."""
+    from dsrun import comm
+
+    total = torch.zeros(1, dtype=torch.float64)
+    for shard in range(rank, 2, world):
+        x, y = engine_batch(shard)
+        loss = engine((x + step, y))
+        engine.backward(loss)
+        engine.step()
+        total += loss.item()
+    if world > 1:
+        comm.all_reduce(total)
+    return float(total) / 2
+
+
+def expert_state(engine: Any) -> dict[str, Any]:
+    """Every expert parameter of this rank by global name: weight and Adam moments."""
+    from dsrun.checkpoint import experts
+
+    strategy = engine.strategy
+    slots = experts._slots(engine)
+    out = {}
+    for *_, params in experts._experts(engine):
+        for name, p in params.items():
+            gi, off, n = slots[id(p)]
+            state = strategy.optimizer.state[strategy.masters[gi]]
+            out[name] = {"weight": p.detach().clone().numpy(),
+                         "exp_avg": state["exp_avg"][off:off + n].clone().numpy(),
+                         "exp_avg_sq": state["exp_avg_sq"][off:off + n].clone().numpy()}
+    return out
+
+
+def ckpt_save_first(rank: int, world: int, root: str) -> dict[str, Any]:
+    engine = ckpt_engine(world)
+    for step in range(2):
+        ckpt_step(engine, rank, world, step)
+    engine.save_checkpoint(root, tag="a")
+    saved = expert_state(engine)
+    shared = {n: p.detach().clone().numpy() for n, p in engine.module.named_parameters() if ".deepspeed_experts." not in n}
+    next_loss = ckpt_step(engine, rank, world, 2)
+    return {"experts": saved, "shared": shared, "next_loss": next_loss}
+
+
+def ckpt_load_and_save(rank: int, world: int, root: str, load_tag: str, save_tag: str | None) -> dict[str, Any]:
+    engine = ckpt_engine(world)
+    engine.load_checkpoint(root, tag=load_tag)
+    loaded = expert_state(engine)
+    shared = {n: p.detach().clone().numpy() for n, p in engine.module.named_parameters() if ".deepspeed_experts." not in n}
+    if save_tag is not None:
+        engine.save_checkpoint(root, tag=save_tag)
+    next_loss = ckpt_step(engine, rank, world, 2)
+    return {"experts": loaded, "shared": shared, "next_loss": next_loss, "global_steps": engine.global_steps}
