@@ -39,6 +39,7 @@ class ProcessGroups:
         self._axis_groups: dict[str, ProcessGroup] = {axis: self._own_group(self.topology.get_axis_comm_lists(axis))
                                                       for axis in self.topology.get_axis_names()}
         self._expert: dict[int, tuple[ProcessGroup, ProcessGroup, list[int], list[int]]] = {}
+        self.expert_data_first = False
 
     def _own_group(self, lists: list[list[int]]) -> ProcessGroup:
         """Create every group of ``lists`` (a collective: all ranks create all of them, in order) and return
@@ -99,10 +100,26 @@ class ProcessGroups:
         if size < 1 or dp % size:
             raise ValueError(f"expert parallel size {size} must divide the data-parallel size {dp}")
         experts, replicas = [], []
+        data_first = getattr(self, "expert_data_first", False)
         for ranks in self.topology.get_axis_comm_lists("data"):
-            experts += [ranks[i:i + size] for i in range(0, dp, size)]
-            replicas += [ranks[j::size] for j in range(size)]
+            if data_first:  # DeepSpeed's use_data_before_expert_parallel_: replicas consecutive, experts strided
+                step = dp // size
+                replicas += [ranks[i:i + step] for i in range(0, dp, step)]
+                experts += [ranks[j::step] for j in range(step)]
+            else:
+                experts += [ranks[i:i + size] for i in range(0, dp, size)]
+                replicas += [ranks[j::size] for j in range(size)]
         return experts, replicas
+
+    def set_expert_layout(self, data_first: bool) -> None:
+        """Lay expert groups out data-parallel-first (``use_data_before_expert_parallelism``: an expert's
+        replicas are consecutive ranks, the experts of a layer strided) instead of DeepSpeed's default
+        (experts consecutive). Only before the first expert group is created."""
+        if bool(data_first) == getattr(self, "expert_data_first", False):
+            return
+        if self._expert:
+            raise ValueError("the expert-group layout cannot change after expert groups were created")
+        self.expert_data_first = bool(data_first)
 
     def _expert_entry(self, expert_parallel_size: int) -> tuple[ProcessGroup, ProcessGroup, list[int], list[int]]:
         size = int(expert_parallel_size)

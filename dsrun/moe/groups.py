@@ -45,10 +45,8 @@ def _groups() -> ProcessGroups:
 
 def _create_expert_and_data_parallel(expert_parallel_size_: int, use_data_before_expert_parallel_: bool = False) -> None:
     """Create (once) the expert-parallel and expert-data-parallel groups of size ``expert_parallel_size_``."""
-    if use_data_before_expert_parallel_:
-        raise NotImplementedError("use_data_before_expert_parallel_=True (data-parallel ranks first) is not "
-                                  "implemented; dsrun lays expert groups out as DeepSpeed's default does")
     size = int(expert_parallel_size_)
+    _groups().set_expert_layout(use_data_before_expert_parallel_)
     _groups().expert(size)
     _expert_sizes.setdefault(expert_group_name(size), size)
 

@@ -98,12 +98,14 @@ def moe_layers(module: torch.nn.Module) -> list[MoE]:
     return [m for m in module.modules() if isinstance(m, MoE)]
 
 
-def attach_process_groups(module: torch.nn.Module, process_groups: Any) -> list[MoE]:
+def attach_process_groups(module: torch.nn.Module, process_groups: Any, data_before_expert: bool = False) -> list[MoE]:
     """Register the engine's process groups and give every MoE layer of ``module`` its expert group
-    (collective; every rank calls it with the same model). Returns the layers."""
+    (collective; every rank calls it with the same model). ``data_before_expert``: the config's
+    ``use_data_before_expert_parallelism``. Returns the layers."""
     layers = moe_layers(module)
     if layers:
+        process_groups.set_expert_layout(data_before_expert)
         groups._set_process_groups(process_groups)
         for layer in layers:
-            layer.set_deepspeed_parallelism()
+            layer.set_deepspeed_parallelism(data_before_expert)
     return layers

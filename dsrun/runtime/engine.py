@@ -57,7 +57,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self.dp_world_size = comm.get_world_size(self.dp_group)
         self.device = get_accelerator().device(self.local_rank)
         # MoE layers get their expert-parallel groups from the engine's topology (collective)
-        self.moe_layers = attach_process_groups(model, self.groups)
+        self.moe_layers = attach_process_groups(model, self.groups, bool(config.use_data_before_expert_parallelism))
         self.has_moe_layers = bool(self.moe_layers)
         if self.has_moe_layers:
             _check_moe_config(config)

@@ -60,14 +60,15 @@ class StrategyContext:
         share it."""
         if self.groups is None or not params:
             return self.group, self.world_size, self.rank
-        groups = {id(self.groups.group_of_param(p)): self.groups.group_of_param(p) for p in params}
-        if len(groups) > 1:
+        from dsrun.comm.groups import expert_parallel_size_of
+
+        if len({expert_parallel_size_of(p) for p in params}) > 1:
             from dsrun.utils.errors import ConfigError, Problem
 
             raise ConfigError(Problem(where, "mixes MoE expert parameters with shared ones (or experts of "
                                       "different expert-parallel sizes)", "build the optimizer's param groups with "
                                       "dsrun.moe.utils.split_params_into_different_moe_groups_for_optimizer"))
-        group = next(iter(groups.values()))
+        group = self.groups.group_of_param(params[0])
         return group, comm.get_world_size(group), comm.get_rank(group)
 
     @property
