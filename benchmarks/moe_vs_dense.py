@@ -62,8 +62,10 @@ def main() -> None:
                         "tokens_per_second": dense["tokens_per_second"]}}
     print(json.dumps({k: v for k, v in result.items() if k not in ("moe", "dense")}, indent=1))
     print("eval loss (nats/token): step | gpt_moe | dense")
-    for (s, m), (_, d) in zip(moe["eval_losses"], dense["eval_losses"]):
-        print(f"{s:5d} | {m:.4f} | {d:.4f}")
+    for m, d in zip(moe["eval_losses"], dense["eval_losses"]):
+        print(f"{m['step']:5d} | {m['loss']:.4f} | {d['loss']:.4f}")
+    print(f"tokens/s (same run, load {load:.1f}): gpt_moe {moe['tokens_per_second']:.0f}, "
+          f"dense {dense['tokens_per_second']:.0f}")
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1))
 

@@ -26,6 +26,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from dsrun import comm
 from dsrun.models.gpt import GPT, INIT_STD
 from dsrun.models.layers import MLP
 from dsrun.utils.errors import ConfigError, Problem
@@ -97,10 +98,12 @@ class MoEGPT(GPT):
                         min_capacity=opts.min_capacity, use_residual=opts.residual,
                         noisy_gate_policy=opts.noisy_gate_policy, drop_tokens=opts.drop_tokens, use_rts=opts.use_rts,
                         dropless=opts.dropless)
-            residual_std = INIT_STD / math.sqrt(2 * cfg.n_layer)
-            layer.deepspeed_moe.experts.reset_parameters(
-                layer.global_expert_ids()[0], lambda m, g, lid=layer_id: _init_expert(m, lid, g, residual_std))
-            nn.init.normal_(layer.deepspeed_moe.gate.wg.weight, mean=0.0, std=INIT_STD)
+            if not layer.deepspeed_moe.gate.wg.weight.is_meta:  # (the estimator builds models on meta)
+                residual_std = INIT_STD / math.sqrt(2 * cfg.n_layer)
+                first = layer.global_expert_ids()[0] if comm.is_initialized() else 0
+                layer.deepspeed_moe.experts.reset_parameters(
+                    first, lambda m, g, lid=layer_id: _init_expert(m, lid, g, residual_std))
+                nn.init.normal_(layer.deepspeed_moe.gate.wg.weight, mean=0.0, std=INIT_STD)
             block.mlp = MoEMLP(layer)
 
     def moe_parameter_counts(self) -> tuple[int, int]:
