@@ -293,3 +293,28 @@ def ckpt_load_and_save(rank: int, world: int, root: str, load_tag: str, save_tag
         engine.save_checkpoint(root, tag=save_tag)
     next_loss = ckpt_step(engine, rank, world, 2)
     return {"experts": loaded, "shared": shared, "next_loss": next_loss, "global_steps": engine.global_steps}
+
+
+def resume_same_topology(rank: int, world: int, root: str) -> dict[str, float]:
+    """At ZeRO 1, 2 and 3: train 2 steps, save, take a third; a fresh engine loads and takes the third step
+    again: the same loss, bit for bit (each rank reads its own files back)."""
+    import dsrun
+
+    dsrun.init_distributed()
+    out = {}
+    for stage in (1, 2, 3):
+        cfg = {"train_micro_batch_size_per_gpu": TOKENS, "gradient_accumulation_steps": 1,
+               "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+               "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+               "steps_per_print": 1000}
+        engine, _, _, _ = dsrun.initialize(model=MoENet(world), config=cfg)
+        for step in range(2):
+            ckpt_step(engine, rank, world, step)
+        engine.save_checkpoint(root, tag=f"s{stage}")
+        first = ckpt_step(engine, rank, world, 2)
+        engine.destroy()
+        engine, _, _, _ = dsrun.initialize(model=MoENet(world), config=cfg)
+        engine.load_checkpoint(root, tag=f"s{stage}")
+        out[f"s{stage}"] = (first, ckpt_step(engine, rank, world, 2))
+        engine.destroy()
+    return out

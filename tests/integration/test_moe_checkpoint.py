@@ -41,3 +41,12 @@ def test_save_ep2_load_ep1_and_back(tmp_path) -> None:
     assert back[0]["next_loss"] == first[0]["next_loss"] or \
         abs(back[0]["next_loss"] - first[0]["next_loss"]) <= w.fp32_bound(2 * w.TOKENS, scale) * 64
     assert os.path.isfile(tmp_path / "ckpt" / "b" / "layer_0_expert_3_mp_rank_00_optim_states.pt")
+
+
+def test_zero_1_2_3_resume_with_the_saved_topology(tmp_path) -> None:
+    results = run_ranks(w.resume_same_topology, 2, str(tmp_path / "ckpt"), timeout=300)
+    for rank, result in enumerate(results):
+        for stage, (uninterrupted, resumed) in result.items():
+            assert resumed == uninterrupted, f"rank {rank} {stage}: {resumed} != {uninterrupted}"
+    assert (tmp_path / "ckpt" / "s2" / "layer_0_expert_3_mp_rank_00_model_states.pt").is_file()
+    assert not (tmp_path / "ckpt" / "s3" / "layer_0_expert_0_mp_rank_00_model_states.pt").exists()

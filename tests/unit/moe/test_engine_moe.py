@@ -93,3 +93,22 @@ def test_moe_gpt_layers_counts_and_aux_loss() -> None:
         MoEGPT(moe={"experts": 8}, **NANO)
     with pytest.raises(ConfigError, match="num_experts"):
         MoEGPT(moe={"num_experts": [2, 2, 2], "every": 2}, **NANO)
+
+
+def test_estimator_and_flops_profiler_report_all_and_active_parameters() -> None:
+    from dsrun.estimate.counting import count_parameters
+    from dsrun.profiling.flops_profiler import FlopsProfiler
+
+    model = MoEGPT(moe={"num_experts": 4, "k": 1}, **NANO)
+    total, active = model.moe_parameter_counts()
+    counts = count_parameters(model)
+    assert (counts.moe_total, counts.moe_active) == (total, active) and active < total == counts.total
+    prof = FlopsProfiler(model)
+    prof.start_profile()
+    model(torch.randint(0, 64, (1, 16)))
+    lines = "\n".join(prof.summary_lines())
+    prof.end_profile()
+    from dsrun.profiling.flops_profiler import params_to_string
+
+    assert "MoE params active per token (k experts per layer):" in lines
+    assert params_to_string(active) in lines and params_to_string(total) in lines
