@@ -88,7 +88,7 @@ def test_moe_gpt_layers_counts_and_aux_loss() -> None:
     model.moe_options = type(model.moe_options)(**{**model.moe_options.__dict__, "loss_coeff": 1.0})
     with_aux = model(idx, idx)
     aux = sum(float(m.l_aux.detach()) for m in model.modules() if isinstance(m, MoEMLP))
-    assert float(with_aux - plain) == pytest.approx(aux, rel=1e-5)
+    assert float((with_aux - plain).detach()) == pytest.approx(aux, rel=1e-5)
     with pytest.raises(ConfigError, match="model.moe.experts"):
         MoEGPT(moe={"experts": 8}, **NANO)
     with pytest.raises(ConfigError, match="num_experts"):
