@@ -9,11 +9,11 @@ DeepSpeed writes them. Beside it dsrun writes ``layer_{L}_expert_{G}_mp_rank_00_
 expert's fp32 master weights and optimizer state (``exp_avg``, ``exp_avg_sq`` ...) by the same names. The
 first rank of each expert-data-parallel group writes its experts' files.
 
-Loading puts every rank's own experts back by global id, whatever expert-parallel size saved them: the
-module's expert parameters from the model files and, at stage 0, the experts' master weights and optimizer
-state from the optimizer files (the shared groups come from the saved optimizer state as usual). Stages 1-2
-restore from their per-rank optimizer files, which needs the same topology; ZeRO-3 keeps its per-rank files
-(experts included) and writes no expert files.
+Loading puts every rank's own experts back by global id, whatever expert-parallel size, data-parallel size
+and stage (0-2) saved them: the module's expert parameters from the model files, the experts' master
+weights and optimizer state from the optimizer files, and the shared groups merged from every saved rank
+(:mod:`.reshard`). Stages 1-2 with the saved topology read each rank's own optimizer file as usual; ZeRO-3
+keeps its per-rank files (experts included), writes no expert files and loads with the saved topology only.
 """
 from __future__ import annotations
 
@@ -136,46 +136,56 @@ def module_state(engine: Any, tag_dir: Path, module_sd: dict[str, Any]) -> dict[
     return out
 
 
-def stage0_optimizer_state(engine: Any, tag_dir: Path, saved: dict[str, Any]) -> dict[str, Any]:
-    """The stage-0 optimizer state for this rank: shared groups from the saved state (rank 0's), expert
-    groups rebuilt from the per-expert files by global name."""
+def _split_dense(saved_shapes: list[dict[str, Any]], where: Path) -> int:
+    """How many leading groups hold shared parameters (expert groups must come after them, as
+    ``split_params_into_different_moe_groups_for_optimizer`` puts them)."""
+    kinds = [any(MARK in name for name in shapes) for shapes in saved_shapes]
+    dense = kinds.index(True) if True in kinds else len(kinds)
+    if any(not k for k in kinds[dense:]):
+        raise RuntimeError(f"{where}: expert param groups must follow the shared ones to reshard MoE state")
+    return dense
+
+
+def optimizer_state(engine: Any, tag_dir: Path, saved_shapes: list[dict[str, Any]],
+                    rank_states: list[dict[str, Any]], saved_stage: int, load_optimizer_states: bool = True
+                    ) -> dict[str, Any]:
+    """This rank's optimizer state for any saved expert-parallel size and stage 0-2: the shared groups merged
+    from every saved rank and cut as this run lays them out (:mod:`.reshard`), each expert group rebuilt from
+    the per-expert files by global id and cut over its own expert-data-parallel group."""
+    from . import reshard
+
     strategy = engine.strategy
-    live = strategy.state_dict()
-    if len(saved["single_partition_of_fp32_groups"]) != len(strategy.groups):
-        raise RuntimeError(f"{tag_dir}: the checkpoint has {len(saved['single_partition_of_fp32_groups'])} "
-                           f"optimizer groups, this model {len(strategy.groups)}")
-    names = {id(p): n for _, _, _, params in _experts(engine) for n, p in params.items()}
-    files: dict[tuple[int, int], dict[str, Any]] = {}
-    owner = {id(p): (li, g) for li, g, _, params in _experts(engine) for p in params.values()}
-    masters, states = [], {}
-    saved_states = saved["base_optimizer_state"]["state"]
+    dense = _split_dense(saved_shapes, tag_dir)
+    full = reshard.merge_rank_states(rank_states, saved_stage, saved_shapes[:dense])
+    full.param_groups = [{k: v for k, v in g.items() if k != "params"}
+                         for g in reshard._base_state(rank_states[0])["param_groups"]]
+    for li, g, local, params in _experts(engine):
+        saved = load_file(tag_dir / optim_file(li, g))
+        for name in params:
+            local_name = local + name.split(MARK, 1)[1].split(".", 1)[1]
+            full.fp32[local_name] = saved["fp32"][name].reshape(-1).float()
+            full.moments[local_name] = {k: v.reshape(-1) for k, v in saved["optimizer_state"][name].items()
+                                        if torch.is_tensor(v) and v.dim() > 0}
+    template = strategy.state_dict()
+    live_shapes = strategy.checkpoint_param_shapes()
+    base_key = next(k for k in ("base_optimizer_state", "optimizer_state_dict") if k in template)
+    masters, states, param_groups = [], {}, []
     for gi, group in enumerate(strategy.groups):
-        if not any(is_moe_param(p) for p in group.params):
-            masters.append(saved["single_partition_of_fp32_groups"][gi])
-            if gi in saved_states:
-                states[gi] = saved_states[gi]
-            continue
-        master = torch.zeros(group.numel, dtype=torch.float32)
-        tensors: dict[str, torch.Tensor] = {}
-        scalars: dict[str, Any] = {}
-        for p, off, n in zip(group.params, group.offsets, group.numels):
-            key = owner[id(p)]
-            if key not in files:
-                files[key] = load_file(tag_dir / optim_file(*key))
-            master[off:off + n] = files[key]["fp32"][names[id(p)]].reshape(-1)
-            for k, v in files[key]["optimizer_state"][names[id(p)]].items():
-                if torch.is_tensor(v) and v.numel() == n and v.dim() > 0:
-                    tensors.setdefault(k, torch.zeros(group.padded_numel, dtype=torch.float32))[off:off + n] = \
-                        v.reshape(-1)
-                else:
-                    scalars[k] = v
-        masters.append(master)
-        if tensors or scalars:
-            states[gi] = {**scalars, **tensors}
-    groups_saved = saved["base_optimizer_state"]["param_groups"]
-    groups_live = live["base_optimizer_state"]["param_groups"]
-    param_groups = [{**s, **{k: l[k] for k in ("name", "moe", "params") if k in l}}
-                    for s, l in zip(groups_saved, groups_live)]
-    return {**saved, "single_partition_of_fp32_groups": masters, "group_paddings": live["group_paddings"],
-            "param_shapes": live["param_shapes"], "partition_count": live["partition_count"],
-            "base_optimizer_state": {"state": states, "param_groups": param_groups}}
+        base = template[base_key]
+        sub = {**template, "single_partition_of_fp32_groups": [template["single_partition_of_fp32_groups"][gi]],
+               base_key: {"state": {0: base["state"][gi]} if gi in base["state"] else {},
+                          "param_groups": [{**base["param_groups"][gi], "params": [0]}]}}
+        cut = reshard.state_for_rank(sub, full, strategy.stage, group.world_size if strategy.partitioned else 1,
+                                     group.rank if strategy.partitioned else 0, [live_shapes[gi]],
+                                     load_optimizer_states=load_optimizer_states)
+        masters.append(cut["single_partition_of_fp32_groups"][0])
+        if 0 in cut[base_key]["state"]:
+            states[gi] = cut[base_key]["state"][0]
+        saved_group = full.param_groups[gi] if gi < len(full.param_groups) else {}
+        param_groups.append({**base["param_groups"][gi],
+                             **{k: v for k, v in saved_group.items() if k not in ("name", "moe")},
+                             "params": base["param_groups"][gi]["params"]})
+    out = {**template, **full.precision, "single_partition_of_fp32_groups": masters}
+    if load_optimizer_states:
+        out[base_key] = {"state": states, "param_groups": param_groups}
+    return out

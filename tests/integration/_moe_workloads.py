@@ -227,13 +227,12 @@ def analytic_a2a_bytes(tokens: int, k: int, ep: int, capacity_factor: float = 1.
 
 
 # --- checkpoints: save with one expert-parallel size, load with another ------------------------------------
-def ckpt_engine(world: int) -> Any:
+def ckpt_engine(world: int, stage: int = 0) -> Any:
     import dsrun
 
     dsrun.init_distributed()
-
     cfg = {"train_micro_batch_size_per_gpu": TOKENS, "gradient_accumulation_steps": 2 // world,
-           "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": 0},
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": stage},
            "steps_per_print": 1000}
     engine, _, _, _ = dsrun.initialize(model=MoENet(world), config=cfg)
     return engine
@@ -281,7 +280,20 @@ def ckpt_save_first(rank: int, world: int, root: str) -> dict[str, Any]:
     saved = expert_state(engine)
     shared = {n: p.detach().clone().numpy() for n, p in engine.module.named_parameters() if ".deepspeed_experts." not in n}
     next_loss = ckpt_step(engine, rank, world, 2)
-    return {"experts": saved, "shared": shared, "next_loss": next_loss}
+    engine.destroy()
+    z2 = ckpt_engine(world, stage=2)  # the same run at ZeRO-2, saved too
+    for step in range(2):
+        ckpt_step(z2, rank, world, step)
+    z2.save_checkpoint(root, tag="z2")
+    z2_saved = expert_state(z2)
+    z2_next = ckpt_step(z2, rank, world, 2)
+    return {"experts": saved, "shared": shared, "next_loss": next_loss, "z2_experts": z2_saved, "z2_next": z2_next}
+
+
+def ckpt_load_other_stage(rank: int, world: int, root: str, tag: str, stage: int) -> dict[str, Any]:
+    engine = ckpt_engine(world, stage=stage)
+    engine.load_checkpoint(root, tag=tag)
+    return {"experts": expert_state(engine), "next_loss": ckpt_step(engine, rank, world, 2)}
 
 
 def ckpt_load_and_save(rank: int, world: int, root: str, load_tag: str, save_tag: str | None) -> dict[str, Any]:

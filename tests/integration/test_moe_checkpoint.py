@@ -42,6 +42,12 @@ def test_save_ep2_load_ep1_and_back(tmp_path) -> None:
         abs(back[0]["next_loss"] - first[0]["next_loss"]) <= w.fp32_bound(2 * w.TOKENS, scale) * 64
     assert os.path.isfile(tmp_path / "ckpt" / "b" / "layer_0_expert_3_mp_rank_00_optim_states.pt")
 
+    # ZeRO-2 with ep=2 on 2 ranks -> ZeRO-1 with ep=1 on 1 rank: the shared groups reshard through the
+    # merged full state, the experts through their files
+    z1 = run_ranks(w.ckpt_load_other_stage, 1, root, "z2", 1, timeout=300)[0]
+    _same(z1["experts"], {**first[0]["z2_experts"], **first[1]["z2_experts"]})
+    assert abs(z1["next_loss"] - first[0]["z2_next"]) <= w.fp32_bound(2 * w.TOKENS, scale) * 64
+
 
 def test_zero_1_2_3_resume_with_the_saved_topology(tmp_path) -> None:
     results = run_ranks(w.resume_same_topology, 2, str(tmp_path / "ckpt"), timeout=300)
