@@ -88,6 +88,11 @@ class MoEGPT(GPT):
         super().__init__(**kwargs)
         self.moe_options = MoEOptions.from_mapping(moe)
         opts, cfg = self.moe_options, self.config
+        world = comm.get_world_size() if comm.is_initialized() else None
+        if opts.ep_size < 1 or (world is not None and world % opts.ep_size):
+            raise ConfigError(Problem("model.moe.ep_size", f"is {opts.ep_size}; it must divide the {world} "
+                                      "data-parallel rank(s)", "set model.moe.ep_size=1, or launch a multiple of "
+                                      f"{opts.ep_size} ranks (launcher.num_procs)"))
         every = max(1, int(opts.every))
         chosen = [i for i in range(cfg.n_layer) if (i + 1) % every == 0]
         counts = opts.experts_per_layer(len(chosen))
