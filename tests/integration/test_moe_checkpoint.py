@@ -7,9 +7,13 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import pytest
 
 from tests.helpers import run_ranks
 from tests.integration import _moe_workloads as w
+
+# multi-process launches (tens of seconds each on a loaded 2-core machine): slow, as the engine parity tests
+pytestmark = pytest.mark.slow
 
 
 def _same(a: dict, b: dict) -> None:

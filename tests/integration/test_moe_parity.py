@@ -17,6 +17,9 @@ import pytest
 from tests.helpers import run_ranks
 from tests.integration import _moe_workloads as w
 
+# multi-process launches (tens of seconds each on a loaded 2-core machine): slow, as the engine parity tests
+pytestmark = pytest.mark.slow
+
 U = 2.0 ** -24
 
 

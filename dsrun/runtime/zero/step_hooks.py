@@ -9,8 +9,9 @@ clips, then the update and the write-back of the weights. Around the update:
                    the optimizer runs. ``state.coef`` may be changed (it multiplies every gradient); the
                    resident gradients the update will read are ``state.gradients()`` (fp32, this rank's
                    partition at stages 1-3, still multiplied by ``loss_scale / post_scale``: multiply by
-                   ``state.coef`` to get what the optimizer sees). MoE gradient scaling and compression
-                   schedules that mask or scale gradients attach here; so does a 1-bit optimizer's compressed
+                   ``state.coef`` to get what the optimizer sees). Compression schedules that mask or
+                   scale gradients attach here (MoE experts need no hook: they are reduced over their
+                   expert-data group by the strategies); so does a 1-bit optimizer's compressed
                    exchange (it replaces the backward reduction, which needs a strategy switch that does not
                    exist yet; see docs/architecture.md).
 ``after_update``   called after the update has reached the model's parameters (stage 3: its shards).
