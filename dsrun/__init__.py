@@ -18,6 +18,7 @@ _LAZY: dict[str, str] = {
     "init_distributed": "dsrun.comm.comm:init_distributed",
     "comm": "dsrun.comm:",
     "zero": "dsrun.zero:",
+    "moe": "dsrun.moe:",
 }
 
 

@@ -172,3 +172,19 @@ def test_unsupported_options_are_refused() -> None:
         MoE(8, torch.nn.Linear(8, 8), num_experts=2, enable_expert_tensor_parallelism=True)
     with pytest.raises(ValueError, match="divisible"):
         MoE(8, torch.nn.Linear(8, 8), num_experts=3, ep_size=2)
+
+
+def test_signature_is_deepspeeds() -> None:
+    import inspect
+
+    import dsrun as deepspeed
+
+    params = inspect.signature(deepspeed.moe.layer.MoE.__init__).parameters
+    documented = [("hidden_size", None), ("expert", None), ("num_experts", 1), ("ep_size", 1), ("k", 1),
+                  ("capacity_factor", 1.0), ("eval_capacity_factor", 1.0), ("min_capacity", 4),
+                  ("use_residual", False), ("noisy_gate_policy", None), ("drop_tokens", True), ("use_rts", True),
+                  ("use_tutel", False), ("enable_expert_tensor_parallelism", False),
+                  ("top2_2nd_expert_sampling", True)]
+    positional = [p for p in params.values() if p.kind == p.POSITIONAL_OR_KEYWORD][1:]
+    assert [(p.name, None if p.default is p.empty else p.default) for p in positional] == documented
+    assert params["dropless"].kind == params["dropless"].KEYWORD_ONLY  # dsrun's own, after DeepSpeed's
