@@ -353,7 +353,7 @@ def build_engine_optimizer(config: DeepSpeedConfig, model: torch.nn.Module, opti
     """The optimizer the engine will step: a client optimizer (object, or callable on the parameters) wins
     over the config's ``optimizer`` section."""
     params = model_parameters if model_parameters is not None else model.parameters()
-    if has_moe_layers(model)[0] and not (isinstance(optimizer, torch.optim.Optimizer)):
+    if has_moe_layers(model)[0] and not isinstance(optimizer, torch.optim.Optimizer):
         # experts need param groups of their own (DeepSpeed splits them the same way)
         params = split_params_into_different_moe_groups_for_optimizer(_as_param_groups(params))
     if optimizer is not None:

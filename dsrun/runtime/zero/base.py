@@ -21,6 +21,8 @@ from typing import Any
 import torch
 
 from dsrun import comm
+from dsrun.comm.groups import expert_parallel_size_of
+from dsrun.utils.errors import ConfigError, Problem
 from dsrun.checkpoint.layout import CheckpointLayout, layout_for_stage
 from dsrun.runtime.precision import PrecisionStrategy
 
@@ -60,11 +62,7 @@ class StrategyContext:
         share it."""
         if self.groups is None or not params:
             return self.group, self.world_size, self.rank
-        from dsrun.comm.groups import expert_parallel_size_of
-
         if len({expert_parallel_size_of(p) for p in params}) > 1:
-            from dsrun.utils.errors import ConfigError, Problem
-
             raise ConfigError(Problem(where, "mixes MoE expert parameters with shared ones (or experts of "
                                       "different expert-parallel sizes)", "build the optimizer's param groups with "
                                       "dsrun.moe.utils.split_params_into_different_moe_groups_for_optimizer"))
