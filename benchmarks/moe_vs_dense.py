@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 def counts() -> dict[str, int]:
     from dsrun.models.gpt import GPT
     from dsrun.models.registry import model_spec
-    from dsrun.moe.gpt import MoEGPT
+    from dsrun.models.moe_gpt import MoEGPT
 
     spec = {k: v for k, v in model_spec("gpt-nano").items() if k != "_target_"}
     moe = MoEGPT(moe={"num_experts": 8, "k": 2, "every": 1, "ep_size": 1}, **spec)

@@ -24,11 +24,12 @@ class RunBook:
     def __init__(self, engine: Any, loader: Any, run_dir: Path, cfg: Any, max_steps: int, tokens_per_step: int,
                  num_params: int, step_flops: int | None, evaluate: Callable[[], float],
                  report_throughput: Callable[..., tuple[float, float]], step_timers: Callable[..., Any],
-                 mean_across_ranks: Callable[[float], float], stop_agreed: Callable[[], bool], world_size: int):
+                 mean_across_ranks: Callable[[float], float], stop_agreed: Callable[[], bool], world_size: int,
+                 eval_counts: Callable[[], dict[str, Any]] = dict):
         self.engine, self.run_dir, self.max_steps = engine, run_dir, max_steps
         self.tokens_per_step, self.step_flops = tokens_per_step, step_flops
         self._evaluate, self._throughput, self._timers = evaluate, report_throughput, step_timers
-        self._mean, self._stop_agreed = mean_across_ranks, stop_agreed
+        self._mean, self._stop_agreed, self._eval_counts = mean_across_ranks, stop_agreed, eval_counts
         self.rank = engine.global_rank
         self.eval_every = cfg.eval_interval or max_steps
         self.metrics: dict[str, Any] = {
@@ -64,7 +65,7 @@ class RunBook:
 
     def evaluate_first(self) -> None:
         initial = self._evaluate()
-        self.metrics["eval_losses"].append({"step": self.first_step - 1, "loss": initial})
+        self.metrics["eval_losses"].append({"step": self.first_step - 1, "loss": initial, **self._eval_counts()})
         self.progress.note(f"[dsrun] step {self.first_step - 1}/{self.max_steps} | eval {initial:.4f}")
         self._start = time.perf_counter()
 
@@ -84,7 +85,7 @@ class RunBook:
             raise FloatingPointError(f"training loss became {loss} at step {step}")
         if step % self.eval_every == 0 or step == self.max_steps:
             eval_loss = self._evaluate()
-            metrics["eval_losses"].append({"step": step, "loss": eval_loss})
+            metrics["eval_losses"].append({"step": step, "loss": eval_loss, **self._eval_counts()})
             engine.monitor.write_events([("Eval/Samples/eval_loss", eval_loss, engine.global_samples)])
         elapsed = time.perf_counter() - self._start
         samples_s, tokens_s = self._throughput(engine, step - self.first_step + 1, elapsed, self.tokens_per_step,
@@ -96,7 +97,8 @@ class RunBook:
         self.checkpoints.save_if_due(step, force=stopping)  # a stopped run saves where it is, if saving is on
         return stopping
 
-    def finish(self, stopped_by: Any, record_peak: Callable[[], None]) -> dict[str, Any]:
+    def finish(self, stopped_by: Any, record_peak: Callable[[], None],
+               extra_metrics: dict[str, Any] | None = None) -> dict[str, Any]:
         """Close the progress line, write metrics.json (rank 0) and the run's reports; returns the metrics."""
         engine, metrics = self.engine, self.metrics
         if stopped_by is not None:
@@ -107,7 +109,8 @@ class RunBook:
         metrics.update(steps=steps_done, wall_time_s=wall,
                        samples_per_second=steps_done * engine.train_batch_size() / wall,
                        tokens_per_second=steps_done * self.tokens_per_step / wall,
-                       final_eval_loss=metrics["eval_losses"][-1]["loss"] if metrics["eval_losses"] else None)
+                       final_eval_loss=metrics["eval_losses"][-1]["loss"] if metrics["eval_losses"] else None,
+                       **(extra_metrics or {}))
         record_peak()
         reports = write_run_reports(engine, self.run_dir)  # comms.json, flops_profile.txt (rank 0)
         if self.rank == 0:

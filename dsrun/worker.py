@@ -9,6 +9,7 @@ so far are still written.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import random
@@ -25,6 +26,7 @@ from dsrun.estimate.measure import current_rss, record_rank_peak
 from dsrun.monitor.run_defaults import PARENT_ENV, apply_run_defaults, flatten, mlflow_parent_key
 from dsrun.run_book import RunBook
 from dsrun.rundir import RESOLVED_YAML
+from dsrun.runtime.data_pipeline.training import DataEfficiencyRun
 
 
 def seed_everything(seed: int) -> None:
@@ -121,14 +123,23 @@ def step_timer_ms(engine: Any, before: dict[str, float] | None) -> dict[str, flo
 def zero_init_context(ds_config: dict[str, Any]) -> Any:
     """``dsrun.zero.Init`` for ZeRO stage 3 (so the whole model never exists in one process, and with
     ``offload_param`` its shards go straight to host memory or NVMe), else a no-op."""
-    import contextlib
-
     import dsrun
 
     zero = ds_config.get("zero_optimization")
     if not isinstance(zero, dict) or int(zero.get("stage", 0) or 0) != 3:
         return contextlib.nullcontext()
     return dsrun.zero.Init(config_dict_or_path=ds_config)
+
+
+def teach(model: Any, ds_config: dict[str, Any], cfg: Any) -> Any:
+    """``train.teacher``: initialise ``model`` from the teacher run's model (``compression_training`` with
+    its layer reduction) and return the distillation loss (docs/compression.md)."""
+    from dsrun.compression.compress import init_compression
+    from dsrun.compression.layer_reduction import Distiller, load_teacher
+
+    teacher = load_teacher(cfg.teacher)
+    init_compression(model, ds_config, teacher_model=teacher)
+    return Distiller(teacher, cfg.kd_weight, cfg.kd_temperature)
 
 
 def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
@@ -146,16 +157,21 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
 
     # --- model, data, engine ---
     ds_config = apply_run_defaults(OmegaConf.to_container(spec.ds, resolve=True), run_dir)  # monitors → run dir
-    with zero_init_context(ds_config):  # ZeRO-3: partitioned (and offloaded) as each submodule is built
-        model = hydra.utils.instantiate(spec.model, _convert_="all")
+    with zero_init_context(ds_config) if not cfg.teacher else contextlib.nullcontext():  # ZeRO-3: partitioned
+        model = hydra.utils.instantiate(spec.model, _convert_="all")                  # as each part is built
+    distiller = teach(model, ds_config, cfg) if cfg.teacher else None  # layer reduction + distillation
     corpus = hydra.utils.instantiate(spec.data, _convert_="all")
     corpus.check_vocab(model.config.vocab_size)
     if mlflow_parent_key(run_dir):  # the jobs of a multirun become MLflow child runs of one parent
         os.environ[PARENT_ENV] = mlflow_parent_key(run_dir)
-    engine, _, _, _ = dsrun.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    data_eff = DataEfficiencyRun.prepare(ds_config, corpus.train, corpus.vocab_size, run_dir)  # curriculum indexes
+    engine, _, _, _ = dsrun.initialize(model=model, model_parameters=model.parameters(), config=data_eff.ds_config,
+                                       training_data=data_eff.training_data)
+    data_eff.attach(engine)  # random-LTD layers, seqlen truncation, token and layer-token counts
     engine.monitor.log_params(flatten(OmegaConf.to_container(spec, resolve=True)))
     micro_batch, accumulation = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-    loader = corpus.train_loader(batch_size=micro_batch, rank=rank, world_size=world_size, seed=cfg.seed)
+    loader = data_eff.train_loader() or corpus.train_loader(batch_size=micro_batch, rank=rank, world_size=world_size,
+                                                            seed=cfg.seed)  # the curriculum sampler's, if on
 
     # --- the run's budget and its bookkeeping (metrics, progress, evaluation, checkpoints: dsrun/run_book.py) ---
     tokens_per_step = engine.train_batch_size() * corpus.seq_len
@@ -167,7 +183,8 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
                    step_flops=_train_step_flops(model, engine.train_batch_size(), corpus.seq_len),
                    evaluate=lambda: evaluate(engine, corpus, micro_batch, rank, world_size, cfg.eval_iters),
                    report_throughput=report_throughput, step_timers=step_timer_ms,
-                   mean_across_ranks=mean_across_ranks, stop_agreed=lambda: stop_agreed(stop), world_size=world_size)
+                   mean_across_ranks=mean_across_ranks, stop_agreed=lambda: stop_agreed(stop), world_size=world_size,
+                   eval_counts=data_eff.counts)  # tokens and layer-tokens seen at each evaluation
     book.announce(type(model).__name__, corpus.seq_len)
     first_step = book.resume()
     book.evaluate_first()
@@ -179,7 +196,8 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
         step_loss = 0.0
         for _ in range(accumulation):
             inputs, targets = next(loader)
-            loss = engine(inputs.to(engine.device, non_blocking=True), targets.to(engine.device, non_blocking=True))
+            inputs, targets = inputs.to(engine.device, non_blocking=True), targets.to(engine.device, non_blocking=True)
+            loss = engine(inputs, targets) if distiller is None else distiller.loss(engine, inputs, targets)
             engine.backward(loss)
             engine.step()  # steps the optimizer only at the accumulation boundary
             step_loss += loss.item() / accumulation
@@ -188,7 +206,8 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
             break
 
     metrics = book.finish((stop.signal or "another rank") if stopped else None,
-                          record_peak=lambda: record_rank_peak(run_dir, rank, baseline_rss))
+                          record_peak=lambda: record_rank_peak(run_dir, rank, baseline_rss),
+                          extra_metrics=data_eff.summary())
     comm.barrier()
     comm.destroy_process_group()
     return metrics

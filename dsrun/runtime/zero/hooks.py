@@ -37,6 +37,7 @@ import torch
 
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from . import recompute
 from .partition_params import ParamStatus, gather_params, is_zero_param, release_param, start_gather
 
 EXTERNAL_ATTR = "_ds_external_params"
@@ -44,6 +45,7 @@ FORWARD, BACKWARD = "fwd", "bwd"
 
 # coordinators alive in this process, so a late register_external_parameter can hook its module
 LIVE_COORDINATORS: "weakref.WeakSet[ParameterCoordinator]" = weakref.WeakSet()
+recompute.register(LIVE_COORDINATORS)  # activation-checkpoint recomputes keep what was gathered
 
 
 def external_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:

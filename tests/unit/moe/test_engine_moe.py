@@ -6,7 +6,7 @@ import torch
 
 import dsrun
 from dsrun.moe import groups as expert_groups
-from dsrun.moe.gpt import MoEGPT, MoEMLP
+from dsrun.models.moe_gpt import MoEGPT, MoEMLP
 from dsrun.moe.layer import MoE
 from dsrun.utils.errors import ConfigError
 

@@ -1,4 +1,4 @@
-"""The built-in GPT with Mixture-of-Experts MLPs: ``model._target_: dsrun.moe.gpt.MoEGPT`` and ``model.moe``.
+"""The built-in GPT with Mixture-of-Experts MLPs: ``model._target_: dsrun.models.moe_gpt.MoEGPT`` and ``model.moe``.
 
 ``moe`` options (recipe ``gpt_moe``):
 
@@ -31,7 +31,7 @@ from dsrun.models.gpt import GPT, INIT_STD
 from dsrun.models.layers import MLP
 from dsrun.utils.errors import ConfigError, Problem
 
-from .layer import MoE
+from dsrun.moe.layer import MoE
 
 
 @dataclass(frozen=True)
@@ -122,12 +122,16 @@ class MoEGPT(GPT):
                 inactive += per_expert * (m.num_experts - m.deepspeed_moe.gate.k)
         return total, total - inactive
 
-    def forward(self, idx: Any, targets: torch.Tensor | None = None, return_logits: bool = False) -> Any:
-        out = super().forward(idx, targets, return_logits)
+    def forward(self, idx: Any, targets: torch.Tensor | None = None, return_logits: bool = False,
+                **kwargs: Any) -> Any:
+        moe_mlps = [m for m in self.modules() if isinstance(m, MoEMLP)]
+        for m in moe_mlps:  # a block progressive layer drop skips adds no l_aux this step
+            m.l_aux = None
+        out = super().forward(idx, targets, return_logits, **kwargs)
         has_targets = targets is not None or (isinstance(idx, (tuple, list)) and len(idx) == 2)
         if not has_targets:
             return out
-        aux = [m.l_aux for m in self.modules() if isinstance(m, MoEMLP) and m.l_aux is not None]
+        aux = [m.l_aux for m in moe_mlps if m.l_aux is not None]
         extra = self.moe_options.loss_coeff * torch.stack(aux).sum() if aux else 0.0
         if return_logits:
             return out[0] + extra, out[1]
