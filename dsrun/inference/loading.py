@@ -7,6 +7,9 @@
   number of ranks that saved them (:func:`dsrun.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint`);
 - a state-dict file (``save_16bit_model``'s ``pytorch_model.bin``, ``zero_to_fp32``'s output, a
   ``.safetensors`` file) or a folder holding ``pytorch_model.bin`` / ``model.safetensors``;
+- an MoE model's training checkpoint (ZeRO 0-2): the shared weights from ``mp_rank_00_model_states.pt``, each
+  expert from DeepSpeed's ``layer_{L}_expert_{G}_mp_rank_00_model_states.pt`` (by global id, whatever
+  expert-parallel size saved it);
 - DeepSpeed's checkpoint description, as a dict or a ``.json`` file:
   ``{"type": "ds_model", "version": 0.0, "checkpoints": PATH or [FILES of one sharded state dict]}``.
 
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -94,9 +97,29 @@ def _from_folder(path: Path) -> tuple[dict[str, torch.Tensor], str]:
 
 def _zero(folder: Path, tag: str | None) -> dict[str, torch.Tensor]:
     try:
+        tag_dir = Path(z2f.resolve_tag_dir(str(folder), tag))
+        if _expert_files(tag_dir):
+            return _moe_checkpoint(tag_dir)
         return dict(z2f.get_fp32_state_dict_from_zero_checkpoint(str(folder), tag))
     except (ValueError, FileNotFoundError, KeyError) as err:
         raise _user_error(f"cannot read the training checkpoint in {folder}: {err}") from None
+
+
+def _expert_files(tag_dir: Path) -> list[Path]:
+    return sorted(tag_dir.glob("layer_*_expert_*_mp_rank_*_model_states.pt"))
+
+
+def _moe_checkpoint(tag_dir: Path) -> dict[str, torch.Tensor]:
+    """An MoE model's training checkpoint (ZeRO 0-2), as DeepSpeed's inference reads one: the shared weights
+    from ``mp_rank_00_model_states.pt`` (whole at these stages), each expert from its own file (keyed by its
+    global id)."""
+    main = tag_dir / f"mp_rank_00_{z2f.MODEL_SUFFIX}"
+    if not main.is_file():
+        raise _user_error(f"{tag_dir} holds expert files but no {main.name}")
+    state = {k: v for k, v in z2f.load_file(str(main))["module"].items() if torch.is_tensor(v)}
+    for path in _expert_files(tag_dir):
+        state.update(z2f.load_file(str(path)))
+    return state
 
 
 def _from_file(path: Path) -> dict[str, torch.Tensor]:
@@ -147,9 +170,13 @@ def check_fits(model: nn.Module, state_dict: dict[str, torch.Tensor], where: str
                       "load the checkpoint into the model it was trained from")
 
 
-def load_weights(model: nn.Module, source: str | dict[str, Any], base_dir: str = "") -> str:
-    """Read ``source`` and copy it into ``model`` (built on the meta device: materialised first)."""
+def load_weights(model: nn.Module, source: str | dict[str, Any], base_dir: str = "",
+                 transform: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None) -> str:
+    """Read ``source`` and copy it into ``model`` (built on the meta device: materialised first);
+    ``transform`` rewrites the state dict first (an expert-parallel model keeps its own experts)."""
     state_dict, where = read_state_dict(source, base_dir)
+    if transform is not None:
+        state_dict = transform(state_dict)
     check_fits(model, state_dict, where)
     if any(p.is_meta for p in model.parameters()):
         unsaved = sorted(set(dict(model.named_buffers())) - set(state_dict))

@@ -109,3 +109,29 @@ def attach_process_groups(module: torch.nn.Module, process_groups: Any, data_bef
         for layer in layers:
             layer.set_deepspeed_parallelism(data_before_expert)
     return layers
+
+
+def split_experts(layer: MoE, ep_size: int) -> list[int]:
+    """Spread a whole layer's experts (built with ``ep_size=1``) over expert-parallel groups of ``ep_size``
+    ranks: create the groups (collective), keep this rank's ``num_experts / ep_size`` experts and drop the
+    others (as automatic tensor parallelism keeps a rank's slices). Returns the kept experts' global ids."""
+    if layer.ep_size != 1:
+        raise ValueError(f"split_experts: the layer already spreads its experts over {layer.ep_size} ranks")
+    if ep_size < 1 or layer.num_experts % ep_size:
+        raise ValueError(f"split_experts: ep_size={ep_size} does not divide num_experts={layer.num_experts}")
+    if ep_size == 1:
+        return list(range(layer.num_experts))
+    name = groups.expert_group_name(ep_size)
+    local = layer.num_experts // ep_size
+    layer.ep_size, layer.num_local_experts, layer.expert_group_name = ep_size, local, name
+    moe = layer.deepspeed_moe
+    moe.ep_size, moe.num_local_experts, moe.ep_group_name = ep_size, local, name
+    layer._create_process_groups()
+    keep = layer.global_expert_ids()
+    experts = moe.experts
+    experts.deepspeed_experts = torch.nn.ModuleList([experts.deepspeed_experts[g] for g in keep])
+    experts.num_local_experts = local
+    for module in experts.deepspeed_experts:
+        for param in module.parameters():
+            param.group_name = name
+    return keep
