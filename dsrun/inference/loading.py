@@ -100,7 +100,11 @@ def _zero(folder: Path, tag: str | None) -> dict[str, torch.Tensor]:
         tag_dir = Path(z2f.resolve_tag_dir(str(folder), tag))
         if _expert_files(tag_dir):
             return _moe_checkpoint(tag_dir)
-        return dict(z2f.get_fp32_state_dict_from_zero_checkpoint(str(folder), tag))
+        state = dict(z2f.get_fp32_state_dict_from_zero_checkpoint(str(folder), tag))
+        if any(".deepspeed_experts." in name for name in state):  # ZeRO-3 keeps experts in rank partitions
+            raise _user_error(f"{tag_dir} is an MoE checkpoint without per-expert files (ZeRO-3): its experts "
+                              "cannot be told apart by global id", "serve an MoE model trained at ZeRO 0-2")
+        return state
     except (ValueError, FileNotFoundError, KeyError) as err:
         raise _user_error(f"cannot read the training checkpoint in {folder}: {err}") from None
 
