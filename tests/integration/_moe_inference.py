@@ -6,16 +6,21 @@ from typing import Any
 
 import torch
 
-N_LAYER, N_EMBD, EXPERTS, VOCAB, LENGTH = 2, 16, 4, 64, 12
+N_LAYER, N_EMBD, EXPERTS, VOCAB, LENGTH = 2, 16, 4, 256, 12  # VOCAB: the bytes tokenizer's
+
+
+def spec(ep: int) -> dict[str, Any]:
+    """The model's ``_target_`` mapping (what a run directory's resolved.yaml holds)."""
+    return {"_target_": "dsrun.models.moe_gpt.MoEGPT", "vocab_size": VOCAB, "block_size": LENGTH,
+            "n_layer": N_LAYER, "n_head": 2, "n_embd": N_EMBD, "dropout": 0.0,
+            "moe": {"num_experts": EXPERTS, "k": 2, "ep_size": ep, "eval_capacity_factor": 1.0, "min_capacity": 2}}
 
 
 def moe_gpt(ep: int) -> torch.nn.Module:
     from dsrun.models.moe_gpt import MoEGPT
 
     torch.manual_seed(0)  # shared weights: the same on every rank; experts are drawn from their global ids
-    return MoEGPT(moe={"num_experts": EXPERTS, "k": 2, "ep_size": ep, "eval_capacity_factor": 1.0,
-                       "min_capacity": 2}, vocab_size=VOCAB, block_size=LENGTH, n_layer=N_LAYER, n_head=2,
-                  n_embd=N_EMBD, dropout=0.0)
+    return MoEGPT(**{k: v for k, v in spec(ep).items() if k != "_target_"})
 
 
 def batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,6 +70,7 @@ def serve(rank: int, world: int, root: str) -> dict[str, Any]:
         out["kept"] = [len(layer.deepspeed_moe.experts.deepspeed_experts) for layer in moe_layers(spread.module)]
         out["ids"] = [layer.global_expert_ids() for layer in moe_layers(spread.module)]
         out["ep_size"] = spread.ep_size
+    out["generate"] = generate(root)
     train_and_save(root, rank, stage=3, tag="z3")
     try:
         dsrun.init_inference(moe_gpt(1), checkpoint=f"{root}/z3", dtype=torch.float32)
@@ -80,3 +86,26 @@ def analytic_a2a_bytes(itemsize: int) -> int:
     capacity ceil(tokens k / E) of this rank's 2 x 12 tokens."""
     capacity = -(-2 * LENGTH * 2 // EXPERTS)
     return N_LAYER * 2 * EXPERTS * capacity * N_EMBD * itemsize
+
+
+def generate(root: str) -> dict[str, Any]:
+    """``dsrun generate``'s rank work on an MoE run (experts spread over both ranks) against the whole model
+    greedily generating on this process alone; and its pre-launch check for 2 and 3 ranks."""
+    import dsrun
+    from dsrun.data.tokenizers import get_tokenizer
+    from dsrun.inference.textgen import GenerationRequest, check_request, run_request
+
+    request = GenerationRequest(model={**spec(1)}, tokenizer="bytes", checkpoint=root, prompt="dsrun",
+                                max_new_tokens=6, temperature=0.0, kernel_inject=False)
+    check_request(request, 2)
+    try:
+        check_request(request, 3)
+        refused = None
+    except Exception as err:  # noqa: BLE001 - the message is what the test reads
+        refused = str(err)
+    result = run_request(request)
+    tokenizer = get_tokenizer("bytes")
+    ids = torch.as_tensor(tokenizer.encode(b"dsrun").astype("int64"))[None, :]
+    whole = dsrun.init_inference(moe_gpt(1), checkpoint=root, dtype=torch.float32).generate(ids, 6, temperature=0.0)
+    return {"completion": result["completion"], "ep_size": result["ep_size"], "refused_3": refused,
+            "whole": tokenizer.decode(whole[0, ids.shape[1]:].tolist())}
