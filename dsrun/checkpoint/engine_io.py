@@ -302,13 +302,15 @@ def _restore_strategy(engine: Any, tag_dir: Path, model_states: dict[str, Any], 
     # the same masters, cut the same way (stage 3's sub_group_size may differ between the runs)
     same_grouping = saved_shapes is None or [list(s) for s in saved_shapes] == [list(s) for s in live_shapes]
     same_layout = saved_stage == live_stage and saved_world == live_world and same_grouping and not load_universal
-    if experts.applies(engine) and load_optimizer_states and not (same_layout and live_stage > 0):
-        # experts by global id from their own files (stage 0 keeps only rank 0's state in its one file)
+    if experts.applies(engine) and not (same_layout and live_stage > 0 and load_optimizer_states):
+        # experts by global id from their own files (stage 0 keeps only rank 0's state in its one file); weights
+        # only (load_optimizer_states=False, load_module_only): their fp32 masters, the live optimizer state kept
         if saved_stage == 3 or saved_shapes is None:
             raise RuntimeError(f"{tag_dir}: an MoE checkpoint saved at ZeRO stage 3 loads only with the saved "
                                f"topology ({saved_world} ranks, stage 3); this run: stage {live_stage} on {live_world}")
         rank_states = _rank_optimizer_states(tag_dir, model_states, saved_stage, saved_world, engine.bfloat16_enabled())
-        strategy.load_state_dict(experts.optimizer_state(engine, tag_dir, saved_shapes, rank_states, saved_stage))
+        strategy.load_state_dict(experts.optimizer_state(engine, tag_dir, saved_shapes, rank_states, saved_stage,
+                                                         load_optimizer_states))
         return
     if load_optimizer_states and same_layout:
         own = (model_states["optimizer"] if saved_stage == 0 else

@@ -330,3 +330,34 @@ def resume_same_topology(rank: int, world: int, root: str) -> dict[str, float]:
         out[f"s{stage}"] = (first, ckpt_step(engine, rank, world, 2))
         engine.destroy()
     return out
+
+
+def load_weights_only(rank: int, world: int, root: str) -> dict[str, Any]:
+    """At ZeRO 0 and 2: train a step, save; a fresh engine loads with ``load_optimizer_states=False`` and
+    another with ``load_module_only=True``: the module holds the saved weights, the fp32 masters equal them
+    (every slot of every group, experts included), and the optimizer state is the fresh engine's (empty)."""
+    from dsrun.checkpoint import experts
+
+    out: dict[str, Any] = {}
+    for stage in (0, 2):
+        engine = ckpt_engine(world, stage)
+        ckpt_step(engine, rank, world, 0)
+        engine.save_checkpoint(root, tag=f"w{stage}")
+        saved = full_named_params(engine)
+        engine.destroy()
+        for how in ({"load_optimizer_states": False}, {"load_module_only": True}):
+            engine = ckpt_engine(world, stage)
+            engine.load_checkpoint(root, tag=f"w{stage}", **how)
+            got = full_named_params(engine)
+            slots = experts._slots(engine)
+            masters = {gi: experts._flat_state(engine, gi)[0] for gi in range(len(engine.strategy.groups))}
+            master_diff = 0.0
+            for p in engine.module.parameters():
+                gi, off, n = slots[id(p)]
+                master_diff = max(master_diff, float((masters[gi][off:off + n] - p.detach().reshape(-1)).abs().max()))
+            key = f"zero{stage}/{next(iter(how))}"
+            out[key] = {"weights": max(float((got[k] - saved[k]).abs().max()) for k in saved),
+                        "same_names": set(got) == set(saved), "masters": master_diff,
+                        "optimizer_state": sum(len(s) for s in engine.strategy.optimizer.state.values())}
+            engine.destroy()
+    return out

@@ -60,3 +60,10 @@ def test_zero_1_2_3_resume_with_the_saved_topology(tmp_path) -> None:
             assert resumed == uninterrupted, f"rank {rank} {stage}: {resumed} != {uninterrupted}"
     assert (tmp_path / "ckpt" / "s2" / "layer_0_expert_3_mp_rank_00_model_states.pt").is_file()
     assert not (tmp_path / "ckpt" / "s3" / "layer_0_expert_0_mp_rank_00_model_states.pt").exists()
+
+
+def test_weights_only_loads_take_every_expert_and_keep_the_fresh_optimizer(tmp_path) -> None:
+    for result in run_ranks(w.load_weights_only, 2, str(tmp_path / "ckpt"), timeout=300):
+        for key, case in result.items():
+            assert case["same_names"] and case["weights"] == 0.0 and case["masters"] == 0.0, (key, case)
+            assert case["optimizer_state"] == 0, key
