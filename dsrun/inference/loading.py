@@ -7,9 +7,8 @@
   number of ranks that saved them (:func:`dsrun.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint`);
 - a state-dict file (``save_16bit_model``'s ``pytorch_model.bin``, ``zero_to_fp32``'s output, a
   ``.safetensors`` file) or a folder holding ``pytorch_model.bin`` / ``model.safetensors``;
-- an MoE model's training checkpoint (ZeRO 0-2): the shared weights from ``mp_rank_00_model_states.pt``, each
-  expert from DeepSpeed's ``layer_{L}_expert_{G}_mp_rank_00_model_states.pt`` (by global id, whatever
-  expert-parallel size saved it);
+  an MoE model's (ZeRO 0-2) has its experts' masters from the per-expert files, by global id, whatever
+  expert-parallel size saved it;
 - DeepSpeed's checkpoint description, as a dict or a ``.json`` file:
   ``{"type": "ds_model", "version": 0.0, "checkpoints": PATH or [FILES of one sharded state dict]}``.
 
@@ -98,32 +97,14 @@ def _from_folder(path: Path) -> tuple[dict[str, torch.Tensor], str]:
 def _zero(folder: Path, tag: str | None) -> dict[str, torch.Tensor]:
     try:
         tag_dir = Path(z2f.resolve_tag_dir(str(folder), tag))
-        if _expert_files(tag_dir):
-            return _moe_checkpoint(tag_dir)
         state = dict(z2f.get_fp32_state_dict_from_zero_checkpoint(str(folder), tag))
-        if any(".deepspeed_experts." in name for name in state):  # ZeRO-3 keeps experts in rank partitions
+        if not z2f.has_expert_files(str(tag_dir)) and any(".deepspeed_experts." in name for name in state):
+            # ZeRO-3 keeps experts in rank partitions, under each rank's local names
             raise _user_error(f"{tag_dir} is an MoE checkpoint without per-expert files (ZeRO-3): its experts "
                               "cannot be told apart by global id", "serve an MoE model trained at ZeRO 0-2")
         return state
     except (ValueError, FileNotFoundError, KeyError) as err:
         raise _user_error(f"cannot read the training checkpoint in {folder}: {err}") from None
-
-
-def _expert_files(tag_dir: Path) -> list[Path]:
-    return sorted(tag_dir.glob("layer_*_expert_*_mp_rank_*_model_states.pt"))
-
-
-def _moe_checkpoint(tag_dir: Path) -> dict[str, torch.Tensor]:
-    """An MoE model's training checkpoint (ZeRO 0-2), as DeepSpeed's inference reads one: the shared weights
-    from ``mp_rank_00_model_states.pt`` (whole at these stages), each expert from its own file (keyed by its
-    global id)."""
-    main = tag_dir / f"mp_rank_00_{z2f.MODEL_SUFFIX}"
-    if not main.is_file():
-        raise _user_error(f"{tag_dir} holds expert files but no {main.name}")
-    state = {k: v for k, v in z2f.load_file(str(main))["module"].items() if torch.is_tensor(v)}
-    for path in _expert_files(tag_dir):
-        state.update(z2f.load_file(str(path)))
-    return state
 
 
 def _from_file(path: Path) -> dict[str, torch.Tensor]:

@@ -345,6 +345,15 @@ def load_weights_only(rank: int, world: int, root: str) -> dict[str, Any]:
         engine.save_checkpoint(root, tag=f"w{stage}")
         saved = full_named_params(engine)
         engine.destroy()
+        from dsrun.utils import zero_to_fp32 as z2f  # the whole fp32 state dict, experts by global id
+
+        whole = z2f.get_fp32_state_dict_from_zero_checkpoint(root, f"w{stage}")
+        out[f"zero{stage}/zero_to_fp32"] = {"weights": max(float((whole[k] - saved[k]).abs().max()) for k in saved),
+                                            "masters": 0.0,
+                                            # this rank's experts and the shared weights, plus the other rank's
+                                            "same_names": set(saved) <= set(whole) and len(whole) == len(
+                                                [k for k in saved if ".deepspeed_experts." not in k]) + 4 * EXPERTS,
+                                            "optimizer_state": 0}
         for how in ({"load_optimizer_states": False}, {"load_module_only": True}):
             engine = ckpt_engine(world, stage)
             engine.load_checkpoint(root, tag=f"w{stage}", **how)
