@@ -21,6 +21,8 @@ from typing import Any
 import torch
 
 from dsrun import comm
+from dsrun.comm.groups import expert_parallel_size_of
+from dsrun.utils.errors import ConfigError, Problem
 from dsrun.checkpoint.layout import CheckpointLayout, layout_for_stage
 from dsrun.runtime.precision import PrecisionStrategy
 
@@ -58,6 +60,20 @@ class StrategyContext:
     @property
     def world_size(self) -> int:
         return comm.get_world_size(self.group)
+
+    def process_group_of(self, params: list[torch.nn.Parameter], where: str = "an optimizer param group"
+                         ) -> tuple[Any, int, int]:
+        """(group, its size, this rank's place in it) that ``params`` are reduced and partitioned over: the
+        data-parallel group, or for MoE experts their expert-data-parallel group. All of ``params`` must
+        share it."""
+        if self.groups is None or not params:
+            return self.group, self.world_size, self.rank
+        if len({expert_parallel_size_of(p) for p in params}) > 1:
+            raise ConfigError(Problem(where, "mixes MoE expert parameters with shared ones (or experts of "
+                                      "different expert-parallel sizes)", "build the optimizer's param groups with "
+                                      "dsrun.moe.utils.split_params_into_different_moe_groups_for_optimizer"))
+        group = self.groups.group_of_param(params[0])
+        return group, comm.get_world_size(group), comm.get_rank(group)
 
     @property
     def rank(self) -> int:
@@ -351,7 +367,6 @@ class FlatStrategy(ZeroStrategy):
     def __init__(self, ctx: StrategyContext):
         super().__init__(ctx)
         self._optimizer = ctx.optimizer
-        alignment = self.alignment_per_rank * self.world_size if self.alignment_per_rank else 1
         self.groups: list[FlatGroup] = []
         seen: set[int] = set()
         for param_group in self._optimizer.param_groups:
@@ -361,7 +376,14 @@ class FlatStrategy(ZeroStrategy):
                     continue
                 seen.add(id(p))
                 params.append(p)
-            self.groups.append(flatten_params(params, self.model_dtype, ctx.device, alignment, self.world_size))
+            group, size, rank = ctx.process_group_of(params)
+            alignment = self.alignment_per_rank * size if self.alignment_per_rank else 1
+            self.groups.append(flatten_params(params, self.model_dtype, ctx.device, alignment, size, group, rank))
+        # MoE experts are reduced over their own (smaller) groups: at stage 0 each rank then holds gradients
+        # the others do not, so the squared norm is summed over the data-parallel group with each group's
+        # copies counted once (see _local_sq_norm)
+        self._own_groups = any(g.world_size != self.world_size or g.process_group is not ctx.group
+                               for g in self.groups)
         self._build_buffers()
         self.masters: list[torch.nn.Parameter] = self._build_masters()
         for param_group, master in zip(self._optimizer.param_groups, self.masters):
@@ -445,7 +467,7 @@ class FlatStrategy(ZeroStrategy):
 
     @property
     def norm_is_partitioned(self) -> bool:  # type: ignore[override]
-        return self.partitioned
+        return self.partitioned or self._own_groups
 
     def _begin_step(self) -> None:
         self._step_grads = self._master_grads()
@@ -464,11 +486,14 @@ class FlatStrategy(ZeroStrategy):
 
     def _local_sq_norm(self) -> torch.Tensor:
         sq = torch.zeros(1, dtype=torch.float64, device=self.ctx.device)
-        for g in self._checked_grads():  # flat: a dot product (fp32), no temporary
+        for group, g in zip(self.groups, self._checked_grads()):  # flat: a dot product (fp32), no temporary
             if g.dtype == torch.float32:
-                sq += torch.dot(g, g).double()
+                part = torch.dot(g, g).double()
             else:
-                sq += torch.linalg.vector_norm(g, dtype=torch.float32).double().square()
+                part = torch.linalg.vector_norm(g, dtype=torch.float32).double().square()
+            if self._own_groups and not self.partitioned and self._gradients_reduced:
+                part = part / group.world_size  # whole copies on each of the group's ranks
+            sq += part
         return sq
 
     def _apply_update(self, coef: float) -> None:
@@ -504,7 +529,7 @@ class FlatStrategy(ZeroStrategy):
         master = self.masters[gi].detach()
         group = self.groups[gi]
         if self.partitioned:
-            pad = group.partition_padding(self.rank)
+            pad = group.partition_padding(group.rank)
             return master[: master.numel() - pad]
         return master[: group.numel]
 
@@ -519,7 +544,7 @@ class FlatStrategy(ZeroStrategy):
             "base_optimizer_state": self._optimizer.state_dict(),
             "single_partition_of_fp32_groups": [self._unpadded_master(i).float().clone()
                                                 for i in range(len(self.groups))],
-            "group_paddings": [g.partition_padding(self.rank) if self.partitioned else g.padding for g in self.groups],
+            "group_paddings": [g.partition_padding(g.rank) if self.partitioned else g.padding for g in self.groups],
             "param_shapes": [g.param_shapes() for g in self.groups],
         }
         sd.update(self.precision.state_dict())

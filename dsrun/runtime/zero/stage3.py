@@ -87,8 +87,9 @@ class Stage3Strategy(ZeroStrategy):
         for sg in self.sub_groups:
             for p, off in zip(sg.params, sg.offsets):
                 self._slot[id(p)] = (sg, off)
-        self._pending: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
-        self._pending_numel = 0
+        # gradients waiting for a bucket, per group they are reduced over (experts: their expert-data group)
+        self._pending: dict[int, list[tuple[torch.nn.Parameter, torch.Tensor]]] = {}
+        self._pending_numel: dict[int, int] = {}
         # (work, output, [(param, offset)], input kept alive until the collective completes)
         self._inflight: list[tuple[Any, torch.Tensor, list[tuple[torch.nn.Parameter, int]], torch.Tensor]] = []
         self._armed = False
@@ -119,7 +120,9 @@ class Stage3Strategy(ZeroStrategy):
                     p.ds_tensor = p.ds_tensor.to(device=self.ctx.device, dtype=dtype or p.ds_tensor.dtype)
                     p.data = torch.empty(0, dtype=p.ds_tensor.dtype, device=self.ctx.device)
                 continue
-            partition_param(p, self.ctx.group, dtype=dtype, device=self.ctx.device)
+            # MoE experts are partitioned over their expert-data-parallel group, everything else over the data group
+            group = self.ctx.groups.group_of_param(p) if self.ctx.groups is not None else self.ctx.group
+            partition_param(p, group, dtype=dtype, device=self.ctx.device)
 
     def _mark_persistent(self, threshold: int, model_threshold: int) -> None:
         budget = model_threshold
@@ -196,8 +199,8 @@ class Stage3Strategy(ZeroStrategy):
         self._armed = True
 
     def after_backward(self, boundary: bool) -> None:
-        if self._pending:
-            self._launch_bucket()
+        for key in [k for k, items in self._pending.items() if items]:
+            self._launch_bucket(key)
         self._complete_all()
         self._armed = False
         self.coordinator.end_backward()
@@ -209,16 +212,18 @@ class Stage3Strategy(ZeroStrategy):
         grad = param.grad
         param.grad = None
         self.coordinator.release_after_grad(param)
-        self._pending.append((param, grad))
-        self._pending_numel += param.ds_partition_numel * self.world_size
-        if self._pending_numel >= self.reduce_bucket_numel:
-            self._launch_bucket()
+        key = id(param.ds_process_group)
+        self._pending.setdefault(key, []).append((param, grad))
+        self._pending_numel[key] = self._pending_numel.get(key, 0) + param.ds_partition_numel * param.ds_world_size
+        if self._pending_numel[key] >= self.reduce_bucket_numel:
+            self._launch_bucket(key)
 
-    def _launch_bucket(self) -> None:
-        items, self._pending, self._pending_numel = self._pending, [], 0
+    def _launch_bucket(self, key: int) -> None:
+        items, self._pending[key], self._pending_numel[key] = self._pending[key], [], 0
+        group, world = items[0][0].ds_process_group, items[0][0].ds_world_size
         total = sum(p.ds_partition_numel for p, _ in items)
-        rows_flat = self._take_buffer(self.world_size * total)
-        rows = rows_flat.view(self.world_size, total)
+        rows_flat = self._take_buffer(world * total)
+        rows = rows_flat.view(world, total)
         placed: list[tuple[torch.nn.Parameter, int]] = []
         off = 0
         for p, grad in items:
@@ -231,17 +236,17 @@ class Stage3Strategy(ZeroStrategy):
             if rest:
                 rows[whole, off:off + rest].copy_(flat[whole * part:])
                 rows[whole, off + rest:off + part].zero_()  # the last shards' padding
-            if whole + (1 if rest else 0) < self.world_size:
+            if whole + (1 if rest else 0) < world:
                 rows[whole + (1 if rest else 0):, off:off + part].zero_()
             placed.append((p, off))
             off += part
         if self.pre_divide != 1.0:
             rows.div_(self.pre_divide)
-        if self.world_size == 1:
+        if world == 1:
             self._inflight.append((None, rows[0], placed, rows_flat))
         else:
             out = self._take_buffer(total)
-            work = comm.reduce_scatter_tensor(out, rows_flat, group=self.ctx.group,
+            work = comm.reduce_scatter_tensor(out, rows_flat, group=group,
                                               async_op=self.ctx.overlap_comm)
             self._inflight.append((work if self.ctx.overlap_comm else None, out, placed, rows_flat))
         if not self.ctx.overlap_comm:

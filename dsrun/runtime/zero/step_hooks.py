@@ -9,11 +9,12 @@ clips, then the update and the write-back of the weights. Around the update:
                    the optimizer runs. ``state.coef`` may be changed (it multiplies every gradient); the
                    resident gradients the update will read are ``state.gradients()`` (fp32, this rank's
                    partition at stages 1-3, still multiplied by ``loss_scale / post_scale``: multiply by
-                   ``state.coef`` to get what the optimizer sees). MoE gradient scaling and compression
-                   schedules that mask or scale gradients attach here; so do the 1-bit optimizers, which turn
-                   the backward reduction off (``strategy.enable_backward_allreduce = False``) once their
-                   warm-up ends and then read each rank's own gradient, ``state.local_gradients()``
-                   (``state.reduced`` is False on such steps; ``state.coef`` then holds no averaging).
+                   ``state.coef`` to get what the optimizer sees). Compression schedules that mask or
+                   scale gradients attach here (MoE experts need no hook: they are reduced over their
+                   expert-data group by the strategies); so do the 1-bit optimizers, which turn the backward
+                   reduction off (``strategy.enable_backward_allreduce = False``) once their warm-up ends and
+                   then read each rank's own gradient, ``state.local_gradients()`` (``state.reduced`` is
+                   False on such steps; ``state.coef`` then holds no averaging).
 ``after_update``   called after the update has reached the model's parameters (stage 3: its shards).
                    Compression schedules that prune or quantize weights after each step attach here.
 
