@@ -11,3 +11,12 @@ Each compiled op is built on first use (see ``op_builder``). Without a working C
 pure-torch implementation and warn once (:class:`dsrun.ops.loader.OpFallbackWarning`); a build that fails for
 any other reason raises ``op_builder.OpBuildError`` with the compiler's output.
 """
+
+
+def __getattr__(name: str):
+    # DeepSpeed's ``deepspeed.ops.__compatible_ops__``: op name -> whether it can be built on this machine
+    if name == "__compatible_ops__":
+        from dsrun.git_version_info import compatible_ops
+
+        return compatible_ops
+    raise AttributeError(f"module 'dsrun.ops' has no attribute '{name}'")
