@@ -137,3 +137,15 @@ def test_deepspeed_examples_inventory_count():
     assert result.returncode == 0, result.stderr
     resolved, total = (int(word) for word in result.stdout.split()[1:4:2])
     assert total == 96 and resolved >= 59, result.stdout
+
+
+def test_steps_per_print_inf_from_accelerate_means_never():
+    """accelerate's DeepSpeed plugin writes ``steps_per_print: inf`` (never); it loads as the largest step count
+    (an int the engine's ``global_steps % every`` never reaches), and finite values are kept."""
+    import sys as _sys
+
+    from dsrun.config import load_ds_config
+
+    config = load_ds_config({"train_batch_size": 2, "steps_per_print": float("inf")})
+    assert config.steps_per_print == _sys.maxsize
+    assert load_ds_config({"train_batch_size": 2, "steps_per_print": 3}).steps_per_print == 3
