@@ -70,9 +70,11 @@ class Accelerator:
             torch.cuda.empty_cache()
 
     def device_count(self) -> int:
-        """Devices on this node: CUDA GPUs, or 1 for the CPU (as DeepSpeed's CPU accelerator counts a socket
-        only under its own launcher, dsrun runs one CPU device per rank)."""
-        return torch.cuda.device_count() if self.name == "cuda" else 1
+        """Devices on this node: the CUDA GPUs; on the CPU, as DeepSpeed's CPU accelerator, the node's rank
+        count ``LOCAL_SIZE`` when a launcher set it (every rank is a CPU "device"), else 1."""
+        if self.name == "cuda":
+            return torch.cuda.device_count()
+        return int(os.environ.get("LOCAL_SIZE", "0")) or 1
 
     def current_device(self) -> int:
         return torch.cuda.current_device() if self.name == "cuda" else 0

@@ -24,3 +24,21 @@ def _ops() -> tuple[dict[str, bool], dict[str, bool]]:
 
 
 installed_ops, compatible_ops = _ops()
+
+#: the torch this process runs, in DeepSpeed's build-info shape ("major.minor"; "0.0" where absent)
+torch_info: dict[str, object] = {}
+
+
+def _torch_info() -> dict[str, object]:
+    import torch
+
+    def major_minor(text: str | None) -> str:
+        return ".".join((text or "0.0").split("+")[0].split(".")[:2])
+
+    nccl = ".".join(str(part) for part in torch.cuda.nccl.version()[:2]) if torch.cuda.is_available() else "0.0"
+    return {"version": major_minor(torch.__version__), "bf16_support": True,
+            "cuda_version": major_minor(torch.version.cuda), "nccl_version": nccl,
+            "hip_version": major_minor(getattr(torch.version, "hip", None))}
+
+
+torch_info.update(_torch_info())

@@ -19,6 +19,8 @@ TARGET = "dsrun"
 # DeepSpeed module path -> dsrun module path, where the two differ (longest prefix wins).
 RENAMED: dict[str, str] = {
     "deepspeed.ops.op_builder": "op_builder",
+    "deepspeed.monitor.wandb": "dsrun.monitor.wandb_monitor",
+    "deepspeed.monitor.comet": "dsrun.monitor.comet_monitor",
 }
 
 
