@@ -6,24 +6,21 @@
 from __future__ import annotations
 
 from dsrun.alias import DEEPSPEED_API_VERSION
+from dsrun.ops import compatible_ops as _compatible_ops
 
 version = DEEPSPEED_API_VERSION
 git_hash = None
 git_branch = None
 
 
-def _ops() -> tuple[dict[str, bool], dict[str, bool]]:
+def _installed_ops() -> dict[str, bool]:
     from op_builder import ALL_OPS
 
-    installed, compatible = {}, {}
-    for name, builder_class in ALL_OPS.items():
-        builder = builder_class()
-        installed[name] = builder.prebuilt_available()
-        compatible[name] = builder.is_compatible()[0]
-    return installed, compatible
+    return {name: builder().prebuilt_available() for name, builder in ALL_OPS.items()}
 
 
-installed_ops, compatible_ops = _ops()
+installed_ops = _installed_ops()
+compatible_ops = _compatible_ops()
 
 #: the torch this process runs, in DeepSpeed's build-info shape ("major.minor"; "0.0" where absent)
 torch_info: dict[str, object] = {}

@@ -19,6 +19,7 @@ TARGET = "dsrun"
 # DeepSpeed module path -> dsrun module path, where the two differ (longest prefix wins).
 RENAMED: dict[str, str] = {
     "deepspeed.ops.op_builder": "op_builder",
+    "deepspeed.launcher.runner": "dsrun.cli.deepspeed_runner",
     "deepspeed.monitor.wandb": "dsrun.monitor.wandb_monitor",
     "deepspeed.monitor.comet": "dsrun.monitor.comet_monitor",
 }
@@ -50,7 +51,14 @@ class _AliasLoader(importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         # The import system returns whatever sits in sys.modules under the name once exec_module is done.
-        sys.modules[module.__name__] = importlib.import_module(self.target)
+        target = importlib.import_module(self.target)
+        sys.modules[module.__name__] = target
+        # `from deepspeed.launcher import runner` looks the child up on dsrun.launcher (by the module's own
+        # name), so a renamed child is imported and set there as the parent is loaded
+        for source in RENAMED:
+            parent, _, child = source.rpartition(".")
+            if parent == module.__name__:
+                setattr(target, child, importlib.import_module(source))
 
 
 class AliasFinder(importlib.abc.MetaPathFinder):

@@ -13,10 +13,15 @@ any other reason raises ``op_builder.OpBuildError`` with the compiler's output.
 """
 
 
-def __getattr__(name: str):
-    # DeepSpeed's ``deepspeed.ops.__compatible_ops__``: op name -> whether it can be built on this machine
-    if name == "__compatible_ops__":
-        from dsrun.git_version_info import compatible_ops
+def compatible_ops() -> dict[str, bool]:
+    """Op name -> whether it can be built and run on this machine."""
+    from op_builder import ALL_OPS
 
-        return compatible_ops
+    return {name: builder().is_compatible()[0] for name, builder in ALL_OPS.items()}
+
+
+def __getattr__(name: str):
+    # DeepSpeed's ``deepspeed.ops.__compatible_ops__``
+    if name == "__compatible_ops__":
+        return compatible_ops()
     raise AttributeError(f"module 'dsrun.ops' has no attribute '{name}'")

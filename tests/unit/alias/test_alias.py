@@ -43,6 +43,8 @@ def test_import_deepspeed_is_dsrun_with_the_api_version_hf_and_accelerate_accept
         assert deepspeed.runtime.lr_schedules is dsrun.runtime.lr_schedules
         assert deepspeed.runtime.engine is dsrun.runtime.engine  # imported by `import deepspeed`, as in DeepSpeed
         assert CPUAdamBuilder is op_builder.CPUAdamBuilder
+        from deepspeed.launcher import runner  # a renamed child, imported from its parent
+        assert runner.parse_resource_filter({"w": [0, 1]}, exclude_str="w:1") == {"w": [0]}
         try:
             import deepspeed.no_such_module
         except ModuleNotFoundError as error:

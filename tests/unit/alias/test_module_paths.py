@@ -149,3 +149,31 @@ def test_steps_per_print_inf_from_accelerate_means_never():
     config = load_ds_config({"train_batch_size": 2, "steps_per_print": float("inf")})
     assert config.steps_per_print == _sys.maxsize
     assert load_ds_config({"train_batch_size": 2, "steps_per_print": 3}).steps_per_print == 3
+
+
+def test_deepspeed_runner_functions_keep_deepspeeds_shapes_and_errors():
+    from dsrun.cli import deepspeed_runner as runner
+
+    hosts = {"worker-0": [0, 1, 2, 3], "worker-1": [0, 1, 2, 3]}
+    assert runner.parse_resource_filter(hosts, exclude_str="worker-0:0,1@worker-1:3") == {
+        "worker-0": [2, 3], "worker-1": [0, 1, 2]}
+    assert runner.parse_resource_filter({"worker-0": [0, 1]}, exclude_str="worker-0") == {}
+    with pytest.raises(ValueError, match="jeff"):
+        runner.parse_resource_filter(hosts, include_str="jeff")
+    assert runner._parse_hostfile(["worker-1 slots=2", "", "# c", "localhost slots=1"]) == {
+        "worker-1": 2, "localhost": 1}
+    with pytest.raises(ValueError):
+        runner.main(["--num_nodes", "1", "-i", "localhost", "foo.py"])
+    import base64
+    import json
+
+    assert json.loads(base64.urlsafe_b64decode(runner.encode_world_info({"a": [0, 1]}))) == {"a": [0, 1]}
+
+
+def test_parse_range_list_is_deepspeeds_strict_form():
+    from dsrun.utils.numa import parse_range_list
+
+    assert parse_range_list("0,2-4,6,8-9") == [0, 2, 3, 4, 6, 8, 9]
+    for bad in ("0,2-6,5-9", "8,2-6", "1,6-2"):
+        with pytest.raises(ValueError):
+            parse_range_list(bad)
