@@ -21,6 +21,7 @@ from dsrun.runtime.activation_checkpointing.settings import configure_from_engin
 from dsrun.runtime.data_pipeline.engine_api import DataEfficiencyEngineMixin
 from dsrun.runtime.data_pipeline.features import DataEfficiency
 from dsrun.runtime.dataloader import DeepSpeedDataLoader
+from dsrun.runtime.fp16.onebit import ONE_BIT_CLASSES, build_onebit_optimizer
 from dsrun.runtime.lr_schedules import build_lr_scheduler
 from dsrun.runtime.observer import EngineObserver
 from dsrun.runtime.precision import PrecisionStrategy, build_precision
@@ -48,9 +49,8 @@ class DeepSpeedEngine(DataEfficiencyEngineMixin, torch.nn.Module):
         self.config = raw_config if raw_config is not None else config
         self.mpu = mpu
         # the run's topology and process groups, built once (dsrun/comm/groups.py); ZeRO partitions over
-        # the data-parallel group. A client mpu names the data-parallel group itself.
-        self.groups = (ProcessGroups() if mpu is None
-                       else comm.groups.from_data_group(mpu.get_data_parallel_group()))
+        # the data-parallel group
+        self.groups = self._process_groups(mpu)
         self.dp_group = self.groups.data
         self.global_rank = comm.get_rank()
         self.local_rank = comm.get_local_rank()
@@ -100,6 +100,17 @@ class DeepSpeedEngine(DataEfficiencyEngineMixin, torch.nn.Module):
         self.flops_profiler = self.observer.flops_profiler
 
     # --- construction ---------------------------------------------------------------------------------
+    @classmethod
+    def prepare_model(cls, model: torch.nn.Module, config: DeepSpeedConfig) -> None:
+        """Called by :func:`dsrun.initialize` before the optimizer is built over the model's parameters
+        (a pipeline engine re-cuts its module here for virtual stages). Nothing to do for a plain model."""
+
+    def _process_groups(self, mpu: Any) -> ProcessGroups:
+        """The run's groups: the whole world data-parallel, or a client mpu's data-parallel group."""
+        if mpu is None:
+            return ProcessGroups()
+        return comm.groups.from_data_group(mpu.get_data_parallel_group())
+
     def _broadcast_model(self) -> None:
         """Start every rank from rank 0's weights and buffers (as DeepSpeed does)."""
         if self.dp_world_size == 1:
@@ -230,6 +241,17 @@ class DeepSpeedEngine(DataEfficiencyEngineMixin, torch.nn.Module):
 
     def gradient_accumulation_steps(self) -> int:
         return int(self._config.gradient_accumulation_steps)
+
+    @property
+    def enable_backward_allreduce(self) -> bool:
+        """DeepSpeed's switch: whether backward all-reduces gradients (the 1-bit optimizers turn it off once
+        their warm-up ends); settable at ZeRO stages 0-1."""
+        return self.strategy.enable_backward_allreduce if self.strategy is not None else True
+
+    @enable_backward_allreduce.setter
+    def enable_backward_allreduce(self, value: bool) -> None:
+        if self.strategy is not None:
+            self.strategy.enable_backward_allreduce = value
 
     def zero_optimization_stage(self) -> int:
         return int(self._config.zero_optimization.stage)
@@ -375,6 +397,8 @@ def build_engine_optimizer(config: DeepSpeedConfig, model: torch.nn.Module, opti
         raise ConfigError(Problem("initialize(optimizer=...)", f"got {type(optimizer).__name__}; allowed: a "
                                   "torch.optim.Optimizer or a callable returning one"))
     if config.optimizer is not None and config.optimizer.type:
+        if config.optimizer.type.lower() in ONE_BIT_CLASSES:  # they communicate by themselves: docs/onebit.md
+            return build_onebit_optimizer(config.optimizer.type, params, config.optimizer.params)
         on_cpu = get_accelerator().name == "cpu"
         offload = config.zero_optimization.offload_optimizer.device != "none" and config.zero_optimization.stage > 0
         return build_optimizer(config.optimizer.type, params, config.optimizer.params, on_cpu=on_cpu or offload,

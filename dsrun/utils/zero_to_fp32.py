@@ -103,11 +103,51 @@ def natural_key(text: str) -> list[Any]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
 
 
+def file_problem(path: str) -> str | None:
+    """Why ``path`` is not a whole ``torch.save`` file, judged from its zip directory alone (no tensor is
+    read): empty, truncated or not a torch file; None when it looks whole."""
+    import zipfile
+
+    try:
+        if os.path.getsize(path) == 0:
+            return "it is empty"
+        with zipfile.ZipFile(path) as archive:
+            if not any(name.endswith("data.pkl") for name in archive.namelist()):
+                return "it holds no torch data"
+    except zipfile.BadZipFile:
+        return "it is truncated or not a torch file"
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
+def corrupt_reason(path: str, exc: BaseException) -> str | None:
+    """Why ``torch.load(path)`` failed with ``exc`` when the file itself is damaged (truncated, empty, its
+    pickled index unreadable); None when it failed for another reason (a refused global, ...)."""
+    import pickle
+    import zipfile
+
+    text = str(exc)
+    if "Unsupported global" in text:
+        return None
+    whole = file_problem(path)
+    if whole is not None:
+        return whole
+    if (isinstance(exc, (EOFError, OSError, zipfile.BadZipFile, pickle.UnpicklingError))
+            or "PytorchStreamReader" in text or "WeightsUnpickler" in text):
+        return "its contents are corrupt"
+    return None
+
+
 def load_file(path: str) -> Any:
-    """``torch.load`` on CPU with ``weights_only=True``: tensors, containers and numbers only."""
+    """``torch.load`` on CPU with ``weights_only=True``: tensors, containers and numbers only. A damaged
+    file is a ``ValueError`` naming it."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # an UnpicklingError names the global that was refused
+        reason = corrupt_reason(path, exc)
+        if reason is not None:
+            raise ValueError(f"{path}: cannot read this checkpoint file: {reason}") from None
         if "weights_only" in str(exc) or "Unsupported global" in str(exc):
             raise ValueError(f"{path}: refusing to load: the file holds objects that could run code when "
                              f"unpickled ({str(exc).splitlines()[0]})") from None

@@ -114,6 +114,7 @@ class Stage1Strategy(PartitionedStrategy):
     """Optimizer state partitioned; gradients kept whole and reduce-scattered at the boundary."""
 
     stage = 1
+    supports_local_gradients = True
 
     def _build_buffers(self) -> None:
         self.grads = FlatGradients(self.groups)
@@ -132,6 +133,9 @@ class Stage1Strategy(PartitionedStrategy):
 
     def _on_accumulated(self, gi: int, pi: int) -> None:
         self.grads.adopt(gi, pi)
+
+    def local_gradients(self) -> list[torch.Tensor]:
+        return self.flat_grads
 
     def before_backward(self, boundary: bool) -> None:
         if boundary and self._reduced_since_step:
@@ -161,6 +165,11 @@ class Stage1Strategy(PartitionedStrategy):
             bucket.received = None
 
     def _master_grads(self) -> list[torch.Tensor]:
+        if not self._gradients_reduced:  # nothing was reduce-scattered: this rank's own part of its gradient
+            for gi, (master_grad, flat) in enumerate(zip(self.master_grads, self.flat_grads)):
+                lo, hi = self.groups[gi].partition_range(self.rank)
+                master_grad.copy_(flat[lo:hi])
+            return self.master_grads
         if self.master_grads is not self.partition_grads:
             for master_grad, part in zip(self.master_grads, self.partition_grads):
                 master_grad.copy_(part)

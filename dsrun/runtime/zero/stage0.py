@@ -20,6 +20,7 @@ from .layout import FlatGradients
 
 class DataParallelStrategy(FlatStrategy):
     stage = 0
+    supports_local_gradients = True
 
     def _build_buffers(self) -> None:
         self.grads = FlatGradients(self.groups)
@@ -27,6 +28,9 @@ class DataParallelStrategy(FlatStrategy):
 
     def _on_accumulated(self, gi: int, pi: int) -> None:
         self.grads.adopt(gi, pi)
+
+    def local_gradients(self) -> list[torch.Tensor]:
+        return self.flat_grads
 
     def _build_masters(self) -> list[torch.nn.Parameter]:
         if not self.precision.needs_master_weights:
