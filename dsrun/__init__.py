@@ -27,6 +27,14 @@ _LAZY: dict[str, str] = {
     "InferenceEngine": "dsrun.inference:InferenceEngine",
     "inference": "dsrun.inference:",
     "moe": "dsrun.moe:",
+    # DeepSpeed's other top-level names (deepspeed/__init__.py)
+    "DeepSpeedConfig": "dsrun.runtime.config:DeepSpeedConfig",
+    "DeepSpeedConfigError": "dsrun.runtime.config:DeepSpeedConfigError",
+    "DeepSpeedEngine": "dsrun.runtime.engine:DeepSpeedEngine",
+    "OnDevice": "dsrun.utils.init_on_device:OnDevice",
+    "get_accelerator": "dsrun.accelerator:get_accelerator",
+    "log_dist": "dsrun.utils.logging:log_dist",
+    "logger": "dsrun.utils.logging:logger",
 }
 
 
