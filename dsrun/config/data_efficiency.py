@@ -133,7 +133,8 @@ class LayerTokenLRSchedule(Section):
 
 class RandomLTDConfig(Section):
     """``data_routing.random_ltd``: skip tokens in the middle layers. ``random_ltd_layer_id`` has
-    ``random_ltd_layer_num`` entries; ``model_mask_name`` is the forward's attention-mask argument."""
+    ``random_ltd_layer_num`` entries; ``model_mask_name`` is the forward's attention-mask argument (null for a
+    model without one, as DeepSpeed 0.14 allows)."""
 
     enabled: bool = False
     total_layer_num: PosInt | None = None
@@ -204,7 +205,8 @@ def check_data_efficiency(de: DataEfficiencyConfig, legacy: CurriculumLearningCo
     ltd = de.data_routing.random_ltd
     lbase = f"{prefix}data_efficiency.data_routing.random_ltd"
     if ltd.enabled:
-        for key in ("total_layer_num", "random_ltd_layer_num", "random_ltd_layer_id", "model_mask_name",
+        # model_mask_name may stay null: a model without an attention mask (DeepSpeedExamples' ViT) has none
+        for key in ("total_layer_num", "random_ltd_layer_num", "random_ltd_layer_id",
                     "model_type", "hidden_state_order", "random_ltd_schedule"):
             if getattr(ltd, key) is None:
                 problems.append(Problem(f"{lbase}.{key}", "required when random_ltd is enabled"))
