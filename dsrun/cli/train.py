@@ -41,6 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from dsrun.cli.multirun import JobResult, first_job_overrides, summary_table, unknown_sweep_options
     from dsrun.compose import app_overrides, compose_runspec, finish_runspec, run_app
+    from dsrun.config import announce
     from dsrun.runspec import resolve_run
 
     if not args.multirun:
@@ -62,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
         job = JobResult(len(jobs), list(hydra_cfg.overrides.task), run_dir)
         try:
             resolved = resolve_run(finish_runspec(cfg, hydra_overrides))
+            announce(resolved.ds, for_children=True)  # what it runs without: said once, not again by the ranks
             if args.dry_run:
                 return _dry_run(resolved, run_dir)
             metrics = _train(resolved, run_dir)
