@@ -13,6 +13,8 @@ from pydantic import BaseModel, ValidationError
 from dsrun.utils.errors import Problem, show
 from dsrun.utils.suggest import did_you_mean
 
+from .schema_keys import section_model
+
 _MISSING = object()
 
 
@@ -65,18 +67,6 @@ def _child(annotation: Any, part: str | int) -> Any:
     return None
 
 
-def _as_model(annotation: Any) -> type[BaseModel] | None:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    if typing.get_origin(annotation) in (dict, list):
-        return None
-    for arg in typing.get_args(annotation):
-        found = _as_model(arg)
-        if found is not None:
-            return found
-    return None
-
-
 def _model_at(model: type[BaseModel], parts: list[str | int]) -> type[BaseModel] | None:
     """The section model that holds the last key of ``parts`` (for "did you mean" suggestions)."""
     current: Any = model
@@ -84,7 +74,7 @@ def _model_at(model: type[BaseModel], parts: list[str | int]) -> type[BaseModel]
         current = _child(current, part)
         if current is None:
             return None
-    return _as_model(current)
+    return section_model(current)
 
 
 # Plain words for pydantic's type errors.

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from dsrun.config import load_ds_config
 from dsrun.utils.errors import ConfigError
-from tests.unit.runtime._effects import BASE, Net, engine, files, first_weight, merged, registry, step
+from tests.unit.runtime._effects import BASE, engine, files, first_weight, merged, registry, step
 
 pytestmark = pytest.mark.usefixtures("world_of_one")
 
