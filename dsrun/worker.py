@@ -53,10 +53,17 @@ class StopFlag:
         return self.signal is not None
 
 
+def _collective_device() -> torch.device:
+    """Where a rank's small control tensors live: NCCL reduces only device tensors."""
+    from dsrun.accelerator import get_accelerator
+
+    return get_accelerator().device()
+
+
 def mean_across_ranks(value: float) -> float:
     from dsrun import comm
 
-    tensor = torch.tensor([value], dtype=torch.float64)
+    tensor = torch.tensor([value], dtype=torch.float64, device=_collective_device())
     comm.all_reduce(tensor)
     return tensor.item() / comm.get_world_size()
 
@@ -65,7 +72,7 @@ def stop_agreed(stop: StopFlag) -> bool:
     """True on every rank when any rank was asked to stop, so no rank is left waiting in a collective."""
     from dsrun import comm
 
-    flag = torch.tensor([1.0 if stop else 0.0])
+    flag = torch.tensor([1.0 if stop else 0.0], device=_collective_device())
     comm.all_reduce(flag)
     return flag.item() > 0
 
@@ -74,7 +81,7 @@ def stop_agreed(stop: StopFlag) -> bool:
 def evaluate(engine: Any, corpus: Any, batch_size: int, rank: int, world_size: int, iters: int) -> float:
     """Mean eval loss (nats per token) over the same ``iters`` global batches every time."""
     engine.eval()
-    losses = [engine(inputs, targets).item()
+    losses = [engine(inputs.to(engine.device), targets.to(engine.device)).item()
               for inputs, targets in corpus.eval_loader(batch_size, rank, world_size, max_batches=iters)]
     engine.train()
     return mean_across_ranks(sum(losses) / max(1, len(losses)))
@@ -188,7 +195,7 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
         step_loss, step_started, timers_before = 0.0, time.perf_counter(), step_timer_ms(engine, None)
         for _ in range(accumulation):
             inputs, targets = next(loader)
-            loss = engine(inputs, targets)
+            loss = engine(inputs.to(engine.device, non_blocking=True), targets.to(engine.device, non_blocking=True))
             engine.backward(loss)
             engine.step()  # steps the optimizer only at the accumulation boundary
             step_loss += loss.item() / accumulation

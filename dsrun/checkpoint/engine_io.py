@@ -57,7 +57,7 @@ def _validate_tag(engine: Any, tag: str) -> str:
     mode = str(getattr(getattr(engine._config, "checkpoint", None), "tag_validation", "Warn")).capitalize()
     if mode == "Ignore" or engine.world_size == 1:
         return tag
-    digest = torch.tensor(list(hashlib.sha1(tag.encode()).digest()), dtype=torch.int64)
+    digest = torch.tensor(list(hashlib.sha1(tag.encode()).digest()), dtype=torch.int64, device=engine.device)
     high, low = digest.clone(), digest.clone()
     comm.all_reduce(high, op=comm.ReduceOp.MAX)
     comm.all_reduce(low, op=comm.ReduceOp.MIN)
@@ -93,7 +93,7 @@ def _on_rank0_then_all(engine: Any, action: Any) -> None:
 
 def _all_ranks_succeeded(engine: Any, error: Exception | None) -> None:
     """A barrier that also tells every rank whether any rank failed (e.g. a full disk), so all raise."""
-    flag = torch.tensor([0.0 if error is None else 1.0])
+    flag = torch.tensor([0.0 if error is None else 1.0], device=engine.device)
     if engine.world_size > 1:
         comm.all_reduce(flag, op=comm.ReduceOp.MAX)
     if error is not None:

@@ -24,6 +24,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "launch": ("dsrun.cli.launch", "launch a script on one or many machines, like the deepspeed launcher"),
     "tune": ("dsrun.cli.tune", "tune a recipe's ZeRO stage, micro batch and other knobs with Optuna (real short runs)"),
     "estimate-memory": ("dsrun.cli.estimate_memory", "estimate memory per rank and per host for a recipe or a parameter count"),
+    "generate": ("dsrun.cli.generate", "generate text with a trained model (a run directory or checkpoint; TP over the ranks)"),
     "convert": ("dsrun.cli.convert", "convert checkpoints: zero-to-fp32 consolidates a ZeRO checkpoint"),
     "report": ("dsrun.cli.report", "show the compiled ops (built, compatible, SIMD level) and the environment"),
     "ops": ("dsrun.cli.ops", "build the compiled ops ahead of time: dsrun ops build [NAME...|--all]"),
@@ -78,7 +79,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     rest = [a for i, a in enumerate(argv) if i != command_index and not (i < command_index and a == "--debug")]
     try:
         parser, module = _subcommand_parser(name)
-        args = parser.parse_args(rest)
+        # a subcommand whose positionals may follow its options (``SOURCE --prompt X key=value``) says so
+        intermixed = getattr(module, "INTERMIXED_ARGS", False)
+        args = parser.parse_intermixed_args(rest) if intermixed else parser.parse_args(rest)
         return int(module.run(args) or 0)
     except UserError as err:
         if debug:

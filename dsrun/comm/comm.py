@@ -69,6 +69,8 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         kwargs["world_size"] = world_size
     if backend == "nccl":
         get_accelerator().set_device(get_local_rank())
+        # binds the process group to this rank's GPU, so barrier() and friends need not guess it
+        kwargs["device_id"] = get_accelerator().device(get_local_rank())
     dist.init_process_group(**kwargs)
     comms_logger.rank = get_rank()
     if verbose and get_rank() == 0:

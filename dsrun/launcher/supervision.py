@@ -16,6 +16,7 @@ Imports torch; :mod:`dsrun.launcher.agent` imports this module only after its ch
 """
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import signal
@@ -72,13 +73,18 @@ def build_spec(*, rank_exec: list[str], command: list[str], local_world_size: in
                       max_restarts=max_restarts, monitor_interval=monitor_interval)
 
 
+_AGENT_TAKES_SHUTDOWN_TIMEOUT = "shutdown_timeout" in inspect.signature(LocalElasticAgent.__init__).parameters
+
+
 class NodeAgent(LocalElasticAgent):
     """torch elastic's local agent plus cross-node failure fan-out, heartbeats and a watchful exit."""
 
     def __init__(self, spec: WorkerSpec, logs: RankLogs, *, host: str, host_names: list[str], node_rank: int,
                  save_pid: int, peer_timeout: float, shutdown_grace: int) -> None:
+        # torch < 2.13's agent has no shutdown_timeout: our _stop_workers passes the grace itself there
+        extra = {"shutdown_timeout": shutdown_grace} if _AGENT_TAKES_SHUTDOWN_TIMEOUT else {}
         super().__init__(spec, logs, start_method="spawn", exit_barrier_timeout=24 * 3600,
-                         log_line_prefix_template="[rank${rank}]:", shutdown_timeout=shutdown_grace)
+                         log_line_prefix_template="[rank${rank}]:", **extra)
         self._host = host
         self._host_names = host_names
         self._node_rank = node_rank
@@ -127,7 +133,10 @@ class NodeAgent(LocalElasticAgent):
     # ---- torch elastic hooks ------------------------------------------------------------------------
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
-        self._shutdown(timeout=self._grace)
+        if _AGENT_TAKES_SHUTDOWN_TIMEOUT:
+            self._shutdown(timeout=self._grace)
+        else:  # torch < 2.13 waits its own fixed grace
+            self._shutdown()
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         pids = super()._start_workers(worker_group)

@@ -47,6 +47,20 @@ def _embedding(num: int, dim: int) -> nn.Embedding:
     return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
 
 
+def sample_next_token(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
+                      generator: torch.Generator | None = None) -> torch.Tensor:
+    """The next token ``[B, 1]`` from the last position's logits ``[B, V]``: the argmax at temperature 0,
+    else a draw from the softmax of ``logits / temperature`` over the ``top_k`` largest (all when None)."""
+    logits = logits.float()
+    if temperature <= 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+
+
 class GPT(nn.Module):
     """GPT decoder language model; see the module docstring for the call convention."""
 
@@ -144,15 +158,7 @@ class GPT(nn.Module):
         """Sample ``max_new_tokens`` continuations of ``idx`` ``[B, T]`` (temperature 0 means greedy)."""
         for _ in range(max_new_tokens):
             context = idx[:, -self.config.block_size:]
-            logits = self(context)[:, -1, :].float()
-            if temperature <= 0:
-                next_token = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                next_token = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+            next_token = sample_next_token(self(context)[:, -1, :], temperature, top_k, generator)
             idx = torch.cat((idx, next_token), dim=1)
         return idx
 

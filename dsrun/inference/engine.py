@@ -1,0 +1,166 @@
+"""``dsrun.init_inference`` and the ``InferenceEngine`` it returns (DeepSpeed's names and call forms).
+
+The engine prepares a model once, in this order:
+
+1. refuse the settings dsrun cannot honour (:func:`~dsrun.inference.config.refusals`), one line each;
+2. load ``checkpoint`` into the whole model (:mod:`~dsrun.inference.loading`);
+3. convert to ``dtype`` (fp16/bf16/fp32; with ``int8`` the float weights are kept until step 5);
+4. split the blocks over the model-parallel group (:mod:`~dsrun.inference.auto_tp`) when
+   ``tensor_parallel.tp_size > 1`` (or a user ``injection_policy`` / INT8 asks for the block plan);
+5. quantize the blocks' linears to INT8 (weight-only) with ``dtype=torch.int8``;
+6. with ``replace_with_kernel_inject`` on a dsrun GPT, swap in the fused KV-cache forward
+   (:class:`~dsrun.inference.fused_gpt.FusedGPT`).
+
+``engine(*inputs, **kwargs)`` runs the forward without autograd; ``engine.generate(...)`` is the model's
+own ``generate`` (the fused one with kernel injection); other attributes read through to the model, so the
+engine can stand in for it (``pipe.model = dsrun.init_inference(pipe.model, ...)``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from dsrun.accelerator import get_accelerator
+from dsrun.utils.errors import ConfigError, Problem, UserError
+
+from .auto_tp import BlockPlan, quantize_blocks, shard_model
+from .config import DeepSpeedInferenceConfig, merge_config, refusals
+from .fused_gpt import FusedGPT
+from .groups import TPGroup, model_parallel_group
+from .loading import load_weights
+
+
+def _is_dsrun_gpt(model: nn.Module) -> bool:
+    from dsrun.models.gpt import GPT
+
+    return isinstance(model, GPT)
+
+
+class InferenceEngine(nn.Module):
+    """A model prepared for inference: split, quantized, fused as its config says."""
+
+    def __init__(self, model: nn.Module, config: DeepSpeedInferenceConfig):
+        super().__init__()
+        if isinstance(model, InferenceEngine):
+            raise UserError(Problem("init_inference(model=...)", "is already an InferenceEngine",
+                                    "pass the original nn.Module without any wrappers"))
+        self._config = config
+        device = get_accelerator().device()
+        problems = refusals(config, device.type)
+        if config.replace_with_kernel_inject and not _is_dsrun_gpt(model):
+            problems.append(Problem("init_inference.replace_with_kernel_inject", f"the fused path exists for "
+                                    f"dsrun's GPT, not {type(model).__name__}", "leave it false: automatic "
+                                    "tensor parallelism splits any Transformer"))
+        if problems:
+            raise ConfigError(problems)
+        self.checkpoint_loaded = self._load(model, config)
+        self._convert_dtype(model, config.dtype)
+        policy = self._policy(config)
+        self.tp: TPGroup = model_parallel_group(config.tp_size, config.tensor_parallel.tp_group,
+                                                config.tensor_parallel.mpu or config.mpu)
+        self.block_plans: list[BlockPlan] = []
+        if self.tp.size > 1 or policy or config.dtype == torch.int8:
+            self.block_plans = shard_model(model, self.tp, policy)
+        self.quantized_linears = 0
+        if config.dtype == torch.int8 and config.quant.enabled and config.quant.weight.enabled:
+            self.quantized_linears = quantize_blocks(self.block_plans, config.quant.weight.q_groups,
+                                                     config.quant.qkv.enabled)
+        for param in model.parameters():
+            param.requires_grad_(False)
+        self.module = model.to(device).eval()
+        fused = None
+        if config.replace_with_kernel_inject:
+            fused = FusedGPT(model, config.max_out_tokens, config.min_out_tokens, config.triangular_masking)
+        self.__dict__["fused"] = fused  # not a submodule: it holds the module's own weights, not copies
+
+    # ------------------------------------------------------------------------------------------- set-up
+    @staticmethod
+    def _load(model: nn.Module, config: DeepSpeedInferenceConfig) -> str | None:
+        source = config.checkpoint_source
+        meta = any(p.is_meta for p in model.parameters())
+        if meta and not config.set_empty_params:
+            raise ConfigError(Problem("init_inference(model=...)", "was built on the meta device (no values)",
+                                      "set set_empty_params=True and give a checkpoint"))
+        if config.set_empty_params and source is None:
+            raise ConfigError(Problem("init_inference.set_empty_params", "needs a checkpoint to fill the "
+                                      "parameters from", "pass checkpoint=..."))
+        if source is None:
+            return None
+        return load_weights(model, source, config.checkpoint_base_dir)
+
+    @staticmethod
+    def _convert_dtype(model: nn.Module, dtype: torch.dtype) -> None:
+        if dtype != torch.int8:
+            model.to(dtype)
+
+    @staticmethod
+    def _policy(config: DeepSpeedInferenceConfig) -> dict[Any, Any] | None:
+        policy = dict(config.injection_policy or {})
+        if config.injection_policy_tuple:
+            block, names = config.injection_policy_tuple[0], config.injection_policy_tuple[1:]
+            if len(names) == 1 and isinstance(names[0], (tuple, list)):
+                names = tuple(names[0])
+            policy[block] = tuple(names)
+        return policy or None
+
+    # ------------------------------------------------------------------------------------------- calls
+    @property
+    def mp_world_size(self) -> int:
+        return self.tp.size
+
+    @property
+    def config(self) -> Any:
+        """The model's own config (Hugging Face pipelines read ``model.config``)."""
+        return getattr(self.module, "config", None)
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Execute forward propagation (without autograd)."""
+        with torch.no_grad():
+            if self.fused is not None:
+                return self.fused(*inputs, **kwargs)
+            return self.module(*inputs, **kwargs)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's ``generate`` (the fused KV-cache one with kernel injection)."""
+        if self.fused is not None:
+            return self.fused.generate(*args, **kwargs)
+        self._check_budget(args, kwargs)
+        with torch.no_grad():
+            return self.module.generate(*args, **kwargs)
+
+    def _check_budget(self, args: tuple, kwargs: dict[str, Any]) -> None:
+        """``max_out_tokens`` bounds prompt + new tokens, ``min_out_tokens`` the room left for new ones."""
+        prompt = args[0] if args else kwargs.get("input_ids", kwargs.get("idx"))
+        if not torch.is_tensor(prompt) or prompt.dim() != 2:
+            return
+        length = prompt.shape[1]
+        new = kwargs.get("max_new_tokens", args[1] if len(args) > 1 and isinstance(args[1], int) else None)
+        limit = self._config.max_out_tokens
+        if limit - length < self._config.min_out_tokens:
+            raise UserError(Problem("init_inference.min_out_tokens", f"a {length}-token prompt leaves "
+                                    f"{max(limit - length, 0)} of max_out_tokens={limit} for new tokens, fewer "
+                                    f"than min_out_tokens={self._config.min_out_tokens}",
+                                    "shorten the prompt or raise max_out_tokens"))
+        if isinstance(new, int) and length + new > limit:
+            raise UserError(Problem("init_inference.max_out_tokens", f"{length} prompt + {new} new tokens exceed "
+                                    f"max_out_tokens={limit}", "ask for fewer tokens or raise max_out_tokens"))
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None:
+                raise
+            return getattr(module, name)
+
+
+def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> InferenceEngine:
+    """Initialize the inference engine: ``config`` is a dict or a JSON file path, ``kwargs`` the same keys.
+
+    All four call forms are valid: no config and no kwargs (DeepSpeed's defaults, including
+    ``dtype=torch.float16``), a config, kwargs, or both (a key given both ways must agree).
+    """
+    return InferenceEngine(model, merge_config(config, **kwargs))
