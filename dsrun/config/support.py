@@ -64,7 +64,8 @@ class Unimplemented:
     path: str
     entry: Entry
 
-    def text(self, prefix: str) -> str:
+    @property
+    def text(self) -> str:
         meaning, feature = self.entry.meaning, self.entry.feature
         name = feature.name if feature else ""
         what = meaning if not name or name in meaning or meaning in name else f"{meaning} ({name})"
@@ -73,11 +74,11 @@ class Unimplemented:
     def problem(self, prefix: str) -> Problem:
         advice = self.entry.feature.advice if self.entry.feature else ""
         hint = f"{advice}; or " if advice else ""
-        return Problem(f"{prefix}{self.path}", self.text(prefix),
+        return Problem(f"{prefix}{self.path}", self.text,
                        f"{hint}set {prefix}{ALLOW_KEY}: true to run without it, with a warning")
 
     def warning(self, prefix: str) -> str:
-        return (f"warning: {prefix}{self.path}: {self.text(prefix)}; the run goes on WITHOUT it "
+        return (f"warning: {prefix}{self.path}: {self.text}; the run goes on WITHOUT it "
                 f"({prefix}{ALLOW_KEY} is true)")
 
 
