@@ -32,6 +32,10 @@ class TrainSpec(_Section):
     save_interval: int = Field(0, ge=0, description="optimizer steps between checkpoints (0: none)")
     resume: str | None = Field(None, description="null, 'auto' (latest checkpoint of the run) or a directory")
     keep_last: int = Field(2, ge=0, description="checkpoints kept (0: all)")
+    teacher: str | None = Field(None, description="a finished run directory whose model teaches this one: "
+                                "layer reduction starts from its layers and the loss adds distillation")
+    kd_weight: float = Field(1.0, ge=0, description="weight of the distillation term (with teacher)")
+    kd_temperature: float = Field(1.0, gt=0, description="softmax temperature of the distillation term")
 
 
 def _section(cfg: DictConfig, key: str) -> Mapping[str, Any]:
@@ -89,6 +93,7 @@ def resolve_run(cfg: DictConfig) -> ResolvedRun:
         node = cfg.get(key)
         if not isinstance(node, DictConfig) or "_target_" not in node:
             problems.append(Problem(f"{key}._target_", "missing", f"pick a {key} config group, e.g. {key}=..."))
+    problems += _unread_sparse_attention(cfg)
     train, train_problems = validate_model(TrainSpec, _section(cfg, "train"), "train")
     problems += train_problems
     plan = None
@@ -103,9 +108,26 @@ def resolve_run(cfg: DictConfig) -> ResolvedRun:
                             auto_values=_auto_values(cfg), path_prefix="ds")
     except ConfigError as err:
         problems += err.problems
+    if ds is not None and train is not None and ds.compression_training.layer_reduction.enabled and not train.teacher:
+        problems.append(Problem("train.teacher", "compression_training.layer_reduction needs a teacher: a finished "
+                                "run of the full-depth model", "train it with train.save_interval > 0, then pass "
+                                "train.teacher=ITS_RUN_DIR (docs/compression.md)"))
     if problems:
         raise ConfigError(problems)
     return ResolvedRun(cfg, train, plan, ds)
+
+
+def _unread_sparse_attention(cfg: DictConfig) -> list[Problem]:
+    """``ds.sparse_attention`` acts on the built-in GPT through ``model.attention=sparse``; refuse it when the GPT
+    would not read it. (Your own model reads the section itself, as DeepSpeed models do.)"""
+    model, ds = cfg.get("model"), cfg.get("ds")
+    if not isinstance(model, DictConfig) or not isinstance(ds, DictConfig) or ds.get("sparse_attention") is None:
+        return []
+    # the string, not dsrun.models.registry.GPT_TARGET: importing dsrun.models would load torch into the CLI
+    if model.get("_target_") != "dsrun.models.gpt.GPT" or model.get("attention", "dense") == "sparse":
+        return []
+    return [Problem("ds.sparse_attention", "is set but model.attention is 'dense', so the GPT would ignore it",
+                    "add attention=sparse (it passes the section to the model) or remove ds.sparse_attention")]
 
 
 def _auto_values(cfg: DictConfig) -> dict[str, Any]:

@@ -9,13 +9,12 @@ so far are still written.
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import math
 import os
 import random
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -23,12 +22,11 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from dsrun.checkpoint.training import TrainingCheckpoints
 from dsrun.estimate.measure import current_rss, record_rank_peak
-from dsrun.monitor.progress import TrainingProgress
 from dsrun.monitor.run_defaults import PARENT_ENV, apply_run_defaults, flatten, mlflow_parent_key
-from dsrun.rundir import DS_CONFIG_JSON, METRICS_JSON, RESOLVED_YAML, atomic_write_text
-from dsrun.runtime.observer import write_run_reports
+from dsrun.run_book import RunBook
+from dsrun.rundir import RESOLVED_YAML
+from dsrun.runtime.data_pipeline.training import DataEfficiencyRun
 
 
 def seed_everything(seed: int) -> None:
@@ -125,14 +123,23 @@ def step_timer_ms(engine: Any, before: dict[str, float] | None) -> dict[str, flo
 def zero_init_context(ds_config: dict[str, Any]) -> Any:
     """``dsrun.zero.Init`` for ZeRO stage 3 (so the whole model never exists in one process, and with
     ``offload_param`` its shards go straight to host memory or NVMe), else a no-op."""
-    import contextlib
-
     import dsrun
 
     zero = ds_config.get("zero_optimization")
     if not isinstance(zero, dict) or int(zero.get("stage", 0) or 0) != 3:
         return contextlib.nullcontext()
     return dsrun.zero.Init(config_dict_or_path=ds_config)
+
+
+def teach(model: Any, ds_config: dict[str, Any], cfg: Any) -> Any:
+    """``train.teacher``: initialise ``model`` from the teacher run's model (``compression_training`` with
+    its layer reduction) and return the distillation loss (docs/compression.md)."""
+    from dsrun.compression.compress import init_compression
+    from dsrun.compression.layer_reduction import Distiller, load_teacher
+
+    teacher = load_teacher(cfg.teacher)
+    init_compression(model, ds_config, teacher_model=teacher)
+    return Distiller(teacher, cfg.kd_weight, cfg.kd_temperature)
 
 
 def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
@@ -148,93 +155,59 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
     seed_everything(cfg.seed)
     baseline_rss = current_rss()  # for `dsrun estimate-memory --measure`: this rank's peak above start-up
 
+    # --- model, data, engine ---
     ds_config = apply_run_defaults(OmegaConf.to_container(spec.ds, resolve=True), run_dir)  # monitors → run dir
-    with zero_init_context(ds_config):  # ZeRO-3: partitioned (and offloaded) as each submodule is built
-        model = hydra.utils.instantiate(spec.model, _convert_="all")
+    with zero_init_context(ds_config) if not cfg.teacher else contextlib.nullcontext():  # ZeRO-3: partitioned
+        model = hydra.utils.instantiate(spec.model, _convert_="all")                  # as each part is built
+    distiller = teach(model, ds_config, cfg) if cfg.teacher else None  # layer reduction + distillation
     corpus = hydra.utils.instantiate(spec.data, _convert_="all")
     corpus.check_vocab(model.config.vocab_size)
     if mlflow_parent_key(run_dir):  # the jobs of a multirun become MLflow child runs of one parent
         os.environ[PARENT_ENV] = mlflow_parent_key(run_dir)
-    engine, _, _, _ = dsrun.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    data_eff = DataEfficiencyRun.prepare(ds_config, corpus.train, corpus.vocab_size, run_dir)  # curriculum indexes
+    engine, _, _, _ = dsrun.initialize(model=model, model_parameters=model.parameters(), config=data_eff.ds_config,
+                                       training_data=data_eff.training_data)
+    data_eff.attach(engine)  # random-LTD layers, seqlen truncation, token and layer-token counts
     engine.monitor.log_params(flatten(OmegaConf.to_container(spec, resolve=True)))
-
     micro_batch, accumulation = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    loader = data_eff.train_loader() or corpus.train_loader(batch_size=micro_batch, rank=rank, world_size=world_size,
+                                                            seed=cfg.seed)  # the curriculum sampler's, if on
+
+    # --- the run's budget and its bookkeeping (metrics, progress, evaluation, checkpoints: dsrun/run_book.py) ---
     tokens_per_step = engine.train_batch_size() * corpus.seq_len
     max_steps = cfg.max_steps
     if cfg.max_tokens:
         max_steps = min(max_steps, math.ceil(cfg.max_tokens / tokens_per_step))
-    loader = corpus.train_loader(batch_size=micro_batch, rank=rank, world_size=world_size, seed=cfg.seed)
-    eval_every = cfg.eval_interval or max_steps
-    step_flops = _train_step_flops(model, engine.train_batch_size(), corpus.seq_len)
-    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3: full sizes
+    book = RunBook(engine, loader, run_dir, cfg, max_steps, tokens_per_step,
+                   num_params=sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),  # ZeRO-3: full
+                   step_flops=_train_step_flops(model, engine.train_batch_size(), corpus.seq_len),
+                   evaluate=lambda: evaluate(engine, corpus, micro_batch, rank, world_size, cfg.eval_iters),
+                   report_throughput=report_throughput, step_timers=step_timer_ms,
+                   mean_across_ranks=mean_across_ranks, stop_agreed=lambda: stop_agreed(stop), world_size=world_size,
+                   eval_counts=data_eff.counts)  # tokens and layer-tokens seen at each evaluation
+    book.announce(type(model).__name__, corpus.seq_len)
+    first_step = book.resume()
+    book.evaluate_first()
 
-    metrics: dict[str, Any] = {"train_losses": [], "eval_losses": [], "lrs": [], "world_size": world_size,
-                               "tokens_per_step": tokens_per_step, "max_steps": max_steps,
-                               "loss_unit": "nats per token", "train_batch_size": engine.train_batch_size(),
-                               "micro_batch_size": micro_batch, "gradient_accumulation_steps": accumulation,
-                               "num_params": n_params, "step_flops": step_flops,
-                               "step_times_ms": [], "step_timers_ms": []}  # per step, for dsrun tune
-    if rank == 0:
-        print(f"[dsrun] training {type(model).__name__} ({n_params:,} "
-              f"parameters) for {max_steps} steps on {world_size} rank(s); "
-              f"{engine.train_batch_size()} samples x {corpus.seq_len} tokens per step", flush=True)
-    # --- checkpoints: resume before the first step (train.resume), save every train.save_interval steps ---
-    checkpoints = TrainingCheckpoints(engine, loader, run_dir, cfg.save_interval, cfg.resume, cfg.keep_last)
-    first_step = checkpoints.resume() + 1
-    if first_step > 1:
-        metrics["resumed_from_step"] = first_step - 1
-
-    engine.print_step_lines = False  # the progress line below carries step, loss and lr
-    progress = TrainingProgress(max_steps, enabled=rank == 0, print_every=max(1, engine.steps_per_print()),
-                                start_step=first_step - 1)
-    initial = evaluate(engine, corpus, micro_batch, rank, world_size, cfg.eval_iters)
-    metrics["eval_losses"].append({"step": first_step - 1, "loss": initial})
-    progress.note(f"[dsrun] step {first_step - 1}/{max_steps} | eval {initial:.4f}")
-    start = time.perf_counter()
+    # --- the training loop ---
+    stopped = False
     for step in range(first_step, max_steps + 1):
-        step_loss, step_started, timers_before = 0.0, time.perf_counter(), step_timer_ms(engine, None)
+        book.step_begins()
+        step_loss = 0.0
         for _ in range(accumulation):
             inputs, targets = next(loader)
-            loss = engine(inputs.to(engine.device, non_blocking=True), targets.to(engine.device, non_blocking=True))
+            inputs, targets = inputs.to(engine.device, non_blocking=True), targets.to(engine.device, non_blocking=True)
+            loss = engine(inputs, targets) if distiller is None else distiller.loss(engine, inputs, targets)
             engine.backward(loss)
             engine.step()  # steps the optimizer only at the accumulation boundary
             step_loss += loss.item() / accumulation
-        metrics["step_times_ms"].append((time.perf_counter() - step_started) * 1e3)
-        metrics["step_timers_ms"].append(step_timer_ms(engine, timers_before))
-        step_loss = mean_across_ranks(step_loss)
-        metrics["train_losses"].append(step_loss)
-        metrics["lrs"].append(engine.get_lr()[0])
-        if not math.isfinite(step_loss):
-            raise FloatingPointError(f"training loss became {step_loss} at step {step}")
-
-        if step % eval_every == 0 or step == max_steps:
-            eval_loss = evaluate(engine, corpus, micro_batch, rank, world_size, cfg.eval_iters)
-            metrics["eval_losses"].append({"step": step, "loss": eval_loss})
-            engine.monitor.write_events([("Eval/Samples/eval_loss", eval_loss, engine.global_samples)])
-        samples_s, tokens_s = report_throughput(engine, step - first_step + 1, time.perf_counter() - start,
-                                                tokens_per_step, step_flops)
-        evaluated = metrics["eval_losses"][-1]["step"] == step
-        progress.update(step, step_loss, engine.get_lr()[0], samples_s, tokens_s, time.perf_counter() - start,
-                        extra=f"eval {metrics['eval_losses'][-1]['loss']:.4f}" if evaluated else "")
-        stopping = stop_agreed(stop)
-        checkpoints.save_if_due(step, force=stopping)  # a stopped run saves where it is, if saving is on
-        if stopping:
-            metrics["stopped_by_signal"] = stop.signal or "another rank"
+        stopped = book.step_ends(step, step_loss)  # metrics, eval, progress, checkpoint; all ranks agree to stop
+        if stopped:
             break
 
-    progress.close()
-    wall = time.perf_counter() - start
-    steps_done = len(metrics["train_losses"])
-    metrics.update(steps=steps_done, wall_time_s=wall, samples_per_second=steps_done * engine.train_batch_size() / wall,
-                   tokens_per_second=steps_done * tokens_per_step / wall,
-                   final_eval_loss=metrics["eval_losses"][-1]["loss"] if metrics["eval_losses"] else None)
-    record_rank_peak(run_dir, rank, baseline_rss)
-    reports = write_run_reports(engine, run_dir)  # comms.json, flops_profile.txt (rank 0)
-    if rank == 0:
-        atomic_write_text(run_dir / METRICS_JSON, json.dumps(metrics, indent=2) + "\n")
-    engine.monitor.log_artifacts([run_dir / RESOLVED_YAML, run_dir / DS_CONFIG_JSON, run_dir / METRICS_JSON,
-                                  *reports])
-    engine.monitor.close()
+    metrics = book.finish((stop.signal or "another rank") if stopped else None,
+                          record_peak=lambda: record_rank_peak(run_dir, rank, baseline_rss),
+                          extra_metrics=data_eff.summary())
     comm.barrier()
     comm.destroy_process_group()
     return metrics

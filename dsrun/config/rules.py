@@ -10,7 +10,7 @@ from typing import Any
 
 from dsrun.utils.errors import Problem, show
 
-from .compression import check_compression
+from .compression import check_compression, check_quantization_modes
 from .data_efficiency import check_data_efficiency
 from .misc import SPARSE_MODE_KEYS
 from .model import DeepSpeedConfig
@@ -191,9 +191,7 @@ def check_tooling(cfg: DeepSpeedConfig, raw: dict[str, Any], p: str) -> tuple[li
         if el.version == 0.2 and "min_time" in el_raw:
             notes.append(f"{ep}.min_time only matters in version 0.1")
 
-    ac = cfg.activation_checkpointing
-    if ac.cpu_checkpointing and not ac.partition_activations:
-        notes.append(f"{p}activation_checkpointing.cpu_checkpointing only takes effect with partition_activations")
+    problems += cfg.activation_checkpointing.problems(f"{p}activation_checkpointing")
 
     sa = cfg.sparse_attention
     if sa is not None:
@@ -240,4 +238,6 @@ def check_rules(cfg: DeepSpeedConfig, raw: dict[str, Any], prefix: str) -> tuple
     notes += tool_notes
     problems += check_data_efficiency(cfg.data_efficiency, cfg.curriculum_learning, prefix)
     problems += check_compression(cfg.compression_training, prefix)
+    problems += check_quantization_modes(cfg.compression_training, cfg.quantize_training, cfg.eigenvalue,
+                                         cfg.precision, int(cfg.zero_optimization.stage), prefix)
     return problems, notes

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsrun.models.config import GPTConfig
+from dsrun.ops.sparse_attention import CausalSparseSelfAttention, sparsity_config_from_dict
 
 
 def rotary_cos_sin(seq_len: int, head_size: int, base: float, device: torch.device,
@@ -42,18 +43,26 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
+        # model.attention=sparse: block-sparse attention over the ds.sparse_attention layout (dsrun.ops)
+        self.sparse: CausalSparseSelfAttention | None = None
+        if config.attention == "sparse":
+            layout = sparsity_config_from_dict(config.sparse_attention, config.n_head, "model.sparse_attention")
+            self.sparse = CausalSparseSelfAttention(layout, max_seq_length=config.block_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
-        width = self.n_head * self.head_size  # the heads this module holds (a slice of them under inference TP)
+        width = self.n_head * self.head_size  # the heads this module holds (fewer once pruned, a slice under TP)
         q, k, v = self.c_attn(x).split(width, dim=2)
         # [B, T, C] -> [B, H, T, hs]
         q, k, v = (t.view(batch, seq, self.n_head, self.head_size).transpose(1, 2) for t in (q, k, v))
         if self.rotary:
             cos, sin = rotary_cos_sin(seq, self.head_size, self.rotary_base, x.device, q.dtype)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
-                                           is_causal=True)
+        dropout = self.dropout if self.training else 0.0
+        if self.sparse is not None:
+            y = self.sparse(q, k, v, dropout_p=dropout)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(batch, seq, width)
         return self.resid_dropout(self.c_proj(y))
 
@@ -79,6 +88,11 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual_scale: float = 1.0) -> torch.Tensor:
+        """``residual_scale`` multiplies both branches (progressive layer drop divides a kept block's branches
+        by its keep probability, so the expected output matches the full model's)."""
+        if residual_scale != 1.0:
+            x = x + self.attn(self.ln_1(x)) * residual_scale
+            return x + self.mlp(self.ln_2(x)) * residual_scale
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))

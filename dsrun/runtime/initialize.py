@@ -72,7 +72,11 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         source, world_size=world, world_size_source="data-parallel world size")
     if hasattr(ds_config, "unimplemented"):  # what the run goes without (dsrun_allow_unimplemented), said once
         announce(ds_config, rank=comm.get_rank())
+    # [feature seam: compression] compress the model before the optimizer sees its parameters
+    from dsrun.compression.feature import CompressionFeature, prepare_for_training
+    model_parameters = prepare_for_training(model, ds_config, model_parameters, optimizer)
     base_optimizer = build_engine_optimizer(ds_config, model, optimizer, model_parameters)
     engine = DeepSpeedEngine(model, ds_config, optimizer=base_optimizer, lr_scheduler=lr_scheduler,
                              training_data=training_data, collate_fn=collate_fn, mpu=mpu, raw_config=source)
+    engine.compression = CompressionFeature.attach(engine)  # [feature seam: compression] steps with the engine
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -16,7 +16,7 @@ def load(extra: dict, **kwargs) -> DeepSpeedConfig:
 
 
 def test_deepspeed_behaviour_defaults():
-    cfg = load({"sparse_attention": {}, "compression_training": {}, "dsrun_allow_unimplemented": True})
+    cfg = load({"sparse_attention": {}, "compression_training": {}})
     assert cfg.gradient_clipping == 0.0                                              # D1
     assert cfg.communication_data_type is None                                       # D2
     assert (cfg.fp16.initial_scale_power, cfg.fp16.min_loss_scale) == (16, 1.0)      # D3
@@ -48,8 +48,8 @@ def test_overlap_comm_defaults_on_at_stage3_only_and_is_not_written():
 
 def test_compression_group_modules_default_to_all():
     cfg = load({"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True}, "different_groups": {"wq1": {"params": {"start_bits": 8, "target_bits": 8}}}}},
-        "dsrun_allow_unimplemented": True})
+        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+        "different_groups": {"wq1": {"params": {"start_bits": 8, "target_bits": 8}}}}}})
     assert cfg.compression_training.weight_quantization.different_groups["wq1"].modules == ["*"]
 
 
@@ -147,7 +147,7 @@ def test_flops_profiler_turns_on_wall_clock_breakdown_without_writing_it():
       "zero_optimization": {"stage": 2}}, "fp32", "bf16"),
 ])
 def test_resolved_dtypes_follow_deepspeed(extra, comm, accum):
-    cfg = load({**extra, "dsrun_allow_unimplemented": True})  # dsrun refuses an accumulation dtype it lacks
+    cfg = load(extra)
     assert cfg.resolved_communication_data_type == comm
     assert cfg.resolved_grad_accum_dtype == accum
 
@@ -172,7 +172,7 @@ def test_to_ds_dict_keeps_only_set_keys_and_omits_grad_hooks():
 
 
 def test_amp_extras_pass_through():
-    cfg = load({"amp": {"enabled": True, "opt_level": "O2", "loss_scale": 128.0}, "dsrun_allow_unimplemented": True})
+    cfg = load({"amp": {"enabled": True, "opt_level": "O2", "loss_scale": 128.0}})
     assert cfg.amp.params == {"opt_level": "O2", "loss_scale": 128.0}
     assert cfg.to_ds_dict()["amp"] == {"enabled": True, "opt_level": "O2", "loss_scale": 128.0}
 
