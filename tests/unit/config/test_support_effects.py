@@ -165,8 +165,8 @@ def _ignore_batch_info(**_):
 # --- dsrun's own ---------------------------------------------------------------------------------------------------
 @effect("dsrun_allow_unimplemented")
 def _allow(capsys, **_):
-    config = {"train_micro_batch_size_per_gpu": 1, "progressive_layer_drop": {"enabled": True}}
-    assert [p.path for p in validate_ds_config(config)] == ["progressive_layer_drop.enabled"]
+    config = {"train_micro_batch_size_per_gpu": 1, "hybrid_engine": {"enabled": True}}
+    assert [p.path for p in validate_ds_config(config)] == ["hybrid_engine.enabled"]
     cfg = load_ds_config({**config, "dsrun_allow_unimplemented": True})
-    assert cfg.unimplemented == ["progressive_layer_drop.enabled"]
-    assert cfg.unimplemented_warnings[0].startswith("warning: progressive_layer_drop.enabled: not implemented")
+    assert cfg.unimplemented == ["hybrid_engine.enabled"]
+    assert cfg.unimplemented_warnings[0].startswith("warning: hybrid_engine.enabled: not implemented")
