@@ -106,7 +106,8 @@ ENTRIES: list[Entry] = [
     done("zero_optimization.allgather_bucket_size", "elements per all-gather of updated partitions (stages 1-2)",
          RANKS),
     done("zero_optimization.overlap_comm", "reduce gradient buckets asynchronously during backward", RANKS),
-    done("zero_optimization.reduce_scatter", "reduce gradients with reduce-scatter (false: all-reduce)", RANKS),
+    done("zero_optimization.reduce_scatter", "reduce gradients with reduce-scatter (false: all-reduce)", RANKS,
+         traced=False),  # read only between two ranks or more (a world of one copies its gradients)
     done("zero_optimization.reduce_bucket_size", "elements per gradient reduction", RANKS),
     todo("zero_optimization.use_multi_rank_bucket_allreduce", "DeepSpeed's multi-rank bucket all-reduce "
          "(false: its older single-rank path)", ENGINE),
