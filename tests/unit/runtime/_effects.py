@@ -24,18 +24,26 @@ def registry() -> tuple[dict[str, Callable[..., None]], Callable]:
     return cases, effect
 
 
+class CastLinear(torch.nn.Linear):
+    """A linear layer that casts its input to its weight's dtype (inside its own forward, so ZeRO-3 reads the
+    weight where it is gathered anyway: a read from the parent's forward would gather it as an external
+    parameter of the parent and change the fetch order the stage-3 effect tests look at)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.to(self.weight.dtype))
+
+
 class Net(torch.nn.Module):
-    """Three linear layers; the forward casts its input to the weights' dtype and records what it got."""
+    """Three linear layers; the first casts the input to the weights' dtype; the forward records what it got."""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)])
+        self.layers = torch.nn.ModuleList([CastLinear(4, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)])
         self.input_dtypes: list[torch.dtype] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.input_dtypes.append(x.dtype)
-        x = x.to(self.layers[0].weight.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x) if i == 2 else torch.tanh(layer(x))
         return x
