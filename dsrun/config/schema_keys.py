@@ -87,12 +87,9 @@ def _keys_of(root: type[BaseModel]) -> tuple[SchemaKey, ...]:
     return tuple(_walk(root, ""))
 
 
-def schema_keys(root: type[BaseModel] | None = None) -> dict[str, SchemaKey]:
-    """pattern -> :class:`SchemaKey`, for every leaf key of ``root`` (default: the whole DeepSpeed config)."""
-    if root is None:
-        from .model import DeepSpeedConfig
-
-        root = DeepSpeedConfig
+def schema_keys(root: type[BaseModel]) -> dict[str, SchemaKey]:
+    """pattern -> :class:`SchemaKey`, for every leaf key of ``root`` (``DeepSpeedConfig``: the whole schema;
+    passed in, since the config model's modules import this one)."""
     return {key.pattern: key for key in _keys_of(root)}
 
 
