@@ -197,6 +197,26 @@ def all_gather(tensor_list: Sequence[torch.Tensor], tensor: torch.Tensor, group:
                 lambda: dist.all_gather(list(tensor_list), tensor, group=group, async_op=async_op), async_op)
 
 
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int] | None = None,
+                      input_split_sizes: Sequence[int] | None = None, group: ProcessGroup = None,
+                      async_op: bool = False) -> Any:
+    """Rank r sends piece j of ``input`` (dim 0) to rank j and receives rank j's piece r into piece j of
+    ``output``; pieces are equal unless split sizes (rows along dim 0) are given. The tensor form is the one
+    gloo and NCCL both have (MoE's token exchange). Logged with the input as the message; the traffic is
+    what leaves this rank (the input less its own piece)."""
+    n = get_world_size(group)
+    size = _nbytes(input)
+    if input_split_sizes is not None:
+        row = size // max(1, input.shape[0]) if input.dim() else 0
+        own = row * int(input_split_sizes[get_rank(group)])
+    else:
+        own = size // n
+    return _run("all_to_all_single", size, size - own,
+                lambda: dist.all_to_all_single(output, input, output_split_sizes=output_split_sizes,
+                                               input_split_sizes=input_split_sizes, group=group,
+                                               async_op=async_op), async_op)
+
+
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup = None, async_op: bool = False) -> Any:
     size = _nbytes(tensor)
     return _run("broadcast", size, size if get_world_size(group) > 1 else 0,
@@ -208,6 +228,58 @@ def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: Proces
     size = _nbytes(tensor)
     return _run("reduce", size, size if get_world_size(group) > 1 else 0,
                 lambda: dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op), async_op)
+
+
+# --- point to point (the pipeline engine's activations and gradients) -----------------------------------
+P2POp = dist.P2POp
+
+
+def _record_p2p(op: str, tensor: torch.Tensor) -> None:
+    # never timed: waiting on a send inside the logger would stall a pair that has not posted its receive yet
+    comms_logger.record(op, _nbytes(tensor), _nbytes(tensor))
+
+
+def send(tensor: torch.Tensor, dst: int, group: ProcessGroup = None, tag: int = 0) -> None:
+    """Send ``tensor`` to global rank ``dst`` (blocking until the transport has it)."""
+    _record_p2p("send", tensor)
+    dist.send(tensor, dst=dst, group=group, tag=tag)
+
+
+def recv(tensor: torch.Tensor, src: int, group: ProcessGroup = None, tag: int = 0) -> None:
+    """Receive into ``tensor`` from global rank ``src`` (blocking)."""
+    _record_p2p("recv", tensor)
+    dist.recv(tensor, src=src, group=group, tag=tag)
+
+
+def isend(tensor: torch.Tensor, dst: int, group: ProcessGroup = None, tag: int = 0) -> Any:
+    _record_p2p("send", tensor)
+    return dist.isend(tensor, dst=dst, group=group, tag=tag)
+
+
+def irecv(tensor: torch.Tensor, src: int, group: ProcessGroup = None, tag: int = 0) -> Any:
+    _record_p2p("recv", tensor)
+    return dist.irecv(tensor, src=src, group=group, tag=tag)
+
+
+def send_op(tensor: torch.Tensor, peer: int, group: ProcessGroup = None, tag: int = 0) -> Any:
+    """A send of ``tensor`` to global rank ``peer``, for :func:`batch_isend_irecv`."""
+    return P2POp(dist.isend, tensor, peer, group=group, tag=tag)
+
+
+def recv_op(tensor: torch.Tensor, peer: int, group: ProcessGroup = None, tag: int = 0) -> Any:
+    """A receive into ``tensor`` from global rank ``peer``, for :func:`batch_isend_irecv`."""
+    return P2POp(dist.irecv, tensor, peer, group=group, tag=tag)
+
+
+def batch_isend_irecv(ops: Sequence[Any]) -> list[Any]:
+    """Post a batch of sends and receives (:func:`send_op`, :func:`recv_op`) at once and return their works.
+    NCCL runs them as one group, so two ranks that send to each other in the same batch cannot deadlock
+    whatever the order; gloo matches them by tag."""
+    for op in ops:
+        _record_p2p("send" if op.op in (dist.isend, dist.send) else "recv", op.tensor)
+    if not ops:
+        return []
+    return list(dist.batch_isend_irecv(list(ops)))
 
 
 def all_gather_object(object_list: list, obj: Any, group: ProcessGroup = None) -> None:

@@ -1,19 +1,18 @@
-"""Ledger entries for DeepSpeed's training techniques and undocumented sections: activation checkpointing,
-sparse attention, data efficiency (curriculum, random-LTD), the legacy curriculum, progressive layer drop,
-compression, MoQ and eigenvalue (implemented, each key with the tests that change it and see the effect), and
-pipeline, hybrid engine, compile, Nebula, inference weight quantization and random-LTD's layer-token learning-rate
-schedule (not implemented: a config that enables them is refused).
+"""Ledger entries for DeepSpeed's training techniques and undocumented sections. Implemented, each key with the
+tests that change it and see the effect: activation checkpointing, sparse attention, data efficiency
+(curriculum, random-LTD), the legacy curriculum, progressive layer drop, compression, MoQ, eigenvalue, pipeline.
+Not implemented (a config that enables them is refused): the hybrid engine, compile, Nebula, inference weight
+quantization and random-LTD's layer-token learning-rate schedule.
 
 The implemented entries here are ``traced=False``: the tracer's short engine runs
 (tests/unit/runtime/test_config_reads.py) do not switch these features on; each key's proof is a test of the
 feature that changes the key and sees what it does (the tables in docs/compression.md,
-docs/activation_checkpointing.md, docs/sparse_attention.md and docs/data_efficiency.md).
+docs/activation_checkpointing.md, docs/sparse_attention.md, docs/data_efficiency.md, docs/pipeline.md).
 """
 from __future__ import annotations
 
 from .entry import Entry, Feature, design, done, todo
 
-PIPELINE = Feature("pipeline parallelism", "leave the pipeline keys at their defaults")
 HYBRID = Feature("the hybrid train/generate engine (DeepSpeed-Chat)", "disable hybrid_engine")
 COMPILE = Feature("torch.compile of the engine's module", "disable compile (call torch.compile on your model "
                   "before initialize instead)")
@@ -25,6 +24,7 @@ LAYER_TOKEN_LR = Feature("random-LTD's layer-token learning-rate schedule (DeepS
 
 AC, AC_RANKS = "tests/unit/runtime/test_checkpointing_config.py::", "tests/integration/test_activation_checkpointing.py::"
 SPARSE = "tests/unit/models/test_gpt_sparse.py::"
+PIPE, PIPE_RANKS = "tests/unit/pipe/test_module.py::", "tests/integration/test_pipe.py::"
 DE_ENGINE, DE_SAMPLER = "tests/unit/runtime/test_data_efficiency_engine.py::", \
     "tests/unit/data_pipeline/test_analyzer_sampler.py::"
 DE_SCHEDULES, DE_LTD = "tests/unit/data_pipeline/test_schedules.py::", "tests/unit/data_pipeline/test_random_ltd.py::"
@@ -244,11 +244,23 @@ ENTRIES: list[Entry] = [
         f"{ENGINE}test_eigenvalues_stretch_the_moq_period", f"{ENGINE}test_eigenvalue_iteration_settings_change_the_estimate",
         f"{ENGINE}test_eigenvalue_resolution_layers_and_verbose"),
     *_quantize_training(),
-    *_section("pipeline", PIPELINE, {
-        "stages": "pipeline stages", "partition": "how layers are split over stages",
-        "seed_layers": "seed each layer's initialization", "activation_checkpoint_interval": "layers per "
-        "activation checkpoint", "pipe_partitioned": "partition activations between stages",
-        "grad_partitioned": "partition gradients between stages"}),
+    *_done("pipeline", {"stages": "pipeline stages (must agree with a PipelineModule)",
+                        "partition": "how layers are split over stages"},
+           f"{PIPE}test_pipeline_keys_that_disagree_with_the_module_are_refused",
+           f"{PIPE_RANKS}test_two_stages_on_two_ranks_match_the_plain_model_over_50_steps"),
+    done("pipeline.seed_layers", "seed each layer's initialization",
+         f"{PIPE}test_seed_layers_builds_the_same_weights_whatever_the_rng",
+         f"{PIPE}test_pipeline_keys_that_disagree_with_the_module_are_refused", traced=False),
+    done("pipeline.activation_checkpoint_interval", "layers per activation checkpoint",
+         f"{PIPE}test_activation_checkpointing_recomputes_chosen_ranges_with_the_same_gradients",
+         "tests/unit/pipe/test_gpt_pipe.py::test_activation_checkpointing_modes_of_a_pipelined_gpt", traced=False),
+    *_done("pipeline", {"pipe_partitioned": "partition activations between stages",
+                        "grad_partitioned": "partition gradients between stages"},
+           f"{PIPE_RANKS}test_model_axis_splits_messages_when_partitioned"),
+    *_done("pipeline", {"schedule": "1f1b, gpipe, interleaved or zero_bubble (dsrun's)",
+                        "virtual_stages": "model chunks per rank with the interleaved schedule (dsrun's)"},
+           f"{PIPE}test_pipeline_schedule_picks_the_schedule", f"{PIPE_RANKS}test_every_schedule_trains_the_same_model",
+           f"{PIPE_RANKS}test_interleaving_cuts_the_model_into_stages_times_virtual_stages"),
     *_section("hybrid_engine", HYBRID, {
         "enabled": "switch between training and generation engines", "max_out_tokens": "longest generation",
         "inference_tp_size": "tensor parallelism while generating", "release_inference_cache": "free the "

@@ -243,7 +243,9 @@ ENTRIES: list[Entry] = [
     done("checkpoint.load_universal", "load a checkpoint through the resharding path",
          "tests/unit/checkpoint/test_engine_checkpoint.py::test_load_universal_goes_through_the_reshard_path"),
     todo("checkpoint.use_node_local_storage", "each node saves to its own local storage", ENGINE),
-    todo("checkpoint.parallel_write.pipeline_stage", "pipeline stages write in parallel", PIPELINE),
+    done("checkpoint.parallel_write.pipeline_stage", "a pipeline stage's data-parallel ranks share its layer files",
+         "tests/integration/test_pipe.py::test_parallel_write_spreads_layer_files_over_data_parallel_ranks",
+         traced=False),  # read by the pipeline engine's checkpoint (the tracer's runs have no PipelineModule)
     # --- autotuning (read by dsrun tune) -------------------------------------------------------------------
     done("autotuning.enabled", "the config may be tuned by dsrun tune (false: dsrun tune refuses it)", CONFIG,
          traced=False),

@@ -89,7 +89,6 @@ ENABLED = {  # what dsrun does not implement (yet)
     "hybrid_engine": {"enabled": True, "max_out_tokens": 256},
     "compile": {"enabled": True, "backend": "inductor"},
     "nebula": {"enabled": True},
-    "pipeline": {"pipe_partitioned": False},
     "data_efficiency": {"enabled": True, "seed": 7, "data_routing": {"enabled": True, "random_ltd": {
         "enabled": True, "total_layer_num": 12, "random_ltd_layer_num": 2, "random_ltd_layer_id": [1, 2],
         "model_mask_name": None, "model_type": "decoder", "hidden_state_order": "batch_seq_dim",
@@ -97,7 +96,7 @@ ENABLED = {  # what dsrun does not implement (yet)
                                 "schedule_config": {"require_steps": 10, "seq_per_step": 8}},
         "layer_token_lr_schedule": {"enabled": True, "total_layer_tokens": 100}}}},
 }
-REFUSED = ["amp.enabled", "hybrid_engine.enabled", "compile.enabled", "nebula.enabled", "pipeline.pipe_partitioned",
+REFUSED = ["amp.enabled", "hybrid_engine.enabled", "compile.enabled", "nebula.enabled",
            "data_efficiency.data_routing.random_ltd.layer_token_lr_schedule.enabled"]
 # what the features merged since the ledger began make act: enabling them is no longer refused
 IMPLEMENTED_FEATURES = {
@@ -107,6 +106,7 @@ IMPLEMENTED_FEATURES = {
                                                      "different_groups": {"wq": {"params": {"target_bits": 4}}}}},
     "progressive_layer_drop": {"enabled": True, "theta": 0.5},
     "sparse_attention": {"mode": "fixed"},
+    "pipeline": {"schedule": "gpipe", "pipe_partitioned": False},
     "curriculum_learning": {"enabled": True, "curriculum_type": "seqlen", "min_difficulty": 8, "max_difficulty": 64,
                             "schedule_type": "fixed_linear",
                             "schedule_config": {"total_curriculum_step": 10, "difficulty_step": 8}},
