@@ -23,19 +23,15 @@ from .lamb import Lamb
 from .lion import Lion
 
 NATIVE_NAMES = {"adam": "Adam", "adamw": "AdamW", "lamb": "Lamb", "lion": "Lion", "adagrad": "Adagrad"}
-# DeepSpeed optimizer names dsrun cannot build, and why (the config layer refuses them first, with the same
-# reasons, from its support ledger; this guards direct calls).
-UNAVAILABLE = {
-    **dict.fromkeys(("onebitadam", "zerooneadam", "onebitlamb"),
-                    "the 1-bit optimizers (1-bit Adam, 0/1 Adam, 1-bit LAMB) are not implemented in this version "
-                    "of dsrun"),
-    **dict.fromkeys(("muadam", "muadamw", "musgd"),
-                    "MuAdam/MuAdamW/MuSGD are the mup package's optimizers (maximal update parametrization), not "
-                    "implemented in this version of dsrun; pass a mup optimizer to initialize(optimizer=...)"),
-}
+# the mup package's optimizers: dsrun cannot build them (the config layer refuses them first, with the same
+# reason, from its support ledger; this guards direct calls)
+MUP_NAMES = {"muadam": "MuAdam", "muadamw": "MuAdamW", "musgd": "MuSGD"}
+# built by the engine (dsrun.runtime.fp16.onebit, a layer above): they communicate by themselves
+ENGINE_BUILT_NAMES = {"onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam", "onebitlamb": "OneBitLamb"}
 # Optimizer classes ZeRO is tested with; others need "zero_allow_untested_optimizer": true.
 ZERO_TESTED_CLASS_NAMES = frozenset({"Adam", "AdamW", "Lamb", "Lion", "Adagrad", "DeepSpeedCPUAdam",
-                                     "DeepSpeedCPUAdagrad", "DeepSpeedCPULion", "FusedAdam", "FusedLamb"})
+                                     "DeepSpeedCPUAdagrad", "DeepSpeedCPULion", "FusedAdam", "FusedLamb",
+                                     "OnebitAdam", "OnebitLamb"})  # the 1-bit pair: stage 1 (docs/onebit.md)
 
 
 def compiled_cpu_adam() -> type | None:
@@ -87,9 +83,15 @@ def build_optimizer(type_name: str, params: Iterable[Any], optimizer_params: dic
     ``DeepSpeedCPULion`` (Adam/AdamW already take ``DeepSpeedCPUAdam`` with ``on_cpu``), as DeepSpeed does."""
     kwargs = dict(optimizer_params or {})
     key = type_name.lower()
-    if key in UNAVAILABLE:
-        raise ConfigError(Problem("optimizer.type", f"got {show(type_name)}: {UNAVAILABLE[key]}",
-                                  "use Adam, AdamW, Lamb or Lion"))
+    if key in MUP_NAMES:
+        raise ConfigError(Problem("optimizer.type", f"got {show(type_name)}: MuAdam/MuAdamW/MuSGD are the mup "
+                                  "package's optimizers (maximal update parametrization), not implemented in this "
+                                  "version of dsrun", "use Adam, AdamW, Lamb or Lion, or pass a mup optimizer to "
+                                  "initialize(optimizer=...)"))
+    if key in ENGINE_BUILT_NAMES:
+        raise ConfigError(Problem("optimizer.type", f"{ENGINE_BUILT_NAMES[key]} communicates by itself and is "
+                                  "built by dsrun.initialize (or dsrun.runtime.fp16.onebit), not by the registry",
+                                  "pass the config to dsrun.initialize"))
     try:
         if key == "adam":
             return _adam(params, kwargs, force_w_mode=False, on_cpu=on_cpu)
