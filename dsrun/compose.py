@@ -32,6 +32,9 @@ PRIMARY_CONFIG = "dsrun"
 RUNSPEC_KEYS = ("model", "data", "train", "launcher", "ds")
 DEFAULT_RECIPE = "default"
 RECIPES_ENV = "DSRUN_RECIPES_PATH"  # extra recipe folders, separated by os.pathsep
+# ds sections a ds_config file replaces whole instead of merging key by key: their params are one
+# constructor's arguments (SGD's momentum must not reach AdamW)
+REPLACED_BY_FILE = ("optimizer", "scheduler")
 
 
 # ---------------------------------------------------------------------------------------------- recipes
@@ -226,7 +229,8 @@ def _composed_keys(parent: str, hydra_overrides: Sequence[str], source: Path | N
 
 
 def finish_runspec(cfg: DictConfig, hydra_overrides: Sequence[str], *, resolve: bool = True) -> DictConfig:
-    """Merge ``ds_config`` into ``ds`` (then re-apply the command line's ``ds.*`` overrides) and resolve."""
+    """Merge ``ds_config`` into ``ds`` (then re-apply the command line's ``ds.*`` overrides) and resolve.
+    The file's ``optimizer`` and ``scheduler`` sections replace the recipe's whole, as one choice."""
     plain = OmegaConf.to_container(cfg, resolve=False)
     ordered = {key: plain[key] for key in (*RUNSPEC_KEYS, "ds_config") if key in plain}
     ordered.update((key, value) for key, value in plain.items() if key not in ordered)
@@ -239,6 +243,9 @@ def finish_runspec(cfg: DictConfig, hydra_overrides: Sequence[str], *, resolve: 
             raise UserError(Problem("ds_config", f"file not found: {show(str(path))}",
                                     "give the path of a DeepSpeed JSON/hjson/YAML config"))
         from_file = read_config_source(path)
+        for key in REPLACED_BY_FILE:  # a file's optimizer is a whole: its params must not mix with the group's
+            if key in from_file and key in cfg.ds:
+                del cfg.ds[key]
         cfg.ds = OmegaConf.merge(cfg.ds, from_file)
         _reapply_ds_overrides(cfg, hydra_overrides)
     if resolve:

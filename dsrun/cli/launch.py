@@ -7,7 +7,9 @@ Examples:
   dsrun launch -H hostfile --dry-run train.py     (print the plan as JSON, start nothing)
   dsrun launch --as-deepspeed --num_procs 2 train.py   (an unedited DeepSpeed script: import deepspeed -> dsrun)
 
-Launcher flags come before the script; everything after the script goes to it.
+Launcher flags come before the script; everything after the script goes to it. When the script's arguments
+name a DeepSpeed config (--deepspeed_config FILE), it is checked before any rank starts, as initialize will
+check it (the batch sizes excepted: they depend on the data-parallel size, which initialize knows).
 """
 from __future__ import annotations
 
@@ -95,7 +97,36 @@ def run(args: argparse.Namespace) -> int:
         # every rank inherits (and every node is sent) PYTHONPATH, see dsrun.launcher.environment
         os.environ.update(environment_with_alias(dict(os.environ)))
     plan = plan_launch(options_from_args(args))
+    check_script_config(args.script_args)
     if args.dry_run:
         print(json.dumps(plan.to_json(), indent=2))
         return 0
     return run_plan(plan)
+
+
+CONFIG_FLAGS = ("--deepspeed_config", "--deepscale_config")
+
+
+def script_config_path(script_args: list[str]) -> str | None:
+    """The DeepSpeed config file the script's arguments name (``--deepspeed_config FILE`` or ``=FILE``)."""
+    for i, arg in enumerate(script_args):
+        flag, eq, value = arg.partition("=")
+        if flag in CONFIG_FLAGS:
+            if eq:
+                return value
+            return script_args[i + 1] if i + 1 < len(script_args) else None
+    return None
+
+
+def check_script_config(script_args: list[str]) -> None:
+    """Validate the script's DeepSpeed config file, if it names one that exists: the same loading
+    ``dsrun.initialize`` does, without the batch arithmetic. Raises the ConfigError (exit code 2); prints the
+    warnings of a config with ``dsrun_allow_unimplemented`` once, so the ranks do not repeat them."""
+    from pathlib import Path
+
+    from dsrun.config import announce, load_ds_config
+
+    path = script_config_path(script_args)
+    if path is None or not Path(path).is_file():
+        return
+    announce(load_ds_config(path, world_size=None, world_size_source="dsrun launch"), for_children=True)

@@ -78,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
     from dsrun.cli.preflight import check_before_launch
     from dsrun.cli.resume import from_overrides, source_run
     from dsrun.compose import app_overrides, compose_runspec, finish_runspec, run_app
+    from dsrun.config import announce
     from dsrun.runspec import resolve_run
 
     command = ["dsrun", *sys.argv[1:]]
@@ -110,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             with quiet_legacy_notes(not args.multirun):  # the single run's notes were shown already
                 resolved = resolve_run(finish_runspec(cfg, hydra_overrides))
+            announce(resolved.ds, for_children=True)  # what it runs without: said once, not again by the ranks
             preflight = checked or check_before_launch(resolved, memory_check=not args.skip_memory_check)
             resolved, resume_line = _settle_resume(resolved, run_dir, job.overrides, args, source, overrides)
             record = Record(command, _lineage(source, job.overrides), preflight.data)

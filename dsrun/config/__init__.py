@@ -8,8 +8,9 @@
 
 Loading goes: read the source (:mod:`.sources`) -> migrate legacy keys (:mod:`.migrate`) -> resolve or drop
 ``"auto"`` values (:mod:`.auto`) -> validate every section (:mod:`.model`) -> resolve the batch triad
-(:mod:`.batch`, :mod:`.elastic`) -> cross-field rules (:mod:`.rules`). Every problem found on the way is
-collected, so one :class:`~dsrun.utils.errors.ConfigError` lists them all.
+(:mod:`.batch`, :mod:`.elastic`) -> cross-field rules (:mod:`.rules`) -> the support ledger
+(:mod:`.support`: a key dsrun does not implement is refused when the config enables it). Every problem found
+on the way is collected, so one :class:`~dsrun.utils.errors.ConfigError` lists them all.
 """
 from __future__ import annotations
 
@@ -26,9 +27,11 @@ from .model import DeepSpeedConfig
 from .problems import validate_model
 from .rules import check_rules
 from .sources import ConfigSource, read_config_source
+from .support import announce, check_support
 
 __all__ = [
     "DeepSpeedConfig",
+    "announce",
     "LegacyConfigWarning",
     "load_ds_config",
     "read_config_source",
@@ -40,7 +43,7 @@ logger = logging.getLogger("dsrun.config")
 
 def _analyse(
     source: ConfigSource | DeepSpeedConfig,
-    world_size: int,
+    world_size: int | None,
     world_size_source: str,
     auto_values: Mapping[str, Any] | None,
     path_prefix: str,
@@ -70,7 +73,9 @@ def _analyse(
 
     batch_failed = failed_sections & {TBS, MBS, GAS, "elasticity"}
     resolution: BatchResolution | None = None
-    if not batch_failed:
+    if world_size is None:  # the data-parallel size is not known here (dsrun launch): initialize checks it
+        auto_batch = []
+    elif not batch_failed:
         if model.elasticity.enabled:
             resolution, batch_problems = resolve_elastic_batch(model, data, world_size, world_size_source, prefix)
         else:
@@ -90,22 +95,25 @@ def _analyse(
     notes += rule_notes
     for note in rule_notes:
         logger.info("%s", note)
+    support_problems, allowed = check_support(model, prefix)
+    problems += support_problems
 
     if problems:
         # A key reported as an unresolvable "auto" is not reported again as missing.
         auto_reported = {pr.path for pr in auto_problems}
         problems = auto_problems + [pr for pr in problems if pr.path not in auto_reported]
         return None, _unique(problems)
-    assert resolution is not None
-    model = model.model_copy(update={
-        TBS: resolution.train_batch_size,
-        MBS: resolution.train_micro_batch_size_per_gpu,
-        GAS: resolution.gradient_accumulation_steps,
-    })
-    model._batch_explanation = resolution.explanation
-    model._world_size = world_size
+    if resolution is not None:
+        model = model.model_copy(update={
+            TBS: resolution.train_batch_size,
+            MBS: resolution.train_micro_batch_size_per_gpu,
+            GAS: resolution.gradient_accumulation_steps,
+        })
+        model._batch_explanation = resolution.explanation
+        model._world_size = world_size
     model._world_size_source = world_size_source
     model._warnings = notes
+    model._unimplemented = [(u.path, u.warning(prefix)) for u in allowed]
     return model, []
 
 
@@ -121,7 +129,7 @@ def _unique(problems: list[Problem]) -> list[Problem]:
 
 def load_ds_config(
     source: ConfigSource | DeepSpeedConfig,
-    world_size: int = 1,
+    world_size: int | None = 1,
     *,
     world_size_source: str = "default",
     auto_values: Mapping[str, Any] | None = None,
@@ -131,13 +139,17 @@ def load_ds_config(
 
     ``source``: a dict, a path (``.json``/``.hjson``/``.yaml``/``.yml``), JSON text, or base64 JSON.
     ``world_size`` is the data-parallel size used for the batch arithmetic; ``world_size_source`` says where
-    it came from (shown in errors and :attr:`DeepSpeedConfig.batch_explanation`). ``auto_values`` maps
+    it came from (shown in errors and :attr:`DeepSpeedConfig.batch_explanation`); None skips the batch
+    arithmetic (a launcher that does not know the data-parallel size; the batch keys stay as given).
+    ``auto_values`` maps
     dotted keys (relative to the config root, e.g. ``"optimizer.params.lr"``) to the values that replace
     ``"auto"``. ``path_prefix`` is put before every key path in problems (``"ds"`` gives
     ``ds.zero_optimization.stage``).
 
     Raises :class:`~dsrun.utils.errors.ConfigError` listing every problem. Legacy keys are migrated with a
-    :class:`LegacyConfigWarning`.
+    :class:`LegacyConfigWarning`. A key the config enables that dsrun does not implement (the support ledger,
+    :mod:`dsrun.config.support`) is a problem, or with ``dsrun_allow_unimplemented: true`` a warning line in
+    :attr:`DeepSpeedConfig.unimplemented_warnings` (:func:`announce` prints them once per run).
     """
     model, problems = _analyse(source, world_size, world_size_source, auto_values, path_prefix)
     if problems:
@@ -148,7 +160,7 @@ def load_ds_config(
 
 def validate_ds_config(
     source: ConfigSource | DeepSpeedConfig,
-    world_size: int = 1,
+    world_size: int | None = 1,
     *,
     world_size_source: str = "default",
     auto_values: Mapping[str, Any] | None = None,

@@ -65,7 +65,8 @@ class DeepSpeedConfig(Section):
     ``vocabulary_size``, ``seq_parallel_comm_data_type``, ``graph_harvesting``,
     ``use_data_before_expert_parallelism``, and the sections ``eigenvalue``, ``progressive_layer_drop``,
     ``pipeline``, ``quantize_training``, ``hybrid_engine``, ``compile``, ``timers``, ``nebula``, ``weight_quantization``).
-    ``mlflow`` is dsrun's own monitor section; it is left out of :meth:`to_ds_dict` unless set.
+    ``mlflow`` is dsrun's own monitor section and ``dsrun_allow_unimplemented`` dsrun's own key; both are left
+    out of :meth:`to_ds_dict` unless set (DeepSpeed ignores unknown top-level keys).
     """
 
     # batch (resolved by load_ds_config)
@@ -138,11 +139,14 @@ class DeepSpeedConfig(Section):
     vocabulary_size: PosInt | None = None
     graph_harvesting: bool = False
     use_data_before_expert_parallelism: bool = False
+    # dsrun's own: run a config that enables not-implemented features, with a warning line per key
+    dsrun_allow_unimplemented: bool = False
 
     _batch_explanation: str = PrivateAttr(default="")
     _world_size: int = PrivateAttr(default=1)
     _world_size_source: str = PrivateAttr(default="default")
     _warnings: list[str] = PrivateAttr(default_factory=list)
+    _unimplemented: list[tuple[str, str]] = PrivateAttr(default_factory=list)
 
     @model_validator(mode="after")
     def _profiler_implies_timing(self) -> "DeepSpeedConfig":
@@ -179,6 +183,17 @@ class DeepSpeedConfig(Section):
     def warnings(self) -> list[str]:
         """Texts of the migration warnings raised while loading this config."""
         return list(self._warnings)
+
+    @property
+    def unimplemented(self) -> list[str]:
+        """Key paths this config enables that dsrun does not implement (non-empty only when
+        ``dsrun_allow_unimplemented`` let it load; see :mod:`dsrun.config.support`)."""
+        return [path for path, _ in self._unimplemented]
+
+    @property
+    def unimplemented_warnings(self) -> list[str]:
+        """One ``warning: ...`` line per :attr:`unimplemented` key (:func:`dsrun.config.announce` prints them)."""
+        return [line for _, line in self._unimplemented]
 
     @property
     def precision(self) -> str:

@@ -13,6 +13,8 @@ from pydantic import BaseModel, ValidationError
 from dsrun.utils.errors import Problem, show
 from dsrun.utils.suggest import did_you_mean
 
+from .schema_keys import section_model
+
 _MISSING = object()
 
 
@@ -60,20 +62,6 @@ def _child(annotation: Any, part: str | int) -> Any:
         return args[0]
     for arg in args:  # Optional / Union / Annotated
         found = _child(arg, part)
-        if found is not None:
-            return found
-    return None
-
-
-def section_model(annotation: Any) -> type[BaseModel] | None:
-    """The schema section an annotation holds (``ZeroConfig | None`` -> ``ZeroConfig``); None for a value or an
-    open dict/list (their keys are the user's)."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    if typing.get_origin(annotation) in (dict, list):
-        return None
-    for arg in typing.get_args(annotation):
-        found = section_model(arg)
         if found is not None:
             return found
     return None

@@ -165,8 +165,10 @@ class GPT(nn.Module):
         logits = self.lm_head(self.transformer["ln_f"](x))
         if targets is None:
             return logits
-        # The loss in fp32 even under bf16/fp16: a softmax over 50k entries loses too much in half precision.
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
+        # The loss in fp32 even under bf16/fp16: a softmax over 50k entries loses too much in half precision
+        # (a float64 model keeps float64).
+        logits32 = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        loss = F.cross_entropy(logits32.view(-1, logits.size(-1)), targets.reshape(-1),
                                ignore_index=IGNORE_INDEX)
         return (loss, logits) if return_logits else loss
 

@@ -70,7 +70,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     distributed loader. ``config`` is a dict or a path (``config_params`` is its old name; ``args.deepspeed_config``
     works too). Initializes torch.distributed if needed (gloo on CPU, NCCL on CUDA).
     """
-    from dsrun.config import load_ds_config  # the config layer, loaded only when training starts
+    from dsrun.config import announce, load_ds_config  # the config layer, loaded only when training starts
     from dsrun.runtime.engine import DeepSpeedEngine, build_engine_optimizer
 
     if model is None:
@@ -90,6 +90,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     world = mpu.get_data_parallel_world_size() if mpu is not None else comm.get_world_size()
     ds_config = source if hasattr(source, "zero_optimization") else load_ds_config(
         source, world_size=world, world_size_source="data-parallel world size")
+    if hasattr(ds_config, "unimplemented"):  # what the run goes without (dsrun_allow_unimplemented), said once
+        announce(ds_config, rank=comm.get_rank())
     if engine_class is DeepSpeedEngine:
         _refuse_pipeline_settings(ds_config)
     engine_class.prepare_model(model, ds_config)

@@ -49,6 +49,48 @@ def build_model(dropout: float = 0.1, frozen: bool = False) -> torch.nn.Module:
     return model
 
 
+class _Pair(torch.nn.Module):
+    """The model taking one (inputs, targets) batch, as the reference runs call it."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.model(*batch)
+
+
+def reference_run(global_batch: int, steps: int, dtype: torch.dtype = torch.float32, parts: int = 1,
+                  reverse: bool = False) -> dict[str, Any]:
+    """Single-process PyTorch of a job (dropout 0): AdamW, the config's WarmupLR and clipping, whole global
+    batches (tests/integration/_workloads.reference_run; tests/tolerance.py measures its rounding spread)."""
+    from dsrun.runtime.lr_schedules import build_lr_scheduler
+    from tests.integration import _workloads
+
+    cfg = ds_config(1, "fp32", 1)
+
+    def batch_at(name: str, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = StepStream(size, 0, 1)
+        tokens.step = step
+        batch = tokens.next()
+        return batch[:, :-1], batch[:, 1:]
+
+    def flat(model: torch.nn.Module) -> Any:
+        return torch.cat([v.detach().double().reshape(-1) for _, v in sorted(model.model.state_dict().items())
+                          if v.is_floating_point()]).numpy()
+
+    return _workloads.reference_run(
+        "gpt", steps, global_batch, cfg["gradient_clipping"], dtype, parts, reverse,
+        build=lambda name: _Pair(build_model(0.0)), batch_at=batch_at, flat=flat,
+        schedule=lambda opt: build_lr_scheduler(cfg["scheduler"]["type"], opt, cfg["scheduler"]["params"]))
+
+
+def flat_state(params: dict[str, Any]) -> Any:
+    """A job's final parameters (``result["params"]``) as one float64 vector, in the reference's order."""
+    return np.concatenate([np.asarray(v, dtype=np.float64).reshape(-1) for _, v in sorted(params.items())
+                           if np.issubdtype(np.asarray(v).dtype, np.floating)])
+
+
 def ds_config(stage: int, precision: str, micro: int, extra: dict | None = None) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro,

@@ -16,6 +16,11 @@ VOCAB, SEQ, WIDTH, HEADS, LAYERS = 64, 8, 32, 2, 2
 MLP_IN, MLP_OUT = 16, 4
 
 
+def at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    """The loss is computed in fp32 for 16-bit models, and stays float64 in the float64 reference."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 class Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -51,7 +56,7 @@ class TinyGPT(nn.Module):
         x = self.wte(tokens[:, :-1]) + self.wpe(torch.arange(tokens.shape[1] - 1))
         for block in self.blocks:
             x = block(x)
-        logits = self.head(self.ln_f(x)).float()
+        logits = at_least_fp32(self.head(self.ln_f(x)))
         return F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
 
 
@@ -62,7 +67,8 @@ class MLP(nn.Module):
 
     def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
-        return F.mse_loss(self.net(x.to(self.net[0].weight.dtype)).float(), y)
+        out = at_least_fp32(self.net(x.to(self.net[0].weight.dtype)))
+        return F.mse_loss(out, y.to(out.dtype))
 
 
 def build_model(name: str) -> nn.Module:
@@ -78,6 +84,11 @@ def global_batch(name: str, step: int, size: int) -> Any:
     return (torch.randn(size, MLP_IN, generator=gen), torch.randn(size, MLP_OUT, generator=gen))
 
 
+def loss_terms(name: str, size: int) -> int:
+    """How many terms a loss of ``size`` samples averages (tokens predicted, or outputs)."""
+    return size * (SEQ - 1) if name == "gpt" else size * MLP_OUT
+
+
 def slice_batch(batch: Any, start: int, end: int) -> Any:
     if isinstance(batch, tuple):
         return tuple(t[start:end] for t in batch)
@@ -89,27 +100,67 @@ def flat_params(model: nn.Module) -> torch.Tensor:
     for p in model.parameters():
         if id(p) not in seen:
             seen.add(id(p))
-            out.append(p.detach().float().reshape(-1))
+            out.append(p.detach().double().reshape(-1))
     return torch.cat(out)
 
 
 LR, WEIGHT_DECAY = 3e-3, 0.01
 
 
-def reference_run(name: str, steps: int, global_size: int, clip: float = 0.0) -> dict[str, Any]:
-    """Single-process PyTorch: AdamW on the whole global batch, optional clip_grad_norm_."""
-    model = build_model(name)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+def cast_floats(batch: Any, dtype: torch.dtype) -> Any:
+    if isinstance(batch, tuple):
+        return tuple(cast_floats(t, dtype) for t in batch)
+    return batch.to(dtype) if batch.is_floating_point() else batch
+
+
+def reference_run(name: str, steps: int, global_size: int, clip: float = 0.0, dtype: torch.dtype = torch.float32,
+                  parts: int = 1, reverse: bool = False, loss_scale: float = 1.0,
+                  build: Callable[[str], nn.Module] | None = None, batch_at: Callable | None = None,
+                  flat: Callable[[nn.Module], Any] | None = None,
+                  schedule: Callable[[torch.optim.Optimizer], Any] | None = None) -> dict[str, Any]:
+    """Single-process PyTorch: AdamW on the whole global batch, optional clip_grad_norm_.
+
+    ``dtype``: float64 or fp32 runs the model in it; bf16 or fp16 runs it there with fp32 master weights (the
+    engine's mixed precision; the loss multiplied by ``loss_scale`` before backward). ``parts`` accumulates the
+    gradient over that many micro-batches (0: one sample each) and ``reverse`` reverses the samples: the same
+    run rounded another way (tests/tolerance.py). ``build``, ``batch_at`` and ``flat`` default to
+    this module's models, batches and flat_params; ``schedule`` builds an LR scheduler stepped after each step."""
+    import copy
+
+    build, batch_at, flat = build or build_model, batch_at or global_batch, flat or flat_params
+    mixed = dtype in (torch.bfloat16, torch.float16)
+    master = build(name)
+    model = copy.deepcopy(master).to(dtype) if mixed else master.to(dtype)
+    pairs = [(m, p) for m, p in zip(master.parameters(), model.parameters()) if m.requires_grad]
+    opt = torch.optim.AdamW([m for m, _ in pairs], lr=LR, weight_decay=WEIGHT_DECAY)
+    scheduler = schedule(opt) if schedule else None
+    micro = global_size // parts if parts else 1
     losses, norms = [], []
     for step in range(steps):
-        loss = model(global_batch(name, step, global_size))
+        batch = batch_at(name, step, global_size)
+        batch = batch if mixed else cast_floats(batch, dtype)
+        if reverse:
+            batch = tuple(t.flip(0) for t in batch) if isinstance(batch, tuple) else batch.flip(0)
         opt.zero_grad()
-        loss.backward()
+        if mixed:
+            with torch.no_grad():
+                for m, p in pairs:
+                    p.copy_(m)
+        total = 0.0
+        for start in range(0, global_size, micro):
+            loss = model(slice_batch(batch, start, start + micro)) * (micro / global_size)
+            (loss.float() * loss_scale if mixed else loss).backward()
+            total += loss.item()
+        if mixed:
+            for m, p in pairs:
+                m.grad, p.grad = p.grad.float() / loss_scale, None
         if clip:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+            norms.append(float(torch.nn.utils.clip_grad_norm_([m for m, _ in pairs], clip)))
         opt.step()
-        losses.append(loss.item())
-    return {"losses": losses, "params": flat_params(model), "norms": norms}
+        if scheduler is not None:
+            scheduler.step()
+        losses.append(total)
+    return {"losses": losses, "params": flat(master), "norms": norms}
 
 
 def ds_config(stage: int, micro: int, gas: int, bucket: int = 3000, **extra: Any) -> dict[str, Any]:

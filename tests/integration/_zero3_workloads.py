@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.integration import _workloads
 from tests.integration._workloads import max_rel_param_diff, rel_diff  # noqa: F401 (used by the tests)
-from tests.integration._workloads import train_steps
+from tests.integration._workloads import at_least_fp32, train_steps
 
 LR, WEIGHT_DECAY, STEPS = 3e-3, 0.01, 20
 GPT_KW = dict(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)
@@ -36,7 +37,8 @@ class TwiceMLP(nn.Module):
         h = torch.tanh(self.inp(x.to(self.out.weight.dtype)))
         h = torch.tanh(self.mid(h))
         h = torch.tanh(self.mid(h))  # the same module (and parameters) again
-        return F.mse_loss(self.out(h).float(), y)
+        out = at_least_fp32(self.out(h))
+        return F.mse_loss(out, y.to(out.dtype))
 
 
 def build_model(name: str) -> nn.Module:
@@ -60,29 +62,28 @@ def global_batch(name: str, step: int, size: int) -> Any:
     return (torch.randn(size, 12, generator=gen), torch.randn(size, 3, generator=gen))
 
 
+def loss_terms(name: str, size: int) -> int:
+    """How many terms a loss of ``size`` samples averages (tokens predicted, or outputs)."""
+    return size * SEQ if name.startswith("gpt") else size * 3
+
+
 def slice_batch(batch: Any, start: int, end: int) -> Any:
     return tuple(t[start:end] for t in batch)
 
 
 def flat_params(named: dict[str, torch.Tensor]) -> torch.Tensor:
-    return torch.cat([v.detach().float().reshape(-1) for _, v in sorted(named.items())])
+    return torch.cat([v.detach().double().reshape(-1) for _, v in sorted(named.items())])
 
 
-def reference_run(name: str, steps: int, global_size: int, clip: float = 0.0) -> dict[str, Any]:
-    model = build_model(name)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WEIGHT_DECAY)
-    losses, norms = [], []
-    for step in range(steps):
-        loss = model(global_batch(name, step, global_size))
-        opt.zero_grad()
-        loss.backward()
-        if clip:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(
-                [p for p in model.parameters() if p.requires_grad], clip)))
-        opt.step()
-        losses.append(loss.item())
-    params = dict(model.named_parameters())
-    return {"losses": losses, "params": flat_params(params).numpy(), "norms": norms}
+def reference_run(name: str, steps: int, global_size: int, clip: float = 0.0, dtype: torch.dtype = torch.float32,
+                  parts: int = 1, reverse: bool = False) -> dict[str, Any]:
+    """Single-process PyTorch on this module's models and batches (see _workloads.reference_run)."""
+    return _workloads.reference_run(name, steps, global_size, clip, dtype, parts, reverse, 1.0, build_model,
+                                    global_batch, _named_flat)
+
+
+def _named_flat(model: nn.Module) -> Any:
+    return flat_params(dict(model.named_parameters())).numpy()
 
 
 def ds_config(stage: int, micro: int, gas: int, zero: dict | None = None, **extra: Any) -> dict[str, Any]:

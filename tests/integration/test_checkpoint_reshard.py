@@ -1,17 +1,21 @@
 """Resharding: a checkpoint saved by N ranks continues on M ranks (4 -> 2 and 2 -> 3) for ZeRO stages 1, 2
 and 3, with losses equal to an uninterrupted run at the new world size (same global batch).
 
-Across world sizes the gradient all-reduce sums in a different order, so the comparison is to a tight
-tolerance rather than bitwise; the parameters and Adam moments themselves are moved exactly (the unit tests
-check the round trip bit for bit).
+Across world sizes the gradient all-reduce sums in a different order, so two runs differ by rounding, not
+bitwise; the bound between them is derived from the arithmetic (tests/tolerance.py: ``2 K x``
+the spread of valid fp32 orderings of the PyTorch reference around its float64 run). The parameters and
+Adam moments themselves are moved exactly (the unit tests check the round trip bit for bit).
 """
 from __future__ import annotations
 
-import numpy as np
+import functools
+
 import pytest
+import torch
 
 from tests.helpers import run_ranks
-from tests.integration._ckpt_workloads import run_jobs
+from tests import tolerance as t
+from tests.integration._ckpt_workloads import SEQ, flat_state, reference_run, run_jobs
 
 STAGES = (1, 2, 3)
 STEPS, SAVE_AT = 8, 4
@@ -55,12 +59,19 @@ def runs(tmp_path_factory):
 def test_resharded_run_continues_like_an_uninterrupted_one(runs, case, stage):
     ref, save, load = (runs[f"{kind}/{case}/{stage}"] for kind in ("ref", "save", "load"))
     assert load["loaded_steps"] == SAVE_AT and load["loaded_stream"] == SAVE_AT
+    s = spread(CASES[case][2])
     # the old world size trained the first steps like the new one would have
-    np.testing.assert_allclose(save["losses"], ref["losses"][:SAVE_AT], rtol=1e-5)
-    # and after the reshard the new world size continues on the same curve
-    np.testing.assert_allclose(load["losses"], ref["losses"][SAVE_AT:], rtol=1e-5)
+    t.assert_tracks({"losses": save["losses"]}, {"losses": ref["losses"][:SAVE_AT]}, s, "before the save",
+                    against="run", what=("losses",))
+    # and after the reshard the new world size continues on the same curve, to the same parameters (Adam
+    # turns the rounding noise of near-zero gradients into visible parameter noise: the spread measures it)
+    t.assert_tracks({"losses": load["losses"], "params": flat_state(load["params"])},
+                    {"losses": ref["losses"][SAVE_AT:], "params": flat_state(ref["params"])}, s, "after the reshard",
+                    against="run")
     assert load["lr"] == pytest.approx(ref["lr"])
-    # Adam normalises each element's gradient, so elements whose true gradient is ~0 move by rounding noise
-    # (up to ~lr * steps * 1e-3 here); every other element agrees to 1e-4
-    for key, value in ref["params"].items():
-        np.testing.assert_allclose(load["params"][key], value, rtol=1e-4, atol=3e-5, err_msg=key)
+
+
+@functools.lru_cache(maxsize=None)
+def spread(global_batch: int) -> t.Spread:
+    return t.spread(lambda d, parts, reverse: reference_run(global_batch, STEPS, d, parts, reverse), torch.float32,
+                    global_batch * SEQ)

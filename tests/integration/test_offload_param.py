@@ -1,11 +1,13 @@
 """ZeRO-Infinity parameter offload (``offload_param`` cpu | nvme, stage 3) over 2 gloo ranks.
 
 Parity: every offloaded run (parameters to CPU or NVMe, alone or with the optimizer offloaded to CPU or
-NVMe) tracks the same run without offload: fp32 losses within 1e-5 relative, bf16 within 1e-3 relative of
-the bf16 run without offload (parameter offload alone gives identical numbers; the CPU optimizer and the
-fused 16-bit write-back of optimizer offload differ in rounding only). Also: a model built under ``zero.Init`` with NVMe offload trains
-like one built whole; a checkpoint of an NVMe-offloaded run resumes exactly, offloaded or not; the swap
-files are gone afterwards; and with NVMe offload a rank's RSS is lower by the shards it no longer holds.
+NVMe) tracks the same run without offload within the bound between two runs derived from the arithmetic
+(tests/tolerance.py: ``2 K x`` the spread of valid orderings of the PyTorch reference around
+its wider-precision run, for fp32 and for bf16; parameter offload alone gives identical numbers, the CPU
+optimizer and the fused 16-bit write-back of optimizer offload differ in rounding only). Also: a model built
+under ``zero.Init`` with NVMe offload trains like one built whole; a checkpoint of an NVMe-offloaded run
+resumes exactly, offloaded or not; the swap files are gone afterwards; and with NVMe offload a rank's RSS is
+lower by the shards it no longer holds.
 """
 from __future__ import annotations
 
@@ -13,15 +15,18 @@ import functools
 
 import numpy as np
 import pytest
+import torch
 
 from tests.helpers import run_ranks
 from tests.integration import _offload_param_workloads as w
+from tests import tolerance as t
 
-FP32_TOL, BF16_TOL = 1e-5, 1e-3
 
-
-def rel(a: float, b: float) -> float:
-    return abs(a - b) / max(abs(b), 1e-12)
+@functools.lru_cache(maxsize=None)
+def spread(dtype: torch.dtype = torch.float32) -> t.Spread:
+    def run(d: torch.dtype, parts: int, reverse: bool) -> dict:
+        return w.z3.reference_run("gpt", w.STEPS, 4, 0.0, d, parts, reverse)
+    return t.spread(run, dtype, w.z3.loss_terms("gpt", 4))
 
 
 @functools.lru_cache(maxsize=None)
@@ -38,19 +43,16 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
                                   "both_nvme"])
 def test_fp32_offloaded_runs_track_the_in_memory_run(results: list[dict], case: str) -> None:
     ref, got = results[0]["ref"], results[0][case]
-    for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
-        assert rel(a, b) <= FP32_TOL, f"{case} step {step}: loss {a} vs {b}"
-    # final parameters: within 1e-4 of the largest (Adam turns rounding noise of near-zero gradients into
-    # visible parameter noise, as in the ZeRO-3 parity tests)
-    assert w.z3.max_rel_param_diff(got["params"], ref["params"]) <= 1e-4
+    # final parameters too: Adam turns rounding noise of near-zero gradients into visible parameter noise, in
+    # PyTorch's own orderings as in dsrun's, which the spread measures
+    t.assert_tracks(got, ref, spread(), case, against="run")
     np.testing.assert_array_equal(results[1][case]["params"], got["params"])  # both ranks gather the same
 
 
 @pytest.mark.parametrize("case", ["bf16_nvme", "both_nvme_bf16"])
 def test_bf16_nvme_tracks_bf16_in_memory(results: list[dict], case: str) -> None:
     ref, got = results[0]["bf16_ref"], results[0][case]
-    for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
-        assert rel(a, b) <= BF16_TOL, f"{case} step {step}: loss {a} vs {b}"
+    t.assert_tracks(got, ref, spread(torch.bfloat16), case, against="run", what=("losses",))
 
 
 def test_nvme_shards_leave_memory_and_are_read_ahead(results: list[dict]) -> None:
@@ -68,9 +70,10 @@ def test_nvme_shards_leave_memory_and_are_read_ahead(results: list[dict]) -> Non
 
 
 def test_checkpoint_of_an_nvme_offloaded_run_resumes_exactly(results: list[dict]) -> None:
+    # the exact fp32 masters and Adam moments come back, and offloaded fp32 steps equal in-memory ones exactly
+    # (test_offload_parity): the continued curve is the same numbers
     ckpt = results[0]["ckpt"]
-    np.testing.assert_allclose(ckpt["loaded_nvme"], ckpt["continued"], rtol=1e-6)
-    np.testing.assert_allclose(ckpt["loaded_plain"], ckpt["continued"], rtol=1e-6)
+    assert ckpt["loaded_nvme"] == ckpt["continued"] and ckpt["loaded_plain"] == ckpt["continued"]
 
 
 def test_swap_files_are_removed_when_the_store_closes(results: list[dict]) -> None:
@@ -106,5 +109,7 @@ def test_nvme_offload_lowers_resident_memory_by_the_offloaded_state(tmp_path) ->
         assert inf["optimizer_swapped"] > 200 * 2**20  # fp32 masters + two moments: 12 B per element
         saved = mem["rss"] - inf["rss"]
         assert saved >= offloaded - inf["pool"] - inf["optimizer_pool"], (saved, offloaded)
-        np.testing.assert_allclose(off["losses"], mem["losses"], rtol=1e-3)
-        np.testing.assert_allclose(inf["losses"], mem["losses"], rtol=1e-2)
+        # where the shards and states live does not change the arithmetic: the same bf16 values read back, the
+        # same fp32 Adam kernel, bf16 written round-to-nearest-even in both
+        assert off["losses"] == mem["losses"], (off["losses"], mem["losses"])
+        assert inf["losses"] == mem["losses"], (inf["losses"], mem["losses"])

@@ -1,8 +1,14 @@
 """ZeRO stage 3 against single-process PyTorch over 1-4 gloo ranks (``_zero3_workloads.suite_cases``).
 
-fp32 losses must match the reference within 1e-5 relative at each of 20 steps. Final parameters: the MLP
-within 1e-5 of its largest parameter; the GPT within 1e-4 (Adam turns the rounding noise of near-zero
-gradients into visible parameter noise: stage 0 shows the same 3e-5), and stage 3 ends where stage 0 ends.
+Bounds derived from the arithmetic on the machine running the test (tests/tolerance.py): fp32
+losses at each of 20 steps and the final parameters (relative to the largest) within ``(K + 1) x`` the
+spread of equally valid fp32 orderings of the reference around its float64 run. The parameter spread is
+what makes the GPT and the gradient-accumulated MLP need more than the losses: Adam turns the rounding noise
+of near-zero gradients into +-lr moves, in PyTorch's own runs as in dsrun's (the old fixed 1e-5 failed on
+CPUs where that noise is larger; here the gradient-accumulated MLP's parameters are 1.8e-5 from the reference,
+bound 7.7e-5, and PyTorch's own fp32 orderings spread 1.6e-6 to 1.5e-5 around float64; losses stay 0.1-0.2x
+their bound). Runs that differ only in when parameters are gathered (prefetch,
+persistence, sub-groups, zero.Init) do the same arithmetic in the same order: they are compared exactly.
 Also checked: the ZeRO-3 memory per rank is 1/N of stage 0's, and the traffic per step 1.5x stage 0's.
 """
 from __future__ import annotations
@@ -11,12 +17,11 @@ import functools
 
 import numpy as np
 import pytest
+import torch
 
 from tests.helpers import run_ranks
+from tests import tolerance as t
 from tests.integration import _zero3_workloads as w
-
-FP32_TOL = 1e-5
-PARAM_TOL = {"mlp": 1e-5, "gpt": 1e-4}
 
 
 @functools.lru_cache(maxsize=None)
@@ -25,19 +30,18 @@ def suite(world: int) -> list[dict]:
 
 
 @functools.lru_cache(maxsize=None)
-def reference(name: str, global_size: int, clip: float = 0.0) -> dict:
-    return w.reference_run(name, w.STEPS, global_size, clip)
+def spread(name: str, global_size: int, clip: float = 0.0, dtype: torch.dtype = torch.float32) -> t.Spread:
+    def run(d: torch.dtype, parts: int, reverse: bool) -> dict:
+        return w.reference_run(name, w.STEPS, global_size, clip, d, parts, reverse)
+    return t.spread(run, dtype, w.loss_terms(name, global_size))
 
 
 def _check_parity(key: str, world: int, results: list[dict]) -> None:
     name, cfg, _ = w.suite_cases(world)[key]
     global_size = cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * world
-    ref = reference(name, global_size, float(cfg.get("gradient_clipping", 0.0)))
+    s = spread(name, global_size, float(cfg.get("gradient_clipping", 0.0)))
     got = results[0][key]
-    for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
-        assert w.rel_diff(a, b) <= FP32_TOL, f"{key} world={world} step {step}: loss {a} vs reference {b}"
-    tol = PARAM_TOL["gpt" if name.startswith("gpt") else "mlp"]
-    assert w.max_rel_param_diff(got["params"], ref["params"]) <= tol, f"{key} world={world}: final params"
+    t.assert_tracks(got, s.reference, s, f"{key} world={world}")
     for other in results[1:]:  # every rank gathers the same model
         np.testing.assert_array_equal(other[key]["params"], got["params"])
 
@@ -64,28 +68,27 @@ def test_gas_clipping_prefetch_settings_and_sub_groups() -> None:
     results = suite(2)
     for key in ("gas4", "clip", "no_prefetch", "defaults", "sub_groups"):
         _check_parity(key, 2, results)
-    ref = reference("gpt", 4, 0.05)
-    assert min(ref["norms"]) > 0.05  # the clip is active at every step
-    for a, b in zip(results[0]["clip"]["norms"], ref["norms"]):
-        assert w.rel_diff(a, b) <= FP32_TOL
-    # prefetching or not, persistent or not: the same arithmetic
+    s = spread("gpt", 4, 0.05)
+    assert min(s.reference["norms"]) > 0.05  # the clip is active at every step
+    t.assert_tracks(results[0]["clip"], s.reference, s, "clip", what=("norms",))
+    # prefetching or not, persistent or not, in sub-groups or not: the same arithmetic in the same order
     for key in ("no_prefetch", "defaults", "sub_groups"):
-        np.testing.assert_allclose(results[0][key]["losses"], results[0]["parity/gpt"]["losses"], rtol=1e-6)
+        assert results[0][key]["losses"] == results[0]["parity/gpt"]["losses"], key
+        np.testing.assert_array_equal(results[0][key]["params"], results[0]["parity/gpt"]["params"])
     # stage 3 ends where stage 0 ends
-    assert w.max_rel_param_diff(results[0]["parity/gpt"]["params"], results[0]["account/0"]["params"]) <= FP32_TOL
+    t.assert_tracks(results[0]["parity/gpt"], results[0]["account/0"], spread("gpt", 4), "stage 3 vs stage 0",
+                    against="run")
 
 
 def test_bf16_tracks_fp32_like_stage_0() -> None:
     results = suite(2)[0]
-    ref = reference("gpt", 4)
+    s = spread("gpt", 4, dtype=torch.bfloat16)  # PyTorch's own bf16 runs (fp32 masters) around fp32
     z3, z0 = results["bf16/3"], results["bf16/0"]
     assert z3["skipped"] == 0
-    worst = max(w.rel_diff(a, b) for a, b in zip(z3["losses"], ref["losses"]))
-    assert worst <= 1e-2, f"bf16 stage 3 loss drifts {worst:.2e} from fp32"
-    # bf16 rounding dominates: stage 3 drifts from fp32 no more than stage 0 does (with a margin)
-    drift3 = w.max_rel_param_diff(z3["params"], ref["params"])
-    drift0 = w.max_rel_param_diff(z0["params"], ref["params"])
-    assert drift3 <= max(2 * drift0, 2e-2), (drift3, drift0)
+    t.assert_tracks(z3, s.wide, s, "bf16 stage 3", against="wide")
+    # bf16 rounding dominates: stage 3 drifts from fp32 no more than stage 0 does, up to two bf16 runs' spread
+    drift3, drift0 = t.param_distance(z3["params"], s.wide["params"]), t.param_distance(z0["params"], s.wide["params"])
+    assert drift3 <= drift0 + s.between_runs("params"), (drift3, drift0)
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])

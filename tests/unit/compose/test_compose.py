@@ -57,6 +57,18 @@ def test_ds_config_file_merges_and_command_line_wins(tmp_path):
     assert cfg.ds.steps_per_print == 3  # the command line beats the file
 
 
+def test_a_files_optimizer_replaces_the_groups_whole(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
+                                "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}}}))
+    cfg = compose_runspec(["optimizer=sgd", "scheduler=warmup_decay", f"ds_config={path}",
+                           "+ds.optimizer.params.betas=[0.9,0.95]"])
+    # SGD's momentum would break AdamW's constructor; WarmupDecayLR's total_num_steps WarmupLR's
+    assert dict(cfg.ds.optimizer.params) == {"lr": 3e-4, "betas": [0.9, 0.95]}
+    assert dict(cfg.ds.scheduler.params) == {"warmup_num_steps": 5}
+    resolve_run(cfg)  # and the result is a config initialize accepts
+
+
 def test_missing_ds_config_file_names_the_key(tmp_path):
     assert any(p.startswith("ds_config: file not found") for p in problems_of([f"ds_config={tmp_path}/nope.json"]))
 

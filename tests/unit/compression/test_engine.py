@@ -124,12 +124,13 @@ def test_moq_bit_schedule_through_the_engine(capsys):
     assert all(len(torch.unique(row)) <= 2 ** 5 - 1 for row in weight)
 
 
-def test_moq_type_and_mixing_change_the_stored_weights():
+def test_moq_type_rounding_and_mixing_change_the_stored_weights():
     base, _, _ = _run_gpt(_moq(), 3)
     asym, _, _ = _run_gpt(_moq(quantize_algo={"q_type": "asymmetric"}), 3)
     mixed, _, _ = _run_gpt(_moq(fp16_mixed_quantize={"enabled": True, "quantize_change_ratio": 0.5}), 3)
-    w = [m.transformer.h[0].mlp.c_fc.weight for m in (base, asym, mixed)]
-    assert not torch.equal(w[0], w[1]) and not torch.equal(w[0], w[2])
+    rounded, _, _ = _run_gpt(_moq(quantize_algo={"rounding": "stochastic"}), 3)
+    w = [m.transformer.h[0].mlp.c_fc.weight for m in (base, asym, mixed, rounded)]
+    assert not torch.equal(w[0], w[1]) and not torch.equal(w[0], w[2]) and not torch.equal(w[0], w[3])
 
 
 def test_eigenvalues_stretch_the_moq_period():

@@ -1,4 +1,5 @@
-"""Pruning: exact densities, block patterns, learned masks, and structured pruning that really shrinks."""
+"""Pruning: exact densities, block patterns, learned masks, and structured pruning that really shrinks
+(``related=`` of ``technique`` is a group's ``related_modules``: the modules shrunk with it)."""
 import pytest
 import torch
 from torch import nn

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dsrun.config import load_ds_config, validate_ds_config
+from dsrun.config import load_ds_config, read_config_source, validate_ds_config
+from dsrun.config.support import NOT_IMPLEMENTED
 from dsrun.utils.errors import EXIT_USAGE, ConfigError, UserError
 
 CASES = Path(__file__).parent / "cases"
@@ -37,6 +38,16 @@ def _with_batch(config: dict) -> dict:
     return {"train_micro_batch_size_per_gpu": 1, **config}
 
 
+def _schema_only(config: dict) -> dict:
+    """The corpus checks the schema and the rules; what dsrun does not implement is the support ledger's
+    business (tests/unit/config/test_support_ledger.py), so its refusals are turned into warnings here."""
+    return {**config, "dsrun_allow_unimplemented": True}
+
+
+def _is_support_refusal(problem) -> bool:
+    return NOT_IMPLEMENTED in problem.message
+
+
 def test_corpus_size():
     sections = {case.values[0]["paths"][0].split(".")[0].split("[")[0] for case in INVALID}
     assert len(INVALID) >= 60
@@ -51,7 +62,7 @@ def test_corpus_size():
 
 @pytest.mark.parametrize("case", INVALID)
 def test_invalid_config_reports_key_path(case):
-    config = _with_batch(case["config"])
+    config = _schema_only(_with_batch(case["config"]))
     world = case.get("world_size", 1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -71,10 +82,14 @@ def test_invalid_config_reports_key_path(case):
 @pytest.mark.parametrize("path", VALID_FILES, ids=[p.name for p in VALID_FILES])
 def test_valid_config_loads_and_round_trips(path):
     world = WORLD_SIZES.get(path.name, 1)
+    raw = read_config_source(path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        assert validate_ds_config(path, world_size=world) == []
-        cfg = load_ds_config(path, world_size=world)
+        # only what dsrun does not implement may stop a valid DeepSpeed config, never its schema or rules
+        assert all(_is_support_refusal(p) for p in validate_ds_config(path, world_size=world))
+        raw = _schema_only(raw)
+        assert validate_ds_config(raw, world_size=world) == []
+        cfg = load_ds_config(raw, world_size=world)
         ds = cfg.to_ds_dict()
         again = load_ds_config(ds, world_size=world)
     assert again.to_ds_dict() == ds

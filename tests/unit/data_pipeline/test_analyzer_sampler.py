@@ -231,3 +231,27 @@ def test_num_epochs_bounds_what_the_sampler_serves(indexed):
     config["data_sampling"]["num_epochs"] = 1
     served = list(DeepSpeedDataSampler(config, N, 10, 0, 1))
     assert len(served) == 101 and all(len(b) == 10 for b in served)  # one epoch: 1003 samples, in full batches of 10
+
+
+def test_seed_workers_pinning_and_clusters_reach_the_sampler_and_loader(indexed, tmp_path):
+    """``data_efficiency.seed`` reorders what is served, ``data_sampling.num_workers``/``pin_memory`` reach the
+    loader, and ``curriculum_learning.data_cluster_path`` receives the cluster files (the support ledger's proof)."""
+    from dsrun.config import load_ds_config
+    from dsrun.runtime.data_pipeline.data_sampling.data_loader import build_curriculum_loader
+
+    def loaded(seed: int, workers: int, pin: bool, clusters: Path):
+        de = sampling_config(indexed)
+        de["seed"] = seed
+        de["data_sampling"].update(num_workers=workers, pin_memory=pin)
+        de["data_sampling"]["curriculum_learning"]["data_cluster_path"] = str(clusters)
+        cfg = load_ds_config({"train_micro_batch_size_per_gpu": 4, "data_efficiency": de})
+        return build_curriculum_loader(cfg, Windows(), 4, 0, 1, 1)
+
+    plain = loaded(7, 0, False, tmp_path / "a")
+    other = loaded(8, 1, True, tmp_path / "b")
+    assert (plain.num_workers, plain.pin_memory, other.num_workers, other.pin_memory) == (0, False, 1, True)
+    served = [plain.data_sampler.next_indices() for _ in range(20)]
+    assert served != [other.data_sampler.next_indices() for _ in range(20)]  # another seed, another order
+    again = loaded(7, 0, False, tmp_path / "c").data_sampler
+    assert served == [again.next_indices() for _ in range(20)]  # the same seed, the same order
+    assert any(p.name.startswith("cluster_maxtoken") for p in (tmp_path / "a").iterdir())

@@ -9,6 +9,7 @@ import torch
 from dsrun.ops.adagrad import DeepSpeedCPUAdagrad
 from dsrun.ops.adam import DeepSpeedCPUAdam
 from dsrun.ops.lion import DeepSpeedCPULion
+from tests.tolerance import elementwise_bound
 
 LENGTHS = [1, 7, 1023, 1_000_003]
 STEPS = 100
@@ -101,7 +102,7 @@ def run_both(name: str, shapes: list[list[int]], group_options: list[dict], step
 def test_fp32_matches_torch_reference(name: str, length: int):
     ours, ref, opt = run_both(name, [[length]], [{}])
     assert opt.uses_compiled_op
-    assert relative_error(ours[0].data, ref[0].data) <= 1e-6
+    assert relative_error(ours[0].data, ref[0].data) <= elementwise_bound(STEPS)
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
@@ -109,7 +110,7 @@ def test_several_param_groups_with_their_own_hyper_parameters(name: str):
     options = [{"lr": 3e-3}, {"lr": 1e-2, "weight_decay": 0.0}, {}]
     ours, ref, _ = run_both(name, [[1, 7], [1023], [4099, 33]], options)
     # relative to the whole model: a 1-element tensor that decays towards zero has no scale of its own
-    assert relative_error(torch.cat([o.data for o in ours]), torch.cat([r.data for r in ref])) <= 1e-6
+    assert relative_error(torch.cat([o.data for o in ours]), torch.cat([r.data for r in ref])) <= elementwise_bound(STEPS)
 
 
 @pytest.mark.parametrize("name", ["adamw", "lion"])
@@ -121,7 +122,7 @@ def test_all_threads_split_a_large_tensor_correctly(name: str):
         ours, ref, _ = run_both(name, [[1_000_003]], [{}], steps=10)
     finally:
         torch.set_num_threads(before)
-    assert relative_error(ours[0].data, ref[0].data) <= 1e-6
+    assert relative_error(ours[0].data, ref[0].data) <= elementwise_bound(10)
 
 
 @pytest.mark.parametrize("name", ["adamw", "adagrad", "lion"])
@@ -136,7 +137,7 @@ def test_one_parallel_region_splits_many_tensors_of_any_length(name: str):
     finally:
         torch.set_num_threads(before)
     for o, r in zip(ours, ref):
-        assert relative_error(o.data, r.data) <= 1e-6
+        assert relative_error(o.data, r.data) <= elementwise_bound(10)
 
 
 def test_huge_page_states_are_2mib_aligned_when_asked_for(monkeypatch):
@@ -178,7 +179,7 @@ def test_16bit_params_keep_fp32_master_and_write_the_rounded_copy(name: str, dty
         assert master.dtype == torch.float32 and p.dtype == dtype
         assert all(state[k].dtype == torch.float32 for k in opt.STATE_KEYS)
         # the master follows the fp32 reference given the same (16-bit) gradients ...
-        assert relative_error(master, r.data) <= 1e-6
+        assert relative_error(master, r.data) <= elementwise_bound(STEPS)
         # ... and the parameter is exactly the master rounded to 16 bits, written in the same pass
         assert torch.equal(p.data, master.to(dtype))
         assert relative_error(p.data.float(), r.data) <= 2 ** -8
@@ -236,7 +237,7 @@ def test_torch_fallback_matches_the_kernel(name: str):
             p.grad = torch.randn(p.shape, generator=gen)
         fallback.step()
     for a, b in zip(params, ref):
-        assert relative_error(a.data, b.data) <= 1e-6
+        assert relative_error(a.data, b.data) <= elementwise_bound(5)
 
 
 def test_state_dict_round_trip_keeps_fp32_master_and_resumes_identically():

@@ -38,10 +38,10 @@ def test_adam_modes_follow_deepspeed() -> None:
     assert type(build_optimizer("Adam", _params(), {"torch_adam": True})) is torch.optim.AdamW
 
 
-def test_unknown_and_gpu_only_names_are_config_errors() -> None:
+def test_unknown_and_unbuildable_names_are_config_errors() -> None:
     with pytest.raises(ConfigError, match="did you mean 'AdamW'|AdamW"):
         build_optimizer("AdamX", _params(), {})
-    with pytest.raises(ConfigError, match="MuAdam needs CUDA"):
+    with pytest.raises(ConfigError, match="the mup package's optimizers"):  # not a CUDA matter
         build_optimizer("MuAdam", _params(), {})
     # the 1-bit family communicates by itself: the engine builds it (dsrun.runtime.fp16.onebit)
     with pytest.raises(ConfigError, match="OneBitAdam communicates by itself and is built by dsrun.initialize"):

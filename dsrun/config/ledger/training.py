@@ -1,0 +1,307 @@
+"""Ledger entries for the training core: batch, optimizer and scheduler, communication, precision, ZeRO and
+offload, logging, monitors and profilers, checkpoints, autotuning, elasticity and dsrun's own keys.
+
+``{key}`` in a proof is replaced by the entry's key: most keys are proved by one case of the parametrized
+effect tests (a world of one in-process, or two ranks for what only shows between ranks).
+"""
+from __future__ import annotations
+
+from .entry import NOT_IMPLEMENTED, Entry, Feature, design, done, todo
+
+UNIT = "tests/unit/runtime/test_config_effects.py::test_key_changes_behaviour[{key}]"
+REPORTING = "tests/unit/runtime/test_config_effects_reporting.py::test_key_changes_behaviour[{key}]"
+RANKS = "tests/integration/test_config_effects.py::test_key_changes_behaviour[{key}]"
+CONFIG = "tests/unit/config/test_support_effects.py::test_key_changes_behaviour[{key}]"
+STUDY = "tests/unit/autotuning/test_study.py::"
+
+ZERO_PP = Feature("ZeRO++ (quantized weights and gradients, hierarchical partitioning)",
+                  "leave these keys at their defaults")
+MICS = Feature("MiCS (sharding within sub-groups)", "leave mics_* at their defaults")
+SEQUENCE = Feature("Ulysses sequence parallelism", "leave seq_parallel_comm_data_type at fp32")
+PIPELINE = Feature("pipeline parallelism", "train without the pipeline keys")
+APEX = Feature("it needs NVIDIA Apex on CUDA",
+               "use \"bf16\": {\"enabled\": true} or \"fp16\": {\"enabled\": true} instead")
+FUSED = Feature("a DeepSpeed CUDA kernel path", "leave the key at its default")
+ENGINE = Feature("", "leave the key at its default")
+
+
+def _stage(*stages: int):
+    return lambda cfg: cfg.zero_optimization.stage in stages
+
+
+def _dsrun_grad_accum_dtype(cfg) -> str:
+    """The dtype dsrun accumulates gradients in over micro-steps: the model's at stages 0-1, fp32 at 2-3."""
+    if cfg.fp16.enabled or cfg.bf16.enabled:
+        return "fp32" if cfg.zero_optimization.stage >= 2 else ("fp16" if cfg.fp16.enabled else "bf16")
+    return "fp32"
+
+
+def _grad_accum_dtype_differs(cfg) -> bool:
+    asked = cfg.data_types.grad_accum_dtype
+    return asked is not None and asked != _dsrun_grad_accum_dtype(cfg)
+
+
+ENTRIES: list[Entry] = [
+    # --- batch -------------------------------------------------------------------------------------------
+    done("train_batch_size", "samples per optimizer step, all ranks together", UNIT),
+    done("train_micro_batch_size_per_gpu", "samples per forward/backward on one rank", UNIT),
+    done("gradient_accumulation_steps", "micro-steps per optimizer step", UNIT),
+    # --- optimizer and scheduler ---------------------------------------------------------------------------
+    done("optimizer.type", "the optimizer: a DeepSpeed name (any case) or a torch.optim class", UNIT,
+         "tests/unit/runtime/test_onebit_optimizers.py::test_onebit_adam_warmup_matches_torch_adamw",
+         refused_values={
+             name: "MuAdam/MuAdamW/MuSGD, the mup package's optimizers (maximal update parametrization; "
+                   f"no CUDA needed): {NOT_IMPLEMENTED} (use Adam/AdamW/SGD, or pass a mup optimizer object "
+                   "to initialize(optimizer=...))"
+             for name in ("muadam", "muadamw", "musgd")}),
+    done("optimizer.params", "the optimizer's constructor arguments", UNIT),
+    todo("optimizer.legacy_fusion", "DeepSpeed's legacy fused fp16 optimizer path (CUDA)", FUSED,
+         applies=lambda cfg: cfg.fp16.enabled),
+    done("scheduler.type", "the learning-rate schedule: a DeepSpeed schedule or a torch.optim.lr_scheduler class",
+         UNIT),
+    done("scheduler.params", "the schedule's constructor arguments", UNIT),
+    # --- communication ---------------------------------------------------------------------------------------
+    done("communication_data_type", "dtype of the gradient reduction (null: the model's dtype)", RANKS),
+    todo("seq_parallel_comm_data_type", "dtype of Ulysses sequence-parallel all-to-alls", SEQUENCE),
+    done("prescale_gradients", "divide gradients by gradient_predivide_factor before the reduction, the rest "
+         "after", UNIT),
+    done("gradient_predivide_factor", "the divisor applied before the reduction when prescale_gradients", UNIT),
+    todo("sparse_gradients", "reduce torch.nn.Embedding gradients as sparse tensors", ENGINE),
+    todo("disable_allgather", "skip the parameter all-gather after the step (DeepSpeed internal)", ENGINE),
+    # --- precision -------------------------------------------------------------------------------------------
+    done("fp16.enabled", "train in float16 with fp32 master weights and a loss scale", UNIT),
+    done("fp16.auto_cast", "cast floating-point inputs to float16 before the forward", UNIT),
+    done("fp16.loss_scale", "a static loss scale (0: dynamic)", UNIT),
+    done("fp16.initial_scale_power", "the dynamic loss scale starts at 2**this", UNIT),
+    done("fp16.loss_scale_window", "clean steps before the dynamic scale doubles", UNIT),
+    done("fp16.hysteresis", "overflows absorbed before the scale halves", UNIT),
+    done("fp16.consecutive_hysteresis", "refill the hysteresis on every clean step", UNIT),
+    done("fp16.min_loss_scale", "the dynamic loss scale never goes below this", UNIT),
+    todo("fp16.fp16_master_weights_and_grads", "keep master weights and gradients in fp16 (ZeRO-2, CUDA)",
+         FUSED, applies=lambda cfg: cfg.fp16.enabled),
+    done("bf16.enabled", "train in bfloat16 with fp32 master weights", UNIT),
+    todo("bf16.immediate_grad_update", "apply bf16 gradients to the fp32 accumulators inside backward hooks",
+         ENGINE, applies=lambda cfg: cfg.bf16.enabled),
+    todo("bf16.bf16_master_weights_and_grads", "keep master weights and gradients in bf16", ENGINE,
+         applies=lambda cfg: cfg.bf16.enabled),
+    todo("bf16.bf16_optimizer_states", "keep optimizer states in bf16", ENGINE,
+         applies=lambda cfg: cfg.bf16.enabled),
+    todo("amp.enabled", "Apex automatic mixed precision", APEX),
+    todo("data_types.grad_accum_dtype", "dtype gradients accumulate in over micro-steps",
+         Feature("dsrun accumulates in the model's dtype at ZeRO stages 0-1 and in fp32 at stages 2-3",
+                 "remove data_types.grad_accum_dtype, or pick the ZeRO stage that accumulates in that dtype"),
+         active=_grad_accum_dtype_differs),
+    done("gradient_clipping", "clip the global gradient norm to this value (0: off)", UNIT),
+    # --- ZeRO ------------------------------------------------------------------------------------------------
+    done("zero_optimization.stage", "0: data parallel; 1: optimizer states, 2: + gradients, 3: + parameters "
+         "partitioned", UNIT),
+    design("zero_optimization.allgather_partitions", "all-gather the updated partitions (false: broadcasts)",
+           "dsrun always all-gathers the updated partitions; DeepSpeed's alternative (one broadcast per rank) "
+           "gives the same weights, so there is nothing to switch"),
+    done("zero_optimization.allgather_bucket_size", "elements per all-gather of updated partitions (stages 1-2)",
+         RANKS),
+    done("zero_optimization.overlap_comm", "reduce gradient buckets asynchronously during backward", RANKS),
+    done("zero_optimization.reduce_scatter", "reduce gradients with reduce-scatter (false: all-reduce)", RANKS,
+         traced=False),  # read only between two ranks or more (a world of one copies its gradients)
+    done("zero_optimization.reduce_bucket_size", "elements per gradient reduction", RANKS),
+    todo("zero_optimization.use_multi_rank_bucket_allreduce", "DeepSpeed's multi-rank bucket all-reduce "
+         "(false: its older single-rank path)", ENGINE),
+    design("zero_optimization.contiguous_gradients", "copy gradients into one contiguous buffer as they are "
+           "produced", "dsrun keeps every gradient in flat contiguous buffers at every stage; the key exists in "
+           "DeepSpeed to avoid memory fragmentation its non-contiguous path has, which dsrun does not have"),
+    todo("zero_optimization.load_from_fp32_weights", "on load, take the fp32 master weights from the "
+         "checkpoint (false: rebuild them from the 16-bit weights)", ENGINE, applies=_stage(1, 2, 3)),
+    design("zero_optimization.grad_hooks", "documented for stage 1", "DeepSpeed itself does not read it (its "
+           "ZeRO config model has no such field), so it changes nothing in DeepSpeed either"),
+    todo("zero_optimization.round_robin_gradients", "spread gradient copies to CPU over ranks (stages 1-2, CPU "
+         "offload)", ENGINE,
+         applies=lambda cfg: cfg.zero_optimization.stage in (1, 2)
+         and cfg.zero_optimization.offload_optimizer.device == "cpu"),
+    todo("zero_optimization.elastic_checkpoint", "save stage 1-2 optimizer states in DeepSpeed's elastic layout",
+         ENGINE, applies=_stage(1, 2)),
+    todo("zero_optimization.ignore_unused_parameters", "false: fail when a parameter gets no gradient", ENGINE,
+         applies=_stage(1, 2, 3)),
+    todo("zero_optimization.legacy_stage1", "DeepSpeed's old stage-1 implementation", ENGINE, applies=_stage(1)),
+    done("zero_optimization.sub_group_size", "elements per optimizer sub-group (stage 3, offload)", UNIT),
+    done("zero_optimization.offload_param.device", "where stage-3 parameter shards live: none, cpu or nvme",
+         UNIT),
+    done("zero_optimization.offload_param.nvme_path", "folder of the parameter swap files", UNIT),
+    done("zero_optimization.offload_param.pin_memory", "page-locked host buffers (with an accelerator)", UNIT),
+    done("zero_optimization.offload_param.buffer_count", "host buffers for NVMe parameter swapping", UNIT),
+    done("zero_optimization.offload_param.buffer_size", "elements per NVMe parameter swap buffer", UNIT),
+    done("zero_optimization.offload_param.max_in_cpu", "parameter elements kept in host memory with NVMe", UNIT),
+    done("zero_optimization.offload_optimizer.device", "where master weights and optimizer states live: none, "
+         "cpu or nvme", UNIT),
+    done("zero_optimization.offload_optimizer.nvme_path", "folder of the optimizer swap files", UNIT),
+    done("zero_optimization.offload_optimizer.pin_memory", "page-locked host buffers (with an accelerator)",
+         UNIT),
+    done("zero_optimization.offload_optimizer.ratio", "fraction of the optimizer offloaded (stage 3)", UNIT),
+    done("zero_optimization.offload_optimizer.buffer_count", "host buffers for NVMe optimizer swapping", UNIT),
+    done("zero_optimization.offload_optimizer.fast_init", "skip writing zero optimizer states to NVMe at start",
+         UNIT),
+    design("zero_optimization.offload_optimizer.pipeline_read", "overlap NVMe reads with the optimizer step",
+           "dsrun's offloaded step always overlaps reads and writes with compute (a fetch-ahead, store-behind "
+           "pipeline); the results do not depend on it"),
+    design("zero_optimization.offload_optimizer.pipeline_write", "overlap NVMe writes with the optimizer step",
+           "dsrun's offloaded step always overlaps reads and writes with compute (a fetch-ahead, store-behind "
+           "pipeline); the results do not depend on it"),
+    done("zero_optimization.stage3_max_live_parameters", "most parameter elements gathered at once (stage 3)",
+         UNIT),
+    done("zero_optimization.stage3_max_reuse_distance", "keep a parameter gathered if it is used again within "
+         "this many elements (stage 3)", UNIT),
+    done("zero_optimization.stage3_prefetch_bucket_size", "elements gathered ahead of use (stage 3)", UNIT),
+    done("zero_optimization.stage3_param_persistence_threshold", "parameters smaller than this stay gathered "
+         "(stage 3)", UNIT),
+    done("zero_optimization.stage3_model_persistence_threshold", "most elements kept persistent in total "
+         "(stage 3)", UNIT),
+    done("zero_optimization.stage3_gather_16bit_weights_on_model_save", "save_16bit_model gathers the full "
+         "model (stage 3)", UNIT),
+    todo("zero_optimization.stage3_use_all_reduce_for_fetch_params", "gather parameters with all-reduce",
+         ENGINE, applies=_stage(3)),
+    todo("zero_optimization.stage3_module_granularity_threshold", "treat small modules as leaves for "
+         "prefetching", ENGINE, applies=_stage(3)),
+    todo("zero_optimization.zero_hpz_partition_size", "hpZ: secondary partition size", ZERO_PP,
+         applies=_stage(3)),
+    todo("zero_optimization.zero_quantized_weights", "qwZ: quantized weight all-gather", ZERO_PP,
+         applies=_stage(3)),
+    todo("zero_optimization.zero_quantized_nontrainable_weights", "quantize frozen weights in memory", ZERO_PP,
+         applies=_stage(3)),
+    todo("zero_optimization.zero_quantized_gradients", "qgZ: quantized gradient reduction", ZERO_PP,
+         applies=_stage(3)),
+    todo("zero_optimization.zeropp_loco_param", "LoCo error feedback for qgZ", ZERO_PP, applies=_stage(3)),
+    todo("zero_optimization.mics_shard_size", "MiCS shard group size (-1: off)", MICS, applies=_stage(3)),
+    todo("zero_optimization.mics_hierarchical_params_gather", "MiCS hierarchical all-gather", MICS,
+         applies=_stage(3)),
+    done("zero_optimization.memory_efficient_linear", "stage-3 linear layers do not keep the gathered weight "
+         "for backward", UNIT),
+    todo("zero_optimization.pipeline_loading_checkpoint", "load checkpoints into a pipeline-parallel ZeRO-3 "
+         "model", PIPELINE, applies=_stage(3)),
+    todo("zero_optimization.override_module_apply", "zero.Init gathers parameters inside module.apply "
+         "(DeepSpeed's default; dsrun's zero.Init does not, which is what false asks for)", ENGINE,
+         active=lambda cfg: False),
+    todo("zero_optimization.log_trace_cache_warnings", "log when the stage-3 prefetch trace is invalidated",
+         ENGINE, applies=_stage(3)),
+    done("zero_allow_untested_optimizer", "allow ZeRO with an optimizer outside Adam/AdamW/Lamb/Adagrad/Lion",
+         UNIT),
+    done("zero_force_ds_cpu_optimizer", "optimizer offload requires a DeepSpeed CPU optimizer", UNIT),
+    done("aio.block_size", "bytes per NVMe I/O request", UNIT),
+    done("aio.queue_depth", "NVMe requests in flight", UNIT),
+    done("aio.thread_count", "I/O threads per request", UNIT),
+    done("aio.single_submit", "submit requests one by one", UNIT),
+    done("aio.overlap_events", "overlap request submission and completion", UNIT),
+    # --- logging ---------------------------------------------------------------------------------------------
+    done("steps_per_print", "optimizer steps between progress lines", REPORTING),
+    done("wall_clock_breakdown", "time forward, backward and step and report the means", REPORTING),
+    todo("dump_state", "print the engine's state after initialize", ENGINE),
+    todo("memory_breakdown", "print memory use at every step", ENGINE),
+    # --- monitors --------------------------------------------------------------------------------------------
+    done("tensorboard.enabled", "write TensorBoard events", REPORTING),
+    done("tensorboard.output_path", "folder of the TensorBoard events (empty: the run directory)", REPORTING),
+    done("tensorboard.job_name", "sub-folder of the TensorBoard events", REPORTING),
+    done("wandb.enabled", "log to Weights & Biases", REPORTING),
+    done("wandb.group", "W&B group", REPORTING),
+    done("wandb.team", "W&B entity", REPORTING),
+    done("wandb.project", "W&B project", REPORTING),
+    done("comet.enabled", "log to Comet", REPORTING),
+    done("comet.samples_log_interval", "log an event each time global samples cross a multiple of this", REPORTING),
+    done("comet.project", "Comet project", REPORTING),
+    done("comet.workspace", "Comet workspace", REPORTING),
+    done("comet.api_key", "Comet API key", REPORTING),
+    done("comet.experiment_name", "Comet experiment name", REPORTING),
+    done("comet.experiment_key", "the key of the Comet experiment to create or continue", REPORTING),
+    done("comet.online", "false: log offline", REPORTING),
+    done("comet.mode", "get, create or get_or_create the experiment", REPORTING),
+    done("csv_monitor.enabled", "write one CSV file per metric", REPORTING),
+    done("csv_monitor.output_path", "folder of the CSV files (empty: the run directory)", REPORTING),
+    done("csv_monitor.job_name", "sub-folder of the CSV files", REPORTING),
+    done("mlflow.enabled", "log to MLflow (dsrun's own section)", REPORTING),
+    done("mlflow.tracking_uri", "the MLflow tracking URI (null: ./mlruns)", REPORTING),
+    done("mlflow.experiment_name", "the MLflow experiment", REPORTING),
+    done("mlflow.run_name", "the MLflow run name", REPORTING),
+    done("mlflow.log_artifacts", "also log the run directory's files", REPORTING),
+    done("comms_logger.enabled", "record every collective (count, bytes, latency)", REPORTING),
+    done("comms_logger.verbose", "print every collective as it happens", REPORTING),
+    done("comms_logger.prof_all", "profile every collective (false: only prof_ops)", REPORTING),
+    done("comms_logger.debug", "record the calling function of each collective", REPORTING),
+    done("comms_logger.prof_ops", "collectives to profile when prof_all is false", REPORTING),
+    done("flops_profiler.enabled", "profile one training step", REPORTING),
+    done("flops_profiler.recompute_fwd_factor", "count this fraction of the forward again (recomputation)",
+         REPORTING),
+    done("flops_profiler.profile_step", "the optimizer step to profile", REPORTING),
+    done("flops_profiler.module_depth", "depth of the per-module report (-1: all)", REPORTING),
+    done("flops_profiler.top_modules", "modules listed in the report's top lists", REPORTING),
+    done("flops_profiler.detailed", "print the per-module tree", REPORTING),
+    done("flops_profiler.output_file", "write the report to this file (null: stdout)", REPORTING),
+    # --- checkpoints -------------------------------------------------------------------------------------------
+    done("checkpoint.tag_validation", "Ignore, Warn or Fail when ranks save under different tags",
+         "tests/integration/test_checkpoint_tags.py::test_save_failures"),
+    done("checkpoint.load_universal", "load a checkpoint through the resharding path",
+         "tests/unit/checkpoint/test_engine_checkpoint.py::test_load_universal_goes_through_the_reshard_path"),
+    todo("checkpoint.use_node_local_storage", "each node saves to its own local storage", ENGINE),
+    done("checkpoint.parallel_write.pipeline_stage", "a pipeline stage's data-parallel ranks share its layer files",
+         "tests/integration/test_pipe.py::test_parallel_write_spreads_layer_files_over_data_parallel_ranks",
+         traced=False),  # read by the pipeline engine's checkpoint (the tracer's runs have no PipelineModule)
+    # --- autotuning (read by dsrun tune) -------------------------------------------------------------------
+    done("autotuning.enabled", "the config may be tuned by dsrun tune (false: dsrun tune refuses it)", CONFIG,
+         traced=False),
+    done("autotuning.fast", "tune only the ZeRO stage and the micro batch size", CONFIG),
+    done("autotuning.results_dir", "folder of the tuning results", CONFIG),
+    done("autotuning.exps_dir", "folder of the trial experiments", CONFIG),
+    done("autotuning.overwrite", "start a fresh study instead of resuming (dsrun resumes unless it is set)",
+         CONFIG, STUDY + "test_a_different_space_in_the_same_results_dir_is_refused_unless_overwrite",
+         traced=False),
+    done("autotuning.metric", "latency, throughput or flops", CONFIG),
+    todo("autotuning.metric_path", "read the metric from this file", ENGINE),
+    done("autotuning.start_profile_step", "first step of the measured window", CONFIG),
+    done("autotuning.end_profile_step", "last step of the measured window", CONFIG),
+    done("autotuning.max_train_batch_size", "largest global batch a trial may use", CONFIG),
+    todo("autotuning.min_train_batch_size", "smallest global batch a trial may use", ENGINE),
+    done("autotuning.max_train_micro_batch_size_per_gpu", "largest micro batch tried", CONFIG),
+    done("autotuning.min_train_micro_batch_size_per_gpu", "smallest micro batch tried", CONFIG),
+    done("autotuning.num_tuning_micro_batch_sizes", "how many micro batch sizes are tried", CONFIG),
+    todo("autotuning.mp_size", "model-parallel size of the tuned job", Feature("model parallelism in the tuner",
+         "leave mp_size at 1")),
+    done("autotuning.tuner_type", "gridsearch, random or model_based",
+         STUDY + "test_grid_search_decides_every_configuration_once",
+         STUDY + "test_model_based_never_launches_a_configuration_twice"),
+    done("autotuning.tuner_early_stopping", "stop after this many trials without improvement",
+         STUDY + "test_early_stopping_after_trials_without_improvement"),
+    done("autotuning.tuner_num_trials", "most trials", STUDY + "test_model_based_never_launches_a_configuration_twice"),
+    done("autotuning.arg_mappings", "map DeepSpeed keys to the script's own arguments", CONFIG),
+    todo("autotuning.model_info.profile", "only profile the model, then stop", ENGINE),
+    done("autotuning.model_info.num_params", "the model's parameter count (skips the profiling run)", CONFIG),
+    *[design(f"autotuning.model_info.{key}", meaning, "DeepSpeed's tuner uses it to estimate activation memory; "
+             "dsrun tune estimates activations from the model itself (dsrun.estimate), so the value is only "
+             "recorded with the model facts") for key, meaning in (("hidden_size", "the model's hidden size"),
+                                                                    ("num_layers", "the model's layer count"))],
+    todo("autotuning.model_info_path", "read the model facts from this file", ENGINE),
+    # --- elasticity (resolved by the config layer's batch arithmetic) --------------------------------------------
+    *[done(f"elasticity.{key}", meaning, CONFIG, traced=False) for key, meaning in (
+        ("enabled", "compute the batch sizes from the elastic search"),
+        ("max_train_batch_size", "the largest global batch the search may pick"),
+        ("micro_batch_sizes", "micro batch sizes the search may pick"),
+        ("min_gpus", "smallest GPU count the batch must suit"),
+        ("max_gpus", "largest GPU count the batch must suit"),
+        ("prefer_larger_batch", "break ties toward the larger batch"),
+        ("version", "the search algorithm, 0.1 or 0.2"),
+        ("ignore_non_elastic_batch_info", "allow the top-level batch keys next to elasticity"),
+        ("num_gpus_per_node", "GPUs per node (version 0.2)"),
+        ("model_parallel_size", "model-parallel size (version 0.2)"))],
+    design("elasticity.min_time", "minimum minutes between rescaling (version 0.1)",
+           "read by an elastic scheduler outside DeepSpeed; DeepSpeed's batch search does not use it either"),
+    # --- dsrun's own ---------------------------------------------------------------------------------------
+    done("dsrun_allow_unimplemented", "turn the refusal of not-implemented keys into one warning line per key",
+         CONFIG, traced=False),
+    # --- odds and ends ---------------------------------------------------------------------------------------
+    design("timers.throughput.enabled", "DeepSpeed's throughput timer", "dsrun has no separate throughput "
+           "timer: samples/s and tokens/s come from dsrun train's loop and the monitors, so there is nothing "
+           "to turn off"),
+    design("timers.throughput.synchronized", "synchronize the device before timing", "dsrun has no separate "
+           "throughput timer (see timers.throughput.enabled)"),
+    done("dataloader_drop_last", "drop the last incomplete micro-batch of training_data's loader", UNIT),
+    todo("vocabulary_size", "vocabulary size for DeepSpeed's data-efficiency and profiler helpers", ENGINE),
+    todo("graph_harvesting", "capture the step as a CUDA graph", FUSED),
+    done("use_data_before_expert_parallelism", "lay MoE expert groups out data-parallel first",
+         "tests/unit/moe/test_engine_moe.py::test_use_data_before_expert_parallelism_sets_the_expert_layout",
+         traced=False),  # read when the engine attaches MoE layers (the tracer's model has none)
+]
