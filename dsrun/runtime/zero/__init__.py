@@ -11,6 +11,7 @@ import importlib
 from dsrun.utils.errors import ConfigError, Problem
 
 from .base import MemoryBreakdown, StepOutcome, StrategyContext, ZeroStrategy
+from .fragments import attach_fragments
 
 # stage -> "module:class", imported on first use so a stage's module is only loaded when it is chosen
 STRATEGY_CLASSES: dict[int, str] = {
@@ -52,7 +53,9 @@ def _optimizer_offloaded(zero_config) -> bool:
 def build_zero_strategy(stage: int, ctx: StrategyContext) -> ZeroStrategy:
     """The strategy for ``stage``, built from ``ctx`` (module, optimizer, precision, bucket sizes…); the
     offloading variant of the stage when ``ctx.zero_config.offload_optimizer.device`` is cpu or nvme."""
-    return strategy_class(stage, _optimizer_offloaded(ctx.zero_config))(ctx)
+    strategy = strategy_class(stage, _optimizer_offloaded(ctx.zero_config))(ctx)
+    attach_fragments(strategy)  # per-parameter views for dsrun.utils.safe_get_full_fp32_param & co.
+    return strategy
 
 
 __all__ = ["MemoryBreakdown", "OFFLOAD_STRATEGY_CLASSES", "STRATEGY_CLASSES", "StepOutcome", "StrategyContext", "ZeroStrategy",
