@@ -28,7 +28,7 @@ from dsrun import comm
 from dsrun.utils import zero_to_fp32 as z2f
 from dsrun.utils.errors import Problem, UserError
 
-from . import atomic, layout, reshard, state
+from . import atomic, layout, reshard, state, universal_checkpoint
 from .safe_load import load_file
 
 log = logging.getLogger("dsrun.checkpoint")
@@ -238,11 +238,11 @@ def _checkpoint_dir(path: Any, argument: str) -> Path:
 
 
 # --- load -----------------------------------------------------------------------------------------------
-def _saved_world(model_states: dict[str, Any]) -> int:
+def saved_world(model_states: dict[str, Any]) -> int:
     return int(model_states.get("dp_world_size", 1))
 
 
-def _saved_stage(model_states: dict[str, Any], tag_dir: Path) -> int:
+def saved_stage(model_states: dict[str, Any], tag_dir: Path) -> int:
     extras = model_states.get("dsrun") or {}
     if "zero_stage" in extras:
         return int(extras["zero_stage"])
@@ -252,7 +252,7 @@ def _saved_stage(model_states: dict[str, Any], tag_dir: Path) -> int:
     return int(load_file(optim[0])["optimizer_state_dict"]["zero_stage"]) if optim else 0
 
 
-def _optim_files(tag_dir: Path, world: int, bf16: bool) -> list[Path]:
+def optim_files(tag_dir: Path, world: int, bf16: bool) -> list[Path]:
     """The saved ranks' optimizer files, preferring this run's precision prefix (as DeepSpeed does)."""
     for prefer in (bf16, not bf16):
         files = [tag_dir / layout.optim_states_name(r, prefer) for r in range(world)]
@@ -261,14 +261,24 @@ def _optim_files(tag_dir: Path, world: int, bf16: bool) -> list[Path]:
     raise FileNotFoundError(f"{tag_dir}: expected {world} '*_optim_states.pt' files (one per saved rank)")
 
 
-def _rank_optimizer_states(tag_dir: Path, model_states: dict[str, Any], stage: int, world: int,
+def rank_optimizer_states(tag_dir: Path, model_states: dict[str, Any], stage: int, world: int,
                            bf16: bool) -> list[dict[str, Any]]:
     if stage == 0:
         return [model_states["optimizer"]]
-    return [load_file(path)["optimizer_state_dict"] for path in _optim_files(tag_dir, world, bf16)]
+    return [load_file(path)["optimizer_state_dict"] for path in optim_files(tag_dir, world, bf16)]
 
 
-def _load_module(engine: Any, module_sd: dict[str, Any], strict: bool, tag_dir: Path) -> None:
+def _load_module(engine: Any, module_sd: dict[str, Any], strict: bool, tag_dir: Path,
+                 custom_load_fn: Any = None) -> None:
+    if custom_load_fn is not None:
+        # the client's loader gets full values: a stage-3 checkpoint's placeholders are its fp32 masters
+        empty = [n for n, v in module_sd.items() if torch.is_tensor(v) and v.numel() == 0]
+        if empty:
+            full = z2f.get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag_dir.name)
+            module_sd = {**module_sd, **{k: full[k] for k in empty if k in full}}
+        engine.load_module_state_dict({"module": module_sd}, strict=strict, custom_load_fn=custom_load_fn,
+                                      fetch_z3_params=_layout(engine).module_holds_placeholders)
+        return
     if _layout(engine).module_holds_placeholders:
         # partitioned parameters are restored through the strategy's master weights; only buffers load here
         with torch.no_grad():
@@ -288,27 +298,42 @@ def _load_module(engine: Any, module_sd: dict[str, Any], strict: bool, tag_dir: 
 
 
 def _restore_strategy(engine: Any, tag_dir: Path, model_states: dict[str, Any], load_optimizer_states: bool,
-                      load_universal: bool) -> None:
+                      load_universal: bool, masters_from_module: bool = False) -> None:
+    """Load the ZeRO strategy's masters and optimizer state: the rank's own file when the layout matches,
+    else resharded (from every saved rank's file, or from a universal folder's per-parameter files).
+    ``masters_from_module``: a weights-only load whose module was filled by the client's ``custom_load_fn``
+    keeps the masters that followed it."""
     strategy = engine.strategy
     live_stage, live_world = strategy.stage, engine.dp_world_size
-    saved_stage, saved_world = _saved_stage(model_states, tag_dir), _saved_world(model_states)
+    stage_saved, world_saved = saved_stage(model_states, tag_dir), saved_world(model_states)
     live_shapes = strategy.checkpoint_param_shapes()
     dp_rank = comm.get_rank(engine.dp_group)
+    if universal_checkpoint.is_universal(tag_dir):
+        if not load_optimizer_states and masters_from_module:
+            return
+        _say(engine, f"loading universal checkpoint {tag_dir.name} (saved by {world_saved} rank(s) at ZeRO stage "
+                     f"{stage_saved}) into {live_world} rank(s) at stage {live_stage}")
+        full = universal_checkpoint.load_universal_state(tag_dir)
+        strategy.load_state_dict(reshard.state_for_rank(strategy.state_dict(), full, live_stage, live_world, dp_rank,
+                                                        live_shapes, load_optimizer_states=load_optimizer_states))
+        return
     saved_shapes = model_states.get("param_shapes")
     # the same masters, cut the same way (stage 3's sub_group_size may differ between the runs)
     same_grouping = saved_shapes is None or [list(s) for s in saved_shapes] == [list(s) for s in live_shapes]
-    same_layout = saved_stage == live_stage and saved_world == live_world and same_grouping and not load_universal
+    same_layout = stage_saved == live_stage and world_saved == live_world and same_grouping and not load_universal
     if load_optimizer_states and same_layout:
-        own = (model_states["optimizer"] if saved_stage == 0 else
-               load_file(_optim_files(tag_dir, saved_world, engine.bfloat16_enabled())[dp_rank])["optimizer_state_dict"])
+        own = (model_states["optimizer"] if stage_saved == 0 else
+               load_file(optim_files(tag_dir, world_saved, engine.bfloat16_enabled())[dp_rank])["optimizer_state_dict"])
         strategy.load_state_dict(own)
         return
     if load_optimizer_states and model_states.get("param_shapes") is not None:
-        _say(engine, f"resharding checkpoint {tag_dir.name}: saved by {saved_world} rank(s) at ZeRO stage "
-                     f"{saved_stage}, loading into {live_world} rank(s) at stage {live_stage}")
+        _say(engine, f"resharding checkpoint {tag_dir.name}: saved by {world_saved} rank(s) at ZeRO stage "
+                     f"{stage_saved}, loading into {live_world} rank(s) at stage {live_stage}")
         full = reshard.merge_rank_states(
-            _rank_optimizer_states(tag_dir, model_states, saved_stage, saved_world, engine.bfloat16_enabled()),
-            saved_stage, model_states["param_shapes"])
+            rank_optimizer_states(tag_dir, model_states, stage_saved, world_saved, engine.bfloat16_enabled()),
+            stage_saved, model_states["param_shapes"])
+    elif masters_from_module:
+        return
     else:
         # weights only (load_module_only / load_optimizer_states=False): the fp32 master values, optimizer kept
         full = reshard.fp32_as_full_state(z2f.get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag_dir.name))
@@ -320,11 +345,17 @@ def _restore_strategy(engine: Any, tag_dir: Path, model_states: dict[str, Any], 
 
 def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_strict: bool = True,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                    load_module_only: bool = False) -> tuple[str | None, dict[str, Any] | None]:
-    """Restore a checkpoint saved by :func:`save_checkpoint`; returns ``(load_path, client_state)`` (the model
-    states file read, and the saved keys that are not DeepSpeed's), or
-    ``(None, None)`` (with a warning) when ``tag`` is None and ``load_dir`` has no ``latest``."""
+                    load_module_only: bool = False, custom_load_fn: Any = None
+                    ) -> tuple[str | None, dict[str, Any] | None]:
+    """Restore a checkpoint saved by :func:`save_checkpoint` (or converted by ``ds_to_universal``); returns
+    ``(load_path, client_state)`` (the model states file read, and the saved keys that are not DeepSpeed's),
+    or ``(None, None)`` (with a warning) when ``tag`` is None and ``load_dir`` has no ``latest``. With
+    ``checkpoint.load_universal`` a tag-less load reads ``latest_universal`` when there is one.
+    ``custom_load_fn(src=state_dict, dst=module)`` loads the module weights instead of ``load_state_dict``."""
     root = _checkpoint_dir(load_dir, "load_checkpoint(load_dir=...)")
+    load_universal = bool(getattr(getattr(engine._config, "checkpoint", None), "load_universal", False))
+    if tag is None and load_universal:
+        tag = universal_checkpoint.read_latest_universal(root)
     if tag is None:
         tag = layout.read_latest(root)
         if tag is None:
@@ -344,11 +375,12 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
     else:
         model_path = tag_dir / layout.model_states_name(0, 0)
     model_states = load_file(model_path)
-    _load_module(engine, model_states["module"], load_module_strict, tag_dir)
+    _load_module(engine, model_states["module"], load_module_strict, tag_dir, custom_load_fn)
     if engine.strategy is not None:
-        load_universal = bool(getattr(getattr(engine._config, "checkpoint", None), "load_universal", False))
         _restore_strategy(engine, tag_dir, model_states, load_optimizer_states and not load_module_only,
-                          load_universal)
+                          load_universal, masters_from_module=custom_load_fn is not None)
+    engine.loaded_checkpoint_dp_world_size = saved_world(model_states)
+    engine.loaded_checkpoint_mp_world_size = int(model_states.get("mp_world_size", 1))
     if not load_module_only:
         if load_lr_scheduler_states and engine.lr_scheduler is not None and model_states.get("lr_scheduler"):
             engine.lr_scheduler.load_state_dict(model_states["lr_scheduler"])
@@ -360,6 +392,8 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
             engine.compression.load_state_dict(model_states["compression"])  # [feature seam: compression]
         extras = model_states.get("dsrun") or {}
         engine.micro_steps = int(extras.get("micro_steps", engine.global_steps * engine.gradient_accumulation_steps()))
+        if saved_world(model_states) != engine.dp_world_size:  # the accumulation steps may differ: restart at a boundary
+            engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
         loader = getattr(engine, "training_dataloader", None)
         if loader is not None and isinstance(model_states.get("data_sampler"), dict) and hasattr(loader, "epoch"):
             loader.epoch = int(model_states["data_sampler"].get("epoch", loader.epoch))
@@ -367,9 +401,10 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
         if features is not None:
             features.load_checkpoint_entries({**model_states, "data_efficiency": extras.get("data_efficiency")})
         rng_file = tag_dir / layout.rng_states_name(engine.global_rank)
-        if _saved_world(model_states) == engine.dp_world_size and rng_file.is_file():
+        if saved_world(model_states) == engine.dp_world_size and rng_file.is_file():
             state.restore_rng_state(load_file(rng_file))
         elif engine.global_rank == 0:
-            _say(engine, "note: random number generator states not restored (the world size changed)")
+            _say(engine, "note: random number generator states not restored (the world size changed, or the "
+                         "checkpoint has none for this rank)")
     client_state = {k: v for k, v in model_states.items() if k not in DS_KEYS}
     return str(model_path), client_state
