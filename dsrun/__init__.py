@@ -1,9 +1,9 @@
 """dsrun: a declarative experiment runner for large-model training, compatible with DeepSpeed.
 
 The training API keeps DeepSpeed's names (``dsrun.initialize``, ``dsrun.init_distributed``,
-``dsrun.add_config_arguments``, ``dsrun.zero``, ``dsrun.comm``), and so does inference
-(``dsrun.init_inference``, ``dsrun.InferenceEngine``), so a DeepSpeed script switches by changing
-its import. Those names are loaded on first use, so ``import dsrun`` stays cheap for the CLI.
+``dsrun.add_config_arguments``, ``dsrun.zero``, ``dsrun.comm``, ``dsrun.DeepSpeedTransformerLayer``), and
+so does inference (``dsrun.init_inference``, ``dsrun.InferenceEngine``), so a DeepSpeed script switches by
+changing its import. Those names are loaded on first use, so ``import dsrun`` stays cheap for the CLI.
 """
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ _LAZY: dict[str, str] = {
     "init_distributed": "dsrun.comm.comm:init_distributed",
     "comm": "dsrun.comm:",
     "zero": "dsrun.zero:",
+    "DeepSpeedTransformerConfig": "dsrun.ops.transformer:DeepSpeedTransformerConfig",
+    "DeepSpeedTransformerLayer": "dsrun.ops.transformer:DeepSpeedTransformerLayer",
     "init_inference": "dsrun.inference:init_inference",
     "InferenceEngine": "dsrun.inference:InferenceEngine",
     "inference": "dsrun.inference:",

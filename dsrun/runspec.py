@@ -89,6 +89,7 @@ def resolve_run(cfg: DictConfig) -> ResolvedRun:
         node = cfg.get(key)
         if not isinstance(node, DictConfig) or "_target_" not in node:
             problems.append(Problem(f"{key}._target_", "missing", f"pick a {key} config group, e.g. {key}=..."))
+    problems += _unread_sparse_attention(cfg)
     train, train_problems = validate_model(TrainSpec, _section(cfg, "train"), "train")
     problems += train_problems
     plan = None
@@ -125,6 +126,19 @@ def _elastic_problems(train: TrainSpec | None, ds: Any) -> list[Problem]:
                              "a restarted rank of an elastic job resumes from the run's newest checkpoint",
                              "set train.resume=auto and train.save_interval=N (the gpt_elastic recipe does)"))
     return found
+
+
+def _unread_sparse_attention(cfg: DictConfig) -> list[Problem]:
+    """``ds.sparse_attention`` acts on the built-in GPT through ``model.attention=sparse``; refuse it when the GPT
+    would not read it. (Your own model reads the section itself, as DeepSpeed models do.)"""
+    model, ds = cfg.get("model"), cfg.get("ds")
+    if not isinstance(model, DictConfig) or not isinstance(ds, DictConfig) or ds.get("sparse_attention") is None:
+        return []
+    # the string, not dsrun.models.registry.GPT_TARGET: importing dsrun.models would load torch into the CLI
+    if model.get("_target_") != "dsrun.models.gpt.GPT" or model.get("attention", "dense") == "sparse":
+        return []
+    return [Problem("ds.sparse_attention", "is set but model.attention is 'dense', so the GPT would ignore it",
+                    "add attention=sparse (it passes the section to the model) or remove ds.sparse_attention")]
 
 
 def _auto_values(cfg: DictConfig) -> dict[str, Any]:

@@ -52,6 +52,10 @@ class FusedGPT(nn.Module):
 
     def __init__(self, gpt: GPT, max_out_tokens: int = 1024, min_out_tokens: int = 1, causal: bool = True):
         super().__init__()
+        if any(getattr(block.attn, "sparse", None) is not None for block in gpt.transformer["h"]):
+            raise UserError(Problem("init_inference.replace_with_kernel_inject", "the fused path computes dense "
+                                    "attention, but this GPT has sparse attention (model.attention=sparse)",
+                                    "leave replace_with_kernel_inject off: the GPT's own forward is block-sparse"))
         self.gpt = gpt
         self.config = gpt.config
         self.capacity = min(max_out_tokens, gpt.config.block_size)

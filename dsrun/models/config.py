@@ -13,6 +13,7 @@ from dsrun.utils.errors import ConfigError, Problem, show
 from dsrun.utils.suggest import did_you_mean
 
 POSITIONS = ("learned", "rotary")
+ATTENTIONS = ("dense", "sparse")
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,10 @@ class GPTConfig:
 
     ``block_size`` is the longest sequence the model accepts (the context length); the data layer's
     ``seq_len`` must not exceed it. ``positions="learned"`` adds a ``block_size x n_embd`` position table;
-    ``"rotary"`` rotates queries and keys instead and has no position parameters.
+    ``"rotary"`` rotates queries and keys instead and has no position parameters. ``attention="sparse"``
+    computes causal block-sparse attention over the layout ``sparse_attention`` describes (the DeepSpeed
+    config's ``sparse_attention`` section; the ``attention=sparse`` config option passes
+    ``ds.sparse_attention`` here; unset keys take the section's defaults); see docs/sparse_attention.md.
     """
 
     vocab_size: int = 256
@@ -35,6 +39,8 @@ class GPTConfig:
     tie_embeddings: bool = True
     activation_checkpointing: bool = False
     rotary_base: float = 10000.0
+    attention: str = "dense"
+    sparse_attention: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         problems: list[Problem] = []
@@ -53,6 +59,12 @@ class GPTConfig:
         if self.positions not in POSITIONS:
             problems.append(Problem("model.positions", f"unknown value {show(self.positions)}; allowed: "
                                     + ", ".join(POSITIONS), did_you_mean(str(self.positions), POSITIONS)))
+        if self.attention not in ATTENTIONS:
+            problems.append(Problem("model.attention", f"unknown value {show(self.attention)}; allowed: "
+                                    + ", ".join(ATTENTIONS), did_you_mean(str(self.attention), ATTENTIONS)))
+        if self.sparse_attention is not None and self.attention != "sparse":
+            problems.append(Problem("model.sparse_attention", "is set but model.attention is 'dense', so no layer "
+                                    "would read it", "set model.attention=sparse or drop model.sparse_attention"))
         if problems:
             raise ConfigError(problems)
 

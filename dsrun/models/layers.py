@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsrun.models.config import GPTConfig
+from dsrun.ops.sparse_attention import CausalSparseSelfAttention, sparsity_config_from_dict
 
 
 def rotary_cos_sin(seq_len: int, head_size: int, base: float, device: torch.device,
@@ -42,6 +43,11 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
+        # model.attention=sparse: block-sparse attention over the ds.sparse_attention layout (dsrun.ops)
+        self.sparse: CausalSparseSelfAttention | None = None
+        if config.attention == "sparse":
+            layout = sparsity_config_from_dict(config.sparse_attention, config.n_head, "model.sparse_attention")
+            self.sparse = CausalSparseSelfAttention(layout, max_seq_length=config.block_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -52,8 +58,11 @@ class CausalSelfAttention(nn.Module):
         if self.rotary:
             cos, sin = rotary_cos_sin(seq, self.head_size, self.rotary_base, x.device, q.dtype)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
-                                           is_causal=True)
+        dropout = self.dropout if self.training else 0.0
+        if self.sparse is not None:
+            y = self.sparse(q, k, v, dropout_p=dropout)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(batch, seq, width)
         return self.resid_dropout(self.c_proj(y))
 

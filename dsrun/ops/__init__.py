@@ -3,8 +3,11 @@
 - ``dsrun.ops.adam.DeepSpeedCPUAdam``, ``dsrun.ops.adagrad.DeepSpeedCPUAdagrad``,
   ``dsrun.ops.lion.DeepSpeedCPULion``: ``torch.optim.Optimizer`` subclasses over the SIMD + OpenMP kernels.
 - ``dsrun.ops.aio.AsyncIOHandle`` (alias ``aio_handle``): async tensor <-> file I/O for NVMe offload.
+- ``dsrun.ops.transformer`` (``DeepSpeedTransformerLayer``) and ``dsrun.ops.sparse_attention``
+  (``SparseSelfAttention`` and the sparsity layouts): DeepSpeed's CUDA/Triton kernels as plain torch, so
+  nothing to compile; they run on CPU and CUDA (docs/transformer_kernel.md, docs/sparse_attention.md).
 
-Each op is built on first use (see ``op_builder``). Without a working C++ compiler the wrappers use a
+Each compiled op is built on first use (see ``op_builder``). Without a working C++ compiler the wrappers use a
 pure-torch implementation and warn once (:class:`dsrun.ops.loader.OpFallbackWarning`); a build that fails for
 any other reason raises ``op_builder.OpBuildError`` with the compiler's output.
 """
