@@ -8,8 +8,10 @@ rendezvous over a c10d store at ``MASTER_ADDR:MASTER_PORT``, hosted by node 0's 
 ranks afresh. The ranks of every node of the round start with the new ``WORLD_SIZE``.
 
 - **A node leaves** (its machine dies, its agent is killed): the other nodes' ranks fail in their next
-  collective, their agents restart the group (one of ``--max_restarts``, DeepSpeed's 100 by default), and the
-  next round goes on without it.
+  collective, or, when no connection error reaches them (power loss, a pulled cable), their agents notice
+  that the node stopped its rendezvous heartbeats (15 s: torch's 5 s keep-alive, 3 misses) and stop their
+  ranks themselves, as DeepSpeed's agent does. Either way they restart the group (one of ``--max_restarts``,
+  DeepSpeed's 100 by default) and the next round goes on without it.
 - **A node joins** (``dsrun launch --elastic_training --no_ssh --node_rank N ...`` on it): it waits in the
   rendezvous; the running agents see it within a monitor tick and restart their ranks (not counted as a
   restart) in a round that includes it.
@@ -63,9 +65,27 @@ class ElasticNodeAgent(NodeAgent):
     def __init__(self, spec: WorkerSpec, logs: RankLogs, **kwargs: Any) -> None:
         super().__init__(spec, logs, peer_timeout=0.0, **kwargs)
         self._exit_barrier_timeout = EXIT_BARRIER_TIMEOUT
+        self._members = 0  # nodes in the current round
+
+    def _participants(self) -> int | None:
+        """Nodes of the current round still sending heartbeats, as this agent last synced the rendezvous state
+        (torch's handler drops a node 15 s after its last heartbeat); None if torch keeps it elsewhere."""
+        holder = getattr(self._worker_group.spec.rdzv_handler, "_state_holder", None)
+        participants = getattr(getattr(holder, "state", None), "participants", None)
+        return len(participants) if participants is not None else None
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        super()._rendezvous(worker_group)
+        self._members = self._participants() or 0
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = LocalElasticAgent._monitor_workers(self, worker_group)
+        alive = self._participants()
+        if result.state == WorkerState.HEALTHY and alive is not None and alive < self._members:
+            self._say(f"a node of this round stopped its heartbeats ({alive} of {self._members} left); restarting "
+                      f"this node's ranks in a new rendezvous round")
+            self._members = alive
+            return RunResult(state=WorkerState.UNHEALTHY)
         if result.state == WorkerState.FAILED and result.failures:
             self._cause = self._local_report(worker_group, result)
             if self._remaining_restarts > 0:

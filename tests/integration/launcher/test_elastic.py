@@ -2,6 +2,10 @@
 on at world size 1 with the same global batch (twice the gradient accumulation), then B joins again with the
 command the launcher printed and the job finishes at world size 2.
 
+Two ways to lose B: a crash (its processes are killed, so its connections close and A's ranks fail at once),
+and a power-off (its network goes down first, so no connection closes: only the rendezvous heartbeats tell
+A's agent that B is gone; the network comes back before B joins again).
+
 Evidence comes from the run's checkpoints (one per step, all kept): each records the world size it was saved
 at and the samples trained so far, so the world-size history and the global batch of every step can be read
 back after the run."""
@@ -96,9 +100,14 @@ def _netns_of(pid: int) -> str | None:
         return None
 
 
+def _link(hosts, state: str) -> None:
+    subprocess.run(["ip", "-n", hosts.b.namespace, "link", "set", "dsrun0", state], check=True, timeout=30)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_elastic_train_loses_host_b_then_takes_it_back(two_hosts, tmp_path):
+@pytest.mark.parametrize("loss", ["crash", "power-off"])
+def test_elastic_train_loses_host_b_then_takes_it_back(two_hosts, tmp_path, loss):
     tag = new_tag()
     job_dir = two_hosts.job_dir(tmp_path)
     port = free_port()
@@ -117,21 +126,34 @@ def test_elastic_train_loses_host_b_then_takes_it_back(two_hosts, tmp_path):
               "two checkpoints at world size 2", launcher, output)
         on_b = [pid for pid in job_processes(tag) if _netns_of(pid) == two_hosts.b.netns_inode]
         assert on_b, "no process of the job runs on host B"
+        if loss == "power-off":
+            _link(two_hosts, "down")
         for pid in on_b:
             os.kill(pid, signal.SIGKILL)
+        killed_at = time.monotonic()
         # the job goes on alone; the launcher says how to add a node back
         join = _wait(lambda: output.find(r"A node joins with: (.+)$"), 120, "the note that B left", launcher, output)
         _wait(lambda: any(w == 1 for w, _, _ in _checkpoints(run_dir).values()), 300,
               "a checkpoint at world size 1", launcher, output)
+        alone_after = time.monotonic() - killed_at
+        if loss == "power-off":
+            _link(two_hosts, "up")
         words = shlex.split(join.group(1).replace("NODE_RANK", "1"))
         assert words[:2] == ["dsrun", "launch"]
         joiner = subprocess.Popen(two_hosts.in_namespace(two_hosts.b, [sys.executable, "-m", "dsrun", *words[1:]]),
                                   env=job_env(tag, tmp_path), cwd=job_dir, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True)
         joined = Output(joiner)
+        joined_at, last_step = time.monotonic(), max(_checkpoints(run_dir))
+        _wait(lambda: any(w == 2 and step > last_step for step, (w, _, _) in _checkpoints(run_dir).items()), 300,
+              "a checkpoint at world size 2 after the join", launcher, output)
+        print(f"{loss}: first step at world size 1 saved {alone_after:.1f} s after host B was lost; first step at world "
+              f"size 2 saved {time.monotonic() - joined_at:.1f} s after B's launcher started (load average "
+              f"{os.getloadavg()[0]:.1f})")
         codes = launcher.wait(timeout=400), joiner.wait(timeout=60)
         assert codes == (0, 0), f"{output.text()[-5000:]}\n--- host B's launcher:\n{joined.text()[-5000:]}"
     finally:
+        _link(two_hosts, "up")
         for process in (launcher, joiner):
             if process is not None and process.poll() is None:
                 process.kill()
@@ -148,4 +170,6 @@ def test_elastic_train_loses_host_b_then_takes_it_back(two_hosts, tmp_path):
             assert micro_steps - history[step - 1][2] == GLOBAL_BATCH // (4 * world), (step, world)
     text = output.text()
     assert "left the elastic job" in text and "world size 1" in text
+    if loss == "power-off":  # no connection error reached A: its agent saw B's heartbeats stop
+        assert "stopped its heartbeats" in text
     assert wait_until_gone(tag, 10) == []
