@@ -1,9 +1,10 @@
 """dsrun: a declarative experiment runner for large-model training, compatible with DeepSpeed.
 
 The training API keeps DeepSpeed's names (``dsrun.initialize``, ``dsrun.init_distributed``,
-``dsrun.add_config_arguments``, ``dsrun.zero``, ``dsrun.comm``, ``dsrun.DeepSpeedTransformerLayer``), and
-so does inference (``dsrun.init_inference``, ``dsrun.InferenceEngine``), so a DeepSpeed script switches by
-changing its import. Those names are loaded on first use, so ``import dsrun`` stays cheap for the CLI.
+``dsrun.add_config_arguments``, ``dsrun.zero``, ``dsrun.comm``, ``dsrun.checkpointing``,
+``dsrun.DeepSpeedTransformerLayer``), and so does inference (``dsrun.init_inference``,
+``dsrun.InferenceEngine``), so a DeepSpeed script switches by changing its import. Those names are loaded
+on first use, so ``import dsrun`` stays cheap for the CLI.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ _LAZY: dict[str, str] = {
     "init_distributed": "dsrun.comm.comm:init_distributed",
     "comm": "dsrun.comm:",
     "zero": "dsrun.zero:",
+    "checkpointing": "dsrun.checkpointing:",
     "DeepSpeedTransformerConfig": "dsrun.ops.transformer:DeepSpeedTransformerConfig",
     "DeepSpeedTransformerLayer": "dsrun.ops.transformer:DeepSpeedTransformerLayer",
     "init_inference": "dsrun.inference:init_inference",

@@ -28,6 +28,7 @@ from dsrun.estimate.measure import current_rss, record_rank_peak
 from dsrun.monitor.progress import TrainingProgress
 from dsrun.monitor.run_defaults import PARENT_ENV, apply_run_defaults, flatten, mlflow_parent_key
 from dsrun.rundir import DS_CONFIG_JSON, METRICS_JSON, RESOLVED_YAML, atomic_write_text
+from dsrun.runtime.data_pipeline.training import DataEfficiencyRun
 from dsrun.runtime.observer import write_run_reports
 
 
@@ -155,7 +156,10 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
     corpus.check_vocab(model.config.vocab_size)
     if mlflow_parent_key(run_dir):  # the jobs of a multirun become MLflow child runs of one parent
         os.environ[PARENT_ENV] = mlflow_parent_key(run_dir)
-    engine, _, _, _ = dsrun.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    data_eff = DataEfficiencyRun.prepare(ds_config, corpus.train, corpus.vocab_size, run_dir)  # curriculum indexes
+    engine, _, _, _ = dsrun.initialize(model=model, model_parameters=model.parameters(), config=data_eff.ds_config,
+                                       training_data=data_eff.training_data)
+    data_eff.attach(engine)  # random-LTD layers, seqlen truncation, token and layer-token counts
     engine.monitor.log_params(flatten(OmegaConf.to_container(spec, resolve=True)))
 
     micro_batch, accumulation = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
@@ -163,7 +167,8 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
     max_steps = cfg.max_steps
     if cfg.max_tokens:
         max_steps = min(max_steps, math.ceil(cfg.max_tokens / tokens_per_step))
-    loader = corpus.train_loader(batch_size=micro_batch, rank=rank, world_size=world_size, seed=cfg.seed)
+    loader = data_eff.train_loader() or corpus.train_loader(batch_size=micro_batch, rank=rank, world_size=world_size,
+                                                            seed=cfg.seed)
     eval_every = cfg.eval_interval or max_steps
     step_flops = _train_step_flops(model, engine.train_batch_size(), corpus.seq_len)
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3: full sizes
@@ -188,7 +193,7 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
     progress = TrainingProgress(max_steps, enabled=rank == 0, print_every=max(1, engine.steps_per_print()),
                                 start_step=first_step - 1)
     initial = evaluate(engine, corpus, micro_batch, rank, world_size, cfg.eval_iters)
-    metrics["eval_losses"].append({"step": first_step - 1, "loss": initial})
+    metrics["eval_losses"].append({"step": first_step - 1, "loss": initial, **data_eff.counts()})
     progress.note(f"[dsrun] step {first_step - 1}/{max_steps} | eval {initial:.4f}")
     start = time.perf_counter()
     for step in range(first_step, max_steps + 1):
@@ -209,7 +214,7 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
 
         if step % eval_every == 0 or step == max_steps:
             eval_loss = evaluate(engine, corpus, micro_batch, rank, world_size, cfg.eval_iters)
-            metrics["eval_losses"].append({"step": step, "loss": eval_loss})
+            metrics["eval_losses"].append({"step": step, "loss": eval_loss, **data_eff.counts()})
             engine.monitor.write_events([("Eval/Samples/eval_loss", eval_loss, engine.global_samples)])
         samples_s, tokens_s = report_throughput(engine, step - first_step + 1, time.perf_counter() - start,
                                                 tokens_per_step, step_flops)
@@ -227,7 +232,8 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
     steps_done = len(metrics["train_losses"])
     metrics.update(steps=steps_done, wall_time_s=wall, samples_per_second=steps_done * engine.train_batch_size() / wall,
                    tokens_per_second=steps_done * tokens_per_step / wall,
-                   final_eval_loss=metrics["eval_losses"][-1]["loss"] if metrics["eval_losses"] else None)
+                   final_eval_loss=metrics["eval_losses"][-1]["loss"] if metrics["eval_losses"] else None,
+                   **data_eff.summary())
     record_rank_peak(run_dir, rank, baseline_rss)
     reports = write_run_reports(engine, run_dir)  # comms.json, flops_profile.txt (rank 0)
     if rank == 0:

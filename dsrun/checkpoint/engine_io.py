@@ -132,6 +132,11 @@ def _model_states(engine: Any, client_state: dict[str, Any], exclude_frozen: boo
     loader = getattr(engine, "training_dataloader", None)
     if loader is not None and hasattr(loader, "epoch"):
         sd["data_sampler"] = {"epoch": loader.epoch}
+    features = getattr(engine, "data_efficiency", None)  # data efficiency: random-LTD, sampler, CL, PLD states
+    if features is not None:
+        entries = features.checkpoint_entries()
+        sd["dsrun"]["data_efficiency"] = entries.pop("data_efficiency", None)
+        sd.update(entries)
     if stage == 3:
         sd["frozen_param_shapes"], sd["frozen_param_fragments"] = state.frozen_params(engine.module)
     for key, value in (client_state or {}).items():
@@ -326,8 +331,11 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
         extras = model_states.get("dsrun") or {}
         engine.micro_steps = int(extras.get("micro_steps", engine.global_steps * engine.gradient_accumulation_steps()))
         loader = getattr(engine, "training_dataloader", None)
-        if loader is not None and isinstance(model_states.get("data_sampler"), dict):
+        if loader is not None and isinstance(model_states.get("data_sampler"), dict) and hasattr(loader, "epoch"):
             loader.epoch = int(model_states["data_sampler"].get("epoch", loader.epoch))
+        features = getattr(engine, "data_efficiency", None)  # data efficiency: random-LTD, sampler, CL, PLD states
+        if features is not None:
+            features.load_checkpoint_entries({**model_states, "data_efficiency": extras.get("data_efficiency")})
         rng_file = tag_dir / layout.rng_states_name(engine.global_rank)
         if _saved_world(model_states) == engine.dp_world_size and rng_file.is_file():
             state.restore_rng_state(load_file(rng_file))

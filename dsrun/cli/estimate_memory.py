@@ -35,8 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cold.add_argument("--optimizer", help="optimizer type (default Adam without a recipe)")
     cold.add_argument("--micro-batch", type=int, help="micro batch size per rank (default 1)")
     cold.add_argument("--seq-len", type=int, help="sequence length (default 1024)")
-    cold.add_argument("--activation-checkpointing", action="store_true", default=None,
-                      help="mark activation checkpointing as on")
+    cold.add_argument("--activation-checkpointing", default=None, metavar="MODE", type=_checkpoint_mode,
+                      help="the checkpointing mode: none, full, every_N or selective (with a recipe: its "
+                           "model.activation_checkpointing unless given)")
     for name in ("n-layer", "n-embd", "n-head", "vocab-size"):
         cold.add_argument(f"--{name}", type=int, help="GPT shape, for the activation estimate")
     measure = parser.add_argument_group("predicted vs measured")
@@ -60,6 +61,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="an extra folder of recipes (repeatable)")
     # Hydra overrides and flags may come in any order.
     parser.parse_args = parser.parse_intermixed_args  # type: ignore[method-assign]
+
+
+def _checkpoint_mode(value: str) -> str:
+    from dsrun.runtime.activation_checkpointing.modes import CheckpointMode
+    from dsrun.utils.errors import ConfigError
+
+    try:
+        return str(CheckpointMode.parse(value, "--activation-checkpointing"))
+    except ConfigError as err:
+        raise argparse.ArgumentTypeError(str(err.problems[0]).split(": ", 1)[1]) from None
 
 
 def _positive(value: float | None, flag: str) -> int | None:
@@ -87,7 +98,7 @@ def _cold_inputs(args: argparse.Namespace) -> tuple[Any, dict[str, Any], dict[st
         ranks_per_node=args.gpus_per_node or 1, nodes=args.nodes or 1,
         zero_stage=3 if args.stage is None else args.stage, precision=args.precision or "fp16",
         optimizer=args.optimizer or "adam", micro_batch_size=args.micro_batch or 1,
-        seq_len=args.seq_len or 1024, activation_checkpointing=bool(args.activation_checkpointing),
+        seq_len=args.seq_len or 1024, activation_checkpointing=args.activation_checkpointing or "none",
         model_shape=shape)
     sources = {"total_params": "--total-params",
                "largest_layer_params": "--largest-layer-params" if largest is not None else "total / 100"}

@@ -15,7 +15,7 @@ from dsrun.utils.errors import Problem
 
 from .base import NonNegInt, PosInt, Section
 
-ScheduleType = Literal["fixed_linear", "fixed_root", "fixed_discrete"]
+ScheduleType = Literal["fixed_linear", "fixed_root", "fixed_discrete", "custom"]
 
 
 class CurriculumScheduleConfig(Section):
@@ -62,7 +62,8 @@ def check_schedule(schedule_type: str | None, config: CurriculumScheduleConfig |
 class CurriculumLearningConfig(Section):
     """Legacy top-level ``curriculum_learning`` (still supported; the Data Efficiency Library is preferred).
     When enabled, ``curriculum_type`` (only ``seqlen``), ``min_difficulty``, ``max_difficulty`` and
-    ``schedule_type`` are required."""
+    ``schedule_type`` are required; ``custom`` (DeepSpeed's scheduler accepts it here too) takes its pacing
+    function from ``engine.set_custom_curriculum_learning_schedule``."""
 
     enabled: bool = False
     curriculum_type: Literal["seqlen"] | None = None
@@ -81,7 +82,7 @@ class CurriculumMetricConfig(Section):
     clustering_type: Literal["schedule_based", "single_cluster"] | None = None
     min_difficulty: NonNegInt | None = None
     max_difficulty: NonNegInt | None = None
-    schedule_type: Literal["fixed_linear", "fixed_root", "fixed_discrete", "custom"] | None = None
+    schedule_type: ScheduleType | None = None
     schedule_config: CurriculumScheduleConfig | None = None
 
 
@@ -133,7 +134,8 @@ class LayerTokenLRSchedule(Section):
 
 class RandomLTDConfig(Section):
     """``data_routing.random_ltd``: skip tokens in the middle layers. ``random_ltd_layer_id`` has
-    ``random_ltd_layer_num`` entries; ``model_mask_name`` is the forward's attention-mask argument."""
+    ``random_ltd_layer_num`` entries; ``model_mask_name`` is the forward's attention-mask argument (leave it
+    out for a model without one, as DeepSpeed's ViT example does)."""
 
     enabled: bool = False
     total_layer_num: PosInt | None = None
@@ -204,8 +206,8 @@ def check_data_efficiency(de: DataEfficiencyConfig, legacy: CurriculumLearningCo
     ltd = de.data_routing.random_ltd
     lbase = f"{prefix}data_efficiency.data_routing.random_ltd"
     if ltd.enabled:
-        for key in ("total_layer_num", "random_ltd_layer_num", "random_ltd_layer_id", "model_mask_name",
-                    "model_type", "hidden_state_order", "random_ltd_schedule"):
+        for key in ("total_layer_num", "random_ltd_layer_num", "random_ltd_layer_id", "model_type",
+                    "hidden_state_order", "random_ltd_schedule"):
             if getattr(ltd, key) is None:
                 problems.append(Problem(f"{lbase}.{key}", "required when random_ltd is enabled"))
         if ltd.random_ltd_layer_id is not None and ltd.random_ltd_layer_num is not None \

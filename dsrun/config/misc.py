@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field
 
+from dsrun.utils.errors import Problem
+
 from .base import NonNegFloat, NonNegInt, OpenDict, PosInt, Section
 
 
@@ -28,9 +30,9 @@ def _capitalise(value: Any) -> Any:
 
 
 class ActivationCheckpointingConfig(Section):
-    """``activation_checkpointing``: ``cpu_checkpointing`` takes effect only with
-    ``partition_activations`` (for model parallelism); ``number_checkpoints`` sizes the buffer of
-    ``contiguous_memory_optimization``."""
+    """``activation_checkpointing`` (what ``dsrun.checkpointing`` does with each key:
+    docs/activation_checkpointing.md). ``number_checkpoints`` sizes the buffer of
+    ``contiguous_memory_optimization``, which holds partitioned activations."""
 
     partition_activations: bool = False
     cpu_checkpointing: bool = False
@@ -38,6 +40,19 @@ class ActivationCheckpointingConfig(Section):
     number_checkpoints: PosInt | None = None
     synchronize_checkpoint_boundary: bool = False
     profile: bool = False
+
+    def problems(self, prefix: str = "activation_checkpointing") -> list[Problem]:
+        """What DeepSpeed refuses (an assertion in its ``configure``)."""
+        found = []
+        if self.contiguous_memory_optimization and not self.partition_activations:
+            found.append(Problem(f"{prefix}.contiguous_memory_optimization",
+                                 "needs partition_activations: the contiguous buffer holds the partitioned "
+                                 "activations", "set partition_activations: true, or turn it off"))
+        if self.contiguous_memory_optimization and not self.number_checkpoints:
+            found.append(Problem(f"{prefix}.number_checkpoints",
+                                 "is required with contiguous_memory_optimization (it sizes the buffer)",
+                                 "set it to the checkpoint calls of one forward, e.g. the number of layers"))
+        return found
 
 
 SparseMode = Literal["dense", "fixed", "bigbird", "bslongformer", "variable"]

@@ -191,9 +191,7 @@ def check_tooling(cfg: DeepSpeedConfig, raw: dict[str, Any], p: str) -> tuple[li
         if el.version == 0.2 and "min_time" in el_raw:
             notes.append(f"{ep}.min_time only matters in version 0.1")
 
-    ac = cfg.activation_checkpointing
-    if ac.cpu_checkpointing and not ac.partition_activations:
-        notes.append(f"{p}activation_checkpointing.cpu_checkpointing only takes effect with partition_activations")
+    problems += cfg.activation_checkpointing.problems(f"{p}activation_checkpointing")
 
     sa = cfg.sparse_attention
     if sa is not None:

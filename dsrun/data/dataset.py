@@ -45,5 +45,10 @@ class TokenWindows(Dataset):
 
     def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Windows ``indices`` stacked into ``(inputs, targets)`` of shape ``[len(indices), seq_len]``."""
-        windows = torch.from_numpy(np.stack([self._window(int(i)) for i in indices]))
+        index = np.asarray(indices, dtype=np.int64)
+        if len(index) and (index.min() < 0 or index.max() >= len(self)):
+            bad = index[(index < 0) | (index >= len(self))][0]
+            raise IndexError(f"window {bad} out of range for {len(self)} windows of {self.name}")
+        positions = index[:, None] * self.seq_len + np.arange(self.seq_len + 1)  # one gather for all windows
+        windows = torch.from_numpy(np.asarray(self.tokens[positions], dtype=np.int64))
         return windows[:, :-1], windows[:, 1:]

@@ -32,14 +32,28 @@ Backward also needs a workspace while it walks through a block: the gradients of
 activations (``2*e*sbf``), or of the attention scores with explicit attention (``2*e*a*s*s*b``), whichever
 is larger.
 
-Checkpointing each block keeps only the blocks' inputs (``L*e*sbh``) and recomputes one block at a time in
-backward, so one block's full activations are live on top of them.
+Activation checkpointing (``model.activation_checkpointing``, :mod:`dsrun.runtime.activation_checkpointing.modes`)
+changes what each block keeps between its forward and its backward:
+
+* a block that is not checkpointed keeps everything (``block``);
+* a checkpointed block keeps its input (``e*sbh``);
+* under ``selective`` every block keeps its input and the outputs of the fused attention kernel (``e*sbh``
+  and the fp32 log-sum-exp ``4*a*s*b``), the attention output projection (``e*sbh``), the MLP
+  up-projection (``e*sbf``) and down-projection (``e*sbh``); with explicit attention nothing of the
+  attention is kept.
+
+Backward walks the blocks from the last: while it is in block ``i``, blocks ``0..i-1`` still hold what they
+keep and block ``i`` holds its full activations again (recomputed around what it kept). That is largest at
+the last block: ``sum(kept of blocks 0..L-2) + block``. So ``none`` gives ``L*block``, ``full``
+``(L-1)*e*sbh + block``, ``every_N`` counts its non-checkpointed blocks whole, ``selective``
+``(L-1)*kept + block``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from dsrun.estimate.inputs import GPTShape
+from dsrun.runtime.activation_checkpointing.modes import CheckpointMode
 
 
 @dataclass(frozen=True)
@@ -88,6 +102,15 @@ def gpt_block_activation_bytes(shape: GPTShape, micro_batch: int, seq_len: int, 
     return total
 
 
+def gpt_selective_kept_bytes(shape: GPTShape, micro_batch: int, seq_len: int, elem: int) -> int:
+    """Bytes one block keeps under selective checkpointing (the list in the module docstring)."""
+    b, s, h = micro_batch, seq_len, shape.n_embd
+    kept = elem * s * b * h * 3 + elem * s * b * shape.ffn  # input, attention out-projection, MLP up and down
+    if shape.flash_attention:
+        kept += elem * s * b * h + 4 * shape.n_head * s * b  # the fused kernel's output and log-sum-exp
+    return kept
+
+
 def gpt_head_activation_bytes(shape: GPTShape, micro_batch: int, seq_len: int, elem: int) -> int:
     """Bytes around the blocks: final LayerNorm and LM-head inputs, logits, fp32 log-probs and gradients."""
     b, s = micro_batch, seq_len
@@ -103,14 +126,17 @@ def gpt_backward_workspace_bytes(shape: GPTShape, micro_batch: int, seq_len: int
 
 
 def gpt_activation_bytes(shape: GPTShape, micro_batch: int, seq_len: int, precision: str,
-                         checkpointing: bool) -> ActivationBytes:
-    """Peak activation bytes of one micro batch through a GPT (see the module docstring)."""
+                         checkpointing: object) -> ActivationBytes:
+    """Peak activation bytes of one micro batch through a GPT (see the module docstring); ``checkpointing``
+    is a mode (``none``, ``full``, ``every_N``, ``selective``) or a bool (full/none)."""
     elem = element_size(precision)
     per_block = gpt_block_activation_bytes(shape, micro_batch, seq_len, elem)
-    if checkpointing:
-        blocks = shape.n_layer * elem * seq_len * micro_batch * shape.n_embd + per_block
-    else:
-        blocks = shape.n_layer * per_block
+    mode = CheckpointMode.parse(checkpointing)
+    block_input = elem * seq_len * micro_batch * shape.n_embd
+    selective = gpt_selective_kept_bytes(shape, micro_batch, seq_len, elem)
+    kept = [per_block if not mode.checkpoints(i) else selective if mode.kind == "selective" else block_input
+            for i in range(shape.n_layer)]
+    blocks = sum(kept[:-1]) + per_block  # backward in the last block (see the module docstring)
     head = gpt_head_activation_bytes(shape, micro_batch, seq_len, elem)
     workspace = gpt_backward_workspace_bytes(shape, micro_batch, seq_len, elem)
     return ActivationBytes(per_block=per_block, blocks=blocks, head=head, workspace=workspace)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Mapping
 
+from dsrun.runtime.activation_checkpointing.modes import CheckpointMode
 from dsrun.utils.errors import ConfigError, Problem
 
 Precision = Literal["fp32", "fp16", "bf16"]
@@ -110,7 +111,8 @@ class EstimateInputs:
     ``offload_optimizer`` / ``offload_param`` in none/cpu/nvme. Training: ``precision`` fp32/fp16/bf16,
     ``optimizer`` (a DeepSpeed optimizer type, e.g. ``AdamW``) with its ``optimizer_params`` (SGD's
     ``momentum`` decides whether it keeps a state), ``micro_batch_size``, ``seq_len``,
-    ``activation_checkpointing`` (one checkpoint per transformer block), ``buffers`` (bucket sizes),
+    ``activation_checkpointing`` (``none``, ``full``, ``every_N`` or ``selective``, the GPT's
+    ``model.activation_checkpointing``; a bool means full/none), ``buffers`` (bucket sizes),
     ``zero_init`` (ZeRO-3 builds the model partitioned, so no rank ever holds all of it),
     ``runtime_overhead_bytes`` (device memory outside tensors you want counted, e.g. a CUDA context).
     Process (host RAM of each rank): ``device`` "cpu" (ranks compute on the CPU and talk over gloo, so
@@ -134,7 +136,7 @@ class EstimateInputs:
     optimizer_params: Mapping[str, Any] = field(default_factory=dict)
     micro_batch_size: int = 1
     seq_len: int = 1024
-    activation_checkpointing: bool = False
+    activation_checkpointing: str = "none"
     model_shape: GPTShape | None = None
     trainable_params: int | None = None
     small_params: int = 0
@@ -148,6 +150,11 @@ class EstimateInputs:
     gradient_accumulation_steps: int = 1
 
     def __post_init__(self) -> None:
+        try:  # stored in its canonical spelling: "none", "full", "every_2", "selective"
+            object.__setattr__(self, "activation_checkpointing",
+                               str(CheckpointMode.parse(self.activation_checkpointing, "activation_checkpointing")))
+        except ConfigError as err:
+            raise ConfigError(err.problems) from None
         problems = list(self._problems())
         if problems:
             raise ConfigError(problems)
@@ -181,6 +188,10 @@ class EstimateInputs:
                 yield Problem(name, f"must be an integer >= 0, got {getattr(self, name)!r}")
         if self.trainable_params is not None and not 0 <= self.trainable_params <= self.total_params:
             yield Problem("trainable_params", f"must be between 0 and total_params, got {self.trainable_params}")
+
+    @property
+    def checkpoint_mode(self) -> CheckpointMode:
+        return CheckpointMode.parse(self.activation_checkpointing)
 
     @property
     def world_size(self) -> int:

@@ -190,12 +190,14 @@ class OptionEstimate:
 
 
 def estimate_zero_options(spec: EstimateInputs) -> list[OptionEstimate]:
-    """Estimate ``spec`` under every supported stage x offload option, with and without checkpointing."""
+    """Estimate ``spec`` under every supported stage x offload option, with and without checkpointing ("with":
+    the recipe's mode when it has one, else full)."""
+    mode = spec.activation_checkpointing if spec.checkpoint_mode.enabled else "full"
     rows = []
     for stage, optim, param in ZERO_OPTIONS:
         variant = spec.with_(zero_stage=stage, offload_optimizer=optim, offload_param=param)
         rows.append(OptionEstimate(
             zero_stage=stage, offload_optimizer=optim, offload_param=param,
-            without_checkpointing=estimate_peak_bytes_per_rank(variant.with_(activation_checkpointing=False)),
-            with_checkpointing=estimate_peak_bytes_per_rank(variant.with_(activation_checkpointing=True))))
+            without_checkpointing=estimate_peak_bytes_per_rank(variant.with_(activation_checkpointing="none")),
+            with_checkpointing=estimate_peak_bytes_per_rank(variant.with_(activation_checkpointing=mode))))
     return rows

@@ -89,7 +89,7 @@ def build_report(spec: EstimateInputs, model: dict[str, Any], sources: dict[str,
     """Estimate ``spec`` and every stage x offload variant of it, and judge them against ``budget``."""
     recipe = estimate_peak_bytes_per_rank(spec)
     options = estimate_zero_options(spec)
-    pick = "with_checkpointing" if spec.activation_checkpointing else "without_checkpointing"
+    pick = "with_checkpointing" if spec.checkpoint_mode.enabled else "without_checkpointing"
     return MemoryReport(
         inputs=spec, model=model, sources=sources,
         zero2_table=format_zero2_table(spec.total_params, spec.ranks_per_node, spec.nodes),
@@ -112,7 +112,7 @@ def _summary_lines(report: MemoryReport) -> list[str]:
         f"layout: {spec.nodes} node(s) x {spec.ranks_per_node} rank(s) = {spec.world_size} data-parallel ranks",
         f"recipe: ZeRO {spec.zero_stage}, offload optimizer={spec.offload_optimizer} param={spec.offload_param}, "
         f"{spec.precision}, optimizer {spec.optimizer}, micro batch {spec.micro_batch_size}, "
-        f"sequence {spec.seq_len}, activation checkpointing {'on' if spec.activation_checkpointing else 'off'}",
+        f"sequence {spec.seq_len}, activation checkpointing {spec.activation_checkpointing}",
     ]
     if shape is not None:
         lines.append(f"GPT shape: {shape.n_layer} layers, hidden {shape.n_embd}, {shape.n_head} heads, "
@@ -138,9 +138,10 @@ def render(report: MemoryReport, console: Any = None) -> None:
     console.print(report.zero3_table, end="", markup=False, highlight=False, soft_wrap=True)
 
     spec = report.inputs
-    pick = "with_checkpointing" if spec.activation_checkpointing else "without_checkpointing"
+    pick = "with_checkpointing" if spec.checkpoint_mode.enabled else "without_checkpointing"
     title = (f"dsrun estimate per rank: {spec.precision}, {spec.optimizer}, micro batch {spec.micro_batch_size}"
-             f" x {spec.seq_len}; offload = optimizer/param; ckpt = activation checkpointing; G = GiB, M = MiB")
+             f" x {spec.seq_len}; offload = optimizer/param; ckpt = activation checkpointing "
+             f"({spec.activation_checkpointing if spec.checkpoint_mode.enabled else 'full'}); G = GiB, M = MiB")
     states = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     totals = Table(box=box.SIMPLE_HEAD, pad_edge=False)
     for name in ("ZeRO", "offload", "params", "grads", "optim", "buffers", "acts", "acts ckpt"):
@@ -177,14 +178,14 @@ def render(report: MemoryReport, console: Any = None) -> None:
                   f"peak per rank {format_bytes(report.recipe.rank_peak)}", highlight=False)
 
 
-def breakdown_rows(b: Breakdown, checkpointing: bool = False) -> list[tuple[str, int, str]]:
+def breakdown_rows(b: Breakdown, checkpointing: str = "none") -> list[tuple[str, int, str]]:
     """The recipe's estimate term by term: (term, bytes per rank, where it lives / when it counts)."""
     where = "RAM (ranks on the CPU)" if b.ranks_on_cpu else "device"
     rows = [
         ("parameters (working + fp32 master)", b.params, where),
         ("gradients", b.gradients, where),
         ("optimizer states", b.optimizer_states, where),
-        (f"activations ({'with' if checkpointing else 'without'} checkpointing)", b.activations,
+        (f"activations (checkpointing: {checkpointing})", b.activations,
          f"{where}, forward/backward"),
         ("communication buffers at the peak phase", b.buffers, f"{where}, {b.peak_phase}"),
         ("  of which collective temporaries (gloo)", b.collective_temporaries, f"{where}, {b.peak_phase}"),
@@ -202,7 +203,7 @@ def breakdown_rows(b: Breakdown, checkpointing: bool = False) -> list[tuple[str,
     return rows
 
 
-def breakdown_table(b: Breakdown, checkpointing: bool = False) -> Any:
+def breakdown_table(b: Breakdown, checkpointing: str = "none") -> Any:
     """A rich table of :func:`breakdown_rows` for the recipe's own setting."""
     from rich import box
     from rich.table import Table

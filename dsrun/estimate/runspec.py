@@ -28,6 +28,7 @@ import torch
 
 from dsrun.estimate.counting import ParameterCounts, count_parameters, instantiate_on_meta
 from dsrun.estimate.inputs import BufferSettings, EstimateInputs, GPTShape
+from dsrun.runtime.activation_checkpointing.modes import CheckpointMode
 from dsrun.utils.errors import ConfigError, Problem
 
 _MISSING = object()
@@ -194,6 +195,7 @@ def inputs_from_runspec(cfg: Any, model: RecipeModel) -> tuple[EstimateInputs, d
                "model.gradient_checkpointing"], False)
     if isinstance(ckpt, Mapping):  # e.g. {enabled: true, ...}
         ckpt = ckpt.get("enabled", True)
+    ckpt = str(CheckpointMode.parse(ckpt, sources["activation_checkpointing"]))
 
     buffers = BufferSettings.from_zero_config(zero)
     data_bytes, sources["data_bytes"] = data_pipeline_bytes(tree.get("data") or {})
@@ -206,7 +208,7 @@ def inputs_from_runspec(cfg: Any, model: RecipeModel) -> tuple[EstimateInputs, d
         ranks_per_node=rpn, nodes=nodes, zero_stage=stage,
         offload_optimizer=_offload(zero, "offload_optimizer"), offload_param=_offload(zero, "offload_param"),
         precision=precision, optimizer=opt_type, optimizer_params=dict(optimizer.get("params") or {}),
-        micro_batch_size=int(mbs), seq_len=int(seq), activation_checkpointing=bool(ckpt),
+        micro_batch_size=int(mbs), seq_len=int(seq), activation_checkpointing=ckpt,
         model_shape=model.shape, buffers=buffers, data_bytes=data_bytes,
         gradient_clipping=float(ds.get("gradient_clipping") or 0.0),
         gradient_accumulation_steps=_count(ds.get("gradient_accumulation_steps")) or 1)

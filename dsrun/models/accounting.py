@@ -71,11 +71,26 @@ def forward_flops(model_or_config: GPTConfig | nn.Module, batch_size: int, seq_l
     return 2 * matmul_weights * tokens + attention * tokens
 
 
-def train_step_flops(model_or_config: GPTConfig | nn.Module, batch_size: int, seq_len: int,
-                     activation_checkpointing: bool | None = None) -> int:
-    """Forward + backward FLOPs: 3x the forward (backward costs twice the forward), 4x when activation
-    checkpointing recomputes the forward (the usual convention; strictly the output head is not
-    recomputed). ``None`` reads the choice from the config."""
+def recompute_flops(model_or_config: GPTConfig | nn.Module, batch_size: int, seq_len: int,
+                    activation_checkpointing: object = None) -> int:
+    """Forward FLOPs that activation checkpointing runs again in backward (the terms of
+    :func:`forward_flops`): one block's ``2·12·d² + 4·seq_len·d`` per token for each checkpointed block;
+    ``selective`` recomputes only the QKV projection (``2·3·d²`` per token) of each block, the attention
+    kernel's and the other projections' outputs being kept. ``None`` reads the mode from the config."""
+    from dsrun.runtime.activation_checkpointing.modes import CheckpointMode
+
     config = _config_of(model_or_config)
-    recompute = config.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
-    return (4 if recompute else 3) * forward_flops(config, batch_size, seq_len)
+    mode = CheckpointMode.parse(config.activation_checkpointing if activation_checkpointing is None
+                                else activation_checkpointing)
+    tokens, d = batch_size * seq_len, config.n_embd
+    per_block = 2 * 3 * d * d if mode.kind == "selective" else 2 * 12 * d * d + 4 * seq_len * d
+    return mode.checkpointed_blocks(config.n_layer) * per_block * tokens
+
+
+def train_step_flops(model_or_config: GPTConfig | nn.Module, batch_size: int, seq_len: int,
+                     activation_checkpointing: object = None) -> int:
+    """Forward + backward FLOPs: 3x the forward (backward costs twice the forward) plus what activation
+    checkpointing recomputes (:func:`recompute_flops`; ``activation_checkpointing`` is a mode, a bool, or
+    None for the config's)."""
+    return 3 * forward_flops(model_or_config, batch_size, seq_len) + recompute_flops(
+        model_or_config, batch_size, seq_len, activation_checkpointing)

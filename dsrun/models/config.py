@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping
 
+from dsrun.runtime.activation_checkpointing.modes import CheckpointMode
 from dsrun.utils.errors import ConfigError, Problem, show
 from dsrun.utils.suggest import did_you_mean
 
@@ -26,6 +27,8 @@ class GPTConfig:
     computes causal block-sparse attention over the layout ``sparse_attention`` describes (the DeepSpeed
     config's ``sparse_attention`` section; the ``attention=sparse`` config option passes
     ``ds.sparse_attention`` here; unset keys take the section's defaults); see docs/sparse_attention.md.
+    ``activation_checkpointing`` is ``none``, ``full``, ``every_N`` or ``selective`` (``true``/``false``:
+    full/none; :class:`~dsrun.runtime.activation_checkpointing.modes.CheckpointMode`), kept in that spelling.
     """
 
     vocab_size: int = 256
@@ -37,7 +40,7 @@ class GPTConfig:
     bias: bool = True
     positions: str = "learned"
     tie_embeddings: bool = True
-    activation_checkpointing: bool = False
+    activation_checkpointing: str = "none"
     rotary_base: float = 10000.0
     attention: str = "dense"
     sparse_attention: dict[str, Any] | None = None
@@ -65,6 +68,11 @@ class GPTConfig:
         if self.sparse_attention is not None and self.attention != "sparse":
             problems.append(Problem("model.sparse_attention", "is set but model.attention is 'dense', so no layer "
                                     "would read it", "set model.attention=sparse or drop model.sparse_attention"))
+        try:
+            mode = CheckpointMode.parse(self.activation_checkpointing)
+            object.__setattr__(self, "activation_checkpointing", str(mode))  # the canonical spelling
+        except ConfigError as err:
+            problems.extend(err.problems)
         if problems:
             raise ConfigError(problems)
 

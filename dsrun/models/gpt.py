@@ -17,34 +17,34 @@ tensors, so a 13B model builds in milliseconds.
 """
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any, Callable, Sequence
+from dataclasses import replace
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from dsrun.models.config import GPTConfig
 from dsrun.models.layers import Block
+from dsrun.runtime.activation_checkpointing.modes import BlockCheckpointing, CheckpointFn
 from dsrun.utils.errors import UserError
 
 IGNORE_INDEX = -100
 INIT_STD = 0.02
-
-CheckpointFn = Callable[..., torch.Tensor]
-
-
-def _torch_checkpoint(function: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
-    # Non-reentrant checkpointing works with inputs that do not require grad and with keyword args;
-    # it restores the RNG state, so dropout masks match the first forward.
-    return checkpoint(function, *args, use_reentrant=False)
 
 
 def _embedding(num: int, dim: int) -> nn.Embedding:
     # Passing the (uninitialised) weight skips nn.Embedding's own init, which reset_parameters redoes anyway
     # and which on the meta device costs a one-off second importing torch._dynamo.
     return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+
+
+def pld_keep_probabilities(theta: float, num_layers: int) -> list[float]:
+    """The PLD paper's keep probability of each block at global keep probability ``theta``:
+    ``1 - (i/L)(1 - theta)`` for block ``i = 1..L``."""
+    return [1.0 - (i / num_layers) * (1.0 - theta) for i in range(1, num_layers + 1)]
 
 
 def sample_next_token(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
@@ -86,7 +86,7 @@ class GPT(nn.Module):
             self.lm_head.weight = self.transformer["wte"].weight
         else:
             self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.checkpoint_fn: CheckpointFn | None = _torch_checkpoint if config.activation_checkpointing else None
+        self.activation_checkpointing = BlockCheckpointing(config.activation_checkpointing)
         self.reset_parameters()
 
     # ----------------------------------------------------------------------------------------- init
@@ -110,25 +110,38 @@ class GPT(nn.Module):
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
 
-    def enable_activation_checkpointing(self, enabled: bool = True,
-                                        checkpoint_fn: CheckpointFn | None = None) -> None:
-        """Recompute each block in backward instead of keeping its activations.
+    def enable_activation_checkpointing(self, enabled: bool = True, checkpoint_fn: CheckpointFn | None = None,
+                                        mode: str | None = None) -> None:
+        """Recompute blocks in backward instead of keeping their activations.
 
-        ``checkpoint_fn(block, hidden)`` defaults to ``torch.utils.checkpoint.checkpoint`` (non-reentrant);
-        an engine may pass its own (for example ``dsrun.checkpointing.checkpoint``, which can partition or
-        offload the saved inputs).
+        ``mode`` is ``full``, ``every_N`` or ``selective`` (default: the configured mode, else ``full``);
+        ``enabled=False`` means ``none``. ``checkpoint_fn(block, hidden)`` defaults to dsrun's non-reentrant
+        checkpoint (selective: ``dsrun.checkpointing.selective_checkpoint``); pass your own, e.g.
+        ``dsrun.checkpointing.checkpoint`` for DeepSpeed's reentrant one.
         """
-        self.checkpoint_fn = (checkpoint_fn or _torch_checkpoint) if enabled else None
+        current = self.activation_checkpointing.mode
+        chosen = "none" if not enabled else mode or (str(current) if current.enabled else "full")
+        self.activation_checkpointing = BlockCheckpointing(chosen, checkpoint_fn)
+        self.config = replace(self.config, activation_checkpointing=chosen)
 
     # -------------------------------------------------------------------------------------- forward
     def forward(self, idx: torch.Tensor | Sequence[torch.Tensor], targets: torch.Tensor | None = None,
-                return_logits: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                return_logits: bool = False, curriculum_seqlen: int | None = None,
+                progressive_layer_drop: bool = False,
+                pld_theta: float | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits ``[B, T, V]`` without targets; the mean loss with them; ``(loss, logits)`` when
-        ``return_logits``. ``idx`` may also be the batch ``(inputs, targets)`` itself."""
+        ``return_logits``. ``idx`` may also be the batch ``(inputs, targets)`` itself.
+
+        The engine's data-efficiency arguments (DeepSpeed's names): ``curriculum_seqlen`` keeps the first that
+        many positions of inputs and targets (the legacy seqlen curriculum); ``progressive_layer_drop=True,
+        pld_theta=θ`` skips blocks while training as the PLD paper prescribes (:meth:`_pld_plan`)."""
         if isinstance(idx, (tuple, list)):
             if targets is not None or len(idx) not in (1, 2):
                 raise TypeError("pass either a batch (inputs, targets) or inputs and targets, not both")
             idx, targets = (idx[0], None) if len(idx) == 1 else (idx[0], idx[1])
+        if curriculum_seqlen is not None and curriculum_seqlen < idx.size(1):  # data efficiency: seqlen curriculum
+            idx = idx[:, :curriculum_seqlen]
+            targets = targets[:, :curriculum_seqlen] if targets is not None else None
         batch, seq = idx.shape
         if seq > self.config.block_size:
             raise UserError(f"sequence length {seq} exceeds model.block_size={self.config.block_size} "
@@ -137,11 +150,13 @@ class GPT(nn.Module):
         if "wpe" in self.transformer:
             x = x + self.transformer["wpe"](torch.arange(seq, device=idx.device))
         x = self.transformer["drop"](x)
-        for block in self.transformer["h"]:
-            if self.checkpoint_fn is not None and self.training and torch.is_grad_enabled():
-                x = self.checkpoint_fn(block, x)
-            else:
-                x = block(x)
+        plan = self._pld_plan(pld_theta) if progressive_layer_drop and self.training else None
+        for index, block in enumerate(self.transformer["h"]):
+            if plan is not None:  # data efficiency: progressive layer drop
+                if plan[index] == 0.0:
+                    continue
+                block = functools.partial(block, residual_scale=plan[index]) if plan[index] != 1.0 else block
+            x = self.activation_checkpointing(index, block, x) if self.training else block(x)
         logits = self.lm_head(self.transformer["ln_f"](x))
         if targets is None:
             return logits
@@ -149,6 +164,15 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
                                ignore_index=IGNORE_INDEX)
         return (loss, logits) if return_logits else loss
+
+    def _pld_plan(self, pld_theta: float | None) -> list[float]:
+        """Progressive layer drop for one forward: block ``i`` (1-based) of ``L`` runs with probability
+        ``p_i = 1 - (i/L)(1 - θ)`` (the first blocks almost always, the last with probability θ) and its residual
+        branches are then scaled by ``1/p_i``. Returns each block's scale, 0 for a skipped block; the draws
+        come from torch's global generator (so checkpoints restore them)."""
+        keep = pld_keep_probabilities(1.0 if pld_theta is None else float(pld_theta), self.config.n_layer)
+        draws = torch.rand(len(keep)).tolist()
+        return [1.0 / p if u < p else 0.0 for u, p in zip(draws, keep)]
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,

@@ -88,6 +88,11 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual_scale: float = 1.0) -> torch.Tensor:
+        """``residual_scale`` multiplies both branches (progressive layer drop divides a kept block's branches
+        by its keep probability, so the expected output matches the full model's)."""
+        if residual_scale != 1.0:
+            x = x + self.attn(self.ln_1(x)) * residual_scale
+            return x + self.mlp(self.ln_2(x)) * residual_scale
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))

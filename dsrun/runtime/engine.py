@@ -15,6 +15,9 @@ import torch
 from dsrun import comm
 from dsrun.accelerator import get_accelerator
 from dsrun.optim import build_optimizer, check_zero_optimizer
+from dsrun.runtime.activation_checkpointing.settings import configure_from_engine
+from dsrun.runtime.data_pipeline.engine_api import DataEfficiencyEngineMixin
+from dsrun.runtime.data_pipeline.features import DataEfficiency
 from dsrun.runtime.dataloader import DeepSpeedDataLoader
 from dsrun.runtime.lr_schedules import build_lr_scheduler
 from dsrun.runtime.observer import EngineObserver
@@ -29,7 +32,7 @@ FORWARD_TIMER, BACKWARD_TIMER, BACKWARD_INNER_TIMER = "forward", "backward", "ba
 BACKWARD_REDUCE_TIMER, STEP_TIMER = "backward_allreduce", "step"
 
 
-class DeepSpeedEngine(torch.nn.Module):
+class DeepSpeedEngine(DataEfficiencyEngineMixin, torch.nn.Module):
     """Wraps the model; built by :func:`dsrun.initialize`.
 
     ``config`` is a loaded :class:`dsrun.config.DeepSpeedConfig`; ``optimizer`` an optimizer over the model's
@@ -67,6 +70,7 @@ class DeepSpeedEngine(torch.nn.Module):
             model.to(dtype=self.precision.model_dtype)
         self.module = model
         self._broadcast_model()
+        configure_from_engine(model, config, mpu)  # the activation_checkpointing section, if any
 
         self.strategy: ZeroStrategy | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -76,8 +80,13 @@ class DeepSpeedEngine(torch.nn.Module):
             self.strategy = build_zero_strategy(stage, self._strategy_context(optimizer))
             self.optimizer = self.strategy.optimizer
         self.lr_scheduler = self._configure_lr_scheduler(lr_scheduler)
+        # data efficiency (dsrun/runtime/data_pipeline): curriculum, PLD, random-LTD, curriculum data sampling
+        self.data_efficiency = DataEfficiency(config, self.train_batch_size(), self.global_rank, self.dp_group)
+        self.data_efficiency.check_model(self.module)
         self.training_dataloader = (self.deepspeed_io(training_data, collate_fn=collate_fn)
                                     if training_data is not None else None)
+        if self.data_efficiency.sampling_enabled:  # data efficiency: the sampler's state goes into checkpoints
+            self.data_efficiency.training_dataloader = self.training_dataloader
         self._comm_at_step_start = comm.get_comms_stats()
         self._last_step_comm: dict[str, dict[str, float]] = {}
         # observability (monitors, wall-clock breakdown, flops profiler): dsrun/runtime/observer.py
@@ -130,6 +139,7 @@ class DeepSpeedEngine(torch.nn.Module):
         if self.strategy is not None:
             self.strategy.before_forward()
         inputs, kwargs = self.precision.prepare_inputs(inputs, kwargs)
+        kwargs.update(self.data_efficiency.forward_kwargs(self.module.training, self.global_steps))  # data efficiency
         out = self.module(*inputs, **kwargs)
         self.timers.stop(FORWARD_TIMER)
         self.observer.after_forward()
@@ -165,6 +175,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self.timers.start(STEP_TIMER)
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
+            self.data_efficiency.on_boundary(self.global_steps)  # data efficiency: PLD's θ(t)
             overflow = False
             if self.strategy is not None:
                 outcome = self.strategy.step(float(self._config.gradient_clipping or 0.0))
@@ -282,6 +293,12 @@ class DeepSpeedEngine(torch.nn.Module):
             dp_rank, dp_size = self.mpu.get_data_parallel_rank(), self.mpu.get_data_parallel_world_size()
         else:
             dp_rank, dp_size = self.global_rank, self.world_size
+        if self.data_efficiency.sampling_enabled:  # data efficiency: batches under the curriculum's difficulty
+            from dsrun.runtime.data_pipeline.data_sampling.data_loader import build_curriculum_loader
+
+            return build_curriculum_loader(self._config, dataset, batch_size or self.train_micro_batch_size_per_gpu(),
+                                           dp_rank, dp_size, self.gradient_accumulation_steps(), self.global_rank,
+                                           self.dp_group, collate_fn, pin_memory and get_accelerator().pin_memory_enabled())
         return DeepSpeedDataLoader(
             dataset, batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
             pin_memory=pin_memory and get_accelerator().pin_memory_enabled(), local_rank=self.local_rank,

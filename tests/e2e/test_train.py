@@ -87,3 +87,18 @@ def test_train_failure_exits_non_zero_and_names_the_rank(tmp_path):
                      timeout=300)
     assert result.returncode != 0
     assert "not_a_key" in result.stdout + result.stderr
+
+
+def test_activation_checkpointing_mode_and_section_act_through_dsrun_train(tmp_path):
+    """model.activation_checkpointing picks the blocks; the ds section reaches dsrun.checkpointing in every
+    rank (profile prints each checkpoint's times) and is written to ds_config.json for DeepSpeed."""
+    result = run_cli("train", "model.activation_checkpointing=every_2", "+activation_checkpointing.profile=true",
+                     *SHORT, "train.max_steps=1", f"launcher.master_port={free_port()}", cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (run_dir,) = tmp_path.glob("outputs/*/*")
+    # gpt-nano has 3 blocks: every_2 checkpoints blocks 0 and 2, numbered 0 and 1 in the forward
+    lines = [line.split("activation checkpoint ")[1].split(" ")[:2] for line in result.stdout.splitlines()
+             if "activation checkpoint" in line]
+    assert lines == [["0:", "forward"], ["1:", "forward"], ["1:", "recompute"], ["0:", "recompute"]]
+    written = json.loads((run_dir / "ds_config.json").read_text())
+    assert written["activation_checkpointing"] == {"profile": True}

@@ -52,7 +52,7 @@ def test_inputs_come_from_the_runspec_with_their_sources():
     assert (spec.nodes, spec.ranks_per_node, spec.world_size) == (2, 4, 8)
     assert (spec.zero_stage, spec.offload_optimizer, spec.offload_param) == (3, "cpu", "none")
     assert (spec.precision, spec.optimizer, spec.micro_batch_size, spec.seq_len) == ("bf16", "Lion", 3, 32)
-    assert spec.activation_checkpointing is True
+    assert spec.activation_checkpointing == "full"
     assert spec.buffers.reduce_bucket_size == 5_000_000
     assert spec.model_shape.n_layer == 2 and spec.model_shape.vocab_size == 512
     assert spec.small_params == small_parameter_count(build_recipe_model(cfg).module, 1000) > 0
@@ -69,7 +69,7 @@ def test_defaults_and_derived_values_when_keys_are_missing():
     assert spec.micro_batch_size == 4  # 16 / 2 accumulation steps / 2 ranks
     assert spec.seq_len == 64 and sources["seq_len"] == "model.block_size"
     assert (spec.precision, spec.zero_stage, spec.optimizer) == ("fp32", 0, "adam")
-    assert sources["zero_stage"] == "default" and spec.activation_checkpointing is False
+    assert sources["zero_stage"] == "default" and spec.activation_checkpointing == "none"
 
 
 def test_a_recipe_without_a_model_is_a_user_error():

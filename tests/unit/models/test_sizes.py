@@ -82,7 +82,13 @@ def test_forward_flops_formula_and_agreement_with_torch_flop_counter():
     attention = 4 * 12 * 1024 * 768 * tokens
     assert forward_flops(config, 2, 1024) == 2 * n_matmul * tokens + attention
     assert train_step_flops(config, 2, 1024) == 3 * forward_flops(config, 2, 1024)
-    assert train_step_flops(config, 2, 1024, activation_checkpointing=True) == 4 * forward_flops(config, 2, 1024)
+    # checkpointing runs the blocks' forward again (not the head); selective only their QKV projections
+    blocks = 12 * (2 * 12 * 768**2 + 4 * 1024 * 768) * tokens
+    three = 3 * forward_flops(config, 2, 1024)
+    assert train_step_flops(config, 2, 1024, activation_checkpointing=True) == three + blocks
+    assert train_step_flops(config, 2, 1024, activation_checkpointing="every_2") == three + blocks // 2
+    assert train_step_flops(config, 2, 1024, activation_checkpointing="selective") == \
+        three + 12 * 2 * 3 * 768**2 * tokens
 
     model = GPT(gpt_config("gpt-nano"))
     batch, seq = 2, 64
