@@ -71,18 +71,19 @@ def mpi_rank_environment(environ: dict[str, str], hosts: dict[str, list[int]] | 
         names = ", ".join(f"{r}/{s}" for r, s, _, _ in MPI_VARIABLES)
         raise ValueError(f"not started by an MPI launcher: none of {names} is set")
     rank, world = int(environ[rank_var]), int(environ[size_var])
-    counts = [len(slots) for slots in (hosts or {}).values()]
-    node, first = 0, 0
-    if counts:
-        while node < len(counts) - 1 and rank >= first + counts[node]:
-            first += counts[node]
-            node += 1
-    local_size = environ.get(local_size_var or "", "")
-    local_size = local_size if local_size.isdigit() else str(counts[node] if counts else environ.get("LOCAL_SIZE", 1))
-    local = environ.get(local_var or "", "")
-    local = local if local.isdigit() else str(rank - first if counts else rank % int(local_size))
-    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": local, "LOCAL_WORLD_SIZE": local_size,
-            "LOCAL_SIZE": local_size, "CROSS_RANK": str(node), "CROSS_SIZE": str(len(counts) or 1)}
+    counts = [len(slots) for slots in (hosts or {}).values()]  # ranks per node, in rank order
+    node, first = 0, 0  # this rank's node and that node's first rank
+    while node < len(counts) - 1 and rank >= first + counts[node]:
+        first += counts[node]
+        node += 1
+    given_size, given_local = environ.get(local_size_var or "", ""), environ.get(local_var or "", "")
+    if given_size.isdigit():
+        local_size = int(given_size)
+    else:
+        local_size = counts[node] if counts else int(environ.get("LOCAL_SIZE", "1"))
+    local = int(given_local) if given_local.isdigit() else (rank - first if counts else rank % local_size)
+    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(local_size),
+            "LOCAL_SIZE": str(local_size), "CROSS_RANK": str(node), "CROSS_SIZE": str(len(counts) or 1)}
 
 
 def _take_options(argv: list[str]) -> tuple[dict[str, str], list[str]] | None:
