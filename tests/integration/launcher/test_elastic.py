@@ -164,6 +164,8 @@ def test_elastic_train_loses_host_b_then_takes_it_back(two_hosts, tmp_path, loss
     # world size 2, then 1 after B was lost, then 2 again once it joined
     runs = [w for i, w in enumerate(worlds) if i == 0 or w != worlds[i - 1]]
     assert runs == [2, 1, 2], worlds
+    print(f"{loss}: {worlds.index(1)} steps at world size 2, {worlds.count(1)} at 1, then "
+          f"{len(worlds) - worlds.index(1) - worlds.count(1)} at 2")
     for step, (world, samples, micro_steps) in history.items():
         assert samples == step * GLOBAL_BATCH  # the same global batch at every step, whatever the world size
         if step > 1:  # each step's micro-steps: 2 accumulation steps of micro batch 4 on 2 ranks, 4 on 1
