@@ -32,6 +32,10 @@ class TrainSpec(_Section):
     save_interval: int = Field(0, ge=0, description="optimizer steps between checkpoints (0: none)")
     resume: str | None = Field(None, description="null, 'auto' (latest checkpoint of the run) or a directory")
     keep_last: int = Field(2, ge=0, description="checkpoints kept (0: all)")
+    teacher: str | None = Field(None, description="a finished run directory whose model teaches this one: "
+                                "layer reduction starts from its layers and the loss adds distillation")
+    kd_weight: float = Field(1.0, ge=0, description="weight of the distillation term (with teacher)")
+    kd_temperature: float = Field(1.0, gt=0, description="softmax temperature of the distillation term")
 
 
 def _section(cfg: DictConfig, key: str) -> Mapping[str, Any]:
@@ -106,6 +110,10 @@ def resolve_run(cfg: DictConfig) -> ResolvedRun:
         problems += err.problems
     if plan is not None and plan.options.elastic_training:
         problems += _elastic_problems(train, ds)
+    if ds is not None and train is not None and ds.compression_training.layer_reduction.enabled and not train.teacher:
+        problems.append(Problem("train.teacher", "compression_training.layer_reduction needs a teacher: a finished "
+                                "run of the full-depth model", "train it with train.save_interval > 0, then pass "
+                                "train.teacher=ITS_RUN_DIR (docs/compression.md)"))
     if problems:
         raise ConfigError(problems)
     return ResolvedRun(cfg, train, plan, ds)

@@ -9,6 +9,7 @@ so far are still written.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -126,14 +127,23 @@ def step_timer_ms(engine: Any, before: dict[str, float] | None) -> dict[str, flo
 def zero_init_context(ds_config: dict[str, Any]) -> Any:
     """``dsrun.zero.Init`` for ZeRO stage 3 (so the whole model never exists in one process, and with
     ``offload_param`` its shards go straight to host memory or NVMe), else a no-op."""
-    import contextlib
-
     import dsrun
 
     zero = ds_config.get("zero_optimization")
     if not isinstance(zero, dict) or int(zero.get("stage", 0) or 0) != 3:
         return contextlib.nullcontext()
     return dsrun.zero.Init(config_dict_or_path=ds_config)
+
+
+def teach(model: Any, ds_config: dict[str, Any], cfg: Any) -> Any:
+    """``train.teacher``: initialise ``model`` from the teacher run's model (``compression_training`` with
+    its layer reduction) and return the distillation loss (docs/compression.md)."""
+    from dsrun.compression.compress import init_compression
+    from dsrun.compression.layer_reduction import Distiller, load_teacher
+
+    teacher = load_teacher(cfg.teacher)
+    init_compression(model, ds_config, teacher_model=teacher)
+    return Distiller(teacher, cfg.kd_weight, cfg.kd_temperature)
 
 
 def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
@@ -150,8 +160,9 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
     baseline_rss = current_rss()  # for `dsrun estimate-memory --measure`: this rank's peak above start-up
 
     ds_config = apply_run_defaults(OmegaConf.to_container(spec.ds, resolve=True), run_dir)  # monitors → run dir
-    with zero_init_context(ds_config):  # ZeRO-3: partitioned (and offloaded) as each submodule is built
-        model = hydra.utils.instantiate(spec.model, _convert_="all")
+    with zero_init_context(ds_config) if not cfg.teacher else contextlib.nullcontext():  # ZeRO-3: partitioned
+        model = hydra.utils.instantiate(spec.model, _convert_="all")                  # as each part is built
+    distiller = teach(model, ds_config, cfg) if cfg.teacher else None  # layer reduction + distillation
     corpus = hydra.utils.instantiate(spec.data, _convert_="all")
     corpus.check_vocab(model.config.vocab_size)
     if mlflow_parent_key(run_dir):  # the jobs of a multirun become MLflow child runs of one parent
@@ -200,7 +211,8 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
         step_loss, step_started, timers_before = 0.0, time.perf_counter(), step_timer_ms(engine, None)
         for _ in range(accumulation):
             inputs, targets = next(loader)
-            loss = engine(inputs.to(engine.device, non_blocking=True), targets.to(engine.device, non_blocking=True))
+            inputs, targets = inputs.to(engine.device, non_blocking=True), targets.to(engine.device, non_blocking=True)
+            loss = engine(inputs, targets) if distiller is None else distiller.loss(engine, inputs, targets)
             engine.backward(loss)
             engine.step()  # steps the optimizer only at the accumulation boundary
             step_loss += loss.item() / accumulation

@@ -37,7 +37,7 @@ log = logging.getLogger("dsrun.checkpoint")
 DS_KEYS = frozenset({"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes",
                      "frozen_param_fragments", "shared_params", "lr_scheduler", "data_sampler", "random_ltd",
                      "sparse_tensor_module_names", "skipped_steps", "global_steps", "global_samples",
-                     "dp_world_size", "mp_world_size", "ds_config", "ds_version", "dsrun"})
+                     "dp_world_size", "mp_world_size", "ds_config", "ds_version", "dsrun", "compression"})
 DS_VERSION = "0.14.1"  # the DeepSpeed layout these files follow
 
 
@@ -128,6 +128,8 @@ def _model_states(engine: Any, client_state: dict[str, Any], exclude_frozen: boo
         "ds_version": DS_VERSION,
         "dsrun": {"micro_steps": engine.micro_steps, "zero_stage": stage, "precision": engine.precision.name,
                   "state_dict_keys": list(engine.module.state_dict().keys())},
+        # [feature seam: compression] the compression schedule's position (dsrun/compression/feature.py)
+        "compression": engine.compression.state_dict() if getattr(engine, "compression", None) else None,
     }
     loader = getattr(engine, "training_dataloader", None)
     if loader is not None and hasattr(loader, "epoch"):
@@ -328,6 +330,8 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
         engine.global_samples = int(model_states.get("global_samples",
                                                      engine.global_steps * engine.train_batch_size()))
         engine.skipped_steps = int(model_states.get("skipped_steps", 0))
+        if getattr(engine, "compression", None) is not None and model_states.get("compression"):
+            engine.compression.load_state_dict(model_states["compression"])  # [feature seam: compression]
         extras = model_states.get("dsrun") or {}
         engine.micro_steps = int(extras.get("micro_steps", engine.global_steps * engine.gradient_accumulation_steps()))
         loader = getattr(engine, "training_dataloader", None)

@@ -10,7 +10,7 @@ and a group's ``modules`` defaults to ``["*"]`` (every module).
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
@@ -210,6 +210,11 @@ def check_compression(c: CompressionConfig, prefix: str) -> list[Problem]:
             problems.append(Problem(
                 f"{base}.weight_quantization.different_groups.{name}.params.target_bits",
                 f"got {group.params.target_bits}; must be <= start_bits ({group.params.start_bits})"))
+        if group.params.target_bits <= 2 and wq.shared_parameters.quantization_type == "asymmetric":
+            problems.append(Problem(
+                f"{base}.weight_quantization.shared_parameters.quantization_type",
+                f"group {name} goes down to {group.params.target_bits} bit(s): 1- and 2-bit (binary, ternary) "
+                "quantization is symmetric only", "use quantization_type: symmetric"))
     sp = c.sparse_pruning.shared_parameters
     if sp.enabled and sp.method == "snip_momentum":
         for key in ("schedule_offset_end", "schedule_offset_stride", "block_pattern", "dense_ratio"):
@@ -233,9 +238,53 @@ def check_compression(c: CompressionConfig, prefix: str) -> list[Problem]:
     }
     for name, technique in techniques.items():
         shared = technique.shared_parameters
+        for group_name, group in technique.different_groups.items() if shared.enabled else ():
+            if group.related_modules is not None and name not in ("row_pruning", "head_pruning", "channel_pruning"):
+                problems.append(Problem(f"{base}.{name}.different_groups.{group_name}.related_modules",
+                                        "only row, head and channel pruning use related_modules",
+                                        "remove it from this group"))
         snip = getattr(shared, "method", None) == "snip_momentum"
         if shared.enabled and not technique.different_groups and not snip:
             problems.append(Problem(f"{base}.{name}.different_groups",
                                     "at least one group is required when enabled",
                                     "e.g. {\"g1\": {\"params\": {...}, \"modules\": [\"*\"]}}"))
+    return problems
+
+
+def check_quantization_modes(c: CompressionConfig, quantize_training: Any, eigenvalue: Any, precision: str,
+                             zero_stage: int, prefix: str) -> list[Problem]:
+    """Rules across sections: quantizing the stored weights (MoQ, or weight quantization outside the
+    forward) needs 16-bit model weights beside fp32 masters; MoQ and compression's weight quantization
+    are alternatives; the eigenvalue paces MoQ and needs the full weights."""
+    problems: list[Problem] = []
+    wq = c.weight_quantization.shared_parameters
+    if wq.enabled and not wq.quantize_weight_in_forward and precision == "fp32":
+        problems.append(Problem(f"{prefix}compression_training.weight_quantization.shared_parameters."
+                                "quantize_weight_in_forward", "is false, which quantizes the model's 16-bit weights "
+                                "after each step and needs fp16 or bf16; with fp32 training it must be true",
+                                "set quantize_weight_in_forward: true, or train in bf16/fp16"))
+    if quantize_training.enabled:
+        if precision == "fp32":
+            problems.append(Problem(f"{prefix}quantize_training.enabled", "MoQ quantizes the model's 16-bit weights "
+                                    "after each step and needs fp16 or bf16 training",
+                                    "enable bf16 or fp16, or use compression_training.weight_quantization with "
+                                    "quantize_weight_in_forward: true"))
+        if wq.enabled:
+            problems.append(Problem(f"{prefix}quantize_training.enabled", "is true together with "
+                                    "compression_training.weight_quantization; both quantize the weights",
+                                    "enable one of the two"))
+        bits = quantize_training.quantize_bits
+        if bits.target_bits > bits.start_bits:
+            problems.append(Problem(f"{prefix}quantize_training.quantize_bits.target_bits",
+                                    f"got {bits.target_bits}; must be <= start_bits ({bits.start_bits})"))
+        if bits.target_bits <= 2 and quantize_training.quantize_algo.q_type == "asymmetric":
+            problems.append(Problem(f"{prefix}quantize_training.quantize_algo.q_type", "1- and 2-bit quantization "
+                                    "is symmetric only", "use q_type: symmetric"))
+    if eigenvalue.enabled:
+        if not quantize_training.enabled:
+            problems.append(Problem(f"{prefix}eigenvalue.enabled", "the eigenvalues pace MoQ's bit schedule, and "
+                                    "quantize_training is not enabled", "enable quantize_training, or disable eigenvalue"))
+        if zero_stage == 3:
+            problems.append(Problem(f"{prefix}eigenvalue.enabled", "Hessian eigenvalues need the full weights; "
+                                    "ZeRO-3 partitions them", "use ZeRO stage 0-2 with eigenvalue"))
     return problems

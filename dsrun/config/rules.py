@@ -10,7 +10,7 @@ from typing import Any
 
 from dsrun.utils.errors import Problem, show
 
-from .compression import check_compression
+from .compression import check_compression, check_quantization_modes
 from .data_efficiency import check_data_efficiency
 from .misc import SPARSE_MODE_KEYS
 from .model import DeepSpeedConfig
@@ -238,4 +238,6 @@ def check_rules(cfg: DeepSpeedConfig, raw: dict[str, Any], prefix: str) -> tuple
     notes += tool_notes
     problems += check_data_efficiency(cfg.data_efficiency, cfg.curriculum_learning, prefix)
     problems += check_compression(cfg.compression_training, prefix)
+    problems += check_quantization_modes(cfg.compression_training, cfg.quantize_training, cfg.eigenvalue,
+                                         cfg.precision, int(cfg.zero_optimization.stage), prefix)
     return problems, notes

@@ -51,7 +51,7 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
-        width = self.n_head * self.head_size  # the heads this module holds (a slice of them under inference TP)
+        width = self.n_head * self.head_size  # the heads this module holds (fewer once pruned, a slice under TP)
         q, k, v = self.c_attn(x).split(width, dim=2)
         # [B, T, C] -> [B, H, T, hs]
         q, k, v = (t.view(batch, seq, self.n_head, self.head_size).transpose(1, 2) for t in (q, k, v))

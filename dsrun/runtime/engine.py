@@ -53,6 +53,7 @@ class DeepSpeedEngine(DataEfficiencyEngineMixin, torch.nn.Module):
         self.world_size = comm.get_world_size()
         self.dp_world_size = comm.get_world_size(self.dp_group)
         self.device = get_accelerator().device(self.local_rank)
+        self.compression: Any = None  # [feature seam: compression] set by initialize (dsrun/compression/feature.py)
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0
@@ -186,6 +187,8 @@ class DeepSpeedEngine(DataEfficiencyEngineMixin, torch.nn.Module):
                 self.skipped_steps += 1
             elif self.lr_scheduler is not None:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
+            if self.compression is not None:  # [feature seam: compression] its scheduler and MoQ step here
+                self.compression.after_step(overflow)
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
             self._close_comm_window()

@@ -70,7 +70,11 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     world = mpu.get_data_parallel_world_size() if mpu is not None else comm.get_world_size()
     ds_config = source if hasattr(source, "zero_optimization") else load_ds_config(
         source, world_size=world, world_size_source="data-parallel world size")
+    # [feature seam: compression] compress the model before the optimizer sees its parameters
+    from dsrun.compression.feature import CompressionFeature, prepare_for_training
+    model_parameters = prepare_for_training(model, ds_config, model_parameters, optimizer)
     base_optimizer = build_engine_optimizer(ds_config, model, optimizer, model_parameters)
     engine = DeepSpeedEngine(model, ds_config, optimizer=base_optimizer, lr_scheduler=lr_scheduler,
                              training_data=training_data, collate_fn=collate_fn, mpu=mpu, raw_config=source)
+    engine.compression = CompressionFeature.attach(engine)  # [feature seam: compression] steps with the engine
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -58,7 +58,8 @@ def test_default_recipe_learns(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", sorted(list_recipes()))
+# gpt_xtc needs a teacher run first: tests/e2e/test_compression_cli.py runs it with one
+@pytest.mark.parametrize("recipe", sorted(r for r in list_recipes() if r != "gpt_xtc"))
 def test_every_recipe_runs_briefly(tmp_path, recipe):
     metrics, run_dir = train(tmp_path, f"+recipe={recipe}", *SHORT)
     assert metrics["steps"] == 3 and all(loss == loss for loss in metrics["train_losses"])  # finite, not NaN

@@ -48,7 +48,8 @@ def test_overlap_comm_defaults_on_at_stage3_only_and_is_not_written():
 
 def test_compression_group_modules_default_to_all():
     cfg = load({"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True}, "different_groups": {"wq1": {"params": {"start_bits": 8, "target_bits": 8}}}}}})
+        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+        "different_groups": {"wq1": {"params": {"start_bits": 8, "target_bits": 8}}}}}})
     assert cfg.compression_training.weight_quantization.different_groups["wq1"].modules == ["*"]
 
 
