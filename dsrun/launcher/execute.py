@@ -277,4 +277,9 @@ def run(plan: LaunchPlan, *, out: IO[str] | None = None, err: IO[str] | None = N
         job.kill_all()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+        for path in plan.files:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
     return job.summarize()
