@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import os
 import random
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -24,13 +22,11 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from dsrun.checkpoint.training import TrainingCheckpoints
 from dsrun.estimate.measure import current_rss, record_rank_peak
-from dsrun.monitor.progress import TrainingProgress
 from dsrun.monitor.run_defaults import PARENT_ENV, apply_run_defaults, flatten, mlflow_parent_key
-from dsrun.rundir import DS_CONFIG_JSON, METRICS_JSON, RESOLVED_YAML, atomic_write_text
+from dsrun.run_book import RunBook
+from dsrun.rundir import RESOLVED_YAML
 from dsrun.runtime.data_pipeline.training import DataEfficiencyRun
-from dsrun.runtime.observer import write_run_reports
 
 
 def seed_everything(seed: int) -> None:
@@ -159,6 +155,7 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
     seed_everything(cfg.seed)
     baseline_rss = current_rss()  # for `dsrun estimate-memory --measure`: this rank's peak above start-up
 
+    # --- model, data, engine ---
     ds_config = apply_run_defaults(OmegaConf.to_container(spec.ds, resolve=True), run_dir)  # monitors → run dir
     with zero_init_context(ds_config) if not cfg.teacher else contextlib.nullcontext():  # ZeRO-3: partitioned
         model = hydra.utils.instantiate(spec.model, _convert_="all")                  # as each part is built
@@ -172,43 +169,31 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
                                        training_data=data_eff.training_data)
     data_eff.attach(engine)  # random-LTD layers, seqlen truncation, token and layer-token counts
     engine.monitor.log_params(flatten(OmegaConf.to_container(spec, resolve=True)))
-
     micro_batch, accumulation = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    loader = data_eff.train_loader() or corpus.train_loader(batch_size=micro_batch, rank=rank, world_size=world_size,
+                                                            seed=cfg.seed)  # the curriculum sampler's, if on
+
+    # --- the run's budget and its bookkeeping (metrics, progress, evaluation, checkpoints: dsrun/run_book.py) ---
     tokens_per_step = engine.train_batch_size() * corpus.seq_len
     max_steps = cfg.max_steps
     if cfg.max_tokens:
         max_steps = min(max_steps, math.ceil(cfg.max_tokens / tokens_per_step))
-    loader = data_eff.train_loader() or corpus.train_loader(batch_size=micro_batch, rank=rank, world_size=world_size,
-                                                            seed=cfg.seed)
-    eval_every = cfg.eval_interval or max_steps
-    step_flops = _train_step_flops(model, engine.train_batch_size(), corpus.seq_len)
-    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3: full sizes
+    book = RunBook(engine, loader, run_dir, cfg, max_steps, tokens_per_step,
+                   num_params=sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),  # ZeRO-3: full
+                   step_flops=_train_step_flops(model, engine.train_batch_size(), corpus.seq_len),
+                   evaluate=lambda: evaluate(engine, corpus, micro_batch, rank, world_size, cfg.eval_iters),
+                   report_throughput=report_throughput, step_timers=step_timer_ms,
+                   mean_across_ranks=mean_across_ranks, stop_agreed=lambda: stop_agreed(stop), world_size=world_size,
+                   eval_counts=data_eff.counts)  # tokens and layer-tokens seen at each evaluation
+    book.announce(type(model).__name__, corpus.seq_len)
+    first_step = book.resume()
+    book.evaluate_first()
 
-    metrics: dict[str, Any] = {"train_losses": [], "eval_losses": [], "lrs": [], "world_size": world_size,
-                               "tokens_per_step": tokens_per_step, "max_steps": max_steps,
-                               "loss_unit": "nats per token", "train_batch_size": engine.train_batch_size(),
-                               "micro_batch_size": micro_batch, "gradient_accumulation_steps": accumulation,
-                               "num_params": n_params, "step_flops": step_flops,
-                               "step_times_ms": [], "step_timers_ms": []}  # per step, for dsrun tune
-    if rank == 0:
-        print(f"[dsrun] training {type(model).__name__} ({n_params:,} "
-              f"parameters) for {max_steps} steps on {world_size} rank(s); "
-              f"{engine.train_batch_size()} samples x {corpus.seq_len} tokens per step", flush=True)
-    # --- checkpoints: resume before the first step (train.resume), save every train.save_interval steps ---
-    checkpoints = TrainingCheckpoints(engine, loader, run_dir, cfg.save_interval, cfg.resume, cfg.keep_last)
-    first_step = checkpoints.resume() + 1
-    if first_step > 1:
-        metrics["resumed_from_step"] = first_step - 1
-
-    engine.print_step_lines = False  # the progress line below carries step, loss and lr
-    progress = TrainingProgress(max_steps, enabled=rank == 0, print_every=max(1, engine.steps_per_print()),
-                                start_step=first_step - 1)
-    initial = evaluate(engine, corpus, micro_batch, rank, world_size, cfg.eval_iters)
-    metrics["eval_losses"].append({"step": first_step - 1, "loss": initial, **data_eff.counts()})
-    progress.note(f"[dsrun] step {first_step - 1}/{max_steps} | eval {initial:.4f}")
-    start = time.perf_counter()
+    # --- the training loop ---
+    stopped = False
     for step in range(first_step, max_steps + 1):
-        step_loss, step_started, timers_before = 0.0, time.perf_counter(), step_timer_ms(engine, None)
+        book.step_begins()
+        step_loss = 0.0
         for _ in range(accumulation):
             inputs, targets = next(loader)
             inputs, targets = inputs.to(engine.device, non_blocking=True), targets.to(engine.device, non_blocking=True)
@@ -216,43 +201,13 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
             engine.backward(loss)
             engine.step()  # steps the optimizer only at the accumulation boundary
             step_loss += loss.item() / accumulation
-        metrics["step_times_ms"].append((time.perf_counter() - step_started) * 1e3)
-        metrics["step_timers_ms"].append(step_timer_ms(engine, timers_before))
-        step_loss = mean_across_ranks(step_loss)
-        metrics["train_losses"].append(step_loss)
-        metrics["lrs"].append(engine.get_lr()[0])
-        if not math.isfinite(step_loss):
-            raise FloatingPointError(f"training loss became {step_loss} at step {step}")
-
-        if step % eval_every == 0 or step == max_steps:
-            eval_loss = evaluate(engine, corpus, micro_batch, rank, world_size, cfg.eval_iters)
-            metrics["eval_losses"].append({"step": step, "loss": eval_loss, **data_eff.counts()})
-            engine.monitor.write_events([("Eval/Samples/eval_loss", eval_loss, engine.global_samples)])
-        samples_s, tokens_s = report_throughput(engine, step - first_step + 1, time.perf_counter() - start,
-                                                tokens_per_step, step_flops)
-        evaluated = metrics["eval_losses"][-1]["step"] == step
-        progress.update(step, step_loss, engine.get_lr()[0], samples_s, tokens_s, time.perf_counter() - start,
-                        extra=f"eval {metrics['eval_losses'][-1]['loss']:.4f}" if evaluated else "")
-        stopping = stop_agreed(stop)
-        checkpoints.save_if_due(step, force=stopping)  # a stopped run saves where it is, if saving is on
-        if stopping:
-            metrics["stopped_by_signal"] = stop.signal or "another rank"
+        stopped = book.step_ends(step, step_loss)  # metrics, eval, progress, checkpoint; all ranks agree to stop
+        if stopped:
             break
 
-    progress.close()
-    wall = time.perf_counter() - start
-    steps_done = len(metrics["train_losses"])
-    metrics.update(steps=steps_done, wall_time_s=wall, samples_per_second=steps_done * engine.train_batch_size() / wall,
-                   tokens_per_second=steps_done * tokens_per_step / wall,
-                   final_eval_loss=metrics["eval_losses"][-1]["loss"] if metrics["eval_losses"] else None,
-                   **data_eff.summary())
-    record_rank_peak(run_dir, rank, baseline_rss)
-    reports = write_run_reports(engine, run_dir)  # comms.json, flops_profile.txt (rank 0)
-    if rank == 0:
-        atomic_write_text(run_dir / METRICS_JSON, json.dumps(metrics, indent=2) + "\n")
-    engine.monitor.log_artifacts([run_dir / RESOLVED_YAML, run_dir / DS_CONFIG_JSON, run_dir / METRICS_JSON,
-                                  *reports])
-    engine.monitor.close()
+    metrics = book.finish((stop.signal or "another rank") if stopped else None,
+                          record_peak=lambda: record_rank_peak(run_dir, rank, baseline_rss),
+                          extra_metrics=data_eff.summary())
     comm.barrier()
     comm.destroy_process_group()
     return metrics

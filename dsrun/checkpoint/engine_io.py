@@ -51,18 +51,24 @@ def _say(engine: Any, message: str, level: int = logging.INFO) -> None:
         print(f"[dsrun] {message}", flush=True)
 
 
-def _validate_tag(engine: Any, tag: str) -> str:
+def _validate_tag(engine: Any, tag: str) -> tuple[str, list[str]]:
     """Check the tag is the same on every rank (SHA1 compared with a MAX and a MIN all-reduce). Fail raises;
-    Warn warns and then every rank uses rank 0's tag, so the files still land in one folder; Ignore skips."""
+    Warn warns and then every rank uses rank 0's tag, so the files still land in one folder; Ignore lets each
+    rank keep its own tag (its files go to that tag's folder, as in DeepSpeed). Returns this rank's tag and
+    every rank's, in rank order."""
     mode = str(getattr(getattr(engine._config, "checkpoint", None), "tag_validation", "Warn")).capitalize()
-    if mode == "Ignore" or engine.world_size == 1:
-        return tag
+    if engine.world_size == 1:
+        return tag, [tag]
+    if mode == "Ignore":
+        tags: list[Any] = [None] * engine.world_size
+        comm.all_gather_object(tags, tag)
+        return tag, tags
     digest = torch.tensor(list(hashlib.sha1(tag.encode()).digest()), dtype=torch.int64, device=engine.device)
     high, low = digest.clone(), digest.clone()
     comm.all_reduce(high, op=comm.ReduceOp.MAX)
     comm.all_reduce(low, op=comm.ReduceOp.MIN)
     if torch.equal(high, low):
-        return tag
+        return tag, [tag] * engine.world_size
     problem = Problem("save_checkpoint(tag=...)", f"the tag differs across ranks (rank {engine.global_rank} has {tag!r})",
                       "pass the same tag on every rank, or leave it None for global_step<N>")
     if mode == "Fail":
@@ -71,7 +77,7 @@ def _validate_tag(engine: Any, tag: str) -> str:
     comm.broadcast_object_list(chosen, src=0)
     log.warning("%s; saving under rank 0's tag %r", problem, chosen[0])
     print(f"[dsrun] warning (rank {engine.global_rank}): {problem}; saving under rank 0's tag {chosen[0]!r}", flush=True)
-    return chosen[0]
+    return chosen[0], [chosen[0]] * engine.world_size
 
 
 def _on_rank0_then_all(engine: Any, action: Any) -> None:
@@ -102,18 +108,23 @@ def _all_ranks_succeeded(engine: Any, error: Exception | None) -> None:
         raise RuntimeError("checkpoint save failed on another rank (see its log); nothing was committed")
 
 
-def _strategy_stage(engine: Any) -> int:
-    return engine.strategy.stage if engine.strategy is not None else engine.zero_optimization_stage()
+def _layout(engine: Any) -> layout.CheckpointLayout:
+    """The strategy's own file layout (an engine without an optimizer: its configured stage's)."""
+    if engine.strategy is not None:
+        return engine.strategy.checkpoint_layout
+    return layout.layout_for_stage(engine.zero_optimization_stage())
 
 
-def _model_states(engine: Any, client_state: dict[str, Any], exclude_frozen: bool, stage: int) -> dict[str, Any]:
+def _model_states(engine: Any, client_state: dict[str, Any], exclude_frozen: bool,
+                  files: layout.CheckpointLayout) -> dict[str, Any]:
     strategy = engine.strategy
+    stage = files.stage
     sd: dict[str, Any] = {
         "module": state.module_state_cpu(engine.module, exclude_frozen),
         "buffer_names": state.buffer_names(engine.module),
         # stage 0 has no per-rank optimizer files: its (full) optimizer state lives here, as DeepSpeed does
-        "optimizer": strategy.state_dict() if strategy is not None and stage == 0 else None,
-        "param_shapes": state.named_group_shapes(strategy, engine.module) if strategy is not None else None,
+        "optimizer": strategy.state_dict() if strategy is not None and files.optimizer_in_model_states else None,
+        "param_shapes": strategy.checkpoint_param_shapes() if strategy is not None else None,
         "shared_params": state.shared_params(engine.module),
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
         "data_sampler": None,
@@ -139,8 +150,9 @@ def _model_states(engine: Any, client_state: dict[str, Any], exclude_frozen: boo
         entries = features.checkpoint_entries()
         sd["dsrun"]["data_efficiency"] = entries.pop("data_efficiency", None)
         sd.update(entries)
-    if stage == 3:
-        sd["frozen_param_shapes"], sd["frozen_param_fragments"] = state.frozen_params(engine.module)
+    if files.model_states_every_rank:  # partitioned weights: this rank's shards of the frozen ones too
+        sd["frozen_param_shapes"], sd["frozen_param_fragments"] = (
+            strategy.frozen_param_fragments() if strategy is not None else state.frozen_params(engine.module))
     for key, value in (client_state or {}).items():
         if key in DS_KEYS:
             raise UserError(Problem(f"save_checkpoint(client_state[{key!r}])", "is a key DeepSpeed's checkpoint "
@@ -152,11 +164,12 @@ def _model_states(engine: Any, client_state: dict[str, Any], exclude_frozen: boo
 def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: dict[str, Any] | None = None,
                     save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
     """Save the engine's full training state under ``save_dir/<tag>``; every rank must call it."""
+    root = _checkpoint_dir(save_dir, "save_checkpoint(save_dir=...)")
     rank, dp_rank = engine.global_rank, comm.get_rank(engine.dp_group)
     tag = layout.check_tag(str(tag) if tag is not None else layout.default_tag(engine.global_steps))
-    tag = _validate_tag(engine, tag)
-    root = Path(save_dir)
-    stage = _strategy_stage(engine)
+    tag, all_tags = _validate_tag(engine, tag)
+    tags = list(dict.fromkeys(all_tags))  # distinct, rank 0's first
+    files = _layout(engine)
     staging = layout.staging_dir(root, tag)
 
     def prepare() -> None:
@@ -166,19 +179,19 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
                 atomic.remove_tree(leftover)
             else:
                 leftover.unlink(missing_ok=True)
-        staging.mkdir()
+        for each in tags:
+            layout.staging_dir(root, each).mkdir()
 
     _on_rank0_then_all(engine, prepare)
     atomic.crash_point("staging_created", rank)
 
     error = None
     try:
-        if stage == 3 or dp_rank == 0:
-            atomic.save_torch(_model_states(engine, client_state or {}, exclude_frozen_parameters, stage),
-                              staging / layout.model_states_name(stage, dp_rank), rank,
-                              torn_point="model_states_torn")
+        if files.writes_model_states(dp_rank):
+            atomic.save_torch(_model_states(engine, client_state or {}, exclude_frozen_parameters, files),
+                              staging / files.model_states_name(dp_rank), rank, torn_point="model_states_torn")
         atomic.crash_point("after_model_states", rank)
-        if engine.strategy is not None and stage >= 1:
+        if engine.strategy is not None and files.optimizer_file_per_rank:
             optim = {"optimizer_state_dict": engine.strategy.state_dict(), "ds_config": state.plain_config(engine),
                      "ds_version": DS_VERSION}
             atomic.save_torch(optim, staging / layout.optim_states_name(dp_rank, engine.bfloat16_enabled()), rank)
@@ -190,23 +203,38 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
 
     def commit() -> None:
         atomic.crash_point("before_commit", rank)
-        atomic.fsync_dir(staging)
-        final, replaced = root / tag, layout.replaced_dir(root, tag)
-        atomic.remove_tree(replaced)
-        if final.exists():
-            final.rename(replaced)
-            atomic.crash_point("old_tag_moved_aside", rank)
-        staging.rename(final)
-        atomic.fsync_dir(root)
-        atomic.remove_tree(replaced)
-        atomic.crash_point("after_commit", rank)
+        for each in tags:
+            _commit_tag(root, each, rank)
         atomic.copy_file(Path(z2f.__file__), root / layout.ZERO_TO_FP32)
-        if save_latest:
-            atomic.write_text(root / layout.LATEST, tag, rank, crash_before_rename="latest_tmp_written")
+        if save_latest:  # rank 0's tag, as DeepSpeed's rank 0 writes it
+            atomic.write_text(root / layout.LATEST, tags[0], rank, crash_before_rename="latest_tmp_written")
         atomic.crash_point("after_latest", rank)
 
     _on_rank0_then_all(engine, commit)
     return True
+
+
+def _commit_tag(root: Path, tag: str, rank: int) -> None:
+    """Rename ``tag``'s staging folder into place (an older copy of the tag is set aside, then deleted)."""
+    staging = layout.staging_dir(root, tag)
+    atomic.fsync_dir(staging)
+    final, replaced = root / tag, layout.replaced_dir(root, tag)
+    atomic.remove_tree(replaced)
+    if final.exists():
+        final.rename(replaced)
+        atomic.crash_point("old_tag_moved_aside", rank)
+    staging.rename(final)
+    atomic.fsync_dir(root)
+    atomic.remove_tree(replaced)
+    atomic.crash_point("after_commit", rank)
+
+
+def _checkpoint_dir(path: Any, argument: str) -> Path:
+    """The checkpoint folder a save or load names; None or "" is a ValueError on every rank (before any
+    collective, so no rank is left waiting)."""
+    if path is None or str(path).strip() == "":
+        raise ValueError(f"{argument}: got {path!r}; pass the checkpoint folder, e.g. 'checkpoints'")
+    return Path(path)
 
 
 # --- load -----------------------------------------------------------------------------------------------
@@ -240,8 +268,8 @@ def _rank_optimizer_states(tag_dir: Path, model_states: dict[str, Any], stage: i
     return [load_file(path)["optimizer_state_dict"] for path in _optim_files(tag_dir, world, bf16)]
 
 
-def _load_module(engine: Any, module_sd: dict[str, Any], strict: bool, live_stage: int, tag_dir: Path) -> None:
-    if live_stage == 3:
+def _load_module(engine: Any, module_sd: dict[str, Any], strict: bool, tag_dir: Path) -> None:
+    if _layout(engine).module_holds_placeholders:
         # partitioned parameters are restored through the strategy's master weights; only buffers load here
         with torch.no_grad():
             for name, buf in engine.module.named_buffers():
@@ -264,7 +292,7 @@ def _restore_strategy(engine: Any, tag_dir: Path, model_states: dict[str, Any], 
     strategy = engine.strategy
     live_stage, live_world = strategy.stage, engine.dp_world_size
     saved_stage, saved_world = _saved_stage(model_states, tag_dir), _saved_world(model_states)
-    live_shapes = state.named_group_shapes(strategy, engine.module)
+    live_shapes = strategy.checkpoint_param_shapes()
     dp_rank = comm.get_rank(engine.dp_group)
     saved_shapes = model_states.get("param_shapes")
     # the same masters, cut the same way (stage 3's sub_group_size may differ between the runs)
@@ -296,7 +324,7 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
     """Restore a checkpoint saved by :func:`save_checkpoint`; returns ``(load_path, client_state)`` (the model
     states file read, and the saved keys that are not DeepSpeed's), or
     ``(None, None)`` (with a warning) when ``tag`` is None and ``load_dir`` has no ``latest``."""
-    root = Path(load_dir)
+    root = _checkpoint_dir(load_dir, "load_checkpoint(load_dir=...)")
     if tag is None:
         tag = layout.read_latest(root)
         if tag is None:
@@ -316,9 +344,7 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
     else:
         model_path = tag_dir / layout.model_states_name(0, 0)
     model_states = load_file(model_path)
-    live_stage = _strategy_stage(engine)
-
-    _load_module(engine, model_states["module"], load_module_strict, live_stage, tag_dir)
+    _load_module(engine, model_states["module"], load_module_strict, tag_dir)
     if engine.strategy is not None:
         load_universal = bool(getattr(getattr(engine._config, "checkpoint", None), "load_universal", False))
         _restore_strategy(engine, tag_dir, model_states, load_optimizer_states and not load_module_only,

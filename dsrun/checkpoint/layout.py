@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from dsrun.utils.errors import Problem, UserError
@@ -25,6 +26,30 @@ ZERO_TO_FP32 = "zero_to_fp32.py"
 STAGING_SUFFIX = ".staging"
 REPLACED_SUFFIX = ".replaced"
 _TAG_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-+=]*$")
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """Which files a ZeRO strategy's state goes to (each strategy declares its own: ``strategy.checkpoint_layout``;
+    the save and load code reads it instead of branching on the stage)."""
+
+    stage: int
+    model_states_every_rank: bool  # zero_pp_rank_<r>_mp_rank_00_model_states.pt on every rank (partitioned weights)
+    optimizer_in_model_states: bool  # the whole optimizer state inside mp_rank_00_model_states.pt (stage 0)
+    optimizer_file_per_rank: bool  # [bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt
+    module_holds_placeholders: bool  # the module's parameters are shards: they load through the masters
+
+    def model_states_name(self, dp_rank: int) -> str:
+        return model_states_name(3 if self.model_states_every_rank else 0, dp_rank)
+
+    def writes_model_states(self, dp_rank: int) -> bool:
+        return self.model_states_every_rank or dp_rank == 0
+
+
+def layout_for_stage(stage: int) -> CheckpointLayout:
+    """DeepSpeed's layout of ZeRO stage ``stage`` (also for an engine without an optimizer)."""
+    return CheckpointLayout(stage=stage, model_states_every_rank=stage == 3, optimizer_in_model_states=stage == 0,
+                            optimizer_file_per_rank=stage >= 1, module_holds_placeholders=stage == 3)
 
 
 def model_states_name(stage: int, dp_rank: int, mp_rank: int = 0) -> str:

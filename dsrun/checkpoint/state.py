@@ -1,5 +1,6 @@
-"""What a checkpoint records about a live engine beyond the ZeRO strategy's own state: named parameter
-shapes in flattening order, tied-weight aliases, buffers, frozen parameters, and each rank's RNG states.
+"""What a checkpoint records about a live engine beyond the ZeRO strategy's own state (which the strategy
+gives: its state dict, its named parameter shapes, its file layout): tied-weight aliases, buffers, frozen
+parameters, and each rank's RNG states.
 
 Everything returned here is made of tensors, containers, numbers and strings, so it loads back with
 ``torch.load(weights_only=True)``.
@@ -14,21 +15,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from dsrun.runtime.offload.param_swapper import shard_value
-
-
-def param_names(module: torch.nn.Module) -> dict[int, str]:
-    """id(parameter) -> its first name (a tied parameter's source name)."""
-    return {id(p): name for name, p in module.named_parameters()}
-
-
-def named_group_shapes(strategy: Any, module: torch.nn.Module) -> list["OrderedDict[str, torch.Size]"]:
-    """One ordered ``{name: shape}`` per master tensor of ``strategy``, in the order its elements are laid
-    out (DeepSpeed's ``param_shapes``): param groups at stages 0-2, sub-groups at stage 3."""
-    names = param_names(module)
-    if hasattr(strategy, "sub_groups"):  # stage 3: shards of whole parameters, per sub-group
-        return [OrderedDict((names[id(p)], torch.Size(p.ds_shape)) for p in sg.params) for sg in strategy.sub_groups]
-    return [OrderedDict((names[id(p)], p.shape) for p in group.params) for group in strategy.groups]
 
 
 def shared_params(module: torch.nn.Module) -> dict[str, str]:
@@ -64,14 +50,17 @@ def module_state_cpu(module: torch.nn.Module, exclude_frozen_parameters: bool = 
     return out
 
 
-def frozen_params(module: torch.nn.Module) -> tuple[dict[str, torch.Size], dict[str, torch.Tensor]]:
-    """Stage 3: shapes and this rank's shards of parameters that do not train."""
+def frozen_params(module: torch.nn.Module, shard_of: Any = None) -> tuple[dict[str, torch.Size], dict[str, torch.Tensor]]:
+    """Stage 3: shapes and this rank's shards of parameters that do not train. ``shard_of(p)`` reads a
+    partitioned parameter's shard wherever it lives (the strategy passes its own; default ``p.ds_tensor``)."""
     shapes, fragments = OrderedDict(), OrderedDict()
     for name, p in module.named_parameters():
         if not p.requires_grad:
             shapes[name] = torch.Size(getattr(p, "ds_shape", p.shape))
-            # offload_param: an NVMe shard is read from its file
-            shard = shard_value(p) if hasattr(p, "ds_tensor") else p.data
+            if hasattr(p, "ds_tensor"):
+                shard = shard_of(p) if shard_of is not None else p.ds_tensor
+            else:
+                shard = p.data
             fragments[name] = shard.detach().reshape(-1).to("cpu", copy=True)
     return shapes, fragments
 

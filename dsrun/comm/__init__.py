@@ -1,7 +1,8 @@
 """``dsrun.comm``: process groups and collectives, the only module that calls torch.distributed.
 
 Mirrors ``deepspeed.comm``: ``init_distributed``, ``get_rank``, ``get_world_size``, ``all_reduce``,
-``reduce_scatter_tensor``, ``all_gather_into_tensor``, ``broadcast``, ``barrier``, ``log_summary`` … Every
+``reduce_scatter_tensor``, ``all_gather_into_tensor``, ``broadcast``, ``barrier``, ``log_summary`` …, and the
+run's topology and process groups (:mod:`.topology`, :mod:`.groups`). Every
 collective is counted (calls, message bytes, traffic bytes) by the comms logger; read the totals with
 :func:`get_comms_stats`.
 """
@@ -10,7 +11,9 @@ from .comm import (ReduceOp, all_gather, all_gather_into_tensor, all_gather_obje
                    get_backend, get_comms_stats, get_global_rank, get_local_rank, get_rank, get_world_size,
                    init_distributed, is_initialized,
                    log_summary, new_group, reduce, reduce_scatter, reduce_scatter_tensor, reset_comms_stats)
+from .groups import ProcessGroups
 from .logger import CommsLogger, OpStats
+from .topology import PipeDataParallelTopology, PipeModelDataParallelTopology, ProcessTopology
 
 __all__ = [
     "ReduceOp", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "barrier", "broadcast",
@@ -18,5 +21,6 @@ __all__ = [
     "get_comms_stats", "get_global_rank", "get_local_rank", "get_rank", "get_world_size", "init_distributed",
     "is_initialized",
     "log_summary", "new_group", "reduce", "reduce_scatter", "reduce_scatter_tensor", "reset_comms_stats",
-    "CommsLogger", "OpStats",
+    "CommsLogger", "OpStats", "ProcessGroups", "ProcessTopology", "PipeDataParallelTopology",
+    "PipeModelDataParallelTopology",
 ]

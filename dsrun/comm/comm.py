@@ -125,8 +125,11 @@ def get_backend(group: ProcessGroup = None) -> str:
     return dist.get_backend(group)
 
 
-def new_group(ranks: Sequence[int] | None = None, timeout: timedelta | None = None) -> ProcessGroup:
-    return dist.new_group(ranks=list(ranks) if ranks is not None else None, timeout=timeout)
+def new_group(ranks: Sequence[int] | None = None, timeout: timedelta | None = None, local: bool = False) -> ProcessGroup:
+    """A process group of ``ranks``; every rank of the world must call it, unless ``local`` (then only the
+    members do: torch's ``use_local_synchronization``)."""
+    return dist.new_group(ranks=list(ranks) if ranks is not None else None, timeout=timeout,
+                          use_local_synchronization=local)
 
 
 def destroy_process_group(group: ProcessGroup = None) -> None:

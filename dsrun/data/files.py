@@ -18,18 +18,11 @@ from dsrun.data.cache import cache_root, fingerprint, load_or_build
 from dsrun.data.corpus import TokenCorpus, split_tokens
 from dsrun.data.tokenizers import Tokenizer, get_tokenizer, token_dtype
 from dsrun.utils.errors import Problem, UserError
+from dsrun.utils.paths import user_path
 
 SEPARATOR = b"\n\n"
 BIN_DTYPES = ("uint16", "uint32")
 _SNIFF_BYTES = 8192
-
-
-def user_path(path: str | os.PathLike[str]) -> str:
-    """``path`` with ``~`` expanded, relative to where the user launched the run even when Hydra has
-    changed into the run directory."""
-    from hydra.utils import to_absolute_path
-
-    return to_absolute_path(os.path.expanduser(str(path)))
 
 
 def _looks_binary(path: Path) -> bool:

@@ -16,6 +16,7 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from dsrun.utils.errors import Problem, UserError
+from dsrun.utils.paths import user_path
 from dsrun.utils.suggest import did_you_mean
 
 KINDS = ("bytes", "tiktoken", "tokenizers")
@@ -70,8 +71,6 @@ class TiktokenTokenizer:
 class HFTokenizer:
     def __init__(self, path: str):
         tokenizers = _require("tokenizers", f"tokenizers:{path}")
-        from dsrun.data.files import user_path
-
         file = Path(user_path(path))
         if not file.is_file():
             raise UserError(Problem("data.tokenizer", f"no tokenizer file at {file}",

@@ -4,7 +4,8 @@ A rank on the CPU is a whole Python process: the interpreter, torch's libraries,
 the gloo process group, and, from the first ``torch.optim.Optimizer`` on, the modules that torch's optimizer
 machinery imports (sympy and the compiler stack: about 70 MiB with torch 2.x). None of it is a tensor and
 none of it can be derived from the model, so it is measured: :func:`measure_rank_runtime` starts a tiny
-subprocess with the rank's environment (``OMP_NUM_THREADS``, ``MALLOC_MMAP_THRESHOLD_``) that
+subprocess (:mod:`dsrun.estimate.probe`) with the rank's environment (``OMP_NUM_THREADS``,
+``MALLOC_MMAP_THRESHOLD_``) that
 
 1. imports what a rank imports (``dsrun.worker``: torch, numpy, omegaconf, Hydra, dsrun);
 2. initialises a one-rank gloo process group;
@@ -39,59 +40,6 @@ MALLOC_MMAP_THRESHOLD = "65536"  # what dsrun's --measure runs use: large blocks
 def malloc_threshold() -> str:
     """The ``MALLOC_MMAP_THRESHOLD_`` a measured rank runs with: the environment's, else ours."""
     return os.environ.get("MALLOC_MMAP_THRESHOLD_", MALLOC_MMAP_THRESHOLD)
-
-
-_PROBE = r"""
-import json, os, sys, tempfile
-def status():
-    out = {}
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith(("VmRSS:", "VmHWM:")):
-                out[line.split(":")[0]] = int(line.split()[1]) * 1024
-    return out
-import torch
-import torch.distributed as dist
-import dsrun.worker  # noqa: F401  (what a rank imports)
-import dsrun.runtime.engine  # noqa: F401
-from dsrun.optim.registry import build_optimizer
-torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-optimizer_type, model_json, dtype_name = sys.argv[1], sys.argv[2], sys.argv[3]
-store = tempfile.mkdtemp(prefix="dsrun-probe-")
-dist.init_process_group("gloo", init_method=f"file://{store}/store", rank=0, world_size=1)
-model_cfg = json.loads(model_json)
-if model_cfg:
-    import hydra.utils
-    model = hydra.utils.instantiate(model_cfg, _convert_="all")
-    vocab, block = model_cfg.get("vocab_size", 256), model_cfg.get("block_size", 16)
-    batch = (torch.randint(0, vocab, (2, block)), torch.randint(0, vocab, (2, block)))
-    run = lambda: model(*batch)
-else:
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 1))
-    batch = torch.randn(2, 64)
-    run = lambda: model(batch).square().sum()
-model = model.to(getattr(torch, dtype_name))
-if not model_cfg:
-    batch = batch.to(getattr(torch, dtype_name))
-optimizer = build_optimizer(optimizer_type, model.parameters(), {})
-model.eval()
-with torch.no_grad():
-    run()
-model.train()
-def as_loss(out):
-    if isinstance(out, (tuple, list)):
-        tensors = [t for t in out if torch.is_tensor(t)]
-        scalars = [t for t in tensors if t.dim() == 0]
-        out = scalars[-1] if scalars else tensors[0]
-    return out.float().sum()
-for _ in range(2):
-    as_loss(run()).backward()
-    optimizer.step()
-    optimizer.zero_grad()
-dist.all_reduce(torch.ones(1))
-dist.destroy_process_group()
-print("DSRUN_PROBE " + json.dumps(status()))
-"""
 
 
 def tiny_model_config(model_cfg: dict | None) -> dict:
@@ -166,7 +114,8 @@ def measure_rank_runtime(threads: int = 1, optimizer: str = "AdamW", model: dict
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo_root, env.get("PYTHONPATH", "")]))
     try:
         dtype = {"fp16": "float16", "bf16": "bfloat16"}.get(precision, "float32")
-        result = subprocess.run([sys.executable, "-c", _PROBE, optimizer, json.dumps(tiny_model_config(model)), dtype],
+        result = subprocess.run([sys.executable, "-m", "dsrun.estimate.probe", optimizer,
+                                 json.dumps(tiny_model_config(model)), dtype],
                                 env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         raise UserError(Problem("estimate runtime probe", f"did not finish in {timeout:g}s",

@@ -13,6 +13,8 @@ from typing import Any, Callable
 import torch
 
 from dsrun import comm
+from dsrun.comm import ProcessGroups
+from dsrun.config import DeepSpeedConfig
 from dsrun.accelerator import get_accelerator
 from dsrun.optim import build_optimizer, check_zero_optimizer
 from dsrun.runtime.activation_checkpointing.settings import configure_from_engine
@@ -26,8 +28,6 @@ from dsrun.runtime.timers import WallClockTimers
 from dsrun.runtime.zero import MemoryBreakdown, StrategyContext, ZeroStrategy, build_zero_strategy
 from dsrun.utils.errors import ConfigError, Problem
 
-_COMM_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-
 FORWARD_TIMER, BACKWARD_TIMER, BACKWARD_INNER_TIMER = "forward", "backward", "backward_inner"
 BACKWARD_REDUCE_TIMER, STEP_TIMER = "backward_allreduce", "step"
 
@@ -35,19 +35,23 @@ BACKWARD_REDUCE_TIMER, STEP_TIMER = "backward_allreduce", "step"
 class DeepSpeedEngine(DataEfficiencyEngineMixin, torch.nn.Module):
     """Wraps the model; built by :func:`dsrun.initialize`.
 
-    ``config`` is a loaded :class:`dsrun.config.DeepSpeedConfig`; ``optimizer`` an optimizer over the model's
+    ``config`` is the typed :class:`dsrun.config.DeepSpeedConfig` (every setting and default comes from it); ``optimizer`` an optimizer over the model's
     parameters (client or from the config) or None; ``lr_scheduler`` a scheduler object, a callable taking
     the optimizer, or None (then the config's ``scheduler`` section, if any, is used).
     """
 
-    def __init__(self, model: torch.nn.Module, config: Any, optimizer: torch.optim.Optimizer | None = None,
+    def __init__(self, model: torch.nn.Module, config: DeepSpeedConfig, optimizer: torch.optim.Optimizer | None = None,
                  lr_scheduler: Any = None, training_data: Any = None, collate_fn: Callable | None = None,
                  mpu: Any = None, raw_config: Any = None):
         super().__init__()
         self._config = config
         self.config = raw_config if raw_config is not None else config
         self.mpu = mpu
-        self.dp_group = mpu.get_data_parallel_group() if mpu is not None else None
+        # the run's topology and process groups, built once (dsrun/comm/groups.py); ZeRO partitions over
+        # the data-parallel group. A client mpu names the data-parallel group itself.
+        self.groups = (ProcessGroups() if mpu is None
+                       else comm.groups.from_data_group(mpu.get_data_parallel_group()))
+        self.dp_group = self.groups.data
         self.global_rank = comm.get_rank()
         self.local_rank = comm.get_local_rank()
         self.world_size = comm.get_world_size()
@@ -106,19 +110,8 @@ class DeepSpeedEngine(DataEfficiencyEngineMixin, torch.nn.Module):
                 comm.broadcast(tensor.data, src=src, group=self.dp_group)
 
     def _strategy_context(self, optimizer: torch.optim.Optimizer) -> StrategyContext:
-        zero = self._config.zero_optimization
-        comm_type = self._config.communication_data_type
-        return StrategyContext(
-            module=self.module, optimizer=optimizer, precision=self.precision, device=self.device,
-            group=self.dp_group, reduce_bucket_size=int(zero.reduce_bucket_size),
-            allgather_bucket_size=int(zero.allgather_bucket_size), overlap_comm=bool(zero.overlap_comm),
-            contiguous_gradients=bool(zero.contiguous_gradients), reduce_scatter=bool(zero.reduce_scatter),
-            communication_data_type=_COMM_DTYPES[str(comm_type).lower()] if comm_type else None,
-            prescale_gradients=bool(self._config.prescale_gradients),
-            gradient_predivide_factor=float(self._config.gradient_predivide_factor), zero_config=zero,
-            aio_config=getattr(self._config, "aio", None),
-            force_ds_cpu_optimizer=bool(getattr(self._config, "zero_force_ds_cpu_optimizer", True)),
-            gradient_clipping=float(self._config.gradient_clipping or 0.0))
+        return StrategyContext(module=self.module, optimizer=optimizer, precision=self.precision,
+                               device=self.device, config=self._config, groups=self.groups)
 
     def _configure_lr_scheduler(self, client_scheduler: Any) -> Any:
         if client_scheduler is not None:
@@ -307,7 +300,7 @@ class DeepSpeedEngine(DataEfficiencyEngineMixin, torch.nn.Module):
             pin_memory=pin_memory and get_accelerator().pin_memory_enabled(), local_rank=self.local_rank,
             collate_fn=collate_fn, num_local_io_workers=num_local_io_workers, data_sampler=data_sampler,
             data_parallel_world_size=dp_size, data_parallel_rank=dp_rank,
-            dataloader_drop_last=bool(getattr(self._config, "dataloader_drop_last", False)))
+            dataloader_drop_last=bool(self._config.dataloader_drop_last))
 
     # --- checkpoints (dsrun.checkpoint does the work; every rank must call these) -------------------------
     def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict | None = None,
@@ -337,6 +330,16 @@ class DeepSpeedEngine(DataEfficiencyEngineMixin, torch.nn.Module):
 
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
+    def destroy(self) -> None:
+        """Release what the engine holds beyond its Python objects: the ZeRO strategy's autograd and module
+        hooks, buckets, swap files and worker threads, the monitors, and the process groups it created
+        (DeepSpeed's ``engine.destroy()``). The module keeps its (gathered, for ZeRO-3) weights as plain
+        tensors only where the strategy can give them back; use the engine no further."""
+        if self.strategy is not None:
+            self.strategy.close()
+        self.observer.close()
+        self.groups.destroy()
+
     def empty_partition_cache(self) -> None:
         """Release the ZeRO-3 parameters kept gathered between uses (persistent or kept for reuse), e.g. at the
         end of training; they are gathered again when next needed. A no-op at stages 0-2."""
@@ -349,7 +352,7 @@ class DeepSpeedEngine(DataEfficiencyEngineMixin, torch.nn.Module):
         return self.save_16bit_model(save_dir, save_filename)
 
 
-def build_engine_optimizer(config: Any, model: torch.nn.Module, optimizer: Any,
+def build_engine_optimizer(config: DeepSpeedConfig, model: torch.nn.Module, optimizer: Any,
                            model_parameters: Any) -> torch.optim.Optimizer | None:
     """The optimizer the engine will step: a client optimizer (object, or callable on the parameters) wins
     over the config's ``optimizer`` section."""

@@ -1,8 +1,14 @@
 """DeepSpeed's learning-rate schedules, with its class names, constructor signatures and per-step values.
 
 ``last_batch_iteration`` (k) counts optimizer steps: after the (k+1)-th ``step()`` the optimizer's lr is the
-schedule's value at k. The engine steps a schedule once per optimizer step (at a gradient-accumulation
-boundary) and not on a step skipped for fp16 overflow. ``state_dict()`` is ``{"last_batch_iteration": k}``.
+schedule's value at k. A schedule built with ``last_batch_iteration=-1`` (a fresh start) sets the optimizer's
+lr to its value before the first step, ``get_lr()`` (WarmupLR: ``warmup_min_lr``, so a warm-up from 0 moves
+nothing on the first step, as in DeepSpeed). The engine steps a schedule once per optimizer step (at a
+gradient-accumulation boundary) and not on a step skipped for fp16 overflow. A tensor lr stays the same tensor
+(filled in place). Arguments DeepSpeed rejects raise ``ValueError``: a non-positive ``warmup_num_steps``,
+``lr_range_test_step_size`` or ``cycle_first_step_size``, a negative ``cycle_second_step_size``, and a
+per-group list whose length is not the number of param groups. ``state_dict()`` is
+``{"last_batch_iteration": k}``.
 Values per step are listed in docs/engine.md and pinned by tests/unit/runtime/test_lr_schedules.py.
 """
 from __future__ import annotations
@@ -33,6 +39,26 @@ def _per_group(optimizer: torch.optim.Optimizer, value: float | Sequence[float],
     return [float(value)] * groups
 
 
+def _positive_steps(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def set_lrs(optimizer: torch.optim.Optimizer, lrs: Sequence[float]) -> list[Any]:
+    """Write one lr per param group; a tensor lr is filled in place, so it stays the caller's tensor."""
+    for group, lr in zip(optimizer.param_groups, lrs):
+        if torch.is_tensor(group["lr"]):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+    return [group["lr"] for group in optimizer.param_groups]
+
+
+def _base_lr(group: dict[str, Any]) -> float:
+    return float(group["lr"])
+
+
 class _Schedule:
     """Shared stepping and state for the five schedules."""
 
@@ -46,13 +72,20 @@ class _Schedule:
         assert getattr(self, "_last_lr", None) is not None, "need to call step() first"
         return self._last_lr
 
+    def _start(self, last_batch_iteration: int) -> None:
+        """A fresh schedule (-1) puts its value before the first step into the optimizer."""
+        self.last_batch_iteration = last_batch_iteration
+        self._last_lr = set_lrs(self.optimizer, self._values()) if last_batch_iteration == -1 else None
+
+    def _values(self) -> list[float]:
+        """The schedule's lrs at ``last_batch_iteration`` (no warning before the start)."""
+        return self.get_lr()
+
     def step(self, last_batch_iteration: int | None = None) -> None:
         if last_batch_iteration is None:
             last_batch_iteration = self.last_batch_iteration + 1
         self.last_batch_iteration = last_batch_iteration
-        for group, lr in zip(self.optimizer.param_groups, self.get_lr()):
-            group["lr"] = lr
-        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+        self._last_lr = set_lrs(self.optimizer, self.get_lr())
 
     def state_dict(self) -> dict[str, Any]:
         return {"last_batch_iteration": self.last_batch_iteration}
@@ -70,14 +103,12 @@ class LRRangeTest(_Schedule):
                  lr_range_test_staircase: bool = False, last_batch_iteration: int = -1):
         self.optimizer = optimizer
         self.min_lr = _per_group(optimizer, lr_range_test_min_lr, "lr_range_test_min_lr")
+        if not lr_range_test_step_size > 0:
+            raise ValueError(f"lr_range_test_step_size must be positive, got {lr_range_test_step_size!r}")
         self.step_size = lr_range_test_step_size
         self.step_rate = lr_range_test_step_rate
         self.staircase = lr_range_test_staircase
-        self.last_batch_iteration = last_batch_iteration
-        self._last_lr: list[float] | None = None
-        if last_batch_iteration == -1:
-            for group, lr in zip(optimizer.param_groups, self.min_lr):
-                group["lr"] = lr
+        self._start(last_batch_iteration)
 
     def _interval(self) -> float:
         interval = float(self.last_batch_iteration + 1) / self.step_size
@@ -103,6 +134,10 @@ class OneCycle(_Schedule):
                  cycle_momentum: bool = True, cycle_min_mom: float = 0.8, cycle_max_mom: float = 0.9,
                  decay_mom_rate: float = 0.0, last_batch_iteration: int = -1):
         self.optimizer = optimizer
+        if not cycle_first_step_size > 0:
+            raise ValueError(f"cycle_first_step_size must be positive, got {cycle_first_step_size!r}")
+        if cycle_second_step_size is not None and cycle_second_step_size < 0:
+            raise ValueError(f"cycle_second_step_size must be non-negative, got {cycle_second_step_size!r}")
         first = float(cycle_first_step_size)
         second = float(cycle_second_step_size) if cycle_second_step_size is not None else first
         self.total_size = first + second
@@ -119,19 +154,14 @@ class OneCycle(_Schedule):
         if cycle_momentum and "betas" not in optimizer.defaults:
             warnings.warn(f"cycle_momentum is disabled: {type(optimizer).__name__} has no 'betas'")
             self.cycle_momentum = False
-        groups = len(optimizer.param_groups)
-        self.min_moms = [(cycle_min_mom, 0.99)] * groups
-        self.max_moms = [(cycle_max_mom, 0.99)] * groups
+        self.min_moms = [(m, 0.99) for m in _per_group(optimizer, cycle_min_mom, "cycle_min_mom")]
+        self.max_moms = [(m, 0.99) for m in _per_group(optimizer, cycle_max_mom, "cycle_max_mom")]
         self.decay_mom_rate = decay_mom_rate
         self.skip_mom_decay = decay_mom_rate == 0.0 or decay_step_size == 0
-        self.last_batch_iteration = last_batch_iteration
-        self._last_lr: list[float] | None = None
-        if last_batch_iteration == -1:
-            for group, lr in zip(optimizer.param_groups, self.min_lrs):
-                group["lr"] = lr
-            if self.cycle_momentum:
-                for group, mom in zip(optimizer.param_groups, self.min_moms):
-                    group["betas"] = mom
+        self._start(last_batch_iteration)
+        if last_batch_iteration == -1 and self.cycle_momentum:
+            for group, mom in zip(optimizer.param_groups, self.min_moms):
+                group["betas"] = mom
 
     def _scale_factor(self) -> float:
         batch_iteration = self.last_batch_iteration + 1
@@ -182,14 +212,13 @@ class WarmupLR(_Schedule):
         self.min_lrs = _per_group(optimizer, warmup_min_lr, "warmup_min_lr")
         self.max_lrs = _per_group(optimizer, warmup_max_lr, "warmup_max_lr")
         self.delta_lrs = [hi - lo for hi, lo in zip(self.max_lrs, self.min_lrs)]
-        self.warmup_num_steps = max(2, warmup_num_steps)
+        self.warmup_num_steps = max(2, _positive_steps(warmup_num_steps, "warmup_num_steps"))
         if warmup_type not in (WARMUP_LOG_RATE, WARMUP_LINEAR_RATE):
             warnings.warn(f"warmup_type {warmup_type!r} is not 'log' or 'linear'; using 'log'")
             warmup_type = WARMUP_LOG_RATE
         self.warmup_type = warmup_type
         self.inverse_log_warm_up = 1.0 / math.log(self.warmup_num_steps)
-        self.last_batch_iteration = last_batch_iteration
-        self._last_lr: list[float] | None = None
+        self._start(last_batch_iteration)
 
     def _warmup_gamma(self) -> float:
         k = self.last_batch_iteration
@@ -205,7 +234,11 @@ class WarmupLR(_Schedule):
     def get_lr(self) -> list[float]:
         if self.last_batch_iteration < 0:
             warnings.warn("attempting to get learning rate from scheduler before it has started")
-            return [0.0]
+        return self._values()
+
+    def _values(self) -> list[float]:
+        if self.last_batch_iteration < 0:
+            return list(self.min_lrs)
         gamma = self._get_gamma()
         return [lo + delta * gamma for lo, delta in zip(self.min_lrs, self.delta_lrs)]
 
@@ -244,17 +277,16 @@ class WarmupCosineLR(_Schedule):
         self.cos_min_ratio = cos_min_ratio
         self.warmup_type = warmup_type
         self.warmup_min_ratio = warmup_min_ratio
-        self.warmup_num_steps = max(2, warmup_num_steps)
+        self.warmup_num_steps = max(2, _positive_steps(warmup_num_steps, "warmup_num_steps"))
         self.inverse_log_warm_up = 1.0 / math.log(self.warmup_num_steps)
         if self.total_num_steps < self.warmup_num_steps:
             warnings.warn(f"total_num_steps {total_num_steps} is less than warmup_num_steps {warmup_num_steps}")
-        self.org_lrs = [group["lr"] for group in optimizer.param_groups]
-        self._last_lr: list[float] | None = None
+        self.org_lrs = [_base_lr(group) for group in optimizer.param_groups]
+        self._start(last_batch_iteration)
 
     def get_lr_ratio(self) -> float:
         k = self.last_batch_iteration
         if k < 0:
-            warnings.warn("attempting to get learning rate from scheduler before it has started")
             return 0.0
         if k < self.warmup_num_steps:
             if self.warmup_type == WARMUP_LOG_RATE:
@@ -270,7 +302,9 @@ class WarmupCosineLR(_Schedule):
     def get_lr(self) -> list[float]:
         if self.last_batch_iteration < 0:
             warnings.warn("attempting to get learning rate from scheduler before it has started")
-            return [0.0]
+        return self._values()
+
+    def _values(self) -> list[float]:
         ratio = self.get_lr_ratio()
         return [lr * ratio for lr in self.org_lrs]
 
@@ -294,3 +328,6 @@ def build_lr_scheduler(type_name: str, optimizer: torch.optim.Optimizer, params:
     except TypeError as exc:
         raise ConfigError(Problem("scheduler.params", f"{type_name} rejected the params: {exc}",
                                   "params must be keyword arguments of the scheduler's constructor")) from None
+    except ValueError as exc:
+        raise ConfigError(Problem("scheduler.params", f"{type_name}: {exc}",
+                                  "see the schedule's parameters in docs/engine.md")) from None

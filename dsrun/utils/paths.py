@@ -6,6 +6,7 @@ data packages ``dsrun._conf`` and ``dsrun._recipes`` (see ``pyproject.toml``).
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]
@@ -29,3 +30,11 @@ def conf_dir() -> Path:
 def recipes_dir() -> Path:
     """The folder holding the built-in recipes."""
     return _data_dir("dsrun._recipes", "recipes")
+
+
+def user_path(path: str | os.PathLike[str]) -> str:
+    """``path`` with ``~`` expanded, relative to where the user launched the run even when Hydra has
+    changed into the run directory."""
+    from hydra.utils import to_absolute_path
+
+    return to_absolute_path(os.path.expanduser(str(path)))

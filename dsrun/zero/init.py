@@ -189,7 +189,10 @@ class Init:
                                       "and nvme_path"))
         self.dtype = dtype or _config_dtype(cfg)
         zero_section = cfg.get("zero_optimization") if isinstance(cfg.get("zero_optimization"), dict) else {}
-        self.persistence_threshold = int(float(zero_section.get("stage3_param_persistence_threshold", 100_000)))
+        from dsrun.config.zero import ZeroConfig  # the schema holds the default
+
+        key = "stage3_param_persistence_threshold"
+        self.persistence_threshold = int(float(zero_section.get(key, ZeroConfig.model_fields[key].default)))
         if not comm.is_initialized():
             comm.init_distributed(verbose=False)
         if data_parallel_group is None and mpu is not None:

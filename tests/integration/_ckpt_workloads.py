@@ -9,6 +9,7 @@ the loss depend on the RNG states, so they must be restored too.
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -188,3 +189,13 @@ def save_failures(rank: int, world: int, root: str) -> dict[str, Any]:
         atomic.save_torch = real_save
     comm.destroy_process_group()
     return out
+
+
+def save_own_tags(rank: int, world: int, root: str) -> list[str]:
+    """DeepSpeed's TestCheckpointUniqueTag with tag_validation Ignore: each rank saves under its own tag."""
+    import dsrun
+
+    engine, *_ = dsrun.initialize(model=build_model(0.0, False),
+                                  config=ds_config(1, "fp32", 2, {"checkpoint": {"tag_validation": "Ignore"}}))
+    engine.save_checkpoint(root, tag=f"tag-{rank}")
+    return sorted(p.name for p in (Path(root) / f"tag-{rank}").iterdir())

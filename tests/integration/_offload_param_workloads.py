@@ -37,7 +37,7 @@ def suite_cases(root: str) -> dict[str, tuple[dict[str, Any], bool]]:
         "nvme_init": (z3.ds_config(3, 2, 1, zero={"offload_param": nvme(root)}), True),
         "bf16_ref": (z3.ds_config(3, 2, 1, **bf16), False),
         "bf16_nvme": (z3.ds_config(3, 2, 1, zero={"offload_param": nvme(root)}, **bf16), False),
-        # with optimizer offload (dsrun/runtime/offload/strategies.py) as well: ZeRO-Offload / ZeRO-Infinity
+        # with optimizer offload (dsrun/runtime/zero/offloaded.py) as well: ZeRO-Offload / ZeRO-Infinity
         "both_cpu": (z3.ds_config(3, 2, 1, zero={"offload_param": {"device": "cpu"},
                                                   "offload_optimizer": {"device": "cpu"}}), False),
         # the CPU optimizer steps 3000-element tiles: shards that straddle two tiles are written in parts
@@ -116,10 +116,7 @@ def checkpoint_round_trip(rank: int, world: int, root: str, ckpt_dir: str) -> di
 
 def _close(engine: Any) -> None:
     """Remove this engine's swap files now (they would otherwise go when the process exits)."""
-    if hasattr(engine.strategy, "close"):  # optimizer offload's swap store
-        engine.strategy.close()
-    if engine.strategy.param_offload is not None:
-        engine.strategy.param_offload.close()
+    engine.destroy()
 
 
 # --- resident memory ------------------------------------------------------------------------------------

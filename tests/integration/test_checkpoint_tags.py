@@ -22,3 +22,15 @@ def test_save_failures(tmp_path):
     assert results[1]["disk"] == "OSError: [Errno 28] No space left on device"
     assert results[0]["disk"].startswith("RuntimeError: checkpoint save failed on another rank")
     assert read_latest(tmp_path / "Warn") == "mine0" and not (tmp_path / "Warn" / "broken").exists()
+
+
+@pytest.mark.slow
+def test_tag_validation_ignore_saves_each_rank_under_its_own_tag(tmp_path):
+    from tests.integration._ckpt_workloads import save_own_tags
+
+    files = run_ranks(save_own_tags, 2, str(tmp_path), timeout=200)
+    assert files[0] == ["mp_rank_00_model_states.pt", "rng_states_rank_0.pt",
+                        "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+    assert files[1] == ["rng_states_rank_1.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    assert read_latest(tmp_path) == "tag-0"  # rank 0 writes latest, as in DeepSpeed
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no staging left behind

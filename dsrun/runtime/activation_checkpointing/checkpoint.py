@@ -33,7 +33,7 @@ from dsrun.accelerator import get_accelerator
 from dsrun.runtime.activation_checkpointing.rng import RNGSnapshot, autocast_state, replayed
 from dsrun.runtime.activation_checkpointing.settings import STATE
 from dsrun.runtime.activation_checkpointing.storage import StashedInput, restore_inputs, stash_inputs
-from dsrun.runtime.activation_checkpointing.zero3 import zero3_parameters_kept
+from dsrun.runtime.activation_checkpointing.guards import recompute_guarded
 
 
 # --- call numbering, boundaries, profile ------------------------------------------------------------------
@@ -71,7 +71,7 @@ def _recomputing() -> Iterator[None]:
     STATE.in_backward = True
     STATE.recomputing += 1
     try:
-        with zero3_parameters_kept():
+        with recompute_guarded():  # e.g. ZeRO-3 keeps the parameters it had gathered
             yield
     finally:
         STATE.recomputing -= 1

@@ -147,9 +147,9 @@ class NvmeParamOffload(ParamOffload):
 
     device = "nvme"
 
-    def __init__(self, nvme_path: str, compute_device: torch.device, pin_memory: bool = False,
-                 buffer_count: int = 5, buffer_size: int = 100_000_000, max_in_cpu: int = 1_000_000_000,
-                 aio_config: Any = None, rank: int = 0, dtype: torch.dtype | None = None):
+    def __init__(self, nvme_path: str, compute_device: torch.device, *, buffer_count: int, buffer_size: int,
+                 max_in_cpu: int, pin_memory: bool = False, aio_config: Any = None, rank: int = 0,
+                 dtype: torch.dtype | None = None):
         super().__init__(compute_device, pin_memory)
         from dsrun.runtime.offload.swap_store import SwapStore
 
@@ -393,12 +393,11 @@ class NvmeParamOffload(ParamOffload):
         size = torch.empty(0, dtype=self.dtype or torch.float32).element_size()
         return (self._allocated * self.buffer_size + self.cached_numel) * size
 
-    def check_modules(self, root: torch.nn.Module) -> None:
-        """Every module's swapped parameters must fit in the pool at once (they are gathered together)."""
-        from dsrun.runtime.zero.hooks import module_params
-
-        for name, module in root.named_modules():
-            count = sum(1 for p in module_params(module) if id(p) in self.slots)
+    def check_modules(self, gathered_together: Iterable[tuple[str, list[torch.nn.Parameter]]]) -> None:
+        """Every module's swapped parameters (``(name, parameters it gathers at once)`` pairs) must fit in the
+        pool at once."""
+        for name, params in gathered_together:
+            count = sum(1 for p in params if id(p) in self.slots)
             if count > self.buffer_count:
                 raise ConfigError(Problem("zero_optimization.offload_param.buffer_count",
                                           f"{self.buffer_count} buffers cannot hold the {count} swapped "
@@ -421,7 +420,8 @@ class NvmeParamOffload(ParamOffload):
 
 def attach_param_offload(params: Iterable[torch.nn.Parameter], section: Any, compute_device: torch.device,
                          dtype: torch.dtype | None, aio_config: Any = None, rank: int = 0,
-                         module: torch.nn.Module | None = None) -> ParamOffload | None:
+                         gathered_together: Iterable[tuple[str, list[torch.nn.Parameter]]] = ()
+                         ) -> ParamOffload | None:
     """Offload the shards of partitioned ``params`` as ``section`` (``offload_param``) says; returns the owner.
 
     Parameters that stay gathered (``ds_persist``) and non-floating ones keep their shard where it is. A
@@ -450,8 +450,8 @@ def attach_param_offload(params: Iterable[torch.nn.Parameter], section: Any, com
             continue
         if not owned:
             offload.adopt(p)
-    if isinstance(offload, NvmeParamOffload) and module is not None:
-        offload.check_modules(module)
+    if isinstance(offload, NvmeParamOffload):
+        offload.check_modules(gathered_together)
     return offload
 
 

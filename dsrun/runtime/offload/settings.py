@@ -20,28 +20,27 @@ class OffloadOptimizerSettings:
     """``zero_optimization.offload_optimizer`` (+ ``aio``, ``sub_group_size``) as the strategies use them."""
 
     device: str  # "cpu" | "nvme"
-    nvme_path: str | None = None
-    pin_memory: bool = False
-    buffer_count: int = 4
-    fast_init: bool = False
-    ratio: float = 1.0
-    aio: Any = None
-    sub_group_size: int = 1_000_000_000
-    force_ds_cpu_optimizer: bool = True
+    nvme_path: str | None
+    pin_memory: bool
+    buffer_count: int
+    fast_init: bool
+    ratio: float
+    aio: Any
+    sub_group_size: int
+    force_ds_cpu_optimizer: bool
 
     @classmethod
     def from_context(cls, ctx: Any) -> "OffloadOptimizerSettings | None":
-        """The settings of ``ctx.zero_config.offload_optimizer``; None when the optimizer is not offloaded."""
+        """The settings of ``ctx.zero_config.offload_optimizer`` (every default from the config schema); None
+        when the optimizer is not offloaded."""
         zero = ctx.zero_config
-        section = getattr(zero, "offload_optimizer", None) if zero is not None else None
-        device = getattr(section, "device", "none") if section is not None else "none"
-        if device in (None, "none"):
+        section = zero.offload_optimizer
+        if section.device == "none":
             return None
-        return cls(device=str(device), nvme_path=section.nvme_path, pin_memory=bool(section.pin_memory),
+        return cls(device=str(section.device), nvme_path=section.nvme_path, pin_memory=bool(section.pin_memory),
                    buffer_count=int(section.buffer_count), fast_init=bool(section.fast_init),
-                   ratio=float(section.ratio), aio=getattr(ctx, "aio_config", None),
-                   sub_group_size=int(getattr(zero, "sub_group_size", 1_000_000_000) or 1_000_000_000),
-                   force_ds_cpu_optimizer=bool(getattr(ctx, "force_ds_cpu_optimizer", True)))
+                   ratio=float(section.ratio), aio=ctx.aio_config, sub_group_size=max(1, int(zero.sub_group_size)),
+                   force_ds_cpu_optimizer=ctx.force_ds_cpu_optimizer)
 
     @property
     def pinned(self) -> bool:

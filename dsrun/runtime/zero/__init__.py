@@ -23,9 +23,9 @@ STRATEGY_CLASSES: dict[int, str] = {
 
 # stage -> the strategy with the optimizer offloaded (``zero_optimization.offload_optimizer``)
 OFFLOAD_STRATEGY_CLASSES: dict[int, str] = {
-    1: "dsrun.runtime.offload.strategies:OffloadStage1Strategy",
-    2: "dsrun.runtime.offload.strategies:OffloadStage2Strategy",
-    3: "dsrun.runtime.offload.strategies:OffloadStage3Strategy",
+    1: "dsrun.runtime.zero.offloaded:OffloadStage1Strategy",
+    2: "dsrun.runtime.zero.offloaded:OffloadStage2Strategy",
+    3: "dsrun.runtime.zero.offloaded:OffloadStage3Strategy",
 }
 
 
@@ -46,8 +46,7 @@ def strategy_class(stage: int, offloaded: bool = False) -> type[ZeroStrategy]:
 
 
 def _optimizer_offloaded(zero_config) -> bool:
-    section = getattr(zero_config, "offload_optimizer", None)
-    return section is not None and getattr(section, "device", "none") not in (None, "none")
+    return zero_config.offload_optimizer.device != "none"
 
 
 def build_zero_strategy(stage: int, ctx: StrategyContext) -> ZeroStrategy:

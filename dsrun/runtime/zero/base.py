@@ -14,39 +14,40 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
 from dsrun import comm
+from dsrun.checkpoint.layout import CheckpointLayout, layout_for_stage
 from dsrun.runtime.precision import PrecisionStrategy
 
 from .buckets import Bucket, BucketQueue, plan_buckets
 from .layout import FlatGroup, flatten_params
+from .step_hooks import AFTER_UPDATE, BEFORE_UPDATE, StepHooks, StepState
+
+
+_COMM_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 @dataclass
 class StrategyContext:
-    """Everything a ZeRO strategy is built from (the engine fills it from the config)."""
+    """Everything a ZeRO strategy is built from: the live objects, the typed DeepSpeed config (the one source
+    of every setting and default, ``dsrun.config.DeepSpeedConfig``) and the run's process groups."""
 
     module: torch.nn.Module
     optimizer: torch.optim.Optimizer
     precision: PrecisionStrategy
     device: torch.device
-    group: Any = None
-    reduce_bucket_size: int = 500_000_000
-    allgather_bucket_size: int = 500_000_000
-    overlap_comm: bool = False
-    contiguous_gradients: bool = True
-    reduce_scatter: bool = True
-    communication_data_type: torch.dtype | None = None
-    prescale_gradients: bool = False
-    gradient_predivide_factor: float = 1.0
-    zero_config: Any = None  # the whole ``zero_optimization`` section, for stage-specific keys (stage 3)
-    aio_config: Any = None  # the ``aio`` section (NVMe offload)
-    force_ds_cpu_optimizer: bool = True  # ``zero_force_ds_cpu_optimizer``: offload needs a DeepSpeed CPU optimizer
-    gradient_clipping: float = 0.0  # known ahead, so NVMe offload measures gradients only when the step needs it
+    config: Any  # dsrun.config.DeepSpeedConfig
+    groups: Any = None  # dsrun.comm.ProcessGroups; None: the whole world is the data-parallel group
+
+    @property
+    def group(self) -> Any:
+        """The data-parallel group ZeRO partitions over (None: the world)."""
+        return self.groups.data if self.groups is not None else None
 
     @property
     def world_size(self) -> int:
@@ -55,6 +56,54 @@ class StrategyContext:
     @property
     def rank(self) -> int:
         return comm.get_rank(self.group)
+
+    @property
+    def zero_config(self) -> Any:
+        """The ``zero_optimization`` section (stage-specific keys, offload sections)."""
+        return self.config.zero_optimization
+
+    @property
+    def aio_config(self) -> Any:
+        return self.config.aio
+
+    @property
+    def reduce_bucket_size(self) -> int:
+        return int(self.zero_config.reduce_bucket_size)
+
+    @property
+    def allgather_bucket_size(self) -> int:
+        return int(self.zero_config.allgather_bucket_size)
+
+    @property
+    def overlap_comm(self) -> bool:
+        return bool(self.zero_config.overlap_comm)
+
+    @property
+    def reduce_scatter(self) -> bool:
+        return bool(self.zero_config.reduce_scatter)
+
+    @property
+    def communication_data_type(self) -> torch.dtype | None:
+        name = self.config.communication_data_type
+        return _COMM_DTYPES[str(name).lower()] if name else None
+
+    @property
+    def prescale_gradients(self) -> bool:
+        return bool(self.config.prescale_gradients)
+
+    @property
+    def gradient_predivide_factor(self) -> float:
+        return float(self.config.gradient_predivide_factor)
+
+    @property
+    def force_ds_cpu_optimizer(self) -> bool:
+        """``zero_force_ds_cpu_optimizer``: offload needs a DeepSpeed CPU optimizer."""
+        return bool(self.config.zero_force_ds_cpu_optimizer)
+
+    @property
+    def gradient_clipping(self) -> float:
+        """Known ahead, so NVMe offload measures gradients only when the step needs it."""
+        return float(self.config.gradient_clipping or 0.0)
 
 
 @dataclass
@@ -97,12 +146,27 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 class ZeroStrategy(ABC):
-    """What the engine needs from a ZeRO stage."""
+    """What the engine needs from a ZeRO stage, and the one optimizer-step path every stage shares."""
 
     stage: int = -1
+    norm_is_partitioned = True  # each rank holds part of the gradients: the squared norm is summed over ranks
 
     def __init__(self, ctx: StrategyContext):
         self.ctx = ctx
+        self.world_size = ctx.world_size
+        self.rank = ctx.rank
+        self.precision = ctx.precision
+        self.model_dtype = ctx.precision.model_dtype
+        self.comm_dtype = ctx.communication_data_type or self.model_dtype
+        # gradients are divided by pre_divide before the sum and by post_scale's inverse at the step
+        if ctx.prescale_gradients:
+            self.pre_divide = float(ctx.gradient_predivide_factor)
+            self.post_scale = float(ctx.gradient_predivide_factor) / self.world_size
+        else:
+            self.pre_divide, self.post_scale = float(self.world_size), 1.0
+        self.hooks = StepHooks()  # named points on the step path (step_hooks.py)
+        self.global_grad_norm: float | None = None
+        self.steps_taken = 0
 
     @property
     @abstractmethod
@@ -120,9 +184,62 @@ class ZeroStrategy(ABC):
     def after_backward(self, boundary: bool) -> None:
         """Called after ``loss.backward()``: finish whatever gradient reduction this micro-step needs."""
 
-    @abstractmethod
+    # --- the optimizer step: one path for every stage -------------------------------------------------
     def step(self, gradient_clipping: float) -> StepOutcome:
-        """Unscale, check overflow, clip, update, and make the model's parameters current."""
+        """Check overflow on every rank, measure and clip by the global norm, update, and make the model's
+        parameters current; the step hooks run around the update."""
+        self._begin_step()
+        if self.precision.checks_overflow and self._overflow_on_any_rank():
+            self.global_grad_norm = None
+            return StepOutcome(overflow=True, grad_norm=None)
+        # One multiply removes the loss scale, finishes the average, and clips.
+        coef = self.post_scale / self.precision.loss_scale
+        norm = None
+        if gradient_clipping and gradient_clipping > 0:
+            norm = self._global_norm(coef)
+            clip_coef = gradient_clipping / (norm + 1e-6)
+            if clip_coef < 1.0:
+                coef *= clip_coef
+        self.global_grad_norm = norm
+        state = StepState(strategy=self, coef=coef, grad_norm=norm, step=self.steps_taken)
+        self.hooks.run(BEFORE_UPDATE, state)
+        self._apply_update(state.coef)
+        self.steps_taken += 1
+        self.hooks.run(AFTER_UPDATE, state)
+        return StepOutcome(overflow=False, grad_norm=norm)
+
+    def _begin_step(self) -> None:
+        """Bring the gradients to where the step reads them (stages 0-2: the fp32 master gradients)."""
+
+    def _overflow_on_any_rank(self) -> bool:
+        local = self._local_overflow()
+        if self.world_size == 1:
+            return local
+        flag = torch.tensor([1.0 if local else 0.0], device=self.ctx.device)
+        comm.all_reduce(flag, op=comm.ReduceOp.MAX, group=self.ctx.group)
+        return bool(flag.item() > 0)
+
+    def _global_norm(self, scale: float) -> float:
+        sq = self._local_sq_norm()
+        if self.norm_is_partitioned and self.world_size > 1:
+            comm.all_reduce(sq, group=self.ctx.group)
+        return math.sqrt(sq.item()) * scale
+
+    @abstractmethod
+    def _local_overflow(self) -> bool:
+        """Whether this rank's gradients hold an inf or nan."""
+
+    @abstractmethod
+    def _local_sq_norm(self) -> torch.Tensor:
+        """The sum of squares of this rank's gradients (float64, one element, on the device)."""
+
+    @abstractmethod
+    def _apply_update(self, coef: float) -> None:
+        """Scale the gradients by ``coef``, update, and write the new weights into the model."""
+
+    def step_gradients(self) -> list[torch.Tensor]:
+        """The resident gradients the update reads (for step hooks)."""
+        return []
 
     @abstractmethod
     def zero_grad(self) -> None:
@@ -139,6 +256,29 @@ class ZeroStrategy(ABC):
     @abstractmethod
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         ...
+
+    def close(self) -> None:
+        """Release hooks, buffers, files and threads (``engine.destroy()``); the strategy is unusable after."""
+
+    # --- checkpoints: what this strategy saves and in which files -------------------------------------
+    @property
+    def checkpoint_layout(self) -> CheckpointLayout:
+        """The files this strategy's state goes to (DeepSpeed's layout of its stage)."""
+        return layout_for_stage(self.stage)
+
+    @abstractmethod
+    def checkpoint_param_shapes(self) -> list["OrderedDict[str, torch.Size]"]:
+        """One ``{name: full shape}`` per master tensor, in the order its elements are laid out (DeepSpeed's
+        ``param_shapes``, which resharding and zero_to_fp32 read)."""
+
+    def frozen_param_fragments(self) -> tuple[dict[str, torch.Size], dict[str, torch.Tensor]]:
+        """Shapes and this rank's pieces of the parameters that do not train (partitioned weights only)."""
+        from dsrun.checkpoint.state import frozen_params
+
+        return frozen_params(self.ctx.module)
+
+    def _names(self) -> dict[int, str]:
+        return {id(p): name for name, p in self.ctx.module.named_parameters()}
 
     def consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Any] | None:
         """The model's full state dict for ``save_16bit_model`` (collective under stage 3); None when this
@@ -159,10 +299,6 @@ class FlatStrategy(ZeroStrategy):
 
     def __init__(self, ctx: StrategyContext):
         super().__init__(ctx)
-        self.world_size = ctx.world_size
-        self.rank = ctx.rank
-        self.precision = ctx.precision
-        self.model_dtype = ctx.precision.model_dtype
         self._optimizer = ctx.optimizer
         alignment = self.alignment_per_rank * self.world_size if self.alignment_per_rank else 1
         self.groups: list[FlatGroup] = []
@@ -175,13 +311,6 @@ class FlatStrategy(ZeroStrategy):
                 seen.add(id(p))
                 params.append(p)
             self.groups.append(flatten_params(params, self.model_dtype, ctx.device, alignment, self.world_size))
-        self.comm_dtype = ctx.communication_data_type or self.model_dtype
-        if ctx.prescale_gradients:
-            self.pre_divide = float(ctx.gradient_predivide_factor)
-            self.post_scale = float(ctx.gradient_predivide_factor) / self.world_size
-        else:
-            self.pre_divide = float(self.world_size)
-            self.post_scale = 1.0
         self._build_buffers()
         self.masters: list[torch.nn.Parameter] = self._build_masters()
         for param_group, master in zip(self._optimizer.param_groups, self.masters):
@@ -189,8 +318,11 @@ class FlatStrategy(ZeroStrategy):
         if self._optimizer.state:
             self._optimizer.state.clear()  # state keyed by the old per-tensor params would never be used
         self.queue = BucketQueue(self.groups, plan_buckets(self.groups, ctx.reduce_bucket_size), self._launch,
-                                 self._on_param_ready)
-        self.global_grad_norm: float | None = None
+                                 self._on_param_ready, self._on_accumulated)
+        self._step_grads: list[torch.Tensor] = []
+
+    def close(self) -> None:
+        self.queue.remove()
 
     # --- what subclasses provide ---------------------------------------------------------------------------
     @abstractmethod
@@ -212,6 +344,8 @@ class FlatStrategy(ZeroStrategy):
 
     def _on_param_ready(self, gi: int, pi: int, buckets: list[Bucket]) -> None:
         """A parameter's gradient is complete (stage 2 copies it out here)."""
+
+    _on_accumulated = None  # stages 0-1: (gi, pi) -> None after every accumulation into a .grad
 
     @abstractmethod
     def _complete(self, bucket: Bucket) -> None:
@@ -256,42 +390,31 @@ class FlatStrategy(ZeroStrategy):
         if self.pre_divide != 1.0:
             tensor.div_(self.pre_divide)
 
-    def _any_overflow(self, grads: list[torch.Tensor]) -> bool:
+    @property
+    def norm_is_partitioned(self) -> bool:  # type: ignore[override]
+        return self.partitioned
+
+    def _begin_step(self) -> None:
+        self._step_grads = self._master_grads()
+
+    def step_gradients(self) -> list[torch.Tensor]:
+        return self._step_grads
+
+    def _local_overflow(self) -> bool:
         # A sum is inf/nan when any element is (DeepSpeed's check too): one pass, no temporary.
-        local = any(not math.isfinite(float(g.sum())) for g in grads)
-        if self.world_size == 1:
-            return local
-        flag = torch.tensor([1.0 if local else 0.0], device=self.ctx.device)
-        comm.all_reduce(flag, op=comm.ReduceOp.MAX, group=self.ctx.group)
-        return bool(flag.item() > 0)
+        return any(not math.isfinite(float(g.sum())) for g in self._step_grads)
 
-    def _global_norm(self, grads: list[torch.Tensor], scale: float) -> float:
+    def _local_sq_norm(self) -> torch.Tensor:
         sq = torch.zeros(1, dtype=torch.float64, device=self.ctx.device)
-        for g in grads:  # master gradients are fp32 and flat: a dot product, no temporary
+        for g in self._step_grads:  # master gradients are fp32 and flat: a dot product, no temporary
             sq += torch.dot(g, g).double()
-        if self.partitioned and self.world_size > 1:
-            comm.all_reduce(sq, group=self.ctx.group)
-        return math.sqrt(sq.item()) * scale
+        return sq
 
-    def step(self, gradient_clipping: float) -> StepOutcome:
-        grads = self._master_grads()
-        if self.precision.checks_overflow and self._any_overflow(grads):
-            self.global_grad_norm = None
-            return StepOutcome(overflow=True, grad_norm=None)
-        # One multiply removes the loss scale, finishes the average, and clips.
-        coef = self.post_scale / self.precision.loss_scale
-        norm = None
-        if gradient_clipping and gradient_clipping > 0:
-            norm = self._global_norm(grads, coef)
-            clip_coef = gradient_clipping / (norm + 1e-6)
-            if clip_coef < 1.0:
-                coef *= clip_coef
-        self.global_grad_norm = norm
-        self._apply_update(grads, coef)
+    def _apply_update(self, coef: float) -> None:
+        self._update_masters(self._step_grads, coef)
         self._publish()
-        return StepOutcome(overflow=False, grad_norm=norm)
 
-    def _apply_update(self, grads: list[torch.Tensor], coef: float) -> None:
+    def _update_masters(self, grads: list[torch.Tensor], coef: float) -> None:
         """Scale the gradients by ``coef`` and step the optimizer on the masters (optimizer offload steps
         them tile by tile on the host instead)."""
         for master, g in zip(self.masters, grads):
@@ -323,6 +446,10 @@ class FlatStrategy(ZeroStrategy):
             pad = group.partition_padding(self.rank)
             return master[: master.numel() - pad]
         return master[: group.numel]
+
+    def checkpoint_param_shapes(self) -> list["OrderedDict[str, torch.Size]"]:
+        names = self._names()
+        return [OrderedDict((names[id(p)], p.shape) for p in group.params) for group in self.groups]
 
     def state_dict(self) -> dict[str, Any]:
         sd = {

@@ -53,11 +53,14 @@ class BucketQueue:
     """Tracks which buckets are complete during one backward pass and launches them in order."""
 
     def __init__(self, groups: list[FlatGroup], buckets: list[Bucket], launch: Callable[[Bucket], None],
-                 on_param_ready: Callable[[int, int, list[Bucket]], None] | None = None):
+                 on_param_ready: Callable[[int, int, list[Bucket]], None] | None = None,
+                 on_accumulated: Callable[[int, int], None] | None = None):
         self.groups = groups
         self.buckets = buckets
         self.launch = launch
         self.on_param_ready = on_param_ready
+        # called on every accumulation into a parameter's .grad, armed or not (stages 0-1 keep .grad a view)
+        self.on_accumulated = on_accumulated
         self.active = False
         self.next_to_launch = 0
         self.param_buckets: dict[tuple[int, int], list[int]] = {}
@@ -71,6 +74,8 @@ class BucketQueue:
 
     def _make_hook(self, gi: int, pi: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
+            if self.on_accumulated is not None:
+                self.on_accumulated(gi, pi)
             if self.active:
                 self._param_ready(gi, pi)
         return hook

@@ -16,6 +16,14 @@ The first forward+backward records the order modules fetch their parameters (the
 * ``stage3_max_live_parameters``: neither prefetching nor keeping for reuse may push the gathered elements
   beyond this.
 
+A parameter read outside its own module's forward (``nn.MultiheadAttention`` hands ``out_proj.weight`` to
+``F.multi_head_attention_forward`` without calling ``out_proj``; ``nn.TransformerEncoderLayer``'s inference
+path reads its children's weights; a tied head written as ``x @ self.wte.weight.T``) is gathered when it is
+read: every module holding partitioned parameters gets a :class:`GatheringParameters` dict, whose lookup of
+an unavailable parameter during a forward gathers it and registers it as an external parameter of the
+innermost hooked module running, so from then on that module's own hooks gather it before its forward and
+its backward (DeepSpeed does the same). Lookups of available parameters cost one status check.
+
 All of this is deterministic given the trace, so every rank issues the same collectives in the same order
 (ZeRO-3 assumes the ranks run the same modules in the same order, as DeepSpeed does). If a step's order
 differs from the trace, prefetch and reuse stop for the rest of that step and the trace is recorded again.
@@ -29,6 +37,7 @@ import torch
 
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from . import recompute
 from .partition_params import ParamStatus, gather_params, is_zero_param, release_param, start_gather
 
 EXTERNAL_ATTR = "_ds_external_params"
@@ -36,6 +45,7 @@ FORWARD, BACKWARD = "fwd", "bwd"
 
 # coordinators alive in this process, so a late register_external_parameter can hook its module
 LIVE_COORDINATORS: "weakref.WeakSet[ParameterCoordinator]" = weakref.WeakSet()
+recompute.register(LIVE_COORDINATORS)  # activation-checkpoint recomputes keep what was gathered
 
 
 def external_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -55,6 +65,24 @@ def module_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
         if is_zero_param(p):
             seen.setdefault(id(p), p)
     return list(seen.values())
+
+
+class GatheringParameters(dict):
+    """A module's ``_parameters`` that gathers a partitioned parameter read while a forward runs (see the
+    module docstring). Pickles and copies as a plain dict."""
+
+    def __init__(self, params: dict, coordinator: "ParameterCoordinator"):
+        super().__init__(params)
+        self.coordinator = coordinator
+
+    def __getitem__(self, name: str) -> Any:
+        param = dict.__getitem__(self, name)
+        if getattr(param, "ds_status", ParamStatus.AVAILABLE) is not ParamStatus.AVAILABLE:
+            self.coordinator.gather_on_read(param)
+        return param
+
+    def __reduce__(self) -> Any:
+        return dict, (dict(self),)
 
 
 class ParameterCoordinator:
@@ -82,9 +110,15 @@ class ParameterCoordinator:
         self.prefetched_numel = 0  # statistics: elements gathered ahead of use
         # called after each fetch with the parameters the trace needs next (NVMe offload reads them ahead)
         self.after_fetch: Any = None
+        self._running: list[torch.nn.Module] = []  # hooked modules inside their forward, innermost last
+        self._reading: list[torch.nn.Module] = []  # modules whose _parameters gather on read
+        self.hook_module(root)  # even without parameters: its forward is where a read has no other owner
         for module in root.modules():
             if module_params(module):
                 self.hook_module(module)
+            if any(is_zero_param(p) for p in module._parameters.values()):
+                module._parameters = GatheringParameters(module._parameters, self)
+                self._reading.append(module)
         LIVE_COORDINATORS.add(self)
 
     # --- hooks --------------------------------------------------------------------------------------------
@@ -105,8 +139,24 @@ class ParameterCoordinator:
             handle.remove()
         self._hooks = []
         self._hooked = {}
+        for module in self._reading:
+            if isinstance(module._parameters, GatheringParameters):
+                module._parameters = dict(module._parameters)
+        self._reading = []
+
+    def gather_on_read(self, param: torch.nn.Parameter) -> None:
+        """``param`` was read while unavailable: inside a forward, gather it now and make it an external
+        parameter of the innermost running hooked module, so that module's hooks gather it from now on (in
+        this pass's backward too). Outside a forward nothing is gathered, as in DeepSpeed."""
+        if not self._running:
+            return
+        module = self._running[-1]
+        add_external_param(module, param)
+        self.hook_module(module)
+        gather_params([param])
 
     def _pre_forward(self, module: torch.nn.Module, inputs: Any) -> None:
+        self._running.append(module)
         params = self._params_of.get(id(module), [])
         if not params:
             return
@@ -117,6 +167,8 @@ class ParameterCoordinator:
             self.in_use[id(p)] = self.in_use.get(id(p), 0) + 1
 
     def _post_forward(self, module: torch.nn.Module, inputs: Any, output: Any) -> Any:
+        if self._running and self._running[-1] is module:
+            self._running.pop()
         params = self._params_of.get(id(module), [])
         if not params:
             return None
@@ -195,6 +247,7 @@ class ParameterCoordinator:
         self.cursor = 0
         self.following_trace = self.trace_complete
         self._off_trace = False
+        self._running = []  # a forward that raised left its modules here
 
     def release_after_grad(self, param: torch.nn.Parameter) -> None:
         if not param.ds_persist:

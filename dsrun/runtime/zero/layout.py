@@ -71,15 +71,45 @@ def flatten_params(params: list[torch.nn.Parameter], dtype: torch.dtype, device:
                      world_size=world_size, flat_param=flat)
 
 
-def attach_grad_views(group: FlatGroup, flat_grad: torch.Tensor) -> None:
-    """Make each parameter's ``.grad`` a view into ``flat_grad`` so autograd accumulates in place there."""
-    for p, off, n in zip(group.params, group.offsets, group.numels):
-        p.grad = flat_grad[off:off + n].view_as(p)
+class FlatGradients:
+    """Full-size gradient buffers for stages 0-1: one flat tensor per group, each parameter's ``.grad`` a view
+    into it, so autograd accumulates in place there and a bucket is reduced without gathering anything.
 
+    ``param.grad`` stays the user's to touch, as in plain torch: ``zero_grad()`` (set to None or zeroed), an
+    assignment, or an out-of-place accumulation replaces the view, and :meth:`adopt` copies whatever ``.grad``
+    then holds into the buffer and re-points it at the view, so the reduction sees exactly torch's gradient.
+    """
 
-def ensure_grad_views(group: FlatGroup, flat_grad: torch.Tensor) -> None:
-    """Re-attach the views if something (``optimizer.zero_grad(set_to_none=True)``, user code) dropped them."""
-    for p, off in zip(group.params, group.offsets):
-        if p.grad is None or p.grad.data_ptr() != flat_grad[off:].data_ptr():
-            attach_grad_views(group, flat_grad)
+    def __init__(self, groups: list[FlatGroup]):
+        self.groups = groups
+        self.flats = [torch.zeros_like(g.flat_param) for g in groups]
+        self.views = [[flat[off:off + n].view_as(p) for p, off, n in zip(g.params, g.offsets, g.numels)]
+                      for g, flat in zip(groups, self.flats)]
+        for gi in range(len(groups)):
+            self.attach(gi)
+
+    def attach(self, gi: int) -> None:
+        for p, view in zip(self.groups[gi].params, self.views[gi]):
+            p.grad = view
+
+    def adopt(self, gi: int, pi: int) -> None:
+        """Make parameter ``pi`` of group ``gi``'s ``.grad`` the buffer's view again, keeping its value
+        (None counts as zero). An identity check when nothing replaced it."""
+        param, view = self.groups[gi].params[pi], self.views[gi][pi]
+        grad = param.grad
+        if grad is view:
             return
+        with torch.no_grad():
+            if grad is None:
+                view.zero_()
+            else:
+                view.copy_(grad)
+        param.grad = view
+
+    def zero(self) -> None:
+        for gi, flat in enumerate(self.flats):
+            flat.zero_()
+            self.attach(gi)
+
+    def nbytes(self) -> int:
+        return sum(flat.numel() * flat.element_size() for flat in self.flats)

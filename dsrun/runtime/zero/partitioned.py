@@ -24,7 +24,7 @@ from dsrun import comm
 
 from .base import FlatStrategy, MemoryBreakdown, optimizer_state_bytes, tensor_bytes
 from .buckets import Bucket
-from .layout import FlatGroup, attach_grad_views, ensure_grad_views
+from .layout import FlatGradients, FlatGroup
 
 
 class PartitionedStrategy(FlatStrategy):
@@ -116,25 +116,49 @@ class Stage1Strategy(PartitionedStrategy):
     stage = 1
 
     def _build_buffers(self) -> None:
-        self.flat_grads, self.partition_grads = [], []
-        for group in self.groups:
-            flat_grad = torch.zeros_like(group.flat_param)
-            attach_grad_views(group, flat_grad)
-            self.flat_grads.append(flat_grad)
-            self.partition_grads.append(torch.zeros(group.partition_numel, dtype=self.model_dtype,
-                                                    device=self.ctx.device))
+        self.grads = FlatGradients(self.groups)
+        self.flat_grads = self.grads.flats
+        self.partition_grads = [torch.zeros(g.partition_numel, dtype=self.model_dtype, device=self.ctx.device)
+                                for g in self.groups]
+        # a second boundary backward before the step (a GAN's real and fake losses): the partition already
+        # holds the first reduction, so the next one is added to it and the flat buffer starts from zero
+        self._reduced_since_step = False
+        self._adding = False
         if self.model_dtype == torch.float32:
             self.master_grads = self.partition_grads
         else:
             self.master_grads = [torch.zeros(g.partition_numel, dtype=torch.float32, device=self.ctx.device)
                                  for g in self.groups]
 
+    def _on_accumulated(self, gi: int, pi: int) -> None:
+        self.grads.adopt(gi, pi)
+
+    def before_backward(self, boundary: bool) -> None:
+        if boundary and self._reduced_since_step:
+            self.grads.zero()
+            self._adding = True
+        super().before_backward(boundary)
+
+    def after_backward(self, boundary: bool) -> None:
+        reducing = self.queue.active
+        super().after_backward(boundary)
+        self._reduced_since_step = self._reduced_since_step or reducing
+
     def _reduce(self, bucket: Bucket, async_op: bool) -> None:
+        if bucket.pending > 0:  # parameters this backward did not reach: their .grad may have been replaced
+            for pi in bucket.param_indices:
+                self.grads.adopt(bucket.group_index, pi)
         source = self.flat_grads[bucket.group_index][bucket.start:bucket.end]
-        self._reduce_bucket(bucket, source, self._owned_part(self.partition_grads, bucket), async_op)
+        owned = self._owned_part(self.partition_grads, bucket)
+        if self._adding:
+            bucket.received = torch.empty_like(owned)
+        self._reduce_bucket(bucket, source, owned if bucket.received is None else bucket.received, async_op)
 
     def _complete(self, bucket: Bucket) -> None:
         self._finish_handles(bucket)
+        if bucket.received is not None:
+            self._owned_part(self.partition_grads, bucket).add_(bucket.received)
+            bucket.received = None
 
     def _master_grads(self) -> list[torch.Tensor]:
         if self.master_grads is not self.partition_grads:
@@ -143,9 +167,8 @@ class Stage1Strategy(PartitionedStrategy):
         return self.master_grads
 
     def zero_grad(self) -> None:
-        for group, flat_grad in zip(self.groups, self.flat_grads):
-            flat_grad.zero_()
-            ensure_grad_views(group, flat_grad)
+        self.grads.zero()
+        self._reduced_since_step = self._adding = False
 
     def memory_breakdown(self) -> MemoryBreakdown:
         grads = sum(tensor_bytes(g) for g in self.flat_grads) + sum(tensor_bytes(g) for g in self.partition_grads)
@@ -216,13 +239,19 @@ class Stage2Strategy(PartitionedStrategy):
 
     def _reduce(self, bucket: Bucket, async_op: bool) -> None:
         staging = self._staging(bucket)
-        if bucket.pending > 0:  # parameters that got no gradient this pass (unused) contribute zeros
+        if bucket.pending > 0:  # parameters that got no gradient this pass: what .grad holds (None: zeros)
             group = self.groups[bucket.group_index]
             for pi in bucket.param_indices:
                 if (bucket.group_index, pi) not in self._ready:
-                    off, n = group.offsets[pi], group.numels[pi]
+                    param, off, n = group.params[pi], group.offsets[pi], group.numels[pi]
                     lo, hi = max(off, bucket.start), min(off + n, bucket.end)
-                    staging[lo - bucket.start:hi - bucket.start].zero_()
+                    piece = staging[lo - bucket.start:hi - bucket.start]
+                    if param.grad is None:
+                        piece.zero_()
+                    else:  # assigned by the user: reduced like a computed one, then released
+                        piece.copy_(param.grad.reshape(-1)[lo - off:hi - off])
+                        if off >= bucket.start:  # buckets run from the end: this is its last piece
+                            param.grad = None
         bucket.received = self._take(self._owned_part(self.master_grads, bucket).numel())
         self._reduce_bucket(bucket, staging, bucket.received, async_op=async_op)
 

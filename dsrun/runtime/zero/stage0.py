@@ -1,7 +1,8 @@
 """ZeRO stage 0: plain data parallelism with bucketed gradient all-reduce.
 
 Every rank holds the full model, gradients and optimizer state. Gradients accumulate locally over the
-micro-steps of one optimizer step (in a flat buffer the parameters' ``.grad`` point into); on the boundary
+micro-steps of one optimizer step (in a flat buffer the parameters' ``.grad`` point into, whatever the user
+does to ``.grad`` in between: :class:`~.layout.FlatGradients`); on the boundary
 micro-step each bucket of ``reduce_bucket_size`` elements is all-reduced as soon as backward has produced
 all of its gradients (``overlap_comm``: asynchronously, while backward continues), else all buckets are
 all-reduced after backward.
@@ -14,18 +15,18 @@ from dsrun import comm
 
 from .base import FlatStrategy, MemoryBreakdown, optimizer_state_bytes, tensor_bytes
 from .buckets import Bucket
-from .layout import attach_grad_views, ensure_grad_views
+from .layout import FlatGradients
 
 
 class DataParallelStrategy(FlatStrategy):
     stage = 0
 
     def _build_buffers(self) -> None:
-        self.flat_grads = []
-        for group in self.groups:
-            flat_grad = torch.zeros_like(group.flat_param)
-            attach_grad_views(group, flat_grad)
-            self.flat_grads.append(flat_grad)
+        self.grads = FlatGradients(self.groups)
+        self.flat_grads = self.grads.flats
+
+    def _on_accumulated(self, gi: int, pi: int) -> None:
+        self.grads.adopt(gi, pi)
 
     def _build_masters(self) -> list[torch.nn.Parameter]:
         if not self.precision.needs_master_weights:
@@ -37,6 +38,9 @@ class DataParallelStrategy(FlatStrategy):
         return [torch.nn.Parameter(g.flat_param.detach().float().clone()) for g in self.groups]
 
     def _reduce(self, bucket: Bucket, async_op: bool) -> None:
+        if bucket.pending > 0:  # parameters this backward did not reach: their .grad may have been replaced
+            for pi in bucket.param_indices:
+                self.grads.adopt(bucket.group_index, pi)
         grad = self.flat_grads[bucket.group_index][bucket.start:bucket.end]
         self._divide_before_reduce(grad)
         if self.world_size == 1:
@@ -70,9 +74,7 @@ class DataParallelStrategy(FlatStrategy):
                     group.flat_param.copy_(master)
 
     def zero_grad(self) -> None:
-        for group, flat_grad in zip(self.groups, self.flat_grads):
-            flat_grad.zero_()
-            ensure_grad_views(group, flat_grad)
+        self.grads.zero()
 
     def memory_breakdown(self) -> MemoryBreakdown:
         grads = sum(tensor_bytes(g) for g in self.flat_grads)

@@ -17,7 +17,6 @@ reduce-scatter), 1.5 times stage 0's all-reduce, as the ZeRO paper says.
 """
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,9 +25,9 @@ import torch
 
 from dsrun import comm
 
-from .base import MemoryBreakdown, StepOutcome, StrategyContext, ZeroStrategy, optimizer_state_bytes, tensor_bytes
+from .base import MemoryBreakdown, StrategyContext, ZeroStrategy, optimizer_state_bytes, tensor_bytes
 from . import host_memory, linear
-from .hooks import ParameterCoordinator, iter_unique_params
+from .hooks import ParameterCoordinator, iter_unique_params, module_params
 from .partition_params import full_tensor, is_zero_param, partition_param, shard_padding
 from dsrun.runtime.offload import param_swapper
 
@@ -50,49 +49,31 @@ class SubGroup:
         self.numel += param.ds_partition_numel
 
 
-def _config_value(zero_config: Any, name: str, default: Any) -> Any:
-    if zero_config is None:
-        return default
-    value = getattr(zero_config, name, None)
-    return default if value is None else value
-
-
 class Stage3Strategy(ZeroStrategy):
     stage = 3
 
     def __init__(self, ctx: StrategyContext):
         super().__init__(ctx)
-        zc = getattr(ctx, "zero_config", None)
-        self.world_size = ctx.world_size
-        self.rank = ctx.rank
-        self.precision = ctx.precision
-        self.model_dtype = ctx.precision.model_dtype
-        self.comm_dtype = ctx.communication_data_type or self.model_dtype
+        zc = ctx.zero_config
         self.reduce_bucket_numel = max(1, int(ctx.reduce_bucket_size))
-        self.sub_group_size = max(1, int(_config_value(zc, "sub_group_size", 1_000_000_000)))
-        self.gather_16bit_on_save = bool(_config_value(zc, "stage3_gather_16bit_weights_on_model_save", False))
-        if ctx.prescale_gradients:
-            self.pre_divide = float(ctx.gradient_predivide_factor)
-            self.post_scale = float(ctx.gradient_predivide_factor) / self.world_size
-        else:
-            self.pre_divide, self.post_scale = float(self.world_size), 1.0
+        self.sub_group_size = max(1, int(zc.sub_group_size))
+        self.gather_16bit_on_save = bool(zc.stage3_gather_16bit_weights_on_model_save)
 
-        if bool(_config_value(zc, "memory_efficient_linear", True)):
+        if zc.memory_efficient_linear:
             linear.install()
         if ctx.device.type == "cpu":
             host_memory.fix_mmap_threshold()  # freed gather buffers go back to the OS at once
         self.params = iter_unique_params([ctx.module])
         self._partition_all()
-        self._mark_persistent(int(_config_value(zc, "stage3_param_persistence_threshold", 100_000)),
-                              int(_config_value(zc, "stage3_model_persistence_threshold", 2**63 - 1)))
+        self._mark_persistent(int(zc.stage3_param_persistence_threshold), int(zc.stage3_model_persistence_threshold))
         # offload_param: shards to host memory or NVMe files (dsrun/runtime/offload/param_swapper.py)
         self.param_offload = param_swapper.attach_param_offload(
-            self.params, getattr(zc, "offload_param", None), ctx.device, self.model_dtype,
-            aio_config=getattr(ctx, "aio_config", None), rank=self.rank, module=ctx.module)
+            self.params, zc.offload_param, ctx.device, self.model_dtype, aio_config=ctx.aio_config, rank=self.rank,
+            gathered_together=[(name or "root", module_params(m)) for name, m in ctx.module.named_modules()])
         self.coordinator = ParameterCoordinator(
-            ctx.module, prefetch_bucket_size=int(_config_value(zc, "stage3_prefetch_bucket_size", 50_000_000)),
-            max_live_parameters=int(_config_value(zc, "stage3_max_live_parameters", 1_000_000_000)),
-            max_reuse_distance=int(_config_value(zc, "stage3_max_reuse_distance", 1_000_000_000)))
+            ctx.module, prefetch_bucket_size=int(zc.stage3_prefetch_bucket_size),
+            max_live_parameters=int(zc.stage3_max_live_parameters),
+            max_reuse_distance=int(zc.stage3_max_reuse_distance))
         if self.param_offload is not None:
             self.coordinator.after_fetch = self.param_offload.after_fetch
 
@@ -114,13 +95,12 @@ class Stage3Strategy(ZeroStrategy):
         self.max_buckets_in_flight = 2
         self._grad_hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
                             for p in self.params if p.requires_grad and id(p) in self._slot]
-        self.global_grad_norm: float | None = None
 
     # --- construction -------------------------------------------------------------------------------------
     def _partition_all(self) -> None:
         """Partition every parameter (those built under ``zero.Init`` already are: bring their shards to the
         engine's device and dtype)."""
-        wanted = getattr(getattr(self.ctx.zero_config, "offload_param", None), "device", "none")
+        wanted = self.ctx.zero_config.offload_param.device
         for p in self.params:
             floating = p.is_floating_point() or (is_zero_param(p) and p.ds_tensor.is_floating_point())
             dtype = self.model_dtype if floating else None
@@ -293,34 +273,8 @@ class Stage3Strategy(ZeroStrategy):
             sq += sg.grad.double().pow(2).sum()  # shard padding holds zeros: it adds nothing
         return sq
 
-    def _any_overflow(self) -> bool:
-        local = self._local_overflow()
-        if self.world_size == 1:
-            return local
-        flag = torch.tensor([1.0 if local else 0.0], device=self.ctx.device)
-        comm.all_reduce(flag, op=comm.ReduceOp.MAX, group=self.ctx.group)
-        return bool(flag.item() > 0)
-
-    def _global_norm(self, scale: float) -> float:
-        sq = self._local_sq_norm()
-        if self.world_size > 1:
-            comm.all_reduce(sq, group=self.ctx.group)
-        return math.sqrt(sq.item()) * scale
-
-    def step(self, gradient_clipping: float) -> StepOutcome:
-        if self.precision.checks_overflow and self._any_overflow():
-            self.global_grad_norm = None
-            return StepOutcome(overflow=True, grad_norm=None)
-        coef = self.post_scale / self.precision.loss_scale
-        norm = None
-        if gradient_clipping and gradient_clipping > 0:
-            norm = self._global_norm(coef)
-            clip_coef = gradient_clipping / (norm + 1e-6)
-            if clip_coef < 1.0:
-                coef *= clip_coef
-        self.global_grad_norm = norm
-        self._apply_update(coef)
-        return StepOutcome(overflow=False, grad_norm=norm)
+    def step_gradients(self) -> list[torch.Tensor]:
+        return [sg.grad for sg in self.sub_groups if sg.grad is not None and sg.grad.device.type != "meta"]
 
     def _apply_update(self, coef: float) -> None:
         """Scale the gradients by ``coef``, step every sub-group and write the model's shards."""
@@ -346,6 +300,14 @@ class Stage3Strategy(ZeroStrategy):
             if self.param_offload is not None:
                 self.param_offload.flush()
         self.coordinator.invalidate()
+
+    def close(self) -> None:
+        for handle in self._grad_hooks:
+            handle.remove()
+        self._grad_hooks = []
+        self.coordinator.remove_hooks()
+        if self.param_offload is not None:
+            self.param_offload.close()
 
     def empty_partition_cache(self) -> None:
         """Release every gathered parameter, persistent ones included (``engine.empty_partition_cache()``)."""
@@ -379,6 +341,15 @@ class Stage3Strategy(ZeroStrategy):
                                optimizer_states=states, padding=int(padding), buffers=pool)
 
     # --- checkpoints and exports --------------------------------------------------------------------------
+    def checkpoint_param_shapes(self) -> list["OrderedDict[str, torch.Size]"]:
+        names = self._names()  # shards of whole parameters, per sub-group
+        return [OrderedDict((names[id(p)], torch.Size(p.ds_shape)) for p in sg.params) for sg in self.sub_groups]
+
+    def frozen_param_fragments(self) -> tuple[dict[str, torch.Size], dict[str, torch.Tensor]]:
+        from dsrun.checkpoint.state import frozen_params
+
+        return frozen_params(self.ctx.module, shard_of=param_swapper.shard_value)  # NVMe shards: from files
+
     def state_dict(self) -> dict[str, Any]:
         names = {id(p): n for n, p in self.ctx.module.named_parameters()}
         sd = {

@@ -200,3 +200,15 @@ def test_clone_tensors_for_torch_save_drops_shared_storage(tmp_path):
     torch.save(item, tmp_path / "view.pt")
     torch.save(cloned, tmp_path / "clone.pt")
     assert (tmp_path / "clone.pt").stat().st_size < (tmp_path / "view.pt").stat().st_size / 10
+
+
+@pytest.mark.parametrize("folder", ["", None, "  "])
+def test_an_empty_checkpoint_folder_is_a_value_error(tmp_path, monkeypatch, folder):
+    """DeepSpeed's save_checkpoint(save_dir="") must fail at once on every rank, not hang or write to the cwd."""
+    monkeypatch.chdir(tmp_path)
+    engine = make_engine(1)
+    with pytest.raises(ValueError, match="save_dir"):
+        engine.save_checkpoint(folder)
+    with pytest.raises(ValueError, match="load_dir"):
+        engine.load_checkpoint(folder)
+    assert list(tmp_path.iterdir()) == []

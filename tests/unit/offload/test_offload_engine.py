@@ -71,7 +71,7 @@ def test_nvme_offload_keeps_states_in_files(tmp_path: Path):
     assert 0 < mem.buffers <= 12 * swapped.pool.numel * 4 + 3 * swapped.pool.numel * 2
     assert swapped.last_times.units == len(swapped.units)
     folder = swapped.store.folder
-    engine.strategy.close()
+    engine.destroy()
     assert not folder.exists()
 
 
@@ -222,7 +222,7 @@ def test_bf16_gradient_files_are_16_bit_when_exact_and_the_step_is_unchanged(tmp
             losses.append(loss.item())
         with dsrun.zero.GatheredParameters(list(engine.module.parameters())):
             params = [p.detach().float().clone() for p in engine.module.parameters()]
-        engine.strategy.close()
+        engine.destroy()
         return losses, params, dtypes
 
     nvme = run({"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 12})

@@ -261,3 +261,78 @@ def test_unused_parameters_do_not_stall_or_skew_the_step(stage: int) -> None:
         ref_opt.step()
     torch.testing.assert_close(engine.module.used.weight, reference.used.weight)
     assert torch.equal(engine.module.unused.weight, unused_before)  # zero gradient, zero decay: unchanged
+
+
+SCHEDULES = [("WarmupLR", {}), ("WarmupDecayLR", {"warmup_num_steps": 10, "total_num_steps": 20}),
+             ("WarmupCosineLR", {"warmup_num_steps": 10, "total_num_steps": 20}),
+             ("OneCycle", {"cycle_min_lr": 0, "cycle_max_lr": 0.1}), ("LRRangeTest", {})]
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.parametrize("kind, params", SCHEDULES, ids=[k for k, _ in SCHEDULES])
+def test_optimizer_lr_is_the_schedules_before_the_first_step(kind: str, params: dict, stage: int) -> None:
+    """DeepSpeed's TestGetLrBeforeTrain: after initialize the optimizer holds scheduler.get_lr(); a warm-up
+    from 0 (WarmupLR's default) makes the first optimizer step move nothing."""
+    cfg = _config(scheduler={"type": kind, "params": params}, gradient_clipping=1.0,
+                  optimizer={"type": "Adam", "params": {"lr": 0.00015}}, zero_optimization={"stage": stage})
+    engine, optimizer, _, scheduler = dsrun.initialize(model=_model(), config=cfg)
+    with pytest.warns(UserWarning) if kind.startswith("Warmup") else _quiet():
+        true_lrs = scheduler.get_lr()
+    assert [g["lr"] for g in optimizer.param_groups] == true_lrs
+    if kind == "WarmupLR":
+        before = [p.detach().clone() for p in engine.module.parameters()]
+        _train_step(engine)
+        assert all(torch.equal(a, p) for a, p in zip(before, engine.module.parameters()))
+
+
+def _quiet():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_destroy_releases_hooks_and_groups(stage: int) -> None:
+    """engine.destroy() (DeepSpeed's name): no autograd or module hook of the engine survives it."""
+    model = _model()
+    engine, *_ = dsrun.initialize(model=model, config=_config(zero_optimization={"stage": stage}))
+    _train_step(engine)
+    hooked = lambda: (sum(len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in model.parameters())  # noqa: E731
+                      + sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()))
+    assert hooked() > 0
+    engine.groups.model  # a group of this rank alone, made on first use
+    engine.destroy()
+    assert hooked() == 0
+    assert all(type(m._parameters) is dict for m in model.modules())
+    assert engine.groups._axis_groups == {"pipe": None, "data": None, "model": None}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_step_hooks_run_around_the_update_on_every_stage(stage: int) -> None:
+    """The one step path's named hooks (dsrun/runtime/zero/step_hooks.py): before_update sees the gradients and
+    may change the coefficient (0: the update moves nothing but Adam's state), after_update follows it."""
+    model = _model()
+    engine, *_ = dsrun.initialize(model=model, config=_config(zero_optimization={"stage": stage},
+                                                             optimizer={"type": "SGD", "params": {"lr": 0.1}},
+                                                             zero_allow_untested_optimizer=True))
+    seen = []
+
+    def before(state) -> None:
+        seen.append(("before", state.step, sum(float(g.abs().sum()) for g in state.gradients()) > 0))
+        state.coef = 0.0
+
+    handle = engine.strategy.hooks.add("before_update", before)
+    engine.strategy.hooks.add("after_update", lambda state: seen.append(("after", state.step, state.coef)))
+    gather = dsrun.zero.GatheredParameters(list(model.parameters()))
+    with gather:
+        start = [p.detach().clone() for p in model.parameters()]
+    _train_step(engine)
+    with gather:
+        assert all(torch.equal(a, p) for a, p in zip(start, model.parameters()))  # plain SGD with coef 0
+    handle.remove()
+    _train_step(engine)
+    with gather:
+        assert not all(torch.equal(a, p) for a, p in zip(start, model.parameters()))
+    assert seen == [("before", 0, True), ("after", 0, 0.0), ("after", 1, 1.0)]
+    with pytest.raises(ValueError, match="before_update"):
+        engine.strategy.hooks.add("before_reduce", before)

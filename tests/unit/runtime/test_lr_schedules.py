@@ -106,3 +106,78 @@ def test_build_from_config_names_and_errors() -> None:
         build_lr_scheduler("WarmupLR", _opt(), {"warmup_steps": 5})
     with pytest.warns(UserWarning, match="using .log."):
         assert WarmupLR(_opt(), warmup_type="cosine").warmup_type == "log"
+
+
+# --- issue 17: the first step's lr, DeepSpeed's argument checks, tensor lrs --------------------------------
+FRESH = [(LRRangeTest, {"lr_range_test_min_lr": 1e-3}, 1e-3),
+         (OneCycle, {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 10, "cycle_momentum": False},
+          0.01),
+         (WarmupLR, {"warmup_min_lr": 0.02, "warmup_num_steps": 10}, 0.02),
+         (WarmupDecayLR, {"total_num_steps": 100, "warmup_min_lr": 0.02, "warmup_num_steps": 10}, 0.02),
+         (WarmupCosineLR, {"total_num_steps": 100, "warmup_num_steps": 10}, 0.0)]
+
+
+@pytest.mark.parametrize("cls, kwargs, first", FRESH, ids=[c[0].__name__ for c in FRESH])
+def test_a_fresh_schedule_puts_its_first_value_into_the_optimizer(cls, kwargs, first) -> None:
+    opt = _opt(0.1)
+    sched = cls(opt, **kwargs)
+    with pytest.warns(UserWarning) if cls in (WarmupLR, WarmupDecayLR, WarmupCosineLR) else _no_warning():
+        before = sched.get_lr()
+    assert [g["lr"] for g in opt.param_groups] == before == pytest.approx([first])
+    assert sched.get_last_lr() == before
+
+
+@pytest.mark.parametrize("cls, kwargs, first", FRESH, ids=[c[0].__name__ for c in FRESH])
+@pytest.mark.parametrize("shape", [(), (1,)])
+def test_a_tensor_lr_stays_the_same_tensor(cls, kwargs, first, shape) -> None:
+    lr = torch.full(shape, 0.1, dtype=torch.float64)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    sched = cls(opt, **kwargs)
+    assert opt.param_groups[0]["lr"] is lr and lr.shape == shape and lr.dtype == torch.float64
+    assert lr.item() == pytest.approx(first)
+    sched.step(1)
+    assert opt.param_groups[0]["lr"] is lr and lr.item() == pytest.approx(sched.get_lr()[0])
+
+
+@pytest.mark.parametrize("make", [
+    lambda o: WarmupLR(o, warmup_num_steps=0), lambda o: WarmupLR(o, warmup_num_steps=-5),
+    lambda o: WarmupLR(o, warmup_num_steps=None), lambda o: WarmupDecayLR(o, 100, warmup_num_steps=0),
+    lambda o: WarmupCosineLR(o, 100, warmup_num_steps=-1), lambda o: LRRangeTest(o, lr_range_test_step_size=0),
+    lambda o: LRRangeTest(o, lr_range_test_step_size=-5), lambda o: OneCycle(o, 0.001, 0.1, cycle_first_step_size=0),
+    lambda o: OneCycle(o, 0.001, 0.1, cycle_first_step_size=-1),
+    lambda o: OneCycle(o, 0.001, 0.1, cycle_first_step_size=100, cycle_second_step_size=-1),
+    lambda o: OneCycle(o, [0.001, 0.002, 0.003], 0.1), lambda o: OneCycle(o, 0.001, 0.1, cycle_max_mom=[0.9, 0.95, 0.99]),
+    lambda o: WarmupLR(o, warmup_min_lr=[0.0, 0.1, 0.2]), lambda o: LRRangeTest(o, lr_range_test_min_lr=[1e-3] * 3),
+])
+def test_constructors_reject_what_deepspeed_rejects(make) -> None:
+    opt = torch.optim.Adam([{"params": [torch.nn.Parameter(torch.zeros(1))]},
+                            {"params": [torch.nn.Parameter(torch.zeros(1))]}], lr=0.1)
+    with pytest.raises(ValueError):
+        make(opt)
+
+
+def test_one_cycle_takes_per_group_lists_and_a_zero_second_half() -> None:
+    opt = torch.optim.Adam([{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 0.1},
+                            {"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 0.2}], betas=(0.9, 0.99))
+    OneCycle(opt, [0.001, 0.002], [0.01, 0.02], cycle_min_mom=[0.8, 0.85], cycle_first_step_size=5)
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.001, 0.002])
+    assert [g["betas"][0] for g in opt.param_groups] == pytest.approx([0.8, 0.85])
+    assert OneCycle(_opt(cls=torch.optim.Adam), 0.001, 0.1, cycle_first_step_size=100,
+                    cycle_second_step_size=0).step_ratio == 1.0
+
+
+def test_config_errors_name_the_params() -> None:
+    with pytest.raises(ConfigError, match="warmup_num_steps must be a positive integer"):
+        build_lr_scheduler("WarmupLR", _opt(), {"warmup_num_steps": 0})
+
+
+def _no_warning():
+    import contextlib
+    import warnings
+
+    @contextlib.contextmanager
+    def guard():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            yield
+    return guard()

@@ -1,5 +1,8 @@
 """ZeRO strategies with the optimizer offloaded (``zero_optimization.offload_optimizer``).
 
+The stores they place state in (host buffers, swap files, the overlap pipeline) are :mod:`dsrun.runtime.offload`,
+a layer below the ZeRO strategies; the strategies here are the stages with that placement.
+
 Each class is its stage's strategy with the master weights, optimizer states and fp32 gradients moved off the
 training device; forward, backward and the collectives are the stage's own. The update runs on the compiled
 CPU optimizer (DeepSpeedCPUAdam/Adagrad/Lion) tile by tile; with a 16-bit model the same pass writes the
@@ -18,21 +21,19 @@ Checkpoints keep the stages' own layout (DeepSpeed's), so offloaded and in-memor
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
-from dsrun import comm
-from dsrun.runtime.zero.base import MemoryBreakdown, StrategyContext, optimizer_state_bytes, tensor_bytes
-from dsrun.runtime.zero.partitioned import Stage1Strategy, Stage2Strategy
-from dsrun.runtime.zero.stage3 import Stage3Strategy, SubGroup
-from dsrun.runtime.zero.partition_params import shard_padding
+from dsrun.runtime.offload import param_swapper
+from dsrun.runtime.offload.nvme import SwappedOptimizerState, SwappedShard, SwappedUnit
+from dsrun.runtime.offload.pipeline import PipelineTimes, StepPipeline, scatter_to_shards
+from dsrun.runtime.offload.settings import CPU_TILE_ELEMENTS, OffloadOptimizerSettings, host_empty, require_cpu_optimizer
 
-from . import param_swapper
-from .nvme import SwappedOptimizerState, SwappedShard, SwappedUnit
-from .pipeline import PipelineTimes, StepPipeline, scatter_to_shards
-from .settings import CPU_TILE_ELEMENTS, OffloadOptimizerSettings, host_empty, require_cpu_optimizer
+from .base import MemoryBreakdown, StrategyContext, optimizer_state_bytes, tensor_bytes
+from .partition_params import shard_padding
+from .partitioned import Stage1Strategy, Stage2Strategy
+from .stage3 import Stage3Strategy, SubGroup
 
 HOST = torch.device("cpu")
 
@@ -78,7 +79,7 @@ class _OffloadedPartitions:
         """The host fp32 gradient of elements [a, b) of group gi's partition, scaled by ``coef``."""
         raise NotImplementedError
 
-    def _apply_update(self, grads: list[torch.Tensor], coef: float) -> None:
+    def _update_masters(self, grads: list[torch.Tensor], coef: float) -> None:
         if self.cpu_optimizer is None:  # zero_force_ds_cpu_optimizer: false: another optimizer, on the host
             for gi, master in enumerate(self.masters):
                 master.grad = self._host_grad_tile(gi, 0, master.numel(), coef)
@@ -137,6 +138,10 @@ class _OffloadedPartitions:
     def last_step_times(self) -> PipelineTimes:
         return self.pipeline.times
 
+    def close(self) -> None:
+        super().close()  # type: ignore[misc]
+        self.pipeline.close()
+
 
 class OffloadStage1Strategy(_OffloadedPartitions, Stage1Strategy):
     """ZeRO-1 with master partitions, optimizer states and the fp32 gradient partition on the host. The
@@ -158,17 +163,15 @@ class OffloadStage1Strategy(_OffloadedPartitions, Stage1Strategy):
             tile.mul_(coef)
         return tile
 
-    def _global_norm(self, grads: list[torch.Tensor], scale: float) -> float:
-        if all(g.dtype == torch.float32 for g in grads):
-            return super()._global_norm(grads, scale)
+    def _local_sq_norm(self) -> torch.Tensor:
+        if all(g.dtype == torch.float32 for g in self._step_grads):
+            return super()._local_sq_norm()
         sq = torch.zeros(1, dtype=torch.float64, device=self.ctx.device)
-        for g in grads:  # 16-bit partitions: square in fp32, a chunk at a time
+        for g in self._step_grads:  # 16-bit partitions: square in fp32, a chunk at a time
             for chunk in g.split(CPU_TILE_ELEMENTS):
                 c = chunk.float()
                 sq += torch.dot(c, c).double()
-        if self.world_size > 1:
-            comm.all_reduce(sq, group=self.ctx.group)
-        return math.sqrt(sq.item()) * scale
+        return sq
 
 
 class OffloadStage2Strategy(_OffloadedPartitions, Stage2Strategy):
@@ -205,7 +208,7 @@ class OffloadStage3Strategy(Stage3Strategy):
                                       "a DeepSpeed CPU optimizer", "use optimizer type Adam, AdamW, Adagrad or Lion"))
         self.swapped: SwappedOptimizerState | None = None
         if settings.device == "nvme":
-            measure = ctx.precision.checks_overflow or float(getattr(ctx, "gradient_clipping", 0.0) or 0.0) > 0
+            measure = ctx.precision.checks_overflow or ctx.gradient_clipping > 0
             self.swapped = SwappedOptimizerState(settings, ctx.optimizer, ctx.rank, ctx.precision.model_dtype,
                                                  measure_gradients=measure)
         self._offload_budget: float | None = None
@@ -448,6 +451,7 @@ class OffloadStage3Strategy(Stage3Strategy):
                                optimizer_states=states, padding=int(padding), buffers=buffers)
 
     def close(self) -> None:
+        super().close()
         self.pipeline.close()
         if self.swapped is not None:
             self.swapped.close()

@@ -1,0 +1,158 @@
+"""The process groups of one run, built once from the world and the parallel sizes, handed to every strategy.
+
+:class:`ProcessGroups` holds a :class:`~dsrun.comm.topology.ProcessTopology` over the axes ``pipe``, ``data``
+and ``model`` and, for this rank, one torch process group per axis. A group that spans the whole world is
+the default group (``None``), so a plain data-parallel run creates no extra communicator. ZeRO partitions
+over :attr:`ProcessGroups.data`; a pipeline engine sends along ``pipe``; tensor parallelism reduces along
+``model``.
+
+Expert parallelism (Mixture-of-Experts) splits each data-parallel group further, as
+``deepspeed.utils.groups`` does: with ``expert_parallel_size`` E, the data-parallel ranks ``[d0 .. dD)`` form
+expert-parallel groups of E consecutive ranks (the experts of one MoE layer are spread over them, tokens
+move by all-to-all) and expert-data-parallel groups of the ranks at the same position in each of those
+(an expert's replicas, whose gradients are averaged). World 4, data 4, E 2: expert ``[[0, 1], [2, 3]]``,
+expert-data ``[[0, 2], [1, 3]]``. They are created on first request (:meth:`ProcessGroups.expert`),
+collectively, so every rank must ask for the same sizes in the same order.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from . import comm
+from .topology import PipeModelDataParallelTopology, ProcessTopology
+
+ProcessGroup = Any
+_SINGLE = object()  # a group of this rank alone, not created until used
+
+
+class ProcessGroups:
+    """This rank's view of the run's topology and its process groups (built collectively: every rank
+    constructs it with the same sizes)."""
+
+    def __init__(self, pipe: int = 1, model: int = 1, world_size: int | None = None, rank: int | None = None):
+        self.world_size = comm.get_world_size() if world_size is None else int(world_size)
+        self.rank = comm.get_rank() if rank is None else int(rank)
+        if self.world_size % (pipe * model):
+            raise ValueError(f"world size {self.world_size} is not divisible by pipe {pipe} x model {model}")
+        self.topology: ProcessTopology = PipeModelDataParallelTopology(
+            num_pp=pipe, num_mp=model, num_dp=self.world_size // (pipe * model))
+        self._axis_groups: dict[str, ProcessGroup] = {axis: self._own_group(self.topology.get_axis_comm_lists(axis))
+                                                      for axis in self.topology.get_axis_names()}
+        self._expert: dict[int, tuple[ProcessGroup, ProcessGroup, list[int], list[int]]] = {}
+
+    def _own_group(self, lists: list[list[int]]) -> ProcessGroup:
+        """Create every group of ``lists`` (a collective: all ranks create all of them, in order) and return
+        this rank's; the whole world is the default group. Groups of one rank are made by that rank alone,
+        when first used (:meth:`_resolve`)."""
+        if len(lists) == 1 and len(lists[0]) == self.world_size:
+            return None
+        if all(len(ranks) == 1 for ranks in lists):
+            return _SINGLE
+        mine = None
+        for ranks in lists:
+            group = comm.new_group(ranks)
+            if self.rank in ranks:
+                mine = group
+        return mine
+
+    def _resolve(self, key: Any, group: ProcessGroup, store: dict) -> ProcessGroup:
+        if group is _SINGLE:
+            group = store[key] = comm.new_group([self.rank], local=True)
+        return group
+
+    # --- the three axes -------------------------------------------------------------------------------
+    def group(self, axis: str) -> ProcessGroup:
+        """This rank's torch process group along ``axis`` (None: the whole world)."""
+        return self._resolve(axis, self._axis_groups[axis], self._axis_groups)
+
+    @property
+    def data(self) -> ProcessGroup:
+        """The data-parallel group ZeRO partitions over (None: the whole world)."""
+        return self.group("data")
+
+    @property
+    def pipe(self) -> ProcessGroup:
+        return self.group("pipe")
+
+    @property
+    def model(self) -> ProcessGroup:
+        return self.group("model")
+
+    def members(self, axis: str) -> list[int]:
+        """The global ranks of this rank's group along ``axis``."""
+        for ranks in self.topology.get_axis_comm_lists(axis):
+            if self.rank in ranks:
+                return ranks
+        raise ValueError(f"no axis {axis!r}")
+
+    def size(self, axis: str) -> int:
+        return self.topology.get_dim(axis)
+
+    def coord(self, axis: str) -> int:
+        return getattr(self.topology.get_coord(self.rank), axis)
+
+    # --- experts --------------------------------------------------------------------------------------
+    def expert_lists(self, expert_parallel_size: int) -> tuple[list[list[int]], list[list[int]]]:
+        """(expert-parallel rank lists, expert-data-parallel rank lists) over every data-parallel group."""
+        size = int(expert_parallel_size)
+        dp = self.size("data")
+        if size < 1 or dp % size:
+            raise ValueError(f"expert parallel size {size} must divide the data-parallel size {dp}")
+        experts, replicas = [], []
+        for ranks in self.topology.get_axis_comm_lists("data"):
+            experts += [ranks[i:i + size] for i in range(0, dp, size)]
+            replicas += [ranks[j::size] for j in range(size)]
+        return experts, replicas
+
+    def _expert_entry(self, expert_parallel_size: int) -> tuple[ProcessGroup, ProcessGroup, list[int], list[int]]:
+        size = int(expert_parallel_size)
+        if size not in self._expert:
+            experts, replicas = self.expert_lists(size)
+            mine_e = next(r for r in experts if self.rank in r)
+            mine_d = next(r for r in replicas if self.rank in r)
+            self._expert[size] = (self._own_group(experts), self._own_group(replicas), mine_e, mine_d)
+        return self._expert[size]
+
+    def expert(self, expert_parallel_size: int) -> ProcessGroup:
+        """This rank's expert-parallel group for ``expert_parallel_size`` (created on first request)."""
+        return self._expert_group(expert_parallel_size, 0)
+
+    def expert_data(self, expert_parallel_size: int) -> ProcessGroup:
+        """This rank's expert-data-parallel group (an expert's replicas) for ``expert_parallel_size``."""
+        return self._expert_group(expert_parallel_size, 1)
+
+    def _expert_group(self, size: int, which: int) -> ProcessGroup:
+        entry = self._expert_entry(size)
+        if entry[which] is _SINGLE:
+            resolved = list(entry)
+            resolved[which] = comm.new_group([self.rank], local=True)
+            self._expert[int(size)] = entry = tuple(resolved)
+        return entry[which]
+
+    def expert_members(self, expert_parallel_size: int) -> tuple[list[int], list[int]]:
+        """The global ranks of this rank's (expert, expert-data) groups."""
+        entry = self._expert_entry(expert_parallel_size)
+        return entry[2], entry[3]
+
+    def destroy(self) -> None:
+        """Destroy the groups this object created (not the world's default group)."""
+        created = [g for g in self._axis_groups.values() if g is not None and g is not _SINGLE]
+        for entry in self._expert.values():
+            created += [g for g in entry[:2] if g is not None and g is not _SINGLE]
+        for group in {id(g): g for g in created}.values():
+            comm.destroy_process_group(group)
+        self._axis_groups = {axis: None for axis in self._axis_groups}
+        self._expert = {}
+
+
+def from_data_group(group: ProcessGroup) -> "ProcessGroups":
+    """The groups of a run whose data-parallel group comes from a client ``mpu``: model parallelism fills the
+    rest of the world, no pipeline."""
+    dp = comm.get_world_size(group)
+    world = comm.get_world_size()
+    groups = ProcessGroups.__new__(ProcessGroups)
+    groups.world_size, groups.rank = world, comm.get_rank()
+    groups.topology = PipeModelDataParallelTopology(num_pp=1, num_mp=world // dp, num_dp=dp)
+    groups._axis_groups = {"pipe": None, "data": group, "model": None}
+    groups._expert = {}
+    return groups

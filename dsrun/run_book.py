@@ -1,0 +1,121 @@
+"""The bookkeeping around ``dsrun.worker``'s training loop, so the loop itself reads top to bottom.
+
+:class:`RunBook` records what a run reports (losses, learning rates, step times and timers, evaluations,
+throughput), prints the progress lines, saves checkpoints on schedule, agrees with the other ranks when to stop
+(SIGTERM/SIGINT on any rank), and at the end writes ``metrics.json`` and the run's reports.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from dsrun.checkpoint.training import TrainingCheckpoints
+from dsrun.monitor.progress import TrainingProgress
+from dsrun.rundir import DS_CONFIG_JSON, METRICS_JSON, RESOLVED_YAML, atomic_write_text
+from dsrun.runtime.observer import write_run_reports
+
+
+class RunBook:
+    """Everything a rank records about its run besides training itself."""
+
+    def __init__(self, engine: Any, loader: Any, run_dir: Path, cfg: Any, max_steps: int, tokens_per_step: int,
+                 num_params: int, step_flops: int | None, evaluate: Callable[[], float],
+                 report_throughput: Callable[..., tuple[float, float]], step_timers: Callable[..., Any],
+                 mean_across_ranks: Callable[[float], float], stop_agreed: Callable[[], bool], world_size: int,
+                 eval_counts: Callable[[], dict[str, Any]] = dict):
+        self.engine, self.run_dir, self.max_steps = engine, run_dir, max_steps
+        self.tokens_per_step, self.step_flops = tokens_per_step, step_flops
+        self._evaluate, self._throughput, self._timers = evaluate, report_throughput, step_timers
+        self._mean, self._stop_agreed, self._eval_counts = mean_across_ranks, stop_agreed, eval_counts
+        self.rank = engine.global_rank
+        self.eval_every = cfg.eval_interval or max_steps
+        self.metrics: dict[str, Any] = {
+            "train_losses": [], "eval_losses": [], "lrs": [], "world_size": world_size,
+            "tokens_per_step": tokens_per_step, "max_steps": max_steps, "loss_unit": "nats per token",
+            "train_batch_size": engine.train_batch_size(),
+            "micro_batch_size": engine.train_micro_batch_size_per_gpu(),
+            "gradient_accumulation_steps": engine.gradient_accumulation_steps(), "num_params": num_params,
+            "step_flops": step_flops, "step_times_ms": [], "step_timers_ms": []}  # per step, for dsrun tune
+        # checkpoints: resume before the first step (train.resume), save every train.save_interval steps
+        self.checkpoints = TrainingCheckpoints(engine, loader, run_dir, cfg.save_interval, cfg.resume, cfg.keep_last)
+        self.first_step = 1
+        self.progress: TrainingProgress | None = None
+        self._start = self._step_started = 0.0
+        self._timers_before: Any = None
+
+    def announce(self, model_name: str, seq_len: int) -> None:
+        if self.rank == 0:
+            print(f"[dsrun] training {model_name} ({self.metrics['num_params']:,} parameters) for {self.max_steps} "
+                  f"steps on {self.metrics['world_size']} rank(s); {self.engine.train_batch_size()} samples x "
+                  f"{seq_len} tokens per step", flush=True)
+
+    def resume(self) -> int:
+        """Load the checkpoint to resume from, if any; returns the first step to train."""
+        self.first_step = self.checkpoints.resume() + 1
+        if self.first_step > 1:
+            self.metrics["resumed_from_step"] = self.first_step - 1
+        self.engine.print_step_lines = False  # the progress line carries step, loss and lr
+        self.progress = TrainingProgress(self.max_steps, enabled=self.rank == 0,
+                                         print_every=max(1, self.engine.steps_per_print()),
+                                         start_step=self.first_step - 1)
+        return self.first_step
+
+    def evaluate_first(self) -> None:
+        initial = self._evaluate()
+        self.metrics["eval_losses"].append({"step": self.first_step - 1, "loss": initial, **self._eval_counts()})
+        self.progress.note(f"[dsrun] step {self.first_step - 1}/{self.max_steps} | eval {initial:.4f}")
+        self._start = time.perf_counter()
+
+    def step_begins(self) -> None:
+        self._step_started, self._timers_before = time.perf_counter(), self._timers(self.engine, None)
+
+    def step_ends(self, step: int, loss: float) -> bool:
+        """Record optimizer step ``step`` (``loss``: this rank's mean over its micro-batches); evaluate, report,
+        save a checkpoint when due. Returns True when every rank agreed to stop."""
+        engine, metrics = self.engine, self.metrics
+        metrics["step_times_ms"].append((time.perf_counter() - self._step_started) * 1e3)
+        metrics["step_timers_ms"].append(self._timers(engine, self._timers_before))
+        loss = self._mean(loss)
+        metrics["train_losses"].append(loss)
+        metrics["lrs"].append(engine.get_lr()[0])
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"training loss became {loss} at step {step}")
+        if step % self.eval_every == 0 or step == self.max_steps:
+            eval_loss = self._evaluate()
+            metrics["eval_losses"].append({"step": step, "loss": eval_loss, **self._eval_counts()})
+            engine.monitor.write_events([("Eval/Samples/eval_loss", eval_loss, engine.global_samples)])
+        elapsed = time.perf_counter() - self._start
+        samples_s, tokens_s = self._throughput(engine, step - self.first_step + 1, elapsed, self.tokens_per_step,
+                                               self.step_flops)
+        evaluated = metrics["eval_losses"][-1]["step"] == step
+        self.progress.update(step, loss, engine.get_lr()[0], samples_s, tokens_s, elapsed,
+                             extra=f"eval {metrics['eval_losses'][-1]['loss']:.4f}" if evaluated else "")
+        stopping = self._stop_agreed()
+        self.checkpoints.save_if_due(step, force=stopping)  # a stopped run saves where it is, if saving is on
+        return stopping
+
+    def finish(self, stopped_by: Any, record_peak: Callable[[], None],
+               extra_metrics: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Close the progress line, write metrics.json (rank 0) and the run's reports; returns the metrics."""
+        engine, metrics = self.engine, self.metrics
+        if stopped_by is not None:
+            metrics["stopped_by_signal"] = stopped_by
+        self.progress.close()
+        wall = time.perf_counter() - self._start
+        steps_done = len(metrics["train_losses"])
+        metrics.update(steps=steps_done, wall_time_s=wall,
+                       samples_per_second=steps_done * engine.train_batch_size() / wall,
+                       tokens_per_second=steps_done * self.tokens_per_step / wall,
+                       final_eval_loss=metrics["eval_losses"][-1]["loss"] if metrics["eval_losses"] else None,
+                       **(extra_metrics or {}))
+        record_peak()
+        reports = write_run_reports(engine, self.run_dir)  # comms.json, flops_profile.txt (rank 0)
+        if self.rank == 0:
+            atomic_write_text(self.run_dir / METRICS_JSON, json.dumps(metrics, indent=2) + "\n")
+        engine.monitor.log_artifacts([self.run_dir / RESOLVED_YAML, self.run_dir / DS_CONFIG_JSON,
+                                      self.run_dir / METRICS_JSON, *reports])
+        engine.monitor.close()
+        return metrics

@@ -1,0 +1,135 @@
+"""The layer table of docs/architecture.md holds for every module under dsrun/: imports run down the layers
+only, no two modules import each other (directly or through others), every module has a room, and no file
+passes 600 lines. Imports inside functions count as much as those at the top of a file."""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGE = REPO / "dsrun"
+MAX_LINES = 600
+
+
+def layer_table() -> dict[str, int]:
+    text = (REPO / "docs" / "architecture.md").read_text()
+    block = re.search(r"```layers\n(.*?)```", text, re.S)
+    assert block, "docs/architecture.md has no ```layers block"
+    rooms: dict[str, int] = {}
+    for line in block.group(1).splitlines():
+        layer, _, names = line.partition(":")
+        for name in names.split():
+            assert name not in rooms, f"room {name} listed twice"
+            rooms[name] = int(layer)
+    return rooms
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def imports_of(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    found: set[str] = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            # `from pkg import sub` imports pkg.sub (and runs pkg's __init__, which is above it anyway);
+            # `from pkg import name` imports pkg itself
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
+        for target in targets:
+            while target and target not in known and "." in target:
+                target = target.rpartition(".")[0]
+            if target in known and target != name and target.startswith("dsrun"):
+                found.add(target)
+    return found
+
+
+def room_of(name: str, rooms: dict[str, int]) -> str | None:
+    best = None
+    for room in rooms:
+        matches = name == room or (room != "dsrun" and name.startswith(room + "."))
+        if matches and (best is None or len(room) > len(best)):
+            best = room
+    return best
+
+
+def test_every_module_has_a_room_and_imports_only_downwards() -> None:
+    rooms, known = layer_table(), modules()
+    problems = []
+    for name, path in sorted(known.items()):
+        room = room_of(name, rooms)
+        if room is None:
+            problems.append(f"{name}: in no room of docs/architecture.md's layer table")
+            continue
+        for target in sorted(imports_of(name, path, known)):
+            other = room_of(target, rooms)
+            if other is not None and other != room and rooms[other] >= rooms[room]:
+                problems.append(f"{name} (layer {rooms[room]}, {room}) imports {target} "
+                                f"(layer {rooms[other]}, {other})")
+    assert not problems, "\n".join(problems)
+
+
+def test_no_import_cycles() -> None:
+    known = modules()
+    graph = {name: imports_of(name, path, known) for name, path in known.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert not cycles, f"modules importing each other: {cycles}"
+
+
+def test_no_file_over_600_lines() -> None:
+    long = {str(p.relative_to(REPO)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"files over {MAX_LINES} lines: {long}"
+
+
+def test_the_checker_sees_an_upward_import(tmp_path) -> None:
+    """The checker itself: a lower room importing a higher one is reported (inside a function too)."""
+    rooms = {"dsrun.low": 0, "dsrun.high": 1}
+    low = tmp_path / "low.py"
+    low.write_text("def f():\n    from dsrun.high import thing\n")
+    known = {"dsrun.low": low, "dsrun.high": tmp_path / "high.py"}
+    assert imports_of("dsrun.low", low, known) == {"dsrun.high"}
+    assert rooms[room_of("dsrun.high", rooms)] > rooms[room_of("dsrun.low", rooms)]
+    assert room_of("dsrun.lowest", rooms) is None and room_of("dsrun", {"dsrun": 0}) == "dsrun"
