@@ -6,7 +6,8 @@ run's topology and process groups (:mod:`.topology`, :mod:`.groups`). Every
 collective is counted (calls, message bytes, traffic bytes) by the comms logger; read the totals with
 :func:`get_comms_stats`.
 """
-from .comm import (ReduceOp, all_gather, all_gather_into_tensor, all_gather_object, all_reduce, barrier,
+from .comm import (ReduceOp, all_gather, all_gather_into_tensor, all_gather_object, all_reduce, all_to_all_single,
+                   barrier,
                    broadcast, broadcast_object_list, comms_logger, comms_report, configure, destroy_process_group,
                    get_backend, get_comms_stats, get_global_rank, get_local_rank, get_rank, get_world_size,
                    init_distributed, is_initialized,
@@ -16,7 +17,8 @@ from .logger import CommsLogger, OpStats
 from .topology import PipeDataParallelTopology, PipeModelDataParallelTopology, ProcessTopology
 
 __all__ = [
-    "ReduceOp", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "barrier", "broadcast",
+    "ReduceOp", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all_single",
+    "barrier", "broadcast",
     "broadcast_object_list", "comms_logger", "comms_report", "configure", "destroy_process_group", "get_backend",
     "get_comms_stats", "get_global_rank", "get_local_rank", "get_rank", "get_world_size", "init_distributed",
     "is_initialized",

@@ -197,6 +197,26 @@ def all_gather(tensor_list: Sequence[torch.Tensor], tensor: torch.Tensor, group:
                 lambda: dist.all_gather(list(tensor_list), tensor, group=group, async_op=async_op), async_op)
 
 
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int] | None = None,
+                      input_split_sizes: Sequence[int] | None = None, group: ProcessGroup = None,
+                      async_op: bool = False) -> Any:
+    """Rank r sends piece j of ``input`` (dim 0) to rank j and receives rank j's piece r into piece j of
+    ``output``; pieces are equal unless split sizes (rows along dim 0) are given. The tensor form is the one
+    gloo and NCCL both have (MoE's token exchange). Logged with the input as the message; the traffic is
+    what leaves this rank (the input less its own piece)."""
+    n = get_world_size(group)
+    size = _nbytes(input)
+    if input_split_sizes is not None:
+        row = size // max(1, input.shape[0]) if input.dim() else 0
+        own = row * int(input_split_sizes[get_rank(group)])
+    else:
+        own = size // n
+    return _run("all_to_all_single", size, size - own,
+                lambda: dist.all_to_all_single(output, input, output_split_sizes=output_split_sizes,
+                                               input_split_sizes=input_split_sizes, group=group,
+                                               async_op=async_op), async_op)
+
+
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup = None, async_op: bool = False) -> Any:
     size = _nbytes(tensor)
     return _run("broadcast", size, size if get_world_size(group) > 1 else 0,

@@ -17,12 +17,13 @@ STAGES = (0, 1, 2, 3)
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("inference_ckpt")
-    jobs = [dict(stage=s, precision="fp32", steps=2, global_batch=4, dropout=0.0, save_at=(2,),
+    # 3 steps: the log warm-up from 0 (DeepSpeed's WarmupLR) steps with lr 0 twice before the weights move
+    jobs = [dict(stage=s, precision="fp32", steps=3, global_batch=4, dropout=0.0, save_at=(3,),
                  save_dir=str(root / f"stage{s}")) for s in STAGES]
-    jobs.append(dict(stage=2, precision="bf16", steps=2, global_batch=4, dropout=0.0, export16=str(root / "bf16")))
+    jobs.append(dict(stage=2, precision="bf16", steps=3, global_batch=4, dropout=0.0, export16=str(root / "bf16")))
     results = run_ranks(run_jobs, 2, jobs, timeout=400)[0]
     sources = {f"stage{s}": str(root / f"stage{s}") for s in STAGES}
-    sources["tag"] = str(root / "stage3" / "global_step2")  # one tag's folder
+    sources["tag"] = str(root / "stage3" / "global_step3")  # one tag's folder
     sources["bf16_file"] = str(root / "bf16" / "pytorch_model.bin")
     sources["description"] = {"type": "ds_model", "version": 0.0, "checkpoints": "stage1", "base_dir": str(root)}
     params = {f"stage{s}": results[i]["params"] for i, s in enumerate(STAGES)}

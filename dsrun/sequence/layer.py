@@ -1,0 +1,91 @@
+"""DeepSpeed-Ulysses sequence parallelism: attention over a sequence sharded across ranks.
+
+Each rank of a sequence-parallel group of P ranks holds 1/P of the sequence with all attention heads. An
+all-to-all re-shards q, k and v to the whole sequence with 1/P of the heads, the wrapped local attention runs
+on that (attention is independent per head), and a second all-to-all returns the output to sequence shards
+with all heads. Each all-to-all moves 1/P of a tensor's bytes per peer, so the traffic per rank stays
+constant as the sequence and the group grow together (the Ulysses paper's argument).
+
+``scatter_idx`` is the heads dimension and ``gather_idx`` the sequence dimension of the tensors the caller
+passes, as in ``deepspeed.sequence.layer.DistributedAttention``: the defaults (2, 0) suit Megatron's
+``[seq, batch, heads, head_dim]`` layout; ``[batch, seq, heads, head_dim]`` takes ``gather_idx=1``. The rank
+order of the group is the order of the sequence shards.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dsrun import comm
+
+
+def _all_to_all(x: torch.Tensor, group: Any, scatter_idx: int, gather_idx: int) -> torch.Tensor:
+    """Split ``x`` into P pieces along ``scatter_idx``, send piece j to rank j of ``group``, and concatenate
+    the pieces received along ``gather_idx`` in rank order."""
+    world = comm.get_world_size(group)
+    if world == 1:
+        return x
+    dims = x.dim()
+    scatter_idx, gather_idx = scatter_idx % dims, gather_idx % dims
+    if scatter_idx == gather_idx:
+        raise ValueError(f"scatter_idx and gather_idx must differ, both are {scatter_idx}")
+    if x.shape[scatter_idx] % world:
+        raise ValueError(f"dimension {scatter_idx} of size {x.shape[scatter_idx]} does not split over "
+                         f"{world} sequence-parallel ranks: make it a multiple of {world}")
+    front = x.movedim(scatter_idx, 0)  # the pieces to send lie along dim 0
+    pieces = front.reshape(world, front.shape[0] // world, *front.shape[1:]).contiguous()
+    received = torch.empty_like(pieces)
+    comm.all_to_all_single(received, pieces, group=group)
+    gather = gather_idx + 1 if gather_idx < scatter_idx else gather_idx  # its place in ``front``
+    # received: [P, piece, ...] with the gathered dimension at gather + 1; put P just before it and merge them
+    moved = received.movedim(0, gather)
+    shape = list(moved.shape)
+    merged = moved.reshape(*shape[:gather], shape[gather] * shape[gather + 1], *shape[gather + 2:])
+    return merged.movedim(0, scatter_idx)
+
+
+class _SeqAllToAll(torch.autograd.Function):
+    """The all-to-all as an autograd function: its gradient is the all-to-all that swaps the two dims."""
+
+    @staticmethod
+    def forward(ctx: Any, group: Any, x: torch.Tensor, scatter_idx: int, gather_idx: int) -> torch.Tensor:
+        ctx.group, ctx.scatter_idx, ctx.gather_idx = group, scatter_idx, gather_idx
+        return _all_to_all(x, group, scatter_idx, gather_idx)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor, None, None]:
+        return None, _all_to_all(grad.contiguous(), ctx.group, ctx.gather_idx, ctx.scatter_idx), None, None
+
+
+def single_all_to_all(x: torch.Tensor, scatter_idx: int, gather_idx: int, group: Any = None) -> torch.Tensor:
+    """Differentiable all-to-all over ``group``: ``x`` split along ``scatter_idx``, gathered along
+    ``gather_idx`` (the sequence-parallel exchange)."""
+    return _SeqAllToAll.apply(group, x, scatter_idx, gather_idx)
+
+
+class DistributedAttention(torch.nn.Module):
+    """Wrap ``local_attention(q, k, v, *args, **kwargs)`` so it runs on a sequence sharded over
+    ``sequence_process_group`` (``None``: the whole world).
+
+    ``forward(query, key, value, *args, **kwargs)`` takes this rank's sequence shard of each (all heads) and
+    returns this rank's shard of the attention output, equal to running ``local_attention`` on the whole
+    sequence and slicing. Extra arguments go to ``local_attention`` unchanged: a mask must already be the
+    full-sequence one. ``sp_stream`` is accepted for DeepSpeed's signature; CUDA stream overlap of the
+    exchanges is not implemented, they run on the current stream.
+    """
+
+    def __init__(self, local_attention: Any, sequence_process_group: Any, scatter_idx: int = 2,
+                 gather_idx: int = 0, sp_stream: Any = None) -> None:
+        super().__init__()
+        self.local_attn = local_attention
+        self.spg = sequence_process_group
+        self.scatter_idx = scatter_idx
+        self.gather_idx = gather_idx
+        self.sp_stream = sp_stream
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
+                **kwargs: Any) -> torch.Tensor:
+        q, k, v = (single_all_to_all(t, self.scatter_idx, self.gather_idx, self.spg) for t in (query, key, value))
+        context = self.local_attn(q, k, v, *args, **kwargs)
+        return single_all_to_all(context, self.gather_idx, self.scatter_idx, self.spg)
