@@ -183,7 +183,7 @@ class EngineMethods:
         """The Hessian eigenvalue estimator MoQ uses (``eigenvalue.enabled`` with ``quantize_training``)."""
         return getattr(getattr(self, "compression", None), "eigenvalue", None)
 
-    # sequence parallelism (DeepSpeed-Ulysses) is not built: its data-parallel group is the data-parallel group
+    # the engine has no sequence-parallel groups yet (docs/sequence_parallel.md): its data-parallel group is the whole one
     sequence_parallel_size = 1
 
     @property
