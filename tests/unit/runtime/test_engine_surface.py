@@ -195,3 +195,14 @@ def test_tiled_linear_computes_the_linear_layer() -> None:
     torch.testing.assert_close(out + bias, linear(x), rtol=1e-12, atol=1e-12)
     with pytest.raises(RuntimeError, match="in splits"):
         TiledLinear(3, 2, in_splits=4)
+
+
+def test_the_compile_section_compiles_the_module() -> None:
+    plain = _engine()
+    compiled = _engine(compile={"enabled": True, "backend": "eager"})
+    assert compiled.is_compiled and not plain.is_compiled
+    assert compiled.module._compiled_call_impl is not None and plain.module._compiled_call_impl is None
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(compiled(x), plain(x), rtol=0, atol=0)  # the eager backend runs the same ops
+    compiled.compile(backend="inductor")  # a second call does nothing, as in DeepSpeed
+    assert compiled.module._compiled_call_impl is not None
