@@ -115,3 +115,64 @@ def _one_stage(rank: int, world: int, stage: int) -> dict[str, Any]:
     out["final"] = {n: _np(safe_get_full_fp32_param(params[n])) for n in names}
     comm.barrier()
     return out
+
+
+def reduction_reference() -> dict[str, Any]:
+    """Plain PyTorch (float64, one process): one SGD step on the sum of two global batches' losses, and one on
+    a single global batch's loss."""
+    out = {}
+    for name, steps in (("no_sync", (0, 1)), ("deferred", (0,))):
+        model = build_model(torch.float64)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        loss = sum(torch.nn.functional.mse_loss(model(x), y) for x, y in (batch(s, torch.float64) for s in steps))
+        loss.backward()
+        opt.step()
+        out[name] = {n: _np(p) for n, p in model.named_parameters()}
+    return out
+
+
+def reduction_stages(rank: int, world: int, stages: list[int]) -> dict[int, dict[str, Any]]:
+    """At each stage: two backwards, the first inside ``no_sync()``, then one step; one backward with
+    ``enable_backward_allreduce = False`` reduced by ``allreduce_gradients()``; and DeepSpeed's
+    ``buffered_allreduce_fallback`` on tensors that differ per rank."""
+    import dsrun
+    from dsrun import comm
+
+    per = GLOBAL_BATCH // world
+
+    def engine_at(stage):
+        model = build_model()
+        cfg = {"train_micro_batch_size_per_gpu": per, "gradient_accumulation_steps": 1,
+               "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_allow_untested_optimizer": True,
+               "zero_optimization": {"stage": stage, "reduce_bucket_size": 50}, "steps_per_print": 1000}
+        return dsrun.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+
+    def micro(engine, step):
+        x, y = batch(step)
+        return torch.nn.functional.mse_loss(engine(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per])
+
+    try:
+        out: dict[int, dict[str, Any]] = {}
+        for stage in stages:
+            engine = engine_at(stage)
+            with engine.no_sync():
+                engine.backward(micro(engine, 0))
+            engine.backward(micro(engine, 1))
+            engine.step()
+            result = {"no_sync": {n: _np(p) for n, p in engine.module.named_parameters()}}
+            engine = engine_at(stage)
+            engine.enable_backward_allreduce = False
+            engine.backward(micro(engine, 0))
+            engine.allreduce_gradients()
+            engine.step()
+            result["deferred"] = {n: _np(p) for n, p in engine.module.named_parameters()}
+            result["applied"] = engine.was_step_applied()
+            grads = [torch.full((3,), float(rank + 1)), torch.full((2, 2), float(10 * rank))]
+            engine.buffered_allreduce_fallback(grads=grads)
+            result["fallback"] = [_np(g) for g in grads]
+            out[stage] = result
+        comm.barrier()
+        return out
+    finally:
+        if comm.is_initialized():
+            comm.destroy_process_group()
