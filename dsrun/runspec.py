@@ -102,18 +102,30 @@ def resolve_run(cfg: DictConfig) -> ResolvedRun:
     except UserError as err:
         problems += err.problems
     ds = None
+    world, source = (plan.world_size, describe_world(plan)) if plan else (1, "launcher (invalid, assumed 1)")
+    stages = OmegaConf.select(cfg, "model.pipeline_stages") or 1
+    if isinstance(stages, int) and stages > 1:  # a pipeline: the batch sizes count data-parallel ranks only
+        if world % stages:
+            problems.append(Problem("model.pipeline_stages", f"{stages} stages do not divide the {world} ranks",
+                                    "launch a multiple of model.pipeline_stages ranks"))
+        world, source = max(1, world // stages), f"{source}, divided by model.pipeline_stages={stages}"
     try:
-        ds = load_ds_config(_section(cfg, "ds"), world_size=plan.world_size if plan else 1,
-                            world_size_source=describe_world(plan) if plan else "launcher (invalid, assumed 1)",
+        ds = load_ds_config(_section(cfg, "ds"), world_size=world, world_size_source=source,
                             auto_values=_auto_values(cfg), path_prefix="ds")
     except ConfigError as err:
         problems += err.problems
     if plan is not None and plan.options.elastic_training:
         problems += _elastic_problems(train, ds)
+    if ds is not None and ds.pipeline.stages != "auto" and ds.pipeline.stages != stages:
+        problems.append(Problem("ds.pipeline.stages", f"got {ds.pipeline.stages}; model.pipeline_stages is {stages}",
+                                "set model.pipeline_stages (dsrun's GPT is cut into that many stages)"))
     if ds is not None and train is not None and ds.compression_training.layer_reduction.enabled and not train.teacher:
         problems.append(Problem("train.teacher", "compression_training.layer_reduction needs a teacher: a finished "
                                 "run of the full-depth model", "train it with train.save_interval > 0, then pass "
                                 "train.teacher=ITS_RUN_DIR (docs/compression.md)"))
+    if train is not None and train.teacher and isinstance(stages, int) and stages > 1:
+        problems.append(Problem("train.teacher", "layer reduction and distillation run on the whole GPT, not on a "
+                                "pipelined one", "set model.pipeline_stages=1 for the distillation run"))
     if problems:
         raise ConfigError(problems)
     return ResolvedRun(cfg, train, plan, ds)

@@ -27,6 +27,8 @@ from dsrun.monitor.run_defaults import PARENT_ENV, apply_run_defaults, flatten, 
 from dsrun.run_book import RunBook
 from dsrun.rundir import RESOLVED_YAML
 from dsrun.runtime.data_pipeline.training import DataEfficiencyRun
+from dsrun.runtime.pipe.training import build_pipeline_model, pipeline_stages
+from dsrun.runtime.pipe.training import evaluate as pipeline_evaluate
 
 
 def seed_everything(seed: int) -> None:
@@ -157,8 +159,10 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
 
     # --- model, data, engine ---
     ds_config = apply_run_defaults(OmegaConf.to_container(spec.ds, resolve=True), run_dir)  # monitors → run dir
+    pipelined = pipeline_stages(spec.model) > 1  # a PipelineModule of the GPT: docs/pipeline.md
     with zero_init_context(ds_config) if not cfg.teacher else contextlib.nullcontext():  # ZeRO-3: partitioned
-        model = hydra.utils.instantiate(spec.model, _convert_="all")                  # as each part is built
+        model = (build_pipeline_model(OmegaConf.to_container(spec.model, resolve=True), ds_config, world_size)
+                 if pipelined else hydra.utils.instantiate(spec.model, _convert_="all"))  # as each part is built
     distiller = teach(model, ds_config, cfg) if cfg.teacher else None  # layer reduction + distillation
     corpus = hydra.utils.instantiate(spec.data, _convert_="all")
     corpus.check_vocab(model.config.vocab_size)
@@ -170,8 +174,10 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
     data_eff.attach(engine)  # random-LTD layers, seqlen truncation, token and layer-token counts
     engine.monitor.log_params(flatten(OmegaConf.to_container(spec, resolve=True)))
     micro_batch, accumulation = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-    loader = data_eff.train_loader() or corpus.train_loader(batch_size=micro_batch, rank=rank, world_size=world_size,
-                                                            seed=cfg.seed)  # the curriculum sampler's, if on
+    data_rank, data_world = (engine.grid.get_data_parallel_rank(), engine.dp_world_size) if pipelined else (rank, world_size)
+    loader = data_eff.train_loader() or corpus.train_loader(batch_size=micro_batch, rank=data_rank,
+                                                            world_size=data_world, seed=cfg.seed)  # the curriculum
+    # sampler's loader if it is on
 
     # --- the run's budget and its bookkeeping (metrics, progress, evaluation, checkpoints: dsrun/run_book.py) ---
     tokens_per_step = engine.train_batch_size() * corpus.seq_len
@@ -179,9 +185,11 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
     if cfg.max_tokens:
         max_steps = min(max_steps, math.ceil(cfg.max_tokens / tokens_per_step))
     book = RunBook(engine, loader, run_dir, cfg, max_steps, tokens_per_step,
-                   num_params=sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),  # ZeRO-3: full
+                   num_params=(model.config.num_parameters() if pipelined  # the whole model, not one stage
+                               else sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())),  # ZeRO-3: full
                    step_flops=_train_step_flops(model, engine.train_batch_size(), corpus.seq_len),
-                   evaluate=lambda: evaluate(engine, corpus, micro_batch, rank, world_size, cfg.eval_iters),
+                   evaluate=(lambda: pipeline_evaluate(engine, corpus, micro_batch, cfg.eval_iters)) if pipelined
+                   else lambda: evaluate(engine, corpus, micro_batch, rank, world_size, cfg.eval_iters),
                    report_throughput=report_throughput, step_timers=step_timer_ms,
                    mean_across_ranks=mean_across_ranks, stop_agreed=lambda: stop_agreed(stop), world_size=world_size,
                    eval_counts=data_eff.counts)  # tokens and layer-tokens seen at each evaluation
@@ -194,7 +202,9 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
     for step in range(first_step, max_steps + 1):
         book.step_begins()
         step_loss = 0.0
-        for _ in range(accumulation):
+        if pipelined:  # the schedule runs the micro-batches through the stages, then the optimizer steps
+            step_loss = float(engine.train_batch(loader))
+        for _ in range(0 if pipelined else accumulation):
             inputs, targets = next(loader)
             inputs, targets = inputs.to(engine.device, non_blocking=True), targets.to(engine.device, non_blocking=True)
             loss = engine(inputs, targets) if distiller is None else distiller.loss(engine, inputs, targets)

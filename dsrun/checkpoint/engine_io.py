@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -115,12 +115,15 @@ def _layout(engine: Any) -> layout.CheckpointLayout:
     return layout.layout_for_stage(engine.zero_optimization_stage())
 
 
-def _model_states(engine: Any, client_state: dict[str, Any], exclude_frozen: bool,
-                  files: layout.CheckpointLayout) -> dict[str, Any]:
+def engine_model_states(engine: Any, client_state: dict[str, Any], exclude_frozen: bool,
+                        files: layout.CheckpointLayout, with_module: bool = True) -> dict[str, Any]:
+    """What a model states file holds: the module (unless ``with_module`` is False: a pipeline saves it per
+    layer), the strategy's shapes (and at stage 0 its optimizer), the scheduler, the counters, the config
+    and the client's own keys."""
     strategy = engine.strategy
     stage = files.stage
     sd: dict[str, Any] = {
-        "module": state.module_state_cpu(engine.module, exclude_frozen),
+        "module": state.module_state_cpu(engine.module, exclude_frozen) if with_module else None,
         "buffer_names": state.buffer_names(engine.module),
         # stage 0 has no per-rank optimizer files: its (full) optimizer state lives here, as DeepSpeed does
         "optimizer": strategy.state_dict() if strategy is not None and files.optimizer_in_model_states else None,
@@ -164,12 +167,37 @@ def _model_states(engine: Any, client_state: dict[str, Any], exclude_frozen: boo
 def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: dict[str, Any] | None = None,
                     save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
     """Save the engine's full training state under ``save_dir/<tag>``; every rank must call it."""
-    root = _checkpoint_dir(save_dir, "save_checkpoint(save_dir=...)")
     rank, dp_rank = engine.global_rank, comm.get_rank(engine.dp_group)
+    files = _layout(engine)
+
+    def write(staging: Path) -> None:
+        if files.writes_model_states(dp_rank):
+            atomic.save_torch(engine_model_states(engine, client_state or {}, exclude_frozen_parameters, files),
+                              staging / files.model_states_name(dp_rank), rank, torn_point="model_states_torn")
+        atomic.crash_point("after_model_states", rank)
+        if engine.strategy is not None and files.optimizer_file_per_rank:
+            save_optimizer_states(engine, staging / layout.optim_states_name(dp_rank, engine.bfloat16_enabled()))
+        atomic.save_torch(state.capture_rng_state(), staging / layout.rng_states_name(rank), rank)
+        atomic.crash_point("after_optim_states", rank)
+
+    return save_staged(engine, save_dir, tag, write, save_latest)
+
+
+def save_optimizer_states(engine: Any, path: Path) -> None:
+    optim = {"optimizer_state_dict": engine.strategy.state_dict(), "ds_config": state.plain_config(engine),
+             "ds_version": DS_VERSION}
+    atomic.save_torch(optim, path, engine.global_rank)
+
+
+def save_staged(engine: Any, save_dir: str, tag: Any, write_rank_files: Callable[[Path], None],
+                save_latest: bool) -> bool:
+    """The save protocol (module docstring): check the tag, stage, let every rank write its files into the
+    staging folder (``write_rank_files(staging)``), agree that all succeeded, commit, update ``latest``."""
+    root = _checkpoint_dir(save_dir, "save_checkpoint(save_dir=...)")
+    rank = engine.global_rank
     tag = layout.check_tag(str(tag) if tag is not None else layout.default_tag(engine.global_steps))
     tag, all_tags = _validate_tag(engine, tag)
     tags = list(dict.fromkeys(all_tags))  # distinct, rank 0's first
-    files = _layout(engine)
     staging = layout.staging_dir(root, tag)
 
     def prepare() -> None:
@@ -187,16 +215,7 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
 
     error = None
     try:
-        if files.writes_model_states(dp_rank):
-            atomic.save_torch(_model_states(engine, client_state or {}, exclude_frozen_parameters, files),
-                              staging / files.model_states_name(dp_rank), rank, torn_point="model_states_torn")
-        atomic.crash_point("after_model_states", rank)
-        if engine.strategy is not None and files.optimizer_file_per_rank:
-            optim = {"optimizer_state_dict": engine.strategy.state_dict(), "ds_config": state.plain_config(engine),
-                     "ds_version": DS_VERSION}
-            atomic.save_torch(optim, staging / layout.optim_states_name(dp_rank, engine.bfloat16_enabled()), rank)
-        atomic.save_torch(state.capture_rng_state(), staging / layout.rng_states_name(rank), rank)
-        atomic.crash_point("after_optim_states", rank)
+        write_rank_files(staging)
     except Exception as exc:  # e.g. a full disk: every rank must learn of it, or the others wait forever
         error = exc
     _all_ranks_succeeded(engine, error)
@@ -343,6 +362,26 @@ def _restore_strategy(engine: Any, tag_dir: Path, model_states: dict[str, Any], 
     strategy.load_state_dict(target)
 
 
+def find_tag_dir(engine: Any, load_dir: str, tag: Any) -> Path | None:
+    """The folder of ``tag`` (None: the one ``latest`` names, or ``latest_universal`` first with
+    ``checkpoint.load_universal``) under ``load_dir``; None, with DeepSpeed's warning, when there is no ``latest``."""
+    root = _checkpoint_dir(load_dir, "load_checkpoint(load_dir=...)")
+    if tag is None and bool(getattr(getattr(engine._config, "checkpoint", None), "load_universal", False)):
+        tag = universal_checkpoint.read_latest_universal(root)
+    if tag is None:
+        tag = layout.read_latest(root)
+        if tag is None:
+            _say(engine, f"warning: Unable to find latest file at {root / layout.LATEST}, if trying to load latest "
+                         "checkpoint please ensure this file exists or pass an explicit checkpoint tag when loading a "
+                         "checkpoint.", logging.WARNING)
+            return None
+    tag_dir = layout.resolve_tag_dir(root, str(tag))
+    if tag_dir is None:
+        raise FileNotFoundError(f"checkpoint tag folder {root / str(tag)} does not exist "
+                                f"(tags here: {', '.join(layout.list_tags(root)) or 'none'})")
+    return tag_dir
+
+
 def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_strict: bool = True,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                     load_module_only: bool = False, custom_load_fn: Any = None
@@ -352,21 +391,9 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
     or ``(None, None)`` (with a warning) when ``tag`` is None and ``load_dir`` has no ``latest``. With
     ``checkpoint.load_universal`` a tag-less load reads ``latest_universal`` when there is one.
     ``custom_load_fn(src=state_dict, dst=module)`` loads the module weights instead of ``load_state_dict``."""
-    root = _checkpoint_dir(load_dir, "load_checkpoint(load_dir=...)")
-    load_universal = bool(getattr(getattr(engine._config, "checkpoint", None), "load_universal", False))
-    if tag is None and load_universal:
-        tag = universal_checkpoint.read_latest_universal(root)
-    if tag is None:
-        tag = layout.read_latest(root)
-        if tag is None:
-            _say(engine, f"warning: Unable to find latest file at {root / layout.LATEST}, if trying to load latest "
-                         "checkpoint please ensure this file exists or pass an explicit checkpoint tag when loading a "
-                         "checkpoint.", logging.WARNING)
-            return None, None
-    tag_dir = layout.resolve_tag_dir(root, str(tag))
+    tag_dir = find_tag_dir(engine, load_dir, tag)
     if tag_dir is None:
-        raise FileNotFoundError(f"checkpoint tag folder {root / str(tag)} does not exist "
-                                f"(tags here: {', '.join(layout.list_tags(root)) or 'none'})")
+        return None, None
     stage_files = sorted(tag_dir.glob("zero_pp_rank_*_model_states.pt"), key=lambda p: z2f.natural_key(p.name))
     dp_rank = comm.get_rank(engine.dp_group)
     if stage_files:
@@ -377,34 +404,42 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
     model_states = load_file(model_path)
     _load_module(engine, model_states["module"], load_module_strict, tag_dir, custom_load_fn)
     if engine.strategy is not None:
+        load_universal = bool(getattr(getattr(engine._config, "checkpoint", None), "load_universal", False))
         _restore_strategy(engine, tag_dir, model_states, load_optimizer_states and not load_module_only,
                           load_universal, masters_from_module=custom_load_fn is not None)
     engine.loaded_checkpoint_dp_world_size = saved_world(model_states)
     engine.loaded_checkpoint_mp_world_size = int(model_states.get("mp_world_size", 1))
     if not load_module_only:
-        if load_lr_scheduler_states and engine.lr_scheduler is not None and model_states.get("lr_scheduler"):
-            engine.lr_scheduler.load_state_dict(model_states["lr_scheduler"])
-        engine.global_steps = int(model_states.get("global_steps", 0))
-        engine.global_samples = int(model_states.get("global_samples",
-                                                     engine.global_steps * engine.train_batch_size()))
-        engine.skipped_steps = int(model_states.get("skipped_steps", 0))
-        if getattr(engine, "compression", None) is not None and model_states.get("compression"):
-            engine.compression.load_state_dict(model_states["compression"])  # [feature seam: compression]
-        extras = model_states.get("dsrun") or {}
-        engine.micro_steps = int(extras.get("micro_steps", engine.global_steps * engine.gradient_accumulation_steps()))
-        if saved_world(model_states) != engine.dp_world_size:  # the accumulation steps may differ: restart at a boundary
-            engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
-        loader = getattr(engine, "training_dataloader", None)
-        if loader is not None and isinstance(model_states.get("data_sampler"), dict) and hasattr(loader, "epoch"):
-            loader.epoch = int(model_states["data_sampler"].get("epoch", loader.epoch))
-        features = getattr(engine, "data_efficiency", None)  # data efficiency: random-LTD, sampler, CL, PLD states
-        if features is not None:
-            features.load_checkpoint_entries({**model_states, "data_efficiency": extras.get("data_efficiency")})
-        rng_file = tag_dir / layout.rng_states_name(engine.global_rank)
-        if saved_world(model_states) == engine.dp_world_size and rng_file.is_file():
-            state.restore_rng_state(load_file(rng_file))
-        elif engine.global_rank == 0:
-            _say(engine, "note: random number generator states not restored (the world size changed, or the "
-                         "checkpoint has none for this rank)")
+        restore_training_state(engine, model_states, tag_dir, load_lr_scheduler_states,
+                               same_world=saved_world(model_states) == engine.dp_world_size)
     client_state = {k: v for k, v in model_states.items() if k not in DS_KEYS}
     return str(model_path), client_state
+
+
+def restore_training_state(engine: Any, model_states: dict[str, Any], tag_dir: Path, load_lr_scheduler_states: bool,
+                           same_world: bool) -> None:
+    """The scheduler, the step counters, the loader's epoch and (when the ranks are laid out as when saved)
+    this rank's RNG states."""
+    if load_lr_scheduler_states and engine.lr_scheduler is not None and model_states.get("lr_scheduler"):
+        engine.lr_scheduler.load_state_dict(model_states["lr_scheduler"])
+    engine.global_steps = int(model_states.get("global_steps", 0))
+    engine.global_samples = int(model_states.get("global_samples", engine.global_steps * engine.train_batch_size()))
+    engine.skipped_steps = int(model_states.get("skipped_steps", 0))
+    if getattr(engine, "compression", None) is not None and model_states.get("compression"):
+        engine.compression.load_state_dict(model_states["compression"])  # [feature seam: compression]
+    extras = model_states.get("dsrun") or {}
+    engine.micro_steps = int(extras.get("micro_steps", engine.global_steps * engine.gradient_accumulation_steps()))
+    if not same_world:  # the accumulation steps may differ: restart at a boundary
+        engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
+    loader = getattr(engine, "training_dataloader", None)
+    if loader is not None and isinstance(model_states.get("data_sampler"), dict) and hasattr(loader, "epoch"):
+        loader.epoch = int(model_states["data_sampler"].get("epoch", loader.epoch))
+    features = getattr(engine, "data_efficiency", None)  # data efficiency: random-LTD, sampler, CL, PLD states
+    if features is not None:
+        features.load_checkpoint_entries({**model_states, "data_efficiency": extras.get("data_efficiency")})
+    rng_file = tag_dir / layout.rng_states_name(engine.global_rank)
+    if same_world and rng_file.is_file():
+        state.restore_rng_state(load_file(rng_file))
+    elif engine.global_rank == 0:
+        _say(engine, "note: random number generator states not restored (the world size changed, or the "
+                     "checkpoint has none for this rank)")

@@ -224,6 +224,25 @@ def measure_run(overrides: list[str], recipes_dirs: list[str], steps: int, timeo
     return load_measured_peaks(run_dir)
 
 
+def _pipeline_stages(args: argparse.Namespace, spec: Any) -> list | None:
+    """Each stage's estimate when the recipe's GPT is pipelined (``model.pipeline_stages`` > 1), else None."""
+    from omegaconf import OmegaConf
+
+    from dsrun.compose import compose_runspec
+
+    cfg = compose_runspec(list(args.overrides), recipes_dirs=tuple(args.recipes_dir))
+    model_spec = OmegaConf.to_container(cfg["model"], resolve=True)
+    if int(model_spec.get("pipeline_stages", 1) or 1) <= 1:
+        return None
+    from dsrun.config import load_ds_config
+    from dsrun.runtime.pipe.estimate import pipeline_stage_memory
+
+    stages = int(model_spec["pipeline_stages"])
+    world = spec.ranks_per_node * spec.nodes
+    ds = load_ds_config(OmegaConf.to_container(cfg["ds"], resolve=True), world_size=max(1, world // stages))
+    return pipeline_stage_memory(spec, model_spec, ds)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.measure and args.total_params is not None:
         raise UserError(Problem("--measure", "needs a recipe to train, not --total-params"))
@@ -240,6 +259,7 @@ def run(args: argparse.Namespace) -> int:
     spec, model_info, sources = _cold_inputs(args) if args.total_params is not None else _recipe_inputs(args)
     spec = _with_process(spec, args, sources, model_cfg=model_info.pop("config", None))
     report = build_report(spec, model_info, sources, detect_budget())
+    stages = _pipeline_stages(args, spec) if args.total_params is None else None
     rows = None
     if args.measured or args.measure:
         from dsrun.estimate.measure import compare_peaks, load_measured_peaks
@@ -252,11 +272,18 @@ def run(args: argparse.Namespace) -> int:
                                 args.measure_timeout, run_dir)
         else:
             peaks = load_measured_peaks(args.measured)
-        rows = compare_peaks(report.recipe.rank_peak, peaks)
+        predicted: Any = report.recipe.rank_peak
+        if stages is not None:  # rank r holds stage r // (ranks per stage): its own peak replaces the whole model's
+            per_stage = max(1, len(peaks) // len(stages))
+            predicted = {r: report.recipe.rank_peak - report.recipe.peak_per_rank + stages[r // per_stage].peak
+                         for r in peaks}
+        rows = compare_peaks(predicted, peaks)
     if args.json:
         import json
 
         data = json.loads(report.to_json())
+        if stages is not None:
+            data["pipeline_stages"] = [row.to_dict() for row in stages]
         if rows is not None:
             data["measured"] = [row.to_dict() for row in rows]
         print(json.dumps(data, indent=2))
@@ -265,6 +292,12 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console()
     render(report, console)
+    if stages is not None:
+        from dsrun.estimate.pipeline import stages_table
+
+        console.print(stages_table(stages, f"per pipeline stage (model.pipeline_stages={len(stages)}): the tables "
+                                           "above hold the whole model on every rank; with the pipeline each "
+                                           "rank holds one stage"))
     if rows is not None:
         from dsrun.estimate.measure import comparison_table
 

@@ -230,6 +230,58 @@ def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: Proces
                 lambda: dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op), async_op)
 
 
+# --- point to point (the pipeline engine's activations and gradients) -----------------------------------
+P2POp = dist.P2POp
+
+
+def _record_p2p(op: str, tensor: torch.Tensor) -> None:
+    # never timed: waiting on a send inside the logger would stall a pair that has not posted its receive yet
+    comms_logger.record(op, _nbytes(tensor), _nbytes(tensor))
+
+
+def send(tensor: torch.Tensor, dst: int, group: ProcessGroup = None, tag: int = 0) -> None:
+    """Send ``tensor`` to global rank ``dst`` (blocking until the transport has it)."""
+    _record_p2p("send", tensor)
+    dist.send(tensor, dst=dst, group=group, tag=tag)
+
+
+def recv(tensor: torch.Tensor, src: int, group: ProcessGroup = None, tag: int = 0) -> None:
+    """Receive into ``tensor`` from global rank ``src`` (blocking)."""
+    _record_p2p("recv", tensor)
+    dist.recv(tensor, src=src, group=group, tag=tag)
+
+
+def isend(tensor: torch.Tensor, dst: int, group: ProcessGroup = None, tag: int = 0) -> Any:
+    _record_p2p("send", tensor)
+    return dist.isend(tensor, dst=dst, group=group, tag=tag)
+
+
+def irecv(tensor: torch.Tensor, src: int, group: ProcessGroup = None, tag: int = 0) -> Any:
+    _record_p2p("recv", tensor)
+    return dist.irecv(tensor, src=src, group=group, tag=tag)
+
+
+def send_op(tensor: torch.Tensor, peer: int, group: ProcessGroup = None, tag: int = 0) -> Any:
+    """A send of ``tensor`` to global rank ``peer``, for :func:`batch_isend_irecv`."""
+    return P2POp(dist.isend, tensor, peer, group=group, tag=tag)
+
+
+def recv_op(tensor: torch.Tensor, peer: int, group: ProcessGroup = None, tag: int = 0) -> Any:
+    """A receive into ``tensor`` from global rank ``peer``, for :func:`batch_isend_irecv`."""
+    return P2POp(dist.irecv, tensor, peer, group=group, tag=tag)
+
+
+def batch_isend_irecv(ops: Sequence[Any]) -> list[Any]:
+    """Post a batch of sends and receives (:func:`send_op`, :func:`recv_op`) at once and return their works.
+    NCCL runs them as one group, so two ranks that send to each other in the same batch cannot deadlock
+    whatever the order; gloo matches them by tag."""
+    for op in ops:
+        _record_p2p("send" if op.op in (dist.isend, dist.send) else "recv", op.tensor)
+    if not ops:
+        return []
+    return list(dist.batch_isend_irecv(list(ops)))
+
+
 def all_gather_object(object_list: list, obj: Any, group: ProcessGroup = None) -> None:
     comms_logger.record("all_gather_object", 0, 0)
     dist.all_gather_object(object_list, obj, group=group)

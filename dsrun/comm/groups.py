@@ -22,6 +22,7 @@ from . import comm
 from .topology import PipeModelDataParallelTopology, ProcessTopology
 
 ProcessGroup = Any
+AXES = ("pipe", "data", "model")
 _SINGLE = object()  # a group of this rank alone, not created until used
 
 
@@ -29,15 +30,22 @@ class ProcessGroups:
     """This rank's view of the run's topology and its process groups (built collectively: every rank
     constructs it with the same sizes)."""
 
-    def __init__(self, pipe: int = 1, model: int = 1, world_size: int | None = None, rank: int | None = None):
+    def __init__(self, pipe: int = 1, model: int = 1, world_size: int | None = None, rank: int | None = None,
+                 topology: ProcessTopology | None = None):
         self.world_size = comm.get_world_size() if world_size is None else int(world_size)
         self.rank = comm.get_rank() if rank is None else int(rank)
-        if self.world_size % (pipe * model):
-            raise ValueError(f"world size {self.world_size} is not divisible by pipe {pipe} x model {model}")
-        self.topology: ProcessTopology = PipeModelDataParallelTopology(
-            num_pp=pipe, num_mp=model, num_dp=self.world_size // (pipe * model))
-        self._axis_groups: dict[str, ProcessGroup] = {axis: self._own_group(self.topology.get_axis_comm_lists(axis))
-                                                      for axis in self.topology.get_axis_names()}
+        if topology is not None:  # a client's layout (a PipelineModule's topology); axes it lacks have size 1
+            if topology.world_size() != self.world_size:
+                raise ValueError(f"the topology spans {topology.world_size()} ranks; the world has {self.world_size}")
+            self.topology = topology
+        else:
+            if self.world_size % (pipe * model):
+                raise ValueError(f"world size {self.world_size} is not divisible by pipe {pipe} x model {model}")
+            self.topology = PipeModelDataParallelTopology(num_pp=pipe, num_mp=model,
+                                                          num_dp=self.world_size // (pipe * model))
+        self._axis_groups: dict[str, ProcessGroup] = {axis: _SINGLE for axis in AXES}
+        for axis in self.topology.get_axis_names():
+            self._axis_groups[axis] = self._own_group(self.topology.get_axis_comm_lists(axis))
         self._expert: dict[int, tuple[ProcessGroup, ProcessGroup, list[int], list[int]]] = {}
 
     def _own_group(self, lists: list[list[int]]) -> ProcessGroup:
@@ -80,16 +88,18 @@ class ProcessGroups:
 
     def members(self, axis: str) -> list[int]:
         """The global ranks of this rank's group along ``axis``."""
+        if axis in AXES and axis not in self.topology.get_axis_names():
+            return [self.rank]
         for ranks in self.topology.get_axis_comm_lists(axis):
             if self.rank in ranks:
                 return ranks
         raise ValueError(f"no axis {axis!r}")
 
     def size(self, axis: str) -> int:
-        return self.topology.get_dim(axis)
+        return self.topology.get_dim(axis) or 1
 
     def coord(self, axis: str) -> int:
-        return getattr(self.topology.get_coord(self.rank), axis)
+        return getattr(self.topology.get_coord(self.rank), axis, 0)
 
     # --- experts --------------------------------------------------------------------------------------
     def expert_lists(self, expert_parallel_size: int) -> tuple[list[list[int]], list[list[int]]]:

@@ -170,9 +170,16 @@ class EigenvalueConfig(Section):
     layer_num: NonNegInt = 0
 
 
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zero_bubble")
+
+
 class PipelineConfig(Section):
-    """``pipeline`` (undocumented; read by DeepSpeed's pipeline engine). ``stages`` is an int or the
-    literal ``"auto"`` (a real value here, not a Hugging Face placeholder)."""
+    """``pipeline`` (undocumented in DeepSpeed; read by its pipeline engine), for a ``PipelineModule``.
+    ``stages`` is an int or the literal ``"auto"`` (the module's count; a real value here, not a Hugging
+    Face placeholder); ``partition`` (``best`` = ``parameters``), ``seed_layers`` and
+    ``activation_checkpoint_interval`` are what dsrun builds its own pipeline models with, and must agree
+    with a user's module. dsrun adds ``schedule`` (``1f1b``: DeepSpeed's TrainSchedule, ``gpipe``,
+    ``interleaved`` with ``virtual_stages`` chunks per rank, ``zero_bubble``: ZB-H1). See docs/pipeline.md."""
 
     stages: PosInt | Literal["auto"] = "auto"
     partition: str = "best"
@@ -180,6 +187,8 @@ class PipelineConfig(Section):
     activation_checkpoint_interval: NonNegInt = 0
     pipe_partitioned: bool = True
     grad_partitioned: bool = True
+    schedule: Annotated[Literal["1f1b", "gpipe", "interleaved", "zero_bubble"], BeforeValidator(_lower)] = "1f1b"
+    virtual_stages: PosInt = 1
 
 
 class HybridEngineConfig(Section):

@@ -191,6 +191,15 @@ def check_tooling(cfg: DeepSpeedConfig, raw: dict[str, Any], p: str) -> tuple[li
         if el.version == 0.2 and "min_time" in el_raw:
             notes.append(f"{ep}.min_time only matters in version 0.1")
 
+    pipe = cfg.pipeline
+    if pipe.schedule == "interleaved" and pipe.virtual_stages < 2:
+        problems.append(Problem(f"{p}pipeline.virtual_stages", f"got {pipe.virtual_stages}; the interleaved "
+                                "schedule needs at least 2 virtual stages per rank", "set pipeline.virtual_stages=2"))
+    if pipe.schedule != "interleaved" and pipe.virtual_stages > 1:
+        problems.append(Problem(f"{p}pipeline.virtual_stages", f"got {pipe.virtual_stages}; virtual stages "
+                                f"belong to the interleaved schedule (schedule is {pipe.schedule!r})",
+                                "set pipeline.schedule=interleaved or virtual_stages=1"))
+
     problems += cfg.activation_checkpointing.problems(f"{p}activation_checkpointing")
 
     sa = cfg.sparse_attention

@@ -29,6 +29,10 @@ class GPTConfig:
     ``ds.sparse_attention`` here; unset keys take the section's defaults); see docs/sparse_attention.md.
     ``activation_checkpointing`` is ``none``, ``full``, ``every_N`` or ``selective`` (``true``/``false``:
     full/none; :class:`~dsrun.runtime.activation_checkpointing.modes.CheckpointMode`), kept in that spelling.
+    ``pipeline_stages > 1`` cuts the model into that many pipeline stages: ``dsrun train`` then builds it as a
+    ``PipelineModule`` (:func:`dsrun.runtime.pipe.gpt.gpt_pipeline`, docs/pipeline.md) instead of a
+    :class:`~dsrun.models.gpt.GPT` (a ``GPT`` object is always the whole model; the estimator and the
+    autotuner count it whole too).
     """
 
     vocab_size: int = 256
@@ -44,10 +48,11 @@ class GPTConfig:
     rotary_base: float = 10000.0
     attention: str = "dense"
     sparse_attention: dict[str, Any] | None = None
+    pipeline_stages: int = 1
 
     def __post_init__(self) -> None:
         problems: list[Problem] = []
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "pipeline_stages"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 problems.append(Problem(f"model.{name}", f"must be a positive integer, got {show(value)}"))

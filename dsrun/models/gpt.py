@@ -41,6 +41,27 @@ def _embedding(num: int, dim: int) -> nn.Embedding:
     return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
 
 
+def gpt2_init(model: nn.Module, n_layer: int) -> None:
+    """GPT-2 initialisation of ``model``'s modules: N(0, 0.02) weights, zero biases, and the two residual
+    output projections of each block scaled by ``1/sqrt(2·n_layer)`` so the residual stream's variance does
+    not grow with depth. Parameters on the meta device are left alone."""
+    residual_std = INIT_STD / math.sqrt(2 * n_layer)
+    for name, module in model.named_modules():
+        if any(p.is_meta for p in module.parameters(recurse=False)):
+            continue  # nothing to initialise; and meta normal_ would import torch._dynamo (~1 s)
+        if isinstance(module, nn.Linear):
+            std = residual_std if name.endswith("c_proj") else INIT_STD
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+
 def pld_keep_probabilities(theta: float, num_layers: int) -> list[float]:
     """The PLD paper's keep probability of each block at global keep probability ``theta``:
     ``1 - (i/L)(1 - theta)`` for block ``i = 1..L``."""
@@ -71,7 +92,7 @@ class GPT(nn.Module):
                 config = GPTConfig.from_kwargs({**config.to_dict(), **kwargs})
         else:
             config = GPTConfig.from_kwargs({**(config or {}), **kwargs})
-        self.config = config
+        self.config = config  # config.pipeline_stages is for dsrun train, which builds a PipelineModule instead
         layers: dict[str, nn.Module] = {"wte": _embedding(config.vocab_size, config.n_embd)}
         if config.positions == "learned":
             layers["wpe"] = _embedding(config.block_size, config.n_embd)
@@ -91,24 +112,8 @@ class GPT(nn.Module):
 
     # ----------------------------------------------------------------------------------------- init
     def reset_parameters(self) -> None:
-        """GPT-2 initialisation: N(0, 0.02) weights, zero biases, and the two residual output projections
-        of each block scaled by ``1/sqrt(2·n_layer)`` so the residual stream's variance does not grow
-        with depth."""
-        residual_std = INIT_STD / math.sqrt(2 * self.config.n_layer)
-        for name, module in self.named_modules():
-            if any(p.is_meta for p in module.parameters(recurse=False)):
-                continue  # nothing to initialise; and meta normal_ would import torch._dynamo (~1 s)
-            if isinstance(module, nn.Linear):
-                std = residual_std if name.endswith("c_proj") else INIT_STD
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
-            elif isinstance(module, nn.LayerNorm):
-                nn.init.ones_(module.weight)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
+        """GPT-2 initialisation (:func:`gpt2_init`)."""
+        gpt2_init(self, self.config.n_layer)
 
     def enable_activation_checkpointing(self, enabled: bool = True, checkpoint_fn: CheckpointFn | None = None,
                                         mode: str | None = None) -> None:

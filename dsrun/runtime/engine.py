@@ -57,9 +57,8 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
         self.config = raw_config if raw_config is not None else config
         self.mpu = mpu
         # the run's topology and process groups, built once (dsrun/comm/groups.py); ZeRO partitions over
-        # the data-parallel group. A client mpu names the data-parallel group itself.
-        self.groups = (ProcessGroups() if mpu is None
-                       else comm.groups.from_data_group(mpu.get_data_parallel_group()))
+        # the data-parallel group
+        self.groups = self._process_groups(mpu)
         self.dp_group = self.groups.data
         self.global_rank = comm.get_rank()
         self.local_rank = comm.get_local_rank()
@@ -111,6 +110,17 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
         self._apply_compile_config()  # the config's compile section (engine_methods.py)
 
     # --- construction ---------------------------------------------------------------------------------
+    @classmethod
+    def prepare_model(cls, model: torch.nn.Module, config: DeepSpeedConfig) -> None:
+        """Called by :func:`dsrun.initialize` before the optimizer is built over the model's parameters
+        (a pipeline engine re-cuts its module here for virtual stages). Nothing to do for a plain model."""
+
+    def _process_groups(self, mpu: Any) -> ProcessGroups:
+        """The run's groups: the whole world data-parallel, or a client mpu's data-parallel group."""
+        if mpu is None:
+            return ProcessGroups()
+        return comm.groups.from_data_group(mpu.get_data_parallel_group())
+
     def _broadcast_model(self) -> None:
         """Start every rank from rank 0's weights and buffers (as DeepSpeed does)."""
         if self.dp_world_size == 1:

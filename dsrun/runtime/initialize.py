@@ -46,6 +46,18 @@ def _resolve_config_source(args: Any, config: Any, config_params: Any) -> Any:
     return source
 
 
+def _refuse_pipeline_settings(ds_config: Any) -> None:
+    """The ``pipeline`` section drives a PipelineModule's engine; for any other model a non-default value
+    would be ignored, so it is refused."""
+    section = ds_config.pipeline
+    changed = sorted(k for k in section.model_fields_set
+                     if getattr(section, k) != type(section).model_fields[k].default)
+    if changed:
+        raise ConfigError([Problem(f"pipeline.{k}", f"got {getattr(section, k)!r}, but the model is not a "
+                                   "PipelineModule", "wrap the model in dsrun.pipe.PipelineModule, or drop the key")
+                           for k in changed])
+
+
 def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer: Any = None,
                model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
                distributed_port: int = 29500, mpu: Any = None, dist_init_required: bool | None = None,
@@ -67,15 +79,26 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     if dist_init_required is not False and not comm.is_initialized():
         comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required,
                               verbose=False)
+    # A model that needs its own engine names it (a PipelineModule: dsrun.runtime.pipe), and brings its own
+    # process grid as the mpu, as deepspeed.initialize does with model.mpu().
+    engine_class = model.engine_class() if hasattr(model, "engine_class") else DeepSpeedEngine
+    if engine_class is not DeepSpeedEngine:
+        if mpu is not None:
+            raise ConfigError(Problem("initialize(mpu=...)", f"a {type(model).__name__} brings its own process "
+                                      "grid", "leave mpu=None"))
+        mpu = model.mpu()
     world = mpu.get_data_parallel_world_size() if mpu is not None else comm.get_world_size()
     ds_config = source if hasattr(source, "zero_optimization") else load_ds_config(
         source, world_size=world, world_size_source="data-parallel world size")
+    if engine_class is DeepSpeedEngine:
+        _refuse_pipeline_settings(ds_config)
+    engine_class.prepare_model(model, ds_config)
     # [feature seam: compression] compress the model before the optimizer sees its parameters
     from dsrun.compression.feature import CompressionFeature, prepare_for_training
     model_parameters = prepare_for_training(model, ds_config, model_parameters, optimizer)
     base_optimizer = build_engine_optimizer(ds_config, model, optimizer, model_parameters)
-    engine = DeepSpeedEngine(model, ds_config, optimizer=base_optimizer, lr_scheduler=lr_scheduler,
-                             training_data=training_data, collate_fn=collate_fn, mpu=mpu, raw_config=source)
+    engine = engine_class(model=model, config=ds_config, optimizer=base_optimizer, lr_scheduler=lr_scheduler,
+                          training_data=training_data, collate_fn=collate_fn, mpu=mpu, raw_config=source)
     engine.client_optimizer = base_optimizer if optimizer is not None else None
     engine.compression = CompressionFeature.attach(engine)  # [feature seam: compression] steps with the engine
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -186,3 +186,23 @@ def test_measure_reports_a_failed_run_and_a_run_without_records(fake_compose, fa
     fake_train["returncode"], fake_train["peaks"] = 0, {}
     assert main(["estimate-memory", "--measure", "--rank-runtime", "3e8"]) == 2
     assert "record_rank_peak" in capsys.readouterr().err
+
+
+def test_a_pipelined_recipe_gets_one_estimate_per_stage():
+    """``+recipe=gpt_pipe``: each stage's parameters (the tied token table on both ends) and the blocks whose
+    activations 1F1B keeps alive there (stage s: its blocks x min(micro-batches, stages - s))."""
+    from dsrun.compose import compose_runspec
+    from dsrun.models.config import GPTConfig
+
+    result = run_cli("estimate-memory", "--json", "+recipe=gpt_pipe")
+    assert result.returncode == 0, result.stderr
+    stages = json.loads(result.stdout)["pipeline_stages"]
+    cfg = compose_runspec(["+recipe=gpt_pipe"])
+    model = GPTConfig.from_kwargs({k: v for k, v in OmegaConf.to_container(cfg.model).items() if k != "_target_"})
+    assert len(stages) == model.pipeline_stages == 2
+    assert sum(s["params"] for s in stages) == model.num_parameters() + model.vocab_size * model.n_embd
+    micro_batches = cfg.ds.gradient_accumulation_steps
+    layers = [[int(i) for i in s["layers"].split("-")] for s in stages]  # first-last layer of each stage
+    blocks = [sum(1 for i in range(lo, hi + 1) if 2 <= i < 2 + model.n_layer) for lo, hi in layers]
+    assert [s["blocks_in_flight"] for s in stages] == [b * min(micro_batches, 2 - s) for s, b in enumerate(blocks)]
+    assert all(s["peak"] >= s["model_states"] + s["activations"] for s in stages)

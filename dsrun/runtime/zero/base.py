@@ -50,6 +50,12 @@ class StrategyContext:
         return self.groups.data if self.groups is not None else None
 
     @property
+    def pipelined(self) -> bool:
+        """Whether the model is split over pipeline stages: the stages hold different parameters, so the
+        step's overflow flag and squared norm are also reduced over ``groups.pipe``."""
+        return self.groups is not None and self.groups.size("pipe") > 1
+
+    @property
     def world_size(self) -> int:
         return comm.get_world_size(self.group)
 
@@ -213,16 +219,21 @@ class ZeroStrategy(ABC):
 
     def _overflow_on_any_rank(self) -> bool:
         local = self._local_overflow()
-        if self.world_size == 1:
+        if self.world_size == 1 and not self.ctx.pipelined:
             return local
         flag = torch.tensor([1.0 if local else 0.0], device=self.ctx.device)
-        comm.all_reduce(flag, op=comm.ReduceOp.MAX, group=self.ctx.group)
+        if self.world_size > 1:
+            comm.all_reduce(flag, op=comm.ReduceOp.MAX, group=self.ctx.group)
+        if self.ctx.pipelined:  # every stage skips the step together
+            comm.all_reduce(flag, op=comm.ReduceOp.MAX, group=self.ctx.groups.pipe)
         return bool(flag.item() > 0)
 
     def _global_norm(self, scale: float) -> float:
         sq = self._local_sq_norm()
         if self.norm_is_partitioned and self.world_size > 1:
             comm.all_reduce(sq, group=self.ctx.group)
+        if self.ctx.pipelined:  # the stages hold disjoint parameters: their squares add up
+            comm.all_reduce(sq, group=self.ctx.groups.pipe)
         return math.sqrt(sq.item()) * scale
 
     @abstractmethod

@@ -1,0 +1,201 @@
+"""Pipeline checkpoints in DeepSpeed's per-layer layout, loadable at another number of stages.
+
+```
+save_dir/global_step<N>/
+├── layer_00-model_states.pt                  one file per layer, its state dict (global index; with a
+├── layer_01-model_states.pt                  model axis: layer_01-model_00-model_states.pt)
+├── mp_rank_00_model_states.pt                per stage (x model rank): module=None, scheduler, counters,
+├── mp_rank_01_model_states.pt                param_shapes of the stage's ZeRO masters, the partition
+├── zero_pp_rank_<d>_mp_rank_<s>_optim_states.pt   ZeRO-1/2 optimizer state per stage and data rank
+└── rng_states_rank_<r>.pt
+```
+Layer files are written by data-parallel rank 0 of each stage, or spread over the data-parallel ranks with
+``checkpoint.parallel_write.pipeline_stage``. A tied layer's file holds the shared module's state at every
+index where it appears. Parameter names (``"3.weight"``, ``"tied_modules.embed.weight"``) do not depend on
+the number of stages, so loading at another count reads each local layer's file and, for the optimizer,
+merges every saved stage's ZeRO state into one full state by name (:mod:`dsrun.checkpoint.reshard`) and
+cuts it for this stage. The save goes through the same staged, atomic protocol as every dsrun checkpoint.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dsrun import comm
+from dsrun.checkpoint import atomic, engine_io, layout, reshard, state
+from dsrun.checkpoint.safe_load import load_file
+from dsrun.checkpoint.utils import clone_tensors_for_torch_save
+from dsrun.utils.errors import Problem, UserError
+
+from .partition import partition_uniform
+
+PIPELINE_KEY = "pipeline"
+
+
+def _slice_rank(engine: Any) -> int:
+    return engine.grid.get_slice_parallel_rank()
+
+
+def _layers_to_write(engine: Any) -> list[int]:
+    """The local layers this data-parallel rank writes (all on rank 0, or its share with parallel_write)."""
+    local = engine.module.local_layer_indices()
+    dp_rank, dp_size = engine.grid.get_data_parallel_rank(), engine.grid.get_data_parallel_world_size()
+    if engine._config.checkpoint.parallel_write.pipeline_stage:
+        parts = partition_uniform(len(local), dp_size)
+        return local[parts[dp_rank]:parts[dp_rank + 1]]
+    return local if dp_rank == 0 else []
+
+
+def save_pipeline_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: dict | None = None,
+                             save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+    module, rank = engine.module, engine.global_rank
+    dp_rank = engine.grid.get_data_parallel_rank()
+    files = engine_io._layout(engine)
+    written: list[str] = []
+
+    def write(staging: Path) -> None:
+        for idx in _layers_to_write(engine):
+            layer = module.layer_state_module(idx)
+            if layer is None:
+                continue
+            sd = layer.state_dict()
+            if exclude_frozen_parameters:
+                frozen = {n for n, p in layer.named_parameters() if not p.requires_grad}
+                sd = {k: v for k, v in sd.items() if k not in frozen}
+            path = Path(module._layer_file(str(staging), idx))
+            atomic.save_torch(clone_tensors_for_torch_save(sd), path, rank)
+            written.append(path.name)
+        if dp_rank == 0:
+            sd = engine_io.engine_model_states(engine, client_state or {}, exclude_frozen_parameters, files,
+                                               with_module=False)
+            sd["mp_world_size"] = engine.grid.get_slice_parallel_world_size()
+            sd["dsrun"][PIPELINE_KEY] = {"stages": module.num_stages, "parts": list(module.parts),
+                                         "num_layers": module._num_layers, "virtual_stages": module.virtual_stages,
+                                         "slice_rank": _slice_rank(engine)}
+            path = staging / layout.model_states_name(0, 0, mp_rank=_slice_rank(engine))
+            atomic.save_torch(sd, path, rank)
+            written.append(path.name)
+        if engine.strategy is not None and files.optimizer_file_per_rank:
+            path = staging / layout.optim_states_name(dp_rank, engine.bfloat16_enabled(), mp_rank=_slice_rank(engine))
+            engine_io.save_optimizer_states(engine, path)
+            written.append(path.name)
+        atomic.save_torch(state.capture_rng_state(), staging / layout.rng_states_name(rank), rank)
+
+    saved = engine_io.save_staged(engine, save_dir, tag, write, save_latest)
+    engine.last_checkpoint_files = written
+    return saved
+
+
+# --- load ---------------------------------------------------------------------------------------------------
+def _saved_slices(tag_dir: Path) -> list[dict[str, Any]]:
+    """Every saved stage's model states (in slice order)."""
+    out, index = [], 0
+    while (tag_dir / layout.model_states_name(0, 0, mp_rank=index)).is_file():
+        out.append(load_file(tag_dir / layout.model_states_name(0, 0, mp_rank=index)))
+        index += 1
+    if not out:
+        raise FileNotFoundError(f"{tag_dir}: no mp_rank_XX_model_states.pt (not a checkpoint?)")
+    if out[0].get("module") is not None or PIPELINE_KEY not in (out[0].get("dsrun") or {}):
+        raise UserError(Problem("load_checkpoint(load_dir=...)", f"{tag_dir} holds a non-pipeline checkpoint",
+                                "load it into the plain model, or save from a pipeline engine"))
+    return out
+
+
+def _load_layers(engine: Any, tag_dir: Path, strict: bool) -> None:
+    module = engine.module
+    for idx in module.local_layer_indices():
+        layer = module.layer_state_module(idx)
+        if layer is None:
+            continue
+        candidates = [idx]
+        key = module.tied_key_of(idx)
+        if key is not None:  # any saved copy of a tied module will do
+            candidates += [i for i in module.layers_of_key(key) if i != idx]
+        path = next((Path(module._layer_file(str(tag_dir), i)) for i in candidates
+                     if Path(module._layer_file(str(tag_dir), i)).is_file()), None)
+        if path is None:
+            if strict and any(True for _ in layer.state_dict()):
+                raise FileNotFoundError(f"{tag_dir}: no checkpoint file for layer {idx}")
+            continue
+        with torch.no_grad():
+            layer.load_state_dict(load_file(path), strict=strict)
+
+
+def _stage_optimizer_states(tag_dir: Path, slice_states: dict[str, Any], slice_rank: int,
+                            bf16: bool) -> list[dict[str, Any]]:
+    """The optimizer state dicts of one saved stage, one per saved data-parallel rank."""
+    stage = int(slice_states["dsrun"]["zero_stage"])
+    if stage == 0:
+        return [slice_states["optimizer"]]
+    world = int(slice_states.get("dp_world_size", 1))
+    for prefer in (bf16, not bf16):
+        paths = [tag_dir / layout.optim_states_name(d, prefer, mp_rank=slice_rank) for d in range(world)]
+        if all(p.is_file() for p in paths):
+            return [load_file(p)["optimizer_state_dict"] for p in paths]
+    raise FileNotFoundError(f"{tag_dir}: the optimizer files of stage slice {slice_rank} are missing")
+
+
+def _merge_stages(engine: Any, tag_dir: Path, slices: list[dict[str, Any]]) -> reshard.FullOptimizerState:
+    """One full optimizer state, by parameter name, over every saved stage."""
+    full = reshard.FullOptimizerState()
+    for slice_rank, sd in enumerate(slices):
+        if sd.get("param_shapes") is None:
+            continue
+        part = reshard.merge_rank_states(
+            _stage_optimizer_states(tag_dir, sd, slice_rank, engine.bfloat16_enabled()),
+            int(sd["dsrun"]["zero_stage"]), sd["param_shapes"])
+        full.fp32.update(part.fp32)
+        full.moments.update(part.moments)
+        for gi, scalars in part.group_scalars.items():
+            full.group_scalars.setdefault(gi, scalars)
+        full.param_groups = full.param_groups or part.param_groups
+        full.precision = full.precision or part.precision
+    return full
+
+
+def _restore_optimizer(engine: Any, tag_dir: Path, slices: list[dict[str, Any]], load_optimizer_states: bool) -> None:
+    strategy = engine.strategy
+    dp_rank, live_world = engine.grid.get_data_parallel_rank(), engine.dp_world_size
+    live_shapes = strategy.checkpoint_param_shapes()
+    if load_optimizer_states:
+        own = slices[_slice_rank(engine)] if _slice_rank(engine) < len(slices) else None
+        same = (own is not None and len(slices) == engine.grid.get_slice_parallel_world_size()
+                and int(own["dsrun"]["zero_stage"]) == strategy.stage and int(own.get("dp_world_size", 1)) == live_world
+                and [list(s) for s in (own.get("param_shapes") or [])] == [list(s) for s in live_shapes])
+        if same:
+            strategy.load_state_dict(_stage_optimizer_states(tag_dir, own, _slice_rank(engine),
+                                                             engine.bfloat16_enabled())[dp_rank if strategy.stage else 0])
+            return
+        full = _merge_stages(engine, tag_dir, slices)
+    else:  # the weights just loaded become the masters; the optimizer keeps its state
+        full = reshard.FullOptimizerState(fp32={name: p.detach().reshape(-1).float().cpu()
+                                                for name, p in engine.module.named_parameters()})
+    target = reshard.state_for_rank(strategy.state_dict(), full, strategy.stage, live_world, dp_rank, live_shapes,
+                                    load_optimizer_states=load_optimizer_states)
+    strategy.load_state_dict(target)
+
+
+def load_pipeline_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+                             load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                             load_module_only: bool = False) -> tuple[str | None, dict | None]:
+    tag_dir = engine_io.find_tag_dir(engine, load_dir, tag)
+    if tag_dir is None:
+        return None, None
+    slices = _saved_slices(tag_dir)
+    saved = slices[0]["dsrun"][PIPELINE_KEY]
+    if saved["num_layers"] != engine.module._num_layers:
+        raise UserError(Problem("load_checkpoint(load_dir=...)", f"the checkpoint has {saved['num_layers']} layers, "
+                                f"the PipelineModule {engine.module._num_layers}", "load into the same model"))
+    _load_layers(engine, tag_dir, load_module_strict)
+    if engine.strategy is not None:
+        _restore_optimizer(engine, tag_dir, slices, load_optimizer_states and not load_module_only)
+    own_path = tag_dir / layout.model_states_name(0, 0, mp_rank=min(_slice_rank(engine), len(slices) - 1))
+    own = slices[min(_slice_rank(engine), len(slices) - 1)]
+    if not load_module_only:
+        same_layout = (len(slices) == engine.grid.get_slice_parallel_world_size()
+                       and int(own.get("dp_world_size", 1)) == engine.dp_world_size)
+        engine_io.restore_training_state(engine, own, tag_dir, load_lr_scheduler_states, same_world=same_layout)
+    comm.barrier()
+    return str(own_path), {k: v for k, v in own.items() if k not in engine_io.DS_KEYS}
