@@ -27,6 +27,7 @@ _LAZY: dict[str, str] = {
     "InferenceEngine": "dsrun.inference:InferenceEngine",
     "inference": "dsrun.inference:",
     "elasticity": "dsrun.elasticity:",
+    "moe": "dsrun.moe:",
 }
 
 

@@ -10,6 +10,9 @@ Two conveniences on top of plain Hydra, both documented in the README:
 * a DeepSpeed key may be written without its ``ds.`` prefix (``optimizer.params.lr=3e-4``,
   ``gradient_clipping=0.5``) when it is not also a RunSpec key or a group name;
 * with no recipe given, ``+recipe=default`` is used.
+
+``source`` (``dsrun train --from RUN_DIR``) composes from a run directory's own record of its composition,
+``RUN_DIR/.hydra/config.yaml``, instead of ``conf/`` and a recipe; overrides then set its keys.
 """
 from __future__ import annotations
 
@@ -99,13 +102,47 @@ def config_groups() -> list[str]:
 def _ds_top_level_keys() -> set[str]:
     from dsrun.config import DeepSpeedConfig
 
-    keys = set(DeepSpeedConfig.model_fields)
-    keys |= {f.alias for f in DeepSpeedConfig.model_fields.values() if f.alias}
-    return keys
+    return set(_schema_fields(DeepSpeedConfig))
 
 
-def normalize_overrides(overrides: Sequence[str]) -> tuple[list[str], list[str]]:
-    """Apply the two conveniences; split out the user's own ``hydra.searchpath`` entries.
+def config_location(source: Path | None = None) -> tuple[Path, str]:
+    """(config folder, config name) composition starts from: ``conf/dsrun.yaml``, or a run directory's
+    ``.hydra/config.yaml``."""
+    return (Path(source) / ".hydra", "config") if source is not None else (conf_dir(), PRIMARY_CONFIG)
+
+
+def _schema_fields(model: type) -> dict[str, object]:
+    fields = dict(model.model_fields)
+    fields.update({f.alias: f for f in model.model_fields.values() if f.alias})
+    return fields
+
+
+def ds_schema_keys(path: str) -> list[str] | None:
+    """The keys the DeepSpeed schema documents at ``path`` (``"tensorboard"``; ``""`` for the top level), or
+    None when ``path`` is not a section of the schema (an open dict such as ``optimizer.params``, a value)."""
+    from dsrun.config import DeepSpeedConfig
+    from dsrun.config.problems import section_model
+
+    model: type | None = DeepSpeedConfig
+    for part in [p for p in path.split(".") if p]:
+        field = _schema_fields(model).get(part)
+        model = section_model(field.annotation) if field is not None else None
+        if model is None:
+            return None
+    return sorted(_schema_fields(model))
+
+
+def is_documented_ds_key(key: str) -> bool:
+    """True when ``key`` (``ds.tensorboard.output_path``) is a key of the DeepSpeed schema itself."""
+    if not key.startswith("ds."):
+        return False
+    parent, _, leaf = key[3:].rpartition(".")
+    return leaf in (ds_schema_keys(parent) or ())
+
+
+def normalize_overrides(overrides: Sequence[str], default_recipe: bool = True) -> tuple[list[str], list[str]]:
+    """Apply the two conveniences (the default recipe only with ``default_recipe``); split out the user's own
+    ``hydra.searchpath`` entries.
 
     Returns (overrides for Hydra, extra search-path entries).
     """
@@ -131,8 +168,10 @@ def normalize_overrides(overrides: Sequence[str]) -> tuple[list[str], list[str]]
             # `optimizer=adam` picks a group option; `optimizer.params.lr=1e-4` sets a DeepSpeed key
             prefix = text[: len(text) - len(text.lstrip("+~"))]
             text = f"{prefix}ds.{text[len(prefix):]}"
+        if text[:1] not in "+~" and is_documented_ds_key(text.split("=", 1)[0]):
+            text = f"++{text}"  # a documented DeepSpeed key the recipe does not set: add it, as a ds_config would
         result.append(text)
-    if not has_recipe:
+    if not has_recipe and default_recipe:
         result.insert(0, f"+recipe={DEFAULT_RECIPE}")
     return result, user_searchpath
 
@@ -144,7 +183,7 @@ def _first_line(err: BaseException) -> str:
 
 # ------------------------------------------------------------------------------------------ composition
 def compose_runspec(overrides: Sequence[str] = (), recipes_dirs: Iterable[str | Path] = (),
-                    *, resolve: bool = True) -> DictConfig:
+                    *, resolve: bool = True, source: Path | None = None) -> DictConfig:
     """Compose the RunSpec from the built-in config, a recipe and ``overrides`` (Hydra syntax).
 
     ``ds_config=FILE`` merges a DeepSpeed file into ``ds``; ``ds.*`` overrides still win over it. Raises
@@ -155,16 +194,35 @@ def compose_runspec(overrides: Sequence[str] = (), recipes_dirs: Iterable[str | 
     from hydra.core.global_hydra import GlobalHydra
 
     recipes_dirs = list(recipes_dirs)
-    hydra_overrides = app_overrides(overrides, recipes_dirs)
+    hydra_overrides = app_overrides(overrides, recipes_dirs, source=source)
+    config_dir, config_name = config_location(source)
     GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3", job_name="dsrun"):
-            cfg = compose(config_name=PRIMARY_CONFIG, overrides=hydra_overrides)
+        with initialize_config_dir(config_dir=str(config_dir), version_base="1.3", job_name="dsrun"):
+            cfg = compose(config_name=config_name, overrides=hydra_overrides)
     except Exception as err:
-        raise composition_error(err, hydra_overrides, recipes_dirs) from None
+        raise composition_error(err, hydra_overrides, recipes_dirs, source=source) from None
     finally:
         GlobalHydra.instance().clear()
     return finish_runspec(cfg, hydra_overrides, resolve=resolve)
+
+
+def _composed_keys(parent: str, hydra_overrides: Sequence[str], source: Path | None) -> list[str]:
+    """The keys at ``parent`` in the config the overrides compose to (no interpolation resolved); [] when
+    they do not compose or ``parent`` is no mapping there."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    config_dir, config_name = config_location(source)
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir), version_base="1.3", job_name="dsrun"):
+            node = OmegaConf.select(compose(config_name=config_name, overrides=list(hydra_overrides)), parent)
+    except Exception:  # noqa: BLE001 - only a hint is at stake
+        return []
+    finally:
+        GlobalHydra.instance().clear()
+    return [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
 
 
 def finish_runspec(cfg: DictConfig, hydra_overrides: Sequence[str], *, resolve: bool = True) -> DictConfig:
@@ -209,7 +267,8 @@ def _reapply_ds_overrides(cfg: DictConfig, hydra_overrides: Sequence[str]) -> No
             OmegaConf.update(cfg, key, override.value(), merge=False, force_add=True)
 
 
-def composition_error(err: Exception, overrides: Sequence[str], recipes_dirs: Sequence[str | Path]) -> UserError:
+def composition_error(err: Exception, overrides: Sequence[str], recipes_dirs: Sequence[str | Path],
+                      *, source: Path | None = None) -> UserError:
     """Turn one of Hydra's composition errors into a one-line :class:`UserError`."""
     import yaml
     from hydra.errors import MissingConfigException
@@ -235,24 +294,22 @@ def composition_error(err: Exception, overrides: Sequence[str], recipes_dirs: Se
         key = text.lstrip("+~").split("=")[0]
         if f"'{key}'" in str(err):
             if "not in struct" in str(err) or "Could not override" in str(err):
+                parent = key.rpartition(".")[0]
+                siblings = _composed_keys(parent, [o for o in overrides if o != text], source) if parent else []
                 return UserError(Problem(key, "no such key in the composed config",
-                                         _struct_hint(key, text)))
+                                         _struct_hint(key, text, siblings)))
             return UserError(Problem(text, message))
     return UserError(Problem("", message, "run with --debug for Hydra's full report"))
 
 
-def _struct_hint(key: str, text: str) -> str:
-    hint = f"to add a new key write +{text.lstrip('+')}"
+def _struct_hint(key: str, text: str, siblings: Sequence[str]) -> str:
+    """"did you mean" a key the composed config has beside it, or (under ``ds``) one the DeepSpeed schema
+    documents there; with no close match, how to add a new key."""
     head, _, leaf = key.rpartition(".")
-    if head == "ds" or key.startswith("ds."):
-        try:
-            candidates = _ds_top_level_keys() if head == "ds" else ()
-        except Exception:
-            candidates = ()
-        suggestion = did_you_mean(leaf, candidates) if candidates else ""
-        if suggestion:
-            return f"{suggestion} Or, {hint}"
-    return hint
+    candidates = set(siblings)
+    if key.startswith("ds."):
+        candidates |= set(ds_schema_keys(head[3:]) or ())
+    return did_you_mean(leaf, candidates) or f"to add a new key write +{text.lstrip('+')}"
 
 
 def runspec_to_yaml(cfg: DictConfig) -> str:
@@ -260,7 +317,7 @@ def runspec_to_yaml(cfg: DictConfig) -> str:
 
 
 def run_app(task_function, overrides: Sequence[str] = (), recipes_dirs: Iterable[str | Path] = (),
-            *, multirun: bool = False):
+            *, multirun: bool = False, source: Path | None = None):
     """Run ``task_function(cfg)`` as a Hydra application: a run directory per job (``outputs/DATE/TIME`` or
     ``multirun/DATE/TIME/N``), Hydra's logging, and sweeps with ``multirun=True``.
 
@@ -274,18 +331,20 @@ def run_app(task_function, overrides: Sequence[str] = (), recipes_dirs: Iterable
     from hydra_plugins.dsrun_optuna_sweeper import register_with_hydra
 
     register_with_hydra()  # hydra/sweeper=optuna, whatever kind of install dsrun has
-    hydra_overrides = app_overrides(overrides, recipes_dirs)
+    hydra_overrides = app_overrides(overrides, recipes_dirs, source=source)
+    config_dir, config_name = config_location(source)
     argv = sys.argv
     sys.argv = ["dsrun", *hydra_overrides, "hydra.job.name=dsrun", *(["--multirun"] if multirun else [])]
     try:
-        main = hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name=PRIMARY_CONFIG)
+        main = hydra.main(version_base="1.3", config_path=str(config_dir), config_name=config_name)
         return main(task_function)()
     finally:
         sys.argv = argv
 
 
-def app_overrides(overrides: Sequence[str], recipes_dirs: Iterable[str | Path] = ()) -> list[str]:
+def app_overrides(overrides: Sequence[str], recipes_dirs: Iterable[str | Path] = (),
+                  *, source: Path | None = None) -> list[str]:
     """The overrides as Hydra receives them: conveniences applied, recipe folders on the search path."""
-    hydra_overrides, user_searchpath = normalize_overrides(overrides)
+    hydra_overrides, user_searchpath = normalize_overrides(overrides, default_recipe=source is None)
     hydra_overrides.append(searchpath_override(recipes_dirs, user_searchpath))
     return hydra_overrides

@@ -15,6 +15,7 @@ import os
 import random
 import signal
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -23,12 +24,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from dsrun.estimate.measure import current_rss, record_rank_peak
+from dsrun.launcher.protocol import debug_requested, report_user_error
 from dsrun.monitor.run_defaults import PARENT_ENV, apply_run_defaults, flatten, mlflow_parent_key
 from dsrun.run_book import RunBook
 from dsrun.rundir import RESOLVED_YAML
 from dsrun.runtime.data_pipeline.training import DataEfficiencyRun
 from dsrun.runtime.pipe.training import build_pipeline_model, pipeline_stages
 from dsrun.runtime.pipe.training import evaluate as pipeline_evaluate
+from dsrun.utils.errors import EXIT_USAGE, find_user_error
 
 
 def seed_everything(seed: int) -> None:
@@ -229,8 +232,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--local_rank", type=int, default=None, help="set by the launcher (also LOCAL_RANK)")
     args = parser.parse_args(argv)
     spec = OmegaConf.load(args.run_dir / RESOLVED_YAML)
+    # dsrun train said it once before the launch (dsrun.cli.preflight.warmup_note), not once per rank
+    warnings.filterwarnings("ignore", message=r"total_num_steps \d+ is less than warmup_num_steps")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
-    metrics = train(spec, args.run_dir)
+    try:
+        metrics = train(spec, args.run_dir)
+    except Exception as err:  # the user's mistake: one line through the launcher, exit code 2, no traceback
+        user = find_user_error(err)
+        if user is None:
+            raise
+        if debug_requested():
+            import traceback
+
+            traceback.print_exc()
+        report_user_error([str(problem) for problem in user.problems])
+        return EXIT_USAGE
     return 143 if metrics.get("stopped_by_signal") else 0
 
 

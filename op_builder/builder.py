@@ -255,8 +255,7 @@ class OpBuilder:
 
         build_dir = self.build_dir(key)
         build_dir.mkdir(parents=True, exist_ok=True)
-        # a first use compiles for 30-60 s: say so, so a quiet pause is not mistaken for a hang
-        print(f"[dsrun] building op '{self.NAME}' (first use; cached in {build_dir})", file=sys.stderr, flush=True)
+        announce_build(self.NAME, build_dir)
         try:
             return cpp_extension.load(
                 name=name,
@@ -269,6 +268,15 @@ class OpBuilder:
             )
         except (RuntimeError, subprocess.CalledProcessError, OSError) as err:
             raise OpBuildError(f"building op '{self.NAME}' in {build_dir} failed; the compiler said:\n{err}") from None
+
+
+def announce_build(name: str, build_dir: Path) -> bool:
+    """Say that op ``name`` is being compiled (30-60 s on first use, so a quiet pause is not mistaken for a
+    hang), once per machine: the ranks of a node build it together, and only local rank 0 says so."""
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return False
+    print(f"[dsrun] building op '{name}' (first use; cached in {build_dir})", file=sys.stderr, flush=True)
+    return True
 
 
 def _import_library(name: str, path: Path) -> ModuleType:

@@ -54,7 +54,9 @@ def without_keys(overrides: Sequence[str], keys: Sequence[str]) -> list[str]:
 
 
 def train_command(overrides: Sequence[str], recipes_dirs: Sequence[str], run_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "dsrun", "train", *overrides,
+    """A trial's ``dsrun train``; the tuner has judged its memory with its own limit (``--memory-limit``), so
+    train's check against this machine is skipped."""
+    return [sys.executable, "-m", "dsrun", "train", "--skip-memory-check", *overrides,
             *[arg for d in recipes_dirs for arg in ("--recipes-dir", str(d))], f"hydra.run.dir={run_dir}"]
 
 

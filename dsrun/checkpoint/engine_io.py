@@ -28,7 +28,7 @@ from dsrun import comm
 from dsrun.utils import zero_to_fp32 as z2f
 from dsrun.utils.errors import Problem, UserError
 
-from . import atomic, layout, reshard, state, universal_checkpoint
+from . import atomic, experts, layout, reshard, state, universal_checkpoint
 from .safe_load import load_file
 
 log = logging.getLogger("dsrun.checkpoint")
@@ -123,6 +123,7 @@ def engine_model_states(engine: Any, client_state: dict[str, Any], exclude_froze
     strategy = engine.strategy
     stage = files.stage
     sd: dict[str, Any] = {
+        # (MoE experts leave it for their own files below)
         "module": state.module_state_cpu(engine.module, exclude_frozen) if with_module else None,
         "buffer_names": state.buffer_names(engine.module),
         # stage 0 has no per-rank optimizer files: its (full) optimizer state lives here, as DeepSpeed does
@@ -145,6 +146,8 @@ def engine_model_states(engine: Any, client_state: dict[str, Any], exclude_froze
         # [feature seam: compression] the compression schedule's position (dsrun/compression/feature.py)
         "compression": engine.compression.state_dict() if getattr(engine, "compression", None) else None,
     }
+    if experts.applies(engine) and sd["module"] is not None:
+        sd["module"] = experts.without_experts(sd["module"])
     loader = getattr(engine, "training_dataloader", None)
     if loader is not None and hasattr(loader, "epoch"):
         sd["data_sampler"] = {"epoch": loader.epoch}
@@ -175,8 +178,13 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
             atomic.save_torch(engine_model_states(engine, client_state or {}, exclude_frozen_parameters, files),
                               staging / files.model_states_name(dp_rank), rank, torn_point="model_states_torn")
         atomic.crash_point("after_model_states", rank)
+        if experts.applies(engine):  # one file per expert (collective within each expert-data group)
+            experts.save(engine, staging, rank)
         if engine.strategy is not None and files.optimizer_file_per_rank:
             save_optimizer_states(engine, staging / layout.optim_states_name(dp_rank, engine.bfloat16_enabled()))
+        rank_state = engine.strategy.rank_state_dict() if engine.strategy is not None else None
+        if rank_state is not None:  # optimizer state that differs per data-parallel rank (1-bit error buffers)
+            atomic.save_torch(rank_state, staging / layout.rank_states_name(dp_rank), rank)
         atomic.save_torch(state.capture_rng_state(), staging / layout.rng_states_name(rank), rank)
         atomic.crash_point("after_optim_states", rank)
 
@@ -340,10 +348,21 @@ def _restore_strategy(engine: Any, tag_dir: Path, model_states: dict[str, Any], 
     # the same masters, cut the same way (stage 3's sub_group_size may differ between the runs)
     same_grouping = saved_shapes is None or [list(s) for s in saved_shapes] == [list(s) for s in live_shapes]
     same_layout = stage_saved == live_stage and world_saved == live_world and same_grouping and not load_universal
+    if experts.applies(engine) and not (same_layout and live_stage > 0 and load_optimizer_states):
+        # experts by global id from their own files (stage 0 keeps only rank 0's state in its one file); weights
+        # only (load_optimizer_states=False, load_module_only): their fp32 masters, the live optimizer state kept
+        if stage_saved == 3 or saved_shapes is None:
+            raise RuntimeError(f"{tag_dir}: an MoE checkpoint saved at ZeRO stage 3 loads only with the saved "
+                               f"topology ({world_saved} ranks, stage 3); this run: stage {live_stage} on {live_world}")
+        rank_states = rank_optimizer_states(tag_dir, model_states, stage_saved, world_saved, engine.bfloat16_enabled())
+        strategy.load_state_dict(experts.optimizer_state(engine, tag_dir, saved_shapes, rank_states, stage_saved,
+                                                         load_optimizer_states))
+        return
     if load_optimizer_states and same_layout:
         own = (model_states["optimizer"] if stage_saved == 0 else
                load_file(optim_files(tag_dir, world_saved, engine.bfloat16_enabled())[dp_rank])["optimizer_state_dict"])
         strategy.load_state_dict(own)
+        _restore_rank_states(strategy, tag_dir, saved_world, dp_rank, same_layout=True)
         return
     if load_optimizer_states and model_states.get("param_shapes") is not None:
         _say(engine, f"resharding checkpoint {tag_dir.name}: saved by {world_saved} rank(s) at ZeRO stage "
@@ -360,6 +379,18 @@ def _restore_strategy(engine: Any, tag_dir: Path, model_states: dict[str, Any], 
     target = reshard.state_for_rank(strategy.state_dict(), full, live_stage, live_world, dp_rank, live_shapes,
                                     load_optimizer_states=load_optimizer_states)
     strategy.load_state_dict(target)
+    if load_optimizer_states:
+        _restore_rank_states(strategy, tag_dir, saved_world, dp_rank, same_layout=False)
+
+
+def _restore_rank_states(strategy: Any, tag_dir: Path, saved_world: int, dp_rank: int, same_layout: bool) -> None:
+    """The per-rank optimizer state (``optimizer_rank_states_<r>.pt``): this rank's own file when the layout is
+    the same, every saved rank's otherwise (the optimizer re-cuts them); none saved: an empty list."""
+    files = [tag_dir / layout.rank_states_name(r) for r in range(saved_world)]
+    if not all(f.is_file() for f in files):
+        strategy.load_rank_state_dicts([])
+        return
+    strategy.load_rank_state_dicts([load_file(files[dp_rank])] if same_layout else [load_file(f) for f in files])
 
 
 def find_tag_dir(engine: Any, load_dir: str, tag: Any) -> Path | None:
@@ -402,7 +433,10 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
     else:
         model_path = tag_dir / layout.model_states_name(0, 0)
     model_states = load_file(model_path)
-    _load_module(engine, model_states["module"], load_module_strict, tag_dir, custom_load_fn)
+    module_sd = model_states["module"]
+    if experts.applies(engine):  # this rank's experts, by global id, from their own files
+        module_sd = experts.module_state(engine, tag_dir, module_sd)
+    _load_module(engine, module_sd, load_module_strict, tag_dir, custom_load_fn)
     if engine.strategy is not None:
         load_universal = bool(getattr(getattr(engine._config, "checkpoint", None), "load_universal", False))
         _restore_strategy(engine, tag_dir, model_states, load_optimizer_states and not load_module_only,

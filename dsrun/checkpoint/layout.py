@@ -8,7 +8,9 @@ save_dir/
     ├── mp_rank_00_model_states.pt                     stages 0-2, data-parallel rank 0
     ├── zero_pp_rank_<r>_mp_rank_00_model_states.pt    stage 3, every rank
     ├── [bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt   stages 1-3, every rank
-    └── rng_states_rank_<r>.pt                         dsrun: each rank's RNG states (exact resume)
+    ├── rng_states_rank_<r>.pt                         dsrun: each rank's RNG states (exact resume)
+    └── optimizer_rank_states_<r>.pt                   dsrun: optimizer state that differs per data-parallel
+                                                       rank (the 1-bit optimizers' error buffers)
 ```
 A save is staged in ``save_dir/.<tag>.staging`` and renamed into place when every rank has written it.
 """
@@ -65,6 +67,10 @@ def optim_states_name(dp_rank: int, bf16: bool, mp_rank: int = 0) -> str:
 
 def rng_states_name(rank: int) -> str:
     return f"rng_states_rank_{rank}.pt"
+
+
+def rank_states_name(dp_rank: int) -> str:
+    return f"optimizer_rank_states_{dp_rank}.pt"
 
 
 def default_tag(global_steps: int) -> str:

@@ -14,8 +14,13 @@ from typing import Any
 import torch
 
 from dsrun.utils.errors import Problem, UserError
+from dsrun.utils.zero_to_fp32 import corrupt_reason
 
 _ALLOWED: list[Any] = [collections.OrderedDict, torch.Size]
+
+
+class CorruptCheckpointError(UserError):
+    """A checkpoint file is truncated, empty or otherwise damaged."""
 
 
 class UnsafeCheckpointError(UserError):
@@ -37,6 +42,10 @@ def load_file(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
         with torch.serialization.safe_globals(safe_globals()):
             return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:
+        reason = corrupt_reason(str(path), exc)
+        if reason is not None:
+            raise CorruptCheckpointError(Problem(str(path), f"cannot read this checkpoint file: {reason}",
+                                                 "resume from another tag, or start fresh")) from None
         text = str(exc)
         if "weights_only" in text or "Unsupported global" in text or "Unpickl" in type(exc).__name__:
             first = next((line for line in text.splitlines() if "GLOBAL" in line or "global" in line), text[:200])

@@ -14,6 +14,7 @@ import sys
 from typing import Sequence
 
 from dsrun import __version__
+from dsrun.launcher.protocol import DEBUG_ENV
 from dsrun.utils.errors import EXIT_USAGE, UserError
 
 # name -> (module, one-line summary). Keep sorted by how users meet them.
@@ -78,6 +79,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               + (f" ({hint})" if hint else ""), file=sys.stderr)
         return EXIT_USAGE
     rest = [a for i, a in enumerate(argv) if i != command_index and not (i < command_index and a == "--debug")]
+    if debug:
+        os.environ[DEBUG_ENV] = "1"  # the ranks show their tracebacks too
     try:
         parser, module = _subcommand_parser(name)
         # a subcommand whose positionals may follow its options (``SOURCE --prompt X key=value``) says so

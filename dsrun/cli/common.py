@@ -5,6 +5,13 @@ import argparse
 
 
 def add_compose_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of a subcommand that composes a RunSpec. Also: a migrated legacy key is reported by
+    the ``dsrun.config`` logger, so its :class:`~dsrun.config.LegacyConfigWarning` copy is not shown too."""
+    import warnings
+
+    from dsrun.config.migrate import LegacyConfigWarning
+
+    warnings.simplefilter("ignore", LegacyConfigWarning)
     parser.add_argument("--recipes-dir", action="append", default=[], metavar="DIR",
                         help="a folder of your own recipes (repeatable; also $DSRUN_RECIPES_PATH)")
     parser.add_argument("overrides", nargs="*", metavar="OVERRIDE",

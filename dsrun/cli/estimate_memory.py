@@ -151,6 +151,7 @@ def _recipe_inputs(args: argparse.Namespace) -> tuple[Any, dict[str, Any], dict[
     from omegaconf import OmegaConf
 
     info = {"name": str(target), "largest_layer_name": model.counts.largest_layer_name,
+            "moe_total": model.counts.moe_total, "moe_active": model.counts.moe_active,
             "config": OmegaConf.to_container(cfg["model"], resolve=True)}
     return spec, info, sources
 

@@ -3,31 +3,50 @@
 Examples:
   dsrun train                                   the default recipe
   dsrun train +recipe=gpt_zero3 launcher.num_procs=2
-  dsrun train --dry-run +recipe=gpt_zero3       compose, validate, write the run directory; launch nothing
+  dsrun train --dry-run +recipe=gpt_zero3       compose, validate, check memory, write the run directory;
+                                                launch nothing
   dsrun train ds_config=my_ds_config.json       your DeepSpeed JSON, merged into the recipe's ds section
+  dsrun train train.save_interval=50 train.resume=auto
+                                                resume from the newest checkpoint of an earlier run with the
+                                                same recipe and overrides (docs/checkpoint.md)
+  dsrun train --from outputs/2026-01-31/12-00-00
+                                                resume that run from its newest checkpoint (or run it again)
   dsrun train -m zero=stage1,stage2 optimizer.params.lr=1e-4,3e-4   a Hydra multirun sweep: one job each,
                                                 a summary table of the jobs at the end
   dsrun train -m hydra/sweeper=optuna hydra.sweeper.n_trials=20 'optimizer.params.lr=tag(log, interval(1e-5, 1e-2))'
                                                 an Optuna search minimising the final eval loss (docs/sweeps.md)
+
+Before any rank starts, the run is checked: unset values, data files, the model's shape against the data,
+train.resume, monitor folders, and memory by the estimator (docs/estimate.md).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Iterator
 
 from dsrun.cli.common import add_compose_arguments
-from dsrun.utils.errors import EXIT_USAGE, UserError
+from dsrun.utils.errors import EXIT_USAGE, Problem, UserError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--dry-run", action="store_true",
-                        help="compose, validate, resolve batch sizes, write the run directory and print the "
-                             "plan; launch nothing")
+                        help="compose, validate, resolve batch sizes, check memory, write the run directory "
+                             "and print the plan; launch nothing")
     parser.add_argument("-m", "--multirun", action="store_true",
                         help="Hydra multirun: one job per combination (or per trial with hydra/sweeper=optuna), "
                              "then a table of the jobs")
+    parser.add_argument("--from", dest="from_dir", metavar="RUN_DIR", default=None,
+                        help="rerun a run from its directory alone: resume from its newest checkpoint, or start "
+                             "again when it has none or had finished; OVERRIDES set keys on top "
+                             "(train.max_steps=600 continues a finished run)")
+    parser.add_argument("--skip-memory-check", action="store_true",
+                        help="launch even when the memory estimator says the run does not fit this machine")
     add_compose_arguments(parser)
     from dsrun.compose import list_recipes
 
@@ -38,60 +57,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         pass
 
 
-def run(args: argparse.Namespace) -> int:
-    from dsrun.cli.multirun import JobResult, first_job_overrides, summary_table, unknown_sweep_options
-    from dsrun.compose import app_overrides, compose_runspec, finish_runspec, run_app
-    from dsrun.runspec import resolve_run
-
-    if not args.multirun:
-        resolve_run(compose_runspec(args.overrides, args.recipes_dir))  # fail fast, before any run directory
-    else:  # a misspelt key or option fails the sweep at once; a bad value fails only its own job
-        problems = unknown_sweep_options(args.overrides, args.recipes_dir)
-        if problems:
-            raise UserError(problems)
-        compose_runspec(first_job_overrides(args.overrides), args.recipes_dir)
-    hydra_overrides = app_overrides(args.overrides, args.recipes_dir)
-    jobs: list[JobResult] = []  # a sweep's jobs, in the order they ran
-
-    def task(cfg):
-        """One job: compose, launch, and return the final eval loss (what a sweeper optimises)."""
-        from hydra.core.hydra_config import HydraConfig
-
-        hydra_cfg = HydraConfig.get()
-        run_dir = Path(hydra_cfg.runtime.output_dir)
-        job = JobResult(len(jobs), list(hydra_cfg.overrides.task), run_dir)
-        try:
-            resolved = resolve_run(finish_runspec(cfg, hydra_overrides))
-            if args.dry_run:
-                return _dry_run(resolved, run_dir)
-            metrics = _train(resolved, run_dir)
-            job.final_eval_loss, job.tokens_per_second = metrics.get("final_eval_loss"), metrics["tokens_per_second"]
-        except UserError as err:
-            for problem in err.problems:
-                print(f"error: {problem}", file=sys.stderr)
-            job.error = "; ".join(str(p) for p in err.problems)
-            if not args.multirun:
-                sys.exit(EXIT_USAGE)
-        except TrainingFailed as err:
-            job.error = str(err)
-            if not args.multirun:
-                sys.exit(err.exit_code)
-        finally:
-            jobs.append(job)
-            if args.multirun and not args.dry_run:  # the table so far, kept even if the sweep is killed
-                sweep_dir = Path(hydra_cfg.sweep.dir)
-                sweep_dir.mkdir(parents=True, exist_ok=True)
-                (sweep_dir / "summary.txt").write_text(summary_table(jobs, sweep_dir) + "\n")
-        # a failed job returns None: the sweep goes on, and an Optuna sweeper records the trial as failed
-        return job.final_eval_loss
-
-    run_app(task, args.overrides, args.recipes_dir, multirun=args.multirun)
-    if args.multirun and jobs and not args.dry_run:
-        print(summary_table(jobs, jobs[0].run_dir.parent), flush=True)  # a job runs in <sweep dir>/<N>
-        return 1 if any(not job.ok for job in jobs) else 0
-    return 0
-
-
 class TrainingFailed(Exception):
     """The ranks of a run exited with an error; the message says where to look."""
 
@@ -100,10 +65,155 @@ class TrainingFailed(Exception):
         self.exit_code = exit_code
 
 
-def _dry_run(resolved, run_dir: Path) -> None:
+class TrainingStopped(Exception):
+    """The run was stopped by a signal (Ctrl-C, SIGTERM); the closing lines are printed already."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by signal {signum}")
+        self.signum = signum
+
+
+def run(args: argparse.Namespace) -> int:
+    from dsrun.cli.multirun import JobResult, first_job_overrides, summary_table, unknown_sweep_options
+    from dsrun.cli.preflight import check_before_launch
+    from dsrun.cli.resume import from_overrides, source_run
+    from dsrun.compose import app_overrides, compose_runspec, finish_runspec, run_app
+    from dsrun.runspec import resolve_run
+
+    command = ["dsrun", *sys.argv[1:]]
+    source = source_run(args.from_dir) if args.from_dir else None
+    overrides = from_overrides(source, args.overrides) if source is not None else list(args.overrides)
+    checked = None
+    if source is not None and args.multirun:
+        raise UserError(Problem("--from", "reruns one run; it does not take -m", "leave out -m"))
+    if not args.multirun:  # fail fast, before any run directory
+        resolved = resolve_run(compose_runspec(overrides, args.recipes_dir, source=source))
+        checked = check_before_launch(resolved, memory_check=not args.skip_memory_check)
+    else:  # a misspelt key or option fails the sweep at once; a bad value fails only its own job
+        problems = unknown_sweep_options(args.overrides, args.recipes_dir)
+        if problems:
+            raise UserError(problems)
+        compose_runspec(first_job_overrides(args.overrides), args.recipes_dir)
+    hydra_overrides = app_overrides(overrides, args.recipes_dir, source=source)
+    jobs: list[JobResult] = []  # a sweep's jobs, in the order they ran
+
+    def task(cfg):
+        """One job: compose, check, launch, and return the final eval loss (what a sweeper optimises)."""
+        from hydra.core.hydra_config import HydraConfig
+
+        from dsrun.rundir import LauncherLog
+
+        hydra_cfg = HydraConfig.get()
+        run_dir = Path(hydra_cfg.runtime.output_dir)
+        job = JobResult(len(jobs), list(hydra_cfg.overrides.task), run_dir)
+        log = LauncherLog(run_dir)
+        try:
+            with quiet_legacy_notes(not args.multirun):  # the single run's notes were shown already
+                resolved = resolve_run(finish_runspec(cfg, hydra_overrides))
+            preflight = checked or check_before_launch(resolved, memory_check=not args.skip_memory_check)
+            resolved, resume_line = _settle_resume(resolved, run_dir, job.overrides, args, source, overrides)
+            record = Record(command, _lineage(source, job.overrides), preflight.data)
+            if args.dry_run:
+                return _dry_run(resolved, run_dir, preflight, resume_line, record)
+            metrics = _train(resolved, run_dir, preflight, resume_line, record, log)
+            job.final_eval_loss, job.tokens_per_second = metrics.get("final_eval_loss"), metrics["tokens_per_second"]
+        except UserError as err:
+            for problem in err.problems:
+                log.say(f"error: {problem}", err=True, prefix=False)
+            job.error = "; ".join(str(p) for p in err.problems)
+            if not args.multirun:
+                sys.exit(EXIT_USAGE)
+        except TrainingFailed as err:
+            job.error = str(err)
+            if not args.multirun:
+                sys.exit(err.exit_code)
+        except TrainingStopped as err:
+            job.error = "stopped"
+            if not args.multirun:
+                sys.exit(128 + err.signum)
+            raise KeyboardInterrupt from None  # Ctrl-C stops the sweep, not only its job
+        finally:
+            log.close()
+            jobs.append(job)
+            if args.multirun and not args.dry_run:  # the table so far, kept even if the sweep is killed
+                sweep_dir = Path(hydra_cfg.sweep.dir)
+                sweep_dir.mkdir(parents=True, exist_ok=True)
+                (sweep_dir / "summary.txt").write_text(summary_table(jobs, sweep_dir) + "\n")
+        # a failed job returns None: the sweep goes on, and an Optuna sweeper records the trial as failed
+        return job.final_eval_loss
+
+    run_app(task, overrides, args.recipes_dir, multirun=args.multirun, source=source)
+    if args.multirun and jobs and not args.dry_run:
+        print(summary_table(jobs, jobs[0].run_dir.parent), flush=True)  # a job runs in <sweep dir>/<N>
+        return 1 if any(not job.ok for job in jobs) else 0
+    return 0
+
+
+@contextlib.contextmanager
+def quiet_legacy_notes(quiet: bool) -> Iterator[None]:
+    """While composing a run a second time, silence the legacy-key notes the first composition printed."""
+    if not quiet:
+        yield
+        return
+    import logging
+    import warnings
+
+    logger = logging.getLogger("dsrun.config")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+def _settle_resume(resolved: Any, run_dir: Path, job_overrides: list[str], args: argparse.Namespace,
+                   source: Path | None, overrides: list[str]) -> tuple[Any, str | None]:
+    """Resolve ``train.resume=auto`` and ``--from`` into a checkpoint folder (or null); check what it names."""
+    from dsrun.cli.preflight import resume_problems
+    from dsrun.cli.resume import settle_auto, settle_from
+
+    if source is not None:
+        resolved, line = settle_from(resolved, source, overrides)
+    elif str(resolved.train.resume).lower() == "auto":
+        resolved, line = settle_auto(resolved, run_dir, job_overrides, args.multirun)
+    else:
+        return resolved, None
+    problems = resume_problems(resolved.train.resume)
+    if problems:
+        raise UserError(problems)
+    return resolved, line
+
+
+@dataclass(frozen=True)
+class Record:
+    """What ``provenance.json`` keeps besides the versions: the command, the overrides the run amounts to,
+    the data's digest."""
+
+    command: list[str]
+    overrides: list[str]
+    data: dict[str, Any] | None
+
+    def write(self, run_dir: Path) -> None:
+        from dsrun.rundir import write_provenance
+
+        write_provenance(run_dir, self.command, self.overrides, self.data)
+
+
+def _lineage(source: Path | None, job_overrides: list[str]) -> list[str]:
+    """The overrides a job amounts to: its own, after its ``--from`` source's."""
+    from dsrun.cli.resume import effective_overrides, recorded_overrides
+
+    return effective_overrides([*((recorded_overrides(source) or []) if source else []), *job_overrides])
+
+
+def _dry_run(resolved: Any, run_dir: Path, preflight: Any, resume_line: str | None, record: Record) -> None:
     from dsrun.rundir import write_run_files
 
     paths = write_run_files(run_dir, resolved)
+    record.write(run_dir)
     ds = resolved.ds
     model = resolved.runspec.model
     sizes = ", ".join(f"{k}={v}" for k, v in model.items() if k != "_target_")
@@ -119,6 +229,9 @@ def _dry_run(resolved, run_dir: Path) -> None:
         f"optimizer       {ds.optimizer.type or '(client optimizer)'}",
         f"scheduler       {ds.scheduler.type or '(none)'}",
         f"steps           {resolved.train.max_steps}",
+        f"memory          {preflight.memory or 'not checked'}",
+        *([f"resume          {resume_line}"] if resume_line else []),
+        *[f"note            {note.removeprefix('note: ')}" for note in preflight.notes],
         f"wrote           {paths['resolved']}",
         f"                {paths['ds_config']}",
         "dry run: nothing launched",
@@ -126,72 +239,43 @@ def _dry_run(resolved, run_dir: Path) -> None:
     print("\n".join(lines))
 
 
-def _train(resolved, run_dir: Path) -> dict:
+def _train(resolved: Any, run_dir: Path, preflight: Any, resume_line: str | None, record: Record,
+           log: Any) -> dict:
     """Launch the worker on every rank of the plan; return the run's metrics (``metrics.json``)."""
     import json
 
+    from dsrun.cli.outcome import done_lines, first_error, mark_mlflow, short_path, stopped_lines
     from dsrun.launcher import launch_from_mapping
+    from dsrun.launcher.execute import JobOutcome
     from dsrun.rundir import METRICS_JSON, write_run_files
     from dsrun.runspec import WORKER_MODULE
 
     write_run_files(run_dir, resolved)
-    print(f"[dsrun] run directory {run_dir}", flush=True)
+    record.write(run_dir)
+    log.say(f"run directory {run_dir}")
+    for line in [*([resume_line] if resume_line else []), *preflight.notes]:
+        log.say(line)
     launcher = dict(resolved.runspec.launcher)
     launcher["log_dir"] = launcher.get("log_dir") or str(run_dir / "logs")
-    code = launch_from_mapping(launcher, WORKER_MODULE, ["--run-dir", str(run_dir)], module=True)
-    metrics_path = run_dir / METRICS_JSON
-    if code != 0:
-        print(f"[dsrun] training failed (exit code {code}); logs per rank in {launcher['log_dir']}",
-              file=sys.stderr, flush=True)
-        raise TrainingFailed(f"exit code {code}{_first_error(Path(launcher['log_dir']))}", code)
-    metrics = json.loads(metrics_path.read_text())
-    losses = [e["loss"] for e in metrics["eval_losses"]]
-    print(f"[dsrun] done: {metrics['steps']} steps in {metrics['wall_time_s']:.1f}s, "
-          f"{metrics['tokens_per_second']:,.0f} tokens/s; eval loss {losses[0]:.3f} -> {losses[-1]:.3f} "
-          f"({metrics['loss_unit']})" if losses else "[dsrun] done", flush=True)
-    for line in where_outputs_went(resolved, run_dir):
-        print(f"[dsrun] {line}", flush=True)
+    outcome = JobOutcome()
+    started_ms = int(time.time() * 1000) - 1000
+    launch_from_mapping(launcher, WORKER_MODULE, ["--run-dir", str(run_dir)], module=True,
+                        out=log.stdout, err=log.stderr, outcome=outcome)
+    if outcome.signal is not None:
+        mark_mlflow(resolved, run_dir, started_ms, "KILLED", log.say)
+        for line in stopped_lines(resolved, run_dir, outcome.signal):
+            log.say(line, err=True)
+        raise TrainingStopped(outcome.signal)
+    if outcome.exit_code != 0:
+        mark_mlflow(resolved, run_dir, started_ms, "FAILED", log.say)
+        if outcome.user_errors:
+            raise UserError(outcome.user_errors)
+        log_dir = Path(launcher["log_dir"])
+        error = first_error(log_dir)
+        log.say(f"training failed (exit code {outcome.exit_code}){error}; logs per rank in {short_path(log_dir)}",
+                err=True)
+        raise TrainingFailed(f"exit code {outcome.exit_code}{error}", outcome.exit_code)
+    metrics = json.loads((run_dir / METRICS_JSON).read_text())
+    for line in done_lines(resolved, run_dir, metrics):
+        log.say(line)
     return metrics
-
-
-def _first_error(log_dir: Path) -> str:
-    """`` (rankN: <the exception>)`` from the first rank log that holds a Python traceback, or ''."""
-    import re
-
-    for log in sorted(log_dir.glob("rank*.stderr.log")):
-        text = log.read_text(errors="replace")
-        if "Traceback (most recent call last)" in text:
-            last = [line.strip() for line in text.splitlines() if line.strip()][-1]
-            last = re.sub(r"^\[rank\d+\]:\s*", "", last)
-            last = re.sub(r"^(\w+\.)+(?=\w+(Error|Exception|Interrupt)\b)", "", last)  # dsrun.x.UserError → UserError
-            return f" ({log.name.split('.')[0]}: {last[:300]})"
-    return ""
-
-
-def where_outputs_went(resolved, run_dir: Path) -> list[str]:
-    """One line per output a user looks for after a run: metrics, monitor files, checkpoints, MLflow (paths
-    relative to the current directory when they lie below it)."""
-    from dsrun.cli.multirun import short_path
-    from dsrun.monitor.mlflow_monitor import resolve_tracking_uri, sqlite_path
-    from dsrun.rundir import METRICS_JSON
-
-    ds = resolved.ds
-    lines = [f"metrics: {short_path(run_dir / METRICS_JSON)}"]
-    for name in ("csv_monitor", "tensorboard"):
-        section = getattr(ds, name)
-        if section.enabled:
-            lines.append(f"{name}: {short_path(Path(section.output_path or run_dir) / section.job_name)}")
-    checkpoints = run_dir / "checkpoints"
-    if checkpoints.is_dir():
-        lines.append(f"checkpoints: {short_path(checkpoints)}")
-    if ds.mlflow.enabled:
-        uri = resolve_tracking_uri(ds.mlflow.tracking_uri, Path.cwd() / "mlruns")  # as the worker resolved it
-        name = ds.mlflow.run_name or f"{run_dir.parent.name}/{run_dir.name}"
-        store = sqlite_path(uri)
-        if store is not None:  # a local store: its file, and the command that browses it
-            db = short_path(store)
-            where = f"{db}; browse: mlflow ui --backend-store-uri sqlite:///{db}"
-        else:
-            where = uri
-        lines.append(f"mlflow: run '{name}' (experiment '{ds.mlflow.experiment_name}') in {where}")
-    return lines

@@ -74,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
             tuner.run()
     except KeyboardInterrupt:
         if tuner.study is not None:
+            reporter.interrupted()
             write_results(tuner)
             print(f"[tune] interrupted; run the same command again to continue (study in {tuner.db_path})",
                   file=sys.stderr, flush=True)
@@ -108,6 +109,7 @@ class Reporter:
         self.tuner: Any = None
         self.progress: Any = None
         self.task: Any = None
+        self.running: int | None = None  # the number of the trial that is running, if any
         self.mlflow = _MLflowTrials(mlflow, settings) if mlflow is not None else None
 
     def print_header(self) -> None:
@@ -146,10 +148,12 @@ class Reporter:
             self._say(f"[tune] model: {data.get('num_params'):,} parameters; activation memory (micro batch 1) "
                       f"{int(data.get('activation_mem_per_gpu') or 0) / 2**20:,.2f} MiB")
         elif kind == "trial_start":
+            self.running = data["number"]
             self._say(f"[tune] trial {data['index']}/{data['total']} (#{data['number']}) {data['name']} ...")
             if self.progress is not None:
                 self.progress.update(self.task, description=f"trial {data['index']}/{data['total']} {data['name']}")
         elif kind == "trial_end":
+            self.running = None
             trial, best = data["trial"], data["best"]
             attrs = trial.user_attrs
             if trial.value is not None and trial.state.name == "COMPLETE":
@@ -165,6 +169,15 @@ class Reporter:
                 self.progress.advance(self.task)
             if self.mlflow is not None:
                 self.mlflow.log_trial(trial, self.settings.results_dir / str(attrs.get("exp_name")))
+
+    def interrupted(self) -> None:
+        """Ctrl-C: the trial that was running gets its MLflow child run too, as ``KILLED``."""
+        if self.mlflow is None or self.running is None:
+            return
+        trial = next((t for t in self.tuner.study.get_trials(deepcopy=False) if t.number == self.running), None)
+        if trial is not None:
+            self.mlflow.log_trial(trial, self.settings.results_dir / str(trial.user_attrs.get("exp_name")),
+                                  status="KILLED")
 
     def finish(self, paths: dict[str, Path]) -> None:
         from rich.table import Table
@@ -207,7 +220,7 @@ class _MLflowTrials:
         self.settings = settings
         self.parent_id: str | None = None
 
-    def log_trial(self, trial: Any, exp_dir: Path) -> None:
+    def log_trial(self, trial: Any, exp_dir: Path, status: str | None = None) -> None:
         from dsrun.monitor.mlflow_monitor import MLflowMonitor
 
         attrs = trial.user_attrs
@@ -221,8 +234,8 @@ class _MLflowTrials:
         monitor.write_events(events)
         monitor.log_artifacts([exp_dir / n for n in ("cmd.txt", "ds_config.json", "exp.json", "metrics.json",
                                                      "stderr.log")] if exp_dir.is_dir() else [])
-        monitor.close("FINISHED" if trial.state.name == "COMPLETE" else
-                      "KILLED" if trial.state.name == "PRUNED" else "FAILED")
+        monitor.close(status or ("FINISHED" if trial.state.name == "COMPLETE" else
+                                 "KILLED" if trial.state.name == "PRUNED" else "FAILED"))
 
     def finish(self, best: Any) -> None:
         if best is None:

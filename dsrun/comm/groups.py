@@ -47,6 +47,7 @@ class ProcessGroups:
         for axis in self.topology.get_axis_names():
             self._axis_groups[axis] = self._own_group(self.topology.get_axis_comm_lists(axis))
         self._expert: dict[int, tuple[ProcessGroup, ProcessGroup, list[int], list[int]]] = {}
+        self.expert_data_first = False
 
     def _own_group(self, lists: list[list[int]]) -> ProcessGroup:
         """Create every group of ``lists`` (a collective: all ranks create all of them, in order) and return
@@ -109,10 +110,26 @@ class ProcessGroups:
         if size < 1 or dp % size:
             raise ValueError(f"expert parallel size {size} must divide the data-parallel size {dp}")
         experts, replicas = [], []
+        data_first = getattr(self, "expert_data_first", False)
         for ranks in self.topology.get_axis_comm_lists("data"):
-            experts += [ranks[i:i + size] for i in range(0, dp, size)]
-            replicas += [ranks[j::size] for j in range(size)]
+            if data_first:  # DeepSpeed's use_data_before_expert_parallel_: replicas consecutive, experts strided
+                step = dp // size
+                replicas += [ranks[i:i + step] for i in range(0, dp, step)]
+                experts += [ranks[j::step] for j in range(step)]
+            else:
+                experts += [ranks[i:i + size] for i in range(0, dp, size)]
+                replicas += [ranks[j::size] for j in range(size)]
         return experts, replicas
+
+    def set_expert_layout(self, data_first: bool) -> None:
+        """Lay expert groups out data-parallel-first (``use_data_before_expert_parallelism``: an expert's
+        replicas are consecutive ranks, the experts of a layer strided) instead of DeepSpeed's default
+        (experts consecutive). Only before the first expert group is created."""
+        if bool(data_first) == getattr(self, "expert_data_first", False):
+            return
+        if self._expert:
+            raise ValueError("the expert-group layout cannot change after expert groups were created")
+        self.expert_data_first = bool(data_first)
 
     def _expert_entry(self, expert_parallel_size: int) -> tuple[ProcessGroup, ProcessGroup, list[int], list[int]]:
         size = int(expert_parallel_size)
@@ -144,6 +161,19 @@ class ProcessGroups:
         entry = self._expert_entry(expert_parallel_size)
         return entry[2], entry[3]
 
+    # --- which group a parameter lives on ----------------------------------------------------------------
+    def group_of_param(self, param: Any) -> ProcessGroup:
+        """The group whose ranks hold copies of ``param``: its gradient is reduced, ZeRO partitions it, its
+        initial value is broadcast over it. The data-parallel group, or for an expert parameter (DeepSpeed's
+        marks: ``allreduce = False``, ``group_name = "ep_size_E"``) its expert-data-parallel group."""
+        size = expert_parallel_size_of(param)
+        return self.data if size is None else self.expert_data(size)
+
+    def members_of_param(self, param: Any) -> list[int]:
+        """The global ranks of :meth:`group_of_param`'s group (the first is the broadcast source)."""
+        size = expert_parallel_size_of(param)
+        return self.members("data") if size is None else self.expert_members(size)[1]
+
     def destroy(self) -> None:
         """Destroy the groups this object created (not the world's default group)."""
         created = [g for g in self._axis_groups.values() if g is not None and g is not _SINGLE]
@@ -153,6 +183,16 @@ class ProcessGroups:
             comm.destroy_process_group(group)
         self._axis_groups = {axis: None for axis in self._axis_groups}
         self._expert = {}
+
+
+def expert_parallel_size_of(param: Any) -> int | None:
+    """E for an expert parameter (``allreduce`` False, ``group_name`` "ep_size_E"), else None."""
+    if getattr(param, "allreduce", True):
+        return None
+    name = str(getattr(param, "group_name", "ep_size_1"))
+    if not name.startswith("ep_size_") or not name[len("ep_size_"):].isdigit():
+        raise ValueError(f"expert parameter with group_name {name!r}: expected 'ep_size_<E>'")
+    return int(name[len("ep_size_"):])
 
 
 def from_data_group(group: ProcessGroup) -> "ProcessGroups":

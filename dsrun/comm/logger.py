@@ -8,7 +8,9 @@ bandwidth-optimal (ring) algorithm, the same factors nccl-tests use for "bus ban
 all_reduce         2 * S * (N - 1) / N
 reduce_scatter     S_in * (N - 1) / N   (S_in - own piece when pieces differ in size)
 all_gather         S_out * (N - 1) / N
+all_to_all_single  S_in * (N - 1) / N   (the pieces for the other ranks)
 broadcast, reduce  S
+all_to_all_single  S_in - own piece
 =================  =====================================
 
 So ZeRO stage 0 (one all-reduce of the gradients) and stages 1-2 (a reduce-scatter of the gradients plus

@@ -137,6 +137,48 @@ class _CommonOptimizerParams(BaseModel):
     weight_decay: Annotated[float, Field(ge=0)] | None = None
 
 
+# The 1-bit optimizers' params are their constructors' keyword arguments (dsrun/runtime/fp16/onebit, where the
+# defaults live); listed here so `dsrun config --validate` names a misspelt one. comm_backend_name takes
+# DeepSpeed's names, each mapped onto dsrun's compressed all-reduce over the run's backend.
+ONE_BIT_BACKENDS = ("nccl", "mpi", "compressed", "hccl")
+PositiveInt = Annotated[int, Field(ge=1)]
+
+
+class _OneBitParams(_CommonOptimizerParams):
+    model_config = ConfigDict(extra="forbid")
+    bias_correction: bool | None = None
+    eps_inside_sqrt: bool | None = None
+    max_grad_norm: Annotated[float, Field(ge=0)] | None = None
+    amsgrad: bool | None = None
+    cuda_aware: bool | None = None
+    comm_backend_name: Literal["nccl", "mpi", "compressed", "hccl", "NCCL", "MPI", "COMPRESSED", "HCCL"] | None = None
+
+
+class OneBitAdamParams(_OneBitParams):
+    freeze_step: PositiveInt | None = None
+
+
+class ZeroOneAdamParams(_OneBitParams):
+    var_freeze_step: PositiveInt | None = None
+    var_update_scaler: PositiveInt | None = None
+    local_step_scaler: PositiveInt | None = None
+    local_step_clipper: PositiveInt | None = None
+
+
+class OneBitLambParams(_OneBitParams):
+    freeze_step: PositiveInt | None = None
+    max_coeff: Annotated[float, Field(gt=0)] | None = None
+    min_coeff: Annotated[float, Field(gt=0)] | None = None
+    coeff_beta: Annotated[float, Field(ge=0, lt=1)] | None = None
+    factor_max: Annotated[float, Field(gt=0)] | None = None
+    factor_min: Annotated[float, Field(gt=0)] | None = None
+    factor_threshold: Annotated[float, Field(ge=0)] | None = None
+
+
+ONE_BIT_PARAMS: dict[str, type[_OneBitParams]] = {"onebitadam": OneBitAdamParams, "zerooneadam": ZeroOneAdamParams,
+                                                  "onebitlamb": OneBitLambParams}
+
+
 @lru_cache(maxsize=None)
 def _torch_names(module: str) -> frozenset[str]:
     """Public class names in a torch module; imported lazily so plain validation stays fast."""
@@ -163,8 +205,35 @@ def check_optimizer(optimizer: OptimizerConfig, prefix: str) -> list[Problem]:
     if optimizer.type is None and optimizer.params:
         problems.append(Problem(f"{base}.type", "required key is missing (params are given without a type)",
                                 "add e.g. \"type\": \"AdamW\""))
-    _, params_problems = validate_model(_CommonOptimizerParams, optimizer.params, f"{base}.params")
+    params_model = ONE_BIT_PARAMS.get((optimizer.type or "").lower(), _CommonOptimizerParams)
+    params, params_problems = validate_model(params_model, optimizer.params, f"{base}.params")
     problems.extend(params_problems)
+    if isinstance(params, _OneBitParams):
+        problems.extend(_one_bit_rules(params, optimizer.type or "", f"{base}.params"))
+    return problems
+
+
+def _one_bit_rules(params: _OneBitParams, name: str, base: str) -> list[Problem]:
+    """The rules between a 1-bit optimizer's params that its constructor enforces, checked before launch (a
+    pair is compared only when both are given: the defaults live in the constructors)."""
+    problems = []
+    if params.amsgrad:
+        problems.append(Problem(f"{base}.amsgrad", f"got true; {name} has no AMSGrad variant (as in DeepSpeed)",
+                                "remove it"))
+    if params.max_grad_norm:
+        problems.append(Problem(f"{base}.max_grad_norm", f"got {show(params.max_grad_norm)}; {name} does not clip "
+                                "by itself", "clip with the top-level \"gradient_clipping\" instead"))
+    if isinstance(params, OneBitLambParams):
+        for low, high in (("min_coeff", "max_coeff"), ("factor_min", "factor_max")):
+            lo, hi = getattr(params, low), getattr(params, high)
+            if lo is not None and hi is not None and lo > hi:
+                problems.append(Problem(f"{base}.{low}", f"got {low} {lo} > {high} {hi}",
+                                        f"expected {low} <= {high}"))
+        beta, freeze = params.coeff_beta, params.freeze_step
+        if beta is not None and freeze is not None and freeze * (1 - beta) < 1 - 1e-9:
+            problems.append(Problem(f"{base}.coeff_beta", f"1 / (1 - coeff_beta) = {1 / (1 - beta):g} exceeds "
+                                    f"freeze_step {freeze}: the frozen coefficient would still be biased towards 0",
+                                    "lower coeff_beta or raise freeze_step"))
     return problems
 
 

@@ -65,13 +65,15 @@ def _child(annotation: Any, part: str | int) -> Any:
     return None
 
 
-def _as_model(annotation: Any) -> type[BaseModel] | None:
+def section_model(annotation: Any) -> type[BaseModel] | None:
+    """The schema section an annotation holds (``ZeroConfig | None`` -> ``ZeroConfig``); None for a value or an
+    open dict/list (their keys are the user's)."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     if typing.get_origin(annotation) in (dict, list):
         return None
     for arg in typing.get_args(annotation):
-        found = _as_model(arg)
+        found = section_model(arg)
         if found is not None:
             return found
     return None
@@ -84,7 +86,7 @@ def _model_at(model: type[BaseModel], parts: list[str | int]) -> type[BaseModel]
         current = _child(current, part)
         if current is None:
             return None
-    return _as_model(current)
+    return section_model(current)
 
 
 # Plain words for pydantic's type errors.

@@ -109,10 +109,16 @@ def check_optimizer_rules(cfg: DeepSpeedConfig, p: str) -> list[Problem]:
         return problems
     name = cfg.optimizer.type.lower()
     stage = cfg.zero_optimization.stage
-    if name in ONE_BIT_OPTIMIZERS and stage > 0:
-        problems.append(Problem(f"{p}optimizer.type",
-                                f"{NATIVE_OPTIMIZERS[name]} is not compatible with ZeRO (stage {stage})",
-                                "set zero_optimization.stage to 0 or use Adam/AdamW"))
+    if name in ONE_BIT_OPTIMIZERS:
+        # dsrun runs them at stage 0 and (1-bit Adam and LAMB) stage 1; DeepSpeed refuses every stage > 0
+        stages = (0,) if name == "zerooneadam" else (0, 1)
+        offloaded = cfg.zero_optimization.offload_optimizer_device not in (None, "none")
+        if stage not in stages or (stage > 0 and offloaded):
+            allowed = " or ".join(str(s) for s in stages)
+            problems.append(Problem(f"{p}optimizer.type",
+                                    f"{NATIVE_OPTIMIZERS[name]} runs at ZeRO stage {allowed} without optimizer "
+                                    f"offload (got stage {stage}{', offloaded' if stage in stages else ''})",
+                                    f"set zero_optimization.stage to {allowed}; docs/onebit.md says why"))
     elif stage > 0 and name not in ZERO_TESTED_OPTIMIZERS and not cfg.zero_allow_untested_optimizer \
             and not any(pr.path == f"{p}optimizer.type" for pr in problems):
         problems.append(Problem(f"{p}optimizer.type",

@@ -25,6 +25,10 @@ class ParameterCounts:
     trainable: int
     largest_layer: int
     largest_layer_name: str
+    # Mixture of Experts (a model with ``moe_parameter_counts()``): every expert of every rank, and what one
+    # token activates (k experts per MoE layer); ``total`` above is what one rank holds
+    moe_total: int | None = None
+    moe_active: int | None = None
 
 
 def _storage_key(param: torch.Tensor) -> Any:
@@ -47,8 +51,11 @@ def count_parameters(model: torch.nn.Module) -> ParameterCounts:
         owned = sum(p.numel() for p in module.parameters(recurse=False))
         if owned > largest:
             largest, largest_name = owned, name
+    moe = getattr(model, "moe_parameter_counts", None)
+    moe_total, moe_active = moe() if callable(moe) else (None, None)
     return ParameterCounts(total=sum(sizes.values()), trainable=sum(trainable.values()),
-                           largest_layer=largest, largest_layer_name=largest_name)
+                           largest_layer=largest, largest_layer_name=largest_name, moe_total=moe_total,
+                           moe_active=moe_active)
 
 
 # In-place ops that only change values. On a meta tensor they change nothing we can see, and running the

@@ -23,6 +23,12 @@ largest layer for torch's per-tensor optimizers. With ``gradient_clipping`` the 
 norm of each fp32 sub-group's gradient through a float64 copy and its square: ``16 * min(T/N,
 sub_group_size)`` bytes, the larger of the two.
 
+The 1-bit optimizers (OneBitAdam, ZeroOneAdam, OneBitLamb; stages 0-1) add their error-feedback buffers to
+the states: the worker error, ``4T`` on every rank (each rank's own, never partitioned), and the server
+error, ``4T/N`` (this rank's chunk). Their states are Adam's two moments, plus 0/1 Adam's synchronised
+weights or 1-bit LAMB's fresh variance (3); their compressed exchange builds two fp32 temporaries of the
+whole flat group (the compensated input and its decoded copy), ``8T``, counted as step workspace.
+
 Optimizer offload moves master copy, fp32 gradients and states to host RAM (cpu) or NVMe; the CPU
 optimizer needs an fp32 copy of the partition even in fp32 training; with it, stage 2/3 gradients leave
 the device bucket by bucket. NVMe keeps master, states and gradients in files; host RAM then holds only
@@ -47,7 +53,7 @@ FP32 = 4
 _STATES: dict[str, int] = {
     "adam": 2, "adamw": 2, "fusedadam": 2, "cpuadam": 2, "deepspeedcpuadam": 2,
     "lamb": 2, "fusedlamb": 2, "cpulamb": 2,
-    "onebitadam": 3, "zerooneadam": 3, "onebitlamb": 3,  # + error-feedback buffer for compression
+    "onebitadam": 2, "zerooneadam": 3, "onebitlamb": 3,  # + the error buffers: error_feedback_bytes
     "lion": 1, "fusedlion": 1, "cpulion": 1,
     "adagrad": 1, "cpuadagrad": 1,
     "sgd": 0, "rmsprop": 1,
@@ -57,8 +63,9 @@ _STATES: dict[str, int] = {
 def optimizer_state_count(optimizer: str, params: Mapping[str, Any] | None = None) -> int:
     """How many fp32 tensors of a parameter's size the optimizer keeps per parameter.
 
-    Adam/AdamW/Lamb: 2 (first and second moments); 1-bit Adam/0-1 Adam/1-bit Lamb: 3 (plus the error
-    feedback of the compressed all-reduce); Lion, Adagrad: 1; SGD: 1 with ``momentum`` > 0 else 0;
+    Adam/AdamW/Lamb and 1-bit Adam: 2 (first and second moments); 0/1 Adam: 3 (plus the synchronised
+    weights); 1-bit Lamb: 3 (plus the fresh variance); the 1-bit optimizers' error buffers are
+    :func:`error_feedback_bytes`; Lion, Adagrad: 1; SGD: 1 with ``momentum`` > 0 else 0;
     RMSprop: 1, plus 1 with momentum, plus 1 when ``centered``.
     """
     params = params or {}
@@ -72,6 +79,17 @@ def optimizer_state_count(optimizer: str, params: Mapping[str, Any] | None = Non
     if key == "rmsprop":
         count += int(float(params.get("momentum", 0) or 0) > 0) + int(bool(params.get("centered", False)))
     return count
+
+
+ONE_BIT = frozenset({"onebitadam", "zerooneadam", "onebitlamb"})
+
+
+def error_feedback_bytes(spec: EstimateInputs) -> int:
+    """The 1-bit optimizers' error buffers on one rank: the worker error over every trainable element and the
+    server error over this rank's chunk (0 for other optimizers)."""
+    if spec.optimizer.lower().replace("_", "").replace("-", "") not in ONE_BIT:
+        return 0
+    return spec.trainable * FP32 + ceil_div(spec.trainable, spec.world_size) * FP32
 
 
 @dataclass(frozen=True)
@@ -141,7 +159,7 @@ def model_state_bytes(spec: EstimateInputs) -> ModelStates:
     if spec.offload_optimizer == "none":
         device_master = t_part * master
         device_grads = grad_bytes
-        device_states = t_part * states
+        device_states = t_part * states + error_feedback_bytes(spec)
         # On CUDA a multi-tensor (foreach) step builds one fp32 temporary the size of what it updates, e.g.
         # Adam's sqrt(v) + eps; optimizers without state update in place. On the CPU dsrun steps Adam, Lion
         # and Adagrad with its fused compiled ops (no temporary), and torch's optimizers go tensor by tensor
@@ -154,6 +172,8 @@ def model_state_bytes(spec: EstimateInputs) -> ModelStates:
             step_workspace = 0
         else:
             step_workspace = min(t_part, spec.largest_layer_params) * FP32
+        if error_feedback_bytes(spec):
+            step_workspace = max(step_workspace, 2 * trainable * FP32)  # the compressed exchange's input, output
         if stage == 3 and spec.gradient_clipping > 0:
             # the ZeRO-3 step's gradient norm: a float64 copy of a sub-group's fp32 gradient and its square
             step_workspace = max(step_workspace, 16 * min(t_part, spec.buffers.sub_group_size))

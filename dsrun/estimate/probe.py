@@ -19,6 +19,7 @@ import torch
 import dsrun.worker  # noqa: F401  (what a rank imports, the engine included)
 from dsrun import comm
 from dsrun.optim.registry import build_optimizer
+from dsrun.runtime.fp16.onebit import ONE_BIT_CLASSES, build_onebit_optimizer
 
 
 def status() -> dict[str, int]:
@@ -60,7 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     comm.init_distributed(dist_backend="gloo", init_method=f"file://{store}/store", rank=0, world_size=1,
                           verbose=False)
     model, run = _model_and_step(json.loads(model_json), getattr(torch, dtype_name))
-    optimizer = build_optimizer(optimizer_type, model.parameters(), {})
+    build = build_onebit_optimizer if optimizer_type.lower() in ONE_BIT_CLASSES else build_optimizer
+    optimizer = build(optimizer_type, model.parameters(), {})
     model.eval()
     with torch.no_grad():
         run()

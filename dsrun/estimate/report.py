@@ -109,6 +109,8 @@ def _summary_lines(report: MemoryReport) -> list[str]:
         f"model: {model.get('name', '?')}  total {spec.total_params:,} params "
         f"(trainable {spec.trainable:,}), largest layer {spec.largest_layer_params:,}"
         + (f" ({model['largest_layer_name']})" if model.get("largest_layer_name") else ""),
+        *([f"MoE: {model['moe_total']:,} params over all experts of all ranks, {model['moe_active']:,} active per "
+           "token; the counts here are one rank's (its own experts)"] if model.get("moe_total") else []),
         f"layout: {spec.nodes} node(s) x {spec.ranks_per_node} rank(s) = {spec.world_size} data-parallel ranks",
         f"recipe: ZeRO {spec.zero_stage}, offload optimizer={spec.offload_optimizer} param={spec.offload_param}, "
         f"{spec.precision}, optimizer {spec.optimizer}, micro batch {spec.micro_batch_size}, "

@@ -240,12 +240,7 @@ def refusals(config: DeepSpeedInferenceConfig, device_type: str) -> list[Problem
             out.append(Problem(p + name, "is not implemented in dsrun (no Triton kernels)", "leave it false"))
     if config.zero:
         out.append(Problem(p + "zero", "ZeRO-Inference is not implemented yet", "leave zero empty"))
-    moe_given = (config.moe_enabled and "moe" in config.model_fields_set) or config.moe_experts != [1] \
-        or config.ep_size != 1 or config.moe_type != "standard" or config.ep_group is not None \
-        or config.ep_mp_group is not None
-    if moe_given:
-        out.append(Problem(p + "moe", "MoE inference (expert parallelism) is not implemented yet: it waits for "
-                           "dsrun.moe", "leave moe, moe_experts, ep_size, moe_type and ep_group unset"))
+    # moe, ep_size, moe_experts, moe_type, ep_group: checked against the model (dsrun.inference.moe.check)
     if config.training_mp_size != 1:
         out.append(Problem(p + "training_mp_size", f"got {config.training_mp_size}; dsrun trains without tensor "
                            "parallelism, so its checkpoints are whole (training_mp_size=1)", "leave it 1"))

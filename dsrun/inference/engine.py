@@ -5,7 +5,8 @@ The engine prepares a model once, in this order:
 1. refuse the settings dsrun cannot honour (:func:`~dsrun.inference.config.refusals`), one line each;
 2. load ``checkpoint`` into the whole model (:mod:`~dsrun.inference.loading`);
 3. convert to ``dtype`` (fp16/bf16/fp32; with ``int8`` the float weights are kept until step 5);
-4. split the blocks over the model-parallel group (:mod:`~dsrun.inference.auto_tp`) when
+4. spread an MoE model's experts over expert-parallel groups of ``moe.ep_size`` ranks
+   (:mod:`~dsrun.inference.moe`); split the blocks over the model-parallel group (:mod:`~dsrun.inference.auto_tp`) when
    ``tensor_parallel.tp_size > 1`` (or a user ``injection_policy`` / INT8 asks for the block plan);
 5. quantize the blocks' linears to INT8 (weight-only) with ``dtype=torch.int8``;
 6. with ``replace_with_kernel_inject`` on a dsrun GPT, swap in the fused KV-cache forward
@@ -25,6 +26,7 @@ from torch import nn
 from dsrun.accelerator import get_accelerator
 from dsrun.utils.errors import ConfigError, Problem, UserError
 
+from . import moe
 from .auto_tp import BlockPlan, quantize_blocks, shard_model
 from .config import DeepSpeedInferenceConfig, merge_config, refusals
 from .fused_gpt import FusedGPT
@@ -53,10 +55,12 @@ class InferenceEngine(nn.Module):
             problems.append(Problem("init_inference.replace_with_kernel_inject", f"the fused path exists for "
                                     f"dsrun's GPT, not {type(model).__name__}", "leave it false: automatic "
                                     "tensor parallelism splits any Transformer"))
+        problems += moe.check(model, config)
         if problems:
             raise ConfigError(problems)
         self.checkpoint_loaded = self._load(model, config)
         self._convert_dtype(model, config.dtype)
+        self.ep_size = moe.spread_experts(model, config)  # MoE: each rank keeps its experts (collective)
         policy = self._policy(config)
         self.tp: TPGroup = model_parallel_group(config.tp_size, config.tensor_parallel.tp_group,
                                                 config.tensor_parallel.mpu or config.mpu)
@@ -88,7 +92,7 @@ class InferenceEngine(nn.Module):
                                       "parameters from", "pass checkpoint=..."))
         if source is None:
             return None
-        return load_weights(model, source, config.checkpoint_base_dir)
+        return load_weights(model, source, config.checkpoint_base_dir, lambda sd: moe.localize(model, sd))
 
     @staticmethod
     def _convert_dtype(model: nn.Module, dtype: torch.dtype) -> None:

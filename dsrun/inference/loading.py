@@ -7,6 +7,8 @@
   number of ranks that saved them (:func:`dsrun.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint`);
 - a state-dict file (``save_16bit_model``'s ``pytorch_model.bin``, ``zero_to_fp32``'s output, a
   ``.safetensors`` file) or a folder holding ``pytorch_model.bin`` / ``model.safetensors``;
+  an MoE model's (ZeRO 0-2) has its experts' masters from the per-expert files, by global id, whatever
+  expert-parallel size saved it;
 - DeepSpeed's checkpoint description, as a dict or a ``.json`` file:
   ``{"type": "ds_model", "version": 0.0, "checkpoints": PATH or [FILES of one sharded state dict]}``.
 
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -94,7 +96,13 @@ def _from_folder(path: Path) -> tuple[dict[str, torch.Tensor], str]:
 
 def _zero(folder: Path, tag: str | None) -> dict[str, torch.Tensor]:
     try:
-        return dict(z2f.get_fp32_state_dict_from_zero_checkpoint(str(folder), tag))
+        tag_dir = Path(z2f.resolve_tag_dir(str(folder), tag))
+        state = dict(z2f.get_fp32_state_dict_from_zero_checkpoint(str(folder), tag))
+        if not z2f.has_expert_files(str(tag_dir)) and any(".deepspeed_experts." in name for name in state):
+            # ZeRO-3 keeps experts in rank partitions, under each rank's local names
+            raise _user_error(f"{tag_dir} is an MoE checkpoint without per-expert files (ZeRO-3): its experts "
+                              "cannot be told apart by global id", "serve an MoE model trained at ZeRO 0-2")
+        return state
     except (ValueError, FileNotFoundError, KeyError) as err:
         raise _user_error(f"cannot read the training checkpoint in {folder}: {err}") from None
 
@@ -147,9 +155,13 @@ def check_fits(model: nn.Module, state_dict: dict[str, torch.Tensor], where: str
                       "load the checkpoint into the model it was trained from")
 
 
-def load_weights(model: nn.Module, source: str | dict[str, Any], base_dir: str = "") -> str:
-    """Read ``source`` and copy it into ``model`` (built on the meta device: materialised first)."""
+def load_weights(model: nn.Module, source: str | dict[str, Any], base_dir: str = "",
+                 transform: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None) -> str:
+    """Read ``source`` and copy it into ``model`` (built on the meta device: materialised first);
+    ``transform`` rewrites the state dict first (an expert-parallel model keeps its own experts)."""
     state_dict, where = read_state_dict(source, base_dir)
+    if transform is not None:
+        state_dict = transform(state_dict)
     check_fits(model, state_dict, where)
     if any(p.is_meta for p in model.parameters()):
         unsaved = sorted(set(dict(model.named_buffers())) - set(state_dict))

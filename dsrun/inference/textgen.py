@@ -2,8 +2,9 @@
 
 :func:`resolve_request` finds what a path means (the model the run trained, its tokenizer, the checkpoint)
 and checks that the checkpoint fits the model before any rank starts; :func:`run_request` runs on every
-rank: it builds the model, hands it to :func:`dsrun.init_inference` (tensor-parallel over all ranks) and
-generates, timing the generation alone.
+rank: it builds the model, hands it to :func:`dsrun.init_inference` (tensor-parallel over all ranks; an MoE
+GPT, ``dsrun.models.moe_gpt.MoEGPT``, is built whole and its experts spread over all ranks with expert
+parallelism instead, on the plain path) and generates, timing the generation alone.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from dsrun.utils.errors import Problem, UserError
 SOURCE = "RUN_DIR_OR_CHECKPOINT"
 DTYPES = ("fp32", "bf16", "fp16", "int8")
 WORKER = "dsrun.inference.worker"
+MOE_TARGET = "dsrun.models.moe_gpt.MoEGPT"
 
 
 @dataclass
@@ -110,9 +112,12 @@ def resolve_request(source: str, prompt: str, overrides: list[str], **options: A
         raise UserError(Problem(SOURCE, f"found no run directory (resolved.yaml) at or above {path}, so the model "
                                 "is unknown", "name it: model=gpt-nano (and model.KEY=VALUE)"))
     spec.update(model_keys)
-    if spec.get("_target_") != GPT_TARGET:
+    if spec.get("_target_") not in (GPT_TARGET, MOE_TARGET):
         raise UserError(Problem("model._target_", f"dsrun generate runs dsrun's GPT, not {spec.get('_target_')}",
                                 "for other models call dsrun.init_inference in your own script"))
+    if spec["_target_"] == MOE_TARGET:  # built whole, spread at init_inference; no fused MoE path
+        spec["moe"] = {**dict(spec.get("moe") or {}), "ep_size": 1}
+        options["kernel_inject"] = False
     if not prompt:
         raise UserError(Problem("--prompt", "is empty", "give some text to continue"))
     request = GenerationRequest(model=spec, tokenizer=str(tokenizer or "bytes"), checkpoint=str(path.resolve()),
@@ -121,6 +126,14 @@ def resolve_request(source: str, prompt: str, overrides: list[str], **options: A
     world = plan_from_mapping(launcher, WORKER, module=True).world_size
     check_request(request, world)
     return request, launcher, world
+
+
+def _is_moe(request: GenerationRequest) -> bool:
+    return request.model.get("_target_") == MOE_TARGET
+
+
+def _ep(result: Mapping[str, Any]) -> str:
+    return f"EP={result['ep_size']}, " if result.get("ep_size", 1) > 1 else ""
 
 
 def _build(request: GenerationRequest, device: str | None = None) -> torch.nn.Module:
@@ -140,7 +153,15 @@ def check_request(request: GenerationRequest, tp_size: int = 1) -> None:
 
     tokenizer = get_tokenizer(request.tokenizer)
     model = _build(request, device="meta")
-    if tp_size > 1:
+    if _is_moe(request) and tp_size > 1:
+        from dsrun.moe.layer import moe_layers
+
+        counts = sorted({layer.num_experts for layer in moe_layers(model)})
+        if any(c % tp_size for c in counts):
+            raise UserError(Problem("launcher.num_procs", f"{tp_size} ranks do not divide the model's {counts} "
+                                    "experts per MoE layer (expert parallelism over all ranks)",
+                                    "launch a number of ranks that divides the experts"))
+    elif tp_size > 1:
         check_split(model, tp_size)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise UserError(Problem("data.tokenizer", f"{tokenizer.name} has {tokenizer.vocab_size} tokens, the model "
@@ -166,8 +187,9 @@ def run_request(request: GenerationRequest | Mapping[str, Any]) -> dict[str, Any
     tokenizer = get_tokenizer(request.tokenizer)
     torch.manual_seed(request.seed)
     model = _build(request)
-    engine = dsrun.init_inference(model, checkpoint=request.checkpoint, dtype=request.dtype,
-                                  tensor_parallel={"tp_size": world}, replace_with_kernel_inject=request.kernel_inject,
+    split = {"moe": {"ep_size": world}} if _is_moe(request) else {"tensor_parallel": {"tp_size": world}}
+    engine = dsrun.init_inference(model, checkpoint=request.checkpoint, dtype=request.dtype, **split,
+                                  replace_with_kernel_inject=request.kernel_inject,
                                   max_out_tokens=model.config.block_size)  # the request was checked against it
     device = next(engine.module.parameters()).device
     ids = torch.as_tensor(tokenizer.encode(request.prompt.encode()).astype("int64"))[None, :].to(device)
@@ -180,6 +202,7 @@ def run_request(request: GenerationRequest | Mapping[str, Any]) -> dict[str, Any
     return {"text": tokenizer.decode(out[0].tolist()), "completion": tokenizer.decode(new),
             "prompt_tokens": int(ids.shape[1]), "new_tokens": len(new), "seconds": seconds,
             "tokens_per_second": len(new) / seconds if seconds > 0 else float("inf"), "tp_size": engine.mp_world_size,
+            "ep_size": engine.ep_size,
             "path": "fused KV-cache" if request.kernel_inject else "plain", "dtype": request.dtype,
             "checkpoint": engine.checkpoint_loaded}
 
@@ -187,4 +210,4 @@ def run_request(request: GenerationRequest | Mapping[str, Any]) -> dict[str, Any
 def summary_line(result: Mapping[str, Any]) -> str:
     return (f"[dsrun] {result['new_tokens']} new tokens in {result['seconds']:.2f}s: "
             f"{result['tokens_per_second']:,.1f} tokens/s (prompt: {result['prompt_tokens']} token(s); "
-            f"TP={result['tp_size']}, {result['path']} path, {result['dtype']}; {result['checkpoint']})")
+            f"TP={result['tp_size']}, {_ep(result)}{result['path']} path, {result['dtype']}; {result['checkpoint']})")

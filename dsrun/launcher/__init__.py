@@ -33,15 +33,15 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any, Mapping, Sequence
+from typing import IO, Any, Mapping, Sequence
 
-from dsrun.launcher.execute import run
+from dsrun.launcher.execute import JobOutcome, run
 from dsrun.launcher.options import LaunchOptions, key_path, options_from_mapping
 from dsrun.launcher.plan import LaunchPlan, plan_launch
 from dsrun.utils.errors import Problem, UserError
 
 __all__ = ["LaunchOptions", "LaunchPlan", "plan_launch", "run", "options_from_mapping", "plan_from_mapping",
-           "launch_from_mapping"]
+           "launch_from_mapping", "JobOutcome"]
 
 
 def plan_from_mapping(mapping: Mapping[str, Any] | None, target: str, target_args: Sequence[str] = (), *,
@@ -56,12 +56,14 @@ def plan_from_mapping(mapping: Mapping[str, Any] | None, target: str, target_arg
 
 
 def launch_from_mapping(mapping: Mapping[str, Any] | None, target: str, target_args: Sequence[str] = (), *,
-                        module: bool = False, dry_run: bool = False, **extra: Any) -> int:
+                        module: bool = False, dry_run: bool = False, out: IO[str] | None = None,
+                        err: IO[str] | None = None, outcome: JobOutcome | None = None, **extra: Any) -> int:
     """Plan and run a job from a RunSpec ``launcher:`` mapping; with ``dry_run`` print the plan as JSON
-    and start nothing. Returns the exit code; raises :class:`~dsrun.utils.errors.UserError` on bad input."""
+    and start nothing. ``out``/``err``/``outcome`` go to :func:`~dsrun.launcher.execute.run`. Returns the
+    exit code; raises :class:`~dsrun.utils.errors.UserError` on bad input."""
     plan = plan_from_mapping(mapping, target, target_args, module=module, **extra)
     if dry_run:
         print(json.dumps(plan.to_json(), indent=2))
         sys.stdout.flush()
         return 0
-    return run(plan)
+    return run(plan, out=out, err=err, outcome=outcome)

@@ -34,10 +34,11 @@ import tempfile
 import threading
 from pathlib import Path
 
-from dsrun.launcher.protocol import decode_world_info
+from dsrun.launcher.protocol import debug_requested, decode_world_info
 
 MONITOR_INTERVAL = 0.25
-SHUTDOWN_GRACE = 5  # seconds between SIGTERM and SIGKILL when stopping ranks
+SHUTDOWN_GRACE = 5  # seconds between SIGTERM and SIGKILL when stopping the ranks of a failed job
+STOP_GRACE = 30  # ... when the agent was told to stop (Ctrl-C): time for a step, a checkpoint, the monitors
 _SCHEDULER_RANK_VARIABLES = ("SLURM_NODEID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
 
 
@@ -120,6 +121,16 @@ def _watch_stdin() -> None:
     threading.Thread(target=wait_for_eof, name="dsrun-stdin-watch", daemon=True).start()
 
 
+def _quiet_torch_elastic() -> None:
+    """torch elastic's warnings ("Received 2 death signal", "Sending process N closing signal SIGTERM") say
+    in its words what the launcher reports in one line; they stay for ``--debug`` (``DSRUN_DEBUG=1``)."""
+    import logging
+
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     hosts = decode_world_info(ns.world_info)
@@ -149,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     from dsrun.launcher.supervision import NodeAgent, RankLogs, build_spec
 
     import torch
+
+    if not debug_requested():
+        _quiet_torch_elastic()
 
     if torch.cuda.is_available():
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(s) for s in slots)
@@ -180,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             monitor_interval=MONITOR_INTERVAL)
         agent = NodeAgent(spec, RankLogs(str(log_dir)), host=host, host_names=host_names, node_rank=node_rank,
                           save_pid=ns.save_pid, peer_timeout=ns.peer_timeout,
-                          shutdown_grace=SHUTDOWN_GRACE)
+                          shutdown_grace=SHUTDOWN_GRACE, stop_grace=STOP_GRACE)
     code = agent.run_to_exit_code()
     if temporary_logs and code == 0:
         shutil.rmtree(log_dir, ignore_errors=True)

@@ -10,6 +10,13 @@ SIGTERM), and whatever is still running after a grace period is killed. Every ch
 With ``--elastic_training`` a node command that ends while others run is a node leaving: the launcher says
 so (with the command that adds a node back) and lets the job go on; the job succeeded when any node's agent
 finished with success (the agents of the last rendezvous round finish together).
+
+A caller that explains the outcome itself (``dsrun train``) passes a :class:`JobOutcome`: a rank's report of a
+user's mistake (:func:`~dsrun.launcher.protocol.report_user_error`), a Ctrl-C or a SIGTERM then ends the
+relay of the job's stderr (what follows is ranks being stopped: torch elastic's and gloo's noise; stdout,
+read on another thread, keeps what the ranks printed before); the job's summary lines are left out, and the
+outcome holds the problems and the signal. With ``DSRUN_DEBUG=1`` everything is relayed as usual. A second
+Ctrl-C kills the job at once.
 """
 from __future__ import annotations
 
@@ -27,12 +34,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from dsrun.launcher.protocol import FAILURE_MARKER, exit_code_for
+from dsrun.launcher.protocol import FAILURE_MARKER, debug_requested, exit_code_for, parse_user_error
 from dsrun.launcher.plan import LaunchPlan
 from dsrun.launcher.runners import NodeCommand
-from dsrun.utils.errors import Problem, UserError
+from dsrun.utils.errors import EXIT_USAGE, Problem, UserError
 
-STOP_GRACE = 10.0  # seconds from "please stop" to SIGKILL
+STOP_GRACE = 40.0  # seconds from "please stop" to SIGKILL (the agents give their ranks 30 s; Ctrl-C twice: now)
 SSH_CHECK_TIMEOUT = 20.0
 _TAIL = 10
 
@@ -46,6 +53,17 @@ def _die_with_parent() -> None:
 
 
 @dataclass
+class JobOutcome:
+    """How a job ended, for a caller that words it itself: ``exit_code``; ``signal`` the SIGINT/SIGTERM that
+    stopped it (None when it ended on its own); ``user_errors`` the problems a rank reported as the user's
+    mistake (its exit code is then 2), each once, in the order first reported."""
+
+    exit_code: int = 0
+    signal: int | None = None
+    user_errors: list[str] = field(default_factory=list)
+
+
+@dataclass
 class _Node:
     command: NodeCommand
     process: subprocess.Popen
@@ -55,14 +73,17 @@ class _Node:
 
 
 class _Job:
-    def __init__(self, plan: LaunchPlan, out: IO[str], err: IO[str]) -> None:
+    def __init__(self, plan: LaunchPlan, out: IO[str], err: IO[str], outcome: JobOutcome | None = None) -> None:
         self.plan = plan
         self.out = out
         self.err = err
+        self.outcome = outcome
+        self.quiet = outcome is not None and not debug_requested()  # the caller words the ending
         self.nodes: list[_Node] = []
         self.reports: list[dict[str, Any]] = []
         self.lock = threading.Lock()
         self.signal_received: int | None = None
+        self.signals = 0  # how many SIGINT/SIGTERM arrived: a second one kills the job at once
         self.prefix = len(plan.commands) > 1 or plan.runner not in ("local", "no_ssh")
 
     # ---- output ----------------------------------------------------------------------------------
@@ -70,6 +91,8 @@ class _Job:
     def _write(self, stream: IO[str], node: _Node, line: str) -> None:
         text = f"[{node.command.label}] {line}" if self.prefix else line
         with self.lock:
+            if self.quiet and stream is self.err and (self.outcome.user_errors or self.signal_received is not None):
+                return  # the rest is ranks being stopped; the caller says what happened once
             stream.write(text if text.endswith("\n") else text + "\n")
             stream.flush()
 
@@ -86,6 +109,12 @@ class _Job:
                     if isinstance(report, dict):
                         with self.lock:
                             self.reports.append(report)
+                        continue
+                problems = parse_user_error(line) if self.outcome is not None else None
+                if problems:
+                    with self.lock:
+                        self.outcome.user_errors.extend(p for p in problems if p not in self.outcome.user_errors)
+                    if self.quiet:
                         continue
                 node.stderr_tail.append(line.rstrip("\n"))
             self._write(self.err if is_stderr else self.out, node, line)
@@ -153,7 +182,7 @@ class _Job:
                     if node.process.poll() is None:
                         node.process.send_signal(signal.SIGTERM)
                 terminated = True
-            if stop_deadline is not None and time.monotonic() > stop_deadline:
+            if stop_deadline is not None and (time.monotonic() > stop_deadline or self.signals > 1):
                 self.kill_all()
                 stop_deadline = float("inf")
             time.sleep(0.1)
@@ -187,6 +216,16 @@ class _Job:
         return self.reports[0] if self.reports else None
 
     def summarize(self) -> int:
+        code = self._summarize()
+        if self.outcome is not None:
+            self.outcome.exit_code, self.outcome.signal = code, self.signal_received
+        return code
+
+    def _summarize(self) -> int:
+        if self.outcome is not None and self.signal_received is not None:
+            return 128 + self.signal_received  # the caller says what stopped and what was saved
+        if self.quiet and self.outcome.user_errors:
+            return EXIT_USAGE
         if self.signal_received is not None:
             self.err.write(f"dsrun: stopped by {signal.Signals(self.signal_received).name}; "
                            f"all ranks on {len(self.plan.hosts)} host(s) were stopped\n")
@@ -250,8 +289,10 @@ def _check_tools(plan: LaunchPlan) -> None:
         raise UserError(Problem("--launcher", f"the {plan.runner} runner needs {tool!r}, which is not on PATH"))
 
 
-def run(plan: LaunchPlan, *, out: IO[str] | None = None, err: IO[str] | None = None) -> int:
-    """Run ``plan`` to completion and return the job's exit code (0 when every rank succeeded).
+def run(plan: LaunchPlan, *, out: IO[str] | None = None, err: IO[str] | None = None,
+        outcome: JobOutcome | None = None) -> int:
+    """Run ``plan`` to completion and return the job's exit code (0 when every rank succeeded); ``outcome``,
+    when given, receives how it ended and the caller words it (see the module docstring).
 
     Raises :class:`UserError` before starting anything when a runner's tool is missing or (ssh runner,
     unless ``no_ssh_check``) a host does not accept passwordless ssh.
@@ -262,11 +303,12 @@ def run(plan: LaunchPlan, *, out: IO[str] | None = None, err: IO[str] | None = N
     for path, text in plan.files.items():  # e.g. mvapich's list of hosts
         with open(path, "w") as handle:
             handle.write(text)
-    job = _Job(plan, out or sys.stdout, err or sys.stderr)
+    job = _Job(plan, out or sys.stdout, err or sys.stderr, outcome)
     previous: dict[int, Any] = {}
     if threading.current_thread() is threading.main_thread():
         def on_signal(signum: int, frame: Any) -> None:
             job.signal_received = signum
+            job.signals += 1
 
         for signum in (signal.SIGINT, signal.SIGTERM):
             previous[signum] = signal.signal(signum, on_signal)

@@ -1,5 +1,6 @@
 """What the launcher and the node agents agree on: how the world is passed to an agent, how an agent
-reports a failure (one ``@@dsrun-failure@@ {json}`` line on stderr), and how exit codes are derived.
+reports a failure (one ``@@dsrun-failure@@ {json}`` line on stderr), how a rank reports a mistake of the
+user's (one ``@@dsrun-user-error@@ {json}`` line on stderr, then exit code 2), and how exit codes are derived.
 
 Kept free of torch imports so the launcher can use it cheaply.
 """
@@ -12,6 +13,8 @@ import sys
 from typing import Any
 
 FAILURE_MARKER = "@@dsrun-failure@@ "
+USER_ERROR_MARKER = "@@dsrun-user-error@@ "
+DEBUG_ENV = "DSRUN_DEBUG"  # "1": show tracebacks and torch elastic's own log lines (dsrun --debug sets it)
 TAIL_LINES = 20
 
 
@@ -51,3 +54,32 @@ def report_failure(report: dict[str, Any]) -> None:
     """Print one failure report for the launcher (a single line on stderr)."""
     sys.stderr.write(FAILURE_MARKER + json.dumps(report) + "\n")
     sys.stderr.flush()
+
+
+def debug_requested() -> bool:
+    """True when the user asked for tracebacks (``dsrun --debug`` exports ``DSRUN_DEBUG=1`` to the ranks;
+    ``HYDRA_FULL_ERROR=1`` means the same)."""
+    return os.environ.get(DEBUG_ENV) == "1" or os.environ.get("HYDRA_FULL_ERROR") == "1"
+
+
+def report_user_error(problems: list[str]) -> None:
+    """A rank's report of a mistake the user can fix (a :class:`~dsrun.utils.errors.UserError`): one marker
+    line the launcher turns into one ``error:`` line per problem, then the problems as plain lines for the
+    rank's own log."""
+    sys.stderr.write(USER_ERROR_MARKER + json.dumps({"problems": problems}) + "\n")
+    sys.stderr.write("".join(f"error: {problem}\n" for problem in problems))
+    sys.stderr.flush()
+
+
+def parse_user_error(line: str) -> list[str] | None:
+    """The problems of a :func:`report_user_error` marker anywhere in ``line`` (a launcher or agent may have
+    prefixed it), else None."""
+    at = line.find(USER_ERROR_MARKER)
+    if at < 0:
+        return None
+    try:
+        report = json.loads(line[at + len(USER_ERROR_MARKER):])
+    except json.JSONDecodeError:
+        return None
+    problems = report.get("problems") if isinstance(report, dict) else None
+    return [str(p) for p in problems] if isinstance(problems, list) and problems else None

@@ -80,9 +80,13 @@ class NodeAgent(LocalElasticAgent):
     """torch elastic's local agent plus cross-node failure fan-out, heartbeats and a watchful exit."""
 
     def __init__(self, spec: WorkerSpec, logs: RankLogs, *, host: str, host_names: list[str], node_rank: int,
-                 save_pid: int, peer_timeout: float, shutdown_grace: int) -> None:
-        # torch < 2.13's agent has no shutdown_timeout: our _stop_workers passes the grace itself there
-        extra = {"shutdown_timeout": shutdown_grace} if _AGENT_TAKES_SHUTDOWN_TIMEOUT else {}
+                 save_pid: int, peer_timeout: float, shutdown_grace: int, stop_grace: int | None = None) -> None:
+        # torch elastic waits shutdown_timeout after passing on a signal the agent got (Ctrl-C, SIGTERM): the
+        # ranks then finish their step, save a checkpoint and close their monitors, which takes longer than
+        # stopping the ranks of a failed job (_stop_workers passes shutdown_grace itself). torch < 2.13's agent
+        # has no shutdown_timeout and waits its own 30 s there.
+        stop = shutdown_grace if stop_grace is None else stop_grace
+        extra = {"shutdown_timeout": stop} if _AGENT_TAKES_SHUTDOWN_TIMEOUT else {}
         super().__init__(spec, logs, start_method="spawn", exit_barrier_timeout=24 * 3600,
                          log_line_prefix_template="[rank${rank}]:", **extra)
         self._host = host

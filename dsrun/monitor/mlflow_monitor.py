@@ -121,6 +121,31 @@ def new_local_store(db: Path) -> None:
             leftover.unlink(missing_ok=True)
 
 
+def mark_run_ended(tracking_uri: str, experiment_name: str, run_name: str, since_ms: int, status: str) -> bool:
+    """Set the status (``FAILED``, ``KILLED``, ...) of the newest run called ``run_name`` in ``experiment_name``
+    that started at or after ``since_ms`` (epoch milliseconds). A rank cannot do it when it was killed, and a
+    rank that exits through an exception ends its run as ``FINISHED`` on its way out, so ``dsrun train`` sets
+    the status from the job's outcome. Returns False when there is no such run (the job stopped before its
+    monitor made one)."""
+    require_package("mlflow", "mlflow")
+    from mlflow.tracking import MlflowClient
+
+    db = sqlite_path(tracking_uri)
+    if db is not None and not db.exists():
+        return False
+    client = MlflowClient(tracking_uri=tracking_uri)
+    experiment = client.get_experiment_by_name(experiment_name)
+    if experiment is None:
+        return False
+    runs = [run for run in client.search_runs([experiment.experiment_id], f"attributes.start_time >= {int(since_ms)}",
+                                              order_by=["attributes.start_time DESC"])
+            if run.info.run_name == run_name]
+    if not runs:
+        return False
+    client.set_terminated(runs[0].info.run_id, status=status)
+    return True
+
+
 class MLflowMonitor(Monitor):
     name = "mlflow"
 

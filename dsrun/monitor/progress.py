@@ -6,8 +6,8 @@ line is printed every ``print_every`` steps and at the last step::
 
     [dsrun] step 20/300 | loss 2.4312 | lr 3.000e-04 | 412 samples/s | 52,736 tokens/s | eta 1m04s
 
-``DSRUN_PROGRESS=bar`` or ``lines`` overrides the choice (a launcher that relays rank 0's output to a
-terminal through a pipe can ask for the bar).
+``DSRUN_PROGRESS=bar`` or ``lines`` overrides the choice. Under ``dsrun train`` rank 0's stdout is a pipe to
+the launcher, so it prints lines (a bar's redraws would reach the terminal as escape codes, line by line).
 """
 from __future__ import annotations
 

@@ -23,11 +23,13 @@ from .lamb import Lamb
 from .lion import Lion
 
 NATIVE_NAMES = {"adam": "Adam", "adamw": "AdamW", "lamb": "Lamb", "lion": "Lion", "adagrad": "Adagrad"}
-GPU_ONLY_NAMES = {"onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam", "onebitlamb": "OneBitLamb",
-                  "muadam": "MuAdam", "muadamw": "MuAdamW", "musgd": "MuSGD"}
+GPU_ONLY_NAMES = {"muadam": "MuAdam", "muadamw": "MuAdamW", "musgd": "MuSGD"}
+# built by the engine (dsrun.runtime.fp16.onebit, a layer above): they communicate by themselves
+ENGINE_BUILT_NAMES = {"onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam", "onebitlamb": "OneBitLamb"}
 # Optimizer classes ZeRO is tested with; others need "zero_allow_untested_optimizer": true.
 ZERO_TESTED_CLASS_NAMES = frozenset({"Adam", "AdamW", "Lamb", "Lion", "Adagrad", "DeepSpeedCPUAdam",
-                                     "DeepSpeedCPUAdagrad", "DeepSpeedCPULion", "FusedAdam", "FusedLamb"})
+                                     "DeepSpeedCPUAdagrad", "DeepSpeedCPULion", "FusedAdam", "FusedLamb",
+                                     "OnebitAdam", "OnebitLamb"})  # the 1-bit pair: stage 1 (docs/onebit.md)
 
 
 def compiled_cpu_adam() -> type | None:
@@ -82,6 +84,10 @@ def build_optimizer(type_name: str, params: Iterable[Any], optimizer_params: dic
     if key in GPU_ONLY_NAMES:
         raise ConfigError(Problem("optimizer.type", f"{GPU_ONLY_NAMES[key]} needs CUDA/NCCL communication "
                                   "kernels and is not available in dsrun", "use Adam, AdamW, Lamb or Lion"))
+    if key in ENGINE_BUILT_NAMES:
+        raise ConfigError(Problem("optimizer.type", f"{ENGINE_BUILT_NAMES[key]} communicates by itself and is "
+                                  "built by dsrun.initialize (or dsrun.runtime.fp16.onebit), not by the registry",
+                                  "pass the config to dsrun.initialize"))
     try:
         if key == "adam":
             return _adam(params, kwargs, force_w_mode=False, on_cpu=on_cpu)

@@ -17,6 +17,8 @@ from dsrun import comm
 from dsrun.comm import ProcessGroups
 from dsrun.config import DeepSpeedConfig
 from dsrun.accelerator import get_accelerator
+from dsrun.moe.layer import attach_process_groups
+from dsrun.moe.utils import has_moe_layers, split_params_into_different_moe_groups_for_optimizer
 from dsrun.optim import build_optimizer, check_zero_optimizer
 from dsrun.runtime.activation_checkpointing.settings import configure_from_engine
 from dsrun.runtime.data_pipeline.engine_api import DataEfficiencyEngineMixin
@@ -25,6 +27,7 @@ from dsrun.runtime.dataloader import DeepSpeedDataLoader
 from dsrun.runtime.engine_collectives import EngineCollectives
 from dsrun.runtime.engine_getters import EngineConfigGetters
 from dsrun.runtime.engine_methods import EngineMethods
+from dsrun.runtime.fp16.onebit import ONE_BIT_CLASSES, build_onebit_optimizer
 from dsrun.runtime.lr_schedules import build_lr_scheduler
 from dsrun.runtime.observer import EngineObserver
 from dsrun.runtime.precision import PrecisionStrategy, build_precision
@@ -65,6 +68,11 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
         self.world_size = comm.get_world_size()
         self.dp_world_size = comm.get_world_size(self.dp_group)
         self.device = get_accelerator().device(self.local_rank)
+        # MoE layers get their expert-parallel groups from the engine's topology (collective)
+        self.moe_layers = attach_process_groups(model, self.groups, bool(config.use_data_before_expert_parallelism))
+        self.has_moe_layers = bool(self.moe_layers)
+        if self.has_moe_layers:
+            _check_moe_config(config)
         self.compression: Any = None  # [feature seam: compression] set by initialize (dsrun/compression/feature.py)
         self.global_steps = 0
         self.global_samples = 0
@@ -122,12 +130,17 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
         return comm.groups.from_data_group(mpu.get_data_parallel_group())
 
     def _broadcast_model(self) -> None:
-        """Start every rank from rank 0's weights and buffers (as DeepSpeed does)."""
+        """Start every rank from rank 0's weights and buffers (as DeepSpeed does); an MoE expert from the first
+        rank of its expert-data-parallel group (the other ranks hold other experts)."""
         if self.dp_world_size == 1:
             return
         src = 0 if self.dp_group is None else comm.get_global_rank(self.dp_group, 0)
         with torch.no_grad():
-            for tensor in list(self.module.parameters()) + list(self.module.buffers()):
+            for param in self.module.parameters():
+                members = self.groups.members_of_param(param)
+                if len(members) > 1:
+                    comm.broadcast(param.data, src=members[0], group=self.groups.group_of_param(param))
+            for tensor in self.module.buffers():
                 comm.broadcast(tensor.data, src=src, group=self.dp_group)
 
     def _strategy_context(self, optimizer: torch.optim.Optimizer) -> StrategyContext:
@@ -180,10 +193,10 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
         # no_sync() / enable_backward_allreduce=False: a boundary micro-step accumulates like any other, and the
         # reduction waits for the next boundary backward or allreduce_gradients() (engine_methods.py)
         boundary = self.is_gradient_accumulation_boundary()
-        if boundary and not self._reduces_in_backward():
+        if boundary and not self._reduces_in_backward():  # no_sync: the next boundary backward or step reduces
             boundary, self._reduction_pending = False, True
-        elif boundary:
-            self._reduction_pending = False
+        elif boundary:  # with the switch off the strategy keeps local gradients; allreduce_gradients() may reduce
+            self._reduction_pending = not self.enable_backward_allreduce
         if self.strategy is not None:
             self.strategy.before_backward(boundary)
         self.timers.start(BACKWARD_INNER_TIMER)
@@ -207,7 +220,8 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
         boundary = self.is_gradient_accumulation_boundary()
         self._step_applied = False
         if boundary:
-            self.allreduce_gradients()  # gradients a no_sync()/deferred backward left unreduced, if any
+            if self.enable_backward_allreduce:  # gradients a no_sync() backward left unreduced, if any
+                self.allreduce_gradients()
             self.data_efficiency.on_boundary(self.global_steps)  # data efficiency: PLD's θ(t)
             overflow = False
             if self.strategy is not None:
@@ -262,6 +276,17 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """Force the next backward/step to be (or not be) a boundary; reset after ``step()``."""
         self._boundary_override = bool(is_boundary)
+
+    @property
+    def enable_backward_allreduce(self) -> bool:
+        """DeepSpeed's switch: whether backward all-reduces gradients (the 1-bit optimizers turn it off once
+        their warm-up ends); settable at ZeRO stages 0-1."""
+        return self.strategy.enable_backward_allreduce if self.strategy is not None else True
+
+    @enable_backward_allreduce.setter
+    def enable_backward_allreduce(self, value: bool) -> None:
+        if self.strategy is not None:
+            self.strategy.enable_backward_allreduce = value
 
     @property
     def cur_scale(self) -> float:
@@ -353,6 +378,10 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
         if self.strategy is not None:
             self.strategy.close()
         self.observer.close()
+        if self.has_moe_layers:
+            from dsrun.moe import groups as expert_groups
+
+            expert_groups._reset()
         self.groups.destroy()
 
     def empty_partition_cache(self) -> None:
@@ -372,6 +401,9 @@ def build_engine_optimizer(config: DeepSpeedConfig, model: torch.nn.Module, opti
     """The optimizer the engine will step: a client optimizer (object, or callable on the parameters) wins
     over the config's ``optimizer`` section."""
     params = model_parameters if model_parameters is not None else model.parameters()
+    if has_moe_layers(model)[0] and not isinstance(optimizer, torch.optim.Optimizer):
+        # experts need param groups of their own (DeepSpeed splits them the same way)
+        params = split_params_into_different_moe_groups_for_optimizer(_as_param_groups(params))
     if optimizer is not None:
         if isinstance(optimizer, torch.optim.Optimizer):
             return optimizer
@@ -380,8 +412,28 @@ def build_engine_optimizer(config: DeepSpeedConfig, model: torch.nn.Module, opti
         raise ConfigError(Problem("initialize(optimizer=...)", f"got {type(optimizer).__name__}; allowed: a "
                                   "torch.optim.Optimizer or a callable returning one"))
     if config.optimizer is not None and config.optimizer.type:
+        if config.optimizer.type.lower() in ONE_BIT_CLASSES:  # they communicate by themselves: docs/onebit.md
+            return build_onebit_optimizer(config.optimizer.type, params, config.optimizer.params)
         on_cpu = get_accelerator().name == "cpu"
         offload = config.zero_optimization.offload_optimizer.device != "none" and config.zero_optimization.stage > 0
         return build_optimizer(config.optimizer.type, params, config.optimizer.params, on_cpu=on_cpu or offload,
                                offload=offload)
     return None
+
+
+def _as_param_groups(params: Any) -> list[dict[str, Any]]:
+    params = list(params)
+    if params and isinstance(params[0], dict):
+        return params
+    return [{"params": params}]
+
+
+def _check_moe_config(config: DeepSpeedConfig) -> None:
+    """MoE runs at ZeRO stages 0-3 with optimizer state on the device; offloading it is not built for
+    experts' separate groups yet: refuse instead of reducing experts over the wrong ranks."""
+    zc = config.zero_optimization
+    for section in ("offload_optimizer", "offload_param"):
+        if getattr(zc, section).device != "none" and int(zc.stage) > 0:
+            raise ConfigError(Problem(f"zero_optimization.{section}.device",
+                                      "MoE layers with offloaded ZeRO state are not implemented in dsrun",
+                                      f"set zero_optimization.{section}.device to \"none\" for MoE models"))

@@ -35,7 +35,6 @@ class EngineMethods:
     data_efficiency: Any
     # DeepSpeed's switches, on the engine as in DeepSpeed
     inside_no_sync_ctxt: bool = False
-    enable_backward_allreduce: bool = True
     _reduction_pending: bool = False  # a boundary backward skipped the reduction (no_sync, or switched off)
     _step_applied: bool = False
     _is_compiled: bool = False
@@ -80,9 +79,7 @@ class EngineMethods:
 
     def _reduces_in_backward(self) -> bool:
         """Whether this backward reduces gradients (stages 2-3 always do: they keep only reduced partitions)."""
-        if self.zero_optimization_partition_gradients():
-            return True
-        return self.enable_backward_allreduce and not self.inside_no_sync_ctxt
+        return self.zero_optimization_partition_gradients() or not self.inside_no_sync_ctxt
 
     def allreduce_gradients(self, bucket_size: int = MEMORY_OPT_ALLREDUCE_SIZE) -> None:
         """Reduce the gradients accumulated on each rank since a backward skipped the reduction (inside
@@ -92,8 +89,13 @@ class EngineMethods:
         ``bucket_size``."""
         if self.strategy is None or not self._reduction_pending or not self.is_gradient_accumulation_boundary():
             return
-        self.strategy.before_backward(True)
-        self.strategy.after_backward(True)
+        strategy, switch = self.strategy, self.strategy.enable_backward_allreduce
+        strategy.enable_backward_allreduce = True  # an explicit call reduces even with the switch off
+        try:
+            strategy.before_backward(True)
+            strategy.after_backward(True)
+        finally:
+            strategy.enable_backward_allreduce = switch
         self._reduction_pending = False
 
     def was_step_applied(self) -> bool:

@@ -52,3 +52,16 @@ def show(value: Any, limit: int = 60) -> str:
     """Render a user's value for an error message, shortened if long."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def find_user_error(exc: BaseException) -> UserError | None:
+    """The :class:`UserError` that ``exc`` is or was raised from (``hydra.utils.instantiate`` wraps the
+    errors of the constructors it calls), else None."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, UserError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None

@@ -103,11 +103,51 @@ def natural_key(text: str) -> list[Any]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
 
 
+def file_problem(path: str) -> str | None:
+    """Why ``path`` is not a whole ``torch.save`` file, judged from its zip directory alone (no tensor is
+    read): empty, truncated or not a torch file; None when it looks whole."""
+    import zipfile
+
+    try:
+        if os.path.getsize(path) == 0:
+            return "it is empty"
+        with zipfile.ZipFile(path) as archive:
+            if not any(name.endswith("data.pkl") for name in archive.namelist()):
+                return "it holds no torch data"
+    except zipfile.BadZipFile:
+        return "it is truncated or not a torch file"
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
+def corrupt_reason(path: str, exc: BaseException) -> str | None:
+    """Why ``torch.load(path)`` failed with ``exc`` when the file itself is damaged (truncated, empty, its
+    pickled index unreadable); None when it failed for another reason (a refused global, ...)."""
+    import pickle
+    import zipfile
+
+    text = str(exc)
+    if "Unsupported global" in text:
+        return None
+    whole = file_problem(path)
+    if whole is not None:
+        return whole
+    if (isinstance(exc, (EOFError, OSError, zipfile.BadZipFile, pickle.UnpicklingError))
+            or "PytorchStreamReader" in text or "WeightsUnpickler" in text):
+        return "its contents are corrupt"
+    return None
+
+
 def load_file(path: str) -> Any:
-    """``torch.load`` on CPU with ``weights_only=True``: tensors, containers and numbers only."""
+    """``torch.load`` on CPU with ``weights_only=True``: tensors, containers and numbers only. A damaged
+    file is a ``ValueError`` naming it."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # an UnpicklingError names the global that was refused
+        reason = corrupt_reason(path, exc)
+        if reason is not None:
+            raise ValueError(f"{path}: cannot read this checkpoint file: {reason}") from None
         if "weights_only" in str(exc) or "Unsupported global" in str(exc):
             raise ValueError(f"{path}: refusing to load: the file holds objects that could run code when "
                              f"unpickled ({str(exc).splitlines()[0]})") from None
@@ -164,7 +204,7 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | Non
     tag_dir = resolve_tag_dir(checkpoint_dir, tag)
     say = print if verbose else (lambda *_: None)
     say(f"Processing zero checkpoint '{tag_dir}'")
-    model_files = _files(tag_dir, MODEL_SUFFIX)
+    model_files = [f for f in _files(tag_dir, MODEL_SUFFIX) if not _is_expert_file(f)]
     if not model_files:
         raise FileNotFoundError(f"no '*_{MODEL_SUFFIX}' files in {tag_dir}")
     first = load_file(model_files[0])
@@ -172,7 +212,12 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | Non
         raise ValueError(f"{model_files[0]} is not a model states file (no 'buffer_names')")
     extras = first.get("dsrun") or {}
     group_shapes = [OrderedDict(g) for g in first.get("param_shapes") or []]
-    optim_files = _files(tag_dir, OPTIM_SUFFIX)
+    optim_files = [f for f in _files(tag_dir, OPTIM_SUFFIX) if not _is_expert_file(f)]
+    # MoE (stages 0-2): expert groups follow the shared ones and are partitioned over their own expert-data
+    # groups; their fp32 masters come whole from the per-expert files, by global id
+    expert_fp32 = _expert_masters(tag_dir)
+    if expert_fp32:
+        group_shapes = group_shapes[:_shared_group_count(group_shapes)]
     shared = dict(first.get("shared_params") or {})
     order = extras.get("state_dict_keys") or list(first["module"].keys())
     # keep only what the fp32 masters do not provide (buffers, frozen parameters), so the 16-bit or fp32
@@ -209,7 +254,7 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | Non
         del osd  # keep only this rank's master weights, not its Adam moments
         slots, _ = master_slots(stage, world, rank, group_shapes)
         all_shapes = {k: v for g in group_shapes for k, v in g.items()}
-        for master, group_slots in zip(masters, slots):
+        for master, group_slots in zip(masters[:len(group_shapes)], slots):
             total += _copy_slots(out, all_shapes, group_slots, master)
         del masters
     stage0_optimizer = None
@@ -240,9 +285,42 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | Non
         if source in result:
             result[alias] = result[source]
     if order:  # the model's own key order, aliases included
-        result = OrderedDict((k, result[k]) for k in order if k in result)
+        result = OrderedDict((k, result[k]) for k in order if k in result and not (expert_fp32 and EXPERT_MARK in k))
+    result.update((name, expert_fp32[name]) for name in sorted(expert_fp32, key=natural_key))
     say(f"Reconstructed fp32 state dict with {len(out)} params {total} elements")
     return result
+
+
+EXPERT_MARK = ".deepspeed_experts."
+
+
+def _is_expert_file(path: str) -> bool:
+    """DeepSpeed's per-expert files: ``layer_{L}_expert_{G}_mp_rank_{M}_{model,optim}_states.pt``."""
+    return re.match(r"layer_\d+_expert_\d+_mp_rank_\d+_", os.path.basename(path)) is not None
+
+
+def has_expert_files(tag_dir: str) -> bool:
+    """Whether a checkpoint tag folder holds per-expert files (an MoE model saved at ZeRO 0-2)."""
+    return any(_is_expert_file(f) for f in _files(tag_dir, MODEL_SUFFIX))
+
+
+def _expert_masters(tag_dir: str) -> dict[str, torch.Tensor]:
+    """Every expert's fp32 master weights by global name (dsrun's per-expert optimizer files)."""
+    out: dict[str, torch.Tensor] = {}
+    for path in _files(tag_dir, OPTIM_SUFFIX):
+        if _is_expert_file(path):
+            out.update({k: v.float() for k, v in load_file(path)["fp32"].items()})
+    if not out and has_expert_files(tag_dir):  # weights only (no optimizer)
+        for path in _files(tag_dir, MODEL_SUFFIX):
+            if _is_expert_file(path):
+                out.update({k: v.float() for k, v in load_file(path).items()})
+    return out
+
+
+def _shared_group_count(group_shapes: list[Any]) -> int:
+    """How many leading parameter groups hold no expert parameters."""
+    kinds = [any(EXPERT_MARK in name for name in shapes) for shapes in group_shapes]
+    return kinds.index(True) if True in kinds else len(kinds)
 
 
 def _frozen_params(first: dict[str, Any], model_files: list[str], stage: int) -> dict[str, torch.Tensor]:

@@ -207,7 +207,12 @@ class OptunaSweeper(Sweeper):
                     custom(self.config, trial)
                 batch.append(fixed + [override_text(key, value) for key, value in trial.params.items()])
             self.validate_batch_is_legal(batch)
-            results = self.launcher.launch(batch, initial_job_idx=launched)
+            try:
+                results = self.launcher.launch(batch, initial_job_idx=launched)
+            except KeyboardInterrupt:  # the trials that were running are failed, not left RUNNING in the study
+                for trial in trials:
+                    study.tell(trial, state=TrialState.FAIL)
+                raise
             launched += len(batch)
             for trial, result in zip(trials, results):
                 try:

@@ -113,3 +113,14 @@ def test_multirun_dry_run_makes_one_directory_per_job(tmp_path):
     stages = sorted(json.loads(p.read_text())["zero_optimization"]["stage"]
                     for p in tmp_path.glob("multirun/*/*/*/ds_config.json"))
     assert stages == [1, 2]
+
+
+def test_a_migrated_legacy_key_is_reported_once(tmp_path):
+    """The note used to come three times from a dry run (the dsrun.config logger, its LegacyConfigWarning with
+    a source line, and again from the second composition inside Hydra's job)."""
+    note = "ds.zero_optimization.cpu_offload: deprecated, migrated to ds.zero_optimization.offload_optimizer"
+    for args in (["config"], ["train", "--dry-run", "data.max_bytes=300000"]):
+        result = run_cli(*args, "zero=stage2", "+ds.zero_optimization.cpu_offload=true", cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        assert (result.stdout + result.stderr).count(note) == 1, result.stderr
+        assert "LegacyConfigWarning" not in result.stderr

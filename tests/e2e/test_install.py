@@ -4,10 +4,30 @@ import os
 import subprocess
 import sys
 import venv
+from pathlib import Path
 
 import pytest
 
 from tests.helpers import REPO
+
+
+def make_venv(env_dir) -> str:
+    """A virtual environment that sees the packages of the interpreter running the tests, and returns its
+    python. ``system_site_packages=True`` would not do: it sees the *base* interpreter's packages, and inside
+    a virtual environment the test dependencies live in that environment, not in its base. So the new
+    environment gets a .pth file that adds this interpreter's site-packages folders as site directories
+    (their own .pth files included), after its own, so what is installed into it wins."""
+    import site
+
+    venv.EnvBuilder(system_site_packages=False, with_pip=False).create(env_dir)
+    python = str(env_dir / "bin" / "python")
+    own = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                         capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    ours = [p for p in sys.path if p.rstrip("/").endswith(("site-packages", "dist-packages")) and os.path.isdir(p)]
+    ours += [p for p in [site.getusersitepackages()] if os.path.isdir(p) and p not in ours]
+    lines = "".join(f"import site; site.addsitedir({p!r})\n" for p in ours)
+    (Path(own) / "_dsrun_test_outer_site.pth").write_text(lines)
+    return python
 
 
 def build_wheel(tmp_path) -> str:
@@ -23,8 +43,7 @@ def build_wheel(tmp_path) -> str:
 def test_wheel_install_composes_recipes(tmp_path):
     wheel = build_wheel(tmp_path)
     env_dir = tmp_path / "venv"
-    venv.EnvBuilder(system_site_packages=True, with_pip=False).create(env_dir)
-    python = env_dir / "bin" / "python"
+    python = make_venv(env_dir)
     plain = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # a dev PYTHONPATH may show a dsrun
     subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", "-q", str(wheel)],
                    check=True, timeout=240, env=plain)                     # that makes pip skip the install
@@ -60,8 +79,7 @@ def test_the_optuna_sweeper_plugin_is_found_after_a_wheel_and_an_editable_instal
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # only what the install put in place
     for kind, target in (("wheel", [wheel]), ("editable", ["-e", str(REPO)])):
         env_dir = tmp_path / kind
-        venv.EnvBuilder(system_site_packages=True, with_pip=False).create(env_dir)
-        python = str(env_dir / "bin" / "python")
+        python = make_venv(env_dir)
         subprocess.run([python, "-m", "pip", "install", "--no-deps", "--no-index", "--no-build-isolation", "-q",
                         *target], check=True, timeout=240, env={**env, "DSRUN_BUILD_OPS": "0"})
         where = tmp_path / "elsewhere"

@@ -63,7 +63,7 @@ def test_two_job_multirun_gives_two_run_directories_and_two_mlflow_runs(tmp_path
 @pytest.mark.timeout(600)
 def test_optuna_sweeper_records_the_final_eval_loss_and_survives_a_failed_trial(tmp_path):
     # the grid has two points (n_trials=3 is capped to them): seq_len 16 trains; seq_len 4096 is longer than
-    # gpt-nano's 128 positions and fails inside its rank
+    # gpt-nano's 128 positions and fails its job's checks before launch
     result = run_cli("train", "-m", *TINY, "hydra/sweeper=optuna", "hydra/sweeper/sampler=grid",
                      "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=1", "hydra.sweeper.max_failure_rate=0.5",
                      "hydra.sweeper.study_name=seq", "hydra.sweeper.storage=sqlite:///optuna.db",
@@ -84,7 +84,7 @@ def test_optuna_sweeper_records_the_final_eval_loss_and_survives_a_failed_trial(
     failed, run = by_seq_len[4096]
     assert failed.state == optuna.trial.TrialState.FAIL and not (run / "metrics.json").exists()
     row = table_row(result.stdout, run, tmp_path)
-    assert "FAILED: exit code" in row and "exceeds model.block_size=128" in row
+    assert "FAILED: data.seq_len: 4096 exceeds model.block_size=128" in row
 
     results = yaml.safe_load((runs[0].parent / "optimization_results.yaml").read_text())
     assert results["best_params"] == {"data.seq_len": 16} and results["best_value"] == pytest.approx(final)

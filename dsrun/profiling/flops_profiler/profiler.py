@@ -206,6 +206,11 @@ class FlopsProfiler:
                 row(key, value)
         row("params per GPU", params_to_string(params))
         row("params of model = params per GPU * mp_size", params_to_string(params * mp))
+        moe_counts = getattr(self.model, "moe_parameter_counts", None)
+        if callable(moe_counts):  # Mixture of Experts: every expert of every rank vs what one token uses
+            total, active = moe_counts()
+            row("MoE params of model (all experts)", params_to_string(total))
+            row("MoE params active per token (k experts per layer)", params_to_string(active))
         row("fwd MACs per GPU", macs_to_string(macs))
         row("fwd flops per GPU", number_to_string(flops))
         row("fwd flops of model = fwd flops per GPU * mp_size", number_to_string(flops * mp))

@@ -25,6 +25,7 @@ import torch
 
 from dsrun import comm
 from dsrun.runtime.engine import BACKWARD_TIMER, FORWARD_TIMER, DeepSpeedEngine
+from dsrun.runtime.fp16.onebit import OneBitOptimizer
 from dsrun.utils.errors import ConfigError, Problem
 from dsrun.utils.repeating_loader import RepeatingLoader
 
@@ -115,6 +116,10 @@ class PipelineEngine(DeepSpeedEngine):
 
     def _strategy_context(self, optimizer: torch.optim.Optimizer) -> Any:
         """The ZeRO strategy steps this stage's parameters, tied copies owned elsewhere left out."""
+        if isinstance(optimizer, OneBitOptimizer):  # not built for it: say so rather than lose its error buffers
+            raise ConfigError(Problem("optimizer.type", f"{type(optimizer).__name__} does not run under the pipeline "
+                                      "engine yet (its per-rank error buffers are not in a pipeline checkpoint)",
+                                      "train with Adam/AdamW/Lamb, or without pipeline stages"))
         own = {id(p) for p in self.module.parameters()}
         copies = {id(p) for p in self.module.tied_parameters(owned=False)}
         for group in optimizer.param_groups:

@@ -52,8 +52,14 @@ def _optimizer_offloaded(zero_config) -> bool:
 
 def build_zero_strategy(stage: int, ctx: StrategyContext) -> ZeroStrategy:
     """The strategy for ``stage``, built from ``ctx`` (module, optimizer, precision, bucket sizes…); the
-    offloading variant of the stage when ``ctx.zero_config.offload_optimizer.device`` is cpu or nvme."""
+    offloading variant of the stage when ``ctx.zero_config.offload_optimizer.device`` is cpu or nvme.
+
+    An optimizer that communicates by itself (the 1-bit family) has ``bind_strategy(strategy)``: it is called
+    once the strategy exists, to attach its step hooks and learn the master layout."""
     strategy = strategy_class(stage, _optimizer_offloaded(ctx.zero_config))(ctx)
+    bind = getattr(strategy.optimizer, "bind_strategy", None)
+    if bind is not None:
+        bind(strategy)
     attach_fragments(strategy)  # per-parameter views for dsrun.utils.safe_get_full_fp32_param & co.
     return strategy
 

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 
 from dsrun import comm
+from dsrun.comm.groups import expert_parallel_size_of
+from dsrun.utils.errors import ConfigError, Problem
 from dsrun.checkpoint.layout import CheckpointLayout, layout_for_stage
 from dsrun.runtime.precision import PrecisionStrategy
 
@@ -58,6 +60,20 @@ class StrategyContext:
     @property
     def world_size(self) -> int:
         return comm.get_world_size(self.group)
+
+    def process_group_of(self, params: list[torch.nn.Parameter], where: str = "an optimizer param group"
+                         ) -> tuple[Any, int, int]:
+        """(group, its size, this rank's place in it) that ``params`` are reduced and partitioned over: the
+        data-parallel group, or for MoE experts their expert-data-parallel group. All of ``params`` must
+        share it."""
+        if self.groups is None or not params:
+            return self.group, self.world_size, self.rank
+        if len({expert_parallel_size_of(p) for p in params}) > 1:
+            raise ConfigError(Problem(where, "mixes MoE expert parameters with shared ones (or experts of "
+                                      "different expert-parallel sizes)", "build the optimizer's param groups with "
+                                      "dsrun.moe.utils.split_params_into_different_moe_groups_for_optimizer"))
+        group = self.groups.group_of_param(params[0])
+        return group, comm.get_world_size(group), comm.get_rank(group)
 
     @property
     def rank(self) -> int:
@@ -156,6 +172,9 @@ class ZeroStrategy(ABC):
 
     stage: int = -1
     norm_is_partitioned = True  # each rank holds part of the gradients: the squared norm is summed over ranks
+    # whether the backward reduction may be switched off (enable_backward_allreduce = False): the stage keeps
+    # each rank's whole local gradient until the step (stages 0-1, on the device)
+    supports_local_gradients = False
 
     def __init__(self, ctx: StrategyContext):
         self.ctx = ctx
@@ -173,6 +192,29 @@ class ZeroStrategy(ABC):
         self.hooks = StepHooks()  # named points on the step path (step_hooks.py)
         self.global_grad_norm: float | None = None
         self.steps_taken = 0
+        self._backward_allreduce = True
+        self._gradients_reduced = True  # whether this step's gradients were reduced in backward
+
+    @property
+    def enable_backward_allreduce(self) -> bool:
+        """DeepSpeed's switch: reduce gradients across ranks in backward (True), or leave each rank its own
+        local gradient for an optimizer that communicates itself (the 1-bit family turns it off once its
+        warm-up ends). Read at each accumulation boundary's backward; the step then sees unreduced
+        gradients: the local mean over this rank's micro-batches, ``local_gradients()``."""
+        return self._backward_allreduce
+
+    @enable_backward_allreduce.setter
+    def enable_backward_allreduce(self, value: bool) -> None:
+        if not value and not self.supports_local_gradients:
+            raise RuntimeError(f"{type(self).__name__} cannot keep unreduced gradients (only ZeRO stages 0 and 1 "
+                               "without optimizer offload hold each rank's whole gradient until the step)")
+        self._backward_allreduce = bool(value)
+
+    def local_gradients(self) -> list[torch.Tensor] | None:
+        """This rank's whole gradients, one flat tensor per master in the model's dtype, summed over its
+        micro-steps and still multiplied by the loss scale (None where the stage does not keep them). Before
+        the reduction they are the local gradients; after it, they hold what the reduction left there."""
+        return None
 
     @property
     @abstractmethod
@@ -198,8 +240,8 @@ class ZeroStrategy(ABC):
         if self.precision.checks_overflow and self._overflow_on_any_rank():
             self.global_grad_norm = None
             return StepOutcome(overflow=True, grad_norm=None)
-        # One multiply removes the loss scale, finishes the average, and clips.
-        coef = self.post_scale / self.precision.loss_scale
+        # One multiply removes the loss scale, finishes the average (of reduced gradients), and clips.
+        coef = (self.post_scale if self._gradients_reduced else 1.0) / self.precision.loss_scale
         norm = None
         if gradient_clipping and gradient_clipping > 0:
             norm = self._global_norm(coef)
@@ -207,7 +249,8 @@ class ZeroStrategy(ABC):
             if clip_coef < 1.0:
                 coef *= clip_coef
         self.global_grad_norm = norm
-        state = StepState(strategy=self, coef=coef, grad_norm=norm, step=self.steps_taken)
+        state = StepState(strategy=self, coef=coef, grad_norm=norm, step=self.steps_taken,
+                          reduced=self._gradients_reduced)
         self.hooks.run(BEFORE_UPDATE, state)
         self._apply_update(state.coef)
         self.steps_taken += 1
@@ -230,7 +273,7 @@ class ZeroStrategy(ABC):
 
     def _global_norm(self, scale: float) -> float:
         sq = self._local_sq_norm()
-        if self.norm_is_partitioned and self.world_size > 1:
+        if self.norm_is_partitioned and self._gradients_reduced and self.world_size > 1:
             comm.all_reduce(sq, group=self.ctx.group)
         if self.ctx.pipelined:  # the stages hold disjoint parameters: their squares add up
             comm.all_reduce(sq, group=self.ctx.groups.pipe)
@@ -270,6 +313,19 @@ class ZeroStrategy(ABC):
 
     def close(self) -> None:
         """Release hooks, buffers, files and threads (``engine.destroy()``); the strategy is unusable after."""
+
+    def rank_state_dict(self) -> dict[str, Any] | None:
+        """Optimizer state that differs on every data-parallel rank even where the rest is replicated (the
+        1-bit optimizers' error buffers): the checkpoint writes it once per rank. None when there is none."""
+        own = getattr(self.optimizer, "rank_state_dict", None)
+        return own() if own is not None else None
+
+    def load_rank_state_dicts(self, states: list[dict[str, Any]]) -> None:
+        """Restore :meth:`rank_state_dict` from this rank's saved one (same world size and layout) or from every
+        saved rank's (the optimizer re-cuts them); after the optimizer state itself was loaded."""
+        load = getattr(self.optimizer, "load_rank_state_dicts", None)
+        if load is not None:
+            load(states)
 
     # --- checkpoints: what this strategy saves and in which files -------------------------------------
     @property
@@ -311,7 +367,6 @@ class FlatStrategy(ZeroStrategy):
     def __init__(self, ctx: StrategyContext):
         super().__init__(ctx)
         self._optimizer = ctx.optimizer
-        alignment = self.alignment_per_rank * self.world_size if self.alignment_per_rank else 1
         self.groups: list[FlatGroup] = []
         seen: set[int] = set()
         for param_group in self._optimizer.param_groups:
@@ -321,7 +376,14 @@ class FlatStrategy(ZeroStrategy):
                     continue
                 seen.add(id(p))
                 params.append(p)
-            self.groups.append(flatten_params(params, self.model_dtype, ctx.device, alignment, self.world_size))
+            group, size, rank = ctx.process_group_of(params)
+            alignment = self.alignment_per_rank * size if self.alignment_per_rank else 1
+            self.groups.append(flatten_params(params, self.model_dtype, ctx.device, alignment, size, group, rank))
+        # MoE experts are reduced over their own (smaller) groups: at stage 0 each rank then holds gradients
+        # the others do not, so the squared norm is summed over the data-parallel group with each group's
+        # copies counted once (see _local_sq_norm)
+        self._own_groups = any(g.world_size != self.world_size or g.process_group is not ctx.group
+                               for g in self.groups)
         self._build_buffers()
         self.masters: list[torch.nn.Parameter] = self._build_masters()
         for param_group, master in zip(self._optimizer.param_groups, self.masters):
@@ -377,7 +439,9 @@ class FlatStrategy(ZeroStrategy):
         return self._optimizer
 
     def before_backward(self, boundary: bool) -> None:
-        if boundary or self.reduce_every_micro_step:
+        if boundary:
+            self._gradients_reduced = self.enable_backward_allreduce
+        if (boundary or self.reduce_every_micro_step) and self.enable_backward_allreduce:
             self.queue.start()
 
     def _launch(self, bucket: Bucket) -> None:
@@ -403,7 +467,7 @@ class FlatStrategy(ZeroStrategy):
 
     @property
     def norm_is_partitioned(self) -> bool:  # type: ignore[override]
-        return self.partitioned
+        return self.partitioned or self._own_groups
 
     def _begin_step(self) -> None:
         self._step_grads = self._master_grads()
@@ -411,14 +475,25 @@ class FlatStrategy(ZeroStrategy):
     def step_gradients(self) -> list[torch.Tensor]:
         return self._step_grads
 
+    def _checked_grads(self) -> list[torch.Tensor]:
+        """What overflow and norm are measured on: the step's gradients, or each rank's whole local gradient
+        when backward did not reduce (then every rank checks and clips its own)."""
+        return self._step_grads if self._gradients_reduced else (self.local_gradients() or self._step_grads)
+
     def _local_overflow(self) -> bool:
         # A sum is inf/nan when any element is (DeepSpeed's check too): one pass, no temporary.
-        return any(not math.isfinite(float(g.sum())) for g in self._step_grads)
+        return any(not math.isfinite(float(g.sum())) for g in self._checked_grads())
 
     def _local_sq_norm(self) -> torch.Tensor:
         sq = torch.zeros(1, dtype=torch.float64, device=self.ctx.device)
-        for g in self._step_grads:  # master gradients are fp32 and flat: a dot product, no temporary
-            sq += torch.dot(g, g).double()
+        for group, g in zip(self.groups, self._checked_grads()):  # flat: a dot product (fp32), no temporary
+            if g.dtype == torch.float32:
+                part = torch.dot(g, g).double()
+            else:
+                part = torch.linalg.vector_norm(g, dtype=torch.float32).double().square()
+            if self._own_groups and not self.partitioned and self._gradients_reduced:
+                part = part / group.world_size  # whole copies on each of the group's ranks
+            sq += part
         return sq
 
     def _apply_update(self, coef: float) -> None:
@@ -454,7 +529,7 @@ class FlatStrategy(ZeroStrategy):
         master = self.masters[gi].detach()
         group = self.groups[gi]
         if self.partitioned:
-            pad = group.partition_padding(self.rank)
+            pad = group.partition_padding(group.rank)
             return master[: master.numel() - pad]
         return master[: group.numel]
 
@@ -469,11 +544,15 @@ class FlatStrategy(ZeroStrategy):
             "base_optimizer_state": self._optimizer.state_dict(),
             "single_partition_of_fp32_groups": [self._unpadded_master(i).float().clone()
                                                 for i in range(len(self.groups))],
-            "group_paddings": [g.partition_padding(self.rank) if self.partitioned else g.padding for g in self.groups],
+            "group_paddings": [g.partition_padding(g.rank) if self.partitioned else g.padding for g in self.groups],
             "param_shapes": [g.param_shapes() for g in self.groups],
         }
         sd.update(self.precision.state_dict())
         return sd
+
+    def load_rank_state_dicts(self, states: list[dict[str, Any]]) -> None:
+        super().load_rank_state_dicts(states)
+        self._publish()  # the rank state may hold this rank's own weights (0/1 Adam between synchronisations)
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         if sd.get("partition_count", 1) != (self.world_size if self.partitioned else 1):

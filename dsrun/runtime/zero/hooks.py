@@ -16,6 +16,9 @@ The first forward+backward records the order modules fetch their parameters (the
 * ``stage3_max_live_parameters``: neither prefetching nor keeping for reuse may push the gathered elements
   beyond this.
 
+On the CPU, released full buffers (up to ``stage3_prefetch_bucket_size`` elements in all) are kept in a
+:class:`~.partition_params.GatherBufferPool` for the next gathers of the same size.
+
 A parameter read outside its own module's forward (``nn.MultiheadAttention`` hands ``out_proj.weight`` to
 ``F.multi_head_attention_forward`` without calling ``out_proj``; ``nn.TransformerEncoderLayer``'s inference
 path reads its children's weights; a tied head written as ``x @ self.wte.weight.T``) is gathered when it is
@@ -38,7 +41,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import recompute
-from .partition_params import ParamStatus, gather_params, is_zero_param, release_param, start_gather
+from .partition_params import GatherBufferPool, ParamStatus, gather_params, is_zero_param, release_param, start_gather
 
 EXTERNAL_ATTR = "_ds_external_params"
 FORWARD, BACKWARD = "fwd", "bwd"
@@ -110,6 +113,7 @@ class ParameterCoordinator:
         self.prefetched_numel = 0  # statistics: elements gathered ahead of use
         # called after each fetch with the parameters the trace needs next (NVMe offload reads them ahead)
         self.after_fetch: Any = None
+        self.buffer_pool = GatherBufferPool(self.prefetch_bucket_size)
         self._running: list[torch.nn.Module] = []  # hooked modules inside their forward, innermost last
         self._reading: list[torch.nn.Module] = []  # modules whose _parameters gather on read
         self.hook_module(root)  # even without parameters: its forward is where a read has no other owner
@@ -127,6 +131,8 @@ class ParameterCoordinator:
         self._params_of[id(module)] = module_params(module)
         for p in self._params_of[id(module)]:
             self.params[id(p)] = p
+            if p.ds_tensor.device.type == "cpu":  # CUDA's caching allocator reuses memory already
+                p.ds_buffer_pool = self.buffer_pool
         self.total_numel = sum(p.ds_numel for p in self.params.values())
         if id(module) in self._hooked:
             return
@@ -135,6 +141,10 @@ class ParameterCoordinator:
         self._hooks.append(module.register_forward_hook(self._post_forward))
 
     def remove_hooks(self) -> None:
+        for p in self.params.values():
+            if getattr(p, "ds_buffer_pool", None) is self.buffer_pool:
+                p.ds_buffer_pool = None
+        self.buffer_pool.clear()
         for handle in self._hooks:
             handle.remove()
         self._hooks = []

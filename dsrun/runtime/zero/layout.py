@@ -9,6 +9,7 @@ rank r owns elements ``[r * P, (r + 1) * P)``; the padding sits at the end, in t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -30,6 +31,10 @@ class FlatGroup:
     world_size: int
     flat_param: torch.Tensor
     hyperparams: dict = field(default_factory=dict)
+    # the group this flat group is reduced and partitioned over (None: the world) and this rank's place in
+    # it: the data-parallel group, or an expert-data-parallel group for MoE experts
+    process_group: Any = None
+    rank: int = 0
 
     @property
     def padding(self) -> int:
@@ -53,7 +58,7 @@ class FlatGroup:
 
 
 def flatten_params(params: list[torch.nn.Parameter], dtype: torch.dtype, device: torch.device,
-                   alignment: int, world_size: int) -> FlatGroup:
+                   alignment: int, world_size: int, process_group: Any = None, rank: int = 0) -> FlatGroup:
     """Copy ``params`` into a new flat buffer (padded to ``alignment``) and re-point each at its slice."""
     numels = [p.numel() for p in params]
     offsets, total = [], 0
@@ -68,7 +73,7 @@ def flatten_params(params: list[torch.nn.Parameter], dtype: torch.dtype, device:
             view.copy_(p.data)
             p.data = view
     return FlatGroup(params=params, offsets=offsets, numels=numels, numel=total, padded_numel=padded,
-                     world_size=world_size, flat_param=flat)
+                     world_size=world_size, flat_param=flat, process_group=process_group, rank=rank)
 
 
 class FlatGradients:

@@ -148,6 +148,8 @@ class OffloadStage1Strategy(_OffloadedPartitions, Stage1Strategy):
     gradient partition (model dtype, on the device) is copied to the host tile by tile during the step, each
     copy overlapping the previous tile's update."""
 
+    supports_local_gradients = False  # the step reads the reduced partition only
+
     def _build_buffers(self) -> None:
         super()._build_buffers()
         # fp32 host copy of the reduced gradient partition (distinct from the device's model-dtype partition)
@@ -441,7 +443,8 @@ class OffloadStage3Strategy(Stage3Strategy):
         masters = sum(tensor_bytes(sg.master) for sg in resident
                       if self._writes_shards or (sg.placement == "cpu" and not self._aliased()))
         states = optimizer_state_bytes(self._optimizer)
-        buffers = sum(tensor_bytes(t) for t in self._lp_staging)
+        buffers = (sum(tensor_bytes(t) for t in self._lp_staging) + self.bucket_pool_bytes()
+                   + self.coordinator.buffer_pool.nbytes)
         if self.swapped is not None:
             buffers += self.swapped.resident_bytes
         if self.param_offload is not None:

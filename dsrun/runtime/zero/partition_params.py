@@ -13,6 +13,7 @@ releasing drops the buffer again. Attributes (DeepSpeed's names, so code that in
 ``ds_status``        :class:`ParamStatus`
 ``ds_persist``       kept gathered between uses (small parameters, ``stage3_param_persistence_threshold``)
 ``ds_process_group`` the group it is partitioned over (None: the world)
+``ds_buffer_pool``   optional :class:`GatherBufferPool` that released full buffers go back to (CPU)
 ``ds_offload``       with ``offload_param``: the object that owns the shard (:mod:`dsrun.runtime.offload.param_swapper`);
                      for NVMe ``ds_tensor`` is then an empty placeholder and the shard lives in a file
 """
@@ -87,6 +88,42 @@ def shard_padding(param: torch.nn.Parameter, rank: int) -> int:
     return max(0, param.ds_partition_numel - max(0, param.ds_numel - start))
 
 
+class GatherBufferPool:
+    """Full-parameter buffers released by their parameters, kept (up to ``limit`` elements in all) for the
+    next gather of the same size. On the CPU a fresh buffer costs a page fault per 4 KiB when the all-gather
+    first writes it (ZeRO-3 pins glibc's mmap threshold, :mod:`.host_memory`, so freed buffers leave the
+    process); reusing one skips that. A buffer is kept only when nothing but the pool refers to its memory
+    (no view of it saved for backward, for instance), so a reused buffer never overwrites live values."""
+
+    def __init__(self, limit: int):
+        self.limit = int(limit)
+        self.numel = 0
+        self._free: dict[int, list[torch.Tensor]] = {}
+
+    def take(self, numel: int) -> torch.Tensor | None:
+        free = self._free.get(numel)
+        if not free:
+            return None
+        self.numel -= numel
+        return free.pop()
+
+    def give(self, buffer: torch.Tensor) -> None:
+        numel = buffer.numel()
+        if buffer._base is not None or buffer.device.type != "cpu" or self.numel + numel > self.limit:
+            return
+        if torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) != 1:
+            return  # something else (a saved view) still reads this memory
+        self._free.setdefault(numel, []).append(buffer)
+        self.numel += numel
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for free in self._free.values() for b in free)
+
+    def clear(self) -> None:
+        self._free, self.numel = {}, 0
+
+
 class GatherHandle:
     """An all-gather in flight for one parameter; :meth:`wait` makes the parameter available."""
 
@@ -101,6 +138,7 @@ class GatherHandle:
             self.work = None
         param = self.param
         if param.ds_handle is self:
+            param.ds_gathered = self.buffer
             param.data = self.buffer[: param.ds_numel].view(param.ds_shape)
             param.ds_status = ParamStatus.AVAILABLE
             param.ds_handle = None
@@ -118,7 +156,11 @@ def start_gather(param: torch.nn.Parameter, async_op: bool) -> GatherHandle | No
         buffer = shard
         work = None
     else:
-        buffer = torch.empty(param.ds_partition_numel * world, dtype=shard.dtype, device=shard.device)
+        numel = param.ds_partition_numel * world
+        pool = getattr(param, "ds_buffer_pool", None)
+        buffer = pool.take(numel) if pool is not None else None
+        if buffer is None or buffer.dtype != shard.dtype or buffer.device != shard.device:
+            buffer = torch.empty(numel, dtype=shard.dtype, device=shard.device)
         work = comm.all_gather_into_tensor(buffer, shard, group=param.ds_process_group, async_op=async_op)
         if not async_op:
             work = None
@@ -144,6 +186,10 @@ def release_param(param: torch.nn.Parameter) -> None:
     if param.ds_status is ParamStatus.AVAILABLE:
         param.data = _placeholder(param)
         param.ds_status = ParamStatus.NOT_AVAILABLE
+        buffer, param.ds_gathered = getattr(param, "ds_gathered", None), None
+        pool = getattr(param, "ds_buffer_pool", None)
+        if pool is not None and buffer is not None and param.ds_world_size > 1:
+            pool.give(buffer)
 
 
 def write_full_value(param: torch.nn.Parameter, full: torch.Tensor) -> None:

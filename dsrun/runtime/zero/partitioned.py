@@ -34,7 +34,7 @@ class PartitionedStrategy(FlatStrategy):
     def _owned_slices(self, group: FlatGroup, bucket: Bucket) -> list[tuple[int, int]]:
         """For each rank, the part of ``bucket`` inside its partition, as offsets into the bucket."""
         pieces = []
-        for r in range(self.world_size):
+        for r in range(group.world_size):
             lo, hi = group.partition_range(r)
             lo, hi = max(lo, bucket.start), min(hi, bucket.end)
             pieces.append((lo - bucket.start, hi - bucket.start) if hi > lo else (0, 0))
@@ -43,14 +43,14 @@ class PartitionedStrategy(FlatStrategy):
     def _owned_part(self, partition_buffers: list[torch.Tensor], bucket: Bucket) -> torch.Tensor:
         """The slice of this rank's partition-sized buffer (of ``bucket``'s group) that ``bucket`` covers."""
         group = self.groups[bucket.group_index]
-        lo, hi = self._owned_slices(group, bucket)[self.rank]
-        offset = bucket.start + lo - group.partition_range(self.rank)[0]
+        lo, hi = self._owned_slices(group, bucket)[group.rank]
+        offset = bucket.start + lo - group.partition_range(group.rank)[0]
         return partition_buffers[bucket.group_index][offset:offset + (hi - lo)]
 
     def _build_masters(self) -> list[torch.nn.Parameter]:
         masters = []
         for group in self.groups:
-            lo, hi = group.partition_range(self.rank)
+            lo, hi = group.partition_range(group.rank)
             masters.append(torch.nn.Parameter(group.flat_param[lo:hi].detach().float().clone()))
         return masters
 
@@ -58,21 +58,22 @@ class PartitionedStrategy(FlatStrategy):
         """Reduce-scatter ``source`` (the bucket's gradients) so ``out`` gets this rank's owned piece."""
         group = self.groups[bucket.group_index]
         self._divide_before_reduce(source)
-        if self.world_size == 1:
+        if group.world_size == 1:
             out.copy_(source)
             bucket.handles.append((None, out, out))
             return
         pieces = self._owned_slices(group, bucket)
         if self.comm_dtype != source.dtype:
             source = source.to(self.comm_dtype)
-        lo, hi = pieces[self.rank]
+        lo, hi = pieces[group.rank]
         if not self.ctx.reduce_scatter:
             target = source
-            bucket.handles.append((comm.all_reduce(target, group=self.ctx.group, async_op=async_op), target[lo:hi], out))
+            bucket.handles.append((comm.all_reduce(target, group=group.process_group, async_op=async_op),
+                                   target[lo:hi], out))
             return
         target = out if out.dtype == self.comm_dtype else torch.empty(hi - lo, dtype=self.comm_dtype, device=out.device)
         inputs = [source[a:b] for a, b in pieces]
-        bucket.handles.append((comm.reduce_scatter(target, inputs, group=self.ctx.group, async_op=async_op),
+        bucket.handles.append((comm.reduce_scatter(target, inputs, group=group.process_group, async_op=async_op),
                                target, out))
 
     def _finish_handles(self, bucket: Bucket) -> None:
@@ -85,22 +86,22 @@ class PartitionedStrategy(FlatStrategy):
         bucket.handles = []
 
     def _publish(self) -> None:
-        chunk = max(1, int(self.ctx.allgather_bucket_size) // self.world_size)
         with torch.no_grad():
             for group, master in zip(self.groups, self.masters):
+                chunk = max(1, int(self.ctx.allgather_bucket_size) // group.world_size)
                 part = self._partition_for_publish(group, master)
-                if self.world_size == 1:
+                if group.world_size == 1:
                     if part.data_ptr() != group.flat_param.data_ptr():
                         group.flat_param.copy_(part)
                     continue
                 size = group.partition_numel
                 if size <= chunk:
-                    comm.all_gather_into_tensor(group.flat_param, part, group=self.ctx.group)
+                    comm.all_gather_into_tensor(group.flat_param, part, group=group.process_group)
                     continue
                 for start in range(0, size, chunk):
                     end = min(size, start + chunk)
-                    outputs = [group.flat_param[r * size + start:r * size + end] for r in range(self.world_size)]
-                    comm.all_gather(outputs, part[start:end].contiguous(), group=self.ctx.group)
+                    outputs = [group.flat_param[r * size + start:r * size + end] for r in range(group.world_size)]
+                    comm.all_gather(outputs, part[start:end].contiguous(), group=group.process_group)
 
     def _partition_for_publish(self, group: FlatGroup, master: torch.Tensor) -> torch.Tensor:
         """This rank's updated partition in the model's dtype, on the device (the all-gather's input)."""
@@ -114,6 +115,7 @@ class Stage1Strategy(PartitionedStrategy):
     """Optimizer state partitioned; gradients kept whole and reduce-scattered at the boundary."""
 
     stage = 1
+    supports_local_gradients = True
 
     def _build_buffers(self) -> None:
         self.grads = FlatGradients(self.groups)
@@ -132,6 +134,9 @@ class Stage1Strategy(PartitionedStrategy):
 
     def _on_accumulated(self, gi: int, pi: int) -> None:
         self.grads.adopt(gi, pi)
+
+    def local_gradients(self) -> list[torch.Tensor]:
+        return self.flat_grads
 
     def before_backward(self, boundary: bool) -> None:
         if boundary and self._reduced_since_step:
@@ -161,6 +166,11 @@ class Stage1Strategy(PartitionedStrategy):
             bucket.received = None
 
     def _master_grads(self) -> list[torch.Tensor]:
+        if not self._gradients_reduced:  # nothing was reduce-scattered: this rank's own part of its gradient
+            for gi, (master_grad, flat) in enumerate(zip(self.master_grads, self.flat_grads)):
+                lo, hi = self.groups[gi].partition_range(self.rank)
+                master_grad.copy_(flat[lo:hi])
+            return self.master_grads
         if self.master_grads is not self.partition_grads:
             for master_grad, part in zip(self.master_grads, self.partition_grads):
                 master_grad.copy_(part)

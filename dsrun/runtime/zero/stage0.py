@@ -20,6 +20,7 @@ from .layout import FlatGradients
 
 class DataParallelStrategy(FlatStrategy):
     stage = 0
+    supports_local_gradients = True
 
     def _build_buffers(self) -> None:
         self.grads = FlatGradients(self.groups)
@@ -27,6 +28,9 @@ class DataParallelStrategy(FlatStrategy):
 
     def _on_accumulated(self, gi: int, pi: int) -> None:
         self.grads.adopt(gi, pi)
+
+    def local_gradients(self) -> list[torch.Tensor]:
+        return self.flat_grads
 
     def _build_masters(self) -> list[torch.nn.Parameter]:
         if not self.precision.needs_master_weights:
@@ -43,13 +47,14 @@ class DataParallelStrategy(FlatStrategy):
                 self.grads.adopt(bucket.group_index, pi)
         grad = self.flat_grads[bucket.group_index][bucket.start:bucket.end]
         self._divide_before_reduce(grad)
-        if self.world_size == 1:
+        group = self.groups[bucket.group_index]
+        if group.world_size == 1:
             return
         if self.comm_dtype != grad.dtype:
             bucket.staging = grad.to(self.comm_dtype)
-            bucket.handles.append(comm.all_reduce(bucket.staging, group=self.ctx.group, async_op=async_op))
+            bucket.handles.append(comm.all_reduce(bucket.staging, group=group.process_group, async_op=async_op))
         else:
-            bucket.handles.append(comm.all_reduce(grad, group=self.ctx.group, async_op=async_op))
+            bucket.handles.append(comm.all_reduce(grad, group=group.process_group, async_op=async_op))
 
     def _complete(self, bucket: Bucket) -> None:
         for handle in bucket.handles:

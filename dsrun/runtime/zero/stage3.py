@@ -87,12 +87,16 @@ class Stage3Strategy(ZeroStrategy):
         for sg in self.sub_groups:
             for p, off in zip(sg.params, sg.offsets):
                 self._slot[id(p)] = (sg, off)
-        self._pending: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
-        self._pending_numel = 0
+        # gradients waiting for a bucket, per group they are reduced over (experts: their expert-data group)
+        self._pending: dict[int, list[tuple[torch.nn.Parameter, torch.Tensor]]] = {}
+        self._pending_numel: dict[int, int] = {}
         # (work, output, [(param, offset)], input kept alive until the collective completes)
         self._inflight: list[tuple[Any, torch.Tensor, list[tuple[torch.nn.Parameter, int]], torch.Tensor]] = []
         self._armed = False
         self.max_buckets_in_flight = 2
+        # flat buffers of finished buckets, reused by the next ones (freshly allocated memory costs a page
+        # fault per 4 KiB on first touch); at most max_buckets_in_flight + 1 of each kind are kept
+        self._bucket_pool: list[torch.Tensor] = []
         self._grad_hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
                             for p in self.params if p.requires_grad and id(p) in self._slot]
 
@@ -116,7 +120,9 @@ class Stage3Strategy(ZeroStrategy):
                     p.ds_tensor = p.ds_tensor.to(device=self.ctx.device, dtype=dtype or p.ds_tensor.dtype)
                     p.data = torch.empty(0, dtype=p.ds_tensor.dtype, device=self.ctx.device)
                 continue
-            partition_param(p, self.ctx.group, dtype=dtype, device=self.ctx.device)
+            # MoE experts are partitioned over their expert-data-parallel group, everything else over the data group
+            group = self.ctx.groups.group_of_param(p) if self.ctx.groups is not None else self.ctx.group
+            partition_param(p, group, dtype=dtype, device=self.ctx.device)
 
     def _mark_persistent(self, threshold: int, model_threshold: int) -> None:
         budget = model_threshold
@@ -193,8 +199,8 @@ class Stage3Strategy(ZeroStrategy):
         self._armed = True
 
     def after_backward(self, boundary: bool) -> None:
-        if self._pending:
-            self._launch_bucket()
+        for key in [k for k, items in self._pending.items() if items]:
+            self._launch_bucket(key)
         self._complete_all()
         self._armed = False
         self.coordinator.end_backward()
@@ -206,15 +212,18 @@ class Stage3Strategy(ZeroStrategy):
         grad = param.grad
         param.grad = None
         self.coordinator.release_after_grad(param)
-        self._pending.append((param, grad))
-        self._pending_numel += param.ds_partition_numel * self.world_size
-        if self._pending_numel >= self.reduce_bucket_numel:
-            self._launch_bucket()
+        key = id(param.ds_process_group)
+        self._pending.setdefault(key, []).append((param, grad))
+        self._pending_numel[key] = self._pending_numel.get(key, 0) + param.ds_partition_numel * param.ds_world_size
+        if self._pending_numel[key] >= self.reduce_bucket_numel:
+            self._launch_bucket(key)
 
-    def _launch_bucket(self) -> None:
-        items, self._pending, self._pending_numel = self._pending, [], 0
+    def _launch_bucket(self, key: int) -> None:
+        items, self._pending[key], self._pending_numel[key] = self._pending[key], [], 0
+        group, world = items[0][0].ds_process_group, items[0][0].ds_world_size
         total = sum(p.ds_partition_numel for p, _ in items)
-        rows = torch.zeros(self.world_size, total, dtype=self.comm_dtype, device=self.ctx.device)
+        rows_flat = self._take_buffer(world * total)
+        rows = rows_flat.view(world, total)
         placed: list[tuple[torch.nn.Parameter, int]] = []
         off = 0
         for p, grad in items:
@@ -226,17 +235,20 @@ class Stage3Strategy(ZeroStrategy):
             rest = p.ds_numel - whole * part
             if rest:
                 rows[whole, off:off + rest].copy_(flat[whole * part:])
+                rows[whole, off + rest:off + part].zero_()  # the last shards' padding
+            if whole + (1 if rest else 0) < world:
+                rows[whole + (1 if rest else 0):, off:off + part].zero_()
             placed.append((p, off))
             off += part
         if self.pre_divide != 1.0:
             rows.div_(self.pre_divide)
-        if self.world_size == 1:
-            self._inflight.append((None, rows[0], placed, rows))
+        if world == 1:
+            self._inflight.append((None, rows[0], placed, rows_flat))
         else:
-            out = torch.empty(total, dtype=self.comm_dtype, device=self.ctx.device)
-            work = comm.reduce_scatter_tensor(out, rows.view(-1), group=self.ctx.group,
+            out = self._take_buffer(total)
+            work = comm.reduce_scatter_tensor(out, rows_flat, group=group,
                                               async_op=self.ctx.overlap_comm)
-            self._inflight.append((work if self.ctx.overlap_comm else None, out, placed, rows))
+            self._inflight.append((work if self.ctx.overlap_comm else None, out, placed, rows_flat))
         if not self.ctx.overlap_comm:
             self._complete_all()
         # each bucket in flight holds N x its size of gradients: bound them, or a whole model's gradient
@@ -244,13 +256,33 @@ class Stage3Strategy(ZeroStrategy):
         while len(self._inflight) > self.max_buckets_in_flight:
             self._complete(self._inflight.pop(0))
 
+    def _take_buffer(self, numel: int) -> torch.Tensor:
+        """A flat buffer of ``numel`` elements (comm dtype, uninitialised): the smallest pooled one that fits,
+        else a new one."""
+        fits = [i for i, b in enumerate(self._bucket_pool) if b.numel() >= numel]
+        if fits:
+            buffer = self._bucket_pool.pop(min(fits, key=lambda i: self._bucket_pool[i].numel()))
+            return buffer[:numel]
+        return torch.empty(numel, dtype=self.comm_dtype, device=self.ctx.device)
+
+    def _give_back(self, buffer: torch.Tensor) -> None:
+        base = buffer if buffer._base is None else buffer._base
+        if all(b is not base for b in self._bucket_pool):
+            self._bucket_pool.append(base)
+        if len(self._bucket_pool) > 2 * (self.max_buckets_in_flight + 1):
+            self._bucket_pool.sort(key=torch.Tensor.numel)
+            del self._bucket_pool[0]  # the smallest
+
     def _complete(self, entry: tuple[Any, torch.Tensor, list[tuple[torch.nn.Parameter, int]], torch.Tensor]) -> None:
-        work, out, placed, _ = entry
+        work, out, placed, rows = entry
         if work is not None:
             work.wait()
         for p, off in placed:
             sg, sg_off = self._slot[id(p)]
             self._accumulate(sg, sg_off, out[off:off + p.ds_partition_numel])
+        self._give_back(rows)
+        if out.data_ptr() != rows.data_ptr():
+            self._give_back(out)
 
     def _accumulate(self, sg: SubGroup, offset: int, values: torch.Tensor) -> None:
         """Add one parameter's reduced shard gradient into its sub-group's fp32 accumulator."""
@@ -260,6 +292,10 @@ class Stage3Strategy(ZeroStrategy):
         for entry in self._inflight:
             self._complete(entry)
         self._inflight = []
+
+    def bucket_pool_bytes(self) -> int:
+        """Bytes of the reduce-scatter buffers kept for reuse between buckets (and steps)."""
+        return sum(tensor_bytes(b) for b in self._bucket_pool)
 
     # --- the optimizer step -------------------------------------------------------------------------------
     def _local_overflow(self) -> bool:
@@ -306,6 +342,7 @@ class Stage3Strategy(ZeroStrategy):
             handle.remove()
         self._grad_hooks = []
         self.coordinator.remove_hooks()
+        self._bucket_pool = []
         if self.param_offload is not None:
             self.param_offload.close()
 
@@ -337,6 +374,7 @@ class Stage3Strategy(ZeroStrategy):
         # NVMe parameter offload: the shards are in files (ds_tensor is empty); the read/write pool and the
         # shards cached in host memory (max_in_cpu) count as buffers
         pool = self.param_offload.buffer_bytes() if self.param_offload is not None else 0
+        pool += self.bucket_pool_bytes() + self.coordinator.buffer_pool.nbytes
         return MemoryBreakdown(parameters=shards + persistent, gradients=grads, master_weights=masters,
                                optimizer_states=states, padding=int(padding), buffers=pool)
 

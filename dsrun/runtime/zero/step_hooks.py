@@ -9,10 +9,12 @@ clips, then the update and the write-back of the weights. Around the update:
                    the optimizer runs. ``state.coef`` may be changed (it multiplies every gradient); the
                    resident gradients the update will read are ``state.gradients()`` (fp32, this rank's
                    partition at stages 1-3, still multiplied by ``loss_scale / post_scale``: multiply by
-                   ``state.coef`` to get what the optimizer sees). MoE gradient scaling and compression
-                   schedules that mask or scale gradients attach here; so does a 1-bit optimizer's compressed
-                   exchange (it replaces the backward reduction, which needs a strategy switch that does not
-                   exist yet; see docs/architecture.md).
+                   ``state.coef`` to get what the optimizer sees). Compression schedules that mask or
+                   scale gradients attach here (MoE experts need no hook: they are reduced over their
+                   expert-data group by the strategies); so do the 1-bit optimizers, which turn the backward
+                   reduction off (``strategy.enable_backward_allreduce = False``) once their warm-up ends and
+                   then read each rank's own gradient, ``state.local_gradients()`` (``state.reduced`` is
+                   False on such steps; ``state.coef`` then holds no averaging).
 ``after_update``   called after the update has reached the model's parameters (stage 3: its shards).
                    Compression schedules that prune or quantize weights after each step attach here.
 
@@ -40,10 +42,16 @@ class StepState:
     grad_norm: float | None  # the global gradient norm (unscaled), when clipping measured it
     step: int = 0  # optimizer steps taken by this strategy before this one
     extra: dict[str, Any] = field(default_factory=dict)  # for hooks to pass data on to later hooks
+    reduced: bool = True  # whether backward reduced this step's gradients across ranks
 
     def gradients(self) -> list[torch.Tensor]:
         """The resident fp32 gradients the update reads (scaled: see the module docstring)."""
         return self.strategy.step_gradients()
+
+    def local_gradients(self) -> list[torch.Tensor] | None:
+        """This rank's whole gradients (model dtype, one flat tensor per master, scaled like ``gradients()``;
+        unreduced when ``reduced`` is False); None at stages that do not keep them (2, 3, offload)."""
+        return self.strategy.local_gradients()
 
 
 class _Handle:

@@ -43,6 +43,19 @@ def test_expert_lists_split_each_data_parallel_group() -> None:
         groups.expert_lists(3)
 
 
+def test_data_before_expert_layout_makes_replicas_consecutive() -> None:
+    # use_data_before_expert_parallelism: 8 data-parallel ranks, expert parallel 2
+    groups = ProcessGroups.__new__(ProcessGroups)
+    groups.world_size, groups.rank, groups._expert = 8, 0, {}
+    groups.topology = PipeModelDataParallelTopology(1, 1, 8)
+    groups.set_expert_layout(True)
+    experts, replicas = groups.expert_lists(2)
+    assert replicas == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert experts == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    groups.set_expert_layout(False)
+    assert groups.expert_lists(2) == ([[0, 1], [2, 3], [4, 5], [6, 7]], [[0, 2, 4, 6], [1, 3, 5, 7]])
+
+
 def test_bad_shapes_are_refused() -> None:
     with pytest.raises(ValueError):
         ProcessTopology(["a", "a"], [1, 2])

@@ -111,3 +111,43 @@ def test_malformed_recipe_yaml_names_file_and_line(tmp_path):
         compose_runspec(["+recipe=broken"], recipes_dirs=[tmp_path])
     (problem,) = info.value.problems
     assert problem.path.startswith(str(tmp_path / "broken.yaml") + ":") and "malformed YAML" in problem.message
+
+
+def test_documented_deepspeed_keys_the_recipe_leaves_out_need_no_plus():
+    """A DeepSpeed user writes ds.tensorboard.output_path=... as the config file would have it; the schema
+    documents the key, so it is added. An undocumented key still needs '+' (it is refused unless added)."""
+    cfg = compose_runspec(["ds.tensorboard.enabled=true", "tensorboard.output_path=/tmp/tb",
+                           "ds.zero_optimization.stage=3"])
+    assert cfg.ds.tensorboard.enabled is True and cfg.ds.tensorboard.output_path == "/tmp/tb"
+    assert cfg.ds.zero_optimization.stage == 3  # a key the recipe sets is overridden as before
+    with pytest.raises(UserError, match="ds.tensorboard.not_a_key: no such key"):
+        compose_runspec(["ds.tensorboard.not_a_key=1"])
+
+
+@pytest.mark.parametrize("override, suggestion", [
+    ("optimizer.params.lrr=1", "did you mean 'lr'?"),                  # a key beside it in the composed config
+    ("ds.tensorboard.enabeld=true", "did you mean 'enabled'?"),         # a key the DeepSpeed schema documents
+    ("model.n_laye=2", "did you mean 'n_layer'?"),
+])
+def test_a_misspelt_key_gets_did_you_mean_not_the_plus_hint(override, suggestion):
+    (problem,) = pytest.raises(UserError, compose_runspec, [override]).value.problems
+    assert problem.hint == suggestion
+
+
+def test_a_new_key_with_nothing_close_is_told_how_to_add_it():
+    (problem,) = pytest.raises(UserError, compose_runspec, ["train.completely_new=1"]).value.problems
+    assert problem.hint == "to add a new key write +train.completely_new=1"
+
+
+def test_composing_from_a_run_directory_keeps_its_values_and_takes_overrides(tmp_path):
+    """dsrun train --from RUN_DIR: composition starts from the run's .hydra/config.yaml, with no recipe added."""
+    from omegaconf import OmegaConf
+
+    from dsrun.compose import compose_runspec as compose
+
+    recorded = OmegaConf.to_container(compose_runspec(["+recipe=gpt_zero3", "train.max_steps=9"], resolve=False))
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(recorded)))
+    again = compose(["train.max_steps=12"], source=tmp_path)
+    assert again.ds.zero_optimization.stage == 3 and again.train.max_steps == 12
+    assert again.ds.scheduler.params.total_num_steps == 12  # interpolations were kept, so they follow

@@ -18,7 +18,8 @@ def spec(**kw) -> EstimateInputs:
 
 
 @pytest.mark.parametrize("name, params, states", [
-    ("Adam", {}, 2), ("AdamW", {}, 2), ("adam_w", {}, 2), ("Lamb", {}, 2), ("OneBitAdam", {}, 3),
+    ("Adam", {}, 2), ("AdamW", {}, 2), ("adam_w", {}, 2), ("Lamb", {}, 2), ("OneBitAdam", {}, 2),
+    ("ZeroOneAdam", {}, 3), ("OneBitLamb", {}, 3),
     ("Lion", {}, 1), ("Adagrad", {}, 1), ("SGD", {}, 0), ("SGD", {"momentum": 0.9}, 1),
     ("RMSprop", {}, 1), ("RMSprop", {"momentum": 0.9, "centered": True}, 3),
 ])
@@ -146,3 +147,12 @@ def test_buffer_settings_read_a_zero_section_with_float_numbers():
                                          "offload_param": {"device": "nvme", "buffer_count": 3}})
     assert (b.reduce_bucket_size, b.overlap_comm, b.offload_param_buffer_count) == (50_000_000, True, 3)
     assert b.allgather_bucket_size == 500_000_000
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_onebit_adam_adds_its_error_buffers(stage):
+    # the worker error over every trainable element on each of the 8 ranks, the server error over 1/8 of them
+    adam = model_state_bytes(spec(zero_stage=stage, optimizer="AdamW"))
+    onebit = model_state_bytes(spec(zero_stage=stage, optimizer="OneBitAdam"))
+    assert onebit.device_optimizer_states - adam.device_optimizer_states == 4 * P + 4 * P // 8
+    assert onebit.device_step_workspace == 8 * P  # the exchange's fp32 input and output, whole-group sized

@@ -91,13 +91,14 @@ def test_an_unknown_key_is_named_with_a_suggestion():
         merge_config(max_out_token=10)
 
 
+NO_MOE = "moe: GPT has no dsrun.moe.layer.MoE layers"  # an MoE setting on a model without MoE layers
 REFUSED = [
     ({"enable_cuda_graph": True}, "enable_cuda_graph: CUDA graphs need a CUDA device"),
     ({"use_triton": True}, "use_triton"), ({"triton_autotune": True}, "triton_autotune"),
     ({"transposed_mode": True}, "transposed_mode"), ({"zero": {"stage": 3}}, "zero: ZeRO-Inference"),
-    ({"moe": True}, "moe: MoE inference"), ({"moe": {"ep_size": 2}}, "moe: MoE inference"),
-    ({"moe_experts": [8]}, "moe: MoE inference"), ({"ep_size": 2}, "moe: MoE inference"),
-    ({"moe_type": "residual"}, "moe: MoE inference"),
+    ({"moe": True}, NO_MOE), ({"moe": {"ep_size": 2}}, NO_MOE),
+    ({"moe_experts": [8]}, NO_MOE), ({"ep_size": 2}, NO_MOE),
+    ({"moe_type": "residual"}, NO_MOE),
     ({"training_mp_size": 2}, "training_mp_size"), ({"replace_method": "layer"}, "replace_method"),
     ({"args": {"n_layer": 2}}, "init_inference.config"), ({"return_tuple": False}, "return_tuple"),
     ({"triangular_masking": False}, "triangular_masking: acts only on the fused path"),

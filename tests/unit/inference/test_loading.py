@@ -126,7 +126,7 @@ def _unreadable(root, kind):
 @pytest.mark.parametrize("kind, message", [
     ("missing", "no such file or folder"), ("run without checkpoints", "has no checkpoint"),
     ("empty folder", "holds no checkpoint"), ("not a dict", "does not hold a state dict"),
-    ("not torch", "is not a PyTorch state-dict file"), ("one rank's file", "one rank's model-states file"),
+    ("not torch", "it is truncated or not a torch file"), ("one rank's file", "one rank's model-states file"),
     ("bad json", "is not valid JSON"),
 ])
 def test_unreadable_sources_are_one_line_each(tmp_path, kind, message):

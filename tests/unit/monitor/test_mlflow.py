@@ -51,3 +51,28 @@ def test_mlflow_run_with_params_metrics_artifacts_and_a_parent(monkeypatch, tmp_
     assert len(parents) == 1
     assert client.get_run(parents.pop()).data.tags[PARENT_KEY_TAG] == "sweep-1"
     assert (tmp_path / "mlartifacts").is_dir()  # artifacts beside the store, not in the current directory
+
+
+@pytest.mark.slow  # an MLflow SQLite store (see above)
+def test_mark_run_ended_sets_the_status_of_the_named_run_started_since(tmp_path):
+    """dsrun train gives the MLflow run of a failed or stopped job its real ending: the newest run of that
+    name started at or after the launch, nothing older, nothing of another name."""
+    import time
+
+    from mlflow.tracking import MlflowClient
+
+    from dsrun.monitor.mlflow_monitor import MLflowMonitor, mark_run_ended
+
+    uri = local_tracking_uri(tmp_path)
+    old = MLflowMonitor(uri, "unit", run_name="2026-01-01/10-00-00")
+    old.close()
+    since = int(time.time() * 1000)
+    time.sleep(0.01)
+    runs = [MLflowMonitor(uri, "unit", run_name=name) for name in ("2026-01-01/10-00-00", "other")]
+    runs[0].close()  # a rank that exits through an exception ends its run FINISHED on its way out
+    assert mark_run_ended(uri, "unit", "2026-01-01/10-00-00", since, "FAILED")
+    client = MlflowClient(tracking_uri=uri)
+    status = {run_id: client.get_run(run_id).info.status for run_id in (old.run_id, runs[0].run_id, runs[1].run_id)}
+    assert status == {old.run_id: "FINISHED", runs[0].run_id: "FAILED", runs[1].run_id: "RUNNING"}
+    assert not mark_run_ended(uri, "unit", "never-made", since, "KILLED")
+    assert not mark_run_ended(local_tracking_uri(tmp_path / "none"), "unit", "x", since, "KILLED")  # no store yet

@@ -189,3 +189,17 @@ def test_other_simd_levels_build_and_match_torch(level: str, tmp_path: Path):
     proc = run_python(code, {"DSRUN_SIMD": level, "DSRUN_OPS_CACHE": str(tmp_path / "cache")})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().endswith("ok")
+
+
+def test_a_build_is_announced_by_local_rank_0_only(monkeypatch, capsys, tmp_path):
+    """The ranks of a node build an op together; one line says so, not one per rank."""
+    from op_builder.builder import announce_build
+
+    said = []
+    for local_rank in ("0", "1", "2"):
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        said.append(announce_build("cpu_adam", tmp_path))
+    monkeypatch.delenv("LOCAL_RANK")  # a plain script, no launcher: it says so too
+    said.append(announce_build("cpu_adam", tmp_path))
+    assert said == [True, False, False, True]
+    assert capsys.readouterr().err.count("[dsrun] building op 'cpu_adam'") == 2

@@ -41,7 +41,10 @@ def test_adam_modes_follow_deepspeed() -> None:
 def test_unknown_and_gpu_only_names_are_config_errors() -> None:
     with pytest.raises(ConfigError, match="did you mean 'AdamW'|AdamW"):
         build_optimizer("AdamX", _params(), {})
-    with pytest.raises(ConfigError, match="OneBitAdam"):
+    with pytest.raises(ConfigError, match="MuAdam needs CUDA"):
+        build_optimizer("MuAdam", _params(), {})
+    # the 1-bit family communicates by itself: the engine builds it (dsrun.runtime.fp16.onebit)
+    with pytest.raises(ConfigError, match="OneBitAdam communicates by itself and is built by dsrun.initialize"):
         build_optimizer("OneBitAdam", _params(), {})
     with pytest.raises(ConfigError, match="optimizer.params"):
         build_optimizer("Lion", _params(), {"momentum": 0.9})

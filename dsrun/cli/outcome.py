@@ -1,0 +1,126 @@
+"""How ``dsrun train`` words the end of a run, and what it records about it.
+
+* finished: the step count, throughput and eval loss, then where each output went (metrics, monitor files that
+  were really written, checkpoints, the MLflow run);
+* stopped (Ctrl-C, SIGTERM): at which step, whether and where a checkpoint was saved, the command that resumes;
+* failed: the exit code, the first error a rank logged and where the logs are.
+
+The MLflow run the ranks opened is marked ``KILLED`` when the run was stopped and ``FAILED`` when its ranks
+failed (a rank that is killed cannot say so itself).
+"""
+from __future__ import annotations
+
+import json
+import re
+import signal
+from pathlib import Path
+from typing import Any, Callable
+
+from dsrun.cli.multirun import short_path
+from dsrun.rundir import METRICS_JSON
+
+
+def done_lines(resolved: Any, run_dir: Path, metrics: dict[str, Any]) -> list[str]:
+    """The closing lines of a run that finished."""
+    losses = [e["loss"] for e in metrics["eval_losses"]]
+    first = (f"done: {metrics['steps']} steps in {metrics['wall_time_s']:.1f}s, "
+             f"{metrics['tokens_per_second']:,.0f} tokens/s; eval loss {losses[0]:.3f} -> {losses[-1]:.3f} "
+             f"({metrics['loss_unit']})" if losses else "done")
+    return [first, *where_outputs_went(resolved, run_dir)]
+
+
+def stopped_lines(resolved: Any, run_dir: Path, signum: int) -> list[str]:
+    """The closing lines of a run stopped by ``signum``: where it stopped, the checkpoint, how to resume."""
+    from dsrun.cli.resume import CHECKPOINTS, checkpoint_step
+
+    how = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+    metrics = _metrics(run_dir)
+    total = resolved.train.max_steps
+    if metrics is not None:
+        step = int(metrics.get("resumed_from_step") or 0) + int(metrics.get("steps") or 0)
+        lines = [f"stopped by {how} after step {step} of {metrics.get('max_steps', total)}"]
+    else:
+        lines = [f"stopped by {how} before the first step finished"]
+    checkpoint = checkpoint_step(run_dir / CHECKPOINTS)
+    command = f"dsrun train --from {short_path(run_dir)}"
+    if checkpoint is not None:
+        tag, saved = checkpoint
+        at = f"at step {saved} " if saved is not None else ""
+        lines[0] += f"; checkpoint saved {at}in {short_path(run_dir / CHECKPOINTS / tag)}"
+        lines.append(f"resume: {command}")
+    else:
+        why = "train.save_interval=0" if not resolved.train.save_interval else "none was due yet"
+        lines[0] += f"; no checkpoint saved ({why})"
+        lines.append(f"run it again: {command}")
+    return lines
+
+
+def _metrics(run_dir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((run_dir / METRICS_JSON).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def first_error(log_dir: Path) -> str:
+    """`` (rankN: <the exception>)`` from the first rank log that holds a Python traceback, or ''."""
+    for log in sorted(log_dir.glob("rank*.stderr.log")):
+        text = log.read_text(errors="replace")
+        if "Traceback (most recent call last)" in text:
+            last = [line.strip() for line in text.splitlines() if line.strip()][-1]
+            last = re.sub(r"^\[rank\d+\]:\s*", "", last)
+            last = re.sub(r"^(\w+\.)+(?=\w+(Error|Exception|Interrupt)\b)", "", last)  # dsrun.x.UserError → UserError
+            return f" ({log.name.split('.')[0]}: {last[:300]})"
+    return ""
+
+
+def where_outputs_went(resolved: Any, run_dir: Path) -> list[str]:
+    """One line per output a user looks for after a run: metrics, monitor files, checkpoints, MLflow (paths
+    relative to the current directory when they lie below it). A monitor whose folder holds no files is
+    named as such, not advertised."""
+    from dsrun.monitor.mlflow_monitor import sqlite_path
+
+    ds = resolved.ds
+    lines = [f"metrics: {short_path(run_dir / METRICS_JSON)}"]
+    for name in ("csv_monitor", "tensorboard"):
+        section = getattr(ds, name)
+        if section.enabled:
+            folder = Path(section.output_path or run_dir) / section.job_name
+            wrote = folder.is_dir() and any(p.is_file() for p in folder.rglob("*"))
+            lines.append(f"{name}: {short_path(folder)}" if wrote else
+                         f"{name}: nothing was written to {short_path(folder)} (see the rank 0 log)")
+    checkpoints = run_dir / "checkpoints"
+    if checkpoints.is_dir():
+        lines.append(f"checkpoints: {short_path(checkpoints)}")
+    if ds.mlflow.enabled:
+        uri, name = mlflow_run(resolved, run_dir)
+        store = sqlite_path(uri)
+        if store is not None:  # a local store: its file, and the command that browses it
+            db = short_path(store)
+            where = f"{db}; browse: mlflow ui --backend-store-uri sqlite:///{db}"
+        else:
+            where = uri
+        lines.append(f"mlflow: run '{name}' (experiment '{ds.mlflow.experiment_name}') in {where}")
+    return lines
+
+
+def mlflow_run(resolved: Any, run_dir: Path) -> tuple[str, str]:
+    """(tracking URI, run name) of the MLflow run the ranks open, resolved as they resolve it."""
+    from dsrun.monitor.mlflow_monitor import resolve_tracking_uri
+
+    ds = resolved.ds
+    uri = resolve_tracking_uri(ds.mlflow.tracking_uri, Path.cwd() / "mlruns")
+    return uri, ds.mlflow.run_name or f"{run_dir.parent.name}/{run_dir.name}"
+
+
+def mark_mlflow(resolved: Any, run_dir: Path, started_ms: int, status: str, say: Callable[[str], None]) -> None:
+    """Give the run's MLflow run the job's real ending (``FAILED`` or ``KILLED``)."""
+    if not resolved.ds.mlflow.enabled:
+        return
+    from dsrun.monitor.mlflow_monitor import mark_run_ended
+
+    uri, name = mlflow_run(resolved, run_dir)
+    try:
+        mark_run_ended(uri, resolved.ds.mlflow.experiment_name, name, started_ms, status)
+    except Exception as err:  # noqa: BLE001 - the store is unreachable: the run itself is what matters
+        say(f"warning: could not mark MLflow run '{name}' {status}: {type(err).__name__}: {err}")

@@ -1,0 +1,271 @@
+"""Checks ``dsrun train`` makes before any rank starts, so a mistake costs one line and no launch.
+
+What the ranks would otherwise find one traceback per rank later:
+
+* a value a config group leaves unset (``???``, e.g. ``data.path`` of ``data=text``);
+* dsrun's own data: the files exist, the token ids fit the model's vocabulary, ``data.seq_len`` fits the
+  model's ``block_size`` (the corpus is built here once, which also fills the token cache for the ranks);
+* the model's shape rules (``n_head`` divides ``n_embd``, ...): the model is built on the meta device;
+* ``train.resume``: the checkpoint exists, its ``latest`` names a tag folder that exists, and its files are
+  whole (a truncated file has no zip directory);
+* monitor folders the user named can be written;
+* memory: the estimator's peak for this run against this machine (``dsrun estimate-memory`` shows the
+  breakdown); "too big" stops the launch (``--skip-memory-check`` launches anyway), "tight" is a note.
+
+Files and memory are checked only when every rank runs on this machine: a plan with other hosts may read
+paths this machine does not have.
+
+:func:`check_before_launch` raises :class:`~dsrun.utils.errors.UserError` listing every problem, and returns
+the notes to print (e.g. a warm-up longer than the run) with what the run record keeps (the data's digest).
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from dsrun.utils.errors import Problem, UserError, find_user_error
+
+WARMUP_SCHEDULES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+
+
+@dataclass
+class Preflight:
+    """What the checks found that is not an error: ``notes`` (one line each, printed before the launch),
+    ``memory`` (the estimator's verdict in words, None when not checked) and ``data`` (the data's digest
+    for the run record, None when dsrun did not build the data)."""
+
+    notes: list[str] = field(default_factory=list)
+    memory: str | None = None
+    data: dict[str, Any] | None = None
+
+
+def check_before_launch(resolved: Any, *, memory_check: bool = True) -> Preflight:
+    """Every check of the module docstring on a :class:`~dsrun.runspec.ResolvedRun`; raises
+    :class:`UserError` with all problems found."""
+    spec: DictConfig = resolved.runspec
+    missing = missing_values(spec)
+    if missing:  # the other checks would trip over the unset values
+        raise UserError(missing)
+    result = Preflight()
+    problems: list[Problem] = []
+    model = _build_model(spec, problems, result)
+    here = runs_here(resolved.plan)  # files and memory of other machines are not ours to check
+    corpus = _build_data(spec, problems) if here else None
+    if corpus is not None:
+        result.data = data_digest(corpus)
+        if model is not None:
+            problems += fit_checks(corpus, getattr(model.module, "config", None))
+    if here:
+        problems += resume_problems(resolved.train.resume)
+        problems += monitor_path_problems(resolved.ds)
+    if not problems and model is not None and memory_check and here:
+        problems += _memory(resolved, model, result)
+    if problems:
+        raise UserError(problems)
+    note = warmup_note(resolved)
+    if note:
+        result.notes.append(note)
+    return result
+
+
+def runs_here(plan: Any) -> bool:
+    """True when every rank of the plan runs on this machine."""
+    return all(host in ("localhost", "127.0.0.1") for host in plan.hosts)
+
+
+def missing_values(spec: DictConfig) -> list[Problem]:
+    """One problem per ``???`` left in the RunSpec (``ds`` is checked by the DeepSpeed schema)."""
+    return [Problem(key, "has no value (the config leaves it '???')", f"set it on the command line: {key}=...")
+            for key in sorted(OmegaConf.missing_keys(spec)) if not key.startswith("ds.")]
+
+
+def _build_model(spec: DictConfig, problems: list[Problem], result: Preflight) -> Any:
+    """The recipe's model on the meta device (its constructor checks its shape), or None."""
+    from dsrun.estimate.runspec import build_recipe_model
+
+    try:
+        return build_recipe_model(spec)
+    except Exception as err:  # noqa: BLE001 - a user's model class that cannot be built on meta: the ranks will say
+        user = find_user_error(err)
+        if user is not None:
+            problems += user.problems
+            return None
+        result.notes.append(f"memory not checked: the model could not be built on the meta device "
+                            f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
+    return None
+
+
+def _build_data(spec: DictConfig, problems: list[Problem]) -> Any:
+    """dsrun's own corpora, built once here (a user's ``_target_`` may need the ranks: it is left to them)."""
+    import hydra.utils
+
+    if not str(spec.data.get("_target_", "")).startswith("dsrun.data."):
+        return None
+    try:
+        return hydra.utils.instantiate(spec.data, _convert_="all")
+    except Exception as err:
+        user = find_user_error(err)
+        if user is None:
+            raise
+        problems += user.problems
+    return None
+
+
+def fit_checks(corpus: Any, model_config: Any) -> list[Problem]:
+    """The data against the model: the sequence length fits its context, the ids fit its vocabulary."""
+    problems: list[Problem] = []
+    block_size = getattr(model_config, "block_size", None)
+    if isinstance(block_size, int) and corpus.seq_len > block_size:
+        problems.append(Problem("data.seq_len", f"{corpus.seq_len} exceeds model.block_size={block_size}",
+                                "lower data.seq_len or raise model.block_size"))
+    vocab_size = getattr(model_config, "vocab_size", None)
+    if isinstance(vocab_size, int):
+        try:
+            corpus.check_vocab(vocab_size)
+        except UserError as err:
+            problems += err.problems
+    return problems
+
+
+def data_digest(corpus: Any, limit: int = 256 * 2**20) -> dict[str, Any]:
+    """A SHA-256 of the corpus's train and eval tokens (``how``: "full"), or for arrays over ``limit`` bytes
+    of their size and three 16 MiB slices (``how``: "sampled"), so a 100 GB token file costs no minutes."""
+    import hashlib
+
+    import numpy as np
+
+    digest = hashlib.sha256()
+    arrays = (corpus.train_tokens, corpus.eval_tokens)
+    total = sum(a.nbytes for a in arrays)
+    sampled = total > limit
+    for array in arrays:
+        flat = np.asarray(array).reshape(-1)
+        digest.update(f"{flat.dtype.str}:{len(flat)};".encode())
+        chunk = max(1, (16 * 2**20) // flat.itemsize)
+        starts = (0, max(0, len(flat) // 2 - chunk // 2), max(0, len(flat) - chunk)) if sampled else (0,)
+        for start in starts:
+            piece = flat[start:start + chunk] if sampled else flat
+            digest.update(memoryview(np.ascontiguousarray(piece)).cast("B"))
+    return {"sha256": digest.hexdigest(), "how": "sampled" if sampled else "full", "bytes": int(total),
+            "description": corpus.description}
+
+
+def resume_problems(resume: str | None) -> list[Problem]:
+    """``train.resume`` names a checkpoint that exists, whose ``latest`` names an existing tag folder, and
+    whose files are whole. ``auto`` and null need nothing here."""
+    from dsrun.checkpoint import layout
+    from dsrun.checkpoint.training import find_checkpoint
+    from dsrun.utils.zero_to_fp32 import file_problem
+
+    if resume is None or str(resume).lower() in ("", "none", "null", "false", "auto"):
+        return []
+    try:
+        found = find_checkpoint(resume, Path.cwd())
+    except UserError as err:
+        return list(err.problems)
+    if found is None:
+        return []
+    folder, tag = found
+    tag = tag or layout.read_latest(folder)
+    tag_dir = layout.resolve_tag_dir(folder, str(tag))
+    if tag_dir is None:
+        return [Problem("train.resume", f"{folder / layout.LATEST} names tag {tag!r}, but {folder / str(tag)} "
+                        f"does not exist (tags there: {', '.join(layout.list_tags(folder)) or 'none'})",
+                        "point train.resume at one of the tag folders, or write an existing tag into 'latest'")]
+    problems = []
+    for path in sorted(tag_dir.glob("*.pt")):
+        reason = file_problem(str(path))
+        if reason:
+            problems.append(Problem("train.resume", f"{path} is not a whole checkpoint file ({reason})",
+                                    "resume from an earlier tag (pass its folder) or start fresh: train.resume=null"))
+    return problems
+
+
+def monitor_path_problems(ds: Any) -> list[Problem]:
+    """Folders named in ``csv_monitor`` / ``tensorboard`` ``output_path`` that cannot be created or written."""
+    problems = []
+    for section in ("csv_monitor", "tensorboard"):
+        config = getattr(ds, section, None)
+        path = getattr(config, "output_path", None) if config is not None else None
+        if not config or not config.enabled or not path:
+            continue
+        reason = unwritable(Path(path).expanduser())
+        if reason:
+            problems.append(Problem(f"ds.{section}.output_path", f"cannot write to {path} ({reason})",
+                                    "pick a folder you can write to, or leave it empty for the run directory"))
+    return problems
+
+
+def unwritable(path: Path) -> str | None:
+    """Why files cannot be written below ``path`` (made if missing), without making anything; else None."""
+    probe = path.absolute()
+    while not probe.exists():
+        if probe.parent == probe:
+            return "no part of the path exists"
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{probe} is a file"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{probe} is not writable"
+    return None
+
+
+def warmup_note(resolved: Any) -> str | None:
+    """A note when a warm-up schedule warms up for longer than the run lasts (its peak lr is never reached)."""
+    scheduler = resolved.ds.scheduler
+    if scheduler.type not in WARMUP_SCHEDULES:
+        return None
+    params = dict(scheduler.params or {})
+    warmup = int(params.get("warmup_num_steps", 1000))
+    steps = resolved.train.max_steps
+    if resolved.train.max_tokens:
+        tokens_per_step = resolved.ds.train_batch_size * int(OmegaConf.select(resolved.runspec, "data.seq_len") or 1)
+        steps = min(steps, math.ceil(resolved.train.max_tokens / tokens_per_step))
+    if params.get("total_num_steps"):
+        steps = min(steps, int(params["total_num_steps"]))
+    if warmup <= steps:
+        return None
+    return (f"note: ds.scheduler.params.warmup_num_steps={warmup} is more than the {steps} steps this run "
+            f"takes: the learning rate never leaves {scheduler.type}'s warm-up")
+
+
+def _memory(resolved: Any, model: Any, result: Preflight) -> list[Problem]:
+    """The estimator's verdict for this run on this machine (all ranks local); "too big" is a problem."""
+    from dsrun.estimate import estimate_peak_bytes_per_rank
+    from dsrun.estimate.runspec import inputs_from_runspec
+    from dsrun.estimate.verdict import NO_FIT, TIGHT, detect_budget, judge
+
+    plan = resolved.plan
+    spec, _ = inputs_from_runspec(resolved.runspec, model)
+    slots = [len(s) for s in plan.hosts.values()] or [plan.world_size]
+    model_cfg = OmegaConf.to_container(resolved.runspec.model, resolve=True)
+    spec = spec.with_(nodes=len(slots), ranks_per_node=max(slots),
+                      rank_runtime_bytes=_cached_rank_runtime(spec, model_cfg))
+    verdict = judge(estimate_peak_bytes_per_rank(spec), detect_budget())
+    result.memory = f"{verdict.level}: {verdict.reason}"
+    if verdict.level == TIGHT:
+        result.notes.append(f"note: memory is tight ({verdict.reason}); dsrun estimate-memory shows the breakdown")
+    if verdict.level != NO_FIT:
+        return []
+    return [Problem("memory", f"this run does not fit this machine by the estimator: {verdict.reason}",
+                    "see dsrun estimate-memory with the same overrides; try zero=stage3 offload=cpu, a smaller "
+                    "model, or fewer ranks; --skip-memory-check launches anyway")]
+
+
+def _cached_rank_runtime(spec: Any, model_cfg: dict[str, Any]) -> int:
+    """An idle rank's measured memory when ``dsrun estimate-memory`` measured it on this host before (the
+    measurement takes seconds, so train does not make it), else 0: the estimate is then a lower bound."""
+    import json
+
+    from dsrun.estimate.runtime import RankRuntime, rank_threads, runtime_cache_path
+
+    path = runtime_cache_path(rank_threads(spec.ranks_per_node), spec.optimizer, model_cfg, spec.precision)
+    try:
+        return RankRuntime(**json.loads(path.read_text())).resident
+    except (OSError, TypeError, ValueError):
+        return 0

@@ -1,0 +1,28 @@
+"""``deepspeed.utils.groups``: the named expert-parallel and expert-data-parallel groups (their home is
+:mod:`dsrun.moe.groups`; this module keeps DeepSpeed's import path)."""
+from dsrun.moe.groups import (  # noqa: F401
+    expert_group_name,
+    _set_process_groups,
+    _groups,
+    _create_expert_and_data_parallel,
+    initialize,
+    _size_of,
+    _get_expert_parallel_group,
+    _get_expert_data_parallel_group,
+    _get_expert_parallel_group_dict,
+    _get_expert_data_parallel_group_dict,
+    _get_expert_parallel_world_size,
+    _get_expert_parallel_rank,
+    _get_expert_data_parallel_world_size,
+    _get_expert_data_parallel_rank,
+    _get_expert_broadcast_src_rank,
+    _get_expert_parallel_src_rank,
+    _get_max_expert_size,
+    _get_max_expert_size_name,
+    _get_data_parallel_group,
+    _get_data_parallel_world_size,
+    _get_data_parallel_rank,
+    _get_model_parallel_world_size,
+    _get_model_parallel_rank,
+    _reset,
+)

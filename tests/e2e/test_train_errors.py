@@ -1,0 +1,122 @@
+"""A user's mistake in `dsrun train` is one line and exit code 2, no traceback: checked before any rank starts
+where it can be (then no run directory is made), and otherwise reported once by the launcher for the ranks."""
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import free_port, run_cli
+
+QUICK = ["train.max_steps=2", "train.eval_iters=1", "train.eval_interval=0"]
+SMALL = "data.max_bytes=300000"  # of the default data, the standard library's text
+
+
+def one_error_line(result, starts: str) -> str:
+    """The run failed with exit code 2 and exactly one stderr line, which starts with ``starts``."""
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2, (result.returncode, result.stdout[-2000:], result.stderr[-3000:])
+    assert "Traceback" not in result.stdout + result.stderr, result.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith(f"error: {starts}"), lines
+    return lines[0]
+
+
+def fake_checkpoint(folder: Path, tag: str = "global_step2", latest: str | None = None) -> Path:
+    """A checkpoint folder in DeepSpeed's layout holding one small model states file; returns that file."""
+    (folder / tag).mkdir(parents=True)
+    path = folder / tag / "mp_rank_00_model_states.pt"
+    torch.save({"module": {"w": torch.zeros(64, 64)}, "global_steps": 2}, path)
+    (folder / "latest").write_text(latest or tag)
+    return path
+
+
+def corrupt_the_pickle(path: Path) -> None:
+    """Overwrite the start of the file's pickled index (data.pkl): the zip directory stays whole, so only
+    reading the file finds the damage."""
+    import struct
+
+    with zipfile.ZipFile(path) as archive:
+        info = next(i for i in archive.infolist() if i.filename.endswith("data.pkl"))
+    data = bytearray(path.read_bytes())
+    name_len, extra_len = struct.unpack("<HH", data[info.header_offset + 26:info.header_offset + 30])
+    start = info.header_offset + 30 + name_len + extra_len  # the local header's lengths (torch pads its extra)
+    data[start:start + 20] = b"\xff" * 20  # from the first opcode on: no unpickler gets past it
+    path.write_bytes(bytes(data))
+
+
+def train(tmp_path: Path, *overrides: str, timeout: float = 300):
+    return run_cli("train", *QUICK, f"launcher.master_port={free_port()}", *overrides, cwd=tmp_path, timeout=timeout)
+
+
+def _token_file(tmp_path: Path) -> Path:
+    path = tmp_path / "ids.npy"
+    np.save(path, np.arange(3000, dtype=np.int64) % 1000)  # ids up to 999; the default model has 256
+    return path
+
+
+# (case, overrides given tmp_path, expected start of the error line)
+BEFORE_LAUNCH = [
+    ("data.path left unset", lambda t: ["data=text"], "data.path: has no value"),
+    ("a ??? left unset", lambda t: [SMALL, "model.n_layer=???"], "model.n_layer: has no value"),
+    ("data.path that does not exist", lambda t: ["data=text", f"data.path={t / 'none.txt'}"], "data.path: "),
+    ("train.resume that does not exist", lambda t: [SMALL, f"train.resume={t / 'nothing'}"],
+     "train.resume: no checkpoint"),
+    ("n_head does not divide n_embd", lambda t: [SMALL, "model.n_head=5"],
+     "model.n_embd: 96 is not divisible by n_head=5"),
+    ("seq_len above block_size", lambda t: [SMALL, "data.seq_len=256"], "data.seq_len: 256 exceeds model.block_size=128"),
+    ("vocabulary smaller than the token file's", lambda t: ["data=tokens", f"data.path={_token_file(t)}"],
+     "model.vocab_size: 256 is smaller than the data's vocabulary (1000"),
+]
+
+
+@pytest.mark.parametrize("case,overrides,expected", BEFORE_LAUNCH, ids=[c[0] for c in BEFORE_LAUNCH])
+def test_mistakes_found_before_launch(tmp_path, case, overrides, expected):
+    one_error_line(train(tmp_path, *overrides(tmp_path)), expected)
+    assert not (tmp_path / "outputs").exists()  # caught before Hydra made a run directory
+
+
+def test_a_truncated_checkpoint_is_found_before_launch(tmp_path):
+    path = fake_checkpoint(tmp_path / "ckpt")
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    line = one_error_line(train(tmp_path, SMALL, f"train.resume={tmp_path / 'ckpt'}"), "train.resume: ")
+    assert f"{path} is not a whole checkpoint file (it is truncated or not a torch file)" in line
+
+
+def test_latest_naming_a_missing_tag_is_found_before_launch(tmp_path):
+    fake_checkpoint(tmp_path / "ckpt", latest="global_step9")
+    line = one_error_line(train(tmp_path, SMALL, f"train.resume={tmp_path / 'ckpt'}"), "train.resume: ")
+    assert "names tag 'global_step9'" in line and "tags there: global_step2" in line
+
+
+@pytest.mark.slow
+def test_a_corrupt_checkpoint_found_by_the_ranks_is_one_line(tmp_path):
+    path = fake_checkpoint(tmp_path / "ckpt")
+    corrupt_the_pickle(path)  # the zip directory is whole: only a rank reading it finds the damage
+    result = train(tmp_path, SMALL, f"train.resume={tmp_path / 'ckpt'}")
+    line = one_error_line(result, f"{path}: cannot read this checkpoint file: its contents are corrupt")
+    assert "[dsrun] run directory" in result.stdout  # it did launch
+    (log,) = tmp_path.glob("outputs/*/*/dsrun.log")
+    assert line in log.read_text()
+
+
+@pytest.mark.slow
+def test_an_optimizer_param_the_ranks_reject_is_one_line_and_debug_shows_the_traceback(tmp_path):
+    result = train(tmp_path, SMALL, "+optimizer.params.lrr=1")
+    one_error_line(result, "optimizer.params: AdamW rejected the params")
+    assert "unexpected keyword argument 'lrr'" in result.stderr
+    debug = run_cli("--debug", "train", *QUICK, SMALL, f"launcher.master_port={free_port()}", "+optimizer.params.lrr=1",
+                    cwd=tmp_path, timeout=300)
+    assert debug.returncode == 2 and "Traceback (most recent call last)" in debug.stderr
+
+
+@pytest.mark.parametrize("damage", ["truncate", "corrupt"])
+def test_convert_names_a_damaged_checkpoint_file(tmp_path, damage):
+    path = fake_checkpoint(tmp_path / "ckpt")
+    if damage == "truncate":
+        path.write_bytes(path.read_bytes()[:100])
+    else:
+        corrupt_the_pickle(path)
+    result = run_cli("convert", "zero-to-fp32", str(tmp_path / "ckpt"), str(tmp_path / "out.pt"), cwd=tmp_path)
+    line = one_error_line(result, f"{tmp_path / 'ckpt'}: {path}: cannot read this checkpoint file: ")
+    assert line.split("file: ", 1)[1].startswith("it is truncated" if damage == "truncate" else "its contents")

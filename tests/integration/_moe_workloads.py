@@ -1,0 +1,372 @@
+"""MoE workloads for the multi-rank tests (importable by spawned ranks; ``tests.helpers.run_ranks``).
+
+The reference for expert parallelism is the same layer with ``ep_size=1`` holding every expert, run in the
+same process on each rank's tokens separately (gating is per rank in DeepSpeed, so "the same global tokens"
+means the same shards routed the same way). Experts are initialised from their global id, so the ep=1 and
+ep=2 layers hold the same experts.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+D, HIDDEN, EXPERTS, TOKENS = 8, 16, 4, 12
+
+
+def init_expert(module: nn.Module, global_id: int) -> None:
+    gen = torch.Generator().manual_seed(1000 + global_id)
+    for p in module.parameters():
+        p.copy_(torch.randn(p.shape, generator=gen) * 0.4)
+
+
+def make_moe(ep: int, k: int = 1, drop_tokens: bool = True, dropless: bool = False, residual: bool = False,
+             min_capacity: int = 1, capacity_factor: float = 1.0) -> nn.Module:
+    from dsrun.moe.layer import MoE
+
+    torch.manual_seed(7)  # gate, residual MLP and coefficient: the same on every rank and every ep size
+    expert = nn.Sequential(nn.Linear(D, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, D))
+    layer = MoE(D, expert, num_experts=EXPERTS, ep_size=ep, k=k, capacity_factor=capacity_factor,
+                min_capacity=min_capacity, use_residual=residual, drop_tokens=drop_tokens, use_rts=False,
+                top2_2nd_expert_sampling=False, dropless=dropless)
+    return layer
+
+
+def init_experts(layer: nn.Module) -> None:
+    experts = layer.deepspeed_moe.experts
+    experts.reset_parameters(layer.global_expert_ids()[0], init_expert)
+
+
+def shard_tokens(rank: int, skew: bool = False) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(50 + rank)
+    x = torch.randn(TOKENS, D, generator=gen)
+    if skew and rank == 0:
+        x = x.abs() * 3  # with the skewing gate below, nearly every token of rank 0 wants expert 0
+    return x
+
+
+def cotangent(rank: int) -> torch.Tensor:
+    return torch.randn(TOKENS, D, generator=torch.Generator().manual_seed(90 + rank))
+
+
+def skew_gate(layer: nn.Module) -> None:
+    with torch.no_grad():
+        w = layer.deepspeed_moe.gate.wg.weight
+        w.zero_()
+        w[0].fill_(1.0)  # positive inputs score expert 0 highest
+        w[1:, 0] = torch.tensor([0.3, -0.2, 0.1])
+
+
+def named_grads(layer: nn.Module) -> dict[str, torch.Tensor]:
+    """Gradients by global name: local expert j is reported under its global id."""
+    out = {}
+    ids = layer.global_expert_ids()
+    for name, p in layer.named_parameters():
+        if p.grad is None:
+            continue
+        if ".deepspeed_experts." in name:
+            head, rest = name.split(".deepspeed_experts.")
+            local, tail = rest.split(".", 1)
+            name = f"{head}.deepspeed_experts.{ids[int(local)]}.{tail}"
+        out[name] = p.grad.detach().clone()
+    return out
+
+
+def layer_case(rank: int, world: int, k: int, drop_tokens: bool, dropless: bool, residual: bool,
+               skew: bool = False) -> dict[str, Any]:
+    """ep=world layer on this rank's shard vs an ep=1 layer on every shard: outputs, l_aux, gradients of
+    the mean of the per-rank losses (dense gradients averaged over ranks, expert gradients divided by the
+    data-parallel size: the engine's scaling)."""
+    from dsrun import comm
+
+    layer = make_moe(world, k, drop_tokens, dropless, residual)
+    if skew:
+        skew_gate(layer)
+    init_experts(layer)
+    before = comm.get_comms_stats().get("all_to_all_single", {"count": 0, "message_bytes": 0})
+    x = shard_tokens(rank, skew).requires_grad_()  # as inside a model: the dispatch needs its backward too
+    out, l_aux, counts = layer(x)
+    loss = (out * cotangent(rank)).sum() + 0.1 * l_aux
+    loss.backward()
+    after = comm.get_comms_stats().get("all_to_all_single", {"count": 0, "message_bytes": 0})
+    for p in layer.parameters():
+        if getattr(p, "allreduce", True):
+            comm.all_reduce(p.grad)
+        p.grad.div_(world)
+    grads = named_grads(layer)
+
+    ref = make_moe(1, k, drop_tokens, dropless, residual)
+    if skew:
+        skew_gate(ref)
+    init_experts(ref)
+    ref_out, ref_aux = None, None
+    total = 0.0
+    for r in range(world):
+        o, a, _ = ref(shard_tokens(r, skew))
+        total = total + ((o * cotangent(r)).sum() + 0.1 * a) / world
+        if r == rank:
+            ref_out, ref_aux = o.detach(), a.detach()
+    total.backward()
+    ref_grads = {n: g for n, g in named_grads(ref).items()}
+    routing = layer.deepspeed_moe.last_routing
+    return {"out": out.detach().numpy(), "ref_out": ref_out.numpy(), "l_aux": float(l_aux.detach()), "ref_l_aux": float(ref_aux),
+            "grads": {n: g.numpy() for n, g in grads.items() if n in ref_grads or ".deepspeed_experts." not in n},
+            "ref_grads": {n: ref_grads[n].numpy() for n in grads if n in ref_grads},
+            "capacity": routing.capacity, "a2a_count": after["count"] - before["count"],
+            "a2a_bytes": after["message_bytes"] - before["message_bytes"], "counts": counts.tolist()}
+
+
+def layer_suite(rank: int, world: int) -> dict[str, Any]:
+    out = {}
+    for k in (1, 2, 3):
+        out[f"k{k}/drop"] = layer_case(rank, world, k, True, False, residual=(k == 2))
+        out[f"k{k}/nodrop"] = layer_case(rank, world, k, False, False, residual=False)
+        out[f"k{k}/dropless"] = layer_case(rank, world, k, False, True, residual=False)
+    out["skew/nodrop"] = layer_case(rank, world, 1, False, False, False, skew=True)
+    out["skew/dropless"] = layer_case(rank, world, 1, False, True, False, skew=True)
+    return out
+
+
+# --- the engine -------------------------------------------------------------------------------------------
+class MoENet(nn.Module):
+    def __init__(self, ep: int, k: int = 2):
+        super().__init__()
+        torch.manual_seed(3)
+        self.inp = nn.Linear(D, D)
+        self.out = nn.Linear(D, D)
+        self.moe = make_moe(ep, k, residual=True)
+        init_experts(self.moe)
+
+    def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        h, l_aux, _ = self.moe(torch.tanh(self.inp(x)))
+        return F.mse_loss(self.out(h), y) + 0.01 * l_aux
+
+
+def engine_batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(300 + rank)
+    return torch.randn(TOKENS, D, generator=gen), torch.randn(TOKENS, D, generator=gen)
+
+
+def full_named_params(engine: Any, layer_name: str = "moe") -> dict[str, torch.Tensor]:
+    """The model's parameters by global name (ZeRO-3: gathered)."""
+    import dsrun
+
+    module = engine.module
+    moe = getattr(module, layer_name)
+    ids = moe.global_expert_ids()
+    params = dict(module.named_parameters())
+    with dsrun.zero.GatheredParameters(list(params.values())):
+        out = {}
+        for name, p in params.items():
+            if ".deepspeed_experts." in name:
+                head, rest = name.split(".deepspeed_experts.")
+                local, tail = rest.split(".", 1)
+                name = f"{head}.deepspeed_experts.{ids[int(local)]}.{tail}"
+            out[name] = p.detach().clone().float()
+    return out
+
+
+def engine_case(rank: int, world: int, stage: int) -> dict[str, Any]:
+    """One SGD step (lr 1) of the ep=world engine vs the ep=1 model stepped on the mean of the per-rank
+    losses: the new weights differ by the gradients' difference (plus one rounding of w - g)."""
+    import dsrun
+
+    net = MoENet(world)
+    cfg = {"train_micro_batch_size_per_gpu": TOKENS, "gradient_accumulation_steps": 1,
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": 64, "allgather_bucket_size": 64,
+                                 "stage3_param_persistence_threshold": 0},
+           "zero_allow_untested_optimizer": True, "steps_per_print": 1000}
+    engine, _, _, _ = dsrun.initialize(model=net, config=cfg, optimizer=lambda ps: torch.optim.SGD(ps, lr=1.0))
+    loss = engine(engine_batch(rank))
+    engine.backward(loss)
+    engine.step()
+    got = full_named_params(engine)
+    engine.destroy()
+
+    ref = MoENet(1)
+    total = sum(ref(engine_batch(r)) for r in range(world)) / world
+    total.backward()
+    ref_after = {}
+    ids = list(range(EXPERTS))
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            ref_after[name] = (p - p.grad).detach().clone()
+    del ids
+    return {"got": {n: t.numpy() for n, t in got.items()}, "ref": {n: ref_after[n].numpy() for n in got}}
+
+
+def engine_suite(rank: int, world: int) -> dict[str, Any]:
+    return {f"zero{stage}": engine_case(rank, world, stage) for stage in (0, 1, 2, 3)}
+
+
+def world_suite(rank: int, world: int) -> dict[str, Any]:
+    from dsrun import comm
+
+    torch.set_num_threads(1)
+    comm.init_distributed()
+    return {"layer": layer_suite(rank, world), "engine": engine_suite(rank, world)}
+
+
+def fp32_bound(n_terms: int, magnitude: float) -> float:
+    """Rounding of a sum of ``n_terms`` fp32 values whose absolute values add to ``magnitude`` (|error| <=
+    (n - 1) u sum|x|), doubled for the two different summation orders compared, plus 1e-7 for the final
+    rounding of w - g."""
+    u = 2.0 ** -24
+    return 2 * max(1, n_terms - 1) * u * magnitude + 1e-7
+
+
+def analytic_a2a_bytes(tokens: int, k: int, ep: int, capacity_factor: float = 1.0, min_capacity: int = 1) -> int:
+    """Message bytes of one MoE layer's forward and backward with drop_tokens: four all-to-alls of the
+    (E, C, M) fp32 buffer."""
+    cap = max(0, min(max(math.ceil(tokens * k * capacity_factor / EXPERTS), min_capacity), tokens))
+    return 4 * EXPERTS * cap * D * 4
+
+
+# --- checkpoints: save with one expert-parallel size, load with another ------------------------------------
+def ckpt_engine(world: int, stage: int = 0) -> Any:
+    import dsrun
+
+    dsrun.init_distributed()
+    cfg = {"train_micro_batch_size_per_gpu": TOKENS, "gradient_accumulation_steps": 2 // world,
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": stage},
+           "steps_per_print": 1000}
+    engine, _, _, _ = dsrun.initialize(model=MoENet(world), config=cfg)
+    return engine
+
+
+def ckpt_step(engine: Any, rank: int, world: int, step: int) -> float:
+    """One optimizer step on the two shards of step ``step`` (2 ranks: one each; 1 rank: both, accumulated);
+    returns the mean loss."""
+    from dsrun import comm
+
+    total = torch.zeros(1, dtype=torch.float64)
+    for shard in range(rank, 2, world):
+        x, y = engine_batch(shard)
+        loss = engine((x + step, y))
+        engine.backward(loss)
+        engine.step()
+        total += loss.item()
+    if world > 1:
+        comm.all_reduce(total)
+    return float(total) / 2
+
+
+def expert_state(engine: Any) -> dict[str, Any]:
+    """Every expert parameter of this rank by global name: weight and Adam moments."""
+    from dsrun.checkpoint import experts
+
+    strategy = engine.strategy
+    slots = experts._slots(engine)
+    out = {}
+    for *_, params in experts._experts(engine):
+        for name, p in params.items():
+            gi, off, n = slots[id(p)]
+            state = strategy.optimizer.state[strategy.masters[gi]]
+            out[name] = {"weight": p.detach().clone().numpy(),
+                         "exp_avg": state["exp_avg"][off:off + n].clone().numpy(),
+                         "exp_avg_sq": state["exp_avg_sq"][off:off + n].clone().numpy()}
+    return out
+
+
+def ckpt_save_first(rank: int, world: int, root: str) -> dict[str, Any]:
+    engine = ckpt_engine(world)
+    for step in range(2):
+        ckpt_step(engine, rank, world, step)
+    engine.save_checkpoint(root, tag="a")
+    saved = expert_state(engine)
+    shared = {n: p.detach().clone().numpy() for n, p in engine.module.named_parameters() if ".deepspeed_experts." not in n}
+    next_loss = ckpt_step(engine, rank, world, 2)
+    engine.destroy()
+    z2 = ckpt_engine(world, stage=2)  # the same run at ZeRO-2, saved too
+    for step in range(2):
+        ckpt_step(z2, rank, world, step)
+    z2.save_checkpoint(root, tag="z2")
+    z2_saved = expert_state(z2)
+    z2_next = ckpt_step(z2, rank, world, 2)
+    return {"experts": saved, "shared": shared, "next_loss": next_loss, "z2_experts": z2_saved, "z2_next": z2_next}
+
+
+def ckpt_load_other_stage(rank: int, world: int, root: str, tag: str, stage: int) -> dict[str, Any]:
+    engine = ckpt_engine(world, stage=stage)
+    engine.load_checkpoint(root, tag=tag)
+    return {"experts": expert_state(engine), "next_loss": ckpt_step(engine, rank, world, 2)}
+
+
+def ckpt_load_and_save(rank: int, world: int, root: str, load_tag: str, save_tag: str | None) -> dict[str, Any]:
+    engine = ckpt_engine(world)
+    engine.load_checkpoint(root, tag=load_tag)
+    loaded = expert_state(engine)
+    shared = {n: p.detach().clone().numpy() for n, p in engine.module.named_parameters() if ".deepspeed_experts." not in n}
+    if save_tag is not None:
+        engine.save_checkpoint(root, tag=save_tag)
+    next_loss = ckpt_step(engine, rank, world, 2)
+    return {"experts": loaded, "shared": shared, "next_loss": next_loss, "global_steps": engine.global_steps}
+
+
+def resume_same_topology(rank: int, world: int, root: str) -> dict[str, float]:
+    """At ZeRO 1, 2 and 3: train 2 steps, save, take a third; a fresh engine loads and takes the third step
+    again: the same loss, bit for bit (each rank reads its own files back)."""
+    import dsrun
+
+    dsrun.init_distributed()
+    out = {}
+    for stage in (1, 2, 3):
+        cfg = {"train_micro_batch_size_per_gpu": TOKENS, "gradient_accumulation_steps": 1,
+               "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+               "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+               "steps_per_print": 1000}
+        engine, _, _, _ = dsrun.initialize(model=MoENet(world), config=cfg)
+        for step in range(2):
+            ckpt_step(engine, rank, world, step)
+        engine.save_checkpoint(root, tag=f"s{stage}")
+        first = ckpt_step(engine, rank, world, 2)
+        engine.destroy()
+        engine, _, _, _ = dsrun.initialize(model=MoENet(world), config=cfg)
+        engine.load_checkpoint(root, tag=f"s{stage}")
+        out[f"s{stage}"] = (first, ckpt_step(engine, rank, world, 2))
+        engine.destroy()
+    return out
+
+
+def load_weights_only(rank: int, world: int, root: str) -> dict[str, Any]:
+    """At ZeRO 0 and 2: train a step, save; a fresh engine loads with ``load_optimizer_states=False`` and
+    another with ``load_module_only=True``: the module holds the saved weights, the fp32 masters equal them
+    (every slot of every group, experts included), and the optimizer state is the fresh engine's (empty)."""
+    from dsrun.checkpoint import experts
+
+    out: dict[str, Any] = {}
+    for stage in (0, 2):
+        engine = ckpt_engine(world, stage)
+        ckpt_step(engine, rank, world, 0)
+        engine.save_checkpoint(root, tag=f"w{stage}")
+        saved = full_named_params(engine)
+        engine.destroy()
+        from dsrun.utils import zero_to_fp32 as z2f  # the whole fp32 state dict, experts by global id
+
+        whole = z2f.get_fp32_state_dict_from_zero_checkpoint(root, f"w{stage}")
+        out[f"zero{stage}/zero_to_fp32"] = {"weights": max(float((whole[k] - saved[k]).abs().max()) for k in saved),
+                                            "masters": 0.0,
+                                            # this rank's experts and the shared weights, plus the other rank's
+                                            "same_names": set(saved) <= set(whole) and len(whole) == len(
+                                                [k for k in saved if ".deepspeed_experts." not in k]) + 4 * EXPERTS,
+                                            "optimizer_state": 0}
+        for how in ({"load_optimizer_states": False}, {"load_module_only": True}):
+            engine = ckpt_engine(world, stage)
+            engine.load_checkpoint(root, tag=f"w{stage}", **how)
+            got = full_named_params(engine)
+            slots = experts._slots(engine)
+            masters = {gi: experts._flat_state(engine, gi)[0] for gi in range(len(engine.strategy.groups))}
+            master_diff = 0.0
+            for p in engine.module.parameters():
+                gi, off, n = slots[id(p)]
+                master_diff = max(master_diff, float((masters[gi][off:off + n] - p.detach().reshape(-1)).abs().max()))
+            key = f"zero{stage}/{next(iter(how))}"
+            out[key] = {"weights": max(float((got[k] - saved[k]).abs().max()) for k in saved),
+                        "same_names": set(got) == set(saved), "masters": master_diff,
+                        "optimizer_state": sum(len(s) for s in engine.strategy.optimizer.state.values())}
+            engine.destroy()
+    return out

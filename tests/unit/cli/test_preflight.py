@@ -1,0 +1,78 @@
+"""dsrun train's checks before launch: unset values, memory, the warm-up note, monitor folders, the data's
+digest."""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from dsrun.cli.preflight import (check_before_launch, data_digest, missing_values, monitor_path_problems,
+                                 unwritable, warmup_note)
+from dsrun.compose import compose_runspec
+from dsrun.runspec import resolve_run
+from dsrun.utils.errors import UserError
+
+SMALL = "data.max_bytes=300000"
+
+
+def resolved(*overrides):
+    return resolve_run(compose_runspec([SMALL, *overrides]))
+
+
+def test_every_unset_value_is_named():
+    spec = compose_runspec(["data=text", "model.n_layer=???"])
+    assert [p.path for p in missing_values(spec)] == ["data.path", "model.n_layer"]
+
+
+def test_the_default_recipe_fits_and_a_13b_model_does_not_by_the_estimator(monkeypatch):
+    from dsrun.estimate import verdict
+
+    gib = 2**30  # the machine of the README (24 GiB), whatever machine runs the test
+    monkeypatch.setattr(verdict, "detect_budget", lambda: verdict.MemoryBudget(24 * gib, 20 * gib))
+    checked = check_before_launch(resolved())
+    assert checked.memory.startswith("fits: 2 ranks on the CPU need")
+    assert checked.data["how"] == "full" and len(checked.data["sha256"]) == 64
+    with pytest.raises(UserError) as info:
+        check_before_launch(resolved("model=gpt-13b"))
+    (problem,) = info.value.problems
+    assert problem.path == "memory" and "--skip-memory-check" in problem.hint
+    assert check_before_launch(resolved("model=gpt-13b"), memory_check=False).memory is None
+
+
+def test_a_warm_up_longer_than_the_run_is_one_note():
+    note = warmup_note(resolved("train.max_steps=5"))
+    assert note == ("note: ds.scheduler.params.warmup_num_steps=30 is more than the 5 steps this run takes: the "
+                    "learning rate never leaves WarmupCosineLR's warm-up")
+    assert warmup_note(resolved("train.max_steps=30")) is None
+    assert warmup_note(resolved("train.max_steps=5", "scheduler=none")) is None
+
+
+def test_gpt_tune_trials_and_its_run_leave_warm_up():
+    """A dsrun tune trial of gpt_tune runs end_profile_step steps; neither it nor the 20-step run stays in
+    warm-up (each trial used to warn, twice per rank)."""
+    recipe = resolve_run(compose_runspec(["+recipe=gpt_tune"]))
+    assert warmup_note(recipe) is None
+    steps = recipe.ds.autotuning.end_profile_step
+    assert warmup_note(resolve_run(compose_runspec(["+recipe=gpt_tune", f"train.max_steps={steps}"]))) is None
+
+
+def test_an_unwritable_monitor_folder_is_a_problem_before_launch(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    assert unwritable(tmp_path / "new" / "deeper") is None  # made when missing, below a writable folder
+    assert unwritable(blocker / "tb") == f"{blocker} is a file"
+    run = resolved("ds.tensorboard.enabled=true", f"ds.tensorboard.output_path={blocker / 'tb'}")
+    (problem,) = monitor_path_problems(run.ds)
+    assert problem.path == "ds.tensorboard.output_path" and "is a file" in problem.message
+
+
+def test_the_data_digest_is_of_every_token_or_of_three_slices_past_the_limit():
+    tokens = np.arange(10_000, dtype=np.uint16)
+    corpus = SimpleNamespace(train_tokens=tokens[:9000], eval_tokens=tokens[9000:], description="t")
+    full = data_digest(corpus)
+    changed = tokens.copy()
+    changed[4500] += 1
+    other = SimpleNamespace(train_tokens=changed[:9000], eval_tokens=changed[9000:], description="t")
+    assert full["how"] == "full" and full["bytes"] == 20_000
+    assert data_digest(other)["sha256"] != full["sha256"]
+    sampled = data_digest(corpus, limit=1000)
+    assert sampled["how"] == "sampled" and sampled["sha256"] != full["sha256"]
