@@ -362,7 +362,7 @@ def _restore_strategy(engine: Any, tag_dir: Path, model_states: dict[str, Any], 
         own = (model_states["optimizer"] if stage_saved == 0 else
                load_file(optim_files(tag_dir, world_saved, engine.bfloat16_enabled())[dp_rank])["optimizer_state_dict"])
         strategy.load_state_dict(own)
-        _restore_rank_states(strategy, tag_dir, saved_world, dp_rank, same_layout=True)
+        _restore_rank_states(strategy, tag_dir, world_saved, dp_rank, same_layout=True)
         return
     if load_optimizer_states and model_states.get("param_shapes") is not None:
         _say(engine, f"resharding checkpoint {tag_dir.name}: saved by {world_saved} rank(s) at ZeRO stage "
@@ -380,7 +380,7 @@ def _restore_strategy(engine: Any, tag_dir: Path, model_states: dict[str, Any], 
                                     load_optimizer_states=load_optimizer_states)
     strategy.load_state_dict(target)
     if load_optimizer_states:
-        _restore_rank_states(strategy, tag_dir, saved_world, dp_rank, same_layout=False)
+        _restore_rank_states(strategy, tag_dir, world_saved, dp_rank, same_layout=False)
 
 
 def _restore_rank_states(strategy: Any, tag_dir: Path, saved_world: int, dp_rank: int, same_layout: bool) -> None:
