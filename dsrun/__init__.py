@@ -28,6 +28,14 @@ _LAZY: dict[str, str] = {
     "inference": "dsrun.inference:",
     "elasticity": "dsrun.elasticity:",
     "moe": "dsrun.moe:",
+    # DeepSpeed's other top-level names (deepspeed/__init__.py)
+    "DeepSpeedConfig": "dsrun.runtime.config:DeepSpeedConfig",
+    "DeepSpeedConfigError": "dsrun.runtime.config:DeepSpeedConfigError",
+    "DeepSpeedEngine": "dsrun.runtime.engine:DeepSpeedEngine",
+    "OnDevice": "dsrun.utils.init_on_device:OnDevice",
+    "get_accelerator": "dsrun.accelerator:get_accelerator",
+    "log_dist": "dsrun.utils.logging:log_dist",
+    "logger": "dsrun.utils.logging:logger",
 }
 
 

@@ -57,6 +57,82 @@ class Accelerator:
     def memory_allocated(self) -> int:
         return torch.cuda.memory_allocated() if self.name == "cuda" else 0
 
+    # --- DeepSpeed's accelerator interface (deepspeed.accelerator.get_accelerator()) -----------------------
+    def max_memory_allocated(self) -> int:
+        return torch.cuda.max_memory_allocated() if self.name == "cuda" else 0
+
+    def reset_peak_memory_stats(self) -> None:
+        if self.name == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+
+    def empty_cache(self) -> None:
+        if self.name == "cuda":
+            torch.cuda.empty_cache()
+
+    def device_count(self) -> int:
+        """Devices on this node: the CUDA GPUs; on the CPU, as DeepSpeed's CPU accelerator, the node's rank
+        count ``LOCAL_SIZE`` when a launcher set it (every rank is a CPU "device"), else 1."""
+        if self.name == "cuda":
+            return torch.cuda.device_count()
+        return int(os.environ.get("LOCAL_SIZE", "0")) or 1
+
+    def current_device(self) -> int:
+        return torch.cuda.current_device() if self.name == "cuda" else 0
+
+    def current_device_name(self) -> str:
+        return self.device_name(self.current_device()) if self.name == "cuda" else "cpu"
+
+    def is_synchronized_device(self) -> bool:
+        """True when work runs in program order (the CPU), so no synchronize() is needed."""
+        return self.name == "cpu"
+
+    def is_bf16_supported(self) -> bool:
+        return self.name == "cpu" or torch.cuda.is_bf16_supported()
+
+    def is_fp16_supported(self) -> bool:
+        return True  # CPU kernels for half exist in torch; CUDA has had fp16 since compute capability 5.3
+
+    def supported_dtypes(self) -> list[torch.dtype]:
+        return [torch.float32] + [t for t, ok in ((torch.bfloat16, self.is_bf16_supported()),
+                                                  (torch.float16, self.is_fp16_supported())) if ok]
+
+    def manual_seed(self, seed: int) -> None:
+        if self.name == "cuda":
+            torch.cuda.manual_seed(seed)
+        else:
+            torch.manual_seed(seed)
+
+    def manual_seed_all(self, seed: int) -> None:
+        if self.name == "cuda":
+            torch.cuda.manual_seed_all(seed)
+        else:
+            torch.manual_seed(seed)
+
+    def initial_seed(self) -> int:
+        return torch.cuda.initial_seed() if self.name == "cuda" else torch.initial_seed()
+
+    def get_rng_state(self, device_index: int | None = None) -> torch.Tensor:
+        if self.name == "cuda":
+            return torch.cuda.get_rng_state(device_index if device_index is not None else "cuda")
+        return torch.get_rng_state()
+
+    def set_rng_state(self, new_state: torch.Tensor, device_index: int | None = None) -> None:
+        if self.name == "cuda":
+            torch.cuda.set_rng_state(new_state, device_index if device_index is not None else "cuda")
+        else:
+            torch.set_rng_state(new_state)
+
+    def on_accelerator(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type == self.name
+
+    def Stream(self, *args, **kwargs):  # noqa: N802 - DeepSpeed's name
+        """A CUDA stream; on the CPU None, since work is ordered (use ``is_synchronized_device()``)."""
+        return torch.cuda.Stream(*args, **kwargs) if self.name == "cuda" else None
+
+    def Event(self, **kwargs):  # noqa: N802 - DeepSpeed's name
+        """A CUDA event; on the CPU None (there is no asynchronous work to mark)."""
+        return torch.cuda.Event(**kwargs) if self.name == "cuda" else None
+
 
 _ACCELERATOR: Accelerator | None = None
 
@@ -74,6 +150,11 @@ def get_accelerator() -> Accelerator:
             wanted = "cuda" if torch.cuda.is_available() else "cpu"
         _ACCELERATOR = Accelerator(wanted)
     return _ACCELERATOR
+
+
+def is_current_accelerator_supported() -> bool:
+    """DeepSpeed's check that the detected accelerator is one it supports: dsrun supports cpu and cuda."""
+    return get_accelerator().name in ("cpu", "cuda")
 
 
 def set_accelerator(accelerator: Accelerator | str) -> None:

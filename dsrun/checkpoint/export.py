@@ -36,6 +36,19 @@ def save_16bit_model(engine: Any, save_dir: str, save_filename: str = "pytorch_m
     return True
 
 
+def consolidated_16bit_state_dict(engine: Any, exclude_frozen_parameters: bool = False) -> dict[str, Any] | None:
+    """DeepSpeed's ``engine._zero3_consolidated_16bit_state_dict()`` (what Hugging Face's accelerate saves under
+    ZeRO-3): the full weights as independent CPU tensors on global rank 0, an empty dict on the other ranks,
+    None unless ``stage3_gather_16bit_weights_on_model_save`` is on. Collective: every rank must call it."""
+    if engine.strategy is not None:
+        state_dict = engine.strategy.consolidated_16bit_state_dict(exclude_frozen_parameters)
+    else:
+        state_dict = state.module_state_cpu(engine.module, exclude_frozen_parameters)
+    if state_dict is None:
+        return None
+    return _independent_cpu_copy(engine, state_dict) if engine.global_rank == 0 else {}
+
+
 def _independent_cpu_copy(engine: Any, state_dict: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Each tensor cloned to CPU once (views of one flat buffer would drag the whole buffer into the file);
     tied aliases point at their source's copy."""

@@ -7,6 +7,7 @@ Examples:
   dsrun launch -H hostfile --dry-run train.py     (print the plan as JSON, start nothing)
   dsrun launch -H hostfile --launcher openmpi train.py   (mpirun starts every rank)
   dsrun launch -H hostfile --elastic_training --min_elastic_nodes 1 train.py   (nodes may leave and join)
+  dsrun launch --as-deepspeed --num_procs 2 train.py   (an unedited DeepSpeed script: import deepspeed -> dsrun)
 
 Launcher flags come before the script; everything after the script goes to it.
 """
@@ -53,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what = parser.add_argument_group("what each rank runs")
     what.add_argument("--module", action="store_true", help="run SCRIPT as a module: python -m SCRIPT")
     what.add_argument("--no_python", action="store_true", help="run SCRIPT directly, not through python")
+    what.add_argument("--as-deepspeed", "--as_deepspeed", dest="as_deepspeed", action="store_true",
+                      help="make 'import deepspeed' in the script load dsrun (refused if a real DeepSpeed is "
+                           "installed); see docs/deepspeed-alias.md")
     what.add_argument("--no_local_rank", action="store_true", help="do not pass --local_rank=N to the script")
     what.add_argument("--bind_cores_to_rank", action="store_true",
                       help="split the node's cores evenly among its ranks and pin each rank to its share")
@@ -108,6 +112,13 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(Problem("--autotuning", "dsrun's autotuner tunes recipes, not scripts",
                                 f"run 'dsrun tune +recipe=NAME{' --run' if args.autotuning == 'run' else ''}' "
                                 f"(docs/autotuning.md)"))
+    if args.as_deepspeed:
+        import os
+
+        from dsrun.alias import environment_with_alias
+
+        # every rank inherits (and every node is sent) PYTHONPATH, see dsrun.launcher.environment
+        os.environ.update(environment_with_alias(dict(os.environ)))
     plan = plan_launch(options_from_args(args))
     if args.dry_run:
         print(json.dumps(plan.to_json(), indent=2))

@@ -12,9 +12,11 @@ Defaults that follow DeepSpeed's behaviour rather than the documentation (config
 """
 from __future__ import annotations
 
-from typing import Any
+import math
+import sys
+from typing import Annotated, Any
 
-from pydantic import Field, PrivateAttr, model_validator
+from pydantic import BeforeValidator, Field, PrivateAttr, model_validator
 
 from .base import DTypeName, NonNegFloat, PosInt, Section
 from .misc import (
@@ -49,6 +51,10 @@ from .zero import AIOConfig, ZeroConfig
 
 def _section(model: type[Section]) -> Any:
     return Field(default_factory=model)
+
+
+def _never_as_max_steps(value: Any) -> Any:
+    return sys.maxsize if isinstance(value, float) and value == math.inf else value
 
 
 class DeepSpeedConfig(Section):
@@ -93,7 +99,8 @@ class DeepSpeedConfig(Section):
     aio: AIOConfig = _section(AIOConfig)
 
     # logging
-    steps_per_print: PosInt = 10
+    # Hugging Face's accelerate passes float("inf") (never print); it becomes the largest step count
+    steps_per_print: Annotated[PosInt, BeforeValidator(_never_as_max_steps)] = 10
     wall_clock_breakdown: bool = False
     dump_state: bool = False
     memory_breakdown: bool = False

@@ -11,3 +11,17 @@ Each compiled op is built on first use (see ``op_builder``). Without a working C
 pure-torch implementation and warn once (:class:`dsrun.ops.loader.OpFallbackWarning`); a build that fails for
 any other reason raises ``op_builder.OpBuildError`` with the compiler's output.
 """
+
+
+def compatible_ops() -> dict[str, bool]:
+    """Op name -> whether it can be built and run on this machine."""
+    from op_builder import ALL_OPS
+
+    return {name: builder().is_compatible()[0] for name, builder in ALL_OPS.items()}
+
+
+def __getattr__(name: str):
+    # DeepSpeed's ``deepspeed.ops.__compatible_ops__``
+    if name == "__compatible_ops__":
+        return compatible_ops()
+    raise AttributeError(f"module 'dsrun.ops' has no attribute '{name}'")

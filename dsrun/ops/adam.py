@@ -73,3 +73,23 @@ def _write_back(*pairs: tuple[torch.Tensor, torch.Tensor]) -> None:
     for storage, value in pairs:
         if storage.data_ptr() != value.data_ptr():
             storage.copy_(value)
+
+
+class FusedAdam(DeepSpeedCPUAdam):
+    """DeepSpeed's ``FusedAdam`` signature on dsrun's fused path, the ``cpu_adam`` kernel (CPU parameters).
+
+    DeepSpeed's ``FusedAdam`` is its multi-tensor CUDA Adam; here the SIMD + OpenMP kernel updates every
+    parameter of a group in one call. ``adam_w_mode`` is ``adamw_mode``; ``set_grad_none`` makes
+    ``zero_grad()`` set gradients to None (else zero them). For CUDA parameters use
+    ``torch.optim.AdamW(fused=True)``.
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, bias_correction: bool = True,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, adam_w_mode: bool = True,
+                 weight_decay: float = 0.0, amsgrad: bool = False, set_grad_none: bool = True):
+        super().__init__(params, lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
+                         weight_decay=weight_decay, amsgrad=amsgrad, adamw_mode=adam_w_mode)
+        self.set_grad_none = set_grad_none
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)

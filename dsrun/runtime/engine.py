@@ -370,6 +370,16 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
 
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        return bool(self._config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
+        """The gathered weights on rank 0 ({} elsewhere; None without the gather flag); see
+        :func:`dsrun.checkpoint.export.consolidated_16bit_state_dict`. Hugging Face's accelerate calls it."""
+        from dsrun.checkpoint.export import consolidated_16bit_state_dict
+
+        return consolidated_16bit_state_dict(self, exclude_frozen_parameters)
+
     def destroy(self) -> None:
         """Release what the engine holds beyond its Python objects: the ZeRO strategy's autograd and module
         hooks, buckets, swap files and worker threads, the monitors, and the process groups it created

@@ -1,13 +1,35 @@
-"""Small helpers shared by every layer: user-facing errors, suggestions, package paths, a free TCP port; and
-DeepSpeed's ``deepspeed.utils`` names: ``RepeatingLoader`` and the helpers for partitioned state
-(``safe_get_full_fp32_param`` & co.)."""
-from .repeating_loader import RepeatingLoader
-from .tensor_fragment import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
-                              safe_get_local_fp32_param, safe_get_local_grad, safe_get_local_optimizer_state,
-                              safe_set_full_fp32_param, safe_set_full_optimizer_state, safe_set_local_fp32_param,
-                              safe_set_local_optimizer_state)
+"""Small helpers shared by every layer: user-facing errors, suggestions, package paths, a free TCP port.
 
-__all__ = ["RepeatingLoader", "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
-           "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
-           "safe_set_full_fp32_param", "safe_set_full_optimizer_state", "safe_set_local_fp32_param",
-           "safe_set_local_optimizer_state"]
+Also DeepSpeed's ``deepspeed.utils`` names: ``logger``, ``log_dist`` (:mod:`.logging`), ``RepeatingLoader``
+(:mod:`.repeating_loader`) and the helpers for partitioned state, ``safe_get_full_fp32_param`` & co.
+(:mod:`.tensor_fragment`), loaded on first use so ``dsrun.utils.errors`` stays free of torch.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "logger": "dsrun.utils.logging",
+    "log_dist": "dsrun.utils.logging",
+    "RepeatingLoader": "dsrun.utils.repeating_loader",
+    "OnDevice": "dsrun.utils.init_on_device",
+    "safe_get_full_fp32_param": "dsrun.utils.tensor_fragment",
+    "safe_get_full_grad": "dsrun.utils.tensor_fragment",
+    "safe_get_full_optimizer_state": "dsrun.utils.tensor_fragment",
+    "safe_get_local_fp32_param": "dsrun.utils.tensor_fragment",
+    "safe_get_local_grad": "dsrun.utils.tensor_fragment",
+    "safe_get_local_optimizer_state": "dsrun.utils.tensor_fragment",
+    "safe_set_full_fp32_param": "dsrun.utils.tensor_fragment",
+    "safe_set_full_optimizer_state": "dsrun.utils.tensor_fragment",
+    "safe_set_local_fp32_param": "dsrun.utils.tensor_fragment",
+    "safe_set_local_optimizer_state": "dsrun.utils.tensor_fragment",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'dsrun.utils' has no attribute '{name}'")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,92 @@
+"""Serve ``deepspeed.X.Y`` imports with dsrun's modules.
+
+A module path of DeepSpeed maps to the dsrun module of the same dotted path (``deepspeed.runtime.lr_schedules``
+is ``dsrun.runtime.lr_schedules``), except for the few paths in :data:`RENAMED`, where dsrun keeps the object
+under another name. The module object is dsrun's own, not a copy: ``deepspeed.comm is dsrun.comm``, so state
+set through one name is seen through the other.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+from types import ModuleType
+
+ALIAS = "deepspeed"
+TARGET = "dsrun"
+
+# DeepSpeed module path -> dsrun module path, where the two differ (longest prefix wins).
+RENAMED: dict[str, str] = {
+    "deepspeed.ops.op_builder": "op_builder",
+    "deepspeed.launcher.runner": "dsrun.cli.deepspeed_runner",
+    "deepspeed.monitor.wandb": "dsrun.monitor.wandb_monitor",
+    "deepspeed.monitor.comet": "dsrun.monitor.comet_monitor",
+}
+
+
+# Submodules DeepSpeed's own ``__init__`` imports, so ``import deepspeed; deepspeed.runtime.engine.X`` works.
+EAGER: tuple[str, ...] = (
+    "runtime.engine", "runtime.lr_schedules", "runtime.zero", "runtime.activation_checkpointing.checkpoint",
+    "comm", "zero", "checkpointing", "accelerator", "ops.adam", "utils", "monitor",
+)
+
+
+def target_of(fullname: str) -> str | None:
+    """The dsrun module that serves ``fullname`` (a ``deepspeed.*`` path), or None if it is not an alias path."""
+    if fullname != ALIAS and not fullname.startswith(ALIAS + "."):
+        return None
+    for source in sorted(RENAMED, key=len, reverse=True):
+        if fullname == source or fullname.startswith(source + "."):
+            return RENAMED[source] + fullname[len(source):]
+    return TARGET + fullname[len(ALIAS):]
+
+
+class _AliasLoader(importlib.abc.Loader):
+    def __init__(self, target: str):
+        self.target = target
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return None  # a placeholder; exec_module swaps in the dsrun module
+
+    def exec_module(self, module: ModuleType) -> None:
+        # The import system returns whatever sits in sys.modules under the name once exec_module is done.
+        target = importlib.import_module(self.target)
+        sys.modules[module.__name__] = target
+        # `from deepspeed.launcher import runner` looks the child up on dsrun.launcher (by the module's own
+        # name), so a renamed child is imported and set there as the parent is loaded
+        for source in RENAMED:
+            parent, _, child = source.rpartition(".")
+            if parent == module.__name__:
+                setattr(target, child, importlib.import_module(source))
+
+
+class AliasFinder(importlib.abc.MetaPathFinder):
+    """Meta-path finder for the submodules of ``deepspeed``; the package itself is the shim on the alias path."""
+
+    def find_spec(self, fullname, path=None, target=None):  # noqa: D401 - importlib's signature
+        if fullname == ALIAS:
+            return None  # the shim package (site/deepspeed) is found on sys.path like any package
+        dsrun_name = target_of(fullname)
+        if dsrun_name is None:
+            return None
+        try:
+            dsrun_spec = importlib.util.find_spec(dsrun_name)
+        except ModuleNotFoundError:
+            dsrun_spec = None
+        if dsrun_spec is None:
+            return None  # the import fails with DeepSpeed's own name in the message
+        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(dsrun_name),
+                                              is_package=dsrun_spec.submodule_search_locations is not None)
+
+
+def activate() -> None:
+    """Put the finder first on ``sys.meta_path`` (once)."""
+    if not any(isinstance(finder, AliasFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, AliasFinder())
+
+
+def import_eager() -> None:
+    """Import :data:`EAGER` under their ``deepspeed.`` names (after the shim package is in sys.modules)."""
+    for name in EAGER:
+        importlib.import_module(f"{ALIAS}.{name}")

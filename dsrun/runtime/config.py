@@ -1,0 +1,94 @@
+"""``deepspeed.runtime.config``: DeepSpeed's config object, with its flat attribute names, over dsrun's schema.
+
+``DeepSpeedConfig(config, mpu=None)`` reads a dict, a JSON/hjson/YAML path, JSON text or base64 JSON through
+:func:`dsrun.config.load_ds_config` (validation, legacy-key migration, batch arithmetic), with the data-parallel
+size taken from torch.distributed when it is initialized (divided by the ``mpu``'s model-parallel size), and
+exposes the attributes DeepSpeed's engine and client code read (``train_batch_size``, ``zero_optimization_stage``,
+``fp16_enabled``, ``bfloat16_enabled``, ``optimizer_name`` ...). ``config`` holds the typed
+:class:`dsrun.config.DeepSpeedConfig`; ``_param_dict`` the dict as given.
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+from dsrun.config import DeepSpeedConfig as TypedConfig
+from dsrun.config import load_ds_config
+from dsrun.config.sources import read_config_source
+from dsrun.utils.errors import ConfigError
+
+# DeepSpeed's optimizer names (the lower-cased "optimizer.type" values)
+ADAGRAD_OPTIMIZER = "adagrad"
+ADAM_OPTIMIZER = "adam"
+ADAMW_OPTIMIZER = "adamw"
+LAMB_OPTIMIZER = "lamb"
+ONEBIT_ADAM_OPTIMIZER = "onebitadam"
+ZERO_ONE_ADAM_OPTIMIZER = "zerooneadam"
+ONEBIT_LAMB_OPTIMIZER = "onebitlamb"
+LION_OPTIMIZER = "lion"
+DEEPSPEED_OPTIMIZERS = [ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAMW_OPTIMIZER, LAMB_OPTIMIZER, ONEBIT_ADAM_OPTIMIZER,
+                        ONEBIT_LAMB_OPTIMIZER, ZERO_ONE_ADAM_OPTIMIZER, LION_OPTIMIZER]
+
+#: DeepSpeed raises this for a config it cannot use; dsrun's ConfigError (also a ValueError) lists every problem.
+DeepSpeedConfigError = ConfigError
+
+
+def _world_size(mpu: Any) -> int:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    world = dist.get_world_size()
+    if mpu is not None and hasattr(mpu, "get_model_parallel_world_size"):
+        world //= mpu.get_model_parallel_world_size()
+    return world
+
+
+class DeepSpeedConfig:
+    """DeepSpeed's ``DeepSpeedConfig(config, mpu=None, mesh_device=None)``; see the module docstring."""
+
+    def __init__(self, config: str | dict | Path, mpu: Any = None, mesh_device: Any = None):
+        self._param_dict = copy.deepcopy(read_config_source(config))
+        self.world_size = _world_size(mpu)
+        self.config: TypedConfig = load_ds_config(self._param_dict, self.world_size,
+                                                  world_size_source="torch.distributed")
+        c = self.config
+        self.train_batch_size = c.train_batch_size
+        self.train_micro_batch_size_per_gpu = c.train_micro_batch_size_per_gpu
+        self.gradient_accumulation_steps = c.gradient_accumulation_steps
+        self.steps_per_print = c.steps_per_print
+        self.dump_state = c.dump_state
+        self.gradient_clipping = c.gradient_clipping
+        self.prescale_gradients = c.prescale_gradients
+        self.gradient_predivide_factor = c.gradient_predivide_factor
+        self.sparse_gradients_enabled = c.sparse_gradients
+        self.communication_data_type = c.communication_data_type
+        self.zero_config = c.zero_optimization
+        self.zero_optimization_stage = c.zero_optimization.stage
+        self.zero_enabled = c.zero_optimization.stage > 0
+        self.zero_allow_untested_optimizer = c.zero_allow_untested_optimizer
+        self.fp16_enabled = c.fp16.enabled
+        self.bfloat16_enabled = c.bf16.enabled
+        self.amp_enabled = c.amp.enabled
+        self.loss_scale = c.fp16.loss_scale
+        self.initial_dynamic_scale = 2 ** c.fp16.initial_scale_power
+        self.optimizer_name = c.optimizer.type.lower() if c.optimizer.type else None
+        self.optimizer_params = c.optimizer.params if c.optimizer.type else None
+        self.scheduler_name = c.scheduler.type if c.scheduler.type else None
+        self.scheduler_params = c.scheduler.params if c.scheduler.type else None
+        self.wall_clock_breakdown = c.wall_clock_breakdown
+        self.memory_breakdown = c.memory_breakdown
+        self.elasticity_enabled = c.elasticity.enabled
+        self.dataloader_drop_last = c.dataloader_drop_last
+        self.activation_checkpointing_config = c.activation_checkpointing
+        self.flops_profiler_config = c.flops_profiler
+        self.monitor_config = c.tensorboard, c.wandb, c.csv_monitor
+
+    def print(self, name: str) -> None:
+        """Log every setting, as DeepSpeed's ``DeepSpeedConfig.print`` does."""
+        from dsrun.utils.logging import logger
+
+        logger.info("%s:", name)
+        for key, value in sorted(self.config.to_ds_dict().items()):
+            logger.info("  %s %s", key.ljust(29, "."), value)

@@ -1,0 +1,54 @@
+"""``deepspeed.utils.logging``: the ``logger`` DeepSpeed's client code writes to, and ``log_dist``.
+
+The logger is named ``"DeepSpeed"`` (as in DeepSpeed, so a script's ``logging.getLogger("DeepSpeed")`` settings
+apply) and prints ``[YYYY-MM-DD HH:MM:SS,ms] [LEVEL] [file:line:func] message`` to stdout at INFO.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Iterable
+
+LOGGER_NAME = "DeepSpeed"
+
+
+def _make_logger() -> logging.Logger:
+    log = logging.getLogger(LOGGER_NAME)
+    if not log.handlers:
+        handler = logging.StreamHandler(stream=sys.stdout)
+        handler.setFormatter(logging.Formatter(
+            "[%(asctime)s] [%(levelname)s] [%(filename)s:%(lineno)d:%(funcName)s] %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+    return log
+
+
+logger = _make_logger()
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else -1
+
+
+def log_dist(message: str, ranks: Iterable[int] | None = None, level: int = logging.INFO) -> None:
+    """Log ``message`` on the listed ranks only (``[-1]``: every rank; ``None``: none), prefixed ``[Rank N]``.
+
+    Before torch.distributed is initialized the process counts as rank -1 and logs whenever ``ranks`` is given.
+    """
+    if ranks is None:
+        return
+    ranks = list(ranks)
+    rank = _rank()
+    if -1 in ranks or rank in ranks or rank == -1:
+        logger.log(level, f"[Rank {rank}] {message}")
+
+
+def should_log_le(max_log_level_str: str) -> bool:
+    """Whether the logger would print a record of level ``max_log_level_str`` ("info", "warning", ...)."""
+    level = logging.getLevelName(max_log_level_str.upper())
+    if not isinstance(level, int):
+        raise ValueError(f"{max_log_level_str} is not one of the logging levels")
+    return logger.getEffectiveLevel() <= level
