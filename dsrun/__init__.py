@@ -26,6 +26,7 @@ _LAZY: dict[str, str] = {
     "init_inference": "dsrun.inference:init_inference",
     "InferenceEngine": "dsrun.inference:InferenceEngine",
     "inference": "dsrun.inference:",
+    "elasticity": "dsrun.elasticity:",
     "moe": "dsrun.moe:",
     # DeepSpeed's other top-level names (deepspeed/__init__.py)
     "DeepSpeedConfig": "dsrun.runtime.config:DeepSpeedConfig",

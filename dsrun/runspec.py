@@ -114,6 +114,8 @@ def resolve_run(cfg: DictConfig) -> ResolvedRun:
                             auto_values=_auto_values(cfg), path_prefix="ds")
     except ConfigError as err:
         problems += err.problems
+    if plan is not None and plan.options.elastic_training:
+        problems += _elastic_problems(train, ds)
     if ds is not None and ds.pipeline.stages != "auto" and ds.pipeline.stages != stages:
         problems.append(Problem("ds.pipeline.stages", f"got {ds.pipeline.stages}; model.pipeline_stages is {stages}",
                                 "set model.pipeline_stages (dsrun's GPT is cut into that many stages)"))
@@ -127,6 +129,23 @@ def resolve_run(cfg: DictConfig) -> ResolvedRun:
     if problems:
         raise ConfigError(problems)
     return ResolvedRun(cfg, train, plan, ds)
+
+
+def _elastic_problems(train: TrainSpec | None, ds: Any) -> list[Problem]:
+    """An elastic job's ranks restart at each membership change, at another world size: they must resume
+    from the run's checkpoints, and the batch sizes must come from ``ds.elasticity`` (numbers resolved for
+    one world size do not fit another)."""
+    found = []
+    if ds is not None and not ds.elasticity.enabled:
+        found.append(Problem("ds.elasticity.enabled", "launcher.elastic_training restarts the ranks at other world "
+                             "sizes, and batch sizes resolved for this one do not fit those",
+                             "enable ds.elasticity (max_train_batch_size, micro_batch_sizes; the gpt_elastic "
+                             "recipe does)"))
+    if train is not None and (str(train.resume).lower() != "auto" or not train.save_interval):
+        found.append(Problem("train.resume", f"is {train.resume or 'null'} with save_interval {train.save_interval}, but "
+                             "a restarted rank of an elastic job resumes from the run's newest checkpoint",
+                             "set train.resume=auto and train.save_interval=N (the gpt_elastic recipe does)"))
+    return found
 
 
 def _unread_sparse_attention(cfg: DictConfig) -> list[Problem]:

@@ -28,7 +28,7 @@ from dsrun import comm
 from dsrun.utils import zero_to_fp32 as z2f
 from dsrun.utils.errors import Problem, UserError
 
-from . import atomic, experts, layout, reshard, state
+from . import atomic, experts, layout, reshard, state, universal_checkpoint
 from .safe_load import load_file
 
 log = logging.getLogger("dsrun.checkpoint")
@@ -265,11 +265,11 @@ def _checkpoint_dir(path: Any, argument: str) -> Path:
 
 
 # --- load -----------------------------------------------------------------------------------------------
-def _saved_world(model_states: dict[str, Any]) -> int:
+def saved_world(model_states: dict[str, Any]) -> int:
     return int(model_states.get("dp_world_size", 1))
 
 
-def _saved_stage(model_states: dict[str, Any], tag_dir: Path) -> int:
+def saved_stage(model_states: dict[str, Any], tag_dir: Path) -> int:
     extras = model_states.get("dsrun") or {}
     if "zero_stage" in extras:
         return int(extras["zero_stage"])
@@ -279,7 +279,7 @@ def _saved_stage(model_states: dict[str, Any], tag_dir: Path) -> int:
     return int(load_file(optim[0])["optimizer_state_dict"]["zero_stage"]) if optim else 0
 
 
-def _optim_files(tag_dir: Path, world: int, bf16: bool) -> list[Path]:
+def optim_files(tag_dir: Path, world: int, bf16: bool) -> list[Path]:
     """The saved ranks' optimizer files, preferring this run's precision prefix (as DeepSpeed does)."""
     for prefer in (bf16, not bf16):
         files = [tag_dir / layout.optim_states_name(r, prefer) for r in range(world)]
@@ -288,14 +288,24 @@ def _optim_files(tag_dir: Path, world: int, bf16: bool) -> list[Path]:
     raise FileNotFoundError(f"{tag_dir}: expected {world} '*_optim_states.pt' files (one per saved rank)")
 
 
-def _rank_optimizer_states(tag_dir: Path, model_states: dict[str, Any], stage: int, world: int,
+def rank_optimizer_states(tag_dir: Path, model_states: dict[str, Any], stage: int, world: int,
                            bf16: bool) -> list[dict[str, Any]]:
     if stage == 0:
         return [model_states["optimizer"]]
-    return [load_file(path)["optimizer_state_dict"] for path in _optim_files(tag_dir, world, bf16)]
+    return [load_file(path)["optimizer_state_dict"] for path in optim_files(tag_dir, world, bf16)]
 
 
-def _load_module(engine: Any, module_sd: dict[str, Any], strict: bool, tag_dir: Path) -> None:
+def _load_module(engine: Any, module_sd: dict[str, Any], strict: bool, tag_dir: Path,
+                 custom_load_fn: Any = None) -> None:
+    if custom_load_fn is not None:
+        # the client's loader gets full values: a stage-3 checkpoint's placeholders are its fp32 masters
+        empty = [n for n, v in module_sd.items() if torch.is_tensor(v) and v.numel() == 0]
+        if empty:
+            full = z2f.get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag_dir.name)
+            module_sd = {**module_sd, **{k: full[k] for k in empty if k in full}}
+        engine.load_module_state_dict({"module": module_sd}, strict=strict, custom_load_fn=custom_load_fn,
+                                      fetch_z3_params=_layout(engine).module_holds_placeholders)
+        return
     if _layout(engine).module_holds_placeholders:
         # partitioned parameters are restored through the strategy's master weights; only buffers load here
         with torch.no_grad():
@@ -315,38 +325,53 @@ def _load_module(engine: Any, module_sd: dict[str, Any], strict: bool, tag_dir: 
 
 
 def _restore_strategy(engine: Any, tag_dir: Path, model_states: dict[str, Any], load_optimizer_states: bool,
-                      load_universal: bool) -> None:
+                      load_universal: bool, masters_from_module: bool = False) -> None:
+    """Load the ZeRO strategy's masters and optimizer state: the rank's own file when the layout matches,
+    else resharded (from every saved rank's file, or from a universal folder's per-parameter files).
+    ``masters_from_module``: a weights-only load whose module was filled by the client's ``custom_load_fn``
+    keeps the masters that followed it."""
     strategy = engine.strategy
     live_stage, live_world = strategy.stage, engine.dp_world_size
-    saved_stage, saved_world = _saved_stage(model_states, tag_dir), _saved_world(model_states)
+    stage_saved, world_saved = saved_stage(model_states, tag_dir), saved_world(model_states)
     live_shapes = strategy.checkpoint_param_shapes()
     dp_rank = comm.get_rank(engine.dp_group)
+    if universal_checkpoint.is_universal(tag_dir):
+        if not load_optimizer_states and masters_from_module:
+            return
+        _say(engine, f"loading universal checkpoint {tag_dir.name} (saved by {world_saved} rank(s) at ZeRO stage "
+                     f"{stage_saved}) into {live_world} rank(s) at stage {live_stage}")
+        full = universal_checkpoint.load_universal_state(tag_dir)
+        strategy.load_state_dict(reshard.state_for_rank(strategy.state_dict(), full, live_stage, live_world, dp_rank,
+                                                        live_shapes, load_optimizer_states=load_optimizer_states))
+        return
     saved_shapes = model_states.get("param_shapes")
     # the same masters, cut the same way (stage 3's sub_group_size may differ between the runs)
     same_grouping = saved_shapes is None or [list(s) for s in saved_shapes] == [list(s) for s in live_shapes]
-    same_layout = saved_stage == live_stage and saved_world == live_world and same_grouping and not load_universal
+    same_layout = stage_saved == live_stage and world_saved == live_world and same_grouping and not load_universal
     if experts.applies(engine) and not (same_layout and live_stage > 0 and load_optimizer_states):
         # experts by global id from their own files (stage 0 keeps only rank 0's state in its one file); weights
         # only (load_optimizer_states=False, load_module_only): their fp32 masters, the live optimizer state kept
-        if saved_stage == 3 or saved_shapes is None:
+        if stage_saved == 3 or saved_shapes is None:
             raise RuntimeError(f"{tag_dir}: an MoE checkpoint saved at ZeRO stage 3 loads only with the saved "
-                               f"topology ({saved_world} ranks, stage 3); this run: stage {live_stage} on {live_world}")
-        rank_states = _rank_optimizer_states(tag_dir, model_states, saved_stage, saved_world, engine.bfloat16_enabled())
-        strategy.load_state_dict(experts.optimizer_state(engine, tag_dir, saved_shapes, rank_states, saved_stage,
+                               f"topology ({world_saved} ranks, stage 3); this run: stage {live_stage} on {live_world}")
+        rank_states = rank_optimizer_states(tag_dir, model_states, stage_saved, world_saved, engine.bfloat16_enabled())
+        strategy.load_state_dict(experts.optimizer_state(engine, tag_dir, saved_shapes, rank_states, stage_saved,
                                                          load_optimizer_states))
         return
     if load_optimizer_states and same_layout:
-        own = (model_states["optimizer"] if saved_stage == 0 else
-               load_file(_optim_files(tag_dir, saved_world, engine.bfloat16_enabled())[dp_rank])["optimizer_state_dict"])
+        own = (model_states["optimizer"] if stage_saved == 0 else
+               load_file(optim_files(tag_dir, world_saved, engine.bfloat16_enabled())[dp_rank])["optimizer_state_dict"])
         strategy.load_state_dict(own)
-        _restore_rank_states(strategy, tag_dir, saved_world, dp_rank, same_layout=True)
+        _restore_rank_states(strategy, tag_dir, world_saved, dp_rank, same_layout=True)
         return
     if load_optimizer_states and model_states.get("param_shapes") is not None:
-        _say(engine, f"resharding checkpoint {tag_dir.name}: saved by {saved_world} rank(s) at ZeRO stage "
-                     f"{saved_stage}, loading into {live_world} rank(s) at stage {live_stage}")
+        _say(engine, f"resharding checkpoint {tag_dir.name}: saved by {world_saved} rank(s) at ZeRO stage "
+                     f"{stage_saved}, loading into {live_world} rank(s) at stage {live_stage}")
         full = reshard.merge_rank_states(
-            _rank_optimizer_states(tag_dir, model_states, saved_stage, saved_world, engine.bfloat16_enabled()),
-            saved_stage, model_states["param_shapes"])
+            rank_optimizer_states(tag_dir, model_states, stage_saved, world_saved, engine.bfloat16_enabled()),
+            stage_saved, model_states["param_shapes"])
+    elif masters_from_module:
+        return
     else:
         # weights only (load_module_only / load_optimizer_states=False): the fp32 master values, optimizer kept
         full = reshard.fp32_as_full_state(z2f.get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag_dir.name))
@@ -355,7 +380,7 @@ def _restore_strategy(engine: Any, tag_dir: Path, model_states: dict[str, Any], 
                                     load_optimizer_states=load_optimizer_states)
     strategy.load_state_dict(target)
     if load_optimizer_states:
-        _restore_rank_states(strategy, tag_dir, saved_world, dp_rank, same_layout=False)
+        _restore_rank_states(strategy, tag_dir, world_saved, dp_rank, same_layout=False)
 
 
 def _restore_rank_states(strategy: Any, tag_dir: Path, saved_world: int, dp_rank: int, same_layout: bool) -> None:
@@ -369,9 +394,11 @@ def _restore_rank_states(strategy: Any, tag_dir: Path, saved_world: int, dp_rank
 
 
 def find_tag_dir(engine: Any, load_dir: str, tag: Any) -> Path | None:
-    """The folder of ``tag`` (None: the one ``latest`` names) under ``load_dir``; None, with DeepSpeed's
-    warning, when there is no ``latest``."""
+    """The folder of ``tag`` (None: the one ``latest`` names, or ``latest_universal`` first with
+    ``checkpoint.load_universal``) under ``load_dir``; None, with DeepSpeed's warning, when there is no ``latest``."""
     root = _checkpoint_dir(load_dir, "load_checkpoint(load_dir=...)")
+    if tag is None and bool(getattr(getattr(engine._config, "checkpoint", None), "load_universal", False)):
+        tag = universal_checkpoint.read_latest_universal(root)
     if tag is None:
         tag = layout.read_latest(root)
         if tag is None:
@@ -388,10 +415,13 @@ def find_tag_dir(engine: Any, load_dir: str, tag: Any) -> Path | None:
 
 def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_strict: bool = True,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                    load_module_only: bool = False) -> tuple[str | None, dict[str, Any] | None]:
-    """Restore a checkpoint saved by :func:`save_checkpoint`; returns ``(load_path, client_state)`` (the model
-    states file read, and the saved keys that are not DeepSpeed's), or
-    ``(None, None)`` (with a warning) when ``tag`` is None and ``load_dir`` has no ``latest``."""
+                    load_module_only: bool = False, custom_load_fn: Any = None
+                    ) -> tuple[str | None, dict[str, Any] | None]:
+    """Restore a checkpoint saved by :func:`save_checkpoint` (or converted by ``ds_to_universal``); returns
+    ``(load_path, client_state)`` (the model states file read, and the saved keys that are not DeepSpeed's),
+    or ``(None, None)`` (with a warning) when ``tag`` is None and ``load_dir`` has no ``latest``. With
+    ``checkpoint.load_universal`` a tag-less load reads ``latest_universal`` when there is one.
+    ``custom_load_fn(src=state_dict, dst=module)`` loads the module weights instead of ``load_state_dict``."""
     tag_dir = find_tag_dir(engine, load_dir, tag)
     if tag_dir is None:
         return None, None
@@ -406,14 +436,16 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
     module_sd = model_states["module"]
     if experts.applies(engine):  # this rank's experts, by global id, from their own files
         module_sd = experts.module_state(engine, tag_dir, module_sd)
-    _load_module(engine, module_sd, load_module_strict, tag_dir)
+    _load_module(engine, module_sd, load_module_strict, tag_dir, custom_load_fn)
     if engine.strategy is not None:
         load_universal = bool(getattr(getattr(engine._config, "checkpoint", None), "load_universal", False))
         _restore_strategy(engine, tag_dir, model_states, load_optimizer_states and not load_module_only,
-                          load_universal)
+                          load_universal, masters_from_module=custom_load_fn is not None)
+    engine.loaded_checkpoint_dp_world_size = saved_world(model_states)
+    engine.loaded_checkpoint_mp_world_size = int(model_states.get("mp_world_size", 1))
     if not load_module_only:
         restore_training_state(engine, model_states, tag_dir, load_lr_scheduler_states,
-                               same_world=_saved_world(model_states) == engine.dp_world_size)
+                               same_world=saved_world(model_states) == engine.dp_world_size)
     client_state = {k: v for k, v in model_states.items() if k not in DS_KEYS}
     return str(model_path), client_state
 
@@ -431,6 +463,8 @@ def restore_training_state(engine: Any, model_states: dict[str, Any], tag_dir: P
         engine.compression.load_state_dict(model_states["compression"])  # [feature seam: compression]
     extras = model_states.get("dsrun") or {}
     engine.micro_steps = int(extras.get("micro_steps", engine.global_steps * engine.gradient_accumulation_steps()))
+    if not same_world:  # the accumulation steps may differ: restart at a boundary
+        engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
     loader = getattr(engine, "training_dataloader", None)
     if loader is not None and isinstance(model_states.get("data_sampler"), dict) and hasattr(loader, "epoch"):
         loader.epoch = int(model_states["data_sampler"].get("epoch", loader.epoch))
@@ -441,4 +475,5 @@ def restore_training_state(engine: Any, model_states: dict[str, Any], tag_dir: P
     if same_world and rng_file.is_file():
         state.restore_rng_state(load_file(rng_file))
     elif engine.global_rank == 0:
-        _say(engine, "note: random number generator states not restored (the world size changed)")
+        _say(engine, "note: random number generator states not restored (the world size changed, or the "
+                     "checkpoint has none for this rank)")

@@ -31,6 +31,7 @@ class FullOptimizerState:
     group_scalars: dict[int, dict[str, Any]] = field(default_factory=dict)  # param group -> {"step": ...}
     param_groups: list[dict[str, Any]] = field(default_factory=list)  # hyper-parameters, without "params"
     precision: dict[str, Any] = field(default_factory=dict)
+    param_group_of: dict[str, int] = field(default_factory=dict)  # name -> the param group it trains in
 
 
 def _base_state(osd: dict[str, Any]) -> dict[str, Any]:
@@ -69,6 +70,7 @@ def merge_rank_states(rank_states: list[dict[str, Any]], stage: int,
                 full.group_scalars[owner.get(mi, 0)] = {k: v for k, v in state.items() if k not in per_element}
             flat = master.reshape(-1).float()
             for slot in master_slots_:
+                full.param_group_of[slot.name] = owner.get(mi, 0)
                 target = full.fp32.setdefault(slot.name, torch.zeros(numels[slot.name]))
                 target[slot.full_offset:slot.full_offset + slot.length] = flat[slot.master_offset:slot.master_offset + slot.length]
                 for key, value in per_element.items():

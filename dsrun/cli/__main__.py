@@ -26,7 +26,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "tune": ("dsrun.cli.tune", "tune a recipe's ZeRO stage, micro batch and other knobs with Optuna (real short runs)"),
     "estimate-memory": ("dsrun.cli.estimate_memory", "estimate memory per rank and per host for a recipe or a parameter count"),
     "generate": ("dsrun.cli.generate", "generate text with a trained model (a run directory or checkpoint; TP over the ranks)"),
-    "convert": ("dsrun.cli.convert", "convert checkpoints: zero-to-fp32 consolidates a ZeRO checkpoint"),
+    "convert": ("dsrun.cli.convert", "convert checkpoints: zero-to-fp32 consolidates a ZeRO checkpoint; ds-to-universal makes it universal"),
     "export": ("dsrun.cli.export", "export a trained run compressed for real: packed int weights, pruned tensors gone"),
     "report": ("dsrun.cli.report", "show the compiled ops (built, compatible, SIMD level) and the environment"),
     "ops": ("dsrun.cli.ops", "build the compiled ops ahead of time: dsrun ops build [NAME...|--all]"),

@@ -3,11 +3,16 @@
 Examples:
   dsrun convert zero-to-fp32 runs/exp/checkpoints pytorch_model.bin
   dsrun convert zero-to-fp32 runs/exp/checkpoints model.safetensors --tag global_step100 --safe-serialization
+  dsrun convert ds-to-universal runs/exp/checkpoints/global_step100 runs/exp/checkpoints/global_step100_universal
 
 zero-to-fp32 consolidates a ZeRO checkpoint (stages 0-3, any number of ranks) into one fp32 state dict:
 CHECKPOINT_DIR is the folder holding 'latest' and the global_step* folders. With --safe-serialization the
 output is safetensors; a tied weight is stored once and its alias is listed in the file's metadata
 (dsrun_shared_params).
+
+ds-to-universal writes a universal checkpoint (one folder per parameter with its fp32 master and optimizer
+states) from one tag's folder of a ZeRO checkpoint, and points 'latest_universal' at it: an engine with
+"checkpoint": {"load_universal": true} then loads it at any world size and ZeRO stage.
 """
 from __future__ import annotations
 
@@ -26,9 +31,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     z2f.add_argument("--tag", default=None, help="checkpoint tag (default: the one 'latest' names)")
     z2f.add_argument("--safe-serialization", action="store_true", help="write safetensors instead of torch.save")
     z2f.add_argument("--exclude-frozen-parameters", action="store_true", help="leave frozen parameters out")
+    uni = kinds.add_parser("ds-to-universal", help="convert a ZeRO checkpoint tag folder to a universal checkpoint")
+    uni.add_argument("input_folder", type=Path, help="one tag's folder, e.g. checkpoints/global_step100")
+    uni.add_argument("output_folder", type=Path, help="the universal folder to write, e.g. "
+                     "checkpoints/global_step100_universal ('latest_universal' beside it names it)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.kind == "ds-to-universal":
+        return _to_universal(args)
     from dsrun.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
 
     if not args.checkpoint_dir.is_dir():
@@ -40,4 +51,17 @@ def run(args: argparse.Namespace) -> int:
                                                    safe_serialization=args.safe_serialization, verbose=True)
     except (ValueError, FileNotFoundError) as exc:
         raise UserError(Problem(str(args.checkpoint_dir), str(exc), "check the folder and --tag")) from None
+    return 0
+
+
+def _to_universal(args: argparse.Namespace) -> int:
+    from dsrun.checkpoint.ds_to_universal import ds_to_universal
+
+    if not args.input_folder.is_dir():
+        raise UserError(Problem("INPUT_FOLDER", f"{args.input_folder} is not a folder",
+                                "pass one checkpoint tag's folder, e.g. checkpoints/global_step100"))
+    try:
+        ds_to_universal(str(args.input_folder), str(args.output_folder))
+    except (ValueError, FileNotFoundError) as exc:
+        raise UserError(Problem(str(args.input_folder), str(exc), "pass one checkpoint tag's folder")) from None
     return 0

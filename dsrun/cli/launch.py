@@ -5,6 +5,8 @@ Examples:
   dsrun launch -H hostfile --include "worker-1:0,1@worker-2" train.py
   dsrun launch -H hostfile --no_ssh --node_rank 1 --master_addr 10.0.0.1 train.py   (on each node)
   dsrun launch -H hostfile --dry-run train.py     (print the plan as JSON, start nothing)
+  dsrun launch -H hostfile --launcher openmpi train.py   (mpirun starts every rank)
+  dsrun launch -H hostfile --elastic_training --min_elastic_nodes 1 train.py   (nodes may leave and join)
   dsrun launch --as-deepspeed --num_procs 2 train.py   (an unedited DeepSpeed script: import deepspeed -> dsrun)
 
 Launcher flags come before the script; everything after the script goes to it. When the script's arguments
@@ -16,7 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from dsrun.launcher.options import DEFAULT_MASTER_PORT, LaunchOptions
+from dsrun.launcher.options import DEFAULT_LAST_CALL_TIMEOUT, DEFAULT_MASTER_PORT, RUNNERS, LaunchOptions
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,14 +34,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--num_procs", "--num_gpus", "--num_accelerators", dest="num_procs", type=int, default=None,
                        help="ranks per node (default: the visible GPUs, or 1 process on CPU)")
     how = parser.add_argument_group("how to start the nodes")
-    how.add_argument("--launcher", dest="runner", default=None,
-                     choices=["ssh", "pdsh", "openmpi", "mpich", "slurm", "local"],
-                     help="multi-node runner (default: local for one host, ssh for several)")
+    how.add_argument("--launcher", dest="runner", default=None, type=str.lower,
+                     choices=[r for r in RUNNERS if r != "no_ssh"],
+                     help="multi-node runner (default: local for one host, ssh for several); openmpi, mpich, "
+                          "impi, mvapich and jsrun have mpirun/jsrun start every rank")
     how.add_argument("--launcher_args", default="", help="extra options for ssh / pdsh / srun / mpirun (one string)")
     how.add_argument("--no_ssh", action="store_true",
                      help="start only this node's ranks; run one launcher per node with --node_rank")
     how.add_argument("--node_rank", type=int, default=None, help="this node's index in the hostfile (--no_ssh)")
     how.add_argument("--no_ssh_check", action="store_true", help="skip the passwordless-ssh check before launching")
+    how.add_argument("--force_multi", action="store_true",
+                     help="use the multi-node runner (ssh by default) even when the job has one host")
+    how.add_argument("--comment", default=None, help="srun --comment (slurm runner)")
+    how.add_argument("--account", default=None, help="srun --account (slurm runner)")
     how.add_argument("--ssh_port", type=int, default=None, help="ssh port of the nodes")
     how.add_argument("--master_addr", default=None,
                      help="address of node 0 (default 127.0.0.1 on one host, else the first host)")
@@ -57,13 +64,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="split the node's cores evenly among its ranks and pin each rank to its share")
     what.add_argument("--bind_core_list", default=None, help='cores to split among ranks, e.g. "0-13,16-29"')
     run = parser.add_argument_group("supervision and output")
-    run.add_argument("--max_restarts", type=int, default=0, help="restart all ranks up to N times after a failure")
+    run.add_argument("--max_restarts", type=int, default=None,
+                     help="restart all ranks up to N times after a failure (default 0; 100 with --elastic_training)")
     run.add_argument("--enable_each_rank_log", dest="log_dir", default=None, metavar="DIR",
                      help="write each rank's stdout/stderr to DIR/rank<R>.{stdout,stderr}.log")
     run.add_argument("--save_pid", action="store_true",
                      help="write the agent and rank PIDs of each node to /tmp/dsrun-<launcher pid>-node<N>.json")
     run.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true",
                      help="print the launch plan as JSON and start nothing")
+    elastic = parser.add_argument_group("elastic training (docs/elasticity.md)")
+    elastic.add_argument("--elastic_training", action="store_true",
+                         help="nodes may leave and join while the job runs; the ranks restart at the new world size")
+    elastic.add_argument("--min_elastic_nodes", type=int, default=None, help="fewest nodes to train on (default 1)")
+    elastic.add_argument("--max_elastic_nodes", type=int, default=None,
+                         help="most nodes to train on (default: the nodes planned)")
+    elastic.add_argument("--rdzv_last_call_timeout", type=float, default=DEFAULT_LAST_CALL_TIMEOUT, metavar="S",
+                         help="seconds a rendezvous with enough nodes waits for more (default %(default)g)")
+    parser.add_argument("--autotuning", choices=["tune", "run"], default=None,
+                        help="DeepSpeed's autotuner: dsrun tunes recipes with 'dsrun tune' (see docs/autotuning.md)")
     parser.add_argument("script", help="the script to run (a module name with --module)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
@@ -80,7 +98,10 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         ssh_port=args.ssh_port, launcher_args=args.launcher_args, no_ssh_check=args.no_ssh_check,
         module=args.module, no_python=args.no_python, no_local_rank=args.no_local_rank,
         bind_cores_to_rank=args.bind_cores_to_rank, bind_core_list=args.bind_core_list, log_dir=args.log_dir,
-        save_pid=args.save_pid, max_restarts=args.max_restarts)
+        save_pid=args.save_pid, max_restarts=args.max_restarts, force_multi=args.force_multi,
+        elastic_training=args.elastic_training, min_elastic_nodes=args.min_elastic_nodes,
+        max_elastic_nodes=args.max_elastic_nodes, rdzv_last_call_timeout=args.rdzv_last_call_timeout,
+        comment=args.comment, account=args.account)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -89,6 +110,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.no_ssh and args.runner not in (None, "local"):
         raise UserError(Problem("--no_ssh", f"cannot be combined with --launcher {args.runner}"))
+    if args.autotuning:
+        raise UserError(Problem("--autotuning", "dsrun's autotuner tunes recipes, not scripts",
+                                f"run 'dsrun tune +recipe=NAME{' --run' if args.autotuning == 'run' else ''}' "
+                                f"(docs/autotuning.md)"))
     if args.as_deepspeed:
         import os
 

@@ -12,9 +12,11 @@ Python API (what ``dsrun launch`` and ``dsrun train`` call)::
     exit_code = launch_from_mapping(runspec["launcher"], "dsrun.worker", ["--run-dir", run_dir], module=True)
 
 ``launcher:`` mapping keys (all optional; see :mod:`dsrun.launcher.options`): ``runner`` (local | ssh |
-pdsh | no_ssh | slurm | openmpi | mpich), ``num_procs``, ``num_nodes``, ``hostfile``, ``include``,
-``exclude``, ``master_addr``, ``master_port``, ``node_rank``, ``ssh_port``, ``launcher_args``,
-``bind_cores_to_rank``, ``bind_core_list``, ``max_restarts``, ``log_dir``.
+pdsh | no_ssh | slurm | openmpi | mpich | impi | mvapich | jsrun), ``num_procs``, ``num_nodes``, ``hostfile``,
+``include``, ``exclude``, ``master_addr``, ``master_port``, ``node_rank``, ``ssh_port``, ``launcher_args``,
+``bind_cores_to_rank``, ``bind_core_list``, ``max_restarts``, ``log_dir``, ``force_multi``,
+``elastic_training``, ``min_elastic_nodes``, ``max_elastic_nodes``, ``rdzv_last_call_timeout``, ``comment``,
+``account``.
 
 Each rank gets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
 ``MASTER_PORT``, ``CROSS_RANK`` (node index), ``CROSS_SIZE`` (node count) and ``--local_rank=N`` (unless
@@ -22,8 +24,10 @@ Each rank gets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, `
 Layout: :mod:`~dsrun.launcher.hostfile` (hostfile, filters), :mod:`~dsrun.launcher.options`,
 :mod:`~dsrun.launcher.environment` (exported variables, env files), :mod:`~dsrun.launcher.plan` (world
 plan), :mod:`~dsrun.launcher.runners` (command lines), :mod:`~dsrun.launcher.execute` (running a plan),
+:mod:`~dsrun.launcher.mpi` (the MPI runners' command lines),
 :mod:`~dsrun.launcher.agent` + :mod:`~dsrun.launcher.supervision` (per-node torch elastic agent),
-:mod:`~dsrun.launcher.rank_exec` (per-rank exec shim).
+:mod:`~dsrun.launcher.elastic_agent` (the agent of an elastic job), :mod:`~dsrun.launcher.rank_exec`
+(per-rank exec shim, also the rank side of the MPI runners).
 """
 from __future__ import annotations
 

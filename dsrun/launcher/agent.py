@@ -18,6 +18,10 @@ the ranks on a signal. dsrun adds what a multi-node job needs on top:
 
 The agent prints each failure as one line ``@@dsrun-failure@@ {json}`` on stderr for the launcher to
 collect, and exits with the failed rank's exit code (128+signal for a rank killed by a signal).
+
+With ``--elastic_training`` the agent is :class:`~dsrun.launcher.elastic_agent.ElasticNodeAgent` instead: a
+dynamic rendezvous between ``--min_elastic_nodes`` and ``--max_elastic_nodes`` nodes, where a node leaving or
+joining restarts the ranks at the new world size.
 """
 from __future__ import annotations
 
@@ -67,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--watch_stdin", action="store_true", help="stop everything when stdin closes")
     parser.add_argument("--rdzv_timeout", type=int, default=300)
     parser.add_argument("--peer_timeout", type=float, default=30.0)
+    parser.add_argument("--elastic_training", action="store_true", help="nodes may leave and join (c10d rendezvous)")
+    parser.add_argument("--min_elastic_nodes", type=int, default=1)
+    parser.add_argument("--max_elastic_nodes", type=int, default=-1, help="-1: the nodes of --world_info")
+    parser.add_argument("--rdzv_last_call_timeout", type=float, default=30.0,
+                        help="seconds a round with enough nodes waits for more")
     parser.add_argument("target")
     parser.add_argument("target_args", nargs=argparse.REMAINDER)
     return parser
@@ -165,14 +174,27 @@ def main(argv: list[str] | None = None) -> int:
         # every rank gets all groups and picks its own by local rank (torch elastic substitutes the macro)
         rank_exec += ["--core_groups=" + "/".join(",".join(map(str, g)) for g in core_groups),
                       "--local_rank=${local_rank}"]
-    spec = build_spec(
-        rank_exec=rank_exec, command=_worker_command(ns), local_world_size=local_world_size,
-        master_addr=ns.master_addr, master_port=ns.master_port, job_id=ns.job_id, node_rank=node_rank,
-        nnodes=nnodes, max_restarts=ns.max_restarts, rdzv_timeout=ns.rdzv_timeout,
-        monitor_interval=MONITOR_INTERVAL)
-    agent = NodeAgent(spec, RankLogs(str(log_dir)), host=host, host_names=host_names, node_rank=node_rank,
-                      save_pid=ns.save_pid, peer_timeout=ns.peer_timeout,
-                      shutdown_grace=SHUTDOWN_GRACE, stop_grace=STOP_GRACE)
+    if ns.elastic_training:
+        from dsrun.launcher.elastic_agent import ElasticNodeAgent, build_elastic_spec
+
+        spec = build_elastic_spec(
+            rank_exec=rank_exec, command=_worker_command(ns), local_world_size=local_world_size,
+            master_addr=ns.master_addr, master_port=ns.master_port, job_id=ns.job_id,
+            local_addr=host.split("@", 1)[-1], is_host=node_rank == 0, min_nodes=ns.min_elastic_nodes,
+            max_nodes=ns.max_elastic_nodes if ns.max_elastic_nodes > 0 else max(nnodes, ns.min_elastic_nodes),
+            max_restarts=ns.max_restarts, rdzv_timeout=ns.rdzv_timeout, last_call_timeout=ns.rdzv_last_call_timeout,
+            monitor_interval=MONITOR_INTERVAL)
+        agent = ElasticNodeAgent(spec, RankLogs(str(log_dir)), host=host, host_names=host_names,
+                                 node_rank=node_rank, save_pid=ns.save_pid, shutdown_grace=SHUTDOWN_GRACE)
+    else:
+        spec = build_spec(
+            rank_exec=rank_exec, command=_worker_command(ns), local_world_size=local_world_size,
+            master_addr=ns.master_addr, master_port=ns.master_port, job_id=ns.job_id, node_rank=node_rank,
+            nnodes=nnodes, max_restarts=ns.max_restarts, rdzv_timeout=ns.rdzv_timeout,
+            monitor_interval=MONITOR_INTERVAL)
+        agent = NodeAgent(spec, RankLogs(str(log_dir)), host=host, host_names=host_names, node_rank=node_rank,
+                          save_pid=ns.save_pid, peer_timeout=ns.peer_timeout,
+                          shutdown_grace=SHUTDOWN_GRACE, stop_grace=STOP_GRACE)
     code = agent.run_to_exit_code()
     if temporary_logs and code == 0:
         shutil.rmtree(log_dir, ignore_errors=True)

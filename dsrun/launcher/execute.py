@@ -7,6 +7,10 @@ other node is told to stop (the ssh runner closes the agent's stdin, which it wa
 SIGTERM), and whatever is still running after a grace period is killed. Every child is also started with
 ``PR_SET_PDEATHSIG`` so even a SIGKILLed launcher takes its agents (and, through them, the ranks) down.
 
+With ``--elastic_training`` a node command that ends while others run is a node leaving: the launcher says
+so (with the command that adds a node back) and lets the job go on; the job succeeded when any node's agent
+finished with success (the agents of the last rendezvous round finish together).
+
 A caller that explains the outcome itself (``dsrun train``) passes a :class:`JobOutcome`: a rank's report of a
 user's mistake (:func:`~dsrun.launcher.protocol.report_user_error`), a Ctrl-C or a SIGTERM then ends the
 relay of the job's stderr (what follows is ranks being stopped: torch elastic's and gloo's noise; stdout,
@@ -65,6 +69,7 @@ class _Node:
     process: subprocess.Popen
     stderr_tail: deque = field(default_factory=lambda: deque(maxlen=_TAIL))
     threads: list[threading.Thread] = field(default_factory=list)
+    left_noted: bool = False
 
 
 class _Job:
@@ -166,6 +171,9 @@ class _Job:
             if all(code is not None for code in codes):
                 break
             failed = any(code not in (None, 0) for code in codes)
+            if failed and self.plan.options.elastic_training:
+                self._note_left_nodes()
+                failed = False  # the others carry on; the job ends when they do
             if stop_deadline is None and (failed or self.signal_received is not None):
                 self.ask_to_stop()
                 stop_deadline = time.monotonic() + STOP_GRACE
@@ -181,6 +189,17 @@ class _Job:
         for node in self.nodes:
             for thread in node.threads:
                 thread.join(timeout=5)
+
+    def _note_left_nodes(self) -> None:
+        for node in self.nodes:
+            code = node.process.poll()
+            if code in (None, 0) or node.left_noted:
+                continue
+            node.left_noted = True
+            running = sum(1 for n in self.nodes if n.process.poll() is None)
+            self.err.write(f"dsrun: {node.command.label} left the elastic job (exit code {code}); {running} node "
+                           f"command(s) still run. A node joins with: {self.plan.join_command()}\n")
+            self.err.flush()
 
     # ---- outcome ---------------------------------------------------------------------------------
 
@@ -214,6 +233,8 @@ class _Job:
         codes = [node.process.returncode for node in self.nodes]
         if all(code == 0 for code in codes) and not self.reports:
             return 0
+        if self.plan.options.elastic_training and 0 in codes:
+            return 0  # the nodes of the last round finished the job; the others had left it
         cause = self.root_cause()
         lines: list[str] = []
         if cause is not None:
@@ -262,7 +283,8 @@ def check_ssh(plan: LaunchPlan) -> None:
 
 
 def _check_tools(plan: LaunchPlan) -> None:
-    tool = {"ssh": "ssh", "pdsh": "pdsh", "slurm": "srun", "openmpi": "mpirun", "mpich": "mpirun"}.get(plan.runner)
+    tool = {"ssh": "ssh", "pdsh": "pdsh", "slurm": "srun", "openmpi": "mpirun", "mpich": "mpirun", "impi": "mpirun",
+            "mvapich": "mpirun", "jsrun": "jsrun"}.get(plan.runner)
     if tool and shutil.which(tool) is None:
         raise UserError(Problem("--launcher", f"the {plan.runner} runner needs {tool!r}, which is not on PATH"))
 
@@ -278,6 +300,9 @@ def run(plan: LaunchPlan, *, out: IO[str] | None = None, err: IO[str] | None = N
     _check_tools(plan)
     if plan.runner == "ssh" and not plan.options.no_ssh_check:
         check_ssh(plan)
+    for path, text in plan.files.items():  # e.g. mvapich's list of hosts
+        with open(path, "w") as handle:
+            handle.write(text)
     job = _Job(plan, out or sys.stdout, err or sys.stderr, outcome)
     previous: dict[int, Any] = {}
     if threading.current_thread() is threading.main_thread():
@@ -294,4 +319,9 @@ def run(plan: LaunchPlan, *, out: IO[str] | None = None, err: IO[str] | None = N
         job.kill_all()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+        for path in plan.files:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
     return job.summarize()

@@ -4,8 +4,8 @@
 The RunSpec mapping (all keys optional)::
 
     launcher:
-      runner: local            # local | ssh | pdsh | no_ssh | slurm | openmpi | mpich (default: local for
-                               # one host, ssh for several)
+      runner: local            # local | ssh | pdsh | no_ssh | slurm | openmpi | mpich | impi | mvapich |
+                               # jsrun (default: local for one host, ssh for several)
       num_procs: 2             # ranks per node (--num_procs/--num_gpus/--num_accelerators)
       num_nodes: null          # use the first N hosts of the hostfile
       hostfile: null           # path; default /job/hostfile when it exists, else this machine only
@@ -18,8 +18,15 @@ The RunSpec mapping (all keys optional)::
       launcher_args: ""        # extra options for ssh / pdsh / srun / mpirun
       bind_cores_to_rank: false
       bind_core_list: null     # "0-13,14-27"
-      max_restarts: 0
+      max_restarts: null       # null: 0, or 100 with elastic_training (DeepSpeed's)
       log_dir: null            # per-rank log files (--enable_each_rank_log)
+      force_multi: false       # use the multi-node runner even for one host
+      elastic_training: false  # nodes may leave and join (torch elastic's c10d rendezvous)
+      min_elastic_nodes: null  # null: 1
+      max_elastic_nodes: null  # null: the nodes planned
+      rdzv_last_call_timeout: 30  # seconds an elastic rendezvous waits for more nodes once it has enough
+      comment: null            # srun --comment (slurm)
+      account: null            # srun --account (slurm)
 
 Validation collects every problem at once and raises one :class:`~dsrun.utils.errors.UserError`.
 """
@@ -33,8 +40,14 @@ from typing import Any, Mapping, Sequence
 from dsrun.utils.errors import Problem, UserError, show
 from dsrun.utils.suggest import did_you_mean
 
-RUNNERS: tuple[str, ...] = ("local", "ssh", "pdsh", "no_ssh", "slurm", "openmpi", "mpich")
+RUNNERS: tuple[str, ...] = ("local", "ssh", "pdsh", "no_ssh", "slurm", "openmpi", "mpich", "impi", "mvapich", "jsrun")
+# mpirun (or jsrun) starts every rank itself: no dsrun agent, so no elastic training and no slot subsets
+MPI_RUNNERS: tuple[str, ...] = ("openmpi", "mpich", "impi", "mvapich", "jsrun")
+# runners whose nodes each run a dsrun agent that dsrun itself starts, one command per node or per job
+ELASTIC_RUNNERS: tuple[str, ...] = ("local", "ssh", "pdsh", "no_ssh")
 DEFAULT_MASTER_PORT = 29500
+ELASTIC_MAX_RESTARTS = 100  # DeepSpeed's elastic agent allows 100 restarts
+DEFAULT_LAST_CALL_TIMEOUT = 30.0  # torch elastic's default
 
 # RunSpec key -> (LaunchOptions field, accepted Python types)
 MAPPING_KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
@@ -53,6 +66,13 @@ MAPPING_KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
     "bind_core_list": ("bind_core_list", (str,)),
     "max_restarts": ("max_restarts", (int,)),
     "log_dir": ("log_dir", (str,)),
+    "force_multi": ("force_multi", (bool,)),
+    "elastic_training": ("elastic_training", (bool,)),
+    "min_elastic_nodes": ("min_elastic_nodes", (int,)),
+    "max_elastic_nodes": ("max_elastic_nodes", (int,)),
+    "rdzv_last_call_timeout": ("rdzv_last_call_timeout", (int, float)),
+    "comment": ("comment", (str,)),
+    "account": ("account", (str,)),
 }
 
 
@@ -81,7 +101,14 @@ class LaunchOptions:
     bind_core_list: str | None = None
     log_dir: str | None = None
     save_pid: bool = False
-    max_restarts: int = 0
+    max_restarts: int | None = None        # None: 0, or ELASTIC_MAX_RESTARTS with elastic_training
+    force_multi: bool = False
+    elastic_training: bool = False
+    min_elastic_nodes: int | None = None   # None or -1: 1
+    max_elastic_nodes: int | None = None   # None or -1: the number of nodes planned
+    rdzv_last_call_timeout: float = DEFAULT_LAST_CALL_TIMEOUT
+    comment: str | None = None
+    account: str | None = None
     cwd: str = field(default_factory=os.getcwd)
     python: str = sys.executable
 
@@ -107,8 +134,14 @@ class LaunchOptions:
             found.append(Problem("--master_port", f"must be a TCP port 1..65535, got {self.master_port}"))
         if self.ssh_port is not None and not 1 <= self.ssh_port <= 65535:
             found.append(Problem("--ssh_port", f"must be a TCP port 1..65535, got {self.ssh_port}"))
-        if self.max_restarts < 0:
+        if self.max_restarts is not None and self.max_restarts < 0:
             found.append(Problem("--max_restarts", f"must be 0 or more, got {self.max_restarts}"))
+        found += self._elastic_problems()
+        for flag in ("comment", "account"):
+            if getattr(self, flag) and self.runner != "slurm":
+                found.append(Problem(f"--{flag}", f"is passed to srun, so it applies to the slurm runner only "
+                                     f"(the runner is {self.runner or 'chosen by the hosts'})",
+                                     "add --launcher slurm, or drop it"))
         if self.module and self.no_python:
             found.append(Problem("--module", "cannot be combined with --no_python"))
         if self.runner == "no_ssh":
@@ -122,6 +155,43 @@ class LaunchOptions:
         if self.bind_core_list and not self.bind_cores_to_rank:
             found.append(Problem("--bind_core_list", "needs --bind_cores_to_rank"))
         return found
+
+    def _elastic_problems(self) -> list[Problem]:
+        found: list[Problem] = []
+        given = [f"--{name}" for name in ("min_elastic_nodes", "max_elastic_nodes")
+                 if getattr(self, name) not in (None, -1)]
+        if not self.elastic_training:
+            if given:
+                found.append(Problem(given[0], "needs --elastic_training", "add --elastic_training"))
+            return found
+        if self.runner is not None and self.runner not in ELASTIC_RUNNERS:
+            found.append(Problem("--elastic_training", f"needs nodes that dsrun's agents start (runners "
+                                 f"{', '.join(ELASTIC_RUNNERS)}), not the {self.runner} runner"))
+        if self.no_local_rank:
+            found.append(Problem("--no_local_rank", "is not supported with --elastic_training (as in DeepSpeed)",
+                                 "read LOCAL_RANK from the environment instead of dropping the argument"))
+        low, high = self.min_elastic_nodes, self.max_elastic_nodes
+        for flag, value in (("--min_elastic_nodes", low), ("--max_elastic_nodes", high)):
+            if value not in (None, -1) and value < 1:
+                found.append(Problem(flag, f"must be at least 1 (or -1 for the default), got {value}"))
+        if low not in (None, -1) and high not in (None, -1) and 1 <= high < low:
+            found.append(Problem("--max_elastic_nodes", f"is {high}, below --min_elastic_nodes {low}"))
+        if self.rdzv_last_call_timeout < 0:
+            found.append(Problem("--rdzv_last_call_timeout", f"must be 0 or more seconds, got "
+                                 f"{self.rdzv_last_call_timeout}"))
+        return found
+
+    def restarts(self) -> int:
+        """Group restarts the agents allow: as given, else 0 (or DeepSpeed's 100 for elastic training)."""
+        if self.max_restarts is not None:
+            return self.max_restarts
+        return ELASTIC_MAX_RESTARTS if self.elastic_training else 0
+
+    def elastic_range(self, planned_nodes: int) -> tuple[int, int]:
+        """``(min, max)`` nodes of an elastic job: 1 and the nodes planned unless given (DeepSpeed's defaults)."""
+        low = self.min_elastic_nodes if self.min_elastic_nodes not in (None, -1) else 1
+        high = self.max_elastic_nodes if self.max_elastic_nodes not in (None, -1) else max(planned_nodes, low)
+        return low, high
 
     def validate(self) -> "LaunchOptions":
         found = self.problems()

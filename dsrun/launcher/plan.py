@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import glob
 import os
+import shlex
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dsrun.launcher.environment import exported_environment
 from dsrun.launcher.hostfile import Pool, apply_filters, parse_core_list, read_hostfile
-from dsrun.launcher.options import DEFAULT_MASTER_PORT, LaunchOptions
+from dsrun.launcher.options import DEFAULT_MASTER_PORT, MPI_RUNNERS, LaunchOptions
 from dsrun.launcher.runners import NodeCommand, build_commands
 from dsrun.utils.errors import Problem, UserError
 from dsrun.utils.net import free_port
@@ -38,10 +40,11 @@ class LaunchPlan:
     hostfile: str | None = None
     save_pid: int = 0
     notes: list[str] = field(default_factory=list)
+    files: dict[str, str] = field(default_factory=dict)  # written before the commands start (mvapich's hosts)
 
     def to_json(self) -> dict[str, Any]:
         """The plan as ``dsrun launch --dry-run`` prints it."""
-        return {
+        plan = {
             "hosts": {host: list(slots) for host, slots in self.hosts.items()},
             "world_size": self.world_size,
             "master_addr": self.master_addr,
@@ -50,6 +53,29 @@ class LaunchPlan:
             "commands": [[command.label, command.display()] for command in self.commands],
             "env": dict(self.env),
         }
+        if self.options.elastic_training:
+            low, high = self.options.elastic_range(len(self.hosts))
+            plan["elastic"] = {"min_nodes": low, "max_nodes": high, "join": self.join_command()}
+        if self.files:
+            plan["files"] = dict(self.files)
+        return plan
+
+    def join_command(self) -> str:
+        """How another node of the hostfile joins this elastic job: one per-node launcher, as in no-ssh mode
+        (``NODE_RANK`` is its line in the hostfile: which address and how many slots it brings)."""
+        o = self.options
+        low, high = o.elastic_range(len(self.hosts))
+        words = ["dsrun", "launch", "--elastic_training", f"--min_elastic_nodes={low}", f"--max_elastic_nodes={high}",
+                 f"--rdzv_last_call_timeout={o.rdzv_last_call_timeout:g}", "--no_ssh", "--node_rank", "NODE_RANK",
+                 f"--master_addr={self.master_addr}", f"--master_port={self.master_port}"]
+        if self.hostfile:
+            words.append(f"--hostfile={os.path.join(o.cwd, self.hostfile)}")
+        for flag in ("module", "no_python", "bind_cores_to_rank"):
+            if getattr(o, flag):
+                words.append(f"--{flag}")
+        if o.max_restarts is not None:
+            words.append(f"--max_restarts={o.max_restarts}")
+        return shlex.join([*words, o.target, *o.target_args])
 
 
 def _local_accelerators(environ: dict[str, str]) -> list[int] | None:
@@ -127,16 +153,23 @@ def plan_launch(options: LaunchOptions, environ: dict[str, str] | None = None) -
     pool, hostfile = _resource_pool(options, environ)
     hosts = _select(pool, options, from_hostfile=hostfile is not None)
     problems: list[Problem] = []
-    runner = options.runner or ("local" if len(hosts) == 1 else "ssh")
+    runner = options.runner or ("local" if len(hosts) == 1 and not options.force_multi else "ssh")
     if runner == "local" and len(hosts) > 1:
         problems.append(Problem("--launcher", f"the local runner runs on this machine only, but the job spans "
-                                f"{len(hosts)} hosts", "use ssh, pdsh, slurm, openmpi, mpich or --no_ssh"))
+                                f"{len(hosts)} hosts", "use ssh, pdsh, slurm, an MPI runner or --no_ssh"))
     if runner == "no_ssh" and options.node_rank is not None and options.node_rank >= len(hosts):
         problems.append(Problem("--node_rank", f"is {options.node_rank} but the job has {len(hosts)} nodes "
                                 f"(0..{len(hosts) - 1})"))
     if runner == "no_ssh" and len(hosts) > 1 and not options.master_addr:
         problems.append(Problem("--master_addr", "is required with --no_ssh on several nodes",
                                 "give node 0's address, the same on every node"))
+    if runner in MPI_RUNNERS:
+        problems += _mpi_problems(runner, hosts)
+    if options.elastic_training:
+        low, high = options.elastic_range(len(hosts))
+        if high < len(hosts) and runner != "no_ssh":
+            problems.append(Problem("--max_elastic_nodes", f"is {high}, but the job starts on {len(hosts)} nodes",
+                                    f"raise it to at least {len(hosts)}, or use --num_nodes {high}"))
     if options.bind_core_list:
         try:
             cores = parse_core_list(options.bind_core_list)
@@ -169,7 +202,29 @@ def plan_launch(options: LaunchOptions, environ: dict[str, str] | None = None) -
         rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != options.cwd]
         env["PYTHONPATH"] = os.pathsep.join([options.cwd, *rest])
     save_pid = os.getpid() if options.save_pid else 0
-    commands = build_commands(runner, options, hosts, master_addr, env, save_pid=save_pid)
+    files: dict[str, str] = {}
+    whole_hostfile = None
+    if runner == "openmpi" and hostfile is not None and hosts == pool:
+        whole_hostfile = hostfile if os.path.isabs(hostfile) else os.path.join(options.cwd, hostfile)
+    if runner == "mvapich":
+        hosts_file = os.path.join(tempfile.gettempdir(), f"dsrun-mvapich-hosts-{os.getpid()}")
+        files[hosts_file] = "".join(f"{_strip_user(h)}\n" for h in hosts)
+    commands = build_commands(runner, options, hosts, master_addr, env, save_pid=save_pid, hostfile=whole_hostfile,
+                              hosts_file=next(iter(files), None), cuda=_local_accelerators(environ) is not None)
     return LaunchPlan(hosts=hosts, world_size=sum(len(s) for s in hosts.values()), master_addr=master_addr,
                       master_port=options.master_port, runner=runner, commands=commands, env=env,
-                      options=options, hostfile=hostfile, save_pid=save_pid)
+                      options=options, hostfile=hostfile, save_pid=save_pid, files=files)
+
+
+def _mpi_problems(runner: str, hosts: Pool) -> list[Problem]:
+    """mpirun places ranks by count per host: it cannot skip slots, and (but for Open MPI's -H) every host
+    must run as many ranks as the others."""
+    problems = [Problem("--include/--exclude", f"host {host!r} would run on slots {slots}; the {runner} runner "
+                        f"places ranks by count and cannot skip slots", "filter whole hosts, or use --num_procs")
+                for host, slots in hosts.items() if slots != list(range(len(slots)))]
+    counts = {len(slots) for slots in hosts.values()}
+    if runner != "openmpi" and len(counts) > 1:
+        problems.append(Problem("--hostfile", f"the {runner} runner needs the same number of ranks on every host, "
+                                f"got {', '.join(f'{h}: {len(s)}' for h, s in hosts.items())}",
+                                "use --num_procs N, or the openmpi runner"))
+    return problems

@@ -9,22 +9,22 @@ local      ``/bin/sh -c CMD`` on this machine (one node)
 no_ssh     ``/bin/sh -c CMD`` on this machine, for the node given by ``--node_rank``; run one per node
 ssh        one ``ssh -o BatchMode=yes [-p PORT] [LAUNCHER_ARGS] HOST CMD`` per node, in parallel
 pdsh       ``pdsh -S -f 1024 -w HOST,HOST [LAUNCHER_ARGS] CMD`` (pdsh puts the node index into ``%n``)
-slurm      ``srun --nodes=N --ntasks=N --ntasks-per-node=1 --nodelist=... [LAUNCHER_ARGS] /bin/sh -c CMD``
-openmpi    ``mpirun -n N --map-by ppr:1:node -H HOST:1,... [LAUNCHER_ARGS] /bin/sh -c CMD``
-mpich      ``mpirun -n N -ppn 1 -hosts HOST,... [LAUNCHER_ARGS] /bin/sh -c CMD``
+slurm      ``srun --nodes=N --ntasks=N --ntasks-per-node=1 --nodelist=... [--comment C] [--account A]
+           [LAUNCHER_ARGS] /bin/sh -c CMD``
 =========  ===============================================================================================
 
-With slurm and MPI one agent runs per node and reads its node rank from ``SLURM_NODEID``,
-``OMPI_COMM_WORLD_RANK`` or ``PMI_RANK``; the agent, not mpirun, starts the ranks, so failure handling is
-the same for every runner.
+With slurm one agent runs per node and reads its node rank from ``SLURM_NODEID``; the agent, not srun, starts
+the ranks, so failure handling is the same as with ssh. The MPI family (openmpi, mpich, impi, mvapich, jsrun)
+has mpirun start every rank, as DeepSpeed does: :mod:`dsrun.launcher.mpi`.
 """
 from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass
 
+from dsrun.launcher.mpi import mpi_argv
+from dsrun.launcher.options import MPI_RUNNERS, LaunchOptions
 from dsrun.launcher.protocol import encode_world_info
-from dsrun.launcher.options import LaunchOptions
 
 SSH_OPTIONS: tuple[str, ...] = ("-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "-o", "ServerAliveInterval=5",
                                 "-o", "ServerAliveCountMax=3")
@@ -61,8 +61,12 @@ def agent_argv(options: LaunchOptions, hosts: dict[str, list[int]], node_rank: i
             argv.append(f"--{flag}")
     if options.bind_core_list:
         argv.append(f"--bind_core_list={options.bind_core_list}")
-    if options.max_restarts:
-        argv.append(f"--max_restarts={options.max_restarts}")
+    if options.restarts():
+        argv.append(f"--max_restarts={options.restarts()}")
+    if options.elastic_training:
+        low, high = options.elastic_range(len(hosts))
+        argv += ["--elastic_training", f"--min_elastic_nodes={low}", f"--max_elastic_nodes={high}",
+                 f"--rdzv_last_call_timeout={options.rdzv_last_call_timeout:g}"]
     if options.log_dir:
         argv.append(f"--log_dir={options.log_dir}")
     if save_pid:
@@ -94,25 +98,25 @@ def pdsh_argv(options: LaunchOptions, hosts: list[str], command: str) -> list[st
     return ["pdsh", "-S", "-f", "1024", "-w", ",".join(hosts), *shlex.split(options.launcher_args), command]
 
 
-def scheduler_argv(runner: str, options: LaunchOptions, hosts: list[str], command: str) -> list[str]:
-    """srun / mpirun command that starts one agent per node."""
+def srun_argv(options: LaunchOptions, hosts: list[str], command: str) -> list[str]:
+    """srun command that starts one agent per node."""
     n = str(len(hosts))
-    extra = shlex.split(options.launcher_args)
-    if runner == "slurm":
-        head = ["srun", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1", f"--nodelist={','.join(hosts)}"]
-    elif runner == "openmpi":
-        head = ["mpirun", "-n", n, "--map-by", "ppr:1:node", "-H", ",".join(f"{h}:1" for h in hosts)]
-    elif runner == "mpich":
-        head = ["mpirun", "-n", n, "-ppn", "1", "-hosts", ",".join(hosts)]
-    else:
-        raise ValueError(f"not a scheduler runner: {runner}")
-    return [*head, *extra, "/bin/sh", "-c", command]
+    head = ["srun", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1", f"--nodelist={','.join(hosts)}"]
+    for flag in ("comment", "account"):
+        if getattr(options, flag):
+            head += [f"--{flag}", getattr(options, flag)]
+    return [*head, *shlex.split(options.launcher_args), "/bin/sh", "-c", command]
 
 
 def build_commands(runner: str, options: LaunchOptions, hosts: dict[str, list[int]], master_addr: str,
-                   env: dict[str, str], save_pid: int = 0) -> list[NodeCommand]:
-    """The processes the launcher starts on this machine for ``runner``."""
+                   env: dict[str, str], save_pid: int = 0, *, hostfile: str | None = None,
+                   hosts_file: str | None = None, cuda: bool = False) -> list[NodeCommand]:
+    """The processes the launcher starts on this machine for ``runner``. For the MPI runners ``hostfile`` is
+    the user's hostfile when the job uses every slot of it, ``hosts_file`` where mvapich's host list goes."""
     names = list(hosts)
+    if runner in MPI_RUNNERS:
+        return [NodeCommand(tuple(names), tuple(mpi_argv(runner, options, hosts, master_addr, env, hostfile,
+                                                          hosts_file, cuda)), None)]
     if runner in ("local", "no_ssh"):
         node_rank = options.node_rank if runner == "no_ssh" and options.node_rank is not None else 0
         argv = agent_argv(options, hosts, node_rank, master_addr, save_pid=save_pid)
@@ -128,5 +132,4 @@ def build_commands(runner: str, options: LaunchOptions, hosts: dict[str, list[in
         argv = agent_argv(options, hosts, PDSH_NODE_RANK, master_addr, save_pid=save_pid)
         return [NodeCommand(tuple(names), tuple(pdsh_argv(options, names, node_command(options, env, argv))), None)]
     argv = agent_argv(options, hosts, NODE_RANK_FROM_SCHEDULER, master_addr, save_pid=save_pid)
-    return [NodeCommand(tuple(names), tuple(scheduler_argv(runner, options, names, node_command(options, env, argv))),
-                        None)]
+    return [NodeCommand(tuple(names), tuple(srun_argv(options, names, node_command(options, env, argv))), None)]

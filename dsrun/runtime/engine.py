@@ -8,6 +8,7 @@ attribute and method names (``global_steps``, ``micro_steps``, ``skipped_steps``
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -23,6 +24,9 @@ from dsrun.runtime.activation_checkpointing.settings import configure_from_engin
 from dsrun.runtime.data_pipeline.engine_api import DataEfficiencyEngineMixin
 from dsrun.runtime.data_pipeline.features import DataEfficiency
 from dsrun.runtime.dataloader import DeepSpeedDataLoader
+from dsrun.runtime.engine_collectives import EngineCollectives
+from dsrun.runtime.engine_getters import EngineConfigGetters
+from dsrun.runtime.engine_methods import EngineMethods
 from dsrun.runtime.fp16.onebit import ONE_BIT_CLASSES, build_onebit_optimizer
 from dsrun.runtime.lr_schedules import build_lr_scheduler
 from dsrun.runtime.observer import EngineObserver
@@ -35,8 +39,11 @@ FORWARD_TIMER, BACKWARD_TIMER, BACKWARD_INNER_TIMER = "forward", "backward", "ba
 BACKWARD_REDUCE_TIMER, STEP_TIMER = "backward_allreduce", "step"
 
 
-class DeepSpeedEngine(DataEfficiencyEngineMixin, torch.nn.Module):
-    """Wraps the model; built by :func:`dsrun.initialize`.
+class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, DataEfficiencyEngineMixin, torch.nn.Module):
+    """Wraps the model; built by :func:`dsrun.initialize`. DeepSpeed's config getters, its other methods
+    (``no_sync``, ``set_train_batch_size``, ``load_module_state_dict`` …) and its reduction helpers are the
+    mixins :mod:`~dsrun.runtime.engine_getters`, :mod:`~dsrun.runtime.engine_methods` and
+    :mod:`~dsrun.runtime.engine_collectives`.
 
     ``config`` is the typed :class:`dsrun.config.DeepSpeedConfig` (every setting and default comes from it); ``optimizer`` an optimizer over the model's
     parameters (client or from the config) or None; ``lr_scheduler`` a scheduler object, a callable taking
@@ -48,6 +55,8 @@ class DeepSpeedEngine(DataEfficiencyEngineMixin, torch.nn.Module):
                  mpu: Any = None, raw_config: Any = None):
         super().__init__()
         self._config = config
+        self.training_data, self.collate_fn, self.client_lr_scheduler = training_data, collate_fn, lr_scheduler
+        self.client_optimizer: Any = None  # set by initialize when the client passed one
         self.config = raw_config if raw_config is not None else config
         self.mpu = mpu
         # the run's topology and process groups, built once (dsrun/comm/groups.py); ZeRO partitions over
@@ -69,6 +78,7 @@ class DeepSpeedEngine(DataEfficiencyEngineMixin, torch.nn.Module):
         self.global_samples = 0
         self.micro_steps = 0
         self.skipped_steps = 0
+        self.losses: torch.Tensor | None = None  # the mean loss summed over this step's micro-batches (DeepSpeed's)
         # DeepSpeed's "step=N, skipped=S, lr=[...]" line every steps_per_print steps; a caller that prints its
         # own progress (dsrun's worker) turns it off
         self.print_step_lines = True
@@ -105,6 +115,7 @@ class DeepSpeedEngine(DataEfficiencyEngineMixin, torch.nn.Module):
         self.observer = EngineObserver(self, config)
         self.monitor = self.observer.monitor
         self.flops_profiler = self.observer.flops_profiler
+        self._apply_compile_config()  # the config's compile section (engine_methods.py)
 
     # --- construction ---------------------------------------------------------------------------------
     @classmethod
@@ -166,12 +177,26 @@ class DeepSpeedEngine(DataEfficiencyEngineMixin, torch.nn.Module):
                  retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss`` divided by the accumulation steps; on the boundary micro-step gradients are
         reduced across ranks (stage 2 reduces on every micro-step)."""
+        if not allreduce_gradients:
+            warnings.warn("backward(allreduce_gradients=False) is deprecated and ignored, as in DeepSpeed; use "
+                          "engine.no_sync() to accumulate without reducing", DeprecationWarning, stacklevel=2)
+        if self.scale_wrt_gas is not None:
+            scale_wrt_gas = self.scale_wrt_gas
         self.observer.before_backward()
         self.timers.start(BACKWARD_TIMER)
         gas = self.gradient_accumulation_steps()
-        if scale_wrt_gas and gas > 1:
+        # as DeepSpeed: a backward that does not reduce (no_sync, enable_backward_allreduce=False) is not scaled
+        if scale_wrt_gas and gas > 1 and self.enable_backward_allreduce and not self.inside_no_sync_ctxt:
             loss = loss.float() / gas
+        mean_loss = loss.detach().mean()
+        self.losses = mean_loss if self.losses is None else self.losses + mean_loss
+        # no_sync() / enable_backward_allreduce=False: a boundary micro-step accumulates like any other, and the
+        # reduction waits for the next boundary backward or allreduce_gradients() (engine_methods.py)
         boundary = self.is_gradient_accumulation_boundary()
+        if boundary and not self._reduces_in_backward():  # no_sync: the next boundary backward or step reduces
+            boundary, self._reduction_pending = False, True
+        elif boundary:  # with the switch off the strategy keeps local gradients; allreduce_gradients() may reduce
+            self._reduction_pending = not self.enable_backward_allreduce
         if self.strategy is not None:
             self.strategy.before_backward(boundary)
         self.timers.start(BACKWARD_INNER_TIMER)
@@ -188,10 +213,15 @@ class DeepSpeedEngine(DataEfficiencyEngineMixin, torch.nn.Module):
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Count the micro-step; at a boundary update the weights (unless the gradients overflowed), step
         the scheduler, and advance ``global_steps``/``global_samples``."""
+        if self.inside_no_sync_ctxt:
+            raise AssertionError("It is illegal to call Engine.step() inside no_sync context manager")
         self.observer.before_step()
         self.timers.start(STEP_TIMER)
         boundary = self.is_gradient_accumulation_boundary()
+        self._step_applied = False
         if boundary:
+            if self.enable_backward_allreduce:  # gradients a no_sync() backward left unreduced, if any
+                self.allreduce_gradients()
             self.data_efficiency.on_boundary(self.global_steps)  # data efficiency: PLD's θ(t)
             overflow = False
             if self.strategy is not None:
@@ -199,6 +229,7 @@ class DeepSpeedEngine(DataEfficiencyEngineMixin, torch.nn.Module):
                 overflow = outcome.overflow
                 self.precision.update(overflow)
                 self.strategy.zero_grad()
+            self._step_applied = self.strategy is not None and not overflow
             if overflow:
                 self.skipped_steps += 1
             elif self.lr_scheduler is not None:
@@ -207,6 +238,7 @@ class DeepSpeedEngine(DataEfficiencyEngineMixin, torch.nn.Module):
                 self.compression.after_step(overflow)
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
+            self.losses = None
             self._close_comm_window()
             self._report()
         self.micro_steps += 1
@@ -245,15 +277,6 @@ class DeepSpeedEngine(DataEfficiencyEngineMixin, torch.nn.Module):
         """Force the next backward/step to be (or not be) a boundary; reset after ``step()``."""
         self._boundary_override = bool(is_boundary)
 
-    def train_batch_size(self) -> int:
-        return int(self._config.train_batch_size)
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return int(self._config.train_micro_batch_size_per_gpu)
-
-    def gradient_accumulation_steps(self) -> int:
-        return int(self._config.gradient_accumulation_steps)
-
     @property
     def enable_backward_allreduce(self) -> bool:
         """DeepSpeed's switch: whether backward all-reduces gradients (the 1-bit optimizers turn it off once
@@ -265,30 +288,9 @@ class DeepSpeedEngine(DataEfficiencyEngineMixin, torch.nn.Module):
         if self.strategy is not None:
             self.strategy.enable_backward_allreduce = value
 
-    def zero_optimization_stage(self) -> int:
-        return int(self._config.zero_optimization.stage)
-
-    def gradient_clipping(self) -> float:
-        return float(self._config.gradient_clipping or 0.0)
-
-    def fp16_enabled(self) -> bool:
-        return self.precision.name == "fp16"
-
-    def bfloat16_enabled(self) -> bool:
-        return self.precision.name == "bf16"
-
-    def wall_clock_breakdown(self) -> bool:
-        return self.timers.enabled
-
-    def steps_per_print(self) -> int:
-        return int(self._config.steps_per_print)
-
-    @property
-    def loss_scale(self) -> float:
-        return self.precision.loss_scale
-
     @property
     def cur_scale(self) -> float:
+        """The loss scale in use now (fp16's dynamic scale; 1.0 otherwise). ``loss_scale()`` is the config's."""
         return self.precision.loss_scale
 
     def get_lr(self) -> list[float]:
@@ -347,13 +349,17 @@ class DeepSpeedEngine(DataEfficiencyEngineMixin, torch.nn.Module):
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False) -> tuple[str | None, dict | None]:
-        """Restore a checkpoint (``tag`` None: the one ``latest`` names); returns ``(load_path, client_state)``."""
+                        load_module_only: bool = False, custom_load_fn: Callable | None = None
+                        ) -> tuple[str | None, dict | None]:
+        """Restore a checkpoint (``tag`` None: the one ``latest`` names, or ``latest_universal`` with
+        ``checkpoint.load_universal``); returns ``(load_path, client_state)``. ``custom_load_fn(src=state_dict,
+        dst=module)`` replaces ``module.load_state_dict`` for the module weights."""
         from dsrun.checkpoint import load_checkpoint
 
         return load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
                                load_optimizer_states=load_optimizer_states,
-                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+                               custom_load_fn=custom_load_fn)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:

@@ -101,5 +101,6 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     base_optimizer = build_engine_optimizer(ds_config, model, optimizer, model_parameters)
     engine = engine_class(model=model, config=ds_config, optimizer=base_optimizer, lr_scheduler=lr_scheduler,
                           training_data=training_data, collate_fn=collate_fn, mpu=mpu, raw_config=source)
+    engine.client_optimizer = base_optimizer if optimizer is not None else None
     engine.compression = CompressionFeature.attach(engine)  # [feature seam: compression] steps with the engine
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

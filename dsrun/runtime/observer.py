@@ -86,7 +86,7 @@ class EngineObserver:
             if self._loss_sum is not None:
                 events.insert(0, ("Train/Samples/train_loss", float(self._loss_sum.item()), engine.global_samples))
             if engine.fp16_enabled():
-                events.append(("Train/Samples/loss_scale", float(engine.loss_scale), engine.global_samples))
+                events.append(("Train/Samples/loss_scale", float(engine.cur_scale), engine.global_samples))
             self.monitor.write_events(events)
         self._loss_sum = None
         every = engine.steps_per_print()

@@ -1,7 +1,8 @@
 """Small helpers shared by every layer: user-facing errors, suggestions, package paths, a free TCP port.
 
-Also DeepSpeed's ``deepspeed.utils`` names: ``logger``, ``log_dist`` (:mod:`.logging`) and ``RepeatingLoader``
-(:mod:`.repeating_loader`), loaded on first use so ``dsrun.utils.errors`` stays free of torch.
+Also DeepSpeed's ``deepspeed.utils`` names: ``logger``, ``log_dist`` (:mod:`.logging`), ``RepeatingLoader``
+(:mod:`.repeating_loader`) and the helpers for partitioned state, ``safe_get_full_fp32_param`` & co.
+(:mod:`.tensor_fragment`), loaded on first use so ``dsrun.utils.errors`` stays free of torch.
 """
 from __future__ import annotations
 
@@ -13,6 +14,16 @@ _LAZY = {
     "log_dist": "dsrun.utils.logging",
     "RepeatingLoader": "dsrun.utils.repeating_loader",
     "OnDevice": "dsrun.utils.init_on_device",
+    "safe_get_full_fp32_param": "dsrun.utils.tensor_fragment",
+    "safe_get_full_grad": "dsrun.utils.tensor_fragment",
+    "safe_get_full_optimizer_state": "dsrun.utils.tensor_fragment",
+    "safe_get_local_fp32_param": "dsrun.utils.tensor_fragment",
+    "safe_get_local_grad": "dsrun.utils.tensor_fragment",
+    "safe_get_local_optimizer_state": "dsrun.utils.tensor_fragment",
+    "safe_set_full_fp32_param": "dsrun.utils.tensor_fragment",
+    "safe_set_full_optimizer_state": "dsrun.utils.tensor_fragment",
+    "safe_set_local_fp32_param": "dsrun.utils.tensor_fragment",
+    "safe_set_local_optimizer_state": "dsrun.utils.tensor_fragment",
 }
 
 

@@ -4,6 +4,7 @@
 * :class:`GatheredParameters` — gather partitioned parameters for a ``with`` block (and broadcast changes).
 * :func:`register_external_parameter` — a module uses a parameter it does not own.
 * :func:`full_state_dict` — the model's state dict with every partitioned parameter gathered.
+* :class:`TiledLinear`, :class:`TiledLinearReturnBias` — a linear layer in tiles gathered one at a time.
 
 See ``docs/zero3.md``.
 """
@@ -12,6 +13,7 @@ from dsrun.runtime.zero.stage3 import full_state_dict
 
 from .gathered import GatheredParameters, register_external_parameter, unregister_external_parameter
 from .init import Init
+from .tiling import TiledLinear, TiledLinearReturnBias
 
-__all__ = ["GatheredParameters", "Init", "ParamStatus", "full_state_dict", "is_zero_param",
-           "register_external_parameter", "unregister_external_parameter"]
+__all__ = ["GatheredParameters", "Init", "ParamStatus", "TiledLinear", "TiledLinearReturnBias", "full_state_dict",
+           "is_zero_param", "register_external_parameter", "unregister_external_parameter"]

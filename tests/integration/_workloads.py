@@ -300,7 +300,7 @@ def fp16_overflow_ranks(rank: int, world: int, stage: int) -> list[dict[str, Any
         loss = engine(slice_batch(batch, 2 * rank, 2 * rank + 2))
         engine.backward(loss)
         engine.step()
-        records.append({"scale": engine.loss_scale, "skipped": engine.skipped_steps,
+        records.append({"scale": engine.cur_scale, "skipped": engine.skipped_steps,
                         "changed": bool((flat_params(engine.module) != before).any()),
                         "sched_iter": scheduler.last_batch_iteration, "lr": engine.get_lr()[0],
                         "global_steps": engine.global_steps})

@@ -1,7 +1,7 @@
 """Ledger entries for DeepSpeed's training techniques and undocumented sections. Implemented, each key with the
 tests that change it and see the effect: activation checkpointing, sparse attention, data efficiency
-(curriculum, random-LTD), the legacy curriculum, progressive layer drop, compression, MoQ, eigenvalue, pipeline.
-Not implemented (a config that enables them is refused): the hybrid engine, compile, Nebula, inference weight
+(curriculum, random-LTD), the legacy curriculum, progressive layer drop, compression, MoQ, eigenvalue, pipeline,
+compile. Not implemented (a config that enables them is refused): the hybrid engine, Nebula, inference weight
 quantization and random-LTD's layer-token learning-rate schedule.
 
 The implemented entries here are ``traced=False``: the tracer's short engine runs
@@ -14,8 +14,6 @@ from __future__ import annotations
 from .entry import Entry, Feature, design, done, todo
 
 HYBRID = Feature("the hybrid train/generate engine (DeepSpeed-Chat)", "disable hybrid_engine")
-COMPILE = Feature("torch.compile of the engine's module", "disable compile (call torch.compile on your model "
-                  "before initialize instead)")
 NEBULA = Feature("Nebula checkpointing (Azure)", "disable nebula")
 INFERENCE_QUANT = Feature("DeepSpeed-Inference weight quantization in a training config",
                           "remove weight_quantization (dsrun.init_inference takes quantization arguments)")
@@ -266,9 +264,10 @@ ENTRIES: list[Entry] = [
         "inference_tp_size": "tensor parallelism while generating", "release_inference_cache": "free the "
         "KV cache after generating", "pin_parameters": "pin gathered parameters", "tp_gather_partition_size":
         "partitions gathered at once"}),
-    *_section("compile", COMPILE, {
-        "enabled": "torch.compile the model", "backend": "the compile backend", "kwargs": "torch.compile "
-        "arguments"}),
+    *_done("compile", {"enabled": "torch.compile the model", "backend": "the compile backend",
+                       "kwargs": "torch.compile arguments"},
+           "tests/unit/runtime/test_engine_surface.py::test_the_compile_section_compiles_the_module",
+           "tests/unit/runtime/test_engine_surface.py::test_the_compile_sections_backend_and_kwargs_reach_torch_compile"),
     *_section("nebula", NEBULA, {
         "enabled": "save checkpoints through Nebula", "load_path": "where to load from",
         "enable_nebula_load": "load through Nebula", "persistent_storage_path": "persistent storage",

@@ -66,6 +66,8 @@ def _like(structure: Any, values: list[Any]) -> Any:
 class PipelineEngine(DeepSpeedEngine):
     """A training engine for hybrid pipeline, data (and model) parallelism; see the module docstring."""
 
+    pipeline_parallelism = True  # DeepSpeed's flag (False on the plain engine)
+
     def __init__(self, has_bool_tensors: bool = False, *super_args: Any, **super_kwargs: Any):
         model = super_kwargs.get("model", super_args[0] if super_args else None)
         if not hasattr(model, "mpu") or not hasattr(model, "chunk_range"):

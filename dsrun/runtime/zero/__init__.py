@@ -11,6 +11,7 @@ import importlib
 from dsrun.utils.errors import ConfigError, Problem
 
 from .base import MemoryBreakdown, StepOutcome, StrategyContext, ZeroStrategy
+from .fragments import attach_fragments
 
 # stage -> "module:class", imported on first use so a stage's module is only loaded when it is chosen
 STRATEGY_CLASSES: dict[int, str] = {
@@ -59,6 +60,7 @@ def build_zero_strategy(stage: int, ctx: StrategyContext) -> ZeroStrategy:
     bind = getattr(strategy.optimizer, "bind_strategy", None)
     if bind is not None:
         bind(strategy)
+    attach_fragments(strategy)  # per-parameter views for dsrun.utils.safe_get_full_fp32_param & co.
     return strategy
 
 

@@ -154,3 +154,19 @@ def test_ranks_die_with_a_killed_agent_and_the_launcher_says_so(tmp_path):
         kill_job(tag)
         if launcher is not None:
             Path(f"/tmp/dsrun-{launcher.pid}-node0.json").unlink(missing_ok=True)
+
+
+def test_elastic_training_on_one_node_restarts_after_a_crash(tmp_path):
+    """With --elastic_training the agent meets itself in the c10d rendezvous; a crashed rank restarts the group
+    in a new round (DeepSpeed's 100 restarts by default) and the job succeeds."""
+    tag = new_tag()
+    try:
+        done = _launch(tmp_path, tag, ["--num_procs", "2", "--elastic_training", "--rdzv_last_call_timeout", "1"],
+                       ["--crash-once", "1"], timeout=180)
+        assert done.returncode == 0, done.stderr
+        assert (tmp_path / "out" / "crashed1").exists()
+        assert [r["sum"] for r in read_ranks(tmp_path / "out", 2)] == [3.0, 3.0]
+        assert done.stderr.count("elastic round: localhost is node 0 of 1; world size 2") == 2
+        assert wait_until_gone(tag, 5) == []
+    finally:
+        kill_job(tag)

@@ -102,7 +102,7 @@ def test_elastic_batch_rejects_an_incompatible_world_size():
     problems = validate_ds_config({"elasticity": {"enabled": True, "max_train_batch_size": 64, "micro_batch_sizes": [8],
                                                   "max_gpus": 8, "version": 0.1}}, world_size=7)
     assert [p.path for p in problems] == ["elasticity"]
-    assert "valid data-parallel sizes" in problems[0].hint
+    assert "valid GPU counts: [1, 2, 3, 6]" in problems[0].hint
 
 
 def test_world_size_below_one_is_reported():

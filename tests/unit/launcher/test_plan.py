@@ -134,8 +134,6 @@ def test_ssh_command_line(tmp_path, hostfile):
 @pytest.mark.parametrize("runner, head", [
     ("pdsh", ["pdsh", "-S", "-f", "1024", "-w", "worker-0,worker-1,worker-2"]),
     ("slurm", ["srun", "--nodes=3", "--ntasks=3", "--ntasks-per-node=1", "--nodelist=worker-0,worker-1,worker-2"]),
-    ("openmpi", ["mpirun", "-n", "3", "--map-by", "ppr:1:node", "-H", "worker-0:1,worker-1:1,worker-2:1"]),
-    ("mpich", ["mpirun", "-n", "3", "-ppn", "1", "-hosts", "worker-0,worker-1,worker-2"]),
 ])
 def test_one_command_for_all_nodes_runners(tmp_path, hostfile, runner, head):
     p = plan(tmp_path, hostfile=str(hostfile), runner=runner, launcher_args="--extra 1")

@@ -77,4 +77,4 @@ def test_fp16_adds_the_loss_scale_event(tmp_path):
     engine.monitor.close()
     rows = _rows(tmp_path / "job" / "Train_Samples_loss_scale.csv")
     assert [int(step) for step, _ in rows] == [8, 16]
-    assert float(rows[-1][1]) == engine.loss_scale
+    assert float(rows[-1][1]) == engine.cur_scale

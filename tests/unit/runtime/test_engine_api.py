@@ -226,7 +226,7 @@ def test_fp16_auto_cast_casts_float_inputs() -> None:
                                                                    "initial_scale_power": 8}))[0]
     x, y = _batch()
     out = engine(x)  # fp32 input, fp16 model
-    assert out.dtype == torch.float16 and engine.fp16_enabled() and engine.loss_scale == 256
+    assert out.dtype == torch.float16 and engine.fp16_enabled() and engine.cur_scale == 256
     engine.backward(torch.nn.functional.mse_loss(out.float(), y))
     engine.step()
     assert engine.global_steps == 1 and engine.skipped_steps == 0

@@ -1,0 +1,131 @@
+"""Convert a dsrun ZeRO checkpoint (any stage, any number of ranks) to a universal checkpoint.
+
+DeepSpeed's ``deepspeed/checkpoint/ds_to_universal.py``, with its arguments::
+
+    python -m dsrun.checkpoint.ds_to_universal --input_folder ckpt/global_step100 --output_folder ckpt/global_step100_universal
+    dsrun convert ds-to-universal ckpt/global_step100 ckpt/global_step100_universal
+
+``--input_folder`` is one tag's folder. The saved ranks' optimizer files are merged into one value per
+parameter (the fp32 master and each optimizer state, e.g. Adam's ``exp_avg``/``exp_avg_sq``), written one
+folder per parameter (layout: :mod:`dsrun.checkpoint.universal_checkpoint`), next to a model states file whose
+module holds the full weights. ``latest_universal`` beside the output folder names it, so an engine with
+``"checkpoint": {"load_universal": true}`` loads it from the parent folder at any world size and stage. The
+output appears only when complete (written under ``.<name>.staging``, then renamed).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dsrun.utils import zero_to_fp32 as z2f
+
+from . import atomic, layout
+from .engine_io import rank_optimizer_states, saved_stage, saved_world
+from .reshard import merge_rank_states
+from .safe_load import load_file
+from .universal_checkpoint import CAT_DIM, FP32, LATEST_UNIVERSAL, OPTIMIZER_STATE, PARAM, STEP, UNIVERSAL_DIR
+
+
+def _model_states_file(tag_dir: Path) -> Path:
+    files = sorted(tag_dir.glob("*model_states.pt"), key=lambda p: z2f.natural_key(p.name))
+    if not files:
+        raise FileNotFoundError(f"{tag_dir}: no '*model_states.pt' file: pass one checkpoint tag's folder "
+                                "(e.g. checkpoints/global_step100)")
+    plain = tag_dir / layout.model_states_name(0, 0)
+    return plain if plain.is_file() else files[0]
+
+
+def _full_module(tag_dir: Path, saved_module: dict[str, Any]) -> dict[str, Any]:
+    """The module's state dict with full values: a stage-3 checkpoint's placeholders are replaced by its fp32
+    masters (frozen parameters by their gathered fragments), cast to the saved dtype."""
+    empty = [name for name, value in saved_module.items() if torch.is_tensor(value) and value.numel() == 0]
+    if not empty:
+        return dict(saved_module)
+    full = z2f.get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag_dir.name)
+    out = dict(saved_module)
+    for name in empty:
+        if name in full:
+            out[name] = full[name].to(saved_module[name].dtype).clone()
+    return out
+
+
+def ds_to_universal(input_folder: str, output_folder: str, verbose: bool = True) -> Path:
+    """Write the universal form of the checkpoint tag folder ``input_folder`` to ``output_folder`` and point
+    ``latest_universal`` (in ``output_folder``'s parent) at it; returns the output folder."""
+    say = print if verbose else (lambda *_: None)
+    tag_dir, out_dir = Path(input_folder), Path(output_folder)
+    if not tag_dir.is_dir():
+        raise FileNotFoundError(f"--input_folder {tag_dir} is not a folder")
+    model_path = _model_states_file(tag_dir)
+    model_states = load_file(model_path)
+    shapes = model_states.get("param_shapes")
+    if not shapes:
+        raise ValueError(f"{model_path}: the checkpoint has no optimizer state (no param_shapes) to convert; "
+                         "it was saved by an engine without optimizer")
+    stage, world = saved_stage(model_states, tag_dir), saved_world(model_states)
+    bf16 = any(tag_dir.glob("bf16_*optim_states.pt"))
+    say(f"Converting ZeRO-{stage} checkpoint of {world} rank(s) in {tag_dir} to a universal checkpoint in {out_dir}")
+    full = merge_rank_states(rank_optimizer_states(tag_dir, model_states, stage, world, bf16), stage, shapes)
+    shape_of = {name: torch.Size(shape) for group in shapes for name, shape in group.items()}
+
+    staging = out_dir.parent / f".{out_dir.name}.staging"
+    atomic.remove_tree(staging)
+    root = staging / UNIVERSAL_DIR
+    root.mkdir(parents=True)
+    for name, value in full.fp32.items():
+        folder = root / name
+        folder.mkdir()
+        atomic.save_torch({PARAM: value.view(shape_of[name]), CAT_DIM: 0}, folder / f"{FP32}.pt")
+        for key, moment in full.moments.get(name, {}).items():
+            atomic.save_torch({PARAM: moment.view(shape_of[name]), CAT_DIM: 0}, folder / f"{key}.pt")
+        step = full.group_scalars.get(full.param_group_of.get(name, 0), {}).get(STEP)
+        if step is not None:
+            atomic.save_torch(step, folder / f"{STEP}.pt")
+    meta = {"param_groups": full.param_groups, "group_scalars": full.group_scalars,
+            "param_group_of": full.param_group_of, "precision": full.precision,
+            "zero_stage": stage, "dp_world_size": world, "source": str(tag_dir)}
+    atomic.save_torch(meta, root / OPTIMIZER_STATE)
+
+    universal_states = {k: v for k, v in model_states.items() if k not in ("optimizer", "frozen_param_fragments")}
+    universal_states["module"] = _full_module(tag_dir, model_states["module"])
+    universal_states["dsrun"] = {**(model_states.get("dsrun") or {}), "universal_from": {"zero_stage": stage,
+                                                                                       "dp_world_size": world}}
+    atomic.save_torch(universal_states, staging / layout.model_states_name(0, 0))
+
+    elements = sum(math.prod(s) for s in shape_of.values())
+    atomic.fsync_dir(staging)
+    atomic.remove_tree(out_dir)
+    staging.rename(out_dir)
+    atomic.write_text(out_dir.parent / LATEST_UNIVERSAL, out_dir.name)
+    say(f"Wrote {len(full.fp32)} parameters ({elements} elements) with states "
+        f"{sorted({k for m in full.moments.values() for k in m}) or 'none'} to {out_dir}")
+    return out_dir
+
+
+def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Convert a ZeRO checkpoint tag folder to a universal checkpoint.")
+    parser.add_argument("--input_folder", type=str, required=True, help="the ZeRO checkpoint's tag folder")
+    parser.add_argument("--output_folder", type=str, required=True, help="the universal checkpoint folder to write")
+    # DeepSpeed's tuning flags: its conversion extracts and merges in worker processes; dsrun merges each
+    # rank's file in one pass, so they change nothing here and are accepted so DeepSpeed's command lines run
+    parser.add_argument("--num_extract_workers", type=int, default=4, help="accepted for DeepSpeed compatibility")
+    parser.add_argument("--num_merge_workers", type=int, default=2, help="accepted for DeepSpeed compatibility")
+    parser.add_argument("--keep_temp_folder", action="store_true", help="accepted for DeepSpeed compatibility "
+                        "(dsrun writes no temporary slice files)")
+    parser.add_argument("--no_strict", dest="strict", action="store_false", help="accepted for DeepSpeed "
+                        "compatibility (dsrun has no tensor-parallel patterns to check)")
+    return parser.parse_args(argv)
+
+
+def main(args: argparse.Namespace | None = None) -> None:
+    """DeepSpeed's entry point: ``main(args)`` with ``args.input_folder`` and ``args.output_folder``."""
+    args = parse_arguments() if args is None else args
+    ds_to_universal(args.input_folder, args.output_folder)
+
+
+if __name__ == "__main__":
+    main()

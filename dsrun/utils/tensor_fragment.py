@@ -1,0 +1,106 @@
+"""DeepSpeed's ``deepspeed.utils.safe_get_*`` / ``safe_set_*``: read and change a parameter's fp32 master
+weight, gradient and optimizer state under any ZeRO stage (0-3, offloaded or not).
+
+The engine's ZeRO strategy gives every parameter it trains a fragment (``param._dsrun_fragment``, see
+:mod:`dsrun.runtime.zero.fragments`) that knows where this rank's piece of the parameter lives; these
+functions only dispatch to it, so this module needs nothing from the layers above.
+
+* ``safe_get_full_*`` return the whole value, shaped like the parameter. **Collective**: every rank of the
+  data-parallel group must call them, for the same parameters in the same order, or the job hangs.
+* ``safe_set_full_*`` take the whole value (the same on every rank) and change training exactly as
+  assigning it in plain PyTorch would: the master, the optimizer state and the model's copy all follow.
+* ``safe_get_local_*`` / ``safe_set_local_*`` read or write this rank's piece only (not collective): the whole
+  parameter at stage 0, the part inside this rank's partition at stages 1-2, the shard (with its zero
+  padding) at stage 3.
+* Gradients are the averaged gradients the next step applies (loss scale removed, before clipping), valid
+  after the backward of a gradient-accumulation boundary and before ``step()``.
+* A parameter the engine does not train (frozen, or an engine without optimizer) gives ``None`` from the
+  getters, as in DeepSpeed (``safe_get_full_grad`` then returns ``param.grad``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+FRAGMENT_ATTR = "_dsrun_fragment"
+
+
+def _fragment(param: Any) -> Any:
+    return getattr(param, FRAGMENT_ATTR, None)
+
+
+def _require(param: Any, what: str) -> Any:
+    fragment = _fragment(param)
+    if fragment is None:
+        raise ValueError(f"{what}: this parameter is not trained by a dsrun engine (frozen, not in the "
+                         "optimizer, or no engine built yet); call it on a parameter of engine.module")
+    return fragment
+
+
+def safe_get_full_fp32_param(param: Any) -> Any:
+    """The full fp32 master value of ``param`` (collective)."""
+    fragment = _fragment(param)
+    return fragment.full_fp32() if fragment is not None else None
+
+
+def safe_set_full_fp32_param(param: Any, value: Any) -> None:
+    """Set ``param``'s fp32 master and model value to ``value`` (full shape, the same on every rank)."""
+    _require(param, "safe_set_full_fp32_param").set_full_fp32(value)
+
+
+def safe_get_full_optimizer_state(param: Any, optim_state_key: str) -> Any:
+    """The full optimizer state ``optim_state_key`` (e.g. ``exp_avg``, ``exp_avg_sq``) of ``param``
+    (collective)."""
+    fragment = _fragment(param)
+    return fragment.full_optimizer_state(optim_state_key) if fragment is not None else None
+
+
+def safe_set_full_optimizer_state(param: Any, value: Any, optim_state_key: str) -> None:
+    """Set ``param``'s optimizer state ``optim_state_key`` to ``value`` (full shape, the same on every rank);
+    the state must exist (optimizers create it at their first step)."""
+    _require(param, "safe_set_full_optimizer_state").set_full_optimizer_state(value, optim_state_key)
+
+
+def safe_get_full_grad(param: Any) -> Any:
+    """The full averaged gradient of ``param`` the next step applies (collective)."""
+    fragment = _fragment(param)
+    if fragment is None:
+        return getattr(param, "grad", None)
+    return fragment.full_grad()
+
+
+def safe_get_local_fp32_param(param: Any) -> Any:
+    """This rank's piece of ``param``'s fp32 master, flat."""
+    fragment = _fragment(param)
+    return fragment.local_fp32() if fragment is not None else None
+
+
+def safe_get_local_grad(param: Any) -> Any:
+    """This rank's piece of ``param``'s averaged gradient, flat."""
+    fragment = _fragment(param)
+    if fragment is None:
+        return getattr(param, "grad", None)
+    return fragment.local_grad()
+
+
+def safe_get_local_optimizer_state(param: Any, optim_state_key: str) -> Any:
+    """This rank's piece of ``param``'s optimizer state ``optim_state_key``, flat."""
+    fragment = _fragment(param)
+    return fragment.local_optimizer_state(optim_state_key) if fragment is not None else None
+
+
+def safe_set_local_fp32_param(param: Any, value: Any) -> None:
+    """Set this rank's piece of ``param``'s fp32 master (and this rank's copy of those weights) to ``value``.
+    At stages 1-2 the other ranks' copies of the model take the new value at the next step; at stage 3
+    call it on every rank (a gathered copy is dropped and gathered again)."""
+    _require(param, "safe_set_local_fp32_param").set_local_fp32(value)
+
+
+def safe_set_local_optimizer_state(param: Any, value: Any, optim_state_key: str) -> None:
+    """Set this rank's piece of ``param``'s optimizer state ``optim_state_key`` to ``value``."""
+    _require(param, "safe_set_local_optimizer_state").set_local_optimizer_state(value, optim_state_key)
+
+
+__all__ = ["safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
+           "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
+           "safe_set_full_fp32_param", "safe_set_full_optimizer_state", "safe_set_local_fp32_param",
+           "safe_set_local_optimizer_state"]
