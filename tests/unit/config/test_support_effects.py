@@ -131,11 +131,15 @@ ELASTIC = {"enabled": True, "max_train_batch_size": 2000, "micro_batch_sizes": [
            "num_gpus_per_node": 8}
 SMALL_V01 = {"version": 0.1, "max_train_batch_size": 100, "micro_batch_sizes": [2, 3]}
 ELASTIC_CHANGES = {  # key -> (base changes, changed) giving different batch triads at world size 8
-    "enabled": ({"enabled": False}, {}), "max_train_batch_size": ({}, {"max_train_batch_size": 1000}),
-    "micro_batch_sizes": ({}, {"micro_batch_sizes": [4]}), "min_gpus": ({}, {"min_gpus": 16}),
-    "max_gpus": (SMALL_V01, {**SMALL_V01, "max_gpus": 10}), "prefer_larger_batch": ({}, {"prefer_larger_batch": False}),
-    "version": ({}, {"version": 0.1}), "num_gpus_per_node": ({}, {"num_gpus_per_node": 1}),
-    "model_parallel_size": ({}, {"model_parallel_size": 2}),
+    "enabled": ({"enabled": False}, {}),
+    "max_train_batch_size": ({}, {"max_train_batch_size": 1000}),
+    "micro_batch_sizes": ({}, {"micro_batch_sizes": [4]}),
+    "min_gpus": ({}, {"min_gpus": 16}),
+    "max_gpus": (SMALL_V01, {**SMALL_V01, "max_gpus": 10}),
+    "prefer_larger_batch": ({"micro_batch_sizes": [3, 5]}, {"micro_batch_sizes": [3, 5], "prefer_larger_batch": False}),
+    "version": ({}, {"version": 0.1}),
+    "num_gpus_per_node": ({}, {"num_gpus_per_node": 1}),
+    "model_parallel_size": ({"max_train_batch_size": 500}, {"max_train_batch_size": 500, "model_parallel_size": 2}),
 }
 
 
