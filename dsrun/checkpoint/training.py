@@ -4,7 +4,8 @@
 ``train.resume``: ``null`` starts fresh; ``auto`` resumes from ``RUN_DIR/checkpoints`` when it holds a
 checkpoint (else starts fresh); a path resumes from that checkpoint folder (the one holding ``latest``), from
 a run directory's ``checkpoints/`` folder, or from one tag's folder (``.../checkpoints/global_step400``), and
-it is an error if there is nothing to resume from.
+it is an error if there is nothing to resume from. Ranks restarted within a run (elastic training, restarts
+after a failure) resume from the run's own newest checkpoint instead.
 The data loader's position travels in the checkpoint's client state, so a resumed run reads the very batches
 the interrupted one would have.
 """
@@ -48,7 +49,11 @@ class TrainingCheckpoints:
         self.engine, self.loader = engine, loader
         self.save_dir = run_dir / CHECKPOINTS_DIR
         self.save_interval, self.keep_last = int(save_interval or 0), int(keep_last or 0)
-        self.resume_from = find_checkpoint(resume, run_dir)
+        # a run directory is fresh for every run, so checkpoints already in it were saved by this run: its ranks
+        # were restarted (an elastic membership change, a restart after a failure) and go on from the newest
+        # one, whatever train.resume named for the first start
+        own = (self.save_dir, None) if layout.read_latest(self.save_dir) else None
+        self.resume_from = own or find_checkpoint(resume, run_dir)
         self.last_saved_step: int | None = None
 
     def resume(self) -> int:
