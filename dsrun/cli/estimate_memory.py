@@ -152,7 +152,8 @@ def _recipe_inputs(args: argparse.Namespace) -> tuple[Any, dict[str, Any], dict[
 
     info = {"name": str(target), "largest_layer_name": model.counts.largest_layer_name,
             "moe_total": model.counts.moe_total, "moe_active": model.counts.moe_active,
-            "config": OmegaConf.to_container(cfg["model"], resolve=True)}
+            "config": OmegaConf.to_container(cfg["model"], resolve=True),
+            "ds": OmegaConf.to_container(cfg["ds"], resolve=True)}
     return spec, info, sources
 
 
@@ -225,14 +226,8 @@ def measure_run(overrides: list[str], recipes_dirs: list[str], steps: int, timeo
     return load_measured_peaks(run_dir)
 
 
-def _pipeline_stages(args: argparse.Namespace, spec: Any) -> list | None:
+def _pipeline_stages(spec: Any, model_spec: dict[str, Any], ds_cfg: dict[str, Any]) -> list | None:
     """Each stage's estimate when the recipe's GPT is pipelined (``model.pipeline_stages`` > 1), else None."""
-    from omegaconf import OmegaConf
-
-    from dsrun.compose import compose_runspec
-
-    cfg = compose_runspec(list(args.overrides), recipes_dirs=tuple(args.recipes_dir))
-    model_spec = OmegaConf.to_container(cfg["model"], resolve=True)
     if int(model_spec.get("pipeline_stages", 1) or 1) <= 1:
         return None
     from dsrun.config import load_ds_config
@@ -240,7 +235,7 @@ def _pipeline_stages(args: argparse.Namespace, spec: Any) -> list | None:
 
     stages = int(model_spec["pipeline_stages"])
     world = spec.ranks_per_node * spec.nodes
-    ds = load_ds_config(OmegaConf.to_container(cfg["ds"], resolve=True), world_size=max(1, world // stages))
+    ds = load_ds_config(ds_cfg, world_size=max(1, world // stages))
     return pipeline_stage_memory(spec, model_spec, ds)
 
 
@@ -258,9 +253,10 @@ def run(args: argparse.Namespace) -> int:
     from dsrun.estimate.verdict import detect_budget
 
     spec, model_info, sources = _cold_inputs(args) if args.total_params is not None else _recipe_inputs(args)
-    spec = _with_process(spec, args, sources, model_cfg=model_info.pop("config", None))
+    model_cfg, ds_cfg = model_info.pop("config", None), model_info.pop("ds", None)
+    spec = _with_process(spec, args, sources, model_cfg=model_cfg)
     report = build_report(spec, model_info, sources, detect_budget())
-    stages = _pipeline_stages(args, spec) if args.total_params is None else None
+    stages = _pipeline_stages(spec, model_cfg, ds_cfg) if model_cfg is not None else None
     rows = None
     if args.measured or args.measure:
         from dsrun.estimate.measure import compare_peaks, load_measured_peaks
