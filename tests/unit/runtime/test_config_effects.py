@@ -141,14 +141,14 @@ def _auto_cast(**_):
 def _initial_scale(key, **_):
     a, b = ((fp16(loss_scale=128.0), fp16()) if key == "fp16.loss_scale"
             else (fp16(initial_scale_power=4), fp16(initial_scale_power=8)))
-    assert (engine(a).loss_scale, engine(b).loss_scale) == ((128.0, 2.0 ** 16) if key == "fp16.loss_scale"
+    assert (engine(a).cur_scale, engine(b).cur_scale) == ((128.0, 2.0 ** 16) if key == "fp16.loss_scale"
                                                             else (16.0, 256.0))
 
 
 def scale_after(n: int, overflow_at: tuple[int, ...], **keys: Any) -> float:
     e = engine(fp16(initial_scale_power=4, **keys))
     step(e, n, overflow_at)
-    return e.loss_scale
+    return e.cur_scale
 
 
 @effect("fp16.loss_scale_window")
