@@ -6,6 +6,7 @@ follow ``deepspeed.comm`` (which follows ``torch.distributed``), so code written
 """
 from __future__ import annotations
 
+import atexit
 import os
 from datetime import timedelta
 from typing import Any, Sequence
@@ -46,6 +47,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         configure(config)
     if dist_init_required is False:
         return
+    _destroy_at_exit.register()
     if dist.is_initialized():
         return
     if rank < 0 and "RANK" not in os.environ:
@@ -76,6 +78,31 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     if verbose and get_rank() == 0:
         print(f"[dsrun] initialized torch.distributed: backend={backend} world_size={get_world_size()}",
               flush=True)
+
+
+class _DestroyAtExit:
+    """Tear the default group down before the interpreter does, whoever created it (accelerate creates it
+    before calling ``deepspeed.init_distributed``): a script that never calls ``destroy_process_group``
+    (Hugging Face's Trainer, most DeepSpeed scripts) otherwise leaves gloo's threads to static destructors,
+    which can abort a rank whose work is done ("terminate called without an active exception"). Local only:
+    no collective, so ranks that already left do not matter."""
+
+    registered = False
+
+    def register(self) -> None:
+        if not self.registered:
+            atexit.register(self)
+            self.registered = True
+
+    def __call__(self) -> None:
+        if is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - at exit, a failed teardown must not mask the script's own status
+                pass
+
+
+_destroy_at_exit = _DestroyAtExit()
 
 
 def configure(config: Any = None, enabled: bool | None = None, verbose: bool | None = None,
