@@ -6,11 +6,12 @@ run's topology and process groups (:mod:`.topology`, :mod:`.groups`), and the po
 ``recv``, ``isend``, ``irecv`` and ``batch_isend_irecv`` the pipeline engine uses. Every call is counted
 (calls, message bytes, traffic bytes) by the comms logger; read the totals with :func:`get_comms_stats`.
 """
-from .comm import (P2POp, ReduceOp, all_gather, all_gather_into_tensor, all_gather_object, all_reduce, all_to_all_single,
-                   barrier, batch_isend_irecv, broadcast, broadcast_object_list, comms_logger, comms_report, configure,
-                   destroy_process_group, get_backend, get_comms_stats, get_global_rank, get_local_rank, get_rank,
-                   get_world_size, init_distributed, irecv, is_initialized, isend, log_summary, new_group, recv,
-                   reduce, reduce_scatter, reduce_scatter_tensor, recv_op, reset_comms_stats, send, send_op)
+from .comm import (P2POp, ReduceOp, all_gather, all_gather_into_tensor, all_gather_object, all_reduce,
+                   all_to_all_single, barrier, batch_isend_irecv, broadcast, broadcast_object_list, comms_logger,
+                   comms_report, configure, destroy_at_exit, destroy_process_group, get_backend, get_comms_stats,
+                   get_global_rank, get_local_rank, get_rank, get_world_size, init_distributed, irecv,
+                   is_initialized, isend, log_summary, new_group, recv, reduce, reduce_scatter,
+                   reduce_scatter_tensor, recv_op, reset_comms_stats, send, send_op)
 from .groups import ProcessGroups
 from .logger import CommsLogger, OpStats
 from .topology import PipeDataParallelTopology, PipeModelDataParallelTopology, ProcessTopology
@@ -18,7 +19,7 @@ from .topology import PipeDataParallelTopology, PipeModelDataParallelTopology, P
 __all__ = [
     "P2POp", "ReduceOp", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all_single",
     "barrier", "broadcast", "batch_isend_irecv", "broadcast_object_list", "comms_logger", "comms_report", "configure",
-    "destroy_process_group", "get_backend",
+    "destroy_at_exit", "destroy_process_group", "get_backend",
     "get_comms_stats", "get_global_rank", "get_local_rank", "get_rank", "get_world_size", "init_distributed",
     "irecv", "is_initialized", "isend", "recv", "send",
     "log_summary", "new_group", "reduce", "reduce_scatter", "reduce_scatter_tensor", "reset_comms_stats",

@@ -105,6 +105,11 @@ class _DestroyAtExit:
 _destroy_at_exit = _DestroyAtExit()
 
 
+def destroy_at_exit() -> None:
+    """Destroy the default process group at interpreter exit (once), whoever created it."""
+    _destroy_at_exit.register()
+
+
 def configure(config: Any = None, enabled: bool | None = None, verbose: bool | None = None,
               prof_all: bool | None = None, prof_ops: Sequence[str] | None = None,
               debug: bool | None = None) -> None:

@@ -79,6 +79,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     if dist_init_required is not False and not comm.is_initialized():
         comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required,
                               verbose=False)
+    if comm.is_initialized():  # also a group the script made itself (accelerate does)
+        comm.destroy_at_exit()
     # A model that needs its own engine names it (a PipelineModule: dsrun.runtime.pipe), and brings its own
     # process grid as the mpu, as deepspeed.initialize does with model.mpu().
     engine_class = model.engine_class() if hasattr(model, "engine_class") else DeepSpeedEngine
