@@ -24,23 +24,12 @@ from torch import nn
 
 from dsrun import comm
 from dsrun.utils.errors import Problem, UserError
+from dsrun.zero.tiling import partition_uniform  # DeepSpeed keeps one partition_uniform for both
 
 from .spec import LayerSpec, TiedLayerSpec
 
 PROFILE_REPEATS = 5
 _EXAMPLE: list[Any] = []  # the example micro-batch of the innermost profiling_inputs() block
-
-
-def partition_uniform(num_items: int, num_parts: int) -> list[int]:
-    """``num_parts + 1`` boundaries giving each part ``num_items // num_parts`` items, the first
-    ``num_items % num_parts`` parts one more (``partition_uniform(10, 4) == [0, 3, 6, 8, 10]``)."""
-    if num_items <= num_parts:
-        return [min(p, num_items) for p in range(num_parts + 1)]
-    chunk, residual = divmod(num_items, num_parts)
-    parts = [0]
-    for p in range(num_parts):
-        parts.append(parts[-1] + chunk + (1 if p < residual else 0))
-    return parts
 
 
 def partition_balanced(weights: Sequence[float], num_parts: int) -> list[int]:

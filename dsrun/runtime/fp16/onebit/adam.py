@@ -55,21 +55,13 @@ class OnebitAdam(OneBitOptimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.check_can_step()
+        loss = self.begin_step(closure)
         for gi, group in enumerate(self.param_groups):
             beta1, beta2 = group["betas"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+                state = self.moment_state(p)
                 state["step"] += 1
                 t = state["step"]
                 exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]

@@ -227,6 +227,25 @@ class OneBitOptimizer(torch.optim.Optimizer):
     def phase_note(self) -> str:
         return "compressed communication starts"
 
+    # --- the step's shared parts ------------------------------------------------------------------------
+    def begin_step(self, closure: Any = None) -> Any:
+        """Run ``closure`` (gradients on) and check the optimizer can step; returns the closure's loss or None."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.check_can_step()
+        return loss
+
+    def moment_state(self, p: torch.Tensor, **extra: Any) -> dict[str, Any]:
+        """``p``'s state, created on first use: step 0, ``extra``, and fp32 first and second moments."""
+        state = self.state[p]
+        if not state:
+            state.update(step=0, **extra)
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+        return state
+
     # --- the exchange -----------------------------------------------------------------------------------
     def check_can_step(self) -> None:
         if self.strategy is None and self.world_size > 1:

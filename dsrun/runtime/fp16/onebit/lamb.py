@@ -138,11 +138,7 @@ class OnebitLamb(OneBitOptimizer):
     # --- the step ---------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.check_can_step()
+        loss = self.begin_step(closure)
         self.lamb_coeffs = []
         if self.steps_taken() + 1 > self.freeze_step and not self.scaling_frozen:
             self._freeze_scaling_coeffs()
@@ -150,11 +146,7 @@ class OnebitLamb(OneBitOptimizer):
             for pi, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+                state = self.moment_state(p)
                 state["step"] += 1
                 segments = self._segments(gi, pi, p)
                 if state["step"] <= self.freeze_step:

@@ -78,21 +78,13 @@ class ZeroOneAdam(OneBitOptimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.check_can_step()
+        loss = self.begin_step(closure)
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                state = self.state[p]
-                if not state:
-                    state.update(step=0, var_interval=1, var_counter=0, variance_updates=0, local_step_interval=1,
-                                 local_step_counter=0, lrs=0.0)
-                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+                state = self.moment_state(p, var_interval=1, var_counter=0, variance_updates=0,
+                                          local_step_interval=1, local_step_counter=0, lrs=0.0)
                 state["step"] += 1
                 if state["step"] <= self.var_freeze_step:
                     self._learning_variance(gi, p, state, group)
