@@ -44,42 +44,7 @@ DS_PYTHON_ENV = "DSRUN_DEEPSPEED_PYTHON"
 
 
 # ------------------------------------------------------------------------------------------ the workload
-def build_gpt(vocab: int, seq: int, width: int, layers: int, heads: int):
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
-
-    class Block(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
-            self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
-            self.fc, self.out = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
-
-        def forward(self, x):
-            b, t, c = x.shape
-            q, k, v = (z.view(b, t, heads, c // heads).transpose(1, 2) for z in self.qkv(self.ln1(x)).split(c, 2))
-            x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c))
-            return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-    class GPT(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.wte, self.wpe = nn.Embedding(vocab, width), nn.Embedding(seq, width)
-            self.blocks = nn.ModuleList(Block() for _ in range(layers))
-            self.ln_f = nn.LayerNorm(width)
-            self.head = nn.Linear(width, vocab, bias=False)
-            self.head.weight = self.wte.weight
-
-        def forward(self, tokens):
-            x = self.wte(tokens[:, :-1]) + self.wpe(torch.arange(tokens.shape[1] - 1))
-            for block in self.blocks:
-                x = block(x)
-            logits = self.head(self.ln_f(x))
-            return F.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))
-
-    torch.manual_seed(0)
-    return GPT()
+from engine_step import build_gpt  # noqa: E402  (benchmarks/ is the script's folder; stdlib-only import)
 
 
 def ds_config(stage: int, opts: dict) -> dict:
