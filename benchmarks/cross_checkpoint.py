@@ -40,7 +40,8 @@ MODEL = {"vocab": 128, "seq": 16, "width": 32, "layers": 2, "heads": 2}
 
 
 def ds_config(stage: int, bf16: bool) -> dict:
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**9, "gradient_clipping": 1.0,
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
+           "gradient_clipping": 1.0,
            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}},
            "zero_optimization": {"stage": stage}}
     if bf16:

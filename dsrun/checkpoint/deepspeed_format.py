@@ -81,7 +81,7 @@ def holds_foreign(obj: Any) -> bool:
 
 # --- dsrun -> DeepSpeed ----------------------------------------------------------------------------------
 def _static_scaler() -> ForeignObject:
-    return ForeignObject(_LOSS_SCALER_MODULE, "LossScaler", {"cur_scale": 1.0, "dynamic": False})
+    return ForeignObject(_LOSS_SCALER_MODULE, "LossScaler", {"cur_scale": 1.0, "dynamic": False}, newobj=True)
 
 
 def zero_state_for_deepspeed(sd: dict[str, Any], precision: str, clip_grad: float) -> dict[str, Any]:
