@@ -36,7 +36,7 @@ def _groups_of(stats: dict[str, dict[str, Any]], op: str) -> dict[str, int]:
     return {group: int(s["count"]) for group, s in stats.get(op, {}).items()}
 
 
-def _run(key: str, cfg: dict[str, Any], rank: int, world: int, zero_init: bool = False) -> dict[str, Any]:
+def _run(cfg: dict[str, Any], rank: int, world: int, zero_init: bool = False) -> dict[str, Any]:
     import dsrun
     from dsrun import comm
     from dsrun.runtime.initialize import initialize
@@ -73,7 +73,7 @@ def _run(key: str, cfg: dict[str, Any], rank: int, world: int, zero_init: bool =
             "backward": {op: _groups_of(backward, op) for op in backward}}
 
 
-def _resume(key: str, cfg: dict[str, Any], rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
+def _resume(cfg: dict[str, Any], rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
     """Train 3 steps, save, train 2 more; a fresh engine loads the checkpoint and trains the same 2."""
     import dsrun
 
@@ -106,12 +106,12 @@ def suite(rank: int, world: int, ckpt_root: str) -> dict[str, Any]:
         if key == "mics_hier":
             os.environ["LOCAL_WORLD_SIZE"] = "2"
         try:
-            out[key] = _run(key, cfg, rank, world)
+            out[key] = _run(cfg, rank, world)
         finally:
             if saved is not None:
                 os.environ["LOCAL_WORLD_SIZE"] = saved
-    out["mics_init"] = _run("mics_init", CASES["mics"], rank, world, zero_init=True)
+    out["mics_init"] = _run(CASES["mics"], rank, world, zero_init=True)
     out["rank"] = rank
     for key in ("mics", "hpz"):
-        out[f"resume/{key}"] = _resume(key, CASES[key], rank, world, os.path.join(ckpt_root, key))
+        out[f"resume/{key}"] = _resume(CASES[key], rank, world, os.path.join(ckpt_root, key))
     return out

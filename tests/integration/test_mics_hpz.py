@@ -92,9 +92,10 @@ def test_hpz_backward_gathers_stay_in_the_secondary_group(results: list[dict]) -
         assert hpz["forward"]["all_gather"][world] == plain["forward"]["all_gather"][world]
         # with prefetching, gathers for backward start early: still all from the secondary partitions
         prefetched = out["hpz"]
-        counts = {g: prefetched["forward"]["all_gather"].get(g, 0) + prefetched["backward"].get("all_gather", {}).get(g, 0)
+        counts = {g: sum(prefetched[phase].get("all_gather", {}).get(g, 0) for phase in ("forward", "backward"))
                   for g in (world, secondary)}
-        assert counts == {world: hpz["forward"]["all_gather"][world], secondary: hpz["backward"]["all_gather"][secondary]}
+        assert counts == {world: hpz["forward"]["all_gather"][world],
+                          secondary: hpz["backward"]["all_gather"][secondary]}
         for key in ("hpz", "hpz_no_prefetch"):
             assert out[key]["memory"]["parameters"] == (_elements(numels, 4) + _elements(numels, 2)) * 4
             assert out[key]["losses"] == plain["losses"], rank
