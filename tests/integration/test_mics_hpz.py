@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 import torch
 
+from dsrun.estimate.inputs import EstimateInputs
+from dsrun.estimate.model_states import model_state_bytes
 from tests import tolerance as t
 from tests.helpers import run_ranks
 from tests.integration import _mics_workloads as m
@@ -49,6 +51,13 @@ def _elements(numels: list[int], ranks: int) -> int:
     return sum(math.ceil(n / ranks) for n in numels)
 
 
+def _estimated_parameter_bytes(numels: list[int], **layout: int) -> int:
+    """What dsrun's memory estimator predicts for the parameters of one rank."""
+    spec = EstimateInputs(total_params=sum(numels), largest_layer_params=max(numels), ranks_per_node=WORLD,
+                          zero_stage=3, precision="fp32", device="cpu", **layout)
+    return model_state_bytes(spec).device_params
+
+
 def test_mics_partitions_over_shard_groups_and_matches_zero3(results: list[dict]) -> None:
     """mics_shard_size=2: half the model's parameter bytes per rank, gathers and reduce-scatters inside the
     shard group, one all-reduce across replicas per step; losses as plain ZeRO-3's. The hierarchical
@@ -59,6 +68,7 @@ def test_mics_partitions_over_shard_groups_and_matches_zero3(results: list[dict]
     assert all(n % 2 == 0 for n in numels)  # so "half the model" is exact, no padding
     model_bytes = sum(numels) * 4
     assert mics["memory"]["parameters"] * 2 == model_bytes
+    assert mics["memory"]["parameters"] == _estimated_parameter_bytes(numels, mics_shard_size=2)
     assert plain["memory"]["parameters"] == _elements(numels, 4) * 4
     for out in results:
         rank = out["rank"]
@@ -98,6 +108,7 @@ def test_hpz_backward_gathers_stay_in_the_secondary_group(results: list[dict]) -
                           secondary: hpz["backward"]["all_gather"][secondary]}
         for key in ("hpz", "hpz_no_prefetch"):
             assert out[key]["memory"]["parameters"] == (_elements(numels, 4) + _elements(numels, 2)) * 4
+            assert out[key]["memory"]["parameters"] == _estimated_parameter_bytes(numels, hpz_partition_size=2)
             assert out[key]["losses"] == plain["losses"], rank
             np.testing.assert_array_equal(out[key]["params"], plain["params"])
 
