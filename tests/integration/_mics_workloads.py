@@ -81,6 +81,14 @@ def _resume(cfg: dict[str, Any], rank: int, world: int, ckpt_dir: str) -> dict[s
     engine, _, _, _ = dsrun.initialize(model=w.build_model(NAME), config=cfg)
     train_steps(engine, batch_at, 3, rank, world)
     engine.save_checkpoint(ckpt_dir, tag="t3")
+    saved = dsrun.zero.full_state_dict(engine.module)
+    consolidated = None
+    if rank == 0:  # zero_to_fp32 rebuilds the full fp32 model from the saved partitions
+        from dsrun.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        fp32 = get_fp32_state_dict_from_zero_checkpoint(ckpt_dir, "t3")
+        names = [n for n, _ in engine.module.named_parameters()]
+        consolidated = all(torch.equal(fp32[n], saved[n]) for n in names)
     after = lambda step, size: batch_at(step + 3, size)  # noqa: E731
     uninterrupted, _ = train_steps(engine, after, 2, rank, world)
     engine.destroy()
@@ -89,7 +97,7 @@ def _resume(cfg: dict[str, Any], rank: int, world: int, ckpt_dir: str) -> dict[s
     fresh.load_checkpoint(ckpt_dir, tag="t3")
     resumed, _ = train_steps(fresh, after, 2, rank, world)
     fresh.destroy()
-    return {"uninterrupted": uninterrupted, "resumed": resumed}
+    return {"uninterrupted": uninterrupted, "resumed": resumed, "consolidated": consolidated}
 
 
 def _scramble(module: torch.nn.Module) -> None:

@@ -115,7 +115,9 @@ def test_hpz_backward_gathers_stay_in_the_secondary_group(results: list[dict]) -
 
 def test_mics_and_hpz_checkpoints_resume(results: list[dict]) -> None:
     """Saved under MiCS (mics_shard_size=2) or hpZ (zero_hpz_partition_size=2) and loaded into the same
-    layout, training continues exactly as without the interruption."""
+    layout, training continues exactly as without the interruption; zero_to_fp32 rebuilds the saved model."""
     for out in results:
         for key in ("resume/mics", "resume/hpz"):
             assert out[key]["resumed"] == out[key]["uninterrupted"], key
+    assert results[0]["resume/mics"]["consolidated"] is True
+    assert results[0]["resume/hpz"]["consolidated"] is True

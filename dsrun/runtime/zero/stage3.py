@@ -404,6 +404,7 @@ class Stage3Strategy(ZeroStrategy):
         sd = {
             "zero_stage": 3,
             "partition_count": self.sharding.shard_size,
+            "mics_shard_size": self.sharding.shard_size if self.sharding.mics else -1,
             "overflow": False,
             "optimizer_state_dict": self._optimizer_state_dict(),
             "fp32_flat_groups": [self._master_for_checkpoint(i, sg) for i, sg in enumerate(self.sub_groups)],
