@@ -80,7 +80,7 @@ class Stage3Sharding:
                 raise ConfigError(Problem(f"{ZP}.mics_shard_size" if self.mics else f"{ZP}.zero_hpz_partition_size",
                                           "MiCS and hpZ do not partition MoE expert parameters",
                                           "turn them off for a model with experts"))
-            return self.groups.group_of_param(param)
+            return self.groups.group_of_param(param) if self.groups is not None else self.data_group
         return self.shard_group
 
     def attach(self, param: torch.nn.Parameter) -> None:
