@@ -63,6 +63,11 @@ class Stage3Sharding:
         if hierarchical:  # (a shard group of the whole data-parallel group too)
             per_node = int(ranks_per_node or os.environ.get("LOCAL_WORLD_SIZE", self.shard_size))
             if per_node < self.shard_size:  # the shard group spans nodes: two levels
+                if self.shard_size % per_node:
+                    raise ConfigError(Problem(f"{ZP}.mics_hierarchical_params_gather",
+                                              f"shard groups of {self.shard_size} ranks do not split into nodes of "
+                                              f"{per_node}", "use a mics_shard_size that is a multiple of the ranks "
+                                              "per node, or turn the hierarchical gather off"))
                 self.gather_levels = groups.shard_node_groups(self.shard_size, per_node)
         self.secondary_group = groups.shard(hpz_size) if self.hpz else None
         self.secondary_size = int(hpz_size) if self.hpz else 1
