@@ -234,6 +234,8 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | Non
         stage = int(head["zero_stage"])
         count = head["partition_count"]
         world = max(count) if isinstance(count, (list, tuple)) else int(count)
+        if head.get("mics_shard_size") and len(optim_files) % world == 0:
+            optim_files = optim_files[:world]  # MiCS: the first shard group's ranks hold every partition once
         del head
         if world != len(optim_files):
             raise ValueError(f"Expected {world} of '*_{OPTIM_SUFFIX}' under '{tag_dir}' but found "

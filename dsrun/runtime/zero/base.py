@@ -191,6 +191,7 @@ class ZeroStrategy(ABC):
             self.pre_divide, self.post_scale = float(self.world_size), 1.0
         self.hooks = StepHooks()  # named points on the step path (step_hooks.py)
         self.global_grad_norm: float | None = None
+        self.norm_group = ctx.group  # the ranks whose partitions together hold every gradient once
         self.steps_taken = 0
         self._backward_allreduce = True
         self._gradients_reduced = True  # whether this step's gradients were reduced in backward
@@ -274,7 +275,7 @@ class ZeroStrategy(ABC):
     def _global_norm(self, scale: float) -> float:
         sq = self._local_sq_norm()
         if self.norm_is_partitioned and self._gradients_reduced and self.world_size > 1:
-            comm.all_reduce(sq, group=self.ctx.group)
+            comm.all_reduce(sq, group=self.norm_group)
         if self.ctx.pipelined:  # the stages hold disjoint parameters: their squares add up
             comm.all_reduce(sq, group=self.ctx.groups.pipe)
         return math.sqrt(sq.item()) * scale

@@ -436,7 +436,7 @@ class OffloadStage3Strategy(Stage3Strategy):
     def memory_breakdown(self) -> MemoryBreakdown:
         """Resident bytes only: swapped masters, states and gradients are not counted; the swap buffers are
         (``buffers``). Host-resident (CPU-offloaded) state is counted as it lives in this process's memory."""
-        shards = sum(tensor_bytes(p.ds_tensor) for p in self.params)
+        shards = sum(tensor_bytes(p.ds_tensor) for p in self.params) + self.sharding.secondary_bytes(self.params)
         persistent = sum(p.ds_numel * p.ds_tensor.element_size() for p in self.params if p.ds_persist)
         resident = self._resident()
         grads = sum(tensor_bytes(sg.grad) for sg in resident)
@@ -449,7 +449,7 @@ class OffloadStage3Strategy(Stage3Strategy):
             buffers += self.swapped.resident_bytes
         if self.param_offload is not None:
             buffers += self.param_offload.buffer_bytes()  # offload_param nvme: read/write pool and cache
-        padding = sum(shard_padding(p, self.rank) * p.ds_tensor.element_size() for p in self.params)
+        padding = sum(shard_padding(p, self.sharding.shard_rank) * p.ds_tensor.element_size() for p in self.params)
         return MemoryBreakdown(parameters=shards + persistent, gradients=grads, master_weights=masters,
                                optimizer_states=states, padding=int(padding), buffers=buffers)
 
