@@ -29,8 +29,9 @@ class AutotuningProbe:
     def __init__(self, engine: Any, config: Any):
         section = config.autotuning
         self.engine = engine
-        self.active = bool(section.enabled and section.metric_path)
-        self.path = Path(section.metric_path) if self.active else None
+        path = section.metric_path
+        self.active = bool(section.enabled and path)
+        self.path = Path(path) if self.active else None
         self.end = int(section.end_profile_step)
         self.step_times_ms: list[float] = []
         self.step_timers_ms: list[dict[str, float] | None] = []
