@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +130,10 @@ def ds_to_universal(input_folder: str, output_folder: str, verbose: bool = True)
     universal_states["dsrun"] = {**extras, "universal_from": source}
     atomic.save_torch(universal_states, staging / layout.model_states_name(0, 0))
 
+    for rank in range(world):  # the 1-bit optimizers' per-rank error buffers, re-cut at load like a reshard
+        rank_file = tag_dir / layout.rank_states_name(rank)
+        if rank_file.is_file():
+            shutil.copyfile(rank_file, staging / rank_file.name)
     elements = sum(math.prod(s) for s in shape_of.values())
     atomic.fsync_dir(staging)
     atomic.remove_tree(out_dir)
