@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     if args.autotuning and not args.dry_run:  # DeepSpeed's autotuner on this script (docs/autotuning.md)
         from dsrun.cli import launch_autotuning
 
-        return launch_autotuning.run(args, plan.world_size)
+        return launch_autotuning.run(args, plan.world_size, add_arguments)
     check_script_config(args.script_args)
     if args.dry_run:
         print(json.dumps(plan.to_json(), indent=2))

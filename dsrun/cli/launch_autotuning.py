@@ -7,16 +7,15 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 # launcher flags a trial must not repeat: it is one local launch that the tuner supervises
 _NOT_FORWARDED = {"autotuning", "script", "script_args", "dry_run", "save_pid", "max_restarts"}
 
 
-def launcher_flags(args: argparse.Namespace) -> list[str]:
-    """The launcher flags of ``args`` that differ from their defaults, as command-line words."""
-    from dsrun.cli.launch import add_arguments
-
+def launcher_flags(args: argparse.Namespace, add_arguments: Callable[[argparse.ArgumentParser], None]) -> list[str]:
+    """The launcher flags of ``args`` (parsed by a parser ``add_arguments`` builds) that differ from their
+    defaults, as command-line words."""
     parser = argparse.ArgumentParser(add_help=False)
     add_arguments(parser)
     words: list[str] = []
@@ -35,7 +34,7 @@ def launcher_flags(args: argparse.Namespace) -> list[str]:
     return words
 
 
-def run(args: argparse.Namespace, world_size: int) -> int:
+def run(args: argparse.Namespace, world_size: int, add_arguments: Callable[[argparse.ArgumentParser], None]) -> int:
     from dsrun.autotuning import build_space, settings_from
     from dsrun.autotuning.script import ScriptTuner, find_config_arg, space_mapping
     from dsrun.cli.tune import Reporter, tune_and_report
@@ -53,7 +52,7 @@ def run(args: argparse.Namespace, world_size: int) -> int:
     section = load_ds_config(path, world_size=None, world_size_source="dsrun launch --autotuning").autotuning
     settings = settings_from(section, raw, space_mapping(user_ds, bool(section.fast)), Path.cwd())
     space = build_space(settings, {k: v for k, v in user_ds.items() if v != "auto"}, world_size)
-    tuner: Any = ScriptTuner(settings, space, user_ds, launcher_flags(args), args.script, args.script_args)
+    tuner: Any = ScriptTuner(settings, space, user_ds, launcher_flags(args, add_arguments), args.script, args.script_args)
     reporter = Reporter(settings, space)
     tuner.on_event = reporter.event
     return tune_and_report(tuner, reporter, args.autotuning == "run")
