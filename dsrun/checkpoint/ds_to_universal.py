@@ -56,10 +56,11 @@ def _full_module(tag_dir: Path, saved_module: dict[str, Any]) -> dict[str, Any]:
 
 def _pipeline_source(tag_dir: Path, say: Any) -> tuple[int, int, Any, list[dict[str, Any]], dict[str, Any]]:
     """A pipeline checkpoint's ZeRO stage, data-parallel size, merged optimizer state, parameter shapes and
-    module state, every parameter by its layer name (:mod:`.pipeline_state`)."""
+    module state, every parameter by its universal name (:class:`.pipeline_state.NameMap`)."""
     slices = pipeline_state.saved_slices(tag_dir)
     tied = pipeline_state.tied_layers(slices[0], tag_dir)
-    first = pipeline_state.first_layers(tied)
+    names = pipeline_state.NameMap(pipeline_state.first_layers(tied),
+                                   slices[0]["dsrun"][pipeline_state.PIPELINE_KEY].get("dense_names"))
     stage, world = int(slices[0]["dsrun"]["zero_stage"]), saved_world(slices[0])
     if not any(sd.get("param_shapes") for sd in slices):
         raise ValueError(f"{tag_dir}: the checkpoint has no optimizer state (no param_shapes) to convert; "
@@ -67,15 +68,15 @@ def _pipeline_source(tag_dir: Path, say: Any) -> tuple[int, int, Any, list[dict[
     say(f"Converting pipeline checkpoint of {len(slices)} stage(s) x {world} data-parallel rank(s) at ZeRO-{stage} "
         f"in {tag_dir} to a universal checkpoint (parameters by layer name)")
     bf16 = any(tag_dir.glob("bf16_*optim_states.pt"))
-    full = pipeline_state.renamed(pipeline_state.merge_stages(tag_dir, slices, bf16),
-                                  lambda n: pipeline_state.to_layer_name(n, first))
+    full = pipeline_state.renamed(pipeline_state.merge_stages(tag_dir, slices, bf16), names.universal)
     shapes: list[dict[str, Any]] = []
     for sd in slices:
         for gi, group in enumerate(sd.get("param_shapes") or []):
             while len(shapes) <= gi:
                 shapes.append({})
-            shapes[gi].update({pipeline_state.to_layer_name(n, first): s for n, s in group.items()})
-    return stage, world, full, shapes, pipeline_state.layer_module_state(tag_dir, tied)
+            shapes[gi].update({names.universal(n): s for n, s in group.items()})
+    module = {names.dense.get(k, k): v for k, v in pipeline_state.layer_module_state(tag_dir, tied).items()}
+    return stage, world, full, shapes, module
 
 
 def ds_to_universal(input_folder: str, output_folder: str, verbose: bool = True) -> Path:

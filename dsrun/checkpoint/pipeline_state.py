@@ -45,6 +45,28 @@ def to_pipeline_name(name: str, tied_first: dict[str, int]) -> str:
     return name
 
 
+class NameMap:
+    """Pipeline names <-> universal names: the layer name, or the dense model's own name where the
+    ``PipelineModule`` declares one (``module.dense_names``: ``{layer name: dense name}``, e.g. the built-in
+    GPT's ``2.attn.c_attn.weight`` -> ``transformer.h.0.attn.c_attn.weight``)."""
+
+    def __init__(self, tied_first: dict[str, int], dense: dict[str, str] | None = None):
+        self.tied_first = tied_first
+        self.dense = dict(dense or {})
+        self.layer_of = {v: k for k, v in self.dense.items()}
+
+    def universal(self, pipeline_name: str) -> str:
+        layer = to_layer_name(pipeline_name, self.tied_first)
+        return self.dense.get(layer, layer)
+
+    def pipeline(self, universal_name: str) -> str:
+        return to_pipeline_name(self.layer_of.get(universal_name, universal_name), self.tied_first)
+
+    def layer(self, universal_name: str) -> str:
+        """The layer name of a universal name (module state keys)."""
+        return self.layer_of.get(universal_name, universal_name)
+
+
 def saved_slices(tag_dir: Path) -> list[dict[str, Any]]:
     """Every saved stage's model states file (``mp_rank_XX_model_states.pt``), in slice order."""
     out, index = [], 0

@@ -78,7 +78,8 @@ def save_pipeline_checkpoint(engine: Any, save_dir: str, tag: Any = None, client
             sd["mp_world_size"] = engine.grid.get_slice_parallel_world_size()
             sd["dsrun"][PIPELINE_KEY] = {"stages": module.num_stages, "parts": list(module.parts),
                                          "num_layers": module._num_layers, "virtual_stages": module.virtual_stages,
-                                         "slice_rank": _slice_rank(engine), "tied": _tied_layers(module)}
+                                         "slice_rank": _slice_rank(engine), "tied": _tied_layers(module),
+                                         "dense_names": getattr(module, "dense_names", None)}
             path = staging / layout.model_states_name(0, 0, mp_rank=_slice_rank(engine))
             atomic.save_torch(sd, path, rank)
             written.append(path.name)
@@ -177,11 +178,12 @@ def load_pipeline_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_m
 def _load_universal(engine: Any, tag_dir: Path, strict: bool, load_optimizer_states: bool,
                     load_lr_scheduler_states: bool, load_module_only: bool) -> tuple[str, dict]:
     module = engine.module
-    tied = _tied_layers(module)
-    first = pipeline_state.first_layers(tied)
+    names = pipeline_state.NameMap(pipeline_state.first_layers(_tied_layers(module)),
+                                   getattr(module, "dense_names", None))
+    first = names.tied_first
     path = tag_dir / layout.model_states_name(0, 0)
     model_states = load_file(path)
-    by_layer = model_states["module"]
+    by_layer = {names.layer(k): v for k, v in model_states["module"].items()}
     for idx in module.local_layer_indices():
         layer = module.layer_state_module(idx)
         if layer is None:
@@ -199,8 +201,7 @@ def _load_universal(engine: Any, tag_dir: Path, strict: bool, load_optimizer_sta
     if engine.strategy is not None:
         strategy = engine.strategy
         if load_optimizer_states:
-            full = pipeline_state.renamed(universal_checkpoint.load_universal_state(tag_dir),
-                                          lambda n: pipeline_state.to_pipeline_name(n, first))
+            full = pipeline_state.renamed(universal_checkpoint.load_universal_state(tag_dir), names.pipeline)
         else:
             full = reshard.FullOptimizerState(fp32={n: p.detach().reshape(-1).float().cpu()
                                                     for n, p in module.named_parameters()})
