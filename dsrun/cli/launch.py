@@ -125,8 +125,8 @@ def run(args: argparse.Namespace) -> int:
 
         return launch_autotuning.run(args, plan.world_size, add_arguments)
     check_script_config(args.script_args)
-    if args.dry_run:
-        print(json.dumps(plan.to_json(), indent=2))
+    if args.dry_run:  # with --autotuning: the plan every experiment (and the final run) launches with
+        print(json.dumps({**plan.to_json(), **({"autotuning": args.autotuning} if args.autotuning else {})}, indent=2))
         return 0
     return run_plan(plan)
 

@@ -88,6 +88,8 @@ def test_mapping_takes_the_new_keys(job):
 def test_autotuning_needs_the_scripts_config(job):
     done = run_cli("launch", "--autotuning", "run", "train.py", cwd=job)
     assert done.returncode == 2 and "--deepspeed ds_config.json" in done.stderr
+    planned = run_cli("launch", "--autotuning", "tune", "--dry-run", "train.py", cwd=job)
+    assert planned.returncode == 0 and json.loads(planned.stdout)["autotuning"] == "tune"
 
 
 def test_help_lists_deepspeeds_launcher_flags():
