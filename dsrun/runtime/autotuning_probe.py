@@ -47,8 +47,10 @@ class AutotuningProbe:
         self._last = now
         if engine.timers.enabled:
             totals = {name: engine.timers.lifetime_ms(name) for name in TIMERS}
-            self.step_timers_ms.append({name: totals[name] - self._totals[name] for name in TIMERS})
+            delta = {name: totals[name] - self._totals[name] for name in TIMERS}
             self._totals = totals
+            # an engine whose forward/backward do not go through the timers (the pipeline's schedule): wall time
+            self.step_timers_ms.append(delta if delta["forward"] + delta["backward"] > 0 else None)
         else:
             self.step_timers_ms.append(None)
         if engine.global_steps >= self.end:
