@@ -357,6 +357,8 @@ def _restore_strategy(engine: Any, tag_dir: Path, model_states: dict[str, Any], 
         full = universal_checkpoint.load_universal_state(tag_dir)
         strategy.load_state_dict(reshard.state_for_rank(strategy.state_dict(), full, live_stage, live_world, dp_rank,
                                                         live_shapes, load_optimizer_states=load_optimizer_states))
+        if load_optimizer_states:
+            _restore_rank_states(strategy, tag_dir, world_saved, dp_rank, same_layout=False)
         return
     saved_shapes = model_states.get("param_shapes")
     # the same masters, cut the same way (stage 3's sub_group_size may differ between the runs)

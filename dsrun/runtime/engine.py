@@ -29,6 +29,7 @@ from dsrun.runtime.engine_getters import EngineConfigGetters
 from dsrun.runtime.engine_methods import EngineMethods
 from dsrun.runtime.fp16.onebit import ONE_BIT_CLASSES, build_onebit_optimizer
 from dsrun.runtime.lr_schedules import build_lr_scheduler
+from dsrun.runtime.autotuning_probe import AutotuningProbe
 from dsrun.runtime.observer import EngineObserver
 from dsrun.runtime.precision import PrecisionStrategy, build_precision
 from dsrun.runtime.timers import WallClockTimers
@@ -113,6 +114,7 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
         self._last_step_comm: dict[str, dict[str, float]] = {}
         # observability (monitors, wall-clock breakdown, flops profiler): dsrun/runtime/observer.py
         self.observer = EngineObserver(self, config)
+        self.autotuning_probe = AutotuningProbe(self, config)  # dsrun/runtime/autotuning_probe.py
         self.monitor = self.observer.monitor
         self.flops_profiler = self.observer.flops_profiler
         self._apply_compile_config()  # the config's compile section (engine_methods.py)
@@ -244,6 +246,7 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
         self.micro_steps += 1
         self._boundary_override = None
         self.timers.stop(STEP_TIMER)
+        self.autotuning_probe.after_step(boundary)  # autotuning.metric_path: measure, then stop the run
         self.observer.after_step(boundary)  # monitor events; wall-clock means every steps_per_print
 
     def _close_comm_window(self) -> None:

@@ -219,7 +219,13 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | Non
     if expert_fp32:
         group_shapes = group_shapes[:_shared_group_count(group_shapes)]
     shared = dict(first.get("shared_params") or {})
-    order = extras.get("state_dict_keys") or list(first["module"].keys())
+    if first.get("module") is None:
+        raise ValueError(f"{model_files[0]} holds no module (a pipeline checkpoint keeps its weights in "
+                         "layer_*-model_states.pt): convert it with ds_to_universal instead")
+    # the model's key order; a checkpoint without it (older ones, an empty module copy): the module's keys,
+    # else the masters' order then the buffers
+    order = (extras.get("state_dict_keys") or list(first["module"].keys())
+             or [n for g in group_shapes for n in g] + list(first["buffer_names"]))
     # keep only what the fp32 masters do not provide (buffers, frozen parameters), so the 16-bit or fp32
     # module copy is not held next to the output
     trainable = {name for shapes in group_shapes for name in shapes} | set(shared)
@@ -289,6 +295,9 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | Non
     if order:  # the model's own key order, aliases included
         result = OrderedDict((k, result[k]) for k in order if k in result and not (expert_fp32 and EXPERT_MARK in k))
     result.update((name, expert_fp32[name]) for name in sorted(expert_fp32, key=natural_key))
+    if out and not result:
+        raise ValueError(f"{tag_dir}: none of the {len(out)} parameters with fp32 masters is in the checkpoint's "
+                         "key order (state_dict_keys / module): the model states file does not match its masters")
     say(f"Reconstructed fp32 state dict with {len(out)} params {total} elements")
     return result
 

@@ -254,7 +254,9 @@ ENTRIES: list[Entry] = [
          CONFIG, STUDY + "test_a_different_space_in_the_same_results_dir_is_refused_unless_overwrite",
          traced=False),
     done("autotuning.metric", "latency, throughput or flops", CONFIG),
-    todo("autotuning.metric_path", "read the metric from this file", ENGINE),
+    done("autotuning.metric_path", "the engine writes the profile window's step timings here after "
+         "end_profile_step and exits (an autotuning experiment of dsrun launch --autotuning)",
+         "tests/integration/test_launch_autotuning.py::test_autotuning_run_tunes_the_script_then_trains_the_best"),
     done("autotuning.start_profile_step", "first step of the measured window", CONFIG),
     done("autotuning.end_profile_step", "last step of the measured window", CONFIG),
     done("autotuning.max_train_batch_size", "largest global batch a trial may use", CONFIG),

@@ -24,14 +24,19 @@ from typing import Any
 import torch
 
 from dsrun import comm
-from dsrun.checkpoint import atomic, engine_io, layout, reshard, state
+from dsrun.checkpoint import atomic, engine_io, layout, pipeline_state, reshard, state, universal_checkpoint
 from dsrun.checkpoint.safe_load import load_file
 from dsrun.checkpoint.utils import clone_tensors_for_torch_save
 from dsrun.utils.errors import Problem, UserError
 
 from .partition import partition_uniform
 
-PIPELINE_KEY = "pipeline"
+PIPELINE_KEY = pipeline_state.PIPELINE_KEY
+
+
+def _tied_layers(module: Any) -> dict[str, list[int]]:
+    return {key: module.layers_of_key(key) for key in sorted({module.tied_key_of(i) for i in range(module._num_layers)}
+                                                             - {None})}
 
 
 def _slice_rank(engine: Any) -> int:
@@ -73,7 +78,8 @@ def save_pipeline_checkpoint(engine: Any, save_dir: str, tag: Any = None, client
             sd["mp_world_size"] = engine.grid.get_slice_parallel_world_size()
             sd["dsrun"][PIPELINE_KEY] = {"stages": module.num_stages, "parts": list(module.parts),
                                          "num_layers": module._num_layers, "virtual_stages": module.virtual_stages,
-                                         "slice_rank": _slice_rank(engine)}
+                                         "slice_rank": _slice_rank(engine), "tied": _tied_layers(module),
+                                         "dense_names": getattr(module, "dense_names", None)}
             path = staging / layout.model_states_name(0, 0, mp_rank=_slice_rank(engine))
             atomic.save_torch(sd, path, rank)
             written.append(path.name)
@@ -91,15 +97,11 @@ def save_pipeline_checkpoint(engine: Any, save_dir: str, tag: Any = None, client
 # --- load ---------------------------------------------------------------------------------------------------
 def _saved_slices(tag_dir: Path) -> list[dict[str, Any]]:
     """Every saved stage's model states (in slice order)."""
-    out, index = [], 0
-    while (tag_dir / layout.model_states_name(0, 0, mp_rank=index)).is_file():
-        out.append(load_file(tag_dir / layout.model_states_name(0, 0, mp_rank=index)))
-        index += 1
-    if not out:
-        raise FileNotFoundError(f"{tag_dir}: no mp_rank_XX_model_states.pt (not a checkpoint?)")
-    if out[0].get("module") is not None or PIPELINE_KEY not in (out[0].get("dsrun") or {}):
+    out = pipeline_state.saved_slices(tag_dir)
+    if not pipeline_state.is_pipeline_states(out[0]):
         raise UserError(Problem("load_checkpoint(load_dir=...)", f"{tag_dir} holds a non-pipeline checkpoint",
-                                "load it into the plain model, or save from a pipeline engine"))
+                                "load it into the plain model, convert it with ds_to_universal, or save from a "
+                                "pipeline engine"))
     return out
 
 
@@ -123,38 +125,6 @@ def _load_layers(engine: Any, tag_dir: Path, strict: bool) -> None:
             layer.load_state_dict(load_file(path), strict=strict)
 
 
-def _stage_optimizer_states(tag_dir: Path, slice_states: dict[str, Any], slice_rank: int,
-                            bf16: bool) -> list[dict[str, Any]]:
-    """The optimizer state dicts of one saved stage, one per saved data-parallel rank."""
-    stage = int(slice_states["dsrun"]["zero_stage"])
-    if stage == 0:
-        return [slice_states["optimizer"]]
-    world = int(slice_states.get("dp_world_size", 1))
-    for prefer in (bf16, not bf16):
-        paths = [tag_dir / layout.optim_states_name(d, prefer, mp_rank=slice_rank) for d in range(world)]
-        if all(p.is_file() for p in paths):
-            return [load_file(p)["optimizer_state_dict"] for p in paths]
-    raise FileNotFoundError(f"{tag_dir}: the optimizer files of stage slice {slice_rank} are missing")
-
-
-def _merge_stages(engine: Any, tag_dir: Path, slices: list[dict[str, Any]]) -> reshard.FullOptimizerState:
-    """One full optimizer state, by parameter name, over every saved stage."""
-    full = reshard.FullOptimizerState()
-    for slice_rank, sd in enumerate(slices):
-        if sd.get("param_shapes") is None:
-            continue
-        part = reshard.merge_rank_states(
-            _stage_optimizer_states(tag_dir, sd, slice_rank, engine.bfloat16_enabled()),
-            int(sd["dsrun"]["zero_stage"]), sd["param_shapes"])
-        full.fp32.update(part.fp32)
-        full.moments.update(part.moments)
-        for gi, scalars in part.group_scalars.items():
-            full.group_scalars.setdefault(gi, scalars)
-        full.param_groups = full.param_groups or part.param_groups
-        full.precision = full.precision or part.precision
-    return full
-
-
 def _restore_optimizer(engine: Any, tag_dir: Path, slices: list[dict[str, Any]], load_optimizer_states: bool) -> None:
     strategy = engine.strategy
     dp_rank, live_world = engine.grid.get_data_parallel_rank(), engine.dp_world_size
@@ -165,10 +135,10 @@ def _restore_optimizer(engine: Any, tag_dir: Path, slices: list[dict[str, Any]],
                 and int(own["dsrun"]["zero_stage"]) == strategy.stage and int(own.get("dp_world_size", 1)) == live_world
                 and [list(s) for s in (own.get("param_shapes") or [])] == [list(s) for s in live_shapes])
         if same:
-            strategy.load_state_dict(_stage_optimizer_states(tag_dir, own, _slice_rank(engine),
-                                                             engine.bfloat16_enabled())[dp_rank if strategy.stage else 0])
+            strategy.load_state_dict(pipeline_state.stage_optimizer_states(
+                tag_dir, own, _slice_rank(engine), engine.bfloat16_enabled())[dp_rank if strategy.stage else 0])
             return
-        full = _merge_stages(engine, tag_dir, slices)
+        full = pipeline_state.merge_stages(tag_dir, slices, engine.bfloat16_enabled())
     else:  # the weights just loaded become the masters; the optimizer keeps its state
         full = reshard.FullOptimizerState(fp32={name: p.detach().reshape(-1).float().cpu()
                                                 for name, p in engine.module.named_parameters()})
@@ -183,6 +153,9 @@ def load_pipeline_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_m
     tag_dir = engine_io.find_tag_dir(engine, load_dir, tag)
     if tag_dir is None:
         return None, None
+    if universal_checkpoint.is_universal(tag_dir):
+        return _load_universal(engine, tag_dir, load_module_strict, load_optimizer_states and not load_module_only,
+                               load_lr_scheduler_states, load_module_only)
     slices = _saved_slices(tag_dir)
     saved = slices[0]["dsrun"][PIPELINE_KEY]
     if saved["num_layers"] != engine.module._num_layers:
@@ -199,3 +172,43 @@ def load_pipeline_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_m
         engine_io.restore_training_state(engine, own, tag_dir, load_lr_scheduler_states, same_world=same_layout)
     comm.barrier()
     return str(own_path), {k: v for k, v in own.items() if k not in engine_io.DS_KEYS}
+
+
+# --- universal checkpoints (parameters by layer name, from a pipeline at any stage count or the dense model) --
+def _load_universal(engine: Any, tag_dir: Path, strict: bool, load_optimizer_states: bool,
+                    load_lr_scheduler_states: bool, load_module_only: bool) -> tuple[str, dict]:
+    module = engine.module
+    names = pipeline_state.NameMap(pipeline_state.first_layers(_tied_layers(module)),
+                                   getattr(module, "dense_names", None))
+    first = names.tied_first
+    path = tag_dir / layout.model_states_name(0, 0)
+    model_states = load_file(path)
+    by_layer = {names.layer(k): v for k, v in model_states["module"].items()}
+    for idx in module.local_layer_indices():
+        layer = module.layer_state_module(idx)
+        if layer is None:
+            continue
+        key = module.tied_key_of(idx)
+        prefix = f"{first[key] if key is not None else idx}."
+        sd = {k[len(prefix):]: v for k, v in by_layer.items() if k.startswith(prefix)}
+        missing = sorted(set(layer.state_dict()) - set(sd))
+        if strict and missing:
+            raise UserError(Problem("load_checkpoint(load_dir=...)", f"the universal checkpoint {tag_dir} has no "
+                                    f"{[prefix + m for m in missing][:3]} for layer {idx}",
+                                    "convert a checkpoint of the same layers (names: docs/checkpoint.md)"))
+        with torch.no_grad():
+            layer.load_state_dict(sd, strict=strict)
+    if engine.strategy is not None:
+        strategy = engine.strategy
+        if load_optimizer_states:
+            full = pipeline_state.renamed(universal_checkpoint.load_universal_state(tag_dir), names.pipeline)
+        else:
+            full = reshard.FullOptimizerState(fp32={n: p.detach().reshape(-1).float().cpu()
+                                                    for n, p in module.named_parameters()})
+        strategy.load_state_dict(reshard.state_for_rank(
+            strategy.state_dict(), full, strategy.stage, engine.dp_world_size, engine.grid.get_data_parallel_rank(),
+            strategy.checkpoint_param_shapes(), load_optimizer_states=load_optimizer_states))
+    if not load_module_only:
+        engine_io.restore_training_state(engine, model_states, tag_dir, load_lr_scheduler_states, same_world=False)
+    comm.barrier()
+    return str(path), {k: v for k, v in model_states.items() if k not in engine_io.DS_KEYS}
