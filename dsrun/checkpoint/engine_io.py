@@ -351,9 +351,9 @@ def _restore_strategy(engine: Any, tag_dir: Path, model_states: dict[str, Any], 
     if experts.applies(engine) and not (same_layout and live_stage > 0 and load_optimizer_states):
         # experts by global id from their own files (stage 0 keeps only rank 0's state in its one file); weights
         # only (load_optimizer_states=False, load_module_only): their fp32 masters, the live optimizer state kept
-        if stage_saved == 3 or saved_shapes is None:
-            raise RuntimeError(f"{tag_dir}: an MoE checkpoint saved at ZeRO stage 3 loads only with the saved "
-                               f"topology ({world_saved} ranks, stage 3); this run: stage {live_stage} on {live_world}")
+        if saved_shapes is None:
+            raise RuntimeError(f"{tag_dir}: this MoE checkpoint has no 'param_shapes' (saved without a ZeRO "
+                               "optimizer): its experts cannot be placed by global id")
         rank_states = rank_optimizer_states(tag_dir, model_states, stage_saved, world_saved, engine.bfloat16_enabled())
         strategy.load_state_dict(experts.optimizer_state(engine, tag_dir, saved_shapes, rank_states, stage_saved,
                                                          load_optimizer_states))

@@ -256,55 +256,47 @@ def ckpt_step(engine: Any, rank: int, world: int, step: int) -> float:
 
 
 def expert_state(engine: Any) -> dict[str, Any]:
-    """Every expert parameter of this rank by global name: weight and Adam moments."""
+    """Every expert parameter of this rank by global name: weight and Adam moments, whole (any stage;
+    collective within each expert-data group)."""
     from dsrun.checkpoint import experts
 
-    strategy = engine.strategy
-    slots = experts._slots(engine)
-    out = {}
-    for *_, params in experts._experts(engine):
-        for name, p in params.items():
-            gi, off, n = slots[id(p)]
-            state = strategy.optimizer.state[strategy.masters[gi]]
-            out[name] = {"weight": p.detach().clone().numpy(),
-                         "exp_avg": state["exp_avg"][off:off + n].clone().numpy(),
-                         "exp_avg_sq": state["exp_avg_sq"][off:off + n].clone().numpy()}
-    return out
+    return {name: {key: state[key].float().numpy() for key in ("weight", "exp_avg", "exp_avg_sq")}
+            for name, state in experts.expert_states(engine).items()}
 
 
 def ckpt_save_first(rank: int, world: int, root: str) -> dict[str, Any]:
-    engine = ckpt_engine(world)
-    for step in range(2):
-        ckpt_step(engine, rank, world, step)
-    engine.save_checkpoint(root, tag="a")
-    saved = expert_state(engine)
-    shared = {n: p.detach().clone().numpy() for n, p in engine.module.named_parameters() if ".deepspeed_experts." not in n}
-    next_loss = ckpt_step(engine, rank, world, 2)
-    engine.destroy()
-    z2 = ckpt_engine(world, stage=2)  # the same run at ZeRO-2, saved too
-    for step in range(2):
-        ckpt_step(z2, rank, world, step)
-    z2.save_checkpoint(root, tag="z2")
-    z2_saved = expert_state(z2)
-    z2_next = ckpt_step(z2, rank, world, 2)
-    return {"experts": saved, "shared": shared, "next_loss": next_loss, "z2_experts": z2_saved, "z2_next": z2_next}
+    """At ZeRO 0, 2 and 3 with ep=2: two steps, save (tags a, z2, z3), a third step; every expert's state
+    when saved and the third step's loss."""
+    out: dict[str, Any] = {}
+    for stage, tag in ((0, "a"), (2, "z2"), (3, "z3")):
+        engine = ckpt_engine(world, stage)
+        for step in range(2):
+            ckpt_step(engine, rank, world, step)
+        engine.save_checkpoint(root, tag=tag)
+        shared = {n: engine.strategy.full_param_value(p).numpy() for n, p in engine.module.named_parameters()
+                  if ".deepspeed_experts." not in n}
+        out[tag] = {"experts": expert_state(engine), "shared": shared, "next_loss": ckpt_step(engine, rank, world, 2)}
+        engine.destroy()
+    return out
 
 
-def ckpt_load_other_stage(rank: int, world: int, root: str, tag: str, stage: int) -> dict[str, Any]:
-    engine = ckpt_engine(world, stage=stage)
-    engine.load_checkpoint(root, tag=tag)
-    return {"experts": expert_state(engine), "next_loss": ckpt_step(engine, rank, world, 2)}
-
-
-def ckpt_load_and_save(rank: int, world: int, root: str, load_tag: str, save_tag: str | None) -> dict[str, Any]:
-    engine = ckpt_engine(world)
-    engine.load_checkpoint(root, tag=load_tag)
-    loaded = expert_state(engine)
-    shared = {n: p.detach().clone().numpy() for n, p in engine.module.named_parameters() if ".deepspeed_experts." not in n}
-    if save_tag is not None:
-        engine.save_checkpoint(root, tag=save_tag)
-    next_loss = ckpt_step(engine, rank, world, 2)
-    return {"experts": loaded, "shared": shared, "next_loss": next_loss, "global_steps": engine.global_steps}
+def ckpt_load(rank: int, world: int, root: str, loads: list[tuple[str, int, str | None]]) -> dict[str, Any]:
+    """For each (tag, stage, save_tag): an ep=world engine at ``stage`` loads ``tag`` (saving it again as
+    ``save_tag``), then takes the third step: its experts when loaded, shared weights, loss, step count."""
+    out = {}
+    for tag, stage, save_tag in loads:
+        engine = ckpt_engine(world, stage)
+        engine.load_checkpoint(root, tag=tag)
+        loaded = expert_state(engine)
+        shared = {n: engine.strategy.full_param_value(p).numpy() for n, p in engine.module.named_parameters()
+                  if ".deepspeed_experts." not in n}
+        if save_tag is not None:
+            engine.save_checkpoint(root, tag=save_tag)
+        next_loss = ckpt_step(engine, rank, world, 2)
+        out[f"{tag}->zero{stage}"] = {"experts": loaded, "shared": shared, "next_loss": next_loss,
+                                      "global_steps": engine.global_steps}
+        engine.destroy()
+    return out
 
 
 def resume_same_topology(rank: int, world: int, root: str) -> dict[str, float]:
@@ -333,13 +325,13 @@ def resume_same_topology(rank: int, world: int, root: str) -> dict[str, float]:
 
 
 def load_weights_only(rank: int, world: int, root: str) -> dict[str, Any]:
-    """At ZeRO 0 and 2: train a step, save; a fresh engine loads with ``load_optimizer_states=False`` and
+    """At ZeRO 0, 2 and 3: train a step, save; a fresh engine loads with ``load_optimizer_states=False`` and
     another with ``load_module_only=True``: the module holds the saved weights, the fp32 masters equal them
     (every slot of every group, experts included), and the optimizer state is the fresh engine's (empty)."""
     from dsrun.checkpoint import experts
 
     out: dict[str, Any] = {}
-    for stage in (0, 2):
+    for stage in (0, 2, 3):
         engine = ckpt_engine(world, stage)
         ckpt_step(engine, rank, world, 0)
         engine.save_checkpoint(root, tag=f"w{stage}")
@@ -358,12 +350,13 @@ def load_weights_only(rank: int, world: int, root: str) -> dict[str, Any]:
             engine = ckpt_engine(world, stage)
             engine.load_checkpoint(root, tag=f"w{stage}", **how)
             got = full_named_params(engine)
-            slots = experts._slots(engine)
-            masters = {gi: experts._flat_state(engine, gi)[0] for gi in range(len(engine.strategy.groups))}
+            masters = {}
+            for mi in range(len(engine.strategy.masters)):  # every master tensor, whole, by local name
+                masters.update(experts.whole_master_state(engine, mi)[0])
             master_diff = 0.0
-            for p in engine.module.parameters():
-                gi, off, n = slots[id(p)]
-                master_diff = max(master_diff, float((masters[gi][off:off + n] - p.detach().reshape(-1)).abs().max()))
+            for name, p in engine.module.named_parameters():
+                value = engine.strategy.full_param_value(p).float().reshape(-1)
+                master_diff = max(master_diff, float((masters[name] - value).abs().max()))
             key = f"zero{stage}/{next(iter(how))}"
             out[key] = {"weights": max(float((got[k] - saved[k]).abs().max()) for k in saved),
                         "same_names": set(got) == set(saved), "masters": master_diff,

@@ -383,6 +383,14 @@ class Stage3Strategy(ZeroStrategy):
         names = self._names()  # shards of whole parameters, per sub-group
         return [OrderedDict((names[id(p)], torch.Size(p.ds_shape)) for p in sg.params) for sg in self.sub_groups]
 
+    def master_partitions(self) -> list[tuple[int, int, Any]]:
+        # a sub-group holds one param group's shards, all partitioned over the same group
+        return [(sg.params[0].ds_world_size, comm.get_rank(sg.params[0].ds_process_group),
+                 sg.params[0].ds_process_group) for sg in self.sub_groups]
+
+    def full_param_value(self, param: torch.nn.Parameter) -> torch.Tensor:
+        return full_tensor(param).cpu()
+
     def frozen_param_fragments(self) -> tuple[dict[str, torch.Size], dict[str, torch.Tensor]]:
         from dsrun.checkpoint.state import frozen_params
 
