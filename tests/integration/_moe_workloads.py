@@ -363,3 +363,92 @@ def load_weights_only(rank: int, world: int, root: str) -> dict[str, Any]:
                         "optimizer_state": sum(len(s) for s in engine.strategy.optimizer.state.values())}
             engine.destroy()
     return out
+
+
+# --- MoE inside a pipeline: what its checkpoints support -----------------------------------------------------
+class PipeMoEBlock(nn.Module):
+    """A residual MoE block for a PipelineModule (the aux loss stays out: a pipeline passes activations)."""
+
+    def __init__(self, ep: int):
+        super().__init__()
+        from dsrun.moe.layer import MoE
+        from tests.integration import _pipe_workloads as pw
+
+        expert = nn.Sequential(nn.Linear(pw.WIDTH, 2 * pw.WIDTH), nn.Tanh(), nn.Linear(2 * pw.WIDTH, pw.WIDTH))
+        self.moe = MoE(pw.WIDTH, expert, num_experts=EXPERTS, ep_size=ep, k=2, min_capacity=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.moe(x)[0]
+
+
+def pipe_moe_engine(stages: int, ep: int, zero: int) -> Any:
+    import dsrun
+    from dsrun.pipe import LayerSpec, PipelineModule
+    from tests.integration import _pipe_workloads as pw
+
+    specs = [LayerSpec(nn.Embedding, pw.VOCAB, pw.WIDTH), LayerSpec(pw.Block), LayerSpec(PipeMoEBlock, ep),
+             LayerSpec(pw.Block), LayerSpec(nn.Linear, pw.WIDTH, pw.VOCAB)]
+    net = PipelineModule(specs, num_stages=stages, loss_fn=pw.lm_loss, seed_layers=True, base_seed=pw.BASE_SEED)
+    engine, _, _, _ = dsrun.initialize(model=net, config=pw.ds_config(2, zero), optimizer=pw.torch_adamw)
+    return engine
+
+
+def pipe_moe_state(engine: Any) -> dict[str, Any]:
+    """This rank's parameters by name with their Adam moments (ZeRO 1-2: whole, by local name)."""
+    from dsrun.checkpoint import experts
+
+    out: dict[str, Any] = {}
+    for mi in range(len(engine.strategy.masters)):
+        fp32, moments, _ = experts.whole_master_state(engine, mi)
+        for name, value in fp32.items():
+            out[name] = {"fp32": value.numpy(), **{k: v.numpy() for k, v in moments[name].items()}}
+    for name, p in engine.module.named_parameters():
+        out[name]["weight"] = p.detach().float().numpy().copy()
+    return out
+
+
+def _refusal(action: Any) -> str | None:
+    try:
+        action()
+    except Exception as err:  # noqa: BLE001 - the message is what the test reads
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def pipe_moe_checkpoints(rank: int, world: int, root: str) -> dict[str, Any]:
+    """One stage x 2 data-parallel ranks with ep=2 at ZeRO-1: two steps, save, a third step; a fresh engine
+    loads (each rank's experts back, the same third step); a weights-only load and a ZeRO-2 engine are refused,
+    and so is saving at ZeRO-0. Two stages with ep=1 (experts on every rank, like dense layers) save and load
+    into one stage x 2 ranks with every parameter as saved."""
+    from tests.integration import _pipe_workloads as pw
+
+    out: dict[str, Any] = {}
+    engine = pipe_moe_engine(1, 2, 1)
+    pw.train(engine, 2)
+    engine.save_checkpoint(root, tag="ep2")
+    out["saved"] = pipe_moe_state(engine)
+    out["next"] = pw.train(engine, 1, first_step=2)
+    engine.destroy()
+    engine = pipe_moe_engine(1, 2, 1)
+    engine.load_checkpoint(root, tag="ep2")
+    out["loaded"] = pipe_moe_state(engine)
+    out["loaded_next"] = pw.train(engine, 1, first_step=2)
+    out["weights_only"] = _refusal(lambda: engine.load_checkpoint(root, tag="ep2", load_optimizer_states=False))
+    engine.destroy()
+    engine = pipe_moe_engine(1, 2, 2)
+    out["zero2"] = _refusal(lambda: engine.load_checkpoint(root, tag="ep2"))
+    engine.destroy()
+    engine = pipe_moe_engine(1, 2, 0)
+    out["save_zero0"] = _refusal(lambda: engine.save_checkpoint(root, tag="ep2z0"))
+    engine.destroy()
+
+    engine = pipe_moe_engine(2, 1, 1)  # dp=1: ep=1, every expert on each stage's one rank
+    pw.train(engine, 2)
+    engine.save_checkpoint(root, tag="ep1")
+    out["ep1_saved"] = pw.named_params(engine)
+    engine.destroy()
+    engine = pipe_moe_engine(1, 1, 1)
+    engine.load_checkpoint(root, tag="ep1")
+    out["ep1_loaded"] = pw.named_params(engine)
+    engine.destroy()
+    return out

@@ -74,3 +74,22 @@ def test_weights_only_loads_take_every_expert_and_keep_the_fresh_optimizer(tmp_p
         for key, case in result.items():
             assert case["same_names"] and case["weights"] == 0.0 and case["masters"] == 0.0, (key, case)
             assert case["optimizer_state"] == 0, key
+
+
+def test_pipeline_with_moe_saves_and_loads_at_its_layout_and_refuses_the_rest(tmp_path) -> None:
+    results = run_ranks(w.pipe_moe_checkpoints, 2, str(tmp_path / "ckpt"), timeout=300)
+    for rank, result in enumerate(results):
+        # ep=2: each rank's own experts (weights, fp32 masters, Adam moments) back bit for bit, the same next loss
+        _same(result["loaded"], result["saved"])
+        assert result["loaded_next"] == result["next"], rank
+        for key in ("weights_only", "zero2"):
+            assert result[key].startswith("UserError: load_checkpoint(load_dir=...): a pipeline checkpoint of MoE "
+                                          "layers with expert parallelism"), (key, result[key])
+        assert "needs ZeRO stage 1 or 2" in result["save_zero0"]
+        # ep=1 across stage counts: 2 stages x 1 rank -> 1 stage x 2 ranks, every parameter as saved
+        saved = {**results[0]["ep1_saved"], **results[1]["ep1_saved"]}
+        assert set(result["ep1_loaded"]) == set(saved)
+        for name, value in result["ep1_loaded"].items():
+            np.testing.assert_array_equal(value, saved[name], err_msg=name)
+    assert any(".deepspeed_experts.1." in name for name in results[0]["loaded"])
+    assert not (tmp_path / "ckpt" / "ep2z0").exists()
