@@ -452,3 +452,47 @@ def pipe_moe_checkpoints(rank: int, world: int, root: str) -> dict[str, Any]:
     out["ep1_loaded"] = pw.named_params(engine)
     engine.destroy()
     return out
+
+
+# --- MoE with the optimizer (and ZeRO-3's parameters) offloaded to host memory -------------------------------
+def offload_engine(world: int, stage: int, offload: bool, offload_param: bool = False) -> Any:
+    import dsrun
+
+    zero: dict[str, Any] = {"stage": stage, "stage3_param_persistence_threshold": 0}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    if offload_param:
+        zero["offload_param"] = {"device": "cpu"}
+    cfg = {"train_micro_batch_size_per_gpu": TOKENS, "gradient_accumulation_steps": 2 // world,
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}, "zero_optimization": zero, "steps_per_print": 1000}
+    engine, _, _, _ = dsrun.initialize(model=MoENet(world), config=cfg)
+    return engine
+
+
+def offload_moe(rank: int, world: int, root: str) -> dict[str, Any]:
+    """ep=2 at ZeRO 1, 2 and 3 with ``offload_optimizer: cpu`` (stage 3 also with ``offload_param: cpu``) and
+    the same run in memory: three steps each, then every parameter and expert moment; the offloaded ZeRO-3
+    run saves (tag off3) and a fresh in-memory ZeRO-2 engine loads it, an offloaded ZeRO-2 engine loads the
+    in-memory ZeRO-3 save (tag mem3)."""
+    import dsrun
+
+    dsrun.init_distributed()
+    out: dict[str, Any] = {}
+    for key, stage, offload, offload_param in (("z1", 1, False, False), ("z1/cpu", 1, True, False),
+                                               ("z2", 2, False, False), ("z2/cpu", 2, True, False),
+                                               ("z3", 3, False, False), ("z3/cpu", 3, True, False),
+                                               ("z3/cpu+param", 3, True, True)):
+        engine = offload_engine(world, stage, offload, offload_param)
+        losses = [ckpt_step(engine, rank, world, step) for step in range(3)]
+        if key in ("z3", "z3/cpu"):
+            engine.save_checkpoint(root, tag="off3" if offload else "mem3")
+        out[key] = {"losses": losses, "experts": expert_state(engine),
+                    "params": {n: engine.strategy.full_param_value(p).numpy()
+                               for n, p in engine.module.named_parameters()}}
+        engine.destroy()
+    for key, stage, offload, tag in (("off3->z2", 2, False, "off3"), ("mem3->z2/cpu", 2, True, "mem3")):
+        engine = offload_engine(world, stage, offload)
+        engine.load_checkpoint(root, tag=tag)
+        out[key] = {"experts": expert_state(engine)}
+        engine.destroy()
+    return out

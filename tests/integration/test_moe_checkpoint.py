@@ -93,3 +93,16 @@ def test_pipeline_with_moe_saves_and_loads_at_its_layout_and_refuses_the_rest(tm
             np.testing.assert_array_equal(value, saved[name], err_msg=name)
     assert any(".deepspeed_experts.1." in name for name in results[0]["loaded"])
     assert not (tmp_path / "ckpt" / "ep2z0").exists()
+
+
+def test_optimizer_and_parameter_offload_to_host_memory_are_exact_with_moe(tmp_path) -> None:
+    results = run_ranks(w.offload_moe, 2, str(tmp_path / "ckpt"), timeout=300)
+    for rank, result in enumerate(results):
+        for offloaded, in_memory in (("z1/cpu", "z1"), ("z2/cpu", "z2"), ("z3/cpu", "z3"), ("z3/cpu+param", "z3")):
+            assert result[offloaded]["losses"] == result[in_memory]["losses"], (rank, offloaded)
+            _same(result[offloaded]["experts"], result[in_memory]["experts"])
+            for name, value in result[offloaded]["params"].items():
+                np.testing.assert_array_equal(value, result[in_memory]["params"][name], err_msg=f"{offloaded} {name}")
+        # checkpoints: the offloaded run's expert files load into memory, and the other way round
+        _same(result["off3->z2"]["experts"], result["z3/cpu"]["experts"])
+        _same(result["mem3->z2/cpu"]["experts"], result["z3"]["experts"])

@@ -369,7 +369,7 @@ class Stage3Strategy(ZeroStrategy):
         per_elem = (grads + masters + states) / trainable_elems if trainable_elems else 0.0
         padding = 0.0
         for p in self.params:
-            pad = shard_padding(p, self.rank)
+            pad = shard_padding(p, comm.get_rank(p.ds_process_group))  # MoE experts: their group's rank
             padding += pad * p.ds_tensor.element_size() + (pad * per_elem if id(p) in self._slot else 0)
         # NVMe parameter offload: the shards are in files (ds_tensor is empty); the read/write pool and the
         # shards cached in host memory (max_in_cpu) count as buffers
