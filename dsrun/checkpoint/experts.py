@@ -101,7 +101,8 @@ def whole_master_state(engine: Any, mi: int) -> tuple[dict[str, torch.Tensor], d
             own = t[r * master.numel():(r + 1) * master.numel()].cpu()
             for slot in slots[0]:
                 whole = values[key].setdefault(slot.name, torch.zeros(math.prod(shapes[slot.name]), dtype=t.dtype))
-                whole[slot.full_offset:slot.full_offset + slot.length] = own[slot.master_offset:slot.master_offset + slot.length]
+                lo, n = slot.master_offset, slot.length
+                whole[slot.full_offset:slot.full_offset + n] = own[lo:lo + n]
     moments = {name: {k: values[k][name] for k in tensors} for name in values[None]}
     return values[None], moments, scalars
 

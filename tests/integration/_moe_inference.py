@@ -84,7 +84,8 @@ def serve(rank: int, world: int, root: str) -> dict[str, Any]:
     spread = dsrun.init_inference(moe_gpt(1), checkpoint=f"{root}/z3", dtype=torch.float32, moe={"ep_size": world})
     out["z3"] = {"weights": max(float((served[name].detach() - value).abs().max()) for name, value in trained.items()),
                  "expert_ids": sorted({int(n.split(".deepspeed_experts.")[1].split(".")[0]) for n in trained
-                                       if ".deepspeed_experts." in n}), "reference": whole(prompt).numpy(), "spread": spread(prompt).numpy()}
+                                       if ".deepspeed_experts." in n}),
+                 "reference": whole(prompt).numpy(), "spread": spread(prompt).numpy()}
     return out
 
 
