@@ -301,7 +301,8 @@ def ckpt_load(rank: int, world: int, root: str, loads: list[tuple[str, int, str 
 
 def resume_same_topology(rank: int, world: int, root: str) -> dict[str, float]:
     """At ZeRO 1, 2 and 3: train 2 steps, save, take a third; a fresh engine loads and takes the third step
-    again: the same loss, bit for bit (each rank reads its own files back)."""
+    again: the same loss, bit for bit (each rank reads its own files back); and ZeRO-2 loaded with the expert
+    groups laid out data-first, which goes through the expert files."""
     import dsrun
 
     dsrun.init_distributed()
@@ -318,10 +319,42 @@ def resume_same_topology(rank: int, world: int, root: str) -> dict[str, float]:
         first = ckpt_step(engine, rank, world, 2)
         engine.destroy()
         engine, _, _, _ = dsrun.initialize(model=MoENet(world), config=cfg)
-        engine.load_checkpoint(root, tag=f"s{stage}")
+        with _counting_expert_loads() as routed:
+            engine.load_checkpoint(root, tag=f"s{stage}")
         out[f"s{stage}"] = (first, ckpt_step(engine, rank, world, 2))
+        out[f"s{stage}/routed"] = routed[0]
         engine.destroy()
+    # ZeRO-2 loaded with the expert groups laid out data-first: the own-file shortcut would give a rank another
+    # rank's experts (with 4+ ranks), so the load goes by global id through the expert files
+    engine, _, _, _ = dsrun.initialize(model=MoENet(world), config={**cfg, "zero_optimization": {"stage": 2},
+                                                                    "use_data_before_expert_parallelism": True})
+    with _counting_expert_loads() as routed:
+        engine.load_checkpoint(root, tag="s2")
+    out["s2/data_first"] = (out["s2"][0], ckpt_step(engine, rank, world, 2))
+    out["s2/data_first/routed"] = routed[0]
+    engine.destroy()
     return out
+
+
+class _counting_expert_loads:
+    """Counts the loads that place experts by global id from their files (``experts.optimizer_state``)."""
+
+    def __enter__(self) -> list[int]:
+        from dsrun.checkpoint import experts
+
+        self.count, self.original = [0], experts.optimizer_state
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.count[0] += 1
+            return self.original(*args, **kwargs)
+
+        experts.optimizer_state = counted
+        return self.count
+
+    def __exit__(self, *exc: Any) -> None:
+        from dsrun.checkpoint import experts
+
+        experts.optimizer_state = self.original
 
 
 def load_weights_only(rank: int, world: int, root: str) -> dict[str, Any]:
