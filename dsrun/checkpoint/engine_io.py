@@ -146,8 +146,11 @@ def engine_model_states(engine: Any, client_state: dict[str, Any], exclude_froze
         # [feature seam: compression] the compression schedule's position (dsrun/compression/feature.py)
         "compression": engine.compression.state_dict() if getattr(engine, "compression", None) else None,
     }
-    if experts.applies(engine) and sd["module"] is not None:
-        sd["module"] = experts.without_experts(sd["module"])
+    if experts.applies(engine):
+        if sd["module"] is not None:
+            sd["module"] = experts.without_experts(sd["module"])
+        # which experts each rank's own files hold depends on how expert groups were laid out
+        sd["dsrun"]["expert_data_first"] = bool(getattr(engine.groups, "expert_data_first", False))
     loader = getattr(engine, "training_dataloader", None)
     if loader is not None and hasattr(loader, "epoch"):
         sd["data_sampler"] = {"epoch": loader.epoch}
@@ -364,14 +367,17 @@ def _restore_strategy(engine: Any, tag_dir: Path, model_states: dict[str, Any], 
     # the same masters, cut the same way (stage 3's sub_group_size may differ between the runs)
     same_grouping = saved_shapes is None or [list(s) for s in saved_shapes] == [list(s) for s in live_shapes]
     same_layout = stage_saved == live_stage and world_saved == live_world and same_grouping and not load_universal
+    if experts.applies(engine):  # each rank's own file holds its experts only if they sit where they did
+        saved_first = (model_states.get("dsrun") or {}).get("expert_data_first", False)
+        same_layout = same_layout and saved_first == bool(getattr(engine.groups, "expert_data_first", False))
     if not (same_layout and load_optimizer_states) and not (masters_from_module and not load_optimizer_states):
         _refuse_mics_reshard(strategy, tag_dir, f"stage {stage_saved} on {world_saved} ranks")
     if experts.applies(engine) and not (same_layout and live_stage > 0 and load_optimizer_states):
         # experts by global id from their own files (stage 0 keeps only rank 0's state in its one file); weights
         # only (load_optimizer_states=False, load_module_only): their fp32 masters, the live optimizer state kept
-        if stage_saved == 3 or saved_shapes is None:
-            raise RuntimeError(f"{tag_dir}: an MoE checkpoint saved at ZeRO stage 3 loads only with the saved "
-                               f"topology ({world_saved} ranks, stage 3); this run: stage {live_stage} on {live_world}")
+        if saved_shapes is None:
+            raise RuntimeError(f"{tag_dir}: this MoE checkpoint has no 'param_shapes' (saved without a ZeRO "
+                               "optimizer): its experts cannot be placed by global id")
         rank_states = rank_optimizer_states(tag_dir, model_states, stage_saved, world_saved, engine.bfloat16_enabled())
         strategy.load_state_dict(experts.optimizer_state(engine, tag_dir, saved_shapes, rank_states, stage_saved,
                                                          load_optimizer_states))

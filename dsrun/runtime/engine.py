@@ -442,11 +442,12 @@ def _as_param_groups(params: Any) -> list[dict[str, Any]]:
 
 
 def _check_moe_config(config: DeepSpeedConfig) -> None:
-    """MoE runs at ZeRO stages 0-3 with optimizer state on the device; offloading it is not built for
-    experts' separate groups yet: refuse instead of reducing experts over the wrong ranks."""
+    """MoE runs at ZeRO stages 0-3, with optimizer state (and ZeRO-3 parameters) on the device or offloaded to
+    host memory; swapping them to NVMe is not built for experts' checkpoints yet: refuse it."""
     zc = config.zero_optimization
     for section in ("offload_optimizer", "offload_param"):
-        if getattr(zc, section).device != "none" and int(zc.stage) > 0:
+        if getattr(zc, section).device == "nvme" and int(zc.stage) > 0:
             raise ConfigError(Problem(f"zero_optimization.{section}.device",
-                                      "MoE layers with offloaded ZeRO state are not implemented in dsrun",
-                                      f"set zero_optimization.{section}.device to \"none\" for MoE models"))
+                                      "MoE layers with ZeRO state offloaded to NVMe are not implemented in dsrun",
+                                      f"set zero_optimization.{section}.device to \"cpu\" or \"none\" for MoE "
+                                      "models"))

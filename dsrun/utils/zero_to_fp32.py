@@ -213,7 +213,7 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | Non
     extras = first.get("dsrun") or {}
     group_shapes = [OrderedDict(g) for g in first.get("param_shapes") or []]
     optim_files = [f for f in _files(tag_dir, OPTIM_SUFFIX) if not _is_expert_file(f)]
-    # MoE (stages 0-2): expert groups follow the shared ones and are partitioned over their own expert-data
+    # MoE (any stage): expert groups follow the shared ones and are partitioned over their own expert-data
     # groups; their fp32 masters come whole from the per-expert files, by global id
     expert_fp32 = _expert_masters(tag_dir)
     if expert_fp32:
@@ -311,7 +311,7 @@ def _is_expert_file(path: str) -> bool:
 
 
 def has_expert_files(tag_dir: str) -> bool:
-    """Whether a checkpoint tag folder holds per-expert files (an MoE model saved at ZeRO 0-2)."""
+    """Whether a checkpoint tag folder holds per-expert files (an MoE model saved through a ZeRO optimizer)."""
     return any(_is_expert_file(f) for f in _files(tag_dir, MODEL_SUFFIX))
 
 

@@ -53,6 +53,43 @@ def _layers_to_write(engine: Any) -> list[int]:
     return local if dp_rank == 0 else []
 
 
+def _expert_parallel_sizes(engine: Any) -> dict[str, int]:
+    """This stage's MoE layers (by module name, the same at any number of stages) -> their expert-parallel size."""
+    from dsrun.moe.layer import MoE
+
+    return {name: m.ep_size for name, m in engine.module.named_modules() if isinstance(m, MoE)}
+
+
+def _check_moe_save(engine: Any, moe: dict[str, int]) -> None:
+    """Expert-parallel MoE layers keep different experts on each data-parallel rank, but a layer file holds
+    one rank's: only ZeRO 1-2's per-rank optimizer files carry every rank's own experts back."""
+    if any(ep > 1 for ep in moe.values()) and (engine.strategy is None or engine.strategy.stage not in (1, 2)):
+        raise UserError(Problem("zero_optimization.stage", "a pipeline checkpoint of MoE layers with expert "
+                                "parallelism (ep_size > 1) needs ZeRO stage 1 or 2 (each rank's experts travel in "
+                                "its own optimizer file)", "set zero_optimization.stage to 1 or 2, or ep_size=1"))
+
+
+def _check_moe_load(engine: Any, slices: list[dict[str, Any]], load_optimizer_states: bool) -> None:
+    """An expert-parallel MoE pipeline checkpoint loads only at the layout that saved it, with its optimizer
+    state (see :func:`_check_moe_save`); refused on every rank together (a collective) otherwise."""
+    saved = {k: v for sd in slices for k, v in (sd["dsrun"][PIPELINE_KEY].get("moe_ep_sizes") or {}).items()}
+    live = _expert_parallel_sizes(engine)
+    own = slices[min(_slice_rank(engine), len(slices) - 1)]
+    expert_parallel = any(ep > 1 for ep in [*saved.values(), *live.values()])
+    same = (len(slices) == engine.grid.get_slice_parallel_world_size() and engine.strategy is not None
+            and int(own.get("dp_world_size", 1)) == engine.dp_world_size
+            and int(own["dsrun"]["zero_stage"]) == engine.strategy.stage and load_optimizer_states
+            and all(saved.get(name, 1) == ep for name, ep in live.items()))
+    refuse = torch.tensor([1.0 if expert_parallel and not same else 0.0])
+    comm.all_reduce(refuse, op=comm.ReduceOp.MAX)
+    if refuse.item() > 0:
+        raise UserError(Problem("load_checkpoint(load_dir=...)", "a pipeline checkpoint of MoE layers with expert "
+                                f"parallelism (saved: {len(slices)} stage(s) x {int(own.get('dp_world_size', 1))} "
+                                f"data-parallel rank(s), ZeRO stage {int(own['dsrun']['zero_stage'])}) loads only at "
+                                "that layout, with the same ep_size and its optimizer state",
+                                "load it with the layout that saved it and load_optimizer_states=True"))
+
+
 def save_pipeline_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: dict | None = None,
                              save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
     module, rank = engine.module, engine.global_rank
@@ -60,7 +97,10 @@ def save_pipeline_checkpoint(engine: Any, save_dir: str, tag: Any = None, client
     files = engine_io._layout(engine)
     written: list[str] = []
 
+    moe = _expert_parallel_sizes(engine)
+
     def write(staging: Path) -> None:
+        _check_moe_save(engine, moe)  # raised here, every rank hears of it and none commits
         for idx in _layers_to_write(engine):
             layer = module.layer_state_module(idx)
             if layer is None:
@@ -79,7 +119,7 @@ def save_pipeline_checkpoint(engine: Any, save_dir: str, tag: Any = None, client
             sd["dsrun"][PIPELINE_KEY] = {"stages": module.num_stages, "parts": list(module.parts),
                                          "num_layers": module._num_layers, "virtual_stages": module.virtual_stages,
                                          "slice_rank": _slice_rank(engine), "tied": _tied_layers(module),
-                                         "dense_names": getattr(module, "dense_names", None)}
+                                         "dense_names": getattr(module, "dense_names", None), "moe_ep_sizes": moe}
             path = staging / layout.model_states_name(0, 0, mp_rank=_slice_rank(engine))
             atomic.save_torch(sd, path, rank)
             written.append(path.name)
@@ -161,6 +201,8 @@ def load_pipeline_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_m
     if saved["num_layers"] != engine.module._num_layers:
         raise UserError(Problem("load_checkpoint(load_dir=...)", f"the checkpoint has {saved['num_layers']} layers, "
                                 f"the PipelineModule {engine.module._num_layers}", "load into the same model"))
+    if any(sd["dsrun"][PIPELINE_KEY].get("moe_ep_sizes") for sd in slices):  # the same answer on every rank
+        _check_moe_load(engine, slices, load_optimizer_states and not load_module_only)
     _load_layers(engine, tag_dir, load_module_strict)
     if engine.strategy is not None:
         _restore_optimizer(engine, tag_dir, slices, load_optimizer_states and not load_module_only)

@@ -339,6 +339,17 @@ class ZeroStrategy(ABC):
         """One ``{name: full shape}`` per master tensor, in the order its elements are laid out (DeepSpeed's
         ``param_shapes``, which resharding and zero_to_fp32 read)."""
 
+    @abstractmethod
+    def master_partitions(self) -> list[tuple[int, int, Any]]:
+        """Per master tensor (in :meth:`checkpoint_param_shapes`' order): how many ranks it is cut over (1: whole
+        on every rank), this rank's place among them, and their process group (the data-parallel group, or an
+        MoE expert's expert-data-parallel group); with the stage, ``master_slots`` locates every element."""
+
+    def full_param_value(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """A CPU copy of ``param``'s whole value in the model's dtype (stage 3: gathered, a collective within
+        the group it is partitioned over)."""
+        return param.detach().cpu().clone()
+
     def frozen_param_fragments(self) -> tuple[dict[str, torch.Size], dict[str, torch.Tensor]]:
         """Shapes and this rank's pieces of the parameters that do not train (partitioned weights only)."""
         from dsrun.checkpoint.state import frozen_params
@@ -537,6 +548,9 @@ class FlatStrategy(ZeroStrategy):
     def checkpoint_param_shapes(self) -> list["OrderedDict[str, torch.Size]"]:
         names = self._names()
         return [OrderedDict((names[id(p)], p.shape) for p in group.params) for group in self.groups]
+
+    def master_partitions(self) -> list[tuple[int, int, Any]]:
+        return [(g.world_size, g.rank, g.process_group) if self.partitioned else (1, 0, None) for g in self.groups]
 
     def state_dict(self) -> dict[str, Any]:
         sd = {

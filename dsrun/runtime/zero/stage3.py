@@ -380,7 +380,7 @@ class Stage3Strategy(ZeroStrategy):
         per_elem = (grads + masters + states) / trainable_elems if trainable_elems else 0.0
         padding = 0.0
         for p in self.params:
-            pad = shard_padding(p, self.sharding.shard_rank)
+            pad = shard_padding(p, comm.get_rank(p.ds_process_group))  # MoE experts: their group's rank
             padding += pad * p.ds_tensor.element_size() + (pad * per_elem if id(p) in self._slot else 0)
         # NVMe parameter offload: the shards are in files (ds_tensor is empty); the read/write pool and the
         # shards cached in host memory (max_in_cpu) count as buffers
@@ -393,6 +393,14 @@ class Stage3Strategy(ZeroStrategy):
     def checkpoint_param_shapes(self) -> list["OrderedDict[str, torch.Size]"]:
         names = self._names()  # shards of whole parameters, per sub-group
         return [OrderedDict((names[id(p)], torch.Size(p.ds_shape)) for p in sg.params) for sg in self.sub_groups]
+
+    def master_partitions(self) -> list[tuple[int, int, Any]]:
+        # a sub-group holds one param group's shards, all partitioned over the same group
+        return [(sg.params[0].ds_world_size, comm.get_rank(sg.params[0].ds_process_group),
+                 sg.params[0].ds_process_group) for sg in self.sub_groups]
+
+    def full_param_value(self, param: torch.nn.Parameter) -> torch.Tensor:
+        return full_tensor(param).cpu()
 
     def frozen_param_fragments(self) -> tuple[dict[str, torch.Size], dict[str, torch.Tensor]]:
         from dsrun.checkpoint.state import frozen_params
