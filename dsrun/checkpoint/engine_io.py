@@ -28,7 +28,7 @@ from dsrun import comm
 from dsrun.utils import zero_to_fp32 as z2f
 from dsrun.utils.errors import Problem, UserError
 
-from . import atomic, experts, layout, reshard, state, universal_checkpoint
+from . import atomic, deepspeed_format, experts, layout, reshard, state, universal_checkpoint
 from .safe_load import load_file
 
 log = logging.getLogger("dsrun.checkpoint")
@@ -127,7 +127,9 @@ def engine_model_states(engine: Any, client_state: dict[str, Any], exclude_froze
         "module": state.module_state_cpu(engine.module, exclude_frozen) if with_module else None,
         "buffer_names": state.buffer_names(engine.module),
         # stage 0 has no per-rank optimizer files: its (full) optimizer state lives here, as DeepSpeed does
-        "optimizer": strategy.state_dict() if strategy is not None and files.optimizer_in_model_states else None,
+        "optimizer": (deepspeed_format.stage0_for_deepspeed(strategy.state_dict(), engine.precision.name,
+                                                            engine.global_steps)
+                      if strategy is not None and files.optimizer_in_model_states else None),
         "param_shapes": strategy.checkpoint_param_shapes() if strategy is not None else None,
         "shared_params": state.shared_params(engine.module),
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
@@ -194,10 +196,17 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
     return save_staged(engine, save_dir, tag, write, save_latest)
 
 
+def _clip(engine: Any) -> float:
+    return float(engine.gradient_clipping())
+
+
 def save_optimizer_states(engine: Any, path: Path) -> None:
-    optim = {"optimizer_state_dict": engine.strategy.state_dict(), "ds_config": state.plain_config(engine),
-             "ds_version": DS_VERSION}
-    atomic.save_torch(optim, path, engine.global_rank)
+    """This rank's ZeRO optimizer file, with the keys DeepSpeed's ZeRO optimizers also read (its loss scaler
+    is written as a reference to DeepSpeed's class, see :mod:`.deepspeed_format`)."""
+    sd = deepspeed_format.zero_state_for_deepspeed(engine.strategy.state_dict(), engine.precision.name, _clip(engine))
+    optim = {"optimizer_state_dict": sd, "ds_config": state.plain_config(engine), "ds_version": DS_VERSION}
+    pickler = deepspeed_format.PICKLE_MODULE if deepspeed_format.holds_foreign(sd) else None
+    atomic.save_torch(optim, path, engine.global_rank, pickle_module=pickler)
 
 
 def save_staged(engine: Any, save_dir: str, tag: Any, write_rank_files: Callable[[Path], None],
@@ -301,14 +310,27 @@ def _refuse_mics_reshard(strategy: Any, tag_dir: Path, saved: str) -> None:
 
 
 def rank_optimizer_states(tag_dir: Path, model_states: dict[str, Any], stage: int, world: int,
-                           bf16: bool) -> list[dict[str, Any]]:
+                           bf16: bool, group_shapes: list[Any] | None = None) -> list[dict[str, Any]]:
+    """Every saved rank's optimizer state, as dsrun's strategies read it (DeepSpeed's own files converted;
+    ``group_shapes``: the live strategy's, which a DeepSpeed stage-0 file needs)."""
     if stage == 0:
-        return [model_states["optimizer"]]
-    states = [load_file(path)["optimizer_state_dict"] for path in optim_files(tag_dir, world, bf16)]
+        return [stage0_state(model_states, group_shapes)]
+    states = [deepspeed_format.to_dsrun(load_file(path)["optimizer_state_dict"])
+              for path in optim_files(tag_dir, world, bf16)]
     if int(states[0].get("mics_shard_size", -1)) > 0:
         raise RuntimeError(f"{tag_dir}: saved under MiCS (mics_shard_size {states[0]['mics_shard_size']}), which "
                            "loads only into the same layout; rebuild the fp32 model with zero_to_fp32 instead")
     return states
+
+
+def stage0_state(model_states: dict[str, Any], group_shapes: list[Any] | None) -> dict[str, Any]:
+    sd = model_states["optimizer"]
+    if deepspeed_format.is_deepspeed_stage0(sd):
+        if group_shapes is None:
+            raise RuntimeError("a DeepSpeed stage-0 checkpoint names no parameters: load it into an engine "
+                               "with an optimizer")
+        sd = deepspeed_format.stage0_to_dsrun(sd, group_shapes, model_states["module"])
+    return sd
 
 
 def _load_module(engine: Any, module_sd: dict[str, Any], strict: bool, tag_dir: Path,
@@ -383,8 +405,8 @@ def _restore_strategy(engine: Any, tag_dir: Path, model_states: dict[str, Any], 
                                                          load_optimizer_states))
         return
     if load_optimizer_states and same_layout:
-        own = (model_states["optimizer"] if stage_saved == 0 else
-               load_file(optim_files(tag_dir, world_saved, engine.bfloat16_enabled())[dp_rank])["optimizer_state_dict"])
+        own = (stage0_state(model_states, live_shapes) if stage_saved == 0 else deepspeed_format.to_dsrun(
+            load_file(optim_files(tag_dir, world_saved, engine.bfloat16_enabled())[dp_rank])["optimizer_state_dict"]))
         strategy.load_state_dict(own)
         _restore_rank_states(strategy, tag_dir, world_saved, dp_rank, same_layout=True)
         return
@@ -392,7 +414,8 @@ def _restore_strategy(engine: Any, tag_dir: Path, model_states: dict[str, Any], 
         _say(engine, f"resharding checkpoint {tag_dir.name}: saved by {world_saved} rank(s) at ZeRO stage "
                      f"{stage_saved}, loading into {live_world} rank(s) at stage {live_stage}")
         full = reshard.merge_rank_states(
-            rank_optimizer_states(tag_dir, model_states, stage_saved, world_saved, engine.bfloat16_enabled()),
+            rank_optimizer_states(tag_dir, model_states, stage_saved, world_saved, engine.bfloat16_enabled(),
+                                  live_shapes),
             stage_saved, model_states["param_shapes"])
     elif masters_from_module:
         return

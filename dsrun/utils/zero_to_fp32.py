@@ -139,11 +139,32 @@ def corrupt_reason(path: str, exc: BaseException) -> str | None:
     return None
 
 
+class PickledObject:
+    """One of DeepSpeed's small helper objects in its checkpoint files (the loss scaler, ``fragment_address``),
+    read back as plain attributes: its class is mapped here by name, never imported, its code never run."""
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+
+class PickledStage(int):
+    """DeepSpeed's ``ZeroStageEnum`` value, read back as its int."""
+
+
+DEEPSPEED_GLOBALS: list[tuple[Any, str]] = [
+    (PickledObject, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
+    (PickledObject, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
+    (PickledObject, "deepspeed.utils.tensor_fragment.fragment_address"),
+    (PickledStage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
+]
+
+
 def load_file(path: str) -> Any:
-    """``torch.load`` on CPU with ``weights_only=True``: tensors, containers and numbers only. A damaged
-    file is a ``ValueError`` naming it."""
+    """``torch.load`` on CPU with ``weights_only=True``: tensors, containers and numbers only (and DeepSpeed's
+    few helper classes, as :class:`PickledObject`). A damaged file is a ``ValueError`` naming it."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals(DEEPSPEED_GLOBALS):
+            return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # an UnpicklingError names the global that was refused
         reason = corrupt_reason(path, exc)
         if reason is not None:
