@@ -14,11 +14,14 @@ releasing drops the buffer again. Attributes (DeepSpeed's names, so code that in
 ``ds_persist``       kept gathered between uses (small parameters, ``stage3_param_persistence_threshold``)
 ``ds_process_group`` the group it is partitioned over (None: the world)
 ``ds_buffer_pool``   optional :class:`GatherBufferPool` that released full buffers go back to (CPU)
+``ds_quantized_gather`` optional: elements per INT8 scale when this parameter's gathers are quantized (ZeRO++
+                     qwZ, :mod:`dsrun.comm.quantized`); the shard itself stays exact
 ``ds_offload``       with ``offload_param``: the object that owns the shard (:mod:`dsrun.runtime.offload.param_swapper`);
                      for NVMe ``ds_tensor`` is then an empty placeholder and the shard lives in a file
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 from enum import Enum
 from typing import Any, Iterable
@@ -26,6 +29,7 @@ from typing import Any, Iterable
 import torch
 
 from dsrun import comm
+from dsrun.comm.quantized import quantized_all_gather_into_tensor
 
 
 class ParamStatus(Enum):
@@ -35,6 +39,17 @@ class ParamStatus(Enum):
 
 
 _ids = itertools.count()
+_exact_gathers = [False]  # True inside exact_gathers(): quantized parameters gather their exact shards
+
+
+@contextlib.contextmanager
+def exact_gathers():
+    """Gathers started inside carry the exact shards even for qwZ parameters (saving full weights)."""
+    before, _exact_gathers[0] = _exact_gathers[0], True
+    try:
+        yield
+    finally:
+        _exact_gathers[0] = before
 
 
 def is_zero_param(param: Any) -> bool:
@@ -161,7 +176,12 @@ def start_gather(param: torch.nn.Parameter, async_op: bool) -> GatherHandle | No
         buffer = pool.take(numel) if pool is not None else None
         if buffer is None or buffer.dtype != shard.dtype or buffer.device != shard.device:
             buffer = torch.empty(numel, dtype=shard.dtype, device=shard.device)
-        work = comm.all_gather_into_tensor(buffer, shard, group=param.ds_process_group, async_op=async_op)
+        block = getattr(param, "ds_quantized_gather", None)
+        if block and not _exact_gathers[0]:
+            work = quantized_all_gather_into_tensor(buffer, shard, group=param.ds_process_group,
+                                                    async_op=async_op, block=block)
+        else:
+            work = comm.all_gather_into_tensor(buffer, shard, group=param.ds_process_group, async_op=async_op)
         if not async_op:
             work = None
     handle = GatherHandle(param, buffer, work)
@@ -223,7 +243,11 @@ def write_shard(param: torch.nn.Parameter, values: torch.Tensor) -> None:
 def full_tensor(param: torch.nn.Parameter) -> torch.Tensor:
     """A copy of the full value of a partitioned parameter (collective: every rank must call it)."""
     was_available = param.ds_status is ParamStatus.AVAILABLE
-    gather_params([param])
+    if was_available and getattr(param, "ds_quantized_gather", None):
+        release_param(param)  # the gathered copy is the dequantized one: gather the exact shards instead
+        was_available = False
+    with exact_gathers():
+        gather_params([param])
     value = param.data.detach().clone()
     if not was_available:
         release_param(param)
