@@ -56,6 +56,7 @@ def _expected_gather_bytes(plain: dict, element: int, quantized_sizes=None) -> i
 
 
 def test_quantized_weights_gather_int8_blocks(ranks: list[dict]) -> None:
+    """zero_quantized_weights: every stage-3 all-gather carries INT8 codes plus one fp32 scale per block."""
     for rank in ranks:
         for base, element, case in (("plain", 4, "qwz"), ("plain_bf16", 2, "both_bf16")):
             assert _bytes(rank[case], "all_gather") == _expected_gather_bytes(rank[base], element)
@@ -96,6 +97,7 @@ def test_losses_stay_close_to_plain_zero3(ranks: list[dict]) -> None:
 
 
 def test_quantized_gradients_int4_all_to_all(ranks: list[dict]) -> None:
+    """zero_quantized_gradients: no reduce-scatter; the all-to-all carries packed INT4 codes and scales."""
     for rank in ranks:
         for base, case in (("plain", "qgz"), ("plain_bf16", "both_bf16")):
             assert "reduce_scatter" not in rank[case]["sizes"]
@@ -109,6 +111,7 @@ def test_quantized_gradients_int4_all_to_all(ranks: list[dict]) -> None:
 
 
 def test_nontrainable_weights_gather_quantized(ranks: list[dict]) -> None:
+    """zero_quantized_nontrainable_weights: the frozen Linear's gathers are INT8, the trainable ones exact."""
     frozen_sizes = {WORLD * -(-n // WORLD) * 4 for n in (w.IN * w.HIDDEN, w.HIDDEN)}  # the first Linear's
     for rank in ranks:
         plain, quantized = rank["frozen"], rank["frozen_nontrainable"]
