@@ -89,7 +89,7 @@ def engines(rank: int, world: int) -> dict[str, Any]:
             loss = F.mse_loss(engine(x).float(), y.float())
             engine.backward(loss)
             engine.step()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
         sizes: dict[str, dict[int, int]] = {}
         for (op, size), stats in comm.comms_logger.by_size.items():
             sizes.setdefault(op, {})[size] = stats.count
