@@ -185,13 +185,15 @@ def make_reduce_scatter(group: Any = None, node_size: int | None = None, bits: i
                         block: int = GRAD_BLOCK) -> QuantizedReduceScatter:
     """A :class:`QuantizedReduceScatter` over ``group``; ``node_size`` ranks per node (default: the
     launcher's ``LOCAL_WORLD_SIZE``). Collective (it makes the node and cross-node groups): every rank of the
-    world calls it in the same order."""
+    world calls it in the same order. Hierarchical only when ``group`` spans the whole world (a data group
+    beside pipeline or tensor groups would need every rank to create every other group's subgroups too);
+    otherwise, and on one node, one flat quantized all-to-all."""
     import os
 
     _check_bits(bits)
     world = comm.get_world_size(group)
     node = int(node_size or os.environ.get("LOCAL_WORLD_SIZE", world) or world)
-    if node >= world or world % node or node < 1:
+    if node >= world or world % node or node < 1 or world != comm.get_world_size():
         return QuantizedReduceScatter(group=group, bits=bits, block=block)
     ranks = [comm.get_global_rank(group, r) for r in range(world)] if group is not None else list(range(world))
     mine = comm.get_rank(group)
