@@ -94,4 +94,20 @@ def engines(rank: int, world: int) -> dict[str, Any]:
         for (op, size), stats in comm.comms_logger.by_size.items():
             sizes.setdefault(op, {})[size] = stats.count
         out[name] = {"losses": losses, "sizes": sizes}
+        if name == "qwz":
+            out[name]["exact"] = _gathers_exact_values(engine)
     return out
+
+
+def _gathers_exact_values(engine: Any) -> bool:
+    """Under qwZ, GatheredParameters (and so saving full weights) sees the exact shards, and writing a
+    gathered value back (modifier_rank) leaves them as they were."""
+    import dsrun
+    from dsrun.utils import safe_get_full_fp32_param
+
+    params = list(engine.module.parameters())
+    before = [p.ds_tensor.clone() for p in params]
+    with dsrun.zero.GatheredParameters(params, modifier_rank=0):
+        full = [p.data.clone() for p in params]
+    exact = all(torch.equal(f, safe_get_full_fp32_param(p)) for f, p in zip(full, params))
+    return exact and all(torch.equal(b, p.ds_tensor) for b, p in zip(before, params))

@@ -63,6 +63,7 @@ def test_quantized_weights_gather_int8_blocks(ranks: list[dict]) -> None:
             ratio = _bytes(rank[case], "all_gather") / _bytes(rank[base], "all_gather")
             assert ratio <= 0.55, (base, ratio)
         assert rank["qwz"]["losses"] != rank["plain"]["losses"]  # the forward ran on the dequantized weights
+        assert rank["qwz"]["exact"]  # GatheredParameters gathers (and writes back) the exact values
 
 
 def _first_loss_bound(rank: int) -> float:

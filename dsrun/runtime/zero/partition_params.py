@@ -199,6 +199,20 @@ def gather_params(params: Iterable[torch.nn.Parameter]) -> None:
             param.ds_handle.wait()
 
 
+def gather_exact(params: list[torch.nn.Parameter]) -> list[bool]:
+    """Make every parameter available with its exact value, even qwZ ones (whose gathered copy, if they were
+    available, is the dequantized one: released and gathered again from the exact shards). Returns, per
+    parameter, whether it stays available afterwards as it was before (False: release it when done)."""
+    was = [p.ds_status is ParamStatus.AVAILABLE for p in params]
+    for k, p in enumerate(params):
+        if getattr(p, "ds_quantized_gather", None) and p.ds_status is not ParamStatus.NOT_AVAILABLE:
+            release_param(p)
+            was[k] = False
+    with exact_gathers():
+        gather_params(params)
+    return was
+
+
 def release_param(param: torch.nn.Parameter) -> None:
     """Drop the full tensor; only the shard remains."""
     if param.ds_status is ParamStatus.INFLIGHT:
@@ -242,12 +256,7 @@ def write_shard(param: torch.nn.Parameter, values: torch.Tensor) -> None:
 
 def full_tensor(param: torch.nn.Parameter) -> torch.Tensor:
     """A copy of the full value of a partitioned parameter (collective: every rank must call it)."""
-    was_available = param.ds_status is ParamStatus.AVAILABLE
-    if was_available and getattr(param, "ds_quantized_gather", None):
-        release_param(param)  # the gathered copy is the dequantized one: gather the exact shards instead
-        was_available = False
-    with exact_gathers():
-        gather_params([param])
+    was_available = gather_exact([param])[0]
     value = param.data.detach().clone()
     if not was_available:
         release_param(param)
