@@ -70,6 +70,8 @@ class BufferSettings:
     offload_param_buffer_size: int = 100_000_000
     offload_param_max_in_cpu: int = 1_000_000_000
     offload_optimizer_buffer_count: int = 4
+    zero_quantized_weights: bool = False  # ZeRO++ qwZ: stage-3 gathers carry INT8 blocks (dsrun/comm/quantized.py)
+    zero_quantized_gradients: bool = False  # ZeRO++ qgZ: the gradient reduce-scatter is an INT4 all-to-all
 
     @classmethod
     def from_zero_config(cls, zero: Mapping[str, Any]) -> "BufferSettings":
@@ -96,6 +98,8 @@ class BufferSettings:
             offload_param_max_in_cpu=int(float(offload_param.get("max_in_cpu", d.offload_param_max_in_cpu))),
             offload_optimizer_buffer_count=int(offload_optimizer.get("buffer_count",
                                                                      d.offload_optimizer_buffer_count)),
+            zero_quantized_weights=bool(zero.get("zero_quantized_weights", False)),
+            zero_quantized_gradients=bool(zero.get("zero_quantized_gradients", False)),
         )
 
 

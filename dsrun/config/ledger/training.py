@@ -13,6 +13,7 @@ REPORTING = "tests/unit/runtime/test_config_effects_reporting.py::test_key_chang
 RANKS = "tests/integration/test_config_effects.py::test_key_changes_behaviour[{key}]"
 CONFIG = "tests/unit/config/test_support_effects.py::test_key_changes_behaviour[{key}]"
 STUDY = "tests/unit/autotuning/test_study.py::"
+ZEROPP = "tests/integration/test_zeropp.py::"
 
 ZERO_PP = Feature("ZeRO++ (quantized weights and gradients, hierarchical partitioning)",
                   "leave these keys at their defaults")
@@ -164,12 +165,12 @@ ENTRIES: list[Entry] = [
          "prefetching", ENGINE, applies=_stage(3)),
     done("zero_optimization.zero_hpz_partition_size", "hpZ: ranks of the secondary parameter partition that "
          "backward gathers from (stage 3; 1: off)", MICS_HPZ, MICS_HPZ_RESUME),
-    todo("zero_optimization.zero_quantized_weights", "qwZ: quantized weight all-gather", ZERO_PP,
-         applies=_stage(3)),
-    todo("zero_optimization.zero_quantized_nontrainable_weights", "quantize frozen weights in memory", ZERO_PP,
-         applies=_stage(3)),
-    todo("zero_optimization.zero_quantized_gradients", "qgZ: quantized gradient reduction", ZERO_PP,
-         applies=_stage(3)),
+    done("zero_optimization.zero_quantized_weights", "qwZ: stage-3 parameter all-gathers carry INT8 blocks "
+         "with per-block scales", ZEROPP + "test_quantized_weights_gather_int8_blocks"),
+    done("zero_optimization.zero_quantized_nontrainable_weights", "qwZ for frozen parameters only (stage 3)",
+         ZEROPP + "test_nontrainable_weights_gather_quantized"),
+    done("zero_optimization.zero_quantized_gradients", "qgZ: the stage-3 gradient reduce-scatter is a "
+         "hierarchical INT4 all-to-all", ZEROPP + "test_quantized_gradients_int4_all_to_all"),
     todo("zero_optimization.zeropp_loco_param", "LoCo error feedback for qgZ", ZERO_PP, applies=_stage(3)),
     done("zero_optimization.mics_shard_size", "MiCS: ranks per shard group, replicated across groups (stage 3; "
          "-1: off)", MICS_PARITY, MICS_HPZ_RESUME),

@@ -14,6 +14,8 @@ releasing drops the buffer again. Attributes (DeepSpeed's names, so code that in
 ``ds_persist``       kept gathered between uses (small parameters, ``stage3_param_persistence_threshold``)
 ``ds_process_group`` the group it is partitioned over (None: the world)
 ``ds_buffer_pool``   optional :class:`GatherBufferPool` that released full buffers go back to (CPU)
+``ds_quantized_gather`` optional: elements per INT8 scale when this parameter's gathers are quantized (ZeRO++
+                     qwZ, :mod:`dsrun.comm.quantized`); the shard itself stays exact
 ``ds_offload``       with ``offload_param``: the object that owns the shard (:mod:`dsrun.runtime.offload.param_swapper`);
                      for NVMe ``ds_tensor`` is then an empty placeholder and the shard lives in a file
 
@@ -24,6 +26,7 @@ from every full gather and read by gathers with ``secondary=True`` while ``ds_se
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 from enum import Enum
 from typing import Any, Iterable
@@ -31,6 +34,7 @@ from typing import Any, Iterable
 import torch
 
 from dsrun import comm
+from dsrun.comm.quantized import quantized_all_gather_into_tensor
 
 
 class ParamStatus(Enum):
@@ -40,6 +44,17 @@ class ParamStatus(Enum):
 
 
 _ids = itertools.count()
+_exact_gathers = [False]  # True inside exact_gathers(): quantized parameters gather their exact shards
+
+
+@contextlib.contextmanager
+def exact_gathers():
+    """Gathers started inside carry the exact shards even for qwZ parameters (saving full weights)."""
+    before, _exact_gathers[0] = _exact_gathers[0], True
+    try:
+        yield
+    finally:
+        _exact_gathers[0] = before
 
 
 def is_zero_param(param: Any) -> bool:
@@ -187,9 +202,12 @@ def start_gather(param: torch.nn.Parameter, async_op: bool, secondary: bool = Fa
         buffer = pool.take(numel) if pool is not None else None
         if buffer is None or buffer.dtype != shard.dtype or buffer.device != shard.device:
             buffer = torch.empty(numel, dtype=shard.dtype, device=shard.device)
+        block = getattr(param, "ds_quantized_gather", None)
         if levels is not None:  # MiCS hierarchical: two synchronous steps
             comm.all_gather_hierarchical(buffer, shard, *levels)
             work = None
+        elif block and not _exact_gathers[0]:  # ZeRO++ qwZ: INT8 blocks on the wire, decoded into buffer
+            work = quantized_all_gather_into_tensor(buffer, shard, group=group, async_op=async_op, block=block)
         else:
             work = comm.all_gather_into_tensor(buffer, shard, group=group, async_op=async_op)
         if not async_op:
@@ -209,6 +227,20 @@ def gather_params(params: Iterable[torch.nn.Parameter], secondary: bool = False)
             start_gather(param, async_op=False, secondary=secondary).wait()
         elif param.ds_status is ParamStatus.INFLIGHT:
             param.ds_handle.wait()
+
+
+def gather_exact(params: list[torch.nn.Parameter]) -> list[bool]:
+    """Make every parameter available with its exact value, even qwZ ones (whose gathered copy, if they were
+    available, is the dequantized one: released and gathered again from the exact shards). Returns, per
+    parameter, whether it stays available afterwards as it was before (False: release it when done)."""
+    was = [p.ds_status is ParamStatus.AVAILABLE for p in params]
+    for k, p in enumerate(params):
+        if getattr(p, "ds_quantized_gather", None) and p.ds_status is not ParamStatus.NOT_AVAILABLE:
+            release_param(p)
+            was[k] = False
+    with exact_gathers():
+        gather_params(params)
+    return was
 
 
 def release_param(param: torch.nn.Parameter) -> None:
@@ -260,8 +292,7 @@ def write_shard(param: torch.nn.Parameter, values: torch.Tensor) -> None:
 
 def full_tensor(param: torch.nn.Parameter) -> torch.Tensor:
     """A copy of the full value of a partitioned parameter (collective: every rank must call it)."""
-    was_available = param.ds_status is ParamStatus.AVAILABLE
-    gather_params([param])
+    was_available = gather_exact([param])[0]
     value = param.data.detach().clone()
     if not was_available:
         release_param(param)

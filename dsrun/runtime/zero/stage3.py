@@ -12,6 +12,11 @@
   ``sub_group_size`` elements (one optimizer tensor each); the step updates only these, then writes the
   model-dtype shards. No all-gather follows the step: the next forward gathers what it needs.
 
+ZeRO++ (:mod:`dsrun.comm.quantized`): ``zero_quantized_weights`` (qwZ) gathers parameters as INT8 blocks with
+per-block scales, ``zero_quantized_nontrainable_weights`` does so for frozen parameters only, and
+``zero_quantized_gradients`` (qgZ) replaces the data-parallel reduce-scatter with the hierarchical INT4
+all-to-all (synchronous: ``overlap_comm`` does not overlap it).
+
 Per step this moves 3 * psi * (N - 1) / N elements per rank (gather in forward, gather in backward,
 reduce-scatter), 1.5 times stage 0's all-reduce, as the ZeRO paper says.
 """
@@ -24,6 +29,7 @@ from typing import Any
 import torch
 
 from dsrun import comm
+from dsrun.comm import quantized
 from dsrun.utils.errors import ConfigError, Problem
 
 from .base import MemoryBreakdown, StrategyContext, ZeroStrategy, optimizer_state_bytes, tensor_bytes
@@ -70,6 +76,7 @@ class Stage3Strategy(ZeroStrategy):
         self.norm_group = self.sharding.shard_group  # each shard's gradient is counted once in the norm
         self._partition_all()
         self._mark_persistent(int(zc.stage3_param_persistence_threshold), int(zc.stage3_model_persistence_threshold))
+        self._qgz = self._set_up_zeropp(zc)
         # offload_param: shards to host memory or NVMe files (dsrun/runtime/offload/param_swapper.py)
         self.param_offload = param_swapper.attach_param_offload(
             self.params, zc.offload_param, ctx.device, self.model_dtype, aio_config=ctx.aio_config, rank=self.rank,
@@ -132,6 +139,18 @@ class Stage3Strategy(ZeroStrategy):
             partition_param(p, self.sharding.group_of(p), dtype=dtype, device=self.ctx.device)
         for p in self.params:
             self.sharding.attach(p)
+
+    def _set_up_zeropp(self, zc: Any) -> "quantized.QuantizedReduceScatter | None":
+        """Mark the parameters whose gathers are quantized (qwZ: all; nontrainable: the frozen ones); the
+        quantized reduce-scatter over the group gradients are reduce-scattered in (the data-parallel group, or
+        with MiCS the shard group) for qgZ (None when off)."""
+        for p in self.params:
+            if zc.zero_quantized_weights or (zc.zero_quantized_nontrainable_weights and not p.requires_grad):
+                if p.ds_tensor.is_floating_point():
+                    p.ds_quantized_gather = quantized.WEIGHT_BLOCK
+        if not zc.zero_quantized_gradients:
+            return None
+        return quantized.make_reduce_scatter(self.sharding.shard_group)
 
     def _mark_persistent(self, threshold: int, model_threshold: int) -> None:
         budget = model_threshold
@@ -255,6 +274,10 @@ class Stage3Strategy(ZeroStrategy):
             rows.div_(self.pre_divide)
         if world == 1:
             self._inflight.append((None, rows[0], placed, rows_flat))
+        elif self._qgz is not None and group is self._qgz.group:
+            out = self._take_buffer(total)
+            self._qgz(out, rows_flat)
+            self._inflight.append((None, out, placed, rows_flat))
         else:
             out = self._take_buffer(total)
             work = comm.reduce_scatter_tensor(out, rows_flat, group=group,
