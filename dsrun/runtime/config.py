@@ -62,6 +62,8 @@ class DeepSpeedConfig:
         self.gradient_clipping = c.gradient_clipping
         self.prescale_gradients = c.prescale_gradients
         self.gradient_predivide_factor = c.gradient_predivide_factor
+        self.gradient_allreduce_op = c.gradient_allreduce_op
+        self.torch_autocast_enabled = c.torch_autocast.enabled
         self.sparse_gradients_enabled = c.sparse_gradients
         self.communication_data_type = c.communication_data_type
         self.zero_config = c.zero_optimization

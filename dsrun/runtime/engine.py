@@ -83,6 +83,7 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
         # DeepSpeed's "step=N, skipped=S, lr=[...]" line every steps_per_print steps; a caller that prints its
         # own progress (dsrun's worker) turns it off
         self.print_step_lines = True
+        self.gradient_average = config.gradient_allreduce_op == "mean"  # "sum": gradients summed over ranks
         self._boundary_override: bool | None = None
         self.timers = WallClockTimers(bool(config.wall_clock_breakdown))
         comm.configure(config)

@@ -31,7 +31,8 @@ ENTRIES: list[Entry] = [
          f"{AUTOCAST}test_torch_autocast_dtype_and_safe_modules"),
     done("torch_autocast.lower_precision_safe_modules", "modules whose gradients are reduced in the autocast "
          "dtype (their parameters get comm_dtype)", f"{AUTOCAST}test_torch_autocast_dtype_and_safe_modules"),
-    todo("gradient_allreduce_op", "sum instead of average the gradients over ranks", ENGINE),
+    done("gradient_allreduce_op", "sum (\"sum\") instead of average (\"mean\") the gradients over ranks",
+         "tests/integration/test_config_effects.py::test_key_changes_behaviour[gradient_allreduce_op]"),
     todo("sequence_parallel_size", "ranks sharing one sequence (Ulysses sequence parallelism)",
          Feature("Ulysses sequence parallelism from the config", "leave sequence_parallel_size at 1")),
     todo("log_level", "DeepSpeed's logger level", ENGINE),
