@@ -16,7 +16,7 @@ from typing import Any
 from dsrun.config import DeepSpeedConfig as TypedConfig
 from dsrun.config import load_ds_config
 from dsrun.config.sources import read_config_source
-from dsrun.monitor.config import DeepSpeedMonitorConfig
+from dsrun.config.monitoring import DeepSpeedMonitorConfig
 from dsrun.utils.errors import ConfigError
 
 # DeepSpeed's optimizer names (the lower-cased "optimizer.type" values)
