@@ -101,6 +101,10 @@ def check_zero(cfg: DeepSpeedConfig, raw: dict[str, Any], p: str) -> tuple[list[
         if where:
             problems.append(Problem(f"{p}gradient_allreduce_op", f"'sum' is not supported with {where}",
                                     "use \"mean\" (the default)"))
+    if (z.mics_shard_size > 0 or z.mics_hierarchical_params_gather) and z.stage != 3:
+        notes.append(f"{zp}.mics_shard_size / mics_hierarchical_params_gather (MiCS) only matter at stage 3")
+    elif z.mics_hierarchical_params_gather and z.mics_shard_size < 1:
+        notes.append(f"{zp}.mics_hierarchical_params_gather only matters with mics_shard_size set (MiCS)")
     uses_nvme = "nvme" in (z.offload_param_device, z.offload_optimizer_device)
     if _given(raw, "aio") and not uses_nvme:
         notes.append(f"{p}aio only matters with NVMe offload")
