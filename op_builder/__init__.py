@@ -2,6 +2,8 @@
 flags and torch version; built ahead of time with ``dsrun ops build`` or ``DSRUN_BUILD_OPS=1 pip install .``.
 
 ``ALL_OPS`` maps each op name to its builder class; ``get_builder(name)`` returns a fresh builder.
+``DEEPSPEED_ONLY`` are DeepSpeed's builder names (``FusedAdamBuilder`` loads the CPU Adam op; the CUDA ones say
+they are not built here), for ``deepspeed.ops.op_builder`` imports and ``deepspeed.ops.__compatible_ops__``.
 """
 from __future__ import annotations
 
@@ -15,6 +17,16 @@ from op_builder.builder import (
     simd_level,
 )
 from op_builder.cpu_ops import AsyncIOBuilder, CPUAdagradBuilder, CPUAdamBuilder, CPULionBuilder
+from op_builder.deepspeed_names import (
+    DEEPSPEED_ONLY,
+    FusedAdamBuilder,
+    FusedLambBuilder,
+    FusedLionBuilder,
+    InferenceBuilder,
+    QuantizerBuilder,
+    SparseAttnBuilder,
+    TransformerBuilder,
+)
 
 ALL_OPS: dict[str, type[OpBuilder]] = {
     b.NAME: b for b in (CPUAdamBuilder, CPUAdagradBuilder, CPULionBuilder, AsyncIOBuilder)
@@ -29,6 +41,7 @@ def get_builder(name: str) -> OpBuilder:
         raise ValueError(f"unknown op {name!r}; expected one of {', '.join(ALL_OPS)}") from None
 
 
-__all__ = ["ALL_OPS", "AsyncIOBuilder", "CPUAdagradBuilder", "CPUAdamBuilder", "CPULionBuilder",
+__all__ = ["ALL_OPS", "DEEPSPEED_ONLY", "FusedAdamBuilder", "FusedLambBuilder", "FusedLionBuilder", "InferenceBuilder",
+           "QuantizerBuilder", "SparseAttnBuilder", "TransformerBuilder", "AsyncIOBuilder", "CPUAdagradBuilder", "CPUAdamBuilder", "CPULionBuilder",
            "CompilerUnavailableError", "OpBuildError", "OpBuilder", "cache_root", "compiler", "csrc_root",
            "get_builder", "simd_level"]

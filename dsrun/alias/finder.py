@@ -22,6 +22,7 @@ RENAMED: dict[str, str] = {
     "deepspeed.launcher.runner": "dsrun.cli.deepspeed_runner",
     "deepspeed.monitor.wandb": "dsrun.monitor.wandb_monitor",
     "deepspeed.monitor.comet": "dsrun.monitor.comet_monitor",
+    "deepspeed.monitor.config": "dsrun.config.monitoring",
 }
 
 

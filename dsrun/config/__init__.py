@@ -24,7 +24,7 @@ from .batch import GAS, MBS, TBS, BatchResolution, resolve_batch
 from .elastic import resolve_elastic_batch
 from .migrate import LegacyConfigWarning, migrate_legacy
 from .model import DeepSpeedConfig
-from .problems import validate_model
+from .problems import split_unknown_top_level, validate_model
 from .rules import check_rules
 from .sources import ConfigSource, read_config_source
 from .support import announce, check_support
@@ -57,6 +57,12 @@ def _analyse(
         return None, list(err.problems)
 
     data, problems, notes = migrate_legacy(raw, prefix)
+    data, ignored = split_unknown_top_level(DeepSpeedConfig, data)
+    if ignored:
+        note = (f"{path_prefix or 'config'}: unknown top-level key(s) {', '.join(map(repr, ignored))} ignored, "
+                "as DeepSpeed ignores them")
+        notes.append(note)
+        logger.warning("%s", note)
     data, auto_problems, auto_batch = resolve_auto(data, auto_values, prefix)
     problems += auto_problems
 

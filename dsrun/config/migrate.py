@@ -13,6 +13,7 @@ DeepSpeed, because one of the two would be silently ignored.
 | ``zero_optimization.cpu_offload_param(s): true`` | ``offload_param: {"device": "cpu"}`` |
 | ``zero_optimization.cpu_offload_use_pin_memory`` | dropped (no effect in DeepSpeed; use ``pin_memory``) |
 | ``zero_optimization.stage3_gather_fp16_weights_on_model_save`` | ``stage3_gather_16bit_weights_on_model_save`` |
+| ``aio.intra_op_parallelism``, ``seq_parallel_communication_data_type`` (DeepSpeed 0.19's names) | ``aio.thread_count``, ``seq_parallel_comm_data_type`` (silently) |
 | ``elasticity.prefer_large_batch`` (documented spelling) | dropped: DeepSpeed reads only ``prefer_larger_batch`` (D9) |
 
 DeepSpeed also accepts the stage-3 ZeRO keys without the ``stage3_`` prefix (its field names); those are
@@ -42,6 +43,7 @@ STAGE3_ALIASES = {
     "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
     "use_all_reduce_for_fetch_params": "stage3_use_all_reduce_for_fetch_params",
     "module_granularity_threshold": "stage3_module_granularity_threshold",
+    "allgather_sequential": "stage3_allgather_sequential",
 }
 
 
@@ -114,6 +116,11 @@ def migrate_legacy(data: dict[str, Any], prefix: str = "") -> tuple[dict[str, An
     m = _Migration(prefix)
     out = dict(data)
     m.rename(out, "bfloat16", "bf16", (), deprecated=True)
+    # DeepSpeed 0.19's names for keys dsrun knows by their 0.14 names
+    m.rename(out, "seq_parallel_communication_data_type", "seq_parallel_comm_data_type", (), deprecated=False)
+    if isinstance(out.get("aio"), dict):
+        out["aio"] = dict(out["aio"])
+        m.rename(out["aio"], "intra_op_parallelism", "thread_count", ("aio",), deprecated=False)
 
     zero = out.get("zero_optimization")
     if isinstance(zero, bool):

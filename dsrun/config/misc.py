@@ -19,6 +19,7 @@ from pydantic import BeforeValidator, Field
 from dsrun.utils.errors import Problem
 
 from .base import NonNegFloat, NonNegInt, OpenDict, PosInt, Section
+from .recent import CheckpointWriterConfig
 
 
 def _lower(value: Any) -> Any:
@@ -155,6 +156,8 @@ class CheckpointConfig(Section):
     load_universal: bool = False
     use_node_local_storage: bool = False
     parallel_write: ParallelWriteConfig = Field(default_factory=ParallelWriteConfig)
+    checkpoint_serialization: bool = True
+    writer: CheckpointWriterConfig | None = None
 
 
 class EigenvalueConfig(Section):
@@ -200,6 +203,7 @@ class HybridEngineConfig(Section):
     release_inference_cache: bool = False
     pin_parameters: bool = True
     tp_gather_partition_size: PosInt = 8
+    enable_cuda_graph: bool = False
 
 
 class CompileConfig(Section):
@@ -208,6 +212,25 @@ class CompileConfig(Section):
     enabled: bool = False
     backend: str = "inductor"
     kwargs: OpenDict = Field(default_factory=dict)
+    # DeepCompile (DeepSpeed 0.17+): compiler passes for ZeRO; defaults are DeepSpeed's
+    deepcompile: bool = False
+    autoep_non_moe: bool = False
+    free_activation: bool = False
+    free_activation_threshold: NonNegInt = 10 * 1024 * 1024
+    offload_activation: bool = False
+    offload_activation_pin_memory: bool = True
+    offload_opt_states: bool = False
+    double_buffer: bool = True
+    symmetric_memory: bool = False
+    debug_log: bool = False
+    offload_parameters: bool = False
+    sync_before_reduce: bool = False
+    sync_after_reduce: bool = False
+    sync_before_allgather: bool = False
+    sync_after_allgather: bool = False
+    keep_int_input_tensors: bool = True
+    keep_all_input_tensors: bool = False
+    passes: list[str] | None = None
 
 
 class ThroughputTimerConfig(Section):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, PrivateAttr, model_validator
 
@@ -46,11 +46,16 @@ from .monitoring import (
 )
 from .optim import OptimizerConfig, SchedulerConfig
 from .precision import AMPConfig, BF16Config, DataTypesConfig, FP16Config
+from .recent import TensorParallelConfig, TorchAutocastConfig
 from .zero import AIOConfig, ZeroConfig
 
 
 def _section(model: type[Section]) -> Any:
     return Field(default_factory=model)
+
+
+def _lower(value: Any) -> Any:
+    return value.lower() if isinstance(value, str) else value
 
 
 def _never_as_max_steps(value: Any) -> Any:
@@ -85,12 +90,14 @@ class DeepSpeedConfig(Section):
     gradient_predivide_factor: NonNegFloat = 1.0
     sparse_gradients: bool = False
     disable_allgather: bool = False
+    gradient_allreduce_op: Annotated[Literal["mean", "sum"], BeforeValidator(_lower)] = "mean"
 
     # precision
     fp16: FP16Config = _section(FP16Config)
     bf16: BF16Config = _section(BF16Config)
     amp: AMPConfig = _section(AMPConfig)
     data_types: DataTypesConfig = _section(DataTypesConfig)
+    torch_autocast: TorchAutocastConfig = _section(TorchAutocastConfig)
     gradient_clipping: NonNegFloat = 0.0
 
     # ZeRO
@@ -105,6 +112,8 @@ class DeepSpeedConfig(Section):
     wall_clock_breakdown: bool = False
     dump_state: bool = False
     memory_breakdown: bool = False
+    log_level: Annotated[Literal["debug", "info", "warning", "error", "critical"] | None,
+                         BeforeValidator(_lower)] = None
 
     # monitors and profilers
     tensorboard: TensorBoardConfig = _section(TensorBoardConfig)
@@ -139,6 +148,13 @@ class DeepSpeedConfig(Section):
     vocabulary_size: PosInt | None = None
     graph_harvesting: bool = False
     use_data_before_expert_parallelism: bool = False
+    # DeepSpeed 0.15-0.19 keys (dsrun/config/recent.py; the ledger says which act)
+    managed_gradient_accumulation: bool = True
+    sequence_parallel_size: PosInt = 1
+    disable_python_gc: bool = False
+    tensor_parallel: TensorParallelConfig = _section(TensorParallelConfig)
+    expert_parallel: dict[str, Any] | None = None
+    datastates_ckpt: dict[str, Any] | bool | None = None
     # dsrun's own: run a config that enables not-implemented features, with a warning line per key
     dsrun_allow_unimplemented: bool = False
 

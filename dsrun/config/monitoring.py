@@ -7,7 +7,7 @@ DeepSpeed drops ``"auto"`` values in the four DeepSpeed monitor sections; see :m
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, Mapping
 
 from pydantic import Field
 
@@ -89,3 +89,25 @@ class FlopsProfilerConfig(Section):
     top_modules: NonNegInt = 1
     detailed: bool = True
     output_file: str | None = None
+
+
+CSVConfig = CSVMonitorConfig  # DeepSpeed's class name (deepspeed.monitor.config is this module)
+
+
+class DeepSpeedMonitorConfig(Section):
+    """``tensorboard``, ``wandb``, ``csv_monitor`` and ``comet``; ``enabled`` when any of them is."""
+
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig)
+    comet: CometConfig = Field(default_factory=CometConfig)
+
+    @property
+    def enabled(self) -> bool:
+        return any(s.enabled for s in (self.tensorboard, self.wandb, self.csv_monitor, self.comet))
+
+
+def get_monitor_config(param_dict: Mapping[str, Any]) -> DeepSpeedMonitorConfig:
+    """The monitor sections of a DeepSpeed config dict."""
+    names = ("tensorboard", "wandb", "csv_monitor", "comet")
+    return DeepSpeedMonitorConfig(**{name: param_dict.get(name) or {} for name in names})

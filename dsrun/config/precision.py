@@ -4,7 +4,7 @@ fp16, bf16 and amp exclude one another, and amp excludes ZeRO; those rules live 
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import ConfigDict, Field
 
@@ -48,6 +48,7 @@ class BF16Config(Section):
     immediate_grad_update: bool = False
     bf16_master_weights_and_grads: bool = False
     bf16_optimizer_states: bool = False
+    check_grad_overflow: bool = True
 
 
 class AMPConfig(Section):
@@ -73,3 +74,6 @@ class DataTypesConfig(Section):
     model dtype; see :meth:`DeepSpeedConfig.resolved_grad_accum_dtype`)."""
 
     grad_accum_dtype: DTypeName | None = Field(default=None)
+    param_dtype: DTypeName | None = None
+    buffer_dtype: DTypeName | None = None
+    keep_in_fp32_modules: Literal["auto"] | list[str] = "auto"

@@ -146,6 +146,17 @@ def _merge_alternatives(problems: list[Problem]) -> list[Problem]:
     return list(merged.values())
 
 
+def split_unknown_top_level(model: type[BaseModel], data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """``data`` without its unknown top-level keys that resemble no known key, and those keys.
+
+    DeepSpeed ignores unknown top-level keys (``cuda_visible_devices``, a launcher's own notes); so does
+    dsrun, with one warning line. A near miss (``zero_optimisation``) stays in, to be refused with a
+    "did you mean"."""
+    known = list(model.model_fields)
+    dropped = [key for key in data if key not in known and not did_you_mean(str(key), known)]
+    return {k: v for k, v in data.items() if k not in dropped}, dropped
+
+
 def validate_model(model: type[BaseModel], data: Any, prefix: str) -> tuple[BaseModel | None, list[Problem]]:
     """Validate ``data`` against ``model``; the instance or None, and the problems under ``prefix``."""
     try:

@@ -95,6 +95,12 @@ def check_zero(cfg: DeepSpeedConfig, raw: dict[str, Any], p: str) -> tuple[list[
         notes.append(f"{zp}.round_robin_gradients only matters at stages 1-2 with CPU optimizer offload")
     if z.zero_hpz_partition_size > 1 and z.stage != 3:
         notes.append(f"{zp}.zero_hpz_partition_size (hpZ) only matters at stage 3")
+    if cfg.gradient_allreduce_op == "sum":  # DeepSpeed's own limits of the summed reduction
+        where = ("ZeRO stage 3" if z.stage == 3 else "ZenFlow" if z.zenflow is not None
+                 else "DeepCompile" if cfg.compile.deepcompile else "")
+        if where:
+            problems.append(Problem(f"{p}gradient_allreduce_op", f"'sum' is not supported with {where}",
+                                    "use \"mean\" (the default)"))
     if (z.mics_shard_size > 0 or z.mics_hierarchical_params_gather) and z.stage != 3:
         notes.append(f"{zp}.mics_shard_size / mics_hierarchical_params_gather (MiCS) only matter at stage 3")
     elif z.mics_hierarchical_params_gather and z.mics_shard_size < 1:

@@ -28,8 +28,8 @@ from .model import DeepSpeedConfig
 from .schema_keys import WILDCARD, mapped_section_model, match_pattern, schema_keys
 
 ALLOW_KEY = "dsrun_allow_unimplemented"
-# Sections DeepSpeed turns on by their presence (no "enabled" key).
-PRESENCE_GATES = ("sparse_attention",)
+# Sections DeepSpeed turns on by their presence (no "enabled" key), by their paths.
+PRESENCE_GATES = ("sparse_attention", "zero_optimization.zenflow", "checkpoint.writer")
 # Keys already announced as warnings to this process's parent (dsrun train / launch), not repeated by ranks.
 ANNOUNCED_ENV = "DSRUN_UNIMPLEMENTED_ANNOUNCED"
 
@@ -105,12 +105,12 @@ def _leaves(section: BaseModel, pattern: str, path: str, chain: tuple[_Gate, ...
     for name, field in type(section).model_fields.items():
         value = getattr(section, name)
         sub_pattern, sub_path = f"{pattern}{name}", f"{path}{name}"
-        if not pattern and name in PRESENCE_GATES:
+        if sub_pattern in PRESENCE_GATES:
             if value is None:
                 continue
-            presence = _Gate(name, name, f"{name}.")
-            yield name, name, (*chain, presence), True
-            yield from _leaves(value, f"{name}.", f"{name}.", (*chain, presence))
+            presence = _Gate(sub_path, sub_pattern, f"{sub_path}.")
+            yield sub_path, sub_pattern, (*chain, presence), True
+            yield from _leaves(value, f"{sub_pattern}.", f"{sub_path}.", (*chain, presence))
         elif isinstance(value, BaseModel):
             yield from _leaves(value, f"{sub_pattern}.", f"{sub_path}.", chain)
         elif isinstance(value, dict) and mapped_section_model(field.annotation) is not None:
@@ -134,7 +134,7 @@ def unimplemented_keys(cfg: Any) -> list[Unimplemented]:
     found: dict[str, Unimplemented] = {}
     sections: dict[str, str] = {}  # reported gate path -> the section it switches
     for path, pattern, chain, value in _leaves(cfg, "", "", ()):
-        if path in PRESENCE_GATES:
+        if pattern in PRESENCE_GATES:
             gate = chain[-1]
             if gate.status == Status.NOT_IMPLEMENTED:
                 found[path], sections[path] = Unimplemented(path, gate.entry), gate.section

@@ -20,6 +20,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BeforeValidator, Field, model_validator
 
 from .base import Fraction, NonNegInt, OpenDict, Section
+from .recent import LeafModuleConfig, ZenFlowConfig
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
 
@@ -53,6 +54,8 @@ class OffloadOptimizerConfig(Section):
     fast_init: bool = False
     pipeline_read: bool = False
     pipeline_write: bool = False
+    super_offload: bool = False
+    cpuadam_cores_perc: Fraction = 0.8
 
     @property
     def pipeline(self) -> bool:
@@ -116,6 +119,14 @@ class ZeroConfig(Section):
     pipeline_loading_checkpoint: bool = False
     override_module_apply: bool = True
     log_trace_cache_warnings: bool = False
+    # DeepSpeed 0.15-0.19
+    compute_grad_norm: bool = True
+    stage3_allgather_sequential: bool = False
+    parameter_alignment: bool = False
+    enable_sanity_checks: bool = False
+    save_muon_momentum_buffer_in_memory: bool = False
+    leaf_module: LeafModuleConfig = Field(default_factory=LeafModuleConfig)
+    zenflow: ZenFlowConfig | None = None
 
     @model_validator(mode="after")
     def _dynamic_overlap_comm(self) -> "ZeroConfig":
@@ -149,3 +160,4 @@ class AIOConfig(Section):
     thread_count: NonNegInt = 1
     single_submit: bool = False
     overlap_events: bool = True
+    use_gds: bool = False

@@ -7,6 +7,7 @@ flushes and releases files and connections.
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from typing import Any, Iterable, Mapping, Sequence, Tuple
 
@@ -52,3 +53,17 @@ def section_value(section: Any, name: str, default: Any = None) -> Any:
     if isinstance(section, Mapping):
         return section.get(name, default)
     return getattr(section, name, default)
+
+
+def deepspeed_section(value: Any) -> Any | None:
+    """``value`` when a monitor is built DeepSpeed's way, from its config section object
+    (``TensorBoardMonitor(ds_config.monitor_config.tensorboard)``), else None."""
+    return value if hasattr(value, "enabled") and not isinstance(value, (str, os.PathLike)) else None
+
+
+def writes_here(section: Any) -> bool:
+    """DeepSpeed's monitors built from a section write only when it is enabled, and only on rank 0."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    return bool(section.enabled) and rank == 0

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
-from .base import Event, Monitor
+from .base import Event, Monitor, deepspeed_section, writes_here
 
 
 def csv_file_name(label: str) -> str:
@@ -23,12 +23,22 @@ class CSVMonitor(Monitor):
 
     name = "csv_monitor"
 
-    def __init__(self, output_path: str | os.PathLike = "", job_name: str = "DeepSpeedJobName"):
+    def __init__(self, output_path: Any = "", job_name: str = "DeepSpeedJobName"):
+        """``CSVMonitor(output_path, job_name)``, or DeepSpeed's ``csvMonitor(csv_config)`` (then it writes only
+        when the section is enabled, on rank 0)."""
+        section = deepspeed_section(output_path)
+        if section is not None:
+            output_path, job_name = section.output_path, section.job_name
+        self.enabled, self.output_path, self.job_name = bool(section.enabled) if section else True, output_path, job_name
         self.log_dir = Path(output_path or os.getcwd()) / job_name
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._writes = section is None or writes_here(section)
+        if self._writes:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
         self._pending: dict[str, list[str]] = {}
 
     def write_events(self, events: Sequence[Event]) -> None:
+        if not self._writes:
+            return
         for label, value, step in events:
             self._pending.setdefault(label, []).append(f"{int(step)},{float(value)!r}\n")
 

@@ -14,10 +14,12 @@ any other reason raises ``op_builder.OpBuildError`` with the compiler's output.
 
 
 def compatible_ops() -> dict[str, bool]:
-    """Op name -> whether it can be built and run on this machine."""
-    from op_builder import ALL_OPS
+    """Op name -> whether it can be built and run on this machine (DeepSpeed's op names included: those dsrun
+    does not build are False)."""
+    from op_builder import ALL_OPS, DEEPSPEED_ONLY
 
-    return {name: builder().is_compatible()[0] for name, builder in ALL_OPS.items()}
+    builders = [*ALL_OPS.values(), *DEEPSPEED_ONLY]
+    return {builder.NAME: builder().is_compatible()[0] for builder in builders}
 
 
 def __getattr__(name: str):

@@ -63,6 +63,11 @@ class AsyncIOHandle:
     def from_config(cls, aio: Mapping[str, Any] | None = None, **overrides: Any) -> "AsyncIOHandle":
         """A handle from DeepSpeed's ``aio`` config section (missing keys take DeepSpeed's defaults)."""
         cfg = {**AIO_DEFAULTS, **(dict(aio) if aio else {})}
+        if "intra_op_parallelism" in cfg:  # DeepSpeed 0.19's name for thread_count
+            cfg["thread_count"] = cfg.pop("intra_op_parallelism")
+        if cfg.pop("use_gds", False):
+            raise ValueError("aio.use_gds: GPUDirect Storage is not implemented in this version of dsrun; "
+                             "leave use_gds false")
         unknown = sorted(set(cfg) - set(AIO_DEFAULTS))
         if unknown:
             raise ValueError(f"aio: unknown key(s) {', '.join(unknown)}; expected {', '.join(AIO_DEFAULTS)}")

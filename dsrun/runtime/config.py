@@ -16,6 +16,7 @@ from typing import Any
 from dsrun.config import DeepSpeedConfig as TypedConfig
 from dsrun.config import load_ds_config
 from dsrun.config.sources import read_config_source
+from dsrun.config.monitoring import DeepSpeedMonitorConfig
 from dsrun.utils.errors import ConfigError
 
 # DeepSpeed's optimizer names (the lower-cased "optimizer.type" values)
@@ -62,6 +63,8 @@ class DeepSpeedConfig:
         self.gradient_clipping = c.gradient_clipping
         self.prescale_gradients = c.prescale_gradients
         self.gradient_predivide_factor = c.gradient_predivide_factor
+        self.gradient_allreduce_op = c.gradient_allreduce_op
+        self.torch_autocast_enabled = c.torch_autocast.enabled
         self.sparse_gradients_enabled = c.sparse_gradients
         self.communication_data_type = c.communication_data_type
         self.zero_config = c.zero_optimization
@@ -83,7 +86,8 @@ class DeepSpeedConfig:
         self.dataloader_drop_last = c.dataloader_drop_last
         self.activation_checkpointing_config = c.activation_checkpointing
         self.flops_profiler_config = c.flops_profiler
-        self.monitor_config = c.tensorboard, c.wandb, c.csv_monitor
+        self.monitor_config = DeepSpeedMonitorConfig(tensorboard=c.tensorboard, wandb=c.wandb,
+                                                     csv_monitor=c.csv_monitor, comet=c.comet)
 
     def print(self, name: str) -> None:
         """Log every setting, as DeepSpeed's ``DeepSpeedConfig.print`` does."""

@@ -32,6 +32,7 @@ from dsrun.runtime.lr_schedules import build_lr_scheduler
 from dsrun.runtime.autotuning_probe import AutotuningProbe
 from dsrun.runtime.observer import EngineObserver
 from dsrun.runtime.precision import PrecisionStrategy, build_precision
+from dsrun.runtime.torch_autocast import autocast_if_enabled, init_autocast_params
 from dsrun.runtime.timers import WallClockTimers
 from dsrun.runtime.zero import MemoryBreakdown, StrategyContext, ZeroStrategy, build_zero_strategy
 from dsrun.utils.errors import ConfigError, Problem
@@ -83,6 +84,7 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
         # DeepSpeed's "step=N, skipped=S, lr=[...]" line every steps_per_print steps; a caller that prints its
         # own progress (dsrun's worker) turns it off
         self.print_step_lines = True
+        self.gradient_average = config.gradient_allreduce_op == "mean"  # "sum": gradients summed over ranks
         self._boundary_override: bool | None = None
         self.timers = WallClockTimers(bool(config.wall_clock_breakdown))
         comm.configure(config)
@@ -93,6 +95,8 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
             model.to(dtype=self.precision.model_dtype)
         self.module = model
         self._broadcast_model()
+        if self.torch_autocast_enabled():  # the torch_autocast section: comm dtypes of the safe modules' params
+            init_autocast_params(self, self.torch_autocast_dtype(), self.torch_autocast_lower_precision_safe_modules())
         configure_from_engine(model, config, mpu)  # the activation_checkpointing section, if any
 
         self.strategy: ZeroStrategy | None = None
@@ -170,7 +174,8 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
             self.strategy.before_forward()
         inputs, kwargs = self.precision.prepare_inputs(inputs, kwargs)
         kwargs.update(self.data_efficiency.forward_kwargs(self.module.training, self.global_steps))  # data efficiency
-        out = self.module(*inputs, **kwargs)
+        with autocast_if_enabled(self):  # the torch_autocast section
+            out = self.module(*inputs, **kwargs)
         self.timers.stop(FORWARD_TIMER)
         self.observer.after_forward()
         return out

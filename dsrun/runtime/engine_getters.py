@@ -313,6 +313,19 @@ class EngineConfigGetters:
     def fp16_auto_cast(self) -> bool | None:
         return bool(self._config.fp16.auto_cast) if self.fp16_enabled() else None
 
+    def torch_autocast_enabled(self) -> bool:
+        return bool(self._config.torch_autocast.enabled)
+
+    def torch_autocast_dtype(self) -> torch.dtype | None:
+        """``torch_autocast.dtype`` as a torch dtype (None: the device's autocast default)."""
+        name = self._config.torch_autocast.dtype
+        return None if name is None else _DTYPES[name]
+
+    def torch_autocast_lower_precision_safe_modules(self) -> list[str]:
+        from dsrun.runtime.torch_autocast import get_default_autocast_lower_precision_modules
+        names = self._config.torch_autocast.lower_precision_safe_modules
+        return get_default_autocast_lower_precision_modules() if names is None else list(names)
+
     def loss_scale(self) -> float:
         """The configured static loss scale (``fp16.loss_scale``; 0 = dynamic; 1.0 with bf16). The scale in
         use now is :attr:`cur_scale`."""

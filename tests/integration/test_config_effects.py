@@ -19,6 +19,10 @@ CASES: dict[str, tuple[dict, dict]] = {  # key -> (zero_optimization changes, to
     "zero_optimization.reduce_scatter": ({"reduce_scatter": False}, {}),
     "zero_optimization.overlap_comm": ({"overlap_comm": True}, {}),
     "communication_data_type": ({}, {"communication_data_type": "bf16"}),
+    # the reduced gradients are summed, not averaged: SGD's step is twice as long on two ranks
+    "sgd": ({}, {"optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_allow_untested_optimizer": True}),
+    "gradient_allreduce_op": ({}, {"optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_allow_untested_optimizer": True,
+                                   "gradient_allreduce_op": "sum"}),
 }
 WRAPPED = ("all_reduce", "reduce_scatter", "all_gather", "all_gather_into_tensor")
 
@@ -52,15 +56,19 @@ def record_collectives(rank: int, world: int) -> dict[str, list[tuple]]:
         saved = {name: getattr(comm, name) for name in WRAPPED}
         for name in WRAPPED:
             setattr(comm, name, wrap(name))
+        before = torch.cat([p.detach().double().flatten() for p in model.parameters()])
         try:
             calls.clear()
+            torch.manual_seed(1 + rank)
             x, y = torch.randn(2, 16), torch.randn(2, 4)
             engine.backward(F.mse_loss(engine(x), y))
             engine.step()
         finally:
             for name, original in saved.items():
                 setattr(comm, name, original)
-        results[key] = [c for c in calls if c[2] > 1]  # the overflow and norm flags are single elements
+        after = torch.cat([p.detach().double().flatten() for p in model.parameters()])
+        # the overflow and norm flags are single elements; the last entry is the step's length
+        results[key] = [c for c in calls if c[2] > 1] + [("step", float((after - before).norm()))]
     return results
 
 
@@ -73,7 +81,7 @@ def ops(key: str, name: str) -> list[tuple]:
     return [c for c in recorded()[key] if c[0] == name]
 
 
-@pytest.mark.parametrize("key", [k for k in CASES if k != "base"])
+@pytest.mark.parametrize("key", [k for k in CASES if k not in ("base", "sgd")])
 def test_key_changes_behaviour(key: str) -> None:
     base = recorded()["base"]
     assert base and recorded()[key] != base
@@ -86,6 +94,9 @@ def test_key_changes_behaviour(key: str) -> None:
         assert not ops(key, "reduce_scatter") and len(ops(key, "all_reduce")) == grads
     elif key == "zero_optimization.overlap_comm":  # the reductions are launched asynchronously
         assert all(c[3] for c in ops(key, "reduce_scatter")) and not any(c[3] for c in ops("base", "reduce_scatter"))
+    elif key == "gradient_allreduce_op":  # summed over 2 ranks: SGD's step doubles (fp32 rounding of ~1e-2 steps)
+        step, mean_step = recorded()[key][-1][1], recorded()["sgd"][-1][1]
+        assert step == pytest.approx(2 * mean_step, rel=1e-4) and mean_step > 0
     elif key == "communication_data_type":  # gradients travel in bf16
         assert {c[1] for c in ops(key, "reduce_scatter")} == {"torch.bfloat16"}
         assert {c[1] for c in ops("base", "reduce_scatter")} == {"torch.float32"}

@@ -1,7 +1,8 @@
 """The support ledger: for every key the DeepSpeed config schema accepts, what it does in dsrun.
 
 One entry per schema key (:func:`dsrun.config.schema_keys.schema_keys`), in :mod:`.training` (the training
-core) and :mod:`.features` (DeepSpeed's training techniques). Each entry is made by one of:
+core), :mod:`.features` (DeepSpeed's training techniques) and :mod:`.recent` (keys DeepSpeed added
+after 0.14). Each entry is made by one of:
 
 * ``done(key, meaning, *proof)``: implemented; ``proof`` names the tests that change the key and see the
   behaviour change (``{key}`` in a proof is replaced by the key: one case of a parametrized effect test);
@@ -16,12 +17,13 @@ from __future__ import annotations
 
 from .entry import Entry, Feature, Status, design, done, todo
 from .features import ENTRIES as FEATURE_ENTRIES
+from .recent import ENTRIES as RECENT_ENTRIES
 from .training import ENTRIES as TRAINING_ENTRIES
 
 
 def _build() -> dict[str, Entry]:
     ledger: dict[str, Entry] = {}
-    for entry in (*TRAINING_ENTRIES, *FEATURE_ENTRIES):
+    for entry in (*TRAINING_ENTRIES, *FEATURE_ENTRIES, *RECENT_ENTRIES):
         if entry.key in ledger:
             raise ValueError(f"support ledger: {entry.key!r} has two entries")
         proof = tuple(p.replace("{key}", entry.key) for p in entry.proof)

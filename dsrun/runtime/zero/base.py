@@ -118,6 +118,11 @@ class StrategyContext:
         return float(self.config.gradient_predivide_factor)
 
     @property
+    def gradient_average(self) -> bool:
+        """``gradient_allreduce_op``: average the gradients over ranks ("mean"), or sum them ("sum")."""
+        return getattr(self.config, "gradient_allreduce_op", "mean") == "mean"
+
+    @property
     def force_ds_cpu_optimizer(self) -> bool:
         """``zero_force_ds_cpu_optimizer``: offload needs a DeepSpeed CPU optimizer."""
         return bool(self.config.zero_force_ds_cpu_optimizer)
@@ -187,8 +192,10 @@ class ZeroStrategy(ABC):
         if ctx.prescale_gradients:
             self.pre_divide = float(ctx.gradient_predivide_factor)
             self.post_scale = float(ctx.gradient_predivide_factor) / self.world_size
-        else:
+        elif ctx.gradient_average:
             self.pre_divide, self.post_scale = float(self.world_size), 1.0
+        else:  # gradient_allreduce_op "sum": only the predivide factor, as DeepSpeed's post-scaling path
+            self.pre_divide, self.post_scale = float(ctx.gradient_predivide_factor), 1.0
         self.hooks = StepHooks()  # named points on the step path (step_hooks.py)
         self.global_grad_norm: float | None = None
         self.norm_group = ctx.group  # the ranks whose partitions together hold every gradient once

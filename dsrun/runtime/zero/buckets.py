@@ -26,6 +26,7 @@ class Bucket:
     handles: list[Any] = field(default_factory=list)
     staging: torch.Tensor | None = None  # stage 2: this bucket's gradients, copied out of param.grad
     received: torch.Tensor | None = None  # stage 2: this rank's reduced piece, until it is accumulated
+    staged_runs: list[Any] = field(default_factory=list)  # stage 0, torch_autocast: (offset, piece) reduced apart
 
     @property
     def numel(self) -> int:

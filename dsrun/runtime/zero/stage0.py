@@ -50,7 +50,13 @@ class DataParallelStrategy(FlatStrategy):
         group = self.groups[bucket.group_index]
         if group.world_size == 1:
             return
-        if self.comm_dtype != grad.dtype:
+        runs = self._comm_dtype_runs(bucket)
+        if runs is not None:  # torch_autocast: the safe modules' gradients go in the autocast dtype
+            for lo, hi, dtype in runs:
+                piece = grad[lo:hi].to(dtype) if dtype != grad.dtype else grad[lo:hi]
+                bucket.handles.append(comm.all_reduce(piece, group=group.process_group, async_op=async_op))
+                bucket.staged_runs.append((lo, piece))
+        elif self.comm_dtype != grad.dtype:
             bucket.staging = grad.to(self.comm_dtype)
             bucket.handles.append(comm.all_reduce(bucket.staging, group=group.process_group, async_op=async_op))
         else:
@@ -64,6 +70,29 @@ class DataParallelStrategy(FlatStrategy):
         if bucket.staging is not None:
             self.flat_grads[bucket.group_index][bucket.start:bucket.end].copy_(bucket.staging)
             bucket.staging = None
+        grad = self.flat_grads[bucket.group_index][bucket.start:bucket.end]
+        for lo, piece in bucket.staged_runs:
+            if piece.dtype != grad.dtype:
+                grad[lo:lo + piece.numel()].copy_(piece)
+        bucket.staged_runs = []
+
+    def _comm_dtype_runs(self, bucket: Bucket) -> list[tuple[int, int, torch.dtype]] | None:
+        """(start, end, dtype) pieces of ``bucket`` (relative to its start) when some of its parameters carry
+        their own ``comm_dtype`` (torch_autocast's safe modules), else None. Padding is left out (zeros)."""
+        group = self.groups[bucket.group_index]
+        params = [group.params[pi] for pi in bucket.param_indices]
+        if not any(hasattr(p, "comm_dtype") for p in params):
+            return None
+        runs: list[tuple[int, int, torch.dtype]] = []
+        for pi, param in zip(bucket.param_indices, params):
+            lo = max(bucket.start, group.offsets[pi]) - bucket.start
+            hi = min(bucket.end, group.offsets[pi] + group.numels[pi]) - bucket.start
+            dtype = getattr(param, "comm_dtype", self.comm_dtype)
+            if runs and runs[-1][1] == lo and runs[-1][2] == dtype:
+                runs[-1] = (runs[-1][0], hi, dtype)
+            else:
+                runs.append((lo, hi, dtype))
+        return runs
 
     def _master_grads(self) -> list[torch.Tensor]:
         if self.master_grads is self.flat_grads:

@@ -125,9 +125,12 @@ def test_zero_module_paths_name_dsruns_objects():
     from dsrun.runtime.zero.partition_parameters import ZeroParamStatus
     from dsrun.zero import ParamStatus
 
-    assert DeepSpeedZeroConfig is ZeroConfig and ZeroParamStatus is ParamStatus
+    assert issubclass(DeepSpeedZeroConfig, ZeroConfig) and ZeroParamStatus is ParamStatus
     config = DeepSpeedZeroConfig(stage=ZeroStageEnum.weights, offload_param={"device": OffloadDeviceEnum.cpu})
-    assert config.stage == 3 and config.offload_param.device == "cpu"
+    assert config.stage == 3 and config.offload_param.device == "cpu" and config.offload_optimizer is None
+    # DeepSpeed's constructor: deprecated keys migrated, its prefix-less attribute names
+    legacy = DeepSpeedZeroConfig(cpu_offload=True, stage3_prefetch_bucket_size=123)
+    assert legacy.offload_optimizer.device == "cpu" and legacy.prefetch_bucket_size == 123
 
 
 def test_deepspeed_examples_inventory_count():

@@ -133,7 +133,8 @@ def keys_read(world_of_one, tmp_path_factory) -> frozenset[str]:
              "checkpoint": {"load_universal": True}, **monitors}, seen, tmp, checkpoint=True)
         run({"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}, "communication_data_type": "fp32"},
             seen, tmp)
-        run({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}},
+        run({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}, "torch_autocast": {
+                "enabled": True, "dtype": "bf16", "lower_precision_safe_modules": ["torch.nn.Linear"]},
              "zero_allow_untested_optimizer": True}, seen, tmp)
         run({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp / "p")},
                                    "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp / "o")}}}, seen, tmp)

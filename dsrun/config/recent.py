@@ -1,0 +1,90 @@
+"""Sections DeepSpeed added after 0.14 (its 0.19 models are the reference): ``torch_autocast``, ZeRO's
+``zenflow`` and ``leaf_module``, ``tensor_parallel`` (AutoTP training) and the checkpoint ``writer``.
+
+Defaults are DeepSpeed 0.19's. Which of these keys act in dsrun and which are refused when a config
+enables them is the support ledger's business (:mod:`dsrun.config.ledger.recent`).
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator, Field
+
+from .base import DTypeName, Fraction, NonNegInt, OpenDict, PosInt, Section
+
+
+class TorchAutocastConfig(Section):
+    """``torch_autocast``: run the forward under ``torch.autocast`` (the model keeps fp32 parameters).
+
+    ``dtype`` None is the device's autocast default (bfloat16 on CPU); ``lower_precision_safe_modules``
+    (``"package.Class"`` names) are the modules whose parameters' gradients are reduced in ``dtype``
+    (None: DeepSpeed's list, ``torch.nn.Linear`` and ``Conv1d/2d/3d``).
+    """
+
+    enabled: bool = False
+    dtype: DTypeName | None = None
+    lower_precision_safe_modules: list[str] | None = None
+
+
+class ZenFlowConfig(Section):
+    """``zero_optimization.zenflow``: ZenFlow's stall-free offloaded optimizer (important gradients on the
+    accelerator, the rest updated on the CPU asynchronously)."""
+
+    topk_ratio: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.1
+    select_strategy: str = "auto"
+    select_interval: str | int = "auto"
+    update_interval: str | int = "auto"
+    overlap_step: bool = False
+    offload: bool = False
+    auto_ratio: Fraction = 0.99
+    full_warm_up_rounds: NonNegInt = 0
+    pt_reserved_cores_perc: Fraction = 0.5
+    steps_per_epoch: PosInt | None = None
+
+
+class LeafModuleConfig(Section):
+    """``zero_optimization.leaf_module``: modules ZeRO-3 gathers as a whole (not hooked per submodule);
+    DeepSpeed's ``set_z3_leaf_modules`` from the config."""
+
+    classes: list[str] = Field(default_factory=list)
+    names: list[str] = Field(default_factory=list)
+    name_suffixes: list[str] = Field(default_factory=list)
+
+
+class TPConfig(Section):
+    tp_size: PosInt = 1
+    tp_grain_size: PosInt = 1
+    mpu: Any = None
+    tp_group: Any = None
+
+
+class TensorParallelConfig(Section):
+    """``tensor_parallel``: DeepSpeed's AutoTP for training (``autotp_size`` > 1 shards linear layers)."""
+
+    dtype: DTypeName = "fp16"
+    autotp_size: NonNegInt = 0
+    tp_overlap_comm: bool = False
+    vocab_parallel_lm_head: bool | None = None
+    vocab_parallel_ce_backend: Literal["torch", "liger"] = "torch"
+    tp: TPConfig = Field(default_factory=TPConfig)
+    injection_policy_tuple: list[Any] | None = None
+    partition_config: OpenDict | None = None
+    preset_model: str | None = None
+    keep_module_on_host: bool = False
+    kernel_inject: bool = False
+
+
+def _upper(value: Any) -> Any:
+    return value.upper() if isinstance(value, str) else value
+
+
+class CheckpointWriterConfig(Section):
+    """``checkpoint.writer``: DeepSpeed's fast (NVMe/GDS) checkpoint writers."""
+
+    type: Annotated[Literal["MOCK", "PYTHON", "FAST"], BeforeValidator(_upper)] = "FAST"
+    io_buffer_size: NonNegInt = 64 * 1024 ** 2
+    io_buffer_double: bool = True
+    show_statistics: bool = False
+    data_parallel: Annotated[Literal["REPLICA", "SOCKET", "MACHINE"] | None, BeforeValidator(_upper)] = None
+    decoupled: bool = False
+    io_multiplier: PosInt = 1

@@ -1,0 +1,64 @@
+"""DeepSpeed's op-builder names that scripts and tests import (``deepspeed.ops.op_builder.X``).
+
+``FusedAdamBuilder`` is DeepSpeed's fused Adam; on a CPU it is the CPU Adam kernel (``dsrun.ops.adam.FusedAdam``
+steps with it), so this builder loads the ``cpu_adam`` op. The others name DeepSpeed CUDA ops dsrun does not
+build: their ``is_compatible()`` is False with the reason, and ``load()`` raises :class:`OpBuildError`, the same
+answer DeepSpeed gives on a machine where the op cannot be built.
+"""
+from __future__ import annotations
+
+from types import ModuleType
+
+from op_builder.builder import OpBuilder, OpBuildError
+from op_builder.cpu_ops import CPUAdamBuilder
+
+
+class FusedAdamBuilder(CPUAdamBuilder):
+    NAME = "fused_adam"
+
+    def load(self, verbose: bool = False) -> ModuleType:
+        builder = CPUAdamBuilder()
+        module = builder.load(verbose)
+        self.last_load = builder.last_load
+        return module
+
+
+class _Unbuilt(OpBuilder):
+    """A DeepSpeed op dsrun does not build; ``WHAT`` says what to use instead."""
+
+    WHAT = ""
+
+    def is_compatible(self) -> tuple[bool, str]:
+        return False, f"op '{self.NAME}' is a DeepSpeed CUDA kernel dsrun does not build; {self.WHAT}"
+
+    def load(self, verbose: bool = False) -> ModuleType:
+        raise OpBuildError(self.is_compatible()[1])
+
+
+class FusedLambBuilder(_Unbuilt):
+    NAME, WHAT = "fused_lamb", "optimizer type Lamb runs dsrun.optim.Lamb"
+
+
+class FusedLionBuilder(_Unbuilt):
+    NAME, WHAT = "fused_lion", "optimizer type Lion runs the CPU Lion kernel"
+
+
+class TransformerBuilder(_Unbuilt):
+    NAME, WHAT = "transformer", "dsrun.ops.transformer is plain torch"
+
+
+class SparseAttnBuilder(_Unbuilt):
+    NAME, WHAT = "sparse_attn", "dsrun.ops.sparse_attention is plain torch"
+
+
+class QuantizerBuilder(_Unbuilt):
+    NAME, WHAT = "quantizer", "dsrun's quantizers are plain torch"
+
+
+class InferenceBuilder(_Unbuilt):
+    NAME, WHAT = "transformer_inference", "dsrun.init_inference runs plain torch modules"
+
+
+DEEPSPEED_ONLY: tuple[type[OpBuilder], ...] = (FusedAdamBuilder, FusedLambBuilder, FusedLionBuilder,
+                                                TransformerBuilder, SparseAttnBuilder, QuantizerBuilder,
+                                                InferenceBuilder)
