@@ -22,10 +22,9 @@ STRATEGY_CLASSES: dict[int, str] = {
 }
 
 
-# stage -> the strategy with the optimizer offloaded (``zero_optimization.offload_optimizer``)
+# stage -> the strategy with the optimizer offloaded (``zero_optimization.offload_optimizer``); stages 1-2
+# place their partitions through their store (dsrun/runtime/offload/flat_store.py)
 OFFLOAD_STRATEGY_CLASSES: dict[int, str] = {
-    1: "dsrun.runtime.zero.offloaded:OffloadStage1Strategy",
-    2: "dsrun.runtime.zero.offloaded:OffloadStage2Strategy",
     3: "dsrun.runtime.zero.offloaded:OffloadStage3Strategy",
 }
 

@@ -1,23 +1,20 @@
-"""ZeRO strategies with the optimizer offloaded (``zero_optimization.offload_optimizer``).
+"""ZeRO-3 with the optimizer offloaded (``zero_optimization.offload_optimizer``).
 
-The stores they place state in (host buffers, swap files, the overlap pipeline) are :mod:`dsrun.runtime.offload`,
-a layer below the ZeRO strategies; the strategies here are the stages with that placement.
+The stores state is placed in (host buffers, swap files, the overlap pipeline) are :mod:`dsrun.runtime.offload`,
+a layer below the ZeRO strategies. Stages 1-2 ask their store (:mod:`dsrun.runtime.offload.flat_store`).
 
-Each class is its stage's strategy with the master weights, optimizer states and fp32 gradients moved off the
-training device; forward, backward and the collectives are the stage's own. The update runs on the compiled
-CPU optimizer (DeepSpeedCPUAdam/Adagrad/Lion) tile by tile; with a 16-bit model the same pass writes the
-rounded parameters (``update_tile(low_precision=...)``), which then go to the device.
+The master weights, optimizer states and fp32 gradients move off the training device; forward, backward and
+the collectives are the stage's own. The update runs on the compiled CPU optimizer (DeepSpeedCPUAdam/Adagrad/
+Lion) tile by tile; with a 16-bit model the same pass writes the rounded parameters
+(``update_tile(low_precision=...)``), which then go to the device.
 
-* stages 1-2, ``device: cpu``: each group's fp32 partition and its states are host tensors; the gradient
-  partition reaches the host (stage 1: tile by tile during the step, overlapping the update; stage 2: as each
-  bucket is reduced during backward, as DeepSpeed does). The updated 16-bit partition is all-gathered.
-* stage 3, ``device: cpu``: each sub-group's master, states and gradient accumulator are host tensors.
-* stage 3, ``device: nvme``: each sub-group's master, states and gradient live in swap files
-  (:mod:`.nvme`); only ``buffer_count`` buffers are resident.
-* stage 3, ``ratio`` < 1: the first ``ratio`` of the trainable elements (whole sub-groups, in order) are
-  offloaded; the other sub-groups keep master, states and gradient on the device and step there.
+* ``device: cpu``: each sub-group's master, states and gradient accumulator are host tensors.
+* ``device: nvme``: each sub-group's master, states and gradient live in swap files (:mod:`.nvme`); only
+  ``buffer_count`` buffers are resident.
+* ``ratio`` < 1: the first ``ratio`` of the trainable elements (whole sub-groups, in order) are offloaded; the
+  other sub-groups keep master, states and gradient on the device and step there.
 
-Checkpoints keep the stages' own layout (DeepSpeed's), so offloaded and in-memory runs load each other's.
+Checkpoints keep the stage's own layout (DeepSpeed's), so offloaded and in-memory runs load each other's.
 """
 from __future__ import annotations
 
@@ -27,169 +24,15 @@ import torch
 
 from dsrun.runtime.offload import param_swapper
 from dsrun.runtime.offload.nvme import SwappedOptimizerState, SwappedShard, SwappedUnit
+from dsrun.runtime.offload.flat_store import tiles as _tiles
 from dsrun.runtime.offload.pipeline import PipelineTimes, StepPipeline, scatter_to_shards
 from dsrun.runtime.offload.settings import CPU_TILE_ELEMENTS, OffloadOptimizerSettings, host_empty, require_cpu_optimizer
 
 from .base import MemoryBreakdown, StrategyContext, optimizer_state_bytes, tensor_bytes
 from .partition_params import shard_padding
-from .partitioned import Stage1Strategy, Stage2Strategy
 from .stage3 import Stage3Strategy, SubGroup
 
 HOST = torch.device("cpu")
-
-
-def _tiles(numel: int, tile: int) -> list[tuple[int, int]]:
-    return [(a, min(numel, a + tile)) for a in range(0, numel, tile)] if numel else []
-
-
-# --------------------------------------------------------------------------------------------------------
-# stages 1 and 2
-# --------------------------------------------------------------------------------------------------------
-class _OffloadedPartitions:
-    """What stages 1 and 2 share with the optimizer offloaded to the host (mixed in before the stage class)."""
-
-    def __init__(self, ctx: StrategyContext):
-        settings = OffloadOptimizerSettings.from_context(ctx)
-        assert settings is not None
-        self.offload = settings
-        super().__init__(ctx)  # type: ignore[call-arg]
-        self.cpu_optimizer = require_cpu_optimizer(self._optimizer, settings)
-        self.tile = max(1, min(settings.sub_group_size, CPU_TILE_ELEMENTS))
-        self.pipeline = StepPipeline()
-        self.direct_low_precision = ctx.device.type == "cpu"  # the kernel writes the model's partition itself
-        self._lp_staging: list[torch.Tensor] = []
-        if self.model_dtype != torch.float32 and not self.direct_low_precision:
-            self._lp_staging = [host_empty(g.partition_numel, self.model_dtype, settings.pinned) for g in self.groups]
-
-    def _build_masters(self) -> list[torch.nn.Parameter]:
-        masters = []
-        for group in self.groups:
-            lo, hi = group.partition_range(self.rank)
-            master = host_empty(hi - lo, torch.float32, self.offload.pinned)
-            master.copy_(group.flat_param[lo:hi])
-            masters.append(torch.nn.Parameter(master))
-        return masters
-
-    def _device_partition(self, gi: int) -> torch.Tensor:
-        group = self.groups[gi]
-        lo, hi = group.partition_range(self.rank)
-        return group.flat_param[lo:hi]
-
-    def _host_grad_tile(self, gi: int, a: int, b: int, coef: float) -> torch.Tensor:
-        """The host fp32 gradient of elements [a, b) of group gi's partition, scaled by ``coef``."""
-        raise NotImplementedError
-
-    def _update_masters(self, grads: list[torch.Tensor], coef: float) -> None:
-        if self.cpu_optimizer is None:  # zero_force_ds_cpu_optimizer: false: another optimizer, on the host
-            for gi, master in enumerate(self.masters):
-                master.grad = self._host_grad_tile(gi, 0, master.numel(), coef)
-            self._optimizer.step()
-            for gi, master in enumerate(self.masters):
-                self._device_partition(gi).copy_(master.detach())
-            return
-        steps, units = [], []
-        for gi, master in enumerate(self.masters):
-            state = self.cpu_optimizer.state_for(master)
-            state["step"] += 1
-            steps.append(state)
-            units += [(gi, a, b) for a, b in _tiles(master.numel(), self.tile)]
-        host_grads: dict[int, torch.Tensor] = {}
-
-        def fetch(u: int) -> None:
-            gi, a, b = units[u]
-            host_grads[u] = self._host_grad_tile(gi, a, b, coef)
-
-        def compute(u: int) -> None:
-            gi, a, b = units[u]
-            group, state = self._optimizer.param_groups[gi], steps[gi]
-            low = None
-            if self.model_dtype != torch.float32:
-                low = (self._device_partition(gi) if self.direct_low_precision else self._lp_staging[gi])[a:b]
-            self.cpu_optimizer.update_tile(group, self.masters[gi].detach()[a:b], host_grads.pop(u),
-                                           {k: state[k][a:b] for k in self.cpu_optimizer.STATE_KEYS}, state["step"],
-                                           low_precision=low)
-
-        def store(u: int) -> None:
-            gi, a, b = units[u]
-            if self.model_dtype == torch.float32:
-                self._device_partition(gi)[a:b].copy_(self.masters[gi].detach()[a:b], non_blocking=True)
-            elif not self.direct_low_precision:
-                self._device_partition(gi)[a:b].copy_(self._lp_staging[gi][a:b], non_blocking=True)
-
-        self.pipeline.run(len(units), fetch, compute, store)
-        if self.ctx.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()
-
-    def _partition_for_publish(self, group: Any, master: torch.Tensor) -> torch.Tensor:
-        # the step already wrote this rank's 16-bit (or fp32) partition into the model's flat buffer; the
-        # all-gather needs it as a separate input (one rank: nothing to gather, the buffer is already right)
-        lo, hi = group.partition_range(self.rank)
-        return group.flat_param[lo:hi] if self.world_size == 1 else group.flat_param[lo:hi].clone()
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        super().load_state_dict(sd)  # type: ignore[misc]
-        # the stage's _publish gathers the device partitions: bring them up to the loaded masters first
-        with torch.no_grad():
-            for gi, master in enumerate(self.masters):
-                self._device_partition(gi).copy_(master.detach())
-        self._publish()  # type: ignore[attr-defined]
-
-    @property
-    def last_step_times(self) -> PipelineTimes:
-        return self.pipeline.times
-
-    def close(self) -> None:
-        super().close()  # type: ignore[misc]
-        self.pipeline.close()
-
-
-class OffloadStage1Strategy(_OffloadedPartitions, Stage1Strategy):
-    """ZeRO-1 with master partitions, optimizer states and the fp32 gradient partition on the host. The
-    gradient partition (model dtype, on the device) is copied to the host tile by tile during the step, each
-    copy overlapping the previous tile's update."""
-
-    supports_local_gradients = False  # the step reads the reduced partition only
-
-    def _build_buffers(self) -> None:
-        super()._build_buffers()
-        # fp32 host copy of the reduced gradient partition (distinct from the device's model-dtype partition)
-        self.master_grads = [host_empty(g.partition_numel, torch.float32, self.offload.pinned) for g in self.groups]
-
-    def _master_grads(self) -> list[torch.Tensor]:
-        return self.partition_grads  # checked for overflow and measured on the device; copied tile by tile
-
-    def _host_grad_tile(self, gi: int, a: int, b: int, coef: float) -> torch.Tensor:
-        tile = self.master_grads[gi][a:b]
-        tile.copy_(self.partition_grads[gi][a:b])
-        if coef != 1.0:
-            tile.mul_(coef)
-        return tile
-
-    def _local_sq_norm(self) -> torch.Tensor:
-        if all(g.dtype == torch.float32 for g in self._step_grads):
-            return super()._local_sq_norm()
-        sq = torch.zeros(1, dtype=torch.float64, device=self.ctx.device)
-        for g in self._step_grads:  # 16-bit partitions: square in fp32, a chunk at a time
-            for chunk in g.split(CPU_TILE_ELEMENTS):
-                c = chunk.float()
-                sq += torch.dot(c, c).double()
-        return sq
-
-
-class OffloadStage2Strategy(_OffloadedPartitions, Stage2Strategy):
-    """ZeRO-2 with master partitions, optimizer states and the fp32 gradient accumulators on the host: each
-    reduced bucket is added into the host accumulator during backward."""
-
-    def _build_buffers(self) -> None:
-        super()._build_buffers()
-        self.master_grads = [torch.zeros(g.partition_numel, dtype=torch.float32, pin_memory=self.offload.pinned)
-                             for g in self.groups]
-
-    def _host_grad_tile(self, gi: int, a: int, b: int, coef: float) -> torch.Tensor:
-        tile = self.master_grads[gi][a:b]
-        if coef != 1.0:
-            tile.mul_(coef)
-        return tile
 
 
 # --------------------------------------------------------------------------------------------------------
