@@ -34,7 +34,7 @@ class DeviceFlatStore:
 
     def __init__(self, model_dtype: torch.dtype, device: torch.device):
         self.model_dtype, self.device = model_dtype, device
-        self.times = PipelineTimes()
+        self.times: PipelineTimes | None = None  # the last update's tile pipeline (offloaded)
 
     def masters(self, partitions: list[torch.Tensor]) -> list[torch.nn.Parameter]:
         """fp32 masters of the model's ``partitions`` (views of its flat buffers on the device)."""
@@ -92,6 +92,7 @@ class HostFlatStore(DeviceFlatStore):
         self.cpu_optimizer = require_cpu_optimizer(optimizer, settings)
         self.tile = max(1, min(settings.sub_group_size, CPU_TILE_ELEMENTS))
         self.pipeline = StepPipeline()
+        self.times = PipelineTimes()
         self.direct_low_precision = device.type == "cpu"  # the kernel writes the model's partition itself
         self.partitions: list[torch.Tensor] = []
         self.grads: list[torch.Tensor] = []

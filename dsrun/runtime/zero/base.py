@@ -313,6 +313,9 @@ class ZeroStrategy(ABC):
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         ...
 
+    def update_optimizer_step(self, step: int) -> None:
+        """Set step counters kept outside the optimizer's own state (``engine.update_optimizer_step``)."""
+
     def close(self) -> None:
         """Release hooks, buffers, files and threads (``engine.destroy()``); the strategy is unusable after."""
 
@@ -405,8 +408,8 @@ class FlatStrategy(ZeroStrategy):
         return DeviceFlatStore(self.model_dtype, ctx.device)
 
     @property
-    def last_step_times(self) -> PipelineTimes:
-        """Where the last update's time went (an offloaded store's tile pipeline)."""
+    def last_step_times(self) -> PipelineTimes | None:
+        """Where the last update's time went (an offloaded store's tile pipeline; None on the device)."""
         return self.store.times
 
     # --- what subclasses provide ---------------------------------------------------------------------------
