@@ -221,11 +221,8 @@ class EngineMethods:
                 state = self.optimizer.state.get(p)
                 if state and "step" in state:
                     set_step(state)
-        swapped = getattr(self.strategy, "swapped", None)  # NVMe-offloaded sub-groups count their steps there
-        if swapped is not None:
-            for index in swapped.steps:
-                if swapped.steps[index]:
-                    swapped.steps[index] = int(step)
+        if self.strategy is not None:  # counters kept outside the optimizer (NVMe-swapped sub-groups)
+            self.strategy.update_optimizer_step(int(step))
 
     # --- module state ---------------------------------------------------------------------------------------
     def module_state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False,

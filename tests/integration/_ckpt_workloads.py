@@ -186,7 +186,7 @@ def _arm_swap_kill(engine: Any, step: int, writes: int) -> None:
     import os
     import signal
 
-    store = engine.strategy.swapped.store
+    store = engine.strategy.placement.offloaded.swapped.store
     real_write, count = store.async_write, {"n": 0}
 
     def write(key: str, tensor: torch.Tensor) -> None:

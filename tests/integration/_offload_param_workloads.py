@@ -37,7 +37,7 @@ def suite_cases(root: str) -> dict[str, tuple[dict[str, Any], bool]]:
         "nvme_init": (z3.ds_config(3, 2, 1, zero={"offload_param": nvme(root)}), True),
         "bf16_ref": (z3.ds_config(3, 2, 1, **bf16), False),
         "bf16_nvme": (z3.ds_config(3, 2, 1, zero={"offload_param": nvme(root)}, **bf16), False),
-        # with optimizer offload (dsrun/runtime/zero/offloaded.py) as well: ZeRO-Offload / ZeRO-Infinity
+        # with optimizer offload (dsrun/runtime/offload/shard_store.py) as well: ZeRO-Offload / ZeRO-Infinity
         "both_cpu": (z3.ds_config(3, 2, 1, zero={"offload_param": {"device": "cpu"},
                                                   "offload_optimizer": {"device": "cpu"}}), False),
         # the CPU optimizer steps 3000-element tiles: shards that straddle two tiles are written in parts
@@ -160,7 +160,8 @@ def rss_run(rank: int, world: int, offload: dict[str, Any] | None, root: str) ->
     gc.collect()
     host_memory.trim()
     owner = engine.strategy.param_offload
-    swapped = getattr(engine.strategy, "swapped", None)  # NVMe optimizer offload (masters and states)
+    placement = getattr(engine.strategy, "placement", None)  # stage 3: the stores of its sub-groups
+    swapped = getattr(placement and placement.offloaded, "swapped", None)  # NVMe optimizer offload (masters and states)
     result = {"rss": psutil.Process().memory_info().rss, "losses": losses,
               "offloaded": owner.offloaded_bytes() if owner is not None else 0,
               "pool": owner.buffer_bytes() if owner is not None else 0,

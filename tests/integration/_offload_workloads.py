@@ -114,7 +114,8 @@ def resident_memory(rank: int, world: int, nvme_path: str | None, steps: int = 2
     from dsrun.runtime.zero import host_memory
 
     host_memory.trim()
-    swapped = getattr(engine.strategy, "swapped", None)
+    placement = getattr(engine.strategy, "placement", None)  # stage 3: the stores of its sub-groups
+    swapped = getattr(placement and placement.offloaded, "swapped", None)
     return {"rss": psutil.Process().memory_info().rss, "losses": losses,
             "swapped_bytes": swapped.swapped_bytes if swapped is not None else 0,
             "trainable": sum(sg.numel for sg in engine.strategy.sub_groups),

@@ -22,17 +22,9 @@ STRATEGY_CLASSES: dict[int, str] = {
 }
 
 
-# stage -> the strategy with the optimizer offloaded (``zero_optimization.offload_optimizer``)
-OFFLOAD_STRATEGY_CLASSES: dict[int, str] = {
-    1: "dsrun.runtime.zero.offloaded:OffloadStage1Strategy",
-    2: "dsrun.runtime.zero.offloaded:OffloadStage2Strategy",
-    3: "dsrun.runtime.zero.offloaded:OffloadStage3Strategy",
-}
-
-
-def strategy_class(stage: int, offloaded: bool = False) -> type[ZeroStrategy]:
-    """The strategy class of ``stage``; with ``offloaded``, its optimizer-offload variant (stages 1-3)."""
-    target = (OFFLOAD_STRATEGY_CLASSES if offloaded else STRATEGY_CLASSES).get(stage) or STRATEGY_CLASSES.get(stage)
+def strategy_class(stage: int) -> type[ZeroStrategy]:
+    """The strategy class of ``stage`` (``offload_optimizer`` is a placement each stage asks its store for)."""
+    target = STRATEGY_CLASSES.get(stage)
     if target is None:
         raise ConfigError(Problem("zero_optimization.stage", f"got {stage!r}; allowed: 0, 1, 2, 3"))
     module_name, _, class_name = target.partition(":")
@@ -46,17 +38,13 @@ def strategy_class(stage: int, offloaded: bool = False) -> type[ZeroStrategy]:
     return getattr(module, class_name)
 
 
-def _optimizer_offloaded(zero_config) -> bool:
-    return zero_config.offload_optimizer.device != "none"
-
-
 def build_zero_strategy(stage: int, ctx: StrategyContext) -> ZeroStrategy:
-    """The strategy for ``stage``, built from ``ctx`` (module, optimizer, precision, bucket sizes…); the
-    offloading variant of the stage when ``ctx.zero_config.offload_optimizer.device`` is cpu or nvme.
+    """The strategy for ``stage``, built from ``ctx`` (module, optimizer, precision, bucket sizes…); it places
+    its optimizer state where ``ctx.zero_config.offload_optimizer`` says (the device, host memory or NVMe).
 
     An optimizer that communicates by itself (the 1-bit family) has ``bind_strategy(strategy)``: it is called
     once the strategy exists, to attach its step hooks and learn the master layout."""
-    strategy = strategy_class(stage, _optimizer_offloaded(ctx.zero_config))(ctx)
+    strategy = strategy_class(stage)(ctx)
     bind = getattr(strategy.optimizer, "bind_strategy", None)
     if bind is not None:
         bind(strategy)
@@ -64,5 +52,5 @@ def build_zero_strategy(stage: int, ctx: StrategyContext) -> ZeroStrategy:
     return strategy
 
 
-__all__ = ["MemoryBreakdown", "OFFLOAD_STRATEGY_CLASSES", "STRATEGY_CLASSES", "StepOutcome", "StrategyContext", "ZeroStrategy",
+__all__ = ["MemoryBreakdown", "STRATEGY_CLASSES", "StepOutcome", "StrategyContext", "ZeroStrategy",
            "build_zero_strategy", "strategy_class"]

@@ -24,6 +24,8 @@ from dsrun import comm
 from dsrun.comm.groups import expert_parallel_size_of
 from dsrun.utils.errors import ConfigError, Problem
 from dsrun.checkpoint.layout import CheckpointLayout, layout_for_stage
+from dsrun.runtime.offload.flat_store import DeviceFlatStore
+from dsrun.runtime.offload.pipeline import PipelineTimes
 from dsrun.runtime.precision import PrecisionStrategy
 
 from .buckets import Bucket, BucketQueue, plan_buckets
@@ -319,6 +321,9 @@ class ZeroStrategy(ABC):
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         ...
 
+    def update_optimizer_step(self, step: int) -> None:
+        """Set step counters kept outside the optimizer's own state (``engine.update_optimizer_step``)."""
+
     def close(self) -> None:
         """Release hooks, buffers, files and threads (``engine.destroy()``); the strategy is unusable after."""
 
@@ -398,6 +403,7 @@ class FlatStrategy(ZeroStrategy):
             group, size, rank = ctx.process_group_of(params)
             alignment = self.alignment_per_rank * size if self.alignment_per_rank else 1
             self.groups.append(flatten_params(params, self.model_dtype, ctx.device, alignment, size, group, rank))
+        self.store = self._make_store(ctx)  # where the masters, their gradients and states live
         # MoE experts are reduced over their own (smaller) groups: at stage 0 each rank then holds gradients
         # the others do not, so the squared norm is summed over the data-parallel group with each group's
         # copies counted once (see _local_sq_norm)
@@ -415,6 +421,15 @@ class FlatStrategy(ZeroStrategy):
 
     def close(self) -> None:
         self.queue.remove()
+        self.store.close()
+
+    def _make_store(self, ctx: StrategyContext) -> DeviceFlatStore:
+        return DeviceFlatStore(self.model_dtype, ctx.device)
+
+    @property
+    def last_step_times(self) -> PipelineTimes | None:
+        """Where the last update's time went (an offloaded store's tile pipeline; None on the device)."""
+        return self.store.times
 
     # --- what subclasses provide ---------------------------------------------------------------------------
     @abstractmethod
@@ -505,28 +520,16 @@ class FlatStrategy(ZeroStrategy):
 
     def _local_sq_norm(self) -> torch.Tensor:
         sq = torch.zeros(1, dtype=torch.float64, device=self.ctx.device)
-        for group, g in zip(self.groups, self._checked_grads()):  # flat: a dot product (fp32), no temporary
-            if g.dtype == torch.float32:
-                part = torch.dot(g, g).double()
-            else:
-                part = torch.linalg.vector_norm(g, dtype=torch.float32).double().square()
+        for group, g in zip(self.groups, self._checked_grads()):
+            part = self.store.square_sum(g)
             if self._own_groups and not self.partitioned and self._gradients_reduced:
                 part = part / group.world_size  # whole copies on each of the group's ranks
             sq += part
         return sq
 
     def _apply_update(self, coef: float) -> None:
-        self._update_masters(self._step_grads, coef)
+        self.store.update(self._optimizer, self.masters, self._step_grads, coef)
         self._publish()
-
-    def _update_masters(self, grads: list[torch.Tensor], coef: float) -> None:
-        """Scale the gradients by ``coef`` and step the optimizer on the masters (optimizer offload steps
-        them tile by tile on the host instead)."""
-        for master, g in zip(self.masters, grads):
-            if coef != 1.0:
-                g.mul_(coef)
-            master.grad = g
-        self._optimizer.step()
 
     def _padding_bytes(self) -> int:
         return sum(g.padding * g.flat_param.element_size() for g in self.groups)
@@ -585,4 +588,5 @@ class FlatStrategy(ZeroStrategy):
                 self.masters[gi].data[: saved.numel()].copy_(saved)
         self._optimizer.load_state_dict(sd["base_optimizer_state"])
         self.precision.load_state_dict(sd)
+        self.store.loaded(self.masters)
         self._publish()

@@ -245,7 +245,6 @@ class ShardFragment(ParamFragment):
         super().__init__(strategy, param, full_offset=start if length else 0, length=length, store_offset=offset,
                          store_length=part)
         self.index, self.sg = index, sg
-        self.swapped = getattr(strategy, "swapped", None) if getattr(sg, "placement", "device") == "nvme" else None
 
     @property
     def full_shape(self) -> torch.Size:
@@ -256,23 +255,13 @@ class ShardFragment(ParamFragment):
         return self.store_length
 
     def _master(self) -> torch.Tensor:
-        if self.swapped is not None:
-            return self.swapped.master_tensor(self.index)  # mapped from its file
-        return self.sg.master.detach()
+        return self.sg.store.master_of(self.index, self.sg)
 
     def _grad(self) -> torch.Tensor | None:
-        if self.swapped is None:
-            return self.sg.grad
-        key = self.swapped._key("grad", self.index)
-        if key not in self.swapped.store:
-            return torch.zeros(self.sg.numel)  # no gradient written since the last step
-        self.swapped.recycle()
-        return self.swapped.store.mapped(key).float()
+        return self.sg.store.grad_of(self.index, self.sg)
 
     def _state_dict(self) -> dict[str, Any]:
-        if self.swapped is not None:
-            return self.swapped.state_entry(self.index) or {}
-        return self.strategy.optimizer.state.get(self.sg.master, {})
+        return self.sg.store.state_of(self.index, self.sg)
 
     def _state(self, key: str) -> torch.Tensor | None:
         value = self._state_dict().get(key)
@@ -282,12 +271,7 @@ class ShardFragment(ParamFragment):
         return [k for k in self._state_dict() if self._state(k) is not None]
 
     def _write_state(self, key: str, values: torch.Tensor) -> None:
-        if self.swapped is None:
-            super()._write_state(key, values)
-            return
-        entry = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in self._state_dict().items()}
-        entry[key].reshape(-1)[self.store_offset:self.store_offset + values.numel()].copy_(values)
-        self.swapped.load(self.index, self._master().clone(), entry)
+        self.sg.store.write_state(self.index, self.sg, key, self.store_offset, values)
 
     def _shard(self, values: torch.Tensor) -> torch.Tensor:
         shard = torch.zeros(self.store_length, dtype=torch.float32)
@@ -295,7 +279,8 @@ class ShardFragment(ParamFragment):
         return shard
 
     def _master_device(self) -> torch.device:
-        return torch.device("cpu") if self.swapped is not None else self.sg.master.device
+        device = self.sg.master.device  # swapped (a meta placeholder): written through host memory
+        return torch.device("cpu") if device.type == "meta" else device
 
     def _write_master(self, values: torch.Tensor) -> None:
         self.param.ds_fp32_shard.copy_(self._shard(values).to(self._master_device()))

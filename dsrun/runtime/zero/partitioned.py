@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from dsrun import comm
+from dsrun.runtime.offload.flat_store import DeviceFlatStore, flat_store
 
 from .base import FlatStrategy, MemoryBreakdown, optimizer_state_bytes, tensor_bytes
 from .buckets import Bucket
@@ -47,12 +48,11 @@ class PartitionedStrategy(FlatStrategy):
         offset = bucket.start + lo - group.partition_range(group.rank)[0]
         return partition_buffers[bucket.group_index][offset:offset + (hi - lo)]
 
+    def _make_store(self, ctx) -> DeviceFlatStore:
+        return flat_store(ctx)  # offload_optimizer: the device or the host
+
     def _build_masters(self) -> list[torch.nn.Parameter]:
-        masters = []
-        for group in self.groups:
-            lo, hi = group.partition_range(group.rank)
-            masters.append(torch.nn.Parameter(group.flat_param[lo:hi].detach().float().clone()))
-        return masters
+        return self.store.masters([g.flat_param[slice(*g.partition_range(g.rank))] for g in self.groups])
 
     def _reduce_bucket(self, bucket: Bucket, source: torch.Tensor, out: torch.Tensor, async_op: bool) -> None:
         """Reduce-scatter ``source`` (the bucket's gradients) so ``out`` gets this rank's owned piece."""
@@ -87,9 +87,9 @@ class PartitionedStrategy(FlatStrategy):
 
     def _publish(self) -> None:
         with torch.no_grad():
-            for group, master in zip(self.groups, self.masters):
+            for gi, (group, master) in enumerate(zip(self.groups, self.masters)):
                 chunk = max(1, int(self.ctx.allgather_bucket_size) // group.world_size)
-                part = self._partition_for_publish(group, master)
+                part = self.store.published(gi, master, group.world_size)
                 if group.world_size == 1:
                     if part.data_ptr() != group.flat_param.data_ptr():
                         group.flat_param.copy_(part)
@@ -103,10 +103,6 @@ class PartitionedStrategy(FlatStrategy):
                     outputs = [group.flat_param[r * size + start:r * size + end] for r in range(group.world_size)]
                     comm.all_gather(outputs, part[start:end].contiguous(), group=group.process_group)
 
-    def _partition_for_publish(self, group: FlatGroup, master: torch.Tensor) -> torch.Tensor:
-        """This rank's updated partition in the model's dtype, on the device (the all-gather's input)."""
-        return master.detach() if self.model_dtype == torch.float32 else master.detach().to(self.model_dtype)
-
     def _partition_state_bytes(self) -> tuple[int, int]:
         return optimizer_state_bytes(self.optimizer), self._master_bytes()
 
@@ -115,7 +111,10 @@ class Stage1Strategy(PartitionedStrategy):
     """Optimizer state partitioned; gradients kept whole and reduce-scattered at the boundary."""
 
     stage = 1
-    supports_local_gradients = True
+
+    @property
+    def supports_local_gradients(self) -> bool:  # type: ignore[override]
+        return self.store.on_device  # offloaded: the step reads the reduced partition only
 
     def _build_buffers(self) -> None:
         self.grads = FlatGradients(self.groups)
@@ -126,11 +125,7 @@ class Stage1Strategy(PartitionedStrategy):
         # holds the first reduction, so the next one is added to it and the flat buffer starts from zero
         self._reduced_since_step = False
         self._adding = False
-        if self.model_dtype == torch.float32:
-            self.master_grads = self.partition_grads
-        else:
-            self.master_grads = [torch.zeros(g.partition_numel, dtype=torch.float32, device=self.ctx.device)
-                                 for g in self.groups]
+        self.master_grads = self.store.gradients([g.partition_numel for g in self.groups], self.partition_grads)
 
     def _on_accumulated(self, gi: int, pi: int) -> None:
         self.grads.adopt(gi, pi)
@@ -171,10 +166,7 @@ class Stage1Strategy(PartitionedStrategy):
                 lo, hi = self.groups[gi].partition_range(self.rank)
                 master_grad.copy_(flat[lo:hi])
             return self.master_grads
-        if self.master_grads is not self.partition_grads:
-            for master_grad, part in zip(self.master_grads, self.partition_grads):
-                master_grad.copy_(part)
-        return self.master_grads
+        return self.store.step_gradients(self.partition_grads, self.master_grads)
 
     def zero_grad(self) -> None:
         self.grads.zero()
@@ -201,8 +193,7 @@ class Stage2Strategy(PartitionedStrategy):
 
     def _build_buffers(self) -> None:
         # fp32 accumulators for this rank's partition: the only gradient storage that outlives a bucket
-        self.master_grads = [torch.zeros(g.partition_numel, dtype=torch.float32, device=self.ctx.device)
-                             for g in self.groups]
+        self.master_grads = self.store.gradients([g.partition_numel for g in self.groups])
         self._pool: dict[int, list[torch.Tensor]] = {}
         self._ready: set[tuple[int, int]] = set()
         for group in self.groups:

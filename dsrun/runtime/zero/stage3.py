@@ -10,7 +10,9 @@
   own shards, added into an fp32 accumulator. This happens on every micro-step.
 * **Optimizer**: each param group's shards are laid end to end in fp32 *sub-groups* of at most
   ``sub_group_size`` elements (one optimizer tensor each); the step updates only these, then writes the
-  model-dtype shards. No all-gather follows the step: the next forward gathers what it needs.
+  model-dtype shards. No all-gather follows the step: the next forward gathers what it needs. Each sub-group
+  lives in a store (:mod:`dsrun.runtime.offload.shard_store`: the device, or with ``offload_optimizer`` host
+  memory or NVMe swap files), which owns its master, gradient, update, write-back, checkpoint entries and bytes.
 
 ZeRO++ (:mod:`dsrun.comm.quantized`): ``zero_quantized_weights`` (qwZ) gathers parameters as INT8 blocks with
 per-block scales, ``zero_quantized_nontrainable_weights`` does so for frozen parameters only, and
@@ -38,6 +40,9 @@ from .sharding import Stage3Sharding
 from .hooks import ParameterCoordinator, iter_unique_params, module_params
 from .partition_params import full_tensor, is_zero_param, partition_param, shard_padding
 from dsrun.runtime.offload import param_swapper
+from dsrun.runtime.offload.pipeline import PipelineTimes
+from dsrun.runtime.offload.settings import OffloadOptimizerSettings
+from dsrun.runtime.offload.shard_store import DeviceShardStore, ShardPlacement
 
 
 @dataclass
@@ -50,6 +55,13 @@ class SubGroup:
     numel: int = 0
     master: torch.nn.Parameter | None = None
     grad: torch.Tensor | None = None
+    index: int = -1  # among the strategy's sub-groups
+    store: DeviceShardStore | None = None  # where master, gradient and optimizer state live
+
+    @property
+    def placement(self) -> str:
+        """``device``, ``cpu`` or ``nvme``."""
+        return self.store.kind
 
     def add(self, param: torch.nn.Parameter) -> None:
         self.params.append(param)
@@ -90,7 +102,10 @@ class Stage3Strategy(ZeroStrategy):
 
         self._optimizer = ctx.optimizer
         self._separate_shards = False  # fp32 with offloaded shards: the step must write them
+        self.placement = ShardPlacement(self, ctx.optimizer, OffloadOptimizerSettings.from_context(ctx))
         self.sub_groups = self._build_sub_groups()
+        for store in self.placement.stores:
+            store.finish()
         if self.sharding.mics and any(sg.grad is None for sg in self.sub_groups):
             raise ConfigError(Problem("zero_optimization.mics_shard_size", "MiCS cannot reduce gradients kept in "
                                       "NVMe swap files (offload_optimizer.device nvme)", "offload to cpu instead"))
@@ -183,21 +198,22 @@ class Stage3Strategy(ZeroStrategy):
             param_group["params"] = [sg.master for sg in masters]
         return sub_groups
 
-    def _init_sub_group(self, index: int, sg: SubGroup) -> None:
-        """Give sub-group ``index`` its fp32 master and gradient accumulator (on the device here; optimizer
-        offload puts them on the host or in swap files)."""
-        shards = [param_swapper.shard_value(p).detach().to(device=self.ctx.device, dtype=torch.float32)
-                  for p in sg.params]
-        flat = torch.cat(shards) if shards else torch.zeros(0, device=self.ctx.device)
-        del shards
-        sg.master = torch.nn.Parameter(flat)  # cat made a new tensor: nothing shares it
-        sg.grad = torch.zeros_like(sg.master.data)
-        for p, off in zip(sg.params, sg.offsets):
-            p.ds_fp32_shard = sg.master.data[off:off + p.ds_partition_numel]  # GatheredParameters writes here
-        if not self.precision.needs_master_weights:
-            self._alias_shards(sg)
+    def _trainable_numel(self) -> int:
+        seen, total = set(), 0
+        for group in self._optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in seen and p.requires_grad:
+                    seen.add(id(p))
+                    total += p.ds_partition_numel
+        return total
 
-    def _alias_shards(self, sg: SubGroup) -> None:
+    def _init_sub_group(self, index: int, sg: SubGroup) -> None:
+        """Place sub-group ``index`` in its store, which gives it its fp32 master and gradient accumulator."""
+        sg.index = index
+        sg.store = self.placement.store_for(sg, self._trainable_numel)
+        sg.store.place(index, sg)
+
+    def alias_shards(self, sg: SubGroup) -> None:
         """fp32: make the model's shards views of the master, so the step updates them in place; an
         offloaded shard that lives elsewhere (NVMe, or host memory beside a device master) is written after
         the step instead."""
@@ -209,7 +225,7 @@ class Stage3Strategy(ZeroStrategy):
             p.ds_tensor = sg.master.data[off:off + p.ds_partition_numel]
 
     @property
-    def _writes_shards(self) -> bool:
+    def writes_shards(self) -> bool:
         """Are the model's shards separate from the fp32 masters, so the step must write them? (16-bit
         models; fp32 once an offloaded shard could not alias its master.)"""
         return self.precision.needs_master_weights or self._separate_shards
@@ -225,6 +241,8 @@ class Stage3Strategy(ZeroStrategy):
     def before_backward(self, boundary: bool) -> None:
         # gradients are reduced on every micro-step: no rank ever keeps a full gradient
         self._armed = True
+        for store in self.placement.stores:
+            store.begin_micro_step(boundary)
 
     def after_backward(self, boundary: bool) -> None:
         for key in [k for k, items in self._pending.items() if items]:
@@ -234,6 +252,8 @@ class Stage3Strategy(ZeroStrategy):
             self.sharding.reduce_across_replicas([sg.grad for sg in self.sub_groups])
         self._armed = False
         self.coordinator.end_backward()
+        for store in self.placement.stores:
+            store.end_micro_step()
 
     # --- gradient reduction -------------------------------------------------------------------------------
     def _grad_ready(self, param: torch.nn.Parameter) -> None:
@@ -313,14 +333,10 @@ class Stage3Strategy(ZeroStrategy):
             work.wait()
         for p, off in placed:
             sg, sg_off = self._slot[id(p)]
-            self._accumulate(sg, sg_off, out[off:off + p.ds_partition_numel])
+            sg.store.accumulate(sg.index, sg, sg_off, out[off:off + p.ds_partition_numel])
         self._give_back(rows)
         if out.data_ptr() != rows.data_ptr():
             self._give_back(out)
-
-    def _accumulate(self, sg: SubGroup, offset: int, values: torch.Tensor) -> None:
-        """Add one parameter's reduced shard gradient into its sub-group's fp32 accumulator."""
-        sg.grad[offset:offset + values.numel()].add_(values)
 
     def _complete_all(self) -> None:
         for entry in self._inflight:
@@ -331,45 +347,47 @@ class Stage3Strategy(ZeroStrategy):
         """Bytes of the reduce-scatter buffers kept for reuse between buckets (and steps)."""
         return sum(tensor_bytes(b) for b in self._bucket_pool)
 
-    # --- the optimizer step -------------------------------------------------------------------------------
+    # --- the optimizer step: each store steps its sub-groups ------------------------------------------------
     def _local_overflow(self) -> bool:
         """Whether this rank's gradients hold an inf or nan."""
-        return any(not bool(torch.isfinite(sg.grad).all()) for sg in self.sub_groups)
+        return any(store.overflow() for store in self.placement.stores)
 
     def _local_sq_norm(self) -> torch.Tensor:
         """The sum of squares of this rank's gradients (float64, on the device)."""
         sq = torch.zeros(1, dtype=torch.float64, device=self.ctx.device)
-        for sg in self.sub_groups:
-            sq += sg.grad.double().pow(2).sum()  # shard padding holds zeros: it adds nothing
+        for store in self.placement.stores:
+            store.add_sq_norm(sq)
         return sq
 
     def step_gradients(self) -> list[torch.Tensor]:
-        return [sg.grad for sg in self.sub_groups if sg.grad is not None and sg.grad.device.type != "meta"]
+        return [g for store in self.placement.stores for g in store.gradients()]
 
     def _apply_update(self, coef: float) -> None:
         """Scale the gradients by ``coef``, step every sub-group and write the model's shards."""
-        for sg in self.sub_groups:
-            if coef != 1.0:
-                sg.grad.mul_(coef)
-            sg.master.grad = sg.grad
-        self._optimizer.step()
-        self._publish()
+        for store in self.placement.stores:
+            store.update(coef)
+        self._shards_written()
 
     def _publish(self) -> None:
-        """Write the updated fp32 shards into the model's shards; gathered copies are now stale."""
-        if self._writes_shards:
-            with torch.no_grad():
-                for sg in self.sub_groups:
-                    for p, off in zip(sg.params, sg.offsets):
-                        value = sg.master.data[off:off + p.ds_partition_numel]
-                        owner = param_swapper.offload_of(p)
-                        if owner is not None:
-                            owner.write_shard(p, value)  # write-behind: overlaps the next sub-group's copy
-                        elif value.data_ptr() != p.ds_tensor.data_ptr():
-                            p.ds_tensor.copy_(value)
-            if self.param_offload is not None:
-                self.param_offload.flush()
+        """Write the fp32 masters into the model's shards (after a load); gathered copies are now stale."""
+        with torch.no_grad():
+            for store in self.placement.stores:
+                store.publish()
+        self._shards_written()
+
+    def _shards_written(self) -> None:
+        if self.param_offload is not None:
+            self.param_offload.flush()  # offload_param: the updated shards are in their files
         self.coordinator.invalidate()
+
+    def update_optimizer_step(self, step: int) -> None:
+        for store in self.placement.stores:
+            store.set_step(step)
+
+    @property
+    def last_step_times(self) -> PipelineTimes | None:
+        """Where the last offloaded update's time went (None: nothing is offloaded)."""
+        return self.placement.times
 
     def close(self) -> None:
         for handle in self._grad_hooks:
@@ -379,27 +397,32 @@ class Stage3Strategy(ZeroStrategy):
         self._bucket_pool = []
         if self.param_offload is not None:
             self.param_offload.close()
+        for store in self.placement.stores:
+            store.close()
 
     def empty_partition_cache(self) -> None:
         """Release every gathered parameter, persistent ones included (``engine.empty_partition_cache()``)."""
         self.coordinator.invalidate()
 
     def zero_grad(self) -> None:
-        for sg in self.sub_groups:
-            sg.grad.zero_()
+        for store in self.placement.stores:
+            store.zero_grad()
         for p in self.params:
             p.grad = None
 
     # --- accounting ---------------------------------------------------------------------------------------
     def memory_breakdown(self) -> MemoryBreakdown:
         """Shards of every parameter plus the full copies of persistent ones; the fp32 gradient and master
-        partitions; the optimizer state. ``padding`` counts the zero tail of this rank's shards in all of them."""
+        partitions resident in memory (host-offloaded ones included, swapped ones not: their swap buffers are
+        ``buffers``); the optimizer state. ``padding`` counts the zero tail of this rank's shards (in memory, in
+        all of them; offloaded, in the shards only)."""
         shards = sum(tensor_bytes(p.ds_tensor) for p in self.params) + self.sharding.secondary_bytes(self.params)
         persistent = sum(p.ds_numel * p.ds_tensor.element_size() for p in self.params if p.ds_persist)
-        grads = sum(tensor_bytes(sg.grad) for sg in self.sub_groups)
-        masters = sum(tensor_bytes(sg.master) for sg in self.sub_groups) if self._writes_shards else 0
+        stores = self.placement.stores
+        grads = sum(store.grad_bytes() for store in stores)
+        masters = sum(store.master_bytes() for store in stores)
         states = optimizer_state_bytes(self._optimizer)
-        trainable_elems = sum(sg.numel for sg in self.sub_groups)
+        trainable_elems = sum(sg.numel for sg in self.sub_groups) if self.placement.offloaded is None else 0
         per_elem = (grads + masters + states) / trainable_elems if trainable_elems else 0.0
         padding = 0.0
         for p in self.params:
@@ -408,7 +431,7 @@ class Stage3Strategy(ZeroStrategy):
         # NVMe parameter offload: the shards are in files (ds_tensor is empty); the read/write pool and the
         # shards cached in host memory (max_in_cpu) count as buffers
         pool = self.param_offload.buffer_bytes() if self.param_offload is not None else 0
-        pool += self.bucket_pool_bytes() + self.coordinator.buffer_pool.nbytes
+        pool += self.bucket_pool_bytes() + self.coordinator.buffer_pool.nbytes + sum(s.buffer_bytes() for s in stores)
         return MemoryBreakdown(parameters=shards + persistent, gradients=grads, master_weights=masters,
                                optimizer_states=states, padding=int(padding), buffers=pool)
 
@@ -438,26 +461,31 @@ class Stage3Strategy(ZeroStrategy):
             "mics_shard_size": self.sharding.shard_size if self.sharding.mics else -1,
             "overflow": False,
             "optimizer_state_dict": self._optimizer_state_dict(),
-            "fp32_flat_groups": [self._master_for_checkpoint(i, sg) for i, sg in enumerate(self.sub_groups)],
+            "fp32_flat_groups": [sg.store.master_for_checkpoint(i, sg) for i, sg in enumerate(self.sub_groups)],
             "param_shapes": [OrderedDict((names[id(p)], p.ds_shape) for p in sg.params) for sg in self.sub_groups],
         }
         sd.update(self.precision.state_dict())
         return sd
 
     def _optimizer_state_dict(self) -> dict[str, Any]:
-        return self._optimizer.state_dict()
-
-    def _master_for_checkpoint(self, index: int, sg: SubGroup) -> torch.Tensor:
-        return sg.master.detach().clone()
+        osd = self._optimizer.state_dict()
+        swapped = {i: sg.store.state_entry(i) for i, sg in enumerate(self.sub_groups)}
+        swapped = {i: entry for i, entry in swapped.items() if entry is not None}
+        if swapped:  # states the store keeps itself (swap files), mapped from their files
+            osd["state"] = dict(sorted({**osd["state"], **swapped}.items()))
+        return osd
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         if sd.get("partition_count") != self.sharding.shard_size:
             raise RuntimeError("ZeRO-3 state was saved partitioned over a different number of ranks "
                                f"({sd.get('partition_count')}) than this run's ({self.sharding.shard_size})")
+        osd = sd["optimizer_state_dict"]
+        state = {int(k): v for k, v in osd["state"].items()}
         with torch.no_grad():
-            for sg, saved in zip(self.sub_groups, sd["fp32_flat_groups"]):
-                sg.master.data.copy_(saved)
-        self._optimizer.load_state_dict(sd["optimizer_state_dict"])
+            for i, (sg, saved) in enumerate(zip(self.sub_groups, sd["fp32_flat_groups"])):
+                if sg.store.load(i, sg, saved, state.get(i)):  # the store took the optimizer state too
+                    state.pop(i, None)
+        self._optimizer.load_state_dict({**osd, "state": state})
         self.precision.load_state_dict(sd)
         self._publish()
 

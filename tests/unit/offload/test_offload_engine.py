@@ -44,7 +44,9 @@ def _train(engine, steps: int = 3) -> list[float]:
 def test_cpu_offload_steps_on_the_cpu_optimizer_like_in_memory(stage: int, optimizer: str):
     clip = {"gradient_clipping": 0.05}  # active: the norm of the host gradients is taken
     engine = dsrun.initialize(model=_model(), config=_config(stage, {"device": "cpu"}, optimizer, **clip))[0]
-    assert type(engine.strategy).__name__ == f"OffloadStage{stage}Strategy"
+    assert type(engine.strategy).__name__ == f"Stage{stage}Strategy"  # the stage's own, its state on the host
+    host = engine.strategy.store if stage < 3 else engine.strategy.placement.offloaded
+    assert type(host).__name__ == ("HostFlatStore" if stage < 3 else "HostShardStore")
     assert isinstance(engine.optimizer, CPUOptimizer)
     offloaded = _train(engine)
     assert engine.get_global_grad_norm() > 0.05
@@ -59,7 +61,7 @@ def test_cpu_offload_steps_on_the_cpu_optimizer_like_in_memory(stage: int, optim
 def test_nvme_offload_keeps_states_in_files(tmp_path: Path):
     cfg = _config(3, {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 12}, bf16={"enabled": True})
     engine = dsrun.initialize(model=_model(), config=cfg)[0]
-    swapped = engine.strategy.swapped
+    swapped = engine.strategy.placement.offloaded.swapped
     assert swapped.depth == 3 and len(swapped.units) > 2
     _train(engine, 2)
     keys = set(swapped.store.keys())
@@ -160,7 +162,7 @@ def test_nvme_with_bf16_states_and_partial_offload_match_in_memory(tmp_path: Pat
     nvme = {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 8}
     engine = dsrun.initialize(model=_model(), config=config(nvme))[0]
     assert _train(engine) == reference
-    swapped = engine.strategy.swapped
+    swapped = engine.strategy.placement.offloaded.swapped
     assert swapped.depth == 2 and swapped.store.entry("exp_avg.0").dtype == torch.bfloat16
     engine = dsrun.initialize(model=_model(), config=config({**nvme, "ratio": 0.5}))[0]
     placements = [sg.placement for sg in engine.strategy.sub_groups]
@@ -200,7 +202,7 @@ def test_narrow_and_widen_in_place_round_trip_exactly(monkeypatch, n: int):
 
 
 def _gradient_file_dtypes(engine) -> set[torch.dtype]:
-    store = engine.strategy.swapped.store
+    store = engine.strategy.placement.offloaded.swapped.store
     return {store.entry(k).dtype for k in store.keys() if k.startswith("grad.")}
 
 
@@ -218,7 +220,7 @@ def test_bf16_gradient_files_are_16_bit_when_exact_and_the_step_is_unchanged(tmp
             x, y = torch.randn(4, 16, generator=gen), torch.randn(4, 4, generator=gen)
             loss = torch.nn.functional.mse_loss(engine(x.bfloat16()).float(), y)
             engine.backward(loss)
-            if engine.strategy.swapped is not None and engine.is_gradient_accumulation_boundary():
+            if getattr(engine.strategy.placement.offloaded, "swapped", None) is not None and engine.is_gradient_accumulation_boundary():
                 dtypes |= _gradient_file_dtypes(engine)
             engine.step()
             losses.append(loss.item())
