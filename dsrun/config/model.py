@@ -73,6 +73,8 @@ class DeepSpeedConfig(Section):
     train_batch_size: PosInt | None = None
     train_micro_batch_size_per_gpu: PosInt | None = None
     gradient_accumulation_steps: PosInt | None = None
+    # Ulysses: ranks sharing one sample's sequence; the batch counts world / sequence_parallel_size replicas
+    sequence_parallel_size: PosInt = 1
 
     # Always present (type None when the config has no such section), so callers can read .type/.params.
     optimizer: OptimizerConfig = _section(OptimizerConfig)

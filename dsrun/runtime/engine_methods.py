@@ -185,8 +185,13 @@ class EngineMethods:
         """The Hessian eigenvalue estimator MoQ uses (``eigenvalue.enabled`` with ``quantize_training``)."""
         return getattr(getattr(self, "compression", None), "eigenvalue", None)
 
-    # the engine has no sequence-parallel groups yet (docs/sequence_parallel.md): its data-parallel group is the whole one
-    sequence_parallel_size = 1
+    # Ulysses (docs/sequence_parallel.md): ZeRO partitions over data x sequence ranks, the engine's data group
+    @property
+    def seq_parallel_group(self) -> Any:
+        return self.groups.sequence
+
+    def get_sequence_parallel_group(self) -> Any:
+        return self.groups.sequence
 
     @property
     def seq_data_parallel_group(self) -> Any:
