@@ -35,6 +35,7 @@ def batches(replicas: int) -> tuple[torch.Tensor, torch.Tensor]:
 def train_sequence_parallel(rank: int, world: int, sp: int, positions: str, stage: int) -> dict:
     import dsrun
     from dsrun import comm
+    from dsrun.profiling.tensor_memory import SavedTensorBytes
     from dsrun.utils import groups, safe_get_full_grad
 
     comm.init_distributed(dist_backend="gloo")
@@ -57,7 +58,12 @@ def train_sequence_parallel(rank: int, world: int, sp: int, positions: str, stag
                 grads = {name: safe_get_full_grad(p).double().numpy() for name, p in model.named_parameters()}
             engine.step()
             losses.append(loss.item())
-        return {"losses": losses, "grads": grads, "train_batch": engine.train_batch_size(),
+        saved = None
+        if stage < 3:  # (ZeRO-3's gathered parameters would be counted as saved tensors)
+            with SavedTensorBytes(exclude=model.parameters()) as counter:
+                model(inputs[0, rows].clone(), targets[0, rows].clone())
+            saved = counter.bytes
+        return {"losses": losses, "grads": grads, "train_batch": engine.train_batch_size(), "saved": saved,
                 "first_ids": next(iter(loader))[0].tolist(), "sp": engine.sequence_parallel_size,
                 "sp_rank": groups._get_sequence_parallel_rank(),
                 "sp_world": groups._get_sequence_parallel_world_size(),
@@ -84,6 +90,17 @@ def reference(replicas: int, positions: str) -> tuple[list[float], dict[str, np.
     return losses, grads
 
 
+def single_saved(seq: int) -> int:
+    """Activation bytes of one process's forward over the first ``seq`` tokens of the same micro-batch."""
+    from dsrun.profiling.tensor_memory import SavedTensorBytes
+
+    model = tiny_gpt("learned", sequence_parallel=False)
+    inputs, targets = batches(1)
+    with SavedTensorBytes(exclude=model.parameters()) as counter:
+        model(inputs[0, :MICRO, :seq].clone(), targets[0, :MICRO, :seq].clone())
+    return counter.bytes
+
+
 @pytest.mark.parametrize("world,sp,positions,stage", [(2, 2, "learned", 2), (4, 2, "rotary", 3)],
                          ids=["sp2-zero2", "sp2xdp2-zero3"])
 def test_sequence_parallel_gpt_matches_one_process(world, sp, positions, stage):
@@ -106,4 +123,14 @@ def test_sequence_parallel_gpt_matches_one_process(world, sp, positions, stage):
     mean_loss = np.mean([ranks[r]["losses"] for r in range(0, world, sp)], axis=0)
     np.testing.assert_allclose(mean_loss, want_losses, rtol=bound, atol=0)
     firsts = [ranks[r]["first_ids"] for r in range(0, world, sp)]
+    if ranks[0]["saved"] is not None:
+        # activation bytes per rank at the whole sequence = half of one process's at that sequence (every
+        # per-token tensor holds 1/sp of the tokens, every per-head one 1/sp of the heads), plus what the
+        # exchange adds: each layer keeps the attention output apart from the output projection's input (one
+        # [B, SEQ/sp, WIDTH] fp32 tensor), the rank holds the whole sequence's token ids (int64), and the loss
+        # saves one scalar more
+        whole = single_saved(SEQ)
+        extra = LAYERS * MICRO * (SEQ // sp) * WIDTH * 4 + MICRO * (SEQ - SEQ // sp) * 8 + 8
+        for got in ranks:
+            assert whole // sp < got["saved"] <= whole // sp + extra, (got["saved"], whole)
     assert all(set(a).isdisjoint(b) for i, a in enumerate(firsts) for b in firsts[i + 1:])  # replicas differ
