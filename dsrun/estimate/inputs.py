@@ -122,6 +122,8 @@ class EstimateInputs:
     pipeline's resident share: the memory-mapped token array). ``gradient_clipping`` (DeepSpeed's key; > 0
     makes the ZeRO-3 step compute the gradient norm, whose temporaries count). ``gradient_accumulation_steps``
     (1 with a 16-bit model: NVMe optimizer offload writes the gradient files in the model dtype).
+    ``sequence_parallel_size`` (Ulysses: each rank's activations are 1/P of the sequence's; ZeRO still
+    partitions over every rank).
     """
 
     total_params: int
@@ -148,6 +150,7 @@ class EstimateInputs:
     data_bytes: int = 0
     gradient_clipping: float = 0.0
     gradient_accumulation_steps: int = 1
+    sequence_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         try:  # stored in its canonical spelling: "none", "full", "every_2", "selective"
