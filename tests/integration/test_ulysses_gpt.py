@@ -63,7 +63,10 @@ def train_sequence_parallel(rank: int, world: int, sp: int, positions: str, stag
             with SavedTensorBytes(exclude=model.parameters()) as counter:
                 model(inputs[0, rows].clone(), targets[0, rows].clone())
             saved = counter.bytes
-        return {"losses": losses, "grads": grads, "train_batch": engine.train_batch_size(), "saved": saved,
+        train_batch = engine.train_batch_size()
+        engine.set_train_batch_size(2 * MICRO * replicas)  # DeepSpeed's call counts replicas too
+        return {"losses": losses, "grads": grads, "train_batch": train_batch, "saved": saved,
+                "accumulation_after_resize": engine.gradient_accumulation_steps(),
                 "first_ids": next(iter(loader))[0].tolist(), "sp": engine.sequence_parallel_size,
                 "sp_rank": groups._get_sequence_parallel_rank(),
                 "sp_world": groups._get_sequence_parallel_world_size(),
@@ -113,6 +116,7 @@ def test_sequence_parallel_gpt_matches_one_process(world, sp, positions, stage):
     bound = 8 * summed * torch.finfo(torch.float32).eps
     for rank, got in enumerate(ranks):
         assert got["train_batch"] == MICRO * replicas  # the batch counts world / sp data-parallel replicas
+        assert got["accumulation_after_resize"] == 2
         assert (got["sp"], got["sp_world"], got["sp_rank"]) == (sp, sp, rank % sp)
         assert got["seq_dp_world"] == world  # ZeRO partitions and reduces over data x sequence ranks
         assert got["first_ids"] == ranks[rank - rank % sp]["first_ids"]  # a sequence group reads the same samples
