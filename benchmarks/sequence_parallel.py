@@ -91,6 +91,10 @@ def train(args: list[str], seq: int, steps: int) -> dict:
             "load_average_1m": os.getloadavg()[0]}
 
 
+def _losses(run: dict) -> list[float]:
+    return [row["loss"] if isinstance(row, dict) else float(row) for row in run["train_losses"]]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seq", type=int, default=512, help="S: the single process's sequence")
@@ -111,11 +115,13 @@ def main() -> None:
     if a.steps:
         result["single_2S"] = train(["launcher.num_procs=1"], 2 * s, a.steps)
         result["sp2_2S"] = train(["+recipe=gpt_ulysses"], 2 * s, a.steps)
+        if a.out:
+            Path(a.out).write_text(json.dumps(result, indent=1))
         one, two = result["single_2S"], result["sp2_2S"]
-        diffs = [abs(x["loss"] - y["loss"]) for x, y in zip(one["train_losses"], two["train_losses"])]
-        print(f"train losses at 2S, {len(diffs)} logged steps: first {one['train_losses'][0]['loss']:.4f} / "
-              f"{two['train_losses'][0]['loss']:.4f}, last {one['train_losses'][-1]['loss']:.4f} / "
-              f"{two['train_losses'][-1]['loss']:.4f} (1 process / sp=2); max |diff| {max(diffs):.2e}")
+        first, second = _losses(one), _losses(two)
+        diffs = [abs(x - y) for x, y in zip(first, second)]
+        print(f"train losses at 2S, {len(diffs)} steps: first {first[0]:.4f} / {second[0]:.4f}, last "
+              f"{first[-1]:.4f} / {second[-1]:.4f} (1 process / sp=2); max |diff| {max(diffs):.2e}")
         print(f"tokens/s sp=2 / 1 process: {two['tokens_per_second'] / one['tokens_per_second']:.2f} "
               f"(load average {one['load_average_1m']:.1f} / {two['load_average_1m']:.1f})")
     if a.out:
