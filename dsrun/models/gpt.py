@@ -28,9 +28,9 @@ from torch import nn
 
 from dsrun import comm
 from dsrun.models.config import GPTConfig
-from dsrun.sequence import groups as sequence_groups
 from dsrun.models.layers import Block
 from dsrun.runtime.activation_checkpointing.modes import BlockCheckpointing, CheckpointFn
+from dsrun.sequence import groups as sequence_groups
 from dsrun.utils.errors import UserError
 
 IGNORE_INDEX = -100

@@ -18,7 +18,6 @@ from dsrun.comm import ProcessGroups
 from dsrun.config import DeepSpeedConfig
 from dsrun.accelerator import get_accelerator
 from dsrun.moe.layer import attach_process_groups
-from dsrun.sequence.groups import _set_sequence_groups
 from dsrun.moe.utils import has_moe_layers, split_params_into_different_moe_groups_for_optimizer
 from dsrun.optim import build_optimizer, check_zero_optimizer
 from dsrun.runtime.activation_checkpointing.settings import configure_from_engine
@@ -34,6 +33,7 @@ from dsrun.runtime.observer import EngineObserver
 from dsrun.runtime.precision import PrecisionStrategy, build_precision
 from dsrun.runtime.timers import WallClockTimers
 from dsrun.runtime.zero import MemoryBreakdown, StrategyContext, ZeroStrategy, build_zero_strategy
+from dsrun.sequence.groups import _set_sequence_groups
 from dsrun.utils.errors import ConfigError, Problem
 
 FORWARD_TIMER, BACKWARD_TIMER, BACKWARD_INNER_TIMER = "forward", "backward", "backward_inner"
