@@ -94,6 +94,7 @@ def resolve_run(cfg: DictConfig) -> ResolvedRun:
         if not isinstance(node, DictConfig) or "_target_" not in node:
             problems.append(Problem(f"{key}._target_", "missing", f"pick a {key} config group, e.g. {key}=..."))
     problems += _unread_sparse_attention(cfg)
+    problems += _unmatched_sequence_parallel(cfg)
     train, train_problems = validate_model(TrainSpec, _section(cfg, "train"), "train")
     problems += train_problems
     plan = None
@@ -159,6 +160,25 @@ def _unread_sparse_attention(cfg: DictConfig) -> list[Problem]:
         return []
     return [Problem("ds.sparse_attention", "is set but model.attention is 'dense', so the GPT would ignore it",
                     "add attention=sparse (it passes the section to the model) or remove ds.sparse_attention")]
+
+
+def _unmatched_sequence_parallel(cfg: DictConfig) -> list[Problem]:
+    """Ulysses needs both halves: ``ds.sequence_parallel_size`` builds the groups and gives a group the same
+    samples, ``model.sequence_parallel`` makes the built-in GPT take its slice of them; either alone would
+    leave the other doing nothing."""
+    model, ds = cfg.get("model"), cfg.get("ds")
+    if not isinstance(model, DictConfig) or not str(model.get("_target_", "")).startswith("dsrun.models."):
+        return []  # your own model shards its sequence itself (DeepSpeed's contract)
+    size = ds.get("sequence_parallel_size", 1) if isinstance(ds, DictConfig) else 1
+    sharded = bool(model.get("sequence_parallel", False))
+    if isinstance(size, int) and size > 1 and not sharded:
+        return [Problem("model.sequence_parallel", f"is off, but ds.sequence_parallel_size={size} gives each group of "
+                        f"{size} ranks the same samples, which the GPT would then process whole on every rank",
+                        "set model.sequence_parallel=true (the gpt_ulysses recipe does)")]
+    if sharded and size == 1:
+        return [Problem("model.sequence_parallel", "is on, but ds.sequence_parallel_size is 1, so there is no "
+                        "sequence group to shard over", "set ds.sequence_parallel_size (e.g. +ds.sequence_parallel_size=2)")]
+    return []
 
 
 def _auto_values(cfg: DictConfig) -> dict[str, Any]:

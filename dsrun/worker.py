@@ -31,7 +31,7 @@ from dsrun.rundir import RESOLVED_YAML
 from dsrun.runtime.data_pipeline.training import DataEfficiencyRun
 from dsrun.runtime.pipe.training import build_pipeline_model, pipeline_stages
 from dsrun.runtime.pipe.training import evaluate as pipeline_evaluate
-from dsrun.utils.errors import EXIT_USAGE, find_user_error
+from dsrun.utils.errors import EXIT_USAGE, UserError, find_user_error
 
 
 def seed_everything(seed: int) -> None:
@@ -177,7 +177,12 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
     data_eff.attach(engine)  # random-LTD layers, seqlen truncation, token and layer-token counts
     engine.monitor.log_params(flatten(OmegaConf.to_container(spec, resolve=True)))
     micro_batch, accumulation = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-    data_rank, data_world = (engine.grid.get_data_parallel_rank(), engine.dp_world_size) if pipelined else (rank, world_size)
+    sp = engine.sequence_parallel_size  # Ulysses: a sequence group reads the same samples (docs/sequence_parallel.md)
+    if sp > 1 and not getattr(getattr(model, "config", None), "sequence_parallel", False):
+        raise UserError(f"ds.sequence_parallel_size={sp} needs a model that shards the sequence: set "
+                        "model.sequence_parallel=true (or +recipe=gpt_ulysses)")
+    data_rank, data_world = ((engine.grid.get_data_parallel_rank(), engine.dp_world_size) if pipelined
+                             else (rank // sp, world_size // sp))
     loader = data_eff.train_loader() or corpus.train_loader(batch_size=micro_batch, rank=data_rank,
                                                             world_size=data_world, seed=cfg.seed)  # the curriculum
     # sampler's loader if it is on
@@ -192,7 +197,7 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
                                else sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())),  # ZeRO-3: full
                    step_flops=_train_step_flops(model, engine.train_batch_size(), corpus.seq_len),
                    evaluate=(lambda: pipeline_evaluate(engine, corpus, micro_batch, cfg.eval_iters)) if pipelined
-                   else lambda: evaluate(engine, corpus, micro_batch, rank, world_size, cfg.eval_iters),
+                   else lambda: evaluate(engine, corpus, micro_batch, data_rank, data_world, cfg.eval_iters),
                    report_throughput=report_throughput, step_timers=step_timer_ms,
                    mean_across_ranks=mean_across_ranks, stop_agreed=lambda: stop_agreed(stop), world_size=world_size,
                    eval_counts=data_eff.counts)  # tokens and layer-tokens seen at each evaluation

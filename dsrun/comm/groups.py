@@ -13,6 +13,13 @@ move by all-to-all) and expert-data-parallel groups of the ranks at the same pos
 (an expert's replicas, whose gradients are averaged). World 4, data 4, E 2: expert ``[[0, 1], [2, 3]]``,
 expert-data ``[[0, 2], [1, 3]]``. They are created on first request (:meth:`ProcessGroups.expert`),
 collectively, so every rank must ask for the same sizes in the same order.
+
+Sequence parallelism (DeepSpeed-Ulysses, ``sequence_parallel_size`` S) splits each data-parallel group the
+same way: S consecutive data-parallel ranks share the same samples, each holding 1/S of the sequence
+(:attr:`ProcessGroups.sequence`). ZeRO still partitions and reduces over the whole data axis (data x sequence,
+DeepSpeed's "sequence data parallel group"): parameters are replicated within a sequence group, and the
+mean of the ranks' gradients is the full gradient when each rank's loss is its share of the full-sequence mean.
+World 4, S 2: sequence ``[[0, 1], [2, 3]]``, samples split over ``world / S = 2`` replicas.
 """
 from __future__ import annotations
 
@@ -31,7 +38,7 @@ class ProcessGroups:
     constructs it with the same sizes)."""
 
     def __init__(self, pipe: int = 1, model: int = 1, world_size: int | None = None, rank: int | None = None,
-                 topology: ProcessTopology | None = None):
+                 topology: ProcessTopology | None = None, sequence: int = 1):
         self.world_size = comm.get_world_size() if world_size is None else int(world_size)
         self.rank = comm.get_rank() if rank is None else int(rank)
         if topology is not None:  # a client's layout (a PipelineModule's topology); axes it lacks have size 1
@@ -49,6 +56,8 @@ class ProcessGroups:
         self._expert: dict[int, tuple[ProcessGroup, ProcessGroup, list[int], list[int]]] = {}
         self._splits: dict[tuple[str, int, int], tuple[ProcessGroup, ProcessGroup, list[int], list[int]]] = {}
         self.expert_data_first = False
+        self.sequence_parallel_size = int(sequence)
+        self._sequence: ProcessGroup = self._own_group(self.sequence_lists()) if sequence > 1 else _SINGLE
 
     def _own_group(self, lists: list[list[int]]) -> ProcessGroup:
         """Create every group of ``lists`` (a collective: all ranks create all of them, in order) and return
@@ -102,6 +111,25 @@ class ProcessGroups:
 
     def coord(self, axis: str) -> int:
         return getattr(self.topology.get_coord(self.rank), axis, 0)
+
+    # --- sequence parallelism ----------------------------------------------------------------------------
+    def sequence_lists(self) -> list[list[int]]:
+        """The sequence-parallel rank lists: ``sequence_parallel_size`` consecutive ranks of each data group."""
+        size, dp = self.sequence_parallel_size, self.size("data")
+        if size < 1 or dp % size:
+            raise ValueError(f"sequence_parallel_size {size} must divide the data-parallel size {dp}")
+        return [ranks[i:i + size] for ranks in self.topology.get_axis_comm_lists("data") for i in range(0, dp, size)]
+
+    @property
+    def sequence(self) -> ProcessGroup:
+        """This rank's sequence-parallel group (the ranks holding shards of the same samples)."""
+        if self._sequence is _SINGLE:
+            self._sequence = comm.new_group([self.rank], local=True)
+        return self._sequence
+
+    def sequence_members(self) -> list[int]:
+        """The global ranks of this rank's sequence-parallel group, in sequence-shard order."""
+        return next(ranks for ranks in self.sequence_lists() if self.rank in ranks)
 
     # --- experts --------------------------------------------------------------------------------------
     def expert_lists(self, expert_parallel_size: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -238,12 +266,14 @@ class ProcessGroups:
     def destroy(self) -> None:
         """Destroy the groups this object created (not the world's default group)."""
         created = [g for g in self._axis_groups.values() if g is not None and g is not _SINGLE]
+        created += [g for g in (getattr(self, "_sequence", None),) if g is not None and g is not _SINGLE]
         for entry in list(self._expert.values()) + list(self._splits.values()):
             created += [g for g in entry[:2] if g is not None and g is not _SINGLE]
         for group in {id(g): g for g in created}.values():
             comm.destroy_process_group(group)
         self._axis_groups = {axis: None for axis in self._axis_groups}
         self._expert = {}
+        self._sequence = _SINGLE
         self._splits = {}
 
 
@@ -274,5 +304,6 @@ def from_data_group(group: ProcessGroup) -> "ProcessGroups":
     groups.topology = PipeModelDataParallelTopology(num_pp=1, num_mp=world // dp, num_dp=dp)
     groups._axis_groups = {"pipe": None, "data": group, "model": None}
     groups._expert = {}
+    groups.sequence_parallel_size, groups._sequence = 1, _SINGLE
     groups._splits = {}
     return groups

@@ -77,8 +77,15 @@ def _analyse(
         return None, problems
     assert isinstance(model, DeepSpeedConfig)
 
-    batch_failed = failed_sections & {TBS, MBS, GAS, "elasticity"}
+    batch_failed = failed_sections & {TBS, MBS, GAS, "elasticity", "sequence_parallel_size"}
     resolution: BatchResolution | None = None
+    sp = int(model.sequence_parallel_size)
+    if world_size is not None and sp > 1:  # Ulysses: a sequence group of sp ranks holds one replica's samples
+        if world_size % sp:
+            problems.append(Problem(f"{prefix}sequence_parallel_size", f"{sp} does not divide the data-parallel "
+                                    f"world size {world_size}", "pick a divisor of the number of ranks"))
+            batch_failed = {"sequence_parallel_size"}
+        world_size, world_size_source = world_size // sp, f"{world_size_source} / sequence_parallel_size {sp}"
     if world_size is None:  # the data-parallel size is not known here (dsrun launch): initialize checks it
         auto_batch = []
     elif not batch_failed:

@@ -78,6 +78,8 @@ class DeepSpeedConfig(Section):
     train_batch_size: PosInt | None = None
     train_micro_batch_size_per_gpu: PosInt | None = None
     gradient_accumulation_steps: PosInt | None = None
+    # Ulysses: ranks sharing one sample's sequence; the batch counts world / sequence_parallel_size replicas
+    sequence_parallel_size: PosInt = 1
 
     # Always present (type None when the config has no such section), so callers can read .type/.params.
     optimizer: OptimizerConfig = _section(OptimizerConfig)
@@ -150,7 +152,6 @@ class DeepSpeedConfig(Section):
     use_data_before_expert_parallelism: bool = False
     # DeepSpeed 0.15-0.19 keys (dsrun/config/recent.py; the ledger says which act)
     managed_gradient_accumulation: bool = True
-    sequence_parallel_size: PosInt = 1
     disable_python_gc: bool = False
     tensor_parallel: TensorParallelConfig = _section(TensorParallelConfig)
     expert_parallel: dict[str, Any] | None = None

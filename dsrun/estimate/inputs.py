@@ -126,6 +126,8 @@ class EstimateInputs:
     pipeline's resident share: the memory-mapped token array). ``gradient_clipping`` (DeepSpeed's key; > 0
     makes the ZeRO-3 step compute the gradient norm, whose temporaries count). ``gradient_accumulation_steps``
     (1 with a 16-bit model: NVMe optimizer offload writes the gradient files in the model dtype).
+    ``sequence_parallel_size`` (Ulysses: each rank's activations are 1/P of the sequence's; ZeRO still
+    partitions over every rank).
     ZeRO-3 layouts: ``mics_shard_size`` (MiCS: model states partitioned over groups of that many ranks
     instead of all of them; -1 off) and ``hpz_partition_size`` (hpZ: each rank also keeps a secondary
     partition of the parameters over that many ranks; 1 off).
@@ -155,6 +157,7 @@ class EstimateInputs:
     data_bytes: int = 0
     gradient_clipping: float = 0.0
     gradient_accumulation_steps: int = 1
+    sequence_parallel_size: int = 1
     mics_shard_size: int = -1
     hpz_partition_size: int = 1
 

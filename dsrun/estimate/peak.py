@@ -110,7 +110,7 @@ def activation_bytes(spec: EstimateInputs) -> ActivationBytes | None:
     if spec.model_shape is None:
         return None
     return gpt_activation_bytes(spec.model_shape, spec.micro_batch_size, spec.seq_len, spec.precision,
-                                spec.activation_checkpointing)
+                                spec.activation_checkpointing, spec.sequence_parallel_size)
 
 
 def estimate_peak_bytes_per_rank(spec: EstimateInputs) -> Breakdown:

@@ -116,7 +116,9 @@ def _summary_lines(report: MemoryReport) -> list[str]:
         f"layout: {spec.nodes} node(s) x {spec.ranks_per_node} rank(s) = {spec.world_size} data-parallel ranks",
         f"recipe: ZeRO {spec.zero_stage}, offload optimizer={spec.offload_optimizer} param={spec.offload_param}, "
         f"{spec.precision}, optimizer {spec.optimizer}, micro batch {spec.micro_batch_size}, "
-        f"sequence {spec.seq_len}, activation checkpointing {spec.activation_checkpointing}",
+        f"sequence {spec.seq_len}"
+        + (f" (1/{spec.sequence_parallel_size} per rank, sequence parallel)" if spec.sequence_parallel_size > 1 else "")
+        + f", activation checkpointing {spec.activation_checkpointing}",
     ]
     comm = step_comm_volume(spec)
     if comm.gradient_op != "none":

@@ -179,12 +179,15 @@ def inputs_from_runspec(cfg: Any, model: RecipeModel) -> tuple[EstimateInputs, d
     opt_type = str(optimizer.get("type", "adam"))
     sources["optimizer"] = "ds.optimizer.type" if "type" in optimizer else "default"
 
+    sp = _count(ds.get("sequence_parallel_size")) or 1
+    sources["sequence_parallel_size"] = "ds.sequence_parallel_size" if sp > 1 else "default"
     mbs = _count(ds.get("train_micro_batch_size_per_gpu"))
     sources["micro_batch_size"] = "ds.train_micro_batch_size_per_gpu"
     if mbs is None and _count(ds.get("train_batch_size")) is not None:
         gas = _count(ds.get("gradient_accumulation_steps")) or 1
-        mbs = max(1, _count(ds["train_batch_size"]) // gas // (nodes * rpn))
-        sources["micro_batch_size"] = "ds.train_batch_size / gradient_accumulation_steps / world size"
+        mbs = max(1, _count(ds["train_batch_size"]) // gas // max(1, nodes * rpn // sp))
+        sources["micro_batch_size"] = ("ds.train_batch_size / gradient_accumulation_steps / (world size / "
+                                       "sequence_parallel_size)")
     if mbs is None:
         mbs, sources["micro_batch_size"] = 1, "default"
     seq, sources["seq_len"] = _first(tree, ["data.seq_len", "data.block_size", "data.sequence_length"], None)
@@ -211,7 +214,7 @@ def inputs_from_runspec(cfg: Any, model: RecipeModel) -> tuple[EstimateInputs, d
         micro_batch_size=int(mbs), seq_len=int(seq), activation_checkpointing=ckpt,
         model_shape=model.shape, buffers=buffers, data_bytes=data_bytes,
         gradient_clipping=float(ds.get("gradient_clipping") or 0.0),
-        gradient_accumulation_steps=_count(ds.get("gradient_accumulation_steps")) or 1,
+        gradient_accumulation_steps=_count(ds.get("gradient_accumulation_steps")) or 1, sequence_parallel_size=sp,
         mics_shard_size=int(zero.get("mics_shard_size", -1)),
         hpz_partition_size=int(zero.get("zero_hpz_partition_size", 1)))
     sources["gradient_clipping"] = "ds.gradient_clipping" if ds.get("gradient_clipping") else "default"

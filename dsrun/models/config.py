@@ -32,7 +32,9 @@ class GPTConfig:
     ``pipeline_stages > 1`` cuts the model into that many pipeline stages: ``dsrun train`` then builds it as a
     ``PipelineModule`` (:func:`dsrun.runtime.pipe.gpt.gpt_pipeline`, docs/pipeline.md) instead of a
     :class:`~dsrun.models.gpt.GPT` (a ``GPT`` object is always the whole model; the estimator and the
-    autotuner count it whole too).
+    autotuner count it whole too). ``sequence_parallel`` runs attention as DeepSpeed-Ulysses
+    (:class:`dsrun.sequence.layer.DistributedAttention`) over the engine's sequence-parallel group
+    (``ds.sequence_parallel_size``): each rank of the group keeps 1/S of every sequence (docs/sequence_parallel.md).
     """
 
     vocab_size: int = 256
@@ -49,6 +51,7 @@ class GPTConfig:
     attention: str = "dense"
     sparse_attention: dict[str, Any] | None = None
     pipeline_stages: int = 1
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         problems: list[Problem] = []
@@ -73,6 +76,9 @@ class GPTConfig:
         if self.sparse_attention is not None and self.attention != "sparse":
             problems.append(Problem("model.sparse_attention", "is set but model.attention is 'dense', so no layer "
                                     "would read it", "set model.attention=sparse or drop model.sparse_attention"))
+        if self.sequence_parallel and self.attention != "dense":
+            problems.append(Problem("model.sequence_parallel", "runs dense attention only (the block-sparse "
+                                    "layout spans the whole sequence)", "set model.attention=dense"))
         try:
             mode = CheckpointMode.parse(self.activation_checkpointing)
             object.__setattr__(self, "activation_checkpointing", str(mode))  # the canonical spelling

@@ -26,9 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsrun import comm
 from dsrun.models.config import GPTConfig
 from dsrun.models.layers import Block
 from dsrun.runtime.activation_checkpointing.modes import BlockCheckpointing, CheckpointFn
+from dsrun.sequence import groups as sequence_groups
 from dsrun.utils.errors import UserError
 
 IGNORE_INDEX = -100
@@ -80,6 +82,20 @@ def sample_next_token(logits: torch.Tensor, temperature: float = 1.0, top_k: int
         kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+
+
+def sequence_parallel_loss(logits: torch.Tensor, targets: torch.Tensor, shards: int) -> torch.Tensor:
+    """The loss of one rank holding a slice of each sequence (Ulysses), for an engine that averages gradients
+    over every data x sequence rank: its value is the whole sequences' mean cross-entropy (the same on every
+    rank of the group), its gradient that of ``shards · (this slice's summed loss) / (the group's target
+    count)``, so the average over the group's ranks is exactly the gradient of the full mean, ignored targets
+    included."""
+    flat = targets.reshape(-1)
+    summed = F.cross_entropy(logits.view(-1, logits.size(-1)), flat, ignore_index=IGNORE_INDEX, reduction="sum")
+    totals = torch.stack([summed.detach(), (flat != IGNORE_INDEX).sum().to(summed.dtype)])
+    comm.all_reduce(totals, group=sequence_groups._get_sequence_parallel_group())
+    share = summed * (shards / totals[1])
+    return share + (totals[0] / totals[1] - share).detach()
 
 
 class GPT(nn.Module):
@@ -151,9 +167,18 @@ class GPT(nn.Module):
         if seq > self.config.block_size:
             raise UserError(f"sequence length {seq} exceeds model.block_size={self.config.block_size} "
                             "(lower data.seq_len or raise model.block_size)")
+        start, shards = 0, sequence_groups._get_sequence_parallel_world_size() if self.config.sequence_parallel else 1
+        if shards > 1:  # Ulysses: this rank keeps its slice of every sequence (docs/sequence_parallel.md)
+            if seq % shards:
+                raise UserError(f"sequence length {seq} does not split over sequence_parallel_size={shards} "
+                                "ranks (make data.seq_len a multiple of it)")
+            seq //= shards
+            start = sequence_groups._get_sequence_parallel_rank() * seq
+            idx = idx[:, start:start + seq]
+            targets = targets[:, start:start + seq] if targets is not None else None
         x = self.transformer["wte"](idx)
         if "wpe" in self.transformer:
-            x = x + self.transformer["wpe"](torch.arange(seq, device=idx.device))
+            x = x + self.transformer["wpe"](torch.arange(start, start + seq, device=idx.device))
         x = self.transformer["drop"](x)
         plan = self._pld_plan(pld_theta) if progressive_layer_drop and self.training else None
         for index, block in enumerate(self.transformer["h"]):
@@ -168,8 +193,11 @@ class GPT(nn.Module):
         # The loss in fp32 even under bf16/fp16: a softmax over 50k entries loses too much in half precision
         # (a float64 model keeps float64).
         logits32 = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        loss = F.cross_entropy(logits32.view(-1, logits.size(-1)), targets.reshape(-1),
-                               ignore_index=IGNORE_INDEX)
+        if shards > 1:
+            loss = sequence_parallel_loss(logits32, targets, shards)
+        else:
+            loss = F.cross_entropy(logits32.view(-1, logits.size(-1)), targets.reshape(-1),
+                                   ignore_index=IGNORE_INDEX)
         return (loss, logits) if return_logits else loss
 
     def _pld_plan(self, pld_theta: float | None) -> list[float]:

@@ -11,6 +11,8 @@ from torch import nn
 
 from dsrun.models.config import GPTConfig
 from dsrun.ops.sparse_attention import CausalSparseSelfAttention, sparsity_config_from_dict
+from dsrun.sequence import groups as sequence_groups
+from dsrun.sequence.layer import DistributedAttention
 
 
 def rotary_cos_sin(seq_len: int, head_size: int, base: float, device: torch.device,
@@ -43,6 +45,7 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
+        self.sequence_parallel = config.sequence_parallel  # Ulysses over the engine's sequence group
         # model.attention=sparse: block-sparse attention over the ds.sparse_attention layout (dsrun.ops)
         self.sparse: CausalSparseSelfAttention | None = None
         if config.attention == "sparse":
@@ -53,18 +56,27 @@ class CausalSelfAttention(nn.Module):
         batch, seq, _ = x.shape
         width = self.n_head * self.head_size  # the heads this module holds (fewer once pruned, a slice under TP)
         q, k, v = self.c_attn(x).split(width, dim=2)
-        # [B, T, C] -> [B, H, T, hs]
-        q, k, v = (t.view(batch, seq, self.n_head, self.head_size).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.view(batch, seq, self.n_head, self.head_size) for t in (q, k, v))  # [B, T, H, hs]
+        if self.sequence_parallel and sequence_groups._get_sequence_parallel_world_size() > 1:
+            # Ulysses: x is this rank's slice of the sequence; attention sees the whole sequence, 1/S of the heads
+            group = sequence_groups._get_sequence_parallel_group()
+            y = DistributedAttention(self.local_attention, group, scatter_idx=2, gather_idx=1)(q, k, v)
+        else:
+            y = self.local_attention(q, k, v)
+        return self.resid_dropout(self.c_proj(y.reshape(batch, seq, width)))
+
+    def local_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention over whole sequences: q, k, v and the result ``[B, T, heads, hs]``."""
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, hs]
         if self.rotary:
-            cos, sin = rotary_cos_sin(seq, self.head_size, self.rotary_base, x.device, q.dtype)
+            cos, sin = rotary_cos_sin(q.shape[2], self.head_size, self.rotary_base, q.device, q.dtype)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         dropout = self.dropout if self.training else 0.0
         if self.sparse is not None:
             y = self.sparse(q, k, v, dropout_p=dropout)
         else:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
-        y = y.transpose(1, 2).contiguous().view(batch, seq, width)
-        return self.resid_dropout(self.c_proj(y))
+        return y.transpose(1, 2).contiguous()
 
 
 class MLP(nn.Module):

@@ -5,7 +5,8 @@ allocator's caching and everything else. :class:`TensorMemoryTracker` counts ins
 every storage an operator creates (forward, backward, optimizer) is added when it appears and subtracted
 when it is freed, so ``peak`` is the largest number of bytes those storages held at one time. Tensors that
 existed before the tracker started are not counted. The figure is exact and the same on every machine,
-which makes it usable in tests (memory asserted as bytes, never as a measured time)::
+which makes it usable in tests (memory asserted as bytes, never as a measured time). :class:`SavedTensorBytes`
+counts the activation memory alone: the bytes autograd keeps between forward and backward::
 
     with TensorMemoryTracker() as memory:
         loss = model(batch); loss.backward()
@@ -48,3 +49,36 @@ class TensorMemoryTracker(TorchDispatchMode):
 
     def _free(self, key: int) -> None:
         self.current -= self._seen.pop(key, 0)
+
+
+class SavedTensorBytes:
+    """The bytes autograd keeps for backward while active: the distinct storages saved by the operators run
+    under it, leaving out those of ``exclude`` (a module's parameters, which exist anyway). The activation
+    memory of a forward, counted exactly::
+
+        with SavedTensorBytes(exclude=model.parameters()) as saved:
+            loss = model(batch)
+        print(saved.bytes)
+    """
+
+    def __init__(self, exclude: Any = ()) -> None:
+        self._excluded = {p.untyped_storage().data_ptr() for p in exclude}
+        self._seen: dict[int, int] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self._excluded:
+            self._seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    @property
+    def bytes(self) -> int:
+        return sum(self._seen.values())
+
+    def __enter__(self) -> "SavedTensorBytes":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)

@@ -35,6 +35,7 @@ from dsrun.runtime.precision import PrecisionStrategy, build_precision
 from dsrun.runtime.torch_autocast import autocast_if_enabled, init_autocast_params
 from dsrun.runtime.timers import WallClockTimers
 from dsrun.runtime.zero import MemoryBreakdown, StrategyContext, ZeroStrategy, build_zero_strategy
+from dsrun.sequence.groups import _set_sequence_groups
 from dsrun.utils.errors import ConfigError, Problem
 
 FORWARD_TIMER, BACKWARD_TIMER, BACKWARD_INNER_TIMER = "forward", "backward", "backward_inner"
@@ -69,6 +70,9 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
         self.local_rank = comm.get_local_rank()
         self.world_size = comm.get_world_size()
         self.dp_world_size = comm.get_world_size(self.dp_group)
+        # Ulysses: consecutive data-parallel ranks share samples (dsrun/sequence); ZeRO keeps the whole data group
+        self.sequence_parallel_size = self.groups.sequence_parallel_size
+        _set_sequence_groups(self.groups)
         self.device = get_accelerator().device(self.local_rank)
         # MoE layers get their expert-parallel groups from the engine's topology (collective)
         self.moe_layers = attach_process_groups(model, self.groups, bool(config.use_data_before_expert_parallelism))
@@ -131,8 +135,13 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
 
     def _process_groups(self, mpu: Any) -> ProcessGroups:
         """The run's groups: the whole world data-parallel, or a client mpu's data-parallel group."""
+        sequence = int(self._config.sequence_parallel_size)
         if mpu is None:
-            return ProcessGroups()
+            return ProcessGroups(sequence=sequence)
+        if sequence > 1:
+            raise ConfigError(Problem("sequence_parallel_size", f"is {sequence}, but a client mpu (or a pipeline) "
+                                      "brings its own data-parallel group; dsrun builds sequence groups only from "
+                                      "the whole world", "drop mpu=, or set sequence_parallel_size to 1"))
         return comm.groups.from_data_group(mpu.get_data_parallel_group())
 
     def _broadcast_model(self) -> None:
@@ -332,7 +341,9 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
         if self.mpu is not None:
             dp_rank, dp_size = self.mpu.get_data_parallel_rank(), self.mpu.get_data_parallel_world_size()
         else:
-            dp_rank, dp_size = self.global_rank, self.world_size
+            # a sequence-parallel group reads the same samples (each rank keeps its slice of the sequence)
+            sp = self.sequence_parallel_size
+            dp_rank, dp_size = self.global_rank // sp, self.world_size // sp
         if self.data_efficiency.sampling_enabled:  # data efficiency: batches under the curriculum's difficulty
             from dsrun.runtime.data_pipeline.data_sampling.data_loader import build_curriculum_loader
 
@@ -400,6 +411,7 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
             from dsrun.moe import groups as expert_groups
 
             expert_groups._reset()
+        _set_sequence_groups(None)
         self.groups.destroy()
 
     def empty_partition_cache(self) -> None:

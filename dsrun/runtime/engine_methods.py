@@ -30,6 +30,7 @@ class EngineMethods:
     groups: Any
     dp_group: Any
     dp_world_size: int
+    sequence_parallel_size: int = 1  # the engine's, from the config (Ulysses)
     global_rank: int
     mpu: Any
     data_efficiency: Any
@@ -40,10 +41,15 @@ class EngineMethods:
     _is_compiled: bool = False
 
     # --- batch size -------------------------------------------------------------------------------------
+    @property
+    def _data_replicas(self) -> int:
+        """Data-parallel replicas the global batch is split over (a Ulysses sequence group is one)."""
+        return self.dp_world_size // self.sequence_parallel_size
+
     def set_train_batch_size(self, train_batch_size: int) -> None:
         """Change the global batch by changing the gradient accumulation steps; the micro-batch stays.
         ``ValueError`` unless ``train_batch_size`` is a multiple of micro-batch x data-parallel size."""
-        per_step = self.train_micro_batch_size_per_gpu() * self.dp_world_size
+        per_step = self.train_micro_batch_size_per_gpu() * self._data_replicas
         if train_batch_size <= 0 or train_batch_size % per_step:
             raise ValueError(f"set_train_batch_size({train_batch_size}): must be a positive multiple of "
                              f"train_micro_batch_size_per_gpu x data-parallel size = {per_step}")
@@ -56,7 +62,7 @@ class EngineMethods:
         its batch size (as in DeepSpeed); build a new one with ``deepspeed_io``."""
         if micro_batch_size <= 0:
             raise ValueError(f"set_train_micro_batch_size({micro_batch_size}): must be a positive integer")
-        self._config.train_batch_size = int(micro_batch_size) * self.gradient_accumulation_steps() * self.dp_world_size
+        self._config.train_batch_size = int(micro_batch_size) * self.gradient_accumulation_steps() * self._data_replicas
         self._config.train_micro_batch_size_per_gpu = int(micro_batch_size)
 
     # --- gradient reduction -------------------------------------------------------------------------------
@@ -185,8 +191,13 @@ class EngineMethods:
         """The Hessian eigenvalue estimator MoQ uses (``eigenvalue.enabled`` with ``quantize_training``)."""
         return getattr(getattr(self, "compression", None), "eigenvalue", None)
 
-    # the engine has no sequence-parallel groups yet (docs/sequence_parallel.md): its data-parallel group is the whole one
-    sequence_parallel_size = 1
+    # Ulysses (docs/sequence_parallel.md): ZeRO partitions over data x sequence ranks, the engine's data group
+    @property
+    def seq_parallel_group(self) -> Any:
+        return self.groups.sequence
+
+    def get_sequence_parallel_group(self) -> Any:
+        return self.groups.sequence
 
     @property
     def seq_data_parallel_group(self) -> Any:

@@ -26,3 +26,11 @@ from dsrun.moe.groups import (  # noqa: F401
     _get_model_parallel_rank,
     _reset,
 )
+from dsrun.sequence.groups import (  # noqa: F401,E402  (Ulysses: the sequence-parallel groups)
+    _get_sequence_parallel_world_size,
+    _get_sequence_parallel_rank,
+    _get_sequence_parallel_group,
+    _get_sequence_data_parallel_group,
+    _get_sequence_data_parallel_world_size,
+    _get_sequence_data_parallel_rank,
+)

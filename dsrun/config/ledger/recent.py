@@ -33,8 +33,6 @@ ENTRIES: list[Entry] = [
          "dtype (their parameters get comm_dtype)", f"{AUTOCAST}test_torch_autocast_dtype_and_safe_modules"),
     done("gradient_allreduce_op", "sum (\"sum\") instead of average (\"mean\") the gradients over ranks",
          "tests/integration/test_config_effects.py::test_key_changes_behaviour[gradient_allreduce_op]"),
-    todo("sequence_parallel_size", "ranks sharing one sequence (Ulysses sequence parallelism)",
-         Feature("Ulysses sequence parallelism from the config", "leave sequence_parallel_size at 1")),
     todo("log_level", "DeepSpeed's logger level", ENGINE),
     todo("managed_gradient_accumulation", "false: the user's loop accumulates and reduces gradients", ENGINE),
     todo("disable_python_gc", "turn Python's cyclic GC off, collecting at safe step boundaries", ENGINE),

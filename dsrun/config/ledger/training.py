@@ -49,6 +49,10 @@ ENTRIES: list[Entry] = [
     done("train_batch_size", "samples per optimizer step, all ranks together", UNIT),
     done("train_micro_batch_size_per_gpu", "samples per forward/backward on one rank", UNIT),
     done("gradient_accumulation_steps", "micro-steps per optimizer step", UNIT),
+    done("sequence_parallel_size", "Ulysses: ranks sharing one sample's sequence (the batch counts world / it)",
+         "tests/integration/test_ulysses_gpt.py::test_sequence_parallel_gpt_matches_one_process",
+         "tests/unit/config/test_sequence_parallel_config.py::test_batch_counts_world_over_sequence_parallel_size",
+         traced=False),
     # --- optimizer and scheduler ---------------------------------------------------------------------------
     done("optimizer.type", "the optimizer: a DeepSpeed name (any case) or a torch.optim class", UNIT,
          "tests/unit/runtime/test_onebit_optimizers.py::test_onebit_adam_warmup_matches_torch_adamw",

@@ -112,6 +112,9 @@ class PipelineEngine(DeepSpeedEngine):
         model.set_virtual_stages(pipe.virtual_stages if pipe.schedule == "interleaved" else 1)
 
     def _process_groups(self, mpu: Any) -> Any:
+        if int(self._config.sequence_parallel_size) > 1:
+            raise ConfigError(Problem("sequence_parallel_size", "Ulysses sequence parallelism does not compose with "
+                                      "the pipeline engine yet", "set sequence_parallel_size to 1"))
         return mpu.groups  # the module's grid: pipe, data and model groups of its topology
 
     def _strategy_context(self, optimizer: torch.optim.Optimizer) -> Any:

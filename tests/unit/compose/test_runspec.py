@@ -52,3 +52,12 @@ def test_world_size_from_a_hostfile(tmp_path):
                                        "ds.train_micro_batch_size_per_gpu=2"]))
     assert run.world_size == 4 and run.ds.train_batch_size == 8
     assert "hostfile" in run.world_size_source and "2 + 2 slots" in run.world_size_source
+
+
+def test_sequence_parallel_needs_both_the_groups_and_the_model():
+    run = resolve_run(compose_runspec(["+recipe=gpt_ulysses", "launcher.num_procs=4"]))
+    assert run.ds.sequence_parallel_size == 2 and run.ds.train_batch_size == 4 * 2  # 4 ranks / sp 2 replicas
+    assert problems(["+recipe=gpt_ulysses", "model.sequence_parallel=false"])[0].startswith(
+        "model.sequence_parallel: is off, but ds.sequence_parallel_size=2")
+    assert problems(["model.sequence_parallel=true"])[0].startswith(
+        "model.sequence_parallel: is on, but ds.sequence_parallel_size is 1")

@@ -1,12 +1,15 @@
 """From a RunSpec to estimator inputs: meta-device model building, counting, and where each number comes from."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import psutil
 import pytest
 import torch
 from omegaconf import OmegaConf
 
 from dsrun.estimate import count_parameters, estimate_peak_bytes_per_rank
+from dsrun.estimate.peak import activation_bytes
 from dsrun.estimate.runspec import build_recipe_model, inputs_from_runspec, small_parameter_count
 from dsrun.utils.errors import ConfigError
 from tests.unit.estimate.tiny_gpt import TinyGPT
@@ -115,3 +118,21 @@ def test_meta_build_skips_weight_init_but_keeps_shapes_dtypes_and_frozen_flags()
         assert (m.shape, m.dtype, m.requires_grad, m.device.type) == (r.shape, r.dtype, r.requires_grad, "meta"), name
     assert count_parameters(meta) == count_parameters(real)
     assert count_parameters(meta).trainable == count_parameters(meta).total - 32 * 8
+
+
+def test_sequence_parallel_size_divides_each_ranks_activations():
+    ds = {"train_batch_size": 16, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 2}}
+    plain_cfg = runspec(train={}, launcher={"num_procs": 4}, ds=ds)
+    ulysses_cfg = runspec(train={}, launcher={"num_procs": 4}, ds={**ds, "sequence_parallel_size": 2})
+    plain, _ = inputs_from_runspec(plain_cfg, build_recipe_model(plain_cfg))
+    ulysses, sources = inputs_from_runspec(ulysses_cfg, build_recipe_model(ulysses_cfg))
+    # 16 samples / 2 accumulation steps over 4 / 2 = 2 data-parallel replicas (a sequence group shares samples)
+    assert (plain.micro_batch_size, ulysses.micro_batch_size) == (2, 4)
+    assert ulysses.sequence_parallel_size == 2 and sources["sequence_parallel_size"] == "ds.sequence_parallel_size"
+    same_batch, split = activation_bytes(replace(plain, micro_batch_size=4)), activation_bytes(ulysses)
+    # every term is halved; each of the 2 blocks adds its attention output kept apart (fp32, 4 x 32/2 x 64)
+    kept_apart = 4 * 4 * 16 * 64
+    assert split.head == same_batch.head // 2 and split.workspace == same_batch.workspace // 2
+    assert split.blocks == same_batch.blocks // 2 + 2 * kept_apart
+    # model states do not change: ZeRO partitions over every rank, data x sequence
+    assert estimate_peak_bytes_per_rank(ulysses).model_states == estimate_peak_bytes_per_rank(plain).model_states
