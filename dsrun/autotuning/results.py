@@ -12,14 +12,12 @@ from __future__ import annotations
 import datetime as dt
 import json
 import shlex
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 from dsrun.autotuning.settings import TuneSettings
-from dsrun.autotuning.study import DUPLICATE, INTERRUPTED, INVALID, LAUNCHED, PRUNED
-from dsrun.autotuning.trial import without_keys
+from dsrun.autotuning.study import DUPLICATE, INTERRUPTED, INVALID, LAUNCHED, PRUNED, optimal_command
 
 SUMMARY = "summary.txt"
 OPTIMAL_CONFIG = "ds_config_optimal.json"
@@ -154,18 +152,6 @@ def summary_text(rows: Sequence[TrialRow], settings: TuneSettings, space_text: s
     return "\n".join(parts)
 
 
-def optimal_command(base_overrides: Sequence[str], best_params: dict[str, Any], space: Any, settings: TuneSettings,
-                    recipes_dirs: Sequence[str], optimal_config: Path) -> list[str]:
-    """``dsrun train`` with the best DeepSpeed config as ``ds_config=`` plus the tuned RunSpec keys (those
-    outside ``ds``, and arg_mappings' targets), which a DeepSpeed file cannot carry."""
-    config = space.config(best_params)
-    extra = [o for o in space.overrides(config, settings.arg_mappings) if not o.lstrip("+").startswith("ds.")]
-    base = without_keys(base_overrides, ["ds_config", *[o.lstrip("+").split("=")[0] for o in extra]])
-    base = [o for o in base if not o.lstrip("+~").startswith("ds.")]  # now inside the optimal config
-    return [sys.executable, "-m", "dsrun", "train", *base, *extra, f"ds_config={optimal_config}",
-            *[arg for d in recipes_dirs for arg in ("--recipes-dir", str(d))]]
-
-
 def write_results(tuner: Any, rows: Sequence[TrialRow] | None = None) -> dict[str, Path]:
     """Write summary.txt, and for the best trial ds_config_optimal.json and cmd_optimal.txt."""
     s = tuner.settings
@@ -176,8 +162,7 @@ def write_results(tuner: Any, rows: Sequence[TrialRow] | None = None) -> dict[st
         ds = json.loads((s.results_dir / best.name / "ds_config.json").read_text())
         paths["ds_config_optimal"] = s.results_dir / OPTIMAL_CONFIG
         paths["ds_config_optimal"].write_text(json.dumps(ds, indent=2) + "\n")
-        command = optimal_command(tuner.base_overrides, best.params, tuner.space, s, tuner.recipes_dirs,
-                                  paths["ds_config_optimal"])
+        command = tuner.optimal_command(best.params, paths["ds_config_optimal"])
         paths["cmd_optimal"] = s.results_dir / OPTIMAL_CMD
         paths["cmd_optimal"].write_text(shlex.join(command) + "\n")
     paths["summary"].write_text(summary_text(rows, s, tuner.space.describe(), tuner.elapsed_s, tuner.stop.text,

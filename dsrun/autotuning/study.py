@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -381,6 +382,11 @@ class Tuner:
         if tbs < s.min_train_batch_size:
             return self._finish(trial, PRUNED, pruned=True, reason=f"train batch size {tbs} < "
                                 f"min_train_batch_size {s.min_train_batch_size}")
+        self._run_trial(trial, params, config, name)
+
+    def _run_trial(self, trial: Any, params: dict[str, Any], config: dict[str, Any], name: str) -> None:
+        """Compose, check the memory of, launch and measure one configuration (a ``dsrun train`` launch)."""
+        s, space = self.settings, self.space
         overrides = [*self.base_overrides, *space.overrides(config, s.arg_mappings)]
         measurement = measurement_overrides(s.end_profile_step, free_port())
         try:
@@ -403,6 +409,11 @@ class Tuner:
                           "num_gpus": resolved.plan.world_size, "num_nodes": len(resolved.plan.hosts),
                           "hostfile": resolved.plan.hostfile, "memory_estimate": memory.breakdown,
                           "memory_check": memory.reason})
+        self._launch_and_measure(trial, exp)
+
+    def _launch_and_measure(self, trial: Any, exp: Experiment) -> None:
+        """Write the experiment's files, launch it, and record its profile metric (or its failure)."""
+        s = self.settings
         exp.write_files(s.exps_dir)
         (exp.directory / "metrics.json").unlink(missing_ok=True)
         result = launch(exp, s.trial_timeout, on_start=lambda pid: trial.set_user_attr("launch_pid", pid))
@@ -417,3 +428,20 @@ class Tuner:
         (exp.directory / "metrics.json").write_text(json.dumps(profile, indent=2) + "\n")
         self._finish(trial, LAUNCHED, value=value, metrics={k: profile[k] for k in
                                                              ("latency", "throughput", "FLOPS_per_gpu")})
+
+    def optimal_command(self, best_params: dict[str, Any], optimal_config: Path) -> list[str]:
+        """The command that trains with the best configuration (``cmd_optimal.txt``)."""
+        return optimal_command(self.base_overrides, best_params, self.space, self.settings, self.recipes_dirs,
+                               optimal_config)
+
+
+def optimal_command(base_overrides: Sequence[str], best_params: dict[str, Any], space: Any, settings: TuneSettings,
+                    recipes_dirs: Sequence[str], optimal_config: Path) -> list[str]:
+    """``dsrun train`` with the best DeepSpeed config as ``ds_config=`` plus the tuned RunSpec keys (those
+    outside ``ds``, and arg_mappings' targets), which a DeepSpeed file cannot carry."""
+    config = space.config(best_params)
+    extra = [o for o in space.overrides(config, settings.arg_mappings) if not o.lstrip("+").startswith("ds.")]
+    base = without_keys(base_overrides, ["ds_config", *[o.lstrip("+").split("=")[0] for o in extra]])
+    base = [o for o in base if not o.lstrip("+~").startswith("ds.")]  # now inside the optimal config
+    return [sys.executable, "-m", "dsrun", "train", *base, *extra, f"ds_config={optimal_config}",
+            *[arg for d in recipes_dirs for arg in ("--recipes-dir", str(d))]]

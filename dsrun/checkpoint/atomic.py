@@ -45,12 +45,15 @@ def _tmp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp{os.getpid()}")
 
 
-def save_torch(obj: Any, path: Path, rank: int = 0, torn_point: str | None = None) -> None:
+def save_torch(obj: Any, path: Path, rank: int = 0, torn_point: str | None = None, pickle_module: Any = None) -> None:
     """``torch.save`` to ``path`` atomically and durably. ``torn_point``: a crash point at which a test
-    leaves a half-written temporary file behind."""
+    leaves a half-written temporary file behind. ``pickle_module``: torch.save's (default: pickle)."""
     tmp = _tmp_name(path)
     with open(tmp, "wb") as fh:
-        torch.save(obj, fh)
+        if pickle_module is None:
+            torch.save(obj, fh)
+        else:
+            torch.save(obj, fh, pickle_module=pickle_module)
         fh.flush()
         if torn_point is not None and os.environ.get(CRASH_ENV) == torn_point:
             fh.truncate(max(1, fh.tell() // 2))

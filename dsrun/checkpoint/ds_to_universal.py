@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ import torch
 
 from dsrun.utils import zero_to_fp32 as z2f
 
-from . import atomic, layout
+from . import atomic, layout, pipeline_state
 from .engine_io import rank_optimizer_states, saved_stage, saved_world
 from .reshard import merge_rank_states
 from .safe_load import load_file
@@ -53,6 +54,31 @@ def _full_module(tag_dir: Path, saved_module: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _pipeline_source(tag_dir: Path, say: Any) -> tuple[int, int, Any, list[dict[str, Any]], dict[str, Any]]:
+    """A pipeline checkpoint's ZeRO stage, data-parallel size, merged optimizer state, parameter shapes and
+    module state, every parameter by its universal name (:class:`.pipeline_state.NameMap`)."""
+    slices = pipeline_state.saved_slices(tag_dir)
+    tied = pipeline_state.tied_layers(slices[0], tag_dir)
+    names = pipeline_state.NameMap(pipeline_state.first_layers(tied),
+                                   slices[0]["dsrun"][pipeline_state.PIPELINE_KEY].get("dense_names"))
+    stage, world = int(slices[0]["dsrun"]["zero_stage"]), saved_world(slices[0])
+    if not any(sd.get("param_shapes") for sd in slices):
+        raise ValueError(f"{tag_dir}: the checkpoint has no optimizer state (no param_shapes) to convert; "
+                         "it was saved by an engine without optimizer")
+    say(f"Converting pipeline checkpoint of {len(slices)} stage(s) x {world} data-parallel rank(s) at ZeRO-{stage} "
+        f"in {tag_dir} to a universal checkpoint (parameters by layer name)")
+    bf16 = any(tag_dir.glob("bf16_*optim_states.pt"))
+    full = pipeline_state.renamed(pipeline_state.merge_stages(tag_dir, slices, bf16), names.universal)
+    shapes: list[dict[str, Any]] = []
+    for sd in slices:
+        for gi, group in enumerate(sd.get("param_shapes") or []):
+            while len(shapes) <= gi:
+                shapes.append({})
+            shapes[gi].update({names.universal(n): s for n, s in group.items()})
+    module = {names.dense.get(k, k): v for k, v in pipeline_state.layer_module_state(tag_dir, tied).items()}
+    return stage, world, full, shapes, module
+
+
 def ds_to_universal(input_folder: str, output_folder: str, verbose: bool = True) -> Path:
     """Write the universal form of the checkpoint tag folder ``input_folder`` to ``output_folder`` and point
     ``latest_universal`` (in ``output_folder``'s parent) at it; returns the output folder."""
@@ -62,14 +88,18 @@ def ds_to_universal(input_folder: str, output_folder: str, verbose: bool = True)
         raise FileNotFoundError(f"--input_folder {tag_dir} is not a folder")
     model_path = _model_states_file(tag_dir)
     model_states = load_file(model_path)
-    shapes = model_states.get("param_shapes")
-    if not shapes:
-        raise ValueError(f"{model_path}: the checkpoint has no optimizer state (no param_shapes) to convert; "
-                         "it was saved by an engine without optimizer")
-    stage, world = saved_stage(model_states, tag_dir), saved_world(model_states)
-    bf16 = any(tag_dir.glob("bf16_*optim_states.pt"))
-    say(f"Converting ZeRO-{stage} checkpoint of {world} rank(s) in {tag_dir} to a universal checkpoint in {out_dir}")
-    full = merge_rank_states(rank_optimizer_states(tag_dir, model_states, stage, world, bf16), stage, shapes)
+    if pipeline_state.is_pipeline_states(model_states):
+        stage, world, full, shapes, module = _pipeline_source(tag_dir, say)
+    else:
+        shapes = model_states.get("param_shapes")
+        if not shapes:
+            raise ValueError(f"{model_path}: the checkpoint has no optimizer state (no param_shapes) to convert; "
+                             "it was saved by an engine without optimizer")
+        stage, world = saved_stage(model_states, tag_dir), saved_world(model_states)
+        bf16 = any(tag_dir.glob("bf16_*optim_states.pt"))
+        say(f"Converting ZeRO-{stage} checkpoint of {world} rank(s) in {tag_dir} to a universal checkpoint in {out_dir}")
+        full = merge_rank_states(rank_optimizer_states(tag_dir, model_states, stage, world, bf16), stage, shapes)
+        module = _full_module(tag_dir, model_states["module"])
     shape_of = {name: torch.Size(shape) for group in shapes for name, shape in group.items()}
 
     staging = out_dir.parent / f".{out_dir.name}.staging"
@@ -91,11 +121,20 @@ def ds_to_universal(input_folder: str, output_folder: str, verbose: bool = True)
     atomic.save_torch(meta, root / OPTIMIZER_STATE)
 
     universal_states = {k: v for k, v in model_states.items() if k not in ("optimizer", "frozen_param_fragments")}
-    universal_states["module"] = _full_module(tag_dir, model_states["module"])
-    universal_states["dsrun"] = {**(model_states.get("dsrun") or {}), "universal_from": {"zero_stage": stage,
-                                                                                       "dp_world_size": world}}
+    universal_states["module"] = module
+    universal_states["param_shapes"] = shapes
+    extras = dict(model_states.get("dsrun") or {})
+    source = {"zero_stage": stage, "dp_world_size": world}
+    if pipeline_state.PIPELINE_KEY in extras:  # the layers are one module now, named by layer
+        source[pipeline_state.PIPELINE_KEY] = extras.pop(pipeline_state.PIPELINE_KEY)
+        universal_states["mp_world_size"] = 1
+    universal_states["dsrun"] = {**extras, "universal_from": source}
     atomic.save_torch(universal_states, staging / layout.model_states_name(0, 0))
 
+    for rank in range(world):  # the 1-bit optimizers' per-rank error buffers, re-cut at load like a reshard
+        rank_file = tag_dir / layout.rank_states_name(rank)
+        if rank_file.is_file():
+            shutil.copyfile(rank_file, staging / rank_file.name)
     elements = sum(math.prod(s) for s in shape_of.values())
     atomic.fsync_dir(staging)
     atomic.remove_tree(out_dir)

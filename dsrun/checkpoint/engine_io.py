@@ -28,7 +28,7 @@ from dsrun import comm
 from dsrun.utils import zero_to_fp32 as z2f
 from dsrun.utils.errors import Problem, UserError
 
-from . import atomic, experts, layout, reshard, state, universal_checkpoint
+from . import atomic, deepspeed_format, experts, layout, reshard, state, universal_checkpoint
 from .safe_load import load_file
 
 log = logging.getLogger("dsrun.checkpoint")
@@ -127,7 +127,9 @@ def engine_model_states(engine: Any, client_state: dict[str, Any], exclude_froze
         "module": state.module_state_cpu(engine.module, exclude_frozen) if with_module else None,
         "buffer_names": state.buffer_names(engine.module),
         # stage 0 has no per-rank optimizer files: its (full) optimizer state lives here, as DeepSpeed does
-        "optimizer": strategy.state_dict() if strategy is not None and files.optimizer_in_model_states else None,
+        "optimizer": (deepspeed_format.stage0_for_deepspeed(strategy.state_dict(), engine.precision.name,
+                                                            engine.global_steps)
+                      if strategy is not None and files.optimizer_in_model_states else None),
         "param_shapes": strategy.checkpoint_param_shapes() if strategy is not None else None,
         "shared_params": state.shared_params(engine.module),
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
@@ -146,8 +148,11 @@ def engine_model_states(engine: Any, client_state: dict[str, Any], exclude_froze
         # [feature seam: compression] the compression schedule's position (dsrun/compression/feature.py)
         "compression": engine.compression.state_dict() if getattr(engine, "compression", None) else None,
     }
-    if experts.applies(engine) and sd["module"] is not None:
-        sd["module"] = experts.without_experts(sd["module"])
+    if experts.applies(engine):
+        if sd["module"] is not None:
+            sd["module"] = experts.without_experts(sd["module"])
+        # which experts each rank's own files hold depends on how expert groups were laid out
+        sd["dsrun"]["expert_data_first"] = bool(getattr(engine.groups, "expert_data_first", False))
     loader = getattr(engine, "training_dataloader", None)
     if loader is not None and hasattr(loader, "epoch"):
         sd["data_sampler"] = {"epoch": loader.epoch}
@@ -191,10 +196,17 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
     return save_staged(engine, save_dir, tag, write, save_latest)
 
 
+def _clip(engine: Any) -> float:
+    return float(engine.gradient_clipping())
+
+
 def save_optimizer_states(engine: Any, path: Path) -> None:
-    optim = {"optimizer_state_dict": engine.strategy.state_dict(), "ds_config": state.plain_config(engine),
-             "ds_version": DS_VERSION}
-    atomic.save_torch(optim, path, engine.global_rank)
+    """This rank's ZeRO optimizer file, with the keys DeepSpeed's ZeRO optimizers also read (its loss scaler
+    is written as a reference to DeepSpeed's class, see :mod:`.deepspeed_format`)."""
+    sd = deepspeed_format.zero_state_for_deepspeed(engine.strategy.state_dict(), engine.precision.name, _clip(engine))
+    optim = {"optimizer_state_dict": sd, "ds_config": state.plain_config(engine), "ds_version": DS_VERSION}
+    pickler = deepspeed_format.PICKLE_MODULE if deepspeed_format.holds_foreign(sd) else None
+    atomic.save_torch(optim, path, engine.global_rank, pickle_module=pickler)
 
 
 def save_staged(engine: Any, save_dir: str, tag: Any, write_rank_files: Callable[[Path], None],
@@ -288,11 +300,37 @@ def optim_files(tag_dir: Path, world: int, bf16: bool) -> list[Path]:
     raise FileNotFoundError(f"{tag_dir}: expected {world} '*_optim_states.pt' files (one per saved rank)")
 
 
+def _refuse_mics_reshard(strategy: Any, tag_dir: Path, saved: str) -> None:
+    """A MiCS run's masters are cut over its shard group, which resharding does not know: refuse."""
+    sharding = getattr(strategy, "sharding", None)
+    if sharding is not None and sharding.mics:
+        raise RuntimeError(f"{tag_dir}: a MiCS run (mics_shard_size {sharding.shard_size}) loads only a checkpoint "
+                           f"of its own layout (saved: {saved}); load the zero_to_fp32 weights into the model "
+                           "instead")
+
+
 def rank_optimizer_states(tag_dir: Path, model_states: dict[str, Any], stage: int, world: int,
-                           bf16: bool) -> list[dict[str, Any]]:
+                           bf16: bool, group_shapes: list[Any] | None = None) -> list[dict[str, Any]]:
+    """Every saved rank's optimizer state, as dsrun's strategies read it (DeepSpeed's own files converted;
+    ``group_shapes``: the live strategy's, which a DeepSpeed stage-0 file needs)."""
     if stage == 0:
-        return [model_states["optimizer"]]
-    return [load_file(path)["optimizer_state_dict"] for path in optim_files(tag_dir, world, bf16)]
+        return [stage0_state(model_states, group_shapes)]
+    states = [deepspeed_format.to_dsrun(load_file(path)["optimizer_state_dict"])
+              for path in optim_files(tag_dir, world, bf16)]
+    if int(states[0].get("mics_shard_size", -1)) > 0:
+        raise RuntimeError(f"{tag_dir}: saved under MiCS (mics_shard_size {states[0]['mics_shard_size']}), which "
+                           "loads only into the same layout; rebuild the fp32 model with zero_to_fp32 instead")
+    return states
+
+
+def stage0_state(model_states: dict[str, Any], group_shapes: list[Any] | None) -> dict[str, Any]:
+    sd = model_states["optimizer"]
+    if deepspeed_format.is_deepspeed_stage0(sd):
+        if group_shapes is None:
+            raise RuntimeError("a DeepSpeed stage-0 checkpoint names no parameters: load it into an engine "
+                               "with an optimizer")
+        sd = deepspeed_format.stage0_to_dsrun(sd, group_shapes, model_states["module"])
+    return sd
 
 
 def _load_module(engine: Any, module_sd: dict[str, Any], strict: bool, tag_dir: Path,
@@ -338,29 +376,37 @@ def _restore_strategy(engine: Any, tag_dir: Path, model_states: dict[str, Any], 
     if universal_checkpoint.is_universal(tag_dir):
         if not load_optimizer_states and masters_from_module:
             return
+        _refuse_mics_reshard(strategy, tag_dir, "a universal checkpoint")
         _say(engine, f"loading universal checkpoint {tag_dir.name} (saved by {world_saved} rank(s) at ZeRO stage "
                      f"{stage_saved}) into {live_world} rank(s) at stage {live_stage}")
         full = universal_checkpoint.load_universal_state(tag_dir)
         strategy.load_state_dict(reshard.state_for_rank(strategy.state_dict(), full, live_stage, live_world, dp_rank,
                                                         live_shapes, load_optimizer_states=load_optimizer_states))
+        if load_optimizer_states:
+            _restore_rank_states(strategy, tag_dir, world_saved, dp_rank, same_layout=False)
         return
     saved_shapes = model_states.get("param_shapes")
     # the same masters, cut the same way (stage 3's sub_group_size may differ between the runs)
     same_grouping = saved_shapes is None or [list(s) for s in saved_shapes] == [list(s) for s in live_shapes]
     same_layout = stage_saved == live_stage and world_saved == live_world and same_grouping and not load_universal
+    if experts.applies(engine):  # each rank's own file holds its experts only if they sit where they did
+        saved_first = (model_states.get("dsrun") or {}).get("expert_data_first", False)
+        same_layout = same_layout and saved_first == bool(getattr(engine.groups, "expert_data_first", False))
+    if not (same_layout and load_optimizer_states) and not (masters_from_module and not load_optimizer_states):
+        _refuse_mics_reshard(strategy, tag_dir, f"stage {stage_saved} on {world_saved} ranks")
     if experts.applies(engine) and not (same_layout and live_stage > 0 and load_optimizer_states):
         # experts by global id from their own files (stage 0 keeps only rank 0's state in its one file); weights
         # only (load_optimizer_states=False, load_module_only): their fp32 masters, the live optimizer state kept
-        if stage_saved == 3 or saved_shapes is None:
-            raise RuntimeError(f"{tag_dir}: an MoE checkpoint saved at ZeRO stage 3 loads only with the saved "
-                               f"topology ({world_saved} ranks, stage 3); this run: stage {live_stage} on {live_world}")
+        if saved_shapes is None:
+            raise RuntimeError(f"{tag_dir}: this MoE checkpoint has no 'param_shapes' (saved without a ZeRO "
+                               "optimizer): its experts cannot be placed by global id")
         rank_states = rank_optimizer_states(tag_dir, model_states, stage_saved, world_saved, engine.bfloat16_enabled())
         strategy.load_state_dict(experts.optimizer_state(engine, tag_dir, saved_shapes, rank_states, stage_saved,
                                                          load_optimizer_states))
         return
     if load_optimizer_states and same_layout:
-        own = (model_states["optimizer"] if stage_saved == 0 else
-               load_file(optim_files(tag_dir, world_saved, engine.bfloat16_enabled())[dp_rank])["optimizer_state_dict"])
+        own = (stage0_state(model_states, live_shapes) if stage_saved == 0 else deepspeed_format.to_dsrun(
+            load_file(optim_files(tag_dir, world_saved, engine.bfloat16_enabled())[dp_rank])["optimizer_state_dict"]))
         strategy.load_state_dict(own)
         _restore_rank_states(strategy, tag_dir, world_saved, dp_rank, same_layout=True)
         return
@@ -368,7 +414,8 @@ def _restore_strategy(engine: Any, tag_dir: Path, model_states: dict[str, Any], 
         _say(engine, f"resharding checkpoint {tag_dir.name}: saved by {world_saved} rank(s) at ZeRO stage "
                      f"{stage_saved}, loading into {live_world} rank(s) at stage {live_stage}")
         full = reshard.merge_rank_states(
-            rank_optimizer_states(tag_dir, model_states, stage_saved, world_saved, engine.bfloat16_enabled()),
+            rank_optimizer_states(tag_dir, model_states, stage_saved, world_saved, engine.bfloat16_enabled(),
+                                  live_shapes),
             stage_saved, model_states["param_shapes"])
     elif masters_from_module:
         return

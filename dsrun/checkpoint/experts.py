@@ -1,22 +1,25 @@
 """MoE experts in checkpoints: one file per expert, as DeepSpeed lays them out, reshardable between
 expert-parallel sizes.
 
-At ZeRO stages 0-2 the experts leave ``mp_rank_00_model_states.pt`` (which data-parallel rank 0 writes, and
-which holds only rank 0's experts) and each expert goes to
+At every ZeRO stage the experts leave the model-states files (``mp_rank_00_model_states.pt``, which
+data-parallel rank 0 writes at stages 0-2 and which would hold only rank 0's experts; each rank's
+``zero_pp_rank_<r>_mp_rank_00_model_states.pt`` at stage 3) and each expert goes to
 ``layer_{L}_expert_{G}_mp_rank_00_model_states.pt`` (L: the MoE layer's index in module order, G: the expert's
 global id), keyed by its parameter names with the local expert index replaced by the global id, as
 DeepSpeed writes them. Beside it dsrun writes ``layer_{L}_expert_{G}_mp_rank_00_optim_states.pt``: that
-expert's fp32 master weights and optimizer state (``exp_avg``, ``exp_avg_sq`` ...) by the same names. The
-first rank of each expert-data-parallel group writes its experts' files.
+expert's whole fp32 master weights and optimizer state (``exp_avg``, ``exp_avg_sq`` ...) by the same names,
+gathered from the ranks its masters are cut over (its expert-data-parallel group: stages 1-2 cut the flat
+group, stage 3 every parameter). The first rank of each expert-data-parallel group writes its experts' files.
 
 Loading puts every rank's own experts back by global id, whatever expert-parallel size, data-parallel size
-and stage (0-2) saved them: the module's expert parameters from the model files, the experts' master
+and stage (0-3) saved them: the module's expert parameters from the model files, the experts' master
 weights and optimizer state from the optimizer files, and the shared groups merged from every saved rank
-(:mod:`.reshard`). Stages 1-2 with the saved topology read each rank's own optimizer file as usual; ZeRO-3
-keeps its per-rank files (experts included), writes no expert files and loads with the saved topology only.
+(:mod:`.reshard`). With the saved topology each rank reads its own optimizer file as usual (the expert
+state is in it too).
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +27,7 @@ import torch
 
 from dsrun import comm
 from dsrun.moe.layer import MoE
-from dsrun.moe.utils import is_moe_param
+from dsrun.utils.zero_to_fp32 import master_slots
 
 from . import atomic
 from .safe_load import load_file
@@ -41,9 +44,8 @@ def optim_file(layer: int, expert: int, mp_rank: int = 0) -> str:
 
 
 def applies(engine: Any) -> bool:
-    """Expert files are written and read for MoE models at stages 0-2."""
-    return bool(getattr(engine, "has_moe_layers", False)) and engine.strategy is not None and \
-        engine.strategy.stage in (0, 1, 2)
+    """Expert files are written and read for MoE models trained through a ZeRO strategy (stages 0-3)."""
+    return bool(getattr(engine, "has_moe_layers", False)) and engine.strategy is not None
 
 
 def _experts(engine: Any) -> list[tuple[int, int, str, dict[str, torch.nn.Parameter]]]:
@@ -60,14 +62,13 @@ def _experts(engine: Any) -> list[tuple[int, int, str, dict[str, torch.nn.Parame
     return out
 
 
+def _local_name(local_prefix: str, global_name: str) -> str:
+    return local_prefix + global_name.split(MARK, 1)[1].split(".", 1)[1]
+
+
 def to_global_name(engine: Any) -> dict[str, str]:
     """This rank's local expert parameter names -> their global names."""
-    mapping = {}
-    for _, g, local, params in _experts(engine):
-        for name in params:
-            tail = name.split(MARK, 1)[1].split(".", 1)[1]
-            mapping[local + tail] = name
-    return mapping
+    return {_local_name(local, name): name for *_, local, params in _experts(engine) for name in params}
 
 
 def without_experts(module_sd: dict[str, Any]) -> dict[str, Any]:
@@ -75,60 +76,77 @@ def without_experts(module_sd: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in module_sd.items() if MARK not in k}
 
 
-def _flat_state(engine: Any, gi: int) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]:
-    """Group ``gi``'s whole fp32 master and optimizer-state tensors (stages 1-2: gathered over the group's
-    ranks, a collective among them), plus its scalar state."""
+def whole_master_state(engine: Any, mi: int) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]],
+                                                       dict[str, Any]]:
+    """Master tensor ``mi``'s parameters by (local) name: their whole fp32 master values and optimizer moments
+    (flat), gathered over the ranks the master is cut over (a collective among them, any stage), and the
+    master's scalar optimizer state (``step``)."""
     strategy = engine.strategy
-    group = strategy.groups[gi]
-    master = strategy.masters[gi].detach()
-    state = strategy.optimizer.state.get(strategy.masters[gi], {})
+    world, _, group = strategy.master_partitions()[mi]
+    shapes = strategy.checkpoint_param_shapes()[mi]
+    master = strategy.masters[mi].detach()
+    state = strategy.optimizer.state.get(strategy.masters[mi], {})
     tensors = {k: v for k, v in state.items() if torch.is_tensor(v) and v.numel() == master.numel()}
     scalars = {k: v for k, v in state.items() if k not in tensors}
+    pieces = {None: master.float().contiguous(), **{k: v.contiguous() for k, v in tensors.items()}}
+    if world > 1:
+        for key, t in pieces.items():
+            out = torch.empty(world * t.numel(), dtype=t.dtype, device=t.device)
+            comm.all_gather_into_tensor(out, t, group=group)
+            pieces[key] = out
+    values: dict[Any, dict[str, torch.Tensor]] = {key: {} for key in pieces}
+    for r in range(world):
+        slots, _ = master_slots(strategy.stage, world, r, [shapes])
+        for key, t in pieces.items():
+            own = t[r * master.numel():(r + 1) * master.numel()].cpu()
+            for slot in slots[0]:
+                whole = values[key].setdefault(slot.name, torch.zeros(math.prod(shapes[slot.name]), dtype=t.dtype))
+                lo, n = slot.master_offset, slot.length
+                whole[slot.full_offset:slot.full_offset + n] = own[lo:lo + n]
+    moments = {name: {k: values[k][name] for k in tensors} for name in values[None]}
+    return values[None], moments, scalars
 
-    def whole(t: torch.Tensor) -> torch.Tensor:
-        if not strategy.partitioned or group.world_size == 1:
-            return t.float()
-        out = torch.empty(group.padded_numel, dtype=torch.float32, device=t.device)
-        comm.all_gather_into_tensor(out, t.float().contiguous(), group=group.process_group)
-        return out
 
-    return whole(master), {k: whole(v) for k, v in tensors.items()}, scalars
-
-
-def _slots(engine: Any) -> dict[int, tuple[int, int, int]]:
-    """id(param) -> (group index, offset, numel) in the strategy's flat groups."""
+def expert_states(engine: Any) -> dict[str, dict[str, Any]]:
+    """This rank's experts by global parameter name: ``weight`` (the model's value), ``fp32`` (the master) and
+    the optimizer state (``exp_avg`` ... and scalars), whole. Collective within every expert-data group."""
+    strategy = engine.strategy
+    local_to_master = {name: mi for mi, shapes in enumerate(strategy.checkpoint_param_shapes()) for name in shapes}
+    experts = _experts(engine)
+    wanted = sorted({local_to_master[_local_name(local, name)] for *_, local, params in experts for name in params})
+    whole = {mi: whole_master_state(engine, mi) for mi in wanted}  # masters in order: every member calls alike
     out = {}
-    for gi, group in enumerate(engine.strategy.groups):
-        for p, off, n in zip(group.params, group.offsets, group.numels):
-            out[id(p)] = (gi, off, n)
+    for *_, local, params in experts:
+        for name, p in params.items():
+            fp32, moments, scalars = whole[local_to_master[_local_name(local, name)]]
+            key, shape = _local_name(local, name), getattr(p, "ds_shape", p.shape)  # stage 3: the full shape
+            out[name] = {"weight": strategy.full_param_value(p), "fp32": fp32[key].view(shape),
+                         **{k: v.view(shape) for k, v in moments[key].items()}, **scalars}
     return out
 
 
 def save(engine: Any, staging: Path, rank: int) -> None:
     """Write this rank's expert files (the first rank of each expert-data group writes; every rank calls)."""
-    slots = _slots(engine)
-    expert_groups = sorted({slots[id(p)][0] for *_, params in _experts(engine) for p in params.values()})
-    flats = {gi: _flat_state(engine, gi) for gi in expert_groups}  # collective within each group
+    states = expert_states(engine)
     for li, g, _, params in _experts(engine):
         members = engine.groups.members_of_param(next(iter(params.values())))
         if engine.global_rank != members[0]:
             continue
-        weights = {name: p.detach().cpu().clone() for name, p in params.items()}
-        atomic.save_torch(weights, staging / model_file(li, g), rank)
-        fp32, states = {}, {}
-        for name, p in params.items():
-            gi, off, n = slots[id(p)]
-            master, tensors, scalars = flats[gi]
-            fp32[name] = master[off:off + n].view(p.shape).cpu().clone()
-            states[name] = {**{k: v[off:off + n].view(p.shape).cpu().clone() for k, v in tensors.items()},
-                            **scalars}
-        atomic.save_torch({"fp32": fp32, "optimizer_state": states}, staging / optim_file(li, g), rank)
+        atomic.save_torch({name: states[name]["weight"] for name in params}, staging / model_file(li, g), rank)
+        fp32 = {name: states[name]["fp32"] for name in params}
+        optimizer_state = {name: {k: v for k, v in states[name].items() if k not in ("weight", "fp32")}
+                           for name in params}
+        atomic.save_torch({"fp32": fp32, "optimizer_state": optimizer_state}, staging / optim_file(li, g), rank)
 
 
 def module_state(engine: Any, tag_dir: Path, module_sd: dict[str, Any]) -> dict[str, Any]:
     """``module_sd`` with this rank's experts added back (local names) from their files."""
     out = without_experts(module_sd)
     for li, g, local, params in _experts(engine):
+        if not (tag_dir / model_file(li, g)).is_file():
+            raise FileNotFoundError(f"{tag_dir}: no {model_file(li, g)}: this MoE checkpoint has no per-expert "
+                                    "files (an older dsrun saved ZeRO-3 without them); load it with the dsrun that "
+                                    "saved it, at the saved topology")
         saved = load_file(tag_dir / model_file(li, g))
         for name in params:
             tail = name.split(MARK, 1)[1].split(".", 1)[1]
@@ -149,9 +167,10 @@ def _split_dense(saved_shapes: list[dict[str, Any]], where: Path) -> int:
 def optimizer_state(engine: Any, tag_dir: Path, saved_shapes: list[dict[str, Any]],
                     rank_states: list[dict[str, Any]], saved_stage: int, load_optimizer_states: bool = True
                     ) -> dict[str, Any]:
-    """This rank's optimizer state for any saved expert-parallel size and stage 0-2: the shared groups merged
-    from every saved rank and cut as this run lays them out (:mod:`.reshard`), each expert group rebuilt from
-    the per-expert files by global id and cut over its own expert-data-parallel group."""
+    """This rank's optimizer state for any saved expert-parallel size and stage: the shared groups merged from
+    every saved rank and cut as this run lays them out (:mod:`.reshard`), each expert's state rebuilt from
+    its files by global id; every master tensor is cut over the ranks it is partitioned over
+    (``strategy.master_partitions()``: the data-parallel group, or an expert-data-parallel group)."""
     from . import reshard
 
     strategy = engine.strategy
@@ -162,30 +181,28 @@ def optimizer_state(engine: Any, tag_dir: Path, saved_shapes: list[dict[str, Any
     for li, g, local, params in _experts(engine):
         saved = load_file(tag_dir / optim_file(li, g))
         for name in params:
-            local_name = local + name.split(MARK, 1)[1].split(".", 1)[1]
-            full.fp32[local_name] = saved["fp32"][name].reshape(-1).float()
-            full.moments[local_name] = {k: v.reshape(-1) for k, v in saved["optimizer_state"][name].items()
-                                        if torch.is_tensor(v) and v.dim() > 0}
+            full.fp32[_local_name(local, name)] = saved["fp32"][name].reshape(-1).float()
+            full.moments[_local_name(local, name)] = {k: v.reshape(-1) for k, v in saved["optimizer_state"][name].items()
+                                                      if torch.is_tensor(v) and v.dim() > 0}
     template = strategy.state_dict()
     live_shapes = strategy.checkpoint_param_shapes()
+    master_key = next(k for k in ("fp32_flat_groups", "single_partition_of_fp32_groups") if k in template)
     base_key = next(k for k in ("base_optimizer_state", "optimizer_state_dict") if k in template)
-    masters, states, param_groups = [], {}, []
-    for gi, group in enumerate(strategy.groups):
-        base = template[base_key]
-        sub = {**template, "single_partition_of_fp32_groups": [template["single_partition_of_fp32_groups"][gi]],
-               base_key: {"state": {0: base["state"][gi]} if gi in base["state"] else {},
-                          "param_groups": [{**base["param_groups"][gi], "params": [0]}]}}
-        cut = reshard.state_for_rank(sub, full, strategy.stage, group.world_size if strategy.partitioned else 1,
-                                     group.rank if strategy.partitioned else 0, [live_shapes[gi]],
+    base = template[base_key]
+    owner = reshard._master_to_group(base)  # master tensor -> its param group (stage 3: several per group)
+    masters, states = [], {}
+    for mi, (world, rank, _) in enumerate(strategy.master_partitions()):
+        sub = {**template, master_key: [template[master_key][mi]],
+               base_key: {"state": {0: base["state"][mi]} if mi in base["state"] else {},
+                          "param_groups": [{**base["param_groups"][owner[mi]], "params": [0]}]}}
+        cut = reshard.state_for_rank(sub, full, strategy.stage, world, rank, [live_shapes[mi]],
                                      load_optimizer_states=load_optimizer_states)
-        masters.append(cut["single_partition_of_fp32_groups"][0])
+        masters.append(cut[master_key][0])
         if 0 in cut[base_key]["state"]:
-            states[gi] = cut[base_key]["state"][0]
-        saved_group = full.param_groups[gi] if gi < len(full.param_groups) else {}
-        param_groups.append({**base["param_groups"][gi],
-                             **{k: v for k, v in saved_group.items() if k not in ("name", "moe")},
-                             "params": base["param_groups"][gi]["params"]})
-    out = {**template, **full.precision, "single_partition_of_fp32_groups": masters}
+            states[mi] = cut[base_key]["state"][0]
+    param_groups = [{**group, **{k: v for k, v in saved.items() if k not in ("name", "moe")}, "params": group["params"]}
+                    for group, saved in zip(base["param_groups"], full.param_groups + [{}] * len(base["param_groups"]))]
+    out = {**template, **full.precision, master_key: masters}
     if load_optimizer_states:
         out[base_key] = {"state": states, "param_groups": param_groups}
     return out

@@ -2,7 +2,9 @@
 
 Every file goes through ``torch.load(weights_only=True)``: only tensors, containers, numbers, strings and the
 globals on the allow-list can be unpickled. dsrun writes nothing else (RNG states are stored as tensors and
-tuples, configs as plain dicts), so the list is short; :func:`add_safe_globals` extends it for a user's own
+tuples, configs as plain dicts) but the few helper classes DeepSpeed's own files pickle (its loss scaler,
+``ZeroStageEnum``, ``fragment_address``), which are mapped by name to inert stand-ins
+(``zero_to_fp32.DEEPSPEED_GLOBALS``) so a DeepSpeed checkpoint loads too; the list is short; :func:`add_safe_globals` extends it for a user's own
 ``client_state`` types. A file that needs anything more fails with :class:`UnsafeCheckpointError`.
 """
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 import torch
 
 from dsrun.utils.errors import Problem, UserError
-from dsrun.utils.zero_to_fp32 import corrupt_reason
+from dsrun.utils.zero_to_fp32 import DEEPSPEED_GLOBALS, corrupt_reason
 
 _ALLOWED: list[Any] = [collections.OrderedDict, torch.Size]
 
@@ -33,7 +35,7 @@ def add_safe_globals(*objects: Any) -> None:
 
 
 def safe_globals() -> list[Any]:
-    return list(_ALLOWED)
+    return list(_ALLOWED) + list(DEEPSPEED_GLOBALS)
 
 
 def load_file(path: str | os.PathLike, map_location: Any = "cpu") -> Any:

@@ -8,6 +8,7 @@ Examples:
   dsrun launch -H hostfile --launcher openmpi train.py   (mpirun starts every rank)
   dsrun launch -H hostfile --elastic_training --min_elastic_nodes 1 train.py   (nodes may leave and join)
   dsrun launch --as-deepspeed --num_procs 2 train.py   (an unedited DeepSpeed script: import deepspeed -> dsrun)
+  dsrun launch --autotuning run --num_procs 2 train.py --deepspeed ds_config.json   (tune, then train the best)
 
 Launcher flags come before the script; everything after the script goes to it. When the script's arguments
 name a DeepSpeed config (--deepspeed_config FILE), it is checked before any rank starts, as initialize will
@@ -81,7 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     elastic.add_argument("--rdzv_last_call_timeout", type=float, default=DEFAULT_LAST_CALL_TIMEOUT, metavar="S",
                          help="seconds a rendezvous with enough nodes waits for more (default %(default)g)")
     parser.add_argument("--autotuning", choices=["tune", "run"], default=None,
-                        help="DeepSpeed's autotuner: dsrun tunes recipes with 'dsrun tune' (see docs/autotuning.md)")
+                        help="tune the script's DeepSpeed config (its 'autotuning' section) with dsrun's tuner; run: "
+                             "then launch it with the best config (docs/autotuning.md)")
     parser.add_argument("script", help="the script to run (a module name with --module)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
@@ -110,10 +112,6 @@ def run(args: argparse.Namespace) -> int:
 
     if args.no_ssh and args.runner not in (None, "local"):
         raise UserError(Problem("--no_ssh", f"cannot be combined with --launcher {args.runner}"))
-    if args.autotuning:
-        raise UserError(Problem("--autotuning", "dsrun's autotuner tunes recipes, not scripts",
-                                f"run 'dsrun tune +recipe=NAME{' --run' if args.autotuning == 'run' else ''}' "
-                                f"(docs/autotuning.md)"))
     if args.as_deepspeed:
         import os
 
@@ -122,9 +120,13 @@ def run(args: argparse.Namespace) -> int:
         # every rank inherits (and every node is sent) PYTHONPATH, see dsrun.launcher.environment
         os.environ.update(environment_with_alias(dict(os.environ)))
     plan = plan_launch(options_from_args(args))
+    if args.autotuning and not args.dry_run:  # DeepSpeed's autotuner on this script (docs/autotuning.md)
+        from dsrun.cli import launch_autotuning
+
+        return launch_autotuning.run(args, plan.world_size, add_arguments)
     check_script_config(args.script_args)
-    if args.dry_run:
-        print(json.dumps(plan.to_json(), indent=2))
+    if args.dry_run:  # with --autotuning: the plan every experiment (and the final run) launches with
+        print(json.dumps({**plan.to_json(), **({"autotuning": args.autotuning} if args.autotuning else {})}, indent=2))
         return 0
     return run_plan(plan)
 

@@ -39,11 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import subprocess
-
     from omegaconf import OmegaConf
 
-    from dsrun.autotuning import Tuner, build_space, settings_from, write_results
+    from dsrun.autotuning import Tuner, build_space, settings_from
     from dsrun.compose import compose_runspec
     from dsrun.runspec import resolve_run
 
@@ -67,6 +65,16 @@ def run(args: argparse.Namespace) -> int:
 
     reporter = Reporter(settings, space, mlflow=resolved.ds.mlflow if resolved.ds.mlflow.enabled else None)
     tuner = Tuner(settings, space, args.overrides, args.recipes_dir, compose, on_event=reporter.event)
+    return tune_and_report(tuner, reporter, args.run)
+
+
+def tune_and_report(tuner: Any, reporter: "Reporter", run_best: bool) -> int:
+    """Run the study with progress, write the results, and with ``run_best`` run ``cmd_optimal.txt``
+    (``dsrun tune`` and ``dsrun launch --autotuning``)."""
+    import subprocess
+
+    from dsrun.autotuning import write_results
+
     reporter.tuner = tuner
     reporter.print_header()
     try:
@@ -85,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"[tune] no trial completed, so there is no optimal config; see {paths['summary']}",
               file=sys.stderr, flush=True)
         return 1
-    if args.run:
+    if run_best:
         import shlex
 
         command = shlex.split(paths["cmd_optimal"].read_text())
@@ -144,6 +152,8 @@ class Reporter:
             self._say(f"[tune] resuming: trial(s) {data['trials']} were interrupted; their configurations run again")
         elif kind == "model_info_start":
             self._say(f"[tune] model info run in {data['dir']}")
+        elif kind == "model_info" and data.get("num_params") is None:
+            self._say(f"[tune] model: {data.get('source')}")
         elif kind == "model_info":
             self._say(f"[tune] model: {data.get('num_params'):,} parameters; activation memory (micro batch 1) "
                       f"{int(data.get('activation_mem_per_gpu') or 0) / 2**20:,.2f} MiB")

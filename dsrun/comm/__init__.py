@@ -8,18 +8,20 @@ run's topology and process groups (:mod:`.topology`, :mod:`.groups`), and the po
 """
 from .comm import (P2POp, ReduceOp, all_gather, all_gather_into_tensor, all_gather_object, all_reduce,
                    all_to_all_single, barrier, batch_isend_irecv, broadcast, broadcast_object_list, comms_logger,
-                   comms_report, configure, destroy_at_exit, destroy_process_group, get_backend, get_comms_stats,
-                   get_global_rank, get_local_rank, get_rank, get_world_size, init_distributed, irecv,
-                   is_initialized, isend, log_summary, new_group, recv, reduce, reduce_scatter,
+                   comms_report, configure, destroy_at_exit, destroy_process_group, get_backend, get_comms_group_stats,
+                   get_comms_stats, get_global_rank, get_local_rank, get_rank, get_world_size, group_ranks,
+                   init_distributed, irecv, is_initialized, isend, log_summary, new_group, recv, reduce, reduce_scatter,
                    reduce_scatter_tensor, recv_op, reset_comms_stats, send, send_op)
 from .groups import ProcessGroups
+from .hierarchical import all_gather_hierarchical
 from .logger import CommsLogger, OpStats
 from .topology import PipeDataParallelTopology, PipeModelDataParallelTopology, ProcessTopology
 
 __all__ = [
-    "P2POp", "ReduceOp", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all_single",
+    "P2POp", "ReduceOp", "all_gather", "all_gather_hierarchical", "all_gather_into_tensor", "all_gather_object",
+    "all_reduce", "all_to_all_single",
     "barrier", "broadcast", "batch_isend_irecv", "broadcast_object_list", "comms_logger", "comms_report", "configure",
-    "destroy_at_exit", "destroy_process_group", "get_backend",
+    "destroy_at_exit", "destroy_process_group", "get_backend", "get_comms_group_stats", "group_ranks",
     "get_comms_stats", "get_global_rank", "get_local_rank", "get_rank", "get_world_size", "init_distributed",
     "irecv", "is_initialized", "isend", "recv", "send",
     "log_summary", "new_group", "reduce", "reduce_scatter", "reduce_scatter_tensor", "reset_comms_stats",

@@ -173,16 +173,24 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _run(op: str, message_bytes: int, traffic: float, call: Any, async_op: bool) -> Any:
+def group_ranks(group: ProcessGroup = None) -> tuple[int, ...]:
+    """The global ranks of ``group`` (None: the world), in group-rank order."""
+    if group is None or not is_initialized():
+        return tuple(range(get_world_size()))
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def _run(op: str, message_bytes: int, traffic: float, call: Any, async_op: bool, group: ProcessGroup = None) -> Any:
+    ranks = group_ranks(group)
     if async_op and not comms_logger.timing(op):
         work = call()
-        comms_logger.record(op, message_bytes, traffic)
+        comms_logger.record(op, message_bytes, traffic, group=ranks)
         return work
     with Timer() as t:
         work = call()
         if async_op:  # the comms logger times every logged op to completion, as DeepSpeed does
             work.wait()
-    comms_logger.record(op, message_bytes, traffic, t.elapsed)
+    comms_logger.record(op, message_bytes, traffic, t.elapsed, group=ranks)
     return work
 
 
@@ -191,7 +199,7 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: ProcessGroup
     n = get_world_size(group)
     size = _nbytes(tensor)
     return _run("all_reduce", size, 2 * size * (n - 1) / n,
-                lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), async_op)
+                lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), async_op, group)
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = ReduceOp.SUM,
@@ -200,7 +208,8 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = R
     n = get_world_size(group)
     size = _nbytes(input)
     return _run("reduce_scatter", size, size * (n - 1) / n,
-                lambda: _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op), async_op)
+                lambda: _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op),
+                async_op, group)
 
 
 def reduce_scatter(output: torch.Tensor, input_list: Sequence[torch.Tensor], op: Any = ReduceOp.SUM,
@@ -210,7 +219,7 @@ def reduce_scatter(output: torch.Tensor, input_list: Sequence[torch.Tensor], op:
     own = _nbytes(input_list[get_rank(group)])
     return _run("reduce_scatter", total, total - own,
                 lambda: dist.reduce_scatter(output, list(input_list), op=op, group=group, async_op=async_op),
-                async_op)
+                async_op, group)
 
 
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup = None,
@@ -219,14 +228,14 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: Pro
     n = get_world_size(group)
     size = _nbytes(output)
     return _run("all_gather", size, size * (n - 1) / n,
-                lambda: _all_gather_single(output, input, group=group, async_op=async_op), async_op)
+                lambda: _all_gather_single(output, input, group=group, async_op=async_op), async_op, group)
 
 
 def all_gather(tensor_list: Sequence[torch.Tensor], tensor: torch.Tensor, group: ProcessGroup = None,
                async_op: bool = False) -> Any:
     total = sum(_nbytes(t) for t in tensor_list)
     return _run("all_gather", total, total - _nbytes(tensor),
-                lambda: dist.all_gather(list(tensor_list), tensor, group=group, async_op=async_op), async_op)
+                lambda: dist.all_gather(list(tensor_list), tensor, group=group, async_op=async_op), async_op, group)
 
 
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int] | None = None,
@@ -246,20 +255,20 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     return _run("all_to_all_single", size, size - own,
                 lambda: dist.all_to_all_single(output, input, output_split_sizes=output_split_sizes,
                                                input_split_sizes=input_split_sizes, group=group,
-                                               async_op=async_op), async_op)
+                                               async_op=async_op), async_op, group)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup = None, async_op: bool = False) -> Any:
     size = _nbytes(tensor)
     return _run("broadcast", size, size if get_world_size(group) > 1 else 0,
-                lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op), async_op)
+                lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op), async_op, group)
 
 
 def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: ProcessGroup = None,
            async_op: bool = False) -> Any:
     size = _nbytes(tensor)
     return _run("reduce", size, size if get_world_size(group) > 1 else 0,
-                lambda: dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op), async_op)
+                lambda: dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op), async_op, group)
 
 
 # --- point to point (the pipeline engine's activations and gradients) -----------------------------------
@@ -335,6 +344,12 @@ def barrier(group: ProcessGroup = None) -> None:
 def get_comms_stats() -> dict[str, dict[str, float]]:
     """Totals per op since the last reset: {op: {count, message_bytes, traffic_bytes, latency_s}}."""
     return comms_logger.snapshot()
+
+
+def get_comms_group_stats() -> dict[str, dict[str, dict[str, float]]]:
+    """Totals per op and process group since the last reset: {op: {"0,1": {count, message_bytes, ...}}}, each
+    group named by its global ranks (what MiCS and hpZ tests read: which group carried a collective)."""
+    return comms_logger.group_snapshot()
 
 
 def reset_comms_stats() -> None:

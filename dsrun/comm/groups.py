@@ -47,6 +47,7 @@ class ProcessGroups:
         for axis in self.topology.get_axis_names():
             self._axis_groups[axis] = self._own_group(self.topology.get_axis_comm_lists(axis))
         self._expert: dict[int, tuple[ProcessGroup, ProcessGroup, list[int], list[int]]] = {}
+        self._splits: dict[tuple[str, int, int], tuple[ProcessGroup, ProcessGroup, list[int], list[int]]] = {}
         self.expert_data_first = False
 
     def _own_group(self, lists: list[list[int]]) -> ProcessGroup:
@@ -117,8 +118,9 @@ class ProcessGroups:
                 replicas += [ranks[i:i + step] for i in range(0, dp, step)]
                 experts += [ranks[j::step] for j in range(step)]
             else:
-                experts += [ranks[i:i + size] for i in range(0, dp, size)]
-                replicas += [ranks[j::size] for j in range(size)]
+                blocks, strided = split_consecutive(ranks, size)
+                experts += blocks
+                replicas += strided
         return experts, replicas
 
     def set_expert_layout(self, data_first: bool) -> None:
@@ -161,6 +163,65 @@ class ProcessGroups:
         entry = self._expert_entry(expert_parallel_size)
         return entry[2], entry[3]
 
+    # --- sub-groups of the data-parallel group: MiCS shards and replicas, hpZ secondary partitions -------
+    def shard_lists(self, shard_size: int, ranks_per_node: int = 0) -> tuple[list[list[int]], list[list[int]]]:
+        """Every data-parallel group cut into shard groups of ``shard_size`` consecutive ranks, and the
+        replica groups of the ranks at the same place in each shard (world 4, shard 2: ``[[0, 1], [2, 3]]``
+        and ``[[0, 2], [1, 3]]``). With ``ranks_per_node``, each shard group is cut again: (the node-local
+        pieces of the shards, the ranks at the same place in each piece), what a hierarchical gather uses."""
+        size = int(shard_size)
+        dp = self.size("data")
+        if size < 1 or dp % size:
+            raise ValueError(f"shard size {size} must divide the data-parallel size {dp}")
+        shards, replicas = [], []
+        for ranks in self.topology.get_axis_comm_lists("data"):
+            blocks, strided = split_consecutive(ranks, size)
+            shards += blocks
+            replicas += strided
+        if not ranks_per_node:
+            return shards, replicas
+        per_node = min(int(ranks_per_node), size)
+        if size % per_node:
+            raise ValueError(f"shard size {size} must be a multiple of the {per_node} ranks per node")
+        local, across = [], []
+        for ranks in shards:
+            blocks, strided = split_consecutive(ranks, per_node)
+            local += blocks
+            across += strided
+        return local, across
+
+    def _split(self, shard_size: int, ranks_per_node: int) -> tuple[ProcessGroup, ProcessGroup, list[int], list[int]]:
+        key = ("shard", int(shard_size), int(ranks_per_node))
+        if key not in self._splits:
+            first, second = self.shard_lists(shard_size, ranks_per_node)
+            entry = [self._own_group(first), self._own_group(second),
+                     next(r for r in first if self.rank in r), next(r for r in second if self.rank in r)]
+            for i in (0, 1):
+                if entry[i] is _SINGLE:
+                    entry[i] = comm.new_group([self.rank], local=True)
+            self._splits[key] = tuple(entry)  # type: ignore[assignment]
+        return self._splits[key]
+
+    def shard(self, shard_size: int) -> ProcessGroup:
+        """This rank's shard group: ``shard_size`` consecutive data-parallel ranks (created on first request,
+        collectively: every rank must ask for the same sizes in the same order)."""
+        return self._split(shard_size, 0)[0]
+
+    def shard_replicas(self, shard_size: int) -> ProcessGroup:
+        """This rank's replica group: the ranks holding the same shard in the other shard groups."""
+        return self._split(shard_size, 0)[1]
+
+    def shard_members(self, shard_size: int) -> tuple[list[int], list[int]]:
+        """The global ranks of this rank's (shard, replica) groups."""
+        entry = self._split(shard_size, 0)
+        return entry[2], entry[3]
+
+    def shard_node_groups(self, shard_size: int, ranks_per_node: int) -> tuple[ProcessGroup, ProcessGroup]:
+        """(this rank's node-local piece of its shard group, the group of ranks at its place in the other
+        nodes' pieces) for a hierarchical all-gather within the shard group."""
+        entry = self._split(shard_size, ranks_per_node)
+        return entry[0], entry[1]
+
     # --- which group a parameter lives on ----------------------------------------------------------------
     def group_of_param(self, param: Any) -> ProcessGroup:
         """The group whose ranks hold copies of ``param``: its gradient is reduced, ZeRO partitions it, its
@@ -177,12 +238,20 @@ class ProcessGroups:
     def destroy(self) -> None:
         """Destroy the groups this object created (not the world's default group)."""
         created = [g for g in self._axis_groups.values() if g is not None and g is not _SINGLE]
-        for entry in self._expert.values():
+        for entry in list(self._expert.values()) + list(self._splits.values()):
             created += [g for g in entry[:2] if g is not None and g is not _SINGLE]
         for group in {id(g): g for g in created}.values():
             comm.destroy_process_group(group)
         self._axis_groups = {axis: None for axis in self._axis_groups}
         self._expert = {}
+        self._splits = {}
+
+
+def split_consecutive(ranks: list[int], size: int) -> tuple[list[list[int]], list[list[int]]]:
+    """``ranks`` cut into blocks of ``size`` consecutive ranks, and the lists of the ranks at the same place in
+    each block: ``[0, 1, 2, 3]``, 2 gives ``([[0, 1], [2, 3]], [[0, 2], [1, 3]])``."""
+    return ([list(ranks[i:i + size]) for i in range(0, len(ranks), size)],
+            [list(ranks[j::size]) for j in range(size)])
 
 
 def expert_parallel_size_of(param: Any) -> int | None:
@@ -205,4 +274,5 @@ def from_data_group(group: ProcessGroup) -> "ProcessGroups":
     groups.topology = PipeModelDataParallelTopology(num_pp=1, num_mp=world // dp, num_dp=dp)
     groups._axis_groups = {"pipe": None, "data": group, "model": None}
     groups._expert = {}
+    groups._splits = {}
     return groups

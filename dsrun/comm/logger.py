@@ -111,6 +111,8 @@ class CommsLogger:
     debug: bool = False
     stats: dict[str, OpStats] = field(default_factory=dict)
     by_size: dict[tuple[str, int], SizeStats] = field(default_factory=dict)
+    # per (op, the global ranks of the group it ran over): which groups carried what (MiCS, hpZ)
+    by_group: dict[tuple[str, tuple[int, ...]], OpStats] = field(default_factory=dict)
     rank: int = 0
 
     def configure(self, enabled: bool = False, verbose: bool = False, prof_all: bool = True,
@@ -125,11 +127,18 @@ class CommsLogger:
         """Whether calls of ``op`` are timed synchronously (the logger is on and profiles this op)."""
         return self.enabled and self._profiled(op)
 
-    def record(self, op: str, message_bytes: int, traffic_bytes: float, latency_s: float | None = None) -> None:
+    def record(self, op: str, message_bytes: int, traffic_bytes: float, latency_s: float | None = None,
+               group: tuple[int, ...] | None = None) -> None:
+        """Count one call; ``group``: the global ranks of the process group it ran over (None: not known)."""
         stats = self.stats.setdefault(op, OpStats())
         stats.count += 1
         stats.message_bytes += int(message_bytes)
         stats.traffic_bytes += float(traffic_bytes)
+        if group is not None:
+            per_group = self.by_group.setdefault((op, tuple(group)), OpStats())
+            per_group.count += 1
+            per_group.message_bytes += int(message_bytes)
+            per_group.traffic_bytes += float(traffic_bytes)
         per_size = self.by_size.setdefault((op, int(message_bytes)), SizeStats())
         per_size.count += 1
         per_size.traffic_bytes += float(traffic_bytes)
@@ -156,9 +165,18 @@ class CommsLogger:
         """A copy of the totals, op name -> {count, message_bytes, traffic_bytes, latency_s}."""
         return {op: s.as_dict() for op, s in self.stats.items()}
 
+    def group_snapshot(self) -> dict[str, dict[str, dict[str, float]]]:
+        """Totals per op and group: op name -> {"0,1": {count, message_bytes, traffic_bytes, latency_s}}, the
+        key naming the group's global ranks."""
+        out: dict[str, dict[str, dict[str, float]]] = {}
+        for (op, ranks), s in sorted(self.by_group.items()):
+            out.setdefault(op, {})[",".join(map(str, ranks))] = s.as_dict()
+        return out
+
     def reset(self) -> None:
         self.stats.clear()
         self.by_size.clear()
+        self.by_group.clear()
 
     def total_traffic_bytes(self) -> float:
         return sum(s.traffic_bytes for s in self.stats.values())

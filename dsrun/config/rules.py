@@ -95,6 +95,14 @@ def check_zero(cfg: DeepSpeedConfig, raw: dict[str, Any], p: str) -> tuple[list[
         notes.append(f"{zp}.round_robin_gradients only matters at stages 1-2 with CPU optimizer offload")
     if z.zero_hpz_partition_size > 1 and z.stage != 3:
         notes.append(f"{zp}.zero_hpz_partition_size (hpZ) only matters at stage 3")
+    if (z.mics_shard_size > 0 or z.mics_hierarchical_params_gather) and z.stage != 3:
+        notes.append(f"{zp}.mics_shard_size / mics_hierarchical_params_gather (MiCS) only matter at stage 3")
+    elif z.mics_hierarchical_params_gather and z.mics_shard_size < 1:
+        notes.append(f"{zp}.mics_hierarchical_params_gather only matters with mics_shard_size set (MiCS)")
+    zeropp_keys = [k for k in ("zero_quantized_weights", "zero_quantized_nontrainable_weights",
+                               "zero_quantized_gradients") if getattr(z, k)]
+    if zeropp_keys and z.stage != 3:
+        notes.append(f"{zp}: {', '.join(zeropp_keys)} (ZeRO++) only matter at stage 3 (stage is {z.stage})")
     uses_nvme = "nvme" in (z.offload_param_device, z.offload_optimizer_device)
     if _given(raw, "aio") and not uses_nvme:
         notes.append(f"{p}aio only matters with NVMe offload")

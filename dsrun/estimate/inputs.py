@@ -70,6 +70,8 @@ class BufferSettings:
     offload_param_buffer_size: int = 100_000_000
     offload_param_max_in_cpu: int = 1_000_000_000
     offload_optimizer_buffer_count: int = 4
+    zero_quantized_weights: bool = False  # ZeRO++ qwZ: stage-3 gathers carry INT8 blocks (dsrun/comm/quantized.py)
+    zero_quantized_gradients: bool = False  # ZeRO++ qgZ: the gradient reduce-scatter is an INT4 all-to-all
 
     @classmethod
     def from_zero_config(cls, zero: Mapping[str, Any]) -> "BufferSettings":
@@ -96,6 +98,8 @@ class BufferSettings:
             offload_param_max_in_cpu=int(float(offload_param.get("max_in_cpu", d.offload_param_max_in_cpu))),
             offload_optimizer_buffer_count=int(offload_optimizer.get("buffer_count",
                                                                      d.offload_optimizer_buffer_count)),
+            zero_quantized_weights=bool(zero.get("zero_quantized_weights", False)),
+            zero_quantized_gradients=bool(zero.get("zero_quantized_gradients", False)),
         )
 
 
@@ -122,6 +126,9 @@ class EstimateInputs:
     pipeline's resident share: the memory-mapped token array). ``gradient_clipping`` (DeepSpeed's key; > 0
     makes the ZeRO-3 step compute the gradient norm, whose temporaries count). ``gradient_accumulation_steps``
     (1 with a 16-bit model: NVMe optimizer offload writes the gradient files in the model dtype).
+    ZeRO-3 layouts: ``mics_shard_size`` (MiCS: model states partitioned over groups of that many ranks
+    instead of all of them; -1 off) and ``hpz_partition_size`` (hpZ: each rank also keeps a secondary
+    partition of the parameters over that many ranks; 1 off).
     """
 
     total_params: int
@@ -148,6 +155,8 @@ class EstimateInputs:
     data_bytes: int = 0
     gradient_clipping: float = 0.0
     gradient_accumulation_steps: int = 1
+    mics_shard_size: int = -1
+    hpz_partition_size: int = 1
 
     def __post_init__(self) -> None:
         try:  # stored in its canonical spelling: "none", "full", "every_2", "selective"
@@ -186,6 +195,10 @@ class EstimateInputs:
         for name in ("rank_runtime_bytes", "data_bytes", "runtime_overhead_bytes"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 yield Problem(name, f"must be an integer >= 0, got {getattr(self, name)!r}")
+        for name, key in (("mics_shard_size", "mics_shard_size"), ("hpz_partition_size", "zero_hpz_partition_size")):
+            size = getattr(self, name)
+            if size > 1 and self.world_size % size:
+                yield Problem(f"zero_optimization.{key}", f"got {size}; it must divide the {self.world_size} ranks")
         if self.trainable_params is not None and not 0 <= self.trainable_params <= self.total_params:
             yield Problem("trainable_params", f"must be between 0 and total_params, got {self.trainable_params}")
 
@@ -196,6 +209,19 @@ class EstimateInputs:
     @property
     def world_size(self) -> int:
         return self.ranks_per_node * self.nodes
+
+    @property
+    def partition_ranks(self) -> int:
+        """The ranks model states are partitioned over: a MiCS shard group at stage 3, else all of them."""
+        if self.zero_stage == 3 and 0 < self.mics_shard_size < self.world_size:
+            return self.mics_shard_size
+        return self.world_size
+
+    @property
+    def hpz_ranks(self) -> int:
+        """The ranks of an hpZ secondary parameter partition (0: none)."""
+        size = self.hpz_partition_size
+        return size if self.zero_stage == 3 and 1 < size < self.world_size else 0
 
     @property
     def trainable(self) -> int:

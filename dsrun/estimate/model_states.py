@@ -14,6 +14,9 @@ stage  parameters             fp32 master copy        gradients                 
 3      ``(P/N + small)*w``    ``4T/N`` if mixed       ``4T/N``                        ``4kT/N``
 =====  =====================  ======================  ==============================  ===========
 
+At stage 3, MiCS (``mics_shard_size`` S) partitions over S ranks: N is S in every column. hpZ
+(``zero_hpz_partition_size`` H) adds the secondary parameter partition, ``P*w/H``.
+
 Stages 1-2 step an fp32 clone of the partition even in fp32 training; stage 3 in fp32 steps its fp32
 partition directly. ``small`` = parameters below ``stage3_param_persistence_threshold``, kept gathered on
 every rank besides their share of the partition. On CUDA the optimizer step adds one fp32 temporary of the
@@ -118,7 +121,7 @@ def _fused_on_cpu(optimizer: str) -> bool:
 
 def model_state_bytes(spec: EstimateInputs) -> ModelStates:
     """Model-state bytes per rank for ``spec`` (see the module docstring for the rules)."""
-    n = spec.world_size
+    n = spec.partition_ranks  # MiCS: the shard group
     stage = spec.zero_stage
     mixed = spec.mixed_precision
     w = 2 if mixed else FP32
@@ -132,6 +135,8 @@ def model_state_bytes(spec: EstimateInputs) -> ModelStates:
     # Parameters: whole below stage 3; at stage 3 the partition plus the small ones kept gathered.
     small = min(spec.small_params, total)
     param_elems = total if stage < 3 else ceil_div(total, n) + small
+    if spec.hpz_ranks:  # hpZ: the secondary partition the backward gathers from
+        param_elems += ceil_div(total, spec.hpz_ranks)
     t_part = ceil_div(trainable, n) if stage >= 1 else trainable
     if stage == 0:
         grad_bytes = trainable * w + (trainable * FP32 if mixed else 0)
@@ -205,5 +210,5 @@ def init_bytes_per_rank(spec: EstimateInputs) -> int:
     """Host RAM a rank needs while building the model: the whole model in fp32, unless ZeRO-3's
     ``zero.Init`` partitions it as it is built (then the partition plus one whole layer)."""
     if spec.zero_stage == 3 and spec.zero_init:
-        return (ceil_div(spec.total_params, spec.world_size) + spec.largest_layer_params) * FP32
+        return (ceil_div(spec.total_params, spec.partition_ranks) + spec.largest_layer_params) * FP32
     return spec.total_params * FP32

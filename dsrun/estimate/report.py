@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsrun.estimate.deepspeed_compat import format_zero2_table, format_zero3_table
+from dsrun.estimate.comm_volume import step_comm_volume
 from dsrun.estimate.inputs import EstimateInputs
 from dsrun.estimate.peak import Breakdown, OptionEstimate, estimate_peak_bytes_per_rank, estimate_zero_options
 from dsrun.estimate.verdict import MemoryBudget, Verdict, judge
@@ -72,6 +73,7 @@ class MemoryReport:
                     "flash_attention": shape.flash_attention, "dropout": shape.dropout},
             },
             "sources": self.sources,
+            "comm_per_step": step_comm_volume(spec).to_dict(),
             "deepspeed": {"zero2": self.zero2_table, "zero3": self.zero3_table},
             "recipe": self.recipe.to_dict(),
             "options": [dict(row.to_dict(), verdict=verdict.level)
@@ -116,6 +118,13 @@ def _summary_lines(report: MemoryReport) -> list[str]:
         f"{spec.precision}, optimizer {spec.optimizer}, micro batch {spec.micro_batch_size}, "
         f"sequence {spec.seq_len}, activation checkpointing {spec.activation_checkpointing}",
     ]
+    comm = step_comm_volume(spec)
+    if comm.gradient_op != "none":
+        quant = ", ".join(name for name, on in (("qwZ INT8 gathers", spec.buffers.zero_quantized_weights),
+                                                ("qgZ INT4 gradients", spec.buffers.zero_quantized_gradients)) if on)
+        lines.append(f"communication per optimizer step and rank: all-gather {format_bytes(comm.gather_bytes)}, "
+                     f"gradients ({comm.gradient_op}) {format_bytes(comm.gradient_bytes)}, leaving the rank "
+                     f"{format_bytes(comm.traffic_bytes)}" + (f" ({quant})" if quant else ""))
     if shape is not None:
         lines.append(f"GPT shape: {shape.n_layer} layers, hidden {shape.n_embd}, {shape.n_head} heads, "
                      f"vocab {shape.vocab_size}, {'fused' if shape.flash_attention else 'explicit'} attention")

@@ -211,6 +211,8 @@ def inputs_from_runspec(cfg: Any, model: RecipeModel) -> tuple[EstimateInputs, d
         micro_batch_size=int(mbs), seq_len=int(seq), activation_checkpointing=ckpt,
         model_shape=model.shape, buffers=buffers, data_bytes=data_bytes,
         gradient_clipping=float(ds.get("gradient_clipping") or 0.0),
-        gradient_accumulation_steps=_count(ds.get("gradient_accumulation_steps")) or 1)
+        gradient_accumulation_steps=_count(ds.get("gradient_accumulation_steps")) or 1,
+        mics_shard_size=int(zero.get("mics_shard_size", -1)),
+        hpz_partition_size=int(zero.get("zero_hpz_partition_size", 1)))
     sources["gradient_clipping"] = "ds.gradient_clipping" if ds.get("gradient_clipping") else "default"
     return inputs, sources

@@ -7,7 +7,7 @@
   number of ranks that saved them (:func:`dsrun.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint`);
 - a state-dict file (``save_16bit_model``'s ``pytorch_model.bin``, ``zero_to_fp32``'s output, a
   ``.safetensors`` file) or a folder holding ``pytorch_model.bin`` / ``model.safetensors``;
-  an MoE model's (ZeRO 0-2) has its experts' masters from the per-expert files, by global id, whatever
+  an MoE model's (any ZeRO stage) has its experts' masters from the per-expert files, by global id, whatever
   expert-parallel size saved it;
 - DeepSpeed's checkpoint description, as a dict or a ``.json`` file:
   ``{"type": "ds_model", "version": 0.0, "checkpoints": PATH or [FILES of one sharded state dict]}``.
@@ -99,9 +99,10 @@ def _zero(folder: Path, tag: str | None) -> dict[str, torch.Tensor]:
         tag_dir = Path(z2f.resolve_tag_dir(str(folder), tag))
         state = dict(z2f.get_fp32_state_dict_from_zero_checkpoint(str(folder), tag))
         if not z2f.has_expert_files(str(tag_dir)) and any(".deepspeed_experts." in name for name in state):
-            # ZeRO-3 keeps experts in rank partitions, under each rank's local names
-            raise _user_error(f"{tag_dir} is an MoE checkpoint without per-expert files (ZeRO-3): its experts "
-                              "cannot be told apart by global id", "serve an MoE model trained at ZeRO 0-2")
+            # an older dsrun's ZeRO-3 kept experts in rank partitions, under each rank's local names
+            raise _user_error(f"{tag_dir} is an MoE checkpoint without per-expert files: its experts cannot be "
+                              "told apart by global id", "save it again with this dsrun (load it at the topology "
+                              "that saved it, then save_checkpoint)")
         return state
     except (ValueError, FileNotFoundError, KeyError) as err:
         raise _user_error(f"cannot read the training checkpoint in {folder}: {err}") from None

@@ -11,7 +11,7 @@ Residual MoE) describe the model and are checked against it; a disagreement is a
 
 Checkpoints name experts by global id (``...deepspeed_experts.{G}...``): a dsrun training checkpoint of an MoE
 model (``mp_rank_00_model_states.pt`` plus DeepSpeed's ``layer_{L}_expert_{G}_mp_rank_00_model_states.pt``
-files, any ZeRO stage 0-2 and expert-parallel size) or a state-dict file of the whole model;
+files, any ZeRO stage and expert-parallel size) or a state-dict file of the whole model;
 :func:`localize` keeps and renames the entries of this rank's experts before they are loaded.
 """
 from __future__ import annotations

@@ -98,3 +98,22 @@ def pipeline_layers(config: GPTConfig) -> list[PipeLayer]:
     return ([PipeLayer(TokenEmbedding, tie), PipeLayer(Positions)] + [PipeLayer(GPTBlock)] * config.n_layer
             + [PipeLayer(FinalNorm), head])
 
+
+
+def dense_names(config: GPTConfig) -> dict[str, str]:
+    """``{layer name: GPT name}``: each parameter and buffer of :func:`pipeline_layers`, named by layer index as
+    a dense ``nn.Sequential`` of them would (a tied head at the embedding's index), mapped to the name
+    :class:`~dsrun.models.gpt.GPT` gives it (universal checkpoints use the GPT's names, so the GPT and its
+    pipelined form load each other's: dsrun/checkpoint/pipeline_state.py)."""
+    with torch.device("meta"):
+        block_keys = list(Block(config).state_dict())
+    names = {"0.weight": "transformer.wte.weight"}
+    if config.positions == "learned":
+        names["1.wpe.weight"] = "transformer.wpe.weight"
+    for i in range(config.n_layer):
+        names.update({f"{2 + i}.{key}": f"transformer.h.{i}.{key}" for key in block_keys})
+    final = 2 + config.n_layer
+    names.update({f"{final}.{key}": f"transformer.ln_f.{key}" for key in ("weight", "bias")[:2 if config.bias else 1]})
+    if not config.tie_embeddings:
+        names[f"{final + 1}.weight"] = "lm_head.weight"
+    return names

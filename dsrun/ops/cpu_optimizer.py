@@ -90,7 +90,7 @@ class CPUOptimizer(torch.optim.Optimizer):
                 if p.device.type != "cpu":
                     raise RuntimeError(f"{type(self).__name__} updates CPU tensors; got a parameter on {p.device}")
                 state = self._init_state(p)
-                state["step"] += 1
+                state["step"] = int(state["step"]) + 1  # a torch checkpoint stores it as a tensor
                 work.add(p, state, self.STATE_KEYS)
             if work.params:
                 if self.op is not None:

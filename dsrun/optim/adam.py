@@ -35,7 +35,7 @@ class Adam(PerParameterOptimizer):
             state["step"] = 0
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["step"] += 1
+        state["step"] = int(state["step"]) + 1  # a DeepSpeed/torch checkpoint stores it as a tensor
         step = state["step"]
         if wd != 0:
             if group["adam_w_mode"]:

@@ -32,7 +32,7 @@ class Lamb(PerParameterOptimizer):
             state["step"] = 0
             state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-        state["step"] += 1
+        state["step"] = int(state["step"]) + 1  # a DeepSpeed/torch checkpoint stores it as a tensor
         step = state["step"]
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
         exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)

@@ -29,6 +29,7 @@ from dsrun.runtime.engine_getters import EngineConfigGetters
 from dsrun.runtime.engine_methods import EngineMethods
 from dsrun.runtime.fp16.onebit import ONE_BIT_CLASSES, build_onebit_optimizer
 from dsrun.runtime.lr_schedules import build_lr_scheduler
+from dsrun.runtime.autotuning_probe import AutotuningProbe
 from dsrun.runtime.observer import EngineObserver
 from dsrun.runtime.precision import PrecisionStrategy, build_precision
 from dsrun.runtime.timers import WallClockTimers
@@ -113,6 +114,7 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
         self._last_step_comm: dict[str, dict[str, float]] = {}
         # observability (monitors, wall-clock breakdown, flops profiler): dsrun/runtime/observer.py
         self.observer = EngineObserver(self, config)
+        self.autotuning_probe = AutotuningProbe(self, config)  # dsrun/runtime/autotuning_probe.py
         self.monitor = self.observer.monitor
         self.flops_profiler = self.observer.flops_profiler
         self._apply_compile_config()  # the config's compile section (engine_methods.py)
@@ -244,6 +246,7 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
         self.micro_steps += 1
         self._boundary_override = None
         self.timers.stop(STEP_TIMER)
+        self.autotuning_probe.after_step(boundary)  # autotuning.metric_path: measure, then stop the run
         self.observer.after_step(boundary)  # monitor events; wall-clock means every steps_per_print
 
     def _close_comm_window(self) -> None:
@@ -439,11 +442,12 @@ def _as_param_groups(params: Any) -> list[dict[str, Any]]:
 
 
 def _check_moe_config(config: DeepSpeedConfig) -> None:
-    """MoE runs at ZeRO stages 0-3 with optimizer state on the device; offloading it is not built for
-    experts' separate groups yet: refuse instead of reducing experts over the wrong ranks."""
+    """MoE runs at ZeRO stages 0-3, with optimizer state (and ZeRO-3 parameters) on the device or offloaded to
+    host memory; swapping them to NVMe is not built for experts' checkpoints yet: refuse it."""
     zc = config.zero_optimization
     for section in ("offload_optimizer", "offload_param"):
-        if getattr(zc, section).device != "none" and int(zc.stage) > 0:
+        if getattr(zc, section).device == "nvme" and int(zc.stage) > 0:
             raise ConfigError(Problem(f"zero_optimization.{section}.device",
-                                      "MoE layers with offloaded ZeRO state are not implemented in dsrun",
-                                      f"set zero_optimization.{section}.device to \"none\" for MoE models"))
+                                      "MoE layers with ZeRO state offloaded to NVMe are not implemented in dsrun",
+                                      f"set zero_optimization.{section}.device to \"cpu\" or \"none\" for MoE "
+                                      "models"))

@@ -10,6 +10,7 @@ class _Timer:
     def __init__(self) -> None:
         self.total = 0.0
         self.count = 0
+        self.lifetime = 0.0  # never reset (the autotuning probe takes per-step differences)
         self._start: float | None = None
 
     def start(self) -> None:
@@ -20,7 +21,9 @@ class _Timer:
         if self._start is None:
             return
         get_accelerator().synchronize()
-        self.total += time.perf_counter() - self._start
+        elapsed = time.perf_counter() - self._start
+        self.total += elapsed
+        self.lifetime += elapsed
         self.count += 1
         self._start = None
 
@@ -44,6 +47,11 @@ class WallClockTimers:
         """Total milliseconds recorded under ``name`` since the last reset."""
         timer = self.timers.get(name)
         return 0.0 if timer is None else timer.total * 1e3
+
+    def lifetime_ms(self, name: str) -> float:
+        """Total milliseconds recorded under ``name`` since the engine started (not reset)."""
+        timer = self.timers.get(name)
+        return 0.0 if timer is None else timer.lifetime * 1e3
 
     def mean_ms(self) -> dict[str, float]:
         return {name: t.total * 1e3 / t.count for name, t in self.timers.items() if t.count}

@@ -139,11 +139,32 @@ def corrupt_reason(path: str, exc: BaseException) -> str | None:
     return None
 
 
+class PickledObject:
+    """One of DeepSpeed's small helper objects in its checkpoint files (the loss scaler, ``fragment_address``),
+    read back as plain attributes: its class is mapped here by name, never imported, its code never run."""
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+
+class PickledStage(int):
+    """DeepSpeed's ``ZeroStageEnum`` value, read back as its int."""
+
+
+DEEPSPEED_GLOBALS: list[tuple[Any, str]] = [
+    (PickledObject, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
+    (PickledObject, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
+    (PickledObject, "deepspeed.utils.tensor_fragment.fragment_address"),
+    (PickledStage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
+]
+
+
 def load_file(path: str) -> Any:
-    """``torch.load`` on CPU with ``weights_only=True``: tensors, containers and numbers only. A damaged
-    file is a ``ValueError`` naming it."""
+    """``torch.load`` on CPU with ``weights_only=True``: tensors, containers and numbers only (and DeepSpeed's
+    few helper classes, as :class:`PickledObject`). A damaged file is a ``ValueError`` naming it."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals(DEEPSPEED_GLOBALS):
+            return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # an UnpicklingError names the global that was refused
         reason = corrupt_reason(path, exc)
         if reason is not None:
@@ -213,13 +234,19 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | Non
     extras = first.get("dsrun") or {}
     group_shapes = [OrderedDict(g) for g in first.get("param_shapes") or []]
     optim_files = [f for f in _files(tag_dir, OPTIM_SUFFIX) if not _is_expert_file(f)]
-    # MoE (stages 0-2): expert groups follow the shared ones and are partitioned over their own expert-data
+    # MoE (any stage): expert groups follow the shared ones and are partitioned over their own expert-data
     # groups; their fp32 masters come whole from the per-expert files, by global id
     expert_fp32 = _expert_masters(tag_dir)
     if expert_fp32:
         group_shapes = group_shapes[:_shared_group_count(group_shapes)]
     shared = dict(first.get("shared_params") or {})
-    order = extras.get("state_dict_keys") or list(first["module"].keys())
+    if first.get("module") is None:
+        raise ValueError(f"{model_files[0]} holds no module (a pipeline checkpoint keeps its weights in "
+                         "layer_*-model_states.pt): convert it with ds_to_universal instead")
+    # the model's key order; a checkpoint without it (older ones, an empty module copy): the module's keys,
+    # else the masters' order then the buffers
+    order = (extras.get("state_dict_keys") or list(first["module"].keys())
+             or [n for g in group_shapes for n in g] + list(first["buffer_names"]))
     # keep only what the fp32 masters do not provide (buffers, frozen parameters), so the 16-bit or fp32
     # module copy is not held next to the output
     trainable = {name for shapes in group_shapes for name in shapes} | set(shared)
@@ -234,6 +261,8 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | Non
         stage = int(head["zero_stage"])
         count = head["partition_count"]
         world = max(count) if isinstance(count, (list, tuple)) else int(count)
+        if head.get("mics_shard_size") and len(optim_files) % world == 0:
+            optim_files = optim_files[:world]  # MiCS: the first shard group's ranks hold every partition once
         del head
         if world != len(optim_files):
             raise ValueError(f"Expected {world} of '*_{OPTIM_SUFFIX}' under '{tag_dir}' but found "
@@ -287,6 +316,9 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | Non
     if order:  # the model's own key order, aliases included
         result = OrderedDict((k, result[k]) for k in order if k in result and not (expert_fp32 and EXPERT_MARK in k))
     result.update((name, expert_fp32[name]) for name in sorted(expert_fp32, key=natural_key))
+    if out and not result:
+        raise ValueError(f"{tag_dir}: none of the {len(out)} parameters with fp32 masters is in the checkpoint's "
+                         "key order (state_dict_keys / module): the model states file does not match its masters")
     say(f"Reconstructed fp32 state dict with {len(out)} params {total} elements")
     return result
 
@@ -300,7 +332,7 @@ def _is_expert_file(path: str) -> bool:
 
 
 def has_expert_files(tag_dir: str) -> bool:
-    """Whether a checkpoint tag folder holds per-expert files (an MoE model saved at ZeRO 0-2)."""
+    """Whether a checkpoint tag folder holds per-expert files (an MoE model saved through a ZeRO optimizer)."""
     return any(_is_expert_file(f) for f in _files(tag_dir, MODEL_SUFFIX))
 
 

@@ -1,6 +1,7 @@
 """``dsrun.zero``: DeepSpeed's ZeRO-3 user API.
 
 * :class:`Init` — build a model with its parameters partitioned across ranks from the start.
+* :class:`MiCS_Init` — the same, partitioned over MiCS shard groups (``mics_shard_size``).
 * :class:`GatheredParameters` — gather partitioned parameters for a ``with`` block (and broadcast changes).
 * :func:`register_external_parameter` — a module uses a parameter it does not own.
 * :func:`full_state_dict` — the model's state dict with every partitioned parameter gathered.
@@ -12,8 +13,8 @@ from dsrun.runtime.zero.partition_params import ParamStatus, is_zero_param
 from dsrun.runtime.zero.stage3 import full_state_dict
 
 from .gathered import GatheredParameters, register_external_parameter, unregister_external_parameter
-from .init import Init
+from .init import Init, MiCS_Init
 from .tiling import TiledLinear, TiledLinearReturnBias
 
-__all__ = ["GatheredParameters", "Init", "ParamStatus", "TiledLinear", "TiledLinearReturnBias", "full_state_dict",
+__all__ = ["GatheredParameters", "Init", "MiCS_Init", "ParamStatus", "TiledLinear", "TiledLinearReturnBias", "full_state_dict",
            "is_zero_param", "register_external_parameter", "unregister_external_parameter"]

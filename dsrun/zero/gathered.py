@@ -12,7 +12,7 @@ import torch
 
 from dsrun import comm
 from dsrun.runtime.zero.hooks import LIVE_COORDINATORS, add_external_param
-from dsrun.runtime.zero.partition_params import (ParamStatus, gather_params, is_zero_param, release_param,
+from dsrun.runtime.zero.partition_params import (gather_exact, is_zero_param, release_param,
                                                  write_full_value)
 
 def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
@@ -64,8 +64,7 @@ class GatheredParameters:
                 register_external_parameter(fwd_module, p)
 
     def __enter__(self) -> "GatheredParameters":
-        self._was_available = [p.ds_status is ParamStatus.AVAILABLE for p in self.params]
-        gather_params(self.params)
+        self._was_available = gather_exact(self.params)  # exact values, also under qwZ (docs/zeropp.md)
         return self
 
     def __exit__(self, *exc: object) -> None:

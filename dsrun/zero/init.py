@@ -198,6 +198,7 @@ class Init:
         if data_parallel_group is None and mpu is not None:
             data_parallel_group = mpu.get_data_parallel_group()
         self.group = data_parallel_group
+        self.partition_group = self._partition_group(cfg)  # the data group, or MiCS's shard group
         from dsrun.accelerator import get_accelerator
 
         self.device = torch.device("cpu") if remote_device in ("cpu", "nvme") else get_accelerator().device()
@@ -215,11 +216,14 @@ class Init:
         if module is not None:
             self.partition_module(module)
 
+    def _partition_group(self, config: dict[str, Any]) -> Any:
+        return self.group
+
     def get_dp_process_group(self) -> Any:
         return self.group
 
     def get_partition_rank(self) -> int:
-        return comm.get_rank(self.group)
+        return comm.get_rank(self.partition_group)
 
     def partition_module(self, module: torch.nn.Module) -> None:
         """Partition every parameter of ``module`` not partitioned yet (rank 0's values win)."""
@@ -235,7 +239,7 @@ class Init:
                 if comm.get_world_size(self.group) > 1:
                     comm.broadcast(p.data, src=self.src, group=self.group)
                 freed += p.numel() * p.element_size()
-                partition_param(p, self.group, device=self.device)
+                partition_param(p, self.partition_group, device=self.device)
                 if self.offload is not None and p.ds_numel >= self.persistence_threshold \
                         and p.ds_tensor.is_floating_point():
                     self.offload.adopt(p)  # pins (cpu) or writes the shard to its file and drops it (nvme)
@@ -258,3 +262,38 @@ class Init:
         _ACTIVE.remove(self)
         if not _ACTIVE:
             _uninstall()
+
+
+class MiCS_Init(Init):  # noqa: N801 - DeepSpeed's name
+    """:class:`Init` for MiCS: parameters are partitioned over shard groups of
+    ``zero_optimization.mics_shard_size`` consecutive data-parallel ranks (from ``config_dict_or_path`` or
+    ``config``, required) and replicated across them, as the engine then trains them. Rank 0's values are
+    broadcast over the whole data-parallel group first, so every replica starts the same.
+    ``sequence_data_parallel_group`` and ``mem_efficient_linear`` are accepted for DeepSpeed's signature."""
+
+    def __init__(self, module: torch.nn.Module | None = None, data_parallel_group: Any = None,
+                 sequence_data_parallel_group: Any = None, mem_efficient_linear: bool = True,
+                 remote_device: str | None = None, pin_memory: bool = False, config_dict_or_path: Any = None,
+                 config: Any = None, enabled: bool = True, dtype: torch.dtype | None = None, mpu: Any = None):
+        super().__init__(module=module, data_parallel_group=data_parallel_group, remote_device=remote_device,
+                         pin_memory=pin_memory, config_dict_or_path=config_dict_or_path, config=config,
+                         enabled=enabled, dtype=dtype, mpu=mpu)
+
+    def _partition_group(self, config: dict[str, Any]) -> Any:
+        from dsrun.comm.groups import ProcessGroups, from_data_group
+
+        zero_section = config.get("zero_optimization") if isinstance(config.get("zero_optimization"), dict) else {}
+        shard = int(zero_section.get("mics_shard_size", -1))
+        if shard < 1:
+            raise ConfigError(Problem("zero.MiCS_Init(config_dict_or_path=...)",
+                                      "needs zero_optimization.mics_shard_size >= 1 in the config",
+                                      "pass the training config, with mics_shard_size set"))
+        dp = comm.get_world_size(self.group)
+        if dp % shard:
+            raise ConfigError(Problem("zero_optimization.mics_shard_size",
+                                      f"got {shard}; it must divide the data-parallel size {dp}",
+                                      f"use a divisor of {dp}"))
+        if shard == dp:
+            return self.group
+        groups = ProcessGroups() if self.group is None else from_data_group(self.group)
+        return groups.shard(shard)

@@ -97,6 +97,7 @@ def test_recipe_mode_composes_builds_on_meta_and_estimates(fake_compose, capsys)
     assert data["inputs"]["zero_stage"] == 3 and data["layout"]["world_size"] == 4
     assert data["sources"]["zero_stage"] == "ds.zero_optimization.stage"
     assert data["inputs"]["gpt_shape"]["n_layer"] == 2
+    assert data["comm_per_step"]["gradient_op"] == "reduce_scatter" and data["comm_per_step"]["gather_bytes"] > 0
     # the idle rank's memory is measured on this host (a probe subprocess, cached) and counted
     assert data["sources"]["rank_runtime_bytes"].startswith("measured")
     assert data["recipe"]["rank_runtime"] > 50 * 2**20

@@ -256,60 +256,53 @@ def ckpt_step(engine: Any, rank: int, world: int, step: int) -> float:
 
 
 def expert_state(engine: Any) -> dict[str, Any]:
-    """Every expert parameter of this rank by global name: weight and Adam moments."""
+    """Every expert parameter of this rank by global name: weight and Adam moments, whole (any stage;
+    collective within each expert-data group)."""
     from dsrun.checkpoint import experts
 
-    strategy = engine.strategy
-    slots = experts._slots(engine)
-    out = {}
-    for *_, params in experts._experts(engine):
-        for name, p in params.items():
-            gi, off, n = slots[id(p)]
-            state = strategy.optimizer.state[strategy.masters[gi]]
-            out[name] = {"weight": p.detach().clone().numpy(),
-                         "exp_avg": state["exp_avg"][off:off + n].clone().numpy(),
-                         "exp_avg_sq": state["exp_avg_sq"][off:off + n].clone().numpy()}
-    return out
+    return {name: {key: state[key].float().numpy() for key in ("weight", "exp_avg", "exp_avg_sq")}
+            for name, state in experts.expert_states(engine).items()}
 
 
 def ckpt_save_first(rank: int, world: int, root: str) -> dict[str, Any]:
-    engine = ckpt_engine(world)
-    for step in range(2):
-        ckpt_step(engine, rank, world, step)
-    engine.save_checkpoint(root, tag="a")
-    saved = expert_state(engine)
-    shared = {n: p.detach().clone().numpy() for n, p in engine.module.named_parameters() if ".deepspeed_experts." not in n}
-    next_loss = ckpt_step(engine, rank, world, 2)
-    engine.destroy()
-    z2 = ckpt_engine(world, stage=2)  # the same run at ZeRO-2, saved too
-    for step in range(2):
-        ckpt_step(z2, rank, world, step)
-    z2.save_checkpoint(root, tag="z2")
-    z2_saved = expert_state(z2)
-    z2_next = ckpt_step(z2, rank, world, 2)
-    return {"experts": saved, "shared": shared, "next_loss": next_loss, "z2_experts": z2_saved, "z2_next": z2_next}
+    """At ZeRO 0, 2 and 3 with ep=2: two steps, save (tags a, z2, z3), a third step; every expert's state
+    when saved and the third step's loss."""
+    out: dict[str, Any] = {}
+    for stage, tag in ((0, "a"), (2, "z2"), (3, "z3")):
+        engine = ckpt_engine(world, stage)
+        for step in range(2):
+            ckpt_step(engine, rank, world, step)
+        engine.save_checkpoint(root, tag=tag)
+        shared = {n: engine.strategy.full_param_value(p).numpy() for n, p in engine.module.named_parameters()
+                  if ".deepspeed_experts." not in n}
+        out[tag] = {"experts": expert_state(engine), "shared": shared, "next_loss": ckpt_step(engine, rank, world, 2)}
+        engine.destroy()
+    return out
 
 
-def ckpt_load_other_stage(rank: int, world: int, root: str, tag: str, stage: int) -> dict[str, Any]:
-    engine = ckpt_engine(world, stage=stage)
-    engine.load_checkpoint(root, tag=tag)
-    return {"experts": expert_state(engine), "next_loss": ckpt_step(engine, rank, world, 2)}
-
-
-def ckpt_load_and_save(rank: int, world: int, root: str, load_tag: str, save_tag: str | None) -> dict[str, Any]:
-    engine = ckpt_engine(world)
-    engine.load_checkpoint(root, tag=load_tag)
-    loaded = expert_state(engine)
-    shared = {n: p.detach().clone().numpy() for n, p in engine.module.named_parameters() if ".deepspeed_experts." not in n}
-    if save_tag is not None:
-        engine.save_checkpoint(root, tag=save_tag)
-    next_loss = ckpt_step(engine, rank, world, 2)
-    return {"experts": loaded, "shared": shared, "next_loss": next_loss, "global_steps": engine.global_steps}
+def ckpt_load(rank: int, world: int, root: str, loads: list[tuple[str, int, str | None]]) -> dict[str, Any]:
+    """For each (tag, stage, save_tag): an ep=world engine at ``stage`` loads ``tag`` (saving it again as
+    ``save_tag``), then takes the third step: its experts when loaded, shared weights, loss, step count."""
+    out = {}
+    for tag, stage, save_tag in loads:
+        engine = ckpt_engine(world, stage)
+        engine.load_checkpoint(root, tag=tag)
+        loaded = expert_state(engine)
+        shared = {n: engine.strategy.full_param_value(p).numpy() for n, p in engine.module.named_parameters()
+                  if ".deepspeed_experts." not in n}
+        if save_tag is not None:
+            engine.save_checkpoint(root, tag=save_tag)
+        next_loss = ckpt_step(engine, rank, world, 2)
+        out[f"{tag}->zero{stage}"] = {"experts": loaded, "shared": shared, "next_loss": next_loss,
+                                      "global_steps": engine.global_steps}
+        engine.destroy()
+    return out
 
 
 def resume_same_topology(rank: int, world: int, root: str) -> dict[str, float]:
     """At ZeRO 1, 2 and 3: train 2 steps, save, take a third; a fresh engine loads and takes the third step
-    again: the same loss, bit for bit (each rank reads its own files back)."""
+    again: the same loss, bit for bit (each rank reads its own files back); and ZeRO-2 loaded with the expert
+    groups laid out data-first, which goes through the expert files."""
     import dsrun
 
     dsrun.init_distributed()
@@ -326,20 +319,52 @@ def resume_same_topology(rank: int, world: int, root: str) -> dict[str, float]:
         first = ckpt_step(engine, rank, world, 2)
         engine.destroy()
         engine, _, _, _ = dsrun.initialize(model=MoENet(world), config=cfg)
-        engine.load_checkpoint(root, tag=f"s{stage}")
+        with _counting_expert_loads() as routed:
+            engine.load_checkpoint(root, tag=f"s{stage}")
         out[f"s{stage}"] = (first, ckpt_step(engine, rank, world, 2))
+        out[f"s{stage}/routed"] = routed[0]
         engine.destroy()
+    # ZeRO-2 loaded with the expert groups laid out data-first: the own-file shortcut would give a rank another
+    # rank's experts (with 4+ ranks), so the load goes by global id through the expert files
+    engine, _, _, _ = dsrun.initialize(model=MoENet(world), config={**cfg, "zero_optimization": {"stage": 2},
+                                                                    "use_data_before_expert_parallelism": True})
+    with _counting_expert_loads() as routed:
+        engine.load_checkpoint(root, tag="s2")
+    out["s2/data_first"] = (out["s2"][0], ckpt_step(engine, rank, world, 2))
+    out["s2/data_first/routed"] = routed[0]
+    engine.destroy()
     return out
 
 
+class _counting_expert_loads:
+    """Counts the loads that place experts by global id from their files (``experts.optimizer_state``)."""
+
+    def __enter__(self) -> list[int]:
+        from dsrun.checkpoint import experts
+
+        self.count, self.original = [0], experts.optimizer_state
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.count[0] += 1
+            return self.original(*args, **kwargs)
+
+        experts.optimizer_state = counted
+        return self.count
+
+    def __exit__(self, *exc: Any) -> None:
+        from dsrun.checkpoint import experts
+
+        experts.optimizer_state = self.original
+
+
 def load_weights_only(rank: int, world: int, root: str) -> dict[str, Any]:
-    """At ZeRO 0 and 2: train a step, save; a fresh engine loads with ``load_optimizer_states=False`` and
+    """At ZeRO 0, 2 and 3: train a step, save; a fresh engine loads with ``load_optimizer_states=False`` and
     another with ``load_module_only=True``: the module holds the saved weights, the fp32 masters equal them
     (every slot of every group, experts included), and the optimizer state is the fresh engine's (empty)."""
     from dsrun.checkpoint import experts
 
     out: dict[str, Any] = {}
-    for stage in (0, 2):
+    for stage in (0, 2, 3):
         engine = ckpt_engine(world, stage)
         ckpt_step(engine, rank, world, 0)
         engine.save_checkpoint(root, tag=f"w{stage}")
@@ -358,15 +383,149 @@ def load_weights_only(rank: int, world: int, root: str) -> dict[str, Any]:
             engine = ckpt_engine(world, stage)
             engine.load_checkpoint(root, tag=f"w{stage}", **how)
             got = full_named_params(engine)
-            slots = experts._slots(engine)
-            masters = {gi: experts._flat_state(engine, gi)[0] for gi in range(len(engine.strategy.groups))}
+            masters = {}
+            for mi in range(len(engine.strategy.masters)):  # every master tensor, whole, by local name
+                masters.update(experts.whole_master_state(engine, mi)[0])
             master_diff = 0.0
-            for p in engine.module.parameters():
-                gi, off, n = slots[id(p)]
-                master_diff = max(master_diff, float((masters[gi][off:off + n] - p.detach().reshape(-1)).abs().max()))
+            for name, p in engine.module.named_parameters():
+                value = engine.strategy.full_param_value(p).float().reshape(-1)
+                master_diff = max(master_diff, float((masters[name] - value).abs().max()))
             key = f"zero{stage}/{next(iter(how))}"
             out[key] = {"weights": max(float((got[k] - saved[k]).abs().max()) for k in saved),
                         "same_names": set(got) == set(saved), "masters": master_diff,
                         "optimizer_state": sum(len(s) for s in engine.strategy.optimizer.state.values())}
             engine.destroy()
+    return out
+
+
+# --- MoE inside a pipeline: what its checkpoints support -----------------------------------------------------
+class PipeMoEBlock(nn.Module):
+    """A residual MoE block for a PipelineModule (the aux loss stays out: a pipeline passes activations)."""
+
+    def __init__(self, ep: int):
+        super().__init__()
+        from dsrun.moe.layer import MoE
+        from tests.integration import _pipe_workloads as pw
+
+        expert = nn.Sequential(nn.Linear(pw.WIDTH, 2 * pw.WIDTH), nn.Tanh(), nn.Linear(2 * pw.WIDTH, pw.WIDTH))
+        self.moe = MoE(pw.WIDTH, expert, num_experts=EXPERTS, ep_size=ep, k=2, min_capacity=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.moe(x)[0]
+
+
+def pipe_moe_engine(stages: int, ep: int, zero: int) -> Any:
+    import dsrun
+    from dsrun.pipe import LayerSpec, PipelineModule
+    from tests.integration import _pipe_workloads as pw
+
+    specs = [LayerSpec(nn.Embedding, pw.VOCAB, pw.WIDTH), LayerSpec(pw.Block), LayerSpec(PipeMoEBlock, ep),
+             LayerSpec(pw.Block), LayerSpec(nn.Linear, pw.WIDTH, pw.VOCAB)]
+    net = PipelineModule(specs, num_stages=stages, loss_fn=pw.lm_loss, seed_layers=True, base_seed=pw.BASE_SEED)
+    engine, _, _, _ = dsrun.initialize(model=net, config=pw.ds_config(2, zero), optimizer=pw.torch_adamw)
+    return engine
+
+
+def pipe_moe_state(engine: Any) -> dict[str, Any]:
+    """This rank's parameters by name with their Adam moments (ZeRO 1-2: whole, by local name)."""
+    from dsrun.checkpoint import experts
+
+    out: dict[str, Any] = {}
+    for mi in range(len(engine.strategy.masters)):
+        fp32, moments, _ = experts.whole_master_state(engine, mi)
+        for name, value in fp32.items():
+            out[name] = {"fp32": value.numpy(), **{k: v.numpy() for k, v in moments[name].items()}}
+    for name, p in engine.module.named_parameters():
+        out[name]["weight"] = p.detach().float().numpy().copy()
+    return out
+
+
+def _refusal(action: Any) -> str | None:
+    try:
+        action()
+    except Exception as err:  # noqa: BLE001 - the message is what the test reads
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def pipe_moe_checkpoints(rank: int, world: int, root: str) -> dict[str, Any]:
+    """One stage x 2 data-parallel ranks with ep=2 at ZeRO-1: two steps, save, a third step; a fresh engine
+    loads (each rank's experts back, the same third step); a weights-only load and a ZeRO-2 engine are refused,
+    and so is saving at ZeRO-0. Two stages with ep=1 (experts on every rank, like dense layers) save and load
+    into one stage x 2 ranks with every parameter as saved."""
+    from tests.integration import _pipe_workloads as pw
+
+    out: dict[str, Any] = {}
+    engine = pipe_moe_engine(1, 2, 1)
+    pw.train(engine, 2)
+    engine.save_checkpoint(root, tag="ep2")
+    out["saved"] = pipe_moe_state(engine)
+    out["next"] = pw.train(engine, 1, first_step=2)
+    engine.destroy()
+    engine = pipe_moe_engine(1, 2, 1)
+    engine.load_checkpoint(root, tag="ep2")
+    out["loaded"] = pipe_moe_state(engine)
+    out["loaded_next"] = pw.train(engine, 1, first_step=2)
+    out["weights_only"] = _refusal(lambda: engine.load_checkpoint(root, tag="ep2", load_optimizer_states=False))
+    engine.destroy()
+    engine = pipe_moe_engine(1, 2, 2)
+    out["zero2"] = _refusal(lambda: engine.load_checkpoint(root, tag="ep2"))
+    engine.destroy()
+    engine = pipe_moe_engine(1, 2, 0)
+    out["save_zero0"] = _refusal(lambda: engine.save_checkpoint(root, tag="ep2z0"))
+    engine.destroy()
+
+    engine = pipe_moe_engine(2, 1, 1)  # dp=1: ep=1, every expert on each stage's one rank
+    pw.train(engine, 2)
+    engine.save_checkpoint(root, tag="ep1")
+    out["ep1_saved"] = pw.named_params(engine)
+    engine.destroy()
+    engine = pipe_moe_engine(1, 1, 1)
+    engine.load_checkpoint(root, tag="ep1")
+    out["ep1_loaded"] = pw.named_params(engine)
+    engine.destroy()
+    return out
+
+
+# --- MoE with the optimizer (and ZeRO-3's parameters) offloaded to host memory -------------------------------
+def offload_engine(world: int, stage: int, offload: bool, offload_param: bool = False) -> Any:
+    import dsrun
+
+    zero: dict[str, Any] = {"stage": stage, "stage3_param_persistence_threshold": 0}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    if offload_param:
+        zero["offload_param"] = {"device": "cpu"}
+    cfg = {"train_micro_batch_size_per_gpu": TOKENS, "gradient_accumulation_steps": 2 // world,
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}, "zero_optimization": zero, "steps_per_print": 1000}
+    engine, _, _, _ = dsrun.initialize(model=MoENet(world), config=cfg)
+    return engine
+
+
+def offload_moe(rank: int, world: int, root: str) -> dict[str, Any]:
+    """ep=2 at ZeRO 1, 2 and 3 with ``offload_optimizer: cpu`` (stage 3 also with ``offload_param: cpu``) and
+    the same run in memory: three steps each, then every parameter and expert moment; the offloaded ZeRO-3
+    run saves (tag off3) and a fresh in-memory ZeRO-2 engine loads it, an offloaded ZeRO-2 engine loads the
+    in-memory ZeRO-3 save (tag mem3)."""
+    import dsrun
+
+    dsrun.init_distributed()
+    out: dict[str, Any] = {}
+    for key, stage, offload, offload_param in (("z1", 1, False, False), ("z1/cpu", 1, True, False),
+                                               ("z2", 2, False, False), ("z2/cpu", 2, True, False),
+                                               ("z3", 3, False, False), ("z3/cpu", 3, True, False),
+                                               ("z3/cpu+param", 3, True, True)):
+        engine = offload_engine(world, stage, offload, offload_param)
+        losses = [ckpt_step(engine, rank, world, step) for step in range(3)]
+        if key in ("z3", "z3/cpu"):
+            engine.save_checkpoint(root, tag="off3" if offload else "mem3")
+        out[key] = {"losses": losses, "experts": expert_state(engine),
+                    "params": {n: engine.strategy.full_param_value(p).numpy()
+                               for n, p in engine.module.named_parameters()}}
+        engine.destroy()
+    for key, stage, offload, tag in (("off3->z2", 2, False, "off3"), ("mem3->z2/cpu", 2, True, "mem3")):
+        engine = offload_engine(world, stage, offload)
+        engine.load_checkpoint(root, tag=tag)
+        out[key] = {"experts": expert_state(engine)}
+        engine.destroy()
     return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -256,4 +257,16 @@ def load_resharded(rank: int, world: int, folder: str) -> dict[int, dict[str, An
         losses, _ = train_steps(engine, lambda step, size: _batch(5 + step, size), 2, rank, world)
         out[stage] = {**loaded, "losses": losses}
         engine.destroy()
+    from dsrun import comm
+    from dsrun.checkpoint.ds_to_universal import ds_to_universal
+
+    if rank == 0:  # the same checkpoint through its universal form, at stage 1
+        tag = (Path(folder) / "latest").read_text()
+        ds_to_universal(f"{folder}/{tag}", f"{folder}/{tag}_universal", verbose=False)
+    comm.barrier()
+    engine, optimizer, _, _ = dsrun.initialize(model=build_model("mlp"), config=config("OneBitAdam", 1, freeze_step=3))
+    engine.load_checkpoint(folder, tag=f"{(Path(folder) / 'latest').read_text()}_universal")
+    out["universal"] = {"worker": optimizer.worker_errors[0].tolist(), "server": optimizer.server_errors[0].tolist(),
+                        "reduces": engine.enable_backward_allreduce, "losses": [0.0]}
+    engine.destroy()
     return out

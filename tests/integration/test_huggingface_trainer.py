@@ -1,6 +1,7 @@
-"""Hugging Face's Trainer drives dsrun as its DeepSpeed: an unedited HF script (``deepspeed=`` config with
-"auto" values) on 2 CPU ranks through ``dsrun launch --as-deepspeed``, ZeRO-2 and ZeRO-3, saving every 2
-steps; a second run resumed from the step-2 checkpoint repeats steps 3-4 exactly."""
+"""Hugging Face's Trainer and accelerate's DeepSpeed plugin drive dsrun as their DeepSpeed, through ``dsrun launch
+--as-deepspeed`` on 2 CPU ranks. The Trainer: an unedited HF script (``deepspeed=`` config with "auto" values),
+ZeRO-2 and ZeRO-3, saving every 2 steps; a second run resumed from the step-2 checkpoint repeats steps 3-4
+exactly. accelerate: its own loop with a DeepSpeed plugin, ZeRO-3, ``save_state`` / ``load_state``."""
 from __future__ import annotations
 
 import json
@@ -35,3 +36,22 @@ def test_trainer_trains_saves_and_resumes_through_the_alias(tmp_path, stage):
     # weights, Adam moments, scheduler, data position and RNG all restored: the same arithmetic on the
     # same inputs gives the same bits
     assert resumed[-2:] == first[2:]
+
+
+ACCELERATE_SCRIPT = Path(__file__).with_name("_accelerate_script.py")
+
+
+def test_accelerate_deepspeed_plugin_trains_saves_and_reloads(tmp_path):
+    """accelerate's own loop with ``Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=...))``, ZeRO-3 on 2
+    CPU ranks: the engine is dsrun's, the loss falls, ``save_state`` writes DeepSpeed's checkpoint and
+    ``load_state`` back to step 2 repeats steps 3-4 bit for bit."""
+    state = tmp_path / "state"
+    result = run_cli("launch", "--as-deepspeed", "--num_procs", "2", "--no_local_rank", str(ACCELERATE_SCRIPT), "3",
+                     str(state), cwd=tmp_path, timeout=420)
+    losses = _losses(result)
+    assert "ENGINE dsrun.runtime.engine" in result.stdout
+    assert len(losses) == 6 and losses[:4] == sorted(losses[:4], reverse=True)  # the loss falls every step
+    assert losses[4:] == losses[2:4]
+    assert (state / "latest").read_text().strip() == "pytorch_model"
+    assert sorted(p.name for p in (state / "pytorch_model").glob("*_optim_states.pt")) == [
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]

@@ -116,15 +116,17 @@ def resharded(runs: list[dict], reshard_folder: Path):
     return saved, run_ranks(load_resharded, 3, str(reshard_folder), timeout=600)
 
 
-@pytest.mark.parametrize("stage", [0, 1])
-def test_error_buffers_are_recut_for_three_ranks(resharded, stage: int) -> None:
+@pytest.mark.parametrize("stage", [0, 1, "universal"])
+def test_error_buffers_are_recut_for_three_ranks(resharded, stage) -> None:
+    """Loaded by the resharding path at stages 0 and 1, and from the checkpoint's universal form at stage 1
+    (the conversion carries each rank's error buffers)."""
     saved, loaded = resharded
     numel = saved[0]["worker_errors"][0].numel()
     assert all(torch.count_nonzero(s["worker_errors"][0]) for s in saved)  # compressed steps were taken
     worker = (saved[0]["worker_errors"][0] + saved[1]["worker_errors"][0]) / 2
     server = merge_server_errors([s["server_errors"][0] for s in saved], numel)
     # stage 1 serves the ZeRO partitions: the flat group padded to a multiple of 2 x 3
-    layout = CompressedLayout.of(numel, 3, -(-numel // 6) * 2 if stage == 1 else None)
+    layout = CompressedLayout.of(numel, 3, -(-numel // 6) * 2 if stage in (1, "universal") else None)
     for rank, per_rank in enumerate(loaded):
         result = per_rank[stage]
         torch.testing.assert_close(torch.tensor(result["worker"]), worker, rtol=0, atol=0)

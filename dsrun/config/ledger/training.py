@@ -13,10 +13,13 @@ REPORTING = "tests/unit/runtime/test_config_effects_reporting.py::test_key_chang
 RANKS = "tests/integration/test_config_effects.py::test_key_changes_behaviour[{key}]"
 CONFIG = "tests/unit/config/test_support_effects.py::test_key_changes_behaviour[{key}]"
 STUDY = "tests/unit/autotuning/test_study.py::"
+ZEROPP = "tests/integration/test_zeropp.py::"
 
 ZERO_PP = Feature("ZeRO++ (quantized weights and gradients, hierarchical partitioning)",
                   "leave these keys at their defaults")
-MICS = Feature("MiCS (sharding within sub-groups)", "leave mics_* at their defaults")
+MICS_PARITY = "tests/integration/test_mics_hpz.py::test_mics_partitions_over_shard_groups_and_matches_zero3"
+MICS_HPZ = "tests/integration/test_mics_hpz.py::test_hpz_backward_gathers_stay_in_the_secondary_group"
+MICS_HPZ_RESUME = "tests/integration/test_mics_hpz.py::test_mics_and_hpz_checkpoints_resume"
 SEQUENCE = Feature("Ulysses sequence parallelism", "leave seq_parallel_comm_data_type at fp32")
 PIPELINE = Feature("pipeline parallelism", "train without the pipeline keys")
 APEX = Feature("it needs NVIDIA Apex on CUDA",
@@ -160,18 +163,19 @@ ENTRIES: list[Entry] = [
          ENGINE, applies=_stage(3)),
     todo("zero_optimization.stage3_module_granularity_threshold", "treat small modules as leaves for "
          "prefetching", ENGINE, applies=_stage(3)),
-    todo("zero_optimization.zero_hpz_partition_size", "hpZ: secondary partition size", ZERO_PP,
-         applies=_stage(3)),
-    todo("zero_optimization.zero_quantized_weights", "qwZ: quantized weight all-gather", ZERO_PP,
-         applies=_stage(3)),
-    todo("zero_optimization.zero_quantized_nontrainable_weights", "quantize frozen weights in memory", ZERO_PP,
-         applies=_stage(3)),
-    todo("zero_optimization.zero_quantized_gradients", "qgZ: quantized gradient reduction", ZERO_PP,
-         applies=_stage(3)),
+    done("zero_optimization.zero_hpz_partition_size", "hpZ: ranks of the secondary parameter partition that "
+         "backward gathers from (stage 3; 1: off)", MICS_HPZ, MICS_HPZ_RESUME),
+    done("zero_optimization.zero_quantized_weights", "qwZ: stage-3 parameter all-gathers carry INT8 blocks "
+         "with per-block scales", ZEROPP + "test_quantized_weights_gather_int8_blocks"),
+    done("zero_optimization.zero_quantized_nontrainable_weights", "qwZ for frozen parameters only (stage 3)",
+         ZEROPP + "test_nontrainable_weights_gather_quantized"),
+    done("zero_optimization.zero_quantized_gradients", "qgZ: the stage-3 gradient reduce-scatter is a "
+         "hierarchical INT4 all-to-all", ZEROPP + "test_quantized_gradients_int4_all_to_all"),
     todo("zero_optimization.zeropp_loco_param", "LoCo error feedback for qgZ", ZERO_PP, applies=_stage(3)),
-    todo("zero_optimization.mics_shard_size", "MiCS shard group size (-1: off)", MICS, applies=_stage(3)),
-    todo("zero_optimization.mics_hierarchical_params_gather", "MiCS hierarchical all-gather", MICS,
-         applies=_stage(3)),
+    done("zero_optimization.mics_shard_size", "MiCS: ranks per shard group, replicated across groups (stage 3; "
+         "-1: off)", MICS_PARITY, MICS_HPZ_RESUME),
+    done("zero_optimization.mics_hierarchical_params_gather", "MiCS: gather inside each node, then across nodes",
+         MICS_PARITY),
     done("zero_optimization.memory_efficient_linear", "stage-3 linear layers do not keep the gathered weight "
          "for backward", UNIT),
     todo("zero_optimization.pipeline_loading_checkpoint", "load checkpoints into a pipeline-parallel ZeRO-3 "
@@ -251,7 +255,9 @@ ENTRIES: list[Entry] = [
          CONFIG, STUDY + "test_a_different_space_in_the_same_results_dir_is_refused_unless_overwrite",
          traced=False),
     done("autotuning.metric", "latency, throughput or flops", CONFIG),
-    todo("autotuning.metric_path", "read the metric from this file", ENGINE),
+    done("autotuning.metric_path", "the engine writes the profile window's step timings here after "
+         "end_profile_step and exits (an autotuning experiment of dsrun launch --autotuning)",
+         "tests/integration/test_launch_autotuning.py::test_autotuning_run_tunes_the_script_then_trains_the_best"),
     done("autotuning.start_profile_step", "first step of the measured window", CONFIG),
     done("autotuning.end_profile_step", "last step of the measured window", CONFIG),
     done("autotuning.max_train_batch_size", "largest global batch a trial may use", CONFIG),

@@ -24,14 +24,19 @@ from typing import Any
 import torch
 
 from dsrun import comm
-from dsrun.checkpoint import atomic, engine_io, layout, reshard, state
+from dsrun.checkpoint import atomic, engine_io, layout, pipeline_state, reshard, state, universal_checkpoint
 from dsrun.checkpoint.safe_load import load_file
 from dsrun.checkpoint.utils import clone_tensors_for_torch_save
 from dsrun.utils.errors import Problem, UserError
 
 from .partition import partition_uniform
 
-PIPELINE_KEY = "pipeline"
+PIPELINE_KEY = pipeline_state.PIPELINE_KEY
+
+
+def _tied_layers(module: Any) -> dict[str, list[int]]:
+    return {key: module.layers_of_key(key) for key in sorted({module.tied_key_of(i) for i in range(module._num_layers)}
+                                                             - {None})}
 
 
 def _slice_rank(engine: Any) -> int:
@@ -48,6 +53,43 @@ def _layers_to_write(engine: Any) -> list[int]:
     return local if dp_rank == 0 else []
 
 
+def _expert_parallel_sizes(engine: Any) -> dict[str, int]:
+    """This stage's MoE layers (by module name, the same at any number of stages) -> their expert-parallel size."""
+    from dsrun.moe.layer import MoE
+
+    return {name: m.ep_size for name, m in engine.module.named_modules() if isinstance(m, MoE)}
+
+
+def _check_moe_save(engine: Any, moe: dict[str, int]) -> None:
+    """Expert-parallel MoE layers keep different experts on each data-parallel rank, but a layer file holds
+    one rank's: only ZeRO 1-2's per-rank optimizer files carry every rank's own experts back."""
+    if any(ep > 1 for ep in moe.values()) and (engine.strategy is None or engine.strategy.stage not in (1, 2)):
+        raise UserError(Problem("zero_optimization.stage", "a pipeline checkpoint of MoE layers with expert "
+                                "parallelism (ep_size > 1) needs ZeRO stage 1 or 2 (each rank's experts travel in "
+                                "its own optimizer file)", "set zero_optimization.stage to 1 or 2, or ep_size=1"))
+
+
+def _check_moe_load(engine: Any, slices: list[dict[str, Any]], load_optimizer_states: bool) -> None:
+    """An expert-parallel MoE pipeline checkpoint loads only at the layout that saved it, with its optimizer
+    state (see :func:`_check_moe_save`); refused on every rank together (a collective) otherwise."""
+    saved = {k: v for sd in slices for k, v in (sd["dsrun"][PIPELINE_KEY].get("moe_ep_sizes") or {}).items()}
+    live = _expert_parallel_sizes(engine)
+    own = slices[min(_slice_rank(engine), len(slices) - 1)]
+    expert_parallel = any(ep > 1 for ep in [*saved.values(), *live.values()])
+    same = (len(slices) == engine.grid.get_slice_parallel_world_size() and engine.strategy is not None
+            and int(own.get("dp_world_size", 1)) == engine.dp_world_size
+            and int(own["dsrun"]["zero_stage"]) == engine.strategy.stage and load_optimizer_states
+            and all(saved.get(name, 1) == ep for name, ep in live.items()))
+    refuse = torch.tensor([1.0 if expert_parallel and not same else 0.0])
+    comm.all_reduce(refuse, op=comm.ReduceOp.MAX)
+    if refuse.item() > 0:
+        raise UserError(Problem("load_checkpoint(load_dir=...)", "a pipeline checkpoint of MoE layers with expert "
+                                f"parallelism (saved: {len(slices)} stage(s) x {int(own.get('dp_world_size', 1))} "
+                                f"data-parallel rank(s), ZeRO stage {int(own['dsrun']['zero_stage'])}) loads only at "
+                                "that layout, with the same ep_size and its optimizer state",
+                                "load it with the layout that saved it and load_optimizer_states=True"))
+
+
 def save_pipeline_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: dict | None = None,
                              save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
     module, rank = engine.module, engine.global_rank
@@ -55,7 +97,10 @@ def save_pipeline_checkpoint(engine: Any, save_dir: str, tag: Any = None, client
     files = engine_io._layout(engine)
     written: list[str] = []
 
+    moe = _expert_parallel_sizes(engine)
+
     def write(staging: Path) -> None:
+        _check_moe_save(engine, moe)  # raised here, every rank hears of it and none commits
         for idx in _layers_to_write(engine):
             layer = module.layer_state_module(idx)
             if layer is None:
@@ -73,7 +118,8 @@ def save_pipeline_checkpoint(engine: Any, save_dir: str, tag: Any = None, client
             sd["mp_world_size"] = engine.grid.get_slice_parallel_world_size()
             sd["dsrun"][PIPELINE_KEY] = {"stages": module.num_stages, "parts": list(module.parts),
                                          "num_layers": module._num_layers, "virtual_stages": module.virtual_stages,
-                                         "slice_rank": _slice_rank(engine)}
+                                         "slice_rank": _slice_rank(engine), "tied": _tied_layers(module),
+                                         "dense_names": getattr(module, "dense_names", None), "moe_ep_sizes": moe}
             path = staging / layout.model_states_name(0, 0, mp_rank=_slice_rank(engine))
             atomic.save_torch(sd, path, rank)
             written.append(path.name)
@@ -91,15 +137,11 @@ def save_pipeline_checkpoint(engine: Any, save_dir: str, tag: Any = None, client
 # --- load ---------------------------------------------------------------------------------------------------
 def _saved_slices(tag_dir: Path) -> list[dict[str, Any]]:
     """Every saved stage's model states (in slice order)."""
-    out, index = [], 0
-    while (tag_dir / layout.model_states_name(0, 0, mp_rank=index)).is_file():
-        out.append(load_file(tag_dir / layout.model_states_name(0, 0, mp_rank=index)))
-        index += 1
-    if not out:
-        raise FileNotFoundError(f"{tag_dir}: no mp_rank_XX_model_states.pt (not a checkpoint?)")
-    if out[0].get("module") is not None or PIPELINE_KEY not in (out[0].get("dsrun") or {}):
+    out = pipeline_state.saved_slices(tag_dir)
+    if not pipeline_state.is_pipeline_states(out[0]):
         raise UserError(Problem("load_checkpoint(load_dir=...)", f"{tag_dir} holds a non-pipeline checkpoint",
-                                "load it into the plain model, or save from a pipeline engine"))
+                                "load it into the plain model, convert it with ds_to_universal, or save from a "
+                                "pipeline engine"))
     return out
 
 
@@ -123,38 +165,6 @@ def _load_layers(engine: Any, tag_dir: Path, strict: bool) -> None:
             layer.load_state_dict(load_file(path), strict=strict)
 
 
-def _stage_optimizer_states(tag_dir: Path, slice_states: dict[str, Any], slice_rank: int,
-                            bf16: bool) -> list[dict[str, Any]]:
-    """The optimizer state dicts of one saved stage, one per saved data-parallel rank."""
-    stage = int(slice_states["dsrun"]["zero_stage"])
-    if stage == 0:
-        return [slice_states["optimizer"]]
-    world = int(slice_states.get("dp_world_size", 1))
-    for prefer in (bf16, not bf16):
-        paths = [tag_dir / layout.optim_states_name(d, prefer, mp_rank=slice_rank) for d in range(world)]
-        if all(p.is_file() for p in paths):
-            return [load_file(p)["optimizer_state_dict"] for p in paths]
-    raise FileNotFoundError(f"{tag_dir}: the optimizer files of stage slice {slice_rank} are missing")
-
-
-def _merge_stages(engine: Any, tag_dir: Path, slices: list[dict[str, Any]]) -> reshard.FullOptimizerState:
-    """One full optimizer state, by parameter name, over every saved stage."""
-    full = reshard.FullOptimizerState()
-    for slice_rank, sd in enumerate(slices):
-        if sd.get("param_shapes") is None:
-            continue
-        part = reshard.merge_rank_states(
-            _stage_optimizer_states(tag_dir, sd, slice_rank, engine.bfloat16_enabled()),
-            int(sd["dsrun"]["zero_stage"]), sd["param_shapes"])
-        full.fp32.update(part.fp32)
-        full.moments.update(part.moments)
-        for gi, scalars in part.group_scalars.items():
-            full.group_scalars.setdefault(gi, scalars)
-        full.param_groups = full.param_groups or part.param_groups
-        full.precision = full.precision or part.precision
-    return full
-
-
 def _restore_optimizer(engine: Any, tag_dir: Path, slices: list[dict[str, Any]], load_optimizer_states: bool) -> None:
     strategy = engine.strategy
     dp_rank, live_world = engine.grid.get_data_parallel_rank(), engine.dp_world_size
@@ -165,10 +175,10 @@ def _restore_optimizer(engine: Any, tag_dir: Path, slices: list[dict[str, Any]],
                 and int(own["dsrun"]["zero_stage"]) == strategy.stage and int(own.get("dp_world_size", 1)) == live_world
                 and [list(s) for s in (own.get("param_shapes") or [])] == [list(s) for s in live_shapes])
         if same:
-            strategy.load_state_dict(_stage_optimizer_states(tag_dir, own, _slice_rank(engine),
-                                                             engine.bfloat16_enabled())[dp_rank if strategy.stage else 0])
+            strategy.load_state_dict(pipeline_state.stage_optimizer_states(
+                tag_dir, own, _slice_rank(engine), engine.bfloat16_enabled())[dp_rank if strategy.stage else 0])
             return
-        full = _merge_stages(engine, tag_dir, slices)
+        full = pipeline_state.merge_stages(tag_dir, slices, engine.bfloat16_enabled())
     else:  # the weights just loaded become the masters; the optimizer keeps its state
         full = reshard.FullOptimizerState(fp32={name: p.detach().reshape(-1).float().cpu()
                                                 for name, p in engine.module.named_parameters()})
@@ -183,11 +193,16 @@ def load_pipeline_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_m
     tag_dir = engine_io.find_tag_dir(engine, load_dir, tag)
     if tag_dir is None:
         return None, None
+    if universal_checkpoint.is_universal(tag_dir):
+        return _load_universal(engine, tag_dir, load_module_strict, load_optimizer_states and not load_module_only,
+                               load_lr_scheduler_states, load_module_only)
     slices = _saved_slices(tag_dir)
     saved = slices[0]["dsrun"][PIPELINE_KEY]
     if saved["num_layers"] != engine.module._num_layers:
         raise UserError(Problem("load_checkpoint(load_dir=...)", f"the checkpoint has {saved['num_layers']} layers, "
                                 f"the PipelineModule {engine.module._num_layers}", "load into the same model"))
+    if any(sd["dsrun"][PIPELINE_KEY].get("moe_ep_sizes") for sd in slices):  # the same answer on every rank
+        _check_moe_load(engine, slices, load_optimizer_states and not load_module_only)
     _load_layers(engine, tag_dir, load_module_strict)
     if engine.strategy is not None:
         _restore_optimizer(engine, tag_dir, slices, load_optimizer_states and not load_module_only)
@@ -199,3 +214,43 @@ def load_pipeline_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_m
         engine_io.restore_training_state(engine, own, tag_dir, load_lr_scheduler_states, same_world=same_layout)
     comm.barrier()
     return str(own_path), {k: v for k, v in own.items() if k not in engine_io.DS_KEYS}
+
+
+# --- universal checkpoints (parameters by layer name, from a pipeline at any stage count or the dense model) --
+def _load_universal(engine: Any, tag_dir: Path, strict: bool, load_optimizer_states: bool,
+                    load_lr_scheduler_states: bool, load_module_only: bool) -> tuple[str, dict]:
+    module = engine.module
+    names = pipeline_state.NameMap(pipeline_state.first_layers(_tied_layers(module)),
+                                   getattr(module, "dense_names", None))
+    first = names.tied_first
+    path = tag_dir / layout.model_states_name(0, 0)
+    model_states = load_file(path)
+    by_layer = {names.layer(k): v for k, v in model_states["module"].items()}
+    for idx in module.local_layer_indices():
+        layer = module.layer_state_module(idx)
+        if layer is None:
+            continue
+        key = module.tied_key_of(idx)
+        prefix = f"{first[key] if key is not None else idx}."
+        sd = {k[len(prefix):]: v for k, v in by_layer.items() if k.startswith(prefix)}
+        missing = sorted(set(layer.state_dict()) - set(sd))
+        if strict and missing:
+            raise UserError(Problem("load_checkpoint(load_dir=...)", f"the universal checkpoint {tag_dir} has no "
+                                    f"{[prefix + m for m in missing][:3]} for layer {idx}",
+                                    "convert a checkpoint of the same layers (names: docs/checkpoint.md)"))
+        with torch.no_grad():
+            layer.load_state_dict(sd, strict=strict)
+    if engine.strategy is not None:
+        strategy = engine.strategy
+        if load_optimizer_states:
+            full = pipeline_state.renamed(universal_checkpoint.load_universal_state(tag_dir), names.pipeline)
+        else:
+            full = reshard.FullOptimizerState(fp32={n: p.detach().reshape(-1).float().cpu()
+                                                    for n, p in module.named_parameters()})
+        strategy.load_state_dict(reshard.state_for_rank(
+            strategy.state_dict(), full, strategy.stage, engine.dp_world_size, engine.grid.get_data_parallel_rank(),
+            strategy.checkpoint_param_shapes(), load_optimizer_states=load_optimizer_states))
+    if not load_module_only:
+        engine_io.restore_training_state(engine, model_states, tag_dir, load_lr_scheduler_states, same_world=False)
+    comm.barrier()
+    return str(path), {k: v for k, v in model_states.items() if k not in engine_io.DS_KEYS}

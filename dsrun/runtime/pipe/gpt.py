@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from dsrun.models.config import GPTConfig
-from dsrun.models.gpt_pipe import lm_loss, pipeline_layers
+from dsrun.models.gpt_pipe import dense_names, lm_loss, pipeline_layers
 from dsrun.runtime.activation_checkpointing.modes import CheckpointMode
 from dsrun.utils.errors import ConfigError, Problem
 
@@ -51,4 +51,5 @@ def gpt_pipeline(config: GPTConfig, ds_config: Any) -> PipelineModule:
                             seed_layers=bool(pipe.seed_layers), partition_method=partition_method(ds_config),
                             activation_checkpoint_interval=interval)
     module.config = config  # the analytic FLOPs (dsrun.models.accounting) read it
+    module.dense_names = dense_names(config)  # universal checkpoints name parameters as the GPT does
     return module

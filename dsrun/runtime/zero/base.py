@@ -191,6 +191,7 @@ class ZeroStrategy(ABC):
             self.pre_divide, self.post_scale = float(self.world_size), 1.0
         self.hooks = StepHooks()  # named points on the step path (step_hooks.py)
         self.global_grad_norm: float | None = None
+        self.norm_group = ctx.group  # the ranks whose partitions together hold every gradient once
         self.steps_taken = 0
         self._backward_allreduce = True
         self._gradients_reduced = True  # whether this step's gradients were reduced in backward
@@ -274,7 +275,7 @@ class ZeroStrategy(ABC):
     def _global_norm(self, scale: float) -> float:
         sq = self._local_sq_norm()
         if self.norm_is_partitioned and self._gradients_reduced and self.world_size > 1:
-            comm.all_reduce(sq, group=self.ctx.group)
+            comm.all_reduce(sq, group=self.norm_group)
         if self.ctx.pipelined:  # the stages hold disjoint parameters: their squares add up
             comm.all_reduce(sq, group=self.ctx.groups.pipe)
         return math.sqrt(sq.item()) * scale
@@ -337,6 +338,17 @@ class ZeroStrategy(ABC):
     def checkpoint_param_shapes(self) -> list["OrderedDict[str, torch.Size]"]:
         """One ``{name: full shape}`` per master tensor, in the order its elements are laid out (DeepSpeed's
         ``param_shapes``, which resharding and zero_to_fp32 read)."""
+
+    @abstractmethod
+    def master_partitions(self) -> list[tuple[int, int, Any]]:
+        """Per master tensor (in :meth:`checkpoint_param_shapes`' order): how many ranks it is cut over (1: whole
+        on every rank), this rank's place among them, and their process group (the data-parallel group, or an
+        MoE expert's expert-data-parallel group); with the stage, ``master_slots`` locates every element."""
+
+    def full_param_value(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """A CPU copy of ``param``'s whole value in the model's dtype (stage 3: gathered, a collective within
+        the group it is partitioned over)."""
+        return param.detach().cpu().clone()
 
     def frozen_param_fragments(self) -> tuple[dict[str, torch.Size], dict[str, torch.Tensor]]:
         """Shapes and this rank's pieces of the parameters that do not train (partitioned weights only)."""
@@ -536,6 +548,9 @@ class FlatStrategy(ZeroStrategy):
     def checkpoint_param_shapes(self) -> list["OrderedDict[str, torch.Size]"]:
         names = self._names()
         return [OrderedDict((names[id(p)], p.shape) for p in group.params) for group in self.groups]
+
+    def master_partitions(self) -> list[tuple[int, int, Any]]:
+        return [(g.world_size, g.rank, g.process_group) if self.partitioned else (1, 0, None) for g in self.groups]
 
     def state_dict(self) -> dict[str, Any]:
         sd = {

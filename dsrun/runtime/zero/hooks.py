@@ -41,7 +41,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import recompute
-from .partition_params import GatherBufferPool, ParamStatus, gather_params, is_zero_param, release_param, start_gather
+from .partition_params import (GatherBufferPool, ParamStatus, gather_params, is_zero_param, mark_stale, release_param,
+                               start_gather)
 
 EXTERNAL_ATTR = "_ds_external_params"
 FORWARD, BACKWARD = "fwd", "bwd"
@@ -202,7 +203,8 @@ class ParameterCoordinator:
     # --- fetching -----------------------------------------------------------------------------------------
     def _fetch(self, module: torch.nn.Module, phase: str, params: list[torch.nn.Parameter]) -> None:
         self._record(module, phase)
-        gather_params(params)
+        # backward (and a recompute inside it) gathers from the hpZ secondary partitions where there are any
+        gather_params(params, secondary=phase == BACKWARD or torch._C._current_graph_task_id() != -1)
         if self.following_trace and self.prefetch_bucket_size > 0:
             self._prefetch()
         if self.after_fetch is not None and self.following_trace:
@@ -210,8 +212,14 @@ class ParameterCoordinator:
 
     def upcoming_params(self) -> Iterable[torch.nn.Parameter]:
         """The parameters the recorded trace fetches after the current position, in order."""
+        for p, _ in self._upcoming():
+            yield p
+
+    def _upcoming(self) -> Iterable[tuple[torch.nn.Parameter, str]]:
         for index in range(self.cursor, len(self.trace)):
-            yield from self._params_of.get(self.trace[index][0], [])
+            module_id, phase = self.trace[index]
+            for p in self._params_of.get(module_id, []):
+                yield p, phase
 
     def _record(self, module: torch.nn.Module, phase: str) -> None:
         event = (id(module), phase)
@@ -234,12 +242,12 @@ class ParameterCoordinator:
     def _prefetch(self) -> None:
         budget = self.prefetch_bucket_size
         live = self.live_numel()
-        for p in self.upcoming_params():
+        for p, phase in self._upcoming():
             if p.ds_status is not ParamStatus.NOT_AVAILABLE:
                 continue
             if budget <= 0 or live + p.ds_numel > self.max_live_parameters:
                 return
-            start_gather(p, async_op=True)
+            start_gather(p, async_op=True, secondary=phase == BACKWARD)
             budget -= p.ds_numel
             live += p.ds_numel
             self.prefetched_numel += p.ds_numel
@@ -283,6 +291,7 @@ class ParameterCoordinator:
         """The shards changed (an optimizer step): every gathered copy, persistent ones included, is stale."""
         for p in self.params.values():
             release_param(p)
+            mark_stale(p)
 
     def _plan_reuse(self) -> None:
         """For each forward event, which of its parameters are used again within ``max_reuse_distance``

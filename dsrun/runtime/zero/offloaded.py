@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from dsrun import comm
+
 from dsrun.runtime.offload import param_swapper
 from dsrun.runtime.offload.nvme import SwappedOptimizerState, SwappedShard, SwappedUnit
 from dsrun.runtime.offload.pipeline import PipelineTimes, StepPipeline, scatter_to_shards
@@ -63,8 +65,8 @@ class _OffloadedPartitions:
 
     def _build_masters(self) -> list[torch.nn.Parameter]:
         masters = []
-        for group in self.groups:
-            lo, hi = group.partition_range(self.rank)
+        for group in self.groups:  # (MoE experts: partitioned over their expert-data group, at its rank)
+            lo, hi = group.partition_range(group.rank)
             master = host_empty(hi - lo, torch.float32, self.offload.pinned)
             master.copy_(group.flat_param[lo:hi])
             masters.append(torch.nn.Parameter(master))
@@ -72,7 +74,7 @@ class _OffloadedPartitions:
 
     def _device_partition(self, gi: int) -> torch.Tensor:
         group = self.groups[gi]
-        lo, hi = group.partition_range(self.rank)
+        lo, hi = group.partition_range(group.rank)
         return group.flat_param[lo:hi]
 
     def _host_grad_tile(self, gi: int, a: int, b: int, coef: float) -> torch.Tensor:
@@ -123,8 +125,8 @@ class _OffloadedPartitions:
     def _partition_for_publish(self, group: Any, master: torch.Tensor) -> torch.Tensor:
         # the step already wrote this rank's 16-bit (or fp32) partition into the model's flat buffer; the
         # all-gather needs it as a separate input (one rank: nothing to gather, the buffer is already right)
-        lo, hi = group.partition_range(self.rank)
-        return group.flat_param[lo:hi] if self.world_size == 1 else group.flat_param[lo:hi].clone()
+        lo, hi = group.partition_range(group.rank)
+        return group.flat_param[lo:hi] if group.world_size == 1 else group.flat_param[lo:hi].clone()
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         super().load_state_dict(sd)  # type: ignore[misc]
@@ -436,7 +438,7 @@ class OffloadStage3Strategy(Stage3Strategy):
     def memory_breakdown(self) -> MemoryBreakdown:
         """Resident bytes only: swapped masters, states and gradients are not counted; the swap buffers are
         (``buffers``). Host-resident (CPU-offloaded) state is counted as it lives in this process's memory."""
-        shards = sum(tensor_bytes(p.ds_tensor) for p in self.params)
+        shards = sum(tensor_bytes(p.ds_tensor) for p in self.params) + self.sharding.secondary_bytes(self.params)
         persistent = sum(p.ds_numel * p.ds_tensor.element_size() for p in self.params if p.ds_persist)
         resident = self._resident()
         grads = sum(tensor_bytes(sg.grad) for sg in resident)
@@ -449,7 +451,8 @@ class OffloadStage3Strategy(Stage3Strategy):
             buffers += self.swapped.resident_bytes
         if self.param_offload is not None:
             buffers += self.param_offload.buffer_bytes()  # offload_param nvme: read/write pool and cache
-        padding = sum(shard_padding(p, self.rank) * p.ds_tensor.element_size() for p in self.params)
+        padding = sum(shard_padding(p, comm.get_rank(p.ds_process_group)) * p.ds_tensor.element_size()
+                      for p in self.params)  # each shard at its rank in the group it is cut over (MoE experts)
         return MemoryBreakdown(parameters=shards + persistent, gradients=grads, master_weights=masters,
                                optimizer_states=states, padding=int(padding), buffers=buffers)
 

@@ -14,11 +14,19 @@ releasing drops the buffer again. Attributes (DeepSpeed's names, so code that in
 ``ds_persist``       kept gathered between uses (small parameters, ``stage3_param_persistence_threshold``)
 ``ds_process_group`` the group it is partitioned over (None: the world)
 ``ds_buffer_pool``   optional :class:`GatherBufferPool` that released full buffers go back to (CPU)
+``ds_quantized_gather`` optional: elements per INT8 scale when this parameter's gathers are quantized (ZeRO++
+                     qwZ, :mod:`dsrun.comm.quantized`); the shard itself stays exact
 ``ds_offload``       with ``offload_param``: the object that owns the shard (:mod:`dsrun.runtime.offload.param_swapper`);
                      for NVMe ``ds_tensor`` is then an empty placeholder and the shard lives in a file
+
+Where the gathers run is set by :mod:`.sharding` (MiCS, hpZ): ``ds_gather_levels`` (a hierarchical gather's
+node-local and cross-node groups) and the hpZ secondary partition ``ds_secondary_tensor`` over
+``ds_secondary_group`` (``ds_secondary_world_size`` ranks, this rank's place ``ds_secondary_rank``), refreshed
+from every full gather and read by gathers with ``secondary=True`` while ``ds_secondary_valid``.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 from enum import Enum
 from typing import Any, Iterable
@@ -26,6 +34,7 @@ from typing import Any, Iterable
 import torch
 
 from dsrun import comm
+from dsrun.comm.quantized import quantized_all_gather_into_tensor
 
 
 class ParamStatus(Enum):
@@ -35,6 +44,17 @@ class ParamStatus(Enum):
 
 
 _ids = itertools.count()
+_exact_gathers = [False]  # True inside exact_gathers(): quantized parameters gather their exact shards
+
+
+@contextlib.contextmanager
+def exact_gathers():
+    """Gathers started inside carry the exact shards even for qwZ parameters (saving full weights)."""
+    before, _exact_gathers[0] = _exact_gathers[0], True
+    try:
+        yield
+    finally:
+        _exact_gathers[0] = before
 
 
 def is_zero_param(param: Any) -> bool:
@@ -125,12 +145,14 @@ class GatherBufferPool:
 
 
 class GatherHandle:
-    """An all-gather in flight for one parameter; :meth:`wait` makes the parameter available."""
+    """An all-gather in flight for one parameter; :meth:`wait` makes the parameter available (and, for a
+    gather of the primary partition, refreshes the hpZ secondary one from it)."""
 
-    def __init__(self, param: torch.nn.Parameter, buffer: torch.Tensor, work: Any):
+    def __init__(self, param: torch.nn.Parameter, buffer: torch.Tensor, work: Any, refresh_secondary: bool = False):
         self.param = param
         self.buffer = buffer
         self.work = work
+        self.refresh_secondary = refresh_secondary
 
     def wait(self) -> None:
         if self.work is not None:
@@ -142,41 +164,83 @@ class GatherHandle:
             param.data = self.buffer[: param.ds_numel].view(param.ds_shape)
             param.ds_status = ParamStatus.AVAILABLE
             param.ds_handle = None
+            if self.refresh_secondary:
+                _refresh_secondary(param, self.buffer)
 
 
-def start_gather(param: torch.nn.Parameter, async_op: bool) -> GatherHandle | None:
+def _refresh_secondary(param: torch.nn.Parameter, full: torch.Tensor) -> None:
+    """Copy this rank's piece of the hpZ secondary partition out of a freshly gathered full value."""
+    part = param.ds_secondary_tensor.numel()
+    start = min(param.ds_secondary_rank * part, param.ds_numel)
+    end = min(start + part, param.ds_numel)
+    with torch.no_grad():
+        param.ds_secondary_tensor[: end - start].copy_(full[start:end])
+        param.ds_secondary_tensor[end - start:].zero_()
+    param.ds_secondary_valid = True
+
+
+def start_gather(param: torch.nn.Parameter, async_op: bool, secondary: bool = False) -> GatherHandle | None:
     """Begin gathering ``param`` unless it is available or already in flight; returns the handle (None when
-    nothing had to start)."""
+    nothing had to start). ``secondary``: from the hpZ secondary partition when it is current (backward)."""
     if param.ds_status is not ParamStatus.NOT_AVAILABLE:
         return None
-    owner = getattr(param, "ds_offload", None)
-    shard = owner.gather_input(param) if owner is not None else param.ds_tensor
-    world = param.ds_world_size
+    levels = None
+    if secondary and getattr(param, "ds_secondary_valid", False):
+        shard, group, world = param.ds_secondary_tensor, param.ds_secondary_group, param.ds_secondary_world_size
+    else:
+        owner = getattr(param, "ds_offload", None)
+        shard = owner.gather_input(param) if owner is not None else param.ds_tensor
+        group, world = param.ds_process_group, param.ds_world_size
+        levels = getattr(param, "ds_gather_levels", None)
+        secondary = False
     if world == 1:
         buffer = shard
         work = None
     else:
-        numel = param.ds_partition_numel * world
+        numel = shard.numel() * world
         pool = getattr(param, "ds_buffer_pool", None)
         buffer = pool.take(numel) if pool is not None else None
         if buffer is None or buffer.dtype != shard.dtype or buffer.device != shard.device:
             buffer = torch.empty(numel, dtype=shard.dtype, device=shard.device)
-        work = comm.all_gather_into_tensor(buffer, shard, group=param.ds_process_group, async_op=async_op)
+        block = getattr(param, "ds_quantized_gather", None)
+        if levels is not None:  # MiCS hierarchical: two synchronous steps
+            comm.all_gather_hierarchical(buffer, shard, *levels)
+            work = None
+        elif block and not _exact_gathers[0]:  # ZeRO++ qwZ: INT8 blocks on the wire, decoded into buffer
+            work = quantized_all_gather_into_tensor(buffer, shard, group=group, async_op=async_op, block=block)
+        else:
+            work = comm.all_gather_into_tensor(buffer, shard, group=group, async_op=async_op)
         if not async_op:
             work = None
-    handle = GatherHandle(param, buffer, work)
+    refresh = not secondary and getattr(param, "ds_secondary_tensor", None) is not None
+    handle = GatherHandle(param, buffer, work, refresh_secondary=refresh)
     param.ds_handle = handle
     param.ds_status = ParamStatus.INFLIGHT
     return handle
 
 
-def gather_params(params: Iterable[torch.nn.Parameter]) -> None:
-    """Make every parameter available (synchronously; waits for ones already in flight)."""
+def gather_params(params: Iterable[torch.nn.Parameter], secondary: bool = False) -> None:
+    """Make every parameter available (synchronously; waits for ones already in flight); ``secondary``: from
+    the hpZ secondary partitions where current."""
     for param in params:
         if param.ds_status is ParamStatus.NOT_AVAILABLE:
-            start_gather(param, async_op=False).wait()
+            start_gather(param, async_op=False, secondary=secondary).wait()
         elif param.ds_status is ParamStatus.INFLIGHT:
             param.ds_handle.wait()
+
+
+def gather_exact(params: list[torch.nn.Parameter]) -> list[bool]:
+    """Make every parameter available with its exact value, even qwZ ones (whose gathered copy, if they were
+    available, is the dequantized one: released and gathered again from the exact shards). Returns, per
+    parameter, whether it stays available afterwards as it was before (False: release it when done)."""
+    was = [p.ds_status is ParamStatus.AVAILABLE for p in params]
+    for k, p in enumerate(params):
+        if getattr(p, "ds_quantized_gather", None) and p.ds_status is not ParamStatus.NOT_AVAILABLE:
+            release_param(p)
+            was[k] = False
+    with exact_gathers():
+        gather_params(params)
+    return was
 
 
 def release_param(param: torch.nn.Parameter) -> None:
@@ -209,8 +273,14 @@ def write_full_value(param: torch.nn.Parameter, full: torch.Tensor) -> None:
             master.copy_(shard)  # the optimizer's fp32 copy follows the change
 
 
+def mark_stale(param: torch.nn.Parameter) -> None:
+    """The shard changed: the hpZ secondary partition must be refreshed by the next full gather."""
+    param.ds_secondary_valid = False
+
+
 def write_shard(param: torch.nn.Parameter, values: torch.Tensor) -> None:
     """Set this rank's shard of ``param`` to ``values`` (``ds_partition_numel`` elements), wherever it lives."""
+    mark_stale(param)
     owner = getattr(param, "ds_offload", None)
     if owner is not None:
         owner.write_shard(param, values)
@@ -222,8 +292,7 @@ def write_shard(param: torch.nn.Parameter, values: torch.Tensor) -> None:
 
 def full_tensor(param: torch.nn.Parameter) -> torch.Tensor:
     """A copy of the full value of a partitioned parameter (collective: every rank must call it)."""
-    was_available = param.ds_status is ParamStatus.AVAILABLE
-    gather_params([param])
+    was_available = gather_exact([param])[0]
     value = param.data.detach().clone()
     if not was_available:
         release_param(param)

@@ -12,6 +12,11 @@
   ``sub_group_size`` elements (one optimizer tensor each); the step updates only these, then writes the
   model-dtype shards. No all-gather follows the step: the next forward gathers what it needs.
 
+ZeRO++ (:mod:`dsrun.comm.quantized`): ``zero_quantized_weights`` (qwZ) gathers parameters as INT8 blocks with
+per-block scales, ``zero_quantized_nontrainable_weights`` does so for frozen parameters only, and
+``zero_quantized_gradients`` (qgZ) replaces the data-parallel reduce-scatter with the hierarchical INT4
+all-to-all (synchronous: ``overlap_comm`` does not overlap it).
+
 Per step this moves 3 * psi * (N - 1) / N elements per rank (gather in forward, gather in backward,
 reduce-scatter), 1.5 times stage 0's all-reduce, as the ZeRO paper says.
 """
@@ -24,9 +29,12 @@ from typing import Any
 import torch
 
 from dsrun import comm
+from dsrun.comm import quantized
+from dsrun.utils.errors import ConfigError, Problem
 
 from .base import MemoryBreakdown, StrategyContext, ZeroStrategy, optimizer_state_bytes, tensor_bytes
 from . import host_memory, linear
+from .sharding import Stage3Sharding
 from .hooks import ParameterCoordinator, iter_unique_params, module_params
 from .partition_params import full_tensor, is_zero_param, partition_param, shard_padding
 from dsrun.runtime.offload import param_swapper
@@ -64,8 +72,11 @@ class Stage3Strategy(ZeroStrategy):
         if ctx.device.type == "cpu":
             host_memory.fix_mmap_threshold()  # freed gather buffers go back to the OS at once
         self.params = iter_unique_params([ctx.module])
+        self.sharding = Stage3Sharding.from_context(ctx)  # MiCS shard groups, hpZ secondary partitions
+        self.norm_group = self.sharding.shard_group  # each shard's gradient is counted once in the norm
         self._partition_all()
         self._mark_persistent(int(zc.stage3_param_persistence_threshold), int(zc.stage3_model_persistence_threshold))
+        self._qgz = self._set_up_zeropp(zc)
         # offload_param: shards to host memory or NVMe files (dsrun/runtime/offload/param_swapper.py)
         self.param_offload = param_swapper.attach_param_offload(
             self.params, zc.offload_param, ctx.device, self.model_dtype, aio_config=ctx.aio_config, rank=self.rank,
@@ -80,6 +91,9 @@ class Stage3Strategy(ZeroStrategy):
         self._optimizer = ctx.optimizer
         self._separate_shards = False  # fp32 with offloaded shards: the step must write them
         self.sub_groups = self._build_sub_groups()
+        if self.sharding.mics and any(sg.grad is None for sg in self.sub_groups):
+            raise ConfigError(Problem("zero_optimization.mics_shard_size", "MiCS cannot reduce gradients kept in "
+                                      "NVMe swap files (offload_optimizer.device nvme)", "offload to cpu instead"))
         self.masters = [sg.master for sg in self.sub_groups]
         if self._optimizer.state:
             self._optimizer.state.clear()  # state keyed by the old full parameters would never be used
@@ -120,9 +134,23 @@ class Stage3Strategy(ZeroStrategy):
                     p.ds_tensor = p.ds_tensor.to(device=self.ctx.device, dtype=dtype or p.ds_tensor.dtype)
                     p.data = torch.empty(0, dtype=p.ds_tensor.dtype, device=self.ctx.device)
                 continue
-            # MoE experts are partitioned over their expert-data-parallel group, everything else over the data group
-            group = self.ctx.groups.group_of_param(p) if self.ctx.groups is not None else self.ctx.group
-            partition_param(p, group, dtype=dtype, device=self.ctx.device)
+            # MoE experts are partitioned over their expert-data-parallel group, everything else over the data
+            # group, or with MiCS over this rank's shard group
+            partition_param(p, self.sharding.group_of(p), dtype=dtype, device=self.ctx.device)
+        for p in self.params:
+            self.sharding.attach(p)
+
+    def _set_up_zeropp(self, zc: Any) -> "quantized.QuantizedReduceScatter | None":
+        """Mark the parameters whose gathers are quantized (qwZ: all; nontrainable: the frozen ones); the
+        quantized reduce-scatter over the group gradients are reduce-scattered in (the data-parallel group, or
+        with MiCS the shard group) for qgZ (None when off)."""
+        for p in self.params:
+            if zc.zero_quantized_weights or (zc.zero_quantized_nontrainable_weights and not p.requires_grad):
+                if p.ds_tensor.is_floating_point():
+                    p.ds_quantized_gather = quantized.WEIGHT_BLOCK
+        if not zc.zero_quantized_gradients:
+            return None
+        return quantized.make_reduce_scatter(self.sharding.shard_group)
 
     def _mark_persistent(self, threshold: int, model_threshold: int) -> None:
         budget = model_threshold
@@ -202,6 +230,8 @@ class Stage3Strategy(ZeroStrategy):
         for key in [k for k, items in self._pending.items() if items]:
             self._launch_bucket(key)
         self._complete_all()
+        if boundary:  # MiCS: each shard group summed its own ranks' gradients; add the other groups'
+            self.sharding.reduce_across_replicas([sg.grad for sg in self.sub_groups])
         self._armed = False
         self.coordinator.end_backward()
 
@@ -244,6 +274,10 @@ class Stage3Strategy(ZeroStrategy):
             rows.div_(self.pre_divide)
         if world == 1:
             self._inflight.append((None, rows[0], placed, rows_flat))
+        elif self._qgz is not None and group is self._qgz.group:
+            out = self._take_buffer(total)
+            self._qgz(out, rows_flat)
+            self._inflight.append((None, out, placed, rows_flat))
         else:
             out = self._take_buffer(total)
             work = comm.reduce_scatter_tensor(out, rows_flat, group=group,
@@ -360,7 +394,7 @@ class Stage3Strategy(ZeroStrategy):
     def memory_breakdown(self) -> MemoryBreakdown:
         """Shards of every parameter plus the full copies of persistent ones; the fp32 gradient and master
         partitions; the optimizer state. ``padding`` counts the zero tail of this rank's shards in all of them."""
-        shards = sum(tensor_bytes(p.ds_tensor) for p in self.params)
+        shards = sum(tensor_bytes(p.ds_tensor) for p in self.params) + self.sharding.secondary_bytes(self.params)
         persistent = sum(p.ds_numel * p.ds_tensor.element_size() for p in self.params if p.ds_persist)
         grads = sum(tensor_bytes(sg.grad) for sg in self.sub_groups)
         masters = sum(tensor_bytes(sg.master) for sg in self.sub_groups) if self._writes_shards else 0
@@ -369,7 +403,7 @@ class Stage3Strategy(ZeroStrategy):
         per_elem = (grads + masters + states) / trainable_elems if trainable_elems else 0.0
         padding = 0.0
         for p in self.params:
-            pad = shard_padding(p, self.rank)
+            pad = shard_padding(p, comm.get_rank(p.ds_process_group))  # MoE experts: their group's rank
             padding += pad * p.ds_tensor.element_size() + (pad * per_elem if id(p) in self._slot else 0)
         # NVMe parameter offload: the shards are in files (ds_tensor is empty); the read/write pool and the
         # shards cached in host memory (max_in_cpu) count as buffers
@@ -383,6 +417,14 @@ class Stage3Strategy(ZeroStrategy):
         names = self._names()  # shards of whole parameters, per sub-group
         return [OrderedDict((names[id(p)], torch.Size(p.ds_shape)) for p in sg.params) for sg in self.sub_groups]
 
+    def master_partitions(self) -> list[tuple[int, int, Any]]:
+        # a sub-group holds one param group's shards, all partitioned over the same group
+        return [(sg.params[0].ds_world_size, comm.get_rank(sg.params[0].ds_process_group),
+                 sg.params[0].ds_process_group) for sg in self.sub_groups]
+
+    def full_param_value(self, param: torch.nn.Parameter) -> torch.Tensor:
+        return full_tensor(param).cpu()
+
     def frozen_param_fragments(self) -> tuple[dict[str, torch.Size], dict[str, torch.Tensor]]:
         from dsrun.checkpoint.state import frozen_params
 
@@ -392,7 +434,8 @@ class Stage3Strategy(ZeroStrategy):
         names = {id(p): n for n, p in self.ctx.module.named_parameters()}
         sd = {
             "zero_stage": 3,
-            "partition_count": self.world_size,
+            "partition_count": self.sharding.shard_size,
+            "mics_shard_size": self.sharding.shard_size if self.sharding.mics else -1,
             "overflow": False,
             "optimizer_state_dict": self._optimizer_state_dict(),
             "fp32_flat_groups": [self._master_for_checkpoint(i, sg) for i, sg in enumerate(self.sub_groups)],
@@ -408,9 +451,9 @@ class Stage3Strategy(ZeroStrategy):
         return sg.master.detach().clone()
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        if sd.get("partition_count") != self.world_size:
-            raise RuntimeError("ZeRO-3 state was saved with a different data-parallel world size "
-                               f"({sd.get('partition_count')}) than this run ({self.world_size})")
+        if sd.get("partition_count") != self.sharding.shard_size:
+            raise RuntimeError("ZeRO-3 state was saved partitioned over a different number of ranks "
+                               f"({sd.get('partition_count')}) than this run's ({self.sharding.shard_size})")
         with torch.no_grad():
             for sg, saved in zip(self.sub_groups, sd["fp32_flat_groups"]):
                 sg.master.data.copy_(saved)

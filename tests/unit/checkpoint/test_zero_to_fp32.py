@@ -104,3 +104,22 @@ def test_script_help_runs_standalone(checkpoint):
     done = subprocess.run([sys.executable, "-I", str(root / "zero_to_fp32.py"), "--help"], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0 and "--safe_serialization" in done.stdout
+
+
+def test_a_checkpoint_without_its_key_order_still_converts(checkpoint, tmp_path):
+    """Older checkpoints have no ``state_dict_keys``; with an empty module copy too, the masters' order is used."""
+    import shutil
+
+    root, live = checkpoint
+    copy = tmp_path / "old"
+    shutil.copytree(root, copy)
+    path = copy / "global_step2" / "mp_rank_00_model_states.pt"
+    states = torch.load(path, weights_only=False)
+    states["dsrun"].pop("state_dict_keys", None)
+    states["module"] = {}
+    torch.save(states, path)
+    full = get_fp32_state_dict_from_zero_checkpoint(str(copy))
+    trainable = {n for g in states["param_shapes"] for n in g}
+    assert trainable and trainable <= set(full)
+    for name in trainable:
+        assert torch.equal(full[name].to(torch.bfloat16), live[name]), name

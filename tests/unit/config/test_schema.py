@@ -153,10 +153,12 @@ def test_resolved_dtypes_follow_deepspeed(extra, comm, accum):
 
 
 def test_notes_for_keys_without_effect():
-    cfg = load({"zero_optimization": {"stage": 2, "stage3_max_live_parameters": 10, "grad_hooks": False},
+    cfg = load({"zero_optimization": {"stage": 2, "stage3_max_live_parameters": 10, "grad_hooks": False,
+                                      "zero_quantized_weights": True},
                 "aio": {"block_size": 4096}})
     notes = "\n".join(cfg.warnings)
     assert "stage3_max_live_parameters only matter at stage 3" in notes
+    assert "zero_quantized_weights (ZeRO++) only matter at stage 3" in notes
     assert "grad_hooks only matters at stage 1" in notes
     assert "aio only matters with NVMe offload" in notes
 

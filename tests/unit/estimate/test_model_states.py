@@ -156,3 +156,20 @@ def test_onebit_adam_adds_its_error_buffers(stage):
     onebit = model_state_bytes(spec(zero_stage=stage, optimizer="OneBitAdam"))
     assert onebit.device_optimizer_states - adam.device_optimizer_states == 4 * P + 4 * P // 8
     assert onebit.device_step_workspace == 8 * P  # the exchange's fp32 input and output, whole-group sized
+
+
+def test_mics_partitions_model_states_over_its_shard_group_and_hpz_adds_the_secondary_partition():
+    """8 ranks, bf16 AdamW at stage 3: MiCS over shard groups of 2 holds what plain ZeRO-3 on 2 ranks holds
+    (4x the 8-rank partition), hpZ over 4 ranks adds the bf16 secondary partition, P * 2 / 4 bytes. Neither
+    changes anything below stage 3."""
+    plain8, plain2 = model_state_bytes(spec(zero_stage=3)), model_state_bytes(spec(zero_stage=3, ranks_per_node=2))
+    mics = model_state_bytes(spec(zero_stage=3, mics_shard_size=2))
+    assert mics == plain2 and mics.device_total == 4 * plain8.device_total
+    hpz = model_state_bytes(spec(zero_stage=3, hpz_partition_size=4))
+    assert hpz.device_params == plain8.device_params + P * 2 // 4
+    assert hpz.device_total - plain8.device_total == P // 2
+    assert init_bytes_per_rank(spec(zero_stage=3, mics_shard_size=2)) == (P // 2 + P // 100) * 4
+    for key in ("mics_shard_size", "hpz_partition_size"):
+        assert model_state_bytes(spec(zero_stage=2, **{key: 2})) == model_state_bytes(spec(zero_stage=2))
+        with pytest.raises(ConfigError, match="must divide the 8 ranks"):
+            spec(zero_stage=3, **{key: 3})

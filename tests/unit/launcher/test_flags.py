@@ -85,9 +85,11 @@ def test_mapping_takes_the_new_keys(job):
     assert (options.elastic_training, options.elastic_range(2), options.restarts()) == (True, (1, 4), 100)
 
 
-def test_autotuning_points_at_dsrun_tune(job):
+def test_autotuning_needs_the_scripts_config(job):
     done = run_cli("launch", "--autotuning", "run", "train.py", cwd=job)
-    assert done.returncode == 2 and "dsrun tune +recipe=NAME --run" in done.stderr
+    assert done.returncode == 2 and "--deepspeed ds_config.json" in done.stderr
+    planned = run_cli("launch", "--autotuning", "tune", "--dry-run", "train.py", cwd=job)
+    assert planned.returncode == 0 and json.loads(planned.stdout)["autotuning"] == "tune"
 
 
 def test_help_lists_deepspeeds_launcher_flags():

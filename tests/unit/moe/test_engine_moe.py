@@ -65,10 +65,12 @@ def test_use_data_before_expert_parallelism_sets_the_expert_layout() -> None:
     engine.destroy()
 
 
-def test_offloading_an_moe_model_is_refused() -> None:
-    cfg = _config(zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}})
-    with pytest.raises(ConfigError, match="offload_optimizer"):
-        dsrun.initialize(model=Net(), config=cfg)
+def test_offloading_an_moe_model_to_nvme_is_refused(tmp_path) -> None:
+    for section in ("offload_optimizer", "offload_param"):
+        cfg = _config(zero_optimization={"stage": 3, section: {"device": "nvme", "nvme_path": str(tmp_path)}})
+        with pytest.raises(ConfigError, match=f"zero_optimization.{section}.device: MoE layers with ZeRO state "
+                                              "offloaded to NVMe"):
+            dsrun.initialize(model=Net(), config=cfg)
 
 
 def test_moe_gpt_layers_counts_and_aux_loss() -> None:

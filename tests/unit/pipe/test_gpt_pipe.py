@@ -86,3 +86,25 @@ def test_micro_batches_in_flight_are_walked_from_the_schedule(stages: int, micro
     for s in range(stages):
         assert blocks_in_flight(TrainSchedule(micro_batches, stages, s), [3]) == 3 * min(micro_batches, stages - s)
         assert blocks_in_flight(GPipeSchedule(micro_batches, stages, s), [3]) == 3 * micro_batches
+
+
+@pytest.mark.parametrize("tied,bias", [(True, True), (False, False)])
+def test_universal_names_of_the_pipelined_gpt_are_the_gpts(tied: bool, bias: bool) -> None:
+    """``module.dense_names`` (dsrun.models.gpt_pipe.dense_names) through the one NameMap universal checkpoints
+    use: every pipeline parameter gets the GPT's name, and copying by those names computes the GPT's logits."""
+    from dsrun.checkpoint.pipeline_state import NameMap, first_layers
+    from dsrun.runtime.pipe.checkpoint import _tied_layers
+
+    config = GPTConfig(**SHAPE, tie_embeddings=tied, bias=bias)
+    torch.manual_seed(0)
+    gpt = GPT(**SHAPE, tie_embeddings=tied, bias=bias)
+    module = gpt_pipeline(config, ds())
+    names = NameMap(first_layers(_tied_layers(module)), module.dense_names)
+    mine, dense = dict(module.named_parameters()), dict(gpt.named_parameters())
+    assert {names.universal(n) for n in mine} == set(dense)
+    with torch.no_grad():
+        for name, param in mine.items():
+            assert names.pipeline(names.universal(name)) == name
+            param.copy_(dense[names.universal(name)])
+    tokens = torch.randint(0, SHAPE["vocab_size"], (3, 10), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(module(tokens), gpt(tokens), rtol=0, atol=0)

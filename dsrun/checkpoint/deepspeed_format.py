@@ -1,0 +1,222 @@
+"""DeepSpeed's own checkpoint files, both ways: what dsrun adds so DeepSpeed's ``load_checkpoint`` takes a dsrun
+checkpoint, and how dsrun reads one that DeepSpeed wrote.
+
+**Writing (dsrun -> DeepSpeed).** dsrun's files already follow DeepSpeed's layout (file names, the model-states
+keys, ``single_partition_of_fp32_groups`` / ``base_optimizer_state`` / ``fp32_flat_groups`` ...). What DeepSpeed
+also reads, and dsrun adds here:
+
+* in every ZeRO optimizer state (stages 1-3, ``optimizer_state_dict`` of ``*_optim_states.pt``): ``ds_version``
+  (DeepSpeed asserts it is there), ``loss_scaler`` (an object of DeepSpeed's class
+  ``deepspeed.runtime.fp16.loss_scaler.LossScaler``: stage 3 calls its methods), ``dynamic_loss_scale``,
+  ``overflow`` and ``clip_grad``;
+* at stage 0 (the optimizer inside ``mp_rank_00_model_states.pt``), beside dsrun's flat state: fp32, the torch
+  optimizer's own per-parameter ``state`` / ``param_groups`` (DeepSpeed steps the client optimizer directly);
+  bf16, the keys of DeepSpeed's unfused bf16 wrapper (``optimizer_state_dict``, per-parameter ``fp32_groups``,
+  the loss scale).
+  The per-parameter tensors are views of the flat ones, so the file holds their elements once.
+
+The loss scaler is written as a reference to DeepSpeed's class by name (:class:`_Pickler`), so writing needs no
+DeepSpeed; DeepSpeed builds its own object when it reads the file.
+
+**Reading (DeepSpeed -> dsrun).** DeepSpeed's files pickle a few of its classes (the loss scaler,
+``ZeroStageEnum``, ``fragment_address``). They stay behind ``torch.load(weights_only=True)``: each is mapped, by
+its full name, to a plain stand-in (``zero_to_fp32.DEEPSPEED_GLOBALS``, which the standalone converter shares),
+never imported or run. :func:`to_dsrun` then turns
+a DeepSpeed optimizer state into the one dsrun's ZeRO strategies load. fp16 checkpoints keep dsrun's own
+``loss_scaler`` entry (a dict) and are not converted.
+"""
+from __future__ import annotations
+
+import pickle
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dsrun.utils.zero_to_fp32 import PickledObject
+
+VERSION = "0.19.8"  # the DeepSpeed release whose checkpoint reader these files were checked against
+_LOSS_SCALER_MODULE = "deepspeed.runtime.fp16.loss_scaler"
+
+
+# --- writing objects of DeepSpeed's classes without DeepSpeed ----------------------------------------------
+@dataclass
+class ForeignObject:
+    """An object of the class ``module.name`` (not importable here), built at load time as ``cls(*args)`` (or,
+    with ``newobj``, ``cls.__new__(cls)``) with ``state`` (if any) set on it."""
+
+    module: str
+    name: str
+    state: dict[str, Any] | None = None
+    args: tuple = ()
+    newobj: bool = False
+
+
+class _Pickler(pickle._Pickler):  # the Python pickler: its save() can write a class reference by name
+    def save(self, obj: Any, save_persistent_id: bool = True) -> None:
+        if type(obj) is ForeignObject:
+            self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
+            self.save(tuple(obj.args))
+            self.write(pickle.NEWOBJ if obj.newobj else pickle.REDUCE)
+            if obj.state is not None:
+                self.save(obj.state)
+                self.write(pickle.BUILD)
+            return
+        super().save(obj, save_persistent_id)
+
+
+PICKLE_MODULE = types.SimpleNamespace(__name__="dsrun_deepspeed_pickle", Pickler=_Pickler, dump=pickle.dump)
+
+
+def holds_foreign(obj: Any) -> bool:
+    if type(obj) is ForeignObject:
+        return True
+    if isinstance(obj, dict):
+        return any(holds_foreign(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(holds_foreign(v) for v in obj)
+    return False
+
+
+# --- dsrun -> DeepSpeed ----------------------------------------------------------------------------------
+def _static_scaler() -> ForeignObject:
+    return ForeignObject(_LOSS_SCALER_MODULE, "LossScaler", {"cur_scale": 1.0, "dynamic": False}, newobj=True)
+
+
+def zero_state_for_deepspeed(sd: dict[str, Any], precision: str, clip_grad: float) -> dict[str, Any]:
+    """A stage 1-3 strategy state with the keys DeepSpeed's ZeRO optimizers read added (fp16: only the version)."""
+    out = dict(sd)
+    out["ds_version"] = VERSION
+    if precision != "fp16":
+        out.update(loss_scaler=_static_scaler(), dynamic_loss_scale=False, clip_grad=float(clip_grad))
+        out.setdefault("overflow", False)
+    return out
+
+
+def _split(flat: torch.Tensor, shapes: list[Any]) -> list[torch.Tensor]:
+    """Views of ``flat``'s leading elements, one per shape."""
+    views, offset = [], 0
+    for shape in shapes:
+        numel = int(torch.Size(shape).numel())
+        views.append(flat[offset: offset + numel].view(shape))
+        offset += numel
+    return views
+
+
+def _scalar(key: str, value: Any) -> Any:
+    """A per-parameter copy of a scalar state entry; the step count as its own float32 tensor, as torch's Adam
+    keeps it (and adds to it in place)."""
+    if key == "step":
+        return torch.tensor(float(value), dtype=torch.float32)
+    return value.clone() if torch.is_tensor(value) else value
+
+
+def _per_parameter(base: dict[str, Any], group_shapes: list[list[Any]]) -> dict[str, Any]:
+    """A torch optimizer state over one flat tensor per group, as the same optimizer's state over the separate
+    parameters (ids numbered across groups, as ``Optimizer.state_dict`` does); views, not copies."""
+    state, groups, next_id = {}, [], 0
+    for group, shapes in zip(base["param_groups"], group_shapes):
+        ids = list(range(next_id, next_id + len(shapes)))
+        next_id += len(shapes)
+        flat_state = base["state"].get(group["params"][0], {}) if group["params"] else {}
+        split = {k: _split(v, shapes) for k, v in flat_state.items() if torch.is_tensor(v) and v.dim() == 1}
+        for i, pid in enumerate(ids):
+            if flat_state:
+                state[pid] = {k: split[k][i] if k in split else _scalar(k, v) for k, v in flat_state.items()}
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+    return {"state": state, "param_groups": groups}
+
+
+def stage0_for_deepspeed(sd: dict[str, Any], precision: str, steps: int) -> dict[str, Any]:
+    """A stage-0 strategy state with what DeepSpeed's stage 0 reads added. DeepSpeed steps a torch optimizer
+    over the separate parameters: fp32, its ``state`` / ``param_groups`` go at the top; bf16, inside the keys of
+    DeepSpeed's unfused bf16 wrapper (``optimizer_state_dict``, per-parameter ``fp32_groups``, the loss scale).
+    fp16 is left as it is."""
+    out = dict(sd)
+    if precision not in ("fp32", "bf16"):
+        return out
+    per_parameter = _per_parameter(sd["base_optimizer_state"], sd["param_shapes"])
+    if precision == "fp32":
+        out.update(per_parameter)
+    else:
+        masters = [_split(m, shapes) for m, shapes in zip(sd["single_partition_of_fp32_groups"], sd["param_shapes"])]
+        out.update(dynamic_loss_scale=False, cur_scale=1.0, cur_iter=int(steps), optimizer_state_dict=per_parameter,
+                   fp32_groups=masters)
+    return out
+
+
+# --- DeepSpeed -> dsrun ----------------------------------------------------------------------------------
+def _scaler_state(scaler: Any) -> Any:
+    """DeepSpeed's pickled loss scaler as dsrun's loss-scaler state dict."""
+    if not isinstance(scaler, PickledObject):
+        return scaler
+    if getattr(scaler, "dynamic", False):
+        keys = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+        return {k: getattr(scaler, k) for k in keys if hasattr(scaler, k)}
+    return {"cur_scale": float(getattr(scaler, "cur_scale", 1.0))}
+
+
+def is_deepspeed_stage0(sd: Any) -> bool:
+    return isinstance(sd, dict) and "zero_stage" not in sd and any(
+        k in sd for k in ("param_groups", "fp32_groups", "fp32_groups_flat"))
+
+
+def to_dsrun(sd: dict[str, Any]) -> dict[str, Any]:
+    """A stage 1-3 ZeRO optimizer state that DeepSpeed (or dsrun) wrote, as dsrun's strategies load it."""
+    out = {k: v for k, v in sd.items() if k not in ("param_slice_mappings", "ds_version")}
+    if isinstance(out.get("zero_stage"), int):
+        out["zero_stage"] = int(out["zero_stage"])
+    count = out.get("partition_count")
+    if isinstance(count, (list, tuple)):
+        out["partition_count"] = max(int(c) for c in count)
+    if isinstance(out.get("loss_scaler"), PickledObject):
+        out["loss_scaler"] = _scaler_state(out["loss_scaler"])
+    if any(any(pads) for pads in out.pop("param_alignment_paddings", None) or []):
+        raise RuntimeError("this DeepSpeed checkpoint pads parameters to zero_optimization.parameter_alignment, "
+                           "which dsrun does not implement; save it without parameter_alignment")
+    return out
+
+
+def _flat_per_group(per_parameter: dict[str, Any], numels: list[list[int]]) -> dict[str, Any]:
+    """The inverse of :func:`_per_parameter`: a torch optimizer state over separate parameters as the state
+    over one flat tensor per group."""
+    state, groups = {}, []
+    for gi, group in enumerate(per_parameter["param_groups"]):
+        ids = list(group["params"])
+        if gi >= len(numels) or len(ids) != len(numels[gi]):
+            raise RuntimeError(f"this DeepSpeed stage-0 checkpoint has {len(ids)} parameters in optimizer group "
+                               f"{gi}; the model here trains {len(numels[gi]) if gi < len(numels) else 0}")
+        entries = [per_parameter["state"].get(pid, {}) for pid in ids]
+        if entries and all(entries):
+            state[gi] = {k: torch.cat([e[k].reshape(-1) for e in entries]) if torch.is_tensor(v) and v.dim() > 0
+                         else v for k, v in entries[0].items()}
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": [gi]})
+    return {"state": state, "param_groups": groups}
+
+
+def stage0_to_dsrun(sd: dict[str, Any], group_shapes: list[Any], module_sd: dict[str, torch.Tensor]
+                    ) -> dict[str, Any]:
+    """DeepSpeed's stage-0 optimizer state as dsrun's stage-0 strategy state: fp32, the torch optimizer's
+    per-parameter state (the masters are the saved module's weights); bf16, its unfused wrapper's (per-parameter
+    ``fp32_groups``) or fused wrapper's (``fp32_groups_flat``). ``group_shapes``: the live strategy's
+    ``{name: shape}`` per group (DeepSpeed's stage-0 file names no parameter)."""
+    if not is_deepspeed_stage0(sd):
+        return sd
+    numels = [[int(torch.Size(s).numel()) for s in shapes.values()] for shapes in group_shapes]
+    if "fp32_groups_flat" in sd:  # fused: already one flat master and torch state per group
+        masters, base = [t.float() for t in sd["fp32_groups_flat"]], sd["optimizer_state_dict"]
+    elif "fp32_groups" in sd:
+        masters = [torch.cat([t.float().reshape(-1) for t in group]) for group in sd["fp32_groups"]]
+        base = _flat_per_group(sd["optimizer_state_dict"], numels)
+    else:
+        masters = [torch.cat([module_sd[name].detach().float().reshape(-1) for name in shapes])
+                   for shapes in group_shapes]
+        base = _flat_per_group(sd, numels)
+    for gi, master in enumerate(masters):
+        if gi >= len(numels) or master.numel() != sum(numels[gi]):
+            raise RuntimeError(f"this DeepSpeed stage-0 checkpoint's group {gi} holds {master.numel()} elements; "
+                               f"the model here has {sum(numels[gi]) if gi < len(numels) else 0}")
+    return {"zero_stage": 0, "partition_count": 1, "base_optimizer_state": base,
+            "single_partition_of_fp32_groups": masters, "group_paddings": [0] * len(masters),
+            "param_shapes": [list(shapes.values()) for shapes in group_shapes]}

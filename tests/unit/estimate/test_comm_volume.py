@@ -1,0 +1,46 @@
+"""The estimator's comm volume per optimizer step (dsrun/estimate/comm_volume.py): the ZeRO paper's
+3 psi against 2 psi, and ZeRO++'s quantized bytes (qwZ, qgZ) from the message layout of
+dsrun/comm/quantized.py."""
+from __future__ import annotations
+
+import pytest
+
+from dsrun.comm import quantized as q
+from dsrun.estimate.comm_volume import step_comm_volume
+from dsrun.estimate.inputs import BufferSettings, EstimateInputs
+
+PSI = 1_000_000
+
+
+def spec(stage: int = 3, precision: str = "fp32", nodes: int = 1, per_node: int = 4, **zero) -> EstimateInputs:
+    return EstimateInputs(total_params=PSI, largest_layer_params=PSI // 10, ranks_per_node=per_node, nodes=nodes,
+                          zero_stage=stage, precision=precision, buffers=BufferSettings.from_zero_config(zero))
+
+
+def test_stage3_moves_one_and_a_half_times_stage0() -> None:
+    s0, s3 = step_comm_volume(spec(0)), step_comm_volume(spec(3))
+    assert (s0.gradient_op, s3.gradient_op) == ("all_reduce", "reduce_scatter")
+    assert s3.traffic_bytes == pytest.approx(1.5 * s0.traffic_bytes)
+    assert s3.gather_bytes == 2 * PSI * 4 and s3.gradient_bytes == PSI * 4
+
+
+@pytest.mark.parametrize("precision,element", [("fp32", 4), ("bf16", 2)])
+def test_quantized_weights_and_gradients(precision: str, element: int) -> None:
+    base = step_comm_volume(spec(precision=precision))
+    qwz = step_comm_volume(spec(precision=precision, zero_quantized_weights=True))
+    qgz = step_comm_volume(spec(precision=precision, zero_quantized_gradients=True))
+    assert qwz.gather_bytes / base.gather_bytes == pytest.approx((1 + 4 / q.WEIGHT_BLOCK) / element)
+    assert qwz.gradient_bytes == base.gradient_bytes
+    assert qgz.gradient_op == "all_to_all_single"
+    assert qgz.gradient_bytes / base.gradient_bytes == pytest.approx((0.5 + 4 / q.GRAD_BLOCK) / element)
+    assert qwz.gather_bytes / base.gather_bytes <= 0.55 and qgz.gradient_bytes / base.gradient_bytes <= 0.3
+
+
+def test_qgz_across_nodes_adds_the_inter_node_all_to_all() -> None:
+    one = step_comm_volume(spec(nodes=1, per_node=8, zero_quantized_gradients=True))
+    two = step_comm_volume(spec(nodes=2, per_node=4, zero_quantized_gradients=True))
+    assert two.gradient_bytes == pytest.approx(one.gradient_bytes * (1 + 1 / 4))
+
+
+def test_one_rank_communicates_nothing() -> None:
+    assert step_comm_volume(spec(per_node=1)).traffic_bytes == 0.0
