@@ -9,6 +9,41 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("DSRUN_MLFLOW", "false")
 
 
+ESTIMATE_TABLE_PROPERTY = "dsrun_estimate_table"
+
+
+class _EstimateTables:
+    """Collects the estimator table lines tests put in their ``ESTIMATE_TABLE_PROPERTY`` user property (from any xdist worker) and
+    prints them in the terminal summary."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def pytest_runtest_logreport(self, report) -> None:
+        if report.when == "call":
+            for name, value in report.user_properties:
+                if name == ESTIMATE_TABLE_PROPERTY:
+                    self.lines.extend(value)
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if self.lines:
+            terminalreporter.section("dsrun estimate-memory: predicted vs measured peak per rank")
+            for line in self.lines:
+                terminalreporter.write_line(line)
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_EstimateTables(), "dsrun-estimate-tables")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The suite runs on two pytest-xdist workers (``--dist loadgroup``, pyproject.toml). The multi-host tests
+    share one pair of network-namespace hosts (a session fixture, set up once per worker): keep them on one."""
+    for item in items:
+        if item.get_closest_marker("multihost"):
+            item.add_marker(pytest.mark.xdist_group("two_hosts"))
+
+
 @pytest.fixture
 def port():
     from tests.helpers import free_port

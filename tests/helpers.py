@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import subprocess
@@ -40,7 +41,9 @@ def _rank_entry(fn: Callable, rank: int, world_size: int, port: int, threads: in
 
     torch.set_num_threads(threads)
     try:
-        results.put((rank, "ok", fn(rank, world_size, *args)))
+        # pickled here, by value: through the queue torch would share a tensor's storage by a file descriptor
+        # that its (by then maybe exited) process must still serve, and the parent's read would fail
+        results.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # report everything, including assertion errors, to the parent
         results.put((rank, "error", traceback.format_exc()))
 
@@ -86,7 +89,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120) -
                 else:
                     continue
             if status == "ok":
-                outcome[rank] = value
+                outcome[rank] = pickle.loads(value)
             else:
                 errors.append(f"rank {rank} failed:\n{value}")
                 break  # one failure is enough; the others may now hang in a collective
