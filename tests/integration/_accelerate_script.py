@@ -13,23 +13,12 @@ from accelerate import Accelerator
 from accelerate.utils import DeepSpeedPlugin, DummyOptim
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from _hf_data import Sequences
+
 stage, output_dir = int(sys.argv[1]), sys.argv[2]
 ds_config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
              "zero_optimization": {"stage": stage}, "steps_per_print": 1000}
-
-
-class Sequences(torch.utils.data.Dataset):
-    """64 sequences whose next token is always the current one + 3 (mod 64): learnable in a few steps."""
-
-    def __init__(self):
-        self.tokens = (torch.arange(16)[None, :] * 3 + torch.arange(64)[:, None]) % 64
-
-    def __len__(self):
-        return len(self.tokens)
-
-    def __getitem__(self, index):
-        return {"input_ids": self.tokens[index], "labels": self.tokens[index]}
 
 
 accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds_config))

@@ -8,6 +8,8 @@ import sys
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
+from _hf_data import Sequences
+
 stage, output_dir, max_steps = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 resume_from = sys.argv[4] if len(sys.argv) > 4 else None
 
@@ -20,19 +22,6 @@ ds_config = {
     "bf16": {"enabled": "auto"},
     "zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": stage == 3},
 }
-
-
-class Sequences(torch.utils.data.Dataset):
-    """64 sequences whose next token is always the current one + 3 (mod 64): learnable in a few steps."""
-
-    def __init__(self):
-        self.tokens = (torch.arange(16)[None, :] * 3 + torch.arange(64)[:, None]) % 64
-
-    def __len__(self):
-        return len(self.tokens)
-
-    def __getitem__(self, index):
-        return {"input_ids": self.tokens[index], "labels": self.tokens[index]}
 
 
 args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=4, max_steps=max_steps,
