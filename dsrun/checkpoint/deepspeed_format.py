@@ -36,6 +36,8 @@ import torch
 
 from dsrun.utils.zero_to_fp32 import PickledObject
 
+from .safe_load import load_file
+
 VERSION = "0.19.8"  # the DeepSpeed release whose checkpoint reader these files were checked against
 _LOSS_SCALER_MODULE = "deepspeed.runtime.fp16.loss_scaler"
 
@@ -160,6 +162,11 @@ def _scaler_state(scaler: Any) -> Any:
 def is_deepspeed_stage0(sd: Any) -> bool:
     return isinstance(sd, dict) and "zero_stage" not in sd and any(
         k in sd for k in ("param_groups", "fp32_groups", "fp32_groups_flat"))
+
+
+def load_zero_state(path: Any) -> dict[str, Any]:
+    """The ZeRO state in a stage 1-3 optimizer-states file, DeepSpeed's or dsrun's, as dsrun's strategies load it."""
+    return to_dsrun(load_file(path)["optimizer_state_dict"])
 
 
 def to_dsrun(sd: dict[str, Any]) -> dict[str, Any]:

@@ -315,8 +315,7 @@ def rank_optimizer_states(tag_dir: Path, model_states: dict[str, Any], stage: in
     ``group_shapes``: the live strategy's, which a DeepSpeed stage-0 file needs)."""
     if stage == 0:
         return [stage0_state(model_states, group_shapes)]
-    states = [deepspeed_format.to_dsrun(load_file(path)["optimizer_state_dict"])
-              for path in optim_files(tag_dir, world, bf16)]
+    states = [deepspeed_format.load_zero_state(path) for path in optim_files(tag_dir, world, bf16)]
     if int(states[0].get("mics_shard_size", -1)) > 0:
         raise RuntimeError(f"{tag_dir}: saved under MiCS (mics_shard_size {states[0]['mics_shard_size']}), which "
                            "loads only into the same layout; rebuild the fp32 model with zero_to_fp32 instead")
@@ -405,8 +404,8 @@ def _restore_strategy(engine: Any, tag_dir: Path, model_states: dict[str, Any], 
                                                          load_optimizer_states))
         return
     if load_optimizer_states and same_layout:
-        own = (stage0_state(model_states, live_shapes) if stage_saved == 0 else deepspeed_format.to_dsrun(
-            load_file(optim_files(tag_dir, world_saved, engine.bfloat16_enabled())[dp_rank])["optimizer_state_dict"]))
+        own = (stage0_state(model_states, live_shapes) if stage_saved == 0 else deepspeed_format.load_zero_state(
+            optim_files(tag_dir, world_saved, engine.bfloat16_enabled())[dp_rank]))
         strategy.load_state_dict(own)
         _restore_rank_states(strategy, tag_dir, world_saved, dp_rank, same_layout=True)
         return

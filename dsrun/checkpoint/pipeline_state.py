@@ -106,7 +106,7 @@ def stage_optimizer_states(tag_dir: Path, slice_states: dict[str, Any], slice_ra
     for prefer in (bf16, not bf16):
         paths = [tag_dir / layout.optim_states_name(d, prefer, mp_rank=slice_rank) for d in range(world)]
         if all(p.is_file() for p in paths):
-            return [deepspeed_format.to_dsrun(load_file(p)["optimizer_state_dict"]) for p in paths]
+            return [deepspeed_format.load_zero_state(p) for p in paths]
     raise FileNotFoundError(f"{tag_dir}: the optimizer files of stage slice {slice_rank} are missing")
 
 
