@@ -3,7 +3,8 @@ the step time a 1 Gbit/s link would give, and convergence on the gpt_onebit reci
 
     PYTHONPATH=. python benchmarks/onebit.py traffic [--steps 30] [--warmup 10] [--json out.json]
     PYTHONPATH=. python benchmarks/onebit.py convergence [--steps 600] [--freeze 100] [--precisions fp32 bf16]
-                                                         [--runs Adam "1-bit Adam" ...]
+                                                         [--runs Adam "1-bit Adam" ...] [--adam-lr 6e-3]
+                                                         [--lamb-lr 1e-2] [--out DIR]
 
 **traffic**: the recipe's model (gpt-nano, 372,576 parameters) on random bytes, micro-batch 16 per rank.
 Every optimizer keeps its own model copy in the same two processes and they take turns step by step, so load
@@ -16,7 +17,9 @@ per message step (a ring all-reduce on N ranks takes 2(N-1) steps, the other col
 125e6 bytes/s.
 
 **convergence**: ``dsrun train +recipe=gpt_onebit`` (gpt-nano on the Python-stdlib bytes, 2 ranks, WarmupCosine
-LR) for every optimizer and precision, ``--steps`` steps with the warm-up ending at ``--freeze``; the final
+LR) for every optimizer and precision, ``--steps`` steps with the warm-up ending at ``--freeze``, one peak lr
+for the Adam family (``--adam-lr``) and one for the LAMB family (``--lamb-lr``), the same for a compressed
+optimizer and its baseline (the defaults were chosen by the baselines' loss in 200-step runs); the final
 mean training loss over the last 100 steps against the baseline's (Adam for the Adam family, LAMB for
 1-bit LAMB: both dsrun's ``Lamb``, one trust ratio per flat group, and layer-wise LAMB, which is 1-bit
 LAMB that never freezes), and the run's total bytes sent by rank 0 (comms.json) against the baseline's.
@@ -43,6 +46,9 @@ GPT_NANO = dict(vocab_size=256, block_size=128, n_layer=3, n_head=4, n_embd=96, 
                 tie_embeddings=True)
 COMMON = dict(lr=1e-3, betas=[0.9, 0.95], eps=1e-8, weight_decay=0.1)
 LAMB_COMMON = dict(lr=1e-3, betas=[0.9, 0.999], eps=1e-8, weight_decay=0.01)
+# convergence: the peak lr of the Adam family and of the LAMB family, chosen by the baselines' (Adam's,
+# LAMB's) loss in 200-step runs (docs/onebit.md)
+ADAM_LR, LAMB_LR = 3e-3, 1e-2
 
 
 def traffic_optimizers(warmup: int) -> dict[str, dict]:
@@ -148,15 +154,17 @@ def traffic(args: argparse.Namespace) -> dict:
 
 
 # --- convergence ----------------------------------------------------------------------------------------
-def convergence_runs(freeze: int) -> dict[str, list[str]]:
+def convergence_runs(freeze: int, adam_lr: float = ADAM_LR, lamb_lr: float = LAMB_LR) -> dict[str, list[str]]:
+    """Each run's overrides: one lr for the Adam family and one for the LAMB family, passed to every run."""
     never = 10 ** 9
+    adam, lamb = f"optimizer.params.lr={adam_lr:g}", f"optimizer.params.lr={lamb_lr:g}"
     return {
-        "Adam": ["optimizer=adamw"],
-        "1-bit Adam": ["optimizer=onebit_adam", f"optimizer.params.freeze_step={freeze}"],
-        "0/1 Adam": ["optimizer=zero_one_adam", f"optimizer.params.var_freeze_step={freeze}"],
-        "LAMB": ["optimizer=lamb"],
-        "LAMB (layer-wise)": ["optimizer=onebit_lamb", f"optimizer.params.freeze_step={never}"],
-        "1-bit LAMB": ["optimizer=onebit_lamb", f"optimizer.params.freeze_step={freeze}"],
+        "Adam": ["optimizer=adamw", adam],
+        "1-bit Adam": ["optimizer=onebit_adam", adam, f"optimizer.params.freeze_step={freeze}"],
+        "0/1 Adam": ["optimizer=zero_one_adam", adam, f"optimizer.params.var_freeze_step={freeze}"],
+        "LAMB": ["optimizer=lamb", lamb],
+        "LAMB (layer-wise)": ["optimizer=onebit_lamb", lamb, f"optimizer.params.freeze_step={never}"],
+        "1-bit LAMB": ["optimizer=onebit_lamb", lamb, f"optimizer.params.freeze_step={freeze}"],
     }
 
 
@@ -188,16 +196,18 @@ def convergence(args: argparse.Namespace) -> dict:
     root = args.out or Path(tempfile.mkdtemp(prefix="dsrun-onebit-bench-"))
     results: dict[str, dict] = {}
     for precision in args.precisions:
-        for name, overrides in convergence_runs(args.freeze).items():
+        for name, overrides in convergence_runs(args.freeze, args.adam_lr, args.lamb_lr).items():
             if args.runs and name not in args.runs:
                 continue
-            run = train([*overrides, f"precision={precision}", f"train.max_steps={args.steps}"],
-                        root / f"{precision}-{re.sub(r'[^A-Za-z0-9_-]', '', name.replace(' ', '_'))}")
+            lr = args.lamb_lr if "LAMB" in name else args.adam_lr
+            folder = f"{precision}-{re.sub(r'[^A-Za-z0-9_-]', '', name.replace(' ', '_'))}-{args.steps}-{args.freeze}-lr{lr:g}"
+            run = train([*overrides, f"precision={precision}", f"train.max_steps={args.steps}"], root / folder)
             results[f"{precision}/{name}"] = run
             took = f"({run['wall_s']:.0f} s)" if run["wall_s"] == run["wall_s"] else "(read from --out)"
             print(f"{precision:<5} {name:<18} final loss {run['final']:.4f}  bytes {run['bytes']:,.0f}  {took}",
                   flush=True)
-    print(f"\n{args.steps} steps, warm-up {args.freeze}; final = mean training loss of the last 100 steps; "
+    print(f"\n{args.steps} steps, warm-up {args.freeze}, lr {args.adam_lr:g} (Adam family) and {args.lamb_lr:g} "
+          "(LAMB family); final = mean training loss of the last 100 steps; "
           f"load average {os.getloadavg()[0]:.1f}")
     verdicts = {}
     for precision in args.precisions:
@@ -224,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--steps", type=int, default=600)
     c.add_argument("--freeze", type=int, default=100)
     c.add_argument("--precisions", nargs="+", default=["fp32", "bf16"])
+    c.add_argument("--adam-lr", type=float, default=ADAM_LR, help="the peak lr of Adam, 1-bit Adam and 0/1 Adam")
+    c.add_argument("--lamb-lr", type=float, default=LAMB_LR, help="the peak lr of LAMB and 1-bit LAMB")
     c.add_argument("--runs", nargs="+", default=None, choices=list(convergence_runs(0)),
                    help="only these runs (default: all six); a comparison needs both of its runs")
     c.add_argument("--out", type=Path, default=None,
