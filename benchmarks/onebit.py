@@ -48,7 +48,7 @@ COMMON = dict(lr=1e-3, betas=[0.9, 0.95], eps=1e-8, weight_decay=0.1)
 LAMB_COMMON = dict(lr=1e-3, betas=[0.9, 0.999], eps=1e-8, weight_decay=0.01)
 # convergence: the peak lr of the Adam family and of the LAMB family, chosen by the baselines' (Adam's,
 # LAMB's) loss in 200-step runs (docs/onebit.md)
-ADAM_LR, LAMB_LR = 3e-3, 1e-2
+ADAM_LR, LAMB_LR = 6e-3, 1e-2
 
 
 def traffic_optimizers(warmup: int) -> dict[str, dict]:
