@@ -72,6 +72,7 @@ class BufferSettings:
     offload_optimizer_buffer_count: int = 4
     zero_quantized_weights: bool = False  # ZeRO++ qwZ: stage-3 gathers carry INT8 blocks (dsrun/comm/quantized.py)
     zero_quantized_gradients: bool = False  # ZeRO++ qgZ: the gradient reduce-scatter is an INT4 all-to-all
+    zero_quantized_nontrainable_weights: bool = False  # frozen stage-3 shards kept (and gathered) as INT8 blocks
 
     @classmethod
     def from_zero_config(cls, zero: Mapping[str, Any]) -> "BufferSettings":
@@ -100,6 +101,7 @@ class BufferSettings:
                                                                      d.offload_optimizer_buffer_count)),
             zero_quantized_weights=bool(zero.get("zero_quantized_weights", False)),
             zero_quantized_gradients=bool(zero.get("zero_quantized_gradients", False)),
+            zero_quantized_nontrainable_weights=bool(zero.get("zero_quantized_nontrainable_weights", False)),
         )
 
 
