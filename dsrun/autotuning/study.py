@@ -402,7 +402,11 @@ class Tuner:
         except UserError as err:
             text = "; ".join(str(p) for p in err.problems)
             return self._finish(trial, INVALID, error=f"invalid configuration: {text}", error_line=text)
-        memory = self.gate.check(cfg)
+        try:
+            memory = self.gate.check(cfg)
+        except UserError as err:  # settings the estimator refuses as the engine would (hpZ with MiCS)
+            text = "; ".join(str(p) for p in err.problems)
+            return self._finish(trial, INVALID, error=f"invalid configuration: {text}", error_line=text)
         trial.set_user_attr("estimated_bytes_per_rank", memory.need_bytes)
         if memory.comm is not None:
             trial.set_user_attr("estimated_comm_per_step", memory.comm)

@@ -204,6 +204,9 @@ class EstimateInputs:
             size = getattr(self, name)
             if size > 1 and self.world_size % size:
                 yield Problem(f"zero_optimization.{key}", f"got {size}; it must divide the {self.world_size} ranks")
+        if self.partition_ranks < self.world_size and self.hpz_ranks:  # as the engine refuses it
+            yield Problem("zero_optimization.zero_hpz_partition_size", "hpZ and MiCS (mics_shard_size) cannot be "
+                          "combined", "set one of them")
         if self.trainable_params is not None and not 0 <= self.trainable_params <= self.total_params:
             yield Problem("trainable_params", f"must be between 0 and total_params, got {self.trainable_params}")
 
