@@ -19,7 +19,10 @@ ATTR = "ds_quantized_shard"
 
 
 def store_quantized(param: torch.nn.Parameter, block: int = quantized.WEIGHT_BLOCK) -> None:
-    """Keep ``param``'s shard as its INT8 message; ``ds_tensor`` becomes an empty placeholder."""
+    """Keep ``param``'s shard as its INT8 message; ``ds_tensor`` becomes an empty placeholder. A parameter
+    already kept quantized (a model handed to a second engine) stays as it is."""
+    if message_of(param) is not None:
+        return
     shard = param.ds_tensor
     setattr(param, ATTR, quantized.encode(shard, 8, block))
     param.ds_quantized_block = block
