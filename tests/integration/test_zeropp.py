@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from dsrun.comm import quantized as q
+from dsrun.estimate.inputs import BufferSettings, EstimateInputs
+from dsrun.estimate.model_states import model_state_bytes
 from tests.helpers import run_ranks
 from tests.integration import _zeropp_workloads as w
 from tests.unit.comm.test_quantized import simulate_all_gather, simulate_reduce_scatter
@@ -135,7 +137,7 @@ def _frozen_layer_scales(value: torch.Tensor) -> torch.Tensor:
 
 def test_nontrainable_weights_kept_int8(ranks: list[dict]) -> None:
     """zero_quantized_nontrainable_weights: each rank holds the frozen Linear's shards as INT8 codes plus
-    one fp32 scale per block (exact byte count), the trainable ones in fp32."""
+    one fp32 scale per block (exact byte count), the trainable ones in fp32; the estimator predicts it."""
     frozen_parts = [-(-n // WORLD) for n in (w.IN * w.HIDDEN, w.HIDDEN)]
     trainable_parts = [-(-n // WORLD) for n in (w.HIDDEN * w.OUT, w.OUT)]
     for rank in ranks:
@@ -143,6 +145,12 @@ def test_nontrainable_weights_kept_int8(ranks: list[dict]) -> None:
         assert rank["frozen"]["parameter_bytes"] == 4 * (sum(frozen_parts) + sum(trainable_parts))
         assert rank["frozen_nontrainable"]["parameter_bytes"] == kept + 4 * sum(trainable_parts)
         assert kept <= 0.26 * 4 * sum(frozen_parts)
+        # the estimator's count for this model: here the per-parameter blocks add up to the flat count
+        spec = EstimateInputs(total_params=w.IN * w.HIDDEN + w.HIDDEN + w.HIDDEN * w.OUT + w.OUT,
+                              trainable_params=w.HIDDEN * w.OUT + w.OUT, largest_layer_params=w.IN * w.HIDDEN,
+                              ranks_per_node=WORLD, zero_stage=3, precision="fp32", small_params=0,
+                              buffers=BufferSettings(zero_quantized_nontrainable_weights=True))
+        assert model_state_bytes(spec).device_params == rank["frozen_nontrainable"]["parameter_bytes"]
 
 
 def test_nontrainable_weights_compute_with_the_kept_values(ranks: list[dict]) -> None:
