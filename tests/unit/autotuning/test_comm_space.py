@@ -12,10 +12,11 @@ from pathlib import Path
 import yaml
 from omegaconf import OmegaConf
 
-from dsrun.autotuning import Tuner, build_space, settings_from, trial_rows, write_results
+from dsrun.autotuning import Tuner, build_space, settings_from, trial_rows
 from dsrun.autotuning import study as study_module
 from dsrun.autotuning.results import best_row
 from dsrun.autotuning.trial import LaunchResult
+from dsrun.cli.tune import Reporter, tune_and_report
 from dsrun.compose import compose_runspec
 from dsrun.estimate.comm_volume import step_comm_volume
 from dsrun.estimate.runspec import build_recipe_model, inputs_from_runspec
@@ -44,7 +45,8 @@ def fake_launch(exp, timeout, env=None, on_start=None):
     return LaunchResult(0, 0.1, worker_metrics=worker)
 
 
-def test_comm_settings_are_tuned_and_each_trial_records_the_estimators_bytes(tmp_path: Path, monkeypatch) -> None:
+def test_comm_settings_are_tuned_and_each_trial_records_the_estimators_bytes(tmp_path: Path, monkeypatch,
+                                                                              capsys) -> None:
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(study_module, "launch", fake_launch)
     cfg = compose_runspec(OVERRIDES, [])
@@ -68,7 +70,9 @@ def test_comm_settings_are_tuned_and_each_trial_records_the_estimators_bytes(tmp
         return composed, resolve_run(composed)
 
     tuner = Tuner(settings, space, OVERRIDES, [], compose)
-    study = tuner.run()
+    assert tune_and_report(tuner, Reporter(settings, space), run_best=False) == 0  # as dsrun tune runs it
+    study = tuner.study
+    assert "comm MB/step" in capsys.readouterr().out
     launched = [t for t in study.trials if t.user_attrs["kind"] == "launched"]
     invalid = [t for t in study.trials if t.user_attrs["kind"] == "invalid"]
     assert len(launched) == 12 and len(invalid) == 4  # hpZ with MiCS: refused as the engine refuses it
@@ -108,5 +112,5 @@ def test_comm_settings_are_tuned_and_each_trial_records_the_estimators_bytes(tmp
     assert best_row(rows, settings).number == best.number
     loose = best_row(rows, replace(settings, comm_tolerance=0.05))
     assert loose.comm_bytes == least["traffic_bytes"] and loose.value < best.value
-    summary = write_results(tuner)["summary"].read_text()
+    summary = (settings.results_dir / "summary.txt").read_text()
     assert "comm_bytes_per_step" in summary and f"{least['traffic_bytes']:.6g}" in summary
