@@ -26,6 +26,7 @@ _NOTHING_LEFT = "leaves no slots to run on"
 def parse_args(args: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="deepspeed", description="DeepSpeed's launcher flags, run by dsrun")
     add_arguments(parser)
+    parser.allow_abbrev = True  # DeepSpeed's parser takes unambiguous prefixes (--launcher_arg); dsrun's does not
     return parser.parse_args(args)
 
 
