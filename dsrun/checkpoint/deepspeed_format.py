@@ -23,7 +23,9 @@ DeepSpeed; DeepSpeed builds its own object when it reads the file.
 its full name, to a plain stand-in (``zero_to_fp32.DEEPSPEED_GLOBALS``, which the standalone converter shares),
 never imported or run. :func:`to_dsrun` then turns
 a DeepSpeed optimizer state into the one dsrun's ZeRO strategies load. fp16 checkpoints keep dsrun's own
-``loss_scaler`` entry (a dict) and are not converted.
+``loss_scaler`` entry (a dict) and are not converted. (Under the ``deepspeed`` alias, a plain
+``torch.load(path, weights_only=False)`` of either side's files builds dsrun's own scaler classes,
+:mod:`dsrun.runtime.fp16.loss_scaler`; dsrun's loaders never unpickle them and keep to the stand-ins.)
 """
 from __future__ import annotations
 
