@@ -1,6 +1,6 @@
 """DeepSpeed's optimizer-wrapper names (``DeepSpeedZeroOptimizer``, ``DeepSpeedZeroOptimizer_Stage3``,
 ``FP16_Optimizer``, ``FP16_UnfusedOptimizer``) answer ``isinstance(engine.optimizer, ...)`` as DeepSpeed's
-engine does for the same config: one wrapper per stage/precision/optimizer, none for fp32 or bf16 without ZeRO."""
+engine (0.19) does for the same config: one wrapper per stage/precision/optimizer, none for fp32 without ZeRO."""
 from __future__ import annotations
 
 import pytest
@@ -29,7 +29,9 @@ def _wrapper_of(config: dict, optimizer=None):
 
 @pytest.mark.parametrize("config, optimizer, expected", [
     ({"optimizer": ADAM}, None, None),  # fp32 without ZeRO: DeepSpeed keeps the bare optimizer
-    ({"optimizer": ADAM, "bf16": {"enabled": True}}, None, None),  # BF16_Optimizer, not one of the four
+    ({"optimizer": ADAM, "bf16": {"enabled": True}}, None, "FP16_Optimizer"),  # DeepSpeed 0.19's "DDP bf16"
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 0.01, "torch_adam": True}}, "bf16": {"enabled": True}}, None,
+     "FP16_UnfusedOptimizer"),
     ({"optimizer": ADAM, "fp16": {"enabled": True}}, None, "FP16_Optimizer"),  # DeepSpeed builds FusedAdam
     ({"optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}}, "fp16": {"enabled": True}}, None,
      "FP16_UnfusedOptimizer"),
@@ -42,7 +44,7 @@ def _wrapper_of(config: dict, optimizer=None):
       "data_types": {"grad_accum_dtype": "fp32"}, "dsrun_allow_unimplemented": True}, None,
      None),  # DeepSpeed's BF16_Optimizer path (dsrun runs it without the fp32 accumulation, with a warning)
     ({"optimizer": ADAM, "zero_optimization": {"stage": 3}}, None, "DeepSpeedZeroOptimizer_Stage3"),
-], ids=["fp32", "bf16", "fp16-adam", "fp16-torch-adam", "fp16-lamb", "fp16-client-sgd", "fp16-client-fused",
+], ids=["fp32", "bf16", "bf16-torch-adam", "fp16-adam", "fp16-torch-adam", "fp16-lamb", "fp16-client-sgd", "fp16-client-fused",
         "zero1", "zero2-fp16", "zero1-bf16-fp32-accum", "zero3"])
 def test_isinstance_answers_as_deepspeeds_engine(world_of_one, config, optimizer, expected):
     assert _wrapper_of(config, optimizer) == expected
