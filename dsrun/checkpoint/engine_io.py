@@ -41,8 +41,9 @@ DS_KEYS = frozenset({"module", "buffer_names", "optimizer", "param_shapes", "fro
 DS_VERSION = "0.14.1"  # the DeepSpeed layout these files follow
 
 
-class CheckpointTagError(UserError):
-    """Ranks passed different tags to save_checkpoint with ``checkpoint.tag_validation: Fail``."""
+class CheckpointTagError(UserError, AssertionError):
+    """Ranks passed different tags to save_checkpoint with ``checkpoint.tag_validation: Fail`` (also an
+    AssertionError, which DeepSpeed raises there)."""
 
 
 def _say(engine: Any, message: str, level: int = logging.INFO) -> None:
