@@ -20,7 +20,6 @@ ZERO_PP = Feature("ZeRO++ (quantized weights and gradients, hierarchical partiti
 MICS_PARITY = "tests/integration/test_mics_hpz.py::test_mics_partitions_over_shard_groups_and_matches_zero3"
 MICS_HPZ = "tests/integration/test_mics_hpz.py::test_hpz_backward_gathers_stay_in_the_secondary_group"
 MICS_HPZ_RESUME = "tests/integration/test_mics_hpz.py::test_mics_and_hpz_checkpoints_resume"
-SEQUENCE = Feature("Ulysses sequence parallelism", "leave seq_parallel_comm_data_type at fp32")
 PIPELINE = Feature("pipeline parallelism", "train without the pipeline keys")
 APEX = Feature("it needs NVIDIA Apex on CUDA",
                "use \"bf16\": {\"enabled\": true} or \"fp16\": {\"enabled\": true} instead")
@@ -69,7 +68,10 @@ ENTRIES: list[Entry] = [
     done("scheduler.params", "the schedule's constructor arguments", UNIT),
     # --- communication ---------------------------------------------------------------------------------------
     done("communication_data_type", "dtype of the gradient reduction (null: the model's dtype)", RANKS),
-    todo("seq_parallel_comm_data_type", "dtype of Ulysses sequence-parallel all-to-alls", SEQUENCE),
+    done("seq_parallel_comm_data_type", "with sequence_parallel_size > 1: the dtype gradients are reduced in "
+         "(replaces communication_data_type, as DeepSpeed's engine does)",
+         "tests/integration/test_seq_parallel_comm_dtype.py::"
+         "test_seq_parallel_comm_data_type_sets_the_gradient_reduction_dtype", traced=False),
     done("prescale_gradients", "divide gradients by gradient_predivide_factor before the reduction, the rest "
          "after", UNIT),
     done("gradient_predivide_factor", "the divisor applied before the reduction when prescale_gradients", UNIT),
