@@ -104,18 +104,15 @@ def _import_before_world() -> None:
             pass
 
 
-def _unpin_world_defaults() -> int:
+def _unpin_world_defaults() -> None:
     """Replace every process group pinned in torch.distributed.nn.functional's default arguments (the default
     group of a world created before that module was imported) by None, the default group at call time, so a
-    destroyed world is freed now rather than at interpreter exit. Returns the number of defaults replaced."""
+    destroyed world is freed now rather than at interpreter exit."""
     module = sys.modules.get(_WORLD_DEFAULT_MODULE)
-    replaced = 0
     for fn in list(vars(module).values()) if module is not None else []:
         defaults = fn.__defaults__ if isinstance(fn, types.FunctionType) else None
         if defaults and any(isinstance(d, dist.ProcessGroup) for d in defaults):
-            replaced += sum(isinstance(d, dist.ProcessGroup) for d in defaults)
             fn.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d for d in defaults)
-    return replaced
 
 
 class _DestroyAtExit:
