@@ -173,8 +173,10 @@ ENTRIES: list[Entry] = [
          "backward gathers from (stage 3; 1: off)", MICS_HPZ, MICS_HPZ_RESUME),
     done("zero_optimization.zero_quantized_weights", "qwZ: stage-3 parameter all-gathers carry INT8 blocks "
          "with per-block scales", ZEROPP + "test_quantized_weights_gather_int8_blocks"),
-    done("zero_optimization.zero_quantized_nontrainable_weights", "qwZ for frozen parameters only (stage 3)",
-         ZEROPP + "test_nontrainable_weights_gather_quantized"),
+    done("zero_optimization.zero_quantized_nontrainable_weights", "frozen parameters' stage-3 shards kept as INT8 "
+         "blocks + fp32 scales (about 1/4 of fp32), gathered as stored and dequantized",
+         ZEROPP + "test_nontrainable_weights_kept_int8", ZEROPP + "test_nontrainable_weights_gather_quantized",
+         ZEROPP + "test_nontrainable_weights_resume_exactly"),
     done("zero_optimization.zero_quantized_gradients", "qgZ: the stage-3 gradient reduce-scatter is a "
          "hierarchical INT4 all-to-all", ZEROPP + "test_quantized_gradients_int4_all_to_all"),
     todo("zero_optimization.zeropp_loco_param", "LoCo error feedback for qgZ", ZERO_PP, applies=_stage(3)),
