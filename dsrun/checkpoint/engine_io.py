@@ -166,6 +166,9 @@ def engine_model_states(engine: Any, client_state: dict[str, Any], exclude_froze
     if files.model_states_every_rank:  # partitioned weights: this rank's shards of the frozen ones too
         sd["frozen_param_shapes"], sd["frozen_param_fragments"] = (
             strategy.frozen_param_fragments() if strategy is not None else state.frozen_params(engine.module))
+        stored = strategy.frozen_param_messages() if strategy is not None else {}
+        if stored:  # frozen shards kept INT8 (zero_quantized_nontrainable_weights): exactly what was held
+            sd["dsrun"]["frozen_param_quantized"] = stored
     for key, value in (client_state or {}).items():
         if key in DS_KEYS:
             raise UserError(Problem(f"save_checkpoint(client_state[{key!r}])", "is a key DeepSpeed's checkpoint "
@@ -486,6 +489,8 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
     if experts.applies(engine):  # this rank's experts, by global id, from their own files
         module_sd = experts.module_state(engine, tag_dir, module_sd)
     _load_module(engine, module_sd, load_module_strict, tag_dir, custom_load_fn)
+    if _layout(engine).module_holds_placeholders and saved_world(model_states) == engine.dp_world_size:
+        engine.restore_frozen_shards(model_states)  # frozen shards: not in the masters, restored from this file
     if engine.strategy is not None:
         load_universal = bool(getattr(getattr(engine._config, "checkpoint", None), "load_universal", False))
         _restore_strategy(engine, tag_dir, model_states, load_optimizer_states and not load_module_only,

@@ -375,6 +375,10 @@ class ZeroStrategy(ABC):
 
         return frozen_params(self.ctx.module)
 
+    def frozen_param_messages(self) -> dict[str, torch.Tensor]:
+        """ZeRO-3 with ``zero_quantized_nontrainable_weights``: the frozen shards as stored (INT8 messages)."""
+        return {}
+
     def _names(self) -> dict[int, str]:
         return {id(p): name for name, p in self.ctx.module.named_parameters()}
 
