@@ -23,7 +23,9 @@ FUSED_ADAM_NAMES = ("adam", "adamw", "onebitadam", "zerooneadam")  # DeepSpeed b
 
 
 def register(strategy: Any) -> None:
-    """Record that ``strategy`` steps ``strategy.optimizer``."""
+    """Record that ``strategy`` steps ``strategy.optimizer``, and which of DeepSpeed's wrappers it stands for
+    (``strategy.deepspeed_wrapper``: checkpoints carry the keys that wrapper reads)."""
+    strategy.deepspeed_wrapper = wrapper_name(strategy)
     _STEPPED_BY[strategy.optimizer] = strategy
 
 
@@ -60,7 +62,7 @@ class OptimizerWrapperKind(type):
             strategy = _STEPPED_BY.get(obj)
         except TypeError:  # not weakly referenceable: no strategy steps it
             return False
-        return strategy is not None and wrapper_name(strategy) == cls.__name__
+        return strategy is not None and strategy.deepspeed_wrapper == cls.__name__
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         raise TypeError(f"{cls.__name__} is built by the engine in DeepSpeed; in dsrun, dsrun.initialize builds the "

@@ -50,7 +50,7 @@ def build_zero_strategy(stage: int, ctx: StrategyContext) -> ZeroStrategy:
     if bind is not None:
         bind(strategy)
     attach_fragments(strategy)  # per-parameter views for dsrun.utils.safe_get_full_fp32_param & co.
-    optimizer_wrappers.register(strategy)  # isinstance(engine.optimizer, DeepSpeedZeroOptimizer) & co.
+    optimizer_wrappers.register(strategy)  # strategy.deepspeed_wrapper; isinstance(engine.optimizer, ...) follows it
     return strategy
 
 

@@ -25,7 +25,6 @@ from dsrun.comm.groups import expert_parallel_size_of
 from dsrun.utils.errors import ConfigError, Problem
 from dsrun.checkpoint.layout import CheckpointLayout, layout_for_stage
 from dsrun.runtime.offload.flat_store import DeviceFlatStore
-from dsrun.runtime import optimizer_wrappers
 from dsrun.runtime.offload.pipeline import PipelineTimes
 from dsrun.runtime.precision import PrecisionStrategy
 
@@ -183,6 +182,7 @@ class ZeroStrategy(ABC):
     # whether the backward reduction may be switched off (enable_backward_allreduce = False): the stage keeps
     # each rank's whole local gradient until the step (stages 0-1, on the device)
     supports_local_gradients = False
+    deepspeed_wrapper: str | None = None  # DeepSpeed's optimizer wrapper here (dsrun.runtime.optimizer_wrappers)
 
     def __init__(self, ctx: StrategyContext):
         self.ctx = ctx
@@ -231,12 +231,6 @@ class ZeroStrategy(ABC):
     @abstractmethod
     def optimizer(self) -> torch.optim.Optimizer:
         """The optimizer that steps this rank's (master) parameters; schedulers act on its param groups."""
-
-    @property
-    def deepspeed_wrapper(self) -> str | None:
-        """The optimizer wrapper DeepSpeed's engine would use for this stage, precision and optimizer
-        (:func:`dsrun.runtime.optimizer_wrappers.wrapper_name`): checkpoints carry the keys it reads."""
-        return optimizer_wrappers.wrapper_name(self)
 
     def before_forward(self) -> None:
         """Called before each forward (stage 3 gathers parameters here)."""
