@@ -41,8 +41,9 @@ DS_KEYS = frozenset({"module", "buffer_names", "optimizer", "param_shapes", "fro
 DS_VERSION = "0.14.1"  # the DeepSpeed layout these files follow
 
 
-class CheckpointTagError(UserError):
-    """Ranks passed different tags to save_checkpoint with ``checkpoint.tag_validation: Fail``."""
+class CheckpointTagError(UserError, AssertionError):
+    """Ranks passed different tags to save_checkpoint with ``checkpoint.tag_validation: Fail`` (also an
+    AssertionError, which DeepSpeed raises there)."""
 
 
 def _say(engine: Any, message: str, level: int = logging.INFO) -> None:
@@ -128,7 +129,8 @@ def engine_model_states(engine: Any, client_state: dict[str, Any], exclude_froze
         "buffer_names": state.buffer_names(engine.module),
         # stage 0 has no per-rank optimizer files: its (full) optimizer state lives here, as DeepSpeed does
         "optimizer": (deepspeed_format.stage0_for_deepspeed(strategy.state_dict(), engine.precision.name,
-                                                            engine.global_steps)
+                                                            engine.global_steps, strategy.deepspeed_wrapper,
+                                                            getattr(engine.precision, "scaler", None), _clip(engine))
                       if strategy is not None and files.optimizer_in_model_states else None),
         "param_shapes": strategy.checkpoint_param_shapes() if strategy is not None else None,
         "shared_params": state.shared_params(engine.module),
@@ -206,7 +208,8 @@ def _clip(engine: Any) -> float:
 def save_optimizer_states(engine: Any, path: Path) -> None:
     """This rank's ZeRO optimizer file, with the keys DeepSpeed's ZeRO optimizers also read (its loss scaler
     is written as a reference to DeepSpeed's class, see :mod:`.deepspeed_format`)."""
-    sd = deepspeed_format.zero_state_for_deepspeed(engine.strategy.state_dict(), engine.precision.name, _clip(engine))
+    sd = deepspeed_format.zero_state_for_deepspeed(engine.strategy.state_dict(), engine.precision.name, _clip(engine),
+                                                   getattr(engine.precision, "scaler", None))
     optim = {"optimizer_state_dict": sd, "ds_config": state.plain_config(engine), "ds_version": DS_VERSION}
     pickler = deepspeed_format.PICKLE_MODULE if deepspeed_format.holds_foreign(sd) else None
     atomic.save_torch(optim, path, engine.global_rank, pickle_module=pickler)

@@ -182,6 +182,7 @@ class ZeroStrategy(ABC):
     # whether the backward reduction may be switched off (enable_backward_allreduce = False): the stage keeps
     # each rank's whole local gradient until the step (stages 0-1, on the device)
     supports_local_gradients = False
+    deepspeed_wrapper: str | None = None  # DeepSpeed's optimizer wrapper here (dsrun.runtime.optimizer_wrappers)
 
     def __init__(self, ctx: StrategyContext):
         self.ctx = ctx

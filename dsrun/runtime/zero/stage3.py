@@ -44,6 +44,7 @@ from dsrun.runtime.offload import param_swapper
 from dsrun.runtime.offload.pipeline import PipelineTimes
 from dsrun.runtime.offload.settings import OffloadOptimizerSettings
 from dsrun.runtime.offload.shard_store import DeviceShardStore, ShardPlacement
+from dsrun.runtime.optimizer_wrappers import OptimizerWrapperKind
 
 
 @dataclass
@@ -528,3 +529,8 @@ def full_state_dict(module: torch.nn.Module, exclude_frozen_parameters: bool = F
         else:
             out[name] = value.detach().cpu().clone()
     return out
+
+
+class DeepSpeedZeroOptimizer_Stage3(metaclass=OptimizerWrapperKind):  # noqa: N801 - DeepSpeed's name
+    """DeepSpeed's stage-3 optimizer name: an optimizer stepped by :class:`Stage3Strategy`
+    (:mod:`dsrun.runtime.optimizer_wrappers`)."""
