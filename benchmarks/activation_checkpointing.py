@@ -38,6 +38,7 @@ from dsrun.runtime.activation_checkpointing.settings import STATE  # noqa: E402
 from dsrun.estimate.activations import gpt_activation_bytes  # noqa: E402
 from dsrun.estimate.inputs import GPTShape  # noqa: E402
 from dsrun.models import GPT  # noqa: E402
+from dsrun.profiling.tensor_memory import SavedTensorBytes  # noqa: E402
 
 MODES = ("none", "full", "every_2", "selective")
 MIB = 2**20
@@ -67,22 +68,10 @@ def step(model: GPT, idx: torch.Tensor) -> None:
 
 
 def saved_storages(model: GPT, idx: torch.Tensor) -> tuple[int, dict[str, int]]:
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, tuple[int, str]] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = (storage.nbytes(), t.device.type)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedTensorBytes(exclude=model.parameters()) as saved:
         loss = model(idx, idx)
     loss.backward()
-    by_device: dict[str, int] = {}
-    for nbytes, device in seen.values():
-        by_device[device] = by_device.get(device, 0) + nbytes
-    return sum(by_device.values()), by_device
+    return saved.bytes, saved.bytes_by_device
 
 
 def measure(args: argparse.Namespace, mode: str, device: torch.device) -> dict:

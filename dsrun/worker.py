@@ -31,6 +31,7 @@ from dsrun.rundir import RESOLVED_YAML
 from dsrun.runtime.data_pipeline.training import DataEfficiencyRun
 from dsrun.runtime.pipe.training import build_pipeline_model, pipeline_stages
 from dsrun.runtime.pipe.training import evaluate as pipeline_evaluate
+from dsrun.sequence import shard_sequence
 from dsrun.utils.errors import EXIT_USAGE, UserError, find_user_error
 
 
@@ -183,6 +184,9 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
                         "model.sequence_parallel=true (or +recipe=gpt_ulysses)")
     data_rank, data_world = ((engine.grid.get_data_parallel_rank(), engine.dp_world_size) if pipelined
                              else (rank // sp, world_size // sp))
+    # Ulysses: each rank keeps only its slice of the batch's sequences (the seqlen curriculum and the teacher
+    # need whole ones; the GPT then slices them itself)
+    shard = sp > 1 and distiller is None and engine.data_efficiency.curriculum_seqlen() is None
     loader = data_eff.train_loader() or corpus.train_loader(batch_size=micro_batch, rank=data_rank,
                                                             world_size=data_world, seed=cfg.seed)  # the curriculum
     # sampler's loader if it is on
@@ -214,8 +218,13 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
             step_loss = float(engine.train_batch(loader))
         for _ in range(0 if pipelined else accumulation):
             inputs, targets = next(loader)
+            if shard:
+                inputs, targets = shard_sequence(inputs), shard_sequence(targets)
             inputs, targets = inputs.to(engine.device, non_blocking=True), targets.to(engine.device, non_blocking=True)
-            loss = engine(inputs, targets) if distiller is None else distiller.loss(engine, inputs, targets)
+            if distiller is not None:
+                loss = distiller.loss(engine, inputs, targets)
+            else:
+                loss = engine(inputs, targets, sequence_sharded=True) if shard else engine(inputs, targets)
             engine.backward(loss)
             engine.step()  # steps the optimizer only at the accumulation boundary
             step_loss += loss.item() / accumulation

@@ -7,6 +7,11 @@ of one rank is its device peak, plus its host-side (offloaded) bytes when the ra
 The limit is ``tune.memory_limit`` / ``--memory-limit`` (bytes per rank) when set. Otherwise it is this
 machine: a trial is pruned when the estimator's verdict against the host's RAM and the device's memory is
 "too big" (:func:`dsrun.estimate.verdict.judge`).
+
+The same estimate gives the trial's communication per optimizer step and rank
+(:func:`dsrun.estimate.comm_volume.step_comm_volume`: all-gather, gradient and MiCS replica message bytes,
+and the bytes leaving the rank), recorded with the trial; it follows ZeRO++ (qwZ, qgZ, frozen weights INT8),
+MiCS and hpZ settings, which memory alone barely sees.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ class MemoryCheck:
     limit_bytes: int | None  # per rank; None when judged against the machine
     reason: str
     breakdown: dict[str, Any]
+    comm: dict[str, Any] | None = None  # the estimator's comm per optimizer step and rank (CommVolume.to_dict)
 
 
 def _mib(n: int) -> str:
@@ -49,10 +55,21 @@ class MemoryGate:
         """The estimator's :class:`~dsrun.estimate.Breakdown` for a composed RunSpec (``changes`` edit its
         inputs, e.g. ``micro_batch_size=1``)."""
         from dsrun.estimate import estimate_peak_bytes_per_rank
+
+        return estimate_peak_bytes_per_rank(self.inputs(cfg, **changes))
+
+    def inputs(self, cfg: Any, **changes: Any) -> Any:
+        """The estimator's :class:`~dsrun.estimate.inputs.EstimateInputs` for a composed RunSpec."""
         from dsrun.estimate.runspec import inputs_from_runspec
 
         inputs, _ = inputs_from_runspec(cfg, self._model(cfg))
-        return estimate_peak_bytes_per_rank(inputs.with_(**changes) if changes else inputs)
+        return inputs.with_(**changes) if changes else inputs
+
+    def comm_per_step(self, cfg: Any) -> dict[str, Any]:
+        """The estimator's communication per optimizer step and rank, in bytes (``CommVolume.to_dict()``)."""
+        from dsrun.estimate.comm_volume import step_comm_volume
+
+        return step_comm_volume(self.inputs(cfg)).to_dict()
 
     def parameter_count(self, cfg: Any) -> int:
         return int(self._model(cfg).counts.total)
@@ -61,6 +78,7 @@ class MemoryGate:
         import torch
 
         b = self.estimate(cfg)
+        comm = self.comm_per_step(cfg)
         on_cpu = not torch.cuda.is_available()
         need = b.peak_per_rank + (b.offloaded if on_cpu else 0)  # model state, not the process's runtime/data
         parts = (f"model states {_mib(b.model_states)}, activations {_mib(b.activations)}, "
@@ -70,11 +88,12 @@ class MemoryGate:
             fits = need <= self.limit
             relation = "<=" if fits else ">"
             return MemoryCheck(fits, need, self.limit, f"estimated {_mib(need)} per rank ({parts}) {relation} "
-                               f"memory limit {_mib(self.limit)}", breakdown)
+                               f"memory limit {_mib(self.limit)}", breakdown, comm)
         from dsrun.estimate.verdict import NO_FIT, detect_budget, judge
 
         if self._budget is None:
             self._budget = detect_budget()
         verdict = judge(b, self._budget)
         return MemoryCheck(verdict.level != NO_FIT, need, None,
-                           f"estimated {_mib(need)} per rank ({parts}): {verdict.level}: {verdict.reason}", breakdown)
+                           f"estimated {_mib(need)} per rank ({parts}): {verdict.level}: {verdict.reason}", breakdown,
+                           comm)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from dsrun.autotuning.settings import TuneSettings
-from dsrun.autotuning.study import DUPLICATE, INTERRUPTED, INVALID, LAUNCHED, PRUNED, optimal_command
+from dsrun.autotuning.study import DUPLICATE, INTERRUPTED, INVALID, LAUNCHED, PRUNED, optimal_command, trial_traffic
 
 SUMMARY = "summary.txt"
 OPTIMAL_CONFIG = "ds_config_optimal.json"
@@ -35,6 +35,7 @@ class TrialRow:
     metrics: dict[str, Any] = field(default_factory=dict)
     note: str = ""  # reason (pruned), one-line error (failed), "same as trial N" (duplicate)
     error: str = ""  # the full error text
+    comm_bytes: float | None = None  # the estimator's bytes leaving a rank per optimizer step (traffic)
 
 
 def trial_rows(study: Any) -> list[TrialRow]:
@@ -66,7 +67,8 @@ def trial_rows(study: Any) -> list[TrialRow]:
                              t.user_attrs.get("tuning_space", ""), dict(t.user_attrs.get("config") or t.params),
                              t.value if t.state == TrialState.COMPLETE else None,
                              dict(t.user_attrs.get("metrics") or {}), note,
-                             t.user_attrs.get("error", "") if status in ("failed", "invalid") else ""))
+                             t.user_attrs.get("error", "") if status in ("failed", "invalid") else "",
+                             trial_traffic(t)))
     return rows
 
 
@@ -101,11 +103,9 @@ def space_table_rows(rows: Sequence[TrialRow], settings: TuneSettings) -> list[l
 
 
 def best_row(rows: Sequence[TrialRow], settings: TuneSettings) -> TrialRow | None:
-    best = None
-    for row in rows:
-        if row.status == "complete" and row.value is not None and settings.better(row.value, best and best.value):
-            best = row
-    return best
+    """The best completed row, chosen as :meth:`~dsrun.autotuning.study.Tuner.best_trial` chooses."""
+    done = [r for r in rows if r.status == "complete"]
+    return settings.pick_best(done, lambda r: r.value, lambda r: r.comm_bytes)
 
 
 def format_duration(seconds: float) -> str:
@@ -126,11 +126,14 @@ def summary_text(rows: Sequence[TrialRow], settings: TuneSettings, space_text: s
                                                  if k in ("num_params", "activation_mem_per_gpu", "hidden_size",
                                                           "num_layers", "source")))
     param_keys = list(dict.fromkeys(k for r in rows for k in r.params))
-    table_rows = [[r.number, r.name, r.status, r.value, r.metrics.get("latency"), *[r.params.get(k) for k in param_keys],
-                   r.note] for r in rows]
-    parts += ["", "Experiments:",
-              pipe_table(["trial", "exp_name", "status", settings.metric, "latency_ms", *param_keys, "note"],
-                         table_rows, [True, False, False, True, True, *[False] * len(param_keys), False]), ""]
+    table_rows = [[r.number, r.name, r.status, r.value, r.metrics.get("latency"), r.comm_bytes,
+                   *[r.params.get(k) for k in param_keys], r.note] for r in rows]
+    parts += ["", "Experiments (comm_bytes_per_step: the estimator's bytes leaving a rank per optimizer step"
+              + (f"; within {settings.comm_tolerance:g} of the best metric the fewest bytes win" if
+                 settings.comm_tolerance else "; fewer bytes break exact ties") + "):",
+              pipe_table(["trial", "exp_name", "status", settings.metric, "latency_ms", "comm_bytes_per_step",
+                          *param_keys, "note"],
+                         table_rows, [True, False, False, True, True, True, *[False] * len(param_keys), False]), ""]
     if best:
         parts.append(f"Best metric: {best.value:.6g} {settings.unit} ({settings.metric})")
         parts.append(f"Best experiment: {best.name} (trial {best.number}), results in "

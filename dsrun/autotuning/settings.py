@@ -11,6 +11,9 @@ section (the search space and dsrun's own knobs), checked into one :class:`TuneS
   number); null: this machine's budget (one device's memory, or on CPU the RAM shared by the ranks).
 * ``trial_timeout``: seconds before a trial's launch is stopped and recorded as failed (default 600).
 * ``seed``: the samplers' seed (default 1234).
+* ``comm_tolerance``: how far (a fraction of the best measured metric) a trial may be from the best and still
+  win by sending fewer bytes: among the trials within it, the best is the one with the least estimated
+  communication leaving a rank per step (``dsrun.estimate.comm_volume``). Default 0: exact ties only.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from typing import Any, Mapping
 from dsrun.utils.errors import Problem, UserError
 from dsrun.utils.suggest import did_you_mean
 
-TUNE_KEYS = ("space", "memory_limit", "trial_timeout", "seed")
+TUNE_KEYS = ("space", "memory_limit", "trial_timeout", "seed", "comm_tolerance")
 DEFAULT_TRIAL_TIMEOUT = 600.0
 DEFAULT_SEED = 1234
 METRICS = {"throughput": ("samples/s", "maximize"), "latency": ("ms per step", "minimize"),
@@ -86,6 +89,7 @@ class TuneSettings:
     memory_limit: int | None = None
     trial_timeout: float = DEFAULT_TRIAL_TIMEOUT
     seed: int = DEFAULT_SEED
+    comm_tolerance: float = 0.0
 
     @property
     def direction(self) -> str:
@@ -100,6 +104,27 @@ class TuneSettings:
         if b is None:
             return True
         return a < b if self.direction == "minimize" else a > b
+
+    def close_to(self, a: float, best: float) -> bool:
+        """Is metric value ``a`` within ``comm_tolerance`` of the best value ``best``?"""
+        if self.direction == "minimize":
+            return a <= best * (1 + self.comm_tolerance)
+        return a >= best * (1 - self.comm_tolerance)
+
+    def pick_best(self, candidates: list[Any], value: Any, comm: Any) -> Any:
+        """The best of ``candidates`` (in trial order): the best ``value(c)`` (None: not measured), or among
+        those within ``comm_tolerance`` of it the one with the least ``comm(c)`` (estimated bytes leaving a
+        rank per step; None counts as unknown, after every known figure); the metric decides among equals."""
+        measured = [c for c in candidates if value(c) is not None]
+        top = None
+        for c in measured:
+            if top is None or self.better(value(c), value(top)):
+                top = c
+        if top is None:
+            return None
+        close = [c for c in measured if self.close_to(value(c), value(top))]
+        unknown = float("inf")
+        return min(close, key=lambda c: (unknown if comm(c) is None else comm(c), c is not top))
 
 
 def settings_from(autotuning: Any, raw_autotuning: Mapping[str, Any], tune: Mapping[str, Any] | None,
@@ -153,6 +178,15 @@ def settings_from(autotuning: Any, raw_autotuning: Mapping[str, Any], tune: Mapp
     except UserError as err:
         problems += err.problems
         limit = None
+    tolerance = tune.get("comm_tolerance") or 0.0
+    try:
+        tolerance = float(tolerance)
+        if not 0 <= tolerance < 1:
+            raise ValueError
+    except (TypeError, ValueError):
+        problems.append(Problem("tune.comm_tolerance", f"got {tolerance!r}; expected a fraction in [0, 1)",
+                                "e.g. 0.05: within 5% of the best metric, prefer the trial sending fewer bytes"))
+        tolerance = 0.0
     mappings = {str(k).strip(): str(v).strip() for k, v in (at.arg_mappings or {}).items()}
     if problems:
         raise UserError(problems)
@@ -168,4 +202,5 @@ def settings_from(autotuning: Any, raw_autotuning: Mapping[str, Any], tune: Mapp
         tuner_early_stopping=at.tuner_early_stopping, tuner_num_trials=at.tuner_num_trials,
         arg_mappings=mappings, model_info=at.model_info.model_dump() if at.model_info else None,
         space=clean_space, memory_limit=limit, trial_timeout=timeout,
-        seed=int(tune.get("seed", DEFAULT_SEED) if tune.get("seed") is not None else DEFAULT_SEED))
+        seed=int(tune.get("seed", DEFAULT_SEED) if tune.get("seed") is not None else DEFAULT_SEED),
+        comm_tolerance=tolerance)

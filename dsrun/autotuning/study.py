@@ -93,6 +93,12 @@ def _new_storage(db: Path) -> None:
     os.replace(partial, db)
 
 
+def trial_traffic(trial: Any) -> float | None:
+    """The estimator's bytes leaving a rank per optimizer step for a trial's configuration (None: unknown)."""
+    comm = trial.user_attrs.get("estimated_comm_per_step")
+    return None if not comm else float(comm["traffic_bytes"])
+
+
 @dataclass
 class StopReason:
     text: str = ""
@@ -326,18 +332,20 @@ class Tuner:
         return [t for t in self.study.get_trials(deepcopy=False)
                 if t.state.is_finished() and t.user_attrs.get("kind") == LAUNCHED]
 
-    def best_trial(self) -> Any | None:
+    def best_trial(self, by_metric_only: bool = False) -> Any | None:
+        """The best launched trial: by the metric, and among those within ``tune.comm_tolerance`` of it, the
+        one whose configuration sends the fewest bytes (:meth:`TuneSettings.pick_best`); ``by_metric_only``:
+        the best measured value alone (early stopping counts from it)."""
         from optuna.trial import TrialState
 
-        best = None
-        for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-            if t.user_attrs.get("kind") == LAUNCHED and (best is None or self.settings.better(t.value, best.value)):
-                best = t
-        return best
+        done = [t for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+                if t.user_attrs.get("kind") == LAUNCHED]
+        comm = (lambda t: None) if by_metric_only else trial_traffic  # noqa: E731
+        return self.settings.pick_best(done, lambda t: t.value, comm)
 
     def _early_stop(self) -> bool:
         launched = self._launched()
-        best = self.best_trial()
+        best = self.best_trial(by_metric_only=True)
         since = [t for t in launched if best is None or t.number > best.number]
         if len(since) >= self.settings.tuner_early_stopping:
             self.stop.text = (f"early stopping: {len(since)} launched trials without improvement "
@@ -394,8 +402,14 @@ class Tuner:
         except UserError as err:
             text = "; ".join(str(p) for p in err.problems)
             return self._finish(trial, INVALID, error=f"invalid configuration: {text}", error_line=text)
-        memory = self.gate.check(cfg)
+        try:
+            memory = self.gate.check(cfg)
+        except UserError as err:  # settings the estimator refuses as the engine would (hpZ with MiCS)
+            text = "; ".join(str(p) for p in err.problems)
+            return self._finish(trial, INVALID, error=f"invalid configuration: {text}", error_line=text)
         trial.set_user_attr("estimated_bytes_per_rank", memory.need_bytes)
+        if memory.comm is not None:
+            trial.set_user_attr("estimated_comm_per_step", memory.comm)
         if not memory.fits:
             return self._finish(trial, PRUNED, pruned=True, reason=memory.reason)
         run_dir = s.results_dir / name / "run"
@@ -408,7 +422,7 @@ class Tuner:
                          {"trial": trial.number, "params": params, "overrides": overrides,
                           "num_gpus": resolved.plan.world_size, "num_nodes": len(resolved.plan.hosts),
                           "hostfile": resolved.plan.hostfile, "memory_estimate": memory.breakdown,
-                          "memory_check": memory.reason})
+                          "memory_check": memory.reason, "comm_estimate_per_step": memory.comm})
         self._launch_and_measure(trial, exp)
 
     def _launch_and_measure(self, trial: Any, exp: Experiment) -> None:

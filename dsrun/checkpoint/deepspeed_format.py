@@ -7,12 +7,15 @@ also reads, and dsrun adds here:
 
 * in every ZeRO optimizer state (stages 1-3, ``optimizer_state_dict`` of ``*_optim_states.pt``): ``ds_version``
   (DeepSpeed asserts it is there), ``loss_scaler`` (an object of DeepSpeed's class
-  ``deepspeed.runtime.fp16.loss_scaler.LossScaler``: stage 3 calls its methods), ``dynamic_loss_scale``,
+  ``deepspeed.runtime.fp16.loss_scaler.LossScaler``, or with fp16 the engine's ``DynamicLossScaler`` /
+  ``LossScaler`` with all its attributes: stage 3 calls its methods), ``dynamic_loss_scale``,
   ``overflow`` and ``clip_grad``;
 * at stage 0 (the optimizer inside ``mp_rank_00_model_states.pt``), beside dsrun's flat state: fp32, the torch
   optimizer's own per-parameter ``state`` / ``param_groups`` (DeepSpeed steps the client optimizer directly);
-  bf16, the keys of DeepSpeed's unfused bf16 wrapper (``optimizer_state_dict``, per-parameter ``fp32_groups``,
-  the loss scale).
+  fp16 and bf16, the keys of the wrapper DeepSpeed would use (``FP16_Optimizer``: ``fp32_groups_flat`` and the
+  flat state; ``FP16_UnfusedOptimizer``: per-parameter ``optimizer_state_dict`` and ``fp32_groups``), with the
+  loss scale (``cur_scale``, ``cur_iter``, and for a dynamic scale ``last_overflow_iter``, ``scale_factor``,
+  ``scale_window``) and ``clip_grad``.
   The per-parameter tensors are views of the flat ones, so the file holds their elements once.
 
 The loss scaler is written as a reference to DeepSpeed's class by name (:class:`_Pickler`), so writing needs no
@@ -22,8 +25,9 @@ DeepSpeed; DeepSpeed builds its own object when it reads the file.
 ``ZeroStageEnum``, ``fragment_address``). They stay behind ``torch.load(weights_only=True)``: each is mapped, by
 its full name, to a plain stand-in (``zero_to_fp32.DEEPSPEED_GLOBALS``, which the standalone converter shares),
 never imported or run. :func:`to_dsrun` then turns
-a DeepSpeed optimizer state into the one dsrun's ZeRO strategies load. fp16 checkpoints keep dsrun's own
-``loss_scaler`` entry (a dict) and are not converted.
+a DeepSpeed optimizer state into the one dsrun's ZeRO strategies load, the loss scale included. (Under the ``deepspeed`` alias, a plain
+``torch.load(path, weights_only=False)`` of either side's files builds dsrun's own scaler classes,
+:mod:`dsrun.runtime.fp16.loss_scaler`; dsrun's loaders never unpickle them and keep to the stand-ins.)
 """
 from __future__ import annotations
 
@@ -82,18 +86,34 @@ def holds_foreign(obj: Any) -> bool:
 
 
 # --- dsrun -> DeepSpeed ----------------------------------------------------------------------------------
-def _static_scaler() -> ForeignObject:
-    return ForeignObject(_LOSS_SCALER_MODULE, "LossScaler", {"cur_scale": 1.0, "dynamic": False}, newobj=True)
+def _scaler_object(scaler: Any = None) -> ForeignObject:
+    """The engine's loss scaler (dsrun's objects are DeepSpeed's classes, :mod:`dsrun.runtime.fp16.loss_scaler`)
+    as an object of DeepSpeed's class with the same attributes; None: the fixed scale 1 of fp32 and bf16."""
+    if scaler is None:
+        return ForeignObject(_LOSS_SCALER_MODULE, "LossScaler", {"cur_scale": 1.0, "dynamic": False}, newobj=True)
+    return ForeignObject(_LOSS_SCALER_MODULE, type(scaler).__name__, dict(vars(scaler)), newobj=True)
 
 
-def zero_state_for_deepspeed(sd: dict[str, Any], precision: str, clip_grad: float) -> dict[str, Any]:
-    """A stage 1-3 strategy state with the keys DeepSpeed's ZeRO optimizers read added (fp16: only the version)."""
+def zero_state_for_deepspeed(sd: dict[str, Any], precision: str, clip_grad: float, scaler: Any = None
+                             ) -> dict[str, Any]:
+    """A stage 1-3 strategy state with the keys DeepSpeed's ZeRO optimizers read added; ``scaler``: the fp16
+    engine's loss scaler (dsrun reads its own state back from the same object)."""
     out = dict(sd)
-    out["ds_version"] = VERSION
-    if precision != "fp16":
-        out.update(loss_scaler=_static_scaler(), dynamic_loss_scale=False, clip_grad=float(clip_grad))
-        out.setdefault("overflow", False)
+    out.update(ds_version=VERSION, loss_scaler=_scaler_object(scaler if precision == "fp16" else None),
+               dynamic_loss_scale=bool(precision == "fp16" and scaler is not None and scaler.dynamic),
+               clip_grad=float(clip_grad))
+    out.setdefault("overflow", False)
     return out
+
+
+def _scale_keys(scaler: Any, steps: int) -> dict[str, Any]:
+    """The loss-scale entries of DeepSpeed's stage-0 fp16/bf16 wrappers (bf16: a fixed scale of 1)."""
+    if scaler is None or not scaler.dynamic:
+        return {"dynamic_loss_scale": False, "cur_scale": float(scaler.cur_scale if scaler else 1.0),
+                "cur_iter": int(steps)}
+    return {"dynamic_loss_scale": True, "cur_scale": scaler.cur_scale, "cur_iter": scaler.cur_iter,
+            "last_overflow_iter": scaler.last_overflow_iter, "scale_factor": scaler.scale_factor,
+            "scale_window": scaler.scale_window}
 
 
 def _split(flat: torch.Tensor, shapes: list[Any]) -> list[torch.Tensor]:
@@ -130,21 +150,29 @@ def _per_parameter(base: dict[str, Any], group_shapes: list[list[Any]]) -> dict[
     return {"state": state, "param_groups": groups}
 
 
-def stage0_for_deepspeed(sd: dict[str, Any], precision: str, steps: int) -> dict[str, Any]:
-    """A stage-0 strategy state with what DeepSpeed's stage 0 reads added. DeepSpeed steps a torch optimizer
-    over the separate parameters: fp32, its ``state`` / ``param_groups`` go at the top; bf16, inside the keys of
-    DeepSpeed's unfused bf16 wrapper (``optimizer_state_dict``, per-parameter ``fp32_groups``, the loss scale).
-    fp16 is left as it is."""
+def stage0_for_deepspeed(sd: dict[str, Any], precision: str, steps: int, wrapper: str | None = None,
+                         scaler: Any = None, clip_grad: float = 0.0) -> dict[str, Any]:
+    """A stage-0 strategy state with what DeepSpeed's stage 0 reads added. fp32: DeepSpeed steps the torch
+    optimizer over the separate parameters, whose ``state`` / ``param_groups`` go at the top. fp16 and bf16:
+    the keys of the wrapper DeepSpeed puts around it (``wrapper``, as
+    :func:`dsrun.runtime.optimizer_wrappers.wrapper_name` names it): ``FP16_Optimizer`` steps one flat fp32
+    master per group, as dsrun does (``fp32_groups_flat`` and dsrun's own optimizer state),
+    ``FP16_UnfusedOptimizer`` the separate parameters (per-parameter ``fp32_groups`` and state); both with the
+    loss scale of ``scaler`` (fp16) or a fixed 1 (bf16). With no wrapper named, fp16/bf16 is left as it is."""
     out = dict(sd)
-    if precision not in ("fp32", "bf16"):
+    if precision != "fp32" and wrapper not in ("FP16_Optimizer", "FP16_UnfusedOptimizer"):
+        return out
+    if wrapper == "FP16_Optimizer":
+        out.update(_scale_keys(scaler, steps), optimizer_state_dict=sd["base_optimizer_state"],
+                   fp32_groups_flat=sd["single_partition_of_fp32_groups"], clip_grad=float(clip_grad))
         return out
     per_parameter = _per_parameter(sd["base_optimizer_state"], sd["param_shapes"])
     if precision == "fp32":
         out.update(per_parameter)
     else:
         masters = [_split(m, shapes) for m, shapes in zip(sd["single_partition_of_fp32_groups"], sd["param_shapes"])]
-        out.update(dynamic_loss_scale=False, cur_scale=1.0, cur_iter=int(steps), optimizer_state_dict=per_parameter,
-                   fp32_groups=masters)
+        out.update(_scale_keys(scaler, steps), optimizer_state_dict=per_parameter, fp32_groups=masters,
+                   clip_grad=float(clip_grad))
     return out
 
 
@@ -224,6 +252,10 @@ def stage0_to_dsrun(sd: dict[str, Any], group_shapes: list[Any], module_sd: dict
         if gi >= len(numels) or master.numel() != sum(numels[gi]):
             raise RuntimeError(f"this DeepSpeed stage-0 checkpoint's group {gi} holds {master.numel()} elements; "
                                f"the model here has {sum(numels[gi]) if gi < len(numels) else 0}")
-    return {"zero_stage": 0, "partition_count": 1, "base_optimizer_state": base,
-            "single_partition_of_fp32_groups": masters, "group_paddings": [0] * len(masters),
-            "param_shapes": [list(shapes.values()) for shapes in group_shapes]}
+    out = {"zero_stage": 0, "partition_count": 1, "base_optimizer_state": base,
+           "single_partition_of_fp32_groups": masters, "group_paddings": [0] * len(masters),
+           "param_shapes": [list(shapes.values()) for shapes in group_shapes]}
+    if "cur_scale" in sd:  # a wrapper's loss scale, as dsrun's scaler state (fp16; bf16's fixed 1 is ignored)
+        keys = ("cur_scale", "cur_iter", "last_overflow_iter") if sd.get("dynamic_loss_scale") else ("cur_scale",)
+        out.update(loss_scaler={k: sd[k] for k in keys if k in sd}, dynamic_loss_scale=bool(sd["dynamic_loss_scale"]))
+    return out

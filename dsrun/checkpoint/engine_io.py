@@ -41,8 +41,9 @@ DS_KEYS = frozenset({"module", "buffer_names", "optimizer", "param_shapes", "fro
 DS_VERSION = "0.14.1"  # the DeepSpeed layout these files follow
 
 
-class CheckpointTagError(UserError):
-    """Ranks passed different tags to save_checkpoint with ``checkpoint.tag_validation: Fail``."""
+class CheckpointTagError(UserError, AssertionError):
+    """Ranks passed different tags to save_checkpoint with ``checkpoint.tag_validation: Fail`` (also an
+    AssertionError, which DeepSpeed raises there)."""
 
 
 def _say(engine: Any, message: str, level: int = logging.INFO) -> None:
@@ -128,7 +129,8 @@ def engine_model_states(engine: Any, client_state: dict[str, Any], exclude_froze
         "buffer_names": state.buffer_names(engine.module),
         # stage 0 has no per-rank optimizer files: its (full) optimizer state lives here, as DeepSpeed does
         "optimizer": (deepspeed_format.stage0_for_deepspeed(strategy.state_dict(), engine.precision.name,
-                                                            engine.global_steps)
+                                                            engine.global_steps, strategy.deepspeed_wrapper,
+                                                            getattr(engine.precision, "scaler", None), _clip(engine))
                       if strategy is not None and files.optimizer_in_model_states else None),
         "param_shapes": strategy.checkpoint_param_shapes() if strategy is not None else None,
         "shared_params": state.shared_params(engine.module),
@@ -164,6 +166,9 @@ def engine_model_states(engine: Any, client_state: dict[str, Any], exclude_froze
     if files.model_states_every_rank:  # partitioned weights: this rank's shards of the frozen ones too
         sd["frozen_param_shapes"], sd["frozen_param_fragments"] = (
             strategy.frozen_param_fragments() if strategy is not None else state.frozen_params(engine.module))
+        stored = strategy.frozen_param_messages() if strategy is not None else {}
+        if stored:  # frozen shards kept INT8 (zero_quantized_nontrainable_weights): exactly what was held
+            sd["dsrun"]["frozen_param_quantized"] = stored
     for key, value in (client_state or {}).items():
         if key in DS_KEYS:
             raise UserError(Problem(f"save_checkpoint(client_state[{key!r}])", "is a key DeepSpeed's checkpoint "
@@ -203,7 +208,8 @@ def _clip(engine: Any) -> float:
 def save_optimizer_states(engine: Any, path: Path) -> None:
     """This rank's ZeRO optimizer file, with the keys DeepSpeed's ZeRO optimizers also read (its loss scaler
     is written as a reference to DeepSpeed's class, see :mod:`.deepspeed_format`)."""
-    sd = deepspeed_format.zero_state_for_deepspeed(engine.strategy.state_dict(), engine.precision.name, _clip(engine))
+    sd = deepspeed_format.zero_state_for_deepspeed(engine.strategy.state_dict(), engine.precision.name, _clip(engine),
+                                                   getattr(engine.precision, "scaler", None))
     optim = {"optimizer_state_dict": sd, "ds_config": state.plain_config(engine), "ds_version": DS_VERSION}
     pickler = deepspeed_format.PICKLE_MODULE if deepspeed_format.holds_foreign(sd) else None
     atomic.save_torch(optim, path, engine.global_rank, pickle_module=pickler)
@@ -483,6 +489,8 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
     if experts.applies(engine):  # this rank's experts, by global id, from their own files
         module_sd = experts.module_state(engine, tag_dir, module_sd)
     _load_module(engine, module_sd, load_module_strict, tag_dir, custom_load_fn)
+    if _layout(engine).module_holds_placeholders and saved_world(model_states) == engine.dp_world_size:
+        engine.restore_frozen_shards(model_states)  # frozen shards: not in the masters, restored from this file
     if engine.strategy is not None:
         load_universal = bool(getattr(getattr(engine._config, "checkpoint", None), "load_universal", False))
         _restore_strategy(engine, tag_dir, model_states, load_optimizer_states and not load_module_only,

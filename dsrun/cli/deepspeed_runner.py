@@ -9,13 +9,12 @@ launcher refuses it before starting anything).
 from __future__ import annotations
 
 import argparse
-import base64
-import json
 import os
-from typing import Any, Sequence
+from typing import Sequence
 
 from dsrun.cli.launch import add_arguments, options_from_args, run
 from dsrun.launcher.hostfile import apply_filters, parse_hostfile, read_hostfile
+from dsrun.launcher.protocol import encode_world_info  # noqa: F401 - DeepSpeed's name here
 from dsrun.utils.errors import UserError
 
 DLTS_HOSTFILE = "/job/hostfile"
@@ -26,6 +25,7 @@ _NOTHING_LEFT = "leaves no slots to run on"
 def parse_args(args: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="deepspeed", description="DeepSpeed's launcher flags, run by dsrun")
     add_arguments(parser)
+    parser.allow_abbrev = True  # DeepSpeed's parser takes unambiguous prefixes (--launcher_arg); dsrun's does not
     return parser.parse_args(args)
 
 
@@ -71,8 +71,3 @@ def parse_inclusion_exclusion(resource_pool: dict[str, int], inclusion: str, exc
     """The active slots of a ``{host: slot count}`` pool after the filters."""
     return parse_resource_filter({host: list(range(slots)) for host, slots in resource_pool.items()},
                                  include_str=inclusion, exclude_str=exclusion)
-
-
-def encode_world_info(world_info: dict[str, Any]) -> str:
-    """``world_info`` as URL-safe base64 JSON (the form DeepSpeed passes to each node's launcher)."""
-    return base64.urlsafe_b64encode(json.dumps(world_info).encode("utf-8")).decode("utf-8")

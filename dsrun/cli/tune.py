@@ -197,13 +197,15 @@ class Reporter:
         rows = trial_rows(self.tuner.study)
         table = Table(title=f"dsrun tune: {self.settings.metric} ({self.settings.unit})")
         for name, justify in (("trial", "right"), ("experiment", "left"), ("status", "left"),
-                              (self.settings.metric, "right"), ("latency ms", "right"), ("note", "left")):
+                              (self.settings.metric, "right"), ("latency ms", "right"), ("comm MB/step", "right"),
+                              ("note", "left")):
             table.add_column(name, justify=justify, overflow="fold")
         best = best_row(rows, self.settings)
         for r in rows:
             style = "bold green" if best is not None and r.number == best.number else None
             table.add_row(str(r.number), r.name, r.status, f"{r.value:,.4g}" if r.value is not None else "",
-                          f"{r.metrics['latency']:,.2f}" if r.metrics.get("latency") else "", r.note[:120],
+                          f"{r.metrics['latency']:,.2f}" if r.metrics.get("latency") else "",
+                          f"{r.comm_bytes / 1e6:,.3f}" if r.comm_bytes is not None else "", r.note[:120],
                           style=style)
         self.console.print(table)
         self.console.print(f"[tune] stopped: {self.tuner.stop.text}", markup=False)
@@ -241,6 +243,8 @@ class _MLflowTrials:
         monitor.log_params({**(attrs.get("config") or trial.params), "exp_name": attrs.get("exp_name"), "kind": attrs.get("kind"),
                             "note": attrs.get("reason") or attrs.get("error_line") or ""})
         events = [(f"autotuning/{k}", v, 0) for k, v in (attrs.get("metrics") or {}).items() if v is not None]
+        comm = attrs.get("estimated_comm_per_step") or {}
+        events += [(f"autotuning/estimated_comm_{k}", float(v), 0) for k, v in comm.items() if isinstance(v, (int, float))]
         monitor.write_events(events)
         monitor.log_artifacts([exp_dir / n for n in ("cmd.txt", "ds_config.json", "exp.json", "metrics.json",
                                                      "stderr.log")] if exp_dir.is_dir() else [])

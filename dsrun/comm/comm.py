@@ -7,7 +7,10 @@ follow ``deepspeed.comm`` (which follows ``torch.distributed``), so code written
 from __future__ import annotations
 
 import atexit
+import importlib
 import os
+import sys
+import types
 from datetime import timedelta
 from typing import Any, Sequence
 
@@ -50,6 +53,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     _destroy_at_exit.register()
     if dist.is_initialized():
         return
+    _import_before_world()
     if rank < 0 and "RANK" not in os.environ:
         # A single process started by hand: make a world of one.
         os.environ.setdefault("RANK", "0")
@@ -80,6 +84,37 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
               flush=True)
 
 
+# torch.distributed.nn.functional declares its collectives with ``group=group.WORLD`` as a default argument, an
+# expression evaluated when the module is first imported, and torch imports it lazily the first time an
+# optimizer is built (torch.optim -> torch._dynamo -> fsdp -> _shard). Imported after the default group exists,
+# it pins that group in ten functions' defaults: destroy_process_group() then drops torch's own references but
+# the group lives on, and with it gloo's worker threads, its transport loop and (rank 0) the TCPStore server,
+# into interpreter finalization, where a worker dropping its last work (whose tensors need the GIL) aborts the
+# finished rank ("terminate called without an active exception", SIGABRT; 2 exits in ~25 of vs_deepspeed.py).
+# Imported while no group exists, the defaults are None (the default group at call time), so dsrun imports it
+# with ``dsrun.comm``, before any group can exist.
+_WORLD_DEFAULT_MODULE = "torch.distributed.nn.functional"
+
+
+def _import_before_world() -> None:
+    if _WORLD_DEFAULT_MODULE not in sys.modules and not is_initialized():
+        try:
+            importlib.import_module(_WORLD_DEFAULT_MODULE)
+        except Exception:  # noqa: BLE001 - a torch built without it has nothing to pin a group with
+            pass
+
+
+def _unpin_world_defaults() -> None:
+    """Replace every process group pinned in torch.distributed.nn.functional's default arguments (the default
+    group of a world created before that module was imported) by None, the default group at call time, so a
+    destroyed world is freed now rather than at interpreter exit."""
+    module = sys.modules.get(_WORLD_DEFAULT_MODULE)
+    for fn in list(vars(module).values()) if module is not None else []:
+        defaults = fn.__defaults__ if isinstance(fn, types.FunctionType) else None
+        if defaults and any(isinstance(d, dist.ProcessGroup) for d in defaults):
+            fn.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d for d in defaults)
+
+
 class _DestroyAtExit:
     """Tear the default group down before the interpreter does, whoever created it (accelerate creates it
     before calling ``deepspeed.init_distributed``): a script that never calls ``destroy_process_group``
@@ -95,11 +130,12 @@ class _DestroyAtExit:
             self.registered = True
 
     def __call__(self) -> None:
-        if is_initialized():
-            try:
+        try:
+            if is_initialized():
                 dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - at exit, a failed teardown must not mask the script's own status
-                pass
+            _unpin_world_defaults()  # a world destroyed by the script itself may still be pinned
+        except Exception:  # noqa: BLE001 - at exit, a failed teardown must not mask the script's own status
+            pass
 
 
 _destroy_at_exit = _DestroyAtExit()
@@ -165,8 +201,11 @@ def new_group(ranks: Sequence[int] | None = None, timeout: timedelta | None = No
 
 
 def destroy_process_group(group: ProcessGroup = None) -> None:
+    """Destroy ``group`` (None: every group and the world). The world's threads end here, not at exit."""
     if is_initialized():
         dist.destroy_process_group(group)
+    if group is None:
+        _unpin_world_defaults()
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -388,3 +427,6 @@ def comms_report(show_straggler: bool = False) -> dict[str, Any]:
     straggler = {op: entry["straggler"] for op, entry in ops.items() if "straggler" in entry}
     return {"world_size": get_world_size(), "rank": get_rank(), "ops": ops,
             "table": format_summary(ops, straggler if show_straggler else None)}
+
+
+_import_before_world()

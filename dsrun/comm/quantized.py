@@ -127,10 +127,16 @@ def quantized_all_gather_into_tensor(output: torch.Tensor, shard: torch.Tensor, 
                                      async_op: bool = False, block: int = WEIGHT_BLOCK) -> Any:
     """``all_gather_into_tensor(output, shard)`` with INT8 block-quantized messages, decoded on arrival into
     ``output`` (any floating dtype). Returns a work object with ``wait()`` when ``async_op``, else None."""
+    return all_gather_messages(output, encode(shard, 8, block), shard.numel(), group, async_op, block)
+
+
+def all_gather_messages(output: torch.Tensor, message: torch.Tensor, n: int, group: Any = None,
+                        async_op: bool = False, block: int = WEIGHT_BLOCK) -> Any:
+    """All-gather every rank's INT8 ``message`` (:func:`encode` of ``n`` elements: one made now, or a shard
+    kept encoded) and decode them all into ``output`` (N * n elements). Returns a work object with
+    ``wait()`` when ``async_op``, else None."""
     world = comm.get_world_size(group)
-    n = shard.numel()
-    message = encode(shard, 8, block)
-    gathered = torch.empty(world * message.numel(), dtype=torch.uint8, device=shard.device)
+    gathered = torch.empty(world * message.numel(), dtype=torch.uint8, device=message.device)
     work = comm.all_gather_into_tensor(gathered, message, group=group, async_op=async_op)
     handle = _DecodeOnWait(work if async_op else None, output, gathered, n, block)
     if not async_op:

@@ -132,16 +132,12 @@ def gpt_activation_bytes(shape: GPTShape, micro_batch: int, seq_len: int, precis
 
     ``sequence_parallel_size`` P (DeepSpeed-Ulysses): each rank holds every per-token tensor for 1/P of the
     tokens and every per-head one (the attention's) for 1/P of the heads over the whole sequence, so every
-    term is divided by P; the exchange adds one tensor per block, the attention output kept apart from the
-    output projection's input (``e*sbh/P``)."""
+    term is divided by P; the exchanges add nothing that is kept (the output projection keeps the attention
+    output from before the exchange back, ``dsrun.sequence.recompute``)."""
     if sequence_parallel_size > 1:
         whole = gpt_activation_bytes(shape, micro_batch, seq_len, precision, checkpointing)
         p = int(sequence_parallel_size)
-        kept_apart = element_size(precision) * micro_batch * -(-seq_len // p) * shape.n_embd
-        mode = CheckpointMode.parse(checkpointing)
-        held = sum(not mode.checkpoints(i) for i in range(shape.n_layer - 1)) + 1  # blocks kept whole
-        return ActivationBytes(per_block=-(-whole.per_block // p) + kept_apart,
-                               blocks=-(-whole.blocks // p) + held * kept_apart,
+        return ActivationBytes(per_block=-(-whole.per_block // p), blocks=-(-whole.blocks // p),
                                head=-(-whole.head // p), workspace=-(-whole.workspace // p))
     elem = element_size(precision)
     per_block = gpt_block_activation_bytes(shape, micro_batch, seq_len, elem)

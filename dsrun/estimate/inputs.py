@@ -72,6 +72,7 @@ class BufferSettings:
     offload_optimizer_buffer_count: int = 4
     zero_quantized_weights: bool = False  # ZeRO++ qwZ: stage-3 gathers carry INT8 blocks (dsrun/comm/quantized.py)
     zero_quantized_gradients: bool = False  # ZeRO++ qgZ: the gradient reduce-scatter is an INT4 all-to-all
+    zero_quantized_nontrainable_weights: bool = False  # frozen stage-3 shards kept (and gathered) as INT8 blocks
 
     @classmethod
     def from_zero_config(cls, zero: Mapping[str, Any]) -> "BufferSettings":
@@ -100,6 +101,7 @@ class BufferSettings:
                                                                      d.offload_optimizer_buffer_count)),
             zero_quantized_weights=bool(zero.get("zero_quantized_weights", False)),
             zero_quantized_gradients=bool(zero.get("zero_quantized_gradients", False)),
+            zero_quantized_nontrainable_weights=bool(zero.get("zero_quantized_nontrainable_weights", False)),
         )
 
 
@@ -202,6 +204,9 @@ class EstimateInputs:
             size = getattr(self, name)
             if size > 1 and self.world_size % size:
                 yield Problem(f"zero_optimization.{key}", f"got {size}; it must divide the {self.world_size} ranks")
+        if self.partition_ranks < self.world_size and self.hpz_ranks:  # as the engine refuses it
+            yield Problem("zero_optimization.zero_hpz_partition_size", "hpZ and MiCS (mics_shard_size) cannot be "
+                          "combined", "set one of them")
         if self.trainable_params is not None and not 0 <= self.trainable_params <= self.total_params:
             yield Problem("trainable_params", f"must be between 0 and total_params, got {self.trainable_params}")
 

@@ -15,7 +15,9 @@ stage  parameters             fp32 master copy        gradients                 
 =====  =====================  ======================  ==============================  ===========
 
 At stage 3, MiCS (``mics_shard_size`` S) partitions over S ranks: N is S in every column. hpZ
-(``zero_hpz_partition_size`` H) adds the secondary parameter partition, ``P*w/H``.
+(``zero_hpz_partition_size`` H) adds the secondary parameter partition, ``P*w/H``. With
+``zero_quantized_nontrainable_weights`` the frozen part of the partition, ``(P-T)/N`` elements, is kept as
+INT8 codes plus one fp32 scale per 256 (``dsrun.comm.quantized.message_bytes``) instead of ``w`` bytes each.
 
 Stages 1-2 step an fp32 clone of the partition even in fp32 training; stage 3 in fp32 steps its fp32
 partition directly. ``small`` = parameters below ``stage3_param_persistence_threshold``, kept gathered on
@@ -45,6 +47,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from dsrun.comm.quantized import WEIGHT_BLOCK, message_bytes
 from dsrun.estimate.inputs import EstimateInputs, ceil_div
 from dsrun.utils.errors import ConfigError, Problem
 from dsrun.utils.suggest import did_you_mean
@@ -147,6 +150,9 @@ def model_state_bytes(spec: EstimateInputs) -> ModelStates:
 
     host = nvme = host_buffers = 0
     device_params = param_elems * w
+    frozen = total - trainable
+    if stage == 3 and spec.buffers.zero_quantized_nontrainable_weights and frozen:  # frozen shards kept INT8
+        device_params += message_bytes(ceil_div(frozen, n), 8, WEIGHT_BLOCK) - ceil_div(frozen, n) * w
     if spec.offload_param != "none":
         partition = ceil_div(total, n) * w
         device_params = small * w

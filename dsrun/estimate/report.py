@@ -123,9 +123,12 @@ def _summary_lines(report: MemoryReport) -> list[str]:
     comm = step_comm_volume(spec)
     if comm.gradient_op != "none":
         quant = ", ".join(name for name, on in (("qwZ INT8 gathers", spec.buffers.zero_quantized_weights),
-                                                ("qgZ INT4 gradients", spec.buffers.zero_quantized_gradients)) if on)
+                                                ("qgZ INT4 gradients", spec.buffers.zero_quantized_gradients),
+                                                ("frozen weights INT8",
+                                                 spec.buffers.zero_quantized_nontrainable_weights)) if on)
+        replica = f", MiCS replica all-reduce {format_bytes(comm.replica_bytes)}" if comm.replica_bytes else ""
         lines.append(f"communication per optimizer step and rank: all-gather {format_bytes(comm.gather_bytes)}, "
-                     f"gradients ({comm.gradient_op}) {format_bytes(comm.gradient_bytes)}, leaving the rank "
+                     f"gradients ({comm.gradient_op}) {format_bytes(comm.gradient_bytes)}{replica}, leaving the rank "
                      f"{format_bytes(comm.traffic_bytes)}" + (f" ({quant})" if quant else ""))
     if shape is not None:
         lines.append(f"GPT shape: {shape.n_layer} layers, hidden {shape.n_embd}, {shape.n_head} heads, "

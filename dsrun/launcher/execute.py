@@ -36,7 +36,7 @@ from typing import IO, Any
 
 from dsrun.launcher.protocol import FAILURE_MARKER, debug_requested, exit_code_for, parse_user_error
 from dsrun.launcher.plan import LaunchPlan
-from dsrun.launcher.runners import NodeCommand
+from dsrun.launcher.runners import RUNNER_TOOLS, NodeCommand, runner_environment
 from dsrun.utils.errors import EXIT_USAGE, Problem, UserError
 
 STOP_GRACE = 40.0  # seconds from "please stop" to SIGKILL (the agents give their ranks 30 s; Ctrl-C twice: now)
@@ -123,11 +123,7 @@ class _Job:
     # ---- processes -------------------------------------------------------------------------------
 
     def start(self) -> None:
-        env = dict(os.environ)
-        if self.plan.runner == "pdsh":
-            env.setdefault("PDSH_RCMD_TYPE", "ssh")
-            if self.plan.options.ssh_port:
-                env["PDSH_SSH_ARGS_APPEND"] = f"-p {self.plan.options.ssh_port}"
+        env = runner_environment(self.plan.runner, self.plan.options, dict(os.environ))
         for command in self.plan.commands:
             process = subprocess.Popen(
                 list(command.argv), cwd=self.plan.options.cwd, env=env,
@@ -283,8 +279,7 @@ def check_ssh(plan: LaunchPlan) -> None:
 
 
 def _check_tools(plan: LaunchPlan) -> None:
-    tool = {"ssh": "ssh", "pdsh": "pdsh", "slurm": "srun", "openmpi": "mpirun", "mpich": "mpirun", "impi": "mpirun",
-            "mvapich": "mpirun", "jsrun": "jsrun"}.get(plan.runner)
+    tool = RUNNER_TOOLS.get(plan.runner)
     if tool and shutil.which(tool) is None:
         raise UserError(Problem("--launcher", f"the {plan.runner} runner needs {tool!r}, which is not on PATH"))
 

@@ -2,8 +2,9 @@
 forms DeepSpeed's launcher uses, and no dsrun agent runs.
 
 =========  ==================================================================================================
-openmpi    ``mpirun -n N -hostfile HOSTFILE --mca btl ^openib [LAUNCHER_ARGS] -x K=V ... RANK_CMD`` (``-H
-           HOST:SLOTS,...`` instead of ``-hostfile`` when filters chose the hosts)
+openmpi    ``mpirun -n N -hostfile HOSTFILE --mca btl ^openib --mca btl_tcp_if_include eth0 [LAUNCHER_ARGS]
+           -x K=V ... RANK_CMD`` (``-H HOST:SLOTS,...`` instead of ``-hostfile`` when filters chose the hosts;
+           no ``btl_tcp_if_include`` of dsrun's when ``LAUNCHER_ARGS`` sets one)
 mpich      ``mpirun -n N -ppn PPN [LAUNCHER_ARGS] -genv K V ... -hosts HOST,HOST RANK_CMD``
 impi       ``mpirun -n N -ppn PPN [LAUNCHER_ARGS] -genv K V ... -genv I_MPI_PIN 0 -hosts HOST,HOST RANK_CMD``
 mvapich    ``mpirun -np N -ppn PPN --hostfile HOSTS_FILE [LAUNCHER_ARGS] -env K=V ... RANK_CMD``
@@ -32,7 +33,17 @@ from dsrun.launcher.protocol import encode_world_info
 MVAPICH_EXPORTS: dict[str, str] = {"MV2_SMP_USE_CMA": "0", "MV2_DEBUG_SHOW_BACKTRACE": "1", "MV2_SUPPORT_DL": "1",
                                    "MV2_ENABLE_AFFINITY": "0", "MV2_INTER_ALLGATHER_TUNING": "5",
                                    "MV2_CUDA_USE_NAIVE": "0"}
+OPENMPI_TCP_INTERFACE = ("--mca", "btl_tcp_if_include", "eth0")  # DeepSpeed's default; --launcher_args overrides
 JSRUN_RESOURCE_SET = ("-c", "7", "-g", "1", "-a", "1")  # a Summit node's 42 cores and 6 GPUs, one rank per GPU
+
+
+def tcp_interface(launcher_args: list[str]) -> list[str]:
+    """Open MPI's TCP interface, as DeepSpeed's launcher sets it: ``--mca btl_tcp_if_include eth0`` unless the
+    launcher arguments choose one (``-mca``/``--mca btl_tcp_if_include IF``)."""
+    for flag, name in zip(launcher_args, launcher_args[1:]):
+        if flag in ("-mca", "--mca") and name == "btl_tcp_if_include":
+            return []
+    return list(OPENMPI_TCP_INTERFACE)
 
 
 def rank_command(options: LaunchOptions, hosts: dict[str, list[int]]) -> list[str]:
@@ -71,7 +82,7 @@ def mpi_argv(runner: str, options: LaunchOptions, hosts: dict[str, list[int]], m
     if runner == "openmpi":
         where = ["-hostfile", hostfile] if hostfile else ["-H", ",".join(f"{h}:{len(s)}" for h, s in hosts.items())]
         binding = ["--bind-to", "none"] if options.bind_cores_to_rank else []  # dsrun binds each rank itself
-        return ["mpirun", "-n", total, *where, "--mca", "btl", "^openib", *binding, *extra,
+        return ["mpirun", "-n", total, *where, "--mca", "btl", "^openib", *tcp_interface(extra), *binding, *extra,
                 *[arg for k, v in exports.items() for arg in ("-x", f"{k}={v}")], *command]
     if runner in ("mpich", "impi"):
         pin = {"I_MPI_PIN": "0"} if runner == "impi" else {}

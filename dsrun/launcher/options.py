@@ -241,6 +241,25 @@ def options_from_mapping(mapping: Mapping[str, Any] | None, target: str, target_
     return options
 
 
+def options_from_args(args: Any) -> LaunchOptions:
+    """:class:`LaunchOptions` from parsed ``dsrun launch`` flags (the namespace that
+    :func:`dsrun.cli.launch.add_arguments` describes)."""
+    runner = args.runner
+    if args.no_ssh:
+        runner = "no_ssh"
+    return LaunchOptions(
+        target=args.script, target_args=list(args.script_args), runner=runner, num_procs=args.num_procs,
+        num_nodes=args.num_nodes, hostfile=args.hostfile, include=args.include, exclude=args.exclude,
+        master_addr=args.master_addr, master_port=args.master_port, node_rank=args.node_rank,
+        ssh_port=args.ssh_port, launcher_args=args.launcher_args, no_ssh_check=args.no_ssh_check,
+        module=args.module, no_python=args.no_python, no_local_rank=args.no_local_rank,
+        bind_cores_to_rank=args.bind_cores_to_rank, bind_core_list=args.bind_core_list, log_dir=args.log_dir,
+        save_pid=args.save_pid, max_restarts=args.max_restarts, force_multi=args.force_multi,
+        elastic_training=args.elastic_training, min_elastic_nodes=args.min_elastic_nodes,
+        max_elastic_nodes=args.max_elastic_nodes, rdzv_last_call_timeout=args.rdzv_last_call_timeout,
+        comment=args.comment, account=args.account)
+
+
 def key_path(flags: str, path: str) -> str:
     """``--include/--exclude`` -> ``launcher.include/launcher.exclude``; ``--launcher`` -> ``launcher.runner``."""
     parts = []

@@ -152,6 +152,14 @@ def plan_launch(options: LaunchOptions, environ: dict[str, str] | None = None) -
     options.validate()
     pool, hostfile = _resource_pool(options, environ)
     hosts = _select(pool, options, from_hostfile=hostfile is not None)
+    return plan_for_hosts(options, hosts, environ, pool=pool, hostfile=hostfile)
+
+
+def plan_for_hosts(options: LaunchOptions, hosts: Pool, environ: dict[str, str], *, pool: Pool | None = None,
+                   hostfile: str | None = None, exports: dict[str, str] | None = None) -> LaunchPlan:
+    """The plan for ranks on ``hosts`` (already chosen): the checks, master, environment and commands of
+    :func:`plan_launch`. ``pool`` is every slot of ``hostfile`` (Open MPI reads the hostfile itself when the
+    job uses all of it); ``exports`` are variables to export beyond those the environment selects."""
     problems: list[Problem] = []
     runner = options.runner or ("local" if len(hosts) == 1 and not options.force_multi else "ssh")
     if runner == "local" and len(hosts) > 1:
@@ -196,7 +204,7 @@ def plan_launch(options: LaunchOptions, environ: dict[str, str] | None = None) -
     options.master_port = master_port_for(options, runner)
     if options.log_dir and not os.path.isabs(options.log_dir):
         options.log_dir = os.path.join(options.cwd, options.log_dir)
-    env = exported_environment(options.cwd, environ)
+    env = dict(sorted({**exported_environment(options.cwd, environ), **(exports or {})}.items()))
     if runner not in ("local", "no_ssh"):
         # remote nodes start in the working directory but need it on the import path, as DeepSpeed does
         rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != options.cwd]

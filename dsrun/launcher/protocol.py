@@ -18,8 +18,8 @@ DEBUG_ENV = "DSRUN_DEBUG"  # "1": show tracebacks and torch elastic's own log li
 TAIL_LINES = 20
 
 
-def encode_world_info(hosts: dict[str, list[int]]) -> str:
-    """``{host: [slots]}`` as URL-safe base64 JSON: safe to pass through any shell unquoted."""
+def encode_world_info(hosts: dict[str, Any]) -> str:
+    """``{host: [slots]}`` (or slot counts) as URL-safe base64 JSON: safe to pass through any shell unquoted."""
     return base64.urlsafe_b64encode(json.dumps(hosts).encode()).decode()
 
 

@@ -30,6 +30,20 @@ SSH_OPTIONS: tuple[str, ...] = ("-o", "BatchMode=yes", "-o", "ConnectTimeout=10"
                                 "-o", "ServerAliveCountMax=3")
 NODE_RANK_FROM_SCHEDULER = -1
 PDSH_NODE_RANK = "%n"
+# the program each runner needs on this machine's PATH
+RUNNER_TOOLS: dict[str, str] = {"ssh": "ssh", "pdsh": "pdsh", "slurm": "srun", "openmpi": "mpirun", "mpich": "mpirun",
+                                "impi": "mpirun", "mvapich": "mpirun", "jsrun": "jsrun"}
+
+
+def runner_environment(runner: str, options: LaunchOptions, environ: dict[str, str]) -> dict[str, str]:
+    """The environment the launcher starts the runner's command in: ``environ``, plus (pdsh) ssh as pdsh's
+    remote shell unless the user chose another, and the ssh port for it."""
+    env = dict(environ)
+    if runner == "pdsh":
+        env.setdefault("PDSH_RCMD_TYPE", "ssh")
+        if options.ssh_port:
+            env["PDSH_SSH_ARGS_APPEND"] = f"-p {options.ssh_port}"
+    return env
 
 
 @dataclass(frozen=True)

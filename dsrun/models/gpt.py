@@ -94,7 +94,7 @@ def sequence_parallel_loss(logits: torch.Tensor, targets: torch.Tensor, shards: 
     summed = F.cross_entropy(logits.view(-1, logits.size(-1)), flat, ignore_index=IGNORE_INDEX, reduction="sum")
     totals = torch.stack([summed.detach(), (flat != IGNORE_INDEX).sum().to(summed.dtype)])
     comm.all_reduce(totals, group=sequence_groups._get_sequence_parallel_group())
-    share = summed * (shards / totals[1])
+    share = summed * (shards / totals[1].item())  # a number, not a tensor autograd would keep for backward
     return share + (totals[0] / totals[1] - share).detach()
 
 
@@ -148,10 +148,14 @@ class GPT(nn.Module):
     # -------------------------------------------------------------------------------------- forward
     def forward(self, idx: torch.Tensor | Sequence[torch.Tensor], targets: torch.Tensor | None = None,
                 return_logits: bool = False, curriculum_seqlen: int | None = None,
-                progressive_layer_drop: bool = False,
-                pld_theta: float | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                progressive_layer_drop: bool = False, pld_theta: float | None = None,
+                sequence_sharded: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits ``[B, T, V]`` without targets; the mean loss with them; ``(loss, logits)`` when
         ``return_logits``. ``idx`` may also be the batch ``(inputs, targets)`` itself.
+
+        Under Ulysses (``sequence_parallel``) the model takes this rank's slice of whole sequences; with
+        ``sequence_sharded=True`` the inputs and targets already are that slice (``dsrun.sequence.shard_sequence``,
+        as ``dsrun train`` feeds them), so the rank never holds the whole sequence's tokens.
 
         The engine's data-efficiency arguments (DeepSpeed's names): ``curriculum_seqlen`` keeps the first that
         many positions of inputs and targets (the legacy seqlen curriculum); ``progressive_layer_drop=True,
@@ -160,15 +164,23 @@ class GPT(nn.Module):
             if targets is not None or len(idx) not in (1, 2):
                 raise TypeError("pass either a batch (inputs, targets) or inputs and targets, not both")
             idx, targets = (idx[0], None) if len(idx) == 1 else (idx[0], idx[1])
+        if curriculum_seqlen is not None and sequence_sharded:
+            raise UserError("the seqlen curriculum truncates whole sequences: pass whole sequences to a "
+                            "sequence-parallel GPT (sequence_sharded=False) when curriculum_seqlen is set")
         if curriculum_seqlen is not None and curriculum_seqlen < idx.size(1):  # data efficiency: seqlen curriculum
             idx = idx[:, :curriculum_seqlen]
             targets = targets[:, :curriculum_seqlen] if targets is not None else None
         batch, seq = idx.shape
-        if seq > self.config.block_size:
+        start, shards = 0, sequence_groups._get_sequence_parallel_world_size() if self.config.sequence_parallel else 1
+        if sequence_sharded and shards > 1:  # Ulysses, given this rank's slice already
+            start = sequence_groups._get_sequence_parallel_rank() * seq
+            if seq * shards > self.config.block_size:
+                raise UserError(f"sequence length {seq * shards} ({shards} slices of {seq}) exceeds model.block_size="
+                                f"{self.config.block_size} (lower data.seq_len or raise model.block_size)")
+        elif seq > self.config.block_size:
             raise UserError(f"sequence length {seq} exceeds model.block_size={self.config.block_size} "
                             "(lower data.seq_len or raise model.block_size)")
-        start, shards = 0, sequence_groups._get_sequence_parallel_world_size() if self.config.sequence_parallel else 1
-        if shards > 1:  # Ulysses: this rank keeps its slice of every sequence (docs/sequence_parallel.md)
+        elif shards > 1:  # Ulysses: this rank keeps its slice of every sequence (docs/sequence_parallel.md)
             if seq % shards:
                 raise UserError(f"sequence length {seq} does not split over sequence_parallel_size={shards} "
                                 "ranks (make data.seq_len a multiple of it)")

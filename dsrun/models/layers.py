@@ -59,11 +59,13 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (t.view(batch, seq, self.n_head, self.head_size) for t in (q, k, v))  # [B, T, H, hs]
         if self.sequence_parallel and sequence_groups._get_sequence_parallel_world_size() > 1:
             # Ulysses: x is this rank's slice of the sequence; attention sees the whole sequence, 1/S of the heads
+            # and the output projection keeps the exchange's input for backward, not a second copy of its output
             group = sequence_groups._get_sequence_parallel_group()
-            y = DistributedAttention(self.local_attention, group, scatter_idx=2, gather_idx=1)(q, k, v)
+            attention = DistributedAttention(self.local_attention, group, scatter_idx=2, gather_idx=1)
+            y = attention.forward_projected(lambda out: self.c_proj(out.reshape(batch, seq, width)), q, k, v)
         else:
-            y = self.local_attention(q, k, v)
-        return self.resid_dropout(self.c_proj(y.reshape(batch, seq, width)))
+            y = self.c_proj(self.local_attention(q, k, v).reshape(batch, seq, width))
+        return self.resid_dropout(y)
 
     def local_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention over whole sequences: q, k, v and the result ``[B, T, heads, hs]``."""
@@ -76,7 +78,9 @@ class CausalSelfAttention(nn.Module):
             y = self.sparse(q, k, v, dropout_p=dropout)
         else:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
-        return y.transpose(1, 2).contiguous()
+        # not made contiguous: the reshape or the exchange that follows copies only if it must, so under Ulysses
+        # the tensor kept for the output projection can be the one attention saves (DistributedAttention)
+        return y.transpose(1, 2)
 
 
 class MLP(nn.Module):

@@ -1,8 +1,11 @@
 """LAMB (layer-wise adaptive moments), with the options of DeepSpeed's ``FusedLamb``.
 
 The Adam-style update of each parameter tensor is rescaled by the trust ratio ``||w|| / ||update||``,
-clipped to ``[min_coeff, max_coeff]``. Under ZeRO stages 1-2 the "parameter tensor" is a rank's flat
-partition, as in DeepSpeed, so the trust ratio there is per partition rather than per layer.
+clipped to ``[min_coeff, max_coeff]``. Without ZeRO partitioning (stage 0) the engine steps one flat buffer per
+param group; it marks the model tensors inside it (``ds_tensor_segments``: (offset, numel) pairs) and each
+gets its own trust ratio, as DeepSpeed's per-parameter ``FusedLamb`` (in every precision: DeepSpeed keeps LAMB
+out of its flattening fp16 wrapper). Under ZeRO stages 1-3 the "parameter tensor" is a rank's flat partition
+(stage 3: a sub-group), as in DeepSpeed, so the trust ratio there is per partition rather than per layer.
 """
 from __future__ import annotations
 
@@ -47,7 +50,12 @@ class Lamb(PerParameterOptimizer):
             update = m_hat / (v_hat.sqrt() + group["eps"])
         if group["weight_decay"] != 0:
             update.add_(p.float(), alpha=group["weight_decay"])
-        w_norm, u_norm = p.float().norm(), update.norm()
-        trust = ((w_norm / u_norm).clamp(group["min_coeff"], group["max_coeff"]).item()
-                 if w_norm > 0 and u_norm > 0 else 1.0)
-        p.add_(update.to(p.dtype), alpha=-group["lr"] * trust)
+        segments = getattr(p, "ds_tensor_segments", None) or [(0, p.numel())]
+        flat_p, flat_u = p.view(-1), update.view(-1)
+        for offset, numel in segments:
+            piece = flat_p[offset:offset + numel]
+            step_piece = flat_u[offset:offset + numel]
+            w_norm, u_norm = piece.float().norm(), step_piece.norm()
+            trust = ((w_norm / u_norm).clamp(group["min_coeff"], group["max_coeff"]).item()
+                     if w_norm > 0 and u_norm > 0 else 1.0)
+            piece.add_(step_piece.to(p.dtype), alpha=-group["lr"] * trust)

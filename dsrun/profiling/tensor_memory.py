@@ -63,18 +63,27 @@ class SavedTensorBytes:
 
     def __init__(self, exclude: Any = ()) -> None:
         self._excluded = {p.untyped_storage().data_ptr() for p in exclude}
-        self._seen: dict[int, int] = {}
+        self._seen: dict[int, tuple[int, str]] = {}  # storage address -> (bytes, device type)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         if storage.data_ptr() not in self._excluded:
-            self._seen[storage.data_ptr()] = storage.nbytes()
+            self._seen[storage.data_ptr()] = (storage.nbytes(), t.device.type)
         return t
 
     @property
     def bytes(self) -> int:
-        return sum(self._seen.values())
+        return sum(nbytes for nbytes, _ in self._seen.values())
+
+    @property
+    def bytes_by_device(self) -> dict[str, int]:
+        """The same bytes split by device type (``{"cpu": ..., "cuda": ...}``), e.g. with CPU-offloaded
+        checkpoints."""
+        split: dict[str, int] = {}
+        for nbytes, device in self._seen.values():
+            split[device] = split.get(device, 0) + nbytes
+        return split
 
     def __enter__(self) -> "SavedTensorBytes":
         self._hooks.__enter__()

@@ -73,6 +73,8 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
         # Ulysses: consecutive data-parallel ranks share samples (dsrun/sequence); ZeRO keeps the whole data group
         self.sequence_parallel_size = self.groups.sequence_parallel_size
         _set_sequence_groups(self.groups)
+        if self.sequence_parallel_size > 1:  # as DeepSpeed: gradients are reduced in seq_parallel_comm_data_type
+            config.communication_data_type = config.seq_parallel_comm_data_type
         self.device = get_accelerator().device(self.local_rank)
         # MoE layers get their expert-parallel groups from the engine's topology (collective)
         self.moe_layers = attach_process_groups(model, self.groups, bool(config.use_data_before_expert_parallelism))

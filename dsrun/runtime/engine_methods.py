@@ -15,6 +15,7 @@ import torch
 from dsrun import comm
 from dsrun.runtime.zero.fragments import refresh_masters_from_model
 from dsrun.runtime.zero.partition_params import ParamStatus, is_zero_param, write_shard
+from dsrun.runtime.zero import partition_params, quantized_shards
 
 MEMORY_OPT_ALLREDUCE_SIZE = 500_000_000
 log = logging.getLogger("dsrun.engine")
@@ -264,17 +265,27 @@ class EngineMethods:
                 custom_load_fn(src=state_dict, dst=self.module)
             else:
                 self.module.load_state_dict(state_dict, strict=strict)
-        fragments = checkpoint.get("frozen_param_fragments")
-        if fragments:
-            for name, p in self.module.named_parameters():
-                if not p.requires_grad and name in fragments:
-                    with torch.no_grad():
-                        if is_zero_param(p):
-                            write_shard(p, fragments[name].to(device=p.ds_tensor.device, dtype=p.ds_tensor.dtype))
-                        else:
-                            p.data.copy_(fragments[name].view_as(p.data))
+        self.restore_frozen_shards(checkpoint)
         if not self.zero_optimization_partition_weights():  # ZeRO-3: GatheredParameters wrote the masters
             refresh_masters_from_model(self.module)
+
+    def restore_frozen_shards(self, checkpoint: dict[str, Any]) -> None:
+        """This rank's shards of the frozen parameters from a ZeRO-3 model states file of the same world size:
+        ``frozen_param_fragments``, and where this run keeps them INT8 (``zero_quantized_nontrainable_weights``)
+        the messages saved as held, restored byte for byte."""
+        fragments = checkpoint.get("frozen_param_fragments") or {}
+        stored = (checkpoint.get("dsrun") or {}).get("frozen_param_quantized") or {}
+        for name, p in self.module.named_parameters():
+            if p.requires_grad or name not in fragments:
+                continue
+            with torch.no_grad():
+                if not is_zero_param(p):
+                    p.data.copy_(fragments[name].view_as(p.data))
+                elif name in stored and quantized_shards.message_of(p) is not None:
+                    quantized_shards.set_message(p, stored[name].to(quantized_shards.message_of(p).device))
+                    partition_params.mark_stale(p)
+                else:
+                    write_shard(p, fragments[name].to(device=p.ds_tensor.device, dtype=p.ds_tensor.dtype))
 
     # --- compile ----------------------------------------------------------------------------------------
     def compile(self, backend: str = "inductor", compile_kwargs: dict[str, Any] | None = None) -> None:

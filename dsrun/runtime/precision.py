@@ -1,5 +1,5 @@
 """Precision strategies: fp32, bf16 (fp32 master weights, no loss scaling) and fp16 (fp32 master weights
-with a static or dynamic loss scale).
+with a static or dynamic loss scale: DeepSpeed's loss scalers, :mod:`dsrun.runtime.fp16.loss_scaler`).
 
 The engine asks its precision strategy four things: which dtype the model runs in, how to scale a loss
 before backward, whether a step must be checked for inf/nan gradients, and what to do with the scale after
@@ -7,87 +7,11 @@ a step (which may have overflowed). The ZeRO strategy does the rest (master copi
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-
-@dataclass
-class DynamicLossScaler:
-    """DeepSpeed's dynamic loss scale.
-
-    On an overflow the step is skipped; the scale is divided by ``scale_factor`` (never below
-    ``min_scale``) once ``hysteresis`` overflows have been absorbed (each overflow first uses up one unit of
-    hysteresis). After ``scale_window`` steps without overflow the scale is multiplied by ``scale_factor``.
-    ``consecutive_hysteresis`` refills the hysteresis on every clean step instead of only on growth.
-    """
-
-    init_scale: float = 2.0 ** 16
-    scale_factor: float = 2.0
-    scale_window: int = 1000
-    min_scale: float = 1.0
-    delayed_shift: int = 2
-    consecutive_hysteresis: bool = False
-
-    def __post_init__(self) -> None:
-        self.cur_scale = float(self.init_scale)
-        self.cur_iter = 0
-        self.last_overflow_iter = -1
-        self.cur_hysteresis = self.delayed_shift
-        self.dynamic = True
-
-    @property
-    def loss_scale(self) -> float:
-        return self.cur_scale
-
-    def update_scale(self, overflow: bool) -> None:
-        if overflow:
-            if self.delayed_shift == 1 or self.cur_hysteresis == 1:
-                self.cur_scale = max(self.cur_scale / self.scale_factor, self.min_scale)
-            else:
-                self.cur_hysteresis -= 1
-            self.last_overflow_iter = self.cur_iter
-        else:
-            if self.consecutive_hysteresis:
-                self.cur_hysteresis = self.delayed_shift
-            if (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
-                if not self.consecutive_hysteresis:
-                    self.cur_hysteresis = self.delayed_shift
-                self.cur_scale *= self.scale_factor
-        self.cur_iter += 1
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"cur_scale": self.cur_scale, "cur_iter": self.cur_iter, "last_overflow_iter": self.last_overflow_iter,
-                "cur_hysteresis": self.cur_hysteresis}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        for key, value in sd.items():
-            setattr(self, key, value)
-
-
-@dataclass
-class StaticLossScaler:
-    """A fixed loss scale (``fp16.loss_scale > 0``); overflowing steps are still skipped."""
-
-    scale: float = 1.0
-
-    def __post_init__(self) -> None:
-        self.cur_scale = float(self.scale)
-        self.dynamic = False
-
-    @property
-    def loss_scale(self) -> float:
-        return self.cur_scale
-
-    def update_scale(self, overflow: bool) -> None:
-        return None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"cur_scale": self.cur_scale}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.cur_scale = sd["cur_scale"]
+from dsrun.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 
 
 class PrecisionStrategy:
@@ -139,7 +63,7 @@ class FP16Precision(PrecisionStrategy):
     model_dtype = torch.float16
     checks_overflow = True
 
-    def __init__(self, scaler: DynamicLossScaler | StaticLossScaler, auto_cast: bool = False):
+    def __init__(self, scaler: DynamicLossScaler | LossScaler, auto_cast: bool = False):
         self.scaler = scaler
         self.auto_cast = auto_cast
 
@@ -183,13 +107,14 @@ def build_precision(fp16: Any = None, bf16: Any = None) -> PrecisionStrategy:
         loss_scale = float(getattr(fp16, "loss_scale", 0.0) or 0.0)
         auto_cast = bool(getattr(fp16, "auto_cast", False))
         if loss_scale > 0:
-            return FP16Precision(StaticLossScaler(loss_scale), auto_cast)
+            return FP16Precision(LossScaler(loss_scale), auto_cast)
         return FP16Precision(DynamicLossScaler(
             init_scale=2.0 ** int(getattr(fp16, "initial_scale_power", 16)),
             scale_window=int(getattr(fp16, "loss_scale_window", 1000)),
             min_scale=float(getattr(fp16, "min_loss_scale", 1)),
             delayed_shift=int(getattr(fp16, "hysteresis", 2)),
-            consecutive_hysteresis=bool(getattr(fp16, "consecutive_hysteresis", False))), auto_cast)
+            consecutive_hysteresis=bool(getattr(fp16, "consecutive_hysteresis", False)),
+            raise_error_at_min_scale=False), auto_cast)  # dsrun keeps training at the minimum scale
     if bf16 is not None and getattr(bf16, "enabled", False):
         return BF16Precision()
     return PrecisionStrategy()

@@ -13,11 +13,12 @@ order of the group is the order of the sequence shards.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from dsrun import comm
+from dsrun.sequence.recompute import ExchangedFromSource
 
 
 def _all_to_all(x: torch.Tensor, group: Any, scatter_idx: int, gather_idx: int) -> torch.Tensor:
@@ -86,6 +87,26 @@ class DistributedAttention(torch.nn.Module):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
                 **kwargs: Any) -> torch.Tensor:
+        return single_all_to_all(self._attend(query, key, value, *args, **kwargs), self.gather_idx,
+                                 self.scatter_idx, self.spg)
+
+    def forward_projected(self, projection: Callable[[torch.Tensor], torch.Tensor], query: torch.Tensor,
+                          key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        """``projection(self(query, key, value, *args, **kwargs))`` (the output projection, say), keeping one
+        tensor less per call for backward: what ``projection`` saves of this rank's (contiguous) output shard is
+        kept as the attention output before the exchange back, which the local attention saves already, and
+        backward runs that exchange again (:mod:`dsrun.sequence.recompute`). The values are the same."""
+        context = self._attend(query, key, value, *args, **kwargs)
+        output = single_all_to_all(context, self.gather_idx, self.scatter_idx, self.spg).contiguous()
+
+        def redo(source: torch.Tensor) -> torch.Tensor:
+            return _all_to_all(source, self.spg, self.gather_idx, self.scatter_idx).contiguous()
+
+        with ExchangedFromSource(output, context, redo):
+            return projection(output)
+
+    def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
+                **kwargs: Any) -> torch.Tensor:
+        """The local attention over the whole sequence with this rank's heads (before the exchange back)."""
         q, k, v = (single_all_to_all(t, self.scatter_idx, self.gather_idx, self.spg) for t in (query, key, value))
-        context = self.local_attn(q, k, v, *args, **kwargs)
-        return single_all_to_all(context, self.gather_idx, self.scatter_idx, self.spg)
+        return self.local_attn(q, k, v, *args, **kwargs)

@@ -63,13 +63,35 @@ ENGINE_CASES: dict[str, tuple[dict, bool, bool]] = {  # name -> (zero_optimizati
     "both_bf16": ({"zero_quantized_weights": True, "zero_quantized_gradients": True}, True, False),
     "frozen": ({}, False, True),
     "frozen_nontrainable": ({"zero_quantized_nontrainable_weights": True}, False, True),
+    "frozen_dequantized": ({}, False, True),  # plain, the frozen weights set to what the key keeps (below)
 }
+FROZEN_CASES = ("frozen", "frozen_nontrainable", "frozen_dequantized")
+
+
+def kept_frozen_value(value: torch.Tensor, world: int) -> torch.Tensor:
+    """What zero_quantized_nontrainable_weights keeps of a frozen weight: each rank's shard of the flat,
+    zero-padded value quantized on its own (INT8, one scale per WEIGHT_BLOCK), decoded."""
+    from dsrun.comm import quantized as q
+
+    flat = value.detach().reshape(-1)
+    part = -(-flat.numel() // world)
+    padded = torch.cat([flat, flat.new_zeros(part * world - flat.numel())])
+    shards = [q.dequantize(*q.quantize(padded[r * part:(r + 1) * part], 8, q.WEIGHT_BLOCK), q.WEIGHT_BLOCK)
+              for r in range(world)]
+    return torch.cat(shards)[:flat.numel()].view_as(value)
+
+
+def _case_model(name: str, freeze: bool, world: int) -> torch.nn.Module:
+    model = _model(freeze)
+    if name == "frozen_dequantized":
+        with torch.no_grad():
+            for p in model[0].parameters():
+                p.copy_(kept_frozen_value(p, world))
+    return model
 
 
 def engines(rank: int, world: int) -> dict[str, Any]:
     """Per case: the losses of STEPS steps and the comms logger's message bytes per (op, size)."""
-    import torch.nn.functional as F
-
     import dsrun
     from dsrun import comm
 
@@ -80,23 +102,76 @@ def engines(rank: int, world: int) -> dict[str, Any]:
                   "bf16": {"enabled": bf16},
                   "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                                         "overlap_comm": True, **zero}}
-        engine = dsrun.initialize(model=_model(freeze), config=config)[0]
+        engine = dsrun.initialize(model=_case_model(name, freeze, world), config=config)[0]
         comm.reset_comms_stats()
-        losses = []
-        for step in range(STEPS):
-            x, y = batch(step, rank)
-            x, y = x.to(engine.module[0].weight.dtype), y.to(engine.module[0].weight.dtype)
-            loss = F.mse_loss(engine(x).float(), y.float())
-            engine.backward(loss)
-            engine.step()
-            losses.append(float(loss.detach()))
+        hidden: list[torch.Tensor] = []
+        hook = engine.module[0].register_forward_hook(lambda m, i, o: hidden.append(o.detach().clone()))
+        losses = _train(engine, rank, range(STEPS))
+        hook.remove()
         sizes: dict[str, dict[int, int]] = {}
         for (op, size), stats in comm.comms_logger.by_size.items():
             sizes.setdefault(op, {})[size] = stats.count
         out[name] = {"losses": losses, "sizes": sizes}
         if name == "qwz":
             out[name]["exact"] = _gathers_exact_values(engine)
+        if name in FROZEN_CASES:
+            out[name].update(first_hidden=hidden[0], parameter_bytes=engine.memory_breakdown().parameters,
+                             trainable=_full_values(engine.module[2]), frozen=_full_values(engine.module[0]))
+        if name == "frozen_nontrainable":
+            out[name]["resume"] = _resume(engine, rank, lambda: _case_model(name, freeze, world), config)
     return out
+
+
+def _train(engine: Any, rank: int, steps: Any) -> list[float]:
+    import torch.nn.functional as F
+
+    losses = []
+    for step in steps:
+        x, y = batch(step, rank)
+        x, y = x.to(engine.module[0].weight.dtype), y.to(engine.module[0].weight.dtype)
+        loss = F.mse_loss(engine(x).float(), y.float())
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _full_values(module: torch.nn.Module) -> list[torch.Tensor]:
+    from dsrun.runtime.zero.partition_params import full_tensor
+
+    return [full_tensor(p) for p in module.parameters()]
+
+
+def _resume(engine: Any, rank: int, make_model: Any, config: dict) -> dict[str, Any]:
+    """Save, train two more steps; a fresh engine whose weights were all halved loads the checkpoint and
+    trains the same two steps: losses, weights and the kept INT8 messages, before and after."""
+    import os
+    import shutil
+    import tempfile
+
+    import dsrun
+    from dsrun import comm
+    from dsrun.runtime.zero import quantized_shards
+
+    path = os.path.join(tempfile.gettempdir(), f"dsrun_zpp_resume_{os.environ['MASTER_PORT']}")
+    messages = lambda e: [quantized_shards.message_of(p).clone() for p in e.module[0].parameters()]  # noqa: E731
+    engine.save_checkpoint(path, tag="t")
+    saved = messages(engine)
+    losses = _train(engine, rank, range(STEPS, STEPS + 2))
+    model = make_model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+    fresh = dsrun.initialize(model=model, config=config)[0]
+    changed = [not torch.equal(a, b) for a, b in zip(messages(fresh), saved)]
+    fresh.load_checkpoint(path, tag="t")
+    loaded = [torch.equal(a, b) for a, b in zip(messages(fresh), saved)]
+    resumed = _train(fresh, rank, range(STEPS, STEPS + 2))
+    comm.barrier()
+    if rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    return {"losses": losses, "resumed": resumed, "changed_before_load": changed, "loaded_exactly": loaded,
+            "weights": _full_values(engine.module), "resumed_weights": _full_values(fresh.module)}
 
 
 def _gathers_exact_values(engine: Any) -> bool:

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from dsrun.comm import quantized as q
+from dsrun.estimate.inputs import BufferSettings, EstimateInputs
+from dsrun.estimate.model_states import model_state_bytes
 from tests.helpers import run_ranks
 from tests.integration import _zeropp_workloads as w
 from tests.unit.comm.test_quantized import simulate_all_gather, simulate_reduce_scatter
@@ -120,3 +122,69 @@ def test_nontrainable_weights_gather_quantized(ranks: list[dict]) -> None:
         assert _bytes(quantized, "all_gather") == _expected_gather_bytes(plain, 4, frozen_sizes)
         assert _bytes(quantized, "all_gather") < _bytes(plain, "all_gather")
         assert quantized["losses"] != plain["losses"]
+
+
+def _frozen_layer_scales(value: torch.Tensor) -> torch.Tensor:
+    """Per element of ``value`` (a frozen weight): the scale of the INT8 block it is kept in (its rank's
+    shard of the flat, padded tensor, quantized on its own)."""
+    flat = value.detach().reshape(-1)
+    part = -(-flat.numel() // WORLD)
+    padded = torch.cat([flat, flat.new_zeros(part * WORLD - flat.numel())])
+    per_shard = [q.quantize(padded[r * part:(r + 1) * part], 8, q.WEIGHT_BLOCK)[1].repeat_interleave(q.WEIGHT_BLOCK)[:part]
+                 for r in range(WORLD)]
+    return torch.cat(per_shard)[:flat.numel()].view_as(value)
+
+
+def test_nontrainable_weights_kept_int8(ranks: list[dict]) -> None:
+    """zero_quantized_nontrainable_weights: each rank holds the frozen Linear's shards as INT8 codes plus
+    one fp32 scale per block (exact byte count), the trainable ones in fp32; the estimator predicts it."""
+    frozen_parts = [-(-n // WORLD) for n in (w.IN * w.HIDDEN, w.HIDDEN)]
+    trainable_parts = [-(-n // WORLD) for n in (w.HIDDEN * w.OUT, w.OUT)]
+    for rank in ranks:
+        kept = sum(q.message_bytes(part, 8, q.WEIGHT_BLOCK) for part in frozen_parts)
+        assert rank["frozen"]["parameter_bytes"] == 4 * (sum(frozen_parts) + sum(trainable_parts))
+        assert rank["frozen_nontrainable"]["parameter_bytes"] == kept + 4 * sum(trainable_parts)
+        assert kept <= 0.26 * 4 * sum(frozen_parts)
+        # the estimator's count for this model: here the per-parameter blocks add up to the flat count
+        spec = EstimateInputs(total_params=w.IN * w.HIDDEN + w.HIDDEN + w.HIDDEN * w.OUT + w.OUT,
+                              trainable_params=w.HIDDEN * w.OUT + w.OUT, largest_layer_params=w.IN * w.HIDDEN,
+                              ranks_per_node=WORLD, zero_stage=3, precision="fp32", small_params=0,
+                              buffers=BufferSettings(zero_quantized_nontrainable_weights=True))
+        assert model_state_bytes(spec).device_params == rank["frozen_nontrainable"]["parameter_bytes"]
+
+
+def test_nontrainable_weights_compute_with_the_kept_values(ranks: list[dict]) -> None:
+    """The frozen Linear computes with the dequantized weights: its first output is within the quantization
+    step's bound of the exact one (each weight within scale / 2), equal bit for bit to a plain run whose
+    frozen weights were set to the kept values; the trainable weights and losses of that run are equal
+    bit for bit too (the key changes nothing but the frozen values)."""
+    layer = w._model(True)[0]
+    weight_scale, bias_scale = _frozen_layer_scales(layer.weight), _frozen_layer_scales(layer.bias)
+    eps = torch.finfo(torch.float32).eps
+    for r, rank in enumerate(ranks):
+        kept, plain, reference = rank["frozen_nontrainable"], rank["frozen"], rank["frozen_dequantized"]
+        x = w.batch(0, r)[0].double()
+        exact = x @ layer.weight.double().T + layer.bias.double()
+        quant_bound = x.abs() @ (weight_scale.double() / 2).T + bias_scale.double() / 2
+        # fp32 rounding of the two products of IN terms (gamma_n bound, twice: both runs round)
+        rounding = 2 * (w.IN + 1) * eps * (x.abs() @ layer.weight.double().abs().T + layer.bias.double().abs())
+        assert torch.all((plain["first_hidden"].double() - exact).abs() <= rounding / 2)
+        assert torch.all((kept["first_hidden"].double() - exact).abs() <= quant_bound + rounding)
+        assert not torch.equal(kept["first_hidden"], plain["first_hidden"])
+        assert torch.equal(kept["first_hidden"], reference["first_hidden"])
+        assert kept["losses"] == reference["losses"]
+        for a, b in zip(kept["trainable"] + kept["frozen"], reference["trainable"] + reference["frozen"]):
+            assert torch.equal(a, b)
+        for value, original in zip(kept["frozen"], layer.parameters()):
+            assert torch.equal(value, w.kept_frozen_value(original, WORLD))
+
+
+def test_nontrainable_weights_resume_exactly(ranks: list[dict]) -> None:
+    """A checkpoint keeps the frozen shards as held (INT8 messages besides the full-precision fragments):
+    a fresh engine with other weights loads them byte for byte and trains on as the saved one did."""
+    for rank in ranks:
+        resume = rank["frozen_nontrainable"]["resume"]
+        assert all(resume["changed_before_load"]) and all(resume["loaded_exactly"])
+        assert resume["resumed"] == resume["losses"]
+        for a, b in zip(resume["weights"], resume["resumed_weights"]):
+            assert torch.equal(a, b)

@@ -20,7 +20,6 @@ ZERO_PP = Feature("ZeRO++ (quantized weights and gradients, hierarchical partiti
 MICS_PARITY = "tests/integration/test_mics_hpz.py::test_mics_partitions_over_shard_groups_and_matches_zero3"
 MICS_HPZ = "tests/integration/test_mics_hpz.py::test_hpz_backward_gathers_stay_in_the_secondary_group"
 MICS_HPZ_RESUME = "tests/integration/test_mics_hpz.py::test_mics_and_hpz_checkpoints_resume"
-SEQUENCE = Feature("Ulysses sequence parallelism", "leave seq_parallel_comm_data_type at fp32")
 PIPELINE = Feature("pipeline parallelism", "train without the pipeline keys")
 APEX = Feature("it needs NVIDIA Apex on CUDA",
                "use \"bf16\": {\"enabled\": true} or \"fp16\": {\"enabled\": true} instead")
@@ -69,7 +68,10 @@ ENTRIES: list[Entry] = [
     done("scheduler.params", "the schedule's constructor arguments", UNIT),
     # --- communication ---------------------------------------------------------------------------------------
     done("communication_data_type", "dtype of the gradient reduction (null: the model's dtype)", RANKS),
-    todo("seq_parallel_comm_data_type", "dtype of Ulysses sequence-parallel all-to-alls", SEQUENCE),
+    done("seq_parallel_comm_data_type", "with sequence_parallel_size > 1: the dtype gradients are reduced in "
+         "(replaces communication_data_type, as DeepSpeed's engine does)",
+         "tests/integration/test_seq_parallel_comm_dtype.py::"
+         "test_seq_parallel_comm_data_type_sets_the_gradient_reduction_dtype", traced=False),
     done("prescale_gradients", "divide gradients by gradient_predivide_factor before the reduction, the rest "
          "after", UNIT),
     done("gradient_predivide_factor", "the divisor applied before the reduction when prescale_gradients", UNIT),
@@ -171,8 +173,10 @@ ENTRIES: list[Entry] = [
          "backward gathers from (stage 3; 1: off)", MICS_HPZ, MICS_HPZ_RESUME),
     done("zero_optimization.zero_quantized_weights", "qwZ: stage-3 parameter all-gathers carry INT8 blocks "
          "with per-block scales", ZEROPP + "test_quantized_weights_gather_int8_blocks"),
-    done("zero_optimization.zero_quantized_nontrainable_weights", "qwZ for frozen parameters only (stage 3)",
-         ZEROPP + "test_nontrainable_weights_gather_quantized"),
+    done("zero_optimization.zero_quantized_nontrainable_weights", "frozen parameters' stage-3 shards kept as INT8 "
+         "blocks + fp32 scales (about 1/4 of fp32), gathered as stored and dequantized",
+         ZEROPP + "test_nontrainable_weights_kept_int8", ZEROPP + "test_nontrainable_weights_gather_quantized",
+         ZEROPP + "test_nontrainable_weights_resume_exactly"),
     done("zero_optimization.zero_quantized_gradients", "qgZ: the stage-3 gradient reduce-scatter is a "
          "hierarchical INT4 all-to-all", ZEROPP + "test_quantized_gradients_int4_all_to_all"),
     todo("zero_optimization.zeropp_loco_param", "LoCo error feedback for qgZ", ZERO_PP, applies=_stage(3)),

@@ -18,13 +18,8 @@ from typing import Any
 
 import torch
 
-from .pipeline import PipelineTimes, StepPipeline
+from .pipeline import PipelineTimes, StepPipeline, tiled_cpu_step
 from .settings import CPU_TILE_ELEMENTS, OffloadOptimizerSettings, host_empty, require_cpu_optimizer
-
-
-def tiles(numel: int, tile: int) -> list[tuple[int, int]]:
-    """[a, b) ranges of at most ``tile`` elements covering ``numel``."""
-    return [(a, min(numel, a + tile)) for a in range(0, numel, tile)] if numel else []
 
 
 class DeviceFlatStore:
@@ -143,36 +138,20 @@ class HostFlatStore(DeviceFlatStore):
             for part, master in zip(self.partitions, masters):
                 part.copy_(master.detach())
             return
-        steps, units = [], []
-        for gi, master in enumerate(masters):
-            state = self.cpu_optimizer.state_for(master)
-            state["step"] += 1
-            steps.append(state)
-            units += [(gi, a, b) for a, b in tiles(master.numel(), self.tile)]
-        host_grads: dict[int, torch.Tensor] = {}
+        def low(u: int, gi: int, a: int, b: int) -> torch.Tensor | None:
+            if self.model_dtype == torch.float32:
+                return None
+            return (self.partitions[gi] if self.direct_low_precision else self._lp_staging[gi])[a:b]
 
-        def fetch(u: int) -> None:
-            gi, a, b = units[u]
-            host_grads[u] = self._host_grad(grads, gi, a, b, coef)
-
-        def compute(u: int) -> None:
-            gi, a, b = units[u]
-            low = None
-            if self.model_dtype != torch.float32:
-                low = (self.partitions[gi] if self.direct_low_precision else self._lp_staging[gi])[a:b]
-            state = steps[gi]
-            self.cpu_optimizer.update_tile(optimizer.param_groups[gi], masters[gi].detach()[a:b], host_grads.pop(u),
-                                           {k: state[k][a:b] for k in self.cpu_optimizer.STATE_KEYS}, state["step"],
-                                           low_precision=low)
-
-        def store(u: int) -> None:
-            gi, a, b = units[u]
+        def store(u: int, gi: int, a: int, b: int) -> None:
             if self.model_dtype == torch.float32:
                 self.partitions[gi][a:b].copy_(masters[gi].detach()[a:b], non_blocking=True)
             elif not self.direct_low_precision:
                 self.partitions[gi][a:b].copy_(self._lp_staging[gi][a:b], non_blocking=True)
 
-        self.times = self.pipeline.run(len(units), fetch, compute, store)
+        jobs = [(optimizer.param_groups[gi], master) for gi, master in enumerate(masters)]
+        self.times = tiled_cpu_step(self.pipeline, self.cpu_optimizer, jobs, self.tile,
+                                    lambda u, gi, a, b: self._host_grad(grads, gi, a, b, coef), low, store)
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
 

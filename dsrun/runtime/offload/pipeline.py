@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -95,6 +95,46 @@ class StepPipeline:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
+
+
+def tiles(numel: int, tile: int) -> list[tuple[int, int]]:
+    """[a, b) ranges of at most ``tile`` elements covering ``numel``."""
+    return [(a, min(numel, a + tile)) for a in range(0, numel, tile)] if numel else []
+
+
+TileFn = Callable[[int, int, int, int], Any]  # (unit, job, a, b)
+
+
+def tiled_cpu_step(pipeline: StepPipeline, cpu_optimizer: Any, jobs: Sequence[tuple[dict, torch.Tensor]],
+                   tile: int, grad: TileFn, low: Optional[TileFn] = None,
+                   store: Optional[TileFn] = None) -> PipelineTimes:
+    """One step of the compiled CPU optimizer over host fp32 masters, ``tile`` elements at a time.
+
+    ``jobs`` are (param group, master) pairs; every master's step count advances once. Each unit is one tile
+    [a, b) of job j: ``grad(u, j, a, b)`` returns its fp32 gradient (run ahead on the pipeline's worker),
+    ``low(u, j, a, b)`` where the update writes its rounded 16-bit copy (None: no copy), and
+    ``store(u, j, a, b)`` sends the updated tile on (run behind on the worker)."""
+    states, units = [], []
+    for j, (_, master) in enumerate(jobs):
+        state = cpu_optimizer.state_for(master)
+        state["step"] += 1
+        states.append(state)
+        units += [(j, a, b) for a, b in tiles(master.numel(), tile)]
+    fetched: dict[int, torch.Tensor] = {}
+
+    def fetch(u: int) -> None:
+        fetched[u] = grad(u, *units[u])
+
+    def compute(u: int) -> None:
+        j, a, b = units[u]
+        group, master = jobs[j]
+        state = states[j]
+        cpu_optimizer.update_tile(group, master.detach()[a:b], fetched.pop(u),
+                                  {k: state[k][a:b] for k in cpu_optimizer.STATE_KEYS}, state["step"],
+                                  low_precision=None if low is None else low(u, j, a, b))
+
+    put = None if store is None else (lambda u: store(u, *units[u]))
+    return pipeline.run(len(units), fetch, compute, put)
 
 
 def run_swap_pipeline(n: int, depth: int, issue_read: Callable[[int], None], wait_reads: Callable[[], None],

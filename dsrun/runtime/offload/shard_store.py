@@ -23,9 +23,8 @@ from typing import Any
 import torch
 
 from . import param_swapper
-from .flat_store import tiles
 from .nvme import SwappedOptimizerState, SwappedShard, SwappedUnit
-from .pipeline import PipelineTimes, StepPipeline, scatter_to_shards
+from .pipeline import PipelineTimes, StepPipeline, scatter_to_shards, tiled_cpu_step
 from .settings import CPU_TILE_ELEMENTS, OffloadOptimizerSettings, host_empty, require_cpu_optimizer
 
 HOST = torch.device("cpu")
@@ -222,34 +221,24 @@ class HostShardStore(DeviceShardStore):
             if self.sub_groups:
                 self._optimizer_step(coef)
             return
-        units, states = [], {}
-        for _, sg in self.sub_groups:
-            state = self.cpu_optimizer.state_for(sg.master)
-            state["step"] += 1
-            states[id(sg)] = state
-            units += [(sg, a, b) for a, b in tiles(sg.numel, self.tile)]
+        subs = [sg for _, sg in self.sub_groups]
 
-        def fetch(u: int) -> None:
-            sg, a, b = units[u]
+        def grad(u: int, j: int, a: int, b: int) -> torch.Tensor:
+            g = subs[j].grad[a:b]
             if coef != 1.0:
-                sg.grad[a:b].mul_(coef)
+                g.mul_(coef)
+            return g
 
-        def compute(u: int) -> None:
-            sg, a, b = units[u]
-            state = states[id(sg)]
-            low = self._lp_staging[u % 2][:b - a] if self._lp_staging else None
-            self.cpu_optimizer.update_tile(self.optimizer.param_groups[sg.group_index], sg.master.detach()[a:b],
-                                           sg.grad[a:b], {k: state[k][a:b] for k in self.cpu_optimizer.STATE_KEYS},
-                                           state["step"], low_precision=low)
-
-        def store(u: int) -> None:
-            sg, a, b = units[u]
+        def store(u: int, j: int, a: int, b: int) -> None:
+            sg = subs[j]
             if self._lp_staging:
                 scatter_to_shards(sg.params, sg.offsets, a, self._lp_staging[u % 2][:b - a])
             elif not self.aliased():
                 scatter_to_shards(sg.params, sg.offsets, a, sg.master.detach()[a:b])
 
-        self.times = self.pipeline.run(len(units), fetch, compute, store)
+        low = (lambda u, j, a, b: self._lp_staging[u % 2][:b - a]) if self._lp_staging else None
+        jobs = [(self.optimizer.param_groups[sg.group_index], sg.master) for sg in subs]
+        self.times = tiled_cpu_step(self.pipeline, self.cpu_optimizer, jobs, self.tile, grad, low, store)
         if self.owner.ctx.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 
+from dsrun.runtime import optimizer_wrappers
 from dsrun.utils.errors import ConfigError, Problem
 
 from .base import MemoryBreakdown, StepOutcome, StrategyContext, ZeroStrategy
@@ -49,6 +50,7 @@ def build_zero_strategy(stage: int, ctx: StrategyContext) -> ZeroStrategy:
     if bind is not None:
         bind(strategy)
     attach_fragments(strategy)  # per-parameter views for dsrun.utils.safe_get_full_fp32_param & co.
+    optimizer_wrappers.register(strategy)  # strategy.deepspeed_wrapper; isinstance(engine.optimizer, ...) follows it
     return strategy
 
 

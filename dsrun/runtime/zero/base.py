@@ -182,6 +182,7 @@ class ZeroStrategy(ABC):
     # whether the backward reduction may be switched off (enable_backward_allreduce = False): the stage keeps
     # each rank's whole local gradient until the step (stages 0-1, on the device)
     supports_local_gradients = False
+    deepspeed_wrapper: str | None = None  # DeepSpeed's optimizer wrapper here (dsrun.runtime.optimizer_wrappers)
 
     def __init__(self, ctx: StrategyContext):
         self.ctx = ctx
@@ -367,6 +368,10 @@ class ZeroStrategy(ABC):
         from dsrun.checkpoint.state import frozen_params
 
         return frozen_params(self.ctx.module)
+
+    def frozen_param_messages(self) -> dict[str, torch.Tensor]:
+        """ZeRO-3 with ``zero_quantized_nontrainable_weights``: the frozen shards as stored (INT8 messages)."""
+        return {}
 
     def _names(self) -> dict[int, str]:
         return {id(p): name for name, p in self.ctx.module.named_parameters()}

@@ -16,6 +16,8 @@ releasing drops the buffer again. Attributes (DeepSpeed's names, so code that in
 ``ds_buffer_pool``   optional :class:`GatherBufferPool` that released full buffers go back to (CPU)
 ``ds_quantized_gather`` optional: elements per INT8 scale when this parameter's gathers are quantized (ZeRO++
                      qwZ, :mod:`dsrun.comm.quantized`); the shard itself stays exact
+``ds_quantized_shard`` optional (``zero_quantized_nontrainable_weights``, frozen parameters): the shard kept as its
+                     INT8 message (:mod:`.quantized_shards`); ``ds_tensor`` is then an empty placeholder
 ``ds_offload``       with ``offload_param``: the object that owns the shard (:mod:`dsrun.runtime.offload.param_swapper`);
                      for NVMe ``ds_tensor`` is then an empty placeholder and the shard lives in a file
 
@@ -34,7 +36,9 @@ from typing import Any, Iterable
 import torch
 
 from dsrun import comm
-from dsrun.comm.quantized import quantized_all_gather_into_tensor
+from dsrun.comm.quantized import all_gather_messages, quantized_all_gather_into_tensor
+
+from . import quantized_shards
 
 
 class ParamStatus(Enum):
@@ -185,27 +189,36 @@ def start_gather(param: torch.nn.Parameter, async_op: bool, secondary: bool = Fa
     if param.ds_status is not ParamStatus.NOT_AVAILABLE:
         return None
     levels = None
+    message = None  # a shard kept quantized: its stored INT8 message
     if secondary and getattr(param, "ds_secondary_valid", False):
         shard, group, world = param.ds_secondary_tensor, param.ds_secondary_group, param.ds_secondary_world_size
     else:
         owner = getattr(param, "ds_offload", None)
+        message = quantized_shards.message_of(param)
         shard = owner.gather_input(param) if owner is not None else param.ds_tensor
         group, world = param.ds_process_group, param.ds_world_size
         levels = getattr(param, "ds_gather_levels", None)
         secondary = False
+        if message is not None and (world == 1 or levels is not None):
+            shard, message = quantized_shards.dequantized_shard(param), None  # decoded here, gathered as values
     if world == 1:
         buffer = shard
         work = None
     else:
-        numel = shard.numel() * world
+        part = param.ds_partition_numel if message is not None else shard.numel()
+        numel = part * world
+        dtype, device = shard.dtype, shard.device  # a kept message: shard is the placeholder in the model dtype
         pool = getattr(param, "ds_buffer_pool", None)
         buffer = pool.take(numel) if pool is not None else None
-        if buffer is None or buffer.dtype != shard.dtype or buffer.device != shard.device:
-            buffer = torch.empty(numel, dtype=shard.dtype, device=shard.device)
+        if buffer is None or buffer.dtype != dtype or buffer.device != device:
+            buffer = torch.empty(numel, dtype=dtype, device=device)
         block = getattr(param, "ds_quantized_gather", None)
         if levels is not None:  # MiCS hierarchical: two synchronous steps
             comm.all_gather_hierarchical(buffer, shard, *levels)
             work = None
+        elif message is not None:  # a shard kept quantized: its message as it is, decoded into buffer
+            work = all_gather_messages(buffer, message, part, group=group, async_op=async_op,
+                                       block=param.ds_quantized_block)
         elif block and not _exact_gathers[0]:  # ZeRO++ qwZ: INT8 blocks on the wire, decoded into buffer
             work = quantized_all_gather_into_tensor(buffer, shard, group=group, async_op=async_op, block=block)
         else:
@@ -285,6 +298,8 @@ def write_shard(param: torch.nn.Parameter, values: torch.Tensor) -> None:
     if owner is not None:
         owner.write_shard(param, values)
         owner.flush()
+    elif quantized_shards.message_of(param) is not None:
+        quantized_shards.write_quantized(param, values)
     elif values.data_ptr() != param.ds_tensor.data_ptr():
         with torch.no_grad():
             param.ds_tensor.copy_(values)

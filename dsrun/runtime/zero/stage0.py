@@ -36,10 +36,14 @@ class DataParallelStrategy(FlatStrategy):
         if not self.precision.needs_master_weights:
             # fp32: the optimizer steps the model's own flat buffer; nothing to copy back
             self.master_grads = self.flat_grads
-            return [torch.nn.Parameter(g.flat_param, requires_grad=True) for g in self.groups]
-        self.master_grads = [torch.zeros(g.padded_numel, dtype=torch.float32, device=self.ctx.device)
-                             for g in self.groups]
-        return [torch.nn.Parameter(g.flat_param.detach().float().clone()) for g in self.groups]
+            masters = [torch.nn.Parameter(g.flat_param, requires_grad=True) for g in self.groups]
+        else:
+            self.master_grads = [torch.zeros(g.padded_numel, dtype=torch.float32, device=self.ctx.device)
+                                 for g in self.groups]
+            masters = [torch.nn.Parameter(g.flat_param.detach().float().clone()) for g in self.groups]
+        for master, g in zip(masters, self.groups):  # where each model tensor lies (per-tensor rules: LAMB)
+            master.ds_tensor_segments = list(zip(g.offsets, g.numels))
+        return masters
 
     def _reduce(self, bucket: Bucket, async_op: bool) -> None:
         if bucket.pending > 0:  # parameters this backward did not reach: their .grad may have been replaced

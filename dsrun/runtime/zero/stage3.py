@@ -15,7 +15,8 @@
   memory or NVMe swap files), which owns its master, gradient, update, write-back, checkpoint entries and bytes.
 
 ZeRO++ (:mod:`dsrun.comm.quantized`): ``zero_quantized_weights`` (qwZ) gathers parameters as INT8 blocks with
-per-block scales, ``zero_quantized_nontrainable_weights`` does so for frozen parameters only, and
+per-block scales, ``zero_quantized_nontrainable_weights`` keeps frozen parameters' shards as INT8 blocks and
+scales (:mod:`.quantized_shards`, gathered as they are), and
 ``zero_quantized_gradients`` (qgZ) replaces the data-parallel reduce-scatter with the hierarchical INT4
 all-to-all (synchronous: ``overlap_comm`` does not overlap it).
 
@@ -35,7 +36,7 @@ from dsrun.comm import quantized
 from dsrun.utils.errors import ConfigError, Problem
 
 from .base import MemoryBreakdown, StrategyContext, ZeroStrategy, optimizer_state_bytes, tensor_bytes
-from . import host_memory, linear
+from . import host_memory, linear, quantized_shards
 from .sharding import Stage3Sharding
 from .hooks import ParameterCoordinator, iter_unique_params, module_params
 from .partition_params import full_tensor, is_zero_param, partition_param, shard_padding
@@ -43,6 +44,7 @@ from dsrun.runtime.offload import param_swapper
 from dsrun.runtime.offload.pipeline import PipelineTimes
 from dsrun.runtime.offload.settings import OffloadOptimizerSettings
 from dsrun.runtime.offload.shard_store import DeviceShardStore, ShardPlacement
+from dsrun.runtime.optimizer_wrappers import OptimizerWrapperKind
 
 
 @dataclass
@@ -156,13 +158,17 @@ class Stage3Strategy(ZeroStrategy):
             self.sharding.attach(p)
 
     def _set_up_zeropp(self, zc: Any) -> "quantized.QuantizedReduceScatter | None":
-        """Mark the parameters whose gathers are quantized (qwZ: all; nontrainable: the frozen ones); the
-        quantized reduce-scatter over the group gradients are reduce-scattered in (the data-parallel group, or
-        with MiCS the shard group) for qgZ (None when off)."""
+        """Mark the parameters whose gathers are quantized (qwZ: all; nontrainable: the frozen ones, whose
+        shards are then kept quantized too, unless ``offload_param`` holds them); the quantized reduce-scatter
+        over the group gradients are reduce-scattered in (the data-parallel group, or with MiCS the shard
+        group) for qgZ (None when off)."""
+        keep_frozen = zc.zero_quantized_nontrainable_weights and zc.offload_param.device == "none"
         for p in self.params:
-            if zc.zero_quantized_weights or (zc.zero_quantized_nontrainable_weights and not p.requires_grad):
-                if p.ds_tensor.is_floating_point():
-                    p.ds_quantized_gather = quantized.WEIGHT_BLOCK
+            frozen = zc.zero_quantized_nontrainable_weights and not p.requires_grad
+            if (zc.zero_quantized_weights or frozen) and p.ds_tensor.is_floating_point():
+                p.ds_quantized_gather = quantized.WEIGHT_BLOCK
+                if frozen and keep_frozen:
+                    quantized_shards.store_quantized(p, quantized.WEIGHT_BLOCK)
         if not zc.zero_quantized_gradients:
             return None
         return quantized.make_reduce_scatter(self.sharding.shard_group)
@@ -416,7 +422,7 @@ class Stage3Strategy(ZeroStrategy):
         partitions resident in memory (host-offloaded ones included, swapped ones not: their swap buffers are
         ``buffers``); the optimizer state. ``padding`` counts the zero tail of this rank's shards (in memory, in
         all of them; offloaded, in the shards only)."""
-        shards = sum(tensor_bytes(p.ds_tensor) for p in self.params) + self.sharding.secondary_bytes(self.params)
+        shards = sum(quantized_shards.stored_bytes(p) for p in self.params) + self.sharding.secondary_bytes(self.params)
         persistent = sum(p.ds_numel * p.ds_tensor.element_size() for p in self.params if p.ds_persist)
         stores = self.placement.stores
         grads = sum(store.grad_bytes() for store in stores)
@@ -427,7 +433,8 @@ class Stage3Strategy(ZeroStrategy):
         padding = 0.0
         for p in self.params:
             pad = shard_padding(p, comm.get_rank(p.ds_process_group))  # MoE experts: their group's rank
-            padding += pad * p.ds_tensor.element_size() + (pad * per_elem if id(p) in self._slot else 0)
+            element = 1 if quantized_shards.message_of(p) is not None else p.ds_tensor.element_size()  # INT8 codes
+            padding += pad * element + (pad * per_elem if id(p) in self._slot else 0)
         # NVMe parameter offload: the shards are in files (ds_tensor is empty); the read/write pool and the
         # shards cached in host memory (max_in_cpu) count as buffers
         pool = self.param_offload.buffer_bytes() if self.param_offload is not None else 0
@@ -451,7 +458,17 @@ class Stage3Strategy(ZeroStrategy):
     def frozen_param_fragments(self) -> tuple[dict[str, torch.Size], dict[str, torch.Tensor]]:
         from dsrun.checkpoint.state import frozen_params
 
-        return frozen_params(self.ctx.module, shard_of=param_swapper.shard_value)  # NVMe shards: from files
+        def shard_of(p: torch.nn.Parameter) -> torch.Tensor:  # NVMe shards: from files; kept INT8: decoded
+            if quantized_shards.message_of(p) is not None:
+                return quantized_shards.dequantized_shard(p)
+            return param_swapper.shard_value(p)
+
+        return frozen_params(self.ctx.module, shard_of=shard_of)
+
+    def frozen_param_messages(self) -> dict[str, torch.Tensor]:
+        """This rank's INT8 messages of the frozen shards kept quantized, by name (what it stores, exactly)."""
+        return {name: quantized_shards.message_of(p).cpu().clone() for name, p in self.ctx.module.named_parameters()
+                if quantized_shards.message_of(p) is not None}
 
     def state_dict(self) -> dict[str, Any]:
         names = {id(p): n for n, p in self.ctx.module.named_parameters()}
@@ -512,3 +529,8 @@ def full_state_dict(module: torch.nn.Module, exclude_frozen_parameters: bool = F
         else:
             out[name] = value.detach().cpu().clone()
     return out
+
+
+class DeepSpeedZeroOptimizer_Stage3(metaclass=OptimizerWrapperKind):  # noqa: N801 - DeepSpeed's name
+    """DeepSpeed's stage-3 optimizer name: an optimizer stepped by :class:`Stage3Strategy`
+    (:mod:`dsrun.runtime.optimizer_wrappers`)."""

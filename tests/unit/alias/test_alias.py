@@ -39,6 +39,8 @@ def test_import_deepspeed_is_dsrun_with_the_api_version_hf_and_accelerate_accept
         from deepspeed.ops.op_builder import CPUAdamBuilder
         import dsrun, dsrun.runtime.lr_schedules, op_builder
         assert deepspeed.__version__ == importlib.metadata.version("deepspeed") == dsrun.alias.DEEPSPEED_API_VERSION
+        assert ".".join(map(str, (deepspeed.__version_major__, deepspeed.__version_minor__,
+                                  deepspeed.__version_patch__))) == deepspeed.__version__
         assert deepspeed.initialize is dsrun.initialize and deepspeed.comm is dsrun.comm
         assert deepspeed.runtime.lr_schedules is dsrun.runtime.lr_schedules
         assert deepspeed.runtime.engine is dsrun.runtime.engine  # imported by `import deepspeed`, as in DeepSpeed

@@ -139,7 +139,7 @@ def test_deepspeed_examples_inventory_count():
                             capture_output=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert result.returncode == 0, result.stderr
     resolved, total = (int(word) for word in result.stdout.split()[1:4:2])
-    assert total == 96 and resolved >= 68, result.stdout
+    assert total == 96 and resolved >= 70, result.stdout
 
 
 def test_steps_per_print_inf_from_accelerate_means_never():

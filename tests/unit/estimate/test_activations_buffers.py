@@ -12,6 +12,7 @@ from dsrun.estimate.activations import (
 )
 from dsrun.estimate.buffers import buffer_bytes
 from dsrun.estimate.inputs import BufferSettings, EstimateInputs, GPTShape
+from dsrun.profiling.tensor_memory import SavedTensorBytes
 from tests.unit.estimate.tiny_gpt import TinyGPT
 
 
@@ -25,18 +26,9 @@ def test_block_matches_korthikanti_closed_form():
 
 def _saved_bytes(fn, module: torch.nn.Module) -> int:
     """Bytes of the distinct non-parameter storages autograd saves while running ``fn``."""
-    param_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in param_storages:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedTensorBytes(exclude=module.parameters()) as saved:
         fn()
-    return sum(seen.values())
+    return saved.bytes
 
 
 @pytest.mark.parametrize("flash", [True, False])

@@ -44,3 +44,24 @@ def test_qgz_across_nodes_adds_the_inter_node_all_to_all() -> None:
 
 def test_one_rank_communicates_nothing() -> None:
     assert step_comm_volume(spec(per_node=1)).traffic_bytes == 0.0
+
+
+def test_mics_and_hpz_keep_message_bytes_and_change_what_leaves_the_rank() -> None:
+    """8 ranks, fp32: MiCS over shard groups of 2 sends the same messages, 1/2 of them leave the rank, plus
+    the all-reduce of the fp32 gradient partition across the 4 replicas; hpZ over 2 ranks keeps the
+    backward gathers (half the gathered bytes) inside the pair."""
+    plain = step_comm_volume(spec(per_node=8))
+    mics = step_comm_volume(EstimateInputs(**{**spec(per_node=8).__dict__, "mics_shard_size": 2}))
+    hpz = step_comm_volume(EstimateInputs(**{**spec(per_node=8).__dict__, "hpz_partition_size": 2}))
+    assert (mics.gather_bytes, mics.gradient_bytes) == (plain.gather_bytes, plain.gradient_bytes)
+    assert mics.replica_bytes == PSI * 4 // 2 and plain.replica_bytes == hpz.replica_bytes == 0
+    assert mics.traffic_bytes == pytest.approx((3 * PSI * 4) / 2 + 2 * (PSI * 4 // 2) * 3 / 4)
+    assert hpz.traffic_bytes == pytest.approx(2 * PSI * 4 * 7 / 8 + PSI * 4 / 2)
+
+
+def test_quantized_nontrainable_weights_gather_the_frozen_share_at_int8() -> None:
+    half = EstimateInputs(total_params=PSI, largest_layer_params=PSI // 10, ranks_per_node=4, zero_stage=3,
+                          trainable_params=PSI // 2,
+                          buffers=BufferSettings.from_zero_config({"zero_quantized_nontrainable_weights": True}))
+    base = step_comm_volume(EstimateInputs(**{**half.__dict__, "buffers": BufferSettings()}))
+    assert step_comm_volume(half).gather_bytes == pytest.approx(base.gather_bytes / 2 * (1 + (1 + 4 / 256) / 4))

@@ -173,3 +173,20 @@ def test_mics_partitions_model_states_over_its_shard_group_and_hpz_adds_the_seco
         assert model_state_bytes(spec(zero_stage=2, **{key: 2})) == model_state_bytes(spec(zero_stage=2))
         with pytest.raises(ConfigError, match="must divide the 8 ranks"):
             spec(zero_stage=3, **{key: 3})
+
+
+def test_quantized_nontrainable_weights_keep_the_frozen_partition_int8():
+    """Stage 3, bf16, 8 ranks, half the parameters frozen: the frozen half of the partition is held as INT8
+    codes plus one fp32 scale per 256 elements instead of 2 bytes each; nothing changes without frozen
+    parameters, below stage 3 or with parameter offload."""
+    from dsrun.comm.quantized import message_bytes
+
+    on = BufferSettings.from_zero_config({"zero_quantized_nontrainable_weights": True})
+    frozen_part = P // 2 // 8
+    plain = model_state_bytes(spec(zero_stage=3, trainable_params=P // 2))
+    kept = model_state_bytes(spec(zero_stage=3, trainable_params=P // 2, buffers=on))
+    assert plain.device_params - kept.device_params == 2 * frozen_part - message_bytes(frozen_part, 8, 256)
+    assert kept.device_total == plain.device_total - (plain.device_params - kept.device_params)
+    for kw in ({"zero_stage": 3}, {"zero_stage": 2, "trainable_params": P // 2},
+               {"zero_stage": 3, "trainable_params": P // 2, "offload_param": "cpu"}):
+        assert model_state_bytes(spec(**kw, buffers=on)) == model_state_bytes(spec(**kw))

@@ -3,8 +3,8 @@ refuse, and the rank side (``rank_exec --mpi``) reading each MPI library's varia
 
 DeepSpeed documents the MPI launch as ``mpirun -np [#processes] -ppn [#GPUs on each node] -hostfile
 [hostfile] [MPI flags] python [training_script.py]`` (1-bit Adam / 1-bit LAMB tutorials; getting started);
-its launcher's runners build: openmpi ``mpirun -n N -hostfile H --mca btl ^openib [args] -x K=V python -u
-script``, mpich ``mpirun -n N -ppn P [args] -genv ... -hosts h1,h2 python -u ...``, impi ``mpirun -ppn P
+its launcher's runners build: openmpi ``mpirun -n N -hostfile H --mca btl ^openib --mca btl_tcp_if_include eth0
+[args] -x K=V python -u script``, mpich ``mpirun -n N -ppn P [args] -genv ... -hosts h1,h2 python -u ...``, impi ``mpirun -ppn P
 [args] -genv K V ... -genv I_MPI_PIN 0 -hosts h1,h2 ...``, mvapich ``mpirun -np N -ppn P --hostfile F [args]
 -env K=V ... python -u script``, jsrun ``jsrun -n N -c 7 -g 1 -a 1 [args] -E K=V python -u script``. dsrun
 keeps each form; the program is dsrun's rank shim followed by ``python -u script``."""
@@ -35,8 +35,9 @@ def job(tmp_path: Path) -> Path:
 
 def _plan(folder: Path, runner: str, **kwargs):
     kwargs.setdefault("hostfile", str(folder / "hostfile"))
+    kwargs.setdefault("launcher_args", "--mpi-flag x")
     return plan_launch(LaunchOptions(target="train.py", target_args=["--lr", "0.1"], runner=runner, cwd=str(folder),
-                                     master_port=29600, launcher_args="--mpi-flag x", **kwargs),
+                                     master_port=29600, **kwargs),
                        environ={"HOME": str(folder), "PYTHONPATH": "/lib"})
 
 
@@ -54,7 +55,12 @@ def test_openmpi(job):
     (command,) = _plan(job, "openmpi").commands
     exports = [a for k, v in _exports(job).items() for a in ("-x", f"{k}={v}")]
     assert list(command.argv) == ["mpirun", "-n", "4", "-hostfile", str(job / "hostfile"), "--mca", "btl", "^openib",
-                                  "--mpi-flag", "x", *exports, *_rank_command(job)]
+                                  "--mca", "btl_tcp_if_include", "eth0", "--mpi-flag", "x", *exports,
+                                  *_rank_command(job)]
+    # DeepSpeed's default TCP interface gives way to the one the launcher arguments choose
+    for flag in ("-mca", "--mca"):
+        words = list(_plan(job, "openmpi", launcher_args=f"{flag} btl_tcp_if_include eth1").commands[0].argv)
+        assert "eth0" not in words and words[words.index("^openib") + 1:][:3] == [flag, "btl_tcp_if_include", "eth1"]
     # hosts chosen by a filter cannot come from the hostfile: they are listed with their rank counts
     (filtered,) = _plan(job, "openmpi", num_procs=1).commands
     assert list(filtered.argv[:5]) == ["mpirun", "-n", "2", "-H", "worker-0:1,worker-1:1"]
@@ -101,7 +107,7 @@ def test_the_documented_shape_holds_for_every_runner(job):
 def test_module_no_python_core_binding_and_no_local_rank(job):
     words = list(_plan(job, "openmpi", module=True, bind_cores_to_rank=True, bind_core_list="0-3",
                        no_local_rank=True).commands[0].argv)
-    assert ["--bind-to", "none"] == words[words.index("^openib") + 1:words.index("^openib") + 3]
+    assert ["--bind-to", "none"] == words[words.index("eth0") + 1:words.index("eth0") + 3]
     shim = words[words.index("dsrun.launcher.rank_exec"):]
     assert shim[shim.index("--"):] == ["--", PY, "-u", "-m", "train.py", "--lr", "0.1"]
     assert "--bind_cores_to_rank" in shim and "--bind_core_list=0-3" in shim and "--append_local_rank" not in shim

@@ -112,6 +112,43 @@ def test_gpt_executes_the_expected_fraction_of_layers():
     assert np.all(np.abs(per_layer.numpy() / forwards - keep) <= 5 * stderr + 1e-12)
 
 
+def _pld_reference(model: GPT, x: torch.Tensor, scales: list[float]) -> torch.Tensor:
+    """The PLD paper's forward, written out: a skipped block (scale 0) is the identity; a kept one adds both
+    residual branches times its scale."""
+    h = model.transformer["wte"](x) + model.transformer["wpe"](torch.arange(x.size(1)))
+    for block, scale in zip(model.transformer["h"], scales):
+        if scale:
+            h = h + scale * block.attn(block.ln_1(h))
+            h = h + scale * block.mlp(block.ln_2(h))
+    return model.lm_head(model.transformer["ln_f"](h))
+
+
+def test_pld_forward_skips_blocks_as_identity_and_scales_kept_branches_only_while_training():
+    torch.manual_seed(0)
+    model = GPT(vocab_size=16, block_size=8, n_layer=6, n_head=2, n_embd=8).double()
+    x = torch.randint(0, 16, (2, 8))
+    keep = pld_keep_probabilities(0.5, 6)
+    seen = set()
+    with torch.no_grad():
+        for seed in range(8):
+            torch.manual_seed(seed)
+            draws = torch.rand(6).tolist()
+            scales = [1.0 / p if u < p else 0.0 for u, p in zip(draws, keep)]
+            seen.update(i for i, s in enumerate(scales) if s == 0.0)
+            torch.manual_seed(seed)
+            got = model.train()(x, progressive_layer_drop=True, pld_theta=0.5)
+            # fp64 throughout: the same operations in the same order, so equal to rounding
+            torch.testing.assert_close(got, _pld_reference(model, x, scales), rtol=1e-12, atol=1e-12)
+        # evaluation runs every block unscaled (the expectation of the scaled training forward), whatever θ says
+        full = _pld_reference(model, x, [1.0] * 6)
+        torch.testing.assert_close(model.eval()(x, progressive_layer_drop=True, pld_theta=0.5), full,
+                                   rtol=1e-12, atol=1e-12)
+        # θ = 1 keeps every block unscaled: the training forward is the plain model's
+        torch.testing.assert_close(model.train()(x, progressive_layer_drop=True, pld_theta=1.0), full,
+                                   rtol=1e-12, atol=1e-12)
+    assert seen  # some block was skipped in the draws above
+
+
 def test_models_without_the_arguments_are_refused_at_initialize():
     plain = torch.nn.Linear(4, 1)
     with pytest.raises(ConfigError, match="progressive_layer_drop"):

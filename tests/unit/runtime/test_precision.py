@@ -5,8 +5,8 @@ from types import SimpleNamespace
 
 import torch
 
-from dsrun.runtime.precision import (BF16Precision, DynamicLossScaler, FP16Precision, PrecisionStrategy,
-                                     StaticLossScaler, build_precision)
+from dsrun.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+from dsrun.runtime.precision import BF16Precision, FP16Precision, PrecisionStrategy, build_precision
 
 
 def _run(scaler: DynamicLossScaler, overflows: list[bool]) -> list[float]:
@@ -37,7 +37,8 @@ def test_consecutive_hysteresis_refills_on_every_clean_step() -> None:
 
 
 def test_min_scale_is_a_floor() -> None:
-    scaler = DynamicLossScaler(init_scale=4, scale_window=100, delayed_shift=1, min_scale=2)
+    scaler = DynamicLossScaler(init_scale=4, scale_window=100, delayed_shift=1, min_scale=2,
+                               raise_error_at_min_scale=False)
     assert _run(scaler, [True, True, True]) == [2, 2, 2]
 
 
@@ -53,7 +54,7 @@ def test_build_precision_from_config_sections() -> None:
     assert p.scaler.scale_window == 7 and p.scaler.delayed_shift == 3 and p.scaler.min_scale == 4.0
     assert p.checks_overflow and p.needs_master_weights
     static = build_precision(SimpleNamespace(enabled=True, loss_scale=128.0), None)
-    assert isinstance(static.scaler, StaticLossScaler) and static.loss_scale == 128
+    assert isinstance(static.scaler, LossScaler) and static.loss_scale == 128
     static.update(True)
     assert static.loss_scale == 128
     assert isinstance(build_precision(SimpleNamespace(enabled=False), SimpleNamespace(enabled=True)), BF16Precision)
@@ -62,7 +63,7 @@ def test_build_precision_from_config_sections() -> None:
 
 
 def test_fp16_scales_the_loss_in_fp32() -> None:
-    p = FP16Precision(DynamicLossScaler(init_scale=2.0 ** 16))
+    p = FP16Precision(DynamicLossScaler(init_scale=2.0 ** 16, delayed_shift=2))
     scaled = p.scale_loss(torch.tensor(3.0, dtype=torch.float16))
     assert scaled.dtype == torch.float32 and scaled.item() == 3.0 * 65536
     p.update(True)

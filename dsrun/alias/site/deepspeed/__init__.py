@@ -8,6 +8,7 @@ from dsrun.alias import activate_in_shim as _activate
 
 __version__ = _activate(__path__)
 __version_info__ = tuple(int(part) for part in __version__.split("."))
+__version_major__, __version_minor__, __version_patch__ = __version_info__
 __git_hash__ = None
 __git_branch__ = None
 
