@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--adam-lr", type=float, default=ADAM_LR, help="the peak lr of Adam, 1-bit Adam and 0/1 Adam")
     c.add_argument("--lamb-lr", type=float, default=LAMB_LR, help="the peak lr of LAMB and 1-bit LAMB")
     c.add_argument("--runs", nargs="+", default=None, choices=list(convergence_runs(0)),
-                   help="only these runs (default: all six); a comparison needs both of its runs")
+                   help="only these runs (default: all five); a comparison needs both of its runs")
     c.add_argument("--out", type=Path, default=None,
                    help="the runs' folder (default: a new temporary one); a run finished there before is read, "
                         "not repeated, so an interrupted benchmark goes on where it stopped")
