@@ -31,6 +31,7 @@ from dsrun.models.config import GPTConfig
 from dsrun.models.layers import Block
 from dsrun.runtime.activation_checkpointing.modes import BlockCheckpointing, CheckpointFn
 from dsrun.sequence import groups as sequence_groups
+from dsrun.sequence.batch import sequence_slice
 from dsrun.utils.errors import UserError
 
 IGNORE_INDEX = -100
@@ -181,11 +182,7 @@ class GPT(nn.Module):
             raise UserError(f"sequence length {seq} exceeds model.block_size={self.config.block_size} "
                             "(lower data.seq_len or raise model.block_size)")
         elif shards > 1:  # Ulysses: this rank keeps its slice of every sequence (docs/sequence_parallel.md)
-            if seq % shards:
-                raise UserError(f"sequence length {seq} does not split over sequence_parallel_size={shards} "
-                                "ranks (make data.seq_len a multiple of it)")
-            seq //= shards
-            start = sequence_groups._get_sequence_parallel_rank() * seq
+            start, seq = sequence_slice(seq)  # views: the caller holds the whole batch anyway
             idx = idx[:, start:start + seq]
             targets = targets[:, start:start + seq] if targets is not None else None
         x = self.transformer["wte"](idx)

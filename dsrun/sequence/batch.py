@@ -13,16 +13,20 @@ from dsrun.sequence import groups
 from dsrun.utils.errors import UserError
 
 
-def shard_sequence(tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
-    """This sequence-parallel rank's slice of ``tensor`` along ``dim`` (the sequence), in its own storage; the
-    tensor itself when sequence parallelism is off."""
+def sequence_slice(length: int) -> tuple[int, int]:
+    """(start, length) of this sequence-parallel rank's slice of a sequence of ``length`` tokens."""
     shards = groups._get_sequence_parallel_world_size()
-    if shards == 1:
-        return tensor
-    length = tensor.size(dim)
     if length % shards:
         raise UserError(f"sequence length {length} does not split over sequence_parallel_size={shards} ranks "
                         "(make data.seq_len a multiple of it)")
     piece = length // shards
-    return tensor.narrow(dim, groups._get_sequence_parallel_rank() * piece, piece).clone(
-        memory_format=torch.contiguous_format)
+    return groups._get_sequence_parallel_rank() * piece, piece
+
+
+def shard_sequence(tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """This sequence-parallel rank's slice of ``tensor`` along ``dim`` (the sequence), in its own storage; the
+    tensor itself when sequence parallelism is off."""
+    if groups._get_sequence_parallel_world_size() == 1:
+        return tensor
+    start, piece = sequence_slice(tensor.size(dim))
+    return tensor.narrow(dim, start, piece).clone(memory_format=torch.contiguous_format)
