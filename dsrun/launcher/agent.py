@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import select
 import shutil
 import signal
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from dsrun.launcher.protocol import debug_requested, decode_world_info
@@ -107,18 +109,35 @@ def _worker_command(ns: argparse.Namespace) -> list[str]:
     return command
 
 
-def _watch_stdin() -> None:
+def _watch_stdin() -> Callable[[], None]:
+    """Send ourselves SIGTERM when stdin closes (the ssh runner's connection went away); returns the function
+    that ends the watch. The watching thread must be gone before the interpreter finalizes: the agent leaves no
+    thread behind at exit (see :meth:`~dsrun.launcher.supervision.NodeAgent.release`)."""
+    wake_read, wake_write = os.pipe()
+
     def wait_for_eof() -> None:
-        # os.read on the raw descriptor: a daemon thread blocked inside sys.stdin's buffered reader would
-        # hold its lock and abort the interpreter at exit
+        # os.read on the raw descriptor: a thread blocked inside sys.stdin's buffered reader would hold its lock
         try:
-            while os.read(0, 4096):
-                pass
+            while True:
+                ready, _, _ = select.select([0, wake_read], [], [])
+                if wake_read in ready:
+                    return
+                if not os.read(0, 4096):
+                    break
         except OSError:
             pass
         os.kill(os.getpid(), signal.SIGTERM)
 
-    threading.Thread(target=wait_for_eof, name="dsrun-stdin-watch", daemon=True).start()
+    watcher = threading.Thread(target=wait_for_eof, name="dsrun-stdin-watch", daemon=True)
+    watcher.start()
+
+    def stop() -> None:
+        os.write(wake_write, b"x")
+        watcher.join(timeout=5)
+        os.close(wake_write)
+        os.close(wake_read)
+
+    return stop
 
 
 def _quiet_torch_elastic() -> None:
@@ -134,15 +153,23 @@ def _quiet_torch_elastic() -> None:
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     hosts = decode_world_info(ns.world_info)
+    node_rank = _resolve_node_rank(ns.node_rank, len(hosts))
+    stop_watching = _watch_stdin() if ns.watch_stdin else None
+    try:
+        return _run_node(ns, hosts, node_rank)
+    finally:
+        if stop_watching is not None:
+            stop_watching()
+
+
+def _run_node(ns: argparse.Namespace, hosts: dict[str, list[int]], node_rank: int) -> int:
+    """Run this node's agent to its exit code. Everything it built (the rendezvous, the store, the agent) is
+    released before this returns, so nothing of it reaches the interpreter's finalization."""
     host_names = list(hosts)
     nnodes = len(host_names)
-    node_rank = _resolve_node_rank(ns.node_rank, nnodes)
     host = host_names[node_rank]
     slots = hosts[host]
     local_world_size = len(slots)
-    if ns.watch_stdin:
-        _watch_stdin()
-
     os.environ.update(CROSS_RANK=str(node_rank), CROSS_SIZE=str(nnodes), LOCAL_SIZE=str(local_world_size),
                       DSRUN_JOB_ID=ns.job_id, DSRUN_HOST=host)
     core_groups: list[list[int]] = []

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
@@ -50,8 +51,14 @@ def build_elastic_spec(*, rank_exec: list[str], command: list[str], local_world_
     params = RendezvousParameters(backend="c10d", endpoint=f"{master_addr}:{master_port}", run_id=job_id,
                                   min_nodes=min_nodes, max_nodes=max_nodes, local_addr=local_addr, is_host=is_host,
                                   join_timeout=rdzv_timeout, last_call_timeout=last_call_timeout)
-    backend, store = create_backend(params)
-    handler = create_handler(store, backend, params)
+    backend, store = create_backend(params)  # node 0: a TCPStore server, with its thread
+    try:
+        handler = create_handler(store, backend, params)
+    except Exception as err:
+        # the traceback would keep the store (node 0: its server thread) alive into the interpreter's finalization
+        traceback.clear_frames(err.__traceback__)
+        del backend, store
+        raise
     return WorkerSpec(role="rank", local_world_size=local_world_size, rdzv_handler=handler,
                       entrypoint=rank_exec[0], args=tuple(rank_exec[1:] + ["--"] + command),
                       max_restarts=max_restarts, monitor_interval=monitor_interval)
@@ -107,8 +114,27 @@ class ElasticNodeAgent(NodeAgent):
     def _exit_barrier(self) -> None:
         LocalElasticAgent._exit_barrier(self)  # the nodes of the last round only
 
+    def _stop_heartbeats(self) -> None:
+        """Stop torch's keep-alive thread (it writes to the store every few seconds). Torch has no public call
+        for it but ``shutdown``, which also closes the rendezvous for good: wrong for a node that only leaves."""
+        stop = getattr(self._worker_group.spec.rdzv_handler, "_stop_heartbeats", None)
+        if stop is not None:  # another torch: the handler's timer stops when release() drops the handler
+            stop()
+
+    def _store_users(self) -> int:
+        # the nodes of the last round once they all finished; after a failure the others go on to a new round
+        # and never leave this one, so node 0 does not wait for them
+        group = self._worker_group
+        return group.group_world_size if group.state == WorkerState.SUCCEEDED else 0
+
     def _leave(self) -> None:
-        return None  # no store protocol to wind down
+        self._stop_heartbeats()  # the keep-alive thread must be done with the store before node 0 takes it down
+        super()._leave()
+
+    def release(self) -> None:
+        if self._worker_group.spec.rdzv_handler is not None:
+            self._stop_heartbeats()
+        super().release()
 
     def _announce_stop(self, report: dict[str, Any]) -> None:
         return None  # the others see this node leave as a membership change

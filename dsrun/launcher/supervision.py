@@ -12,10 +12,14 @@ the rendezvous store (keys under ``dsrun/``):
 - ``dsrun/abort``: a node left the job for good while others may still run; nobody restarts after it;
 - ``dsrun/left``: agents that are about to exit, so node 0 (which hosts the store) leaves last.
 
+Before it exits the agent releases the store and the rendezvous (:meth:`NodeAgent.release`): no thread of
+theirs is left for the interpreter's finalization.
+
 Imports torch; :mod:`dsrun.launcher.agent` imports this module only after its cheap checks.
 """
 from __future__ import annotations
 
+import gc
 import inspect
 import json
 import os
@@ -251,6 +255,10 @@ class NodeAgent(LocalElasticAgent):
         except Exception:  # noqa: BLE001 - the store is gone; the others notice that on their own
             pass
 
+    def _store_users(self) -> int:
+        """How many agents (this one included) node 0 lets finish with the store before it takes it down."""
+        return self._nnodes
+
     def _leave(self) -> None:
         """Tell node 0 we are done with the store; node 0 waits (briefly) until everyone has."""
         store = self._store
@@ -259,11 +267,26 @@ class NodeAgent(LocalElasticAgent):
         try:
             left = store.add("dsrun/left", 1)
             deadline = time.monotonic() + _LEAVE_WAIT
-            while self._node_rank == 0 and left < self._nnodes and time.monotonic() < deadline:
+            while self._node_rank == 0 and left < self._store_users() and time.monotonic() < deadline:
                 time.sleep(0.1)
                 left = store.add("dsrun/left", 0)
         except Exception:  # noqa: BLE001 - the store is gone already; nothing to wait for
             pass
+
+    def release(self) -> None:
+        """Drop the rendezvous and the store now, while the interpreter is whole.
+
+        Node 0's TCPStore server runs a C++ thread, and torch's rendezvous handlers keep store clients (the
+        elastic one a keep-alive thread too). Left to the garbage collector they can outlive ``main`` and be torn
+        down by the interpreter's finalization, where a thread still inside C++ aborts the finished agent
+        ("terminate called without an active exception"). Called last, on every way out of
+        :meth:`run_to_exit_code`; the ranks are stopped by then (torch's ``run`` does it on every path).
+        """
+        group = self._worker_group
+        self._store = None
+        group.store = None
+        group.spec.rdzv_handler = None  # the handler owns the TCPStore (server on node 0)
+        gc.collect()  # a store caught in a reference cycle goes now, not at exit
 
     def run_to_exit_code(self) -> int:
         """Run the node's ranks to the end; print failure reports; return the agent's exit code."""
@@ -297,3 +320,4 @@ class NodeAgent(LocalElasticAgent):
         finally:
             if self._pid_file is not None:
                 self._pid_file.unlink(missing_ok=True)
+            self.release()
