@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 from dsrun.launcher.protocol import encode_world_info
 from tests.helpers import free_port
@@ -33,48 +34,57 @@ def _threads_at_exit():
 atexit.register(_threads_at_exit)  # the first exit hook registered runs last
 """
 TWO_NODES = {"127.0.0.1": [0], "localhost": [0]}  # two "nodes" on this machine, one rank each
+RANK = "import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n"
 
 
-def _start_agent(tmp_path: Path, tag: str, node_rank: int, port: int, flags: list[str]) -> subprocess.Popen:
+class Agent(NamedTuple):
+    process: subprocess.Popen
+    log: Path  # its stdout and stderr
+
+
+def _start_agent(tmp_path: Path, tag: str, node_rank: int, port: int, flags: list[str], *,
+                 world: dict[str, list[int]] = TWO_NODES, wrapper: str | None = None, script: str = RANK) -> Agent:
+    """Start one agent, its stdin a pipe (``--watch_stdin``, as under the ssh runner); ``wrapper`` is Python
+    code that runs the agent (``python -c WRAPPER ARGS``) instead of ``python -m dsrun.launcher.agent``."""
     reports = tmp_path / "threads"
     reports.mkdir(exist_ok=True)
     shim = tmp_path / "shim"
     shim.mkdir(exist_ok=True)
     (shim / "sitecustomize.py").write_text(THREADS_AT_EXIT)
-    script = tmp_path / "rank.py"
-    script.write_text("import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n")
-    env = job_env(tag, tmp_path, THREADS_AT_EXIT_DIR=str(reports))
+    rank_script = tmp_path / "rank.py"
+    rank_script.write_text(script)
+    env = job_env(tag, tmp_path, THREADS_AT_EXIT_DIR=str(reports), HOLDING=str(tmp_path / "holding"))
     env["PYTHONPATH"] = os.pathsep.join([str(shim), env["PYTHONPATH"]])
-    # --watch_stdin as under the ssh runner: stdin is a pipe the test holds open until the agent has exited
-    argv = [sys.executable, "-m", "dsrun.launcher.agent", f"--world_info={encode_world_info(TWO_NODES)}",
+    program = ["-c", wrapper] if wrapper else ["-m", "dsrun.launcher.agent"]
+    argv = [sys.executable, *program, f"--world_info={encode_world_info(world)}",
             f"--node_rank={node_rank}", "--master_addr=127.0.0.1", f"--master_port={port}", "--job_id=exit",
-            "--no_local_rank", "--watch_stdin", *flags, str(script)]
-    with open(tmp_path / f"agent-{port}-{node_rank}.log", "w") as log:
-        agent = subprocess.Popen(argv, env=env, cwd=tmp_path, stdin=subprocess.PIPE, stdout=log, stderr=log)
-    agent.log = Path(log.name)
-    return agent
+            "--no_local_rank", "--watch_stdin", *flags, str(rank_script)]
+    log = tmp_path / f"agent-{port}-{node_rank}.log"
+    with open(log, "w") as output:
+        process = subprocess.Popen(argv, env=env, cwd=tmp_path, stdin=subprocess.PIPE, stdout=output, stderr=output)
+    return Agent(process, log)
 
 
-def _finish(agent: subprocess.Popen) -> tuple[int, str]:
+def _finish(agent: Agent) -> tuple[int, str]:
     """Wait for the agent with its stdin still open (closing it would stop the agent)."""
     try:
-        agent.wait(timeout=90)
+        agent.process.wait(timeout=90)
     except subprocess.TimeoutExpired:
-        agent.kill()
-        agent.wait()
-    agent.stdin.close()
-    return agent.returncode, agent.log.read_text()
+        agent.process.kill()
+        agent.process.wait()
+    agent.process.stdin.close()
+    return agent.process.returncode, agent.log.read_text()
 
 
-def _threads_at_exit(tmp_path: Path, agent: subprocess.Popen) -> list[str]:
-    return (tmp_path / "threads" / f"agent-{agent.pid}.txt").read_text().splitlines()
+def _threads_at_exit(tmp_path: Path, agent: Agent) -> list[str]:
+    return (tmp_path / "threads" / f"agent-{agent.process.pid}.txt").read_text().splitlines()
 
 
 def test_agents_end_every_thread_before_the_interpreter_finalizes(tmp_path):
     """A static job and an elastic one, two nodes each, run side by side: node 0 hosts the store (and in the
     elastic job, the rendezvous whose keep-alive thread every agent runs); each agent also watches stdin."""
     tag = new_tag()
-    jobs = {"static": [], "elastic": ["--elastic_training", "--rdzv_last_call_timeout=1"]}
+    jobs = {"static": [], "elastic": ["--elastic_training", "--min_elastic_nodes=2"]}
     try:
         agents = {}
         for name, flags in jobs.items():
@@ -97,6 +107,54 @@ def test_an_agent_that_fails_to_start_ends_the_store_server_first(tmp_path):
         agent = _start_agent(tmp_path, tag, 0, free_port(), ["--elastic_training", "--rdzv_last_call_timeout=0"])
         code, stderr = _finish(agent)
         assert code == 1 and "last_call timeout" in stderr and "terminate called" not in stderr, stderr
+        assert len(_threads_at_exit(tmp_path, agent)) == 1, _threads_at_exit(tmp_path, agent)
+    finally:
+        kill_job(tag)
+
+
+# Runs node 0's agent (``python -c WRAPPER ARGS``) with torch's rendezvous heartbeat caught in flight: the
+# keep-alive thread holds a strong reference to the rendezvous handler (and through it to the store and its
+# server) while a heartbeat runs. This one holds it until its timer is stopped. An agent that only drops its
+# references lets that thread free the store later, in the middle of the interpreter's finalization; the
+# agent must stop (join) the heartbeats first.
+HEARTBEAT_IN_FLIGHT = """
+import os, runpy, sys
+import dsrun.launcher.elastic_agent as elastic_agent
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+create_handler, keep_alive = elastic_agent.create_handler, DynamicRendezvousHandler._keep_alive
+
+def create_with_frequent_heartbeats(store, backend, params):
+    params.config.update(keep_alive_interval=1, keep_alive_max_attempt=1000)  # never "missed" while held
+    return create_handler(store, backend, params)
+
+def keep_alive_and_hold(self):
+    keep_alive(self)
+    if not os.path.exists(os.environ["HOLDING"]):
+        open(os.environ["HOLDING"], "w").close()  # tells the rank it may finish
+        self._keep_alive_timer._ctx.stop_event.wait(120)
+
+elastic_agent.create_handler = create_with_frequent_heartbeats
+DynamicRendezvousHandler._keep_alive = keep_alive_and_hold
+sys.argv[0] = os.path.join("dsrun", "launcher", "agent.py")  # as ``python -m`` sets it (the exit hook reads it)
+runpy.run_module("dsrun.launcher.agent", run_name="__main__")
+"""
+WAIT_FOR_HOLD = """
+import os, time
+deadline = time.monotonic() + 60
+while not os.path.exists(os.environ["HOLDING"]) and time.monotonic() < deadline:
+    time.sleep(0.05)
+"""
+
+
+def test_a_heartbeat_in_flight_at_the_end_does_not_carry_the_store_into_finalization(tmp_path):
+    tag = new_tag()
+    try:
+        agent = _start_agent(tmp_path, tag, 0, free_port(), ["--elastic_training", "--rdzv_last_call_timeout=1"],
+                             world={"127.0.0.1": [0]}, wrapper=HEARTBEAT_IN_FLIGHT, script=WAIT_FOR_HOLD)
+        code, stderr = _finish(agent)
+        assert code == 0 and "terminate called" not in stderr, stderr
+        assert (tmp_path / "holding").exists()  # a heartbeat was in flight while the agent finished
         assert len(_threads_at_exit(tmp_path, agent)) == 1, _threads_at_exit(tmp_path, agent)
     finally:
         kill_job(tag)
