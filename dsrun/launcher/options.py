@@ -176,9 +176,9 @@ class LaunchOptions:
                 found.append(Problem(flag, f"must be at least 1 (or -1 for the default), got {value}"))
         if low not in (None, -1) and high not in (None, -1) and 1 <= high < low:
             found.append(Problem("--max_elastic_nodes", f"is {high}, below --min_elastic_nodes {low}"))
-        if self.rdzv_last_call_timeout < 0:
-            found.append(Problem("--rdzv_last_call_timeout", f"must be 0 or more seconds, got "
-                                 f"{self.rdzv_last_call_timeout}"))
+        if self.rdzv_last_call_timeout < 1:  # torch's rendezvous counts whole seconds and refuses 0
+            found.append(Problem("--rdzv_last_call_timeout", f"must be at least 1 second, got "
+                                 f"{self.rdzv_last_call_timeout}", "use 1 for the shortest wait for more nodes"))
         return found
 
     def restarts(self) -> int:

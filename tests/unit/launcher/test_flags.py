@@ -59,6 +59,7 @@ def test_the_plan_says_how_a_node_joins(job):
     ({"elastic_training": True, "no_local_rank": True}, "--no_local_rank", "not supported"),
     ({"elastic_training": True, "min_elastic_nodes": 3, "max_elastic_nodes": 2}, "--max_elastic_nodes", "below"),
     ({"elastic_training": True, "max_elastic_nodes": 2}, "--max_elastic_nodes", "starts on 3 nodes"),
+    ({"elastic_training": True, "rdzv_last_call_timeout": 0.5}, "--rdzv_last_call_timeout", "at least 1 second"),
     ({"comment": "x"}, "--comment", "slurm runner only"),
     ({"account": "a", "runner": "ssh"}, "--account", "slurm runner only"),
 ])
