@@ -51,7 +51,7 @@ def _start_agent(tmp_path: Path, tag: str, node_rank: int, port: int, flags: lis
     shim = tmp_path / "shim"
     shim.mkdir(exist_ok=True)
     (shim / "sitecustomize.py").write_text(THREADS_AT_EXIT)
-    rank_script = tmp_path / "rank.py"
+    rank_script = tmp_path / f"rank-{port}.py"
     rank_script.write_text(script)
     env = job_env(tag, tmp_path, THREADS_AT_EXIT_DIR=str(reports), HOLDING=str(tmp_path / "holding"))
     env["PYTHONPATH"] = os.pathsep.join([str(shim), env["PYTHONPATH"]])
@@ -81,19 +81,23 @@ def _threads_at_exit(tmp_path: Path, agent: Agent) -> list[str]:
 
 
 def test_agents_end_every_thread_before_the_interpreter_finalizes(tmp_path):
-    """A static job and an elastic one, two nodes each, run side by side: node 0 hosts the store (and in the
-    elastic job, the rendezvous whose keep-alive thread every agent runs); each agent also watches stdin."""
+    """Three jobs of two nodes each run side by side: static, elastic, and static with a rank that fails (rank 1
+    exits 3, so both agents fail with its exit code). Node 0 hosts the store (in the elastic job also the
+    rendezvous, whose keep-alive thread every agent runs); each agent also watches stdin."""
     tag = new_tag()
-    jobs = {"static": [], "elastic": ["--elastic_training", "--min_elastic_nodes=2"]}
+    fail_rank_1 = "import os, sys\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n"
+    jobs = {"static": ([], RANK, 0), "elastic": (["--elastic_training", "--min_elastic_nodes=2"], RANK, 0),
+            "failed rank": ([], fail_rank_1, 3)}
     try:
         agents = {}
-        for name, flags in jobs.items():
+        for name, (flags, script, _) in jobs.items():
             port = free_port()
-            agents[name] = [_start_agent(tmp_path, tag, node, port, flags) for node in (0, 1)]
+            agents[name] = [_start_agent(tmp_path, tag, node, port, flags, script=script) for node in (0, 1)]
         for name, pair in agents.items():
             for node, agent in enumerate(pair):
                 code, stderr = _finish(agent)
-                assert code == 0 and "terminate called" not in stderr, f"{name} node {node}: {code}\n{stderr}"
+                assert code == jobs[name][2], f"{name} node {node}: {code}\n{stderr}"
+                assert "terminate called" not in stderr, f"{name} node {node}:\n{stderr}"
                 assert len(_threads_at_exit(tmp_path, agent)) == 1, (name, node, _threads_at_exit(tmp_path, agent))
     finally:
         kill_job(tag)
