@@ -187,7 +187,9 @@ def _figures(out: Path, wall_s: float) -> dict:
     losses = json.loads((out / "metrics.json").read_text())["train_losses"]
     comms = json.loads((out / "comms.json").read_text())
     total = sum(op["traffic_bytes"] for op in comms["ops"].values())
-    return {"final": statistics.mean(losses[-100:]), "bytes": total, "wall_s": wall_s}
+    # every compressed exchange is one all_to_all_single (phase 1) and one all_gather (phase 2)
+    exchanges = comms["ops"].get("all_to_all_single", {}).get("count", 0)
+    return {"final": statistics.mean(losses[-100:]), "bytes": total, "exchanges": exchanges, "wall_s": wall_s}
 
 
 def convergence(args: argparse.Namespace) -> dict:
@@ -202,8 +204,8 @@ def convergence(args: argparse.Namespace) -> dict:
             run = train([*overrides, f"precision={precision}", f"train.max_steps={args.steps}"], root / folder)
             results[f"{precision}/{name}"] = run
             took = f"({run['wall_s']:.0f} s)" if run["wall_s"] == run["wall_s"] else "(read from --out)"
-            print(f"{precision:<5} {name:<18} final loss {run['final']:.4f}  bytes {run['bytes']:,.0f}  {took}",
-                  flush=True)
+            print(f"{precision:<5} {name:<18} final loss {run['final']:.4f}  bytes {run['bytes']:,.0f}  "
+                  f"compressed exchanges {run['exchanges']}  {took}", flush=True)
     print(f"\n{args.steps} steps, warm-up {args.freeze}, lr {args.adam_lr:g} (Adam family) and {args.lamb_lr:g} "
           "(LAMB family); final = mean training loss of the last 100 steps; "
           f"load average {os.getloadavg()[0]:.1f}")

@@ -97,6 +97,19 @@ def test_zero_one_adam_variance_and_local_step_schedules() -> None:
     assert torch.equal(params[0].detach(), state["synced_param"])  # step 24 synchronised
 
 
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_zero_one_adam_without_its_savings_is_onebit_adam(weight_decay: float) -> None:
+    """Variance updated at every step until the freeze and a synchronisation after every local step: 0/1
+    Adam is then 1-bit Adam's algorithm, weight decay included (DeepSpeed's 0/1 Adam folds the decay into the
+    momentum at each synchronisation, which makes it act about 1 / (1 - beta1) times as strongly)."""
+    params, twins = _params(), _params()
+    _run(ZeroOneAdam(params, lr=1e-2, var_freeze_step=4, var_update_scaler=4, local_step_scaler=10**6,
+                     weight_decay=weight_decay), params, 12)
+    _run(OnebitAdam(twins, lr=1e-2, freeze_step=4, weight_decay=weight_decay), twins, 12)
+    for got, want in zip(params, twins):
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+
+
 def test_onebit_lamb_warmup_is_layerwise_lamb_and_freezes_the_coefficients() -> None:
     params, twins = _params(), _params()
     opt = OnebitLamb(params, lr=1e-2, freeze_step=10, weight_decay=0.01, max_coeff=2.0, min_coeff=0.05,

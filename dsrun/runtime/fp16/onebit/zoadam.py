@@ -18,7 +18,15 @@ Step t (from 1), with ``var_interval`` starting at 1 and ``local_step_interval``
   multiplied by ``sqrt(v_hat) + eps``, is averaged by the compressed all-reduce (error buffers zeroed when
   this phase starts), ``m`` becomes minus that mean over ``lrs``, and the parameters become the
   synchronised point plus the mean displacement. Every ``local_step_scaler`` steps of this phase the interval
-  doubles, up to ``local_step_clipper``.
+  doubles, up to ``local_step_clipper``. Weight decay is kept out of the displacement: it is measured from
+  the synchronised point decayed by the product of ``(1 - lr * weight_decay)`` over the interval
+  (``state["decay"]``), so ``m`` holds momentum only.
+
+DeepSpeed measures the displacement from the undecayed point, so the decay enters ``m`` at every
+synchronisation and ``m`` carries it into the following steps: at interval 1 the decay acts about
+``1 / (1 - beta1)`` times (10 times at beta1 = 0.9) as strongly as ``weight_decay`` says, and 0/1 Adam with
+``var_update_scaler >= var_freeze_step`` and interval 1, which is 1-bit Adam's algorithm, does not reduce to
+it (measured on gpt_onebit, docs/onebit.md). With ``weight_decay = 0`` both are the same arithmetic.
 
 DeepSpeed accumulates the local updates in a separate buffer and undoes them with a subtraction, which leaves
 every rank a different rounding; dsrun keeps the synchronised parameters (``state["synced_param"]``, the
@@ -133,6 +141,8 @@ class ZeroOneAdam(OneBitOptimizer):
         self.mask(gi, state["exp_avg"].mul_(beta1).add_(p.grad, alpha=1 - beta1))  # masked here too: always 0
         state["lrs"] += group["lr"]
         denom = self._update(p, state, group)
+        if group["weight_decay"]:  # what the decay did to the synchronised point since it was taken
+            state["decay"] = state.get("decay", 1.0) * (1 - group["lr"] * group["weight_decay"])
         if state["step"] % state["local_step_interval"] == 0:
             self._synchronise(gi, p, state, group, denom)
         state["local_step_counter"] += 1
@@ -142,17 +152,17 @@ class ZeroOneAdam(OneBitOptimizer):
 
     def _synchronise(self, gi: int, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any],
                      denom: torch.Tensor) -> None:
-        synced = state["synced_param"]
-        moved = (p - synced).mul_(denom)  # minus the lr-weighted sum of the local momenta (and decay)
+        synced, decay = state["synced_param"], state.get("decay", 1.0)
+        moved = torch.sub(p, synced, alpha=decay).mul_(denom)  # minus the lr-weighted sum of the local momenta
         if self.world_size > 1:
             moved = self.own_part(gi, self.exchange(gi, moved))
         self.mask(gi, moved)
         if state["lrs"] > 0:
             bias1 = 1.0 - group["betas"][0] ** state["step"] if group["bias_correction"] else 1.0
             state["exp_avg"].copy_(moved).mul_(-bias1 / state["lrs"])
-        p.copy_(synced).addcdiv_(moved, denom)
+        p.copy_(synced).mul_(decay).addcdiv_(moved, denom)
         synced.copy_(p)
-        state["lrs"] = 0.0
+        state["lrs"], state["decay"] = 0.0, 1.0
 
     # --- rank state: between synchronisations each rank's weights and momentum are its own ----------------
     def rank_state_dict(self) -> dict[str, Any]:
