@@ -73,6 +73,7 @@ class SubGroup:
 
 class Stage3Strategy(ZeroStrategy):
     stage = 3
+    scatters_gradients = True
 
     def __init__(self, ctx: StrategyContext):
         super().__init__(ctx)
@@ -296,8 +297,7 @@ class Stage3Strategy(ZeroStrategy):
                 rows[whole + (1 if rest else 0):, off:off + part].zero_()
             placed.append((p, off))
             off += part
-        if self.pre_divide != 1.0:
-            rows.div_(self.pre_divide)
+        self.averaging.before(rows)
         if world == 1:
             self._inflight.append((None, rows[0], placed, rows_flat))
         elif self._qgz is not None and group is self._qgz.group:
@@ -337,6 +337,7 @@ class Stage3Strategy(ZeroStrategy):
         work, out, placed, rows = entry
         if work is not None:
             work.wait()
+        self.averaging.after(out)
         for p, off in placed:
             sg, sg_off = self._slot[id(p)]
             sg.store.accumulate(sg.index, sg, sg_off, out[off:off + p.ds_partition_numel])
