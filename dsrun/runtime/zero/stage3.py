@@ -252,6 +252,9 @@ class Stage3Strategy(ZeroStrategy):
             store.begin_micro_step(boundary)
 
     def after_backward(self, boundary: bool) -> None:
+        for p in self.params:  # gradients no hook took (a loss.backward() the engine did not run, or assigned)
+            if p.grad is not None and id(p) in self._slot:
+                self._grad_ready(p)
         for key in [k for k, items in self._pending.items() if items]:
             self._launch_bucket(key)
         self._complete_all()
