@@ -2,8 +2,8 @@
 features attach without flags inside the ZeRO strategies.
 
 Every stage, offloaded or not, steps the same way: gradients checked for overflow on every rank, the global
-norm measured (when clipping), one coefficient ``coef`` that removes the loss scale, finishes the average and
-clips, then the update and the write-back of the weights. Around the update:
+norm measured (when clipping), one coefficient ``coef`` that removes the loss scale and clips (the reduction
+already finished the average: averaging.py), then the update and the write-back of the weights. Around the update:
 
 ``before_update``  called with a :class:`StepState` after overflow, norm and clipping are decided and before
                    the optimizer runs. ``state.coef`` may be changed (it multiplies every gradient); the
