@@ -255,13 +255,13 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
         the scheduler, and advance ``global_steps``/``global_samples``."""
         if self.inside_no_sync_ctxt:
             raise AssertionError("It is illegal to call Engine.step() inside no_sync context manager")
+        if self.strategy is not None:
+            self.direct_backward.hand_over()  # gradients a loss.backward() left (fp16: refused)
+            if self.is_gradient_accumulation_boundary():
+                self.direct_backward.check_step()  # an optimizer step on no gradient at all: refused
         self.observer.before_step()
         self.timers.start(STEP_TIMER)
-        if self.strategy is not None:  # gradients a loss.backward() left (fp16: refused)
-            self.direct_backward.hand_over()
         boundary = self.is_gradient_accumulation_boundary()
-        if boundary and self.strategy is not None:  # an optimizer step on no gradient at all: refused
-            self.direct_backward.check_step()
         self._step_applied = False
         if boundary:
             if self.enable_backward_allreduce:  # gradients a no_sync() backward left unreduced, if any
