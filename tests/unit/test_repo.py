@@ -101,3 +101,10 @@ def test_what_dsrun_writes_into_the_working_directory_is_ignored_by_git():
     for name in ("outputs", "multirun", "mlruns", defaults.results_dir, defaults.exps_dir):
         assert name in ignored, name
 
+
+def test_the_readme_status_reports_the_gpu_runs_docs_cuda_records():
+    """docs/cuda.md records what ran on a GPU; the README's status must say so, not that nothing has."""
+    status = (REPO / "README.md").read_text().split("## Status", 1)[1].split("\n## ", 1)[0]
+    gpu = re.search(r"\*\*NVIDIA (\w+)", (REPO / "docs" / "cuda.md").read_text()).group(1)
+    assert "(docs/cuda.md)" in status and gpu in status
+    assert "no cuda machine" not in status.lower()
