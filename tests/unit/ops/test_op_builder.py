@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Sequence
 
 import pytest
 
@@ -17,7 +18,7 @@ from tests.helpers import REPO
 
 
 def run_python(code: str, env: dict[str, str], timeout: float = 600,
-               args: list[str] = ()) -> subprocess.CompletedProcess:
+               args: Sequence[str] = ()) -> subprocess.CompletedProcess:
     full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **env}
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], env=full_env, capture_output=True,
                           text=True, timeout=timeout, stdin=subprocess.DEVNULL, cwd=REPO)
