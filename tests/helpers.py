@@ -5,6 +5,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import shutil
 import socket
 import subprocess
 import sys
@@ -14,6 +15,23 @@ from typing import Any, Callable, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 CORES = os.cpu_count() or 1
+# The programs some tests run and the Debian package of each; tests/run installs these packages (as root).
+SYSTEM_PACKAGES = {"sshd": "openssh-server", "ssh": "openssh-client", "ssh-keygen": "openssh-client",
+                   "ip": "iproute2", "mpirun": "openmpi-bin"}
+
+
+def require_programs(*programs: str) -> dict[str, str]:
+    """Each program's path on ``$PATH``; skips the calling test when one is missing, naming the Debian
+    packages to install (a fresh machine lacks them until ``tests/run`` installs them)."""
+    import pytest
+
+    found = {name: shutil.which(name) for name in programs}
+    missing = [name for name, path in found.items() if path is None]
+    if missing:
+        packages = sorted({SYSTEM_PACKAGES[name] for name in missing})
+        pytest.skip(f"needs {', '.join(missing)}: apt-get install {' '.join(packages)} (tests/run installs them "
+                    "as root)")
+    return {name: str(path) for name, path in found.items()}
 
 
 def free_port() -> int:
