@@ -123,4 +123,5 @@ def mark_mlflow(resolved: Any, run_dir: Path, started_ms: int, status: str, say:
     try:
         mark_run_ended(uri, resolved.ds.mlflow.experiment_name, name, started_ms, status)
     except Exception as err:  # noqa: BLE001 - the store is unreachable: the run itself is what matters
-        say(f"warning: could not mark MLflow run '{name}' {status}: {type(err).__name__}: {err}")
+        first = next((line for line in str(err).splitlines() if line.strip()), "")  # SQLAlchemy appends its SQL
+        say(f"warning: could not mark MLflow run '{name}' {status}: {type(err).__name__}: {first}")

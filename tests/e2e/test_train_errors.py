@@ -120,3 +120,20 @@ def test_convert_names_a_damaged_checkpoint_file(tmp_path, damage):
     result = run_cli("convert", "zero-to-fp32", str(tmp_path / "ckpt"), str(tmp_path / "out.pt"), cwd=tmp_path)
     line = one_error_line(result, f"{tmp_path / 'ckpt'}: {path}: cannot read this checkpoint file: ")
     assert line.split("file: ", 1)[1].startswith("it is truncated" if damage == "truncate" else "its contents")
+
+
+@pytest.mark.slow
+def test_a_full_disk_during_a_save_is_one_line_and_leaves_no_staging_folder(tmp_path):
+    """A run whose checkpoint does not fit its disk (a real 3 MiB tmpfs holding the run directory and the
+    MLflow store; the checkpoint takes ~6 MB) ends with one line naming the tag and the bytes, exit code 2:
+    no MLflow/SQLAlchemy text, no staging folder left, and the ranks' logs hold the cause."""
+    from tests.helpers import small_disk
+
+    with small_disk(tmp_path / "disk", "3m") as disk:
+        result = train(disk, SMALL, "train.save_interval=2")
+        line = one_error_line(result, "save_checkpoint: no space left on device while saving global_step2 in ")
+        assert " bytes needed, " in line and " free); nothing of it was kept" in line
+        assert not any(word in (result.stdout + result.stderr).lower() for word in ("sqlalchemy", "sqlite", "mlflow."))
+        (run_dir,) = disk.glob("outputs/*/*")
+        assert list((run_dir / "checkpoints").iterdir()) == []
+        assert "no space left on device while saving global_step2" in (run_dir / "logs" / "rank1.stderr.log").read_text()

@@ -110,3 +110,30 @@ def test_export_and_generate_name_why_a_run_has_no_checkpoint(tmp_path, interval
         (problem,) = caught.value.problems
         assert problem.path == key and problem.message.startswith(f"{run_dir} has no checkpoint: {says}")
         assert f"dsrun train --from {run_dir}" in problem.hint
+
+
+@pytest.mark.usefixtures("single_rank")
+def test_a_full_disk_is_named_with_the_bytes_and_leaves_no_staging_folder(tmp_path):
+    """ENOSPC during a save (a real 64 KiB tmpfs) is one user error naming the tag, the bytes the save needs and
+    the bytes free; the partial staging folder is removed, so the space is free again (the logs need it)."""
+    import shutil
+
+    from tests.helpers import small_disk
+
+    from .conftest import make_engine, train
+
+    engine = make_engine(1)
+    train(engine, 1)
+    whole = tmp_path / "whole"
+    engine.save_checkpoint(str(whole))  # the same state on a roomy disk: the bytes it really takes
+    needed = sum(p.stat().st_size for p in (whole / "global_step1").iterdir())
+    with small_disk(tmp_path / "disk", "64k") as disk:
+        assert needed > shutil.disk_usage(disk).total  # it cannot fit
+        with pytest.raises(UserError) as caught:
+            engine.save_checkpoint(str(disk / "ckpt"))
+        (problem,) = caught.value.problems
+        assert problem.path == "save_checkpoint"
+        assert problem.message == (f"no space left on device while saving global_step1 in {disk / 'ckpt'} "
+                                   f"({needed:,} bytes needed, {shutil.disk_usage(disk).free:,} free); "
+                                   "nothing of it was kept")
+        assert [p.name for p in (disk / "ckpt").iterdir()] == []  # no staging folder, no partial file
