@@ -24,6 +24,25 @@ CHECKPOINTS_DIR = "checkpoints"
 LOADER_KEY = "data_loader"
 
 
+def latest_tag(save_dir: Path, key: str = "train.resume", command: str = "") -> str | None:
+    """The tag ``save_dir/latest`` names, checked. None when ``save_dir`` holds no checkpoint at all (no
+    ``latest``, no tag folders). A ``latest`` that is missing beside tag folders, empty, or names a tag folder
+    that does not exist is refused (UserError under ``key``), naming the newest complete tag and how to resume
+    from it (``command`` precedes ``train.resume=`` there). The one rule of ``train.resume=PATH``,
+    ``train.resume=auto`` and ``dsrun train --from``: never a silent restart from step 0 or from a guess."""
+    tag = layout.read_latest(save_dir)
+    if tag is not None and layout.resolve_tag_dir(save_dir, tag) is not None:
+        return tag
+    latest, tags = save_dir / layout.LATEST, layout.list_tags(save_dir)
+    if not tags and not latest.exists():
+        return None
+    why = (f"{latest} names tag {tag!r}, but {save_dir / tag} does not exist" if tag is not None else
+           f"{latest} is {'empty' if latest.exists() else 'missing'}")
+    hint = (f"resume from the newest complete one: {command}train.resume={save_dir / tags[-1]}, or write an "
+            f"existing tag into {latest}" if tags else f"start from step 0: {command}train.resume=null")
+    raise UserError(Problem(key, f"{why} (complete tags there: {', '.join(tags) or 'none'})", hint))
+
+
 def find_checkpoint(resume: str | None, run_dir: Path) -> tuple[Path, str | None] | None:
     """``(checkpoint folder, tag or None for latest)`` to resume from, or None to start fresh."""
     if resume is None or str(resume).lower() in ("", "none", "null", "false"):
@@ -33,7 +52,7 @@ def find_checkpoint(resume: str | None, run_dir: Path) -> tuple[Path, str | None
         return (own, None) if layout.read_latest(own) else None
     given = Path(resume).expanduser()
     for candidate in (given, given / CHECKPOINTS_DIR):
-        if layout.read_latest(candidate):
+        if latest_tag(candidate) is not None:
             return candidate, None
     if given.is_dir() and any(given.glob("*model_states.pt")):  # one tag's folder: resume from that tag
         return given.parent, given.name
