@@ -169,3 +169,4 @@ def test_from_a_run_whose_latest_is_damaged_is_one_line_naming_the_newest_comple
     assert line.endswith(f"(complete tags there: global_step1) (resume from the newest complete one: "
                          f"dsrun train --from {source} train.resume={source / 'checkpoints' / 'global_step1'}, or "
                          f"write an existing tag into {source / 'checkpoints' / 'latest'})")
+    assert list(tmp_path.glob("outputs/*/*")) == [source]  # refused before Hydra made a run directory
