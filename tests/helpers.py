@@ -120,3 +120,26 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120) -
                 p.kill()
                 p.join(timeout=5)
     return [outcome[r] for r in range(world_size)]
+
+
+def small_disk(path: Path, size: str):
+    """A tmpfs of ``size`` (mount's syntax, e.g. "3m") mounted at ``path`` (made), unmounted and removed on
+    exit: a real full disk (ENOSPC) without filling the machine's. Skips when this process may not mount."""
+    import contextlib
+
+    import pytest
+
+    @contextlib.contextmanager
+    def mounted():
+        path.mkdir(parents=True, exist_ok=True)
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
+        try:
+            yield path
+        finally:
+            subprocess.run(["umount", "-l", str(path)], check=True)
+            path.rmdir()
+
+    return mounted()
