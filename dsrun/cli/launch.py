@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from dsrun.launcher.options import DEFAULT_LAST_CALL_TIMEOUT, DEFAULT_MASTER_PORT, RUNNERS, options_from_args
 
@@ -90,6 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from dsrun.launcher import plan_launch, run as run_plan
+    from dsrun.launcher.execute import JobOutcome, stopped_message
     from dsrun.utils.errors import Problem, UserError
 
     if args.no_ssh and args.runner not in (None, "local"):
@@ -110,7 +112,13 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:  # with --autotuning: the plan every experiment (and the final run) launches with
         print(json.dumps({**plan.to_json(), **({"autotuning": args.autotuning} if args.autotuning else {})}, indent=2))
         return 0
-    return run_plan(plan)
+    outcome = JobOutcome()
+    code = run_plan(plan, outcome=outcome)
+    if outcome.user_errors:  # a rank's report of the user's mistake: once, as the CLI words any UserError
+        raise UserError(outcome.user_errors)
+    if outcome.signal is not None:
+        print(stopped_message(plan, outcome.signal), file=sys.stderr)
+    return code
 
 
 CONFIG_FLAGS = ("--deepspeed_config", "--deepscale_config")
