@@ -175,6 +175,33 @@ class OneBitLambParams(_OneBitParams):
     factor_threshold: Annotated[float, Field(ge=0)] | None = None
 
 
+# OnebitLamb's defaults for the params its pair rules compare (DeepSpeed's; the constructor's signature holds
+# the same values, tests/unit/runtime pins that they agree)
+ONE_BIT_LAMB_DEFAULTS: dict[str, float] = {"freeze_step": 100000, "coeff_beta": 0.9, "max_coeff": 10.0,
+                                           "min_coeff": 0.01, "factor_max": 4.0, "factor_min": 0.5}
+
+
+def lamb_pair_problems(values: dict[str, float | None], base: str) -> list[Problem]:
+    """The rules between 1-bit LAMB's params, on the values it will run with (a missing one is its default):
+    one set of rules for ``dsrun config --validate`` and the optimizer's constructor."""
+    defaulted = {key for key in ONE_BIT_LAMB_DEFAULTS if values.get(key) is None}
+    v = {key: ONE_BIT_LAMB_DEFAULTS[key] if key in defaulted else values[key] for key in ONE_BIT_LAMB_DEFAULTS}
+
+    def shown(key: str) -> str:
+        return f"{key} {v[key]:g}" + (" by default" if key in defaulted else "")
+
+    problems = []
+    for low, high in (("min_coeff", "max_coeff"), ("factor_min", "factor_max")):
+        if not 0 < v[low] <= v[high]:
+            problems.append(Problem(f"{base}.{low}", f"got {shown(low)}, {shown(high)}", f"expected 0 < {low} <= {high}"))
+    beta, freeze = v["coeff_beta"], v["freeze_step"]
+    if 0 <= beta < 1 and freeze * (1 - beta) < 1 - 1e-9:
+        problems.append(Problem(f"{base}.coeff_beta", f"1 / (1 - coeff_beta) = {1 / (1 - beta):g} exceeds freeze_step "
+                                f"{freeze} ({shown('coeff_beta')}): the frozen coefficient would still be biased "
+                                "towards 0", "lower coeff_beta or raise freeze_step"))
+    return problems
+
+
 ONE_BIT_PARAMS: dict[str, type[_OneBitParams]] = {"onebitadam": OneBitAdamParams, "zerooneadam": ZeroOneAdamParams,
                                                   "onebitlamb": OneBitLambParams}
 
@@ -214,8 +241,8 @@ def check_optimizer(optimizer: OptimizerConfig, prefix: str) -> list[Problem]:
 
 
 def _one_bit_rules(params: _OneBitParams, name: str, base: str) -> list[Problem]:
-    """The rules between a 1-bit optimizer's params that its constructor enforces, checked before launch (a
-    pair is compared only when both are given: the defaults live in the constructors)."""
+    """The rules between a 1-bit optimizer's params that its constructor enforces, checked before launch on
+    the values it will run with (for 1-bit LAMB the same function as its constructor's)."""
     problems = []
     if params.amsgrad:
         problems.append(Problem(f"{base}.amsgrad", f"got true; {name} has no AMSGrad variant (as in DeepSpeed)",
@@ -224,16 +251,7 @@ def _one_bit_rules(params: _OneBitParams, name: str, base: str) -> list[Problem]
         problems.append(Problem(f"{base}.max_grad_norm", f"got {show(params.max_grad_norm)}; {name} does not clip "
                                 "by itself", "clip with the top-level \"gradient_clipping\" instead"))
     if isinstance(params, OneBitLambParams):
-        for low, high in (("min_coeff", "max_coeff"), ("factor_min", "factor_max")):
-            lo, hi = getattr(params, low), getattr(params, high)
-            if lo is not None and hi is not None and lo > hi:
-                problems.append(Problem(f"{base}.{low}", f"got {low} {lo} > {high} {hi}",
-                                        f"expected {low} <= {high}"))
-        beta, freeze = params.coeff_beta, params.freeze_step
-        if beta is not None and freeze is not None and freeze * (1 - beta) < 1 - 1e-9:
-            problems.append(Problem(f"{base}.coeff_beta", f"1 / (1 - coeff_beta) = {1 / (1 - beta):g} exceeds "
-                                    f"freeze_step {freeze}: the frozen coefficient would still be biased towards 0",
-                                    "lower coeff_beta or raise freeze_step"))
+        problems.extend(lamb_pair_problems({key: getattr(params, key) for key in ONE_BIT_LAMB_DEFAULTS}, base))
     return problems
 
 
