@@ -202,6 +202,28 @@ def lamb_pair_problems(values: dict[str, float | None], base: str) -> list[Probl
     return problems
 
 
+# the optimizer types the engine builds as one of DeepSpeed's CPU optimizers (DeepSpeedCPUAdam/Adagrad/Lion) when
+# the optimizer is offloaded (Adam/AdamW unless their params ask for torch_adam)
+CPU_OPTIMIZER_TYPES = ("adam", "adamw", "adagrad", "lion")
+
+
+def offload_optimizer_problem(optimizer_name: str, device: str, force_ds_cpu_optimizer: bool,
+                              prefix: str = "") -> Problem | None:
+    """The problem with offloading (ZeRO-Offload to ``device``) an optimizer that is not one of DeepSpeed's CPU
+    optimizers, else None: one rule for the config check (on ``optimizer.type``) and the engine (on the optimizer
+    it built or was given)."""
+    if device == "nvme":
+        return Problem(f"{prefix}zero_optimization.offload_optimizer.device", "NVMe optimizer offload steps swapped "
+                       f"tiles with a DeepSpeed CPU optimizer; got {optimizer_name}",
+                       "use optimizer type Adam, AdamW, Adagrad or Lion")
+    if force_ds_cpu_optimizer:
+        return Problem(f"{prefix}zero_force_ds_cpu_optimizer", "ZeRO-Offload needs DeepSpeedCPUAdam, "
+                       f"DeepSpeedCPUAdagrad or DeepSpeedCPULion; got {optimizer_name}",
+                       "use optimizer type Adam, AdamW, Adagrad or Lion, or set \"zero_force_ds_cpu_optimizer\": "
+                       "false to step it on the host anyway")
+    return None
+
+
 ONE_BIT_PARAMS: dict[str, type[_OneBitParams]] = {"onebitadam": OneBitAdamParams, "zerooneadam": ZeroOneAdamParams,
                                                   "onebitlamb": OneBitLambParams}
 
