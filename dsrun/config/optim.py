@@ -237,6 +237,28 @@ def _torch_names(module: str) -> frozenset[str]:
     return frozenset(n for n in dir(mod) if not n.startswith("_") and isinstance(getattr(mod, n), type))
 
 
+def torch_signature_problems(module: str, name: str, params: dict, base: str) -> list[Problem]:
+    """``params`` against the constructor of ``module.name`` (a torch optimizer or scheduler, whose first
+    argument the engine passes): keys it does not take, and arguments without a default that are missing.
+    The engine would get the same TypeError from the constructor; this finds it before any rank starts."""
+    import importlib
+    import inspect
+
+    try:
+        signature = inspect.signature(getattr(importlib.import_module(module), name))
+    except (AttributeError, TypeError, ValueError):
+        return []
+    arguments = [p for p in signature.parameters.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    named = {p.name: p for p in arguments[1:]}  # the first is the params / the optimizer
+    problems = []
+    if not any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
+        problems += [Problem(f"{base}.{key}", f"is not an argument of {module}.{name}; allowed: {', '.join(named)}",
+                             did_you_mean(key, named)) for key in params if key not in named]
+    problems += [Problem(f"{base}.{key}", f"required key is missing ({module}.{name} has no default for it)")
+                 for key, p in named.items() if p.default is p.empty and key not in params]
+    return problems
+
+
 def check_optimizer(optimizer: OptimizerConfig, prefix: str) -> list[Problem]:
     """Problems with ``optimizer.type`` and the common ``optimizer.params``."""
     problems: list[Problem] = []
@@ -251,6 +273,8 @@ def check_optimizer(optimizer: OptimizerConfig, prefix: str) -> list[Problem]:
                 "case-insensitive) or a torch.optim class name",
                 did_you_mean(optimizer.type, NATIVE_OPTIMIZERS.values()) or did_you_mean(optimizer.type, choices),
             ))
+        else:  # a torch.optim class: its constructor's arguments
+            problems += torch_signature_problems("torch.optim", optimizer.type, optimizer.params, f"{base}.params")
     if optimizer.type is None and optimizer.params:
         problems.append(Problem(f"{base}.type", "required key is missing (params are given without a type)",
                                 "add e.g. \"type\": \"AdamW\""))
@@ -290,7 +314,8 @@ def check_scheduler(scheduler: SchedulerConfig, prefix: str) -> list[Problem]:
         return validate_model(params_model, scheduler.params, f"{base}.params")[1]
     torch_names = _torch_names("torch.optim.lr_scheduler")
     if scheduler.type in torch_names and scheduler.type not in ("LRScheduler", "_LRScheduler"):
-        return []
+        return torch_signature_problems("torch.optim.lr_scheduler", scheduler.type, scheduler.params,
+                                        f"{base}.params")
     return [Problem(
         f"{base}.type",
         f"got {show(scheduler.type)}; allowed: {', '.join(DEEPSPEED_SCHEDULERS)} or a torch.optim.lr_scheduler "
