@@ -1,5 +1,7 @@
-"""A mistake that only the ranks of a user's own script find (``dsrun launch``) is one line and exit code 2:
-each rank reports it to the launcher (dsrun.launcher.protocol.install_user_error_hook), which says it once."""
+"""A config mistake of a user's own script under ``dsrun launch`` is one line and exit code 2: found before
+launch where the config file and the number of ranks allow it (batch arithmetic no data-parallel share fits),
+otherwise each rank reports it to the launcher (dsrun.launcher.protocol.install_user_error_hook), which says it
+once (no config given: only the script's call to initialize can tell)."""
 import json
 
 import pytest
@@ -11,10 +13,10 @@ BAD_BATCH = {"train_batch_size": 7, "train_micro_batch_size_per_gpu": 2, "gradie
              "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
 
 CASES = [
-    ("no --deepspeed_config", [], "error: initialize(config=...): no DeepSpeed config given"),
-    ("batch arithmetic", ["--deepspeed_config", "bad_batch.json"],
+    ("no --deepspeed_config (the ranks)", [], "error: initialize(config=...): no DeepSpeed config given"),
+    ("batch arithmetic (before launch)", ["--deepspeed_config", "bad_batch.json"],
      "error: train_batch_size: train_batch_size 7 != train_micro_batch_size_per_gpu 2 * gradient_accumulation_steps "
-     "1 * world size 2 = 4"),
+     "1 * world size 2 = 4 (world size 2, from dsrun launch: 2 ranks)"),
 ]
 
 
