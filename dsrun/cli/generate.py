@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -50,6 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from dsrun.inference.textgen import WORKER, resolve_request, run_request, summary_line
     from dsrun.launcher import launch_from_mapping
+    from dsrun.launcher.execute import JobOutcome
 
     if args.max_new_tokens < 1:
         raise UserError(Problem("--max-new-tokens", f"got {args.max_new_tokens}; must be at least 1"))
@@ -65,8 +67,14 @@ def run(args: argparse.Namespace) -> int:
         with tempfile.TemporaryDirectory(prefix="dsrun-generate-") as tmp:
             request_file, result_file = Path(tmp) / "request.json", Path(tmp) / "result.json"
             request_file.write_text(json.dumps(request.to_dict()))
-            code = launch_from_mapping(launcher, WORKER,
-                                       ["--request", str(request_file), "--result", str(result_file)], module=True)
+            outcome = JobOutcome()
+            code = launch_from_mapping(launcher, WORKER, ["--request", str(request_file), "--result",
+                                                          str(result_file)], module=True, outcome=outcome)
+            if outcome.user_errors:  # a rank's report of the user's mistake: once, as any UserError
+                raise UserError(outcome.user_errors)
+            if outcome.signal is not None:
+                print(f"[dsrun] generation stopped by {signal.Signals(outcome.signal).name}", file=sys.stderr)
+                return code
             if code != 0 or not result_file.is_file():
                 print(f"[dsrun] generation failed (exit code {code}); see the rank output above", file=sys.stderr)
                 return code or 1

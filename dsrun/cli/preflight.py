@@ -95,8 +95,12 @@ def _build_model(spec: DictConfig, problems: list[Problem], result: Preflight) -
         if user is not None:
             problems += user.problems
             return None
+        cause = err
+        while cause.__cause__ is not None:  # hydra's InstantiationException wraps the constructor's error
+            cause = cause.__cause__
+        text = " ".join(str(cause).split())
         result.notes.append(f"memory not checked: the model could not be built on the meta device "
-                            f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
+                            f"({type(cause).__name__}: {text[:200]})")
     return None
 
 

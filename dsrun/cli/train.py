@@ -278,7 +278,7 @@ def _train(resolved: Any, run_dir: Path, preflight: Any, resume_line: str | None
         if outcome.user_errors:
             raise UserError(outcome.user_errors)
         log_dir = Path(launcher["log_dir"])
-        error = first_error(log_dir)
+        error = first_error(log_dir, outcome.failed_rank)
         log.say(f"training failed (exit code {outcome.exit_code}){error}; logs per rank in {short_path(log_dir)}",
                 err=True)
         raise TrainingFailed(f"exit code {outcome.exit_code}{error}", outcome.exit_code)

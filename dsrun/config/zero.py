@@ -19,6 +19,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BeforeValidator, Field, model_validator
 
+from dsrun.utils.errors import Problem
+
 from .base import Fraction, NonNegInt, OpenDict, Section
 from .recent import LeafModuleConfig, ZenFlowConfig
 
@@ -161,3 +163,22 @@ class AIOConfig(Section):
     single_submit: bool = False
     overlap_events: bool = True
     use_gds: bool = False
+
+
+def shard_size_problem(key: str, size: int, data_parallel: int) -> Problem | None:
+    """MiCS's ``mics_shard_size`` and hpZ's ``zero_hpz_partition_size`` cut the data-parallel group into groups
+    of ``size`` ranks: it must divide it. One rule for the config check and the engine's sharding."""
+    if size > 0 and data_parallel % size:
+        return Problem(key, f"got {size}; it must divide the data-parallel size {data_parallel}",
+                       f"use a divisor of {data_parallel}")
+    return None
+
+
+def shard_problems(zero: ZeroConfig, data_parallel: int, prefix: str = "") -> list[Problem]:
+    """:func:`shard_size_problem` for a stage-3 config's MiCS and hpZ sizes at ``data_parallel`` ranks."""
+    if int(zero.stage) != 3:
+        return []
+    sizes = ((f"{prefix}zero_optimization.mics_shard_size", int(zero.mics_shard_size)),
+             (f"{prefix}zero_optimization.zero_hpz_partition_size", int(zero.zero_hpz_partition_size)
+              if int(zero.zero_hpz_partition_size) > 1 else 0))
+    return [p for p in (shard_size_problem(key, size, data_parallel) for key, size in sizes) if p is not None]

@@ -67,13 +67,32 @@ BEFORE_LAUNCH = [
     ("seq_len above block_size", lambda t: [SMALL, "data.seq_len=256"], "data.seq_len: 256 exceeds model.block_size=128"),
     ("vocabulary smaller than the token file's", lambda t: ["data=tokens", f"data.path={_token_file(t)}"],
      "model.vocab_size: 256 is smaller than the data's vocabulary (1000"),
+    ("a truncated .npy token file", lambda t: ["data=tokens", f"data.path={_truncated(_token_file(t))}"],
+     "data.path: "),
+    ("experts that ep_size does not divide", lambda t: [SMALL, "+recipe=gpt_moe", "model.moe.num_experts=3"],
+     "model.moe.num_experts: 3 experts cannot be spread evenly over model.moe.ep_size=2 ranks"),
+    ("more pipeline stages than layers", lambda t: [SMALL, "+recipe=gpt_pipe", "model.pipeline_stages=8",
+                                                    "model.n_layer=1", "launcher.num_procs=8"],
+     "model.pipeline_stages: 8 stages but a GPT of n_layer=1 is 5 pipeline layers"),
 ]
+
+
+def _truncated(path: Path) -> Path:
+    path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+    return path
 
 
 @pytest.mark.parametrize("case,overrides,expected", BEFORE_LAUNCH, ids=[c[0] for c in BEFORE_LAUNCH])
 def test_mistakes_found_before_launch(tmp_path, case, overrides, expected):
     one_error_line(train(tmp_path, *overrides(tmp_path)), expected)
     assert not (tmp_path / "outputs").exists()  # caught before Hydra made a run directory
+
+
+def test_dry_run_refuses_what_a_launch_refuses(tmp_path):
+    """``--dry-run`` runs the same checks: the MoE layout it used to pass with a note is one line, exit 2."""
+    result = run_cli("train", "--dry-run", SMALL, "+recipe=gpt_moe", "model.moe.num_experts=3", cwd=tmp_path)
+    one_error_line(result, "model.moe.num_experts: 3 experts")
+    assert "dry run" not in result.stdout
 
 
 def test_a_truncated_checkpoint_is_found_before_launch(tmp_path):

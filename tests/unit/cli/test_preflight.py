@@ -38,6 +38,20 @@ def test_the_default_recipe_fits_and_a_13b_model_does_not_by_the_estimator(monke
     assert check_before_launch(resolved("model=gpt-13b"), memory_check=False).memory is None
 
 
+class NeedsRealTensors:
+    """A user's model whose constructor cannot run on the meta device."""
+
+    def __init__(self, **kwargs):
+        raise ValueError("this model reads its weights from disk\nat construction")
+
+
+def test_a_model_that_cannot_be_built_on_meta_is_a_note_naming_its_own_error():
+    """Not hydra's wrapper cut at its first line ("Error in call to target ...:"), the constructor's error."""
+    checked = check_before_launch(resolved(f"model._target_={__name__}.NeedsRealTensors"), memory_check=False)
+    assert ("memory not checked: the model could not be built on the meta device (ValueError: this model reads "
+            "its weights from disk at construction)") in checked.notes
+
+
 def test_a_warm_up_longer_than_the_run_is_one_note():
     note = warmup_note(resolved("train.max_steps=5"))
     assert note == ("note: ds.scheduler.params.warmup_num_steps=30 is more than the 5 steps this run takes: the "
