@@ -99,6 +99,29 @@ def _clipping(**_):
     assert deltas[1] < deltas[0] / 10  # the clipped step is the gradient scaled to norm 1e-3
 
 
+def test_gradient_clipping_left_out_clips_at_one_as_deepspeed_does():
+    """DeepSpeed's documented default (and 0.19's): a config without the key clips the global norm at 1.0."""
+    sgd = {"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    e = engine(sgd)
+    assert e.gradient_clipping() == 1.0
+    before = first_weights(e)
+    x, y = torch.randn(2, 4, generator=torch.Generator().manual_seed(0)), torch.full((2, 1), 100.0)
+    e.backward(F.mse_loss(e(x), y))  # a gradient whose global norm is far above 1
+    e.step()
+    norm = e.get_global_grad_norm()
+    assert norm > 100
+    # SGD moved the weights by lr * g * 1/(norm + 1e-6): a step of global norm lr * norm / (norm + 1e-6)
+    after = torch.cat([w.flatten() for w in first_weights(e)])
+    moved = (after - torch.cat([w.flatten() for w in before])).double().norm().item()
+    # fp32 rounds the update and the difference: at most one ulp of the largest weight per element
+    bound = after.numel() ** 0.5 * after.abs().max().item() * 2.0 ** -23
+    assert moved == pytest.approx(0.1 * norm / (norm + 1e-6), abs=bound)
+
+
+def first_weights(e: Any) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in e.module.parameters()]
+
+
 @effect("prescale_gradients", "gradient_predivide_factor")
 def _prescale(key, **_):
     def grad_after_backward(extra: dict) -> torch.Tensor:
