@@ -11,6 +11,7 @@ the reasons, is docs/config.md "Defaults that follow today's DeepSpeed"):
 * D2: ``communication_data_type`` is a string ``fp16``/``bf16``/``fp32`` (case-insensitive), not a bool;
   None means "follow the precision mode" (:attr:`DeepSpeedConfig.resolved_communication_data_type`).
 * ``wall_clock_breakdown`` reads True whenever ``flops_profiler.enabled`` is, as DeepSpeed's getter does.
+* ``steps_per_print`` defaults to None as in DeepSpeed 0.19 (0.14: 10): no ``step=`` progress line.
 """
 from __future__ import annotations
 
@@ -111,8 +112,9 @@ class DeepSpeedConfig(Section):
     aio: AIOConfig = _section(AIOConfig)
 
     # logging
-    # Hugging Face's accelerate passes float("inf") (never print); it becomes the largest step count
-    steps_per_print: Annotated[PosInt, BeforeValidator(_never_as_max_steps)] = 10
+    # Hugging Face's accelerate passes float("inf") (never print); it becomes the largest step count.
+    # None (DeepSpeed 0.19's default; 0.14: 10): no progress line, wall-clock means every step
+    steps_per_print: Annotated[PosInt | None, BeforeValidator(_never_as_max_steps)] = None
     wall_clock_breakdown: bool = False
     dump_state: bool = False
     memory_breakdown: bool = False

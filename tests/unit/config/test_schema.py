@@ -26,6 +26,7 @@ def test_deepspeed_behaviour_defaults():
     assert (z.offload_optimizer.device, z.offload_param.device) == ("none", "none")  # D6
     assert z.offload_param.nvme_path is None
     assert z.offload_param.pin_memory is z.offload_optimizer.pin_memory is True      # DeepSpeed 0.19 (0.14: False)
+    assert cfg.steps_per_print is None                                               # DeepSpeed 0.19 (0.14: 10)
     at = cfg.autotuning
     assert (at.overwrite, at.tuner_type, at.metric) == (True, "gridsearch", "throughput")  # D7
     assert cfg.tensorboard.output_path == "" and cfg.csv_monitor.output_path == ""   # D8
