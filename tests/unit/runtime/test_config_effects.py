@@ -168,6 +168,20 @@ def _initial_scale(key, **_):
                                                             else (16.0, 256.0))
 
 
+@effect("bf16.check_grad_overflow")
+def _bf16_overflow(**_):
+    """DeepSpeed 0.19's default (true): a bf16 step whose gradients hold inf/nan is skipped at ZeRO 1-2; false,
+    or stage 0 and 3 (where DeepSpeed's bf16 optimizers do not check), apply it."""
+    def run(stage: int, **keys: Any) -> tuple[int, bool]:
+        e = engine({"bf16": {"enabled": True, **keys}, "zero_optimization": {"stage": stage},
+                    "gradient_clipping": 0.0})
+        step(e, 1, overflow_at=(0,))
+        return e.skipped_steps, bool(torch.isfinite(e.module.layers[0].weight).all())
+    assert run(1) == run(2) == (1, True)  # skipped: the weights stay finite
+    assert run(2, check_grad_overflow=False) == (0, False)
+    assert run(0) == (0, False) and run(3)[0] == 0  # (a ZeRO-3 weight is an empty placeholder between steps)
+
+
 def scale_after(n: int, overflow_at: tuple[int, ...], **keys: Any) -> float:
     e = engine(fp16(initial_scale_power=4, **keys))
     step(e, n, overflow_at)
