@@ -61,7 +61,7 @@ class RunBook:
             self.metrics["resumed_from_step"] = self.first_step - 1
         self.engine.print_step_lines = False  # the progress line carries step, loss and lr
         self.progress = TrainingProgress(self.max_steps, enabled=self.rank == 0,
-                                         print_every=max(1, self.engine.steps_per_print()),
+                                         print_every=self.engine.steps_per_print() or 1,
                                          start_step=self.first_step - 1)
         return self.first_step
 

@@ -122,8 +122,8 @@ def step_timer_ms(engine: Any, before: dict[str, float] | None) -> dict[str, flo
     now = {name: engine.timers.elapsed_ms(name) for name in ("forward", "backward", "step")}
     if before is None:
         return now
-    every = engine.steps_per_print()
-    return None if every and engine.global_steps % every == 0 else {k: v - before[k] for k, v in now.items()}
+    every = engine.steps_per_print() or 1  # None: the observer reports (and resets) every step
+    return None if engine.global_steps % every == 0 else {k: v - before[k] for k, v in now.items()}
 
 
 def zero_init_context(ds_config: dict[str, Any]) -> Any:

@@ -101,13 +101,14 @@ class OneCycleParams(_Params):
 
 class WarmupLRParams(_Params):
     warmup_min_lr: LrValue = 0.0
-    warmup_max_lr: LrValue = 0.001
+    warmup_max_lr: LrValue | None = None  # each param group's optimizer lr (DeepSpeed 0.19; 0.14: 0.001)
     warmup_num_steps: NonNegInt = 1000
     warmup_type: WarmupType = "log"
 
 
 class WarmupDecayLRParams(WarmupLRParams):
     total_num_steps: Annotated[int, Field(ge=1)]
+    warmup_max_lr: LrValue = 0.001  # DeepSpeed 0.19's WarmupDecayLR still defaults to 0.001
 
 
 class WarmupCosineLRParams(_Params):

@@ -30,12 +30,13 @@ OffloadDevice = Literal["none", "cpu", "nvme"]
 class OffloadParamConfig(Section):
     """``zero_optimization.offload_param``: parameters to CPU or NVMe (ZeRO stage 3 only).
 
-    ``buffer_count``, ``buffer_size`` and ``max_in_cpu`` matter only for NVMe.
+    ``buffer_count``, ``buffer_size`` and ``max_in_cpu`` matter only for NVMe. ``pin_memory`` defaults to True
+    as in DeepSpeed since 0.19 (0.14 and the documentation: False); it acts only with a CUDA device.
     """
 
     device: OffloadDevice = "none"
     nvme_path: str | None = None
-    pin_memory: bool = False
+    pin_memory: bool = True
     buffer_count: NonNegInt = 5
     buffer_size: NonNegInt = 100_000_000
     max_in_cpu: NonNegInt = 1_000_000_000
@@ -45,12 +46,13 @@ class OffloadOptimizerConfig(Section):
     """``zero_optimization.offload_optimizer``: optimizer state to CPU (stages 1-3) or NVMe (stage 3).
 
     The optimizer step runs on the CPU whatever the device. ``ratio`` < 1 (partial offload) needs stage 3.
-    ``buffer_count`` should be at least the optimizer's states per parameter (Adam: 4).
+    ``buffer_count`` should be at least the optimizer's states per parameter (Adam: 4). ``pin_memory``: True, as
+    for ``offload_param``.
     """
 
     device: OffloadDevice = "none"
     nvme_path: str | None = None
-    pin_memory: bool = False
+    pin_memory: bool = True
     ratio: Fraction = 1.0
     buffer_count: NonNegInt = 4
     fast_init: bool = False
