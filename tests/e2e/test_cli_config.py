@@ -107,6 +107,27 @@ def test_recipes_lists_each_with_description():
     assert "gpt_zero3" in result.stdout and "ZeRO-3" in result.stdout
 
 
+def test_recipes_prints_every_built_in_description_whole_on_a_narrow_terminal():
+    """Descriptions were cut at the end of the recipe's first comment line ("... attention", "an eighth of
+    the"): each is now the whole first sentence of the comment block, and the table wraps it, dropping nothing."""
+    import re
+
+    from dsrun.compose import list_recipes
+    from dsrun.utils.paths import recipes_dir
+
+    result = run_cli("recipes", env={"COLUMNS": "60"})
+    assert result.returncode == 0, result.stderr
+    printed = re.sub(r"[\s│┃]", "", result.stdout)  # the table's rows, unwrapped (continuation rows have no name)
+    built_in = {name: text for name, (path, text) in list_recipes().items() if path.parent == recipes_dir()}
+    assert len(built_in) >= 20
+    for name, text in built_in.items():
+        comment = " ".join(line.lstrip("#").strip() for line in (recipes_dir() / f"{name}.yaml").read_text()
+                           .splitlines() if line.startswith("#") and "@package" not in line)
+        assert text.endswith((".", "!", "?")) and comment.startswith(text), (name, text)
+        assert re.sub(r"\s", "", name + text) in printed, (name, text)
+    assert max(len(line) for line in result.stdout.splitlines()) <= 60
+
+
 def test_multirun_dry_run_makes_one_directory_per_job(tmp_path):
     result = run_cli("train", "--dry-run", "-m", "zero=stage1,stage2", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
