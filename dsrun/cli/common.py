@@ -18,3 +18,11 @@ def add_compose_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Hydra overrides: +recipe=NAME, group=option (zero=stage3), key=value "
                              "(ds.optimizer.params.lr=3e-4 or optimizer.params.lr=3e-4), +key=value, ~key, "
                              "ds_config=FILE")
+
+
+def say_stage(line: str) -> None:
+    """A progress line on stderr, printed at once: what a command does next when that takes seconds (composing,
+    checking, starting ranks), so a busy machine's wait is not silence. stdout stays the command's result."""
+    import sys
+
+    print(f"[dsrun] {line}", file=sys.stderr, flush=True)
