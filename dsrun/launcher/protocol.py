@@ -83,3 +83,24 @@ def parse_user_error(line: str) -> list[str] | None:
         return None
     problems = report.get("problems") if isinstance(report, dict) else None
     return [str(p) for p in problems] if isinstance(problems, list) and problems else None
+
+
+def exit_rank(code: int) -> None:
+    """End a rank whose work is done with ``code``, as a normal exit would but without the interpreter's
+    teardown: threads that are not daemons are joined, the ``atexit`` handlers run (monitors, logging) and the
+    standard streams are flushed; then the process ends. The teardown frees, one by one, the thousands of
+    modules a rank imports (torch, and on rank 0 MLflow and SQLAlchemy): 0.3-0.5 s of CPU per rank on an idle
+    machine, several seconds each on a busy one, which the agent and ``dsrun train``'s ``done:`` waited for."""
+    import atexit
+    import threading
+
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken stream: nothing left to say on it
+            pass
+    os._exit(code)
