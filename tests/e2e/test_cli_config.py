@@ -1,9 +1,8 @@
 """`dsrun config`, `dsrun train --dry-run` and `dsrun recipes` as a user runs them."""
 import json
-import os
 from pathlib import Path
 
-from tests.helpers import run_cli
+from tests.helpers import first_output_probe, run_cli
 
 
 def test_help_lists_subcommands():
@@ -102,49 +101,11 @@ def test_train_dry_run_with_deepspeed_json(tmp_path):
     assert ds["zero_optimization"]["stage"] == 1
 
 
-FIRST_LINE_PROBE = """
-import json, sys
-
-HEAVY = ("torch", "hydra", "mlflow", "sqlalchemy", "transformers", "optuna", "tensorboard")
-seen = {}
-
-
-class FirstLine:
-    \"\"\"A console stream that notes which heavy modules were loaded when the command printed its first line.\"\"\"
-
-    def __init__(self, stream):
-        self.stream = stream
-
-    def write(self, text):
-        if "loaded" not in seen and text.strip():
-            seen.update(loaded=[m for m in HEAVY if m in sys.modules], line=text.strip(), modules=len(sys.modules))
-        return self.stream.write(text)
-
-    def __getattr__(self, name):
-        return getattr(self.stream, name)
-
-
-sys.stdout, sys.stderr = FirstLine(sys.stdout), FirstLine(sys.stderr)
-from dsrun.cli.__main__ import main
-
-seen["code"] = main(sys.argv[1:])
-sys.__stdout__.write("@@" + json.dumps(seen) + "\\n")
-"""
-
-
 def test_train_says_what_it_does_before_the_heavy_work(tmp_path):
     """20-45 s passed on a busy machine before dsrun train printed anything: Hydra's composition, torch (for
     the meta-device model and the memory estimate), the data and the estimate all ran first, silently. Now
     the first line comes before any of those modules is imported, and each stage is announced in order."""
-    import subprocess
-    import sys
-
-    from tests.helpers import REPO
-
-    result = subprocess.run([sys.executable, "-c", FIRST_LINE_PROBE, "train", "--dry-run", "data.max_bytes=300000"],
-                            cwd=tmp_path, text=True, capture_output=True, timeout=300, stdin=subprocess.DEVNULL,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
-    seen = json.loads(result.stdout.rsplit("@@", 1)[1])
+    seen, result = first_output_probe("train", "--dry-run", "data.max_bytes=300000", cwd=tmp_path)
     assert seen["code"] == 0, result.stderr
     assert seen["line"] == "[dsrun] composing the config (Hydra)" and seen["loaded"] == [], seen
     stages = [line for line in result.stderr.splitlines() if line.startswith("[dsrun] ")]
