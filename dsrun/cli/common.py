@@ -20,9 +20,11 @@ def add_compose_arguments(parser: argparse.ArgumentParser) -> None:
                              "ds_config=FILE")
 
 
-def say_stage(line: str) -> None:
-    """A progress line on stderr, printed at once: what a command does next when that takes seconds (composing,
-    checking, starting ranks), so a busy machine's wait is not silence. stdout stays the command's result."""
+def say_stage(line: str, *, err: bool = False) -> None:
+    """A progress line (``[dsrun] ...``), printed at once: what a command does next when that takes seconds
+    (composing, checking, starting ranks), so a busy machine's wait is not silence. On stdout with the
+    command's other ``[dsrun]`` lines (an error stays the only line on stderr); ``err`` for a command whose
+    stdout is its result (``dsrun generate``'s text)."""
     import sys
 
-    print(f"[dsrun] {line}", file=sys.stderr, flush=True)
+    print(f"[dsrun] {line}", file=sys.stderr if err else sys.stdout, flush=True)

@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     if args.top_k is not None and args.top_k < 1:
         raise UserError(Problem("--top-k", f"got {args.top_k}; must be at least 1"))
     # the first line comes before torch is imported: on a busy machine the command was silent for most of a minute
-    say_stage(f"checking {args.source}: the model, its tokenizer and checkpoint")
+    say_stage(f"checking {args.source}: the model, its tokenizer and checkpoint", err=True)
     from dsrun.inference.textgen import WORKER, resolve_request, run_request, summary_line
     from dsrun.launcher import launch_from_mapping
 
@@ -65,10 +65,11 @@ def run(args: argparse.Namespace) -> int:
                                                top_k=args.top_k, seed=args.seed, dtype=args.dtype,
                                                kernel_inject=args.kernel_inject)
     if world == 1:
-        say_stage("loading the model and generating")
+        say_stage("loading the model and generating", err=True)
         result = run_request(request)
     else:
-        say_stage(f"starting {world} ranks (tensor parallel); each imports torch and loads its part of the model")
+        say_stage(f"starting {world} ranks (tensor parallel); each imports torch and loads its part of the model",
+                  err=True)
         with tempfile.TemporaryDirectory(prefix="dsrun-generate-") as tmp:
             request_file, result_file = Path(tmp) / "request.json", Path(tmp) / "result.json"
             request_file.write_text(json.dumps(request.to_dict()))

@@ -277,7 +277,7 @@ def _train(resolved: Any, run_dir: Path, preflight: Any, resume_line: str | None
     started_ms = int(time.time() * 1000) - 1000
     hosts = ", ".join(resolved.plan.hosts)
     log.say(f"starting {resolved.world_size} rank(s) on {hosts}; each imports torch and builds its engine "
-            "before its first line", err=True)
+            "before its first line")
     launch_from_mapping(launcher, WORKER_MODULE, ["--run-dir", str(run_dir)], module=True,
                         out=log.stdout, err=log.stderr, outcome=outcome)
     if outcome.signal is not None:

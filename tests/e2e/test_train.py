@@ -103,10 +103,11 @@ def test_activation_checkpointing_mode_and_section_act_through_dsrun_train(tmp_p
     result = run_cli("train", "model.activation_checkpointing=every_2", "+activation_checkpointing.profile=true",
                      *SHORT, "train.max_steps=1", f"launcher.master_port={free_port()}", cwd=tmp_path, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    stages = [line.split(":")[0].split(" (")[0].split(";")[0] for line in result.stderr.splitlines()
+    stages = [line.split(":")[0].split(" (")[0].split(";")[0] for line in result.stdout.splitlines()
               if line.startswith("[dsrun] ")]
-    assert stages[:3] == ["[dsrun] composing the config", "[dsrun] checking before launch",
-                          "[dsrun] starting 2 rank(s) on localhost"], result.stderr
+    assert [line for line in stages if not line.startswith(("[dsrun] run directory", "[dsrun] note"))][:3] == [
+        "[dsrun] composing the config", "[dsrun] checking before launch", "[dsrun] starting 2 rank(s) on localhost"
+    ], result.stdout
     (run_dir,) = tmp_path.glob("outputs/*/*")
     # gpt-nano has 3 blocks: every_2 checkpoints blocks 0 and 2, numbered 0 and 1 in the forward
     lines = [line.split("activation checkpoint ")[1].split(" ")[:2] for line in result.stdout.splitlines()
