@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from dsrun.launcher.protocol import exit_rank
+from dsrun.launcher.protocol import exit_without_teardown
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -37,4 +37,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_rank(main())
+    exit_without_teardown(main())

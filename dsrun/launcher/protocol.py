@@ -85,12 +85,13 @@ def parse_user_error(line: str) -> list[str] | None:
     return [str(p) for p in problems] if isinstance(problems, list) and problems else None
 
 
-def exit_rank(code: int) -> None:
-    """End a rank whose work is done with ``code``, as a normal exit would but without the interpreter's
-    teardown: threads that are not daemons are joined, the ``atexit`` handlers run (monitors, logging) and the
-    standard streams are flushed; then the process ends. The teardown frees, one by one, the thousands of
-    modules a rank imports (torch, and on rank 0 MLflow and SQLAlchemy): 0.3-0.5 s of CPU per rank on an idle
-    machine, several seconds each on a busy one, which the agent and ``dsrun train``'s ``done:`` waited for."""
+def exit_without_teardown(code: int) -> None:
+    """End a process whose work is done (a rank, or the ``dsrun`` command) with ``code``, as a normal exit
+    would but without the interpreter's teardown: threads that are not daemons are joined, the ``atexit``
+    handlers run (monitors, logging) and the standard streams are flushed; then the process ends. The teardown
+    frees, one by one, the thousands of modules torch (and on rank 0 MLflow and SQLAlchemy) import: 0.3-0.5 s
+    of CPU per process on an idle machine, seconds each on a busy one, which the agent, ``dsrun train``'s
+    ``done:`` and then the prompt waited for."""
     import atexit
     import threading
 

@@ -1,4 +1,4 @@
-"""A rank whose work is done ends through ``exit_rank``: what a normal exit guarantees still happens (its exit
+"""A rank whose work is done ends through ``exit_without_teardown``: what a normal exit guarantees still happens (its exit
 code, non-daemon threads finished, atexit handlers run, buffered output written), the interpreter's teardown
 (every module's objects freed one by one, seconds of CPU on a busy machine for torch, MLflow and SQLAlchemy)
 does not."""
@@ -11,7 +11,7 @@ from tests.helpers import REPO
 RANK = """
 import atexit, sys, threading, time
 
-from dsrun.launcher.protocol import exit_rank
+from dsrun.launcher.protocol import exit_without_teardown
 
 
 class TornDown:
@@ -23,11 +23,11 @@ kept_until_teardown = TornDown()
 atexit.register(lambda: print("atexit ran", flush=True))
 threading.Thread(target=lambda: (time.sleep(0.3), print("thread finished"))).start()  # not a daemon
 print("buffered, not flushed", end="")
-exit_rank(3)
+exit_without_teardown(3)
 """
 
 
-def test_exit_rank_keeps_a_normal_exits_guarantees_and_skips_the_teardown():
+def test_exit_without_teardown_keeps_a_normal_exits_guarantees_and_skips_the_teardown():
     result = subprocess.run([sys.executable, "-c", textwrap.dedent(RANK)], cwd=REPO, capture_output=True, text=True,
                             timeout=120, stdin=subprocess.DEVNULL)
     assert result.returncode == 3, result.stderr
