@@ -39,8 +39,10 @@ class RunBook:
             "micro_batch_size": engine.train_micro_batch_size_per_gpu(),
             "gradient_accumulation_steps": engine.gradient_accumulation_steps(), "num_params": num_params,
             "step_flops": step_flops, "step_times_ms": [], "step_timers_ms": []}  # per step, for dsrun tune
-        # checkpoints: resume before the first step (train.resume), save every train.save_interval steps
-        self.checkpoints = TrainingCheckpoints(engine, loader, run_dir, cfg.save_interval, cfg.resume, cfg.keep_last)
+        # checkpoints: resume before the first step (train.resume), save every train.save_interval steps and at
+        # the last one
+        self.checkpoints = TrainingCheckpoints(engine, loader, run_dir, cfg.save_interval, cfg.resume, cfg.keep_last,
+                                               last_step=max_steps)
         self.first_step = 1
         self.progress: TrainingProgress | None = None
         self._start = self._step_started = 0.0

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from dsrun.cli.multirun import short_path
 from dsrun.rundir import METRICS_JSON
+from dsrun.utils.errors import UserError
 
 
 def done_lines(resolved: Any, run_dir: Path, metrics: dict[str, Any]) -> list[str]:
@@ -41,7 +42,10 @@ def stopped_lines(resolved: Any, run_dir: Path, signum: int) -> list[str]:
         lines = [f"stopped by {how} after step {step} of {metrics.get('max_steps', total)}"]
     else:
         lines = [f"stopped by {how} before the first step finished"]
-    checkpoint = checkpoint_step(run_dir / CHECKPOINTS)
+    try:
+        checkpoint = checkpoint_step(run_dir / CHECKPOINTS)
+    except UserError:  # a damaged `latest`: --from says what is wrong with it
+        checkpoint = None
     command = f"dsrun train --from {short_path(run_dir)}"
     if checkpoint is not None:
         tag, saved = checkpoint
@@ -123,4 +127,5 @@ def mark_mlflow(resolved: Any, run_dir: Path, started_ms: int, status: str, say:
     try:
         mark_run_ended(uri, resolved.ds.mlflow.experiment_name, name, started_ms, status)
     except Exception as err:  # noqa: BLE001 - the store is unreachable: the run itself is what matters
-        say(f"warning: could not mark MLflow run '{name}' {status}: {type(err).__name__}: {err}")
+        first = next((line for line in str(err).splitlines() if line.strip()), "")  # SQLAlchemy appends its SQL
+        say(f"warning: could not mark MLflow run '{name}' {status}: {type(err).__name__}: {first}")

@@ -156,8 +156,9 @@ def data_digest(corpus: Any, limit: int = 256 * 2**20) -> dict[str, Any]:
 
 
 def resume_problems(resume: str | None) -> list[Problem]:
-    """``train.resume`` names a checkpoint that exists, whose ``latest`` names an existing tag folder, and
-    whose files are whole. ``auto`` and null need nothing here."""
+    """``train.resume`` names a checkpoint that exists, whose ``latest`` names an existing tag folder
+    (:func:`dsrun.checkpoint.training.latest_tag`), and whose files are whole. ``auto`` and null need nothing
+    here."""
     from dsrun.checkpoint import layout
     from dsrun.checkpoint.training import find_checkpoint
     from dsrun.utils.zero_to_fp32 import file_problem
@@ -170,13 +171,8 @@ def resume_problems(resume: str | None) -> list[Problem]:
         return list(err.problems)
     if found is None:
         return []
-    folder, tag = found
-    tag = tag or layout.read_latest(folder)
-    tag_dir = layout.resolve_tag_dir(folder, str(tag))
-    if tag_dir is None:
-        return [Problem("train.resume", f"{folder / layout.LATEST} names tag {tag!r}, but {folder / str(tag)} "
-                        f"does not exist (tags there: {', '.join(layout.list_tags(folder)) or 'none'})",
-                        "point train.resume at one of the tag folders, or write an existing tag into 'latest'")]
+    folder, tag = found  # find_checkpoint refused a `latest` that names no tag folder
+    tag_dir = layout.resolve_tag_dir(folder, str(tag or layout.read_latest(folder)))
     problems = []
     for path in sorted(tag_dir.glob("*.pt")):
         reason = file_problem(str(path))

@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     # the first line comes before Hydra and torch are imported: they cost seconds of CPU on a busy machine
     say_stage(f"composing {f'the run of {args.from_dir}' if args.from_dir else 'the config'} (Hydra)")
     from dsrun.cli.multirun import JobResult, first_job_overrides, summary_table, unknown_sweep_options
-    from dsrun.cli.resume import from_overrides, source_run
+    from dsrun.cli.resume import RunFinished, from_overrides, settle_from, source_run
     from dsrun.compose import app_overrides, compose_runspec, finish_runspec, run_app
     from dsrun.config import announce
     from dsrun.runspec import resolve_run
@@ -93,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.multirun:  # fail fast, before any run directory
         resolved = resolve_run(compose_runspec(overrides, args.recipes_dir, source=source))
         checked = _check(resolved, args)
+        if source is not None:  # a damaged `latest` in the source is refused here already
+            settle_from(resolved, source, overrides)
     else:  # a misspelt key or option fails the sweep at once; a bad value fails only its own job
         problems = unknown_sweep_options(args.overrides, args.recipes_dir)
         if problems:
@@ -122,6 +124,9 @@ def run(args: argparse.Namespace) -> int:
                 return _dry_run(resolved, run_dir, preflight, resume_line, record)
             metrics = _train(resolved, run_dir, preflight, resume_line, record, log)
             job.final_eval_loss, job.tokens_per_second = metrics.get("final_eval_loss"), metrics["tokens_per_second"]
+        except RunFinished as finished:  # train.resume=auto found the run done: nothing launched
+            log.say(str(finished))
+            job.final_eval_loss = finished.final_eval_loss()
         except UserError as err:
             for problem in err.problems:
                 log.say(f"error: {problem}", err=True, prefix=False)
