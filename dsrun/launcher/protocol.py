@@ -91,13 +91,13 @@ def exit_without_teardown(code: int) -> None:
     handlers run (monitors, logging) and the standard streams are flushed; then the process ends. The teardown
     frees, one by one, the thousands of modules torch (and on rank 0 MLflow and SQLAlchemy) import: 0.3-0.5 s
     of CPU per process on an idle machine, seconds each on a busy one, which the agent, ``dsrun train``'s
-    ``done:`` and then the prompt waited for."""
+    ``done:`` and then the prompt waited for. Called from the main thread."""
     import atexit
     import threading
 
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    # what the interpreter's own exit does first: the threading module's exit hooks (which let idle
+    # concurrent.futures workers go; joining those without them waits forever), then every non-daemon thread
+    threading._shutdown()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
