@@ -14,7 +14,6 @@ import math
 import os
 import random
 import signal
-import sys
 import warnings
 from pathlib import Path
 from typing import Any, Sequence
@@ -24,7 +23,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from dsrun.estimate.measure import current_rss, record_rank_peak
-from dsrun.launcher.protocol import debug_requested, report_user_error
+from dsrun.launcher.protocol import debug_requested, exit_without_teardown, report_user_error
 from dsrun.monitor.run_defaults import PARENT_ENV, apply_run_defaults, flatten, mlflow_parent_key
 from dsrun.run_book import RunBook
 from dsrun.rundir import RESOLVED_YAML
@@ -265,4 +264,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())

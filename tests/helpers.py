@@ -1,6 +1,7 @@
 """Helpers shared by the test suite: free ports, running the CLI, and bounded multi-rank runs."""
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import pickle
@@ -120,6 +121,46 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120) -
                 p.kill()
                 p.join(timeout=5)
     return [outcome[r] for r in range(world_size)]
+
+
+_FIRST_OUTPUT_PROBE = """
+import json, sys
+
+HEAVY = ("torch", "hydra", "mlflow", "sqlalchemy", "transformers", "optuna", "tensorboard")
+seen = {}
+
+
+class FirstLine:
+    \"\"\"A console stream that notes which heavy modules were loaded when the command printed its first line.\"\"\"
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        if "loaded" not in seen and text.strip():
+            seen.update(loaded=[m for m in HEAVY if m in sys.modules], line=text.strip(), modules=len(sys.modules))
+        return self.stream.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+sys.stdout, sys.stderr = FirstLine(sys.stdout), FirstLine(sys.stderr)
+from dsrun.cli.__main__ import main
+
+seen["code"] = main(sys.argv[1:])
+sys.__stdout__.write("@@" + json.dumps(seen) + "\\n")
+"""
+
+
+def first_output_probe(*args: str, cwd: str | Path) -> tuple[dict[str, Any], subprocess.CompletedProcess]:
+    """Run ``dsrun ARGS`` in a fresh interpreter and report, for its first printed line (stdout or stderr), the
+    line, how many modules were loaded and which heavy ones (torch, Hydra, MLflow, ...): ``({"line", "modules",
+    "loaded", "code"}, the completed process)``."""
+    result = subprocess.run([sys.executable, "-c", _FIRST_OUTPUT_PROBE, *args], cwd=cwd, text=True,
+                            capture_output=True, timeout=300, stdin=subprocess.DEVNULL,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    return json.loads(result.stdout.rsplit("@@", 1)[1]), result
 
 
 def small_disk(path: Path, size: str):

@@ -26,9 +26,10 @@ from dsrun.utils.errors import Problem, UserError
 INTERMIXED_ARGS = True  # overrides may come after the options: SOURCE --prompt TEXT launcher.num_procs=2
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from dsrun.inference.textgen import DTYPES
+DTYPES = ("fp32", "bf16", "fp16", "int8")  # --dtype; kept here so that parsing the command needs no torch
 
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("source", metavar="RUN_DIR_OR_CHECKPOINT",
                         help="a run directory, a checkpoint folder or tag folder, or a model file")
@@ -49,21 +50,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dsrun.inference.textgen import WORKER, resolve_request, run_request, summary_line
-    from dsrun.launcher import launch_from_mapping
-    from dsrun.launcher.execute import JobOutcome
+    from dsrun.cli.common import say_stage
 
     if args.max_new_tokens < 1:
         raise UserError(Problem("--max-new-tokens", f"got {args.max_new_tokens}; must be at least 1"))
     if args.top_k is not None and args.top_k < 1:
         raise UserError(Problem("--top-k", f"got {args.top_k}; must be at least 1"))
+    # the first line comes before torch is imported: on a busy machine the command was silent for most of a minute
+    say_stage(f"checking {args.source}: the model, its tokenizer and checkpoint", err=True)
+    from dsrun.inference.textgen import WORKER, resolve_request, run_request, summary_line
+    from dsrun.launcher import launch_from_mapping
+    from dsrun.launcher.execute import JobOutcome
+
     request, launcher, world = resolve_request(args.source, args.prompt, args.overrides,
                                                max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                                top_k=args.top_k, seed=args.seed, dtype=args.dtype,
                                                kernel_inject=args.kernel_inject)
     if world == 1:
+        say_stage("loading the model and generating", err=True)
         result = run_request(request)
     else:
+        say_stage(f"starting {world} ranks (tensor parallel); each imports torch and loads its part of the model",
+                  err=True)
         with tempfile.TemporaryDirectory(prefix="dsrun-generate-") as tmp:
             request_file, result_file = Path(tmp) / "request.json", Path(tmp) / "result.json"
             request_file.write_text(json.dumps(request.to_dict()))

@@ -244,10 +244,16 @@ def _memory(resolved: Any, model: Any, result: Preflight) -> list[Problem]:
     spec, _ = inputs_from_runspec(resolved.runspec, model)
     slots = [len(s) for s in plan.hosts.values()] or [plan.world_size]
     model_cfg = OmegaConf.to_container(resolved.runspec.model, resolve=True)
-    spec = spec.with_(nodes=len(slots), ranks_per_node=max(slots),
-                      rank_runtime_bytes=_cached_rank_runtime(spec, model_cfg))
-    verdict = judge(estimate_peak_bytes_per_rank(spec), detect_budget())
-    result.memory = f"{verdict.level}: {verdict.reason}"
+    spec = spec.with_(nodes=len(slots), ranks_per_node=max(slots))
+    runtime = _cached_rank_runtime(spec, model_cfg)
+    verdict = judge(estimate_peak_bytes_per_rank(spec.with_(rank_runtime_bytes=runtime)), detect_budget())
+    # the figure is dsrun estimate-memory's once that has measured an idle rank here; until then it says that
+    # it leaves the rank's own process out (the same run's two figures used to differ without a word)
+    what = (f"estimate incl. each rank's idle process, {runtime / 2**30:.2f} GiB as dsrun estimate-memory "
+            f"measured it here" if runtime else
+            "estimate, a lower bound: each rank's own process (interpreter, torch) is left out until dsrun "
+            "estimate-memory with the same overrides has measured it here once")
+    result.memory = f"{verdict.level}: {verdict.reason}; {what}"
     if verdict.level == TIGHT:
         result.notes.append(f"note: memory is tight ({verdict.reason}); dsrun estimate-memory shows the breakdown")
     if verdict.level != NO_FIT:

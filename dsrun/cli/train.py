@@ -74,8 +74,11 @@ class TrainingStopped(Exception):
 
 
 def run(args: argparse.Namespace) -> int:
+    from dsrun.cli.common import say_stage
+
+    # the first line comes before Hydra and torch are imported: they cost seconds of CPU on a busy machine
+    say_stage(f"composing {f'the run of {args.from_dir}' if args.from_dir else 'the config'} (Hydra)")
     from dsrun.cli.multirun import JobResult, first_job_overrides, summary_table, unknown_sweep_options
-    from dsrun.cli.preflight import check_before_launch
     from dsrun.cli.resume import RunFinished, from_overrides, settle_from, source_run
     from dsrun.compose import app_overrides, compose_runspec, finish_runspec, run_app
     from dsrun.config import announce
@@ -89,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(Problem("--from", "reruns one run; it does not take -m", "leave out -m"))
     if not args.multirun:  # fail fast, before any run directory
         resolved = resolve_run(compose_runspec(overrides, args.recipes_dir, source=source))
-        checked = check_before_launch(resolved, memory_check=not args.skip_memory_check)
+        checked = _check(resolved, args)
         if source is not None:  # a damaged `latest` in the source is refused here already
             settle_from(resolved, source, overrides)
     else:  # a misspelt key or option fails the sweep at once; a bad value fails only its own job
@@ -114,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
             with quiet_legacy_notes(not args.multirun):  # the single run's notes were shown already
                 resolved = resolve_run(finish_runspec(cfg, hydra_overrides))
             announce(resolved.ds, for_children=True)  # what it runs without: said once, not again by the ranks
-            preflight = checked or check_before_launch(resolved, memory_check=not args.skip_memory_check)
+            preflight = checked or _check(resolved, args)
             resolved, resume_line = _settle_resume(resolved, run_dir, job.overrides, args, source, overrides)
             record = Record(command, _lineage(source, job.overrides), preflight.data)
             if args.dry_run:
@@ -154,6 +157,17 @@ def run(args: argparse.Namespace) -> int:
         print(summary_table(jobs, jobs[0].run_dir.parent), flush=True)  # a job runs in <sweep dir>/<N>
         return 1 if any(not job.ok for job in jobs) else 0
     return 0
+
+
+def _check(resolved: Any, args: argparse.Namespace) -> Any:
+    """The checks before launch (dsrun.cli.preflight), announced: building the data and the model on the meta
+    device and the memory estimate take seconds."""
+    from dsrun.cli.common import say_stage
+    from dsrun.cli.preflight import check_before_launch
+
+    say_stage("checking before launch: the model's shape, the data, train.resume, monitor folders"
+              + (", memory" if not args.skip_memory_check else ""))
+    return check_before_launch(resolved, memory_check=not args.skip_memory_check)
 
 
 @contextlib.contextmanager
@@ -266,6 +280,9 @@ def _train(resolved: Any, run_dir: Path, preflight: Any, resume_line: str | None
     launcher["log_dir"] = launcher.get("log_dir") or str(run_dir / "logs")
     outcome = JobOutcome()
     started_ms = int(time.time() * 1000) - 1000
+    hosts = ", ".join(resolved.plan.hosts)
+    log.say(f"starting {resolved.world_size} rank(s) on {hosts}; each imports torch and builds its engine "
+            "before its first line")
     launch_from_mapping(launcher, WORKER_MODULE, ["--run-dir", str(run_dir)], module=True,
                         out=log.stdout, err=log.stderr, outcome=outcome)
     if outcome.signal is not None:

@@ -236,3 +236,27 @@ def test_a_build_is_announced_by_local_rank_0_only(monkeypatch, capsys, tmp_path
     said.append(announce_build("cpu_adam", tmp_path))
     assert said == [True, False, False, True]
     assert capsys.readouterr().err.count("[dsrun] building op 'cpu_adam'") == 2
+
+
+def test_a_build_says_when_it_is_done_and_how_long_it_took(monkeypatch, capsys, tmp_path):
+    """"building op ..." was followed by silence until the ranks' next line; the end of the build is a line
+    too, with its duration (the compiler is faked: the lines, not the compiling, are under test)."""
+    import re
+    import types
+
+    import torch.utils.cpp_extension as cpp_extension
+
+    from op_builder import builder as builder_module
+
+    monkeypatch.setenv("DSRUN_OPS_CACHE", str(tmp_path))  # an empty cache: the op must be built
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(builder_module, "compiler", lambda: builder_module.CompilerInfo("c++", True, "test"))
+    compiled = types.ModuleType("compiled_cpu_lion")
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: compiled)
+    builder = get_builder("cpu_lion")
+    monkeypatch.setattr(builder, "prebuilt_available", lambda: False)
+    monkeypatch.delitem(sys.modules, builder.module_name(), raising=False)  # loaded by an earlier test
+    assert builder.load() is compiled and builder.last_load.source == "built"
+    building, built = capsys.readouterr().err.splitlines()
+    assert building.startswith("[dsrun] building op 'cpu_lion' (first use; cached in ")
+    assert re.fullmatch(r"\[dsrun\] built op 'cpu_lion' in \d+\.\d s", built), built
