@@ -42,7 +42,8 @@ class _RepositoryUntouched:
     """Fails the run when the tests left a new file or folder in the repository (build/, dist/, *.egg-info,
     outputs/, mlruns/ ...): each test writes into its own temporary folder, so no two share a writable one."""
 
-    SKIPPED = {".git", ".wt", ".venv", ".pytest_cache", "__pycache__"}  # git's, worktrees, the user's venv, caches
+    # git's, worktrees, the user's venv, caches (pytest-benchmark, where installed, makes .benchmarks at start)
+    SKIPPED = {".git", ".wt", ".venv", ".pytest_cache", ".benchmarks", "__pycache__"}
 
     def __init__(self) -> None:
         self.before = self.paths()
