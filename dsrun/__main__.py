@@ -1,5 +1,3 @@
-import sys
+from dsrun.cli.__main__ import console
 
-from dsrun.cli.__main__ import main
-
-sys.exit(main())
+console()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -54,20 +55,37 @@ def recipe_dirs(extra: Iterable[str | Path] = ()) -> list[Path]:
 
 
 def list_recipes(extra_dirs: Iterable[str | Path] = ()) -> dict[str, tuple[Path, str]]:
-    """Every recipe name → (file, its one-line description from the comment at its top)."""
+    """Every recipe name → (file, its description: the first sentence of the comment at its top)."""
     found: dict[str, tuple[Path, str]] = {}
     for folder in recipe_dirs(extra_dirs):
         for path in sorted(folder.glob("*.yaml")):
-            found[path.stem] = (path, _first_comment(path))
+            found[path.stem] = (path, recipe_description(path))
     return dict(sorted(found.items()))
 
 
-def _first_comment(path: Path) -> str:
+_SENTENCE_END = re.compile(r"(?<!\be\.g)(?<!\bi\.e)(?<!\bvs)(?<!\betc)[.!?](?=\s|$)")
+
+
+def recipe_description(path: Path) -> str:
+    """The first sentence of the comment block at the top of a recipe (below ``# @package``), however many
+    comment lines it takes; the whole block when it has no sentence end."""
+    lines: list[str] = []
     for line in path.read_text(encoding="utf-8").splitlines():
         text = line.lstrip("#").strip()
-        if line.startswith("#") and text and not text.startswith("@package"):
-            return text
-    return ""
+        if not line.startswith("#"):
+            if lines or line.strip():
+                break
+            continue
+        if text.startswith("@package"):
+            continue
+        if not text:
+            if lines:
+                break
+            continue
+        lines.append(text)
+    block = " ".join(lines)
+    end = _SENTENCE_END.search(block)
+    return block[:end.end()] if end else block
 
 
 def _group_root_for(folder: Path) -> Path:

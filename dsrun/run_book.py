@@ -39,8 +39,10 @@ class RunBook:
             "micro_batch_size": engine.train_micro_batch_size_per_gpu(),
             "gradient_accumulation_steps": engine.gradient_accumulation_steps(), "num_params": num_params,
             "step_flops": step_flops, "step_times_ms": [], "step_timers_ms": []}  # per step, for dsrun tune
-        # checkpoints: resume before the first step (train.resume), save every train.save_interval steps
-        self.checkpoints = TrainingCheckpoints(engine, loader, run_dir, cfg.save_interval, cfg.resume, cfg.keep_last)
+        # checkpoints: resume before the first step (train.resume), save every train.save_interval steps and at
+        # the last one
+        self.checkpoints = TrainingCheckpoints(engine, loader, run_dir, cfg.save_interval, cfg.resume, cfg.keep_last,
+                                               last_step=max_steps)
         self.first_step = 1
         self.progress: TrainingProgress | None = None
         self._start = self._step_started = 0.0
@@ -59,7 +61,7 @@ class RunBook:
             self.metrics["resumed_from_step"] = self.first_step - 1
         self.engine.print_step_lines = False  # the progress line carries step, loss and lr
         self.progress = TrainingProgress(self.max_steps, enabled=self.rank == 0,
-                                         print_every=max(1, self.engine.steps_per_print()),
+                                         print_every=self.engine.steps_per_print() or 1,
                                          start_step=self.first_step - 1)
         return self.first_step
 

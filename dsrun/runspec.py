@@ -29,7 +29,7 @@ class TrainSpec(_Section):
     seed: int = Field(1234, description="seed for the model, data order and dropout")
     eval_interval: int = Field(100, ge=0, description="optimizer steps between evaluations (0: at the end)")
     eval_iters: int = Field(10, ge=1, description="eval batches per evaluation")
-    save_interval: int = Field(0, ge=0, description="optimizer steps between checkpoints (0: none)")
+    save_interval: int = Field(0, ge=0, description="optimizer steps between checkpoints, and one at the last step (0: none)")
     resume: str | None = Field(None, description="null, 'auto' (latest checkpoint of the run) or a directory")
     keep_last: int = Field(2, ge=0, description="checkpoints kept (0: all)")
     teacher: str | None = Field(None, description="a finished run directory whose model teaches this one: "

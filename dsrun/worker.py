@@ -14,7 +14,6 @@ import math
 import os
 import random
 import signal
-import sys
 import warnings
 from pathlib import Path
 from typing import Any, Sequence
@@ -24,7 +23,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from dsrun.estimate.measure import current_rss, record_rank_peak
-from dsrun.launcher.protocol import debug_requested, report_user_error
+from dsrun.launcher.protocol import debug_requested, exit_without_teardown, report_user_error
 from dsrun.monitor.run_defaults import PARENT_ENV, apply_run_defaults, flatten, mlflow_parent_key
 from dsrun.run_book import RunBook
 from dsrun.rundir import RESOLVED_YAML
@@ -122,8 +121,8 @@ def step_timer_ms(engine: Any, before: dict[str, float] | None) -> dict[str, flo
     now = {name: engine.timers.elapsed_ms(name) for name in ("forward", "backward", "step")}
     if before is None:
         return now
-    every = engine.steps_per_print()
-    return None if every and engine.global_steps % every == 0 else {k: v - before[k] for k, v in now.items()}
+    every = engine.steps_per_print() or 1  # None: the observer reports (and resets) every step
+    return None if engine.global_steps % every == 0 else {k: v - before[k] for k, v in now.items()}
 
 
 def zero_init_context(ds_config: dict[str, Any]) -> Any:
@@ -265,4 +264,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())

@@ -255,9 +255,9 @@ class OpBuilder:
 
         build_dir = self.build_dir(key)
         build_dir.mkdir(parents=True, exist_ok=True)
-        announce_build(self.NAME, build_dir)
+        announced, started = announce_build(self.NAME, build_dir), time.perf_counter()
         try:
-            return cpp_extension.load(
+            module = cpp_extension.load(
                 name=name,
                 sources=[str(s) for s in self.sources()],
                 extra_cflags=self.cxx_flags(),
@@ -268,6 +268,10 @@ class OpBuilder:
             )
         except (RuntimeError, subprocess.CalledProcessError, OSError) as err:
             raise OpBuildError(f"building op '{self.NAME}' in {build_dir} failed; the compiler said:\n{err}") from None
+        if announced:
+            print(f"[dsrun] built op '{self.NAME}' in {time.perf_counter() - started:.1f} s", file=sys.stderr,
+                  flush=True)
+        return module
 
 
 def announce_build(name: str, build_dir: Path) -> bool:

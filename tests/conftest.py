@@ -34,6 +34,41 @@ class _EstimateTables:
 
 def pytest_configure(config):
     config.pluginmanager.register(_EstimateTables(), "dsrun-estimate-tables")
+    if not hasattr(config, "workerinput"):  # the xdist controller, or the one process of -n 0
+        config.pluginmanager.register(_RepositoryUntouched(), "dsrun-repository-untouched")
+
+
+class _RepositoryUntouched:
+    """Fails the run when the tests left a new file or folder in the repository (build/, dist/, *.egg-info,
+    outputs/, mlruns/ ...): each test writes into its own temporary folder, so no two share a writable one."""
+
+    # git's, worktrees, the user's venv, caches (pytest-benchmark, where installed, makes .benchmarks at start)
+    SKIPPED = {".git", ".wt", ".venv", ".pytest_cache", ".benchmarks", "__pycache__"}
+
+    def __init__(self) -> None:
+        self.before = self.paths()
+        self.written: list[str] = []
+
+    def paths(self) -> set[str]:
+        from tests.helpers import REPO
+
+        found = set()
+        for folder, dirs, files in os.walk(REPO):
+            dirs[:] = [d for d in dirs if d not in self.SKIPPED]
+            found.update(os.path.relpath(os.path.join(folder, name), REPO) for name in dirs + files)
+        return found
+
+    def pytest_sessionfinish(self, session) -> None:
+        new = self.paths() - self.before
+        self.written = sorted(path for path in new if os.path.dirname(path) not in new)  # new folders, not their files
+        if self.written:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if self.written:
+            terminalreporter.section("tests wrote into the repository (write into tmp_path instead)", red=True)
+            for path in self.written:
+                terminalreporter.write_line(path)
 
 
 def pytest_collection_modifyitems(config, items):

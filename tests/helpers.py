@@ -1,10 +1,12 @@
 """Helpers shared by the test suite: free ports, running the CLI, and bounded multi-rank runs."""
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import shutil
 import socket
 import subprocess
 import sys
@@ -14,6 +16,23 @@ from typing import Any, Callable, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 CORES = os.cpu_count() or 1
+# The programs some tests run and the Debian package of each; tests/run installs these packages (as root).
+SYSTEM_PACKAGES = {"sshd": "openssh-server", "ssh": "openssh-client", "ssh-keygen": "openssh-client",
+                   "ip": "iproute2", "mpirun": "openmpi-bin"}
+
+
+def require_programs(*programs: str) -> dict[str, str]:
+    """Each program's path on ``$PATH``; skips the calling test when one is missing, naming the Debian
+    packages to install (a fresh machine lacks them until ``tests/run`` installs them)."""
+    import pytest
+
+    found = {name: shutil.which(name) for name in programs}
+    missing = [name for name, path in found.items() if path is None]
+    if missing:
+        packages = sorted({SYSTEM_PACKAGES[name] for name in missing})
+        pytest.skip(f"needs {', '.join(missing)}: apt-get install {' '.join(packages)} (tests/run installs them "
+                    "as root)")
+    return {name: str(path) for name, path in found.items()}
 
 
 def free_port() -> int:
@@ -102,3 +121,66 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120) -
                 p.kill()
                 p.join(timeout=5)
     return [outcome[r] for r in range(world_size)]
+
+
+_FIRST_OUTPUT_PROBE = """
+import json, sys
+
+HEAVY = ("torch", "hydra", "mlflow", "sqlalchemy", "transformers", "optuna", "tensorboard")
+seen = {}
+
+
+class FirstLine:
+    \"\"\"A console stream that notes which heavy modules were loaded when the command printed its first line.\"\"\"
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        if "loaded" not in seen and text.strip():
+            seen.update(loaded=[m for m in HEAVY if m in sys.modules], line=text.strip(), modules=len(sys.modules))
+        return self.stream.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+sys.stdout, sys.stderr = FirstLine(sys.stdout), FirstLine(sys.stderr)
+from dsrun.cli.__main__ import main
+
+seen["code"] = main(sys.argv[1:])
+sys.__stdout__.write("@@" + json.dumps(seen) + "\\n")
+"""
+
+
+def first_output_probe(*args: str, cwd: str | Path) -> tuple[dict[str, Any], subprocess.CompletedProcess]:
+    """Run ``dsrun ARGS`` in a fresh interpreter and report, for its first printed line (stdout or stderr), the
+    line, how many modules were loaded and which heavy ones (torch, Hydra, MLflow, ...): ``({"line", "modules",
+    "loaded", "code"}, the completed process)``."""
+    result = subprocess.run([sys.executable, "-c", _FIRST_OUTPUT_PROBE, *args], cwd=cwd, text=True,
+                            capture_output=True, timeout=300, stdin=subprocess.DEVNULL,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    return json.loads(result.stdout.rsplit("@@", 1)[1]), result
+
+
+def small_disk(path: Path, size: str):
+    """A tmpfs of ``size`` (mount's syntax, e.g. "3m") mounted at ``path`` (made), unmounted and removed on
+    exit: a real full disk (ENOSPC) without filling the machine's. Skips when this process may not mount."""
+    import contextlib
+
+    import pytest
+
+    @contextlib.contextmanager
+    def mounted():
+        path.mkdir(parents=True, exist_ok=True)
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
+        try:
+            yield path
+        finally:
+            subprocess.run(["umount", "-l", str(path)], check=True)
+            path.rmdir()
+
+    return mounted()

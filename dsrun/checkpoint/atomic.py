@@ -7,15 +7,59 @@ Nothing happens when the variable is unset.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import shutil
 import signal
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 CRASH_ENV, CRASH_RANK_ENV = "DSRUN_TEST_CRASH_AT", "DSRUN_TEST_CRASH_RANK"
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` comes from a full disk or quota (torch's zip writer reports it as a RuntimeError whose
+    context is the OSError)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OSError) and current.errno in DISK_FULL_ERRNOS:
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
+
+
+class _ByteCounter:
+    """A write-only sink that counts what ``torch.save`` writes (the size a file needs, without a disk)."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+    def write(self, data: Any) -> int:
+        self.bytes += len(data)
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+
+_counting: list[_ByteCounter] = []  # while counting_bytes() runs: save_torch counts into the last one
+
+
+@contextlib.contextmanager
+def counting_bytes() -> Iterator[_ByteCounter]:
+    """Within it :func:`save_torch` writes nothing and adds each file's size to the counter yielded: how many
+    bytes a save that did not fit needs."""
+    _counting.append(_ByteCounter())
+    try:
+        yield _counting[-1]
+    finally:
+        _counting.pop()
 
 # The points of a save where tests kill a rank (in order); see dsrun.checkpoint.engine_io.save_checkpoint.
 CRASH_POINTS = ("staging_created", "model_states_torn", "after_model_states", "after_optim_states",
@@ -48,17 +92,22 @@ def _tmp_name(path: Path) -> Path:
 def save_torch(obj: Any, path: Path, rank: int = 0, torn_point: str | None = None, pickle_module: Any = None) -> None:
     """``torch.save`` to ``path`` atomically and durably. ``torn_point``: a crash point at which a test
     leaves a half-written temporary file behind. ``pickle_module``: torch.save's (default: pickle)."""
+    extra = {} if pickle_module is None else {"pickle_module": pickle_module}
+    if _counting:
+        torch.save(obj, _counting[-1], **extra)
+        return
     tmp = _tmp_name(path)
-    with open(tmp, "wb") as fh:
-        if pickle_module is None:
-            torch.save(obj, fh)
-        else:
-            torch.save(obj, fh, pickle_module=pickle_module)
-        fh.flush()
-        if torn_point is not None and os.environ.get(CRASH_ENV) == torn_point:
-            fh.truncate(max(1, fh.tell() // 2))
-            crash_point(torn_point, rank)
-        os.fsync(fh.fileno())
+    try:
+        with open(tmp, "wb") as fh:
+            torch.save(obj, fh, **extra)
+            fh.flush()
+            if torn_point is not None and os.environ.get(CRASH_ENV) == torn_point:
+                fh.truncate(max(1, fh.tell() // 2))
+                crash_point(torn_point, rank)
+            os.fsync(fh.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a partial file (e.g. on a full disk) only takes the space others need
+        raise
     os.replace(tmp, path)
 
 

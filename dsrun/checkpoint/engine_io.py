@@ -98,15 +98,47 @@ def _on_rank0_then_all(engine: Any, action: Any) -> None:
         raise RuntimeError(f"checkpoint save failed on rank 0: {failure[0]}")
 
 
-def _all_ranks_succeeded(engine: Any, error: Exception | None) -> None:
-    """A barrier that also tells every rank whether any rank failed (e.g. a full disk), so all raise."""
-    flag = torch.tensor([0.0 if error is None else 1.0], device=engine.device)
+def _all_ranks_succeeded(engine: Any, error: Exception | None, root: Path, tags: list[str],
+                         write_rank_files: Callable[[Path], None]) -> None:
+    """A barrier that also tells every rank whether any rank failed, so all raise. After a failure rank 0
+    removes the staging folders (a full disk gets its space back, for the logs too); a full disk is one line
+    on every rank, with the bytes the save needs (``write_rank_files`` run again, counting instead of
+    writing) and the bytes free."""
+    flag = torch.tensor([0.0 if error is None else 2.0 if atomic.disk_full(error) else 1.0], device=engine.device)
     if engine.world_size > 1:
         comm.all_reduce(flag, op=comm.ReduceOp.MAX)
+    if flag.item() == 0:
+        return
+    needed = torch.zeros(2, dtype=torch.float64, device=engine.device)  # bytes, ranks that could not count
+    if flag.item() == 2:
+        try:
+            with atomic.counting_bytes() as counted:
+                write_rank_files(layout.staging_dir(root, tags[0]))
+            needed[0] = counted.bytes
+        except Exception:  # noqa: BLE001 - the size is a courtesy; the full disk is the error
+            needed[1] = 1
+        if engine.world_size > 1:
+            comm.all_reduce(needed, op=comm.ReduceOp.SUM)
+    line: list[str | None] = [None]
+    if engine.global_rank == 0:
+        for tag in tags:
+            atomic.remove_tree(layout.staging_dir(root, tag))
+        if flag.item() == 2:
+            import shutil
+
+            size = f"{int(needed[0].item()):,} bytes needed" if needed[1].item() == 0 else "size unknown"
+            kept = layout.read_latest(root)
+            line[0] = (f"no space left on device while saving {tags[0]} in {root} ({size}, "
+                       f"{shutil.disk_usage(root).free:,} free); nothing of it was kept"
+                       + (f", {kept} is still the newest checkpoint" if kept else ""))
+    if engine.world_size > 1:
+        comm.broadcast_object_list(line, src=0)
+    if line[0] is not None:
+        raise UserError(Problem("save_checkpoint", line[0], "free space there or save to a bigger disk; "
+                                "dsrun train: train.keep_last=N keeps fewer checkpoints")) from error
     if error is not None:
         raise error
-    if flag.item() > 0:
-        raise RuntimeError("checkpoint save failed on another rank (see its log); nothing was committed")
+    raise RuntimeError("checkpoint save failed on another rank (see its log); nothing was committed")
 
 
 def _layout(engine: Any) -> layout.CheckpointLayout:
@@ -244,7 +276,7 @@ def save_staged(engine: Any, save_dir: str, tag: Any, write_rank_files: Callable
         write_rank_files(staging)
     except Exception as exc:  # e.g. a full disk: every rank must learn of it, or the others wait forever
         error = exc
-    _all_ranks_succeeded(engine, error)
+    _all_ranks_succeeded(engine, error, root, tags, write_rank_files)
 
     def commit() -> None:
         atomic.crash_point("before_commit", rank)

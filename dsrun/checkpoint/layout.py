@@ -118,7 +118,7 @@ def read_latest(save_dir: str | os.PathLike) -> str | None:
     path = Path(save_dir) / LATEST
     if not path.is_file():
         return None
-    return path.read_text().strip() or None
+    return path.read_text(errors="replace").strip() or None  # damaged bytes read as a tag that does not exist
 
 
 def resolve_tag_dir(save_dir: str | os.PathLike, tag: str) -> Path | None:

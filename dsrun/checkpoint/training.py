@@ -1,5 +1,6 @@
 """Checkpoints for ``dsrun train``: resume before the first step, save every ``train.save_interval`` steps into
-``RUN_DIR/checkpoints``, keep the newest ``train.keep_last``.
+``RUN_DIR/checkpoints`` and at the run's last step (so a run whose length is no multiple of the interval keeps
+its last steps too), keep the newest ``train.keep_last``.
 
 ``train.resume``: ``null`` starts fresh; ``auto`` resumes from ``RUN_DIR/checkpoints`` when it holds a
 checkpoint (else starts fresh); a path resumes from that checkpoint folder (the one holding ``latest``), from
@@ -23,6 +24,25 @@ CHECKPOINTS_DIR = "checkpoints"
 LOADER_KEY = "data_loader"
 
 
+def latest_tag(save_dir: Path, key: str = "train.resume", command: str = "") -> str | None:
+    """The tag ``save_dir/latest`` names, checked. None when ``save_dir`` holds no checkpoint at all (no
+    ``latest``, no tag folders). A ``latest`` that is missing beside tag folders, empty, or names a tag folder
+    that does not exist is refused (UserError under ``key``), naming the newest complete tag and how to resume
+    from it (``command`` precedes ``train.resume=`` there). The one rule of ``train.resume=PATH``,
+    ``train.resume=auto`` and ``dsrun train --from``: never a silent restart from step 0 or from a guess."""
+    tag = layout.read_latest(save_dir)
+    if tag is not None and layout.resolve_tag_dir(save_dir, tag) is not None:
+        return tag
+    latest, tags = save_dir / layout.LATEST, layout.list_tags(save_dir)
+    if not tags and not latest.exists():
+        return None
+    why = (f"{latest} names tag {tag!r}, but {save_dir / tag} does not exist" if tag is not None else
+           f"{latest} is {'empty' if latest.exists() else 'missing'}")
+    hint = (f"resume from the newest complete one: {command}train.resume={save_dir / tags[-1]}, or write an "
+            f"existing tag into {latest}" if tags else f"start from step 0: {command}train.resume=null")
+    raise UserError(Problem(key, f"{why} (complete tags there: {', '.join(tags) or 'none'})", hint))
+
+
 def find_checkpoint(resume: str | None, run_dir: Path) -> tuple[Path, str | None] | None:
     """``(checkpoint folder, tag or None for latest)`` to resume from, or None to start fresh."""
     if resume is None or str(resume).lower() in ("", "none", "null", "false"):
@@ -32,7 +52,7 @@ def find_checkpoint(resume: str | None, run_dir: Path) -> tuple[Path, str | None
         return (own, None) if layout.read_latest(own) else None
     given = Path(resume).expanduser()
     for candidate in (given, given / CHECKPOINTS_DIR):
-        if layout.read_latest(candidate):
+        if latest_tag(candidate) is not None:
             return candidate, None
     if given.is_dir() and any(given.glob("*model_states.pt")):  # one tag's folder: resume from that tag
         return given.parent, given.name
@@ -41,12 +61,45 @@ def find_checkpoint(resume: str | None, run_dir: Path) -> tuple[Path, str | None
                             "pass a checkpoint folder, a tag folder, a run directory, 'auto' or null"))
 
 
+def no_checkpoint_reason(run_dir: Path) -> tuple[str, str]:
+    """Why the run directory ``run_dir`` holds no checkpoint, from its own records (``resolved.yaml``'s
+    ``train.save_interval``, ``metrics.json``'s last step), and how to get one: ``(message, hint)``."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    from dsrun.rundir import METRICS_JSON, RESOLVED_YAML
+
+    rerun = f"dsrun train --from {run_dir}"
+    try:
+        interval = int(OmegaConf.select(OmegaConf.load(run_dir / RESOLVED_YAML), "train.save_interval") or 0)
+    except (OSError, ValueError, TypeError):
+        interval = None
+    if interval == 0:
+        return (f"{run_dir} has no checkpoint: it trained with train.save_interval=0",
+                f"train it again with checkpoints: {rerun} train.save_interval=N")
+    try:
+        metrics = json.loads((run_dir / METRICS_JSON).read_text())
+        last = int(metrics.get("resumed_from_step") or 0) + int(metrics.get("steps") or 0)
+    except (OSError, ValueError, TypeError, AttributeError):
+        last = None
+    first = f" at {interval}" if interval else ""
+    if last is None:
+        return (f"{run_dir} has no checkpoint: it ended before its first save{first} and wrote no "
+                f"{METRICS_JSON} (it failed or was stopped: see its dsrun.log)", f"train it again: {rerun}")
+    if interval is not None and last < interval:
+        return (f"{run_dir} has no checkpoint: it stopped at step {last} before its first save{first}",
+                f"train it again, which saves at its last step: {rerun}")
+    return (f"{run_dir} has no checkpoint: {run_dir / CHECKPOINTS_DIR / layout.LATEST} is missing",
+            f"pass one tag's folder ({run_dir / CHECKPOINTS_DIR}/global_step<N>), or train it again: {rerun}")
+
+
 class TrainingCheckpoints:
     """The worker's checkpoint hooks, bound to one engine and its data loader."""
 
     def __init__(self, engine: Any, loader: Any, run_dir: Path, save_interval: int, resume: str | None,
-                 keep_last: int):
-        self.engine, self.loader = engine, loader
+                 keep_last: int, last_step: int | None = None):
+        self.engine, self.loader, self.last_step = engine, loader, last_step
         self.save_dir = run_dir / CHECKPOINTS_DIR
         self.save_interval, self.keep_last = int(save_interval or 0), int(keep_last or 0)
         # a run directory is fresh for every run, so checkpoints already in it were saved by this run: its ranks
@@ -72,11 +125,12 @@ class TrainingCheckpoints:
         return self.engine.global_steps
 
     def save_if_due(self, step: int, force: bool = False) -> bool:
-        """Save after ``step`` when it is a multiple of ``save_interval`` (or ``force``, e.g. on SIGTERM, when
-        saving is on at all); then delete checkpoints beyond the newest ``keep_last``."""
+        """Save after ``step`` when it is a multiple of ``save_interval`` or the run's last step (or ``force``,
+        e.g. on SIGTERM), when saving is on at all, and not twice at one step; then delete checkpoints beyond
+        the newest ``keep_last``."""
         if not self.save_interval or step == self.last_saved_step:
             return False
-        if not force and step % self.save_interval:
+        if not force and step % self.save_interval and step != self.last_step:
             return False
         self.engine.save_checkpoint(str(self.save_dir), client_state={LOADER_KEY: self.loader.state_dict()})
         self.last_saved_step = step

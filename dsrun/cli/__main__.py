@@ -101,5 +101,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
 
+def console() -> None:
+    """The ``dsrun`` command (and ``python -m dsrun``): :func:`main`, then an exit without the interpreter's
+    teardown (:func:`~dsrun.launcher.protocol.exit_without_teardown`); :func:`main` itself returns, for callers
+    in the same process."""
+    from dsrun.launcher.protocol import exit_without_teardown
+
+    exit_without_teardown(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

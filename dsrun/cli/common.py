@@ -18,3 +18,13 @@ def add_compose_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Hydra overrides: +recipe=NAME, group=option (zero=stage3), key=value "
                              "(ds.optimizer.params.lr=3e-4 or optimizer.params.lr=3e-4), +key=value, ~key, "
                              "ds_config=FILE")
+
+
+def say_stage(line: str, *, err: bool = False) -> None:
+    """A progress line (``[dsrun] ...``), printed at once: what a command does next when that takes seconds
+    (composing, checking, starting ranks), so a busy machine's wait is not silence. On stdout with the
+    command's other ``[dsrun]`` lines (an error stays the only line on stderr); ``err`` for a command whose
+    stdout is its result (``dsrun generate``'s text)."""
+    import sys
+
+    print(f"[dsrun] {line}", file=sys.stderr if err else sys.stdout, flush=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -25,9 +26,10 @@ from dsrun.utils.errors import Problem, UserError
 INTERMIXED_ARGS = True  # overrides may come after the options: SOURCE --prompt TEXT launcher.num_procs=2
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from dsrun.inference.textgen import DTYPES
+DTYPES = ("fp32", "bf16", "fp16", "int8")  # --dtype; kept here so that parsing the command needs no torch
 
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("source", metavar="RUN_DIR_OR_CHECKPOINT",
                         help="a run directory, a checkpoint folder or tag folder, or a model file")
@@ -48,25 +50,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dsrun.inference.textgen import WORKER, resolve_request, run_request, summary_line
-    from dsrun.launcher import launch_from_mapping
+    from dsrun.cli.common import say_stage
 
     if args.max_new_tokens < 1:
         raise UserError(Problem("--max-new-tokens", f"got {args.max_new_tokens}; must be at least 1"))
     if args.top_k is not None and args.top_k < 1:
         raise UserError(Problem("--top-k", f"got {args.top_k}; must be at least 1"))
+    # the first line comes before torch is imported: on a busy machine the command was silent for most of a minute
+    say_stage(f"checking {args.source}: the model, its tokenizer and checkpoint", err=True)
+    from dsrun.inference.textgen import WORKER, resolve_request, run_request, summary_line
+    from dsrun.launcher import launch_from_mapping
+    from dsrun.launcher.execute import JobOutcome
+
     request, launcher, world = resolve_request(args.source, args.prompt, args.overrides,
                                                max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                                top_k=args.top_k, seed=args.seed, dtype=args.dtype,
                                                kernel_inject=args.kernel_inject)
     if world == 1:
+        say_stage("loading the model and generating", err=True)
         result = run_request(request)
     else:
+        say_stage(f"starting {world} ranks (tensor parallel); each imports torch and loads its part of the model",
+                  err=True)
         with tempfile.TemporaryDirectory(prefix="dsrun-generate-") as tmp:
             request_file, result_file = Path(tmp) / "request.json", Path(tmp) / "result.json"
             request_file.write_text(json.dumps(request.to_dict()))
-            code = launch_from_mapping(launcher, WORKER,
-                                       ["--request", str(request_file), "--result", str(result_file)], module=True)
+            outcome = JobOutcome()
+            code = launch_from_mapping(launcher, WORKER, ["--request", str(request_file), "--result",
+                                                          str(result_file)], module=True, outcome=outcome)
+            if outcome.user_errors:  # a rank's report of the user's mistake: once, as any UserError
+                raise UserError(outcome.user_errors)
+            if outcome.signal is not None:
+                print(f"[dsrun] generation stopped by {signal.Signals(outcome.signal).name}", file=sys.stderr)
+                return code
             if code != 0 or not result_file.is_file():
                 print(f"[dsrun] generation failed (exit code {code}); see the rank output above", file=sys.stderr)
                 return code or 1

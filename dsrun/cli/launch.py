@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from dsrun.launcher.options import DEFAULT_LAST_CALL_TIMEOUT, DEFAULT_MASTER_PORT, RUNNERS, options_from_args
 
@@ -90,6 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from dsrun.launcher import plan_launch, run as run_plan
+    from dsrun.launcher.execute import JobOutcome, stopped_message
     from dsrun.utils.errors import Problem, UserError
 
     if args.no_ssh and args.runner not in (None, "local"):
@@ -106,11 +108,17 @@ def run(args: argparse.Namespace) -> int:
         from dsrun.cli import launch_autotuning
 
         return launch_autotuning.run(args, plan.world_size, add_arguments)
-    check_script_config(args.script_args)
+    check_script_config(args.script_args, plan.world_size)
     if args.dry_run:  # with --autotuning: the plan every experiment (and the final run) launches with
         print(json.dumps({**plan.to_json(), **({"autotuning": args.autotuning} if args.autotuning else {})}, indent=2))
         return 0
-    return run_plan(plan)
+    outcome = JobOutcome()
+    code = run_plan(plan, outcome=outcome)
+    if outcome.user_errors:  # a rank's report of the user's mistake: once, as the CLI words any UserError
+        raise UserError(outcome.user_errors)
+    if outcome.signal is not None:
+        print(stopped_message(plan, outcome.signal), file=sys.stderr)
+    return code
 
 
 CONFIG_FLAGS = ("--deepspeed_config", "--deepscale_config")
@@ -127,15 +135,36 @@ def script_config_path(script_args: list[str]) -> str | None:
     return None
 
 
-def check_script_config(script_args: list[str]) -> None:
+def check_script_config(script_args: list[str], world_size: int | None = None) -> None:
     """Validate the script's DeepSpeed config file, if it names one that exists: the same loading
-    ``dsrun.initialize`` does, without the batch arithmetic. Raises the ConfigError (exit code 2); prints the
-    warnings of a config with ``dsrun_allow_unimplemented`` once, so the ranks do not repeat them."""
+    ``dsrun.initialize`` does. Raises the ConfigError (exit code 2); prints the warnings of a config with
+    ``dsrun_allow_unimplemented`` once, so the ranks do not repeat them.
+
+    The batch arithmetic needs the data-parallel size, which the script decides (pipeline or model
+    parallelism take a share of the ``world_size`` ranks): it is refused here only when no data-parallel size
+    that divides ``world_size`` fits, so every rank would refuse it."""
     from pathlib import Path
 
     from dsrun.config import announce, load_ds_config
+    from dsrun.config.batch import GAS, MBS, TBS
+    from dsrun.utils.errors import ConfigError
 
     path = script_config_path(script_args)
     if path is None or not Path(path).is_file():
         return
-    announce(load_ds_config(path, world_size=None, world_size_source="dsrun launch"), for_children=True)
+    config = load_ds_config(path, world_size=None, world_size_source="dsrun launch")
+    announce(config, for_children=True)
+    if not world_size or config.elasticity.enabled:  # elasticity picks its own batch for the world
+        return
+    batch_keys = {TBS, MBS, GAS}
+    refusals = []
+    for data_parallel in [d for d in range(world_size, 0, -1) if world_size % d == 0]:
+        try:
+            load_ds_config(path, world_size=data_parallel, world_size_source=f"dsrun launch: {world_size} ranks"
+                           + ("" if data_parallel == world_size else f", {data_parallel} of them data-parallel"))
+            return
+        except ConfigError as err:
+            if any(problem.path not in batch_keys for problem in err.problems):
+                return  # not the arithmetic: the ranks say what it is
+            refusals.append(err)
+    raise refusals[0]  # the arithmetic at every data-parallel size: the pure data-parallel one says it best

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from dsrun.cli.multirun import short_path
 from dsrun.rundir import METRICS_JSON
+from dsrun.utils.errors import UserError
 
 
 def done_lines(resolved: Any, run_dir: Path, metrics: dict[str, Any]) -> list[str]:
@@ -41,7 +42,10 @@ def stopped_lines(resolved: Any, run_dir: Path, signum: int) -> list[str]:
         lines = [f"stopped by {how} after step {step} of {metrics.get('max_steps', total)}"]
     else:
         lines = [f"stopped by {how} before the first step finished"]
-    checkpoint = checkpoint_step(run_dir / CHECKPOINTS)
+    try:
+        checkpoint = checkpoint_step(run_dir / CHECKPOINTS)
+    except UserError:  # a damaged `latest`: --from says what is wrong with it
+        checkpoint = None
     command = f"dsrun train --from {short_path(run_dir)}"
     if checkpoint is not None:
         tag, saved = checkpoint
@@ -62,16 +66,29 @@ def _metrics(run_dir: Path) -> dict[str, Any] | None:
         return None
 
 
-def first_error(log_dir: Path) -> str:
-    """`` (rankN: <the exception>)`` from the first rank log that holds a Python traceback, or ''."""
-    for log in sorted(log_dir.glob("rank*.stderr.log")):
+# How a rank's error reads when it only followed another rank's failure (its peer left a collective): the
+# summary names the rank that failed first, never one of these
+PEER_FAILED = re.compile(r"Connection (closed|reset) by peer|Broken pipe|remote worker crash|remote process exit"
+                         r"|NCCL communicator was aborted|DistNetworkError|DistBackendError")
+
+
+def first_error(log_dir: Path, rank: int | None = None) -> str:
+    """`` (rankN: <the exception>)``: the error of ``rank`` (the one the launcher found failed first), else of
+    the first rank whose log holds a Python traceback that is not only a peer's failure seen from here (a gloo
+    "Connection closed by peer"), else of the first with any traceback; '' when no log holds one."""
+    errors = []
+    def order(path: Path) -> tuple[bool, int, str]:  # the named rank first, then rank 0, 1, ..., 10
+        number = int(re.match(r"rank(\d+)", path.name).group(1))
+        return number != rank, number, path.name
+
+    for log in sorted(log_dir.glob("rank[0-9]*.stderr.log"), key=order):
         text = log.read_text(errors="replace")
         if "Traceback (most recent call last)" in text:
             last = [line.strip() for line in text.splitlines() if line.strip()][-1]
             last = re.sub(r"^\[rank\d+\]:\s*", "", last)
             last = re.sub(r"^(\w+\.)+(?=\w+(Error|Exception|Interrupt)\b)", "", last)  # dsrun.x.UserError → UserError
-            return f" ({log.name.split('.')[0]}: {last[:300]})"
-    return ""
+            errors.append(f" ({log.name.split('.')[0]}: {last[:300]})")
+    return next((e for e in errors if not PEER_FAILED.search(e)), errors[0] if errors else "")
 
 
 def where_outputs_went(resolved: Any, run_dir: Path) -> list[str]:
@@ -123,4 +140,5 @@ def mark_mlflow(resolved: Any, run_dir: Path, started_ms: int, status: str, say:
     try:
         mark_run_ended(uri, resolved.ds.mlflow.experiment_name, name, started_ms, status)
     except Exception as err:  # noqa: BLE001 - the store is unreachable: the run itself is what matters
-        say(f"warning: could not mark MLflow run '{name}' {status}: {type(err).__name__}: {err}")
+        first = next((line for line in str(err).splitlines() if line.strip()), "")  # SQLAlchemy appends its SQL
+        say(f"warning: could not mark MLflow run '{name}' {status}: {type(err).__name__}: {first}")

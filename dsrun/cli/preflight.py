@@ -95,8 +95,12 @@ def _build_model(spec: DictConfig, problems: list[Problem], result: Preflight) -
         if user is not None:
             problems += user.problems
             return None
+        cause = err
+        while cause.__cause__ is not None:  # hydra's InstantiationException wraps the constructor's error
+            cause = cause.__cause__
+        text = " ".join(str(cause).split())
         result.notes.append(f"memory not checked: the model could not be built on the meta device "
-                            f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
+                            f"({type(cause).__name__}: {text[:200]})")
     return None
 
 
@@ -156,8 +160,9 @@ def data_digest(corpus: Any, limit: int = 256 * 2**20) -> dict[str, Any]:
 
 
 def resume_problems(resume: str | None) -> list[Problem]:
-    """``train.resume`` names a checkpoint that exists, whose ``latest`` names an existing tag folder, and
-    whose files are whole. ``auto`` and null need nothing here."""
+    """``train.resume`` names a checkpoint that exists, whose ``latest`` names an existing tag folder
+    (:func:`dsrun.checkpoint.training.latest_tag`), and whose files are whole. ``auto`` and null need nothing
+    here."""
     from dsrun.checkpoint import layout
     from dsrun.checkpoint.training import find_checkpoint
     from dsrun.utils.zero_to_fp32 import file_problem
@@ -170,13 +175,8 @@ def resume_problems(resume: str | None) -> list[Problem]:
         return list(err.problems)
     if found is None:
         return []
-    folder, tag = found
-    tag = tag or layout.read_latest(folder)
-    tag_dir = layout.resolve_tag_dir(folder, str(tag))
-    if tag_dir is None:
-        return [Problem("train.resume", f"{folder / layout.LATEST} names tag {tag!r}, but {folder / str(tag)} "
-                        f"does not exist (tags there: {', '.join(layout.list_tags(folder)) or 'none'})",
-                        "point train.resume at one of the tag folders, or write an existing tag into 'latest'")]
+    folder, tag = found  # find_checkpoint refused a `latest` that names no tag folder
+    tag_dir = layout.resolve_tag_dir(folder, str(tag or layout.read_latest(folder)))
     problems = []
     for path in sorted(tag_dir.glob("*.pt")):
         reason = file_problem(str(path))
@@ -244,10 +244,16 @@ def _memory(resolved: Any, model: Any, result: Preflight) -> list[Problem]:
     spec, _ = inputs_from_runspec(resolved.runspec, model)
     slots = [len(s) for s in plan.hosts.values()] or [plan.world_size]
     model_cfg = OmegaConf.to_container(resolved.runspec.model, resolve=True)
-    spec = spec.with_(nodes=len(slots), ranks_per_node=max(slots),
-                      rank_runtime_bytes=_cached_rank_runtime(spec, model_cfg))
-    verdict = judge(estimate_peak_bytes_per_rank(spec), detect_budget())
-    result.memory = f"{verdict.level}: {verdict.reason}"
+    spec = spec.with_(nodes=len(slots), ranks_per_node=max(slots))
+    runtime = _cached_rank_runtime(spec, model_cfg)
+    verdict = judge(estimate_peak_bytes_per_rank(spec.with_(rank_runtime_bytes=runtime)), detect_budget())
+    # the figure is dsrun estimate-memory's once that has measured an idle rank here; until then it says that
+    # it leaves the rank's own process out (the same run's two figures used to differ without a word)
+    what = (f"estimate incl. each rank's idle process, {runtime / 2**30:.2f} GiB as dsrun estimate-memory "
+            f"measured it here" if runtime else
+            "estimate, a lower bound: each rank's own process (interpreter, torch) is left out until dsrun "
+            "estimate-memory with the same overrides has measured it here once")
+    result.memory = f"{verdict.level}: {verdict.reason}; {what}"
     if verdict.level == TIGHT:
         result.notes.append(f"note: memory is tight ({verdict.reason}); dsrun estimate-memory shows the breakdown")
     if verdict.level != NO_FIT:

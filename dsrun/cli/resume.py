@@ -12,6 +12,12 @@ continues a 300-step run.
 raise ``train.max_steps`` to continue it), runs it again from where it started: the checkpoint it resumed
 from, else step 0.
 
+Both read a checkpoint folder by one rule, that of ``train.resume=PATH``
+(:func:`dsrun.checkpoint.training.latest_tag`): ``latest`` names the checkpoint; a damaged one (missing beside
+tag folders, empty, naming a folder that does not exist) is refused with the newest complete tag to resume
+from, never taken for "no checkpoint". ``train.resume=auto`` that finds a finished run says so and launches
+nothing.
+
 Either way the resolved ``train.resume`` (a folder, or null) is what ``resolved.yaml`` records.
 """
 from __future__ import annotations
@@ -50,13 +56,14 @@ def with_resume(resolved: Any, value: str | None) -> Any:
     return dataclasses.replace(resolved, runspec=spec, train=resolved.train.model_copy(update={"resume": value}))
 
 
-def checkpoint_step(folder: Path) -> tuple[str, int | None] | None:
-    """(tag, step) of the checkpoint ``folder/latest`` names when its tag folder exists (step None when the
-    tag does not end in a number), else None."""
-    from dsrun.checkpoint import layout
+def checkpoint_step(folder: Path, key: str = "train.resume", command: str = "") -> tuple[str, int | None] | None:
+    """(tag, step) of the checkpoint ``folder/latest`` names (step None when the tag does not end in a number),
+    None when ``folder`` holds no checkpoint; a damaged ``latest`` is refused as ``train.resume=PATH`` refuses
+    it (:func:`dsrun.checkpoint.training.latest_tag`: ``key``, ``command``)."""
+    from dsrun.checkpoint.training import latest_tag
 
-    tag = layout.read_latest(folder)
-    if tag is None or layout.resolve_tag_dir(folder, tag) is None:
+    tag = latest_tag(folder, key, command)
+    if tag is None:
         return None
     match = re.search(r"(\d+)$", tag)
     return tag, int(match.group(1)) if match else None
@@ -82,6 +89,26 @@ def recorded_overrides(run_dir: Path) -> list[str] | None:
         return None
 
 
+class RunFinished(Exception):
+    """``train.resume=auto`` found that the run it would continue has trained all its steps: nothing to
+    launch. ``run_dir``: that run; the message says so in one line."""
+
+    def __init__(self, run_dir: Path, line: str) -> None:
+        super().__init__(line)
+        self.run_dir = run_dir
+
+    def final_eval_loss(self) -> float | None:
+        """The finished run's result (a sweep's job reports it as its own)."""
+        import json
+
+        from dsrun.rundir import METRICS_JSON
+
+        try:
+            return json.loads((self.run_dir / METRICS_JSON).read_text()).get("final_eval_loss")
+        except (OSError, ValueError, AttributeError):
+            return None
+
+
 def settle_auto(resolved: Any, run_dir: Path, overrides: Sequence[str], multirun: bool) -> tuple[Any, str]:
     """Resolve ``train.resume=auto`` for the job in ``run_dir`` started with ``overrides``: (the run with
     ``train.resume`` set to the checkpoint folder found, or null; the line that says what was found)."""
@@ -95,6 +122,7 @@ def settle_auto(resolved: Any, run_dir: Path, overrides: Sequence[str], multirun
             continue
         looked += 1
         checkpoint = checkpoint_step(other / CHECKPOINTS) if shaping_overrides(recorded) == mine else None
+        # (a damaged `latest` in a run that matches is refused: it may be the newest)
         if checkpoint is not None:
             found.append(((other / CHECKPOINTS / "latest").stat().st_mtime, other / CHECKPOINTS, checkpoint))
     if not found:
@@ -104,6 +132,11 @@ def settle_auto(resolved: Any, run_dir: Path, overrides: Sequence[str], multirun
             f"{looked} run directories in {root}; starting from step 0{saving}")
     _, folder, (tag, step) = max(found, key=lambda item: item[0])
     at = f" at step {step}" if step is not None else ""
+    if step is not None and step >= resolved.train.max_steps:
+        raise RunFinished(folder.parent, (
+            f"train.resume=auto: the newest run with the same recipe and overrides, {folder.parent}, finished: "
+            f"its checkpoint {tag} is at step {step} of train.max_steps={resolved.train.max_steps}; nothing to "
+            f"train (raise train.max_steps to train it longer, e.g. train.max_steps={2 * step})"))
     return with_resume(resolved, str(folder)), (
         f"train.resume=auto: resuming from {folder / tag}{at}, the newest checkpoint of an earlier run with the "
         "same recipe and overrides")
@@ -149,7 +182,7 @@ def settle_from(resolved: Any, source: Path, overrides: Sequence[str]) -> tuple[
     resumed from, else step 0): (the run, the line that says which)."""
     if any(override_key(o) == "train.resume" for o in overrides):
         return resolved, f"rerunning {source} with train.resume={resolved.train.resume}"
-    checkpoint = checkpoint_step(source / CHECKPOINTS)
+    checkpoint = checkpoint_step(source / CHECKPOINTS, "--from", f"dsrun train --from {source} ")
     steps = resolved.train.max_steps
     if checkpoint is not None and (checkpoint[1] is None or checkpoint[1] < steps):
         tag, step = checkpoint

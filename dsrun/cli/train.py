@@ -74,9 +74,12 @@ class TrainingStopped(Exception):
 
 
 def run(args: argparse.Namespace) -> int:
+    from dsrun.cli.common import say_stage
+
+    # the first line comes before Hydra and torch are imported: they cost seconds of CPU on a busy machine
+    say_stage(f"composing {f'the run of {args.from_dir}' if args.from_dir else 'the config'} (Hydra)")
     from dsrun.cli.multirun import JobResult, first_job_overrides, summary_table, unknown_sweep_options
-    from dsrun.cli.preflight import check_before_launch
-    from dsrun.cli.resume import from_overrides, source_run
+    from dsrun.cli.resume import RunFinished, from_overrides, settle_from, source_run
     from dsrun.compose import app_overrides, compose_runspec, finish_runspec, run_app
     from dsrun.config import announce
     from dsrun.runspec import resolve_run
@@ -89,7 +92,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(Problem("--from", "reruns one run; it does not take -m", "leave out -m"))
     if not args.multirun:  # fail fast, before any run directory
         resolved = resolve_run(compose_runspec(overrides, args.recipes_dir, source=source))
-        checked = check_before_launch(resolved, memory_check=not args.skip_memory_check)
+        checked = _check(resolved, args)
+        if source is not None:  # a damaged `latest` in the source is refused here already
+            settle_from(resolved, source, overrides)
     else:  # a misspelt key or option fails the sweep at once; a bad value fails only its own job
         problems = unknown_sweep_options(args.overrides, args.recipes_dir)
         if problems:
@@ -112,13 +117,16 @@ def run(args: argparse.Namespace) -> int:
             with quiet_legacy_notes(not args.multirun):  # the single run's notes were shown already
                 resolved = resolve_run(finish_runspec(cfg, hydra_overrides))
             announce(resolved.ds, for_children=True)  # what it runs without: said once, not again by the ranks
-            preflight = checked or check_before_launch(resolved, memory_check=not args.skip_memory_check)
+            preflight = checked or _check(resolved, args)
             resolved, resume_line = _settle_resume(resolved, run_dir, job.overrides, args, source, overrides)
             record = Record(command, _lineage(source, job.overrides), preflight.data)
             if args.dry_run:
                 return _dry_run(resolved, run_dir, preflight, resume_line, record)
             metrics = _train(resolved, run_dir, preflight, resume_line, record, log)
             job.final_eval_loss, job.tokens_per_second = metrics.get("final_eval_loss"), metrics["tokens_per_second"]
+        except RunFinished as finished:  # train.resume=auto found the run done: nothing launched
+            log.say(str(finished))
+            job.final_eval_loss = finished.final_eval_loss()
         except UserError as err:
             for problem in err.problems:
                 log.say(f"error: {problem}", err=True, prefix=False)
@@ -149,6 +157,17 @@ def run(args: argparse.Namespace) -> int:
         print(summary_table(jobs, jobs[0].run_dir.parent), flush=True)  # a job runs in <sweep dir>/<N>
         return 1 if any(not job.ok for job in jobs) else 0
     return 0
+
+
+def _check(resolved: Any, args: argparse.Namespace) -> Any:
+    """The checks before launch (dsrun.cli.preflight), announced: building the data and the model on the meta
+    device and the memory estimate take seconds."""
+    from dsrun.cli.common import say_stage
+    from dsrun.cli.preflight import check_before_launch
+
+    say_stage("checking before launch: the model's shape, the data, train.resume, monitor folders"
+              + (", memory" if not args.skip_memory_check else ""))
+    return check_before_launch(resolved, memory_check=not args.skip_memory_check)
 
 
 @contextlib.contextmanager
@@ -261,6 +280,9 @@ def _train(resolved: Any, run_dir: Path, preflight: Any, resume_line: str | None
     launcher["log_dir"] = launcher.get("log_dir") or str(run_dir / "logs")
     outcome = JobOutcome()
     started_ms = int(time.time() * 1000) - 1000
+    hosts = ", ".join(resolved.plan.hosts)
+    log.say(f"starting {resolved.world_size} rank(s) on {hosts}; each imports torch and builds its engine "
+            "before its first line")
     launch_from_mapping(launcher, WORKER_MODULE, ["--run-dir", str(run_dir)], module=True,
                         out=log.stdout, err=log.stderr, outcome=outcome)
     if outcome.signal is not None:
@@ -273,7 +295,7 @@ def _train(resolved: Any, run_dir: Path, preflight: Any, resume_line: str | None
         if outcome.user_errors:
             raise UserError(outcome.user_errors)
         log_dir = Path(launcher["log_dir"])
-        error = first_error(log_dir)
+        error = first_error(log_dir, outcome.failed_rank)
         log.say(f"training failed (exit code {outcome.exit_code}){error}; logs per rank in {short_path(log_dir)}",
                 err=True)
         raise TrainingFailed(f"exit code {outcome.exit_code}{error}", outcome.exit_code)

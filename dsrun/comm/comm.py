@@ -46,6 +46,9 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     ``config`` may carry a ``comms_logger`` section (a dict or an object with those attributes).
     ``auto_mpi_discovery`` is accepted for compatibility; MPI launch is not supported.
     """
+    from dsrun.launcher.protocol import install_user_error_hook
+
+    install_user_error_hook()  # under dsrun's launcher: a user's mistake is one line, not a traceback per rank
     if config is not None:
         configure(config)
     if dist_init_required is False:

@@ -25,19 +25,22 @@ from .quantizers import QuantSpec, dequantize, quantize
 def _run_files(run_dir: Path, tag: str | None) -> tuple[Any, dict[str, torch.Tensor], dict[str, Any]]:
     from omegaconf import OmegaConf
 
-    from dsrun.checkpoint.training import CHECKPOINTS_DIR
+    from dsrun.checkpoint.layout import read_latest
+    from dsrun.checkpoint.training import CHECKPOINTS_DIR, no_checkpoint_reason
     from dsrun.rundir import RESOLVED_YAML
     from dsrun.utils import zero_to_fp32 as z2f
 
     spec_file, checkpoints = run_dir / RESOLVED_YAML, run_dir / CHECKPOINTS_DIR
     if not spec_file.is_file():
         raise UserError(Problem("RUN_DIR", f"{run_dir} has no {RESOLVED_YAML}", "pass a dsrun run directory"))
+    if tag is None and read_latest(checkpoints) is None:
+        raise UserError(Problem("RUN_DIR", *no_checkpoint_reason(run_dir)))
     try:
         tag_dir = Path(z2f.resolve_tag_dir(str(checkpoints), tag))
         state = z2f.get_fp32_state_dict_from_zero_checkpoint(str(checkpoints), tag)
     except (ValueError, FileNotFoundError) as exc:
         raise UserError(Problem("RUN_DIR", f"no usable checkpoint in {checkpoints}: {exc}",
-                                "train with train.save_interval > 0, or pass --tag")) from None
+                                "pass --tag with one of the tag folders there")) from None
     model_states = z2f.load_file(str(sorted(tag_dir.glob("*model_states.pt"))[0]))
     return OmegaConf.load(spec_file), state, model_states.get("compression") or {}
 

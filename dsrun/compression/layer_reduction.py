@@ -143,17 +143,18 @@ def load_teacher(run_dir: str) -> nn.Module:
     import hydra.utils
     from omegaconf import OmegaConf
 
-    from dsrun.checkpoint.training import CHECKPOINTS_DIR
+    from dsrun.checkpoint.training import CHECKPOINTS_DIR, no_checkpoint_reason
     from dsrun.rundir import RESOLVED_YAML
     from dsrun.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     root = Path(run_dir)
     spec_file = root / RESOLVED_YAML
     checkpoints = root / CHECKPOINTS_DIR
-    if not spec_file.is_file() or not (checkpoints / "latest").is_file():
-        raise UserError(Problem("train.teacher", f"{root} is not a finished run directory with checkpoints "
-                                f"(expected {RESOLVED_YAML} and checkpoints/latest)",
-                                "train the teacher with train.save_interval > 0 and pass its run directory"))
+    if not spec_file.is_file():
+        raise UserError(Problem("train.teacher", f"{root} is not a dsrun run directory (no {RESOLVED_YAML})",
+                                "pass the teacher's run directory"))
+    if not (checkpoints / "latest").is_file():
+        raise UserError(Problem("train.teacher", *no_checkpoint_reason(root)))
     spec = OmegaConf.load(spec_file)
     teacher = hydra.utils.instantiate(spec.model, _convert_="all")
     state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoints))

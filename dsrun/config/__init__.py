@@ -28,6 +28,7 @@ from .problems import split_unknown_top_level, validate_model
 from .rules import check_rules
 from .sources import ConfigSource, read_config_source
 from .support import announce, check_support
+from .zero import shard_problems
 
 __all__ = [
     "DeepSpeedConfig",
@@ -80,6 +81,8 @@ def _analyse(
     batch_failed = failed_sections & {TBS, MBS, GAS, "elasticity", "sequence_parallel_size"}
     resolution: BatchResolution | None = None
     sp = int(model.sequence_parallel_size)
+    if world_size is not None:  # ZeRO's MiCS/hpZ groups cut the whole data group (sequence ranks included)
+        problems += shard_problems(model.zero_optimization, world_size, prefix)
     if world_size is not None and sp > 1:  # Ulysses: a sequence group of sp ranks holds one replica's samples
         if world_size % sp:
             problems.append(Problem(f"{prefix}sequence_parallel_size", f"{sp} does not divide the data-parallel "

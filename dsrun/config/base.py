@@ -29,6 +29,25 @@ def _lower(value: Any) -> Any:
 # DeepSpeed lower-cases dtype names before comparing them ("FP16" is accepted).
 DTypeName = Annotated[Literal["fp16", "bf16", "fp32"], BeforeValidator(_lower)]
 
+# The other spellings DeepSpeed's ``DtypeEnum`` takes where it resolves a dtype (``torch_autocast.dtype``, the
+# ``data_types`` keys): DeepSpeedExamples' bf16_full.json writes "torch.bfloat16". A torch.dtype object (a
+# config dict built in Python) reads as its name. Stored as the short name.
+_DTYPE_SPELLINGS = {
+    "torch.float16": "fp16", "float16": "fp16", "half": "fp16",
+    "torch.bfloat16": "bf16", "bfloat16": "bf16",
+    "torch.float32": "fp32", "float32": "fp32", "float": "fp32",
+}
+
+
+def _dtype_name(value: Any) -> Any:
+    if type(value).__name__ == "dtype":  # torch.bfloat16 and friends, without importing torch here
+        value = str(value)
+    value = _lower(value)
+    return _DTYPE_SPELLINGS.get(value, value) if isinstance(value, str) else value
+
+
+TorchDTypeName = Annotated[Literal["fp16", "bf16", "fp32"], BeforeValidator(_dtype_name)]
+
 
 class Section(BaseModel):
     """Base of every DeepSpeed config section: unknown keys are errors; DeepSpeed key names are fields.

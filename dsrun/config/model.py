@@ -3,12 +3,15 @@
 Attribute names are exactly DeepSpeed's keys. After :func:`dsrun.config.load_ds_config` the three batch
 numbers are resolved ints and :attr:`DeepSpeedConfig.batch_explanation` says where each came from.
 
-Defaults that follow DeepSpeed's behaviour rather than the documentation (config-keys.md §6):
+Defaults that follow DeepSpeed's behaviour rather than the documentation (config-keys.md §6; the list, with
+the reasons, is docs/config.md "Defaults that follow today's DeepSpeed"):
 
-* D1: ``gradient_clipping`` defaults to 0.0 (no clipping), not 1.0.
+* D1: ``gradient_clipping`` defaults to 1.0, as documented and as DeepSpeed does since 0.19 (0.14 did not clip);
+  0.0 turns clipping off.
 * D2: ``communication_data_type`` is a string ``fp16``/``bf16``/``fp32`` (case-insensitive), not a bool;
   None means "follow the precision mode" (:attr:`DeepSpeedConfig.resolved_communication_data_type`).
 * ``wall_clock_breakdown`` reads True whenever ``flops_profiler.enabled`` is, as DeepSpeed's getter does.
+* ``steps_per_print`` defaults to None as in DeepSpeed 0.19 (0.14: 10): no ``step=`` progress line.
 """
 from __future__ import annotations
 
@@ -100,7 +103,7 @@ class DeepSpeedConfig(Section):
     amp: AMPConfig = _section(AMPConfig)
     data_types: DataTypesConfig = _section(DataTypesConfig)
     torch_autocast: TorchAutocastConfig = _section(TorchAutocastConfig)
-    gradient_clipping: NonNegFloat = 0.0
+    gradient_clipping: NonNegFloat = 1.0
 
     # ZeRO
     zero_optimization: ZeroConfig = _section(ZeroConfig)
@@ -109,8 +112,9 @@ class DeepSpeedConfig(Section):
     aio: AIOConfig = _section(AIOConfig)
 
     # logging
-    # Hugging Face's accelerate passes float("inf") (never print); it becomes the largest step count
-    steps_per_print: Annotated[PosInt, BeforeValidator(_never_as_max_steps)] = 10
+    # Hugging Face's accelerate passes float("inf") (never print); it becomes the largest step count.
+    # None (DeepSpeed 0.19's default; 0.14: 10): no progress line, wall-clock means every step
+    steps_per_print: Annotated[PosInt | None, BeforeValidator(_never_as_max_steps)] = None
     wall_clock_breakdown: bool = False
     dump_state: bool = False
     memory_breakdown: bool = False

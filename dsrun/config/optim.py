@@ -101,13 +101,14 @@ class OneCycleParams(_Params):
 
 class WarmupLRParams(_Params):
     warmup_min_lr: LrValue = 0.0
-    warmup_max_lr: LrValue = 0.001
+    warmup_max_lr: LrValue | None = None  # each param group's optimizer lr (DeepSpeed 0.19; 0.14: 0.001)
     warmup_num_steps: NonNegInt = 1000
     warmup_type: WarmupType = "log"
 
 
 class WarmupDecayLRParams(WarmupLRParams):
     total_num_steps: Annotated[int, Field(ge=1)]
+    warmup_max_lr: LrValue = 0.001  # DeepSpeed 0.19's WarmupDecayLR still defaults to 0.001
 
 
 class WarmupCosineLRParams(_Params):
@@ -175,6 +176,55 @@ class OneBitLambParams(_OneBitParams):
     factor_threshold: Annotated[float, Field(ge=0)] | None = None
 
 
+# OnebitLamb's defaults for the params its pair rules compare (DeepSpeed's; the constructor's signature holds
+# the same values, tests/unit/runtime pins that they agree)
+ONE_BIT_LAMB_DEFAULTS: dict[str, float] = {"freeze_step": 100000, "coeff_beta": 0.9, "max_coeff": 10.0,
+                                           "min_coeff": 0.01, "factor_max": 4.0, "factor_min": 0.5}
+
+
+def lamb_pair_problems(values: dict[str, float | None], base: str) -> list[Problem]:
+    """The rules between 1-bit LAMB's params, on the values it will run with (a missing one is its default):
+    one set of rules for ``dsrun config --validate`` and the optimizer's constructor."""
+    defaulted = {key for key in ONE_BIT_LAMB_DEFAULTS if values.get(key) is None}
+    v = {key: ONE_BIT_LAMB_DEFAULTS[key] if key in defaulted else values[key] for key in ONE_BIT_LAMB_DEFAULTS}
+
+    def shown(key: str) -> str:
+        return f"{key} {v[key]:g}" + (" by default" if key in defaulted else "")
+
+    problems = []
+    for low, high in (("min_coeff", "max_coeff"), ("factor_min", "factor_max")):
+        if not 0 < v[low] <= v[high]:
+            problems.append(Problem(f"{base}.{low}", f"got {shown(low)}, {shown(high)}", f"expected 0 < {low} <= {high}"))
+    beta, freeze = v["coeff_beta"], v["freeze_step"]
+    if 0 <= beta < 1 and freeze * (1 - beta) < 1 - 1e-9:
+        problems.append(Problem(f"{base}.coeff_beta", f"1 / (1 - coeff_beta) = {1 / (1 - beta):g} exceeds freeze_step "
+                                f"{freeze} ({shown('coeff_beta')}): the frozen coefficient would still be biased "
+                                "towards 0", "lower coeff_beta or raise freeze_step"))
+    return problems
+
+
+# the optimizer types the engine builds as one of DeepSpeed's CPU optimizers (DeepSpeedCPUAdam/Adagrad/Lion) when
+# the optimizer is offloaded (Adam/AdamW unless their params ask for torch_adam)
+CPU_OPTIMIZER_TYPES = ("adam", "adamw", "adagrad", "lion")
+
+
+def offload_optimizer_problem(optimizer_name: str, device: str, force_ds_cpu_optimizer: bool,
+                              prefix: str = "") -> Problem | None:
+    """The problem with offloading (ZeRO-Offload to ``device``) an optimizer that is not one of DeepSpeed's CPU
+    optimizers, else None: one rule for the config check (on ``optimizer.type``) and the engine (on the optimizer
+    it built or was given)."""
+    if device == "nvme":
+        return Problem(f"{prefix}zero_optimization.offload_optimizer.device", "NVMe optimizer offload steps swapped "
+                       f"tiles with a DeepSpeed CPU optimizer; got {optimizer_name}",
+                       "use optimizer type Adam, AdamW, Adagrad or Lion")
+    if force_ds_cpu_optimizer:
+        return Problem(f"{prefix}zero_force_ds_cpu_optimizer", "ZeRO-Offload needs DeepSpeedCPUAdam, "
+                       f"DeepSpeedCPUAdagrad or DeepSpeedCPULion; got {optimizer_name}",
+                       "use optimizer type Adam, AdamW, Adagrad or Lion, or set \"zero_force_ds_cpu_optimizer\": "
+                       "false to step it on the host anyway")
+    return None
+
+
 ONE_BIT_PARAMS: dict[str, type[_OneBitParams]] = {"onebitadam": OneBitAdamParams, "zerooneadam": ZeroOneAdamParams,
                                                   "onebitlamb": OneBitLambParams}
 
@@ -186,6 +236,28 @@ def _torch_names(module: str) -> frozenset[str]:
 
     mod = importlib.import_module(module)
     return frozenset(n for n in dir(mod) if not n.startswith("_") and isinstance(getattr(mod, n), type))
+
+
+def torch_signature_problems(module: str, name: str, params: dict, base: str) -> list[Problem]:
+    """``params`` against the constructor of ``module.name`` (a torch optimizer or scheduler, whose first
+    argument the engine passes): keys it does not take, and arguments without a default that are missing.
+    The engine would get the same TypeError from the constructor; this finds it before any rank starts."""
+    import importlib
+    import inspect
+
+    try:
+        signature = inspect.signature(getattr(importlib.import_module(module), name))
+    except (AttributeError, TypeError, ValueError):
+        return []
+    arguments = [p for p in signature.parameters.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    named = {p.name: p for p in arguments[1:]}  # the first is the params / the optimizer
+    problems = []
+    if not any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
+        problems += [Problem(f"{base}.{key}", f"is not an argument of {module}.{name}; allowed: {', '.join(named)}",
+                             did_you_mean(key, named)) for key in params if key not in named]
+    problems += [Problem(f"{base}.{key}", f"required key is missing ({module}.{name} has no default for it)")
+                 for key, p in named.items() if p.default is p.empty and key not in params]
+    return problems
 
 
 def check_optimizer(optimizer: OptimizerConfig, prefix: str) -> list[Problem]:
@@ -202,6 +274,8 @@ def check_optimizer(optimizer: OptimizerConfig, prefix: str) -> list[Problem]:
                 "case-insensitive) or a torch.optim class name",
                 did_you_mean(optimizer.type, NATIVE_OPTIMIZERS.values()) or did_you_mean(optimizer.type, choices),
             ))
+        else:  # a torch.optim class: its constructor's arguments
+            problems += torch_signature_problems("torch.optim", optimizer.type, optimizer.params, f"{base}.params")
     if optimizer.type is None and optimizer.params:
         problems.append(Problem(f"{base}.type", "required key is missing (params are given without a type)",
                                 "add e.g. \"type\": \"AdamW\""))
@@ -214,8 +288,8 @@ def check_optimizer(optimizer: OptimizerConfig, prefix: str) -> list[Problem]:
 
 
 def _one_bit_rules(params: _OneBitParams, name: str, base: str) -> list[Problem]:
-    """The rules between a 1-bit optimizer's params that its constructor enforces, checked before launch (a
-    pair is compared only when both are given: the defaults live in the constructors)."""
+    """The rules between a 1-bit optimizer's params that its constructor enforces, checked before launch on
+    the values it will run with (for 1-bit LAMB the same function as its constructor's)."""
     problems = []
     if params.amsgrad:
         problems.append(Problem(f"{base}.amsgrad", f"got true; {name} has no AMSGrad variant (as in DeepSpeed)",
@@ -224,16 +298,7 @@ def _one_bit_rules(params: _OneBitParams, name: str, base: str) -> list[Problem]
         problems.append(Problem(f"{base}.max_grad_norm", f"got {show(params.max_grad_norm)}; {name} does not clip "
                                 "by itself", "clip with the top-level \"gradient_clipping\" instead"))
     if isinstance(params, OneBitLambParams):
-        for low, high in (("min_coeff", "max_coeff"), ("factor_min", "factor_max")):
-            lo, hi = getattr(params, low), getattr(params, high)
-            if lo is not None and hi is not None and lo > hi:
-                problems.append(Problem(f"{base}.{low}", f"got {low} {lo} > {high} {hi}",
-                                        f"expected {low} <= {high}"))
-        beta, freeze = params.coeff_beta, params.freeze_step
-        if beta is not None and freeze is not None and freeze * (1 - beta) < 1 - 1e-9:
-            problems.append(Problem(f"{base}.coeff_beta", f"1 / (1 - coeff_beta) = {1 / (1 - beta):g} exceeds "
-                                    f"freeze_step {freeze}: the frozen coefficient would still be biased towards 0",
-                                    "lower coeff_beta or raise freeze_step"))
+        problems.extend(lamb_pair_problems({key: getattr(params, key) for key in ONE_BIT_LAMB_DEFAULTS}, base))
     return problems
 
 
@@ -250,7 +315,8 @@ def check_scheduler(scheduler: SchedulerConfig, prefix: str) -> list[Problem]:
         return validate_model(params_model, scheduler.params, f"{base}.params")[1]
     torch_names = _torch_names("torch.optim.lr_scheduler")
     if scheduler.type in torch_names and scheduler.type not in ("LRScheduler", "_LRScheduler"):
-        return []
+        return torch_signature_problems("torch.optim.lr_scheduler", scheduler.type, scheduler.params,
+                                        f"{base}.params")
     return [Problem(
         f"{base}.type",
         f"got {show(scheduler.type)}; allowed: {', '.join(DEEPSPEED_SCHEDULERS)} or a torch.optim.lr_scheduler "

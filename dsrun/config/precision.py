@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field
 
-from .base import DTypeName, NonNegFloat, NonNegInt, Section
+from .base import NonNegFloat, NonNegInt, Section, TorchDTypeName
 
 
 class FP16Config(Section):
@@ -73,7 +73,7 @@ class DataTypesConfig(Section):
     """``data_types``: ``grad_accum_dtype`` (None = DeepSpeed decides: fp32 for bf16 without ZeRO, else the
     model dtype; see :meth:`DeepSpeedConfig.resolved_grad_accum_dtype`)."""
 
-    grad_accum_dtype: DTypeName | None = Field(default=None)
-    param_dtype: DTypeName | None = None
-    buffer_dtype: DTypeName | None = None
+    grad_accum_dtype: TorchDTypeName | None = Field(default=None)
+    param_dtype: TorchDTypeName | None = None
+    buffer_dtype: TorchDTypeName | None = None
     keep_in_fp32_modules: Literal["auto"] | list[str] = "auto"

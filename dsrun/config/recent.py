@@ -10,19 +10,20 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field
 
-from .base import DTypeName, Fraction, NonNegInt, OpenDict, PosInt, Section
+from .base import DTypeName, Fraction, NonNegInt, OpenDict, PosInt, Section, TorchDTypeName
 
 
 class TorchAutocastConfig(Section):
     """``torch_autocast``: run the forward under ``torch.autocast`` (the model keeps fp32 parameters).
 
-    ``dtype`` None is the device's autocast default (bfloat16 on CPU); ``lower_precision_safe_modules``
+    ``dtype`` None is the device's autocast default (bfloat16 on CPU); DeepSpeed's spellings are accepted
+    (``"torch.bfloat16"``, ``"bfloat16"``, ``"bf16"``...); ``lower_precision_safe_modules``
     (``"package.Class"`` names) are the modules whose parameters' gradients are reduced in ``dtype``
     (None: DeepSpeed's list, ``torch.nn.Linear`` and ``Conv1d/2d/3d``).
     """
 
     enabled: bool = False
-    dtype: DTypeName | None = None
+    dtype: TorchDTypeName | None = None
     lower_precision_safe_modules: list[str] | None = None
 
 

@@ -15,12 +15,14 @@ from .data_efficiency import check_data_efficiency
 from .misc import SPARSE_MODE_KEYS
 from .model import DeepSpeedConfig
 from .optim import (
+    CPU_OPTIMIZER_TYPES,
     DYNAMIC_LOSS_SCALE_OPTIMIZERS,
     NATIVE_OPTIMIZERS,
     ONE_BIT_OPTIMIZERS,
     ZERO_TESTED_OPTIMIZERS,
     check_optimizer,
     check_scheduler,
+    offload_optimizer_problem,
 )
 
 _COMET_KEY = re.compile(r"^[A-Za-z0-9]{32,50}$")
@@ -139,6 +141,13 @@ def check_optimizer_rules(cfg: DeepSpeedConfig, p: str) -> list[Problem]:
                                 f"{cfg.optimizer.type!r} is not an optimizer ZeRO is tested with "
                                 "(Adam, AdamW, Lamb, Adagrad, Lion)",
                                 "set \"zero_allow_untested_optimizer\": true to use it anyway"))
+    device = cfg.zero_optimization.offload_optimizer_device
+    torch_adam = name in ("adam", "adamw") and bool((cfg.optimizer.params or {}).get("torch_adam"))
+    if stage > 0 and device in ("cpu", "nvme") and name not in ONE_BIT_OPTIMIZERS and \
+            (name not in CPU_OPTIMIZER_TYPES or torch_adam):
+        problem = offload_optimizer_problem(cfg.optimizer.type + (" (torch_adam)" if torch_adam else ""), device,
+                                            cfg.zero_force_ds_cpu_optimizer, p)
+        problems += [problem] if problem is not None else []
     if name in DYNAMIC_LOSS_SCALE_OPTIMIZERS and cfg.fp16.enabled and not cfg.fp16.dynamic_loss_scale:
         problems.append(Problem(f"{p}fp16.loss_scale",
                                 f"got {cfg.fp16.loss_scale}; {NATIVE_OPTIMIZERS[name]} needs dynamic loss scaling",

@@ -19,6 +19,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BeforeValidator, Field, model_validator
 
+from dsrun.utils.errors import Problem
+
 from .base import Fraction, NonNegInt, OpenDict, Section
 from .recent import LeafModuleConfig, ZenFlowConfig
 
@@ -28,12 +30,13 @@ OffloadDevice = Literal["none", "cpu", "nvme"]
 class OffloadParamConfig(Section):
     """``zero_optimization.offload_param``: parameters to CPU or NVMe (ZeRO stage 3 only).
 
-    ``buffer_count``, ``buffer_size`` and ``max_in_cpu`` matter only for NVMe.
+    ``buffer_count``, ``buffer_size`` and ``max_in_cpu`` matter only for NVMe. ``pin_memory`` defaults to True
+    as in DeepSpeed since 0.19 (0.14 and the documentation: False); it acts only with a CUDA device.
     """
 
     device: OffloadDevice = "none"
     nvme_path: str | None = None
-    pin_memory: bool = False
+    pin_memory: bool = True
     buffer_count: NonNegInt = 5
     buffer_size: NonNegInt = 100_000_000
     max_in_cpu: NonNegInt = 1_000_000_000
@@ -43,12 +46,13 @@ class OffloadOptimizerConfig(Section):
     """``zero_optimization.offload_optimizer``: optimizer state to CPU (stages 1-3) or NVMe (stage 3).
 
     The optimizer step runs on the CPU whatever the device. ``ratio`` < 1 (partial offload) needs stage 3.
-    ``buffer_count`` should be at least the optimizer's states per parameter (Adam: 4).
+    ``buffer_count`` should be at least the optimizer's states per parameter (Adam: 4). ``pin_memory``: True, as
+    for ``offload_param``.
     """
 
     device: OffloadDevice = "none"
     nvme_path: str | None = None
-    pin_memory: bool = False
+    pin_memory: bool = True
     ratio: Fraction = 1.0
     buffer_count: NonNegInt = 4
     fast_init: bool = False
@@ -161,3 +165,22 @@ class AIOConfig(Section):
     single_submit: bool = False
     overlap_events: bool = True
     use_gds: bool = False
+
+
+def shard_size_problem(key: str, size: int, data_parallel: int) -> Problem | None:
+    """MiCS's ``mics_shard_size`` and hpZ's ``zero_hpz_partition_size`` cut the data-parallel group into groups
+    of ``size`` ranks: it must divide it. One rule for the config check and the engine's sharding."""
+    if size > 0 and data_parallel % size:
+        return Problem(key, f"got {size}; it must divide the data-parallel size {data_parallel}",
+                       f"use a divisor of {data_parallel}")
+    return None
+
+
+def shard_problems(zero: ZeroConfig, data_parallel: int, prefix: str = "") -> list[Problem]:
+    """:func:`shard_size_problem` for a stage-3 config's MiCS and hpZ sizes at ``data_parallel`` ranks."""
+    if int(zero.stage) != 3:
+        return []
+    sizes = ((f"{prefix}zero_optimization.mics_shard_size", int(zero.mics_shard_size)),
+             (f"{prefix}zero_optimization.zero_hpz_partition_size", int(zero.zero_hpz_partition_size)
+              if int(zero.zero_hpz_partition_size) > 1 else 0))
+    return [p for p in (shard_size_problem(key, size, data_parallel) for key, size in sizes) if p is not None]

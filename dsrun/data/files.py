@@ -8,6 +8,7 @@ little-endian ``uint16`` (default) or ``uint32`` ids.
 from __future__ import annotations
 
 import glob
+import math
 import os
 from pathlib import Path
 from typing import Sequence
@@ -88,15 +89,16 @@ def text_corpus(path: str | Sequence[str], seq_len: int = 128, eval_fraction: fl
                        tokenizer=encoder, from_cache=from_cache, sources=[str(f) for f in files])
 
 
-def load_token_file(path: str | os.PathLike[str], dtype: str = "uint16") -> np.ndarray:
-    """A memory map of the token ids in a ``.npy`` or ``.bin`` file (``dtype`` applies to ``.bin`` only)."""
+def load_token_file(path: str | os.PathLike[str], dtype: str = "uint16", key: str = "data.path") -> np.ndarray:
+    """A memory map of the token ids in a ``.npy`` or ``.bin`` file (``dtype`` applies to ``.bin`` only);
+    ``key`` is the setting that named the file, for the errors."""
     file = Path(user_path(path))
     if not file.is_file():
-        raise UserError(Problem("data.path", f"{file} does not exist", "give a .npy or .bin token file"))
+        raise UserError(Problem(key, f"{file} does not exist", "give a .npy or .bin token file"))
     if file.suffix == ".npy":
-        tokens = np.load(file, mmap_mode="r")
+        tokens = _load_npy(file, key)
         if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
-            raise UserError(Problem("data.path", f"{file} holds a {tokens.dtype} array of shape {tokens.shape}",
+            raise UserError(Problem(key, f"{file} holds a {tokens.dtype} array of shape {tokens.shape}",
                                     "save a 1-D integer array of token ids"))
         return tokens
     if file.suffix == ".bin":
@@ -104,10 +106,36 @@ def load_token_file(path: str | os.PathLike[str], dtype: str = "uint16") -> np.n
             raise UserError(Problem("data.dtype", f"unknown dtype {dtype!r}; allowed: " + ", ".join(BIN_DTYPES)))
         item = np.dtype(dtype).newbyteorder("<")
         if file.stat().st_size % item.itemsize:
-            raise UserError(Problem("data.path", f"{file} is {file.stat().st_size} bytes, not a whole number "
+            raise UserError(Problem(key, f"{file} is {file.stat().st_size} bytes, not a whole number "
                                     f"of {dtype} ids", "check data.dtype"))
         return np.memmap(file, dtype=item, mode="r")
-    raise UserError(Problem("data.path", f"{file} is neither .npy nor .bin", "for text files use data=text"))
+    raise UserError(Problem(key, f"{file} is neither .npy nor .bin", "for text files use data=text"))
+
+
+def _load_npy(file: Path, key: str) -> np.ndarray:
+    """A memory map of a ``.npy`` file, or the :class:`UserError` that says why it is not a whole one."""
+    def damaged(what: str) -> UserError:
+        return UserError(Problem(key, f"{file} is not a whole .npy file ({what})",
+                                 f"write it again with numpy.save, or point {key} at an intact copy"))
+
+    with open(file, "rb") as handle:
+        try:
+            version = np.lib.format.read_magic(handle)
+            read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                           else np.lib.format.read_array_header_2_0)
+            shape, _, dtype = read_header(handle)
+        except (ValueError, OSError, SyntaxError) as err:
+            raise damaged(f"its header cannot be read: {err}") from None
+        start = handle.tell()
+    size = file.stat().st_size
+    needed = start + math.prod(shape) * dtype.itemsize
+    if size < needed:
+        raise damaged(f"it is truncated: its header promises {math.prod(shape):,} {dtype} values, {needed:,} bytes "
+                      f"in all, and it holds {size:,}")
+    try:
+        return np.load(file, mmap_mode="r")
+    except ValueError as err:  # e.g. an object array (pickled data), which a token file never is
+        raise damaged(str(err)) from None
 
 
 def token_corpus(path: str, seq_len: int = 128, dtype: str = "uint16", vocab_size: int | None = None,
@@ -119,7 +147,7 @@ def token_corpus(path: str, seq_len: int = 128, dtype: str = "uint16", vocab_siz
     """
     tokens = load_token_file(path, dtype)
     if eval_path:
-        train, evaluation = tokens, load_token_file(eval_path, dtype)
+        train, evaluation = tokens, load_token_file(eval_path, dtype, "data.eval_path")
     else:
         train, evaluation = split_tokens(tokens, eval_fraction, seq_len)
     largest = max(int(part.max()) for part in (train, evaluation) if len(part))

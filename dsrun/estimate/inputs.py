@@ -18,6 +18,9 @@ Precision = Literal["fp32", "fp16", "bf16"]
 Offload = Literal["none", "cpu", "nvme"]
 PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "bf16")
 OFFLOADS: tuple[str, ...] = ("none", "cpu", "nvme")
+# DeepSpeed's (and dsrun.config's) default ``gradient_clipping``; kept here so the estimator imports no pydantic
+# (tests/unit/estimate/test_runspec.py checks that the two agree)
+DEFAULT_CLIPPING = 1.0
 
 
 def ceil_div(count: int, parts: int) -> int:
@@ -157,7 +160,7 @@ class EstimateInputs:
     device: str = "cuda"
     rank_runtime_bytes: int = 0
     data_bytes: int = 0
-    gradient_clipping: float = 0.0
+    gradient_clipping: float = DEFAULT_CLIPPING
     gradient_accumulation_steps: int = 1
     sequence_parallel_size: int = 1
     mics_shard_size: int = -1

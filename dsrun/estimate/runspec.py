@@ -27,7 +27,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from dsrun.estimate.counting import ParameterCounts, count_parameters, instantiate_on_meta
-from dsrun.estimate.inputs import BufferSettings, EstimateInputs, GPTShape
+from dsrun.estimate.inputs import DEFAULT_CLIPPING, BufferSettings, EstimateInputs, GPTShape
 from dsrun.runtime.activation_checkpointing.modes import CheckpointMode
 from dsrun.utils.errors import ConfigError, Problem
 
@@ -200,6 +200,9 @@ def inputs_from_runspec(cfg: Any, model: RecipeModel) -> tuple[EstimateInputs, d
         ckpt = ckpt.get("enabled", True)
     ckpt = str(CheckpointMode.parse(ckpt, sources["activation_checkpointing"]))
 
+    clip = ds.get("gradient_clipping")
+    sources["gradient_clipping"] = "ds.gradient_clipping" if clip is not None else "default (as DeepSpeed)"
+    clip = float(DEFAULT_CLIPPING if clip is None else clip)
     buffers = BufferSettings.from_zero_config(zero)
     data_bytes, sources["data_bytes"] = data_pipeline_bytes(tree.get("data") or {})
     small = 0
@@ -213,9 +216,8 @@ def inputs_from_runspec(cfg: Any, model: RecipeModel) -> tuple[EstimateInputs, d
         precision=precision, optimizer=opt_type, optimizer_params=dict(optimizer.get("params") or {}),
         micro_batch_size=int(mbs), seq_len=int(seq), activation_checkpointing=ckpt,
         model_shape=model.shape, buffers=buffers, data_bytes=data_bytes,
-        gradient_clipping=float(ds.get("gradient_clipping") or 0.0),
+        gradient_clipping=clip,
         gradient_accumulation_steps=_count(ds.get("gradient_accumulation_steps")) or 1, sequence_parallel_size=sp,
         mics_shard_size=int(zero.get("mics_shard_size", -1)),
         hpz_partition_size=int(zero.get("zero_hpz_partition_size", 1)))
-    sources["gradient_clipping"] = "ds.gradient_clipping" if ds.get("gradient_clipping") else "default"
     return inputs, sources

@@ -80,8 +80,9 @@ def _from_folder(path: Path) -> tuple[dict[str, torch.Tensor], str]:
     if (path / RESOLVED_YAML).is_file() and not (path / z2f.LATEST).is_file():
         checkpoints = path / "checkpoints"
         if not (checkpoints / z2f.LATEST).is_file():
-            raise _user_error(f"the run directory {path} has no checkpoint (no {checkpoints / z2f.LATEST})",
-                              "train with train.save_interval > 0, or pass a model file")
+            from dsrun.checkpoint.training import no_checkpoint_reason
+
+            raise _user_error(*no_checkpoint_reason(path))
         path = checkpoints
     if (path / z2f.LATEST).is_file():
         return _zero(path, None), f"training checkpoint {path} (tag {(path / z2f.LATEST).read_text().strip()})"

@@ -18,7 +18,6 @@ import torch
 from dsrun.utils.errors import Problem, UserError
 
 SOURCE = "RUN_DIR_OR_CHECKPOINT"
-DTYPES = ("fp32", "bf16", "fp16", "int8")
 WORKER = "dsrun.inference.worker"
 MOE_TARGET = "dsrun.models.moe_gpt.MoEGPT"
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Sequence
 
 import torch
+
+from dsrun.launcher.protocol import exit_without_teardown
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -36,4 +37,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())

@@ -56,11 +56,13 @@ def _die_with_parent() -> None:
 class JobOutcome:
     """How a job ended, for a caller that words it itself: ``exit_code``; ``signal`` the SIGINT/SIGTERM that
     stopped it (None when it ended on its own); ``user_errors`` the problems a rank reported as the user's
-    mistake (its exit code is then 2), each once, in the order first reported."""
+    mistake (its exit code is then 2), each once, in the order first reported; ``failed_rank`` the rank the
+    agents found failed first (the cause; the others' failures followed from it), None when none did."""
 
     exit_code: int = 0
     signal: int | None = None
     user_errors: list[str] = field(default_factory=list)
+    failed_rank: int | None = None
 
 
 @dataclass
@@ -215,6 +217,8 @@ class _Job:
         code = self._summarize()
         if self.outcome is not None:
             self.outcome.exit_code, self.outcome.signal = code, self.signal_received
+            cause = self.root_cause()
+            self.outcome.failed_rank = cause.get("rank") if cause is not None else None
         return code
 
     def _summarize(self) -> int:
@@ -223,8 +227,7 @@ class _Job:
         if self.quiet and self.outcome.user_errors:
             return EXIT_USAGE
         if self.signal_received is not None:
-            self.err.write(f"dsrun: stopped by {signal.Signals(self.signal_received).name}; "
-                           f"all ranks on {len(self.plan.hosts)} host(s) were stopped\n")
+            self.err.write(stopped_message(self.plan, self.signal_received) + "\n")
             return 128 + self.signal_received
         codes = [node.process.returncode for node in self.nodes]
         if all(code == 0 for code in codes) and not self.reports:
@@ -254,6 +257,11 @@ class _Job:
         self.err.write("\n".join(lines) + "\n")
         self.err.flush()
         return code
+
+
+def stopped_message(plan: LaunchPlan, signum: int) -> str:
+    """The line that says a job was stopped by ``signum``."""
+    return f"dsrun: stopped by {signal.Signals(signum).name}; all ranks on {len(plan.hosts)} host(s) were stopped"
 
 
 def check_ssh(plan: LaunchPlan) -> None:

@@ -24,6 +24,8 @@ import os
 import signal
 import sys
 
+from dsrun.launcher.protocol import RANK_ENV
+
 _PR_SET_PDEATHSIG = 1
 # (rank, world size, local rank, local size) variables of each MPI family, in the order they are tried:
 # Open MPI (also IBM Spectrum MPI under jsrun), MVAPICH2, jsrun's own, and MPICH / Intel MPI (Hydra's PMI)
@@ -131,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     elif os.environ.get("GROUP_RANK", "").isdigit():  # under a torch elastic agent
         os.environ["CROSS_RANK"] = os.environ["GROUP_RANK"]
         os.environ["CROSS_SIZE"] = os.environ.get("GROUP_WORLD_SIZE", os.environ.get("CROSS_SIZE", "1"))
+    os.environ[RANK_ENV] = "1"  # dsrun in the rank reports a user's mistake to the launcher (protocol.py)
     _die_with_parent()
     cores = groups[local_rank] if groups else []
     if cores:

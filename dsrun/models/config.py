@@ -65,6 +65,11 @@ class GPTConfig:
         if not problems and self.positions == "rotary" and (self.n_embd // self.n_head) % 2:
             problems.append(Problem("model.positions", "rotary needs an even head size "
                                     f"(n_embd/n_head = {self.n_embd // self.n_head})", "use positions=learned"))
+        if not problems and self.pipeline_stages > self.pipeline_layers:  # a stage without a layer trains nothing
+            problems.append(Problem("model.pipeline_stages", f"{self.pipeline_stages} stages but a GPT of n_layer="
+                                    f"{self.n_layer} is {self.pipeline_layers} pipeline layers (embedding, positions, "
+                                    f"{self.n_layer} block(s), final norm, head)", f"use at most {self.pipeline_layers} "
+                                    "stages, or raise model.n_layer"))
         if not isinstance(self.dropout, (int, float)) or not 0.0 <= float(self.dropout) < 1.0:
             problems.append(Problem("model.dropout", f"must be in [0, 1), got {show(self.dropout)}"))
         if self.positions not in POSITIONS:
@@ -99,6 +104,12 @@ class GPTConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def pipeline_layers(self) -> int:
+        """How many layers the pipelined GPT has (:func:`dsrun.models.gpt_pipe.pipeline_layers`): embedding,
+        positions, the blocks, final norm, head."""
+        return self.n_layer + 4
 
     @property
     def head_size(self) -> int:

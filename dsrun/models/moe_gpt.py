@@ -65,6 +65,11 @@ class MoEOptions:
         if len(counts) != n_moe_layers:
             raise ConfigError(Problem("model.moe.num_experts", f"lists {len(counts)} counts for {n_moe_layers} "
                                       "MoE layers", "give one count per MoE layer, or a single number"))
+        uneven = [int(c) for c in counts if self.ep_size >= 1 and int(c) % self.ep_size]
+        if uneven:
+            raise ConfigError(Problem("model.moe.num_experts", f"{uneven[0]} experts cannot be spread evenly over "
+                                      f"model.moe.ep_size={self.ep_size} ranks", "use a multiple of ep_size, or an "
+                                      "ep_size that divides the number of experts"))
         return [int(c) for c in counts]
 
 

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from dsrun.utils.errors import ConfigError, Problem
+
 from . import groups
 
 from .experts import Experts
@@ -33,7 +35,8 @@ class MoE(torch.nn.Module):
                  top2_2nd_expert_sampling: bool = True, *, dropless: bool = False):
         super().__init__()
         if ep_size < 1 or num_experts % ep_size:
-            raise ValueError(f"MoE num_experts={num_experts} must be divisible by ep_size={ep_size}")
+            raise ConfigError(Problem("MoE num_experts", f"{num_experts} must be divisible by ep_size={ep_size}",
+                                      "use a multiple of ep_size, or an ep_size that divides the number of experts"))
         if enable_expert_tensor_parallelism:
             raise ValueError("MoE enable_expert_tensor_parallelism=True: dsrun has no tensor-parallel experts; "
                              "leave it False (experts are data-parallel within their expert-data group)")

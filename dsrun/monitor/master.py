@@ -111,6 +111,7 @@ class MonitorMaster(Monitor):
         self._buffer: list[Event] = []
         self._buffer_lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._sinks_built = threading.Event()
         self._closed = False
         if not self.enabled:
             return
@@ -163,6 +164,9 @@ class MonitorMaster(Monitor):
             self._each("close")
             return
         self._queue.put(("close", None))
+        if not self._sinks_built.is_set():  # a short run ends before e.g. MLflow is imported and its store open
+            print(f"[dsrun] closing the monitors: waiting for {', '.join(self.sections)} to start (importing "
+                  "and opening them takes seconds on a busy machine)", file=sys.stderr, flush=True)
         self._thread.join(timeout)
 
     # --- the writer ---------------------------------------------------------------------------------------
@@ -194,6 +198,7 @@ class MonitorMaster(Monitor):
 
     def _run(self) -> None:
         self._build_sinks()
+        self._sinks_built.set()
         last_flush = time.monotonic()
         while True:
             wait = max(0.0, self._flush_interval_s - (time.monotonic() - last_flush))

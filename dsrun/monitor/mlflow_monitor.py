@@ -131,8 +131,8 @@ def mark_run_ended(tracking_uri: str, experiment_name: str, run_name: str, since
     from mlflow.tracking import MlflowClient
 
     db = sqlite_path(tracking_uri)
-    if db is not None and not db.exists():
-        return False
+    if db is not None and (not db.exists() or db.stat().st_size == 0):  # an empty file (its creation failed,
+        return False  # e.g. on a full disk) holds no run: opening it would only try to create the tables
     client = MlflowClient(tracking_uri=tracking_uri)
     experiment = client.get_experiment_by_name(experiment_name)
     if experiment is None:

@@ -96,7 +96,7 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
         self.timers = WallClockTimers(bool(config.wall_clock_breakdown))
         comm.configure(config)
 
-        self.precision: PrecisionStrategy = build_precision(config.fp16, config.bf16)
+        self.precision: PrecisionStrategy = build_precision(config.fp16, config.bf16, config.zero_optimization.stage)
         model.to(self.device)
         if self.precision.model_dtype != torch.float32:
             model.to(dtype=self.precision.model_dtype)

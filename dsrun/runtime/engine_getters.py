@@ -52,8 +52,9 @@ class EngineConfigGetters:
         return bool(self._config.dataloader_drop_last)
 
     # --- logging and profiling ------------------------------------------------------------------------
-    def steps_per_print(self) -> int:
-        return int(self._config.steps_per_print)
+    def steps_per_print(self) -> int | None:
+        """None (the default, as in DeepSpeed 0.19): no progress line; the wall-clock means come every step."""
+        return self._config.steps_per_print
 
     def wall_clock_breakdown(self) -> bool:
         return bool(self._config.wall_clock_breakdown)

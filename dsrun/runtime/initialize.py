@@ -71,8 +71,10 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     works too). Initializes torch.distributed if needed (gloo on CPU, NCCL on CUDA).
     """
     from dsrun.config import announce, load_ds_config  # the config layer, loaded only when training starts
+    from dsrun.launcher.protocol import install_user_error_hook
     from dsrun.runtime.engine import DeepSpeedEngine, build_engine_optimizer
 
+    install_user_error_hook()  # under dsrun's launcher: a config mistake is one line, not a traceback per rank
     if model is None:
         raise ConfigError(Problem("initialize(model=...)", "a model is required", "pass model=<torch.nn.Module>"))
     source = _resolve_config_source(args, config, config_params)

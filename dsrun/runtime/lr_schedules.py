@@ -5,10 +5,16 @@ schedule's value at k. A schedule built with ``last_batch_iteration=-1`` (a fres
 lr to its value before the first step, ``get_lr()`` (WarmupLR: ``warmup_min_lr``, so a warm-up from 0 moves
 nothing on the first step, as in DeepSpeed). The engine steps a schedule once per optimizer step (at a
 gradient-accumulation boundary) and not on a step skipped for fp16 overflow. A tensor lr stays the same tensor
-(filled in place). Arguments DeepSpeed rejects raise ``ValueError``: a non-positive ``warmup_num_steps``,
-``lr_range_test_step_size`` or ``cycle_first_step_size``, a negative ``cycle_second_step_size``, and a
-per-group list whose length is not the number of param groups. ``state_dict()`` is
-``{"last_batch_iteration": k}``.
+(filled in place). Arguments DeepSpeed rejects raise ``ValueError``: a ``warmup_num_steps`` or
+``lr_range_test_step_size`` that is not a positive integer, a non-positive ``cycle_first_step_size``, a negative
+``cycle_second_step_size``, and a per-group list whose length is not the number of param groups.
+``state_dict()`` is ``{"last_batch_iteration": k}``.
+
+The edge cases follow today's DeepSpeed (0.19, its tests/unit/runtime/test_lr_schedulers.py), not 0.14:
+``WarmupLR`` without ``warmup_max_lr`` warms each param group up to its own optimizer lr (0.14: to 0.001;
+``WarmupDecayLR`` keeps 0.001, its own signature's default, as DeepSpeed does); ``WarmupCosineLR`` stays at
+``cos_min_ratio`` from ``total_num_steps`` on (also when ``total_num_steps <= warmup_num_steps``) and falls back
+to the log warm-up for an unknown ``warmup_type``; ``OneCycle``'s stair counts hold the lr and momentum flat.
 Values per step are listed in docs/engine.md and pinned by tests/unit/runtime/test_lr_schedules.py.
 """
 from __future__ import annotations
@@ -70,6 +76,14 @@ def _positive_steps(value: Any, name: str) -> int:
     return value
 
 
+def _warmup_type(name: str) -> str:
+    """``log`` or ``linear``; anything else warns and is ``log``, as DeepSpeed does."""
+    if name in (WARMUP_LOG_RATE, WARMUP_LINEAR_RATE):
+        return name
+    warnings.warn(f"warmup_type {name!r} is not 'log' or 'linear'; using 'log'")
+    return WARMUP_LOG_RATE
+
+
 def set_lrs(optimizer: torch.optim.Optimizer, lrs: Sequence[float]) -> list[Any]:
     """Write one lr per param group; a tensor lr is filled in place, so it stays the caller's tensor."""
     for group, lr in zip(optimizer.param_groups, lrs):
@@ -128,9 +142,7 @@ class LRRangeTest(_Schedule):
                  lr_range_test_staircase: bool = False, last_batch_iteration: int = -1):
         self.optimizer = optimizer
         self.min_lr = _per_group(optimizer, lr_range_test_min_lr, "lr_range_test_min_lr")
-        if not lr_range_test_step_size > 0:
-            raise ValueError(f"lr_range_test_step_size must be positive, got {lr_range_test_step_size!r}")
-        self.step_size = lr_range_test_step_size
+        self.step_size = _positive_steps(lr_range_test_step_size, "lr_range_test_step_size")
         self.step_rate = lr_range_test_step_rate
         self.staircase = lr_range_test_staircase
         self._start(last_batch_iteration)
@@ -149,8 +161,9 @@ class OneCycle(_Schedule):
     falls back over ``cycle_second_step_size`` (default: the same), then decays as
     ``min_lr / (1 + decay_lr_rate * (k - total + 1) / decay_step_size)`` (no decay when the rate or the step size
     is 0). With ``cycle_momentum`` the first Adam beta cycles the other way between ``cycle_max_mom`` and
-    ``cycle_min_mom`` (the second beta is held at 0.99, as DeepSpeed does). The stair counts are accepted for
-    compatibility and, as in DeepSpeed 0.14, not applied."""
+    ``cycle_min_mom`` (the second beta is held at 0.99, as DeepSpeed does). A stair count s > 0 holds lr and
+    momentum flat in s stairs over its half of the cycle: the scale is ``floor(i * s / half) / s``, i the steps
+    from the nearer end of the cycle (DeepSpeed 0.19; 0.14 accepted the counts and ignored them)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, cycle_min_lr: float, cycle_max_lr: float,
                  decay_lr_rate: float = 0.0, cycle_first_step_size: int = 2000,
@@ -165,6 +178,7 @@ class OneCycle(_Schedule):
             raise ValueError(f"cycle_second_step_size must be non-negative, got {cycle_second_step_size!r}")
         first = float(cycle_first_step_size)
         second = float(cycle_second_step_size) if cycle_second_step_size is not None else first
+        self.first_step_size, self.second_step_size = first, second
         self.total_size = first + second
         self.step_ratio = first / self.total_size
         self.first_stair_count = cycle_first_stair_count
@@ -192,9 +206,16 @@ class OneCycle(_Schedule):
         batch_iteration = self.last_batch_iteration + 1
         cycle = math.floor(1 + batch_iteration / self.total_size)
         x = 1.0 + batch_iteration / self.total_size - cycle
-        if x <= self.step_ratio:
-            return x / self.step_ratio
-        return (x - 1) / (self.step_ratio - 1)
+        rising = x <= self.step_ratio
+        stairs = self.first_stair_count if rising else self.second_stair_count
+        if not stairs:
+            return x / self.step_ratio if rising else (x - 1) / (self.step_ratio - 1)
+        # from the integer position in the cycle, not from x: a float just under a stair would floor a whole
+        # stair lower (off the peak of an asymmetric cycle)
+        position = batch_iteration % self.total_size
+        if position <= self.first_step_size:
+            return math.floor(position * stairs / self.first_step_size) / stairs
+        return math.floor((self.total_size - position) * stairs / self.second_step_size) / stairs
 
     def _decay_interval(self) -> float:
         return (self.last_batch_iteration - self.total_size + 1) / self.decay_step_size
@@ -228,20 +249,20 @@ class OneCycle(_Schedule):
 
 class WarmupLR(_Schedule):
     """Warm-up from ``warmup_min_lr`` to ``warmup_max_lr`` over ``warmup_num_steps`` (n, at least 2), then
-    constant. ``log``: ``gamma = ln(k + 1) / ln(n)``; ``linear``: ``gamma = k / n``; ``lr = min + (max - min) * gamma``."""
+    constant. ``log``: ``gamma = ln(k + 1) / ln(n)``; ``linear``: ``gamma = k / n``; ``lr = min + (max - min) * gamma``.
+    ``warmup_max_lr`` None (left out): each param group's own lr, as the optimizer has it at construction."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, warmup_min_lr: float | Sequence[float] = 0.0,
-                 warmup_max_lr: float | Sequence[float] = 0.001, warmup_num_steps: int = 1000,
+                 warmup_max_lr: float | Sequence[float] | None = None, warmup_num_steps: int = 1000,
                  warmup_type: str = WARMUP_LOG_RATE, last_batch_iteration: int = -1):
         self.optimizer = optimizer
+        if warmup_max_lr is None:
+            warmup_max_lr = [_base_lr(group) for group in optimizer.param_groups]
         self.min_lrs = _per_group(optimizer, warmup_min_lr, "warmup_min_lr")
         self.max_lrs = _per_group(optimizer, warmup_max_lr, "warmup_max_lr")
         self.delta_lrs = [hi - lo for hi, lo in zip(self.max_lrs, self.min_lrs)]
         self.warmup_num_steps = max(2, _positive_steps(warmup_num_steps, "warmup_num_steps"))
-        if warmup_type not in (WARMUP_LOG_RATE, WARMUP_LINEAR_RATE):
-            warnings.warn(f"warmup_type {warmup_type!r} is not 'log' or 'linear'; using 'log'")
-            warmup_type = WARMUP_LOG_RATE
-        self.warmup_type = warmup_type
+        self.warmup_type = _warmup_type(warmup_type)
         self.inverse_log_warm_up = 1.0 / math.log(self.warmup_num_steps)
         self._start(last_batch_iteration)
 
@@ -269,7 +290,8 @@ class WarmupLR(_Schedule):
 
 
 class WarmupDecayLR(WarmupLR):
-    """WarmupLR, then linear decay to 0 at ``total_num_steps``: ``gamma = max(0, (total - k) / max(1, total - n))``."""
+    """WarmupLR, then linear decay to 0 at ``total_num_steps``: ``gamma = max(0, (total - k) / max(1, total - n))``.
+    ``warmup_max_lr`` defaults to 0.001, not to the optimizer's lr: DeepSpeed 0.19's own signature."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, total_num_steps: int,
                  warmup_min_lr: float | Sequence[float] = 0.0, warmup_max_lr: float | Sequence[float] = 0.001,
@@ -290,8 +312,9 @@ class WarmupDecayLR(WarmupLR):
 class WarmupCosineLR(_Schedule):
     """Warm-up then cosine decay, as ratios of the optimizer's lr at construction. Warm-up ratio
     ``warmup_min_ratio + gamma * (1 - warmup_min_ratio)``; then
-    ``max(0, cos_min_ratio + (1 - cos_min_ratio) * (1 + cos(pi * (k - n + 1) / (total - n))) / 2)``. As in DeepSpeed
-    the cosine is not clamped past ``total_num_steps`` (the ratio rises again)."""
+    ``max(0, cos_min_ratio + (1 - cos_min_ratio) * (1 + cos(pi * p)) / 2)`` with the progress
+    ``p = min(1, (k - n + 1) / max(1, total - n))``: from ``total_num_steps`` on the ratio stays at ``cos_min_ratio``
+    (DeepSpeed 0.19; 0.14 let the cosine rise again, and divided by zero when ``total == n``)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, total_num_steps: int, warmup_min_ratio: float = 0.0,
                  warmup_num_steps: int = 1000, cos_min_ratio: float = 0.0001, warmup_type: str = WARMUP_LOG_RATE,
@@ -300,7 +323,7 @@ class WarmupCosineLR(_Schedule):
         self.total_num_steps = total_num_steps
         self.last_batch_iteration = last_batch_iteration
         self.cos_min_ratio = cos_min_ratio
-        self.warmup_type = warmup_type
+        self.warmup_type = _warmup_type(warmup_type)
         self.warmup_min_ratio = warmup_min_ratio
         self.warmup_num_steps = max(2, _positive_steps(warmup_num_steps, "warmup_num_steps"))
         self.inverse_log_warm_up = 1.0 / math.log(self.warmup_num_steps)
@@ -319,9 +342,8 @@ class WarmupCosineLR(_Schedule):
             else:
                 ratio = k / self.warmup_num_steps
             return self.warmup_min_ratio + ratio * (1 - self.warmup_min_ratio)
-        real_last_step = k - self.warmup_num_steps + 1
-        real_total_steps = self.total_num_steps - self.warmup_num_steps
-        cosine = (1 + math.cos(math.pi * real_last_step / real_total_steps)) / 2
+        progress = min(1.0, (k - self.warmup_num_steps + 1) / max(1, self.total_num_steps - self.warmup_num_steps))
+        cosine = (1 + math.cos(math.pi * progress)) / 2
         return max(0.0, self.cos_min_ratio + (1 - self.cos_min_ratio) * cosine)
 
     def get_lr(self) -> list[float]:

@@ -89,8 +89,8 @@ class EngineObserver:
                 events.append(("Train/Samples/loss_scale", float(engine.cur_scale), engine.global_samples))
             self.monitor.write_events(events)
         self._loss_sum = None
-        every = engine.steps_per_print()
-        if engine.timers.enabled and every and engine.global_steps % every == 0:
+        every = engine.steps_per_print() or 1  # None: every step, as DeepSpeed 0.19 logs its timers
+        if engine.timers.enabled and engine.global_steps % every == 0:
             means = engine.timers.mean_ms()
             if engine.global_rank == 0:
                 print(f"[dsrun] {breakdown_line(means, engine.global_rank)}", flush=True)

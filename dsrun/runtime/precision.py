@@ -48,10 +48,15 @@ class PrecisionStrategy:
 
 
 class BF16Precision(PrecisionStrategy):
-    """bf16: the model runs in bfloat16; fp32 master weights; no loss scaling (bf16 has fp32's range)."""
+    """bf16: the model runs in bfloat16; fp32 master weights; no loss scaling (bf16 has fp32's range).
+    ``check_overflow``: skip a step whose gradients hold inf/nan (DeepSpeed 0.19's ``bf16.check_grad_overflow``,
+    on by default, which its ZeRO-1/2 optimizer applies; its stage-0 bf16 optimizer and stage 3 do not check)."""
 
     name = "bf16"
     model_dtype = torch.bfloat16
+
+    def __init__(self, check_overflow: bool = False):
+        self.checks_overflow = check_overflow
 
 
 class FP16Precision(PrecisionStrategy):
@@ -101,8 +106,9 @@ def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
-def build_precision(fp16: Any = None, bf16: Any = None) -> PrecisionStrategy:
-    """The strategy for a config's ``fp16``/``bf16`` sections (objects with DeepSpeed's key names, or None)."""
+def build_precision(fp16: Any = None, bf16: Any = None, zero_stage: int = 0) -> PrecisionStrategy:
+    """The strategy for a config's ``fp16``/``bf16`` sections (objects with DeepSpeed's key names, or None) at
+    ZeRO stage ``zero_stage``."""
     if fp16 is not None and getattr(fp16, "enabled", False):
         loss_scale = float(getattr(fp16, "loss_scale", 0.0) or 0.0)
         auto_cast = bool(getattr(fp16, "auto_cast", False))
@@ -116,5 +122,6 @@ def build_precision(fp16: Any = None, bf16: Any = None) -> PrecisionStrategy:
             consecutive_hysteresis=bool(getattr(fp16, "consecutive_hysteresis", False)),
             raise_error_at_min_scale=False), auto_cast)  # dsrun keeps training at the minimum scale
     if bf16 is not None and getattr(bf16, "enabled", False):
-        return BF16Precision()
+        check = bool(getattr(bf16, "check_grad_overflow", True))
+        return BF16Precision(check_overflow=check and zero_stage in (1, 2))
     return PrecisionStrategy()

@@ -2,7 +2,7 @@
 import json
 from pathlib import Path
 
-from tests.helpers import run_cli
+from tests.helpers import first_output_probe, run_cli
 
 
 def test_help_lists_subcommands():
@@ -101,10 +101,44 @@ def test_train_dry_run_with_deepspeed_json(tmp_path):
     assert ds["zero_optimization"]["stage"] == 1
 
 
+def test_train_says_what_it_does_before_the_heavy_work(tmp_path):
+    """20-45 s passed on a busy machine before dsrun train printed anything: Hydra's composition, torch (for
+    the meta-device model and the memory estimate), the data and the estimate all ran first, silently. Now
+    the first line comes before any of those modules is imported, and each stage is announced in order."""
+    seen, result = first_output_probe("train", "--dry-run", "data.max_bytes=300000", cwd=tmp_path)
+    assert seen["code"] == 0, result.stderr
+    assert seen["line"] == "[dsrun] composing the config (Hydra)" and seen["loaded"] == [], seen
+    stages = [line for line in result.stdout.splitlines() if line.startswith("[dsrun] ")]
+    assert [line.split(":")[0].split(" (")[0] for line in stages] == ["[dsrun] composing the config",
+                                                                      "[dsrun] checking before launch"], stages
+    assert result.stderr == "" and result.stdout.rsplit("@@", 1)[0].rstrip().endswith("dry run: nothing launched")
+
+
 def test_recipes_lists_each_with_description():
     result = run_cli("recipes")
     assert result.returncode == 0
     assert "gpt_zero3" in result.stdout and "ZeRO-3" in result.stdout
+
+
+def test_recipes_prints_every_built_in_description_whole_on_a_narrow_terminal():
+    """Descriptions were cut at the end of the recipe's first comment line ("... attention", "an eighth of
+    the"): each is now the whole first sentence of the comment block, and the table wraps it, dropping nothing."""
+    import re
+
+    from dsrun.compose import list_recipes
+    from dsrun.utils.paths import recipes_dir
+
+    result = run_cli("recipes", env={"COLUMNS": "60"})
+    assert result.returncode == 0, result.stderr
+    printed = re.sub(r"[\s│┃]", "", result.stdout)  # the table's rows, unwrapped (continuation rows have no name)
+    built_in = {name: text for name, (path, text) in list_recipes().items() if path.parent == recipes_dir()}
+    assert len(built_in) >= 20
+    for name, text in built_in.items():
+        comment = " ".join(line.lstrip("#").strip() for line in (recipes_dir() / f"{name}.yaml").read_text()
+                           .splitlines() if line.startswith("#") and "@package" not in line)
+        assert text.endswith((".", "!", "?")) and comment.startswith(text), (name, text)
+        assert re.sub(r"\s", "", name + text) in printed, (name, text)
+    assert max(len(line) for line in result.stdout.splitlines()) <= 60
 
 
 def test_multirun_dry_run_makes_one_directory_per_job(tmp_path):

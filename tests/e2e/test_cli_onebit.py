@@ -42,6 +42,8 @@ def test_deepspeeds_documented_configs_validate(tmp_path, optimizer: dict, stage
     ({"optimizer": {"type": "ZeroOneAdam", "params": {"max_grad_norm": 1.0}}}, "optimizer.params.max_grad_norm"),
     ({"optimizer": {**ONE_BIT_LAMB, "params": {**ONE_BIT_LAMB["params"], "freeze_step": 5}}}, "optimizer.params.coeff_beta"),
     ({"optimizer": {**ONE_BIT_LAMB, "params": {**ONE_BIT_LAMB["params"], "min_coeff": 1.0}}}, "optimizer.params.min_coeff"),
+    # what initialize refuses with a default on one side (coeff_beta 0.9): validate refuses it too
+    ({"optimizer": {"type": "OneBitLamb", "params": {"lr": 1e-3, "freeze_step": 2}}}, "optimizer.params.coeff_beta"),
 ])
 def test_what_dsrun_cannot_do_is_one_line_with_exit_2(tmp_path, change, key) -> None:
     path = tmp_path / "bad.json"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import free_port, run_cli
+from tests.helpers import first_output_probe, free_port, run_cli
 
 BUDGET = ["train.max_steps=60", "train.save_interval=60", "train.eval_interval=0", "train.eval_iters=1",
           "data.max_bytes=1000000"]
@@ -39,6 +39,9 @@ def test_generate_prints_text_from_the_trained_model_on_one_rank_and_on_two(run_
         assert result.returncode == 0, result.stderr[-3000:]
         stats = STATS.match(result.stderr.strip().splitlines()[-1])
         assert stats, result.stderr
+        stages = [line for line in result.stderr.splitlines() if line.startswith("[dsrun] ")][:2]
+        assert stages[0].startswith("[dsrun] checking ") and stages[1].startswith(
+            "[dsrun] loading the model" if tp == 1 else "[dsrun] starting 2 ranks (tensor parallel)"), stages
         assert (int(stats.group(1)), int(stats.group(2)), int(stats.group(3))) == (40, 4, tp)
         texts[tp] = result.stdout.rstrip("\n")
     assert texts[1] == texts[2]  # greedy: the split model picks the same tokens
@@ -63,5 +66,16 @@ def test_a_missing_or_incompatible_checkpoint_is_one_line_and_exit_2(run_dir, ca
     else:
         result = generate(run_dir, "launcher.num_procs=3")
     assert result.returncode == 2
-    assert result.stderr.count("\n") == 1 and result.stderr.startswith(message), result.stderr
+    errors = [line for line in result.stderr.splitlines() if not line.startswith("[dsrun] ")]  # not progress
+    assert len(errors) == 1 and errors[0].startswith(message), result.stderr
     assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+def test_generate_says_what_it_does_before_importing_torch(tmp_path):
+    """dsrun generate printed nothing for 49 s on a busy machine: parsing its options imported torch, then the
+    checks and the ranks ran silently. Its first line now comes before torch is imported (here the source is
+    missing, so the line is followed by the one-line error)."""
+    seen, result = first_output_probe("generate", str(tmp_path / "no_run"), "--prompt", "def ", cwd=tmp_path)
+    assert seen["line"] == f"[dsrun] checking {tmp_path / 'no_run'}: the model, its tokenizer and checkpoint"
+    assert seen["loaded"] == [], seen
+    assert seen["code"] == 2 and "error: RUN_DIR_OR_CHECKPOINT: no such file or folder" in result.stderr

@@ -1,6 +1,7 @@
 """A regular (non-editable) install finds conf/ and recipes/ and runs from any directory."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 import venv
@@ -30,10 +31,18 @@ def make_venv(env_dir) -> str:
     return python
 
 
+def source_copy(tmp_path) -> Path:
+    """The repository's sources as a fresh clone has them, in the test's own folder: a build writes build/ and
+    dsrun.egg-info/ beside the sources, and two tests building in the repository itself would share them."""
+    ignored = [line.strip().strip("/") for line in (REPO / ".gitignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")]
+    return Path(shutil.copytree(REPO, tmp_path / "source", ignore=shutil.ignore_patterns(".git", *ignored)))
+
+
 def build_wheel(tmp_path) -> str:
     wheel_dir = tmp_path / "wheel"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(wheel_dir), str(REPO)], check=True, timeout=240, cwd=tmp_path,
+                    "-w", str(wheel_dir), str(source_copy(tmp_path))], check=True, timeout=240, cwd=tmp_path,
                    env={**os.environ, "DSRUN_BUILD_OPS": "0"})
     (wheel,) = wheel_dir.glob("dsrun-*.whl")
     return str(wheel)
@@ -76,8 +85,9 @@ print(found.get("hydra_plugins.dsrun_optuna_sweeper.optuna_sweeper", "missing"))
 @pytest.mark.slow
 def test_the_optuna_sweeper_plugin_is_found_after_a_wheel_and_an_editable_install(tmp_path):
     wheel = build_wheel(tmp_path)
+    source = tmp_path / "source"  # the copy build_wheel built from: an editable install writes beside it too
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # only what the install put in place
-    for kind, target in (("wheel", [wheel]), ("editable", ["-e", str(REPO)])):
+    for kind, target in (("wheel", [wheel]), ("editable", ["-e", str(source)])):
         env_dir = tmp_path / kind
         python = make_venv(env_dir)
         subprocess.run([python, "-m", "pip", "install", "--no-deps", "--no-index", "--no-build-isolation", "-q",
@@ -89,6 +99,6 @@ def test_the_optuna_sweeper_plugin_is_found_after_a_wheel_and_an_editable_instal
         for how in ("dsrun",) if kind == "editable" else ("scan", "dsrun"):
             done = subprocess.run([python, "-c", SWEEPERS, how], cwd=where, env=env, capture_output=True,
                                   text=True, timeout=120)
-            expected = env_dir if kind == "wheel" else REPO
+            expected = env_dir if kind == "wheel" else source
             assert done.returncode == 0 and done.stdout.strip().startswith(str(expected)), (kind, how, done.stdout,
                                                                                             done.stderr[-2000:])

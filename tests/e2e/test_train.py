@@ -98,10 +98,16 @@ def test_train_failure_exits_non_zero_and_names_the_rank(tmp_path):
 
 def test_activation_checkpointing_mode_and_section_act_through_dsrun_train(tmp_path):
     """model.activation_checkpointing picks the blocks; the ds section reaches dsrun.checkpointing in every
-    rank (profile prints each checkpoint's times) and is written to ds_config.json for DeepSpeed."""
+    rank (profile prints each checkpoint's times) and is written to ds_config.json for DeepSpeed. (This short
+    real launch also pins dsrun train's stage lines: composing, checking, starting the ranks, in that order.)"""
     result = run_cli("train", "model.activation_checkpointing=every_2", "+activation_checkpointing.profile=true",
                      *SHORT, "train.max_steps=1", f"launcher.master_port={free_port()}", cwd=tmp_path, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    stages = [line.split(":")[0].split(" (")[0].split(";")[0] for line in result.stdout.splitlines()
+              if line.startswith("[dsrun] ")]
+    assert [line for line in stages if not line.startswith(("[dsrun] run directory", "[dsrun] note"))][:3] == [
+        "[dsrun] composing the config", "[dsrun] checking before launch", "[dsrun] starting 2 rank(s) on localhost"
+    ], result.stdout
     (run_dir,) = tmp_path.glob("outputs/*/*")
     # gpt-nano has 3 blocks: every_2 checkpoints blocks 0 and 2, numbered 0 and 1 in the forward
     lines = [line.split("activation checkpoint ")[1].split(" ")[:2] for line in result.stdout.splitlines()

@@ -67,13 +67,32 @@ BEFORE_LAUNCH = [
     ("seq_len above block_size", lambda t: [SMALL, "data.seq_len=256"], "data.seq_len: 256 exceeds model.block_size=128"),
     ("vocabulary smaller than the token file's", lambda t: ["data=tokens", f"data.path={_token_file(t)}"],
      "model.vocab_size: 256 is smaller than the data's vocabulary (1000"),
+    ("a truncated .npy token file", lambda t: ["data=tokens", f"data.path={_truncated(_token_file(t))}"],
+     "data.path: "),
+    ("experts that ep_size does not divide", lambda t: [SMALL, "+recipe=gpt_moe", "model.moe.num_experts=3"],
+     "model.moe.num_experts: 3 experts cannot be spread evenly over model.moe.ep_size=2 ranks"),
+    ("more pipeline stages than layers", lambda t: [SMALL, "+recipe=gpt_pipe", "model.pipeline_stages=8",
+                                                    "model.n_layer=1", "launcher.num_procs=8"],
+     "model.pipeline_stages: 8 stages but a GPT of n_layer=1 is 5 pipeline layers"),
 ]
+
+
+def _truncated(path: Path) -> Path:
+    path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+    return path
 
 
 @pytest.mark.parametrize("case,overrides,expected", BEFORE_LAUNCH, ids=[c[0] for c in BEFORE_LAUNCH])
 def test_mistakes_found_before_launch(tmp_path, case, overrides, expected):
     one_error_line(train(tmp_path, *overrides(tmp_path)), expected)
     assert not (tmp_path / "outputs").exists()  # caught before Hydra made a run directory
+
+
+def test_dry_run_refuses_what_a_launch_refuses(tmp_path):
+    """``--dry-run`` runs the same checks: the MoE layout it used to pass with a note is one line, exit 2."""
+    result = run_cli("train", "--dry-run", SMALL, "+recipe=gpt_moe", "model.moe.num_experts=3", cwd=tmp_path)
+    one_error_line(result, "model.moe.num_experts: 3 experts")
+    assert "dry run" not in result.stdout
 
 
 def test_a_truncated_checkpoint_is_found_before_launch(tmp_path):
@@ -120,3 +139,53 @@ def test_convert_names_a_damaged_checkpoint_file(tmp_path, damage):
     result = run_cli("convert", "zero-to-fp32", str(tmp_path / "ckpt"), str(tmp_path / "out.pt"), cwd=tmp_path)
     line = one_error_line(result, f"{tmp_path / 'ckpt'}: {path}: cannot read this checkpoint file: ")
     assert line.split("file: ", 1)[1].startswith("it is truncated" if damage == "truncate" else "its contents")
+
+
+@pytest.mark.slow
+def test_a_full_disk_during_a_save_is_one_line_and_leaves_no_staging_folder(tmp_path):
+    """A run whose checkpoint does not fit its disk (a real 3 MiB tmpfs holding the run directory and the
+    MLflow store; the checkpoint takes ~6 MB) ends with one line naming the tag and the bytes, exit code 2:
+    no MLflow/SQLAlchemy text, no staging folder left, and the ranks' logs hold the cause."""
+    from tests.helpers import small_disk
+
+    with small_disk(tmp_path / "disk", "3m") as disk:
+        result = train(disk, SMALL, "train.save_interval=2")
+        line = one_error_line(result, "save_checkpoint: no space left on device while saving global_step2 in ")
+        assert " bytes needed, " in line and " free); nothing of it was kept" in line
+        assert not any(word in (result.stdout + result.stderr).lower() for word in ("sqlalchemy", "sqlite", "mlflow."))
+        (run_dir,) = disk.glob("outputs/*/*")
+        assert list((run_dir / "checkpoints").iterdir()) == []
+        assert "no space left on device while saving global_step2" in (run_dir / "logs" / "rank1.stderr.log").read_text()
+
+
+def _finished_run(root: Path, overrides: list[str], step: int) -> Path:
+    """A run directory as `dsrun train` leaves it, as far as train.resume=auto reads it: Hydra's record of the
+    overrides and a checkpoint at ``step``."""
+    run_dir = root / "outputs" / "2026-01-01" / "10-00-00"
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    fake_checkpoint(run_dir / "checkpoints", f"global_step{step}")
+    return run_dir
+
+
+def test_auto_on_a_finished_run_says_so_in_one_line_and_launches_nothing(tmp_path):
+    done = _finished_run(tmp_path, ["+recipe=default", SMALL], 2)
+    result = train(tmp_path, SMALL, "train.resume=auto")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stderr == "" and "[rank" not in result.stdout and "run directory" not in result.stdout
+    assert (f"[dsrun] train.resume=auto: the newest run with the same recipe and overrides, {done}, finished: its "
+            "checkpoint global_step2 is at step 2 of train.max_steps=2; nothing to train (raise train.max_steps to "
+            "train it longer, e.g. train.max_steps=4)") in result.stdout.splitlines()
+    assert not list(tmp_path.glob("outputs/*/*/logs"))  # no rank was started
+
+
+def test_from_a_run_whose_latest_is_damaged_is_one_line_naming_the_newest_complete_tag(tmp_path):
+    assert run_cli("train", "--dry-run", *QUICK, SMALL, cwd=tmp_path, timeout=300).returncode == 0
+    (source,) = tmp_path.glob("outputs/*/*")  # a run directory with dsrun's record of its composition
+    fake_checkpoint(source / "checkpoints", "global_step1", latest="global_step9")
+    result = run_cli("train", "--from", str(source), cwd=tmp_path, timeout=300)
+    line = one_error_line(result, f"--from: {source / 'checkpoints' / 'latest'} names tag 'global_step9', but ")
+    assert line.endswith(f"(complete tags there: global_step1) (resume from the newest complete one: "
+                         f"dsrun train --from {source} train.resume={source / 'checkpoints' / 'global_step1'}, or "
+                         f"write an existing tag into {source / 'checkpoints' / 'latest'})")
+    assert list(tmp_path.glob("outputs/*/*")) == [source]  # refused before Hydra made a run directory

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from dsrun.checkpoint import read_latest
 from tests.helpers import REPO, free_port, run_cli
 
 QUICK = ["train.eval_iters=1", "train.eval_interval=0", "data.max_bytes=300000", "monitor=mlflow",
@@ -88,12 +89,14 @@ def test_ctrl_c_says_what_was_saved_and_from_resumes_it(tmp_path):
     assert record["data"] == first_record["data"] and record["data"]["how"] == "full"  # the same tokens
     assert f"train.max_steps={step + 2}" in record["overrides"] and "monitor=mlflow" in record["overrides"]
 
-    # the same recipe and overrides with train.resume=auto finds the interrupted run's checkpoint
+    # the resumed run saved at its last step (no multiple of train.save_interval=1000), and train.resume=auto
+    # with the same recipe and overrides finds that checkpoint, the newest
+    assert read_latest(second / "checkpoints") == f"global_step{step + 2}"
     auto = run_cli("train", "--dry-run", *QUICK, "train.max_steps=400", "train.resume=auto", cwd=tmp_path,
                    env=MLFLOW)
     assert auto.returncode == 0, auto.stderr
-    assert (f"resume          train.resume=auto: resuming from {run_dir / 'checkpoints' / f'global_step{step}'} "
-            f"at step {step}") in auto.stdout
+    assert (f"resume          train.resume=auto: resuming from {second / 'checkpoints' / f'global_step{step + 2}'} "
+            f"at step {step + 2}") in auto.stdout
 
 
 @pytest.mark.slow

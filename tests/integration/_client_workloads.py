@@ -96,7 +96,8 @@ def gan_engines(rank: int, world: int, stage: int, how: str, steps: int, micro: 
     opt_g = torch.optim.Adam(net_g.parameters(), lr=LR, betas=BETAS)
     config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
               "zero_optimization": {"stage": stage, "reduce_bucket_size": 40, "allgather_bucket_size": 40,
-                                    "stage3_param_persistence_threshold": 0}}
+                                    "stage3_param_persistence_threshold": 0},
+              "gradient_clipping": 0.0}  # the reference is the plain torch loop, unclipped
     engine_d, _, _, _ = dsrun.initialize(model=net_d, optimizer=opt_d, config=config)
     engine_g, _, _, _ = dsrun.initialize(model=net_g, optimizer=opt_g, config=config)
     for step in range(steps):
@@ -180,7 +181,8 @@ def readers_ranks(rank: int, world: int, steps: int, micro: int) -> dict[str, An
     config = {"train_micro_batch_size_per_gpu": micro, "steps_per_print": 10**6,
               "optimizer": {"type": "Adam", "params": {"lr": LR, "torch_adam": True}},
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                    "reduce_bucket_size": 100, "stage3_prefetch_bucket_size": 50}}
+                                    "reduce_bucket_size": 100, "stage3_prefetch_bucket_size": 50},
+              "gradient_clipping": 0.0}  # the reference is torch's unclipped Adam
     engine, _, _, _ = dsrun.initialize(model=model, config=config)
     mine = slice(rank * micro, (rank + 1) * micro)
     losses = []

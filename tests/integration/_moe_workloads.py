@@ -179,7 +179,8 @@ def engine_case(rank: int, world: int, stage: int) -> dict[str, Any]:
     cfg = {"train_micro_batch_size_per_gpu": TOKENS, "gradient_accumulation_steps": 1,
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 64, "allgather_bucket_size": 64,
                                  "stage3_param_persistence_threshold": 0},
-           "zero_allow_untested_optimizer": True, "steps_per_print": 1000}
+           "zero_allow_untested_optimizer": True, "steps_per_print": 1000,
+           "gradient_clipping": 0.0}  # the reference steps by the raw mean gradient
     engine, _, _, _ = dsrun.initialize(model=net, config=cfg, optimizer=lambda ps: torch.optim.SGD(ps, lr=1.0))
     loss = engine(engine_batch(rank))
     engine.backward(loss)

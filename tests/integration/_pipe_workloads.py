@@ -192,7 +192,8 @@ def reference_run(model: str, steps: int, micro_batches: int, replicas: int, seq
 # --- pipeline runs (inside rank processes) -----------------------------------------------------------------------
 def ds_config(micro_batches: int, zero_stage: int = 1, **extra: Any) -> dict[str, Any]:
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": micro_batches,
-           "steps_per_print": 10_000, "zero_optimization": {"stage": zero_stage}}
+           "steps_per_print": 10_000, "zero_optimization": {"stage": zero_stage},
+           "gradient_clipping": 0.0}  # the references are torch's unclipped AdamW
     cfg.update(extra)
     return cfg
 

@@ -85,7 +85,7 @@ def _one_stage(rank: int, world: int, stage: int) -> dict[str, Any]:
         zero["stage3_param_persistence_threshold"] = 0
     cfg = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // world, "gradient_accumulation_steps": 1,
            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}}, "zero_optimization": zero,
-           "steps_per_print": 1000}
+           "steps_per_print": 1000, "gradient_clipping": 0.0}  # the reference is plain PyTorch's unclipped AdamW
     engine, *_ = dsrun.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     names = [n for n, _ in engine.module.named_parameters()]
     params = dict(engine.module.named_parameters())
@@ -144,7 +144,8 @@ def reduction_stages(rank: int, world: int, stages: list[int]) -> dict[int, dict
         model = build_model()
         cfg = {"train_micro_batch_size_per_gpu": per, "gradient_accumulation_steps": 1,
                "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_allow_untested_optimizer": True,
-               "zero_optimization": {"stage": stage, "reduce_bucket_size": 50}, "steps_per_print": 1000}
+               "zero_optimization": {"stage": stage, "reduce_bucket_size": 50}, "steps_per_print": 1000,
+               "gradient_clipping": 0.0}  # the reference is plain PyTorch's unclipped SGD
         return dsrun.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
 
     def micro(engine, step):

@@ -95,7 +95,9 @@ def ds_config(stage: int, micro: int, gas: int, zero: dict | None = None, **extr
     zero_cfg.update(zero or {})
     cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
-           "zero_optimization": zero_cfg, "steps_per_print": 1000}
+           "zero_optimization": zero_cfg, "steps_per_print": 1000,
+           # the references are unclipped PyTorch runs; the clipping cases pass gradient_clipping themselves
+           "gradient_clipping": 0.0}
     cfg.update(extra)
     return cfg
 

@@ -1,8 +1,6 @@
 """fp16 overflow handling across ranks, and a hung rank turning into a bounded failure."""
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from tests.helpers import run_ranks
@@ -29,10 +27,10 @@ def test_inf_gradient_on_one_rank_skips_the_step_everywhere() -> None:
 
 @pytest.mark.slow
 def test_hung_rank_fails_within_bounded_time() -> None:
-    start = time.monotonic()
+    """The bound is the collective's own timeout, not the test's: the waiting rank gives up after the 5 s that
+    init_distributed(timeout=...) set and reports it, long before the stuck rank wakes (120 s) or run_ranks stops
+    waiting (90 s, which would say "did not finish" instead). No wall clock is read: under load it proves nothing."""
     with pytest.raises(AssertionError) as info:
         run_ranks(w.hang_ranks, 2, timeout=90)
-    elapsed = time.monotonic() - start
-    # the waiting rank's collective times out after 5 s (init_distributed(timeout=...)) and reports it
-    assert "rank 0 failed" in str(info.value) and "timed out" in str(info.value).lower()
-    assert elapsed < 80
+    assert "rank 0 failed" in str(info.value) and "did not finish" not in str(info.value)
+    assert "timed out waiting 5000ms" in str(info.value).lower()

@@ -41,7 +41,8 @@ def reduce_once(rank: int, world: int) -> dict:
         for name, (precision, comm_dtype) in CASES.items():
             net = copy.deepcopy(model())
             config = {"train_micro_batch_size_per_gpu": 2, "sequence_parallel_size": 2, **precision,
-                      "optimizer": {"type": "SGD", "params": {"lr": 1.0}}, "zero_allow_untested_optimizer": True}
+                      "optimizer": {"type": "SGD", "params": {"lr": 1.0}}, "zero_allow_untested_optimizer": True,
+                      "gradient_clipping": 0.0}  # the step is the mean gradient itself; one all-reduce, no norm
             if comm_dtype is not None:
                 config["seq_parallel_comm_data_type"] = comm_dtype
             engine = dsrun.initialize(model=net, model_parameters=net.parameters(), config=config)[0]

@@ -76,7 +76,8 @@ def train_sequence_parallel(rank: int, world: int, sp: int, positions: str, stag
         ids = torch.utils.data.TensorDataset(torch.arange(8 * replicas * MICRO))
         config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
                   "sequence_parallel_size": sp, "zero_optimization": {"stage": stage},
-                  "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_allow_untested_optimizer": True}
+                  "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_allow_untested_optimizer": True,
+                  "gradient_clipping": 0.0}  # the reference is plain, unclipped SGD
         engine, _, loader, _ = dsrun.initialize(model=model, model_parameters=model.parameters(), config=config,
                                                 training_data=ids)
         rows = slice(rank // sp * MICRO, (rank // sp + 1) * MICRO)

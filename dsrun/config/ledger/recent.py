@@ -40,9 +40,8 @@ ENTRIES: list[Entry] = [
          Feature("AutoEP", "remove expert_parallel; use dsrun.moe.layer.MoE")),
     todo("datastates_ckpt", "DataStates asynchronous checkpointing", Feature("DataStates-LLM checkpointing",
          "remove datastates_ckpt"), active=lambda cfg: cfg.datastates_ckpt not in (None, False)),
-    todo("bf16.check_grad_overflow", "check bf16 gradients for inf/nan and skip such steps", ENGINE,
-         applies=lambda cfg: cfg.bf16.enabled, active=lambda cfg: "check_grad_overflow" in cfg.bf16.model_fields_set
-         and cfg.bf16.check_grad_overflow),
+    done("bf16.check_grad_overflow", "at ZeRO stages 1-2 (where DeepSpeed 0.19 checks): skip a bf16 step whose "
+         "gradients hold inf/nan", "tests/unit/runtime/test_config_effects.py::test_key_changes_behaviour[{key}]"),
     *_section("data_types", DTYPES, {"param_dtype": "dtype of the model's parameters",
                                      "buffer_dtype": "dtype of the model's buffers",
                                      "keep_in_fp32_modules": "modules whose buffers stay fp32"}),

@@ -204,7 +204,8 @@ ENTRIES: list[Entry] = [
     done("aio.single_submit", "submit requests one by one", UNIT),
     done("aio.overlap_events", "overlap request submission and completion", UNIT),
     # --- logging ---------------------------------------------------------------------------------------------
-    done("steps_per_print", "optimizer steps between progress lines", REPORTING),
+    done("steps_per_print", "optimizer steps between progress lines (null: no progress line; wall-clock means "
+         "every step)", REPORTING),
     done("wall_clock_breakdown", "time forward, backward and step and report the means", REPORTING),
     todo("dump_state", "print the engine's state after initialize", ENGINE),
     todo("memory_breakdown", "print memory use at every step", ENGINE),

@@ -6,7 +6,8 @@ from typing import Any
 
 import torch
 
-from dsrun.utils.errors import ConfigError, Problem
+from dsrun.config.optim import offload_optimizer_problem
+from dsrun.utils.errors import ConfigError
 
 KEY = "zero_optimization.offload_optimizer"
 
@@ -61,13 +62,7 @@ def require_cpu_optimizer(optimizer: torch.optim.Optimizer, settings: OffloadOpt
 
     if isinstance(optimizer, CPUOptimizer):
         return optimizer
-    name = type(optimizer).__name__
-    if settings.device == "nvme":
-        raise ConfigError(Problem(f"{KEY}.device", f"NVMe optimizer offload steps swapped tiles with a DeepSpeed CPU "
-                                  f"optimizer; got {name}", "use optimizer type Adam, AdamW, Adagrad or Lion"))
-    if settings.force_ds_cpu_optimizer:
-        raise ConfigError(Problem("zero_force_ds_cpu_optimizer", f"ZeRO-Offload needs DeepSpeedCPUAdam, "
-                                  f"DeepSpeedCPUAdagrad or DeepSpeedCPULion; got {name}",
-                                  "use optimizer type Adam, AdamW, Adagrad or Lion, or set "
-                                  "\"zero_force_ds_cpu_optimizer\": false to step it on the host anyway"))
+    problem = offload_optimizer_problem(type(optimizer).__name__, settings.device, settings.force_ds_cpu_optimizer)
+    if problem is not None:  # the rule config --validate runs on optimizer.type
+        raise ConfigError(problem)
     return None

@@ -26,6 +26,7 @@ import torch
 
 from dsrun import comm
 from dsrun.comm.groups import ProcessGroups, expert_parallel_size_of
+from dsrun.config.zero import shard_size_problem
 from dsrun.utils.errors import ConfigError, Problem
 
 from .partition_params import partition_numel
@@ -121,6 +122,6 @@ class Stage3Sharding:
 
 
 def _check_divides(key: str, size: int, dp: int) -> None:
-    if dp % size:
-        raise ConfigError(Problem(key, f"got {size}; it must divide the data-parallel size {dp}",
-                                  f"use a divisor of {dp}"))
+    problem = shard_size_problem(key, size, dp)  # the rule config --validate runs too
+    if problem is not None:
+        raise ConfigError(problem)

@@ -6,7 +6,8 @@
 key and one authorized root key, all in a temporary directory. The launcher under test runs inside A and
 reaches both hosts over ssh (A to itself, A to B). Everything is torn down at the end of the session,
 also after failures: only the sshd PIDs started here are killed, then the namespaces are deleted.
-Needs root, ``ip`` and OpenSSH (``.ci/run`` installs them); without root the multi-host tests are skipped.
+Needs root, ``ip`` and OpenSSH (``tests/run`` installs them); without root or one of them the multi-host tests are
+skipped, saying which.
 """
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import require_programs
+
 SUBNET = "10.213.77"
 INTERFACE = "dsrun0"
-SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 
 
 @dataclass
@@ -93,10 +95,7 @@ def _wait_for_ssh(hosts: TwoHosts, host: Host, deadline: float) -> None:
 def two_hosts(tmp_path_factory: pytest.TempPathFactory):
     if os.geteuid() != 0:
         pytest.skip("multi-host tests need root for network namespaces (CI runs them as root)")
-    missing = [tool for tool in ("ip", "ssh", "ssh-keygen") if shutil.which(tool) is None]
-    if missing or not os.path.exists(SSHD):
-        pytest.fail(f"multi-host tests need iproute2 and OpenSSH; missing: {missing or [SSHD]} "
-                    "(apt-get install openssh-server openssh-client iproute2)")
+    sshd = require_programs("ip", "ssh", "ssh-keygen", "sshd")["sshd"]
     tag = uuid.uuid4().hex[:6]
     ns_a, ns_b = f"dsrun-{tag}-a", f"dsrun-{tag}-b"
     veth_a, veth_b = f"dsr{tag}a", f"dsr{tag}b"
@@ -129,10 +128,10 @@ def two_hosts(tmp_path_factory: pytest.TempPathFactory):
                          ssh_config=ssh_config, workdir=folder)
         for host in (hosts.a, hosts.b):
             config = _write_sshd_config(folder, host.address)
-            _run(SSHD, "-t", "-f", str(config))
+            _run(sshd, "-t", "-f", str(config))
             with open(folder / f"sshd_{host.address}.log", "w") as log:  # the child keeps its own copy
                 sshd_processes.append(subprocess.Popen(
-                    ["ip", "netns", "exec", host.namespace, SSHD, "-D", "-e", "-f", str(config)],
+                    ["ip", "netns", "exec", host.namespace, sshd, "-D", "-e", "-f", str(config)],
                     stdout=subprocess.DEVNULL, stderr=log))
         deadline = time.monotonic() + 30
         for host in (hosts.a, hosts.b):

@@ -1,17 +1,16 @@
 """Ranks started by an MPI launcher: the rank shim (``rank_exec --mpi``) turns the MPI library's variables into
-the world a script expects, and a real ``mpirun`` (Open MPI, which ``.ci/run`` installs) runs a 2-rank job
+the world a script expects, and a real ``mpirun`` (Open MPI, which ``tests/run`` installs) runs a 2-rank job
 through ``dsrun launch --launcher openmpi``."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 
 from dsrun.launcher.protocol import encode_world_info
-from tests.helpers import free_port
+from tests.helpers import free_port, require_programs
 from tests.integration.launcher.jobs import EXAMPLE, dsrun_launch, job_env, kill_job, new_tag, read_ranks
 
 
@@ -45,8 +44,7 @@ def test_the_shim_turns_open_mpi_variables_into_a_world(tmp_path):
 
 @pytest.mark.slow
 def test_openmpi_runner_runs_two_ranks(tmp_path):
-    if shutil.which("mpirun") is None:
-        pytest.fail("needs Open MPI's mpirun (apt-get install openmpi-bin; .ci/run installs it)")
+    require_programs("mpirun")
     (tmp_path / "hostfile").write_text("localhost slots=2\n")
     tag = new_tag()
     extra = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"} if os.geteuid() == 0 else {}

@@ -4,6 +4,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from omegaconf import OmegaConf
 
 from dsrun.cli.preflight import (check_before_launch, data_digest, missing_values, monitor_path_problems,
                                  unwritable, warmup_note)
@@ -36,6 +37,20 @@ def test_the_default_recipe_fits_and_a_13b_model_does_not_by_the_estimator(monke
     (problem,) = info.value.problems
     assert problem.path == "memory" and "--skip-memory-check" in problem.hint
     assert check_before_launch(resolved("model=gpt-13b"), memory_check=False).memory is None
+
+
+class NeedsRealTensors:
+    """A user's model whose constructor cannot run on the meta device."""
+
+    def __init__(self, **kwargs):
+        raise ValueError("this model reads its weights from disk\nat construction")
+
+
+def test_a_model_that_cannot_be_built_on_meta_is_a_note_naming_its_own_error():
+    """Not hydra's wrapper cut at its first line ("Error in call to target ...:"), the constructor's error."""
+    checked = check_before_launch(resolved(f"model._target_={__name__}.NeedsRealTensors"), memory_check=False)
+    assert ("memory not checked: the model could not be built on the meta device (ValueError: this model reads "
+            "its weights from disk at construction)") in checked.notes
 
 
 def test_a_warm_up_longer_than_the_run_is_one_note():
@@ -76,3 +91,37 @@ def test_the_data_digest_is_of_every_token_or_of_three_slices_past_the_limit():
     assert data_digest(other)["sha256"] != full["sha256"]
     sampled = data_digest(corpus, limit=1000)
     assert sampled["how"] == "sampled" and sampled["sha256"] != full["sha256"]
+
+
+def test_the_memory_line_says_what_it_counts_and_matches_estimate_memory_once_measured(monkeypatch, tmp_path):
+    """gpt_zero3's dry run said 0.36 GiB, then 1.02 GiB once dsrun estimate-memory had measured an idle rank
+    (its cached figure is added), with no word on the difference. Unmeasured, the line says it is a lower
+    bound leaving the rank's process out; measured, it says it includes it and is estimate-memory's figure."""
+    import json
+    import re
+    from dataclasses import asdict
+
+    from dsrun.cli.estimate_memory import estimate_recipe
+    from dsrun.estimate import verdict
+    from dsrun.estimate.runtime import RankRuntime, rank_threads, runtime_cache_path
+
+    gib = 2**30
+    budget = verdict.MemoryBudget(24 * gib, 20 * gib)
+    monkeypatch.setattr(verdict, "detect_budget", lambda: budget)
+    monkeypatch.setenv("DSRUN_CACHE_DIR", str(tmp_path))  # no measurement yet
+    run = resolved("+recipe=gpt_zero3")
+    need = lambda memory: float(re.search(r"need ([\d.]+) GiB", memory).group(1))  # noqa: E731
+    unmeasured = check_before_launch(run).memory
+    assert "a lower bound" in unmeasured and "dsrun estimate-memory" in unmeasured, unmeasured
+
+    resident = 300 * 2**20  # what estimate-memory's probe would have cached for this run's ranks
+    path = runtime_cache_path(rank_threads(2), "AdamW", OmegaConf.to_container(run.runspec.model, resolve=True),
+                              "fp32")
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(asdict(RankRuntime(resident, resident, rank_threads(2), "AdamW", "t", "p", "h"))))
+    measured = check_before_launch(run).memory
+    assert "a lower bound" not in measured and f"{resident / gib:.2f} GiB as dsrun estimate-memory measured" in measured
+    # 2 ranks, each with its process added; figures printed to 0.01 GiB
+    assert abs(need(measured) - need(unmeasured) - 2 * resident / gib) <= 0.01 + 1e-9
+    # and it is the very figure estimate-memory's verdict prints for the same overrides
+    assert verdict.judge(estimate_recipe([SMALL, "+recipe=gpt_zero3"]), budget).reason in measured

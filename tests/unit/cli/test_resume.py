@@ -109,3 +109,67 @@ def test_a_monitor_that_wrote_nothing_is_not_advertised(tmp_path):
     lines = where_outputs_went(run, tmp_path)
     assert f"csv_monitor: {tmp_path / 'dsrun'}" in lines
     assert f"tensorboard: nothing was written to {empty / 'dsrun'} (see the rank 0 log)" in lines
+
+
+def _damage(checkpoints: Path, how: str) -> None:
+    latest = checkpoints / "latest"
+    if how == "missing tag":
+        latest.write_text("global_step100")
+    elif how == "garbage":
+        latest.write_bytes(b"\xff\xfe\x00garbage")
+    elif how == "empty":
+        latest.write_text("")
+    else:
+        latest.unlink()
+
+
+@pytest.mark.parametrize("how", ["missing tag", "garbage", "empty", "no latest"])
+def test_from_and_train_resume_refuse_a_damaged_latest_alike_naming_the_newest_complete_tag(tmp_path, how):
+    """--from used to rerun from step 0 in silence when `latest` was damaged although global_step60 and
+    global_step80 were intact; train.resume=RUN refused it. One rule now: refused, naming global_step80."""
+    import torch
+
+    from dsrun.cli.preflight import resume_problems
+    from dsrun.utils.errors import UserError
+
+    source = earlier_run(tmp_path, "10-00-00", MINE[:2], 60)
+    checkpoints = source / "checkpoints"
+    (checkpoints / "global_step80").mkdir()
+    for tag in ("global_step60", "global_step80"):
+        torch.save({"global_steps": int(tag[11:])}, checkpoints / tag / "mp_rank_00_model_states.pt")
+    _damage(checkpoints, how)
+    with pytest.raises(UserError) as caught:
+        settle_from(resolved("train.max_steps=100"), source, [])
+    (by_from,) = caught.value.problems
+    assert by_from.path == "--from" and by_from.message.endswith("(complete tags there: global_step60, global_step80)")
+    assert by_from.hint.startswith("resume from the newest complete one: "
+                                   f"dsrun train --from {source} train.resume={checkpoints / 'global_step80'}")
+    (by_resume,) = resume_problems(str(source))
+    assert (by_resume.path, by_resume.message) == ("train.resume", by_from.message)
+    assert by_resume.hint.startswith(f"resume from the newest complete one: train.resume={checkpoints / 'global_step80'}")
+    # the suggestion works: the user's train.resume wins and names a whole checkpoint
+    suggested = f"train.resume={checkpoints / 'global_step80'}"
+    run, _ = settle_from(resolved("train.max_steps=100", suggested), source, [suggested])
+    assert resume_problems(run.train.resume) == []
+    with pytest.raises(UserError, match=r"^train.resume: .*complete tags there: global_step60, global_step80"):
+        this = tmp_path / "outputs" / "2026-01-02" / "09-00-00"
+        this.mkdir(parents=True, exist_ok=True)
+        settle_auto(resolved("train.resume=auto"), this, MINE, multirun=False)
+
+
+def test_auto_on_a_finished_run_says_so_and_launches_nothing(tmp_path):
+    from dsrun.cli.resume import RunFinished
+
+    done = earlier_run(tmp_path, "10-00-00", MINE[:2], 300)
+    (done / "metrics.json").write_text(json.dumps({"final_eval_loss": 2.31}))
+    this = tmp_path / "outputs" / "2026-01-02" / "09-00-00"
+    this.mkdir(parents=True)
+    with pytest.raises(RunFinished) as caught:
+        settle_auto(resolved("train.resume=auto", "train.max_steps=300"), this, MINE, multirun=False)
+    assert str(caught.value) == (
+        f"train.resume=auto: the newest run with the same recipe and overrides, {done}, finished: its checkpoint "
+        "global_step300 is at step 300 of train.max_steps=300; nothing to train (raise train.max_steps to train "
+        "it longer, e.g. train.max_steps=600)")
+    assert caught.value.final_eval_loss() == 2.31
+    run, line = settle_auto(resolved("train.resume=auto", "train.max_steps=600"), this, MINE, multirun=False)
+    assert run.train.resume == str(done / "checkpoints") and "at step 300" in line  # longer: it continues

@@ -29,7 +29,8 @@ VALID_FILES = sorted(p for p in (CASES / "valid").iterdir() if p.suffix in (".js
 # Valid configs whose batch arithmetic needs a particular world size (the data-parallel size: with
 # elasticity v0.2's model_parallel_size 2, 16 GPUs are 8 data-parallel ranks).
 WORLD_SIZES = {"elasticity_v01.json": 8, "elasticity_v02.json": 8, "zero3_offload_nvme.json": 8,
-               "hf_zero3_resolved.json": 4, "onebit_adam_fp16.json": 4}
+               "hf_zero3_resolved.json": 4, "onebit_adam_fp16.json": 4,
+               "zero3_partial_offload_zeropp.json": 16}  # hpZ groups of 8 ranks cut a data group of 16
 
 
 def _with_batch(config: dict) -> dict:

@@ -116,7 +116,7 @@ def test_hf_auto_config_resolves_from_auto_values():
     assert cfg.zero_optimization.reduce_bucket_size == 4096 * 4096
     # dropped as DeepSpeed drops them: defaults apply
     assert cfg.zero_optimization.stage3_prefetch_bucket_size == 50_000_000
-    assert cfg.zero_optimization.offload_optimizer.pin_memory is False
+    assert cfg.zero_optimization.offload_optimizer.pin_memory is True  # DeepSpeed 0.19's default
     ds = cfg.to_ds_dict()
     assert "auto" not in repr(ds)
     assert validate_ds_config(ds, world_size=2) == []

@@ -17,7 +17,7 @@ def load(extra: dict, **kwargs) -> DeepSpeedConfig:
 
 def test_deepspeed_behaviour_defaults():
     cfg = load({"sparse_attention": {}, "compression_training": {}})
-    assert cfg.gradient_clipping == 0.0                                              # D1
+    assert cfg.gradient_clipping == 1.0                                              # D1
     assert cfg.communication_data_type is None                                       # D2
     assert (cfg.fp16.initial_scale_power, cfg.fp16.min_loss_scale) == (16, 1.0)      # D3
     z = cfg.zero_optimization
@@ -25,6 +25,8 @@ def test_deepspeed_behaviour_defaults():
     assert z.overlap_comm is False                                                   # D5 (stage 0)
     assert (z.offload_optimizer.device, z.offload_param.device) == ("none", "none")  # D6
     assert z.offload_param.nvme_path is None
+    assert z.offload_param.pin_memory is z.offload_optimizer.pin_memory is True      # DeepSpeed 0.19 (0.14: False)
+    assert cfg.steps_per_print is None                                               # DeepSpeed 0.19 (0.14: 10)
     at = cfg.autotuning
     assert (at.overwrite, at.tuner_type, at.metric) == (True, "gridsearch", "throughput")  # D7
     assert cfg.tensorboard.output_path == "" and cfg.csv_monitor.output_path == ""   # D8

@@ -120,6 +120,20 @@ def test_token_file_mistakes_are_user_errors(tmp_path):
         token_corpus(str(tmp_path / "ids.npy"), seq_len=8, vocab_size=500)
 
 
+def test_a_truncated_or_damaged_npy_token_file_is_a_user_error_naming_its_key(tmp_path):
+    np.save(tmp_path / "ids.npy", np.arange(1000, dtype=np.int64))
+    whole = (tmp_path / "ids.npy").read_bytes()  # a 128-byte header, then 8,000 bytes of ids
+    (tmp_path / "half.npy").write_bytes(whole[:len(whole) // 2])
+    (tmp_path / "header.npy").write_bytes(whole[:60])
+    with pytest.raises(UserError, match=r"data.path: .*half.npy is not a whole .npy file \(it is truncated: its "
+                                        r"header promises 1,000 int64 values, 8,128 bytes in all, and it holds 4,064\)"):
+        load_token_file(tmp_path / "half.npy")
+    with pytest.raises(UserError, match=r"data.path: .*header.npy is not a whole .npy file \(its header cannot be read"):
+        load_token_file(tmp_path / "header.npy")
+    with pytest.raises(UserError, match=r"data.eval_path: .*half.npy is not a whole .npy file"):
+        token_corpus(str(tmp_path / "ids.npy"), seq_len=8, eval_path=str(tmp_path / "half.npy"))
+
+
 def test_tokenizers_bytes_round_trip_and_optional_ones_explain_themselves(monkeypatch):
     byte_level = get_tokenizer("bytes")
     text = "héllo, wörld"

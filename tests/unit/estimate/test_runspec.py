@@ -75,6 +75,21 @@ def test_defaults_and_derived_values_when_keys_are_missing():
     assert sources["zero_stage"] == "default" and spec.activation_checkpointing == "none"
 
 
+def test_gradient_clipping_left_out_is_deepspeeds_default_as_the_engine_clips():
+    """A ds section without gradient_clipping clips at 1.0 in the engine, so the ZeRO-3 estimate counts the
+    norm's temporaries; 0.0 written out turns them off."""
+    from dsrun.config import DeepSpeedConfig
+    from dsrun.estimate.inputs import DEFAULT_CLIPPING, EstimateInputs
+
+    assert DEFAULT_CLIPPING == EstimateInputs.gradient_clipping == DeepSpeedConfig().gradient_clipping == 1.0
+    cfg = runspec()
+    spec, sources = inputs_from_runspec(cfg, build_recipe_model(cfg))
+    assert spec.gradient_clipping == 1.0 and sources["gradient_clipping"].startswith("default")
+    off = runspec(ds={**OmegaConf.to_container(cfg.ds), "gradient_clipping": 0.0})
+    spec, sources = inputs_from_runspec(off, build_recipe_model(off))
+    assert spec.gradient_clipping == 0.0 and sources["gradient_clipping"] == "ds.gradient_clipping"
+
+
 def test_a_recipe_without_a_model_is_a_user_error():
     with pytest.raises(ConfigError, match="model._target_"):
         build_recipe_model(OmegaConf.create({"model": {}}))

@@ -97,6 +97,20 @@ def test_moe_gpt_layers_counts_and_aux_loss() -> None:
         MoEGPT(moe={"num_experts": [2, 2, 2], "every": 2}, **NANO)
 
 
+def test_experts_that_ep_size_does_not_divide_are_a_config_error_naming_the_key() -> None:
+    """Found by the model's options (so on the meta device, before launch), not by a rank's MoE layer."""
+    from dsrun.models.moe_gpt import MoEOptions
+
+    with pytest.raises(ConfigError, match=r"model.moe.num_experts: 3 experts cannot be spread evenly over "
+                                          r"model.moe.ep_size=2 ranks"):
+        MoEOptions(num_experts=3, ep_size=2).experts_per_layer(4)
+    with pytest.raises(ConfigError, match="model.moe.num_experts: 6 experts"):
+        MoEOptions(num_experts=[4, 6], ep_size=4).experts_per_layer(2)
+    assert MoEOptions(num_experts=[4, 8], ep_size=4).experts_per_layer(2) == [4, 8]
+    with pytest.raises(ValueError, match="MoE num_experts: 3 must be divisible by ep_size=2"):  # DeepSpeed's class
+        MoE(16, torch.nn.Linear(16, 16), num_experts=3, ep_size=2)
+
+
 def test_estimator_and_flops_profiler_report_all_and_active_parameters() -> None:
     from dsrun.estimate.counting import count_parameters
     from dsrun.profiling.flops_profiler import FlopsProfiler

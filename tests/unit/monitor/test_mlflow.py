@@ -76,3 +76,30 @@ def test_mark_run_ended_sets_the_status_of_the_named_run_started_since(tmp_path)
     assert status == {old.run_id: "FINISHED", runs[0].run_id: "FAILED", runs[1].run_id: "RUNNING"}
     assert not mark_run_ended(uri, "unit", "never-made", since, "KILLED")
     assert not mark_run_ended(local_tracking_uri(tmp_path / "none"), "unit", "x", since, "KILLED")  # no store yet
+
+
+def test_a_store_left_empty_by_a_full_disk_is_not_written_to_and_a_failure_is_one_line(tmp_path, monkeypatch):
+    """A store file whose creation failed (a full disk) holds no run: marking the job's ending there neither
+    creates tables nor prints MLflow's SQL; a store that fails while being marked is one warning line."""
+    import dsrun.monitor.mlflow_monitor as mlflow_monitor
+    from dsrun.cli.outcome import mark_mlflow
+    from dsrun.compose import compose_runspec
+    from dsrun.runspec import resolve_run
+
+    db = tmp_path / "mlruns" / "mlflow.db"
+    db.parent.mkdir()
+    db.write_bytes(b"")
+    assert not mlflow_monitor.mark_run_ended(f"sqlite:///{db}", "dsrun", "x", 0, "FAILED")
+    assert db.stat().st_size == 0
+
+    def full(*args, **kwargs):
+        raise RuntimeError("(sqlite3.OperationalError) database or disk is full\n[SQL: \nCREATE TABLE experiments "
+                           "(\n\texperiment_id INTEGER NOT NULL\n)\n]\n(Background on this error at: ...)")
+
+    monkeypatch.setattr(mlflow_monitor, "mark_run_ended", full)
+    run = resolve_run(compose_runspec(["data.max_bytes=300000", "monitor=mlflow",
+                                       f"ds.mlflow.tracking_uri=sqlite:///{db}"]))
+    said = []
+    mark_mlflow(run, tmp_path / "2026-01-01" / "10-00-00", 0, "FAILED", said.append)
+    assert said == ["warning: could not mark MLflow run '2026-01-01/10-00-00' FAILED: RuntimeError: "
+                    "(sqlite3.OperationalError) database or disk is full"]

@@ -52,6 +52,31 @@ def test_monitor_master_fans_out_from_a_writer_thread_and_only_on_rank_0(tmp_pat
     assert not other.enabled and not (tmp_path / "rank1").exists()
 
 
+def test_closing_before_a_slow_sink_has_started_says_what_it_waits_for(tmp_path, monkeypatch, capsys):
+    """A short run's rank 0 waited at its end, silently, for the writer thread still importing MLflow and
+    opening its store (10 s and more on a busy machine): close() says what it waits for; once the sinks are
+    up, closing says nothing."""
+    import threading
+
+    from dsrun.monitor import master as master_module
+
+    release, real = threading.Event(), master_module.build_sink
+    monkeypatch.setattr(master_module, "build_sink", lambda *a, **k: (release.wait(60), real(*a, **k))[1])
+    cfg = load_ds_config({"train_batch_size": 8, "csv_monitor": {"enabled": True, "job_name": "j"}})
+    slow = MonitorMaster(cfg, rank=0, default_output_dir=str(tmp_path / "a"))
+    slow.write_events(EVENTS)
+    slow.close(timeout=0.1)  # the sink is not built yet: the writer waits on `release`
+    assert "closing the monitors: waiting for csv_monitor to start" in capsys.readouterr().err
+    release.set()
+    slow._thread.join(60)
+    assert (tmp_path / "a" / "j" / "Train_Samples_lr.csv").read_text().splitlines() == ["step,lr", "8,0.001"]
+
+    started = MonitorMaster(cfg, rank=0, default_output_dir=str(tmp_path / "b"))
+    started.flush()  # returns once the writer has built the sinks and written
+    started.close()
+    assert capsys.readouterr().err == ""
+
+
 def test_output_path_in_the_config_wins_over_the_default(tmp_path):
     cfg = {"csv_monitor": {"enabled": True, "output_path": str(tmp_path / "mine"), "job_name": "x"}}
     master = MonitorMaster(cfg, rank=0, default_output_dir=str(tmp_path / "run"), background=False)

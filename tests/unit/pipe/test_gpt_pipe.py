@@ -69,6 +69,17 @@ def test_activation_checkpointing_modes_of_a_pipelined_gpt() -> None:
         gpt_pipeline(GPTConfig(**SHAPE, activation_checkpointing="full"), ds(activation_checkpoint_interval=2))
 
 
+def test_more_stages_than_pipeline_layers_is_a_config_error_of_the_model() -> None:
+    """Found by the GPT's config (so before launch, on the meta device), not by the ranks of an empty stage."""
+    from dsrun.models.gpt_pipe import pipeline_layers
+
+    config = GPTConfig(**SHAPE, pipeline_stages=7)  # 3 blocks: 7 layers, one per stage
+    assert len(pipeline_layers(config)) == config.pipeline_layers == 7
+    with pytest.raises(ConfigError, match=r"model.pipeline_stages: 8 stages but a GPT of n_layer=3 is 7 pipeline "
+                                          r"layers .* \(use at most 7 stages, or raise model.n_layer\)"):
+        GPTConfig(**SHAPE, pipeline_stages=8)
+
+
 def test_the_recipe_counts_data_parallel_ranks_and_refuses_what_a_pipeline_cannot_run() -> None:
     run = resolve_run(compose_runspec(["+recipe=gpt_pipe", "launcher.num_procs=4"]))
     assert run.ds.train_batch_size == 8 * 4 * 2  # micro batch x micro-batches x 2 data-parallel ranks

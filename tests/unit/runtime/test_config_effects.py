@@ -99,6 +99,29 @@ def _clipping(**_):
     assert deltas[1] < deltas[0] / 10  # the clipped step is the gradient scaled to norm 1e-3
 
 
+def test_gradient_clipping_left_out_clips_at_one_as_deepspeed_does():
+    """DeepSpeed's documented default (and 0.19's): a config without the key clips the global norm at 1.0."""
+    sgd = {"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    e = engine(sgd)
+    assert e.gradient_clipping() == 1.0
+    before = first_weights(e)
+    x, y = torch.randn(2, 4, generator=torch.Generator().manual_seed(0)), torch.full((2, 1), 100.0)
+    e.backward(F.mse_loss(e(x), y))  # a gradient whose global norm is far above 1
+    e.step()
+    norm = e.get_global_grad_norm()
+    assert norm > 100
+    # SGD moved the weights by lr * g * 1/(norm + 1e-6): a step of global norm lr * norm / (norm + 1e-6)
+    after = torch.cat([w.flatten() for w in first_weights(e)])
+    moved = (after - torch.cat([w.flatten() for w in before])).double().norm().item()
+    # fp32 rounds the update and the difference: at most one ulp of the largest weight per element
+    bound = after.numel() ** 0.5 * after.abs().max().item() * 2.0 ** -23
+    assert moved == pytest.approx(0.1 * norm / (norm + 1e-6), abs=bound)
+
+
+def first_weights(e: Any) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in e.module.parameters()]
+
+
 # --- precision ----------------------------------------------------------------------------------------------------
 def fp16(**keys: Any) -> dict:
     return {"fp16": {"enabled": True, **keys}}
@@ -127,6 +150,20 @@ def _initial_scale(key, **_):
             else (fp16(initial_scale_power=4), fp16(initial_scale_power=8)))
     assert (engine(a).cur_scale, engine(b).cur_scale) == ((128.0, 2.0 ** 16) if key == "fp16.loss_scale"
                                                             else (16.0, 256.0))
+
+
+@effect("bf16.check_grad_overflow")
+def _bf16_overflow(**_):
+    """DeepSpeed 0.19's default (true): a bf16 step whose gradients hold inf/nan is skipped at ZeRO 1-2; false,
+    or stage 0 and 3 (where DeepSpeed's bf16 optimizers do not check), apply it."""
+    def run(stage: int, **keys: Any) -> tuple[int, bool]:
+        e = engine({"bf16": {"enabled": True, **keys}, "zero_optimization": {"stage": stage},
+                    "gradient_clipping": 0.0})
+        step(e, 1, overflow_at=(0,))
+        return e.skipped_steps, bool(torch.isfinite(e.module.layers[0].weight).all())
+    assert run(1) == run(2) == (1, True)  # skipped: the weights stay finite
+    assert run(2, check_grad_overflow=False) == (0, False)
+    assert run(0) == (0, False) and run(3)[0] == 0  # (a ZeRO-3 weight is an empty placeholder between steps)
 
 
 def scale_after(n: int, overflow_at: tuple[int, ...], **keys: Any) -> float:

@@ -36,6 +36,21 @@ def _steps_per_print(capsys, **_):
     assert lines == [4, 2]
 
 
+def test_steps_per_print_left_out_prints_no_progress_line_as_deepspeed_0_19(capsys):
+    """DeepSpeed 0.19's default is None (0.14: 10): no "step=" line; the wall-clock means come every step."""
+    import dsrun
+    from tests.unit.runtime._effects import BASE, Net
+
+    config = {k: v for k, v in BASE.items() if k != "steps_per_print"}
+    quiet = dsrun.initialize(model=Net(), config=config)[0]
+    assert quiet.steps_per_print() is None
+    step(quiet, 12)
+    assert "[dsrun] step=" not in capsys.readouterr().out
+    timed = dsrun.initialize(model=Net(), config={**config, "wall_clock_breakdown": True})[0]
+    step(timed, 3)
+    assert capsys.readouterr().out.count("time (ms) | forward:") == 3
+
+
 @effect("wall_clock_breakdown")
 def _wall_clock(capsys, **_):
     out = []

@@ -203,8 +203,8 @@ def test_param_groups_keep_their_own_hyperparameters(stage: int) -> None:
         return [{"params": decay, "weight_decay": 0.5}, {"params": no_decay, "weight_decay": 0.0, "lr": 0.05}]
 
     model, reference = _model(), _model()
-    engine = dsrun.initialize(model=model, model_parameters=groups(model),
-                              config=_config(zero_optimization={"stage": stage}))[0]
+    engine = dsrun.initialize(model=model, model_parameters=groups(model),  # against unclipped torch AdamW
+                              config=_config(zero_optimization={"stage": stage}, gradient_clipping=0.0))[0]
     ref_opt = torch.optim.AdamW(groups(reference), lr=0.01)
     assert [g["weight_decay"] for g in engine.optimizer.param_groups] == [0.5, 0.0]
     for _ in range(3):
@@ -247,7 +247,8 @@ class _WithUnused(torch.nn.Module):
 def test_unused_parameters_do_not_stall_or_skew_the_step(stage: int) -> None:
     engine = dsrun.initialize(model=_WithUnused(), config={
         "train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "torch_adam": True}},
-        "zero_optimization": {"stage": stage, "overlap_comm": True, "reduce_bucket_size": 8}})[0]
+        "zero_optimization": {"stage": stage, "overlap_comm": True, "reduce_bucket_size": 8},
+        "gradient_clipping": 0.0})[0]  # against unclipped torch AdamW
     reference = _WithUnused()
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01, weight_decay=0.0)
     unused_before = engine.module.unused.weight.detach().clone()

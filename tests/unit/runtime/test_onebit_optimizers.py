@@ -172,6 +172,33 @@ def test_bad_params_are_config_errors_naming_the_key(cls, kwargs, key) -> None:
     assert str(err.value).startswith(key) and "\n" not in str(err.value)
 
 
+
+@pytest.mark.parametrize("params", [{"freeze_step": 2}, {"freeze_step": 2, "coeff_beta": 0.9}, {"min_coeff": 20.0},
+                                    {"factor_max": 0.25}, {"freeze_step": 10, "coeff_beta": 0.5, "max_coeff": 2.0}])
+def test_validate_and_the_constructor_apply_one_set_of_rules(params) -> None:
+    """``dsrun config --validate`` (load_ds_config) refuses exactly what OnebitLamb's constructor refuses, with the
+    same problems, a missing param counting as its default; the defaults they use are the constructor's."""
+    import inspect
+
+    from dsrun.config import load_ds_config
+    from dsrun.config.optim import ONE_BIT_LAMB_DEFAULTS
+
+    signature = inspect.signature(OnebitLamb).parameters
+    assert {key: signature[key].default for key in ONE_BIT_LAMB_DEFAULTS} == ONE_BIT_LAMB_DEFAULTS
+    try:
+        load_ds_config({"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "OneBitLamb", "params": params}},
+                       world_size=1)
+        validated = []
+    except ConfigError as err:
+        validated = [str(p) for p in err.problems]
+    try:
+        OnebitLamb(_params(), **params)
+        constructed = []
+    except ConfigError as err:
+        constructed = [str(p) for p in err.problems]
+    assert [p.replace(" by default", "") for p in validated] == constructed  # (validate says which were defaults)
+    assert bool(validated) == (params.get("coeff_beta") != 0.5)
+
 def test_unknown_params_and_names() -> None:
     with pytest.raises(ConfigError, match="ZeroOneAdam rejected the params .*freeze_step"):
         build_onebit_optimizer("ZeroOneAdam", _params(), {"freeze_step": 10})  # 0/1 Adam's is var_freeze_step

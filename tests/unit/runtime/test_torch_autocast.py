@@ -46,3 +46,23 @@ def test_torch_autocast_dtype_and_safe_modules():
     dtypes = [dtype for _, _, dtype in strategy._comm_dtype_runs(bucket)]
     assert dtypes == [torch.float32, torch.bfloat16, torch.float32]
     assert default.strategy._comm_dtype_runs(bucket) is not None and _engine().strategy._comm_dtype_runs(bucket) is None
+
+
+@pytest.mark.parametrize("spelling, dtype", [("torch.bfloat16", torch.bfloat16), ("bfloat16", torch.bfloat16),
+                                             ("torch.float16", torch.float16), ("half", torch.float16),
+                                             (torch.bfloat16, torch.bfloat16)])
+def test_torch_autocast_dtype_takes_deepspeeds_spellings(spelling, dtype):
+    """DeepSpeedExamples' bf16_full.json writes "torch.bfloat16"; DeepSpeed's DtypeEnum takes it, so does dsrun."""
+    engine = _engine({"enabled": True, "dtype": spelling})
+    assert engine.torch_autocast_dtype() == dtype and engine(torch.randn(2, 4)).dtype == dtype
+    assert engine._config.torch_autocast.dtype == {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+
+
+def test_data_types_take_deepspeeds_spellings_and_a_bad_one_names_the_key():
+    from dsrun.config import load_ds_config
+    from dsrun.utils.errors import ConfigError
+
+    cfg = load_ds_config({"train_micro_batch_size_per_gpu": 1, "data_types": {"grad_accum_dtype": "torch.float32"}})
+    assert cfg.data_types.grad_accum_dtype == "fp32"
+    with pytest.raises(ConfigError, match=r"torch_autocast.dtype: got 'int8'; allowed: 'fp16', 'bf16' or 'fp32'"):
+        load_ds_config({"train_micro_batch_size_per_gpu": 1, "torch_autocast": {"enabled": True, "dtype": "int8"}})

@@ -29,9 +29,11 @@ from typing import Any, Callable, Iterable, NamedTuple
 import torch
 
 from dsrun import comm
+from dsrun.config.optim import lamb_pair_problems
+from dsrun.utils.errors import ConfigError
 
-from .base import (OneBitOptimizer, adam_denominator, bias_corrections, check_common, check_step_count, require,
-                   shape_numel)
+from .base import (PARAMS, OneBitOptimizer, adam_denominator, bias_corrections, check_common, check_step_count,
+                   require, shape_numel)
 
 
 class _Segment(NamedTuple):
@@ -51,14 +53,11 @@ class OnebitLamb(OneBitOptimizer):
                  factor_min: float = 0.5, factor_threshold: float = 0.1):
         beta1, beta2 = check_common(lr, betas, eps, weight_decay, max_grad_norm, amsgrad, "OneBitLamb")
         self.freeze_step = check_step_count(freeze_step, "freeze_step")
-        require(0 < min_coeff <= max_coeff, "min_coeff", f"got min_coeff {min_coeff}, max_coeff {max_coeff}; "
-                "expected 0 < min_coeff <= max_coeff")
         require(0 <= coeff_beta < 1, "coeff_beta", f"got {coeff_beta}; expected a number in [0, 1)")
-        require(self.freeze_step * (1 - coeff_beta) >= 1 - 1e-9, "coeff_beta",
-                f"1 / (1 - coeff_beta) = {1 / (1 - coeff_beta):g} exceeds freeze_step {self.freeze_step}: the "
-                "frozen coefficient would still be biased towards 0", "lower coeff_beta or raise freeze_step")
-        require(0 < factor_min <= factor_max, "factor_min", f"got factor_min {factor_min}, factor_max {factor_max}; "
-                "expected 0 < factor_min <= factor_max")
+        pairs = lamb_pair_problems(dict(freeze_step=self.freeze_step, coeff_beta=coeff_beta, max_coeff=max_coeff,
+                                        min_coeff=min_coeff, factor_max=factor_max, factor_min=factor_min), PARAMS)
+        if pairs:  # the rules dsrun config --validate runs, on the same values
+            raise ConfigError(pairs)
         require(0 <= factor_threshold, "factor_threshold", f"got {factor_threshold}; expected >= 0")
         self.eps_inside_sqrt = bool(eps_inside_sqrt)
         self.coeff_beta, self.factor_max, self.factor_min = float(coeff_beta), float(factor_max), float(factor_min)
