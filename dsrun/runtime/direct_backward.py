@@ -72,7 +72,7 @@ class DirectBackward:
         if not self.waiting:
             return
         engine = self.engine
-        if engine.precision.checks_overflow:
+        if engine.precision.scales_loss:
             self.waiting = False
             raise UserError(Problem("engine.step()", "the gradients came from a backward engine.backward() did not "
                                     f"run, and {engine.precision.name} training needs the loss multiplied by its loss "
