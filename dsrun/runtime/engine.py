@@ -24,6 +24,7 @@ from dsrun.runtime.activation_checkpointing.settings import configure_from_engin
 from dsrun.runtime.data_pipeline.engine_api import DataEfficiencyEngineMixin
 from dsrun.runtime.data_pipeline.features import DataEfficiency
 from dsrun.runtime.dataloader import DeepSpeedDataLoader
+from dsrun.runtime.direct_backward import DirectBackward
 from dsrun.runtime.engine_collectives import EngineCollectives
 from dsrun.runtime.engine_getters import EngineConfigGetters
 from dsrun.runtime.engine_methods import EngineMethods
@@ -112,6 +113,7 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
             check_zero_optimizer(optimizer, stage, bool(config.zero_allow_untested_optimizer))
             self.strategy = build_zero_strategy(stage, self._strategy_context(optimizer))
             self.optimizer = self.strategy.optimizer
+        self.direct_backward = DirectBackward(self)  # backward passes engine.backward() did not run
         self.lr_scheduler = self._configure_lr_scheduler(lr_scheduler)
         # data efficiency (dsrun/runtime/data_pipeline): curriculum, PLD, random-LTD, curriculum data sampling
         self.data_efficiency = DataEfficiency(config, self.train_batch_size(), self.global_rank, self.dp_group)
@@ -194,7 +196,8 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
     def backward(self, loss: torch.Tensor, allreduce_gradients: bool = True, release_loss: bool = False,
                  retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss`` divided by the accumulation steps; on the boundary micro-step gradients are
-        reduced across ranks (stage 2 reduces on every micro-step)."""
+        reduced across ranks (stage 2 reduces on every micro-step). ``loss.backward()`` followed by ``step()``
+        trains the same (:mod:`dsrun.runtime.direct_backward`), except in fp16."""
         if not allreduce_gradients:
             warnings.warn("backward(allreduce_gradients=False) is deprecated and ignored, as in DeepSpeed; use "
                           "engine.no_sync() to accumulate without reducing", DeprecationWarning, stacklevel=2)
@@ -202,12 +205,29 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
             scale_wrt_gas = self.scale_wrt_gas
         self.observer.before_backward()
         self.timers.start(BACKWARD_TIMER)
-        gas = self.gradient_accumulation_steps()
-        # as DeepSpeed: a backward that does not reduce (no_sync, enable_backward_allreduce=False) is not scaled
-        if scale_wrt_gas and gas > 1 and self.enable_backward_allreduce and not self.inside_no_sync_ctxt:
-            loss = loss.float() / gas
+        divisor = self._gas_divisor(scale_wrt_gas)
+        if divisor != 1.0:
+            loss = loss.float() / divisor
         mean_loss = loss.detach().mean()
         self.losses = mean_loss if self.losses is None else self.losses + mean_loss
+        boundary = self._backward_prologue()
+        with self.direct_backward.engine_backward():
+            self.precision.scale_loss(loss).backward(retain_graph=retain_graph)
+        self._backward_epilogue(boundary)
+        self.timers.stop(BACKWARD_TIMER)
+        self.observer.after_backward(loss)
+        return loss
+
+    def _gas_divisor(self, scale_wrt_gas: bool) -> float:
+        """What a backward's gradients are divided by: the accumulation steps; as DeepSpeed, not for a backward
+        that does not reduce (no_sync, enable_backward_allreduce=False)."""
+        gas = self.gradient_accumulation_steps()
+        if scale_wrt_gas and gas > 1 and self.enable_backward_allreduce and not self.inside_no_sync_ctxt:
+            return float(gas)
+        return 1.0
+
+    def _backward_prologue(self) -> bool:
+        """Before a backward's gradients arrive: whether it reduces (the boundary), and the strategy armed."""
         # no_sync() / enable_backward_allreduce=False: a boundary micro-step accumulates like any other, and the
         # reduction waits for the next boundary backward or allreduce_gradients() (engine_methods.py)
         boundary = self.is_gradient_accumulation_boundary()
@@ -218,21 +238,27 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
         if self.strategy is not None:
             self.strategy.before_backward(boundary)
         self.timers.start(BACKWARD_INNER_TIMER)
-        self.precision.scale_loss(loss).backward(retain_graph=retain_graph)
+        return boundary
+
+    def _backward_epilogue(self, boundary: bool) -> None:
+        """After every gradient of a backward arrived: finish the reduction this micro-step needs."""
         self.timers.stop(BACKWARD_INNER_TIMER)
         self.timers.start(BACKWARD_REDUCE_TIMER)
         if self.strategy is not None:
             self.strategy.after_backward(boundary)
+            if boundary or self.strategy.stage >= 2:  # every gradient there is was reduced
+                self.direct_backward.reduced()
         self.timers.stop(BACKWARD_REDUCE_TIMER)
-        self.timers.stop(BACKWARD_TIMER)
-        self.observer.after_backward(loss)
-        return loss
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Count the micro-step; at a boundary update the weights (unless the gradients overflowed), step
         the scheduler, and advance ``global_steps``/``global_samples``."""
         if self.inside_no_sync_ctxt:
             raise AssertionError("It is illegal to call Engine.step() inside no_sync context manager")
+        if self.strategy is not None:
+            self.direct_backward.hand_over()  # gradients a loss.backward() left (fp16: refused)
+            if self.is_gradient_accumulation_boundary():
+                self.direct_backward.check_step()  # an optimizer step on no gradient at all: refused
         self.observer.before_step()
         self.timers.start(STEP_TIMER)
         boundary = self.is_gradient_accumulation_boundary()
@@ -408,6 +434,7 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
         tensors only where the strategy can give them back; use the engine no further."""
         if self.strategy is not None:
             self.strategy.close()
+        self.direct_backward.close()
         self.observer.close()
         if self.has_moe_layers:
             from dsrun.moe import groups as expert_groups

@@ -1,9 +1,9 @@
 """DeepSpeed's gradient-reduction helpers on the engine (``allreduce_bucket``, ``buffered_allreduce_fallback``,
 the sparse variants …): the building blocks a pipeline engine or a custom loop reduces ``.grad`` tensors with.
 
-They follow DeepSpeed's averaging rules (``prescale_gradients``, ``gradient_predivide_factor``,
-``communication_data_type``) and go through :mod:`dsrun.comm`. The engine's own training loop does not use
-them: its ZeRO strategy reduces gradients in buckets during backward.
+They follow DeepSpeed's averaging rules (``prescale_gradients``, ``gradient_predivide_factor``: the one rule
+in :mod:`dsrun.runtime.zero.averaging`; ``communication_data_type``) and go through :mod:`dsrun.comm`. The
+engine's own training loop does not use them: its ZeRO strategy reduces gradients in buckets during backward.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from dsrun import comm
 from dsrun.runtime.sparse_tensor import SparseTensor
+from dsrun.runtime.zero.averaging import gradient_averaging
 
 
 class EngineCollectives:
@@ -31,16 +32,11 @@ class EngineCollectives:
         tensor = self.flatten(bucket)
         reduced = tensor if self.communication_data_type == tensor.dtype else tensor.to(self.communication_data_type)
         world = comm.get_world_size(dp_group) if dp_world_size is None else dp_world_size
-        factor = self.gradient_predivide_factor()
-        if self.postscale_gradients():
-            if factor != 1.0:
-                reduced.mul_(1.0 / factor)
-            comm.all_reduce(reduced, group=dp_group)
-            if self.gradient_average and factor != world:
-                reduced.mul_(factor / world)
-        else:
-            reduced.mul_(1.0 / world)
-            comm.all_reduce(reduced, group=dp_group)
+        averaging = gradient_averaging(world, average=self.gradient_average, prescale=not self.postscale_gradients(),
+                                       factor=self.gradient_predivide_factor(), scatter=False)
+        averaging.before(reduced)
+        comm.all_reduce(reduced, group=dp_group)
+        averaging.after(reduced)
         if reduced is not tensor:
             tensor.copy_(reduced)
         return tensor

@@ -38,6 +38,7 @@ class EngineMethods:
     # DeepSpeed's switches, on the engine as in DeepSpeed
     inside_no_sync_ctxt: bool = False
     _reduction_pending: bool = False  # a boundary backward skipped the reduction (no_sync, or switched off)
+    direct_backward: Any  # dsrun.runtime.direct_backward.DirectBackward
     _step_applied: bool = False
     _is_compiled: bool = False
 
@@ -104,6 +105,7 @@ class EngineMethods:
         finally:
             strategy.enable_backward_allreduce = switch
         self._reduction_pending = False
+        self.direct_backward.reduced()
 
     def was_step_applied(self) -> bool:
         """True when the last ``step()`` updated the weights (False between accumulation boundaries and on a

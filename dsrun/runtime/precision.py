@@ -20,6 +20,7 @@ class PrecisionStrategy:
     name = "fp32"
     model_dtype = torch.float32
     checks_overflow = False
+    scales_loss = False  # whether backward needs the loss multiplied by a loss scale (only engine.backward does)
 
     @property
     def needs_master_weights(self) -> bool:
@@ -67,6 +68,7 @@ class FP16Precision(PrecisionStrategy):
     name = "fp16"
     model_dtype = torch.float16
     checks_overflow = True
+    scales_loss = True
 
     def __init__(self, scaler: DynamicLossScaler | LossScaler, auto_cast: bool = False):
         self.scaler = scaler

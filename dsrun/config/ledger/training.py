@@ -9,6 +9,7 @@ from __future__ import annotations
 from .entry import NOT_IMPLEMENTED, Entry, Feature, design, done, todo
 
 UNIT = "tests/unit/runtime/test_config_effects.py::test_key_changes_behaviour[{key}]"
+PAYLOAD = "tests/integration/test_gradient_path.py::test_reduction_payload_follows_deepspeed"
 REPORTING = "tests/unit/runtime/test_config_effects_reporting.py::test_key_changes_behaviour[{key}]"
 RANKS = "tests/integration/test_config_effects.py::test_key_changes_behaviour[{key}]"
 CONFIG = "tests/unit/config/test_support_effects.py::test_key_changes_behaviour[{key}]"
@@ -72,9 +73,10 @@ ENTRIES: list[Entry] = [
          "(replaces communication_data_type, as DeepSpeed's engine does)",
          "tests/integration/test_seq_parallel_comm_dtype.py::"
          "test_seq_parallel_comm_data_type_sets_the_gradient_reduction_dtype", traced=False),
-    done("prescale_gradients", "divide gradients by gradient_predivide_factor before the reduction, the rest "
-         "after", UNIT),
-    done("gradient_predivide_factor", "the divisor applied before the reduction when prescale_gradients", UNIT),
+    done("prescale_gradients", "divide gradients by the world size before the reduction (off: by "
+         "gradient_predivide_factor before, the rest after), as DeepSpeed", PAYLOAD),
+    done("gradient_predivide_factor", "with prescale_gradients off: the divisor applied before the reduction (a "
+         "reduce-scatter: times the world size), the rest of the average after", PAYLOAD),
     todo("sparse_gradients", "reduce torch.nn.Embedding gradients as sparse tensors", ENGINE),
     todo("disable_allgather", "skip the parameter all-gather after the step (DeepSpeed internal)", ENGINE),
     # --- precision -------------------------------------------------------------------------------------------

@@ -361,7 +361,8 @@ class PipelineEngine(DeepSpeedEngine):
         if self.strategy is not None:
             self.strategy.before_backward(False)
         if targets:
-            torch.autograd.backward(targets, grads)
+            with self.direct_backward.engine_backward():
+                torch.autograd.backward(targets, grads)
         if self.strategy is not None:
             self.strategy.after_backward(False)
         self._collect_input_grads(buf, cmd)
@@ -389,7 +390,8 @@ class PipelineEngine(DeepSpeedEngine):
             self.strategy.before_backward(False)
         if targets:
             params = [p for p in self.module.parameters() if p.requires_grad]
-            torch.autograd.backward(targets, grads, inputs=params)
+            with self.direct_backward.engine_backward():
+                torch.autograd.backward(targets, grads, inputs=params)
         if self.strategy is not None:
             self.strategy.after_backward(False)
         buf.weight_pass = None

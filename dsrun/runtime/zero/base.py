@@ -28,6 +28,7 @@ from dsrun.runtime.offload.flat_store import DeviceFlatStore
 from dsrun.runtime.offload.pipeline import PipelineTimes
 from dsrun.runtime.precision import PrecisionStrategy
 
+from .averaging import gradient_averaging
 from .buckets import Bucket, BucketQueue, plan_buckets
 from .layout import FlatGroup, flatten_params
 from .step_hooks import AFTER_UPDATE, BEFORE_UPDATE, StepHooks, StepState
@@ -183,6 +184,7 @@ class ZeroStrategy(ABC):
     # each rank's whole local gradient until the step (stages 0-1, on the device)
     supports_local_gradients = False
     deepspeed_wrapper: str | None = None  # DeepSpeed's optimizer wrapper here (dsrun.runtime.optimizer_wrappers)
+    scatters_gradients = False  # reduced by a reduce-scatter (else an all-reduce): the averaging rule differs
 
     def __init__(self, ctx: StrategyContext):
         self.ctx = ctx
@@ -191,14 +193,11 @@ class ZeroStrategy(ABC):
         self.precision = ctx.precision
         self.model_dtype = ctx.precision.model_dtype
         self.comm_dtype = ctx.communication_data_type or self.model_dtype
-        # gradients are divided by pre_divide before the sum and by post_scale's inverse at the step
-        if ctx.prescale_gradients:
-            self.pre_divide = float(ctx.gradient_predivide_factor)
-            self.post_scale = float(ctx.gradient_predivide_factor) / self.world_size
-        elif ctx.gradient_average:
-            self.pre_divide, self.post_scale = float(self.world_size), 1.0
-        else:  # gradient_allreduce_op "sum": only the predivide factor, as DeepSpeed's post-scaling path
-            self.pre_divide, self.post_scale = float(ctx.gradient_predivide_factor), 1.0
+        # each reduction divides its payload before the collective and finishes the average on what it received
+        # (averaging.py), so a reduced gradient is always the average, whatever is reduced again later
+        self.averaging = gradient_averaging(self.world_size, average=ctx.gradient_average,
+                                            prescale=ctx.prescale_gradients, factor=ctx.gradient_predivide_factor,
+                                            scatter=self.scatters_gradients)
         self.hooks = StepHooks()  # named points on the step path (step_hooks.py)
         self.global_grad_norm: float | None = None
         self.norm_group = ctx.group  # the ranks whose partitions together hold every gradient once
@@ -251,8 +250,8 @@ class ZeroStrategy(ABC):
         if self.precision.checks_overflow and self._overflow_on_any_rank():
             self.global_grad_norm = None
             return StepOutcome(overflow=True, grad_norm=None)
-        # One multiply removes the loss scale, finishes the average (of reduced gradients), and clips.
-        coef = (self.post_scale if self._gradients_reduced else 1.0) / self.precision.loss_scale
+        # One multiply removes the loss scale and clips.
+        coef = 1.0 / self.precision.loss_scale
         norm = None
         if gradient_clipping and gradient_clipping > 0:
             norm = self._global_norm(coef)
@@ -466,7 +465,7 @@ class FlatStrategy(ZeroStrategy):
     @abstractmethod
     def _master_grads(self) -> list[torch.Tensor]:
         """fp32 gradients matching ``self.masters``, averaged over ranks but still multiplied by
-        loss_scale / post_scale (the step removes both in one multiply)."""
+        the loss scale (the step removes it)."""
 
     @abstractmethod
     def _publish(self) -> None:
@@ -501,8 +500,7 @@ class FlatStrategy(ZeroStrategy):
             self._complete(bucket)
 
     def _divide_before_reduce(self, tensor: torch.Tensor) -> None:
-        if self.pre_divide != 1.0:
-            tensor.div_(self.pre_divide)
+        self.averaging.before(tensor)
 
     @property
     def norm_is_partitioned(self) -> bool:  # type: ignore[override]

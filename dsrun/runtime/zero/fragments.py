@@ -103,9 +103,9 @@ class ParamFragment:
         return self.length
 
     def _grad_scale(self) -> float:
-        """Stored gradients are averaged but still multiplied by loss_scale / post_scale (the step removes
-        both in one multiply): this factor makes them the plain averaged gradient."""
-        return self.strategy.post_scale / self.strategy.precision.loss_scale
+        """Stored gradients are averaged but still multiplied by the loss scale (the step removes it): this
+        factor makes them the plain averaged gradient."""
+        return 1.0 / self.strategy.precision.loss_scale
 
     def _state_or_error(self, key: str) -> torch.Tensor:
         state = self._state(key)

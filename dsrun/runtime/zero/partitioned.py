@@ -32,6 +32,10 @@ class PartitionedStrategy(FlatStrategy):
     alignment_per_rank = 2  # DeepSpeed pads each flat group to a multiple of 2 * world_size
     partitioned = True
 
+    @property
+    def scatters_gradients(self) -> bool:  # type: ignore[override]
+        return self.ctx.reduce_scatter
+
     def _owned_slices(self, group: FlatGroup, bucket: Bucket) -> list[tuple[int, int]]:
         """For each rank, the part of ``bucket`` inside its partition, as offsets into the bucket."""
         pieces = []
@@ -83,6 +87,7 @@ class PartitionedStrategy(FlatStrategy):
                 handle.wait()
             if result is not out:
                 out.copy_(result)
+            self.averaging.after(out)
         bucket.handles = []
 
     def _publish(self) -> None:

@@ -79,6 +79,7 @@ class DataParallelStrategy(FlatStrategy):
             if piece.dtype != grad.dtype:
                 grad[lo:lo + piece.numel()].copy_(piece)
         bucket.staged_runs = []
+        self.averaging.after(grad)
 
     def _comm_dtype_runs(self, bucket: Bucket) -> list[tuple[int, int, torch.dtype]] | None:
         """(start, end, dtype) pieces of ``bucket`` (relative to its start) when some of its parameters carry

@@ -73,6 +73,7 @@ class SubGroup:
 
 class Stage3Strategy(ZeroStrategy):
     stage = 3
+    scatters_gradients = True
 
     def __init__(self, ctx: StrategyContext):
         super().__init__(ctx)
@@ -251,6 +252,9 @@ class Stage3Strategy(ZeroStrategy):
             store.begin_micro_step(boundary)
 
     def after_backward(self, boundary: bool) -> None:
+        for p in self.params:  # gradients no hook took (a loss.backward() the engine did not run, or assigned)
+            if p.grad is not None and id(p) in self._slot:
+                self._grad_ready(p)
         for key in [k for k, items in self._pending.items() if items]:
             self._launch_bucket(key)
         self._complete_all()
@@ -296,8 +300,7 @@ class Stage3Strategy(ZeroStrategy):
                 rows[whole + (1 if rest else 0):, off:off + part].zero_()
             placed.append((p, off))
             off += part
-        if self.pre_divide != 1.0:
-            rows.div_(self.pre_divide)
+        self.averaging.before(rows)
         if world == 1:
             self._inflight.append((None, rows[0], placed, rows_flat))
         elif self._qgz is not None and group is self._qgz.group:
@@ -337,6 +340,7 @@ class Stage3Strategy(ZeroStrategy):
         work, out, placed, rows = entry
         if work is not None:
             work.wait()
+        self.averaging.after(out)
         for p, off in placed:
             sg, sg_off = self._slot[id(p)]
             sg.store.accumulate(sg.index, sg, sg_off, out[off:off + p.ds_partition_numel])

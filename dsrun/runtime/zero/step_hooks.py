@@ -2,13 +2,13 @@
 features attach without flags inside the ZeRO strategies.
 
 Every stage, offloaded or not, steps the same way: gradients checked for overflow on every rank, the global
-norm measured (when clipping), one coefficient ``coef`` that removes the loss scale, finishes the average and
-clips, then the update and the write-back of the weights. Around the update:
+norm measured (when clipping), one coefficient ``coef`` that removes the loss scale and clips (the reduction
+already finished the average: averaging.py), then the update and the write-back of the weights. Around the update:
 
 ``before_update``  called with a :class:`StepState` after overflow, norm and clipping are decided and before
                    the optimizer runs. ``state.coef`` may be changed (it multiplies every gradient); the
                    resident gradients the update will read are ``state.gradients()`` (fp32, this rank's
-                   partition at stages 1-3, still multiplied by ``loss_scale / post_scale``: multiply by
+                   partition at stages 1-3, still multiplied by the loss scale: multiply by
                    ``state.coef`` to get what the optimizer sees). Compression schedules that mask or
                    scale gradients attach here (MoE experts need no hook: they are reduced over their
                    expert-data group by the strategies); so do the 1-bit optimizers, which turn the backward

@@ -122,22 +122,6 @@ def first_weights(e: Any) -> list[torch.Tensor]:
     return [p.detach().clone() for p in e.module.parameters()]
 
 
-@effect("prescale_gradients", "gradient_predivide_factor")
-def _prescale(key, **_):
-    def grad_after_backward(extra: dict) -> torch.Tensor:
-        e = engine(extra)
-        x, y = torch.ones(2, 4), torch.zeros(2, 1)
-        e.backward(F.mse_loss(e(x), y))  # stage 0 divides before its reduction, at the end of backward
-        return e.module.layers[2].weight.grad.clone()
-
-    plain = grad_after_backward({})
-    by_four = grad_after_backward({"prescale_gradients": True, "gradient_predivide_factor": 4.0})
-    torch.testing.assert_close(by_four * 4, plain)
-    if key == "gradient_predivide_factor":
-        by_two = grad_after_backward({"prescale_gradients": True, "gradient_predivide_factor": 2.0})
-        torch.testing.assert_close(by_two * 2, plain)
-
-
 # --- precision ----------------------------------------------------------------------------------------------------
 def fp16(**keys: Any) -> dict:
     return {"fp16": {"enabled": True, **keys}}
