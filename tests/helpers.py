@@ -7,7 +7,6 @@ import os
 import pickle
 import queue
 import shutil
-import socket
 import subprocess
 import sys
 import traceback
@@ -36,10 +35,11 @@ def require_programs(*programs: str) -> dict[str, str]:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port that is free right now, below the kernel's ephemeral range (dsrun.utils.net.free_port): the
+    ranks' gloo connections of a test on the other worker cannot take it before this test's store binds it."""
+    from dsrun.utils.net import free_port as below_the_ephemeral_range
+
+    return below_the_ephemeral_range()
 
 
 def run_cli(*args: str, cwd: str | Path | None = None, env: dict[str, str] | None = None,
