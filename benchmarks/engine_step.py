@@ -96,7 +96,8 @@ def rank_main(rank: int, world: int, port: int, opts: dict, queue) -> None:
     variants = [(0, "", {}), (1, "", {}), (2, "", {}), (3, "", {}), (3, " no prefetch", no_prefetch),
                 (3, " reuse 0", no_reuse), (3, " reuse 0, no prefetch", {**no_reuse, **no_prefetch})]
     for stage, label, extra in variants:
-        cfg = {"train_micro_batch_size_per_gpu": opts["micro"], "steps_per_print": 10**6,
+        # gradient_clipping 0: DDP's loop does not clip (dsrun, as DeepSpeed 0.19, clips at 1.0 when left out)
+        cfg = {"train_micro_batch_size_per_gpu": opts["micro"], "steps_per_print": 10**6, "gradient_clipping": 0.0,
                "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": not opts["compiled_adam"]}},
                "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
                                      "overlap_comm": True, **extra}}
