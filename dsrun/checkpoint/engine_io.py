@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import shutil
 from pathlib import Path
 from typing import Any, Callable
 
@@ -124,8 +125,6 @@ def _all_ranks_succeeded(engine: Any, error: Exception | None, root: Path, tags:
         for tag in tags:
             atomic.remove_tree(layout.staging_dir(root, tag))
         if flag.item() == 2:
-            import shutil
-
             size = f"{int(needed[0].item()):,} bytes needed" if needed[1].item() == 0 else "size unknown"
             kept = layout.read_latest(root)
             line[0] = (f"no space left on device while saving {tags[0]} in {root} ({size}, "

@@ -76,11 +76,11 @@ def first_error(log_dir: Path, rank: int | None = None) -> str:
     """`` (rankN: <the exception>)``: the error of ``rank`` (the one the launcher found failed first), else of
     the first rank whose log holds a Python traceback that is not only a peer's failure seen from here (a gloo
     "Connection closed by peer"), else of the first with any traceback; '' when no log holds one."""
-    errors = []
     def order(path: Path) -> tuple[bool, int, str]:  # the named rank first, then rank 0, 1, ..., 10
         number = int(re.match(r"rank(\d+)", path.name).group(1))
         return number != rank, number, path.name
 
+    errors = []
     for log in sorted(log_dir.glob("rank[0-9]*.stderr.log"), key=order):
         text = log.read_text(errors="replace")
         if "Traceback (most recent call last)" in text:

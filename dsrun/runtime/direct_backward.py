@@ -39,12 +39,8 @@ class DirectBackward:
         self.engine_running = 0  # engine.backward (or the pipeline's own backward) is running: hooks stand aside
         self.waiting = False  # gradients of a backward the engine did not run wait for the strategy
         self.produced = False  # some parameter received a gradient since the last optimizer step
-        self._handles = []
-        seen: set[int] = set()
-        for param in engine.module.parameters():
-            if param.requires_grad and id(param) not in seen:
-                seen.add(id(param))
-                self._handles.append(param.register_hook(self._param_grad))
+        # parameters() yields a tensor shared by two modules once, so each gradient is divided once
+        self._handles = [p.register_hook(self._param_grad) for p in engine.module.parameters() if p.requires_grad]
 
     @contextlib.contextmanager
     def engine_backward(self) -> Iterator[None]:
