@@ -1,6 +1,7 @@
 """Helpers shared by the test suite: free ports, running the CLI, and bounded multi-rank runs."""
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -11,7 +12,7 @@ import subprocess
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 CORES = os.cpu_count() or 1
@@ -163,24 +164,19 @@ def first_output_probe(*args: str, cwd: str | Path) -> tuple[dict[str, Any], sub
     return json.loads(result.stdout.rsplit("@@", 1)[1]), result
 
 
-def small_disk(path: Path, size: str):
+@contextlib.contextmanager
+def small_disk(path: Path, size: str) -> Iterator[Path]:
     """A tmpfs of ``size`` (mount's syntax, e.g. "3m") mounted at ``path`` (made), unmounted and removed on
     exit: a real full disk (ENOSPC) without filling the machine's. Skips when this process may not mount."""
-    import contextlib
-
     import pytest
 
-    @contextlib.contextmanager
-    def mounted():
-        path.mkdir(parents=True, exist_ok=True)
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                              capture_output=True, text=True)
-        if done.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
-        try:
-            yield path
-        finally:
-            subprocess.run(["umount", "-l", str(path)], check=True)
-            path.rmdir()
-
-    return mounted()
+    path.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+        path.rmdir()
