@@ -34,7 +34,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsrun.runtime.activation_checkpointing.settings import STATE  # noqa: E402
+from dsrun.activation_checkpointing.settings import STATE  # noqa: E402
 from dsrun.estimate.activations import gpt_activation_bytes  # noqa: E402
 from dsrun.estimate.inputs import GPTShape  # noqa: E402
 from dsrun.models import GPT  # noqa: E402

@@ -28,9 +28,9 @@ def _run_all(dataset, root: Path, workers: int) -> None:
     """analyse_vocabulary_rarity's two passes with ``workers`` map workers run one after the other."""
     import numpy as np
 
-    from dsrun.runtime.data_pipeline.data_sampling.data_analyzer import ACCUMULATE, SINGLE_VALUE, DataAnalyzer
-    from dsrun.runtime.data_pipeline.data_sampling.indexed_dataset import MMapIndexedDataset
-    from dsrun.runtime.data_pipeline.training import (FREQUENCY, RARITY, token_frequency_metric,
+    from dsrun.data_efficiency.data_sampling.data_analyzer import ACCUMULATE, SINGLE_VALUE, DataAnalyzer
+    from dsrun.data_efficiency.data_sampling.indexed_dataset import MMapIndexedDataset
+    from dsrun.workloads.data_efficiency_run import (FREQUENCY, RARITY, token_frequency_metric,
                                                        vocabulary_rarity_metric)
 
     def passes(name, fn, kind):

@@ -67,7 +67,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: "
     import dsrun
     from dsrun import comm
     from dsrun.models.gpt import GPT
-    from dsrun.runtime.pipe.training import build_pipeline_model
+    from dsrun.workloads.pipe_training import build_pipeline_model
 
     dsrun.init_distributed()
     m = args.micro_batches
@@ -149,9 +149,9 @@ def pipeline_part(args: argparse.Namespace) -> dict:
 
 
 def simulated_bubbles(micro: int) -> dict[str, float]:
-    from dsrun.runtime.pipe.schedule import TrainSchedule
-    from dsrun.runtime.pipe.simulate import simulate
-    from dsrun.runtime.pipe.timed import GPipeSchedule, InterleavedSchedule, ZeroBubbleSchedule
+    from dsrun.pipe.schedule import TrainSchedule
+    from dsrun.pipe.simulate import simulate
+    from dsrun.pipe.timed import GPipeSchedule, InterleavedSchedule, ZeroBubbleSchedule
 
     return {"1f1b": float(simulate(TrainSchedule, 2, micro).bubble),
             "gpipe": float(simulate(GPipeSchedule, 2, micro).bubble),
@@ -165,7 +165,7 @@ def profile_part(repeats: int) -> dict:
     from torch import nn
 
     from dsrun.pipe import LayerSpec
-    from dsrun.runtime.pipe.partition import partition_layers, profiling_inputs
+    from dsrun.pipe.partition import partition_layers, profiling_inputs
 
     torch.set_num_threads(1)
 

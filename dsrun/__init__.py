@@ -15,12 +15,14 @@ __version__ = "0.1.0"
 
 # public name -> "module:attribute" (attribute empty for a submodule)
 _LAZY: dict[str, str] = {
-    "initialize": "dsrun.runtime.initialize:initialize",
-    "add_config_arguments": "dsrun.runtime.initialize:add_config_arguments",
+    "initialize": "dsrun.engine.initialize:initialize",
+    "add_config_arguments": "dsrun.engine.initialize:add_config_arguments",
     "init_distributed": "dsrun.comm.comm:init_distributed",
     "comm": "dsrun.comm:",
     "zero": "dsrun.zero:",
-    "checkpointing": "dsrun.checkpointing:",
+    "checkpointing": "dsrun.activation_checkpointing.api:",
+    "pipe": "dsrun.pipe:",
+    "runtime": "dsrun.compat.runtime:",  # DeepSpeed's deepspeed.runtime paths (dsrun.alias.paths)
     "DeepSpeedTransformerConfig": "dsrun.ops.transformer:DeepSpeedTransformerConfig",
     "DeepSpeedTransformerLayer": "dsrun.ops.transformer:DeepSpeedTransformerLayer",
     "init_inference": "dsrun.inference:init_inference",
@@ -29,9 +31,9 @@ _LAZY: dict[str, str] = {
     "elasticity": "dsrun.elasticity:",
     "moe": "dsrun.moe:",
     # DeepSpeed's other top-level names (deepspeed/__init__.py)
-    "DeepSpeedConfig": "dsrun.runtime.config:DeepSpeedConfig",
-    "DeepSpeedConfigError": "dsrun.runtime.config:DeepSpeedConfigError",
-    "DeepSpeedEngine": "dsrun.runtime.engine:DeepSpeedEngine",
+    "DeepSpeedConfig": "dsrun.config.deepspeed_config:DeepSpeedConfig",
+    "DeepSpeedConfigError": "dsrun.config.deepspeed_config:DeepSpeedConfigError",
+    "DeepSpeedEngine": "dsrun.engine.engine:DeepSpeedEngine",
     "OnDevice": "dsrun.utils.init_on_device:OnDevice",
     "get_accelerator": "dsrun.accelerator:get_accelerator",
     "log_dist": "dsrun.utils.logging:log_dist",

@@ -15,7 +15,7 @@ from typing import Any, Callable
 from dsrun.checkpoint.training import TrainingCheckpoints
 from dsrun.monitor.progress import TrainingProgress
 from dsrun.rundir import DS_CONFIG_JSON, METRICS_JSON, RESOLVED_YAML, atomic_write_text
-from dsrun.runtime.observer import write_run_reports
+from dsrun.engine.observer import write_run_reports
 
 
 class RunBook:

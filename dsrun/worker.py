@@ -27,9 +27,9 @@ from dsrun.launcher.protocol import debug_requested, exit_without_teardown, repo
 from dsrun.monitor.run_defaults import PARENT_ENV, apply_run_defaults, flatten, mlflow_parent_key
 from dsrun.run_book import RunBook
 from dsrun.rundir import RESOLVED_YAML
-from dsrun.runtime.data_pipeline.training import DataEfficiencyRun
-from dsrun.runtime.pipe.training import build_pipeline_model, pipeline_stages
-from dsrun.runtime.pipe.training import evaluate as pipeline_evaluate
+from dsrun.workloads.data_efficiency_run import DataEfficiencyRun
+from dsrun.workloads.pipe_training import build_pipeline_model, pipeline_stages
+from dsrun.workloads.pipe_training import evaluate as pipeline_evaluate
 from dsrun.sequence import shard_sequence
 from dsrun.utils.errors import EXIT_USAGE, UserError, find_user_error
 

@@ -1,9 +1,8 @@
 """Serve ``deepspeed.X.Y`` imports with dsrun's modules.
 
-A module path of DeepSpeed maps to the dsrun module of the same dotted path (``deepspeed.runtime.lr_schedules``
-is ``dsrun.runtime.lr_schedules``), except for the few paths in :data:`RENAMED`, where dsrun keeps the object
-under another name. The module object is dsrun's own, not a copy: ``deepspeed.comm is dsrun.comm``, so state
-set through one name is seen through the other.
+Which dsrun module serves a DeepSpeed path is :data:`dsrun.alias.paths.PATHS`'s to say (the one table; a path
+it does not name is the same path under dsrun). The module object is dsrun's own, not a copy:
+``deepspeed.comm is dsrun.comm``, so state set through one name is seen through the other.
 """
 from __future__ import annotations
 
@@ -13,34 +12,13 @@ import importlib.machinery
 import sys
 from types import ModuleType
 
-ALIAS = "deepspeed"
-TARGET = "dsrun"
-
-# DeepSpeed module path -> dsrun module path, where the two differ (longest prefix wins).
-RENAMED: dict[str, str] = {
-    "deepspeed.ops.op_builder": "op_builder",
-    "deepspeed.launcher.runner": "dsrun.cli.deepspeed_runner",
-    "deepspeed.monitor.wandb": "dsrun.monitor.wandb_monitor",
-    "deepspeed.monitor.comet": "dsrun.monitor.comet_monitor",
-    "deepspeed.monitor.config": "dsrun.config.monitoring",
-}
-
+from dsrun.alias.paths import ALIAS, children_elsewhere, target_of
 
 # Submodules DeepSpeed's own ``__init__`` imports, so ``import deepspeed; deepspeed.runtime.engine.X`` works.
 EAGER: tuple[str, ...] = (
     "runtime.engine", "runtime.lr_schedules", "runtime.zero", "runtime.activation_checkpointing.checkpoint",
     "comm", "zero", "checkpointing", "accelerator", "ops.adam", "utils", "monitor",
 )
-
-
-def target_of(fullname: str) -> str | None:
-    """The dsrun module that serves ``fullname`` (a ``deepspeed.*`` path), or None if it is not an alias path."""
-    if fullname != ALIAS and not fullname.startswith(ALIAS + "."):
-        return None
-    for source in sorted(RENAMED, key=len, reverse=True):
-        if fullname == source or fullname.startswith(source + "."):
-            return RENAMED[source] + fullname[len(source):]
-    return TARGET + fullname[len(ALIAS):]
 
 
 class _AliasLoader(importlib.abc.Loader):
@@ -55,11 +33,12 @@ class _AliasLoader(importlib.abc.Loader):
         target = importlib.import_module(self.target)
         sys.modules[module.__name__] = target
         # `from deepspeed.launcher import runner` looks the child up on dsrun.launcher (by the module's own
-        # name), so a renamed child is imported and set there as the parent is loaded
-        for source in RENAMED:
-            parent, _, child = source.rpartition(".")
-            if parent == module.__name__:
-                setattr(target, child, importlib.import_module(source))
+        # name), so a child the table serves from elsewhere is imported and set there as the parent is loaded;
+        # a compat package finds its children itself (its ``__getattr__``), on first use
+        if "__getattr__" in vars(target):
+            return
+        for source in children_elsewhere(module.__name__):
+            setattr(target, source.rpartition(".")[2], importlib.import_module(source))
 
 
 class AliasFinder(importlib.abc.MetaPathFinder):

@@ -9,7 +9,7 @@ is a real ``dsrun launch`` of the script with the same launcher flags, its confi
 (``RESULTS_DIR/<exp>/ds_config_trial.json``: the configuration, with ``autotuning.metric_path`` pointing at
 ``<exp>/run/metrics.json`` and ``wall_clock_breakdown`` on) and each ``arg_mappings`` flag set to its value.
 The engine measures steps up to ``end_profile_step``, writes the file and exits
-(:mod:`dsrun.runtime.autotuning_probe`); the tuner computes the metric from the window, as for recipes.
+(:mod:`dsrun.engine.autotuning_probe`); the tuner computes the metric from the window, as for recipes.
 
 Results: DeepSpeed's layout (``RESULTS_DIR/<exp>/{ds_config.json,cmd.txt,exp.json,metrics.json,...}``,
 ``summary.txt``, ``ds_config_optimal.json``, ``cmd_optimal.txt``: the script's own command with the best

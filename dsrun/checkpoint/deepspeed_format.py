@@ -27,7 +27,7 @@ its full name, to a plain stand-in (``zero_to_fp32.DEEPSPEED_GLOBALS``, which th
 never imported or run. :func:`to_dsrun` then turns
 a DeepSpeed optimizer state into the one dsrun's ZeRO strategies load, the loss scale included. (Under the ``deepspeed`` alias, a plain
 ``torch.load(path, weights_only=False)`` of either side's files builds dsrun's own scaler classes,
-:mod:`dsrun.runtime.fp16.loss_scaler`; dsrun's loaders never unpickle them and keep to the stand-ins.)
+:mod:`dsrun.precision.loss_scaler`; dsrun's loaders never unpickle them and keep to the stand-ins.)
 """
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def holds_foreign(obj: Any) -> bool:
 
 # --- dsrun -> DeepSpeed ----------------------------------------------------------------------------------
 def _scaler_object(scaler: Any = None) -> ForeignObject:
-    """The engine's loss scaler (dsrun's objects are DeepSpeed's classes, :mod:`dsrun.runtime.fp16.loss_scaler`)
+    """The engine's loss scaler (dsrun's objects are DeepSpeed's classes, :mod:`dsrun.precision.loss_scaler`)
     as an object of DeepSpeed's class with the same attributes; None: the fixed scale 1 of fp32 and bf16."""
     if scaler is None:
         return ForeignObject(_LOSS_SCALER_MODULE, "LossScaler", {"cur_scale": 1.0, "dynamic": False}, newobj=True)
@@ -155,7 +155,7 @@ def stage0_for_deepspeed(sd: dict[str, Any], precision: str, steps: int, wrapper
     """A stage-0 strategy state with what DeepSpeed's stage 0 reads added. fp32: DeepSpeed steps the torch
     optimizer over the separate parameters, whose ``state`` / ``param_groups`` go at the top. fp16 and bf16:
     the keys of the wrapper DeepSpeed puts around it (``wrapper``, as
-    :func:`dsrun.runtime.optimizer_wrappers.wrapper_name` names it): ``FP16_Optimizer`` steps one flat fp32
+    :func:`dsrun.optim.optimizer_wrappers.wrapper_name` names it): ``FP16_Optimizer`` steps one flat fp32
     master per group, as dsrun does (``fp32_groups_flat`` and dsrun's own optimizer state),
     ``FP16_UnfusedOptimizer`` the separate parameters (per-parameter ``fp32_groups`` and state); both with the
     loss scale of ``scaler`` (fp16) or a fixed 1 (bf16). With no wrapper named, fp16/bf16 is left as it is."""

@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _checkpoint_mode(value: str) -> str:
-    from dsrun.runtime.activation_checkpointing.modes import CheckpointMode
+    from dsrun.activation_checkpointing.modes import CheckpointMode
     from dsrun.utils.errors import ConfigError
 
     try:
@@ -231,7 +231,7 @@ def _pipeline_stages(spec: Any, model_spec: dict[str, Any], ds_cfg: dict[str, An
     if int(model_spec.get("pipeline_stages", 1) or 1) <= 1:
         return None
     from dsrun.config import load_ds_config
-    from dsrun.runtime.pipe.estimate import pipeline_stage_memory
+    from dsrun.workloads.pipe_estimate import pipeline_stage_memory
 
     stages = int(model_spec["pipeline_stages"])
     world = spec.ranks_per_node * spec.nodes

@@ -33,7 +33,7 @@ def _is_partitioned(p: torch.Tensor) -> bool:
 def overwrite_with_quantized(params: Iterable[tuple[nn.Parameter, QuantSpec, float]]) -> None:
     """Replace each parameter's value by ``share·Q(w) + (1 - share)·w``; collective under ZeRO-3 (every rank
     must call it with the same parameters in the same order)."""
-    from dsrun.runtime.zero.partition_params import write_shard
+    from dsrun.zero.partition_params import write_shard
     from dsrun.zero import GatheredParameters
 
     for param, spec, share in params:

@@ -138,7 +138,7 @@ class _CommonOptimizerParams(BaseModel):
     weight_decay: Annotated[float, Field(ge=0)] | None = None
 
 
-# The 1-bit optimizers' params are their constructors' keyword arguments (dsrun/runtime/fp16/onebit, where the
+# The 1-bit optimizers' params are their constructors' keyword arguments (dsrun/optim/onebit, where the
 # defaults live); listed here so `dsrun config --validate` names a misspelt one. comm_backend_name takes
 # DeepSpeed's names, each mapped onto dsrun's compressed all-reduce over the run's backend.
 ONE_BIT_BACKENDS = ("nccl", "mpi", "compressed", "hccl")

@@ -32,7 +32,7 @@ Backward also needs a workspace while it walks through a block: the gradients of
 activations (``2*e*sbf``), or of the attention scores with explicit attention (``2*e*a*s*s*b``), whichever
 is larger.
 
-Activation checkpointing (``model.activation_checkpointing``, :mod:`dsrun.runtime.activation_checkpointing.modes`)
+Activation checkpointing (``model.activation_checkpointing``, :mod:`dsrun.activation_checkpointing.modes`)
 changes what each block keeps between its forward and its backward:
 
 * a block that is not checkpointed keeps everything (``block``);
@@ -53,7 +53,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dsrun.estimate.inputs import GPTShape
-from dsrun.runtime.activation_checkpointing.modes import CheckpointMode
+from dsrun.activation_checkpointing.modes import CheckpointMode
 
 
 @dataclass(frozen=True)

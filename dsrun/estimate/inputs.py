@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Mapping
 
-from dsrun.runtime.activation_checkpointing.modes import CheckpointMode
+from dsrun.activation_checkpointing.modes import CheckpointMode
 from dsrun.utils.errors import ConfigError, Problem
 
 Precision = Literal["fp32", "fp16", "bf16"]

@@ -195,7 +195,7 @@ def model_state_bytes(spec: EstimateInputs) -> ModelStates:
         if spec.offload_optimizer == "cpu":
             host += t_part * (FP32 + FP32 + states)  # fp32 params, fp32 grads, states
         else:
-            # dsrun.runtime.offload.nvme: master, gradient and states of each sub-group in swap files (the
+            # dsrun.offload.nvme: master, gradient and states of each sub-group in swap files (the
             # gradient in the 16-bit model dtype when each step is one micro-step, else fp32);
             # resident: buffer_count fp32 buffers of one sub-group, and (16-bit model) one 16-bit output
             # per pipeline slot (a slot = master + gradient + states buffers, at most 3 slots)

@@ -28,7 +28,7 @@ import torch
 
 from dsrun.estimate.counting import ParameterCounts, count_parameters, instantiate_on_meta
 from dsrun.estimate.inputs import DEFAULT_CLIPPING, BufferSettings, EstimateInputs, GPTShape
-from dsrun.runtime.activation_checkpointing.modes import CheckpointMode
+from dsrun.activation_checkpointing.modes import CheckpointMode
 from dsrun.utils.errors import ConfigError, Problem
 
 _MISSING = object()

@@ -4,7 +4,7 @@ A rank on the CPU is a whole Python process: the interpreter, torch's libraries,
 the gloo process group, and, from the first ``torch.optim.Optimizer`` on, the modules that torch's optimizer
 machinery imports (sympy and the compiler stack: about 70 MiB with torch 2.x). None of it is a tensor and
 none of it can be derived from the model, so it is measured: :func:`measure_rank_runtime` starts a tiny
-subprocess (:mod:`dsrun.estimate.probe`) with the rank's environment (``OMP_NUM_THREADS``,
+subprocess (:mod:`dsrun.probe`) with the rank's environment (``OMP_NUM_THREADS``,
 ``MALLOC_MMAP_THRESHOLD_``) that
 
 1. imports what a rank imports (``dsrun.worker``: torch, numpy, omegaconf, Hydra, dsrun);
@@ -114,7 +114,7 @@ def measure_rank_runtime(threads: int = 1, optimizer: str = "AdamW", model: dict
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo_root, env.get("PYTHONPATH", "")]))
     try:
         dtype = {"fp16": "float16", "bf16": "bfloat16"}.get(precision, "float32")
-        result = subprocess.run([sys.executable, "-m", "dsrun.estimate.probe", optimizer,
+        result = subprocess.run([sys.executable, "-m", "dsrun.probe", optimizer,
                                  json.dumps(tiny_model_config(model)), dtype],
                                 env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:

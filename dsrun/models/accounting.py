@@ -77,7 +77,7 @@ def recompute_flops(model_or_config: GPTConfig | nn.Module, batch_size: int, seq
     :func:`forward_flops`): one block's ``2·12·d² + 4·seq_len·d`` per token for each checkpointed block;
     ``selective`` recomputes only the QKV projection (``2·3·d²`` per token) of each block, the attention
     kernel's and the other projections' outputs being kept. ``None`` reads the mode from the config."""
-    from dsrun.runtime.activation_checkpointing.modes import CheckpointMode
+    from dsrun.activation_checkpointing.modes import CheckpointMode
 
     config = _config_of(model_or_config)
     mode = CheckpointMode.parse(config.activation_checkpointing if activation_checkpointing is None

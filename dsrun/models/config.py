@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping
 
-from dsrun.runtime.activation_checkpointing.modes import CheckpointMode
+from dsrun.activation_checkpointing.modes import CheckpointMode
 from dsrun.utils.errors import ConfigError, Problem, show
 from dsrun.utils.suggest import did_you_mean
 
@@ -28,9 +28,9 @@ class GPTConfig:
     config's ``sparse_attention`` section; the ``attention=sparse`` config option passes
     ``ds.sparse_attention`` here; unset keys take the section's defaults); see docs/sparse_attention.md.
     ``activation_checkpointing`` is ``none``, ``full``, ``every_N`` or ``selective`` (``true``/``false``:
-    full/none; :class:`~dsrun.runtime.activation_checkpointing.modes.CheckpointMode`), kept in that spelling.
+    full/none; :class:`~dsrun.activation_checkpointing.modes.CheckpointMode`), kept in that spelling.
     ``pipeline_stages > 1`` cuts the model into that many pipeline stages: ``dsrun train`` then builds it as a
-    ``PipelineModule`` (:func:`dsrun.runtime.pipe.gpt.gpt_pipeline`, docs/pipeline.md) instead of a
+    ``PipelineModule`` (:func:`dsrun.workloads.pipe_gpt.gpt_pipeline`, docs/pipeline.md) instead of a
     :class:`~dsrun.models.gpt.GPT` (a ``GPT`` object is always the whole model; the estimator and the
     autotuner count it whole too). ``sequence_parallel`` runs attention as DeepSpeed-Ulysses
     (:class:`dsrun.sequence.layer.DistributedAttention`) over the engine's sequence-parallel group

@@ -29,7 +29,7 @@ from torch import nn
 from dsrun import comm
 from dsrun.models.config import GPTConfig
 from dsrun.models.layers import Block
-from dsrun.runtime.activation_checkpointing.modes import BlockCheckpointing, CheckpointFn
+from dsrun.activation_checkpointing.modes import BlockCheckpointing, CheckpointFn
 from dsrun.sequence import groups as sequence_groups
 from dsrun.sequence.batch import sequence_slice
 from dsrun.utils.errors import UserError

@@ -26,7 +26,7 @@ NATIVE_NAMES = {"adam": "Adam", "adamw": "AdamW", "lamb": "Lamb", "lion": "Lion"
 # the mup package's optimizers: dsrun cannot build them (the config layer refuses them first, with the same
 # reason, from its support ledger; this guards direct calls)
 MUP_NAMES = {"muadam": "MuAdam", "muadamw": "MuAdamW", "musgd": "MuSGD"}
-# built by the engine (dsrun.runtime.fp16.onebit, a layer above): they communicate by themselves
+# built by the engine (dsrun.optim.onebit, a layer above): they communicate by themselves
 ENGINE_BUILT_NAMES = {"onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam", "onebitlamb": "OneBitLamb"}
 # Optimizer classes ZeRO is tested with; others need "zero_allow_untested_optimizer": true.
 ZERO_TESTED_CLASS_NAMES = frozenset({"Adam", "AdamW", "Lamb", "Lion", "Adagrad", "DeepSpeedCPUAdam",
@@ -90,7 +90,7 @@ def build_optimizer(type_name: str, params: Iterable[Any], optimizer_params: dic
                                   "initialize(optimizer=...)"))
     if key in ENGINE_BUILT_NAMES:
         raise ConfigError(Problem("optimizer.type", f"{ENGINE_BUILT_NAMES[key]} communicates by itself and is "
-                                  "built by dsrun.initialize (or dsrun.runtime.fp16.onebit), not by the registry",
+                                  "built by dsrun.initialize (or dsrun.optim.onebit), not by the registry",
                                   "pass the config to dsrun.initialize"))
     try:
         if key == "adam":

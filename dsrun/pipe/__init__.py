@@ -1,19 +1,11 @@
-"""``dsrun.pipe``: DeepSpeed's ``deepspeed.pipe`` -- ``PipelineModule``, ``LayerSpec``, ``TiedLayerSpec`` and the
-topologies -- plus ``profiling_inputs`` for ``partition_method='profile'``.
-
-::
-
-    from dsrun.pipe import PipelineModule, LayerSpec
-    net = PipelineModule(layers=[LayerSpec(nn.Linear, 16, 64), nn.ReLU(), LayerSpec(nn.Linear, 64, 4)],
-                         num_stages=2, loss_fn=nn.functional.mse_loss)
-    engine, _, _, _ = dsrun.initialize(model=net, config=ds_config)
-    loss = engine.train_batch(data_iter)
-
-The implementation is in :mod:`dsrun.runtime.pipe`; docs/pipeline.md explains schedules, tied weights,
-checkpoints and the ``pipeline`` config section.
-"""
-from dsrun.runtime.pipe import (LayerSpec, PipeDataParallelTopology, PipelineModule, PipeModelDataParallelTopology,
-                                ProcessTopology, TiedLayerSpec, profiling_inputs)
+"""Pipeline parallelism (DeepSpeed's ``deepspeed.runtime.pipe``): the PipelineModule, its topology and grid,
+the schedules as instruction streams, the simulator, point-to-point messages and the pipeline engine.
+Users import the public names from :mod:`dsrun.pipe`; see docs/pipeline.md."""
+from dsrun.pipe.module import PipelineModule
+from dsrun.pipe.partition import partition_balanced, partition_uniform, profiling_inputs
+from dsrun.pipe.spec import LayerSpec, TiedLayerSpec
+from dsrun.pipe.topology import PipeDataParallelTopology, PipelineParallelGrid, PipeModelDataParallelTopology, ProcessTopology
 
 __all__ = ["LayerSpec", "PipeDataParallelTopology", "PipeModelDataParallelTopology", "PipelineModule",
-           "ProcessTopology", "TiedLayerSpec", "profiling_inputs"]
+           "PipelineParallelGrid", "ProcessTopology", "TiedLayerSpec", "partition_balanced", "partition_uniform",
+           "profiling_inputs"]

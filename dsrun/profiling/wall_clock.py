@@ -1,7 +1,7 @@
 """Reporting the ``wall_clock_breakdown`` timers: means over the last ``steps_per_print`` steps, as a log
 line and as DeepSpeed's monitor events ``Train/Samples/elapsed_time_ms_<timer>``.
 
-The engine's timers (:class:`dsrun.runtime.timers.WallClockTimers`) keep a total and a call count per name;
+The engine's timers (:class:`dsrun.profiling.timers.WallClockTimers`) keep a total and a call count per name;
 the mean is per call (per micro-step for forward and backward, per ``engine.step()`` call for step).
 """
 from __future__ import annotations

@@ -28,6 +28,10 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
+    if name == "groups":  # DeepSpeed's deepspeed.utils.groups (a re-export, served from dsrun/compat)
+        value = importlib.import_module("dsrun.compat.utils.groups")
+        globals()[name] = value
+        return value
     if name not in _LAZY:
         raise AttributeError(f"module 'dsrun.utils' has no attribute '{name}'")
     value = getattr(importlib.import_module(_LAZY[name]), name)

@@ -2,7 +2,7 @@
 weight, gradient and optimizer state under any ZeRO stage (0-3, offloaded or not).
 
 The engine's ZeRO strategy gives every parameter it trains a fragment (``param._dsrun_fragment``, see
-:mod:`dsrun.runtime.zero.fragments`) that knows where this rank's piece of the parameter lives; these
+:mod:`dsrun.zero.fragments`) that knows where this rank's piece of the parameter lives; these
 functions only dispatch to it, so this module needs nothing from the layers above.
 
 * ``safe_get_full_*`` return the whole value, shaped like the parameter. **Collective**: every rank of the

@@ -9,8 +9,8 @@
 
 See ``docs/zero3.md``.
 """
-from dsrun.runtime.zero.partition_params import ParamStatus, is_zero_param
-from dsrun.runtime.zero.stage3 import full_state_dict
+from dsrun.zero.partition_params import ParamStatus, is_zero_param
+from dsrun.zero.stage3 import full_state_dict
 
 from .gathered import GatheredParameters, register_external_parameter, unregister_external_parameter
 from .init import Init, MiCS_Init

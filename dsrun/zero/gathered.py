@@ -11,8 +11,8 @@ from typing import Any, Iterable
 import torch
 
 from dsrun import comm
-from dsrun.runtime.zero.hooks import LIVE_COORDINATORS, add_external_param
-from dsrun.runtime.zero.partition_params import (gather_exact, is_zero_param, release_param,
+from dsrun.zero.hooks import LIVE_COORDINATORS, add_external_param
+from dsrun.zero.partition_params import (gather_exact, is_zero_param, release_param,
                                                  write_full_value)
 
 def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:

@@ -2,7 +2,7 @@
 
 Inside ``with dsrun.zero.Init():`` every ``torch.nn.Module`` partitions its parameters across the
 data-parallel ranks as soon as its ``__init__`` returns: rank 0's freshly initialised values are broadcast,
-each rank keeps its shard (:mod:`dsrun.runtime.zero.partition_params`) and the full tensors are freed. So a
+each rank keeps its shard (:mod:`dsrun.zero.partition_params`) and the full tensors are freed. So a
 model is never whole on any rank: at any moment a rank holds its shards of the modules built so far plus the
 parameters of the one module being constructed (as in DeepSpeed).
 
@@ -21,8 +21,8 @@ from typing import Any, Callable
 import torch
 
 from dsrun import comm
-from dsrun.runtime.zero import host_memory
-from dsrun.runtime.zero.partition_params import is_zero_param, partition_param
+from dsrun.zero import host_memory
+from dsrun.zero.partition_params import is_zero_param, partition_param
 from dsrun.utils.errors import ConfigError, Problem
 
 from .gathered import GatheredParameters
@@ -207,7 +207,7 @@ class Init:
         self.pin_memory = pin_memory
         self.offload = None  # shards go to host memory or NVMe files as they are made
         if remote_device in ("cpu", "nvme"):
-            from dsrun.runtime.offload.param_swapper import build_param_offload
+            from dsrun.offload.param_swapper import build_param_offload
 
             section = offload_section.model_copy(update={"device": remote_device, "pin_memory": pin_memory})
             self.offload = build_param_offload(section, get_accelerator().device(), aio_config=cfg.get("aio"),

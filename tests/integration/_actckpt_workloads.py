@@ -67,7 +67,7 @@ def _gpt_run(checkpoint_fn: Any) -> dict[str, Any]:
 
 
 def partition_suite(rank: int, world: int) -> dict[str, Any]:
-    import dsrun.checkpointing as ckpt
+    import dsrun.activation_checkpointing.api as ckpt
     from dsrun import comm
     from dsrun.utils.errors import ConfigError
 
@@ -139,7 +139,7 @@ def plain_case(key: str) -> str:
 
 
 def zero_suite(rank: int, world: int) -> dict[str, Any]:
-    import dsrun.checkpointing as ckpt
+    import dsrun.activation_checkpointing.api as ckpt
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     initial = {n: p.detach().clone() for n, p in build_frozen_gpt("none").named_parameters()}

@@ -64,7 +64,7 @@ def reference_run(global_batch: int, steps: int, dtype: torch.dtype = torch.floa
                   reverse: bool = False) -> dict[str, Any]:
     """Single-process PyTorch of a job (dropout 0): AdamW, the config's WarmupLR and clipping, whole global
     batches (tests/integration/_workloads.reference_run; tests/tolerance.py measures its rounding spread)."""
-    from dsrun.runtime.lr_schedules import build_lr_scheduler
+    from dsrun.optim.lr_schedules import build_lr_scheduler
     from tests.integration import _workloads
 
     cfg = ds_config(1, "fp32", 1)
@@ -113,7 +113,7 @@ def ds_config(stage: int, precision: str, micro: int, extra: dict | None = None)
 def full_params(engine: Any) -> dict[str, torch.Tensor]:
     """The live model's full fp32 state (gathered under stage 3)."""
     if engine.zero_optimization_stage() == 3:
-        from dsrun.runtime.zero.stage3 import full_state_dict
+        from dsrun.zero.stage3 import full_state_dict
 
         return {k: v.float().clone() for k, v in full_state_dict(engine.module).items()}
     return {k: v.detach().float().cpu().clone() for k, v in engine.module.state_dict().items()}

@@ -28,7 +28,7 @@ class Windows(torch.utils.data.Dataset):
 
 def analyse(save_path: str) -> None:
     """The max-token index of :class:`Windows` (run once, in the parent)."""
-    from dsrun.runtime.data_pipeline import DataAnalyzer
+    from dsrun.data_efficiency import DataAnalyzer
 
     DataAnalyzer(Windows(), batch_size=50, metric_names=["maxtoken"],
                  metric_functions=[lambda batch: batch[0].max(dim=1).values],
@@ -75,7 +75,7 @@ def run_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     from dsrun import comm
     from dsrun.models.gpt import GPT
     from dsrun.models.layers import Block
-    from dsrun.runtime.data_pipeline import convert_to_random_ltd
+    from dsrun.data_efficiency import convert_to_random_ltd
 
     random.seed(11 + rank)
     np.random.seed(11 + rank)

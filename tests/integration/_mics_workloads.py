@@ -39,7 +39,7 @@ def _groups_of(stats: dict[str, dict[str, Any]], op: str) -> dict[str, int]:
 def _run(cfg: dict[str, Any], rank: int, world: int, zero_init: bool = False) -> dict[str, Any]:
     import dsrun
     from dsrun import comm
-    from dsrun.runtime.initialize import initialize
+    from dsrun.engine.initialize import initialize
 
     if zero_init:
         comm.init_distributed(verbose=False)

@@ -37,7 +37,7 @@ def suite_cases(root: str) -> dict[str, tuple[dict[str, Any], bool]]:
         "nvme_init": (z3.ds_config(3, 2, 1, zero={"offload_param": nvme(root)}), True),
         "bf16_ref": (z3.ds_config(3, 2, 1, **bf16), False),
         "bf16_nvme": (z3.ds_config(3, 2, 1, zero={"offload_param": nvme(root)}, **bf16), False),
-        # with optimizer offload (dsrun/runtime/offload/shard_store.py) as well: ZeRO-Offload / ZeRO-Infinity
+        # with optimizer offload (dsrun/offload/shard_store.py) as well: ZeRO-Offload / ZeRO-Infinity
         "both_cpu": (z3.ds_config(3, 2, 1, zero={"offload_param": {"device": "cpu"},
                                                   "offload_optimizer": {"device": "cpu"}}), False),
         # the CPU optimizer steps 3000-element tiles: shards that straddle two tiles are written in parts
@@ -133,8 +133,8 @@ def rss_run(rank: int, world: int, offload: dict[str, Any] | None, root: str) ->
 
     import dsrun
     from dsrun.models.gpt import GPT
-    from dsrun.runtime.offload.swap_store import SwapStore
-    from dsrun.runtime.zero import host_memory
+    from dsrun.offload.swap_store import SwapStore
+    from dsrun.zero import host_memory
 
     idle_store = SwapStore(root, rank=rank) if offload is None else None
 

@@ -111,7 +111,7 @@ def resident_memory(rank: int, world: int, nvme_path: str | None, steps: int = 2
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    from dsrun.runtime.zero import host_memory
+    from dsrun.zero import host_memory
 
     host_memory.trim()
     placement = getattr(engine.strategy, "placement", None)  # stage 3: the stores of its sub-groups

@@ -25,7 +25,7 @@ class DenseLayers(nn.Module):
 
     def __init__(self, specs: list[Any]) -> None:
         from dsrun.pipe import TiedLayerSpec
-        from dsrun.runtime.pipe.module import set_random_seed
+        from dsrun.pipe.module import set_random_seed
 
         super().__init__()
         self.calls: list[Any] = []

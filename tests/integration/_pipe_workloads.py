@@ -146,7 +146,7 @@ def replica_batches(step: int, micro_batches: int, replica: int, seq_of: Callabl
 def build_reference(specs: list[Any]) -> tuple[list[Callable], dict[str, torch.Tensor]]:
     """The layers in one process (tied ones shared), and their parameters by the PipelineModule's names."""
     from dsrun.pipe import TiedLayerSpec
-    from dsrun.runtime.pipe.module import set_random_seed
+    from dsrun.pipe.module import set_random_seed
 
     layers, tied, named = [], {}, {}
     for i, spec in enumerate(specs):

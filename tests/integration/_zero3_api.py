@@ -90,7 +90,7 @@ def gathered_modifier(rank: int, world: int, precision: str) -> dict[str, Any]:
     """Rank 0 changes a weight inside GatheredParameters(modifier_rank=0): every rank sees it afterwards, in
     the gathered value, in the forward, and in the optimizer's fp32 copy (the next step starts from it)."""
     import dsrun
-    from dsrun.runtime.initialize import initialize
+    from dsrun.engine.initialize import initialize
 
     torch.manual_seed(0)
     cfg = w.ds_config(3, 2, 1, **({"bf16": {"enabled": True}} if precision == "bf16" else {}))
@@ -137,7 +137,7 @@ class ParentUsesChildWeight(nn.Module):
 
 def external_parameter(rank: int, world: int, register: bool) -> dict[str, Any]:
     import dsrun
-    from dsrun.runtime.initialize import initialize
+    from dsrun.engine.initialize import initialize
 
     torch.manual_seed(0)
     model = ParentUsesChildWeight()
@@ -169,7 +169,7 @@ def external_parameter(rank: int, world: int, register: bool) -> dict[str, Any]:
 
 def export_16bit(rank: int, world: int, save_dir: str, gather: bool) -> dict[str, Any]:
     import dsrun
-    from dsrun.runtime.initialize import initialize
+    from dsrun.engine.initialize import initialize
 
     cfg = w.ds_config(3, 2, 1, bf16={"enabled": True},
                       zero={"stage3_gather_16bit_weights_on_model_save": gather,
@@ -196,7 +196,7 @@ def peak_rss_100m(rank: int, world: int) -> dict[str, Any]:
     import dsrun
     from dsrun import comm
     from dsrun.models.gpt import GPT
-    from dsrun.runtime.initialize import initialize
+    from dsrun.engine.initialize import initialize
 
     comm.init_distributed(verbose=False)
     cfg = w.ds_config(3, 1, 1, zero={"reduce_bucket_size": 5_000_000, "stage3_prefetch_bucket_size": 5_000_000})

@@ -108,7 +108,7 @@ def engine_run(name: str, config: dict[str, Any], steps: int, rank: int, world: 
     grad norms, memory breakdown and the last step's collectives."""
     import dsrun
     from dsrun import comm
-    from dsrun.runtime.initialize import initialize
+    from dsrun.engine.initialize import initialize
 
     if zero_init:
         comm.init_distributed(verbose=False)

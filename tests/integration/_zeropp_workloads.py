@@ -137,7 +137,7 @@ def _train(engine: Any, rank: int, steps: Any) -> list[float]:
 
 
 def _full_values(module: torch.nn.Module) -> list[torch.Tensor]:
-    from dsrun.runtime.zero.partition_params import full_tensor
+    from dsrun.zero.partition_params import full_tensor
 
     return [full_tensor(p) for p in module.parameters()]
 
@@ -151,7 +151,7 @@ def _resume(engine: Any, rank: int, make_model: Any, config: dict) -> dict[str, 
 
     import dsrun
     from dsrun import comm
-    from dsrun.runtime.zero import quantized_shards
+    from dsrun.zero import quantized_shards
 
     path = os.path.join(tempfile.gettempdir(), f"dsrun_zpp_resume_{os.environ['MASTER_PORT']}")
     messages = lambda e: [quantized_shards.message_of(p).clone() for p in e.module[0].parameters()]  # noqa: E731

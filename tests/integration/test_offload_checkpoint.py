@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dsrun.checkpoint.safe_load import load_file
-from dsrun.runtime.offload.swap_store import SWAP_ROOT_NAME
+from dsrun.offload.swap_store import SWAP_ROOT_NAME
 from dsrun.utils import zero_to_fp32 as z2f
 from tests.helpers import run_ranks
 from tests.integration import _offload_workloads as o

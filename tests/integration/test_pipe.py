@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-from dsrun.runtime.pipe import p2p
+from dsrun.pipe import p2p
 from tests.helpers import run_ranks
 from tests.integration import _pipe_workloads as w
 

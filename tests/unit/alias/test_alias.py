@@ -37,13 +37,13 @@ def test_import_deepspeed_is_dsrun_with_the_api_version_hf_and_accelerate_accept
         import deepspeed
         import deepspeed.runtime.lr_schedules
         from deepspeed.ops.op_builder import CPUAdamBuilder
-        import dsrun, dsrun.runtime.lr_schedules, op_builder
+        import dsrun, dsrun.optim.lr_schedules, op_builder
         assert deepspeed.__version__ == importlib.metadata.version("deepspeed") == dsrun.alias.DEEPSPEED_API_VERSION
         assert ".".join(map(str, (deepspeed.__version_major__, deepspeed.__version_minor__,
                                   deepspeed.__version_patch__))) == deepspeed.__version__
         assert deepspeed.initialize is dsrun.initialize and deepspeed.comm is dsrun.comm
-        assert deepspeed.runtime.lr_schedules is dsrun.runtime.lr_schedules
-        assert deepspeed.runtime.engine is dsrun.runtime.engine  # imported by `import deepspeed`, as in DeepSpeed
+        assert deepspeed.runtime.lr_schedules is dsrun.optim.lr_schedules
+        assert deepspeed.runtime.engine is dsrun.engine.engine  # imported by `import deepspeed`, as in DeepSpeed
         assert CPUAdamBuilder is op_builder.CPUAdamBuilder
         from deepspeed.launcher import runner  # a renamed child, imported from its parent
         assert runner.parse_resource_filter({"w": [0, 1]}, exclude_str="w:1") == {"w": [0]}

@@ -33,7 +33,7 @@ def test_set_random_seed_makes_every_generator_repeat():
 
     import numpy as np
 
-    from dsrun.runtime.utils import set_random_seed
+    from dsrun.compat.runtime.utils import set_random_seed
 
     draws = []
     for _ in range(2):
@@ -43,7 +43,7 @@ def test_set_random_seed_makes_every_generator_repeat():
 
 
 def test_see_memory_usage_logs_only_when_forced():
-    from dsrun.runtime.utils import see_memory_usage
+    from dsrun.compat.runtime.utils import see_memory_usage
     from dsrun.utils.logging import logger
 
     records: list[str] = []
@@ -120,9 +120,9 @@ def test_accelerator_has_deepspeeds_cpu_methods():
 
 def test_zero_module_paths_name_dsruns_objects():
     from dsrun.config.zero import ZeroConfig
-    from dsrun.runtime.zero.config import DeepSpeedZeroConfig, ZeroStageEnum
-    from dsrun.runtime.zero.offload_config import OffloadDeviceEnum
-    from dsrun.runtime.zero.partition_parameters import ZeroParamStatus
+    from dsrun.zero.config import DeepSpeedZeroConfig, ZeroStageEnum
+    from dsrun.zero.offload_config import OffloadDeviceEnum
+    from dsrun.compat.runtime.zero.partition_parameters import ZeroParamStatus
     from dsrun.zero import ParamStatus
 
     assert issubclass(DeepSpeedZeroConfig, ZeroConfig) and ZeroParamStatus is ParamStatus

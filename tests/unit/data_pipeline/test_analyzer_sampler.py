@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from dsrun.runtime.data_pipeline.data_sampling import (CurriculumDataLoader, DataAnalyzer, DeepSpeedDataSampler,
+from dsrun.data_efficiency.data_sampling import (CurriculumDataLoader, DataAnalyzer, DeepSpeedDataSampler,
                                                        MMapIndexedDataset)
-from dsrun.runtime.data_pipeline.data_sampling.data_analyzer import load_metric_index
+from dsrun.data_efficiency.data_sampling.data_analyzer import load_metric_index
 from dsrun.utils.errors import UserError
 
 N, T, V = 1003, 12, 50
@@ -237,7 +237,7 @@ def test_seed_workers_pinning_and_clusters_reach_the_sampler_and_loader(indexed,
     """``data_efficiency.seed`` reorders what is served, ``data_sampling.num_workers``/``pin_memory`` reach the
     loader, and ``curriculum_learning.data_cluster_path`` receives the cluster files (the support ledger's proof)."""
     from dsrun.config import load_ds_config
-    from dsrun.runtime.data_pipeline.data_sampling.data_loader import build_curriculum_loader
+    from dsrun.data_efficiency.data_sampling.data_loader import build_curriculum_loader
 
     def loaded(seed: int, workers: int, pin: bool, clusters: Path):
         de = sampling_config(indexed)

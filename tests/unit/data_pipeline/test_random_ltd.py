@@ -8,8 +8,8 @@ from dsrun.models.config import GPTConfig
 from dsrun.models.gpt import GPT
 from dsrun.models.layers import Block
 from dsrun.ops.random_ltd import GatherTokens, ScatterTokens, bert_sample_tokens, gpt_sample_tokens
-from dsrun.runtime.data_pipeline import RandomLayerTokenDrop, remove_random_ltd_state_dict
-from dsrun.runtime.data_pipeline.data_routing.helper import convert_to_random_ltd
+from dsrun.data_efficiency import RandomLayerTokenDrop, remove_random_ltd_state_dict
+from dsrun.data_efficiency.data_routing.helper import convert_to_random_ltd
 
 B, S, H, R = 3, 10, 6, 4
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])  # the same plain-torch ops on both

@@ -11,7 +11,7 @@ import math
 import numpy as np
 import pytest
 
-from dsrun.runtime.data_pipeline import CurriculumScheduler, ProgressiveLayerDrop, RandomLTDScheduler
+from dsrun.data_efficiency import CurriculumScheduler, ProgressiveLayerDrop, RandomLTDScheduler
 from dsrun.utils.errors import ConfigError
 
 

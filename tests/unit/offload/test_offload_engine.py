@@ -8,7 +8,7 @@ import torch
 
 import dsrun
 from dsrun.ops.cpu_optimizer import CPUOptimizer
-from dsrun.runtime.offload.pipeline import StepPipeline, run_swap_pipeline
+from dsrun.offload.pipeline import StepPipeline, run_swap_pipeline
 from dsrun.utils.errors import ConfigError
 
 pytestmark = pytest.mark.usefixtures("world_of_one")
@@ -172,7 +172,7 @@ def test_nvme_with_bf16_states_and_partial_offload_match_in_memory(tmp_path: Pat
 
 def test_gathered_parameters_changes_reach_swapped_masters(tmp_path: Path):
     """What GatheredParameters(modifier_rank=...) does on exit (write_full_value) reaches the swapped master."""
-    from dsrun.runtime.zero.partition_params import write_full_value
+    from dsrun.zero.partition_params import write_full_value
     from dsrun.zero import GatheredParameters
 
     cfg = _config(3, {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 4})
@@ -187,7 +187,7 @@ def test_gathered_parameters_changes_reach_swapped_masters(tmp_path: Path):
 
 @pytest.mark.parametrize("n", [0, 1, 4, 5, 9, 33, 1000])
 def test_narrow_and_widen_in_place_round_trip_exactly(monkeypatch, n: int):
-    from dsrun.runtime.offload import nvme
+    from dsrun.offload import nvme
 
     monkeypatch.setattr(nvme, "CONVERT_CHUNK", 4)  # many chunks, and a short last one
     for dtype in (torch.bfloat16, torch.float16):

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import dsrun
-from dsrun.runtime.offload.param_swapper import NvmeParamOffload, is_swapped, shard_value
-from dsrun.runtime.zero.partition_params import partition_param
+from dsrun.offload.param_swapper import NvmeParamOffload, is_swapped, shard_value
+from dsrun.zero.partition_params import partition_param
 from dsrun.utils.errors import ConfigError
 
 pytestmark = pytest.mark.usefixtures("world_of_one")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsrun.runtime.offload.swap_store import SWAP_ROOT_NAME, SwapStore, remove_stale_folders
+from dsrun.offload.swap_store import SWAP_ROOT_NAME, SwapStore, remove_stale_folders
 from tests.helpers import REPO
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8]
@@ -118,7 +118,7 @@ def test_folders_are_private_and_removed(tmp_path: Path):
 
 
 def test_files_removed_at_normal_exit_and_stale_folders_of_dead_processes(tmp_path: Path):
-    code = ("import torch, sys; from dsrun.runtime.offload import SwapStore; "
+    code = ("import torch, sys; from dsrun.offload import SwapStore; "
             "s = SwapStore(sys.argv[1], rank=3); s.write('k', torch.ones(1000)); print(s.folder)")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, text=True,
@@ -126,7 +126,7 @@ def test_files_removed_at_normal_exit_and_stale_folders_of_dead_processes(tmp_pa
     folder = Path(out.stdout.strip().splitlines()[-1])
     assert folder.parent == tmp_path / SWAP_ROOT_NAME and not folder.exists()
     # a killed process leaves its folder: the next store under the same root removes it
-    killed = ("import os, torch, sys; from dsrun.runtime.offload import SwapStore; "
+    killed = ("import os, torch, sys; from dsrun.offload import SwapStore; "
               "s = SwapStore(sys.argv[1], rank=1); s.write('k', torch.ones(1000)); print(s.folder, flush=True); "
               "os._exit(0)")
     out = subprocess.run([sys.executable, "-c", killed, str(tmp_path)], env=env, capture_output=True, text=True,

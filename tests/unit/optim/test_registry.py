@@ -43,7 +43,7 @@ def test_unknown_and_unbuildable_names_are_config_errors() -> None:
         build_optimizer("AdamX", _params(), {})
     with pytest.raises(ConfigError, match="the mup package's optimizers"):  # not a CUDA matter
         build_optimizer("MuAdam", _params(), {})
-    # the 1-bit family communicates by itself: the engine builds it (dsrun.runtime.fp16.onebit)
+    # the 1-bit family communicates by itself: the engine builds it (dsrun.optim.onebit)
     with pytest.raises(ConfigError, match="OneBitAdam communicates by itself and is built by dsrun.initialize"):
         build_optimizer("OneBitAdam", _params(), {})
     with pytest.raises(ConfigError, match="optimizer.params"):

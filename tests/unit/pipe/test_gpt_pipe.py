@@ -11,10 +11,10 @@ from dsrun.config import load_ds_config
 from dsrun.models.config import GPTConfig
 from dsrun.models.gpt import GPT
 from dsrun.runspec import resolve_run
-from dsrun.runtime.pipe.estimate import blocks_in_flight
-from dsrun.runtime.pipe.gpt import gpt_pipeline
-from dsrun.runtime.pipe.schedule import TrainSchedule
-from dsrun.runtime.pipe.timed import GPipeSchedule
+from dsrun.workloads.pipe_estimate import blocks_in_flight
+from dsrun.workloads.pipe_gpt import gpt_pipeline
+from dsrun.pipe.schedule import TrainSchedule
+from dsrun.pipe.timed import GPipeSchedule
 from dsrun.utils.errors import ConfigError
 
 pytestmark = pytest.mark.usefixtures("world_of_one")
@@ -104,7 +104,7 @@ def test_universal_names_of_the_pipelined_gpt_are_the_gpts(tied: bool, bias: boo
     """``module.dense_names`` (dsrun.models.gpt_pipe.dense_names) through the one NameMap universal checkpoints
     use: every pipeline parameter gets the GPT's name, and copying by those names computes the GPT's logits."""
     from dsrun.checkpoint.pipeline_state import NameMap, first_layers
-    from dsrun.runtime.pipe.checkpoint import _tied_layers
+    from dsrun.pipe.checkpoint import _tied_layers
 
     config = GPTConfig(**SHAPE, tie_embeddings=tied, bias=bias)
     torch.manual_seed(0)

@@ -9,9 +9,9 @@ from torch import nn
 
 import dsrun
 from dsrun.pipe import LayerSpec, PipelineModule, PipeDataParallelTopology, TiedLayerSpec
-from dsrun.runtime.pipe.engine import PipelineEngine, PipelineError
-from dsrun.runtime.pipe.schedule import TrainSchedule
-from dsrun.runtime.pipe.timed import GPipeSchedule, ZeroBubbleSchedule
+from dsrun.pipe.engine import PipelineEngine, PipelineError
+from dsrun.pipe.schedule import TrainSchedule
+from dsrun.pipe.timed import GPipeSchedule, ZeroBubbleSchedule
 from dsrun.utils import RepeatingLoader
 from dsrun.utils.errors import ConfigError, UserError
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsrun.runtime.pipe import p2p
+from dsrun.pipe import p2p
 
 
 def test_header_round_trip_keeps_dtypes_shapes_grad_flags_and_missing_entries() -> None:

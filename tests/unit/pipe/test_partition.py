@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from dsrun.runtime.pipe import partition
-from dsrun.runtime.pipe.partition import (layer_weights, partition_balanced, partition_layers, partition_uniform,
+from dsrun.pipe import partition
+from dsrun.pipe.partition import (layer_weights, partition_balanced, partition_layers, partition_uniform,
                                           profiling_inputs)
-from dsrun.runtime.pipe.spec import LayerSpec, TiedLayerSpec
+from dsrun.pipe.spec import LayerSpec, TiedLayerSpec
 from dsrun.utils.errors import UserError
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from dsrun.runtime.pipe.schedule import (BackwardInputPass, BackwardPass, BackwardWeightPass,
+from dsrun.pipe.schedule import (BackwardInputPass, BackwardPass, BackwardWeightPass,
                                          DataParallelSchedule, ForwardPass, InferenceSchedule, LoadMicroBatch,
                                          OptimizerStep, PipeInstruction, RecvActivation, RecvGrad, ReduceGrads,
                                          ReduceTiedGrads, SendActivation, SendGrad, TrainSchedule)
-from dsrun.runtime.pipe.timed import GPipeSchedule, InterleavedSchedule, ZeroBubbleSchedule
+from dsrun.pipe.timed import GPipeSchedule, InterleavedSchedule, ZeroBubbleSchedule
 
 SHORT = {"LoadMicroBatch": "Load", "ForwardPass": "Fwd", "BackwardPass": "Bwd", "SendActivation": "SendAct",
          "RecvActivation": "RecvAct"}

@@ -7,9 +7,9 @@ from fractions import Fraction
 
 import pytest
 
-from dsrun.runtime.pipe.schedule import ForwardPass, RecvActivation, SendActivation, TrainSchedule
-from dsrun.runtime.pipe.simulate import simulate, simulate_streams
-from dsrun.runtime.pipe.timed import GPipeSchedule, InterleavedSchedule, ZeroBubbleSchedule
+from dsrun.pipe.schedule import ForwardPass, RecvActivation, SendActivation, TrainSchedule
+from dsrun.pipe.simulate import simulate, simulate_streams
+from dsrun.pipe.timed import GPipeSchedule, InterleavedSchedule, ZeroBubbleSchedule
 
 CASES = [(p, m) for p in (2, 4, 8) for m in range(p, 8 * p + 1)]
 

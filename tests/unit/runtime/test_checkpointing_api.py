@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import dsrun
-import dsrun.checkpointing as ckpt
-from dsrun.runtime.activation_checkpointing.settings import reset_configuration
+import dsrun.activation_checkpointing.api as ckpt
+from dsrun.activation_checkpointing.settings import reset_configuration
 
 FUNCTIONS = {"reentrant": ckpt.checkpoint, "non_reentrant": ckpt.non_reentrant_checkpoint,
              "selective": ckpt.selective_checkpoint}

@@ -11,11 +11,11 @@ import pytest
 import torch
 from torch import nn
 
-import dsrun.checkpointing as ckpt
+import dsrun.activation_checkpointing.api as ckpt
 from dsrun.accelerator import Accelerator
 from dsrun.config import load_ds_config
 from dsrun.models.gpt import GPT
-from dsrun.runtime.activation_checkpointing.settings import STATE, reset_configuration
+from dsrun.activation_checkpointing.settings import STATE, reset_configuration
 from dsrun.utils.errors import ConfigError
 
 TINY = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)

@@ -269,7 +269,7 @@ def _save_16bit(tmp_path, **_):
 
 @effect("zero_optimization.memory_efficient_linear")
 def _linear(monkeypatch, **_):
-    from dsrun.runtime.zero import linear
+    from dsrun.zero import linear
 
     for flag in (False, True):  # stage 3 routes F.linear through its memory-saving version, or not
         monkeypatch.setattr(F, "linear", linear._original_linear)
@@ -342,8 +342,8 @@ def _optimizer_buffers(tmp_path, **_):
 def _pin_memory(key, monkeypatch, **_):
     # pinning needs an accelerator: the decision is checked with one pretended present
     from dsrun import accelerator
-    from dsrun.runtime.offload import param_swapper
-    from dsrun.runtime.offload.settings import OffloadOptimizerSettings
+    from dsrun.offload import param_swapper
+    from dsrun.offload.settings import OffloadOptimizerSettings
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(accelerator, "get_accelerator", lambda: types.SimpleNamespace(pin_memory_enabled=lambda: True))
@@ -393,7 +393,7 @@ def _max_in_cpu(tmp_path, **_):
 
 @effect("aio.block_size", "aio.queue_depth", "aio.thread_count", "aio.single_submit", "aio.overlap_events")
 def _aio(key, tmp_path, **_):
-    from dsrun.runtime.offload.swap_store import SwapStore
+    from dsrun.offload.swap_store import SwapStore
 
     name = key.split(".")[1]
     value = {"block_size": 4096, "queue_depth": 2, "thread_count": 2, "single_submit": True,

@@ -11,8 +11,8 @@ import torch
 import dsrun
 from dsrun.models.gpt import GPT, pld_keep_probabilities
 from dsrun.models.layers import Block
-from dsrun.runtime.data_pipeline import convert_to_random_ltd
-from dsrun.runtime.data_pipeline.training import LayerMeter
+from dsrun.data_efficiency import convert_to_random_ltd
+from dsrun.workloads.data_efficiency_run import LayerMeter
 from dsrun.utils.errors import ConfigError
 
 pytestmark = pytest.mark.usefixtures("world_of_one")
@@ -200,7 +200,7 @@ def test_an_enclosing_enabled_false_keeps_the_technique_off(capsys):
 
 
 def test_initialize_with_training_data_returns_the_curriculum_loader(tmp_path):
-    from dsrun.runtime.data_pipeline.data_sampling import CurriculumDataLoader
+    from dsrun.data_efficiency.data_sampling import CurriculumDataLoader
 
     data = torch.utils.data.TensorDataset(torch.arange(40).reshape(20, 2))
     config = _config(data_efficiency={"enabled": True, "data_sampling": {"enabled": True, "curriculum_learning": {

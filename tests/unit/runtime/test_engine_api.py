@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dsrun
-from dsrun.runtime.lr_schedules import WarmupLR
+from dsrun.optim.lr_schedules import WarmupLR
 from dsrun.utils.errors import ConfigError
 
 pytestmark = pytest.mark.usefixtures("world_of_one")
@@ -172,11 +172,11 @@ def test_bf16_engine_keeps_fp32_master_weights() -> None:
 
 
 def test_stage_3_is_reported_until_it_exists() -> None:
-    from dsrun.runtime.zero import STRATEGY_CLASSES, strategy_class
+    from dsrun.zero.strategies import STRATEGY_CLASSES, strategy_class
 
     assert 3 in STRATEGY_CLASSES
     try:
-        import dsrun.runtime.zero.stage3  # noqa: F401
+        import dsrun.zero.stage3  # noqa: F401
     except ModuleNotFoundError:
         with pytest.raises(ConfigError, match="stage 3 is not available"):
             strategy_class(3)
@@ -310,7 +310,7 @@ def test_destroy_releases_hooks_and_groups(stage: int) -> None:
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_step_hooks_run_around_the_update_on_every_stage(stage: int) -> None:
-    """The one step path's named hooks (dsrun/runtime/zero/step_hooks.py): before_update sees the gradients and
+    """The one step path's named hooks (dsrun/zero/step_hooks.py): before_update sees the gradients and
     may change the coefficient (0: the update moves nothing but Adam's state), after_update follows it."""
     model = _model()
     engine, *_ = dsrun.initialize(model=model, config=_config(zero_optimization={"stage": stage},

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import dsrun
-from dsrun.runtime.sparse_tensor import SparseTensor
+from dsrun.engine.sparse_tensor import SparseTensor
 
 pytestmark = pytest.mark.usefixtures("world_of_one")
 HERE = Path(__file__).resolve().parent

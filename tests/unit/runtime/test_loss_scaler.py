@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dsrun.checkpoint.deepspeed_format import PICKLE_MODULE, ForeignObject, zero_state_for_deepspeed
-from dsrun.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+from dsrun.precision.loss_scaler import DynamicLossScaler, LossScaler
 from tests.helpers import REPO
 
 
@@ -65,8 +65,8 @@ def test_checkpoint_scalers_load_as_these_classes_under_the_alias(tmp_path):
              "raise_error_at_min_scale": True, "dynamic": True, "dtype": torch.float16}
     scaler = ForeignObject("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler", state, newobj=True)
     torch.save({"optimizer_state_dict": {"loss_scaler": scaler}}, deepspeed_file, pickle_module=PICKLE_MODULE)
-    assert _alias_load(dsrun_file).split() == ["dsrun.runtime.fp16.loss_scaler", "LossScaler", "1.0", "False",
+    assert _alias_load(dsrun_file).split() == ["dsrun.precision.loss_scaler", "LossScaler", "1.0", "False",
                                                "1.0", "-"]
     # iteration 9 is 4 (the window) after the overflow at 5: the scale doubles
-    assert _alias_load(deepspeed_file).split() == ["dsrun.runtime.fp16.loss_scaler", "DynamicLossScaler", "1024.0",
+    assert _alias_load(deepspeed_file).split() == ["dsrun.precision.loss_scaler", "DynamicLossScaler", "1024.0",
                                                    "True", "2048.0", "10"]

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from dsrun.runtime.lr_schedules import (VALID_LR_SCHEDULES, LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR,
+from dsrun.optim.lr_schedules import (VALID_LR_SCHEDULES, LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR,
                                         WarmupLR, build_lr_scheduler)
 from dsrun.utils.errors import ConfigError
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dsrun.optim import Lamb
-from dsrun.runtime.fp16.onebit import OnebitAdam, OnebitLamb, ZeroOneAdam, build_onebit_optimizer
+from dsrun.optim.onebit import OnebitAdam, OnebitLamb, ZeroOneAdam, build_onebit_optimizer
 from dsrun.utils.errors import ConfigError
 
 # a handful of fp32 roundings per step, a few steps: far inside this relative bound (fp32 eps is 6e-8)

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import dsrun
-from dsrun.runtime.fp16.fused_optimizer import FP16_Optimizer
-from dsrun.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
-from dsrun.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-from dsrun.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+from dsrun.compat.runtime.fp16.fused_optimizer import FP16_Optimizer
+from dsrun.compat.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+from dsrun.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+from dsrun.compat.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 WRAPPERS = (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3, FP16_Optimizer, FP16_UnfusedOptimizer)
 ADAM = {"type": "Adam", "params": {"lr": 0.01}}

@@ -5,8 +5,8 @@ from types import SimpleNamespace
 
 import torch
 
-from dsrun.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-from dsrun.runtime.precision import BF16Precision, FP16Precision, PrecisionStrategy, build_precision
+from dsrun.precision.loss_scaler import DynamicLossScaler, LossScaler
+from dsrun.precision.strategy import BF16Precision, FP16Precision, PrecisionStrategy, build_precision
 
 
 def _run(scaler: DynamicLossScaler, overflows: list[bool]) -> list[float]:

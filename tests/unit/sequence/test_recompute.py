@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsrun.checkpointing import non_reentrant_checkpoint
+from dsrun.activation_checkpointing.api import non_reentrant_checkpoint
 from dsrun.profiling.tensor_memory import SavedTensorBytes
 from dsrun.sequence import shard_sequence
 from dsrun.sequence.recompute import ExchangedFromSource

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import dsrun
-from dsrun.runtime.zero.partition_params import ParamStatus, partition_param
+from dsrun.zero.partition_params import ParamStatus, partition_param
 from dsrun.utils.errors import ConfigError
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsrun.runtime.zero.hooks import ParameterCoordinator, add_external_param, module_params
-from dsrun.runtime.zero.partition_params import ParamStatus, partition_param
+from dsrun.zero.hooks import ParameterCoordinator, add_external_param, module_params
+from dsrun.zero.partition_params import ParamStatus, partition_param
 
 
 def _partitioned(model: nn.Module) -> nn.Module:

@@ -5,9 +5,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsrun.runtime.zero import host_memory
-from dsrun.runtime.zero.linear import zero3_linear
-from dsrun.runtime.zero.partition_params import gather_params, partition_param, release_param
+from dsrun.zero import host_memory
+from dsrun.zero.linear import zero3_linear
+from dsrun.zero.partition_params import gather_params, partition_param, release_param
 
 
 def test_gradients_match_f_linear() -> None:

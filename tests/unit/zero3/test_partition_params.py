@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from dsrun.runtime.zero.partition_params import (ParamStatus, full_tensor, gather_params, partition_numel,
+from dsrun.zero.partition_params import (ParamStatus, full_tensor, gather_params, partition_numel,
                                                  partition_param, release_param, shard_padding,
                                                  write_full_value)
 

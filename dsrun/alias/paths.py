@@ -1,0 +1,81 @@
+"""The one table of DeepSpeed's module paths: ``deepspeed.X`` -> the dsrun module that serves it.
+
+dsrun's tree is drawn by its own concerns (docs/architecture.md), not by DeepSpeed's module tree, so DeepSpeed's
+paths are served from here. The longest matching prefix wins, and the rest of the path follows it
+(``deepspeed.runtime.zero.stage3`` is ``dsrun.zero.stage3``); a path with no entry is the same path under dsrun
+(``deepspeed.comm.comm`` is ``dsrun.comm.comm``). DeepSpeed-named modules that only re-export live in
+``dsrun/compat/``, which mirrors DeepSpeed's tree. The served module is dsrun's own object, not a copy.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from types import ModuleType
+
+ALIAS = "deepspeed"
+TARGET = "dsrun"
+
+PATHS: dict[str, str] = {
+    # the runtime package: its rooms have their own top-level folders in dsrun
+    "deepspeed.runtime": "dsrun.compat.runtime",
+    "deepspeed.runtime.engine": "dsrun.engine.engine",
+    "deepspeed.runtime.engine_collectives": "dsrun.engine.engine_collectives",
+    "deepspeed.runtime.engine_getters": "dsrun.engine.engine_getters",
+    "deepspeed.runtime.engine_methods": "dsrun.engine.engine_methods",
+    "deepspeed.runtime.initialize": "dsrun.engine.initialize",
+    "deepspeed.runtime.observer": "dsrun.engine.observer",
+    "deepspeed.runtime.direct_backward": "dsrun.engine.direct_backward",
+    "deepspeed.runtime.dataloader": "dsrun.engine.dataloader",
+    "deepspeed.runtime.sparse_tensor": "dsrun.engine.sparse_tensor",
+    "deepspeed.runtime.autotuning_probe": "dsrun.engine.autotuning_probe",
+    "deepspeed.runtime.config": "dsrun.config.deepspeed_config",
+    "deepspeed.runtime.timers": "dsrun.profiling.timers",
+    "deepspeed.runtime.lr_schedules": "dsrun.optim.lr_schedules",
+    "deepspeed.runtime.optimizer_wrappers": "dsrun.optim.optimizer_wrappers",
+    "deepspeed.runtime.precision": "dsrun.precision.strategy",
+    "deepspeed.runtime.precision_config": "dsrun.precision.config",
+    "deepspeed.runtime.torch_autocast": "dsrun.precision.torch_autocast",
+    "deepspeed.runtime.fp16": "dsrun.compat.runtime.fp16",
+    "deepspeed.runtime.fp16.loss_scaler": "dsrun.precision.loss_scaler",
+    "deepspeed.runtime.fp16.onebit": "dsrun.optim.onebit",
+    "deepspeed.runtime.zero": "dsrun.zero",
+    "deepspeed.runtime.zero.partition_parameters": "dsrun.compat.runtime.zero.partition_parameters",
+    "deepspeed.runtime.zero.stage_1_and_2": "dsrun.compat.runtime.zero.stage_1_and_2",
+    "deepspeed.runtime.offload": "dsrun.offload",
+    "deepspeed.runtime.activation_checkpointing": "dsrun.activation_checkpointing",
+    "deepspeed.runtime.pipe": "dsrun.pipe",
+    "deepspeed.runtime.data_pipeline": "dsrun.data_efficiency",
+    "deepspeed.checkpointing": "dsrun.activation_checkpointing.api",
+    "deepspeed.utils.groups": "dsrun.compat.utils.groups",
+    # dsrun keeps these objects under another name
+    "deepspeed.ops.op_builder": "op_builder",
+    "deepspeed.launcher.runner": "dsrun.cli.deepspeed_runner",
+    "deepspeed.monitor.wandb": "dsrun.monitor.wandb_monitor",
+    "deepspeed.monitor.comet": "dsrun.monitor.comet_monitor",
+    "deepspeed.monitor.config": "dsrun.config.monitoring",
+}
+_LONGEST_FIRST = sorted(PATHS, key=len, reverse=True)
+
+
+def target_of(fullname: str) -> str | None:
+    """The dsrun module that serves ``fullname`` (a ``deepspeed.*`` path), or None if it is not an alias path."""
+    if fullname != ALIAS and not fullname.startswith(ALIAS + "."):
+        return None
+    for source in _LONGEST_FIRST:
+        if fullname == source or fullname.startswith(source + "."):
+            return PATHS[source] + fullname[len(source):]
+    return TARGET + fullname[len(ALIAS):]
+
+
+def children_elsewhere(deepspeed_name: str) -> list[str]:
+    """The table's entries directly below ``deepspeed_name`` (their module is not a child of its dsrun module)."""
+    return [source for source in PATHS if source.rpartition(".")[0] == deepspeed_name]
+
+
+def compat_attribute(deepspeed_name: str, attribute: str) -> ModuleType:
+    """``deepspeed_name.attribute`` as a module, for the ``__getattr__`` of a compat package (so that
+    ``import dsrun as deepspeed; deepspeed.runtime.lr_schedules`` works without the import hook)."""
+    target = target_of(f"{deepspeed_name}.{attribute}")
+    if target is None or attribute.startswith("__") or importlib.util.find_spec(target) is None:
+        raise AttributeError(f"module {deepspeed_name!r} (dsrun) has no attribute {attribute!r}")
+    return importlib.import_module(target)

@@ -1,0 +1,2 @@
+"""DeepSpeed-named modules of ``deepspeed.runtime.zero`` that only re-export (the package itself is
+:mod:`dsrun.zero`)."""

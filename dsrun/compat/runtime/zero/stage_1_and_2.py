@@ -1,0 +1,10 @@
+"""``deepspeed.runtime.zero.stage_1_and_2``: DeepSpeed's ZeRO stage 1-2 optimizer name. dsrun's stages 1 and 2
+are :mod:`dsrun.zero.partitioned`; ``isinstance(engine.optimizer, DeepSpeedZeroOptimizer)`` says
+whether one of them steps the engine's optimizer (:mod:`dsrun.optim.optimizer_wrappers`)."""
+from __future__ import annotations
+
+from dsrun.optim.optimizer_wrappers import OptimizerWrapperKind
+
+
+class DeepSpeedZeroOptimizer(metaclass=OptimizerWrapperKind):
+    """An optimizer stepped by ZeRO stage 1 or 2."""

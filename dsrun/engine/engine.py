@@ -1,0 +1,499 @@
+"""The training engine: ``loss = engine(batch); engine.backward(loss); engine.step()``.
+
+The engine is composed once at initialize from a precision strategy (:mod:`dsrun.precision.strategy`) and a
+ZeRO strategy (:mod:`dsrun.zero.strategies`), and then only orchestrates: gradient-accumulation boundaries,
+loss scaling, the optimizer/scheduler step, counters, timers and reporting. It keeps DeepSpeed's
+attribute and method names (``global_steps``, ``micro_steps``, ``skipped_steps``, ``get_lr()``,
+``train_batch_size()`` …) so DeepSpeed training scripts run unchanged.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+import torch
+
+from dsrun import comm
+from dsrun.comm import ProcessGroups
+from dsrun.config import DeepSpeedConfig
+from dsrun.accelerator import get_accelerator
+from dsrun.moe.layer import attach_process_groups
+from dsrun.moe.utils import has_moe_layers, split_params_into_different_moe_groups_for_optimizer
+from dsrun.optim import build_optimizer, check_zero_optimizer
+from dsrun.activation_checkpointing.settings import configure_from_engine
+from dsrun.data_efficiency.engine_api import DataEfficiencyEngineMixin
+from dsrun.data_efficiency.features import DataEfficiency
+from dsrun.engine.dataloader import DeepSpeedDataLoader
+from dsrun.engine.direct_backward import DirectBackward
+from dsrun.engine.engine_collectives import EngineCollectives
+from dsrun.engine.engine_getters import EngineConfigGetters
+from dsrun.engine.engine_methods import EngineMethods
+from dsrun.optim.onebit import ONE_BIT_CLASSES, build_onebit_optimizer
+from dsrun.optim.lr_schedules import build_lr_scheduler
+from dsrun.engine.autotuning_probe import AutotuningProbe
+from dsrun.engine.observer import EngineObserver
+from dsrun.precision.strategy import PrecisionStrategy, build_precision
+from dsrun.precision.torch_autocast import autocast_if_enabled, init_autocast_params
+from dsrun.profiling.timers import WallClockTimers
+from dsrun.zero.strategies import MemoryBreakdown, StrategyContext, ZeroStrategy, build_zero_strategy
+from dsrun.sequence.groups import _set_sequence_groups
+from dsrun.utils.errors import ConfigError, Problem
+
+FORWARD_TIMER, BACKWARD_TIMER, BACKWARD_INNER_TIMER = "forward", "backward", "backward_inner"
+BACKWARD_REDUCE_TIMER, STEP_TIMER = "backward_allreduce", "step"
+
+
+class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, DataEfficiencyEngineMixin, torch.nn.Module):
+    """Wraps the model; built by :func:`dsrun.initialize`. DeepSpeed's config getters, its other methods
+    (``no_sync``, ``set_train_batch_size``, ``load_module_state_dict`` …) and its reduction helpers are the
+    mixins :mod:`~dsrun.engine.engine_getters`, :mod:`~dsrun.engine.engine_methods` and
+    :mod:`~dsrun.engine.engine_collectives`.
+
+    ``config`` is the typed :class:`dsrun.config.DeepSpeedConfig` (every setting and default comes from it); ``optimizer`` an optimizer over the model's
+    parameters (client or from the config) or None; ``lr_scheduler`` a scheduler object, a callable taking
+    the optimizer, or None (then the config's ``scheduler`` section, if any, is used).
+    """
+
+    def __init__(self, model: torch.nn.Module, config: DeepSpeedConfig, optimizer: torch.optim.Optimizer | None = None,
+                 lr_scheduler: Any = None, training_data: Any = None, collate_fn: Callable | None = None,
+                 mpu: Any = None, raw_config: Any = None):
+        super().__init__()
+        self._config = config
+        self.training_data, self.collate_fn, self.client_lr_scheduler = training_data, collate_fn, lr_scheduler
+        self.client_optimizer: Any = None  # set by initialize when the client passed one
+        self.config = raw_config if raw_config is not None else config
+        self.mpu = mpu
+        # the run's topology and process groups, built once (dsrun/comm/groups.py); ZeRO partitions over
+        # the data-parallel group
+        self.groups = self._process_groups(mpu)
+        self.dp_group = self.groups.data
+        self.global_rank = comm.get_rank()
+        self.local_rank = comm.get_local_rank()
+        self.world_size = comm.get_world_size()
+        self.dp_world_size = comm.get_world_size(self.dp_group)
+        # Ulysses: consecutive data-parallel ranks share samples (dsrun/sequence); ZeRO keeps the whole data group
+        self.sequence_parallel_size = self.groups.sequence_parallel_size
+        _set_sequence_groups(self.groups)
+        if self.sequence_parallel_size > 1:  # as DeepSpeed: gradients are reduced in seq_parallel_comm_data_type
+            config.communication_data_type = config.seq_parallel_comm_data_type
+        self.device = get_accelerator().device(self.local_rank)
+        # MoE layers get their expert-parallel groups from the engine's topology (collective)
+        self.moe_layers = attach_process_groups(model, self.groups, bool(config.use_data_before_expert_parallelism))
+        self.has_moe_layers = bool(self.moe_layers)
+        if self.has_moe_layers:
+            _check_moe_config(config)
+        self.compression: Any = None  # [feature seam: compression] set by initialize (dsrun/compression/feature.py)
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self.losses: torch.Tensor | None = None  # the mean loss summed over this step's micro-batches (DeepSpeed's)
+        # DeepSpeed's "step=N, skipped=S, lr=[...]" line every steps_per_print steps; a caller that prints its
+        # own progress (dsrun's worker) turns it off
+        self.print_step_lines = True
+        self.gradient_average = config.gradient_allreduce_op == "mean"  # "sum": gradients summed over ranks
+        self._boundary_override: bool | None = None
+        self.timers = WallClockTimers(bool(config.wall_clock_breakdown))
+        comm.configure(config)
+
+        self.precision: PrecisionStrategy = build_precision(config.fp16, config.bf16, config.zero_optimization.stage)
+        model.to(self.device)
+        if self.precision.model_dtype != torch.float32:
+            model.to(dtype=self.precision.model_dtype)
+        self.module = model
+        self._broadcast_model()
+        if self.torch_autocast_enabled():  # the torch_autocast section: comm dtypes of the safe modules' params
+            init_autocast_params(self, self.torch_autocast_dtype(), self.torch_autocast_lower_precision_safe_modules())
+        configure_from_engine(model, config, mpu)  # the activation_checkpointing section, if any
+
+        self.strategy: ZeroStrategy | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        if optimizer is not None:
+            stage = int(config.zero_optimization.stage)
+            check_zero_optimizer(optimizer, stage, bool(config.zero_allow_untested_optimizer))
+            self.strategy = build_zero_strategy(stage, self._strategy_context(optimizer))
+            self.optimizer = self.strategy.optimizer
+        self.direct_backward = DirectBackward(self)  # backward passes engine.backward() did not run
+        self.lr_scheduler = self._configure_lr_scheduler(lr_scheduler)
+        # data efficiency (dsrun/data_efficiency): curriculum, PLD, random-LTD, curriculum data sampling
+        self.data_efficiency = DataEfficiency(config, self.train_batch_size(), self.global_rank, self.dp_group)
+        self.data_efficiency.check_model(self.module)
+        self.training_dataloader = (self.deepspeed_io(training_data, collate_fn=collate_fn)
+                                    if training_data is not None else None)
+        if self.data_efficiency.sampling_enabled:  # data efficiency: the sampler's state goes into checkpoints
+            self.data_efficiency.training_dataloader = self.training_dataloader
+        self._comm_at_step_start = comm.get_comms_stats()
+        self._last_step_comm: dict[str, dict[str, float]] = {}
+        # observability (monitors, wall-clock breakdown, flops profiler): dsrun/engine/observer.py
+        self.observer = EngineObserver(self, config)
+        self.autotuning_probe = AutotuningProbe(self, config)  # dsrun/engine/autotuning_probe.py
+        self.monitor = self.observer.monitor
+        self.flops_profiler = self.observer.flops_profiler
+        self._apply_compile_config()  # the config's compile section (engine_methods.py)
+
+    # --- construction ---------------------------------------------------------------------------------
+    @classmethod
+    def prepare_model(cls, model: torch.nn.Module, config: DeepSpeedConfig) -> None:
+        """Called by :func:`dsrun.initialize` before the optimizer is built over the model's parameters
+        (a pipeline engine re-cuts its module here for virtual stages). Nothing to do for a plain model."""
+
+    def _process_groups(self, mpu: Any) -> ProcessGroups:
+        """The run's groups: the whole world data-parallel, or a client mpu's data-parallel group."""
+        sequence = int(self._config.sequence_parallel_size)
+        if mpu is None:
+            return ProcessGroups(sequence=sequence)
+        if sequence > 1:
+            raise ConfigError(Problem("sequence_parallel_size", f"is {sequence}, but a client mpu (or a pipeline) "
+                                      "brings its own data-parallel group; dsrun builds sequence groups only from "
+                                      "the whole world", "drop mpu=, or set sequence_parallel_size to 1"))
+        return comm.groups.from_data_group(mpu.get_data_parallel_group())
+
+    def _broadcast_model(self) -> None:
+        """Start every rank from rank 0's weights and buffers (as DeepSpeed does); an MoE expert from the first
+        rank of its expert-data-parallel group (the other ranks hold other experts)."""
+        if self.dp_world_size == 1:
+            return
+        src = 0 if self.dp_group is None else comm.get_global_rank(self.dp_group, 0)
+        with torch.no_grad():
+            for param in self.module.parameters():
+                members = self.groups.members_of_param(param)
+                if len(members) > 1:
+                    comm.broadcast(param.data, src=members[0], group=self.groups.group_of_param(param))
+            for tensor in self.module.buffers():
+                comm.broadcast(tensor.data, src=src, group=self.dp_group)
+
+    def _strategy_context(self, optimizer: torch.optim.Optimizer) -> StrategyContext:
+        return StrategyContext(module=self.module, optimizer=optimizer, precision=self.precision,
+                               device=self.device, config=self._config, groups=self.groups)
+
+    def _configure_lr_scheduler(self, client_scheduler: Any) -> Any:
+        if client_scheduler is not None:
+            if callable(client_scheduler) and not hasattr(client_scheduler, "step"):
+                return client_scheduler(self.optimizer)
+            return client_scheduler
+        scheduler = self._config.scheduler
+        if scheduler is None or scheduler.type is None:
+            return None
+        if self.optimizer is None:
+            raise ConfigError(Problem("scheduler", "a scheduler needs an optimizer",
+                                      "add an \"optimizer\" section or pass optimizer= to initialize"))
+        return build_lr_scheduler(scheduler.type, self.optimizer, scheduler.params)
+
+    # --- the training loop ----------------------------------------------------------------------------
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        self.observer.before_forward()
+        self.timers.start(FORWARD_TIMER)
+        if self.strategy is not None:
+            self.strategy.before_forward()
+        inputs, kwargs = self.precision.prepare_inputs(inputs, kwargs)
+        kwargs.update(self.data_efficiency.forward_kwargs(self.module.training, self.global_steps))  # data efficiency
+        with autocast_if_enabled(self):  # the torch_autocast section
+            out = self.module(*inputs, **kwargs)
+        self.timers.stop(FORWARD_TIMER)
+        self.observer.after_forward()
+        return out
+
+    def backward(self, loss: torch.Tensor, allreduce_gradients: bool = True, release_loss: bool = False,
+                 retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backward of ``loss`` divided by the accumulation steps; on the boundary micro-step gradients are
+        reduced across ranks (stage 2 reduces on every micro-step). ``loss.backward()`` followed by ``step()``
+        trains the same (:mod:`dsrun.engine.direct_backward`), except in fp16."""
+        if not allreduce_gradients:
+            warnings.warn("backward(allreduce_gradients=False) is deprecated and ignored, as in DeepSpeed; use "
+                          "engine.no_sync() to accumulate without reducing", DeprecationWarning, stacklevel=2)
+        if self.scale_wrt_gas is not None:
+            scale_wrt_gas = self.scale_wrt_gas
+        self.observer.before_backward()
+        self.timers.start(BACKWARD_TIMER)
+        divisor = self._gas_divisor(scale_wrt_gas)
+        if divisor != 1.0:
+            loss = loss.float() / divisor
+        mean_loss = loss.detach().mean()
+        self.losses = mean_loss if self.losses is None else self.losses + mean_loss
+        boundary = self._backward_prologue()
+        with self.direct_backward.engine_backward():
+            self.precision.scale_loss(loss).backward(retain_graph=retain_graph)
+        self._backward_epilogue(boundary)
+        self.timers.stop(BACKWARD_TIMER)
+        self.observer.after_backward(loss)
+        return loss
+
+    def _gas_divisor(self, scale_wrt_gas: bool) -> float:
+        """What a backward's gradients are divided by: the accumulation steps; as DeepSpeed, not for a backward
+        that does not reduce (no_sync, enable_backward_allreduce=False)."""
+        gas = self.gradient_accumulation_steps()
+        if scale_wrt_gas and gas > 1 and self.enable_backward_allreduce and not self.inside_no_sync_ctxt:
+            return float(gas)
+        return 1.0
+
+    def _backward_prologue(self) -> bool:
+        """Before a backward's gradients arrive: whether it reduces (the boundary), and the strategy armed."""
+        # no_sync() / enable_backward_allreduce=False: a boundary micro-step accumulates like any other, and the
+        # reduction waits for the next boundary backward or allreduce_gradients() (engine_methods.py)
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary and not self._reduces_in_backward():  # no_sync: the next boundary backward or step reduces
+            boundary, self._reduction_pending = False, True
+        elif boundary:  # with the switch off the strategy keeps local gradients; allreduce_gradients() may reduce
+            self._reduction_pending = not self.enable_backward_allreduce
+        if self.strategy is not None:
+            self.strategy.before_backward(boundary)
+        self.timers.start(BACKWARD_INNER_TIMER)
+        return boundary
+
+    def _backward_epilogue(self, boundary: bool) -> None:
+        """After every gradient of a backward arrived: finish the reduction this micro-step needs."""
+        self.timers.stop(BACKWARD_INNER_TIMER)
+        self.timers.start(BACKWARD_REDUCE_TIMER)
+        if self.strategy is not None:
+            self.strategy.after_backward(boundary)
+            if boundary or self.strategy.stage >= 2:  # every gradient there is was reduced
+                self.direct_backward.reduced()
+        self.timers.stop(BACKWARD_REDUCE_TIMER)
+
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """Count the micro-step; at a boundary update the weights (unless the gradients overflowed), step
+        the scheduler, and advance ``global_steps``/``global_samples``."""
+        if self.inside_no_sync_ctxt:
+            raise AssertionError("It is illegal to call Engine.step() inside no_sync context manager")
+        if self.strategy is not None:
+            self.direct_backward.hand_over()  # gradients a loss.backward() left (fp16: refused)
+            if self.is_gradient_accumulation_boundary():
+                self.direct_backward.check_step()  # an optimizer step on no gradient at all: refused
+        self.observer.before_step()
+        self.timers.start(STEP_TIMER)
+        boundary = self.is_gradient_accumulation_boundary()
+        self._step_applied = False
+        if boundary:
+            if self.enable_backward_allreduce:  # gradients a no_sync() backward left unreduced, if any
+                self.allreduce_gradients()
+            self.data_efficiency.on_boundary(self.global_steps)  # data efficiency: PLD's θ(t)
+            overflow = False
+            if self.strategy is not None:
+                outcome = self.strategy.step(float(self._config.gradient_clipping or 0.0))
+                overflow = outcome.overflow
+                self.precision.update(overflow)
+                self.strategy.zero_grad()
+            self._step_applied = self.strategy is not None and not overflow
+            if overflow:
+                self.skipped_steps += 1
+            elif self.lr_scheduler is not None:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+            if self.compression is not None:  # [feature seam: compression] its scheduler and MoQ step here
+                self.compression.after_step(overflow)
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
+            self.losses = None
+            self._close_comm_window()
+            self._report()
+        self.micro_steps += 1
+        self._boundary_override = None
+        self.timers.stop(STEP_TIMER)
+        self.autotuning_probe.after_step(boundary)  # autotuning.metric_path: measure, then stop the run
+        self.observer.after_step(boundary)  # monitor events; wall-clock means every steps_per_print
+
+    def _close_comm_window(self) -> None:
+        now = comm.get_comms_stats()
+        before = self._comm_at_step_start
+        self._last_step_comm = {}
+        for op, stats in now.items():
+            prev = before.get(op, {})
+            delta = {k: v - prev.get(k, 0) for k, v in stats.items()}
+            if delta["count"]:
+                self._last_step_comm[op] = delta
+        self._comm_at_step_start = now
+
+    def _report(self) -> None:
+        every = int(self._config.steps_per_print or 0)
+        if not (self.print_step_lines and every) or self.global_steps % every or self.global_rank != 0:
+            return
+        print(f"[dsrun] step={self.global_steps}, skipped={self.skipped_steps}, lr={self.get_lr()}", flush=True)
+
+    def zero_grad(self) -> None:
+        if self.strategy is not None:
+            self.strategy.zero_grad()
+
+    # --- DeepSpeed's accessors ------------------------------------------------------------------------
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Force the next backward/step to be (or not be) a boundary; reset after ``step()``."""
+        self._boundary_override = bool(is_boundary)
+
+    @property
+    def enable_backward_allreduce(self) -> bool:
+        """DeepSpeed's switch: whether backward all-reduces gradients (the 1-bit optimizers turn it off once
+        their warm-up ends); settable at ZeRO stages 0-1."""
+        return self.strategy.enable_backward_allreduce if self.strategy is not None else True
+
+    @enable_backward_allreduce.setter
+    def enable_backward_allreduce(self, value: bool) -> None:
+        if self.strategy is not None:
+            self.strategy.enable_backward_allreduce = value
+
+    @property
+    def cur_scale(self) -> float:
+        """The loss scale in use now (fp16's dynamic scale; 1.0 otherwise). ``loss_scale()`` is the config's."""
+        return self.precision.loss_scale
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups] if self.optimizer is not None else []
+
+    def get_mom(self) -> list[Any]:
+        if self.optimizer is None:
+            return []
+        return [group.get("betas", group.get("momentum")) for group in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """The global gradient norm of the last step (computed when gradient_clipping is on)."""
+        return getattr(self.strategy, "global_grad_norm", None)
+
+    def memory_breakdown(self) -> MemoryBreakdown:
+        """This rank's bytes of parameters, gradients, master weights, optimizer states and padding."""
+        if self.strategy is None:
+            size = sum(p.numel() * p.element_size() for p in self.module.parameters())
+            return MemoryBreakdown(parameters=size, gradients=0, master_weights=0, optimizer_states=0, padding=0)
+        return self.strategy.memory_breakdown()
+
+    def comm_stats_last_step(self) -> dict[str, dict[str, float]]:
+        """Collectives of the last optimizer step on this rank: {op: {count, message_bytes, traffic_bytes,
+        latency_s}} — what moved between the previous boundary and this one."""
+        return dict(self._last_step_comm)
+
+    def deepspeed_io(self, dataset: Any, batch_size: int | None = None, route: str | None = None,
+                     pin_memory: bool = True, data_sampler: Any = None, collate_fn: Callable | None = None,
+                     num_local_io_workers: int | None = None) -> DeepSpeedDataLoader:
+        """A loader giving this data-parallel rank its shard of ``dataset`` in micro-batches."""
+        if self.mpu is not None:
+            dp_rank, dp_size = self.mpu.get_data_parallel_rank(), self.mpu.get_data_parallel_world_size()
+        else:
+            # a sequence-parallel group reads the same samples (each rank keeps its slice of the sequence)
+            sp = self.sequence_parallel_size
+            dp_rank, dp_size = self.global_rank // sp, self.world_size // sp
+        if self.data_efficiency.sampling_enabled:  # data efficiency: batches under the curriculum's difficulty
+            from dsrun.data_efficiency.data_sampling.data_loader import build_curriculum_loader
+
+            return build_curriculum_loader(self._config, dataset, batch_size or self.train_micro_batch_size_per_gpu(),
+                                           dp_rank, dp_size, self.gradient_accumulation_steps(), self.global_rank,
+                                           self.dp_group, collate_fn, pin_memory and get_accelerator().pin_memory_enabled())
+        return DeepSpeedDataLoader(
+            dataset, batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
+            pin_memory=pin_memory and get_accelerator().pin_memory_enabled(), local_rank=self.local_rank,
+            collate_fn=collate_fn, num_local_io_workers=num_local_io_workers, data_sampler=data_sampler,
+            data_parallel_world_size=dp_size, data_parallel_rank=dp_rank,
+            dataloader_drop_last=bool(self._config.dataloader_drop_last))
+
+    # --- checkpoints (dsrun.checkpoint does the work; every rank must call these) -------------------------
+    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        """Save the full training state to ``save_dir/<tag>`` (default tag ``global_step<N>``), atomically."""
+        from dsrun.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+                               exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Callable | None = None
+                        ) -> tuple[str | None, dict | None]:
+        """Restore a checkpoint (``tag`` None: the one ``latest`` names, or ``latest_universal`` with
+        ``checkpoint.load_universal``); returns ``(load_path, client_state)``. ``custom_load_fn(src=state_dict,
+        dst=module)`` replaces ``module.load_state_dict`` for the module weights."""
+        from dsrun.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
+                               load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+                               custom_load_fn=custom_load_fn)
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Save the model's weights (in the model's dtype) to ``save_dir/save_filename``; only global rank 0
+        writes. Collective under ZeRO-3 (every rank must call it). Under ZeRO-3 without
+        ``stage3_gather_16bit_weights_on_model_save`` nothing is saved and False is returned."""
+        from dsrun.checkpoint import save_16bit_model
+
+        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        return bool(self._config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
+        """The gathered weights on rank 0 ({} elsewhere; None without the gather flag); see
+        :func:`dsrun.checkpoint.export.consolidated_16bit_state_dict`. Hugging Face's accelerate calls it."""
+        from dsrun.checkpoint.export import consolidated_16bit_state_dict
+
+        return consolidated_16bit_state_dict(self, exclude_frozen_parameters)
+
+    def destroy(self) -> None:
+        """Release what the engine holds beyond its Python objects: the ZeRO strategy's autograd and module
+        hooks, buckets, swap files and worker threads, the monitors, and the process groups it created
+        (DeepSpeed's ``engine.destroy()``). The module keeps its (gathered, for ZeRO-3) weights as plain
+        tensors only where the strategy can give them back; use the engine no further."""
+        if self.strategy is not None:
+            self.strategy.close()
+        self.direct_backward.close()
+        self.observer.close()
+        if self.has_moe_layers:
+            from dsrun.moe import groups as expert_groups
+
+            expert_groups._reset()
+        _set_sequence_groups(None)
+        self.groups.destroy()
+
+    def empty_partition_cache(self) -> None:
+        """Release the ZeRO-3 parameters kept gathered between uses (persistent or kept for reuse), e.g. at the
+        end of training; they are gathered again when next needed. A no-op at stages 0-2."""
+        release = getattr(self.strategy, "empty_partition_cache", None)
+        if release is not None:
+            release()
+
+    def save_fp16_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+        """Deprecated name of :meth:`save_16bit_model`."""
+        return self.save_16bit_model(save_dir, save_filename)
+
+
+def build_engine_optimizer(config: DeepSpeedConfig, model: torch.nn.Module, optimizer: Any,
+                           model_parameters: Any) -> torch.optim.Optimizer | None:
+    """The optimizer the engine will step: a client optimizer (object, or callable on the parameters) wins
+    over the config's ``optimizer`` section."""
+    params = model_parameters if model_parameters is not None else model.parameters()
+    if has_moe_layers(model)[0] and not isinstance(optimizer, torch.optim.Optimizer):
+        # experts need param groups of their own (DeepSpeed splits them the same way)
+        params = split_params_into_different_moe_groups_for_optimizer(_as_param_groups(params))
+    if optimizer is not None:
+        if isinstance(optimizer, torch.optim.Optimizer):
+            return optimizer
+        if callable(optimizer):
+            return optimizer(params)
+        raise ConfigError(Problem("initialize(optimizer=...)", f"got {type(optimizer).__name__}; allowed: a "
+                                  "torch.optim.Optimizer or a callable returning one"))
+    if config.optimizer is not None and config.optimizer.type:
+        if config.optimizer.type.lower() in ONE_BIT_CLASSES:  # they communicate by themselves: docs/onebit.md
+            return build_onebit_optimizer(config.optimizer.type, params, config.optimizer.params)
+        on_cpu = get_accelerator().name == "cpu"
+        offload = config.zero_optimization.offload_optimizer.device != "none" and config.zero_optimization.stage > 0
+        return build_optimizer(config.optimizer.type, params, config.optimizer.params, on_cpu=on_cpu or offload,
+                               offload=offload)
+    return None
+
+
+def _as_param_groups(params: Any) -> list[dict[str, Any]]:
+    params = list(params)
+    if params and isinstance(params[0], dict):
+        return params
+    return [{"params": params}]
+
+
+def _check_moe_config(config: DeepSpeedConfig) -> None:
+    """MoE runs at ZeRO stages 0-3, with optimizer state (and ZeRO-3 parameters) on the device or offloaded to
+    host memory; swapping them to NVMe is not built for experts' checkpoints yet: refuse it."""
+    zc = config.zero_optimization
+    for section in ("offload_optimizer", "offload_param"):
+        if getattr(zc, section).device == "nvme" and int(zc.stage) > 0:
+            raise ConfigError(Problem(f"zero_optimization.{section}.device",
+                                      "MoE layers with ZeRO state offloaded to NVMe are not implemented in dsrun",
+                                      f"set zero_optimization.{section}.device to \"cpu\" or \"none\" for MoE "
+                                      "models"))

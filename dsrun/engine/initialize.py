@@ -1,0 +1,110 @@
+"""``dsrun.initialize`` and ``dsrun.add_config_arguments``, with DeepSpeed's signatures."""
+from __future__ import annotations
+
+import argparse
+import warnings
+from typing import Any, Callable
+
+import torch
+
+from dsrun import comm
+from dsrun.utils.errors import ConfigError, Problem
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``--deepspeed``, ``--deepspeed_config`` (and the deprecated ``--deepscale``,
+    ``--deepscale_config``) to ``parser``; returns it."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="Enable DeepSpeed (helper flag for user code, no impact on the backend)")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed json configuration file.")
+    group.add_argument("--deepscale", default=False, action="store_true",
+                       help="Deprecated: enable DeepSpeed (use --deepspeed)")
+    group.add_argument("--deepscale_config", default=None, type=str,
+                       help="Deprecated: DeepSpeed json configuration file (use --deepspeed_config)")
+    return parser
+
+
+def _resolve_config_source(args: Any, config: Any, config_params: Any) -> Any:
+    if config is None:
+        config = config_params
+    if args is not None and getattr(args, "deepscale_config", None) is not None:
+        warnings.warn("--deepscale_config is deprecated, use --deepspeed_config")
+        if getattr(args, "deepspeed_config", None) is not None:
+            raise ConfigError(Problem("--deepscale_config", "given together with --deepspeed_config",
+                                      "pass only --deepspeed_config"))
+        args.deepspeed_config = args.deepscale_config
+        args.deepscale_config = None
+    args_config = getattr(args, "deepspeed_config", None) if args is not None else None
+    if args_config is not None and config is not None:
+        raise ConfigError(Problem("initialize(config=...)", "given together with args.deepspeed_config",
+                                  "pass the config one way only"))
+    source = config if config is not None else args_config
+    if source is None:
+        raise ConfigError(Problem("initialize(config=...)", "no DeepSpeed config given",
+                                  "pass config=<dict or path> or --deepspeed_config <file>"))
+    return source
+
+
+def _refuse_pipeline_settings(ds_config: Any) -> None:
+    """The ``pipeline`` section drives a PipelineModule's engine; for any other model a non-default value
+    would be ignored, so it is refused."""
+    section = ds_config.pipeline
+    changed = sorted(k for k in section.model_fields_set
+                     if getattr(section, k) != type(section).model_fields[k].default)
+    if changed:
+        raise ConfigError([Problem(f"pipeline.{k}", f"got {getattr(section, k)!r}, but the model is not a "
+                                   "PipelineModule", "wrap the model in dsrun.pipe.PipelineModule, or drop the key")
+                           for k in changed])
+
+
+def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer: Any = None,
+               model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
+               distributed_port: int = 29500, mpu: Any = None, dist_init_required: bool | None = None,
+               collate_fn: Callable | None = None, config: Any = None, config_params: Any = None
+               ) -> tuple[Any, Any, Any, Any]:
+    """Build the training engine; returns ``(engine, optimizer, training_dataloader, lr_scheduler)``.
+
+    ``optimizer`` (an optimizer or a callable on the parameters) overrides the config's; ``lr_scheduler``
+    (an object or a callable on the optimizer) overrides the config's; ``training_data`` (a Dataset) gives a
+    distributed loader. ``config`` is a dict or a path (``config_params`` is its old name; ``args.deepspeed_config``
+    works too). Initializes torch.distributed if needed (gloo on CPU, NCCL on CUDA).
+    """
+    from dsrun.config import announce, load_ds_config  # the config layer, loaded only when training starts
+    from dsrun.launcher.protocol import install_user_error_hook
+    from dsrun.engine.engine import DeepSpeedEngine, build_engine_optimizer
+
+    install_user_error_hook()  # under dsrun's launcher: a config mistake is one line, not a traceback per rank
+    if model is None:
+        raise ConfigError(Problem("initialize(model=...)", "a model is required", "pass model=<torch.nn.Module>"))
+    source = _resolve_config_source(args, config, config_params)
+    if dist_init_required is not False and not comm.is_initialized():
+        comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required,
+                              verbose=False)
+    if comm.is_initialized():  # also a group the script made itself (accelerate does)
+        comm.destroy_at_exit()
+    # A model that needs its own engine names it (a PipelineModule: dsrun.pipe), and brings its own
+    # process grid as the mpu, as deepspeed.initialize does with model.mpu().
+    engine_class = model.engine_class() if hasattr(model, "engine_class") else DeepSpeedEngine
+    if engine_class is not DeepSpeedEngine:
+        if mpu is not None:
+            raise ConfigError(Problem("initialize(mpu=...)", f"a {type(model).__name__} brings its own process "
+                                      "grid", "leave mpu=None"))
+        mpu = model.mpu()
+    world = mpu.get_data_parallel_world_size() if mpu is not None else comm.get_world_size()
+    ds_config = source if hasattr(source, "zero_optimization") else load_ds_config(
+        source, world_size=world, world_size_source="data-parallel world size")
+    if hasattr(ds_config, "unimplemented"):  # what the run goes without (dsrun_allow_unimplemented), said once
+        announce(ds_config, rank=comm.get_rank())
+    if engine_class is DeepSpeedEngine:
+        _refuse_pipeline_settings(ds_config)
+    engine_class.prepare_model(model, ds_config)
+    # [feature seam: compression] compress the model before the optimizer sees its parameters
+    from dsrun.compression.feature import CompressionFeature, prepare_for_training
+    model_parameters = prepare_for_training(model, ds_config, model_parameters, optimizer)
+    base_optimizer = build_engine_optimizer(ds_config, model, optimizer, model_parameters)
+    engine = engine_class(model=model, config=ds_config, optimizer=base_optimizer, lr_scheduler=lr_scheduler,
+                          training_data=training_data, collate_fn=collate_fn, mpu=mpu, raw_config=source)
+    engine.client_optimizer = base_optimizer if optimizer is not None else None
+    engine.compression = CompressionFeature.attach(engine)  # [feature seam: compression] steps with the engine
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

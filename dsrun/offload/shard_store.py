@@ -1,0 +1,410 @@
+"""Where a ZeRO-3 sub-group's optimizer state lives: the training device, host memory or NVMe swap files.
+
+A sub-group (consecutive shards of one optimizer param group, stepped as one fp32 tensor) is placed in one
+store, which owns its fp32 master, its gradient accumulator, its share of the overflow check and of the
+squared norm, its update, the write-back into the model's shards, its checkpoint entries and its bytes.
+The stage-3 strategy asks its stores (:func:`shard_stores`, chosen from ``offload_optimizer``) and never
+branches on where a sub-group lives.
+
+* :class:`DeviceShardStore`: on the device; the update is the optimizer's own step (or, beside offloaded
+  sub-groups with ``ratio`` < 1, the CPU optimizer's update of each sub-group where it lives).
+* :class:`HostShardStore` (``device: cpu``): master, states and gradient accumulator in host memory; the
+  compiled CPU optimizer steps tile by tile (:class:`~.pipeline.StepPipeline`), writing the 16-bit shards in
+  the same pass.
+* :class:`NvmeShardStore` (``device: nvme``): master, states and gradient in swap files (:mod:`.nvme`); only
+  ``buffer_count`` buffers are resident.
+
+``owner`` is the strategy (its context, precision, ``writes_shards`` and ``alias_shards``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dsrun.offload import param_swapper
+from dsrun.offload.nvme import SwappedOptimizerState, SwappedShard, SwappedUnit
+from dsrun.offload.pipeline import PipelineTimes, StepPipeline, scatter_to_shards, tiled_cpu_step
+from dsrun.offload.settings import CPU_TILE_ELEMENTS, OffloadOptimizerSettings, host_empty, require_cpu_optimizer
+
+HOST = torch.device("cpu")
+
+
+def _bytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def _flat_shards(sg: Any, device: torch.device) -> torch.Tensor:
+    """The fp32 values of ``sg``'s shards laid end to end, on ``device``."""
+    shards = [param_swapper.shard_value(p).detach().to(device=device, dtype=torch.float32) for p in sg.params]
+    return torch.cat(shards) if shards else torch.zeros(0, device=device)
+
+
+class DeviceShardStore:
+    """Sub-groups with master, gradient and states on the training device."""
+
+    kind = "device"
+
+    def __init__(self, owner: Any, optimizer: torch.optim.Optimizer, cpu_optimizer: Any = None):
+        self.owner, self.optimizer, self.cpu_optimizer = owner, optimizer, cpu_optimizer
+        self.sub_groups: list[tuple[int, Any]] = []  # (index among the strategy's sub-groups, sub-group)
+        self.times = PipelineTimes()  # the last update's pipeline (offloaded stores)
+
+    # --- placement ------------------------------------------------------------------------------------------
+    def place(self, index: int, sg: Any) -> None:
+        """Give sub-group ``index`` its fp32 master and gradient accumulator here."""
+        self.sub_groups.append((index, sg))
+        sg.master = torch.nn.Parameter(_flat_shards(sg, self.owner.ctx.device))  # cat made a new tensor
+        sg.grad = torch.zeros_like(sg.master.data)
+        for p, off in zip(sg.params, sg.offsets):
+            p.ds_fp32_shard = sg.master.data[off:off + p.ds_partition_numel]  # GatheredParameters writes here
+        if not self.owner.precision.needs_master_weights:
+            self.owner.alias_shards(sg)
+
+    def finish(self) -> None:
+        """Every sub-group is placed."""
+
+    # --- backward -----------------------------------------------------------------------------------------
+    def begin_micro_step(self, boundary: bool) -> None:
+        pass
+
+    def end_micro_step(self) -> None:
+        pass
+
+    def accumulate(self, index: int, sg: Any, offset: int, values: torch.Tensor) -> None:
+        """Add one parameter's reduced shard gradient into sub-group ``index``'s fp32 accumulator."""
+        sg.grad[offset:offset + values.numel()].add_(values.to(sg.grad.device))
+
+    def zero_grad(self) -> None:
+        for _, sg in self.sub_groups:
+            sg.grad.zero_()
+
+    # --- the step -----------------------------------------------------------------------------------------
+    def overflow(self) -> bool:
+        return any(not bool(torch.isfinite(sg.grad).all()) for _, sg in self.sub_groups)
+
+    def add_sq_norm(self, sq: torch.Tensor) -> None:
+        """Add the sum of squares of these gradients into ``sq`` (float64; shard padding holds zeros)."""
+        for _, sg in self.sub_groups:
+            sq += sg.grad.double().pow(2).sum().to(sq.device)
+
+    def gradients(self) -> list[torch.Tensor]:
+        """The resident fp32 gradients the update reads (for step hooks)."""
+        return [sg.grad for _, sg in self.sub_groups]
+
+    def update(self, coef: float) -> None:
+        """Scale the gradients by ``coef``, step, and write the new values into the model's shards."""
+        if not self.sub_groups:
+            return
+        if self.cpu_optimizer is None:  # the optimizer steps every master it holds (none lives elsewhere)
+            self._optimizer_step(coef)
+            return
+        for _, sg in self.sub_groups:  # partial offload: each sub-group steps where it lives
+            if coef != 1.0:
+                sg.grad.mul_(coef)
+            state = self.cpu_optimizer.state_for(sg.master)
+            state["step"] += 1
+            self.cpu_optimizer.update_tile(self.optimizer.param_groups[sg.group_index], sg.master.detach(), sg.grad,
+                                           {k: state[k] for k in self.cpu_optimizer.STATE_KEYS}, state["step"])
+            if self.owner.writes_shards:
+                scatter_to_shards(sg.params, sg.offsets, 0, sg.master.detach())
+        if self.owner.ctx.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+
+    def _optimizer_step(self, coef: float) -> None:
+        """The optimizer's own step over these sub-groups (scaled by ``coef``), then the write-back."""
+        for _, sg in self.sub_groups:
+            if coef != 1.0:
+                sg.grad.mul_(coef)
+            sg.master.grad = sg.grad
+        self.optimizer.step()
+        self.publish()
+
+    def publish(self) -> None:
+        """Write the fp32 masters into the model's shards (after a step or a load); unless they are views."""
+        if not self.owner.writes_shards:
+            return
+        with torch.no_grad():
+            for _, sg in self.sub_groups:
+                for p, off in zip(sg.params, sg.offsets):
+                    value = sg.master.data[off:off + p.ds_partition_numel]
+                    owner = param_swapper.offload_of(p)
+                    if owner is not None:
+                        owner.write_shard(p, value)  # write-behind: overlaps the next sub-group's copy
+                    elif value.data_ptr() != p.ds_tensor.data_ptr():
+                        p.ds_tensor.copy_(value)
+
+    def set_step(self, step: int) -> None:
+        """Set the step counters this store keeps outside the optimizer's state (``update_optimizer_step``)."""
+
+    # --- checkpoints --------------------------------------------------------------------------------------
+    def master_for_checkpoint(self, index: int, sg: Any) -> torch.Tensor:
+        return sg.master.detach().clone()
+
+    def state_entry(self, index: int) -> dict[str, Any] | None:
+        """Sub-group ``index``'s optimizer state when it is not the optimizer's own (swapped)."""
+        return None
+
+    def load(self, index: int, sg: Any, master: torch.Tensor, state: dict[str, Any] | None) -> bool:
+        """Restore sub-group ``index``'s master (and, returning True, its optimizer state)."""
+        sg.master.data.copy_(master)
+        return False
+
+    # --- fragments (dsrun.utils.safe_get_full_fp32_param & co.) ------------------------------------------
+    def master_of(self, index: int, sg: Any) -> torch.Tensor:
+        return sg.master.detach()
+
+    def grad_of(self, index: int, sg: Any) -> torch.Tensor | None:
+        return sg.grad
+
+    def state_of(self, index: int, sg: Any) -> dict[str, Any]:
+        return self.optimizer.state.get(sg.master, {})
+
+    def write_state(self, index: int, sg: Any, key: str, offset: int, values: torch.Tensor) -> None:
+        """Set elements ``[offset, offset + len)`` of sub-group ``index``'s optimizer state ``key``."""
+        self.state_of(index, sg)[key].reshape(-1)[offset:offset + values.numel()].copy_(values)
+
+    # --- accounting ---------------------------------------------------------------------------------------
+    def grad_bytes(self) -> int:
+        return sum(_bytes(sg.grad) for _, sg in self.sub_groups)
+
+    def master_bytes(self) -> int:
+        """The fp32 masters counted apart from the model's shards (not when the shards are their views)."""
+        return sum(_bytes(sg.master) for _, sg in self.sub_groups) if self.owner.writes_shards else 0
+
+    def buffer_bytes(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+class HostShardStore(DeviceShardStore):
+    """``offload_optimizer.device: cpu``: master, states and gradient accumulator in host memory."""
+
+    kind = "cpu"
+
+    def __init__(self, owner: Any, optimizer: torch.optim.Optimizer, cpu_optimizer: Any,
+                 settings: OffloadOptimizerSettings):
+        super().__init__(owner, optimizer, cpu_optimizer)
+        self.settings = settings
+        self.pipeline = StepPipeline()
+        self.tile = max(1, min(owner.sub_group_size, CPU_TILE_ELEMENTS))
+        self._lp_staging: list[torch.Tensor] = []
+
+    def aliased(self) -> bool:
+        """fp32 on a CPU device: the model's shards are views of the host master (updated in place), except
+        NVMe-offloaded parameter shards (offload_param): once some cannot alias, the step writes every shard."""
+        return not self.owner.writes_shards and self.owner.ctx.device.type == "cpu"
+
+    def place(self, index: int, sg: Any) -> None:
+        self.sub_groups.append((index, sg))
+        flat = _flat_shards(sg, HOST)
+        master = host_empty(sg.numel, torch.float32, self.settings.pinned)
+        master.copy_(flat)
+        del flat
+        sg.master = torch.nn.Parameter(master)
+        sg.grad = torch.zeros(sg.numel, dtype=torch.float32, pin_memory=self.settings.pinned)
+        for p, off in zip(sg.params, sg.offsets):
+            p.ds_fp32_shard = sg.master.data[off:off + p.ds_partition_numel]
+        if self.aliased():
+            self.owner.alias_shards(sg)
+
+    def finish(self) -> None:
+        if self.owner.model_dtype != torch.float32 and self.sub_groups:
+            largest = max(sg.numel for _, sg in self.sub_groups)
+            self._lp_staging = [host_empty(min(self.tile, largest), self.owner.model_dtype, self.settings.pinned)
+                                for _ in range(2)]
+
+    def update(self, coef: float) -> None:
+        if self.cpu_optimizer is None:  # another optimizer on the host tensors
+            if self.sub_groups:
+                self._optimizer_step(coef)
+            return
+        subs = [sg for _, sg in self.sub_groups]
+
+        def grad(u: int, j: int, a: int, b: int) -> torch.Tensor:
+            g = subs[j].grad[a:b]
+            if coef != 1.0:
+                g.mul_(coef)
+            return g
+
+        def store(u: int, j: int, a: int, b: int) -> None:
+            sg = subs[j]
+            if self._lp_staging:
+                scatter_to_shards(sg.params, sg.offsets, a, self._lp_staging[u % 2][:b - a])
+            elif not self.aliased():
+                scatter_to_shards(sg.params, sg.offsets, a, sg.master.detach()[a:b])
+
+        low = (lambda u, j, a, b: self._lp_staging[u % 2][:b - a]) if self._lp_staging else None
+        jobs = [(self.optimizer.param_groups[sg.group_index], sg.master) for sg in subs]
+        self.times = tiled_cpu_step(self.pipeline, self.cpu_optimizer, jobs, self.tile, grad, low, store)
+        if self.owner.ctx.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+
+    def publish(self) -> None:
+        if self.aliased():
+            return
+        with torch.no_grad():
+            for _, sg in self.sub_groups:
+                scatter_to_shards(sg.params, sg.offsets, 0, sg.master.detach())
+
+    def master_bytes(self) -> int:
+        return sum(_bytes(sg.master) for _, sg in self.sub_groups) if not self.aliased() else 0
+
+    def buffer_bytes(self) -> int:
+        return sum(_bytes(t) for t in self._lp_staging)
+
+    def close(self) -> None:
+        self.pipeline.close()
+
+
+class NvmeShardStore(DeviceShardStore):
+    """``offload_optimizer.device: nvme``: master, states and gradient of each sub-group in swap files."""
+
+    kind = "nvme"
+
+    def __init__(self, owner: Any, optimizer: torch.optim.Optimizer, cpu_optimizer: Any,
+                 settings: OffloadOptimizerSettings):
+        super().__init__(owner, optimizer, cpu_optimizer)
+        ctx = owner.ctx
+        measure = ctx.precision.checks_overflow or ctx.gradient_clipping > 0
+        self.swapped = SwappedOptimizerState(settings, optimizer, ctx.rank, ctx.precision.model_dtype,
+                                             measure_gradients=measure)
+
+    def place(self, index: int, sg: Any) -> None:
+        self.sub_groups.append((index, sg))
+        self.swapped.add_unit(SwappedUnit(index, sg.numel, len(sg.params), sg.group_index), _flat_shards(sg, HOST))
+        for p, off in zip(sg.params, sg.offsets):  # GatheredParameters writes through to the file
+            p.ds_fp32_shard = SwappedShard(self.swapped, index, off, p.ds_partition_numel)
+        # the optimizer's param is a placeholder with the right size and no storage
+        sg.master = torch.nn.Parameter(torch.empty(sg.numel, dtype=torch.float32, device="meta"))
+        sg.grad = None
+
+    def finish(self) -> None:
+        self.swapped.finish_setup()
+
+    def begin_micro_step(self, boundary: bool) -> None:
+        self.swapped.begin_micro_step(boundary)
+
+    def end_micro_step(self) -> None:
+        self.swapped.end_micro_step()
+
+    def accumulate(self, index: int, sg: Any, offset: int, values: torch.Tensor) -> None:
+        self.swapped.accumulate(index, offset, values)
+
+    def zero_grad(self) -> None:
+        self.swapped.zero_grad()
+
+    def overflow(self) -> bool:
+        return not self.swapped.local_grad_stats()[1]
+
+    def add_sq_norm(self, sq: torch.Tensor) -> None:
+        sq += self.swapped.local_grad_stats()[0]  # measured as each gradient was swapped out
+
+    def gradients(self) -> list[torch.Tensor]:
+        return []
+
+    def update(self, coef: float) -> None:
+        by_index = dict(self.sub_groups)
+
+        def write_back(index: int, values: torch.Tensor) -> None:
+            sg = by_index[index]
+            scatter_to_shards(sg.params, sg.offsets, 0, values)
+
+        self.swapped.step(coef, lambda gi: self.optimizer.param_groups[gi], write_back)
+        self.times = self.swapped.last_times
+
+    def publish(self) -> None:
+        with torch.no_grad():
+            for index, sg in self.sub_groups:
+                self.swapped.read_master(index, lambda values, sg=sg: scatter_to_shards(sg.params, sg.offsets, 0,
+                                                                                         values))
+
+    def set_step(self, step: int) -> None:
+        for index in self.swapped.steps:  # sub-groups that have stepped count their steps here
+            if self.swapped.steps[index]:
+                self.swapped.steps[index] = step
+
+    def master_for_checkpoint(self, index: int, sg: Any) -> torch.Tensor:
+        return self.swapped.master_tensor(index)  # mapped from its file, not copied into memory
+
+    def state_entry(self, index: int) -> dict[str, Any] | None:
+        return self.swapped.state_entry(index)
+
+    def load(self, index: int, sg: Any, master: torch.Tensor, state: dict[str, Any] | None) -> bool:
+        self.swapped.load(index, master, state)
+        return True
+
+    def master_of(self, index: int, sg: Any) -> torch.Tensor:
+        return self.swapped.master_tensor(index)  # mapped from its file
+
+    def grad_of(self, index: int, sg: Any) -> torch.Tensor | None:
+        key = self.swapped._key("grad", index)
+        if key not in self.swapped.store:
+            return torch.zeros(sg.numel)  # no gradient written since the last step
+        self.swapped.recycle()
+        return self.swapped.store.mapped(key).float()
+
+    def state_of(self, index: int, sg: Any) -> dict[str, Any]:
+        return self.swapped.state_entry(index) or {}
+
+    def write_state(self, index: int, sg: Any, key: str, offset: int, values: torch.Tensor) -> None:
+        entry = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in self.state_of(index, sg).items()}
+        entry[key].reshape(-1)[offset:offset + values.numel()].copy_(values)
+        self.swapped.load(index, self.master_of(index, sg).clone(), entry)
+
+    def grad_bytes(self) -> int:
+        return 0
+
+    def master_bytes(self) -> int:
+        return 0
+
+    def buffer_bytes(self) -> int:
+        return self.swapped.resident_bytes
+
+    def close(self) -> None:
+        self.swapped.close()
+
+
+class ShardPlacement:
+    """Which store each sub-group goes to: ``offload_optimizer.ratio`` of the trainable elements (whole
+    sub-groups, in order) offloaded to ``device`` (cpu or nvme), the rest on the training device."""
+
+    def __init__(self, owner: Any, optimizer: torch.optim.Optimizer, settings: OffloadOptimizerSettings | None):
+        self.settings = settings
+        cpu_optimizer = None
+        offloaded: DeviceShardStore | None = None
+        if settings is not None:
+            cpu_optimizer = require_cpu_optimizer(optimizer, settings)
+            if cpu_optimizer is None and settings.ratio < 1.0:
+                from dsrun.utils.errors import ConfigError, Problem
+
+                raise ConfigError(Problem("zero_optimization.offload_optimizer.ratio", "partial offload steps tiles "
+                                          "with a DeepSpeed CPU optimizer", "use optimizer type Adam, AdamW, Adagrad "
+                                          "or Lion"))
+            kind = NvmeShardStore if settings.device == "nvme" else HostShardStore
+            offloaded = kind(owner, optimizer, cpu_optimizer, settings)
+        self.device = DeviceShardStore(owner, optimizer, cpu_optimizer)
+        self.offloaded = offloaded
+        # resident stores first (their squared norms are summed in sub-group order), swap files last
+        self.stores = [s for s in (offloaded, self.device) if s is not None]
+        if isinstance(offloaded, NvmeShardStore):
+            self.stores.reverse()
+        self._budget: float | None = None
+        self._placed = 0
+
+    def store_for(self, sg: Any, trainable_numel: Any) -> DeviceShardStore:
+        """The store sub-group ``sg`` (the next in order) lives in; ``trainable_numel()`` is called once."""
+        if self.offloaded is None:
+            return self.device
+        if self._budget is None:
+            self._budget = self.settings.ratio * trainable_numel()
+        offload = self._placed < self._budget
+        self._placed += sg.numel
+        return self.offloaded if offload else self.device
+
+    @property
+    def times(self) -> PipelineTimes | None:
+        """Where the last offloaded step's time went (its tile or swap pipeline); None when nothing is."""
+        return self.offloaded.times if self.offloaded is not None else None

@@ -1,0 +1,256 @@
+"""Pipeline checkpoints in DeepSpeed's per-layer layout, loadable at another number of stages.
+
+```
+save_dir/global_step<N>/
+├── layer_00-model_states.pt                  one file per layer, its state dict (global index; with a
+├── layer_01-model_states.pt                  model axis: layer_01-model_00-model_states.pt)
+├── mp_rank_00_model_states.pt                per stage (x model rank): module=None, scheduler, counters,
+├── mp_rank_01_model_states.pt                param_shapes of the stage's ZeRO masters, the partition
+├── zero_pp_rank_<d>_mp_rank_<s>_optim_states.pt   ZeRO-1/2 optimizer state per stage and data rank
+└── rng_states_rank_<r>.pt
+```
+Layer files are written by data-parallel rank 0 of each stage, or spread over the data-parallel ranks with
+``checkpoint.parallel_write.pipeline_stage``. A tied layer's file holds the shared module's state at every
+index where it appears. Parameter names (``"3.weight"``, ``"tied_modules.embed.weight"``) do not depend on
+the number of stages, so loading at another count reads each local layer's file and, for the optimizer,
+merges every saved stage's ZeRO state into one full state by name (:mod:`dsrun.checkpoint.reshard`) and
+cuts it for this stage. The save goes through the same staged, atomic protocol as every dsrun checkpoint.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dsrun import comm
+from dsrun.checkpoint import atomic, engine_io, layout, pipeline_state, reshard, state, universal_checkpoint
+from dsrun.checkpoint.safe_load import load_file
+from dsrun.checkpoint.utils import clone_tensors_for_torch_save
+from dsrun.utils.errors import Problem, UserError
+
+from dsrun.pipe.partition import partition_uniform
+
+PIPELINE_KEY = pipeline_state.PIPELINE_KEY
+
+
+def _tied_layers(module: Any) -> dict[str, list[int]]:
+    return {key: module.layers_of_key(key) for key in sorted({module.tied_key_of(i) for i in range(module._num_layers)}
+                                                             - {None})}
+
+
+def _slice_rank(engine: Any) -> int:
+    return engine.grid.get_slice_parallel_rank()
+
+
+def _layers_to_write(engine: Any) -> list[int]:
+    """The local layers this data-parallel rank writes (all on rank 0, or its share with parallel_write)."""
+    local = engine.module.local_layer_indices()
+    dp_rank, dp_size = engine.grid.get_data_parallel_rank(), engine.grid.get_data_parallel_world_size()
+    if engine._config.checkpoint.parallel_write.pipeline_stage:
+        parts = partition_uniform(len(local), dp_size)
+        return local[parts[dp_rank]:parts[dp_rank + 1]]
+    return local if dp_rank == 0 else []
+
+
+def _expert_parallel_sizes(engine: Any) -> dict[str, int]:
+    """This stage's MoE layers (by module name, the same at any number of stages) -> their expert-parallel size."""
+    from dsrun.moe.layer import MoE
+
+    return {name: m.ep_size for name, m in engine.module.named_modules() if isinstance(m, MoE)}
+
+
+def _check_moe_save(engine: Any, moe: dict[str, int]) -> None:
+    """Expert-parallel MoE layers keep different experts on each data-parallel rank, but a layer file holds
+    one rank's: only ZeRO 1-2's per-rank optimizer files carry every rank's own experts back."""
+    if any(ep > 1 for ep in moe.values()) and (engine.strategy is None or engine.strategy.stage not in (1, 2)):
+        raise UserError(Problem("zero_optimization.stage", "a pipeline checkpoint of MoE layers with expert "
+                                "parallelism (ep_size > 1) needs ZeRO stage 1 or 2 (each rank's experts travel in "
+                                "its own optimizer file)", "set zero_optimization.stage to 1 or 2, or ep_size=1"))
+
+
+def _check_moe_load(engine: Any, slices: list[dict[str, Any]], load_optimizer_states: bool) -> None:
+    """An expert-parallel MoE pipeline checkpoint loads only at the layout that saved it, with its optimizer
+    state (see :func:`_check_moe_save`); refused on every rank together (a collective) otherwise."""
+    saved = {k: v for sd in slices for k, v in (sd["dsrun"][PIPELINE_KEY].get("moe_ep_sizes") or {}).items()}
+    live = _expert_parallel_sizes(engine)
+    own = slices[min(_slice_rank(engine), len(slices) - 1)]
+    expert_parallel = any(ep > 1 for ep in [*saved.values(), *live.values()])
+    same = (len(slices) == engine.grid.get_slice_parallel_world_size() and engine.strategy is not None
+            and int(own.get("dp_world_size", 1)) == engine.dp_world_size
+            and int(own["dsrun"]["zero_stage"]) == engine.strategy.stage and load_optimizer_states
+            and all(saved.get(name, 1) == ep for name, ep in live.items()))
+    refuse = torch.tensor([1.0 if expert_parallel and not same else 0.0])
+    comm.all_reduce(refuse, op=comm.ReduceOp.MAX)
+    if refuse.item() > 0:
+        raise UserError(Problem("load_checkpoint(load_dir=...)", "a pipeline checkpoint of MoE layers with expert "
+                                f"parallelism (saved: {len(slices)} stage(s) x {int(own.get('dp_world_size', 1))} "
+                                f"data-parallel rank(s), ZeRO stage {int(own['dsrun']['zero_stage'])}) loads only at "
+                                "that layout, with the same ep_size and its optimizer state",
+                                "load it with the layout that saved it and load_optimizer_states=True"))
+
+
+def save_pipeline_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: dict | None = None,
+                             save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+    module, rank = engine.module, engine.global_rank
+    dp_rank = engine.grid.get_data_parallel_rank()
+    files = engine_io._layout(engine)
+    written: list[str] = []
+
+    moe = _expert_parallel_sizes(engine)
+
+    def write(staging: Path) -> None:
+        _check_moe_save(engine, moe)  # raised here, every rank hears of it and none commits
+        for idx in _layers_to_write(engine):
+            layer = module.layer_state_module(idx)
+            if layer is None:
+                continue
+            sd = layer.state_dict()
+            if exclude_frozen_parameters:
+                frozen = {n for n, p in layer.named_parameters() if not p.requires_grad}
+                sd = {k: v for k, v in sd.items() if k not in frozen}
+            path = Path(module._layer_file(str(staging), idx))
+            atomic.save_torch(clone_tensors_for_torch_save(sd), path, rank)
+            written.append(path.name)
+        if dp_rank == 0:
+            sd = engine_io.engine_model_states(engine, client_state or {}, exclude_frozen_parameters, files,
+                                               with_module=False)
+            sd["mp_world_size"] = engine.grid.get_slice_parallel_world_size()
+            sd["dsrun"][PIPELINE_KEY] = {"stages": module.num_stages, "parts": list(module.parts),
+                                         "num_layers": module._num_layers, "virtual_stages": module.virtual_stages,
+                                         "slice_rank": _slice_rank(engine), "tied": _tied_layers(module),
+                                         "dense_names": getattr(module, "dense_names", None), "moe_ep_sizes": moe}
+            path = staging / layout.model_states_name(0, 0, mp_rank=_slice_rank(engine))
+            atomic.save_torch(sd, path, rank)
+            written.append(path.name)
+        if engine.strategy is not None and files.optimizer_file_per_rank:
+            path = staging / layout.optim_states_name(dp_rank, engine.bfloat16_enabled(), mp_rank=_slice_rank(engine))
+            engine_io.save_optimizer_states(engine, path)
+            written.append(path.name)
+        atomic.save_torch(state.capture_rng_state(), staging / layout.rng_states_name(rank), rank)
+
+    saved = engine_io.save_staged(engine, save_dir, tag, write, save_latest)
+    engine.last_checkpoint_files = written
+    return saved
+
+
+# --- load ---------------------------------------------------------------------------------------------------
+def _saved_slices(tag_dir: Path) -> list[dict[str, Any]]:
+    """Every saved stage's model states (in slice order)."""
+    out = pipeline_state.saved_slices(tag_dir)
+    if not pipeline_state.is_pipeline_states(out[0]):
+        raise UserError(Problem("load_checkpoint(load_dir=...)", f"{tag_dir} holds a non-pipeline checkpoint",
+                                "load it into the plain model, convert it with ds_to_universal, or save from a "
+                                "pipeline engine"))
+    return out
+
+
+def _load_layers(engine: Any, tag_dir: Path, strict: bool) -> None:
+    module = engine.module
+    for idx in module.local_layer_indices():
+        layer = module.layer_state_module(idx)
+        if layer is None:
+            continue
+        candidates = [idx]
+        key = module.tied_key_of(idx)
+        if key is not None:  # any saved copy of a tied module will do
+            candidates += [i for i in module.layers_of_key(key) if i != idx]
+        path = next((Path(module._layer_file(str(tag_dir), i)) for i in candidates
+                     if Path(module._layer_file(str(tag_dir), i)).is_file()), None)
+        if path is None:
+            if strict and any(True for _ in layer.state_dict()):
+                raise FileNotFoundError(f"{tag_dir}: no checkpoint file for layer {idx}")
+            continue
+        with torch.no_grad():
+            layer.load_state_dict(load_file(path), strict=strict)
+
+
+def _restore_optimizer(engine: Any, tag_dir: Path, slices: list[dict[str, Any]], load_optimizer_states: bool) -> None:
+    strategy = engine.strategy
+    dp_rank, live_world = engine.grid.get_data_parallel_rank(), engine.dp_world_size
+    live_shapes = strategy.checkpoint_param_shapes()
+    if load_optimizer_states:
+        own = slices[_slice_rank(engine)] if _slice_rank(engine) < len(slices) else None
+        same = (own is not None and len(slices) == engine.grid.get_slice_parallel_world_size()
+                and int(own["dsrun"]["zero_stage"]) == strategy.stage and int(own.get("dp_world_size", 1)) == live_world
+                and [list(s) for s in (own.get("param_shapes") or [])] == [list(s) for s in live_shapes])
+        if same:
+            strategy.load_state_dict(pipeline_state.stage_optimizer_states(
+                tag_dir, own, _slice_rank(engine), engine.bfloat16_enabled())[dp_rank if strategy.stage else 0])
+            return
+        full = pipeline_state.merge_stages(tag_dir, slices, engine.bfloat16_enabled())
+    else:  # the weights just loaded become the masters; the optimizer keeps its state
+        full = reshard.FullOptimizerState(fp32={name: p.detach().reshape(-1).float().cpu()
+                                                for name, p in engine.module.named_parameters()})
+    target = reshard.state_for_rank(strategy.state_dict(), full, strategy.stage, live_world, dp_rank, live_shapes,
+                                    load_optimizer_states=load_optimizer_states)
+    strategy.load_state_dict(target)
+
+
+def load_pipeline_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+                             load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                             load_module_only: bool = False) -> tuple[str | None, dict | None]:
+    tag_dir = engine_io.find_tag_dir(engine, load_dir, tag)
+    if tag_dir is None:
+        return None, None
+    if universal_checkpoint.is_universal(tag_dir):
+        return _load_universal(engine, tag_dir, load_module_strict, load_optimizer_states and not load_module_only,
+                               load_lr_scheduler_states, load_module_only)
+    slices = _saved_slices(tag_dir)
+    saved = slices[0]["dsrun"][PIPELINE_KEY]
+    if saved["num_layers"] != engine.module._num_layers:
+        raise UserError(Problem("load_checkpoint(load_dir=...)", f"the checkpoint has {saved['num_layers']} layers, "
+                                f"the PipelineModule {engine.module._num_layers}", "load into the same model"))
+    if any(sd["dsrun"][PIPELINE_KEY].get("moe_ep_sizes") for sd in slices):  # the same answer on every rank
+        _check_moe_load(engine, slices, load_optimizer_states and not load_module_only)
+    _load_layers(engine, tag_dir, load_module_strict)
+    if engine.strategy is not None:
+        _restore_optimizer(engine, tag_dir, slices, load_optimizer_states and not load_module_only)
+    own_path = tag_dir / layout.model_states_name(0, 0, mp_rank=min(_slice_rank(engine), len(slices) - 1))
+    own = slices[min(_slice_rank(engine), len(slices) - 1)]
+    if not load_module_only:
+        same_layout = (len(slices) == engine.grid.get_slice_parallel_world_size()
+                       and int(own.get("dp_world_size", 1)) == engine.dp_world_size)
+        engine_io.restore_training_state(engine, own, tag_dir, load_lr_scheduler_states, same_world=same_layout)
+    comm.barrier()
+    return str(own_path), {k: v for k, v in own.items() if k not in engine_io.DS_KEYS}
+
+
+# --- universal checkpoints (parameters by layer name, from a pipeline at any stage count or the dense model) --
+def _load_universal(engine: Any, tag_dir: Path, strict: bool, load_optimizer_states: bool,
+                    load_lr_scheduler_states: bool, load_module_only: bool) -> tuple[str, dict]:
+    module = engine.module
+    names = pipeline_state.NameMap(pipeline_state.first_layers(_tied_layers(module)),
+                                   getattr(module, "dense_names", None))
+    first = names.tied_first
+    path = tag_dir / layout.model_states_name(0, 0)
+    model_states = load_file(path)
+    by_layer = {names.layer(k): v for k, v in model_states["module"].items()}
+    for idx in module.local_layer_indices():
+        layer = module.layer_state_module(idx)
+        if layer is None:
+            continue
+        key = module.tied_key_of(idx)
+        prefix = f"{first[key] if key is not None else idx}."
+        sd = {k[len(prefix):]: v for k, v in by_layer.items() if k.startswith(prefix)}
+        missing = sorted(set(layer.state_dict()) - set(sd))
+        if strict and missing:
+            raise UserError(Problem("load_checkpoint(load_dir=...)", f"the universal checkpoint {tag_dir} has no "
+                                    f"{[prefix + m for m in missing][:3]} for layer {idx}",
+                                    "convert a checkpoint of the same layers (names: docs/checkpoint.md)"))
+        with torch.no_grad():
+            layer.load_state_dict(sd, strict=strict)
+    if engine.strategy is not None:
+        strategy = engine.strategy
+        if load_optimizer_states:
+            full = pipeline_state.renamed(universal_checkpoint.load_universal_state(tag_dir), names.pipeline)
+        else:
+            full = reshard.FullOptimizerState(fp32={n: p.detach().reshape(-1).float().cpu()
+                                                    for n, p in module.named_parameters()})
+        strategy.load_state_dict(reshard.state_for_rank(
+            strategy.state_dict(), full, strategy.stage, engine.dp_world_size, engine.grid.get_data_parallel_rank(),
+            strategy.checkpoint_param_shapes(), load_optimizer_states=load_optimizer_states))
+    if not load_module_only:
+        engine_io.restore_training_state(engine, model_states, tag_dir, load_lr_scheduler_states, same_world=False)
+    comm.barrier()
+    return str(path), {k: v for k, v in model_states.items() if k not in engine_io.DS_KEYS}

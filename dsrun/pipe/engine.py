@@ -1,0 +1,482 @@
+"""``PipelineEngine``: trains a :class:`~dsrun.pipe.module.PipelineModule` by running a schedule.
+
+``dsrun.initialize(model=PipelineModule(...), config=...)`` builds it. Each call of :meth:`train_batch` runs
+``gradient_accumulation_steps`` micro-batches through this rank's stage as the schedule's instructions say
+(:mod:`.schedule`, :mod:`.timed`; ``pipeline.schedule`` picks one): load, forward, send and receive
+activations and gradients (:mod:`.p2p`), backward, then sum the gradients of weights tied across stages,
+reduce the gradients over the stage's data-parallel group and step the optimizer.
+
+What the engine inherits stays the same: the precision strategy scales the loss on the last stage and
+checks overflow on every stage; the ZeRO strategy (stage 0, 1, or 2 without cross-stage ties) holds this
+stage's parameters, reduces over ``groups.data`` and sums the squared norm over ``groups.pipe``; schedulers,
+counters and monitors work as with :class:`~dsrun.engine.engine.DeepSpeedEngine`.
+
+Tied weights: every stage sharing a ``TiedLayerSpec`` key keeps a copy, but only the first of them (the
+owner) gives it to the optimizer. After backward the copies' gradients are all-reduced over the tie group;
+after the step the owner's new weights are broadcast to the others, so the copies stay bit-identical.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+
+from dsrun import comm
+from dsrun.engine.engine import BACKWARD_TIMER, FORWARD_TIMER, DeepSpeedEngine
+from dsrun.optim.onebit import OneBitOptimizer
+from dsrun.utils.errors import ConfigError, Problem
+from dsrun.utils.repeating_loader import RepeatingLoader
+
+from dsrun.pipe import p2p, settings
+from dsrun.pipe.schedule import (COMMUNICATION, COMPUTE, BackwardInputPass, BackwardPass, BackwardWeightPass, ForwardPass,
+                       LoadMicroBatch, OptimizerStep, PipeInstruction, PipeSchedule, RecvActivation, RecvGrad,
+                       ReduceGrads, ReduceTiedGrads, SendActivation, SendGrad)
+
+
+class PipelineError(Exception):
+    """A pipeline engine used the wrong way (``forward``/``backward``/``step`` instead of ``train_batch``),
+    or stages that disagree (a micro-batch's labels meeting another micro-batch's activations)."""
+
+
+@dataclass
+class PipeBuffer:
+    """What one stage holds for one micro-batch between its instructions."""
+
+    micro_batch_id: int = -1
+    inputs: Any = None
+    labels: Any = None
+    label_micro_batch_id: int = -1
+    outputs: Any = None
+    loss: torch.Tensor | None = None
+    output_grads: Any = None
+    input_grads: Any = None
+    weight_pass: tuple[list[torch.Tensor], list[torch.Tensor] | None] | None = None
+
+
+def _items(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, (tuple, list)) else [value]
+
+
+def _like(structure: Any, values: list[Any]) -> Any:
+    return tuple(values) if isinstance(structure, (tuple, list)) else values[0]
+
+
+class PipelineEngine(DeepSpeedEngine):
+    """A training engine for hybrid pipeline, data (and model) parallelism; see the module docstring."""
+
+    pipeline_parallelism = True  # DeepSpeed's flag (False on the plain engine)
+
+    def __init__(self, has_bool_tensors: bool = False, *super_args: Any, **super_kwargs: Any):
+        model = super_kwargs.get("model", super_args[0] if super_args else None)
+        if not hasattr(model, "mpu") or not hasattr(model, "chunk_range"):
+            raise TypeError(f"PipelineEngine trains a PipelineModule, got {type(model).__name__}")
+        self.has_bool_tensors = has_bool_tensors  # accepted for DeepSpeed's signature: bools always travel as bytes
+        super().__init__(*super_args, **super_kwargs)
+        settings.check_module(self.module, self._config)
+        self.grid = self.module.mpu()
+        self.num_stages = self.grid.get_pipe_parallel_world_size()
+        self.stage_id = self.grid.get_stage_id()
+        self.prev_stage, self.next_stage = self.stage_id - 1, self.stage_id + 1
+        self.virtual_stages = self.module.virtual_stages
+        self.micro_batches = self.gradient_accumulation_steps()
+        self.module._synchronize_tied_weights()
+        self.data_iterator: Iterator[Any] | None = None
+        self.batch_fn: Callable[[Any], Any] | None = None
+        if self.training_dataloader is not None:
+            self.set_dataloader(self.training_dataloader)
+        self.agg_train_loss: torch.Tensor | None = None
+        self.last_batch_timing: dict[str, float] = {}
+        self._buffers: dict[tuple[int, int], PipeBuffer] = {}
+        self._schedules: dict[tuple[str, int], PipeSchedule] = {}
+        self._force_boundary = False
+        self._losses: list[torch.Tensor] = []
+        self._outputs: list[Any] = []
+        self._loaded = 0
+        self._compute_loss = True
+        self._split = self._model_parallel_split()
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            LoadMicroBatch: self._exec_load_micro_batch, ForwardPass: self._exec_forward_pass,
+            BackwardPass: self._exec_backward_pass, BackwardInputPass: self._exec_backward_input_pass,
+            BackwardWeightPass: self._exec_backward_weight_pass, ReduceTiedGrads: self._exec_reduce_tied_grads,
+            ReduceGrads: self._exec_reduce_grads, OptimizerStep: self._exec_optimizer_step}
+
+    # --- construction (DeepSpeedEngine's seams) --------------------------------------------------------------
+    @classmethod
+    def prepare_model(cls, model: torch.nn.Module, config: Any) -> None:
+        """Cut the module into ``stages x virtual_stages`` chunks for the interleaved schedule, before the
+        optimizer is built over its parameters."""
+        settings.check_module(model, config)
+        pipe = config.pipeline
+        model.set_virtual_stages(pipe.virtual_stages if pipe.schedule == "interleaved" else 1)
+
+    def _process_groups(self, mpu: Any) -> Any:
+        if int(self._config.sequence_parallel_size) > 1:
+            raise ConfigError(Problem("sequence_parallel_size", "Ulysses sequence parallelism does not compose with "
+                                      "the pipeline engine yet", "set sequence_parallel_size to 1"))
+        return mpu.groups  # the module's grid: pipe, data and model groups of its topology
+
+    def _strategy_context(self, optimizer: torch.optim.Optimizer) -> Any:
+        """The ZeRO strategy steps this stage's parameters, tied copies owned elsewhere left out."""
+        if isinstance(optimizer, OneBitOptimizer):  # not built for it: say so rather than lose its error buffers
+            raise ConfigError(Problem("optimizer.type", f"{type(optimizer).__name__} does not run under the pipeline "
+                                      "engine yet (its per-rank error buffers are not in a pipeline checkpoint)",
+                                      "train with Adam/AdamW/Lamb, or without pipeline stages"))
+        own = {id(p) for p in self.module.parameters()}
+        copies = {id(p) for p in self.module.tied_parameters(owned=False)}
+        for group in optimizer.param_groups:
+            if any(id(p) not in own for p in group["params"]):
+                raise ConfigError(Problem("initialize(optimizer=...)", "the optimizer holds parameters this "
+                                          "pipeline stage does not have (built before the module was re-cut "
+                                          "for virtual stages?)", "pass model_parameters=model.parameters() "
+                                          "or an optimizer callable, or let the config build the optimizer"))
+            group["params"] = [p for p in group["params"] if id(p) not in copies]
+        return super()._strategy_context(optimizer)
+
+    # --- DeepSpeed's pipeline API ------------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise PipelineError("Only train_batch() is accessible in pipeline mode.")
+
+    def backward(self, *args: Any, **kwargs: Any) -> Any:
+        raise PipelineError("Only train_batch() is accessible in pipeline mode.")
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        raise PipelineError("Only train_batch() is accessible in pipeline mode.")
+
+    def is_first_stage(self) -> bool:
+        return self.stage_id == 0
+
+    def is_last_stage(self) -> bool:
+        return self.stage_id == self.num_stages - 1
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True while the engine runs a ReduceGrads or OptimizerStep instruction."""
+        return self._force_boundary
+
+    def set_dataloader(self, loader: Any) -> None:
+        """Train from ``loader``, restarted whenever it runs out."""
+        self.training_dataloader = loader
+        self.data_iterator = iter(RepeatingLoader(loader))
+
+    def set_dataiterator(self, iterator: Iterator[Any]) -> None:
+        """Take training micro-batches ``(inputs, labels)`` from ``iterator`` (first and last stages read it)."""
+        self.data_iterator = iterator
+
+    def set_batch_fn(self, fn: Callable[[Any], Any]) -> None:
+        """Run ``fn`` on every micro-batch read from the data iterator."""
+        self.batch_fn = fn
+
+    def reset_activation_shape(self) -> None:
+        """DeepSpeed's call for a changed sequence length. Nothing to reset here: every message carries its
+        own shapes and dtypes."""
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """Change the global batch size by changing the number of micro-batches; ``ValueError`` when it is not
+        a multiple of ``train_micro_batch_size_per_gpu x data-parallel size``."""
+        per_step = self.train_micro_batch_size_per_gpu() * self.dp_world_size
+        if train_batch_size % per_step:
+            raise ValueError(f"train_batch_size {train_batch_size} is not divisible by micro batch size x data "
+                             f"parallel size ({per_step})")
+        self._config.gradient_accumulation_steps = train_batch_size // per_step
+        self._config.train_batch_size = train_batch_size
+        self.micro_batches = self.gradient_accumulation_steps()
+        self._schedules.clear()
+
+    def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
+        """Train on the next batch: ``gradient_accumulation_steps()`` micro-batches per pipeline, read from
+        ``data_iter`` (or the iterator set before), then one optimizer step. Returns the batch's mean loss
+        (over micro-batches and data-parallel ranks) on every rank."""
+        if not torch.is_grad_enabled():
+            raise RuntimeError("train_batch() requires gradients enabled. Use eval_batch() instead.")
+        if data_iter is not None:
+            self.set_dataiterator(data_iter)
+        self.module.train()
+        self._losses, self._compute_loss = [], True
+        self._run(self._schedule("train", self.micro_batches))
+        self.agg_train_loss = self._aggregate(self._losses, broadcast=True)
+        if self.monitor.enabled:
+            self.monitor.write_events([("Train/Samples/train_loss", float(self.agg_train_loss), self.global_samples)])
+        return self.agg_train_loss
+
+    def eval_batch(self, data_iter: Iterator[Any], return_logits: bool = False, compute_loss: bool = True,
+                   reduce_output: str | None = "avg", bcast_loss: bool = True,
+                   num_micro_batches: int | None = None) -> Any:
+        """Forward ``num_micro_batches`` (default: gradient accumulation steps) micro-batches without
+        gradients. Returns the mean loss (``reduce_output='avg'``; ``None``: one per micro-batch), or the
+        last stage's outputs when ``compute_loss`` is False; with ``return_logits`` also the last stage's
+        outputs per micro-batch (None on other stages)."""
+        if reduce_output not in ("avg", None):
+            raise ValueError(f"reduce_output must be 'avg' or None, got {reduce_output!r}")
+        train_iterator, was_training = self.data_iterator, self.module.training
+        self.set_dataiterator(data_iter)
+        self.module.eval()
+        self._losses, self._outputs, self._compute_loss = [], [], compute_loss
+        try:
+            with torch.no_grad():
+                self._run(self._schedule("eval", int(num_micro_batches or self.micro_batches)))
+        finally:
+            self.data_iterator = train_iterator
+            self.module.train(was_training)
+        outputs = self._outputs if self.is_last_stage() else None
+        if compute_loss:
+            result = (self._aggregate(self._losses, broadcast=bcast_loss) if reduce_output == "avg"
+                      else list(self._losses))
+        else:
+            result = outputs
+            if reduce_output == "avg" and outputs:
+                result = torch.stack([o.float() for o in outputs]).mean(dim=0)
+        return (result, outputs) if return_logits else result
+
+    def _model_parallel_split(self) -> dict[int, p2p.Split]:
+        """``pipeline.pipe_partitioned`` / ``grad_partitioned``: with a model axis, each model-parallel rank
+        sends a slice of the activations / gradients and the receivers all-gather them."""
+        size = self.grid.get_model_parallel_world_size()
+        if size == 1:
+            return {}
+        cut = p2p.Split(self.grid.get_model_parallel_group(), size, self.grid.get_model_parallel_rank())
+        pipe = self._config.pipeline
+        return {kind: cut for kind, on in ((p2p.ACTIVATION, pipe.pipe_partitioned), (p2p.GRAD, pipe.grad_partitioned))
+                if on}
+
+    # --- running a schedule -------------------------------------------------------------------------------------
+    def _schedule(self, kind: str, micro_batches: int) -> PipeSchedule:
+        key = (kind, micro_batches)
+        if key not in self._schedules:
+            make = settings.train_schedule if kind == "train" else settings.eval_schedule
+            self._schedules[key] = make(self._config, micro_batches, self.num_stages, self.stage_id)
+        return self._schedules[key]
+
+    def _run(self, schedule: PipeSchedule) -> None:
+        self._buffers, self._loaded = {}, 0
+        start, compute, last_compute_end = time.perf_counter(), 0.0, None
+        for step in schedule.steps():
+            i = 0
+            while i < len(step):
+                if isinstance(step[i], COMMUNICATION):
+                    j = i
+                    while j < len(step) and isinstance(step[j], COMMUNICATION):
+                        j += 1
+                    self._exchange(step[i:j])
+                    i = j
+                    continue
+                began = time.perf_counter()
+                self._handlers[type(step[i])](step[i])
+                if isinstance(step[i], COMPUTE):
+                    last_compute_end = time.perf_counter()
+                    compute += last_compute_end - began
+                i += 1
+        span = (last_compute_end or start) - start
+        self.last_batch_timing = {"pipeline_s": span, "compute_s": compute,
+                                  "idle_fraction": (span - compute) / compute if compute else 0.0}
+        self._buffers = {}
+
+    def _buffer(self, cmd: PipeInstruction, fresh: bool = False) -> PipeBuffer:
+        key = (getattr(cmd, "chunk_id", 0), cmd.buffer_id)
+        if fresh or key not in self._buffers:
+            self._buffers[key] = PipeBuffer()
+        return self._buffers[key]
+
+    def _first_chunk(self, cmd: PipeInstruction) -> bool:
+        return self.stage_id == 0 and getattr(cmd, "chunk_id", 0) == 0
+
+    def _last_chunk(self, cmd: PipeInstruction) -> bool:
+        return self.is_last_stage() and getattr(cmd, "chunk_id", 0) == self.virtual_stages - 1
+
+    def _peer(self, offset: int) -> int:
+        """The global rank of the stage ``offset`` away in this pipeline (wrapping, for virtual stages)."""
+        return self.grid.stage_to_global((self.stage_id + offset) % self.num_stages)
+
+    def _to_device(self, value: Any) -> Any:
+        if torch.is_tensor(value):
+            return value.to(self.device)
+        if isinstance(value, (tuple, list)):
+            return type(value)(self._to_device(v) for v in value)
+        return value
+
+    # --- instructions -------------------------------------------------------------------------------------------
+    def _exec_load_micro_batch(self, cmd: LoadMicroBatch) -> None:
+        if self.data_iterator is None:
+            raise PipelineError("no training data: pass data_iter to train_batch() or training_data to "
+                                "dsrun.initialize()")
+        batch = next(self.data_iterator)
+        if self.batch_fn is not None:
+            batch = self.batch_fn(batch)
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise PipelineError("a pipeline's data iterator yields (inputs, labels) pairs; got "
+                                f"{type(batch).__name__}" + (f" of {len(batch)}" if isinstance(batch, (tuple, list)) else ""))
+        inputs, labels = batch
+        micro_batch_id, self._loaded = self._loaded, self._loaded + 1
+        if self._first_chunk(cmd):
+            buf = self._buffer(cmd, fresh=True)
+            (args, _) = self.precision.prepare_inputs((self._to_device(inputs),), {})
+            buf.inputs, buf.micro_batch_id = args[0], micro_batch_id
+        else:
+            buf = self._buffer(cmd)
+        if self._last_chunk(cmd):
+            buf.labels, buf.label_micro_batch_id = self._to_device(labels), micro_batch_id
+
+    def _exec_forward_pass(self, cmd: ForwardPass) -> None:
+        buf = self._buffer(cmd)
+        self.timers.start(FORWARD_TIMER)
+        self.module.micro_offset = self.global_steps * self.micro_batches + buf.micro_batch_id
+        outputs = self.module(buf.inputs, chunk_id=getattr(cmd, "chunk_id", 0))
+        self.timers.stop(FORWARD_TIMER)
+        if not self._last_chunk(cmd):
+            buf.outputs = outputs
+            return
+        if self._compute_loss:
+            if buf.label_micro_batch_id != buf.micro_batch_id:
+                raise PipelineError(f"stage {self.stage_id}: the labels of micro-batch {buf.label_micro_batch_id} "
+                                    f"met the activations of micro-batch {buf.micro_batch_id}")
+            loss_fn = self.module.loss_fn
+            buf.loss = loss_fn(outputs, buf.labels) if loss_fn is not None else outputs
+            self._losses.append(buf.loss.detach())
+        if not self.module.training:
+            self._outputs.append(outputs)
+
+    def _backward_targets(self, buf: PipeBuffer, cmd: PipeInstruction) -> tuple[list[torch.Tensor], list[Any] | None]:
+        """What backward starts from: the scaled loss on the last stage, else the outputs that got gradients."""
+        if self._last_chunk(cmd):
+            loss = buf.loss.float()
+            if self.micro_batches > 1:
+                loss = loss / self.micro_batches
+            return [self.precision.scale_loss(loss)], None
+        pairs = [(o, g) for o, g in zip(_items(buf.outputs), _items(buf.output_grads))
+                 if g is not None and torch.is_tensor(o) and o.requires_grad]
+        return [o for o, _ in pairs], [g for _, g in pairs]
+
+    def _collect_input_grads(self, buf: PipeBuffer, cmd: PipeInstruction, grads: list[Any] | None = None) -> None:
+        if self._first_chunk(cmd):
+            return
+        items = _items(buf.inputs)
+        if grads is None:
+            grads = [t.grad if torch.is_tensor(t) and t.requires_grad else None for t in items]
+        buf.input_grads = _like(buf.inputs, grads)
+
+    def _exec_backward_pass(self, cmd: BackwardPass) -> None:
+        buf = self._buffer(cmd)
+        self.timers.start(BACKWARD_TIMER)
+        targets, grads = self._backward_targets(buf, cmd)
+        if self.strategy is not None:
+            self.strategy.before_backward(False)
+        if targets:
+            with self.direct_backward.engine_backward():
+                torch.autograd.backward(targets, grads)
+        if self.strategy is not None:
+            self.strategy.after_backward(False)
+        self._collect_input_grads(buf, cmd)
+        buf.outputs = buf.output_grads = buf.loss = None
+        self.timers.stop(BACKWARD_TIMER)
+
+    def _exec_backward_input_pass(self, cmd: BackwardInputPass) -> None:
+        buf = self._buffer(cmd)
+        targets, grads = self._backward_targets(buf, cmd)
+        items = _items(buf.inputs)
+        wanted = [i for i, t in enumerate(items) if torch.is_tensor(t) and t.requires_grad]
+        input_grads: list[Any] = [None] * len(items)
+        if targets and wanted and not self._first_chunk(cmd):
+            got = torch.autograd.grad(targets, [items[i] for i in wanted], grads, retain_graph=True, allow_unused=True)
+            for i, g in zip(wanted, got):
+                input_grads[i] = g
+        self._collect_input_grads(buf, cmd, input_grads)
+        buf.weight_pass = (targets, grads)
+        buf.outputs = buf.output_grads = buf.loss = None
+
+    def _exec_backward_weight_pass(self, cmd: BackwardWeightPass) -> None:
+        buf = self._buffer(cmd)
+        targets, grads = buf.weight_pass
+        if self.strategy is not None:
+            self.strategy.before_backward(False)
+        if targets:
+            params = [p for p in self.module.parameters() if p.requires_grad]
+            with self.direct_backward.engine_backward():
+                torch.autograd.backward(targets, grads, inputs=params)
+        if self.strategy is not None:
+            self.strategy.after_backward(False)
+        buf.weight_pass = None
+
+    def _exchange(self, cmds: list[PipeInstruction]) -> None:
+        outgoing, incoming = [], []
+        for cmd in cmds:
+            buf = self._buffer(cmd)
+            if isinstance(cmd, SendActivation):
+                outgoing.append(p2p.Outgoing(p2p.ACTIVATION, self._peer(+1), buf.outputs, buf.micro_batch_id))
+            elif isinstance(cmd, SendGrad):
+                outgoing.append(p2p.Outgoing(p2p.GRAD, self._peer(-1), buf.input_grads, buf.micro_batch_id))
+            elif isinstance(cmd, RecvActivation):
+                incoming.append((cmd, p2p.Incoming(p2p.ACTIVATION, self._peer(-1))))
+            elif isinstance(cmd, RecvGrad):
+                incoming.append((cmd, p2p.Incoming(p2p.GRAD, self._peer(+1))))
+        p2p.exchange(outgoing, [msg for _, msg in incoming], self.device, self._split)
+        for cmd in cmds:
+            if isinstance(cmd, SendGrad):
+                buf = self._buffer(cmd)
+                buf.inputs = buf.input_grads = None
+            elif isinstance(cmd, SendActivation) and not self.module.training:
+                self._buffer(cmd).outputs = None
+        for cmd, msg in incoming:
+            if isinstance(cmd, RecvActivation):
+                buf = self._buffer(cmd, fresh=True)  # a receive precedes its micro-batch's load in every schedule
+                buf.inputs, buf.micro_batch_id = msg.value, msg.micro_batch_id
+            else:
+                buf = self._buffer(cmd)
+                if msg.micro_batch_id != buf.micro_batch_id:
+                    raise PipelineError(f"stage {self.stage_id}: gradients of micro-batch {msg.micro_batch_id} "
+                                        f"arrived for micro-batch {buf.micro_batch_id}")
+                buf.output_grads = msg.value
+
+    def _exec_reduce_tied_grads(self, cmd: ReduceTiedGrads) -> None:
+        self.module.allreduce_tied_weight_gradients()
+        for copy in self.module.tied_parameters(owned=False):  # its owner steps it
+            copy.grad = None
+
+    def _exec_reduce_grads(self, cmd: ReduceGrads) -> None:
+        self._force_boundary = True
+        strategy = self.strategy
+        if strategy is not None and not getattr(strategy, "reduce_every_micro_step", False):
+            strategy.before_backward(True)  # no backward follows: the flush reduces every bucket now
+            strategy.after_backward(True)
+
+    def _exec_optimizer_step(self, cmd: OptimizerStep) -> None:
+        self._force_boundary = True
+        self.micro_steps += self.micro_batches - 1  # the inherited step counts the last one
+        DeepSpeedEngine.step(self)
+        self.module._synchronize_tied_weights()
+        self._force_boundary = False
+
+    def _aggregate(self, losses: list[torch.Tensor], broadcast: bool) -> torch.Tensor:
+        """The mean of the last stage's micro-batch losses, averaged over its data-parallel group and, with
+        ``broadcast``, sent to every stage."""
+        value = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.is_last_stage():
+            if losses:
+                value = torch.stack([loss.double() for loss in losses]).mean()
+            if self.dp_world_size > 1:
+                comm.all_reduce(value, group=self.dp_group)
+                value /= self.dp_world_size
+        if broadcast and self.num_stages > 1:
+            comm.broadcast(value, src=self._peer(self.num_stages - 1 - self.stage_id),
+                           group=self.grid.get_pipe_parallel_group())
+        return value.float()
+
+    # --- checkpoints: per layer (dsrun.pipe.checkpoint) --------------------------------------------------
+    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        """Save in DeepSpeed's pipeline layout: one ``layer_XX-model_states.pt`` per layer, the engine's state
+        per stage in ``mp_rank_XX_model_states.pt``, ZeRO optimizer states per stage and data-parallel rank."""
+        from dsrun.pipe.checkpoint import save_pipeline_checkpoint
+
+        return save_pipeline_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+                                        exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False) -> tuple[str | None, dict | None]:
+        """Load a pipeline checkpoint saved at any number of stages (and data-parallel ranks)."""
+        from dsrun.pipe.checkpoint import load_pipeline_checkpoint
+
+        return load_pipeline_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
+                                        load_optimizer_states=load_optimizer_states,
+                                        load_lr_scheduler_states=load_lr_scheduler_states,
+                                        load_module_only=load_module_only)

@@ -1,0 +1,129 @@
+"""Precision strategies: fp32, bf16 (fp32 master weights, no loss scaling) and fp16 (fp32 master weights
+with a static or dynamic loss scale: DeepSpeed's loss scalers, :mod:`dsrun.precision.loss_scaler`).
+
+The engine asks its precision strategy four things: which dtype the model runs in, how to scale a loss
+before backward, whether a step must be checked for inf/nan gradients, and what to do with the scale after
+a step (which may have overflowed). The ZeRO strategy does the rest (master copies, unscaling).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dsrun.precision.loss_scaler import DynamicLossScaler, LossScaler
+
+
+class PrecisionStrategy:
+    """fp32: the model trains in fp32, losses are not scaled, nothing overflows."""
+
+    name = "fp32"
+    model_dtype = torch.float32
+    checks_overflow = False
+    scales_loss = False  # whether backward needs the loss multiplied by a loss scale (only engine.backward does)
+
+    @property
+    def needs_master_weights(self) -> bool:
+        """True when the optimizer must step fp32 copies rather than the model's own parameters."""
+        return self.model_dtype != torch.float32
+
+    @property
+    def loss_scale(self) -> float:
+        return 1.0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+    def prepare_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The forward's inputs, as the model should see them (fp16 ``auto_cast`` casts float tensors)."""
+        return args, kwargs
+
+    def update(self, overflow: bool) -> None:
+        """Called once per optimizer step with whether its gradients overflowed."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        return None
+
+
+class BF16Precision(PrecisionStrategy):
+    """bf16: the model runs in bfloat16; fp32 master weights; no loss scaling (bf16 has fp32's range).
+    ``check_overflow``: skip a step whose gradients hold inf/nan (DeepSpeed 0.19's ``bf16.check_grad_overflow``,
+    on by default, which its ZeRO-1/2 optimizer applies; its stage-0 bf16 optimizer and stage 3 do not check)."""
+
+    name = "bf16"
+    model_dtype = torch.bfloat16
+
+    def __init__(self, check_overflow: bool = False):
+        self.checks_overflow = check_overflow
+
+
+class FP16Precision(PrecisionStrategy):
+    """fp16: the model runs in float16; fp32 master weights; the loss is multiplied by the loss scale before
+    backward, gradients are divided by it before the step, and a step whose gradients hold inf/nan on any
+    rank is skipped on every rank."""
+
+    name = "fp16"
+    model_dtype = torch.float16
+    checks_overflow = True
+    scales_loss = True
+
+    def __init__(self, scaler: DynamicLossScaler | LossScaler, auto_cast: bool = False):
+        self.scaler = scaler
+        self.auto_cast = auto_cast
+
+    def prepare_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if not self.auto_cast:
+            return args, kwargs
+        return _cast_floats(args, self.model_dtype), _cast_floats(kwargs, self.model_dtype)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.loss_scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss.float() * self.scaler.loss_scale
+
+    def update(self, overflow: bool) -> None:
+        self.scaler.update_scale(overflow)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"loss_scaler": self.scaler.state_dict(), "dynamic_loss_scale": self.scaler.dynamic}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if "loss_scaler" in sd:
+            self.scaler.load_state_dict(sd["loss_scaler"])
+
+
+def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` with every floating-point tensor (also inside lists, tuples and dicts) cast to ``dtype``."""
+    if torch.is_tensor(value):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast_floats(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast_floats(v, dtype) for k, v in value.items()}
+    return value
+
+
+def build_precision(fp16: Any = None, bf16: Any = None, zero_stage: int = 0) -> PrecisionStrategy:
+    """The strategy for a config's ``fp16``/``bf16`` sections (objects with DeepSpeed's key names, or None) at
+    ZeRO stage ``zero_stage``."""
+    if fp16 is not None and getattr(fp16, "enabled", False):
+        loss_scale = float(getattr(fp16, "loss_scale", 0.0) or 0.0)
+        auto_cast = bool(getattr(fp16, "auto_cast", False))
+        if loss_scale > 0:
+            return FP16Precision(LossScaler(loss_scale), auto_cast)
+        return FP16Precision(DynamicLossScaler(
+            init_scale=2.0 ** int(getattr(fp16, "initial_scale_power", 16)),
+            scale_window=int(getattr(fp16, "loss_scale_window", 1000)),
+            min_scale=float(getattr(fp16, "min_loss_scale", 1)),
+            delayed_shift=int(getattr(fp16, "hysteresis", 2)),
+            consecutive_hysteresis=bool(getattr(fp16, "consecutive_hysteresis", False)),
+            raise_error_at_min_scale=False), auto_cast)  # dsrun keeps training at the minimum scale
+    if bf16 is not None and getattr(bf16, "enabled", False):
+        check = bool(getattr(bf16, "check_grad_overflow", True))
+        return BF16Precision(check_overflow=check and zero_stage in (1, 2))
+    return PrecisionStrategy()

@@ -1,1 +1,0 @@
-"""The training runtime: engine, precision and ZeRO strategies, LR schedules, data loader."""

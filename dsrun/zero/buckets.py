@@ -1,0 +1,115 @@
+"""Gradient buckets filled by autograd hooks and launched strictly in order.
+
+A bucket is a range of a flat group. Buckets are laid out from the end of the model to its start, the order
+in which backward produces gradients. Each parameter's post-accumulate hook counts down the buckets it
+overlaps; a bucket whose count reaches zero is handed to ``launch`` — but only after every earlier bucket,
+so all ranks issue their collectives in the same order even when a parameter is unused on some rank (such
+buckets are launched by :meth:`BucketQueue.flush` at the end of backward).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from dsrun.zero.layout import FlatGroup
+
+
+@dataclass
+class Bucket:
+    group_index: int
+    start: int
+    end: int
+    param_indices: list[int]
+    pending: int = 0
+    handles: list[Any] = field(default_factory=list)
+    staging: torch.Tensor | None = None  # stage 2: this bucket's gradients, copied out of param.grad
+    received: torch.Tensor | None = None  # stage 2: this rank's reduced piece, until it is accumulated
+    staged_runs: list[Any] = field(default_factory=list)  # stage 0, torch_autocast: (offset, piece) reduced apart
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+def plan_buckets(groups: list[FlatGroup], bucket_numel: int) -> list[Bucket]:
+    """Cut every group's padded range into buckets of at most ``bucket_numel`` elements, last group first and
+    each group from its end to its start (backward order)."""
+    bucket_numel = max(1, int(bucket_numel))
+    buckets: list[Bucket] = []
+    for gi in reversed(range(len(groups))):
+        group = groups[gi]
+        end = group.padded_numel
+        while end > 0:
+            start = max(0, end - bucket_numel)
+            overlapping = [i for i, (off, n) in enumerate(zip(group.offsets, group.numels))
+                           if n > 0 and off < end and off + n > start]
+            buckets.append(Bucket(gi, start, end, overlapping))
+            end = start
+    return buckets
+
+
+class BucketQueue:
+    """Tracks which buckets are complete during one backward pass and launches them in order."""
+
+    def __init__(self, groups: list[FlatGroup], buckets: list[Bucket], launch: Callable[[Bucket], None],
+                 on_param_ready: Callable[[int, int, list[Bucket]], None] | None = None,
+                 on_accumulated: Callable[[int, int], None] | None = None):
+        self.groups = groups
+        self.buckets = buckets
+        self.launch = launch
+        self.on_param_ready = on_param_ready
+        # called on every accumulation into a parameter's .grad, armed or not (stages 0-1 keep .grad a view)
+        self.on_accumulated = on_accumulated
+        self.active = False
+        self.next_to_launch = 0
+        self.param_buckets: dict[tuple[int, int], list[int]] = {}
+        for bi, bucket in enumerate(buckets):
+            for pi in bucket.param_indices:
+                self.param_buckets.setdefault((bucket.group_index, pi), []).append(bi)
+        self._hooks: list[Any] = []
+        for gi, group in enumerate(groups):
+            for pi, p in enumerate(group.params):
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(gi, pi)))
+
+    def _make_hook(self, gi: int, pi: int) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            if self.on_accumulated is not None:
+                self.on_accumulated(gi, pi)
+            if self.active:
+                self._param_ready(gi, pi)
+        return hook
+
+    def start(self) -> None:
+        """Arm the hooks for one backward pass."""
+        for bucket in self.buckets:
+            bucket.pending = len(bucket.param_indices)
+            bucket.handles = []
+        self.next_to_launch = 0
+        self.active = True
+
+    def _param_ready(self, gi: int, pi: int) -> None:
+        indices = self.param_buckets.get((gi, pi), [])
+        if self.on_param_ready is not None:
+            self.on_param_ready(gi, pi, [self.buckets[i] for i in indices])
+        for bi in indices:
+            self.buckets[bi].pending -= 1
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self.next_to_launch < len(self.buckets) and self.buckets[self.next_to_launch].pending <= 0:
+            self.launch(self.buckets[self.next_to_launch])
+            self.next_to_launch += 1
+
+    def flush(self) -> None:
+        """Launch what is left (buckets holding unused parameters) and disarm the hooks."""
+        while self.next_to_launch < len(self.buckets):
+            self.launch(self.buckets[self.next_to_launch])
+            self.next_to_launch += 1
+        self.active = False
+
+    def remove(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []

@@ -1,0 +1,359 @@
+"""When ZeRO-3 parameters are gathered and released: module hooks, the recorded trace, prefetch, reuse.
+
+Every submodule that owns parameters (or has external ones, ``dsrun.zero.register_external_parameter``) gets
+a forward pre-hook that gathers them and a forward hook that releases them and routes the module's outputs
+through :class:`_GatherBeforeBackward`, an identity whose backward gathers them again before autograd
+reaches the module's own backward (whose saved tensors then see the full ``.data``). Trainable
+parameters are released during backward as soon as their gradient is complete (the ZeRO-3 strategy calls
+:meth:`ParameterCoordinator.release_after_grad`); anything still gathered is released when backward ends.
+
+The first forward+backward records the order modules fetch their parameters (the *trace*). From then on:
+
+* ``stage3_prefetch_bucket_size``: after a module's fetch, the next modules' parameters in the trace are
+  all-gathered asynchronously, up to that many elements in flight, so communication overlaps compute.
+* ``stage3_max_reuse_distance``: a parameter whose next use comes within that many gathered elements is
+  not released after a forward (typically the last layers, used again right away by backward).
+* ``stage3_max_live_parameters``: neither prefetching nor keeping for reuse may push the gathered elements
+  beyond this.
+
+On the CPU, released full buffers (up to ``stage3_prefetch_bucket_size`` elements in all) are kept in a
+:class:`~.partition_params.GatherBufferPool` for the next gathers of the same size.
+
+A parameter read outside its own module's forward (``nn.MultiheadAttention`` hands ``out_proj.weight`` to
+``F.multi_head_attention_forward`` without calling ``out_proj``; ``nn.TransformerEncoderLayer``'s inference
+path reads its children's weights; a tied head written as ``x @ self.wte.weight.T``) is gathered when it is
+read: every module holding partitioned parameters gets a :class:`GatheringParameters` dict, whose lookup of
+an unavailable parameter during a forward gathers it and registers it as an external parameter of the
+innermost hooked module running, so from then on that module's own hooks gather it before its forward and
+its backward (DeepSpeed does the same). Lookups of available parameters cost one status check.
+
+All of this is deterministic given the trace, so every rank issues the same collectives in the same order
+(ZeRO-3 assumes the ranks run the same modules in the same order, as DeepSpeed does). If a step's order
+differs from the trace, prefetch and reuse stop for the rest of that step and the trace is recorded again.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Iterable
+
+import torch
+
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from dsrun.zero import recompute
+from dsrun.zero.partition_params import (GatherBufferPool, ParamStatus, gather_params, is_zero_param, mark_stale, release_param,
+                               start_gather)
+
+EXTERNAL_ATTR = "_ds_external_params"
+FORWARD, BACKWARD = "fwd", "bwd"
+
+# coordinators alive in this process, so a late register_external_parameter can hook its module
+LIVE_COORDINATORS: "weakref.WeakSet[ParameterCoordinator]" = weakref.WeakSet()
+recompute.register(LIVE_COORDINATORS)  # activation-checkpoint recomputes keep what was gathered
+
+
+def external_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return list(getattr(module, EXTERNAL_ATTR, {}).values())
+
+
+def add_external_param(module: torch.nn.Module, param: torch.nn.Parameter) -> None:
+    registry = module.__dict__.setdefault(EXTERNAL_ATTR, {})
+    registry[id(param)] = param
+
+
+def module_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The partitioned parameters ``module`` needs for its own computation: its direct parameters and the
+    external ones registered on it (each once)."""
+    seen: dict[int, torch.nn.Parameter] = {}
+    for p in list(module.parameters(recurse=False)) + external_params(module):
+        if is_zero_param(p):
+            seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+class GatheringParameters(dict):
+    """A module's ``_parameters`` that gathers a partitioned parameter read while a forward runs (see the
+    module docstring). Pickles and copies as a plain dict."""
+
+    def __init__(self, params: dict, coordinator: "ParameterCoordinator"):
+        super().__init__(params)
+        self.coordinator = coordinator
+
+    def __getitem__(self, name: str) -> Any:
+        param = dict.__getitem__(self, name)
+        if getattr(param, "ds_status", ParamStatus.AVAILABLE) is not ParamStatus.AVAILABLE:
+            self.coordinator.gather_on_read(param)
+        return param
+
+    def __reduce__(self) -> Any:
+        return dict, (dict(self),)
+
+
+class ParameterCoordinator:
+    """Gathers and releases the partitioned parameters of one model around its modules' passes."""
+
+    def __init__(self, root: torch.nn.Module, prefetch_bucket_size: int = 0, max_live_parameters: int = 10**9,
+                 max_reuse_distance: int = 10**9):
+        self.root = root
+        self.prefetch_bucket_size = int(prefetch_bucket_size)
+        self.max_live_parameters = int(max_live_parameters)
+        self.max_reuse_distance = int(max_reuse_distance)
+        self._hooks: list[Any] = []
+        self._hooked: dict[int, torch.nn.Module] = {}
+        self.trace: list[tuple[int, str]] = []
+        self.trace_complete = False
+        self.cursor = 0
+        self.following_trace = False
+        self._off_trace = False  # this pass left the recorded order
+        self._keep_after: dict[int, set[int]] = {}  # trace index -> ids of params kept after that forward
+        self._forward_index: dict[int, int] = {}  # module -> its event's index in the trace, during its forward
+        self.in_use: dict[int, int] = {}
+        self.params: dict[int, torch.nn.Parameter] = {}
+        self._params_of: dict[int, list[torch.nn.Parameter]] = {}  # module id -> module_params(module)
+        self.total_numel = 0
+        self.prefetched_numel = 0  # statistics: elements gathered ahead of use
+        # called after each fetch with the parameters the trace needs next (NVMe offload reads them ahead)
+        self.after_fetch: Any = None
+        self.buffer_pool = GatherBufferPool(self.prefetch_bucket_size)
+        self._running: list[torch.nn.Module] = []  # hooked modules inside their forward, innermost last
+        self._reading: list[torch.nn.Module] = []  # modules whose _parameters gather on read
+        self.hook_module(root)  # even without parameters: its forward is where a read has no other owner
+        for module in root.modules():
+            if module_params(module):
+                self.hook_module(module)
+            if any(is_zero_param(p) for p in module._parameters.values()):
+                module._parameters = GatheringParameters(module._parameters, self)
+                self._reading.append(module)
+        LIVE_COORDINATORS.add(self)
+
+    # --- hooks --------------------------------------------------------------------------------------------
+    def hook_module(self, module: torch.nn.Module) -> None:
+        """Gather ``module``'s parameters around its passes (again: refresh its list after a registration)."""
+        self._params_of[id(module)] = module_params(module)
+        for p in self._params_of[id(module)]:
+            self.params[id(p)] = p
+            if p.ds_tensor.device.type == "cpu":  # CUDA's caching allocator reuses memory already
+                p.ds_buffer_pool = self.buffer_pool
+        self.total_numel = sum(p.ds_numel for p in self.params.values())
+        if id(module) in self._hooked:
+            return
+        self._hooked[id(module)] = module
+        self._hooks.append(module.register_forward_pre_hook(self._pre_forward))
+        self._hooks.append(module.register_forward_hook(self._post_forward))
+
+    def remove_hooks(self) -> None:
+        for p in self.params.values():
+            if getattr(p, "ds_buffer_pool", None) is self.buffer_pool:
+                p.ds_buffer_pool = None
+        self.buffer_pool.clear()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self._hooked = {}
+        for module in self._reading:
+            if isinstance(module._parameters, GatheringParameters):
+                module._parameters = dict(module._parameters)
+        self._reading = []
+
+    def gather_on_read(self, param: torch.nn.Parameter) -> None:
+        """``param`` was read while unavailable: inside a forward, gather it now and make it an external
+        parameter of the innermost running hooked module, so that module's hooks gather it from now on (in
+        this pass's backward too). Outside a forward nothing is gathered, as in DeepSpeed."""
+        if not self._running:
+            return
+        module = self._running[-1]
+        add_external_param(module, param)
+        self.hook_module(module)
+        gather_params([param])
+
+    def _pre_forward(self, module: torch.nn.Module, inputs: Any) -> None:
+        self._running.append(module)
+        params = self._params_of.get(id(module), [])
+        if not params:
+            return
+        self._fetch(module, FORWARD, params)
+        if self.following_trace:
+            self._forward_index[id(module)] = self.cursor - 1
+        for p in params:
+            self.in_use[id(p)] = self.in_use.get(id(p), 0) + 1
+
+    def _post_forward(self, module: torch.nn.Module, inputs: Any, output: Any) -> Any:
+        if self._running and self._running[-1] is module:
+            self._running.pop()
+        params = self._params_of.get(id(module), [])
+        if not params:
+            return None
+        keep: set[int] = set()
+        if self.following_trace and id(module) in self._forward_index:
+            keep = self._keep_after.get(self._forward_index.pop(id(module)), set())
+        for p in params:
+            self.in_use[id(p)] = max(0, self.in_use.get(id(p), 0) - 1)
+            if self.in_use[id(p)] or p.ds_persist:
+                continue
+            if id(p) in keep and self.live_numel() <= self.max_live_parameters:
+                continue
+            release_param(p)
+        return _gather_before_backward(self, module, output)
+
+    def _pre_backward(self, module: torch.nn.Module) -> None:
+        params = self._params_of.get(id(module), [])
+        if params:
+            self._fetch(module, BACKWARD, params)
+
+    # --- fetching -----------------------------------------------------------------------------------------
+    def _fetch(self, module: torch.nn.Module, phase: str, params: list[torch.nn.Parameter]) -> None:
+        self._record(module, phase)
+        # backward (and a recompute inside it) gathers from the hpZ secondary partitions where there are any
+        gather_params(params, secondary=phase == BACKWARD or torch._C._current_graph_task_id() != -1)
+        if self.following_trace and self.prefetch_bucket_size > 0:
+            self._prefetch()
+        if self.after_fetch is not None and self.following_trace:
+            self.after_fetch(self.upcoming_params())
+
+    def upcoming_params(self) -> Iterable[torch.nn.Parameter]:
+        """The parameters the recorded trace fetches after the current position, in order."""
+        for p, _ in self._upcoming():
+            yield p
+
+    def _upcoming(self) -> Iterable[tuple[torch.nn.Parameter, str]]:
+        for index in range(self.cursor, len(self.trace)):
+            module_id, phase = self.trace[index]
+            for p in self._params_of.get(module_id, []):
+                yield p, phase
+
+    def _record(self, module: torch.nn.Module, phase: str) -> None:
+        event = (id(module), phase)
+        if self._off_trace:
+            return  # this pass left the trace; the next one records afresh
+        if not self.trace_complete:
+            self.trace.append(event)
+            return
+        if self.following_trace:
+            if self.cursor < len(self.trace) and self.trace[self.cursor] == event:
+                self.cursor += 1
+                return
+            # The model took another path than the recorded one: stop predicting, record again next step.
+            self.following_trace = False
+            self.trace_complete = False
+            self.trace = []
+            self._keep_after = {}
+            self._off_trace = True
+
+    def _prefetch(self) -> None:
+        budget = self.prefetch_bucket_size
+        live = self.live_numel()
+        for p, phase in self._upcoming():
+            if p.ds_status is not ParamStatus.NOT_AVAILABLE:
+                continue
+            if budget <= 0 or live + p.ds_numel > self.max_live_parameters:
+                return
+            start_gather(p, async_op=True, secondary=phase == BACKWARD)
+            budget -= p.ds_numel
+            live += p.ds_numel
+            self.prefetched_numel += p.ds_numel
+
+    def live_numel(self) -> int:
+        """Elements currently gathered (or being gathered)."""
+        if self.total_numel <= self.max_live_parameters:
+            return 0  # the limit cannot be reached: skip the count
+        return sum(p.ds_numel for p in self.params.values() if p.ds_status is not ParamStatus.NOT_AVAILABLE)
+
+    # --- pass boundaries (called by the strategy) ---------------------------------------------------------
+    def begin_forward(self) -> None:
+        """A new forward starts: release what an earlier pass kept, and follow the trace if there is one."""
+        self.release_all(keep_persistent=True)
+        self.cursor = 0
+        self.following_trace = self.trace_complete
+        self._off_trace = False
+        self._running = []  # a forward that raised left its modules here
+
+    def release_after_grad(self, param: torch.nn.Parameter) -> None:
+        if not param.ds_persist:
+            release_param(param)
+
+    def end_backward(self) -> None:
+        """Backward finished: release everything not persistent; the first time, finish the trace."""
+        self.release_all(keep_persistent=True)
+        if not self.trace_complete and self.trace:
+            self.trace_complete = True
+            self._plan_reuse()
+        self.following_trace = False
+        self.in_use.clear()
+
+    def release_all(self, keep_persistent: bool) -> None:
+        for p in self.params.values():
+            if keep_persistent and p.ds_persist:
+                continue
+            if not self.in_use.get(id(p)):
+                release_param(p)
+
+    def invalidate(self) -> None:
+        """The shards changed (an optimizer step): every gathered copy, persistent ones included, is stale."""
+        for p in self.params.values():
+            release_param(p)
+            mark_stale(p)
+
+    def _plan_reuse(self) -> None:
+        """For each forward event, which of its parameters are used again within ``max_reuse_distance``
+        gathered elements (counted over the modules fetched in between)."""
+        self._keep_after = {}
+        sizes = []
+        params_at = []
+        for module_id, _ in self.trace:
+            ps = self._params_of.get(module_id, [])
+            params_at.append({id(p) for p in ps})
+            sizes.append(sum(p.ds_numel for p in ps))
+        for i, (_, phase) in enumerate(self.trace):
+            if phase != FORWARD:
+                continue
+            keep: set[int] = set()
+            for pid in params_at[i]:
+                distance = 0
+                for j in range(i + 1, len(self.trace)):
+                    if pid in params_at[j]:
+                        if distance <= self.max_reuse_distance:
+                            keep.add(pid)
+                        break
+                    distance += sizes[j]
+                    if distance > self.max_reuse_distance:
+                        break
+            if keep:
+                self._keep_after[i] = keep
+
+
+class _GatherBeforeBackward(torch.autograd.Function):
+    """Identity on a module's outputs whose backward gathers the module's parameters before autograd runs
+    the module's own backward (which reads them through its saved tensors)."""
+
+    @staticmethod
+    def forward(ctx: Any, coordinator: ParameterCoordinator, module: torch.nn.Module, *tensors: torch.Tensor) -> Any:
+        ctx.coordinator, ctx.module = coordinator, module
+        return tuple(t.detach() for t in tensors)  # detached, not views: callers may modify them in place
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        ctx.coordinator._pre_backward(ctx.module)
+        return (None, None) + grads
+
+
+def _gather_before_backward(coordinator: ParameterCoordinator, module: torch.nn.Module, output: Any) -> Any:
+    """``output`` with its differentiable tensors routed through :class:`_GatherBeforeBackward` (None: no
+    tensor needs it, keep the output as it is)."""
+    if not torch.is_grad_enabled():
+        return None
+    leaves, spec = tree_flatten(output)
+    positions = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not positions:
+        return None
+    wrapped = _GatherBeforeBackward.apply(coordinator, module, *(leaves[i] for i in positions))
+    for i, t in zip(positions, wrapped):
+        leaves[i] = t
+    return tree_unflatten(leaves, spec)
+
+
+def iter_unique_params(modules: Iterable[torch.nn.Module]) -> list[torch.nn.Parameter]:
+    seen: dict[int, torch.nn.Parameter] = {}
+    for module in modules:
+        for p in module.parameters():
+            seen.setdefault(id(p), p)
+    return list(seen.values())

@@ -1,0 +1,290 @@
+"""ZeRO stages 1 and 2: fp32 master weights and optimizer state partitioned across ranks.
+
+Each flat group is padded to a multiple of ``2 * world_size`` and split into equal contiguous partitions;
+rank r keeps the fp32 master copy and the optimizer state of partition r only, updates it, and the
+updated partitions are all-gathered back into every rank's model (``allgather_bucket_size`` elements per
+collective).
+
+* **Stage 1** keeps full gradients: they accumulate locally over micro-steps in a flat buffer, and on the
+  boundary micro-step each bucket is reduce-scattered (as soon as backward completes it with
+  ``overlap_comm``, else after backward) so each rank receives the sum for its own partition.
+* **Stage 2** never holds the full gradient: on every micro-step each parameter's gradient is copied into
+  its bucket and released; a complete bucket is reduce-scattered at once (asynchronously with
+  ``overlap_comm``) and each rank adds its share into an fp32 partition-sized accumulator.
+
+A bucket may cross partition boundaries, so the reduce-scatter gives each rank the piece of the bucket it
+owns, which may be empty (a variable-size reduce-scatter). ``reduce_scatter: false`` all-reduces the
+bucket instead and keeps the owned piece (DeepSpeed's option; twice the traffic).
+"""
+from __future__ import annotations
+
+import torch
+
+from dsrun import comm
+from dsrun.offload.flat_store import DeviceFlatStore, flat_store
+
+from dsrun.zero.base import FlatStrategy, MemoryBreakdown, optimizer_state_bytes, tensor_bytes
+from dsrun.zero.buckets import Bucket
+from dsrun.zero.layout import FlatGradients, FlatGroup
+
+
+class PartitionedStrategy(FlatStrategy):
+    alignment_per_rank = 2  # DeepSpeed pads each flat group to a multiple of 2 * world_size
+    partitioned = True
+
+    @property
+    def scatters_gradients(self) -> bool:  # type: ignore[override]
+        return self.ctx.reduce_scatter
+
+    def _owned_slices(self, group: FlatGroup, bucket: Bucket) -> list[tuple[int, int]]:
+        """For each rank, the part of ``bucket`` inside its partition, as offsets into the bucket."""
+        pieces = []
+        for r in range(group.world_size):
+            lo, hi = group.partition_range(r)
+            lo, hi = max(lo, bucket.start), min(hi, bucket.end)
+            pieces.append((lo - bucket.start, hi - bucket.start) if hi > lo else (0, 0))
+        return pieces
+
+    def _owned_part(self, partition_buffers: list[torch.Tensor], bucket: Bucket) -> torch.Tensor:
+        """The slice of this rank's partition-sized buffer (of ``bucket``'s group) that ``bucket`` covers."""
+        group = self.groups[bucket.group_index]
+        lo, hi = self._owned_slices(group, bucket)[group.rank]
+        offset = bucket.start + lo - group.partition_range(group.rank)[0]
+        return partition_buffers[bucket.group_index][offset:offset + (hi - lo)]
+
+    def _make_store(self, ctx) -> DeviceFlatStore:
+        return flat_store(ctx)  # offload_optimizer: the device or the host
+
+    def _build_masters(self) -> list[torch.nn.Parameter]:
+        return self.store.masters([g.flat_param[slice(*g.partition_range(g.rank))] for g in self.groups])
+
+    def _reduce_bucket(self, bucket: Bucket, source: torch.Tensor, out: torch.Tensor, async_op: bool) -> None:
+        """Reduce-scatter ``source`` (the bucket's gradients) so ``out`` gets this rank's owned piece."""
+        group = self.groups[bucket.group_index]
+        self._divide_before_reduce(source)
+        if group.world_size == 1:
+            out.copy_(source)
+            bucket.handles.append((None, out, out))
+            return
+        pieces = self._owned_slices(group, bucket)
+        if self.comm_dtype != source.dtype:
+            source = source.to(self.comm_dtype)
+        lo, hi = pieces[group.rank]
+        if not self.ctx.reduce_scatter:
+            target = source
+            bucket.handles.append((comm.all_reduce(target, group=group.process_group, async_op=async_op),
+                                   target[lo:hi], out))
+            return
+        target = out if out.dtype == self.comm_dtype else torch.empty(hi - lo, dtype=self.comm_dtype, device=out.device)
+        inputs = [source[a:b] for a, b in pieces]
+        bucket.handles.append((comm.reduce_scatter(target, inputs, group=group.process_group, async_op=async_op),
+                               target, out))
+
+    def _finish_handles(self, bucket: Bucket) -> None:
+        """Wait for the bucket's collectives and move each result into its destination."""
+        for handle, result, out in bucket.handles:
+            if handle is not None:
+                handle.wait()
+            if result is not out:
+                out.copy_(result)
+            self.averaging.after(out)
+        bucket.handles = []
+
+    def _publish(self) -> None:
+        with torch.no_grad():
+            for gi, (group, master) in enumerate(zip(self.groups, self.masters)):
+                chunk = max(1, int(self.ctx.allgather_bucket_size) // group.world_size)
+                part = self.store.published(gi, master, group.world_size)
+                if group.world_size == 1:
+                    if part.data_ptr() != group.flat_param.data_ptr():
+                        group.flat_param.copy_(part)
+                    continue
+                size = group.partition_numel
+                if size <= chunk:
+                    comm.all_gather_into_tensor(group.flat_param, part, group=group.process_group)
+                    continue
+                for start in range(0, size, chunk):
+                    end = min(size, start + chunk)
+                    outputs = [group.flat_param[r * size + start:r * size + end] for r in range(group.world_size)]
+                    comm.all_gather(outputs, part[start:end].contiguous(), group=group.process_group)
+
+    def _partition_state_bytes(self) -> tuple[int, int]:
+        return optimizer_state_bytes(self.optimizer), self._master_bytes()
+
+
+class Stage1Strategy(PartitionedStrategy):
+    """Optimizer state partitioned; gradients kept whole and reduce-scattered at the boundary."""
+
+    stage = 1
+
+    @property
+    def supports_local_gradients(self) -> bool:  # type: ignore[override]
+        return self.store.on_device  # offloaded: the step reads the reduced partition only
+
+    def _build_buffers(self) -> None:
+        self.grads = FlatGradients(self.groups)
+        self.flat_grads = self.grads.flats
+        self.partition_grads = [torch.zeros(g.partition_numel, dtype=self.model_dtype, device=self.ctx.device)
+                                for g in self.groups]
+        # a second boundary backward before the step (a GAN's real and fake losses): the partition already
+        # holds the first reduction, so the next one is added to it and the flat buffer starts from zero
+        self._reduced_since_step = False
+        self._adding = False
+        self.master_grads = self.store.gradients([g.partition_numel for g in self.groups], self.partition_grads)
+
+    def _on_accumulated(self, gi: int, pi: int) -> None:
+        self.grads.adopt(gi, pi)
+
+    def local_gradients(self) -> list[torch.Tensor]:
+        return self.flat_grads
+
+    def before_backward(self, boundary: bool) -> None:
+        if boundary and self._reduced_since_step:
+            self.grads.zero()
+            self._adding = True
+        super().before_backward(boundary)
+
+    def after_backward(self, boundary: bool) -> None:
+        reducing = self.queue.active
+        super().after_backward(boundary)
+        self._reduced_since_step = self._reduced_since_step or reducing
+
+    def _reduce(self, bucket: Bucket, async_op: bool) -> None:
+        if bucket.pending > 0:  # parameters this backward did not reach: their .grad may have been replaced
+            for pi in bucket.param_indices:
+                self.grads.adopt(bucket.group_index, pi)
+        source = self.flat_grads[bucket.group_index][bucket.start:bucket.end]
+        owned = self._owned_part(self.partition_grads, bucket)
+        if self._adding:
+            bucket.received = torch.empty_like(owned)
+        self._reduce_bucket(bucket, source, owned if bucket.received is None else bucket.received, async_op)
+
+    def _complete(self, bucket: Bucket) -> None:
+        self._finish_handles(bucket)
+        if bucket.received is not None:
+            self._owned_part(self.partition_grads, bucket).add_(bucket.received)
+            bucket.received = None
+
+    def _master_grads(self) -> list[torch.Tensor]:
+        if not self._gradients_reduced:  # nothing was reduce-scattered: this rank's own part of its gradient
+            for gi, (master_grad, flat) in enumerate(zip(self.master_grads, self.flat_grads)):
+                lo, hi = self.groups[gi].partition_range(self.rank)
+                master_grad.copy_(flat[lo:hi])
+            return self.master_grads
+        return self.store.step_gradients(self.partition_grads, self.master_grads)
+
+    def zero_grad(self) -> None:
+        self.grads.zero()
+        self._reduced_since_step = self._adding = False
+
+    def memory_breakdown(self) -> MemoryBreakdown:
+        grads = sum(tensor_bytes(g) for g in self.flat_grads) + sum(tensor_bytes(g) for g in self.partition_grads)
+        if self.master_grads is not self.partition_grads:
+            grads += sum(tensor_bytes(g) for g in self.master_grads)
+        states, masters = self._partition_state_bytes()
+        return MemoryBreakdown(parameters=self._param_bytes(), gradients=grads, master_weights=masters,
+                               optimizer_states=states, padding=self._padding_bytes())
+
+
+class Stage2Strategy(PartitionedStrategy):
+    """Optimizer state and gradients partitioned; buckets reduce-scattered during every backward."""
+
+    stage = 2
+    reduce_every_micro_step = True
+
+    # A released bucket buffer is kept for reuse (at most this many per size): allocating and first-touching
+    # a fresh buffer of reduce_bucket_size elements on every bucket of every step costs more than the copy.
+    POOLED_BUFFERS_PER_SIZE = 2
+
+    def _build_buffers(self) -> None:
+        # fp32 accumulators for this rank's partition: the only gradient storage that outlives a bucket
+        self.master_grads = self.store.gradients([g.partition_numel for g in self.groups])
+        self._pool: dict[int, list[torch.Tensor]] = {}
+        self._ready: set[tuple[int, int]] = set()
+        for group in self.groups:
+            for p in group.params:
+                p.grad = None
+
+    def _take(self, numel: int) -> torch.Tensor:
+        free = self._pool.get(numel)
+        return free.pop() if free else torch.empty(numel, dtype=self.model_dtype, device=self.ctx.device)
+
+    def _give_back(self, buffer: torch.Tensor | None) -> None:
+        if buffer is not None:
+            free = self._pool.setdefault(buffer.numel(), [])
+            if len(free) < self.POOLED_BUFFERS_PER_SIZE:
+                free.append(buffer)
+
+    def _staging(self, bucket: Bucket) -> torch.Tensor:
+        if bucket.staging is None:
+            # contiguous_gradients: each bucket's gradients are packed into one buffer as they arrive
+            bucket.staging = self._take(bucket.numel)
+            group = self.groups[bucket.group_index]
+            if bucket.end > group.numel:  # the alignment padding at the end of the group
+                bucket.staging[max(0, group.numel - bucket.start):].zero_()
+        return bucket.staging
+
+    def before_backward(self, boundary: bool) -> None:
+        self._ready.clear()
+        super().before_backward(boundary)
+
+    def _on_param_ready(self, gi: int, pi: int, buckets: list[Bucket]) -> None:
+        group = self.groups[gi]
+        param = group.params[pi]
+        grad = param.grad.reshape(-1)
+        off, n = group.offsets[pi], group.numels[pi]
+        for bucket in buckets:
+            lo, hi = max(off, bucket.start), min(off + n, bucket.end)
+            self._staging(bucket)[lo - bucket.start:hi - bucket.start].copy_(grad[lo - off:hi - off])
+        self._ready.add((gi, pi))
+        param.grad = None  # the full gradient of this parameter is not kept
+
+    @property
+    def reduce_during_backward(self) -> bool:
+        return True  # the gradients are released as buckets fill, so they must be reduced then
+
+    def _reduce(self, bucket: Bucket, async_op: bool) -> None:
+        staging = self._staging(bucket)
+        if bucket.pending > 0:  # parameters that got no gradient this pass: what .grad holds (None: zeros)
+            group = self.groups[bucket.group_index]
+            for pi in bucket.param_indices:
+                if (bucket.group_index, pi) not in self._ready:
+                    param, off, n = group.params[pi], group.offsets[pi], group.numels[pi]
+                    lo, hi = max(off, bucket.start), min(off + n, bucket.end)
+                    piece = staging[lo - bucket.start:hi - bucket.start]
+                    if param.grad is None:
+                        piece.zero_()
+                    else:  # assigned by the user: reduced like a computed one, then released
+                        piece.copy_(param.grad.reshape(-1)[lo - off:hi - off])
+                        if off >= bucket.start:  # buckets run from the end: this is its last piece
+                            param.grad = None
+        bucket.received = self._take(self._owned_part(self.master_grads, bucket).numel())
+        self._reduce_bucket(bucket, staging, bucket.received, async_op=async_op)
+
+    def _complete(self, bucket: Bucket) -> None:
+        if bucket.received is None:  # already completed inside backward
+            return
+        self._finish_handles(bucket)
+        owned = self._owned_part(self.master_grads, bucket)
+        owned.add_(bucket.received.to(owned.device))  # accumulate over micro-steps (on the host with offload)
+        self._give_back(bucket.received)
+        self._give_back(bucket.staging)  # release the bucket's copy of the gradients
+        bucket.received = None
+        bucket.staging = None
+
+    def _master_grads(self) -> list[torch.Tensor]:
+        return self.master_grads
+
+    def zero_grad(self) -> None:
+        for g in self.master_grads:
+            g.zero_()
+        for group in self.groups:
+            for p in group.params:
+                p.grad = None
+
+    def memory_breakdown(self) -> MemoryBreakdown:
+        grads = sum(tensor_bytes(g) for g in self.master_grads)
+        states, masters = self._partition_state_bytes()
+        pooled = sum(tensor_bytes(b) for free in self._pool.values() for b in free)
+        return MemoryBreakdown(parameters=self._param_bytes(), gradients=grads, master_weights=masters,
+                               optimizer_states=states, padding=self._padding_bytes(), buffers=pooled)

@@ -1,0 +1,540 @@
+"""ZeRO stage 3: parameters, gradients and optimizer state all partitioned across the data-parallel ranks.
+
+* **Parameters** are split one by one (:mod:`.partition_params`): rank r keeps ``ceil(numel / N)`` elements
+  of each. :class:`~.hooks.ParameterCoordinator` all-gathers a submodule's parameters just before its
+  forward and again before its backward, and releases them after use (prefetching along the recorded
+  module order, keeping small ``stage3_param_persistence_threshold`` parameters gathered).
+* **Gradients** never stay whole: when autograd has finished a parameter's gradient (its post-accumulate
+  hook) the gradient goes into a bucket and the full copy is dropped; a bucket of ``reduce_bucket_size``
+  elements is reduce-scattered (asynchronously with ``overlap_comm``) so each rank receives the sum for its
+  own shards, added into an fp32 accumulator. This happens on every micro-step.
+* **Optimizer**: each param group's shards are laid end to end in fp32 *sub-groups* of at most
+  ``sub_group_size`` elements (one optimizer tensor each); the step updates only these, then writes the
+  model-dtype shards. No all-gather follows the step: the next forward gathers what it needs. Each sub-group
+  lives in a store (:mod:`dsrun.offload.shard_store`: the device, or with ``offload_optimizer`` host
+  memory or NVMe swap files), which owns its master, gradient, update, write-back, checkpoint entries and bytes.
+
+ZeRO++ (:mod:`dsrun.comm.quantized`): ``zero_quantized_weights`` (qwZ) gathers parameters as INT8 blocks with
+per-block scales, ``zero_quantized_nontrainable_weights`` keeps frozen parameters' shards as INT8 blocks and
+scales (:mod:`.quantized_shards`, gathered as they are), and
+``zero_quantized_gradients`` (qgZ) replaces the data-parallel reduce-scatter with the hierarchical INT4
+all-to-all (synchronous: ``overlap_comm`` does not overlap it).
+
+Per step this moves 3 * psi * (N - 1) / N elements per rank (gather in forward, gather in backward,
+reduce-scatter), 1.5 times stage 0's all-reduce, as the ZeRO paper says.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dsrun import comm
+from dsrun.comm import quantized
+from dsrun.utils.errors import ConfigError, Problem
+
+from dsrun.zero.base import MemoryBreakdown, StrategyContext, ZeroStrategy, optimizer_state_bytes, tensor_bytes
+from dsrun.zero import host_memory, linear, quantized_shards
+from dsrun.zero.sharding import Stage3Sharding
+from dsrun.zero.hooks import ParameterCoordinator, iter_unique_params, module_params
+from dsrun.zero.partition_params import full_tensor, is_zero_param, partition_param, shard_padding
+from dsrun.offload import param_swapper
+from dsrun.offload.pipeline import PipelineTimes
+from dsrun.offload.settings import OffloadOptimizerSettings
+from dsrun.offload.shard_store import DeviceShardStore, ShardPlacement
+from dsrun.optim.optimizer_wrappers import OptimizerWrapperKind
+
+
+@dataclass
+class SubGroup:
+    """Consecutive shards of one optimizer param group, stepped as one fp32 tensor."""
+
+    group_index: int
+    params: list[torch.nn.Parameter] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    numel: int = 0
+    master: torch.nn.Parameter | None = None
+    grad: torch.Tensor | None = None
+    index: int = -1  # among the strategy's sub-groups
+    store: DeviceShardStore | None = None  # where master, gradient and optimizer state live
+
+    @property
+    def placement(self) -> str:
+        """``device``, ``cpu`` or ``nvme``."""
+        return self.store.kind
+
+    def add(self, param: torch.nn.Parameter) -> None:
+        self.params.append(param)
+        self.offsets.append(self.numel)
+        self.numel += param.ds_partition_numel
+
+
+class Stage3Strategy(ZeroStrategy):
+    stage = 3
+    scatters_gradients = True
+
+    def __init__(self, ctx: StrategyContext):
+        super().__init__(ctx)
+        zc = ctx.zero_config
+        self.reduce_bucket_numel = max(1, int(ctx.reduce_bucket_size))
+        self.sub_group_size = max(1, int(zc.sub_group_size))
+        self.gather_16bit_on_save = bool(zc.stage3_gather_16bit_weights_on_model_save)
+
+        if zc.memory_efficient_linear:
+            linear.install()
+        if ctx.device.type == "cpu":
+            host_memory.fix_mmap_threshold()  # freed gather buffers go back to the OS at once
+        self.params = iter_unique_params([ctx.module])
+        self.sharding = Stage3Sharding.from_context(ctx)  # MiCS shard groups, hpZ secondary partitions
+        self.norm_group = self.sharding.shard_group  # each shard's gradient is counted once in the norm
+        self._partition_all()
+        self._mark_persistent(int(zc.stage3_param_persistence_threshold), int(zc.stage3_model_persistence_threshold))
+        self._qgz = self._set_up_zeropp(zc)
+        # offload_param: shards to host memory or NVMe files (dsrun/offload/param_swapper.py)
+        self.param_offload = param_swapper.attach_param_offload(
+            self.params, zc.offload_param, ctx.device, self.model_dtype, aio_config=ctx.aio_config, rank=self.rank,
+            gathered_together=[(name or "root", module_params(m)) for name, m in ctx.module.named_modules()])
+        self.coordinator = ParameterCoordinator(
+            ctx.module, prefetch_bucket_size=int(zc.stage3_prefetch_bucket_size),
+            max_live_parameters=int(zc.stage3_max_live_parameters),
+            max_reuse_distance=int(zc.stage3_max_reuse_distance))
+        if self.param_offload is not None:
+            self.coordinator.after_fetch = self.param_offload.after_fetch
+
+        self._optimizer = ctx.optimizer
+        self._separate_shards = False  # fp32 with offloaded shards: the step must write them
+        self.placement = ShardPlacement(self, ctx.optimizer, OffloadOptimizerSettings.from_context(ctx))
+        self.sub_groups = self._build_sub_groups()
+        for store in self.placement.stores:
+            store.finish()
+        if self.sharding.mics and any(sg.grad is None for sg in self.sub_groups):
+            raise ConfigError(Problem("zero_optimization.mics_shard_size", "MiCS cannot reduce gradients kept in "
+                                      "NVMe swap files (offload_optimizer.device nvme)", "offload to cpu instead"))
+        self.masters = [sg.master for sg in self.sub_groups]
+        if self._optimizer.state:
+            self._optimizer.state.clear()  # state keyed by the old full parameters would never be used
+        self._slot: dict[int, tuple[SubGroup, int]] = {}
+        for sg in self.sub_groups:
+            for p, off in zip(sg.params, sg.offsets):
+                self._slot[id(p)] = (sg, off)
+        # gradients waiting for a bucket, per group they are reduced over (experts: their expert-data group)
+        self._pending: dict[int, list[tuple[torch.nn.Parameter, torch.Tensor]]] = {}
+        self._pending_numel: dict[int, int] = {}
+        # (work, output, [(param, offset)], input kept alive until the collective completes)
+        self._inflight: list[tuple[Any, torch.Tensor, list[tuple[torch.nn.Parameter, int]], torch.Tensor]] = []
+        self._armed = False
+        self.max_buckets_in_flight = 2
+        # flat buffers of finished buckets, reused by the next ones (freshly allocated memory costs a page
+        # fault per 4 KiB on first touch); at most max_buckets_in_flight + 1 of each kind are kept
+        self._bucket_pool: list[torch.Tensor] = []
+        self._grad_hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
+                            for p in self.params if p.requires_grad and id(p) in self._slot]
+
+    # --- construction -------------------------------------------------------------------------------------
+    def _partition_all(self) -> None:
+        """Partition every parameter (those built under ``zero.Init`` already are: bring their shards to the
+        engine's device and dtype)."""
+        wanted = self.ctx.zero_config.offload_param.device
+        for p in self.params:
+            floating = p.is_floating_point() or (is_zero_param(p) and p.ds_tensor.is_floating_point())
+            dtype = self.model_dtype if floating else None
+            if is_zero_param(p):
+                owner = param_swapper.offload_of(p)
+                if owner is not None:  # built under zero.Init(remote_device=...): its shard is offloaded
+                    if owner.device == wanted and (dtype is None or p.ds_tensor.dtype == dtype):
+                        continue
+                    owner.release(p)  # elsewhere or another dtype: bring it back, offload again later
+                    if not owner.params:
+                        owner.close()
+                if (dtype is not None and p.ds_tensor.dtype != dtype) or p.ds_tensor.device != self.ctx.device:
+                    p.ds_tensor = p.ds_tensor.to(device=self.ctx.device, dtype=dtype or p.ds_tensor.dtype)
+                    p.data = torch.empty(0, dtype=p.ds_tensor.dtype, device=self.ctx.device)
+                continue
+            # MoE experts are partitioned over their expert-data-parallel group, everything else over the data
+            # group, or with MiCS over this rank's shard group
+            partition_param(p, self.sharding.group_of(p), dtype=dtype, device=self.ctx.device)
+        for p in self.params:
+            self.sharding.attach(p)
+
+    def _set_up_zeropp(self, zc: Any) -> "quantized.QuantizedReduceScatter | None":
+        """Mark the parameters whose gathers are quantized (qwZ: all; nontrainable: the frozen ones, whose
+        shards are then kept quantized too, unless ``offload_param`` holds them); the quantized reduce-scatter
+        over the group gradients are reduce-scattered in (the data-parallel group, or with MiCS the shard
+        group) for qgZ (None when off)."""
+        keep_frozen = zc.zero_quantized_nontrainable_weights and zc.offload_param.device == "none"
+        for p in self.params:
+            frozen = zc.zero_quantized_nontrainable_weights and not p.requires_grad
+            if (zc.zero_quantized_weights or frozen) and p.ds_tensor.is_floating_point():
+                p.ds_quantized_gather = quantized.WEIGHT_BLOCK
+                if frozen and keep_frozen:
+                    quantized_shards.store_quantized(p, quantized.WEIGHT_BLOCK)
+        if not zc.zero_quantized_gradients:
+            return None
+        return quantized.make_reduce_scatter(self.sharding.shard_group)
+
+    def _mark_persistent(self, threshold: int, model_threshold: int) -> None:
+        budget = model_threshold
+        for p in self.params:
+            if p.ds_numel < threshold and p.ds_numel <= budget:
+                p.ds_persist = True
+                budget -= p.ds_numel
+
+    def _build_sub_groups(self) -> list[SubGroup]:
+        names = {id(p): n for n, p in self.ctx.module.named_parameters(remove_duplicate=True)}
+        sub_groups: list[SubGroup] = []
+        seen: set[int] = set()
+        for gi, param_group in enumerate(self._optimizer.param_groups):
+            current: SubGroup | None = None
+            masters = []
+            for p in param_group["params"]:
+                if id(p) in seen or not p.requires_grad:
+                    continue
+                if id(p) not in names:
+                    raise ValueError("ZeRO stage 3: the optimizer holds a parameter that is not part of the model")
+                seen.add(id(p))
+                if current is None or (current.numel and current.numel + p.ds_partition_numel > self.sub_group_size):
+                    current = SubGroup(gi)
+                    sub_groups.append(current)
+                    masters.append(current)
+                current.add(p)
+            first = len(sub_groups) - len(masters)
+            for k, sg in enumerate(masters):
+                self._init_sub_group(first + k, sg)
+            param_group["params"] = [sg.master for sg in masters]
+        return sub_groups
+
+    def _trainable_numel(self) -> int:
+        seen, total = set(), 0
+        for group in self._optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in seen and p.requires_grad:
+                    seen.add(id(p))
+                    total += p.ds_partition_numel
+        return total
+
+    def _init_sub_group(self, index: int, sg: SubGroup) -> None:
+        """Place sub-group ``index`` in its store, which gives it its fp32 master and gradient accumulator."""
+        sg.index = index
+        sg.store = self.placement.store_for(sg, self._trainable_numel)
+        sg.store.place(index, sg)
+
+    def alias_shards(self, sg: SubGroup) -> None:
+        """fp32: make the model's shards views of the master, so the step updates them in place; an
+        offloaded shard that lives elsewhere (NVMe, or host memory beside a device master) is written after
+        the step instead."""
+        for p, off in zip(sg.params, sg.offsets):
+            owner = param_swapper.offload_of(p)
+            if owner is not None and not owner.can_alias(p, sg.master):
+                self._separate_shards = True
+                continue
+            p.ds_tensor = sg.master.data[off:off + p.ds_partition_numel]
+
+    @property
+    def writes_shards(self) -> bool:
+        """Are the model's shards separate from the fp32 masters, so the step must write them? (16-bit
+        models; fp32 once an offloaded shard could not alias its master.)"""
+        return self.precision.needs_master_weights or self._separate_shards
+
+    # --- the engine's calls -------------------------------------------------------------------------------
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._optimizer
+
+    def before_forward(self) -> None:
+        self.coordinator.begin_forward()
+
+    def before_backward(self, boundary: bool) -> None:
+        # gradients are reduced on every micro-step: no rank ever keeps a full gradient
+        self._armed = True
+        for store in self.placement.stores:
+            store.begin_micro_step(boundary)
+
+    def after_backward(self, boundary: bool) -> None:
+        for p in self.params:  # gradients no hook took (a loss.backward() the engine did not run, or assigned)
+            if p.grad is not None and id(p) in self._slot:
+                self._grad_ready(p)
+        for key in [k for k, items in self._pending.items() if items]:
+            self._launch_bucket(key)
+        self._complete_all()
+        if boundary:  # MiCS: each shard group summed its own ranks' gradients; add the other groups'
+            self.sharding.reduce_across_replicas([sg.grad for sg in self.sub_groups])
+        self._armed = False
+        self.coordinator.end_backward()
+        for store in self.placement.stores:
+            store.end_micro_step()
+
+    # --- gradient reduction -------------------------------------------------------------------------------
+    def _grad_ready(self, param: torch.nn.Parameter) -> None:
+        if not self._armed or param.grad is None:
+            return
+        grad = param.grad
+        param.grad = None
+        self.coordinator.release_after_grad(param)
+        key = id(param.ds_process_group)
+        self._pending.setdefault(key, []).append((param, grad))
+        self._pending_numel[key] = self._pending_numel.get(key, 0) + param.ds_partition_numel * param.ds_world_size
+        if self._pending_numel[key] >= self.reduce_bucket_numel:
+            self._launch_bucket(key)
+
+    def _launch_bucket(self, key: int) -> None:
+        items, self._pending[key], self._pending_numel[key] = self._pending[key], [], 0
+        group, world = items[0][0].ds_process_group, items[0][0].ds_world_size
+        total = sum(p.ds_partition_numel for p, _ in items)
+        rows_flat = self._take_buffer(world * total)
+        rows = rows_flat.view(world, total)
+        placed: list[tuple[torch.nn.Parameter, int]] = []
+        off = 0
+        for p, grad in items:
+            part = p.ds_partition_numel
+            flat = grad.reshape(-1)
+            whole = p.ds_numel // part if part else 0
+            if whole:
+                rows[:whole, off:off + part].copy_(flat[: whole * part].view(whole, part))
+            rest = p.ds_numel - whole * part
+            if rest:
+                rows[whole, off:off + rest].copy_(flat[whole * part:])
+                rows[whole, off + rest:off + part].zero_()  # the last shards' padding
+            if whole + (1 if rest else 0) < world:
+                rows[whole + (1 if rest else 0):, off:off + part].zero_()
+            placed.append((p, off))
+            off += part
+        self.averaging.before(rows)
+        if world == 1:
+            self._inflight.append((None, rows[0], placed, rows_flat))
+        elif self._qgz is not None and group is self._qgz.group:
+            out = self._take_buffer(total)
+            self._qgz(out, rows_flat)
+            self._inflight.append((None, out, placed, rows_flat))
+        else:
+            out = self._take_buffer(total)
+            work = comm.reduce_scatter_tensor(out, rows_flat, group=group,
+                                              async_op=self.ctx.overlap_comm)
+            self._inflight.append((work if self.ctx.overlap_comm else None, out, placed, rows_flat))
+        if not self.ctx.overlap_comm:
+            self._complete_all()
+        # each bucket in flight holds N x its size of gradients: bound them, or a whole model's gradient
+        # would pile up until the end of backward
+        while len(self._inflight) > self.max_buckets_in_flight:
+            self._complete(self._inflight.pop(0))
+
+    def _take_buffer(self, numel: int) -> torch.Tensor:
+        """A flat buffer of ``numel`` elements (comm dtype, uninitialised): the smallest pooled one that fits,
+        else a new one."""
+        fits = [i for i, b in enumerate(self._bucket_pool) if b.numel() >= numel]
+        if fits:
+            buffer = self._bucket_pool.pop(min(fits, key=lambda i: self._bucket_pool[i].numel()))
+            return buffer[:numel]
+        return torch.empty(numel, dtype=self.comm_dtype, device=self.ctx.device)
+
+    def _give_back(self, buffer: torch.Tensor) -> None:
+        base = buffer if buffer._base is None else buffer._base
+        if all(b is not base for b in self._bucket_pool):
+            self._bucket_pool.append(base)
+        if len(self._bucket_pool) > 2 * (self.max_buckets_in_flight + 1):
+            self._bucket_pool.sort(key=torch.Tensor.numel)
+            del self._bucket_pool[0]  # the smallest
+
+    def _complete(self, entry: tuple[Any, torch.Tensor, list[tuple[torch.nn.Parameter, int]], torch.Tensor]) -> None:
+        work, out, placed, rows = entry
+        if work is not None:
+            work.wait()
+        self.averaging.after(out)
+        for p, off in placed:
+            sg, sg_off = self._slot[id(p)]
+            sg.store.accumulate(sg.index, sg, sg_off, out[off:off + p.ds_partition_numel])
+        self._give_back(rows)
+        if out.data_ptr() != rows.data_ptr():
+            self._give_back(out)
+
+    def _complete_all(self) -> None:
+        for entry in self._inflight:
+            self._complete(entry)
+        self._inflight = []
+
+    def bucket_pool_bytes(self) -> int:
+        """Bytes of the reduce-scatter buffers kept for reuse between buckets (and steps)."""
+        return sum(tensor_bytes(b) for b in self._bucket_pool)
+
+    # --- the optimizer step: each store steps its sub-groups ------------------------------------------------
+    def _local_overflow(self) -> bool:
+        """Whether this rank's gradients hold an inf or nan."""
+        return any(store.overflow() for store in self.placement.stores)
+
+    def _local_sq_norm(self) -> torch.Tensor:
+        """The sum of squares of this rank's gradients (float64, on the device)."""
+        sq = torch.zeros(1, dtype=torch.float64, device=self.ctx.device)
+        for store in self.placement.stores:
+            store.add_sq_norm(sq)
+        return sq
+
+    def step_gradients(self) -> list[torch.Tensor]:
+        return [g for store in self.placement.stores for g in store.gradients()]
+
+    def _apply_update(self, coef: float) -> None:
+        """Scale the gradients by ``coef``, step every sub-group and write the model's shards."""
+        for store in self.placement.stores:
+            store.update(coef)
+        self._shards_written()
+
+    def _publish(self) -> None:
+        """Write the fp32 masters into the model's shards (after a load); gathered copies are now stale."""
+        with torch.no_grad():
+            for store in self.placement.stores:
+                store.publish()
+        self._shards_written()
+
+    def _shards_written(self) -> None:
+        if self.param_offload is not None:
+            self.param_offload.flush()  # offload_param: the updated shards are in their files
+        self.coordinator.invalidate()
+
+    def update_optimizer_step(self, step: int) -> None:
+        for store in self.placement.stores:
+            store.set_step(step)
+
+    @property
+    def last_step_times(self) -> PipelineTimes | None:
+        """Where the last offloaded update's time went (None: nothing is offloaded)."""
+        return self.placement.times
+
+    def close(self) -> None:
+        for handle in self._grad_hooks:
+            handle.remove()
+        self._grad_hooks = []
+        self.coordinator.remove_hooks()
+        self._bucket_pool = []
+        if self.param_offload is not None:
+            self.param_offload.close()
+        for store in self.placement.stores:
+            store.close()
+
+    def empty_partition_cache(self) -> None:
+        """Release every gathered parameter, persistent ones included (``engine.empty_partition_cache()``)."""
+        self.coordinator.invalidate()
+
+    def zero_grad(self) -> None:
+        for store in self.placement.stores:
+            store.zero_grad()
+        for p in self.params:
+            p.grad = None
+
+    # --- accounting ---------------------------------------------------------------------------------------
+    def memory_breakdown(self) -> MemoryBreakdown:
+        """Shards of every parameter plus the full copies of persistent ones; the fp32 gradient and master
+        partitions resident in memory (host-offloaded ones included, swapped ones not: their swap buffers are
+        ``buffers``); the optimizer state. ``padding`` counts the zero tail of this rank's shards (in memory, in
+        all of them; offloaded, in the shards only)."""
+        shards = sum(quantized_shards.stored_bytes(p) for p in self.params) + self.sharding.secondary_bytes(self.params)
+        persistent = sum(p.ds_numel * p.ds_tensor.element_size() for p in self.params if p.ds_persist)
+        stores = self.placement.stores
+        grads = sum(store.grad_bytes() for store in stores)
+        masters = sum(store.master_bytes() for store in stores)
+        states = optimizer_state_bytes(self._optimizer)
+        trainable_elems = sum(sg.numel for sg in self.sub_groups) if self.placement.offloaded is None else 0
+        per_elem = (grads + masters + states) / trainable_elems if trainable_elems else 0.0
+        padding = 0.0
+        for p in self.params:
+            pad = shard_padding(p, comm.get_rank(p.ds_process_group))  # MoE experts: their group's rank
+            element = 1 if quantized_shards.message_of(p) is not None else p.ds_tensor.element_size()  # INT8 codes
+            padding += pad * element + (pad * per_elem if id(p) in self._slot else 0)
+        # NVMe parameter offload: the shards are in files (ds_tensor is empty); the read/write pool and the
+        # shards cached in host memory (max_in_cpu) count as buffers
+        pool = self.param_offload.buffer_bytes() if self.param_offload is not None else 0
+        pool += self.bucket_pool_bytes() + self.coordinator.buffer_pool.nbytes + sum(s.buffer_bytes() for s in stores)
+        return MemoryBreakdown(parameters=shards + persistent, gradients=grads, master_weights=masters,
+                               optimizer_states=states, padding=int(padding), buffers=pool)
+
+    # --- checkpoints and exports --------------------------------------------------------------------------
+    def checkpoint_param_shapes(self) -> list["OrderedDict[str, torch.Size]"]:
+        names = self._names()  # shards of whole parameters, per sub-group
+        return [OrderedDict((names[id(p)], torch.Size(p.ds_shape)) for p in sg.params) for sg in self.sub_groups]
+
+    def master_partitions(self) -> list[tuple[int, int, Any]]:
+        # a sub-group holds one param group's shards, all partitioned over the same group
+        return [(sg.params[0].ds_world_size, comm.get_rank(sg.params[0].ds_process_group),
+                 sg.params[0].ds_process_group) for sg in self.sub_groups]
+
+    def full_param_value(self, param: torch.nn.Parameter) -> torch.Tensor:
+        return full_tensor(param).cpu()
+
+    def frozen_param_fragments(self) -> tuple[dict[str, torch.Size], dict[str, torch.Tensor]]:
+        from dsrun.checkpoint.state import frozen_params
+
+        def shard_of(p: torch.nn.Parameter) -> torch.Tensor:  # NVMe shards: from files; kept INT8: decoded
+            if quantized_shards.message_of(p) is not None:
+                return quantized_shards.dequantized_shard(p)
+            return param_swapper.shard_value(p)
+
+        return frozen_params(self.ctx.module, shard_of=shard_of)
+
+    def frozen_param_messages(self) -> dict[str, torch.Tensor]:
+        """This rank's INT8 messages of the frozen shards kept quantized, by name (what it stores, exactly)."""
+        return {name: quantized_shards.message_of(p).cpu().clone() for name, p in self.ctx.module.named_parameters()
+                if quantized_shards.message_of(p) is not None}
+
+    def state_dict(self) -> dict[str, Any]:
+        names = {id(p): n for n, p in self.ctx.module.named_parameters()}
+        sd = {
+            "zero_stage": 3,
+            "partition_count": self.sharding.shard_size,
+            "mics_shard_size": self.sharding.shard_size if self.sharding.mics else -1,
+            "overflow": False,
+            "optimizer_state_dict": self._optimizer_state_dict(),
+            "fp32_flat_groups": [sg.store.master_for_checkpoint(i, sg) for i, sg in enumerate(self.sub_groups)],
+            "param_shapes": [OrderedDict((names[id(p)], p.ds_shape) for p in sg.params) for sg in self.sub_groups],
+        }
+        sd.update(self.precision.state_dict())
+        return sd
+
+    def _optimizer_state_dict(self) -> dict[str, Any]:
+        osd = self._optimizer.state_dict()
+        swapped = {i: sg.store.state_entry(i) for i, sg in enumerate(self.sub_groups)}
+        swapped = {i: entry for i, entry in swapped.items() if entry is not None}
+        if swapped:  # states the store keeps itself (swap files), mapped from their files
+            osd["state"] = dict(sorted({**osd["state"], **swapped}.items()))
+        return osd
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if sd.get("partition_count") != self.sharding.shard_size:
+            raise RuntimeError("ZeRO-3 state was saved partitioned over a different number of ranks "
+                               f"({sd.get('partition_count')}) than this run's ({self.sharding.shard_size})")
+        osd = sd["optimizer_state_dict"]
+        state = {int(k): v for k, v in osd["state"].items()}
+        with torch.no_grad():
+            for i, (sg, saved) in enumerate(zip(self.sub_groups, sd["fp32_flat_groups"])):
+                if sg.store.load(i, sg, saved, state.get(i)):  # the store took the optimizer state too
+                    state.pop(i, None)
+        self._optimizer.load_state_dict({**osd, "state": state})
+        self.precision.load_state_dict(sd)
+        self._publish()
+
+    def consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor] | None:
+        """The full model state dict (collective); None when ``stage3_gather_16bit_weights_on_model_save``
+        is off, as DeepSpeed then saves nothing."""
+        if not self.gather_16bit_on_save:
+            return None
+        return full_state_dict(self.ctx.module, exclude_frozen_parameters=exclude_frozen_parameters)
+
+
+def full_state_dict(module: torch.nn.Module, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
+    """``module.state_dict()`` with every partitioned parameter gathered to its full value (on CPU, in the
+    model's dtype). Collective: every rank must call it; every rank gets the result."""
+    gathered: dict[int, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = OrderedDict()
+    for name, value in module.state_dict(keep_vars=True).items():
+        if isinstance(value, torch.nn.Parameter) and exclude_frozen_parameters and not value.requires_grad:
+            continue
+        if is_zero_param(value):
+            if id(value) not in gathered:
+                gathered[id(value)] = full_tensor(value).cpu()
+            out[name] = gathered[id(value)]
+        else:
+            out[name] = value.detach().cpu().clone()
+    return out
+
+
+class DeepSpeedZeroOptimizer_Stage3(metaclass=OptimizerWrapperKind):  # noqa: N801 - DeepSpeed's name
+    """DeepSpeed's stage-3 optimizer name: an optimizer stepped by :class:`Stage3Strategy`
+    (:mod:`dsrun.optim.optimizer_wrappers`)."""

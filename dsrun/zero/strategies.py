@@ -1,0 +1,58 @@
+"""ZeRO strategies, one class per stage family, looked up by stage number.
+
+The engine calls :func:`build_zero_strategy` once at initialize and never branches on the stage again.
+Stage 3 plugs in by adding ``dsrun/zero/stage3.py`` with a ``Stage3Strategy`` (a
+:class:`~dsrun.zero.base.ZeroStrategy`); :data:`STRATEGY_CLASSES` already names it.
+"""
+from __future__ import annotations
+
+import importlib
+
+from dsrun.optim import optimizer_wrappers
+from dsrun.utils.errors import ConfigError, Problem
+
+from dsrun.zero.base import MemoryBreakdown, StepOutcome, StrategyContext, ZeroStrategy
+from dsrun.zero.fragments import attach_fragments
+
+# stage -> "module:class", imported on first use so a stage's module is only loaded when it is chosen
+STRATEGY_CLASSES: dict[int, str] = {
+    0: "dsrun.zero.stage0:DataParallelStrategy",
+    1: "dsrun.zero.partitioned:Stage1Strategy",
+    2: "dsrun.zero.partitioned:Stage2Strategy",
+    3: "dsrun.zero.stage3:Stage3Strategy",
+}
+
+
+def strategy_class(stage: int) -> type[ZeroStrategy]:
+    """The strategy class of ``stage`` (``offload_optimizer`` is a placement each stage asks its store for)."""
+    target = STRATEGY_CLASSES.get(stage)
+    if target is None:
+        raise ConfigError(Problem("zero_optimization.stage", f"got {stage!r}; allowed: 0, 1, 2, 3"))
+    module_name, _, class_name = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:
+            raise
+        raise ConfigError(Problem("zero_optimization.stage", f"stage {stage} is not available in this build",
+                                  "use stage 0, 1 or 2")) from None
+    return getattr(module, class_name)
+
+
+def build_zero_strategy(stage: int, ctx: StrategyContext) -> ZeroStrategy:
+    """The strategy for ``stage``, built from ``ctx`` (module, optimizer, precision, bucket sizes…); it places
+    its optimizer state where ``ctx.zero_config.offload_optimizer`` says (the device, host memory or NVMe).
+
+    An optimizer that communicates by itself (the 1-bit family) has ``bind_strategy(strategy)``: it is called
+    once the strategy exists, to attach its step hooks and learn the master layout."""
+    strategy = strategy_class(stage)(ctx)
+    bind = getattr(strategy.optimizer, "bind_strategy", None)
+    if bind is not None:
+        bind(strategy)
+    attach_fragments(strategy)  # per-parameter views for dsrun.utils.safe_get_full_fp32_param & co.
+    optimizer_wrappers.register(strategy)  # strategy.deepspeed_wrapper; isinstance(engine.optimizer, ...) follows it
+    return strategy
+
+
+__all__ = ["MemoryBreakdown", "STRATEGY_CLASSES", "StepOutcome", "StrategyContext", "ZeroStrategy",
+           "build_zero_strategy", "strategy_class"]
