@@ -1,0 +1,1 @@
+"""What a run trains, composed by the worker: the dense GPT, the pipelined GPT, data-efficiency runs."""
