@@ -23,7 +23,8 @@ import torch.nn.functional as F
 Count = tuple[int, int]  # (flops, macs)
 
 
-def _numel(x: Any) -> int:
+def _numel(x: object) -> int:
+    """Elements of ``x`` when it is a tensor; 1 for any other argument."""
     return x.numel() if isinstance(x, torch.Tensor) else 1
 
 
