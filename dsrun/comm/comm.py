@@ -12,7 +12,7 @@ import os
 import sys
 import types
 from datetime import timedelta
-from typing import Any, Callable, Protocol, Sequence, TypeVar
+from typing import Any, Callable, Optional, Protocol, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -23,7 +23,7 @@ from dsrun.utils.net import free_port
 from .logger import CommsLogger, Timer, format_summary, straggler_breakdown
 
 ReduceOp = dist.ReduceOp
-ProcessGroup = Any  # torch's ProcessGroup type, or None for the default (world) group
+ProcessGroup = Optional["dist.ProcessGroup"]  # a torch group, or None for the default (world) group
 
 comms_logger = CommsLogger()
 _T = TypeVar("_T")
@@ -157,9 +157,9 @@ def destroy_at_exit() -> None:
     _destroy_at_exit.register()
 
 
-def configure(config: dict[str, Any] | _CommsLoggerHolder | None = None, enabled: bool | None = None, verbose: bool | None = None,
-              prof_all: bool | None = None, prof_ops: Sequence[str] | None = None,
-              debug: bool | None = None) -> None:
+def configure(config: dict[str, Any] | _CommsLoggerHolder | None = None, enabled: bool | None = None,
+              verbose: bool | None = None, prof_all: bool | None = None,
+              prof_ops: Sequence[str] | None = None, debug: bool | None = None) -> None:
     """Configure the comms logger from a DeepSpeed config (its ``comms_logger`` section) or keywords."""
     section: Any = None
     if config is not None:
@@ -230,7 +230,8 @@ def group_ranks(group: ProcessGroup = None) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group))
 
 
-def _run(op: str, message_bytes: int, traffic: float, call: Callable[[], Any], async_op: bool, group: ProcessGroup = None) -> Any:
+def _run(op: str, message_bytes: int, traffic: float, call: Callable[[], Any], async_op: bool,
+         group: ProcessGroup = None) -> Any:
     ranks = group_ranks(group)
     if async_op and not comms_logger.timing(op):
         work = call()

@@ -52,7 +52,8 @@ _SHIFTS = (7, 6, 5, 4, 3, 2, 1, 0)
 
 
 def check_backend_name(name: object, key: str = "optimizer.params.comm_backend_name") -> str:
-    """``name`` (the config value as written, any type) lower-cased when it is one of DeepSpeed's ``comm_backend_name`` values; else a ConfigError."""
+    """``name`` (the config value as written, any type) lower-cased when it is one of DeepSpeed's
+    ``comm_backend_name`` values; else a ConfigError."""
     if isinstance(name, str) and name.lower() in BACKEND_NAMES:
         return name.lower()
     raise ConfigError(Problem(key, f"got {show(name)}; allowed: {', '.join(BACKEND_NAMES)}",
@@ -238,7 +239,8 @@ class CompressedBackend:
     updates both error buffers in place. Here ``worker_error`` has ``buffer_m.numel()`` elements and
     ``server_error`` ``ceil(numel / size)`` (DeepSpeed's are padded; see :func:`error_sizes`)."""
 
-    def __init__(self, group: comm.ProcessGroup = None, block: int = SCALE_BLOCK, device: torch.device | str | None = None):
+    def __init__(self, group: comm.ProcessGroup = None, block: int = SCALE_BLOCK,
+                 device: torch.device | str | None = None):
         self.group = group
         self.size = comm.get_world_size(group)
         self.rank = comm.get_rank(group)
