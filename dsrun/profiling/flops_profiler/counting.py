@@ -141,7 +141,7 @@ ACTIVE = _Active()
 
 def _wrap(original: Callable, counter: Callable[..., Count]) -> Callable:
     @functools.wraps(original)
-    def counted(*args: Any, **kwargs: Any) -> Any:
+    def counted(*args: object, **kwargs: object) -> Any:  # the original's arguments, whatever they are
         sink = ACTIVE.sink
         if sink is None or ACTIVE.inside:
             return original(*args, **kwargs)
