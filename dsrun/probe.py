@@ -44,7 +44,7 @@ def _model_and_step(model_cfg: dict[str, Any], dtype: torch.dtype) -> tuple[torc
     return model, lambda: model(x).square().sum()
 
 
-def _as_loss(out: Any) -> torch.Tensor:
+def _as_loss(out: torch.Tensor | tuple | list) -> torch.Tensor:
     if isinstance(out, (tuple, list)):
         tensors = [t for t in out if torch.is_tensor(t)]
         scalars = [t for t in tensors if t.dim() == 0]

@@ -10,22 +10,33 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from dsrun.checkpoint.training import TrainingCheckpoints
 from dsrun.monitor.progress import TrainingProgress
 from dsrun.rundir import DS_CONFIG_JSON, METRICS_JSON, RESOLVED_YAML, atomic_write_text
 from dsrun.engine.observer import write_run_reports
+from dsrun.runspec import TrainSpec
+
+if TYPE_CHECKING:
+    from dsrun.engine.engine import DeepSpeedEngine
+
+
+class ResumableLoader(Protocol):
+    """The training data loader as the checkpoints see it: its position saves and loads with the run."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 class RunBook:
     """Everything a rank records about its run besides training itself."""
 
-    def __init__(self, engine: Any, loader: Any, run_dir: Path, cfg: Any, max_steps: int, tokens_per_step: int,
-                 num_params: int, step_flops: int | None, evaluate: Callable[[], float],
-                 report_throughput: Callable[..., tuple[float, float]], step_timers: Callable[..., Any],
-                 mean_across_ranks: Callable[[float], float], stop_agreed: Callable[[], bool], world_size: int,
-                 eval_counts: Callable[[], dict[str, Any]] = dict):
+    def __init__(self, engine: DeepSpeedEngine, loader: ResumableLoader, run_dir: Path, cfg: TrainSpec,
+                 max_steps: int, tokens_per_step: int, num_params: int, step_flops: int | None,
+                 evaluate: Callable[[], float], report_throughput: Callable[..., tuple[float, float]],
+                 step_timers: Callable[..., Any], mean_across_ranks: Callable[[float], float],
+                 stop_agreed: Callable[[], bool], world_size: int, eval_counts: Callable[[], dict[str, Any]] = dict):
         self.engine, self.run_dir, self.max_steps = engine, run_dir, max_steps
         self.tokens_per_step, self.step_flops = tokens_per_step, step_flops
         self._evaluate, self._throughput, self._timers = evaluate, report_throughput, step_timers
@@ -99,7 +110,7 @@ class RunBook:
         self.checkpoints.save_if_due(step, force=stopping)  # a stopped run saves where it is, if saving is on
         return stopping
 
-    def finish(self, stopped_by: Any, record_peak: Callable[[], None],
+    def finish(self, stopped_by: str | None, record_peak: Callable[[], None],
                extra_metrics: dict[str, Any] | None = None) -> dict[str, Any]:
         """Close the progress line, write metrics.json (rank 0) and the run's reports; returns the metrics."""
         engine, metrics = self.engine, self.metrics

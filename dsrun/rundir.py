@@ -18,9 +18,9 @@ import os
 import platform
 import subprocess
 from pathlib import Path
-from typing import Any, Sequence
+from typing import IO, Any, Protocol, Sequence
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 RESOLVED_YAML = "resolved.yaml"
 DS_CONFIG_JSON = "ds_config.json"
@@ -39,14 +39,22 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def resolved_runspec(run: Any) -> dict[str, Any]:
+class ResolvedRunLike(Protocol):
+    """What the run files need of a :class:`~dsrun.runspec.ResolvedRun` (a higher layer)."""
+
+    runspec: DictConfig
+
+    def ds_dict(self) -> dict[str, Any]: ...
+
+
+def resolved_runspec(run: ResolvedRunLike) -> dict[str, Any]:
     """The RunSpec as written to resolved.yaml: plain data, ``ds`` replaced by the resolved DeepSpeed config."""
     spec = OmegaConf.to_container(run.runspec, resolve=True)
     spec["ds"] = run.ds_dict()
     return spec
 
 
-def write_run_files(run_dir: Path, run: Any) -> dict[str, Path]:
+def write_run_files(run_dir: Path, run: ResolvedRunLike) -> dict[str, Path]:
     """Write resolved.yaml and ds_config.json for a :class:`~dsrun.runspec.ResolvedRun`."""
     run_dir.mkdir(parents=True, exist_ok=True)
     paths = {"resolved": run_dir / RESOLVED_YAML, "ds_config": run_dir / DS_CONFIG_JSON}
@@ -131,7 +139,7 @@ class LauncherLog:
 class _Tee:
     """A text stream that writes to the console and to a :class:`LauncherLog`."""
 
-    def __init__(self, console: Any, log: LauncherLog) -> None:
+    def __init__(self, console: IO[str], log: LauncherLog) -> None:
         self.console, self.log = console, log
 
     def write(self, text: str) -> int:

@@ -8,13 +8,17 @@ their classes check when built. Every problem in every section is reported at on
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from omegaconf import DictConfig, OmegaConf
 from pydantic import BaseModel, ConfigDict, Field
 
 from dsrun.utils.errors import ConfigError, Problem
 from dsrun.utils.suggest import did_you_mean
+
+if TYPE_CHECKING:  # imported where used: the CLI loads this module without them
+    from dsrun.config import DeepSpeedConfig
+    from dsrun.launcher import LaunchPlan
 
 
 class _Section(BaseModel):
@@ -53,8 +57,8 @@ class ResolvedRun:
 
     runspec: DictConfig
     train: TrainSpec
-    plan: Any  # dsrun.launcher.LaunchPlan for the worker (its target arguments are filled in at launch)
-    ds: Any  # dsrun.config.DeepSpeedConfig
+    plan: LaunchPlan  # for the worker (its target arguments are filled in at launch)
+    ds: DeepSpeedConfig
 
     @property
     def world_size(self) -> int:
@@ -68,7 +72,7 @@ class ResolvedRun:
         return self.ds.to_ds_dict()
 
 
-def describe_world(plan: Any) -> str:
+def describe_world(plan: LaunchPlan) -> str:
     """Where the world size came from, for the batch-size explanation."""
     if plan.hostfile:
         slots = " + ".join(str(len(s)) for s in plan.hosts.values())
@@ -132,7 +136,7 @@ def resolve_run(cfg: DictConfig) -> ResolvedRun:
     return ResolvedRun(cfg, train, plan, ds)
 
 
-def _elastic_problems(train: TrainSpec | None, ds: Any) -> list[Problem]:
+def _elastic_problems(train: TrainSpec | None, ds: DeepSpeedConfig | None) -> list[Problem]:
     """An elastic job's ranks restart at each membership change, at another world size: they must resume
     from the run's checkpoints, and the batch sizes must come from ``ds.elasticity`` (numbers resolved for
     one world size do not fit another)."""

@@ -12,7 +12,7 @@ import os
 import sys
 import types
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -23,9 +23,17 @@ from dsrun.utils.net import free_port
 from .logger import CommsLogger, Timer, format_summary, straggler_breakdown
 
 ReduceOp = dist.ReduceOp
-ProcessGroup = Any  # torch's ProcessGroup type, or None for the default (world) group
+ProcessGroup = Optional["dist.ProcessGroup"]  # a torch group, or None for the default (world) group
 
 comms_logger = CommsLogger()
+_T = TypeVar("_T")
+
+
+class _CommsLoggerHolder(Protocol):
+    """A config object read by :func:`configure`: its ``comms_logger`` section, a dict or an object with the
+    section's keys as attributes."""
+
+    comms_logger: object
 
 # torch >= 2.10 renamed the tensor-shaped collectives; prefer the new names when present.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -149,15 +157,15 @@ def destroy_at_exit() -> None:
     _destroy_at_exit.register()
 
 
-def configure(config: Any = None, enabled: bool | None = None, verbose: bool | None = None,
-              prof_all: bool | None = None, prof_ops: Sequence[str] | None = None,
-              debug: bool | None = None) -> None:
+def configure(config: dict[str, Any] | _CommsLoggerHolder | None = None, enabled: bool | None = None,
+              verbose: bool | None = None, prof_all: bool | None = None,
+              prof_ops: Sequence[str] | None = None, debug: bool | None = None) -> None:
     """Configure the comms logger from a DeepSpeed config (its ``comms_logger`` section) or keywords."""
     section: Any = None
     if config is not None:
         section = config.get("comms_logger") if isinstance(config, dict) else getattr(config, "comms_logger", None)
 
-    def pick(name: str, given: Any, default: Any) -> Any:
+    def pick(name: str, given: _T | None, default: _T) -> _T:
         if given is not None:
             return given
         if section is None:
@@ -222,7 +230,8 @@ def group_ranks(group: ProcessGroup = None) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group))
 
 
-def _run(op: str, message_bytes: int, traffic: float, call: Any, async_op: bool, group: ProcessGroup = None) -> Any:
+def _run(op: str, message_bytes: int, traffic: float, call: Callable[[], Any], async_op: bool,
+         group: ProcessGroup = None) -> Any:
     ranks = group_ranks(group)
     if async_op and not comms_logger.timing(op):
         work = call()
@@ -236,7 +245,7 @@ def _run(op: str, message_bytes: int, traffic: float, call: Any, async_op: bool,
     return work
 
 
-def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: ProcessGroup = None,
+def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup = None,
                async_op: bool = False) -> Any:
     n = get_world_size(group)
     size = _nbytes(tensor)
@@ -244,7 +253,7 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: ProcessGroup
                 lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), async_op, group)
 
 
-def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = ReduceOp.SUM,
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
                           group: ProcessGroup = None, async_op: bool = False) -> Any:
     """Reduce ``input`` (N equal pieces, piece r for rank r) across ranks; rank r gets piece r in ``output``."""
     n = get_world_size(group)
@@ -254,7 +263,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = R
                 async_op, group)
 
 
-def reduce_scatter(output: torch.Tensor, input_list: Sequence[torch.Tensor], op: Any = ReduceOp.SUM,
+def reduce_scatter(output: torch.Tensor, input_list: Sequence[torch.Tensor], op: ReduceOp = ReduceOp.SUM,
                    group: ProcessGroup = None, async_op: bool = False) -> Any:
     """Reduce-scatter with one input tensor per rank; pieces may differ in size (some may be empty)."""
     total = sum(_nbytes(t) for t in input_list)
@@ -306,7 +315,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup = None, async_
                 lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op), async_op, group)
 
 
-def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: ProcessGroup = None,
+def reduce(tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup = None,
            async_op: bool = False) -> Any:
     size = _nbytes(tensor)
     return _run("reduce", size, size if get_world_size(group) > 1 else 0,
@@ -365,7 +374,8 @@ def batch_isend_irecv(ops: Sequence[Any]) -> list[Any]:
     return list(dist.batch_isend_irecv(list(ops)))
 
 
-def all_gather_object(object_list: list, obj: Any, group: ProcessGroup = None) -> None:
+def all_gather_object(object_list: list, obj: object, group: ProcessGroup = None) -> None:
+    """Gather ``obj`` (any picklable object) from every rank into ``object_list``."""
     comms_logger.record("all_gather_object", 0, 0)
     dist.all_gather_object(object_list, obj, group=group)
 

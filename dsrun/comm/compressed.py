@@ -34,7 +34,6 @@ errors for another world size (checkpoint resharding).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -52,8 +51,9 @@ _BIT_WEIGHTS = (128, 64, 32, 16, 8, 4, 2, 1)
 _SHIFTS = (7, 6, 5, 4, 3, 2, 1, 0)
 
 
-def check_backend_name(name: Any, key: str = "optimizer.params.comm_backend_name") -> str:
-    """``name`` lower-cased when it is one of DeepSpeed's ``comm_backend_name`` values; else a ConfigError."""
+def check_backend_name(name: object, key: str = "optimizer.params.comm_backend_name") -> str:
+    """``name`` (the config value as written, any type) lower-cased when it is one of DeepSpeed's
+    ``comm_backend_name`` values; else a ConfigError."""
     if isinstance(name, str) and name.lower() in BACKEND_NAMES:
         return name.lower()
     raise ConfigError(Problem(key, f"got {show(name)}; allowed: {', '.join(BACKEND_NAMES)}",
@@ -156,7 +156,7 @@ class CompressedAllreduce:
     ``__call__(x, worker_error, server_error)`` returns the mean over ranks of ``x`` through 1-bit compression
     with error feedback on both sides, updating both error buffers in place (module docstring)."""
 
-    def __init__(self, layout: CompressedLayout, group: Any = None, device: torch.device | str = "cpu"):
+    def __init__(self, layout: CompressedLayout, group: comm.ProcessGroup = None, device: torch.device | str = "cpu"):
         if comm.get_world_size(group) != layout.world_size:
             raise ValueError(f"layout for {layout.world_size} ranks used on a group of {comm.get_world_size(group)}")
         self.layout, self.group, self.device = layout, group, torch.device(device)
@@ -239,7 +239,8 @@ class CompressedBackend:
     updates both error buffers in place. Here ``worker_error`` has ``buffer_m.numel()`` elements and
     ``server_error`` ``ceil(numel / size)`` (DeepSpeed's are padded; see :func:`error_sizes`)."""
 
-    def __init__(self, group: Any = None, block: int = SCALE_BLOCK, device: torch.device | str | None = None):
+    def __init__(self, group: comm.ProcessGroup = None, block: int = SCALE_BLOCK,
+                 device: torch.device | str | None = None):
         self.group = group
         self.size = comm.get_world_size(group)
         self.rank = comm.get_rank(group)

@@ -9,14 +9,13 @@ is the one-level all-gather's exactly (no reordering).
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from . import comm
 
 
-def all_gather_hierarchical(output: torch.Tensor, input: torch.Tensor, local_group: Any, across_group: Any) -> None:
+def all_gather_hierarchical(output: torch.Tensor, input: torch.Tensor, local_group: comm.ProcessGroup,
+                            across_group: comm.ProcessGroup) -> None:
     """Gather every rank's ``input`` into ``output`` (rank r's piece at r) in two synchronous steps:
     inside the node, then across nodes."""
     local = comm.get_world_size(local_group)

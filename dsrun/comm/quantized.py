@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from . import comm
 
@@ -107,7 +108,7 @@ def decode(message: torch.Tensor, n: int, bits: int, block: int) -> torch.Tensor
 class _DecodeOnWait:
     """A quantized all-gather in flight: :meth:`wait` waits for it, then decodes into the output buffer."""
 
-    def __init__(self, work: Any, output: torch.Tensor, gathered: torch.Tensor, n: int, block: int):
+    def __init__(self, work: dist.Work | None, output: torch.Tensor, gathered: torch.Tensor, n: int, block: int):
         self.work, self.output, self.gathered, self.n, self.block = work, output, gathered, n, block
 
     def wait(self) -> None:
@@ -123,14 +124,14 @@ class _DecodeOnWait:
             self.gathered = None
 
 
-def quantized_all_gather_into_tensor(output: torch.Tensor, shard: torch.Tensor, group: Any = None,
+def quantized_all_gather_into_tensor(output: torch.Tensor, shard: torch.Tensor, group: comm.ProcessGroup = None,
                                      async_op: bool = False, block: int = WEIGHT_BLOCK) -> Any:
     """``all_gather_into_tensor(output, shard)`` with INT8 block-quantized messages, decoded on arrival into
     ``output`` (any floating dtype). Returns a work object with ``wait()`` when ``async_op``, else None."""
     return all_gather_messages(output, encode(shard, 8, block), shard.numel(), group, async_op, block)
 
 
-def all_gather_messages(output: torch.Tensor, message: torch.Tensor, n: int, group: Any = None,
+def all_gather_messages(output: torch.Tensor, message: torch.Tensor, n: int, group: comm.ProcessGroup = None,
                         async_op: bool = False, block: int = WEIGHT_BLOCK) -> Any:
     """All-gather every rank's INT8 ``message`` (:func:`encode` of ``n`` elements: one made now, or a shard
     kept encoded) and decode them all into ``output`` (N * n elements). Returns a work object with
@@ -173,7 +174,7 @@ class QuantizedReduceScatter:
             out = self._exchange(partial.unsqueeze(1), self.inter)
         output.copy_(out.reshape(-1))
 
-    def _exchange(self, slabs: torch.Tensor, group: Any) -> torch.Tensor:
+    def _exchange(self, slabs: torch.Tensor, group: comm.ProcessGroup) -> torch.Tensor:
         """``slabs``: (P, K, C), slab p for peer p of ``group``; returns the fp32 (K, C) sum of the slabs
         the P peers sent to this rank."""
         peers, k, c = slabs.shape
@@ -187,7 +188,7 @@ class QuantizedReduceScatter:
         return total.view(k, c)
 
 
-def make_reduce_scatter(group: Any = None, node_size: int | None = None, bits: int = 4,
+def make_reduce_scatter(group: comm.ProcessGroup = None, node_size: int | None = None, bits: int = 4,
                         block: int = GRAD_BLOCK) -> QuantizedReduceScatter:
     """A :class:`QuantizedReduceScatter` over ``group``; ``node_size`` ranks per node (default: the
     launcher's ``LOCAL_WORLD_SIZE``). Collective (it makes the node and cross-node groups): every rank of the

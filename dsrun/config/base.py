@@ -18,16 +18,20 @@ PosInt = Annotated[int, Field(ge=1)]
 NonNegFloat = Annotated[float, Field(ge=0)]
 Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
 OpenDict = dict[str, Any]
+# A value as the user wrote it, before any type is known: parsed JSON, or any Python object in a config dict
+# built in code (a torch.dtype). Before-validators and error reports take every such value.
+RawValue = object
 
 DTYPE_NAMES = ("fp16", "bf16", "fp32")
 
 
-def _lower(value: Any) -> Any:
+def lower_text(value: RawValue) -> RawValue:
+    """A string lower-cased (DeepSpeed compares names case-insensitively); any other value as it is."""
     return value.lower() if isinstance(value, str) else value
 
 
 # DeepSpeed lower-cases dtype names before comparing them ("FP16" is accepted).
-DTypeName = Annotated[Literal["fp16", "bf16", "fp32"], BeforeValidator(_lower)]
+DTypeName = Annotated[Literal["fp16", "bf16", "fp32"], BeforeValidator(lower_text)]
 
 # The other spellings DeepSpeed's ``DtypeEnum`` takes where it resolves a dtype (``torch_autocast.dtype``, the
 # ``data_types`` keys): DeepSpeedExamples' bf16_full.json writes "torch.bfloat16". A torch.dtype object (a
@@ -39,10 +43,10 @@ _DTYPE_SPELLINGS = {
 }
 
 
-def _dtype_name(value: Any) -> Any:
+def _dtype_name(value: RawValue) -> RawValue:
     if type(value).__name__ == "dtype":  # torch.bfloat16 and friends, without importing torch here
         value = str(value)
-    value = _lower(value)
+    value = lower_text(value)
     return _DTYPE_SPELLINGS.get(value, value) if isinstance(value, str) else value
 
 
@@ -81,7 +85,7 @@ class Section(BaseModel):
         return out
 
 
-def _dump(value: Any) -> Any:
+def _dump(value: RawValue) -> RawValue:
     if isinstance(value, Section):
         return value.to_ds_dict()
     if isinstance(value, BaseModel):

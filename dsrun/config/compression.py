@@ -10,13 +10,14 @@ and a group's ``modules`` defaults to ``["*"]`` (every module).
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
 from dsrun.utils.errors import Problem
 
 from .base import Fraction, NonNegInt, PosInt, Section
+from .misc import EigenvalueConfig, QuantizeTrainingConfig
 
 QuantType = Literal["symmetric", "asymmetric"]
 
@@ -251,7 +252,8 @@ def check_compression(c: CompressionConfig, prefix: str) -> list[Problem]:
     return problems
 
 
-def check_quantization_modes(c: CompressionConfig, quantize_training: Any, eigenvalue: Any, precision: str,
+def check_quantization_modes(c: CompressionConfig, quantize_training: QuantizeTrainingConfig,
+                             eigenvalue: EigenvalueConfig, precision: str,
                              zero_stage: int, prefix: str) -> list[Problem]:
     """Rules across sections: quantizing the stored weights (MoQ, or weight quantization outside the
     forward) needs 16-bit model weights beside fp32 masters; MoQ and compression's weight quantization

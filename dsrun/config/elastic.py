@@ -34,6 +34,7 @@ from typing import Any, Sequence
 from dsrun.utils.errors import Problem
 
 from .batch import BatchResolution
+from .model import DeepSpeedConfig
 
 # Highly composite numbers: each has more divisors than any smaller number, so a batch that is a
 # multiple of one divides evenly among many GPU counts. 720720 covers batches up to 720K.
@@ -193,7 +194,7 @@ def for_world_size(batch: int, counts: list[int], world_size: int, micro_batches
     return micro
 
 
-def scheduler_mismatch(max_train_batch_size: Any, micro_batch_sizes: Any, version: Any,
+def scheduler_mismatch(max_train_batch_size: int, micro_batch_sizes: list[int], version: float,
                        environ: dict[str, str] | None = None) -> str | None:
     """What differs between the elastic section in use and the one the resource scheduler saw
     (``DEEPSPEED_ELASTICITY_CONFIG``), or None (also when the scheduler published none)."""
@@ -217,7 +218,7 @@ def scheduler_mismatch(max_train_batch_size: Any, micro_batch_sizes: Any, versio
     return None
 
 
-def resolve_elastic_batch(cfg: Any, raw: dict[str, Any], world_size: int, world_size_source: str,
+def resolve_elastic_batch(cfg: DeepSpeedConfig, raw: dict[str, Any], world_size: int, world_size_source: str,
                           prefix: str) -> tuple[BatchResolution | None, list[Problem]]:
     """The batch triad elasticity computes for ``world_size`` (as DeepSpeed's runtime does: the data-parallel
     size with an ``mpu``, else the world size), or the problems."""

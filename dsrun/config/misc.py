@@ -12,21 +12,17 @@ Defaults that follow DeepSpeed rather than the documentation (config-keys.md §6
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, Field
 
 from dsrun.utils.errors import Problem
 
-from .base import NonNegFloat, NonNegInt, OpenDict, PosInt, Section
+from .base import NonNegFloat, NonNegInt, OpenDict, PosInt, RawValue, Section, lower_text
 from .recent import CheckpointWriterConfig
 
 
-def _lower(value: Any) -> Any:
-    return value.lower() if isinstance(value, str) else value
-
-
-def _capitalise(value: Any) -> Any:
+def _capitalise(value: RawValue) -> RawValue:
     return value.capitalize() if isinstance(value, str) else value
 
 
@@ -108,7 +104,7 @@ class AutotuningConfig(Section):
     results_dir: str = "autotuning_results"
     exps_dir: str = "autotuning_exps"
     overwrite: bool = True
-    metric: Annotated[Literal["latency", "throughput", "flops"], BeforeValidator(_lower)] = "throughput"
+    metric: Annotated[Literal["latency", "throughput", "flops"], BeforeValidator(lower_text)] = "throughput"
     metric_path: str | None = None
     start_profile_step: NonNegInt = 3
     end_profile_step: NonNegInt = 5
@@ -118,7 +114,7 @@ class AutotuningConfig(Section):
     min_train_micro_batch_size_per_gpu: PosInt = 1
     num_tuning_micro_batch_sizes: PosInt = 3
     mp_size: PosInt = 1
-    tuner_type: Annotated[Literal["gridsearch", "random", "model_based"], BeforeValidator(_lower)] = "gridsearch"
+    tuner_type: Annotated[Literal["gridsearch", "random", "model_based"], BeforeValidator(lower_text)] = "gridsearch"
     tuner_early_stopping: PosInt = 5
     tuner_num_trials: PosInt = 50
     arg_mappings: dict[str, str] | None = None
@@ -190,7 +186,7 @@ class PipelineConfig(Section):
     activation_checkpoint_interval: NonNegInt = 0
     pipe_partitioned: bool = True
     grad_partitioned: bool = True
-    schedule: Annotated[Literal["1f1b", "gpipe", "interleaved", "zero_bubble"], BeforeValidator(_lower)] = "1f1b"
+    schedule: Annotated[Literal["1f1b", "gpipe", "interleaved", "zero_bubble"], BeforeValidator(lower_text)] = "1f1b"
     virtual_stages: PosInt = 1
 
 

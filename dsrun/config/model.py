@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, PrivateAttr, model_validator
 
-from .base import DTypeName, NonNegFloat, PosInt, Section
+from .base import DTypeName, NonNegFloat, PosInt, RawValue, Section, lower_text
 from .misc import (
     ActivationCheckpointingConfig,
     AutotuningConfig,
@@ -57,11 +57,7 @@ def _section(model: type[Section]) -> Any:
     return Field(default_factory=model)
 
 
-def _lower(value: Any) -> Any:
-    return value.lower() if isinstance(value, str) else value
-
-
-def _never_as_max_steps(value: Any) -> Any:
+def _never_as_max_steps(value: RawValue) -> RawValue:
     return sys.maxsize if isinstance(value, float) and value == math.inf else value
 
 
@@ -95,7 +91,7 @@ class DeepSpeedConfig(Section):
     gradient_predivide_factor: NonNegFloat = 1.0
     sparse_gradients: bool = False
     disable_allgather: bool = False
-    gradient_allreduce_op: Annotated[Literal["mean", "sum"], BeforeValidator(_lower)] = "mean"
+    gradient_allreduce_op: Annotated[Literal["mean", "sum"], BeforeValidator(lower_text)] = "mean"
 
     # precision
     fp16: FP16Config = _section(FP16Config)
@@ -119,7 +115,7 @@ class DeepSpeedConfig(Section):
     dump_state: bool = False
     memory_breakdown: bool = False
     log_level: Annotated[Literal["debug", "info", "warning", "error", "critical"] | None,
-                         BeforeValidator(_lower)] = None
+                         BeforeValidator(lower_text)] = None
 
     # monitors and profilers
     tensorboard: TensorBoardConfig = _section(TensorBoardConfig)

@@ -13,7 +13,8 @@ from pydantic import BaseModel, ValidationError
 from dsrun.utils.errors import Problem, show
 from dsrun.utils.suggest import did_you_mean
 
-from .schema_keys import section_model
+from .base import RawValue
+from .schema_keys import Annotation, section_model
 
 _MISSING = object()
 
@@ -29,7 +30,7 @@ def join_path(prefix: str, parts: list[str | int]) -> str:
     return text
 
 
-def _data_path(data: Any, loc: tuple, error_type: str) -> tuple[list[str | int], Any]:
+def _data_path(data: RawValue, loc: tuple, error_type: str) -> tuple[list[str | int], RawValue]:
     """The parts of pydantic's ``loc`` that index the user's data (dropping union tags), and the value."""
     parts: list[str | int] = []
     current = data
@@ -48,7 +49,7 @@ def _data_path(data: Any, loc: tuple, error_type: str) -> tuple[list[str | int],
     return parts, current
 
 
-def _child(annotation: Any, part: str | int) -> Any:
+def _child(annotation: Annotation, part: str | int) -> Annotation | None:
     """The annotation of ``part`` inside ``annotation`` (a model, dict[str, X], list[X] or a union of them)."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         if isinstance(part, str) and part in annotation.model_fields:
@@ -94,7 +95,7 @@ def _allowed_text(msg: str) -> str:
 
 
 def problems_from_validation_error(
-    err: ValidationError, data: Any, model: type[BaseModel], prefix: str = ""
+    err: ValidationError, data: RawValue, model: type[BaseModel], prefix: str = ""
 ) -> list[Problem]:
     """One Problem per pydantic error, keyed by the dotted path under ``prefix``."""
     problems: list[Problem] = []
@@ -157,7 +158,7 @@ def split_unknown_top_level(model: type[BaseModel], data: dict[str, Any]) -> tup
     return {k: v for k, v in data.items() if k not in dropped}, dropped
 
 
-def validate_model(model: type[BaseModel], data: Any, prefix: str) -> tuple[BaseModel | None, list[Problem]]:
+def validate_model(model: type[BaseModel], data: RawValue, prefix: str) -> tuple[BaseModel | None, list[Problem]]:
     """Validate ``data`` against ``model``; the instance or None, and the problems under ``prefix``."""
     try:
         return model.model_validate(data), []

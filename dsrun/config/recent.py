@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field
 
-from .base import DTypeName, Fraction, NonNegInt, OpenDict, PosInt, Section, TorchDTypeName
+from .base import DTypeName, Fraction, NonNegInt, OpenDict, PosInt, RawValue, Section, TorchDTypeName
 
 
 class TorchAutocastConfig(Section):
@@ -75,7 +75,7 @@ class TensorParallelConfig(Section):
     kernel_inject: bool = False
 
 
-def _upper(value: Any) -> Any:
+def _upper(value: RawValue) -> RawValue:
     return value.upper() if isinstance(value, str) else value
 
 

@@ -21,6 +21,9 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 WILDCARD = "*"
+# A field's type as pydantic stores it: a class, ``X | None``, ``dict[str, X]``, ``Annotated[X, ...]``; any
+# object typing builds, so the readers below take every object and look inside with ``typing.get_origin``.
+Annotation = object
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,7 @@ class SchemaKey:
         return type_text(self.field.annotation, self.field.metadata)
 
 
-def section_model(annotation: Any) -> type[BaseModel] | None:
+def section_model(annotation: Annotation) -> type[BaseModel] | None:
     """The section model inside ``annotation`` (``X``, ``X | None``, ``Annotated[X, ...]``), if any."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
@@ -57,7 +60,7 @@ def section_model(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
-def mapped_section_model(annotation: Any) -> type[BaseModel] | None:
+def mapped_section_model(annotation: Annotation) -> type[BaseModel] | None:
     """The value model of a ``dict[str, Section]`` field (also inside ``| None``), if any."""
     if typing.get_origin(annotation) is dict:
         return section_model(typing.get_args(annotation)[1])
@@ -116,7 +119,7 @@ def _bounds(metadata: typing.Iterable[Any]) -> list[str]:
     return out
 
 
-def type_text(annotation: Any, metadata: typing.Iterable[Any] = ()) -> str:
+def type_text(annotation: Annotation, metadata: typing.Iterable[Any] = ()) -> str:
     """A short reading of a field's type: ``int >= 0``, ``'none' | 'cpu' | 'nvme'``, ``bool``, ``dict``."""
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)

@@ -20,6 +20,8 @@ import yaml
 
 from dsrun.utils.errors import ConfigError, Problem, show
 
+from .base import RawValue
+
 ConfigSource = Mapping[str, Any] | str | os.PathLike
 
 
@@ -54,7 +56,7 @@ def _construct_unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, d
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: RawValue) -> RawValue:
     """Copy nested mappings into plain dicts (hjson returns OrderedDicts, OmegaConf returns DictConfigs)."""
     if isinstance(value, Mapping):
         return {str(k): _plain(v) for k, v in value.items()}
@@ -96,7 +98,7 @@ def _duplicate_error(where: str, keys: list[str]) -> ConfigError:
     )
 
 
-def _as_mapping(data: Any, where: str) -> dict[str, Any]:
+def _as_mapping(data: RawValue, where: str) -> dict[str, Any]:
     if not isinstance(data, Mapping):
         raise ConfigError(Problem(where, f"a DeepSpeed config must be a JSON object, got {type(data).__name__}"))
     return _plain(data)

@@ -24,6 +24,7 @@ from dsrun.utils.suggest import did_you_mean
 
 from .ledger import LEDGER, Entry, Feature, Status
 from .ledger.entry import NOT_IMPLEMENTED
+from .base import RawValue
 from .model import DeepSpeedConfig
 from .schema_keys import WILDCARD, mapped_section_model, match_pattern, schema_keys
 
@@ -120,7 +121,7 @@ def _leaves(section: BaseModel, pattern: str, path: str, chain: tuple[_Gate, ...
             yield sub_path, sub_pattern, chain, value
 
 
-def _enabled(cfg: Any, pattern: str, value: Any, entry: Entry) -> bool:
+def _enabled(cfg: DeepSpeedConfig, pattern: str, value: RawValue, entry: Entry) -> bool:
     if entry.applies is not None and not entry.applies(cfg):
         return False
     if entry.active is not None:
@@ -129,7 +130,7 @@ def _enabled(cfg: Any, pattern: str, value: Any, entry: Entry) -> bool:
     return key is None or value != key.default
 
 
-def unimplemented_keys(cfg: Any) -> list[Unimplemented]:
+def unimplemented_keys(cfg: DeepSpeedConfig) -> list[Unimplemented]:
     """The not-implemented keys a loaded config enables, one per feature section or key."""
     found: dict[str, Unimplemented] = {}
     sections: dict[str, str] = {}  # reported gate path -> the section it switches
@@ -153,7 +154,7 @@ def unimplemented_keys(cfg: Any) -> list[Unimplemented]:
             if not (p in sections and any(q != p and q.startswith(sections[p]) for q in found))]
 
 
-def refused_values(cfg: Any, prefix: str) -> list[Problem]:
+def refused_values(cfg: DeepSpeedConfig, prefix: str) -> list[Problem]:
     """Values of implemented keys dsrun cannot run (1-bit and mup optimizers); refused in every mode."""
     problems = []
     for path, pattern, _, value in _leaves(cfg, "", "", ()):
@@ -164,7 +165,7 @@ def refused_values(cfg: Any, prefix: str) -> list[Problem]:
     return problems
 
 
-def check_support(cfg: Any, prefix: str = "") -> tuple[list[Problem], list[Unimplemented]]:
+def check_support(cfg: DeepSpeedConfig, prefix: str = "") -> tuple[list[Problem], list[Unimplemented]]:
     """(problems, allowed) for a loaded config: refusals of what it enables and dsrun lacks, or, with
     ``dsrun_allow_unimplemented``, those keys in ``allowed`` (to be warned about) instead."""
     missing = unimplemented_keys(cfg)
@@ -174,7 +175,7 @@ def check_support(cfg: Any, prefix: str = "") -> tuple[list[Problem], list[Unimp
     return problems + [u.problem(prefix) for u in missing], []
 
 
-def announce(cfg: Any, *, rank: int | None = None, for_children: bool = False) -> list[str]:
+def announce(cfg: DeepSpeedConfig, *, rank: int | None = None, for_children: bool = False) -> list[str]:
     """Print the warning lines of a config loaded with ``dsrun_allow_unimplemented`` (what the run goes on
     without) on stderr, once per run: only on rank 0 (``rank``, else ``$RANK``), and not the keys a launching
     dsrun command already printed. ``for_children``: record the keys for the processes started from here

@@ -15,13 +15,13 @@ DeepSpeed also accepts the stage-3 keys without their ``stage3_`` prefix (``pref
 from __future__ import annotations
 
 import sys
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BeforeValidator, Field, model_validator
 
 from dsrun.utils.errors import Problem
 
-from .base import Fraction, NonNegInt, OpenDict, Section
+from .base import Fraction, NonNegInt, OpenDict, RawValue, Section
 from .recent import LeafModuleConfig, ZenFlowConfig
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
@@ -70,7 +70,7 @@ class OffloadOptimizerConfig(Section):
 ZeroStage = Annotated[int, Field(ge=0, le=3)]
 
 
-def _none_as_empty(value: Any) -> Any:
+def _none_as_empty(value: RawValue) -> RawValue:
     return {} if value is None else value
 
 

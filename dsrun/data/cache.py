@@ -10,7 +10,7 @@ import json
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
@@ -29,8 +29,9 @@ def cache_root(explicit: str | os.PathLike[str] | None = None) -> Path:
     return root / "data"
 
 
-def fingerprint(*parts: Any) -> str:
-    """A short stable hash of JSON-serialisable parts (file lists, sizes, options, versions)."""
+def fingerprint(*parts: object) -> str:
+    """A short stable hash of JSON-serialisable parts (file lists, sizes, options, versions; any other object
+    by its ``str``)."""
     text = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 

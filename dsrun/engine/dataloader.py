@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
 
@@ -18,7 +18,7 @@ class DeepSpeedDataLoader:
 
     def __init__(self, dataset: Dataset, batch_size: int, pin_memory: bool = False, local_rank: int = 0,
                  collate_fn: Callable | None = None, num_local_io_workers: int | None = None,
-                 data_sampler: Any = None, data_parallel_world_size: int = 1, data_parallel_rank: int = 0,
+                 data_sampler: Sampler | None = None, data_parallel_world_size: int = 1, data_parallel_rank: int = 0,
                  dataloader_drop_last: bool = False):
         self.dataset = dataset
         self.batch_size = batch_size
@@ -41,5 +41,6 @@ class DeepSpeedDataLoader:
         return iter(self.dataloader)
 
 
-def is_dataset(obj: Any) -> bool:
+def is_dataset(obj: object) -> bool:
+    """Whether ``obj`` (any object) is a torch Dataset or has ``__getitem__`` and ``__len__``."""
     return isinstance(obj, torch.utils.data.Dataset) or (hasattr(obj, "__getitem__") and hasattr(obj, "__len__"))

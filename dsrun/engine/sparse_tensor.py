@@ -3,7 +3,6 @@
 tensors (``engine.sparse_allreduce``)."""
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 
@@ -57,7 +56,7 @@ class SparseTensor:
         held, dense = self.sparse_size()
         return f"SparseTensor(dense_size={self.dense_size}, rows={self.indices.numel()}, held={held}/{dense})"
 
-    def __eq__(self, other: Any) -> bool:
+    def __eq__(self, other: object) -> bool:
         return (isinstance(other, SparseTensor) and self.dense_size == other.dense_size
                 and torch.equal(self.to_dense(), other.to_dense()))
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 
@@ -87,7 +87,7 @@ def meta_device() -> Iterator[None]:
         yield
 
 
-def instantiate_on_meta(model_cfg: Any) -> torch.nn.Module:
+def instantiate_on_meta(model_cfg: Mapping[str, Any]) -> torch.nn.Module:
     """Instantiate a Hydra model config (a mapping with ``_target_``) on the meta device."""
     import hydra.utils
 

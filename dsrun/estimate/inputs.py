@@ -251,6 +251,6 @@ class EstimateInputs:
     def overlap_comm(self) -> bool:
         return self.zero_stage == 3 if self.buffers.overlap_comm is None else bool(self.buffers.overlap_comm)
 
-    def with_(self, **changes: Any) -> "EstimateInputs":
-        """A copy with some fields changed (validated again)."""
+    def with_(self, **changes: object) -> "EstimateInputs":
+        """A copy with some fields changed (``changes``: values of any of its fields; validated again)."""
         return replace(self, **changes)

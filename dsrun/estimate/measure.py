@@ -83,7 +83,7 @@ def peak_rss_bytes() -> int:
     return int(peak * (1 if sys.platform == "darwin" else 1024))  # bytes on macOS, KiB elsewhere
 
 
-def write_rank_peak(directory: str | Path, rank: int, peak_bytes: int, **extra: Any) -> Path:
+def write_rank_peak(directory: str | Path, rank: int, peak_bytes: int, **extra: int | float | str) -> Path:
     """Record one rank's measured peak as ``<directory>/memory_peak_rank<rank>.json`` (``extra``: more
     fields, e.g. ``start_bytes`` and ``device``)."""
     path = Path(directory) / f"{PEAK_FILE_PREFIX}{rank}.json"

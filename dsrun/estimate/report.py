@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dsrun.estimate.deepspeed_compat import format_zero2_table, format_zero3_table
 from dsrun.estimate.comm_volume import step_comm_volume
 from dsrun.estimate.inputs import EstimateInputs
 from dsrun.estimate.peak import Breakdown, OptionEstimate, estimate_peak_bytes_per_rank, estimate_zero_options
 from dsrun.estimate.verdict import MemoryBudget, Verdict, judge
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 def format_bytes(n: int | float) -> str:
@@ -136,7 +139,7 @@ def _summary_lines(report: MemoryReport) -> list[str]:
     return lines
 
 
-def render(report: MemoryReport, console: Any = None) -> None:
+def render(report: MemoryReport, console: Console | None = None) -> None:
     """Print ``report`` with rich: summary, the two DeepSpeed tables (verbatim), our table, the verdict."""
     from rich import box
     from rich.console import Console

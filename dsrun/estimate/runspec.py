@@ -34,8 +34,8 @@ from dsrun.utils.errors import ConfigError, Problem
 _MISSING = object()
 
 
-def _plain(value: Any) -> Any:
-    """A DictConfig/ListConfig as plain containers (resolving interpolations); anything else unchanged."""
+def _plain(value: object) -> Any:
+    """A DictConfig/ListConfig as plain containers (resolving interpolations); any other value unchanged."""
     try:
         from omegaconf import DictConfig, ListConfig, OmegaConf
     except ImportError:  # pragma: no cover - omegaconf is a dependency
@@ -45,7 +45,9 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _get(tree: Any, path: str) -> Any:
+def _get(tree: object, path: str) -> Any:
+    """The value at the dotted ``path`` of nested mappings, or _MISSING (``tree``: any value; only mappings
+    are entered)."""
     node = tree
     for part in path.split("."):
         if not isinstance(node, Mapping) or part not in node or node[part] is None:
@@ -54,7 +56,7 @@ def _get(tree: Any, path: str) -> Any:
     return node
 
 
-def _first(tree: Mapping[str, Any], paths: Iterable[str], default: Any) -> tuple[Any, str]:
+def _first(tree: Mapping[str, Any], paths: Iterable[str], default: object) -> tuple[Any, str]:
     for path in paths:
         value = _get(tree, path)
         if value is not _MISSING:
@@ -107,8 +109,8 @@ def build_recipe_model(cfg: Mapping[str, Any]) -> RecipeModel:
                        block_size=int(block) if block else None)
 
 
-def _count(value: Any) -> int | None:
-    """A batch-size value as an int; None when absent or left to DeepSpeed ("auto")."""
+def _count(value: object) -> int | None:
+    """A batch-size value (as the user wrote it, any type) as an int; None when absent or left to DeepSpeed ("auto")."""
     if isinstance(value, bool) or value is None:
         return None
     try:
@@ -159,7 +161,7 @@ def data_pipeline_bytes(data_cfg: Mapping[str, Any]) -> tuple[int, str]:
     return (total, "data.path file size (memory-mapped)") if found else (0, "unknown")
 
 
-def inputs_from_runspec(cfg: Any, model: RecipeModel) -> tuple[EstimateInputs, dict[str, str]]:
+def inputs_from_runspec(cfg: Mapping[str, Any], model: RecipeModel) -> tuple[EstimateInputs, dict[str, str]]:
     """:class:`EstimateInputs` for a composed RunSpec and its counted model, and each input's source."""
     tree = _plain(cfg)
     ds = tree.get("ds") or {}

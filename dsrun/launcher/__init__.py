@@ -45,7 +45,7 @@ __all__ = ["LaunchOptions", "LaunchPlan", "plan_launch", "run", "options_from_ma
 
 
 def plan_from_mapping(mapping: Mapping[str, Any] | None, target: str, target_args: Sequence[str] = (), *,
-                      module: bool = False, path: str = "launcher", **extra: Any) -> LaunchPlan:
+                      module: bool = False, path: str = "launcher", **extra: object) -> LaunchPlan:
     """Plan a job from a RunSpec ``launcher:`` mapping; every problem names its RunSpec key path
     (``launcher.num_procs``), not the CLI flag."""
     options = options_from_mapping(mapping, target, target_args, module=module, path=path, **extra)
@@ -57,7 +57,7 @@ def plan_from_mapping(mapping: Mapping[str, Any] | None, target: str, target_arg
 
 def launch_from_mapping(mapping: Mapping[str, Any] | None, target: str, target_args: Sequence[str] = (), *,
                         module: bool = False, dry_run: bool = False, out: IO[str] | None = None,
-                        err: IO[str] | None = None, outcome: JobOutcome | None = None, **extra: Any) -> int:
+                        err: IO[str] | None = None, outcome: JobOutcome | None = None, **extra: object) -> int:
     """Plan and run a job from a RunSpec ``launcher:`` mapping; with ``dry_run`` print the plan as JSON
     and start nothing. ``out``/``err``/``outcome`` go to :func:`~dsrun.launcher.execute.run`. Returns the
     exit code; raises :class:`~dsrun.utils.errors.UserError` on bad input."""

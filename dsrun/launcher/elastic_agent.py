@@ -69,8 +69,10 @@ class ElasticNodeAgent(NodeAgent):
     the all-nodes exit barrier): in an elastic job a failure elsewhere is a membership change, handled by a
     new rendezvous round. Keeps the per-rank logs, PID files and the failure report of the last round."""
 
-    def __init__(self, spec: WorkerSpec, logs: RankLogs, **kwargs: Any) -> None:
-        super().__init__(spec, logs, peer_timeout=0.0, **kwargs)
+    def __init__(self, spec: WorkerSpec, logs: RankLogs, *, host: str, host_names: list[str], node_rank: int,
+                 save_pid: int, shutdown_grace: int, stop_grace: int | None = None) -> None:
+        super().__init__(spec, logs, host=host, host_names=host_names, node_rank=node_rank, save_pid=save_pid,
+                         peer_timeout=0.0, shutdown_grace=shutdown_grace, stop_grace=stop_grace)
         self._exit_barrier_timeout = EXIT_BARRIER_TIMEOUT
         self._members = 0  # nodes in the current round
 

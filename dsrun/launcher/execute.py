@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -309,7 +310,7 @@ def run(plan: LaunchPlan, *, out: IO[str] | None = None, err: IO[str] | None = N
     job = _Job(plan, out or sys.stdout, err or sys.stderr, outcome)
     previous: dict[int, Any] = {}
     if threading.current_thread() is threading.main_thread():
-        def on_signal(signum: int, frame: Any) -> None:
+        def on_signal(signum: int, frame: types.FrameType | None) -> None:
             job.signal_received = signum
             job.signals += 1
 

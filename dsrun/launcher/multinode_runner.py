@@ -15,6 +15,7 @@ Differences from DeepSpeed's classes are dsrun's launcher's (docs/launcher.md): 
 """
 from __future__ import annotations
 
+import argparse
 import shlex
 import shutil
 from typing import Any, Mapping
@@ -40,7 +41,8 @@ class MultiNodeRunner:
 
     runner = ""  # dsrun's runner name (--launcher)
 
-    def __init__(self, args: Any, world_info_base64: str, resource_pool: Mapping[str, Any] | None = None):
+    def __init__(self, args: argparse.Namespace, world_info_base64: str,
+                 resource_pool: Mapping[str, Any] | None = None):
         self.args = args
         self.validate_args()
         self.user_arguments = self.parse_user_args()
@@ -93,7 +95,7 @@ class MultiNodeRunner:
 class PDSHRunner(MultiNodeRunner):
     runner = "pdsh"
 
-    def __init__(self, args: Any, world_info_base64: str):
+    def __init__(self, args: argparse.Namespace, world_info_base64: str):
         super().__init__(args, world_info_base64)
 
     def get_cmd(self, environment: Mapping[str, str],

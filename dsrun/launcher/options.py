@@ -32,6 +32,7 @@ Validation collects every problem at once and raises one :class:`~dsrun.utils.er
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from dataclasses import dataclass, field, fields
@@ -205,7 +206,7 @@ def _given(value: int | None) -> bool:
 
 
 def options_from_mapping(mapping: Mapping[str, Any] | None, target: str, target_args: Sequence[str] = (),
-                         *, module: bool = False, path: str = "launcher", **extra: Any) -> LaunchOptions:
+                         *, module: bool = False, path: str = "launcher", **extra: object) -> LaunchOptions:
     """Build :class:`LaunchOptions` from a RunSpec ``launcher:`` mapping (see the module docstring).
 
     ``target``/``target_args``/``module`` say what each rank runs (``dsrun train`` passes the worker
@@ -241,7 +242,7 @@ def options_from_mapping(mapping: Mapping[str, Any] | None, target: str, target_
     return options
 
 
-def options_from_args(args: Any) -> LaunchOptions:
+def options_from_args(args: argparse.Namespace) -> LaunchOptions:
     """:class:`LaunchOptions` from parsed ``dsrun launch`` flags (the namespace that
     :func:`dsrun.cli.launch.add_arguments` describes)."""
     runner = args.runner

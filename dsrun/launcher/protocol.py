@@ -15,7 +15,8 @@ import base64
 import json
 import os
 import sys
-from typing import Any
+import types
+from typing import IO, Any
 
 FAILURE_MARKER = "@@dsrun-failure@@ "
 USER_ERROR_MARKER = "@@dsrun-user-error@@ "
@@ -68,7 +69,7 @@ def debug_requested() -> bool:
     return os.environ.get(DEBUG_ENV) == "1" or os.environ.get("HYDRA_FULL_ERROR") == "1"
 
 
-def report_user_error(problems: list[str], stream: Any = None) -> None:
+def report_user_error(problems: list[str], stream: IO[str] | None = None) -> None:
     """A rank's report of a mistake the user can fix (a :class:`~dsrun.utils.errors.UserError`): one marker
     line the launcher turns into one ``error:`` line per problem, then the problems as plain lines for the
     rank's own log (on ``stream``, by default stderr)."""
@@ -87,7 +88,7 @@ def install_user_error_hook() -> None:
         return
     previous = sys.excepthook
 
-    def hook(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
+    def hook(kind: type[BaseException], value: BaseException, traceback: types.TracebackType | None) -> None:
         from dsrun.utils.errors import EXIT_USAGE, find_user_error
 
         user = find_user_error(value)

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from torch.distributed import Store
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import LogsDest, LogsSpecs, Std
@@ -167,7 +168,7 @@ class NodeAgent(LocalElasticAgent):
                 return RunResult(state=WorkerState.FAILED, failures={})
         return result
 
-    def _publish_cause(self, store: Any, current: int, local: dict[str, Any]) -> dict[str, Any]:
+    def _publish_cause(self, store: Store, current: int, local: dict[str, Any]) -> dict[str, Any]:
         """Publish ``local`` as the round's cause unless another node's failure came first; return the cause.
 
         A rank that dies because a peer vanished (a collective fails, the rank exits with an error) is a
@@ -191,7 +192,7 @@ class NodeAgent(LocalElasticAgent):
         except Exception:  # noqa: BLE001 - the store host is gone; our own report still reaches the launcher
             return local
 
-    def _check_peers(self, store: Any, current: int) -> dict[str, Any] | None:
+    def _check_peers(self, store: Store, current: int) -> dict[str, Any] | None:
         try:
             if store.check([f"dsrun/cause/{current}"]):
                 return json.loads(store.get(f"dsrun/cause/{current}"))

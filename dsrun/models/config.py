@@ -17,6 +17,10 @@ POSITIONS = ("learned", "rotary")
 ATTENTIONS = ("dense", "sparse")
 
 
+# The value of one GPTConfig field, as keyword arguments and YAML give it.
+GPTOption = int | float | str | dict[str, Any] | None
+
+
 @dataclass(frozen=True)
 class GPTConfig:
     """Shape and options of a GPT decoder.

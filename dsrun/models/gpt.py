@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsrun import comm
-from dsrun.models.config import GPTConfig
+from dsrun.models.config import GPTConfig, GPTOption
 from dsrun.models.layers import Block
 from dsrun.activation_checkpointing.modes import BlockCheckpointing, CheckpointFn
 from dsrun.sequence import groups as sequence_groups
@@ -102,7 +102,7 @@ def sequence_parallel_loss(logits: torch.Tensor, targets: torch.Tensor, shards: 
 class GPT(nn.Module):
     """GPT decoder language model; see the module docstring for the call convention."""
 
-    def __init__(self, config: GPTConfig | dict[str, Any] | None = None, **kwargs: Any):
+    def __init__(self, config: GPTConfig | dict[str, Any] | None = None, **kwargs: GPTOption):
         super().__init__()
         if isinstance(config, GPTConfig):
             if kwargs:

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from dsrun import comm
+from dsrun.models.config import GPTOption
 from dsrun.models.gpt import GPT, INIT_STD
 from dsrun.models.layers import MLP
 from dsrun.utils.errors import ConfigError, Problem
@@ -89,7 +90,7 @@ class MoEMLP(nn.Module):
 class MoEGPT(GPT):
     """:class:`dsrun.models.gpt.GPT` with an MoE MLP in every ``moe.every``-th block."""
 
-    def __init__(self, moe: Mapping[str, Any] | None = None, **kwargs: Any):
+    def __init__(self, moe: Mapping[str, Any] | None = None, **kwargs: GPTOption):
         super().__init__(**kwargs)
         self.moe_options = MoEOptions.from_mapping(moe)
         opts, cfg = self.moe_options, self.config
@@ -127,8 +128,8 @@ class MoEGPT(GPT):
                 inactive += per_expert * (m.num_experts - m.deepspeed_moe.gate.k)
         return total, total - inactive
 
-    def forward(self, idx: Any, targets: torch.Tensor | None = None, return_logits: bool = False,
-                **kwargs: Any) -> Any:
+    def forward(self, idx: torch.Tensor | Sequence[torch.Tensor], targets: torch.Tensor | None = None,
+                return_logits: bool = False, **kwargs: int | float | None) -> Any:
         moe_mlps = [m for m in self.modules() if isinstance(m, MoEMLP)]
         for m in moe_mlps:  # a block progressive layer drop skips adds no l_aux this step
             m.l_aux = None

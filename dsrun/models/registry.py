@@ -54,11 +54,11 @@ def gpt_config(name_or_spec: str | Mapping[str, Any]) -> GPTConfig:
 
 
 def build_model(name_or_spec: str | Mapping[str, Any] | GPTConfig, device: str | torch.device | None = None,
-                **overrides: Any) -> nn.Module:
+                **overrides: object) -> nn.Module:
     """Build a model from a size name, a ``_target_`` mapping (any importable class or function) or a
     :class:`GPTConfig`; ``device="meta"`` builds it without allocating memory.
 
-    ``overrides`` replace keys of the spec (e.g. ``vocab_size=256``).
+    ``overrides`` replace keys of the spec (e.g. ``vocab_size=256``; any value the target takes).
     """
     from dsrun.models.gpt import GPT
 

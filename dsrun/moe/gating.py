@@ -31,9 +31,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Union
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from dsrun import comm
@@ -80,7 +81,8 @@ def capacity(num_tokens: int, num_experts: int, capacity_factor: float, min_capa
     return max(0, min(max(cap, int(min_capacity)), int(num_tokens)))
 
 
-def multiplicative_jitter(x: torch.Tensor, device: Any = None, epsilon: float = JITTER_EPS) -> torch.Tensor:
+def multiplicative_jitter(x: torch.Tensor, device: torch.device | str | None = None,
+                          epsilon: float = JITTER_EPS) -> torch.Tensor:
     """``x`` times uniform noise in [1 - epsilon, 1 + epsilon] (the Switch Transformer's jitter)."""
     if epsilon == 0:
         return x
@@ -88,7 +90,7 @@ def multiplicative_jitter(x: torch.Tensor, device: Any = None, epsilon: float = 
     return x * noise
 
 
-def gumbel_rsample(shape: tuple[int, ...], device: Any = None) -> torch.Tensor:
+def gumbel_rsample(shape: tuple[int, ...], device: torch.device | str | None = None) -> torch.Tensor:
     """Standard Gumbel noise, ``-log(-log(U))``."""
     tiny = torch.finfo(torch.float32).tiny
     u = torch.rand(shape, device=device).clamp_(min=tiny, max=1.0 - torch.finfo(torch.float32).eps)
@@ -103,14 +105,16 @@ class _World:
 
 
 WORLD = _World()
+# An expert-parallel group: a torch group, WORLD (the whole world) or None (this rank alone).
+ExpertGroup = Union["dist.ProcessGroup", _World, None]
 
 
-def as_comm_group(ep_group: Any) -> Any:
+def as_comm_group(ep_group: ExpertGroup) -> comm.ProcessGroup:
     """The torch group for ``ep_group`` (``WORLD`` -> None, torch's default group)."""
     return None if ep_group is WORLD else ep_group
 
 
-def _agreed_capacity(exp_counts: torch.Tensor, ep_group: Any) -> int:
+def _agreed_capacity(exp_counts: torch.Tensor, ep_group: ExpertGroup) -> int:
     """drop_tokens=False: the largest expert load on any rank of the expert-parallel group (None: this rank
     alone). Every rank of the group calls this on every forward, whatever its own routing, so the collective
     always matches."""
@@ -144,7 +148,7 @@ def _apply_used(mask: torch.Tensor, used_token: torch.Tensor | None) -> torch.Te
 
 def route_top1(logits: torch.Tensor, capacity_factor: float, min_capacity: int, used_token: torch.Tensor | None = None,
                noisy_gate_policy: str | None = None, drop_tokens: bool = True, use_rts: bool = True,
-               ep_group: Any = None) -> Routing:
+               ep_group: ExpertGroup = None) -> Routing:
     S, E = logits.shape
     gates = F.softmax(logits, dim=1)
     chooser = logits + gumbel_rsample(logits.shape, logits.device) if noisy_gate_policy == "RSample" else gates
@@ -165,7 +169,8 @@ def route_top1(logits: torch.Tensor, capacity_factor: float, min_capacity: int, 
 
 
 def route_top2(logits: torch.Tensor, capacity_factor: float, min_capacity: int, used_token: torch.Tensor | None = None,
-               drop_tokens: bool = True, ep_group: Any = None, top2_2nd_expert_sampling: bool = True) -> Routing:
+               drop_tokens: bool = True, ep_group: ExpertGroup = None,
+               top2_2nd_expert_sampling: bool = True) -> Routing:
     S, E = logits.shape
     gates = F.softmax(logits, dim=1)
     idx1 = torch.argmax(gates, dim=1)
@@ -189,7 +194,8 @@ def route_top2(logits: torch.Tensor, capacity_factor: float, min_capacity: int, 
 
 
 def route_topk(logits: torch.Tensor, k: int, capacity_factor: float, min_capacity: int,
-               used_token: torch.Tensor | None = None, drop_tokens: bool = True, ep_group: Any = None) -> Routing:
+               used_token: torch.Tensor | None = None, drop_tokens: bool = True,
+               ep_group: ExpertGroup = None) -> Routing:
     S, E = logits.shape
     gates = F.softmax(logits, dim=1)
     experts = torch.topk(gates, k, dim=1).indices
@@ -217,21 +223,21 @@ def _dense(r: Routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.
 
 def top1gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, used_token: torch.Tensor | None = None,
                noisy_gate_policy: str | None = None, drop_tokens: bool = True, use_rts: bool = True,
-               ep_group: Any = None, use_tutel: bool = False) -> tuple[torch.Tensor, ...]:
+               ep_group: ExpertGroup = None, use_tutel: bool = False) -> tuple[torch.Tensor, ...]:
     """DeepSpeed's ``top1gating``: ``(l_aux, combine_weights, dispatch_mask, exp_counts)``."""
     return _dense(route_top1(logits.float(), capacity_factor, min_capacity, used_token, noisy_gate_policy,
                              drop_tokens, use_rts, ep_group))
 
 
 def top2gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, drop_tokens: bool = True,
-               ep_group: Any = None, top2_2nd_expert_sampling: bool = True) -> tuple[torch.Tensor, ...]:
+               ep_group: ExpertGroup = None, top2_2nd_expert_sampling: bool = True) -> tuple[torch.Tensor, ...]:
     """DeepSpeed's ``top2gating``: ``(l_aux, combine_weights, dispatch_mask, exp_counts)``."""
     return _dense(route_top2(logits.float(), capacity_factor, min_capacity, None, drop_tokens, ep_group,
                              top2_2nd_expert_sampling))
 
 
 def topkgating(logits: torch.Tensor, k: int, capacity_factor: float, min_capacity: int, drop_tokens: bool = True,
-               ep_group: Any = None) -> tuple[torch.Tensor, ...]:
+               ep_group: ExpertGroup = None) -> tuple[torch.Tensor, ...]:
     """DeepSpeed's ``topkgating`` (k > 2): ``(l_aux, combine_weights, dispatch_mask, exp_counts)``."""
     return _dense(route_topk(logits.float(), k, capacity_factor, min_capacity, None, drop_tokens, ep_group))
 
@@ -241,7 +247,7 @@ class TopKGate(torch.nn.Module):
 
     def __init__(self, model_dim: int, num_experts: int, k: int = 1, capacity_factor: float = 1.0,
                  eval_capacity_factor: float = 1.0, min_capacity: int = 8, noisy_gate_policy: str | None = None,
-                 drop_tokens: bool = True, use_rts: bool = True, ep_group: Any = None,
+                 drop_tokens: bool = True, use_rts: bool = True, ep_group: ExpertGroup = None,
                  top2_2nd_expert_sampling: bool = True):
         super().__init__()
         if k < 1 or k > num_experts:
@@ -265,7 +271,7 @@ class TopKGate(torch.nn.Module):
         self.use_rts = bool(use_rts)
         self.top2_2nd_expert_sampling = bool(top2_2nd_expert_sampling)
 
-    def _set_ep_group(self, ep_group: Any) -> None:
+    def _set_ep_group(self, ep_group: ExpertGroup) -> None:
         self.ep_group = ep_group
 
     def logits(self, input: torch.Tensor) -> torch.Tensor:

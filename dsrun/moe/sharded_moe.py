@@ -23,19 +23,20 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.autograd.function import FunctionCtx
 
 from dsrun import comm
 
 from .experts import Experts
-from .gating import (Routing, TopKGate, WORLD, as_comm_group, gumbel_rsample, multiplicative_jitter,  # noqa: F401
-                     top1gating, top2gating, topkgating)
+from .gating import (ExpertGroup, Routing, TopKGate, WORLD, as_comm_group, gumbel_rsample,  # noqa: F401
+                     multiplicative_jitter, top1gating, top2gating, topkgating)
 
 
 class _AllToAll(torch.autograd.Function):
     """``all_to_all_single`` over ``group`` (dim 0), differentiable: backward sends the gradients back."""
 
     @staticmethod
-    def forward(ctx: Any, group: Any, input: torch.Tensor, output_splits: list[int] | None = None,
+    def forward(ctx: FunctionCtx, group: ExpertGroup, input: torch.Tensor, output_splits: list[int] | None = None,
                 input_splits: list[int] | None = None) -> torch.Tensor:
         ctx.group, ctx.splits = group, (output_splits, input_splits)
         input = input.contiguous()
@@ -47,7 +48,7 @@ class _AllToAll(torch.autograd.Function):
         return output
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[Any, ...]:
         output_splits, input_splits = ctx.splits
         return None, _AllToAll.apply(ctx.group, grad, input_splits, output_splits), None, None
 
@@ -78,13 +79,13 @@ class MOELayer(torch.nn.Module):
         self.num_local_experts = int(num_local_experts)
         self.num_experts = self.ep_size * self.num_local_experts
         self.dropless = bool(dropless)
-        self.ep_group: Any = None  # None: this rank alone (ep_size 1); else the group, WORLD for the whole world
+        self.ep_group: ExpertGroup = None  # None: this rank alone (ep_size 1); else the group, WORLD: the world
         self.l_aux: torch.Tensor | None = None
         self.exp_counts: torch.Tensor | None = None
         self.last_routing: Routing | None = None
         self.use_tutel = False
 
-    def _set_ep_group(self, ep_group: Any) -> None:
+    def _set_ep_group(self, ep_group: ExpertGroup) -> None:
         self.ep_group = WORLD if (ep_group is None and self.ep_size > 1) else ep_group
         self.gate._set_ep_group(self.ep_group)
 
@@ -94,7 +95,7 @@ class MOELayer(torch.nn.Module):
             return x
         return _AllToAll.apply(self.ep_group, x, output_splits, input_splits)
 
-    def forward(self, *input: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    def forward(self, *input: torch.Tensor, **kwargs: torch.Tensor | None) -> torch.Tensor:
         hidden = input[0]
         used_token = input[1] if len(input) > 1 else kwargs.get("used_token")
         d_model = hidden.shape[-1]

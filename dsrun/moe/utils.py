@@ -7,7 +7,7 @@ into groups of their own (``"moe": True``, ``"name": group_name``), as DeepSpeed
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -43,7 +43,8 @@ def split_params_into_shared_and_expert_params(params: Iterable[torch.nn.Paramet
     return shared, expert
 
 
-def split_params_into_different_moe_groups_for_optimizer(param_groups: Any, max_group_size: int | None = 178956971
+def split_params_into_different_moe_groups_for_optimizer(param_groups: dict[str, Any] | Sequence[dict[str, Any]],
+                                                         max_group_size: int | None = 178956971
                                                          ) -> list[dict[str, Any]]:
     """Return ``param_groups`` (a dict, or a list/tuple of dicts) with every expert parameter moved into a
     group of its own expert group name: each original group keeps its shared parameters, and for each name a

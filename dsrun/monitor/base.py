@@ -9,11 +9,27 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-from typing import Any, Iterable, Mapping, Sequence, Tuple
+from typing import Any, Iterable, Mapping, Protocol, Sequence, Tuple
 
 from dsrun.utils.errors import ConfigError, Problem
 
 Event = Tuple[str, float, int]
+# A config, or one of its sections, as the monitors read it: a dict, a pydantic model (dsrun.config) or
+# DeepSpeed's config object, read by key or by attribute (:func:`section_value`); so any object.
+ConfigLike = object
+
+
+class SinkSection(Protocol):
+    """DeepSpeed's config section object for one sink (``ds_config.monitor_config.tensorboard``)."""
+
+    enabled: bool
+
+
+class PathSection(SinkSection, Protocol):
+    """The section of a sink writing files: ``csv_monitor`` and ``tensorboard``."""
+
+    output_path: str
+    job_name: str
 
 
 class Monitor:
@@ -46,7 +62,7 @@ def require_package(package: str, section: str) -> None:
                                   f"pip install {package}, or set {section}.enabled to false"))
 
 
-def section_value(section: Any, name: str, default: Any = None) -> Any:
+def section_value(section: ConfigLike | None, name: str, default: object = None) -> Any:
     """Read a key from a config section that may be a dict, a pydantic model, or DeepSpeed's config object."""
     if section is None:
         return default
@@ -55,13 +71,13 @@ def section_value(section: Any, name: str, default: Any = None) -> Any:
     return getattr(section, name, default)
 
 
-def deepspeed_section(value: Any) -> Any | None:
-    """``value`` when a monitor is built DeepSpeed's way, from its config section object
-    (``TensorBoardMonitor(ds_config.monitor_config.tensorboard)``), else None."""
+def deepspeed_section(value: object) -> Any | None:
+    """``value`` (a sink's first argument, of any type) when a monitor is built DeepSpeed's way, from its
+    config section object (``TensorBoardMonitor(ds_config.monitor_config.tensorboard)``), else None."""
     return value if hasattr(value, "enabled") and not isinstance(value, (str, os.PathLike)) else None
 
 
-def writes_here(section: Any) -> bool:
+def writes_here(section: SinkSection) -> bool:
     """DeepSpeed's monitors built from a section write only when it is enabled, and only on rank 0."""
     import torch.distributed as dist
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
-from .base import Event, Monitor, deepspeed_section, writes_here
+from .base import Event, Monitor, PathSection, deepspeed_section, writes_here
 
 
 def csv_file_name(label: str) -> str:
@@ -23,7 +23,7 @@ class CSVMonitor(Monitor):
 
     name = "csv_monitor"
 
-    def __init__(self, output_path: Any = "", job_name: str = "DeepSpeedJobName"):
+    def __init__(self, output_path: str | os.PathLike[str] | PathSection = "", job_name: str = "DeepSpeedJobName"):
         """``CSVMonitor(output_path, job_name)``, or DeepSpeed's ``csvMonitor(csv_config)`` (then it writes only
         when the section is enabled, on rank 0)."""
         section = deepspeed_section(output_path)

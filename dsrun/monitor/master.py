@@ -30,10 +30,12 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from .base import Event, Monitor, require_package, section_value
+from .base import ConfigLike, Event, Monitor, require_package, section_value
 
 SINK_SECTIONS = ("csv_monitor", "tensorboard", "wandb", "comet", "mlflow")
 MAX_BUFFERED_EVENTS = 20_000  # hand over early past this many, so a long interval cannot grow memory
+# What a request to the writer carries: log_params' dict, log_artifacts' paths, write_events' events, or nothing.
+_Payload = Mapping[str, Any] | list[str] | Sequence[Event] | None
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "comet": "comet_ml", "mlflow": "mlflow"}
 
 
@@ -45,11 +47,11 @@ def _default_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def _enabled(config: Any, section: str) -> bool:
+def _enabled(config: ConfigLike, section: str) -> bool:
     return bool(section_value(section_value(config, section), "enabled", False))
 
 
-def build_sink(config: Any, section: str, default_output_dir: str | None = None,
+def build_sink(config: ConfigLike, section: str, default_output_dir: str | None = None,
                mlflow_parent_key: str | None = None) -> Monitor:
     """Construct the sink for one enabled section of ``config`` (a DeepSpeed config, dict or object)."""
     cfg = section_value(config, section)
@@ -91,7 +93,7 @@ class MonitorMaster(Monitor):
 
     name = "monitor"
 
-    def __init__(self, monitor_config: Any, *, rank: int | None = None, default_output_dir: str | None = None,
+    def __init__(self, monitor_config: ConfigLike, *, rank: int | None = None, default_output_dir: str | None = None,
                  mlflow_parent_key: str | None = None, flush_interval_s: float = 10.0, background: bool = True):
         self.rank = _default_rank() if rank is None else rank
         self.sections = [s for s in SINK_SECTIONS if _enabled(monitor_config, s)]
@@ -170,7 +172,7 @@ class MonitorMaster(Monitor):
         self._thread.join(timeout)
 
     # --- the writer ---------------------------------------------------------------------------------------
-    def _submit(self, method: str, payload: Any) -> None:
+    def _submit(self, method: str, payload: _Payload) -> None:
         if self._closed:
             return
         if self._thread is None:
@@ -185,7 +187,7 @@ class MonitorMaster(Monitor):
             except Exception as err:  # a broken sink must not stop training; say so once
                 self._report(f"{section} disabled: {type(err).__name__}: {err}")
 
-    def _each(self, method: str, *args: Any) -> None:
+    def _each(self, method: str, *args: _Payload) -> None:
         for sink in self.sinks:
             try:
                 getattr(sink, method)(*args)
@@ -215,7 +217,7 @@ class MonitorMaster(Monitor):
             if method == "close":
                 return
 
-    def _handle(self, method: str, payload: Any, last_flush: float) -> bool:
+    def _handle(self, method: str, payload: _Payload, last_flush: float) -> bool:
         """Carry out one request; True when the sinks were flushed."""
         flushed = False
         if method in ("log_params", "log_artifacts"):

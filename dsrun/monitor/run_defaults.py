@@ -64,8 +64,9 @@ def apply_run_defaults(ds_config: Mapping[str, Any], run_dir: Path) -> dict[str,
     return config
 
 
-def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": 1}, "c": [1, 2]}`` → ``{"a.b": 1, "c": [1, 2]}`` (lists stay values)."""
+def flatten(tree: object, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}, "c": [1, 2]}`` → ``{"a.b": 1, "c": [1, 2]}`` (lists stay values;
+    a leaf may be any object)."""
     flat: dict[str, Any] = {}
     if isinstance(tree, Mapping):
         for key, value in tree.items():

@@ -8,13 +8,13 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from .base import Event, Monitor, deepspeed_section, require_package, writes_here
+from .base import Event, Monitor, PathSection, deepspeed_section, require_package, writes_here
 
 
 class TensorBoardMonitor(Monitor):
     name = "tensorboard"
 
-    def __init__(self, output_path: Any = "", job_name: str = "DeepSpeedJobName"):
+    def __init__(self, output_path: str | os.PathLike[str] | PathSection = "", job_name: str = "DeepSpeedJobName"):
         """``TensorBoardMonitor(output_path, job_name)``, or DeepSpeed's ``TensorBoardMonitor(tensorboard_config)``
         (then it writes only when the section is enabled, on rank 0)."""
         section = deepspeed_section(output_path)

@@ -1,15 +1,23 @@
 """Weights & Biases, as DeepSpeed's ``wandb`` section describes (``team`` is the W&B entity)."""
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
-from .base import Event, Monitor, deepspeed_section, require_package, writes_here
+from .base import Event, Monitor, SinkSection, deepspeed_section, require_package, writes_here
+
+
+class _WandbSection(SinkSection, Protocol):
+    """DeepSpeed's ``wandb`` section object."""
+
+    project: str
+    group: str | None
+    team: str | None
 
 
 class WandbMonitor(Monitor):
     name = "wandb"
 
-    def __init__(self, project: Any = "deepspeed", group: str | None = None, team: str | None = None,
+    def __init__(self, project: str | _WandbSection = "deepspeed", group: str | None = None, team: str | None = None,
                  run_name: str | None = None):
         """``WandbMonitor(project, group, team)``, or DeepSpeed's ``WandbMonitor(wandb_config)`` (then it logs
         only when the section is enabled, on rank 0)."""

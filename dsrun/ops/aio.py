@@ -60,8 +60,9 @@ class AsyncIOHandle:
             self._aligned = None
 
     @classmethod
-    def from_config(cls, aio: Mapping[str, Any] | None = None, **overrides: Any) -> "AsyncIOHandle":
-        """A handle from DeepSpeed's ``aio`` config section (missing keys take DeepSpeed's defaults)."""
+    def from_config(cls, aio: Mapping[str, Any] | None = None, **overrides: int) -> "AsyncIOHandle":
+        """A handle from DeepSpeed's ``aio`` config section (missing keys take DeepSpeed's defaults);
+        ``overrides``: keys of the section (numbers and flags) that replace its values."""
         cfg = {**AIO_DEFAULTS, **(dict(aio) if aio else {})}
         if "intra_op_parallelism" in cfg:  # DeepSpeed 0.19's name for thread_count
             cfg["thread_count"] = cfg.pop("intra_op_parallelism")

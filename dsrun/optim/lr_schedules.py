@@ -70,7 +70,8 @@ def _per_group(optimizer: torch.optim.Optimizer, value: float | Sequence[float],
     return [float(value)] * groups
 
 
-def _positive_steps(value: Any, name: str) -> int:
+def _positive_steps(value: object, name: str) -> int:
+    """``value`` (as the user gave it, any type) when it is a positive int; else a ValueError."""
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return value

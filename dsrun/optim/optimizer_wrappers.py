@@ -15,21 +15,42 @@ reached through ``dsrun.utils.safe_get_full_fp32_param`` and the strategy's ``ma
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from dsrun.config import DeepSpeedConfig
+
+
+class _StrategyContext(Protocol):
+    config: DeepSpeedConfig
+
+    @property
+    def pipelined(self) -> bool: ...
+
+
+class SteppingStrategy(Protocol):
+    """What these facts read of a ZeRO strategy (:mod:`dsrun.zero.strategies`, a higher layer)."""
+
+    optimizer: torch.optim.Optimizer
+    stage: int
+    ctx: _StrategyContext
+    deepspeed_wrapper: str | None
 
 # the strategy stepping each optimizer, registered as the engine builds it (dsrun.zero.strategies.build_zero_strategy)
-_STEPPED_BY: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+_STEPPED_BY: "weakref.WeakKeyDictionary[torch.optim.Optimizer, SteppingStrategy]" = weakref.WeakKeyDictionary()
 FUSED_ADAM_NAMES = ("adam", "adamw", "onebitadam", "zerooneadam")  # DeepSpeed builds these as fused kernels
 
 
-def register(strategy: Any) -> None:
+def register(strategy: SteppingStrategy) -> None:
     """Record that ``strategy`` steps ``strategy.optimizer``, and which of DeepSpeed's wrappers it stands for
     (``strategy.deepspeed_wrapper``: checkpoints carry the keys that wrapper reads)."""
     strategy.deepspeed_wrapper = wrapper_name(strategy)
     _STEPPED_BY[strategy.optimizer] = strategy
 
 
-def wrapper_name(strategy: Any) -> str | None:
+def wrapper_name(strategy: SteppingStrategy) -> str | None:
     """The class DeepSpeed's engine would wrap this strategy's optimizer in, among the four kept here; None
     where DeepSpeed keeps the bare optimizer (fp32 without ZeRO) or uses another wrapper (``BF16_Optimizer``:
     bf16 ZeRO-1 accumulating in fp32, bf16 in a pipeline)."""
@@ -57,13 +78,13 @@ def wrapper_name(strategy: Any) -> str | None:
 class OptimizerWrapperKind(type):
     """Metaclass of the four names: an instance is an optimizer that the matching strategy steps."""
 
-    def __instancecheck__(cls, obj: Any) -> bool:
+    def __instancecheck__(cls, obj: object) -> bool:
         try:
             strategy = _STEPPED_BY.get(obj)
         except TypeError:  # not weakly referenceable: no strategy steps it
             return False
         return strategy is not None and strategy.deepspeed_wrapper == cls.__name__
 
-    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+    def __call__(cls, *args: object, **kwargs: object) -> Any:
         raise TypeError(f"{cls.__name__} is built by the engine in DeepSpeed; in dsrun, dsrun.initialize builds the "
                         f"ZeRO strategy that plays its part (see {__name__})")

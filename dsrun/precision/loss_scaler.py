@@ -38,7 +38,7 @@ class LossScalerBase:
     def loss_scale(self) -> float:
         return self.cur_scale
 
-    def scale_gradient(self, module: Any, grad_in: tuple, grad_out: tuple) -> tuple:
+    def scale_gradient(self, module: torch.nn.Module, grad_in: tuple, grad_out: tuple) -> tuple:
         """A backward hook that multiplies the incoming gradients by the scale."""
         return tuple(self.loss_scale * g for g in grad_in)
 

@@ -7,11 +7,14 @@ a step (which may have overflowed). The ZeRO strategy does the rest (master copi
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dsrun.precision.loss_scaler import DynamicLossScaler, LossScaler
+
+if TYPE_CHECKING:
+    from dsrun.config.precision import BF16Config, FP16Config
 
 
 class PrecisionStrategy:
@@ -97,8 +100,9 @@ class FP16Precision(PrecisionStrategy):
             self.scaler.load_state_dict(sd["loss_scaler"])
 
 
-def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
-    """``value`` with every floating-point tensor (also inside lists, tuples and dicts) cast to ``dtype``."""
+def _cast_floats(value: object, dtype: torch.dtype) -> Any:
+    """``value`` (any object) with every floating-point tensor (also inside lists, tuples and dicts) cast to
+    ``dtype``."""
     if torch.is_tensor(value):
         return value.to(dtype) if value.is_floating_point() else value
     if isinstance(value, (list, tuple)):
@@ -108,7 +112,8 @@ def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
-def build_precision(fp16: Any = None, bf16: Any = None, zero_stage: int = 0) -> PrecisionStrategy:
+def build_precision(fp16: FP16Config | None = None, bf16: BF16Config | None = None,
+                    zero_stage: int = 0) -> PrecisionStrategy:
     """The strategy for a config's ``fp16``/``bf16`` sections (objects with DeepSpeed's key names, or None) at
     ZeRO stage ``zero_stage``."""
     if fp16 is not None and getattr(fp16, "enabled", False):

@@ -12,11 +12,20 @@ from __future__ import annotations
 
 import importlib
 from contextlib import contextmanager
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Protocol
 
 import torch
 
 from dsrun.utils.logging import logger
+
+
+class AutocastEngine(Protocol):
+    """What the autocast helpers read of the engine."""
+
+    device: torch.device
+    module: torch.nn.Module
+
+    def torch_autocast_enabled(self) -> bool: ...
 
 LOWER_PRECISION_SAFE_MODULES = [torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d]
 PARAM_COMM_DTYPE_ATTR_NAME = "comm_dtype"
@@ -42,8 +51,8 @@ def get_default_autocast_lower_precision_modules() -> list[str]:
     return [f"{cls.__module__}.{cls.__name__}" for cls in LOWER_PRECISION_SAFE_MODULES]
 
 
-def init_autocast_params(engine: Any, dtype: torch.dtype | None, lower_precision_safe_modules: list[str] | None
-                         ) -> None:
+def init_autocast_params(engine: AutocastEngine, dtype: torch.dtype | None,
+                         lower_precision_safe_modules: list[str] | None) -> None:
     """Mark the parameters of the safe modules of ``engine.module`` with ``comm_dtype = dtype``."""
     classes = tuple(LOWER_PRECISION_SAFE_MODULES if lower_precision_safe_modules is None
                     else [_import_class(n) for n in lower_precision_safe_modules])
@@ -80,7 +89,7 @@ def sort_dtypes(dtypes: Iterable[torch.dtype]) -> list[torch.dtype]:
 
 
 @contextmanager
-def autocast_if_enabled(engine: Any) -> Iterator[None]:
+def autocast_if_enabled(engine: AutocastEngine) -> Iterator[None]:
     """The engine's forward context: autocast as its config says, whatever the caller's autocast state."""
     device = engine.device.type
     enabled = engine.torch_autocast_enabled()

@@ -15,7 +15,7 @@ counts the activation memory alone: the bytes autograd keeps between forward and
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -31,7 +31,8 @@ class TensorMemoryTracker(TorchDispatchMode):
         self.peak = 0
         self._seen: dict[int, int] = {}  # id(storage) -> bytes, for storages still alive
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(self, func: torch._ops.OpOverload, types: tuple[type, ...], args: tuple = (),
+                          kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
@@ -61,7 +62,7 @@ class SavedTensorBytes:
         print(saved.bytes)
     """
 
-    def __init__(self, exclude: Any = ()) -> None:
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
         self._excluded = {p.untyped_storage().data_ptr() for p in exclude}
         self._seen: dict[int, tuple[int, str]] = {}  # storage address -> (bytes, device type)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
@@ -89,5 +90,5 @@ class SavedTensorBytes:
         self._hooks.__enter__()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._hooks.__exit__(*exc)

@@ -16,12 +16,13 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+from torch.autograd.function import FunctionCtx
 
 from dsrun import comm
 from dsrun.sequence.recompute import ExchangedFromSource
 
 
-def _all_to_all(x: torch.Tensor, group: Any, scatter_idx: int, gather_idx: int) -> torch.Tensor:
+def _all_to_all(x: torch.Tensor, group: comm.ProcessGroup, scatter_idx: int, gather_idx: int) -> torch.Tensor:
     """Split ``x`` into P pieces along ``scatter_idx``, send piece j to rank j of ``group``, and concatenate
     the pieces received along ``gather_idx`` in rank order."""
     world = comm.get_world_size(group)
@@ -50,16 +51,18 @@ class _SeqAllToAll(torch.autograd.Function):
     """The all-to-all as an autograd function: its gradient is the all-to-all that swaps the two dims."""
 
     @staticmethod
-    def forward(ctx: Any, group: Any, x: torch.Tensor, scatter_idx: int, gather_idx: int) -> torch.Tensor:
+    def forward(ctx: FunctionCtx, group: comm.ProcessGroup, x: torch.Tensor, scatter_idx: int,
+                gather_idx: int) -> torch.Tensor:
         ctx.group, ctx.scatter_idx, ctx.gather_idx = group, scatter_idx, gather_idx
         return _all_to_all(x, group, scatter_idx, gather_idx)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor, None, None]:
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[None, torch.Tensor, None, None]:
         return None, _all_to_all(grad.contiguous(), ctx.group, ctx.gather_idx, ctx.scatter_idx), None, None
 
 
-def single_all_to_all(x: torch.Tensor, scatter_idx: int, gather_idx: int, group: Any = None) -> torch.Tensor:
+def single_all_to_all(x: torch.Tensor, scatter_idx: int, gather_idx: int,
+                      group: comm.ProcessGroup = None) -> torch.Tensor:
     """Differentiable all-to-all over ``group``: ``x`` split along ``scatter_idx``, gathered along
     ``gather_idx`` (the sequence-parallel exchange)."""
     return _SeqAllToAll.apply(group, x, scatter_idx, gather_idx)
@@ -71,13 +74,13 @@ class DistributedAttention(torch.nn.Module):
 
     ``forward(query, key, value, *args, **kwargs)`` takes this rank's sequence shard of each (all heads) and
     returns this rank's shard of the attention output, equal to running ``local_attention`` on the whole
-    sequence and slicing. Extra arguments go to ``local_attention`` unchanged: a mask must already be the
-    full-sequence one. ``sp_stream`` is accepted for DeepSpeed's signature; CUDA stream overlap of the
-    exchanges is not implemented, they run on the current stream.
+    sequence and slicing. Extra arguments (whatever ``local_attention`` takes) go to it unchanged: a mask must
+    already be the full-sequence one. ``sp_stream`` is accepted for DeepSpeed's signature; CUDA stream overlap
+    of the exchanges is not implemented, they run on the current stream.
     """
 
-    def __init__(self, local_attention: Any, sequence_process_group: Any, scatter_idx: int = 2,
-                 gather_idx: int = 0, sp_stream: Any = None) -> None:
+    def __init__(self, local_attention: Callable[..., torch.Tensor], sequence_process_group: comm.ProcessGroup,
+                 scatter_idx: int = 2, gather_idx: int = 0, sp_stream: torch.cuda.Stream | None = None) -> None:
         super().__init__()
         self.local_attn = local_attention
         self.spg = sequence_process_group
@@ -85,13 +88,13 @@ class DistributedAttention(torch.nn.Module):
         self.gather_idx = gather_idx
         self.sp_stream = sp_stream
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
-                **kwargs: Any) -> torch.Tensor:
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: object,
+                **kwargs: object) -> torch.Tensor:
         return single_all_to_all(self._attend(query, key, value, *args, **kwargs), self.gather_idx,
                                  self.scatter_idx, self.spg)
 
     def forward_projected(self, projection: Callable[[torch.Tensor], torch.Tensor], query: torch.Tensor,
-                          key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+                          key: torch.Tensor, value: torch.Tensor, *args: object, **kwargs: object) -> Any:
         """``projection(self(query, key, value, *args, **kwargs))`` (the output projection, say), keeping one
         tensor less per call for backward: what ``projection`` saves of this rank's (contiguous) output shard is
         kept as the attention output before the exchange back, which the local attention saves already, and
@@ -105,8 +108,8 @@ class DistributedAttention(torch.nn.Module):
         with ExchangedFromSource(output, context, redo):
             return projection(output)
 
-    def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
-                **kwargs: Any) -> torch.Tensor:
+    def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: object,
+                **kwargs: object) -> torch.Tensor:
         """The local attention over the whole sequence with this rank's heads (before the exchange back)."""
         q, k, v = (single_all_to_all(t, self.scatter_idx, self.gather_idx, self.spg) for t in (query, key, value))
         return self.local_attn(q, k, v, *args, **kwargs)

@@ -13,23 +13,26 @@ stores goes through them, in the order the operations save, so a checkpoint's re
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 
-def _identity(x: Any) -> Any:
+_T = TypeVar("_T")
+
+
+def _identity(x: _T) -> _T:
     return x
 
 
 class _FromSource:
     """What autograd stores in place of a view of the exchanged output: the (outer-packed) source and the
-    view's geometry."""
+    view's geometry. ``source`` is whatever the outer pack hook made of the source tensor (any object)."""
 
     __slots__ = ("source", "size", "stride", "offset")
 
-    def __init__(self, source: Any, view: torch.Tensor):
+    def __init__(self, source: object, view: torch.Tensor):
         self.source, self.size, self.stride, self.offset = source, view.size(), view.stride(), view.storage_offset()
 
 
@@ -48,7 +51,7 @@ class ExchangedFromSource(saved_tensors_hooks):
         self._source: torch.Tensor | None = source.detach()
         super().__init__(self._pack, self._unpack)
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
         self._source = None  # the graph keeps these hooks: hold the source only through what was packed
 
@@ -58,7 +61,8 @@ class ExchangedFromSource(saved_tensors_hooks):
             return _FromSource(self._outer_pack(self._source), tensor)
         return self._outer_pack(tensor)
 
-    def _unpack(self, packed: Any) -> torch.Tensor:
+    def _unpack(self, packed: object) -> torch.Tensor:
+        """``packed``: a _FromSource, or whatever the outer pack hook returned (any object)."""
         if not isinstance(packed, _FromSource):
             return self._outer_unpack(packed)
         with torch.no_grad():

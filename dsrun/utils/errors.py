@@ -8,7 +8,7 @@ traceback.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Iterable
 
 EXIT_USAGE = 2
 
@@ -48,8 +48,8 @@ class ConfigError(UserError, ValueError):
     """The configuration is invalid. Also a ValueError, as DeepSpeed raises for bad configs."""
 
 
-def show(value: Any, limit: int = 60) -> str:
-    """Render a user's value for an error message, shortened if long."""
+def show(value: object, limit: int = 60) -> str:
+    """Render a user's value (any object) for an error message, shortened if long."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 

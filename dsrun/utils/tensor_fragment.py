@@ -19,16 +19,33 @@ functions only dispatch to it, so this module needs nothing from the layers abov
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol
+
+import torch
 
 FRAGMENT_ATTR = "_dsrun_fragment"
 
 
-def _fragment(param: Any) -> Any:
+class TensorFragment(Protocol):
+    """What these functions ask of ``param._dsrun_fragment`` (the ZeRO strategy's fragment of one parameter)."""
+
+    def full_fp32(self) -> torch.Tensor: ...
+    def local_fp32(self) -> torch.Tensor: ...
+    def set_full_fp32(self, value: torch.Tensor) -> None: ...
+    def set_local_fp32(self, value: torch.Tensor) -> None: ...
+    def full_grad(self) -> torch.Tensor | None: ...
+    def local_grad(self) -> torch.Tensor | None: ...
+    def full_optimizer_state(self, key: str) -> torch.Tensor: ...
+    def local_optimizer_state(self, key: str) -> torch.Tensor: ...
+    def set_full_optimizer_state(self, value: torch.Tensor, key: str) -> None: ...
+    def set_local_optimizer_state(self, value: torch.Tensor, key: str) -> None: ...
+
+
+def _fragment(param: torch.Tensor) -> TensorFragment | None:
     return getattr(param, FRAGMENT_ATTR, None)
 
 
-def _require(param: Any, what: str) -> Any:
+def _require(param: torch.Tensor, what: str) -> TensorFragment:
     fragment = _fragment(param)
     if fragment is None:
         raise ValueError(f"{what}: this parameter is not trained by a dsrun engine (frozen, not in the "
@@ -36,31 +53,31 @@ def _require(param: Any, what: str) -> Any:
     return fragment
 
 
-def safe_get_full_fp32_param(param: Any) -> Any:
+def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
     """The full fp32 master value of ``param`` (collective)."""
     fragment = _fragment(param)
     return fragment.full_fp32() if fragment is not None else None
 
 
-def safe_set_full_fp32_param(param: Any, value: Any) -> None:
+def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
     """Set ``param``'s fp32 master and model value to ``value`` (full shape, the same on every rank)."""
     _require(param, "safe_set_full_fp32_param").set_full_fp32(value)
 
 
-def safe_get_full_optimizer_state(param: Any, optim_state_key: str) -> Any:
+def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> torch.Tensor | None:
     """The full optimizer state ``optim_state_key`` (e.g. ``exp_avg``, ``exp_avg_sq``) of ``param``
     (collective)."""
     fragment = _fragment(param)
     return fragment.full_optimizer_state(optim_state_key) if fragment is not None else None
 
 
-def safe_set_full_optimizer_state(param: Any, value: Any, optim_state_key: str) -> None:
+def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, optim_state_key: str) -> None:
     """Set ``param``'s optimizer state ``optim_state_key`` to ``value`` (full shape, the same on every rank);
     the state must exist (optimizers create it at their first step)."""
     _require(param, "safe_set_full_optimizer_state").set_full_optimizer_state(value, optim_state_key)
 
 
-def safe_get_full_grad(param: Any) -> Any:
+def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
     """The full averaged gradient of ``param`` the next step applies (collective)."""
     fragment = _fragment(param)
     if fragment is None:
@@ -68,13 +85,13 @@ def safe_get_full_grad(param: Any) -> Any:
     return fragment.full_grad()
 
 
-def safe_get_local_fp32_param(param: Any) -> Any:
+def safe_get_local_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
     """This rank's piece of ``param``'s fp32 master, flat."""
     fragment = _fragment(param)
     return fragment.local_fp32() if fragment is not None else None
 
 
-def safe_get_local_grad(param: Any) -> Any:
+def safe_get_local_grad(param: torch.Tensor) -> torch.Tensor | None:
     """This rank's piece of ``param``'s averaged gradient, flat."""
     fragment = _fragment(param)
     if fragment is None:
@@ -82,20 +99,20 @@ def safe_get_local_grad(param: Any) -> Any:
     return fragment.local_grad()
 
 
-def safe_get_local_optimizer_state(param: Any, optim_state_key: str) -> Any:
+def safe_get_local_optimizer_state(param: torch.Tensor, optim_state_key: str) -> torch.Tensor | None:
     """This rank's piece of ``param``'s optimizer state ``optim_state_key``, flat."""
     fragment = _fragment(param)
     return fragment.local_optimizer_state(optim_state_key) if fragment is not None else None
 
 
-def safe_set_local_fp32_param(param: Any, value: Any) -> None:
+def safe_set_local_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
     """Set this rank's piece of ``param``'s fp32 master (and this rank's copy of those weights) to ``value``.
     At stages 1-2 the other ranks' copies of the model take the new value at the next step; at stage 3
     call it on every rank (a gathered copy is dropped and gathered again)."""
     _require(param, "safe_set_local_fp32_param").set_local_fp32(value)
 
 
-def safe_set_local_optimizer_state(param: Any, value: Any, optim_state_key: str) -> None:
+def safe_set_local_optimizer_state(param: torch.Tensor, value: torch.Tensor, optim_state_key: str) -> None:
     """Set this rank's piece of ``param``'s optimizer state ``optim_state_key`` to ``value``."""
     _require(param, "safe_set_local_optimizer_state").set_local_optimizer_state(value, optim_state_key)
 

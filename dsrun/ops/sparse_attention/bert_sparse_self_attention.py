@@ -2,7 +2,7 @@
 :class:`SparseSelfAttention`; a drop-in for ``layer.attention.self`` of a Hugging Face-style BERT."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -11,13 +11,20 @@ from dsrun.ops.sparse_attention.sparse_self_attention import SparseSelfAttention
 from dsrun.ops.sparse_attention.sparsity_config import FixedSparsityConfig, SparsityConfig
 
 
+class BertShape(Protocol):
+    """What the sparse BERT attention reads of a model config (``max_position_embeddings`` too, if it has one)."""
+
+    hidden_size: int
+    num_attention_heads: int
+
+
 class BertSparseSelfAttention(nn.Module):
     """``config`` needs ``hidden_size`` and ``num_attention_heads`` (a BERT config); ``sparsity_config``
     defaults to ``FixedSparsityConfig(num_heads=4)``. ``forward(hidden_states, attention_mask)`` takes
     BERT's additive mask (``[B, L]`` or ``[B, 1, 1, L]``, 0 where attended) as the key padding mask and
     returns the context ``[B, L, hidden_size]``."""
 
-    def __init__(self, config: Any, sparsity_config: SparsityConfig | None = None):
+    def __init__(self, config: BertShape, sparsity_config: SparsityConfig | None = None):
         super().__init__()
         if config.hidden_size % config.num_attention_heads:
             raise ValueError(f"hidden_size ({config.hidden_size}) is not a multiple of num_attention_heads "

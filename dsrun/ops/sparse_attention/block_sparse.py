@@ -24,9 +24,9 @@ drawn from a generator seeded per call and drawn again in backward, so nothing o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
+from torch.autograd.function import FunctionCtx
 
 NEG_INF = float("-inf")
 MASK_MODES = ("add", "mul")
@@ -204,7 +204,7 @@ def _backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
 
 class _BlockSparseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: BlockIndex, scale: float,
+    def forward(ctx: FunctionCtx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: BlockIndex, scale: float,
                 dropout_p: float, seed: int | None, rpe: torch.Tensor | None, key_padding: torch.Tensor | None,
                 key_padding_mul: bool, attn: torch.Tensor | None, attn_mul: bool, causal: bool) -> torch.Tensor:
         masks = _Masks(rpe, key_padding, key_padding_mul, attn, attn_mul, causal)
@@ -214,7 +214,7 @@ class _BlockSparseAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: FunctionCtx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse, rpe, key_padding, attn = ctx.saved_tensors
         index, scale, dropout_p, seed, key_padding_mul, attn_mul, causal = ctx.settings
         masks = _Masks(rpe, key_padding, key_padding_mul, attn, attn_mul, causal)

@@ -7,15 +7,25 @@ GPT (``model.transformer.h``, blocks with ``attn``; positions in ``transformer.w
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable
+from typing import Any, Iterable, Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsrun.ops.sparse_attention.bert_sparse_self_attention import BertSparseSelfAttention
+from dsrun.ops.sparse_attention.bert_sparse_self_attention import BertShape, BertSparseSelfAttention
 from dsrun.ops.sparse_attention.sparse_self_attention import CausalSparseSelfAttention
 from dsrun.ops.sparse_attention.sparsity_config import SparsityConfig
+
+
+class _Tokenizer(Protocol):
+    """What :meth:`SparseAttentionUtils.update_tokenizer_model_max_length` sets on a Hugging Face tokenizer."""
+
+    model_max_length: int
+    init_kwargs: dict[str, Any]
+
+
+_TokenizerT = TypeVar("_TokenizerT", bound=_Tokenizer)
 
 ROBERTA_RESERVED_POSITIONS = 2  # RoBERTa's positions 0 and 1 are reserved (padding offset)
 
@@ -74,7 +84,7 @@ class SparseAttentionUtils:
         return model
 
     @staticmethod
-    def update_tokenizer_model_max_length(tokenizer: Any, max_position: int) -> Any:
+    def update_tokenizer_model_max_length(tokenizer: _TokenizerT, max_position: int) -> _TokenizerT:
         """Set a Hugging Face tokenizer's ``model_max_length`` (and its ``init_kwargs``) to ``max_position``."""
         tokenizer.model_max_length = max_position
         tokenizer.init_kwargs["model_max_length"] = max_position
@@ -103,7 +113,7 @@ class SparseAttentionUtils:
 
     @staticmethod
     def replace_self_attention_layer_with_sparse_self_attention_layer(
-            config: Any, layers: Iterable[nn.Module], sparsity_config: SparsityConfig) -> Iterable[nn.Module]:
+            config: BertShape, layers: Iterable[nn.Module], sparsity_config: SparsityConfig) -> Iterable[nn.Module]:
         """Give each BERT layer's ``attention.self`` a :class:`BertSparseSelfAttention` with its own
         query/key/value projections."""
         for layer in layers:
@@ -132,7 +142,7 @@ class SparseAttentionUtils:
             pad_ids = torch.full((batch, pad_len), pad_token_id, dtype=torch.long, device=inputs_embeds.device)
             inputs_embeds = torch.cat([inputs_embeds, model_embeddings(pad_ids)], dim=-2)
 
-        def pad(t: torch.Tensor | None, value: Any) -> torch.Tensor | None:
+        def pad(t: torch.Tensor | None, value: float) -> torch.Tensor | None:
             return None if t is None else F.pad(t, (0, pad_len), value=value)
 
         return (pad_len, pad(input_ids, pad_token_id), pad(attention_mask, 0), pad(token_type_ids, 0),

@@ -15,9 +15,9 @@ backward (measured in tests/unit/ops/test_transformer_layer.py with saved-tensor
 """
 from __future__ import annotations
 
-from typing import Any
 
 import torch
+from torch.autograd.function import FunctionCtx
 import torch.nn.functional as F
 
 
@@ -41,13 +41,14 @@ class InvertibleLayerNorm(torch.autograd.Function):
     """``layer_norm(x, γ, β)`` over the last dimension, saving ``y``, ``γ``, ``β`` and ``1/σ`` only."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    def forward(ctx: FunctionCtx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                eps: float) -> torch.Tensor:
         y, _, rstd = torch.native_layer_norm(x, (x.shape[-1],), weight, bias, eps)
         ctx.save_for_backward(y, weight, bias, rstd)
         return y
 
     @staticmethod
-    def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: FunctionCtx, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         y, weight, bias, rstd = ctx.saved_tensors
         x_hat = (y - bias) / weight
         grad_weight = _sum_to_last(grad_y * x_hat) if ctx.needs_input_grad[1] else None
@@ -63,7 +64,7 @@ class DropoutContext(torch.autograd.Function):
     """``(dropout(probs, p) @ v)`` saving ``probs``, the boolean mask and ``v``; recomputes the dropout."""
 
     @staticmethod
-    def forward(ctx: Any, probs: torch.Tensor, v: torch.Tensor, p: float,
+    def forward(ctx: FunctionCtx, probs: torch.Tensor, v: torch.Tensor, p: float,
                 generator: torch.Generator | None) -> torch.Tensor:
         keep = keep_mask(probs.shape, p, probs.device, generator)
         ctx.save_for_backward(probs, keep, v)
@@ -71,7 +72,7 @@ class DropoutContext(torch.autograd.Function):
         return torch.matmul(probs * keep * ctx.scale, v)
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: FunctionCtx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         probs, keep, v = ctx.saved_tensors
         grad_probs = torch.matmul(grad_out, v.transpose(-1, -2)) * keep * ctx.scale
         grad_v = torch.matmul((probs * keep * ctx.scale).transpose(-1, -2), grad_out)
@@ -82,12 +83,12 @@ class GeluLinear(torch.autograd.Function):
     """``linear(gelu(h), weight, bias)`` saving ``h`` and ``weight``; recomputes ``gelu(h)`` in backward."""
 
     @staticmethod
-    def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: FunctionCtx, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(h, weight)
         return F.linear(F.gelu(h), weight, bias)
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: FunctionCtx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         h, weight = ctx.saved_tensors
         with torch.enable_grad():
             h_leaf = h.detach().requires_grad_(True)

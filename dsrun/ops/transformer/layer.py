@@ -22,7 +22,6 @@ torch's fused ``scaled_dot_product_attention``; with it, the probabilities are m
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -149,8 +148,9 @@ class DeepSpeedTransformerLayer(nn.Module):
 
     # ------------------------------------------------------------------------------------------ forward
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                head_mask: Any = None, layer_head_mask: Any = None, encoder_hidden_states: Any = None,
-                encoder_attention_mask: Any = None, past_key_value: Any = None, output_attentions: bool = False,
+                head_mask: torch.Tensor | None = None, layer_head_mask: torch.Tensor | None = None,
+                encoder_hidden_states: torch.Tensor | None = None, encoder_attention_mask: torch.Tensor | None = None,
+                past_key_value: tuple[torch.Tensor, ...] | None = None, output_attentions: bool = False,
                 grads: list | None = None) -> torch.Tensor | tuple[torch.Tensor]:
         """The layer's output ``[batch, seq, hidden]`` (``(output,)`` with ``return_tuple``).
 

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 Count = tuple[int, int]  # (flops, macs)
 
 
-def _numel(x: Any) -> int:
+def _numel(x: object) -> int:
+    """Elements of ``x`` when it is a tensor; 1 for any other argument."""
     return x.numel() if isinstance(x, torch.Tensor) else 1
 
 
@@ -140,7 +141,7 @@ ACTIVE = _Active()
 
 def _wrap(original: Callable, counter: Callable[..., Count]) -> Callable:
     @functools.wraps(original)
-    def counted(*args: Any, **kwargs: Any) -> Any:
+    def counted(*args: object, **kwargs: object) -> Any:  # the original's arguments, whatever they are
         sink = ACTIVE.sink
         if sink is None or ACTIVE.inside:
             return original(*args, **kwargs)

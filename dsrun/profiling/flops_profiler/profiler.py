@@ -21,7 +21,7 @@ import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -56,12 +56,21 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+class ProfiledEngine(Protocol):
+    """What the summary reads of the DeepSpeed engine (``mpu`` too, when it has one)."""
+
+    world_size: int
+    dp_world_size: int
+
+    def train_micro_batch_size_per_gpu(self) -> int: ...
+
+
 class FlopsProfiler:
     """Measures the forward pass of ``model``. ``ds_engine`` (optional) supplies the world/batch sizes and
     the backward and step latencies of the profiled step for the summary; ``recompute_fwd_factor`` counts
     that fraction of the forward again in backward (activation checkpointing)."""
 
-    def __init__(self, model: nn.Module, ds_engine: Any = None, recompute_fwd_factor: float = 0.0):
+    def __init__(self, model: nn.Module, ds_engine: ProfiledEngine | None = None, recompute_fwd_factor: float = 0.0):
         self.model = model
         self.ds_engine = ds_engine
         self.recompute_fwd_factor = float(recompute_fwd_factor)
@@ -132,14 +141,14 @@ class FlopsProfiler:
             self._outside[0] += flops
             self._outside[1] += macs
 
-    def _pre_hook(self, module: nn.Module, inputs: Any) -> None:
+    def _pre_hook(self, module: nn.Module, inputs: tuple[object, ...]) -> None:
         if ACTIVE.sink is None:
             return
         self._stack.append(module)
         _sync()
         self._starts.append(time.perf_counter())
 
-    def _post_hook(self, module: nn.Module, inputs: Any, output: Any) -> None:
+    def _post_hook(self, module: nn.Module, inputs: tuple[object, ...], output: object) -> None:
         if not self._stack or self._stack[-1] is not module:
             return
         _sync()
@@ -257,7 +266,7 @@ class FlopsProfiler:
         for depth in range(depths):
             entries = table[depth]
 
-            def top(index: int, fmt: Any) -> dict[str, str]:
+            def top(index: int, fmt: Callable[[float], str]) -> dict[str, str]:
                 ranked = sorted(entries.items(), key=lambda item: item[1][index], reverse=True)[:top_modules]
                 return {name: fmt(values[index]) for name, values in ranked}
 
