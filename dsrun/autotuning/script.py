@@ -109,7 +109,8 @@ class ScriptTuner(Tuner):
     """The study over a user's script: each trial a ``dsrun launch`` of it (see the module docstring)."""
 
     def __init__(self, settings: TuneSettings, space: SearchSpace, user_ds: Mapping[str, Any],
-                 launcher_args: Sequence[str], script: str, script_args: Sequence[str], on_event: EventFn | None = None):
+                 launcher_args: Sequence[str], script: str, script_args: Sequence[str],
+                 on_event: EventFn | None = None):
         super().__init__(settings, space, [], [], compose=None, on_event=on_event)
         self.user_ds = dict(user_ds)
         self.launcher_args, self.script, self.script_args = list(launcher_args), script, list(script_args)

@@ -135,7 +135,8 @@ class TuneSettings:
 
 
 def settings_from(autotuning: AutotuningConfig, raw_autotuning: Mapping[str, Any], tune: Mapping[str, Any] | None,
-                  cwd: Path, *, memory_limit: int | float | str | None = None, trial_timeout: float | None = None) -> TuneSettings:
+                  cwd: Path, *, memory_limit: int | float | str | None = None,
+                  trial_timeout: float | None = None) -> TuneSettings:
     """Build the settings from the validated ``ds.autotuning`` section (``dsrun.config`` model),
     the section as the user wrote it (``raw_autotuning``, to see which keys were set) and ``tune``.
 

@@ -458,8 +458,8 @@ class Tuner:
                                optimal_config)
 
 
-def optimal_command(base_overrides: Sequence[str], best_params: dict[str, Any], space: SearchSpace, settings: TuneSettings,
-                    recipes_dirs: Sequence[str], optimal_config: Path) -> list[str]:
+def optimal_command(base_overrides: Sequence[str], best_params: dict[str, Any], space: SearchSpace,
+                    settings: TuneSettings, recipes_dirs: Sequence[str], optimal_config: Path) -> list[str]:
     """``dsrun train`` with the best DeepSpeed config as ``ds_config=`` plus the tuned RunSpec keys (those
     outside ``ds``, and arg_mappings' targets), which a DeepSpeed file cannot carry."""
     config = space.config(best_params)
