@@ -58,15 +58,16 @@ class MemoryGate:
             self._models[key] = build_recipe_model(cfg)
         return self._models[key]
 
-    def estimate(self, cfg: DictConfig, **changes: Any) -> Breakdown:
+    def estimate(self, cfg: DictConfig, **changes: object) -> Breakdown:
         """The estimator's :class:`~dsrun.estimate.Breakdown` for a composed RunSpec (``changes`` edit its
-        inputs, e.g. ``micro_batch_size=1``)."""
+        inputs: any fields of :class:`~dsrun.estimate.inputs.EstimateInputs`, e.g. ``micro_batch_size=1``)."""
         from dsrun.estimate import estimate_peak_bytes_per_rank
 
         return estimate_peak_bytes_per_rank(self.inputs(cfg, **changes))
 
-    def inputs(self, cfg: DictConfig, **changes: Any) -> EstimateInputs:
-        """The estimator's :class:`~dsrun.estimate.inputs.EstimateInputs` for a composed RunSpec."""
+    def inputs(self, cfg: DictConfig, **changes: object) -> EstimateInputs:
+        """The estimator's :class:`~dsrun.estimate.inputs.EstimateInputs` for a composed RunSpec, with ``changes``
+        (any of its fields) made."""
         from dsrun.estimate.runspec import inputs_from_runspec
 
         inputs, _ = inputs_from_runspec(cfg, self._model(cfg))
