@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Protocol, Sequence, TypeVar
 
 import torch
+from torch.autograd.function import FunctionCtx
 from torch.autograd.graph import saved_tensors_hooks
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from dsrun import comm
 from dsrun.accelerator import get_accelerator
@@ -34,6 +35,20 @@ from dsrun.activation_checkpointing.rng import RNGSnapshot, autocast_state, repl
 from dsrun.activation_checkpointing.settings import STATE
 from dsrun.activation_checkpointing.storage import StashedInput, restore_inputs, stash_inputs
 from dsrun.activation_checkpointing.guards import recompute_guarded
+
+Record = TypeVar("Record")
+Kept = TypeVar("Kept")
+
+
+class RecomputePolicy(Protocol[Record, Kept]):
+    """What a non-reentrant checkpoint asks of a selective policy (:class:`.selective.SelectivePolicy`): record
+    in forward, keep what it recorded, hand it back in the recompute."""
+
+    def keep(self) -> ContextManager[Record]: ...
+
+    def retained(self, record: Record) -> Kept: ...
+
+    def reuse(self, kept: Kept) -> ContextManager[object]: ...
 
 
 # --- call numbering, boundaries, profile ------------------------------------------------------------------
@@ -109,7 +124,8 @@ class CheckpointFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, run_function: Callable[..., Any], all_outputs: list, *args: Any) -> Any:
+    def forward(ctx: FunctionCtx, run_function: Callable[..., Any], all_outputs: list,
+                *args: object) -> tuple[torch.Tensor, ...]:
         ctx.run_function = run_function
         ctx.index = _begin_call()
         with _boundary(ctx.index, "forward"):
@@ -129,7 +145,7 @@ class CheckpointFunction(torch.autograd.Function):
         return tensors
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+    def backward(ctx: FunctionCtx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         with _boundary(ctx.index, "recompute and backward"):
             with _recomputing():
                 inputs = _detached_like(restore_inputs(ctx.stashed, ctx.saved_tensors), ctx.input_requires_grad)
@@ -143,8 +159,9 @@ class CheckpointFunction(torch.autograd.Function):
                                     for v, rg in zip(inputs, ctx.input_requires_grad))
 
 
-def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Checkpoint ``function(*args, **kwargs)`` (reentrant; DeepSpeed's ``deepspeed.checkpointing.checkpoint``).
+def checkpoint(function: Callable[..., Any], *args: object, **kwargs: object) -> Any:
+    """Checkpoint ``function(*args, **kwargs)`` (reentrant; DeepSpeed's ``deepspeed.checkpointing.checkpoint``);
+    any arguments, as the module docstring says.
 
     Gradients reach the parameters used inside even when no input requires a gradient (a frozen embedding
     before the first checkpointed block): the call always puts a node in the graph."""
@@ -152,7 +169,7 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return function(*args, **kwargs)
     leaves, spec = tree_flatten((args, kwargs))
 
-    def run(_anchor: torch.Tensor, *values: Any) -> Any:
+    def run(_anchor: torch.Tensor, *values: object) -> Any:
         call_args, call_kwargs = tree_unflatten(list(values), spec)
         return function(*call_args, **call_kwargs)
 
@@ -171,13 +188,13 @@ class _Retain(torch.autograd.Function):
     backward; the tensors go when the node does."""
 
     @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: FunctionCtx, anchor: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(*tensors)
         ctx.count = len(tensors)
         return anchor.new_empty(0)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # pragma: no cover - the output is never used
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[None, ...]:  # pragma: no cover - never used
         return (None,) * (1 + ctx.count)
 
 
@@ -213,7 +230,8 @@ class _Holder:
 class _Frame:
     """One non-reentrant checkpoint call: how to rerun it and the tensors the rerun saved."""
 
-    def __init__(self, function: Callable[..., Any], leaves: list[Any], spec: Any, policy: Any):
+    def __init__(self, function: Callable[..., Any], leaves: list[Any], spec: TreeSpec,
+                 policy: RecomputePolicy[Any, Any] | None):
         self.function, self.spec, self.policy = function, spec, policy
         self.index = _begin_call()
         self.snapshot = RNGSnapshot.capture()
@@ -267,7 +285,7 @@ def _unpack(holder: _Holder) -> torch.Tensor:
 
 
 def run_non_reentrant(function: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
-                      policy: Any = None) -> Any:
+                      policy: RecomputePolicy[Any, Any] | None = None) -> Any:
     """``function(*args, **kwargs)`` checkpointed without reentry; ``policy`` (see :mod:`.selective`) keeps
     some operations' outputs instead of recomputing them."""
     if not torch.is_grad_enabled():
@@ -284,9 +302,10 @@ def run_non_reentrant(function: Callable[..., Any], args: Sequence[Any], kwargs:
     return output
 
 
-def non_reentrant_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Checkpoint ``function(*args, **kwargs)`` without reentry (DeepSpeed's ``non_reentrant_checkpoint``):
-    the graph of the forward is kept, the tensors it saved are recomputed in backward."""
+def non_reentrant_checkpoint(function: Callable[..., Any], *args: object, **kwargs: object) -> Any:
+    """Checkpoint ``function(*args, **kwargs)`` (any arguments) without reentry (DeepSpeed's
+    ``non_reentrant_checkpoint``): the graph of the forward is kept, the tensors it saved are recomputed in
+    backward."""
     return run_non_reentrant(function, args, kwargs)
 
 

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from dsrun.utils.errors import ConfigError, Problem, show
 from dsrun.utils.suggest import did_you_mean
+
+if TYPE_CHECKING:
+    import torch
 
 KINDS = ("none", "full", "every_N", "selective")
 _EVERY = re.compile(r"every_(\d+)")
@@ -35,7 +38,8 @@ class CheckpointMode:
     every: int = 1
 
     @classmethod
-    def parse(cls, value: Any, key: str = "model.activation_checkpointing") -> "CheckpointMode":
+    def parse(cls, value: CheckpointMode | str | bool | None,
+              key: str = "model.activation_checkpointing") -> "CheckpointMode":
         """``none``, ``full``, ``every_N`` (N >= 1; ``every_1`` is ``full``), ``selective``, a bool, None or a
         mode; anything else is a ConfigError naming ``key``."""
         if isinstance(value, CheckpointMode):
@@ -90,11 +94,11 @@ class BlockCheckpointing:
     ``checkpoint_fn(block, hidden)`` defaults to :func:`default_checkpoint_fn` (dsrun's non-reentrant
     checkpoint, which follows :func:`dsrun.checkpointing.configure`)."""
 
-    def __init__(self, mode: Any = "none", checkpoint_fn: CheckpointFn | None = None):
+    def __init__(self, mode: CheckpointMode | str | bool | None = "none", checkpoint_fn: CheckpointFn | None = None):
         self.mode = CheckpointMode.parse(mode)
         self.checkpoint_fn = checkpoint_fn or default_checkpoint_fn(self.mode)
 
-    def __call__(self, index: int, block: Callable[[Any], Any], hidden: Any) -> Any:
+    def __call__(self, index: int, block: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
         if self.mode.checkpoints(index):
             return self.checkpoint_fn(block, hidden)
         return block(hidden)

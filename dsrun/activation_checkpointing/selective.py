@@ -21,10 +21,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
+from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from dsrun.activation_checkpointing.checkpoint import retain, run_non_reentrant
+from dsrun.activation_checkpointing.checkpoint import Retained, retain, run_non_reentrant
 
 aten = torch.ops.aten
 
@@ -36,13 +37,13 @@ LINEAR_MATMULS = _ops("mm", "addmm")
 FUSED_ATTENTION = _ops("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
                        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
 
-Decider = Callable[[Any], bool]
+Decider = Callable[[OpOverload], bool]
 
 
 @dataclass
 class _KeptOutput:
-    op: Any
-    spec: Any
+    op: OpOverload
+    spec: TreeSpec
     leaves: list[Any]  # tensors replaced by None (they are in the retaining node)
 
 
@@ -55,7 +56,8 @@ class _Keep(TorchDispatchMode):
         self.outputs: list[_KeptOutput] = []
         self.tensors: list[torch.Tensor] = []
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(self, func: OpOverload, types: tuple[type, ...], args: tuple[object, ...] = (),
+                           kwargs: dict[str, object] | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if self.decide(func):
             leaves, spec = tree_flatten(out)
@@ -76,7 +78,8 @@ class _Reuse(TorchDispatchMode):
         self.outputs = iter(outputs)
         self.tensors = iter(tensors)
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(self, func: OpOverload, types: tuple[type, ...], args: tuple[object, ...] = (),
+                           kwargs: dict[str, object] | None = None) -> Any:
         if not self.decide(func):
             return func(*args, **(kwargs or {}))
         kept = next(self.outputs, None)
@@ -100,11 +103,11 @@ class SelectivePolicy:
         with _Keep(self.decider()) as mode:
             yield mode
 
-    def retained(self, record: _Keep) -> tuple[list[_KeptOutput], Any]:
+    def retained(self, record: _Keep) -> tuple[list[_KeptOutput], Retained | None]:
         """What the forward kept, its tensors held by a node of their own (so autograd accounts for them)."""
         return record.outputs, retain(record.tensors)
 
-    def reuse(self, kept: tuple[list[_KeptOutput], Any]) -> _Reuse:
+    def reuse(self, kept: tuple[list[_KeptOutput], Retained | None]) -> _Reuse:
         outputs, node = kept
         return _Reuse(self.decider(), outputs, node.saved_tensors if node is not None else ())
 
@@ -119,7 +122,7 @@ class TransformerBlockPolicy(SelectivePolicy):
     def decider(self) -> Decider:
         seen = 0
 
-        def decide(op: Any) -> bool:
+        def decide(op: OpOverload) -> bool:
             nonlocal seen
             if op in FUSED_ATTENTION:
                 return True
@@ -131,8 +134,8 @@ class TransformerBlockPolicy(SelectivePolicy):
         return decide
 
 
-def selective_checkpoint(function: Callable[..., Any], *args: Any, policy: SelectivePolicy | None = None,
-                         **kwargs: Any) -> Any:
-    """Checkpoint ``function(*args, **kwargs)`` without reentry, keeping the outputs ``policy`` picks
+def selective_checkpoint(function: Callable[..., Any], *args: object, policy: SelectivePolicy | None = None,
+                         **kwargs: object) -> Any:
+    """Checkpoint ``function(*args, **kwargs)`` (any arguments) without reentry, keeping the outputs ``policy`` picks
     (default: :class:`TransformerBlockPolicy`)."""
     return run_non_reentrant(function, args, kwargs, policy or TransformerBlockPolicy())

@@ -8,11 +8,32 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, Union
 
 from dsrun.utils.errors import ConfigError, Problem
 
+if TYPE_CHECKING:
+    from torch import nn
+    from torch.distributed import ProcessGroup
+
+    from dsrun.config import ConfigSource, DeepSpeedConfig
+
 SECTION = "activation_checkpointing"
+
+
+class _ModelParallelNames(Protocol):
+    def get_model_parallel_group(self) -> ProcessGroup | None: ...
+    def get_model_parallel_rank(self) -> int: ...
+    def get_model_parallel_world_size(self) -> int: ...
+
+
+class _TensorParallelNames(Protocol):
+    def get_tensor_model_parallel_group(self) -> ProcessGroup | None: ...
+    def get_tensor_model_parallel_rank(self) -> int: ...
+    def get_tensor_model_parallel_world_size(self) -> int: ...
+
+
+Mpu = Union[_ModelParallelNames, _TensorParallelNames]  # a Megatron-style mpu, by either family of names
 
 
 @dataclass(frozen=True)
@@ -42,7 +63,7 @@ class CheckpointingSettings:
 class ModelParallel:
     """The group partitioned activations are split over (``mpu``'s model-parallel group)."""
 
-    group: Any = None
+    group: ProcessGroup | None = None
     rank: int = 0
     world_size: int = 1
 
@@ -51,7 +72,7 @@ class ModelParallel:
 class _State:
     settings: CheckpointingSettings = field(default_factory=CheckpointingSettings)
     configured: bool = False
-    mpu: Any = None
+    mpu: Mpu | None = None
     model_parallel: ModelParallel = field(default_factory=ModelParallel)
     said: set[str] = field(default_factory=set)
     # checkpoint calls since the last backward began: the profile's numbering, the contiguous buffer's slot
@@ -76,7 +97,7 @@ def say_once(key: str, message: str) -> None:
         warnings.warn(message, stacklevel=3)
 
 
-def model_parallel_of(mpu: Any) -> ModelParallel:
+def model_parallel_of(mpu: Mpu | None) -> ModelParallel:
     """The model-parallel group of a Megatron-style ``mpu`` (tensor-parallel names first, as DeepSpeed)."""
     if mpu is None:
         return ModelParallel()
@@ -88,7 +109,7 @@ def model_parallel_of(mpu: Any) -> ModelParallel:
                               "(or get_tensor_model_parallel_group)", "pass a Megatron-style mpu or None"))
 
 
-def settings_from_config(deepspeed_config: Any) -> CheckpointingSettings:
+def settings_from_config(deepspeed_config: ConfigSource | DeepSpeedConfig) -> CheckpointingSettings:
     """The section of a DeepSpeed config: a loaded :class:`dsrun.config.DeepSpeedConfig`, a dict, or anything
     :func:`dsrun.config.read_config_source` reads (a path, JSON text). Only this section is validated, so
     a config without batch sizes works too."""
@@ -105,7 +126,8 @@ def settings_from_config(deepspeed_config: Any) -> CheckpointingSettings:
     return CheckpointingSettings(**{f.name: getattr(section, f.name) for f in fields(CheckpointingSettings)})
 
 
-def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activations: bool | None = None,
+def configure(mpu_: Mpu | None = None, deepspeed_config: ConfigSource | DeepSpeedConfig | None = None,
+              partition_activations: bool | None = None,
               contiguous_checkpointing: bool | None = None, num_checkpoints: int | None = None,
               checkpoint_in_cpu: bool | None = None, synchronize: bool | None = None,
               profile: bool | None = None) -> None:
@@ -151,7 +173,7 @@ def reset_configuration() -> None:
     STATE.reset_buffers()
 
 
-def configure_from_engine(module: Any, ds_config: Any, mpu: Any = None) -> None:
+def configure_from_engine(module: nn.Module, ds_config: DeepSpeedConfig, mpu: Mpu | None = None) -> None:
     """What ``dsrun.initialize`` does: a config with an ``activation_checkpointing`` section configures
     checkpointing (DeepSpeed leaves that call to the user; calling it again overrides). A dsrun GPT that
     checkpoints no block is told the section has nothing to act on."""

@@ -42,7 +42,8 @@ class StashedInput:
         return replace(self, kept=None) if self.is_tensor else self
 
 
-def _is_activation(item: Any, mp_size: int) -> bool:
+def _is_activation(item: object, mp_size: int) -> bool:
+    """Is a checkpointed function's input (any value) an activation to keep as :class:`StashedInput` says?"""
     return isinstance(item, torch.Tensor) and item.is_floating_point() and item.numel() >= mp_size
 
 

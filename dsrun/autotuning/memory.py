@@ -16,7 +16,14 @@ MiCS and hpZ settings, which memory alone barely sees.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from dsrun.estimate import Breakdown
+    from dsrun.estimate.inputs import EstimateInputs
+    from dsrun.estimate.runspec import RecipeModel
 
 MIB = 2**20
 
@@ -38,10 +45,10 @@ def _mib(n: int) -> str:
 class MemoryGate:
     def __init__(self, limit_bytes: int | None):
         self.limit = limit_bytes
-        self._models: dict[str, Any] = {}
+        self._models: dict[str, RecipeModel] = {}
         self._budget = None
 
-    def _model(self, cfg: Any) -> Any:
+    def _model(self, cfg: DictConfig) -> RecipeModel:
         from omegaconf import OmegaConf
 
         from dsrun.estimate.runspec import build_recipe_model
@@ -51,30 +58,31 @@ class MemoryGate:
             self._models[key] = build_recipe_model(cfg)
         return self._models[key]
 
-    def estimate(self, cfg: Any, **changes: Any) -> Any:
+    def estimate(self, cfg: DictConfig, **changes: object) -> Breakdown:
         """The estimator's :class:`~dsrun.estimate.Breakdown` for a composed RunSpec (``changes`` edit its
-        inputs, e.g. ``micro_batch_size=1``)."""
+        inputs: any fields of :class:`~dsrun.estimate.inputs.EstimateInputs`, e.g. ``micro_batch_size=1``)."""
         from dsrun.estimate import estimate_peak_bytes_per_rank
 
         return estimate_peak_bytes_per_rank(self.inputs(cfg, **changes))
 
-    def inputs(self, cfg: Any, **changes: Any) -> Any:
-        """The estimator's :class:`~dsrun.estimate.inputs.EstimateInputs` for a composed RunSpec."""
+    def inputs(self, cfg: DictConfig, **changes: object) -> EstimateInputs:
+        """The estimator's :class:`~dsrun.estimate.inputs.EstimateInputs` for a composed RunSpec, with ``changes``
+        (any of its fields) made."""
         from dsrun.estimate.runspec import inputs_from_runspec
 
         inputs, _ = inputs_from_runspec(cfg, self._model(cfg))
         return inputs.with_(**changes) if changes else inputs
 
-    def comm_per_step(self, cfg: Any) -> dict[str, Any]:
+    def comm_per_step(self, cfg: DictConfig) -> dict[str, Any]:
         """The estimator's communication per optimizer step and rank, in bytes (``CommVolume.to_dict()``)."""
         from dsrun.estimate.comm_volume import step_comm_volume
 
         return step_comm_volume(self.inputs(cfg)).to_dict()
 
-    def parameter_count(self, cfg: Any) -> int:
+    def parameter_count(self, cfg: DictConfig) -> int:
         return int(self._model(cfg).counts.total)
 
-    def check(self, cfg: Any) -> MemoryCheck:
+    def check(self, cfg: DictConfig) -> MemoryCheck:
         import torch
 
         b = self.estimate(cfg)

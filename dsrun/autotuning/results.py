@@ -14,10 +14,14 @@ import json
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from dsrun.autotuning.settings import TuneSettings
-from dsrun.autotuning.study import DUPLICATE, INTERRUPTED, INVALID, LAUNCHED, PRUNED, optimal_command, trial_traffic
+from dsrun.autotuning.study import (DUPLICATE, INTERRUPTED, INVALID, LAUNCHED, PRUNED, Tuner, optimal_command,
+                                    trial_traffic)
+
+if TYPE_CHECKING:
+    import optuna
 
 SUMMARY = "summary.txt"
 OPTIMAL_CONFIG = "ds_config_optimal.json"
@@ -38,7 +42,7 @@ class TrialRow:
     comm_bytes: float | None = None  # the estimator's bytes leaving a rank per optimizer step (traffic)
 
 
-def trial_rows(study: Any) -> list[TrialRow]:
+def trial_rows(study: optuna.Study) -> list[TrialRow]:
     from optuna.trial import TrialState
 
     rows = []
@@ -83,7 +87,8 @@ def pipe_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], numeric: S
     return "\n".join([line(headers), rule, *(line(r) for r in cells)])
 
 
-def _cell(value: Any) -> str:
+def _cell(value: object) -> str:
+    """Any table cell as text (None: empty)."""
     if value is None:
         return ""
     if isinstance(value, float):
@@ -155,7 +160,7 @@ def summary_text(rows: Sequence[TrialRow], settings: TuneSettings, space_text: s
     return "\n".join(parts)
 
 
-def write_results(tuner: Any, rows: Sequence[TrialRow] | None = None) -> dict[str, Path]:
+def write_results(tuner: Tuner, rows: Sequence[TrialRow] | None = None) -> dict[str, Path]:
     """Write summary.txt, and for the best trial ds_config_optimal.json and cmd_optimal.txt."""
     s = tuner.settings
     rows = list(rows if rows is not None else trial_rows(tuner.study))

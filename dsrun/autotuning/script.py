@@ -26,12 +26,17 @@ import json
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
+from dsrun.autotuning.settings import SpaceValue, TuneSettings
 from dsrun.autotuning.space import ACCUMULATION_KEY, MICRO_BATCH_KEY, STAGE_KEY, SearchSpace
-from dsrun.autotuning.study import Tuner
+from dsrun.autotuning.study import EventFn, Tuner
 from dsrun.autotuning.trial import Experiment
 from dsrun.utils.errors import Problem, UserError
+
+if TYPE_CHECKING:
+    from optuna.trial import Trial
+
 
 SCRIPT_CONFIG_FLAGS = ("--deepspeed", "--deepspeed_config", "--deepscale_config")
 TRIAL_CONFIG = "ds_config_trial.json"
@@ -60,7 +65,7 @@ def with_config(script_args: Sequence[str], index: int, path: Path) -> list[str]
     return args
 
 
-def with_flag(script_args: Sequence[str], flag: str, value: Any) -> list[str]:
+def with_flag(script_args: Sequence[str], flag: str, value: SpaceValue) -> list[str]:
     """``flag value`` set in the script's arguments (replacing its value when present, else appended)."""
     args = list(script_args)
     text = str(value)
@@ -74,7 +79,8 @@ def with_flag(script_args: Sequence[str], flag: str, value: Any) -> list[str]:
     return [*args, flag, text]
 
 
-def _concrete(value: Any) -> bool:
+def _concrete(value: object) -> bool:
+    """Is a value of the user's config (any JSON value) set, not left to the tuner?"""
     return value is not None and value != "auto"
 
 
@@ -102,8 +108,9 @@ def base_config(user_ds: Mapping[str, Any]) -> dict[str, Any]:
 class ScriptTuner(Tuner):
     """The study over a user's script: each trial a ``dsrun launch`` of it (see the module docstring)."""
 
-    def __init__(self, settings: Any, space: SearchSpace, user_ds: Mapping[str, Any], launcher_args: Sequence[str],
-                 script: str, script_args: Sequence[str], on_event: Any = None):
+    def __init__(self, settings: TuneSettings, space: SearchSpace, user_ds: Mapping[str, Any],
+                 launcher_args: Sequence[str], script: str, script_args: Sequence[str],
+                 on_event: EventFn | None = None):
         super().__init__(settings, space, [], [], compose=None, on_event=on_event)
         self.user_ds = dict(user_ds)
         self.launcher_args, self.script, self.script_args = list(launcher_args), script, list(script_args)
@@ -137,7 +144,7 @@ class ScriptTuner(Tuner):
                 args = with_flag(args, flag, value)
         return [sys.executable, "-m", "dsrun", "launch", *self.launcher_args, self.script, *args]
 
-    def _run_trial(self, trial: Any, params: dict[str, Any], config: dict[str, Any], name: str) -> None:
+    def _run_trial(self, trial: Trial, params: dict[str, Any], config: dict[str, Any], name: str) -> None:
         s = self.settings
         directory = s.results_dir / name
         run_dir = directory / "run"

@@ -20,10 +20,16 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, TypeVar
 
 from dsrun.utils.errors import Problem, UserError
 from dsrun.utils.suggest import did_you_mean
+
+if TYPE_CHECKING:
+    from dsrun.config.misc import AutotuningConfig
+
+SpaceValue = bool | int | float | str | None  # a value a search-space key may take (checked by settings_from)
+T = TypeVar("T")
 
 TUNE_KEYS = ("space", "memory_limit", "trial_timeout", "seed", "comm_tolerance")
 DEFAULT_TRIAL_TIMEOUT = 600.0
@@ -35,7 +41,7 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def parse_bytes(value: Any, key: str) -> int | None:
+def parse_bytes(value: int | float | str | None, key: str) -> int | None:
     """``"2GiB"``, ``"500MB"``, ``"1.5e9"`` or a number → bytes; None stays None."""
     if value is None:
         return None
@@ -85,7 +91,7 @@ class TuneSettings:
     tuner_num_trials: int
     arg_mappings: dict[str, str] = field(default_factory=dict)
     model_info: dict[str, Any] | None = None
-    space: dict[str, list[Any]] = field(default_factory=dict)
+    space: dict[str, list[SpaceValue]] = field(default_factory=dict)
     memory_limit: int | None = None
     trial_timeout: float = DEFAULT_TRIAL_TIMEOUT
     seed: int = DEFAULT_SEED
@@ -111,7 +117,8 @@ class TuneSettings:
             return a <= best * (1 + self.comm_tolerance)
         return a >= best * (1 - self.comm_tolerance)
 
-    def pick_best(self, candidates: list[Any], value: Any, comm: Any) -> Any:
+    def pick_best(self, candidates: list[T], value: Callable[[T], float | None],
+                  comm: Callable[[T], float | None]) -> T | None:
         """The best of ``candidates`` (in trial order): the best ``value(c)`` (None: not measured), or among
         those within ``comm_tolerance`` of it the one with the least ``comm(c)`` (estimated bytes leaving a
         rank per step; None counts as unknown, after every known figure); the metric decides among equals."""
@@ -127,8 +134,9 @@ class TuneSettings:
         return min(close, key=lambda c: (unknown if comm(c) is None else comm(c), c is not top))
 
 
-def settings_from(autotuning: Any, raw_autotuning: Mapping[str, Any], tune: Mapping[str, Any] | None,
-                  cwd: Path, *, memory_limit: Any = None, trial_timeout: float | None = None) -> TuneSettings:
+def settings_from(autotuning: AutotuningConfig, raw_autotuning: Mapping[str, Any], tune: Mapping[str, Any] | None,
+                  cwd: Path, *, memory_limit: int | float | str | None = None,
+                  trial_timeout: float | None = None) -> TuneSettings:
     """Build the settings from the validated ``ds.autotuning`` section (``dsrun.config`` model),
     the section as the user wrote it (``raw_autotuning``, to see which keys were set) and ``tune``.
 

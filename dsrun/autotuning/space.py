@@ -14,10 +14,13 @@ from __future__ import annotations
 import itertools
 import re
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
-from dsrun.autotuning.settings import TuneSettings
+from dsrun.autotuning.settings import SpaceValue, TuneSettings
 from dsrun.utils.errors import Problem, UserError
+
+if TYPE_CHECKING:
+    from optuna.trial import Trial
 
 STAGE_KEY = "zero_optimization.stage"
 MICRO_BATCH_KEY = "train_micro_batch_size_per_gpu"
@@ -36,7 +39,7 @@ def override_key(key: str) -> str:
     return key if key.split(".")[0] in RUNSPEC_HEADS else f"ds.{key}"
 
 
-def hydra_value(value: Any) -> str:
+def hydra_value(value: SpaceValue) -> str:
     """A value as Hydra's override grammar reads it back unchanged."""
     if value is None:
         return "null"
@@ -48,7 +51,7 @@ def hydra_value(value: Any) -> str:
     return text if re.fullmatch(r"[A-Za-z_][\w\-./]*", text) else "'" + text.replace("'", "\\'") + "'"
 
 
-def _name_value(value: Any) -> str:
+def _name_value(value: SpaceValue) -> str:
     if isinstance(value, bool):
         return "T" if value else "F"
     if isinstance(value, (int, float)) and abs(value) > 9000:
@@ -103,7 +106,7 @@ class SearchSpace:
         """What Optuna sees: the index of each ordered dimension's value, the values of the others."""
         return {k: list(range(len(v))) if self.is_ordered(k) else list(v) for k, v in self.dims.items()}
 
-    def suggest(self, trial: Any) -> dict[str, Any]:
+    def suggest(self, trial: Trial) -> dict[str, Any]:
         """Sample one configuration's tuned values through an Optuna trial."""
         params = {}
         for key in self.dims:

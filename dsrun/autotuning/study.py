@@ -21,7 +21,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from dsrun.autotuning.memory import MemoryGate
 from dsrun.autotuning.metrics import ProfileError, metric_value, profile_metrics
@@ -32,6 +32,13 @@ from dsrun.autotuning.trial import (Experiment, error_summary, launch, measureme
 from dsrun.utils.errors import Problem, UserError
 from dsrun.utils.net import free_port
 
+if TYPE_CHECKING:
+    import optuna
+    from omegaconf import DictConfig
+    from optuna.trial import FrozenTrial, Trial, TrialState
+
+    from dsrun.runspec import ResolvedRun
+
 STUDY_NAME = "dsrun-tune"
 STUDY_DB = "study.db"
 MODEL_INFO_DIR = "profile_model_info"
@@ -40,7 +47,7 @@ MAX_DUPLICATES_IN_A_ROW = 200
 # user attribute "kind" of a finished trial
 LAUNCHED, PRUNED, INVALID, DUPLICATE, INTERRUPTED = "launched", "pruned", "invalid", "duplicate", "interrupted"
 
-ComposeFn = Callable[[list[str]], tuple[Any, Any]]  # overrides -> (composed RunSpec, dsrun.runspec.ResolvedRun)
+ComposeFn = Callable[[list[str]], "tuple[DictConfig, ResolvedRun]"]  # overrides -> (composed RunSpec, its validation)
 EventFn = Callable[[str, dict[str, Any]], None]
 
 
@@ -51,7 +58,8 @@ def make_sampler(settings: TuneSettings, space: SearchSpace) -> Any:
         class AskTellGridSampler(optuna.samplers.GridSampler):
             # GridSampler stops the study when the grid is done, which only works inside study.optimize;
             # the tuner's ask/tell loop checks for an exhausted space itself.
-            def after_trial(self, study: Any, trial: Any, state: Any, values: Any) -> None:
+            def after_trial(self, study: optuna.Study, trial: FrozenTrial, state: TrialState,
+                            values: Sequence[float] | None) -> None:
                 pass
 
         return AskTellGridSampler(space.sampler_space(), seed=settings.seed)
@@ -73,7 +81,7 @@ def space_signature(settings: TuneSettings, space: SearchSpace) -> str:
                       default=str)
 
 
-def ds_for_file(resolved: Any) -> dict[str, Any]:
+def ds_for_file(resolved: ResolvedRun) -> dict[str, Any]:
     """The resolved DeepSpeed config of a trial as it would train: without the ``autotuning`` block."""
     ds = resolved.ds_dict()
     ds.pop("autotuning", None)
@@ -93,7 +101,7 @@ def _new_storage(db: Path) -> None:
     os.replace(partial, db)
 
 
-def trial_traffic(trial: Any) -> float | None:
+def trial_traffic(trial: FrozenTrial) -> float | None:
     """The estimator's bytes leaving a rank per optimizer step for a trial's configuration (None: unknown)."""
     comm = trial.user_attrs.get("estimated_comm_per_step")
     return None if not comm else float(comm["traffic_bytes"])
@@ -130,7 +138,7 @@ class Tuner:
     def db_path(self) -> Path:
         return self.settings.results_dir / STUDY_DB
 
-    def _open_study(self) -> Any:
+    def _open_study(self) -> optuna.Study:
         import optuna
 
         optuna.logging.set_verbosity(optuna.logging.ERROR)
@@ -255,7 +263,7 @@ class Tuner:
             raise UserError(Problem("ds.autotuning.results_dir", f"another dsrun tune is using "
                                     f"{self.settings.results_dir}", "wait for it, or pick another results_dir")) from None
 
-    def run(self) -> Any:
+    def run(self) -> optuna.Study:
         from optuna.trial import TrialState
 
         self._lock()
@@ -313,7 +321,7 @@ class Tuner:
             self._lock_file.close()
         return self.study
 
-    def _explored(self) -> dict[str, Any]:
+    def _explored(self) -> dict[str, FrozenTrial]:
         """Configurations with an outcome: key → the trial that has it."""
         from optuna.trial import TrialState
 
@@ -328,11 +336,11 @@ class Tuner:
         return sum(1 for t in self.study.get_trials(deepcopy=False)
                    if t.state.is_finished() and t.user_attrs.get("kind") in (LAUNCHED, PRUNED, INVALID))
 
-    def _launched(self) -> list[Any]:
+    def _launched(self) -> list[FrozenTrial]:
         return [t for t in self.study.get_trials(deepcopy=False)
                 if t.state.is_finished() and t.user_attrs.get("kind") == LAUNCHED]
 
-    def best_trial(self, by_metric_only: bool = False) -> Any | None:
+    def best_trial(self, by_metric_only: bool = False) -> FrozenTrial | None:
         """The best launched trial: by the metric, and among those within ``tune.comm_tolerance`` of it, the
         one whose configuration sends the fewest bytes (:meth:`TuneSettings.pick_best`); ``by_metric_only``:
         the best measured value alone (early stopping counts from it)."""
@@ -353,7 +361,7 @@ class Tuner:
             return True
         return False
 
-    def _tell_duplicate(self, trial: Any, original: Any) -> None:
+    def _tell_duplicate(self, trial: Trial, original: FrozenTrial) -> None:
         from optuna.trial import TrialState
 
         trial.set_user_attr("kind", DUPLICATE)
@@ -365,8 +373,9 @@ class Tuner:
             self.study.tell(trial, state=original.state if original.state == TrialState.PRUNED else TrialState.FAIL)
 
     # ------------------------------------------------------------------------------------ one trial
-    def _finish(self, trial: Any, kind: str, *, value: float | None = None, pruned: bool = False,
-                **attrs: Any) -> None:
+    def _finish(self, trial: Trial, kind: str, *, value: float | None = None, pruned: bool = False,
+                **attrs: object) -> None:
+        """Tell the study how ``trial`` ended; ``attrs`` become its user attributes (any JSON value)."""
         from optuna.trial import TrialState
 
         trial.set_user_attr("kind", kind)
@@ -377,7 +386,7 @@ class Tuner:
         else:
             self.study.tell(trial, state=TrialState.PRUNED if pruned else TrialState.FAIL)
 
-    def _evaluate(self, trial: Any, params: dict[str, Any]) -> None:
+    def _evaluate(self, trial: Trial, params: dict[str, Any]) -> None:
         s, space = self.settings, self.space
         config = space.config(params)
         name = space.experiment_name(config)
@@ -392,7 +401,7 @@ class Tuner:
                                 f"min_train_batch_size {s.min_train_batch_size}")
         self._run_trial(trial, params, config, name)
 
-    def _run_trial(self, trial: Any, params: dict[str, Any], config: dict[str, Any], name: str) -> None:
+    def _run_trial(self, trial: Trial, params: dict[str, Any], config: dict[str, Any], name: str) -> None:
         """Compose, check the memory of, launch and measure one configuration (a ``dsrun train`` launch)."""
         s, space = self.settings, self.space
         overrides = [*self.base_overrides, *space.overrides(config, s.arg_mappings)]
@@ -425,7 +434,7 @@ class Tuner:
                           "memory_check": memory.reason, "comm_estimate_per_step": memory.comm})
         self._launch_and_measure(trial, exp)
 
-    def _launch_and_measure(self, trial: Any, exp: Experiment) -> None:
+    def _launch_and_measure(self, trial: Trial, exp: Experiment) -> None:
         """Write the experiment's files, launch it, and record its profile metric (or its failure)."""
         s = self.settings
         exp.write_files(s.exps_dir)
@@ -449,8 +458,8 @@ class Tuner:
                                optimal_config)
 
 
-def optimal_command(base_overrides: Sequence[str], best_params: dict[str, Any], space: Any, settings: TuneSettings,
-                    recipes_dirs: Sequence[str], optimal_config: Path) -> list[str]:
+def optimal_command(base_overrides: Sequence[str], best_params: dict[str, Any], space: SearchSpace,
+                    settings: TuneSettings, recipes_dirs: Sequence[str], optimal_config: Path) -> list[str]:
     """``dsrun train`` with the best DeepSpeed config as ``ds_config=`` plus the tuned RunSpec keys (those
     outside ``ds``, and arg_mappings' targets), which a DeepSpeed file cannot carry."""
     config = space.config(best_params)

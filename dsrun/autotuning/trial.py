@@ -114,7 +114,7 @@ def _stop_group(process: subprocess.Popen) -> None:
             continue
 
 
-def stop_leftover_launch(pid: Any) -> None:
+def stop_leftover_launch(pid: int | None) -> None:
     """Stop the process group of a launch a killed tuner left behind (it normally dies with the tuner, but
     may still be shutting down). Only a group whose leader is still a ``dsrun train`` is touched."""
     try:

@@ -14,9 +14,15 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dsrun.utils.errors import Problem, UserError
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from dsrun.estimate import Breakdown
+    from dsrun.estimate.inputs import EstimateInputs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -105,7 +111,7 @@ def _cold_inputs(args: argparse.Namespace) -> tuple[Any, dict[str, Any], dict[st
     return spec, {"name": "(given counts)"}, sources
 
 
-def _planned_layout(cfg: Any) -> tuple[int, int, str] | None:
+def _planned_layout(cfg: DictConfig) -> tuple[int, int, str] | None:
     """(nodes, ranks on the busiest node, source) from the launcher's plan, which reads hostfiles and
     filters too; None when no launcher is available in this build."""
     try:
@@ -121,7 +127,7 @@ def _planned_layout(cfg: Any) -> tuple[int, int, str] | None:
     return len(slots), max(slots), f"launch plan ({plan.world_size} ranks on {len(slots)} host(s))"
 
 
-def _recipe_inputs(args: argparse.Namespace) -> tuple[Any, dict[str, Any], dict[str, str]]:
+def _recipe_inputs(args: argparse.Namespace) -> tuple[EstimateInputs, dict[str, Any], dict[str, str]]:
     try:
         from dsrun.compose import compose_runspec
     except ImportError:
@@ -157,8 +163,8 @@ def _recipe_inputs(args: argparse.Namespace) -> tuple[Any, dict[str, Any], dict[
     return spec, info, sources
 
 
-def _with_process(spec: Any, args: argparse.Namespace, sources: dict[str, str], threads: int | None = None,
-                  model_cfg: dict | None = None) -> Any:
+def _with_process(spec: EstimateInputs, args: argparse.Namespace, sources: dict[str, str], threads: int | None = None,
+                  model_cfg: dict | None = None) -> EstimateInputs:
     """Add what the rank process itself holds: the device kind and the idle rank's measured memory
     (with ``threads`` OpenMP threads, default what dsrun's launcher gives each rank on this host, and the
     recipe's model class ``model_cfg``)."""
@@ -184,7 +190,7 @@ def _with_process(spec: Any, args: argparse.Namespace, sources: dict[str, str], 
     return spec.with_(device=device, rank_runtime_bytes=int(runtime))
 
 
-def estimate_recipe(overrides: list[str], recipes_dirs: tuple[str, ...] = (), threads: int | None = None) -> Any:
+def estimate_recipe(overrides: list[str], recipes_dirs: tuple[str, ...] = (), threads: int | None = None) -> Breakdown:
     """The estimate ``dsrun estimate-memory OVERRIDES`` prints for the recipe's own setting, as a
     :class:`~dsrun.estimate.Breakdown` (``rank_peak`` is what ``--measure`` compares with each rank)."""
     from dsrun.estimate import estimate_peak_bytes_per_rank
@@ -226,7 +232,7 @@ def measure_run(overrides: list[str], recipes_dirs: list[str], steps: int, timeo
     return load_measured_peaks(run_dir)
 
 
-def _pipeline_stages(spec: Any, model_spec: dict[str, Any], ds_cfg: dict[str, Any]) -> list | None:
+def _pipeline_stages(spec: EstimateInputs, model_spec: dict[str, Any], ds_cfg: dict[str, Any]) -> list | None:
     """Each stage's estimate when the recipe's GPT is pipelined (``model.pipeline_stages`` > 1), else None."""
     if int(model_spec.get("pipeline_stages", 1) or 1) <= 1:
         return None

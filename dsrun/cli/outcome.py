@@ -14,14 +14,17 @@ import json
 import re
 import signal
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from dsrun.cli.multirun import short_path
 from dsrun.rundir import METRICS_JSON
 from dsrun.utils.errors import UserError
 
+if TYPE_CHECKING:
+    from dsrun.runspec import ResolvedRun
 
-def done_lines(resolved: Any, run_dir: Path, metrics: dict[str, Any]) -> list[str]:
+
+def done_lines(resolved: ResolvedRun, run_dir: Path, metrics: dict[str, Any]) -> list[str]:
     """The closing lines of a run that finished."""
     losses = [e["loss"] for e in metrics["eval_losses"]]
     first = (f"done: {metrics['steps']} steps in {metrics['wall_time_s']:.1f}s, "
@@ -30,7 +33,7 @@ def done_lines(resolved: Any, run_dir: Path, metrics: dict[str, Any]) -> list[st
     return [first, *where_outputs_went(resolved, run_dir)]
 
 
-def stopped_lines(resolved: Any, run_dir: Path, signum: int) -> list[str]:
+def stopped_lines(resolved: ResolvedRun, run_dir: Path, signum: int) -> list[str]:
     """The closing lines of a run stopped by ``signum``: where it stopped, the checkpoint, how to resume."""
     from dsrun.cli.resume import CHECKPOINTS, checkpoint_step
 
@@ -91,7 +94,7 @@ def first_error(log_dir: Path, rank: int | None = None) -> str:
     return next((e for e in errors if not PEER_FAILED.search(e)), errors[0] if errors else "")
 
 
-def where_outputs_went(resolved: Any, run_dir: Path) -> list[str]:
+def where_outputs_went(resolved: ResolvedRun, run_dir: Path) -> list[str]:
     """One line per output a user looks for after a run: metrics, monitor files, checkpoints, MLflow (paths
     relative to the current directory when they lie below it). A monitor whose folder holds no files is
     named as such, not advertised."""
@@ -121,7 +124,7 @@ def where_outputs_went(resolved: Any, run_dir: Path) -> list[str]:
     return lines
 
 
-def mlflow_run(resolved: Any, run_dir: Path) -> tuple[str, str]:
+def mlflow_run(resolved: ResolvedRun, run_dir: Path) -> tuple[str, str]:
     """(tracking URI, run name) of the MLflow run the ranks open, resolved as they resolve it."""
     from dsrun.monitor.mlflow_monitor import resolve_tracking_uri
 
@@ -130,7 +133,8 @@ def mlflow_run(resolved: Any, run_dir: Path) -> tuple[str, str]:
     return uri, ds.mlflow.run_name or f"{run_dir.parent.name}/{run_dir.name}"
 
 
-def mark_mlflow(resolved: Any, run_dir: Path, started_ms: int, status: str, say: Callable[[str], None]) -> None:
+def mark_mlflow(resolved: ResolvedRun, run_dir: Path, started_ms: int, status: str,
+                say: Callable[[str], None]) -> None:
     """Give the run's MLflow run the job's real ending (``FAILED`` or ``KILLED``)."""
     if not resolved.ds.mlflow.enabled:
         return

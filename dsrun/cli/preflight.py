@@ -24,11 +24,19 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from dsrun.utils.errors import Problem, UserError, find_user_error
+
+if TYPE_CHECKING:
+    from dsrun.config import DeepSpeedConfig
+    from dsrun.data.corpus import TokenCorpus
+    from dsrun.estimate.inputs import EstimateInputs
+    from dsrun.estimate.runspec import RecipeModel
+    from dsrun.launcher import LaunchPlan
+    from dsrun.runspec import ResolvedRun
 
 WARMUP_SCHEDULES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 
@@ -44,7 +52,7 @@ class Preflight:
     data: dict[str, Any] | None = None
 
 
-def check_before_launch(resolved: Any, *, memory_check: bool = True) -> Preflight:
+def check_before_launch(resolved: ResolvedRun, *, memory_check: bool = True) -> Preflight:
     """Every check of the module docstring on a :class:`~dsrun.runspec.ResolvedRun`; raises
     :class:`UserError` with all problems found."""
     spec: DictConfig = resolved.runspec
@@ -73,7 +81,7 @@ def check_before_launch(resolved: Any, *, memory_check: bool = True) -> Prefligh
     return result
 
 
-def runs_here(plan: Any) -> bool:
+def runs_here(plan: LaunchPlan) -> bool:
     """True when every rank of the plan runs on this machine."""
     return all(host in ("localhost", "127.0.0.1") for host in plan.hosts)
 
@@ -84,7 +92,7 @@ def missing_values(spec: DictConfig) -> list[Problem]:
             for key in sorted(OmegaConf.missing_keys(spec)) if not key.startswith("ds.")]
 
 
-def _build_model(spec: DictConfig, problems: list[Problem], result: Preflight) -> Any:
+def _build_model(spec: DictConfig, problems: list[Problem], result: Preflight) -> RecipeModel | None:
     """The recipe's model on the meta device (its constructor checks its shape), or None."""
     from dsrun.estimate.runspec import build_recipe_model
 
@@ -104,7 +112,7 @@ def _build_model(spec: DictConfig, problems: list[Problem], result: Preflight) -
     return None
 
 
-def _build_data(spec: DictConfig, problems: list[Problem]) -> Any:
+def _build_data(spec: DictConfig, problems: list[Problem]) -> TokenCorpus | None:
     """dsrun's own corpora, built once here (a user's ``_target_`` may need the ranks: it is left to them)."""
     import hydra.utils
 
@@ -120,8 +128,9 @@ def _build_data(spec: DictConfig, problems: list[Problem]) -> Any:
     return None
 
 
-def fit_checks(corpus: Any, model_config: Any) -> list[Problem]:
-    """The data against the model: the sequence length fits its context, the ids fit its vocabulary."""
+def fit_checks(corpus: TokenCorpus, model_config: object) -> list[Problem]:
+    """The data against the model: the sequence length fits its context, the ids fit its vocabulary.
+    ``model_config`` is any model's config (or None): its ``block_size`` and ``vocab_size`` are read when present."""
     problems: list[Problem] = []
     block_size = getattr(model_config, "block_size", None)
     if isinstance(block_size, int) and corpus.seq_len > block_size:
@@ -136,7 +145,7 @@ def fit_checks(corpus: Any, model_config: Any) -> list[Problem]:
     return problems
 
 
-def data_digest(corpus: Any, limit: int = 256 * 2**20) -> dict[str, Any]:
+def data_digest(corpus: TokenCorpus, limit: int = 256 * 2**20) -> dict[str, Any]:
     """A SHA-256 of the corpus's train and eval tokens (``how``: "full"), or for arrays over ``limit`` bytes
     of their size and three 16 MiB slices (``how``: "sampled"), so a 100 GB token file costs no minutes."""
     import hashlib
@@ -186,7 +195,7 @@ def resume_problems(resume: str | None) -> list[Problem]:
     return problems
 
 
-def monitor_path_problems(ds: Any) -> list[Problem]:
+def monitor_path_problems(ds: DeepSpeedConfig) -> list[Problem]:
     """Folders named in ``csv_monitor`` / ``tensorboard`` ``output_path`` that cannot be created or written."""
     problems = []
     for section in ("csv_monitor", "tensorboard"):
@@ -215,7 +224,7 @@ def unwritable(path: Path) -> str | None:
     return None
 
 
-def warmup_note(resolved: Any) -> str | None:
+def warmup_note(resolved: ResolvedRun) -> str | None:
     """A note when a warm-up schedule warms up for longer than the run lasts (its peak lr is never reached)."""
     scheduler = resolved.ds.scheduler
     if scheduler.type not in WARMUP_SCHEDULES:
@@ -234,7 +243,7 @@ def warmup_note(resolved: Any) -> str | None:
             f"takes: the learning rate never leaves {scheduler.type}'s warm-up")
 
 
-def _memory(resolved: Any, model: Any, result: Preflight) -> list[Problem]:
+def _memory(resolved: ResolvedRun, model: RecipeModel, result: Preflight) -> list[Problem]:
     """The estimator's verdict for this run on this machine (all ranks local); "too big" is a problem."""
     from dsrun.estimate import estimate_peak_bytes_per_rank
     from dsrun.estimate.runspec import inputs_from_runspec
@@ -263,7 +272,7 @@ def _memory(resolved: Any, model: Any, result: Preflight) -> list[Problem]:
                     "model, or fewer ranks; --skip-memory-check launches anyway")]
 
 
-def _cached_rank_runtime(spec: Any, model_cfg: dict[str, Any]) -> int:
+def _cached_rank_runtime(spec: EstimateInputs, model_cfg: dict[str, Any]) -> int:
     """An idle rank's measured memory when ``dsrun estimate-memory`` measured it on this host before (the
     measurement takes seconds, so train does not make it), else 0: the estimate is then a lower bound."""
     import json

@@ -26,12 +26,15 @@ import copy
 import dataclasses
 import re
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from omegaconf import OmegaConf
 
 from dsrun.rundir import PROVENANCE_JSON, RESOLVED_YAML
 from dsrun.utils.errors import Problem, UserError
+
+if TYPE_CHECKING:
+    from dsrun.runspec import ResolvedRun
 
 NOT_SHAPING = ("train.resume", "train.max_steps", "train.max_tokens", "train.save_interval", "train.keep_last",
                "train.eval_interval", "train.eval_iters", "launcher.master_port", "launcher.master_addr",
@@ -49,7 +52,7 @@ def shaping_overrides(overrides: Sequence[str]) -> list[str]:
                   if override_key(o) not in NOT_SHAPING and not override_key(o).startswith("hydra."))
 
 
-def with_resume(resolved: Any, value: str | None) -> Any:
+def with_resume(resolved: ResolvedRun, value: str | None) -> ResolvedRun:
     """``resolved`` with ``train.resume`` set to ``value``."""
     spec = copy.deepcopy(resolved.runspec)
     spec.train.resume = value
@@ -109,7 +112,8 @@ class RunFinished(Exception):
             return None
 
 
-def settle_auto(resolved: Any, run_dir: Path, overrides: Sequence[str], multirun: bool) -> tuple[Any, str]:
+def settle_auto(resolved: ResolvedRun, run_dir: Path, overrides: Sequence[str],
+                multirun: bool) -> tuple[ResolvedRun, str]:
     """Resolve ``train.resume=auto`` for the job in ``run_dir`` started with ``overrides``: (the run with
     ``train.resume`` set to the checkpoint folder found, or null; the line that says what was found)."""
     depth = 3 if multirun else 2
@@ -176,7 +180,7 @@ def started_from(source: Path) -> str | None:
     return str(resume) if Path(str(resume)).exists() else None
 
 
-def settle_from(resolved: Any, source: Path, overrides: Sequence[str]) -> tuple[Any, str]:
+def settle_from(resolved: ResolvedRun, source: Path, overrides: Sequence[str]) -> tuple[ResolvedRun, str]:
     """Resume a ``--from`` run from the source's newest checkpoint, unless the user set ``train.resume``;
     when the source has none, or had finished, run it again from where it started (the checkpoint it
     resumed from, else step 0): (the run, the line that says which)."""

@@ -18,9 +18,18 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dsrun.cli.common import add_compose_arguments
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+    from optuna.trial import FrozenTrial
+
+    from dsrun.autotuning import SearchSpace, Tuner, TuneSettings
+    from dsrun.autotuning.results import TrialRow
+    from dsrun.config.monitoring import MLflowConfig
+    from dsrun.runspec import ResolvedRun
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
                                 "add autotuning=fast (ZeRO stage x micro batch) or autotuning=full"))
     space = build_space(settings, resolved.ds_dict(), resolved.world_size)
 
-    def compose(overrides: list[str]) -> tuple[Any, Any]:
+    def compose(overrides: list[str]) -> tuple[DictConfig, ResolvedRun]:
         composed = compose_runspec(overrides, args.recipes_dir)
         return composed, resolve_run(composed)
 
@@ -68,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     return tune_and_report(tuner, reporter, args.run)
 
 
-def tune_and_report(tuner: Any, reporter: "Reporter", run_best: bool) -> int:
+def tune_and_report(tuner: Tuner, reporter: "Reporter", run_best: bool) -> int:
     """Run the study with progress, write the results, and with ``run_best`` run ``cmd_optimal.txt``
     (``dsrun tune`` and ``dsrun launch --autotuning``)."""
     import subprocess
@@ -106,7 +115,7 @@ class Reporter:
     """Progress while tuning (a rich progress bar on a terminal, one line per trial always), the rich table at
     the end, and with MLflow on a parent run with one child run per trial."""
 
-    def __init__(self, settings: Any, space: Any, mlflow: Any = None):
+    def __init__(self, settings: TuneSettings, space: SearchSpace, mlflow: MLflowConfig | None = None):
         from rich.console import Console
 
         self.settings = settings
@@ -114,7 +123,7 @@ class Reporter:
         self.console = Console(highlight=False)
         if not self.console.is_terminal:  # logs and CI: wide enough for the table's notes
             self.console = Console(highlight=False, width=160)
-        self.tuner: Any = None
+        self.tuner: Tuner | None = None
         self.progress: Any = None
         self.task: Any = None
         self.running: int | None = None  # the number of the trial that is running, if any
@@ -140,7 +149,7 @@ class Reporter:
             self.task = self.progress.add_task("tuning", total=min(self.settings.tuner_num_trials, self.space.size))
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:  # the exception, if any, goes on
         if self.progress is not None:
             self.progress.stop()
 
@@ -223,7 +232,7 @@ class _MLflowTrials:
     """A parent run for the study (keyed by its results dir, so a resumed study keeps its parent) and a child
     run per finished trial: params, status, the metric, and the experiment's files as artifacts."""
 
-    def __init__(self, section: Any, settings: Any):
+    def __init__(self, section: MLflowConfig, settings: TuneSettings):
         from dsrun.monitor.mlflow_monitor import resolve_tracking_uri
 
         self.uri = resolve_tracking_uri(section.tracking_uri, Path.cwd() / "mlruns")
@@ -232,7 +241,7 @@ class _MLflowTrials:
         self.settings = settings
         self.parent_id: str | None = None
 
-    def log_trial(self, trial: Any, exp_dir: Path, status: str | None = None) -> None:
+    def log_trial(self, trial: FrozenTrial, exp_dir: Path, status: str | None = None) -> None:
         from dsrun.monitor.mlflow_monitor import MLflowMonitor
 
         attrs = trial.user_attrs
@@ -251,7 +260,7 @@ class _MLflowTrials:
         monitor.close(status or ("FINISHED" if trial.state.name == "COMPLETE" else
                                  "KILLED" if trial.state.name == "PRUNED" else "FAILED"))
 
-    def finish(self, best: Any) -> None:
+    def finish(self, best: TrialRow | None) -> None:
         if best is None:
             return
         import time

@@ -17,7 +17,7 @@ its compressed forward (with only that).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -67,7 +67,7 @@ def _replace(module: nn.Module, name: str, value: torch.Tensor) -> None:
         module.register_buffer(name, value.contiguous())
 
 
-def _set_attrs(record: CleanRecord, owner: nn.Module, name: str, **attrs: Any) -> None:
+def _set_attrs(record: CleanRecord, owner: nn.Module, name: str, **attrs: int) -> None:
     for attr, value in attrs.items():
         setattr(owner, attr, value)
     record.structure.setdefault(name, {}).update(attrs)
@@ -160,7 +160,13 @@ def _remove_state(module: nn.Module, c: ModuleCompression) -> None:
                 del module._parameters[attr]
 
 
-def clean_model(model: nn.Module, plan: Any) -> None:
+class Cleanable(Protocol):
+    """What cleaning reads and marks of a compression plan (:class:`.compress.CompressionPlan`)."""
+
+    cleaned: bool
+
+
+def clean_model(model: nn.Module, plan: Cleanable) -> None:
     if getattr(plan, "cleaned", False):
         raise UserError(Problem("redundancy_clean", "this model was already cleaned", "clean a model once"))
     if any(hasattr(p, "ds_id") for p in model.parameters()):

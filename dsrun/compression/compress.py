@@ -17,12 +17,14 @@ pruning pruned when ``related_modules`` say where the matching columns are (:mod
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Union
 
 import torch
 from torch import nn
 
-from dsrun.config.compression import CompressionConfig, check_compression
+from dsrun.config.compression import (ActivationQuantizationConfig, ChannelPruningConfig, CompressionConfig,
+                                      HeadPruningConfig, PruneParams, RowPruningConfig, SparsePruningConfig,
+                                      WeightQuantizationConfig, WeightQuantParams, check_compression)
 from dsrun.config.problems import validate_model
 from dsrun.config.sources import read_config_source
 from dsrun.utils.errors import ConfigError, Problem, UserError
@@ -31,6 +33,9 @@ from . import layers, matching, pruning
 from .layer_reduction import student_initialization
 from .layers import ActivationQuantization, Pruning, WeightQuantization
 from .quantizers import check_groups
+
+if TYPE_CHECKING:
+    from dsrun.config import ConfigSource, DeepSpeedConfig
 
 SECTION = "compression_training"
 PLAN_ATTR = "_ds_compression_plan"
@@ -44,10 +49,12 @@ _ELIGIBLE = {
     "head_pruning": (nn.Linear,),
     "channel_pruning": (nn.Conv2d,),
 }
+PruningConfig = Union[SparsePruningConfig, RowPruningConfig, HeadPruningConfig, ChannelPruningConfig]
+TechniqueConfig = Union[WeightQuantizationConfig, ActivationQuantizationConfig, PruningConfig]
 _KIND = {"sparse_pruning": "sparse", "row_pruning": "row", "head_pruning": "head", "channel_pruning": "channel"}
 
 
-def read_config(deepspeed_config: Any) -> CompressionConfig:
+def read_config(deepspeed_config: ConfigSource | DeepSpeedConfig | CompressionConfig) -> CompressionConfig:
     """The ``compression_training`` section of a DeepSpeed config (a path, a dict, JSON text or a loaded
     :class:`dsrun.config.DeepSpeedConfig`), validated; a ConfigError lists every problem."""
     if isinstance(deepspeed_config, CompressionConfig):
@@ -102,7 +109,8 @@ def _gathered(params: list[torch.Tensor]) -> Any:
     return GatheredParameters([p for p in params if isinstance(p, nn.Parameter)])
 
 
-def _weight_quantization(model: nn.Module, cfg: Any, names: list[str], group: str, params: Any, where: str) -> None:
+def _weight_quantization(model: nn.Module, cfg: WeightQuantizationConfig, names: list[str], group: str,
+                         params: WeightQuantParams, where: str) -> None:
     shared = cfg.shared_parameters
     mixed = shared.fp16_mixed_quantize
     for name in names:
@@ -118,8 +126,8 @@ def _weight_quantization(model: nn.Module, cfg: Any, names: list[str], group: st
             change_ratio=mixed.quantize_change_ratio if mixed.enabled else None)
 
 
-def _pruning(model: nn.Module, technique: str, cfg: Any, names: list[str], related: list[list[str]],
-             params: Any, where: str) -> None:
+def _pruning(model: nn.Module, technique: str, cfg: PruningConfig, names: list[str], related: list[list[str]],
+             params: PruneParams, where: str) -> None:
     shared = cfg.shared_parameters
     kind = _KIND[technique]
     method = getattr(shared, "method", "topk")
@@ -159,7 +167,8 @@ def _pruning(model: nn.Module, technique: str, cfg: Any, names: list[str], relat
                     getattr(module, p.scores_name).shape))
 
 
-def _technique_groups(model: nn.Module, technique: str, cfg: Any, where: str) -> list[tuple[str, list[str]]]:
+def _technique_groups(model: nn.Module, technique: str, cfg: TechniqueConfig,
+                      where: str) -> list[tuple[str, list[str]]]:
     """Attach ``technique`` to the modules its groups name; returns ``[(group, module names)]``."""
     shared = cfg.shared_parameters
     eligible = _ELIGIBLE[technique]
@@ -231,8 +240,8 @@ def _link_followers(model: nn.Module) -> None:
                 add_external_param(module, p)
 
 
-def init_compression(model: nn.Module, deepspeed_config: Any, teacher_model: nn.Module | None = None,
-                     mpu: Any = None) -> nn.Module:
+def init_compression(model: nn.Module, deepspeed_config: ConfigSource | DeepSpeedConfig | CompressionConfig,
+                     teacher_model: nn.Module | None = None, mpu: object = None) -> nn.Module:
     """Prepare ``model`` for the compression ``deepspeed_config``'s ``compression_training`` describes and
     return it (the same object, changed in place).
 
@@ -257,11 +266,13 @@ def init_compression(model: nn.Module, deepspeed_config: Any, teacher_model: nn.
     return model
 
 
-def redundancy_clean(model: nn.Module, deepspeed_config: Any, mpu: Any = None) -> nn.Module:
+def redundancy_clean(model: nn.Module, deepspeed_config: ConfigSource | DeepSpeedConfig | CompressionConfig,
+                     mpu: object = None) -> nn.Module:
     """Make the compression real: masked weights become zeros, quantized weights take their ``target_bits``
     values (recorded as integer codes for :func:`dsrun.compression.export.save_compressed`), and row, head
     and channel pruning with ``related_modules`` remove the pruned rows, heads and channels. Activation
-    quantization stays in the forward. Returns the model."""
+    quantization stays in the forward. Returns the model. ``mpu`` is accepted for DeepSpeed's signature
+    (any object; unused)."""
     from .clean import clean_model
 
     read_config(deepspeed_config)  # validate, as DeepSpeed reads it

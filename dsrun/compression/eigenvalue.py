@@ -12,7 +12,7 @@ return the loss (a scalar tensor, or a tuple/object whose first element or ``.lo
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -21,8 +21,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from dsrun import comm
 from dsrun.utils.errors import Problem, UserError
 
+if TYPE_CHECKING:
+    from dsrun.config.misc import EigenvalueConfig
 
-def _loss_of(output: Any) -> torch.Tensor:
+
+def _loss_of(output: object) -> torch.Tensor:
+    """The scalar loss in whatever the model's forward returned (a tensor, a tuple, an object with ``loss``)."""
     if isinstance(output, (tuple, list)) and output:
         output = output[0]
     output = getattr(output, "loss", output)
@@ -35,7 +39,7 @@ def _loss_of(output: Any) -> torch.Tensor:
 class Eigenvalue:
     """Block Hessian eigenvalues of ``model`` as the ``eigenvalue`` config section says."""
 
-    def __init__(self, model: nn.Module, config: Any):
+    def __init__(self, model: nn.Module, config: EigenvalueConfig):
         self.config = config
         self.model = model
         try:

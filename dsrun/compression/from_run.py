@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -21,8 +21,13 @@ from .clean import record_of
 from .export import compressed_bytes, post_training_quantize, save_compressed
 from .quantizers import QuantSpec, dequantize, quantize
 
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
-def _run_files(run_dir: Path, tag: str | None) -> tuple[Any, dict[str, torch.Tensor], dict[str, Any]]:
+    from dsrun.config.misc import QuantizeTrainingConfig
+
+
+def _run_files(run_dir: Path, tag: str | None) -> tuple[DictConfig, dict[str, torch.Tensor], dict[str, Any]]:
     from omegaconf import OmegaConf
 
     from dsrun.checkpoint.layout import read_latest
@@ -45,7 +50,7 @@ def _run_files(run_dir: Path, tag: str | None) -> tuple[Any, dict[str, torch.Ten
     return OmegaConf.load(spec_file), state, model_states.get("compression") or {}
 
 
-def _builder(spec: Any, model: nn.Module) -> dict[str, Any]:
+def _builder(spec: DictConfig, model: nn.Module) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
     builder = OmegaConf.to_container(spec.model, resolve=True)
@@ -55,7 +60,8 @@ def _builder(spec: Any, model: nn.Module) -> dict[str, Any]:
     return builder
 
 
-def record_moq_weights(model: nn.Module, quantize_training: Any, moq_state: dict[str, Any]) -> None:
+def record_moq_weights(model: nn.Module, quantize_training: QuantizeTrainingConfig,
+                       moq_state: dict[str, Any]) -> None:
     """Quantize each MoQ weight to the bit width its schedule had reached, recording codes for export."""
     algo = quantize_training.quantize_algo
     record = record_of(model)

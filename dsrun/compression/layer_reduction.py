@@ -14,13 +14,16 @@ keeps only its layers ``teacher_layer``, in that order; a ``config`` attribute c
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dsrun.utils.errors import Problem, UserError
+
+if TYPE_CHECKING:
+    from dsrun.config.compression import LayerReductionConfig
 
 WHERE = "compression_training.layer_reduction"
 LAYER_COUNT_ATTRS = ("n_layer", "num_hidden_layers", "num_layers")
@@ -58,7 +61,8 @@ def _set_layer_count(model: nn.Module, old: int, new: int) -> None:
                     model.config = dataclasses.replace(config, **{attr: new})
 
 
-def student_initialization(student_model: nn.Module, teacher_model: nn.Module | None, config: Any) -> None:
+def student_initialization(student_model: nn.Module, teacher_model: nn.Module | None,
+                           config: LayerReductionConfig) -> None:
     """Initialise ``student_model`` from ``teacher_model`` as ``config`` (the ``layer_reduction`` section)
     says; without a teacher, reduce ``student_model``'s own layers."""
     prefix = config.module_name_prefix
@@ -123,7 +127,7 @@ class Distiller:
         for p in self.teacher.parameters():
             p.requires_grad_(False)
 
-    def loss(self, student: Any, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def loss(self, student: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss, logits = student(inputs, targets, return_logits=True)
         if self.weight == 0:
             return loss

@@ -14,11 +14,11 @@ compressed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import FunctionCtx
 
 from . import pruning
 from .quantizers import QuantSpec, dynamic_range, fake_quantize_activation, fake_quantize_ste
@@ -278,13 +278,13 @@ class _SnipTap(torch.autograd.Function):
     """Identity on the weight whose backward adds ``|w · dL/dw|`` into a running average (snip_momentum)."""
 
     @staticmethod
-    def forward(ctx: Any, weight: torch.Tensor, scores: torch.Tensor, momentum: float) -> torch.Tensor:
+    def forward(ctx: FunctionCtx, weight: torch.Tensor, scores: torch.Tensor, momentum: float) -> torch.Tensor:
         ctx.scores, ctx.momentum = scores, momentum
         ctx.value = weight.detach()
         return weight.view_as(weight)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         with torch.no_grad():
             ctx.scores.mul_(ctx.momentum).add_((ctx.value.float() * grad.float()).abs() * (1 - ctx.momentum))
         return grad, None, None
@@ -303,7 +303,7 @@ def attach_batchnorm_mask(bn: nn.Module, conv: nn.Module, p: Pruning) -> None:
     """Zero the BatchNorm outputs of the channels ``conv``'s channel pruning removes, so the masked model
     computes what the cleaned one (without those channels) will: a BatchNorm would otherwise turn a zero
     channel into its constant ``beta - gamma·mean/std``."""
-    def hook(module: nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
+    def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
         if not p.applies:
             return output
         mask = conv.ds_compression.unit_mask(conv, p)

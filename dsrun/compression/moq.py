@@ -16,7 +16,7 @@ eigenvalue is λ (up to 5x for the most sensitive layer).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -24,6 +24,11 @@ from torch import nn
 from dsrun import comm
 
 from .quantizers import QuantSpec, check_groups, fake_quantize
+
+if TYPE_CHECKING:
+    from dsrun.config.misc import QuantizeTrainingConfig
+
+    from .eigenvalue import Eigenvalue
 
 
 def _is_partitioned(p: torch.Tensor) -> bool:
@@ -80,7 +85,7 @@ class _MoQWeight:
 class MoQ:
     """The ``quantize_training`` quantizer of one model: every weight with two or more dimensions."""
 
-    def __init__(self, model: nn.Module, config: Any, eigenvalue: Any = None):
+    def __init__(self, model: nn.Module, config: QuantizeTrainingConfig, eigenvalue: Eigenvalue | None = None):
         self.config = config
         algo = config.quantize_algo
         self.symmetric = algo.q_type == "symmetric"

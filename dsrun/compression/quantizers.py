@@ -20,9 +20,10 @@ estimator (:func:`fake_quantize_ste`) passes the gradient through unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Callable
 
 import torch
+from torch.autograd.function import FunctionCtx
 
 from dsrun.utils.errors import Problem, UserError
 
@@ -118,18 +119,18 @@ def fake_quantize(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
 
 class _StraightThrough(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, fn: Any, x: torch.Tensor, *args: Any) -> torch.Tensor:
+    def forward(ctx: FunctionCtx, fn: Callable[..., torch.Tensor], x: torch.Tensor, *args: object) -> torch.Tensor:
         ctx.others = len(args)
         return fn(x, *args)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return (None, grad) + (None,) * ctx.others
 
 
-def straight_through(fn: Any, x: torch.Tensor, *args: Any) -> torch.Tensor:
+def straight_through(fn: Callable[..., torch.Tensor], x: torch.Tensor, *args: object) -> torch.Tensor:
     """``fn(x, *args)`` whose gradient with respect to ``x`` is the identity (the straight-through
-    estimator); the other arguments get none."""
+    estimator); the other arguments (whatever ``fn`` takes) get none."""
     return _StraightThrough.apply(fn, x, *args)
 
 

@@ -18,7 +18,7 @@ Steps are optimizer steps: the engine calls :meth:`compression_scheduler.step` o
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
@@ -28,6 +28,10 @@ from dsrun import comm
 from . import layers
 from .compress import TECHNIQUES, _KIND, plan_of, read_config
 from .pruning import snip_density
+
+if TYPE_CHECKING:
+    from dsrun.config import ConfigSource, DeepSpeedConfig
+    from dsrun.config.compression import CompressionConfig, WeightQuantShared
 
 log = logging.getLogger("dsrun.compression")
 _TECHNIQUE_OF_KIND = {kind: technique for technique, kind in _KIND.items()}
@@ -68,7 +72,8 @@ def _gathered(param: torch.Tensor) -> Any:
 class compression_scheduler:  # noqa: N801 (DeepSpeed's name)
     """Steps the techniques of a model prepared by :func:`dsrun.compression.compress.init_compression`."""
 
-    def __init__(self, model: nn.Module, compression_config: Any = None):
+    def __init__(self, model: nn.Module,
+                 compression_config: ConfigSource | DeepSpeedConfig | CompressionConfig | None = None):
         self.model = model.module if isinstance(getattr(model, "module", None), nn.Module) else model
         plan = plan_of(self.model)
         if plan is None:
@@ -143,7 +148,7 @@ class compression_scheduler:  # noqa: N801 (DeepSpeed's name)
     def _shared(self, p: layers.Pruning) -> Any:
         return getattr(self.config, _TECHNIQUE_OF_KIND[p.kind]).shared_parameters
 
-    def _weight_bits(self, name: str, w: layers.WeightQuantization, s: int, shared: Any) -> None:
+    def _weight_bits(self, name: str, w: layers.WeightQuantization, s: int, shared: WeightQuantShared) -> None:
         offset = shared.schedule_offset
         bits = weight_bits_at(s, offset, w.start_bits, w.target_bits, w.period)
         if bits != w.bits and bits is not None and shared.quantize_verbose:
@@ -185,7 +190,8 @@ class compression_scheduler:  # noqa: N801 (DeepSpeed's name)
                 p.density = density
 
     @staticmethod
-    def _store_mask(module: nn.Module, p: layers.Pruning, compute: Any) -> None:
+    def _store_mask(module: nn.Module, p: layers.Pruning,
+                    compute: Callable[[torch.Tensor, layers.Pruning], torch.Tensor]) -> None:
         with _gathered(module.weight), torch.no_grad():
             getattr(module, p.mask_name).copy_(compute(module.weight, p))
         p.ready = True

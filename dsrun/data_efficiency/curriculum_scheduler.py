@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from dsrun.utils.errors import ConfigError, Problem
+
+if TYPE_CHECKING:
+    from dsrun.config.base import Section
 
 MIN_DIFFICULTY, MAX_DIFFICULTY = "min_difficulty", "max_difficulty"
 CURRENT_DIFFICULTY, SCHEDULE_TYPE, SCHEDULE_CONFIG = "current_difficulty", "schedule_type", "schedule_config"
@@ -33,7 +36,7 @@ _NEEDS = {"fixed_linear": ("total_curriculum_step", "difficulty_step"),
           "fixed_discrete": ("difficulty", "max_step"), "custom": ()}
 
 
-def section_dict(config: Any) -> dict[str, Any]:
+def section_dict(config: Mapping[str, Any] | Section) -> dict[str, Any]:
     """A config section as a plain dict: typed sections (pydantic) lose their unset (None) keys."""
     if hasattr(config, "model_dump"):
         return config.model_dump(exclude_none=True)
@@ -55,7 +58,7 @@ class CurriculumScheduler:
     or the typed section) with ``min_difficulty``, ``max_difficulty``, ``schedule_type`` and, except for
     ``custom``, ``schedule_config``."""
 
-    def __init__(self, config: Mapping[str, Any] | Any, path: str = "curriculum_learning"):
+    def __init__(self, config: Mapping[str, Any] | Section, path: str = "curriculum_learning"):
         config = section_dict(config)
         problems = [Problem(f"{path}.{key}", "required for a curriculum schedule")
                     for key in (MIN_DIFFICULTY, MAX_DIFFICULTY, SCHEDULE_TYPE) if config.get(key) is None]

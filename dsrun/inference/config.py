@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 import torch
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
@@ -29,7 +29,8 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
-def _to_dtype(value: Any) -> Any:
+def _to_dtype(value: object) -> torch.dtype:
+    """Any value given as an inference dtype, as its torch dtype (a ValueError for anything else)."""
     if isinstance(value, torch.dtype):
         if value in DTYPES.values():
             return value
@@ -162,6 +163,10 @@ class DeepSpeedInferenceConfig(_Config):
         return bool(self.moe)
 
 
+# what init_inference's ``config`` may be: a JSON file's path, a dict, or a built config
+InferenceConfigSource = Union[str, os.PathLike, dict[str, Any], DeepSpeedInferenceConfig]
+
+
 def _aliases() -> dict[str, str]:
     """alias -> field name, for every alias of the top-level config."""
     return {info.alias: name for name, info in DeepSpeedInferenceConfig.model_fields.items() if info.alias}
@@ -172,7 +177,7 @@ def _canonical(mapping: dict[str, Any]) -> dict[str, Any]:
     return {aliases.get(key, key): value for key, value in mapping.items()}
 
 
-def _read_config(config: Any) -> dict[str, Any]:
+def _read_config(config: InferenceConfigSource | None) -> dict[str, Any]:
     if config is None:
         return {}
     if isinstance(config, (str, os.PathLike)):
@@ -194,9 +199,9 @@ def _read_config(config: Any) -> dict[str, Any]:
     raise ValueError(f"Expected a string path to an existing deepspeed config, or a dictionary. Received: {config}")
 
 
-def merge_config(config: Any = None, **kwargs: Any) -> DeepSpeedInferenceConfig:
+def merge_config(config: InferenceConfigSource | None = None, **kwargs: object) -> DeepSpeedInferenceConfig:
     """The four call forms of ``init_inference``: defaults, ``config`` only, kwargs only, or both (a key set
-    both ways must have the same value)."""
+    both ways must have the same value). ``kwargs`` are config keys with any values (the schema checks them)."""
     from dsrun.config.problems import validate_model
 
     given = _canonical(_read_config(config))
@@ -219,7 +224,8 @@ def merge_config(config: Any = None, **kwargs: Any) -> DeepSpeedInferenceConfig:
     return model
 
 
-def _same(a: Any, b: Any) -> bool:
+def _same(a: object, b: object) -> bool:
+    """Do two values given for one key (of any type) agree?"""
     try:
         return bool(a == b)
     except Exception:  # tensors, process groups...

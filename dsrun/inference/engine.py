@@ -28,7 +28,7 @@ from dsrun.utils.errors import ConfigError, Problem, UserError
 
 from . import moe
 from .auto_tp import BlockPlan, quantize_blocks, shard_model
-from .config import DeepSpeedInferenceConfig, merge_config, refusals
+from .config import DeepSpeedInferenceConfig, InferenceConfigSource, merge_config, refusals
 from .fused_gpt import FusedGPT
 from .groups import TPGroup, model_parallel_group
 from .loading import load_weights
@@ -119,22 +119,22 @@ class InferenceEngine(nn.Module):
         """The model's own config (Hugging Face pipelines read ``model.config``)."""
         return getattr(self.module, "config", None)
 
-    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        """Execute forward propagation (without autograd)."""
+    def forward(self, *inputs: object, **kwargs: object) -> Any:
+        """Execute forward propagation (without autograd); any arguments, passed on to the model."""
         with torch.no_grad():
             if self.fused is not None:
                 return self.fused(*inputs, **kwargs)
             return self.module(*inputs, **kwargs)
 
-    def generate(self, *args: Any, **kwargs: Any) -> Any:
-        """The model's ``generate`` (the fused KV-cache one with kernel injection)."""
+    def generate(self, *args: object, **kwargs: object) -> Any:
+        """The model's ``generate`` (the fused KV-cache one with kernel injection); any arguments, passed on."""
         if self.fused is not None:
             return self.fused.generate(*args, **kwargs)
         self._check_budget(args, kwargs)
         with torch.no_grad():
             return self.module.generate(*args, **kwargs)
 
-    def _check_budget(self, args: tuple, kwargs: dict[str, Any]) -> None:
+    def _check_budget(self, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
         """``max_out_tokens`` bounds prompt + new tokens, ``min_out_tokens`` the room left for new ones."""
         prompt = args[0] if args else kwargs.get("input_ids", kwargs.get("idx"))
         if not torch.is_tensor(prompt) or prompt.dim() != 2:
@@ -161,8 +161,9 @@ class InferenceEngine(nn.Module):
             return getattr(module, name)
 
 
-def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> InferenceEngine:
-    """Initialize the inference engine: ``config`` is a dict or a JSON file path, ``kwargs`` the same keys.
+def init_inference(model: nn.Module, config: InferenceConfigSource | None = None, **kwargs: object) -> InferenceEngine:
+    """Initialize the inference engine: ``config`` is a dict or a JSON file path, ``kwargs`` the same keys
+    (any values; the schema checks them).
 
     All four call forms are valid: no config and no kwargs (DeepSpeed's defaults, including
     ``dtype=torch.float16``), a config, kwargs, or both (a key given both ways must agree).

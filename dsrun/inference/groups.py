@@ -7,24 +7,38 @@ made through :mod:`dsrun.comm` (so the comms logger sees every collective of the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from dsrun import comm
 from dsrun.utils.errors import ConfigError, Problem
 
-_GROUPS: dict[tuple[int, int], Any] = {}  # (world size, tp size) -> this rank's group, made once per process
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+
+class Mpu(Protocol):
+    """What inference reads of a Megatron-style ``mpu``."""
+
+    def get_model_parallel_group(self) -> ProcessGroup | None: ...
+
+    def get_model_parallel_rank(self) -> int: ...
+
+    def get_model_parallel_world_size(self) -> int: ...
+
+# (world size, tp size) -> this rank's group, made once per process
+_GROUPS: dict[tuple[int, int], ProcessGroup | None] = {}
 
 
 @dataclass(frozen=True)
 class TPGroup:
     """This rank's place in its tensor-parallel group (``group=None``: the whole world, or no distribution)."""
 
-    group: Any
+    group: ProcessGroup | None
     rank: int
     size: int
 
 
-def model_parallel_group(tp_size: int, tp_group: Any = None, mpu: Any = None) -> TPGroup:
+def model_parallel_group(tp_size: int, tp_group: ProcessGroup | None = None, mpu: Mpu | None = None) -> TPGroup:
     """The group a model is split over. ``tp_size=1`` needs no process group at all."""
     if tp_group is not None:
         return _checked(TPGroup(tp_group, comm.get_rank(tp_group), comm.get_world_size(tp_group)), tp_size,

@@ -12,13 +12,16 @@ product then runs on ``torch._weight_int8pack_mm`` where torch has it, else on t
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dsrun import comm
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 INT8_MAX = 127
 
@@ -90,7 +93,7 @@ class ColumnParallelLinear(InferenceLinear):
 class RowParallelLinear(InferenceLinear):
     """This rank's slice of a linear's input features; the partial outputs are all-reduced over ``group``."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: Any, world: int):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: ProcessGroup | None, world: int):
         super().__init__(weight, bias)
         self.group, self.world = group, world
 

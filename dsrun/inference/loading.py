@@ -55,7 +55,8 @@ def read_state_dict(source: str | dict[str, Any], base_dir: str = "") -> tuple[d
     return _from_file(path), f"state dict {path}"
 
 
-def _from_description(description: Any, base_dir: str) -> tuple[dict[str, torch.Tensor], str]:
+def _from_description(description: object, base_dir: str) -> tuple[dict[str, torch.Tensor], str]:
+    """The weights a checkpoint description names (any parsed JSON value; a dict of the right keys passes)."""
     if not isinstance(description, dict) or "checkpoints" not in description:
         raise _user_error("a checkpoint description needs 'type' and 'checkpoints'",
                           '{"type": "ds_model", "version": 0.0, "checkpoints": "path"}')

@@ -83,7 +83,7 @@ def split_overrides(overrides: list[str]) -> tuple[dict[str, Any], dict[str, Any
     return launcher, model, tokenizer
 
 
-def resolve_request(source: str, prompt: str, overrides: list[str], **options: Any
+def resolve_request(source: str, prompt: str, overrides: list[str], **options: int | float | str | bool | None
                     ) -> tuple[GenerationRequest, dict[str, Any], int]:
     """The request every rank runs, the launcher mapping and the world size (= the tensor-parallel size);
     checks that the checkpoint fits the model and the model splits over the ranks."""

@@ -14,13 +14,18 @@ has one, is the keyword ``model_mask_name`` and is cut to the kept tokens.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from dsrun.ops.random_ltd.dropping_utils import GatherTokens, ScatterTokens, bert_sample_tokens, gpt_sample_tokens
 from dsrun.utils.errors import ConfigError, Problem
+
+if TYPE_CHECKING:
+    from dsrun.config.data_efficiency import RandomLTDConfig
+
+    from .scheduler import RandomLTDScheduler
 
 
 class RandomLayerTokenDrop(nn.Module):
@@ -29,7 +34,7 @@ class RandomLayerTokenDrop(nn.Module):
     def __init__(self, layer: nn.Module):
         super().__init__()
         self.random_ltd_layer = layer
-        self.random_ltd_scheduler: Any = None
+        self.random_ltd_scheduler: RandomLTDScheduler | None = None
         self.random_ltd_layer_id = -1
         self.reserved_length = -1
         self.curr_seq = -1
@@ -38,7 +43,8 @@ class RandomLayerTokenDrop(nn.Module):
         self.mask_name: str | None = None
         self.model_type = "decoder"
 
-    def init_config(self, config: Any, scheduler: Any, random_ltd_layer_id: int) -> None:
+    def init_config(self, config: dict[str, Any] | RandomLTDConfig, scheduler: RandomLTDScheduler,
+                    random_ltd_layer_id: int) -> None:
         """Attach the ``random_ltd`` section (dict or typed) and its scheduler; ``random_ltd_layer_id`` is this
         layer's position among the random-LTD layers."""
         get = config.get if isinstance(config, dict) else (lambda key, default=None: getattr(config, key, default))

@@ -8,20 +8,21 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Mapping
+from typing import Any, Mapping, TypeVar
 
 from torch import nn
 
 from dsrun.data_efficiency.data_routing.basic_layer import RandomLayerTokenDrop
 
 WRAPPED = ".random_ltd_layer"
+M = TypeVar("M", bound=nn.Module)  # a model or the engine that wraps it (``.module``)
 
 
-def _inner(model: Any) -> nn.Module:
+def _inner(model: nn.Module) -> nn.Module:
     return model.module if hasattr(model, "module") else model
 
 
-def convert_to_random_ltd(model: Any, convert_type: type) -> Any:
+def convert_to_random_ltd(model: M, convert_type: type[nn.Module]) -> M:
     """Wrap each ``convert_type`` submodule (not already wrapped) in :class:`RandomLayerTokenDrop`, then call
     ``model.random_ltd_initialize()`` (the engine's) to give the configured layers their schedule; returns
     ``model``."""
@@ -42,6 +43,6 @@ def remove_random_ltd_state_dict(state_dict: Mapping[str, Any]) -> "OrderedDict[
     return OrderedDict((key.replace(WRAPPED, ""), value) for key, value in state_dict.items())
 
 
-def save_without_random_ltd(model: Any) -> "OrderedDict[str, Any]":
+def save_without_random_ltd(model: nn.Module) -> "OrderedDict[str, Any]":
     """The model's state dict under its original (unwrapped) names."""
     return remove_random_ltd_state_dict(_inner(model).state_dict())

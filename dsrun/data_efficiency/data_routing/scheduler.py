@@ -10,9 +10,12 @@ the random-LTD layers see the kept tokens, the others the full ``max_value``.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from dsrun.data_efficiency.curriculum_scheduler import root_schedule_value, section_dict
+
+if TYPE_CHECKING:
+    from dsrun.config.base import Section
 
 MIN_VALUE, MAX_VALUE, CURRENT_VALUE = "min_value", "max_value", "current_value"
 CONSUMED_LAYER_TOKENS, CURRENT_STEP = "consumed_layer_tokens", "current_steps"
@@ -21,7 +24,7 @@ CONSUMED_LAYER_TOKENS, CURRENT_STEP = "consumed_layer_tokens", "current_steps"
 class RandomLTDScheduler:
     """Built from the ``random_ltd`` section (a dict or the typed section) plus ``global_batch_size``."""
 
-    def __init__(self, config: Mapping[str, Any] | Any, global_batch_size: int | None = None):
+    def __init__(self, config: Mapping[str, Any] | Section, global_batch_size: int | None = None):
         config = section_dict(config)
         self.model_layer_num = int(config["total_layer_num"])
         self.random_ltd_layer_num = int(config["random_ltd_layer_num"])

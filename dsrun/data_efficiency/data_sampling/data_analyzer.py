@@ -24,14 +24,19 @@ import multiprocessing as mp
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 import torch
 
 from dsrun.utils.errors import Problem, UserError
 
-from dsrun.data_efficiency.data_sampling.indexed_dataset import MMapIndexedDataset, find_fit_int_dtype, numpy_dtype, write_items
+from dsrun.data_efficiency.data_sampling.indexed_dataset import IndexDType, MMapIndexedDataset, find_fit_int_dtype, numpy_dtype, write_items
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
+    from torch.distributed import ProcessGroup
+    from torch.utils.data import Dataset
 
 SINGLE_VALUE, ACCUMULATE = "single_value_per_sample", "accumulate_value_over_samples"
 
@@ -42,7 +47,7 @@ def split_index(start: int, end: int, parts: int) -> list[tuple[int, int]]:
     return [(int(bounds[i]), int(bounds[i + 1])) for i in range(parts)]
 
 
-def _fetch(dataset: Any, indices: list[int], collate_fn: Callable | None) -> Any:
+def _fetch(dataset: Dataset, indices: list[int], collate_fn: Callable | None) -> Any:
     """A collated batch: read at once from a dataset with a ``batch(indices)`` method (dsrun's token windows),
     else item by item through ``collate_fn`` (default: torch's ``default_collate``)."""
     if collate_fn is None and callable(getattr(dataset, "batch", None)):
@@ -51,7 +56,7 @@ def _fetch(dataset: Any, indices: list[int], collate_fn: Callable | None) -> Any
     return (collate_fn or torch.utils.data.default_collate)(items)
 
 
-def _as_array(values: Any, name: str) -> np.ndarray:
+def _as_array(values: torch.Tensor | npt.ArrayLike, name: str) -> np.ndarray:
     array = values.cpu().numpy() if isinstance(values, torch.Tensor) else np.asarray(values)
     if array.dtype.kind not in "iu":
         raise UserError(Problem(f"metric {name!r}", f"returned {array.dtype} values; metrics are integers",
@@ -62,10 +67,10 @@ def _as_array(values: Any, name: str) -> np.ndarray:
 class DataAnalyzer:
     """See the module docstring; ``metric_dtypes`` declares each function's result dtype (checked)."""
 
-    def __init__(self, dataset: Any, num_workers: int = 1, worker_id: int = 0, num_threads: int = 1,
+    def __init__(self, dataset: Dataset, num_workers: int = 1, worker_id: int = 0, num_threads: int = 1,
                  num_threads_reduce: int = 1, specific_threads: Sequence[int] = (), batch_size: int = 1,
                  metric_names: Sequence[str] = (), metric_functions: Sequence[Callable] = (),
-                 metric_types: Sequence[str] = (), metric_dtypes: Sequence[Any] = (), save_path: str = "./",
+                 metric_types: Sequence[str] = (), metric_dtypes: Sequence[IndexDType] = (), save_path: str = "./",
                  collate_fn: Callable | None = None, custom_map_init: Callable | None = None,
                  custom_map_update: Callable | None = None, custom_map_finalize: Callable | None = None,
                  custom_reduce: Callable | None = None, sample_indices: Sequence[int] | None = None):
@@ -210,7 +215,7 @@ class DataAnalyzer:
             for part in self._parts(name):
                 shutil.rmtree(part, ignore_errors=True)
 
-    def run_map_reduce(self, comm_group: Any = None) -> None:
+    def run_map_reduce(self, comm_group: ProcessGroup | None = None) -> None:
         """Map on every worker (one per rank), a barrier, the reduce on worker 0, a barrier."""
         from dsrun import comm
 

@@ -10,12 +10,19 @@ is always the state after the last batch handed out, however far the workers hav
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from dsrun.data_efficiency.data_sampling.data_sampler import DeepSpeedDataSampler
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from dsrun.config import DeepSpeedConfig
+
+B = TypeVar("B")  # a batch: a tensor, a tuple/list or dict of them, or anything else (left as it is)
 
 
 class _Recording:
@@ -37,7 +44,7 @@ class _Recording:
 class CurriculumDataLoader:
     """Micro-batches for this rank; ``next(loader)`` endlessly (until ``num_epochs`` epochs are consumed)."""
 
-    def __init__(self, dataset: Any, data_sampler: DeepSpeedDataSampler, collate_fn: Callable | None = None,
+    def __init__(self, dataset: Dataset, data_sampler: DeepSpeedDataSampler, collate_fn: Callable | None = None,
                  num_workers: int = 0, pin_memory: bool = False):
         self.dataset = dataset
         self.data_sampler = data_sampler
@@ -88,7 +95,7 @@ def truncate_to_difficulty(metric: str = "seqlen") -> Callable[[Any, dict[str, A
     """A ``post_process_func`` cutting every ``[batch, seq]`` tensor of the batch to the first
     ``current_difficulties[metric]`` positions (a seqlen curriculum of the data efficiency library)."""
 
-    def truncate(batch: Any, state: dict[str, Any]) -> Any:
+    def truncate(batch: B, state: dict[str, Any]) -> B:
         length = int(state["current_difficulties"][metric])
         if isinstance(batch, torch.Tensor):
             return batch[:, :length] if batch.dim() >= 2 else batch
@@ -101,9 +108,9 @@ def truncate_to_difficulty(metric: str = "seqlen") -> Callable[[Any, dict[str, A
     return truncate
 
 
-def build_curriculum_loader(config: Any, dataset: Any, batch_size: int, data_parallel_rank: int,
+def build_curriculum_loader(config: DeepSpeedConfig, dataset: Dataset, batch_size: int, data_parallel_rank: int,
                             data_parallel_size: int, gradient_accumulation_steps: int, global_rank: int = 0,
-                            data_parallel_group: Any = None, collate_fn: Callable | None = None,
+                            data_parallel_group: ProcessGroup | None = None, collate_fn: Callable | None = None,
                             pin_memory: bool = False) -> CurriculumDataLoader:
     """The loader ``engine.deepspeed_io`` returns when the data sampling curriculum is on (``config`` is the
     whole DeepSpeed config)."""

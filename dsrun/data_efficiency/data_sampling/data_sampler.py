@@ -27,7 +27,7 @@ With ``data_cluster_path`` set, rank 0 also writes each cluster (its sample ids,
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import numpy as np
 
@@ -35,6 +35,11 @@ from dsrun.utils.errors import ConfigError, Problem, UserError
 
 from dsrun.data_efficiency.curriculum_scheduler import CurriculumScheduler, section_dict
 from dsrun.data_efficiency.data_sampling.indexed_dataset import MMapIndexedDataset, find_fit_int_dtype, write_items
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from dsrun.config.data_efficiency import DataEfficiencyConfig
 
 PATH = "data_efficiency.data_sampling.curriculum_learning"
 _SHUFFLE, _BATCH = 1, 2  # seed streams
@@ -97,10 +102,10 @@ class MetricFilter:
 class DeepSpeedDataSampler:
     """Yields this data-parallel rank's micro-batch sample indices; see the module docstring."""
 
-    def __init__(self, data_efficiency_config: Mapping[str, Any] | Any, one_epoch_total_samples: int,
-                 micro_batch_size: int, data_parallel_rank: int, data_parallel_size: int,
-                 data_parallel_group: Any = None, gradient_accumulation_steps: int = 1, global_rank: int = 0,
-                 drop_last: bool = True):
+    def __init__(self, data_efficiency_config: Mapping[str, Any] | DataEfficiencyConfig,
+                 one_epoch_total_samples: int, micro_batch_size: int, data_parallel_rank: int,
+                 data_parallel_size: int, data_parallel_group: ProcessGroup | None = None,
+                 gradient_accumulation_steps: int = 1, global_rank: int = 0, drop_last: bool = True):
         config = section_dict(data_efficiency_config)
         sampling = section_dict(config.get("data_sampling", {}))
         curriculum = section_dict(sampling.get("curriculum_learning", {}))

@@ -11,11 +11,13 @@ from __future__ import annotations
 import os
 import struct
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Iterable, Union
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
+IndexDType = Union[npt.DTypeLike, torch.dtype]  # a numpy or torch integer dtype (numpy_dtype checks it)
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 DTYPES: dict[int, type] = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.uint16,
@@ -24,7 +26,7 @@ _TORCH = {torch.uint8: np.uint8, torch.int8: np.int8, torch.int16: np.int16, tor
           torch.int64: np.int64}
 
 
-def numpy_dtype(dtype: Any) -> type:
+def numpy_dtype(dtype: IndexDType) -> type:
     """The numpy integer type for ``dtype`` (numpy or torch); only the eight index dtypes are allowed."""
     resolved = _TORCH.get(dtype, dtype)
     resolved = np.dtype(resolved).type
@@ -34,7 +36,7 @@ def numpy_dtype(dtype: Any) -> type:
     return resolved
 
 
-def dtype_code(dtype: Any) -> int:
+def dtype_code(dtype: IndexDType) -> int:
     resolved = numpy_dtype(dtype)
     return next(code for code, t in DTYPES.items() if t is resolved)
 
@@ -63,7 +65,7 @@ def data_file_path(prefix: str | os.PathLike) -> str:
 class MMapIndexedDatasetBuilder:
     """Writes ``.bin`` as items arrive; :meth:`finalize` writes ``.idx``."""
 
-    def __init__(self, out_file: str | os.PathLike, dtype: Any = np.int64):
+    def __init__(self, out_file: str | os.PathLike, dtype: IndexDType = np.int64):
         self._dtype = numpy_dtype(dtype)
         self._data_file = open(out_file, "wb")
         self._sizes: list[int] = []
@@ -107,7 +109,7 @@ class MMapIndexedDatasetBuilder:
             out.write(np.asarray(self._doc_idx, dtype=np.int64).tobytes(order="C"))
 
 
-def create_mmap_dataset_builder(fname: str | os.PathLike, dtype: Any) -> MMapIndexedDatasetBuilder:
+def create_mmap_dataset_builder(fname: str | os.PathLike, dtype: IndexDType) -> MMapIndexedDatasetBuilder:
     return MMapIndexedDatasetBuilder(data_file_path(fname), dtype=dtype)
 
 
@@ -116,7 +118,7 @@ def close_mmap_dataset_builder(builder: MMapIndexedDatasetBuilder, fname: str | 
     builder.finalize(index_file_path(fname))
 
 
-def write_items(fname: str | os.PathLike, dtype: Any, values: np.ndarray, sizes: np.ndarray) -> None:
+def write_items(fname: str | os.PathLike, dtype: IndexDType, values: np.ndarray, sizes: np.ndarray) -> None:
     """One indexed file of ``len(sizes)`` items whose elements are ``values`` back to back."""
     builder = create_mmap_dataset_builder(fname, dtype)
     builder.add_concatenated(values, sizes)
