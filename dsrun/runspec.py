@@ -54,7 +54,7 @@ class ResolvedRun:
     runspec: DictConfig
     train: TrainSpec
     plan: Any  # dsrun.launcher.LaunchPlan for the worker (its target arguments are filled in at launch)
-    ds: Any  # dsrun.config.DeepSpeedConfig
+    ds: Any  # dsrun.config.DSConfig
 
     @property
     def world_size(self) -> int:

@@ -49,7 +49,7 @@ _KIND = {"sparse_pruning": "sparse", "row_pruning": "row", "head_pruning": "head
 
 def read_config(deepspeed_config: Any) -> CompressionConfig:
     """The ``compression_training`` section of a DeepSpeed config (a path, a dict, JSON text or a loaded
-    :class:`dsrun.config.DeepSpeedConfig`), validated; a ConfigError lists every problem."""
+    :class:`dsrun.config.DSConfig`), validated; a ConfigError lists every problem."""
     if isinstance(deepspeed_config, CompressionConfig):
         return deepspeed_config
     section = getattr(deepspeed_config, SECTION, None)

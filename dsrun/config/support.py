@@ -24,7 +24,7 @@ from dsrun.utils.suggest import did_you_mean
 
 from .ledger import LEDGER, Entry, Feature, Status
 from .ledger.entry import NOT_IMPLEMENTED
-from .model import DeepSpeedConfig
+from .model import DSConfig
 from .schema_keys import WILDCARD, mapped_section_model, match_pattern, schema_keys
 
 ALLOW_KEY = "dsrun_allow_unimplemented"
@@ -125,7 +125,7 @@ def _enabled(cfg: Any, pattern: str, value: Any, entry: Entry) -> bool:
         return False
     if entry.active is not None:
         return bool(entry.active(cfg))
-    key = schema_keys(DeepSpeedConfig).get(pattern)
+    key = schema_keys(DSConfig).get(pattern)
     return key is None or value != key.default
 
 
@@ -205,7 +205,7 @@ def _status_text(entry: Entry) -> str:
 def explain(key: str) -> str:
     """``dsrun config --explain KEY``: the key's type, default, status and meaning."""
     path = key[3:] if key.startswith("ds.") else key
-    keys = schema_keys(DeepSpeedConfig)
+    keys = schema_keys(DSConfig)
     pattern = match_pattern(path, keys) or match_pattern(path, LEDGER)
     if pattern is None:
         raise UserError(Problem(key, "not a key of the DeepSpeed config schema",
@@ -228,7 +228,7 @@ def status_counts() -> dict[str, int]:
 
 def render_markdown() -> str:
     """docs/config_support.md: every key with its default, status and meaning, generated from the ledger."""
-    keys = schema_keys(DeepSpeedConfig)
+    keys = schema_keys(DSConfig)
     counts = status_counts()
     out = [
         "# Support ledger: what every DeepSpeed config key does in dsrun",

@@ -89,7 +89,7 @@ def model_parallel_of(mpu: Any) -> ModelParallel:
 
 
 def settings_from_config(deepspeed_config: Any) -> CheckpointingSettings:
-    """The section of a DeepSpeed config: a loaded :class:`dsrun.config.DeepSpeedConfig`, a dict, or anything
+    """The section of a DeepSpeed config: a loaded :class:`dsrun.config.DSConfig`, a dict, or anything
     :func:`dsrun.config.read_config_source` reads (a path, JSON text). Only this section is validated, so
     a config without batch sizes works too."""
     section = getattr(deepspeed_config, SECTION, None)
