@@ -28,7 +28,7 @@ from .misc import (
     CheckpointConfig,
     CompileConfig,
     EigenvalueConfig,
-    ElasticityConfig,
+    ElasticitySection,
     HybridEngineConfig,
     NebulaConfig,
     PipelineConfig,
@@ -142,7 +142,7 @@ class DSConfig(Section):
 
     # tooling
     autotuning: AutotuningConfig = _section(AutotuningConfig)
-    elasticity: ElasticityConfig = _section(ElasticityConfig)
+    elasticity: ElasticitySection = _section(ElasticitySection)
     checkpoint: CheckpointConfig = _section(CheckpointConfig)
     pipeline: PipelineConfig = _section(PipelineConfig)
     hybrid_engine: HybridEngineConfig = _section(HybridEngineConfig)
