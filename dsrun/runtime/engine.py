@@ -36,7 +36,7 @@ from dsrun.runtime.precision import PrecisionStrategy, build_precision
 from dsrun.runtime.torch_autocast import autocast_if_enabled, init_autocast_params
 from dsrun.runtime.timers import WallClockTimers
 from dsrun.runtime.zero import MemoryBreakdown, StrategyContext, ZeroStrategy, build_zero_strategy
-from dsrun.sequence.groups import _set_sequence_groups
+from dsrun.comm.groups import set_current_groups
 from dsrun.utils.errors import ConfigError, Problem
 
 FORWARD_TIMER, BACKWARD_TIMER, BACKWARD_INNER_TIMER = "forward", "backward", "backward_inner"
@@ -73,7 +73,7 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
         self.dp_world_size = comm.get_world_size(self.dp_group)
         # Ulysses: consecutive data-parallel ranks share samples (dsrun/sequence); ZeRO keeps the whole data group
         self.sequence_parallel_size = self.groups.sequence_parallel_size
-        _set_sequence_groups(self.groups)
+        set_current_groups(self.groups, bool(config.use_data_before_expert_parallelism))  # the run's groups
         if self.sequence_parallel_size > 1:  # as DeepSpeed: gradients are reduced in seq_parallel_comm_data_type
             config.communication_data_type = config.seq_parallel_comm_data_type
         self.device = get_accelerator().device(self.local_rank)
@@ -440,7 +440,7 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
             from dsrun.moe import groups as expert_groups
 
             expert_groups._reset()
-        _set_sequence_groups(None)
+        set_current_groups(None)
         self.groups.destroy()
 
     def empty_partition_cache(self) -> None:
