@@ -50,10 +50,10 @@ def _measure(rank: int, world: int, seq: int, port: int, results) -> None:
     if world > 1:
         from dsrun import comm
         from dsrun.comm import ProcessGroups
-        from dsrun.sequence.groups import _set_sequence_groups
+        from dsrun.comm.groups import set_current_groups
 
         comm.init_distributed(dist_backend="gloo", verbose=False)
-        _set_sequence_groups(ProcessGroups(sequence=world))  # what the engine registers
+        set_current_groups(ProcessGroups(sequence=world))  # what the engine does
     model = _build(seq, world > 1)
     tokens = torch.randint(0, 256, (MICRO, seq + 1), generator=torch.Generator().manual_seed(1))
     inputs, targets = tokens[:, :-1].clone(), tokens[:, 1:].clone()

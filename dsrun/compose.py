@@ -121,9 +121,9 @@ def config_groups() -> list[str]:
 
 
 def _ds_top_level_keys() -> set[str]:
-    from dsrun.config import DeepSpeedConfig
+    from dsrun.config import DSConfig
 
-    return set(_schema_fields(DeepSpeedConfig))
+    return set(_schema_fields(DSConfig))
 
 
 def config_location(source: Path | None = None) -> tuple[Path, str]:
@@ -141,10 +141,10 @@ def _schema_fields(model: type) -> dict[str, object]:
 def ds_schema_keys(path: str) -> list[str] | None:
     """The keys the DeepSpeed schema documents at ``path`` (``"tensorboard"``; ``""`` for the top level), or
     None when ``path`` is not a section of the schema (an open dict such as ``optimizer.params``, a value)."""
-    from dsrun.config import DeepSpeedConfig
+    from dsrun.config import DSConfig
     from dsrun.config.problems import section_model
 
-    model: type | None = DeepSpeedConfig
+    model: type | None = DSConfig
     for part in [p for p in path.split(".") if p]:
         field = _schema_fields(model).get(part)
         model = section_model(field.annotation) if field is not None else None

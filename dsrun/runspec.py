@@ -17,7 +17,7 @@ from dsrun.utils.errors import ConfigError, Problem
 from dsrun.utils.suggest import did_you_mean
 
 if TYPE_CHECKING:  # imported where used: the CLI loads this module without them
-    from dsrun.config import DeepSpeedConfig
+    from dsrun.config import DSConfig
     from dsrun.launcher import LaunchPlan
 
 
@@ -58,7 +58,7 @@ class ResolvedRun:
     runspec: DictConfig
     train: TrainSpec
     plan: LaunchPlan  # for the worker (its target arguments are filled in at launch)
-    ds: DeepSpeedConfig
+    ds: DSConfig
 
     @property
     def world_size(self) -> int:
@@ -136,7 +136,7 @@ def resolve_run(cfg: DictConfig) -> ResolvedRun:
     return ResolvedRun(cfg, train, plan, ds)
 
 
-def _elastic_problems(train: TrainSpec | None, ds: DeepSpeedConfig | None) -> list[Problem]:
+def _elastic_problems(train: TrainSpec | None, ds: DSConfig | None) -> list[Problem]:
     """An elastic job's ranks restart at each membership change, at another world size: they must resume
     from the run's checkpoints, and the batch sizes must come from ``ds.elasticity`` (numbers resolved for
     one world size do not fit another)."""

@@ -12,13 +12,11 @@ import argparse
 import contextlib
 import math
 import os
-import random
 import signal
 import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
@@ -30,15 +28,9 @@ from dsrun.rundir import RESOLVED_YAML
 from dsrun.workloads.data_efficiency_run import DataEfficiencyRun
 from dsrun.workloads.pipe_training import build_pipeline_model, pipeline_stages
 from dsrun.workloads.pipe_training import evaluate as pipeline_evaluate
+from dsrun.utils.seeding import set_random_seed
 from dsrun.sequence import shard_sequence
 from dsrun.utils.errors import EXIT_USAGE, UserError, find_user_error
-
-
-def seed_everything(seed: int) -> None:
-    """Same seed on every rank: identical initial weights without a broadcast, reproducible dropout."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 class StopFlag:
@@ -157,7 +149,7 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
     dsrun.init_distributed()
     rank, world_size = comm.get_rank(), comm.get_world_size()
     cfg = spec.train
-    seed_everything(cfg.seed)
+    set_random_seed(cfg.seed)
     baseline_rss = current_rss()  # for `dsrun estimate-memory --measure`: this rank's peak above start-up
 
     # --- model, data, engine ---

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.distributed import ProcessGroup
 
-    from dsrun.config import ConfigSource, DeepSpeedConfig
+    from dsrun.config import ConfigSource, DSConfig
 
 SECTION = "activation_checkpointing"
 
@@ -109,8 +109,8 @@ def model_parallel_of(mpu: Mpu | None) -> ModelParallel:
                               "(or get_tensor_model_parallel_group)", "pass a Megatron-style mpu or None"))
 
 
-def settings_from_config(deepspeed_config: ConfigSource | DeepSpeedConfig) -> CheckpointingSettings:
-    """The section of a DeepSpeed config: a loaded :class:`dsrun.config.DeepSpeedConfig`, a dict, or anything
+def settings_from_config(deepspeed_config: ConfigSource | DSConfig) -> CheckpointingSettings:
+    """The section of a DeepSpeed config: a loaded :class:`dsrun.config.DSConfig`, a dict, or anything
     :func:`dsrun.config.read_config_source` reads (a path, JSON text). Only this section is validated, so
     a config without batch sizes works too."""
     section = getattr(deepspeed_config, SECTION, None)
@@ -126,7 +126,7 @@ def settings_from_config(deepspeed_config: ConfigSource | DeepSpeedConfig) -> Ch
     return CheckpointingSettings(**{f.name: getattr(section, f.name) for f in fields(CheckpointingSettings)})
 
 
-def configure(mpu_: Mpu | None = None, deepspeed_config: ConfigSource | DeepSpeedConfig | None = None,
+def configure(mpu_: Mpu | None = None, deepspeed_config: ConfigSource | DSConfig | None = None,
               partition_activations: bool | None = None,
               contiguous_checkpointing: bool | None = None, num_checkpoints: int | None = None,
               checkpoint_in_cpu: bool | None = None, synchronize: bool | None = None,
@@ -173,7 +173,7 @@ def reset_configuration() -> None:
     STATE.reset_buffers()
 
 
-def configure_from_engine(module: nn.Module, ds_config: DeepSpeedConfig, mpu: Mpu | None = None) -> None:
+def configure_from_engine(module: nn.Module, ds_config: DSConfig, mpu: Mpu | None = None) -> None:
     """What ``dsrun.initialize`` does: a config with an ``activation_checkpointing`` section configures
     checkpointing (DeepSpeed leaves that call to the user; calling it again overrides). A dsrun GPT that
     checkpoints no block is told the section has nothing to act on."""

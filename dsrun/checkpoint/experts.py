@@ -66,11 +66,6 @@ def _local_name(local_prefix: str, global_name: str) -> str:
     return local_prefix + global_name.split(MARK, 1)[1].split(".", 1)[1]
 
 
-def to_global_name(engine: Any) -> dict[str, str]:
-    """This rank's local expert parameter names -> their global names."""
-    return {_local_name(local, name): name for *_, local, params in _experts(engine) for name in params}
-
-
 def without_experts(module_sd: dict[str, Any]) -> dict[str, Any]:
     """The module state the main model-states file keeps (DeepSpeed's non-MoE state dict)."""
     return {k: v for k, v in module_sd.items() if MARK not in k}

@@ -48,10 +48,6 @@ def read_latest_universal(save_dir: Path) -> str | None:
     return (path.read_text().strip() or None) if path.is_file() else None
 
 
-def param_file(tag_dir: Path, name: str, state: str) -> Path:
-    return Path(tag_dir) / UNIVERSAL_DIR / name / f"{state}.pt"
-
-
 def _value(entry: Any) -> torch.Tensor:
     return entry[PARAM] if isinstance(entry, dict) else entry
 

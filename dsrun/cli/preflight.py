@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from dsrun.utils.errors import Problem, UserError, find_user_error
 
 if TYPE_CHECKING:
-    from dsrun.config import DeepSpeedConfig
+    from dsrun.config import DSConfig
     from dsrun.data.corpus import TokenCorpus
     from dsrun.estimate.inputs import EstimateInputs
     from dsrun.estimate.runspec import RecipeModel
@@ -195,7 +195,7 @@ def resume_problems(resume: str | None) -> list[Problem]:
     return problems
 
 
-def monitor_path_problems(ds: DeepSpeedConfig) -> list[Problem]:
+def monitor_path_problems(ds: DSConfig) -> list[Problem]:
     """Folders named in ``csv_monitor`` / ``tensorboard`` ``output_path`` that cannot be created or written."""
     problems = []
     for section in ("csv_monitor", "tensorboard"):

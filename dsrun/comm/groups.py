@@ -20,6 +20,11 @@ same way: S consecutive data-parallel ranks share the same samples, each holding
 DeepSpeed's "sequence data parallel group"): parameters are replicated within a sequence group, and the
 mean of the ranks' gradients is the full gradient when each rank's loss is its share of the full-sequence mean.
 World 4, S 2: sequence ``[[0, 1], [2, 3]]``, samples split over ``world / S = 2`` replicas.
+
+The run's groups are one object: the engine makes its own the current one at initialize
+(:func:`set_current_groups`), and DeepSpeed's module-level getters (``deepspeed.utils.groups``:
+:mod:`dsrun.moe.groups`, :mod:`dsrun.sequence.groups`) answer from :func:`current_groups`; there is no other
+registry of groups or group names.
 """
 from __future__ import annotations
 
@@ -170,6 +175,10 @@ class ProcessGroups:
             self._expert[size] = (self._own_group(experts), self._own_group(replicas), mine_e, mine_d)
         return self._expert[size]
 
+    def expert_sizes(self) -> list[int]:
+        """The expert-parallel sizes whose groups exist, in creation order."""
+        return list(self._expert)
+
     def expert(self, expert_parallel_size: int) -> ProcessGroup:
         """This rank's expert-parallel group for ``expert_parallel_size`` (created on first request)."""
         return self._expert_group(expert_parallel_size, 0)
@@ -275,6 +284,30 @@ class ProcessGroups:
         self._expert = {}
         self._sequence = _SINGLE
         self._splits = {}
+
+
+_current: ProcessGroups | None = None  # the run's groups: the engine's, or the world's made for an expert group
+
+
+def current_groups() -> ProcessGroups | None:
+    """The run's groups (:func:`set_current_groups`), or None before any were set."""
+    return _current
+
+
+def set_current_groups(groups: ProcessGroups | None, expert_data_first: bool = False) -> None:
+    """Make ``groups`` the run's groups (the engine's, at initialize; None forgets them). Expert groups that
+    exist on the groups it replaces are created on ``groups`` too, laid out data-first when
+    ``expert_data_first`` (``use_data_before_expert_parallelism``), in the same order on every rank so the
+    collective creation stays aligned."""
+    global _current
+    previous, _current = _current, groups
+    if groups is None or previous is None or previous is groups:
+        return
+    sizes = previous.expert_sizes()
+    if sizes:
+        groups.set_expert_layout(expert_data_first)
+    for size in sizes:
+        groups.expert(size)
 
 
 def split_consecutive(ranks: list[int], size: int) -> tuple[list[list[int]], list[list[int]]]:

@@ -35,7 +35,7 @@ from .layers import ActivationQuantization, Pruning, WeightQuantization
 from .quantizers import check_groups
 
 if TYPE_CHECKING:
-    from dsrun.config import ConfigSource, DeepSpeedConfig
+    from dsrun.config import ConfigSource, DSConfig
 
 SECTION = "compression_training"
 PLAN_ATTR = "_ds_compression_plan"
@@ -54,9 +54,9 @@ TechniqueConfig = Union[WeightQuantizationConfig, ActivationQuantizationConfig, 
 _KIND = {"sparse_pruning": "sparse", "row_pruning": "row", "head_pruning": "head", "channel_pruning": "channel"}
 
 
-def read_config(deepspeed_config: ConfigSource | DeepSpeedConfig | CompressionConfig) -> CompressionConfig:
+def read_config(deepspeed_config: ConfigSource | DSConfig | CompressionConfig) -> CompressionConfig:
     """The ``compression_training`` section of a DeepSpeed config (a path, a dict, JSON text or a loaded
-    :class:`dsrun.config.DeepSpeedConfig`), validated; a ConfigError lists every problem."""
+    :class:`dsrun.config.DSConfig`), validated; a ConfigError lists every problem."""
     if isinstance(deepspeed_config, CompressionConfig):
         return deepspeed_config
     section = getattr(deepspeed_config, SECTION, None)
@@ -240,7 +240,7 @@ def _link_followers(model: nn.Module) -> None:
                 add_external_param(module, p)
 
 
-def init_compression(model: nn.Module, deepspeed_config: ConfigSource | DeepSpeedConfig | CompressionConfig,
+def init_compression(model: nn.Module, deepspeed_config: ConfigSource | DSConfig | CompressionConfig,
                      teacher_model: nn.Module | None = None, mpu: object = None) -> nn.Module:
     """Prepare ``model`` for the compression ``deepspeed_config``'s ``compression_training`` describes and
     return it (the same object, changed in place).
@@ -266,7 +266,7 @@ def init_compression(model: nn.Module, deepspeed_config: ConfigSource | DeepSpee
     return model
 
 
-def redundancy_clean(model: nn.Module, deepspeed_config: ConfigSource | DeepSpeedConfig | CompressionConfig,
+def redundancy_clean(model: nn.Module, deepspeed_config: ConfigSource | DSConfig | CompressionConfig,
                      mpu: object = None) -> nn.Module:
     """Make the compression real: masked weights become zeros, quantized weights take their ``target_bits``
     values (recorded as integer codes for :func:`dsrun.compression.export.save_compressed`), and row, head

@@ -30,7 +30,7 @@ from .compress import TECHNIQUES, _KIND, plan_of, read_config
 from .pruning import snip_density
 
 if TYPE_CHECKING:
-    from dsrun.config import ConfigSource, DeepSpeedConfig
+    from dsrun.config import ConfigSource, DSConfig
     from dsrun.config.compression import CompressionConfig, WeightQuantShared
 
 log = logging.getLogger("dsrun.compression")
@@ -73,7 +73,7 @@ class compression_scheduler:  # noqa: N801 (DeepSpeed's name)
     """Steps the techniques of a model prepared by :func:`dsrun.compression.compress.init_compression`."""
 
     def __init__(self, model: nn.Module,
-                 compression_config: ConfigSource | DeepSpeedConfig | CompressionConfig | None = None):
+                 compression_config: ConfigSource | DSConfig | CompressionConfig | None = None):
         self.model = model.module if isinstance(getattr(model, "module", None), nn.Module) else model
         plan = plan_of(self.model)
         if plan is None:

@@ -23,7 +23,7 @@ from .auto import resolve_auto
 from .batch import GAS, MBS, TBS, BatchResolution, resolve_batch
 from .elastic import resolve_elastic_batch
 from .migrate import LegacyConfigWarning, migrate_legacy
-from .model import DeepSpeedConfig
+from .model import DSConfig
 from .problems import split_unknown_top_level, validate_model
 from .rules import check_rules
 from .sources import ConfigSource, read_config_source
@@ -31,7 +31,7 @@ from .support import announce, check_support
 from .zero import shard_problems
 
 __all__ = [
-    "DeepSpeedConfig",
+    "DSConfig",
     "announce",
     "LegacyConfigWarning",
     "load_ds_config",
@@ -43,14 +43,14 @@ logger = logging.getLogger("dsrun.config")
 
 
 def _analyse(
-    source: ConfigSource | DeepSpeedConfig,
+    source: ConfigSource | DSConfig,
     world_size: int | None,
     world_size_source: str,
     auto_values: Mapping[str, Any] | None,
     path_prefix: str,
-) -> tuple[DeepSpeedConfig | None, list[Problem]]:
+) -> tuple[DSConfig | None, list[Problem]]:
     prefix = f"{path_prefix.rstrip('.')}." if path_prefix else ""
-    if isinstance(source, DeepSpeedConfig):
+    if isinstance(source, DSConfig):
         source = source.to_ds_dict()
     try:
         raw = read_config_source(source)
@@ -58,7 +58,7 @@ def _analyse(
         return None, list(err.problems)
 
     data, problems, notes = migrate_legacy(raw, prefix)
-    data, ignored = split_unknown_top_level(DeepSpeedConfig, data)
+    data, ignored = split_unknown_top_level(DSConfig, data)
     if ignored:
         note = (f"{path_prefix or 'config'}: unknown top-level key(s) {', '.join(map(repr, ignored))} ignored, "
                 "as DeepSpeed ignores them")
@@ -67,16 +67,16 @@ def _analyse(
     data, auto_problems, auto_batch = resolve_auto(data, auto_values, prefix)
     problems += auto_problems
 
-    model, schema_problems = validate_model(DeepSpeedConfig, data, prefix.rstrip("."))
+    model, schema_problems = validate_model(DSConfig, data, prefix.rstrip("."))
     problems += schema_problems
     failed_sections = {pr.path[len(prefix):].split(".")[0].split("[")[0] for pr in schema_problems}
     if model is None:
         # Validate what is left so the batch and cross-field checks still report their problems.
         partial = {k: v for k, v in data.items() if k not in failed_sections}
-        model, _ = validate_model(DeepSpeedConfig, partial, prefix.rstrip("."))
+        model, _ = validate_model(DSConfig, partial, prefix.rstrip("."))
     if model is None:  # pragma: no cover - the partial dict holds only keys that validated
         return None, problems
-    assert isinstance(model, DeepSpeedConfig)
+    assert isinstance(model, DSConfig)
 
     batch_failed = failed_sections & {TBS, MBS, GAS, "elasticity", "sequence_parallel_size"}
     resolution: BatchResolution | None = None
@@ -144,18 +144,18 @@ def _unique(problems: list[Problem]) -> list[Problem]:
 
 
 def load_ds_config(
-    source: ConfigSource | DeepSpeedConfig,
+    source: ConfigSource | DSConfig,
     world_size: int | None = 1,
     *,
     world_size_source: str = "default",
     auto_values: Mapping[str, Any] | None = None,
     path_prefix: str = "",
-) -> DeepSpeedConfig:
+) -> DSConfig:
     """Read, migrate, validate and resolve a DeepSpeed config.
 
     ``source``: a dict, a path (``.json``/``.hjson``/``.yaml``/``.yml``), JSON text, or base64 JSON.
     ``world_size`` is the data-parallel size used for the batch arithmetic; ``world_size_source`` says where
-    it came from (shown in errors and :attr:`DeepSpeedConfig.batch_explanation`); None skips the batch
+    it came from (shown in errors and :attr:`DSConfig.batch_explanation`); None skips the batch
     arithmetic (a launcher that does not know the data-parallel size; the batch keys stay as given).
     ``auto_values`` maps
     dotted keys (relative to the config root, e.g. ``"optimizer.params.lr"``) to the values that replace
@@ -165,7 +165,7 @@ def load_ds_config(
     Raises :class:`~dsrun.utils.errors.ConfigError` listing every problem. Legacy keys are migrated with a
     :class:`LegacyConfigWarning`. A key the config enables that dsrun does not implement (the support ledger,
     :mod:`dsrun.config.support`) is a problem, or with ``dsrun_allow_unimplemented: true`` a warning line in
-    :attr:`DeepSpeedConfig.unimplemented_warnings` (:func:`announce` prints them once per run).
+    :attr:`DSConfig.unimplemented_warnings` (:func:`announce` prints them once per run).
     """
     model, problems = _analyse(source, world_size, world_size_source, auto_values, path_prefix)
     if problems:
@@ -175,7 +175,7 @@ def load_ds_config(
 
 
 def validate_ds_config(
-    source: ConfigSource | DeepSpeedConfig,
+    source: ConfigSource | DSConfig,
     world_size: int | None = 1,
     *,
     world_size_source: str = "default",

@@ -95,8 +95,3 @@ def _dump(value: RawValue) -> RawValue:
     if isinstance(value, (list, tuple)):
         return [_dump(v) for v in value]
     return value
-
-
-def field_names(model: type[BaseModel]) -> list[str]:
-    """Every key a section accepts."""
-    return list(model.model_fields)

@@ -5,7 +5,7 @@
 size taken from torch.distributed when it is initialized (divided by the ``mpu``'s model-parallel size), and
 exposes the attributes DeepSpeed's engine and client code read (``train_batch_size``, ``zero_optimization_stage``,
 ``fp16_enabled``, ``bfloat16_enabled``, ``optimizer_name`` ...). ``config`` holds the typed
-:class:`dsrun.config.DeepSpeedConfig`; ``_param_dict`` the dict as given.
+:class:`dsrun.config.DSConfig`; ``_param_dict`` the dict as given.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import copy
 from pathlib import Path
 from typing import Any
 
-from dsrun.config import DeepSpeedConfig as TypedConfig
+from dsrun.config import DSConfig
 from dsrun.config import load_ds_config
 from dsrun.config.sources import read_config_source
 from dsrun.config.monitoring import DeepSpeedMonitorConfig
@@ -52,7 +52,7 @@ class DeepSpeedConfig:
     def __init__(self, config: str | dict | Path, mpu: Any = None, mesh_device: Any = None):
         self._param_dict = copy.deepcopy(read_config_source(config))
         self.world_size = _world_size(mpu)
-        self.config: TypedConfig = load_ds_config(self._param_dict, self.world_size,
+        self.config: DSConfig = load_ds_config(self._param_dict, self.world_size,
                                                   world_size_source="torch.distributed")
         c = self.config
         self.train_batch_size = c.train_batch_size

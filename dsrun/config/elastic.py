@@ -34,7 +34,7 @@ from typing import Any, Sequence
 from dsrun.utils.errors import Problem
 
 from .batch import BatchResolution
-from .model import DeepSpeedConfig
+from .model import DSConfig
 
 # Highly composite numbers: each has more divisors than any smaller number, so a batch that is a
 # multiple of one divides evenly among many GPU counts. 720720 covers batches up to 720K.
@@ -218,7 +218,7 @@ def scheduler_mismatch(max_train_batch_size: int, micro_batch_sizes: list[int], 
     return None
 
 
-def resolve_elastic_batch(cfg: DeepSpeedConfig, raw: dict[str, Any], world_size: int, world_size_source: str,
+def resolve_elastic_batch(cfg: DSConfig, raw: dict[str, Any], world_size: int, world_size_source: str,
                           prefix: str) -> tuple[BatchResolution | None, list[Problem]]:
     """The batch triad elasticity computes for ``world_size`` (as DeepSpeed's runtime does: the data-parallel
     size with an ``mpu``, else the world size), or the problems."""

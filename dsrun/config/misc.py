@@ -122,7 +122,7 @@ class AutotuningConfig(Section):
     model_info_path: str | None = None
 
 
-class ElasticityConfig(Section):
+class ElasticitySection(Section):
     """``elasticity``: pick a global batch size that works for many GPU counts. When enabled,
     ``max_train_batch_size`` and ``micro_batch_sizes`` are required (as in DeepSpeed), and unless
     ``ignore_non_elastic_batch_info`` the top-level batch keys must be absent. ``min_time`` applies to

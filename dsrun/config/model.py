@@ -1,7 +1,7 @@
 """The top-level DeepSpeed config model: batch keys, communication keys, logging keys and every section.
 
 Attribute names are exactly DeepSpeed's keys. After :func:`dsrun.config.load_ds_config` the three batch
-numbers are resolved ints and :attr:`DeepSpeedConfig.batch_explanation` says where each came from.
+numbers are resolved ints and :attr:`DSConfig.batch_explanation` says where each came from.
 
 Defaults that follow DeepSpeed's behaviour rather than the documentation (config-keys.md §6; the list, with
 the reasons, is docs/config.md "Defaults that follow today's DeepSpeed"):
@@ -9,7 +9,7 @@ the reasons, is docs/config.md "Defaults that follow today's DeepSpeed"):
 * D1: ``gradient_clipping`` defaults to 1.0, as documented and as DeepSpeed does since 0.19 (0.14 did not clip);
   0.0 turns clipping off.
 * D2: ``communication_data_type`` is a string ``fp16``/``bf16``/``fp32`` (case-insensitive), not a bool;
-  None means "follow the precision mode" (:attr:`DeepSpeedConfig.resolved_communication_data_type`).
+  None means "follow the precision mode" (:attr:`DSConfig.resolved_communication_data_type`).
 * ``wall_clock_breakdown`` reads True whenever ``flops_profiler.enabled`` is, as DeepSpeed's getter does.
 * ``steps_per_print`` defaults to None as in DeepSpeed 0.19 (0.14: 10): no ``step=`` progress line.
 """
@@ -28,7 +28,7 @@ from .misc import (
     CheckpointConfig,
     CompileConfig,
     EigenvalueConfig,
-    ElasticityConfig,
+    ElasticitySection,
     HybridEngineConfig,
     NebulaConfig,
     PipelineConfig,
@@ -61,7 +61,7 @@ def _never_as_max_steps(value: RawValue) -> RawValue:
     return sys.maxsize if isinstance(value, float) and value == math.inf else value
 
 
-class DeepSpeedConfig(Section):
+class DSConfig(Section):
     """A whole DeepSpeed config: one typed model per section; unknown keys are errors at every level.
 
     Undocumented keys DeepSpeed reads are accepted with DeepSpeed's defaults (``zero_allow_untested_optimizer``,
@@ -138,7 +138,7 @@ class DeepSpeedConfig(Section):
 
     # tooling
     autotuning: AutotuningConfig = _section(AutotuningConfig)
-    elasticity: ElasticityConfig = _section(ElasticityConfig)
+    elasticity: ElasticitySection = _section(ElasticitySection)
     checkpoint: CheckpointConfig = _section(CheckpointConfig)
     pipeline: PipelineConfig = _section(PipelineConfig)
     hybrid_engine: HybridEngineConfig = _section(HybridEngineConfig)
@@ -166,7 +166,7 @@ class DeepSpeedConfig(Section):
     _unimplemented: list[tuple[str, str]] = PrivateAttr(default_factory=list)
 
     @model_validator(mode="after")
-    def _profiler_implies_timing(self) -> "DeepSpeedConfig":
+    def _profiler_implies_timing(self) -> "DSConfig":
         # DeepSpeed's wall_clock_breakdown() is "wall_clock_breakdown or flops_profiler.enabled".
         if self.flops_profiler.enabled and not self.wall_clock_breakdown:
             self.__dict__["wall_clock_breakdown"] = True
@@ -175,7 +175,7 @@ class DeepSpeedConfig(Section):
     def __eq__(self, other: object) -> bool:
         # Equal when every setting is equal; how the batch numbers were found (the explanation) and the
         # load notes do not count, so a config equals the one loaded back from its to_ds_dict().
-        if not isinstance(other, DeepSpeedConfig):
+        if not isinstance(other, DSConfig):
             return NotImplemented
         return self.model_dump() == other.model_dump()
 

@@ -323,12 +323,3 @@ def check_scheduler(scheduler: SchedulerConfig, prefix: str) -> list[Problem]:
         "class name (case-sensitive)",
         did_you_mean(scheduler.type, list(DEEPSPEED_SCHEDULERS) + sorted(torch_names)),
     )]
-
-
-def required_scheduler_params(scheduler_type: str) -> list[str]:
-    """Names of the params a DeepSpeed schedule cannot do without."""
-    model = SCHEDULER_PARAMS.get(scheduler_type)
-    if model is None:
-        return []
-    return [name for name, field in model.model_fields.items() if field.is_required()]
-

@@ -71,7 +71,7 @@ class AMPConfig(Section):
 
 class DataTypesConfig(Section):
     """``data_types``: ``grad_accum_dtype`` (None = DeepSpeed decides: fp32 for bf16 without ZeRO, else the
-    model dtype; see :meth:`DeepSpeedConfig.resolved_grad_accum_dtype`)."""
+    model dtype; see :meth:`DSConfig.resolved_grad_accum_dtype`)."""
 
     grad_accum_dtype: TorchDTypeName | None = Field(default=None)
     param_dtype: TorchDTypeName | None = None

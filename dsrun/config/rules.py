@@ -13,7 +13,7 @@ from dsrun.utils.errors import Problem, show
 from .compression import check_compression, check_quantization_modes
 from .data_efficiency import check_data_efficiency
 from .misc import SPARSE_MODE_KEYS
-from .model import DeepSpeedConfig
+from .model import DSConfig
 from .optim import (
     CPU_OPTIMIZER_TYPES,
     DYNAMIC_LOSS_SCALE_OPTIMIZERS,
@@ -37,7 +37,7 @@ def _given(raw: dict[str, Any], *keys: str) -> bool:
     return True
 
 
-def check_precision(cfg: DeepSpeedConfig, p: str) -> list[Problem]:
+def check_precision(cfg: DSConfig, p: str) -> list[Problem]:
     problems: list[Problem] = []
     if cfg.fp16.enabled and cfg.bf16.enabled:
         problems.append(Problem(f"{p}bf16.enabled", "fp16 and bf16 cannot both be enabled", "choose one precision"))
@@ -60,7 +60,7 @@ def check_precision(cfg: DeepSpeedConfig, p: str) -> list[Problem]:
     return problems
 
 
-def check_zero(cfg: DeepSpeedConfig, raw: dict[str, Any], p: str) -> tuple[list[Problem], list[str]]:
+def check_zero(cfg: DSConfig, raw: dict[str, Any], p: str) -> tuple[list[Problem], list[str]]:
     z = cfg.zero_optimization
     zp = f"{p}zero_optimization"
     problems: list[Problem] = []
@@ -117,7 +117,7 @@ def check_zero(cfg: DeepSpeedConfig, raw: dict[str, Any], p: str) -> tuple[list[
     return problems, notes
 
 
-def check_optimizer_rules(cfg: DeepSpeedConfig, p: str) -> list[Problem]:
+def check_optimizer_rules(cfg: DSConfig, p: str) -> list[Problem]:
     problems: list[Problem] = []
     problems += check_optimizer(cfg.optimizer, p)
     problems += check_scheduler(cfg.scheduler, p)
@@ -155,7 +155,7 @@ def check_optimizer_rules(cfg: DeepSpeedConfig, p: str) -> list[Problem]:
     return problems
 
 
-def check_monitors(cfg: DeepSpeedConfig, p: str) -> tuple[list[Problem], list[str]]:
+def check_monitors(cfg: DSConfig, p: str) -> tuple[list[Problem], list[str]]:
     problems: list[Problem] = []
     notes: list[str] = []
     comet = cfg.comet
@@ -170,7 +170,7 @@ def check_monitors(cfg: DeepSpeedConfig, p: str) -> tuple[list[Problem], list[st
     return problems, notes
 
 
-def check_tooling(cfg: DeepSpeedConfig, raw: dict[str, Any], p: str) -> tuple[list[Problem], list[str]]:
+def check_tooling(cfg: DSConfig, raw: dict[str, Any], p: str) -> tuple[list[Problem], list[str]]:
     problems: list[Problem] = []
     notes: list[str] = []
     at = cfg.autotuning
@@ -259,7 +259,7 @@ def check_tooling(cfg: DeepSpeedConfig, raw: dict[str, Any], p: str) -> tuple[li
     return problems, notes
 
 
-def check_rules(cfg: DeepSpeedConfig, raw: dict[str, Any], prefix: str) -> tuple[list[Problem], list[str]]:
+def check_rules(cfg: DSConfig, raw: dict[str, Any], prefix: str) -> tuple[list[Problem], list[str]]:
     """Every cross-field rule; (problems, notes). ``raw`` is the migrated input, to see which keys were given."""
     problems: list[Problem] = []
     notes: list[str] = []

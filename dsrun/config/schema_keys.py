@@ -91,7 +91,7 @@ def _keys_of(root: type[BaseModel]) -> tuple[SchemaKey, ...]:
 
 
 def schema_keys(root: type[BaseModel]) -> dict[str, SchemaKey]:
-    """pattern -> :class:`SchemaKey`, for every leaf key of ``root`` (``DeepSpeedConfig``: the whole schema;
+    """pattern -> :class:`SchemaKey`, for every leaf key of ``root`` (``DSConfig``: the whole schema;
     passed in, since the config model's modules import this one)."""
     return {key.pattern: key for key in _keys_of(root)}
 

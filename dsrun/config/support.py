@@ -22,11 +22,11 @@ from pydantic import BaseModel
 from dsrun.utils.errors import Problem, UserError, show
 from dsrun.utils.suggest import did_you_mean
 
-from .ledger import LEDGER, Entry, Feature, Status
-from .ledger.entry import NOT_IMPLEMENTED
-from .base import RawValue
-from .model import DeepSpeedConfig
-from .schema_keys import WILDCARD, mapped_section_model, match_pattern, schema_keys
+from dsrun.config.ledger import LEDGER, Entry, Feature, Status
+from dsrun.config.ledger.entry import NOT_IMPLEMENTED
+from dsrun.config.base import RawValue
+from dsrun.config.model import DSConfig
+from dsrun.config.schema_keys import WILDCARD, mapped_section_model, match_pattern, schema_keys
 
 ALLOW_KEY = "dsrun_allow_unimplemented"
 # Sections DeepSpeed turns on by their presence (no "enabled" key), by their paths.
@@ -121,16 +121,16 @@ def _leaves(section: BaseModel, pattern: str, path: str, chain: tuple[_Gate, ...
             yield sub_path, sub_pattern, chain, value
 
 
-def _enabled(cfg: DeepSpeedConfig, pattern: str, value: RawValue, entry: Entry) -> bool:
+def _enabled(cfg: DSConfig, pattern: str, value: RawValue, entry: Entry) -> bool:
     if entry.applies is not None and not entry.applies(cfg):
         return False
     if entry.active is not None:
         return bool(entry.active(cfg))
-    key = schema_keys(DeepSpeedConfig).get(pattern)
+    key = schema_keys(DSConfig).get(pattern)
     return key is None or value != key.default
 
 
-def unimplemented_keys(cfg: DeepSpeedConfig) -> list[Unimplemented]:
+def unimplemented_keys(cfg: DSConfig) -> list[Unimplemented]:
     """The not-implemented keys a loaded config enables, one per feature section or key."""
     found: dict[str, Unimplemented] = {}
     sections: dict[str, str] = {}  # reported gate path -> the section it switches
@@ -154,7 +154,7 @@ def unimplemented_keys(cfg: DeepSpeedConfig) -> list[Unimplemented]:
             if not (p in sections and any(q != p and q.startswith(sections[p]) for q in found))]
 
 
-def refused_values(cfg: DeepSpeedConfig, prefix: str) -> list[Problem]:
+def refused_values(cfg: DSConfig, prefix: str) -> list[Problem]:
     """Values of implemented keys dsrun cannot run (1-bit and mup optimizers); refused in every mode."""
     problems = []
     for path, pattern, _, value in _leaves(cfg, "", "", ()):
@@ -165,7 +165,7 @@ def refused_values(cfg: DeepSpeedConfig, prefix: str) -> list[Problem]:
     return problems
 
 
-def check_support(cfg: DeepSpeedConfig, prefix: str = "") -> tuple[list[Problem], list[Unimplemented]]:
+def check_support(cfg: DSConfig, prefix: str = "") -> tuple[list[Problem], list[Unimplemented]]:
     """(problems, allowed) for a loaded config: refusals of what it enables and dsrun lacks, or, with
     ``dsrun_allow_unimplemented``, those keys in ``allowed`` (to be warned about) instead."""
     missing = unimplemented_keys(cfg)
@@ -175,7 +175,7 @@ def check_support(cfg: DeepSpeedConfig, prefix: str = "") -> tuple[list[Problem]
     return problems + [u.problem(prefix) for u in missing], []
 
 
-def announce(cfg: DeepSpeedConfig, *, rank: int | None = None, for_children: bool = False) -> list[str]:
+def announce(cfg: DSConfig, *, rank: int | None = None, for_children: bool = False) -> list[str]:
     """Print the warning lines of a config loaded with ``dsrun_allow_unimplemented`` (what the run goes on
     without) on stderr, once per run: only on rank 0 (``rank``, else ``$RANK``), and not the keys a launching
     dsrun command already printed. ``for_children``: record the keys for the processes started from here
@@ -206,7 +206,7 @@ def _status_text(entry: Entry) -> str:
 def explain(key: str) -> str:
     """``dsrun config --explain KEY``: the key's type, default, status and meaning."""
     path = key[3:] if key.startswith("ds.") else key
-    keys = schema_keys(DeepSpeedConfig)
+    keys = schema_keys(DSConfig)
     pattern = match_pattern(path, keys) or match_pattern(path, LEDGER)
     if pattern is None:
         raise UserError(Problem(key, "not a key of the DeepSpeed config schema",
@@ -229,7 +229,7 @@ def status_counts() -> dict[str, int]:
 
 def render_markdown() -> str:
     """docs/config_support.md: every key with its default, status and meaning, generated from the ledger."""
-    keys = schema_keys(DeepSpeedConfig)
+    keys = schema_keys(DSConfig)
     counts = status_counts()
     out = [
         "# Support ledger: what every DeepSpeed config key does in dsrun",

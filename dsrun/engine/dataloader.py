@@ -39,8 +39,3 @@ class DeepSpeedDataLoader:
             self.data_sampler.set_epoch(self.epoch)
         self.epoch += 1
         return iter(self.dataloader)
-
-
-def is_dataset(obj: object) -> bool:
-    """Whether ``obj`` (any object) is a torch Dataset or has ``__getitem__`` and ``__len__``."""
-    return isinstance(obj, torch.utils.data.Dataset) or (hasattr(obj, "__getitem__") and hasattr(obj, "__len__"))

@@ -15,7 +15,7 @@ import torch
 
 from dsrun import comm
 from dsrun.comm import ProcessGroups
-from dsrun.config import DeepSpeedConfig
+from dsrun.config import DSConfig
 from dsrun.accelerator import get_accelerator
 from dsrun.moe.layer import attach_process_groups
 from dsrun.moe.utils import has_moe_layers, split_params_into_different_moe_groups_for_optimizer
@@ -36,7 +36,7 @@ from dsrun.precision.strategy import PrecisionStrategy, build_precision
 from dsrun.precision.torch_autocast import autocast_if_enabled, init_autocast_params
 from dsrun.profiling.timers import WallClockTimers
 from dsrun.zero.strategies import MemoryBreakdown, StrategyContext, ZeroStrategy, build_zero_strategy
-from dsrun.sequence.groups import _set_sequence_groups
+from dsrun.comm.groups import set_current_groups
 from dsrun.utils.errors import ConfigError, Problem
 
 FORWARD_TIMER, BACKWARD_TIMER, BACKWARD_INNER_TIMER = "forward", "backward", "backward_inner"
@@ -49,12 +49,12 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
     mixins :mod:`~dsrun.engine.engine_getters`, :mod:`~dsrun.engine.engine_methods` and
     :mod:`~dsrun.engine.engine_collectives`.
 
-    ``config`` is the typed :class:`dsrun.config.DeepSpeedConfig` (every setting and default comes from it); ``optimizer`` an optimizer over the model's
+    ``config`` is the typed :class:`dsrun.config.DSConfig` (every setting and default comes from it); ``optimizer`` an optimizer over the model's
     parameters (client or from the config) or None; ``lr_scheduler`` a scheduler object, a callable taking
     the optimizer, or None (then the config's ``scheduler`` section, if any, is used).
     """
 
-    def __init__(self, model: torch.nn.Module, config: DeepSpeedConfig, optimizer: torch.optim.Optimizer | None = None,
+    def __init__(self, model: torch.nn.Module, config: DSConfig, optimizer: torch.optim.Optimizer | None = None,
                  lr_scheduler: Any = None, training_data: Any = None, collate_fn: Callable | None = None,
                  mpu: Any = None, raw_config: Any = None):
         super().__init__()
@@ -73,7 +73,7 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
         self.dp_world_size = comm.get_world_size(self.dp_group)
         # Ulysses: consecutive data-parallel ranks share samples (dsrun/sequence); ZeRO keeps the whole data group
         self.sequence_parallel_size = self.groups.sequence_parallel_size
-        _set_sequence_groups(self.groups)
+        set_current_groups(self.groups, bool(config.use_data_before_expert_parallelism))  # the run's groups
         if self.sequence_parallel_size > 1:  # as DeepSpeed: gradients are reduced in seq_parallel_comm_data_type
             config.communication_data_type = config.seq_parallel_comm_data_type
         self.device = get_accelerator().device(self.local_rank)
@@ -133,7 +133,7 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
 
     # --- construction ---------------------------------------------------------------------------------
     @classmethod
-    def prepare_model(cls, model: torch.nn.Module, config: DeepSpeedConfig) -> None:
+    def prepare_model(cls, model: torch.nn.Module, config: DSConfig) -> None:
         """Called by :func:`dsrun.initialize` before the optimizer is built over the model's parameters
         (a pipeline engine re-cuts its module here for virtual stages). Nothing to do for a plain model."""
 
@@ -440,7 +440,7 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
             from dsrun.moe import groups as expert_groups
 
             expert_groups._reset()
-        _set_sequence_groups(None)
+        set_current_groups(None)
         self.groups.destroy()
 
     def empty_partition_cache(self) -> None:
@@ -455,7 +455,7 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
         return self.save_16bit_model(save_dir, save_filename)
 
 
-def build_engine_optimizer(config: DeepSpeedConfig, model: torch.nn.Module, optimizer: Any,
+def build_engine_optimizer(config: DSConfig, model: torch.nn.Module, optimizer: Any,
                            model_parameters: Any) -> torch.optim.Optimizer | None:
     """The optimizer the engine will step: a client optimizer (object, or callable on the parameters) wins
     over the config's ``optimizer`` section."""
@@ -487,7 +487,7 @@ def _as_param_groups(params: Any) -> list[dict[str, Any]]:
     return [{"params": params}]
 
 
-def _check_moe_config(config: DeepSpeedConfig) -> None:
+def _check_moe_config(config: DSConfig) -> None:
     """MoE runs at ZeRO stages 0-3, with optimizer state (and ZeRO-3 parameters) on the device or offloaded to
     host memory; swapping them to NVMe is not built for experts' checkpoints yet: refuse it."""
     zc = config.zero_optimization

@@ -1,7 +1,7 @@
 """DeepSpeed's config getters on the engine (``engine.zero_optimization()``, ``engine.fp16_enabled()`` …).
 
 Mixed into :class:`dsrun.engine.engine.DeepSpeedEngine`. Each getter reads the typed config
-(``engine._config``, :class:`dsrun.config.DeepSpeedConfig`) and returns what DeepSpeed 0.14's getter of the
+(``engine._config``, :class:`dsrun.config.DSConfig`) and returns what DeepSpeed 0.14's getter of the
 same name returns for the same config; the few that report on live state (the precision in use, the NVMe
 offload) ask the engine's strategies. The data-efficiency getters live with their feature
 (:mod:`dsrun.data_efficiency.engine_api`).

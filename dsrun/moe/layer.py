@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
+from dsrun.comm.groups import current_groups, set_current_groups
 from dsrun.utils.errors import ConfigError, Problem
 
 from . import groups
-
 from .experts import Experts
 from .sharded_moe import MOELayer, TopKGate
 
@@ -102,13 +102,14 @@ def moe_layers(module: torch.nn.Module) -> list[MoE]:
 
 
 def attach_process_groups(module: torch.nn.Module, process_groups: Any, data_before_expert: bool = False) -> list[MoE]:
-    """Register the engine's process groups and give every MoE layer of ``module`` its expert group
-    (collective; every rank calls it with the same model). ``data_before_expert``: the config's
-    ``use_data_before_expert_parallelism``. Returns the layers."""
+    """Give every MoE layer of ``module`` its expert group from the engine's process groups, which become the
+    run's groups if they are not yet (collective; every rank calls it with the same model).
+    ``data_before_expert``: the config's ``use_data_before_expert_parallelism``. Returns the layers."""
     layers = moe_layers(module)
     if layers:
         process_groups.set_expert_layout(data_before_expert)
-        groups._set_process_groups(process_groups)
+        if current_groups() is not process_groups:
+            set_current_groups(process_groups, data_before_expert)
         for layer in layers:
             layer.set_deepspeed_parallelism(data_before_expert)
     return layers

@@ -87,7 +87,7 @@ class MonitorMaster(Monitor):
     """Fans events out to the enabled sinks. On ranks other than 0 (or with no sink enabled) every call is
     a no-op, so callers need no rank checks.
 
-    ``monitor_config`` is a DeepSpeed config (dsrun's :class:`~dsrun.config.DeepSpeedConfig`, a dict, or
+    ``monitor_config`` is a DeepSpeed config (dsrun's :class:`~dsrun.config.DSConfig`, a dict, or
     DeepSpeed's ``ds_config.monitor_config``). ``background=False`` writes synchronously (tests, tools).
     """
 

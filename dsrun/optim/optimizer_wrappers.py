@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from dsrun.config import DeepSpeedConfig
+    from dsrun.config import DSConfig
 
 
 class _StrategyContext(Protocol):
-    config: DeepSpeedConfig
+    config: DSConfig
 
     @property
     def pipelined(self) -> bool: ...

@@ -13,7 +13,6 @@ instead (:meth:`PipelineModule.set_virtual_stages`): this rank holds chunks ``st
 from __future__ import annotations
 
 import os
-import random
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -25,17 +24,12 @@ from torch import nn
 from dsrun import comm
 from dsrun.comm import PipeDataParallelTopology, ProcessTopology
 from dsrun.activation_checkpointing.checkpoint import checkpoint  # DeepSpeed's default checkpoint function
+from dsrun.utils.seeding import set_random_seed
 from dsrun.utils.errors import Problem, UserError
 
 from dsrun.pipe.partition import partition_layers
 from dsrun.pipe.spec import LayerSpec, TiedLayerSpec
 from dsrun.pipe.topology import PipelineParallelGrid
-
-
-def set_random_seed(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 class PipelineModule(nn.Module):

@@ -29,13 +29,7 @@ class AutocastEngine(Protocol):
 
 LOWER_PRECISION_SAFE_MODULES = [torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d]
 PARAM_COMM_DTYPE_ATTR_NAME = "comm_dtype"
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _state: dict[str, Any] = {"initialized": False, "dtype": None, "warned_nested": False}
-
-
-def autocast_dtype_of(name: str | None) -> torch.dtype | None:
-    """The torch dtype of a config dtype name (None stays None: the device's default)."""
-    return None if name is None else _DTYPES[name]
 
 
 def _import_class(name: str) -> type:

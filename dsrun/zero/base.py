@@ -40,13 +40,13 @@ _COMM_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.flo
 @dataclass
 class StrategyContext:
     """Everything a ZeRO strategy is built from: the live objects, the typed DeepSpeed config (the one source
-    of every setting and default, ``dsrun.config.DeepSpeedConfig``) and the run's process groups."""
+    of every setting and default, ``dsrun.config.DSConfig``) and the run's process groups."""
 
     module: torch.nn.Module
     optimizer: torch.optim.Optimizer
     precision: PrecisionStrategy
     device: torch.device
-    config: Any  # dsrun.config.DeepSpeedConfig
+    config: Any  # dsrun.config.DSConfig
     groups: Any = None  # dsrun.comm.ProcessGroups; None: the whole world is the data-parallel group
 
     @property

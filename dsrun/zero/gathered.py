@@ -83,13 +83,5 @@ class GatheredParameters:
                 release_param(p)
 
 
-def gathered_value(param: torch.nn.Parameter) -> torch.Tensor:
-    """A copy of one parameter's full value, partitioned or not (collective for partitioned ones)."""
-    if not is_zero_param(param):
-        return param.detach().clone()
-    with GatheredParameters(param):
-        return param.data.detach().clone()
-
-
 def zero_params(params: Iterable[torch.Tensor]) -> list[torch.nn.Parameter]:
     return _as_param_list(list(params))

@@ -1,8 +1,6 @@
 """ZeRO strategies, one class per stage family, looked up by stage number.
 
 The engine calls :func:`build_zero_strategy` once at initialize and never branches on the stage again.
-Stage 3 plugs in by adding ``dsrun/zero/stage3.py`` with a ``Stage3Strategy`` (a
-:class:`~dsrun.zero.base.ZeroStrategy`); :data:`STRATEGY_CLASSES` already names it.
 """
 from __future__ import annotations
 
@@ -29,14 +27,7 @@ def strategy_class(stage: int) -> type[ZeroStrategy]:
     if target is None:
         raise ConfigError(Problem("zero_optimization.stage", f"got {stage!r}; allowed: 0, 1, 2, 3"))
     module_name, _, class_name = target.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name != module_name:
-            raise
-        raise ConfigError(Problem("zero_optimization.stage", f"stage {stage} is not available in this build",
-                                  "use stage 0, 1 or 2")) from None
-    return getattr(module, class_name)
+    return getattr(importlib.import_module(module_name), class_name)
 
 
 def build_zero_strategy(stage: int, ctx: StrategyContext) -> ZeroStrategy:

@@ -2,7 +2,6 @@
 :mod:`dsrun.moe.groups`; this module keeps DeepSpeed's import path)."""
 from dsrun.moe.groups import (  # noqa: F401
     expert_group_name,
-    _set_process_groups,
     _groups,
     _create_expert_and_data_parallel,
     initialize,

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable, Mapping
 
-Predicate = Callable[[Any], bool]  # called with the loaded DeepSpeedConfig
+Predicate = Callable[[Any], bool]  # called with the loaded DSConfig
 NOT_IMPLEMENTED = "not implemented in this version of dsrun"  # in every refusal the ledger makes
 
 

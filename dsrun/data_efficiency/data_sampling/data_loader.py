@@ -20,7 +20,7 @@ from dsrun.data_efficiency.data_sampling.data_sampler import DeepSpeedDataSample
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-    from dsrun.config import DeepSpeedConfig
+    from dsrun.config import DSConfig
 
 B = TypeVar("B")  # a batch: a tensor, a tuple/list or dict of them, or anything else (left as it is)
 
@@ -108,7 +108,7 @@ def truncate_to_difficulty(metric: str = "seqlen") -> Callable[[Any, dict[str, A
     return truncate
 
 
-def build_curriculum_loader(config: DeepSpeedConfig, dataset: Dataset, batch_size: int, data_parallel_rank: int,
+def build_curriculum_loader(config: DSConfig, dataset: Dataset, batch_size: int, data_parallel_rank: int,
                             data_parallel_size: int, gradient_accumulation_steps: int, global_rank: int = 0,
                             data_parallel_group: ProcessGroup | None = None, collate_fn: Callable | None = None,
                             pin_memory: bool = False) -> CurriculumDataLoader:

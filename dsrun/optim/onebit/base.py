@@ -259,12 +259,6 @@ class OneBitOptimizer(torch.optim.Optimizer):
             self.server_errors[gi] = torch.zeros(layout.chunk, dtype=torch.float32, device=device)
         return self.worker_errors[gi], self.server_errors[gi]
 
-    def reset_errors(self) -> None:
-        for errors in (self.worker_errors, self.server_errors):
-            for e in errors:
-                if e is not None:
-                    e.zero_()
-
     def exchange(self, gi: int, x: torch.Tensor) -> CompressedResult:
         """The compressed mean over ranks of ``x`` (this master's whole flat group, fp32)."""
         layout = self.layouts[gi].compressed

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from dsrun.config import DeepSpeedConfig, load_ds_config
+from dsrun.config import DSConfig, load_ds_config
 
 CASES = Path(__file__).parent / "cases"
 DOCUMENTED = [line.strip() for line in (CASES / "documented_keys.txt").read_text().splitlines() if line.strip()]
@@ -40,7 +40,7 @@ def _dict_value_model(annotation: typing.Any) -> typing.Any:
 
 
 def schema_knows(dotted: str) -> bool:
-    model: typing.Any = DeepSpeedConfig
+    model: typing.Any = DSConfig
     parts = dotted.split(".")
     i = 0
     while i < len(parts):

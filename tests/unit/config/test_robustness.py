@@ -6,7 +6,7 @@ import warnings
 
 from pydantic import BaseModel
 
-from dsrun.config import DeepSpeedConfig, validate_ds_config
+from dsrun.config import DSConfig, validate_ds_config
 
 ODD_VALUES = [None, "x", [1], {"a": 1}]
 
@@ -21,7 +21,7 @@ def _key_paths(model: type[BaseModel], prefix: tuple[str, ...] = ()) -> typing.I
 
 
 def test_every_key_path_with_odd_values_gives_problems_not_crashes():
-    paths = list(_key_paths(DeepSpeedConfig))
+    paths = list(_key_paths(DSConfig))
     assert len(paths) > 300
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

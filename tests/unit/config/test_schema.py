@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from dsrun.config import DeepSpeedConfig, load_ds_config, validate_ds_config
+from dsrun.config import DSConfig, load_ds_config, validate_ds_config
 
 MBS = {"train_micro_batch_size_per_gpu": 1}
 
 
-def load(extra: dict, **kwargs) -> DeepSpeedConfig:
+def load(extra: dict, **kwargs) -> DSConfig:
     return load_ds_config({**MBS, **extra}, **kwargs)
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from dsrun.config import load_ds_config, validate_ds_config
 from dsrun.config.ledger import LEDGER, Status
-from dsrun.config.model import DeepSpeedConfig
+from dsrun.config.model import DSConfig
 from dsrun.config.schema_keys import schema_keys
 from dsrun.config.support import NOT_IMPLEMENTED, explain, render_markdown, status_counts
 from dsrun.utils.errors import ConfigError, UserError
@@ -25,7 +25,7 @@ MBS = {"train_micro_batch_size_per_gpu": 1}
 
 
 def test_every_schema_key_has_exactly_one_entry():
-    schema = set(schema_keys(DeepSpeedConfig))
+    schema = set(schema_keys(DSConfig))
     assert not schema - set(LEDGER), f"schema keys without a ledger entry: {sorted(schema - set(LEDGER))}"
     assert not set(LEDGER) - schema, f"ledger entries for no schema key: {sorted(set(LEDGER) - schema)}"
 

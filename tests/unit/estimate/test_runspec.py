@@ -78,10 +78,10 @@ def test_defaults_and_derived_values_when_keys_are_missing():
 def test_gradient_clipping_left_out_is_deepspeeds_default_as_the_engine_clips():
     """A ds section without gradient_clipping clips at 1.0 in the engine, so the ZeRO-3 estimate counts the
     norm's temporaries; 0.0 written out turns them off."""
-    from dsrun.config import DeepSpeedConfig
+    from dsrun.config import DSConfig
     from dsrun.estimate.inputs import DEFAULT_CLIPPING, EstimateInputs
 
-    assert DEFAULT_CLIPPING == EstimateInputs.gradient_clipping == DeepSpeedConfig().gradient_clipping == 1.0
+    assert DEFAULT_CLIPPING == EstimateInputs.gradient_clipping == DSConfig().gradient_clipping == 1.0
     cfg = runspec()
     spec, sources = inputs_from_runspec(cfg, build_recipe_model(cfg))
     assert spec.gradient_clipping == 1.0 and sources["gradient_clipping"].startswith("default")
