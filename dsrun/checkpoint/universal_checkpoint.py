@@ -52,7 +52,7 @@ def param_file(tag_dir: Path, name: str, state: str) -> Path:
     return Path(tag_dir) / UNIVERSAL_DIR / name / f"{state}.pt"
 
 
-def _value(entry: Any) -> torch.Tensor:
+def _value(entry: torch.Tensor | dict[str, torch.Tensor]) -> torch.Tensor:
     return entry[PARAM] if isinstance(entry, dict) else entry
 
 
