@@ -13,7 +13,8 @@ import os
 import shutil
 import signal
 from pathlib import Path
-from typing import Any, Iterator
+import types
+from typing import Iterator
 
 import torch
 
@@ -40,7 +41,7 @@ class _ByteCounter:
     def __init__(self) -> None:
         self.bytes = 0
 
-    def write(self, data: Any) -> int:
+    def write(self, data: bytes) -> int:
         self.bytes += len(data)
         return len(data)
 
@@ -89,9 +90,10 @@ def _tmp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp{os.getpid()}")
 
 
-def save_torch(obj: Any, path: Path, rank: int = 0, torn_point: str | None = None, pickle_module: Any = None) -> None:
-    """``torch.save`` to ``path`` atomically and durably. ``torn_point``: a crash point at which a test
-    leaves a half-written temporary file behind. ``pickle_module``: torch.save's (default: pickle)."""
+def save_torch(obj: object, path: Path, rank: int = 0, torn_point: str | None = None,
+               pickle_module: types.ModuleType | types.SimpleNamespace | None = None) -> None:
+    """``torch.save`` of any picklable ``obj`` to ``path``, atomically and durably. ``torn_point``: a crash point
+    at which a test leaves a half-written temporary file behind. ``pickle_module``: torch.save's (default: pickle)."""
     extra = {} if pickle_module is None else {"pickle_module": pickle_module}
     if _counting:
         torch.save(obj, _counting[-1], **extra)

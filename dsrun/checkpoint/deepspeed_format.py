@@ -31,16 +31,22 @@ a DeepSpeed optimizer state into the one dsrun's ZeRO strategies load, the loss 
 """
 from __future__ import annotations
 
+import os
 import pickle
 import types
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
 from dsrun.utils.zero_to_fp32 import PickledObject
 
 from .safe_load import load_file
+
+if TYPE_CHECKING:
+    from dsrun.precision.loss_scaler import LossScalerBase
+
+Shape = Sequence[int]  # a torch.Size, or the list a JSON-like state holds
 
 VERSION = "0.19.8"  # the DeepSpeed release whose checkpoint reader these files were checked against
 _LOSS_SCALER_MODULE = "deepspeed.runtime.fp16.loss_scaler"
@@ -60,7 +66,7 @@ class ForeignObject:
 
 
 class _Pickler(pickle._Pickler):  # the Python pickler: its save() can write a class reference by name
-    def save(self, obj: Any, save_persistent_id: bool = True) -> None:
+    def save(self, obj: object, save_persistent_id: bool = True) -> None:
         if type(obj) is ForeignObject:
             self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
             self.save(tuple(obj.args))
@@ -75,7 +81,7 @@ class _Pickler(pickle._Pickler):  # the Python pickler: its save() can write a c
 PICKLE_MODULE = types.SimpleNamespace(__name__="dsrun_deepspeed_pickle", Pickler=_Pickler, dump=pickle.dump)
 
 
-def holds_foreign(obj: Any) -> bool:
+def holds_foreign(obj: object) -> bool:  # obj: any value to be pickled
     if type(obj) is ForeignObject:
         return True
     if isinstance(obj, dict):
@@ -86,7 +92,7 @@ def holds_foreign(obj: Any) -> bool:
 
 
 # --- dsrun -> DeepSpeed ----------------------------------------------------------------------------------
-def _scaler_object(scaler: Any = None) -> ForeignObject:
+def _scaler_object(scaler: LossScalerBase | None = None) -> ForeignObject:
     """The engine's loss scaler (dsrun's objects are DeepSpeed's classes, :mod:`dsrun.precision.loss_scaler`)
     as an object of DeepSpeed's class with the same attributes; None: the fixed scale 1 of fp32 and bf16."""
     if scaler is None:
@@ -94,7 +100,7 @@ def _scaler_object(scaler: Any = None) -> ForeignObject:
     return ForeignObject(_LOSS_SCALER_MODULE, type(scaler).__name__, dict(vars(scaler)), newobj=True)
 
 
-def zero_state_for_deepspeed(sd: dict[str, Any], precision: str, clip_grad: float, scaler: Any = None
+def zero_state_for_deepspeed(sd: dict[str, Any], precision: str, clip_grad: float, scaler: LossScalerBase | None = None
                              ) -> dict[str, Any]:
     """A stage 1-3 strategy state with the keys DeepSpeed's ZeRO optimizers read added; ``scaler``: the fp16
     engine's loss scaler (dsrun reads its own state back from the same object)."""
@@ -106,7 +112,7 @@ def zero_state_for_deepspeed(sd: dict[str, Any], precision: str, clip_grad: floa
     return out
 
 
-def _scale_keys(scaler: Any, steps: int) -> dict[str, Any]:
+def _scale_keys(scaler: LossScalerBase | None, steps: int) -> dict[str, Any]:
     """The loss-scale entries of DeepSpeed's stage-0 fp16/bf16 wrappers (bf16: a fixed scale of 1)."""
     if scaler is None or not scaler.dynamic:
         return {"dynamic_loss_scale": False, "cur_scale": float(scaler.cur_scale if scaler else 1.0),
@@ -116,7 +122,7 @@ def _scale_keys(scaler: Any, steps: int) -> dict[str, Any]:
             "scale_window": scaler.scale_window}
 
 
-def _split(flat: torch.Tensor, shapes: list[Any]) -> list[torch.Tensor]:
+def _split(flat: torch.Tensor, shapes: Sequence[Shape]) -> list[torch.Tensor]:
     """Views of ``flat``'s leading elements, one per shape."""
     views, offset = [], 0
     for shape in shapes:
@@ -126,7 +132,7 @@ def _split(flat: torch.Tensor, shapes: list[Any]) -> list[torch.Tensor]:
     return views
 
 
-def _scalar(key: str, value: Any) -> Any:
+def _scalar(key: str, value: torch.Tensor | float) -> torch.Tensor | float:
     """A per-parameter copy of a scalar state entry; the step count as its own float32 tensor, as torch's Adam
     keeps it (and adds to it in place)."""
     if key == "step":
@@ -134,7 +140,7 @@ def _scalar(key: str, value: Any) -> Any:
     return value.clone() if torch.is_tensor(value) else value
 
 
-def _per_parameter(base: dict[str, Any], group_shapes: list[list[Any]]) -> dict[str, Any]:
+def _per_parameter(base: dict[str, Any], group_shapes: list[list[Shape]]) -> dict[str, Any]:
     """A torch optimizer state over one flat tensor per group, as the same optimizer's state over the separate
     parameters (ids numbered across groups, as ``Optimizer.state_dict`` does); views, not copies."""
     state, groups, next_id = {}, [], 0
@@ -151,7 +157,7 @@ def _per_parameter(base: dict[str, Any], group_shapes: list[list[Any]]) -> dict[
 
 
 def stage0_for_deepspeed(sd: dict[str, Any], precision: str, steps: int, wrapper: str | None = None,
-                         scaler: Any = None, clip_grad: float = 0.0) -> dict[str, Any]:
+                         scaler: LossScalerBase | None = None, clip_grad: float = 0.0) -> dict[str, Any]:
     """A stage-0 strategy state with what DeepSpeed's stage 0 reads added. fp32: DeepSpeed steps the torch
     optimizer over the separate parameters, whose ``state`` / ``param_groups`` go at the top. fp16 and bf16:
     the keys of the wrapper DeepSpeed puts around it (``wrapper``, as
@@ -177,7 +183,7 @@ def stage0_for_deepspeed(sd: dict[str, Any], precision: str, steps: int, wrapper
 
 
 # --- DeepSpeed -> dsrun ----------------------------------------------------------------------------------
-def _scaler_state(scaler: Any) -> Any:
+def _scaler_state(scaler: PickledObject | dict[str, Any]) -> dict[str, Any]:
     """DeepSpeed's pickled loss scaler as dsrun's loss-scaler state dict."""
     if not isinstance(scaler, PickledObject):
         return scaler
@@ -187,12 +193,12 @@ def _scaler_state(scaler: Any) -> Any:
     return {"cur_scale": float(getattr(scaler, "cur_scale", 1.0))}
 
 
-def is_deepspeed_stage0(sd: Any) -> bool:
+def is_deepspeed_stage0(sd: object) -> bool:  # sd: whatever an optimizer-states file held
     return isinstance(sd, dict) and "zero_stage" not in sd and any(
         k in sd for k in ("param_groups", "fp32_groups", "fp32_groups_flat"))
 
 
-def load_zero_state(path: Any) -> dict[str, Any]:
+def load_zero_state(path: str | os.PathLike) -> dict[str, Any]:
     """The ZeRO state in a stage 1-3 optimizer-states file, DeepSpeed's or dsrun's, as dsrun's strategies load it."""
     return to_dsrun(load_file(path)["optimizer_state_dict"])
 
@@ -230,7 +236,7 @@ def _flat_per_group(per_parameter: dict[str, Any], numels: list[list[int]]) -> d
     return {"state": state, "param_groups": groups}
 
 
-def stage0_to_dsrun(sd: dict[str, Any], group_shapes: list[Any], module_sd: dict[str, torch.Tensor]
+def stage0_to_dsrun(sd: dict[str, Any], group_shapes: list[dict[str, Shape]], module_sd: dict[str, torch.Tensor]
                     ) -> dict[str, Any]:
     """DeepSpeed's stage-0 optimizer state as dsrun's stage-0 strategy state: fp32, the torch optimizer's
     per-parameter state (the masters are the saved module's weights); bf16, its unfused wrapper's (per-parameter

@@ -18,13 +18,13 @@ import argparse
 import math
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from dsrun.utils import zero_to_fp32 as z2f
 
-from . import atomic, layout, pipeline_state
+from . import atomic, layout, pipeline_state, reshard
 from .engine_io import rank_optimizer_states, saved_stage, saved_world
 from .reshard import merge_rank_states
 from .safe_load import load_file
@@ -54,7 +54,8 @@ def _full_module(tag_dir: Path, saved_module: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _pipeline_source(tag_dir: Path, say: Any) -> tuple[int, int, Any, list[dict[str, Any]], dict[str, Any]]:
+def _pipeline_source(tag_dir: Path, say: Callable[[str], object]
+                     ) -> tuple[int, int, reshard.FullOptimizerState, list[dict[str, Any]], dict[str, Any]]:
     """A pipeline checkpoint's ZeRO stage, data-parallel size, merged optimizer state, parameter shapes and
     module state, every parameter by its universal name (:class:`.pipeline_state.NameMap`)."""
     slices = pipeline_state.saved_slices(tag_dir)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -13,7 +13,24 @@ from dsrun import comm
 from . import atomic, state
 
 
-def save_16bit_model(engine: Any, save_dir: str, save_filename: str = "pytorch_model.bin",
+class _Strategy(Protocol):
+    def consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Any] | None: ...
+
+
+class _Engine(Protocol):
+    """What a 16-bit export reads of the engine."""
+
+    @property
+    def strategy(self) -> _Strategy | None: ...
+
+    @property
+    def module(self) -> torch.nn.Module: ...
+
+    @property
+    def global_rank(self) -> int: ...
+
+
+def save_16bit_model(engine: _Engine, save_dir: str, save_filename: str = "pytorch_model.bin",
                      exclude_frozen_parameters: bool = False) -> bool:
     """Rank 0 writes ``save_dir/save_filename`` (atomically); every rank must call it. Under ZeRO-3 the
     weights are gathered (the strategy's ``consolidated_16bit_state_dict``), and nothing is written (returns
@@ -36,7 +53,7 @@ def save_16bit_model(engine: Any, save_dir: str, save_filename: str = "pytorch_m
     return True
 
 
-def consolidated_16bit_state_dict(engine: Any, exclude_frozen_parameters: bool = False) -> dict[str, Any] | None:
+def consolidated_16bit_state_dict(engine: _Engine, exclude_frozen_parameters: bool = False) -> dict[str, Any] | None:
     """DeepSpeed's ``engine._zero3_consolidated_16bit_state_dict()`` (what Hugging Face's accelerate saves under
     ZeRO-3): the full weights as independent CPU tensors on global rank 0, an empty dict on the other ranks,
     None unless ``stage3_gather_16bit_weights_on_model_save`` is on. Collective: every rank must call it."""
@@ -49,7 +66,7 @@ def consolidated_16bit_state_dict(engine: Any, exclude_frozen_parameters: bool =
     return _independent_cpu_copy(engine, state_dict) if engine.global_rank == 0 else {}
 
 
-def _independent_cpu_copy(engine: Any, state_dict: dict[str, Any]) -> dict[str, torch.Tensor]:
+def _independent_cpu_copy(engine: _Engine, state_dict: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Each tensor cloned to CPU once (views of one flat buffer would drag the whole buffer into the file);
     tied aliases point at their source's copy."""
     copies: dict[int, torch.Tensor] = {}

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from . import deepspeed_format, layout, reshard
 from .safe_load import load_file
@@ -128,7 +128,7 @@ def merge_stages(tag_dir: Path, slices: list[dict[str, Any]], bf16: bool) -> res
     return full
 
 
-def renamed(full: reshard.FullOptimizerState, name_of: Any) -> reshard.FullOptimizerState:
+def renamed(full: reshard.FullOptimizerState, name_of: Callable[[str], str]) -> reshard.FullOptimizerState:
     """``full`` with every parameter name ``n`` replaced by ``name_of(n)``."""
     return reshard.FullOptimizerState(
         fp32={name_of(n): v for n, v in full.fp32.items()},

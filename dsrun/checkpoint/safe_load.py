@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import collections
 import os
-from typing import Any
+from typing import Any, Callable, Union
 
 import torch
 
 from dsrun.utils.errors import Problem, UserError
 from dsrun.utils.zero_to_fp32 import DEEPSPEED_GLOBALS, corrupt_reason
+
+# torch.load's map_location: a device (or its name), a {from: to} mapping, or a function of (storage, location)
+MapLocation = Union[str, torch.device, dict[str, str], Callable[[torch.Tensor, str], torch.Tensor], None]
 
 _ALLOWED: list[Any] = [collections.OrderedDict, torch.Size]
 
@@ -29,7 +32,7 @@ class UnsafeCheckpointError(UserError):
     """A checkpoint file holds pickled objects outside the allow-list (loading it could execute code)."""
 
 
-def add_safe_globals(*objects: Any) -> None:
+def add_safe_globals(*objects: Callable[..., object]) -> None:
     """Allow these classes/functions in checkpoint files (for your own types in ``client_state``)."""
     _ALLOWED.extend(objects)
 
@@ -38,7 +41,7 @@ def safe_globals() -> list[Any]:
     return list(_ALLOWED) + list(DEEPSPEED_GLOBALS)
 
 
-def load_file(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
+def load_file(path: str | os.PathLike, map_location: MapLocation = "cpu") -> Any:
     """Load one checkpoint file with ``weights_only=True`` and the allow-list."""
     try:
         with torch.serialization.safe_globals(safe_globals()):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import random
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -50,7 +50,8 @@ def module_state_cpu(module: torch.nn.Module, exclude_frozen_parameters: bool = 
     return out
 
 
-def frozen_params(module: torch.nn.Module, shard_of: Any = None) -> tuple[dict[str, torch.Size], dict[str, torch.Tensor]]:
+def frozen_params(module: torch.nn.Module, shard_of: Callable[[torch.nn.Parameter], torch.Tensor] | None = None
+                  ) -> tuple[dict[str, torch.Size], dict[str, torch.Tensor]]:
     """Stage 3: shapes and this rank's shards of parameters that do not train. ``shard_of(p)`` reads a
     partitioned parameter's shard wherever it lives (the strategy passes its own; default ``p.ds_tensor``)."""
     shapes, fragments = OrderedDict(), OrderedDict()
@@ -65,8 +66,8 @@ def frozen_params(module: torch.nn.Module, shard_of: Any = None) -> tuple[dict[s
     return shapes, fragments
 
 
-def plain_config(engine: Any) -> dict[str, Any]:
-    """The DeepSpeed config as plain JSON-able data."""
+def plain_config(engine: object) -> dict[str, Any]:
+    """The DeepSpeed config as plain JSON-able data (read from any engine's ``config`` or ``_config``, if it has one)."""
     raw = getattr(engine, "config", None)
     if isinstance(raw, dict):
         return json.loads(json.dumps(raw, default=str))

@@ -13,7 +13,7 @@ the interrupted one would have.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from dsrun import comm
 from dsrun.utils.errors import Problem, UserError
@@ -94,10 +94,32 @@ def no_checkpoint_reason(run_dir: Path) -> tuple[str, str]:
             f"pass one tag's folder ({run_dir / CHECKPOINTS_DIR}/global_step<N>), or train it again: {rerun}")
 
 
+class _Engine(Protocol):
+    """What the checkpoint hooks use of the engine (``DeepSpeedEngine`` or ``PipelineEngine``)."""
+
+    @property
+    def global_rank(self) -> int: ...
+
+    @property
+    def global_steps(self) -> int: ...
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None) -> tuple[str | None, dict[str, Any] | None]: ...
+
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None) -> bool: ...
+
+
+class _Stateful(Protocol):
+    """The data loader, whose position a checkpoint keeps."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
 class TrainingCheckpoints:
     """The worker's checkpoint hooks, bound to one engine and its data loader."""
 
-    def __init__(self, engine: Any, loader: Any, run_dir: Path, save_interval: int, resume: str | None,
+    def __init__(self, engine: _Engine, loader: _Stateful, run_dir: Path, save_interval: int, resume: str | None,
                  keep_last: int, last_step: int | None = None):
         self.engine, self.loader, self.last_step = engine, loader, last_step
         self.save_dir = run_dir / CHECKPOINTS_DIR

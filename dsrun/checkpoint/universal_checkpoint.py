@@ -48,7 +48,7 @@ def read_latest_universal(save_dir: Path) -> str | None:
     return (path.read_text().strip() or None) if path.is_file() else None
 
 
-def _value(entry: Any) -> torch.Tensor:
+def _value(entry: torch.Tensor | dict[str, torch.Tensor]) -> torch.Tensor:
     return entry[PARAM] if isinstance(entry, dict) else entry
 
 

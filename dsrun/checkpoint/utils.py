@@ -6,8 +6,9 @@ from typing import Any
 import torch
 
 
-def clone_tensors_for_torch_save(item: Any, device: torch.device | str = torch.device("cpu")) -> Any:
-    """A copy of ``item`` with every tensor (nested in lists, tuples and dicts too) cloned onto ``device``.
+def clone_tensors_for_torch_save(item: object, device: torch.device | str = torch.device("cpu")) -> Any:
+    """A copy of ``item`` (any value) with every tensor (nested in lists, tuples and dicts too) cloned onto
+    ``device``.
 
     ``torch.save`` writes a tensor's whole storage; a parameter that is a view into a flat ZeRO buffer would
     drag the entire buffer into the file. Cloning first stores only the tensor's own elements."""

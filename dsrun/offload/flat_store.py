@@ -14,12 +14,10 @@ picks the store (:func:`flat_store`); the strategy never branches on it.
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from dsrun.offload.pipeline import PipelineTimes, StepPipeline, tiled_cpu_step
-from dsrun.offload.settings import CPU_TILE_ELEMENTS, OffloadOptimizerSettings, host_empty, require_cpu_optimizer
+from dsrun.offload.settings import CPU_TILE_ELEMENTS, OffloadContext, OffloadOptimizerSettings, host_empty, require_cpu_optimizer
 
 
 class DeviceFlatStore:
@@ -169,7 +167,7 @@ class HostFlatStore(DeviceFlatStore):
         self.pipeline.close()
 
 
-def flat_store(ctx: Any) -> DeviceFlatStore:
+def flat_store(ctx: OffloadContext) -> DeviceFlatStore:
     """The store ``ctx.zero_config.offload_optimizer`` asks for (``ctx``: the strategy's context)."""
     settings = OffloadOptimizerSettings.from_context(ctx)
     model_dtype = ctx.precision.model_dtype

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -33,6 +33,9 @@ from dsrun.utils.errors import ConfigError, Problem
 from dsrun.offload.pipeline import PipelineTimes, run_swap_pipeline
 from dsrun.offload.settings import KEY, OffloadOptimizerSettings
 from dsrun.offload.swap_store import SwapStore
+
+if TYPE_CHECKING:
+    from dsrun.ops.cpu_optimizer import CPUOptimizer
 
 NORM_CHUNK = 1 << 20
 CONVERT_CHUNK = 1 << 20
@@ -126,7 +129,7 @@ def as_dtype(buffer: torch.Tensor, dtype: torch.dtype, numel: int) -> torch.Tens
 class SwappedOptimizerState:
     """Masters, optimizer states and gradients of the NVMe-offloaded sub-groups of one rank."""
 
-    def __init__(self, settings: OffloadOptimizerSettings, optimizer: Any, rank: int,
+    def __init__(self, settings: OffloadOptimizerSettings, optimizer: CPUOptimizer, rank: int,
                  model_dtype: torch.dtype, measure_gradients: bool = True):
         self.settings = settings
         self.optimizer = optimizer

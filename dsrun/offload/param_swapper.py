@@ -25,11 +25,15 @@ from __future__ import annotations
 
 import atexit
 from collections import OrderedDict
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
 from dsrun.utils.errors import ConfigError, Problem
+
+if TYPE_CHECKING:
+    from dsrun.config.zero import OffloadParamConfig
+    from dsrun.offload.swap_store import AioSettings
 
 OFFLOAD_ATTR = "ds_offload"
 
@@ -148,7 +152,7 @@ class NvmeParamOffload(ParamOffload):
     device = "nvme"
 
     def __init__(self, nvme_path: str, compute_device: torch.device, *, buffer_count: int, buffer_size: int,
-                 max_in_cpu: int, pin_memory: bool = False, aio_config: Any = None, rank: int = 0,
+                 max_in_cpu: int, pin_memory: bool = False, aio_config: AioSettings = None, rank: int = 0,
                  dtype: torch.dtype | None = None):
         super().__init__(compute_device, pin_memory)
         from dsrun.offload.swap_store import SwapStore
@@ -418,8 +422,9 @@ class NvmeParamOffload(ParamOffload):
         self._free, self._writing = [], []
 
 
-def attach_param_offload(params: Iterable[torch.nn.Parameter], section: Any, compute_device: torch.device,
-                         dtype: torch.dtype | None, aio_config: Any = None, rank: int = 0,
+def attach_param_offload(params: Iterable[torch.nn.Parameter], section: OffloadParamConfig,
+                         compute_device: torch.device, dtype: torch.dtype | None,
+                         aio_config: AioSettings = None, rank: int = 0,
                          gathered_together: Iterable[tuple[str, list[torch.nn.Parameter]]] = ()
                          ) -> ParamOffload | None:
     """Offload the shards of partitioned ``params`` as ``section`` (``offload_param``) says; returns the owner.
@@ -455,7 +460,8 @@ def attach_param_offload(params: Iterable[torch.nn.Parameter], section: Any, com
     return offload
 
 
-def build_param_offload(section: Any, compute_device: torch.device, aio_config: Any = None, rank: int = 0,
+def build_param_offload(section: OffloadParamConfig, compute_device: torch.device,
+                        aio_config: AioSettings = None, rank: int = 0,
                         dtype: torch.dtype | None = None) -> ParamOffload | None:
     """The offload object for a ``zero_optimization.offload_param`` section (None: no offload)."""
     device = getattr(section, "device", None) or "none"

@@ -13,9 +13,12 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from dsrun.ops.cpu_optimizer import CPUOptimizer
 
 
 @dataclass
@@ -105,7 +108,7 @@ def tiles(numel: int, tile: int) -> list[tuple[int, int]]:
 TileFn = Callable[[int, int, int, int], Any]  # (unit, job, a, b)
 
 
-def tiled_cpu_step(pipeline: StepPipeline, cpu_optimizer: Any, jobs: Sequence[tuple[dict, torch.Tensor]],
+def tiled_cpu_step(pipeline: StepPipeline, cpu_optimizer: CPUOptimizer, jobs: Sequence[tuple[dict, torch.Tensor]],
                    tile: int, grad: TileFn, low: Optional[TileFn] = None,
                    store: Optional[TileFn] = None) -> PipelineTimes:
     """One step of the compiled CPU optimizer over host fp32 masters, ``tile`` elements at a time.

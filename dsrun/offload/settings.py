@@ -2,18 +2,45 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Mapping, Protocol
 
 import torch
 
 from dsrun.config.optim import offload_optimizer_problem
+from dsrun.config.zero import AIOConfig, ZeroConfig
 from dsrun.utils.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dsrun.ops.cpu_optimizer import CPUOptimizer
 
 KEY = "zero_optimization.offload_optimizer"
 
 # A CPU-offloaded flat partition is stepped in tiles of at most this many elements, so the transfer of one
 # tile's gradient (and the write-back of its 16-bit copy) overlaps the update of the next.
 CPU_TILE_ELEMENTS = 1 << 22
+
+
+class _Precision(Protocol):
+    model_dtype: torch.dtype
+
+
+class OffloadContext(Protocol):
+    """What the offloaded stores read of a ZeRO strategy's context (``dsrun.zero.strategies.StrategyContext``)."""
+
+    device: torch.device
+    optimizer: torch.optim.Optimizer
+
+    @property
+    def precision(self) -> _Precision: ...
+
+    @property
+    def zero_config(self) -> ZeroConfig: ...
+
+    @property
+    def aio_config(self) -> AIOConfig: ...
+
+    @property
+    def force_ds_cpu_optimizer(self) -> bool: ...
 
 
 @dataclass
@@ -26,12 +53,12 @@ class OffloadOptimizerSettings:
     buffer_count: int
     fast_init: bool
     ratio: float
-    aio: Any
+    aio: AIOConfig | Mapping[str, Any] | None
     sub_group_size: int
     force_ds_cpu_optimizer: bool
 
     @classmethod
-    def from_context(cls, ctx: Any) -> "OffloadOptimizerSettings | None":
+    def from_context(cls, ctx: OffloadContext) -> "OffloadOptimizerSettings | None":
         """The settings of ``ctx.zero_config.offload_optimizer`` (every default from the config schema); None
         when the optimizer is not offloaded."""
         zero = ctx.zero_config
@@ -54,7 +81,7 @@ def host_empty(numel: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
     return torch.empty(int(numel), dtype=dtype, pin_memory=pinned)
 
 
-def require_cpu_optimizer(optimizer: torch.optim.Optimizer, settings: OffloadOptimizerSettings) -> Any:
+def require_cpu_optimizer(optimizer: torch.optim.Optimizer, settings: OffloadOptimizerSettings) -> CPUOptimizer | None:
     """The offloaded step needs one of DeepSpeed's CPU optimizers (DeepSpeedCPUAdam/Adagrad/Lion); returns it,
     or None when ``zero_force_ds_cpu_optimizer: false`` lets another optimizer step the host tensors (CPU
     offload only). Raises a one-line ConfigError otherwise."""

@@ -14,11 +14,13 @@ branches on where a sub-group lives.
 * :class:`NvmeShardStore` (``device: nvme``): master, states and gradient in swap files (:mod:`.nvme`); only
   ``buffer_count`` buffers are resident.
 
-``owner`` is the strategy (its context, precision, ``writes_shards`` and ``alias_shards``).
+The stores never see the strategy: it hands them a :class:`ShardContext` (the training device, the model's
+dtype, the precision facts they act on) and the :class:`SubGroup` s it places.
 """
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -27,14 +29,70 @@ from dsrun.offload.nvme import SwappedOptimizerState, SwappedShard, SwappedUnit
 from dsrun.offload.pipeline import PipelineTimes, StepPipeline, scatter_to_shards, tiled_cpu_step
 from dsrun.offload.settings import CPU_TILE_ELEMENTS, OffloadOptimizerSettings, host_empty, require_cpu_optimizer
 
+if TYPE_CHECKING:
+    from dsrun.ops.cpu_optimizer import CPUOptimizer
+
 HOST = torch.device("cpu")
+
+
+@dataclass
+class SubGroup:
+    """Consecutive shards of one optimizer param group, stepped as one fp32 tensor."""
+
+    group_index: int
+    params: list[torch.nn.Parameter] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    numel: int = 0
+    master: torch.nn.Parameter | None = None
+    grad: torch.Tensor | None = None
+    index: int = -1  # among the strategy's sub-groups
+    store: DeviceShardStore | None = None  # where master, gradient and optimizer state live
+
+    @property
+    def placement(self) -> str:
+        """``device``, ``cpu`` or ``nvme``."""
+        return self.store.kind
+
+    def add(self, param: torch.nn.Parameter) -> None:
+        self.params.append(param)
+        self.offsets.append(self.numel)
+        self.numel += param.ds_partition_numel
+
+
+@dataclass
+class ShardContext:
+    """What the shard stores know of the stage-3 strategy that places sub-groups in them."""
+
+    device: torch.device  # the training device
+    model_dtype: torch.dtype  # the dtype of the model's shards
+    needs_master_weights: bool  # a 16-bit model: the fp32 masters are copies, not the shards themselves
+    measure_gradients: bool  # overflow checked or clipping on: NVMe measures each gradient as it is swapped out
+    rank: int
+    separate_shards: bool = False  # fp32 with an offloaded shard that could not alias its master
+
+    @property
+    def writes_shards(self) -> bool:
+        """Are the model's shards separate from the fp32 masters, so the step must write them? (16-bit
+        models; fp32 once an offloaded shard could not alias its master.)"""
+        return self.needs_master_weights or self.separate_shards
+
+    def alias_shards(self, sg: SubGroup) -> None:
+        """fp32: make the model's shards views of the master, so the step updates them in place; an
+        offloaded shard that lives elsewhere (NVMe, or host memory beside a device master) is written after
+        the step instead."""
+        for p, off in zip(sg.params, sg.offsets):
+            owner = param_swapper.offload_of(p)
+            if owner is not None and not owner.can_alias(p, sg.master):
+                self.separate_shards = True
+                continue
+            p.ds_tensor = sg.master.data[off:off + p.ds_partition_numel]
 
 
 def _bytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
-def _flat_shards(sg: Any, device: torch.device) -> torch.Tensor:
+def _flat_shards(sg: SubGroup, device: torch.device) -> torch.Tensor:
     """The fp32 values of ``sg``'s shards laid end to end, on ``device``."""
     shards = [param_swapper.shard_value(p).detach().to(device=device, dtype=torch.float32) for p in sg.params]
     return torch.cat(shards) if shards else torch.zeros(0, device=device)
@@ -45,21 +103,22 @@ class DeviceShardStore:
 
     kind = "device"
 
-    def __init__(self, owner: Any, optimizer: torch.optim.Optimizer, cpu_optimizer: Any = None):
-        self.owner, self.optimizer, self.cpu_optimizer = owner, optimizer, cpu_optimizer
-        self.sub_groups: list[tuple[int, Any]] = []  # (index among the strategy's sub-groups, sub-group)
+    def __init__(self, shard_ctx: ShardContext, optimizer: torch.optim.Optimizer,
+                 cpu_optimizer: CPUOptimizer | None = None):
+        self.shard_ctx, self.optimizer, self.cpu_optimizer = shard_ctx, optimizer, cpu_optimizer
+        self.sub_groups: list[tuple[int, SubGroup]] = []  # (index among the strategy's sub-groups, sub-group)
         self.times = PipelineTimes()  # the last update's pipeline (offloaded stores)
 
     # --- placement ------------------------------------------------------------------------------------------
-    def place(self, index: int, sg: Any) -> None:
+    def place(self, index: int, sg: SubGroup) -> None:
         """Give sub-group ``index`` its fp32 master and gradient accumulator here."""
         self.sub_groups.append((index, sg))
-        sg.master = torch.nn.Parameter(_flat_shards(sg, self.owner.ctx.device))  # cat made a new tensor
+        sg.master = torch.nn.Parameter(_flat_shards(sg, self.shard_ctx.device))  # cat made a new tensor
         sg.grad = torch.zeros_like(sg.master.data)
         for p, off in zip(sg.params, sg.offsets):
             p.ds_fp32_shard = sg.master.data[off:off + p.ds_partition_numel]  # GatheredParameters writes here
-        if not self.owner.precision.needs_master_weights:
-            self.owner.alias_shards(sg)
+        if not self.shard_ctx.needs_master_weights:
+            self.shard_ctx.alias_shards(sg)
 
     def finish(self) -> None:
         """Every sub-group is placed."""
@@ -71,7 +130,7 @@ class DeviceShardStore:
     def end_micro_step(self) -> None:
         pass
 
-    def accumulate(self, index: int, sg: Any, offset: int, values: torch.Tensor) -> None:
+    def accumulate(self, index: int, sg: SubGroup, offset: int, values: torch.Tensor) -> None:
         """Add one parameter's reduced shard gradient into sub-group ``index``'s fp32 accumulator."""
         sg.grad[offset:offset + values.numel()].add_(values.to(sg.grad.device))
 
@@ -106,9 +165,9 @@ class DeviceShardStore:
             state["step"] += 1
             self.cpu_optimizer.update_tile(self.optimizer.param_groups[sg.group_index], sg.master.detach(), sg.grad,
                                            {k: state[k] for k in self.cpu_optimizer.STATE_KEYS}, state["step"])
-            if self.owner.writes_shards:
+            if self.shard_ctx.writes_shards:
                 scatter_to_shards(sg.params, sg.offsets, 0, sg.master.detach())
-        if self.owner.ctx.device.type == "cuda":
+        if self.shard_ctx.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
 
     def _optimizer_step(self, coef: float) -> None:
@@ -122,15 +181,15 @@ class DeviceShardStore:
 
     def publish(self) -> None:
         """Write the fp32 masters into the model's shards (after a step or a load); unless they are views."""
-        if not self.owner.writes_shards:
+        if not self.shard_ctx.writes_shards:
             return
         with torch.no_grad():
             for _, sg in self.sub_groups:
                 for p, off in zip(sg.params, sg.offsets):
                     value = sg.master.data[off:off + p.ds_partition_numel]
-                    owner = param_swapper.offload_of(p)
-                    if owner is not None:
-                        owner.write_shard(p, value)  # write-behind: overlaps the next sub-group's copy
+                    offload = param_swapper.offload_of(p)
+                    if offload is not None:
+                        offload.write_shard(p, value)  # write-behind: overlaps the next sub-group's copy
                     elif value.data_ptr() != p.ds_tensor.data_ptr():
                         p.ds_tensor.copy_(value)
 
@@ -138,29 +197,29 @@ class DeviceShardStore:
         """Set the step counters this store keeps outside the optimizer's state (``update_optimizer_step``)."""
 
     # --- checkpoints --------------------------------------------------------------------------------------
-    def master_for_checkpoint(self, index: int, sg: Any) -> torch.Tensor:
+    def master_for_checkpoint(self, index: int, sg: SubGroup) -> torch.Tensor:
         return sg.master.detach().clone()
 
     def state_entry(self, index: int) -> dict[str, Any] | None:
         """Sub-group ``index``'s optimizer state when it is not the optimizer's own (swapped)."""
         return None
 
-    def load(self, index: int, sg: Any, master: torch.Tensor, state: dict[str, Any] | None) -> bool:
+    def load(self, index: int, sg: SubGroup, master: torch.Tensor, state: dict[str, Any] | None) -> bool:
         """Restore sub-group ``index``'s master (and, returning True, its optimizer state)."""
         sg.master.data.copy_(master)
         return False
 
     # --- fragments (dsrun.utils.safe_get_full_fp32_param & co.) ------------------------------------------
-    def master_of(self, index: int, sg: Any) -> torch.Tensor:
+    def master_of(self, index: int, sg: SubGroup) -> torch.Tensor:
         return sg.master.detach()
 
-    def grad_of(self, index: int, sg: Any) -> torch.Tensor | None:
+    def grad_of(self, index: int, sg: SubGroup) -> torch.Tensor | None:
         return sg.grad
 
-    def state_of(self, index: int, sg: Any) -> dict[str, Any]:
+    def state_of(self, index: int, sg: SubGroup) -> dict[str, Any]:
         return self.optimizer.state.get(sg.master, {})
 
-    def write_state(self, index: int, sg: Any, key: str, offset: int, values: torch.Tensor) -> None:
+    def write_state(self, index: int, sg: SubGroup, key: str, offset: int, values: torch.Tensor) -> None:
         """Set elements ``[offset, offset + len)`` of sub-group ``index``'s optimizer state ``key``."""
         self.state_of(index, sg)[key].reshape(-1)[offset:offset + values.numel()].copy_(values)
 
@@ -170,7 +229,7 @@ class DeviceShardStore:
 
     def master_bytes(self) -> int:
         """The fp32 masters counted apart from the model's shards (not when the shards are their views)."""
-        return sum(_bytes(sg.master) for _, sg in self.sub_groups) if self.owner.writes_shards else 0
+        return sum(_bytes(sg.master) for _, sg in self.sub_groups) if self.shard_ctx.writes_shards else 0
 
     def buffer_bytes(self) -> int:
         return 0
@@ -184,20 +243,20 @@ class HostShardStore(DeviceShardStore):
 
     kind = "cpu"
 
-    def __init__(self, owner: Any, optimizer: torch.optim.Optimizer, cpu_optimizer: Any,
+    def __init__(self, shard_ctx: ShardContext, optimizer: torch.optim.Optimizer, cpu_optimizer: CPUOptimizer | None,
                  settings: OffloadOptimizerSettings):
-        super().__init__(owner, optimizer, cpu_optimizer)
+        super().__init__(shard_ctx, optimizer, cpu_optimizer)
         self.settings = settings
         self.pipeline = StepPipeline()
-        self.tile = max(1, min(owner.sub_group_size, CPU_TILE_ELEMENTS))
+        self.tile = max(1, min(settings.sub_group_size, CPU_TILE_ELEMENTS))
         self._lp_staging: list[torch.Tensor] = []
 
     def aliased(self) -> bool:
         """fp32 on a CPU device: the model's shards are views of the host master (updated in place), except
         NVMe-offloaded parameter shards (offload_param): once some cannot alias, the step writes every shard."""
-        return not self.owner.writes_shards and self.owner.ctx.device.type == "cpu"
+        return not self.shard_ctx.writes_shards and self.shard_ctx.device.type == "cpu"
 
-    def place(self, index: int, sg: Any) -> None:
+    def place(self, index: int, sg: SubGroup) -> None:
         self.sub_groups.append((index, sg))
         flat = _flat_shards(sg, HOST)
         master = host_empty(sg.numel, torch.float32, self.settings.pinned)
@@ -208,12 +267,12 @@ class HostShardStore(DeviceShardStore):
         for p, off in zip(sg.params, sg.offsets):
             p.ds_fp32_shard = sg.master.data[off:off + p.ds_partition_numel]
         if self.aliased():
-            self.owner.alias_shards(sg)
+            self.shard_ctx.alias_shards(sg)
 
     def finish(self) -> None:
-        if self.owner.model_dtype != torch.float32 and self.sub_groups:
+        if self.shard_ctx.model_dtype != torch.float32 and self.sub_groups:
             largest = max(sg.numel for _, sg in self.sub_groups)
-            self._lp_staging = [host_empty(min(self.tile, largest), self.owner.model_dtype, self.settings.pinned)
+            self._lp_staging = [host_empty(min(self.tile, largest), self.shard_ctx.model_dtype, self.settings.pinned)
                                 for _ in range(2)]
 
     def update(self, coef: float) -> None:
@@ -239,7 +298,7 @@ class HostShardStore(DeviceShardStore):
         low = (lambda u, j, a, b: self._lp_staging[u % 2][:b - a]) if self._lp_staging else None
         jobs = [(self.optimizer.param_groups[sg.group_index], sg.master) for sg in subs]
         self.times = tiled_cpu_step(self.pipeline, self.cpu_optimizer, jobs, self.tile, grad, low, store)
-        if self.owner.ctx.device.type == "cuda":
+        if self.shard_ctx.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
 
     def publish(self) -> None:
@@ -264,15 +323,13 @@ class NvmeShardStore(DeviceShardStore):
 
     kind = "nvme"
 
-    def __init__(self, owner: Any, optimizer: torch.optim.Optimizer, cpu_optimizer: Any,
+    def __init__(self, shard_ctx: ShardContext, optimizer: torch.optim.Optimizer, cpu_optimizer: CPUOptimizer | None,
                  settings: OffloadOptimizerSettings):
-        super().__init__(owner, optimizer, cpu_optimizer)
-        ctx = owner.ctx
-        measure = ctx.precision.checks_overflow or ctx.gradient_clipping > 0
-        self.swapped = SwappedOptimizerState(settings, optimizer, ctx.rank, ctx.precision.model_dtype,
-                                             measure_gradients=measure)
+        super().__init__(shard_ctx, optimizer, cpu_optimizer)
+        self.swapped = SwappedOptimizerState(settings, optimizer, shard_ctx.rank, shard_ctx.model_dtype,
+                                             measure_gradients=shard_ctx.measure_gradients)
 
-    def place(self, index: int, sg: Any) -> None:
+    def place(self, index: int, sg: SubGroup) -> None:
         self.sub_groups.append((index, sg))
         self.swapped.add_unit(SwappedUnit(index, sg.numel, len(sg.params), sg.group_index), _flat_shards(sg, HOST))
         for p, off in zip(sg.params, sg.offsets):  # GatheredParameters writes through to the file
@@ -290,7 +347,7 @@ class NvmeShardStore(DeviceShardStore):
     def end_micro_step(self) -> None:
         self.swapped.end_micro_step()
 
-    def accumulate(self, index: int, sg: Any, offset: int, values: torch.Tensor) -> None:
+    def accumulate(self, index: int, sg: SubGroup, offset: int, values: torch.Tensor) -> None:
         self.swapped.accumulate(index, offset, values)
 
     def zero_grad(self) -> None:
@@ -326,30 +383,30 @@ class NvmeShardStore(DeviceShardStore):
             if self.swapped.steps[index]:
                 self.swapped.steps[index] = step
 
-    def master_for_checkpoint(self, index: int, sg: Any) -> torch.Tensor:
+    def master_for_checkpoint(self, index: int, sg: SubGroup) -> torch.Tensor:
         return self.swapped.master_tensor(index)  # mapped from its file, not copied into memory
 
     def state_entry(self, index: int) -> dict[str, Any] | None:
         return self.swapped.state_entry(index)
 
-    def load(self, index: int, sg: Any, master: torch.Tensor, state: dict[str, Any] | None) -> bool:
+    def load(self, index: int, sg: SubGroup, master: torch.Tensor, state: dict[str, Any] | None) -> bool:
         self.swapped.load(index, master, state)
         return True
 
-    def master_of(self, index: int, sg: Any) -> torch.Tensor:
+    def master_of(self, index: int, sg: SubGroup) -> torch.Tensor:
         return self.swapped.master_tensor(index)  # mapped from its file
 
-    def grad_of(self, index: int, sg: Any) -> torch.Tensor | None:
+    def grad_of(self, index: int, sg: SubGroup) -> torch.Tensor | None:
         key = self.swapped._key("grad", index)
         if key not in self.swapped.store:
             return torch.zeros(sg.numel)  # no gradient written since the last step
         self.swapped.recycle()
         return self.swapped.store.mapped(key).float()
 
-    def state_of(self, index: int, sg: Any) -> dict[str, Any]:
+    def state_of(self, index: int, sg: SubGroup) -> dict[str, Any]:
         return self.swapped.state_entry(index) or {}
 
-    def write_state(self, index: int, sg: Any, key: str, offset: int, values: torch.Tensor) -> None:
+    def write_state(self, index: int, sg: SubGroup, key: str, offset: int, values: torch.Tensor) -> None:
         entry = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in self.state_of(index, sg).items()}
         entry[key].reshape(-1)[offset:offset + values.numel()].copy_(values)
         self.swapped.load(index, self.master_of(index, sg).clone(), entry)
@@ -371,7 +428,8 @@ class ShardPlacement:
     """Which store each sub-group goes to: ``offload_optimizer.ratio`` of the trainable elements (whole
     sub-groups, in order) offloaded to ``device`` (cpu or nvme), the rest on the training device."""
 
-    def __init__(self, owner: Any, optimizer: torch.optim.Optimizer, settings: OffloadOptimizerSettings | None):
+    def __init__(self, shard_ctx: ShardContext, optimizer: torch.optim.Optimizer,
+                 settings: OffloadOptimizerSettings | None):
         self.settings = settings
         cpu_optimizer = None
         offloaded: DeviceShardStore | None = None
@@ -384,8 +442,8 @@ class ShardPlacement:
                                           "with a DeepSpeed CPU optimizer", "use optimizer type Adam, AdamW, Adagrad "
                                           "or Lion"))
             kind = NvmeShardStore if settings.device == "nvme" else HostShardStore
-            offloaded = kind(owner, optimizer, cpu_optimizer, settings)
-        self.device = DeviceShardStore(owner, optimizer, cpu_optimizer)
+            offloaded = kind(shard_ctx, optimizer, cpu_optimizer, settings)
+        self.device = DeviceShardStore(shard_ctx, optimizer, cpu_optimizer)
         self.offloaded = offloaded
         # resident stores first (their squared norms are summed in sub-group order), swap files last
         self.stores = [s for s in (offloaded, self.device) if s is not None]
@@ -394,7 +452,7 @@ class ShardPlacement:
         self._budget: float | None = None
         self._placed = 0
 
-    def store_for(self, sg: Any, trainable_numel: Any) -> DeviceShardStore:
+    def store_for(self, sg: SubGroup, trainable_numel: Callable[[], int]) -> DeviceShardStore:
         """The store sub-group ``sg`` (the next in order) lives in; ``trainable_numel()`` is called once."""
         if self.offloaded is None:
             return self.device

@@ -26,11 +26,15 @@ import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Union
 
 import torch
 
+from dsrun.config.zero import AIOConfig
 from dsrun.ops.aio import AsyncIOHandle
+
+# the ``aio`` section: typed (DeepSpeedConfig.aio) or a raw dict of it; None: the defaults
+AioSettings = Union[AIOConfig, Mapping[str, Any], None]
 
 SWAP_ROOT_NAME = "dsrun_swap"
 _KEY = re.compile(r"^[A-Za-z0-9_.\-]+$")
@@ -92,7 +96,7 @@ class SwapStore:
     page-aligned too); on a CPU-only machine buffers are page-aligned pageable memory.
     """
 
-    def __init__(self, folder: str | os.PathLike, aio_config: Any = None, rank: int | None = None,
+    def __init__(self, folder: str | os.PathLike, aio_config: AioSettings = None, rank: int | None = None,
                  pin_memory: bool = False):
         self.root = Path(folder)
         if rank is None:
@@ -257,14 +261,14 @@ class SwapStore:
     def __enter__(self) -> "SwapStore":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
         return f"SwapStore({str(self.folder)!r}, keys={len(self._entries)}, bytes={self.nbytes()})"
 
 
-def _aio_mapping(aio_config: Any) -> Mapping[str, Any] | None:
+def _aio_mapping(aio_config: AioSettings) -> Mapping[str, Any] | None:
     if aio_config is None:
         return None
     if hasattr(aio_config, "model_dump"):

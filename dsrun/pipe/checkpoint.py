@@ -19,9 +19,10 @@ cuts it for this stage. The save goes through the same staged, atomic protocol a
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
 import torch
+from torch import nn
 
 from dsrun import comm
 from dsrun.checkpoint import atomic, engine_io, layout, pipeline_state, reshard, state, universal_checkpoint
@@ -31,19 +32,64 @@ from dsrun.utils.errors import Problem, UserError
 
 from dsrun.pipe.partition import partition_uniform
 
+if TYPE_CHECKING:
+    from dsrun.config import DSConfig
+    from dsrun.zero.base import ZeroStrategy
+
+    from .topology import PipelineParallelGrid
+
 PIPELINE_KEY = pipeline_state.PIPELINE_KEY
 
 
-def _tied_layers(module: Any) -> dict[str, list[int]]:
+class PipelineLayers(Protocol):
+    """What a pipeline checkpoint reads of the :class:`~.module.PipelineModule` (a Protocol: the module
+    imports the engine, which imports this module)."""
+
+    num_stages: int
+    parts: list[int]
+    virtual_stages: int
+    _num_layers: int
+
+    def local_layer_indices(self) -> list[int]: ...
+
+    def layer_state_module(self, layer_idx: int) -> nn.Module | None: ...
+
+    def tied_key_of(self, layer_idx: int) -> str | None: ...
+
+    def layers_of_key(self, key: str) -> list[int]: ...
+
+    def _layer_file(self, ckpt_dir: str, layer_idx: int) -> str: ...
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]: ...
+
+    def named_modules(self) -> Iterator[tuple[str, nn.Module]]: ...
+
+
+class PipelineCheckpointEngine(Protocol):
+    """What a pipeline checkpoint reads of the :class:`~.engine.PipelineEngine` (it hands the engine on to
+    :mod:`dsrun.checkpoint.engine_io` for the parts every engine shares)."""
+
+    module: PipelineLayers
+    grid: PipelineParallelGrid
+    strategy: ZeroStrategy | None
+    global_rank: int
+    dp_world_size: int
+    _config: DSConfig
+    last_checkpoint_files: list[str]
+
+    def bfloat16_enabled(self) -> bool: ...
+
+
+def _tied_layers(module: PipelineLayers) -> dict[str, list[int]]:
     return {key: module.layers_of_key(key) for key in sorted({module.tied_key_of(i) for i in range(module._num_layers)}
                                                              - {None})}
 
 
-def _slice_rank(engine: Any) -> int:
+def _slice_rank(engine: PipelineCheckpointEngine) -> int:
     return engine.grid.get_slice_parallel_rank()
 
 
-def _layers_to_write(engine: Any) -> list[int]:
+def _layers_to_write(engine: PipelineCheckpointEngine) -> list[int]:
     """The local layers this data-parallel rank writes (all on rank 0, or its share with parallel_write)."""
     local = engine.module.local_layer_indices()
     dp_rank, dp_size = engine.grid.get_data_parallel_rank(), engine.grid.get_data_parallel_world_size()
@@ -53,14 +99,14 @@ def _layers_to_write(engine: Any) -> list[int]:
     return local if dp_rank == 0 else []
 
 
-def _expert_parallel_sizes(engine: Any) -> dict[str, int]:
+def _expert_parallel_sizes(engine: PipelineCheckpointEngine) -> dict[str, int]:
     """This stage's MoE layers (by module name, the same at any number of stages) -> their expert-parallel size."""
     from dsrun.moe.layer import MoE
 
     return {name: m.ep_size for name, m in engine.module.named_modules() if isinstance(m, MoE)}
 
 
-def _check_moe_save(engine: Any, moe: dict[str, int]) -> None:
+def _check_moe_save(engine: PipelineCheckpointEngine, moe: dict[str, int]) -> None:
     """Expert-parallel MoE layers keep different experts on each data-parallel rank, but a layer file holds
     one rank's: only ZeRO 1-2's per-rank optimizer files carry every rank's own experts back."""
     if any(ep > 1 for ep in moe.values()) and (engine.strategy is None or engine.strategy.stage not in (1, 2)):
@@ -69,7 +115,8 @@ def _check_moe_save(engine: Any, moe: dict[str, int]) -> None:
                                 "its own optimizer file)", "set zero_optimization.stage to 1 or 2, or ep_size=1"))
 
 
-def _check_moe_load(engine: Any, slices: list[dict[str, Any]], load_optimizer_states: bool) -> None:
+def _check_moe_load(engine: PipelineCheckpointEngine, slices: list[dict[str, Any]],
+                    load_optimizer_states: bool) -> None:
     """An expert-parallel MoE pipeline checkpoint loads only at the layout that saved it, with its optimizer
     state (see :func:`_check_moe_save`); refused on every rank together (a collective) otherwise."""
     saved = {k: v for sd in slices for k, v in (sd["dsrun"][PIPELINE_KEY].get("moe_ep_sizes") or {}).items()}
@@ -90,8 +137,9 @@ def _check_moe_load(engine: Any, slices: list[dict[str, Any]], load_optimizer_st
                                 "load it with the layout that saved it and load_optimizer_states=True"))
 
 
-def save_pipeline_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: dict | None = None,
-                             save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+def save_pipeline_checkpoint(engine: PipelineCheckpointEngine, save_dir: str, tag: str | int | None = None,
+                             client_state: dict | None = None, save_latest: bool = True,
+                             exclude_frozen_parameters: bool = False) -> bool:
     module, rank = engine.module, engine.global_rank
     dp_rank = engine.grid.get_data_parallel_rank()
     files = engine_io._layout(engine)
@@ -145,7 +193,7 @@ def _saved_slices(tag_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
-def _load_layers(engine: Any, tag_dir: Path, strict: bool) -> None:
+def _load_layers(engine: PipelineCheckpointEngine, tag_dir: Path, strict: bool) -> None:
     module = engine.module
     for idx in module.local_layer_indices():
         layer = module.layer_state_module(idx)
@@ -165,7 +213,8 @@ def _load_layers(engine: Any, tag_dir: Path, strict: bool) -> None:
             layer.load_state_dict(load_file(path), strict=strict)
 
 
-def _restore_optimizer(engine: Any, tag_dir: Path, slices: list[dict[str, Any]], load_optimizer_states: bool) -> None:
+def _restore_optimizer(engine: PipelineCheckpointEngine, tag_dir: Path, slices: list[dict[str, Any]],
+                       load_optimizer_states: bool) -> None:
     strategy = engine.strategy
     dp_rank, live_world = engine.grid.get_data_parallel_rank(), engine.dp_world_size
     live_shapes = strategy.checkpoint_param_shapes()
@@ -187,9 +236,9 @@ def _restore_optimizer(engine: Any, tag_dir: Path, slices: list[dict[str, Any]],
     strategy.load_state_dict(target)
 
 
-def load_pipeline_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_strict: bool = True,
-                             load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                             load_module_only: bool = False) -> tuple[str | None, dict | None]:
+def load_pipeline_checkpoint(engine: PipelineCheckpointEngine, load_dir: str, tag: str | int | None = None,
+                             load_module_strict: bool = True, load_optimizer_states: bool = True,
+                             load_lr_scheduler_states: bool = True, load_module_only: bool = False) -> tuple[str | None, dict | None]:
     tag_dir = engine_io.find_tag_dir(engine, load_dir, tag)
     if tag_dir is None:
         return None, None
@@ -217,7 +266,7 @@ def load_pipeline_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_m
 
 
 # --- universal checkpoints (parameters by layer name, from a pipeline at any stage count or the dense model) --
-def _load_universal(engine: Any, tag_dir: Path, strict: bool, load_optimizer_states: bool,
+def _load_universal(engine: PipelineCheckpointEngine, tag_dir: Path, strict: bool, load_optimizer_states: bool,
                     load_lr_scheduler_states: bool, load_module_only: bool) -> tuple[str, dict]:
     module = engine.module
     names = pipeline_state.NameMap(pipeline_state.first_layers(_tied_layers(module)),

@@ -28,7 +28,7 @@ from dsrun.utils.seeding import set_random_seed
 from dsrun.utils.errors import Problem, UserError
 
 from dsrun.pipe.partition import partition_layers
-from dsrun.pipe.spec import LayerSpec, TiedLayerSpec
+from dsrun.pipe.spec import Activations, LayerSpec, PipeLayer, TiedLayerSpec
 from dsrun.pipe.topology import PipelineParallelGrid
 
 
@@ -36,10 +36,11 @@ class PipelineModule(nn.Module):
     """A sequence of layers partitioned into ``num_stages`` pipeline stages (or the ``pipe`` axis of
     ``topology``); see the module docstring and docs/pipeline.md."""
 
-    def __init__(self, layers: Iterable[Any], num_stages: int | None = None, topology: ProcessTopology | None = None,
-                 loss_fn: Callable | None = None, seed_layers: bool = False, seed_fn: Callable | None = None,
-                 base_seed: int = 1234, partition_method: str = "parameters", activation_checkpoint_interval: int = 0,
-                 activation_checkpoint_func: Callable = checkpoint, checkpointable_layers: list[str] | None = None):
+    def __init__(self, layers: Iterable[PipeLayer], num_stages: int | None = None,
+                 topology: ProcessTopology | None = None, loss_fn: Callable | None = None, seed_layers: bool = False,
+                 seed_fn: Callable | None = None, base_seed: int = 1234, partition_method: str = "parameters",
+                 activation_checkpoint_interval: int = 0, activation_checkpoint_func: Callable = checkpoint,
+                 checkpointable_layers: list[str] | None = None):
         super().__init__()
         if num_stages is None and topology is None:
             raise RuntimeError("PipelineModule needs num_stages or topology")
@@ -123,7 +124,7 @@ class PipelineModule(nn.Module):
                 self._built[idx] = self._build_layer(idx)
         self._index_tied_modules()
 
-    def _build_layer(self, idx: int) -> Any:
+    def _build_layer(self, idx: int) -> nn.Module | Callable[..., Any]:
         layer = self._layer_specs[idx]
         if self.seed_layers:
             (self.seed_fn or set_random_seed)(self.base_seed + idx)
@@ -201,8 +202,8 @@ class PipelineModule(nn.Module):
                                    group=entry["group"])
 
     # --- forward ------------------------------------------------------------------------------------------
-    def _exec_range(self, start: int, end: int) -> Callable[..., Any]:
-        def run(*inputs: Any) -> Any:
+    def _exec_range(self, start: int, end: int) -> Callable[..., Activations]:
+        def run(*inputs: object) -> Activations:
             x = inputs[0] if len(inputs) == 1 else inputs
             for idx in range(start, end):
                 if self.seed_layers:  # dropout depends on the micro-batch and the layer, not on the stage count
@@ -217,7 +218,7 @@ class PipelineModule(nn.Module):
             return all(type(layer).__name__ in self.checkpointable_layers for layer in layers)
         return any(isinstance(layer, nn.Module) and any(True for _ in layer.parameters()) for layer in layers)
 
-    def forward(self, forward_input: Any, chunk_id: int = 0) -> Any:
+    def forward(self, forward_input: Activations, chunk_id: int = 0) -> Activations:
         """Run this rank's layers (of chunk ``chunk_id`` with virtual stages) on ``forward_input``."""
         start, end = self.chunk_range(chunk_id)
         interval = self.activation_checkpoint_interval

@@ -16,11 +16,12 @@ gradients belong to the same micro-batch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Protocol, Sequence, Union
 
 import torch
 
 from dsrun import comm
+from dsrun.comm.comm import ProcessGroup
 
 MAX_TENSORS = 16
 MAX_DIMS = 8
@@ -38,13 +39,21 @@ def _tag(kind: int, payload: bool) -> int:
     return 2 * kind + int(payload)
 
 
+# a message's payload: a tensor, or a tuple (or list) of tensors in which an item may be None
+Message = Union[torch.Tensor, tuple[Union[torch.Tensor, None], ...], list[Union[torch.Tensor, None]]]
+
+
+class _Work(Protocol):
+    def wait(self) -> object: ...
+
+
 @dataclass
 class Outgoing:
     """A message to send: ``tensors`` (a tensor, or a tuple whose items may be None) to global rank ``peer``."""
 
     kind: int
     peer: int
-    tensors: Any
+    tensors: Message
     micro_batch_id: int
 
 
@@ -54,19 +63,19 @@ class Incoming:
 
     kind: int
     peer: int
-    value: Any = None
+    value: Message | None = None
     micro_batch_id: int = -1
     _specs: list = field(default_factory=list)
     _single: bool = False
 
 
-def _items(value: Any) -> tuple[list[Any], bool]:
+def _items(value: Message) -> tuple[list[torch.Tensor | None], bool]:
     if isinstance(value, (tuple, list)):
         return list(value), False
     return [value], True
 
 
-def encode_header(kind: int, micro_batch_id: int, value: Any, device: torch.device) -> torch.Tensor:
+def encode_header(kind: int, micro_batch_id: int, value: Message, device: torch.device) -> torch.Tensor:
     items, single = _items(value)
     if len(items) > MAX_TENSORS:
         raise ValueError(f"a pipeline message holds at most {MAX_TENSORS} tensors; got {len(items)}")
@@ -115,7 +124,7 @@ class Split:
     arrival (``pipeline.pipe_partitioned`` / ``grad_partitioned`` with a model axis: the model-parallel ranks
     of a stage hold the same activations, so each moves a slice)."""
 
-    group: Any
+    group: ProcessGroup
     size: int
     rank: int
 
@@ -139,7 +148,7 @@ class Split:
         return full[:numel].view(shape)
 
 
-def _wait(works: Sequence[Any]) -> None:
+def _wait(works: Sequence[_Work | None]) -> None:
     for work in works:
         if work is not None:
             work.wait()

@@ -26,10 +26,10 @@ from dsrun import comm
 from dsrun.utils.errors import Problem, UserError
 from dsrun.zero.tiling import partition_uniform  # DeepSpeed keeps one partition_uniform for both
 
-from dsrun.pipe.spec import LayerSpec, TiedLayerSpec
+from dsrun.pipe.spec import Activations, LayerSpec, PipeLayer, TiedLayerSpec
 
 PROFILE_REPEATS = 5
-_EXAMPLE: list[Any] = []  # the example micro-batch of the innermost profiling_inputs() block
+_EXAMPLE: list[Activations] = []  # the example micro-batch of the innermost profiling_inputs() block
 
 
 def partition_balanced(weights: Sequence[float], num_parts: int) -> list[int]:
@@ -58,13 +58,13 @@ def partition_balanced(weights: Sequence[float], num_parts: int) -> list[int]:
     return parts[::-1]
 
 
-def layer_class_name(layer: Any) -> str:
+def layer_class_name(layer: PipeLayer) -> str:
     if isinstance(layer, LayerSpec):
         return layer.typename.__name__
     return type(layer).__name__
 
 
-def count_layer_params(layer: Any) -> int:
+def count_layer_params(layer: PipeLayer) -> int:
     """Trainable parameters of one layer; a spec is built on the meta device to count them (no memory)."""
     if isinstance(layer, LayerSpec):
         try:
@@ -79,7 +79,7 @@ def count_layer_params(layer: Any) -> int:
     return sum(p.numel() for p in module.parameters() if p.requires_grad)
 
 
-def layer_weights(layers: Sequence[Any], method: str) -> list[float] | None:
+def layer_weights(layers: Sequence[PipeLayer], method: str) -> list[float] | None:
     """Per-layer weights for a balanced method, or None for ``uniform``; a clear error for an unknown one."""
     name = method.lower()
     if name == "uniform":
@@ -100,7 +100,7 @@ def layer_weights(layers: Sequence[Any], method: str) -> list[float] | None:
                             "'uniform', 'type:REGEX', 'profile'"))
 
 
-def partition_layers(layers: Sequence[Any], num_parts: int, method: str) -> list[int]:
+def partition_layers(layers: Sequence[PipeLayer], num_parts: int, method: str) -> list[int]:
     weights = layer_weights(layers, method)
     if weights is None:
         return partition_uniform(len(layers), num_parts)
@@ -109,7 +109,7 @@ def partition_layers(layers: Sequence[Any], num_parts: int, method: str) -> list
 
 # --- profile ---------------------------------------------------------------------------------------------
 @contextlib.contextmanager
-def profiling_inputs(example: Any) -> Iterator[None]:
+def profiling_inputs(example: Activations) -> Iterator[None]:
     """Inside this block, ``PipelineModule(..., partition_method='profile')`` times its layers on
     ``example``, one micro-batch as the first layer receives it (every rank passes one; rank 0's is used)."""
     _EXAMPLE.append(example)
@@ -119,13 +119,13 @@ def profiling_inputs(example: Any) -> Iterator[None]:
         _EXAMPLE.pop()
 
 
-def _floats(value: Any) -> list[torch.Tensor]:
+def _floats(value: Activations) -> list[torch.Tensor]:
     items = value if isinstance(value, (tuple, list)) else (value,)
     return [t for t in items if torch.is_tensor(t) and t.is_floating_point() and t.requires_grad]
 
 
-def _detached(value: Any) -> Any:
-    def one(t: Any) -> Any:
+def _detached(value: Activations) -> Activations:
+    def one(t: object) -> object:
         if torch.is_tensor(t):
             t = t.detach()
             return t.requires_grad_(True) if t.is_floating_point() else t
@@ -134,7 +134,7 @@ def _detached(value: Any) -> Any:
     return tuple(one(t) for t in value) if isinstance(value, tuple) else one(value)
 
 
-def _time_layer(fn: Callable[[Any], Any], x: Any) -> tuple[float, Any]:
+def _time_layer(fn: Callable[[Activations], Activations], x: Activations) -> tuple[float, Activations]:
     """Median seconds of one forward + backward of ``fn`` on ``x`` (after one warm-up), and its output."""
     times, out = [], None
     for repeat in range(PROFILE_REPEATS + 1):
@@ -149,7 +149,7 @@ def _time_layer(fn: Callable[[Any], Any], x: Any) -> tuple[float, Any]:
     return statistics.median(times), out
 
 
-def profile_layer_times(layers: Sequence[Any]) -> list[float]:
+def profile_layer_times(layers: Sequence[PipeLayer]) -> list[float]:
     """Forward + backward seconds of every layer on the example micro-batch, measured on global rank 0 (the
     others receive rank 0's figures, so every rank cuts the model the same way). The layers are built and
     run with the random number generators forked, so the model built afterwards is the same as without."""

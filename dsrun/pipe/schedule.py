@@ -13,13 +13,13 @@ the instructions; :mod:`dsrun.pipe.simulate` times them with unit costs.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Iterator
+from typing import Iterator
 
 
 class PipeInstruction:
     """Base of every instruction; its keyword arguments become attributes (``ForwardPass(buffer_id=0)``)."""
 
-    def __init__(self, **kwargs: Any):
+    def __init__(self, **kwargs: object):  # any values, kept as attributes
         self.name = type(self).__name__
         self.kwargs = kwargs
         for key, value in kwargs.items():
@@ -53,7 +53,7 @@ class ReduceTiedGrads(PipeInstruction):
 class BufferOpInstruction(PipeInstruction):
     """An instruction on pipeline buffer ``buffer_id``."""
 
-    def __init__(self, buffer_id: int, **kwargs: Any):
+    def __init__(self, buffer_id: int, **kwargs: object):
         super().__init__(buffer_id=buffer_id, **kwargs)
 
 

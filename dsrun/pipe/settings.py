@@ -10,17 +10,31 @@ ranks (they only act with a ``model`` axis, see :mod:`dsrun.pipe.p2p`).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from dsrun.utils.errors import ConfigError, Problem
 
 from dsrun.pipe.schedule import InferenceSchedule, PipeSchedule, TrainSchedule
 from dsrun.pipe.timed import GPipeSchedule, InterleavedSchedule, TimedSchedule, ZeroBubbleSchedule
 
+if TYPE_CHECKING:
+    from dsrun.config import DSConfig
+
 TRAIN_SCHEDULES: dict[str, type[PipeSchedule]] = {"1f1b": TrainSchedule, "gpipe": GPipeSchedule,
                                                   "interleaved": InterleavedSchedule,
                                                   "zero_bubble": ZeroBubbleSchedule}
 PARTITION_ALIASES = {"best": "parameters"}
+
+
+class BuiltPipeline(Protocol):
+    """What the config is checked against: how the PipelineModule was built (a Protocol: the module imports
+    the engine, which imports these settings)."""
+
+    num_stages: int
+    partition_method: str
+    seed_layers: bool
+    activation_checkpoint_interval: int
+    tied_comms: dict[str, dict[str, Any]]
 
 
 class ForwardSchedule(TimedSchedule):
@@ -38,27 +52,27 @@ class ForwardSchedule(TimedSchedule):
                 for d in range(stages)]
 
 
-def train_schedule(config: Any, micro_batches: int, stages: int, stage_id: int) -> PipeSchedule:
+def train_schedule(config: DSConfig, micro_batches: int, stages: int, stage_id: int) -> PipeSchedule:
     pipe = config.pipeline
     if pipe.schedule == "interleaved":
         return InterleavedSchedule(micro_batches, stages, stage_id, virtual_stages=pipe.virtual_stages)
     return TRAIN_SCHEDULES[pipe.schedule](micro_batches, stages, stage_id)
 
 
-def eval_schedule(config: Any, micro_batches: int, stages: int, stage_id: int) -> PipeSchedule:
+def eval_schedule(config: DSConfig, micro_batches: int, stages: int, stage_id: int) -> PipeSchedule:
     virtual = config.pipeline.virtual_stages if config.pipeline.schedule == "interleaved" else 1
     if virtual > 1:
         return ForwardSchedule(micro_batches, stages, stage_id, virtual_stages=virtual)
     return InferenceSchedule(micro_batches, stages, stage_id)
 
 
-def partition_method(config: Any) -> str:
+def partition_method(config: DSConfig) -> str:
     """The partition method ``pipeline.partition`` names (``best``: parameters)."""
     name = str(config.pipeline.partition)
     return PARTITION_ALIASES.get(name.lower(), name)
 
 
-def check_module(module: Any, config: Any) -> None:
+def check_module(module: BuiltPipeline, config: DSConfig) -> None:
     """Refuse a config whose pipeline settings disagree with the module, or that the engine cannot run."""
     pipe, given = config.pipeline, config.pipeline.model_fields_set
     problems: list[Problem] = []

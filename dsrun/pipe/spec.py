@@ -7,8 +7,9 @@ once per stage that holds any of them; the engine keeps its weights identical ac
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Union
 
+import torch
 from torch import nn
 
 
@@ -45,3 +46,9 @@ class TiedLayerSpec(LayerSpec):
         self.key = key
         self.forward_fn = forward_fn
         self.tied_weight_attr = [tied_weight_attr] if isinstance(tied_weight_attr, str) else list(tied_weight_attr)
+
+
+# one entry of a PipelineModule's layers: a module, a spec built on the stage that holds it, or a function
+PipeLayer = Union[nn.Module, LayerSpec, Callable[..., Any]]
+# what one layer hands the next: a tensor, or a tuple of them (and other values)
+Activations = Union[torch.Tensor, tuple[Any, ...]]

@@ -8,10 +8,9 @@ the pipe group the stages talk in, and which global rank holds stage ``s`` of th
 """
 from __future__ import annotations
 
-from typing import Any
-
 from dsrun import comm
 from dsrun.comm import PipeDataParallelTopology, PipeModelDataParallelTopology, ProcessGroups, ProcessTopology
+from dsrun.comm.comm import ProcessGroup
 
 __all__ = ["PipeDataParallelTopology", "PipeModelDataParallelTopology", "PipelineParallelGrid", "ProcessTopology"]
 
@@ -19,7 +18,7 @@ __all__ = ["PipeDataParallelTopology", "PipeModelDataParallelTopology", "Pipelin
 class PipelineParallelGrid:
     """The process groups of a pipeline-parallel run, seen from this rank."""
 
-    def __init__(self, topology: ProcessTopology | None = None, process_group: Any = None):
+    def __init__(self, topology: ProcessTopology | None = None, process_group: ProcessGroup = None):
         if process_group is not None:
             raise ValueError("PipelineParallelGrid(process_group=...): only the default (world) group is supported")
         world = comm.get_world_size()
@@ -71,7 +70,7 @@ class PipelineParallelGrid:
     def get_pipe_parallel_world_size(self) -> int:
         return self.pipe_parallel_size
 
-    def get_pipe_parallel_group(self) -> Any:
+    def get_pipe_parallel_group(self) -> ProcessGroup:
         return self.groups.pipe
 
     def get_data_parallel_rank(self) -> int:
@@ -80,7 +79,7 @@ class PipelineParallelGrid:
     def get_data_parallel_world_size(self) -> int:
         return self.data_parallel_size
 
-    def get_data_parallel_group(self) -> Any:
+    def get_data_parallel_group(self) -> ProcessGroup:
         return self.groups.data
 
     def get_model_parallel_rank(self) -> int:
@@ -89,7 +88,7 @@ class PipelineParallelGrid:
     def get_model_parallel_world_size(self) -> int:
         return self.model_parallel_size
 
-    def get_model_parallel_group(self) -> Any:
+    def get_model_parallel_group(self) -> ProcessGroup:
         return self.groups.model
 
     def get_slice_parallel_rank(self) -> int:

@@ -3,7 +3,7 @@ many micro-batches its schedule keeps alive (walked from the schedule's instruct
 (:mod:`dsrun.estimate.pipeline`)."""
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
@@ -13,12 +13,15 @@ from dsrun.models.config import GPTConfig
 from dsrun.models.gpt_pipe import GPTBlock, pipeline_layers
 
 from dsrun.pipe.partition import partition_layers
-from dsrun.pipe.schedule import BackwardPass, BackwardWeightPass, ForwardPass
+from dsrun.pipe.schedule import BackwardPass, BackwardWeightPass, ForwardPass, PipeSchedule
 from dsrun.pipe.settings import partition_method, train_schedule
 from dsrun.workloads.pipe_gpt import layer_specs
 
+if TYPE_CHECKING:
+    from dsrun.config import DSConfig
 
-def blocks_in_flight(schedule: Any, chunk_blocks: list[int]) -> float:
+
+def blocks_in_flight(schedule: PipeSchedule, chunk_blocks: list[int]) -> float:
     """The peak, over ``schedule``'s stream, of the blocks whose micro-batch a stage holds activations for:
     a forward of chunk ``c`` adds ``chunk_blocks[c]``, its backward (or weight pass) releases them."""
     alive = peak = 0
@@ -33,7 +36,8 @@ def blocks_in_flight(schedule: Any, chunk_blocks: list[int]) -> float:
     return float(peak)
 
 
-def pipeline_stage_memory(spec: EstimateInputs, model_spec: Mapping[str, Any], ds_config: Any) -> list[StageMemory]:
+def pipeline_stage_memory(spec: EstimateInputs, model_spec: Mapping[str, Any], ds_config: DSConfig
+                          ) -> list[StageMemory]:
     """Every stage's estimate for the recipe's GPT cut into ``model.pipeline_stages`` stages."""
     config = GPTConfig.from_kwargs({k: v for k, v in model_spec.items() if k != "_target_"})
     stages = config.pipeline_stages

@@ -8,7 +8,7 @@ layer; ``every_N`` and ``selective`` are refused). Each rank builds only its sta
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dsrun.models.config import GPTConfig
 from dsrun.models.gpt_pipe import dense_names, lm_loss, pipeline_layers
@@ -18,6 +18,9 @@ from dsrun.utils.errors import ConfigError, Problem
 from dsrun.pipe.module import PipelineModule
 from dsrun.pipe.settings import partition_method
 from dsrun.pipe.spec import LayerSpec, TiedLayerSpec
+
+if TYPE_CHECKING:
+    from dsrun.config import DSConfig
 
 
 def layer_specs(config: GPTConfig) -> list[LayerSpec]:
@@ -30,7 +33,7 @@ def layer_specs(config: GPTConfig) -> list[LayerSpec]:
     return specs
 
 
-def gpt_pipeline(config: GPTConfig, ds_config: Any) -> PipelineModule:
+def gpt_pipeline(config: GPTConfig, ds_config: DSConfig) -> PipelineModule:
     """A PipelineModule of ``config.pipeline_stages`` stages computing :class:`dsrun.models.gpt.GPT`."""
     pipe = ds_config.pipeline
     interval = int(pipe.activation_checkpoint_interval)

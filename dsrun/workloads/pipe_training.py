@@ -2,7 +2,7 @@
 PipelineModule, and evaluating it with ``eval_batch`` (a pipeline's forward is a schedule, not a call)."""
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from dsrun.models.config import GPTConfig
 from dsrun.models.registry import GPT_TARGET
@@ -10,6 +10,11 @@ from dsrun.utils.errors import ConfigError, Problem
 
 from dsrun.workloads.pipe_gpt import gpt_pipeline
 from dsrun.pipe.module import PipelineModule
+
+if TYPE_CHECKING:
+    from dsrun.data.corpus import TokenCorpus
+
+    from .engine import PipelineEngine
 
 
 def pipeline_stages(model_spec: Mapping[str, Any]) -> int:
@@ -31,7 +36,7 @@ def build_pipeline_model(model_spec: Mapping[str, Any], ds_config: dict[str, Any
     return gpt_pipeline(config, typed)
 
 
-def evaluate(engine: Any, corpus: Any, batch_size: int, iters: int) -> float:
+def evaluate(engine: PipelineEngine, corpus: TokenCorpus, batch_size: int, iters: int) -> float:
     """Mean eval loss over the same ``iters`` micro-batches of every data-parallel rank (every stage calls
     it; the first and last stages read the data)."""
     grid = engine.grid

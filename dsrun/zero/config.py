@@ -29,7 +29,7 @@ class DeepSpeedZeroConfig(ZeroConfig):
 
     @model_validator(mode="before")
     @classmethod
-    def _migrate(cls, data: Any) -> Any:
+    def _migrate(cls, data: object) -> object:  # the raw section, whatever was passed
         if not isinstance(data, dict):
             return data
         migrated, problems, _ = migrate_legacy({"zero_optimization": dict(data)})

@@ -311,7 +311,7 @@ def attach_fragments(strategy: ZeroStrategy) -> None:
                 setattr(p, FRAGMENT_ATTR, FlatFragment(strategy, gi, pi))
 
 
-def fragment_of(param: Any) -> ParamFragment | None:
+def fragment_of(param: torch.Tensor) -> ParamFragment | None:
     return getattr(param, FRAGMENT_ATTR, None)
 
 

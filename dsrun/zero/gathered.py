@@ -6,7 +6,7 @@
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Iterable
 
 import torch
 
@@ -32,7 +32,7 @@ def unregister_external_parameter(module: torch.nn.Module, parameter: torch.nn.P
     getattr(module, "_ds_external_params", {}).pop(id(parameter), None)
 
 
-def _as_param_list(params: Any) -> list[torch.nn.Parameter]:
+def _as_param_list(params: torch.Tensor | Iterable[torch.Tensor] | None) -> list[torch.nn.Parameter]:
     if isinstance(params, torch.Tensor):
         params = [params]
     unique: dict[int, torch.nn.Parameter] = {}
@@ -53,8 +53,8 @@ class GatheredParameters:
     the parameters as external parameters of that module. ``enabled=False`` makes it a no-op.
     """
 
-    def __init__(self, params: Any, modifier_rank: int | None = None, fwd_module: torch.nn.Module | None = None,
-                 enabled: bool = True):
+    def __init__(self, params: torch.Tensor | Iterable[torch.Tensor] | None, modifier_rank: int | None = None,
+                 fwd_module: torch.nn.Module | None = None, enabled: bool = True):
         self.enabled = enabled
         self.params = _as_param_list(params) if enabled else []
         self.modifier_rank = modifier_rank

@@ -38,6 +38,7 @@ from typing import Any, Iterable
 
 import torch
 
+from torch.autograd.function import FunctionCtx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from dsrun.zero import recompute
@@ -166,7 +167,7 @@ class ParameterCoordinator:
         self.hook_module(module)
         gather_params([param])
 
-    def _pre_forward(self, module: torch.nn.Module, inputs: Any) -> None:
+    def _pre_forward(self, module: torch.nn.Module, inputs: tuple[object, ...]) -> None:
         self._running.append(module)
         params = self._params_of.get(id(module), [])
         if not params:
@@ -177,7 +178,7 @@ class ParameterCoordinator:
         for p in params:
             self.in_use[id(p)] = self.in_use.get(id(p), 0) + 1
 
-    def _post_forward(self, module: torch.nn.Module, inputs: Any, output: Any) -> Any:
+    def _post_forward(self, module: torch.nn.Module, inputs: tuple[object, ...], output: object) -> object:
         if self._running and self._running[-1] is module:
             self._running.pop()
         params = self._params_of.get(id(module), [])
@@ -326,19 +327,20 @@ class _GatherBeforeBackward(torch.autograd.Function):
     the module's own backward (which reads them through its saved tensors)."""
 
     @staticmethod
-    def forward(ctx: Any, coordinator: ParameterCoordinator, module: torch.nn.Module, *tensors: torch.Tensor) -> Any:
+    def forward(ctx: FunctionCtx, coordinator: ParameterCoordinator, module: torch.nn.Module,
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.coordinator, ctx.module = coordinator, module
         return tuple(t.detach() for t in tensors)  # detached, not views: callers may modify them in place
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+    def backward(ctx: FunctionCtx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         ctx.coordinator._pre_backward(ctx.module)
         return (None, None) + grads
 
 
-def _gather_before_backward(coordinator: ParameterCoordinator, module: torch.nn.Module, output: Any) -> Any:
-    """``output`` with its differentiable tensors routed through :class:`_GatherBeforeBackward` (None: no
-    tensor needs it, keep the output as it is)."""
+def _gather_before_backward(coordinator: ParameterCoordinator, module: torch.nn.Module, output: object) -> object:
+    """``output`` (whatever the module returned: a tensor or any nest of them) with its differentiable tensors
+    routed through :class:`_GatherBeforeBackward` (None: no tensor needs it, keep the output as it is)."""
     if not torch.is_grad_enabled():
         return None
     leaves, spec = tree_flatten(output)

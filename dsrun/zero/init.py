@@ -15,17 +15,32 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Union
 
 import torch
 
 from dsrun import comm
+from dsrun.comm.comm import ProcessGroup
 from dsrun.zero import host_memory
 from dsrun.zero.partition_params import is_zero_param, partition_param
 from dsrun.utils.errors import ConfigError, Problem
 
 from .gathered import GatheredParameters
+
+if TYPE_CHECKING:
+    from dsrun.config.base import Section
+    from dsrun.config.zero import OffloadParamConfig
+
+# a DeepSpeed config: a dict, the path of a JSON/YAML file, or a typed config (``to_ds_dict``); None: no config
+ConfigSource = Union[dict[str, Any], str, os.PathLike, "Section", None]
+
+
+class DataParallelMpu(Protocol):
+    """DeepSpeed's ``mpu`` as ``zero.Init`` uses it (Megatron's model-parallel unit)."""
+
+    def get_data_parallel_group(self) -> ProcessGroup: ...
 
 _INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
                    "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_",
@@ -40,7 +55,7 @@ _RUNNING = "_ds_init_running"
 _TRIM_AFTER_BYTES = 1 << 20
 
 
-def _read_config(config_dict_or_path: Any) -> dict[str, Any]:
+def _read_config(config_dict_or_path: ConfigSource) -> dict[str, Any]:
     if config_dict_or_path is None:
         return {}
     if isinstance(config_dict_or_path, dict):
@@ -56,7 +71,7 @@ def _read_config(config_dict_or_path: Any) -> dict[str, Any]:
     return read_config_source(str(path)) if path.suffix != ".json" else json.loads(path.read_text())
 
 
-def _offload_param_section(config: dict[str, Any]) -> Any:
+def _offload_param_section(config: dict[str, Any]) -> OffloadParamConfig:
     from dsrun.config.zero import OffloadParamConfig
 
     zero = config.get("zero_optimization") if isinstance(config.get("zero_optimization"), dict) else {}
@@ -106,7 +121,7 @@ def _all_module_classes() -> list[type]:
     return seen
 
 
-def _on_new_subclass(cls: type, **kwargs: Any) -> None:
+def _on_new_subclass(cls: type, **kwargs: object) -> None:  # __init_subclass__ keywords: ignored
     _wrap_module_init(cls)
 
 
@@ -164,10 +179,11 @@ class Init:
     Only meaningful with ZeRO stage 3: the engine takes the partitioned model as it is.
     """
 
-    def __init__(self, module: torch.nn.Module | None = None, data_parallel_group: Any = None,
-                 remote_device: str | None = None, pin_memory: bool = False, config_dict_or_path: Any = None,
-                 config: Any = None, enabled: bool = True, dtype: torch.dtype | None = None, mpu: Any = None,
-                 **_unused: Any):
+    def __init__(self, module: torch.nn.Module | None = None, data_parallel_group: ProcessGroup = None,
+                 remote_device: str | None = None, pin_memory: bool = False,
+                 config_dict_or_path: ConfigSource = None, config: ConfigSource = None, enabled: bool = True,
+                 dtype: torch.dtype | None = None, mpu: DataParallelMpu | None = None,
+                 **_unused: object):  # DeepSpeed's other keywords, accepted and ignored
         self.enabled = enabled
         if not enabled:
             return
@@ -216,10 +232,10 @@ class Init:
         if module is not None:
             self.partition_module(module)
 
-    def _partition_group(self, config: dict[str, Any]) -> Any:
+    def _partition_group(self, config: dict[str, Any]) -> ProcessGroup:
         return self.group
 
-    def get_dp_process_group(self) -> Any:
+    def get_dp_process_group(self) -> ProcessGroup:
         return self.group
 
     def get_partition_rank(self) -> int:
@@ -271,15 +287,16 @@ class MiCS_Init(Init):  # noqa: N801 - DeepSpeed's name
     broadcast over the whole data-parallel group first, so every replica starts the same.
     ``sequence_data_parallel_group`` and ``mem_efficient_linear`` are accepted for DeepSpeed's signature."""
 
-    def __init__(self, module: torch.nn.Module | None = None, data_parallel_group: Any = None,
-                 sequence_data_parallel_group: Any = None, mem_efficient_linear: bool = True,
-                 remote_device: str | None = None, pin_memory: bool = False, config_dict_or_path: Any = None,
-                 config: Any = None, enabled: bool = True, dtype: torch.dtype | None = None, mpu: Any = None):
+    def __init__(self, module: torch.nn.Module | None = None, data_parallel_group: ProcessGroup = None,
+                 sequence_data_parallel_group: ProcessGroup = None, mem_efficient_linear: bool = True,
+                 remote_device: str | None = None, pin_memory: bool = False,
+                 config_dict_or_path: ConfigSource = None, config: ConfigSource = None, enabled: bool = True,
+                 dtype: torch.dtype | None = None, mpu: DataParallelMpu | None = None):
         super().__init__(module=module, data_parallel_group=data_parallel_group, remote_device=remote_device,
                          pin_memory=pin_memory, config_dict_or_path=config_dict_or_path, config=config,
                          enabled=enabled, dtype=dtype, mpu=mpu)
 
-    def _partition_group(self, config: dict[str, Any]) -> Any:
+    def _partition_group(self, config: dict[str, Any]) -> ProcessGroup:
         from dsrun.comm.groups import ProcessGroups, from_data_group
 
         zero_section = config.get("zero_optimization") if isinstance(config.get("zero_optimization"), dict) else {}

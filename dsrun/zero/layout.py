@@ -9,9 +9,10 @@ rank r owns elements ``[r * P, (r + 1) * P)``; the padding sits at the end, in t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
+
+from dsrun.comm.comm import ProcessGroup
 
 
 def aligned(numel: int, alignment: int) -> int:
@@ -33,7 +34,7 @@ class FlatGroup:
     hyperparams: dict = field(default_factory=dict)
     # the group this flat group is reduced and partitioned over (None: the world) and this rank's place in
     # it: the data-parallel group, or an expert-data-parallel group for MoE experts
-    process_group: Any = None
+    process_group: ProcessGroup = None
     rank: int = 0
 
     @property
@@ -58,7 +59,7 @@ class FlatGroup:
 
 
 def flatten_params(params: list[torch.nn.Parameter], dtype: torch.dtype, device: torch.device,
-                   alignment: int, world_size: int, process_group: Any = None, rank: int = 0) -> FlatGroup:
+                   alignment: int, world_size: int, process_group: ProcessGroup = None, rank: int = 0) -> FlatGroup:
     """Copy ``params`` into a new flat buffer (padded to ``alignment``) and re-point each at its slice."""
     numels = [p.numel() for p in params]
     offsets, total = [], 0

@@ -9,10 +9,9 @@ untouched), once per process, as DeepSpeed does when ``memory_efficient_linear``
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import FunctionCtx
 
 from dsrun.zero.partition_params import is_zero_param
 
@@ -21,12 +20,13 @@ _original_linear = F.linear
 
 class ZeroLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def forward(ctx: FunctionCtx, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(input, weight, bias)  # the leaf Parameter itself, not a view of its data
         return _original_linear(input, weight, bias)
 
     @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> Any:
+    def backward(ctx: FunctionCtx, grad_output: torch.Tensor
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         input, weight, bias = ctx.saved_tensors
         grad_input = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:

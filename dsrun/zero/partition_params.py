@@ -31,11 +31,12 @@ from __future__ import annotations
 import contextlib
 import itertools
 from enum import Enum
-from typing import Any, Iterable
+from typing import Any, Iterable, Protocol
 
 import torch
 
 from dsrun import comm
+from dsrun.comm.comm import ProcessGroup
 from dsrun.comm.quantized import all_gather_messages, quantized_all_gather_into_tensor
 
 from dsrun.zero import quantized_shards
@@ -61,7 +62,7 @@ def exact_gathers():
         _exact_gathers[0] = before
 
 
-def is_zero_param(param: Any) -> bool:
+def is_zero_param(param: torch.Tensor) -> bool:
     return hasattr(param, "ds_id")
 
 
@@ -74,7 +75,7 @@ def _placeholder(param: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=param.dtype, device=param.device)
 
 
-def partition_param(param: torch.nn.Parameter, group: Any = None, dtype: torch.dtype | None = None,
+def partition_param(param: torch.nn.Parameter, group: ProcessGroup = None, dtype: torch.dtype | None = None,
                     device: torch.device | None = None) -> torch.nn.Parameter:
     """Turn a full parameter (identical on every rank) into a partitioned one, in place; returns it.
 
@@ -148,11 +149,18 @@ class GatherBufferPool:
         self._free, self.numel = {}, 0
 
 
+class Waitable(Protocol):
+    """An asynchronous collective in flight (torch's work object, or the quantized gather's)."""
+
+    def wait(self) -> object: ...
+
+
 class GatherHandle:
     """An all-gather in flight for one parameter; :meth:`wait` makes the parameter available (and, for a
     gather of the primary partition, refreshes the hpZ secondary one from it)."""
 
-    def __init__(self, param: torch.nn.Parameter, buffer: torch.Tensor, work: Any, refresh_secondary: bool = False):
+    def __init__(self, param: torch.nn.Parameter, buffer: torch.Tensor, work: Waitable | None,
+                 refresh_secondary: bool = False):
         self.param = param
         self.buffer = buffer
         self.work = work

@@ -20,16 +20,20 @@ The groups come from :class:`dsrun.comm.ProcessGroups` (:meth:`~dsrun.comm.Proce
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from dsrun import comm
+from dsrun.comm.comm import ProcessGroup
 from dsrun.comm.groups import ProcessGroups, expert_parallel_size_of
 from dsrun.config.zero import shard_size_problem
 from dsrun.utils.errors import ConfigError, Problem
 
 from dsrun.zero.partition_params import partition_numel
+
+if TYPE_CHECKING:
+    from .base import StrategyContext
 
 ZP = "zero_optimization"
 
@@ -37,7 +41,7 @@ ZP = "zero_optimization"
 class Stage3Sharding:
     """The groups of one stage-3 run (built collectively at initialize: every rank the same sizes)."""
 
-    def __init__(self, groups: ProcessGroups | None, data_group: Any, shard_size: int = -1,
+    def __init__(self, groups: ProcessGroups | None, data_group: ProcessGroup, shard_size: int = -1,
                  hierarchical: bool = False, hpz_size: int = 1, ranks_per_node: int | None = None):
         self.groups = groups
         self.data_group = data_group
@@ -74,12 +78,12 @@ class Stage3Sharding:
         self.secondary_size = int(hpz_size) if self.hpz else 1
 
     @classmethod
-    def from_context(cls, ctx: Any) -> "Stage3Sharding":
+    def from_context(cls, ctx: StrategyContext) -> "Stage3Sharding":
         zc = ctx.zero_config
         return cls(ctx.groups, ctx.group, int(zc.mics_shard_size), bool(zc.mics_hierarchical_params_gather),
                    int(zc.zero_hpz_partition_size))
 
-    def group_of(self, param: torch.nn.Parameter) -> Any:
+    def group_of(self, param: torch.nn.Parameter) -> ProcessGroup:
         """The group ``param`` is partitioned over."""
         if expert_parallel_size_of(param) is not None:
             if self.mics or self.hpz:

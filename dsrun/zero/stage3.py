@@ -26,13 +26,13 @@ reduce-scatter), 1.5 times stage 0's all-reduce, as the ZeRO paper says.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from dsrun import comm
 from dsrun.comm import quantized
+from dsrun.config.zero import ZeroConfig
 from dsrun.utils.errors import ConfigError, Problem
 
 from dsrun.zero.base import MemoryBreakdown, StrategyContext, ZeroStrategy, optimizer_state_bytes, tensor_bytes
@@ -43,32 +43,8 @@ from dsrun.zero.partition_params import full_tensor, is_zero_param, partition_pa
 from dsrun.offload import param_swapper
 from dsrun.offload.pipeline import PipelineTimes
 from dsrun.offload.settings import OffloadOptimizerSettings
-from dsrun.offload.shard_store import DeviceShardStore, ShardPlacement
+from dsrun.offload.shard_store import ShardContext, ShardPlacement, SubGroup
 from dsrun.optim.optimizer_wrappers import OptimizerWrapperKind
-
-
-@dataclass
-class SubGroup:
-    """Consecutive shards of one optimizer param group, stepped as one fp32 tensor."""
-
-    group_index: int
-    params: list[torch.nn.Parameter] = field(default_factory=list)
-    offsets: list[int] = field(default_factory=list)
-    numel: int = 0
-    master: torch.nn.Parameter | None = None
-    grad: torch.Tensor | None = None
-    index: int = -1  # among the strategy's sub-groups
-    store: DeviceShardStore | None = None  # where master, gradient and optimizer state live
-
-    @property
-    def placement(self) -> str:
-        """``device``, ``cpu`` or ``nvme``."""
-        return self.store.kind
-
-    def add(self, param: torch.nn.Parameter) -> None:
-        self.params.append(param)
-        self.offsets.append(self.numel)
-        self.numel += param.ds_partition_numel
 
 
 class Stage3Strategy(ZeroStrategy):
@@ -104,8 +80,10 @@ class Stage3Strategy(ZeroStrategy):
             self.coordinator.after_fetch = self.param_offload.after_fetch
 
         self._optimizer = ctx.optimizer
-        self._separate_shards = False  # fp32 with offloaded shards: the step must write them
-        self.placement = ShardPlacement(self, ctx.optimizer, OffloadOptimizerSettings.from_context(ctx))
+        self.shard_ctx = ShardContext(  # what the stores know of this strategy
+            device=ctx.device, model_dtype=self.model_dtype, needs_master_weights=self.precision.needs_master_weights,
+            measure_gradients=self.precision.checks_overflow or ctx.gradient_clipping > 0, rank=self.rank)
+        self.placement = ShardPlacement(self.shard_ctx, ctx.optimizer, OffloadOptimizerSettings.from_context(ctx))
         self.sub_groups = self._build_sub_groups()
         for store in self.placement.stores:
             store.finish()
@@ -158,7 +136,7 @@ class Stage3Strategy(ZeroStrategy):
         for p in self.params:
             self.sharding.attach(p)
 
-    def _set_up_zeropp(self, zc: Any) -> "quantized.QuantizedReduceScatter | None":
+    def _set_up_zeropp(self, zc: ZeroConfig) -> "quantized.QuantizedReduceScatter | None":
         """Mark the parameters whose gathers are quantized (qwZ: all; nontrainable: the frozen ones, whose
         shards are then kept quantized too, unless ``offload_param`` holds them); the quantized reduce-scatter
         over the group gradients are reduce-scattered in (the data-parallel group, or with MiCS the shard
@@ -219,23 +197,6 @@ class Stage3Strategy(ZeroStrategy):
         sg.index = index
         sg.store = self.placement.store_for(sg, self._trainable_numel)
         sg.store.place(index, sg)
-
-    def alias_shards(self, sg: SubGroup) -> None:
-        """fp32: make the model's shards views of the master, so the step updates them in place; an
-        offloaded shard that lives elsewhere (NVMe, or host memory beside a device master) is written after
-        the step instead."""
-        for p, off in zip(sg.params, sg.offsets):
-            owner = param_swapper.offload_of(p)
-            if owner is not None and not owner.can_alias(p, sg.master):
-                self._separate_shards = True
-                continue
-            p.ds_tensor = sg.master.data[off:off + p.ds_partition_numel]
-
-    @property
-    def writes_shards(self) -> bool:
-        """Are the model's shards separate from the fp32 masters, so the step must write them? (16-bit
-        models; fp32 once an offloaded shard could not alias its master.)"""
-        return self.precision.needs_master_weights or self._separate_shards
 
     # --- the engine's calls -------------------------------------------------------------------------------
     @property

@@ -11,11 +11,14 @@ splits adds it once.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Sequence, Union
 
 import torch
 
 from .gathered import GatheredParameters
+
+# what one tile returns: its output, or (output, bias) for TiledLinearReturnBias's linear_cls
+TileOutput = Union[torch.Tensor, tuple[torch.Tensor, Union[torch.Tensor, None]]]
 
 
 def partition_uniform(num_items: int, num_parts: int) -> list[int]:
@@ -47,7 +50,8 @@ class TiledLinear(torch.nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, in_splits: int = 1, out_splits: int = 1,
                  input_is_already_split: bool = False, combine_out_splits: bool = True,
-                 linear_cls: Any = torch.nn.Linear, init_linear: torch.nn.Module | None = None, **kwargs: Any):
+                 linear_cls: Callable[..., torch.nn.Module] = torch.nn.Linear,
+                 init_linear: torch.nn.Module | None = None, **kwargs: Any):
         super().__init__()
         if in_splits < 1 or in_splits > in_features:
             raise RuntimeError("in splits must be in range [1, in_features].")
@@ -70,7 +74,7 @@ class TiledLinear(torch.nn.Module):
         if init_linear is not None:
             self.copy_params_from(init_linear)
 
-    def forward(self, input_: Any) -> Any:
+    def forward(self, input_: torch.Tensor | Sequence[torch.Tensor]) -> TileOutput | list[TileOutput]:
         if self.in_splits > 1 and not self.input_is_already_split:
             parts = partition_uniform(input_.shape[-1], self.in_splits)
             inputs = self._split_global_input(input_, [parts[p + 1] - parts[p] for p in range(self.in_splits)])
@@ -80,7 +84,7 @@ class TiledLinear(torch.nn.Module):
                 raise ValueError(f"TiledLinear: expected {self.in_splits} input splits, got {len(inputs)}")
         else:
             inputs = [input_]
-        outputs: list[Any] = [None] * self.out_splits
+        outputs: list[TileOutput | None] = [None] * self.out_splits
         for out_id in range(self.out_splits):
             for in_id in range(self.in_splits):
                 local = self.linears[out_id][in_id](inputs[in_id])
@@ -91,11 +95,12 @@ class TiledLinear(torch.nn.Module):
         """Cut the input along its last dimension (subclasses with other input types override this)."""
         return split_tensor_along_last_dim(input_, split_sizes)
 
-    def _reduce_local_output(self, in_id: int, out_id: int, current_out: Any, new_out: Any) -> Any:
+    def _reduce_local_output(self, in_id: int, out_id: int, current_out: TileOutput | None,
+                             new_out: TileOutput) -> TileOutput:
         """Sum the tile outputs of one output split (the first is cloned: a tile's output may be a view)."""
         return new_out.clone() if current_out is None else current_out + new_out
 
-    def _combine_output_splits(self, outputs: list[Any]) -> Any:
+    def _combine_output_splits(self, outputs: list[TileOutput]) -> TileOutput:
         return torch.cat(outputs, dim=-1)
 
     @torch.no_grad()
@@ -126,7 +131,8 @@ class TiledLinearReturnBias(TiledLinear):
     """Tiles of a ``linear_cls`` that returns ``(output, bias)`` (Megatron-LM's style): outputs are summed over
     the input splits and the bias is passed along; the result is ``(output, bias or None)``."""
 
-    def _reduce_local_output(self, in_id: int, out_id: int, current_out: Any, new_out: Any) -> Any:
+    def _reduce_local_output(self, in_id: int, out_id: int, current_out: TileOutput | None,
+                             new_out: TileOutput) -> TileOutput:
         if not (isinstance(new_out, tuple) and len(new_out) == 2 and new_out[0] is not None):
             raise ValueError("TiledLinearReturnBias: linear_cls must return (output, bias)")
         old_tensor, old_bias = current_out if current_out is not None else (None, None)
@@ -134,7 +140,7 @@ class TiledLinearReturnBias(TiledLinear):
         tensor = super()._reduce_local_output(in_id, out_id, old_tensor, tensor)
         return tensor, bias if bias is not None else old_bias
 
-    def _combine_output_splits(self, outputs: list[Any]) -> Any:
+    def _combine_output_splits(self, outputs: list[TileOutput]) -> TileOutput:
         tensor = super()._combine_output_splits([o[0] for o in outputs])
         biases = [o[1] for o in outputs if o[1] is not None]
         return tensor, (super()._combine_output_splits(biases) if biases else None)
