@@ -14,8 +14,9 @@ from dsrun.config import ResolvedDsConfig, ds_section, load_resolved, parse_coun
 
 pytestmark = pytest.mark.usefixtures("world_of_one")
 
-CONFIG = {"train_batch_size": 4, "gradient_accumulation_steps": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-          "zero_optimization": {"stage": 1}, "steps_per_print": 1000}
+CONFIG = {"train_batch_size": 4, "gradient_accumulation_steps": 2,
+          "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 1},
+          "steps_per_print": 1000}
 
 
 class _Parses:
