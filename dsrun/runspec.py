@@ -7,7 +7,7 @@ their classes check when built. Every problem in every section is reported at on
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
 from omegaconf import DictConfig, OmegaConf
@@ -59,6 +59,7 @@ class ResolvedRun:
     train: TrainSpec
     plan: LaunchPlan  # for the worker (its target arguments are filled in at launch)
     ds: DSConfig
+    ds_source: object = field(default=None, compare=False, repr=False)  # what ds was parsed from (resolve_run's reuse)
 
     @property
     def world_size(self) -> int:
@@ -80,8 +81,12 @@ def describe_world(plan: LaunchPlan) -> str:
     return f"launcher.num_procs={plan.world_size} on this machine"
 
 
-def resolve_run(cfg: DictConfig) -> ResolvedRun:
-    """Validate every section of a composed RunSpec; raise :class:`ConfigError` listing all problems."""
+def resolve_run(cfg: DictConfig, reuse: ResolvedRun | None = None) -> ResolvedRun:
+    """Validate every section of a composed RunSpec; raise :class:`ConfigError` listing all problems.
+
+    ``reuse``: a run resolved before in this process (``dsrun train`` checks the run before Hydra composes it
+    again); its DeepSpeed config is taken as is when it was parsed from the same section for the same world,
+    so the launching process parses the config once."""
     from dsrun.config import load_ds_config
     from dsrun.config.problems import validate_model
     from dsrun.launcher import plan_from_mapping
@@ -114,11 +119,15 @@ def resolve_run(cfg: DictConfig) -> ResolvedRun:
             problems.append(Problem("model.pipeline_stages", f"{stages} stages do not divide the {world} ranks",
                                     "launch a multiple of model.pipeline_stages ranks"))
         world, source = max(1, world // stages), f"{source}, divided by model.pipeline_stages={stages}"
-    try:
-        ds = load_ds_config(_section(cfg, "ds"), world_size=world, world_size_source=source,
-                            auto_values=_auto_values(cfg), path_prefix="ds")
-    except ConfigError as err:
-        problems += err.problems
+    ds_source = (_section(cfg, "ds"), world, source, _auto_values(cfg))
+    if reuse is not None and reuse.ds is not None and reuse.ds_source == ds_source:
+        ds = reuse.ds
+    else:
+        try:
+            ds = load_ds_config(ds_source[0], world_size=world, world_size_source=source,
+                                auto_values=ds_source[3], path_prefix="ds")
+        except ConfigError as err:
+            problems += err.problems
     if plan is not None and plan.options.elastic_training:
         problems += _elastic_problems(train, ds)
     if ds is not None and ds.pipeline.stages != "auto" and ds.pipeline.stages != stages:
@@ -133,7 +142,7 @@ def resolve_run(cfg: DictConfig) -> ResolvedRun:
                                 "pipelined one", "set model.pipeline_stages=1 for the distillation run"))
     if problems:
         raise ConfigError(problems)
-    return ResolvedRun(cfg, train, plan, ds)
+    return ResolvedRun(cfg, train, plan, ds, ds_source)
 
 
 def _elastic_problems(train: TrainSpec | None, ds: DSConfig | None) -> list[Problem]:

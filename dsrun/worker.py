@@ -20,6 +20,7 @@ from typing import Any, Sequence
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from dsrun.config import load_resolved
 from dsrun.estimate.measure import current_rss, record_rank_peak
 from dsrun.launcher.protocol import debug_requested, exit_without_teardown, report_user_error
 from dsrun.monitor.run_defaults import PARENT_ENV, apply_run_defaults, flatten, mlflow_parent_key
@@ -121,9 +122,9 @@ def zero_init_context(ds_config: dict[str, Any]) -> Any:
     """``dsrun.zero.Init`` for ZeRO stage 3 (so the whole model never exists in one process, and with
     ``offload_param`` its shards go straight to host memory or NVMe), else a no-op."""
     import dsrun
+    from dsrun.config import ds_section
 
-    zero = ds_config.get("zero_optimization")
-    if not isinstance(zero, dict) or int(zero.get("stage", 0) or 0) != 3:
+    if ds_section(ds_config, "zero_optimization").stage != 3:
         return contextlib.nullcontext()
     return dsrun.zero.Init(config_dict_or_path=ds_config)
 
@@ -155,6 +156,8 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
     # --- model, data, engine ---
     ds_config = apply_run_defaults(OmegaConf.to_container(spec.ds, resolve=True), run_dir)  # monitors → run dir
     pipelined = pipeline_stages(spec.model) > 1  # a PipelineModule of the GPT: docs/pipeline.md
+    # this rank's one parse of the config; what it hands on carries the typed config (dsrun.config)
+    ds_config = load_resolved(ds_config, world_size // pipeline_stages(spec.model))
     with zero_init_context(ds_config) if not cfg.teacher else contextlib.nullcontext():  # ZeRO-3: partitioned
         model = (build_pipeline_model(OmegaConf.to_container(spec.model, resolve=True), ds_config, world_size)
                  if pipelined else hydra.utils.instantiate(spec.model, _convert_="all"))  # as each part is built
@@ -164,6 +167,8 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
     if mlflow_parent_key(run_dir):  # the jobs of a multirun become MLflow child runs of one parent
         os.environ[PARENT_ENV] = mlflow_parent_key(run_dir)
     data_eff = DataEfficiencyRun.prepare(ds_config, corpus.train, corpus.vocab_size, run_dir)  # curriculum indexes
+    if data_eff.ds_config is not ds_config:  # the curriculum's paths filled in: the typed config takes them too
+        data_eff.ds_config = ds_config.with_sections(data_eff.ds_config)
     engine, _, _, _ = dsrun.initialize(model=model, model_parameters=model.parameters(), config=data_eff.ds_config,
                                        training_data=data_eff.training_data)
     data_eff.attach(engine)  # random-LTD layers, seqlen truncation, token and layer-token counts

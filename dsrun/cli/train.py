@@ -87,11 +87,11 @@ def run(args: argparse.Namespace) -> int:
     command = ["dsrun", *sys.argv[1:]]
     source = source_run(args.from_dir) if args.from_dir else None
     overrides = from_overrides(source, args.overrides) if source is not None else list(args.overrides)
-    checked = None
+    checked = first = None
     if source is not None and args.multirun:
         raise UserError(Problem("--from", "reruns one run; it does not take -m", "leave out -m"))
     if not args.multirun:  # fail fast, before any run directory
-        resolved = resolve_run(compose_runspec(overrides, args.recipes_dir, source=source))
+        first = resolved = resolve_run(compose_runspec(overrides, args.recipes_dir, source=source))
         checked = _check(resolved, args)
         if source is not None:  # a damaged `latest` in the source is refused here already
             settle_from(resolved, source, overrides)
@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         log = LauncherLog(run_dir)
         try:
             with quiet_legacy_notes(not args.multirun):  # the single run's notes were shown already
-                resolved = resolve_run(finish_runspec(cfg, hydra_overrides))
+                resolved = resolve_run(finish_runspec(cfg, hydra_overrides), reuse=first)  # ds parsed once
             announce(resolved.ds, for_children=True)  # what it runs without: said once, not again by the ranks
             preflight = checked or _check(resolved, args)
             resolved, resume_line = _settle_resume(resolved, run_dir, job.overrides, args, source, overrides)

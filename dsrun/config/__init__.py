@@ -11,6 +11,12 @@ Loading goes: read the source (:mod:`.sources`) -> migrate legacy keys (:mod:`.m
 (:mod:`.batch`, :mod:`.elastic`) -> cross-field rules (:mod:`.rules`) -> the support ledger
 (:mod:`.support`: a key dsrun does not implement is refused when the config enables it). Every problem found
 on the way is collected, so one :class:`~dsrun.utils.errors.ConfigError` lists them all.
+
+A process parses its config once: ``dsrun train``'s launcher resolves the RunSpec's ``ds``, each rank builds the
+typed config from the resolved dict with :func:`load_resolved`, and what the rank hands on
+(:class:`~.sections.ResolvedDsConfig`) carries it to ``dsrun.initialize`` and ``dsrun.zero.Init``.
+:func:`parse_count` counts the parses of this process. Code that needs one setting reads its typed section
+(:func:`~.sections.ds_section`), never the raw dict.
 """
 from __future__ import annotations
 
@@ -19,20 +25,26 @@ from typing import Any, Mapping
 
 from dsrun.utils.errors import ConfigError, Problem
 
-from .auto import resolve_auto
-from .batch import GAS, MBS, TBS, BatchResolution, resolve_batch
-from .elastic import resolve_elastic_batch
-from .migrate import LegacyConfigWarning, migrate_legacy
-from .model import DSConfig
-from .problems import split_unknown_top_level, validate_model
-from .rules import check_rules
-from .sources import ConfigSource, read_config_source
-from .support import announce, check_support
-from .zero import shard_problems
+from dsrun.config.auto import resolve_auto
+from dsrun.config.batch import GAS, MBS, TBS, BatchResolution, resolve_batch
+from dsrun.config.elastic import resolve_elastic_batch
+from dsrun.config.migrate import LegacyConfigWarning, migrate_legacy
+from dsrun.config.model import DSConfig
+from dsrun.config.problems import split_unknown_top_level, validate_model
+from dsrun.config.rules import check_rules
+from dsrun.config.sections import ResolvedDsConfig, ds_section, typed_config
+from dsrun.config.sources import ConfigSource, read_config_source
+from dsrun.config.support import announce, check_support
+from dsrun.config.zero import shard_problems
 
 __all__ = [
     "DSConfig",
+    "ResolvedDsConfig",
     "announce",
+    "ds_section",
+    "load_resolved",
+    "parse_count",
+    "typed_config",
     "LegacyConfigWarning",
     "load_ds_config",
     "read_config_source",
@@ -40,6 +52,13 @@ __all__ = [
 ]
 
 logger = logging.getLogger("dsrun.config")
+_parses = [0]
+
+
+def parse_count() -> int:
+    """How many times this process has parsed a whole DeepSpeed config (:func:`load_ds_config` and
+    :func:`validate_ds_config` each count one)."""
+    return _parses[0]
 
 
 def _analyse(
@@ -49,6 +68,7 @@ def _analyse(
     auto_values: Mapping[str, Any] | None,
     path_prefix: str,
 ) -> tuple[DSConfig | None, list[Problem]]:
+    _parses[0] += 1
     prefix = f"{path_prefix.rstrip('.')}." if path_prefix else ""
     if isinstance(source, DSConfig):
         source = source.to_ds_dict()
@@ -185,3 +205,15 @@ def validate_ds_config(
     """The same checks as :func:`load_ds_config`; returns the problems (empty when valid), never raises
     for a bad config."""
     return _analyse(source, world_size, world_size_source, auto_values, path_prefix)[1]
+
+
+#: the ``world_size_source`` of a rank's parse, in errors (as ``dsrun.initialize`` says it)
+RANK_WORLD_SOURCE = "data-parallel world size"
+
+
+def load_resolved(source: Mapping[str, Any], world_size: int) -> ResolvedDsConfig:
+    """A rank's one parse: ``source`` (the resolved config the launcher wrote) with its typed config for
+    ``world_size`` data-parallel ranks (an elastic job's ranks may run at another world size than the launcher
+    resolved for: the batch sizes are resolved again here). ``dsrun.initialize`` at that world size uses it as is."""
+    return ResolvedDsConfig(source, load_ds_config(dict(source), world_size=world_size,
+                                                   world_size_source=RANK_WORLD_SOURCE), world_size)

@@ -48,8 +48,8 @@ STAGE3_ALIASES = {
 
 
 class _Migration:
-    def __init__(self, prefix: str):
-        self.prefix = prefix
+    def __init__(self, prefix: str, quiet: bool = False):
+        self.prefix, self.quiet = prefix, quiet
         self.problems: list[Problem] = []
         self.notes: list[str] = []
 
@@ -59,6 +59,8 @@ class _Migration:
     def warn(self, path: str, text: str) -> None:
         message = f"{path}: {text}"
         self.notes.append(message)
+        if self.quiet:
+            return
         logger.warning("%s", message)
         warnings.warn(message, LegacyConfigWarning, stacklevel=4)
 
@@ -111,9 +113,12 @@ def _offload_flag(zero: dict[str, Any], old: str, new: str, m: _Migration) -> No
         m.warn(old_path, f"deprecated (false has no effect), use {new!r}; removed")
 
 
-def migrate_legacy(data: dict[str, Any], prefix: str = "") -> tuple[dict[str, Any], list[Problem], list[str]]:
-    """Rewrite legacy keys in a copy of ``data``; returns (new dict, problems, warning texts)."""
-    m = _Migration(prefix)
+def migrate_legacy(data: dict[str, Any], prefix: str = "",
+                   quiet: bool = False) -> tuple[dict[str, Any], list[Problem], list[str]]:
+    """Rewrite legacy keys in a copy of ``data``; returns (new dict, problems, warning texts). ``quiet``: the
+    warnings are only returned, not logged nor raised as :class:`LegacyConfigWarning` (a one-section read:
+    the whole config's parse says them)."""
+    m = _Migration(prefix, quiet)
     out = dict(data)
     m.rename(out, "bfloat16", "bf16", (), deprecated=True)
     # DeepSpeed 0.19's names for keys dsrun knows by their 0.14 names

@@ -70,7 +70,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     distributed loader. ``config`` is a dict or a path (``config_params`` is its old name; ``args.deepspeed_config``
     works too). Initializes torch.distributed if needed (gloo on CPU, NCCL on CUDA).
     """
-    from dsrun.config import announce, load_ds_config  # the config layer, loaded only when training starts
+    from dsrun.config import (RANK_WORLD_SOURCE, ResolvedDsConfig, announce,  # the config layer, loaded only
+                              load_ds_config, typed_config)  # when training starts
     from dsrun.launcher.protocol import install_user_error_hook
     from dsrun.engine.engine import DeepSpeedEngine, build_engine_optimizer
 
@@ -92,8 +93,10 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                                       "grid", "leave mpu=None"))
         mpu = model.mpu()
     world = mpu.get_data_parallel_world_size() if mpu is not None else comm.get_world_size()
-    ds_config = source if hasattr(source, "zero_optimization") else load_ds_config(
-        source, world_size=world, world_size_source="data-parallel world size")
+    # dsrun train's rank hands over the config it parsed once (dsrun.config.load_resolved), for its world size
+    ds_config = source if hasattr(source, "zero_optimization") else typed_config(source)
+    if ds_config is None or (isinstance(source, ResolvedDsConfig) and source.world_size != world):
+        ds_config = load_ds_config(source, world_size=world, world_size_source=RANK_WORLD_SOURCE)
     if hasattr(ds_config, "unimplemented"):  # what the run goes without (dsrun_allow_unimplemented), said once
         announce(ds_config, rank=comm.get_rank())
     if engine_class is DeepSpeedEngine:

@@ -27,7 +27,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from dsrun.estimate.counting import ParameterCounts, count_parameters, instantiate_on_meta
-from dsrun.estimate.inputs import DEFAULT_CLIPPING, BufferSettings, EstimateInputs, GPTShape
+from dsrun.estimate.inputs import BufferSettings, EstimateInputs, GPTShape
 from dsrun.activation_checkpointing.modes import CheckpointMode
 from dsrun.utils.errors import ConfigError, Problem
 
@@ -109,30 +109,14 @@ def build_recipe_model(cfg: Mapping[str, Any]) -> RecipeModel:
                        block_size=int(block) if block else None)
 
 
-def _count(value: object) -> int | None:
-    """A batch-size value (as the user wrote it, any type) as an int; None when absent or left to DeepSpeed ("auto")."""
-    if isinstance(value, bool) or value is None:
-        return None
-    try:
-        return int(float(value))
-    except (TypeError, ValueError):
-        return None
+def _precision(ds: Any) -> tuple[str, str]:
+    from dsrun.config import ds_section
 
-
-def _precision(ds: Mapping[str, Any]) -> tuple[str, str]:
-    if _get(ds, "bf16.enabled") is True:
+    if ds_section(ds, "bf16").enabled:
         return "bf16", "ds.bf16.enabled"
-    if _get(ds, "fp16.enabled") is True:
+    if ds_section(ds, "fp16").enabled:
         return "fp16", "ds.fp16.enabled"
     return "fp32", "default"
-
-
-def _offload(zero: Mapping[str, Any], key: str) -> str:
-    section = zero.get(key)
-    if not section:
-        return "none"
-    device = section.get("device", "none") if isinstance(section, Mapping) else "none"
-    return str(device or "none").lower()
 
 
 def data_pipeline_bytes(data_cfg: Mapping[str, Any]) -> tuple[int, str]:
@@ -163,31 +147,32 @@ def data_pipeline_bytes(data_cfg: Mapping[str, Any]) -> tuple[int, str]:
 
 def inputs_from_runspec(cfg: Mapping[str, Any], model: RecipeModel) -> tuple[EstimateInputs, dict[str, str]]:
     """:class:`EstimateInputs` for a composed RunSpec and its counted model, and each input's source."""
+    from dsrun.config import ds_section  # the schema's typed sections: the one source of every default
+
     tree = _plain(cfg)
     ds = tree.get("ds") or {}
-    zero = ds.get("zero_optimization") or {}
-    if isinstance(zero, bool):  # the legacy boolean form means stage 1
-        zero = {"stage": 1 if zero else 0}
+    zero = ds_section(ds, "zero_optimization")  # the legacy boolean form is stage 1, as in a run
     sources: dict[str, str] = {}
 
     nodes, sources["nodes"] = _first(tree, ["launcher.num_nodes", "launcher.nnodes", "launcher.nodes"], 1)
     rpn, sources["ranks_per_node"] = _first(
         tree, ["launcher.num_procs", "launcher.num_gpus", "launcher.nproc_per_node", "launcher.gpus_per_node"], 1)
     nodes, rpn = int(nodes), int(rpn)
-    stage = int(zero.get("stage", 0))
-    sources["zero_stage"] = "ds.zero_optimization.stage" if "stage" in zero else "default"
+    stage = int(zero.stage)
+    sources["zero_stage"] = "ds.zero_optimization.stage" if "stage" in zero.model_fields_set else "default"
     precision, sources["precision"] = _precision(ds)
-    optimizer = ds.get("optimizer") or {}
-    opt_type = str(optimizer.get("type", "adam"))
-    sources["optimizer"] = "ds.optimizer.type" if "type" in optimizer else "default"
+    optimizer = ds_section(ds, "optimizer")
+    # no optimizer.type is the client's optimizer in a run (the schema's None); the estimate assumes Adam
+    opt_type = str(optimizer.type if optimizer.type is not None else "adam")
+    sources["optimizer"] = "ds.optimizer.type" if optimizer.type is not None else "default"
 
-    sp = _count(ds.get("sequence_parallel_size")) or 1
+    sp = int(ds_section(ds, "sequence_parallel_size"))
     sources["sequence_parallel_size"] = "ds.sequence_parallel_size" if sp > 1 else "default"
-    mbs = _count(ds.get("train_micro_batch_size_per_gpu"))
+    mbs = ds_section(ds, "train_micro_batch_size_per_gpu")  # as given ("auto": None), not resolved
+    gas = ds_section(ds, "gradient_accumulation_steps")
     sources["micro_batch_size"] = "ds.train_micro_batch_size_per_gpu"
-    if mbs is None and _count(ds.get("train_batch_size")) is not None:
-        gas = _count(ds.get("gradient_accumulation_steps")) or 1
-        mbs = max(1, _count(ds["train_batch_size"]) // gas // max(1, nodes * rpn // sp))
+    if mbs is None and ds_section(ds, "train_batch_size") is not None:
+        mbs = max(1, ds_section(ds, "train_batch_size") // (gas or 1) // max(1, nodes * rpn // sp))
         sources["micro_batch_size"] = ("ds.train_batch_size / gradient_accumulation_steps / (world size / "
                                        "sequence_parallel_size)")
     if mbs is None:
@@ -202,10 +187,13 @@ def inputs_from_runspec(cfg: Mapping[str, Any], model: RecipeModel) -> tuple[Est
         ckpt = ckpt.get("enabled", True)
     ckpt = str(CheckpointMode.parse(ckpt, sources["activation_checkpointing"]))
 
-    clip = ds.get("gradient_clipping")
-    sources["gradient_clipping"] = "ds.gradient_clipping" if clip is not None else "default (as DeepSpeed)"
-    clip = float(DEFAULT_CLIPPING if clip is None else clip)
-    buffers = BufferSettings.from_zero_config(zero)
+    clip = float(ds_section(ds, "gradient_clipping"))
+    given = isinstance(ds, Mapping) and ds.get("gradient_clipping") is not None  # where it came from, for the report
+    sources["gradient_clipping"] = "ds.gradient_clipping" if given else "default (as DeepSpeed)"
+    # overlap_comm left unset stays None: "on for stage 3" then follows a stage the caller changes (--stage, the
+    # tuner's space), where the schema has already settled it for the config's own stage
+    buffers = BufferSettings.from_zero_config({**zero.model_dump(), "overlap_comm": zero.overlap_comm
+                                               if "overlap_comm" in zero.model_fields_set else None})
     data_bytes, sources["data_bytes"] = data_pipeline_bytes(tree.get("data") or {})
     small = 0
     if model.module is not None:
@@ -214,12 +202,12 @@ def inputs_from_runspec(cfg: Mapping[str, Any], model: RecipeModel) -> tuple[Est
         total_params=model.counts.total, largest_layer_params=model.counts.largest_layer,
         trainable_params=model.counts.trainable, small_params=small,
         ranks_per_node=rpn, nodes=nodes, zero_stage=stage,
-        offload_optimizer=_offload(zero, "offload_optimizer"), offload_param=_offload(zero, "offload_param"),
-        precision=precision, optimizer=opt_type, optimizer_params=dict(optimizer.get("params") or {}),
+        offload_optimizer=str(zero.offload_optimizer.device).lower(),
+        offload_param=str(zero.offload_param.device).lower(),
+        precision=precision, optimizer=opt_type, optimizer_params=dict(optimizer.params),
         micro_batch_size=int(mbs), seq_len=int(seq), activation_checkpointing=ckpt,
         model_shape=model.shape, buffers=buffers, data_bytes=data_bytes,
         gradient_clipping=clip,
-        gradient_accumulation_steps=_count(ds.get("gradient_accumulation_steps")) or 1, sequence_parallel_size=sp,
-        mics_shard_size=int(zero.get("mics_shard_size", -1)),
-        hpz_partition_size=int(zero.get("zero_hpz_partition_size", 1)))
+        gradient_accumulation_steps=gas or 1, sequence_parallel_size=sp,
+        mics_shard_size=int(zero.mics_shard_size), hpz_partition_size=int(zero.zero_hpz_partition_size))
     return inputs, sources

@@ -24,15 +24,16 @@ def pipeline_stages(model_spec: Mapping[str, Any]) -> int:
 
 def build_pipeline_model(model_spec: Mapping[str, Any], ds_config: dict[str, Any], world_size: int) -> PipelineModule:
     """The GPT of ``model_spec`` as a PipelineModule of ``model.pipeline_stages`` stages."""
-    from dsrun.config import load_ds_config
+    from dsrun.config import load_ds_config, typed_config
 
     stages = pipeline_stages(model_spec)
     if model_spec.get("_target_") != GPT_TARGET:
         raise ConfigError(Problem("model.pipeline_stages", f"applies to dsrun's GPT ({GPT_TARGET}), not to "
                                   f"{model_spec.get('_target_')}", "wrap your own model in a dsrun.pipe.PipelineModule"))
     config = GPTConfig.from_kwargs({k: v for k, v in model_spec.items() if k != "_target_"})
-    typed = load_ds_config(ds_config, world_size=world_size // stages,
-                           world_size_source=f"{world_size} ranks / model.pipeline_stages={stages}")
+    typed = typed_config(ds_config) or load_ds_config(  # the worker hands over the config it parsed
+        ds_config, world_size=world_size // stages,
+        world_size_source=f"{world_size} ranks / model.pipeline_stages={stages}")
     return gpt_pipeline(config, typed)
 
 

@@ -30,8 +30,9 @@ from dsrun.utils.errors import ConfigError, Problem
 from .gathered import GatheredParameters
 
 if TYPE_CHECKING:
+    from dsrun.config import DSConfig
     from dsrun.config.base import Section
-    from dsrun.config.zero import OffloadParamConfig
+    from dsrun.config.zero import AIOConfig, OffloadParamConfig, ZeroConfig
 
 # a DeepSpeed config: a dict, the path of a JSON/YAML file, or a typed config (``to_ds_dict``); None: no config
 ConfigSource = Union[dict[str, Any], str, os.PathLike, "Section", None]
@@ -55,10 +56,11 @@ _RUNNING = "_ds_init_running"
 _TRIM_AFTER_BYTES = 1 << 20
 
 
-def _read_config(config_dict_or_path: ConfigSource) -> dict[str, Any]:
-    if config_dict_or_path is None:
-        return {}
-    if isinstance(config_dict_or_path, dict):
+def _read_config(config_dict_or_path: ConfigSource | DSConfig) -> dict[str, Any] | DSConfig | None:
+    """The config as given (a dict or a typed config; None: every default), or the file a path names, read."""
+    from dsrun.config import typed_config
+
+    if config_dict_or_path is None or isinstance(config_dict_or_path, dict) or typed_config(config_dict_or_path):
         return config_dict_or_path
     if hasattr(config_dict_or_path, "to_ds_dict"):
         return config_dict_or_path.to_ds_dict()
@@ -71,17 +73,25 @@ def _read_config(config_dict_or_path: ConfigSource) -> dict[str, Any]:
     return read_config_source(str(path)) if path.suffix != ".json" else json.loads(path.read_text())
 
 
-def _offload_param_section(config: dict[str, Any]) -> OffloadParamConfig:
-    from dsrun.config.zero import OffloadParamConfig
+def _zero_section(config: dict[str, Any] | DSConfig | None) -> ZeroConfig:
+    """The typed ``zero_optimization`` section (the schema holds every default)."""
+    from dsrun.config import ds_section
 
-    zero = config.get("zero_optimization") if isinstance(config.get("zero_optimization"), dict) else {}
-    return OffloadParamConfig.model_validate(zero.get("offload_param") or {})
+    return ds_section(config, "zero_optimization")
 
 
-def _config_dtype(config: dict[str, Any]) -> torch.dtype | None:
-    if (config.get("fp16") or {}).get("enabled"):
+def _aio_section(config: dict[str, Any] | DSConfig | None) -> AIOConfig:
+    from dsrun.config import ds_section
+
+    return ds_section(config, "aio")
+
+
+def _config_dtype(config: dict[str, Any] | DSConfig | None) -> torch.dtype | None:
+    from dsrun.config import ds_section
+
+    if ds_section(config, "fp16").enabled:
         return torch.float16
-    if (config.get("bf16") or config.get("bfloat16") or {}).get("enabled"):
+    if ds_section(config, "bf16").enabled:  # a raw dict's legacy "bfloat16" is migrated to bf16
         return torch.bfloat16
     return None
 
@@ -191,7 +201,8 @@ class Init:
             raise ConfigError(Problem("zero.Init(remote_device=...)", f"got {remote_device!r}",
                                       "allowed: None, \"cpu\", \"nvme\""))
         cfg = _read_config(config_dict_or_path if config_dict_or_path is not None else config)
-        offload_section = _offload_param_section(cfg)
+        zero_section = _zero_section(cfg)
+        offload_section = zero_section.offload_param
         if remote_device is None and offload_section.device != "none":
             remote_device = offload_section.device  # DeepSpeed: default to the config's param offload device
         if pin_memory and remote_device not in ("cpu", "nvme"):
@@ -204,11 +215,7 @@ class Init:
                                       "pass config_dict_or_path= a config whose offload_param sets device: nvme "
                                       "and nvme_path"))
         self.dtype = dtype or _config_dtype(cfg)
-        zero_section = cfg.get("zero_optimization") if isinstance(cfg.get("zero_optimization"), dict) else {}
-        from dsrun.config.zero import ZeroConfig  # the schema holds the default
-
-        key = "stage3_param_persistence_threshold"
-        self.persistence_threshold = int(float(zero_section.get(key, ZeroConfig.model_fields[key].default)))
+        self.persistence_threshold = int(zero_section.stage3_param_persistence_threshold)
         if not comm.is_initialized():
             comm.init_distributed(verbose=False)
         if data_parallel_group is None and mpu is not None:
@@ -226,13 +233,13 @@ class Init:
             from dsrun.offload.param_swapper import build_param_offload
 
             section = offload_section.model_copy(update={"device": remote_device, "pin_memory": pin_memory})
-            self.offload = build_param_offload(section, get_accelerator().device(), aio_config=cfg.get("aio"),
+            self.offload = build_param_offload(section, get_accelerator().device(), aio_config=_aio_section(cfg),
                                                rank=comm.get_rank(), dtype=self.dtype)
         self.src = 0 if self.group is None else comm.get_global_rank(self.group, 0)
         if module is not None:
             self.partition_module(module)
 
-    def _partition_group(self, config: dict[str, Any]) -> ProcessGroup:
+    def _partition_group(self, config: dict[str, Any] | DSConfig | None) -> ProcessGroup:
         return self.group
 
     def get_dp_process_group(self) -> ProcessGroup:
@@ -296,11 +303,10 @@ class MiCS_Init(Init):  # noqa: N801 - DeepSpeed's name
                          pin_memory=pin_memory, config_dict_or_path=config_dict_or_path, config=config,
                          enabled=enabled, dtype=dtype, mpu=mpu)
 
-    def _partition_group(self, config: dict[str, Any]) -> ProcessGroup:
+    def _partition_group(self, config: dict[str, Any] | DSConfig | None) -> ProcessGroup:
         from dsrun.comm.groups import ProcessGroups, from_data_group
 
-        zero_section = config.get("zero_optimization") if isinstance(config.get("zero_optimization"), dict) else {}
-        shard = int(zero_section.get("mics_shard_size", -1))
+        shard = int(_zero_section(config).mics_shard_size)
         if shard < 1:
             raise ConfigError(Problem("zero.MiCS_Init(config_dict_or_path=...)",
                                       "needs zero_optimization.mics_shard_size >= 1 in the config",

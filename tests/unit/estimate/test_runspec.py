@@ -150,3 +150,22 @@ def test_sequence_parallel_size_divides_each_ranks_activations():
     assert split.blocks == same_batch.blocks // 2 and split.per_block == same_batch.per_block // 2
     # model states do not change: ZeRO partitions over every rank, data x sequence
     assert estimate_peak_bytes_per_rank(ulysses).model_states == estimate_peak_bytes_per_rank(plain).model_states
+
+
+def test_ds_settings_come_from_the_typed_sections_with_the_estimators_own_choices_kept() -> None:
+    """inputs_from_runspec reads dsrun.config's typed sections: legacy keys are migrated as a run migrates them;
+    where the estimator's default differs from the schema's it is kept: no optimizer.type is Adam (the schema:
+    None), an unset overlap_comm stays None so that it follows a stage changed afterwards (the schema settles
+    it for the config's own stage)."""
+    from omegaconf import OmegaConf
+
+    from dsrun.estimate.inputs import BufferSettings
+
+    model = build_recipe_model(OmegaConf.create({"model": {"_target_": "torch.nn.Linear", "in_features": 4,
+                                                           "out_features": 4}}))
+    spec, sources = inputs_from_runspec(OmegaConf.create({"ds": {"bfloat16": {"enabled": True},
+                                                                 "zero_optimization": True}}), model)
+    assert (spec.precision, spec.zero_stage, spec.optimizer) == ("bf16", 1, "adam")
+    assert sources["optimizer"] == "default" and sources["zero_stage"] == "ds.zero_optimization.stage"
+    assert spec.buffers.overlap_comm is None and spec.with_(zero_stage=3).overlap_comm is True
+    assert spec.buffers == BufferSettings()  # every other buffer setting: the schema's default, the same numbers
