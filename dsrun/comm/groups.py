@@ -28,12 +28,15 @@ registry of groups or group names.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from . import comm
+from .comm import ProcessGroup
 from .topology import PipeModelDataParallelTopology, ProcessTopology
 
-ProcessGroup = Any
+if TYPE_CHECKING:
+    import torch
+
 AXES = ("pipe", "data", "model")
 _SINGLE = object()  # a group of this rank alone, not created until used
 
@@ -79,7 +82,7 @@ class ProcessGroups:
                 mine = group
         return mine
 
-    def _resolve(self, key: Any, group: ProcessGroup, store: dict) -> ProcessGroup:
+    def _resolve(self, key: str | int, group: ProcessGroup, store: dict) -> ProcessGroup:
         if group is _SINGLE:
             group = store[key] = comm.new_group([self.rank], local=True)
         return group
@@ -260,14 +263,14 @@ class ProcessGroups:
         return entry[0], entry[1]
 
     # --- which group a parameter lives on ----------------------------------------------------------------
-    def group_of_param(self, param: Any) -> ProcessGroup:
+    def group_of_param(self, param: torch.Tensor) -> ProcessGroup:
         """The group whose ranks hold copies of ``param``: its gradient is reduced, ZeRO partitions it, its
         initial value is broadcast over it. The data-parallel group, or for an expert parameter (DeepSpeed's
         marks: ``allreduce = False``, ``group_name = "ep_size_E"``) its expert-data-parallel group."""
         size = expert_parallel_size_of(param)
         return self.data if size is None else self.expert_data(size)
 
-    def members_of_param(self, param: Any) -> list[int]:
+    def members_of_param(self, param: torch.Tensor) -> list[int]:
         """The global ranks of :meth:`group_of_param`'s group (the first is the broadcast source)."""
         size = expert_parallel_size_of(param)
         return self.members("data") if size is None else self.expert_members(size)[1]
@@ -317,7 +320,7 @@ def split_consecutive(ranks: list[int], size: int) -> tuple[list[list[int]], lis
             [list(ranks[j::size]) for j in range(size)])
 
 
-def expert_parallel_size_of(param: Any) -> int | None:
+def expert_parallel_size_of(param: torch.Tensor) -> int | None:
     """E for an expert parameter (``allreduce`` False, ``group_name`` "ep_size_E"), else None."""
     if getattr(param, "allreduce", True):
         return None

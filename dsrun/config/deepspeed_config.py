@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from dsrun.config import DSConfig
 from dsrun.config import load_ds_config
 from dsrun.config.sources import read_config_source
 from dsrun.config.monitoring import DeepSpeedMonitorConfig
 from dsrun.utils.errors import ConfigError
+
+
+class ModelParallelUnit(Protocol):
+    """Megatron's ``mpu`` as DeepSpeed's config reads it (``get_model_parallel_world_size``, when it has one)."""
 
 # DeepSpeed's optimizer names (the lower-cased "optimizer.type" values)
 ADAGRAD_OPTIMIZER = "adagrad"
@@ -35,7 +39,7 @@ DEEPSPEED_OPTIMIZERS = [ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAMW_OPTIMIZER, LAMB
 DeepSpeedConfigError = ConfigError
 
 
-def _world_size(mpu: Any) -> int:
+def _world_size(mpu: ModelParallelUnit | None) -> int:
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -49,7 +53,8 @@ def _world_size(mpu: Any) -> int:
 class DeepSpeedConfig:
     """DeepSpeed's ``DeepSpeedConfig(config, mpu=None, mesh_device=None)``; see the module docstring."""
 
-    def __init__(self, config: str | dict | Path, mpu: Any = None, mesh_device: Any = None):
+    def __init__(self, config: str | dict | Path, mpu: ModelParallelUnit | None = None,
+                 mesh_device: object = None):
         self._param_dict = copy.deepcopy(read_config_source(config))
         self.world_size = _world_size(mpu)
         self.config: DSConfig = load_ds_config(self._param_dict, self.world_size,

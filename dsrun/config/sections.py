@@ -12,7 +12,7 @@ the raw dict with a default of its own: the schema's section models hold every d
 from __future__ import annotations
 
 import copy
-from typing import Annotated, Any, Mapping
+from typing import TYPE_CHECKING, Annotated, Any, Mapping
 
 from pydantic import BaseModel
 
@@ -22,6 +22,9 @@ from .auto import resolve_auto
 from .migrate import migrate_legacy
 from .model import DSConfig
 from .problems import validate_model
+
+if TYPE_CHECKING:
+    from pydantic.fields import FieldInfo
 
 
 class ResolvedDsConfig(dict):
@@ -50,14 +53,14 @@ class ResolvedDsConfig(dict):
         return ResolvedDsConfig(data, self.typed.model_copy(update=update), self.world_size)
 
 
-def typed_config(config: Any) -> DSConfig | None:
-    """The typed config ``config`` is or carries; None for a raw dict, a path or JSON text."""
+def typed_config(config: object) -> DSConfig | None:
+    """The typed config ``config`` (anything a caller holds) is or carries; None for a raw dict, a path or JSON text."""
     if isinstance(config, DSConfig):
         return config
     return config.typed if isinstance(config, ResolvedDsConfig) else None
 
 
-def ds_section(config: Any, name: str) -> Any:
+def ds_section(config: DSConfig | Mapping[str, Any] | None, name: str) -> Any:
     """The typed top-level setting ``name`` (a section such as ``"zero_optimization"``, or a value such as
     ``"gradient_clipping"``) of ``config``: a typed :class:`DSConfig`, a :class:`ResolvedDsConfig`, a
     raw dict or None (the schema's default). A raw dict's legacy keys are migrated and its ``"auto"`` values
@@ -83,7 +86,7 @@ def ds_section(config: Any, name: str) -> Any:
     return model
 
 
-def _validate_value(field: Any, value: Any, name: str) -> tuple[Any, list[Any]]:
+def _validate_value(field: FieldInfo, value: object, name: str) -> tuple[Any, list[Any]]:
     from pydantic import TypeAdapter, ValidationError
 
     from dsrun.utils.errors import Problem

@@ -22,7 +22,7 @@ to the inputs, where each one came from (a key path, or "default"), so the repor
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import torch
 
@@ -30,6 +30,9 @@ from dsrun.estimate.counting import ParameterCounts, count_parameters, instantia
 from dsrun.estimate.inputs import BufferSettings, EstimateInputs, GPTShape
 from dsrun.activation_checkpointing.modes import CheckpointMode
 from dsrun.utils.errors import ConfigError, Problem
+
+if TYPE_CHECKING:
+    from dsrun.config import DSConfig
 
 _MISSING = object()
 
@@ -109,7 +112,7 @@ def build_recipe_model(cfg: Mapping[str, Any]) -> RecipeModel:
                        block_size=int(block) if block else None)
 
 
-def _precision(ds: Any) -> tuple[str, str]:
+def _precision(ds: DSConfig | Mapping[str, Any] | None) -> tuple[str, str]:
     from dsrun.config import ds_section
 
     if ds_section(ds, "bf16").enabled:

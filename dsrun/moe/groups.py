@@ -11,11 +11,18 @@ the same sizes in the same order.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from dsrun import comm
 from dsrun.comm import ProcessGroups
+from dsrun.comm.comm import ProcessGroup
 from dsrun.comm.groups import current_groups, set_current_groups
+
+
+class DataParallelMpu(Protocol):
+    """Megatron's model-parallel unit, as far as the expert groups read it."""
+
+    def get_data_parallel_group(self) -> ProcessGroup: ...
 
 
 def expert_group_name(ep_size: int) -> str:
@@ -46,7 +53,7 @@ def _create_expert_and_data_parallel(expert_parallel_size_: int, use_data_before
     _groups().expert(size)
 
 
-def initialize(ep_size: int = 1, mpu: Any = None) -> None:
+def initialize(ep_size: int = 1, mpu: DataParallelMpu | None = None) -> None:
     """Deprecated in DeepSpeed (the MoE layer creates its groups); kept for scripts that still call it."""
     if mpu is not None:
         set_current_groups(comm.groups.from_data_group(mpu.get_data_parallel_group()))

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from dsrun.comm.groups import current_groups, set_current_groups
+from dsrun.comm.groups import ProcessGroups, current_groups, set_current_groups
 from dsrun.utils.errors import ConfigError, Problem
 
 from . import groups
@@ -101,7 +101,7 @@ def moe_layers(module: torch.nn.Module) -> list[MoE]:
     return [m for m in module.modules() if isinstance(m, MoE)]
 
 
-def attach_process_groups(module: torch.nn.Module, process_groups: Any, data_before_expert: bool = False) -> list[MoE]:
+def attach_process_groups(module: torch.nn.Module, process_groups: ProcessGroups, data_before_expert: bool = False) -> list[MoE]:
     """Give every MoE layer of ``module`` its expert group from the engine's process groups, which become the
     run's groups if they are not yet (collective; every rank calls it with the same model).
     ``data_before_expert``: the config's ``use_data_before_expert_parallelism``. Returns the layers."""
