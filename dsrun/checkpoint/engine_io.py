@@ -178,8 +178,6 @@ def engine_model_states(engine: Any, client_state: dict[str, Any], exclude_froze
         "ds_version": DS_VERSION,
         "dsrun": {"micro_steps": engine.micro_steps, "zero_stage": stage, "precision": engine.precision.name,
                   "state_dict_keys": list(engine.module.state_dict().keys())},
-        # [feature seam: compression] the compression schedule's position (dsrun/compression/feature.py)
-        "compression": engine.compression.state_dict() if getattr(engine, "compression", None) else None,
     }
     if experts.applies(engine):
         if sd["module"] is not None:
@@ -189,11 +187,9 @@ def engine_model_states(engine: Any, client_state: dict[str, Any], exclude_froze
     loader = getattr(engine, "training_dataloader", None)
     if loader is not None and hasattr(loader, "epoch"):
         sd["data_sampler"] = {"epoch": loader.epoch}
-    features = getattr(engine, "data_efficiency", None)  # data efficiency: random-LTD, sampler, CL, PLD states
-    if features is not None:
-        entries = features.checkpoint_entries()
-        sd["dsrun"]["data_efficiency"] = entries.pop("data_efficiency", None)
-        sd.update(entries)
+    entries = engine.features.checkpoint_entries()  # each feature's own keys (dsrun/runtime/features.py)
+    sd["dsrun"].update(entries.pop("dsrun", {}))
+    sd.update(entries)
     if files.model_states_every_rank:  # partitioned weights: this rank's shards of the frozen ones too
         sd["frozen_param_shapes"], sd["frozen_param_fragments"] = (
             strategy.frozen_param_fragments() if strategy is not None else state.frozen_params(engine.module))
@@ -201,7 +197,7 @@ def engine_model_states(engine: Any, client_state: dict[str, Any], exclude_froze
         if stored:  # frozen shards kept INT8 (zero_quantized_nontrainable_weights): exactly what was held
             sd["dsrun"]["frozen_param_quantized"] = stored
     for key, value in (client_state or {}).items():
-        if key in DS_KEYS:
+        if key in DS_KEYS or key in entries:
             raise UserError(Problem(f"save_checkpoint(client_state[{key!r}])", "is a key DeepSpeed's checkpoint "
                                     "owns", "rename it"))
         sd[key] = value
@@ -531,8 +527,14 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
     if not load_module_only:
         restore_training_state(engine, model_states, tag_dir, load_lr_scheduler_states,
                                same_world=saved_world(model_states) == engine.dp_world_size)
-    client_state = {k: v for k, v in model_states.items() if k not in DS_KEYS}
+    client_state = client_state_of(engine, model_states)
     return str(model_path), client_state
+
+
+def client_state_of(engine: Any, model_states: dict[str, Any]) -> dict[str, Any]:
+    """The keys a client saved: neither DeepSpeed's nor a feature's."""
+    owned = DS_KEYS | set(engine.features.checkpoint_entries())
+    return {k: v for k, v in model_states.items() if k not in owned}
 
 
 def restore_training_state(engine: Any, model_states: dict[str, Any], tag_dir: Path, load_lr_scheduler_states: bool,
@@ -544,8 +546,6 @@ def restore_training_state(engine: Any, model_states: dict[str, Any], tag_dir: P
     engine.global_steps = int(model_states.get("global_steps", 0))
     engine.global_samples = int(model_states.get("global_samples", engine.global_steps * engine.train_batch_size()))
     engine.skipped_steps = int(model_states.get("skipped_steps", 0))
-    if getattr(engine, "compression", None) is not None and model_states.get("compression"):
-        engine.compression.load_state_dict(model_states["compression"])  # [feature seam: compression]
     extras = model_states.get("dsrun") or {}
     engine.micro_steps = int(extras.get("micro_steps", engine.global_steps * engine.gradient_accumulation_steps()))
     if not same_world:  # the accumulation steps may differ: restart at a boundary
@@ -553,9 +553,7 @@ def restore_training_state(engine: Any, model_states: dict[str, Any], tag_dir: P
     loader = getattr(engine, "training_dataloader", None)
     if loader is not None and isinstance(model_states.get("data_sampler"), dict) and hasattr(loader, "epoch"):
         loader.epoch = int(model_states["data_sampler"].get("epoch", loader.epoch))
-    features = getattr(engine, "data_efficiency", None)  # data efficiency: random-LTD, sampler, CL, PLD states
-    if features is not None:
-        features.load_checkpoint_entries({**model_states, "data_efficiency": extras.get("data_efficiency")})
+    engine.features.load_checkpoint_entries(model_states)  # each feature's own keys (dsrun/runtime/features.py)
     rng_file = tag_dir / layout.rng_states_name(engine.global_rank)
     if same_world and rng_file.is_file():
         state.restore_rng_state(load_file(rng_file))

@@ -22,12 +22,14 @@ from dsrun.moe.utils import has_moe_layers, split_params_into_different_moe_grou
 from dsrun.optim import build_optimizer, check_zero_optimizer
 from dsrun.runtime.activation_checkpointing.settings import configure_from_engine
 from dsrun.runtime.data_pipeline.engine_api import DataEfficiencyEngineMixin
+from dsrun.compression.feature import CompressionFeature
 from dsrun.runtime.data_pipeline.features import DataEfficiency
 from dsrun.runtime.dataloader import DeepSpeedDataLoader
 from dsrun.runtime.direct_backward import DirectBackward
 from dsrun.runtime.engine_collectives import EngineCollectives
 from dsrun.runtime.engine_getters import EngineConfigGetters
 from dsrun.runtime.engine_methods import EngineMethods
+from dsrun.runtime.features import Features, register_feature
 from dsrun.runtime.fp16.onebit import ONE_BIT_CLASSES, build_onebit_optimizer
 from dsrun.runtime.lr_schedules import build_lr_scheduler
 from dsrun.runtime.autotuning_probe import AutotuningProbe
@@ -38,6 +40,10 @@ from dsrun.runtime.timers import WallClockTimers
 from dsrun.runtime.zero import MemoryBreakdown, StrategyContext, ZeroStrategy, build_zero_strategy
 from dsrun.sequence.groups import _set_sequence_groups
 from dsrun.utils.errors import ConfigError, Problem
+
+# the built-in features, in the order their hooks run (a room or a test registers its own the same way)
+register_feature(DataEfficiency)
+register_feature(CompressionFeature)
 
 FORWARD_TIMER, BACKWARD_TIMER, BACKWARD_INNER_TIMER = "forward", "backward", "backward_inner"
 BACKWARD_REDUCE_TIMER, STEP_TIMER = "backward_allreduce", "step"
@@ -56,7 +62,7 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
 
     def __init__(self, model: torch.nn.Module, config: DeepSpeedConfig, optimizer: torch.optim.Optimizer | None = None,
                  lr_scheduler: Any = None, training_data: Any = None, collate_fn: Callable | None = None,
-                 mpu: Any = None, raw_config: Any = None):
+                 mpu: Any = None, raw_config: Any = None, features: Features | None = None):
         super().__init__()
         self._config = config
         self.training_data, self.collate_fn, self.client_lr_scheduler = training_data, collate_fn, lr_scheduler
@@ -82,7 +88,9 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
         self.has_moe_layers = bool(self.moe_layers)
         if self.has_moe_layers:
             _check_moe_config(config)
-        self.compression: Any = None  # [feature seam: compression] set by initialize (dsrun/compression/feature.py)
+        # the features (dsrun/runtime/features.py), built by initialize; it attaches them once the engine is built
+        self.features = features if features is not None else Features.build(config)
+        self.data_efficiency = self.features.get(DataEfficiency) or DataEfficiency(config)  # DeepSpeed's methods read it
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0
@@ -115,13 +123,8 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
             self.optimizer = self.strategy.optimizer
         self.direct_backward = DirectBackward(self)  # backward passes engine.backward() did not run
         self.lr_scheduler = self._configure_lr_scheduler(lr_scheduler)
-        # data efficiency (dsrun/runtime/data_pipeline): curriculum, PLD, random-LTD, curriculum data sampling
-        self.data_efficiency = DataEfficiency(config, self.train_batch_size(), self.global_rank, self.dp_group)
-        self.data_efficiency.check_model(self.module)
         self.training_dataloader = (self.deepspeed_io(training_data, collate_fn=collate_fn)
                                     if training_data is not None else None)
-        if self.data_efficiency.sampling_enabled:  # data efficiency: the sampler's state goes into checkpoints
-            self.data_efficiency.training_dataloader = self.training_dataloader
         self._comm_at_step_start = comm.get_comms_stats()
         self._last_step_comm: dict[str, dict[str, float]] = {}
         # observability (monitors, wall-clock breakdown, flops profiler): dsrun/runtime/observer.py
@@ -186,7 +189,7 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
         if self.strategy is not None:
             self.strategy.before_forward()
         inputs, kwargs = self.precision.prepare_inputs(inputs, kwargs)
-        kwargs.update(self.data_efficiency.forward_kwargs(self.module.training, self.global_steps))  # data efficiency
+        kwargs.update(self.features.forward_kwargs(self.module.training, self.global_steps))
         with autocast_if_enabled(self):  # the torch_autocast section
             out = self.module(*inputs, **kwargs)
         self.timers.stop(FORWARD_TIMER)
@@ -266,7 +269,7 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
         if boundary:
             if self.enable_backward_allreduce:  # gradients a no_sync() backward left unreduced, if any
                 self.allreduce_gradients()
-            self.data_efficiency.on_boundary(self.global_steps)  # data efficiency: PLD's θ(t)
+            self.features.before_step(self.global_steps)
             overflow = False
             if self.strategy is not None:
                 outcome = self.strategy.step(float(self._config.gradient_clipping or 0.0))
@@ -278,8 +281,7 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
                 self.skipped_steps += 1
             elif self.lr_scheduler is not None:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
-            if self.compression is not None:  # [feature seam: compression] its scheduler and MoQ step here
-                self.compression.after_step(overflow)
+            self.features.after_step(overflow)
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
             self.losses = None
@@ -332,6 +334,12 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
     def enable_backward_allreduce(self, value: bool) -> None:
         if self.strategy is not None:
             self.strategy.enable_backward_allreduce = value
+
+    @property
+    def compression(self) -> CompressionFeature | None:
+        """The compression feature when the model is compressed (dsrun/compression/feature.py), else None."""
+        feature = self.features.get(CompressionFeature)
+        return feature if feature is not None and feature.active else None
 
     @property
     def cur_scale(self) -> float:
@@ -435,6 +443,7 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
         if self.strategy is not None:
             self.strategy.close()
         self.direct_backward.close()
+        self.features.close()
         self.observer.close()
         if self.has_moe_layers:
             from dsrun.moe import groups as expert_groups

@@ -73,6 +73,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     from dsrun.config import announce, load_ds_config  # the config layer, loaded only when training starts
     from dsrun.launcher.protocol import install_user_error_hook
     from dsrun.runtime.engine import DeepSpeedEngine, build_engine_optimizer
+    from dsrun.runtime.features import Features
 
     install_user_error_hook()  # under dsrun's launcher: a config mistake is one line, not a traceback per rank
     if model is None:
@@ -99,12 +100,12 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     if engine_class is DeepSpeedEngine:
         _refuse_pipeline_settings(ds_config)
     engine_class.prepare_model(model, ds_config)
-    # [feature seam: compression] compress the model before the optimizer sees its parameters
-    from dsrun.compression.feature import CompressionFeature, prepare_for_training
-    model_parameters = prepare_for_training(model, ds_config, model_parameters, optimizer)
+    features = Features.build(ds_config)  # dsrun/runtime/features.py: each wraps the model before the optimizer
+    model, model_parameters = features.wrap_model(model, model_parameters, optimizer)
     base_optimizer = build_engine_optimizer(ds_config, model, optimizer, model_parameters)
     engine = engine_class(model=model, config=ds_config, optimizer=base_optimizer, lr_scheduler=lr_scheduler,
-                          training_data=training_data, collate_fn=collate_fn, mpu=mpu, raw_config=source)
+                          training_data=training_data, collate_fn=collate_fn, mpu=mpu, raw_config=source,
+                          features=features)
     engine.client_optimizer = base_optimizer if optimizer is not None else None
-    engine.compression = CompressionFeature.attach(engine)  # [feature seam: compression] steps with the engine
+    engine.features.attach(engine)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
