@@ -20,17 +20,17 @@ from dsrun.accelerator import get_accelerator
 from dsrun.moe.layer import attach_process_groups
 from dsrun.moe.utils import has_moe_layers, split_params_into_different_moe_groups_for_optimizer
 from dsrun.optim import build_optimizer, check_zero_optimizer
-from dsrun.runtime.activation_checkpointing.settings import configure_from_engine
-from dsrun.runtime.data_pipeline.engine_api import DataEfficiencyEngineMixin
+from dsrun.runtime.activation_checkpointing.settings import ActivationCheckpointingFeature
+from dsrun.runtime.data_pipeline.engine_api import DataEfficiencyMethods
 from dsrun.compression.feature import CompressionFeature
 from dsrun.runtime.data_pipeline.features import DataEfficiency
 from dsrun.runtime.dataloader import DeepSpeedDataLoader
 from dsrun.runtime.direct_backward import DirectBackward
 from dsrun.runtime.engine_collectives import EngineCollectives
-from dsrun.runtime.engine_getters import EngineConfigGetters
+from dsrun.runtime.engine_getters import ConfigView, facade
 from dsrun.runtime.engine_methods import EngineMethods
 from dsrun.runtime.features import Features, register_feature
-from dsrun.runtime.fp16.onebit import ONE_BIT_CLASSES, build_onebit_optimizer
+from dsrun.runtime.fp16.onebit import ONE_BIT_CLASSES, OneBitFeature, build_onebit_optimizer
 from dsrun.runtime.lr_schedules import build_lr_scheduler
 from dsrun.runtime.autotuning_probe import AutotuningProbe
 from dsrun.runtime.observer import EngineObserver
@@ -44,12 +44,14 @@ from dsrun.utils.errors import ConfigError, Problem
 # the built-in features, in the order their hooks run (a room or a test registers its own the same way)
 register_feature(DataEfficiency)
 register_feature(CompressionFeature)
+register_feature(OneBitFeature)
+register_feature(ActivationCheckpointingFeature)
 
 FORWARD_TIMER, BACKWARD_TIMER, BACKWARD_INNER_TIMER = "forward", "backward", "backward_inner"
 BACKWARD_REDUCE_TIMER, STEP_TIMER = "backward_allreduce", "step"
 
 
-class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, DataEfficiencyEngineMixin, torch.nn.Module):
+class DeepSpeedEngine(EngineMethods, EngineCollectives, torch.nn.Module):
     """Wraps the model; built by :func:`dsrun.initialize`. DeepSpeed's config getters, its other methods
     (``no_sync``, ``set_train_batch_size``, ``load_module_state_dict`` …) and its reduction helpers are the
     mixins :mod:`~dsrun.runtime.engine_getters`, :mod:`~dsrun.runtime.engine_methods` and
@@ -65,6 +67,8 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
                  mpu: Any = None, raw_config: Any = None, features: Features | None = None):
         super().__init__()
         self._config = config
+        self.settings = ConfigView(config, self)  # DeepSpeed's config getters, delegated to (engine_getters.py)
+        self.data_efficiency_methods = DataEfficiencyMethods(self)  # DeepSpeed's data-efficiency methods, too
         self.training_data, self.collate_fn, self.client_lr_scheduler = training_data, collate_fn, lr_scheduler
         self.client_optimizer: Any = None  # set by initialize when the client passed one
         self.config = raw_config if raw_config is not None else config
@@ -112,7 +116,6 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
         self._broadcast_model()
         if self.torch_autocast_enabled():  # the torch_autocast section: comm dtypes of the safe modules' params
             init_autocast_params(self, self.torch_autocast_dtype(), self.torch_autocast_lower_precision_safe_modules())
-        configure_from_engine(model, config, mpu)  # the activation_checkpointing section, if any
 
         self.strategy: ZeroStrategy | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -462,6 +465,10 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
     def save_fp16_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
         """Deprecated name of :meth:`save_16bit_model`."""
         return self.save_16bit_model(save_dir, save_filename)
+
+
+facade(DeepSpeedEngine, "settings", ConfigView)  # engine.train_batch_size() & co.: one-line delegations
+facade(DeepSpeedEngine, "data_efficiency_methods", DataEfficiencyMethods)
 
 
 def build_engine_optimizer(config: DeepSpeedConfig, model: torch.nn.Module, optimizer: Any,
