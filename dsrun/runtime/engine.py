@@ -26,7 +26,7 @@ from dsrun.compression.feature import CompressionFeature
 from dsrun.runtime.data_pipeline.features import DataEfficiency
 from dsrun.runtime.dataloader import DeepSpeedDataLoader
 from dsrun.runtime.direct_backward import DirectBackward
-from dsrun.runtime.engine_collectives import EngineCollectives
+from dsrun.runtime.engine_collectives import Collectives
 from dsrun.runtime.engine_getters import ConfigView, facade
 from dsrun.runtime.engine_methods import EngineMethods
 from dsrun.runtime.features import Features, register_feature
@@ -51,16 +51,29 @@ FORWARD_TIMER, BACKWARD_TIMER, BACKWARD_INNER_TIMER = "forward", "backward", "ba
 BACKWARD_REDUCE_TIMER, STEP_TIMER = "backward_allreduce", "step"
 
 
-class DeepSpeedEngine(EngineMethods, EngineCollectives, torch.nn.Module):
+class DeepSpeedEngine(torch.nn.Module):
     """Wraps the model; built by :func:`dsrun.initialize`. DeepSpeed's config getters, its other methods
-    (``no_sync``, ``set_train_batch_size``, ``load_module_state_dict`` …) and its reduction helpers are the
-    mixins :mod:`~dsrun.runtime.engine_getters`, :mod:`~dsrun.runtime.engine_methods` and
-    :mod:`~dsrun.runtime.engine_collectives`.
+    (``no_sync``, ``set_train_batch_size``, ``load_module_state_dict`` …), its reduction helpers and its
+    data-efficiency methods live in parts the engine holds (``settings``: :mod:`~dsrun.runtime.engine_getters`,
+    ``methods``: :mod:`~dsrun.runtime.engine_methods`, ``collectives``: :mod:`~dsrun.runtime.engine_collectives`,
+    ``data_efficiency_methods``: :mod:`~dsrun.runtime.data_pipeline.engine_api`); the class carries each of
+    their public names as a one-line delegation (``facade``, below the class). Features attach through
+    :mod:`dsrun.runtime.features`.
 
     ``config`` is the typed :class:`dsrun.config.DeepSpeedConfig` (every setting and default comes from it); ``optimizer`` an optimizer over the model's
     parameters (client or from the config) or None; ``lr_scheduler`` a scheduler object, a callable taking
     the optimizer, or None (then the config's ``scheduler`` section, if any, is used).
     """
+
+    # DeepSpeed's switches and the engine's step state (read and set by engine_methods.py too)
+    inside_no_sync_ctxt: bool = False
+    _reduction_pending: bool = False  # a boundary backward skipped the reduction (no_sync, or switched off)
+    _step_applied: bool = False
+    _is_compiled: bool = False
+    pipeline_parallelism = False  # the pipeline engine's is True
+    scale_wrt_gas: bool | None = None  # when set, overrides backward(scale_wrt_gas=...)
+    loaded_checkpoint_dp_world_size: int | None = None  # set by load_checkpoint
+    loaded_checkpoint_mp_world_size: int | None = None
 
     def __init__(self, model: torch.nn.Module, config: DeepSpeedConfig, optimizer: torch.optim.Optimizer | None = None,
                  lr_scheduler: Any = None, training_data: Any = None, collate_fn: Callable | None = None,
@@ -69,6 +82,8 @@ class DeepSpeedEngine(EngineMethods, EngineCollectives, torch.nn.Module):
         self._config = config
         self.settings = ConfigView(config, self)  # DeepSpeed's config getters, delegated to (engine_getters.py)
         self.data_efficiency_methods = DataEfficiencyMethods(self)  # DeepSpeed's data-efficiency methods, too
+        self.collectives = Collectives(self)  # DeepSpeed's reduction helpers (allreduce_bucket & co.), too
+        self.methods = EngineMethods(self)  # the rest of DeepSpeed's methods (no_sync, set_train_batch_size ...)
         self.training_data, self.collate_fn, self.client_lr_scheduler = training_data, collate_fn, lr_scheduler
         self.client_optimizer: Any = None  # set by initialize when the client passed one
         self.config = raw_config if raw_config is not None else config
@@ -135,7 +150,7 @@ class DeepSpeedEngine(EngineMethods, EngineCollectives, torch.nn.Module):
         self.autotuning_probe = AutotuningProbe(self, config)  # dsrun/runtime/autotuning_probe.py
         self.monitor = self.observer.monitor
         self.flops_profiler = self.observer.flops_profiler
-        self._apply_compile_config()  # the config's compile section (engine_methods.py)
+        self.methods._apply_compile_config()  # the config's compile section (engine_methods.py)
 
     # --- construction ---------------------------------------------------------------------------------
     @classmethod
@@ -237,7 +252,7 @@ class DeepSpeedEngine(EngineMethods, EngineCollectives, torch.nn.Module):
         # no_sync() / enable_backward_allreduce=False: a boundary micro-step accumulates like any other, and the
         # reduction waits for the next boundary backward or allreduce_gradients() (engine_methods.py)
         boundary = self.is_gradient_accumulation_boundary()
-        if boundary and not self._reduces_in_backward():  # no_sync: the next boundary backward or step reduces
+        if boundary and not self.methods._reduces_in_backward():  # no_sync: the next boundary backward or step reduces
             boundary, self._reduction_pending = False, True
         elif boundary:  # with the switch off the strategy keeps local gradients; allreduce_gradients() may reduce
             self._reduction_pending = not self.enable_backward_allreduce
@@ -469,6 +484,8 @@ class DeepSpeedEngine(EngineMethods, EngineCollectives, torch.nn.Module):
 
 facade(DeepSpeedEngine, "settings", ConfigView)  # engine.train_batch_size() & co.: one-line delegations
 facade(DeepSpeedEngine, "data_efficiency_methods", DataEfficiencyMethods)
+facade(DeepSpeedEngine, "collectives", Collectives)
+facade(DeepSpeedEngine, "methods", EngineMethods)
 
 
 def build_engine_optimizer(config: DeepSpeedConfig, model: torch.nn.Module, optimizer: Any,
