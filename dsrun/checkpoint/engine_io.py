@@ -58,7 +58,7 @@ def _validate_tag(engine: Any, tag: str) -> tuple[str, list[str]]:
     Warn warns and then every rank uses rank 0's tag, so the files still land in one folder; Ignore lets each
     rank keep its own tag (its files go to that tag's folder, as in DeepSpeed). Returns this rank's tag and
     every rank's, in rank order."""
-    mode = str(getattr(getattr(engine._config, "checkpoint", None), "tag_validation", "Warn")).capitalize()
+    mode = str(engine._config.checkpoint.tag_validation).capitalize()
     if engine.world_size == 1:
         return tag, [tag]
     if mode == "Ignore":
@@ -184,7 +184,7 @@ def engine_model_states(engine: Any, client_state: dict[str, Any], exclude_froze
             sd["module"] = experts.without_experts(sd["module"])
         # which experts each rank's own files hold depends on how expert groups were laid out
         sd["dsrun"]["expert_data_first"] = bool(getattr(engine.groups, "expert_data_first", False))
-    loader = getattr(engine, "training_dataloader", None)
+    loader = engine.training_dataloader
     if loader is not None and hasattr(loader, "epoch"):
         sd["data_sampler"] = {"epoch": loader.epoch}
     entries = engine.features.checkpoint_entries()  # each feature's own keys (dsrun/runtime/features.py)
@@ -476,7 +476,7 @@ def find_tag_dir(engine: Any, load_dir: str, tag: Any) -> Path | None:
     """The folder of ``tag`` (None: the one ``latest`` names, or ``latest_universal`` first with
     ``checkpoint.load_universal``) under ``load_dir``; None, with DeepSpeed's warning, when there is no ``latest``."""
     root = _checkpoint_dir(load_dir, "load_checkpoint(load_dir=...)")
-    if tag is None and bool(getattr(getattr(engine._config, "checkpoint", None), "load_universal", False)):
+    if tag is None and bool(engine._config.checkpoint.load_universal):
         tag = universal_checkpoint.read_latest_universal(root)
     if tag is None:
         tag = layout.read_latest(root)
@@ -519,7 +519,7 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
     if _layout(engine).module_holds_placeholders and saved_world(model_states) == engine.dp_world_size:
         engine.restore_frozen_shards(model_states)  # frozen shards: not in the masters, restored from this file
     if engine.strategy is not None:
-        load_universal = bool(getattr(getattr(engine._config, "checkpoint", None), "load_universal", False))
+        load_universal = bool(engine._config.checkpoint.load_universal)
         _restore_strategy(engine, tag_dir, model_states, load_optimizer_states and not load_module_only,
                           load_universal, masters_from_module=custom_load_fn is not None)
     engine.loaded_checkpoint_dp_world_size = saved_world(model_states)
@@ -550,7 +550,7 @@ def restore_training_state(engine: Any, model_states: dict[str, Any], tag_dir: P
     engine.micro_steps = int(extras.get("micro_steps", engine.global_steps * engine.gradient_accumulation_steps()))
     if not same_world:  # the accumulation steps may differ: restart at a boundary
         engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
-    loader = getattr(engine, "training_dataloader", None)
+    loader = engine.training_dataloader
     if loader is not None and isinstance(model_states.get("data_sampler"), dict) and hasattr(loader, "epoch"):
         loader.epoch = int(model_states["data_sampler"].get("epoch", loader.epoch))
     engine.features.load_checkpoint_entries(model_states)  # each feature's own keys (dsrun/runtime/features.py)
