@@ -18,8 +18,7 @@ from dsrun.comm import ProcessGroups
 from dsrun.config import DeepSpeedConfig
 from dsrun.accelerator import get_accelerator
 from dsrun.moe.layer import attach_process_groups
-from dsrun.moe.utils import has_moe_layers, split_params_into_different_moe_groups_for_optimizer
-from dsrun.optim import build_optimizer, check_zero_optimizer
+from dsrun.optim import check_zero_optimizer
 from dsrun.runtime.activation_checkpointing.settings import ActivationCheckpointingFeature
 from dsrun.runtime.data_pipeline.engine_api import DataEfficiencyMethods
 from dsrun.compression.feature import CompressionFeature
@@ -30,7 +29,7 @@ from dsrun.runtime.engine_collectives import Collectives
 from dsrun.runtime.engine_getters import ConfigView, facade
 from dsrun.runtime.engine_methods import EngineMethods
 from dsrun.runtime.features import Features, register_feature
-from dsrun.runtime.fp16.onebit import ONE_BIT_CLASSES, OneBitFeature, build_onebit_optimizer
+from dsrun.runtime.fp16.onebit import OneBitFeature
 from dsrun.runtime.lr_schedules import build_lr_scheduler
 from dsrun.runtime.autotuning_probe import AutotuningProbe
 from dsrun.runtime.observer import EngineObserver
@@ -486,38 +485,6 @@ facade(DeepSpeedEngine, "settings", ConfigView)  # engine.train_batch_size() & c
 facade(DeepSpeedEngine, "data_efficiency_methods", DataEfficiencyMethods)
 facade(DeepSpeedEngine, "collectives", Collectives)
 facade(DeepSpeedEngine, "methods", EngineMethods)
-
-
-def build_engine_optimizer(config: DeepSpeedConfig, model: torch.nn.Module, optimizer: Any,
-                           model_parameters: Any) -> torch.optim.Optimizer | None:
-    """The optimizer the engine will step: a client optimizer (object, or callable on the parameters) wins
-    over the config's ``optimizer`` section."""
-    params = model_parameters if model_parameters is not None else model.parameters()
-    if has_moe_layers(model)[0] and not isinstance(optimizer, torch.optim.Optimizer):
-        # experts need param groups of their own (DeepSpeed splits them the same way)
-        params = split_params_into_different_moe_groups_for_optimizer(_as_param_groups(params))
-    if optimizer is not None:
-        if isinstance(optimizer, torch.optim.Optimizer):
-            return optimizer
-        if callable(optimizer):
-            return optimizer(params)
-        raise ConfigError(Problem("initialize(optimizer=...)", f"got {type(optimizer).__name__}; allowed: a "
-                                  "torch.optim.Optimizer or a callable returning one"))
-    if config.optimizer is not None and config.optimizer.type:
-        if config.optimizer.type.lower() in ONE_BIT_CLASSES:  # they communicate by themselves: docs/onebit.md
-            return build_onebit_optimizer(config.optimizer.type, params, config.optimizer.params)
-        on_cpu = get_accelerator().name == "cpu"
-        offload = config.zero_optimization.offload_optimizer.device != "none" and config.zero_optimization.stage > 0
-        return build_optimizer(config.optimizer.type, params, config.optimizer.params, on_cpu=on_cpu or offload,
-                               offload=offload)
-    return None
-
-
-def _as_param_groups(params: Any) -> list[dict[str, Any]]:
-    params = list(params)
-    if params and isinstance(params[0], dict):
-        return params
-    return [{"params": params}]
 
 
 def _check_moe_config(config: DeepSpeedConfig) -> None:

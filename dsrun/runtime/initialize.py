@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import argparse
 import warnings
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from dsrun import comm
 from dsrun.utils.errors import ConfigError, Problem
+
+if TYPE_CHECKING:
+    from dsrun.config import DeepSpeedConfig
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -72,7 +75,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     """
     from dsrun.config import announce, load_ds_config  # the config layer, loaded only when training starts
     from dsrun.launcher.protocol import install_user_error_hook
-    from dsrun.runtime.engine import DeepSpeedEngine, build_engine_optimizer
+    from dsrun.runtime.engine import DeepSpeedEngine
     from dsrun.runtime.features import Features
 
     install_user_error_hook()  # under dsrun's launcher: a config mistake is one line, not a traceback per rank
@@ -109,3 +112,40 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     engine.client_optimizer = base_optimizer if optimizer is not None else None
     engine.features.attach(engine)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def build_engine_optimizer(config: DeepSpeedConfig, model: torch.nn.Module, optimizer: Any,
+                           model_parameters: Any) -> torch.optim.Optimizer | None:
+    """The optimizer the engine will step: a client optimizer (object, or callable on the parameters) wins
+    over the config's ``optimizer`` section."""
+    from dsrun.accelerator import get_accelerator
+    from dsrun.moe.utils import has_moe_layers, split_params_into_different_moe_groups_for_optimizer
+    from dsrun.optim import build_optimizer
+    from dsrun.runtime.fp16.onebit import ONE_BIT_CLASSES, build_onebit_optimizer
+
+    params = model_parameters if model_parameters is not None else model.parameters()
+    if has_moe_layers(model)[0] and not isinstance(optimizer, torch.optim.Optimizer):
+        # experts need param groups of their own (DeepSpeed splits them the same way)
+        params = split_params_into_different_moe_groups_for_optimizer(_as_param_groups(params))
+    if optimizer is not None:
+        if isinstance(optimizer, torch.optim.Optimizer):
+            return optimizer
+        if callable(optimizer):
+            return optimizer(params)
+        raise ConfigError(Problem("initialize(optimizer=...)", f"got {type(optimizer).__name__}; allowed: a "
+                                  "torch.optim.Optimizer or a callable returning one"))
+    if config.optimizer is not None and config.optimizer.type:
+        if config.optimizer.type.lower() in ONE_BIT_CLASSES:  # they communicate by themselves: docs/onebit.md
+            return build_onebit_optimizer(config.optimizer.type, params, config.optimizer.params)
+        on_cpu = get_accelerator().name == "cpu"
+        offload = config.zero_optimization.offload_optimizer.device != "none" and config.zero_optimization.stage > 0
+        return build_optimizer(config.optimizer.type, params, config.optimizer.params, on_cpu=on_cpu or offload,
+                               offload=offload)
+    return None
+
+
+def _as_param_groups(params: Any) -> list[dict[str, Any]]:
+    params = list(params)
+    if params and isinstance(params[0], dict):
+        return params
+    return [{"params": params}]
