@@ -108,7 +108,8 @@ class DeepSpeedEngine(torch.nn.Module):
             _check_moe_config(config)
         # the features (dsrun/runtime/features.py), built by initialize; it attaches them once the engine is built
         self.features = features if features is not None else Features.build(config)
-        self.data_efficiency = self.features.get(DataEfficiency) or DataEfficiency(config)  # DeepSpeed's methods read it
+        # DeepSpeed's data-efficiency methods read it, on or off
+        self.data_efficiency = self.features.get(DataEfficiency) or DataEfficiency(config)
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0

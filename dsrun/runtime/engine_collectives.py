@@ -30,10 +30,11 @@ class Collectives:
     def allreduce_bucket(self, bucket: list[torch.Tensor], dp_group: Any, dp_world_size: int | None = None) -> torch.Tensor:
         """The flattened, averaged sum of ``bucket`` over ``dp_group``."""
         tensor = self.flatten(bucket)
-        reduced = tensor if self._engine.communication_data_type == tensor.dtype else tensor.to(self._engine.communication_data_type)
+        engine = self._engine
+        reduced = tensor if engine.communication_data_type == tensor.dtype else tensor.to(engine.communication_data_type)
         world = comm.get_world_size(dp_group) if dp_world_size is None else dp_world_size
-        averaging = gradient_averaging(world, average=self._engine.gradient_average, prescale=not self._engine.postscale_gradients(),
-                                       factor=self._engine.gradient_predivide_factor(), scatter=False)
+        averaging = gradient_averaging(world, average=engine.gradient_average, prescale=not engine.postscale_gradients(),
+                                       factor=engine.gradient_predivide_factor(), scatter=False)
         averaging.before(reduced)
         comm.all_reduce(reduced, group=dp_group)
         averaging.after(reduced)
@@ -93,7 +94,8 @@ class Collectives:
     def sparse_allreduce(self, sparse: SparseTensor, dp_group: Any, dp_world_size: int | None = None) -> SparseTensor:
         """Every rank's rows, scaled for the average: the sum over ranks is the sum of the gathered rows."""
         original = sparse.values.dtype
-        values = sparse.values if self._engine.communication_data_type == original else sparse.values.to(self._engine.communication_data_type)
+        dtype = self._engine.communication_data_type
+        values = sparse.values if dtype == original else sparse.values.to(dtype)
         world = comm.get_world_size(dp_group) if dp_world_size is None else dp_world_size
         if self._engine.postscale_gradients():
             if self._engine.gradient_average:

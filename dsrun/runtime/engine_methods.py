@@ -51,7 +51,8 @@ class EngineMethods:
         its batch size (as in DeepSpeed); build a new one with ``deepspeed_io``."""
         if micro_batch_size <= 0:
             raise ValueError(f"set_train_micro_batch_size({micro_batch_size}): must be a positive integer")
-        self._engine._config.train_batch_size = int(micro_batch_size) * self._engine.gradient_accumulation_steps() * self._data_replicas
+        engine = self._engine
+        engine._config.train_batch_size = int(micro_batch_size) * engine.gradient_accumulation_steps() * self._data_replicas
         self._engine._config.train_micro_batch_size_per_gpu = int(micro_batch_size)
 
     # --- gradient reduction -------------------------------------------------------------------------------
@@ -82,17 +83,18 @@ class EngineMethods:
         boundary, as DeepSpeed does. A no-op when there is nothing to reduce, and at stages 2-3, which reduce
         during backward. The strategy's buckets (``zero_optimization.reduce_bucket_size``) are used, not
         ``bucket_size``."""
-        if self._engine.strategy is None or not self._engine._reduction_pending or not self._engine.is_gradient_accumulation_boundary():
+        engine = self._engine
+        if engine.strategy is None or not engine._reduction_pending or not engine.is_gradient_accumulation_boundary():
             return
-        strategy, switch = self._engine.strategy, self._engine.strategy.enable_backward_allreduce
+        strategy, switch = engine.strategy, engine.strategy.enable_backward_allreduce
         strategy.enable_backward_allreduce = True  # an explicit call reduces even with the switch off
         try:
             strategy.before_backward(True)
             strategy.after_backward(True)
         finally:
             strategy.enable_backward_allreduce = switch
-        self._engine._reduction_pending = False
-        self._engine.direct_backward.reduced()
+        engine._reduction_pending = False
+        engine.direct_backward.reduced()
 
     def was_step_applied(self) -> bool:
         """True when the last ``step()`` updated the weights (False between accumulation boundaries and on a
