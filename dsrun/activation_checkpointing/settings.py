@@ -10,6 +10,7 @@ import warnings
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Protocol, Union
 
+from dsrun.features import Feature
 from dsrun.utils.errors import ConfigError, Problem
 
 if TYPE_CHECKING:
@@ -186,3 +187,20 @@ def configure_from_engine(module: nn.Module, ds_config: DSConfig, mpu: Mpu | Non
         say_once("section-without-checkpoints", f"{SECTION}.{', '.join(keys)} configure dsrun.checkpointing, "
                  "but model.activation_checkpointing is none, so no block is checkpointed and they do nothing "
                  "(set model.activation_checkpointing to full, every_N or selective)")
+
+
+class ActivationCheckpointingFeature(Feature):
+    """The config's ``activation_checkpointing`` section, configured once the engine is built (an engine
+    feature, :mod:`dsrun.features`); off without the section."""
+
+    name = SECTION
+
+    def __init__(self, ds_config: Any):
+        self.config = ds_config
+
+    @classmethod
+    def build(cls, config: Any) -> "ActivationCheckpointingFeature | None":
+        return cls(config) if SECTION in getattr(config, "model_fields_set", ()) else None
+
+    def attach(self, engine: Any) -> None:
+        configure_from_engine(engine.module, self.config, engine.mpu)

@@ -58,7 +58,7 @@ def _validate_tag(engine: Any, tag: str) -> tuple[str, list[str]]:
     Warn warns and then every rank uses rank 0's tag, so the files still land in one folder; Ignore lets each
     rank keep its own tag (its files go to that tag's folder, as in DeepSpeed). Returns this rank's tag and
     every rank's, in rank order."""
-    mode = str(getattr(getattr(engine._config, "checkpoint", None), "tag_validation", "Warn")).capitalize()
+    mode = str(engine._config.checkpoint.tag_validation).capitalize()
     if engine.world_size == 1:
         return tag, [tag]
     if mode == "Ignore":
@@ -178,22 +178,18 @@ def engine_model_states(engine: Any, client_state: dict[str, Any], exclude_froze
         "ds_version": DS_VERSION,
         "dsrun": {"micro_steps": engine.micro_steps, "zero_stage": stage, "precision": engine.precision.name,
                   "state_dict_keys": list(engine.module.state_dict().keys())},
-        # [feature seam: compression] the compression schedule's position (dsrun/compression/feature.py)
-        "compression": engine.compression.state_dict() if getattr(engine, "compression", None) else None,
     }
     if experts.applies(engine):
         if sd["module"] is not None:
             sd["module"] = experts.without_experts(sd["module"])
         # which experts each rank's own files hold depends on how expert groups were laid out
         sd["dsrun"]["expert_data_first"] = bool(getattr(engine.groups, "expert_data_first", False))
-    loader = getattr(engine, "training_dataloader", None)
+    loader = engine.training_dataloader
     if loader is not None and hasattr(loader, "epoch"):
         sd["data_sampler"] = {"epoch": loader.epoch}
-    features = getattr(engine, "data_efficiency", None)  # data efficiency: random-LTD, sampler, CL, PLD states
-    if features is not None:
-        entries = features.checkpoint_entries()
-        sd["dsrun"]["data_efficiency"] = entries.pop("data_efficiency", None)
-        sd.update(entries)
+    entries = engine.features.checkpoint_entries()  # each feature's own keys (dsrun/features.py)
+    sd["dsrun"].update(entries.pop("dsrun", {}))
+    sd.update(entries)
     if files.model_states_every_rank:  # partitioned weights: this rank's shards of the frozen ones too
         sd["frozen_param_shapes"], sd["frozen_param_fragments"] = (
             strategy.frozen_param_fragments() if strategy is not None else state.frozen_params(engine.module))
@@ -201,7 +197,7 @@ def engine_model_states(engine: Any, client_state: dict[str, Any], exclude_froze
         if stored:  # frozen shards kept INT8 (zero_quantized_nontrainable_weights): exactly what was held
             sd["dsrun"]["frozen_param_quantized"] = stored
     for key, value in (client_state or {}).items():
-        if key in DS_KEYS:
+        if key in DS_KEYS or key in entries:
             raise UserError(Problem(f"save_checkpoint(client_state[{key!r}])", "is a key DeepSpeed's checkpoint "
                                     "owns", "rename it"))
         sd[key] = value
@@ -480,7 +476,7 @@ def find_tag_dir(engine: Any, load_dir: str, tag: Any) -> Path | None:
     """The folder of ``tag`` (None: the one ``latest`` names, or ``latest_universal`` first with
     ``checkpoint.load_universal``) under ``load_dir``; None, with DeepSpeed's warning, when there is no ``latest``."""
     root = _checkpoint_dir(load_dir, "load_checkpoint(load_dir=...)")
-    if tag is None and bool(getattr(getattr(engine._config, "checkpoint", None), "load_universal", False)):
+    if tag is None and bool(engine._config.checkpoint.load_universal):
         tag = universal_checkpoint.read_latest_universal(root)
     if tag is None:
         tag = layout.read_latest(root)
@@ -523,7 +519,7 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
     if _layout(engine).module_holds_placeholders and saved_world(model_states) == engine.dp_world_size:
         engine.restore_frozen_shards(model_states)  # frozen shards: not in the masters, restored from this file
     if engine.strategy is not None:
-        load_universal = bool(getattr(getattr(engine._config, "checkpoint", None), "load_universal", False))
+        load_universal = bool(engine._config.checkpoint.load_universal)
         _restore_strategy(engine, tag_dir, model_states, load_optimizer_states and not load_module_only,
                           load_universal, masters_from_module=custom_load_fn is not None)
     engine.loaded_checkpoint_dp_world_size = saved_world(model_states)
@@ -531,8 +527,14 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
     if not load_module_only:
         restore_training_state(engine, model_states, tag_dir, load_lr_scheduler_states,
                                same_world=saved_world(model_states) == engine.dp_world_size)
-    client_state = {k: v for k, v in model_states.items() if k not in DS_KEYS}
+    client_state = client_state_of(engine, model_states)
     return str(model_path), client_state
+
+
+def client_state_of(engine: Any, model_states: dict[str, Any]) -> dict[str, Any]:
+    """The keys a client saved: neither DeepSpeed's nor a feature's."""
+    owned = DS_KEYS | set(engine.features.checkpoint_entries())
+    return {k: v for k, v in model_states.items() if k not in owned}
 
 
 def restore_training_state(engine: Any, model_states: dict[str, Any], tag_dir: Path, load_lr_scheduler_states: bool,
@@ -544,18 +546,14 @@ def restore_training_state(engine: Any, model_states: dict[str, Any], tag_dir: P
     engine.global_steps = int(model_states.get("global_steps", 0))
     engine.global_samples = int(model_states.get("global_samples", engine.global_steps * engine.train_batch_size()))
     engine.skipped_steps = int(model_states.get("skipped_steps", 0))
-    if getattr(engine, "compression", None) is not None and model_states.get("compression"):
-        engine.compression.load_state_dict(model_states["compression"])  # [feature seam: compression]
     extras = model_states.get("dsrun") or {}
     engine.micro_steps = int(extras.get("micro_steps", engine.global_steps * engine.gradient_accumulation_steps()))
     if not same_world:  # the accumulation steps may differ: restart at a boundary
         engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
-    loader = getattr(engine, "training_dataloader", None)
+    loader = engine.training_dataloader
     if loader is not None and isinstance(model_states.get("data_sampler"), dict) and hasattr(loader, "epoch"):
         loader.epoch = int(model_states["data_sampler"].get("epoch", loader.epoch))
-    features = getattr(engine, "data_efficiency", None)  # data efficiency: random-LTD, sampler, CL, PLD states
-    if features is not None:
-        features.load_checkpoint_entries({**model_states, "data_efficiency": extras.get("data_efficiency")})
+    engine.features.load_checkpoint_entries(model_states)  # each feature's own keys (dsrun/features.py)
     rng_file = tag_dir / layout.rng_states_name(engine.global_rank)
     if same_world and rng_file.is_file():
         state.restore_rng_state(load_file(rng_file))

@@ -45,7 +45,7 @@ def optim_file(layer: int, expert: int, mp_rank: int = 0) -> str:
 
 def applies(engine: Any) -> bool:
     """Expert files are written and read for MoE models trained through a ZeRO strategy (stages 0-3)."""
-    return bool(getattr(engine, "has_moe_layers", False)) and engine.strategy is not None
+    return engine.has_moe_layers and engine.strategy is not None
 
 
 def _experts(engine: Any) -> list[tuple[int, int, str, dict[str, torch.nn.Parameter]]]:

@@ -1,17 +1,15 @@
-"""How the engine runs compression: prepare the model in ``initialize``, step after each optimizer step,
-and carry the schedule position in checkpoints.
-
-``dsrun.initialize`` calls :func:`prepare_for_training` before it builds the optimizer (so learnable
-pruning scores are optimized like any parameter) and attaches a :class:`CompressionFeature` to the engine;
-the engine calls :meth:`CompressionFeature.after_step` after every optimizer step and checkpoints save
-:meth:`CompressionFeature.state_dict` under the ``compression`` key.
+"""Compression as an engine feature (:mod:`dsrun.features`): it compresses the model before the
+optimizer sees its parameters (``wrap_model``), steps its scheduler and MoQ after each optimizer step
+(``after_step``) and carries the schedule's position in checkpoints under the ``compression`` key.
 """
 from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
+
+from dsrun.config import DSConfig
+from dsrun.features import Feature
 
 from .compress import TECHNIQUES, init_compression, is_enabled, plan_of
 from .eigenvalue import Eigenvalue
@@ -19,46 +17,42 @@ from .moq import MoQ, overwrite_with_quantized
 from .scheduler import compression_scheduler
 
 
-def _wants_compression(ds_config: Any) -> bool:
-    return is_enabled(ds_config.compression_training)
-
-
-def prepare_for_training(model: nn.Module, ds_config: Any, model_parameters: Any = None,
-                         optimizer: Any = None) -> Any:
-    """Apply ``compression_training`` to ``model`` unless the caller already did (``init_compression``);
-    returns ``model_parameters`` with any new learnable scores added (a client optimizer gets them as a
-    new parameter group)."""
-    if not _wants_compression(ds_config) or plan_of(model) is not None:
-        return model_parameters
-    before = {id(p) for p in model.parameters()}
-    init_compression(model, ds_config)
-    added = [p for p in model.parameters() if id(p) not in before]
-    if not added:
-        return model_parameters
-    if isinstance(optimizer, torch.optim.Optimizer):
-        optimizer.add_param_group({"params": added})
-        return model_parameters
-    if model_parameters is None or not isinstance(model_parameters, (list, tuple)):
-        return model_parameters  # None or a generator: read after this, so it already yields the scores
-    items = list(model_parameters)
-    if items and isinstance(items[0], dict):
-        return items + [{"params": added}]
-    return items + added
-
-
-class CompressionFeature:
+class CompressionFeature(Feature):
     """The compression scheduler, stored-weight quantization and MoQ of one engine."""
 
-    def __init__(self, module: nn.Module, ds_config: Any):
+    name = "compression"
+
+    def __init__(self, ds_config: DSConfig):
+        self.config = ds_config
+        self.module: nn.Module | None = None
+        self.scheduler: Any = None
+        self.stored: list[nn.Module] = []
+        self.eigenvalue: Eigenvalue | None = None
+        self.moq: MoQ | None = None
+
+    @classmethod
+    def build(cls, config: DSConfig) -> "CompressionFeature | None":
+        return cls(config)  # whether it acts depends on the model too (init_compression may have run): attach
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        """Apply ``compression_training`` unless the caller already did (``init_compression``); learnable
+        pruning scores it adds are optimized like any parameter."""
+        if is_enabled(self.config.compression_training) and plan_of(model) is None:
+            init_compression(model, self.config)
+        return model
+
+    def attach(self, engine: Any) -> None:
+        module, qt = engine.module, self.config.quantize_training
+        if plan_of(module) is None and not qt.enabled:
+            return
         self.module = module
         plan = plan_of(module)
         has_techniques = plan is not None and any(t in plan.groups for t in TECHNIQUES)
         self.scheduler = compression_scheduler(module) if has_techniques else None
         self.stored = [m for _, m in (self.scheduler.modules if self.scheduler else [])
                        if m.ds_compression.weight is not None and not m.ds_compression.weight.in_forward]
-        qt = ds_config.quantize_training
-        self.eigenvalue = (Eigenvalue(module, ds_config.eigenvalue)
-                           if qt.enabled and ds_config.eigenvalue.enabled else None)
+        self.eigenvalue = (Eigenvalue(module, self.config.eigenvalue)
+                           if qt.enabled and self.config.eigenvalue.enabled else None)
         self.moq = MoQ(module, qt, self.eigenvalue) if qt.enabled else None
         if self.scheduler is not None:
             self.scheduler.step(step_zero_check=True)
@@ -66,12 +60,9 @@ class CompressionFeature:
         if self.moq is not None:
             self.moq.apply()
 
-    @classmethod
-    def attach(cls, engine: Any) -> "CompressionFeature | None":
-        config = engine._config
-        if plan_of(engine.module) is None and not config.quantize_training.enabled:
-            return None
-        return cls(engine.module, config)
+    @property
+    def active(self) -> bool:
+        return self.module is not None
 
     def _quantize_stored(self) -> None:
         overwrite_with_quantized(
@@ -80,7 +71,7 @@ class CompressionFeature:
 
     def after_step(self, overflow: bool) -> None:
         """One optimizer step was taken (or skipped, on overflow: then nothing advances)."""
-        if overflow:
+        if overflow or not self.active:
             return
         if self.scheduler is not None:
             self.scheduler.step()
@@ -89,6 +80,14 @@ class CompressionFeature:
             due = self.eigenvalue.due() if self.eigenvalue is not None else False
             values = self.eigenvalue.compute() if due and self.moq.switch_due() else None
             self.moq.step(values)
+
+    def checkpoint_entries(self) -> dict[str, Any]:
+        """The schedule's position under the ``compression`` key."""
+        return {"compression": self.state_dict()} if self.active else {}
+
+    def load_checkpoint_entries(self, states: dict[str, Any]) -> None:
+        if self.active and states.get("compression"):
+            self.load_state_dict(states["compression"])
 
     def state_dict(self) -> dict[str, Any]:
         return {"scheduler": self.scheduler.state_dict() if self.scheduler else None,

@@ -4,7 +4,7 @@
   while training: ``progressive_layer_drop=True, pld_theta=θ`` (PLD) and ``curriculum_seqlen=`` (legacy
   seqlen curriculum, updated to the schedule's value at ``global_steps + 1``); it also advances the random-LTD
   schedule to ``global_steps``, as DeepSpeed's forward does.
-- ``on_boundary(global_steps)``: at an optimizer step (before the counter moves), PLD's θ moves to
+- ``before_step(global_steps)``: at an optimizer step (before the counter moves), PLD's θ moves to
   ``θ(global_steps)``.
 - ``checkpoint_entries()`` / ``load_checkpoint_entries(states)``: the model-states keys these features own
   (``random_ltd``, ``data_sampler``, and dsrun's ``data_efficiency`` under ``dsrun``), so a resumed run
@@ -22,6 +22,8 @@ import torch
 from torch import nn
 
 from dsrun import comm
+from dsrun.config import DSConfig
+from dsrun.features import Feature
 from dsrun.utils.errors import ConfigError, Problem
 
 from dsrun.data_efficiency.curriculum_scheduler import CurriculumScheduler
@@ -65,11 +67,20 @@ def _require_same_rng_on_every_rank(group: Any) -> None:
                                   "per rank?)", "seed torch alike on every rank (dsrun train does), or use stage 0-2"))
 
 
-class DataEfficiency:
-    """Curriculum (legacy), progressive layer drop and random-LTD state for one engine."""
+class DataEfficiency(Feature):
+    """Curriculum (legacy), progressive layer drop and random-LTD state for one engine: an engine feature
+    (:mod:`dsrun.features`) that is always built, since DeepSpeed's data-efficiency engine methods read
+    it whether or not a technique is on."""
 
-    def __init__(self, config: Any, train_batch_size: int, rank: int = 0, group: Any = None):
+    name = "data_efficiency"
+
+    @classmethod
+    def build(cls, config: DSConfig) -> "DataEfficiency":
+        return cls(config)
+
+    def __init__(self, config: DSConfig):
         de = config.data_efficiency
+        train_batch_size = int(config.train_batch_size)
         self.notes: list[str] = []
         self.sampling_enabled = _gated([("data_efficiency", de.enabled), ("data_efficiency.data_sampling",
                                         de.data_sampling.enabled), (SAMPLING_PATH, de.data_sampling.curriculum_learning.enabled)],
@@ -90,14 +101,23 @@ class DataEfficiency:
                 raise ConfigError(Problem(f"{RANDOM_LTD_PATH}.layer_token_lr_schedule.enabled", "is not implemented "
                                           "(DeepSpeed raises NotImplementedError for it too)", "set it to false"))
             self.random_ltd_scheduler = RandomLTDScheduler(ltd, global_batch_size=train_batch_size)
-        # ZeRO-3 gathers each block's parameters as it runs: every rank must skip the same blocks, so their
-        # torch RNG states (which the model's PLD draws come from) are compared once, at the first PLD forward
-        self._group = group
-        self._check_pld_ranks = (self.progressive_layer_drop is not None
-                                 and int(config.zero_optimization.stage) == 3 and comm.get_world_size(group) > 1)
+        self._zero_stage = int(config.zero_optimization.stage)
+        self._group: Any = None
+        self._check_pld_ranks = False
         self.random_ltd_layers: list[RandomLayerTokenDrop] = []
         self.training_dataloader: Any = None  # a curriculum loader from engine.deepspeed_io, when sampling is on
-        if rank == 0:
+
+    def attach(self, engine: Any) -> None:
+        """Check the model's forward, take the engine's data-parallel group and (when sampling) its loader."""
+        self.check_model(engine.module)
+        # ZeRO-3 gathers each block's parameters as it runs: every rank must skip the same blocks, so their
+        # torch RNG states (which the model's PLD draws come from) are compared once, at the first PLD forward
+        self._group = engine.dp_group
+        self._check_pld_ranks = (self.progressive_layer_drop is not None and self._zero_stage == 3
+                                 and comm.get_world_size(self._group) > 1)
+        if self.sampling_enabled:  # the sampler's state goes into checkpoints
+            self.training_dataloader = engine.training_dataloader
+        if engine.global_rank == 0:
             for note in self.notes:
                 print(f"[dsrun] note: {note}", flush=True)
             if self.progressive_layer_drop is not None:
@@ -167,7 +187,7 @@ class DataEfficiency:
             self.random_ltd_scheduler.update_seq(global_steps)
         return kwargs
 
-    def on_boundary(self, global_steps: int) -> None:
+    def before_step(self, global_steps: int) -> None:
         if self.progressive_layer_drop is not None:
             self.progressive_layer_drop.update_state(global_steps)
 
@@ -179,7 +199,8 @@ class DataEfficiency:
 
     # --- checkpoints -------------------------------------------------------------------------------------
     def checkpoint_entries(self) -> dict[str, Any]:
-        """Model-states entries: DeepSpeed's ``random_ltd`` and ``data_sampler``, and dsrun's own states."""
+        """Model-states entries: DeepSpeed's ``random_ltd`` and ``data_sampler``, and dsrun's own states (under
+        ``dsrun``, ``data_efficiency``)."""
         entries: dict[str, Any] = {}
         if self.random_ltd_scheduler is not None:
             entries["random_ltd"] = self.random_ltd_scheduler.state_dict()
@@ -190,8 +211,7 @@ class DataEfficiency:
             own["curriculum_learning_legacy"] = self.curriculum_scheduler_legacy.state_dict()
         if self.progressive_layer_drop is not None:
             own["progressive_layer_drop"] = self.progressive_layer_drop.state_dict()
-        if own:
-            entries["data_efficiency"] = own
+        entries["dsrun"] = {"data_efficiency": own or None}
         return entries
 
     def load_checkpoint_entries(self, states: dict[str, Any]) -> None:
@@ -200,7 +220,7 @@ class DataEfficiency:
         if self.training_dataloader is not None and isinstance(states.get("data_sampler"), dict) \
                 and "curriculum_step" in states["data_sampler"]:
             self.training_dataloader.data_sampler.load_state_dict(states["data_sampler"])
-        own = states.get("data_efficiency") or {}
+        own = (states.get("dsrun") or {}).get("data_efficiency") or {}
         if self.curriculum_scheduler_legacy is not None and "curriculum_learning_legacy" in own:
             self.curriculum_scheduler_legacy.load_state_dict(own["curriculum_learning_legacy"])
         if self.progressive_layer_drop is not None and "progressive_layer_drop" in own:

@@ -18,17 +18,18 @@ from dsrun.comm import ProcessGroups
 from dsrun.config import DSConfig
 from dsrun.accelerator import get_accelerator
 from dsrun.moe.layer import attach_process_groups
-from dsrun.moe.utils import has_moe_layers, split_params_into_different_moe_groups_for_optimizer
-from dsrun.optim import build_optimizer, check_zero_optimizer
-from dsrun.activation_checkpointing.settings import configure_from_engine
-from dsrun.data_efficiency.engine_api import DataEfficiencyEngineMixin
+from dsrun.optim import check_zero_optimizer
+from dsrun.activation_checkpointing.settings import ActivationCheckpointingFeature
+from dsrun.data_efficiency.engine_api import DataEfficiencyMethods
+from dsrun.compression.feature import CompressionFeature
 from dsrun.data_efficiency.features import DataEfficiency
 from dsrun.engine.dataloader import DeepSpeedDataLoader
 from dsrun.engine.direct_backward import DirectBackward
-from dsrun.engine.engine_collectives import EngineCollectives
-from dsrun.engine.engine_getters import EngineConfigGetters
+from dsrun.engine.engine_collectives import Collectives
+from dsrun.engine.engine_getters import ConfigView, facade
 from dsrun.engine.engine_methods import EngineMethods
-from dsrun.optim.onebit import ONE_BIT_CLASSES, build_onebit_optimizer
+from dsrun.features import Features, register_feature
+from dsrun.optim.onebit import OneBitFeature
 from dsrun.optim.lr_schedules import build_lr_scheduler
 from dsrun.engine.autotuning_probe import AutotuningProbe
 from dsrun.engine.observer import EngineObserver
@@ -39,26 +40,49 @@ from dsrun.zero.strategies import MemoryBreakdown, StrategyContext, ZeroStrategy
 from dsrun.comm.groups import set_current_groups
 from dsrun.utils.errors import ConfigError, Problem
 
+# the built-in features, in the order their hooks run (a room or a test registers its own the same way)
+register_feature(DataEfficiency)
+register_feature(CompressionFeature)
+register_feature(OneBitFeature)
+register_feature(ActivationCheckpointingFeature)
+
 FORWARD_TIMER, BACKWARD_TIMER, BACKWARD_INNER_TIMER = "forward", "backward", "backward_inner"
 BACKWARD_REDUCE_TIMER, STEP_TIMER = "backward_allreduce", "step"
 
 
-class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, DataEfficiencyEngineMixin, torch.nn.Module):
+class DeepSpeedEngine(torch.nn.Module):
     """Wraps the model; built by :func:`dsrun.initialize`. DeepSpeed's config getters, its other methods
-    (``no_sync``, ``set_train_batch_size``, ``load_module_state_dict`` …) and its reduction helpers are the
-    mixins :mod:`~dsrun.engine.engine_getters`, :mod:`~dsrun.engine.engine_methods` and
-    :mod:`~dsrun.engine.engine_collectives`.
+    (``no_sync``, ``set_train_batch_size``, ``load_module_state_dict`` …), its reduction helpers and its
+    data-efficiency methods live in parts the engine holds (``settings``: :mod:`~dsrun.engine.engine_getters`,
+    ``methods``: :mod:`~dsrun.engine.engine_methods`, ``collectives``: :mod:`~dsrun.engine.engine_collectives`,
+    ``data_efficiency_methods``: :mod:`~dsrun.data_efficiency.engine_api`); the class carries each of
+    their public names as a one-line delegation (``facade``, below the class). Features attach through
+    :mod:`dsrun.features`.
 
     ``config`` is the typed :class:`dsrun.config.DSConfig` (every setting and default comes from it); ``optimizer`` an optimizer over the model's
     parameters (client or from the config) or None; ``lr_scheduler`` a scheduler object, a callable taking
     the optimizer, or None (then the config's ``scheduler`` section, if any, is used).
     """
 
+    # DeepSpeed's switches and the engine's step state (read and set by engine_methods.py too)
+    inside_no_sync_ctxt: bool = False
+    _reduction_pending: bool = False  # a boundary backward skipped the reduction (no_sync, or switched off)
+    _step_applied: bool = False
+    _is_compiled: bool = False
+    pipeline_parallelism = False  # the pipeline engine's is True
+    scale_wrt_gas: bool | None = None  # when set, overrides backward(scale_wrt_gas=...)
+    loaded_checkpoint_dp_world_size: int | None = None  # set by load_checkpoint
+    loaded_checkpoint_mp_world_size: int | None = None
+
     def __init__(self, model: torch.nn.Module, config: DSConfig, optimizer: torch.optim.Optimizer | None = None,
                  lr_scheduler: Any = None, training_data: Any = None, collate_fn: Callable | None = None,
-                 mpu: Any = None, raw_config: Any = None):
+                 mpu: Any = None, raw_config: Any = None, features: Features | None = None):
         super().__init__()
         self._config = config
+        self.settings = ConfigView(config, self)  # DeepSpeed's config getters, delegated to (engine_getters.py)
+        self.data_efficiency_methods = DataEfficiencyMethods(self)  # DeepSpeed's data-efficiency methods, too
+        self.collectives = Collectives(self)  # DeepSpeed's reduction helpers (allreduce_bucket & co.), too
+        self.methods = EngineMethods(self)  # the rest of DeepSpeed's methods (no_sync, set_train_batch_size ...)
         self.training_data, self.collate_fn, self.client_lr_scheduler = training_data, collate_fn, lr_scheduler
         self.client_optimizer: Any = None  # set by initialize when the client passed one
         self.config = raw_config if raw_config is not None else config
@@ -82,7 +106,10 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
         self.has_moe_layers = bool(self.moe_layers)
         if self.has_moe_layers:
             _check_moe_config(config)
-        self.compression: Any = None  # [feature seam: compression] set by initialize (dsrun/compression/feature.py)
+        # the features (dsrun/features.py), built by initialize; it attaches them once the engine is built
+        self.features = features if features is not None else Features.build(config)
+        # DeepSpeed's data-efficiency methods read it, on or off
+        self.data_efficiency = self.features.get(DataEfficiency) or DataEfficiency(config)
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0
@@ -104,7 +131,6 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
         self._broadcast_model()
         if self.torch_autocast_enabled():  # the torch_autocast section: comm dtypes of the safe modules' params
             init_autocast_params(self, self.torch_autocast_dtype(), self.torch_autocast_lower_precision_safe_modules())
-        configure_from_engine(model, config, mpu)  # the activation_checkpointing section, if any
 
         self.strategy: ZeroStrategy | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -115,13 +141,8 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
             self.optimizer = self.strategy.optimizer
         self.direct_backward = DirectBackward(self)  # backward passes engine.backward() did not run
         self.lr_scheduler = self._configure_lr_scheduler(lr_scheduler)
-        # data efficiency (dsrun/data_efficiency): curriculum, PLD, random-LTD, curriculum data sampling
-        self.data_efficiency = DataEfficiency(config, self.train_batch_size(), self.global_rank, self.dp_group)
-        self.data_efficiency.check_model(self.module)
         self.training_dataloader = (self.deepspeed_io(training_data, collate_fn=collate_fn)
                                     if training_data is not None else None)
-        if self.data_efficiency.sampling_enabled:  # data efficiency: the sampler's state goes into checkpoints
-            self.data_efficiency.training_dataloader = self.training_dataloader
         self._comm_at_step_start = comm.get_comms_stats()
         self._last_step_comm: dict[str, dict[str, float]] = {}
         # observability (monitors, wall-clock breakdown, flops profiler): dsrun/engine/observer.py
@@ -129,7 +150,7 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
         self.autotuning_probe = AutotuningProbe(self, config)  # dsrun/engine/autotuning_probe.py
         self.monitor = self.observer.monitor
         self.flops_profiler = self.observer.flops_profiler
-        self._apply_compile_config()  # the config's compile section (engine_methods.py)
+        self.methods._apply_compile_config()  # the config's compile section (engine_methods.py)
 
     # --- construction ---------------------------------------------------------------------------------
     @classmethod
@@ -186,7 +207,7 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
         if self.strategy is not None:
             self.strategy.before_forward()
         inputs, kwargs = self.precision.prepare_inputs(inputs, kwargs)
-        kwargs.update(self.data_efficiency.forward_kwargs(self.module.training, self.global_steps))  # data efficiency
+        kwargs.update(self.features.forward_kwargs(self.module.training, self.global_steps))
         with autocast_if_enabled(self):  # the torch_autocast section
             out = self.module(*inputs, **kwargs)
         self.timers.stop(FORWARD_TIMER)
@@ -231,7 +252,7 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
         # no_sync() / enable_backward_allreduce=False: a boundary micro-step accumulates like any other, and the
         # reduction waits for the next boundary backward or allreduce_gradients() (engine_methods.py)
         boundary = self.is_gradient_accumulation_boundary()
-        if boundary and not self._reduces_in_backward():  # no_sync: the next boundary backward or step reduces
+        if boundary and not self.methods._reduces_in_backward():  # no_sync: the next boundary backward or step reduces
             boundary, self._reduction_pending = False, True
         elif boundary:  # with the switch off the strategy keeps local gradients; allreduce_gradients() may reduce
             self._reduction_pending = not self.enable_backward_allreduce
@@ -266,7 +287,7 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
         if boundary:
             if self.enable_backward_allreduce:  # gradients a no_sync() backward left unreduced, if any
                 self.allreduce_gradients()
-            self.data_efficiency.on_boundary(self.global_steps)  # data efficiency: PLD's θ(t)
+            self.features.before_step(self.global_steps)
             overflow = False
             if self.strategy is not None:
                 outcome = self.strategy.step(float(self._config.gradient_clipping or 0.0))
@@ -278,8 +299,7 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
                 self.skipped_steps += 1
             elif self.lr_scheduler is not None:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
-            if self.compression is not None:  # [feature seam: compression] its scheduler and MoQ step here
-                self.compression.after_step(overflow)
+            self.features.after_step(overflow)
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
             self.losses = None
@@ -332,6 +352,12 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
     def enable_backward_allreduce(self, value: bool) -> None:
         if self.strategy is not None:
             self.strategy.enable_backward_allreduce = value
+
+    @property
+    def compression(self) -> CompressionFeature | None:
+        """The compression feature when the model is compressed (dsrun/compression/feature.py), else None."""
+        feature = self.features.get(CompressionFeature)
+        return feature if feature is not None and feature.active else None
 
     @property
     def cur_scale(self) -> float:
@@ -435,6 +461,7 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
         if self.strategy is not None:
             self.strategy.close()
         self.direct_backward.close()
+        self.features.close()
         self.observer.close()
         if self.has_moe_layers:
             from dsrun.moe import groups as expert_groups
@@ -455,36 +482,10 @@ class DeepSpeedEngine(EngineConfigGetters, EngineMethods, EngineCollectives, Dat
         return self.save_16bit_model(save_dir, save_filename)
 
 
-def build_engine_optimizer(config: DSConfig, model: torch.nn.Module, optimizer: Any,
-                           model_parameters: Any) -> torch.optim.Optimizer | None:
-    """The optimizer the engine will step: a client optimizer (object, or callable on the parameters) wins
-    over the config's ``optimizer`` section."""
-    params = model_parameters if model_parameters is not None else model.parameters()
-    if has_moe_layers(model)[0] and not isinstance(optimizer, torch.optim.Optimizer):
-        # experts need param groups of their own (DeepSpeed splits them the same way)
-        params = split_params_into_different_moe_groups_for_optimizer(_as_param_groups(params))
-    if optimizer is not None:
-        if isinstance(optimizer, torch.optim.Optimizer):
-            return optimizer
-        if callable(optimizer):
-            return optimizer(params)
-        raise ConfigError(Problem("initialize(optimizer=...)", f"got {type(optimizer).__name__}; allowed: a "
-                                  "torch.optim.Optimizer or a callable returning one"))
-    if config.optimizer is not None and config.optimizer.type:
-        if config.optimizer.type.lower() in ONE_BIT_CLASSES:  # they communicate by themselves: docs/onebit.md
-            return build_onebit_optimizer(config.optimizer.type, params, config.optimizer.params)
-        on_cpu = get_accelerator().name == "cpu"
-        offload = config.zero_optimization.offload_optimizer.device != "none" and config.zero_optimization.stage > 0
-        return build_optimizer(config.optimizer.type, params, config.optimizer.params, on_cpu=on_cpu or offload,
-                               offload=offload)
-    return None
-
-
-def _as_param_groups(params: Any) -> list[dict[str, Any]]:
-    params = list(params)
-    if params and isinstance(params[0], dict):
-        return params
-    return [{"params": params}]
+facade(DeepSpeedEngine, "settings", ConfigView)  # engine.train_batch_size() & co.: one-line delegations
+facade(DeepSpeedEngine, "data_efficiency_methods", DataEfficiencyMethods)
+facade(DeepSpeedEngine, "collectives", Collectives)
+facade(DeepSpeedEngine, "methods", EngineMethods)
 
 
 def _check_moe_config(config: DSConfig) -> None:

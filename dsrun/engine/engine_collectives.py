@@ -17,23 +17,24 @@ from dsrun.engine.sparse_tensor import SparseTensor
 from dsrun.zero.averaging import gradient_averaging
 
 
-class EngineCollectives:
-    """DeepSpeed's reduction helpers over ``dp_group`` (mixed into the engine)."""
+class Collectives:
+    """DeepSpeed's reduction helpers over ``dp_group``: a part of the engine (``engine.collectives``), which
+    carries each name as a one-line delegation; the averaging settings and the module are the engine's."""
 
-    module: torch.nn.Module
-    device: torch.device
-    dp_group: Any
-    gradient_average: bool = True
+    def __init__(self, engine: Any):
+        self._engine = engine
+
     flatten = staticmethod(_flatten_dense_tensors)
     unflatten = staticmethod(_unflatten_dense_tensors)
 
     def allreduce_bucket(self, bucket: list[torch.Tensor], dp_group: Any, dp_world_size: int | None = None) -> torch.Tensor:
         """The flattened, averaged sum of ``bucket`` over ``dp_group``."""
         tensor = self.flatten(bucket)
-        reduced = tensor if self.communication_data_type == tensor.dtype else tensor.to(self.communication_data_type)
+        engine = self._engine
+        reduced = tensor if engine.communication_data_type == tensor.dtype else tensor.to(engine.communication_data_type)
         world = comm.get_world_size(dp_group) if dp_world_size is None else dp_world_size
-        averaging = gradient_averaging(world, average=self.gradient_average, prescale=not self.postscale_gradients(),
-                                       factor=self.gradient_predivide_factor(), scatter=False)
+        averaging = gradient_averaging(world, average=engine.gradient_average, prescale=not engine.postscale_gradients(),
+                                       factor=engine.gradient_predivide_factor(), scatter=False)
         averaging.before(reduced)
         comm.all_reduce(reduced, group=dp_group)
         averaging.after(reduced)
@@ -64,18 +65,18 @@ class EngineCollectives:
         """Average ``grads`` (default: the module parameters' ``.grad``) over the data-parallel group in
         place, dense ones in buffers per dtype, sparse ones (``sparse_gradients``) as gathered rows."""
         if grads is None:
-            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+            grads = [p.grad for p in self._engine.module.parameters() if p.grad is not None]
         dense: dict[torch.dtype, list[torch.Tensor]] = {}
         sparse: list[SparseTensor] = []
         for grad in grads:
-            if grad.is_sparse and self.sparse_gradients_enabled():
+            if grad.is_sparse and self._engine.sparse_gradients_enabled():
                 sparse.append(SparseTensor(grad))
             else:
                 dense.setdefault(grad.dtype, []).append(grad.to_dense() if grad.is_sparse else grad)
         for bucket in dense.values():
-            self.allreduce_no_retain(bucket, self.dp_group, numel_per_bucket=elements_per_buffer)
+            self.allreduce_no_retain(bucket, self._engine.dp_group, numel_per_bucket=elements_per_buffer)
         if sparse:
-            self.sparse_allreduce_no_retain(sparse, self.dp_group)
+            self.sparse_allreduce_no_retain(sparse, self._engine.dp_group)
 
     def sparse_allreduce_no_retain(self, bucket: list[SparseTensor], dp_group: Any,
                                    dp_world_size: int | None = None) -> None:
@@ -93,11 +94,12 @@ class EngineCollectives:
     def sparse_allreduce(self, sparse: SparseTensor, dp_group: Any, dp_world_size: int | None = None) -> SparseTensor:
         """Every rank's rows, scaled for the average: the sum over ranks is the sum of the gathered rows."""
         original = sparse.values.dtype
-        values = sparse.values if self.communication_data_type == original else sparse.values.to(self.communication_data_type)
+        dtype = self._engine.communication_data_type
+        values = sparse.values if dtype == original else sparse.values.to(dtype)
         world = comm.get_world_size(dp_group) if dp_world_size is None else dp_world_size
-        if self.postscale_gradients():
-            if self.gradient_average:
-                values = values * (self.gradient_predivide_factor() / world)
+        if self._engine.postscale_gradients():
+            if self._engine.gradient_average:
+                values = values * (self._engine.gradient_predivide_factor() / world)
         else:
             values = values * (1.0 / world)
         sparse.indices = torch.cat(self.sparse_all_gather(sparse.indices, dp_group)).to(torch.long)

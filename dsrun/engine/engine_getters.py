@@ -1,15 +1,17 @@
-"""DeepSpeed's config getters on the engine (``engine.zero_optimization()``, ``engine.fp16_enabled()`` …).
+"""DeepSpeed's config getters (``engine.zero_optimization()``, ``engine.fp16_enabled()`` …) as a typed view.
 
-Mixed into :class:`dsrun.engine.engine.DeepSpeedEngine`. Each getter reads the typed config
-(``engine._config``, :class:`dsrun.config.DSConfig`) and returns what DeepSpeed 0.14's getter of the
-same name returns for the same config; the few that report on live state (the precision in use, the NVMe
-offload) ask the engine's strategies. The data-efficiency getters live with their feature
+:class:`ConfigView` reads the typed config (:class:`dsrun.config.DSConfig`) and returns what DeepSpeed
+0.14's getter of the same name returns for the same config; the few that report on live state (the precision in
+use, the strategy's communication dtype, the client optimizer) ask the engine. The engine holds one
+(``engine.settings``) and carries every public name of it as a one-line delegation (:func:`facade`), so DeepSpeed
+scripts call ``engine.train_batch_size()`` as before. The data-efficiency getters live with their feature
 (:mod:`dsrun.data_efficiency.engine_api`).
 """
 from __future__ import annotations
 
+import functools
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -25,13 +27,48 @@ def _dtype_name(value: Any) -> str:
                      "torch.float32 (or 'fp16', 'bf16', 'fp32')")
 
 
-class EngineConfigGetters:
-    """The config getters of DeepSpeed's ``DeepSpeedEngine``, with its names and return values."""
+if TYPE_CHECKING:
+    from dsrun.config import DSConfig
 
-    _config: Any
-    precision: Any
-    strategy: Any
-    global_rank: int
+
+def facade(engine_cls: type, attr: str, part: type) -> None:
+    """Give ``engine_cls`` every public method and property of ``part`` that it does not define itself, as a
+    one-line delegation to ``self.<attr>`` (same name, signature and docstring); static methods are shared."""
+    for name, member in vars(part).items():
+        if name.startswith("_") or name in vars(engine_cls):
+            continue
+        if isinstance(member, staticmethod):
+            setattr(engine_cls, name, member)
+        elif isinstance(member, property):
+            setattr(engine_cls, name, _delegated_property(attr, name, member))
+        elif callable(member):
+            setattr(engine_cls, name, _delegated_method(attr, name, member))
+
+
+def _delegated_method(attr: str, name: str, member: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(member)
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return getattr(getattr(self, attr), name)(*args, **kwargs)
+    return method
+
+
+def _delegated_property(attr: str, name: str, member: property) -> property:
+    def fget(self: Any) -> Any:
+        return getattr(getattr(self, attr), name)
+
+    def fset(self: Any, value: Any) -> None:
+        setattr(getattr(self, attr), name, value)
+
+    return property(fget, fset if member.fset is not None else None, doc=member.__doc__)
+
+
+class ConfigView:
+    """The config getters of DeepSpeed's ``DeepSpeedEngine``, with its names and return values, over one
+    typed config; ``engine`` answers the few that report live state."""
+
+    def __init__(self, config: "DSConfig", engine: Any):
+        self._config = config
+        self._engine = engine
 
     # --- batch ----------------------------------------------------------------------------------------
     def train_batch_size(self) -> int:
@@ -111,7 +148,7 @@ class EngineConfigGetters:
     # --- optimizer and scheduler ----------------------------------------------------------------------
     def optimizer_name(self) -> str | None:
         """The client optimizer's class name, else the config's ``optimizer.type``."""
-        client = getattr(self, "client_optimizer", None)
+        client = getattr(self._engine, "client_optimizer", None)
         if client is not None:
             return type(client).__name__
         return self._config.optimizer.name
@@ -156,8 +193,8 @@ class EngineConfigGetters:
     def communication_data_type(self, value: Any) -> None:
         name = _dtype_name(value)
         self._config.communication_data_type = name
-        if self.strategy is not None:  # the strategy reduces in it from the next bucket on
-            self.strategy.comm_dtype = _DTYPES[name]
+        if self._engine.strategy is not None:  # the strategy reduces in it from the next bucket on
+            self._engine.strategy.comm_dtype = _DTYPES[name]
 
     def postscale_gradients(self) -> bool:
         return not bool(self._config.prescale_gradients)
@@ -225,7 +262,7 @@ class EngineConfigGetters:
     def is_first_weights_partition_group(self) -> bool:
         shard = self.mics_shard_size()
         if shard > 0:
-            return self.global_rank < shard
+            return self._engine.global_rank < shard
         return self.zero_optimization_partition_weights()
 
     def zero_reduce_bucket_size(self) -> int:
@@ -296,10 +333,10 @@ class EngineConfigGetters:
 
     # --- precision --------------------------------------------------------------------------------------
     def fp16_enabled(self) -> bool:
-        return self.precision.name == "fp16"
+        return self._engine.precision.name == "fp16"
 
     def bfloat16_enabled(self) -> bool:
-        return self.precision.name == "bf16"
+        return self._engine.precision.name == "bf16"
 
     def amp_enabled(self) -> bool:
         return bool(self._config.amp.enabled)
@@ -354,7 +391,7 @@ class EngineConfigGetters:
 
     def get_data_types(self) -> tuple[torch.dtype, torch.dtype]:
         """``(model dtype, gradient accumulation dtype)``."""
-        return self.precision.model_dtype, _DTYPES[self._config.resolved_grad_accum_dtype]
+        return self._engine.precision.model_dtype, _DTYPES[self._config.resolved_grad_accum_dtype]
 
     # --- checkpoints ------------------------------------------------------------------------------------
     def checkpoint_tag_validation_enabled(self) -> bool:

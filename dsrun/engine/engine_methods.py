@@ -1,8 +1,10 @@
 """DeepSpeed's engine methods beyond the training loop: batch-size changes, ``no_sync()``, explicit gradient
 reduction, the process groups, module state dicts, ``compile`` and the small helpers scripts call.
 
-Mixed into :class:`dsrun.engine.engine.DeepSpeedEngine`; the work is done by the engine's strategies
-(:mod:`dsrun.zero.strategies`), this module only gives it DeepSpeed's names and semantics.
+A part of :class:`dsrun.engine.engine.DeepSpeedEngine` (``engine.methods``), which carries each public name
+as a one-line delegation (``engine_getters.facade``); the state they read and set (``inside_no_sync_ctxt``, the
+strategy, the module) stays the engine's. The work is done by the engine's strategies (:mod:`dsrun.zero.strategies`),
+this module only gives it DeepSpeed's names and semantics.
 """
 from __future__ import annotations
 
@@ -24,39 +26,24 @@ log = logging.getLogger("dsrun.engine")
 class EngineMethods:
     """Methods of DeepSpeed's ``DeepSpeedEngine`` that are not part of forward/backward/step."""
 
-    _config: Any
-    module: torch.nn.Module
-    optimizer: Any
-    strategy: Any
-    groups: Any
-    dp_group: Any
-    dp_world_size: int
-    sequence_parallel_size: int = 1  # the engine's, from the config (Ulysses)
-    global_rank: int
-    mpu: Any
-    data_efficiency: Any
-    # DeepSpeed's switches, on the engine as in DeepSpeed
-    inside_no_sync_ctxt: bool = False
-    _reduction_pending: bool = False  # a boundary backward skipped the reduction (no_sync, or switched off)
-    direct_backward: Any  # dsrun.engine.direct_backward.DirectBackward
-    _step_applied: bool = False
-    _is_compiled: bool = False
+    def __init__(self, engine: Any):
+        self._engine = engine
 
     # --- batch size -------------------------------------------------------------------------------------
     @property
     def _data_replicas(self) -> int:
         """Data-parallel replicas the global batch is split over (a Ulysses sequence group is one)."""
-        return self.dp_world_size // self.sequence_parallel_size
+        return self._engine.dp_world_size // self._engine.sequence_parallel_size
 
     def set_train_batch_size(self, train_batch_size: int) -> None:
         """Change the global batch by changing the gradient accumulation steps; the micro-batch stays.
         ``ValueError`` unless ``train_batch_size`` is a multiple of micro-batch x data-parallel size."""
-        per_step = self.train_micro_batch_size_per_gpu() * self._data_replicas
+        per_step = self._engine.train_micro_batch_size_per_gpu() * self._data_replicas
         if train_batch_size <= 0 or train_batch_size % per_step:
             raise ValueError(f"set_train_batch_size({train_batch_size}): must be a positive multiple of "
                              f"train_micro_batch_size_per_gpu x data-parallel size = {per_step}")
-        self._config.train_batch_size = int(train_batch_size)
-        self._config.gradient_accumulation_steps = int(train_batch_size) // per_step
+        self._engine._config.train_batch_size = int(train_batch_size)
+        self._engine._config.gradient_accumulation_steps = int(train_batch_size) // per_step
 
     def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
         """Change the micro-batch size, keeping the accumulation steps: the global batch becomes
@@ -64,8 +51,9 @@ class EngineMethods:
         its batch size (as in DeepSpeed); build a new one with ``deepspeed_io``."""
         if micro_batch_size <= 0:
             raise ValueError(f"set_train_micro_batch_size({micro_batch_size}): must be a positive integer")
-        self._config.train_batch_size = int(micro_batch_size) * self.gradient_accumulation_steps() * self._data_replicas
-        self._config.train_micro_batch_size_per_gpu = int(micro_batch_size)
+        engine = self._engine
+        engine._config.train_batch_size = int(micro_batch_size) * engine.gradient_accumulation_steps() * self._data_replicas
+        self._engine._config.train_micro_batch_size_per_gpu = int(micro_batch_size)
 
     # --- gradient reduction -------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -74,20 +62,20 @@ class EngineMethods:
         by the accumulation steps); the next backward outside it, or :meth:`allreduce_gradients`, reduces
         everything accumulated. ZeRO stages 2-3 partition gradients as they are produced, so (as in
         DeepSpeed) it is refused there; ``step()`` inside it is refused too."""
-        if self.zero_optimization_partition_gradients():
+        if self._engine.zero_optimization_partition_gradients():
             raise AssertionError("no_sync context manager is incompatible with gradient partitioning logic of "
-                                 f"ZeRO stage {self.zero_optimization_stage()}")
-        if self.inside_no_sync_ctxt:
+                                 f"ZeRO stage {self._engine.zero_optimization_stage()}")
+        if self._engine.inside_no_sync_ctxt:
             raise AssertionError("no_sync context manager reentry is unsupported")
-        self.inside_no_sync_ctxt = True
+        self._engine.inside_no_sync_ctxt = True
         try:
             yield
         finally:
-            self.inside_no_sync_ctxt = False
+            self._engine.inside_no_sync_ctxt = False
 
     def _reduces_in_backward(self) -> bool:
         """Whether this backward reduces gradients (stages 2-3 always do: they keep only reduced partitions)."""
-        return self.zero_optimization_partition_gradients() or not self.inside_no_sync_ctxt
+        return self._engine.zero_optimization_partition_gradients() or not self._engine.inside_no_sync_ctxt
 
     def allreduce_gradients(self, bucket_size: int = MEMORY_OPT_ALLREDUCE_SIZE) -> None:
         """Reduce the gradients accumulated on each rank since a backward skipped the reduction (inside
@@ -95,89 +83,86 @@ class EngineMethods:
         boundary, as DeepSpeed does. A no-op when there is nothing to reduce, and at stages 2-3, which reduce
         during backward. The strategy's buckets (``zero_optimization.reduce_bucket_size``) are used, not
         ``bucket_size``."""
-        if self.strategy is None or not self._reduction_pending or not self.is_gradient_accumulation_boundary():
+        engine = self._engine
+        if engine.strategy is None or not engine._reduction_pending or not engine.is_gradient_accumulation_boundary():
             return
-        strategy, switch = self.strategy, self.strategy.enable_backward_allreduce
+        strategy, switch = engine.strategy, engine.strategy.enable_backward_allreduce
         strategy.enable_backward_allreduce = True  # an explicit call reduces even with the switch off
         try:
             strategy.before_backward(True)
             strategy.after_backward(True)
         finally:
             strategy.enable_backward_allreduce = switch
-        self._reduction_pending = False
-        self.direct_backward.reduced()
+        engine._reduction_pending = False
+        engine.direct_backward.reduced()
 
     def was_step_applied(self) -> bool:
         """True when the last ``step()`` updated the weights (False between accumulation boundaries and on a
         step skipped for an fp16 overflow)."""
-        return self._step_applied
+        return self._engine._step_applied
 
     def clip_fp32_gradients(self) -> torch.Tensor:
         """``clip_grad_norm_`` of the module parameters' ``.grad`` to ``gradient_clipping`` (what DeepSpeed's
         non-ZeRO fp32 path calls). It acts where ``.grad`` holds the reduced gradient (stage 0 after a
         boundary backward); ``step()`` itself clips by the global norm at every stage."""
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        return torch.nn.utils.clip_grad_norm_(params, max_norm=self.gradient_clipping())
+        params = [p for p in self._engine.module.parameters() if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm=self._engine.gradient_clipping())
 
     # --- process groups -----------------------------------------------------------------------------------
     @property
     def data_parallel_group(self) -> Any:
-        return self.dp_group
+        return self._engine.dp_group
 
     @property
     def mp_world_size(self) -> int:
-        if self.mpu is not None and hasattr(self.mpu, "get_model_parallel_world_size"):
-            return int(self.mpu.get_model_parallel_world_size())
-        return self.groups.size("model")
+        if self._engine.mpu is not None and hasattr(self._engine.mpu, "get_model_parallel_world_size"):
+            return int(self._engine.mpu.get_model_parallel_world_size())
+        return self._engine.groups.size("model")
 
     def get_data_parallel_group(self) -> Any:
         """The data-parallel process group ZeRO partitions over (None: the whole world)."""
-        return self.dp_group
+        return self._engine.dp_group
 
     def get_data_parallel_world_size(self) -> int:
-        return self.dp_world_size
+        return self._engine.dp_world_size
 
     def get_data_parallel_rank(self) -> int:
-        return comm.get_rank(self.dp_group)
+        return comm.get_rank(self._engine.dp_group)
 
     @property
     def dist_backend(self) -> str:
         return comm.get_backend()
 
     # --- what DeepSpeed keeps as attributes -------------------------------------------------------------
-    pipeline_parallelism = False  # the pipeline engine's is True
-    scale_wrt_gas: bool | None = None  # when set, overrides backward(scale_wrt_gas=...)
-    loaded_checkpoint_dp_world_size: int | None = None  # set by load_checkpoint
-    loaded_checkpoint_mp_world_size: int | None = None
 
     @property
     def basic_optimizer(self) -> Any:
         """The client's (or the config's) optimizer; ZeRO re-points it at the fp32 masters."""
-        return self.optimizer
+        return self._engine.optimizer
 
     @property
     def param_names(self) -> dict[torch.nn.Parameter, str]:
-        return {p: name for name, p in self.module.named_parameters()}
+        return {p: name for name, p in self._engine.module.named_parameters()}
 
     @property
     def sparse_tensor_module_names(self) -> set[str]:
         """With ``sparse_gradients``: the weights of embedding layers (their gradients may be sparse)."""
-        if not self.sparse_gradients_enabled():
+        if not self._engine.sparse_gradients_enabled():
             return set()
-        return {f"{name}.weight" for name, m in self.module.named_modules()
+        return {f"{name}.weight" for name, m in self._engine.module.named_modules()
                 if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))}
 
     @property
     def progressive_layer_drop(self) -> Any:
-        return self.data_efficiency.progressive_layer_drop
+        return self._engine.data_efficiency.progressive_layer_drop
 
     @property
     def curriculum_scheduler_legacy(self) -> Any:
-        return self.data_efficiency.curriculum_scheduler_legacy
+        return self._engine.data_efficiency.curriculum_scheduler_legacy
 
     @property
     def random_ltd_scheduler(self) -> Any:
-        return getattr(self.data_efficiency, "random_ltd_scheduler", None)
+        return getattr(self._engine.data_efficiency, "random_ltd_scheduler", None)
 
     # the compression feature's parts (None without compression_training / quantize_training)
     @property
@@ -197,24 +182,24 @@ class EngineMethods:
     # Ulysses (docs/sequence_parallel.md): ZeRO partitions over data x sequence ranks, the engine's data group
     @property
     def seq_parallel_group(self) -> Any:
-        return self.groups.sequence
+        return self._engine.groups.sequence
 
     def get_sequence_parallel_group(self) -> Any:
-        return self.groups.sequence
+        return self._engine.groups.sequence
 
     @property
     def seq_data_parallel_group(self) -> Any:
-        return self.dp_group
+        return self._engine.dp_group
 
     @property
     def seq_dp_world_size(self) -> int:
-        return self.dp_world_size
+        return self._engine.dp_world_size
 
     # --- optimizer ----------------------------------------------------------------------------------------
     def _get_optimizer_param(self, name: str) -> list[Any]:
-        if self.optimizer is None:
+        if self._engine.optimizer is None:
             return []
-        return [group.get(name, 0.0) for group in self.optimizer.param_groups]
+        return [group.get(name, 0.0) for group in self._engine.optimizer.param_groups]
 
     def get_type(self) -> list[Any]:
         return self._get_optimizer_param("type")
@@ -226,26 +211,26 @@ class EngineMethods:
             holder["step"] = (torch.tensor(step, dtype=old.dtype, device=old.device) if torch.is_tensor(old)
                               else step)
 
-        if self.optimizer is None:
+        if self._engine.optimizer is None:
             return
-        for group in self.optimizer.param_groups:
+        for group in self._engine.optimizer.param_groups:
             if "step" in group:
                 set_step(group)
             for p in group["params"]:
-                state = self.optimizer.state.get(p)
+                state = self._engine.optimizer.state.get(p)
                 if state and "step" in state:
                     set_step(state)
-        if self.strategy is not None:  # counters kept outside the optimizer (NVMe-swapped sub-groups)
-            self.strategy.update_optimizer_step(int(step))
+        if self._engine.strategy is not None:  # counters kept outside the optimizer (NVMe-swapped sub-groups)
+            self._engine.strategy.update_optimizer_step(int(step))
 
     # --- module state ---------------------------------------------------------------------------------------
     def module_state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False,
                           exclude_frozen_parameters: bool = False) -> dict[str, Any]:
         """``module.state_dict()`` (under ZeRO-3 parameters are placeholders, as in DeepSpeed; use
         ``dsrun.zero.full_state_dict`` for their values), optionally without frozen parameters."""
-        sd = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        sd = self._engine.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
         if exclude_frozen_parameters:
-            for name, p in self.module.named_parameters():
+            for name, p in self._engine.module.named_parameters():
                 if not p.requires_grad and prefix + name in sd:
                     del sd[prefix + name]
         return sd
@@ -259,17 +244,17 @@ class EngineMethods:
         starts from them (DeepSpeed leaves the masters as they were)."""
         from dsrun.zero import GatheredParameters
 
-        fetch = [p for p in self.module.parameters()
+        fetch = [p for p in self._engine.module.parameters()
                  if fetch_z3_params and is_zero_param(p) and p.ds_status is ParamStatus.NOT_AVAILABLE]
         with GatheredParameters(fetch, modifier_rank=0):
             state_dict = checkpoint["module"]
             if custom_load_fn is not None:
-                custom_load_fn(src=state_dict, dst=self.module)
+                custom_load_fn(src=state_dict, dst=self._engine.module)
             else:
-                self.module.load_state_dict(state_dict, strict=strict)
-        self.restore_frozen_shards(checkpoint)
-        if not self.zero_optimization_partition_weights():  # ZeRO-3: GatheredParameters wrote the masters
-            refresh_masters_from_model(self.module)
+                self._engine.module.load_state_dict(state_dict, strict=strict)
+        self._engine.restore_frozen_shards(checkpoint)
+        if not self._engine.zero_optimization_partition_weights():  # ZeRO-3: GatheredParameters wrote the masters
+            refresh_masters_from_model(self._engine.module)
 
     def restore_frozen_shards(self, checkpoint: dict[str, Any]) -> None:
         """This rank's shards of the frozen parameters from a ZeRO-3 model states file of the same world size:
@@ -277,7 +262,7 @@ class EngineMethods:
         the messages saved as held, restored byte for byte."""
         fragments = checkpoint.get("frozen_param_fragments") or {}
         stored = (checkpoint.get("dsrun") or {}).get("frozen_param_quantized") or {}
-        for name, p in self.module.named_parameters():
+        for name, p in self._engine.module.named_parameters():
             if p.requires_grad or name not in fragments:
                 continue
             with torch.no_grad():
@@ -294,19 +279,19 @@ class EngineMethods:
         """``torch.compile`` the module in place (``module.compile(backend=..., **compile_kwargs)``); a second
         call does nothing. The config's ``compile`` section (``enabled``, ``backend``, ``kwargs``) calls it at
         initialize."""
-        if self._is_compiled:
+        if self._engine._is_compiled:
             return
-        self.module.compile(backend=backend, **(compile_kwargs or {}))
-        self._is_compiled = True
+        self._engine.module.compile(backend=backend, **(compile_kwargs or {}))
+        self._engine._is_compiled = True
 
     @property
     def is_compiled(self) -> bool:
-        return self._is_compiled
+        return self._engine._is_compiled
 
     def _apply_compile_config(self) -> None:
-        section = self._config.compile
+        section = self._engine._config.compile
         if section.enabled:
-            self.compile(backend=section.backend, compile_kwargs=dict(section.kwargs))
+            self._engine.compile(backend=section.backend, compile_kwargs=dict(section.kwargs))
 
     # --- small helpers ------------------------------------------------------------------------------------
     def print_forward_breakdown(self, fwd_time: float) -> None:
@@ -316,7 +301,7 @@ class EngineMethods:
         moe = sum(getattr(m, "time_moe", 0.0) for m in layers)
         first = sum(getattr(m, "time_falltoall", 0.0) for m in layers)
         second = sum(getattr(m, "time_salltoall", 0.0) for m in layers)
-        if self.global_rank == 0:
+        if self._engine.global_rank == 0:
             print(f"[dsrun] time (ms) | fwd: {fwd_time:.2f} (fwd_moe: {moe:.2f}, 1st_a2a: {first:.2f}, "
                   f"2nd_a2a: {second:.2f}, top_k: {gate:.2f})", flush=True)
 

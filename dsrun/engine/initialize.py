@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import argparse
 import warnings
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from dsrun import comm
 from dsrun.utils.errors import ConfigError, Problem
+
+if TYPE_CHECKING:
+    from dsrun.config import DSConfig
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -73,7 +76,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     from dsrun.config import (RANK_WORLD_SOURCE, ResolvedDsConfig, announce,  # the config layer, loaded only
                               load_ds_config, typed_config)  # when training starts
     from dsrun.launcher.protocol import install_user_error_hook
-    from dsrun.engine.engine import DeepSpeedEngine, build_engine_optimizer
+    from dsrun.engine.engine import DeepSpeedEngine
+    from dsrun.features import Features
 
     install_user_error_hook()  # under dsrun's launcher: a config mistake is one line, not a traceback per rank
     if model is None:
@@ -102,12 +106,49 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     if engine_class is DeepSpeedEngine:
         _refuse_pipeline_settings(ds_config)
     engine_class.prepare_model(model, ds_config)
-    # [feature seam: compression] compress the model before the optimizer sees its parameters
-    from dsrun.compression.feature import CompressionFeature, prepare_for_training
-    model_parameters = prepare_for_training(model, ds_config, model_parameters, optimizer)
+    features = Features.build(ds_config)  # dsrun/features.py: each wraps the model before the optimizer
+    model, model_parameters = features.wrap_model(model, model_parameters, optimizer)
     base_optimizer = build_engine_optimizer(ds_config, model, optimizer, model_parameters)
     engine = engine_class(model=model, config=ds_config, optimizer=base_optimizer, lr_scheduler=lr_scheduler,
-                          training_data=training_data, collate_fn=collate_fn, mpu=mpu, raw_config=source)
+                          training_data=training_data, collate_fn=collate_fn, mpu=mpu, raw_config=source,
+                          features=features)
     engine.client_optimizer = base_optimizer if optimizer is not None else None
-    engine.compression = CompressionFeature.attach(engine)  # [feature seam: compression] steps with the engine
+    engine.features.attach(engine)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def build_engine_optimizer(config: DSConfig, model: torch.nn.Module, optimizer: Any,
+                           model_parameters: Any) -> torch.optim.Optimizer | None:
+    """The optimizer the engine will step: a client optimizer (object, or callable on the parameters) wins
+    over the config's ``optimizer`` section."""
+    from dsrun.accelerator import get_accelerator
+    from dsrun.moe.utils import has_moe_layers, split_params_into_different_moe_groups_for_optimizer
+    from dsrun.optim import build_optimizer
+    from dsrun.optim.onebit import ONE_BIT_CLASSES, build_onebit_optimizer
+
+    params = model_parameters if model_parameters is not None else model.parameters()
+    if has_moe_layers(model)[0] and not isinstance(optimizer, torch.optim.Optimizer):
+        # experts need param groups of their own (DeepSpeed splits them the same way)
+        params = split_params_into_different_moe_groups_for_optimizer(_as_param_groups(params))
+    if optimizer is not None:
+        if isinstance(optimizer, torch.optim.Optimizer):
+            return optimizer
+        if callable(optimizer):
+            return optimizer(params)
+        raise ConfigError(Problem("initialize(optimizer=...)", f"got {type(optimizer).__name__}; allowed: a "
+                                  "torch.optim.Optimizer or a callable returning one"))
+    if config.optimizer is not None and config.optimizer.type:
+        if config.optimizer.type.lower() in ONE_BIT_CLASSES:  # they communicate by themselves: docs/onebit.md
+            return build_onebit_optimizer(config.optimizer.type, params, config.optimizer.params)
+        on_cpu = get_accelerator().name == "cpu"
+        offload = config.zero_optimization.offload_optimizer.device != "none" and config.zero_optimization.stage > 0
+        return build_optimizer(config.optimizer.type, params, config.optimizer.params, on_cpu=on_cpu or offload,
+                               offload=offload)
+    return None
+
+
+def _as_param_groups(params: Any) -> list[dict[str, Any]]:
+    params = list(params)
+    if params and isinstance(params[0], dict):
+        return params
+    return [{"params": params}]

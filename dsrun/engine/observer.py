@@ -87,6 +87,8 @@ class EngineObserver:
                 events.insert(0, ("Train/Samples/train_loss", float(self._loss_sum.item()), engine.global_samples))
             if engine.fp16_enabled():
                 events.append(("Train/Samples/loss_scale", float(engine.cur_scale), engine.global_samples))
+            events += [(f"Train/Features/{name}", value, engine.global_samples)  # dsrun/features.py
+                       for name, value in engine.features.metrics().items()]
             self.monitor.write_events(events)
         self._loss_sum = None
         every = engine.steps_per_print() or 1  # None: every step, as DeepSpeed 0.19 logs its timers

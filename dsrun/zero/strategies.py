@@ -33,13 +33,9 @@ def strategy_class(stage: int) -> type[ZeroStrategy]:
 def build_zero_strategy(stage: int, ctx: StrategyContext) -> ZeroStrategy:
     """The strategy for ``stage``, built from ``ctx`` (module, optimizer, precision, bucket sizes…); it places
     its optimizer state where ``ctx.zero_config.offload_optimizer`` says (the device, host memory or NVMe).
-
-    An optimizer that communicates by itself (the 1-bit family) has ``bind_strategy(strategy)``: it is called
-    once the strategy exists, to attach its step hooks and learn the master layout."""
+    An optimizer that communicates by itself (the 1-bit family) attaches to it as an engine feature
+    (``OneBitFeature``, :mod:`dsrun.features`)."""
     strategy = strategy_class(stage)(ctx)
-    bind = getattr(strategy.optimizer, "bind_strategy", None)
-    if bind is not None:
-        bind(strategy)
     attach_fragments(strategy)  # per-parameter views for dsrun.utils.safe_get_full_fp32_param & co.
     optimizer_wrappers.register(strategy)  # strategy.deepspeed_wrapper; isinstance(engine.optimizer, ...) follows it
     return strategy

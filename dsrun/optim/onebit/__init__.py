@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+from dsrun.config import DSConfig
+from dsrun.features import Feature
 from dsrun.utils.errors import ConfigError, Problem, show
 
 from dsrun.optim.onebit.adam import OnebitAdam
@@ -31,4 +33,21 @@ def build_onebit_optimizer(type_name: str, params: Iterable[Any], optimizer_para
                                   "params must be keyword arguments of the optimizer's constructor")) from None
 
 
-__all__ = ["ONE_BIT_CLASSES", "OneBitOptimizer", "OnebitAdam", "OnebitLamb", "ZeroOneAdam", "build_onebit_optimizer"]
+class OneBitFeature(Feature):
+    """Binds a 1-bit optimizer (the config's or the client's) to the engine's ZeRO strategy once the engine is
+    built: it learns the master layout and attaches at the strategy's step hooks
+    (:meth:`OneBitOptimizer.bind_strategy`). Any other optimizer: nothing to do."""
+
+    name = "onebit"
+
+    @classmethod
+    def build(cls, config: DSConfig) -> "OneBitFeature":
+        return cls()  # the optimizer may be the client's: attach looks at the one the strategy steps
+
+    def attach(self, engine: Any) -> None:
+        strategy = engine.strategy
+        if strategy is not None and isinstance(strategy.optimizer, OneBitOptimizer):
+            strategy.optimizer.bind_strategy(strategy)
+
+
+__all__ = ["ONE_BIT_CLASSES", "OneBitFeature", "OneBitOptimizer", "OnebitAdam", "OnebitLamb", "ZeroOneAdam", "build_onebit_optimizer"]

@@ -3,7 +3,7 @@ exchange and its error buffers, ``exp_avg_mask``, the backward-reduction switch,
 checkpoints carry.
 
 **Binding.** The engine builds its ZeRO strategy (stage 0 or 1, no optimizer offload) and calls
-:meth:`OneBitOptimizer.bind_strategy` (the seam in ``dsrun/zero/strategies.py``). From then on each
+:meth:`OneBitOptimizer.bind_strategy` (through ``OneBitFeature``, an engine feature). From then on each
 param group is one flat fp32 master (this rank's partition at stage 1), and the optimizer:
 
 * attaches at the strategy's ``before_update`` hook, where it notes the step's coefficient (loss scale, clip)

@@ -1,0 +1,176 @@
+"""The one way a feature attaches to the engine: a :class:`Feature` built from its config section, walked in the
+order of :data:`REGISTRY`.
+
+``dsrun.initialize`` builds every registered feature (``build`` returns None when its section is off), lets each
+wrap the model before the optimizer sees its parameters, and hands the list to the engine, which attaches them
+once it is built and then calls their hooks in registry order:
+
+=====================================  ===========================================================================
+``build(config)``                      a classmethod: the feature for this typed config, or None when it is off
+``wrap_model(model)``                  before the optimizer is built; parameters it adds are optimized too
+``attach(engine)``                     once, after the engine is built: take its groups and strategy, register
+                                       hooks on ``engine.strategy.hooks`` (``dsrun/zero/step_hooks.py``)
+``forward_kwargs(training, step)``     keyword arguments added to the model's forward
+``before_step(step)``                  at an accumulation boundary, before the optimizer step
+``after_step(overflow)``               after the optimizer (and scheduler) step of a boundary
+``checkpoint_entries()``               model-states keys it owns (a ``"dsrun"`` dict merges into dsrun's own)
+``load_checkpoint_entries(states)``    the loaded model states (``states["dsrun"]`` is dsrun's own dict)
+``metrics()``                          name -> value, written to the monitors as ``Train/Features/<name>/<key>``
+``close()``                            at ``engine.destroy()``
+=====================================  ===========================================================================
+
+This module imports nothing from dsrun at run time (the config type only for annotations), so a feature in any room can subclass it.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Iterator, TypeVar
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from dsrun.config import DSConfig
+
+F = TypeVar("F", bound="Feature")
+
+
+class Feature:
+    """A feature of the engine; every hook is a no-op until overridden."""
+
+    name: ClassVar[str] = ""
+
+    @classmethod
+    def build(cls: type[F], config: "DSConfig") -> F | None:
+        """The feature for this run's config, or None when it is off."""
+        return None
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def attach(self, engine: Any) -> None:
+        """Called once with the built engine (its ``groups``, ``strategy``, ``module``)."""
+
+    def forward_kwargs(self, training: bool, global_steps: int) -> dict[str, Any]:
+        return {}
+
+    def before_step(self, global_steps: int) -> None:
+        """At an accumulation boundary, before the optimizer step (``global_steps`` not yet advanced)."""
+
+    def after_step(self, overflow: bool) -> None:
+        """After a boundary's optimizer step (skipped when ``overflow``) and the scheduler's."""
+
+    def checkpoint_entries(self) -> dict[str, Any]:
+        return {}
+
+    def load_checkpoint_entries(self, states: dict[str, Any]) -> None:
+        """``states``: the whole loaded model-states dict."""
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        """Release what the feature holds (``engine.destroy()``)."""
+
+
+# the feature classes the engine builds, in the order their hooks run; rooms add theirs with register_feature
+REGISTRY: list[type[Feature]] = []
+
+
+def register_feature(cls: type[F]) -> type[F]:
+    """Add ``cls`` to :data:`REGISTRY` (once); usable as a class decorator."""
+    if cls not in REGISTRY:
+        REGISTRY.append(cls)
+    return cls
+
+
+def unregister_feature(cls: type[Feature]) -> None:
+    if cls in REGISTRY:
+        REGISTRY.remove(cls)
+
+
+class Features:
+    """The engine's built features, in registry order; the engine calls the hooks through it."""
+
+    def __init__(self, features: Iterable[Feature] = ()):
+        self._features = list(features)
+
+    @classmethod
+    def build(cls, config: "DSConfig") -> "Features":
+        return cls(f for f in (feature_cls.build(config) for feature_cls in REGISTRY) if f is not None)
+
+    def __iter__(self) -> Iterator[Feature]:
+        return iter(self._features)
+
+    def __len__(self) -> int:
+        return len(self._features)
+
+    def get(self, cls: type[F]) -> F | None:
+        """The built feature of class ``cls`` (None when off)."""
+        return next((f for f in self._features if isinstance(f, cls)), None)
+
+    def wrap_model(self, model: nn.Module, model_parameters: Any = None, optimizer: Any = None
+                   ) -> tuple[nn.Module, Any]:
+        """Let each feature wrap ``model``; parameters they add join ``model_parameters`` (a client optimizer
+        gets them as a new parameter group). Returns ``(model, model_parameters)``."""
+        before = {id(p) for p in model.parameters()}
+        for feature in self._features:
+            model = feature.wrap_model(model)
+        added = [p for p in model.parameters() if id(p) not in before]
+        return model, _with_parameters(model_parameters, optimizer, added)
+
+    def attach(self, engine: Any) -> None:
+        for feature in self._features:
+            feature.attach(engine)
+
+    def forward_kwargs(self, training: bool, global_steps: int) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {}
+        for feature in self._features:
+            kwargs.update(feature.forward_kwargs(training, global_steps))
+        return kwargs
+
+    def before_step(self, global_steps: int) -> None:
+        for feature in self._features:
+            feature.before_step(global_steps)
+
+    def after_step(self, overflow: bool) -> None:
+        for feature in self._features:
+            feature.after_step(overflow)
+
+    def checkpoint_entries(self) -> dict[str, Any]:
+        """Every feature's model-states entries; their ``"dsrun"`` dicts merged into one."""
+        entries: dict[str, Any] = {}
+        own: dict[str, Any] = {}
+        for feature in self._features:
+            mine = dict(feature.checkpoint_entries())
+            own.update(mine.pop("dsrun", None) or {})
+            entries.update(mine)
+        if own:
+            entries["dsrun"] = own
+        return entries
+
+    def load_checkpoint_entries(self, states: dict[str, Any]) -> None:
+        for feature in self._features:
+            feature.load_checkpoint_entries(states)
+
+    def metrics(self) -> dict[str, float]:
+        """``{"<feature name>/<key>": value}`` over every feature."""
+        return {f"{feature.name or type(feature).__name__}/{key}": float(value)
+                for feature in self._features for key, value in feature.metrics().items()}
+
+    def close(self) -> None:
+        for feature in self._features:
+            feature.close()
+
+
+def _with_parameters(model_parameters: Any, optimizer: Any, added: list[torch.nn.Parameter]) -> Any:
+    if not added:
+        return model_parameters
+    if isinstance(optimizer, torch.optim.Optimizer):
+        optimizer.add_param_group({"params": added})
+        return model_parameters
+    if model_parameters is None or not isinstance(model_parameters, (list, tuple)):
+        return model_parameters  # None or a generator: read after this, so it already yields the new parameters
+    items = list(model_parameters)
+    if items and isinstance(items[0], dict):
+        return items + [{"params": added}]
+    return items + added
