@@ -19,7 +19,8 @@ once it is built and then calls their hooks in registry order:
 ``close()``                            at ``engine.destroy()``
 =====================================  ===========================================================================
 
-This module imports nothing from dsrun at run time (the config type only for annotations), so a feature in any room can subclass it.
+This module imports nothing from dsrun at run time (the config type only for annotations), so a feature in
+any room can subclass it.
 """
 from __future__ import annotations
 
