@@ -5,17 +5,14 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-import torch
-
 from dsrun.estimate.inputs import EstimateInputs
 from dsrun.estimate.pipeline import StageMemory, stage_memory
 from dsrun.models.config import GPTConfig
-from dsrun.models.gpt_pipe import GPTBlock, pipeline_layers
+from dsrun.models.gpt_pipe import GPTBlock
+from dsrun.runtime.pipe.schedule import BackwardPass, BackwardWeightPass, ForwardPass
+from dsrun.runtime.pipe.settings import train_schedule
 
-from .partition import partition_layers
-from .schedule import BackwardPass, BackwardWeightPass, ForwardPass
-from .settings import partition_method, train_schedule
-from .gpt import layer_specs
+from .pipeline import local_params, stage_layers
 
 
 def blocks_in_flight(schedule: Any, chunk_blocks: list[int]) -> float:
@@ -39,23 +36,14 @@ def pipeline_stage_memory(spec: EstimateInputs, model_spec: Mapping[str, Any], d
     stages = config.pipeline_stages
     pipe = ds_config.pipeline
     virtual = pipe.virtual_stages if pipe.schedule == "interleaved" else 1
-    method = partition_method(ds_config)
-    if method == "profile":  # needs a measurement: estimate with the parameter-balanced cut
-        method = "parameters"
-    kinds = pipeline_layers(config)
-    parts = partition_layers(layer_specs(config), stages * virtual, method)
-    with torch.device("meta"):
-        sizes = [sum(p.numel() for p in layer.typename(config).parameters()) for layer in kinds]
+    kinds, sizes, parts = stage_layers(config, ds_config, stages * virtual)
     world = spec.ranks_per_node * spec.nodes
     data_parallel = max(1, world // stages)
     micro_batches = int(ds_config.gradient_accumulation_steps)
     rows = []
     for s in range(stages):
         chunks = [range(parts[c * stages + s], parts[c * stages + s + 1]) for c in range(virtual)]
-        local = [i for chunk in chunks for i in chunk]
-        tied = {kinds[i].tie_key for i in local if kinds[i].tie_key}
-        params = sum(sizes[i] for i in local if not kinds[i].tie_key)
-        params += sum(sizes[next(i for i in local if kinds[i].tie_key == key)] for key in tied)
+        params = local_params(kinds, sizes, [i for chunk in chunks for i in chunk])
         chunk_blocks = [sum(1 for i in chunk if kinds[i].typename is GPTBlock) for chunk in chunks]
         alive = blocks_in_flight(train_schedule(ds_config, micro_batches, stages, s), chunk_blocks)
         layers = ", ".join(f"{c.start}-{c.stop - 1}" for c in chunks if len(c))
