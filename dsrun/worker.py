@@ -1,10 +1,12 @@
 """The rank entry point: a run directory's RunSpec → model and data → ``dsrun.initialize`` → training loop.
 
 ``dsrun train`` writes the run directory and launches ``python -m dsrun.worker --run-dir RUN_DIR`` once per
-rank. The loop reads top to bottom: build, then for each optimizer step run ``gradient_accumulation_steps``
-micro-steps of forward / backward and one ``engine.step()``, evaluate now and then, and at the end write
-``metrics.json`` (rank 0). SIGTERM or SIGINT stops the loop at the next step boundary; the metrics gathered
-so far are still written.
+rank. The loop reads top to bottom and names no feature: the run's workload (:mod:`dsrun.workloads`: the
+dense GPT, the pipelined GPT or a distillation) builds the model, then for each optimizer step its ``step``
+runs the micro-steps of forward / backward and one ``engine.step()`` (a pipeline: its schedule), the loop
+evaluates now and then, and at the end writes ``metrics.json`` (rank 0). Each rank records its groups and
+partitions (``topology_rank<R>.json``, what ``dsrun train --dry-run`` prints). SIGTERM or SIGINT stops the loop
+at the next step boundary; the metrics gathered so far are still written.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from dsrun.monitor.run_defaults import PARENT_ENV, apply_run_defaults, flatten, 
 from dsrun.run_book import RunBook
 from dsrun.rundir import RESOLVED_YAML
 from dsrun.utils.errors import EXIT_USAGE, find_user_error
-from dsrun.workloads import compose
+from dsrun.workloads import compose, topology
 from dsrun.workloads.base import collective_device, mean_across_ranks
 
 
@@ -119,6 +121,7 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
     if mlflow_parent_key(run_dir):  # the jobs of a multirun become MLflow child runs of one parent
         os.environ[PARENT_ENV] = mlflow_parent_key(run_dir)
     engine, _, _, _ = dsrun.initialize(**workload.engine_inputs(corpus, run_dir))  # data efficiency's indexes
+    topology.write(run_dir, topology.describe(engine))  # groups and partitions, as `dsrun train --dry-run` shows
     workload.attach(engine)  # random-LTD layers, seqlen truncation, token counts; this rank's data shard
     engine.monitor.log_params(flatten(OmegaConf.to_container(spec, resolve=True)))
     loader = workload.train_loader(corpus)
