@@ -21,8 +21,10 @@ from torch import nn
 
 from dsrun.runtime.data_pipeline.data_routing.helper import convert_to_random_ltd
 from dsrun.runtime.data_pipeline.data_sampling.data_loader import truncate_to_difficulty
-from dsrun.runtime.data_pipeline.training import (ANALYSIS_DIR, BUILT_IN_METRICS, CLUSTERS_DIR, LayerMeter,
-                                                  analyse_vocabulary_rarity)
+from dsrun.runtime.data_pipeline.training import RARITY, LayerMeter, analyse_vocabulary_rarity
+
+BUILT_IN_METRICS = (RARITY,)
+ANALYSIS_DIR, CLUSTERS_DIR = "data_analysis", "data_clusters"
 
 
 def prepare_ds_config(ds_config: dict[str, Any], dataset: Any, vocab_size: int, run_dir: Path) -> dict[str, Any]:

@@ -16,8 +16,6 @@ from .data_sampling.data_analyzer import ACCUMULATE, SINGLE_VALUE, DataAnalyzer
 from .data_sampling.indexed_dataset import MMapIndexedDataset
 
 RARITY, FREQUENCY = "vocabularyrarity", "token_frequency"
-BUILT_IN_METRICS = (RARITY,)
-ANALYSIS_DIR, CLUSTERS_DIR = "data_analysis", "data_clusters"
 _BATCH = 4096
 
 
