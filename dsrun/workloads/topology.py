@@ -80,6 +80,10 @@ def fake_rank(rank: int, world_size: int, local_rank: int, local_world_size: int
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    import torch
+
+    if torch.cuda.is_available():  # this machine may have fewer GPUs than a launch's host: rank r uses r mod N
+        local_rank %= max(1, torch.cuda.device_count())
     env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_rank),
            "LOCAL_WORLD_SIZE": str(local_world_size)}
     saved = {key: os.environ.get(key) for key in env}
