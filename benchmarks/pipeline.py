@@ -67,7 +67,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: "
     import dsrun
     from dsrun import comm
     from dsrun.models.gpt import GPT
-    from dsrun.workloads.pipe_training import build_pipeline_model
+    from dsrun.workloads.pipeline import build_pipeline_model
 
     dsrun.init_distributed()
     m = args.micro_batches

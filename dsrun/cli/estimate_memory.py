@@ -237,7 +237,7 @@ def _pipeline_stages(spec: EstimateInputs, model_spec: dict[str, Any], ds_cfg: d
     if int(model_spec.get("pipeline_stages", 1) or 1) <= 1:
         return None
     from dsrun.config import load_ds_config
-    from dsrun.workloads.pipe_estimate import pipeline_stage_memory
+    from dsrun.workloads.pipeline_memory import pipeline_stage_memory
 
     stages = int(model_spec["pipeline_stages"])
     world = spec.ranks_per_node * spec.nodes

@@ -50,6 +50,7 @@ class Preflight:
     notes: list[str] = field(default_factory=list)
     memory: str | None = None
     data: dict[str, Any] | None = None
+    one_rank_too_big: str | None = None  # why --dry-run cannot build the ranks here, one at a time
 
 
 def check_before_launch(resolved: ResolvedRun, *, memory_check: bool = True) -> Preflight:
@@ -73,6 +74,8 @@ def check_before_launch(resolved: ResolvedRun, *, memory_check: bool = True) -> 
         problems += monitor_path_problems(resolved.ds)
     if not problems and model is not None and memory_check and here:
         problems += _memory(resolved, model, result)
+    if not problems and model is not None:
+        result.one_rank_too_big = one_rank_too_big(resolved, model)
     if problems:
         raise UserError(problems)
     note = warmup_note(resolved)
@@ -270,6 +273,27 @@ def _memory(resolved: ResolvedRun, model: RecipeModel, result: Preflight) -> lis
     return [Problem("memory", f"this run does not fit this machine by the estimator: {verdict.reason}",
                     "see dsrun estimate-memory with the same overrides; try zero=stage3 offload=cpu, a smaller "
                     "model, or fewer ranks; --skip-memory-check launches anyway")]
+
+
+def one_rank_too_big(resolved: ResolvedRun, model: RecipeModel) -> str | None:
+    """Why one rank of the plan (its share of the model, its optimizer states) does not fit this machine by the
+    estimator, or None: ``--dry-run`` builds every rank's engine here, one at a time."""
+    from dsrun.estimate import estimate_peak_bytes_per_rank
+    from dsrun.estimate.runspec import inputs_from_runspec
+    from dsrun.estimate.verdict import detect_budget
+
+    slots = [len(s) for s in resolved.plan.hosts.values()] or [resolved.world_size]
+    spec, _ = inputs_from_runspec(resolved.runspec, model)
+    rank = estimate_peak_bytes_per_rank(spec.with_(nodes=len(slots), ranks_per_node=max(slots)))
+    budget, gib = detect_budget(), 2**30
+    if budget.device_total is not None and rank.peak_per_rank > budget.device_total:
+        return f"one rank needs {rank.peak_per_rank / gib:.2f} GiB of {budget.device_name}'s " \
+               f"{budget.device_total / gib:.2f} GiB"
+    need = max(rank.peak_per_rank + rank.host_per_rank, rank.init_per_rank) if budget.device_total is None \
+        else rank.host_peak_per_rank
+    if need > budget.host_available:
+        return f"one rank needs {need / gib:.2f} GiB of RAM, {budget.host_available / gib:.2f} GiB are free"
+    return None
 
 
 def _cached_rank_runtime(spec: EstimateInputs, model_cfg: dict[str, Any]) -> int:

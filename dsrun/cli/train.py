@@ -3,8 +3,9 @@
 Examples:
   dsrun train                                   the default recipe
   dsrun train +recipe=gpt_zero3 launcher.num_procs=2
-  dsrun train --dry-run +recipe=gpt_zero3       compose, validate, check memory, write the run directory;
-                                                launch nothing
+  dsrun train --dry-run +recipe=gpt_zero3       compose, validate, check memory, write the run directory,
+                                                build every rank's engine on a fake process group and print
+                                                its groups and partitions; launch nothing (docs/dry_run.md)
   dsrun train ds_config=my_ds_config.json       your DeepSpeed JSON, merged into the recipe's ds section
   dsrun train train.save_interval=50 train.resume=auto
                                                 resume from the newest checkpoint of an earlier run with the
@@ -36,8 +37,9 @@ from dsrun.utils.errors import EXIT_USAGE, Problem, UserError
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--dry-run", action="store_true",
-                        help="compose, validate, resolve batch sizes, check memory, write the run directory "
-                             "and print the plan; launch nothing")
+                        help="compose, validate, resolve batch sizes, check memory, write the run directory, "
+                             "build each rank's model and engine in turn on torch's fake process group and print "
+                             "the plan with every rank's groups and ZeRO/pipeline/expert partitions; launch nothing")
     parser.add_argument("-m", "--multirun", action="store_true",
                         help="Hydra multirun: one job per combination (or per trial with hydra/sweeper=optuna), "
                              "then a table of the jobs")
@@ -255,9 +257,26 @@ def _dry_run(resolved: Any, run_dir: Path, preflight: Any, resume_line: str | No
         *[f"note            {note.removeprefix('note: ')}" for note in preflight.notes],
         f"wrote           {paths['resolved']}",
         f"                {paths['ds_config']}",
-        "dry run: nothing launched",
     ]
-    print("\n".join(lines))
+    print("\n".join(lines), flush=True)
+    if preflight.one_rank_too_big:
+        print(f"ranks           not built here: {preflight.one_rank_too_big} (the estimator's figure)")
+    else:
+        print("\n".join(_simulated_ranks(resolved, run_dir)))
+    print("dry run: nothing launched")
+
+
+def _simulated_ranks(resolved: Any, run_dir: Path) -> list[str]:
+    """Every rank's engine built in this process on torch's fake process group, described (and recorded as a
+    real run's ranks record themselves: ``topology_rank<R>.json``)."""
+    from dsrun.workloads import topology
+
+    print(f"ranks           {resolved.world_size}, each built in turn on a fake process group (torch's fake "
+          "backend), as a launch builds them:", flush=True)
+    ranks = topology.simulate(resolved.runspec, [len(slots) for slots in resolved.plan.hosts.values()])
+    for info in ranks:
+        topology.write(run_dir, info)
+    return topology.lines(ranks)
 
 
 def _train(resolved: Any, run_dir: Path, preflight: Any, resume_line: str | None, record: Record,

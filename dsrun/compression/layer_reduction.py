@@ -14,7 +14,7 @@ keeps only its layers ``teacher_layer``, in that order; a ``config`` attribute c
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F

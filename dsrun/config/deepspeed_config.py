@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from dsrun.config import DSConfig
 from dsrun.config import load_ds_config

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterator
 
-import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 

@@ -34,7 +34,7 @@ class GPTConfig:
     ``activation_checkpointing`` is ``none``, ``full``, ``every_N`` or ``selective`` (``true``/``false``:
     full/none; :class:`~dsrun.activation_checkpointing.modes.CheckpointMode`), kept in that spelling.
     ``pipeline_stages > 1`` cuts the model into that many pipeline stages: ``dsrun train`` then builds it as a
-    ``PipelineModule`` (:func:`dsrun.workloads.pipe_gpt.gpt_pipeline`, docs/pipeline.md) instead of a
+    ``PipelineModule`` (:func:`dsrun.workloads.pipeline.gpt_pipeline`, docs/pipeline.md) instead of a
     :class:`~dsrun.models.gpt.GPT` (a ``GPT`` object is always the whole model; the estimator and the
     autotuner count it whole too). ``sequence_parallel`` runs attention as DeepSpeed-Ulysses
     (:class:`dsrun.sequence.layer.DistributedAttention`) over the engine's sequence-parallel group

@@ -5,7 +5,7 @@ computation is a list of layers a ``PipelineModule`` can cut into stages (:func:
 embedding, the positions (added, then dropout), the blocks, the final LayerNorm and the output head. With
 tied embeddings the head is the token embedding's table used again, so both ends name it by one key and the
 pipeline keeps the two copies identical. Every layer is initialised as the GPT initialises it
-(:func:`~dsrun.models.gpt.gpt2_init`); :mod:`dsrun.workloads.pipe_gpt` turns the list into layer specs.
+(:func:`~dsrun.models.gpt.gpt2_init`); :mod:`dsrun.workloads.pipeline` turns the list into layer specs.
 """
 from __future__ import annotations
 

@@ -13,8 +13,6 @@ clamps capacity to the number of tokens.
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from dsrun.comm.groups import ProcessGroups, current_groups, set_current_groups

@@ -3,7 +3,7 @@ that keep a setting from being silently ignored.
 
 ``schedule`` picks the training schedule (``1f1b``, ``gpipe``, ``interleaved`` with ``virtual_stages``,
 ``zero_bubble``). ``stages``, ``partition``, ``seed_layers`` and ``activation_checkpoint_interval`` describe
-how the module is built: dsrun's own pipeline models are built from them (:mod:`dsrun.workloads.pipe_gpt`);
+how the module is built: dsrun's own pipeline models are built from them (:mod:`dsrun.workloads.pipeline`);
 for a user's module, which is built before the config is read, they must agree with it or the engine
 refuses to start. ``pipe_partitioned`` and ``grad_partitioned`` split each message over the model-parallel
 ranks (they only act with a ``model`` axis, see :mod:`dsrun.pipe.p2p`).

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import gc
 
-import torch
-
 from dsrun.accelerator import get_accelerator
 
 

@@ -32,7 +32,7 @@ from .gathered import GatheredParameters
 if TYPE_CHECKING:
     from dsrun.config import DSConfig
     from dsrun.config.base import Section
-    from dsrun.config.zero import AIOConfig, OffloadParamConfig, ZeroConfig
+    from dsrun.config.zero import AIOConfig, ZeroConfig
 
 # a DeepSpeed config: a dict, the path of a JSON/YAML file, or a typed config (``to_ds_dict``); None: no config
 ConfigSource = Union[dict[str, Any], str, os.PathLike, "Section", None]

@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from enum import Enum
-from typing import Any, Iterable, Protocol
+from typing import Iterable, Protocol
 
 import torch
 

@@ -11,8 +11,8 @@ from dsrun.config import load_ds_config
 from dsrun.models.config import GPTConfig
 from dsrun.models.gpt import GPT
 from dsrun.runspec import resolve_run
-from dsrun.workloads.pipe_estimate import blocks_in_flight
-from dsrun.workloads.pipe_gpt import gpt_pipeline
+from dsrun.workloads.pipeline_memory import blocks_in_flight
+from dsrun.workloads.pipeline import gpt_pipeline
 from dsrun.pipe.schedule import TrainSchedule
 from dsrun.pipe.timed import GPipeSchedule
 from dsrun.utils.errors import ConfigError

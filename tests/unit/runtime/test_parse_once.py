@@ -42,7 +42,7 @@ def test_a_script_s_initialize_parses_its_config_once() -> None:
 
 
 def test_a_rank_parses_once_and_initialize_reuses_it() -> None:
-    from dsrun.worker import zero_init_context
+    from dsrun.workloads.base import zero_init_context
 
     with _Parses() as parses:
         resolved = load_resolved(copy.deepcopy(CONFIG), world_size=1)
@@ -78,7 +78,7 @@ def test_the_launcher_resolves_the_ds_config_once() -> None:
 
 
 def test_a_pipelined_gpt_is_built_from_the_rank_s_parse() -> None:
-    from dsrun.workloads.pipe_training import build_pipeline_model
+    from dsrun.workloads.pipeline import build_pipeline_model
 
     spec = {"_target_": "dsrun.models.gpt.GPT", "n_layer": 2, "n_head": 2, "n_embd": 8, "block_size": 8,
             "vocab_size": 16, "pipeline_stages": 1}

@@ -3,25 +3,19 @@ many micro-batches its schedule keeps alive (walked from the schedule's instruct
 (:mod:`dsrun.estimate.pipeline`)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping
-
-import torch
+from typing import Any, Mapping
 
 from dsrun.estimate.inputs import EstimateInputs
 from dsrun.estimate.pipeline import StageMemory, stage_memory
 from dsrun.models.config import GPTConfig
-from dsrun.models.gpt_pipe import GPTBlock, pipeline_layers
+from dsrun.models.gpt_pipe import GPTBlock
+from dsrun.pipe.schedule import BackwardPass, BackwardWeightPass, ForwardPass
+from dsrun.pipe.settings import train_schedule
 
-from dsrun.pipe.partition import partition_layers
-from dsrun.pipe.schedule import BackwardPass, BackwardWeightPass, ForwardPass, PipeSchedule
-from dsrun.pipe.settings import partition_method, train_schedule
-from dsrun.workloads.pipe_gpt import layer_specs
-
-if TYPE_CHECKING:
-    from dsrun.config import DSConfig
+from .pipeline import local_params, stage_layers
 
 
-def blocks_in_flight(schedule: PipeSchedule, chunk_blocks: list[int]) -> float:
+def blocks_in_flight(schedule: Any, chunk_blocks: list[int]) -> float:
     """The peak, over ``schedule``'s stream, of the blocks whose micro-batch a stage holds activations for:
     a forward of chunk ``c`` adds ``chunk_blocks[c]``, its backward (or weight pass) releases them."""
     alive = peak = 0
@@ -36,30 +30,20 @@ def blocks_in_flight(schedule: PipeSchedule, chunk_blocks: list[int]) -> float:
     return float(peak)
 
 
-def pipeline_stage_memory(spec: EstimateInputs, model_spec: Mapping[str, Any], ds_config: DSConfig
-                          ) -> list[StageMemory]:
+def pipeline_stage_memory(spec: EstimateInputs, model_spec: Mapping[str, Any], ds_config: Any) -> list[StageMemory]:
     """Every stage's estimate for the recipe's GPT cut into ``model.pipeline_stages`` stages."""
     config = GPTConfig.from_kwargs({k: v for k, v in model_spec.items() if k != "_target_"})
     stages = config.pipeline_stages
     pipe = ds_config.pipeline
     virtual = pipe.virtual_stages if pipe.schedule == "interleaved" else 1
-    method = partition_method(ds_config)
-    if method == "profile":  # needs a measurement: estimate with the parameter-balanced cut
-        method = "parameters"
-    kinds = pipeline_layers(config)
-    parts = partition_layers(layer_specs(config), stages * virtual, method)
-    with torch.device("meta"):
-        sizes = [sum(p.numel() for p in layer.typename(config).parameters()) for layer in kinds]
+    kinds, sizes, parts = stage_layers(config, ds_config, stages * virtual)
     world = spec.ranks_per_node * spec.nodes
     data_parallel = max(1, world // stages)
     micro_batches = int(ds_config.gradient_accumulation_steps)
     rows = []
     for s in range(stages):
         chunks = [range(parts[c * stages + s], parts[c * stages + s + 1]) for c in range(virtual)]
-        local = [i for chunk in chunks for i in chunk]
-        tied = {kinds[i].tie_key for i in local if kinds[i].tie_key}
-        params = sum(sizes[i] for i in local if not kinds[i].tie_key)
-        params += sum(sizes[next(i for i in local if kinds[i].tie_key == key)] for key in tied)
+        params = local_params(kinds, sizes, [i for chunk in chunks for i in chunk])
         chunk_blocks = [sum(1 for i in chunk if kinds[i].typename is GPTBlock) for chunk in chunks]
         alive = blocks_in_flight(train_schedule(ds_config, micro_batches, stages, s), chunk_blocks)
         layers = ", ".join(f"{c.start}-{c.stop - 1}" for c in chunks if len(c))
