@@ -95,3 +95,23 @@ def pytest_sessionstart(session):
         get_builder("cpu_adam").load()
     except CompilerUnavailableError:
         pass
+
+
+@pytest.fixture(scope="module")
+def module_root(request, tmp_path_factory):
+    """A temporary folder for the whole test module (its launches' checkpoints and NVMe files)."""
+    return tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1])
+
+
+@pytest.fixture(scope="module")
+def runs(request, module_root):
+    """The one fixture of every multi-rank test module: its declared launches (``LAUNCHES``, or
+    ``launches(root)`` of ``module_root``), each run once on first use (tests/harness/launch.py); what the
+    module's ``collect(runs)`` returns where it declares one."""
+    from tests.harness.launch import Runs
+
+    module = request.module
+    declared = getattr(module, "launches", None) or getattr(module, "LAUNCHES", {})
+    launched = Runs(declared, module_root)
+    collect = getattr(module, "collect", None)
+    return collect(launched) if collect else launched

@@ -63,9 +63,9 @@ class _Pair(torch.nn.Module):
 def reference_run(global_batch: int, steps: int, dtype: torch.dtype = torch.float32, parts: int = 1,
                   reverse: bool = False) -> dict[str, Any]:
     """Single-process PyTorch of a job (dropout 0): AdamW, the config's WarmupLR and clipping, whole global
-    batches (tests/integration/_workloads.reference_run; tests/tolerance.py measures its rounding spread)."""
+    batches (tests/harness/runs.reference_run; tests/tolerance.py measures its rounding spread)."""
     from dsrun.runtime.lr_schedules import build_lr_scheduler
-    from tests.integration import _workloads
+    from tests.harness.runs import reference_run as harness_reference
 
     cfg = ds_config(1, "fp32", 1)
 
@@ -79,7 +79,7 @@ def reference_run(global_batch: int, steps: int, dtype: torch.dtype = torch.floa
         return torch.cat([v.detach().double().reshape(-1) for _, v in sorted(model.model.state_dict().items())
                           if v.is_floating_point()]).numpy()
 
-    return _workloads.reference_run(
+    return harness_reference(
         "gpt", steps, global_batch, cfg["gradient_clipping"], dtype, parts, reverse,
         build=lambda name: _Pair(build_model(0.0)), batch_at=batch_at, flat=flat,
         schedule=lambda opt: build_lr_scheduler(cfg["scheduler"]["type"], opt, cfg["scheduler"]["params"]))

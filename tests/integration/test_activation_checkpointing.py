@@ -10,7 +10,8 @@ import pytest
 
 from tests.helpers import run_ranks
 from tests.integration import _actckpt_workloads as w
-from tests.integration._zero3_workloads import GPT_KW, SEQ
+from tests.harness.models import GPT_KW
+from tests.harness.models import NANOGPT_SEQ as SEQ
 
 # one block's input: the 4 x 16 tokens of the global batch, n_embd floats each
 INPUT_BYTES = 4 * SEQ * GPT_KW["n_embd"] * 4

@@ -18,6 +18,8 @@ import pytest
 import torch
 
 from tests.helpers import run_ranks
+from tests.harness.models import loss_terms
+from tests.harness.runs import reference_run
 from tests.integration import _offload_param_workloads as w
 from tests import tolerance as t
 
@@ -25,8 +27,8 @@ from tests import tolerance as t
 @functools.lru_cache(maxsize=None)
 def spread(dtype: torch.dtype = torch.float32) -> t.Spread:
     def run(d: torch.dtype, parts: int, reverse: bool) -> dict:
-        return w.z3.reference_run("gpt", w.STEPS, 4, 0.0, d, parts, reverse)
-    return t.spread(run, dtype, w.z3.loss_terms("gpt", 4))
+        return reference_run("nanogpt", w.STEPS, 4, 0.0, d, parts, reverse)
+    return t.spread(run, dtype, loss_terms("nanogpt", 4))
 
 
 @functools.lru_cache(maxsize=None)
