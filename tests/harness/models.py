@@ -7,7 +7,10 @@ batch of optimizer step ``step`` is the same everywhere, and each rank trains it
 - ``mlp``: a three-layer tanh MLP;
 - ``nanogpt`` (``nanogpt_frozen``: first block and position table frozen): dsrun's own GPT (``GPT_KW``);
 - ``twice_mlp`` (``twice_mlp_frozen``: first layer frozen): an MLP that applies its middle layer twice;
-- ``small_mlp``: the 8-16-4 MLP of the gradient-path tests (seed 3).
+- ``small_mlp``: the 8-16-4 MLP of the gradient-path tests (seed 3);
+- ``surface_mlp``: the 6-10-3 MLP of the engine-surface tests (safe_get, deferred reduction; seed 5).
+
+``checkpoint_gpt(dropout, frozen)`` is the checkpoint tests' GPT (their batches come from a resumable stream).
 
 ``named`` models are compared through their named (gathered) state, sorted by name (``flat_named``); the others
 through ``parameters()`` in order, each shared tensor once (``flat_params``).
@@ -112,6 +115,18 @@ def nanogpt(frozen: bool = False) -> nn.Module:
     return model
 
 
+def checkpoint_gpt(dropout: float = 0.1, frozen: bool = False) -> nn.Module:
+    """dsrun's GPT of the checkpoint tests (vocabulary ``VOCAB``, blocks of ``SEQ``), dropout on by default
+    (a resumed run must then restore the RNG states too); ``frozen`` freezes the position table."""
+    from dsrun.models.gpt import GPT
+
+    torch.manual_seed(1234)
+    model = GPT(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2, n_embd=32, dropout=dropout)
+    if frozen:
+        model.transformer["wpe"].weight.requires_grad_(False)
+    return model
+
+
 def _tokens(gen: torch.Generator, size: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (size, SEQ), generator=gen)
 
@@ -127,6 +142,10 @@ def _nanogpt_pairs(gen: torch.Generator, size: int) -> tuple[torch.Tensor, torch
 
 def _twice_pairs(gen: torch.Generator, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(size, 12, generator=gen), torch.randn(size, 3, generator=gen)
+
+
+def _surface_pairs(gen: torch.Generator, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(size, 6, generator=gen), torch.randn(size, 3, generator=gen)
 
 
 def _small_pairs(gen: torch.Generator, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,6 +172,8 @@ MODELS: dict[str, ModelSpec] = {
     "twice_mlp_frozen": ModelSpec(lambda: TwiceMLP(frozen=True), _twice_pairs, 3, named=True),
     "small_mlp": ModelSpec(lambda: nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)), _small_pairs, 4,
                            seed=3),
+    "surface_mlp": ModelSpec(lambda: nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 3)), _surface_pairs, 3,
+                             seed=5),
 }
 
 

@@ -55,6 +55,21 @@ def zero3_config(stage: int, micro: int, gas: int, zero: dict | None = None, **e
     return ds_config(stage, micro, gas, bucket=700, zero=tuned, **extra)
 
 
+def checkpoint_config(stage: int, precision: str, micro: int, extra: dict | None = None) -> dict[str, Any]:
+    """The checkpoint tests' config: a WarmupLR schedule, clipping at 1.0, buckets of 2000, ``precision``
+    (fp32, bf16, fp16); at stage 3 nothing persistent and the 16-bit weights gathered on save. ``extra``
+    replaces whole sections."""
+    zero: dict[str, Any] = {"allgather_bucket_size": 2000}
+    if stage == 3:
+        zero.update(stage3_param_persistence_threshold=0, stage3_gather_16bit_weights_on_model_save=True)
+    cfg = ds_config(stage, micro, 1, bucket=2000, zero=zero, gradient_clipping=1.0,
+                    scheduler={"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-3,
+                                                              "warmup_num_steps": 5}},
+                    **({precision: {"enabled": True}} if precision in ("bf16", "fp16") else {}))
+    cfg.update(extra or {})
+    return cfg
+
+
 def reference_run(name: str, steps: int, global_size: int, clip: float = 0.0, dtype: torch.dtype = torch.float32,
                   parts: int = 1, reverse: bool = False, loss_scale: float = 1.0,
                   build: Callable[[str], nn.Module] | None = None, batch_at: Callable | None = None,
