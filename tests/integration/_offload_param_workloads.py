@@ -1,7 +1,7 @@
 """Rank entry points for the parameter-offload tests (``offload_param`` cpu | nvme at ZeRO stage 3).
 
 Every case trains the tiny tied-embedding GPT of the ZeRO-3 tests with the same data; the reference is the
-same run without offload. All cases of one world size run in one launch (:func:`world_suite`) to keep CI
+same run without offload. All cases of one world size run in one launch (:func:`offload_suite`) to keep CI
 short. :func:`rss_run` measures a rank's resident memory for the memory test.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from tests.harness.models import build_model, flat_named, global_batch
-from tests.harness.runs import train_steps
+from tests.harness.runs import full_params, train_steps
 from tests.harness.runs import zero3_config as ds_config
 
 STEPS = 5
@@ -74,14 +74,10 @@ def _batch(step: int, size: int) -> Any:
 
 
 def _params(engine: Any) -> Any:
-    import dsrun
-
-    full = dsrun.zero.full_state_dict(engine.module)
-    names = {n for n, _ in engine.module.named_parameters()}
-    return flat_named({k: v for k, v in full.items() if k in names}).numpy()
+    return flat_named(full_params(engine)).numpy()
 
 
-def world_suite(rank: int, world: int, root: str, ckpt_dir: str) -> dict[str, Any]:
+def offload_suite(rank: int, world: int, root: str, ckpt_dir: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, (cfg, zero_init) in suite_cases(root).items():
         engine = _build(cfg, zero_init)
