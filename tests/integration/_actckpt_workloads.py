@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from tests.harness.models import GPT_KW, flat_named, global_batch
-from tests.harness.runs import train_steps
+from tests.harness.runs import full_params, train_steps
 from tests.harness.runs import zero3_config as zero_ds_config
 
 STEPS = 6
@@ -111,11 +111,10 @@ def engine_run(model: torch.nn.Module, config: dict[str, Any], rank: int, world:
 
     engine, _, _, _ = dsrun.initialize(model=model, config=config)
     losses, _ = train_steps(engine, lambda step, size: global_batch("nanogpt", step, size), STEPS, rank, world)
-    full = dsrun.zero.full_state_dict(engine.module) if engine.zero_optimization_stage() == 3 else \
-        engine.module.state_dict()
+    full = full_params(engine)
     params = dict(engine.module.named_parameters())
     frozen = [n for n, p in params.items() if not p.requires_grad]
-    return {"losses": losses, "params": flat_named({k: v for k, v in full.items() if k in params}).numpy(),
+    return {"losses": losses, "params": flat_named(full).numpy(),
             "frozen_unchanged": bool(frozen) and all(torch.equal(full[n], initial[n]) for n in frozen),
             "trained": all(not torch.equal(full[n], initial[n]) for n in params if n not in frozen)}
 
