@@ -20,7 +20,7 @@ import torch
 from tests import tolerance as t
 from tests.harness.launch import Launch
 from tests.harness.models import build_model, flat_params, global_batch, loss_terms, slice_batch
-from tests.harness.runs import STEPS, Case, cases_at, ds_config, reference_run, world_suite
+from tests.harness.runs import STEPS, Case, ds_config, reference_run, world_suite
 
 
 def _cases() -> list[Case]:
@@ -113,19 +113,17 @@ CASES = _cases()
 LAUNCHES = {world: Launch(engine_suite, world, timeout=600) for world in WORLDS}
 
 
-@pytest.mark.parametrize("world", WORLDS)
-def test_fp32_matches_single_process_pytorch(runs, world: int) -> None:
-    results = runs[world]
-    for key, case in cases_at(CASES, world).items():
-        if not key.startswith("parity/"):
-            continue
-        s = spread(case.model, case.global_size(world))
-        got = results[0][key]
-        t.assert_tracks(got, s.reference, s, f"{key} world={world}")
-        for other in results[1:]:  # every rank ends with the same model
-            np.testing.assert_array_equal(other[key]["params"], got["params"])
-        assert got["global_steps"] == STEPS and got["micro_steps"] == STEPS
-        assert got["global_samples"] == STEPS * case.global_size(world)
+@pytest.mark.parametrize("case,world", [pytest.param(case, world, id=f"{case.key}-world{world}") for case in CASES
+                                        if case.key.startswith("parity/") for world in case.worlds])
+def test_fp32_matches_single_process_pytorch(runs, case: Case, world: int) -> None:
+    results, key = runs[world], case.key
+    s = spread(case.model, case.global_size(world))
+    got = results[0][key]
+    t.assert_tracks(got, s.reference, s, f"{key} world={world}")
+    for other in results[1:]:  # every rank ends with the same model
+        np.testing.assert_array_equal(other[key]["params"], got["params"])
+    assert got["global_steps"] == STEPS and got["micro_steps"] == STEPS
+    assert got["global_samples"] == STEPS * case.global_size(world)
 
 
 def test_gradient_accumulation_equals_larger_micro_batch(runs) -> None:

@@ -65,13 +65,13 @@ def _check_parity(key: str, world: int, results: list[dict]) -> None:
         np.testing.assert_array_equal(other[key]["params"], got["params"])
 
 
-@pytest.mark.parametrize("world", [1, 2, pytest.param(3, marks=pytest.mark.slow),
-                                   pytest.param(4, marks=pytest.mark.slow)])
-def test_fp32_matches_single_process_pytorch(runs, world: int) -> None:
+@pytest.mark.parametrize("key,world", [pytest.param(case.key, world, id=f"{case.key}-world{world}",
+                                                    marks=[pytest.mark.slow] if world > 2 else [])
+                                       for case in CASES if case.key.startswith("parity/") for world in case.worlds])
+def test_fp32_matches_single_process_pytorch(runs, key: str, world: int) -> None:
     """A tied-embedding GPT and an MLP whose middle layer runs twice per forward."""
     results = runs[world]
-    for key in ("parity/mlp", "parity/gpt"):
-        _check_parity(key, world, results)
+    _check_parity(key, world, results)
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
