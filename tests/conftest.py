@@ -73,10 +73,14 @@ class _RepositoryUntouched:
 
 def pytest_collection_modifyitems(config, items):
     """The suite runs on two pytest-xdist workers (``--dist loadgroup``, pyproject.toml). The multi-host tests
-    share one pair of network-namespace hosts (a session fixture, set up once per worker): keep them on one."""
+    share one pair of network-namespace hosts (a session fixture, set up once per worker): keep them on one.
+    The tests of a module that reads the ``runs`` fixture share its launches: keep them on one worker, so each
+    launch runs once in the suite."""
     for item in items:
         if item.get_closest_marker("multihost"):
             item.add_marker(pytest.mark.xdist_group("two_hosts"))
+        elif "runs" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
 @pytest.fixture
