@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from tests.harness.models import build_model, flat_named, global_batch, slice_batch
-from tests.harness.runs import train_steps
+from tests.harness.runs import full_params, train_steps
 from tests.harness.runs import zero3_config as ds_config
 
 STEPS = 6
@@ -63,9 +63,7 @@ def _run(cfg: dict[str, Any], rank: int, world: int, zero_init: bool = False) ->
     total = loss.detach().double().reshape(1)
     comm.all_reduce(total)
     losses.append(total.item() / world)
-    full = dsrun.zero.full_state_dict(engine.module)
-    names = {n for n, _ in engine.module.named_parameters()}
-    params = {k: v for k, v in full.items() if k in names}
+    params = full_params(engine)
     memory = engine.memory_breakdown().as_dict()
     engine.destroy()
     return {"losses": losses, "params": flat_named(params).numpy(), "memory": memory,

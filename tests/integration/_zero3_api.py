@@ -174,8 +174,8 @@ def export_16bit(rank: int, world: int, save_dir: str, gather: bool) -> dict[str
     from dsrun.runtime.initialize import initialize
 
     cfg = ds_config(3, 2, 1, bf16={"enabled": True},
-                      zero={"stage3_gather_16bit_weights_on_model_save": gather,
-                            "stage3_param_persistence_threshold": 100})  # LayerNorms and biases persist
+                    zero={"stage3_gather_16bit_weights_on_model_save": gather,
+                          "stage3_param_persistence_threshold": 100})  # LayerNorms and biases persist
     engine, _, _, _ = initialize(model=build_model("nanogpt"), config=cfg)
     batch = global_batch("nanogpt", 0, 2 * world)
     loss = engine(slice_batch(batch, 2 * rank, 2 * rank + 2))

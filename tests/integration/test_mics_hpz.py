@@ -19,7 +19,7 @@ import torch
 from dsrun.estimate.inputs import EstimateInputs
 from dsrun.estimate.model_states import model_state_bytes
 from tests import tolerance as t
-from tests.helpers import run_ranks
+from tests.harness.launch import Launch
 from tests.integration import _mics_workloads as m
 from tests.harness.models import loss_terms
 from tests.harness.runs import reference_run
@@ -27,9 +27,13 @@ from tests.harness.runs import reference_run
 WORLD = 4
 
 
+def launches(root) -> dict:
+    return {"suite": Launch(m.suite, WORLD, (str(root),), timeout=900)}
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return run_ranks(m.suite, WORLD, str(tmp_path_factory.mktemp("mics_ckpt")), timeout=900)
+def results(runs) -> list[dict]:
+    return runs["suite"]
 
 
 @functools.lru_cache(maxsize=None)

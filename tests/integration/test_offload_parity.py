@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.harness.launch import Launch
 from tests.helpers import run_ranks
 from tests.integration import _offload_workloads as o
 from tests import tolerance as t
@@ -28,14 +29,14 @@ BF16_CASES = ["base_bf16/3", "nvme_bf16/3", "cpu_bf16/2"]
 GAS_CASES = ["nvme_gas/3"]
 
 
-@functools.lru_cache(maxsize=None)
-def _suite(nvme_path: str) -> dict:
-    return run_ranks(o.parity_suite, 2, nvme_path, ["base/3"] + FP32_CASES + BF16_CASES + GAS_CASES, timeout=600)[0]
+def launches(root) -> dict:
+    cases = ["base/3"] + FP32_CASES + BF16_CASES + GAS_CASES
+    return {"parity": Launch(o.parity_suite, 2, (str(root), cases), timeout=600, rank=0)}
 
 
 @pytest.fixture(scope="module")
-def suite(tmp_path_factory) -> dict:
-    return _suite(str(tmp_path_factory.mktemp("nvme")))
+def suite(runs) -> dict:
+    return runs["parity"]
 
 
 @functools.lru_cache(maxsize=None)
