@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from tests.harness.launch import Launch, Runs
+from tests.helpers import run_ranks
 from tests.integration._data_efficiency_workloads import analyse, run_jobs
 
 FEATURES = ("legacy", "pld", "ltd", "sampling", "all")
