@@ -71,6 +71,7 @@ class _RepositoryUntouched:
                 terminalreporter.write_line(path)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
     """The suite runs on two pytest-xdist workers (``--dist loadgroup``, pyproject.toml). The multi-host tests
     share one pair of network-namespace hosts (a session fixture, set up once per worker): keep them on one.
