@@ -1,10 +1,10 @@
-"""Multi-rank launches as records, run once per test module by the one ``runs`` fixture
-(tests/integration/conftest.py).
+"""Multi-rank launches as records, run once per test module by the one ``runs`` fixture (tests/conftest.py).
 
-A test module declares its launches, ``LAUNCHES = {key: Launch(...)}`` (or a function of the module's temporary
-folder returning that dict), and reads their results from ``runs[key]``: each launch starts on first use and
-its per-rank results are kept for the module. A module whose tests read the results combined declares
-``collect(runs)``; the fixture then gives what it returns.
+A test module declares its launches, ``LAUNCHES = {key: Launch(...)}`` (or ``launches(root)`` returning that
+dict for the module's temporary folder, the ``module_root`` fixture), and reads their results from
+``runs[key]``: each launch starts on first use and its per-rank results are kept for the session. A module
+whose launches depend on each other or whose tests read the results combined declares ``collect(runs)``; the
+fixture then gives what it returns.
 """
 from __future__ import annotations
 
