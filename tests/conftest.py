@@ -71,12 +71,17 @@ class _RepositoryUntouched:
                 terminalreporter.write_line(path)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
     """The suite runs on two pytest-xdist workers (``--dist loadgroup``, pyproject.toml). The multi-host tests
-    share one pair of network-namespace hosts (a session fixture, set up once per worker): keep them on one."""
+    share one pair of network-namespace hosts (a session fixture, set up once per worker): keep them on one.
+    The tests of a module that reads the ``runs`` fixture share its launches: keep them on one worker, so each
+    launch runs once in the suite."""
     for item in items:
         if item.get_closest_marker("multihost"):
             item.add_marker(pytest.mark.xdist_group("two_hosts"))
+        elif "runs" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
 @pytest.fixture
@@ -87,11 +92,40 @@ def port():
 
 
 def pytest_sessionstart(session):
-    """Engines on CPU use the compiled CPU Adam, which compiles on first use (30-60 s, then cached). Build it
-    once here, outside every test's time limit; without a compiler the op's torch fallback is used."""
-    from op_builder import CompilerUnavailableError, get_builder
+    """Every compiled op (CPU Adam, Adagrad, Lion, async I/O) is built before the first test, once, outside
+    every test's time limit, by the one process that starts the others (with pytest-xdist, the controller
+    builds before its workers start; they load from the cache). ``tests/run`` builds them beforehand
+    (``dsrun ops build --all``), so here each is a cache hit of well under a second; on a machine where
+    nothing built them yet this compiles each once (a minute or more each), never inside a test. Without a
+    compiler the ops' torch fallbacks are used."""
+    if hasattr(session.config, "workerinput"):
+        return
+    from op_builder import ALL_OPS, CompilerUnavailableError, OpBuildError, get_builder
 
-    try:
-        get_builder("cpu_adam").load()
-    except CompilerUnavailableError:
-        pass
+    for name in ALL_OPS:
+        try:
+            get_builder(name).load()
+        except CompilerUnavailableError:
+            return
+        except OpBuildError:  # the tests of that op report the compiler's error
+            continue
+
+
+@pytest.fixture(scope="module")
+def module_root(request, tmp_path_factory):
+    """A temporary folder for the whole test module (its launches' checkpoints and NVMe files)."""
+    return tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1])
+
+
+@pytest.fixture(scope="module")
+def runs(request, module_root):
+    """The one fixture of every multi-rank test module: its declared launches (``LAUNCHES``, or
+    ``launches(root)`` of ``module_root``), each run once on first use (tests/harness/launch.py); what the
+    module's ``collect(runs)`` returns where it declares one."""
+    from tests.harness.launch import Runs
+
+    module = request.module
+    declared = getattr(module, "launches", None) or getattr(module, "LAUNCHES", {})
+    launched = Runs(declared, module_root)
+    collect = getattr(module, "collect", None)
+    return collect(launched) if collect else launched

@@ -35,6 +35,28 @@ def require_programs(*programs: str) -> dict[str, str]:
     return {name: str(path) for name, path in found.items()}
 
 
+def require_built_op(name: str, simd: str | None = None) -> None:
+    """Skips the calling test unless the compiled op ``name`` (at SIMD level ``simd``; None: the machine's) is
+    built, prebuilt or in the op cache: no test compiles an op, ``tests/run`` builds them before the suite."""
+    import pytest
+
+    from op_builder import get_builder
+
+    saved = os.environ.get("DSRUN_SIMD")
+    if simd is not None:
+        os.environ["DSRUN_SIMD"] = simd
+    try:
+        built = get_builder(name).is_built()
+    finally:
+        if saved is None:
+            os.environ.pop("DSRUN_SIMD", None)
+        else:
+            os.environ["DSRUN_SIMD"] = saved
+    if not built:
+        env = f"DSRUN_SIMD={simd} " if simd else ""
+        pytest.skip(f"op {name} is not built: {env}python -m dsrun ops build {name} (tests/run builds it)")
+
+
 def free_port() -> int:
     """A TCP port that is free right now, below the kernel's ephemeral range (dsrun.utils.net.free_port): the
     ranks' gloo connections of a test on the other worker cannot take it before this test's store binds it."""

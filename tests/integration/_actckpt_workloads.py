@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from tests.integration._workloads import train_steps
-from tests.integration._zero3_workloads import GPT_KW, flat_params, global_batch
-from tests.integration._zero3_workloads import ds_config as zero_ds_config
+from tests.harness.models import GPT_KW, flat_named, global_batch
+from tests.harness.runs import full_params, train_steps
+from tests.harness.runs import zero3_config as zero_ds_config
 
 STEPS = 6
 
@@ -59,7 +59,7 @@ def _gpt_run(checkpoint_fn: Any) -> dict[str, Any]:
     model = GPT(**{**GPT_KW, "dropout": 0.1})
     if checkpoint_fn is not None:
         model.enable_activation_checkpointing(True, checkpoint_fn)
-    inputs, targets = global_batch("gpt", 0, 4)
+    inputs, targets = global_batch("nanogpt", 0, 4)
     torch.manual_seed(1)
     loss, storages = saved_storages(lambda: model(inputs, targets), model)
     loss.backward()
@@ -110,12 +110,11 @@ def engine_run(model: torch.nn.Module, config: dict[str, Any], rank: int, world:
     import dsrun
 
     engine, _, _, _ = dsrun.initialize(model=model, config=config)
-    losses, _ = train_steps(engine, lambda step, size: global_batch("gpt", step, size), STEPS, rank, world)
-    full = dsrun.zero.full_state_dict(engine.module) if engine.zero_optimization_stage() == 3 else \
-        engine.module.state_dict()
+    losses, _ = train_steps(engine, lambda step, size: global_batch("nanogpt", step, size), STEPS, rank, world)
+    full = full_params(engine)
     params = dict(engine.module.named_parameters())
     frozen = [n for n, p in params.items() if not p.requires_grad]
-    return {"losses": losses, "params": flat_params({k: v for k, v in full.items() if k in params}).numpy(),
+    return {"losses": losses, "params": flat_named(full).numpy(),
             "frozen_unchanged": bool(frozen) and all(torch.equal(full[n], initial[n]) for n in frozen),
             "trained": all(not torch.equal(full[n], initial[n]) for n in params if n not in frozen)}
 

@@ -15,7 +15,9 @@ from typing import Any
 import numpy as np
 import torch
 
-VOCAB, SEQ = 64, 8
+from tests.harness.models import SEQ, VOCAB, checkpoint_gpt
+from tests.harness.runs import checkpoint_config
+
 
 
 class StepStream:
@@ -39,16 +41,6 @@ class StepStream:
         self.step = sd["step"]
 
 
-def build_model(dropout: float = 0.1, frozen: bool = False) -> torch.nn.Module:
-    from dsrun.models.gpt import GPT
-
-    torch.manual_seed(1234)
-    model = GPT(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2, n_embd=32, dropout=dropout)
-    if frozen:
-        model.transformer["wpe"].weight.requires_grad_(False)
-    return model
-
-
 class _Pair(torch.nn.Module):
     """The model taking one (inputs, targets) batch, as the reference runs call it."""
 
@@ -60,14 +52,14 @@ class _Pair(torch.nn.Module):
         return self.model(*batch)
 
 
-def reference_run(global_batch: int, steps: int, dtype: torch.dtype = torch.float32, parts: int = 1,
+def job_reference(global_batch: int, steps: int, dtype: torch.dtype = torch.float32, parts: int = 1,
                   reverse: bool = False) -> dict[str, Any]:
     """Single-process PyTorch of a job (dropout 0): AdamW, the config's WarmupLR and clipping, whole global
-    batches (tests/integration/_workloads.reference_run; tests/tolerance.py measures its rounding spread)."""
+    batches (tests/harness/runs.reference_run; tests/tolerance.py measures its rounding spread)."""
     from dsrun.optim.lr_schedules import build_lr_scheduler
-    from tests.integration import _workloads
+    from tests.harness.runs import reference_run as harness_reference
 
-    cfg = ds_config(1, "fp32", 1)
+    cfg = checkpoint_config(1, "fp32", 1)
 
     def batch_at(name: str, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = StepStream(size, 0, 1)
@@ -79,9 +71,9 @@ def reference_run(global_batch: int, steps: int, dtype: torch.dtype = torch.floa
         return torch.cat([v.detach().double().reshape(-1) for _, v in sorted(model.model.state_dict().items())
                           if v.is_floating_point()]).numpy()
 
-    return _workloads.reference_run(
+    return harness_reference(
         "gpt", steps, global_batch, cfg["gradient_clipping"], dtype, parts, reverse,
-        build=lambda name: _Pair(build_model(0.0)), batch_at=batch_at, flat=flat,
+        build=lambda name: _Pair(checkpoint_gpt(0.0)), batch_at=batch_at, flat=flat,
         schedule=lambda opt: build_lr_scheduler(cfg["scheduler"]["type"], opt, cfg["scheduler"]["params"]))
 
 
@@ -89,25 +81,6 @@ def flat_state(params: dict[str, Any]) -> Any:
     """A job's final parameters (``result["params"]``) as one float64 vector, in the reference's order."""
     return np.concatenate([np.asarray(v, dtype=np.float64).reshape(-1) for _, v in sorted(params.items())
                            if np.issubdtype(np.asarray(v).dtype, np.floating)])
-
-
-def ds_config(stage: int, precision: str, micro: int, extra: dict | None = None) -> dict[str, Any]:
-    cfg: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-3, "warmup_num_steps": 5}},
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000, "allgather_bucket_size": 2000},
-        "gradient_clipping": 1.0,
-        "steps_per_print": 1000,
-    }
-    if precision in ("bf16", "fp16"):
-        cfg[precision] = {"enabled": True}
-    if stage == 3:
-        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-        cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
-    cfg.update(extra or {})
-    return cfg
 
 
 def full_params(engine: Any) -> dict[str, torch.Tensor]:
@@ -139,9 +112,9 @@ def run_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     random.seed(11 + rank)
     np.random.seed(11 + rank)
     torch.manual_seed(11 + rank)  # per-rank dropout streams; re-seeded identically in every launch
-    model = build_model(job.get("dropout", 0.1), job.get("frozen", False))
+    model = checkpoint_gpt(job.get("dropout", 0.1), job.get("frozen", False))
     micro = job["global_batch"] // world
-    cfg = ds_config(job["stage"], job["precision"], micro, job.get("extra"))
+    cfg = checkpoint_config(job["stage"], job["precision"], micro, job.get("extra"))
     cfg["zero_optimization"].update(job.get("zero", {}))  # e.g. offload_optimizer, sub_group_size
     engine, *_ = dsrun.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     if job.get("kill_on_swap_write"):  # SIGKILL this rank in the middle of an NVMe swap (writes in flight)
@@ -209,8 +182,9 @@ def save_failures(rank: int, world: int, root: str) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     for mode in ("Fail", "Warn"):
-        model = build_model(0.0)
-        engine, *_ = dsrun.initialize(model=model, config=ds_config(1, "fp32", 2, {"checkpoint": {"tag_validation": mode}}))
+        model = checkpoint_gpt(0.0)
+        cfg = checkpoint_config(1, "fp32", 2, {"checkpoint": {"tag_validation": mode}})
+        engine, *_ = dsrun.initialize(model=model, config=cfg)
         try:
             engine.save_checkpoint(f"{root}/{mode}", tag=f"mine{rank}")
             out[mode] = "saved"
@@ -241,7 +215,7 @@ def save_own_tags(rank: int, world: int, root: str) -> list[str]:
     """DeepSpeed's TestCheckpointUniqueTag with tag_validation Ignore: each rank saves under its own tag."""
     import dsrun
 
-    engine, *_ = dsrun.initialize(model=build_model(0.0, False),
-                                  config=ds_config(1, "fp32", 2, {"checkpoint": {"tag_validation": "Ignore"}}))
+    engine, *_ = dsrun.initialize(model=checkpoint_gpt(0.0, False),
+                                  config=checkpoint_config(1, "fp32", 2, {"checkpoint": {"tag_validation": "Ignore"}}))
     engine.save_checkpoint(root, tag=f"tag-{rank}")
     return sorted(p.name for p in (Path(root) / f"tag-{rank}").iterdir())

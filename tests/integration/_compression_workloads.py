@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.integration import _zero3_workloads as z3
+from tests.harness.runs import engine_run
+from tests.harness.runs import zero3_config as ds_config
 
 STEPS = 50
 # 8 -> 4 bits (grouped) with activation quantization, and learned sparse masks (their scores are ZeRO
@@ -27,6 +28,6 @@ CASES = {"stage0": (0, False), "stage2": (2, False), "stage3": (3, False), "stag
 def qat_suite(rank: int, world: int) -> dict[str, Any]:
     out = {}
     for name, (stage, zero_init) in CASES.items():
-        config = z3.ds_config(stage, 2, 1, compression_training=QAT)
-        out[name] = z3.engine_run("gpt", config, STEPS, rank, world, zero_init=zero_init)
+        config = ds_config(stage, 2, 1, compression_training=QAT)
+        out[name] = engine_run("nanogpt", config, STEPS, rank, world, zero_init=zero_init)
     return out

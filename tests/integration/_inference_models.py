@@ -192,13 +192,13 @@ def user_model_split(rank: int, world: int) -> dict[str, Any]:
 def load_split(rank: int, world: int, sources: dict[str, Any]) -> dict[str, Any]:
     """For each named checkpoint source: the logits of a fresh model loaded from it at TP=``world``."""
     import dsrun
-    from tests.integration._ckpt_workloads import VOCAB as CKPT_VOCAB
-    from tests.integration._ckpt_workloads import build_model
+    from tests.harness.models import VOCAB as CKPT_VOCAB
+    from tests.harness.models import checkpoint_gpt
 
     ids = torch.randint(0, CKPT_VOCAB, (2, 8), generator=torch.Generator().manual_seed(3))
     out: dict[str, Any] = {"ids": ids.numpy()}
     for name, source in sources.items():
-        engine = dsrun.init_inference(build_model(0.0), checkpoint=source, tensor_parallel={"tp_size": world},
+        engine = dsrun.init_inference(checkpoint_gpt(0.0), checkpoint=source, tensor_parallel={"tp_size": world},
                                       dtype=torch.float32)
         out[name] = engine(ids).numpy()
     return out

@@ -9,15 +9,16 @@ from typing import Any
 
 import torch
 
-from tests.integration import _zero3_workloads as w
-from tests.integration._workloads import train_steps
+from tests.harness.models import build_model, flat_named, global_batch, slice_batch
+from tests.harness.runs import full_params, train_steps
+from tests.harness.runs import zero3_config as ds_config
 
 STEPS = 6
-NAME = "gpt"
+NAME = "nanogpt"
 
 
 def config(**zero: Any) -> dict[str, Any]:
-    return w.ds_config(3, 2, 1, zero=zero)
+    return ds_config(3, 2, 1, zero=zero)
 
 
 # Without prefetching each pass's gathers happen inside it, so the forward's and the backward's are counted
@@ -44,16 +45,16 @@ def _run(cfg: dict[str, Any], rank: int, world: int, zero_init: bool = False) ->
     if zero_init:
         comm.init_distributed(verbose=False)
         with dsrun.zero.MiCS_Init(config_dict_or_path=cfg):
-            model = w.build_model(NAME)
+            model = build_model(NAME)
     else:
-        model = w.build_model(NAME)
+        model = build_model(NAME)
     engine, _, _, _ = initialize(model=model, config=cfg)
-    batch_at = lambda step, size: w.global_batch(NAME, step, size)  # noqa: E731
+    batch_at = lambda step, size: global_batch(NAME, step, size)  # noqa: E731
     losses, _ = train_steps(engine, batch_at, STEPS - 1, rank, world)
     # the last step by hand, counting which groups carried the forward's and the backward's collectives
     batch = batch_at(STEPS - 1, 2 * world)
     comm.reset_comms_stats()
-    loss = engine(w.slice_batch(batch, rank * 2, rank * 2 + 2))
+    loss = engine(slice_batch(batch, rank * 2, rank * 2 + 2))
     forward = comm.get_comms_group_stats()
     comm.reset_comms_stats()
     engine.backward(loss)
@@ -62,12 +63,10 @@ def _run(cfg: dict[str, Any], rank: int, world: int, zero_init: bool = False) ->
     total = loss.detach().double().reshape(1)
     comm.all_reduce(total)
     losses.append(total.item() / world)
-    full = dsrun.zero.full_state_dict(engine.module)
-    names = {n for n, _ in engine.module.named_parameters()}
-    params = {k: v for k, v in full.items() if k in names}
+    params = full_params(engine)
     memory = engine.memory_breakdown().as_dict()
     engine.destroy()
-    return {"losses": losses, "params": w.flat_params(params).numpy(), "memory": memory,
+    return {"losses": losses, "params": flat_named(params).numpy(), "memory": memory,
             "numels": [p.numel() for p in params.values()],
             "forward": {op: _groups_of(forward, op) for op in forward},
             "backward": {op: _groups_of(backward, op) for op in backward}}
@@ -77,8 +76,8 @@ def _resume(cfg: dict[str, Any], rank: int, world: int, ckpt_dir: str) -> dict[s
     """Train 3 steps, save, train 2 more; a fresh engine loads the checkpoint and trains the same 2."""
     import dsrun
 
-    batch_at = lambda step, size: w.global_batch(NAME, step, size)  # noqa: E731
-    engine, _, _, _ = dsrun.initialize(model=w.build_model(NAME), config=cfg)
+    batch_at = lambda step, size: global_batch(NAME, step, size)  # noqa: E731
+    engine, _, _, _ = dsrun.initialize(model=build_model(NAME), config=cfg)
     train_steps(engine, batch_at, 3, rank, world)
     engine.save_checkpoint(ckpt_dir, tag="t3")
     saved = dsrun.zero.full_state_dict(engine.module)
@@ -93,7 +92,7 @@ def _resume(cfg: dict[str, Any], rank: int, world: int, ckpt_dir: str) -> dict[s
     uninterrupted, _ = train_steps(engine, after, 2, rank, world)
     engine.destroy()
     torch.manual_seed(99)  # the resumed model starts from other values: the checkpoint must bring them
-    fresh, _, _, _ = dsrun.initialize(model=w.build_model(NAME).apply(_scramble), config=cfg)
+    fresh, _, _, _ = dsrun.initialize(model=build_model(NAME).apply(_scramble), config=cfg)
     fresh.load_checkpoint(ckpt_dir, tag="t3")
     resumed, _ = train_steps(fresh, after, 2, rank, world)
     fresh.destroy()

@@ -204,7 +204,7 @@ def engine_suite(rank: int, world: int) -> dict[str, Any]:
     return {f"zero{stage}": engine_case(rank, world, stage) for stage in (0, 1, 2, 3)}
 
 
-def world_suite(rank: int, world: int) -> dict[str, Any]:
+def moe_suite(rank: int, world: int) -> dict[str, Any]:
     from dsrun import comm
 
     torch.set_num_threads(1)
@@ -423,7 +423,7 @@ def pipe_moe_engine(stages: int, ep: int, zero: int) -> Any:
     specs = [LayerSpec(nn.Embedding, pw.VOCAB, pw.WIDTH), LayerSpec(pw.Block), LayerSpec(PipeMoEBlock, ep),
              LayerSpec(pw.Block), LayerSpec(nn.Linear, pw.WIDTH, pw.VOCAB)]
     net = PipelineModule(specs, num_stages=stages, loss_fn=pw.lm_loss, seed_layers=True, base_seed=pw.BASE_SEED)
-    engine, _, _, _ = dsrun.initialize(model=net, config=pw.ds_config(2, zero), optimizer=pw.torch_adamw)
+    engine, _, _, _ = dsrun.initialize(model=net, config=pw.pipe_config(2, zero), optimizer=pw.torch_adamw)
     return engine
 
 

@@ -1,7 +1,7 @@
 """Rank entry points for the parameter-offload tests (``offload_param`` cpu | nvme at ZeRO stage 3).
 
 Every case trains the tiny tied-embedding GPT of the ZeRO-3 tests with the same data; the reference is the
-same run without offload. All cases of one world size run in one launch (:func:`world_suite`) to keep CI
+same run without offload. All cases of one world size run in one launch (:func:`offload_suite`) to keep CI
 short. :func:`rss_run` measures a rank's resident memory for the memory test.
 """
 from __future__ import annotations
@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 
-from tests.integration import _zero3_workloads as z3
-from tests.integration._workloads import train_steps
+from tests.harness.models import build_model, flat_named, global_batch
+from tests.harness.runs import full_params, train_steps
+from tests.harness.runs import zero3_config as ds_config
 
 STEPS = 5
 
@@ -28,23 +29,23 @@ def suite_cases(root: str) -> dict[str, tuple[dict[str, Any], bool]]:
     """case -> (ds config, build under zero.Init)."""
     bf16 = {"bf16": {"enabled": True}}
     return {
-        "ref": (z3.ds_config(3, 2, 1), False),
-        "cpu": (z3.ds_config(3, 2, 1, zero={"offload_param": {"device": "cpu", "pin_memory": True}}), False),
-        "nvme": (z3.ds_config(3, 2, 1, zero={"offload_param": nvme(root)}), False),
+        "ref": (ds_config(3, 2, 1), False),
+        "cpu": (ds_config(3, 2, 1, zero={"offload_param": {"device": "cpu", "pin_memory": True}}), False),
+        "nvme": (ds_config(3, 2, 1, zero={"offload_param": nvme(root)}), False),
         # every shard cached in host memory after its first read; prefetch off
-        "nvme_cached": (z3.ds_config(3, 2, 1, zero={"offload_param": nvme(root, max_in_cpu=10**9),
+        "nvme_cached": (ds_config(3, 2, 1, zero={"offload_param": nvme(root, max_in_cpu=10**9),
                                                      "stage3_prefetch_bucket_size": 0}), False),
-        "nvme_init": (z3.ds_config(3, 2, 1, zero={"offload_param": nvme(root)}), True),
-        "bf16_ref": (z3.ds_config(3, 2, 1, **bf16), False),
-        "bf16_nvme": (z3.ds_config(3, 2, 1, zero={"offload_param": nvme(root)}, **bf16), False),
+        "nvme_init": (ds_config(3, 2, 1, zero={"offload_param": nvme(root)}), True),
+        "bf16_ref": (ds_config(3, 2, 1, **bf16), False),
+        "bf16_nvme": (ds_config(3, 2, 1, zero={"offload_param": nvme(root)}, **bf16), False),
         # with optimizer offload (dsrun/offload/shard_store.py) as well: ZeRO-Offload / ZeRO-Infinity
-        "both_cpu": (z3.ds_config(3, 2, 1, zero={"offload_param": {"device": "cpu"},
+        "both_cpu": (ds_config(3, 2, 1, zero={"offload_param": {"device": "cpu"},
                                                   "offload_optimizer": {"device": "cpu"}}), False),
         # the CPU optimizer steps 3000-element tiles: shards that straddle two tiles are written in parts
-        "opt_cpu_param_nvme": (z3.ds_config(3, 2, 1, zero={"offload_param": nvme(root), "sub_group_size": 3000,
+        "opt_cpu_param_nvme": (ds_config(3, 2, 1, zero={"offload_param": nvme(root), "sub_group_size": 3000,
                                                             "offload_optimizer": {"device": "cpu"}}), False),
-        "both_nvme": (z3.ds_config(3, 2, 1, zero={"offload_param": nvme(root), **_nvme_optimizer(root)}), True),
-        "both_nvme_bf16": (z3.ds_config(3, 2, 1, zero={"offload_param": nvme(root), **_nvme_optimizer(root)},
+        "both_nvme": (ds_config(3, 2, 1, zero={"offload_param": nvme(root), **_nvme_optimizer(root)}), True),
+        "both_nvme_bf16": (ds_config(3, 2, 1, zero={"offload_param": nvme(root), **_nvme_optimizer(root)},
                                         **bf16), True),
     }
 
@@ -61,26 +62,22 @@ def _build(cfg: dict[str, Any], zero_init: bool) -> Any:
     comm.init_distributed(verbose=False)
     if zero_init:
         with dsrun.zero.Init(config_dict_or_path=cfg):
-            model = z3.build_model("gpt")
+            model = build_model("nanogpt")
     else:
-        model = z3.build_model("gpt")
+        model = build_model("nanogpt")
     engine, _, _, _ = dsrun.initialize(model=model, config=cfg)
     return engine
 
 
 def _batch(step: int, size: int) -> Any:
-    return z3.global_batch("gpt", step, size)
+    return global_batch("nanogpt", step, size)
 
 
 def _params(engine: Any) -> Any:
-    import dsrun
-
-    full = dsrun.zero.full_state_dict(engine.module)
-    names = {n for n, _ in engine.module.named_parameters()}
-    return z3.flat_params({k: v for k, v in full.items() if k in names}).numpy()
+    return flat_named(full_params(engine)).numpy()
 
 
-def world_suite(rank: int, world: int, root: str, ckpt_dir: str) -> dict[str, Any]:
+def offload_suite(rank: int, world: int, root: str, ckpt_dir: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, (cfg, zero_init) in suite_cases(root).items():
         engine = _build(cfg, zero_init)
@@ -98,7 +95,7 @@ def world_suite(rank: int, world: int, root: str, ckpt_dir: str) -> dict[str, An
 def checkpoint_round_trip(rank: int, world: int, root: str, ckpt_dir: str) -> dict[str, list[float]]:
     """Train 3 steps with NVMe parameter offload, save, train 2 more; then a fresh offloaded engine and a
     fresh in-memory one load the checkpoint and train the same 2 steps."""
-    cfg = z3.ds_config(3, 2, 1, zero={"offload_param": nvme(root)})
+    cfg = ds_config(3, 2, 1, zero={"offload_param": nvme(root)})
     first = _build(cfg, zero_init=True)
     train_steps(first, _batch, 3, rank, world)
     first.save_checkpoint(ckpt_dir, tag="ckpt")
@@ -106,7 +103,7 @@ def checkpoint_round_trip(rank: int, world: int, root: str, ckpt_dir: str) -> di
     cont, _ = train_steps(first, later, 2, rank, world)
     _close(first)
     results = {"continued": cont}
-    for name, config in (("loaded_nvme", cfg), ("loaded_plain", z3.ds_config(3, 2, 1))):
+    for name, config in (("loaded_nvme", cfg), ("loaded_plain", ds_config(3, 2, 1))):
         engine = _build(config, zero_init=False)
         engine.load_checkpoint(ckpt_dir, tag="ckpt")
         results[name], _ = train_steps(engine, later, 2, rank, world)

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from tests.integration import _workloads as w
+from tests.harness.runs import ds_config, engine_run
 
 STEPS = 8
 
@@ -26,7 +26,7 @@ def config(stage: int, offload: dict[str, Any] | None, precision: str = "fp32", 
         zero["stage3_param_persistence_threshold"] = 0
     if offload is not None:
         zero["offload_optimizer"] = offload
-    cfg = w.ds_config(stage, 2, gas, zero_optimization=zero, **extra)
+    cfg = ds_config(stage, 2, gas, zero_optimization=zero, **extra)
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     return cfg
@@ -56,7 +56,7 @@ def parity_suite(rank: int, world: int, nvme_path: str, only: list[str] | None =
     for key, (name, cfg) in cases(nvme_path).items():
         if only and key not in only:
             continue
-        results[key] = w.engine_run(name, cfg, STEPS, rank, world)
+        results[key] = engine_run(name, cfg, STEPS, rank, world)
     return results
 
 

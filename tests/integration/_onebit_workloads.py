@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from tests.integration._workloads import build_model, flat_params, global_batch, slice_batch, train_steps
+from tests.harness.models import build_model, flat_params, global_batch, slice_batch
+from tests.harness.runs import train_steps
 from tests.unit.comm.test_compressed import simulate
 
 LR, WEIGHT_DECAY, BETAS, EPS = 2e-3, 0.01, (0.9, 0.999), 1e-8

@@ -53,7 +53,7 @@ def dense_engine(zero_stage: int, gas: int, **extra: Any) -> Any:
     import dsrun
 
     engine, _, _, _ = dsrun.initialize(model=DenseLayers(w.lm_specs()), optimizer=w.torch_adamw,
-                                       config=w.ds_config(gas, zero_stage, **extra))
+                                       config=w.pipe_config(gas, zero_stage, **extra))
     return engine
 
 

@@ -190,7 +190,7 @@ def reference_run(model: str, steps: int, micro_batches: int, replicas: int, seq
 
 
 # --- pipeline runs (inside rank processes) -----------------------------------------------------------------------
-def ds_config(micro_batches: int, zero_stage: int = 1, **extra: Any) -> dict[str, Any]:
+def pipe_config(micro_batches: int, zero_stage: int = 1, **extra: Any) -> dict[str, Any]:
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": micro_batches,
            "steps_per_print": 10_000, "zero_optimization": {"stage": zero_stage},
            "gradient_clipping": 0.0}  # the references are torch's unclipped AdamW
@@ -214,7 +214,7 @@ def build_engine(model: str, stages: int, micro_batches: int, zero_stage: int = 
                                                  num_dp=comm.get_world_size() // (stages * model_parallel))
     net = PipelineModule(MODELS[model](), num_stages=stages, topology=topology, loss_fn=lm_loss, seed_layers=True,
                          base_seed=BASE_SEED, partition_method=partition)
-    engine, _, _, _ = dsrun.initialize(model=net, config=ds_config(micro_batches, zero_stage, **extra),
+    engine, _, _, _ = dsrun.initialize(model=net, config=pipe_config(micro_batches, zero_stage, **extra),
                                        optimizer=torch_adamw)
     return engine
 

@@ -13,17 +13,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from tests.harness.models import MODELS, build_model
+
 GLOBAL_BATCH, LR = 4, 1e-2
 
 
-def build_model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    torch.manual_seed(5)
-    return torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 3)).to(dtype)
-
-
 def batch(step: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(100 + step)
-    return (torch.randn(GLOBAL_BATCH, 6, generator=gen).to(dtype), torch.randn(GLOBAL_BATCH, 3, generator=gen).to(dtype))
+    x, y = MODELS["surface_mlp"].batch(torch.Generator().manual_seed(100 + step), GLOBAL_BATCH)
+    return x.to(dtype), y.to(dtype)
 
 
 def new_weight(dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -37,7 +34,7 @@ def _np(t: torch.Tensor) -> np.ndarray:
 
 def reference() -> dict[str, Any]:
     """The same three steps in plain PyTorch, one process, float64."""
-    model = build_model(torch.float64)
+    model = build_model("surface_mlp").to(torch.float64)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     out: dict[str, Any] = {}
     for step in range(3):
@@ -79,7 +76,7 @@ def _one_stage(rank: int, world: int, stage: int) -> dict[str, Any]:
                              safe_get_local_fp32_param, safe_get_local_optimizer_state, safe_set_full_fp32_param,
                              safe_set_full_optimizer_state)
 
-    model = build_model()
+    model = build_model("surface_mlp")
     zero: dict[str, Any] = {"stage": stage, "reduce_bucket_size": 50, "allgather_bucket_size": 50}
     if stage == 3:
         zero["stage3_param_persistence_threshold"] = 0
@@ -122,7 +119,7 @@ def reduction_reference() -> dict[str, Any]:
     a single global batch's loss."""
     out = {}
     for name, steps in (("no_sync", (0, 1)), ("deferred", (0,))):
-        model = build_model(torch.float64)
+        model = build_model("surface_mlp").to(torch.float64)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         loss = sum(torch.nn.functional.mse_loss(model(x), y) for x, y in (batch(s, torch.float64) for s in steps))
         loss.backward()
@@ -141,7 +138,7 @@ def reduction_stages(rank: int, world: int, stages: list[int]) -> dict[int, dict
     per = GLOBAL_BATCH // world
 
     def engine_at(stage):
-        model = build_model()
+        model = build_model("surface_mlp")
         cfg = {"train_micro_batch_size_per_gpu": per, "gradient_accumulation_steps": 1,
                "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_allow_untested_optimizer": True,
                "zero_optimization": {"stage": stage, "reduce_bucket_size": 50}, "steps_per_print": 1000,

@@ -11,7 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsrun.estimate.measure import reset_peak_rss
-from tests.integration import _zero3_workloads as w
+from tests.harness.models import build_model, global_batch, slice_batch
+from tests.harness.runs import LR, WEIGHT_DECAY
+from tests.harness.runs import zero3_config as ds_config
 
 
 def _vm_kib(field: str) -> int:
@@ -93,7 +95,7 @@ def gathered_modifier(rank: int, world: int, precision: str) -> dict[str, Any]:
     from dsrun.engine.initialize import initialize
 
     torch.manual_seed(0)
-    cfg = w.ds_config(3, 2, 1, **({"bf16": {"enabled": True}} if precision == "bf16" else {}))
+    cfg = ds_config(3, 2, 1, **({"bf16": {"enabled": True}} if precision == "bf16" else {}))
     cfg["optimizer"]["params"]["lr"] = 0.0
     cfg["optimizer"]["params"]["weight_decay"] = 0.0
     engine, _, _, _ = initialize(model=Gatherable(), config=cfg)
@@ -143,7 +145,7 @@ def external_parameter(rank: int, world: int, register: bool) -> dict[str, Any]:
     model = ParentUsesChildWeight()
     ref_model = ParentUsesChildWeight()
     ref_model.load_state_dict(model.state_dict())
-    engine, _, _, _ = initialize(model=model, config=w.ds_config(3, 2, 1))
+    engine, _, _, _ = initialize(model=model, config=ds_config(3, 2, 1))
     if register:
         dsrun.zero.register_external_parameter(engine.module, engine.module.emb.weight)
     idx = torch.arange(8) % 10
@@ -156,7 +158,7 @@ def external_parameter(rank: int, world: int, register: bool) -> dict[str, Any]:
             losses.append(loss.item())
     except RuntimeError as exc:
         return {"error": str(exc).splitlines()[0]}
-    opt = torch.optim.AdamW(ref_model.parameters(), lr=w.LR, weight_decay=w.WEIGHT_DECAY)
+    opt = torch.optim.AdamW(ref_model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     ref = []
     for _ in range(3):
         loss = ref_model(idx)  # every rank uses the same batch, so the average gradient is this one
@@ -171,19 +173,19 @@ def export_16bit(rank: int, world: int, save_dir: str, gather: bool) -> dict[str
     import dsrun
     from dsrun.engine.initialize import initialize
 
-    cfg = w.ds_config(3, 2, 1, bf16={"enabled": True},
-                      zero={"stage3_gather_16bit_weights_on_model_save": gather,
-                            "stage3_param_persistence_threshold": 100})  # LayerNorms and biases persist
-    engine, _, _, _ = initialize(model=w.build_model("gpt"), config=cfg)
-    batch = w.global_batch("gpt", 0, 2 * world)
-    loss = engine(w.slice_batch(batch, 2 * rank, 2 * rank + 2))
+    cfg = ds_config(3, 2, 1, bf16={"enabled": True},
+                    zero={"stage3_gather_16bit_weights_on_model_save": gather,
+                          "stage3_param_persistence_threshold": 100})  # LayerNorms and biases persist
+    engine, _, _, _ = initialize(model=build_model("nanogpt"), config=cfg)
+    batch = global_batch("nanogpt", 0, 2 * world)
+    loss = engine(slice_batch(batch, 2 * rank, 2 * rank + 2))
     engine.backward(loss)
     engine.step()
     placeholder_numels = {k: v.numel() for k, v in engine.module.state_dict().items()}
     saved = engine.save_16bit_model(save_dir, "model.bin")
     full = dsrun.zero.full_state_dict(engine.module)
     with torch.no_grad():
-        engine(w.slice_batch(batch, 2 * rank, 2 * rank + 2))
+        engine(slice_batch(batch, 2 * rank, 2 * rank + 2))
     kept = sorted(n for n, p in engine.module.named_parameters() if p.numel())
     engine.empty_partition_cache()
     kept_after = sorted(n for n, p in engine.module.named_parameters() if p.numel())
@@ -199,7 +201,7 @@ def peak_rss_100m(rank: int, world: int) -> dict[str, Any]:
     from dsrun.engine.initialize import initialize
 
     comm.init_distributed(verbose=False)
-    cfg = w.ds_config(3, 1, 1, zero={"reduce_bucket_size": 5_000_000, "stage3_prefetch_bucket_size": 5_000_000})
+    cfg = ds_config(3, 1, 1, zero={"reduce_bucket_size": 5_000_000, "stage3_prefetch_bucket_size": 5_000_000})
     torch.manual_seed(0)
     with dsrun.zero.Init(config_dict_or_path=cfg):
         model = GPT(vocab_size=256, block_size=16, n_layer=12, n_head=8, n_embd=832)

@@ -13,18 +13,18 @@ import functools
 import pytest
 import torch
 
-from tests.helpers import run_ranks
 from tests import tolerance as t
-from tests.integration._ckpt_workloads import SEQ, flat_state, reference_run, run_jobs
+from tests.harness.launch import Launch, Runs
+from tests.integration._ckpt_workloads import SEQ, flat_state, job_reference, run_jobs
 
 STAGES = (1, 2, 3)
 STEPS, SAVE_AT = 8, 4
 CASES = {"4to2": (4, 2, 4), "2to3": (2, 3, 6)}  # name -> (saved world, new world, global batch)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("reshard")
+def collect(launch: Runs) -> dict:
+    """The saves (at 2 and 4 ranks) first, then the loads and the uninterrupted runs at the new world sizes."""
+    root = launch.root
 
     def job(stage, case, **kw):
         return dict(stage=stage, precision="fp32", global_batch=CASES[case][2], dropout=0.0, **kw)
@@ -42,13 +42,13 @@ def runs(tmp_path_factory):
         by_world[3].append((f"ref/2to3/{stage}", job(stage, "2to3", steps=STEPS)))
     results = {}
     for world in (2, 4):  # the saves first
-        out = run_ranks(run_jobs, world, [j for _, j in by_world[world]], timeout=500)[0]
+        out = launch(Launch(run_jobs, world, ([j for _, j in by_world[world]],), timeout=500, rank=0))
         results.update({name: r for (name, _), r in zip(by_world[world], out)})
     loads = {2: [(f"load/4to2/{s}", job(s, "4to2", steps=STEPS - SAVE_AT, load=saved(s, "4to2"))) for s in STAGES],
              3: [(f"load/2to3/{s}", job(s, "2to3", steps=STEPS - SAVE_AT, load=saved(s, "2to3"))) for s in STAGES]
              + by_world[3]}
     for world, named in loads.items():
-        out = run_ranks(run_jobs, world, [j for _, j in named], timeout=500)[0]
+        out = launch(Launch(run_jobs, world, ([j for _, j in named],), timeout=500, rank=0))
         results.update({name: r for (name, _), r in zip(named, out)})
     return results
 
@@ -73,5 +73,5 @@ def test_resharded_run_continues_like_an_uninterrupted_one(runs, case, stage):
 
 @functools.lru_cache(maxsize=None)
 def spread(global_batch: int) -> t.Spread:
-    return t.spread(lambda d, parts, reverse: reference_run(global_batch, STEPS, d, parts, reverse), torch.float32,
+    return t.spread(lambda d, parts, reverse: job_reference(global_batch, STEPS, d, parts, reverse), torch.float32,
                     global_batch * SEQ)

@@ -10,7 +10,7 @@ import pytest
 
 from tests.helpers import run_ranks
 from tests.integration import _compression_workloads as w
-from tests.integration._workloads import max_rel_param_diff, rel_diff
+from tests.harness.runs import max_rel_param_diff, rel_diff
 
 TOL = 1e-5
 pytestmark = pytest.mark.slow  # one 2-rank launch, four 50-step runs: about a minute on 2 loaded cores

@@ -8,22 +8,23 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.harness.launch import Launch, Runs
 from tests.helpers import run_ranks
 from tests.integration._data_efficiency_workloads import analyse, run_jobs
 
 FEATURES = ("legacy", "pld", "ltd", "sampling", "all")
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("de_resume")
+def collect(launch: Runs):
+    """Straight runs and the saves halfway in one launch, then the resumed runs."""
+    root = launch.root
     analyse(str(root / "index"))
     common = {"index_dir": str(root / "index")}
     first = [dict(common, feature=f, steps=8) for f in FEATURES]
     first += [dict(common, feature=f, steps=4, save_at=4, save_dir=str(root / f)) for f in FEATURES]
-    straight_and_saved = run_ranks(run_jobs, 2, first, timeout=600)[0]
-    resumed = run_ranks(run_jobs, 2, [dict(common, feature=f, steps=4, load=str(root / f)) for f in FEATURES],
-                        timeout=600)[0]
+    straight_and_saved = launch(Launch(run_jobs, 2, (first,), timeout=600, rank=0))
+    resumed = launch(Launch(run_jobs, 2, ([dict(common, feature=f, steps=4, load=str(root / f)) for f in FEATURES],),
+                            timeout=600, rank=0))
     return {f: (straight_and_saved[i], straight_and_saved[len(FEATURES) + i], resumed[i])
             for i, f in enumerate(FEATURES)}
 

@@ -8,15 +8,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.helpers import run_ranks
+from tests.harness.launch import Launch, Runs
 from tests.integration import _surface_workloads as work
 
 STAGES = [0, 1]
 
 
-@pytest.fixture(scope="module")
-def runs():
-    return run_ranks(work.reduction_stages, 2, STAGES, timeout=300), work.reduction_reference()
+LAUNCHES = {"stages": Launch(work.reduction_stages, 2, (STAGES,), timeout=300)}
+
+
+def collect(runs: Runs):
+    return runs["stages"], work.reduction_reference()
 
 
 @pytest.mark.parametrize("stage", STAGES)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from tests.helpers import run_ranks
-from tests.integration._ckpt_workloads import build_model, run_jobs
+from tests.harness.models import checkpoint_gpt
+from tests.integration._ckpt_workloads import run_jobs
 from tests.integration._inference_models import load_split
 
 STAGES = (0, 1, 2, 3)
@@ -37,9 +38,9 @@ def trained(tmp_path_factory):
 @pytest.mark.parametrize("source", [f"stage{s}" for s in STAGES] + ["tag", "bf16_file", "description"])
 def test_a_training_checkpoint_loads_resharded_to_tp2(trained, source):
     params, loaded = trained
-    model = build_model(0.0).eval()
+    model = checkpoint_gpt(0.0).eval()
     model.load_state_dict({k: torch.from_numpy(v) for k, v in params[source].items()})
-    fresh = build_model(0.0).eval()
+    fresh = checkpoint_gpt(0.0).eval()
     ids = torch.from_numpy(loaded[0]["ids"])
     with torch.no_grad():
         want, untrained = model(ids).numpy(), fresh(ids).numpy()

@@ -19,23 +19,28 @@ import torch
 from dsrun.estimate.inputs import EstimateInputs
 from dsrun.estimate.model_states import model_state_bytes
 from tests import tolerance as t
-from tests.helpers import run_ranks
+from tests.harness.launch import Launch
 from tests.integration import _mics_workloads as m
-from tests.integration import _zero3_workloads as w
+from tests.harness.models import loss_terms
+from tests.harness.runs import reference_run
 
 WORLD = 4
 
 
+def launches(root) -> dict:
+    return {"suite": Launch(m.suite, WORLD, (str(root),), timeout=900)}
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return run_ranks(m.suite, WORLD, str(tmp_path_factory.mktemp("mics_ckpt")), timeout=900)
+def results(runs) -> list[dict]:
+    return runs["suite"]
 
 
 @functools.lru_cache(maxsize=None)
 def spread() -> t.Spread:
     def run(d: torch.dtype, parts: int, reverse: bool) -> dict:
-        return w.reference_run(m.NAME, m.STEPS, 2 * WORLD, 0.0, d, parts, reverse)
-    return t.spread(run, torch.float32, w.loss_terms(m.NAME, 2 * WORLD))
+        return reference_run(m.NAME, m.STEPS, 2 * WORLD, 0.0, d, parts, reverse)
+    return t.spread(run, torch.float32, loss_terms(m.NAME, 2 * WORLD))
 
 
 def _shard(rank: int, size: int) -> str:

@@ -1,6 +1,6 @@
 """Expert parallelism is exact: ep=2 on 2 gloo ranks against ep=1 holding every expert, on the same shards.
 
-One launch runs every case (``_moe_workloads.world_suite``): the MoE layer alone for k = 1, 2, 3 with token
+One launch runs every case (``_moe_workloads.moe_suite``): the MoE layer alone for k = 1, 2, 3 with token
 dropping, with ``drop_tokens=False`` and with the dropless path (outputs, ``l_aux``, every gradient, the
 logged all-to-all bytes), a deliberately skewed routing with ``drop_tokens=False`` (ranks need different
 capacities: they must agree, not hang), and the engine at ZeRO stages 0-3 (one SGD step; the new weights
@@ -9,12 +9,10 @@ sum the same terms in a different order.
 """
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
 
-from tests.helpers import run_ranks
+from tests.harness.launch import Launch, Runs
 from tests.integration import _moe_workloads as w
 
 # multi-process launches (tens of seconds each on a loaded 2-core machine): slow, as the engine parity tests
@@ -23,9 +21,11 @@ pytestmark = pytest.mark.slow
 U = 2.0 ** -24
 
 
-@functools.lru_cache(maxsize=None)
-def suite() -> list[dict]:
-    return run_ranks(w.world_suite, 2, timeout=420)
+LAUNCHES = {"suite": Launch(w.moe_suite, 2, timeout=420)}
+
+
+def collect(runs: Runs) -> list[dict]:
+    return runs["suite"]
 
 
 def _close(a: np.ndarray, b: np.ndarray, n_terms: int, what: str) -> None:
@@ -35,8 +35,8 @@ def _close(a: np.ndarray, b: np.ndarray, n_terms: int, what: str) -> None:
     assert diff <= max(bound, 1e-6 * scale), f"{what}: |diff| {diff} > bound {bound}"
 
 
-def test_layer_output_aux_and_gradients_match_ep1() -> None:
-    for rank, result in enumerate(suite()):
+def test_layer_output_aux_and_gradients_match_ep1(runs) -> None:
+    for rank, result in enumerate(runs):
         for key, case in result["layer"].items():
             k = int(key[1]) if key.startswith("k") else 1
             n_terms = 2 * w.TOKENS * k  # a gradient sums at most every token's k choices of both shards
@@ -47,8 +47,8 @@ def test_layer_output_aux_and_gradients_match_ep1() -> None:
                 _close(grad, case["ref_grads"][name], n_terms, f"rank {rank} {key} grad {name}")
 
 
-def test_skewed_routing_without_dropping_agrees_on_capacity_and_matches_dropless() -> None:
-    results = suite()  # finishing at all (run_ranks' timeout) is the no-hang half of this test
+def test_skewed_routing_without_dropping_agrees_on_capacity_and_matches_dropless(runs) -> None:
+    results = runs  # finishing at all (run_ranks' timeout) is the no-hang half of this test
     caps = [r["layer"]["skew/nodrop"]["capacity"] for r in results]
     loads = [max(r["layer"]["skew/nodrop"]["counts"]) for r in results]
     assert loads[0] != loads[1], "the fixture must give the ranks different loads"
@@ -58,8 +58,8 @@ def test_skewed_routing_without_dropping_agrees_on_capacity_and_matches_dropless
                                    rtol=0, atol=w.fp32_bound(2, float(np.abs(r["layer"]["skew/dropless"]["out"]).max())))
 
 
-def test_logged_all_to_all_bytes_equal_the_analytic_count() -> None:
-    for result in suite():
+def test_logged_all_to_all_bytes_equal_the_analytic_count(runs) -> None:
+    for result in runs:
         for k in (1, 2, 3):
             case = result["layer"][f"k{k}/drop"]
             assert case["a2a_count"] == 4  # dispatch and return, forward and backward
@@ -67,8 +67,8 @@ def test_logged_all_to_all_bytes_equal_the_analytic_count() -> None:
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_engine_step_matches_ep1_reference(stage: int) -> None:
-    for rank, result in enumerate(suite()):
+def test_engine_step_matches_ep1_reference(runs, stage: int) -> None:
+    for rank, result in enumerate(runs):
         case = result["engine"][f"zero{stage}"]
         assert set(case["got"]) == set(case["ref"])
         for name, value in case["got"].items():

@@ -84,7 +84,7 @@ def _comms_rank(rank: int, world_size: int) -> dict:
 
     import dsrun
     from dsrun import comm
-    from tests.integration._workloads import MLP, MLP_IN, MLP_OUT
+    from tests.harness.models import MLP, MLP_IN, MLP_OUT
 
     torch.manual_seed(0)
     model = MLP()

@@ -15,14 +15,14 @@ from dsrun.utils import zero_to_fp32 as z2f
 from tests.helpers import run_ranks
 from tests.integration import _offload_workloads as o
 from tests import tolerance as t
-from tests.integration._ckpt_workloads import SEQ, reference_run, run_jobs
+from tests.integration._ckpt_workloads import SEQ, job_reference, run_jobs
 
 
 @functools.lru_cache(maxsize=None)
 def spread() -> t.Spread:
     """Two runs of these jobs that reduce or step in another order differ by rounding: the bound between them is
     derived from the arithmetic (tests/tolerance.py), for the jobs' 4 steps of batch 4."""
-    return t.spread(lambda d, parts, reverse: reference_run(4, 4, d, parts, reverse), torch.float32, 4 * SEQ)
+    return t.spread(lambda d, parts, reverse: job_reference(4, 4, d, parts, reverse), torch.float32, 4 * SEQ)
 
 
 def assert_same_curve(losses: list[float], reference: list[float], label: str) -> None:

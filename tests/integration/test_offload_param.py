@@ -17,6 +17,9 @@ import numpy as np
 import pytest
 import torch
 
+from tests.harness.launch import Launch
+from tests.harness.models import loss_terms
+from tests.harness.runs import reference_run
 from tests.helpers import run_ranks
 from tests.integration import _offload_param_workloads as w
 from tests import tolerance as t
@@ -25,18 +28,17 @@ from tests import tolerance as t
 @functools.lru_cache(maxsize=None)
 def spread(dtype: torch.dtype = torch.float32) -> t.Spread:
     def run(d: torch.dtype, parts: int, reverse: bool) -> dict:
-        return w.z3.reference_run("gpt", w.STEPS, 4, 0.0, d, parts, reverse)
-    return t.spread(run, dtype, w.z3.loss_terms("gpt", 4))
+        return reference_run("nanogpt", w.STEPS, 4, 0.0, d, parts, reverse)
+    return t.spread(run, dtype, loss_terms("nanogpt", 4))
 
 
-@functools.lru_cache(maxsize=None)
-def suite(tmp_root: str) -> list[dict]:
-    return run_ranks(w.world_suite, 2, f"{tmp_root}/nvme", f"{tmp_root}/ckpt", timeout=300)
+def launches(root) -> dict:
+    return {"suite": Launch(w.offload_suite, 2, (f"{root}/nvme", f"{root}/ckpt"), timeout=300)}
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return suite(str(tmp_path_factory.mktemp("offload_param")))
+def results(runs) -> list[dict]:
+    return runs["suite"]
 
 
 @pytest.mark.parametrize("case", ["cpu", "nvme", "nvme_cached", "nvme_init", "both_cpu", "opt_cpu_param_nvme",

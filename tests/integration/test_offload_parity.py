@@ -17,31 +17,33 @@ import numpy as np
 import pytest
 import torch
 
+from tests.harness.launch import Launch
 from tests.helpers import run_ranks
 from tests.integration import _offload_workloads as o
 from tests import tolerance as t
-from tests.integration import _workloads as w
+from tests.harness.models import loss_terms
+from tests.harness.runs import reference_run
 
 FP32_CASES = ["cpu/1", "cpu/2", "cpu/3", "nvme/3", "nvme_fast/3", "ratio/3"]
 BF16_CASES = ["base_bf16/3", "nvme_bf16/3", "cpu_bf16/2"]
 GAS_CASES = ["nvme_gas/3"]
 
 
-@functools.lru_cache(maxsize=None)
-def _suite(nvme_path: str) -> dict:
-    return run_ranks(o.parity_suite, 2, nvme_path, ["base/3"] + FP32_CASES + BF16_CASES + GAS_CASES, timeout=600)[0]
+def launches(root) -> dict:
+    cases = ["base/3"] + FP32_CASES + BF16_CASES + GAS_CASES
+    return {"parity": Launch(o.parity_suite, 2, (str(root), cases), timeout=600, rank=0)}
 
 
 @pytest.fixture(scope="module")
-def suite(tmp_path_factory) -> dict:
-    return _suite(str(tmp_path_factory.mktemp("nvme")))
+def suite(runs) -> dict:
+    return runs["parity"]
 
 
 @functools.lru_cache(maxsize=None)
 def spread(global_size: int, clip: float = 0.0, dtype: torch.dtype = torch.float32) -> t.Spread:
     def run(d: torch.dtype, parts: int, reverse: bool) -> dict:
-        return w.reference_run("gpt", o.STEPS, global_size, clip, d, parts, reverse)
-    return t.spread(run, dtype, w.loss_terms("gpt", global_size))
+        return reference_run("gpt", o.STEPS, global_size, clip, d, parts, reverse)
+    return t.spread(run, dtype, loss_terms("gpt", global_size))
 
 
 def test_fp32_cpu_and_nvme_offload_track_pytorch_and_in_memory(suite):

@@ -20,20 +20,24 @@ import torch
 
 from dsrun.checkpoint.safe_load import load_file
 from dsrun.comm.compressed import CompressedLayout, merge_server_errors, split_server_error
-from tests.helpers import run_ranks
+from tests.harness.launch import Launch
 from tests.integration._onebit_workloads import all_cases, load_resharded, reference_onebit_adam
 
 WORLD = 2
 
 
-@pytest.fixture(scope="module")
-def reshard_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("onebit_reshard")
+def launches(root: Path) -> dict:
+    """Every case in one 2-rank launch; it saves a checkpoint into ``root`` for ``resharded``."""
+    return {"cases": Launch(all_cases, WORLD, (str(root),), timeout=1200)}
+
+
+def collect(runs) -> list[dict]:
+    return runs["cases"]
 
 
 @pytest.fixture(scope="module")
-def runs(reshard_folder: Path) -> list[dict]:
-    return run_ranks(all_cases, WORLD, str(reshard_folder), timeout=1200)
+def reshard_folder(module_root: Path) -> Path:
+    return module_root
 
 
 def test_onebit_adam_equals_the_plain_torch_simulation(runs: list[dict]) -> None:
@@ -113,7 +117,7 @@ def test_resume_inside_the_compressed_phase_is_exact(runs: list[dict], key: str)
 def resharded(runs: list[dict], reshard_folder: Path):
     tag = (reshard_folder / "latest").read_text()
     saved = [load_file(reshard_folder / tag / f"optimizer_rank_states_{r}.pt") for r in range(WORLD)]
-    return saved, run_ranks(load_resharded, 3, str(reshard_folder), timeout=600)
+    return saved, Launch(load_resharded, 3, (str(reshard_folder),), timeout=600)()
 
 
 @pytest.mark.parametrize("stage", [0, 1, "universal"])

@@ -12,30 +12,27 @@ uses for the same model.
 """
 from __future__ import annotations
 
-import functools
-import tempfile
-
 import numpy as np
 import pytest
 
-from tests.helpers import run_ranks
+from tests.harness.launch import Launch, Runs
 from tests.integration import _pipe_universal_workloads as u
 
 pytestmark = pytest.mark.slow  # two launches (2 ranks, 1 rank)
 TOL = 1e-6
 
 
-@functools.lru_cache(maxsize=None)
-def runs() -> tuple[dict, dict, str]:
-    save_dir = tempfile.mkdtemp(prefix="dsrun-pipe-universal-")
-    two = run_ranks(u.two_ranks, 2, save_dir, timeout=400)
-    one = run_ranks(u.one_rank, 1, save_dir, timeout=300)[0]
+def collect(launch: Runs) -> tuple[dict, dict, str]:
+    """Two ranks save (pipeline and dense), then resume at other layouts; one rank resumes at one."""
+    save_dir = str(launch.root)
+    two = launch(Launch(u.two_ranks, 2, (save_dir,), timeout=400))
+    one = launch(Launch(u.one_rank, 1, (save_dir,), timeout=300, rank=0))
     return two[0], one, save_dir
 
 
 @pytest.mark.parametrize("layout", ["pp2", "pp1xdp2", "pp1", "dense_z3"])
-def test_pipeline_checkpoint_resumes_at_another_layout(layout: str) -> None:
-    two, one, _ = runs()
+def test_pipeline_checkpoint_resumes_at_another_layout(runs, layout: str) -> None:
+    two, one, _ = runs
     resumed = {**two, **one}[layout]
     assert resumed["steps"] == u.FIRST
     np.testing.assert_allclose(resumed["more"], two["more"], rtol=TOL)
@@ -43,15 +40,15 @@ def test_pipeline_checkpoint_resumes_at_another_layout(layout: str) -> None:
     print(f"universal checkpoint pp=2 ZeRO-1 -> {layout}: largest relative loss gap {gap:.2e} over {u.MORE} steps")
 
 
-def test_dense_checkpoint_resumes_as_a_pipeline() -> None:
-    two, _, _ = runs()
+def test_dense_checkpoint_resumes_as_a_pipeline(runs) -> None:
+    two, _, _ = runs
     np.testing.assert_allclose(two["dense_first"], two["first"], rtol=TOL)  # the same run, dense or pipelined
     assert two["dense_to_pp2"]["steps"] == u.FIRST
     np.testing.assert_allclose(two["dense_to_pp2"]["more"], two["more"], rtol=TOL)
 
 
-def test_universal_folder_names_parameters_by_layer() -> None:
-    _, _, save_dir = runs()
+def test_universal_folder_names_parameters_by_layer(runs) -> None:
+    _, _, save_dir = runs
     from pathlib import Path
 
     names = {p.name for p in (Path(save_dir) / "pp2_universal" / "zero").iterdir() if p.is_dir()}

@@ -11,16 +11,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.helpers import run_ranks
+from tests.harness.launch import Launch, Runs
 from tests.integration import _surface_workloads as work
 
 STAGES = [0, 1, 2, 3]
 
 
-@pytest.fixture(scope="module")
-def runs():
-    ranks = run_ranks(work.safe_api_stages, 2, STAGES, timeout=400)
-    return ranks, work.reference()
+LAUNCHES = {"stages": Launch(work.safe_api_stages, 2, (STAGES,), timeout=400)}
+
+
+def collect(runs: Runs):
+    return runs["stages"], work.reference()
 
 
 @pytest.mark.parametrize("stage", STAGES)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.helpers import run_cli, run_ranks
+from tests.harness.launch import Launch, Runs
+from tests.helpers import run_cli
 from tests.integration._ckpt_workloads import run_jobs
 
 pytestmark = pytest.mark.slow  # four launches, about 3 minutes on 2 busy cores
@@ -20,25 +21,23 @@ STEPS, SAVE_AT, GLOBAL_BATCH = 8, 4, 6
 LOADS = {1: 3, 3: 1}  # world size -> ZeRO stage it loads at
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("universal")
-    save_dir = root / "ckpt"
+def collect(launch: Runs):
+    """Save at 2 ranks, convert, then at each new layout an uninterrupted run and the universal load."""
+    save_dir = launch.root / "ckpt"
 
     def job(stage, **kw):
         return dict(stage=stage, precision="fp32", global_batch=GLOBAL_BATCH, dropout=0.0, **kw)
 
-    saved = run_ranks(run_jobs, 2, [job(2, steps=SAVE_AT, save_at=(SAVE_AT,), save_dir=str(save_dir))],
-                      timeout=300)[0][0]
+    saved = launch(Launch(run_jobs, 2, ([job(2, steps=SAVE_AT, save_at=(SAVE_AT,), save_dir=str(save_dir))],),
+                          timeout=300, rank=0))[0]
     converted = run_cli("convert", "ds-to-universal", str(save_dir / f"global_step{SAVE_AT}"),
                         str(save_dir / f"global_step{SAVE_AT}_universal"), timeout=120)
     assert converted.returncode == 0, converted.stderr
     results = {"save": saved, "convert": converted}
     universal = {"checkpoint": {"load_universal": True}}
     for world, stage in LOADS.items():
-        ref, load = run_ranks(run_jobs, world, [job(stage, steps=STEPS),
-                                                job(stage, steps=STEPS - SAVE_AT, load=str(save_dir), extra=universal)],
-                              timeout=400)[0]
+        ref, load = launch(Launch(run_jobs, world, ([job(stage, steps=STEPS), job(
+            stage, steps=STEPS - SAVE_AT, load=str(save_dir), extra=universal)],), timeout=400, rank=0))
         results[world] = {"ref": ref, "load": load}
     return results, save_dir
 

@@ -13,7 +13,7 @@ import torch
 
 from tests.helpers import run_ranks
 from tests.integration import _zero3_api as a
-from tests.integration import _zero3_workloads as w
+from tests.harness.models import build_model
 
 MiB = 2**20
 SAVE_DIR = tempfile.mkdtemp(prefix="dsrun-zero3-")
@@ -83,7 +83,7 @@ def test_save_16bit_model_needs_gather_flag_and_writes_the_full_model() -> None:
         np.testing.assert_array_equal(value.float().numpy(), full[key])
         np.testing.assert_array_equal(full[key], results[1]["export/on"]["full"][key])
     # the export loads into a plain model (tied weights included) that computes the same loss
-    model = w.build_model("gpt")
+    model = build_model("nanogpt")
     model.load_state_dict({k: v.float() for k, v in saved.items()})
     assert model.lm_head.weight is model.transformer["wte"].weight
 

@@ -1,4 +1,4 @@
-"""ZeRO stage 3 against single-process PyTorch over 1-4 gloo ranks (``_zero3_workloads.suite_cases``).
+"""ZeRO stage 3 against single-process PyTorch over 1-4 gloo ranks (the records of ``CASES``).
 
 Bounds derived from the arithmetic on the machine running the test (tests/tolerance.py): fp32
 losses at each of 20 steps and the final parameters (relative to the largest) within ``(K + 1) x`` the
@@ -19,56 +19,75 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import run_ranks
 from tests import tolerance as t
-from tests.integration import _zero3_workloads as w
+from tests.harness.launch import Launch
+from tests.harness.models import loss_terms
+from tests.harness.runs import STEPS, Case, cases_at, reference_run, world_suite
+from tests.harness.runs import zero3_config as ds_config
 
-
-@functools.lru_cache(maxsize=None)
-def suite(world: int) -> list[dict]:
-    return run_ranks(w.world_suite, world, timeout=600)
+BOTH = (1, 2, 3, 4)
+# nanogpt: a GPT with tied embeddings; twice_mlp: an MLP whose middle layer runs twice per forward
+CASES = [
+    *(Case(f"parity/{short}", name, ds_config(3, 2, 1, zero={"overlap_comm": world % 2 == 0}), worlds=(world,))
+      for world in BOTH for short, name in (("mlp", "twice_mlp"), ("gpt", "nanogpt"))),  # both reduction paths
+    Case("frozen/gpt", "nanogpt_frozen", ds_config(3, 2, 1), worlds=(2, 3)),
+    Case("frozen/mlp", "twice_mlp_frozen", ds_config(3, 2, 1), worlds=(2, 3)),
+    Case("init/gpt", "nanogpt", ds_config(3, 2, 1), worlds=(2, 3), zero_init=True),
+    # memory and traffic of stage 3 against stage 0
+    *(Case(f"account/{stage}", "nanogpt", ds_config(stage, 2, 1), worlds=(2, 3)) for stage in (0, 3)),
+    Case("gas4", "twice_mlp", ds_config(3, 1, 4)),
+    Case("clip", "nanogpt", ds_config(3, 2, 1, gradient_clipping=0.05)),
+    Case("bf16/3", "nanogpt", ds_config(3, 2, 1, bf16={"enabled": True})),
+    Case("bf16/0", "nanogpt", ds_config(0, 2, 1, bf16={"enabled": True})),
+    Case("no_prefetch", "nanogpt", ds_config(3, 2, 1, zero={"stage3_prefetch_bucket_size": 0})),
+    # DeepSpeed's defaults: every tiny parameter persistent, large prefetch and reuse distance
+    Case("defaults", "nanogpt", ds_config(3, 2, 1, zero={"stage3_param_persistence_threshold": 100_000,
+                                                          "stage3_prefetch_bucket_size": 50_000_000,
+                                                          "stage3_max_reuse_distance": 1_000_000_000})),
+    Case("sub_groups", "nanogpt", ds_config(3, 2, 1, zero={"sub_group_size": 3000})),
+]
+LAUNCHES = {world: Launch(world_suite, world, (CASES,), timeout=600) for world in BOTH}
 
 
 @functools.lru_cache(maxsize=None)
 def spread(name: str, global_size: int, clip: float = 0.0, dtype: torch.dtype = torch.float32) -> t.Spread:
     def run(d: torch.dtype, parts: int, reverse: bool) -> dict:
-        return w.reference_run(name, w.STEPS, global_size, clip, d, parts, reverse)
-    return t.spread(run, dtype, w.loss_terms(name, global_size))
+        return reference_run(name, STEPS, global_size, clip, d, parts, reverse)
+    return t.spread(run, dtype, loss_terms(name, global_size))
 
 
 def _check_parity(key: str, world: int, results: list[dict]) -> None:
-    name, cfg, _ = w.suite_cases(world)[key]
-    global_size = cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * world
-    s = spread(name, global_size, float(cfg.get("gradient_clipping", 0.0)))
+    case = cases_at(CASES, world)[key]
+    s = spread(case.model, case.global_size(world), float(case.config.get("gradient_clipping", 0.0)))
     got = results[0][key]
     t.assert_tracks(got, s.reference, s, f"{key} world={world}")
     for other in results[1:]:  # every rank gathers the same model
         np.testing.assert_array_equal(other[key]["params"], got["params"])
 
 
-@pytest.mark.parametrize("world", [1, 2, pytest.param(3, marks=pytest.mark.slow),
-                                   pytest.param(4, marks=pytest.mark.slow)])
-def test_fp32_matches_single_process_pytorch(world: int) -> None:
+@pytest.mark.parametrize("key,world", [pytest.param(case.key, world, id=f"{case.key}-world{world}",
+                                                    marks=[pytest.mark.slow] if world > 2 else [])
+                                       for case in CASES if case.key.startswith("parity/") for world in case.worlds])
+def test_fp32_matches_single_process_pytorch(runs, key: str, world: int) -> None:
     """A tied-embedding GPT and an MLP whose middle layer runs twice per forward."""
-    results = suite(world)
-    for key in ("parity/mlp", "parity/gpt"):
-        _check_parity(key, world, results)
+    results = runs[world]
+    _check_parity(key, world, results)
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
-def test_frozen_layers_and_zero_init_model(world: int) -> None:
-    results = suite(world)
+def test_frozen_layers_and_zero_init_model(runs, world: int) -> None:
+    results = runs[world]
     for key in ("frozen/gpt", "frozen/mlp", "init/gpt"):
         _check_parity(key, world, results)
     # a model built under zero.Init trains exactly like one built whole
     np.testing.assert_array_equal(results[0]["init/gpt"]["params"], results[0]["parity/gpt"]["params"])
 
 
-def test_gas_clipping_prefetch_settings_and_sub_groups() -> None:
-    results = suite(2)
+def test_gas_clipping_prefetch_settings_and_sub_groups(runs) -> None:
+    results = runs[2]
     for key in ("gas4", "clip", "no_prefetch", "defaults", "sub_groups"):
         _check_parity(key, 2, results)
-    s = spread("gpt", 4, 0.05)
+    s = spread("nanogpt", 4, 0.05)
     assert min(s.reference["norms"]) > 0.05  # the clip is active at every step
     t.assert_tracks(results[0]["clip"], s.reference, s, "clip", what=("norms",))
     # prefetching or not, persistent or not, in sub-groups or not: the same arithmetic in the same order
@@ -76,13 +95,13 @@ def test_gas_clipping_prefetch_settings_and_sub_groups() -> None:
         assert results[0][key]["losses"] == results[0]["parity/gpt"]["losses"], key
         np.testing.assert_array_equal(results[0][key]["params"], results[0]["parity/gpt"]["params"])
     # stage 3 ends where stage 0 ends
-    t.assert_tracks(results[0]["parity/gpt"], results[0]["account/0"], spread("gpt", 4), "stage 3 vs stage 0",
+    t.assert_tracks(results[0]["parity/gpt"], results[0]["account/0"], spread("nanogpt", 4), "stage 3 vs stage 0",
                     against="run")
 
 
-def test_bf16_tracks_fp32_like_stage_0() -> None:
-    results = suite(2)[0]
-    s = spread("gpt", 4, dtype=torch.bfloat16)  # PyTorch's own bf16 runs (fp32 masters) around fp32
+def test_bf16_tracks_fp32_like_stage_0(runs) -> None:
+    results = runs[2][0]
+    s = spread("nanogpt", 4, dtype=torch.bfloat16)  # PyTorch's own bf16 runs (fp32 masters) around fp32
     z3, z0 = results["bf16/3"], results["bf16/0"]
     assert z3["skipped"] == 0
     t.assert_tracks(z3, s.wide, s, "bf16 stage 3", against="wide")
@@ -92,8 +111,8 @@ def test_bf16_tracks_fp32_like_stage_0() -> None:
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
-def test_memory_per_rank_is_one_nth_of_stage_0(world: int) -> None:
-    results = suite(world)
+def test_memory_per_rank_is_one_nth_of_stage_0(runs, world: int) -> None:
+    results = runs[world]
     for rank_result in results:
         m0, m3 = rank_result["account/0"]["memory"], rank_result["account/3"]["memory"]
         # no persistent parameters in this config; padding is at most N-1 elements per parameter. The model
@@ -109,8 +128,8 @@ def test_memory_per_rank_is_one_nth_of_stage_0(world: int) -> None:
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
-def test_traffic_per_step_is_one_and_a_half_times_stage_0(world: int) -> None:
-    results = suite(world)[0]
+def test_traffic_per_step_is_one_and_a_half_times_stage_0(runs, world: int) -> None:
+    results = runs[world][0]
     own = 2 * 8 * (world - 1) / world  # the test's own float64 loss all-reduce
     t0 = sum(v["traffic_bytes"] for v in results["account/0"]["comm"].values()) - own
     t3 = sum(v["traffic_bytes"] for v in results["account/3"]["comm"].values()) - own

@@ -23,11 +23,12 @@ def single_rank():
 
 def make_engine(stage: int = 1, precision: str = "fp32", dropout: float = 0.0, frozen: bool = False, extra=None):
     import dsrun
-    from tests.integration._ckpt_workloads import build_model, ds_config
+    from tests.harness.models import checkpoint_gpt
+    from tests.harness.runs import checkpoint_config
 
-    model = build_model(dropout, frozen)
+    model = checkpoint_gpt(dropout, frozen)
     engine, *_ = dsrun.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                  config=ds_config(stage, precision, 4, extra))
+                                  config=checkpoint_config(stage, precision, 4, extra))
     return engine
 
 

@@ -163,14 +163,16 @@ def test_load_universal_goes_through_the_reshard_path(tmp_path, capsys):
 
 def test_stage3_checkpoint_loads_into_an_engine_without_optimizer(tmp_path):
     import dsrun
-    from tests.integration._ckpt_workloads import build_model, ds_config, full_params
+    from tests.harness.models import checkpoint_gpt
+    from tests.harness.runs import checkpoint_config
+    from tests.integration._ckpt_workloads import full_params
 
     engine = make_engine(3)
     train(engine, 1)
     engine.save_checkpoint(str(tmp_path))
-    cfg = ds_config(0, "fp32", 4)
+    cfg = checkpoint_config(0, "fp32", 4)
     del cfg["optimizer"], cfg["scheduler"]
-    bare, *_ = dsrun.initialize(model=build_model(0.0), config=cfg)
+    bare, *_ = dsrun.initialize(model=checkpoint_gpt(0.0), config=cfg)
     bare.load_checkpoint(str(tmp_path))
     want = full_params(engine)
     assert all(torch.equal(v, want[k]) for k, v in bare.module.state_dict().items())

@@ -78,10 +78,10 @@ def test_cli_errors_are_one_line(tmp_path):
 
 
 def test_api_load_into_a_fresh_model(checkpoint):
-    from tests.integration._ckpt_workloads import build_model
+    from tests.harness.models import checkpoint_gpt
 
     root, live = checkpoint
-    model = build_model(0.0)
+    model = checkpoint_gpt(0.0)
     load_state_dict_from_zero_checkpoint(model, str(root))
     assert all(torch.equal(v.to(torch.bfloat16), live[k]) for k, v in model.state_dict().items())
     assert get_fp32_state_dict_from_zero_checkpoint(str(root), tag="global_step2").keys() == live.keys()

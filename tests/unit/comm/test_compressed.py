@@ -11,7 +11,7 @@ import torch
 from dsrun.comm.compressed import (CompressedLayout, check_backend_name, merge_server_errors, pack_signs,
                                    split_server_error, unpack_signs, wire_ratio)
 from dsrun.utils.errors import ConfigError
-from tests.helpers import run_ranks
+from tests.harness.launch import Launch
 
 # (numel, chunk or None, block): awkward lengths, blocks that do not divide the chunk, a ZeRO-1 style chunk
 CASES = [(1, None, 2048), (7, None, 2048), (13, None, 4), (1001, None, 2048), (1001, None, 37), (4099, None, 512),
@@ -103,9 +103,8 @@ def _rank_run(rank: int, world_size: int) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def runs() -> list[dict]:
-    return run_ranks(_rank_run, max(WORLDS), timeout=240)
+def collect(runs) -> list[dict]:
+    return runs(Launch(_rank_run, max(WORLDS), timeout=240))
 
 
 @pytest.mark.parametrize("world", WORLDS)

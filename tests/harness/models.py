@@ -1,0 +1,227 @@
+"""The models and data every multi-rank test trains, by name: one registry (``MODELS``).
+
+Each model is built with the same seed, so every rank and the single-process reference start equal; the global
+batch of optimizer step ``step`` is the same everywhere, and each rank trains its slice of it.
+
+- ``gpt``: a two-layer GPT with tied input/output embeddings (the tie exercises parameter de-duplication);
+- ``mlp``: a three-layer tanh MLP;
+- ``nanogpt`` (``nanogpt_frozen``: first block and position table frozen): dsrun's own GPT (``GPT_KW``);
+- ``twice_mlp`` (``twice_mlp_frozen``: first layer frozen): an MLP that applies its middle layer twice;
+- ``small_mlp``: the 8-16-4 MLP of the gradient-path tests (seed 3);
+- ``surface_mlp``: the 6-10-3 MLP of the engine-surface tests (safe_get, deferred reduction; seed 5).
+
+``checkpoint_gpt(dropout, frozen)`` is the checkpoint tests' GPT (their batches come from a resumable stream).
+
+``named`` models are compared through their named (gathered) state, sorted by name (``flat_named``); the others
+through ``parameters()`` in order, each shared tensor once (``flat_params``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, SEQ, WIDTH, HEADS, LAYERS = 64, 8, 32, 2, 2
+MLP_IN, MLP_OUT = 16, 4
+GPT_KW = dict(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)
+NANOGPT_SEQ = 16
+
+
+def at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    """The loss is computed in fp32 for 16-bit models, and stays float64 in the float64 reference."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(WIDTH)
+        self.qkv = nn.Linear(WIDTH, 3 * WIDTH, bias=False)  # a key bias has an exactly-zero true gradient that Adam would amplify from rounding noise
+        self.proj = nn.Linear(WIDTH, WIDTH)
+        self.ln2 = nn.LayerNorm(WIDTH)
+        self.fc = nn.Linear(WIDTH, 4 * WIDTH)
+        self.out = nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(WIDTH, dim=2)
+        q, k, v = (z.view(b, t, HEADS, c // HEADS).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
+        x = x + self.proj(y)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    """A two-layer GPT with tied input/output embeddings."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, WIDTH)
+        self.wpe = nn.Embedding(SEQ, WIDTH)
+        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.ln_f = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.wte(tokens[:, :-1]) + self.wpe(torch.arange(tokens.shape[1] - 1))
+        for block in self.blocks:
+            x = block(x)
+        logits = at_least_fp32(self.head(self.ln_f(x)))
+        return F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(MLP_IN, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, MLP_OUT))
+
+    def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        out = at_least_fp32(self.net(x.to(self.net[0].weight.dtype)))
+        return F.mse_loss(out, y.to(out.dtype))
+
+
+class TwiceMLP(nn.Module):
+    """An MLP whose middle layer is applied twice in one forward, with an optional frozen first layer."""
+
+    def __init__(self, frozen: bool = False) -> None:
+        super().__init__()
+        self.inp = nn.Linear(12, 20)
+        self.mid = nn.Linear(20, 20)
+        self.out = nn.Linear(20, 3)
+        if frozen:
+            self.inp.requires_grad_(False)
+
+    def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        h = torch.tanh(self.inp(x.to(self.out.weight.dtype)))
+        h = torch.tanh(self.mid(h))
+        h = torch.tanh(self.mid(h))  # the same module (and parameters) again
+        out = at_least_fp32(self.out(h))
+        return F.mse_loss(out, y.to(out.dtype))
+
+
+def nanogpt(frozen: bool = False) -> nn.Module:
+    from dsrun.models.gpt import GPT
+
+    model = GPT(**GPT_KW)
+    if frozen:  # freeze the first block and the position table
+        model.transformer["h"][0].requires_grad_(False)
+        model.transformer["wpe"].requires_grad_(False)
+    return model
+
+
+def checkpoint_gpt(dropout: float = 0.1, frozen: bool = False) -> nn.Module:
+    """dsrun's GPT of the checkpoint tests (vocabulary ``VOCAB``, blocks of ``SEQ``), dropout on by default
+    (a resumed run must then restore the RNG states too); ``frozen`` freezes the position table."""
+    from dsrun.models.gpt import GPT
+
+    torch.manual_seed(1234)
+    model = GPT(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2, n_embd=32, dropout=dropout)
+    if frozen:
+        model.transformer["wpe"].weight.requires_grad_(False)
+    return model
+
+
+def _tokens(gen: torch.Generator, size: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (size, SEQ), generator=gen)
+
+
+def _mlp_pairs(gen: torch.Generator, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(size, MLP_IN, generator=gen), torch.randn(size, MLP_OUT, generator=gen)
+
+
+def _nanogpt_pairs(gen: torch.Generator, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, GPT_KW["vocab_size"], (size, NANOGPT_SEQ + 1), generator=gen)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _twice_pairs(gen: torch.Generator, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(size, 12, generator=gen), torch.randn(size, 3, generator=gen)
+
+
+def _surface_pairs(gen: torch.Generator, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(size, 6, generator=gen), torch.randn(size, 3, generator=gen)
+
+
+def _small_pairs(gen: torch.Generator, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(size, 8, generator=gen), torch.randn(size, 4, generator=gen)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """How to build a model, draw its batches (``batch(generator, size)``) and count its loss terms."""
+
+    build: Callable[[], nn.Module]
+    batch: Callable[[torch.Generator, int], Any]
+    terms_per_sample: int
+    named: bool = False
+    seed: int = 1234
+
+
+MODELS: dict[str, ModelSpec] = {
+    "gpt": ModelSpec(TinyGPT, _tokens, SEQ - 1),
+    "mlp": ModelSpec(MLP, _mlp_pairs, MLP_OUT),
+    "nanogpt": ModelSpec(nanogpt, _nanogpt_pairs, NANOGPT_SEQ, named=True),
+    "nanogpt_frozen": ModelSpec(lambda: nanogpt(frozen=True), _nanogpt_pairs, NANOGPT_SEQ, named=True),
+    "twice_mlp": ModelSpec(TwiceMLP, _twice_pairs, 3, named=True),
+    "twice_mlp_frozen": ModelSpec(lambda: TwiceMLP(frozen=True), _twice_pairs, 3, named=True),
+    "small_mlp": ModelSpec(lambda: nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)), _small_pairs, 4,
+                           seed=3),
+    "surface_mlp": ModelSpec(lambda: nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 3)), _surface_pairs, 3,
+                             seed=5),
+}
+
+
+def build_model(name: str) -> nn.Module:
+    spec = MODELS[name]
+    torch.manual_seed(spec.seed)
+    return spec.build()
+
+
+def global_batch(name: str, step: int, size: int) -> Any:
+    """The global batch of optimizer step ``step`` (the same on every rank and in the reference)."""
+    return MODELS[name].batch(torch.Generator().manual_seed(1000 + step), size)
+
+
+def loss_terms(name: str, size: int) -> int:
+    """How many terms a loss of ``size`` samples averages (tokens predicted, or outputs)."""
+    return size * MODELS[name].terms_per_sample
+
+
+def slice_batch(batch: Any, start: int, end: int) -> Any:
+    if isinstance(batch, tuple):
+        return tuple(t[start:end] for t in batch)
+    return batch[start:end]
+
+
+def cast_floats(batch: Any, dtype: torch.dtype) -> Any:
+    if isinstance(batch, tuple):
+        return tuple(cast_floats(t, dtype) for t in batch)
+    return batch.to(dtype) if batch.is_floating_point() else batch
+
+
+def flat_params(model: nn.Module) -> torch.Tensor:
+    """Every parameter (each shared tensor once) as one float64 vector, in ``parameters()`` order."""
+    seen, out = set(), []
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p.detach().double().reshape(-1))
+    return torch.cat(out)
+
+
+def flat_named(named: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Named tensors as one float64 vector, sorted by name."""
+    return torch.cat([v.detach().double().reshape(-1) for _, v in sorted(named.items())])
+
+
+def flatten(name: str, model: nn.Module) -> Any:
+    """A model's parameters the way its tests compare them (``ModelSpec.named``)."""
+    if MODELS[name].named:
+        return flat_named(dict(model.named_parameters())).numpy()
+    return flat_params(model)

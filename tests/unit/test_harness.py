@@ -1,0 +1,31 @@
+"""The multi-rank test harness itself (tests/harness): config merging, case selection, launches run once."""
+from __future__ import annotations
+
+from tests.harness.launch import Launch, Runs
+from tests.harness.runs import Case, cases_at, ds_config, zero3_config
+
+
+def test_ds_config_merges_sections_and_drops_none():
+    cfg = ds_config(2, 2, 4, bucket=300, zero={"overlap_comm": True}, zero_optimization={"reduce_scatter": False},
+                    bf16={"enabled": True}, gradient_clipping=None)
+    assert cfg["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 300, "allgather_bucket_size": 400,
+                                        "overlap_comm": True, "reduce_scatter": False}
+    assert cfg["bf16"] == {"enabled": True} and "gradient_clipping" not in cfg
+    assert cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] == 8
+    z3 = zero3_config(3, 2, 1, zero={"stage3_prefetch_bucket_size": 0})["zero_optimization"]
+    assert (z3["reduce_bucket_size"], z3["allgather_bucket_size"], z3["stage3_prefetch_bucket_size"]) == (700, 900, 0)
+    assert "stage3_prefetch_bucket_size" not in zero3_config(0, 2, 1)["zero_optimization"]
+
+
+def test_cases_are_selected_by_world_size():
+    cases = [Case("a", "mlp", ds_config(0, 2, 1), worlds=(1, 2)), Case("b", "gpt", ds_config(1, 1, 4))]
+    assert list(cases_at(cases, 2)) == ["a", "b"] and list(cases_at(cases, 1)) == ["a"]
+    assert cases[1].global_size(3) == 12
+
+
+def test_each_declared_launch_runs_once(monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setattr(Launch, "__call__", lambda self: calls.append(self.world) or [self.world])
+    runs = Runs(lambda root: {"two": Launch(print, 2, (str(root),))}, tmp_path)
+    assert runs["two"] == [2] and runs["two"] == [2] and calls == [2]
+    assert runs.launches["two"].args == (str(tmp_path),)
