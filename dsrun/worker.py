@@ -16,7 +16,8 @@ import os
 import signal
 import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from types import FrameType
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -33,6 +34,11 @@ from dsrun.workloads.pipeline import pipeline_stages
 from dsrun.utils.seeding import set_random_seed
 from dsrun.workloads.base import collective_device, mean_across_ranks
 
+if TYPE_CHECKING:
+    from torch import nn
+
+    from dsrun.engine.engine import DeepSpeedEngine
+
 
 class StopFlag:
     """Set by SIGTERM/SIGINT; the loop checks it between optimizer steps."""
@@ -42,7 +48,7 @@ class StopFlag:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
 
-    def _handle(self, signum: int, frame: Any) -> None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.signal = signum
 
     def __bool__(self) -> bool:
@@ -58,7 +64,7 @@ def stop_agreed(stop: StopFlag) -> bool:
     return flag.item() > 0
 
 
-def _train_step_flops(model: Any, batch_size: int, seq_len: int) -> int | None:
+def _train_step_flops(model: nn.Module, batch_size: int, seq_len: int) -> int | None:
     """Analytic forward+backward FLOPs of one optimizer step (dsrun's GPT only), for the TFLOPs metric."""
     from dsrun.models.accounting import train_step_flops
 
@@ -68,7 +74,7 @@ def _train_step_flops(model: Any, batch_size: int, seq_len: int) -> int | None:
         return None
 
 
-def report_throughput(engine: Any, steps: int, elapsed: float, tokens_per_step: int,
+def report_throughput(engine: DeepSpeedEngine, steps: int, elapsed: float, tokens_per_step: int,
                       step_flops: int | None) -> tuple[float, float]:
     """Samples/s and tokens/s over the ``steps`` run so far; also sent to the monitors (with TFLOPs)."""
     samples_s, tokens_s = steps * engine.train_batch_size() / elapsed, steps * tokens_per_step / elapsed
@@ -80,7 +86,7 @@ def report_throughput(engine: Any, steps: int, elapsed: float, tokens_per_step: 
     return samples_s, tokens_s
 
 
-def step_timer_ms(engine: Any, before: dict[str, float] | None) -> dict[str, float] | None:
+def step_timer_ms(engine: DeepSpeedEngine, before: dict[str, float] | None) -> dict[str, float] | None:
     """The engine's forward/backward/step timer totals (``wall_clock_breakdown``) now, minus ``before``;
     None when the timers are off, or when the engine reset them at the end of this step (every
     ``steps_per_print`` steps), which loses the step's figures."""

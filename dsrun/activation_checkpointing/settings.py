@@ -189,18 +189,25 @@ def configure_from_engine(module: nn.Module, ds_config: DSConfig, mpu: Mpu | Non
                  "(set model.activation_checkpointing to full, every_N or selective)")
 
 
+class _Engine(Protocol):
+    """What the feature reads of the engine it attaches to."""
+
+    module: nn.Module
+    mpu: Mpu | None
+
+
 class ActivationCheckpointingFeature(Feature):
     """The config's ``activation_checkpointing`` section, configured once the engine is built (an engine
     feature, :mod:`dsrun.features`); off without the section."""
 
     name = SECTION
 
-    def __init__(self, ds_config: Any):
+    def __init__(self, ds_config: DSConfig):
         self.config = ds_config
 
     @classmethod
-    def build(cls, config: Any) -> "ActivationCheckpointingFeature | None":
+    def build(cls, config: DSConfig) -> "ActivationCheckpointingFeature | None":
         return cls(config) if SECTION in getattr(config, "model_fields_set", ()) else None
 
-    def attach(self, engine: Any) -> None:
+    def attach(self, engine: _Engine) -> None:
         configure_from_engine(engine.module, self.config, engine.mpu)

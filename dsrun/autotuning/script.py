@@ -32,6 +32,7 @@ from dsrun.autotuning.settings import SpaceValue, TuneSettings
 from dsrun.autotuning.space import ACCUMULATION_KEY, MICRO_BATCH_KEY, STAGE_KEY, SearchSpace
 from dsrun.autotuning.study import EventFn, Tuner
 from dsrun.autotuning.trial import Experiment
+from dsrun.config import ds_section
 from dsrun.utils.errors import Problem, UserError
 
 if TYPE_CHECKING:
@@ -90,9 +91,8 @@ def space_mapping(user_ds: Mapping[str, Any], fast: bool) -> dict[str, Any]:
         raise UserError(Problem("autotuning.fast", "false is not available for a script: dsrun tunes a script's "
                                 "ZeRO stage and micro batch size only (DeepSpeed's fast mode)",
                                 "drop \"fast\": false, or tune a recipe with dsrun tune autotuning=full"))
-    zero = user_ds.get("zero_optimization") or {}
-    stage = zero.get("stage") if isinstance(zero, Mapping) else None
-    return {"space": {STAGE_KEY: [int(stage)] if _concrete(stage) else ALL_STAGES}}
+    zero = ds_section(user_ds, "zero_optimization")  # an "auto" stage is dropped there: not set
+    return {"space": {STAGE_KEY: [int(zero.stage)] if "stage" in zero.model_fields_set else ALL_STAGES}}
 
 
 def base_config(user_ds: Mapping[str, Any]) -> dict[str, Any]:
@@ -152,7 +152,7 @@ class ScriptTuner(Tuner):
             shutil.rmtree(run_dir)
         ds = self.trial_config(config)
         measured = {**ds, "wall_clock_breakdown": True, "steps_per_print": s.end_profile_step + 1,
-                    "autotuning": {**(self.user_ds.get("autotuning") or {}), "enabled": True,
+                    "autotuning": {**ds_section(self.user_ds, "autotuning").model_dump(exclude_unset=True), "enabled": True,
                                    "metric_path": str(run_dir / "metrics.json"),
                                    "start_profile_step": s.start_profile_step, "end_profile_step": s.end_profile_step}}
         directory.mkdir(parents=True, exist_ok=True)

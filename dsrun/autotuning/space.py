@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 from dsrun.autotuning.settings import SpaceValue, TuneSettings
+from dsrun.config import ds_section
 from dsrun.utils.errors import Problem, UserError
 
 if TYPE_CHECKING:
@@ -164,10 +165,9 @@ class SearchSpace:
 
 def build_space(settings: TuneSettings, base_ds: Mapping[str, Any], world_size: int) -> SearchSpace:
     """The search space of ``settings`` over the recipe's resolved DeepSpeed config ``base_ds``."""
-    zero = base_ds.get("zero_optimization") or {}
-    base = {STAGE_KEY: int(zero.get("stage", 0)) if isinstance(zero, Mapping) else 0,
-            MICRO_BATCH_KEY: base_ds.get(MICRO_BATCH_KEY) or 1,
-            ACCUMULATION_KEY: base_ds.get(ACCUMULATION_KEY) or 1}
+    base = {STAGE_KEY: int(ds_section(base_ds, "zero_optimization").stage),
+            MICRO_BATCH_KEY: ds_section(base_ds, MICRO_BATCH_KEY) or 1,  # the values given (None: not given)
+            ACCUMULATION_KEY: ds_section(base_ds, ACCUMULATION_KEY) or 1}
     space = {canonical_key(k): v for k, v in settings.space.items()}
     bad = [k for k in space if k.split(".")[0] in ("tune", "hydra", "ds_config")]
     if bad:

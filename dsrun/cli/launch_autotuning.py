@@ -38,19 +38,19 @@ def run(args: argparse.Namespace, world_size: int, add_arguments: Callable[[argp
     from dsrun.autotuning import build_space, settings_from
     from dsrun.autotuning.script import ScriptTuner, find_config_arg, space_mapping
     from dsrun.cli.tune import Reporter, tune_and_report
-    from dsrun.config import load_ds_config
+    from dsrun.config import ds_section, load_ds_config
     from dsrun.utils.errors import Problem, UserError
 
     _, path = find_config_arg(args.script_args)
     if not Path(path).is_file():
         raise UserError(Problem("--deepspeed", f"{path} is not a file", "pass the script's DeepSpeed config JSON"))
     user_ds = json.loads(Path(path).read_text())
-    raw = user_ds.get("autotuning") or {}
-    if not raw.get("enabled"):
+    if not ds_section(user_ds, "autotuning").enabled:
         raise UserError(Problem("autotuning.enabled", f"{path} does not enable autotuning",
                                 'add "autotuning": {"enabled": true} to it, as DeepSpeed requires'))
     section = load_ds_config(path, world_size=None, world_size_source="dsrun launch --autotuning").autotuning
-    settings = settings_from(section, raw, space_mapping(user_ds, bool(section.fast)), Path.cwd())
+    # the keys the user set, as settings_from reads them (an unset overwrite is False there, as before)
+    settings = settings_from(section, section.model_dump(exclude_unset=True), space_mapping(user_ds, bool(section.fast)), Path.cwd())
     space = build_space(settings, {k: v for k, v in user_ds.items() if v != "auto"}, world_size)
     tuner: Any = ScriptTuner(settings, space, user_ds, launcher_flags(args, add_arguments), args.script, args.script_args)
     reporter = Reporter(settings, space)

@@ -28,10 +28,15 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from dsrun.cli.common import add_compose_arguments
 from dsrun.utils.errors import EXIT_USAGE, Problem, UserError
+
+if TYPE_CHECKING:
+    from dsrun.cli.preflight import Preflight
+    from dsrun.rundir import LauncherLog
+    from dsrun.runspec import ResolvedRun
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -161,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check(resolved: Any, args: argparse.Namespace) -> Any:
+def _check(resolved: ResolvedRun, args: argparse.Namespace) -> Preflight:
     """The checks before launch (dsrun.cli.preflight), announced: building the data and the model on the meta
     device and the memory estimate take seconds."""
     from dsrun.cli.common import say_stage
@@ -192,8 +197,8 @@ def quiet_legacy_notes(quiet: bool) -> Iterator[None]:
         logger.setLevel(level)
 
 
-def _settle_resume(resolved: Any, run_dir: Path, job_overrides: list[str], args: argparse.Namespace,
-                   source: Path | None, overrides: list[str]) -> tuple[Any, str | None]:
+def _settle_resume(resolved: ResolvedRun, run_dir: Path, job_overrides: list[str], args: argparse.Namespace,
+                   source: Path | None, overrides: list[str]) -> tuple[ResolvedRun, str | None]:
     """Resolve ``train.resume=auto`` and ``--from`` into a checkpoint folder (or null); check what it names."""
     from dsrun.cli.preflight import resume_problems
     from dsrun.cli.resume import settle_auto, settle_from
@@ -232,7 +237,7 @@ def _lineage(source: Path | None, job_overrides: list[str]) -> list[str]:
     return effective_overrides([*((recorded_overrides(source) or []) if source else []), *job_overrides])
 
 
-def _dry_run(resolved: Any, run_dir: Path, preflight: Any, resume_line: str | None, record: Record) -> None:
+def _dry_run(resolved: ResolvedRun, run_dir: Path, preflight: Preflight, resume_line: str | None, record: Record) -> None:
     from dsrun.rundir import write_run_files
 
     paths = write_run_files(run_dir, resolved)
@@ -266,7 +271,7 @@ def _dry_run(resolved: Any, run_dir: Path, preflight: Any, resume_line: str | No
     print("dry run: nothing launched")
 
 
-def _simulated_ranks(resolved: Any, run_dir: Path) -> list[str]:
+def _simulated_ranks(resolved: ResolvedRun, run_dir: Path) -> list[str]:
     """Every rank's engine built in this process on torch's fake process group, described (and recorded as a
     real run's ranks record themselves: ``topology_rank<R>.json``)."""
     from dsrun.workloads import topology
@@ -279,8 +284,8 @@ def _simulated_ranks(resolved: Any, run_dir: Path) -> list[str]:
     return topology.lines(ranks)
 
 
-def _train(resolved: Any, run_dir: Path, preflight: Any, resume_line: str | None, record: Record,
-           log: Any) -> dict:
+def _train(resolved: ResolvedRun, run_dir: Path, preflight: Preflight, resume_line: str | None, record: Record,
+           log: LauncherLog) -> dict:
     """Launch the worker on every rank of the plan; return the run's metrics (``metrics.json``)."""
     import json
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from dsrun.accelerator import get_accelerator
+from dsrun.config import ds_section
 from dsrun.utils.net import free_port
 
 from .logger import CommsLogger, Timer, format_summary, straggler_breakdown
@@ -161,9 +162,12 @@ def configure(config: dict[str, Any] | _CommsLoggerHolder | None = None, enabled
               verbose: bool | None = None, prof_all: bool | None = None,
               prof_ops: Sequence[str] | None = None, debug: bool | None = None) -> None:
     """Configure the comms logger from a DeepSpeed config (its ``comms_logger`` section) or keywords."""
-    section: Any = None
-    if config is not None:
-        section = config.get("comms_logger") if isinstance(config, dict) else getattr(config, "comms_logger", None)
+    section: object = None  # a typed section, or a holder's section (a dict or an object with its keys)
+    if isinstance(config, dict):  # a raw config: the keys it sets, typed (the others keep the logger's values)
+        typed = ds_section(config, "comms_logger")
+        section = {key: getattr(typed, key) for key in typed.model_fields_set}
+    elif config is not None:
+        section = getattr(config, "comms_logger", None)
 
     def pick(name: str, given: _T | None, default: _T) -> _T:
         if given is not None:

@@ -25,7 +25,7 @@ from torch import nn
 from dsrun.config.compression import (ActivationQuantizationConfig, ChannelPruningConfig, CompressionConfig,
                                       HeadPruningConfig, PruneParams, RowPruningConfig, SparsePruningConfig,
                                       WeightQuantizationConfig, WeightQuantParams, check_compression)
-from dsrun.config.problems import validate_model
+from dsrun.config.sections import ds_section
 from dsrun.config.sources import read_config_source
 from dsrun.utils.errors import ConfigError, Problem, UserError
 
@@ -62,10 +62,8 @@ def read_config(deepspeed_config: ConfigSource | DSConfig | CompressionConfig) -
     section = getattr(deepspeed_config, SECTION, None)
     if isinstance(section, CompressionConfig):
         return section
-    raw = read_config_source(deepspeed_config)
-    model, problems = validate_model(CompressionConfig, raw.get(SECTION) or {}, SECTION)
-    if model is not None:
-        problems += check_compression(model, "")
+    model = ds_section(read_config_source(deepspeed_config), SECTION)  # a ConfigError lists its problems
+    problems = check_compression(model, "")
     if problems:
         raise ConfigError(problems)
     return model

@@ -4,7 +4,7 @@ optimizer sees its parameters (``wrap_model``), steps its scheduler and MoQ afte
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from torch import nn
 
@@ -17,6 +17,12 @@ from .moq import MoQ, overwrite_with_quantized
 from .scheduler import compression_scheduler
 
 
+class _Engine(Protocol):
+    """What the feature reads of the engine it attaches to."""
+
+    module: nn.Module
+
+
 class CompressionFeature(Feature):
     """The compression scheduler, stored-weight quantization and MoQ of one engine."""
 
@@ -25,7 +31,7 @@ class CompressionFeature(Feature):
     def __init__(self, ds_config: DSConfig):
         self.config = ds_config
         self.module: nn.Module | None = None
-        self.scheduler: Any = None
+        self.scheduler: compression_scheduler | None = None
         self.stored: list[nn.Module] = []
         self.eigenvalue: Eigenvalue | None = None
         self.moq: MoQ | None = None
@@ -41,7 +47,7 @@ class CompressionFeature(Feature):
             init_compression(model, self.config)
         return model
 
-    def attach(self, engine: Any) -> None:
+    def attach(self, engine: _Engine) -> None:
         module, qt = engine.module, self.config.quantize_training
         if plan_of(module) is None and not qt.enabled:
             return

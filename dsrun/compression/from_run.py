@@ -8,7 +8,6 @@ widths, or :func:`~dsrun.compression.export.post_training_quantize`) and
 """
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -97,16 +96,16 @@ def export_run(run_dir: Path, out: Path, tag: str | None = None, w8a8: bool = Fa
             getattr(ds.compression_training, t).shared_parameters.enabled for t in
             ("weight_quantization", "activation_quantization", "sparse_pruning", "row_pruning", "head_pruning",
              "channel_pruning")):
-        section = copy.deepcopy(raw_ds.get("compression_training", {}))
-        section.pop("layer_reduction", None)  # the student was built at its reduced depth; weights come below
-        init_compression(model, {"compression_training": section})
+        reduction = type(ds.compression_training.layer_reduction)()  # off: the student was built at its reduced
+        section = ds.compression_training.model_copy(update={"layer_reduction": reduction})  # depth; weights below
+        init_compression(model, section)
         model.load_state_dict(state, strict=True)
         scheduler = compression_scheduler(model)
         if compression_state.get("scheduler"):
             scheduler.load_state_dict(compression_state["scheduler"])
         else:
             scheduler.step(step_zero_check=True)
-        redundancy_clean(model, {"compression_training": section})
+        redundancy_clean(model, section)
     elif ds.quantize_training.enabled and compression_state.get("moq"):
         model.load_state_dict(state, strict=False)
         record_moq_weights(model, ds.quantize_training, compression_state["moq"])

@@ -6,16 +6,32 @@ feature (``engine.data_efficiency``); the logic lives in this package, the engin
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
+
+from torch import nn
 
 from dsrun.utils.errors import ConfigError, Problem
+
+if TYPE_CHECKING:
+    from dsrun.config import DSConfig
+
+    from .features import DataEfficiency
+
+
+class _Engine(Protocol):
+    """What these methods read of the engine that holds them."""
+
+    _config: DSConfig
+    data_efficiency: DataEfficiency
+    module: nn.Module
+    training_dataloader: Any  # the engine's loader (DeepSpeed's attribute): whatever deepspeed_io built
 
 
 class DataEfficiencyMethods:
     """``set_custom_curriculum_learning_schedule``, ``get_pld_theta``, ``random_ltd_initialize``,
     ``set_data_post_process_func`` and the data-efficiency config getters, with DeepSpeed's names."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: _Engine):
         self._engine = engine
 
     # --- config getters -------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ innermost flag; dsrun warns once when an enclosing flag turns an enabled techniq
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -30,6 +30,9 @@ from dsrun.data_efficiency.curriculum_scheduler import CurriculumScheduler
 from dsrun.data_efficiency.data_routing.basic_layer import RandomLayerTokenDrop
 from dsrun.data_efficiency.data_routing.scheduler import RandomLTDScheduler
 from dsrun.data_efficiency.progressive_layer_drop import ProgressiveLayerDrop
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 RANDOM_LTD_PATH = "data_efficiency.data_routing.random_ltd"
 SAMPLING_PATH = "data_efficiency.data_sampling.curriculum_learning"
@@ -52,7 +55,7 @@ def _accepts(module: nn.Module, *names: str) -> bool:
     return any(p.kind is p.VAR_KEYWORD for p in params) or all(n in {p.name for p in params} for n in names)
 
 
-def _require_same_rng_on_every_rank(group: Any) -> None:
+def _require_same_rng_on_every_rank(group: ProcessGroup | None) -> None:
     """Raise (on every rank) when the ranks' torch RNG states differ."""
     from dsrun.accelerator import get_accelerator
 
@@ -65,6 +68,15 @@ def _require_same_rng_on_every_rank(group: Any) -> None:
         raise ConfigError(Problem("progressive_layer_drop.enabled", "with ZeRO stage 3 every rank must skip the same "
                                   "layers, but the ranks' torch random number generators differ (a different seed "
                                   "per rank?)", "seed torch alike on every rank (dsrun train does), or use stage 0-2"))
+
+
+class _Engine(Protocol):
+    """What the feature reads of the engine it attaches to."""
+
+    module: nn.Module
+    dp_group: ProcessGroup | None
+    training_dataloader: Any  # the engine's loader (DeepSpeed's attribute): whatever deepspeed_io built
+    global_rank: int
 
 
 class DataEfficiency(Feature):
@@ -102,12 +114,12 @@ class DataEfficiency(Feature):
                                           "(DeepSpeed raises NotImplementedError for it too)", "set it to false"))
             self.random_ltd_scheduler = RandomLTDScheduler(ltd, global_batch_size=train_batch_size)
         self._zero_stage = int(config.zero_optimization.stage)
-        self._group: Any = None
+        self._group: ProcessGroup | None = None
         self._check_pld_ranks = False
         self.random_ltd_layers: list[RandomLayerTokenDrop] = []
         self.training_dataloader: Any = None  # a curriculum loader from engine.deepspeed_io, when sampling is on
 
-    def attach(self, engine: Any) -> None:
+    def attach(self, engine: _Engine) -> None:
         """Check the model's forward, take the engine's data-parallel group and (when sampling) its loader."""
         self.check_model(engine.module)
         # ZeRO-3 gathers each block's parameters as it runs: every rank must skip the same blocks, so their

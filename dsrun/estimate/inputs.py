@@ -79,32 +79,30 @@ class BufferSettings:
 
     @classmethod
     def from_zero_config(cls, zero: Mapping[str, Any]) -> "BufferSettings":
-        """Read the settings from a ``zero_optimization`` section (missing keys keep their defaults)."""
-        def num(key: str, default: int) -> int:
-            value = zero.get(key, default)
-            return int(float(value)) if value is not None else default
+        """Read the settings from a ``zero_optimization`` section (the schema's defaults for missing keys)."""
+        from dsrun.config import ds_section
 
-        offload_param = zero.get("offload_param") or {}
-        offload_optimizer = zero.get("offload_optimizer") or {}
-        d = cls()
+        typed = ds_section({"zero_optimization": dict(zero)}, "zero_optimization")
+        # overlap_comm left unset stays None ("on for stage 3" follows the stage the estimate is asked for),
+        # where the schema settles it for the section's own stage
+        overlap = typed.overlap_comm if zero.get("overlap_comm") is not None else None
+        param, optimizer = typed.offload_param, typed.offload_optimizer
         return cls(
-            reduce_bucket_size=num("reduce_bucket_size", d.reduce_bucket_size),
-            allgather_bucket_size=num("allgather_bucket_size", d.allgather_bucket_size),
-            overlap_comm=zero.get("overlap_comm"),
-            reduce_scatter=bool(zero.get("reduce_scatter", True)),
-            stage3_prefetch_bucket_size=num("stage3_prefetch_bucket_size", d.stage3_prefetch_bucket_size),
-            stage3_max_live_parameters=num("stage3_max_live_parameters", d.stage3_max_live_parameters),
-            stage3_param_persistence_threshold=num("stage3_param_persistence_threshold",
-                                                   d.stage3_param_persistence_threshold),
-            sub_group_size=num("sub_group_size", d.sub_group_size),
-            offload_param_buffer_count=int(offload_param.get("buffer_count", d.offload_param_buffer_count)),
-            offload_param_buffer_size=int(float(offload_param.get("buffer_size", d.offload_param_buffer_size))),
-            offload_param_max_in_cpu=int(float(offload_param.get("max_in_cpu", d.offload_param_max_in_cpu))),
-            offload_optimizer_buffer_count=int(offload_optimizer.get("buffer_count",
-                                                                     d.offload_optimizer_buffer_count)),
-            zero_quantized_weights=bool(zero.get("zero_quantized_weights", False)),
-            zero_quantized_gradients=bool(zero.get("zero_quantized_gradients", False)),
-            zero_quantized_nontrainable_weights=bool(zero.get("zero_quantized_nontrainable_weights", False)),
+            reduce_bucket_size=int(typed.reduce_bucket_size),
+            allgather_bucket_size=int(typed.allgather_bucket_size),
+            overlap_comm=overlap,
+            reduce_scatter=bool(typed.reduce_scatter),
+            stage3_prefetch_bucket_size=int(typed.stage3_prefetch_bucket_size),
+            stage3_max_live_parameters=int(typed.stage3_max_live_parameters),
+            stage3_param_persistence_threshold=int(typed.stage3_param_persistence_threshold),
+            sub_group_size=int(typed.sub_group_size),
+            offload_param_buffer_count=int(param.buffer_count),
+            offload_param_buffer_size=int(param.buffer_size),
+            offload_param_max_in_cpu=int(param.max_in_cpu),
+            offload_optimizer_buffer_count=int(optimizer.buffer_count),
+            zero_quantized_weights=bool(typed.zero_quantized_weights),
+            zero_quantized_gradients=bool(typed.zero_quantized_gradients),
+            zero_quantized_nontrainable_weights=bool(typed.zero_quantized_nontrainable_weights),
         )
 
 

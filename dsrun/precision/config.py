@@ -3,18 +3,18 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from dsrun.config import ds_section
 from dsrun.config.precision import BF16Config, FP16Config
 
 
 def get_bfloat16_config(param_dict: Mapping[str, Any]) -> BF16Config:
     """The ``bf16`` section (DeepSpeed also reads the older name ``bfloat16``), defaults when absent."""
-    section = param_dict.get("bf16", param_dict.get("bfloat16", {}))
-    return BF16Config.model_validate(section or {})
+    return ds_section(param_dict, "bf16")  # the legacy name is migrated there
 
 
 def get_float16_config(param_dict: Mapping[str, Any]) -> FP16Config:
     """The ``fp16`` section, defaults when absent."""
-    return FP16Config.model_validate(param_dict.get("fp16") or {})
+    return ds_section(param_dict, "fp16")
 
 
 def get_bfloat16_enabled(param_dict: Mapping[str, Any]) -> bool:

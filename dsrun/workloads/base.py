@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, ContextManager, Iterator
 
 import torch
 from omegaconf import DictConfig
@@ -21,6 +21,10 @@ from torch import nn
 from dsrun.utils.errors import UserError
 
 from .data_efficiency import DataEfficiencyRun
+
+if TYPE_CHECKING:
+    from dsrun.data.corpus import TokenCorpus
+    from dsrun.engine.engine import DeepSpeedEngine
 
 
 def collective_device() -> torch.device:
@@ -38,7 +42,7 @@ def mean_across_ranks(value: float) -> float:
     return tensor.item() / comm.get_world_size()
 
 
-def zero_init_context(ds_config: dict[str, Any]) -> Any:
+def zero_init_context(ds_config: dict[str, Any]) -> ContextManager[object]:
     """``dsrun.zero.Init`` for ZeRO stage 3 (so the whole model never exists in one process, and with
     ``offload_param`` its shards go straight to host memory or NVMe), else a no-op."""
     import dsrun
@@ -59,14 +63,14 @@ class Workload:
         self.spec, self.ds_config, self.world_size = spec, ds_config, world_size
         self.cfg = spec.train
         self.model: nn.Module | None = None
-        self.engine: Any = None
+        self.engine: DeepSpeedEngine | None = None
         self.data_efficiency: DataEfficiencyRun | None = None
         self.data_rank, self.data_world = 0, 1
 
     def build_model(self) -> nn.Module:
         raise NotImplementedError
 
-    def engine_inputs(self, corpus: Any, run_dir: Path) -> dict[str, Any]:
+    def engine_inputs(self, corpus: TokenCorpus, run_dir: Path) -> dict[str, Any]:
         """``dsrun.initialize``'s keywords: the model, and the config and training data after data efficiency
         prepared them (curriculum indexes)."""
         self.data_efficiency = DataEfficiencyRun.prepare(self.ds_config, corpus.train, corpus.vocab_size, run_dir)
@@ -77,7 +81,7 @@ class Workload:
         return dict(model=self.model, model_parameters=self.model.parameters(),
                     config=self.data_efficiency.ds_config, training_data=self.data_efficiency.training_data)
 
-    def attach(self, engine: Any) -> None:
+    def attach(self, engine: DeepSpeedEngine) -> None:
         """After initialize: random-LTD layers, seqlen truncation and token counts; this rank's data shard."""
         self.engine = engine
         self.data_efficiency.attach(engine)
@@ -87,11 +91,11 @@ class Workload:
                             "model.sequence_parallel=true (or +recipe=gpt_ulysses)")
         self.data_rank, self.data_world = self.data_parallel(engine)
 
-    def data_parallel(self, engine: Any) -> tuple[int, int]:
+    def data_parallel(self, engine: DeepSpeedEngine) -> tuple[int, int]:
         """This rank's index among the ranks that read different samples, and their number."""
         raise NotImplementedError
 
-    def train_loader(self, corpus: Any) -> Iterator:
+    def train_loader(self, corpus: TokenCorpus) -> Iterator:
         """The curriculum sampler's loader when it is on, else the corpus's for this rank's data shard."""
         return self.data_efficiency.train_loader() or corpus.train_loader(
             batch_size=self.engine.train_micro_batch_size_per_gpu(), rank=self.data_rank,
@@ -101,7 +105,7 @@ class Workload:
         """One optimizer step (all its micro-batches); the step's mean training loss."""
         raise NotImplementedError
 
-    def evaluate(self, corpus: Any, iters: int) -> float:
+    def evaluate(self, corpus: TokenCorpus, iters: int) -> float:
         raise NotImplementedError
 
     def num_params(self) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 from torch import nn
@@ -23,34 +23,40 @@ from dsrun.data_efficiency.data_routing.helper import convert_to_random_ltd
 from dsrun.data_efficiency.data_sampling.data_loader import truncate_to_difficulty
 from dsrun.workloads.data_efficiency_run import RARITY, LayerMeter, analyse_vocabulary_rarity
 
+if TYPE_CHECKING:
+    from dsrun.data.dataset import TokenWindows
+    from dsrun.engine.engine import DeepSpeedEngine
+
 BUILT_IN_METRICS = (RARITY,)
 ANALYSIS_DIR, CLUSTERS_DIR = "data_analysis", "data_clusters"
 
 
-def prepare_ds_config(ds_config: dict[str, Any], dataset: Any, vocab_size: int, run_dir: Path) -> dict[str, Any]:
+def prepare_ds_config(ds_config: dict[str, Any], dataset: TokenWindows, vocab_size: int,
+                      run_dir: Path) -> dict[str, Any]:
     """``ds_config`` with the analysis a curriculum needs done and its paths filled in (see the module
     docstring); unchanged when the data sampling curriculum is off."""
-    de = ds_config.get("data_efficiency") or {}
-    curriculum = (de.get("data_sampling") or {}).get("curriculum_learning") or {}
-    if not (de.get("enabled") and (de.get("data_sampling") or {}).get("enabled") and curriculum.get("enabled")):
+    from dsrun.config import ds_section
+
+    de = ds_section(ds_config, "data_efficiency")
+    if not (de.enabled and de.data_sampling.enabled and de.data_sampling.curriculum_learning.enabled):
         return ds_config
     from dsrun import comm
 
+    typed = de.data_sampling.curriculum_learning
     ds_config = copy.deepcopy(ds_config)
-    curriculum = ds_config["data_efficiency"]["data_sampling"]["curriculum_learning"]
-    curriculum.setdefault("data_cluster_path", None)
-    if not curriculum["data_cluster_path"]:
-        curriculum["data_cluster_path"] = str(run_dir / CLUSTERS_DIR)
-    for name, metric in (curriculum.get("curriculum_metrics") or {}).items():
-        if metric.get("clustering_type", "schedule_based") == "single_cluster" or metric.get("index_to_sample_path"):
+    curriculum = ds_config["data_efficiency"]["data_sampling"]["curriculum_learning"]  # the copy the paths go into
+    curriculum["data_cluster_path"] = typed.data_cluster_path or str(run_dir / CLUSTERS_DIR)
+    for name, metric in (typed.curriculum_metrics or {}).items():
+        if metric.clustering_type == "single_cluster" or metric.index_to_sample_path:
             continue
         if name not in BUILT_IN_METRICS:
             continue  # the sampler names the missing index file
         rank, world = comm.get_rank(), comm.get_world_size()
         folder = analyse_vocabulary_rarity(dataset, vocab_size, run_dir / ANALYSIS_DIR, rank, world)
-        merged = "_percentile_merged" if metric.get("difficulty_type") == "percentile" else ""
-        metric["index_to_sample_path"] = str(folder / f"{name}_index_to_sample{merged}")
-        metric["index_to_metric_path"] = str(folder / f"{name}_index_to_metric")
+        merged = "_percentile_merged" if metric.difficulty_type == "percentile" else ""
+        filled = curriculum["curriculum_metrics"][name]
+        filled["index_to_sample_path"] = str(folder / f"{name}_index_to_sample{merged}")
+        filled["index_to_metric_path"] = str(folder / f"{name}_index_to_metric")
     return ds_config
 
 
@@ -61,7 +67,7 @@ def transformer_layers(model: nn.Module) -> nn.ModuleList | None:
     return layers if isinstance(layers, nn.ModuleList) and len(layers) else None
 
 
-def after_initialize(engine: Any) -> None:
+def after_initialize(engine: DeepSpeedEngine) -> None:
     """Convert the GPT's blocks for random-LTD, and truncate batches for a ``seqlen`` metric."""
     layers = transformer_layers(engine.module)
     block_type = type(layers[0]) if layers is not None else None
@@ -87,24 +93,24 @@ class DataEfficiencyRun:
     """The worker's data-efficiency steps, in order: :meth:`prepare` (before initialize), :meth:`attach`
     (after), :meth:`counts` at each evaluation (a collective), :meth:`summary` at the end."""
 
-    def __init__(self, ds_config: dict[str, Any], training_data: Any):
+    def __init__(self, ds_config: dict[str, Any], training_data: TokenWindows | None):
         self.ds_config, self.training_data = ds_config, training_data
         self.meter: LayerMeter | None = None
-        self.engine: Any = None
+        self.engine: DeepSpeedEngine | None = None
 
     @classmethod
-    def prepare(cls, ds_config: dict[str, Any], dataset: Any, vocab_size: int, run_dir: Path) -> "DataEfficiencyRun":
+    def prepare(cls, ds_config: dict[str, Any], dataset: TokenWindows, vocab_size: int, run_dir: Path) -> "DataEfficiencyRun":
         prepared = prepare_ds_config(ds_config, dataset, vocab_size, run_dir)
         return cls(prepared, dataset if prepared is not ds_config else None)
 
-    def attach(self, engine: Any) -> None:
+    def attach(self, engine: DeepSpeedEngine) -> None:
         self.engine = engine
         after_initialize(engine)
         layers = transformer_layers(engine.module)
         if layers is not None:
             self.meter = LayerMeter(engine.module, layers)
 
-    def train_loader(self) -> Any:
+    def train_loader(self) -> Iterable | None:
         """The curriculum loader when the data sampler is on, else None (the corpus's loader is used)."""
         return self.engine.training_dataloader if self.engine.curriculum_learning_enabled() else None
 

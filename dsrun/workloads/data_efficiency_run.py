@@ -5,27 +5,34 @@ really processed. ``dsrun train`` uses them through :mod:`dsrun.workloads.data_e
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Sequence, Union
 
 import numpy as np
 import torch
 from torch import nn
+from torch.utils.data import Dataset
 
 from dsrun.data_efficiency.data_routing.basic_layer import RandomLayerTokenDrop
 from dsrun.data_efficiency.data_sampling.data_analyzer import ACCUMULATE, SINGLE_VALUE, DataAnalyzer
 from dsrun.data_efficiency.data_sampling.indexed_dataset import MMapIndexedDataset
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+#: what a data loader yields: the inputs, or (inputs, targets, ...)
+Batch = Union[torch.Tensor, Sequence[torch.Tensor]]
+
 RARITY, FREQUENCY = "vocabularyrarity", "token_frequency"
 _BATCH = 4096
 
 
-def _inputs(batch: Any) -> torch.Tensor:
+def _inputs(batch: Batch) -> torch.Tensor:
     return batch[0] if isinstance(batch, (tuple, list)) else batch
 
 
 def token_frequency_metric(vocab_size: int):
     """An ``accumulate_value_over_samples`` metric: how often each token id occurs in the inputs."""
-    def metric(batch: Any) -> np.ndarray:
+    def metric(batch: Batch) -> np.ndarray:
         return np.bincount(_inputs(batch).reshape(-1).numpy(), minlength=vocab_size).astype(np.int64)
     return metric
 
@@ -37,14 +44,14 @@ def vocabulary_rarity_metric(frequencies: np.ndarray):
     counts = frequencies.astype(np.float64)
     surprise = -np.log(np.maximum(counts, 1.0) / counts.sum())
 
-    def metric(batch: Any) -> np.ndarray:
+    def metric(batch: Batch) -> np.ndarray:
         tokens = _inputs(batch).numpy()
         return np.rint(100.0 * surprise[tokens].mean(axis=1)).astype(np.int64)
     return metric
 
 
-def analyse_vocabulary_rarity(dataset: Any, vocab_size: int, save_path: Path, worker_id: int = 0,
-                              num_workers: int = 1, comm_group: Any = None) -> Path:
+def analyse_vocabulary_rarity(dataset: Dataset, vocab_size: int, save_path: Path, worker_id: int = 0,
+                              num_workers: int = 1, comm_group: ProcessGroup | None = None) -> Path:
     """Index ``dataset`` by vocabulary rarity into ``save_path`` (two map-reduce passes: token frequencies,
     then each sample's rarity); returns the metric's folder."""
     common = dict(num_workers=num_workers, worker_id=worker_id, batch_size=_BATCH, save_path=str(save_path))

@@ -3,7 +3,7 @@ layer reduction) and trained on the distillation loss (docs/compression.md). The
 under ``zero.Init``: the layer reduction copies the teacher's layers into it) and reads whole sequences."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import hydra.utils
 import torch
@@ -11,9 +11,13 @@ from torch import nn
 
 from .gpt import DenseGPT
 
+if TYPE_CHECKING:
+    from dsrun.compression.layer_reduction import Distiller
+    from dsrun.engine.engine import DeepSpeedEngine
+
 
 class Distillation(DenseGPT):
-    distiller: Any = None
+    distiller: Distiller | None = None
 
     def build_model(self) -> nn.Module:
         from dsrun.compression.compress import init_compression
@@ -25,7 +29,7 @@ class Distillation(DenseGPT):
         self.distiller = Distiller(teacher, self.cfg.kd_weight, self.cfg.kd_temperature)
         return self.model
 
-    def attach(self, engine: Any) -> None:
+    def attach(self, engine: DeepSpeedEngine) -> None:
         super().attach(engine)
         self.shard = False  # the teacher reads whole sequences
 

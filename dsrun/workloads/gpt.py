@@ -4,7 +4,7 @@
 of every sequence (docs/sequence_parallel.md)."""
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import hydra.utils
 import torch
@@ -13,6 +13,10 @@ from torch import nn
 from dsrun.sequence import shard_sequence
 
 from .base import Workload, mean_across_ranks, zero_init_context
+
+if TYPE_CHECKING:
+    from dsrun.data.corpus import TokenCorpus
+    from dsrun.engine.engine import DeepSpeedEngine
 
 
 class DenseGPT(Workload):
@@ -23,12 +27,12 @@ class DenseGPT(Workload):
             self.model = hydra.utils.instantiate(self.spec.model, _convert_="all")
         return self.model
 
-    def attach(self, engine: Any) -> None:
+    def attach(self, engine: DeepSpeedEngine) -> None:
         super().attach(engine)
         # the seqlen curriculum needs whole sequences (the GPT then slices them itself)
         self.shard = engine.sequence_parallel_size > 1 and engine.data_efficiency.curriculum_seqlen() is None
 
-    def data_parallel(self, engine: Any) -> tuple[int, int]:
+    def data_parallel(self, engine: DeepSpeedEngine) -> tuple[int, int]:
         from dsrun import comm
 
         sp = engine.sequence_parallel_size
@@ -53,7 +57,7 @@ class DenseGPT(Workload):
         return step_loss
 
     @torch.no_grad()
-    def evaluate(self, corpus: Any, iters: int) -> float:
+    def evaluate(self, corpus: TokenCorpus, iters: int) -> float:
         """Mean eval loss (nats per token) over the same ``iters`` global batches every time."""
         engine = self.engine
         engine.eval()

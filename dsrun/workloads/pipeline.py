@@ -11,13 +11,13 @@ stage (``dsrun estimate-memory`` and ``dsrun train --dry-run``).
 """
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import torch
 from omegaconf import OmegaConf
 
 from dsrun.models.config import GPTConfig
-from dsrun.models.gpt_pipe import dense_names, lm_loss, pipeline_layers
+from dsrun.models.gpt_pipe import PipeLayer, dense_names, lm_loss, pipeline_layers
 from dsrun.models.registry import GPT_TARGET
 from dsrun.activation_checkpointing.modes import CheckpointMode
 from dsrun.pipe.module import PipelineModule
@@ -27,6 +27,11 @@ from dsrun.pipe.spec import LayerSpec, TiedLayerSpec
 from dsrun.utils.errors import ConfigError, Problem
 
 from .base import Workload, zero_init_context
+
+if TYPE_CHECKING:
+    from dsrun.config import DSConfig
+    from dsrun.data.corpus import TokenCorpus
+    from dsrun.pipe.engine import PipelineEngine
 
 
 def layer_specs(config: GPTConfig) -> list[LayerSpec]:
@@ -39,7 +44,7 @@ def layer_specs(config: GPTConfig) -> list[LayerSpec]:
     return specs
 
 
-def gpt_pipeline(config: GPTConfig, ds_config: Any) -> PipelineModule:
+def gpt_pipeline(config: GPTConfig, ds_config: DSConfig) -> PipelineModule:
     """A PipelineModule of ``config.pipeline_stages`` stages computing :class:`dsrun.models.gpt.GPT`."""
     pipe = ds_config.pipeline
     interval = int(pipe.activation_checkpoint_interval)
@@ -89,7 +94,7 @@ def build_pipeline_model(model_spec: Mapping[str, Any], ds_config: dict[str, Any
     return gpt_pipeline(config, typed)
 
 
-def stage_layers(config: GPTConfig, ds_config: Any, parts: int) -> tuple[list[Any], list[int], list[int]]:
+def stage_layers(config: GPTConfig, ds_config: DSConfig, parts: int) -> tuple[list[PipeLayer], list[int], list[int]]:
     """The GPT's pipeline layers, each one's parameter count (built on the meta device) and the module's cut of
     them into ``parts`` (``parts[i]:parts[i+1]`` is part ``i``; "profile" estimated as "parameters")."""
     method = partition_method(ds_config)
@@ -101,7 +106,7 @@ def stage_layers(config: GPTConfig, ds_config: Any, parts: int) -> tuple[list[An
     return kinds, sizes, partition_layers(layer_specs(config), parts, method)
 
 
-def local_params(kinds: list[Any], sizes: list[int], local: list[int]) -> int:
+def local_params(kinds: list[PipeLayer], sizes: list[int], local: list[int]) -> int:
     """Parameters a stage holding the layers ``local`` owns (a tied layer once per key)."""
     tied = {kinds[i].tie_key for i in local if kinds[i].tie_key}
     params = sum(sizes[i] for i in local if not kinds[i].tie_key)
@@ -118,13 +123,13 @@ class PipelinedGPT(Workload):
                                               self.world_size)
         return self.model
 
-    def data_parallel(self, engine: Any) -> tuple[int, int]:
+    def data_parallel(self, engine: PipelineEngine) -> tuple[int, int]:
         return engine.grid.get_data_parallel_rank(), engine.dp_world_size
 
     def step(self, loader: Iterator) -> float:
         return float(self.engine.train_batch(loader))
 
-    def evaluate(self, corpus: Any, iters: int) -> float:
+    def evaluate(self, corpus: TokenCorpus, iters: int) -> float:
         """Mean eval loss over the same ``iters`` micro-batches of every data-parallel rank (every stage calls
         it; the first and last stages read the data)."""
         grid = self.engine.grid

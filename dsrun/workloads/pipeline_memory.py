@@ -3,7 +3,7 @@ many micro-batches its schedule keeps alive (walked from the schedule's instruct
 (:mod:`dsrun.estimate.pipeline`)."""
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from dsrun.estimate.inputs import EstimateInputs
 from dsrun.estimate.pipeline import StageMemory, stage_memory
@@ -14,8 +14,12 @@ from dsrun.pipe.settings import train_schedule
 
 from .pipeline import local_params, stage_layers
 
+if TYPE_CHECKING:
+    from dsrun.config import DSConfig
+    from dsrun.pipe.schedule import PipeSchedule
 
-def blocks_in_flight(schedule: Any, chunk_blocks: list[int]) -> float:
+
+def blocks_in_flight(schedule: PipeSchedule, chunk_blocks: list[int]) -> float:
     """The peak, over ``schedule``'s stream, of the blocks whose micro-batch a stage holds activations for:
     a forward of chunk ``c`` adds ``chunk_blocks[c]``, its backward (or weight pass) releases them."""
     alive = peak = 0
@@ -30,7 +34,7 @@ def blocks_in_flight(schedule: Any, chunk_blocks: list[int]) -> float:
     return float(peak)
 
 
-def pipeline_stage_memory(spec: EstimateInputs, model_spec: Mapping[str, Any], ds_config: Any) -> list[StageMemory]:
+def pipeline_stage_memory(spec: EstimateInputs, model_spec: Mapping[str, Any], ds_config: DSConfig) -> list[StageMemory]:
     """Every stage's estimate for the recipe's GPT cut into ``model.pipeline_stages`` stages."""
     config = GPTConfig.from_kwargs({k: v for k, v in model_spec.items() if k != "_target_"})
     stages = config.pipeline_stages

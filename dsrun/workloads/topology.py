@@ -13,15 +13,20 @@ import contextlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from omegaconf import DictConfig
+
+if TYPE_CHECKING:
+    from dsrun.engine.engine import DeepSpeedEngine
+    from dsrun.moe.layer import MoE
+    from dsrun.zero.base import ZeroStrategy
 
 TOPOLOGY_FILE = "topology_rank{rank}.json"
 MONITORS = ("tensorboard", "wandb", "comet", "csv_monitor", "mlflow", "comms_logger")
 
 
-def describe(engine: Any) -> dict[str, Any]:
+def describe(engine: DeepSpeedEngine) -> dict[str, Any]:
     """This rank's groups (global ranks of each), ZeRO partition numels (one per optimizer param group, or
     per stage-3 sub-group), pipeline stage (layers ``[start, end)`` per chunk, parameters held) and experts
     (global expert ids held, per MoE layer)."""
@@ -48,12 +53,12 @@ def describe(engine: Any) -> dict[str, Any]:
     return info
 
 
-def _experts_held(layer: Any, place: int) -> list[int]:
+def _experts_held(layer: MoE, place: int) -> list[int]:
     local = layer.num_local_experts
     return list(range(place * local, (place + 1) * local))
 
 
-def _partitions(strategy: Any) -> list[int]:
+def _partitions(strategy: ZeroStrategy | None) -> list[int]:
     if strategy is None:
         return []
     if hasattr(strategy, "sub_groups"):  # stage 3: each sub-group holds this rank's shards of its parameters

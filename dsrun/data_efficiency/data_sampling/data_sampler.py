@@ -31,15 +31,17 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import numpy as np
 
+from dsrun.config.data_efficiency import DataEfficiencyConfig
+from dsrun.config.sections import ds_section
 from dsrun.utils.errors import ConfigError, Problem, UserError
 
-from dsrun.data_efficiency.curriculum_scheduler import CurriculumScheduler, section_dict
+from dsrun.data_efficiency.curriculum_scheduler import CurriculumScheduler
 from dsrun.data_efficiency.data_sampling.indexed_dataset import MMapIndexedDataset, find_fit_int_dtype, write_items
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-    from dsrun.config.data_efficiency import DataEfficiencyConfig
+    from dsrun.config.data_efficiency import CurriculumMetricConfig
 
 PATH = "data_efficiency.data_sampling.curriculum_learning"
 _SHUFFLE, _BATCH = 1, 2  # seed streams
@@ -48,17 +50,17 @@ _SHUFFLE, _BATCH = 1, 2  # seed streams
 class MetricFilter:
     """One curriculum metric: its scheduler and, for ``schedule_based``, the samples in difficulty order."""
 
-    def __init__(self, name: str, config: Mapping[str, Any], num_samples: int):
+    def __init__(self, name: str, config: CurriculumMetricConfig, num_samples: int):
         self.name = name
         self.scheduler = CurriculumScheduler(config, f"{PATH}.curriculum_metrics.{name}")
-        self.difficulty_type = config.get("difficulty_type", "value")
-        self.clustering_type = config.get("clustering_type") or "schedule_based"
-        self.max_difficulty = config["max_difficulty"]
+        self.difficulty_type = config.difficulty_type or "value"  # the schema leaves both unset (None)
+        self.clustering_type = config.clustering_type or "schedule_based"
+        self.max_difficulty = config.max_difficulty
         self.num_samples = num_samples
         if self.clustering_type == "single_cluster":
             return
         base = f"{PATH}.curriculum_metrics.{name}"
-        sample_path = config.get("index_to_sample_path")
+        sample_path = config.index_to_sample_path
         if not sample_path or not MMapIndexedDataset.exists(sample_path):
             raise UserError(Problem(f"{base}.index_to_sample_path", f"no index at {sample_path!r}",
                                     "run the DataAnalyzer over the training data and point here at its "
@@ -70,7 +72,7 @@ class MetricFilter:
             raise UserError(Problem(f"{base}.index_to_sample_path", f"indexes {len(self.order)} samples but the "
                                     f"dataset has {num_samples}", "analyse this dataset (DataAnalyzer)"))
         if self.difficulty_type == "value":
-            metric_path = config.get("index_to_metric_path")
+            metric_path = config.index_to_metric_path
             if not metric_path or not MMapIndexedDataset.exists(metric_path):
                 raise UserError(Problem(f"{base}.index_to_metric_path", f"no index at {metric_path!r}",
                                         "difficulty_type value needs the analyzer's index_to_metric file"))
@@ -106,15 +108,17 @@ class DeepSpeedDataSampler:
                  one_epoch_total_samples: int, micro_batch_size: int, data_parallel_rank: int,
                  data_parallel_size: int, data_parallel_group: ProcessGroup | None = None,
                  gradient_accumulation_steps: int = 1, global_rank: int = 0, drop_last: bool = True):
-        config = section_dict(data_efficiency_config)
-        sampling = section_dict(config.get("data_sampling", {}))
-        curriculum = section_dict(sampling.get("curriculum_learning", {}))
+        config = data_efficiency_config
+        if not isinstance(config, DataEfficiencyConfig):  # DeepSpeed passes the section as a dict
+            config = ds_section({"data_efficiency": dict(config)}, "data_efficiency")
+        sampling = config.data_sampling
+        curriculum = sampling.curriculum_learning
         if one_epoch_total_samples < 1 or micro_batch_size < 1 or not 0 <= data_parallel_rank < data_parallel_size:
             raise ValueError(f"data sampler: {one_epoch_total_samples} samples, micro batch {micro_batch_size}, "
                              f"rank {data_parallel_rank} of {data_parallel_size}")
-        self.seed = int(config.get("seed", 1234))
+        self.seed = int(config.seed)
         self.one_epoch_total_samples = int(one_epoch_total_samples)
-        self.total_samples = self.one_epoch_total_samples * int(sampling.get("num_epochs", 1000))
+        self.total_samples = self.one_epoch_total_samples * int(sampling.num_epochs)
         self.micro_batch_size = int(micro_batch_size)
         self.data_parallel_rank, self.data_parallel_size = int(data_parallel_rank), int(data_parallel_size)
         self.data_parallel_group = data_parallel_group
@@ -123,12 +127,12 @@ class DeepSpeedDataSampler:
         self.global_batch_size = self.micro_batch_times_data_parallel_size * self.gradient_accumulation_steps
         self.global_rank = global_rank
         self.drop_last = drop_last
-        self.cluster_path = curriculum.get("data_cluster_path")
-        metrics = curriculum.get("curriculum_metrics") or {}
-        if not curriculum.get("enabled", False) or not metrics:
+        self.cluster_path = curriculum.data_cluster_path
+        metrics = curriculum.curriculum_metrics or {}
+        if not curriculum.enabled or not metrics:
             raise ConfigError(Problem(f"{PATH}.curriculum_metrics", "the data sampler needs an enabled curriculum "
                                       "with at least one metric"))
-        self.metrics = {name: MetricFilter(name, section_dict(m), self.one_epoch_total_samples)
+        self.metrics = {name: MetricFilter(name, m, self.one_epoch_total_samples)
                         for name, m in metrics.items()}
         self.curriculum_schedulers = {name: m.scheduler for name, m in self.metrics.items()}
         self._reset()
