@@ -179,11 +179,8 @@ def engine_model_states(engine: Any, client_state: dict[str, Any], exclude_froze
         "dsrun": {"micro_steps": engine.micro_steps, "zero_stage": stage, "precision": engine.precision.name,
                   "state_dict_keys": list(engine.module.state_dict().keys())},
     }
-    if experts.applies(engine):
-        if sd["module"] is not None:
-            sd["module"] = experts.without_experts(sd["module"])
-        # which experts each rank's own files hold depends on how expert groups were laid out
-        sd["dsrun"]["expert_data_first"] = bool(getattr(engine.groups, "expert_data_first", False))
+    if sd["module"] is not None and engine.features.parameter_files():  # in files of their own (MoE's experts)
+        sd["module"] = experts.without_experts(engine, sd["module"])
     loader = engine.training_dataloader
     if loader is not None and hasattr(loader, "epoch"):
         sd["data_sampler"] = {"epoch": loader.epoch}
@@ -215,8 +212,7 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
             atomic.save_torch(engine_model_states(engine, client_state or {}, exclude_frozen_parameters, files),
                               staging / files.model_states_name(dp_rank), rank, torn_point="model_states_torn")
         atomic.crash_point("after_model_states", rank)
-        if experts.applies(engine):  # one file per expert (collective within each expert-data group)
-            experts.save(engine, staging, rank)
+        experts.save(engine, staging, rank)  # features' own files: MoE's, one per expert (collective per group)
         if engine.strategy is not None and files.optimizer_file_per_rank:
             save_optimizer_states(engine, staging / layout.optim_states_name(dp_rank, engine.bfloat16_enabled()))
         rank_state = engine.strategy.rank_state_dict() if engine.strategy is not None else None
@@ -421,13 +417,12 @@ def _restore_strategy(engine: Any, tag_dir: Path, model_states: dict[str, Any], 
     # the same masters, cut the same way (stage 3's sub_group_size may differ between the runs)
     same_grouping = saved_shapes is None or [list(s) for s in saved_shapes] == [list(s) for s in live_shapes]
     same_layout = stage_saved == live_stage and world_saved == live_world and same_grouping and not load_universal
-    if experts.applies(engine):  # each rank's own file holds its experts only if they sit where they did
-        saved_first = (model_states.get("dsrun") or {}).get("expert_data_first", False)
-        same_layout = same_layout and saved_first == bool(getattr(engine.groups, "expert_data_first", False))
+    # each rank's own file holds the state of the features' own files (experts) only if it sits where it did
+    same_layout = same_layout and engine.features.checkpoint_layout_matches(model_states)
     if not (same_layout and load_optimizer_states) and not (masters_from_module and not load_optimizer_states):
         _refuse_mics_reshard(strategy, tag_dir, f"stage {stage_saved} on {world_saved} ranks")
-    if experts.applies(engine) and not (same_layout and live_stage > 0 and load_optimizer_states):
-        # experts by global id from their own files (stage 0 keeps only rank 0's state in its one file); weights
+    if engine.features.parameter_files() and not (same_layout and live_stage > 0 and load_optimizer_states):
+        # parameters in files of their own (MoE: experts by global id) from their files (stage 0 keeps only rank 0's state in its one file); weights
         # only (load_optimizer_states=False, load_module_only): their fp32 masters, the live optimizer state kept
         if saved_shapes is None:
             raise RuntimeError(f"{tag_dir}: this MoE checkpoint has no 'param_shapes' (saved without a ZeRO "
@@ -513,7 +508,7 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
         model_path = tag_dir / layout.model_states_name(0, 0)
     model_states = load_file(model_path)
     module_sd = model_states["module"]
-    if experts.applies(engine):  # this rank's experts, by global id, from their own files
+    if engine.features.parameter_files():  # parameters in files of their own (MoE: this rank's experts, by id)
         module_sd = experts.module_state(engine, tag_dir, module_sd)
     _load_module(engine, module_sd, load_module_strict, tag_dir, custom_load_fn)
     if _layout(engine).module_holds_placeholders and saved_world(model_states) == engine.dp_world_size:

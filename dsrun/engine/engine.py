@@ -18,6 +18,7 @@ from dsrun.comm import ProcessGroups
 from dsrun.config import DSConfig
 from dsrun.accelerator import get_accelerator
 from dsrun.moe.layer import attach_process_groups
+from dsrun.moe.feature import MoEFeature
 from dsrun.optim import check_zero_optimizer
 from dsrun.activation_checkpointing.settings import ActivationCheckpointingFeature
 from dsrun.data_efficiency.engine_api import DataEfficiencyMethods
@@ -45,6 +46,7 @@ register_feature(DataEfficiency)
 register_feature(CompressionFeature)
 register_feature(OneBitFeature)
 register_feature(ActivationCheckpointingFeature)
+register_feature(MoEFeature)
 
 FORWARD_TIMER, BACKWARD_TIMER, BACKWARD_INNER_TIMER = "forward", "backward", "backward_inner"
 BACKWARD_REDUCE_TIMER, STEP_TIMER = "backward_allreduce", "step"
