@@ -21,59 +21,34 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from dsrun import comm
-from dsrun.features import Features
 from dsrun.moe.feature import MARK
 from dsrun.utils.zero_to_fp32 import master_slots
 
 from . import atomic
+from .engine_view import CheckpointEngine
 from .safe_load import load_file
-
-class _Strategy(Protocol):
-    """What the expert files read of the ZeRO strategy (``dsrun.zero.base.ZeroStrategy``)."""
-
-    stage: int
-    masters: list[torch.Tensor]
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer: ...
-
-    def master_partitions(self) -> list[tuple[int, int, Any]]: ...
-
-    def checkpoint_param_shapes(self) -> list[dict[str, torch.Size]]: ...
-
-    def full_param_value(self, param: torch.nn.Parameter) -> torch.Tensor: ...
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-
-class _Engine(Protocol):
-    """What the expert files read of the engine: its features (which say what the files hold) and strategy."""
-
-    features: Features
-    strategy: Any  # a _Strategy wherever a feature has files (parameter_files() is empty without one)
-
 
 __all__ = ["MARK", "without_experts", "whole_master_state", "expert_states", "save", "module_state",
            "optimizer_state"]  # MARK: DeepSpeed's expert parameter names hold it (tools filter by it)
 
 
-def without_experts(engine: _Engine, module_sd: dict[str, Any]) -> dict[str, Any]:
+def without_experts(engine: CheckpointEngine, module_sd: dict[str, Any]) -> dict[str, Any]:
     """The module state the main model-states file keeps (DeepSpeed's non-MoE state dict)."""
     owns = engine.features.owns_checkpoint_name
     return {k: v for k, v in module_sd.items() if not owns(k)}
 
 
-def whole_master_state(engine: _Engine, mi: int) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]],
+def whole_master_state(engine: CheckpointEngine, mi: int) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]],
                                                        dict[str, Any]]:
     """Master tensor ``mi``'s parameters by (local) name: their whole fp32 master values and optimizer moments
     (flat), gathered over the ranks the master is cut over (a collective among them, any stage), and the
     master's scalar optimizer state (``step``)."""
-    strategy: _Strategy = engine.strategy
+    strategy = engine.strategy
     world, _, group = strategy.master_partitions()[mi]
     shapes = strategy.checkpoint_param_shapes()[mi]
     master = strategy.masters[mi].detach()
@@ -99,13 +74,13 @@ def whole_master_state(engine: _Engine, mi: int) -> tuple[dict[str, torch.Tensor
     return values[None], moments, scalars
 
 
-def expert_states(engine: _Engine) -> dict[str, dict[str, Any]]:
+def expert_states(engine: CheckpointEngine) -> dict[str, dict[str, Any]]:
     """This rank's experts by global parameter name: ``weight`` (the model's value), ``fp32`` (the master) and
     the optimizer state (``exp_avg`` ... and scalars), whole. Collective within every expert-data group."""
     files = engine.features.parameter_files()
     if not files:
         return {}
-    strategy: _Strategy = engine.strategy
+    strategy = engine.strategy
     local_to_master = {name: mi for mi, shapes in enumerate(strategy.checkpoint_param_shapes()) for name in shapes}
     wanted = sorted({local_to_master[local] for unit in files for local in unit.local_names.values()})
     whole = {mi: whole_master_state(engine, mi) for mi in wanted}  # masters in order: every member calls alike
@@ -119,7 +94,7 @@ def expert_states(engine: _Engine) -> dict[str, dict[str, Any]]:
     return out
 
 
-def save(engine: _Engine, staging: Path, rank: int) -> None:
+def save(engine: CheckpointEngine, staging: Path, rank: int) -> None:
     """Write this rank's expert files (each one's ``writer`` rank writes; every rank holding them calls)."""
     states = expert_states(engine)
     for unit in engine.features.parameter_files():
@@ -132,7 +107,7 @@ def save(engine: _Engine, staging: Path, rank: int) -> None:
         atomic.save_torch({"fp32": fp32, "optimizer_state": optimizer_state}, staging / unit.optim_file, rank)
 
 
-def module_state(engine: _Engine, tag_dir: Path, module_sd: dict[str, Any]) -> dict[str, Any]:
+def module_state(engine: CheckpointEngine, tag_dir: Path, module_sd: dict[str, Any]) -> dict[str, Any]:
     """``module_sd`` with this rank's experts added back (local names) from their files."""
     out = without_experts(engine, module_sd)
     for unit in engine.features.parameter_files():
@@ -146,7 +121,7 @@ def module_state(engine: _Engine, tag_dir: Path, module_sd: dict[str, Any]) -> d
     return out
 
 
-def _split_dense(engine: _Engine, saved_shapes: list[dict[str, Any]], where: Path) -> int:
+def _split_dense(engine: CheckpointEngine, saved_shapes: list[dict[str, Any]], where: Path) -> int:
     """How many leading groups hold shared parameters (expert groups must come after them, as
     ``split_params_into_different_moe_groups_for_optimizer`` puts them)."""
     owns = engine.features.owns_checkpoint_name
@@ -157,7 +132,7 @@ def _split_dense(engine: _Engine, saved_shapes: list[dict[str, Any]], where: Pat
     return dense
 
 
-def optimizer_state(engine: _Engine, tag_dir: Path, saved_shapes: list[dict[str, Any]],
+def optimizer_state(engine: CheckpointEngine, tag_dir: Path, saved_shapes: list[dict[str, Any]],
                     rank_states: list[dict[str, Any]], saved_stage: int, load_optimizer_states: bool = True
                     ) -> dict[str, Any]:
     """This rank's optimizer state for any saved expert-parallel size and stage: the shared groups merged from
@@ -166,7 +141,7 @@ def optimizer_state(engine: _Engine, tag_dir: Path, saved_shapes: list[dict[str,
     (``strategy.master_partitions()``: the data-parallel group, or an expert-data-parallel group)."""
     from . import reshard
 
-    strategy: _Strategy = engine.strategy
+    strategy = engine.strategy
     dense = _split_dense(engine, saved_shapes, tag_dir)
     full = reshard.merge_rank_states(rank_states, saved_stage, saved_shapes[:dense])
     full.param_groups = [{k: v for k, v in g.items() if k != "params"}

@@ -9,12 +9,14 @@ attribute and method names (``global_steps``, ``micro_steps``, ``skipped_steps``
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
+from torch.utils.data import Dataset
 
 from dsrun import comm
 from dsrun.comm import ProcessGroups
+from dsrun.comm.comm import ProcessGroup
 from dsrun.config import DSConfig
 from dsrun.accelerator import get_accelerator
 from dsrun.moe.layer import attach_process_groups
@@ -48,6 +50,13 @@ register_feature(OneBitFeature)
 register_feature(ActivationCheckpointingFeature)
 register_feature(MoEFeature)
 
+
+class DataParallelMpu(Protocol):
+    """Megatron's ``mpu`` as the engine reads it: the data-parallel group it brings."""
+
+    def get_data_parallel_group(self) -> ProcessGroup: ...
+
+
 FORWARD_TIMER, BACKWARD_TIMER, BACKWARD_INNER_TIMER = "forward", "backward", "backward_inner"
 BACKWARD_REDUCE_TIMER, STEP_TIMER = "backward_allreduce", "step"
 
@@ -77,8 +86,8 @@ class DeepSpeedEngine(torch.nn.Module):
     loaded_checkpoint_mp_world_size: int | None = None
 
     def __init__(self, model: torch.nn.Module, config: DSConfig, optimizer: torch.optim.Optimizer | None = None,
-                 lr_scheduler: Any = None, training_data: Any = None, collate_fn: Callable | None = None,
-                 mpu: Any = None, raw_config: Any = None, features: Features | None = None):
+                 lr_scheduler: Any = None, training_data: Dataset | None = None, collate_fn: Callable | None = None,
+                 mpu: DataParallelMpu | None = None, raw_config: Any = None, features: Features | None = None):
         super().__init__()
         self._config = config
         self.settings = ConfigView(config, self)  # DeepSpeed's config getters, delegated to (engine_getters.py)
@@ -160,7 +169,7 @@ class DeepSpeedEngine(torch.nn.Module):
         """Called by :func:`dsrun.initialize` before the optimizer is built over the model's parameters
         (a pipeline engine re-cuts its module here for virtual stages). Nothing to do for a plain model."""
 
-    def _process_groups(self, mpu: Any) -> ProcessGroups:
+    def _process_groups(self, mpu: DataParallelMpu | None) -> ProcessGroups:
         """The run's groups: the whole world data-parallel, or a client mpu's data-parallel group."""
         sequence = int(self._config.sequence_parallel_size)
         if mpu is None:
@@ -390,7 +399,7 @@ class DeepSpeedEngine(torch.nn.Module):
         latency_s}} — what moved between the previous boundary and this one."""
         return dict(self._last_step_comm)
 
-    def deepspeed_io(self, dataset: Any, batch_size: int | None = None, route: str | None = None,
+    def deepspeed_io(self, dataset: Dataset, batch_size: int | None = None, route: str | None = None,
                      pin_memory: bool = True, data_sampler: Any = None, collate_fn: Callable | None = None,
                      num_local_io_workers: int | None = None) -> DeepSpeedDataLoader:
         """A loader giving this data-parallel rank its shard of ``dataset`` in micro-batches."""
