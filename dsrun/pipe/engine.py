@@ -19,15 +19,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Protocol
 
 import torch
 
 from dsrun import comm
+from dsrun.comm import ProcessGroups
+from dsrun.config import DSConfig
 from dsrun.engine.engine import BACKWARD_TIMER, FORWARD_TIMER, DeepSpeedEngine
 from dsrun.optim.onebit import OneBitOptimizer
 from dsrun.utils.errors import ConfigError, Problem
 from dsrun.utils.repeating_loader import RepeatingLoader
+from dsrun.zero.strategies import StrategyContext
 
 from dsrun.pipe import p2p, settings
 from dsrun.pipe.schedule import (COMMUNICATION, COMPUTE, BackwardInputPass, BackwardPass, BackwardWeightPass, ForwardPass,
@@ -61,6 +64,12 @@ def _items(value: Any) -> list[Any]:
 
 def _like(structure: Any, values: list[Any]) -> Any:
     return tuple(values) if isinstance(structure, (tuple, list)) else values[0]
+
+
+class _Grid(Protocol):
+    """The PipelineModule's process grid, the pipeline engine's ``mpu``: its topology's groups."""
+
+    groups: ProcessGroups
 
 
 class PipelineEngine(DeepSpeedEngine):
@@ -104,20 +113,20 @@ class PipelineEngine(DeepSpeedEngine):
 
     # --- construction (DeepSpeedEngine's seams) --------------------------------------------------------------
     @classmethod
-    def prepare_model(cls, model: torch.nn.Module, config: Any) -> None:
+    def prepare_model(cls, model: torch.nn.Module, config: DSConfig) -> None:
         """Cut the module into ``stages x virtual_stages`` chunks for the interleaved schedule, before the
         optimizer is built over its parameters."""
         settings.check_module(model, config)
         pipe = config.pipeline
         model.set_virtual_stages(pipe.virtual_stages if pipe.schedule == "interleaved" else 1)
 
-    def _process_groups(self, mpu: Any) -> Any:
+    def _process_groups(self, mpu: _Grid) -> ProcessGroups:  # type: ignore[override]
         if int(self._config.sequence_parallel_size) > 1:
             raise ConfigError(Problem("sequence_parallel_size", "Ulysses sequence parallelism does not compose with "
                                       "the pipeline engine yet", "set sequence_parallel_size to 1"))
         return mpu.groups  # the module's grid: pipe, data and model groups of its topology
 
-    def _strategy_context(self, optimizer: torch.optim.Optimizer) -> Any:
+    def _strategy_context(self, optimizer: torch.optim.Optimizer) -> StrategyContext:
         """The ZeRO strategy steps this stage's parameters, tied copies owned elsewhere left out."""
         if isinstance(optimizer, OneBitOptimizer):  # not built for it: say so rather than lose its error buffers
             raise ConfigError(Problem("optimizer.type", f"{type(optimizer).__name__} does not run under the pipeline "
@@ -154,7 +163,7 @@ class PipelineEngine(DeepSpeedEngine):
         """True while the engine runs a ReduceGrads or OptimizerStep instruction."""
         return self._force_boundary
 
-    def set_dataloader(self, loader: Any) -> None:
+    def set_dataloader(self, loader: Iterable[Any]) -> None:
         """Train from ``loader``, restarted whenever it runs out."""
         self.training_dataloader = loader
         self.data_iterator = iter(RepeatingLoader(loader))
