@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import shutil
 from pathlib import Path
 from typing import Any, Callable
@@ -31,6 +32,8 @@ from dsrun.utils.errors import Problem, UserError
 
 from . import atomic, deepspeed_format, experts, layout, reshard, state, universal_checkpoint
 from .engine_view import CheckpointEngine, CheckpointStrategy
+
+Tag = str | int | None  # a checkpoint tag as DeepSpeed takes it (str() of it names the folder; None: the default)
 from .safe_load import load_file
 
 log = logging.getLogger("dsrun.checkpoint")
@@ -83,7 +86,7 @@ def _validate_tag(engine: CheckpointEngine, tag: str) -> tuple[str, list[str]]:
     return chosen[0], [chosen[0]] * engine.world_size
 
 
-def _on_rank0_then_all(engine: CheckpointEngine, action: Any) -> None:
+def _on_rank0_then_all(engine: CheckpointEngine, action: Callable[[], object]) -> None:
     """Run ``action`` on rank 0 while the others wait; if it fails, every rank raises (instead of the others
     hanging in the next collective)."""
     error, failure = None, [None]
@@ -202,8 +205,9 @@ def engine_model_states(engine: CheckpointEngine, client_state: dict[str, Any], 
     return sd
 
 
-def save_checkpoint(engine: CheckpointEngine, save_dir: str, tag: Any = None, client_state: dict[str, Any] | None = None,
-                    save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+def save_checkpoint(engine: CheckpointEngine, save_dir: str, tag: Tag = None,
+                    client_state: dict[str, Any] | None = None, save_latest: bool = True,
+                    exclude_frozen_parameters: bool = False) -> bool:
     """Save the engine's full training state under ``save_dir/<tag>``; every rank must call it."""
     rank, dp_rank = engine.global_rank, comm.get_rank(engine.dp_group)
     files = _layout(engine)
@@ -239,7 +243,7 @@ def save_optimizer_states(engine: CheckpointEngine, path: Path) -> None:
     atomic.save_torch(optim, path, engine.global_rank, pickle_module=pickler)
 
 
-def save_staged(engine: CheckpointEngine, save_dir: str, tag: Any, write_rank_files: Callable[[Path], None],
+def save_staged(engine: CheckpointEngine, save_dir: str, tag: Tag, write_rank_files: Callable[[Path], None],
                 save_latest: bool) -> bool:
     """The save protocol (module docstring): check the tag, stage, let every rank write its files into the
     staging folder (``write_rank_files(staging)``), agree that all succeeded, commit, update ``latest``."""
@@ -298,7 +302,7 @@ def _commit_tag(root: Path, tag: str, rank: int) -> None:
     atomic.crash_point("after_commit", rank)
 
 
-def _checkpoint_dir(path: Any, argument: str) -> Path:
+def _checkpoint_dir(path: str | os.PathLike[str] | None, argument: str) -> Path:
     """The checkpoint folder a save or load names; None or "" is a ValueError on every rank (before any
     collective, so no rank is left waiting)."""
     if path is None or str(path).strip() == "":
@@ -363,7 +367,7 @@ def stage0_state(model_states: dict[str, Any], group_shapes: list[Any] | None) -
 
 
 def _load_module(engine: CheckpointEngine, module_sd: dict[str, Any], strict: bool, tag_dir: Path,
-                 custom_load_fn: Any = None) -> None:
+                 custom_load_fn: Callable[..., object] | None = None) -> None:
     if custom_load_fn is not None:
         # the client's loader gets full values: a stage-3 checkpoint's placeholders are its fp32 masters
         empty = [n for n, v in module_sd.items() if torch.is_tensor(v) and v.numel() == 0]
@@ -468,7 +472,7 @@ def _restore_rank_states(strategy: CheckpointStrategy, tag_dir: Path, saved_worl
     strategy.load_rank_state_dicts([load_file(files[dp_rank])] if same_layout else [load_file(f) for f in files])
 
 
-def find_tag_dir(engine: CheckpointEngine, load_dir: str, tag: Any) -> Path | None:
+def find_tag_dir(engine: CheckpointEngine, load_dir: str, tag: Tag) -> Path | None:
     """The folder of ``tag`` (None: the one ``latest`` names, or ``latest_universal`` first with
     ``checkpoint.load_universal``) under ``load_dir``; None, with DeepSpeed's warning, when there is no ``latest``."""
     root = _checkpoint_dir(load_dir, "load_checkpoint(load_dir=...)")
@@ -488,9 +492,9 @@ def find_tag_dir(engine: CheckpointEngine, load_dir: str, tag: Any) -> Path | No
     return tag_dir
 
 
-def load_checkpoint(engine: CheckpointEngine, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+def load_checkpoint(engine: CheckpointEngine, load_dir: str, tag: Tag = None, load_module_strict: bool = True,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                    load_module_only: bool = False, custom_load_fn: Any = None
+                    load_module_only: bool = False, custom_load_fn: Callable[..., object] | None = None
                     ) -> tuple[str | None, dict[str, Any] | None]:
     """Restore a checkpoint saved by :func:`save_checkpoint` (or converted by ``ds_to_universal``); returns
     ``(load_path, client_state)`` (the model states file read, and the saved keys that are not DeepSpeed's),

@@ -9,7 +9,7 @@ attribute and method names (``global_steps``, ``micro_steps``, ``skipped_steps``
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 from torch.utils.data import Dataset
@@ -42,6 +42,9 @@ from dsrun.profiling.timers import WallClockTimers
 from dsrun.zero.strategies import MemoryBreakdown, StrategyContext, ZeroStrategy, build_zero_strategy
 from dsrun.comm.groups import set_current_groups
 from dsrun.utils.errors import ConfigError, Problem
+
+if TYPE_CHECKING:
+    from dsrun.checkpoint.engine_io import Tag
 
 # the built-in features, in the order their hooks run (a room or a test registers its own the same way)
 register_feature(DataEfficiency)
@@ -423,7 +426,7 @@ class DeepSpeedEngine(torch.nn.Module):
             dataloader_drop_last=bool(self._config.dataloader_drop_last))
 
     # --- checkpoints (dsrun.checkpoint does the work; every rank must call these) -------------------------
-    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict | None = None,
+    def save_checkpoint(self, save_dir: str, tag: Tag = None, client_state: dict | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         """Save the full training state to ``save_dir/<tag>`` (default tag ``global_step<N>``), atomically."""
         from dsrun.checkpoint import save_checkpoint
@@ -431,7 +434,7 @@ class DeepSpeedEngine(torch.nn.Module):
         return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
                                exclude_frozen_parameters=exclude_frozen_parameters)
 
-    def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+    def load_checkpoint(self, load_dir: str, tag: Tag = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn: Callable | None = None
                         ) -> tuple[str | None, dict | None]:

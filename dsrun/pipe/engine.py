@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol
 
 import torch
 
@@ -36,6 +36,9 @@ from dsrun.pipe import p2p, settings
 from dsrun.pipe.schedule import (COMMUNICATION, COMPUTE, BackwardInputPass, BackwardPass, BackwardWeightPass, ForwardPass,
                        LoadMicroBatch, OptimizerStep, PipeInstruction, PipeSchedule, RecvActivation, RecvGrad,
                        ReduceGrads, ReduceTiedGrads, SendActivation, SendGrad)
+
+if TYPE_CHECKING:
+    from dsrun.checkpoint.engine_io import Tag
 
 
 class PipelineError(Exception):
@@ -470,7 +473,7 @@ class PipelineEngine(DeepSpeedEngine):
         return value.float()
 
     # --- checkpoints: per layer (dsrun.pipe.checkpoint) --------------------------------------------------
-    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict | None = None,
+    def save_checkpoint(self, save_dir: str, tag: Tag = None, client_state: dict | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         """Save in DeepSpeed's pipeline layout: one ``layer_XX-model_states.pt`` per layer, the engine's state
         per stage in ``mp_rank_XX_model_states.pt``, ZeRO optimizer states per stage and data-parallel rank."""
@@ -479,7 +482,7 @@ class PipelineEngine(DeepSpeedEngine):
         return save_pipeline_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
                                         exclude_frozen_parameters=exclude_frozen_parameters)
 
-    def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+    def load_checkpoint(self, load_dir: str, tag: Tag = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False) -> tuple[str | None, dict | None]:
         """Load a pipeline checkpoint saved at any number of stages (and data-parallel ranks)."""
