@@ -15,6 +15,9 @@ once it is built and then calls their hooks in registry order:
 ``after_step(overflow)``               after the optimizer (and scheduler) step of a boundary
 ``checkpoint_entries()``               model-states keys it owns (a ``"dsrun"`` dict merges into dsrun's own)
 ``load_checkpoint_entries(states)``    the loaded model states (``states["dsrun"]`` is dsrun's own dict)
+``parameter_files()``                  parameters it checkpoints in files of their own (:class:`ParameterFiles`)
+``owns_checkpoint_name(name)``         whether a module-state key (any saved run's naming) is in those files
+``checkpoint_layout_matches(states)``  whether this run holds its files' state where the loaded run did
 ``metrics()``                          name -> value, written to the monitors as ``Train/Features/<name>/<key>``
 ``close()``                            at ``engine.destroy()``
 =====================================  ===========================================================================
@@ -24,6 +27,7 @@ any room can subclass it.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Iterator, TypeVar
 
 import torch
@@ -33,6 +37,19 @@ if TYPE_CHECKING:
     from dsrun.config import DSConfig
 
 F = TypeVar("F", bound="Feature")
+
+
+@dataclass
+class ParameterFiles:
+    """Parameters a feature checkpoints in a pair of files of their own instead of the model-states files (MoE:
+    each expert, in DeepSpeed's ``layer_{L}_expert_{G}_mp_rank_00_model_states.pt``), keyed by the names saved
+    there; ``dsrun/checkpoint/experts.py`` writes and reads them, resharding their optimizer state."""
+
+    model_file: str  # {saved name: weight}
+    optim_file: str  # dsrun's companion: {"fp32": {saved name: master}, "optimizer_state": {saved name: {...}}}
+    params: dict[str, nn.Parameter]  # saved name -> this rank's parameter
+    local_names: dict[str, str]  # saved name -> the parameter's name in this rank's module
+    writer: bool  # whether this rank writes the files (every rank holding them calls the collective save)
 
 
 class Feature:
@@ -65,6 +82,21 @@ class Feature:
 
     def load_checkpoint_entries(self, states: dict[str, Any]) -> None:
         """``states``: the whole loaded model-states dict."""
+
+    def parameter_files(self) -> list[ParameterFiles]:
+        """This rank's parameters the feature checkpoints in files of their own, in the same order on every rank
+        of a group that shares them (the save gathers their state collectively)."""
+        return []
+
+    def owns_checkpoint_name(self, name: str) -> bool:
+        """Whether module-state key ``name`` (this run's or a saved run's naming) lives in this feature's
+        :meth:`parameter_files`, not in the model-states files."""
+        return False
+
+    def checkpoint_layout_matches(self, states: dict[str, Any]) -> bool:
+        """Whether this run holds the state of its :meth:`parameter_files` on the ranks the run that saved the
+        loaded model ``states`` did (then each rank's own optimizer file holds it, as usual)."""
+        return True
 
     def metrics(self) -> dict[str, float]:
         return {}
@@ -152,6 +184,15 @@ class Features:
     def load_checkpoint_entries(self, states: dict[str, Any]) -> None:
         for feature in self._features:
             feature.load_checkpoint_entries(states)
+
+    def parameter_files(self) -> list[ParameterFiles]:
+        return [files for feature in self._features for files in feature.parameter_files()]
+
+    def owns_checkpoint_name(self, name: str) -> bool:
+        return any(feature.owns_checkpoint_name(name) for feature in self._features)
+
+    def checkpoint_layout_matches(self, states: dict[str, Any]) -> bool:
+        return all(feature.checkpoint_layout_matches(states) for feature in self._features)
 
     def metrics(self) -> dict[str, float]:
         """``{"<feature name>/<key>": value}`` over every feature."""

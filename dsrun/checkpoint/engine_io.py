@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import shutil
 from pathlib import Path
 from typing import Any, Callable
@@ -30,6 +31,9 @@ from dsrun.utils import zero_to_fp32 as z2f
 from dsrun.utils.errors import Problem, UserError
 
 from . import atomic, deepspeed_format, experts, layout, reshard, state, universal_checkpoint
+from .engine_view import CheckpointEngine, CheckpointStrategy
+
+Tag = str | int | None  # a checkpoint tag as DeepSpeed takes it (str() of it names the folder; None: the default)
 from .safe_load import load_file
 
 log = logging.getLogger("dsrun.checkpoint")
@@ -47,13 +51,13 @@ class CheckpointTagError(UserError, AssertionError):
     AssertionError, which DeepSpeed raises there)."""
 
 
-def _say(engine: Any, message: str, level: int = logging.INFO) -> None:
+def _say(engine: CheckpointEngine, message: str, level: int = logging.INFO) -> None:
     log.log(level, message)
     if engine.global_rank == 0:
         print(f"[dsrun] {message}", flush=True)
 
 
-def _validate_tag(engine: Any, tag: str) -> tuple[str, list[str]]:
+def _validate_tag(engine: CheckpointEngine, tag: str) -> tuple[str, list[str]]:
     """Check the tag is the same on every rank (SHA1 compared with a MAX and a MIN all-reduce). Fail raises;
     Warn warns and then every rank uses rank 0's tag, so the files still land in one folder; Ignore lets each
     rank keep its own tag (its files go to that tag's folder, as in DeepSpeed). Returns this rank's tag and
@@ -82,7 +86,7 @@ def _validate_tag(engine: Any, tag: str) -> tuple[str, list[str]]:
     return chosen[0], [chosen[0]] * engine.world_size
 
 
-def _on_rank0_then_all(engine: Any, action: Any) -> None:
+def _on_rank0_then_all(engine: CheckpointEngine, action: Callable[[], object]) -> None:
     """Run ``action`` on rank 0 while the others wait; if it fails, every rank raises (instead of the others
     hanging in the next collective)."""
     error, failure = None, [None]
@@ -99,7 +103,7 @@ def _on_rank0_then_all(engine: Any, action: Any) -> None:
         raise RuntimeError(f"checkpoint save failed on rank 0: {failure[0]}")
 
 
-def _all_ranks_succeeded(engine: Any, error: Exception | None, root: Path, tags: list[str],
+def _all_ranks_succeeded(engine: CheckpointEngine, error: Exception | None, root: Path, tags: list[str],
                          write_rank_files: Callable[[Path], None]) -> None:
     """A barrier that also tells every rank whether any rank failed, so all raise. After a failure rank 0
     removes the staging folders (a full disk gets its space back, for the logs too); a full disk is one line
@@ -140,14 +144,14 @@ def _all_ranks_succeeded(engine: Any, error: Exception | None, root: Path, tags:
     raise RuntimeError("checkpoint save failed on another rank (see its log); nothing was committed")
 
 
-def _layout(engine: Any) -> layout.CheckpointLayout:
+def _layout(engine: CheckpointEngine) -> layout.CheckpointLayout:
     """The strategy's own file layout (an engine without an optimizer: its configured stage's)."""
     if engine.strategy is not None:
         return engine.strategy.checkpoint_layout
     return layout.layout_for_stage(engine.zero_optimization_stage())
 
 
-def engine_model_states(engine: Any, client_state: dict[str, Any], exclude_frozen: bool,
+def engine_model_states(engine: CheckpointEngine, client_state: dict[str, Any], exclude_frozen: bool,
                         files: layout.CheckpointLayout, with_module: bool = True) -> dict[str, Any]:
     """What a model states file holds: the module (unless ``with_module`` is False: a pipeline saves it per
     layer), the strategy's shapes (and at stage 0 its optimizer), the scheduler, the counters, the config
@@ -179,11 +183,8 @@ def engine_model_states(engine: Any, client_state: dict[str, Any], exclude_froze
         "dsrun": {"micro_steps": engine.micro_steps, "zero_stage": stage, "precision": engine.precision.name,
                   "state_dict_keys": list(engine.module.state_dict().keys())},
     }
-    if experts.applies(engine):
-        if sd["module"] is not None:
-            sd["module"] = experts.without_experts(sd["module"])
-        # which experts each rank's own files hold depends on how expert groups were laid out
-        sd["dsrun"]["expert_data_first"] = bool(getattr(engine.groups, "expert_data_first", False))
+    if sd["module"] is not None and engine.features.parameter_files():  # in files of their own (MoE's experts)
+        sd["module"] = experts.without_experts(engine, sd["module"])
     loader = engine.training_dataloader
     if loader is not None and hasattr(loader, "epoch"):
         sd["data_sampler"] = {"epoch": loader.epoch}
@@ -204,8 +205,9 @@ def engine_model_states(engine: Any, client_state: dict[str, Any], exclude_froze
     return sd
 
 
-def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: dict[str, Any] | None = None,
-                    save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+def save_checkpoint(engine: CheckpointEngine, save_dir: str, tag: Tag = None,
+                    client_state: dict[str, Any] | None = None, save_latest: bool = True,
+                    exclude_frozen_parameters: bool = False) -> bool:
     """Save the engine's full training state under ``save_dir/<tag>``; every rank must call it."""
     rank, dp_rank = engine.global_rank, comm.get_rank(engine.dp_group)
     files = _layout(engine)
@@ -215,8 +217,7 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
             atomic.save_torch(engine_model_states(engine, client_state or {}, exclude_frozen_parameters, files),
                               staging / files.model_states_name(dp_rank), rank, torn_point="model_states_torn")
         atomic.crash_point("after_model_states", rank)
-        if experts.applies(engine):  # one file per expert (collective within each expert-data group)
-            experts.save(engine, staging, rank)
+        experts.save(engine, staging, rank)  # features' own files: MoE's, one per expert (collective per group)
         if engine.strategy is not None and files.optimizer_file_per_rank:
             save_optimizer_states(engine, staging / layout.optim_states_name(dp_rank, engine.bfloat16_enabled()))
         rank_state = engine.strategy.rank_state_dict() if engine.strategy is not None else None
@@ -228,11 +229,11 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
     return save_staged(engine, save_dir, tag, write, save_latest)
 
 
-def _clip(engine: Any) -> float:
+def _clip(engine: CheckpointEngine) -> float:
     return float(engine.gradient_clipping())
 
 
-def save_optimizer_states(engine: Any, path: Path) -> None:
+def save_optimizer_states(engine: CheckpointEngine, path: Path) -> None:
     """This rank's ZeRO optimizer file, with the keys DeepSpeed's ZeRO optimizers also read (its loss scaler
     is written as a reference to DeepSpeed's class, see :mod:`.deepspeed_format`)."""
     sd = deepspeed_format.zero_state_for_deepspeed(engine.strategy.state_dict(), engine.precision.name, _clip(engine),
@@ -242,7 +243,7 @@ def save_optimizer_states(engine: Any, path: Path) -> None:
     atomic.save_torch(optim, path, engine.global_rank, pickle_module=pickler)
 
 
-def save_staged(engine: Any, save_dir: str, tag: Any, write_rank_files: Callable[[Path], None],
+def save_staged(engine: CheckpointEngine, save_dir: str, tag: Tag, write_rank_files: Callable[[Path], None],
                 save_latest: bool) -> bool:
     """The save protocol (module docstring): check the tag, stage, let every rank write its files into the
     staging folder (``write_rank_files(staging)``), agree that all succeeded, commit, update ``latest``."""
@@ -301,7 +302,7 @@ def _commit_tag(root: Path, tag: str, rank: int) -> None:
     atomic.crash_point("after_commit", rank)
 
 
-def _checkpoint_dir(path: Any, argument: str) -> Path:
+def _checkpoint_dir(path: str | os.PathLike[str] | None, argument: str) -> Path:
     """The checkpoint folder a save or load names; None or "" is a ValueError on every rank (before any
     collective, so no rank is left waiting)."""
     if path is None or str(path).strip() == "":
@@ -333,7 +334,7 @@ def optim_files(tag_dir: Path, world: int, bf16: bool) -> list[Path]:
     raise FileNotFoundError(f"{tag_dir}: expected {world} '*_optim_states.pt' files (one per saved rank)")
 
 
-def _refuse_mics_reshard(strategy: Any, tag_dir: Path, saved: str) -> None:
+def _refuse_mics_reshard(strategy: CheckpointStrategy, tag_dir: Path, saved: str) -> None:
     """A MiCS run's masters are cut over its shard group, which resharding does not know: refuse."""
     sharding = getattr(strategy, "sharding", None)
     if sharding is not None and sharding.mics:
@@ -365,8 +366,8 @@ def stage0_state(model_states: dict[str, Any], group_shapes: list[Any] | None) -
     return sd
 
 
-def _load_module(engine: Any, module_sd: dict[str, Any], strict: bool, tag_dir: Path,
-                 custom_load_fn: Any = None) -> None:
+def _load_module(engine: CheckpointEngine, module_sd: dict[str, Any], strict: bool, tag_dir: Path,
+                 custom_load_fn: Callable[..., object] | None = None) -> None:
     if custom_load_fn is not None:
         # the client's loader gets full values: a stage-3 checkpoint's placeholders are its fp32 masters
         empty = [n for n, v in module_sd.items() if torch.is_tensor(v) and v.numel() == 0]
@@ -394,7 +395,7 @@ def _load_module(engine: Any, module_sd: dict[str, Any], strict: bool, tag_dir: 
     engine.module.load_state_dict(module_sd, strict=strict)
 
 
-def _restore_strategy(engine: Any, tag_dir: Path, model_states: dict[str, Any], load_optimizer_states: bool,
+def _restore_strategy(engine: CheckpointEngine, tag_dir: Path, model_states: dict[str, Any], load_optimizer_states: bool,
                       load_universal: bool, masters_from_module: bool = False) -> None:
     """Load the ZeRO strategy's masters and optimizer state: the rank's own file when the layout matches,
     else resharded (from every saved rank's file, or from a universal folder's per-parameter files).
@@ -421,13 +422,12 @@ def _restore_strategy(engine: Any, tag_dir: Path, model_states: dict[str, Any], 
     # the same masters, cut the same way (stage 3's sub_group_size may differ between the runs)
     same_grouping = saved_shapes is None or [list(s) for s in saved_shapes] == [list(s) for s in live_shapes]
     same_layout = stage_saved == live_stage and world_saved == live_world and same_grouping and not load_universal
-    if experts.applies(engine):  # each rank's own file holds its experts only if they sit where they did
-        saved_first = (model_states.get("dsrun") or {}).get("expert_data_first", False)
-        same_layout = same_layout and saved_first == bool(getattr(engine.groups, "expert_data_first", False))
+    # each rank's own file holds the state of the features' own files (experts) only if it sits where it did
+    same_layout = same_layout and engine.features.checkpoint_layout_matches(model_states)
     if not (same_layout and load_optimizer_states) and not (masters_from_module and not load_optimizer_states):
         _refuse_mics_reshard(strategy, tag_dir, f"stage {stage_saved} on {world_saved} ranks")
-    if experts.applies(engine) and not (same_layout and live_stage > 0 and load_optimizer_states):
-        # experts by global id from their own files (stage 0 keeps only rank 0's state in its one file); weights
+    if engine.features.parameter_files() and not (same_layout and live_stage > 0 and load_optimizer_states):
+        # parameters in files of their own (MoE: experts by global id) from their files (stage 0 keeps only rank 0's state in its one file); weights
         # only (load_optimizer_states=False, load_module_only): their fp32 masters, the live optimizer state kept
         if saved_shapes is None:
             raise RuntimeError(f"{tag_dir}: this MoE checkpoint has no 'param_shapes' (saved without a ZeRO "
@@ -462,7 +462,7 @@ def _restore_strategy(engine: Any, tag_dir: Path, model_states: dict[str, Any], 
         _restore_rank_states(strategy, tag_dir, world_saved, dp_rank, same_layout=False)
 
 
-def _restore_rank_states(strategy: Any, tag_dir: Path, saved_world: int, dp_rank: int, same_layout: bool) -> None:
+def _restore_rank_states(strategy: CheckpointStrategy, tag_dir: Path, saved_world: int, dp_rank: int, same_layout: bool) -> None:
     """The per-rank optimizer state (``optimizer_rank_states_<r>.pt``): this rank's own file when the layout is
     the same, every saved rank's otherwise (the optimizer re-cuts them); none saved: an empty list."""
     files = [tag_dir / layout.rank_states_name(r) for r in range(saved_world)]
@@ -472,7 +472,7 @@ def _restore_rank_states(strategy: Any, tag_dir: Path, saved_world: int, dp_rank
     strategy.load_rank_state_dicts([load_file(files[dp_rank])] if same_layout else [load_file(f) for f in files])
 
 
-def find_tag_dir(engine: Any, load_dir: str, tag: Any) -> Path | None:
+def find_tag_dir(engine: CheckpointEngine, load_dir: str, tag: Tag) -> Path | None:
     """The folder of ``tag`` (None: the one ``latest`` names, or ``latest_universal`` first with
     ``checkpoint.load_universal``) under ``load_dir``; None, with DeepSpeed's warning, when there is no ``latest``."""
     root = _checkpoint_dir(load_dir, "load_checkpoint(load_dir=...)")
@@ -492,9 +492,9 @@ def find_tag_dir(engine: Any, load_dir: str, tag: Any) -> Path | None:
     return tag_dir
 
 
-def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+def load_checkpoint(engine: CheckpointEngine, load_dir: str, tag: Tag = None, load_module_strict: bool = True,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                    load_module_only: bool = False, custom_load_fn: Any = None
+                    load_module_only: bool = False, custom_load_fn: Callable[..., object] | None = None
                     ) -> tuple[str | None, dict[str, Any] | None]:
     """Restore a checkpoint saved by :func:`save_checkpoint` (or converted by ``ds_to_universal``); returns
     ``(load_path, client_state)`` (the model states file read, and the saved keys that are not DeepSpeed's),
@@ -513,7 +513,7 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
         model_path = tag_dir / layout.model_states_name(0, 0)
     model_states = load_file(model_path)
     module_sd = model_states["module"]
-    if experts.applies(engine):  # this rank's experts, by global id, from their own files
+    if engine.features.parameter_files():  # parameters in files of their own (MoE: this rank's experts, by id)
         module_sd = experts.module_state(engine, tag_dir, module_sd)
     _load_module(engine, module_sd, load_module_strict, tag_dir, custom_load_fn)
     if _layout(engine).module_holds_placeholders and saved_world(model_states) == engine.dp_world_size:
@@ -531,13 +531,13 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
     return str(model_path), client_state
 
 
-def client_state_of(engine: Any, model_states: dict[str, Any]) -> dict[str, Any]:
+def client_state_of(engine: CheckpointEngine, model_states: dict[str, Any]) -> dict[str, Any]:
     """The keys a client saved: neither DeepSpeed's nor a feature's."""
     owned = DS_KEYS | set(engine.features.checkpoint_entries())
     return {k: v for k, v in model_states.items() if k not in owned}
 
 
-def restore_training_state(engine: Any, model_states: dict[str, Any], tag_dir: Path, load_lr_scheduler_states: bool,
+def restore_training_state(engine: CheckpointEngine, model_states: dict[str, Any], tag_dir: Path, load_lr_scheduler_states: bool,
                            same_world: bool) -> None:
     """The scheduler, the step counters, the loader's epoch and (when the ranks are laid out as when saved)
     this rank's RNG states."""

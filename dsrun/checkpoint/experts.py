@@ -1,21 +1,21 @@
-"""MoE experts in checkpoints: one file per expert, as DeepSpeed lays them out, reshardable between
-expert-parallel sizes.
+"""Parameters that features checkpoint in files of their own (``Feature.parameter_files()``,
+:class:`dsrun.features.ParameterFiles`): MoE's experts, one pair of files per expert, as DeepSpeed lays them out,
+reshardable between expert-parallel sizes (the feature, ``dsrun/moe/feature.py``, names the files and says
+which parameters go there).
 
-At every ZeRO stage the experts leave the model-states files (``mp_rank_00_model_states.pt``, which
+At every ZeRO stage those parameters leave the model-states files (``mp_rank_00_model_states.pt``, which
 data-parallel rank 0 writes at stages 0-2 and which would hold only rank 0's experts; each rank's
-``zero_pp_rank_<r>_mp_rank_00_model_states.pt`` at stage 3) and each expert goes to
-``layer_{L}_expert_{G}_mp_rank_00_model_states.pt`` (L: the MoE layer's index in module order, G: the expert's
-global id), keyed by its parameter names with the local expert index replaced by the global id, as
-DeepSpeed writes them. Beside it dsrun writes ``layer_{L}_expert_{G}_mp_rank_00_optim_states.pt``: that
-expert's whole fp32 master weights and optimizer state (``exp_avg``, ``exp_avg_sq`` ...) by the same names,
-gathered from the ranks its masters are cut over (its expert-data-parallel group: stages 1-2 cut the flat
-group, stage 3 every parameter). The first rank of each expert-data-parallel group writes its experts' files.
+``zero_pp_rank_<r>_mp_rank_00_model_states.pt`` at stage 3) and each expert goes to its model file (DeepSpeed's
+``layer_{L}_expert_{G}_mp_rank_00_model_states.pt``) keyed by its saved names (the local expert index replaced by
+the global id). Beside it dsrun writes its optimizer file (``..._optim_states.pt``): that expert's whole fp32
+master weights and optimizer state (``exp_avg``, ``exp_avg_sq`` ...) by the same names, gathered from the ranks
+its masters are cut over (its expert-data-parallel group: stages 1-2 cut the flat group, stage 3 every
+parameter). The rank the feature marks ``writer`` (the first of each expert-data-parallel group) writes them.
 
-Loading puts every rank's own experts back by global id, whatever expert-parallel size, data-parallel size
-and stage (0-3) saved them: the module's expert parameters from the model files, the experts' master
-weights and optimizer state from the optimizer files, and the shared groups merged from every saved rank
-(:mod:`.reshard`). With the saved topology each rank reads its own optimizer file as usual (the expert
-state is in it too).
+Loading puts every rank's own experts back by saved name, whatever expert-parallel size, data-parallel size
+and stage (0-3) saved them: the module's parameters from the model files, their master weights and optimizer
+state from the optimizer files, and the shared groups merged from every saved rank (:mod:`.reshard`). With the
+saved topology each rank reads its own optimizer file as usual (the experts' state is in it too).
 """
 from __future__ import annotations
 
@@ -26,52 +26,24 @@ from typing import Any
 import torch
 
 from dsrun import comm
-from dsrun.moe.layer import MoE
+from dsrun.moe.feature import MARK
 from dsrun.utils.zero_to_fp32 import master_slots
 
 from . import atomic
+from .engine_view import CheckpointEngine
 from .safe_load import load_file
 
-MARK = ".deepspeed_experts."
+__all__ = ["MARK", "without_experts", "whole_master_state", "expert_states", "save", "module_state",
+           "optimizer_state"]  # MARK: DeepSpeed's expert parameter names hold it (tools filter by it)
 
 
-def model_file(layer: int, expert: int, mp_rank: int = 0) -> str:
-    return f"layer_{layer}_expert_{expert}_mp_rank_{mp_rank:02d}_model_states.pt"
-
-
-def optim_file(layer: int, expert: int, mp_rank: int = 0) -> str:
-    return f"layer_{layer}_expert_{expert}_mp_rank_{mp_rank:02d}_optim_states.pt"
-
-
-def applies(engine: Any) -> bool:
-    """Expert files are written and read for MoE models trained through a ZeRO strategy (stages 0-3)."""
-    return engine.has_moe_layers and engine.strategy is not None
-
-
-def _experts(engine: Any) -> list[tuple[int, int, str, dict[str, torch.nn.Parameter]]]:
-    """(layer index, global expert id, prefix of its parameter names, {global name: param}) for this rank."""
-    out = []
-    prefixes = {id(m): name for name, m in engine.module.named_modules()}
-    layers = [m for m in engine.module.modules() if isinstance(m, MoE)]
-    for li, layer in enumerate(layers):
-        base = prefixes[id(layer)]
-        local_prefix = (base + "." if base else "") + "deepspeed_moe.experts.deepspeed_experts."
-        for j, (g, expert) in enumerate(zip(layer.global_expert_ids(), layer.deepspeed_moe.experts.deepspeed_experts)):
-            params = {f"{local_prefix}{g}.{name}": p for name, p in expert.named_parameters()}
-            out.append((li, g, f"{local_prefix}{j}.", params))
-    return out
-
-
-def _local_name(local_prefix: str, global_name: str) -> str:
-    return local_prefix + global_name.split(MARK, 1)[1].split(".", 1)[1]
-
-
-def without_experts(module_sd: dict[str, Any]) -> dict[str, Any]:
+def without_experts(engine: CheckpointEngine, module_sd: dict[str, Any]) -> dict[str, Any]:
     """The module state the main model-states file keeps (DeepSpeed's non-MoE state dict)."""
-    return {k: v for k, v in module_sd.items() if MARK not in k}
+    owns = engine.features.owns_checkpoint_name
+    return {k: v for k, v in module_sd.items() if not owns(k)}
 
 
-def whole_master_state(engine: Any, mi: int) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]],
+def whole_master_state(engine: CheckpointEngine, mi: int) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]],
                                                        dict[str, Any]]:
     """Master tensor ``mi``'s parameters by (local) name: their whole fp32 master values and optimizer moments
     (flat), gathered over the ranks the master is cut over (a collective among them, any stage), and the
@@ -102,64 +74,65 @@ def whole_master_state(engine: Any, mi: int) -> tuple[dict[str, torch.Tensor], d
     return values[None], moments, scalars
 
 
-def expert_states(engine: Any) -> dict[str, dict[str, Any]]:
+def expert_states(engine: CheckpointEngine) -> dict[str, dict[str, Any]]:
     """This rank's experts by global parameter name: ``weight`` (the model's value), ``fp32`` (the master) and
     the optimizer state (``exp_avg`` ... and scalars), whole. Collective within every expert-data group."""
+    files = engine.features.parameter_files()
+    if not files:
+        return {}
     strategy = engine.strategy
     local_to_master = {name: mi for mi, shapes in enumerate(strategy.checkpoint_param_shapes()) for name in shapes}
-    experts = _experts(engine)
-    wanted = sorted({local_to_master[_local_name(local, name)] for *_, local, params in experts for name in params})
+    wanted = sorted({local_to_master[local] for unit in files for local in unit.local_names.values()})
     whole = {mi: whole_master_state(engine, mi) for mi in wanted}  # masters in order: every member calls alike
     out = {}
-    for *_, local, params in experts:
-        for name, p in params.items():
-            fp32, moments, scalars = whole[local_to_master[_local_name(local, name)]]
-            key, shape = _local_name(local, name), getattr(p, "ds_shape", p.shape)  # stage 3: the full shape
+    for unit in files:
+        for name, p in unit.params.items():
+            key, shape = unit.local_names[name], getattr(p, "ds_shape", p.shape)  # stage 3: the full shape
+            fp32, moments, scalars = whole[local_to_master[key]]
             out[name] = {"weight": strategy.full_param_value(p), "fp32": fp32[key].view(shape),
                          **{k: v.view(shape) for k, v in moments[key].items()}, **scalars}
     return out
 
 
-def save(engine: Any, staging: Path, rank: int) -> None:
-    """Write this rank's expert files (the first rank of each expert-data group writes; every rank calls)."""
+def save(engine: CheckpointEngine, staging: Path, rank: int) -> None:
+    """Write this rank's expert files (each one's ``writer`` rank writes; every rank holding them calls)."""
     states = expert_states(engine)
-    for li, g, _, params in _experts(engine):
-        members = engine.groups.members_of_param(next(iter(params.values())))
-        if engine.global_rank != members[0]:
+    for unit in engine.features.parameter_files():
+        if not unit.writer:
             continue
-        atomic.save_torch({name: states[name]["weight"] for name in params}, staging / model_file(li, g), rank)
-        fp32 = {name: states[name]["fp32"] for name in params}
+        atomic.save_torch({name: states[name]["weight"] for name in unit.params}, staging / unit.model_file, rank)
+        fp32 = {name: states[name]["fp32"] for name in unit.params}
         optimizer_state = {name: {k: v for k, v in states[name].items() if k not in ("weight", "fp32")}
-                           for name in params}
-        atomic.save_torch({"fp32": fp32, "optimizer_state": optimizer_state}, staging / optim_file(li, g), rank)
+                           for name in unit.params}
+        atomic.save_torch({"fp32": fp32, "optimizer_state": optimizer_state}, staging / unit.optim_file, rank)
 
 
-def module_state(engine: Any, tag_dir: Path, module_sd: dict[str, Any]) -> dict[str, Any]:
+def module_state(engine: CheckpointEngine, tag_dir: Path, module_sd: dict[str, Any]) -> dict[str, Any]:
     """``module_sd`` with this rank's experts added back (local names) from their files."""
-    out = without_experts(module_sd)
-    for li, g, local, params in _experts(engine):
-        if not (tag_dir / model_file(li, g)).is_file():
-            raise FileNotFoundError(f"{tag_dir}: no {model_file(li, g)}: this MoE checkpoint has no per-expert "
+    out = without_experts(engine, module_sd)
+    for unit in engine.features.parameter_files():
+        if not (tag_dir / unit.model_file).is_file():
+            raise FileNotFoundError(f"{tag_dir}: no {unit.model_file}: this MoE checkpoint has no per-expert "
                                     "files (an older dsrun saved ZeRO-3 without them); load it with the dsrun that "
                                     "saved it, at the saved topology")
-        saved = load_file(tag_dir / model_file(li, g))
-        for name in params:
-            tail = name.split(MARK, 1)[1].split(".", 1)[1]
-            out[local + tail] = saved[name]
+        saved = load_file(tag_dir / unit.model_file)
+        for name, local in unit.local_names.items():
+            out[local] = saved[name]
     return out
 
 
-def _split_dense(saved_shapes: list[dict[str, Any]], where: Path) -> int:
+def _split_dense(engine: CheckpointEngine, saved_shapes: list[dict[str, Any]], where: Path) -> int:
     """How many leading groups hold shared parameters (expert groups must come after them, as
     ``split_params_into_different_moe_groups_for_optimizer`` puts them)."""
-    kinds = [any(MARK in name for name in shapes) for shapes in saved_shapes]
+    owns = engine.features.owns_checkpoint_name
+    kinds = [any(owns(name) for name in shapes) for shapes in saved_shapes]
     dense = kinds.index(True) if True in kinds else len(kinds)
     if any(not k for k in kinds[dense:]):
         raise RuntimeError(f"{where}: expert param groups must follow the shared ones to reshard MoE state")
     return dense
 
 
-def optimizer_state(engine: Any, tag_dir: Path, saved_shapes: list[dict[str, Any]],
+def optimizer_state(engine: CheckpointEngine, tag_dir: Path, saved_shapes: list[dict[str, Any]],
                     rank_states: list[dict[str, Any]], saved_stage: int, load_optimizer_states: bool = True
                     ) -> dict[str, Any]:
     """This rank's optimizer state for any saved expert-parallel size and stage: the shared groups merged from
@@ -169,16 +142,16 @@ def optimizer_state(engine: Any, tag_dir: Path, saved_shapes: list[dict[str, Any
     from . import reshard
 
     strategy = engine.strategy
-    dense = _split_dense(saved_shapes, tag_dir)
+    dense = _split_dense(engine, saved_shapes, tag_dir)
     full = reshard.merge_rank_states(rank_states, saved_stage, saved_shapes[:dense])
     full.param_groups = [{k: v for k, v in g.items() if k != "params"}
                          for g in reshard._base_state(rank_states[0])["param_groups"]]
-    for li, g, local, params in _experts(engine):
-        saved = load_file(tag_dir / optim_file(li, g))
-        for name in params:
-            full.fp32[_local_name(local, name)] = saved["fp32"][name].reshape(-1).float()
-            full.moments[_local_name(local, name)] = {k: v.reshape(-1) for k, v in saved["optimizer_state"][name].items()
-                                                      if torch.is_tensor(v) and v.dim() > 0}
+    for unit in engine.features.parameter_files():
+        saved = load_file(tag_dir / unit.optim_file)
+        for name, local in unit.local_names.items():
+            full.fp32[local] = saved["fp32"][name].reshape(-1).float()
+            full.moments[local] = {k: v.reshape(-1) for k, v in saved["optimizer_state"][name].items()
+                                   if torch.is_tensor(v) and v.dim() > 0}
     template = strategy.state_dict()
     live_shapes = strategy.checkpoint_param_shapes()
     master_key = next(k for k in ("fp32_flat_groups", "single_partition_of_fp32_groups") if k in template)

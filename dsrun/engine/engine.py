@@ -9,15 +9,18 @@ attribute and method names (``global_steps``, ``micro_steps``, ``skipped_steps``
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
+from torch.utils.data import Dataset
 
 from dsrun import comm
 from dsrun.comm import ProcessGroups
+from dsrun.comm.comm import ProcessGroup
 from dsrun.config import DSConfig
 from dsrun.accelerator import get_accelerator
 from dsrun.moe.layer import attach_process_groups
+from dsrun.moe.feature import MoEFeature
 from dsrun.optim import check_zero_optimizer
 from dsrun.activation_checkpointing.settings import ActivationCheckpointingFeature
 from dsrun.data_efficiency.engine_api import DataEfficiencyMethods
@@ -40,11 +43,22 @@ from dsrun.zero.strategies import MemoryBreakdown, StrategyContext, ZeroStrategy
 from dsrun.comm.groups import set_current_groups
 from dsrun.utils.errors import ConfigError, Problem
 
+if TYPE_CHECKING:
+    from dsrun.checkpoint.engine_io import Tag
+
 # the built-in features, in the order their hooks run (a room or a test registers its own the same way)
 register_feature(DataEfficiency)
 register_feature(CompressionFeature)
 register_feature(OneBitFeature)
 register_feature(ActivationCheckpointingFeature)
+register_feature(MoEFeature)
+
+
+class DataParallelMpu(Protocol):
+    """Megatron's ``mpu`` as the engine reads it: the data-parallel group it brings."""
+
+    def get_data_parallel_group(self) -> ProcessGroup: ...
+
 
 FORWARD_TIMER, BACKWARD_TIMER, BACKWARD_INNER_TIMER = "forward", "backward", "backward_inner"
 BACKWARD_REDUCE_TIMER, STEP_TIMER = "backward_allreduce", "step"
@@ -75,8 +89,8 @@ class DeepSpeedEngine(torch.nn.Module):
     loaded_checkpoint_mp_world_size: int | None = None
 
     def __init__(self, model: torch.nn.Module, config: DSConfig, optimizer: torch.optim.Optimizer | None = None,
-                 lr_scheduler: Any = None, training_data: Any = None, collate_fn: Callable | None = None,
-                 mpu: Any = None, raw_config: Any = None, features: Features | None = None):
+                 lr_scheduler: Any = None, training_data: Dataset | None = None, collate_fn: Callable | None = None,
+                 mpu: DataParallelMpu | None = None, raw_config: Any = None, features: Features | None = None):
         super().__init__()
         self._config = config
         self.settings = ConfigView(config, self)  # DeepSpeed's config getters, delegated to (engine_getters.py)
@@ -158,7 +172,7 @@ class DeepSpeedEngine(torch.nn.Module):
         """Called by :func:`dsrun.initialize` before the optimizer is built over the model's parameters
         (a pipeline engine re-cuts its module here for virtual stages). Nothing to do for a plain model."""
 
-    def _process_groups(self, mpu: Any) -> ProcessGroups:
+    def _process_groups(self, mpu: DataParallelMpu | None) -> ProcessGroups:
         """The run's groups: the whole world data-parallel, or a client mpu's data-parallel group."""
         sequence = int(self._config.sequence_parallel_size)
         if mpu is None:
@@ -388,7 +402,7 @@ class DeepSpeedEngine(torch.nn.Module):
         latency_s}} — what moved between the previous boundary and this one."""
         return dict(self._last_step_comm)
 
-    def deepspeed_io(self, dataset: Any, batch_size: int | None = None, route: str | None = None,
+    def deepspeed_io(self, dataset: Dataset, batch_size: int | None = None, route: str | None = None,
                      pin_memory: bool = True, data_sampler: Any = None, collate_fn: Callable | None = None,
                      num_local_io_workers: int | None = None) -> DeepSpeedDataLoader:
         """A loader giving this data-parallel rank its shard of ``dataset`` in micro-batches."""
@@ -412,7 +426,7 @@ class DeepSpeedEngine(torch.nn.Module):
             dataloader_drop_last=bool(self._config.dataloader_drop_last))
 
     # --- checkpoints (dsrun.checkpoint does the work; every rank must call these) -------------------------
-    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict | None = None,
+    def save_checkpoint(self, save_dir: str, tag: Tag = None, client_state: dict | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         """Save the full training state to ``save_dir/<tag>`` (default tag ``global_step<N>``), atomically."""
         from dsrun.checkpoint import save_checkpoint
@@ -420,7 +434,7 @@ class DeepSpeedEngine(torch.nn.Module):
         return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
                                exclude_frozen_parameters=exclude_frozen_parameters)
 
-    def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+    def load_checkpoint(self, load_dir: str, tag: Tag = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn: Callable | None = None
                         ) -> tuple[str | None, dict | None]:

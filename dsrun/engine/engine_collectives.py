@@ -7,27 +7,44 @@ engine's own training loop does not use them: its ZeRO strategy reduces gradient
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol
 
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from dsrun import comm
+from dsrun.comm.comm import ProcessGroup
 from dsrun.engine.sparse_tensor import SparseTensor
 from dsrun.zero.averaging import gradient_averaging
+
+
+class _Engine(Protocol):
+    """What the reduction helpers read of the engine (its averaging settings, dtype and group)."""
+
+    module: torch.nn.Module
+    dp_group: ProcessGroup
+    gradient_average: bool
+    communication_data_type: torch.dtype
+
+    def postscale_gradients(self) -> bool: ...
+
+    def gradient_predivide_factor(self) -> float: ...
+
+    def sparse_gradients_enabled(self) -> bool: ...
 
 
 class Collectives:
     """DeepSpeed's reduction helpers over ``dp_group``: a part of the engine (``engine.collectives``), which
     carries each name as a one-line delegation; the averaging settings and the module are the engine's."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: _Engine):
         self._engine = engine
 
     flatten = staticmethod(_flatten_dense_tensors)
     unflatten = staticmethod(_unflatten_dense_tensors)
 
-    def allreduce_bucket(self, bucket: list[torch.Tensor], dp_group: Any, dp_world_size: int | None = None) -> torch.Tensor:
+    def allreduce_bucket(self, bucket: list[torch.Tensor], dp_group: ProcessGroup, dp_world_size: int | None = None
+                         ) -> torch.Tensor:
         """The flattened, averaged sum of ``bucket`` over ``dp_group``."""
         tensor = self.flatten(bucket)
         engine = self._engine
@@ -42,13 +59,14 @@ class Collectives:
             tensor.copy_(reduced)
         return tensor
 
-    def allreduce_and_copy(self, small_bucket: list[torch.Tensor], dp_group: Any, dp_world_size: int | None = None) -> None:
+    def allreduce_and_copy(self, small_bucket: list[torch.Tensor], dp_group: ProcessGroup,
+                           dp_world_size: int | None = None) -> None:
         reduced = self.allreduce_bucket(small_bucket, dp_group, dp_world_size)
         for buf, synced in zip(small_bucket, self.unflatten(reduced, small_bucket)):
             buf.copy_(synced)
 
-    def allreduce_no_retain(self, bucket: list[torch.Tensor], dp_group: Any, numel_per_bucket: int = 500_000_000,
-                            dp_world_size: int | None = None) -> None:
+    def allreduce_no_retain(self, bucket: list[torch.Tensor], dp_group: ProcessGroup,
+                            numel_per_bucket: int = 500_000_000, dp_world_size: int | None = None) -> None:
         """Average ``bucket``'s tensors in place, in flat buffers of about ``numel_per_bucket`` elements."""
         small, numel = [], 0
         for tensor in bucket:
@@ -78,7 +96,7 @@ class Collectives:
         if sparse:
             self.sparse_allreduce_no_retain(sparse, self._engine.dp_group)
 
-    def sparse_allreduce_no_retain(self, bucket: list[SparseTensor], dp_group: Any,
+    def sparse_allreduce_no_retain(self, bucket: list[SparseTensor], dp_group: ProcessGroup,
                                    dp_world_size: int | None = None) -> None:
         """Average the row-sparse tensors of ``bucket`` and write each back into its original tensor."""
         for tensor in self.sparse_allreduce_bucket(bucket, dp_group, dp_world_size):
@@ -87,11 +105,12 @@ class Collectives:
             else:
                 tensor.orig_dense_tensor.copy_(tensor.to_dense())
 
-    def sparse_allreduce_bucket(self, bucket: list[SparseTensor], dp_group: Any,
+    def sparse_allreduce_bucket(self, bucket: list[SparseTensor], dp_group: ProcessGroup,
                                 dp_world_size: int | None = None) -> list[SparseTensor]:
         return [self.sparse_allreduce(sparse, dp_group, dp_world_size) for sparse in bucket]
 
-    def sparse_allreduce(self, sparse: SparseTensor, dp_group: Any, dp_world_size: int | None = None) -> SparseTensor:
+    def sparse_allreduce(self, sparse: SparseTensor, dp_group: ProcessGroup, dp_world_size: int | None = None
+                         ) -> SparseTensor:
         """Every rank's rows, scaled for the average: the sum over ranks is the sum of the gathered rows."""
         original = sparse.values.dtype
         dtype = self._engine.communication_data_type
@@ -106,7 +125,7 @@ class Collectives:
         sparse.values = torch.cat(self.sparse_all_gather(values, dp_group)).to(original)
         return sparse
 
-    def sparse_all_gather(self, value: torch.Tensor, dp_group: Any) -> list[torch.Tensor]:
+    def sparse_all_gather(self, value: torch.Tensor, dp_group: ProcessGroup) -> list[torch.Tensor]:
         """Every rank's ``value`` (1-D or 2-D; the first dimension may differ between ranks)."""
         if value.dim() not in (1, 2):
             raise ValueError(f"sparse_all_gather: a 1-D or 2-D tensor is needed, got {value.dim()}-D")
@@ -118,7 +137,7 @@ class Collectives:
         comm.all_gather(gathered, padded, group=dp_group)
         return [t[:size] for t, size in zip(gathered, sizes)]
 
-    def all_gather_scalar(self, value: torch.Tensor, dp_group: Any) -> list[torch.Tensor]:
+    def all_gather_scalar(self, value: torch.Tensor, dp_group: ProcessGroup) -> list[torch.Tensor]:
         out = [value.new_zeros(value.size()) for _ in range(comm.get_world_size(dp_group))]
         comm.all_gather(out, value, group=dp_group)
         return out

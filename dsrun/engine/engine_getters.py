@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def _dtype_name(value: Any) -> str:
+def _dtype_name(value: torch.dtype | str) -> str:
     """``torch.float16`` / ``"fp16"`` / ``"FP16"`` -> ``"fp16"`` (the config's spelling)."""
     for name, dtype in _DTYPES.items():
         if value is dtype or str(value).lower() == name:
@@ -29,6 +29,7 @@ def _dtype_name(value: Any) -> str:
 
 if TYPE_CHECKING:
     from dsrun.config import DSConfig
+    from dsrun.precision.strategy import PrecisionStrategy
 
 
 def facade(engine_cls: type, attr: str, part: type) -> None:
@@ -62,11 +63,23 @@ def _delegated_property(attr: str, name: str, member: property) -> property:
     return property(fget, fset if member.fset is not None else None, doc=member.__doc__)
 
 
+class _Strategy(Protocol):
+    comm_dtype: torch.dtype
+
+
+class _Engine(Protocol):
+    """The live state a few getters report: the precision, the strategy's reduction dtype, the rank."""
+
+    precision: "PrecisionStrategy"
+    strategy: _Strategy | None
+    global_rank: int
+
+
 class ConfigView:
     """The config getters of DeepSpeed's ``DeepSpeedEngine``, with its names and return values, over one
     typed config; ``engine`` answers the few that report live state."""
 
-    def __init__(self, config: "DSConfig", engine: Any):
+    def __init__(self, config: "DSConfig", engine: _Engine):
         self._config = config
         self._engine = engine
 
@@ -190,7 +203,7 @@ class ConfigView:
         return _DTYPES[self._config.resolved_communication_data_type]
 
     @communication_data_type.setter
-    def communication_data_type(self, value: Any) -> None:
+    def communication_data_type(self, value: torch.dtype | str) -> None:
         name = _dtype_name(value)
         self._config.communication_data_type = name
         if self._engine.strategy is not None:  # the strategy reduces in it from the next bucket on

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 import warnings
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 
@@ -12,6 +12,11 @@ from dsrun.utils.errors import ConfigError, Problem
 
 if TYPE_CHECKING:
     from dsrun.config import DSConfig
+    from dsrun.engine.engine import DataParallelMpu
+
+# what initialize takes as model_parameters (parameters, or param-group dicts) and as a client optimizer
+ModelParameters = Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]]
+ClientOptimizer = torch.optim.Optimizer | Callable[..., torch.optim.Optimizer]
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -49,7 +54,7 @@ def _resolve_config_source(args: Any, config: Any, config_params: Any) -> Any:
     return source
 
 
-def _refuse_pipeline_settings(ds_config: Any) -> None:
+def _refuse_pipeline_settings(ds_config: DSConfig) -> None:
     """The ``pipeline`` section drives a PipelineModule's engine; for any other model a non-default value
     would be ignored, so it is refused."""
     section = ds_config.pipeline
@@ -61,11 +66,11 @@ def _refuse_pipeline_settings(ds_config: Any) -> None:
                            for k in changed])
 
 
-def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer: Any = None,
-               model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
-               distributed_port: int = 29500, mpu: Any = None, dist_init_required: bool | None = None,
-               collate_fn: Callable | None = None, config: Any = None, config_params: Any = None
-               ) -> tuple[Any, Any, Any, Any]:
+def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer: ClientOptimizer | None = None,
+               model_parameters: ModelParameters | None = None, training_data: torch.utils.data.Dataset | None = None,
+               lr_scheduler: Any = None, distributed_port: int = 29500, mpu: DataParallelMpu | None = None,
+               dist_init_required: bool | None = None, collate_fn: Callable | None = None, config: Any = None,
+               config_params: Any = None) -> tuple[Any, Any, Any, Any]:
     """Build the training engine; returns ``(engine, optimizer, training_dataloader, lr_scheduler)``.
 
     ``optimizer`` (an optimizer or a callable on the parameters) overrides the config's; ``lr_scheduler``
@@ -117,8 +122,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
-def build_engine_optimizer(config: DSConfig, model: torch.nn.Module, optimizer: Any,
-                           model_parameters: Any) -> torch.optim.Optimizer | None:
+def build_engine_optimizer(config: DSConfig, model: torch.nn.Module, optimizer: ClientOptimizer | None,
+                           model_parameters: ModelParameters | None) -> torch.optim.Optimizer | None:
     """The optimizer the engine will step: a client optimizer (object, or callable on the parameters) wins
     over the config's ``optimizer`` section."""
     from dsrun.accelerator import get_accelerator
@@ -147,7 +152,7 @@ def build_engine_optimizer(config: DSConfig, model: torch.nn.Module, optimizer: 
     return None
 
 
-def _as_param_groups(params: Any) -> list[dict[str, Any]]:
+def _as_param_groups(params: ModelParameters) -> list[dict[str, Any]]:
     params = list(params)
     if params and isinstance(params[0], dict):
         return params

@@ -19,20 +19,26 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol
 
 import torch
 
 from dsrun import comm
+from dsrun.comm import ProcessGroups
+from dsrun.config import DSConfig
 from dsrun.engine.engine import BACKWARD_TIMER, FORWARD_TIMER, DeepSpeedEngine
 from dsrun.optim.onebit import OneBitOptimizer
 from dsrun.utils.errors import ConfigError, Problem
 from dsrun.utils.repeating_loader import RepeatingLoader
+from dsrun.zero.strategies import StrategyContext
 
 from dsrun.pipe import p2p, settings
 from dsrun.pipe.schedule import (COMMUNICATION, COMPUTE, BackwardInputPass, BackwardPass, BackwardWeightPass, ForwardPass,
                        LoadMicroBatch, OptimizerStep, PipeInstruction, PipeSchedule, RecvActivation, RecvGrad,
                        ReduceGrads, ReduceTiedGrads, SendActivation, SendGrad)
+
+if TYPE_CHECKING:
+    from dsrun.checkpoint.engine_io import Tag
 
 
 class PipelineError(Exception):
@@ -61,6 +67,12 @@ def _items(value: Any) -> list[Any]:
 
 def _like(structure: Any, values: list[Any]) -> Any:
     return tuple(values) if isinstance(structure, (tuple, list)) else values[0]
+
+
+class _Grid(Protocol):
+    """The PipelineModule's process grid, the pipeline engine's ``mpu``: its topology's groups."""
+
+    groups: ProcessGroups
 
 
 class PipelineEngine(DeepSpeedEngine):
@@ -104,20 +116,20 @@ class PipelineEngine(DeepSpeedEngine):
 
     # --- construction (DeepSpeedEngine's seams) --------------------------------------------------------------
     @classmethod
-    def prepare_model(cls, model: torch.nn.Module, config: Any) -> None:
+    def prepare_model(cls, model: torch.nn.Module, config: DSConfig) -> None:
         """Cut the module into ``stages x virtual_stages`` chunks for the interleaved schedule, before the
         optimizer is built over its parameters."""
         settings.check_module(model, config)
         pipe = config.pipeline
         model.set_virtual_stages(pipe.virtual_stages if pipe.schedule == "interleaved" else 1)
 
-    def _process_groups(self, mpu: Any) -> Any:
+    def _process_groups(self, mpu: _Grid) -> ProcessGroups:  # type: ignore[override]
         if int(self._config.sequence_parallel_size) > 1:
             raise ConfigError(Problem("sequence_parallel_size", "Ulysses sequence parallelism does not compose with "
                                       "the pipeline engine yet", "set sequence_parallel_size to 1"))
         return mpu.groups  # the module's grid: pipe, data and model groups of its topology
 
-    def _strategy_context(self, optimizer: torch.optim.Optimizer) -> Any:
+    def _strategy_context(self, optimizer: torch.optim.Optimizer) -> StrategyContext:
         """The ZeRO strategy steps this stage's parameters, tied copies owned elsewhere left out."""
         if isinstance(optimizer, OneBitOptimizer):  # not built for it: say so rather than lose its error buffers
             raise ConfigError(Problem("optimizer.type", f"{type(optimizer).__name__} does not run under the pipeline "
@@ -154,7 +166,7 @@ class PipelineEngine(DeepSpeedEngine):
         """True while the engine runs a ReduceGrads or OptimizerStep instruction."""
         return self._force_boundary
 
-    def set_dataloader(self, loader: Any) -> None:
+    def set_dataloader(self, loader: Iterable[Any]) -> None:
         """Train from ``loader``, restarted whenever it runs out."""
         self.training_dataloader = loader
         self.data_iterator = iter(RepeatingLoader(loader))
@@ -461,7 +473,7 @@ class PipelineEngine(DeepSpeedEngine):
         return value.float()
 
     # --- checkpoints: per layer (dsrun.pipe.checkpoint) --------------------------------------------------
-    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict | None = None,
+    def save_checkpoint(self, save_dir: str, tag: Tag = None, client_state: dict | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         """Save in DeepSpeed's pipeline layout: one ``layer_XX-model_states.pt`` per layer, the engine's state
         per stage in ``mp_rank_XX_model_states.pt``, ZeRO optimizer states per stage and data-parallel rank."""
@@ -470,7 +482,7 @@ class PipelineEngine(DeepSpeedEngine):
         return save_pipeline_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
                                         exclude_frozen_parameters=exclude_frozen_parameters)
 
-    def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+    def load_checkpoint(self, load_dir: str, tag: Tag = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False) -> tuple[str | None, dict | None]:
         """Load a pipeline checkpoint saved at any number of stages (and data-parallel ranks)."""

@@ -31,7 +31,7 @@ from dsrun.precision.strategy import PrecisionStrategy
 from dsrun.zero.averaging import gradient_averaging
 from dsrun.zero.buckets import Bucket, BucketQueue, plan_buckets
 from dsrun.zero.layout import FlatGroup, flatten_params
-from dsrun.zero.step_hooks import AFTER_UPDATE, BEFORE_UPDATE, StepHooks, StepState
+from dsrun.zero.step_hooks import AFTER_UPDATE, BEFORE_UPDATE, GradientReduction, StepHooks, StepState
 
 
 _COMM_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -202,8 +202,7 @@ class ZeroStrategy(ABC):
         self.global_grad_norm: float | None = None
         self.norm_group = ctx.group  # the ranks whose partitions together hold every gradient once
         self.steps_taken = 0
-        self._backward_allreduce = True
-        self._gradients_reduced = True  # whether this step's gradients were reduced in backward
+        self.reduction = GradientReduction()  # the backward reduction's switch, and what this step's gradients are
 
     @property
     def enable_backward_allreduce(self) -> bool:
@@ -211,14 +210,14 @@ class ZeroStrategy(ABC):
         local gradient for an optimizer that communicates itself (the 1-bit family turns it off once its
         warm-up ends). Read at each accumulation boundary's backward; the step then sees unreduced
         gradients: the local mean over this rank's micro-batches, ``local_gradients()``."""
-        return self._backward_allreduce
+        return self.reduction.enabled
 
     @enable_backward_allreduce.setter
     def enable_backward_allreduce(self, value: bool) -> None:
         if not value and not self.supports_local_gradients:
             raise RuntimeError(f"{type(self).__name__} cannot keep unreduced gradients (only ZeRO stages 0 and 1 "
                                "without optimizer offload hold each rank's whole gradient until the step)")
-        self._backward_allreduce = bool(value)
+        self.reduction.enabled = bool(value)
 
     def local_gradients(self) -> list[torch.Tensor] | None:
         """This rank's whole gradients, one flat tensor per master in the model's dtype, summed over its
@@ -259,8 +258,7 @@ class ZeroStrategy(ABC):
             if clip_coef < 1.0:
                 coef *= clip_coef
         self.global_grad_norm = norm
-        state = StepState(strategy=self, coef=coef, grad_norm=norm, step=self.steps_taken,
-                          reduced=self._gradients_reduced)
+        state = StepState(strategy=self, coef=coef, grad_norm=norm, step=self.steps_taken)
         self.hooks.run(BEFORE_UPDATE, state)
         self._apply_update(state.coef)
         self.steps_taken += 1
@@ -283,7 +281,7 @@ class ZeroStrategy(ABC):
 
     def _global_norm(self, scale: float) -> float:
         sq = self._local_sq_norm()
-        if self.norm_is_partitioned and self._gradients_reduced and self.world_size > 1:
+        if self.norm_is_partitioned and self.reduction.reduced and self.world_size > 1:
             comm.all_reduce(sq, group=self.norm_group)
         if self.ctx.pipelined:  # the stages hold disjoint parameters: their squares add up
             comm.all_reduce(sq, group=self.ctx.groups.pipe)
@@ -478,7 +476,7 @@ class FlatStrategy(ZeroStrategy):
 
     def before_backward(self, boundary: bool) -> None:
         if boundary:
-            self._gradients_reduced = self.enable_backward_allreduce
+            self.reduction.latch()
         if (boundary or self.reduce_every_micro_step) and self.enable_backward_allreduce:
             self.queue.start()
 
@@ -515,7 +513,7 @@ class FlatStrategy(ZeroStrategy):
     def _checked_grads(self) -> list[torch.Tensor]:
         """What overflow and norm are measured on: the step's gradients, or each rank's whole local gradient
         when backward did not reduce (then every rank checks and clips its own)."""
-        return self._step_grads if self._gradients_reduced else (self.local_gradients() or self._step_grads)
+        return self._step_grads if self.reduction.reduced else (self.local_gradients() or self._step_grads)
 
     def _local_overflow(self) -> bool:
         # A sum is inf/nan when any element is (DeepSpeed's check too): one pass, no temporary.
@@ -525,7 +523,7 @@ class FlatStrategy(ZeroStrategy):
         sq = torch.zeros(1, dtype=torch.float64, device=self.ctx.device)
         for group, g in zip(self.groups, self._checked_grads()):
             part = self.store.square_sum(g)
-            if self._own_groups and not self.partitioned and self._gradients_reduced:
+            if self._own_groups and not self.partitioned and self.reduction.reduced:
                 part = part / group.world_size  # whole copies on each of the group's ranks
             sq += part
         return sq

@@ -166,7 +166,7 @@ class Stage1Strategy(PartitionedStrategy):
             bucket.received = None
 
     def _master_grads(self) -> list[torch.Tensor]:
-        if not self._gradients_reduced:  # nothing was reduce-scattered: this rank's own part of its gradient
+        if not self.reduction.reduced:  # nothing was reduce-scattered: this rank's own part of its gradient
             for gi, (master_grad, flat) in enumerate(zip(self.master_grads, self.flat_grads)):
                 lo, hi = self.groups[gi].partition_range(self.rank)
                 master_grad.copy_(flat[lo:hi])

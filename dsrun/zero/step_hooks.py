@@ -12,11 +12,16 @@ already finished the average: averaging.py), then the update and the write-back 
                    ``state.coef`` to get what the optimizer sees). Compression schedules that mask or
                    scale gradients attach here (MoE experts need no hook: they are reduced over their
                    expert-data group by the strategies); so do the 1-bit optimizers, which turn the backward
-                   reduction off (``strategy.enable_backward_allreduce = False``) once their warm-up ends and
-                   then read each rank's own gradient, ``state.local_gradients()`` (``state.reduced`` is
-                   False on such steps; ``state.coef`` then holds no averaging).
+                   reduction off (``strategy.reduction.enabled = False``, DeepSpeed's
+                   ``enable_backward_allreduce``) once their warm-up ends and then read each rank's own gradient,
+                   ``state.local_gradients()`` (``state.reduced`` is False on such steps; ``state.coef`` then
+                   holds no averaging).
 ``after_update``   called after the update has reached the model's parameters (stage 3: its shards).
                    Compression schedules that prune or quantize weights after each step attach here.
+
+Whether the step's gradients were reduced is the strategy's :class:`GradientReduction` (``strategy.reduction``),
+set by whoever switches the backward reduction and latched by the backward path at each accumulation boundary;
+the step reads it, it names no feature.
 
 A hook is ``fn(state) -> None``; :meth:`StepHooks.add` returns a handle whose ``remove()`` detaches it. Hooks
 run in the order they were added, on every rank (they may use collectives on ``state.strategy.ctx.group``).
@@ -25,7 +30,7 @@ A step skipped for an fp16 overflow runs neither.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -33,16 +38,45 @@ BEFORE_UPDATE, AFTER_UPDATE = "before_update", "after_update"
 POINTS = (BEFORE_UPDATE, AFTER_UPDATE)
 
 
+class StepSource(Protocol):
+    """What a :class:`StepState` reads of the strategy stepping (``dsrun.zero.base.ZeroStrategy``)."""
+
+    reduction: "GradientReduction"
+
+    def step_gradients(self) -> list[torch.Tensor]: ...
+
+    def local_gradients(self) -> list[torch.Tensor] | None: ...
+
+
+class GradientReduction:
+    """Whether backward reduces gradients across ranks. ``enabled`` is the switch (DeepSpeed's
+    ``enable_backward_allreduce``; an optimizer that communicates itself turns it off), read by the backward of
+    each accumulation boundary, which latches it into ``reduced``: what the next step's gradients are (False:
+    each rank's own local gradient; the step then checks overflow and measures the norm per rank)."""
+
+    def __init__(self) -> None:
+        self.enabled = True
+        self.reduced = True
+
+    def latch(self) -> None:
+        """Called by the backward of an accumulation boundary."""
+        self.reduced = self.enabled
+
+
 @dataclass
 class StepState:
     """What a step hook receives."""
 
-    strategy: Any
+    strategy: StepSource
     coef: float  # multiplies every gradient before the optimizer: 1 / loss scale, the average, the clip
     grad_norm: float | None  # the global gradient norm (unscaled), when clipping measured it
     step: int = 0  # optimizer steps taken by this strategy before this one
     extra: dict[str, Any] = field(default_factory=dict)  # for hooks to pass data on to later hooks
-    reduced: bool = True  # whether backward reduced this step's gradients across ranks
+
+    @property
+    def reduced(self) -> bool:
+        """Whether backward reduced this step's gradients across ranks (``strategy.reduction.reduced``)."""
+        return self.strategy.reduction.reduced
 
     def gradients(self) -> list[torch.Tensor]:
         """The resident fp32 gradients the update reads (scaled: see the module docstring)."""

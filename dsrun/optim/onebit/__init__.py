@@ -3,14 +3,14 @@
 How they work, what they send and what they cost: docs/onebit.md."""
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Protocol
 
 from dsrun.config import DSConfig
 from dsrun.features import Feature
 from dsrun.utils.errors import ConfigError, Problem, show
 
 from dsrun.optim.onebit.adam import OnebitAdam
-from dsrun.optim.onebit.base import OneBitOptimizer
+from dsrun.optim.onebit.base import BoundStrategy, OneBitOptimizer
 from dsrun.optim.onebit.lamb import OnebitLamb
 from dsrun.optim.onebit.zoadam import ZeroOneAdam
 
@@ -33,6 +33,10 @@ def build_onebit_optimizer(type_name: str, params: Iterable[Any], optimizer_para
                                   "params must be keyword arguments of the optimizer's constructor")) from None
 
 
+class _Engine(Protocol):
+    strategy: BoundStrategy | None  # the engine's ZeRO strategy (None: no optimizer)
+
+
 class OneBitFeature(Feature):
     """Binds a 1-bit optimizer (the config's or the client's) to the engine's ZeRO strategy once the engine is
     built: it learns the master layout and attaches at the strategy's step hooks
@@ -44,7 +48,7 @@ class OneBitFeature(Feature):
     def build(cls, config: DSConfig) -> "OneBitFeature":
         return cls()  # the optimizer may be the client's: attach looks at the one the strategy steps
 
-    def attach(self, engine: Any) -> None:
+    def attach(self, engine: _Engine) -> None:  # type: ignore[override]
         strategy = engine.strategy
         if strategy is not None and isinstance(strategy.optimizer, OneBitOptimizer):
             strategy.optimizer.bind_strategy(strategy)

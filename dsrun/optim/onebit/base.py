@@ -29,17 +29,56 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Protocol
 
 import torch
 
 from dsrun import comm
+from dsrun.comm.comm import ProcessGroup
 from dsrun.comm.compressed import (CompressedBackend, CompressedLayout, CompressedResult, check_backend_name,
                                    merge_server_errors, split_server_error)
 from dsrun.utils.errors import ConfigError, Problem, show
 from dsrun.utils.zero_to_fp32 import Slot, master_slots
 
 PARAMS = "optimizer.params"
+
+
+class StepView(Protocol):
+    """What the 1-bit optimizers read of a step hook's state (``dsrun.zero.step_hooks.StepState``)."""
+
+    coef: float
+
+    @property
+    def reduced(self) -> bool: ...
+
+    def local_gradients(self) -> list[torch.Tensor] | None: ...
+
+
+class _StrategyContext(Protocol):
+    group: ProcessGroup
+    device: torch.device
+
+
+class _StepHooks(Protocol):
+    def add(self, point: str, fn: Callable[[StepView], None]) -> object: ...
+
+
+class BoundStrategy(Protocol):
+    """What the 1-bit optimizers read of the ZeRO strategy they bind to (``dsrun.zero.base.ZeroStrategy``,
+    stages 0-1): its layout, its group and step hooks, and DeepSpeed's backward-reduction switch."""
+
+    stage: int
+    world_size: int
+    rank: int
+    ctx: _StrategyContext
+    hooks: _StepHooks
+    supports_local_gradients: bool
+    enable_backward_allreduce: bool
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
+
+    def checkpoint_param_shapes(self) -> list["OrderedDict[str, torch.Size]"]: ...
 
 
 def require(condition: bool, key: str, message: str, hint: str = "") -> None:
@@ -91,7 +130,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
         self.deepspeed = deepspeed
         self.cuda_aware = bool(cuda_aware)
         self.comm_backend_name = check_backend_name(comm_backend_name)
-        self.strategy: Any = None
+        self.strategy: BoundStrategy | None = None
         self.layouts: list[MasterLayout] = []
         self.worker_errors: list[torch.Tensor | None] = []
         self.server_errors: list[torch.Tensor | None] = []
@@ -118,7 +157,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
     def stage(self) -> int:
         return self.strategy.stage if self.strategy is not None else 0
 
-    def bind_strategy(self, strategy: Any) -> None:
+    def bind_strategy(self, strategy: BoundStrategy) -> None:
         """Attach to the engine's ZeRO strategy (called once, after the strategy flattened the groups)."""
         name = type(self).__name__
         if strategy.stage not in self.supported_stages or not strategy.supports_local_gradients:
@@ -196,11 +235,11 @@ class OneBitOptimizer(torch.optim.Optimizer):
         comm.all_gather_into_tensor(out, own.float().contiguous(), group=self.strategy.ctx.group)
         return out[:layout.numel]
 
-    def _before_update(self, state: Any) -> None:
+    def _before_update(self, state: StepView) -> None:
         self._coef = state.coef
         self._local = None if state.reduced else state.local_gradients()
 
-    def _after_update(self, state: Any) -> None:
+    def _after_update(self, state: StepView) -> None:
         self._apply_switch()
 
     def _apply_switch(self) -> None:
