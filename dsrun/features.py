@@ -8,6 +8,10 @@ once it is built and then calls their hooks in registry order:
 =====================================  ===========================================================================
 ``build(config)``                      a classmethod: the feature for this typed config, or None when it is off
 ``wrap_model(model)``                  before the optimizer is built; parameters it adds are optimized too
+``optimizer_params(model, params)``    the parameters (or groups) the optimizer is built over, unless the client
+                                       passed an optimizer object (MoE: experts in groups of their own)
+``take_topology(model, groups)``       when the engine has built the run's process groups, before it broadcasts
+                                       the model and builds its strategy: wire the model to them (collective)
 ``attach(engine)``                     once, after the engine is built: take its groups and strategy, register
                                        hooks on ``engine.strategy.hooks`` (``dsrun/zero/step_hooks.py``)
 ``forward_kwargs(training, step)``     keyword arguments added to the model's forward
@@ -28,7 +32,7 @@ any room can subclass it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Iterator, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -37,6 +41,18 @@ if TYPE_CHECKING:
     from dsrun.config import DSConfig
 
 F = TypeVar("F", bound="Feature")
+# what initialize takes as model_parameters and builds the optimizer over: parameters, or param-group dicts
+ModelParameters = Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]]
+
+
+class Topology(Protocol):
+    """The run's process groups as ``take_topology`` receives them (a :class:`dsrun.comm.ProcessGroups`; the comm
+    room shares this module's layer, so it is named here, not imported); a feature narrows it to that class."""
+
+    rank: int
+
+    @property
+    def sequence_parallel_size(self) -> int: ...
 
 
 @dataclass
@@ -64,6 +80,14 @@ class Feature:
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         return model
+
+    def optimizer_params(self, model: nn.Module, params: ModelParameters) -> ModelParameters:
+        """The parameters (or param groups) a client callable or the config's optimizer is built over."""
+        return params
+
+    def take_topology(self, model: nn.Module, groups: Topology) -> None:
+        """Called by the engine with the run's process groups before it broadcasts ``model`` and builds its ZeRO
+        strategy; every rank calls it with the same model (a feature may create groups here)."""
 
     def attach(self, engine: Any) -> None:
         """Called once with the built engine (its ``groups``, ``strategy``, ``module``)."""
@@ -150,6 +174,15 @@ class Features:
             model = feature.wrap_model(model)
         added = [p for p in model.parameters() if id(p) not in before]
         return model, _with_parameters(model_parameters, optimizer, added)
+
+    def optimizer_params(self, model: nn.Module, params: ModelParameters) -> ModelParameters:
+        for feature in self._features:
+            params = feature.optimizer_params(model, params)
+        return params
+
+    def take_topology(self, model: nn.Module, groups: Topology) -> None:
+        for feature in self._features:
+            feature.take_topology(model, groups)
 
     def attach(self, engine: Any) -> None:
         for feature in self._features:

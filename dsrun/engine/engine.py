@@ -19,7 +19,6 @@ from dsrun.comm import ProcessGroups
 from dsrun.comm.comm import ProcessGroup
 from dsrun.config import DSConfig
 from dsrun.accelerator import get_accelerator
-from dsrun.moe.layer import attach_process_groups
 from dsrun.moe.feature import MoEFeature
 from dsrun.optim import check_zero_optimizer
 from dsrun.activation_checkpointing.settings import ActivationCheckpointingFeature
@@ -87,6 +86,9 @@ class DeepSpeedEngine(torch.nn.Module):
     scale_wrt_gas: bool | None = None  # when set, overrides backward(scale_wrt_gas=...)
     loaded_checkpoint_dp_world_size: int | None = None  # set by load_checkpoint
     loaded_checkpoint_mp_world_size: int | None = None
+    # DeepSpeed's names for the model's MoE layers: the MoE feature (dsrun/moe/feature.py) sets them at attach
+    has_moe_layers: bool = False
+    moe_layers: tuple[torch.nn.Module, ...] | list = ()
 
     def __init__(self, model: torch.nn.Module, config: DSConfig, optimizer: torch.optim.Optimizer | None = None,
                  lr_scheduler: Any = None, training_data: Dataset | None = None, collate_fn: Callable | None = None,
@@ -111,17 +113,14 @@ class DeepSpeedEngine(torch.nn.Module):
         self.dp_world_size = comm.get_world_size(self.dp_group)
         # Ulysses: consecutive data-parallel ranks share samples (dsrun/sequence); ZeRO keeps the whole data group
         self.sequence_parallel_size = self.groups.sequence_parallel_size
-        set_current_groups(self.groups, bool(config.use_data_before_expert_parallelism))  # the run's groups
         if self.sequence_parallel_size > 1:  # as DeepSpeed: gradients are reduced in seq_parallel_comm_data_type
             config.communication_data_type = config.seq_parallel_comm_data_type
         self.device = get_accelerator().device(self.local_rank)
-        # MoE layers get their expert-parallel groups from the engine's topology (collective)
-        self.moe_layers = attach_process_groups(model, self.groups, bool(config.use_data_before_expert_parallelism))
-        self.has_moe_layers = bool(self.moe_layers)
-        if self.has_moe_layers:
-            _check_moe_config(config)
-        # the features (dsrun/features.py), built by initialize; it attaches them once the engine is built
+        # the features (dsrun/features.py), built by initialize; they take the run's groups now (MoE layers get
+        # their expert groups: collective), and initialize attaches them once the engine is built
         self.features = features if features is not None else Features.build(config)
+        self.features.take_topology(model, self.groups)
+        set_current_groups(self.groups)  # the run's groups (a no-op when a feature already made them so)
         # DeepSpeed's data-efficiency methods read it, on or off
         self.data_efficiency = self.features.get(DataEfficiency) or DataEfficiency(config)
         self.global_steps = 0
@@ -477,10 +476,6 @@ class DeepSpeedEngine(torch.nn.Module):
         self.direct_backward.close()
         self.features.close()
         self.observer.close()
-        if self.has_moe_layers:
-            from dsrun.moe import groups as expert_groups
-
-            expert_groups._reset()
         set_current_groups(None)
         self.groups.destroy()
 
@@ -501,14 +496,3 @@ facade(DeepSpeedEngine, "data_efficiency_methods", DataEfficiencyMethods)
 facade(DeepSpeedEngine, "collectives", Collectives)
 facade(DeepSpeedEngine, "methods", EngineMethods)
 
-
-def _check_moe_config(config: DSConfig) -> None:
-    """MoE runs at ZeRO stages 0-3, with optimizer state (and ZeRO-3 parameters) on the device or offloaded to
-    host memory; swapping them to NVMe is not built for experts' checkpoints yet: refuse it."""
-    zc = config.zero_optimization
-    for section in ("offload_optimizer", "offload_param"):
-        if getattr(zc, section).device == "nvme" and int(zc.stage) > 0:
-            raise ConfigError(Problem(f"zero_optimization.{section}.device",
-                                      "MoE layers with ZeRO state offloaded to NVMe are not implemented in dsrun",
-                                      f"set zero_optimization.{section}.device to \"cpu\" or \"none\" for MoE "
-                                      "models"))

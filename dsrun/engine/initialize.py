@@ -3,19 +3,19 @@ from __future__ import annotations
 
 import argparse
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from dsrun import comm
+from dsrun.features import ModelParameters
 from dsrun.utils.errors import ConfigError, Problem
 
 if TYPE_CHECKING:
     from dsrun.config import DSConfig
     from dsrun.engine.engine import DataParallelMpu
 
-# what initialize takes as model_parameters (parameters, or param-group dicts) and as a client optimizer
-ModelParameters = Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]]
+# what initialize takes as a client optimizer (model_parameters: dsrun.features.ModelParameters)
 ClientOptimizer = torch.optim.Optimizer | Callable[..., torch.optim.Optimizer]
 
 
@@ -113,7 +113,10 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     engine_class.prepare_model(model, ds_config)
     features = Features.build(ds_config)  # dsrun/features.py: each wraps the model before the optimizer
     model, model_parameters = features.wrap_model(model, model_parameters, optimizer)
-    base_optimizer = build_engine_optimizer(ds_config, model, optimizer, model_parameters)
+    params = model_parameters if model_parameters is not None else model.parameters()
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        params = features.optimizer_params(model, params)  # MoE: experts in param groups of their own
+    base_optimizer = build_engine_optimizer(ds_config, optimizer, params)
     engine = engine_class(model=model, config=ds_config, optimizer=base_optimizer, lr_scheduler=lr_scheduler,
                           training_data=training_data, collate_fn=collate_fn, mpu=mpu, raw_config=source,
                           features=features)
@@ -122,19 +125,14 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
-def build_engine_optimizer(config: DSConfig, model: torch.nn.Module, optimizer: ClientOptimizer | None,
-                           model_parameters: ModelParameters | None) -> torch.optim.Optimizer | None:
-    """The optimizer the engine will step: a client optimizer (object, or callable on the parameters) wins
+def build_engine_optimizer(config: DSConfig, optimizer: ClientOptimizer | None, params: ModelParameters
+                           ) -> torch.optim.Optimizer | None:
+    """The optimizer the engine will step: a client optimizer (object, or callable on ``params``) wins
     over the config's ``optimizer`` section."""
     from dsrun.accelerator import get_accelerator
-    from dsrun.moe.utils import has_moe_layers, split_params_into_different_moe_groups_for_optimizer
     from dsrun.optim import build_optimizer
     from dsrun.optim.onebit import ONE_BIT_CLASSES, build_onebit_optimizer
 
-    params = model_parameters if model_parameters is not None else model.parameters()
-    if has_moe_layers(model)[0] and not isinstance(optimizer, torch.optim.Optimizer):
-        # experts need param groups of their own (DeepSpeed splits them the same way)
-        params = split_params_into_different_moe_groups_for_optimizer(_as_param_groups(params))
     if optimizer is not None:
         if isinstance(optimizer, torch.optim.Optimizer):
             return optimizer
@@ -151,9 +149,3 @@ def build_engine_optimizer(config: DSConfig, model: torch.nn.Module, optimizer: 
                                offload=offload)
     return None
 
-
-def _as_param_groups(params: ModelParameters) -> list[dict[str, Any]]:
-    params = list(params)
-    if params and isinstance(params[0], dict):
-        return params
-    return [{"params": params}]

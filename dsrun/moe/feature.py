@@ -1,7 +1,10 @@
-"""MoE as a feature of the engine (:mod:`dsrun.features`): what its experts put in checkpoints.
+"""MoE as a feature of the engine (:mod:`dsrun.features`): its expert groups and what its experts put in
+checkpoints.
 
-The engine gives MoE layers their expert groups when it is built (``dsrun.moe.layer.attach_process_groups``);
-this feature tells the checkpoint code the rest. Each expert leaves the model-states files for a pair of its own
+When the engine has built the run's process groups, the feature makes them the run's groups and gives the
+model's MoE layers their expert groups from them (``take_topology``: ``dsrun.moe.layer.attach_process_groups``,
+laid out by ``use_data_before_expert_parallelism``); once attached it sets DeepSpeed's ``engine.moe_layers`` and
+``engine.has_moe_layers``, and tells the checkpoint code the rest. Each expert leaves the model-states files for a pair of its own
 (DeepSpeed's ``layer_{L}_expert_{G}_mp_rank_00_model_states.pt``, L: the MoE layer's index in module order, G:
 the expert's global id, and dsrun's ``..._optim_states.pt``), keyed by its parameter names with the local
 expert index replaced by the global id; the first rank of each expert-data-parallel group writes them. Which
@@ -13,10 +16,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import nn
 
-from dsrun.comm.groups import ProcessGroups
-from dsrun.features import Feature, ParameterFiles
+from dsrun.comm.groups import ProcessGroups, set_current_groups
+from dsrun.features import Feature, ModelParameters, ParameterFiles
+from dsrun.utils.errors import ConfigError, Problem
 
-from .layer import MoE
+from . import groups as expert_groups
+from .layer import MoE, attach_process_groups
+from .utils import has_moe_layers, split_params_into_different_moe_groups_for_optimizer
 
 if TYPE_CHECKING:
     from dsrun.config import DSConfig
@@ -36,7 +42,7 @@ class _Engine(Protocol):
     """What the feature reads of the engine it attaches to."""
 
     module: nn.Module
-    has_moe_layers: bool
+    has_moe_layers: bool  # DeepSpeed's engine attribute: set by attach after take_topology
     strategy: object | None  # a ZeRO strategy: expert files are written only for a model trained through one
     groups: ProcessGroups
     global_rank: int
@@ -48,15 +54,41 @@ class MoEFeature(Feature):
 
     name = "moe"
 
-    def __init__(self) -> None:
+    def __init__(self, config: "DSConfig | None" = None) -> None:
+        self._config = config
         self._engine: _Engine | None = None
+        self._layers: list[MoE] | None = None  # the model's MoE layers, once take_topology ran
 
     @classmethod
     def build(cls, config: "DSConfig") -> "MoEFeature":
-        return cls()  # the model, not the config, says whether there are experts
+        return cls(config)  # the model, not the config, says whether there are experts
+
+    def optimizer_params(self, model: nn.Module, params: ModelParameters) -> ModelParameters:
+        """Experts in param groups of their own (DeepSpeed splits them the same way)."""
+        if not has_moe_layers(model)[0]:
+            return params
+        items = list(params)
+        groups = items if items and isinstance(items[0], dict) else [{"params": items}]
+        return split_params_into_different_moe_groups_for_optimizer(groups)
+
+    def take_topology(self, model: nn.Module, groups: ProcessGroups) -> None:  # type: ignore[override]
+        """Make ``groups`` the run's groups (expert groups that exist on the groups they replace are created on
+        them too) and give every MoE layer of ``model`` its expert group (collective)."""
+        data_first = bool(self._config is not None and self._config.use_data_before_expert_parallelism)
+        set_current_groups(groups, data_first)
+        self._layers = attach_process_groups(model, groups, data_first)
+        if self._layers and self._config is not None:
+            _check_moe_config(self._config)
 
     def attach(self, engine: _Engine) -> None:  # type: ignore[override]
         self._engine = engine
+        if self._layers is not None:  # DeepSpeed's engine attributes
+            engine.moe_layers = self._layers  # type: ignore[attr-defined]
+            engine.has_moe_layers = bool(self._layers)
+
+    def close(self) -> None:
+        if self._layers:
+            expert_groups._reset()  # forget the run's groups and the expert groups' names
 
     @property
     def _active(self) -> bool:
@@ -98,3 +130,15 @@ class MoEFeature(Feature):
                 out.append(ParameterFiles(model_file(li, g), optim_file(li, g), params, local,
                                           writer=engine.global_rank == members[0]))
         return out
+
+
+def _check_moe_config(config: "DSConfig") -> None:
+    """MoE runs at ZeRO stages 0-3, with optimizer state (and ZeRO-3 parameters) on the device or offloaded to
+    host memory; swapping them to NVMe is not built for experts' checkpoints yet: refuse it."""
+    zc = config.zero_optimization
+    for section in ("offload_optimizer", "offload_param"):
+        if getattr(zc, section).device == "nvme" and int(zc.stage) > 0:
+            raise ConfigError(Problem(f"zero_optimization.{section}.device",
+                                      "MoE layers with ZeRO state offloaded to NVMe are not implemented in dsrun",
+                                      f"set zero_optimization.{section}.device to \"cpu\" or \"none\" for MoE "
+                                      "models"))
