@@ -10,6 +10,7 @@ once it is built and then calls their hooks in registry order:
 ``wrap_model(model)``                  before the optimizer is built; parameters it adds are optimized too
 ``optimizer_params(model, params)``    the parameters (or groups) the optimizer is built over, unless the client
                                        passed an optimizer object (MoE: experts in groups of their own)
+``group_sizes()``                      axes the run's topology needs beside data (Ulysses: ``{"sequence": S}``)
 ``take_topology(model, groups)``       when the engine has built the run's process groups, before it broadcasts
                                        the model and builds its strategy: wire the model to them (collective)
 ``attach(engine)``                     once, after the engine is built: take its groups and strategy, register
@@ -84,6 +85,11 @@ class Feature:
     def optimizer_params(self, model: nn.Module, params: ModelParameters) -> ModelParameters:
         """The parameters (or param groups) a client callable or the config's optimizer is built over."""
         return params
+
+    def group_sizes(self) -> dict[str, int]:
+        """Sizes of the axes this feature needs in the engine's :class:`dsrun.comm.ProcessGroups` (keyword
+        arguments of its constructor; the groups of a client mpu or a pipeline grid have none)."""
+        return {}
 
     def take_topology(self, model: nn.Module, groups: Topology) -> None:
         """Called by the engine with the run's process groups before it broadcasts ``model`` and builds its ZeRO
@@ -179,6 +185,12 @@ class Features:
         for feature in self._features:
             params = feature.optimizer_params(model, params)
         return params
+
+    def group_sizes(self) -> dict[str, int]:
+        sizes: dict[str, int] = {}
+        for feature in self._features:
+            sizes.update(feature.group_sizes())
+        return sizes
 
     def take_topology(self, model: nn.Module, groups: Topology) -> None:
         for feature in self._features:

@@ -20,6 +20,7 @@ from dsrun.comm.comm import ProcessGroup
 from dsrun.config import DSConfig
 from dsrun.accelerator import get_accelerator
 from dsrun.moe.feature import MoEFeature
+from dsrun.sequence.feature import SequenceParallelFeature
 from dsrun.optim import check_zero_optimizer
 from dsrun.activation_checkpointing.settings import ActivationCheckpointingFeature
 from dsrun.data_efficiency.engine_api import DataEfficiencyMethods
@@ -51,6 +52,7 @@ register_feature(CompressionFeature)
 register_feature(OneBitFeature)
 register_feature(ActivationCheckpointingFeature)
 register_feature(MoEFeature)
+register_feature(SequenceParallelFeature)
 
 
 class DataParallelMpu(Protocol):
@@ -103,6 +105,9 @@ class DeepSpeedEngine(torch.nn.Module):
         self.client_optimizer: Any = None  # set by initialize when the client passed one
         self.config = raw_config if raw_config is not None else config
         self.mpu = mpu
+        # the features (dsrun/features.py), built by initialize; they shape the topology (group_sizes), take the
+        # run's groups once built (take_topology), and initialize attaches them once the engine is built
+        self.features = features if features is not None else Features.build(config)
         # the run's topology and process groups, built once (dsrun/comm/groups.py); ZeRO partitions over
         # the data-parallel group
         self.groups = self._process_groups(mpu)
@@ -113,12 +118,9 @@ class DeepSpeedEngine(torch.nn.Module):
         self.dp_world_size = comm.get_world_size(self.dp_group)
         # Ulysses: consecutive data-parallel ranks share samples (dsrun/sequence); ZeRO keeps the whole data group
         self.sequence_parallel_size = self.groups.sequence_parallel_size
-        if self.sequence_parallel_size > 1:  # as DeepSpeed: gradients are reduced in seq_parallel_comm_data_type
-            config.communication_data_type = config.seq_parallel_comm_data_type
         self.device = get_accelerator().device(self.local_rank)
-        # the features (dsrun/features.py), built by initialize; they take the run's groups now (MoE layers get
-        # their expert groups: collective), and initialize attaches them once the engine is built
-        self.features = features if features is not None else Features.build(config)
+        # the features take the run's groups (MoE layers get their expert groups: collective; Ulysses sets the
+        # reduction dtype)
         self.features.take_topology(model, self.groups)
         set_current_groups(self.groups)  # the run's groups (a no-op when a feature already made them so)
         # DeepSpeed's data-efficiency methods read it, on or off
@@ -172,14 +174,10 @@ class DeepSpeedEngine(torch.nn.Module):
         (a pipeline engine re-cuts its module here for virtual stages). Nothing to do for a plain model."""
 
     def _process_groups(self, mpu: DataParallelMpu | None) -> ProcessGroups:
-        """The run's groups: the whole world data-parallel, or a client mpu's data-parallel group."""
-        sequence = int(self._config.sequence_parallel_size)
+        """The run's groups: the whole world data-parallel, with the axes the features ask for (Ulysses: sequence
+        groups), or a client mpu's data-parallel group (a feature refuses it when it needs an axis)."""
         if mpu is None:
-            return ProcessGroups(sequence=sequence)
-        if sequence > 1:
-            raise ConfigError(Problem("sequence_parallel_size", f"is {sequence}, but a client mpu (or a pipeline) "
-                                      "brings its own data-parallel group; dsrun builds sequence groups only from "
-                                      "the whole world", "drop mpu=, or set sequence_parallel_size to 1"))
+            return ProcessGroups(**self.features.group_sizes())
         return comm.groups.from_data_group(mpu.get_data_parallel_group())
 
     def _broadcast_model(self) -> None:
