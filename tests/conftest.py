@@ -109,6 +109,17 @@ def pytest_sessionstart(session):
             return
         except OpBuildError:  # the tests of that op report the compiler's error
             continue
+    # CPU Adam at the SIMD levels below this machine's too (tests/unit/ops/test_op_builder.py), each built once
+    # per machine in a process of its own (the level is read at build time); a cache hit after the first run
+    import subprocess
+    import sys
+
+    from op_builder.builder import cpu_flags
+
+    for level in ["scalar"] + (["avx2"] if "avx2" in cpu_flags() else []):
+        subprocess.run([sys.executable, "-m", "dsrun", "ops", "build", "cpu_adam"],
+                       env={**os.environ, "DSRUN_SIMD": level}, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, timeout=1200, check=False)
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,8 @@ def require_programs(*programs: str) -> dict[str, str]:
 
 def require_built_op(name: str, simd: str | None = None) -> None:
     """Skips the calling test unless the compiled op ``name`` (at SIMD level ``simd``; None: the machine's) is
-    built, prebuilt or in the op cache: no test compiles an op, ``tests/run`` builds them before the suite."""
+    built, prebuilt or in the op cache: no test compiles an op; ``tests/run`` and the session start
+    (tests/conftest.py) build them before the first test."""
     import pytest
 
     from op_builder import get_builder
@@ -54,7 +55,7 @@ def require_built_op(name: str, simd: str | None = None) -> None:
             os.environ["DSRUN_SIMD"] = saved
     if not built:
         env = f"DSRUN_SIMD={simd} " if simd else ""
-        pytest.skip(f"op {name} is not built: {env}python -m dsrun ops build {name} (tests/run builds it)")
+        pytest.skip(f"op {name} is not built: {env}python -m dsrun ops build {name} (the session start builds it)")
 
 
 def free_port() -> int:

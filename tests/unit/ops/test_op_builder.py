@@ -218,7 +218,7 @@ def test_other_simd_levels_build_and_match_torch(level: str):
             assert torch.equal(q.data, o.state[q]["master_param"].bfloat16())
         print("ok")
     """ % {"scalar": "scalar", "avx2": "AVX2"}[level]
-    # the op cache every run shares: tests/run compiles each level once per machine, before the suite
+    # the op cache every run shares: the session start (tests/conftest.py) compiles each level once per machine
     require_built_op("cpu_adam", simd=level)
     proc = run_python(code, {"DSRUN_SIMD": level})
     assert proc.returncode == 0, proc.stderr[-3000:]
