@@ -45,12 +45,13 @@ WARMUP_SCHEDULES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 class Preflight:
     """What the checks found that is not an error: ``notes`` (one line each, printed before the launch),
     ``memory`` (the estimator's verdict in words, None when not checked) and ``data`` (the data's digest
-    for the run record, None when dsrun did not build the data)."""
+    for the run record, None when dsrun did not build the data), and ``model`` (the recipe's model as the checks
+    built it, for ``--dry-run``'s one-rank fit check; None when it could not be built)."""
 
     notes: list[str] = field(default_factory=list)
     memory: str | None = None
     data: dict[str, Any] | None = None
-    one_rank_too_big: str | None = None  # why --dry-run cannot build the ranks here, one at a time
+    model: RecipeModel | None = None
 
 
 def check_before_launch(resolved: ResolvedRun, *, memory_check: bool = True) -> Preflight:
@@ -74,8 +75,7 @@ def check_before_launch(resolved: ResolvedRun, *, memory_check: bool = True) -> 
         problems += monitor_path_problems(resolved.ds)
     if not problems and model is not None and memory_check and here:
         problems += _memory(resolved, model, result)
-    if not problems and model is not None:
-        result.one_rank_too_big = one_rank_too_big(resolved, model)
+    result.model = model
     if problems:
         raise UserError(problems)
     note = warmup_note(resolved)

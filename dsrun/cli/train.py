@@ -238,6 +238,7 @@ def _lineage(source: Path | None, job_overrides: list[str]) -> list[str]:
 
 
 def _dry_run(resolved: ResolvedRun, run_dir: Path, preflight: Preflight, resume_line: str | None, record: Record) -> None:
+    from dsrun.cli.preflight import one_rank_too_big
     from dsrun.rundir import write_run_files
 
     paths = write_run_files(run_dir, resolved)
@@ -264,8 +265,9 @@ def _dry_run(resolved: ResolvedRun, run_dir: Path, preflight: Preflight, resume_
         f"                {paths['ds_config']}",
     ]
     print("\n".join(lines), flush=True)
-    if preflight.one_rank_too_big:
-        print(f"ranks           not built here: {preflight.one_rank_too_big} (the estimator's figure)")
+    too_big = one_rank_too_big(resolved, preflight.model) if preflight.model is not None else None
+    if too_big:  # the estimator runs again only here: a launch does not need it
+        print(f"ranks           not built here: {too_big} (the estimator's figure)")
     else:
         print("\n".join(_simulated_ranks(resolved, run_dir)))
     print("dry run: nothing launched")
