@@ -11,7 +11,9 @@ from dsrun import comm
 from dsrun.comm.groups import ProcessGroups, current_groups, set_current_groups
 from dsrun.comm.topology import PipeModelDataParallelTopology
 from dsrun.config import load_ds_config
+from dsrun.config.zero import ZeroConfig
 from dsrun.features import Feature, Features, register_feature, unregister_feature
+from dsrun.utils.errors import ConfigError
 from dsrun.zero.sharding import ShardingPolicy
 from dsrun.zero.zeropp import ZeroPlusPlusFeature, ZeroPlusPlusSharding
 from tests.unit.runtime.conftest import world_of_one  # the fixture
@@ -159,3 +161,57 @@ def test_the_engine_s_groups_adopt_the_shard_groups_zero_init_made(monkeypatch):
     tensor_parallel.topology = PipeModelDataParallelTopology(num_pp=1, num_mp=2, num_dp=4)
     tensor_parallel.adopt_shard_groups(made)
     assert ("shard", 4, 0) not in tensor_parallel._splits
+
+
+class FourRanks:
+    """The shard groups a ZeRO++ policy asks for on a data group of 4 (named, not created)."""
+
+    def shard(self, size):
+        return f"shard{size}"
+
+    def shard_replicas(self, size):
+        return f"replicas{size}"
+
+    def shard_node_groups(self, size, per_node):
+        return f"node{size}/{per_node}", f"across{size}/{per_node}"
+
+
+@pytest.fixture
+def four_ranks(monkeypatch):
+    monkeypatch.setattr(comm, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(comm, "get_rank", lambda group=None: 0)
+    return FourRanks()
+
+
+def _policy(groups, ranks_per_node=None, **zero) -> ZeroPlusPlusSharding:
+    return ZeroPlusPlusSharding(groups, None, ZeroConfig(stage=3, **zero), ranks_per_node=ranks_per_node)
+
+
+def test_the_zeropp_policy_cuts_its_groups_from_the_run_s_groups(four_ranks):
+    mics = _policy(four_ranks, mics_shard_size=2)
+    assert (mics.shard_group, mics.replica_group, mics.shard_size, mics.replicas) == ("shard2", "replicas2", 2, 2)
+    assert mics.checkpoint_entries() == {"partition_count": 2, "mics_shard_size": 2}
+    hier = _policy(four_ranks, ranks_per_node=2, mics_shard_size=4, mics_hierarchical_params_gather=True)
+    assert hier.shard_group is None and hier.gather_levels == ("node4/2", "across4/2")  # the whole data group
+    assert hier.checkpoint_entries() == {"partition_count": 4, "mics_shard_size": -1}
+    hpz = _policy(four_ranks, zero_hpz_partition_size=2)
+    assert (hpz.shard_group, hpz.secondary_group, hpz.secondary_size) == (None, "shard2", 2)
+    assert hpz.checkpoint_entries() == {"partition_count": 4, "mics_shard_size": -1}
+
+
+def test_the_zeropp_policy_refuses_what_it_cannot_do(four_ranks):
+    with pytest.raises(ConfigError, match="cannot be combined"):
+        _policy(four_ranks, mics_shard_size=2, zero_hpz_partition_size=2)
+    with pytest.raises(ConfigError, match="must divide the data-parallel size 4"):
+        _policy(four_ranks, mics_shard_size=3)
+    with pytest.raises(ConfigError, match="do not split into nodes of 3"):
+        _policy(four_ranks, ranks_per_node=3, mics_shard_size=4, mics_hierarchical_params_gather=True)
+    mics = _policy(four_ranks, mics_shard_size=2)
+    with pytest.raises(ConfigError, match="NVMe swap files"):
+        mics.check_gradient_stores(resident=False)
+    mics.check_gradient_stores(resident=True)
+    expert = torch.nn.Parameter(torch.zeros(2))
+    expert.allreduce, expert.group_name = False, "ep_size_2"
+    with pytest.raises(ConfigError, match="do not partition MoE expert parameters"):
+        mics.group_of(expert)
+    assert mics.group_of(torch.nn.Parameter(torch.zeros(2))) == "shard2"
