@@ -13,6 +13,8 @@ once it is built and then calls their hooks in registry order:
 ``group_sizes()``                      axes the run's topology needs beside data (Ulysses: ``{"sequence": S}``)
 ``take_topology(model, groups)``       when the engine has built the run's process groups, before it broadcasts
                                        the model and builds its strategy: wire the model to them (collective)
+``sharding_policy()``                  when the engine builds a stage-3 strategy: the sharding policy it supplies
+                                       (``dsrun.zero.sharding.ShardingPolicy``: ZeRO++/MiCS/hpZ), or None
 ``attach(engine)``                     once, after the engine is built: take its groups and strategy, register
                                        hooks on ``engine.strategy.hooks`` (``dsrun/zero/step_hooks.py``)
 ``forward_kwargs(training, step)``     keyword arguments added to the model's forward
@@ -94,6 +96,13 @@ class Feature:
     def take_topology(self, model: nn.Module, groups: Topology) -> None:
         """Called by the engine with the run's process groups before it broadcasts ``model`` and builds its ZeRO
         strategy; every rank calls it with the same model (a feature may create groups here)."""
+
+    def sharding_policy(self) -> Any:
+        """The stage-3 sharding policy this feature supplies (a ``dsrun.zero.sharding.ShardingPolicy``: which group
+        each parameter is partitioned over, its gathers, the gradient reduce-scatter), or None: plain ZeRO-3's.
+        Called by the engine when it builds its strategy, after ``take_topology``, on every rank (a policy may
+        create groups)."""
+        return None
 
     def attach(self, engine: Any) -> None:
         """Called once with the built engine (its ``groups``, ``strategy``, ``module``)."""
@@ -195,6 +204,16 @@ class Features:
     def take_topology(self, model: nn.Module, groups: Topology) -> None:
         for feature in self._features:
             feature.take_topology(model, groups)
+
+    def sharding_policy(self) -> Any:
+        """The one sharding policy a feature supplies (None: plain ZeRO-3's); two features supplying one is an
+        error."""
+        supplied = [(feature, policy) for feature in self._features
+                    if (policy := feature.sharding_policy()) is not None]
+        if len(supplied) > 1:
+            names = ", ".join(feature.name or type(feature).__name__ for feature, _ in supplied)
+            raise ValueError(f"features {names} each supply a stage-3 sharding policy; the strategy takes one")
+        return supplied[0][1] if supplied else None
 
     def attach(self, engine: Any) -> None:
         for feature in self._features:

@@ -63,6 +63,7 @@ class ProcessGroups:
             self._axis_groups[axis] = self._own_group(self.topology.get_axis_comm_lists(axis))
         self._expert: dict[int, tuple[ProcessGroup, ProcessGroup, list[int], list[int]]] = {}
         self._splits: dict[tuple[str, int, int], tuple[ProcessGroup, ProcessGroup, list[int], list[int]]] = {}
+        self._adopted: set[tuple[str, int, int]] = set()  # keys of _splits taken from other groups (not destroyed)
         self.expert_data_first = False
         self.sequence_parallel_size = int(sequence)
         self._sequence: ProcessGroup = self._own_group(self.sequence_lists()) if sequence > 1 else _SINGLE
@@ -258,9 +259,23 @@ class ProcessGroups:
 
     def shard_node_groups(self, shard_size: int, ranks_per_node: int) -> tuple[ProcessGroup, ProcessGroup]:
         """(this rank's node-local piece of its shard group, the group of ranks at its place in the other
-        nodes' pieces) for a hierarchical all-gather within the shard group."""
+        nodes' pieces) for a hierarchical all-gather within the shard group, or a hierarchical reduce-scatter
+        (qgZ; a shard group of the whole data group is the data group cut into nodes)."""
         entry = self._split(shard_size, ranks_per_node)
         return entry[0], entry[1]
+
+    def adopt_shard_groups(self, other: "ProcessGroups") -> None:
+        """Take the shard groups ``other`` has created (``zero.MiCS_Init``'s, made before the engine's groups)
+        when both cut the same data-parallel groups, so this object hands out the very groups parameters were
+        partitioned over instead of creating others of the same ranks. Nothing is created; they stay
+        ``other``'s to destroy."""
+        if other is self or other.world_size != self.world_size or \
+                other.topology.get_axis_comm_lists("data") != self.topology.get_axis_comm_lists("data"):
+            return
+        for key, entry in other._splits.items():
+            if key not in self._splits:
+                self._splits[key] = entry
+                self._adopted.add(key)
 
     # --- which group a parameter lives on ----------------------------------------------------------------
     def group_of_param(self, param: torch.Tensor) -> ProcessGroup:
@@ -279,7 +294,8 @@ class ProcessGroups:
         """Destroy the groups this object created (not the world's default group)."""
         created = [g for g in self._axis_groups.values() if g is not None and g is not _SINGLE]
         created += [g for g in (getattr(self, "_sequence", None),) if g is not None and g is not _SINGLE]
-        for entry in list(self._expert.values()) + list(self._splits.values()):
+        splits = [entry for key, entry in self._splits.items() if key not in self._adopted]
+        for entry in list(self._expert.values()) + splits:
             created += [g for g in entry[:2] if g is not None and g is not _SINGLE]
         for group in {id(g): g for g in created}.values():
             comm.destroy_process_group(group)
@@ -287,6 +303,7 @@ class ProcessGroups:
         self._expert = {}
         self._sequence = _SINGLE
         self._splits = {}
+        self._adopted = set()
 
 
 _current: ProcessGroups | None = None  # the run's groups: the engine's, or the world's made for an expert group
@@ -298,14 +315,16 @@ def current_groups() -> ProcessGroups | None:
 
 
 def set_current_groups(groups: ProcessGroups | None, expert_data_first: bool = False) -> None:
-    """Make ``groups`` the run's groups (the engine's, at initialize; None forgets them). Expert groups that
-    exist on the groups it replaces are created on ``groups`` too, laid out data-first when
+    """Make ``groups`` the run's groups (the engine's, at initialize; None forgets them). Shard groups that exist
+    on the groups it replaces (``zero.MiCS_Init``'s) are adopted when they cut the same data-parallel groups.
+    Expert groups that exist on the groups it replaces are created on ``groups`` too, laid out data-first when
     ``expert_data_first`` (``use_data_before_expert_parallelism``), in the same order on every rank so the
     collective creation stays aligned."""
     global _current
     previous, _current = _current, groups
     if groups is None or previous is None or previous is groups:
         return
+    groups.adopt_shard_groups(previous)  # zero.MiCS_Init's shard groups, if it made the previous ones
     sizes = previous.expert_sizes()
     if sizes:
         groups.set_expert_layout(expert_data_first)
@@ -342,4 +361,5 @@ def from_data_group(group: ProcessGroup) -> "ProcessGroups":
     groups._expert = {}
     groups.sequence_parallel_size, groups._sequence = 1, _SINGLE
     groups._splits = {}
+    groups._adopted = set()
     return groups

@@ -26,6 +26,7 @@ stage 3 collapses: one quantized all-to-all, then dequantize and sum.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
+from .groups import ProcessGroups
 
 WEIGHT_BLOCK = 256  # qwZ: elements per scale (4 bytes of scale per 256 bytes of INT8 codes)
 GRAD_BLOCK = 256  # qgZ: elements per scale
@@ -149,9 +151,9 @@ def all_gather_messages(output: torch.Tensor, message: torch.Tensor, n: int, gro
 # --- qgZ ------------------------------------------------------------------------------------------------
 @dataclass
 class QuantizedReduceScatter:
-    """Reduce-scatter over ``group`` (N ranks) through quantized all-to-all, hierarchical when ``intra``
-    and ``inter`` groups are given (N = L * M; ``intra``: this rank's L node-mates, ``inter``: the M ranks
-    with its local index). Build it with :func:`make_reduce_scatter` on every rank at once."""
+    """Reduce-scatter over ``group`` (N ranks) through quantized all-to-all, hierarchical when an ``intra``
+    group is given (N = L * M; ``intra``: this rank's L node-mates, ``inter``: the M ranks with its local index,
+    None when they are the whole world). Build it with :func:`make_reduce_scatter` on every rank at once."""
 
     group: Any = None
     intra: Any = None
@@ -159,12 +161,17 @@ class QuantizedReduceScatter:
     bits: int = 4
     block: int = GRAD_BLOCK
 
+    @property
+    def hierarchical(self) -> bool:
+        """Whether it runs in two levels (inside each node, then across nodes)."""
+        return self.intra is not None
+
     def __call__(self, output: torch.Tensor, rows: torch.Tensor) -> None:
         """``rows``: (N, C), row r for rank r; ``output`` (C elements) gets the sum over ranks of this
         rank's row, quantization error included."""
         world = comm.get_world_size(self.group)
         rows = rows.reshape(world, -1)
-        if self.inter is None:
+        if not self.hierarchical:
             out = self._exchange(rows.unsqueeze(1), self.group)
         else:
             local = comm.get_world_size(self.intra)
@@ -188,29 +195,29 @@ class QuantizedReduceScatter:
         return total.view(k, c)
 
 
-def make_reduce_scatter(group: comm.ProcessGroup = None, node_size: int | None = None, bits: int = 4,
-                        block: int = GRAD_BLOCK) -> QuantizedReduceScatter:
-    """A :class:`QuantizedReduceScatter` over ``group``; ``node_size`` ranks per node (default: the
-    launcher's ``LOCAL_WORLD_SIZE``). Collective (it makes the node and cross-node groups): every rank of the
-    world calls it in the same order. Hierarchical only when ``group`` spans the whole world (a data group
-    beside pipeline or tensor groups would need every rank to create every other group's subgroups too);
-    otherwise, and on one node, one flat quantized all-to-all."""
-    import os
-
-    _check_bits(bits)
+def hierarchical_node_size(group: comm.ProcessGroup = None, node_size: int | None = None) -> int | None:
+    """The ranks per node of a hierarchical reduce-scatter over ``group`` (``node_size``, default: the launcher's
+    ``LOCAL_WORLD_SIZE``), or None when it is one flat all-to-all: on one node, with nodes that do not divide
+    it, or when ``group`` does not span the whole world (the node groups of a data group beside pipeline or
+    tensor groups would differ from rank to rank of the others' groups; a MiCS shard group likewise)."""
     world = comm.get_world_size(group)
     node = int(node_size or os.environ.get("LOCAL_WORLD_SIZE", world) or world)
     if node >= world or world % node or node < 1 or world != comm.get_world_size():
+        return None
+    return node
+
+
+def make_reduce_scatter(group: comm.ProcessGroup = None, node_size: int | None = None, bits: int = 4,
+                        block: int = GRAD_BLOCK, groups: ProcessGroups | None = None) -> QuantizedReduceScatter:
+    """A :class:`QuantizedReduceScatter` over ``group``, hierarchical where :func:`hierarchical_node_size` says
+    so. Its node and cross-node groups are the run's: ``groups`` (the engine's :class:`ProcessGroups`, whose
+    data-parallel group ``group`` is then; default: the world's) cuts ``group`` into nodes
+    (:meth:`ProcessGroups.shard_node_groups`: every node's group, then every cross-node group, in a fixed
+    order, cached there). Collective when hierarchical: every rank of the world calls it in the same order."""
+    _check_bits(bits)
+    node = hierarchical_node_size(group, node_size)
+    if node is None:
         return QuantizedReduceScatter(group=group, bits=bits, block=block)
-    ranks = [comm.get_global_rank(group, r) for r in range(world)] if group is not None else list(range(world))
-    mine = comm.get_rank(group)
-    intra = inter = None
-    for m in range(world // node):  # every rank creates every group, in the same order
-        g = comm.new_group([ranks[m * node + l] for l in range(node)])
-        if mine // node == m:
-            intra = g
-    for l in range(node):
-        g = comm.new_group([ranks[m * node + l] for m in range(world // node)])
-        if mine % node == l:
-            inter = g
+    groups = groups if groups is not None else ProcessGroups()  # the world's: creates no group of its own
+    intra, inter = groups.shard_node_groups(comm.get_world_size(group), node)
     return QuantizedReduceScatter(group=group, intra=intra, inter=inter, bits=bits, block=block)

@@ -40,6 +40,7 @@ from dsrun.precision.strategy import PrecisionStrategy, build_precision
 from dsrun.precision.torch_autocast import autocast_if_enabled, init_autocast_params
 from dsrun.profiling.timers import WallClockTimers
 from dsrun.zero.strategies import MemoryBreakdown, StrategyContext, ZeroStrategy, build_zero_strategy
+from dsrun.zero.zeropp import ZeroPlusPlusFeature
 from dsrun.comm.groups import set_current_groups
 from dsrun.utils.errors import ConfigError, Problem
 
@@ -53,6 +54,7 @@ register_feature(OneBitFeature)
 register_feature(ActivationCheckpointingFeature)
 register_feature(MoEFeature)
 register_feature(SequenceParallelFeature)
+register_feature(ZeroPlusPlusFeature)
 
 
 class DataParallelMpu(Protocol):
@@ -195,8 +197,10 @@ class DeepSpeedEngine(torch.nn.Module):
                 comm.broadcast(tensor.data, src=src, group=self.dp_group)
 
     def _strategy_context(self, optimizer: torch.optim.Optimizer) -> StrategyContext:
+        # a feature's stage-3 sharding policy (ZeRO++/MiCS/hpZ; built at stage 3 only), else plain ZeRO-3's
         return StrategyContext(module=self.module, optimizer=optimizer, precision=self.precision,
-                               device=self.device, config=self._config, groups=self.groups)
+                               device=self.device, config=self._config, groups=self.groups,
+                               sharding=self.features.sharding_policy())
 
     def _configure_lr_scheduler(self, client_scheduler: Any) -> Any:
         if client_scheduler is not None:

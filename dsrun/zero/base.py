@@ -40,7 +40,8 @@ _COMM_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.flo
 @dataclass
 class StrategyContext:
     """Everything a ZeRO strategy is built from: the live objects, the typed DeepSpeed config (the one source
-    of every setting and default, ``dsrun.config.DSConfig``) and the run's process groups."""
+    of every setting and default, ``dsrun.config.DSConfig``), the run's process groups and the sharding policy
+    a feature supplies (``Features.sharding_policy()``)."""
 
     module: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -48,6 +49,7 @@ class StrategyContext:
     device: torch.device
     config: Any  # dsrun.config.DSConfig
     groups: Any = None  # dsrun.comm.ProcessGroups; None: the whole world is the data-parallel group
+    sharding: Any = None  # stage 3's dsrun.zero.sharding.ShardingPolicy from a feature (ZeRO++); None: plain
 
     @property
     def group(self) -> Any:

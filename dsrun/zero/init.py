@@ -291,7 +291,8 @@ class MiCS_Init(Init):  # noqa: N801 - DeepSpeed's name
     """:class:`Init` for MiCS: parameters are partitioned over shard groups of
     ``zero_optimization.mics_shard_size`` consecutive data-parallel ranks (from ``config_dict_or_path`` or
     ``config``, required) and replicated across them, as the engine then trains them. Rank 0's values are
-    broadcast over the whole data-parallel group first, so every replica starts the same.
+    broadcast over the whole data-parallel group first, so every replica starts the same. The shard groups are
+    the run's (:func:`dsrun.comm.groups.current_groups`, made so when there are none), which the engine then adopts.
     ``sequence_data_parallel_group`` and ``mem_efficient_linear`` are accepted for DeepSpeed's signature."""
 
     def __init__(self, module: torch.nn.Module | None = None, data_parallel_group: ProcessGroup = None,
@@ -304,7 +305,7 @@ class MiCS_Init(Init):  # noqa: N801 - DeepSpeed's name
                          enabled=enabled, dtype=dtype, mpu=mpu)
 
     def _partition_group(self, config: dict[str, Any] | DSConfig | None) -> ProcessGroup:
-        from dsrun.comm.groups import ProcessGroups, from_data_group
+        from dsrun.comm.groups import ProcessGroups, current_groups, from_data_group, set_current_groups
 
         shard = int(_zero_section(config).mics_shard_size)
         if shard < 1:
@@ -318,5 +319,13 @@ class MiCS_Init(Init):  # noqa: N801 - DeepSpeed's name
                                       f"use a divisor of {dp}"))
         if shard == dp:
             return self.group
-        groups = ProcessGroups() if self.group is None else from_data_group(self.group)
+        # the run's groups when they share this data group (an engine's, or MoE's), else new ones made the run's:
+        # the engine's groups adopt their shard groups (dsrun.comm.groups.set_current_groups), so it trains over
+        # the very groups the parameters were partitioned over
+        groups = current_groups()
+        if groups is None or groups.data is not self.group:
+            made = ProcessGroups() if self.group is None else from_data_group(self.group)
+            if groups is None:
+                set_current_groups(made)
+            groups = made
         return groups.shard(shard)

@@ -21,7 +21,7 @@ releasing drops the buffer again. Attributes (DeepSpeed's names, so code that in
 ``ds_offload``       with ``offload_param``: the object that owns the shard (:mod:`dsrun.offload.param_swapper`);
                      for NVMe ``ds_tensor`` is then an empty placeholder and the shard lives in a file
 
-Where the gathers run is set by :mod:`.sharding` (MiCS, hpZ): ``ds_gather_levels`` (a hierarchical gather's
+Where the gathers run is set by the stage-3 sharding policy (:mod:`.sharding`; MiCS, hpZ: :mod:`.zeropp`): ``ds_gather_levels`` (a hierarchical gather's
 node-local and cross-node groups) and the hpZ secondary partition ``ds_secondary_tensor`` over
 ``ds_secondary_group`` (``ds_secondary_world_size`` ranks, this rank's place ``ds_secondary_rank``), refreshed
 from every full gather and read by gathers with ``secondary=True`` while ``ds_secondary_valid``.

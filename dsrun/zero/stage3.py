@@ -14,11 +14,9 @@
   lives in a store (:mod:`dsrun.offload.shard_store`: the device, or with ``offload_optimizer`` host
   memory or NVMe swap files), which owns its master, gradient, update, write-back, checkpoint entries and bytes.
 
-ZeRO++ (:mod:`dsrun.comm.quantized`): ``zero_quantized_weights`` (qwZ) gathers parameters as INT8 blocks with
-per-block scales, ``zero_quantized_nontrainable_weights`` keeps frozen parameters' shards as INT8 blocks and
-scales (:mod:`.quantized_shards`, gathered as they are), and
-``zero_quantized_gradients`` (qgZ) replaces the data-parallel reduce-scatter with the hierarchical INT4
-all-to-all (synchronous: ``overlap_comm`` does not overlap it).
+Which group each parameter is partitioned over, how it is gathered, how a gradient bucket is reduce-scattered
+and what a boundary adds to it are the *sharding policy*'s (:mod:`.sharding`): plain ZeRO-3's by default, or the
+one a feature supplies through ``StrategyContext.sharding`` (ZeRO++/MiCS/hpZ: :mod:`.zeropp`).
 
 Per step this moves 3 * psi * (N - 1) / N elements per rank (gather in forward, gather in backward,
 reduce-scatter), 1.5 times stage 0's all-reduce, as the ZeRO paper says.
@@ -31,13 +29,10 @@ from typing import Any
 import torch
 
 from dsrun import comm
-from dsrun.comm import quantized
-from dsrun.config.zero import ZeroConfig
-from dsrun.utils.errors import ConfigError, Problem
 
 from dsrun.zero.base import MemoryBreakdown, StrategyContext, ZeroStrategy, optimizer_state_bytes, tensor_bytes
 from dsrun.zero import host_memory, linear, quantized_shards
-from dsrun.zero.sharding import Stage3Sharding
+from dsrun.zero.sharding import ShardingPolicy
 from dsrun.zero.hooks import ParameterCoordinator, iter_unique_params, module_params
 from dsrun.zero.partition_params import full_tensor, is_zero_param, partition_param, shard_padding
 from dsrun.offload import param_swapper
@@ -63,11 +58,14 @@ class Stage3Strategy(ZeroStrategy):
         if ctx.device.type == "cpu":
             host_memory.fix_mmap_threshold()  # freed gather buffers go back to the OS at once
         self.params = iter_unique_params([ctx.module])
-        self.sharding = Stage3Sharding.from_context(ctx)  # MiCS shard groups, hpZ secondary partitions
+        # which group each parameter is partitioned over and how it is gathered and reduced: a feature's policy
+        # (ZeRO++/MiCS/hpZ: dsrun/zero/zeropp.py) or plain ZeRO-3's
+        self.sharding: ShardingPolicy = ctx.sharding if ctx.sharding is not None else ShardingPolicy(ctx.groups,
+                                                                                                      ctx.group)
         self.norm_group = self.sharding.shard_group  # each shard's gradient is counted once in the norm
         self._partition_all()
         self._mark_persistent(int(zc.stage3_param_persistence_threshold), int(zc.stage3_model_persistence_threshold))
-        self._qgz = self._set_up_zeropp(zc)
+        self.sharding.prepare(self.params)  # quantized gathers and reduce-scatter (ZeRO++)
         # offload_param: shards to host memory or NVMe files (dsrun/offload/param_swapper.py)
         self.param_offload = param_swapper.attach_param_offload(
             self.params, zc.offload_param, ctx.device, self.model_dtype, aio_config=ctx.aio_config, rank=self.rank,
@@ -87,9 +85,7 @@ class Stage3Strategy(ZeroStrategy):
         self.sub_groups = self._build_sub_groups()
         for store in self.placement.stores:
             store.finish()
-        if self.sharding.mics and any(sg.grad is None for sg in self.sub_groups):
-            raise ConfigError(Problem("zero_optimization.mics_shard_size", "MiCS cannot reduce gradients kept in "
-                                      "NVMe swap files (offload_optimizer.device nvme)", "offload to cpu instead"))
+        self.sharding.check_gradient_stores(resident=all(sg.grad is not None for sg in self.sub_groups))
         self.masters = [sg.master for sg in self.sub_groups]
         if self._optimizer.state:
             self._optimizer.state.clear()  # state keyed by the old full parameters would never be used
@@ -130,27 +126,11 @@ class Stage3Strategy(ZeroStrategy):
                     p.ds_tensor = p.ds_tensor.to(device=self.ctx.device, dtype=dtype or p.ds_tensor.dtype)
                     p.data = torch.empty(0, dtype=p.ds_tensor.dtype, device=self.ctx.device)
                 continue
-            # MoE experts are partitioned over their expert-data-parallel group, everything else over the data
-            # group, or with MiCS over this rank's shard group
+            # MoE experts are partitioned over their expert-data-parallel group, everything else over the
+            # policy's shard group (the data group; with MiCS this rank's shard group)
             partition_param(p, self.sharding.group_of(p), dtype=dtype, device=self.ctx.device)
         for p in self.params:
             self.sharding.attach(p)
-
-    def _set_up_zeropp(self, zc: ZeroConfig) -> "quantized.QuantizedReduceScatter | None":
-        """Mark the parameters whose gathers are quantized (qwZ: all; nontrainable: the frozen ones, whose
-        shards are then kept quantized too, unless ``offload_param`` holds them); the quantized reduce-scatter
-        over the group gradients are reduce-scattered in (the data-parallel group, or with MiCS the shard
-        group) for qgZ (None when off)."""
-        keep_frozen = zc.zero_quantized_nontrainable_weights and zc.offload_param.device == "none"
-        for p in self.params:
-            frozen = zc.zero_quantized_nontrainable_weights and not p.requires_grad
-            if (zc.zero_quantized_weights or frozen) and p.ds_tensor.is_floating_point():
-                p.ds_quantized_gather = quantized.WEIGHT_BLOCK
-                if frozen and keep_frozen:
-                    quantized_shards.store_quantized(p, quantized.WEIGHT_BLOCK)
-        if not zc.zero_quantized_gradients:
-            return None
-        return quantized.make_reduce_scatter(self.sharding.shard_group)
 
     def _mark_persistent(self, threshold: int, model_threshold: int) -> None:
         budget = model_threshold
@@ -219,8 +199,8 @@ class Stage3Strategy(ZeroStrategy):
         for key in [k for k, items in self._pending.items() if items]:
             self._launch_bucket(key)
         self._complete_all()
-        if boundary:  # MiCS: each shard group summed its own ranks' gradients; add the other groups'
-            self.sharding.reduce_across_replicas([sg.grad for sg in self.sub_groups])
+        if boundary:  # what the policy adds once per step (MiCS: the other shard groups' sums)
+            self.sharding.after_boundary_reduction([sg.grad for sg in self.sub_groups])
         self._armed = False
         self.coordinator.end_backward()
         for store in self.placement.stores:
@@ -262,11 +242,12 @@ class Stage3Strategy(ZeroStrategy):
             placed.append((p, off))
             off += part
         self.averaging.before(rows)
+        reduce_scatter = self.sharding.reduce_scatter_for(group) if world > 1 else None
         if world == 1:
             self._inflight.append((None, rows[0], placed, rows_flat))
-        elif self._qgz is not None and group is self._qgz.group:
+        elif reduce_scatter is not None:  # the policy's own (ZeRO++'s quantized one), synchronous
             out = self._take_buffer(total)
-            self._qgz(out, rows_flat)
+            reduce_scatter(out, rows_flat)
             self._inflight.append((None, out, placed, rows_flat))
         else:
             out = self._take_buffer(total)
@@ -439,8 +420,7 @@ class Stage3Strategy(ZeroStrategy):
         names = {id(p): n for n, p in self.ctx.module.named_parameters()}
         sd = {
             "zero_stage": 3,
-            "partition_count": self.sharding.shard_size,
-            "mics_shard_size": self.sharding.shard_size if self.sharding.mics else -1,
+            **self.sharding.checkpoint_entries(),  # partition_count, mics_shard_size (DeepSpeed's layout keys)
             "overflow": False,
             "optimizer_state_dict": self._optimizer_state_dict(),
             "fp32_flat_groups": [sg.store.master_for_checkpoint(i, sg) for i, sg in enumerate(self.sub_groups)],

@@ -37,7 +37,7 @@ def collectives(rank: int, world: int, node_sizes: tuple[int, ...]) -> dict[str,
         reducer = q.make_reduce_scatter(None, node_size=node)
         result = torch.empty(rows[0].shape[1])
         reducer(result, rows[rank])
-        out[f"reduce/{node}"] = (result, reducer.inter is not None)
+        out[f"reduce/{node}"] = (result, reducer.hierarchical)
     return out
 
 
