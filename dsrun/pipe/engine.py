@@ -19,20 +19,21 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 
 from dsrun import comm
-from dsrun.comm import ProcessGroups
 from dsrun.config import DSConfig
 from dsrun.engine.engine import BACKWARD_TIMER, FORWARD_TIMER, DeepSpeedEngine
+from dsrun.features import Features
 from dsrun.optim.onebit import OneBitOptimizer
 from dsrun.utils.errors import ConfigError, Problem
 from dsrun.utils.repeating_loader import RepeatingLoader
 from dsrun.zero.strategies import StrategyContext
 
 from dsrun.pipe import p2p, settings
+from dsrun.pipe.feature import BatchTiming, PipelineFeature
 from dsrun.pipe.schedule import (COMMUNICATION, COMPUTE, BackwardInputPass, BackwardPass, BackwardWeightPass, ForwardPass,
                        LoadMicroBatch, OptimizerStep, PipeInstruction, PipeSchedule, RecvActivation, RecvGrad,
                        ReduceGrads, ReduceTiedGrads, SendActivation, SendGrad)
@@ -69,12 +70,6 @@ def _like(structure: Any, values: list[Any]) -> Any:
     return tuple(values) if isinstance(structure, (tuple, list)) else values[0]
 
 
-class _Grid(Protocol):
-    """The PipelineModule's process grid, the pipeline engine's ``mpu``: its topology's groups."""
-
-    groups: ProcessGroups
-
-
 class PipelineEngine(DeepSpeedEngine):
     """A training engine for hybrid pipeline, data (and model) parallelism; see the module docstring."""
 
@@ -85,6 +80,11 @@ class PipelineEngine(DeepSpeedEngine):
         if not hasattr(model, "mpu") or not hasattr(model, "chunk_range"):
             raise TypeError(f"PipelineEngine trains a PipelineModule, got {type(model).__name__}")
         self.has_bool_tensors = has_bool_tensors  # accepted for DeepSpeed's signature: bools always travel as bytes
+        config = super_kwargs.get("config", super_args[1] if len(super_args) > 1 else None)
+        # the pipeline's own feature (dsrun/pipe/feature.py) goes first: it takes the topology before the others
+        self.pipeline = PipelineFeature(model, config)
+        features = super_kwargs.get("features") or Features.build(config)
+        super_kwargs["features"] = Features([self.pipeline, *features])
         super().__init__(*super_args, **super_kwargs)
         settings.check_module(self.module, self._config)
         self.grid = self.module.mpu()
@@ -118,16 +118,8 @@ class PipelineEngine(DeepSpeedEngine):
     @classmethod
     def prepare_model(cls, model: torch.nn.Module, config: DSConfig) -> None:
         """Cut the module into ``stages x virtual_stages`` chunks for the interleaved schedule, before the
-        optimizer is built over its parameters."""
-        settings.check_module(model, config)
-        pipe = config.pipeline
-        model.set_virtual_stages(pipe.virtual_stages if pipe.schedule == "interleaved" else 1)
-
-    def _process_groups(self, mpu: _Grid) -> ProcessGroups:  # type: ignore[override]
-        if int(self._config.sequence_parallel_size) > 1:
-            raise ConfigError(Problem("sequence_parallel_size", "Ulysses sequence parallelism does not compose with "
-                                      "the pipeline engine yet", "set sequence_parallel_size to 1"))
-        return mpu.groups  # the module's grid: pipe, data and model groups of its topology
+        optimizer is built over its parameters (:meth:`PipelineFeature.prepare_module`)."""
+        PipelineFeature.prepare_module(model, config)
 
     def _strategy_context(self, optimizer: torch.optim.Optimizer) -> StrategyContext:
         """The ZeRO strategy steps this stage's parameters, tied copies owned elsewhere left out."""
@@ -261,7 +253,7 @@ class PipelineEngine(DeepSpeedEngine):
 
     def _run(self, schedule: PipeSchedule) -> None:
         self._buffers, self._loaded = {}, 0
-        start, compute, last_compute_end = time.perf_counter(), 0.0, None
+        timing = self.pipeline.timing = BatchTiming()  # the feature's metrics read it at the optimizer step
         for step in schedule.steps():
             i = 0
             while i < len(step):
@@ -275,12 +267,9 @@ class PipelineEngine(DeepSpeedEngine):
                 began = time.perf_counter()
                 self._handlers[type(step[i])](step[i])
                 if isinstance(step[i], COMPUTE):
-                    last_compute_end = time.perf_counter()
-                    compute += last_compute_end - began
+                    timing.computed(began)
                 i += 1
-        span = (last_compute_end or start) - start
-        self.last_batch_timing = {"pipeline_s": span, "compute_s": compute,
-                                  "idle_fraction": (span - compute) / compute if compute else 0.0}
+        self.last_batch_timing = timing.summary()
         self._buffers = {}
 
     def _buffer(self, cmd: PipeInstruction, fresh: bool = False) -> PipeBuffer:
