@@ -58,7 +58,8 @@ class PipelineEngine(DeepSpeedEngine):
         config = super_kwargs.get("config", super_args[1] if len(super_args) > 1 else None)
         # the pipeline's own feature (dsrun/pipe/feature.py) goes first: it takes the topology before the others
         self.pipeline = PipelineFeature(model, config)
-        features = super_kwargs.get("features") or Features.build(config)
+        features = super_kwargs.get("features")
+        features = Features.build(config) if features is None else features
         super_kwargs["features"] = Features([self.pipeline, *features])
         super().__init__(*super_args, **super_kwargs)
         settings.check_module(self.module, self._config)
