@@ -233,14 +233,16 @@ def load_pipeline_checkpoint(engine: PipelineCheckpointEngine, load_dir: str, ta
         return _load_universal(engine, tag_dir, load_module_strict, load_optimizer_states and not load_module_only,
                                load_lr_scheduler_states, load_module_only)
     slices = _saved_slices(tag_dir)
-    engine.pipeline.load_checkpoint_entries(slices[0])  # the saved layout checked against the module's layers
+    own_path = tag_dir / layout.model_states_name(0, 0, mp_rank=min(_slice_rank(engine), len(slices) - 1))
+    own = slices[min(_slice_rank(engine), len(slices) - 1)]
+    # the pipeline feature checks the saved layout against the module before any layer file is read (the
+    # training state's restore hands it the same states again)
+    engine.pipeline.load_checkpoint_entries(own)
     if any(sd["dsrun"][PIPELINE_KEY].get("moe_ep_sizes") for sd in slices):  # the same answer on every rank
         _check_moe_load(engine, slices, load_optimizer_states and not load_module_only)
     _load_layers(engine, tag_dir, load_module_strict)
     if engine.strategy is not None:
         _restore_optimizer(engine, tag_dir, slices, load_optimizer_states and not load_module_only)
-    own_path = tag_dir / layout.model_states_name(0, 0, mp_rank=min(_slice_rank(engine), len(slices) - 1))
-    own = slices[min(_slice_rank(engine), len(slices) - 1)]
     if not load_module_only:
         same_layout = (len(slices) == engine.grid.get_slice_parallel_world_size()
                        and int(own.get("dp_world_size", 1)) == engine.dp_world_size)

@@ -250,7 +250,7 @@ class PipelineEngine(DeepSpeedEngine):
                 comm.all_reduce(value, group=self.dp_group)
                 value /= self.dp_world_size
         if broadcast and self.num_stages > 1:
-            comm.broadcast(value, src=self._peer(self.num_stages - 1 - self.stage_id),
+            comm.broadcast(value, src=self.grid.stage_to_global(self.num_stages - 1),  # the last stage
                            group=self.grid.get_pipe_parallel_group())
         return value.float()
 

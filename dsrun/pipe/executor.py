@@ -175,24 +175,23 @@ class ScheduleExecutor:
             buf.labels, buf.label_micro_batch_id = self._to_device(labels), micro_batch_id
 
     def _exec_forward_pass(self, cmd: ForwardPass) -> None:
-        buf = self._buffer(cmd)
-        self.engine.timers.start(FORWARD_TIMER)
-        engine = self.engine
+        buf, engine = self._buffer(cmd), self.engine
+        engine.timers.start(FORWARD_TIMER)
         engine.module.micro_offset = engine.global_steps * engine.micro_batches + buf.micro_batch_id
-        outputs = self.engine.module(buf.inputs, chunk_id=getattr(cmd, "chunk_id", 0))
-        self.engine.timers.stop(FORWARD_TIMER)
+        outputs = engine.module(buf.inputs, chunk_id=getattr(cmd, "chunk_id", 0))
+        engine.timers.stop(FORWARD_TIMER)
         if not self._last_chunk(cmd):
             buf.outputs = outputs
             return
         if self.compute_loss:
             if buf.label_micro_batch_id != buf.micro_batch_id:
-                raise PipelineError(f"stage {self.engine.stage_id}: the labels of micro-batch "
+                raise PipelineError(f"stage {engine.stage_id}: the labels of micro-batch "
                                     f"{buf.label_micro_batch_id} met the activations of micro-batch "
                                     f"{buf.micro_batch_id}")
-            loss_fn = self.engine.module.loss_fn
+            loss_fn = engine.module.loss_fn
             buf.loss = loss_fn(outputs, buf.labels) if loss_fn is not None else outputs
             self.losses.append(buf.loss.detach())
-        if not self.engine.module.training:
+        if not engine.module.training:
             self.outputs.append(outputs)
 
     def _backward_targets(self, buf: PipeBuffer, cmd: PipeInstruction) -> tuple[list[torch.Tensor], list[Any] | None]:
