@@ -21,6 +21,10 @@ DeepSpeed's "sequence data parallel group"): parameters are replicated within a 
 mean of the ranks' gradients is the full gradient when each rank's loss is its share of the full-sequence mean.
 World 4, S 2: sequence ``[[0, 1], [2, 3]]``, samples split over ``world / S = 2`` replicas.
 
+Groups across pipeline stages (a ``PipelineModule``'s weights tied between stages): the ranks of some stages at
+each data/model coordinate, one group per coordinate (:meth:`ProcessGroups.stage_group`), created on first
+request under a name (the tie's key), collectively, and destroyed with the rest.
+
 The run's groups are one object: the engine makes its own the current one at initialize
 (:func:`set_current_groups`), and DeepSpeed's module-level getters (``deepspeed.utils.groups``:
 :mod:`dsrun.moe.groups`, :mod:`dsrun.sequence.groups`) answer from :func:`current_groups`; there is no other
@@ -28,7 +32,9 @@ registry of groups or group names.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
 
 from . import comm
 from .comm import ProcessGroup
@@ -39,6 +45,14 @@ if TYPE_CHECKING:
 
 AXES = ("pipe", "data", "model")
 _SINGLE = object()  # a group of this rank alone, not created until used
+
+
+@dataclass(frozen=True)
+class StageGroup:
+    """This rank's group of some pipeline stages (the ranks holding them at its data and model coordinates)."""
+
+    group: ProcessGroup
+    ranks: list[int]  # global ranks, in the order of the stages asked for
 
 
 class ProcessGroups:
@@ -64,6 +78,7 @@ class ProcessGroups:
         self._expert: dict[int, tuple[ProcessGroup, ProcessGroup, list[int], list[int]]] = {}
         self._splits: dict[tuple[str, int, int], tuple[ProcessGroup, ProcessGroup, list[int], list[int]]] = {}
         self._adopted: set[tuple[str, int, int]] = set()  # keys of _splits taken from other groups (not destroyed)
+        self._stage_groups: dict[tuple[str, tuple[int, ...]], StageGroup | None] = {}
         self.expert_data_first = False
         self.sequence_parallel_size = int(sequence)
         self._sequence: ProcessGroup = self._own_group(self.sequence_lists()) if sequence > 1 else _SINGLE
@@ -276,6 +291,38 @@ class ProcessGroups:
             if key not in self._splits:
                 self._splits[key] = entry
                 self._adopted.add(key)
+    # --- groups across pipeline stages (weights tied between stages) ---------------------------------------
+    def stage_lists(self, stages: Sequence[int]) -> list[list[int]]:
+        """For each coordinate of the other axes (data, model: the topology's order, the last fastest), the
+        global ranks holding pipeline ``stages`` there."""
+        topo = self.topology
+        others = [axis for axis in topo.get_axis_names() if axis != "pipe"]
+        return [[topo.get_rank(pipe=int(stage), **dict(zip(others, rest))) for stage in stages]
+                for rest in itertools.product(*(range(topo.get_dim(axis)) for axis in others))]
+
+    def stage_group(self, stages: Sequence[int], name: str = "") -> StageGroup | None:
+        """This rank's group of pipeline ``stages`` (None when it holds none of them). The first request for a
+        ``(name, stages)`` creates one group per coordinate of :meth:`stage_lists`, collectively (every rank
+        asks for the same names and stages in the same order, each time a new group, even where one of another
+        name has the same ranks); later ones return it."""
+        key = (str(name), tuple(int(s) for s in stages))
+        if key not in self._stage_groups:
+            mine = None
+            for ranks in self.stage_lists(key[1]):
+                group = comm.new_group(ranks)
+                if self.rank in ranks:
+                    mine = StageGroup(group, ranks)
+            self._stage_groups[key] = mine
+        return self._stage_groups[key]
+
+    def release_stage_groups(self, keep: Sequence[tuple[str, Sequence[int]]] = ()) -> None:
+        """Destroy the stage groups this rank holds but those named in ``keep`` (``(name, stages)`` pairs), and
+        forget them (a re-cut pipeline asks again for the ties it still has)."""
+        kept = {(str(name), tuple(int(s) for s in stages)) for name, stages in keep}
+        for key in [k for k in self._stage_groups if k not in kept]:
+            entry = self._stage_groups.pop(key)
+            if entry is not None and entry.group is not None:
+                comm.destroy_process_group(entry.group)
 
     # --- which group a parameter lives on ----------------------------------------------------------------
     def group_of_param(self, param: torch.Tensor) -> ProcessGroup:
@@ -297,6 +344,7 @@ class ProcessGroups:
         splits = [entry for key, entry in self._splits.items() if key not in self._adopted]
         for entry in list(self._expert.values()) + splits:
             created += [g for g in entry[:2] if g is not None and g is not _SINGLE]
+        created += [e.group for e in getattr(self, "_stage_groups", {}).values() if e is not None and e.group is not None]
         for group in {id(g): g for g in created}.values():
             comm.destroy_process_group(group)
         self._axis_groups = {axis: None for axis in self._axis_groups}
@@ -304,6 +352,7 @@ class ProcessGroups:
         self._sequence = _SINGLE
         self._splits = {}
         self._adopted = set()
+        self._stage_groups = {}
 
 
 _current: ProcessGroups | None = None  # the run's groups: the engine's, or the world's made for an expert group
@@ -362,4 +411,5 @@ def from_data_group(group: ProcessGroup) -> "ProcessGroups":
     groups.sequence_parallel_size, groups._sequence = 1, _SINGLE
     groups._splits = {}
     groups._adopted = set()
+    groups._stage_groups = {}
     return groups

@@ -172,14 +172,20 @@ class DeepSpeedEngine(torch.nn.Module):
     # --- construction ---------------------------------------------------------------------------------
     @classmethod
     def prepare_model(cls, model: torch.nn.Module, config: DSConfig) -> None:
-        """Called by :func:`dsrun.initialize` before the optimizer is built over the model's parameters
-        (a pipeline engine re-cuts its module here for virtual stages). Nothing to do for a plain model."""
+        """Called by :func:`dsrun.initialize` before the optimizer is built over the model's parameters, on the
+        engine class the model names (``model.engine_class()``), which may re-cut it. Nothing to do for a plain
+        model."""
 
     def _process_groups(self, mpu: DataParallelMpu | None) -> ProcessGroups:
         """The run's groups: the whole world data-parallel, with the axes the features ask for (Ulysses: sequence
-        groups), or a client mpu's data-parallel group (a feature refuses it when it needs an axis)."""
+        groups); an mpu that holds a whole topology's :class:`ProcessGroups` (``mpu.groups``: a grid the model
+        brings) gives them as they are; a client mpu otherwise gives its data-parallel group (a feature refuses
+        them when it needs an axis they lack)."""
         if mpu is None:
             return ProcessGroups(**self.features.group_sizes())
+        own = getattr(mpu, "groups", None)
+        if isinstance(own, ProcessGroups):
+            return own
         return comm.groups.from_data_group(mpu.get_data_parallel_group())
 
     def _broadcast_model(self) -> None:

@@ -30,6 +30,7 @@ from dsrun.checkpoint.safe_load import load_file
 from dsrun.checkpoint.utils import clone_tensors_for_torch_save
 from dsrun.utils.errors import Problem, UserError
 
+from dsrun.pipe.feature import PipelineFeature, expert_parallel_sizes, tied_layers
 from dsrun.pipe.partition import partition_uniform
 
 if TYPE_CHECKING:
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from .topology import PipelineParallelGrid
 
 PIPELINE_KEY = pipeline_state.PIPELINE_KEY
+_tied_layers = tied_layers  # each tied key's layer indices (the feature records them in the stage layout)
 
 
 class PipelineLayers(Protocol):
@@ -71,6 +73,7 @@ class PipelineCheckpointEngine(Protocol):
 
     module: PipelineLayers
     grid: PipelineParallelGrid
+    pipeline: PipelineFeature  # the pipeline's feature: its checkpoint entries (the stage layout)
     strategy: ZeroStrategy | None
     global_rank: int
     dp_world_size: int
@@ -78,11 +81,6 @@ class PipelineCheckpointEngine(Protocol):
     last_checkpoint_files: list[str]
 
     def bfloat16_enabled(self) -> bool: ...
-
-
-def _tied_layers(module: PipelineLayers) -> dict[str, list[int]]:
-    return {key: module.layers_of_key(key) for key in sorted({module.tied_key_of(i) for i in range(module._num_layers)}
-                                                             - {None})}
 
 
 def _slice_rank(engine: PipelineCheckpointEngine) -> int:
@@ -99,13 +97,6 @@ def _layers_to_write(engine: PipelineCheckpointEngine) -> list[int]:
     return local if dp_rank == 0 else []
 
 
-def _expert_parallel_sizes(engine: PipelineCheckpointEngine) -> dict[str, int]:
-    """This stage's MoE layers (by module name, the same at any number of stages) -> their expert-parallel size."""
-    from dsrun.moe.layer import MoE
-
-    return {name: m.ep_size for name, m in engine.module.named_modules() if isinstance(m, MoE)}
-
-
 def _check_moe_save(engine: PipelineCheckpointEngine, moe: dict[str, int]) -> None:
     """Expert-parallel MoE layers keep different experts on each data-parallel rank, but a layer file holds
     one rank's: only ZeRO 1-2's per-rank optimizer files carry every rank's own experts back."""
@@ -120,7 +111,7 @@ def _check_moe_load(engine: PipelineCheckpointEngine, slices: list[dict[str, Any
     """An expert-parallel MoE pipeline checkpoint loads only at the layout that saved it, with its optimizer
     state (see :func:`_check_moe_save`); refused on every rank together (a collective) otherwise."""
     saved = {k: v for sd in slices for k, v in (sd["dsrun"][PIPELINE_KEY].get("moe_ep_sizes") or {}).items()}
-    live = _expert_parallel_sizes(engine)
+    live = expert_parallel_sizes(engine.module)
     own = slices[min(_slice_rank(engine), len(slices) - 1)]
     expert_parallel = any(ep > 1 for ep in [*saved.values(), *live.values()])
     same = (len(slices) == engine.grid.get_slice_parallel_world_size() and engine.strategy is not None
@@ -145,7 +136,7 @@ def save_pipeline_checkpoint(engine: PipelineCheckpointEngine, save_dir: str, ta
     files = engine_io._layout(engine)
     written: list[str] = []
 
-    moe = _expert_parallel_sizes(engine)
+    moe = expert_parallel_sizes(module)
 
     def write(staging: Path) -> None:
         _check_moe_save(engine, moe)  # raised here, every rank hears of it and none commits
@@ -161,13 +152,9 @@ def save_pipeline_checkpoint(engine: PipelineCheckpointEngine, save_dir: str, ta
             atomic.save_torch(clone_tensors_for_torch_save(sd), path, rank)
             written.append(path.name)
         if dp_rank == 0:
+            # the stage layout (dsrun's "pipeline" entry) and mp_world_size are the pipeline feature's entries
             sd = engine_io.engine_model_states(engine, client_state or {}, exclude_frozen_parameters, files,
                                                with_module=False)
-            sd["mp_world_size"] = engine.grid.get_slice_parallel_world_size()
-            sd["dsrun"][PIPELINE_KEY] = {"stages": module.num_stages, "parts": list(module.parts),
-                                         "num_layers": module._num_layers, "virtual_stages": module.virtual_stages,
-                                         "slice_rank": _slice_rank(engine), "tied": _tied_layers(module),
-                                         "dense_names": getattr(module, "dense_names", None), "moe_ep_sizes": moe}
             path = staging / layout.model_states_name(0, 0, mp_rank=_slice_rank(engine))
             atomic.save_torch(sd, path, rank)
             written.append(path.name)
@@ -246,30 +233,29 @@ def load_pipeline_checkpoint(engine: PipelineCheckpointEngine, load_dir: str, ta
         return _load_universal(engine, tag_dir, load_module_strict, load_optimizer_states and not load_module_only,
                                load_lr_scheduler_states, load_module_only)
     slices = _saved_slices(tag_dir)
-    saved = slices[0]["dsrun"][PIPELINE_KEY]
-    if saved["num_layers"] != engine.module._num_layers:
-        raise UserError(Problem("load_checkpoint(load_dir=...)", f"the checkpoint has {saved['num_layers']} layers, "
-                                f"the PipelineModule {engine.module._num_layers}", "load into the same model"))
+    own_path = tag_dir / layout.model_states_name(0, 0, mp_rank=min(_slice_rank(engine), len(slices) - 1))
+    own = slices[min(_slice_rank(engine), len(slices) - 1)]
+    # the pipeline feature checks the saved layout against the module before any layer file is read (the
+    # training state's restore hands it the same states again)
+    engine.pipeline.load_checkpoint_entries(own)
     if any(sd["dsrun"][PIPELINE_KEY].get("moe_ep_sizes") for sd in slices):  # the same answer on every rank
         _check_moe_load(engine, slices, load_optimizer_states and not load_module_only)
     _load_layers(engine, tag_dir, load_module_strict)
     if engine.strategy is not None:
         _restore_optimizer(engine, tag_dir, slices, load_optimizer_states and not load_module_only)
-    own_path = tag_dir / layout.model_states_name(0, 0, mp_rank=min(_slice_rank(engine), len(slices) - 1))
-    own = slices[min(_slice_rank(engine), len(slices) - 1)]
     if not load_module_only:
         same_layout = (len(slices) == engine.grid.get_slice_parallel_world_size()
                        and int(own.get("dp_world_size", 1)) == engine.dp_world_size)
         engine_io.restore_training_state(engine, own, tag_dir, load_lr_scheduler_states, same_world=same_layout)
     comm.barrier()
-    return str(own_path), {k: v for k, v in own.items() if k not in engine_io.DS_KEYS}
+    return str(own_path), engine_io.client_state_of(engine, own)
 
 
 # --- universal checkpoints (parameters by layer name, from a pipeline at any stage count or the dense model) --
 def _load_universal(engine: PipelineCheckpointEngine, tag_dir: Path, strict: bool, load_optimizer_states: bool,
                     load_lr_scheduler_states: bool, load_module_only: bool) -> tuple[str, dict]:
     module = engine.module
-    names = pipeline_state.NameMap(pipeline_state.first_layers(_tied_layers(module)),
+    names = pipeline_state.NameMap(pipeline_state.first_layers(tied_layers(module)),
                                    getattr(module, "dense_names", None))
     first = names.tied_first
     path = tag_dir / layout.model_states_name(0, 0)
@@ -302,4 +288,4 @@ def _load_universal(engine: PipelineCheckpointEngine, tag_dir: Path, strict: boo
     if not load_module_only:
         engine_io.restore_training_state(engine, model_states, tag_dir, load_lr_scheduler_states, same_world=False)
     comm.barrier()
-    return str(path), {k: v for k, v in model_states.items() if k not in engine_io.DS_KEYS}
+    return str(path), engine_io.client_state_of(engine, model_states)

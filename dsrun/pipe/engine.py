@@ -14,65 +14,35 @@ counters and monitors work as with :class:`~dsrun.engine.engine.DeepSpeedEngine`
 Tied weights: every stage sharing a ``TiedLayerSpec`` key keeps a copy, but only the first of them (the
 owner) gives it to the optimizer. After backward the copies' gradients are all-reduced over the tie group;
 after the step the owner's new weights are broadcast to the others, so the copies stay bit-identical.
+
+The engine is DeepSpeed's facade (its class, ``train_batch``, ``eval_batch``, ``is_first_stage`` ...) over two
+parts: the schedule executor (:mod:`.executor`), which runs the instructions, and the pipeline's feature
+(:mod:`.feature`, ``engine.pipeline``), which attaches to the engine as every feature does (the module's grid as
+the run's topology, the stage layout in checkpoints, the batch timing in the monitors). Checkpoints keep the
+per-layer layout of :mod:`.checkpoint`.
 """
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 
 from dsrun import comm
-from dsrun.comm import ProcessGroups
 from dsrun.config import DSConfig
-from dsrun.engine.engine import BACKWARD_TIMER, FORWARD_TIMER, DeepSpeedEngine
+from dsrun.engine.engine import DeepSpeedEngine
+from dsrun.features import Features
 from dsrun.optim.onebit import OneBitOptimizer
 from dsrun.utils.errors import ConfigError, Problem
 from dsrun.utils.repeating_loader import RepeatingLoader
 from dsrun.zero.strategies import StrategyContext
 
 from dsrun.pipe import p2p, settings
-from dsrun.pipe.schedule import (COMMUNICATION, COMPUTE, BackwardInputPass, BackwardPass, BackwardWeightPass, ForwardPass,
-                       LoadMicroBatch, OptimizerStep, PipeInstruction, PipeSchedule, RecvActivation, RecvGrad,
-                       ReduceGrads, ReduceTiedGrads, SendActivation, SendGrad)
+from dsrun.pipe.feature import BatchTiming, PipelineFeature
+from dsrun.pipe.executor import PipelineError, ScheduleExecutor
+from dsrun.pipe.schedule import PipeSchedule
 
 if TYPE_CHECKING:
     from dsrun.checkpoint.engine_io import Tag
-
-
-class PipelineError(Exception):
-    """A pipeline engine used the wrong way (``forward``/``backward``/``step`` instead of ``train_batch``),
-    or stages that disagree (a micro-batch's labels meeting another micro-batch's activations)."""
-
-
-@dataclass
-class PipeBuffer:
-    """What one stage holds for one micro-batch between its instructions."""
-
-    micro_batch_id: int = -1
-    inputs: Any = None
-    labels: Any = None
-    label_micro_batch_id: int = -1
-    outputs: Any = None
-    loss: torch.Tensor | None = None
-    output_grads: Any = None
-    input_grads: Any = None
-    weight_pass: tuple[list[torch.Tensor], list[torch.Tensor] | None] | None = None
-
-
-def _items(value: Any) -> list[Any]:
-    return list(value) if isinstance(value, (tuple, list)) else [value]
-
-
-def _like(structure: Any, values: list[Any]) -> Any:
-    return tuple(values) if isinstance(structure, (tuple, list)) else values[0]
-
-
-class _Grid(Protocol):
-    """The PipelineModule's process grid, the pipeline engine's ``mpu``: its topology's groups."""
-
-    groups: ProcessGroups
 
 
 class PipelineEngine(DeepSpeedEngine):
@@ -85,6 +55,12 @@ class PipelineEngine(DeepSpeedEngine):
         if not hasattr(model, "mpu") or not hasattr(model, "chunk_range"):
             raise TypeError(f"PipelineEngine trains a PipelineModule, got {type(model).__name__}")
         self.has_bool_tensors = has_bool_tensors  # accepted for DeepSpeed's signature: bools always travel as bytes
+        config = super_kwargs.get("config", super_args[1] if len(super_args) > 1 else None)
+        # the pipeline's own feature (dsrun/pipe/feature.py) goes first: it takes the topology before the others
+        self.pipeline = PipelineFeature(model, config)
+        features = super_kwargs.get("features")
+        features = Features.build(config) if features is None else features
+        super_kwargs["features"] = Features([self.pipeline, *features])
         super().__init__(*super_args, **super_kwargs)
         settings.check_module(self.module, self._config)
         self.grid = self.module.mpu()
@@ -100,34 +76,17 @@ class PipelineEngine(DeepSpeedEngine):
             self.set_dataloader(self.training_dataloader)
         self.agg_train_loss: torch.Tensor | None = None
         self.last_batch_timing: dict[str, float] = {}
-        self._buffers: dict[tuple[int, int], PipeBuffer] = {}
         self._schedules: dict[tuple[str, int], PipeSchedule] = {}
         self._force_boundary = False
-        self._losses: list[torch.Tensor] = []
-        self._outputs: list[Any] = []
-        self._loaded = 0
-        self._compute_loss = True
         self._split = self._model_parallel_split()
-        self._handlers: dict[type, Callable[[Any], None]] = {
-            LoadMicroBatch: self._exec_load_micro_batch, ForwardPass: self._exec_forward_pass,
-            BackwardPass: self._exec_backward_pass, BackwardInputPass: self._exec_backward_input_pass,
-            BackwardWeightPass: self._exec_backward_weight_pass, ReduceTiedGrads: self._exec_reduce_tied_grads,
-            ReduceGrads: self._exec_reduce_grads, OptimizerStep: self._exec_optimizer_step}
+        self._executor = ScheduleExecutor(self, self._split)  # dsrun/pipe/executor.py runs the instructions
 
     # --- construction (DeepSpeedEngine's seams) --------------------------------------------------------------
     @classmethod
     def prepare_model(cls, model: torch.nn.Module, config: DSConfig) -> None:
         """Cut the module into ``stages x virtual_stages`` chunks for the interleaved schedule, before the
-        optimizer is built over its parameters."""
-        settings.check_module(model, config)
-        pipe = config.pipeline
-        model.set_virtual_stages(pipe.virtual_stages if pipe.schedule == "interleaved" else 1)
-
-    def _process_groups(self, mpu: _Grid) -> ProcessGroups:  # type: ignore[override]
-        if int(self._config.sequence_parallel_size) > 1:
-            raise ConfigError(Problem("sequence_parallel_size", "Ulysses sequence parallelism does not compose with "
-                                      "the pipeline engine yet", "set sequence_parallel_size to 1"))
-        return mpu.groups  # the module's grid: pipe, data and model groups of its topology
+        optimizer is built over its parameters (:meth:`PipelineFeature.prepare_module`)."""
+        PipelineFeature.prepare_module(model, config)
 
     def _strategy_context(self, optimizer: torch.optim.Optimizer) -> StrategyContext:
         """The ZeRO strategy steps this stage's parameters, tied copies owned elsewhere left out."""
@@ -204,9 +163,8 @@ class PipelineEngine(DeepSpeedEngine):
         if data_iter is not None:
             self.set_dataiterator(data_iter)
         self.module.train()
-        self._losses, self._compute_loss = [], True
         self._run(self._schedule("train", self.micro_batches))
-        self.agg_train_loss = self._aggregate(self._losses, broadcast=True)
+        self.agg_train_loss = self._aggregate(self._executor.losses, broadcast=True)
         if self.monitor.enabled:
             self.monitor.write_events([("Train/Samples/train_loss", float(self.agg_train_loss), self.global_samples)])
         return self.agg_train_loss
@@ -223,17 +181,16 @@ class PipelineEngine(DeepSpeedEngine):
         train_iterator, was_training = self.data_iterator, self.module.training
         self.set_dataiterator(data_iter)
         self.module.eval()
-        self._losses, self._outputs, self._compute_loss = [], [], compute_loss
         try:
             with torch.no_grad():
-                self._run(self._schedule("eval", int(num_micro_batches or self.micro_batches)))
+                self._run(self._schedule("eval", int(num_micro_batches or self.micro_batches)), compute_loss)
         finally:
             self.data_iterator = train_iterator
             self.module.train(was_training)
-        outputs = self._outputs if self.is_last_stage() else None
+        losses = self._executor.losses
+        outputs = self._executor.outputs if self.is_last_stage() else None
         if compute_loss:
-            result = (self._aggregate(self._losses, broadcast=bcast_loss) if reduce_output == "avg"
-                      else list(self._losses))
+            result = (self._aggregate(losses, broadcast=bcast_loss) if reduce_output == "avg" else list(losses))
         else:
             result = outputs
             if reduce_output == "avg" and outputs:
@@ -259,198 +216,23 @@ class PipelineEngine(DeepSpeedEngine):
             self._schedules[key] = make(self._config, micro_batches, self.num_stages, self.stage_id)
         return self._schedules[key]
 
-    def _run(self, schedule: PipeSchedule) -> None:
-        self._buffers, self._loaded = {}, 0
-        start, compute, last_compute_end = time.perf_counter(), 0.0, None
-        for step in schedule.steps():
-            i = 0
-            while i < len(step):
-                if isinstance(step[i], COMMUNICATION):
-                    j = i
-                    while j < len(step) and isinstance(step[j], COMMUNICATION):
-                        j += 1
-                    self._exchange(step[i:j])
-                    i = j
-                    continue
-                began = time.perf_counter()
-                self._handlers[type(step[i])](step[i])
-                if isinstance(step[i], COMPUTE):
-                    last_compute_end = time.perf_counter()
-                    compute += last_compute_end - began
-                i += 1
-        span = (last_compute_end or start) - start
-        self.last_batch_timing = {"pipeline_s": span, "compute_s": compute,
-                                  "idle_fraction": (span - compute) / compute if compute else 0.0}
-        self._buffers = {}
+    def _run(self, schedule: PipeSchedule, compute_loss: bool = True) -> None:
+        timing = self.pipeline.timing = BatchTiming()  # the feature's metrics read it at the optimizer step
+        self._executor.run(schedule, timing, compute_loss)
+        self.last_batch_timing = timing.summary()
 
-    def _buffer(self, cmd: PipeInstruction, fresh: bool = False) -> PipeBuffer:
-        key = (getattr(cmd, "chunk_id", 0), cmd.buffer_id)
-        if fresh or key not in self._buffers:
-            self._buffers[key] = PipeBuffer()
-        return self._buffers[key]
-
-    def _first_chunk(self, cmd: PipeInstruction) -> bool:
-        return self.stage_id == 0 and getattr(cmd, "chunk_id", 0) == 0
-
-    def _last_chunk(self, cmd: PipeInstruction) -> bool:
-        return self.is_last_stage() and getattr(cmd, "chunk_id", 0) == self.virtual_stages - 1
-
-    def _peer(self, offset: int) -> int:
-        """The global rank of the stage ``offset`` away in this pipeline (wrapping, for virtual stages)."""
-        return self.grid.stage_to_global((self.stage_id + offset) % self.num_stages)
-
-    def _to_device(self, value: Any) -> Any:
-        if torch.is_tensor(value):
-            return value.to(self.device)
-        if isinstance(value, (tuple, list)):
-            return type(value)(self._to_device(v) for v in value)
-        return value
-
-    # --- instructions -------------------------------------------------------------------------------------------
-    def _exec_load_micro_batch(self, cmd: LoadMicroBatch) -> None:
-        if self.data_iterator is None:
-            raise PipelineError("no training data: pass data_iter to train_batch() or training_data to "
-                                "dsrun.initialize()")
-        batch = next(self.data_iterator)
-        if self.batch_fn is not None:
-            batch = self.batch_fn(batch)
-        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-            raise PipelineError("a pipeline's data iterator yields (inputs, labels) pairs; got "
-                                f"{type(batch).__name__}" + (f" of {len(batch)}" if isinstance(batch, (tuple, list)) else ""))
-        inputs, labels = batch
-        micro_batch_id, self._loaded = self._loaded, self._loaded + 1
-        if self._first_chunk(cmd):
-            buf = self._buffer(cmd, fresh=True)
-            (args, _) = self.precision.prepare_inputs((self._to_device(inputs),), {})
-            buf.inputs, buf.micro_batch_id = args[0], micro_batch_id
-        else:
-            buf = self._buffer(cmd)
-        if self._last_chunk(cmd):
-            buf.labels, buf.label_micro_batch_id = self._to_device(labels), micro_batch_id
-
-    def _exec_forward_pass(self, cmd: ForwardPass) -> None:
-        buf = self._buffer(cmd)
-        self.timers.start(FORWARD_TIMER)
-        self.module.micro_offset = self.global_steps * self.micro_batches + buf.micro_batch_id
-        outputs = self.module(buf.inputs, chunk_id=getattr(cmd, "chunk_id", 0))
-        self.timers.stop(FORWARD_TIMER)
-        if not self._last_chunk(cmd):
-            buf.outputs = outputs
-            return
-        if self._compute_loss:
-            if buf.label_micro_batch_id != buf.micro_batch_id:
-                raise PipelineError(f"stage {self.stage_id}: the labels of micro-batch {buf.label_micro_batch_id} "
-                                    f"met the activations of micro-batch {buf.micro_batch_id}")
-            loss_fn = self.module.loss_fn
-            buf.loss = loss_fn(outputs, buf.labels) if loss_fn is not None else outputs
-            self._losses.append(buf.loss.detach())
-        if not self.module.training:
-            self._outputs.append(outputs)
-
-    def _backward_targets(self, buf: PipeBuffer, cmd: PipeInstruction) -> tuple[list[torch.Tensor], list[Any] | None]:
-        """What backward starts from: the scaled loss on the last stage, else the outputs that got gradients."""
-        if self._last_chunk(cmd):
-            loss = buf.loss.float()
-            if self.micro_batches > 1:
-                loss = loss / self.micro_batches
-            return [self.precision.scale_loss(loss)], None
-        pairs = [(o, g) for o, g in zip(_items(buf.outputs), _items(buf.output_grads))
-                 if g is not None and torch.is_tensor(o) and o.requires_grad]
-        return [o for o, _ in pairs], [g for _, g in pairs]
-
-    def _collect_input_grads(self, buf: PipeBuffer, cmd: PipeInstruction, grads: list[Any] | None = None) -> None:
-        if self._first_chunk(cmd):
-            return
-        items = _items(buf.inputs)
-        if grads is None:
-            grads = [t.grad if torch.is_tensor(t) and t.requires_grad else None for t in items]
-        buf.input_grads = _like(buf.inputs, grads)
-
-    def _exec_backward_pass(self, cmd: BackwardPass) -> None:
-        buf = self._buffer(cmd)
-        self.timers.start(BACKWARD_TIMER)
-        targets, grads = self._backward_targets(buf, cmd)
-        if self.strategy is not None:
-            self.strategy.before_backward(False)
-        if targets:
-            with self.direct_backward.engine_backward():
-                torch.autograd.backward(targets, grads)
-        if self.strategy is not None:
-            self.strategy.after_backward(False)
-        self._collect_input_grads(buf, cmd)
-        buf.outputs = buf.output_grads = buf.loss = None
-        self.timers.stop(BACKWARD_TIMER)
-
-    def _exec_backward_input_pass(self, cmd: BackwardInputPass) -> None:
-        buf = self._buffer(cmd)
-        targets, grads = self._backward_targets(buf, cmd)
-        items = _items(buf.inputs)
-        wanted = [i for i, t in enumerate(items) if torch.is_tensor(t) and t.requires_grad]
-        input_grads: list[Any] = [None] * len(items)
-        if targets and wanted and not self._first_chunk(cmd):
-            got = torch.autograd.grad(targets, [items[i] for i in wanted], grads, retain_graph=True, allow_unused=True)
-            for i, g in zip(wanted, got):
-                input_grads[i] = g
-        self._collect_input_grads(buf, cmd, input_grads)
-        buf.weight_pass = (targets, grads)
-        buf.outputs = buf.output_grads = buf.loss = None
-
-    def _exec_backward_weight_pass(self, cmd: BackwardWeightPass) -> None:
-        buf = self._buffer(cmd)
-        targets, grads = buf.weight_pass
-        if self.strategy is not None:
-            self.strategy.before_backward(False)
-        if targets:
-            params = [p for p in self.module.parameters() if p.requires_grad]
-            with self.direct_backward.engine_backward():
-                torch.autograd.backward(targets, grads, inputs=params)
-        if self.strategy is not None:
-            self.strategy.after_backward(False)
-        buf.weight_pass = None
-
-    def _exchange(self, cmds: list[PipeInstruction]) -> None:
-        outgoing, incoming = [], []
-        for cmd in cmds:
-            buf = self._buffer(cmd)
-            if isinstance(cmd, SendActivation):
-                outgoing.append(p2p.Outgoing(p2p.ACTIVATION, self._peer(+1), buf.outputs, buf.micro_batch_id))
-            elif isinstance(cmd, SendGrad):
-                outgoing.append(p2p.Outgoing(p2p.GRAD, self._peer(-1), buf.input_grads, buf.micro_batch_id))
-            elif isinstance(cmd, RecvActivation):
-                incoming.append((cmd, p2p.Incoming(p2p.ACTIVATION, self._peer(-1))))
-            elif isinstance(cmd, RecvGrad):
-                incoming.append((cmd, p2p.Incoming(p2p.GRAD, self._peer(+1))))
-        p2p.exchange(outgoing, [msg for _, msg in incoming], self.device, self._split)
-        for cmd in cmds:
-            if isinstance(cmd, SendGrad):
-                buf = self._buffer(cmd)
-                buf.inputs = buf.input_grads = None
-            elif isinstance(cmd, SendActivation) and not self.module.training:
-                self._buffer(cmd).outputs = None
-        for cmd, msg in incoming:
-            if isinstance(cmd, RecvActivation):
-                buf = self._buffer(cmd, fresh=True)  # a receive precedes its micro-batch's load in every schedule
-                buf.inputs, buf.micro_batch_id = msg.value, msg.micro_batch_id
-            else:
-                buf = self._buffer(cmd)
-                if msg.micro_batch_id != buf.micro_batch_id:
-                    raise PipelineError(f"stage {self.stage_id}: gradients of micro-batch {msg.micro_batch_id} "
-                                        f"arrived for micro-batch {buf.micro_batch_id}")
-                buf.output_grads = msg.value
-
-    def _exec_reduce_tied_grads(self, cmd: ReduceTiedGrads) -> None:
-        self.module.allreduce_tied_weight_gradients()
-        for copy in self.module.tied_parameters(owned=False):  # its owner steps it
-            copy.grad = None
-
-    def _exec_reduce_grads(self, cmd: ReduceGrads) -> None:
+    # --- the boundary instructions (the executor calls them) --------------------------------------------------
+    def _reduce_boundary_gradients(self) -> None:
+        """ReduceGrads: the boundary's reduction (every micro-batch's backward ran)."""
         self._force_boundary = True
         strategy = self.strategy
         if strategy is not None and not getattr(strategy, "reduce_every_micro_step", False):
             strategy.before_backward(True)  # no backward follows: the flush reduces every bucket now
             strategy.after_backward(True)
 
-    def _exec_optimizer_step(self, cmd: OptimizerStep) -> None:
+    def _step_at_boundary(self) -> None:
+        """OptimizerStep: the inherited step (counters, scheduler, features, monitors), then the tied copies
+        take their owners' new weights."""
         self._force_boundary = True
         self.micro_steps += self.micro_batches - 1  # the inherited step counts the last one
         DeepSpeedEngine.step(self)
@@ -468,7 +250,7 @@ class PipelineEngine(DeepSpeedEngine):
                 comm.all_reduce(value, group=self.dp_group)
                 value /= self.dp_world_size
         if broadcast and self.num_stages > 1:
-            comm.broadcast(value, src=self._peer(self.num_stages - 1 - self.stage_id),
+            comm.broadcast(value, src=self.grid.stage_to_global(self.num_stages - 1),  # the last stage
                            group=self.grid.get_pipe_parallel_group())
         return value.float()
 

@@ -17,7 +17,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -153,27 +152,17 @@ class PipelineModule(nn.Module):
 
     def _index_tied_modules(self) -> None:
         """One process group per tied key and pipeline (the stages sharing the key, at this rank's data and
-        model coordinates); created collectively by every rank, in key order."""
-        for entry in self.tied_comms.values():
-            if entry.get("created") and entry["group"] is not None:
-                comm.destroy_process_group(entry["group"])
+        model coordinates), from the grid's :class:`~dsrun.comm.ProcessGroups`, which creates them collectively
+        (every rank, in key order) and destroys those of ties this cut no longer has."""
+        groups = self._grid.groups
+        ties = {key: stages for key, stages in self._tie_stages().items() if len(stages) > 1}
+        groups.release_stage_groups(keep=list(ties.items()))
         self.tied_comms = {}
-        topo = self._topo
-        for key, stages in self._tie_stages().items():
-            if len(stages) < 2:
-                continue
-            others = [a for a in topo.get_axis_names() if a != "pipe"]
-            mine = None
-            for rest in np.ndindex(*[topo.get_dim(a) for a in others]):
-                fixed = dict(zip(others, (int(r) for r in rest)))
-                ranks = [topo.get_rank(pipe=s, **fixed) for s in stages]
-                group = comm.new_group(ranks)
-                if self.global_rank in ranks:
-                    mine = {"ranks": ranks, "group": group, "created": True}
+        for key, stages in ties.items():
+            mine = groups.stage_group(stages, name=key)
             if mine is not None:
-                mine["owner"] = mine["ranks"][0]
-                mine["weight_attr"] = self.tied_weight_attrs.get(key, ["weight"])
-                self.tied_comms[key] = mine
+                self.tied_comms[key] = {"ranks": mine.ranks, "group": mine.group, "owner": mine.ranks[0],
+                                        "weight_attr": self.tied_weight_attrs.get(key, ["weight"])}
 
     def tied_parameters(self, owned: bool | None = None) -> list[nn.Parameter]:
         """Parameters tied across stages (``owned``: only those this stage updates, or only those it does not)."""
