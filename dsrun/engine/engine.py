@@ -19,10 +19,7 @@ from dsrun.comm import ProcessGroups
 from dsrun.comm.comm import ProcessGroup
 from dsrun.config import DSConfig
 from dsrun.accelerator import get_accelerator
-from dsrun.moe.feature import MoEFeature
-from dsrun.sequence.feature import SequenceParallelFeature
 from dsrun.optim import check_zero_optimizer
-from dsrun.activation_checkpointing.settings import ActivationCheckpointingFeature
 from dsrun.data_efficiency.engine_api import DataEfficiencyMethods
 from dsrun.compression.feature import CompressionFeature
 from dsrun.data_efficiency.features import DataEfficiency
@@ -31,8 +28,8 @@ from dsrun.engine.direct_backward import DirectBackward
 from dsrun.engine.engine_collectives import Collectives
 from dsrun.engine.engine_getters import ConfigView, facade
 from dsrun.engine.engine_methods import EngineMethods
-from dsrun.features import Features, register_feature
-from dsrun.optim.onebit import OneBitFeature
+from dsrun.engine import builtin_features  # noqa: F401  (registers the built-in features, in hook order)
+from dsrun.features import Features
 from dsrun.optim.lr_schedules import build_lr_scheduler
 from dsrun.engine.autotuning_probe import AutotuningProbe
 from dsrun.engine.observer import EngineObserver
@@ -40,21 +37,11 @@ from dsrun.precision.strategy import PrecisionStrategy, build_precision
 from dsrun.precision.torch_autocast import autocast_if_enabled, init_autocast_params
 from dsrun.profiling.timers import WallClockTimers
 from dsrun.zero.strategies import MemoryBreakdown, StrategyContext, ZeroStrategy, build_zero_strategy
-from dsrun.zero.zeropp import ZeroPlusPlusFeature
 from dsrun.comm.groups import set_current_groups
 from dsrun.utils.errors import ConfigError, Problem
 
 if TYPE_CHECKING:
     from dsrun.checkpoint.engine_io import Tag
-
-# the built-in features, in the order their hooks run (a room or a test registers its own the same way)
-register_feature(DataEfficiency)
-register_feature(CompressionFeature)
-register_feature(OneBitFeature)
-register_feature(ActivationCheckpointingFeature)
-register_feature(MoEFeature)
-register_feature(SequenceParallelFeature)
-register_feature(ZeroPlusPlusFeature)
 
 
 class DataParallelMpu(Protocol):

@@ -1,0 +1,30 @@
+"""The features dsrun builds into every engine, in the order their hooks run (:data:`dsrun.features.REGISTRY`).
+
+Importing this module registers them; :mod:`dsrun.engine.engine` does so, so an engine built any way (``initialize``,
+``DeepSpeedEngine(...)``, the pipeline's subclass) sees the same list. A room or a test adds its own feature with
+:func:`dsrun.features.register_feature` after these. The pipeline's feature is not here: the model, not the
+config, makes a run a pipeline run, so ``PipelineEngine`` builds it for its module (:mod:`dsrun.pipe.feature`).
+"""
+from __future__ import annotations
+
+from dsrun.activation_checkpointing.settings import ActivationCheckpointingFeature
+from dsrun.compression.feature import CompressionFeature
+from dsrun.data_efficiency.features import DataEfficiency
+from dsrun.features import Feature, register_feature
+from dsrun.moe.feature import MoEFeature
+from dsrun.optim.onebit import OneBitFeature
+from dsrun.sequence.feature import SequenceParallelFeature
+from dsrun.zero.zeropp import ZeroPlusPlusFeature
+
+BUILTIN: tuple[type[Feature], ...] = (
+    DataEfficiency,  # curriculum / random-LTD: the batch a step sees (always built: DeepSpeed's getters read it)
+    CompressionFeature,  # wraps layers before the optimizer sees their parameters
+    OneBitFeature,  # binds a 1-bit optimizer to the ZeRO strategy's step
+    ActivationCheckpointingFeature,  # the activation_checkpointing section, configured at attach
+    MoEFeature,  # expert groups, expert param groups, expert checkpoint files
+    SequenceParallelFeature,  # Ulysses: the topology's sequence axis
+    ZeroPlusPlusFeature,  # ZeRO++ / MiCS / hpZ: stage 3's sharding policy
+)
+
+for _feature in BUILTIN:
+    register_feature(_feature)
