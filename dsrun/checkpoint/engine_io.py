@@ -334,13 +334,12 @@ def optim_files(tag_dir: Path, world: int, bf16: bool) -> list[Path]:
     raise FileNotFoundError(f"{tag_dir}: expected {world} '*_optim_states.pt' files (one per saved rank)")
 
 
-def _refuse_mics_reshard(strategy: CheckpointStrategy, tag_dir: Path, saved: str) -> None:
-    """A MiCS run's masters are cut over its shard group, which resharding does not know: refuse."""
-    sharding = getattr(strategy, "sharding", None)
-    if sharding is not None and sharding.mics:
-        raise RuntimeError(f"{tag_dir}: a MiCS run (mics_shard_size {sharding.shard_size}) loads only a checkpoint "
-                           f"of its own layout (saved: {saved}); load the zero_to_fp32 weights into the model "
-                           "instead")
+def _refuse_reshard(strategy: CheckpointStrategy, tag_dir: Path, saved: str) -> None:
+    """A strategy whose layout cannot be resharded into (MiCS: masters cut over shard groups) refuses."""
+    refusal = strategy.checkpoint_layout.reshard_refusal
+    if refusal is not None:
+        raise RuntimeError(f"{tag_dir}: {refusal} loads only a checkpoint of its own layout (saved: {saved}); load "
+                           "the zero_to_fp32 weights into the model instead")
 
 
 def rank_optimizer_states(tag_dir: Path, model_states: dict[str, Any], stage: int, world: int,
@@ -409,7 +408,7 @@ def _restore_strategy(engine: CheckpointEngine, tag_dir: Path, model_states: dic
     if universal_checkpoint.is_universal(tag_dir):
         if not load_optimizer_states and masters_from_module:
             return
-        _refuse_mics_reshard(strategy, tag_dir, "a universal checkpoint")
+        _refuse_reshard(strategy, tag_dir, "a universal checkpoint")
         _say(engine, f"loading universal checkpoint {tag_dir.name} (saved by {world_saved} rank(s) at ZeRO stage "
                      f"{stage_saved}) into {live_world} rank(s) at stage {live_stage}")
         full = universal_checkpoint.load_universal_state(tag_dir)
@@ -425,7 +424,7 @@ def _restore_strategy(engine: CheckpointEngine, tag_dir: Path, model_states: dic
     # each rank's own file holds the state of the features' own files (experts) only if it sits where it did
     same_layout = same_layout and engine.features.checkpoint_layout_matches(model_states)
     if not (same_layout and load_optimizer_states) and not (masters_from_module and not load_optimizer_states):
-        _refuse_mics_reshard(strategy, tag_dir, f"stage {stage_saved} on {world_saved} ranks")
+        _refuse_reshard(strategy, tag_dir, f"stage {stage_saved} on {world_saved} ranks")
     if engine.features.parameter_files() and not (same_layout and live_stage > 0 and load_optimizer_states):
         # parameters in files of their own (MoE: experts by global id) from their files (stage 0 keeps only rank 0's state in its one file); weights
         # only (load_optimizer_states=False, load_module_only): their fp32 masters, the live optimizer state kept

@@ -40,6 +40,9 @@ class CheckpointLayout:
     optimizer_in_model_states: bool  # the whole optimizer state inside mp_rank_00_model_states.pt (stage 0)
     optimizer_file_per_rank: bool  # [bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt
     module_holds_placeholders: bool  # the module's parameters are shards: they load through the masters
+    # why the state loads only into this very layout (MiCS: masters cut over shard groups resharding does not
+    # know), or None when a load may reshard it to any world size or stage
+    reshard_refusal: str | None = None
 
     def model_states_name(self, dp_rank: int) -> str:
         return model_states_name(3 if self.model_states_every_rank else 0, dp_rank)

@@ -27,13 +27,16 @@ _LAZY = {
 }
 
 
+# DeepSpeed's submodules of deepspeed.utils that live elsewhere in dsrun (served from dsrun/compat)
+_SUBMODULES = {"groups": "dsrun.compat.utils.groups"}
+
+
 def __getattr__(name: str) -> Any:
-    if name == "groups":  # DeepSpeed's deepspeed.utils.groups (a re-export, served from dsrun/compat)
-        value = importlib.import_module("dsrun.compat.utils.groups")
-        globals()[name] = value
-        return value
-    if name not in _LAZY:
+    if name in _SUBMODULES:
+        value = importlib.import_module(_SUBMODULES[name])
+    elif name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    else:
         raise AttributeError(f"module 'dsrun.utils' has no attribute '{name}'")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
     globals()[name] = value
     return value

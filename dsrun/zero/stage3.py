@@ -23,6 +23,7 @@ reduce-scatter), 1.5 times stage 0's all-reduce, as the ZeRO paper says.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from typing import Any
 
@@ -30,6 +31,7 @@ import torch
 
 from dsrun import comm
 
+from dsrun.checkpoint.layout import CheckpointLayout, layout_for_stage
 from dsrun.zero.base import MemoryBreakdown, StrategyContext, ZeroStrategy, optimizer_state_bytes, tensor_bytes
 from dsrun.zero import host_memory, linear, quantized_shards
 from dsrun.zero.sharding import ShardingPolicy
@@ -415,6 +417,13 @@ class Stage3Strategy(ZeroStrategy):
         """This rank's INT8 messages of the frozen shards kept quantized, by name (what it stores, exactly)."""
         return {name: quantized_shards.message_of(p).cpu().clone() for name, p in self.ctx.module.named_parameters()
                 if quantized_shards.message_of(p) is not None}
+
+    @property
+    def checkpoint_layout(self) -> CheckpointLayout:
+        layout = layout_for_stage(3)
+        if self.sharding.mics:  # the policy's masters are cut over shard groups, which resharding does not know
+            return dataclasses.replace(layout, reshard_refusal=f"a MiCS run (mics_shard_size {self.sharding.shard_size})")
+        return layout
 
     def state_dict(self) -> dict[str, Any]:
         names = {id(p): n for n, p in self.ctx.module.named_parameters()}

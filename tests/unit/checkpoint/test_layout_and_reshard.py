@@ -119,3 +119,20 @@ def test_safe_load_refuses_code(tmp_path, capsys):
     torch.save({"shapes": [OrderedDict(w=torch.Size([2]))], "t": torch.ones(2)}, ok)
     assert load_file(ok)["shapes"][0]["w"] == torch.Size([2])
     assert pickle  # (pickle is what weights_only=True guards against)
+
+
+def test_a_layout_that_refuses_resharding_stops_a_resharded_load(tmp_path):
+    """A strategy whose layout names a refusal (MiCS: masters cut over shard groups) loads only its own layout;
+    every stage's plain layout reshards."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from dsrun.checkpoint.engine_io import _refuse_reshard
+
+    for stage in range(4):
+        assert layout.layout_for_stage(stage).reshard_refusal is None
+        _refuse_reshard(SimpleNamespace(checkpoint_layout=layout.layout_for_stage(stage)), tmp_path, "x")
+    mics = dataclasses.replace(layout.layout_for_stage(3), reshard_refusal="a MiCS run (mics_shard_size 2)")
+    with pytest.raises(RuntimeError, match=r"a MiCS run \(mics_shard_size 2\) loads only a checkpoint of its own "
+                                           r"layout \(saved: stage 3 on 4 ranks\)"):
+        _refuse_reshard(SimpleNamespace(checkpoint_layout=mics), tmp_path, "stage 3 on 4 ranks")
