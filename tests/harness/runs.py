@@ -160,21 +160,33 @@ def engine_run(name: str, config: dict[str, Any], steps: int, rank: int, world: 
     ``zero_init``); returns the global mean loss per step, the final parameters (whole), the grad norms, the
     memory breakdown, the last step's collectives, the engine's counters and, at stage 3, where the parameter
     shards live (``device``: ``offload_param``'s device, None in memory; ``stats``: the offload's counters,
-    None without). ``destroy`` releases the engine afterwards (its swap files, hooks and groups)."""
+    None without). A ``named`` model's run also says whether its frozen parameters (some, at least) kept their
+    initial values (``frozen_unchanged``) and every trainable one moved (``trained``). ``destroy`` releases the
+    engine afterwards (its swap files, hooks and groups)."""
     import dsrun
     from dsrun import comm
 
+    named = MODELS[name].named
     if zero_init:
+        # the initial values from a whole copy (the seeded build draws the same numbers again)
+        initial = {n: p.detach() for n, p in build_model(name).named_parameters()} if named else {}
         comm.init_distributed(verbose=False)
         with dsrun.zero.Init(config_dict_or_path=config):
             model = build_model(name)
     else:
         model = build_model(name)
+        initial = {n: p.detach().clone() for n, p in model.named_parameters()} if named else {}
     engine, _, _, _ = dsrun.initialize(model=model, config=config)
     losses, norms = train_steps(engine, lambda step, size: global_batch(name, step, size), steps, rank, world)
-    if MODELS[name].named:
+    moved: dict[str, bool] = {}
+    if named:
         params = full_params(engine)
         flat, numel = flat_named(params), sum(v.numel() for v in params.values())
+        frozen = [n for n, p in engine.module.named_parameters() if not p.requires_grad]
+        # the model's own parameters (a feature's wrap may add some: compression's mask scores)
+        same = {n: torch.equal(params[n].double(), initial[n].double()) for n in params if n in initial}
+        moved = {"frozen_unchanged": bool(frozen) and all(same.get(n, False) for n in frozen),
+                 "trained": all(not unchanged for n, unchanged in same.items() if n not in frozen)}
     else:
         flat = flat_params(engine.module)
         numel = sum(p.numel() for p in {id(p): p for p in engine.module.parameters()}.values())
@@ -185,7 +197,7 @@ def engine_run(name: str, config: dict[str, Any], steps: int, rank: int, world: 
               "numel": numel, "skipped": engine.skipped_steps, "global_steps": engine.global_steps,
               "global_samples": engine.global_samples, "micro_steps": engine.micro_steps,
               "device": offload.device if offload is not None else None,
-              "stats": offload.stats() if hasattr(offload, "stats") else None}
+              "stats": offload.stats() if hasattr(offload, "stats") else None, **moved}
     if destroy:
         engine.destroy()
     return result
