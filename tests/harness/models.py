@@ -199,6 +199,18 @@ MODELS: dict[str, ModelSpec] = {
 }
 
 
+def surface_batch(step: int, dtype: torch.dtype = torch.float32, size: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """The engine-surface tests' global batch of step ``step`` for ``surface_mlp`` (its own seeds, 100 +
+    ``step``), in ``dtype``."""
+    x, y = MODELS["surface_mlp"].batch(torch.Generator().manual_seed(100 + step), size)
+    return x.to(dtype), y.to(dtype)
+
+
+def as_numpy(t: torch.Tensor) -> Any:
+    """A float64 numpy copy (a float64 tensor's ``numpy()`` would share its memory)."""
+    return t.detach().double().cpu().numpy().copy()
+
+
 def build_model(name: str) -> nn.Module:
     spec = MODELS[name]
     torch.manual_seed(spec.seed)
