@@ -1,3 +1,9 @@
 """The multi-rank test harness: the models and data by name (``models``), the DeepSpeed config, the
 single-process reference, an engine run and the cases as records (``runs``), and launches run once per test
-module by the one ``runs`` fixture (``launch``; the fixture is in tests/conftest.py)."""
+module by the one ``runs`` fixture (``launch``; the fixture is in tests/conftest.py).
+
+A test module declares its engine runs as ``Case`` records (a model of ``MODELS``, a config from ``ds_config`` /
+``zero3_config``) and launches ``world_suite`` with them; a run the records cannot express (a bespoke loop, an
+API read mid-training) is a rank entry point in the test module itself, launched the same way.
+Per-feature helper modules under tests/integration are being folded in here (issue 37 item 7).
+"""

@@ -6,6 +6,8 @@ batch of optimizer step ``step`` is the same everywhere, and each rank trains it
 - ``gpt``: a two-layer GPT with tied input/output embeddings (the tie exercises parameter de-duplication);
 - ``mlp``: a three-layer tanh MLP;
 - ``nanogpt`` (``nanogpt_frozen``: first block and position table frozen): dsrun's own GPT (``GPT_KW``);
+- ``frozen_gpt/<mode>``: dsrun's GPT with its token embedding and first block frozen, its blocks checkpointed in
+  ``<mode>`` (none, full, every_2, selective; ``reentrant``: full, by DeepSpeed's reentrant checkpoint);
 - ``twice_mlp`` (``twice_mlp_frozen``: first layer frozen): an MLP that applies its middle layer twice;
 - ``small_mlp``: the 8-16-4 MLP of the gradient-path tests (seed 3);
 - ``surface_mlp``: the 6-10-3 MLP of the engine-surface tests (safe_get, deferred reduction; seed 5).
@@ -17,6 +19,7 @@ through ``parameters()`` in order, each shared tensor once (``flat_params``).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -115,6 +118,21 @@ def nanogpt(frozen: bool = False) -> nn.Module:
     return model
 
 
+def frozen_gpt(mode: str = "none", reentrant: bool = False) -> nn.Module:
+    """dsrun's GPT (``GPT_KW``) with the token embedding (hence the tied head) and the first block frozen, its
+    blocks checkpointed in ``mode`` (the model's ``activation_checkpointing``); ``reentrant``: every block
+    checkpointed by DeepSpeed's reentrant ``checkpointing.checkpoint``."""
+    import dsrun.activation_checkpointing.api as ckpt
+    from dsrun.models.gpt import GPT
+
+    model = GPT(**GPT_KW, activation_checkpointing="full" if reentrant else mode)
+    model.transformer["wte"].requires_grad_(False)
+    model.transformer["h"][0].requires_grad_(False)
+    if reentrant:
+        model.enable_activation_checkpointing(True, ckpt.checkpoint)
+    return model
+
+
 def checkpoint_gpt(dropout: float = 0.1, frozen: bool = False) -> nn.Module:
     """dsrun's GPT of the checkpoint tests (vocabulary ``VOCAB``, blocks of ``SEQ``), dropout on by default
     (a resumed run must then restore the RNG states too); ``frozen`` freezes the position table."""
@@ -168,6 +186,10 @@ MODELS: dict[str, ModelSpec] = {
     "mlp": ModelSpec(MLP, _mlp_pairs, MLP_OUT),
     "nanogpt": ModelSpec(nanogpt, _nanogpt_pairs, NANOGPT_SEQ, named=True),
     "nanogpt_frozen": ModelSpec(lambda: nanogpt(frozen=True), _nanogpt_pairs, NANOGPT_SEQ, named=True),
+    **{f"frozen_gpt/{mode}": ModelSpec(functools.partial(frozen_gpt, mode), _nanogpt_pairs, NANOGPT_SEQ, named=True)
+       for mode in ("none", "full", "every_2", "selective")},
+    "frozen_gpt/reentrant": ModelSpec(functools.partial(frozen_gpt, reentrant=True), _nanogpt_pairs, NANOGPT_SEQ,
+                                      named=True),
     "twice_mlp": ModelSpec(TwiceMLP, _twice_pairs, 3, named=True),
     "twice_mlp_frozen": ModelSpec(lambda: TwiceMLP(frozen=True), _twice_pairs, 3, named=True),
     "small_mlp": ModelSpec(lambda: nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)), _small_pairs, 4,
@@ -175,6 +197,18 @@ MODELS: dict[str, ModelSpec] = {
     "surface_mlp": ModelSpec(lambda: nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 3)), _surface_pairs, 3,
                              seed=5),
 }
+
+
+def surface_batch(step: int, dtype: torch.dtype = torch.float32, size: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """The engine-surface tests' global batch of step ``step`` for ``surface_mlp`` (its own seeds, 100 +
+    ``step``), in ``dtype``."""
+    x, y = MODELS["surface_mlp"].batch(torch.Generator().manual_seed(100 + step), size)
+    return x.to(dtype), y.to(dtype)
+
+
+def as_numpy(t: torch.Tensor) -> Any:
+    """A float64 numpy copy (a float64 tensor's ``numpy()`` would share its memory)."""
+    return t.detach().double().cpu().numpy().copy()
 
 
 def build_model(name: str) -> nn.Module:

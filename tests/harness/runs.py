@@ -155,32 +155,52 @@ def full_params(engine: Any) -> dict[str, torch.Tensor]:
 
 
 def engine_run(name: str, config: dict[str, Any], steps: int, rank: int, world: int,
-               zero_init: bool = False) -> dict[str, Any]:
+               zero_init: bool = False, destroy: bool = False) -> dict[str, Any]:
     """Train ``steps`` optimizer steps with dsrun on this rank (the model built under ``zero.Init`` if
     ``zero_init``); returns the global mean loss per step, the final parameters (whole), the grad norms, the
-    memory breakdown, the last step's collectives and the engine's counters."""
+    memory breakdown, the last step's collectives, the engine's counters and, at stage 3, where the parameter
+    shards live (``device``: ``offload_param``'s device, None in memory; ``stats``: the offload's counters,
+    None without). A ``named`` model's run also says whether its frozen parameters (some, at least) kept their
+    initial values (``frozen_unchanged``) and every trainable one moved (``trained``). ``destroy`` releases the
+    engine afterwards (its swap files, hooks and groups)."""
     import dsrun
     from dsrun import comm
 
+    named = MODELS[name].named
     if zero_init:
+        # the initial values from a whole copy (the seeded build draws the same numbers again)
+        initial = {n: p.detach() for n, p in build_model(name).named_parameters()} if named else {}
         comm.init_distributed(verbose=False)
         with dsrun.zero.Init(config_dict_or_path=config):
             model = build_model(name)
     else:
         model = build_model(name)
+        initial = {n: p.detach().clone() for n, p in model.named_parameters()} if named else {}
     engine, _, _, _ = dsrun.initialize(model=model, config=config)
     losses, norms = train_steps(engine, lambda step, size: global_batch(name, step, size), steps, rank, world)
-    if MODELS[name].named:
+    moved: dict[str, bool] = {}
+    if named:
         params = full_params(engine)
         flat, numel = flat_named(params), sum(v.numel() for v in params.values())
+        frozen = [n for n, p in engine.module.named_parameters() if not p.requires_grad]
+        # the model's own parameters (a feature's wrap may add some: compression's mask scores)
+        same = {n: torch.equal(params[n].double(), initial[n].double()) for n in params if n in initial}
+        moved = {"frozen_unchanged": bool(frozen) and all(same.get(n, False) for n in frozen),
+                 "trained": all(not unchanged for n, unchanged in same.items() if n not in frozen)}
     else:
         flat = flat_params(engine.module)
         numel = sum(p.numel() for p in {id(p): p for p in engine.module.parameters()}.values())
+    offload = getattr(engine.strategy, "param_offload", None)
     # numpy, not torch: tensors sent through a multiprocessing queue need the sender alive
-    return {"losses": losses, "params": flat.numpy(), "norms": norms,
-            "memory": engine.memory_breakdown().as_dict(), "comm": engine.comm_stats_last_step(),
-            "numel": numel, "skipped": engine.skipped_steps, "global_steps": engine.global_steps,
-            "global_samples": engine.global_samples, "micro_steps": engine.micro_steps}
+    result = {"losses": losses, "params": flat.numpy(), "norms": norms,
+              "memory": engine.memory_breakdown().as_dict(), "comm": engine.comm_stats_last_step(),
+              "numel": numel, "skipped": engine.skipped_steps, "global_steps": engine.global_steps,
+              "global_samples": engine.global_samples, "micro_steps": engine.micro_steps,
+              "device": offload.device if offload is not None else None,
+              "stats": offload.stats() if hasattr(offload, "stats") else None, **moved}
+    if destroy:
+        engine.destroy()
+    return result
 
 
 def rel_diff(a: float, b: float) -> float:
@@ -196,7 +216,8 @@ def max_rel_param_diff(a: Any, b: Any) -> float:
 @dataclass(frozen=True)
 class Case:
     """One engine run: ``model`` (a name of ``tests.harness.models.MODELS``) trained with ``config`` for
-    ``steps`` optimizer steps on each world size of ``worlds``; its results are keyed by ``key``."""
+    ``steps`` optimizer steps on each world size of ``worlds``; its results are keyed by ``key``. ``destroy``:
+    the engine is destroyed after the run (a case whose swap files must be gone before the next one)."""
 
     key: str
     model: str
@@ -204,6 +225,7 @@ class Case:
     worlds: tuple[int, ...] = (2,)
     zero_init: bool = False
     steps: int = STEPS
+    destroy: bool = False
 
     def global_size(self, world: int) -> int:
         return self.config["train_micro_batch_size_per_gpu"] * self.config["gradient_accumulation_steps"] * world
@@ -216,5 +238,6 @@ def cases_at(cases: Iterable[Case], world: int) -> dict[str, Case]:
 
 def world_suite(rank: int, world: int, cases: Sequence[Case]) -> dict[str, dict[str, Any]]:
     """Rank entry point: every case of this world size, one after another, in one process."""
-    return {key: engine_run(case.model, case.config, case.steps, rank, world, zero_init=case.zero_init)
+    return {key: engine_run(case.model, case.config, case.steps, rank, world, zero_init=case.zero_init,
+                            destroy=case.destroy)
             for key, case in cases_at(cases, world).items()}

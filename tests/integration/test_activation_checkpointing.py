@@ -1,23 +1,124 @@
 """Activation checkpointing across processes: partitioned activations over a model-parallel group of two
-(with the contiguous buffer and ``number_checkpoints``), and ZeRO 0-3, offload and frozen parameters."""
+(with the contiguous buffer and ``number_checkpoints``), and ZeRO 0-3, offload and frozen parameters.
+
+``partition_suite``: two ranks form one model-parallel group; the same GPT and batch on both (as the hidden
+states of a tensor-parallel transformer are identical across its group), checkpointed with the activations
+partitioned, against the same run unpartitioned. ``ZERO_CASES``: the GPT with frozen parameters
+(``frozen_gpt/<mode>`` of tests/harness/models.py), every block checkpointed, trained under ZeRO 0-3 and
+offload, against the same stage without checkpointing (``Case`` records, tests/harness/runs.py).
+"""
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from tests.harness.launch import Launch
-from tests.integration import _actckpt_workloads as w
-from tests.harness.models import GPT_KW
+from tests.harness.models import GPT_KW, global_batch
 from tests.harness.models import NANOGPT_SEQ as SEQ
+from tests.harness.runs import Case, world_suite, zero3_config
 
 # one block's input: the 4 x 16 tokens of the global batch, n_embd floats each
 INPUT_BYTES = 4 * SEQ * GPT_KW["n_embd"] * 4
 LAYERS = GPT_KW["n_layer"]
+STEPS = 6
 
 
-LAUNCHES = {"partition": Launch(w.partition_suite, 2, timeout=300), "zero": Launch(w.zero_suite, 2, timeout=600)}
+class WorldModelParallel:
+    """An ``mpu`` whose model-parallel group is every rank (and each rank its own data-parallel group)."""
+
+    def get_model_parallel_group(self) -> Any:
+        return None  # the default group: the world
+
+    def get_model_parallel_rank(self) -> int:
+        from dsrun import comm
+
+        return comm.get_rank()
+
+    def get_model_parallel_world_size(self) -> int:
+        from dsrun import comm
+
+        return comm.get_world_size()
+
+
+def saved_storages(fn: Any, module: torch.nn.Module) -> tuple[Any, list[int]]:
+    """``fn()``'s result and the sizes (bytes) of the distinct non-parameter storages autograd saved meanwhile."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sorted(seen.values())
+
+
+def _gpt_run(checkpoint_fn: Any) -> dict[str, Any]:
+    from dsrun.models.gpt import GPT
+
+    torch.manual_seed(0)
+    model = GPT(**{**GPT_KW, "dropout": 0.1})
+    if checkpoint_fn is not None:
+        model.enable_activation_checkpointing(True, checkpoint_fn)
+    inputs, targets = global_batch("nanogpt", 0, 4)
+    torch.manual_seed(1)
+    loss, storages = saved_storages(lambda: model(inputs, targets), model)
+    loss.backward()
+    return {"storages": storages, "grads": {n: p.grad.numpy().copy() for n, p in model.named_parameters()}}
+
+
+def partition_suite(rank: int, world: int) -> dict[str, Any]:
+    """Rank entry point: the GPT's gradients and saved storages without checkpointing, checkpointed whole,
+    partitioned, and partitioned into a contiguous buffer of enough and of too few slots."""
+    import dsrun.activation_checkpointing.api as ckpt
+    from dsrun import comm
+    from dsrun.utils.errors import ConfigError
+
+    comm.init_distributed(verbose=False)
+    out: dict[str, Any] = {"none": _gpt_run(None)}
+    for name, fn in (("reentrant", ckpt.checkpoint), ("non_reentrant", ckpt.non_reentrant_checkpoint)):
+        ckpt.configure(None)
+        out[f"whole/{name}"] = _gpt_run(fn)
+        ckpt.configure(WorldModelParallel(), partition_activations=True)
+        out[f"partitioned/{name}"] = _gpt_run(fn)
+        for slots in (GPT_KW["n_layer"], GPT_KW["n_layer"] + 1):
+            ckpt.configure(WorldModelParallel(), partition_activations=True, contiguous_checkpointing=True,
+                           num_checkpoints=slots)
+            out[f"contiguous{slots}/{name}"] = _gpt_run(fn)
+        ckpt.configure(WorldModelParallel(), partition_activations=True, contiguous_checkpointing=True,
+                       num_checkpoints=GPT_KW["n_layer"] - 1)
+        try:
+            _gpt_run(fn)
+        except ConfigError as err:
+            out[f"too_few_slots/{name}"] = str(err)
+    return out
+
+
+CPU_OFFLOAD = {"offload_optimizer": {"device": "cpu"}}
+ZERO_CASES = [  # key "<stage>/<mode>": the model frozen_gpt/<mode>, "<stage>+offload/<mode>" with CPU offload
+    Case(f"{stage}{suffix}/{mode}", f"frozen_gpt/{mode}", zero3_config(stage, 2, 1, zero=zero), steps=STEPS)
+    for stage, suffix, zero, modes in (
+        (0, "", {}, ("none", "full")), (1, "", {}, ("none", "full")), (2, "", {}, ("none", "every_2")),
+        (3, "", {}, ("none", "full", "selective", "reentrant")),
+        (2, "+offload", CPU_OFFLOAD, ("none", "full")),
+        (3, "+offload", {**CPU_OFFLOAD, "offload_param": {"device": "cpu"}}, ("none", "full")))
+    for mode in modes]
+
+
+def plain_case(key: str) -> str:
+    """The same stage and offload without checkpointing."""
+    return key.split("/")[0] + "/none"
+
+
+LAUNCHES = {"partition": Launch(partition_suite, 2, timeout=300),
+            "zero": Launch(world_suite, 2, (ZERO_CASES,), timeout=600)}
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +156,8 @@ def test_zero_stages_offload_and_frozen_parameters_train_as_without_checkpointin
     """Checkpointing changes no arithmetic: each checkpointed run is bitwise the run of the same stage
     without it (the ZeRO-3 parameters gathered again for the recompute, the frozen ones never updated)."""
     results = zero_results[0]
-    for key, (stage, mode, fn, zero) in w.ZERO_CASES.items():
-        plain = results[w.plain_case(key)]
+    for key in (case.key for case in ZERO_CASES):
+        plain = results[plain_case(key)]
         np.testing.assert_array_equal(results[key]["losses"], plain["losses"], err_msg=key)
         np.testing.assert_array_equal(results[key]["params"], plain["params"], err_msg=key)
         assert results[key]["frozen_unchanged"] and results[key]["trained"], key

@@ -4,6 +4,7 @@ resumes from its last checkpoint on the same loss curve."""
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import numpy as np
 import pytest
@@ -13,9 +14,32 @@ from dsrun.checkpoint.safe_load import load_file
 from dsrun.offload.swap_store import SWAP_ROOT_NAME
 from dsrun.utils import zero_to_fp32 as z2f
 from tests.helpers import run_ranks
-from tests.integration import _offload_workloads as o
 from tests import tolerance as t
 from tests.integration._ckpt_workloads import SEQ, job_reference, run_jobs
+
+
+def nvme_zero(nvme_path: str, **extra: Any) -> dict[str, Any]:
+    return {"sub_group_size": 2000,
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 12, **extra}}
+
+
+def checkpoint_jobs(root: str, nvme_path: str) -> list[dict[str, Any]]:
+    """Save with NVMe offload / in memory; load each into the other, into stage-2 CPU offload (resharded)."""
+    base = dict(stage=3, precision="fp32", global_batch=4, dropout=0.0)
+    nvme = dict(base, zero=nvme_zero(nvme_path))
+    a, b = f"{root}/nvme", f"{root}/mem"
+    return [
+        dict(nvme, steps=2, save_at=(2,), save_dir=a),                      # 0: NVMe run saved at step 2
+        dict(base, steps=4, save_at=(2,), save_dir=b),                      # 1: in-memory reference, 4 steps
+        dict(base, steps=2, load=a),                                        # 2: NVMe -> in memory
+        dict(nvme, steps=2, load=b),                                        # 3: in memory -> NVMe
+        dict(nvme, steps=2, load=a),                                        # 4: NVMe -> NVMe
+        dict(base, stage=2, steps=2, load=a,                                # 5: NVMe stage 3 -> CPU stage 2
+             zero={"offload_optimizer": {"device": "cpu"}}),
+        dict(base, stage=1, steps=2, save_at=(2,), save_dir=f"{root}/cpu1",  # 6: CPU stage 1 saved at 2
+             zero={"offload_optimizer": {"device": "cpu"}}),
+        dict(base, stage=1, steps=2, load=f"{root}/cpu1"),                 # 7: CPU stage 1 -> in memory
+    ]
 
 
 @functools.lru_cache(maxsize=None)
@@ -32,7 +56,7 @@ def assert_same_curve(losses: list[float], reference: list[float], label: str) -
 @pytest.mark.slow
 def test_offloaded_and_in_memory_checkpoints_load_into_each_other(tmp_path):
     root, nvme = str(tmp_path / "ckpt"), str(tmp_path / "nvme")
-    out = run_ranks(run_jobs, 2, o.checkpoint_jobs(root, nvme), timeout=400)[0]
+    out = run_ranks(run_jobs, 2, checkpoint_jobs(root, nvme), timeout=400)[0]
     reference = out[1]["losses"]
     for job in (2, 3, 4, 5):
         assert out[job]["loaded_steps"] == 2
@@ -57,7 +81,7 @@ def test_offloaded_and_in_memory_checkpoints_load_into_each_other(tmp_path):
 @pytest.mark.slow
 def test_killed_during_an_nvme_swap_resumes_on_the_same_curve(tmp_path):
     root, nvme = str(tmp_path / "ckpt"), str(tmp_path / "nvme")
-    job = dict(stage=3, precision="fp32", global_batch=4, dropout=0.0, zero=o.nvme_zero(nvme), save_dir=root)
+    job = dict(stage=3, precision="fp32", global_batch=4, dropout=0.0, zero=nvme_zero(nvme), save_dir=root)
     # save at step 2, then die in step 4, after the 3rd swap write (files mid-update)
     with pytest.raises(AssertionError, match="exit"):
         run_ranks(run_jobs, 2, [dict(job, steps=5, save_at=(2,), kill_on_swap_write=(4, 3))], timeout=300)

@@ -7,33 +7,120 @@ its wider-precision run, for fp32 and for bf16; parameter offload alone gives id
 optimizer and the fused 16-bit write-back of optimizer offload differ in rounding only). Also: a model built
 under ``zero.Init`` with NVMe offload trains like one built whole; a checkpoint of an NVMe-offloaded run
 resumes exactly, offloaded or not; the swap files are gone afterwards; and with NVMe offload a rank's RSS is
-lower by the shards it no longer holds.
+lower by the shards it no longer holds. The runs are ``Case`` records (tests/harness/runs.py), run with the
+checkpoint round trip by one 2-rank launch.
 """
 from __future__ import annotations
 
 import functools
+import gc
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
 from tests.harness.launch import Launch
-from tests.harness.models import loss_terms
-from tests.harness.runs import reference_run
+from tests.harness.models import build_model, global_batch, loss_terms
+from tests.harness.runs import Case, reference_run, train_steps, world_suite, zero3_config
 from tests.helpers import run_ranks
-from tests.integration import _offload_param_workloads as w
 from tests import tolerance as t
+
+STEPS = 5
+
+
+def nvme(root: str, **extra: Any) -> dict[str, Any]:
+    """An NVMe ``offload_param`` section with a pool small enough that shards are evicted and read again."""
+    return {"device": "nvme", "nvme_path": root, "buffer_count": 3, "buffer_size": 4096, "max_in_cpu": 0,
+            **extra}
+
+
+def nvme_optimizer(root: str) -> dict[str, Any]:
+    return {"sub_group_size": 3000,
+            "offload_optimizer": {"device": "nvme", "nvme_path": root, "buffer_count": 12}}
+
+
+def offload_cases(root: str) -> list[Case]:
+    """Every case trains dsrun's GPT (``nanogpt``) at stage 3 with the ZeRO-3 tests' buckets; ``ref`` and
+    ``bf16_ref`` are the same runs without offload. Each engine is destroyed after its run (its swap files)."""
+    bf16 = {"bf16": {"enabled": True}}
+    runs = {  # case -> (zero_optimization extras, top-level extras, build under zero.Init)
+        "ref": ({}, {}, False),
+        "cpu": ({"offload_param": {"device": "cpu", "pin_memory": True}}, {}, False),
+        "nvme": ({"offload_param": nvme(root)}, {}, False),
+        # every shard cached in host memory after its first read; prefetch off
+        "nvme_cached": ({"offload_param": nvme(root, max_in_cpu=10**9), "stage3_prefetch_bucket_size": 0}, {},
+                        False),
+        "nvme_init": ({"offload_param": nvme(root)}, {}, True),
+        "bf16_ref": ({}, bf16, False),
+        "bf16_nvme": ({"offload_param": nvme(root)}, bf16, False),
+        # with optimizer offload (dsrun/offload/shard_store.py) as well: ZeRO-Offload / ZeRO-Infinity
+        "both_cpu": ({"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}, {}, False),
+        # the CPU optimizer steps 3000-element tiles: shards that straddle two tiles are written in parts
+        "opt_cpu_param_nvme": ({"offload_param": nvme(root), "sub_group_size": 3000,
+                                "offload_optimizer": {"device": "cpu"}}, {}, False),
+        "both_nvme": ({"offload_param": nvme(root), **nvme_optimizer(root)}, {}, True),
+        "both_nvme_bf16": ({"offload_param": nvme(root), **nvme_optimizer(root)}, bf16, True),
+    }
+    return [Case(key, "nanogpt", zero3_config(3, 2, 1, zero=zero, **top), zero_init=zero_init, steps=STEPS,
+                 destroy=True) for key, (zero, top, zero_init) in runs.items()]
+
+
+def _build(cfg: dict[str, Any], zero_init: bool) -> Any:
+    import dsrun
+    from dsrun import comm
+
+    comm.init_distributed(verbose=False)
+    if zero_init:
+        with dsrun.zero.Init(config_dict_or_path=cfg):
+            model = build_model("nanogpt")
+    else:
+        model = build_model("nanogpt")
+    engine, _, _, _ = dsrun.initialize(model=model, config=cfg)
+    return engine
+
+
+def _batch(step: int, size: int) -> Any:
+    return global_batch("nanogpt", step, size)
+
+
+def offload_suite(rank: int, world: int, root: str, ckpt_dir: str) -> dict[str, Any]:
+    """Rank entry point: every case, the checkpoint round trip, then the swap files left behind."""
+    out = world_suite(rank, world, offload_cases(root))
+    out["ckpt"] = checkpoint_round_trip(rank, world, root, ckpt_dir)
+    out["leftover"] = sorted(str(p) for p in Path(root).rglob("*.swp"))
+    return out
+
+
+def checkpoint_round_trip(rank: int, world: int, root: str, ckpt_dir: str) -> dict[str, list[float]]:
+    """Train 3 steps with NVMe parameter offload, save, train 2 more; then a fresh offloaded engine and a
+    fresh in-memory one load the checkpoint and train the same 2 steps."""
+    cfg = zero3_config(3, 2, 1, zero={"offload_param": nvme(root)})
+    first = _build(cfg, zero_init=True)
+    train_steps(first, _batch, 3, rank, world)
+    first.save_checkpoint(ckpt_dir, tag="ckpt")
+    later = lambda step, size: _batch(step + 3, size)  # noqa: E731
+    cont, _ = train_steps(first, later, 2, rank, world)
+    first.destroy()  # its swap files go now, not when the process exits
+    results = {"continued": cont}
+    for name, config in (("loaded_nvme", cfg), ("loaded_plain", zero3_config(3, 2, 1))):
+        engine = _build(config, zero_init=False)
+        engine.load_checkpoint(ckpt_dir, tag="ckpt")
+        results[name], _ = train_steps(engine, later, 2, rank, world)
+        engine.destroy()
+    return results
 
 
 @functools.lru_cache(maxsize=None)
 def spread(dtype: torch.dtype = torch.float32) -> t.Spread:
     def run(d: torch.dtype, parts: int, reverse: bool) -> dict:
-        return reference_run("nanogpt", w.STEPS, 4, 0.0, d, parts, reverse)
+        return reference_run("nanogpt", STEPS, 4, 0.0, d, parts, reverse)
     return t.spread(run, dtype, loss_terms("nanogpt", 4))
 
 
 def launches(root) -> dict:
-    return {"suite": Launch(w.offload_suite, 2, (f"{root}/nvme", f"{root}/ckpt"), timeout=300)}
+    return {"suite": Launch(offload_suite, 2, (f"{root}/nvme", f"{root}/ckpt"), timeout=300)}
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +173,59 @@ def test_swap_files_are_removed_when_the_store_closes(results: list[dict]) -> No
 ALLOCATOR_SLACK = 16 * 2**20  # heap pages glibc keeps after malloc_trim differ by this much between runs
 
 
+RSS_GPT = dict(vocab_size=256, block_size=32, n_layer=16, n_head=8, n_embd=512)
+
+
+def rss_run(rank: int, world: int, offload: dict[str, Any] | None, root: str) -> dict[str, Any]:
+    """Rank entry point: build a 50M-parameter bf16 GPT under zero.Init, train 2 steps; return this rank's RSS
+    afterwards. ``offload``: keys added to ``zero_optimization`` (None: everything in memory).
+
+    The in-memory run opens an (unused) swap store too, so both processes load the async I/O library and
+    start its threads: the difference between them is where the shards live, not the cost of the library."""
+    import psutil
+
+    import dsrun
+    from dsrun.models.gpt import GPT
+    from dsrun.offload.swap_store import SwapStore
+    from dsrun.zero import host_memory
+
+    idle_store = SwapStore(root, rank=rank) if offload is None else None
+
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 10_000, "reduce_bucket_size": 1_000_000,
+            "sub_group_size": 1_000_000}
+    if offload is not None:
+        zero.update(offload)
+    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": zero,
+           "steps_per_print": 1000}
+    dsrun.comm.init_distributed(verbose=False)
+    torch.manual_seed(0)
+    with dsrun.zero.Init(config_dict_or_path=cfg):
+        model = GPT(**RSS_GPT)
+    engine, _, _, _ = dsrun.initialize(model=model, config=cfg)
+
+    def batch(step: int, size: int) -> Any:
+        tokens = torch.randint(0, 256, (size, 17), generator=torch.Generator().manual_seed(step))
+        return (tokens[:, :-1], tokens[:, 1:])
+
+    losses, _ = train_steps(engine, batch, 2, rank, world)
+    engine.empty_partition_cache()
+    gc.collect()
+    host_memory.trim()
+    owner = engine.strategy.param_offload
+    placement = getattr(engine.strategy, "placement", None)  # stage 3: the stores of its sub-groups
+    swapped = getattr(placement and placement.offloaded, "swapped", None)  # NVMe optimizer offload (masters and states)
+    result = {"rss": psutil.Process().memory_info().rss, "losses": losses,
+              "offloaded": owner.offloaded_bytes() if owner is not None else 0,
+              "pool": owner.buffer_bytes() if owner is not None else 0,
+              "optimizer_swapped": swapped.swapped_bytes if swapped is not None else 0,
+              "optimizer_pool": swapped.resident_bytes if swapped is not None else 0}
+    engine.destroy()
+    if idle_store is not None:
+        idle_store.close()
+    return result
+
+
 @pytest.mark.slow
 def test_nvme_offload_lowers_resident_memory_by_the_offloaded_state(tmp_path) -> None:
     """Per-rank RSS (psutil) after two steps of a 50M-parameter bf16 GPT built under zero.Init, against the
@@ -100,9 +240,9 @@ def test_nvme_offload_lowers_resident_memory_by_the_offloaded_state(tmp_path) ->
     params = {"offload_param": {"device": "nvme", "nvme_path": nvme, "buffer_count": 4, "buffer_size": 600_000,
                                 "max_in_cpu": 0}}
     both = {**params, "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "buffer_count": 4}}
-    in_memory = run_ranks(w.rss_run, 2, None, nvme, timeout=240)
-    param_only = run_ranks(w.rss_run, 2, params, nvme, timeout=240)
-    infinity = run_ranks(w.rss_run, 2, both, nvme, timeout=240)
+    in_memory = run_ranks(rss_run, 2, None, nvme, timeout=240)
+    param_only = run_ranks(rss_run, 2, params, nvme, timeout=240)
+    infinity = run_ranks(rss_run, 2, both, nvme, timeout=240)
     for mem, off, inf in zip(in_memory, param_only, infinity):
         assert off["offloaded"] > 40 * 2**20  # about 48 MiB of bf16 shards per rank
         saved = mem["rss"] - off["rss"]
