@@ -39,7 +39,7 @@ PATHS: dict[str, str] = {
     "deepspeed.runtime.fp16.loss_scaler": "dsrun.precision.loss_scaler",
     "deepspeed.runtime.fp16.onebit": "dsrun.optim.onebit",
     "deepspeed.runtime.zero": "dsrun.zero",
-    "deepspeed.runtime.zero.partition_parameters": "dsrun.compat.runtime.zero.partition_parameters",
+    "deepspeed.runtime.zero.partition_parameters": "dsrun.zero.init",
     "deepspeed.runtime.zero.stage_1_and_2": "dsrun.compat.runtime.zero.stage_1_and_2",
     "deepspeed.runtime.offload": "dsrun.offload",
     "deepspeed.runtime.activation_checkpointing": "dsrun.activation_checkpointing",
