@@ -12,7 +12,7 @@ build (to keep ``torch.arange``'s explicit dtype for RoPE buffers).
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -76,10 +76,10 @@ def get_new_tensor_fn_for_dtype(target_fp_dtype: torch.dtype | None,
 
 
 def add_tensor_creation_wrappers(wrap: Callable[..., Callable[..., torch.Tensor]], dtype: torch.dtype | None,
-                                 device: torch.device | None,
-                                 overrides: tuple[DeepSpeedTensorOverride, ...] | list[DeepSpeedTensorOverride]) -> None:
+                                 device: torch.device | None, overrides: Iterable[DeepSpeedTensorOverride]) -> None:
     """Replace torch's constructors with ``wrap(original, target_fp_dtype=..., target_device=...)`` of each
     (``wrap``: :func:`zero_wrapper_for_fp_tensor_constructor`, or what a caller put in its place)."""
+    overrides = tuple(overrides)
     target_fp_dtype = dtype if DeepSpeedTensorOverride.dtype in overrides else None
     target_device = device if DeepSpeedTensorOverride.device in overrides else None
     torch.Tensor.__new__ = get_new_tensor_fn_for_dtype(target_fp_dtype, target_device)  # type: ignore[method-assign]

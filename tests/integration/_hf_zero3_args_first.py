@@ -4,9 +4,9 @@
 through ``GatheredParameters``). ``argv``: OUTPUT_DIR MAX_STEPS [RESUME_FROM].
 
 Each rank prints ``PARTITION {...}`` (the bytes it holds of each model after load); rank 0 prints ``INIT {...}``
-(the gathered from-config weights), ``LOADED`` (whether from_pretrained's gathered weights equal the saved ones),
-``SAFETENSORS`` (whether the last checkpoint's ``model.safetensors`` equals the trained weights gathered) and
-``LOSSES [...]``."""
+(the gathered from-config weights), ``RESIZED`` (whether ``resize_token_embeddings`` kept the old rows),
+``LOADED`` (whether from_pretrained's gathered weights equal the saved ones), ``SAFETENSORS`` (whether the last
+checkpoint's ``model.safetensors`` equals the trained weights gathered) and ``LOSSES [...]``."""
 import json
 import os
 import sys
@@ -68,6 +68,11 @@ torch.manual_seed(0)
 initialised = AutoModelForCausalLM.from_config(config)
 init_report = partition_report(initialised)
 init_weights = gathered(initialised)
+# resize_token_embeddings gathers the old table to copy it into the new one (which, as in DeepSpeed, is built whole
+# and partitioned by the engine)
+initialised.resize_token_embeddings(72)
+with deepspeed.zero.GatheredParameters([initialised.transformer.wte.weight]):
+    resized = initialised.transformer.wte.weight.detach().clone()
 del initialised
 
 model = AutoModelForCausalLM.from_pretrained(pretrained_dir)
@@ -79,6 +84,7 @@ if rank == 0:
     wte = init_weights["transformer.wte.weight"]
     print("INIT", json.dumps({"wte_std": wte.std().item(), "ln_weight_mean": init_weights[
         "transformer.ln_f.weight"].mean().item(), "tied": init_weights.keys() == loaded.keys()}), flush=True)
+    print("RESIZED", resized.shape == (72, 32) and torch.equal(resized[:64], wte), flush=True)
     print("LOADED", all(torch.equal(loaded[name], saved[name]) for name in loaded), flush=True)
 
 trainer = Trainer(model=model, args=args, train_dataset=Sequences())

@@ -71,8 +71,9 @@ def test_zero3_arguments_first_builds_the_model_inside_zero_init(tmp_path):
     ``from_config``/``from_pretrained``, which transformers builds inside ``deepspeed.zero.Init`` (patching
     ``partition_parameters.zero_wrapper_for_fp_tensor_constructor`` on the way). Each rank holds half of every
     model after load; the from-config weights are initialised (GPT-2's std 0.02) and the pretrained ones loaded
-    exactly through ``GatheredParameters``; the Trainer trains, writes a ``model.safetensors`` equal to the gathered
-    weights (``stage3_gather_16bit_weights_on_model_save``) and resumes with the same next losses."""
+    exactly through ``GatheredParameters`` (and ``resize_token_embeddings`` keeps the old rows); the Trainer
+    trains, writes a ``model.safetensors`` equal to the gathered weights (``stage3_gather_16bit_weights_on_model_save``)
+    and resumes with the same next losses."""
     out = tmp_path / "out"
     launch = ("launch", "--as-deepspeed", "--num_procs", "2", "--no_local_rank", str(ARGS_FIRST_SCRIPT), str(out))
     result = run_cli(*launch, "4", cwd=tmp_path, timeout=300)
@@ -84,7 +85,7 @@ def test_zero3_arguments_first_builds_the_model_inside_zero_init(tmp_path):
             assert report[built]["local_bytes"] * 2 == report[built]["full_bytes"] > 0
     (init,) = _printed(result, "INIT")
     assert abs(init["wte_std"] - 0.02) < 0.002 and init["ln_weight_mean"] == 1.0
-    assert "LOADED True" in result.stdout
+    assert "LOADED True" in result.stdout and "RESIZED True" in result.stdout
     (saved,) = _printed(result, "SAFETENSORS")
     assert saved["equal"] and "transformer.wte.weight" in saved["names"] and len(saved["names"]) == 28
     assert len(first) == 4 and first[-1] < first[0]
