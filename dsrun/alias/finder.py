@@ -9,15 +9,33 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import sys
 from types import ModuleType
 
 from dsrun.alias.paths import ALIAS, children_elsewhere, target_of
 
-# Submodules DeepSpeed's own ``__init__`` imports, so ``import deepspeed; deepspeed.runtime.engine.X`` works.
+# The submodules ``import deepspeed`` imports in DeepSpeed (its ``__init__``'s imports, then the imports of the
+# ``__init__`` of each package among them), so that after ``import deepspeed`` each is an attribute of its parent
+# (``deepspeed.runtime.pipe.engine``, ``deepspeed.runtime.zero.partition_parameters``) as in DeepSpeed. Those dsrun
+# does not serve are skipped (docs/deepspeed-alias.md lists them), as are their children.
 EAGER: tuple[str, ...] = (
-    "runtime.engine", "runtime.lr_schedules", "runtime.zero", "runtime.activation_checkpointing.checkpoint",
-    "comm", "zero", "checkpointing", "accelerator", "ops.adam", "utils", "monitor",
+    # deepspeed/__init__.py
+    "ops", "module_inject", "accelerator", "constants", "runtime.engine", "runtime.base_optimizer",
+    "runtime.dataloader", "runtime.hybrid_engine", "runtime.pipe.engine", "inference.engine", "inference.config",
+    "runtime.lr_schedules", "runtime.config", "runtime.activation_checkpointing.checkpointing", "ops.transformer",
+    "utils", "comm.comm", "runtime.zero", "runtime.domino", "runtime.compiler", "pipe", "git_version_info",
+    "runtime.tensor_parallel.init_utils",
+    # runtime.engine's own helpers, which scripts reach through the attribute (issue 43)
+    "runtime.utils",
+    # ops/__init__.py, runtime/zero/__init__.py, runtime/pipe/__init__.py, utils/__init__.py, comm/__init__.py
+    "ops.adam", "ops.adagrad", "ops.lamb", "ops.lion", "ops.sparse_attention", "ops.fp_quantizer",
+    "runtime.zero.partition_parameters", "runtime.zero.parameter_offload", "runtime.zero.tiling",
+    "runtime.zero.mics", "runtime.zero.stage3", "runtime.pipe.module", "runtime.pipe.topology", "utils.logging",
+    "utils.comms_logging", "utils.init_on_device", "utils.groups", "utils.nvtx", "utils.tensor_fragment",
+    "utils.z3_leaf_module", "utils.mixed_precision_linkage", "utils.numa", "comm.utils",
+    # dsrun's own: deepspeed.zero, deepspeed.checkpointing and deepspeed.monitor are dsrun's public names too
+    "zero", "checkpointing", "monitor", "runtime.activation_checkpointing.checkpoint",
 )
 
 
@@ -66,7 +84,18 @@ def activate() -> None:
         sys.meta_path.insert(0, AliasFinder())
 
 
+def _served(name: str) -> bool:
+    """Whether dsrun serves ``deepspeed.<name>`` (without importing it: only its parents, to find it)."""
+    target = target_of(f"{ALIAS}.{name}")
+    try:
+        return target is not None and importlib.util.find_spec(target) is not None
+    except ModuleNotFoundError:  # a parent package dsrun does not have
+        return False
+
+
 def import_eager() -> None:
-    """Import :data:`EAGER` under their ``deepspeed.`` names (after the shim package is in sys.modules)."""
+    """Import :data:`EAGER` under their ``deepspeed.`` names (after the shim package is in sys.modules); importing
+    a module sets it as an attribute of its parent. A path dsrun does not serve is skipped."""
     for name in EAGER:
-        importlib.import_module(f"{ALIAS}.{name}")
+        if _served(name):
+            importlib.import_module(f"{ALIAS}.{name}")

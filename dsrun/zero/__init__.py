@@ -6,6 +6,7 @@
 * :func:`register_external_parameter` — a module uses a parameter it does not own.
 * :func:`full_state_dict` — the model's state dict with every partitioned parameter gathered.
 * :class:`TiledLinear`, :class:`TiledLinearReturnBias` — a linear layer in tiles gathered one at a time.
+* :class:`DeepSpeedTensorOverride` — what ``Init`` overrides in the tensors torch's constructors make inside it.
 
 See ``docs/zero3.md``.
 """
@@ -14,7 +15,8 @@ from dsrun.zero.stage3 import full_state_dict
 
 from .gathered import GatheredParameters, register_external_parameter, unregister_external_parameter
 from .init import Init, MiCS_Init
+from .tensor_creation import DeepSpeedTensorOverride
 from .tiling import TiledLinear, TiledLinearReturnBias
 
-__all__ = ["GatheredParameters", "Init", "MiCS_Init", "ParamStatus", "TiledLinear", "TiledLinearReturnBias", "full_state_dict",
+__all__ = ["DeepSpeedTensorOverride", "GatheredParameters", "Init", "MiCS_Init", "ParamStatus", "TiledLinear", "TiledLinearReturnBias", "full_state_dict",
            "is_zero_param", "register_external_parameter", "unregister_external_parameter"]

@@ -10,6 +10,15 @@ A parent that re-initialises its children's weights after they were built (``GPT
 Hugging Face's ``_init_weights``) keeps working: inside the context, the ``torch.nn.init`` functions gather a
 partitioned parameter, apply the init on rank 0, and re-partition the result. Writing ``param.data``
 directly does not; use :class:`~dsrun.zero.GatheredParameters` with ``modifier_rank=0`` for that.
+
+Tensors made inside the context by torch's constructors (``torch.zeros``, ``torch.arange``, ...) land on the
+accelerator's device and, when the context has a dtype, floating ones are cast to it, as DeepSpeed's ``Init``
+overrides them (``tensor_overrides``; :mod:`dsrun.zero.tensor_creation`).
+
+This module is DeepSpeed's ``deepspeed.runtime.zero.partition_parameters`` (``dsrun/alias/paths.py``): it holds that
+module's names (``Init``, ``GatheredParameters``, ``ZeroParamStatus``, ``zero_wrapper_for_fp_tensor_constructor``,
+``_orig_torch_arange``, ``get_accelerator`` ...), and :class:`Init` looks the constructor wrapper up among its
+globals on entry, so a caller that replaces it here (Hugging Face's ``prevent_arange_dtype_change``) is obeyed.
 """
 from __future__ import annotations
 
@@ -22,17 +31,31 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol, Union
 import torch
 
 from dsrun import comm
+from dsrun.accelerator import get_accelerator
 from dsrun.comm.comm import ProcessGroup
 from dsrun.zero import host_memory
+from dsrun.zero.partition_params import ParamStatus as ZeroParamStatus
 from dsrun.zero.partition_params import is_zero_param, partition_param
+from dsrun.zero.tensor_creation import (
+    DEFAULT_TENSOR_OVERRIDES, DeepSpeedTensorOverride, _orig_torch_arange, _orig_torch_empty, _orig_torch_eye,
+    _orig_torch_full, _orig_torch_ones, _orig_torch_randn, _orig_torch_tensor, _orig_torch_zeros,
+    add_tensor_creation_wrappers, get_new_tensor_fn_for_dtype, remove_tensor_creation_wrappers,
+    zero_wrapper_for_fp_tensor_constructor)
 from dsrun.utils.errors import ConfigError, Problem
 
-from .gathered import GatheredParameters
+from .gathered import GatheredParameters, register_external_parameter, unregister_external_parameter
 
 if TYPE_CHECKING:
     from dsrun.config import DSConfig
     from dsrun.config.base import Section
     from dsrun.config.zero import AIOConfig, ZeroConfig
+
+# the names of DeepSpeed's partition_parameters module that this module holds (see the module's docstring)
+__all__ = ["DEFAULT_TENSOR_OVERRIDES", "DeepSpeedTensorOverride", "GatheredParameters", "Init", "MiCS_Init",
+           "ZeroParamStatus", "_orig_torch_arange", "_orig_torch_empty", "_orig_torch_eye", "_orig_torch_full",
+           "_orig_torch_ones", "_orig_torch_randn", "_orig_torch_tensor", "_orig_torch_zeros", "get_accelerator",
+           "get_new_tensor_fn_for_dtype", "is_zero_param", "register_external_parameter",
+           "unregister_external_parameter", "zero_wrapper_for_fp_tensor_constructor"]
 
 # a DeepSpeed config: a dict, the path of a JSON/YAML file, or a typed config (``to_ds_dict``); None: no config
 ConfigSource = Union[dict[str, Any], str, os.PathLike, "Section", None]
@@ -185,7 +208,10 @@ class Init:
     keeps them gathered anyway. ``pin_memory`` needs ``remote_device`` cpu or nvme (pinned I/O buffers).
     ``dtype``: convert floating parameters to this dtype
     (default: the config's fp16/bf16 precision if ``config_dict_or_path``/``config`` is given, else keep
-    each parameter's dtype). ``enabled=False`` makes it a no-op. Initializes ``dsrun.comm`` if needed.
+    each parameter's dtype). ``tensor_overrides`` (DeepSpeed's, default both): with
+    ``DeepSpeedTensorOverride.device`` tensors made inside the context without a device land on the accelerator's
+    device, with ``.dtype`` floating ones are cast to ``dtype`` (when there is one). ``enabled=False`` makes it a
+    no-op. Initializes ``dsrun.comm`` if needed.
     Only meaningful with ZeRO stage 3: the engine takes the partitioned model as it is.
     """
 
@@ -193,10 +219,13 @@ class Init:
                  remote_device: str | None = None, pin_memory: bool = False,
                  config_dict_or_path: ConfigSource = None, config: ConfigSource = None, enabled: bool = True,
                  dtype: torch.dtype | None = None, mpu: DataParallelMpu | None = None,
+                 tensor_overrides: tuple[DeepSpeedTensorOverride, ...] | list[DeepSpeedTensorOverride]
+                 = DEFAULT_TENSOR_OVERRIDES,
                  **_unused: object):  # DeepSpeed's other keywords, accepted and ignored
         self.enabled = enabled
         if not enabled:
             return
+        self.tensor_overrides = tuple(tensor_overrides or ())
         if remote_device not in (None, "cpu", "none", "nvme"):
             raise ConfigError(Problem("zero.Init(remote_device=...)", f"got {remote_device!r}",
                                       "allowed: None, \"cpu\", \"nvme\""))
@@ -222,8 +251,6 @@ class Init:
             data_parallel_group = mpu.get_data_parallel_group()
         self.group = data_parallel_group
         self.partition_group = self._partition_group(cfg)  # the data group, or MiCS's shard group
-        from dsrun.accelerator import get_accelerator
-
         self.device = torch.device("cpu") if remote_device in ("cpu", "nvme") else get_accelerator().device()
         if self.device.type == "cpu":
             host_memory.fix_mmap_threshold()  # each freed full tensor goes back to the OS at once
@@ -274,8 +301,11 @@ class Init:
     def __enter__(self) -> "Init":
         if not self.enabled:
             return self
-        if not _ACTIVE:
+        if not _ACTIVE:  # the outermost context's overrides hold for the whole build, as in DeepSpeed
             _install()
+            # the wrapper is this module's global as it is now, not as imported: a caller may have replaced it
+            add_tensor_creation_wrappers(zero_wrapper_for_fp_tensor_constructor, self.dtype,
+                                         get_accelerator().device(), self.tensor_overrides)
         _ACTIVE.append(self)
         return self
 
@@ -284,6 +314,7 @@ class Init:
             return
         _ACTIVE.remove(self)
         if not _ACTIVE:
+            remove_tensor_creation_wrappers()
             _uninstall()
 
 

@@ -55,3 +55,39 @@ def test_accelerate_deepspeed_plugin_trains_saves_and_reloads(tmp_path):
     assert (state / "latest").read_text().strip() == "pytorch_model"
     assert sorted(p.name for p in (state / "pytorch_model").glob("*_optim_states.pt")) == [
         "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+
+
+ARGS_FIRST_SCRIPT = Path(__file__).with_name("_hf_zero3_args_first.py")
+
+
+def _printed(result, tag: str):
+    """Every ``tag {json}`` line the ranks printed, parsed."""
+    return [json.loads(line.split(tag, 1)[1]) for line in result.stdout.splitlines() if f"]:{tag} " in line
+            or line.startswith(f"{tag} ")]
+
+
+def test_zero3_arguments_first_builds_the_model_inside_zero_init(tmp_path):
+    """Hugging Face's documented ZeRO-3 order: ``TrainingArguments(deepspeed=<stage 3>)`` first, then
+    ``from_config``/``from_pretrained``, which transformers builds inside ``deepspeed.zero.Init`` (patching
+    ``partition_parameters.zero_wrapper_for_fp_tensor_constructor`` on the way). Each rank holds half of every
+    model after load; the from-config weights are initialised (GPT-2's std 0.02) and the pretrained ones loaded
+    exactly through ``GatheredParameters`` (and ``resize_token_embeddings`` keeps the old rows); the Trainer
+    trains, writes a ``model.safetensors`` equal to the gathered weights (``stage3_gather_16bit_weights_on_model_save``)
+    and resumes with the same next losses."""
+    out = tmp_path / "out"
+    launch = ("launch", "--as-deepspeed", "--num_procs", "2", "--no_local_rank", str(ARGS_FIRST_SCRIPT), str(out))
+    result = run_cli(*launch, "4", cwd=tmp_path, timeout=300)
+    first = _losses(result)
+    partitions = sorted(_printed(result, "PARTITION"), key=lambda report: report["rank"])
+    assert [report["rank"] for report in partitions] == [0, 1]
+    for report in partitions:
+        for built in ("from_config", "from_pretrained"):
+            assert report[built]["local_bytes"] * 2 == report[built]["full_bytes"] > 0
+    (init,) = _printed(result, "INIT")
+    assert abs(init["wte_std"] - 0.02) < 0.002 and init["ln_weight_mean"] == 1.0
+    assert "LOADED True" in result.stdout and "RESIZED True" in result.stdout
+    (saved,) = _printed(result, "SAFETENSORS")
+    assert saved["equal"] and "transformer.wte.weight" in saved["names"] and len(saved["names"]) == 28
+    assert len(first) == 4 and first[-1] < first[0]
+    resumed = _losses(run_cli(*launch, "4", str(out / "checkpoint-2"), cwd=tmp_path, timeout=300))
+    assert resumed[-2:] == first[2:]

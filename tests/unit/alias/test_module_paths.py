@@ -122,7 +122,7 @@ def test_zero_module_paths_name_dsruns_objects():
     from dsrun.config.zero import ZeroConfig
     from dsrun.zero.config import DeepSpeedZeroConfig, ZeroStageEnum
     from dsrun.zero.offload_config import OffloadDeviceEnum
-    from dsrun.compat.runtime.zero.partition_parameters import ZeroParamStatus
+    from dsrun.zero.init import ZeroParamStatus
     from dsrun.zero import ParamStatus
 
     assert issubclass(DeepSpeedZeroConfig, ZeroConfig) and ZeroParamStatus is ParamStatus
