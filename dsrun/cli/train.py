@@ -97,12 +97,6 @@ def run(args: argparse.Namespace) -> int:
     handoff = RunHandoff() if outer.rank == 0 else None
     try:
         code = _run(args, outer, handoff)
-    except UserError as err:
-        if outer.local_rank != 0:  # every rank found the same problems: one line per node says them
-            return EXIT_USAGE
-        if handoff is not None:
-            handoff.close(err)
-        raise
     except BaseException as err:  # rank 0 stopped before the run: the others leave with its exit code
         if handoff is not None:
             handoff.close(err)

@@ -55,6 +55,7 @@ class OuterRank:
     master_addr: str | None   # None: the launcher named none and the job spans nodes
     master_port: int
     names: Mapping[str, str]  # quantity -> the variable it was read from, for messages ("world_size": "WORLD_SIZE")
+    node_sizes: tuple[int, ...] = ()  # ranks on each node when the launcher says (srun); else every node's the same
 
     def variable(self, quantity: str) -> str:
         """``NAME=VALUE`` of the variable ``quantity`` came from (``LOCAL_WORLD_SIZE=2``)."""
@@ -78,6 +79,8 @@ class OuterRank:
     def hosts(self) -> dict[str, list[int]]:
         """The job's nodes as a plan lists them: ``node<i>`` (the outer launcher knows their names), each with the
         slots its ranks take (the last node takes what is left of an uneven world)."""
+        if len(self.node_sizes) == self.num_nodes:
+            return {f"node{node}": list(range(size)) for node, size in enumerate(self.node_sizes)}
         hosts = {}
         for node in range(self.num_nodes):
             first = node * self.local_world_size
@@ -159,7 +162,8 @@ def _slurm(environ: Mapping[str, str]) -> OuterRank | None:
     return OuterRank("srun", rank, world, local, local_size, node, nodes, addr, port,
                      {"rank": "SLURM_PROCID", "world_size": world_name, "local_rank": "SLURM_LOCALID",
                       "local_world_size": "SLURM_STEP_TASKS_PER_NODE", "node_rank": "SLURM_NODEID",
-                      "num_nodes": nodes_name, "master_addr": "MASTER_ADDR", "master_port": "MASTER_PORT"})
+                      "num_nodes": nodes_name, "master_addr": "MASTER_ADDR", "master_port": "MASTER_PORT"},
+                     tuple(per_node))
 
 
 def detect_outer_launcher(environ: Mapping[str, str] | None = None) -> OuterRank | None:
