@@ -203,18 +203,23 @@ def _set(value: Any) -> bool:
 
 def launcher_conflicts(mapping: Mapping[str, Any] | None, outer: OuterRank, path: str = "launcher") -> list[Problem]:
     """The keys of a RunSpec's ``launcher:`` mapping that conflict with the outer launcher's world, one problem
-    each (the key, the outer launcher's value, a fix); empty when every key agrees."""
+    each (the key, the outer launcher's value, a fix); empty when every key agrees. ``path`` names the keys
+    (``launcher.num_procs``); ``"--"`` names them as ``dsrun launch``'s flags (``--num_procs``)."""
     mapping = dict(mapping or {})
     problems: list[Problem] = []
     by = outer.launcher
 
+    def name(key: str) -> str:
+        return f"{path}.{key}" if path != "--" else ("--launcher" if key == "runner" else f"--{key}")
+
     def refuse(key: str, message: str, hint: str) -> None:
-        problems.append(Problem(f"{path}.{key}", message, hint))
+        hint = hint.replace(f"{path}.{key}=", f"{name(key)} ") if path == "--" else hint
+        problems.append(Problem(name(key), message, hint))
 
     runner = mapping.get("runner")
     if runner not in (None, "local", _MATCHING_RUNNER[by]):
         refuse("runner", f"is {show(runner)}, but {by} already started this rank",
-               f"drop launcher.runner (local): under {by}, dsrun starts no ranks")
+               f"drop {name('runner')}: under {by}, dsrun starts no ranks")
     expected = {"num_procs": ("local_world_size", "rank(s) per node"), "num_nodes": ("num_nodes", "node(s)"),
                 "node_rank": ("node_rank", "as this node's index")}
     for key, (quantity, what) in expected.items():
@@ -227,15 +232,15 @@ def launcher_conflicts(mapping: Mapping[str, Any] | None, outer: OuterRank, path
     # the local runner's loopback default names this machine, not a rendezvous the outer launcher set up
     if addr and addr != outer.master_addr and not (runner in (None, "local") and addr in _LOOPBACK):
         refuse("master_addr", f"is {show(addr)}, but {by} meets at {outer.master_addr} "
-               f"({outer.variable('master_addr')})", f"drop {path}.master_addr: the outer launcher's rendezvous is used")
+               f"({outer.variable('master_addr')})", f"drop {name('master_addr')}: the outer launcher's rendezvous is used")
     port = mapping.get("master_port")
     if port is not None and port != outer.master_port:
         refuse("master_port", f"is {show(port)}, but {by} meets at port {outer.master_port} "
-               f"({outer.variable('master_port')})", f"drop {path}.master_port: the outer launcher's rendezvous is used")
+               f"({outer.variable('master_port')})", f"drop {name('master_port')}: the outer launcher's rendezvous is used")
     for key, hint in _OWN_LAUNCHER_KEYS.items():
         if _set(mapping.get(key)):
             refuse(key, f"is {show(mapping[key])}, which only dsrun's own launcher acts on, but {by} started "
-                   "this rank", hint)
+                   "this rank", hint if path != "--" else hint.replace(f"set launcher.{key}=null", f"drop {name(key)}"))
     if outer.master_addr is None:
         problems.append(Problem("MASTER_ADDR", f"is not set and the {by} job spans {outer.num_nodes} nodes",
                                 "export MASTER_ADDR (node 0's address) and MASTER_PORT to every rank"))
@@ -252,3 +257,20 @@ def outer_plan(options: LaunchOptions, outer: OuterRank) -> LaunchPlan:
 def by_outer(outer: OuterRank) -> str:
     """The plan's runner name for a run an outer launcher started (``outer:torchrun``)."""
     return f"outer:{outer.launcher}"
+
+
+def rank_argv(options: LaunchOptions, outer: OuterRank) -> list[str]:
+    """What ``dsrun launch`` runs as the outer launcher's rank, in place of itself: the script as dsrun's agent
+    starts it (``python [-m] SCRIPT ARGS --local_rank=N``)."""
+    if options.no_python:
+        argv = [options.target]
+    else:
+        argv = [options.python, *(["-m"] if options.module else []), options.target]
+    argv += options.target_args
+    return argv if options.no_local_rank else [*argv, f"--local_rank={outer.local_rank}"]
+
+
+def launch_conflicts(options: LaunchOptions, outer: OuterRank) -> list[Problem]:
+    """``dsrun launch``'s flags that conflict with the outer launcher's world (:func:`launcher_conflicts`)."""
+    keys = ("runner", "num_procs", "num_nodes", "node_rank", "master_addr", "master_port", *_OWN_LAUNCHER_KEYS)
+    return launcher_conflicts({key: getattr(options, key) for key in keys}, outer, path="--")

@@ -137,3 +137,28 @@ def test_two_torchrun_nodes_in_network_namespaces(two_hosts, tmp_path, dsrun_run
     assert losses(run_dir) == losses(dsrun_run)
     assert files(run_dir) == files(dsrun_run)
     assert "torchrun: WORLD_SIZE=2 (1 per node on 2 node(s))" in (run_dir / "dsrun.log").read_text()
+
+
+RANK_SCRIPT = """\
+import json, os, sys
+keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "CROSS_RANK", "CROSS_SIZE", "TORCHELASTIC_RUN_ID")
+with open(f"rank{os.environ['RANK']}.json", "w") as handle:
+    json.dump({"env": {k: os.environ.get(k) for k in keys}, "argv": sys.argv[1:]}, handle)
+"""
+
+
+def test_a_script_under_dsrun_launch_becomes_torchruns_rank(tmp_path):
+    (tmp_path / "report.py").write_text(RANK_SCRIPT)
+    done = torchrun("--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "dsrun", "launch",
+                    "--num_procs", "2", "report.py", "--lr", "0.1", cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    for rank, report in enumerate(reports):  # the script is the rank itself: no agent of dsrun's between
+        assert report["env"]["RANK"] == str(rank) and report["env"]["WORLD_SIZE"] == "2"
+        assert report["env"]["CROSS_SIZE"] == "1" and report["env"]["TORCHELASTIC_RUN_ID"]
+        assert report["argv"] == ["--lr", "0.1", f"--local_rank={rank}"]
+    refused = torchrun("--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "dsrun", "launch",
+                       "--num_procs", "4", "report.py", cwd=tmp_path, timeout=120)
+    line = ("error: --num_procs: is 4, but torchrun started 2 rank(s) per node (LOCAL_WORLD_SIZE=2) "
+            "(set --num_procs 2 or change the torchrun command)")
+    assert refused.returncode != 0 and line in refused.stderr and "exitcode  : 2" in refused.stderr

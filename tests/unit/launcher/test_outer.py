@@ -117,3 +117,23 @@ def test_the_matching_runner_agrees_with_each_launcher():
     assert launcher_conflicts({"runner": "openmpi", "num_procs": 2}, detect_outer_launcher(MPIRUN)) == []
     (problem,) = launcher_conflicts({"runner": "slurm", "num_procs": 2}, detect_outer_launcher(MPIRUN))
     assert problem.path == "launcher.runner" and "mpirun already started this rank" in problem.message
+
+
+def test_dsrun_launch_flags_are_checked_and_the_script_is_the_rank():
+    from dsrun.launcher.options import LaunchOptions
+    from dsrun.launcher.outer import launch_conflicts, rank_argv
+
+    outer = detect_outer_launcher(TORCHRUN)
+    agreeing = LaunchOptions(target="train.py", target_args=["--lr", "0.1"], num_procs=2, python="python")
+    assert launch_conflicts(agreeing, outer) == []
+    assert rank_argv(agreeing, outer) == ["python", "train.py", "--lr", "0.1", "--local_rank=1"]
+    module = LaunchOptions(target="pkg.train", module=True, no_local_rank=True, python="python")
+    assert rank_argv(module, outer) == ["python", "-m", "pkg.train"]
+    refused = LaunchOptions(target="train.py", num_procs=4, hostfile="hosts", runner="pdsh")
+    assert [str(p) for p in launch_conflicts(refused, outer)] == [
+        "--launcher: is 'pdsh', but torchrun already started this rank (drop --launcher: under torchrun, dsrun "
+        "starts no ranks)",
+        "--num_procs: is 4, but torchrun started 2 rank(s) per node (LOCAL_WORLD_SIZE=2) (set --num_procs 2 or "
+        "change the torchrun command)",
+        "--hostfile: is 'hosts', which only dsrun's own launcher acts on, but torchrun started this rank (the outer "
+        "launcher chose the nodes; drop --hostfile)"]
