@@ -6,6 +6,10 @@ Examples:
   dsrun train --dry-run +recipe=gpt_zero3       compose, validate, check memory, write the run directory,
                                                 build every rank's engine on a fake process group and print
                                                 its groups and partitions; launch nothing (docs/dry_run.md)
+  torchrun --nproc-per-node 2 -m dsrun train +recipe=gpt_zero3
+                                                under torchrun, srun or mpirun: this process becomes that rank;
+                                                rank 0's run directory is every rank's, launcher keys that
+                                                conflict with the outer launcher are refused (docs/torchrun.md)
   dsrun train ds_config=my_ds_config.json       your DeepSpeed JSON, merged into the recipe's ds section
   dsrun train train.save_interval=50 train.resume=auto
                                                 resume from the newest checkpoint of an earlier run with the
