@@ -77,15 +77,17 @@ class OuterRank:
         return {name: str(value) for name, value in env.items()}
 
     def hosts(self) -> dict[str, list[int]]:
-        """The job's nodes as a plan lists them: ``node<i>`` (the outer launcher knows their names), each with the
-        slots its ranks take (the last node takes what is left of an uneven world)."""
+        """The job's nodes as a plan lists them, each with the slots its ranks take (the last node takes what is
+        left of an uneven world): this node is ``localhost`` (the checks before launch look at this machine's
+        files and memory only for a plan wholly on it), the others ``node<i>`` (the outer launcher knows their
+        names)."""
         if len(self.node_sizes) == self.num_nodes:
-            return {f"node{node}": list(range(size)) for node, size in enumerate(self.node_sizes)}
-        hosts = {}
-        for node in range(self.num_nodes):
-            first = node * self.local_world_size
-            hosts[f"node{node}"] = list(range(min(self.local_world_size, self.world_size - first)))
-        return hosts
+            sizes = list(self.node_sizes)
+        else:
+            sizes = [min(self.local_world_size, self.world_size - node * self.local_world_size)
+                     for node in range(self.num_nodes)]
+        return {("localhost" if node == self.node_rank else f"node{node}"): list(range(size))
+                for node, size in enumerate(sizes)}
 
 
 def _digits(environ: Mapping[str, str], *names: str) -> bool:

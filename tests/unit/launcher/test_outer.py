@@ -36,7 +36,7 @@ def test_srun_task_variables_make_the_rank():
     assert outer is not None and outer.launcher == "srun"
     assert (outer.rank, outer.world_size, outer.local_rank, outer.local_world_size) == (4, 5, 0, 1)
     assert (outer.node_rank, outer.num_nodes, outer.master_addr, outer.master_port) == (2, 3, "gpu07", 29500)
-    assert outer.hosts() == {"node0": [0, 1], "node1": [0, 1], "node2": [0]}
+    assert outer.hosts() == {"node0": [0, 1], "node1": [0, 1], "localhost": [0]}  # this node is the third
     env = outer.environment()  # what torch.distributed's env:// rendezvous reads
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["MASTER_ADDR"]) == ("4", "5", "0", "gpu07")
 
@@ -85,7 +85,7 @@ def test_agreeing_keys_are_accepted():
     assert launcher_conflicts({"runner": "no_ssh", "num_nodes": 2, "node_rank": 1, "master_addr": "10.0.0.1",
                                "master_port": 29400}, outer) == []
     plan = plan_from_mapping(local_recipe, "dsrun.worker", module=True, outer=outer)
-    assert plan.world_size == 4 and plan.commands == [] and plan.hosts == {"node0": [0, 1], "node1": [0, 1]}
+    assert plan.world_size == 4 and plan.commands == [] and plan.hosts == {"node0": [0, 1], "localhost": [0, 1]}
     assert describe_world(plan) == "torchrun: WORLD_SIZE=4 (2 per node on 2 node(s))"
 
 
