@@ -327,6 +327,18 @@ def _simulated_ranks(resolved: ResolvedRun, run_dir: Path) -> list[str]:
     return topology.lines(ranks)
 
 
+def _open_run(resolved: ResolvedRun, run_dir: Path, preflight: Preflight, resume_line: str | None, record: Record,
+              log: LauncherLog) -> None:
+    """Write the run files and say where the run goes, before its ranks start."""
+    from dsrun.rundir import write_run_files
+
+    write_run_files(run_dir, resolved)
+    record.write(run_dir)
+    log.say(f"run directory {run_dir}")
+    for line in [*([resume_line] if resume_line else []), *preflight.notes]:
+        log.say(line)
+
+
 def _train(resolved: ResolvedRun, run_dir: Path, preflight: Preflight, resume_line: str | None, record: Record,
            log: LauncherLog) -> dict:
     """Launch the worker on every rank of the plan; return the run's metrics (``metrics.json``)."""
@@ -335,14 +347,10 @@ def _train(resolved: ResolvedRun, run_dir: Path, preflight: Preflight, resume_li
     from dsrun.cli.outcome import done_lines, first_error, mark_mlflow, short_path, stopped_lines
     from dsrun.launcher import launch_from_mapping
     from dsrun.launcher.execute import JobOutcome
-    from dsrun.rundir import METRICS_JSON, write_run_files
+    from dsrun.rundir import METRICS_JSON
     from dsrun.runspec import WORKER_MODULE
 
-    write_run_files(run_dir, resolved)
-    record.write(run_dir)
-    log.say(f"run directory {run_dir}")
-    for line in [*([resume_line] if resume_line else []), *preflight.notes]:
-        log.say(line)
+    _open_run(resolved, run_dir, preflight, resume_line, record, log)
     launcher = dict(resolved.runspec.launcher)
     launcher["log_dir"] = launcher.get("log_dir") or str(run_dir / "logs")
     outcome = JobOutcome()
@@ -381,13 +389,9 @@ def _train_as_rank(resolved: ResolvedRun, run_dir: Path, preflight: Preflight, r
 
     from dsrun.cli.outcome import done_lines, stopped_lines
     from dsrun.cli.outer_rank import run_rank
-    from dsrun.rundir import METRICS_JSON, write_run_files
+    from dsrun.rundir import METRICS_JSON
 
-    write_run_files(run_dir, resolved)
-    record.write(run_dir)
-    log.say(f"run directory {run_dir}")
-    for line in [*([resume_line] if resume_line else []), *preflight.notes]:
-        log.say(line)
+    _open_run(resolved, run_dir, preflight, resume_line, record, log)
     log.say(f"training as rank 0 of {resolved.world_size_source}; the other ranks take this run directory")
     handoff.send_run(run_dir)
     code = run_rank(run_dir, 0, log.stdout, log.stderr)
