@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, free_port, run_cli
+from tests.helpers import REPO, free_port, require_programs, run_cli
 
 SHORT = ["train.max_steps=3", "train.eval_iters=1", "train.eval_interval=0", "data.max_bytes=300000"]
 TIMEOUT = 240
@@ -72,6 +72,22 @@ def test_torchrun_trains_the_same_job_as_dsrun_train(tmp_path, dsrun_run):
     assert "torchrun: WORLD_SIZE=2 (2 per node on 1 node(s))" in done.stdout
     assert "[dsrun] step 3/3" in (run_dir / "logs" / "rank0.stdout.log").read_text()
     assert "[dsrun] done: 3 steps" in (run_dir / "dsrun.log").read_text()
+
+
+@pytest.mark.slow
+def test_mpirun_trains_the_same_job_as_dsrun_train(tmp_path, dsrun_run):
+    """Open MPI's variables make the ranks too: ``mpirun -np 2 python -m dsrun train`` (MASTER_PORT exported)."""
+    mpirun = require_programs("mpirun")["mpirun"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_PORT": str(free_port())}
+    if os.geteuid() == 0:
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    done = subprocess.run([mpirun, "--oversubscribe", "-np", "2", "-x", "PYTHONPATH", "-x", "MASTER_PORT",
+                           sys.executable, "-m", "dsrun", "train", *SHORT], cwd=tmp_path, env=env, text=True,
+                          capture_output=True, timeout=TIMEOUT, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_dir = only_run_dir(tmp_path)
+    assert losses(run_dir) == losses(dsrun_run) and files(run_dir) == files(dsrun_run)
+    assert "mpirun: OMPI_COMM_WORLD_SIZE=2 (2 per node on 1 node(s))" in done.stdout
 
 
 def test_a_recipe_asking_for_other_ranks_is_refused_under_torchrun(tmp_path):
