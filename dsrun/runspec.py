@@ -19,6 +19,7 @@ from dsrun.utils.suggest import did_you_mean
 if TYPE_CHECKING:  # imported where used: the CLI loads this module without them
     from dsrun.config import DSConfig
     from dsrun.launcher import LaunchPlan
+    from dsrun.launcher.outer import OuterRank
 
 
 class _Section(BaseModel):
@@ -75,18 +76,22 @@ class ResolvedRun:
 
 def describe_world(plan: LaunchPlan) -> str:
     """Where the world size came from, for the batch-size explanation."""
+    if plan.outer:
+        return plan.outer
     if plan.hostfile:
         slots = " + ".join(str(len(s)) for s in plan.hosts.values())
         return f"{len(plan.hosts)} host(s) of {plan.hostfile} after filters: {slots} slots"
     return f"launcher.num_procs={plan.world_size} on this machine"
 
 
-def resolve_run(cfg: DictConfig, reuse: ResolvedRun | None = None) -> ResolvedRun:
+def resolve_run(cfg: DictConfig, reuse: ResolvedRun | None = None, outer: OuterRank | None = None) -> ResolvedRun:
     """Validate every section of a composed RunSpec; raise :class:`ConfigError` listing all problems.
 
     ``reuse``: a run resolved before in this process (``dsrun train`` checks the run before Hydra composes it
     again); its DeepSpeed config is taken as is when it was parsed from the same section for the same world,
-    so the launching process parses the config once."""
+    so the launching process parses the config once. ``outer``: the rank an outer launcher (torchrun, srun,
+    mpirun) made this process; the world is then the outer launcher's and the ``launcher`` keys that conflict
+    with it are problems (:mod:`dsrun.launcher.outer`)."""
     from dsrun.config import load_ds_config
     from dsrun.config.problems import validate_model
     from dsrun.launcher import plan_from_mapping
@@ -108,7 +113,7 @@ def resolve_run(cfg: DictConfig, reuse: ResolvedRun | None = None) -> ResolvedRu
     problems += train_problems
     plan = None
     try:
-        plan = plan_from_mapping(_section(cfg, "launcher"), WORKER_MODULE, module=True)
+        plan = plan_from_mapping(_section(cfg, "launcher"), WORKER_MODULE, module=True, outer=outer)
     except UserError as err:
         problems += err.problems
     ds = None

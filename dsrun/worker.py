@@ -1,7 +1,7 @@
 """The rank entry point: a run directory's RunSpec → model and data → ``dsrun.initialize`` → training loop.
 
 ``dsrun train`` writes the run directory and launches ``python -m dsrun.worker --run-dir RUN_DIR`` once per
-rank. The loop reads top to bottom and names no feature: the run's workload (:mod:`dsrun.workloads`: the
+rank (under torchrun, srun or mpirun each rank's ``dsrun train`` calls :func:`main` itself: docs/torchrun.md). The loop reads top to bottom and names no feature: the run's workload (:mod:`dsrun.workloads`: the
 dense GPT, the pipelined GPT or a distillation) builds the model, then for each optimizer step its ``step``
 runs the micro-steps of forward / backward and one ``engine.step()`` (a pipeline: its schedule), the loop
 evaluates now and then, and at the end writes ``metrics.json`` (rank 0). Each rank records its groups and

@@ -10,7 +10,9 @@ Examples:
   dsrun launch --as-deepspeed --num_procs 2 train.py   (an unedited DeepSpeed script: import deepspeed -> dsrun)
   dsrun launch --autotuning run --num_procs 2 train.py --deepspeed ds_config.json   (tune, then train the best)
 
-Launcher flags come before the script; everything after the script goes to it. When the script's arguments
+Under torchrun, srun or mpirun (their rank variables set) it starts no ranks: the script replaces it as that rank,
+with --local_rank=N and dsrun's rank variables; flags that conflict with the outer launcher's world are refused
+(docs/torchrun.md). Launcher flags come before the script; everything after the script goes to it. When the script's arguments
 name a DeepSpeed config (--deepspeed_config FILE), it is checked before any rank starts, as initialize will
 check it (the batch sizes excepted: they depend on the data-parallel size, which initialize knows).
 """
@@ -19,8 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING
 
 from dsrun.launcher.options import DEFAULT_LAST_CALL_TIMEOUT, DEFAULT_MASTER_PORT, RUNNERS, options_from_args
+
+if TYPE_CHECKING:
+    from dsrun.launcher.outer import OuterRank
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -90,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dsrun.launcher import plan_launch, run as run_plan
+    from dsrun.launcher import detect_outer_launcher, plan_launch, run as run_plan
     from dsrun.launcher.execute import JobOutcome, stopped_message
     from dsrun.utils.errors import Problem, UserError
 
@@ -103,6 +109,9 @@ def run(args: argparse.Namespace) -> int:
 
         # every rank inherits (and every node is sent) PYTHONPATH, see dsrun.launcher.environment
         os.environ.update(environment_with_alias(dict(os.environ)))
+    outer = detect_outer_launcher()
+    if outer is not None:  # torchrun, srun or mpirun made this process a rank: it becomes the script
+        return _become_rank(args, outer)
     plan = plan_launch(options_from_args(args))
     if args.autotuning and not args.dry_run:  # DeepSpeed's autotuner on this script (docs/autotuning.md)
         from dsrun.cli import launch_autotuning
@@ -119,6 +128,34 @@ def run(args: argparse.Namespace) -> int:
     if outcome.signal is not None:
         print(stopped_message(plan, outcome.signal), file=sys.stderr)
     return code
+
+
+def _become_rank(args: argparse.Namespace, outer: OuterRank) -> int:
+    """Under an outer launcher: refuse the flags that conflict with its world, then replace this process with the
+    script (``execvp``), given the variables a rank of dsrun's agent has (docs/torchrun.md)."""
+    import os
+
+    from dsrun.launcher.outer import launch_conflicts, rank_argv
+    from dsrun.utils.errors import Problem, UserError
+
+    options = options_from_args(args)
+    problems = launch_conflicts(options, outer)
+    if args.dry_run or args.autotuning:
+        flag = "--dry-run" if args.dry_run else "--autotuning"
+        problems.append(Problem(flag, f"is not run as a rank of {outer.launcher} ({outer.variable('rank')})",
+                                f"run dsrun launch {flag} outside {outer.launcher}"))
+    if problems:
+        raise UserError(problems)
+    check_script_config(args.script_args, outer.world_size)
+    os.environ.update(outer.environment())
+    argv = rank_argv(options, outer)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execvp(argv[0], argv)
+    except OSError as err:
+        raise UserError(Problem("script", f"cannot start {argv[0]!r}: {err.strerror}")) from None
+    return 0  # not reached: execvp replaced this process
 
 
 CONFIG_FLAGS = ("--deepspeed_config", "--deepscale_config")

@@ -6,6 +6,10 @@ Examples:
   dsrun train --dry-run +recipe=gpt_zero3       compose, validate, check memory, write the run directory,
                                                 build every rank's engine on a fake process group and print
                                                 its groups and partitions; launch nothing (docs/dry_run.md)
+  torchrun --nproc-per-node 2 -m dsrun train +recipe=gpt_zero3
+                                                under torchrun, srun or mpirun: this process becomes that rank;
+                                                rank 0's run directory is every rank's, launcher keys that
+                                                conflict with the outer launcher are refused (docs/torchrun.md)
   dsrun train ds_config=my_ds_config.json       your DeepSpeed JSON, merged into the recipe's ds section
   dsrun train train.save_interval=50 train.resume=auto
                                                 resume from the newest checkpoint of an earlier run with the
@@ -34,7 +38,9 @@ from dsrun.cli.common import add_compose_arguments
 from dsrun.utils.errors import EXIT_USAGE, Problem, UserError
 
 if TYPE_CHECKING:
+    from dsrun.cli.outer_rank import RunHandoff
     from dsrun.cli.preflight import Preflight
+    from dsrun.launcher.outer import OuterRank
     from dsrun.rundir import LauncherLog
     from dsrun.runspec import ResolvedRun
 
@@ -81,6 +87,32 @@ class TrainingStopped(Exception):
 
 
 def run(args: argparse.Namespace) -> int:
+    from dsrun.launcher.outer import detect_outer_launcher
+
+    outer = detect_outer_launcher()  # torchrun, srun or mpirun made this process a rank: become it
+    if outer is None:
+        return _run(args, None)
+    from dsrun.cli.outer_rank import RunHandoff
+
+    if args.multirun or args.dry_run:
+        flag = "-m" if args.multirun else "--dry-run"
+        raise UserError(Problem(flag, f"is not run as a rank of {outer.launcher} ({outer.variable('rank')})",
+                                f"run dsrun train {flag} outside {outer.launcher}"))
+    handoff = RunHandoff() if outer.rank == 0 else None
+    try:
+        code = _run(args, outer, handoff)
+    except BaseException as err:  # rank 0 stopped before the run: the others leave with its exit code
+        if handoff is not None:
+            handoff.close(err)
+        raise
+    if handoff is not None:
+        handoff.close(None)
+    return code
+
+
+def _run(args: argparse.Namespace, outer: OuterRank | None, handoff: RunHandoff | None = None) -> int:
+    """``dsrun train``; with ``outer``, as that rank of an outer launcher's job (dsrun.cli.outer_rank): every rank
+    checks the recipe, then rank 0 runs Hydra and hands its run directory over ``handoff``."""
     from dsrun.cli.common import say_stage
 
     # the first line comes before Hydra and torch are imported: they cost seconds of CPU on a busy machine
@@ -98,7 +130,13 @@ def run(args: argparse.Namespace) -> int:
     if source is not None and args.multirun:
         raise UserError(Problem("--from", "reruns one run; it does not take -m", "leave out -m"))
     if not args.multirun:  # fail fast, before any run directory
-        first = resolved = resolve_run(compose_runspec(overrides, args.recipes_dir, source=source))
+        first = resolved = resolve_run(compose_runspec(overrides, args.recipes_dir, source=source), outer=outer)
+        if outer is not None:  # every rank refused a conflicting launcher key above; now they meet
+            from dsrun.cli.outer_rank import follow_rank_zero, join_world
+
+            join_world(outer)
+            if handoff is None:
+                return follow_rank_zero()
         checked = _check(resolved, args)
         if source is not None:  # a damaged `latest` in the source is refused here already
             settle_from(resolved, source, overrides)
@@ -122,14 +160,17 @@ def run(args: argparse.Namespace) -> int:
         log = LauncherLog(run_dir)
         try:
             with quiet_legacy_notes(not args.multirun):  # the single run's notes were shown already
-                resolved = resolve_run(finish_runspec(cfg, hydra_overrides), reuse=first)  # ds parsed once
+                resolved = resolve_run(finish_runspec(cfg, hydra_overrides), reuse=first, outer=outer)  # ds once
             announce(resolved.ds, for_children=True)  # what it runs without: said once, not again by the ranks
             preflight = checked or _check(resolved, args)
             resolved, resume_line = _settle_resume(resolved, run_dir, job.overrides, args, source, overrides)
             record = Record(command, _lineage(source, job.overrides), preflight.data)
             if args.dry_run:
                 return _dry_run(resolved, run_dir, preflight, resume_line, record)
-            metrics = _train(resolved, run_dir, preflight, resume_line, record, log)
+            if handoff is not None:
+                metrics = _train_as_rank(resolved, run_dir, preflight, resume_line, record, log, handoff)
+            else:
+                metrics = _train(resolved, run_dir, preflight, resume_line, record, log)
             job.final_eval_loss, job.tokens_per_second = metrics.get("final_eval_loss"), metrics["tokens_per_second"]
         except RunFinished as finished:  # train.resume=auto found the run done: nothing launched
             log.say(str(finished))
@@ -286,6 +327,18 @@ def _simulated_ranks(resolved: ResolvedRun, run_dir: Path) -> list[str]:
     return topology.lines(ranks)
 
 
+def _open_run(resolved: ResolvedRun, run_dir: Path, preflight: Preflight, resume_line: str | None, record: Record,
+              log: LauncherLog) -> None:
+    """Write the run files and say where the run goes, before its ranks start."""
+    from dsrun.rundir import write_run_files
+
+    write_run_files(run_dir, resolved)
+    record.write(run_dir)
+    log.say(f"run directory {run_dir}")
+    for line in [*([resume_line] if resume_line else []), *preflight.notes]:
+        log.say(line)
+
+
 def _train(resolved: ResolvedRun, run_dir: Path, preflight: Preflight, resume_line: str | None, record: Record,
            log: LauncherLog) -> dict:
     """Launch the worker on every rank of the plan; return the run's metrics (``metrics.json``)."""
@@ -294,14 +347,10 @@ def _train(resolved: ResolvedRun, run_dir: Path, preflight: Preflight, resume_li
     from dsrun.cli.outcome import done_lines, first_error, mark_mlflow, short_path, stopped_lines
     from dsrun.launcher import launch_from_mapping
     from dsrun.launcher.execute import JobOutcome
-    from dsrun.rundir import METRICS_JSON, write_run_files
+    from dsrun.rundir import METRICS_JSON
     from dsrun.runspec import WORKER_MODULE
 
-    write_run_files(run_dir, resolved)
-    record.write(run_dir)
-    log.say(f"run directory {run_dir}")
-    for line in [*([resume_line] if resume_line else []), *preflight.notes]:
-        log.say(line)
+    _open_run(resolved, run_dir, preflight, resume_line, record, log)
     launcher = dict(resolved.runspec.launcher)
     launcher["log_dir"] = launcher.get("log_dir") or str(run_dir / "logs")
     outcome = JobOutcome()
@@ -325,6 +374,33 @@ def _train(resolved: ResolvedRun, run_dir: Path, preflight: Preflight, resume_li
         log.say(f"training failed (exit code {outcome.exit_code}){error}; logs per rank in {short_path(log_dir)}",
                 err=True)
         raise TrainingFailed(f"exit code {outcome.exit_code}{error}", outcome.exit_code)
+    metrics = json.loads((run_dir / METRICS_JSON).read_text())
+    for line in done_lines(resolved, run_dir, metrics):
+        log.say(line)
+    return metrics
+
+
+def _train_as_rank(resolved: ResolvedRun, run_dir: Path, preflight: Preflight, resume_line: str | None,
+                   record: Record, log: LauncherLog, handoff: RunHandoff) -> dict:
+    """Rank 0 of an outer launcher's job: write the run files, hand the run directory to the other ranks and
+    train as rank 0 in this process (dsrun.cli.outer_rank); return the run's metrics."""
+    import json
+    import signal
+
+    from dsrun.cli.outcome import done_lines, stopped_lines
+    from dsrun.cli.outer_rank import run_rank
+    from dsrun.rundir import METRICS_JSON
+
+    _open_run(resolved, run_dir, preflight, resume_line, record, log)
+    log.say(f"training as rank 0 of {resolved.world_size_source}; the other ranks take this run directory")
+    handoff.send_run(run_dir)
+    code = run_rank(run_dir, 0, log.stdout, log.stderr)
+    if code == 128 + signal.SIGTERM:  # the worker stopped at a step boundary on SIGTERM/SIGINT
+        for line in stopped_lines(resolved, run_dir, signal.SIGTERM):
+            log.say(line, err=True)
+        raise TrainingStopped(signal.SIGTERM)
+    if code != 0:  # the worker said why (a user's mistake: its error lines)
+        raise TrainingFailed(f"exit code {code}", code)
     metrics = json.loads((run_dir / METRICS_JSON).read_text())
     for line in done_lines(resolved, run_dir, metrics):
         log.say(line)

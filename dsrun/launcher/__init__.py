@@ -24,7 +24,8 @@ Each rank gets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, `
 Layout: :mod:`~dsrun.launcher.hostfile` (hostfile, filters), :mod:`~dsrun.launcher.options`,
 :mod:`~dsrun.launcher.environment` (exported variables, env files), :mod:`~dsrun.launcher.plan` (world
 plan), :mod:`~dsrun.launcher.runners` (command lines), :mod:`~dsrun.launcher.execute` (running a plan),
-:mod:`~dsrun.launcher.mpi` (the MPI runners' command lines),
+:mod:`~dsrun.launcher.mpi` (the MPI runners' command lines), :mod:`~dsrun.launcher.outer` (a rank torchrun,
+srun or mpirun started: dsrun becomes it),
 :mod:`~dsrun.launcher.agent` + :mod:`~dsrun.launcher.supervision` (per-node torch elastic agent),
 :mod:`~dsrun.launcher.elastic_agent` (the agent of an elastic job), :mod:`~dsrun.launcher.rank_exec`
 (per-rank exec shim, also the rank side of the MPI runners).
@@ -37,18 +38,27 @@ from typing import IO, Any, Mapping, Sequence
 
 from dsrun.launcher.execute import JobOutcome, run
 from dsrun.launcher.options import LaunchOptions, key_path, options_from_mapping
+from dsrun.launcher.outer import OuterRank, detect_outer_launcher, launcher_conflicts, outer_plan
 from dsrun.launcher.plan import LaunchPlan, plan_launch
 from dsrun.utils.errors import Problem, UserError
 
 __all__ = ["LaunchOptions", "LaunchPlan", "plan_launch", "run", "options_from_mapping", "plan_from_mapping",
-           "launch_from_mapping", "JobOutcome"]
+           "launch_from_mapping", "JobOutcome", "OuterRank", "detect_outer_launcher"]
 
 
 def plan_from_mapping(mapping: Mapping[str, Any] | None, target: str, target_args: Sequence[str] = (), *,
-                      module: bool = False, path: str = "launcher", **extra: object) -> LaunchPlan:
+                      module: bool = False, path: str = "launcher", outer: OuterRank | None = None,
+                      **extra: object) -> LaunchPlan:
     """Plan a job from a RunSpec ``launcher:`` mapping; every problem names its RunSpec key path
-    (``launcher.num_procs``), not the CLI flag."""
+    (``launcher.num_procs``), not the CLI flag. With ``outer`` (this process is a rank torchrun, srun or mpirun
+    started: :mod:`~dsrun.launcher.outer`) the plan is the outer launcher's world and the keys that conflict with
+    it are refused."""
     options = options_from_mapping(mapping, target, target_args, module=module, path=path, **extra)
+    if outer is not None:
+        conflicts = launcher_conflicts(mapping, outer, path)
+        if conflicts:
+            raise UserError(conflicts)
+        return outer_plan(options, outer)
     try:
         return plan_launch(options)
     except UserError as err:

@@ -41,6 +41,7 @@ class LaunchPlan:
     save_pid: int = 0
     notes: list[str] = field(default_factory=list)
     files: dict[str, str] = field(default_factory=dict)  # written before the commands start (mvapich's hosts)
+    outer: str | None = None  # an outer launcher started the ranks (dsrun.launcher.outer): its world, described
 
     def to_json(self) -> dict[str, Any]:
         """The plan as ``dsrun launch --dry-run`` prints it."""
