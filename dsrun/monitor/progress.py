@@ -26,8 +26,8 @@ def format_seconds(seconds: float) -> str:
 
 
 def format_tflops(tflops: float) -> str:
-    """Three significant figures, so a CPU's 0.0123 and an H100's 412 both read well."""
-    return f"{tflops:.3g}" if tflops < 1000 else f"{tflops:,.0f}"
+    """Three significant figures, trailing zeros kept (a CPU's 0.0210, an H100's 412), whole above 1000."""
+    return f"{tflops:#.3g}".rstrip(".") if tflops < 1000 else f"{tflops:,.0f}"
 
 
 def flops_text(tflops: float, mfu: float) -> str:

@@ -79,39 +79,52 @@ def _synchronize(device: torch.device) -> None:
 
 
 def measure_matmul_peak(dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                        threads: int | None = None, size: int | None = None, budget_s: float = 0.3) -> float:
-    """The best rate (FLOP/s) of a square GEMM ``size x size`` at ``dtype`` on ``device`` (with ``threads``
-    intra-op threads on the CPU; None: torch's current setting), timed one multiply at a time for about
-    ``budget_s`` seconds (at least 3 times) after one warm-up; a size whose warm-up takes more than half the
-    budget (a slow dtype) is halved, down to 128. Best, not mean: the peak is what the device can do."""
+                        threads: int | None = None, sizes: tuple[int, ...] | None = None,
+                        budget_s: float = 0.3) -> float:
+    """The best rate (FLOP/s) of square GEMMs at ``dtype`` on ``device`` (with ``threads`` intra-op threads on the
+    CPU; None: torch's current setting), one multiply timed at a time, after a warm-up, for about
+    ``budget_s / len(sizes)`` seconds (at least 3 times) per size. Best, not mean: the peak is what the device
+    can do. On the CPU the sizes are 256, 512 and 1024: a small one runs within one scheduler slice on a shared
+    machine, and a large one keeps many threads busy; a size predicted to take over half the budget per
+    multiply (a slow dtype) is skipped. A GPU's size is 8192. With one CPU thread a multiply is timed by the
+    thread's CPU time, immune to other processes' load; with several, by the clock, which a loaded machine
+    stretches (every thread must hold a core at once), so one thread's rate is the floor: there a rank with
+    several threads may read a low peak, and a high MFU (``benchmarks/mfu_probe.py --threads N`` shows it)."""
     device = torch.device(device)
-    size = size or (1024 if device.type == "cpu" else 8192)
+    sizes = sizes or ((256, 512, 1024) if device.type == "cpu" else (8192,))
     previous = torch.get_num_threads()
     if threads and device.type == "cpu":
         torch.set_num_threads(threads)
+    # one CPU thread multiplies on this very thread: its CPU time leaves out the moments other processes had
+    # the core, so a shared machine's load does not lower the peak (several threads are timed by the clock)
+    on_one_core = device.type == "cpu" and torch.get_num_threads() == 1
+    best = 0.0
     try:
-        while True:
+        for size in sizes:
+            flops = 2.0 * size ** 3
+            if best and flops / best > budget_s / 2:
+                break
             a = torch.randn(size, size, device=device).to(dtype)
             b = torch.randn(size, size, device=device).to(dtype)
             out = torch.empty(size, size, device=device, dtype=dtype)
-            started = time.perf_counter()
-            torch.mm(a, b, out=out)
+            torch.mm(a, b, out=out)  # warm-up
             _synchronize(device)
-            if time.perf_counter() - started <= budget_s / 2 or size <= 128:
-                break
-            size //= 2
-        best, trials, deadline = 0.0, 0, time.perf_counter() + budget_s
-        while trials < 3 or (time.perf_counter() < deadline and trials < 200):
-            started = time.perf_counter()
-            torch.mm(a, b, out=out)
-            _synchronize(device)
-            elapsed = time.perf_counter() - started
-            if elapsed > 0:
-                best = max(best, 2.0 * size ** 3 / elapsed)
-            trials += 1
-        return best
+            trials, deadline = 0, time.perf_counter() + budget_s / len(sizes)
+            while trials < 3 or (time.perf_counter() < deadline and trials < 1000):
+                started, cpu_started = time.perf_counter(), time.thread_time()
+                torch.mm(a, b, out=out)
+                _synchronize(device)
+                elapsed, cpu = time.perf_counter() - started, time.thread_time() - cpu_started
+                if on_one_core and cpu > elapsed / 2:  # less: the work ran elsewhere (or mostly waited): the clock
+                    elapsed = cpu
+                if elapsed > 0:
+                    best = max(best, flops / elapsed)
+                trials += 1
     finally:
         torch.set_num_threads(previous)
+    if device.type == "cpu" and not on_one_core:  # the floor: what one core does, whatever the load
+        best = max(best, measure_matmul_peak(dtype, device, threads=1, sizes=sizes[:1], budget_s=budget_s / 4))
+    return best
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import torch
 
 import dsrun
 from dsrun.models import GPTConfig, forward_flops, matmul_parameters, model_step_flops, train_step_flops
-from dsrun.monitor.progress import TrainingProgress
+from dsrun.monitor.progress import TrainingProgress, format_tflops
 from dsrun.profiling.mfu import (DevicePeak, ModelFlopsMeter, device_peak, gpu_peak_tflops, measure_matmul_peak,
                                  train_flops_per_token)
 
@@ -54,7 +54,7 @@ def test_unknown_devices_and_dtypes_are_not_in_the_table():
 
 def test_cpu_probe_measures_a_positive_finite_rate():
     for dtype in (torch.float32, torch.bfloat16):
-        rate = measure_matmul_peak(dtype, threads=1, size=256, budget_s=0.05)
+        rate = measure_matmul_peak(dtype, threads=1, sizes=(128, 256), budget_s=0.05)
         assert rate > 0 and math.isfinite(rate)
     peak = device_peak("cpu", torch.float32)  # no GPU: the probe, whatever the thread count
     assert peak.source == "measured" and peak.flops > 0 and math.isfinite(peak.flops)
@@ -65,7 +65,7 @@ def test_meter_divides_by_devices_and_peak():
     meter = ModelFlopsMeter(flops_per_step=4e12, peak=DevicePeak(10e12, "given"), devices=2)
     rate = meter.rate(steps=5, elapsed_s=2.0)  # 20e12 FLOPs in 2 s over 2 devices: 5 TFLOP/s each
     assert rate.tflops_per_device == pytest.approx(5.0) and rate.mfu == pytest.approx(0.5)
-    assert rate.text() == "5 TFLOP/s | MFU 50.0%"
+    assert rate.text() == "5.00 TFLOP/s | MFU 50.0%"
     assert rate.events(64) == [("Train/Samples/tflops_per_device", rate.tflops_per_device, 64),
                                ("Train/Samples/mfu", rate.mfu, 64)]
     assert meter.rate(steps=1, elapsed_s=0.0) is None
@@ -79,6 +79,7 @@ def test_progress_line_carries_tflops_and_mfu():
     first, second = out.getvalue().splitlines()
     assert "| 12,800 tokens/s | 0.0123 TFLOP/s | MFU 8.1% | eta " in first
     assert "TFLOP/s" not in second and "MFU" not in second
+    assert [format_tflops(x) for x in (0.021, 412.3, 989.4, 1979.0)] == ["0.0210", "412", "989", "1,979"]
 
 
 @pytest.mark.usefixtures("world_of_one")
@@ -99,7 +100,7 @@ def test_user_script_engine_reports_mfu_on_its_step_line_and_monitors(tmp_path):
             engine.step()
     engine.monitor.close()
     lines = out.getvalue().splitlines()
-    assert lines[0] == "[dsrun] peak (given): 0.001 TFLOP/s"
+    assert lines[0] == "[dsrun] peak (given): 0.00100 TFLOP/s"
     steps = [line for line in lines if line.startswith("[dsrun] step=")]
     assert len(steps) == 2 and all(" TFLOP/s | MFU " in line for line in steps)
     rows = (tmp_path / "job" / "Train_Samples_mfu.csv").read_text().splitlines()
