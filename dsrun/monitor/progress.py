@@ -5,8 +5,8 @@ The bar shows step/total, loss, learning rate, samples/s, tokens/s, the model's 
 is only used on a terminal. Anywhere else (CI, a log file, ``dsrun train`` collecting rank logs) a line is
 printed every ``print_every`` steps and at the last step::
 
-    [dsrun] step 20/300 | loss 2.4312 | lr 3.000e-04 | 412 samples/s | 52,736 tokens/s | 0.0123 TFLOP/s |
-    MFU 8.1% | eta 1m04s     (one line)
+    [dsrun] step 20/300 | loss 2.4312 | lr 3.000e-04 | 412 samples/s | 52,736 tokens/s | 0.0680 TFLOP/s |
+    MFU 66.1% | eta 1m04s     (one line)
 
 ``DSRUN_PROGRESS=bar`` or ``lines`` overrides the choice. Under ``dsrun train`` rank 0's stdout is a pipe to
 the launcher, so it prints lines (a bar's redraws would reach the terminal as escape codes, line by line).
