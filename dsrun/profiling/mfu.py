@@ -169,15 +169,16 @@ class FlopsRate:
 
 @dataclass(frozen=True)
 class ModelFlopsMeter:
-    """The model FLOPs of one optimizer step (every rank's together), the peak of one device, and how many
-    devices share the step (the world size: data, pipeline, sequence and model parallel ranks alike)."""
+    """The model FLOPs of one unit of training, every rank's together (``dsrun train``: one optimizer step; the
+    engine's observer, whose batch may change: one sample), the peak of one device, and how many devices share
+    the work (the world size: data, pipeline, sequence and model parallel ranks alike)."""
 
     flops_per_step: float
     peak: DevicePeak
     devices: int
 
     def rate(self, steps: float, elapsed_s: float) -> FlopsRate | None:
-        """Over ``steps`` optimizer steps in ``elapsed_s`` seconds; None when no time passed."""
+        """Over ``steps`` units (optimizer steps, or samples) in ``elapsed_s`` seconds; None when no time passed."""
         if elapsed_s <= 0 or not math.isfinite(elapsed_s):
             return None
         per_device = steps * self.flops_per_step / elapsed_s / self.devices
