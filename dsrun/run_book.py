@@ -2,7 +2,9 @@
 
 :class:`RunBook` records what a run reports (losses, learning rates, step times and timers, evaluations,
 throughput), prints the progress lines, saves checkpoints on schedule, agrees with the other ranks when to stop
-(SIGTERM/SIGINT on any rank), and at the end writes ``metrics.json`` and the run's reports.
+(SIGTERM/SIGINT on any rank), and at the end writes ``metrics.json`` and the run's reports. With a
+:class:`~dsrun.profiling.mfu.ModelFlopsMeter` (dsrun's GPT) it says the device's peak once at start and adds
+the model's TFLOP/s per device and MFU to every progress line, the monitors and ``metrics.json``.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from dsrun.runspec import TrainSpec
 
 if TYPE_CHECKING:
     from dsrun.engine.engine import DeepSpeedEngine
+    from dsrun.profiling.mfu import FlopsRate, ModelFlopsMeter
 
 
 class ResumableLoader(Protocol):
@@ -36,9 +39,10 @@ class RunBook:
                  max_steps: int, tokens_per_step: int, num_params: int, step_flops: int | None,
                  evaluate: Callable[[], float], report_throughput: Callable[..., tuple[float, float]],
                  step_timers: Callable[..., Any], mean_across_ranks: Callable[[float], float],
-                 stop_agreed: Callable[[], bool], world_size: int, eval_counts: Callable[[], dict[str, Any]] = dict):
+                 stop_agreed: Callable[[], bool], world_size: int, eval_counts: Callable[[], dict[str, Any]] = dict,
+                 flops_meter: ModelFlopsMeter | None = None):
         self.engine, self.run_dir, self.max_steps = engine, run_dir, max_steps
-        self.tokens_per_step, self.step_flops = tokens_per_step, step_flops
+        self.tokens_per_step, self.step_flops, self.flops_meter = tokens_per_step, step_flops, flops_meter
         self._evaluate, self._throughput, self._timers = evaluate, report_throughput, step_timers
         self._mean, self._stop_agreed, self._eval_counts = mean_across_ranks, stop_agreed, eval_counts
         self.rank = engine.global_rank
@@ -50,6 +54,9 @@ class RunBook:
             "micro_batch_size": engine.train_micro_batch_size_per_gpu(),
             "gradient_accumulation_steps": engine.gradient_accumulation_steps(), "num_params": num_params,
             "step_flops": step_flops, "step_times_ms": [], "step_timers_ms": []}  # per step, for dsrun tune
+        if flops_meter is not None:  # MFU's numerator per step, and its denominator per device
+            self.metrics.update(model_flops_per_step=flops_meter.flops_per_step,
+                                peak_flops_per_device=flops_meter.peak.flops, peak_source=flops_meter.peak.source)
         # checkpoints: resume before the first step (train.resume), save every train.save_interval steps and at
         # the last one
         self.checkpoints = TrainingCheckpoints(engine, loader, run_dir, cfg.save_interval, cfg.resume, cfg.keep_last,
@@ -64,6 +71,8 @@ class RunBook:
             print(f"[dsrun] training {model_name} ({self.metrics['num_params']:,} parameters) for {self.max_steps} "
                   f"steps on {self.metrics['world_size']} rank(s); {self.engine.train_batch_size()} samples x "
                   f"{seq_len} tokens per step", flush=True)
+            if self.flops_meter is not None:
+                print(f"[dsrun] {self.flops_meter.peak.line()}", flush=True)
 
     def resume(self) -> int:
         """Load the checkpoint to resume from, if any; returns the first step to train."""
@@ -103,12 +112,21 @@ class RunBook:
         elapsed = time.perf_counter() - self._start
         samples_s, tokens_s = self._throughput(engine, step - self.first_step + 1, elapsed, self.tokens_per_step,
                                                self.step_flops)
+        rate = self._flops_rate(step - self.first_step + 1, elapsed)
         evaluated = metrics["eval_losses"][-1]["step"] == step
         self.progress.update(step, loss, engine.get_lr()[0], samples_s, tokens_s, elapsed,
-                             extra=f"eval {metrics['eval_losses'][-1]['loss']:.4f}" if evaluated else "")
+                             extra=f"eval {metrics['eval_losses'][-1]['loss']:.4f}" if evaluated else "",
+                             tflops=rate.tflops_per_device if rate else None, mfu=rate.mfu if rate else None)
         stopping = self._stop_agreed()
         self.checkpoints.save_if_due(step, force=stopping)  # a stopped run saves where it is, if saving is on
         return stopping
+
+    def _flops_rate(self, steps: int, elapsed: float) -> FlopsRate | None:
+        """The model's TFLOP/s per device and MFU over the steps run so far, sent to the monitors too."""
+        rate = self.flops_meter.rate(steps, elapsed) if self.flops_meter is not None else None
+        if rate is not None:
+            self.engine.monitor.write_events(rate.events(self.engine.global_samples))
+        return rate
 
     def finish(self, stopped_by: str | None, record_peak: Callable[[], None],
                extra_metrics: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -124,6 +142,9 @@ class RunBook:
                        tokens_per_second=steps_done * self.tokens_per_step / wall,
                        final_eval_loss=metrics["eval_losses"][-1]["loss"] if metrics["eval_losses"] else None,
                        **(extra_metrics or {}))
+        rate = self.flops_meter.rate(steps_done, wall) if self.flops_meter is not None and steps_done else None
+        if rate is not None:
+            metrics.update(tflops_per_device=rate.tflops_per_device, mfu=rate.mfu)
         record_peak()
         reports = write_run_reports(engine, self.run_dir)  # comms.json, flops_profile.txt (rank 0)
         if self.rank == 0:

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from dsrun.engine.engine import DeepSpeedEngine
+    from dsrun.profiling.mfu import ModelFlopsMeter
 
 
 class StopFlag:
@@ -72,6 +73,22 @@ def _train_step_flops(model: nn.Module, batch_size: int, seq_len: int) -> int | 
         return train_step_flops(model, batch_size, seq_len)
     except TypeError:
         return None
+
+
+def model_flops_meter(engine: DeepSpeedEngine, model: nn.Module, batch_size: int, seq_len: int,
+                      world_size: int) -> ModelFlopsMeter | None:
+    """MFU's parts for dsrun's GPT (None for another model): the model FLOPs of one step (PaLM's, no
+    recompute) and one device's peak, the table's for a known GPU or the matmul probe's at the run's dtype and
+    threads, which every rank runs at once (as they will train) and which is averaged over the ranks."""
+    from dsrun.models.accounting import model_step_flops
+    from dsrun.profiling.mfu import DevicePeak, ModelFlopsMeter, device_peak
+
+    try:
+        flops = model_step_flops(model, batch_size, seq_len)
+    except TypeError:
+        return None
+    peak = device_peak(engine.device, engine.precision.model_dtype)
+    return ModelFlopsMeter(flops, DevicePeak(mean_across_ranks(peak.flops), peak.source), world_size)
 
 
 def report_throughput(engine: DeepSpeedEngine, steps: int, elapsed: float, tokens_per_step: int,
@@ -138,7 +155,8 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
                    evaluate=lambda: workload.evaluate(corpus, cfg.eval_iters),
                    report_throughput=report_throughput, step_timers=step_timer_ms,
                    mean_across_ranks=mean_across_ranks, stop_agreed=lambda: stop_agreed(stop), world_size=world_size,
-                   eval_counts=workload.eval_counts)  # tokens and layer-tokens seen at each evaluation
+                   eval_counts=workload.eval_counts,  # tokens and layer-tokens seen at each evaluation
+                   flops_meter=model_flops_meter(engine, model, engine.train_batch_size(), corpus.seq_len, world_size))
     book.announce(type(model).__name__, corpus.seq_len)
     first_step = book.resume()
     book.evaluate_first()

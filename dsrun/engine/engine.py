@@ -334,7 +334,21 @@ class DeepSpeedEngine(torch.nn.Module):
         every = int(self._config.steps_per_print or 0)
         if not (self.print_step_lines and every) or self.global_steps % every or self.global_rank != 0:
             return
-        print(f"[dsrun] step={self.global_steps}, skipped={self.skipped_steps}, lr={self.get_lr()}", flush=True)
+        rate = self.observer.flops_rate()  # with set_model_flops: TFLOP/s and MFU since the last line
+        print(f"[dsrun] step={self.global_steps}, skipped={self.skipped_steps}, lr={self.get_lr()}"
+              + (f" | {rate.text()}" if rate is not None else ""), flush=True)
+
+    def set_model_flops(self, flops_per_sample: float, peak_flops: float | None = None) -> float:
+        """dsrun's: from now on report the model's TFLOP/s per device and MFU (achieved / peak) every
+        ``steps_per_print`` steps, on the step line and to the monitors. ``flops_per_sample``: one sample's
+        forward + backward model FLOPs, without recompute (a decoder of ``N`` weights, ``L`` layers, width ``d``
+        over ``T`` tokens: ``T * dsrun.profiling.mfu.train_flops_per_token(N, L, d, T)``). ``peak_flops``: one
+        device's peak FLOP/s (default: the table's for a known GPU, else a timed matmul at the model's dtype;
+        call on every rank). Returns the peak used."""
+        from dsrun.profiling.mfu import DevicePeak
+
+        peak = DevicePeak(peak_flops, "given") if peak_flops else None
+        return self.observer.set_model_flops(flops_per_sample, peak).flops
 
     def zero_grad(self) -> None:
         if self.strategy is not None:

@@ -11,7 +11,10 @@ lives here, so the engine's own code stays about training. Events use DeepSpeed'
   printed on rank 0);
 * with ``flops_profiler``: the first micro-batch of the step where ``global_steps == profile_step`` is
   profiled on rank 0, and the report is printed at the end of that step (or written to ``output_file``);
-  its text stays in :attr:`EngineObserver.flops_report`.
+  its text stays in :attr:`EngineObserver.flops_report`;
+* once the model's FLOPs per sample are known (``engine.set_model_flops``, :mod:`dsrun.profiling.mfu`):
+  every ``steps_per_print`` steps (unset: every step) ``Train/Samples/tflops_per_device`` and
+  ``Train/Samples/mfu`` over the steps since the last report, and the same on the engine's step line.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import torch
 
 from dsrun.monitor import MonitorMaster
 from dsrun.profiling.flops_profiler import FlopsProfiler
+from dsrun.profiling.mfu import DevicePeak, FlopsRate, ModelFlopsMeter, device_peak
 from dsrun.profiling.wall_clock import BREAKDOWN_TIMERS, breakdown_events, breakdown_line
 
 
@@ -40,6 +44,36 @@ class EngineObserver:
         self._profile_phase: str | None = None  # None → "forward" → "backward" → "step" → done
         self._started = 0.0
         self._loss_sum: torch.Tensor | None = None
+        # MFU (set_model_flops): the meter counts samples; the window since the last report, its rate cached
+        # for the step (the step line and the monitors both read it)
+        self.flops_meter: ModelFlopsMeter | None = None
+        self._window = (0.0, 0)  # (time, global_samples) at the window's start
+        self._rate: tuple[int, FlopsRate | None] = (-1, None)  # (global_steps, the rate then)
+
+    def set_model_flops(self, flops_per_sample: float, peak: DevicePeak | None = None) -> DevicePeak:
+        """Count ``flops_per_sample`` model FLOPs (forward + backward, no recompute) per trained sample from now
+        on; ``peak`` (one device's) defaults to the table's for a known GPU or the matmul probe's, which every
+        rank calling this runs at once. Rank 0 prints the peak once. Returns the peak."""
+        engine = self.engine
+        peak = peak or device_peak(engine.device, engine.precision.model_dtype)
+        self.flops_meter = ModelFlopsMeter(float(flops_per_sample), peak, engine.world_size)
+        self._window, self._rate = (time.perf_counter(), engine.global_samples), (-1, None)
+        if engine.global_rank == 0:
+            print(f"[dsrun] {peak.line()}", flush=True)
+        return peak
+
+    def flops_rate(self) -> FlopsRate | None:
+        """The model's TFLOP/s per device and MFU over the samples trained since the previous report; None
+        before ``set_model_flops``. Calls within one optimizer step share one window."""
+        engine = self.engine
+        if self.flops_meter is None:
+            return None
+        if self._rate[0] != engine.global_steps:
+            now = time.perf_counter()
+            started, samples = self._window
+            self._rate = (engine.global_steps, self.flops_meter.rate(engine.global_samples - samples, now - started))
+            self._window = (now, engine.global_samples)
+        return self._rate[1]
 
     # --- hooks the engine calls -----------------------------------------------------------------------
     def before_forward(self) -> None:
@@ -92,6 +126,9 @@ class EngineObserver:
             self.monitor.write_events(events)
         self._loss_sum = None
         every = engine.steps_per_print() or 1  # None: every step, as DeepSpeed 0.19 logs its timers
+        rate = self.flops_rate() if self.monitor.enabled and engine.global_steps % every == 0 else None
+        if rate is not None:
+            self.monitor.write_events(rate.events(engine.global_samples))
         if engine.timers.enabled and engine.global_steps % every == 0:
             means = engine.timers.mean_ms()
             if engine.global_rank == 0:

@@ -11,6 +11,7 @@ from typing import Iterator
 from torch import nn
 
 from dsrun.models.config import GPTConfig
+from dsrun.profiling.mfu import train_flops_per_token
 
 
 def _unique_parameters(module: nn.Module, recurse: bool = True) -> Iterator[nn.Parameter]:
@@ -54,6 +55,14 @@ def _config_of(model_or_config: GPTConfig | nn.Module) -> GPTConfig:
     return config
 
 
+def matmul_parameters(model_or_config: GPTConfig | nn.Module) -> int:
+    """The weights that multiply activations, ``12·n_layer·d² + vocab·d``: every block's QKV, output,
+    and two MLP projections, and the output head (tied to the token embedding or not, it multiplies once);
+    not the embedding lookups, LayerNorms or biases. PaLM's ``N`` in ``6·N`` FLOPs per token."""
+    config = _config_of(model_or_config)
+    return 12 * config.n_layer * config.n_embd ** 2 + config.vocab_size * config.n_embd
+
+
 def forward_flops(model_or_config: GPTConfig | nn.Module, batch_size: int, seq_len: int) -> int:
     """Analytic floating-point operations of one forward pass over ``batch_size x seq_len`` tokens.
 
@@ -66,7 +75,7 @@ def forward_flops(model_or_config: GPTConfig | nn.Module, batch_size: int, seq_l
     config = _config_of(model_or_config)
     tokens = batch_size * seq_len
     d = config.n_embd
-    matmul_weights = 12 * config.n_layer * d * d + config.vocab_size * d
+    matmul_weights = matmul_parameters(config)
     attention = 4 * config.n_layer * seq_len * d
     return 2 * matmul_weights * tokens + attention * tokens
 
@@ -94,3 +103,13 @@ def train_step_flops(model_or_config: GPTConfig | nn.Module, batch_size: int, se
     None for the config's)."""
     return 3 * forward_flops(model_or_config, batch_size, seq_len) + recompute_flops(
         model_or_config, batch_size, seq_len, activation_checkpointing)
+
+
+def model_step_flops(model_or_config: GPTConfig | nn.Module, batch_size: int, seq_len: int) -> int:
+    """The model FLOPs of training ``batch_size x seq_len`` tokens, the numerator of MFU: PaLM's
+    ``6·N + 12·L·d·T`` per token (:func:`dsrun.profiling.mfu.train_flops_per_token`, ``N`` =
+    :func:`matmul_parameters`), which is ``3 x`` :func:`forward_flops`; activation-checkpoint recompute is
+    not counted (:func:`train_step_flops` counts it: the hardware's FLOPs)."""
+    config = _config_of(model_or_config)
+    per_token = train_flops_per_token(matmul_parameters(config), config.n_layer, config.n_embd, seq_len)
+    return batch_size * seq_len * per_token

@@ -1,10 +1,12 @@
 """Training progress on rank 0: a rich progress bar when stdout is a terminal, plain log lines otherwise.
 
-The bar shows step/total, loss, learning rate, samples/s, tokens/s and the time left; it redraws in place,
-so it is only used on a terminal. Anywhere else (CI, a log file, ``dsrun train`` collecting rank logs) a
-line is printed every ``print_every`` steps and at the last step::
+The bar shows step/total, loss, learning rate, samples/s, tokens/s, the model's TFLOP/s per device and MFU
+(when the model's FLOPs are known: :mod:`dsrun.profiling.mfu`) and the time left; it redraws in place, so it
+is only used on a terminal. Anywhere else (CI, a log file, ``dsrun train`` collecting rank logs) a line is
+printed every ``print_every`` steps and at the last step::
 
-    [dsrun] step 20/300 | loss 2.4312 | lr 3.000e-04 | 412 samples/s | 52,736 tokens/s | eta 1m04s
+    [dsrun] step 20/300 | loss 2.4312 | lr 3.000e-04 | 412 samples/s | 52,736 tokens/s | 0.0680 TFLOP/s |
+    MFU 66.1% | eta 1m04s     (one line)
 
 ``DSRUN_PROGRESS=bar`` or ``lines`` overrides the choice. Under ``dsrun train`` rank 0's stdout is a pipe to
 the launcher, so it prints lines (a bar's redraws would reach the terminal as escape codes, line by line).
@@ -21,6 +23,16 @@ PROGRESS_ENV = "DSRUN_PROGRESS"
 def format_seconds(seconds: float) -> str:
     minutes, secs = divmod(int(seconds), 60)
     return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def format_tflops(tflops: float) -> str:
+    """Three significant figures, trailing zeros kept (a CPU's 0.0210, an H100's 412), whole above 1000."""
+    return f"{tflops:#.3g}".rstrip(".") if tflops < 1000 else f"{tflops:,.0f}"
+
+
+def flops_text(tflops: float, mfu: float) -> str:
+    """``0.0123 TFLOP/s | MFU 8.1%`` (``mfu`` a fraction of the device's peak)."""
+    return f"{format_tflops(tflops)} TFLOP/s | MFU {100 * mfu:.1f}%"
 
 
 class TrainingProgress:
@@ -54,10 +66,13 @@ class TrainingProgress:
             self._bar.start()
 
     def update(self, step: int, loss: float, lr: float, samples_per_s: float, tokens_per_s: float,
-               elapsed_s: float, extra: str = "") -> None:
+               elapsed_s: float, extra: str = "", tflops: float | None = None, mfu: float | None = None) -> None:
+        """``tflops``/``mfu``: the model's TFLOP/s per device and MFU (a fraction), shown when given."""
         if not self.enabled:
             return
         stats = (f"loss {loss:.4f} | lr {lr:.3e} | {samples_per_s:,.0f} samples/s | {tokens_per_s:,.0f} tokens/s")
+        if tflops is not None and mfu is not None:
+            stats += f" | {flops_text(tflops, mfu)}"
         if self.use_bar:
             self._bar.update(self._task, completed=step, stats=stats + (f" | {extra}" if extra else ""))
             return

@@ -1,2 +1,2 @@
-"""Profiling: the flops profiler (:mod:`dsrun.profiling.flops_profiler`) and the wall-clock breakdown
-(:mod:`dsrun.profiling.wall_clock`)."""
+"""Profiling: the flops profiler (:mod:`dsrun.profiling.flops_profiler`), the wall-clock breakdown
+(:mod:`dsrun.profiling.wall_clock`) and model FLOPs utilisation (:mod:`dsrun.profiling.mfu`)."""
