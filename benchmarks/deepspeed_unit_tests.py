@@ -7,7 +7,8 @@ Fetch DeepSpeed's ``tests/`` folder into a scratch directory (never into this re
 
 Each file runs in its own pytest process from DeepSpeed's ``tests/`` folder with ``dsrun/alias/site`` and this
 repo first on ``PYTHONPATH`` and ``LOCAL_SIZE=4`` (how DeepSpeed's CPU accelerator counts devices, so its
-``DistributedTest`` runs 2-rank tests). Prints passed/failed/skipped per file, whether it collected, and the
+``DistributedTest`` runs 2-rank tests), and DeepSpeed's commands (``deepspeed``, ``ds_report``, ``ds_elastic``,
+written by ``dsrun alias install-bin`` into a temporary folder) first on ``PATH``. Prints passed/failed/skipped per file, whether it collected, and the
 total pass rate. ``--verbose`` lists each failed test with the last line of its error.
 """
 from __future__ import annotations
@@ -19,18 +20,21 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dsrun.alias.commands import temporary_bin
+
 REPO = Path(__file__).resolve().parents[1]
 FILES = [
     "unit/runtime/test_lr_schedulers.py", "unit/runtime/test_ds_config_dict.py",
     "unit/checkpoint/test_tag_validation.py", "unit/checkpoint/test_latest_checkpoint.py",
     "unit/launcher/test_run.py", "unit/launcher/test_multinode_runner.py", "unit/launcher/test_ds_arguments.py",
     "unit/runtime/zero/test_zero_config.py", "unit/monitor/test_monitor.py", "unit/elasticity/test_elastic.py",
+    "unit/launcher/test_user_args.py",
 ]
 
 
-def run_file(tests: Path, name: str, timeout: int) -> dict:
+def run_file(tests: Path, name: str, timeout: int, bin_dir: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'dsrun/alias/site'}:{REPO}", "LOCAL_SIZE": "4",
-           "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+           "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     cmd = [sys.executable, "-m", "pytest", name, "-q", "-rfE", "-p", "no:cacheprovider", "--color=no",
            "-o", "addopts=", "--durations=0"]
     try:
@@ -58,9 +62,10 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="run only these files (as listed in FILES)")
     args = parser.parse_args()
     total_pass = total_run = 0
+    bin_dir = temporary_bin()  # DeepSpeed's commands, as `dsrun alias install-bin DIR` writes them
     print(f"{'file':45} collects  passed  failed  skipped")
     for name in args.only or FILES:
-        r = run_file(args.tests, name, args.timeout)
+        r = run_file(args.tests, name, args.timeout, bin_dir)
         total_pass += r["passed"]
         total_run += r["passed"] + r["failed"]
         print(f"{name[5:]:45} {'yes' if r['collected'] else 'NO':8} {r['passed']:6} {r['failed']:7} {r['skipped']:8}",

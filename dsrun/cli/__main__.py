@@ -28,6 +28,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("dsrun.cli.generate", "generate text with a trained model (a run directory or checkpoint; TP over the ranks)"),
     "convert": ("dsrun.cli.convert", "convert checkpoints: zero-to-fp32 consolidates a ZeRO checkpoint; ds-to-universal makes it universal"),
     "export": ("dsrun.cli.export", "export a trained run compressed for real: packed int weights, pruned tensors gone"),
+    "alias": ("dsrun.cli.alias", "install DeepSpeed's commands (deepspeed, ds_report, ds_elastic) into a folder: alias install-bin DIR"),
     "report": ("dsrun.cli.report", "show the compiled ops (built, compatible, SIMD level) and the environment"),
     "ops": ("dsrun.cli.ops", "build the compiled ops ahead of time: dsrun ops build [NAME...|--all]"),
 }

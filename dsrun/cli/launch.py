@@ -106,9 +106,11 @@ def run(args: argparse.Namespace) -> int:
         import os
 
         from dsrun.alias import environment_with_alias
+        from dsrun.alias.commands import environment_with_bin, temporary_bin
 
-        # every rank inherits (and every node is sent) PYTHONPATH, see dsrun.launcher.environment
-        os.environ.update(environment_with_alias(dict(os.environ)))
+        # every rank inherits (and every node is sent) PYTHONPATH, see dsrun.launcher.environment; this node's
+        # ranks also find DeepSpeed's commands (deepspeed, ds_report, ds_elastic) first on PATH
+        os.environ.update(environment_with_bin(environment_with_alias(dict(os.environ)), temporary_bin()))
     outer = detect_outer_launcher()
     if outer is not None:  # torchrun, srun or mpirun made this process a rank: it becomes the script
         return _become_rank(args, outer)

@@ -63,16 +63,17 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     console = Console(no_color=args.no_color, width=max(120, Console().width))
-    ops = Table(title="dsrun compiled ops")
-    for col in ("op", "built", "compatible", "SIMD / engine", "cache path"):
-        ops.add_column(col, overflow="fold")
-    for row in op_rows():
-        ops.add_row(*row)
+    if not getattr(args, "hide_operator_status", False):  # ds_report's flag (dsrun.cli.deepspeed_commands)
+        ops = Table(title="dsrun compiled ops")
+        for col in ("op", "built", "compatible", "SIMD / engine", "cache path"):
+            ops.add_column(col, overflow="fold")
+        for row in op_rows():
+            ops.add_row(*row)
+        console.print(ops)
     env = Table(title="environment", show_header=False)
     env.add_column("item")
     env.add_column("value", overflow="fold")
     for row in environment_rows():
         env.add_row(*row)
-    console.print(ops)
     console.print(env)
     return 0

@@ -16,6 +16,7 @@ Differences from DeepSpeed's classes are dsrun's launcher's (docs/launcher.md): 
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import shutil
 from typing import Any, Mapping
@@ -46,10 +47,12 @@ class MultiNodeRunner:
         self.args = args
         self.validate_args()
         self.user_arguments = self.parse_user_args()
-        self.user_script = args.script
+        # dsrun's namespace names the script `script`; DeepSpeed's (and a test's SimpleNamespace) `user_script`
+        self.user_script = getattr(args, "script", None) or getattr(args, "user_script", None)
         self.world_info_base64 = world_info_base64
         self.resource_pool = resource_pool
-        self.exports: dict[str, str] = {}
+        self.exports: dict[str, str] = {}  # DeepSpeed's: as a shell line would write them (quoted when needed)
+        self._export_values: dict[str, str] = {}  # what the ranks get: the launcher passes them without a shell
 
     @property
     def name(self) -> str:
@@ -60,11 +63,15 @@ class MultiNodeRunner:
         return shutil.which(RUNNER_TOOLS[self.runner]) is not None
 
     def add_export(self, key: str, var: str) -> None:
-        """Export ``key=var`` to every rank, beyond the variables dsrun's launcher exports itself."""
-        self.exports[key.strip()] = var.strip()
+        """Export ``key=var`` to every rank, beyond the variables dsrun's launcher exports itself. ``exports``
+        shows a value with characters a shell would read (``64(x2)``) in double quotes, as DeepSpeed's does; the
+        ranks get the value itself."""
+        key, var = key.strip(), var.strip()
+        self._export_values[key] = var
+        self.exports[key] = f'"{var}"' if re.search(r"[^\w@%+=:,./-]", var) else var
 
     def parse_user_args(self) -> list[str]:
-        return list(self.args.script_args)
+        return list(getattr(self.args, "script_args", None) or getattr(self.args, "user_args", None) or [])
 
     def options(self) -> LaunchOptions:
         options = options_from_args(self.args)
@@ -72,7 +79,10 @@ class MultiNodeRunner:
         return options
 
     def validate_args(self) -> None:
-        """Raise ValueError naming every inconsistent launcher flag for this runner."""
+        """Raise ValueError naming every inconsistent launcher flag for this runner (a runner class of the
+        user's own, with no dsrun runner name, checks nothing here, as DeepSpeed's base class)."""
+        if not self.runner:
+            return
         problems = self.options().problems()
         if problems:
             raise ValueError("; ".join(str(problem) for problem in problems))
@@ -81,7 +91,7 @@ class MultiNodeRunner:
         """dsrun's launch plan for ``active_resources`` (raises dsrun's UserError on a bad combination)."""
         options = self.options()
         return plan_for_hosts(options, _slots(active_resources), dict(environment), pool=_slots(self.resource_pool),
-                              hostfile=options.hostfile, exports=self.exports)
+                              hostfile=options.hostfile, exports=self._export_values)
 
     def get_cmd(self, environment: Mapping[str, str], active_resources: Mapping[str, Any]) -> list[str]:
         plan = self.plan(environment, active_resources)

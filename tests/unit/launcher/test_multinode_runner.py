@@ -74,3 +74,24 @@ def test_the_module_resolves_through_the_alias():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={"PYTHONPATH": f"{REPO / 'dsrun/alias/site'}:{REPO}", "PATH": "/usr/bin:/bin"})
     assert done.stdout.strip() == "ok", done.stderr
+
+
+def test_an_export_a_shell_would_misread_is_shown_quoted_and_reaches_the_ranks_as_is(job):
+    args = parse_args(["--hostfile", "hostfile", "--master_port", "29600", "train.py"])
+    runner = mn.OpenMPIRunner(args, encode_world_info(POOL), POOL)
+    runner.add_export("SLURM_JOB_CPUS_PER_NODE", "64(x2)")
+    runner.add_export("PYTHONPATH", " /usr/lib/python3/site-packages ")
+    assert runner.exports == {"SLURM_JOB_CPUS_PER_NODE": '"64(x2)"', "PYTHONPATH": "/usr/lib/python3/site-packages"}
+    argv = runner.get_cmd(ENVIRON, POOL)
+    assert "SLURM_JOB_CPUS_PER_NODE=64(x2)" in argv  # mpirun's -x gets the value, no shell strips quotes there
+
+
+def test_a_runner_class_of_the_users_own_takes_deepspeeds_namespace():
+    from types import SimpleNamespace
+
+    class Mine(mn.MultiNodeRunner):
+        def backend_exists(self) -> bool:
+            return True
+
+    runner = Mine(SimpleNamespace(user_args=["--lr", "0.1"], user_script="train.py"), "world_info")
+    assert (runner.user_script, runner.user_arguments, runner.exports) == ("train.py", ["--lr", "0.1"], {})
