@@ -13,6 +13,8 @@ batch of optimizer step ``step`` is the same everywhere, and each rank trains it
 - ``surface_mlp``: the 6-10-3 MLP of the engine-surface tests (safe_get, deferred reduction; seed 5);
 - ``zeropp_mlp`` (``zeropp_mlp_frozen``: first Linear frozen): the 64-256-4 tanh MLP of the ZeRO++ tests (seed 0;
   their batches are per rank: ``rank_batch``).
+- ``data_efficiency_gpt``: dsrun's GPT of the data-efficiency resume tests (4 layers, blocks of 16, dropout 0.1;
+  their batches come from their own dataset, which the sampler and curriculum read).
 
 ``checkpoint_gpt(dropout, frozen)`` is the checkpoint tests' GPT (their batches come from a resumable stream).
 
@@ -184,6 +186,17 @@ def zeropp_mlp(frozen: bool = False) -> nn.Module:
     return model
 
 
+def data_efficiency_gpt() -> nn.Module:
+    from dsrun.models.gpt import GPT
+
+    return GPT(vocab_size=VOCAB, block_size=2 * SEQ, n_layer=4, n_head=2, n_embd=WIDTH, dropout=0.1)
+
+
+def _data_efficiency_pairs(gen: torch.Generator, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, VOCAB, (size, 2 * SEQ + 1), generator=gen)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """How to build a model, draw its batches (``batch(generator, size)``) and count its loss terms."""
@@ -210,6 +223,7 @@ MODELS: dict[str, ModelSpec] = {
                            seed=3),
     "surface_mlp": ModelSpec(lambda: nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 3)), _surface_pairs, 3,
                              seed=5),
+    "data_efficiency_gpt": ModelSpec(data_efficiency_gpt, _data_efficiency_pairs, 2 * SEQ, named=True),
     "zeropp_mlp": ModelSpec(zeropp_mlp, _zeropp_pairs, ZEROPP_OUT, seed=0),
     "zeropp_mlp_frozen": ModelSpec(lambda: zeropp_mlp(frozen=True), _zeropp_pairs, ZEROPP_OUT, seed=0),
 }
