@@ -10,7 +10,11 @@ batch of optimizer step ``step`` is the same everywhere, and each rank trains it
   ``<mode>`` (none, full, every_2, selective; ``reentrant``: full, by DeepSpeed's reentrant checkpoint);
 - ``twice_mlp`` (``twice_mlp_frozen``: first layer frozen): an MLP that applies its middle layer twice;
 - ``small_mlp``: the 8-16-4 MLP of the gradient-path tests (seed 3);
-- ``surface_mlp``: the 6-10-3 MLP of the engine-surface tests (safe_get, deferred reduction; seed 5).
+- ``surface_mlp``: the 6-10-3 MLP of the engine-surface tests (safe_get, deferred reduction; seed 5);
+- ``zeropp_mlp`` (``zeropp_mlp_frozen``: first Linear frozen): the 64-256-4 tanh MLP of the ZeRO++ tests (seed 0;
+  their batches are per rank: ``rank_batch``).
+- ``data_efficiency_gpt``: dsrun's GPT of the data-efficiency resume tests (4 layers, blocks of 16, dropout 0.1;
+  their batches come from their own dataset, which the sampler and curriculum read).
 
 ``checkpoint_gpt(dropout, frozen)`` is the checkpoint tests' GPT (their batches come from a resumable stream).
 
@@ -31,6 +35,7 @@ VOCAB, SEQ, WIDTH, HEADS, LAYERS = 64, 8, 32, 2, 2
 MLP_IN, MLP_OUT = 16, 4
 GPT_KW = dict(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)
 NANOGPT_SEQ = 16
+ZEROPP_IN, ZEROPP_HIDDEN, ZEROPP_OUT = 64, 256, 4
 
 
 def at_least_fp32(t: torch.Tensor) -> torch.Tensor:
@@ -170,6 +175,28 @@ def _small_pairs(gen: torch.Generator, size: int) -> tuple[torch.Tensor, torch.T
     return torch.randn(size, 8, generator=gen), torch.randn(size, 4, generator=gen)
 
 
+def _zeropp_pairs(gen: torch.Generator, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(size, ZEROPP_IN, generator=gen), torch.randn(size, ZEROPP_OUT, generator=gen)
+
+
+def zeropp_mlp(frozen: bool = False) -> nn.Module:
+    model = nn.Sequential(nn.Linear(ZEROPP_IN, ZEROPP_HIDDEN), nn.Tanh(), nn.Linear(ZEROPP_HIDDEN, ZEROPP_OUT))
+    if frozen:
+        model[0].requires_grad_(False)
+    return model
+
+
+def data_efficiency_gpt() -> nn.Module:
+    from dsrun.models.gpt import GPT
+
+    return GPT(vocab_size=VOCAB, block_size=2 * SEQ, n_layer=4, n_head=2, n_embd=WIDTH, dropout=0.1)
+
+
+def _data_efficiency_pairs(gen: torch.Generator, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, VOCAB, (size, 2 * SEQ + 1), generator=gen)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """How to build a model, draw its batches (``batch(generator, size)``) and count its loss terms."""
@@ -196,6 +223,9 @@ MODELS: dict[str, ModelSpec] = {
                            seed=3),
     "surface_mlp": ModelSpec(lambda: nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 3)), _surface_pairs, 3,
                              seed=5),
+    "data_efficiency_gpt": ModelSpec(data_efficiency_gpt, _data_efficiency_pairs, 2 * SEQ, named=True),
+    "zeropp_mlp": ModelSpec(zeropp_mlp, _zeropp_pairs, ZEROPP_OUT, seed=0),
+    "zeropp_mlp_frozen": ModelSpec(lambda: zeropp_mlp(frozen=True), _zeropp_pairs, ZEROPP_OUT, seed=0),
 }
 
 
@@ -220,6 +250,12 @@ def build_model(name: str) -> nn.Module:
 def global_batch(name: str, step: int, size: int) -> Any:
     """The global batch of optimizer step ``step`` (the same on every rank and in the reference)."""
     return MODELS[name].batch(torch.Generator().manual_seed(1000 + step), size)
+
+
+def rank_batch(name: str, step: int, rank: int, size: int) -> Any:
+    """A batch of ``size`` samples of its own for each rank at each step (seed ``1000 * step + rank``), for
+    the tests whose ranks train on different data rather than slices of one global batch."""
+    return MODELS[name].batch(torch.Generator().manual_seed(1000 * step + rank), size)
 
 
 def loss_terms(name: str, size: int) -> int:

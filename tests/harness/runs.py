@@ -27,14 +27,14 @@ def ds_config(stage: int, micro: int, gas: int, bucket: int = 3000, zero: dict |
               optimizer: dict | None = None, **extra: Any) -> dict[str, Any]:
     """AdamW (``LR``, ``WEIGHT_DECAY``), small buckets (so a bucket crosses parameter and partition boundaries:
     all-gather 4/3 of ``bucket`` unless ``zero`` says), no clipping (the references are unclipped PyTorch runs).
-    ``zero`` and a dict in ``extra`` merge into the section of that name; a ``None`` in ``extra`` drops the key
-    (DeepSpeed's default applies)."""
+    ``zero`` and a dict in ``extra`` merge into the section of that name; a ``None`` in ``extra`` or ``zero``
+    drops the key (DeepSpeed's default applies)."""
+    section = {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": 4 * bucket // 3, **(zero or {})}
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": gas,
         "optimizer": optimizer or {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": 4 * bucket // 3,
-                              **(zero or {})},
+        "zero_optimization": {key: value for key, value in section.items() if value is not None},
         "steps_per_print": 1000,
         "gradient_clipping": 0.0,
     }
@@ -120,15 +120,17 @@ def reference_run(name: str, steps: int, global_size: int, clip: float = 0.0, dt
 
 
 def train_steps(engine: Any, batch_at: Callable[[int, int], Any], steps: int, rank: int,
-                world: int) -> tuple[list[float], list[Any]]:
+                world: int, rows: list[dict[str, Any]] | None = None) -> tuple[list[float], list[Any]]:
     """Run ``steps`` optimizer steps on this rank's slices of the shared global batches (``batch_at(step,
     size)``); returns the global mean loss per step (the mean over every rank's micro-batches) and the grad
-    norms."""
+    norms. Given ``rows``, appends one per step: whether backward reduces at the next step (``reduced_next``:
+    the 1-bit optimizers stop it once compression starts) and the step's collectives (``comm``); the losses
+    are then averaged over the ranks once at the end, so each step's window holds only the engine's own."""
     from dsrun import comm
 
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     global_size = micro * gas * world
-    losses, norms = [], []
+    losses, norms, totals = [], [], []
     for step in range(steps):
         batch = batch_at(step, global_size)
         total = torch.zeros(1, dtype=torch.float64)
@@ -138,9 +140,20 @@ def train_steps(engine: Any, batch_at: Callable[[int, int], Any], steps: int, ra
             engine.backward(loss)
             engine.step()
             total += loss.item()
-        comm.all_reduce(total)
-        losses.append(total.item() / (world * gas))
+        if rows is None:
+            comm.all_reduce(total)
+            losses.append(total.item() / (world * gas))
+        else:
+            totals.append(total)
+            rows.append({"reduced_next": engine.enable_backward_allreduce,
+                         "comm": {op: dict(v) for op, v in engine.comm_stats_last_step().items()}})
         norms.append(engine.get_global_grad_norm())
+    if rows is not None and totals:
+        summed = torch.cat(totals)
+        comm.all_reduce(summed)
+        losses = [total / (world * gas) for total in summed.tolist()]
+        for row, loss in zip(rows[len(rows) - steps:], losses):
+            row["loss"] = loss
     return losses, norms
 
 
@@ -155,14 +168,15 @@ def full_params(engine: Any) -> dict[str, torch.Tensor]:
 
 
 def engine_run(name: str, config: dict[str, Any], steps: int, rank: int, world: int,
-               zero_init: bool = False, destroy: bool = False) -> dict[str, Any]:
+               zero_init: bool = False, destroy: bool = False, per_step: bool = False) -> dict[str, Any]:
     """Train ``steps`` optimizer steps with dsrun on this rank (the model built under ``zero.Init`` if
     ``zero_init``); returns the global mean loss per step, the final parameters (whole), the grad norms, the
     memory breakdown, the last step's collectives, the engine's counters and, at stage 3, where the parameter
     shards live (``device``: ``offload_param``'s device, None in memory; ``stats``: the offload's counters,
     None without). A ``named`` model's run also says whether its frozen parameters (some, at least) kept their
     initial values (``frozen_unchanged``) and every trainable one moved (``trained``). ``destroy`` releases the
-    engine afterwards (its swap files, hooks and groups)."""
+    engine afterwards (its swap files, hooks and groups). ``per_step`` adds ``rows``: each step's loss,
+    collectives and next-step reduction flag (``train_steps``)."""
     import dsrun
     from dsrun import comm
 
@@ -177,7 +191,9 @@ def engine_run(name: str, config: dict[str, Any], steps: int, rank: int, world: 
         model = build_model(name)
         initial = {n: p.detach().clone() for n, p in model.named_parameters()} if named else {}
     engine, _, _, _ = dsrun.initialize(model=model, config=config)
-    losses, norms = train_steps(engine, lambda step, size: global_batch(name, step, size), steps, rank, world)
+    rows: list[dict[str, Any]] | None = [] if per_step else None
+    losses, norms = train_steps(engine, lambda step, size: global_batch(name, step, size), steps, rank, world,
+                                rows=rows)
     moved: dict[str, bool] = {}
     if named:
         params = full_params(engine)
@@ -197,7 +213,8 @@ def engine_run(name: str, config: dict[str, Any], steps: int, rank: int, world: 
               "numel": numel, "skipped": engine.skipped_steps, "global_steps": engine.global_steps,
               "global_samples": engine.global_samples, "micro_steps": engine.micro_steps,
               "device": offload.device if offload is not None else None,
-              "stats": offload.stats() if hasattr(offload, "stats") else None, **moved}
+              "stats": offload.stats() if hasattr(offload, "stats") else None, **moved,
+              **({"rows": rows} if per_step else {})}
     if destroy:
         engine.destroy()
     return result
@@ -217,7 +234,8 @@ def max_rel_param_diff(a: Any, b: Any) -> float:
 class Case:
     """One engine run: ``model`` (a name of ``tests.harness.models.MODELS``) trained with ``config`` for
     ``steps`` optimizer steps on each world size of ``worlds``; its results are keyed by ``key``. ``destroy``:
-    the engine is destroyed after the run (a case whose swap files must be gone before the next one)."""
+    the engine is destroyed after the run (a case whose swap files must be gone before the next one);
+    ``per_step``: the run also records each step's row (``train_steps``)."""
 
     key: str
     model: str
@@ -226,6 +244,7 @@ class Case:
     zero_init: bool = False
     steps: int = STEPS
     destroy: bool = False
+    per_step: bool = False
 
     def global_size(self, world: int) -> int:
         return self.config["train_micro_batch_size_per_gpu"] * self.config["gradient_accumulation_steps"] * world
@@ -239,5 +258,5 @@ def cases_at(cases: Iterable[Case], world: int) -> dict[str, Case]:
 def world_suite(rank: int, world: int, cases: Sequence[Case]) -> dict[str, dict[str, Any]]:
     """Rank entry point: every case of this world size, one after another, in one process."""
     return {key: engine_run(case.model, case.config, case.steps, rank, world, zero_init=case.zero_init,
-                            destroy=case.destroy)
+                            destroy=case.destroy, per_step=case.per_step)
             for key, case in cases_at(cases, world).items()}

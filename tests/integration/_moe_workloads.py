@@ -406,7 +406,7 @@ class PipeMoEBlock(nn.Module):
     def __init__(self, ep: int):
         super().__init__()
         from dsrun.moe.layer import MoE
-        from tests.integration import _pipe_workloads as pw
+        from tests.harness import pipeline as pw
 
         expert = nn.Sequential(nn.Linear(pw.WIDTH, 2 * pw.WIDTH), nn.Tanh(), nn.Linear(2 * pw.WIDTH, pw.WIDTH))
         self.moe = MoE(pw.WIDTH, expert, num_experts=EXPERTS, ep_size=ep, k=2, min_capacity=1)
@@ -418,7 +418,7 @@ class PipeMoEBlock(nn.Module):
 def pipe_moe_engine(stages: int, ep: int, zero: int) -> Any:
     import dsrun
     from dsrun.pipe import LayerSpec, PipelineModule
-    from tests.integration import _pipe_workloads as pw
+    from tests.harness import pipeline as pw
 
     specs = [LayerSpec(nn.Embedding, pw.VOCAB, pw.WIDTH), LayerSpec(pw.Block), LayerSpec(PipeMoEBlock, ep),
              LayerSpec(pw.Block), LayerSpec(nn.Linear, pw.WIDTH, pw.VOCAB)]
@@ -454,7 +454,7 @@ def pipe_moe_checkpoints(rank: int, world: int, root: str) -> dict[str, Any]:
     loads (each rank's experts back, the same third step); a weights-only load and a ZeRO-2 engine are refused,
     and so is saving at ZeRO-0. Two stages with ep=1 (experts on every rank, like dense layers) save and load
     into one stage x 2 ranks with every parameter as saved."""
-    from tests.integration import _pipe_workloads as pw
+    from tests.harness import pipeline as pw
 
     out: dict[str, Any] = {}
     engine = pipe_moe_engine(1, 2, 1)

@@ -1,4 +1,5 @@
-"""MiCS and hpZ on 4 gloo ranks against plain ZeRO-3 (one launch, ``_mics_workloads.suite``).
+"""MiCS and hpZ on 4 gloo ranks against plain ZeRO-3 (one launch of ``suite``: the runs are ``Case`` records of
+the ZeRO-3 GPT, tests/harness/runs.py, each counting which process groups carried its last step's collectives).
 
 MiCS changes how the gradient sum is grouped (reduce-scatter over a shard group of 2, then all-reduce across
 the 2 replicas): another valid fp32 ordering, so its losses and final parameters must stay within the
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,15 +23,128 @@ from dsrun.estimate.inputs import EstimateInputs
 from dsrun.estimate.model_states import model_state_bytes
 from tests import tolerance as t
 from tests.harness.launch import Launch
-from tests.integration import _mics_workloads as m
-from tests.harness.models import loss_terms
-from tests.harness.runs import reference_run
+from tests.harness.models import build_model, flat_named, global_batch, loss_terms, slice_batch
+from tests.harness.runs import Case, full_params, reference_run, train_steps, zero3_config
 
-WORLD = 4
+WORLD, STEPS, NAME = 4, 6, "nanogpt"
+
+
+def config(**zero: Any) -> dict[str, Any]:
+    return zero3_config(3, 2, 1, zero=zero)
+
+
+# Without prefetching each pass's gathers happen inside it, so the forward's and the backward's are counted
+# apart; prefetching or not, the arithmetic is the same (tests/integration/test_zero3_parity.py). ``zero_init``
+# here: the model is built under ``zero.MiCS_Init``.
+MICS = config(mics_shard_size=2)
+HPZ = config(zero_hpz_partition_size=2)
+CASES = [Case(key, NAME, cfg, worlds=(WORLD,), steps=STEPS, zero_init=zero_init) for key, cfg, zero_init in (
+    ("plain", config(stage3_prefetch_bucket_size=0), False),
+    ("mics", MICS, False),
+    # a shard group of 4 laid over two "nodes" of 2 (LOCAL_WORLD_SIZE=2 for this run): inside, then across
+    ("mics_hier", config(mics_shard_size=4, mics_hierarchical_params_gather=True, stage3_prefetch_bucket_size=0),
+     False),
+    ("hpz", HPZ, False),
+    ("hpz_no_prefetch", config(zero_hpz_partition_size=2, stage3_prefetch_bucket_size=0), False),
+    ("mics_init", MICS, True),
+)]
+LOCAL_WORLD_SIZE = {"mics_hier": "2"}
+
+
+def _groups_of(stats: dict[str, dict[str, Any]], op: str) -> dict[str, int]:
+    return {group: int(s["count"]) for group, s in stats.get(op, {}).items()}
+
+
+def _run(case: Case, rank: int, world: int) -> dict[str, Any]:
+    """Train the case; its last step by hand, counting which groups carried the forward's and the backward's
+    collectives."""
+    import dsrun
+    from dsrun import comm
+    from dsrun.engine.initialize import initialize
+
+    if case.zero_init:
+        comm.init_distributed(verbose=False)
+        with dsrun.zero.MiCS_Init(config_dict_or_path=case.config):
+            model = build_model(case.model)
+    else:
+        model = build_model(case.model)
+    engine, _, _, _ = initialize(model=model, config=case.config)
+    batch_at = lambda step, size: global_batch(case.model, step, size)  # noqa: E731
+    losses, _ = train_steps(engine, batch_at, case.steps - 1, rank, world)
+    batch = batch_at(case.steps - 1, 2 * world)
+    comm.reset_comms_stats()
+    loss = engine(slice_batch(batch, rank * 2, rank * 2 + 2))
+    forward = comm.get_comms_group_stats()
+    comm.reset_comms_stats()
+    engine.backward(loss)
+    engine.step()
+    backward = comm.get_comms_group_stats()
+    total = loss.detach().double().reshape(1)
+    comm.all_reduce(total)
+    losses.append(total.item() / world)
+    params = full_params(engine)
+    memory = engine.memory_breakdown().as_dict()
+    engine.destroy()
+    return {"losses": losses, "params": flat_named(params).numpy(), "memory": memory,
+            "numels": [p.numel() for p in params.values()],
+            "forward": {op: _groups_of(forward, op) for op in forward},
+            "backward": {op: _groups_of(backward, op) for op in backward}}
+
+
+def _resume(cfg: dict[str, Any], rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
+    """Train 3 steps, save, train 2 more; a fresh engine loads the checkpoint and trains the same 2."""
+    import dsrun
+
+    batch_at = lambda step, size: global_batch(NAME, step, size)  # noqa: E731
+    engine, _, _, _ = dsrun.initialize(model=build_model(NAME), config=cfg)
+    train_steps(engine, batch_at, 3, rank, world)
+    engine.save_checkpoint(ckpt_dir, tag="t3")
+    saved = dsrun.zero.full_state_dict(engine.module)
+    consolidated = None
+    if rank == 0:  # zero_to_fp32 rebuilds the full fp32 model from the saved partitions
+        from dsrun.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        fp32 = get_fp32_state_dict_from_zero_checkpoint(ckpt_dir, "t3")
+        names = [n for n, _ in engine.module.named_parameters()]
+        consolidated = all(torch.equal(fp32[n], saved[n]) for n in names)
+    after = lambda step, size: batch_at(step + 3, size)  # noqa: E731
+    uninterrupted, _ = train_steps(engine, after, 2, rank, world)
+    engine.destroy()
+    torch.manual_seed(99)  # the resumed model starts from other values: the checkpoint must bring them
+    fresh, _, _, _ = dsrun.initialize(model=build_model(NAME).apply(_scramble), config=cfg)
+    fresh.load_checkpoint(ckpt_dir, tag="t3")
+    resumed, _ = train_steps(fresh, after, 2, rank, world)
+    fresh.destroy()
+    return {"uninterrupted": uninterrupted, "resumed": resumed, "consolidated": consolidated}
+
+
+def _scramble(module: torch.nn.Module) -> None:
+    with torch.no_grad():
+        for p in module.parameters(recurse=False):
+            p.add_(torch.randn_like(p))
+
+
+def suite(rank: int, world: int, ckpt_root: str) -> dict[str, Any]:
+    """Rank entry point: every case, then a resume of each of MiCS and hpZ."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    out: dict[str, Any] = {}
+    for case in CASES:
+        saved = os.environ.get("LOCAL_WORLD_SIZE")
+        if case.key in LOCAL_WORLD_SIZE:
+            os.environ["LOCAL_WORLD_SIZE"] = LOCAL_WORLD_SIZE[case.key]
+        try:
+            out[case.key] = _run(case, rank, world)
+        finally:
+            if saved is not None:
+                os.environ["LOCAL_WORLD_SIZE"] = saved
+    out["rank"] = rank
+    for key, cfg in (("mics", MICS), ("hpz", HPZ)):
+        out[f"resume/{key}"] = _resume(cfg, rank, world, os.path.join(ckpt_root, key))
+    return out
 
 
 def launches(root) -> dict:
-    return {"suite": Launch(m.suite, WORLD, (str(root),), timeout=900)}
+    return {"suite": Launch(suite, WORLD, (str(root),), timeout=900)}
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +155,8 @@ def results(runs) -> list[dict]:
 @functools.lru_cache(maxsize=None)
 def spread() -> t.Spread:
     def run(d: torch.dtype, parts: int, reverse: bool) -> dict:
-        return reference_run(m.NAME, m.STEPS, 2 * WORLD, 0.0, d, parts, reverse)
-    return t.spread(run, torch.float32, loss_terms(m.NAME, 2 * WORLD))
+        return reference_run(NAME, STEPS, 2 * WORLD, 0.0, d, parts, reverse)
+    return t.spread(run, torch.float32, loss_terms(NAME, 2 * WORLD))
 
 
 def _shard(rank: int, size: int) -> str:

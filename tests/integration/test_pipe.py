@@ -1,7 +1,8 @@
 """The pipeline engine on 2, 3 and 4 gloo ranks against the same layers run in one process.
 
-One launch per world size runs every case (``_pipe_workloads.suite``); the tests below check its results
-against ``_pipe_workloads.reference_run`` (the layers one after the other, the same micro-batches, torch's
+One launch per world size runs every case (``suite``: the ``PipeCase`` records of ``CASES``, then the
+evaluation, checkpoint and parallel-write runs); the tests below check its results against
+``tests.harness.pipeline.reference_run`` (the layers one after the other, the same micro-batches, torch's
 AdamW).
 
 Tolerance. The pipeline computes every forward and backward operation exactly as the reference does (same
@@ -20,16 +21,100 @@ from __future__ import annotations
 import functools
 import shutil
 import tempfile
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
 from dsrun.pipe import p2p
+from tests.harness import pipeline
+from tests.harness.pipeline import PipeCase, build_engine, named_params, pipe_suite, replica_batches, train
 from tests.helpers import run_ranks
-from tests.integration import _pipe_workloads as w
 
 TOL = 1e-6
+PARITY_STEPS = 50
+SCHEDULES = ("gpipe", "zero_bubble", "interleaved")
+CASES = [
+    PipeCase("lm/1f1b", "lm", 2, 4, PARITY_STEPS),
+    *(PipeCase(f"lm/{schedule}", "lm", 2, 4, 8,
+               config={"pipeline": {"schedule": schedule, **({"virtual_stages": 2} if schedule == "interleaved"
+                                                             else {})}}) for schedule in SCHEDULES),
+    PipeCase("masked/zero2", "masked", 2, 4, 6, zero_stage=2),
+    PipeCase("masked/zero0", "masked", 2, 4, 6, zero_stage=0),
+    PipeCase("lm/varlen", "lm", 2, 4, 6, varying_seq=True),
+    PipeCase("tokens/3", "tokens", 3, 3, 6, worlds=(3,)),
+    PipeCase("lm/3", "lm", 3, 6, 6, worlds=(3,), config={"pipeline": {"schedule": "zero_bubble"}}),
+    PipeCase("lm/2x2", "lm", 2, 4, PARITY_STEPS, worlds=(4,)),
+    # a model axis: each model-parallel rank sends half of every message, or all
+    *(PipeCase(f"lm/mp/{on}", "lm", 2, 4, 4, worlds=(4,), model_parallel=2,
+               config={"pipeline": {"pipe_partitioned": on, "grad_partitioned": on}}) for on in (True, False)),
+]
+
+
+def eval_case(stages: int, micro_batches: int) -> dict[str, Any]:
+    """Per-micro-batch losses of eval_batch at the initial weights (each micro-batch with its own labels)."""
+    engine = build_engine("lm", stages, micro_batches)
+    d = engine.grid.get_data_parallel_id()
+    per_micro = engine.eval_batch(iter(replica_batches(0, micro_batches, d)), reduce_output=None)
+    mean = engine.eval_batch(iter(replica_batches(0, micro_batches, d)))
+    engine.destroy()
+    return {"per_micro": [float(x) for x in per_micro], "mean": float(mean)}
+
+
+def checkpoint_case(save_dir: str, world: int, micro_batches: int = 4) -> dict[str, Any]:
+    """2 stages (x world/2 data) -> save -> 1 stage (x world data) loads and continues -> save -> 2 stages
+    load and continue; against the run that never stopped."""
+    first, more = 3, 3
+    out: dict[str, Any] = {}
+    two_stage_gas = micro_batches * 2 // world  # the same micro-batches per step, however they are spread
+    one_stage_gas = micro_batches // world
+    a = build_engine("lm", 2, two_stage_gas)
+    out["a_first"] = train(a, first)
+    a.save_checkpoint(save_dir, tag="two_stages")
+    out["a_saved"] = named_params(a)
+    out["a_files"] = sorted(a.last_checkpoint_files)
+    out["a_more"] = train(a, 2 * more, first_step=first)
+    a.destroy()
+
+    b = build_engine("lm", 1, one_stage_gas)
+    b.load_checkpoint(save_dir, tag="two_stages")
+    out["b_loaded"] = named_params(b)
+    out["b_steps"] = b.global_steps
+    out["b_more"] = train(b, more, first_step=first)
+    b.save_checkpoint(save_dir, tag="one_stage")
+    out["b_saved"] = named_params(b)
+    b.destroy()
+
+    c = build_engine("lm", 2, two_stage_gas)
+    c.load_checkpoint(save_dir, tag="one_stage")
+    out["c_loaded"] = named_params(c)
+    out["c_more"] = train(c, more, first_step=first + more)
+    c.destroy()
+    return out
+
+
+def parallel_write_case(save_dir: str) -> dict[str, Any]:
+    """Which files each rank writes, with and without checkpoint.parallel_write.pipeline_stage."""
+    out = {}
+    for flag in (False, True):
+        engine = build_engine("lm", 2, 2, checkpoint={"parallel_write": {"pipeline_stage": flag}})
+        engine.save_checkpoint(save_dir, tag=f"parallel_{flag}")
+        out[flag] = sorted(f for f in engine.last_checkpoint_files if f.startswith("layer_"))
+        engine.destroy()
+    return out
+
+
+def rank_suite(rank: int, world: int, save_dir: str) -> dict[str, Any]:
+    """Rank entry point: every pipeline run one launch makes for world size ``world`` (one launch per size)."""
+    out: dict[str, Any] = pipe_suite(rank, world, CASES)
+    if world == 2:
+        out["eval"] = eval_case(2, 4)
+    if world in (2, 4):
+        out["ckpt"] = checkpoint_case(f"{save_dir}/ckpt", world)
+    if world == 4:
+        out["write"] = parallel_write_case(f"{save_dir}/parallel")
+    return out
 
 pytestmark = pytest.mark.slow  # one multi-process launch per world size
 
@@ -38,14 +123,14 @@ pytestmark = pytest.mark.slow  # one multi-process launch per world size
 def suite(world: int) -> list[dict]:
     save_dir = tempfile.mkdtemp(prefix="dsrun-pipe-")
     try:
-        return run_ranks(w.suite, world, save_dir, timeout=900)
+        return run_ranks(rank_suite, world, save_dir, timeout=900)
     finally:
         shutil.rmtree(save_dir, ignore_errors=True)
 
 
 @functools.lru_cache(maxsize=None)
 def reference(model: str, steps: int, micro_batches: int, replicas: int, varying: bool = False) -> dict:
-    return w.reference_run(model, steps, micro_batches, replicas, w.varying_seq if varying else None)
+    return pipeline.reference_run(model, steps, micro_batches, replicas, pipeline.varying_seq if varying else None)
 
 
 def rel(a: float, b: float) -> float:
@@ -70,17 +155,17 @@ def check_parity(results: list[dict], key: str, ref: dict) -> None:
 
 def test_two_stages_on_two_ranks_match_the_plain_model_over_50_steps() -> None:
     results = suite(2)
-    check_parity(results, "lm/1f1b", reference("lm", w.PARITY_STEPS, 4, 1))
+    check_parity(results, "lm/1f1b", reference("lm", PARITY_STEPS, 4, 1))
     for r in results:
         got = r["lm/1f1b"]
-        assert got["global_steps"] == w.PARITY_STEPS and got["micro_steps"] == 4 * w.PARITY_STEPS
-        assert got["global_samples"] == w.PARITY_STEPS * 4 * w.MICRO
+        assert got["global_steps"] == PARITY_STEPS and got["micro_steps"] == 4 * PARITY_STEPS
+        assert got["global_samples"] == PARITY_STEPS * 4 * pipeline.MICRO
     # the tied embedding lives on both stages
     assert all("tied_modules.embed.weight" in r["lm/1f1b"]["params"] for r in results)
 
 
 def test_two_stages_by_two_data_parallel_on_four_ranks_match_over_50_steps() -> None:
-    check_parity(suite(4), "lm/2x2", reference("lm", w.PARITY_STEPS, 4, 2))
+    check_parity(suite(4), "lm/2x2", reference("lm", PARITY_STEPS, 4, 2))
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "zero_bubble", "interleaved"])
@@ -158,7 +243,7 @@ def test_model_axis_splits_messages_when_partitioned() -> None:
         whole, half = r["lm/mp/False"]["sent_bytes"], r["lm/mp/True"]["sent_bytes"]
         payload = 2 * (whole - half)  # whole = headers + payload, half = headers + payload / 2
         assert whole - payload == 4 * p2p.HEADER_LEN * 8  # one int64 header per micro-batch's activation
-        assert payload == 4 * w.MICRO * w.SEQ * w.WIDTH * 4  # [micro, seq, width] fp32 per micro-batch
+        assert payload == 4 * pipeline.MICRO * pipeline.SEQ * pipeline.WIDTH * 4  # [micro, seq, width] fp32 per micro-batch
 
 
 def test_interleaving_cuts_the_model_into_stages_times_virtual_stages() -> None:

@@ -1,7 +1,10 @@
-"""ZeRO++ at stage 3 on two gloo ranks (one launch, tests/integration/_zeropp_workloads.py) and the
-hierarchical quantized reduce-scatter on four (two "nodes" of two). Bytes are the comms logger's exact
-message bytes; results are compared with plain-torch simulations (tests/unit/comm/test_quantized.py)."""
+"""ZeRO++ at stage 3 on two gloo ranks (one launch) and the hierarchical quantized reduce-scatter on four (two
+"nodes" of two). Bytes are the comms logger's exact message bytes; results are compared with plain-torch
+simulations (tests/unit/comm/test_quantized.py). The engine runs are ``Case`` records (tests/harness/runs.py)
+of the harness's ``zeropp_mlp``, each rank training on batches of its own (``rank_batch``)."""
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
@@ -9,16 +12,196 @@ import torch
 from dsrun.comm import quantized as q
 from dsrun.estimate.inputs import BufferSettings, EstimateInputs
 from dsrun.estimate.model_states import model_state_bytes
+from tests.harness.launch import Launch
+from tests.harness.models import ZEROPP_HIDDEN as HIDDEN, ZEROPP_IN as IN, ZEROPP_OUT as OUT
+from tests.harness.models import build_model, rank_batch
+from tests.harness.runs import Case, ds_config
 from tests.helpers import run_ranks
-from tests.integration import _zeropp_workloads as w
 from tests.unit.comm.test_quantized import simulate_all_gather, simulate_reduce_scatter
 
-WORLD = 2
+WORLD, STEPS, MICRO = 2, 3, 2
+
+
+def collective_inputs(world: int, seed: int, shard: int = 300, chunk: int = 700) -> tuple[list, list]:
+    """Every rank's all-gather shard (fp32) and reduce-scatter rows ((world, chunk) fp32), the same in
+    every process."""
+    g = torch.Generator().manual_seed(seed)
+    shards = [torch.randn(shard, generator=g) * (r + 1) for r in range(world)]
+    rows = [torch.randn(world, chunk, generator=g) * torch.logspace(-2, 1, chunk) for _ in range(world)]
+    return shards, rows
+
+
+def collectives(rank: int, world: int, node_sizes: tuple[int, ...]) -> dict[str, Any]:
+    """Rank entry point: the quantized all-gather (synchronous and asynchronous, into bf16 too) and the
+    quantized reduce-scatter for each ``node_sizes`` entry (ranks per node)."""
+    from dsrun import comm
+
+    comm.init_distributed("gloo")
+    shards, rows = collective_inputs(world, seed=7)
+    out: dict[str, Any] = {}
+    gathered = torch.empty(world * shards[0].numel())
+    q.quantized_all_gather_into_tensor(gathered, shards[rank])
+    out["gather"] = gathered
+    gathered16 = torch.empty(world * shards[0].numel(), dtype=torch.bfloat16)
+    q.quantized_all_gather_into_tensor(gathered16, shards[rank], async_op=True).wait()
+    out["gather_bf16"] = gathered16
+    for node in node_sizes:
+        reducer = q.make_reduce_scatter(None, node_size=node)
+        result = torch.empty(rows[0].shape[1])
+        reducer(result, rows[rank])
+        out[f"reduce/{node}"] = (result, reducer.hierarchical)
+    return out
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return rank_batch("zeropp_mlp", step, rank, MICRO)
+
+
+def config(bf16: bool = False, **zero: Any) -> dict[str, Any]:
+    """Stage 3 with nothing persistent and overlapped communication, DeepSpeed's default buckets, AdamW at
+    1e-3 (its default weight decay), no clipping key; ``zero``: the ZeRO++ keys."""
+    return ds_config(3, MICRO, 1, zero={"reduce_bucket_size": None, "allgather_bucket_size": None,
+                                        "stage3_param_persistence_threshold": 0, "overlap_comm": True, **zero},
+                     optimizer={"type": "AdamW", "params": {"lr": 1e-3}}, gradient_clipping=None,
+                     bf16={"enabled": bf16})
+
+
+QWZ, QGZ = {"zero_quantized_weights": True}, {"zero_quantized_gradients": True}
+CASES = [Case(key, model, cfg, worlds=(WORLD,), steps=STEPS) for key, model, cfg in (
+    ("plain", "zeropp_mlp", config()),
+    ("qwz", "zeropp_mlp", config(**QWZ)),
+    ("qgz", "zeropp_mlp", config(**QGZ)),
+    ("both", "zeropp_mlp", config(**QWZ, **QGZ)),
+    ("plain_bf16", "zeropp_mlp", config(bf16=True)),
+    ("both_bf16", "zeropp_mlp", config(bf16=True, **QWZ, **QGZ)),
+    ("frozen", "zeropp_mlp_frozen", config()),
+    ("frozen_nontrainable", "zeropp_mlp_frozen", config(zero_quantized_nontrainable_weights=True)),
+    ("frozen_dequantized", "zeropp_mlp_frozen", config()),  # plain, the frozen weights set to what the key keeps
+)]
+FROZEN_CASES = ("frozen", "frozen_nontrainable", "frozen_dequantized")
+
+
+def kept_frozen_value(value: torch.Tensor, world: int) -> torch.Tensor:
+    """What zero_quantized_nontrainable_weights keeps of a frozen weight: each rank's shard of the flat,
+    zero-padded value quantized on its own (INT8, one scale per WEIGHT_BLOCK), decoded."""
+    flat = value.detach().reshape(-1)
+    part = -(-flat.numel() // world)
+    padded = torch.cat([flat, flat.new_zeros(part * world - flat.numel())])
+    shards = [q.dequantize(*q.quantize(padded[r * part:(r + 1) * part], 8, q.WEIGHT_BLOCK), q.WEIGHT_BLOCK)
+              for r in range(world)]
+    return torch.cat(shards)[:flat.numel()].view_as(value)
+
+
+def _case_model(case: Case, world: int) -> torch.nn.Module:
+    model = build_model(case.model)
+    if case.key == "frozen_dequantized":
+        with torch.no_grad():
+            for p in model[0].parameters():
+                p.copy_(kept_frozen_value(p, world))
+    return model
+
+
+def engines(rank: int, world: int) -> dict[str, Any]:
+    """Rank entry point: the collectives, then per case the losses of its steps (this rank's own) and the
+    comms logger's message bytes per (op, size)."""
+    import dsrun
+    from dsrun import comm
+
+    out: dict[str, Any] = {"collectives": collectives(rank, world, (world, 1))}
+    for case in CASES:
+        name = case.key
+        engine = dsrun.initialize(model=_case_model(case, world), config=case.config)[0]
+        comm.reset_comms_stats()
+        hidden: list[torch.Tensor] = []
+        hook = engine.module[0].register_forward_hook(lambda m, i, o: hidden.append(o.detach().clone()))
+        losses = _train(engine, rank, range(case.steps))
+        hook.remove()
+        sizes: dict[str, dict[int, int]] = {}
+        for (op, size), stats in comm.comms_logger.by_size.items():
+            sizes.setdefault(op, {})[size] = stats.count
+        out[name] = {"losses": losses, "sizes": sizes}
+        if name == "qwz":
+            out[name]["exact"] = _gathers_exact_values(engine)
+        if name in FROZEN_CASES:
+            out[name].update(first_hidden=hidden[0], parameter_bytes=engine.memory_breakdown().parameters,
+                             trainable=_full_values(engine.module[2]), frozen=_full_values(engine.module[0]))
+        if name == "frozen_nontrainable":
+            out[name]["resume"] = _resume(engine, rank, lambda case=case: _case_model(case, world), case.config)
+    return out
+
+
+def _train(engine: Any, rank: int, steps: Any) -> list[float]:
+    import torch.nn.functional as F
+
+    losses = []
+    for step in steps:
+        x, y = batch(step, rank)
+        x, y = x.to(engine.module[0].weight.dtype), y.to(engine.module[0].weight.dtype)
+        loss = F.mse_loss(engine(x).float(), y.float())
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _full_values(module: torch.nn.Module) -> list[torch.Tensor]:
+    from dsrun.zero.partition_params import full_tensor
+
+    return [full_tensor(p) for p in module.parameters()]
+
+
+def _resume(engine: Any, rank: int, make_model: Any, config: dict) -> dict[str, Any]:
+    """Save, train two more steps; a fresh engine whose weights were all halved loads the checkpoint and
+    trains the same two steps: losses, weights and the kept INT8 messages, before and after."""
+    import os
+    import shutil
+    import tempfile
+
+    import dsrun
+    from dsrun import comm
+    from dsrun.zero import quantized_shards
+
+    path = os.path.join(tempfile.gettempdir(), f"dsrun_zpp_resume_{os.environ['MASTER_PORT']}")
+    messages = lambda e: [quantized_shards.message_of(p).clone() for p in e.module[0].parameters()]  # noqa: E731
+    engine.save_checkpoint(path, tag="t")
+    saved = messages(engine)
+    losses = _train(engine, rank, range(STEPS, STEPS + 2))
+    model = make_model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+    fresh = dsrun.initialize(model=model, config=config)[0]
+    changed = [not torch.equal(a, b) for a, b in zip(messages(fresh), saved)]
+    fresh.load_checkpoint(path, tag="t")
+    loaded = [torch.equal(a, b) for a, b in zip(messages(fresh), saved)]
+    resumed = _train(fresh, rank, range(STEPS, STEPS + 2))
+    comm.barrier()
+    if rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    return {"losses": losses, "resumed": resumed, "changed_before_load": changed, "loaded_exactly": loaded,
+            "weights": _full_values(engine.module), "resumed_weights": _full_values(fresh.module)}
+
+
+def _gathers_exact_values(engine: Any) -> bool:
+    """Under qwZ, GatheredParameters (and so saving full weights) sees the exact shards, and writing a
+    gathered value back (modifier_rank) leaves them as they were."""
+    import dsrun
+    from dsrun.utils import safe_get_full_fp32_param
+
+    params = list(engine.module.parameters())
+    before = [p.ds_tensor.clone() for p in params]
+    with dsrun.zero.GatheredParameters(params, modifier_rank=0):
+        full = [p.data.clone() for p in params]
+    exact = all(torch.equal(f, safe_get_full_fp32_param(p)) for f, p in zip(full, params))
+    return exact and all(torch.equal(b, p.ds_tensor) for b, p in zip(before, params))
+
+
+LAUNCHES = {"engines": Launch(engines, WORLD, timeout=600)}
 
 
 @pytest.fixture(scope="module")
-def ranks() -> list[dict]:
-    return run_ranks(w.engines, WORLD, timeout=600)
+def ranks(runs) -> list[dict]:
+    return runs["engines"]
 
 
 def _bytes(case: dict, op: str) -> int:
@@ -26,7 +209,7 @@ def _bytes(case: dict, op: str) -> int:
 
 
 def _check_collectives(results: list[dict], world: int, node_sizes: tuple[int, ...]) -> None:
-    shards, rows = w.collective_inputs(world, seed=7)
+    shards, rows = collective_inputs(world, seed=7)
     gathered = simulate_all_gather(shards)
     for rank, out in enumerate(results):
         assert torch.equal(out["gather"], gathered)
@@ -42,7 +225,7 @@ def test_collectives_equal_the_plain_torch_simulation(ranks: list[dict]) -> None
 
 
 def test_hierarchical_reduce_scatter_on_two_nodes_of_two() -> None:
-    _check_collectives(run_ranks(w.collectives, 4, (4, 2), timeout=300), 4, (4, 2))
+    _check_collectives(run_ranks(collectives, 4, (4, 2), timeout=300), 4, (4, 2))
 
 
 def _expected_gather_bytes(plain: dict, element: int, quantized_sizes=None) -> int:
@@ -74,8 +257,8 @@ def _first_loss_bound(rank: int) -> float:
     terms (the weights move by at most 1/254 of their block's largest magnitude)."""
     import torch.nn.functional as F
 
-    model = w._model(False)
-    x, y = w.batch(0, rank)
+    model = build_model("zeropp_mlp")
+    x, y = batch(0, rank)
     F.mse_loss(model(x), y).backward()
     bound = 0.0
     for p in model.parameters():
@@ -115,7 +298,7 @@ def test_quantized_gradients_int4_all_to_all(ranks: list[dict]) -> None:
 
 def test_nontrainable_weights_gather_quantized(ranks: list[dict]) -> None:
     """zero_quantized_nontrainable_weights: the frozen Linear's gathers are INT8, the trainable ones exact."""
-    frozen_sizes = {WORLD * -(-n // WORLD) * 4 for n in (w.IN * w.HIDDEN, w.HIDDEN)}  # the first Linear's
+    frozen_sizes = {WORLD * -(-n // WORLD) * 4 for n in (IN * HIDDEN, HIDDEN)}  # the first Linear's
     for rank in ranks:
         plain, quantized = rank["frozen"], rank["frozen_nontrainable"]
         assert frozen_sizes <= set(plain["sizes"]["all_gather"])
@@ -138,16 +321,16 @@ def _frozen_layer_scales(value: torch.Tensor) -> torch.Tensor:
 def test_nontrainable_weights_kept_int8(ranks: list[dict]) -> None:
     """zero_quantized_nontrainable_weights: each rank holds the frozen Linear's shards as INT8 codes plus
     one fp32 scale per block (exact byte count), the trainable ones in fp32; the estimator predicts it."""
-    frozen_parts = [-(-n // WORLD) for n in (w.IN * w.HIDDEN, w.HIDDEN)]
-    trainable_parts = [-(-n // WORLD) for n in (w.HIDDEN * w.OUT, w.OUT)]
+    frozen_parts = [-(-n // WORLD) for n in (IN * HIDDEN, HIDDEN)]
+    trainable_parts = [-(-n // WORLD) for n in (HIDDEN * OUT, OUT)]
     for rank in ranks:
         kept = sum(q.message_bytes(part, 8, q.WEIGHT_BLOCK) for part in frozen_parts)
         assert rank["frozen"]["parameter_bytes"] == 4 * (sum(frozen_parts) + sum(trainable_parts))
         assert rank["frozen_nontrainable"]["parameter_bytes"] == kept + 4 * sum(trainable_parts)
         assert kept <= 0.26 * 4 * sum(frozen_parts)
         # the estimator's count for this model: here the per-parameter blocks add up to the flat count
-        spec = EstimateInputs(total_params=w.IN * w.HIDDEN + w.HIDDEN + w.HIDDEN * w.OUT + w.OUT,
-                              trainable_params=w.HIDDEN * w.OUT + w.OUT, largest_layer_params=w.IN * w.HIDDEN,
+        spec = EstimateInputs(total_params=IN * HIDDEN + HIDDEN + HIDDEN * OUT + OUT,
+                              trainable_params=HIDDEN * OUT + OUT, largest_layer_params=IN * HIDDEN,
                               ranks_per_node=WORLD, zero_stage=3, precision="fp32", small_params=0,
                               buffers=BufferSettings(zero_quantized_nontrainable_weights=True))
         assert model_state_bytes(spec).device_params == rank["frozen_nontrainable"]["parameter_bytes"]
@@ -158,16 +341,16 @@ def test_nontrainable_weights_compute_with_the_kept_values(ranks: list[dict]) ->
     step's bound of the exact one (each weight within scale / 2), equal bit for bit to a plain run whose
     frozen weights were set to the kept values; the trainable weights and losses of that run are equal
     bit for bit too (the key changes nothing but the frozen values)."""
-    layer = w._model(True)[0]
+    layer = build_model("zeropp_mlp_frozen")[0]
     weight_scale, bias_scale = _frozen_layer_scales(layer.weight), _frozen_layer_scales(layer.bias)
     eps = torch.finfo(torch.float32).eps
     for r, rank in enumerate(ranks):
         kept, plain, reference = rank["frozen_nontrainable"], rank["frozen"], rank["frozen_dequantized"]
-        x = w.batch(0, r)[0].double()
+        x = batch(0, r)[0].double()
         exact = x @ layer.weight.double().T + layer.bias.double()
         quant_bound = x.abs() @ (weight_scale.double() / 2).T + bias_scale.double() / 2
         # fp32 rounding of the two products of IN terms (gamma_n bound, twice: both runs round)
-        rounding = 2 * (w.IN + 1) * eps * (x.abs() @ layer.weight.double().abs().T + layer.bias.double().abs())
+        rounding = 2 * (IN + 1) * eps * (x.abs() @ layer.weight.double().abs().T + layer.bias.double().abs())
         assert torch.all((plain["first_hidden"].double() - exact).abs() <= rounding / 2)
         assert torch.all((kept["first_hidden"].double() - exact).abs() <= quant_bound + rounding)
         assert not torch.equal(kept["first_hidden"], plain["first_hidden"])
@@ -176,7 +359,7 @@ def test_nontrainable_weights_compute_with_the_kept_values(ranks: list[dict]) ->
         for a, b in zip(kept["trainable"] + kept["frozen"], reference["trainable"] + reference["frozen"]):
             assert torch.equal(a, b)
         for value, original in zip(kept["frozen"], layer.parameters()):
-            assert torch.equal(value, w.kept_frozen_value(original, WORLD))
+            assert torch.equal(value, kept_frozen_value(original, WORLD))
 
 
 def test_nontrainable_weights_resume_exactly(ranks: list[dict]) -> None:

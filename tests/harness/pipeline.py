@@ -1,21 +1,26 @@
-"""Models, data and per-rank runs for the pipeline engine's multi-process tests (tests/integration/test_pipe.py).
+"""The pipeline engine's runs (tests/integration/test_pipe*.py, MoE in a pipeline): the layer-spec models by name
+(``PIPE_MODELS``), their micro-batches, the single-process reference, the config and engine, and the runs as
+records (``PipeCase``), one launch per world size running every case of that size (``pipe_suite``).
 
 The reference for every pipeline run is the same layers run one after the other in one process, on the same
 micro-batches: every data-parallel replica's micro-batch losses, divided by micro-batches x replicas, are
-backpropagated into one set of gradients, and torch's AdamW steps. Layers are built with ``seed_layers``
-(layer ``i`` from seed ``1234 + i``), so the pipeline's stages and the reference start from the same weights
-whatever the partition.
+backpropagated into one set of gradients, and torch's AdamW steps (``LR``, ``WEIGHT_DECAY`` of
+tests/harness/runs.py). Layers are built with ``seed_layers`` (layer ``i`` from seed ``1234 + i``), so the
+pipeline's stages and the reference start from the same weights whatever the partition.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.harness.runs import LR, WEIGHT_DECAY
+
 VOCAB, WIDTH, SEQ, MICRO = 32, 16, 6, 2
-LR, WEIGHT_DECAY, BASE_SEED = 3e-3, 0.01, 1234
+BASE_SEED = 1234
 
 
 class Block(nn.Module):
@@ -117,7 +122,7 @@ def token_specs() -> list[Any]:
     return [LayerSpec(EmbedKeepTokens)] + [LayerSpec(TokenBlock) for _ in range(4)] + [LayerSpec(TokenHead)]
 
 
-MODELS: dict[str, Callable[[], list[Any]]] = {"lm": lm_specs, "masked": masked_specs, "tokens": token_specs}
+PIPE_MODELS: dict[str, Callable[[], list[Any]]] = {"lm": lm_specs, "masked": masked_specs, "tokens": token_specs}
 
 
 # --- data ---------------------------------------------------------------------------------------------------
@@ -172,7 +177,7 @@ def run_layers(layers: list[Callable], x: Any) -> Any:
 
 def reference_run(model: str, steps: int, micro_batches: int, replicas: int, seq_of: Any = None) -> dict[str, Any]:
     """Per-step mean loss, per-step micro-batch losses, and the final parameters by name."""
-    layers, named = build_reference(MODELS[model]())
+    layers, named = build_reference(PIPE_MODELS[model]())
     opt = torch.optim.AdamW(list(named.values()), lr=LR, weight_decay=WEIGHT_DECAY)
     losses, per_micro = [], []
     for step in range(steps):
@@ -212,7 +217,7 @@ def build_engine(model: str, stages: int, micro_batches: int, zero_stage: int = 
     if model_parallel > 1:  # layers replicated over the model axis: each model rank computes the same
         topology = PipeModelDataParallelTopology(num_pp=stages, num_mp=model_parallel,
                                                  num_dp=comm.get_world_size() // (stages * model_parallel))
-    net = PipelineModule(MODELS[model](), num_stages=stages, topology=topology, loss_fn=lm_loss, seed_layers=True,
+    net = PipelineModule(PIPE_MODELS[model](), num_stages=stages, topology=topology, loss_fn=lm_loss, seed_layers=True,
                          base_seed=BASE_SEED, partition_method=partition)
     engine, _, _, _ = dsrun.initialize(model=net, config=pipe_config(micro_batches, zero_stage, **extra),
                                        optimizer=torch_adamw)
@@ -232,10 +237,31 @@ def train(engine: Any, steps: int, first_step: int = 0, seq_of: Any = None) -> l
     return losses
 
 
-def parity_case(model: str, stages: int, micro_batches: int, steps: int, seq_of: Any = None, zero_stage: int = 1,
-                **extra: Any) -> dict[str, Any]:
-    engine = build_engine(model, stages, micro_batches, zero_stage, **extra)
-    losses = train(engine, steps, seq_of=seq_of)
+@dataclass(frozen=True)
+class PipeCase:
+    """One pipeline run: ``model`` (a name of ``PIPE_MODELS``) cut into ``stages`` (x ``model_parallel``, the
+    rest data-parallel), ``micro_batches`` per step, trained ``steps`` steps at ``zero_stage`` on each world
+    size of ``worlds``; ``varying_seq``: each micro-batch's sequence length varies (``varying_seq``);
+    ``config``: more top-level sections (``pipeline``, ``checkpoint``)."""
+
+    key: str
+    model: str
+    stages: int
+    micro_batches: int
+    steps: int
+    worlds: tuple[int, ...] = (2,)
+    zero_stage: int = 1
+    model_parallel: int = 1
+    varying_seq: bool = False
+    config: dict = field(default_factory=dict)
+
+
+def pipe_run(case: PipeCase) -> dict[str, Any]:
+    """Train the case on this rank: the losses, this stage's parameters, the last batch's timing, the
+    counters, the stage and its cut, and the bytes this rank sent in the last step."""
+    engine = build_engine(case.model, case.stages, case.micro_batches, case.zero_stage,
+                          model_parallel=case.model_parallel, **case.config)
+    losses = train(engine, case.steps, seq_of=varying_seq if case.varying_seq else None)
     sent = engine.comm_stats_last_step().get("send", {})
     out = {"losses": losses, "params": named_params(engine), "timing": engine.last_batch_timing,
            "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
@@ -245,83 +271,6 @@ def parity_case(model: str, stages: int, micro_batches: int, steps: int, seq_of:
     return out
 
 
-def eval_case(stages: int, micro_batches: int) -> dict[str, Any]:
-    """Per-micro-batch losses of eval_batch at the initial weights (each micro-batch with its own labels)."""
-    engine = build_engine("lm", stages, micro_batches)
-    d = engine.grid.get_data_parallel_id()
-    per_micro = engine.eval_batch(iter(replica_batches(0, micro_batches, d)), reduce_output=None)
-    mean = engine.eval_batch(iter(replica_batches(0, micro_batches, d)))
-    engine.destroy()
-    return {"per_micro": [float(x) for x in per_micro], "mean": float(mean)}
-
-
-def checkpoint_case(save_dir: str, world: int, micro_batches: int = 4) -> dict[str, Any]:
-    """2 stages (x world/2 data) -> save -> 1 stage (x world data) loads and continues -> save -> 2 stages
-    load and continue; against the run that never stopped."""
-    first, more = 3, 3
-    out: dict[str, Any] = {}
-    two_stage_gas = micro_batches * 2 // world  # the same micro-batches per step, however they are spread
-    one_stage_gas = micro_batches // world
-    a = build_engine("lm", 2, two_stage_gas)
-    out["a_first"] = train(a, first)
-    a.save_checkpoint(save_dir, tag="two_stages")
-    out["a_saved"] = named_params(a)
-    out["a_files"] = sorted(a.last_checkpoint_files)
-    out["a_more"] = train(a, 2 * more, first_step=first)
-    a.destroy()
-
-    b = build_engine("lm", 1, one_stage_gas)
-    b.load_checkpoint(save_dir, tag="two_stages")
-    out["b_loaded"] = named_params(b)
-    out["b_steps"] = b.global_steps
-    out["b_more"] = train(b, more, first_step=first)
-    b.save_checkpoint(save_dir, tag="one_stage")
-    out["b_saved"] = named_params(b)
-    b.destroy()
-
-    c = build_engine("lm", 2, two_stage_gas)
-    c.load_checkpoint(save_dir, tag="one_stage")
-    out["c_loaded"] = named_params(c)
-    out["c_more"] = train(c, more, first_step=first + more)
-    c.destroy()
-    return out
-
-
-PARITY_STEPS = 50
-
-
-def suite(rank: int, world: int, save_dir: str) -> dict[str, Any]:
-    """Every pipeline run one launch makes for world size ``world`` (one launch per world size)."""
-    out: dict[str, Any] = {}
-    if world == 2:
-        out["lm/1f1b"] = parity_case("lm", 2, 4, PARITY_STEPS)
-        for schedule in ("gpipe", "zero_bubble", "interleaved"):
-            virtual = {"virtual_stages": 2} if schedule == "interleaved" else {}
-            out[f"lm/{schedule}"] = parity_case("lm", 2, 4, 8, pipeline={"schedule": schedule, **virtual})
-        out["masked/zero2"] = parity_case("masked", 2, 4, 6, zero_stage=2)
-        out["masked/zero0"] = parity_case("masked", 2, 4, 6, zero_stage=0)
-        out["lm/varlen"] = parity_case("lm", 2, 4, 6, seq_of=varying_seq)
-        out["eval"] = eval_case(2, 4)
-        out["ckpt"] = checkpoint_case(f"{save_dir}/ckpt", world)
-    if world == 3:
-        out["tokens/3"] = parity_case("tokens", 3, 3, 6)
-        out["lm/3"] = parity_case("lm", 3, 6, 6, pipeline={"schedule": "zero_bubble"})
-    if world == 4:
-        out["lm/2x2"] = parity_case("lm", 2, 4, PARITY_STEPS)
-        for on in (True, False):  # a model axis: each model-parallel rank sends half of every message, or all
-            out[f"lm/mp/{on}"] = parity_case("lm", 2, 4, 4, model_parallel=2,
-                                              pipeline={"pipe_partitioned": on, "grad_partitioned": on})
-        out["ckpt"] = checkpoint_case(f"{save_dir}/ckpt", world)
-        out["write"] = parallel_write_case(f"{save_dir}/parallel")
-    return out
-
-
-def parallel_write_case(save_dir: str) -> dict[str, Any]:
-    """Which files each rank writes, with and without checkpoint.parallel_write.pipeline_stage."""
-    out = {}
-    for flag in (False, True):
-        engine = build_engine("lm", 2, 2, checkpoint={"parallel_write": {"pipeline_stage": flag}})
-        engine.save_checkpoint(save_dir, tag=f"parallel_{flag}")
-        out[flag] = sorted(f for f in engine.last_checkpoint_files if f.startswith("layer_"))
-        engine.destroy()
-    return out
+def pipe_suite(rank: int, world: int, cases: Sequence[PipeCase]) -> dict[str, dict[str, Any]]:
+    """Rank entry point: every case of this world size, one after another, in one process."""
+    return {case.key: pipe_run(case) for case in cases if world in case.worlds}
