@@ -59,7 +59,10 @@ def main() -> int:
                   attempt=os.environ.get("TORCHELASTIC_RESTART_COUNT"))
     with open(os.path.join(out, f"rank{rank}.json"), "w") as handle:
         json.dump(report, handle)
-    print(f"rank {rank}/{world_size}: all-reduce sum {value.item()} (expected {expected})", flush=True)
+    # One write per line: under an unbuffered interpreter print() writes the text and the newline separately, and
+    # mpirun, which merges every rank's stdout into one stream, can put another rank's line between the two.
+    sys.stdout.write(f"rank {rank}/{world_size}: all-reduce sum {value.item()} (expected {expected})\n")
+    sys.stdout.flush()
     if value.item() != expected:
         return 1
     if args.hang or args.idle:
