@@ -102,16 +102,19 @@ def run(args: argparse.Namespace) -> int:
 
     if args.no_ssh and args.runner not in (None, "local"):
         raise UserError(Problem("--no_ssh", f"cannot be combined with --launcher {args.runner}"))
+    outer = detect_outer_launcher()
     if args.as_deepspeed:
         import os
 
         from dsrun.alias import environment_with_alias
         from dsrun.alias.commands import environment_with_bin, temporary_bin
 
-        # every rank inherits (and every node is sent) PYTHONPATH, see dsrun.launcher.environment; this node's
-        # ranks also find DeepSpeed's commands (deepspeed, ds_report, ds_elastic) first on PATH
-        os.environ.update(environment_with_bin(environment_with_alias(dict(os.environ)), temporary_bin()))
-    outer = detect_outer_launcher()
+        # every rank inherits (and every node is sent) PYTHONPATH, see dsrun.launcher.environment; ranks this
+        # process launches also find DeepSpeed's commands (deepspeed, ds_report, ds_elastic) first on PATH. A rank
+        # of an outer launcher replaces itself with the script (execvp), which would leave a temporary folder
+        # behind on every rank: it gets the alias alone
+        environ = environment_with_alias(dict(os.environ))
+        os.environ.update(environ if outer is not None else environment_with_bin(environ, temporary_bin()))
     if outer is not None:  # torchrun, srun or mpirun made this process a rank: it becomes the script
         return _become_rank(args, outer)
     plan = plan_launch(options_from_args(args))

@@ -178,3 +178,27 @@ def test_a_script_under_dsrun_launch_becomes_torchruns_rank(tmp_path):
     line = ("error: --num_procs: is 4, but torchrun started 2 rank(s) per node (LOCAL_WORLD_SIZE=2) "
             "(set --num_procs 2 or change the torchrun command)")
     assert refused.returncode != 0 and line in refused.stderr and "exitcode  : 2" in refused.stderr
+
+
+ALIAS_SCRIPT = """import json, os, sys
+import deepspeed
+with open("alias.json", "w") as handle:
+    json.dump({"deepspeed": deepspeed.__name__, "dsrun": type(deepspeed.DeepSpeedEngine).__module__,
+               "path": os.environ["PATH"]}, handle)
+"""
+
+
+def test_as_deepspeed_under_torchrun_leaves_no_temporary_folder(tmp_path):
+    """Under an outer launcher ``dsrun launch --as-deepspeed`` execs the script with the alias on its path; it
+    writes no temporary ``deepspeed`` bin folder, which nobody would be left to remove (the rank's process is
+    replaced by the script)."""
+    (tmp_path / "alias.py").write_text(ALIAS_SCRIPT)
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    done = torchrun("--nproc-per-node", "1", "--master-port", str(free_port()), "-m", "dsrun", "launch",
+                    "--as-deepspeed", "alias.py", cwd=tmp_path, env={"TMPDIR": str(temp)}, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "alias.json").read_text())
+    assert report["deepspeed"] == "deepspeed" and report["dsrun"].startswith("dsrun.")
+    assert "dsrun-deepspeed-bin-" not in report["path"]
+    assert not list(temp.glob("dsrun-deepspeed-bin-*"))
