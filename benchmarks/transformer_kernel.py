@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsrun.ops.transformer import DeepSpeedTransformerConfig, DeepSpeedTransformerLayer  # noqa: E402
+from dsrun.profiling.tensor_memory import SavedTensorBytes  # noqa: E402
 
 FLAGS = {"none": {}, "attn_dropout_checkpoint": {"attn_dropout_checkpoint": True},
          "gelu_checkpoint": {"gelu_checkpoint": True}, "normalize_invertible": {"normalize_invertible": True},
@@ -30,18 +31,9 @@ FLAGS = {"none": {}, "attn_dropout_checkpoint": {"attn_dropout_checkpoint": True
 
 
 def saved_bytes(layer: torch.nn.Module, x: torch.Tensor) -> int:
-    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedTensorBytes(exclude=layer.parameters()) as saved:
         layer(x)
-    return sum(seen.values())
+    return saved.bytes
 
 
 def step_seconds(layer: torch.nn.Module, x: torch.Tensor, device: torch.device) -> float:

@@ -78,6 +78,11 @@ class SavedTensorBytes:
         return sum(nbytes for nbytes, _ in self._seen.values())
 
     @property
+    def sizes(self) -> list[int]:
+        """The size (bytes) of each distinct saved storage, ascending."""
+        return sorted(nbytes for nbytes, _ in self._seen.values())
+
+    @property
     def bytes_by_device(self) -> dict[str, int]:
         """The same bytes split by device type (``{"cpu": ..., "cuda": ...}``), e.g. with CPU-offloaded
         checkpoints."""

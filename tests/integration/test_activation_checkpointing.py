@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from dsrun.profiling.tensor_memory import SavedTensorBytes
 from tests.harness.launch import Launch
 from tests.harness.models import GPT_KW, global_batch
 from tests.harness.models import NANOGPT_SEQ as SEQ
@@ -44,22 +45,6 @@ class WorldModelParallel:
         return comm.get_world_size()
 
 
-def saved_storages(fn: Any, module: torch.nn.Module) -> tuple[Any, list[int]]:
-    """``fn()``'s result and the sizes (bytes) of the distinct non-parameter storages autograd saved meanwhile."""
-    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, sorted(seen.values())
-
-
 def _gpt_run(checkpoint_fn: Any) -> dict[str, Any]:
     from dsrun.models.gpt import GPT
 
@@ -69,9 +54,10 @@ def _gpt_run(checkpoint_fn: Any) -> dict[str, Any]:
         model.enable_activation_checkpointing(True, checkpoint_fn)
     inputs, targets = global_batch("nanogpt", 0, 4)
     torch.manual_seed(1)
-    loss, storages = saved_storages(lambda: model(inputs, targets), model)
+    with SavedTensorBytes(exclude=model.parameters()) as saved:
+        loss = model(inputs, targets)
     loss.backward()
-    return {"storages": storages, "grads": {n: p.grad.numpy().copy() for n, p in model.named_parameters()}}
+    return {"storages": saved.sizes, "grads": {n: p.grad.numpy().copy() for n, p in model.named_parameters()}}
 
 
 def partition_suite(rank: int, world: int) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from torch import nn
 
 from dsrun.ops.transformer import DeepSpeedTransformerConfig, DeepSpeedTransformerLayer
 from dsrun.ops.transformer import layer as layer_module
+from dsrun.profiling.tensor_memory import SavedTensorBytes
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 BATCH, SEQ, HIDDEN, HEADS, INTER = 2, 16, 32, 4, 128
@@ -130,18 +131,9 @@ def test_layer_equals_a_plain_pytorch_bert_layer_forward_and_backward(pre_layer_
 
 def saved_bytes(layer: nn.Module, x: torch.Tensor) -> tuple[int, torch.Tensor]:
     """Bytes of the distinct storages autograd keeps for backward (parameters excluded), and the output."""
-    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedTensorBytes(exclude=layer.parameters()) as saved:
         out = layer(x)
-    return sum(seen.values()), out
+    return saved.bytes, out
 
 
 F32 = 4
