@@ -11,9 +11,9 @@ import sys
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DeepSpeedPlugin, DummyOptim
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2LMHeadModel
 
-from _hf_data import Sequences
+from _hf_data import Sequences, tiny_gpt2_config
 
 stage, output_dir = int(sys.argv[1]), sys.argv[2]
 ds_config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
@@ -23,9 +23,7 @@ ds_config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps":
 
 accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds_config))
 torch.manual_seed(0)
-model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
-                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                   bos_token_id=0, eos_token_id=0))
+model = GPT2LMHeadModel(tiny_gpt2_config())
 loader = torch.utils.data.DataLoader(Sequences(), batch_size=4, shuffle=False)
 model, optimizer, loader = accelerator.prepare(model, DummyOptim(model.parameters()), loader)
 batches = [batch for _, batch in zip(range(4), loader)]

@@ -12,16 +12,15 @@ import os
 import sys
 
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, Trainer, TrainingArguments
+from transformers import AutoModelForCausalLM, Trainer
 from transformers.integrations import is_deepspeed_zero3_enabled
 
-from _hf_data import Sequences
+from _hf_data import Sequences, auto_ds_config, tiny_gpt2_config, training_arguments
 
 output_dir, max_steps = sys.argv[1], int(sys.argv[2])
 resume_from = sys.argv[3] if len(sys.argv) > 3 else None
 rank = int(os.environ.get("RANK", "0"))
-config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
-                    attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+config = tiny_gpt2_config()
 
 # a pretrained checkpoint to load, written before ZeRO-3 is switched on (each rank its own copy: no barrier needed)
 pretrained_dir = os.path.join(output_dir, f"pretrained-rank{rank}")
@@ -31,20 +30,10 @@ pretrained.save_pretrained(pretrained_dir)
 saved = {name: value.detach().clone() for name, value in pretrained.state_dict().items()}
 del pretrained
 
-ds_config = {
-    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-    "gradient_clipping": "auto",
-    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
-    "scheduler": {"type": "WarmupLR",
-                  "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"}},
-    "bf16": {"enabled": "auto"},
-    "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True,
-                          "stage3_param_persistence_threshold": 0},
-}
+ds_config = auto_ds_config({"stage": 3, "stage3_gather_16bit_weights_on_model_save": True,
+                            "stage3_param_persistence_threshold": 0})
 # the arguments first: from here on transformers builds every model inside deepspeed.zero.Init
-args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=4, max_steps=max_steps,
-                         learning_rate=1e-2, logging_steps=1, save_strategy="steps", save_steps=2, report_to=[],
-                         deepspeed=ds_config, use_cpu=True, seed=0, disable_tqdm=True)
+args = training_arguments(output_dir, max_steps, ds_config)
 assert is_deepspeed_zero3_enabled()
 
 import deepspeed  # noqa: E402  (the alias: the Trainer's arguments imported it already)
