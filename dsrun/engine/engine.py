@@ -80,6 +80,7 @@ class DeepSpeedEngine(torch.nn.Module):
     # DeepSpeed's names for the model's MoE layers: the MoE feature (dsrun/moe/feature.py) sets them at attach
     has_moe_layers: bool = False
     moe_layers: tuple[torch.nn.Module, ...] | list = ()
+    gate_modules: tuple[torch.nn.Module, ...] | list = ()
 
     def __init__(self, model: torch.nn.Module, config: DSConfig, optimizer: torch.optim.Optimizer | None = None,
                  lr_scheduler: Any = None, training_data: Dataset | None = None, collate_fn: Callable | None = None,

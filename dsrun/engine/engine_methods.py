@@ -295,12 +295,14 @@ class EngineMethods:
 
     # --- small helpers ------------------------------------------------------------------------------------
     def print_forward_breakdown(self, fwd_time: float) -> None:
-        """Rank 0 prints the forward time (ms) and the MoE layers' share of it (zero without MoE layers)."""
-        gate = sum(getattr(g, "gate_time", 0.0) for g in getattr(self, "gate_modules", []))
-        layers = getattr(self, "moe_layers", [])
-        moe = sum(getattr(m, "time_moe", 0.0) for m in layers)
-        first = sum(getattr(m, "time_falltoall", 0.0) for m in layers)
-        second = sum(getattr(m, "time_salltoall", 0.0) for m in layers)
+        """Rank 0 prints ``fwd_time`` (ms) and the MoE layers' share of the last forward: the layers, their first
+        and second all-to-all and their gates' top-k, in ms, summed over layers (recorded with
+        ``wall_clock_breakdown``; zero without it or without MoE layers)."""
+        engine = self._engine
+        gate = sum(g.gate_time for g in engine.gate_modules)
+        moe = sum(m.time_moe for m in engine.moe_layers)
+        first = sum(m.time_falltoall for m in engine.moe_layers)
+        second = sum(m.time_salltoall for m in engine.moe_layers)
         if self._engine.global_rank == 0:
             print(f"[dsrun] time (ms) | fwd: {fwd_time:.2f} (fwd_moe: {moe:.2f}, 1st_a2a: {first:.2f}, "
                   f"2nd_a2a: {second:.2f}, top_k: {gate:.2f})", flush=True)

@@ -3,8 +3,9 @@ checkpoints.
 
 When the engine has built the run's process groups, the feature makes them the run's groups and gives the
 model's MoE layers their expert groups from them (``take_topology``: ``dsrun.moe.layer.attach_process_groups``,
-laid out by ``use_data_before_expert_parallelism``); once attached it sets DeepSpeed's ``engine.moe_layers`` and
-``engine.has_moe_layers``, and tells the checkpoint code the rest. Each expert leaves the model-states files for a pair of its own
+laid out by ``use_data_before_expert_parallelism``); once attached it sets DeepSpeed's ``engine.moe_layers`` (the ``MOELayer``
+modules), ``engine.gate_modules`` (their ``TopKGate``) and ``engine.has_moe_layers`` (with ``wall_clock_breakdown``
+the layers time themselves for ``engine.print_forward_breakdown``), and tells the checkpoint code the rest. Each expert leaves the model-states files for a pair of its own
 (DeepSpeed's ``layer_{L}_expert_{G}_mp_rank_00_model_states.pt``, L: the MoE layer's index in module order, G:
 the expert's global id, and dsrun's ``..._optim_states.pt``), keyed by its parameter names with the local
 expert index replaced by the global id; the first rank of each expert-data-parallel group writes them. Which
@@ -82,9 +83,13 @@ class MoEFeature(Feature):
 
     def attach(self, engine: _Engine) -> None:  # type: ignore[override]
         self._engine = engine
-        if self._layers is not None:  # DeepSpeed's engine attributes
-            engine.moe_layers = self._layers  # type: ignore[attr-defined]
+        if self._layers is not None:  # DeepSpeed's engine attributes: its MOELayer and TopKGate modules
+            engine.moe_layers = [layer.deepspeed_moe for layer in self._layers]  # type: ignore[attr-defined]
+            engine.gate_modules = [layer.deepspeed_moe.gate for layer in self._layers]  # type: ignore[attr-defined]
             engine.has_moe_layers = bool(self._layers)
+            timed = bool(self._config is not None and self._config.wall_clock_breakdown)
+            for module in (*engine.moe_layers, *engine.gate_modules):  # type: ignore[attr-defined]
+                module.wall_clock_breakdown = timed  # engine.print_forward_breakdown reports them
 
     def close(self) -> None:
         if self._layers:

@@ -30,6 +30,7 @@ sparse :class:`Routing` (k slots per token), which holds the same information.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Union
 
@@ -38,6 +39,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dsrun import comm
+from dsrun.accelerator import get_accelerator
 
 NOISY_GATE_POLICIES = (None, "Jitter", "RSample")
 JITTER_EPS = 1e-2
@@ -270,6 +272,8 @@ class TopKGate(torch.nn.Module):
         self.drop_tokens = bool(drop_tokens)
         self.use_rts = bool(use_rts)
         self.top2_2nd_expert_sampling = bool(top2_2nd_expert_sampling)
+        self.wall_clock_breakdown = False  # when True, gate_time is the last routing's time in ms (DeepSpeed's)
+        self.gate_time = 0.0
 
     def _set_ep_group(self, ep_group: ExpertGroup) -> None:
         self.ep_group = ep_group
@@ -283,6 +287,16 @@ class TopKGate(torch.nn.Module):
     def route(self, input: torch.Tensor, used_token: torch.Tensor | None = None,
               drop_tokens: bool | None = None) -> Routing:
         """The sparse routing of ``input`` (S, model_dim)."""
+        if not self.wall_clock_breakdown:
+            return self._route(input, used_token, drop_tokens)
+        get_accelerator().synchronize()
+        start = time.perf_counter()
+        routing = self._route(input, used_token, drop_tokens)
+        get_accelerator().synchronize()
+        self.gate_time = (time.perf_counter() - start) * 1e3
+        return routing
+
+    def _route(self, input: torch.Tensor, used_token: torch.Tensor | None, drop_tokens: bool | None) -> Routing:
         logits = self.logits(input)
         cf = self.capacity_factor if self.training else self.eval_capacity_factor
         drop = self.drop_tokens if drop_tokens is None else drop_tokens

@@ -20,12 +20,15 @@ same experts and are summed in the same order. With ``ep_size == 1`` no collecti
 """
 from __future__ import annotations
 
-from typing import Any
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 from torch.autograd.function import FunctionCtx
 
 from dsrun import comm
+from dsrun.accelerator import get_accelerator
 
 from .experts import Experts
 from .gating import (ExpertGroup, Routing, TopKGate, WORLD, as_comm_group, gumbel_rsample,  # noqa: F401
@@ -84,18 +87,40 @@ class MOELayer(torch.nn.Module):
         self.exp_counts: torch.Tensor | None = None
         self.last_routing: Routing | None = None
         self.use_tutel = False
+        # DeepSpeed's breakdown of the last forward, in ms, recorded while ``wall_clock_breakdown`` is True (the
+        # engine switches it on with the config key of that name): the whole layer, the first (dispatch) and
+        # second (return) all-to-all; the gate's top-k time is ``gate.gate_time``
+        self.wall_clock_breakdown = False
+        self.time_moe = self.time_falltoall = self.time_salltoall = 0.0
 
     def _set_ep_group(self, ep_group: ExpertGroup) -> None:
         self.ep_group = WORLD if (ep_group is None and self.ep_size > 1) else ep_group
         self.gate._set_ep_group(self.ep_group)
 
+    @contextmanager
+    def _timed(self, name: str) -> Iterator[None]:
+        """Time the block into attribute ``name`` (ms, device-synchronised) while ``wall_clock_breakdown``."""
+        if not self.wall_clock_breakdown:
+            yield
+            return
+        get_accelerator().synchronize()
+        start = time.perf_counter()
+        yield
+        get_accelerator().synchronize()
+        setattr(self, name, (time.perf_counter() - start) * 1e3)
+
     def _exchange(self, x: torch.Tensor, output_splits: list[int] | None = None,
-                  input_splits: list[int] | None = None) -> torch.Tensor:
+                  input_splits: list[int] | None = None, timer: str = "time_falltoall") -> torch.Tensor:
         if self.ep_size == 1:
             return x
-        return _AllToAll.apply(self.ep_group, x, output_splits, input_splits)
+        with self._timed(timer):
+            return _AllToAll.apply(self.ep_group, x, output_splits, input_splits)
 
     def forward(self, *input: torch.Tensor, **kwargs: torch.Tensor | None) -> torch.Tensor:
+        with self._timed("time_moe"):
+            return self._forward(*input, **kwargs)
+
+    def _forward(self, *input: torch.Tensor, **kwargs: torch.Tensor | None) -> torch.Tensor:
         hidden = input[0]
         used_token = input[1] if len(input) > 1 else kwargs.get("used_token")
         d_model = hidden.shape[-1]
@@ -127,7 +152,7 @@ class MOELayer(torch.nn.Module):
         buffer = x.new_zeros(E * C, M).index_add(0, slot[keep], x[tokens[keep]])
         dispatched = self._exchange(buffer.reshape(self.ep_size, self.num_local_experts, C, M))
         expert_out = self.experts(dispatched)
-        returned = self._exchange(expert_out.contiguous()).reshape(E * C, M)
+        returned = self._exchange(expert_out.contiguous(), timer="time_salltoall").reshape(E * C, M)
         if E * C == 0:
             return x.new_zeros(S, M) + 0 * x
         return combine(returned, routing, slot.clamp(max=E * C - 1) * keep)
@@ -161,7 +186,7 @@ class MOELayer(torch.nn.Module):
         outs = [self.experts.run(j, chunk) for j, chunk in enumerate(torch.split(grouped, sizes))]
         done = torch.empty_like(grouped) if not outs else torch.cat(outs)
         back = torch.empty_like(done).index_copy(0, perm, done) if perm.numel() else done
-        returned = self._exchange(back, send, recv)
+        returned = self._exchange(back, send, recv, timer="time_salltoall")
         per_choice = x.new_zeros(expert_of.numel(), M).index_copy(0, order, returned)
         slot = torch.arange(expert_of.numel(), device=x.device).reshape(routing.experts.shape)
         return combine(per_choice, routing, slot)

@@ -49,6 +49,27 @@ def test_config_optimizer_gets_separate_expert_groups_and_trains() -> None:
     engine.destroy()
 
 
+@pytest.mark.parametrize("breakdown", [True, False])
+def test_wall_clock_breakdown_times_the_moe_layers_for_print_forward_breakdown(breakdown, capsys) -> None:
+    """DeepSpeed's engine.moe_layers / gate_modules are the MOELayer and TopKGate modules; with
+    wall_clock_breakdown each times its last forward (ms), which print_forward_breakdown reports. With one expert
+    rank there is no all-to-all to time."""
+    engine, _, _, _ = dsrun.initialize(model=Net(), config=_config(wall_clock_breakdown=breakdown))
+    layer = engine.module.moe.deepspeed_moe
+    assert list(engine.moe_layers) == [layer] and list(engine.gate_modules) == [layer.gate]
+    engine(torch.randn(4, 4))
+    if breakdown:
+        assert layer.time_moe >= layer.gate.gate_time > 0.0  # the gate runs inside the layer
+    else:
+        assert layer.time_moe == layer.gate.gate_time == 0.0
+    assert layer.time_falltoall == layer.time_salltoall == 0.0
+    engine.print_forward_breakdown(12.5)
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line == (f"[dsrun] time (ms) | fwd: 12.50 (fwd_moe: {layer.time_moe:.2f}, 1st_a2a: 0.00, 2nd_a2a: 0.00, "
+                    f"top_k: {layer.gate.gate_time:.2f})")
+    engine.destroy()
+
+
 def test_a_client_optimizer_mixing_experts_and_shared_params_is_refused() -> None:
     model = Net()
     with pytest.raises(ConfigError, match="split_params_into_different_moe_groups_for_optimizer"):
