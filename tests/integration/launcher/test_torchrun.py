@@ -183,7 +183,7 @@ def test_a_script_under_dsrun_launch_becomes_torchruns_rank(tmp_path):
 ALIAS_SCRIPT = """import json, os, sys
 import deepspeed
 with open("alias.json", "w") as handle:
-    json.dump({"deepspeed": deepspeed.__name__, "dsrun": type(deepspeed.DeepSpeedEngine).__module__,
+    json.dump({"deepspeed": deepspeed.__name__, "dsrun": deepspeed.DeepSpeedEngine.__module__,
                "path": os.environ["PATH"]}, handle)
 """
 
