@@ -75,13 +75,24 @@ class _RepositoryUntouched:
 def pytest_collection_modifyitems(config, items):
     """The suite runs on two pytest-xdist workers (``--dist loadgroup``, pyproject.toml). The multi-host tests
     share one pair of network-namespace hosts (a session fixture, set up once per worker): keep them on one.
-    The tests of a module that reads the ``runs`` fixture share its launches: keep them on one worker, so each
-    launch runs once in the suite."""
+    The tests of a module that read a fixture shared beyond one test (module, class or package scope: the
+    ``runs`` launches, a trained run, a tuned study) share what it built: keep them on one worker, so it is built
+    once in the suite, not once per worker."""
     for item in items:
         if item.get_closest_marker("multihost"):
             item.add_marker(pytest.mark.xdist_group("two_hosts"))
-        elif "runs" in getattr(item, "fixturenames", ()):
+        elif _shares_a_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
+def _shares_a_fixture(item) -> bool:
+    """Whether ``item`` uses a fixture of module, class or package scope (``module_root``, an empty folder,
+    alone does not count)."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    return any(defs and defs[-1].scope in ("module", "class", "package")
+               for name, defs in info.name2fixturedefs.items() if name != "module_root")
 
 
 @pytest.fixture

@@ -10,6 +10,8 @@ import queue
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -75,8 +77,32 @@ def run_cli(*args: str, cwd: str | Path | None = None, env: dict[str, str] | Non
                           capture_output=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
 
+# Rank processes are forked from a server process that has imported torch once (multiprocessing's forkserver),
+# not started fresh: each rank skips torch's import (about a second of CPU; hundreds of ranks in the suite).
+# A forked rank is still a new process with the parent's environment, working folder and import path
+# (_rank_entry puts the environment back: the server's is the one it started with), and the server has
+# imported modules only, run no operator, so no thread pool exists to be forked. The server's standard output
+# is whatever the test that started it had, so each rank writes its output to a file of its launch, which the
+# caller prints (pytest shows it with the test's output) and quotes when a rank fails.
+_PRELOAD = ["torch"]
+
+
+def _rank_context() -> Any:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def _rank_entry(fn: Callable, rank: int, world_size: int, port: int, threads: int, results: Any,
-                args: Sequence[Any]) -> None:
+                args: Sequence[Any], environ: dict[str, str], log: str) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    output = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(output, 1)
+    os.dup2(output, 2)
+    os.close(output)
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       OMP_NUM_THREADS=str(threads))
@@ -92,59 +118,80 @@ def _rank_entry(fn: Callable, rank: int, world_size: int, port: int, threads: in
 
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes with the torch.distributed
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` new processes with the torch.distributed
     environment variables set (gloo on 127.0.0.1, a free port), threads split across the cores.
 
     Returns each rank's return value (picklable), in rank order. Raises AssertionError with the rank's
     traceback if any rank fails, and kills every rank (by PID) if they do not all finish in ``timeout``
     seconds, so a hang fails the test instead of stalling CI. ``fn`` must be importable (module level).
     """
-    ctx = mp.get_context("spawn")
+    ctx = _rank_context()
     results = ctx.Queue()
     port = free_port()
     threads = max(1, CORES // world_size)
-    procs = [ctx.Process(target=_rank_entry, args=(fn, r, world_size, port, threads, results, args), daemon=True)
+    environ = dict(os.environ)
+    logs = Path(tempfile.mkdtemp(prefix="dsrun-test-ranks-"))
+    procs = [ctx.Process(target=_rank_entry, args=(fn, r, world_size, port, threads, results, args, environ,
+                                                   str(logs / f"rank{r}.log")), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
     outcome: dict[int, Any] = {}
     errors: list[str] = []
-    import time
-
     deadline = time.monotonic() + timeout
     try:
-        while len(outcome) + len(errors) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise AssertionError(f"ranks did not finish within {timeout}s "
-                                     f"(finished: {sorted(outcome)}; errors: {len(errors)})")
-            try:
-                rank, status, value = results.get(timeout=min(remaining, 1.0))
-            except queue.Empty:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead and len(outcome) + len(errors) < world_size:
-                    # a rank died without reporting (segfault, os._exit): give the queue a moment, then fail
-                    try:
-                        rank, status, value = results.get(timeout=2.0)
-                    except queue.Empty:
-                        raise AssertionError(
-                            f"rank process exited with code {dead[0].exitcode} without reporting") from None
-                else:
-                    continue
-            if status == "ok":
-                outcome[rank] = pickle.loads(value)
-            else:
-                errors.append(f"rank {rank} failed:\n{value}")
-                break  # one failure is enough; the others may now hang in a collective
-        if errors:
-            raise AssertionError("\n".join(errors))
+        _collect(procs, results, outcome, errors, world_size, timeout, deadline)
+    except AssertionError as err:
+        raise AssertionError(f"{err}\n{_rank_output(logs, tail=3000)}") from None
     finally:
         for p in procs:
             p.join(timeout=5 if not errors else 0.1)
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        sys.stdout.write(_rank_output(logs))  # into the test's captured output, as a child's own would go
+        shutil.rmtree(logs, ignore_errors=True)
     return [outcome[r] for r in range(world_size)]
+
+
+def _rank_output(logs: Path, tail: int | None = None) -> str:
+    parts = []
+    for path in sorted(logs.glob("rank*.log")):
+        text = path.read_text(errors="replace")
+        if text:
+            parts.append(f"--- {path.stem} output ---\n{text[-tail:] if tail else text}")
+    return "\n".join(parts) + ("\n" if parts else "")
+
+
+def _collect(procs: list[Any], results: Any, outcome: dict[int, Any], errors: list[str], world_size: int,
+             timeout: float, deadline: float) -> None:
+    """Wait for every rank's report (filling ``outcome`` and ``errors``); AssertionError on a failure, a rank
+    that died without reporting, or the deadline."""
+    while len(outcome) + len(errors) < world_size:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise AssertionError(f"ranks did not finish within {timeout}s "
+                                 f"(finished: {sorted(outcome)}; errors: {len(errors)})")
+        try:
+            rank, status, value = results.get(timeout=min(remaining, 1.0))
+        except queue.Empty:
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if dead and len(outcome) + len(errors) < world_size:
+                # a rank died without reporting (segfault, os._exit): give the queue a moment, then fail
+                try:
+                    rank, status, value = results.get(timeout=2.0)
+                except queue.Empty:
+                    raise AssertionError(
+                        f"rank process exited with code {dead[0].exitcode} without reporting") from None
+            else:
+                continue
+        if status == "ok":
+            outcome[rank] = pickle.loads(value)
+        else:
+            errors.append(f"rank {rank} failed:\n{value}")
+            break  # one failure is enough; the others may now hang in a collective
+    if errors:
+        raise AssertionError("\n".join(errors))
 
 
 _FIRST_OUTPUT_PROBE = """

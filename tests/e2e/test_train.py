@@ -58,20 +58,55 @@ def test_default_recipe_learns(tmp_path):
     assert run.data.metrics["Eval/Samples/eval_loss"] == pytest.approx(evals[-1])
 
 
+# Recipes another end-to-end test already trains with `dsrun train +recipe=NAME` as shipped (and checks more of):
+# they are not run a second time here
+TRAINED_ELSEWHERE = {
+    "default": "test_default_recipe_learns, above",
+    "gpt_xtc": "tests/e2e/test_compression_cli.py (it needs a teacher run first)",
+    "gpt_qat": "tests/e2e/test_compression_cli.py",
+    "gpt_data_efficiency": "tests/e2e/test_data_efficiency_recipe.py",
+    "gpt_infinity": "tests/e2e/test_infinity_recipe.py",
+    "gpt_tune": "tests/e2e/test_tune.py (every trial, and the final run)",
+    "gpt_elastic": "tests/integration/launcher/test_elastic.py (over two hosts)",
+}
+
+
+def validate_ds_config(path: Path, world_size: int) -> None:
+    """What `dsrun config --validate PATH --world-size N` checks (tests/e2e/test_cli_config.py runs the command):
+    the loading initialize does, which raises on any problem."""
+    from dsrun.config import load_ds_config
+
+    load_ds_config(str(path), world_size=world_size, world_size_source=f"--world-size {world_size}")
+
+
 @pytest.mark.slow
-# gpt_xtc needs a teacher run first: tests/e2e/test_compression_cli.py runs it with one
-@pytest.mark.parametrize("recipe", sorted(r for r in list_recipes() if r != "gpt_xtc"))
+@pytest.mark.parametrize("recipe", sorted(r for r in list_recipes() if r not in TRAINED_ELSEWHERE))
 def test_every_recipe_runs_briefly(tmp_path, recipe):
-    # gpt_elastic trains over the hosts of ./hostfile by SSH; on one machine it runs with the local runner
-    # (still under the elastic agent): docs/elasticity.md
-    single_host = ["launcher.runner=local", "launcher.hostfile=null"] if recipe == "gpt_elastic" else []
-    metrics, run_dir = train(tmp_path, f"+recipe={recipe}", *SHORT, *single_host)
+    metrics, run_dir = train(tmp_path, f"+recipe={recipe}", *SHORT)
     assert metrics["steps"] == 3 and all(loss == loss for loss in metrics["train_losses"])  # finite, not NaN
     # DeepSpeed checks the batch sizes against the data-parallel ranks: a pipeline's stages do not count
     stages = OmegaConf.load(run_dir / "resolved.yaml").model.get("pipeline_stages", 1) or 1
-    check = run_cli("config", "--validate", str(run_dir / "ds_config.json"),
-                    "--world-size", str(metrics["world_size"] // stages))
-    assert check.returncode == 0, check.stderr
+    validate_ds_config(run_dir / "ds_config.json", metrics["world_size"] // stages)
+
+
+# gpt_elastic trains over the hosts of ./hostfile by SSH; on one machine it resolves with the local runner (still
+# under the elastic agent): docs/elasticity.md
+SINGLE_HOST = {"gpt_elastic": ["launcher.runner=local", "launcher.hostfile=null"]}
+
+
+# gpt_xtc resolves only with a teacher run: tests/e2e/test_compression_cli.py trains one first
+@pytest.mark.parametrize("recipe", sorted(r for r in list_recipes() if r != "gpt_xtc"))
+def test_every_recipes_deepspeed_config_validates(tmp_path, recipe):
+    """Every recipe, those trained elsewhere too: the DeepSpeed config it resolves to loads as initialize loads
+    it, at the data-parallel world size the recipe launches."""
+    from dsrun.compose import compose_runspec
+    from dsrun.rundir import write_run_files
+    from dsrun.runspec import resolve_run
+
+    run = resolve_run(compose_runspec([f"+recipe={recipe}", *SINGLE_HOST.get(recipe, [])]))
+    written = write_run_files(tmp_path, run)  # what `dsrun train` writes into the run directory
+    stages = OmegaConf.load(written["resolved"]).model.get("pipeline_stages", 1) or 1
+    validate_ds_config(written["ds_config"], run.world_size // stages)
 
 
 @pytest.mark.slow
