@@ -200,6 +200,9 @@ def test_bad_requests_are_refused_in_one_line(caplog):
     params_offloaded = dsrun.initialize(model=_model(), config=_config(3, offload_param={"device": "cpu"}))[0]
     with pytest.raises(OffloadStatesError, match="offload_param puts the parameters on cpu"):
         params_offloaded.offload_states()
+    zeropp = dsrun.initialize(model=_model(), config=_config(3, zero_quantized_weights=True))[0]
+    with pytest.raises(OffloadStatesError, match="not with ZeRO\\+\\+/MiCS/hpZ"):
+        zeropp.offload_states(include=[S.optim_states])
 
 
 def test_deepspeeds_module_paths_serve_the_names():
