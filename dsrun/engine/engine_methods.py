@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Container, Iterator
 
 import torch
 
@@ -18,6 +18,8 @@ from dsrun import comm
 from dsrun.zero.fragments import refresh_masters_from_model
 from dsrun.zero.partition_params import ParamStatus, is_zero_param, write_shard
 from dsrun.zero import partition_params, quantized_shards
+from dsrun.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
+from dsrun.zero.offload_states import offload_engine_states, reload_engine_states
 
 MEMORY_OPT_ALLREDUCE_SIZE = 500_000_000
 log = logging.getLogger("dsrun.engine")
@@ -222,6 +224,32 @@ class EngineMethods:
                     set_step(state)
         if self._engine.strategy is not None:  # counters kept outside the optimizer (NVMe-swapped sub-groups)
             self._engine.strategy.update_optimizer_step(int(step))
+
+    # --- moving the states off the device between phases (dsrun/zero/offload_states.py) ---------------------
+    def offload_states(self, include: Container[OffloadStateTypeEnum] | None = None,
+                       device: OffloadDeviceEnum = OffloadDeviceEnum.cpu, pin_memory: bool = True,
+                       non_blocking: bool = False) -> None:
+        """Offload the engine's states to the specified device (ZeRO stages 1-3; DeepSpeed's signature).
+
+        Arguments:
+            include: Optional. The set of states to offload (``OffloadStateTypeEnum``). If not provided, all
+                states are offloaded.
+            device: Optional. Where to move them; only ``OffloadDeviceEnum.cpu`` is supported.
+            pin_memory: Optional. Whether to pin the memory of the offloaded states (on CUDA).
+            non_blocking: Optional. Whether to offload the states asynchronously.
+
+        On a CPU training device the states already live in host memory and stay where they are (logged once);
+        only buffers rebuilt on demand are released. Call :meth:`reload_states` before training again."""
+        param_offload = self._engine.zero_offload_param()
+        offload_engine_states(self._engine.strategy, str(param_offload.device) if param_offload else "none",
+                              include=include, device=device, pin_memory=pin_memory, non_blocking=non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Reload the engine states to the original device (what :meth:`offload_states` moved or released).
+
+        Arguments:
+            non_blocking: Optional. Whether to reload the states asynchronously (synchronized before returning)."""
+        reload_engine_states(self._engine.strategy, non_blocking=non_blocking)
 
     # --- module state ---------------------------------------------------------------------------------------
     def module_state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False,

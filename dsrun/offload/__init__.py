@@ -4,6 +4,8 @@
 * :mod:`.param_swapper` — where a ZeRO-3 parameter's shard lives with ``offload_param`` (CPU or NVMe).
 * :mod:`.flat_store` / :mod:`.shard_store` — where a stage's optimizer state lives (``offload_optimizer``):
   stages 1-2's partitions and stage 3's sub-groups, on the device, in host memory or in NVMe swap files.
+* :mod:`.state_moves` — a strategy's states moved to host memory and back on request (DeepSpeed's
+  ``engine.offload_states()`` / ``reload_states()``, ``OffloadStateTypeEnum``).
 """
 from dsrun.offload.swap_store import SwapStore, remove_stale_folders
 

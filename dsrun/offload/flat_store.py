@@ -69,6 +69,10 @@ class DeviceFlatStore:
     def loaded(self, masters: list[torch.nn.Parameter]) -> None:
         """The masters were loaded from a checkpoint (before they are published)."""
 
+    def model_views(self) -> list[torch.Tensor]:
+        """Views this store keeps of the model's flat buffers (they follow the buffers ``offload_states`` moves)."""
+        return []
+
     def close(self) -> None:
         pass
 
@@ -157,6 +161,9 @@ class HostFlatStore(DeviceFlatStore):
         # the update already wrote this rank's 16-bit (or fp32) partition into the model's flat buffer; the
         # all-gather needs it as a separate input (one rank: nothing to gather, the buffer is already right)
         return self.partitions[gi] if world_size == 1 else self.partitions[gi].clone()
+
+    def model_views(self) -> list[torch.Tensor]:
+        return list(self.partitions)  # this rank's partition of each flat buffer, which the update writes
 
     def loaded(self, masters: list[torch.nn.Parameter]) -> None:
         with torch.no_grad():  # the publish gathers the device partitions: bring them up to the masters

@@ -28,6 +28,7 @@ from dsrun.offload import param_swapper
 from dsrun.offload.nvme import SwappedOptimizerState, SwappedShard, SwappedUnit
 from dsrun.offload.pipeline import PipelineTimes, StepPipeline, scatter_to_shards, tiled_cpu_step
 from dsrun.offload.settings import CPU_TILE_ELEMENTS, OffloadOptimizerSettings, host_empty, require_cpu_optimizer
+from dsrun.offload.state_moves import OffloadStateTypeEnum, StateTensor
 
 if TYPE_CHECKING:
     from dsrun.ops.cpu_optimizer import CPUOptimizer
@@ -223,6 +224,21 @@ class DeviceShardStore:
         """Set elements ``[offset, offset + len)`` of sub-group ``index``'s optimizer state ``key``."""
         self.state_of(index, sg)[key].reshape(-1)[offset:offset + values.numel()].copy_(values)
 
+    # --- engine.offload_states (dsrun/zero/offload_states.py) ----------------------------------------------
+    def state_tensors(self, state: OffloadStateTypeEnum) -> list[StateTensor]:
+        """The tensors of these sub-groups that ``state`` names: ``hp_params`` each master (with the shard views
+        of it: ``ds_fp32_shard``, and ``ds_tensor`` where the shards alias it), ``optim_states`` its optimizer
+        state, ``lp_grads`` its gradient accumulator. Host memory's stay there when offloaded."""
+        if state is OffloadStateTypeEnum.hp_params:
+            return [StateTensor(sg.master, [t for p in sg.params for t in (p.ds_fp32_shard, p.ds_tensor)])
+                    for _, sg in self.sub_groups]
+        if state is OffloadStateTypeEnum.optim_states:
+            return [StateTensor(v) for i, sg in self.sub_groups for v in self.state_of(i, sg).values()
+                    if torch.is_tensor(v)]
+        if state is OffloadStateTypeEnum.lp_grads:
+            return [StateTensor(sg.grad) for _, sg in self.sub_groups if sg.grad is not None]
+        return []
+
     # --- accounting ---------------------------------------------------------------------------------------
     def grad_bytes(self) -> int:
         return sum(_bytes(sg.grad) for _, sg in self.sub_groups)
@@ -405,6 +421,9 @@ class NvmeShardStore(DeviceShardStore):
 
     def state_of(self, index: int, sg: SubGroup) -> dict[str, Any]:
         return self.swapped.state_entry(index) or {}
+
+    def state_tensors(self, state: OffloadStateTypeEnum) -> list[StateTensor]:
+        return []  # masters, states and gradients are in swap files: nothing of them is in device memory
 
     def write_state(self, index: int, sg: SubGroup, key: str, offset: int, values: torch.Tensor) -> None:
         entry = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in self.state_of(index, sg).items()}

@@ -1,20 +1,14 @@
-"""``deepspeed.runtime.zero.offload_config``: the offload sections' models and the device names they take."""
+"""``deepspeed.runtime.zero.offload_config``: the offload sections' models, the device names they take and the
+state names ``engine.offload_states(include=...)`` takes (both enums live with the code that moves states,
+:mod:`dsrun.offload.state_moves`)."""
 from __future__ import annotations
 
-from enum import Enum
-
 from dsrun.config.zero import OffloadOptimizerConfig, OffloadParamConfig
+from dsrun.offload.state_moves import OffloadDeviceEnum, OffloadStateTypeEnum
 
 DeepSpeedZeroOffloadParamConfig = OffloadParamConfig
 DeepSpeedZeroOffloadOptimizerConfig = OffloadOptimizerConfig
 
 
-class OffloadDeviceEnum(str, Enum):
-    """The ``offload_param.device`` / ``offload_optimizer.device`` values."""
-
-    none = "none"
-    cpu = "cpu"
-    nvme = "nvme"
-
-
-__all__ = ["DeepSpeedZeroOffloadOptimizerConfig", "DeepSpeedZeroOffloadParamConfig", "OffloadDeviceEnum"]
+__all__ = ["DeepSpeedZeroOffloadOptimizerConfig", "DeepSpeedZeroOffloadParamConfig", "OffloadDeviceEnum",
+           "OffloadStateTypeEnum"]

@@ -15,6 +15,13 @@ collective).
 A bucket may cross partition boundaries, so the reduce-scatter gives each rank the piece of the bucket it
 owns, which may be empty (a variable-size reduce-scatter). ``reduce_scatter: false`` all-reduces the
 bucket instead and keeps the owned piece (DeepSpeed's option; twice the traffic).
+
+``engine.offload_states()`` moves what each state names here (:mod:`.offload_states`): ``hp_params`` the fp32
+masters and ``optim_states`` their optimizer state (the store's: on the host already with ``offload_optimizer``),
+``lp_params`` the model's flat buffers with the parameters (and the store's partitions) that are views of them,
+``lp_grads`` the gradient buffers (stage 1: the whole flat gradients with each ``.grad`` view, and the reduced
+partitions; stage 2: the fp32 partition accumulators); ``contiguous_grad_buffer`` releases stage 2's pooled
+bucket buffers.
 """
 from __future__ import annotations
 
@@ -22,13 +29,15 @@ import torch
 
 from dsrun import comm
 from dsrun.offload.flat_store import DeviceFlatStore, flat_store
+from dsrun.offload.state_moves import OffloadStateTypeEnum, StateTensor
 
 from dsrun.zero.base import FlatStrategy, MemoryBreakdown, optimizer_state_bytes, tensor_bytes
 from dsrun.zero.buckets import Bucket
 from dsrun.zero.layout import FlatGradients, FlatGroup
+from dsrun.zero.offload_states import StatesOffload, optimizer_state_tensors
 
 
-class PartitionedStrategy(FlatStrategy):
+class PartitionedStrategy(StatesOffload, FlatStrategy):
     alignment_per_rank = 2  # DeepSpeed pads each flat group to a multiple of 2 * world_size
     partitioned = True
 
@@ -111,6 +120,27 @@ class PartitionedStrategy(FlatStrategy):
     def _partition_state_bytes(self) -> tuple[int, int]:
         return optimizer_state_bytes(self.optimizer), self._master_bytes()
 
+    # --- offload_states (dsrun/zero/offload_states.py) -------------------------------------------------------
+    def state_tensors(self, state: OffloadStateTypeEnum) -> list[StateTensor]:
+        if state is OffloadStateTypeEnum.hp_params:
+            return [StateTensor(m) for m in self.masters]
+        if state is OffloadStateTypeEnum.optim_states:
+            return optimizer_state_tensors(self.optimizer, self.masters)
+        if state is OffloadStateTypeEnum.lp_params:  # the parameters (and the store's partitions) are views
+            views = self.store.model_views()
+            return [StateTensor(g.flat_param, list(g.params) + views) for g in self.groups]
+        if state is OffloadStateTypeEnum.lp_grads:
+            return self._gradient_tensors()
+        return []
+
+    def _gradient_tensors(self) -> list[StateTensor]:
+        """The gradient buffers ``lp_grads`` names at this stage."""
+        return []
+
+    def close(self) -> None:
+        super().close()
+        self.close_state_copies()
+
 
 class Stage1Strategy(PartitionedStrategy):
     """Optimizer state partitioned; gradients kept whole and reduce-scattered at the boundary."""
@@ -134,6 +164,12 @@ class Stage1Strategy(PartitionedStrategy):
 
     def _on_accumulated(self, gi: int, pi: int) -> None:
         self.grads.adopt(gi, pi)
+
+    def _gradient_tensors(self) -> list[StateTensor]:
+        # each parameter's .grad is a view of its group's flat gradient; the fp32 gradients are the reduced
+        # partitions themselves in fp32 (repeats move once)
+        flats = [StateTensor(flat, views) for flat, views in zip(self.grads.flats, self.grads.views)]
+        return flats + [StateTensor(g) for g in self.partition_grads + self.master_grads]
 
     def local_gradients(self) -> list[torch.Tensor]:
         return self.flat_grads
@@ -204,6 +240,20 @@ class Stage2Strategy(PartitionedStrategy):
         for group in self.groups:
             for p in group.params:
                 p.grad = None
+
+    def _gradient_tensors(self) -> list[StateTensor]:
+        return [StateTensor(g) for g in self.master_grads]
+
+    def gradient_buckets(self) -> list[torch.Tensor]:
+        return [b for free in self._pool.values() for b in free]
+
+    def release_gradient_buckets(self) -> list[torch.Tensor]:
+        released, self._pool = self.gradient_buckets(), {}
+        return released
+
+    def keep_gradient_buckets(self, buffers: list[torch.Tensor]) -> None:
+        for buffer in buffers:
+            self._give_back(buffer)
 
     def _take(self, numel: int) -> torch.Tensor:
         free = self._pool.get(numel)

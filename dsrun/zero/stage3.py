@@ -18,6 +18,11 @@ Which group each parameter is partitioned over, how it is gathered, how a gradie
 and what a boundary adds to it are the *sharding policy*'s (:mod:`.sharding`): plain ZeRO-3's by default, or the
 one a feature supplies through ``StrategyContext.sharding`` (ZeRO++/MiCS/hpZ: :mod:`.zeropp`).
 
+``engine.offload_states()`` (:mod:`.offload_states`) asks each store for the masters, optimizer states and
+gradient accumulators it holds (``hp_params``, ``optim_states``, ``lp_grads``), moves the model's shards
+(``lp_params``; at fp32 they are views of the masters, so either state moves both), releases the reduce-scatter
+buffers kept for reuse (``contiguous_grad_buffer``) and, first, the gathered parameters.
+
 Per step this moves 3 * psi * (N - 1) / N elements per rank (gather in forward, gather in backward,
 reduce-scatter), 1.5 times stage 0's all-reduce, as the ZeRO paper says.
 """
@@ -35,16 +40,18 @@ from dsrun.checkpoint.layout import CheckpointLayout, layout_for_stage
 from dsrun.zero.base import MemoryBreakdown, StrategyContext, ZeroStrategy, optimizer_state_bytes, tensor_bytes
 from dsrun.zero import host_memory, linear, quantized_shards
 from dsrun.zero.sharding import ShardingPolicy
+from dsrun.zero.offload_states import StatesOffload
 from dsrun.zero.hooks import ParameterCoordinator, iter_unique_params, module_params
 from dsrun.zero.partition_params import full_tensor, is_zero_param, partition_param, shard_padding
 from dsrun.offload import param_swapper
 from dsrun.offload.pipeline import PipelineTimes
 from dsrun.offload.settings import OffloadOptimizerSettings
 from dsrun.offload.shard_store import ShardContext, ShardPlacement, SubGroup
+from dsrun.offload.state_moves import OffloadStateTypeEnum, StateTensor
 from dsrun.optim.optimizer_wrappers import OptimizerWrapperKind
 
 
-class Stage3Strategy(ZeroStrategy):
+class Stage3Strategy(StatesOffload, ZeroStrategy):
     stage = 3
     scatters_gradients = True
 
@@ -343,7 +350,40 @@ class Stage3Strategy(ZeroStrategy):
         """Where the last offloaded update's time went (None: nothing is offloaded)."""
         return self.placement.times
 
+    # --- offload_states (dsrun/zero/offload_states.py) -----------------------------------------------------
+    def state_tensors(self, state: OffloadStateTypeEnum) -> list[StateTensor]:
+        if state is not OffloadStateTypeEnum.lp_params:
+            return [t for store in self.placement.stores for t in store.state_tensors(state)]
+        # the shards; where they alias their sub-group's master (fp32) the master moves, with its views
+        aliased = [StateTensor(sg.master, [t for p in sg.params for t in (p.ds_fp32_shard, p.ds_tensor)])
+                   for sg in self.sub_groups if sg.master.device.type != "meta" and any(
+                       p.ds_tensor.untyped_storage().data_ptr() == sg.master.untyped_storage().data_ptr()
+                       for p in sg.params)]
+        inside = {id(view) for item in aliased for view in item.views}
+        return aliased + [StateTensor(p.ds_tensor) for p in self.params if id(p.ds_tensor) not in inside]
+
+    def gradient_buckets(self) -> list[torch.Tensor]:
+        return list(self._bucket_pool)
+
+    def release_gradient_buckets(self) -> list[torch.Tensor]:
+        released, self._bucket_pool = self._bucket_pool, []
+        return released
+
+    def keep_gradient_buckets(self, buffers: list[torch.Tensor]) -> None:
+        for buffer in buffers:
+            self._give_back(buffer)
+
+    def before_offload(self) -> None:
+        self.coordinator.invalidate()  # gathered copies (persistent ones too) are gathered again when needed
+        self.coordinator.buffer_pool.clear()
+
+    def offload_refusal(self) -> str | None:
+        if self.ctx.sharding is not None:
+            return "not with ZeRO++/MiCS/hpZ: their secondary and quantized partitions are not states it moves"
+        return None
+
     def close(self) -> None:
+        self.close_state_copies()
         for handle in self._grad_hooks:
             handle.remove()
         self._grad_hooks = []
