@@ -55,13 +55,15 @@ def zero3_config(stage: int, micro: int, gas: int, zero: dict | None = None, **e
     return ds_config(stage, micro, gas, bucket=700, zero=tuned, **extra)
 
 
-def checkpoint_config(stage: int, precision: str, micro: int, extra: dict | None = None) -> dict[str, Any]:
+def checkpoint_config(stage: int, precision: str, micro: int, extra: dict | None = None,
+                      zero: dict | None = None) -> dict[str, Any]:
     """The checkpoint tests' config: a WarmupLR schedule, clipping at 1.0, buckets of 2000, ``precision``
     (fp32, bf16, fp16); at stage 3 nothing persistent and the 16-bit weights gathered on save. ``extra``
-    replaces whole sections."""
-    zero: dict[str, Any] = {"allgather_bucket_size": 2000}
+    replaces whole sections; ``zero`` merges into ``zero_optimization`` (offload, sub-group size)."""
+    section: dict[str, Any] = {"allgather_bucket_size": 2000}
     if stage == 3:
-        zero.update(stage3_param_persistence_threshold=0, stage3_gather_16bit_weights_on_model_save=True)
+        section.update(stage3_param_persistence_threshold=0, stage3_gather_16bit_weights_on_model_save=True)
+    zero = {**section, **(zero or {})}
     cfg = ds_config(stage, micro, 1, bucket=2000, zero=zero, gradient_clipping=1.0,
                     scheduler={"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-3,
                                                               "warmup_num_steps": 5}},
@@ -165,6 +167,16 @@ def full_params(engine: Any) -> dict[str, torch.Tensor]:
         engine.module.state_dict()
     names = {n for n, _ in engine.module.named_parameters()}
     return {k: v for k, v in full.items() if k in names}
+
+
+def full_state(engine: Any) -> dict[str, torch.Tensor]:
+    """The engine model's whole state by ``state_dict`` name (each tied name, buffers too) as fp32 copies,
+    gathered at ZeRO stage 3: what a checkpoint's consolidated state holds."""
+    if engine.zero_optimization_stage() == 3:
+        from dsrun.zero.stage3 import full_state_dict
+
+        return {k: v.float().clone() for k, v in full_state_dict(engine.module).items()}
+    return {k: v.detach().float().cpu().clone() for k, v in engine.module.state_dict().items()}
 
 
 def engine_run(name: str, config: dict[str, Any], steps: int, rank: int, world: int,

@@ -29,3 +29,17 @@ def test_each_declared_launch_runs_once(monkeypatch, tmp_path):
     runs = Runs(lambda root: {"two": Launch(print, 2, (str(root),))}, tmp_path)
     assert runs["two"] == [2] and runs["two"] == [2] and calls == [2]
     assert runs.launches["two"].args == (str(tmp_path),)
+
+
+def test_checkpoint_jobs_merge_zero_keys_and_derive_variants():
+    from tests.harness.checkpoints import CheckpointJob
+    from tests.harness.runs import checkpoint_config
+
+    zero = checkpoint_config(3, "fp32", 2, zero={"sub_group_size": 2000})["zero_optimization"]
+    assert (zero["sub_group_size"], zero["allgather_bucket_size"], zero["stage3_param_persistence_threshold"]) == \
+        (2000, 2000, 0)
+    job = CheckpointJob(stage=1, precision="fp32", steps=4, global_batch=4)
+    assert job.but(steps=2, load="saved") == CheckpointJob(stage=1, precision="fp32", steps=2, global_batch=4,
+                                                           load="saved")
+    assert job.steps == 4 and job.load is None  # a record: the variant is a new one
+
