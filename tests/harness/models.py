@@ -19,7 +19,10 @@ batch of optimizer step ``step`` is the same everywhere, and each rank trains it
 - ``readers``: modules that read a child's parameters in their own forward (``nn.MultiheadAttention``, a
   TransformerEncoderLayer, a parent multiplying by its child's weight, a head tied by ``F.linear``; seed 11);
 - ``gan``: DeepSpeedExamples' GAN as one module of two nets, ``d`` (discriminator) and ``g`` (generator), each
-  trained by an engine of its own (seed 7; a batch is real samples and noise).
+  trained by an engine of its own (seed 7; a batch is real samples and noise);
+- ``moe_net/ep<E>``: a net around one MoE layer (top-2, a residual MLP) with expert-parallel size ``E``, its
+  experts drawn from their global ids, so every ``E`` holds the same experts (``MoENet``; each rank's tokens
+  are its own shard: ``moe_shard``).
 
 ``checkpoint_gpt(dropout, frozen)`` is the checkpoint tests' GPT (their batches come from a resumable stream).
 
@@ -263,6 +266,69 @@ def _gan_batch(gen: torch.Generator, size: int) -> tuple[torch.Tensor, torch.Ten
     return real, torch.randn(size, GAN_NOISE, generator=gen)
 
 
+# --- an MoE layer and a net around it ---------------------------------------------------------------------------
+MOE_D, MOE_HIDDEN, MOE_EXPERTS, MOE_TOKENS = 8, 16, 4, 12
+
+
+def init_expert(module: nn.Module, global_id: int) -> None:
+    gen = torch.Generator().manual_seed(1000 + global_id)
+    for p in module.parameters():
+        p.copy_(torch.randn(p.shape, generator=gen) * 0.4)
+
+
+def make_moe(ep: int, k: int = 1, drop_tokens: bool = True, dropless: bool = False, residual: bool = False,
+             min_capacity: int = 1, capacity_factor: float = 1.0) -> nn.Module:
+    """dsrun's ``MoE`` of ``MOE_EXPERTS`` two-layer experts over ``ep`` ranks (no random token selection, no
+    sampled second expert: routing is a function of the tokens)."""
+    from dsrun.moe.layer import MoE
+
+    torch.manual_seed(7)  # gate, residual MLP and coefficient: the same on every rank and every ep size
+    expert = nn.Sequential(nn.Linear(MOE_D, MOE_HIDDEN), nn.GELU(), nn.Linear(MOE_HIDDEN, MOE_D))
+    return MoE(MOE_D, expert, num_experts=MOE_EXPERTS, ep_size=ep, k=k, capacity_factor=capacity_factor,
+               min_capacity=min_capacity, use_residual=residual, drop_tokens=drop_tokens, use_rts=False,
+               top2_2nd_expert_sampling=False, dropless=dropless)
+
+
+def init_experts(layer: nn.Module) -> None:
+    """Each local expert drawn from its global id (``init_expert``)."""
+    layer.deepspeed_moe.experts.reset_parameters(layer.global_expert_ids()[0], init_expert)
+
+
+def global_expert_name(name: str, ids: list[int]) -> str:
+    """A parameter's name with its local expert index replaced by the expert's global id (``ids``: the layer's
+    ``global_expert_ids()``)."""
+    if ".deepspeed_experts." not in name:
+        return name
+    head, rest = name.split(".deepspeed_experts.")
+    local, tail = rest.split(".", 1)
+    return f"{head}.deepspeed_experts.{ids[int(local)]}.{tail}"
+
+
+class MoENet(nn.Module):
+    def __init__(self, ep: int, k: int = 2):
+        super().__init__()
+        torch.manual_seed(3)
+        self.inp = nn.Linear(MOE_D, MOE_D)
+        self.out = nn.Linear(MOE_D, MOE_D)
+        self.moe = make_moe(ep, k, residual=True)
+        init_experts(self.moe)
+
+    def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        h, l_aux, _ = self.moe(torch.tanh(self.inp(x)))
+        return F.mse_loss(self.out(h), y) + 0.01 * l_aux
+
+
+def _moe_pairs(gen: torch.Generator, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(size, MOE_D, generator=gen), torch.randn(size, MOE_D, generator=gen)
+
+
+def moe_shard(shard: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shard ``shard`` of the MoE tests' tokens (``MOE_TOKENS`` of them, seed 300 + ``shard``): gating is per
+    rank, so each rank trains on a shard of its own and a reference routes each shard separately."""
+    return _moe_pairs(torch.Generator().manual_seed(300 + shard), MOE_TOKENS)
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """How to build a model, draw its batches (``batch(generator, size)``; step ``k``'s global batch from seed
@@ -296,6 +362,8 @@ MODELS: dict[str, ModelSpec] = {
     "zeropp_mlp_frozen": ModelSpec(lambda: zeropp_mlp(frozen=True), _zeropp_pairs, ZEROPP_OUT, seed=0),
     "readers": ModelSpec(ChildReaders, _reader_tokens, READERS_SEQ, named=True, seed=11, step_seed=900),
     "gan": ModelSpec(GAN, _gan_batch, 1, seed=7, step_seed=500),
+    **{f"moe_net/ep{ep}": ModelSpec(functools.partial(MoENet, ep), _moe_pairs, MOE_D, named=True, seed=3)
+       for ep in (1, 2)},
 }
 
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from tests.harness.models import MODELS, build_model, cast_floats, flat_named, flat_params, flatten, global_batch
-from tests.harness.models import slice_batch
+from tests.harness.models import global_expert_name, slice_batch
 
 LR, WEIGHT_DECAY, STEPS = 3e-3, 0.01, 20
 # stage 3 partitions everything (no persistent parameters) and prefetches a few layers ahead
@@ -195,6 +195,18 @@ def full_state(engine: Any) -> dict[str, torch.Tensor]:
 
         return {k: v.float().clone() for k, v in full_state_dict(engine.module).items()}
     return {k: v.detach().float().cpu().clone() for k, v in engine.module.state_dict().items()}
+
+
+def full_moe_params(engine: Any, layer_name: str = "moe") -> dict[str, torch.Tensor]:
+    """The parameters of the engine's model by global name (the MoE layer ``layer_name``'s experts under their
+    global ids), whole (gathered at ZeRO stage 3), as fp32 copies."""
+    import dsrun
+
+    module = engine.module
+    ids = getattr(module, layer_name).global_expert_ids()
+    params = dict(module.named_parameters())
+    with dsrun.zero.GatheredParameters(list(params.values())):
+        return {global_expert_name(name, ids): p.detach().clone().float() for name, p in params.items()}
 
 
 def engine_run(name: str, config: dict[str, Any], steps: int, rank: int, world: int,

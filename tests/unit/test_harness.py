@@ -57,3 +57,10 @@ def test_a_model_draws_its_global_batches_from_its_own_seeds():
     want = torch.randint(0, READERS_VOCAB, (6, READERS_SEQ), generator=torch.Generator().manual_seed(900 + 3))
     assert torch.equal(global_batch("readers", 3, 6), want)
 
+
+def test_expert_parameters_are_named_by_their_global_id():
+    from tests.harness.models import global_expert_name
+
+    local = "moe.deepspeed_moe.experts.deepspeed_experts.1.0.weight"
+    assert global_expert_name(local, [2, 3]) == "moe.deepspeed_moe.experts.deepspeed_experts.3.0.weight"
+    assert global_expert_name("inp.weight", [2, 3]) == "inp.weight"
