@@ -125,3 +125,12 @@ def elementwise_bound(steps: int, roundings_per_step: int = 4) -> float:
     error adds far less. Over ``steps`` steps these add up: ``steps * roundings_per_step * eps``. (Lion's sign
     is exact except within rounding of zero, which random gradients do not hit.)"""
     return steps * roundings_per_step * EPS32
+
+
+def fp32_sum_bound(n_terms: int, magnitude: float) -> float:
+    """Two sums of the same ``n_terms`` fp32 values in different orders, whose absolute values add to
+    ``magnitude``, differ by at most twice ``(n - 1) u sum|x|`` (``u`` = 2**-24); plus 1e-7 for one final
+    rounding (an SGD step's ``w - g``). The MoE tests' bound: expert parallelism against one rank holding every
+    expert."""
+    u = 2.0 ** -24
+    return 2 * max(1, n_terms - 1) * u * magnitude + 1e-7

@@ -16,6 +16,14 @@ batch of optimizer step ``step`` is the same everywhere, and each rank trains it
 - ``data_efficiency_gpt``: dsrun's GPT of the data-efficiency resume tests (4 layers, blocks of 16, dropout 0.1;
   their batches come from their own dataset, which the sampler and curriculum read).
 
+- ``readers``: modules that read a child's parameters in their own forward (``nn.MultiheadAttention``, a
+  TransformerEncoderLayer, a parent multiplying by its child's weight, a head tied by ``F.linear``; seed 11);
+- ``gan``: DeepSpeedExamples' GAN as one module of two nets, ``d`` (discriminator) and ``g`` (generator), each
+  trained by an engine of its own (seed 7; a batch is real samples and noise);
+- ``moe_net/ep<E>``: a net around one MoE layer (top-2, a residual MLP) with expert-parallel size ``E``, its
+  experts drawn from their global ids, so every ``E`` holds the same experts (``MoENet``; each rank's tokens
+  are its own shard: ``moe_shard``).
+
 ``checkpoint_gpt(dropout, frozen)`` is the checkpoint tests' GPT (their batches come from a resumable stream).
 
 ``named`` models are compared through their named (gathered) state, sorted by name (``flat_named``); the others
@@ -197,15 +205,141 @@ def _data_efficiency_pairs(gen: torch.Generator, size: int) -> tuple[torch.Tenso
     return tokens[:, :-1], tokens[:, 1:]
 
 
+# --- models that read a child's parameters in their own forward (ZeRO-3 must gather them) ---------------------
+READERS_VOCAB, READERS_WIDTH, READERS_SEQ = 11, 8, 5
+
+
+class ProjectionHead(nn.Module):
+    """A parameterless parent that multiplies by its child's weight instead of calling the child."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(READERS_WIDTH, READERS_WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.proj.weight.t() + self.proj.bias
+
+
+class ChildReaders(nn.Module):
+    """``nn.MultiheadAttention`` (reads ``out_proj.weight`` in its own forward), a TransformerEncoderLayer
+    (an MHA inside), a parameterless parent reading its child's weight, and a tied output head written as
+    ``F.linear(h, self.emb.weight)`` in the root's forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        width = READERS_WIDTH
+        self.emb = nn.Embedding(READERS_VOCAB, width)
+        # no attention biases: a key bias has an exactly-zero true gradient, which Adam would turn from
+        # rounding noise into full-size steps that differ between any two summation orders
+        self.mha = nn.MultiheadAttention(width, 2, batch_first=True, bias=False)
+        self.enc = nn.TransformerEncoderLayer(width, 2, 2 * width, dropout=0.0, batch_first=True, bias=False)
+        self.head = ProjectionHead()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens)
+        y, _ = self.mha(x, x, x, need_weights=False)
+        h = self.head(self.enc(x + y))
+        logits = F.linear(h, self.emb.weight)
+        return F.cross_entropy(logits.reshape(-1, READERS_VOCAB), tokens.reshape(-1))
+
+
+def _reader_tokens(gen: torch.Generator, size: int) -> torch.Tensor:
+    return torch.randint(0, READERS_VOCAB, (size, READERS_SEQ), generator=gen)
+
+
+# --- DeepSpeedExamples' GAN (training/gan/gan_deepspeed_train.py) ----------------------------------------------
+GAN_NOISE, GAN_FEATURES, GAN_HIDDEN = 4, 6, 12
+
+
+class GAN(nn.Module):
+    """The discriminator ``d`` and the generator ``g`` (built in that order from one seed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.d = nn.Sequential(nn.Linear(GAN_FEATURES, GAN_HIDDEN), nn.LeakyReLU(0.2), nn.Linear(GAN_HIDDEN, 1))
+        self.g = nn.Sequential(nn.Linear(GAN_NOISE, GAN_HIDDEN), nn.ReLU(), nn.Linear(GAN_HIDDEN, GAN_FEATURES))
+
+
+def _gan_batch(gen: torch.Generator, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Real samples (around 1) and the generator's noise."""
+    real = torch.randn(size, GAN_FEATURES, generator=gen) * 0.5 + 1.0
+    return real, torch.randn(size, GAN_NOISE, generator=gen)
+
+
+# --- an MoE layer and a net around it ---------------------------------------------------------------------------
+MOE_D, MOE_HIDDEN, MOE_EXPERTS, MOE_TOKENS = 8, 16, 4, 12
+
+
+def init_expert(module: nn.Module, global_id: int) -> None:
+    gen = torch.Generator().manual_seed(1000 + global_id)
+    for p in module.parameters():
+        p.copy_(torch.randn(p.shape, generator=gen) * 0.4)
+
+
+def make_moe(ep: int, k: int = 1, drop_tokens: bool = True, dropless: bool = False, residual: bool = False,
+             min_capacity: int = 1, capacity_factor: float = 1.0) -> nn.Module:
+    """dsrun's ``MoE`` of ``MOE_EXPERTS`` two-layer experts over ``ep`` ranks (no random token selection, no
+    sampled second expert: routing is a function of the tokens)."""
+    from dsrun.moe.layer import MoE
+
+    torch.manual_seed(7)  # gate, residual MLP and coefficient: the same on every rank and every ep size
+    expert = nn.Sequential(nn.Linear(MOE_D, MOE_HIDDEN), nn.GELU(), nn.Linear(MOE_HIDDEN, MOE_D))
+    return MoE(MOE_D, expert, num_experts=MOE_EXPERTS, ep_size=ep, k=k, capacity_factor=capacity_factor,
+               min_capacity=min_capacity, use_residual=residual, drop_tokens=drop_tokens, use_rts=False,
+               top2_2nd_expert_sampling=False, dropless=dropless)
+
+
+def init_experts(layer: nn.Module) -> None:
+    """Each local expert drawn from its global id (``init_expert``)."""
+    layer.deepspeed_moe.experts.reset_parameters(layer.global_expert_ids()[0], init_expert)
+
+
+def global_expert_name(name: str, ids: list[int]) -> str:
+    """A parameter's name with its local expert index replaced by the expert's global id (``ids``: the layer's
+    ``global_expert_ids()``)."""
+    if ".deepspeed_experts." not in name:
+        return name
+    head, rest = name.split(".deepspeed_experts.")
+    local, tail = rest.split(".", 1)
+    return f"{head}.deepspeed_experts.{ids[int(local)]}.{tail}"
+
+
+class MoENet(nn.Module):
+    def __init__(self, ep: int, k: int = 2):
+        super().__init__()
+        torch.manual_seed(3)
+        self.inp = nn.Linear(MOE_D, MOE_D)
+        self.out = nn.Linear(MOE_D, MOE_D)
+        self.moe = make_moe(ep, k, residual=True)
+        init_experts(self.moe)
+
+    def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        h, l_aux, _ = self.moe(torch.tanh(self.inp(x)))
+        return F.mse_loss(self.out(h), y) + 0.01 * l_aux
+
+
+def _moe_pairs(gen: torch.Generator, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(size, MOE_D, generator=gen), torch.randn(size, MOE_D, generator=gen)
+
+
+def moe_shard(shard: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shard ``shard`` of the MoE tests' tokens (``MOE_TOKENS`` of them, seed 300 + ``shard``): gating is per
+    rank, so each rank trains on a shard of its own and a reference routes each shard separately."""
+    return _moe_pairs(torch.Generator().manual_seed(300 + shard), MOE_TOKENS)
+
+
 @dataclass(frozen=True)
 class ModelSpec:
-    """How to build a model, draw its batches (``batch(generator, size)``) and count its loss terms."""
+    """How to build a model, draw its batches (``batch(generator, size)``; step ``k``'s global batch from seed
+    ``step_seed + k``) and count its loss terms."""
 
     build: Callable[[], nn.Module]
     batch: Callable[[torch.Generator, int], Any]
     terms_per_sample: int
     named: bool = False
     seed: int = 1234
+    step_seed: int = 1000
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -226,6 +360,10 @@ MODELS: dict[str, ModelSpec] = {
     "data_efficiency_gpt": ModelSpec(data_efficiency_gpt, _data_efficiency_pairs, 2 * SEQ, named=True),
     "zeropp_mlp": ModelSpec(zeropp_mlp, _zeropp_pairs, ZEROPP_OUT, seed=0),
     "zeropp_mlp_frozen": ModelSpec(lambda: zeropp_mlp(frozen=True), _zeropp_pairs, ZEROPP_OUT, seed=0),
+    "readers": ModelSpec(ChildReaders, _reader_tokens, READERS_SEQ, named=True, seed=11, step_seed=900),
+    "gan": ModelSpec(GAN, _gan_batch, 1, seed=7, step_seed=500),
+    **{f"moe_net/ep{ep}": ModelSpec(functools.partial(MoENet, ep), _moe_pairs, MOE_D, named=True, seed=3)
+       for ep in (1, 2)},
 }
 
 
@@ -249,7 +387,8 @@ def build_model(name: str) -> nn.Module:
 
 def global_batch(name: str, step: int, size: int) -> Any:
     """The global batch of optimizer step ``step`` (the same on every rank and in the reference)."""
-    return MODELS[name].batch(torch.Generator().manual_seed(1000 + step), size)
+    spec = MODELS[name]
+    return spec.batch(torch.Generator().manual_seed(spec.step_seed + step), size)
 
 
 def rank_batch(name: str, step: int, rank: int, size: int) -> Any:

@@ -1,6 +1,7 @@
 """The pipeline engine's runs (tests/integration/test_pipe*.py, MoE in a pipeline): the layer-spec models by name
-(``PIPE_MODELS``), their micro-batches, the single-process reference, the config and engine, and the runs as
-records (``PipeCase``), one launch per world size running every case of that size (``pipe_suite``).
+(``PIPE_MODELS``; ``moe/ep<E>``: an MoE block of expert-parallel size ``E`` among dense ones), their
+micro-batches, the single-process reference, the config and engine, and the runs as records (``PipeCase``), one
+launch per world size running every case of that size (``pipe_suite``).
 
 The reference for every pipeline run is the same layers run one after the other in one process, on the same
 micro-batches: every data-parallel replica's micro-batch losses, divided by micro-batches x replicas, are
@@ -10,6 +11,7 @@ pipeline's stages and the reference start from the same weights whatever the par
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -17,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.harness.models import MOE_EXPERTS
 from tests.harness.runs import LR, WEIGHT_DECAY
 
 VOCAB, WIDTH, SEQ, MICRO = 32, 16, 6, 2
@@ -122,7 +125,30 @@ def token_specs() -> list[Any]:
     return [LayerSpec(EmbedKeepTokens)] + [LayerSpec(TokenBlock) for _ in range(4)] + [LayerSpec(TokenHead)]
 
 
-PIPE_MODELS: dict[str, Callable[[], list[Any]]] = {"lm": lm_specs, "masked": masked_specs, "tokens": token_specs}
+class PipeMoEBlock(nn.Module):
+    """A residual MoE block for a PipelineModule (the aux loss stays out: a pipeline passes activations)."""
+
+    def __init__(self, ep: int):
+        super().__init__()
+        from dsrun.moe.layer import MoE
+
+        expert = nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.Tanh(), nn.Linear(2 * WIDTH, WIDTH))
+        self.moe = MoE(WIDTH, expert, num_experts=MOE_EXPERTS, ep_size=ep, k=2, min_capacity=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.moe(x)[0]
+
+
+def moe_specs(ep: int) -> list[Any]:
+    """An embedding, a block, an MoE block with expert-parallel size ``ep``, a block and an output head."""
+    from dsrun.pipe import LayerSpec
+
+    return [LayerSpec(nn.Embedding, VOCAB, WIDTH), LayerSpec(Block), LayerSpec(PipeMoEBlock, ep), LayerSpec(Block),
+            LayerSpec(nn.Linear, WIDTH, VOCAB)]
+
+
+PIPE_MODELS: dict[str, Callable[[], list[Any]]] = {"lm": lm_specs, "masked": masked_specs, "tokens": token_specs,
+                                                   **{f"moe/ep{ep}": functools.partial(moe_specs, ep) for ep in (1, 2)}}
 
 
 # --- data ---------------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from tests.harness.models import MODELS, build_model, cast_floats, flat_named, flat_params, flatten, global_batch
-from tests.harness.models import slice_batch
+from tests.harness.models import global_expert_name, slice_batch
 
 LR, WEIGHT_DECAY, STEPS = 3e-3, 0.01, 20
 # stage 3 partitions everything (no persistent parameters) and prefetches a few layers ahead
@@ -24,11 +24,12 @@ STAGE3_TUNING = {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucke
 
 
 def ds_config(stage: int, micro: int, gas: int, bucket: int = 3000, zero: dict | None = None,
-              optimizer: dict | None = None, **extra: Any) -> dict[str, Any]:
+              optimizer: dict | None = None, client_optimizer: bool = False, **extra: Any) -> dict[str, Any]:
     """AdamW (``LR``, ``WEIGHT_DECAY``), small buckets (so a bucket crosses parameter and partition boundaries:
     all-gather 4/3 of ``bucket`` unless ``zero`` says), no clipping (the references are unclipped PyTorch runs).
     ``zero`` and a dict in ``extra`` merge into the section of that name; a ``None`` in ``extra`` or ``zero``
-    drops the key (DeepSpeed's default applies)."""
+    drops the key (DeepSpeed's default applies). ``client_optimizer``: no optimizer section (the run hands
+    ``initialize`` an optimizer of its own)."""
     section = {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": 4 * bucket // 3, **(zero or {})}
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro,
@@ -38,6 +39,8 @@ def ds_config(stage: int, micro: int, gas: int, bucket: int = 3000, zero: dict |
         "steps_per_print": 1000,
         "gradient_clipping": 0.0,
     }
+    if client_optimizer:
+        del cfg["optimizer"]
     for key, value in extra.items():
         if value is None:
             cfg.pop(key, None)
@@ -55,13 +58,15 @@ def zero3_config(stage: int, micro: int, gas: int, zero: dict | None = None, **e
     return ds_config(stage, micro, gas, bucket=700, zero=tuned, **extra)
 
 
-def checkpoint_config(stage: int, precision: str, micro: int, extra: dict | None = None) -> dict[str, Any]:
+def checkpoint_config(stage: int, precision: str, micro: int, extra: dict | None = None,
+                      zero: dict | None = None) -> dict[str, Any]:
     """The checkpoint tests' config: a WarmupLR schedule, clipping at 1.0, buckets of 2000, ``precision``
     (fp32, bf16, fp16); at stage 3 nothing persistent and the 16-bit weights gathered on save. ``extra``
-    replaces whole sections."""
-    zero: dict[str, Any] = {"allgather_bucket_size": 2000}
+    replaces whole sections; ``zero`` merges into ``zero_optimization`` (offload, sub-group size)."""
+    section: dict[str, Any] = {"allgather_bucket_size": 2000}
     if stage == 3:
-        zero.update(stage3_param_persistence_threshold=0, stage3_gather_16bit_weights_on_model_save=True)
+        section.update(stage3_param_persistence_threshold=0, stage3_gather_16bit_weights_on_model_save=True)
+    zero = {**section, **(zero or {})}
     cfg = ds_config(stage, micro, 1, bucket=2000, zero=zero, gradient_clipping=1.0,
                     scheduler={"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-3,
                                                               "warmup_num_steps": 5}},
@@ -74,21 +79,26 @@ def reference_run(name: str, steps: int, global_size: int, clip: float = 0.0, dt
                   parts: int = 1, reverse: bool = False, loss_scale: float = 1.0,
                   build: Callable[[str], nn.Module] | None = None, batch_at: Callable | None = None,
                   flat: Callable[[nn.Module], Any] | None = None,
-                  schedule: Callable[[torch.optim.Optimizer], Any] | None = None) -> dict[str, Any]:
+                  schedule: Callable[[torch.optim.Optimizer], Any] | None = None,
+                  optimizer: Callable[[list], torch.optim.Optimizer] | None = None,
+                  evaluate: bool = False) -> dict[str, Any]:
     """Single-process PyTorch: AdamW on the whole global batch, optional clip_grad_norm_.
 
     ``dtype``: float64 or fp32 runs the model in it; bf16 or fp16 runs it there with fp32 master weights (the
     engine's mixed precision; the loss multiplied by ``loss_scale`` before backward). ``parts`` accumulates the
     gradient over that many micro-batches (0: one sample each) and ``reverse`` reverses the samples: the same
     run rounded another way (tests/tolerance.py). ``build``, ``batch_at`` and ``flat`` default to the model
-    registry's (``tests.harness.models``); ``schedule`` builds an LR scheduler stepped after each step."""
+    registry's (``tests.harness.models``); ``schedule`` builds an LR scheduler stepped after each step;
+    ``optimizer`` builds another optimizer than that AdamW. ``evaluate``: the result's ``eval`` is the loss of
+    the next step's global batch in eval mode (no gradient)."""
     build, batch_at = build or build_model, batch_at or global_batch
     flat = flat or (lambda model: flatten(name, model))
     mixed = dtype in (torch.bfloat16, torch.float16)
     master = build(name)
     model = copy.deepcopy(master).to(dtype) if mixed else master.to(dtype)
     pairs = [(m, p) for m, p in zip(master.parameters(), model.parameters()) if m.requires_grad]
-    opt = torch.optim.AdamW([m for m, _ in pairs], lr=LR, weight_decay=WEIGHT_DECAY)
+    trained = [m for m, _ in pairs]
+    opt = optimizer(trained) if optimizer else torch.optim.AdamW(trained, lr=LR, weight_decay=WEIGHT_DECAY)
     scheduler = schedule(opt) if schedule else None
     micro = global_size // parts if parts else 1
     losses, norms = [], []
@@ -116,7 +126,17 @@ def reference_run(name: str, steps: int, global_size: int, clip: float = 0.0, dt
         if scheduler is not None:
             scheduler.step()
         losses.append(total)
-    return {"losses": losses, "params": flat(master), "norms": norms}
+    result = {"losses": losses, "params": flat(master), "norms": norms}
+    if evaluate:
+        if mixed:
+            with torch.no_grad():
+                for m, p in pairs:
+                    p.copy_(m)
+        model.eval()
+        with torch.no_grad():
+            batch = batch_at(name, steps, global_size)
+            result["eval"] = model(batch if mixed else cast_floats(batch, dtype)).item()
+    return result
 
 
 def train_steps(engine: Any, batch_at: Callable[[int, int], Any], steps: int, rank: int,
@@ -167,8 +187,31 @@ def full_params(engine: Any) -> dict[str, torch.Tensor]:
     return {k: v for k, v in full.items() if k in names}
 
 
+def full_state(engine: Any) -> dict[str, torch.Tensor]:
+    """The engine model's whole state by ``state_dict`` name (each tied name, buffers too) as fp32 copies,
+    gathered at ZeRO stage 3: what a checkpoint's consolidated state holds."""
+    if engine.zero_optimization_stage() == 3:
+        from dsrun.zero.stage3 import full_state_dict
+
+        return {k: v.float().clone() for k, v in full_state_dict(engine.module).items()}
+    return {k: v.detach().float().cpu().clone() for k, v in engine.module.state_dict().items()}
+
+
+def full_moe_params(engine: Any, layer_name: str = "moe") -> dict[str, torch.Tensor]:
+    """The parameters of the engine's model by global name (the MoE layer ``layer_name``'s experts under their
+    global ids), whole (gathered at ZeRO stage 3), as fp32 copies."""
+    import dsrun
+
+    module = engine.module
+    ids = getattr(module, layer_name).global_expert_ids()
+    params = dict(module.named_parameters())
+    with dsrun.zero.GatheredParameters(list(params.values())):
+        return {global_expert_name(name, ids): p.detach().clone().float() for name, p in params.items()}
+
+
 def engine_run(name: str, config: dict[str, Any], steps: int, rank: int, world: int,
-               zero_init: bool = False, destroy: bool = False, per_step: bool = False) -> dict[str, Any]:
+               zero_init: bool = False, destroy: bool = False, per_step: bool = False,
+               evaluate: bool = False) -> dict[str, Any]:
     """Train ``steps`` optimizer steps with dsrun on this rank (the model built under ``zero.Init`` if
     ``zero_init``); returns the global mean loss per step, the final parameters (whole), the grad norms, the
     memory breakdown, the last step's collectives, the engine's counters and, at stage 3, where the parameter
@@ -176,7 +219,8 @@ def engine_run(name: str, config: dict[str, Any], steps: int, rank: int, world: 
     None without). A ``named`` model's run also says whether its frozen parameters (some, at least) kept their
     initial values (``frozen_unchanged``) and every trainable one moved (``trained``). ``destroy`` releases the
     engine afterwards (its swap files, hooks and groups). ``per_step`` adds ``rows``: each step's loss,
-    collectives and next-step reduction flag (``train_steps``)."""
+    collectives and next-step reduction flag (``train_steps``). ``evaluate`` adds ``eval``: the global mean loss
+    of the next step's batch in eval mode, without gradients (one micro-batch per rank)."""
     import dsrun
     from dsrun import comm
 
@@ -194,6 +238,10 @@ def engine_run(name: str, config: dict[str, Any], steps: int, rank: int, world: 
     rows: list[dict[str, Any]] | None = [] if per_step else None
     losses, norms = train_steps(engine, lambda step, size: global_batch(name, step, size), steps, rank, world,
                                 rows=rows)
+    evaluated: dict[str, float] = {}
+    if evaluate:
+        size = engine.train_micro_batch_size_per_gpu() * engine.gradient_accumulation_steps() * world
+        evaluated["eval"] = evaluate_loss(engine, global_batch(name, steps, size), rank, world)
     moved: dict[str, bool] = {}
     if named:
         params = full_params(engine)
@@ -213,11 +261,24 @@ def engine_run(name: str, config: dict[str, Any], steps: int, rank: int, world: 
               "numel": numel, "skipped": engine.skipped_steps, "global_steps": engine.global_steps,
               "global_samples": engine.global_samples, "micro_steps": engine.micro_steps,
               "device": offload.device if offload is not None else None,
-              "stats": offload.stats() if hasattr(offload, "stats") else None, **moved,
+              "stats": offload.stats() if hasattr(offload, "stats") else None, **moved, **evaluated,
               **({"rows": rows} if per_step else {})}
     if destroy:
         engine.destroy()
     return result
+
+
+def evaluate_loss(engine: Any, batch: Any, rank: int, world: int) -> float:
+    """The global mean loss of one micro-batch per rank (this rank's: the ``rank``-th of ``batch``), the engine
+    in eval mode, no gradients."""
+    from dsrun import comm
+
+    micro = engine.train_micro_batch_size_per_gpu()
+    engine.eval()
+    with torch.no_grad():
+        total = engine(slice_batch(batch, rank * micro, (rank + 1) * micro)).double().reshape(1)
+    comm.all_reduce(total)
+    return total.item() / world
 
 
 def rel_diff(a: float, b: float) -> float:
@@ -235,7 +296,8 @@ class Case:
     """One engine run: ``model`` (a name of ``tests.harness.models.MODELS``) trained with ``config`` for
     ``steps`` optimizer steps on each world size of ``worlds``; its results are keyed by ``key``. ``destroy``:
     the engine is destroyed after the run (a case whose swap files must be gone before the next one);
-    ``per_step``: the run also records each step's row (``train_steps``)."""
+    ``per_step``: the run also records each step's row (``train_steps``); ``evaluate``: and the loss of the
+    next step's batch in eval mode."""
 
     key: str
     model: str
@@ -245,6 +307,7 @@ class Case:
     steps: int = STEPS
     destroy: bool = False
     per_step: bool = False
+    evaluate: bool = False
 
     def global_size(self, world: int) -> int:
         return self.config["train_micro_batch_size_per_gpu"] * self.config["gradient_accumulation_steps"] * world
@@ -258,5 +321,5 @@ def cases_at(cases: Iterable[Case], world: int) -> dict[str, Case]:
 def world_suite(rank: int, world: int, cases: Sequence[Case]) -> dict[str, dict[str, Any]]:
     """Rank entry point: every case of this world size, one after another, in one process."""
     return {key: engine_run(case.model, case.config, case.steps, rank, world, zero_init=case.zero_init,
-                            destroy=case.destroy, per_step=case.per_step)
+                            destroy=case.destroy, per_step=case.per_step, evaluate=case.evaluate)
             for key, case in cases_at(cases, world).items()}

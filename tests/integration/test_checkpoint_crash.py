@@ -12,8 +12,8 @@ import pytest
 
 from dsrun.checkpoint import layout
 from dsrun.checkpoint.safe_load import load_file
+from tests.harness.checkpoints import CheckpointJob, run_jobs
 from tests.helpers import run_ranks
-from tests.integration._ckpt_workloads import run_jobs
 
 # (point, crashing rank, does `latest` move to the new checkpoint?)
 # Six of atomic.CRASH_POINTS, one per phase of a save (each costs a 2-rank launch on a 2-core machine).
@@ -42,22 +42,22 @@ def _assert_latest_complete(root, world: int, steps: int) -> None:
 @pytest.mark.slow
 def test_killed_saves_never_corrupt_latest(tmp_path):
     root = str(tmp_path / "ckpt")
-    job = dict(stage=2, precision="fp32", global_batch=4, save_dir=root)
-    run_ranks(run_jobs, 2, [dict(job, steps=2, save_at=(2,))], timeout=200)
+    job = CheckpointJob(stage=2, precision="fp32", steps=2, global_batch=4, save_dir=root)
+    run_ranks(run_jobs, 2, [job.but(save_at=(2,))], timeout=200)
     complete = 2
     seen_points = []
     for point, crash_rank, moves in CHAIN:
         _assert_latest_complete(tmp_path / "ckpt", 2, complete)
-        crash = dict(job, steps=2, load=root, save_at=(complete + 2,), crash_at=point, crash_rank=crash_rank)
+        crash = job.but(load=root, save_at=(complete + 2,), crash_at=point, crash_rank=crash_rank)
         if point == "old_tag_moved_aside":
-            crash["save_tag"] = f"global_step{complete}"  # re-save the tag `latest` names
+            crash = crash.but(save_tag=f"global_step{complete}")  # re-save the tag `latest` names
         with pytest.raises(AssertionError, match="exit|failed"):
             run_ranks(run_jobs, 2, [crash], timeout=200)
         seen_points.append(point)
         if moves:
             complete += 2
         _assert_latest_complete(tmp_path / "ckpt", 2, complete)
-    resumed = run_ranks(run_jobs, 2, [dict(job, steps=2, load=root, save_at=(complete + 2,))], timeout=200)[0][0]
+    resumed = run_ranks(run_jobs, 2, [job.but(load=root, save_at=(complete + 2,))], timeout=200)[0][0]
     assert resumed["loaded_steps"] == complete and resumed["loaded_stream"] == complete
     assert len(seen_points) >= 5
     _assert_latest_complete(tmp_path / "ckpt", 2, complete + 2)

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from tests import tolerance as t
+from tests.harness.checkpoints import CheckpointJob, checkpoint_reference, flat_state, run_jobs
 from tests.harness.launch import Launch, Runs
-from tests.integration._ckpt_workloads import SEQ, flat_state, job_reference, run_jobs
+from tests.harness.models import SEQ
 
 STAGES = (1, 2, 3)
 STEPS, SAVE_AT = 8, 4
@@ -27,7 +28,7 @@ def collect(launch: Runs) -> dict:
     root = launch.root
 
     def job(stage, case, **kw):
-        return dict(stage=stage, precision="fp32", global_batch=CASES[case][2], dropout=0.0, **kw)
+        return CheckpointJob(stage=stage, precision="fp32", global_batch=CASES[case][2], dropout=0.0, **kw)
 
     def saved(stage, case):
         return str(root / f"{case}-{stage}")
@@ -73,5 +74,5 @@ def test_resharded_run_continues_like_an_uninterrupted_one(runs, case, stage):
 
 @functools.lru_cache(maxsize=None)
 def spread(global_batch: int) -> t.Spread:
-    return t.spread(lambda d, parts, reverse: job_reference(global_batch, STEPS, d, parts, reverse), torch.float32,
+    return t.spread(lambda d, parts, reverse: checkpoint_reference(global_batch, STEPS, d, parts, reverse), torch.float32,
                     global_batch * SEQ)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from dsrun.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+from tests.harness.checkpoints import CheckpointJob, run_jobs
 from tests.harness.launch import Launch, Runs
-from tests.integration._ckpt_workloads import run_jobs
 
 STAGES = (0, 1, 2, 3)
 COMBOS = [(stage, precision) for stage in STAGES for precision in ("fp32", "bf16")]
@@ -18,11 +18,11 @@ COMBOS = [(stage, precision) for stage in STAGES for precision in ("fp32", "bf16
 def collect(launch: Runs):
     """Uninterrupted runs and the saves halfway in one launch, then the resumed runs."""
     root = launch.root
-    base = {(s, p): dict(stage=s, precision=p, global_batch=4) for s, p in COMBOS}
-    first = [dict(job, steps=20) for job in base.values()]
-    first += [dict(job, steps=10, save_at=(10,), save_dir=str(root / f"{s}{p}")) for (s, p), job in base.items()]
+    base = {(s, p): CheckpointJob(stage=s, precision=p, steps=20, global_batch=4) for s, p in COMBOS}
+    first = list(base.values())
+    first += [job.but(steps=10, save_at=(10,), save_dir=str(root / f"{s}{p}")) for (s, p), job in base.items()]
     uninterrupted_and_saved = launch(Launch(run_jobs, 2, (first,), timeout=400, rank=0))
-    second = [dict(job, steps=10, load=str(root / f"{s}{p}"), final_save=str(root / f"final{s}{p}"))
+    second = [job.but(steps=10, load=str(root / f"{s}{p}"), final_save=str(root / f"final{s}{p}"))
               for (s, p), job in base.items()]
     resumed = launch(Launch(run_jobs, 2, (second,), timeout=400, rank=0))
     return root, {combo: (uninterrupted_and_saved[i], resumed[i]) for i, combo in enumerate(COMBOS)}

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import run_ranks
+from tests.harness.checkpoints import CheckpointJob, run_jobs
 from tests.harness.models import checkpoint_gpt
-from tests.integration._ckpt_workloads import run_jobs
+from tests.helpers import run_ranks
 from tests.integration._inference_models import load_split
 
 STAGES = (0, 1, 2, 3)
@@ -19,9 +19,10 @@ STAGES = (0, 1, 2, 3)
 def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("inference_ckpt")
     # 3 steps: the log warm-up from 0 (DeepSpeed's WarmupLR) steps with lr 0 twice before the weights move
-    jobs = [dict(stage=s, precision="fp32", steps=3, global_batch=4, dropout=0.0, save_at=(3,),
-                 save_dir=str(root / f"stage{s}")) for s in STAGES]
-    jobs.append(dict(stage=2, precision="bf16", steps=3, global_batch=4, dropout=0.0, export16=str(root / "bf16")))
+    jobs = [CheckpointJob(stage=s, precision="fp32", steps=3, global_batch=4, dropout=0.0, save_at=(3,),
+                          save_dir=str(root / f"stage{s}")) for s in STAGES]
+    jobs.append(CheckpointJob(stage=2, precision="bf16", steps=3, global_batch=4, dropout=0.0,
+                              export16=str(root / "bf16")))
     results = run_ranks(run_jobs, 2, jobs, timeout=400)[0]
     sources = {f"stage{s}": str(root / f"stage{s}") for s in STAGES}
     sources["tag"] = str(root / "stage3" / "global_step3")  # one tag's folder

@@ -1,19 +1,27 @@
 """Expert parallelism is exact: ep=2 on 2 gloo ranks against ep=1 holding every expert, on the same shards.
 
-One launch runs every case (``_moe_workloads.moe_suite``): the MoE layer alone for k = 1, 2, 3 with token
-dropping, with ``drop_tokens=False`` and with the dropless path (outputs, ``l_aux``, every gradient, the
-logged all-to-all bytes), a deliberately skewed routing with ``drop_tokens=False`` (ranks need different
-capacities: they must agree, not hang), and the engine at ZeRO stages 0-3 (one SGD step; the new weights
-equal the reference's). Tolerances come from fp32 arithmetic (``_moe_workloads.fp32_bound``): the two sides
-sum the same terms in a different order.
+One launch runs every case (``moe_suite``): the MoE layer alone for k = 1, 2, 3 with token dropping, with
+``drop_tokens=False`` and with the dropless path (outputs, ``l_aux``, every gradient, the logged all-to-all
+bytes), a deliberately skewed routing with ``drop_tokens=False`` (ranks need different capacities: they must
+agree, not hang), and the engine at ZeRO stages 0-3 (one SGD step of the harness's ``moe_net/ep2``; the new
+weights equal those of ``moe_net/ep1`` stepped by ``reference_run`` on both shards). Tolerances come from fp32
+arithmetic (``tests.tolerance.fp32_sum_bound``): the two sides sum the same terms in a different order.
 """
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import numpy as np
 import pytest
+import torch
+from torch import nn
 
 from tests.harness.launch import Launch, Runs
-from tests.integration import _moe_workloads as w
+from tests.harness.models import MOE_D as D, MOE_EXPERTS as EXPERTS, MOE_TOKENS as TOKENS
+from tests.harness.models import build_model, global_expert_name, init_experts, make_moe, moe_shard
+from tests.harness.runs import ds_config, full_moe_params, reference_run
+from tests.tolerance import fp32_sum_bound as fp32_bound
 
 # multi-process launches (tens of seconds each on a loaded 2-core machine): slow, as the engine parity tests
 pytestmark = pytest.mark.slow
@@ -21,7 +29,141 @@ pytestmark = pytest.mark.slow
 U = 2.0 ** -24
 
 
-LAUNCHES = {"suite": Launch(w.moe_suite, 2, timeout=420)}
+# --- the layer alone: ep=world on this rank's shard against ep=1 on every shard ---------------------------------
+def shard_tokens(rank: int, skew: bool = False) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(50 + rank)
+    x = torch.randn(TOKENS, D, generator=gen)
+    if skew and rank == 0:
+        x = x.abs() * 3  # with the skewing gate below, nearly every token of rank 0 wants expert 0
+    return x
+
+
+def cotangent(rank: int) -> torch.Tensor:
+    return torch.randn(TOKENS, D, generator=torch.Generator().manual_seed(90 + rank))
+
+
+def skew_gate(layer: nn.Module) -> None:
+    with torch.no_grad():
+        w = layer.deepspeed_moe.gate.wg.weight
+        w.zero_()
+        w[0].fill_(1.0)  # positive inputs score expert 0 highest
+        w[1:, 0] = torch.tensor([0.3, -0.2, 0.1])
+
+
+def named_grads(layer: nn.Module) -> dict[str, torch.Tensor]:
+    """Gradients by global name: local expert j is reported under its global id."""
+    ids = layer.global_expert_ids()
+    return {global_expert_name(name, ids): p.grad.detach().clone() for name, p in layer.named_parameters()
+            if p.grad is not None}
+
+
+def layer_case(rank: int, world: int, k: int, drop_tokens: bool, dropless: bool, residual: bool,
+               skew: bool = False) -> dict[str, Any]:
+    """ep=world layer on this rank's shard vs an ep=1 layer on every shard: outputs, l_aux, gradients of
+    the mean of the per-rank losses (dense gradients averaged over ranks, expert gradients divided by the
+    data-parallel size: the engine's scaling)."""
+    from dsrun import comm
+
+    layer = make_moe(world, k, drop_tokens, dropless, residual)
+    if skew:
+        skew_gate(layer)
+    init_experts(layer)
+    before = comm.get_comms_stats().get("all_to_all_single", {"count": 0, "message_bytes": 0})
+    x = shard_tokens(rank, skew).requires_grad_()  # as inside a model: the dispatch needs its backward too
+    out, l_aux, counts = layer(x)
+    loss = (out * cotangent(rank)).sum() + 0.1 * l_aux
+    loss.backward()
+    after = comm.get_comms_stats().get("all_to_all_single", {"count": 0, "message_bytes": 0})
+    for p in layer.parameters():
+        if getattr(p, "allreduce", True):
+            comm.all_reduce(p.grad)
+        p.grad.div_(world)
+    grads = named_grads(layer)
+
+    ref = make_moe(1, k, drop_tokens, dropless, residual)
+    if skew:
+        skew_gate(ref)
+    init_experts(ref)
+    ref_out, ref_aux = None, None
+    total = 0.0
+    for r in range(world):
+        o, a, _ = ref(shard_tokens(r, skew))
+        total = total + ((o * cotangent(r)).sum() + 0.1 * a) / world
+        if r == rank:
+            ref_out, ref_aux = o.detach(), a.detach()
+    total.backward()
+    ref_grads = named_grads(ref)
+    routing = layer.deepspeed_moe.last_routing
+    return {"out": out.detach().numpy(), "ref_out": ref_out.numpy(), "l_aux": float(l_aux.detach()),
+            "ref_l_aux": float(ref_aux),
+            "grads": {n: g.numpy() for n, g in grads.items() if n in ref_grads or ".deepspeed_experts." not in n},
+            "ref_grads": {n: ref_grads[n].numpy() for n in grads if n in ref_grads},
+            "capacity": routing.capacity, "a2a_count": after["count"] - before["count"],
+            "a2a_bytes": after["message_bytes"] - before["message_bytes"], "counts": counts.tolist()}
+
+
+def layer_suite(rank: int, world: int) -> dict[str, Any]:
+    out = {}
+    for k in (1, 2, 3):
+        out[f"k{k}/drop"] = layer_case(rank, world, k, True, False, residual=(k == 2))
+        out[f"k{k}/nodrop"] = layer_case(rank, world, k, False, False, residual=False)
+        out[f"k{k}/dropless"] = layer_case(rank, world, k, False, True, residual=False)
+    out["skew/nodrop"] = layer_case(rank, world, 1, False, False, False, skew=True)
+    out["skew/dropless"] = layer_case(rank, world, 1, False, True, False, skew=True)
+    return out
+
+
+# --- the engine: one SGD step of ep=world against ep=1 on every shard ---------------------------------------------
+def sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=1.0)
+
+
+def engine_case(rank: int, world: int, stage: int) -> dict[str, Any]:
+    """One SGD step (lr 1) of the ep=world engine vs the ep=1 model stepped on the mean of the per-rank
+    losses: the new weights differ by the gradients' difference (plus one rounding of w - g)."""
+    import dsrun
+
+    # the reference steps by the raw mean gradient: no clipping
+    cfg = ds_config(stage, TOKENS, 1, bucket=64, zero={"allgather_bucket_size": 64,
+                                                      "stage3_param_persistence_threshold": 0},
+                    client_optimizer=True, zero_allow_untested_optimizer=True)
+    engine, _, _, _ = dsrun.initialize(model=build_model(f"moe_net/ep{world}"), config=cfg, optimizer=sgd)
+    loss = engine(moe_shard(rank))
+    engine.backward(loss)
+    engine.step()
+    got = full_moe_params(engine)
+    engine.destroy()
+
+    def shards(name: str, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        parts = [moe_shard(r) for r in range(world)]  # the reference's micro-batch r is rank r's shard
+        return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
+
+    ref = reference_run("moe_net/ep1", 1, world * TOKENS, parts=world, optimizer=sgd, batch_at=shards,
+                        flat=lambda model: {n: p.detach().clone() for n, p in model.named_parameters()})["params"]
+    return {"got": {n: t.numpy() for n, t in got.items()}, "ref": {n: ref[n].numpy() for n in got}}
+
+
+def engine_suite(rank: int, world: int) -> dict[str, Any]:
+    return {f"zero{stage}": engine_case(rank, world, stage) for stage in (0, 1, 2, 3)}
+
+
+def moe_suite(rank: int, world: int) -> dict[str, Any]:
+    """Rank entry point: the layer cases, then the engine's."""
+    from dsrun import comm
+
+    torch.set_num_threads(1)
+    comm.init_distributed()
+    return {"layer": layer_suite(rank, world), "engine": engine_suite(rank, world)}
+
+
+def analytic_a2a_bytes(tokens: int, k: int, ep: int, capacity_factor: float = 1.0, min_capacity: int = 1) -> int:
+    """Message bytes of one MoE layer's forward and backward with drop_tokens: four all-to-alls of the
+    (E, C, M) fp32 buffer."""
+    cap = max(0, min(max(math.ceil(tokens * k * capacity_factor / EXPERTS), min_capacity), tokens))
+    return 4 * EXPERTS * cap * D * 4
+
+
+LAUNCHES = {"suite": Launch(moe_suite, 2, timeout=420)}
 
 
 def collect(runs: Runs) -> list[dict]:
@@ -30,7 +172,7 @@ def collect(runs: Runs) -> list[dict]:
 
 def _close(a: np.ndarray, b: np.ndarray, n_terms: int, what: str) -> None:
     scale = max(1.0, float(np.abs(b).max()))
-    bound = w.fp32_bound(n_terms, scale)
+    bound = fp32_bound(n_terms, scale)
     diff = float(np.abs(a - b).max())
     assert diff <= max(bound, 1e-6 * scale), f"{what}: |diff| {diff} > bound {bound}"
 
@@ -39,9 +181,9 @@ def test_layer_output_aux_and_gradients_match_ep1(runs) -> None:
     for rank, result in enumerate(runs):
         for key, case in result["layer"].items():
             k = int(key[1]) if key.startswith("k") else 1
-            n_terms = 2 * w.TOKENS * k  # a gradient sums at most every token's k choices of both shards
+            n_terms = 2 * TOKENS * k  # a gradient sums at most every token's k choices of both shards
             _close(case["out"], case["ref_out"], k + 1, f"rank {rank} {key} output")
-            assert abs(case["l_aux"] - case["ref_l_aux"]) <= 4 * w.EXPERTS * U * max(1.0, case["ref_l_aux"]), key
+            assert abs(case["l_aux"] - case["ref_l_aux"]) <= 4 * EXPERTS * U * max(1.0, case["ref_l_aux"]), key
             assert set(case["grads"]) == set(case["ref_grads"]), key
             for name, grad in case["grads"].items():
                 _close(grad, case["ref_grads"][name], n_terms, f"rank {rank} {key} grad {name}")
@@ -55,7 +197,7 @@ def test_skewed_routing_without_dropping_agrees_on_capacity_and_matches_dropless
     assert caps == [max(loads)] * 2
     for r in results:
         np.testing.assert_allclose(r["layer"]["skew/nodrop"]["out"], r["layer"]["skew/dropless"]["out"],
-                                   rtol=0, atol=w.fp32_bound(2, float(np.abs(r["layer"]["skew/dropless"]["out"]).max())))
+                                   rtol=0, atol=fp32_bound(2, float(np.abs(r["layer"]["skew/dropless"]["out"]).max())))
 
 
 def test_logged_all_to_all_bytes_equal_the_analytic_count(runs) -> None:
@@ -63,7 +205,7 @@ def test_logged_all_to_all_bytes_equal_the_analytic_count(runs) -> None:
         for k in (1, 2, 3):
             case = result["layer"][f"k{k}/drop"]
             assert case["a2a_count"] == 4  # dispatch and return, forward and backward
-            assert case["a2a_bytes"] == w.analytic_a2a_bytes(w.TOKENS, k, ep=2)
+            assert case["a2a_bytes"] == analytic_a2a_bytes(TOKENS, k, ep=2)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -72,4 +214,4 @@ def test_engine_step_matches_ep1_reference(runs, stage: int) -> None:
         case = result["engine"][f"zero{stage}"]
         assert set(case["got"]) == set(case["ref"])
         for name, value in case["got"].items():
-            _close(value, case["ref"][name], 2 * w.TOKENS * 2, f"rank {rank} ZeRO-{stage} {name}")
+            _close(value, case["ref"][name], 2 * TOKENS * 2, f"rank {rank} ZeRO-{stage} {name}")

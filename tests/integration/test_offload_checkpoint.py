@@ -13,9 +13,10 @@ import torch
 from dsrun.checkpoint.safe_load import load_file
 from dsrun.offload.swap_store import SWAP_ROOT_NAME
 from dsrun.utils import zero_to_fp32 as z2f
-from tests.helpers import run_ranks
 from tests import tolerance as t
-from tests.integration._ckpt_workloads import SEQ, job_reference, run_jobs
+from tests.harness.checkpoints import CheckpointJob, checkpoint_reference, run_jobs
+from tests.harness.models import SEQ
+from tests.helpers import run_ranks
 
 
 def nvme_zero(nvme_path: str, **extra: Any) -> dict[str, Any]:
@@ -23,22 +24,22 @@ def nvme_zero(nvme_path: str, **extra: Any) -> dict[str, Any]:
             "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 12, **extra}}
 
 
-def checkpoint_jobs(root: str, nvme_path: str) -> list[dict[str, Any]]:
+def checkpoint_jobs(root: str, nvme_path: str) -> list[CheckpointJob]:
     """Save with NVMe offload / in memory; load each into the other, into stage-2 CPU offload (resharded)."""
-    base = dict(stage=3, precision="fp32", global_batch=4, dropout=0.0)
-    nvme = dict(base, zero=nvme_zero(nvme_path))
+    base = CheckpointJob(stage=3, precision="fp32", steps=2, global_batch=4, dropout=0.0)
+    nvme = base.but(zero=nvme_zero(nvme_path))
     a, b = f"{root}/nvme", f"{root}/mem"
     return [
-        dict(nvme, steps=2, save_at=(2,), save_dir=a),                      # 0: NVMe run saved at step 2
-        dict(base, steps=4, save_at=(2,), save_dir=b),                      # 1: in-memory reference, 4 steps
-        dict(base, steps=2, load=a),                                        # 2: NVMe -> in memory
-        dict(nvme, steps=2, load=b),                                        # 3: in memory -> NVMe
-        dict(nvme, steps=2, load=a),                                        # 4: NVMe -> NVMe
-        dict(base, stage=2, steps=2, load=a,                                # 5: NVMe stage 3 -> CPU stage 2
-             zero={"offload_optimizer": {"device": "cpu"}}),
-        dict(base, stage=1, steps=2, save_at=(2,), save_dir=f"{root}/cpu1",  # 6: CPU stage 1 saved at 2
-             zero={"offload_optimizer": {"device": "cpu"}}),
-        dict(base, stage=1, steps=2, load=f"{root}/cpu1"),                 # 7: CPU stage 1 -> in memory
+        nvme.but(save_at=(2,), save_dir=a),                                 # 0: NVMe run saved at step 2
+        base.but(steps=4, save_at=(2,), save_dir=b),                        # 1: in-memory reference, 4 steps
+        base.but(load=a),                                                   # 2: NVMe -> in memory
+        nvme.but(load=b),                                                   # 3: in memory -> NVMe
+        nvme.but(load=a),                                                   # 4: NVMe -> NVMe
+        base.but(stage=2, load=a,                                           # 5: NVMe stage 3 -> CPU stage 2
+                 zero={"offload_optimizer": {"device": "cpu"}}),
+        base.but(stage=1, save_at=(2,), save_dir=f"{root}/cpu1",            # 6: CPU stage 1 saved at 2
+                 zero={"offload_optimizer": {"device": "cpu"}}),
+        base.but(stage=1, load=f"{root}/cpu1"),                             # 7: CPU stage 1 -> in memory
     ]
 
 
@@ -46,7 +47,7 @@ def checkpoint_jobs(root: str, nvme_path: str) -> list[dict[str, Any]]:
 def spread() -> t.Spread:
     """Two runs of these jobs that reduce or step in another order differ by rounding: the bound between them is
     derived from the arithmetic (tests/tolerance.py), for the jobs' 4 steps of batch 4."""
-    return t.spread(lambda d, parts, reverse: job_reference(4, 4, d, parts, reverse), torch.float32, 4 * SEQ)
+    return t.spread(lambda d, parts, reverse: checkpoint_reference(4, 4, d, parts, reverse), torch.float32, 4 * SEQ)
 
 
 def assert_same_curve(losses: list[float], reference: list[float], label: str) -> None:
@@ -81,15 +82,16 @@ def test_offloaded_and_in_memory_checkpoints_load_into_each_other(tmp_path):
 @pytest.mark.slow
 def test_killed_during_an_nvme_swap_resumes_on_the_same_curve(tmp_path):
     root, nvme = str(tmp_path / "ckpt"), str(tmp_path / "nvme")
-    job = dict(stage=3, precision="fp32", global_batch=4, dropout=0.0, zero=nvme_zero(nvme), save_dir=root)
+    job = CheckpointJob(stage=3, precision="fp32", steps=5, global_batch=4, dropout=0.0, zero=nvme_zero(nvme),
+                        save_dir=root)
     # save at step 2, then die in step 4, after the 3rd swap write (files mid-update)
     with pytest.raises(AssertionError, match="exit"):
-        run_ranks(run_jobs, 2, [dict(job, steps=5, save_at=(2,), kill_on_swap_write=(4, 3))], timeout=300)
+        run_ranks(run_jobs, 2, [job.but(save_at=(2,), kill_on_swap_write=(4, 3))], timeout=300)
     left = list((tmp_path / "nvme" / SWAP_ROOT_NAME).iterdir())
     assert left  # the killed ranks' swap files are still there
     # one launch: the uninterrupted run, then the resumed one
-    whole, resumed = run_ranks(run_jobs, 2, [dict(job, steps=5, save_dir=str(tmp_path / "whole"), save_at=()),
-                                             dict(job, steps=3, load=root, save_at=())], timeout=300)[0]
+    whole, resumed = run_ranks(run_jobs, 2, [job.but(save_dir=str(tmp_path / "whole"), save_at=()),
+                                             job.but(steps=3, load=root, save_at=())], timeout=300)[0]
     assert resumed["loaded_steps"] == 2
     assert resumed["losses"] == whole["losses"][2:]
     for name, value in whole["params"].items():

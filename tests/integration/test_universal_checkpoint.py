@@ -12,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.harness.checkpoints import CheckpointJob, run_jobs
 from tests.harness.launch import Launch, Runs
 from tests.helpers import run_cli
-from tests.integration._ckpt_workloads import run_jobs
 
 pytestmark = pytest.mark.slow  # four launches, about 3 minutes on 2 busy cores
 STEPS, SAVE_AT, GLOBAL_BATCH = 8, 4, 6
@@ -26,7 +26,7 @@ def collect(launch: Runs):
     save_dir = launch.root / "ckpt"
 
     def job(stage, **kw):
-        return dict(stage=stage, precision="fp32", global_batch=GLOBAL_BATCH, dropout=0.0, **kw)
+        return CheckpointJob(stage=stage, precision="fp32", global_batch=GLOBAL_BATCH, dropout=0.0, **kw)
 
     saved = launch(Launch(run_jobs, 2, ([job(2, steps=SAVE_AT, save_at=(SAVE_AT,), save_dir=str(save_dir))],),
                           timeout=300, rank=0))[0]

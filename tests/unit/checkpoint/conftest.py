@@ -33,7 +33,7 @@ def make_engine(stage: int = 1, precision: str = "fp32", dropout: float = 0.0, f
 
 
 def train(engine, steps: int, start: int = 0) -> list[float]:
-    from tests.integration._ckpt_workloads import StepStream
+    from tests.harness.checkpoints import StepStream
 
     stream = StepStream(4, 0, 1)
     stream.step = start

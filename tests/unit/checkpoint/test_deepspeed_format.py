@@ -23,7 +23,7 @@ from dsrun.checkpoint.deepspeed_format import PICKLE_MODULE, ForeignObject
 from dsrun.checkpoint.safe_load import UnsafeCheckpointError
 from dsrun.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-from tests.integration._ckpt_workloads import full_params
+from tests.harness.runs import full_state as full_params
 
 from .conftest import make_engine, train
 

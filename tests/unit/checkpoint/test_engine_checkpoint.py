@@ -109,7 +109,7 @@ def test_resave_same_tag_replaces_it(tmp_path):
 @pytest.mark.parametrize("stage,precision", [(0, "fp32"), (0, "bf16"), (1, "fp32"), (2, "bf16"), (3, "fp32"),
                                              (3, "bf16")])
 def test_zero_to_fp32_equals_live_model(tmp_path, stage, precision):
-    from tests.integration._ckpt_workloads import full_params
+    from tests.harness.runs import full_state as full_params
 
     engine = make_engine(stage, precision, frozen=True)  # a frozen parameter too
     train(engine, 2)
@@ -165,7 +165,7 @@ def test_stage3_checkpoint_loads_into_an_engine_without_optimizer(tmp_path):
     import dsrun
     from tests.harness.models import checkpoint_gpt
     from tests.harness.runs import checkpoint_config
-    from tests.integration._ckpt_workloads import full_params
+    from tests.harness.runs import full_state as full_params
 
     engine = make_engine(3)
     train(engine, 1)
