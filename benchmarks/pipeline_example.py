@@ -19,7 +19,11 @@ Two checks, each run by DeepSpeed in a side environment and by dsrun here:
 DeepSpeed is not a dependency of dsrun: install it in a side environment (see ``benchmarks/vs_deepspeed.py``)::
 
     DSRUN_DEEPSPEED_PYTHON=/path/dsvenv/bin/python python benchmarks/pipeline_example.py partitions
-    DSRUN_DEEPSPEED_PYTHON=/path/dsvenv/bin/python python benchmarks/pipeline_example.py losses [--steps 20]
+    DSRUN_DEEPSPEED_PYTHON=/path/dsvenv/bin/python python benchmarks/pipeline_example.py losses [--steps 20] \
+        [--torch-adam] [--lr 1e-4]
+
+``--torch-adam`` has both sides step torch's Adam instead of their own compiled CPU Adam; ``--lr`` replaces the
+example's learning rate (1e-3, at which AlexNet's loss jumps to 7.5 at step 2 on both sides).
 """
 from __future__ import annotations
 
@@ -127,13 +131,16 @@ def run_example(command: list[str], folder: Path, env: dict[str, str], timeout: 
     return ex.progress_losses(done.stdout)
 
 
-def losses(ds_python: str, steps: int, batch: int, micro: int, images: int, torch_adam: bool, timeout: float) -> int:
+def losses(ds_python: str, steps: int, batch: int, micro: int, images: int, torch_adam: bool, lr: float | None,
+           timeout: float) -> int:
     with tempfile.TemporaryDirectory(prefix="dsrun-pipeline-example-") as tmp:
         folder = Path(tmp)
         ex.prepare_example(folder)
         config = ex.example_config(batch, micro)
         if torch_adam:  # both sides step torch.optim.Adam(W) instead of their own compiled CPU Adam
             config["optimizer"]["params"]["torch_adam"] = True
+        if lr is not None:
+            config["optimizer"]["params"]["lr"] = lr
         (folder / "ds_config.json").write_text(json.dumps(config))
         data = ex.write_cifar10(folder / "cifar10", images_per_batch=images)
         args = ["train.py", *ex.example_args(steps, folder / "ds_config.json")]
@@ -145,7 +152,8 @@ def losses(ds_python: str, steps: int, batch: int, micro: int, images: int, torc
         ours = run_example([sys.executable, "-m", "dsrun", "launch", "--as-deepspeed", "--num_procs", "2", *args],
                            folder, ours_env, timeout)
     print(f"DeepSpeedExamples training/pipeline_parallelism/train.py, AlexNet, 2 stages, {steps} steps of {batch} "
-          f"images (micro-batches of {micro}), Adam lr 1e-3{' (torch_adam)' if torch_adam else ''}, CIFAR-shaped "
+          f"images (micro-batches of {micro}), Adam lr {config['optimizer']['params']['lr']:g}"
+          f"{' (torch_adam)' if torch_adam else ''}, CIFAR-shaped "
           f"random data ({5 * images} images)")
     print(f"{'step':>5} {'DeepSpeed 0.19.8':>17} {'dsrun':>10} {'difference':>11}")
     worst = 0.0
@@ -168,6 +176,7 @@ def main() -> int:
     parser.add_argument("--micro", type=int, default=8, help="train_micro_batch_size_per_gpu")
     parser.add_argument("--images", type=int, default=64, help="images per CIFAR batch file (5 training files)")
     parser.add_argument("--torch-adam", action="store_true", help="losses: torch's Adam on both sides")
+    parser.add_argument("--lr", type=float, default=None, help="losses: Adam's lr (default: the example's 1e-3)")
     parser.add_argument("--timeout", type=float, default=1800)
     args = parser.parse_args()
     if args.check == "deepspeed-cuts":  # the side environment's half of `partitions`
@@ -178,7 +187,7 @@ def main() -> int:
         sys.exit(f"pipeline_example: pass --deepspeed-python or set {DS_PYTHON_ENV} (see the docstring)")
     if args.check == "partitions":
         return partitions(ds_python)
-    return losses(ds_python, args.steps, args.batch, args.micro, args.images, args.torch_adam, args.timeout)
+    return losses(ds_python, args.steps, args.batch, args.micro, args.images, args.torch_adam, args.lr, args.timeout)
 
 
 if __name__ == "__main__":
