@@ -157,6 +157,8 @@ def test_a_folder_gets_deepspeeds_pytorch_model_bin(checkpoint, tmp_path):
     saved = torch.load(out / "pytorch_model.bin", weights_only=True)
     assert saved.keys() == full.keys() and all(torch.equal(saved[k], full[k]) for k in full)
     assert saved["lm_head.weight"].data_ptr() == saved["transformer.wte.weight"].data_ptr()
+    lazy = get_fp32_state_dict_from_zero_checkpoint(str(root), lazy_mode=True)  # DeepSpeed's keyword: whole tensors
+    assert all(torch.equal(lazy[k].contiguous(), full[k]) for k in full)
 
 
 @pytest.mark.parametrize("safe", [False, True], ids=["torch", "safetensors"])
