@@ -2,13 +2,16 @@
 
 Examples:
   dsrun convert zero-to-fp32 runs/exp/checkpoints pytorch_model.bin
+  dsrun convert zero-to-fp32 runs/exp/checkpoints fp32_model/ --max-shard-size 2GB
   dsrun convert zero-to-fp32 runs/exp/checkpoints model.safetensors --tag global_step100 --safe-serialization
   dsrun convert ds-to-universal runs/exp/checkpoints/global_step100 runs/exp/checkpoints/global_step100_universal
 
 zero-to-fp32 consolidates a ZeRO checkpoint (stages 0-3, any number of ranks) into one fp32 state dict:
-CHECKPOINT_DIR is the folder holding 'latest' and the global_step* folders. With --safe-serialization the
-output is safetensors; a tied weight is stored once and its alias is listed in the file's metadata
-(dsrun_shared_params).
+CHECKPOINT_DIR is the folder holding 'latest' and the global_step* folders. OUTPUT is a folder, as DeepSpeed
+writes it: pytorch_model.bin (model.safetensors), or past --max-shard-size (default 5GB) numbered shards and
+their index pytorch_model.bin.index.json; an OUTPUT ending in .bin, .pt, .pth or .safetensors is that one file.
+With --safe-serialization the output is safetensors; a tied weight is stored once and its alias is listed in
+the file's metadata (dsrun_shared_params).
 
 ds-to-universal writes a universal checkpoint (one folder per parameter with its fp32 master and optimizer
 states) from one tag's folder of a ZeRO checkpoint, and points 'latest_universal' at it: an engine with
@@ -27,7 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     kinds = parser.add_subparsers(dest="kind", metavar="KIND", required=True)
     z2f = kinds.add_parser("zero-to-fp32", help="consolidate a ZeRO checkpoint into one fp32 state dict")
     z2f.add_argument("checkpoint_dir", type=Path, help="folder holding 'latest' and the tag folders")
-    z2f.add_argument("output", type=Path, help="file to write (e.g. pytorch_model.bin or model.safetensors)")
+    z2f.add_argument("output", type=Path, help="folder to write (DeepSpeed's form), or one file (a name ending in "
+                     ".bin, .pt, .pth or .safetensors)")
+    z2f.add_argument("--max-shard-size", default="5GB", help="in a folder, the largest shard before the next one "
+                     "(digits and KB, MB, GB or TB; default 5GB)")
     z2f.add_argument("--tag", default=None, help="checkpoint tag (default: the one 'latest' names)")
     z2f.add_argument("--safe-serialization", action="store_true", help="write safetensors instead of torch.save")
     z2f.add_argument("--exclude-frozen-parameters", action="store_true", help="leave frozen parameters out")
@@ -46,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(Problem("CHECKPOINT_DIR", f"{args.checkpoint_dir} is not a folder",
                                 "pass the folder that holds 'latest' and the global_step* folders"))
     try:
-        convert_zero_checkpoint_to_fp32_state_dict(str(args.checkpoint_dir), str(args.output), tag=args.tag,
+        convert_zero_checkpoint_to_fp32_state_dict(str(args.checkpoint_dir), str(args.output),
+                                                   max_shard_size=args.max_shard_size, tag=args.tag,
                                                    exclude_frozen_parameters=args.exclude_frozen_parameters,
                                                    safe_serialization=args.safe_serialization, verbose=True)
     except (ValueError, FileNotFoundError) as exc:

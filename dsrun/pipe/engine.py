@@ -4,7 +4,9 @@
 ``gradient_accumulation_steps`` micro-batches through this rank's stage as the schedule's instructions say
 (:mod:`.schedule`, :mod:`.timed`; ``pipeline.schedule`` picks one): load, forward, send and receive
 activations and gradients (:mod:`.p2p`), backward, then sum the gradients of weights tied across stages,
-reduce the gradients over the stage's data-parallel group and step the optimizer.
+reduce the gradients over the stage's data-parallel group and step the optimizer. As in DeepSpeed,
+``training_data`` is read in order (an unshuffled ``DistributedSampler`` over the data-parallel ranks) and
+every ``steps_per_print`` batches global rank 0 prints ``steps: N loss: L iter time (s): T samples/sec: S``.
 
 What the engine inherits stays the same: the precision strategy scales the loss on the last stage and
 checks overflow on every stage; the ZeRO strategy (stage 0, 1, or 2 without cross-stage ties) holds this
@@ -23,9 +25,11 @@ per-layer layout of :mod:`.checkpoint`.
 """
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
+from torch.utils.data.distributed import DistributedSampler
 
 from dsrun import comm
 from dsrun.config import DSConfig
@@ -72,9 +76,16 @@ class PipelineEngine(DeepSpeedEngine):
         self.module._synchronize_tied_weights()
         self.data_iterator: Iterator[Any] | None = None
         self.batch_fn: Callable[[Any], Any] | None = None
-        if self.training_dataloader is not None:
-            self.set_dataloader(self.training_dataloader)
+        training_data = super_kwargs.get("training_data", super_args[4] if len(super_args) > 4 else None)
+        if training_data is not None:
+            # DeepSpeed's pipeline reads training_data in order, each data-parallel rank every dp-th sample
+            # (an unshuffled DistributedSampler), not through the shuffled loader of the plain engine
+            sampler = DistributedSampler(training_data, num_replicas=self.dp_world_size,
+                                         rank=self.grid.get_data_parallel_rank(), shuffle=False)
+            collate_fn = super_kwargs.get("collate_fn", super_args[5] if len(super_args) > 5 else None)
+            self.set_dataloader(self.deepspeed_io(training_data, data_sampler=sampler, collate_fn=collate_fn))
         self.agg_train_loss: torch.Tensor | None = None
+        self._train_seconds = 0.0  # train_batch time since the last progress line (DeepSpeed's batch timer)
         self.last_batch_timing: dict[str, float] = {}
         self._schedules: dict[tuple[str, int], PipeSchedule] = {}
         self._force_boundary = False
@@ -162,12 +173,29 @@ class PipelineEngine(DeepSpeedEngine):
             raise RuntimeError("train_batch() requires gradients enabled. Use eval_batch() instead.")
         if data_iter is not None:
             self.set_dataiterator(data_iter)
+        began = time.perf_counter()
         self.module.train()
         self._run(self._schedule("train", self.micro_batches))
         self.agg_train_loss = self._aggregate(self._executor.losses, broadcast=True)
+        self._train_seconds += time.perf_counter() - began
+        self._report_batch()
         if self.monitor.enabled:
             self.monitor.write_events([("Train/Samples/train_loss", float(self.agg_train_loss), self.global_samples)])
         return self.agg_train_loss
+
+    def _report_batch(self) -> None:
+        """DeepSpeed's progress line of a pipeline, every ``steps_per_print`` batches on global rank 0
+        (``steps: N loss: L iter time (s): T samples/sec: S``, T the mean batch time since the last line): what
+        DeepSpeedExamples' pipeline example shows of its training. Off with ``print_step_lines`` (dsrun's worker
+        reports its own progress)."""
+        every = self.steps_per_print()
+        if not (self.print_step_lines and every) or self.global_steps % every:
+            return
+        iter_time, self._train_seconds = self._train_seconds / every, 0.0
+        if self.global_rank == 0:
+            rate = self.train_batch_size() / iter_time if iter_time > 0 else float("inf")
+            print(f"steps: {self.global_steps} loss: {float(self.agg_train_loss):0.4f} iter time (s): {iter_time:0.3f} "
+                  f"samples/sec: {rate:0.3f}", flush=True)
 
     def eval_batch(self, data_iter: Iterator[Any], return_logits: bool = False, compute_loss: bool = True,
                    reduce_output: str | None = "avg", bcast_loss: bool = True,

@@ -1,19 +1,27 @@
 """How a PipelineModule's layers are cut into stages: ``partition_method`` and the algorithms behind it.
 
+The method name is case-insensitive, as in DeepSpeed (``"Parameters"``, ``"TYPE:Block"``); the cuts are
+DeepSpeed's, layer for layer (``benchmarks/pipeline_example.py`` checks them against DeepSpeed 0.19.8):
+
 ``uniform``       the same number of layers per stage (the first stages take one more when it does not divide);
-``parameters``    balance the trainable parameter counts (DeepSpeed's default);
-``type:REGEX``    balance the layers whose class name matches REGEX (case-insensitive), e.g. ``type:block``;
+``parameters``    balance the trainable parameter counts (DeepSpeed's default); a layer that is neither a module
+                  nor a ``LayerSpec`` (a function, a lambda) weighs nothing;
+``type:REGEX``    balance the number of layers whose class name matches REGEX (searched, case-insensitive; as
+                  DeepSpeed does, the lower-cased text between the first and the second ``:``); a function layer
+                  is matched by its ``__name__``;
 ``profile``       balance the measured forward + backward time of each layer on an example micro-batch
                   (DeepSpeed lists it but never implemented it). The example is what the first layer
                   receives; give it by building the module inside ``with profiling_inputs(example):``.
 
-Balanced cuts minimise the heaviest stage (the pipeline's bottleneck), each stage non-empty when there are
-at least as many layers as stages. The result is a list of ``num_parts + 1`` boundaries: stage ``s`` holds
-layers ``[parts[s], parts[s + 1])``.
+Balanced cuts are DeepSpeed's ``partition_balanced``: contiguous non-empty stages (when there are at least as
+many layers as stages) whose weights differ as little as possible, heaviest minus lightest, and among equal
+differences the cut found last (each stage boundary as late as it can be). The result is a list of
+``num_parts + 1`` boundaries: stage ``s`` holds layers ``[parts[s], parts[s + 1])``.
 """
 from __future__ import annotations
 
 import contextlib
+import numbers
 import re
 import statistics
 import time
@@ -32,36 +40,79 @@ PROFILE_REPEATS = 5
 _EXAMPLE: list[Activations] = []  # the example micro-batch of the innermost profiling_inputs() block
 
 
-def partition_balanced(weights: Sequence[float], num_parts: int) -> list[int]:
-    """Boundaries of ``num_parts`` contiguous parts minimising the largest part's total weight (every part
-    non-empty when there are enough items; ties go to the earliest cut)."""
-    n = len(weights)
-    if n <= num_parts:
-        return partition_uniform(n, num_parts)
-    prefix = [0.0]
+class PartitionError(UserError, RuntimeError):
+    """A ``type:`` method matching no layer (DeepSpeed raises RuntimeError there)."""
+
+
+class UnknownPartitionMethod(UserError, NotImplementedError):
+    """A ``partition_method`` neither DeepSpeed nor dsrun has (DeepSpeed raises NotImplementedError)."""
+
+
+def _prefix_sums(weights: Sequence[float]) -> list[float]:
+    """Running totals as DeepSpeed's ``numpy.cumsum`` makes them: integer weights summed exactly, then made
+    floats; otherwise added one after the other in double precision."""
+    sums: list[float] = [0.0]
+    if all(isinstance(w, numbers.Integral) for w in weights):
+        total = 0
+        for w in weights:
+            total += int(w)
+            sums.append(float(total))
+        return sums
+    running = 0.0
     for w in weights:
-        prefix.append(prefix[-1] + float(w))
+        running += float(w)
+        sums.append(running)
+    return sums
+
+
+def partition_balanced(weights: Sequence[float], num_parts: int) -> list[int]:
+    """DeepSpeed's ``partition_balanced``: the ``num_parts + 1`` boundaries of contiguous, non-empty parts of
+    ``weights`` (``partition_uniform`` when there are no more items than parts) whose totals differ the
+    least, heaviest minus lightest.
+
+    DeepSpeed's dynamic programme (its variant of the linear partition problem): ``spread[i][j]`` is the
+    spread (heaviest - lightest) of the cut chosen for the first ``i`` items into ``j`` parts, found by adding
+    a last part ``(k, i]`` to the cut chosen for the first ``k`` items, for each ``k`` in increasing order; a
+    ``k`` whose spread equals the best so far replaces it, so among equal spreads each boundary is as late as
+    it can be (``partition_balanced([0, 0, 0, 9], 2) == [0, 3, 4]``). Like DeepSpeed's, it extends only the
+    chosen cut of each prefix, which is not always the least spread over all cuts.
+    """
+    n, m = len(weights), int(num_parts)
+    if n <= m:
+        return partition_uniform(n, m)
+    prefix = _prefix_sums(weights)
     inf = float("inf")
-    # best[k][i]: the smallest bottleneck of cutting the first i items into k non-empty parts
-    best = [[inf] * (n + 1) for _ in range(num_parts + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_parts + 1)]
-    best[0][0] = 0.0
-    for k in range(1, num_parts + 1):
-        for i in range(k, n - (num_parts - k) + 1):
-            for j in range(k - 1, i):
-                value = max(best[k - 1][j], prefix[i] - prefix[j])
-                if value < best[k][i]:
-                    best[k][i], cut[k][i] = value, j
+    # heaviest, lightest part and spread of the best cut of the first i items into j parts; inf: none yet
+    heaviest = [[inf] * (m + 1) for _ in range(n + 1)]
+    lightest = [[inf] * (m + 1) for _ in range(n + 1)]
+    spread = [[inf] * (m + 1) for _ in range(n + 1)]
+    last_cut = [[0] * (m + 1) for _ in range(n + 1)]
+    heaviest[0][0] = spread[0][0] = 0.0
+    for i in range(1, n + 1):
+        for j in range(1, min(i, m) + 1):
+            for k in range(i):
+                if heaviest[k][j - 1] == inf:  # k items cannot make j - 1 parts: never chosen by DeepSpeed either
+                    continue
+                part = prefix[i] - prefix[k]
+                high = max(heaviest[k][j - 1], part)
+                low = min(lightest[k][j - 1], part)
+                if spread[i][j] >= high - low:
+                    spread[i][j], heaviest[i][j], lightest[i][j], last_cut[i][j] = high - low, high, low, k
     parts = [n]
-    for k in range(num_parts, 0, -1):
-        parts.append(cut[k][parts[-1]])
+    for j in range(m, 0, -1):
+        parts.append(last_cut[parts[-1]][j])
     return parts[::-1]
 
 
-def layer_class_name(layer: PipeLayer) -> str:
+def layer_type_name(layer: PipeLayer) -> str | None:
+    """The name a ``type:`` regex is matched against (DeepSpeed's ``_find_layer_type``): a spec's class, a
+    module's class, a function's ``__name__``; None for an object with none of these (it never matches)."""
     if isinstance(layer, LayerSpec):
         return layer.typename.__name__
-    return type(layer).__name__
+    if isinstance(layer, nn.Module):
+        return type(layer).__name__
+    name = getattr(layer, "__name__", None)
+    return name if isinstance(name, str) else None
 
 
 def count_layer_params(layer: PipeLayer) -> int:
@@ -87,17 +138,19 @@ def layer_weights(layers: Sequence[PipeLayer], method: str) -> list[float] | Non
     if name == "parameters":
         return [float(count_layer_params(layer)) for layer in layers]
     if name.startswith("type:"):
-        pattern = re.compile(method[len("type:"):], re.IGNORECASE)
-        weights = [1.0 if pattern.search(layer_class_name(layer)) else 0.0 for layer in layers]
+        regex = name.split(":")[1]  # DeepSpeed's reading: lower-cased, up to a second ':'
+        pattern = re.compile(regex, re.IGNORECASE)
+        names = [layer_type_name(layer) for layer in layers]
+        weights = [1.0 if n is not None and pattern.search(n) else 0.0 for n in names]
         if not any(weights):
-            raise UserError(Problem("PipelineModule(partition_method=...)", f"{method!r} matches no layer "
-                                    f"(layer classes: {sorted({layer_class_name(x) for x in layers})})",
-                                    "use a regular expression matching some of these class names"))
+            raise PartitionError(Problem("PipelineModule(partition_method=...)", f"{method!r} matches no layer "
+                                         f"(layer names: {sorted({n for n in names if n is not None})})",
+                                         "use a regular expression matching some of these names"))
         return weights
     if name == "profile":
         return profile_layer_times(layers)
-    raise UserError(Problem("PipelineModule(partition_method=...)", f"got {method!r}; allowed: 'parameters', "
-                            "'uniform', 'type:REGEX', 'profile'"))
+    raise UnknownPartitionMethod(Problem("PipelineModule(partition_method=...)", f"got {method!r}; allowed: "
+                                         "'parameters', 'uniform', 'type:REGEX', 'profile' (any case)"))
 
 
 def partition_layers(layers: Sequence[PipeLayer], num_parts: int, method: str) -> list[int]:

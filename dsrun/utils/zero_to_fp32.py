@@ -4,7 +4,13 @@
 This file needs only PyTorch (and ``safetensors`` for ``--safe_serialization``): ``save_checkpoint`` copies
 it next to the tag folders so a checkpoint can be converted where dsrun is not installed::
 
-    python zero_to_fp32.py CHECKPOINT_DIR OUTPUT_FILE [-t TAG] [--exclude_frozen_parameters] [--safe_serialization]
+    python zero_to_fp32.py CHECKPOINT_DIR OUTPUT_DIR [--max_shard_size 5GB] [-t TAG] [--exclude_frozen_parameters]
+                           [--safe_serialization]
+
+As DeepSpeed's current converter, it writes a folder: ``pytorch_model.bin`` (``model.safetensors``), or past
+``--max_shard_size`` the shards ``pytorch_model-00001-of-0000N.bin`` ... and ``pytorch_model.bin.index.json``
+(``model.safetensors.index.json``). An OUTPUT ending in ``.bin``, ``.pt``, ``.pth`` or ``.safetensors`` is
+written as that one file, as DeepSpeed's converter did before (0.15 and older).
 
 ``CHECKPOINT_DIR`` is the folder holding ``latest`` and the ``global_step*`` tag folders. Stages 0, 1, 2 and
 3 are understood. The fp32 values are the optimizer's master weights, so a bf16/fp16 run converts to the
@@ -219,9 +225,11 @@ def _copy_slots(out: dict[str, torch.Tensor], shapes: dict[str, Any], slots: lis
 
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | None = None,
                                              exclude_frozen_parameters: bool = False,
-                                             verbose: bool = False) -> "OrderedDict[str, torch.Tensor]":
+                                             verbose: bool = False, *,
+                                             lazy_mode: bool = False) -> "OrderedDict[str, torch.Tensor]":
     """The full fp32 state dict (on CPU) of the checkpoint ``checkpoint_dir/tag`` (``tag`` from ``latest``
-    when None). Buffers come from the model states; tied aliases share their source's tensor."""
+    when None). Buffers come from the model states; tied aliases share their source's tensor. ``lazy_mode``
+    (DeepSpeed's) is accepted: the tensors are already whole, and ``.contiguous()`` on each returns it."""
     tag_dir = resolve_tag_dir(checkpoint_dir, tag)
     say = print if verbose else (lambda *_: None)
     say(f"Processing zero checkpoint '{tag_dir}'")
@@ -369,17 +377,76 @@ def _frozen_params(first: dict[str, Any], model_files: list[str], stage: int) ->
     return {name: torch.cat(parts)[: math.prod(shapes[name])].view(shapes[name]) for name, parts in pieces.items()}
 
 
-def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_file: str, tag: str | None = None,
-                                               exclude_frozen_parameters: bool = False,
-                                               safe_serialization: bool = False, verbose: bool = True) -> str:
-    """Write the consolidated fp32 state dict to ``output_file`` (``torch.save``, or safetensors); returns
-    the path written. The file appears only when complete (written under a temporary name, then renamed)."""
-    state_dict = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters, verbose)
-    parent = os.path.dirname(os.path.abspath(output_file))
-    os.makedirs(parent, exist_ok=True)
-    tmp = f"{output_file}.tmp{os.getpid()}"
-    if verbose:
-        print(f"Saving fp32 state dict to {output_file}")
+SIZE_UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}  # decimal, as huggingface_hub parses them
+WEIGHTS_NAME, SAFE_WEIGHTS_NAME = "pytorch_model.bin", "model.safetensors"
+WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json", "model.safetensors.index.json"
+FILE_SUFFIXES = (".bin", ".pt", ".pth", ".safetensors")  # an output with one of these is one file (old form)
+
+
+def parse_shard_size(size: int | str) -> int:
+    """Bytes of a ``max_shard_size`` (an int, or digits and a unit: ``"5GB"``, ``"500MB"``, ``"1.5KB"``)."""
+    if isinstance(size, int):
+        return size
+    text = str(size).strip()
+    unit = text[-2:].upper()
+    if unit not in SIZE_UNITS:
+        raise ValueError(f"Unit '{unit}' not supported. Supported units are TB, GB, MB, KB. Got '{text}'.")
+    try:
+        return int(float(text[:-2].strip()) * SIZE_UNITS[unit])
+    except ValueError as exc:
+        raise ValueError(f"Could not parse the size value from '{text}': {exc}") from None
+
+
+def _is_size(value: object) -> bool:
+    try:
+        parse_shard_size(value)  # type: ignore[arg-type]
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
+def split_into_shards(state_dict: "OrderedDict[str, torch.Tensor]", weights_name: str,
+                      max_shard_size: int | str) -> tuple[dict[str, list[str]], int]:
+    """The file of each key, in DeepSpeed's (huggingface_hub's) order and names: keys in order fill a shard
+    until the next would pass ``max_shard_size`` (a larger tensor gets a shard of its own), a tied alias goes
+    with its source and counts once; one shard is ``weights_name``, ``n`` shards are
+    ``pytorch_model-00001-of-0000n.bin`` (``model-...safetensors``). Returns (file -> keys, total bytes)."""
+    limit = parse_shard_size(max_shard_size)
+    shards: list[list[str]] = []
+    current: list[str] = []
+    current_size = total = 0
+    first_of: dict[int, str] = {}
+    aliases: dict[str, list[str]] = {}
+    for name, tensor in state_dict.items():
+        if id(tensor) in first_of:
+            aliases[first_of[id(tensor)]].append(name)
+            continue
+        first_of[id(tensor)] = name
+        aliases[name] = []
+        size = tensor.numel() * tensor.element_size()
+        total += size
+        if size > limit:
+            shards.append([name])
+            continue
+        if current_size + size > limit:
+            shards.append(current)
+            current, current_size = [], 0
+        current.append(name)
+        current_size += size
+    if current:
+        shards.append(current)
+    shards = [shard + [alias for name in shard for alias in aliases[name]] for shard in shards]
+    if len(shards) <= 1:
+        return {weights_name: shards[0] if shards else []}, total
+    stem, dot, ext = weights_name.rpartition(".")
+    return {f"{stem}-{i + 1:05d}-of-{len(shards):05d}{dot}{ext}": shard for i, shard in enumerate(shards)}, total
+
+
+def _save_atomically(state_dict: dict[str, torch.Tensor], path: str, safe_serialization: bool,
+                     metadata: dict[str, str] | None = None) -> None:
+    """Write ``state_dict`` to ``path`` (``torch.save``, or safetensors with a tied alias left out and named in
+    the metadata); the file appears only when complete (written under a temporary name, then renamed)."""
+    tmp = f"{path}.tmp{os.getpid()}"
     if safe_serialization:
         from safetensors.torch import save_file
 
@@ -392,13 +459,63 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_file:
                 continue
             sources[id(tensor)] = name
             tensors[name] = tensor.contiguous()
-        save_file(tensors, tmp, metadata={SHARED_PARAMS_METADATA: json.dumps(aliases)})
+        save_file(tensors, tmp, metadata={**(metadata or {}), SHARED_PARAMS_METADATA: json.dumps(aliases)})
     else:
         torch.save(state_dict, tmp)
     with open(tmp, "rb") as fh:
         os.fsync(fh.fileno())
-    os.replace(tmp, output_file)
-    return output_file
+    os.replace(tmp, path)
+
+
+def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_dir: str | None = None,
+                                               max_shard_size: int | str | None = "5GB",
+                                               safe_serialization: bool = False, tag: str | None = None,
+                                               exclude_frozen_parameters: bool = False, *,
+                                               output_file: str | None = None, verbose: bool = True) -> str:
+    """Write the consolidated fp32 state dict; returns the folder (or file) written. DeepSpeed's signature and
+    outputs: into the folder ``output_dir``, ``pytorch_model.bin`` (``model.safetensors`` with
+    ``safe_serialization``), or past ``max_shard_size`` (``"5GB"``; None: never) shards
+    ``pytorch_model-00001-of-00002.bin`` ... and the index ``pytorch_model.bin.index.json``
+    (``model.safetensors.index.json``: ``{"metadata": {"total_size": bytes}, "weight_map": {key: file}}``).
+
+    The older form, one file, stays: ``output_file=PATH``, or an ``output_dir`` ending in ``.bin``, ``.pt``,
+    ``.pth`` or ``.safetensors`` that is not a folder; there a third positional argument that is not a size is
+    the ``tag`` (the old signature was ``(checkpoint_dir, output_file, tag=None, ...)``). Each file appears
+    only when complete (written under a temporary name, then renamed)."""
+    if (output_dir is None) == (output_file is None):
+        raise TypeError("pass one of output_dir (a folder, DeepSpeed's form) or output_file (one file)")
+    one_file = output_file is not None or (str(output_dir).endswith(FILE_SUFFIXES) and not os.path.isdir(output_dir))
+    if one_file and tag is None and isinstance(max_shard_size, str) and not _is_size(max_shard_size):
+        tag, max_shard_size = max_shard_size, None  # the old third positional argument
+    elif max_shard_size is not None:
+        parse_shard_size(max_shard_size)  # a bad size fails before the checkpoint is read
+    state_dict = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters, verbose)
+    if one_file:
+        target = str(output_file if output_file is not None else output_dir)
+        os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
+        if verbose:
+            print(f"Saving fp32 state dict to {target}")
+        _save_atomically(state_dict, target, safe_serialization)
+        return target
+    folder = str(output_dir)
+    os.makedirs(folder, exist_ok=True)
+    weights_name = SAFE_WEIGHTS_NAME if safe_serialization else WEIGHTS_NAME
+    if max_shard_size is None:
+        files, total = {weights_name: list(state_dict)}, 0
+    else:
+        files, total = split_into_shards(state_dict, weights_name, max_shard_size)
+    for name, keys in files.items():
+        if verbose:
+            print(f"Saving fp32 state dict to {os.path.join(folder, name)}")
+        shard = OrderedDict((key, state_dict[key]) for key in keys)
+        _save_atomically(shard, os.path.join(folder, name), safe_serialization,
+                         metadata={"format": "pt"} if safe_serialization else None)
+    if len(files) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": {k: name for name, keys in files.items() for k in keys}}
+        index_name = SAFE_WEIGHTS_INDEX_NAME if safe_serialization else WEIGHTS_INDEX_NAME
+        with open(os.path.join(folder, index_name), "w", encoding="utf-8") as fh:
+            fh.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return folder
 
 
 def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir: str,
@@ -414,15 +531,20 @@ def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint_dir", help="the folder holding 'latest' and the tag folders")
-    parser.add_argument("output_file", help="where to write the fp32 state dict, e.g. pytorch_model.bin")
+    parser.add_argument("output_dir", help="the folder to write pytorch_model.bin (or model.safetensors) into, "
+                        "sharded past --max_shard_size with an index; a path ending in .bin, .pt, .pth or "
+                        ".safetensors is written as that one file")
+    parser.add_argument("--max_shard_size", default="5GB", help="largest shard before the next one starts, digits "
+                        "and a unit (KB, MB, GB, TB; default 5GB)")
     parser.add_argument("-t", "--tag", default=None, help="checkpoint tag (default: the one in 'latest')")
     parser.add_argument("--exclude_frozen_parameters", action="store_true", help="leave frozen parameters out")
     parser.add_argument("--safe_serialization", action="store_true", help="write safetensors instead of torch.save")
     parser.add_argument("-d", "--debug", action="store_true", help="print progress")
     args = parser.parse_args(argv)
-    convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output_file, tag=args.tag,
-                                               exclude_frozen_parameters=args.exclude_frozen_parameters,
-                                               safe_serialization=args.safe_serialization, verbose=True)
+    convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output_dir,
+                                               max_shard_size=args.max_shard_size,
+                                               safe_serialization=args.safe_serialization, tag=args.tag,
+                                               exclude_frozen_parameters=args.exclude_frozen_parameters, verbose=True)
     return 0
 
 

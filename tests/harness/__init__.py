@@ -1,8 +1,9 @@
 """The multi-rank test harness: the models and data by name (``models``), the DeepSpeed config, the
 single-process reference, an engine run and the cases as records (``runs``), the pipeline's layer-spec models,
 reference, engine and runs as records (``pipeline``: ``PipeCase``, ``pipe_suite``), the checkpoint tests' resumable
-stream, jobs as records and their reference (``checkpoints``: ``CheckpointJob``, ``run_jobs``), and launches run once
-per test module by the one ``runs`` fixture (``launch``; the fixture is in tests/conftest.py).
+stream, jobs as records and their reference (``checkpoints``: ``CheckpointJob``, ``run_jobs``), launches run once
+per test module by the one ``runs`` fixture (``launch``; the fixture is in tests/conftest.py), and DeepSpeedExamples'
+pipeline example with the environment it needs on a CPU machine (``deepspeed_examples``).
 
 A test module declares its engine runs as ``Case`` records (a model of ``MODELS``, a config from ``ds_config`` /
 ``zero3_config``; ``per_step`` records each step's row) and launches ``world_suite`` with them; a run the

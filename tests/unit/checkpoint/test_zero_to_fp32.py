@@ -1,4 +1,5 @@
-"""The converter: the copy saved with a checkpoint runs with torch alone; the CLI; safetensors; errors."""
+"""The converter: the copy saved with a checkpoint runs with torch alone; the CLI; safetensors; errors; DeepSpeed's
+current output (a folder, sharded past max_shard_size, with its index) and the older one-file forms."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,8 @@ import venv
 import pytest
 import torch
 
-from dsrun.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint, load_state_dict_from_zero_checkpoint
+from dsrun.utils.zero_to_fp32 import (convert_zero_checkpoint_to_fp32_state_dict, get_fp32_state_dict_from_zero_checkpoint,
+                                     load_state_dict_from_zero_checkpoint)
 from tests.helpers import run_cli
 
 from .conftest import make_engine, train
@@ -123,3 +125,102 @@ def test_a_checkpoint_without_its_key_order_still_converts(checkpoint, tmp_path)
     assert trainable and trainable <= set(full)
     for name in trainable:
         assert torch.equal(full[name].to(torch.bfloat16), live[name]), name
+
+
+# --- DeepSpeed's current output: a folder, sharded past max_shard_size, with an index ---------------------------
+def _deepspeed_split(state_dict, weights_name: str, max_shard_size):
+    """DeepSpeed's own split (its zero_to_fp32.py): huggingface_hub's, over empty copies of the tensors, a tied
+    alias sharing its source's copy."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    copies, empty = {}, {}
+    for name, tensor in state_dict.items():
+        empty[name] = copies.setdefault(id(tensor), torch.empty(tensor.shape, dtype=tensor.dtype))
+    pattern = weights_name.replace(".bin", "{suffix}.bin").replace(".safetensors", "{suffix}.safetensors")
+    return split_torch_state_dict_into_shards(empty, filename_pattern=pattern, max_shard_size=max_shard_size)
+
+
+def _load(path):
+    if str(path).endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+    return torch.load(path, weights_only=True)
+
+
+def test_a_folder_gets_deepspeeds_pytorch_model_bin(checkpoint, tmp_path):
+    root, _ = checkpoint
+    full = get_fp32_state_dict_from_zero_checkpoint(str(root))
+    out = tmp_path / "fp32"
+    assert convert_zero_checkpoint_to_fp32_state_dict(str(root), str(out)) == str(out)  # under 5GB: one file
+    assert sorted(os.listdir(out)) == ["pytorch_model.bin"]
+    saved = torch.load(out / "pytorch_model.bin", weights_only=True)
+    assert saved.keys() == full.keys() and all(torch.equal(saved[k], full[k]) for k in full)
+    assert saved["lm_head.weight"].data_ptr() == saved["transformer.wte.weight"].data_ptr()
+    lazy = get_fp32_state_dict_from_zero_checkpoint(str(root), lazy_mode=True)  # DeepSpeed's keyword: whole tensors
+    assert all(torch.equal(lazy[k].contiguous(), full[k]) for k in full)
+
+
+@pytest.mark.parametrize("safe", [False, True], ids=["torch", "safetensors"])
+def test_past_max_shard_size_the_folder_holds_deepspeeds_shards_and_index(checkpoint, tmp_path, safe):
+    root, _ = checkpoint
+    full = get_fp32_state_dict_from_zero_checkpoint(str(root))
+    total = sum(t.numel() * t.element_size() for t in {id(t): t for t in full.values()}.values())
+    limit = f"{total // 3000}KB"  # about a third of the model: three or four shards
+    out = tmp_path / "sharded"
+    convert_zero_checkpoint_to_fp32_state_dict(str(root), str(out), max_shard_size=limit, safe_serialization=safe)
+    weights, index_name = (("model.safetensors", "model.safetensors.index.json") if safe
+                           else ("pytorch_model.bin", "pytorch_model.bin.index.json"))
+    split = _deepspeed_split(full, weights, limit)
+    assert split.is_sharded and len(split.filename_to_tensors) >= 3
+    assert sorted(os.listdir(out)) == sorted([*split.filename_to_tensors, index_name])
+    text = (out / index_name).read_text()
+    index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+    assert text == json.dumps(index, indent=2, sort_keys=True) + "\n"
+    loaded = {}
+    for name, keys in split.filename_to_tensors.items():
+        shard = _load(out / name)
+        stored = [k for k in keys if not (safe and k == "lm_head.weight")]  # safetensors: the alias is metadata
+        assert sorted(shard) == sorted(stored), name
+        loaded.update(shard)
+    assert all(torch.equal(loaded[k], full[k]) for k in loaded) and len(loaded) == len(full) - safe
+    if safe:
+        from safetensors import safe_open
+
+        tied_file = split.tensor_to_filename["lm_head.weight"]
+        assert tied_file == split.tensor_to_filename["transformer.wte.weight"]
+        with safe_open(str(out / tied_file), "pt") as fh:
+            assert fh.metadata()["format"] == "pt"
+            assert json.loads(fh.metadata()["dsrun_shared_params"]) == {"lm_head.weight": "transformer.wte.weight"}
+
+
+def test_the_saved_script_writes_a_sharded_folder(checkpoint, tmp_path):
+    root, _ = checkpoint
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, str(root / "zero_to_fp32.py"), str(root), str(out), "--max_shard_size",
+                           "100KB"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    index = json.loads((out / "pytorch_model.bin.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(os.listdir(out)) - {"pytorch_model.bin.index.json"}
+    full = get_fp32_state_dict_from_zero_checkpoint(str(root))
+    assert sorted(index["weight_map"]) == sorted(full)
+
+
+def test_the_older_one_file_forms_still_work(checkpoint, tmp_path):
+    root, _ = checkpoint
+    full = get_fp32_state_dict_from_zero_checkpoint(str(root), tag="global_step2")
+    written = [
+        convert_zero_checkpoint_to_fp32_state_dict(str(root), output_file=str(tmp_path / "a" / "weights")),
+        convert_zero_checkpoint_to_fp32_state_dict(str(root), str(tmp_path / "b.bin"), "global_step2"),  # old: tag third
+        convert_zero_checkpoint_to_fp32_state_dict(str(root), str(tmp_path / "c.pt"), tag="global_step2",
+                                                   exclude_frozen_parameters=True, verbose=False),
+        convert_zero_checkpoint_to_fp32_state_dict(str(root), str(tmp_path / "d.safetensors"), safe_serialization=True),
+    ]
+    assert written == [str(tmp_path / n) for n in ("a/weights", "b.bin", "c.pt", "d.safetensors")]
+    for path in written:
+        saved = _load(path)
+        assert all(torch.equal(saved[k], full[k]) for k in saved) and set(full) - set(saved) <= {"lm_head.weight"}
+    with pytest.raises(TypeError, match="output_dir"):
+        convert_zero_checkpoint_to_fp32_state_dict(str(root))
+    with pytest.raises(ValueError, match="Unit 'XB' not supported"):
+        convert_zero_checkpoint_to_fp32_state_dict(str(root), str(tmp_path / "e"), max_shard_size="5XB")

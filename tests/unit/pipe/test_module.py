@@ -2,6 +2,8 @@
 seeds, checkpoint names, and the ``pipeline`` config keys (each acts or is refused)."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -157,6 +159,21 @@ def test_training_data_is_read_through_a_repeating_loader() -> None:
     assert engine.global_steps == 3
     restarted = RepeatingLoader([1, 2])
     assert [next(restarted) for _ in range(5)] == [1, 2, 1, 2, 1]
+    engine.destroy()
+
+
+def test_training_data_is_read_in_order_and_batches_print_deepspeeds_progress_line(capsys) -> None:
+    """DeepSpeed's PipelineEngine reads ``training_data`` through an unshuffled DistributedSampler (the plain
+    engine's loader shuffles): micro-batches come in the dataset's order. Every ``steps_per_print`` batches
+    global rank 0 prints DeepSpeed's progress line, all DeepSpeedExamples' pipeline example shows."""
+    module = PipelineModule(mlp(), num_stages=1, loss_fn=F.mse_loss)
+    data = [(torch.full((4,), float(i)), torch.zeros(2)) for i in range(8)]
+    engine, _, loader, _ = dsrun.initialize(model=module, config=config(steps_per_print=2), training_data=data)
+    assert [next(engine.data_iterator)[0][:, 0].tolist() for _ in range(5)] == [[0, 1], [2, 3], [4, 5], [6, 7], [0, 1]]
+    losses = [engine.train_batch().item() for _ in range(4)]
+    lines = re.findall(r"^steps: (\d+) loss: (\d+\.\d{4}) iter time \(s\): \d+\.\d{3} samples/sec: \d+\.\d{3}$",
+                       capsys.readouterr().out, re.MULTILINE)
+    assert lines == [("2", f"{losses[1]:0.4f}"), ("4", f"{losses[3]:0.4f}")]
     engine.destroy()
 
 
