@@ -1,7 +1,8 @@
 """Hugging Face's Trainer and accelerate's DeepSpeed plugin drive dsrun as their DeepSpeed, through ``dsrun launch
 --as-deepspeed`` on 2 CPU ranks. The Trainer: an unedited HF script (``deepspeed=`` config with "auto" values),
 ZeRO-2 and ZeRO-3, saving every 2 steps; a second run resumed from the step-2 checkpoint repeats steps 3-4
-exactly. accelerate: its own loop with a DeepSpeed plugin, ZeRO-3, ``save_state`` / ``load_state``."""
+exactly. accelerate: its own loop with a DeepSpeed plugin, ZeRO-3, ``save_state`` / ``load_state``. PEFT: LoRA
+adapters on a frozen base at ZeRO-3, trained and saved by the Trainer."""
 from __future__ import annotations
 
 import json
