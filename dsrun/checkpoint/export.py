@@ -16,6 +16,8 @@ from . import atomic, state
 class _Strategy(Protocol):
     def consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Any] | None: ...
 
+    def full_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Any]: ...
+
 
 class _Engine(Protocol):
     """What a 16-bit export reads of the engine."""
@@ -53,16 +55,16 @@ def save_16bit_model(engine: _Engine, save_dir: str, save_filename: str = "pytor
     return True
 
 
-def consolidated_16bit_state_dict(engine: _Engine, exclude_frozen_parameters: bool = False) -> dict[str, Any] | None:
-    """DeepSpeed's ``engine._zero3_consolidated_16bit_state_dict()`` (what Hugging Face's accelerate saves under
-    ZeRO-3): the full weights as independent CPU tensors on global rank 0, an empty dict on the other ranks,
-    None unless ``stage3_gather_16bit_weights_on_model_save`` is on. Collective: every rank must call it."""
+def consolidated_16bit_state_dict(engine: _Engine, exclude_frozen_parameters: bool = False) -> dict[str, Any]:
+    """DeepSpeed's ``engine._zero3_consolidated_16bit_state_dict()``: the full weights as independent CPU tensors
+    on global rank 0, an empty dict on the other ranks. Collective: every rank must call it. As in DeepSpeed it
+    gathers whatever ``stage3_gather_16bit_weights_on_model_save`` says: accelerate's ``get_state_dict`` checks
+    the flag itself, and the Trainer saves a PEFT model's adapters under ZeRO-3 through this call
+    (``exclude_frozen_parameters=True``) with the flag off too."""
     if engine.strategy is not None:
-        state_dict = engine.strategy.consolidated_16bit_state_dict(exclude_frozen_parameters)
+        state_dict = engine.strategy.full_16bit_state_dict(exclude_frozen_parameters)
     else:
         state_dict = state.module_state_cpu(engine.module, exclude_frozen_parameters)
-    if state_dict is None:
-        return None
     return _independent_cpu_copy(engine, state_dict) if engine.global_rank == 0 else {}
 
 

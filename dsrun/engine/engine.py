@@ -469,9 +469,9 @@ class DeepSpeedEngine(torch.nn.Module):
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         return bool(self._config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
 
-    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
-        """The gathered weights on rank 0 ({} elsewhere; None without the gather flag); see
-        :func:`dsrun.checkpoint.export.consolidated_16bit_state_dict`. Hugging Face's accelerate calls it."""
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
+        """The gathered weights on rank 0 ({} elsewhere), gathered whatever the save flag says; see
+        :func:`dsrun.checkpoint.export.consolidated_16bit_state_dict`. Hugging Face's accelerate and Trainer call it."""
         from dsrun.checkpoint.export import consolidated_16bit_state_dict
 
         return consolidated_16bit_state_dict(self, exclude_frozen_parameters)

@@ -378,6 +378,11 @@ class ZeroStrategy(ABC):
     def consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Any] | None:
         """The model's full state dict for ``save_16bit_model`` (collective under stage 3); None when this
         strategy cannot give one (stage 3 without ``stage3_gather_16bit_weights_on_model_save``)."""
+        return self.full_16bit_state_dict(exclude_frozen_parameters)
+
+    def full_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Any]:
+        """The full state dict whatever the gather flag says (collective under stage 3): DeepSpeed's
+        ``engine._zero3_consolidated_16bit_state_dict``, which only ``save_16bit_model`` gates on the flag."""
         sd = self.ctx.module.state_dict()
         if exclude_frozen_parameters:
             frozen = {n for n, p in self.ctx.module.named_parameters() if not p.requires_grad}

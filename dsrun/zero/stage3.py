@@ -505,6 +505,10 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
         is off, as DeepSpeed then saves nothing."""
         if not self.gather_16bit_on_save:
             return None
+        return self.full_16bit_state_dict(exclude_frozen_parameters)
+
+    def full_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
+        """Every parameter gathered, whatever the save flag says (collective; see the base class)."""
         return full_state_dict(self.ctx.module, exclude_frozen_parameters=exclude_frozen_parameters)
 
 

@@ -1,6 +1,7 @@
 """What the Hugging Face client scripts (``_hf_trainer_script.py``, ``_hf_zero3_args_first.py``,
-``_accelerate_script.py``) share: the data set, the tiny GPT-2 they train and the Trainer's DeepSpeed config and
-arguments. They import it as a sibling module (a script's own folder is first on ``sys.path``)."""
+``_hf_lora_script.py``, ``_accelerate_script.py``, and ``benchmarks/hf_cross_checkpoint.py``'s ranks) share: the data
+set, the tiny GPT-2 they train and the Trainer's DeepSpeed config and arguments. They import it as a sibling module
+(a script's own folder is first on ``sys.path``; the benchmark puts this folder there)."""
 import torch
 from transformers import GPT2Config, TrainingArguments
 
