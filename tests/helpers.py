@@ -1,6 +1,7 @@
 """Helpers shared by the test suite: free ports, running the CLI, and bounded multi-rank runs."""
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import multiprocessing as mp
@@ -81,7 +82,8 @@ def run_cli(*args: str, cwd: str | Path | None = None, env: dict[str, str] | Non
 # not started fresh: each rank skips torch's import (about a second of CPU; hundreds of ranks in the suite).
 # A forked rank is still a new process with the parent's environment, working folder and import path
 # (_rank_entry puts the environment back: the server's is the one it started with), and the server has
-# imported modules only, run no operator, so no thread pool exists to be forked. The server's standard output
+# imported modules only, run no operator, so no thread pool exists to be forked; a rank runs the interpreter's
+# exit handlers itself (a forked child ends with os._exit, skipping them). The server's standard output
 # is whatever the test that started it had, so each rank writes its output to a file of its launch, which the
 # caller prints (pytest shows it with the test's output) and quotes when a rank fails.
 _PRELOAD = ["torch"]
@@ -115,6 +117,10 @@ def _rank_entry(fn: Callable, rank: int, world_size: int, port: int, threads: in
         results.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # report everything, including assertion errors, to the parent
         results.put((rank, "error", traceback.format_exc()))
+    finally:
+        # a forked rank ends with os._exit, which skips the interpreter's exit handlers; run them, as a spawned
+        # rank's normal exit would (weakref.finalize cleanups: swap folders, temporary files)
+        atexit._run_exitfuncs()
 
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120) -> list[Any]:
