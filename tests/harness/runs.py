@@ -3,7 +3,8 @@ engine's training on one rank, and the cases one launch makes, declared as recor
 
 The reference for every engine run is single-process PyTorch on the same global batch: the mean loss over all
 ranks' micro-batches equals the loss of the whole global batch, and the averaged gradient equals its gradient.
-Everything here is importable by spawned rank processes (``tests.helpers.run_ranks``).
+Everything here is importable by the rank processes ``tests.helpers.run_ranks`` starts (forked from a server
+that imported torch; they import the test module and this one by name).
 """
 from __future__ import annotations
 
