@@ -17,8 +17,6 @@ import torch
 from . import comm
 from .comm import ProcessGroup, ReduceOp
 
-DEFAULT_TIMEOUT = timedelta(seconds=1800)
-
 
 def _all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: ProcessGroup = None,
                             async_op: bool = False) -> Any:
@@ -34,8 +32,8 @@ class TorchBackend:
     """``deepspeed.comm.TorchBackend``: initializes the default group on construction (if none exists) and
     wraps dsrun's collectives under DeepSpeed's method names."""
 
-    def __init__(self, backend: str | None, timeout: timedelta = DEFAULT_TIMEOUT, init_method: str | None = None,
-                 rank: int = -1, world_size: int = -1, name: str = "torch"):
+    def __init__(self, backend: str | None, timeout: timedelta, init_method: str | None, rank: int = -1,
+                 world_size: int = -1, name: str = "torch"):
         self.name = name
         self.all_gather_function = self.get_all_gather_function()
         self.reduce_scatter_function = self.get_reduce_scatter_function()

@@ -208,10 +208,15 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
             store.begin_micro_step(boundary)
 
     def after_backward(self, boundary: bool) -> None:
-        for p in self._leaf_params:
-            if p.grad is None:
-                p.grad = torch.zeros(p.ds_shape, dtype=p.dtype, device=p.ds_tensor.device)
-        for p in self.params:  # leaf gradients, and those no hook took (a loss.backward() the engine did not run)
+        if self._armed:
+            # leaf modules' parameters, every one in the same order on every rank so the buckets line up: a rank
+            # whose tokens skipped an expert reduces zeros for it
+            for p in self._leaf_params:
+                grad = p.grad if p.grad is not None else torch.zeros(p.ds_shape, dtype=p.dtype,
+                                                                     device=p.ds_tensor.device)
+                p.grad = None
+                self._queue_gradient(p, grad)
+        for p in self.params:  # gradients no hook took (a loss.backward() the engine did not run, or assigned)
             if p.grad is not None and id(p) in self._slot:
                 self._grad_ready(p)
         for key in [k for k, items in self._pending.items() if items]:
@@ -230,6 +235,10 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
             return
         grad = param.grad
         param.grad = None
+        self._queue_gradient(param, grad)
+
+    def _queue_gradient(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        """Put ``grad`` (``param``'s full gradient) in its group's bucket, reduce-scattering a full bucket."""
         self.coordinator.release_after_grad(param)
         key = id(param.ds_process_group)
         self._pending.setdefault(key, []).append((param, grad))

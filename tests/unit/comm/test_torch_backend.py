@@ -4,6 +4,8 @@
 logger like dsrun's own collectives."""
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 import torch
 
@@ -70,7 +72,7 @@ def test_torch_backend_hands_out_the_functions_deepspeed_calls_by_torchs_keyword
     scatter(reduced, torch.tensor([5.0, 6.0]))
     assert reduced.tolist() == [5.0, 6.0]
 
-    backend = comm.TorchBackend("gloo", init_method=None)  # the world exists: constructing it joins nothing new
+    backend = comm.TorchBackend("gloo", timedelta(minutes=5), None)  # the world exists: nothing new is joined
     assert backend.is_initialized() and backend.initialized and backend.name == "torch"
     assert backend.has_all_gather_into_tensor() and backend.has_reduce_scatter_tensor()
     assert (backend.get_rank(), backend.get_world_size(), backend.get_backend()) == (0, 1, "gloo")
