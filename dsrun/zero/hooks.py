@@ -170,6 +170,7 @@ class ParameterCoordinator:
         for _, module in hooked_modules(root):
             if gathered_params(module):
                 self.hook_module(module)
+        for module in root.modules():  # inside leaves too: a read outside the leaf's forward still gathers
             if any(is_zero_param(p) for p in module._parameters.values()):
                 module._parameters = GatheringParameters(module._parameters, self)
                 self._reading.append(module)
@@ -181,7 +182,7 @@ class ParameterCoordinator:
             if inner is not leaf:
                 self._leaf_of.setdefault(id(inner), leaf)
         for p in leaf.parameters():  # its own subtree's, as DeepSpeed marks them (not external ones)
-            if is_zero_param(p) and not hasattr(p, PARAM_LEAF_ATTR):
+            if is_zero_param(p):
                 setattr(p, PARAM_LEAF_ATTR, leaf)
                 self._leaf_params.append(p)
 
