@@ -109,15 +109,17 @@ def test_the_two_names_of_activation_checkpointing_are_one_module():
 
 def test_a_module_deepspeeds_init_shadows_with_its_function_is_the_function_after_import_deepspeed():
     """``deepspeed.utils.z3_leaf_module`` is the function (what ``from deepspeed.utils import z3_leaf_module``
-    callers call), and ``import deepspeed.utils.z3_leaf_module`` still gives the module, as in DeepSpeed."""
+    callers call), and the module is still importable by its path (``importlib.import_module``, ``from
+    deepspeed.utils.z3_leaf_module import ...``), as in DeepSpeed."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SITE), str(REPO)])}
     code = textwrap.dedent("""
-        import types
+        import importlib, types
         import deepspeed
-        import deepspeed.utils.z3_leaf_module as module
+        from deepspeed.utils.z3_leaf_module import set_z3_leaf_modules
+        module = importlib.import_module("deepspeed.utils.z3_leaf_module")
         from deepspeed.utils import z3_leaf_module
         assert isinstance(module, types.ModuleType) and z3_leaf_module is module.z3_leaf_module
-        assert deepspeed.utils.z3_leaf_module is z3_leaf_module and module.set_z3_leaf_modules is not None
+        assert deepspeed.utils.z3_leaf_module is z3_leaf_module and module.set_z3_leaf_modules is set_z3_leaf_modules
     """)
     result = subprocess.run([sys.executable, "-c", code], env=env, text=True, capture_output=True, timeout=240,
                             cwd=REPO)
