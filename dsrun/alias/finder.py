@@ -38,6 +38,11 @@ EAGER: tuple[str, ...] = (
     "zero", "checkpointing", "monitor", "runtime.activation_checkpointing.checkpoint",
 )
 
+# Submodules whose package ``__init__`` then imports a function of the same name from them
+# (deepspeed/utils/__init__.py: ``from .z3_leaf_module import z3_leaf_module``): in DeepSpeed, after
+# ``import deepspeed`` the package attribute is that function, while the import path still gives the module.
+SHADOWED_BY_FUNCTION: tuple[str, ...] = ("utils.z3_leaf_module",)
+
 
 class _AliasLoader(importlib.abc.Loader):
     def __init__(self, target: str):
@@ -95,7 +100,13 @@ def _served(name: str) -> bool:
 
 def import_eager() -> None:
     """Import :data:`EAGER` under their ``deepspeed.`` names (after the shim package is in sys.modules); importing
-    a module sets it as an attribute of its parent. A path dsrun does not serve is skipped."""
+    a module sets it as an attribute of its parent. A path dsrun does not serve is skipped. Then each of
+    :data:`SHADOWED_BY_FUNCTION` gives its parent the function it is named after, as DeepSpeed's ``__init__`` does."""
     for name in EAGER:
         if _served(name):
             importlib.import_module(f"{ALIAS}.{name}")
+    for name in SHADOWED_BY_FUNCTION:
+        if _served(name):
+            module = importlib.import_module(f"{ALIAS}.{name}")
+            parent, _, child = f"{ALIAS}.{name}".rpartition(".")
+            setattr(sys.modules[parent], child, getattr(module, child))

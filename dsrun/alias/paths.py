@@ -50,6 +50,8 @@ PATHS: dict[str, str] = {
     "deepspeed.runtime.data_pipeline": "dsrun.data_efficiency",
     "deepspeed.checkpointing": "dsrun.activation_checkpointing.api",
     "deepspeed.utils.groups": "dsrun.compat.utils.groups",
+    "deepspeed.comm.torch": "dsrun.comm.torch_backend",
+    "deepspeed.utils.z3_leaf_module": "dsrun.utils.leaf_modules",
     # dsrun keeps these objects under another name
     "deepspeed.ops.op_builder": "op_builder",
     "deepspeed.launcher.runner": "dsrun.cli.deepspeed_runner",

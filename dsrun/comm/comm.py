@@ -293,6 +293,55 @@ def all_gather(tensor_list: Sequence[torch.Tensor], tensor: torch.Tensor, group:
                 lambda: dist.all_gather(list(tensor_list), tensor, group=group, async_op=async_op), async_op, group)
 
 
+# --- DeepSpeed's capability-checked collectives (deepspeed.comm.allgather_fn & co.) --------------------------
+_BACKEND_NOT_SET = "DeepSpeed backend not set, please initialize it using init_process_group()"
+
+
+def _require_initialized() -> None:
+    # DeepSpeed asserts its backend exists; the same error type and message (not stripped by python -O)
+    if not is_initialized():
+        raise AssertionError(_BACKEND_NOT_SET)
+
+
+def has_all_gather_into_tensor() -> bool:
+    """Whether torch has the single-tensor all-gather (:func:`allgather_fn` then uses it). Raises
+    AssertionError before ``init_distributed``, as DeepSpeed does."""
+    _require_initialized()
+    return _all_gather_single is not None
+
+
+def has_reduce_scatter_tensor() -> bool:
+    """Whether torch has the single-tensor reduce-scatter (:func:`reduce_scatter_fn` then uses it). Raises
+    AssertionError before ``init_distributed``, as DeepSpeed does."""
+    _require_initialized()
+    return _reduce_scatter_single is not None
+
+
+def allgather_fn(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: ProcessGroup = None,
+                 async_op: bool = False, debug: str | None = None) -> Any:
+    """DeepSpeed's all-gather into one flat ``output_tensor`` (rank r's ``input_tensor`` at piece r): the
+    single-tensor collective, or where torch lacks it an all-gather into ``output_tensor``'s pieces.
+    ``debug`` is DeepSpeed's caller label for its comms log; dsrun's logger keys by op, so it is unused."""
+    _require_initialized()
+    if has_all_gather_into_tensor():
+        return all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+    pieces = list(torch.chunk(output_tensor, get_world_size(group)))
+    return all_gather(pieces, input_tensor, group=group, async_op=async_op)
+
+
+def reduce_scatter_fn(output_tensor: torch.Tensor, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
+                      group: ProcessGroup = None, async_op: bool = False, prof: bool = False,
+                      debug: str | None = None) -> Any:
+    """DeepSpeed's reduce-scatter of one flat ``tensor`` (N equal pieces) into ``output_tensor``: the
+    single-tensor collective, or where torch lacks it the list form over ``tensor``'s pieces. ``prof`` and
+    ``debug`` are DeepSpeed's per-call logging switches; dsrun's comms logger records every call already."""
+    _require_initialized()
+    if has_reduce_scatter_tensor():
+        return reduce_scatter_tensor(output_tensor, tensor, op=op, group=group, async_op=async_op)
+    pieces = list(torch.chunk(tensor, get_world_size(group)))
+    return reduce_scatter(output_tensor, pieces, op=op, group=group, async_op=async_op)
+
+
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int] | None = None,
                       input_split_sizes: Sequence[int] | None = None, group: ProcessGroup = None,
                       async_op: bool = False) -> Any:

@@ -2,7 +2,8 @@
 
 Also DeepSpeed's ``deepspeed.utils`` names: ``logger``, ``log_dist`` (:mod:`.logging`), ``RepeatingLoader``
 (:mod:`.repeating_loader`) and the helpers for partitioned state, ``safe_get_full_fp32_param`` & co.
-(:mod:`.tensor_fragment`), loaded on first use so ``dsrun.utils.errors`` stays free of torch.
+(:mod:`.tensor_fragment`), the ZeRO-3 leaf-module flags, ``set_z3_leaf_modules`` & co. (:mod:`.leaf_modules`,
+DeepSpeed's ``utils.z3_leaf_module``), loaded on first use so ``dsrun.utils.errors`` stays free of torch.
 """
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ _LAZY = {
     "safe_set_full_optimizer_state": "dsrun.utils.tensor_fragment",
     "safe_set_local_fp32_param": "dsrun.utils.tensor_fragment",
     "safe_set_local_optimizer_state": "dsrun.utils.tensor_fragment",
+    **{name: "dsrun.utils.leaf_modules" for name in (
+        "set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module", "z3_leaf_parameter",
+        "set_z3_leaf_module", "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix")},
 }
 
 

@@ -19,6 +19,13 @@ The first forward+backward records the order modules fetch their parameters (the
 On the CPU, released full buffers (up to ``stage3_prefetch_bucket_size`` elements in all) are kept in a
 :class:`~.partition_params.GatherBufferPool` for the next gathers of the same size.
 
+A ZeRO-3 *leaf* module (``deepspeed.utils.set_z3_leaf_modules``: :mod:`dsrun.utils.leaf_modules`) is hooked as
+one: its pre-hook gathers every parameter of its subtree (and the external ones registered anywhere in it), its
+forward hook releases them, and its children get no hooks, so a Mixture-of-Experts block whose experts run
+data-dependently issues the same gathers on every rank. Its subtree's parameters are marked ``ds_z3_leaf_module``
+(DeepSpeed's ``z3_leaf_parameter``); the ZeRO-3 strategy reduces their gradients once backward is done
+(:mod:`.stage3`). Flags set after the coordinator is built take effect only with a new one (a new engine).
+
 A parameter read outside its own module's forward (``nn.MultiheadAttention`` hands ``out_proj.weight`` to
 ``F.multi_head_attention_forward`` without calling ``out_proj``; ``nn.TransformerEncoderLayer``'s inference
 path reads its children's weights; a tied head written as ``x @ self.wte.weight.T``) is gathered when it is
@@ -41,6 +48,7 @@ import torch
 from torch.autograd.function import FunctionCtx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from dsrun.utils.leaf_modules import PARAM_LEAF_ATTR, z3_leaf_module
 from dsrun.zero import recompute
 from dsrun.zero.partition_params import (GatherBufferPool, ParamStatus, gather_params, is_zero_param, mark_stale, release_param,
                                start_gather)
@@ -70,6 +78,41 @@ def module_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
         if is_zero_param(p):
             seen.setdefault(id(p), p)
     return list(seen.values())
+
+
+def leaf_params(leaf: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The partitioned parameters a leaf module gathers at once: those of its whole subtree and the external
+    ones registered on any module in it (each once)."""
+    seen: dict[int, torch.nn.Parameter] = {}
+    for module in leaf.modules():
+        for p in module_params(module):
+            seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def gathered_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """What the coordinator gathers around ``module``'s passes: a leaf's subtree, another module's own."""
+    return leaf_params(module) if z3_leaf_module(module) else module_params(module)
+
+
+def hooked_modules(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """``root.named_modules()`` without the modules inside a leaf (a leaf itself is kept): the modules the
+    coordinator may hook, each with the parameters it gathers being :func:`gathered_params`'s."""
+    kept: list[tuple[str, torch.nn.Module]] = []
+    leaves: list[str] = []
+    for name, module in root.named_modules():
+        if any(leaf == "" or name.startswith(leaf + ".") for leaf in leaves):
+            continue
+        if z3_leaf_module(module):
+            leaves.append(name)
+        kept.append((name, module))
+    return kept
+
+
+def gathered_together(root: torch.nn.Module) -> list[tuple[str, list[torch.nn.Parameter]]]:
+    """``(module name, the parameters its hooks gather at once)`` for each module of ``root`` that could be
+    hooked (NVMe parameter offload checks each set fits its buffers)."""
+    return [(name or "root", gathered_params(module)) for name, module in hooked_modules(root)]
 
 
 class GatheringParameters(dict):
@@ -118,19 +161,36 @@ class ParameterCoordinator:
         self.buffer_pool = GatherBufferPool(self.prefetch_bucket_size)
         self._running: list[torch.nn.Module] = []  # hooked modules inside their forward, innermost last
         self._reading: list[torch.nn.Module] = []  # modules whose _parameters gather on read
+        self._leaf_of: dict[int, torch.nn.Module] = {}  # a module inside a leaf -> the leaf hooked for it
+        self._leaf_params: list[torch.nn.Parameter] = []
+        for _, module in hooked_modules(root):
+            if z3_leaf_module(module):
+                self._mark_leaf(module)
         self.hook_module(root)  # even without parameters: its forward is where a read has no other owner
-        for module in root.modules():
-            if module_params(module):
+        for _, module in hooked_modules(root):
+            if gathered_params(module):
                 self.hook_module(module)
+        for module in root.modules():  # inside leaves too: a read outside the leaf's forward still gathers
             if any(is_zero_param(p) for p in module._parameters.values()):
                 module._parameters = GatheringParameters(module._parameters, self)
                 self._reading.append(module)
         LIVE_COORDINATORS.add(self)
 
     # --- hooks --------------------------------------------------------------------------------------------
+    def _mark_leaf(self, leaf: torch.nn.Module) -> None:
+        for inner in leaf.modules():
+            if inner is not leaf:
+                self._leaf_of.setdefault(id(inner), leaf)
+        for p in leaf.parameters():  # its own subtree's, as DeepSpeed marks them (not external ones)
+            if is_zero_param(p):
+                setattr(p, PARAM_LEAF_ATTR, leaf)
+                self._leaf_params.append(p)
+
     def hook_module(self, module: torch.nn.Module) -> None:
-        """Gather ``module``'s parameters around its passes (again: refresh its list after a registration)."""
-        self._params_of[id(module)] = module_params(module)
+        """Gather ``module``'s parameters around its passes (again: refresh its list after a registration). A
+        module inside a leaf is never hooked: its leaf is, and gathers what was registered on it too."""
+        module = self._leaf_of.get(id(module), module)
+        self._params_of[id(module)] = gathered_params(module)
         for p in self._params_of[id(module)]:
             self.params[id(p)] = p
             if p.ds_tensor.device.type == "cpu":  # CUDA's caching allocator reuses memory already
@@ -155,6 +215,11 @@ class ParameterCoordinator:
             if isinstance(module._parameters, GatheringParameters):
                 module._parameters = dict(module._parameters)
         self._reading = []
+        for p in self._leaf_params:
+            if hasattr(p, PARAM_LEAF_ATTR):
+                delattr(p, PARAM_LEAF_ATTR)
+        self._leaf_params = []
+        self._leaf_of = {}
 
     def gather_on_read(self, param: torch.nn.Parameter) -> None:
         """``param`` was read while unavailable: inside a forward, gather it now and make it an external

@@ -5,9 +5,10 @@
   forward and again before its backward, and releases them after use (prefetching along the recorded
   module order, keeping small ``stage3_param_persistence_threshold`` parameters gathered).
 * **Gradients** never stay whole: when autograd has finished a parameter's gradient (its post-accumulate
-  hook) the gradient goes into a bucket and the full copy is dropped; a bucket of ``reduce_bucket_size``
-  elements is reduce-scattered (asynchronously with ``overlap_comm``) so each rank receives the sum for its
-  own shards, added into an fp32 accumulator. This happens on every micro-step.
+  hook; a ZeRO-3 leaf module's once backward is done, zero for an expert no token reached) the gradient goes
+  into a bucket and the full copy is dropped; a bucket of ``reduce_bucket_size`` elements is reduce-scattered
+  (asynchronously with ``overlap_comm``) so each rank receives the sum for its own shards, added into an fp32
+  accumulator. This happens on every micro-step.
 * **Optimizer**: each param group's shards are laid end to end in fp32 *sub-groups* of at most
   ``sub_group_size`` elements (one optimizer tensor each); the step updates only these, then writes the
   model-dtype shards. No all-gather follows the step: the next forward gathers what it needs. Each sub-group
@@ -41,7 +42,8 @@ from dsrun.zero.base import MemoryBreakdown, StrategyContext, ZeroStrategy, opti
 from dsrun.zero import host_memory, linear, quantized_shards
 from dsrun.zero.sharding import ShardingPolicy
 from dsrun.zero.offload_states import StatesOffload
-from dsrun.zero.hooks import ParameterCoordinator, iter_unique_params, module_params
+from dsrun.utils.leaf_modules import z3_leaf_parameter
+from dsrun.zero.hooks import ParameterCoordinator, gathered_together, iter_unique_params
 from dsrun.zero.partition_params import full_tensor, is_zero_param, partition_param, shard_padding
 from dsrun.offload import param_swapper
 from dsrun.offload.pipeline import PipelineTimes
@@ -78,7 +80,7 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
         # offload_param: shards to host memory or NVMe files (dsrun/offload/param_swapper.py)
         self.param_offload = param_swapper.attach_param_offload(
             self.params, zc.offload_param, ctx.device, self.model_dtype, aio_config=ctx.aio_config, rank=self.rank,
-            gathered_together=[(name or "root", module_params(m)) for name, m in ctx.module.named_modules()])
+            gathered_together=gathered_together(ctx.module))
         self.coordinator = ParameterCoordinator(
             ctx.module, prefetch_bucket_size=int(zc.stage3_prefetch_bucket_size),
             max_live_parameters=int(zc.stage3_max_live_parameters),
@@ -112,8 +114,12 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
         # flat buffers of finished buckets, reused by the next ones (freshly allocated memory costs a page
         # fault per 4 KiB on first touch); at most max_buckets_in_flight + 1 of each kind are kept
         self._bucket_pool: list[torch.Tensor] = []
+        # a leaf module's parameters (dsrun/utils/leaf_modules.py) are reduced once backward is done, each rank
+        # giving a zero gradient for an expert its tokens skipped, so every rank reduces the same buckets
+        trainable = [p for p in self.params if p.requires_grad and id(p) in self._slot]
+        self._leaf_params = [p for p in trainable if z3_leaf_parameter(p)]
         self._grad_hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
-                            for p in self.params if p.requires_grad and id(p) in self._slot]
+                            for p in trainable if not z3_leaf_parameter(p)]
 
     # --- construction -------------------------------------------------------------------------------------
     def _partition_all(self) -> None:
@@ -202,6 +208,14 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
             store.begin_micro_step(boundary)
 
     def after_backward(self, boundary: bool) -> None:
+        if self._armed:
+            # leaf modules' parameters, every one in the same order on every rank so the buckets line up: a rank
+            # whose tokens skipped an expert reduces zeros for it
+            for p in self._leaf_params:
+                grad = p.grad if p.grad is not None else torch.zeros(p.ds_shape, dtype=p.dtype,
+                                                                     device=p.ds_tensor.device)
+                p.grad = None
+                self._queue_gradient(p, grad)
         for p in self.params:  # gradients no hook took (a loss.backward() the engine did not run, or assigned)
             if p.grad is not None and id(p) in self._slot:
                 self._grad_ready(p)
@@ -221,6 +235,10 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
             return
         grad = param.grad
         param.grad = None
+        self._queue_gradient(param, grad)
+
+    def _queue_gradient(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        """Put ``grad`` (``param``'s full gradient) in its group's bucket, reduce-scattering a full bucket."""
         self.coordinator.release_after_grad(param)
         key = id(param.ds_process_group)
         self._pending.setdefault(key, []).append((param, grad))

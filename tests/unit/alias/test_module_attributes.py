@@ -39,9 +39,11 @@ ENGINE_IMPORTS = ("runtime.utils",)
 NOT_PROVIDED = {
     "module_inject", "runtime.hybrid_engine", "runtime.domino", "runtime.compiler", "runtime.tensor_parallel",
     "runtime.tensor_parallel.init_utils", "runtime.base_optimizer", "runtime.zero.parameter_offload",
-    "ops.fp_quantizer", "utils.comms_logging", "utils.nvtx", "utils.z3_leaf_module", "utils.mixed_precision_linkage",
-    "comm.utils",
+    "ops.fp_quantizer", "utils.comms_logging", "utils.nvtx", "utils.mixed_precision_linkage", "comm.utils",
 }
+# modules whose package's __init__ then imports a function of the same name from them, so in DeepSpeed the
+# attribute is that function (deepspeed/utils/__init__.py: `from .z3_leaf_module import z3_leaf_module`)
+SHADOWED_BY_FUNCTION = {"utils.z3_leaf_module"}
 
 PROBE = """
     import importlib, json, sys
@@ -74,7 +76,7 @@ PROBE = """
 
 
 def test_every_submodule_deepspeeds_import_imports_is_an_attribute_after_import_deepspeed():
-    paths = sorted(set(DEEPSPEED_INIT_IMPORTS + PACKAGE_INIT_IMPORTS + ENGINE_IMPORTS))
+    paths = sorted(set(DEEPSPEED_INIT_IMPORTS + PACKAGE_INIT_IMPORTS + ENGINE_IMPORTS) - SHADOWED_BY_FUNCTION)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SITE), str(REPO)])}
     result = subprocess.run([sys.executable, "-c", textwrap.dedent(PROBE), json.dumps(paths)], env=env, text=True,
                             capture_output=True, timeout=240, cwd=REPO)
@@ -99,6 +101,25 @@ def test_the_two_names_of_activation_checkpointing_are_one_module():
         assert deepspeed.checkpointing is deepspeed.runtime.activation_checkpointing.checkpointing
         assert deepspeed.checkpointing.checkpoint is dsrun.checkpointing.checkpoint
         assert issubclass(FusedLamb, dsrun.optim.lamb.Lamb) and MiCS_Init is dsrun.zero.MiCS_Init
+    """)
+    result = subprocess.run([sys.executable, "-c", code], env=env, text=True, capture_output=True, timeout=240,
+                            cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_a_module_deepspeeds_init_shadows_with_its_function_is_the_function_after_import_deepspeed():
+    """``deepspeed.utils.z3_leaf_module`` is the function (what ``from deepspeed.utils import z3_leaf_module``
+    callers call), and the module is still importable by its path (``importlib.import_module``, ``from
+    deepspeed.utils.z3_leaf_module import ...``), as in DeepSpeed."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SITE), str(REPO)])}
+    code = textwrap.dedent("""
+        import importlib, types
+        import deepspeed
+        from deepspeed.utils.z3_leaf_module import set_z3_leaf_modules
+        module = importlib.import_module("deepspeed.utils.z3_leaf_module")
+        from deepspeed.utils import z3_leaf_module
+        assert isinstance(module, types.ModuleType) and z3_leaf_module is module.z3_leaf_module
+        assert deepspeed.utils.z3_leaf_module is z3_leaf_module and module.set_z3_leaf_modules is set_z3_leaf_modules
     """)
     result = subprocess.run([sys.executable, "-c", code], env=env, text=True, capture_output=True, timeout=240,
                             cwd=REPO)
