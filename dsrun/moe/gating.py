@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Union
+from typing import Iterator, Union
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,20 @@ from dsrun.accelerator import get_accelerator
 
 NOISY_GATE_POLICIES = (None, "Jitter", "RSample")
 JITTER_EPS = 1e-2
+
+
+@contextmanager
+def timed_into(owner: object, attribute: str) -> Iterator[None]:
+    """While ``owner.wall_clock_breakdown``, set ``owner.<attribute>`` to the block's time in ms, the device
+    synchronised around it (DeepSpeed's MoE timers: ``gate_time``, ``time_moe``, the two all-to-alls)."""
+    if not getattr(owner, "wall_clock_breakdown", False):
+        yield
+        return
+    get_accelerator().synchronize()
+    start = time.perf_counter()
+    yield
+    get_accelerator().synchronize()
+    setattr(owner, attribute, (time.perf_counter() - start) * 1e3)
 
 
 @dataclass
@@ -287,14 +302,8 @@ class TopKGate(torch.nn.Module):
     def route(self, input: torch.Tensor, used_token: torch.Tensor | None = None,
               drop_tokens: bool | None = None) -> Routing:
         """The sparse routing of ``input`` (S, model_dim)."""
-        if not self.wall_clock_breakdown:
+        with timed_into(self, "gate_time"):
             return self._route(input, used_token, drop_tokens)
-        get_accelerator().synchronize()
-        start = time.perf_counter()
-        routing = self._route(input, used_token, drop_tokens)
-        get_accelerator().synchronize()
-        self.gate_time = (time.perf_counter() - start) * 1e3
-        return routing
 
     def _route(self, input: torch.Tensor, used_token: torch.Tensor | None, drop_tokens: bool | None) -> Routing:
         logits = self.logits(input)

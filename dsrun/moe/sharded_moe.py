@@ -20,18 +20,15 @@ same experts and are summed in the same order. With ``ep_size == 1`` no collecti
 """
 from __future__ import annotations
 
-import time
-from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch.autograd.function import FunctionCtx
 
 from dsrun import comm
-from dsrun.accelerator import get_accelerator
 
 from .experts import Experts
-from .gating import (ExpertGroup, Routing, TopKGate, WORLD, as_comm_group, gumbel_rsample,  # noqa: F401
+from .gating import (ExpertGroup, Routing, TopKGate, WORLD, as_comm_group, gumbel_rsample, timed_into,  # noqa: F401
                      multiplicative_jitter, top1gating, top2gating, topkgating)
 
 
@@ -97,27 +94,15 @@ class MOELayer(torch.nn.Module):
         self.ep_group = WORLD if (ep_group is None and self.ep_size > 1) else ep_group
         self.gate._set_ep_group(self.ep_group)
 
-    @contextmanager
-    def _timed(self, name: str) -> Iterator[None]:
-        """Time the block into attribute ``name`` (ms, device-synchronised) while ``wall_clock_breakdown``."""
-        if not self.wall_clock_breakdown:
-            yield
-            return
-        get_accelerator().synchronize()
-        start = time.perf_counter()
-        yield
-        get_accelerator().synchronize()
-        setattr(self, name, (time.perf_counter() - start) * 1e3)
-
     def _exchange(self, x: torch.Tensor, output_splits: list[int] | None = None,
                   input_splits: list[int] | None = None, timer: str = "time_falltoall") -> torch.Tensor:
         if self.ep_size == 1:
             return x
-        with self._timed(timer):
+        with timed_into(self, timer):
             return _AllToAll.apply(self.ep_group, x, output_splits, input_splits)
 
     def forward(self, *input: torch.Tensor, **kwargs: torch.Tensor | None) -> torch.Tensor:
-        with self._timed("time_moe"):
+        with timed_into(self, "time_moe"):
             return self._forward(*input, **kwargs)
 
     def _forward(self, *input: torch.Tensor, **kwargs: torch.Tensor | None) -> torch.Tensor:
