@@ -152,10 +152,13 @@ def test_sequence_parallel_gpt_matches_one_process(world, sp, positions, stage):
     firsts = [ranks[r]["first_ids"] for r in range(0, world, sp)]
     # Ulysses' promise in memory, counted exactly: a rank of P at P times the sequence keeps for backward, and
     # holds at its peak, no more than one process at the sequence (every per-token tensor holds 1/P of the
-    # tokens, every per-head one 1/P of the heads; nothing the exchanges add is kept)
+    # tokens, every per-head one 1/P of the heads; nothing the exchanges add is kept). One buffer may outlive
+    # its use: the loss's all-reduced (sum, count) pair, fp32 x 2, whose last reference gloo's worker thread
+    # can drop after the rank has gone on into backward (seen in CI: a peak 8 bytes over, 1 run in many)
+    in_flight = 2 * torch.finfo(torch.float32).bits // 8
     one = {k: v for k, v in single_memory(positions, SEQ // sp).items() if k in ("saved", "peak")}
     for got in ranks:
         assert got["memory"]["saved"] <= one["saved"], (got["memory"], one)
-        assert got["memory"]["peak"] <= one["peak"], (got["memory"], one)
+        assert got["memory"]["peak"] <= one["peak"] + in_flight, (got["memory"], one)
         assert got["memory"]["same_loss"] and got["memory"]["same_grads"]
     assert all(set(a).isdisjoint(b) for i, a in enumerate(firsts) for b in firsts[i + 1:])  # replicas differ
