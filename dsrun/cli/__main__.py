@@ -26,7 +26,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "tune": ("dsrun.cli.tune", "tune a recipe's ZeRO stage, micro batch and other knobs with Optuna (real short runs)"),
     "estimate-memory": ("dsrun.cli.estimate_memory", "estimate memory per rank and per host for a recipe or a parameter count"),
     "generate": ("dsrun.cli.generate", "generate text with a trained model (a run directory or checkpoint; TP over the ranks)"),
-    "convert": ("dsrun.cli.convert", "convert checkpoints: zero-to-fp32 consolidates a ZeRO checkpoint; ds-to-universal makes it universal"),
+    "convert": ("dsrun.cli.convert", "convert checkpoints: zero-to-fp32 (one fp32 state dict), ds-to-universal, "
+                "to-hf (a Hugging Face model folder)"),
     "export": ("dsrun.cli.export", "export a trained run compressed for real: packed int weights, pruned tensors gone"),
     "alias": ("dsrun.cli.alias", "install DeepSpeed's commands (deepspeed, ds_report, ds_elastic) into a folder: alias install-bin DIR"),
     "report": ("dsrun.cli.report", "show the compiled ops (built, compatible, SIMD level) and the environment"),

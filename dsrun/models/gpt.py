@@ -28,7 +28,7 @@ from torch import nn
 
 from dsrun import comm
 from dsrun.models.config import GPTConfig, GPTOption
-from dsrun.models.layers import Block
+from dsrun.models.layers import LAYER_NORM_EPS, Block
 from dsrun.activation_checkpointing.modes import BlockCheckpointing, CheckpointFn
 from dsrun.sequence import groups as sequence_groups
 from dsrun.sequence.batch import sequence_slice
@@ -115,7 +115,7 @@ class GPT(nn.Module):
             layers["wpe"] = _embedding(config.block_size, config.n_embd)
         layers["drop"] = nn.Dropout(config.dropout)
         layers["h"] = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        layers["ln_f"] = nn.LayerNorm(config.n_embd, bias=config.bias)
+        layers["ln_f"] = nn.LayerNorm(config.n_embd, eps=LAYER_NORM_EPS, bias=config.bias)
         self.transformer = nn.ModuleDict(layers)
         if config.tie_embeddings:
             # Built on meta (no vocab x width allocation), then given the token table itself: one Parameter

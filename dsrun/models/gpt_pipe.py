@@ -18,7 +18,7 @@ from torch import nn
 
 from dsrun.models.config import GPTConfig
 from dsrun.models.gpt import IGNORE_INDEX, gpt2_init
-from dsrun.models.layers import Block
+from dsrun.models.layers import LAYER_NORM_EPS, Block
 from dsrun.utils.errors import UserError
 
 TIE_KEY = "embed"
@@ -60,7 +60,7 @@ class GPTBlock(Block):
 
 class FinalNorm(nn.LayerNorm):
     def __init__(self, config: GPTConfig):
-        super().__init__(config.n_embd, bias=config.bias)
+        super().__init__(config.n_embd, eps=LAYER_NORM_EPS, bias=config.bias)
 
 
 class Head(nn.Linear):

@@ -14,6 +14,9 @@ from dsrun.ops.sparse_attention import CausalSparseSelfAttention, sparsity_confi
 from dsrun.sequence import groups as sequence_groups
 from dsrun.sequence.layer import DistributedAttention
 
+# The LayerNorms' epsilon (torch's default, and GPT-2's layer_norm_epsilon): the Hugging Face export writes it
+LAYER_NORM_EPS = 1e-5
+
 
 def rotary_cos_sin(seq_len: int, head_size: int, base: float, device: torch.device,
                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,9 +102,9 @@ class Block(nn.Module):
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=LAYER_NORM_EPS, bias=config.bias)
         self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=LAYER_NORM_EPS, bias=config.bias)
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, residual_scale: float = 1.0) -> torch.Tensor:
