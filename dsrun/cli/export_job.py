@@ -102,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
                      resources=NodeResources(args.cpus, args.memory, args.gpus),
                      max_restarts=_given(args.max_restarts, DEFAULT_MAX_RESTARTS),
                      grace_period_s=_given(args.grace_period, DEFAULT_GRACE_PERIOD_S),
-                     image=args.image, namespace=args.namespace, pvc=args.pvc, time=args.time, partition=args.partition)
+                     image=args.image, namespace=args.namespace, pvc=args.pvc, time=args.time, partition=args.partition,
+                     master_port=resolved.runspec.launcher.get("master_port") if target == "sbatch" else None)
     _write(args.output, _render(target, job), target)
     return 0
 
@@ -174,7 +175,7 @@ def _check_recipe(args: argparse.Namespace, target: str, name: str) -> tuple[Res
     if launcher.get("node_rank") not in (None, -1):  # every node of the job has its own: the kind gives it
         raise UserError(Problem("launcher.node_rank", f"is {launcher['node_rank']}, but each node of the exported job "
                                 "takes its own index from the cluster", "set launcher.node_rank=null"))
-    resolved = resolve_run(cfg, outer=_job_world(target, name, nodes, procs))
+    resolved = resolve_run(cfg, outer=_job_world(target, name, nodes, procs, launcher.get("master_port")))
     announce(resolved.ds)
     return resolved, nodes, procs
 
@@ -198,18 +199,20 @@ def _count(launcher: dict, key: str) -> int:
     return value
 
 
-def _job_world(target: str, name: str, nodes: int, procs: int) -> OuterRank:
+def _job_world(target: str, name: str, nodes: int, procs: int, master_port: int | None) -> OuterRank:
     """Rank 0 of the exported job as :mod:`dsrun.launcher.outer` will see it: the names in its messages are the
     job's own (``--nproc-per-node``, ``--ntasks-per-node``)."""
     from dsrun.launcher.cluster_job import RENDEZVOUS_PORT
+    from dsrun.launcher.kubernetes import MASTER_PORTS
     from dsrun.launcher.outer import OuterRank
 
-    if target == "sbatch":
-        return OuterRank("srun", 0, nodes * procs, 0, procs, 0, nodes, "the step's first node", RENDEZVOUS_PORT,
+    if target == "sbatch":  # the script exports the recipe's port when it names one
+        port = master_port or RENDEZVOUS_PORT
+        return OuterRank("srun", 0, nodes * procs, 0, procs, 0, nodes, "the step's first node", port,
                          {"local_world_size": "--ntasks-per-node", "num_nodes": "--nodes", "node_rank": "SLURM_NODEID",
                           "master_addr": "MASTER_ADDR", "master_port": "MASTER_PORT"}, planned=True)
     master = f"{name}-master-0" if target == "pytorchjob" else f"{name}-node-0-0.{name}"
-    return OuterRank("torchrun", 0, nodes * procs, 0, procs, 0, nodes, master, RENDEZVOUS_PORT,
+    return OuterRank("torchrun", 0, nodes * procs, 0, procs, 0, nodes, master, MASTER_PORTS[target],
                      {"local_world_size": "--nproc-per-node", "num_nodes": "--nnodes", "node_rank": "PET_NODE_RANK",
                       "master_addr": "PET_MASTER_ADDR", "master_port": "PET_MASTER_PORT"}, planned=True)
 

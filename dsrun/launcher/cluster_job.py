@@ -57,6 +57,7 @@ class ClusterJob:
     # Slurm only
     time: str | None = None
     partition: str | None = None
+    master_port: int | None = None      # the recipe's launcher.master_port; None: one derived from the job id
 
     @property
     def world_size(self) -> int:

@@ -31,6 +31,9 @@ TARGETS = ("pytorchjob", "trainjob", "jobset")
 RUNS_MOUNT = "/runs"                   # where the run directories' volume is mounted in every pod
 TRAINJOB_RUNTIME = "torch-distributed"  # Kubeflow Trainer's ClusterTrainingRuntime that starts torchrun
 TRAINJOB_NODE = "node"                 # that runtime's replicated job and container
+# where each kind's rendezvous listens (the PET_MASTER_PORT its pods get): the training operator's default port,
+# Kubeflow Trainer's torch runtime's, and the JobSet's own (torchrun's default)
+MASTER_PORTS = {"pytorchjob": 23456, "trainjob": 29400, "jobset": RENDEZVOUS_PORT}
 JOBSET_NODE = "node"                   # the JobSet's replicated job: its pods are NAME-node-0-<index>
 _COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
 

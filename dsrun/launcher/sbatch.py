@@ -38,7 +38,9 @@ def batch_script(job: ClusterJob) -> str:
         "node(s); each srun task becomes one rank of dsrun train",
         *(f"#SBATCH {option}" for option in options),
         "",
-        "# node 0 hosts the ranks' rendezvous (the step's first node); a port of this job's own",
+        "# node 0 hosts the ranks' rendezvous (the step's first node)" + ("" if job.master_port else
+                                                                            "; a port of this job's own"),
+        f"export MASTER_PORT={job.master_port}" if job.master_port else
         f"export MASTER_PORT=$(( {RENDEZVOUS_PORT} + SLURM_JOB_ID % 1000 ))",
         "",
         *mlflow,

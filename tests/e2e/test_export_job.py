@@ -36,12 +36,13 @@ def test_a_recipe_becomes_a_manifest_valid_against_its_schema(target, capsys):
 def test_sbatch_script_to_a_file(tmp_path, capsys):
     path = tmp_path / "job.sh"
     code, out, err = export(capsys, "--target", "sbatch", "--runs-dir", "/shared/runs", "--time", "01:00:00",
-                            "-o", str(path), *WORLD)
+                            "-o", str(path), *WORLD, "launcher.master_port=29555")
     assert code == 0, err
     assert out == "" and f"wrote {path}; submit it with: sbatch {path}" in err
     script = path.read_text()
     assert subprocess.run(["bash", "-n", str(path)], capture_output=True, timeout=30).returncode == 0
     assert "#SBATCH --nodes=2" in script and "#SBATCH --ntasks-per-node=2" in script
+    assert "export MASTER_PORT=29555" in script.splitlines()  # the recipe's port is the one srun's ranks meet at
     assert f"'hydra.run.dir=/shared/runs/{RUN_DIR}' train.resume=auto &" in script
 
 
@@ -69,6 +70,8 @@ def test_bad_options_are_one_line_and_exit_2(args, line, capsys):
 @pytest.mark.parametrize("args, starts", [
     (["--target", "jobset", "--image", "x", "launcher.hostfile=hosts"], ["error: launcher.hostfile: is 'hosts'"]),
     (["--target", "sbatch", "launcher=ssh"], ["error: launcher.runner: is 'ssh'", "error: launcher.hostfile:"]),
+    (["--target", "pytorchjob", "--image", "x", "launcher.master_port=29500"],
+     ["error: launcher.master_port: is 29500, but torchrun meets at port 23456 (PET_MASTER_PORT=23456)"]),
     (["--target", "jobset", "--image", "x", "--gpus", "4"], ["error: --gpus: is 4, but the recipe starts 2 rank(s)"]),
     (["--target", "pytorchjob", "--image", "x", *WORLD], ["error: --pvc: is missing, but the job spans 2 pods"]),
 ])
