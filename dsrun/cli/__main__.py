@@ -22,6 +22,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("dsrun.cli.train", "compose a recipe and train it (Hydra overrides; -m for multirun)"),
     "config": ("dsrun.cli.config", "print the resolved RunSpec or DeepSpeed config; validate a DeepSpeed config file"),
     "recipes": ("dsrun.cli.recipes", "list the available recipes"),
+    "export-job": ("dsrun.cli.export_job", "write a Kubernetes manifest (PyTorchJob, TrainJob, JobSet) or an sbatch "
+                   "script that trains a recipe on a cluster through torchrun/srun, resuming on restart"),
     "launch": ("dsrun.cli.launch", "launch a script on one or many machines, like the deepspeed launcher"),
     "tune": ("dsrun.cli.tune", "tune a recipe's ZeRO stage, micro batch and other knobs with Optuna (real short runs)"),
     "estimate-memory": ("dsrun.cli.estimate_memory", "estimate memory per rank and per host for a recipe or a parameter count"),

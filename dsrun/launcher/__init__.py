@@ -25,7 +25,9 @@ Layout: :mod:`~dsrun.launcher.hostfile` (hostfile, filters), :mod:`~dsrun.launch
 :mod:`~dsrun.launcher.environment` (exported variables, env files), :mod:`~dsrun.launcher.plan` (world
 plan), :mod:`~dsrun.launcher.runners` (command lines), :mod:`~dsrun.launcher.execute` (running a plan),
 :mod:`~dsrun.launcher.mpi` (the MPI runners' command lines), :mod:`~dsrun.launcher.outer` (a rank torchrun,
-srun or mpirun started: dsrun becomes it),
+srun or mpirun started: dsrun becomes it), :mod:`~dsrun.launcher.cluster_job` + :mod:`~dsrun.launcher.kubernetes`
++ :mod:`~dsrun.launcher.sbatch` (``dsrun export-job``: a PyTorchJob/TrainJob/JobSet manifest or an sbatch script
+whose ranks become dsrun's through that contract),
 :mod:`~dsrun.launcher.agent` + :mod:`~dsrun.launcher.supervision` (per-node torch elastic agent),
 :mod:`~dsrun.launcher.elastic_agent` (the agent of an elastic job), :mod:`~dsrun.launcher.rank_exec`
 (per-rank exec shim, also the rank side of the MPI runners).

@@ -21,7 +21,8 @@ that asks for something the outer launcher decided otherwise (``num_procs`` agai
 ``num_nodes``, ``node_rank``, a rendezvous address) or that only dsrun's own launcher can do (a hostfile, ssh,
 restarts, core binding, per-rank logs) is one problem naming the key, the outer launcher's value and a fix;
 keys that agree are accepted. :func:`outer_plan` is the :class:`~dsrun.launcher.plan.LaunchPlan` of such a run:
-the outer world, no commands.
+the outer world, no commands. ``dsrun export-job`` makes the same checks before it writes a job for a cluster
+(docs/kubernetes.md), with an ``OuterRank(planned=True)``: rank 0 of that job, its messages worded for the job.
 """
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ class OuterRank:
     master_port: int
     names: Mapping[str, str]  # quantity -> the variable it was read from, for messages ("world_size": "WORLD_SIZE")
     node_sizes: tuple[int, ...] = ()  # ranks on each node when the launcher says (srun); else every node's the same
+    planned: bool = False     # rank 0 of a job being written (dsrun export-job), not this process: messages say so
 
     def variable(self, quantity: str) -> str:
         """``NAME=VALUE`` of the variable ``quantity`` came from (``LOCAL_WORLD_SIZE=2``)."""
@@ -218,9 +220,11 @@ def launcher_conflicts(mapping: Mapping[str, Any] | None, outer: OuterRank, path
         hint = hint.replace(f"{path}.{key}=", f"{name(key)} ") if path == "--" else hint
         problems.append(Problem(name(key), message, hint))
 
+    started, already = ((f"{by} starts every rank of the job",) * 2 if outer.planned
+                        else (f"{by} started this rank", f"{by} already started this rank"))
     runner = mapping.get("runner")
     if runner not in (None, "local", _MATCHING_RUNNER[by]):
-        refuse("runner", f"is {show(runner)}, but {by} already started this rank",
+        refuse("runner", f"is {show(runner)}, but {already}",
                f"drop {name('runner')}: under {by}, dsrun starts no ranks")
     expected = {"num_procs": ("local_world_size", "rank(s) per node"), "num_nodes": ("num_nodes", "node(s)"),
                 "node_rank": ("node_rank", "as this node's index")}
@@ -241,8 +245,8 @@ def launcher_conflicts(mapping: Mapping[str, Any] | None, outer: OuterRank, path
                f"({outer.variable('master_port')})", f"drop {name('master_port')}: the outer launcher's rendezvous is used")
     for key, hint in _OWN_LAUNCHER_KEYS.items():
         if _set(mapping.get(key)):
-            refuse(key, f"is {show(mapping[key])}, which only dsrun's own launcher acts on, but {by} started "
-                   "this rank", hint if path != "--" else hint.replace(f"set launcher.{key}=null", f"drop {name(key)}"))
+            refuse(key, f"is {show(mapping[key])}, which only dsrun's own launcher acts on, but {started}",
+                   hint if path != "--" else hint.replace(f"set launcher.{key}=null", f"drop {name(key)}"))
     if outer.master_addr is None:
         problems.append(Problem("MASTER_ADDR", f"is not set and the {by} job spans {outer.num_nodes} nodes",
                                 "export MASTER_ADDR (node 0's address) and MASTER_PORT to every rank"))

@@ -1,0 +1,65 @@
+"""A Slurm batch script that runs a :class:`~dsrun.launcher.cluster_job.ClusterJob`: ``srun`` starts one task per
+rank and each task's ``dsrun train`` becomes that rank (:mod:`dsrun.launcher.outer` reads ``SLURM_PROCID``,
+``SLURM_STEP_NUM_TASKS``, ``SLURM_STEP_TASKS_PER_NODE``, ... and meets at the step's first node). docs/kubernetes.md.
+
+Preemption and the time limit: ``--signal=B:USR1@90`` tells the batch shell 90 seconds before the time limit;
+its trap sends SIGTERM to the step (srun hands it to every task: each rank stops at a step boundary and saves a
+checkpoint, with ``train.save_interval``), waits for it, and requeues the job (``--requeue``; a job preempted
+with Slurm's ``PreemptMode=REQUEUE`` is requeued by Slurm itself). The requeued job runs the same script, and
+``train.resume=auto`` resumes from the newest checkpoint of the same recipe and overrides.
+"""
+from __future__ import annotations
+
+import shlex
+
+from dsrun.launcher.cluster_job import RENDEZVOUS_PORT, ClusterJob
+
+SIGNAL_LEAD_S = 90  # seconds before the time limit that the batch shell is told (--signal=B:USR1@90)
+
+
+def batch_script(job: ClusterJob) -> str:
+    """The ``sbatch`` script of ``job``: ``#SBATCH`` lines for its world and resources, then ``srun``."""
+    res = job.resources
+    options = [f"--job-name={job.name}", f"--nodes={job.nodes}", f"--ntasks-per-node={job.procs_per_node}",
+               *([f"--cpus-per-task={res.cpus}"] if res.cpus else []),
+               *([f"--mem={res.memory}"] if res.memory else []),
+               *([f"--gpus-per-node={res.gpus}"] if res.gpus else []),
+               *([f"--time={job.time}"] if job.time else []),
+               *([f"--partition={job.partition}"] if job.partition else []),
+               f"--signal=B:USR1@{SIGNAL_LEAD_S}", "--requeue", "--open-mode=append",
+               "--output=%x-%j.out"]
+    rank = " ".join(shlex.quote(arg) for arg in job.rank_argv())
+    store = job.mlflow_store()
+    mlflow = (["# the local MLflow store beside the run directories, unless you name one",
+               f"export MLFLOW_TRACKING_URI=${{MLFLOW_TRACKING_URI:-{shlex.quote(store)}}}", ""] if store else [])
+    lines = [
+        "#!/bin/bash",
+        f"# written by dsrun export-job: {job.world_size} rank(s), {job.procs_per_node} per node on {job.nodes} "
+        "node(s); each srun task becomes one rank of dsrun train",
+        *(f"#SBATCH {option}" for option in options),
+        "",
+        "# node 0 hosts the ranks' rendezvous (the step's first node)" + ("" if job.master_port else
+                                                                            "; a port of this job's own"),
+        f"export MASTER_PORT={job.master_port}" if job.master_port else
+        f"export MASTER_PORT=$(( {RENDEZVOUS_PORT} + SLURM_JOB_ID % 1000 ))",
+        "",
+        *mlflow,
+        f"# {SIGNAL_LEAD_S} s before the time limit: every rank stops at a step boundary and saves, then the job "
+        "requeues",
+        "stop_and_requeue() {",
+        '    echo "[dsrun] time limit near: stopping the ranks at a step boundary, then requeueing job $SLURM_JOB_ID"',
+        '    kill -TERM "$step" 2>/dev/null',
+        '    wait "$step"',
+        '    scontrol requeue "$SLURM_JOB_ID"',
+        "    exit 0",
+        "}",
+        "trap stop_and_requeue USR1",
+        "",
+        f"srun --ntasks-per-node={job.procs_per_node} --kill-on-bad-exit=1 {rank} &",
+        "step=$!",
+        'wait "$step"',
+        'status=$?',
+        'exit "$status"',
+        "",
+    ]
+    return "\n".join(lines)
