@@ -25,8 +25,8 @@ every rank besides their share of the partition. On CUDA the optimizer step adds
 partition it updates (a multi-tensor step's workspace, e.g. Adam's ``sqrt(v) + eps``), none for stateless
 SGD or an offloaded (fused) step; on the CPU none for the fused compiled Adam/Lion/Adagrad and one of the
 largest layer for torch's per-tensor optimizers. With ``gradient_clipping`` the ZeRO-3 step computes the
-norm of each fp32 sub-group's gradient through a float64 copy and its square: ``16 * min(T/N,
-sub_group_size)`` bytes, the larger of the two.
+norm of each fp32 sub-group's gradient a chunk of ``NORM_CHUNK`` (2**20) elements at a time, through a float64
+copy and its square: ``16 * min(T/N, sub_group_size, NORM_CHUNK)`` bytes, the larger of the two.
 
 The 1-bit optimizers (OneBitAdam, ZeroOneAdam, OneBitLamb; stages 0-1) add their error-feedback buffers to
 the states: the worker error, ``4T`` on every rank (each rank's own, never partitioned), and the server
@@ -49,6 +49,7 @@ from typing import Any, Mapping
 
 from dsrun.comm.quantized import WEIGHT_BLOCK, message_bytes
 from dsrun.estimate.inputs import EstimateInputs, ceil_div
+from dsrun.offload.nvme import NORM_CHUNK
 from dsrun.utils.errors import ConfigError, Problem
 from dsrun.utils.suggest import did_you_mean
 
@@ -186,8 +187,8 @@ def model_state_bytes(spec: EstimateInputs) -> ModelStates:
         if error_feedback_bytes(spec):
             step_workspace = max(step_workspace, 2 * trainable * FP32)  # the compressed exchange's input, output
         if stage == 3 and spec.gradient_clipping > 0:
-            # the ZeRO-3 step's gradient norm: a float64 copy of a sub-group's fp32 gradient and its square
-            step_workspace = max(step_workspace, 16 * min(t_part, spec.buffers.sub_group_size))
+            # the ZeRO-3 step's gradient norm: a float64 copy of a chunk of a sub-group's gradient and its square
+            step_workspace = max(step_workspace, 16 * min(t_part, spec.buffers.sub_group_size, NORM_CHUNK))
     else:
         device_master = device_states = 0
         # Stage 1 accumulates whole gradients on the device; stages 2-3 stream them out per bucket.

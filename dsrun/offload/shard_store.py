@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from dsrun.offload import param_swapper
-from dsrun.offload.nvme import SwappedOptimizerState, SwappedShard, SwappedUnit
+from dsrun.offload.nvme import NORM_CHUNK, SwappedOptimizerState, SwappedShard, SwappedUnit
 from dsrun.offload.pipeline import PipelineTimes, StepPipeline, scatter_to_shards, tiled_cpu_step
 from dsrun.offload.settings import CPU_TILE_ELEMENTS, OffloadOptimizerSettings, host_empty, require_cpu_optimizer
 from dsrun.offload.state_moves import OffloadStateTypeEnum, StateTensor
@@ -144,9 +144,12 @@ class DeviceShardStore:
         return any(not bool(torch.isfinite(sg.grad).all()) for _, sg in self.sub_groups)
 
     def add_sq_norm(self, sq: torch.Tensor) -> None:
-        """Add the sum of squares of these gradients into ``sq`` (float64; shard padding holds zeros)."""
+        """Add the sum of squares of these gradients into ``sq`` (float64; shard padding holds zeros), a chunk at
+        a time as the NVMe store sums its own: a whole sub-group in float64 would be two temporaries of twice
+        its bytes, fresh pages on every step (on CPU, past the C allocator's 32 MiB mmap ceiling)."""
         for _, sg in self.sub_groups:
-            sq += sg.grad.double().pow(2).sum().to(sq.device)
+            for chunk in sg.grad.split(NORM_CHUNK):
+                sq += chunk.double().pow(2).sum().to(sq.device)
 
     def gradients(self) -> list[torch.Tensor]:
         """The resident fp32 gradients the update reads (for step hooks)."""
