@@ -85,8 +85,10 @@ def run_cli(*args: str, cwd: str | Path | None = None, env: dict[str, str] | Non
 # imported modules only, run no operator, so no thread pool exists to be forked; a rank runs the interpreter's
 # exit handlers itself (a forked child ends with os._exit, skipping them). The server's standard output
 # is whatever the test that started it had, so each rank writes its output to a file of its launch, which the
-# caller prints (pytest shows it with the test's output) and quotes when a rank fails.
-_PRELOAD = ["torch"]
+# caller prints (pytest shows it with the test's output) and quotes when a rank fails. torch._dynamo too: the
+# first optimizer a rank builds imports it (torch.optim's _disable_dynamo), seconds of CPU per rank; importing it
+# starts no thread either.
+_PRELOAD = ["torch", "torch._dynamo"]
 
 
 def _rank_context() -> Any:
