@@ -3,9 +3,7 @@ the launcher only, reaches every rank through dsrun's agent; the ranks finish th
 though train.save_interval=0, and ``dsrun train`` says where, how to resume, and exits with 138. (The exact resume
 after five such preemptions: tests/integration/test_preemption.py.)"""
 import json
-import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -13,41 +11,19 @@ from pathlib import Path
 import pytest
 
 from dsrun.checkpoint import read_latest
-from tests.helpers import REPO, free_port
+from tests.helpers import free_port, signal_when
 
 TINY = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=32", "data.max_bytes=200000",
         "ds.train_micro_batch_size_per_gpu=2", "train.eval_iters=1", "train.eval_interval=0", "monitor=none",
         "scheduler.params.warmup_num_steps=2", "train.max_steps=500", "ds.steps_per_print=1", "train.resume=auto"]
 
 
-def signal_launcher_when(args: list[str], cwd: Path, seen: str, signum: int,
-                         timeout: float = 300) -> tuple[int, str, str]:
-    """Run ``python -m dsrun ARGS`` and, once ``seen`` appears on its stdout, send ``signum`` to that process
-    only (its agent and ranks hear of it from it). Returns (exit code, stdout, stderr)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    process = subprocess.Popen([sys.executable, "-m", "dsrun", *args], cwd=cwd, env=env, text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                               start_new_session=True)
-    deadline, out = time.monotonic() + timeout, []
-    try:
-        for line in process.stdout:
-            out.append(line)
-            if seen in line:
-                process.send_signal(signum)
-                break
-            assert time.monotonic() < deadline, "".join(out)[-3000:]
-        rest, err = process.communicate(timeout=120)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-    return process.returncode, "".join(out) + rest, err
-
-
 @pytest.mark.timeout(400)
 def test_sigusr1_to_dsrun_train_saves_where_the_ranks_stop_and_exits_138(tmp_path):
     started = time.perf_counter()
-    code, out, err = signal_launcher_when(["train", *TINY, f"launcher.master_port={free_port()}"], tmp_path,
-                                          "step 2/500", signal.SIGUSR1)
+    # to the launcher only: its agent and ranks hear of it from it
+    code, out, err = signal_when(["train", *TINY, f"launcher.master_port={free_port()}"], tmp_path, "step 2/500",
+                                 signal.SIGUSR1, group=False)
     (run_dir,) = tmp_path.glob("outputs/*/*")
     where = run_dir.relative_to(tmp_path)
     assert code == 138, out[-2000:] + err[-3000:]
