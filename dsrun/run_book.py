@@ -99,6 +99,8 @@ class RunBook:
         """Load the checkpoint to resume from, if any; returns the first step to train."""
         self.first_step = self.checkpoints.resume() + 1
         self.last_step_done = self.first_step - 1
+        if self.rank == 0:  # a run directory used again (hydra.run.dir, a restart): an earlier stop's record goes
+            (self.run_dir / PREEMPTED_JSON).unlink(missing_ok=True)
         if self.first_step > 1:
             self.metrics["resumed_from_step"] = self.first_step - 1
         self.engine.print_step_lines = False  # the progress line carries step, loss and lr
