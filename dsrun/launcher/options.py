@@ -114,7 +114,8 @@ class LaunchOptions:
     comment: str | None = None
     account: str | None = None
     # seconds the ranks have to stop after a stop signal (dsrun train: train.preemption.grace_s); the agents kill
-    # them STOP_MARGIN later, the launcher the agents 2 x STOP_MARGIN later. None: the agents' 30 s, the launcher's 40
+    # them STOP_MARGIN later, the launcher kills what is left STOP_MARGIN after that. None: the agents' 30 s, the
+    # launcher's 40
     stop_grace: float | None = None
     cwd: str = field(default_factory=os.getcwd)
     python: str = sys.executable
