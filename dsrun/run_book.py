@@ -2,7 +2,10 @@
 
 :class:`RunBook` records what a run reports (losses, learning rates, step times and timers, evaluations,
 throughput), prints the progress lines, saves checkpoints on schedule, agrees with the other ranks when to stop
-(SIGTERM/SIGINT on any rank), and at the end writes ``metrics.json`` and the run's reports. With a
+(a stop signal on any rank), and at the end writes ``metrics.json`` and the run's reports. A preemption (SIGTERM
+or SIGUSR1) saves a checkpoint where the ranks stop, even with periodic saving off, and rank 0 records it in
+``preempted.json`` (the signal, the step, whether the checkpoint there was saved), also when the grace period
+ran out first. With a
 :class:`~dsrun.profiling.mfu.ModelFlopsMeter` (dsrun's GPT) it says the device's peak once at start and adds
 the model's TFLOP/s per device and MFU to every progress line, the monitors and ``metrics.json``.
 """
@@ -10,13 +13,16 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
+from dsrun.checkpoint import layout
 from dsrun.checkpoint.training import TrainingCheckpoints
+from dsrun.launcher.protocol import PREEMPTION_SIGNALS
 from dsrun.monitor.progress import TrainingProgress
-from dsrun.rundir import DS_CONFIG_JSON, METRICS_JSON, RESOLVED_YAML, atomic_write_text
+from dsrun.rundir import DS_CONFIG_JSON, METRICS_JSON, PREEMPTED_JSON, RESOLVED_YAML, atomic_write_text
 from dsrun.engine.observer import write_run_reports
 from dsrun.runspec import TrainSpec
 
@@ -32,6 +38,19 @@ class ResumableLoader(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+class StopSignals(Protocol):
+    """The stop signals as the loop sees them (``dsrun.worker.StopFlag``)."""
+
+    grace_s: float
+    signal: int | None  # the stop signal this rank got itself, if any
+
+    def agreed(self) -> int:
+        """Collective: 0 to go on, else the signal every rank stops for."""
+
+    def settle(self) -> None:
+        """The checkpoint a preemption asked for is saved: its grace period ends."""
+
+
 class RunBook:
     """Everything a rank records about its run besides training itself."""
 
@@ -39,12 +58,12 @@ class RunBook:
                  max_steps: int, tokens_per_step: int, num_params: int, step_flops: int | None,
                  evaluate: Callable[[], float], report_throughput: Callable[..., tuple[float, float]],
                  step_timers: Callable[..., Any], mean_across_ranks: Callable[[float], float],
-                 stop_agreed: Callable[[], bool], world_size: int, eval_counts: Callable[[], dict[str, Any]] = dict,
+                 stop: StopSignals, world_size: int, eval_counts: Callable[[], dict[str, Any]] = dict,
                  flops_meter: ModelFlopsMeter | None = None):
         self.engine, self.run_dir, self.max_steps = engine, run_dir, max_steps
         self.tokens_per_step, self.step_flops, self.flops_meter = tokens_per_step, step_flops, flops_meter
         self._evaluate, self._throughput, self._timers = evaluate, report_throughput, step_timers
-        self._mean, self._stop_agreed, self._eval_counts = mean_across_ranks, stop_agreed, eval_counts
+        self._mean, self._stop, self._eval_counts = mean_across_ranks, stop, eval_counts
         self.rank = engine.global_rank
         self.eval_every = cfg.eval_interval or max_steps
         self.metrics: dict[str, Any] = {
@@ -62,6 +81,8 @@ class RunBook:
         self.checkpoints = TrainingCheckpoints(engine, loader, run_dir, cfg.save_interval, cfg.resume, cfg.keep_last,
                                                last_step=max_steps)
         self.first_step = 1
+        self.last_step_done = 0  # the last optimizer step that ended (0: none yet)
+        self.preempted: dict[str, Any] | None = None  # preempted.json's record, once the ranks agreed to stop
         self.progress: TrainingProgress | None = None
         self._start = self._step_started = 0.0
         self._timers_before: Any = None
@@ -77,6 +98,9 @@ class RunBook:
     def resume(self) -> int:
         """Load the checkpoint to resume from, if any; returns the first step to train."""
         self.first_step = self.checkpoints.resume() + 1
+        self.last_step_done = self.first_step - 1
+        if self.rank == 0:  # a run directory used again (hydra.run.dir, a restart): an earlier stop's record goes
+            (self.run_dir / PREEMPTED_JSON).unlink(missing_ok=True)
         if self.first_step > 1:
             self.metrics["resumed_from_step"] = self.first_step - 1
         self.engine.print_step_lines = False  # the progress line carries step, loss and lr
@@ -117,9 +141,39 @@ class RunBook:
         self.progress.update(step, loss, engine.get_lr()[0], samples_s, tokens_s, elapsed,
                              extra=f"eval {metrics['eval_losses'][-1]['loss']:.4f}" if evaluated else "",
                              tflops=rate.tflops_per_device if rate else None, mfu=rate.mfu if rate else None)
-        stopping = self._stop_agreed()
-        self.checkpoints.save_if_due(step, force=stopping)  # a stopped run saves where it is, if saving is on
-        return stopping
+        self.last_step_done = step
+        stopped_by = self._stop.agreed()
+        preempted = stopped_by in PREEMPTION_SIGNALS
+        if preempted:  # the record first: if the grace period ends during the save, it says where the run was
+            self._record_preemption(stopped_by, step, saved=False)
+        # a stopped run saves where it is if saving is on; a preempted one saves there in any case
+        self.checkpoints.save_if_due(step, force=bool(stopped_by), always=preempted)
+        if preempted and self.checkpoints.last_saved_step == step:
+            self._stop.settle()
+            self._record_preemption(stopped_by, step, saved=True)
+        return bool(stopped_by)
+
+    def _record_preemption(self, signum: int, step: int, saved: bool, boundary: bool = True) -> None:
+        """``preempted.json`` (rank 0): the signal, the step the ranks stopped after, whether the checkpoint there
+        was saved (its tag), the grace period, and whether the ranks reached that step boundary at all."""
+        tag = layout.read_latest(self.checkpoints.save_dir) if saved else None
+        self.preempted = {"signal": signal.Signals(signum).name, "step": step, "saved": saved, "checkpoint": tag,
+                          "grace_s": self._stop.grace_s, "reached_boundary": boundary}
+        if self.rank == 0:
+            atomic_write_text(self.run_dir / PREEMPTED_JSON, json.dumps(self.preempted, indent=2) + "\n")
+
+    def grace_expired(self) -> str:
+        """The grace period ended before this rank saved: record where the run stood; the line that says it."""
+        grace = f"train.preemption.grace_s={self._stop.grace_s:g} s"
+        if self.preempted is not None:
+            step = self.preempted["step"]
+            self._record_preemption(signal.Signals[self.preempted["signal"]], step, saved=False)
+            return (f"[dsrun] rank {self.rank}: preempted by {self.preempted['signal']}: the checkpoint at step "
+                    f"{step} was not saved within {grace}; stopping without it")
+        signum = self._stop.signal or signal.SIGTERM
+        self._record_preemption(signum, self.last_step_done, saved=False, boundary=False)
+        return (f"[dsrun] rank {self.rank}: preempted by {signal.Signals(signum).name}: step "
+                f"{self.last_step_done + 1} did not end within {grace}; stopping without a checkpoint")
 
     def _flops_rate(self, steps: int, elapsed: float) -> FlopsRate | None:
         """The model's TFLOP/s per device and MFU over the steps run so far, sent to the monitors too."""
@@ -134,6 +188,8 @@ class RunBook:
         engine, metrics = self.engine, self.metrics
         if stopped_by is not None:
             metrics["stopped_by_signal"] = stopped_by
+        if self.preempted is not None:
+            metrics["preempted"] = self.preempted
         self.progress.close()
         wall = time.perf_counter() - self._start
         steps_done = len(metrics["train_losses"])

@@ -10,6 +10,8 @@ Layout::
                          data's SHA-256, the command line
       dsrun.log          what ``dsrun train`` printed (rank lines included); logs/ holds one file per rank
       metrics.json       written by the worker at the end of training
+      preempted.json     only when SIGTERM/SIGUSR1 stopped the run: the signal, the step it stopped at, whether
+                         the checkpoint there was saved (rank 0 writes it; ``dsrun train`` words the ending from it)
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ RESOLVED_YAML = "resolved.yaml"
 DS_CONFIG_JSON = "ds_config.json"
 METRICS_JSON = "metrics.json"
 PROVENANCE_JSON = "provenance.json"
+PREEMPTED_JSON = "preempted.json"
 LAUNCHER_LOG = "dsrun.log"
 
 

@@ -26,6 +26,16 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class PreemptionSpec(_Section):
+    """``train.preemption:`` — what a run does on SIGTERM or SIGUSR1 (a scheduler taking its machines back):
+    every rank finishes its step and saves a checkpoint there, even with ``train.save_interval=0``, then exits
+    with 138 (docs/cluster.md)."""
+
+    grace_s: float = Field(120.0, gt=0, description="seconds from the signal to the checkpoint being saved; a "
+                           "rank that is not done by then says so and exits without it (set it at most the "
+                           "scheduler's notice: Kubernetes' terminationGracePeriodSeconds, Slurm's --signal=USR1@N)")
+
+
 class TrainSpec(_Section):
     """``train:`` — the training loop's budget and bookkeeping."""
 
@@ -41,6 +51,8 @@ class TrainSpec(_Section):
                                 "layer reduction starts from its layers and the loss adds distillation")
     kd_weight: float = Field(1.0, ge=0, description="weight of the distillation term (with teacher)")
     kd_temperature: float = Field(1.0, gt=0, description="softmax temperature of the distillation term")
+    preemption: PreemptionSpec = Field(default_factory=PreemptionSpec,
+                                       description="SIGTERM/SIGUSR1: save where the ranks stop, within grace_s")
 
 
 def _section(cfg: DictConfig, key: str) -> Mapping[str, Any]:

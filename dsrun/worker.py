@@ -5,8 +5,11 @@ rank (under torchrun, srun or mpirun each rank's ``dsrun train`` calls :func:`ma
 dense GPT, the pipelined GPT or a distillation) builds the model, then for each optimizer step its ``step``
 runs the micro-steps of forward / backward and one ``engine.step()`` (a pipeline: its schedule), the loop
 evaluates now and then, and at the end writes ``metrics.json`` (rank 0). Each rank records its groups and
-partitions (``topology_rank<R>.json``, what ``dsrun train --dry-run`` prints). SIGTERM or SIGINT stops the loop
-at the next step boundary; the metrics gathered so far are still written.
+partitions (``topology_rank<R>.json``, what ``dsrun train --dry-run`` prints). A stop signal on any rank stops
+every rank at the next step boundary; the metrics gathered so far are still written. SIGTERM or SIGUSR1 (a
+scheduler's preemption) saves a checkpoint there even when periodic saving is off, within
+``train.preemption.grace_s``, and the rank exits with 138 (``EXIT_PREEMPTED``: requeue, the same command
+resumes); SIGINT (Ctrl-C) saves only when saving is on. A rank stopped without that checkpoint exits with 143.
 """
 from __future__ import annotations
 
@@ -14,20 +17,25 @@ import argparse
 import math
 import os
 import signal
+import sys
+import threading
+import time
 import warnings
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from dsrun.config import load_resolved
 from dsrun.estimate.measure import current_rss, record_rank_peak
-from dsrun.launcher.protocol import debug_requested, exit_without_teardown, report_user_error
+from dsrun.launcher.protocol import (EXIT_PREEMPTED, EXIT_STOPPED, PREEMPTION_SIGNALS, STOP_SIGNALS, debug_requested,
+                                     exit_without_teardown, report_user_error)
 from dsrun.monitor.run_defaults import PARENT_ENV, apply_run_defaults, flatten, mlflow_parent_key
 from dsrun.run_book import RunBook
 from dsrun.rundir import RESOLVED_YAML
+from dsrun.runspec import PreemptionSpec
 from dsrun.utils.errors import EXIT_USAGE, find_user_error
 from dsrun.workloads import compose, topology
 from dsrun.workloads.pipeline import pipeline_stages
@@ -42,27 +50,70 @@ if TYPE_CHECKING:
 
 
 class StopFlag:
-    """Set by SIGTERM/SIGINT; the loop checks it between optimizer steps."""
+    """The stop signals (``STOP_SIGNALS``: SIGINT, SIGTERM, SIGUSR1); the loop checks them between optimizer
+    steps, and the first one this rank gets counts.
 
-    def __init__(self) -> None:
+    A preemption signal (SIGTERM, SIGUSR1) starts the grace period, ``train.preemption.grace_s``: a rank that has
+    not saved the checkpoint where it stops when the period ends calls ``on_expiry`` (the run's record of it),
+    says so in one line and exits with 143 at once (a save cut short never replaces ``latest``). A rank that
+    learns of the preemption only when the ranks agree to stop starts its period then. The watch is a daemon
+    thread that waits on an event the handler sets: nothing but the flag and the event is touched in the handler.
+    """
+
+    def __init__(self, grace_s: float = PreemptionSpec().grace_s) -> None:
         self.signal: int | None = None
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        self.grace_s = grace_s
+        self.on_expiry: Callable[[], str] | None = None  # records the expiry; returns the line that says it
+        self._preempted, self._settled = threading.Event(), threading.Event()
+        self.since: float | None = None
+        for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
+        threading.Thread(target=self._watch, name="dsrun-preemption-grace", daemon=True).start()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self.signal = signum
+        if self.signal is None:
+            self.signal = signum
+            if signum in PREEMPTION_SIGNALS:
+                self.start_grace()
 
     def __bool__(self) -> bool:
         return self.signal is not None
 
+    def start_grace(self) -> None:
+        """Start the grace period (once)."""
+        if self.since is None:
+            self.since = time.monotonic()
+            self._preempted.set()
 
-def stop_agreed(stop: StopFlag) -> bool:
-    """True on every rank when any rank was asked to stop, so no rank is left waiting in a collective."""
-    from dsrun import comm
+    def settle(self) -> None:
+        """The checkpoint a preemption asked for is saved: the grace period no longer applies."""
+        self._settled.set()
 
-    flag = torch.tensor([1.0 if stop else 0.0], device=collective_device())
-    comm.all_reduce(flag)
-    return flag.item() > 0
+    def agreed(self) -> int:
+        """The stop every rank agrees on at a step boundary, so no rank is left waiting in a collective: 0 (go
+        on), or the signal the run stops for. A preemption signal on any rank wins over Ctrl-C; a rank that learns
+        of it here starts its grace period."""
+        from dsrun import comm
+
+        rank_stop = 0 if self.signal is None else self.signal + (100 if self.signal in PREEMPTION_SIGNALS else 0)
+        flag = torch.tensor([float(rank_stop)], device=collective_device())
+        comm.all_reduce(flag, op=comm.ReduceOp.MAX)
+        signum = int(flag.item()) % 100
+        if signum in PREEMPTION_SIGNALS:
+            self.start_grace()
+        return signum
+
+    def _watch(self) -> None:
+        self._preempted.wait()
+        if self._settled.wait(self.grace_s):
+            return
+        line = self.on_expiry() if self.on_expiry is not None else (
+            f"[dsrun] {signal.Signals(self.signal or signal.SIGTERM).name}: the ranks did not reach a step "
+            f"boundary within train.preemption.grace_s={self.grace_s:g} s; stopping without a checkpoint")
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(EXIT_STOPPED)  # the main thread may be inside a collective or a write: no teardown
 
 
 def _train_step_flops(model: nn.Module, batch_size: int, seq_len: int) -> int | None:
@@ -122,10 +173,11 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
     import dsrun
     from dsrun import comm
 
-    stop = StopFlag()
+    cfg = spec.train
+    # a run directory composed before train.preemption existed (dsrun train --from an old run) has the default
+    stop = StopFlag(PreemptionSpec.model_validate(OmegaConf.to_container(cfg).get("preemption") or {}).grace_s)
     dsrun.init_distributed()
     rank, world_size = comm.get_rank(), comm.get_world_size()
-    cfg = spec.train
     set_random_seed(cfg.seed)
     baseline_rss = current_rss()  # for `dsrun estimate-memory --measure`: this rank's peak above start-up
 
@@ -154,9 +206,10 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
                    step_flops=_train_step_flops(model, engine.train_batch_size(), corpus.seq_len),
                    evaluate=lambda: workload.evaluate(corpus, cfg.eval_iters),
                    report_throughput=report_throughput, step_timers=step_timer_ms,
-                   mean_across_ranks=mean_across_ranks, stop_agreed=lambda: stop_agreed(stop), world_size=world_size,
+                   mean_across_ranks=mean_across_ranks, stop=stop, world_size=world_size,
                    eval_counts=workload.eval_counts,  # tokens and layer-tokens seen at each evaluation
                    flops_meter=model_flops_meter(engine, model, engine.train_batch_size(), corpus.seq_len, world_size))
+    stop.on_expiry = book.grace_expired  # records where the preempted run stood, says so in one line
     book.announce(type(model).__name__, corpus.seq_len)
     first_step = book.resume()
     book.evaluate_first()
@@ -199,7 +252,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
         report_user_error([str(problem) for problem in user.problems])
         return EXIT_USAGE
-    return 143 if metrics.get("stopped_by_signal") else 0
+    if (metrics.get("preempted") or {}).get("saved"):
+        return EXIT_PREEMPTED  # preempted, checkpoint saved where the ranks stopped: requeue
+    return EXIT_STOPPED if metrics.get("stopped_by_signal") else 0
 
 
 if __name__ == "__main__":

@@ -69,6 +69,37 @@ def free_port() -> int:
     return below_the_ephemeral_range()
 
 
+def signal_when(args: Sequence[str], cwd: Path, seen: str, signum: int, *, group: bool,
+                env: dict[str, str] | None = None, timeout: float = 300) -> tuple[int, str, str]:
+    """Run ``python -m dsrun ARGS`` in its own session and, once ``seen`` appears on its stdout, send ``signum``
+    to the whole process group (``group``: as Ctrl-C in a terminal does) or to that process only (as a scheduler
+    signals a job's main process). Returns (exit code, stdout, stderr)."""
+    import signal
+
+    full_env = {**os.environ, **(env or {})}
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full_env.get("PYTHONPATH", "")]))
+    process = subprocess.Popen([sys.executable, "-m", "dsrun", *args], cwd=cwd, env=full_env, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                               start_new_session=True)
+    deadline = time.monotonic() + timeout
+    out = []
+    try:
+        for line in process.stdout:
+            out.append(line)
+            if seen in line:
+                if group:
+                    os.killpg(process.pid, signum)
+                else:
+                    process.send_signal(signum)
+                break
+            assert time.monotonic() < deadline, "".join(out)[-3000:]
+        rest, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    return process.returncode, "".join(out) + rest, err
+
+
 def run_cli(*args: str, cwd: str | Path | None = None, env: dict[str, str] | None = None,
             timeout: float = 120) -> subprocess.CompletedProcess:
     """Run ``python -m dsrun ARGS`` as a user would; stdout/stderr captured as text."""
@@ -85,8 +116,10 @@ def run_cli(*args: str, cwd: str | Path | None = None, env: dict[str, str] | Non
 # imported modules only, run no operator, so no thread pool exists to be forked; a rank runs the interpreter's
 # exit handlers itself (a forked child ends with os._exit, skipping them). The server's standard output
 # is whatever the test that started it had, so each rank writes its output to a file of its launch, which the
-# caller prints (pytest shows it with the test's output) and quotes when a rank fails.
-_PRELOAD = ["torch"]
+# caller prints (pytest shows it with the test's output) and quotes when a rank fails. torch._dynamo too: the
+# first optimizer a rank builds imports it (torch.optim's _disable_dynamo), seconds of CPU per rank; importing it
+# starts no thread either.
+_PRELOAD = ["torch", "torch._dynamo"]
 
 
 def _rank_context() -> Any:

@@ -6,7 +6,8 @@ its last steps too), keep the newest ``train.keep_last``.
 checkpoint (else starts fresh); a path resumes from that checkpoint folder (the one holding ``latest``), from
 a run directory's ``checkpoints/`` folder, or from one tag's folder (``.../checkpoints/global_step400``), and
 it is an error if there is nothing to resume from. Ranks restarted within a run (elastic training, restarts
-after a failure) resume from the run's own newest checkpoint instead.
+after a failure) resume from the run's own newest checkpoint instead. A preempted run (SIGTERM, SIGUSR1) saves
+where it stops even with ``train.save_interval=0``.
 The data loader's position travels in the checkpoint's client state, so a resumed run reads the very batches
 the interrupted one would have.
 """
@@ -146,13 +147,13 @@ class TrainingCheckpoints:
             print(f"[dsrun] resumed from {path} at step {self.engine.global_steps}", flush=True)
         return self.engine.global_steps
 
-    def save_if_due(self, step: int, force: bool = False) -> bool:
+    def save_if_due(self, step: int, force: bool = False, always: bool = False) -> bool:
         """Save after ``step`` when it is a multiple of ``save_interval`` or the run's last step (or ``force``,
-        e.g. on SIGTERM), when saving is on at all, and not twice at one step; then delete checkpoints beyond
-        the newest ``keep_last``."""
-        if not self.save_interval or step == self.last_saved_step:
-            return False
-        if not force and step % self.save_interval and step != self.last_step:
+        e.g. on Ctrl-C), when saving is on at all, or ``always`` (a preemption: the run must be resumable), and
+        not twice at one step; then delete checkpoints beyond the newest ``keep_last``."""
+        due = always or bool(self.save_interval) and (force or step % self.save_interval == 0
+                                                      or step == self.last_step)
+        if not due or step == self.last_saved_step:
             return False
         self.engine.save_checkpoint(str(self.save_dir), client_state={LOADER_KEY: self.loader.state_dict()})
         self.last_saved_step = step

@@ -2,7 +2,9 @@
 
 * finished: the step count, throughput and eval loss, then where each output went (metrics, monitor files that
   were really written, checkpoints, the MLflow run);
-* stopped (Ctrl-C, SIGTERM): at which step, whether and where a checkpoint was saved, the command that resumes;
+* stopped (Ctrl-C, SIGTERM, SIGUSR1): at which step, whether and where a checkpoint was saved, the command that
+  resumes; a preempted run (SIGTERM, SIGUSR1) whose ranks saved where they stopped exits with 138
+  (``EXIT_PREEMPTED``: requeue), one stopped without that checkpoint with 143, Ctrl-C with 130;
 * failed: the exit code, the first error a rank logged and where the logs are.
 
 The MLflow run the ranks opened is marked ``KILLED`` when the run was stopped and ``FAILED`` when its ranks
@@ -17,7 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from dsrun.cli.multirun import short_path
-from dsrun.rundir import METRICS_JSON
+from dsrun.launcher.protocol import EXIT_PREEMPTED, EXIT_STOPPED, PREEMPTION_SIGNALS
+from dsrun.rundir import METRICS_JSON, PREEMPTED_JSON
 from dsrun.utils.errors import UserError
 
 if TYPE_CHECKING:
@@ -38,13 +41,20 @@ def stopped_lines(resolved: ResolvedRun, run_dir: Path, signum: int) -> list[str
     from dsrun.cli.resume import CHECKPOINTS, checkpoint_step
 
     how = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-    metrics = _metrics(run_dir)
+    metrics, record = _metrics(run_dir), preemption_record(run_dir)
     total = resolved.train.max_steps
     if metrics is not None:
         step = int(metrics.get("resumed_from_step") or 0) + int(metrics.get("steps") or 0)
         lines = [f"stopped by {how} after step {step} of {metrics.get('max_steps', total)}"]
+    elif record is not None and record.get("step"):  # the grace period ended before the metrics were written
+        lines = [f"stopped by {how} after step {record['step']} of {total}"]
     else:
         lines = [f"stopped by {how} before the first step finished"]
+    missed = record is not None and not record.get("saved")
+    if missed:
+        grace = f"train.preemption.grace_s={record.get('grace_s', 0):g} s"
+        lines[0] += (f"; the checkpoint there was not saved within {grace}" if record.get("reached_boundary", True)
+                     else f"; step {int(record.get('step') or 0) + 1} did not end within {grace}")
     try:
         checkpoint = checkpoint_step(run_dir / CHECKPOINTS)
     except UserError:  # a damaged `latest`: --from says what is wrong with it
@@ -53,13 +63,52 @@ def stopped_lines(resolved: ResolvedRun, run_dir: Path, signum: int) -> list[str
     if checkpoint is not None:
         tag, saved = checkpoint
         at = f"at step {saved} " if saved is not None else ""
-        lines[0] += f"; checkpoint saved {at}in {short_path(run_dir / CHECKPOINTS / tag)}"
+        earlier = "an earlier " if missed else ""
+        lines[0] += f"; {earlier}checkpoint saved {at}in {short_path(run_dir / CHECKPOINTS / tag)}"
         lines.append(f"resume: {command}")
     else:
-        why = "train.save_interval=0" if not resolved.train.save_interval else "none was due yet"
-        lines[0] += f"; no checkpoint saved ({why})"
+        why = "none was due yet" if resolved.train.save_interval else "train.save_interval=0"
+        lines[0] += "; no checkpoint saved" + ("" if missed else f" ({why})")
         lines.append(f"run it again: {command}")
+    if signum in PREEMPTION_SIGNALS and record is not None:  # the ranks took it for a preemption
+        code = stop_exit_code(run_dir, signum)
+        lines[-1] += " (or the same command with train.resume=auto)"
+        lines.append(f"exit code {code}: " + ("preempted, checkpoint saved where the ranks stopped (requeue the job)"
+                                              if code == EXIT_PREEMPTED else "stopped without a checkpoint where the "
+                                              "ranks stopped"))
     return lines
+
+
+def preemption_record(run_dir: Path) -> dict[str, Any] | None:
+    """``preempted.json``: what rank 0 recorded when SIGTERM or SIGUSR1 stopped the ranks (the signal, the step
+    they stopped after, whether the checkpoint there was saved, the grace period); None when it was not."""
+    try:
+        record = json.loads((run_dir / PREEMPTED_JSON).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and record.get("signal") in signal.Signals.__members__ else None
+
+
+def stop_signal(run_dir: Path, exit_code: int) -> int | None:
+    """The signal that stopped a run whose launcher got none (a rank got it itself; under torchrun each rank is
+    the process signalled): the preemption rank 0 recorded, else for the worker's own stop exit codes (138, 143)
+    the signal rank 0 recorded in its metrics (SIGTERM when another rank got it); None when no signal stopped it."""
+    record = preemption_record(run_dir)
+    if record is not None:
+        return signal.Signals[record["signal"]]
+    if exit_code not in (EXIT_PREEMPTED, EXIT_STOPPED):
+        return None
+    by = (_metrics(run_dir) or {}).get("stopped_by_signal")
+    return by if isinstance(by, int) else signal.SIGTERM
+
+
+def stop_exit_code(run_dir: Path, signum: int) -> int:
+    """``dsrun train``'s exit code for a run stopped by ``signum``: 138 when a preemption signal stopped it and the
+    ranks saved the checkpoint where they stopped, 143 when they did not, 128 + the signal otherwise (Ctrl-C: 130)."""
+    if signum not in PREEMPTION_SIGNALS:
+        return 128 + signum
+    record = preemption_record(run_dir)
+    return EXIT_PREEMPTED if record is not None and record.get("saved") else EXIT_STOPPED
 
 
 def _metrics(run_dir: Path) -> dict[str, Any] | None:

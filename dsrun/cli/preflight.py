@@ -10,7 +10,12 @@ What the ranks would otherwise find one traceback per rank later:
   whole (a truncated file has no zip directory);
 * monitor folders the user named can be written;
 * memory: the estimator's peak for this run against this machine (``dsrun estimate-memory`` shows the
-  breakdown); "too big" stops the launch (``--skip-memory-check`` launches anyway), "tight" is a note.
+  breakdown); "too big" stops the launch (``--skip-memory-check`` launches anyway), "tight" is a note;
+* ``train.preemption.grace_s`` against the time this run's checkpoint takes to write here (its size by the
+  estimator over the write rate measured in the directory ``dsrun train`` runs from, measured only when the
+  grace asks for more than any disk gives: :data:`ANY_DISK_BYTES_PER_S`): a preempted run could not save. A
+  grace period you set is refused; the default one (120 s) gets a note, so a run that no scheduler preempts
+  is not stopped for it.
 
 Files and memory are checked only when every rank runs on this machine: a plan with other hosts may read
 paths this machine does not have.
@@ -28,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from dsrun.runspec import PreemptionSpec
 from dsrun.utils.errors import Problem, UserError, find_user_error
 
 if TYPE_CHECKING:
@@ -39,6 +45,8 @@ if TYPE_CHECKING:
     from dsrun.runspec import ResolvedRun
 
 WARMUP_SCHEDULES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+ANY_DISK_BYTES_PER_S = 50 * 2**20  # a grace that needs no faster writes than this is not measured
+WRITE_PROBE_BYTES = 64 * 2**20  # at most this much is written (and synced) to measure the rate
 
 
 @dataclass
@@ -75,6 +83,12 @@ def check_before_launch(resolved: ResolvedRun, *, memory_check: bool = True) -> 
         problems += monitor_path_problems(resolved.ds)
     if not problems and model is not None and memory_check and here:
         problems += _memory(resolved, model, result)
+    if not problems and model is not None and here:  # the default grace period gets a note, one you set a refusal
+        too_short = grace_problems(resolved, model, Path.cwd())
+        if resolved.train.preemption.grace_s != PreemptionSpec().grace_s:
+            problems += too_short
+        else:
+            result.notes += [f"note: a preemption could not save in time: {problem}" for problem in too_short]
     result.model = model
     if problems:
         raise UserError(problems)
@@ -273,6 +287,53 @@ def _memory(resolved: ResolvedRun, model: RecipeModel, result: Preflight) -> lis
     return [Problem("memory", f"this run does not fit this machine by the estimator: {verdict.reason}",
                     "see dsrun estimate-memory with the same overrides; try zero=stage3 offload=cpu, a smaller "
                     "model, or fewer ranks; --skip-memory-check launches anyway")]
+
+
+def grace_problems(resolved: ResolvedRun, model: RecipeModel, where: Path) -> list[Problem]:
+    """``train.preemption.grace_s`` shorter than writing this run's checkpoint takes in ``where`` (its size by
+    :func:`~dsrun.estimate.model_states.checkpoint_bytes`, the rate measured there by :func:`write_rate` when the
+    grace asks for more than :data:`ANY_DISK_BYTES_PER_S`): a preempted run could not save in time."""
+    from dsrun.estimate.model_states import checkpoint_bytes
+    from dsrun.estimate.runspec import inputs_from_runspec
+
+    grace = resolved.train.preemption.grace_s
+    size = checkpoint_bytes(inputs_from_runspec(resolved.runspec, model)[0])
+    if size <= grace * ANY_DISK_BYTES_PER_S:
+        return []
+    try:
+        rate, probe_dir = write_rate(where, min(size, WRITE_PROBE_BYTES))
+    except OSError:  # nothing can be written there: the run directory's own check says so
+        return []
+    seconds = size / rate
+    if seconds <= grace:
+        return []
+    return [Problem("train.preemption.grace_s", f"is {grace:g} s, but saving this run's checkpoint "
+                    f"({size / 2**20:,.1f} MiB of weights and optimizer states) takes about {seconds:.3g} s here "
+                    f"(writing {rate / 2**20:,.0f} MiB/s, measured in {probe_dir})",
+                    f"raise it to at least {math.ceil(seconds * 1.5)} and give the scheduler's notice as long "
+                    "(Kubernetes: terminationGracePeriodSeconds; Slurm: --signal=USR1@SECONDS), or save to a "
+                    "faster disk")]
+
+
+def write_rate(where: Path, size: int) -> tuple[float, Path]:
+    """(bytes per second, the folder measured): ``size`` bytes written and synced to a file in the nearest existing
+    folder of ``where``, then removed."""
+    import tempfile
+    import time
+
+    folder = where.absolute()
+    while not folder.is_dir():
+        folder = folder.parent
+    chunk = b"\0" * min(size, 4 * 2**20)
+    started = time.perf_counter()
+    with tempfile.NamedTemporaryFile(dir=folder, prefix=".dsrun-write-rate-") as handle:
+        written = 0
+        while written < size:
+            written += handle.write(chunk[:size - written])
+        handle.flush()
+        os.fsync(handle.fileno())
+        elapsed = time.perf_counter() - started
+    return written / max(elapsed, 1e-6), folder
 
 
 def one_rank_too_big(resolved: ResolvedRun, model: RecipeModel) -> str | None:

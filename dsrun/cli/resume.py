@@ -26,7 +26,7 @@ import copy
 import dataclasses
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from omegaconf import OmegaConf
 
@@ -37,8 +37,8 @@ if TYPE_CHECKING:
     from dsrun.runspec import ResolvedRun
 
 NOT_SHAPING = ("train.resume", "train.max_steps", "train.max_tokens", "train.save_interval", "train.keep_last",
-               "train.eval_interval", "train.eval_iters", "launcher.master_port", "launcher.master_addr",
-               "launcher.log_dir", "ds.steps_per_print")
+               "train.eval_interval", "train.eval_iters", "train.preemption.grace_s", "launcher.master_port",
+               "launcher.master_addr", "launcher.log_dir", "ds.steps_per_print")
 CHECKPOINTS = "checkpoints"
 
 

@@ -16,6 +16,10 @@ Examples:
                                                 same recipe and overrides (docs/checkpoint.md)
   dsrun train --from outputs/2026-01-31/12-00-00
                                                 resume that run from its newest checkpoint (or run it again)
+  dsrun train train.resume=auto train.preemption.grace_s=90
+                                                on SIGTERM/SIGUSR1 (a scheduler's preemption) every rank finishes
+                                                its step and saves a checkpoint there within 90 s, exit code 138;
+                                                the same command again resumes (docs/cluster.md)
   dsrun train -m zero=stage1,stage2 optimizer.params.lr=1e-4,3e-4   a Hydra multirun sweep: one job each,
                                                 a summary table of the jobs at the end
   dsrun train -m hydra/sweeper=optuna hydra.sweeper.n_trials=20 'optimizer.params.lr=tag(log, interval(1e-5, 1e-2))'
@@ -79,11 +83,14 @@ class TrainingFailed(Exception):
 
 
 class TrainingStopped(Exception):
-    """The run was stopped by a signal (Ctrl-C, SIGTERM); the closing lines are printed already."""
+    """The run was stopped by a signal (Ctrl-C, SIGTERM, SIGUSR1); the closing lines are printed already.
+    ``exit_code``: 138 for a preempted run whose ranks saved where they stopped, else 128 + the signal (143 for
+    SIGTERM and SIGUSR1 alike: 138 means the checkpoint)."""
 
-    def __init__(self, signum: int) -> None:
+    def __init__(self, signum: int, exit_code: int | None = None) -> None:
         super().__init__(f"stopped by signal {signum}")
         self.signum = signum
+        self.exit_code = 128 + signum if exit_code is None else exit_code
 
 
 def run(args: argparse.Namespace) -> int:
@@ -188,7 +195,7 @@ def _run(args: argparse.Namespace, outer: OuterRank | None, handoff: RunHandoff 
         except TrainingStopped as err:
             job.error = "stopped"
             if not args.multirun:
-                sys.exit(128 + err.signum)
+                sys.exit(err.exit_code)
             raise KeyboardInterrupt from None  # Ctrl-C stops the sweep, not only its job
         finally:
             log.close()
@@ -344,7 +351,7 @@ def _train(resolved: ResolvedRun, run_dir: Path, preflight: Preflight, resume_li
     """Launch the worker on every rank of the plan; return the run's metrics (``metrics.json``)."""
     import json
 
-    from dsrun.cli.outcome import done_lines, first_error, mark_mlflow, short_path, stopped_lines
+    from dsrun.cli.outcome import done_lines, first_error, mark_mlflow, short_path, stop_signal
     from dsrun.launcher import launch_from_mapping
     from dsrun.launcher.execute import JobOutcome
     from dsrun.rundir import METRICS_JSON
@@ -359,12 +366,13 @@ def _train(resolved: ResolvedRun, run_dir: Path, preflight: Preflight, resume_li
     log.say(f"starting {resolved.world_size} rank(s) on {hosts}; each imports torch and builds its engine "
             "before its first line")
     launch_from_mapping(launcher, WORKER_MODULE, ["--run-dir", str(run_dir)], module=True,
-                        out=log.stdout, err=log.stderr, outcome=outcome)
-    if outcome.signal is not None:
+                        out=log.stdout, err=log.stderr, outcome=outcome,
+                        stop_grace=resolved.train.preemption.grace_s)  # the agents kill the ranks only after it
+    # the launcher got the signal, or a rank did (the ranks stopped together and say which in the run directory)
+    signum = outcome.signal or (stop_signal(run_dir, outcome.exit_code) if outcome.exit_code else None)
+    if signum is not None:
         mark_mlflow(resolved, run_dir, started_ms, "KILLED", log.say)
-        for line in stopped_lines(resolved, run_dir, outcome.signal):
-            log.say(line, err=True)
-        raise TrainingStopped(outcome.signal)
+        _say_stopped(resolved, run_dir, signum, log)
     if outcome.exit_code != 0:
         mark_mlflow(resolved, run_dir, started_ms, "FAILED", log.say)
         if outcome.user_errors:
@@ -380,14 +388,23 @@ def _train(resolved: ResolvedRun, run_dir: Path, preflight: Preflight, resume_li
     return metrics
 
 
+def _say_stopped(resolved: ResolvedRun, run_dir: Path, signum: int, log: LauncherLog) -> None:
+    """Say where a run stopped by ``signum`` stands (the checkpoint, how to resume) and raise
+    :class:`TrainingStopped` with its exit code (138: preempted, checkpoint saved)."""
+    from dsrun.cli.outcome import stop_exit_code, stopped_lines
+
+    for line in stopped_lines(resolved, run_dir, signum):
+        log.say(line, err=True)
+    raise TrainingStopped(signum, stop_exit_code(run_dir, signum))
+
+
 def _train_as_rank(resolved: ResolvedRun, run_dir: Path, preflight: Preflight, resume_line: str | None,
                    record: Record, log: LauncherLog, handoff: RunHandoff) -> dict:
     """Rank 0 of an outer launcher's job: write the run files, hand the run directory to the other ranks and
     train as rank 0 in this process (dsrun.cli.outer_rank); return the run's metrics."""
     import json
-    import signal
 
-    from dsrun.cli.outcome import done_lines, stopped_lines
+    from dsrun.cli.outcome import done_lines, stop_signal
     from dsrun.cli.outer_rank import run_rank
     from dsrun.rundir import METRICS_JSON
 
@@ -395,10 +412,9 @@ def _train_as_rank(resolved: ResolvedRun, run_dir: Path, preflight: Preflight, r
     log.say(f"training as rank 0 of {resolved.world_size_source}; the other ranks take this run directory")
     handoff.send_run(run_dir)
     code = run_rank(run_dir, 0, log.stdout, log.stderr)
-    if code == 128 + signal.SIGTERM:  # the worker stopped at a step boundary on SIGTERM/SIGINT
-        for line in stopped_lines(resolved, run_dir, signal.SIGTERM):
-            log.say(line, err=True)
-        raise TrainingStopped(signal.SIGTERM)
+    signum = stop_signal(run_dir, code) if code else None  # the worker stopped at a step boundary on a signal
+    if signum is not None:
+        _say_stopped(resolved, run_dir, signum, log)
     if code != 0:  # the worker said why (a user's mistake: its error lines)
         raise TrainingFailed(f"exit code {code}", code)
     metrics = json.loads((run_dir / METRICS_JSON).read_text())

@@ -219,3 +219,14 @@ def init_bytes_per_rank(spec: EstimateInputs) -> int:
     if spec.zero_stage == 3 and spec.zero_init:
         return (ceil_div(spec.total_params, spec.partition_ranks) + spec.largest_layer_params) * FP32
     return spec.total_params * FP32
+
+
+def checkpoint_bytes(spec: EstimateInputs) -> int:
+    """Bytes of one checkpoint of the whole run, every rank's files together: the module's weights in the working
+    precision, and for the trainable parameters the fp32 master copy (a tensor of its own in mixed precision and
+    at ZeRO stages 1-3) and the optimizer's states. A lower bound: buffers, RNG states, the 1-bit optimizers'
+    error buffers and the client state are left out. ``dsrun train`` sets it against ``train.preemption.grace_s``."""
+    w = 2 if spec.mixed_precision else FP32
+    trainable, states = spec.trainable, optimizer_state_count(spec.optimizer, spec.optimizer_params)
+    master = FP32 * trainable if spec.mixed_precision or spec.zero_stage > 0 else 0
+    return spec.total_params * w + master + FP32 * states * trainable

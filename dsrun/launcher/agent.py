@@ -14,7 +14,11 @@ the ranks on a signal. dsrun adds what a multi-node job needs on top:
   ``--peer_timeout`` seconds (or that loses the store) stops its ranks too;
 - **no orphans:** ranks start through :mod:`dsrun.launcher.rank_exec` and die with their agent; with
   ``--watch_stdin`` (the ssh runner) the agent stops everything when its ssh connection goes away;
-- ``CROSS_RANK``/``CROSS_SIZE``/``LOCAL_SIZE``, ``--local_rank=N``, ``OMP_NUM_THREADS`` and core binding.
+- ``CROSS_RANK``/``CROSS_SIZE``/``LOCAL_SIZE``, ``--local_rank=N``, ``OMP_NUM_THREADS`` and core binding;
+- **stop signals:** SIGINT, SIGTERM and SIGUSR1 (Slurm's ``--signal=USR1@N``; torch elastic alone would die of
+  it) are passed on to the ranks as they came, which get ``--stop_grace`` seconds (default 30) to finish their
+  step and save before they are killed; ranks that exit with 138 (preempted, checkpoint saved) are not
+  restarted here: the job ends for the scheduler to requeue it.
 
 The agent prints each failure as one line ``@@dsrun-failure@@ {json}`` on stderr for the launcher to
 collect, and exits with the failed rank's exit code (128+signal for a rank killed by a signal).
@@ -36,11 +40,12 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from dsrun.launcher.protocol import debug_requested, decode_world_info
+from dsrun.launcher.protocol import STOP_SIGNALS, debug_requested, decode_world_info
 
 MONITOR_INTERVAL = 0.25
 SHUTDOWN_GRACE = 5  # seconds between SIGTERM and SIGKILL when stopping the ranks of a failed job
 STOP_GRACE = 30  # ... when the agent was told to stop (Ctrl-C): time for a step, a checkpoint, the monitors
+_ALSO_HANDLED = (signal.SIGHUP, signal.SIGQUIT)  # the rest of torch elastic's own list
 _SCHEDULER_RANK_VARIABLES = ("SLURM_NODEID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
 
 
@@ -73,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--watch_stdin", action="store_true", help="stop everything when stdin closes")
     parser.add_argument("--rdzv_timeout", type=int, default=300)
     parser.add_argument("--peer_timeout", type=float, default=30.0)
+    parser.add_argument("--stop_grace", type=int, default=STOP_GRACE,
+                        help="seconds the ranks have to stop after SIGINT/SIGTERM/SIGUSR1 before they are killed")
     parser.add_argument("--elastic_training", action="store_true", help="nodes may leave and join (c10d rendezvous)")
     parser.add_argument("--min_elastic_nodes", type=int, default=1)
     parser.add_argument("--max_elastic_nodes", type=int, default=-1, help="-1: the nodes of --world_info")
@@ -183,6 +190,9 @@ def _run_node(ns: argparse.Namespace, hosts: dict[str, list[int]], node_rank: in
 
         os.environ["OMP_NUM_THREADS"] = str(default_omp_threads(local_world_size))
 
+    # the signals torch elastic's agent passes on to the ranks (its default list lacks SIGUSR1, which would kill it)
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(sig.name for sig in (*STOP_SIGNALS, *_ALSO_HANDLED))
+
     # torch is imported only now: the checks above fail fast without paying for it.
     from dsrun.launcher.supervision import NodeAgent, RankLogs, build_spec
 
@@ -212,7 +222,8 @@ def _run_node(ns: argparse.Namespace, hosts: dict[str, list[int]], node_rank: in
             max_restarts=ns.max_restarts, rdzv_timeout=ns.rdzv_timeout, last_call_timeout=ns.rdzv_last_call_timeout,
             monitor_interval=MONITOR_INTERVAL)
         agent = ElasticNodeAgent(spec, RankLogs(str(log_dir)), host=host, host_names=host_names,
-                                 node_rank=node_rank, save_pid=ns.save_pid, shutdown_grace=SHUTDOWN_GRACE)
+                                 node_rank=node_rank, save_pid=ns.save_pid, shutdown_grace=SHUTDOWN_GRACE,
+                                 stop_grace=ns.stop_grace)
     else:
         spec = build_spec(
             rank_exec=rank_exec, command=_worker_command(ns), local_world_size=local_world_size,
@@ -221,7 +232,7 @@ def _run_node(ns: argparse.Namespace, hosts: dict[str, list[int]], node_rank: in
             monitor_interval=MONITOR_INTERVAL)
         agent = NodeAgent(spec, RankLogs(str(log_dir)), host=host, host_names=host_names, node_rank=node_rank,
                           save_pid=ns.save_pid, peer_timeout=ns.peer_timeout,
-                          shutdown_grace=SHUTDOWN_GRACE, stop_grace=STOP_GRACE)
+                          shutdown_grace=SHUTDOWN_GRACE, stop_grace=ns.stop_grace)
     code = agent.run_to_exit_code()
     if temporary_logs and code == 0:
         shutil.rmtree(log_dir, ignore_errors=True)

@@ -95,6 +95,7 @@ class ElasticNodeAgent(NodeAgent):
                       f"this node's ranks in a new rendezvous round")
             self._members = alive
             return RunResult(state=WorkerState.UNHEALTHY)
+        self._keep_preempted_down(result)
         if result.state == WorkerState.FAILED and result.failures:
             self._cause = self._local_report(worker_group, result)
             if self._remaining_restarts > 0:

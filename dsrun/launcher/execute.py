@@ -2,9 +2,11 @@
 turn the agents' failure reports into one clear message and exit code.
 
 The agents do the supervision (see :mod:`dsrun.launcher.supervision`); this side only has to make sure
-nothing outlives the job: when any node command exits non-zero, or the launcher gets SIGINT/SIGTERM, every
-other node is told to stop (the ssh runner closes the agent's stdin, which it watches; local agents get
-SIGTERM), and whatever is still running after a grace period is killed. Every child is also started with
+nothing outlives the job: when any node command exits non-zero, or the launcher gets SIGINT/SIGTERM/SIGUSR1,
+every other node is told to stop (the ssh runner closes the agent's stdin, which it watches; local agents get
+the signal the launcher got, SIGTERM after a failure, and pass it on to their ranks), and whatever is still
+running after a grace period is killed (40 s; ``LaunchOptions.stop_grace`` plus two ``STOP_MARGIN`` when
+given: ``dsrun train``'s ``train.preemption.grace_s``). Every child is also started with
 ``PR_SET_PDEATHSIG`` so even a SIGKILLed launcher takes its agents (and, through them, the ranks) down.
 
 With ``--elastic_training`` a node command that ends while others run is a node leaving: the launcher says
@@ -15,8 +17,10 @@ A caller that explains the outcome itself (``dsrun train``) passes a :class:`Job
 user's mistake (:func:`~dsrun.launcher.protocol.report_user_error`), a Ctrl-C or a SIGTERM then ends the
 relay of the job's stderr (what follows is ranks being stopped: torch elastic's and gloo's noise; stdout,
 read on another thread, keeps what the ranks printed before); the job's summary lines are left out, and the
-outcome holds the problems and the signal. With ``DSRUN_DEBUG=1`` everything is relayed as usual. A second
-Ctrl-C kills the job at once.
+outcome holds the problems and the signal. A rank that exited with 138 or 143 by itself (``EXIT_PREEMPTED``:
+the ranks stopped on a signal a rank got and saved a checkpoint; ``EXIT_STOPPED``: they stopped without one)
+is no failure to report either: that is the exit code and the caller words it. With ``DSRUN_DEBUG=1``
+everything is relayed as usual. A second Ctrl-C kills the job at once.
 """
 from __future__ import annotations
 
@@ -35,7 +39,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from dsrun.launcher.protocol import FAILURE_MARKER, debug_requested, exit_code_for, parse_user_error
+from dsrun.launcher.options import STOP_MARGIN
+from dsrun.launcher.protocol import (EXIT_PREEMPTED, EXIT_STOPPED, FAILURE_MARKER, STOP_SIGNALS, debug_requested,
+                                     exit_code_for, parse_user_error)
 from dsrun.launcher.plan import LaunchPlan
 from dsrun.launcher.runners import RUNNER_TOOLS, NodeCommand, runner_environment
 from dsrun.utils.errors import EXIT_USAGE, Problem, UserError
@@ -55,7 +61,7 @@ def _die_with_parent() -> None:
 
 @dataclass
 class JobOutcome:
-    """How a job ended, for a caller that words it itself: ``exit_code``; ``signal`` the SIGINT/SIGTERM that
+    """How a job ended, for a caller that words it itself: ``exit_code``; ``signal`` the SIGINT/SIGTERM/SIGUSR1 that
     stopped it (None when it ended on its own); ``user_errors`` the problems a rank reported as the user's
     mistake (its exit code is then 2), each once, in the order first reported; ``failed_rank`` the rank the
     agents found failed first (the cause; the others' failures followed from it), None when none did."""
@@ -86,7 +92,9 @@ class _Job:
         self.reports: list[dict[str, Any]] = []
         self.lock = threading.Lock()
         self.signal_received: int | None = None
-        self.signals = 0  # how many SIGINT/SIGTERM arrived: a second one kills the job at once
+        self.signals = 0  # how many stop signals arrived: a second one kills the job at once
+        grace = plan.options.stop_grace
+        self.stop_grace = STOP_GRACE if grace is None else grace + 2 * STOP_MARGIN
         self.prefix = len(plan.commands) > 1 or plan.runner not in ("local", "no_ssh")
 
     # ---- output ----------------------------------------------------------------------------------
@@ -148,9 +156,9 @@ class _Job:
                     node.process.stdin.close()  # the remote agent watches stdin and stops on EOF
                 except OSError:
                     pass
-            else:
+            else:  # the signal the launcher got (Ctrl-C stays Ctrl-C, SIGUSR1 a preemption), or SIGTERM
                 try:
-                    node.process.send_signal(signal.SIGTERM)
+                    node.process.send_signal(self.signal_received or signal.SIGTERM)
                 except ProcessLookupError:
                     pass
 
@@ -175,8 +183,8 @@ class _Job:
                 failed = False  # the others carry on; the job ends when they do
             if stop_deadline is None and (failed or self.signal_received is not None):
                 self.ask_to_stop()
-                stop_deadline = time.monotonic() + STOP_GRACE
-            if stop_deadline is not None and not terminated and time.monotonic() > stop_deadline - STOP_GRACE / 2:
+                stop_deadline = time.monotonic() + self.stop_grace
+            if stop_deadline is not None and not terminated and time.monotonic() > stop_deadline - self.stop_grace / 2:
                 for node in self.nodes:  # ssh clients that ignored the closed stdin get a signal too
                     if node.process.poll() is None:
                         node.process.send_signal(signal.SIGTERM)
@@ -236,6 +244,9 @@ class _Job:
         if self.plan.options.elastic_training and 0 in codes:
             return 0  # the nodes of the last round finished the job; the others had left it
         cause = self.root_cause()
+        stopped = cause is not None and cause.get("exitcode") in (EXIT_PREEMPTED, EXIT_STOPPED)
+        if self.outcome is not None and stopped:
+            return cause["exitcode"]  # a rank got a stop signal itself and the ranks stopped: the caller says how
         lines: list[str] = []
         if cause is not None:
             lines.append(f"dsrun: job failed: {cause['message']}")
@@ -314,7 +325,7 @@ def run(plan: LaunchPlan, *, out: IO[str] | None = None, err: IO[str] | None = N
             job.signal_received = signum
             job.signals += 1
 
-        for signum in (signal.SIGINT, signal.SIGTERM):
+        for signum in STOP_SIGNALS:
             previous[signum] = signal.signal(signum, on_signal)
     try:
         job.start()

@@ -49,6 +49,9 @@ ELASTIC_RUNNERS: tuple[str, ...] = ("local", "ssh", "pdsh", "no_ssh")
 DEFAULT_MASTER_PORT = 29500
 ELASTIC_MAX_RESTARTS = 100  # DeepSpeed's elastic agent allows 100 restarts
 DEFAULT_LAST_CALL_TIMEOUT = 30.0  # torch elastic's default
+# with a stop grace (dsrun train's train.preemption.grace_s): each supervisor waits this much beyond the one below
+# it before it kills (a rank's own grace ends first, then the agent's, then the launcher's)
+STOP_MARGIN = 5.0
 
 # RunSpec key -> (LaunchOptions field, accepted Python types)
 MAPPING_KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
@@ -110,6 +113,10 @@ class LaunchOptions:
     rdzv_last_call_timeout: float = DEFAULT_LAST_CALL_TIMEOUT
     comment: str | None = None
     account: str | None = None
+    # seconds the ranks have to stop after a stop signal (dsrun train: train.preemption.grace_s); the agents kill
+    # them STOP_MARGIN later, the launcher kills what is left STOP_MARGIN after that. None: the agents' 30 s, the
+    # launcher's 40
+    stop_grace: float | None = None
     cwd: str = field(default_factory=os.getcwd)
     python: str = sys.executable
 

@@ -1,6 +1,8 @@
 """What the launcher and the node agents agree on: how the world is passed to an agent, how an agent
 reports a failure (one ``@@dsrun-failure@@ {json}`` line on stderr), how a rank reports a mistake of the
-user's (one ``@@dsrun-user-error@@ {json}`` line on stderr, then exit code 2), and how exit codes are derived.
+user's (one ``@@dsrun-user-error@@ {json}`` line on stderr, then exit code 2), how exit codes are derived,
+and which signals stop a run (:data:`STOP_SIGNALS`; :data:`PREEMPTION_SIGNALS` make it save where it stops and
+exit with :data:`EXIT_PREEMPTED`).
 
 A rank of a user's own script reports its mistakes the same way: every rank dsrun starts has ``DSRUN_RANK=1``
 (set by :mod:`dsrun.launcher.rank_exec`), and ``dsrun.init_distributed`` / ``dsrun.initialize`` install
@@ -14,6 +16,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import signal
 import sys
 import types
 from typing import IO, Any
@@ -23,6 +26,19 @@ USER_ERROR_MARKER = "@@dsrun-user-error@@ "
 RANK_ENV = "DSRUN_RANK"  # "1" in every rank dsrun's launcher starts
 DEBUG_ENV = "DSRUN_DEBUG"  # "1": show tracebacks and torch elastic's own log lines (dsrun --debug sets it)
 TAIL_LINES = 20
+
+# A scheduler's notice that the job is about to lose its machines: SIGTERM (Kubernetes' pod termination, Slurm's
+# preemption and time limit, Ray's) and SIGUSR1 (Slurm's ``--signal=USR1@SECONDS``). The ranks finish their step
+# and save a checkpoint there, whether periodic saving is on or not (docs/cluster.md). SIGINT (Ctrl-C) stops a
+# run too, saving only when periodic saving is on.
+PREEMPTION_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGINT, *PREEMPTION_SIGNALS)
+# Preempted, checkpoint saved where the ranks stopped: requeue the job, the same command resumes. 128 + SIGUSR1:
+# Kubeflow's ExitCode restart policy names 138 the user's retryable code (its newer rule retries every code from
+# 128), and Slurm's RequeueExit or a Kubernetes Job's podFailurePolicy can name it; distinct from 143 (stopped by
+# a signal without such a checkpoint), 130 (Ctrl-C) and 137 (killed).
+EXIT_PREEMPTED = 138
+EXIT_STOPPED = 128 + signal.SIGTERM  # stopped by a signal, no checkpoint where it stopped (a rank's exit code)
 
 
 def encode_world_info(hosts: dict[str, Any]) -> str:

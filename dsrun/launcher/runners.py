@@ -19,11 +19,12 @@ has mpirun start every rank, as DeepSpeed does: :mod:`dsrun.launcher.mpi`.
 """
 from __future__ import annotations
 
+import math
 import shlex
 from dataclasses import dataclass
 
 from dsrun.launcher.mpi import mpi_argv
-from dsrun.launcher.options import MPI_RUNNERS, LaunchOptions
+from dsrun.launcher.options import MPI_RUNNERS, STOP_MARGIN, LaunchOptions
 from dsrun.launcher.protocol import encode_world_info
 
 SSH_OPTIONS: tuple[str, ...] = ("-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "-o", "ServerAliveInterval=5",
@@ -83,6 +84,8 @@ def agent_argv(options: LaunchOptions, hosts: dict[str, list[int]], node_rank: i
                  f"--rdzv_last_call_timeout={options.rdzv_last_call_timeout:g}"]
     if options.log_dir:
         argv.append(f"--log_dir={options.log_dir}")
+    if options.stop_grace is not None:
+        argv.append(f"--stop_grace={math.ceil(options.stop_grace + STOP_MARGIN)}")
     if save_pid:
         argv.append(f"--save_pid={save_pid}")
     if watch_stdin:

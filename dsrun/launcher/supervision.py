@@ -35,7 +35,7 @@ from torch.distributed.elastic.multiprocessing import LogsDest, LogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
 
-from dsrun.launcher.protocol import exit_code_for, log_tails, report_failure
+from dsrun.launcher.protocol import EXIT_PREEMPTED, exit_code_for, log_tails, report_failure
 
 _LEAVE_WAIT = 5.0  # how long node 0 keeps the store up for the other agents to read the outcome
 _CONSEQUENCE_WAIT = 0.5  # how long an exit-code failure waits for an earlier failure elsewhere
@@ -154,10 +154,18 @@ class NodeAgent(LocalElasticAgent):
             self._pid_file.write_text(json.dumps({"agent": os.getpid(), "host": self._host, "ranks": ranks}))
         return pids
 
+    def _keep_preempted_down(self, result: RunResult) -> None:
+        """Ranks that exited with EXIT_PREEMPTED saved a checkpoint because the machines are going away:
+        restarting them here would only be preempted again. The job ends; the scheduler requeues it."""
+        if result.state == WorkerState.FAILED and any(
+                failure.exitcode == EXIT_PREEMPTED for failure in result.failures.values()):
+            self._remaining_restarts = 0
+
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
         store = worker_group.store
         current = self._round()
+        self._keep_preempted_down(result)
         if result.state == WorkerState.FAILED:
             self._cause = self._publish_cause(store, current, self._local_report(worker_group, result))
             return result

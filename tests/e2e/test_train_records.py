@@ -2,18 +2,14 @@
 how to resume (and --from resumes it; train.resume=auto finds it); the MLflow run of a stopped job is KILLED,
 of a failed one FAILED, also for a trial of an Optuna sweep; provenance.json records what ran."""
 import json
-import os
 import platform
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from dsrun.checkpoint import read_latest
-from tests.helpers import REPO, free_port, run_cli
+from tests.helpers import free_port, run_cli, signal_when
 
 QUICK = ["train.eval_iters=1", "train.eval_interval=0", "data.max_bytes=300000", "monitor=mlflow",
          "scheduler.params.warmup_num_steps=2"]
@@ -23,24 +19,7 @@ MLFLOW = {"MLFLOW_TRACKING_URI": ""}
 def interrupt_when(args: list[str], cwd: Path, seen: str, timeout: float = 300) -> tuple[int, str, str]:
     """Run ``python -m dsrun ARGS`` in its own session and, once ``seen`` appears on its stdout, send SIGINT to
     the whole process group, as Ctrl-C in a terminal does. Returns (exit code, stdout, stderr)."""
-    env = {**os.environ, **MLFLOW, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    process = subprocess.Popen([sys.executable, "-m", "dsrun", *args], cwd=cwd, env=env, text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                               start_new_session=True)
-    deadline = time.monotonic() + timeout
-    out = []
-    try:
-        for line in process.stdout:
-            out.append(line)
-            if seen in line:
-                os.killpg(process.pid, signal.SIGINT)
-                break
-            assert time.monotonic() < deadline, "".join(out)[-3000:]
-        rest, err = process.communicate(timeout=120)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-    return process.returncode, "".join(out) + rest, err
+    return signal_when(args, cwd, seen, signal.SIGINT, group=True, env=MLFLOW, timeout=timeout)
 
 
 def mlflow_statuses(cwd: Path, experiment: str = "dsrun") -> dict[str, str]:

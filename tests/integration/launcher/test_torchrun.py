@@ -1,6 +1,7 @@
 """``dsrun train`` under a real torchrun becomes torchrun's rank (docs/torchrun.md): the same job as dsrun's own
 launcher trains (same per-step losses, same run directory files), a conflicting launcher key is one line and
-exit code 2, and two torchrun nodes in network namespaces (c10d rendezvous) train the same job too.
+exit code 2, two torchrun nodes in network namespaces (c10d rendezvous) train the same job too, and SIGTERM to one
+rank stops both at a step boundary with a checkpoint there (preemption, docs/cluster.md).
 
 torchrun is torch's own (``python -m torch.distributed.run``, what the ``torchrun`` script runs); gloo meets on
 127.0.0.1 at a free port; every wait is bounded by a subprocess timeout."""
@@ -9,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -202,3 +204,48 @@ def test_as_deepspeed_under_torchrun_leaves_no_temporary_folder(tmp_path):
     assert report["deepspeed"] == "deepspeed" and report["dsrun"].startswith("dsrun.")
     assert "dsrun-deepspeed-bin-" not in report["path"]
     assert not list(temp.glob("dsrun-deepspeed-bin-*"))
+
+
+def _rank_pid(parent: int, rank: int) -> int | None:
+    """The PID of the child of ``parent`` whose environment says ``RANK=rank`` (a rank torchrun started)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) != parent:
+                continue
+            environ = (stat.parent / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if f"RANK={rank}".encode() in environ:
+            return int(stat.parent.name)
+    return None
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_rank_under_torchrun_stops_both_with_a_checkpoint_and_exit_138(tmp_path):
+    """Preemption under torchrun (docs/cluster.md): SIGTERM to rank 1 alone; both ranks agree to stop at the next
+    step boundary, save there (train.save_interval=0) and exit with 138, which torchrun reports as their exit code."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    tiny = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=32", "data.max_bytes=200000",
+            "train.eval_iters=1", "train.eval_interval=0", "monitor=none", "train.max_steps=500", "ds.steps_per_print=1"]
+    process = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                "--master-port", str(free_port()), "-m", "dsrun", "train", *tiny], cwd=tmp_path,
+                               env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        for line in process.stdout:
+            if "[dsrun] step 2/500" in line:
+                os.kill(_rank_pid(process.pid, 1), signal.SIGTERM)
+                break
+        _, err = process.communicate(timeout=TIMEOUT)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    run_dir = only_run_dir(tmp_path)
+    record = json.loads((run_dir / "preempted.json").read_text())
+    step = record["step"]
+    assert record["signal"] == "SIGTERM" and record["saved"] and step >= 2, err[-3000:]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"global_step{step}"
+    assert (f"[dsrun] stopped by SIGTERM after step {step} of 500; checkpoint saved at step {step}"
+            in (run_dir / "dsrun.log").read_text())
+    assert "exitcode  : 138" in err, err[-3000:]  # torchrun's summary of the ranks' exit codes
+    assert process.returncode != 0  # torchrun's own: a failed group (with --max-restarts it restarts, resuming)

@@ -82,6 +82,19 @@ def test_a_run_saves_at_its_last_step_once_whatever_the_interval(tmp_path):
         assert not off.save_if_due(last_step) and not (tmp_path / "off" / "checkpoints").exists()
 
 
+@pytest.mark.usefixtures("single_rank")
+def test_a_preempted_run_saves_where_it_stops_even_with_saving_off(tmp_path):
+    from .conftest import make_engine, train
+
+    engine, loader = make_engine(1), _Loader()
+    hooks = TrainingCheckpoints(engine, loader, tmp_path, save_interval=0, resume=None, keep_last=2, last_step=10)
+    train(engine, 2)
+    assert not hooks.save_if_due(2, force=True)  # Ctrl-C: saves only when saving is on
+    assert hooks.save_if_due(2, force=True, always=True)  # SIGTERM/SIGUSR1: the run must be resumable
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "global_step2"
+    assert not hooks.save_if_due(2, force=True, always=True)  # once per step
+
+
 @pytest.mark.parametrize("interval, metrics, says", [
     (100, {"steps": 30}, "it stopped at step 30 before its first save at 100"),
     (100, {"steps": 20, "resumed_from_step": 10}, "it stopped at step 30 before its first save at 100"),

@@ -95,3 +95,13 @@ def _hostfile(tmp_path):
     path = tmp_path / "hosts"
     path.write_text("n0 slots=2\nn1 slots=2\n")
     return path
+
+
+def test_dsrun_train_gives_the_agents_its_grace_period_and_more(tmp_path, capsys):
+    code = launch_from_mapping({"runner": "ssh", "hostfile": str(_hostfile(tmp_path)), "num_procs": 1,
+                                "master_port": 29999}, "dsrun.worker", ["--run-dir", "runs/1"], module=True,
+                               dry_run=True, cwd=str(tmp_path), stop_grace=90.5)
+    assert code == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert all("--stop_grace=96 " in cmd for _, cmd in plan["commands"])  # the ranks' 90.5 s, then 5 s more
+    assert build_parser().parse_args(["--world_info=e30=", "--master_addr=a", "--master_port=1", "t"]).stop_grace == 30

@@ -142,3 +142,15 @@ def test_a_stopped_agent_tells_the_others_at_once(tmp_path, clock):
     stopped._announce_stop(stopped._agent_report("the agent on h1 was stopped by SIGTERM"))
     assert other._check_peers(store, 0)["message"] == "the agent on h1 was stopped by SIGTERM"
     assert store.check(["dsrun/abort"])
+
+
+def test_ranks_that_saved_on_preemption_are_not_restarted_here(tmp_path):
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+
+    agent = make_agent(tmp_path, max_restarts=3)
+    agent._keep_preempted_down(RunResult(state=WorkerState.FAILED, failures={0: SimpleNamespace(exitcode=1)}))
+    assert agent._remaining_restarts == 3  # a crash is restarted
+    agent._keep_preempted_down(RunResult(state=WorkerState.FAILED, failures={1: SimpleNamespace(exitcode=138)}))
+    assert agent._remaining_restarts == 0  # preempted: the job ends for the scheduler to requeue
