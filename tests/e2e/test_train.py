@@ -68,6 +68,8 @@ TRAINED_ELSEWHERE = {
     "gpt_infinity": "tests/e2e/test_infinity_recipe.py",
     "gpt_tune": "tests/e2e/test_tune.py (every trial, and the final run)",
     "gpt_elastic": "tests/integration/launcher/test_elastic.py (over two hosts)",
+    "gpt_pipe": "tests/e2e/test_dry_run_topology.py (a real 2-rank run, a smaller model; a non-finite loss fails it)",
+    "gpt_moe": "tests/e2e/test_dry_run_topology.py (a real 2-rank run, a smaller model; a non-finite loss fails it)",
 }
 
 
