@@ -140,14 +140,20 @@ class DevicePeak:
 
 
 def device_peak(device: torch.device | str, dtype: torch.dtype, threads: int | None = None) -> DevicePeak:
-    """The table's peak for a known CUDA GPU, else the matmul probe's on ``device`` itself."""
+    """The table's peak for a known CUDA GPU, else the matmul probe's on ``device`` itself. A measured peak at a
+    16-bit dtype is never below the fp32 one: a CPU without fp16 arithmetic multiplies fp16 at a few GFLOP/s
+    while a 16-bit model's other kernels (attention, the loss) compute in fp32 and outpace it, so the dtype's
+    own GEMM rate would not bound the model's (MFU over 100%)."""
     device = torch.device(device)
     if device.type == "cuda":
         tf32 = torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
         known = gpu_peak_tflops(torch.cuda.get_device_name(device), dtype, tf32=tf32)
         if known is not None:
             return DevicePeak(known[0] * 1e12, f"table, {known[1]}")
-    return DevicePeak(measure_matmul_peak(dtype, device, threads=threads), "measured")
+    peak = measure_matmul_peak(dtype, device, threads=threads)
+    if dtype != torch.float32:
+        peak = max(peak, measure_matmul_peak(torch.float32, device, threads=threads))
+    return DevicePeak(peak, "measured")
 
 
 @dataclass(frozen=True)

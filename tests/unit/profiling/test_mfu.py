@@ -61,6 +61,18 @@ def test_cpu_probe_measures_a_positive_finite_rate():
     assert peak.line().startswith("peak (measured): ") and peak.line().endswith(" TFLOP/s")
 
 
+def test_a_16_bit_peak_is_never_below_the_fp32_one(monkeypatch):
+    """A CPU without fp16 arithmetic: its fp16 GEMM (~3 GFLOP/s here) is slower than the fp32 kernels a 16-bit
+    model also runs, so the fp32 rate bounds the model's; a fast 16-bit GEMM (bf16 with AMX) keeps its own."""
+    import dsrun.profiling.mfu as mfu
+
+    rates = {torch.float32: 100e9, torch.float16: 3e9, torch.bfloat16: 180e9}
+    monkeypatch.setattr(mfu, "measure_matmul_peak", lambda dtype, device, threads=None: rates[dtype])
+    assert device_peak("cpu", torch.float16).flops == 100e9
+    assert device_peak("cpu", torch.bfloat16).flops == 180e9
+    assert device_peak("cpu", torch.float32).flops == 100e9
+
+
 def test_meter_divides_by_devices_and_peak():
     meter = ModelFlopsMeter(flops_per_step=4e12, peak=DevicePeak(10e12, "given"), devices=2)
     rate = meter.rate(steps=5, elapsed_s=2.0)  # 20e12 FLOPs in 2 s over 2 devices: 5 TFLOP/s each
