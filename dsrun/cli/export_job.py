@@ -18,6 +18,7 @@ checkpoint of the same recipe and overrides. docs/kubernetes.md.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -36,7 +37,6 @@ _READ_BY = {"image": "pytorchjob/trainjob/jobset", "namespace": "pytorchjob/trai
             "pvc": "pytorchjob/trainjob/jobset", "grace_period": "pytorchjob/trainjob/jobset",
             "max_restarts": "pytorchjob/jobset", "time": "sbatch", "partition": "sbatch"}
 DEFAULT_MAX_RESTARTS = 3
-DEFAULT_GRACE_PERIOD_S = 120
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,15 +67,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="PyTorchJob, JobSet: restarts of the job before it counts as failed (backoffLimit, "
                              "failurePolicy.maxRestarts; default 3); a TrainJob's are its runtime's")
     parser.add_argument("--grace-period", type=int, default=None, metavar="S",
-                        help="Kubernetes: seconds from SIGTERM to SIGKILL, for the ranks to reach a step boundary "
-                             "and save (default 120)")
+                        help="Kubernetes: seconds from SIGTERM to SIGKILL (terminationGracePeriodSeconds), for the "
+                             "ranks to reach a step boundary and save; at least train.preemption.grace_s + 20 "
+                             "(the default: 140 with the default 120)")
     parser.add_argument("--time", default=None, help="sbatch: the time limit (--time, e.g. 04:00:00)")
     parser.add_argument("--partition", default=None, help="sbatch: the partition")
     add_compose_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    from dsrun.launcher.cluster_job import ClusterJob, NodeResources, default_name, name_problems, train_args
+    from dsrun.launcher.cluster_job import (SIGNAL_MARGIN_S, ClusterJob, NodeResources, default_name, name_problems,
+                                            train_args)
     from dsrun.launcher.kubernetes import RUNS_MOUNT
 
     target = _target(args.target)
@@ -95,13 +97,19 @@ def run(args: argparse.Namespace) -> int:
                                 "read rank 0's run directory", "give a ReadWriteMany PersistentVolumeClaim"))
     if problems:
         raise UserError(problems)
+    rank_grace = math.ceil(resolved.train.preemption.grace_s)
+    if args.grace_period is not None and args.grace_period < rank_grace + 2 * SIGNAL_MARGIN_S:
+        raise UserError(Problem("--grace-period", f"is {args.grace_period} s, but the ranks may take "
+                                f"train.preemption.grace_s={resolved.train.preemption.grace_s:g} s to save and torchrun "
+                                f"waits {SIGNAL_MARGIN_S} s more", f"give at least {rank_grace + 2 * SIGNAL_MARGIN_S}, or "
+                                "lower train.preemption.grace_s"))
     _notes(resolved, kubernetes and not args.pvc)
     runs_dir = RUNS_MOUNT if kubernetes else args.runs_dir
     job = ClusterJob(name=name, nodes=nodes, procs_per_node=procs,
                      train_args=train_args(args.overrides, args.recipes_dir, runs_dir), runs_dir=runs_dir,
                      resources=NodeResources(args.cpus, args.memory, args.gpus),
                      max_restarts=_given(args.max_restarts, DEFAULT_MAX_RESTARTS),
-                     grace_period_s=_given(args.grace_period, DEFAULT_GRACE_PERIOD_S),
+                     grace_period_s=_given(args.grace_period, rank_grace + 2 * SIGNAL_MARGIN_S), rank_grace_s=rank_grace,
                      image=args.image, namespace=args.namespace, pvc=args.pvc, time=args.time, partition=args.partition,
                      master_port=resolved.runspec.launcher.get("master_port") if target == "sbatch" else None)
     _write(args.output, _render(target, job), target)
@@ -183,8 +191,8 @@ def _check_recipe(args: argparse.Namespace, target: str, name: str) -> tuple[Res
 def _notes(resolved: ResolvedRun, no_volume: bool) -> None:
     """What a restart will not find, said on stderr (the manifest is stdout)."""
     if not resolved.train.save_interval:
-        print("note: train.save_interval is 0: the job saves no checkpoint, so a restarted job starts again at step "
-              "0 (set train.save_interval=N)", file=sys.stderr)
+        print("note: train.save_interval is 0: the job saves only when it is stopped (SIGTERM, SIGUSR1), so a job "
+              "restarted after a crash starts again at step 0 (set train.save_interval=N)", file=sys.stderr)
     if no_volume:
         print("note: no --pvc: the run directories live in an emptyDir, lost when the pod is deleted (a preempted "
               "pod's job starts again at step 0)", file=sys.stderr)

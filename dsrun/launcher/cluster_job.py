@@ -21,6 +21,10 @@ RESUME_OVERRIDE = "train.resume=auto"
 RUN_DIR_PATTERN = "outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}"
 # the static rendezvous every target uses: node 0 hosts torch's store (torchrun's default port)
 RENDEZVOUS_PORT = 29500
+# torchrun's default signals plus SIGUSR1; the seconds each layer (torchrun, the pod, the batch shell) adds to the
+# ranks' train.preemption.grace_s so that the one outside never cuts a save the one inside still allows
+TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+SIGNAL_MARGIN_S = 10
 # a Kubernetes object name that stays a DNS label in the names derived from it (JobSet's pod host names add
 # "-node-0-0", the PyTorchJob's services "-worker-NN")
 _NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
@@ -49,7 +53,8 @@ class ClusterJob:
     runs_dir: str | None = None         # the folder of the run directories (outputs/DATE/TIME); None: Hydra's
     resources: NodeResources = field(default_factory=NodeResources)
     max_restarts: int = 3               # restarts of the whole job before it counts as failed
-    grace_period_s: int = 120           # from SIGTERM to SIGKILL: the ranks stop at a step boundary and save
+    grace_period_s: int = 140           # from SIGTERM to SIGKILL: the ranks stop at a step boundary and save
+    rank_grace_s: int = 120             # the ranks' own train.preemption.grace_s, rounded up
     # Kubernetes only
     image: str | None = None
     namespace: str | None = None
@@ -68,6 +73,9 @@ class ClusterJob:
         ``dsrun train``. The node's index and node 0's address come from the job kind's ``PET_*`` variables
         (torchrun reads ``PET_NODE_RANK``, ``PET_MASTER_ADDR``, ``PET_MASTER_PORT`` as its flags' defaults)."""
         return ["torchrun", "--nnodes", str(self.nodes), "--nproc-per-node", str(self.procs_per_node),
+                # SIGUSR1 passed on too (a preemption notice; torchrun would die of it), and the ranks given their
+                # grace period to save before torchrun kills them (its default waits 30 s)
+                "--signals-to-handle", TORCHRUN_SIGNALS, "--shutdown-timeout", str(self.rank_grace_s + SIGNAL_MARGIN_S),
                 "-m", "dsrun", "train", *self.train_args]
 
     def mlflow_store(self) -> str | None:

@@ -2,9 +2,10 @@
 rank and each task's ``dsrun train`` becomes that rank (:mod:`dsrun.launcher.outer` reads ``SLURM_PROCID``,
 ``SLURM_STEP_NUM_TASKS``, ``SLURM_STEP_TASKS_PER_NODE``, ... and meets at the step's first node). docs/kubernetes.md.
 
-Preemption and the time limit: ``--signal=B:USR1@90`` tells the batch shell 90 seconds before the time limit;
+Preemption and the time limit: ``--signal=B:USR1@S`` tells the batch shell S seconds before the time limit (S: the
+ranks' ``train.preemption.grace_s`` plus 30, so a step and a save fit before Slurm kills the job);
 its trap sends SIGTERM to the step (srun hands it to every task: each rank stops at a step boundary and saves a
-checkpoint, with ``train.save_interval``), waits for it, and requeues the job (``--requeue``; a job preempted
+checkpoint), waits for it, and requeues the job (``--requeue``; a job preempted
 with Slurm's ``PreemptMode=REQUEUE`` is requeued by Slurm itself). The requeued job runs the same script, and
 ``train.resume=auto`` resumes from the newest checkpoint of the same recipe and overrides.
 """
@@ -12,9 +13,13 @@ from __future__ import annotations
 
 import shlex
 
-from dsrun.launcher.cluster_job import RENDEZVOUS_PORT, ClusterJob
+from dsrun.launcher.cluster_job import RENDEZVOUS_PORT, SIGNAL_MARGIN_S, ClusterJob
 
-SIGNAL_LEAD_S = 90  # seconds before the time limit that the batch shell is told (--signal=B:USR1@90)
+
+def signal_lead_s(job: ClusterJob) -> int:
+    """Seconds before the time limit that the batch shell is told (``--signal=B:USR1@...``): the ranks' grace
+    period, the shell's own margin and srun's."""
+    return job.rank_grace_s + 3 * SIGNAL_MARGIN_S
 
 
 def batch_script(job: ClusterJob) -> str:
@@ -26,7 +31,7 @@ def batch_script(job: ClusterJob) -> str:
                *([f"--gpus-per-node={res.gpus}"] if res.gpus else []),
                *([f"--time={job.time}"] if job.time else []),
                *([f"--partition={job.partition}"] if job.partition else []),
-               f"--signal=B:USR1@{SIGNAL_LEAD_S}", "--requeue", "--open-mode=append",
+               f"--signal=B:USR1@{signal_lead_s(job)}", "--requeue", "--open-mode=append",
                "--output=%x-%j.out"]
     rank = " ".join(shlex.quote(arg) for arg in job.rank_argv())
     store = job.mlflow_store()
@@ -44,7 +49,7 @@ def batch_script(job: ClusterJob) -> str:
         f"export MASTER_PORT=$(( {RENDEZVOUS_PORT} + SLURM_JOB_ID % 1000 ))",
         "",
         *mlflow,
-        f"# {SIGNAL_LEAD_S} s before the time limit: every rank stops at a step boundary and saves, then the job "
+        f"# {signal_lead_s(job)} s before the time limit: every rank stops at a step boundary and saves, then the job "
         "requeues",
         "stop_and_requeue() {",
         '    echo "[dsrun] time limit near: stopping the ranks at a step boundary, then requeueing job $SLURM_JOB_ID"',

@@ -57,6 +57,9 @@ def test_sbatch_script_to_a_file(tmp_path, capsys):
                                                                       "--target trainjob"),
     (["--target", "sbatch", "--runs-dir", "runs"], "error: --runs-dir: is 'runs', a relative path"),
     (["--target", "sbatch", "--grace-period", "60"], "error: --grace-period: is not read by --target sbatch"),
+    (["--target", "pytorchjob", "--image", "x", "--grace-period", "60"],
+     "error: --grace-period: is 60 s, but the ranks may take train.preemption.grace_s=120 s to save and torchrun "
+     "waits 10 s more (give at least 140, or lower train.preemption.grace_s)"),
     (["--target", "trainjob", "--image", "x", "--name", "My_Job"], "error: --name: 'My_Job' is not a name"),
     (["--target", "sbatch", "train.resume=/ckpt"], "error: train.resume: is /ckpt, but the exported job resumes"),
     (["--target", "sbatch", "hydra.run.dir=/x"], "error: hydra.run.dir: is set, but each run of the exported job"),

@@ -54,12 +54,14 @@ def test_each_manifest_is_valid_against_its_schema_and_runs_the_torchrun_contrac
     assert (doc["apiVersion"], doc["kind"]) == API[target]
     assert doc["metadata"]["name"] == "gpt-zero3" and doc["metadata"]["namespace"] == "ml"
     assert "ssh" not in text.lower()
-    assert command(target, doc) == ["torchrun", "--nnodes", "2", "--nproc-per-node", "4", "-m", "dsrun", "train",
+    assert command(target, doc) == ["torchrun", "--nnodes", "2", "--nproc-per-node", "4",
+                                    "--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+                                    "--shutdown-timeout", "130", "-m", "dsrun", "train",
                                     *OVERRIDES, "hydra.run.dir=/runs/outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}",
                                     "train.resume=auto"]
     pod = pod_spec(target, doc)
     assert {"name": "runs", "persistentVolumeClaim": {"claimName": "dsrun-runs"}} in pod["volumes"]
-    assert pod["terminationGracePeriodSeconds"] == 120
+    assert pod["terminationGracePeriodSeconds"] == 140  # the ranks' 120 s, torchrun's 10 s more, the pod's 10 s
     assert {"name": "runs", "mountPath": "/runs"} in pod["containers"][0]["volumeMounts"]
     env = doc["spec"]["trainer"]["env"] if target == "trainjob" else pod["containers"][0]["env"]
     assert {"name": "MLFLOW_TRACKING_URI", "value": "sqlite:////runs/mlruns/mlflow.db"} in env  # on the volume
@@ -142,7 +144,7 @@ def test_the_batch_script_is_valid_bash_with_one_task_per_rank(tmp_path):
     assert subprocess.run(["bash", "-n", str(path)], capture_output=True, timeout=30).returncode == 0
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --gpus-per-node=4",
                  "#SBATCH --cpus-per-task=4", "#SBATCH --mem=64G", "#SBATCH --time=04:00:00",
-                 "#SBATCH --partition=gpu", "#SBATCH --signal=B:USR1@90", "#SBATCH --requeue"):
+                 "#SBATCH --partition=gpu", "#SBATCH --signal=B:USR1@150", "#SBATCH --requeue"):
         assert line in script.splitlines()
     assert ("srun --ntasks-per-node=4 --kill-on-bad-exit=1 python -m dsrun train --recipes-dir /shared/recipes "
             "+recipe=gpt_zero3 train.save_interval=50 'hydra.run.dir=/shared/runs/outputs/${now:%Y-%m-%d}/"
