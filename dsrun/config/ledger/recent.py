@@ -1,10 +1,9 @@
 """Ledger entries for the keys DeepSpeed added between 0.14 and 0.19 (dsrun/config/recent.py and the new
-fields of the older sections). ``torch_autocast`` acts; Muon's momentum placement needs no setting; the rest are
-refused when a config enables them.
+fields of the older sections). ``torch_autocast`` acts; the rest are refused when a config enables them.
 """
 from __future__ import annotations
 
-from .entry import Entry, Feature, design, done, todo
+from .entry import Entry, Feature, done, todo
 
 AUTOCAST = "tests/unit/runtime/test_torch_autocast.py::"
 ENGINE = Feature("", "leave the key at its default")
@@ -19,6 +18,11 @@ DTYPES = Feature("separate parameter and buffer dtypes", "use bf16/fp16 sections
 
 def _stage3(cfg) -> bool:
     return cfg.zero_optimization.stage == 3
+
+
+def _muon_on_nvme(cfg) -> bool:
+    return (cfg.optimizer is not None and (cfg.optimizer.type or "").lower() == "muon" and _stage3(cfg)
+            and cfg.zero_optimization.offload_optimizer_device == "nvme")
 
 
 def _section(prefix: str, feature: Feature, keys: dict[str, str], **kwargs) -> list[Entry]:
@@ -62,10 +66,11 @@ ENTRIES: list[Entry] = [
          applies=_stage3),
     todo("zero_optimization.parameter_alignment", "align partition boundaries of each parameter", ENGINE),
     todo("zero_optimization.enable_sanity_checks", "extra ZeRO consistency checks", ENGINE),
-    design("zero_optimization.save_muon_momentum_buffer_in_memory", "keep Muon's momentum in memory instead of "
-           "swapping it to NVMe with the other optimizer states (ZeRO-3)", "dsrun always keeps Muon's momentum in "
-           "memory (each matrix's, on the rank that computes it: dsrun/optim/muon/zero.py) and refuses Muon with "
-           "NVMe optimizer offload, so both values run the same"),
+    # DeepSpeed reads it only for Muon at stage 3 with NVMe optimizer offload, which dsrun refuses (Muon's matrices
+    # must be in memory at the step); everywhere else dsrun keeps the momentum in memory, as the key asks
+    todo("zero_optimization.save_muon_momentum_buffer_in_memory", "keep Muon's momentum in memory instead of "
+         "swapping it to NVMe with the other optimizer states (ZeRO-3)",
+         Feature("Muon with NVMe optimizer offload", "offload the optimizer to cpu"), applies=_muon_on_nvme),
     *_section("zero_optimization.leaf_module", LEAF, {"classes": "leaf module classes",
                                                       "names": "leaf module names",
                                                       "name_suffixes": "leaf module name suffixes"},
