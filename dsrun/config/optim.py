@@ -27,12 +27,12 @@ from .problems import validate_model
 NATIVE_OPTIMIZERS = {
     "adam": "Adam", "adamw": "AdamW", "lamb": "Lamb", "onebitadam": "OneBitAdam",
     "zerooneadam": "ZeroOneAdam", "onebitlamb": "OneBitLamb", "adagrad": "Adagrad", "lion": "Lion",
-    "muadam": "MuAdam", "muadamw": "MuAdamW", "musgd": "MuSGD",
+    "muadam": "MuAdam", "muadamw": "MuAdamW", "musgd": "MuSGD", "muon": "Muon",
 }
 ONE_BIT_OPTIMIZERS = frozenset({"onebitadam", "zerooneadam", "onebitlamb"})
 DYNAMIC_LOSS_SCALE_OPTIMIZERS = frozenset({"lamb", "onebitlamb"})
 # Optimizers ZeRO is tested with (DeepSpeed asserts unless zero_allow_untested_optimizer is set).
-ZERO_TESTED_OPTIMIZERS = frozenset({"adam", "adamw", "lamb", "adagrad", "lion"})
+ZERO_TESTED_OPTIMIZERS = frozenset({"adam", "adamw", "lamb", "adagrad", "lion", "muon"})
 
 DEEPSPEED_SCHEDULERS = ("LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 
@@ -206,13 +206,17 @@ def lamb_pair_problems(values: dict[str, float | None], base: str) -> list[Probl
 # the optimizer types the engine builds as one of DeepSpeed's CPU optimizers (DeepSpeedCPUAdam/Adagrad/Lion) when
 # the optimizer is offloaded (Adam/AdamW unless their params ask for torch_adam)
 CPU_OPTIMIZER_TYPES = ("adam", "adamw", "adagrad", "lion")
+MUON_OPTIMIZER_NAMES = ("muon", "muonwithauxadam")  # optimizer.type, and the class the engine builds
 
 
 def offload_optimizer_problem(optimizer_name: str, device: str, force_ds_cpu_optimizer: bool,
                               prefix: str = "") -> Problem | None:
     """The problem with offloading (ZeRO-Offload to ``device``) an optimizer that is not one of DeepSpeed's CPU
     optimizers, else None: one rule for the config check (on ``optimizer.type``) and the engine (on the optimizer
-    it built or was given)."""
+    it built or was given). Muon, which DeepSpeed builds from the config and steps on the host, offloads to the
+    CPU (not to NVMe: its matrices' gradients must be in memory at the step)."""
+    if optimizer_name.lower() in MUON_OPTIMIZER_NAMES and device == "cpu":
+        return None
     if device == "nvme":
         return Problem(f"{prefix}zero_optimization.offload_optimizer.device", "NVMe optimizer offload steps swapped "
                        f"tiles with a DeepSpeed CPU optimizer; got {optimizer_name}",
@@ -223,6 +227,17 @@ def offload_optimizer_problem(optimizer_name: str, device: str, force_ds_cpu_opt
                        "use optimizer type Adam, AdamW, Adagrad or Lion, or set \"zero_force_ds_cpu_optimizer\": "
                        "false to step it on the host anyway")
     return None
+
+
+class MuonParams(_CommonOptimizerParams):
+    """Muon's params as DeepSpeed's engine reads them (dsrun/optim/muon/optimizer.py: ``muon_param_groups``);
+    DeepSpeed drops any other key silently, dsrun names it."""
+
+    model_config = ConfigDict(extra="forbid")
+    muon_lr: Annotated[float, Field(ge=0)] | None = None
+    adam_lr: Annotated[float, Field(ge=0)] | None = None
+    momentum: Annotated[float, Field(ge=0, lt=1)] | None = None
+    ns_method: Literal["gram", "standard"] | None = None
 
 
 ONE_BIT_PARAMS: dict[str, type[_OneBitParams]] = {"onebitadam": OneBitAdamParams, "zerooneadam": ZeroOneAdamParams,
@@ -280,6 +295,8 @@ def check_optimizer(optimizer: OptimizerConfig, prefix: str) -> list[Problem]:
         problems.append(Problem(f"{base}.type", "required key is missing (params are given without a type)",
                                 "add e.g. \"type\": \"AdamW\""))
     params_model = ONE_BIT_PARAMS.get((optimizer.type or "").lower(), _CommonOptimizerParams)
+    if (optimizer.type or "").lower() == "muon":
+        params_model = MuonParams
     params, params_problems = validate_model(params_model, optimizer.params, f"{base}.params")
     problems.extend(params_problems)
     if isinstance(params, _OneBitParams):

@@ -139,7 +139,7 @@ def check_optimizer_rules(cfg: DSConfig, p: str) -> list[Problem]:
             and not any(pr.path == f"{p}optimizer.type" for pr in problems):
         problems.append(Problem(f"{p}optimizer.type",
                                 f"{cfg.optimizer.type!r} is not an optimizer ZeRO is tested with "
-                                "(Adam, AdamW, Lamb, Adagrad, Lion)",
+                                "(Adam, AdamW, Lamb, Adagrad, Lion, Muon)",
                                 "set \"zero_allow_untested_optimizer\": true to use it anyway"))
     device = cfg.zero_optimization.offload_optimizer_device
     torch_adam = name in ("adam", "adamw") and bool((cfg.optimizer.params or {}).get("torch_adam"))

@@ -12,6 +12,7 @@ from dsrun.compression.feature import CompressionFeature
 from dsrun.data_efficiency.features import DataEfficiency
 from dsrun.features import Feature, register_feature
 from dsrun.moe.feature import MoEFeature
+from dsrun.optim.muon import MuonFeature
 from dsrun.optim.onebit import OneBitFeature
 from dsrun.sequence.feature import SequenceParallelFeature
 from dsrun.zero.zeropp import ZeroPlusPlusFeature
@@ -20,6 +21,7 @@ BUILTIN: tuple[type[Feature], ...] = (
     DataEfficiency,  # curriculum / random-LTD: the batch a step sees (always built: DeepSpeed's getters read it)
     CompressionFeature,  # wraps layers before the optimizer sees their parameters
     OneBitFeature,  # binds a 1-bit optimizer to the ZeRO strategy's step
+    MuonFeature,  # Muon: marks use_muon before the optimizer; the whole-matrix update at the ZeRO step
     ActivationCheckpointingFeature,  # the activation_checkpointing section, configured at attach
     MoEFeature,  # expert groups, expert param groups, expert checkpoint files
     SequenceParallelFeature,  # Ulysses: the topology's sequence axis

@@ -64,6 +64,9 @@ _STATES: dict[str, int] = {
     "lion": 1, "fusedlion": 1, "cpulion": 1,
     "adagrad": 1, "cpuadagrad": 1,
     "sgd": 0, "rmsprop": 1,
+    # Muon: the auxiliary Adam's two moments, an upper bound for the hidden matrices, whose one momentum buffer is
+    # held once across the data-parallel group at every stage (docs/muon.md)
+    "muon": 2, "muonwithauxadam": 2,
 }
 
 

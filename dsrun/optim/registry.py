@@ -1,11 +1,12 @@
 """Optimizers by DeepSpeed name.
 
 ``optimizer.type`` in a DeepSpeed config is matched case-insensitively against DeepSpeed's own names
-(Adam, AdamW, Lamb, Lion, Adagrad); anything else is looked up in ``torch.optim`` (exact case first, then
+(Adam, AdamW, Lamb, Lion, Adagrad, Muon); anything else is looked up in ``torch.optim`` (exact case first, then
 case-insensitively, so ``sgd`` finds ``SGD``). Adam and AdamW use the compiled CPU op
 (``dsrun.ops.adam.DeepSpeedCPUAdam``, built on first use) when the model lives on the CPU; otherwise torch's
 ``Adam``/``AdamW`` (or dsrun's torch Adam for options torch lacks). DeepSpeed's "Adam" decays weights
-AdamW-style unless ``"adam_w_mode": false``; ``"torch_adam": true`` forces torch's implementation.
+AdamW-style unless ``"adam_w_mode": false``; ``"torch_adam": true`` forces torch's implementation. "Muon" is
+DeepSpeed's ``MuonWithAuxAdam`` over its two groups (:mod:`dsrun.optim.muon`), not ``torch.optim.Muon``.
 """
 from __future__ import annotations
 
@@ -21,8 +22,10 @@ from dsrun.utils.suggest import did_you_mean
 from .adam import Adam
 from .lamb import Lamb
 from .lion import Lion
+from .muon.optimizer import MuonWithAuxAdam, muon_param_groups
 
-NATIVE_NAMES = {"adam": "Adam", "adamw": "AdamW", "lamb": "Lamb", "lion": "Lion", "adagrad": "Adagrad"}
+NATIVE_NAMES = {"adam": "Adam", "adamw": "AdamW", "lamb": "Lamb", "lion": "Lion", "adagrad": "Adagrad",
+                "muon": "Muon"}
 # the mup package's optimizers: dsrun cannot build them (the config layer refuses them first, with the same
 # reason, from its support ledger; this guards direct calls)
 MUP_NAMES = {"muadam": "MuAdam", "muadamw": "MuAdamW", "musgd": "MuSGD"}
@@ -31,7 +34,7 @@ ENGINE_BUILT_NAMES = {"onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam", 
 # Optimizer classes ZeRO is tested with; others need "zero_allow_untested_optimizer": true.
 ZERO_TESTED_CLASS_NAMES = frozenset({"Adam", "AdamW", "Lamb", "Lion", "Adagrad", "DeepSpeedCPUAdam",
                                      "DeepSpeedCPUAdagrad", "DeepSpeedCPULion", "FusedAdam", "FusedLamb",
-                                     "OnebitAdam", "OnebitLamb"})  # the 1-bit pair: stage 1 (docs/onebit.md)
+                                     "OnebitAdam", "OnebitLamb", "MuonWithAuxAdam"})  # the 1-bit pair: stage 1 (docs/onebit.md)
 
 
 def compiled_cpu_adam() -> type | None:
@@ -105,6 +108,8 @@ def build_optimizer(type_name: str, params: Iterable[Any], optimizer_params: dic
 
                 return DeepSpeedCPULion(params, **kwargs)
             return Lion(params, **kwargs)
+        if key == "muon":
+            return MuonWithAuxAdam(muon_param_groups(params, kwargs))
         if key == "adagrad":
             if offload:
                 from dsrun.ops.adagrad import DeepSpeedCPUAdagrad
@@ -139,4 +144,4 @@ def check_zero_optimizer(optimizer: torch.optim.Optimizer, zero_stage: int, allo
             "zero_allow_untested_optimizer",
             f"ZeRO stage {zero_stage} is not tested with {type(optimizer).__name__}",
             "add \"zero_allow_untested_optimizer\": true to the config to use it anyway, or pick "
-            "Adam, AdamW, Lamb, Lion or Adagrad"))
+            "Adam, AdamW, Lamb, Lion, Adagrad or Muon"))

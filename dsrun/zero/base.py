@@ -259,13 +259,13 @@ class ZeroStrategy(ABC):
             clip_coef = gradient_clipping / (norm + 1e-6)
             if clip_coef < 1.0:
                 coef *= clip_coef
-        self.global_grad_norm = norm
         state = StepState(strategy=self, coef=coef, grad_norm=norm, step=self.steps_taken)
         self.hooks.run(BEFORE_UPDATE, state)
+        self.global_grad_norm = state.grad_norm  # a hook may measure it anew (Muon: over its updates)
         self._apply_update(state.coef)
         self.steps_taken += 1
         self.hooks.run(AFTER_UPDATE, state)
-        return StepOutcome(overflow=False, grad_norm=norm)
+        return StepOutcome(overflow=False, grad_norm=state.grad_norm)
 
     def _begin_step(self) -> None:
         """Bring the gradients to where the step reads them (stages 0-2: the fp32 master gradients)."""

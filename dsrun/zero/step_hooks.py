@@ -69,7 +69,9 @@ class StepState:
 
     strategy: StepSource
     coef: float  # multiplies every gradient before the optimizer: 1 / loss scale, the average, the clip
-    grad_norm: float | None  # the global gradient norm (unscaled), when clipping measured it
+    grad_norm: float | None  # the global gradient norm (unscaled), when clipping measured it; a before_update hook
+    # that changes what the update reads may set it anew (Muon: the norm over its orthogonalised updates), and the
+    # step reports that value
     step: int = 0  # optimizer steps taken by this strategy before this one
     extra: dict[str, Any] = field(default_factory=dict)  # for hooks to pass data on to later hooks
 

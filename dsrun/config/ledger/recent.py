@@ -20,6 +20,11 @@ def _stage3(cfg) -> bool:
     return cfg.zero_optimization.stage == 3
 
 
+def _muon_on_nvme(cfg) -> bool:
+    return (cfg.optimizer is not None and (cfg.optimizer.type or "").lower() == "muon" and _stage3(cfg)
+            and cfg.zero_optimization.offload_optimizer_device == "nvme")
+
+
 def _section(prefix: str, feature: Feature, keys: dict[str, str], **kwargs) -> list[Entry]:
     return [todo(f"{prefix}.{key}", meaning, feature, **kwargs) for key, meaning in keys.items()]
 
@@ -61,7 +66,11 @@ ENTRIES: list[Entry] = [
          applies=_stage3),
     todo("zero_optimization.parameter_alignment", "align partition boundaries of each parameter", ENGINE),
     todo("zero_optimization.enable_sanity_checks", "extra ZeRO consistency checks", ENGINE),
-    todo("zero_optimization.save_muon_momentum_buffer_in_memory", "keep Muon's momentum in memory", ENGINE),
+    # DeepSpeed reads it only for Muon at stage 3 with NVMe optimizer offload, which dsrun refuses (Muon's matrices
+    # must be in memory at the step); everywhere else dsrun keeps the momentum in memory, as the key asks
+    todo("zero_optimization.save_muon_momentum_buffer_in_memory", "keep Muon's momentum in memory instead of "
+         "swapping it to NVMe with the other optimizer states (ZeRO-3)",
+         Feature("Muon with NVMe optimizer offload", "offload the optimizer to cpu"), applies=_muon_on_nvme),
     *_section("zero_optimization.leaf_module", LEAF, {"classes": "leaf module classes",
                                                       "names": "leaf module names",
                                                       "name_suffixes": "leaf module name suffixes"},
