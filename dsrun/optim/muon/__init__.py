@@ -10,6 +10,7 @@ import torch
 
 from dsrun.config import DSConfig
 from dsrun.features import Feature
+from dsrun.utils.errors import ConfigError, Problem
 
 from .newton_schulz import (NS_METHODS, adam_update, muon_update, zeropower_via_gram_newtonschulz,
                             zeropower_via_newtonschulz5)
@@ -44,6 +45,11 @@ class MuonFeature(Feature):
     def attach(self, engine: Any) -> None:
         strategy = engine.strategy
         if strategy is not None and isinstance(strategy.optimizer, MuonWithAuxAdam):
+            if any(not getattr(p, "allreduce", True) for p in engine.module.parameters()):  # DeepSpeed's expert mark
+                raise ConfigError(Problem(
+                    "optimizer.type", "is Muon, but the model has MoE expert parameters, and dsrun's Muon is not "
+                    "proved against a reference on them (each expert-parallel rank's updates, the clip norm across "
+                    "them)", "train a MoE model with Adam or AdamW"))
             self.binding = ZeroMuon(strategy)
 
     def metrics(self) -> dict[str, float]:

@@ -149,3 +149,11 @@ def test_estimator_and_flops_profiler_report_all_and_active_parameters() -> None
 
     assert "MoE params active per token (k experts per layer):" in lines
     assert params_to_string(active) in lines and params_to_string(total) in lines
+
+
+def test_muon_on_a_moe_model_is_refused_before_the_first_step() -> None:
+    """dsrun's Muon is proved on dense matrices only: expert parameters (each expert-parallel rank's own, whose
+    updates and clip norm would have to be combined across those ranks) are refused, not trained unproved."""
+    muon = {"train_batch_size": 4, "optimizer": {"type": "Muon", "params": {"lr": 0.01}}}
+    with pytest.raises(ConfigError, match=r"^optimizer.type: is Muon, but the model has MoE expert parameters"):
+        dsrun.initialize(model=Net(), config=muon)
