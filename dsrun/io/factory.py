@@ -119,7 +119,10 @@ class CheckpointFile:
             return
         self._closed = True
         try:
-            self.writer.close()
+            if isinstance(self.writer, FastFileWriter):
+                self.writer.abort()
+            else:
+                self.writer.close()
         except OSError:
             pass
         finally:

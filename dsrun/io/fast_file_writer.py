@@ -110,6 +110,19 @@ class FastFileWriter(BaseFileWriter):
         self._fini()
         self._incr_stats(CLOSE_COUNT_KEY)
 
+    def abort(self) -> None:
+        """Close without writing what is buffered (a save that failed; the caller removes the file)."""
+        if self._aio_fd == INVALID_FD:
+            return
+        try:
+            self._io_buffer.complete_ongoing_drain()
+        except Exception:  # the write in flight failed too; the save is failing anyway
+            pass
+        finally:
+            self._io_buffer.reset()
+            fd, self._aio_fd = self._aio_fd, INVALID_FD
+            os.close(fd)
+
     def __enter__(self) -> "FastFileWriter":
         return self
 

@@ -7,6 +7,8 @@ the other; a drain first waits for the previous one. The single buffer drains sy
 """
 from __future__ import annotations
 
+import errno
+import os
 from typing import Protocol
 
 import torch
@@ -65,7 +67,10 @@ class IOBuffer:
     def complete_ongoing_drain(self) -> None:
         if self._draining:
             self._draining = False
-            self._handle.wait()
+            try:
+                self._handle.wait()
+            except RuntimeError as err:
+                raise as_os_error(err) from err
 
     def get_buffer(self) -> torch.Tensor:
         return self._halves[self._fill_index]
@@ -101,3 +106,12 @@ class Double_IO_Buffer(IOBuffer):
 
     def __init__(self, pinned_tensor: torch.Tensor, dnvme_handle: DrainHandle) -> None:
         super().__init__(pinned_tensor, dnvme_handle, halves=2)
+
+
+def as_os_error(err: RuntimeError) -> Exception:
+    """The async I/O op reports a failed write as a RuntimeError carrying strerror's text; a full disk or quota
+    becomes the OSError it was, so a save's full-disk handling (``dsrun.checkpoint.atomic.disk_full``) sees it."""
+    for code in (errno.ENOSPC, errno.EDQUOT):
+        if os.strerror(code) in str(err):
+            return OSError(code, str(err))
+    return err

@@ -136,3 +136,19 @@ def test_the_fast_writer_splits_the_storage_list_as_deepspeed_does(tmp_path, han
         parts.append((tmp_path / f"part{rank}").read_bytes())
     assert [len(p) for p in parts] == [4, 4, 3]  # 11 bytes: the first 11 % 3 ranks take one more
     assert b"".join(parts) == bytes(range(5)) + bytes(range(6))
+
+
+def test_a_full_disk_reaches_the_save_as_the_os_error_it_is(tmp_path, monkeypatch):
+    """The aio op's failed write is a RuntimeError with strerror's text: the writer re-raises ENOSPC as
+    OSError, which the atomic save turns into its full-disk user error; the file is then abandoned."""
+    from dsrun.checkpoint.atomic import disk_full
+
+    handle = AsyncIOHandle()
+    monkeypatch.setattr(handle, "wait", lambda: (_ for _ in ()).throw(
+        RuntimeError(f"write to 'fd 9': {os.strerror(errno.ENOSPC)}")))
+    writer = _fast(tmp_path / "g", handle)
+    with pytest.raises(Exception) as err:  # torch's zip writer wraps it: a RuntimeError whose context it is
+        torch.save(_object(3 * BUFFER), writer)
+    assert disk_full(err.value)
+    writer.abort()
+    assert writer._aio_fd == fast_file_writer.INVALID_FD
