@@ -4,6 +4,10 @@ fsynced, so after a crash a name either holds the complete new content or the ol
 Tests simulate a crash at named points of a save: with ``DSRUN_TEST_CRASH_AT=<point>`` (and optionally
 ``DSRUN_TEST_CRASH_RANK=<rank>``) the process SIGKILLs itself when it reaches ``crash_point(<point>)``.
 Nothing happens when the variable is unset.
+
+Every file :func:`save_torch` writes goes through :func:`dsrun.io.open_writer`: within :func:`writing_with`
+(``engine_io.save_staged`` enters it with the ``checkpoint.writer`` section's settings) the writer it names
+(DeepSpeed's fast O_DIRECT writer, its Python writer or its mock), else a plain file; either way fsynced.
 """
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ import types
 from typing import Iterator
 
 import torch
+
+from dsrun.io import WriterSettings, open_writer
 
 CRASH_ENV, CRASH_RANK_ENV = "DSRUN_TEST_CRASH_AT", "DSRUN_TEST_CRASH_RANK"
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
@@ -62,6 +68,24 @@ def counting_bytes() -> Iterator[_ByteCounter]:
     finally:
         _counting.pop()
 
+_writers: list[WriterSettings | None] = []  # while writing_with() runs: save_torch writes through the last one
+
+
+@contextlib.contextmanager
+def writing_with(settings: WriterSettings | None) -> Iterator[None]:
+    """Within it :func:`save_torch` writes each file through the writer ``settings`` name (None: a plain file).
+    Process-wide, not per thread: a thread that writes files later captures :func:`writer_in_effect` and
+    enters this again."""
+    _writers.append(settings)
+    try:
+        yield
+    finally:
+        _writers.pop()
+
+
+def writer_in_effect() -> WriterSettings | None:
+    return _writers[-1] if _writers else None
+
 # The points of a save where tests kill a rank (in order); see dsrun.checkpoint.engine_io.save_checkpoint.
 CRASH_POINTS = ("staging_created", "model_states_torn", "after_model_states", "after_optim_states",
                 "before_commit", "old_tag_moved_aside", "after_commit", "latest_tmp_written", "after_latest")
@@ -100,13 +124,11 @@ def save_torch(obj: object, path: Path, rank: int = 0, torn_point: str | None = 
         return
     tmp = _tmp_name(path)
     try:
-        with open(tmp, "wb") as fh:
+        with open_writer(tmp, writer_in_effect()) as fh:  # closing it makes the file durable (fsync)
             torch.save(obj, fh, **extra)
-            fh.flush()
-            if torn_point is not None and os.environ.get(CRASH_ENV) == torn_point:
-                fh.truncate(max(1, fh.tell() // 2))
-                crash_point(torn_point, rank)
-            os.fsync(fh.fileno())
+        if torn_point is not None and os.environ.get(CRASH_ENV) == torn_point:
+            os.truncate(tmp, max(1, tmp.stat().st_size // 2))
+            crash_point(torn_point, rank)
     except BaseException:
         tmp.unlink(missing_ok=True)  # a partial file (e.g. on a full disk) only takes the space others need
         raise

@@ -27,6 +27,7 @@ from typing import Any, Callable
 import torch
 
 from dsrun import comm
+from dsrun.io import WriterSettings
 from dsrun.utils import zero_to_fp32 as z2f
 from dsrun.utils.errors import Problem, UserError
 
@@ -269,7 +270,8 @@ def save_staged(engine: CheckpointEngine, save_dir: str, tag: Tag, write_rank_fi
 
     error = None
     try:
-        write_rank_files(staging)
+        with atomic.writing_with(WriterSettings.from_config(engine._config.checkpoint.writer, engine._config.aio)):
+            write_rank_files(staging)
     except Exception as exc:  # e.g. a full disk: every rank must learn of it, or the others wait forever
         error = exc
     _all_ranks_succeeded(engine, error, root, tags, write_rank_files)

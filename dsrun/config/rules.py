@@ -230,6 +230,8 @@ def check_tooling(cfg: DSConfig, raw: dict[str, Any], p: str) -> tuple[list[Prob
                                 "set pipeline.schedule=interleaved or virtual_stages=1"))
 
     problems += cfg.activation_checkpointing.problems(f"{p}activation_checkpointing")
+    if cfg.checkpoint.writer is not None:
+        problems += cfg.checkpoint.writer.problems(f"{p}checkpoint.writer", cfg.aio.thread_count)
 
     sa = cfg.sparse_attention
     if sa is not None:

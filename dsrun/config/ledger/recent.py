@@ -1,5 +1,6 @@
 """Ledger entries for the keys DeepSpeed added between 0.14 and 0.19 (dsrun/config/recent.py and the new
-fields of the older sections). ``torch_autocast`` acts; the rest are refused when a config enables them.
+fields of the older sections). ``torch_autocast`` and the checkpoint writers (``checkpoint.writer.type`` and its
+buffer keys) act; the rest are refused when a config enables them.
 """
 from __future__ import annotations
 
@@ -9,6 +10,11 @@ AUTOCAST = "tests/unit/runtime/test_torch_autocast.py::"
 ENGINE = Feature("", "leave the key at its default")
 ZENFLOW = Feature("ZenFlow (stall-free offloaded optimizer)", "remove zero_optimization.zenflow")
 WRITER = Feature("DeepSpeed's fast checkpoint writers", "remove checkpoint.writer")
+WRITERS = "tests/unit/checkpoint/test_writer_checkpoint.py::"
+# data_parallel/io_multiplier split one file's bytes over ranks into files named <file>-<rank>.<n>, which only
+# DeepSpeed's patched serializer writes and neither its loader nor dsrun's reads back
+SPLIT = Feature("DeepSpeed's data-parallel split of checkpoint writes (part files no loader reads)",
+                "remove checkpoint.writer.data_parallel and io_multiplier")
 AUTOTP = Feature("AutoTP tensor-parallel training", "remove the tensor_parallel section")
 DEEPCOMPILE = Feature("DeepCompile (compiler passes for ZeRO)", "leave the compile key at its default")
 SUPER = Feature("SuperOffload (CPU Adam on reserved cores, superchips)", "leave super_offload false")
@@ -55,11 +61,20 @@ ENTRIES: list[Entry] = [
     todo("hybrid_engine.enable_cuda_graph", "CUDA graphs in the hybrid engine's generation",
          Feature("the hybrid train/generate engine (DeepSpeed-Chat)", "disable hybrid_engine")),
     todo("checkpoint.checkpoint_serialization", "false: torch.save without the zipfile format", ENGINE),
-    *_section("checkpoint.writer", WRITER, {
-        "type": "writer: MOCK, PYTHON or FAST", "io_buffer_size": "bytes of the writer's I/O buffer",
-        "io_buffer_double": "double-buffered writes", "show_statistics": "print write statistics",
-        "data_parallel": "which data-parallel ranks write", "decoupled": "write in a separate process",
-        "io_multiplier": "I/O buffer multiplier"}),
+    # the writers every checkpoint file goes through (dsrun/io, dsrun.checkpoint.atomic.save_torch)
+    done("checkpoint.writer.type", "the writer of every checkpoint file: FAST (O_DIRECT, aligned buffers through "
+         "async I/O), PYTHON (buffered file) or MOCK (counts bytes, writes empty files)",
+         f"{WRITERS}test_a_checkpoint_written_by_the_fast_writer_resumes_bit_exactly",
+         f"{WRITERS}test_each_writer_type_writes_its_way"),
+    done("checkpoint.writer.io_buffer_size", "bytes of the fast writer's I/O buffer (each O_DIRECT write is a half "
+         "of it, or all of it single-buffered)", f"{WRITERS}test_buffer_size_and_double_buffering_shape_the_writes"),
+    done("checkpoint.writer.io_buffer_double", "fill one half of the buffer while the other is written",
+         f"{WRITERS}test_buffer_size_and_double_buffering_shape_the_writes"),
+    done("checkpoint.writer.show_statistics", "log each file's write statistics",
+         f"{WRITERS}test_each_writer_type_writes_its_way"),
+    *_section("checkpoint.writer", WRITER, {"decoupled": "write in a separate process"}),
+    *_section("checkpoint.writer", SPLIT, {"data_parallel": "which data-parallel ranks write",
+                                           "io_multiplier": "I/O buffer multiplier"}),
     # ZeRO
     todo("zero_optimization.compute_grad_norm", "false: skip the global gradient norm (stages 1-2)", ENGINE),
     todo("zero_optimization.stage3_allgather_sequential", "gather parameters one at a time", ENGINE,
