@@ -45,6 +45,9 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The sections are forked from this process, which must not have initialised CUDA: with this set, a
+# torch.cuda.is_available() asks NVML instead of the CUDA driver (which a forked child could not use again).
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 import torch  # noqa: E402
 
@@ -73,7 +76,8 @@ class Sizes:
 
 GPU = Sizes(parity_prefixes=None,
             mfu_model={"vocab_size": 50304, "block_size": 2048, "n_layer": 18, "n_head": 16, "n_embd": 2048},
-            mfu_micros=(8, 4), mfu_stages=(0, 3), perf={"layers": 12, "width": 768, "seq": 1024, "micro": 8, "vocab": 50304},
+            mfu_micros=(8, 4), mfu_stages=(0, 3),
+            perf={"layers": 12, "width": 768, "seq": 1024, "micro": 8, "vocab": 50304},
             steps=10, warmup=3, compile_backend="inductor", compile_stages=(0, 3))
 SMOKE = Sizes(parity_prefixes=("fp32/", "bf16/"),
               mfu_model={"vocab_size": 128, "block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 64},
@@ -134,7 +138,7 @@ def run_env(s: Section) -> None:
             "backend": torch.distributed.get_backend(),
             "missing_modules": [m for m in NEEDED_MODULES if importlib.util.find_spec(m) is None]}
     if s.device.type == "cuda":
-        info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        info["nccl"] = str(torch.cuda.nccl.version())
         info["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2 ** 30, 1)
     s.emit(info)
 
@@ -339,6 +343,8 @@ def section_main(name: str, smoke: bool, deadline: float, out: str) -> None:
     section = Section(sizes, device, deadline, Path(out))
     try:
         if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError(f"no CUDA device (torch {torch.__version__}); on a CPU run --smoke")
             torch.cuda.set_device(device)
             torch.backends.cuda.matmul.allow_tf32 = name != "parity"  # parity is exact fp32, as cuda_paths runs it
             torch.backends.cudnn.allow_tf32 = name != "parity"
@@ -502,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1, default=str))
     print(tables(report), flush=True)
-    return 0
+    return 0 if report["sections"]["env"]["status"] == "ok" else 1  # a failed section is a row of the report
 
 
 if __name__ == "__main__":
