@@ -36,6 +36,7 @@ the job itself is :mod:`dsrun.ray`'s),
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import IO, Any, Mapping, Sequence
 
@@ -82,7 +83,8 @@ def _ray_plan(mapping: Mapping[str, Any], target: str, target_args: Sequence[str
                                 f"run dsrun train launcher=ray outside it"))
     ray = ray_options_from_mapping(mapping, path)
     options = LaunchOptions(target=target, target_args=list(target_args), module=module, num_procs=ray.num_procs)
-    where = "localhost" if ray.address is None else "ray"
+    # a local Ray is started for the job unless an address is given or RAY_ADDRESS names a running one
+    where = "localhost" if ray.address is None and not os.environ.get("RAY_ADDRESS") else "ray"
     return LaunchPlan(hosts={where: list(range(ray.num_procs))}, world_size=ray.num_procs, master_addr="",
                       master_port=0, runner=RAY_RUNNER, commands=[], env={}, options=options,
                       outer=f"launcher=ray: launcher.num_procs={ray.num_procs} Ray Train workers", ray=ray)
