@@ -6,7 +6,8 @@ its last steps too), keep the newest ``train.keep_last``.
 checkpoint (else starts fresh); a path resumes from that checkpoint folder (the one holding ``latest``), from
 a run directory's ``checkpoints/`` folder, or from one tag's folder (``.../checkpoints/global_step400``), and
 it is an error if there is nothing to resume from. Ranks restarted within a run (elastic training, restarts
-after a failure) resume from the run's own newest checkpoint instead. A preempted run (SIGTERM, SIGUSR1) saves
+after a failure) resume from the run's own newest checkpoint instead, or from the one the engine that restarted
+them registered (Ray Train's, ``restart_from``). A preempted run (SIGTERM, SIGUSR1) saves
 where it stops even with ``train.save_interval=0``.
 The data loader's position travels in the checkpoint's client state, so a resumed run reads the very batches
 the interrupted one would have.
@@ -121,15 +122,18 @@ class TrainingCheckpoints:
     """The worker's checkpoint hooks, bound to one engine and its data loader."""
 
     def __init__(self, engine: _Engine, loader: _Stateful, run_dir: Path, save_interval: int, resume: str | None,
-                 keep_last: int, last_step: int | None = None):
+                 keep_last: int, last_step: int | None = None, restart_from: Path | None = None):
         self.engine, self.loader, self.last_step = engine, loader, last_step
         self.save_dir = run_dir / CHECKPOINTS_DIR
         self.save_interval, self.keep_last = int(save_interval or 0), int(keep_last or 0)
         # a run directory is fresh for every run, so checkpoints already in it were saved by this run: its ranks
         # were restarted (an elastic membership change, a restart after a failure) and go on from the newest
-        # one, whatever train.resume named for the first start
+        # one, whatever train.resume named for the first start. An engine that restarts the ranks itself and
+        # keeps its own record of the run's checkpoints (Ray Train: dsrun.ray) names the tag folder
+        # (``restart_from``), which wins
         own = (self.save_dir, None) if layout.read_latest(self.save_dir) else None
-        self.resume_from = own or find_checkpoint(resume, run_dir)
+        restart = (restart_from.parent, restart_from.name) if restart_from is not None else None
+        self.resume_from = restart or own or find_checkpoint(resume, run_dir)
         self.last_saved_step: int | None = None
 
     def resume(self) -> int:
@@ -146,6 +150,13 @@ class TrainingCheckpoints:
         if self.engine.global_rank == 0:
             print(f"[dsrun] resumed from {path} at step {self.engine.global_steps}", flush=True)
         return self.engine.global_steps
+
+    def saved_at(self, step: int) -> Path | None:
+        """The tag folder of the checkpoint saved after ``step`` (None when none was)."""
+        if self.last_saved_step != step:
+            return None
+        tag = layout.read_latest(self.save_dir)
+        return self.save_dir / tag if tag else None
 
     def save_if_due(self, step: int, force: bool = False, always: bool = False) -> bool:
         """Save after ``step`` when it is a multiple of ``save_interval`` or the run's last step (or ``force``,
