@@ -298,6 +298,7 @@ def _disable_python_gc(**_):
         return weakref.ref(a)
 
     assert gc.isenabled()
+    gc.freeze()  # the test process's own objects out of every collection here: each full one would take a second
     plain = engine({})
     assert gc.isenabled() and python_gc_manager.active_engines == 0
     plain.destroy()
@@ -316,6 +317,7 @@ def _disable_python_gc(**_):
         assert gc.isenabled() and python_gc_manager.active_engines == 0
     finally:
         gc.enable()
+        gc.unfreeze()
 
 
 @effect("autotuning.model_info.profile", "autotuning.model_info_path")
