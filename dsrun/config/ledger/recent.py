@@ -73,9 +73,11 @@ ENTRIES: list[Entry] = [
     todo("zero_optimization.compute_grad_norm", "false: skip the global gradient norm (stages 1-2)",
          Feature("skipping the global gradient norm (dsrun measures it for clipping and get_global_grad_norm)",
                  "leave it true")),
-    todo("zero_optimization.stage3_allgather_sequential", "gather parameters one at a time",
-         Feature("one synchronous all-gather at a time at stage 3 (prefetches included)", "leave it false"),
-         applies=_stage3),
+    # dsrun gathers every stage-3 parameter with an all-gather of its own, what true asks for (DeepSpeed's
+    # _all_gather_sequential); its default, one coalesced all-gather for a module's parameters, dsrun does not have
+    todo("zero_optimization.stage3_allgather_sequential", "gather parameters one at a time (false: coalesced)",
+         Feature("coalescing a module's stage-3 parameter all-gathers into one (dsrun gathers each parameter with "
+                 "its own, what true asks for)", "nothing to do: never refused"), active=lambda cfg: False),
     todo("zero_optimization.parameter_alignment", "align partition boundaries of each parameter",
          Feature("partition boundaries aligned to parameters", "leave the key at its default")),
     todo("zero_optimization.enable_sanity_checks", "extra ZeRO consistency checks",
