@@ -275,6 +275,16 @@ def check_rules(cfg: DSConfig, raw: dict[str, Any], prefix: str) -> tuple[list[P
     problems += tool_problems
     notes += tool_notes
     z = cfg.zero_optimization
+    if not z.compute_grad_norm:  # DeepSpeed's fast path has no norm for anything to read: its fail-fast rules
+        for wrong, path, hint in (
+                (z.stage not in (1, 2), "zero_optimization.stage", "use ZeRO stage 1 or 2"),
+                (bool(cfg.gradient_clipping), "gradient_clipping", "set gradient_clipping to 0 (clipping needs the "
+                 "norm)"),
+                (z.offload_optimizer_device != "none", "zero_optimization.offload_optimizer.device",
+                 "offload nothing")):
+            if wrong:
+                problems.append(Problem(f"{prefix}zero_optimization.compute_grad_norm", f"false does not go with "
+                                        f"this {path} (DeepSpeed refuses it too)", hint))
     if not cfg.managed_gradient_accumulation and z.stage == 3 and z.offload_optimizer_device == "nvme":
         problems.append(Problem(f"{prefix}managed_gradient_accumulation", "false is not supported with ZeRO-3 NVMe "
                                 "optimizer offload (it closes each step's gradient files at the boundary backward, "

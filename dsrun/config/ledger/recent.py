@@ -70,9 +70,10 @@ ENTRIES: list[Entry] = [
         "data_parallel": "which data-parallel ranks write", "decoupled": "write in a separate process",
         "io_multiplier": "I/O buffer multiplier"}),
     # ZeRO
-    todo("zero_optimization.compute_grad_norm", "false: skip the global gradient norm (stages 1-2)",
-         Feature("skipping the global gradient norm (dsrun measures it for clipping and get_global_grad_norm)",
-                 "leave it true")),
+    done("zero_optimization.compute_grad_norm", "false: no global gradient norm at stages 1-2 "
+         "(get_global_grad_norm() is None); refused, as by DeepSpeed, with gradient_clipping, optimizer offload or "
+         "another stage", "tests/unit/runtime/test_config_effects.py::test_key_changes_behaviour[{key}]",
+         traced=False),  # the config layer's rules read it; dsrun's step measures the norm only to clip
     # dsrun gathers every stage-3 parameter with an all-gather of its own, what true asks for (DeepSpeed's
     # _all_gather_sequential); its default, one coalesced all-gather for a module's parameters, dsrun does not have
     todo("zero_optimization.stage3_allgather_sequential", "gather parameters one at a time (false: coalesced)",

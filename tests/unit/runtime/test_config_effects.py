@@ -251,6 +251,21 @@ def _managed_gradient_accumulation(**_):
             caller.set_gradient_accumulation_boundary(True)
 
 
+@effect("zero_optimization.compute_grad_norm")
+def _compute_grad_norm(**_):
+    fast = zero(1, compute_grad_norm=False)
+    with pytest.raises(ConfigError) as err:  # the default clipping needs the norm; stage 0 has no fast path
+        load_ds_config(merged(BASE, zero(0, compute_grad_norm=False)))
+    assert [p.path for p in err.value.problems] == ["zero_optimization.compute_grad_norm"] * 2
+    assert "gradient_clipping to 0" in err.value.problems[1].hint
+    with pytest.raises(ConfigError, match="offload_optimizer"):
+        load_ds_config(merged(BASE, {**zero(1, compute_grad_norm=False, offload_optimizer={"device": "cpu"}),
+                                     "gradient_clipping": 0.0}))
+    e = engine({**fast, "gradient_clipping": 0.0})
+    step(e, 2)
+    assert e.global_steps == 2 and e.get_global_grad_norm() is None  # no norm measured
+
+
 @effect("zero_optimization.sub_group_size")
 def _sub_groups(**_):
     counts = [len(engine(zero(3, sub_group_size=size)).optimizer.param_groups[0]["params"]) for size in (10**9, 40)]
