@@ -81,6 +81,8 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
                                                                                                       ctx.group)
         self.norm_group = self.sharding.shard_group  # each shard's gradient is counted once in the norm
         self._partition_all()
+        for p in self.params:  # enable_sanity_checks: GatheredParameters checks for changes it would lose
+            p.ds_enable_sanity_checks = bool(zc.enable_sanity_checks)
         self._mark_persistent(int(zc.stage3_param_persistence_threshold), int(zc.stage3_model_persistence_threshold))
         self.sharding.prepare(self.params)  # quantized gathers and reduce-scatter (ZeRO++)
         # offload_param: shards to host memory or NVMe files (dsrun/offload/param_swapper.py)

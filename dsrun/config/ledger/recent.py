@@ -81,8 +81,9 @@ ENTRIES: list[Entry] = [
                  "its own, what true asks for)", "nothing to do: never refused"), active=lambda cfg: False),
     todo("zero_optimization.parameter_alignment", "align partition boundaries of each parameter",
          Feature("partition boundaries aligned to parameters", "leave the key at its default")),
-    todo("zero_optimization.enable_sanity_checks", "extra ZeRO consistency checks",
-         Feature("DeepSpeed's extra ZeRO-3 parameter-status assertions", "leave it false")),
+    done("zero_optimization.enable_sanity_checks", "stage 3: an in-place change inside "
+         "GatheredParameters(modifier_rank=None), which the ranks would not share, raises (DeepSpeed's check)",
+         "tests/unit/zero3/test_api.py::test_enable_sanity_checks_refuses_a_change_gathered_parameters_would_lose"),
     # DeepSpeed reads it only for Muon at stage 3 with NVMe optimizer offload, which dsrun refuses (Muon's matrices
     # must be in memory at the step); everywhere else dsrun keeps the momentum in memory, as the key asks
     todo("zero_optimization.save_muon_momentum_buffer_in_memory", "keep Muon's momentum in memory instead of "
