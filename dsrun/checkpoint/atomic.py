@@ -86,6 +86,21 @@ def writing_with(settings: WriterSettings | None) -> Iterator[None]:
 def writer_in_effect() -> WriterSettings | None:
     return _writers[-1] if _writers else None
 
+
+_legacy_format: list[bool] = []  # while legacy_serialization() runs: save_torch writes torch's pre-1.6 format
+
+
+@contextlib.contextmanager
+def legacy_serialization(enabled: bool = True) -> Iterator[None]:
+    """Within it (when ``enabled``) :func:`save_torch` writes torch's legacy (non-zipfile) format:
+    ``checkpoint.checkpoint_serialization: false``, DeepSpeed's ``_use_new_zipfile_serialization=False``."""
+    _legacy_format.append(enabled)
+    try:
+        yield
+    finally:
+        _legacy_format.pop()
+
+
 # The points of a save where tests kill a rank (in order); see dsrun.checkpoint.engine_io.save_checkpoint.
 CRASH_POINTS = ("staging_created", "model_states_torn", "after_model_states", "after_optim_states",
                 "before_commit", "old_tag_moved_aside", "after_commit", "latest_tmp_written", "after_latest")
@@ -118,7 +133,9 @@ def save_torch(obj: object, path: Path, rank: int = 0, torn_point: str | None = 
                pickle_module: types.ModuleType | types.SimpleNamespace | None = None) -> None:
     """``torch.save`` of any picklable ``obj`` to ``path``, atomically and durably. ``torn_point``: a crash point
     at which a test leaves a half-written temporary file behind. ``pickle_module``: torch.save's (default: pickle)."""
-    extra = {} if pickle_module is None else {"pickle_module": pickle_module}
+    extra: dict[str, object] = {} if pickle_module is None else {"pickle_module": pickle_module}
+    if _legacy_format and _legacy_format[-1]:
+        extra["_use_new_zipfile_serialization"] = False
     if _counting:
         torch.save(obj, _counting[-1], **extra)
         return

@@ -4,7 +4,9 @@ Save, on every rank (a collective, like DeepSpeed's):
 
 1. the tag (default ``global_step<N>``) is checked to be the same on all ranks (``checkpoint.tag_validation``);
 2. rank 0 creates ``save_dir/.<tag>.staging``; every rank writes its files there (each under a temporary name,
-   fsynced, renamed), then all meet at a barrier;
+   fsynced, renamed), then all meet at a barrier (with ``checkpoint.use_node_local_storage`` each node's local
+   rank 0 does what rank 0 does here and in step 3, in its node's own ``save_dir``, and writes the model states
+   file too: every node's storage holds a whole checkpoint, DeepSpeed's meaning of the key);
 3. rank 0 renames the staging folder to ``save_dir/<tag>`` (a previous copy of the same tag is moved aside to
    ``.<tag>.replaced`` first and deleted after), copies ``zero_to_fp32.py``, and only then rewrites ``latest``
    (temporary file, fsync, rename).
@@ -87,21 +89,36 @@ def _validate_tag(engine: CheckpointEngine, tag: str) -> tuple[str, list[str]]:
     return chosen[0], [chosen[0]] * engine.world_size
 
 
+def _node_local(engine: CheckpointEngine) -> bool:
+    return bool(engine._config.checkpoint.use_node_local_storage)
+
+
+def _keeps_the_folder(engine: CheckpointEngine) -> bool:
+    """Whether this rank prepares, commits and cleans the checkpoint folder and writes the files one rank writes:
+    rank 0, or with ``checkpoint.use_node_local_storage`` each node's local rank 0 (DeepSpeed's ``local_rank``
+    then stands for the rank), so that every node's own storage holds a whole checkpoint."""
+    return (engine.local_rank if _node_local(engine) else engine.global_rank) == 0
+
+
 def _on_rank0_then_all(engine: CheckpointEngine, action: Callable[[], object]) -> None:
-    """Run ``action`` on rank 0 while the others wait; if it fails, every rank raises (instead of the others
-    hanging in the next collective)."""
+    """Run ``action`` on rank 0 (with node-local storage: on each node's local rank 0) while the others wait; if
+    it fails, every rank raises (instead of the others hanging in the next collective)."""
     error, failure = None, [None]
-    if engine.global_rank == 0:
+    if _keeps_the_folder(engine):
         try:
             action()
         except Exception as exc:  # re-raised below, after the other ranks have heard of it
             error, failure[0] = exc, f"{type(exc).__name__}: {exc}"
-    if engine.world_size > 1:
+    if engine.world_size > 1 and _node_local(engine):
+        failures: list[Any] = [None] * engine.world_size
+        comm.all_gather_object(failures, failure[0])
+        failure[0] = next((f for f in failures if f is not None), None)
+    elif engine.world_size > 1:
         comm.broadcast_object_list(failure, src=0)
     if error is not None:
         raise error
     if failure[0] is not None:
-        raise RuntimeError(f"checkpoint save failed on rank 0: {failure[0]}")
+        raise RuntimeError(f"checkpoint save failed on {'a node' if _node_local(engine) else 'rank 0'}: {failure[0]}")
 
 
 def _all_ranks_succeeded(engine: CheckpointEngine, error: Exception | None, root: Path, tags: list[str],
@@ -126,9 +143,10 @@ def _all_ranks_succeeded(engine: CheckpointEngine, error: Exception | None, root
         if engine.world_size > 1:
             comm.all_reduce(needed, op=comm.ReduceOp.SUM)
     line: list[str | None] = [None]
-    if engine.global_rank == 0:
+    if _keeps_the_folder(engine):
         for tag in tags:
             atomic.remove_tree(layout.staging_dir(root, tag))
+    if engine.global_rank == 0:
         if flag.item() == 2:
             size = f"{int(needed[0].item()):,} bytes needed" if needed[1].item() == 0 else "size unknown"
             kept = layout.read_latest(root)
@@ -214,7 +232,8 @@ def save_checkpoint(engine: CheckpointEngine, save_dir: str, tag: Tag = None,
     files = _layout(engine)
 
     def write(staging: Path) -> None:
-        if files.writes_model_states(dp_rank):
+        # use_node_local_storage: each node's local rank 0 writes the one-rank files, as DeepSpeed's local_rank
+        if files.writes_model_states(engine.local_rank if _node_local(engine) else dp_rank):
             atomic.save_torch(engine_model_states(engine, client_state or {}, exclude_frozen_parameters, files),
                               staging / files.model_states_name(dp_rank), rank, torn_point="model_states_torn")
         atomic.crash_point("after_model_states", rank)
@@ -269,8 +288,9 @@ def save_staged(engine: CheckpointEngine, save_dir: str, tag: Tag, write_rank_fi
     atomic.crash_point("staging_created", rank)
 
     error = None
-    try:
-        with atomic.writing_with(WriterSettings.from_config(engine._config.checkpoint.writer, engine._config.aio)):
+    try:  # checkpoint_serialization false: every file in torch's legacy format, as DeepSpeed's checkpoint engine
+        with atomic.writing_with(WriterSettings.from_config(engine._config.checkpoint.writer, engine._config.aio)), \
+                atomic.legacy_serialization(not engine._config.checkpoint.checkpoint_serialization):
             write_rank_files(staging)
     except Exception as exc:  # e.g. a full disk: every rank must learn of it, or the others wait forever
         error = exc
@@ -327,10 +347,11 @@ def saved_stage(model_states: dict[str, Any], tag_dir: Path) -> int:
     return int(load_file(optim[0])["optimizer_state_dict"]["zero_stage"]) if optim else 0
 
 
-def optim_files(tag_dir: Path, world: int, bf16: bool) -> list[Path]:
-    """The saved ranks' optimizer files, preferring this run's precision prefix (as DeepSpeed does)."""
+def optim_files(tag_dir: Path, world: int, bf16: bool, only: int | None = None) -> list[Path]:
+    """The saved ranks' optimizer files (``only``: that rank's alone), preferring this run's precision prefix (as
+    DeepSpeed does)."""
     for prefer in (bf16, not bf16):
-        files = [tag_dir / layout.optim_states_name(r, prefer) for r in range(world)]
+        files = [tag_dir / layout.optim_states_name(r, prefer) for r in (range(world) if only is None else [only])]
         if all(f.is_file() for f in files):
             return files
     raise FileNotFoundError(f"{tag_dir}: expected {world} '*_optim_states.pt' files (one per saved rank)")
@@ -438,8 +459,10 @@ def _restore_strategy(engine: CheckpointEngine, tag_dir: Path, model_states: dic
                                                          load_optimizer_states))
         return
     if load_optimizer_states and same_layout:
+        # node-local storage holds this node's ranks' optimizer files only: this rank's is the one it needs
+        bf16, own_only = engine.bfloat16_enabled(), _node_local(engine)
         own = (stage0_state(model_states, live_shapes) if stage_saved == 0 else deepspeed_format.load_zero_state(
-            optim_files(tag_dir, world_saved, engine.bfloat16_enabled())[dp_rank]))
+            optim_files(tag_dir, world_saved, bf16, only=dp_rank if own_only else None)[0 if own_only else dp_rank]))
         strategy.load_state_dict(own)
         _restore_rank_states(strategy, tag_dir, world_saved, dp_rank, same_layout=True)
         return
@@ -523,6 +546,8 @@ def load_checkpoint(engine: CheckpointEngine, load_dir: str, tag: Tag = None, lo
         load_universal = bool(engine._config.checkpoint.load_universal)
         _restore_strategy(engine, tag_dir, model_states, load_optimizer_states and not load_module_only,
                           load_universal, masters_from_module=custom_load_fn is not None)
+        if not engine._config.zero_optimization.load_from_fp32_weights and engine.zero_optimization_stage() > 0:
+            engine.restore_masters_from_model()  # the masters from the 16-bit weights just loaded, as DeepSpeed
     engine.loaded_checkpoint_dp_world_size = saved_world(model_states)
     engine.loaded_checkpoint_mp_world_size = int(model_states.get("mp_world_size", 1))
     if not load_module_only:

@@ -93,8 +93,8 @@ def check_zero(cfg: DSConfig, raw: dict[str, Any], p: str) -> tuple[list[Problem
         notes.append(f"{zp}: {', '.join(stage3_keys)} only matter at stage 3 (stage is {z.stage})")
     if "grad_hooks" in zraw and z.stage != 1:
         notes.append(f"{zp}.grad_hooks only matters at stage 1")
-    if z.round_robin_gradients and (z.stage not in (1, 2) or z.offload_optimizer_device != "cpu"):
-        notes.append(f"{zp}.round_robin_gradients only matters at stages 1-2 with CPU optimizer offload")
+    if z.round_robin_gradients and z.stage not in (1, 2):
+        notes.append(f"{zp}.round_robin_gradients only matters at stages 1-2")
     if z.zero_hpz_partition_size > 1 and z.stage != 3:
         notes.append(f"{zp}.zero_hpz_partition_size (hpZ) only matters at stage 3")
     if cfg.gradient_allreduce_op == "sum":  # DeepSpeed's own limits of the summed reduction
@@ -276,6 +276,25 @@ def check_rules(cfg: DSConfig, raw: dict[str, Any], prefix: str) -> tuple[list[P
     tool_problems, tool_notes = check_tooling(cfg, raw, prefix)
     problems += tool_problems
     notes += tool_notes
+    z = cfg.zero_optimization
+    if not z.compute_grad_norm:  # DeepSpeed's fast path has no norm for anything to read: its fail-fast rules
+        for wrong, path, hint in (
+                (z.stage not in (1, 2), "zero_optimization.stage", "use ZeRO stage 1 or 2"),
+                (bool(cfg.gradient_clipping), "gradient_clipping", "set gradient_clipping to 0 (clipping needs the "
+                 "norm)"),
+                (z.offload_optimizer_device != "none", "zero_optimization.offload_optimizer.device",
+                 "offload nothing")):
+            if wrong:
+                problems.append(Problem(f"{prefix}zero_optimization.compute_grad_norm", f"false does not go with "
+                                        f"this {path} (DeepSpeed refuses it too)", hint))
+    if not cfg.managed_gradient_accumulation and z.stage == 3 and z.offload_optimizer_device == "nvme":
+        problems.append(Problem(f"{prefix}managed_gradient_accumulation", "false is not supported with ZeRO-3 NVMe "
+                                "optimizer offload (it closes each step's gradient files at the boundary backward, "
+                                "which the caller's step() comes after)", "set it true, or offload to cpu"))
+    if cfg.vocabulary_size and cfg.vocabulary_size % 8:  # DeepSpeed's config check says the same
+        notes.append(f"{prefix}vocabulary_size {cfg.vocabulary_size} is not a multiple of 8: embeddings and the "
+                     "output layer of that width use GPU tensor cores less well (pad the vocabulary to a multiple "
+                     "of 8)")
     problems += check_data_efficiency(cfg.data_efficiency, cfg.curriculum_learning, prefix)
     problems += check_compression(cfg.compression_training, prefix)
     problems += check_quantization_modes(cfg.compression_training, cfg.quantize_training, cfg.eigenvalue,

@@ -42,7 +42,8 @@ from dsrun.zero.base import MemoryBreakdown, StrategyContext, ZeroStrategy, opti
 from dsrun.zero import host_memory, linear, quantized_shards
 from dsrun.zero.sharding import ShardingPolicy
 from dsrun.zero.offload_states import StatesOffload
-from dsrun.utils.leaf_modules import z3_leaf_parameter
+from dsrun.utils.leaf_modules import (apply_zero_leaf_module_config, set_z3_leaf_modules_by_threshold,
+                                      z3_leaf_parameter)
 from dsrun.zero.hooks import ParameterCoordinator, gathered_together, iter_unique_params
 from dsrun.zero.partition_params import full_tensor, is_zero_param, partition_param, shard_padding
 from dsrun.offload import param_swapper
@@ -64,6 +65,11 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
         self.sub_group_size = max(1, int(zc.sub_group_size))
         self.gather_16bit_on_save = bool(zc.stage3_gather_16bit_weights_on_model_save)
 
+        # the config's leaf modules (leaf_module, stage3_module_granularity_threshold), before anything is hooked
+        leaf = zc.leaf_module
+        apply_zero_leaf_module_config(ctx.module, leaf.classes, leaf.names, leaf.name_suffixes)
+        if zc.stage3_module_granularity_threshold > 0:
+            set_z3_leaf_modules_by_threshold(ctx.module, int(zc.stage3_module_granularity_threshold))
         if zc.memory_efficient_linear:
             linear.install()
         if ctx.device.type == "cpu":
@@ -75,6 +81,8 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
                                                                                                       ctx.group)
         self.norm_group = self.sharding.shard_group  # each shard's gradient is counted once in the norm
         self._partition_all()
+        for p in self.params:  # enable_sanity_checks: GatheredParameters checks for changes it would lose
+            p.ds_enable_sanity_checks = bool(zc.enable_sanity_checks)
         self._mark_persistent(int(zc.stage3_param_persistence_threshold), int(zc.stage3_model_persistence_threshold))
         self.sharding.prepare(self.params)  # quantized gathers and reduce-scatter (ZeRO++)
         # offload_param: shards to host memory or NVMe files (dsrun/offload/param_swapper.py)
@@ -84,7 +92,8 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
         self.coordinator = ParameterCoordinator(
             ctx.module, prefetch_bucket_size=int(zc.stage3_prefetch_bucket_size),
             max_live_parameters=int(zc.stage3_max_live_parameters),
-            max_reuse_distance=int(zc.stage3_max_reuse_distance))
+            max_reuse_distance=int(zc.stage3_max_reuse_distance),
+            log_trace_cache_warnings=bool(zc.log_trace_cache_warnings))
         if self.param_offload is not None:
             self.coordinator.after_fetch = self.param_offload.after_fetch
 

@@ -1,13 +1,15 @@
 """Ledger entries for the keys DeepSpeed added between 0.14 and 0.19 (dsrun/config/recent.py and the new
-fields of the older sections). ``torch_autocast`` and the checkpoint writers (``checkpoint.writer.type`` and its
-buffer keys) act; the rest are refused when a config enables them.
+fields of the older sections). ``torch_autocast``, ``gradient_allreduce_op``, ``log_level``,
+``disable_python_gc``, ``managed_gradient_accumulation``, the ZeRO-3 ``leaf_module`` section,
+``checkpoint.checkpoint_serialization`` and the checkpoint writers (``checkpoint.writer.type`` and its buffer
+keys) act; the rest are refused when a config enables them, each with the reason its feature names.
 """
 from __future__ import annotations
 
 from .entry import Entry, Feature, done, todo
 
 AUTOCAST = "tests/unit/runtime/test_torch_autocast.py::"
-ENGINE = Feature("", "leave the key at its default")
+REPORTING = "tests/unit/runtime/test_config_effects_reporting.py::test_key_changes_behaviour[{key}]"
 ZENFLOW = Feature("ZenFlow (stall-free offloaded optimizer)", "remove zero_optimization.zenflow")
 WRITER = Feature("DeepSpeed's fast checkpoint writers", "remove checkpoint.writer")
 WRITERS = "tests/unit/checkpoint/test_writer_checkpoint.py::"
@@ -18,7 +20,7 @@ SPLIT = Feature("DeepSpeed's data-parallel split of checkpoint writes (part file
 AUTOTP = Feature("AutoTP tensor-parallel training", "remove the tensor_parallel section")
 DEEPCOMPILE = Feature("DeepCompile (compiler passes for ZeRO)", "leave the compile key at its default")
 SUPER = Feature("SuperOffload (CPU Adam on reserved cores, superchips)", "leave super_offload false")
-LEAF = Feature("ZeRO-3 leaf modules from the config", "leave zero_optimization.leaf_module empty")
+LEAF_PROOF = "tests/unit/zero3/test_leaf_modules.py::test_the_config_leaf_module_section_flags_leaves_at_stage_3"
 DTYPES = Feature("separate parameter and buffer dtypes", "use bf16/fp16 sections for the model dtype")
 
 
@@ -44,9 +46,13 @@ ENTRIES: list[Entry] = [
          "dtype (their parameters get comm_dtype)", f"{AUTOCAST}test_torch_autocast_dtype_and_safe_modules"),
     done("gradient_allreduce_op", "sum (\"sum\") instead of average (\"mean\") the gradients over ranks",
          "tests/integration/test_config_effects.py::test_key_changes_behaviour[gradient_allreduce_op]"),
-    todo("log_level", "DeepSpeed's logger level", ENGINE),
-    todo("managed_gradient_accumulation", "false: the user's loop accumulates and reduces gradients", ENGINE),
-    todo("disable_python_gc", "turn Python's cyclic GC off, collecting at safe step boundaries", ENGINE),
+    done("log_level", "the level of the \"DeepSpeed\" logger and its handlers, set when an engine is built",
+         REPORTING),
+    done("managed_gradient_accumulation", "false: the caller owns the accumulation boundary: backward only "
+         "accumulates (stages 0-1) and every step() reduces and updates; global_samples counts the backwards run",
+         "tests/unit/runtime/test_config_effects.py::test_key_changes_behaviour[{key}]"),
+    done("disable_python_gc", "automatic cyclic GC off while an engine lives (one collection first; "
+         "engine.collect_python_gc() collects at a step the script picks)", REPORTING),
     todo("expert_parallel", "AutoEP: expert parallelism for Hugging Face MoE models",
          Feature("AutoEP", "remove expert_parallel; use dsrun.moe.layer.MoE")),
     todo("datastates_ckpt", "DataStates asynchronous checkpointing", Feature("DataStates-LLM checkpointing",
@@ -60,7 +66,9 @@ ENTRIES: list[Entry] = [
                                                                         "leave use_gds false")),
     todo("hybrid_engine.enable_cuda_graph", "CUDA graphs in the hybrid engine's generation",
          Feature("the hybrid train/generate engine (DeepSpeed-Chat)", "disable hybrid_engine")),
-    todo("checkpoint.checkpoint_serialization", "false: torch.save without the zipfile format", ENGINE),
+    done("checkpoint.checkpoint_serialization", "false: every checkpoint file in torch.save's legacy (pre-zipfile) "
+         "format", "tests/unit/checkpoint/test_engine_checkpoint.py::test_checkpoint_serialization_false_writes_the_"
+         "legacy_format_and_resumes"),
     # the writers every checkpoint file goes through (dsrun/io, dsrun.checkpoint.atomic.save_torch)
     done("checkpoint.writer.type", "the writer of every checkpoint file: FAST (O_DIRECT, aligned buffers through "
          "async I/O), PYTHON (buffered file) or MOCK (counts bytes, writes empty files)",
@@ -76,20 +84,30 @@ ENTRIES: list[Entry] = [
     *_section("checkpoint.writer", SPLIT, {"data_parallel": "which data-parallel ranks write",
                                            "io_multiplier": "I/O buffer multiplier"}),
     # ZeRO
-    todo("zero_optimization.compute_grad_norm", "false: skip the global gradient norm (stages 1-2)", ENGINE),
-    todo("zero_optimization.stage3_allgather_sequential", "gather parameters one at a time", ENGINE,
-         applies=_stage3),
-    todo("zero_optimization.parameter_alignment", "align partition boundaries of each parameter", ENGINE),
-    todo("zero_optimization.enable_sanity_checks", "extra ZeRO consistency checks", ENGINE),
+    done("zero_optimization.compute_grad_norm", "false: no global gradient norm at stages 1-2 "
+         "(get_global_grad_norm() is None); refused, as by DeepSpeed, with gradient_clipping, optimizer offload or "
+         "another stage", "tests/unit/runtime/test_config_effects.py::test_key_changes_behaviour[{key}]",
+         traced=False),  # the config layer's rules read it; dsrun's step measures the norm only to clip
+    # dsrun gathers every stage-3 parameter with an all-gather of its own, what true asks for (DeepSpeed's
+    # _all_gather_sequential); its default, one coalesced all-gather for a module's parameters, dsrun does not have
+    todo("zero_optimization.stage3_allgather_sequential", "gather parameters one at a time (false: coalesced)",
+         Feature("coalescing a module's stage-3 parameter all-gathers into one (dsrun gathers each parameter with "
+                 "its own, what true asks for)", "nothing to do: never refused"), active=lambda cfg: False),
+    todo("zero_optimization.parameter_alignment", "align partition boundaries of each parameter",
+         Feature("partition boundaries aligned to parameters", "leave the key at its default")),
+    done("zero_optimization.enable_sanity_checks", "stage 3: an in-place change inside "
+         "GatheredParameters(modifier_rank=None), which the ranks would not share, raises (DeepSpeed's check)",
+         "tests/unit/zero3/test_api.py::test_enable_sanity_checks_refuses_a_change_gathered_parameters_would_lose"),
     # DeepSpeed reads it only for Muon at stage 3 with NVMe optimizer offload, which dsrun refuses (Muon's matrices
     # must be in memory at the step); everywhere else dsrun keeps the momentum in memory, as the key asks
     todo("zero_optimization.save_muon_momentum_buffer_in_memory", "keep Muon's momentum in memory instead of "
          "swapping it to NVMe with the other optimizer states (ZeRO-3)",
          Feature("Muon with NVMe optimizer offload", "offload the optimizer to cpu"), applies=_muon_on_nvme),
-    *_section("zero_optimization.leaf_module", LEAF, {"classes": "leaf module classes",
-                                                      "names": "leaf module names",
-                                                      "name_suffixes": "leaf module name suffixes"},
-              applies=_stage3),
+    *[done(f"zero_optimization.leaf_module.{key}", f"ZeRO-3 gathers these modules whole, hooking nothing inside "
+           f"them: {meaning} (DeepSpeed's set_z3_leaf_modules from the config)", LEAF_PROOF)
+      for key, meaning in (("classes", "the modules of these classes (plain or qualified names)"),
+                           ("names", "the modules of these named_modules() names"),
+                           ("name_suffixes", "the modules whose names end so"))],
     todo("zero_optimization.offload_optimizer.super_offload", "SuperOffload's CPU optimizer", SUPER),
     todo("zero_optimization.offload_optimizer.cpuadam_cores_perc", "fraction of cores for SuperOffload's CPU "
          "Adam", SUPER, applies=lambda cfg: cfg.zero_optimization.offload_optimizer.super_offload),
