@@ -23,6 +23,15 @@ from dsrun.offload.pipeline import PipelineTimes, StepPipeline, tiled_cpu_step
 from dsrun.offload.settings import CPU_TILE_ELEMENTS, OffloadContext, OffloadOptimizerSettings, host_empty, require_cpu_optimizer
 
 
+def chunked_square_sum(g: torch.Tensor) -> torch.Tensor:
+    """Sum of squares of a 16-bit ``g`` (float64, one element), squared in fp32 a chunk at a time."""
+    sq = torch.zeros(1, dtype=torch.float64, device=g.device)
+    for chunk in g.split(CPU_TILE_ELEMENTS):
+        c = chunk.float()
+        sq += torch.dot(c, c).double()
+    return sq
+
+
 class DeviceFlatStore:
     """Masters, gradients and optimizer states on the training device."""
 
@@ -55,6 +64,8 @@ class DeviceFlatStore:
         """Sum of squares of ``g`` (float64, one element)."""
         if g.dtype == torch.float32:  # flat: a dot product, no temporary
             return torch.dot(g, g).double()
+        if g.dtype == self.master_dtype:  # bf16 master gradients: no fp32 copy of the whole partition either
+            return chunked_square_sum(g)
         return torch.linalg.vector_norm(g, dtype=torch.float32).double().square()
 
     def update(self, optimizer: torch.optim.Optimizer, masters: list[torch.nn.Parameter],
@@ -120,11 +131,7 @@ class HostFlatStore(DeviceFlatStore):
     def square_sum(self, g: torch.Tensor) -> torch.Tensor:
         if g.dtype == torch.float32:
             return super().square_sum(g)
-        sq = torch.zeros(1, dtype=torch.float64, device=g.device)
-        for chunk in g.split(CPU_TILE_ELEMENTS):  # 16-bit partitions: square in fp32, a chunk at a time
-            c = chunk.float()
-            sq += torch.dot(c, c).double()
-        return sq
+        return chunked_square_sum(g)
 
     def _host_grad(self, source: list[torch.Tensor], gi: int, a: int, b: int, coef: float) -> torch.Tensor:
         """The host fp32 gradient of elements [a, b) of partition gi, scaled by ``coef``."""
