@@ -19,7 +19,8 @@ ZEROPP = "tests/integration/test_zeropp.py::"
 BF16_MASTER_TESTS = "tests/unit/runtime/test_bf16_master_state.py::"
 BF16_MASTER = (BF16_MASTER_TESTS + "test_bf16_master_state_holds_bf16_masters_gradients_and_states",
                BF16_MASTER_TESTS + "test_bf16_master_state_trains_close_to_fp32_masters",
-               BF16_MASTER_TESTS + "test_bf16_master_state_resumes_bit_exactly")
+               BF16_MASTER_TESTS + "test_bf16_master_state_resumes_bit_exactly",
+               "tests/integration/test_bf16_master_ranks.py::test_bf16_master_state_on_two_ranks")
 
 ZERO_PP = Feature("ZeRO++ (quantized weights and gradients, hierarchical partitioning)",
                   "leave these keys at their defaults")
