@@ -53,11 +53,53 @@ def check_precision(cfg: DSConfig, p: str) -> list[Problem]:
         problems.append(Problem(f"{p}data_types.grad_accum_dtype",
                                 f"got {cfg.data_types.grad_accum_dtype!r}; with amp the gradients accumulate "
                                 "in the model dtype, fp32"))
+    problems += _bf16_master_state_problems(cfg, p)
+    # DeepSpeed's engine asserts that data_types.param_dtype names the dtype fp16/bf16 give the model
+    param_dtype, model_dtype = cfg.data_types.param_dtype, {"fp16": "fp16", "bf16": "bf16"}.get(cfg.precision, "fp32")
+    if param_dtype is not None and param_dtype != model_dtype:
+        problems.append(Problem(f"{p}data_types.param_dtype", f"got {param_dtype!r}, but the enabled precision gives "
+                                f"the model {model_dtype} parameters (DeepSpeed refuses the conflict too)",
+                                "set the matching fp16/bf16 enabled flag, or remove data_types.param_dtype"))
     # DeepSpeed reads the flag only when fp16 is enabled, and then requires ZeRO stage 2.
     if cfg.fp16.enabled and cfg.fp16.fp16_master_weights_and_grads and cfg.zero_optimization.stage != 2:
         problems.append(Problem(f"{p}fp16.fp16_master_weights_and_grads",
                                 f"needs zero_optimization.stage 2, stage is {cfg.zero_optimization.stage}"))
     return problems
+
+
+def _bf16_master_state_problems(cfg: DSConfig, p: str) -> list[Problem]:
+    """``bf16.bf16_master_weights_and_grads`` / ``bf16_optimizer_states`` where dsrun keeps them (docs/precision.md):
+    bf16 enabled, ZeRO stage 1-3 (DeepSpeed's only stages for them), both keys together (DeepSpeed's other
+    supported mix, bf16 masters with fp32 states, needs ZeRO-Offload's CPU Adam), master state on the device."""
+    bf, stage = cfg.bf16, cfg.zero_optimization.stage
+    if not (bf.bf16_master_weights_and_grads or bf.bf16_optimizer_states):
+        return []
+    key = "bf16_master_weights_and_grads" if bf.bf16_master_weights_and_grads else "bf16_optimizer_states"
+    path = f"{p}bf16.{key}"
+    if not bf.enabled:
+        return [Problem(path, "acts only on a bf16 model's master state, and bf16.enabled is false",
+                        "set bf16.enabled to true, or remove the key")]
+    if stage == 0:
+        return [Problem(path, "bf16 master state needs ZeRO stage 1, 2 or 3 (as in DeepSpeed), stage is 0",
+                        "set zero_optimization.stage to 1, 2 or 3, or remove the key (stage 0 keeps fp32 masters)")]
+    if not bf.bf16_master_weights_and_grads:
+        return [Problem(path, f"needs bf16.bf16_master_weights_and_grads (as in DeepSpeed); stage {stage}",
+                        "set bf16.bf16_master_weights_and_grads to true as well")]
+    if not bf.bf16_optimizer_states:
+        return [Problem(path, f"bf16 masters beside fp32 optimizer states (DeepSpeed: ZeRO-Offload with its CPU "
+                        f"Adam) are not implemented in this version of dsrun; stage {stage}",
+                        "set bf16.bf16_optimizer_states to true as well, or remove the key")]
+    opt_type = (cfg.optimizer.type or "").lower() if cfg.optimizer is not None else ""
+    if opt_type in ONE_BIT_OPTIMIZERS:
+        return [Problem(path, f"bf16 master state with {cfg.optimizer.type} (its compressed exchange keeps fp32 "
+                        f"moments and error buffers) is not implemented in this version of dsrun; stage {stage}",
+                        "use Adam/AdamW, Lamb, Lion or Muon, or remove the bf16 master keys")]
+    device = cfg.zero_optimization.offload_optimizer.device
+    if device != "none":
+        return [Problem(path, f"bf16 master state with offload_optimizer.device {device!r} is not implemented in "
+                        f"this version of dsrun (dsrun keeps it on the device); stage {stage}",
+                        "set zero_optimization.offload_optimizer.device to none, or remove the bf16 master keys")]
+    return []
 
 
 def check_zero(cfg: DSConfig, raw: dict[str, Any], p: str) -> tuple[list[Problem], list[str]]:
@@ -266,6 +308,9 @@ def check_rules(cfg: DSConfig, raw: dict[str, Any], prefix: str) -> tuple[list[P
     problems: list[Problem] = []
     notes: list[str] = []
     problems += check_precision(cfg, prefix)
+    if cfg.data_types.buffer_dtype is not None and cfg.precision == "fp32":
+        notes.append(f"{prefix}data_types.buffer_dtype only matters with fp16 or bf16 (DeepSpeed casts buffers only "
+                     "there); the fp32 model's buffers keep their dtype")
     zero_problems, zero_notes = check_zero(cfg, raw, prefix)
     problems += zero_problems
     notes += zero_notes

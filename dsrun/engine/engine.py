@@ -33,7 +33,7 @@ from dsrun.features import Features
 from dsrun.optim.lr_schedules import build_lr_scheduler
 from dsrun.engine.autotuning_probe import AutotuningProbe
 from dsrun.engine.observer import EngineObserver
-from dsrun.precision.strategy import PrecisionStrategy, build_precision
+from dsrun.precision.strategy import PrecisionStrategy, build_precision, cast_model
 from dsrun.precision.torch_autocast import autocast_if_enabled, init_autocast_params
 from dsrun.profiling.timers import WallClockTimers
 from dsrun.zero.strategies import MemoryBreakdown, StrategyContext, ZeroStrategy, build_zero_strategy
@@ -138,8 +138,8 @@ class DeepSpeedEngine(torch.nn.Module):
 
         self.precision: PrecisionStrategy = build_precision(config.fp16, config.bf16, config.zero_optimization.stage)
         model.to(self.device)
-        if self.precision.model_dtype != torch.float32:
-            model.to(dtype=self.precision.model_dtype)
+        if self.precision.model_dtype != torch.float32:  # data_types.buffer_dtype: the buffers' own cast
+            cast_model(model, self.precision.model_dtype, config.data_types.buffer_dtype)
         self.module = model
         self._broadcast_model()
         if self.torch_autocast_enabled():  # the torch_autocast section: comm dtypes of the safe modules' params

@@ -11,7 +11,9 @@
   accumulator. This happens on every micro-step.
 * **Optimizer**: each param group's shards are laid end to end in fp32 *sub-groups* of at most
   ``sub_group_size`` elements (one optimizer tensor each); the step updates only these, then writes the
-  model-dtype shards. No all-gather follows the step: the next forward gathers what it needs. Each sub-group
+  model-dtype shards (with ``bf16.bf16_master_weights_and_grads`` the sub-groups and their gradient
+  accumulators are bf16 and the bf16 shards are views of them, as DeepSpeed shares them: no copy at all). No
+  all-gather follows the step: the next forward gathers what it needs. Each sub-group
   lives in a store (:mod:`dsrun.offload.shard_store`: the device, or with ``offload_optimizer`` host
   memory or NVMe swap files), which owns its master, gradient, update, write-back, checkpoint entries and bytes.
 
@@ -100,7 +102,8 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
         self._optimizer = ctx.optimizer
         self.shard_ctx = ShardContext(  # what the stores know of this strategy
             device=ctx.device, model_dtype=self.model_dtype, needs_master_weights=self.precision.needs_master_weights,
-            measure_gradients=self.precision.checks_overflow or ctx.gradient_clipping > 0, rank=self.rank)
+            measure_gradients=self.precision.checks_overflow or ctx.gradient_clipping > 0, rank=self.rank,
+            master_dtype=self.precision.master_dtype)
         self.placement = ShardPlacement(self.shard_ctx, ctx.optimizer, OffloadOptimizerSettings.from_context(ctx))
         self.sub_groups = self._build_sub_groups()
         for store in self.placement.stores:

@@ -21,7 +21,9 @@ AUTOTP = Feature("AutoTP tensor-parallel training", "remove the tensor_parallel 
 DEEPCOMPILE = Feature("DeepCompile (compiler passes for ZeRO)", "leave the compile key at its default")
 SUPER = Feature("SuperOffload (CPU Adam on reserved cores, superchips)", "leave super_offload false")
 LEAF_PROOF = "tests/unit/zero3/test_leaf_modules.py::test_the_config_leaf_module_section_flags_leaves_at_stage_3"
-DTYPES = Feature("separate parameter and buffer dtypes", "use bf16/fp16 sections for the model dtype")
+DTYPES = Feature("per-module fp32 buffers (not a DeepSpeed key: its data_types has param_dtype and buffer_dtype)",
+                 "remove keep_in_fp32_modules; data_types.buffer_dtype: fp32 keeps every buffer fp32")
+DTYPES_TESTS = "tests/unit/runtime/test_data_types.py::"
 
 
 def _stage3(cfg) -> bool:
@@ -59,9 +61,13 @@ ENTRIES: list[Entry] = [
          "remove datastates_ckpt"), active=lambda cfg: cfg.datastates_ckpt not in (None, False)),
     done("bf16.check_grad_overflow", "at ZeRO stages 1-2 (where DeepSpeed 0.19 checks): skip a bf16 step whose "
          "gradients hold inf/nan", "tests/unit/runtime/test_config_effects.py::test_key_changes_behaviour[{key}]"),
-    *_section("data_types", DTYPES, {"param_dtype": "dtype of the model's parameters",
-                                     "buffer_dtype": "dtype of the model's buffers",
-                                     "keep_in_fp32_modules": "modules whose buffers stay fp32"}),
+    done("data_types.param_dtype", "the model parameters' dtype: must name the one fp16/bf16 gives them (a "
+         "conflict is refused, as DeepSpeed asserts)", f"{DTYPES_TESTS}test_param_dtype_must_match_the_precision",
+         traced=False),  # checked by the config layer, which the tracer does not count
+    done("data_types.buffer_dtype", "with fp16/bf16: cast every floating-point buffer to this dtype after the "
+         "model's cast (null: buffers take the model's dtype)", f"{DTYPES_TESTS}test_buffer_dtype_casts_the_buffers"),
+    # not a DeepSpeed key: 0.19.6's data_types has grad_accum_dtype, param_dtype and buffer_dtype only
+    todo("data_types.keep_in_fp32_modules", "modules whose buffers stay fp32", DTYPES),
     todo("aio.use_gds", "NVIDIA GPUDirect Storage for NVMe I/O", Feature("GPUDirect Storage (CUDA)",
                                                                         "leave use_gds false")),
     todo("hybrid_engine.enable_cuda_graph", "CUDA graphs in the hybrid engine's generation",

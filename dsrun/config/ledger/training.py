@@ -16,6 +16,12 @@ CONFIG = "tests/unit/config/test_support_effects.py::test_key_changes_behaviour[
 STUDY = "tests/unit/autotuning/test_study.py::"
 ZEROPP = "tests/integration/test_zeropp.py::"
 
+BF16_MASTER_TESTS = "tests/unit/runtime/test_bf16_master_state.py::"
+BF16_MASTER = (BF16_MASTER_TESTS + "test_bf16_master_state_holds_bf16_masters_gradients_and_states",
+               BF16_MASTER_TESTS + "test_bf16_master_state_trains_close_to_fp32_masters",
+               BF16_MASTER_TESTS + "test_bf16_master_state_resumes_bit_exactly",
+               "tests/integration/test_bf16_master_ranks.py::test_bf16_master_state_on_two_ranks")
+
 ZERO_PP = Feature("ZeRO++ (quantized weights and gradients, hierarchical partitioning)",
                   "leave these keys at their defaults")
 MICS_PARITY = "tests/integration/test_mics_hpz.py::test_mics_partitions_over_shard_groups_and_matches_zero3"
@@ -33,7 +39,10 @@ def _stage(*stages: int):
 
 
 def _dsrun_grad_accum_dtype(cfg) -> str:
-    """The dtype dsrun accumulates gradients in over micro-steps: the model's at stages 0-1, fp32 at 2-3."""
+    """The dtype dsrun accumulates gradients in over micro-steps: the model's at stages 0-1, fp32 at 2-3 (bf16
+    with bf16 master state, whose gradient accumulators are bf16)."""
+    if cfg.bf16.enabled and cfg.bf16.bf16_master_weights_and_grads and cfg.zero_optimization.stage >= 1:
+        return "bf16"
     if cfg.fp16.enabled or cfg.bf16.enabled:
         return "fp32" if cfg.zero_optimization.stage >= 2 else ("fp16" if cfg.fp16.enabled else "bf16")
     return "fp32"
@@ -96,15 +105,20 @@ ENTRIES: list[Entry] = [
     todo("fp16.fp16_master_weights_and_grads", "keep master weights and gradients in fp16 (ZeRO-2, CUDA)",
          FUSED, applies=lambda cfg: cfg.fp16.enabled),
     done("bf16.enabled", "train in bfloat16 with fp32 master weights", UNIT),
+    # DeepSpeed reads it only in its BF16_Optimizer, the fp32 gradient accumulation of bf16 at stages 0-1, which
+    # dsrun does not have (it accumulates in bf16 there; data_types.grad_accum_dtype fp32 is refused with it)
     todo("bf16.immediate_grad_update", "apply bf16 gradients to the fp32 accumulators inside backward hooks",
-         ENGINE, applies=lambda cfg: cfg.bf16.enabled),
-    todo("bf16.bf16_master_weights_and_grads", "keep master weights and gradients in bf16", ENGINE,
-         applies=lambda cfg: cfg.bf16.enabled),
-    todo("bf16.bf16_optimizer_states", "keep optimizer states in bf16", ENGINE,
-         applies=lambda cfg: cfg.bf16.enabled),
+         Feature("fp32 gradient accumulation of a bf16 model at ZeRO stages 0-1 (DeepSpeed's BF16_Optimizer)",
+                 "leave the key at its default (dsrun accumulates bf16 gradients in bf16 at stages 0-1, in fp32 "
+                 "at stages 2-3)"), applies=lambda cfg: cfg.bf16.enabled),
+    done("bf16.bf16_master_weights_and_grads", "ZeRO 1-3: master weights and gradients in bf16, no fp32 copy "
+         "(with bf16_optimizer_states, on the device; docs/precision.md)", *BF16_MASTER),
+    done("bf16.bf16_optimizer_states", "ZeRO 1-3, with bf16_master_weights_and_grads: the optimizer's states "
+         "(Adam's exp_avg, exp_avg_sq) in bf16", *BF16_MASTER),
     todo("amp.enabled", "Apex automatic mixed precision", APEX),
     todo("data_types.grad_accum_dtype", "dtype gradients accumulate in over micro-steps",
-         Feature("dsrun accumulates in the model's dtype at ZeRO stages 0-1 and in fp32 at stages 2-3",
+         Feature("dsrun accumulates in the model's dtype at ZeRO stages 0-1 and in fp32 at stages 2-3 (bf16 "
+                 "with bf16 master state)",
                  "remove data_types.grad_accum_dtype, or pick the ZeRO stage that accumulates in that dtype"),
          active=_grad_accum_dtype_differs),
     done("gradient_clipping", "clip the global gradient norm to this value (0: off)", UNIT),
