@@ -4,6 +4,10 @@ fsynced, so after a crash a name either holds the complete new content or the ol
 Tests simulate a crash at named points of a save: with ``DSRUN_TEST_CRASH_AT=<point>`` (and optionally
 ``DSRUN_TEST_CRASH_RANK=<rank>``) the process SIGKILLs itself when it reaches ``crash_point(<point>)``.
 Nothing happens when the variable is unset.
+
+Two modes change what :func:`save_torch` does on the calling thread: :func:`counting_bytes` (count the bytes a
+save needs, write nothing) and :func:`capturing_writes` (a decoupled save's snapshot: record each file as a
+:class:`PendingFile` holding a host copy of its object, write nothing; :mod:`.decoupled` writes them later).
 """
 from __future__ import annotations
 
@@ -12,9 +16,11 @@ import errno
 import os
 import shutil
 import signal
-from pathlib import Path
+import threading
 import types
-from typing import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 
@@ -49,32 +55,72 @@ class _ByteCounter:
         pass
 
 
-_counting: list[_ByteCounter] = []  # while counting_bytes() runs: save_torch counts into the last one
+class _Modes(threading.local):
+    """Per thread (a decoupled save's writer thread writes while the training thread may snapshot the next):
+    the counters of :func:`counting_bytes` and the lists of :func:`capturing_writes` in effect."""
+
+    def __init__(self) -> None:
+        self.counting: list[_ByteCounter] = []
+        self.capturing: list[tuple[list[PendingFile], Callable[[object], object]]] = []
+
+
+_modes = _Modes()
+
+
+@dataclass
+class PendingFile:
+    """One file of a decoupled save, captured by :func:`capturing_writes`: the object (its tensors copied to
+    host memory), where it goes and how :func:`save_torch` was asked to write it."""
+
+    obj: object
+    path: Path
+    rank: int
+    torn_point: str | None
+    pickle_module: types.ModuleType | types.SimpleNamespace | None
 
 
 @contextlib.contextmanager
 def counting_bytes() -> Iterator[_ByteCounter]:
     """Within it :func:`save_torch` writes nothing and adds each file's size to the counter yielded: how many
     bytes a save that did not fit needs."""
-    _counting.append(_ByteCounter())
+    _modes.counting.append(_ByteCounter())
     try:
-        yield _counting[-1]
+        yield _modes.counting[-1]
     finally:
-        _counting.pop()
+        _modes.counting.pop()
+
+
+@contextlib.contextmanager
+def capturing_writes(snapshot: Callable[[object], object]) -> Iterator[list[PendingFile]]:
+    """Within it (on this thread) :func:`save_torch` writes nothing: it appends a :class:`PendingFile` holding
+    ``snapshot(obj)`` (a copy the caller's next in-place updates cannot reach) to the list yielded."""
+    _modes.capturing.append(([], snapshot))
+    try:
+        yield _modes.capturing[-1][0]
+    finally:
+        _modes.capturing.pop()
 
 # The points of a save where tests kill a rank (in order); see dsrun.checkpoint.engine_io.save_checkpoint.
 CRASH_POINTS = ("staging_created", "model_states_torn", "after_model_states", "after_optim_states",
                 "before_commit", "old_tag_moved_aside", "after_commit", "latest_tmp_written", "after_latest")
+# The points of a decoupled save's background write (dsrun.checkpoint.decoupled), in order, all on the writer
+# thread while training goes on: nothing written yet; a half-written temporary file; every file of this rank
+# durable, before the ranks agree. The commit then passes the points above from "before_commit" on.
+DECOUPLED_CRASH_POINTS = ("decoupled_write_started", "decoupled_file_torn", "decoupled_files_durable")
+
+
+def crash_armed(name: str, rank: int) -> bool:
+    """Whether a test asked for a crash at ``name`` on ``rank`` (or on any rank)."""
+    if os.environ.get(CRASH_ENV) != name:
+        return False
+    wanted = os.environ.get(CRASH_RANK_ENV)
+    return wanted is None or int(wanted) == rank
 
 
 def crash_point(name: str, rank: int) -> None:
     """SIGKILL this process if a test asked for a crash at ``name`` (on ``rank``, or any rank)."""
-    if os.environ.get(CRASH_ENV) != name:
-        return
-    wanted = os.environ.get(CRASH_RANK_ENV)
-    if wanted is not None and int(wanted) != rank:
-        return
-    os.kill(os.getpid(), signal.SIGKILL)
+    if crash_armed(name, rank):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def fsync_dir(path: Path) -> None:
@@ -95,15 +141,19 @@ def save_torch(obj: object, path: Path, rank: int = 0, torn_point: str | None = 
     """``torch.save`` of any picklable ``obj`` to ``path``, atomically and durably. ``torn_point``: a crash point
     at which a test leaves a half-written temporary file behind. ``pickle_module``: torch.save's (default: pickle)."""
     extra = {} if pickle_module is None else {"pickle_module": pickle_module}
-    if _counting:
-        torch.save(obj, _counting[-1], **extra)
+    if _modes.counting:
+        torch.save(obj, _modes.counting[-1], **extra)
+        return
+    if _modes.capturing:
+        pending, snapshot = _modes.capturing[-1]
+        pending.append(PendingFile(snapshot(obj), path, rank, torn_point, pickle_module))
         return
     tmp = _tmp_name(path)
     try:
         with open(tmp, "wb") as fh:
             torch.save(obj, fh, **extra)
             fh.flush()
-            if torn_point is not None and os.environ.get(CRASH_ENV) == torn_point:
+            if torn_point is not None and crash_armed(torn_point, rank):
                 fh.truncate(max(1, fh.tell() // 2))
                 crash_point(torn_point, rank)
             os.fsync(fh.fileno())
