@@ -80,7 +80,9 @@ def _upper(value: RawValue) -> RawValue:
 
 
 class CheckpointWriterConfig(Section):
-    """``checkpoint.writer``: DeepSpeed's fast (NVMe/GDS) checkpoint writers."""
+    """``checkpoint.writer``: DeepSpeed's fast (NVMe/GDS) checkpoint writers. dsrun acts on ``decoupled`` (the save
+    is written and published in the background: :mod:`dsrun.checkpoint.decoupled`); the others are refused when
+    set (the support ledger)."""
 
     type: Annotated[Literal["MOCK", "PYTHON", "FAST"], BeforeValidator(_upper)] = "FAST"
     io_buffer_size: NonNegInt = 64 * 1024 ** 2

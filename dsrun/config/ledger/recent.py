@@ -1,5 +1,6 @@
 """Ledger entries for the keys DeepSpeed added between 0.14 and 0.19 (dsrun/config/recent.py and the new
-fields of the older sections). ``torch_autocast`` acts; the rest are refused when a config enables them.
+fields of the older sections). ``torch_autocast`` and ``checkpoint.writer.decoupled`` act; the rest are refused when
+a config enables them.
 """
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from .entry import Entry, Feature, done, todo
 AUTOCAST = "tests/unit/runtime/test_torch_autocast.py::"
 ENGINE = Feature("", "leave the key at its default")
 ZENFLOW = Feature("ZenFlow (stall-free offloaded optimizer)", "remove zero_optimization.zenflow")
-WRITER = Feature("DeepSpeed's fast checkpoint writers", "remove checkpoint.writer")
+WRITER = Feature("DeepSpeed's fast checkpoint writers (O_DIRECT, double buffering, split writes): dsrun writes "
+                 "with torch.save", "remove the key (checkpoint.writer.decoupled acts)")
 AUTOTP = Feature("AutoTP tensor-parallel training", "remove the tensor_parallel section")
 DEEPCOMPILE = Feature("DeepCompile (compiler passes for ZeRO)", "leave the compile key at its default")
 SUPER = Feature("SuperOffload (CPU Adam on reserved cores, superchips)", "leave super_offload false")
@@ -55,11 +57,15 @@ ENTRIES: list[Entry] = [
     todo("hybrid_engine.enable_cuda_graph", "CUDA graphs in the hybrid engine's generation",
          Feature("the hybrid train/generate engine (DeepSpeed-Chat)", "disable hybrid_engine")),
     todo("checkpoint.checkpoint_serialization", "false: torch.save without the zipfile format", ENGINE),
+    # decoupled acts (dsrun/checkpoint/decoupled.py); the fast writers' own keys wait for those writers
+    done("checkpoint.writer.decoupled", "save in the background: training waits only for a host-memory snapshot; "
+         "the checkpoint is published once every rank's files are durable",
+         "tests/integration/test_decoupled_checkpoint.py::test_a_decoupled_save_resumes_bit_exactly_while_training_"
+         "goes_on"),
     *_section("checkpoint.writer", WRITER, {
         "type": "writer: MOCK, PYTHON or FAST", "io_buffer_size": "bytes of the writer's I/O buffer",
         "io_buffer_double": "double-buffered writes", "show_statistics": "print write statistics",
-        "data_parallel": "which data-parallel ranks write", "decoupled": "write in a separate process",
-        "io_multiplier": "I/O buffer multiplier"}),
+        "data_parallel": "which data-parallel ranks write", "io_multiplier": "I/O buffer multiplier"}),
     # ZeRO
     todo("zero_optimization.compute_grad_norm", "false: skip the global gradient norm (stages 1-2)", ENGINE),
     todo("zero_optimization.stage3_allgather_sequential", "gather parameters one at a time", ENGINE,

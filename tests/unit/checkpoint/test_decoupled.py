@@ -1,0 +1,97 @@
+"""Decoupled saves on one rank, in process: the snapshot (a host copy with the live object's sharing and bytes,
+untouched by later in-place updates), every save's record (synchronous ones too), a held background write
+publishing only when it ends, and the ledger's verdict on ``checkpoint.writer``'s keys."""
+from __future__ import annotations
+
+import collections
+import io
+import threading
+import warnings
+
+import pytest
+import torch
+
+from dsrun.checkpoint import decoupled, layout
+from dsrun.checkpoint.snapshot import host_copy
+from dsrun.checkpoint.training import TrainingCheckpoints
+
+from .test_training_hooks import _Loader
+
+
+def test_the_snapshot_keeps_sharing_and_bytes_and_ignores_later_updates():
+    flat = torch.arange(12.0)
+    weight = torch.nn.Parameter(torch.ones(3))
+    live = collections.OrderedDict(views=[flat[:4].view(2, 2), flat[4:]], whole=(flat, torch.Size([2])),
+                                   nested={"p": weight, "n": 3, "s": "x"}, ints=torch.tensor([1, 2]))
+    saved_live = io.BytesIO()
+    torch.save(live, saved_live)
+    snap = host_copy(live)
+    with torch.no_grad():  # the next step's in-place updates
+        flat.add_(100.0)
+        weight.add_(1.0)
+    assert snap["views"][0].tolist() == [[0.0, 1.0], [2.0, 3.0]] and snap["whole"][0][:3].tolist() == [0.0, 1.0, 2.0]
+    assert isinstance(snap["nested"]["p"], torch.nn.Parameter) and snap["nested"]["p"].tolist() == [1.0, 1.0, 1.0]
+    # the views still share one storage, so the file holds each element once, as the live object's would
+    assert snap["views"][1].untyped_storage().data_ptr() == snap["whole"][0].untyped_storage().data_ptr()
+    saved_snap = io.BytesIO()
+    torch.save(snap, saved_snap)
+    assert len(saved_snap.getvalue()) == len(saved_live.getvalue())
+
+
+@pytest.mark.usefixtures("single_rank")
+def test_a_synchronous_save_is_recorded_with_its_time_and_bytes(tmp_path):
+    from .conftest import make_engine, train
+
+    engine = make_engine(1)
+    hooks = TrainingCheckpoints(engine, _Loader(), tmp_path, save_interval=2, resume=None, keep_last=0)
+    train(engine, 2)
+    assert hooks.save_if_due(2)
+    (record,) = hooks.records
+    assert record.settled() and record.step == 2 and record.samples == engine.global_samples
+    assert 0 < record.write_s <= record.blocking_s  # the save call; then the deletion of old checkpoints
+    assert record.bytes == decoupled.folder_bytes(tmp_path / "checkpoints" / "global_step2") > 0
+    assert [name for name, _, _ in record.events()] == ["Checkpoint/Samples/blocking_s", "Checkpoint/Samples/write_s",
+                                                          "Checkpoint/Samples/bytes"]
+
+
+@pytest.mark.usefixtures("single_rank")
+def test_a_decoupled_save_is_published_only_when_its_write_ends(tmp_path):
+    from .conftest import make_engine, train
+
+    engine = make_engine(1, extra={"checkpoint": {"writer": {"decoupled": True}}})
+    hooks = TrainingCheckpoints(engine, _Loader(), tmp_path, save_interval=1, resume=None, keep_last=1)
+    root = tmp_path / "checkpoints"
+    train(engine, 1)
+    assert hooks.save_if_due(1)
+    hooks.wait_for_writes()
+    writer, release = decoupled.active(), threading.Event()
+    writer.before_write = lambda job: release.wait()
+    try:
+        train(engine, 1, start=1)
+        assert hooks.save_if_due(2)
+        train(engine, 1, start=2)  # training goes on while step 2's write is held
+        assert layout.read_latest(root) == "global_step1" and not hooks.records[-1].settled()
+        assert layout.list_tags(root) == ["global_step1"]  # keep_last=1: the one `latest` names stays
+    finally:
+        release.set()
+        writer.before_write = None
+    hooks.wait_for_writes()
+    assert layout.read_latest(root) == "global_step2" and layout.list_tags(root) == ["global_step2"]
+    assert [r.step for r in hooks.records] == [1, 2]
+    second = hooks.records[1]
+    assert second.settled() and second.write_s > 0 and second.blocking_s > 0
+    assert second.bytes == decoupled.folder_bytes(root / "global_step2")
+
+
+def test_decoupled_acts_and_the_fast_writers_keys_are_refused_with_their_reason():
+    from dsrun.config import validate_ds_config
+
+    def problems(writer: dict) -> list:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return validate_ds_config({"train_micro_batch_size_per_gpu": 1, "checkpoint": {"writer": writer}})
+
+    assert problems({"decoupled": True}) == [] and problems({}) == []
+    (refused,) = problems({"decoupled": True, "type": "PYTHON"})
+    assert refused.path == "checkpoint.writer.type" and "fast checkpoint writers" in refused.message
+    assert "checkpoint.writer.decoupled acts" in refused.hint
