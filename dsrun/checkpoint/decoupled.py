@@ -48,7 +48,7 @@ from dsrun.accelerator import get_accelerator
 from dsrun.utils.errors import Problem, UserError
 
 from . import atomic
-from .snapshot import PinnedPool, Snapshot
+from .snapshot import HostPool, Snapshot
 
 log = logging.getLogger("dsrun.checkpoint")
 
@@ -91,7 +91,7 @@ class DecoupledWriter:
         self.world, self.rank = comm.get_world_size(), comm.get_rank()
         # the writer thread's own group (module docstring, step 4); collective: every rank creates it here
         self.group = comm.new_group(backend="gloo") if self.world > 1 else None
-        self.pool = PinnedPool() if get_accelerator().pin_memory_enabled() else None
+        self.pool = HostPool(pinned=get_accelerator().pin_memory_enabled())  # the snapshots' buffers, reused
         self.job: SaveJob | None = None
         self.max_wait_s = IN_FLIGHT_WAIT_S
         self.before_write: Callable[[SaveJob], None] | None = None  # test seam (module docstring)
@@ -144,8 +144,7 @@ class DecoupledWriter:
             log.error("decoupled checkpoint %s failed: %s", job.tag, exc)
         finally:
             job.write_s = time.perf_counter() - job.started
-            if self.pool is not None:
-                self.pool.give_back(job.snapshot.pinned)
+            self.pool.give_back(job.snapshot.taken)
             job.files, job.snapshot = [], Snapshot()  # the host copies go now
             job.done.set()
 

@@ -3,7 +3,8 @@ training waits, so that the background write sees the state of the saved step an
 of the steps after it.
 
 :func:`host_copy` walks the object ``torch.save`` would be given (dicts, lists, tuples, tensors, plain values).
-Each tensor's *storage* is copied once, and every tensor that viewed it becomes the same view of the copy:
+Each tensor's *storage* is copied once (storages are told apart as ``torch.save`` tells them: by identity), each
+tensor met twice stays one object, and every tensor that viewed a storage becomes the same view of the copy:
 ``torch.save`` then writes exactly the bytes and the sharing it would have written for the live object (the
 optimizer files' per-parameter tensors are views of flat buffers; copying them one by one would write each
 element twice). Device storages go to host memory, pinned when the accelerator pins (CUDA), with asynchronous
@@ -11,8 +12,9 @@ copies and one synchronize at the end; a file then holds host tensors where a sy
 ones, which is the same to every loader (dsrun's loads map to the CPU). Other objects (a loss scaler, the
 client's own types) are deep-copied.
 
-:class:`PinnedPool` keeps pinned buffers from one snapshot to the next (pinning host memory is slow: what a
-snapshot must avoid), handed back by the writer once their file is written.
+:class:`HostPool` keeps the host buffers from one snapshot to the next (fresh memory costs a page fault per page,
+pinned memory far more), handed back by the writer once their file is written: after the first decoupled save a
+rank holds one host copy of its saved state for the rest of the run.
 """
 from __future__ import annotations
 
@@ -27,11 +29,14 @@ from dsrun.accelerator import get_accelerator
 _PLAIN = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device, torch.Size)
 
 
-class PinnedPool:
-    """Pinned host storages by size, reused across snapshots (CUDA only; thread-safe: the writer thread gives
-    them back)."""
+class HostPool:
+    """Host storages by size, reused from one snapshot to the next (thread-safe: the writer thread gives them
+    back once their file is written). A snapshot into fresh memory pays the kernel's page faults on every byte,
+    and pinning (``pinned``: on CUDA) is slower still; the same state has the same storage sizes at every save,
+    so from the second save on the copies land in memory already mapped."""
 
-    def __init__(self) -> None:
+    def __init__(self, pinned: bool = False) -> None:
+        self.pinned = pinned
         self._free: dict[int, list[torch.UntypedStorage]] = {}
         self._lock = threading.Lock()
 
@@ -40,27 +45,33 @@ class PinnedPool:
             free = self._free.get(nbytes)
             if free:
                 return free.pop()
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).untyped_storage()
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned).untyped_storage()
 
     def give_back(self, storages: list[torch.UntypedStorage]) -> None:
+        """The last snapshot's storages, free again; those it did not take go (the pool holds one snapshot)."""
         with self._lock:
+            self._free = {}
             for storage in storages:
                 self._free.setdefault(storage.nbytes(), []).append(storage)
 
 
 class Snapshot:
     """One snapshot's copies: call it on each file's object (:func:`dsrun.checkpoint.atomic.capturing_writes`),
-    then :meth:`finish` before the copies are read. ``pool``: where pinned storages come from (None: plain host
-    memory, as on CPU)."""
+    then :meth:`finish` before the copies are read. ``pool``: where the host storages come from (None: fresh
+    memory each time)."""
 
-    def __init__(self, pool: PinnedPool | None = None) -> None:
+    def __init__(self, pool: HostPool | None = None) -> None:
         self.pool = pool
-        self.copied: dict[tuple[str, int, int], torch.UntypedStorage] = {}
-        self.pinned: list[torch.UntypedStorage] = []  # to hand back to the pool once written
+        self.copied: dict[int, torch.UntypedStorage] = {}  # by the storage's identity, as torch.save counts them
+        self.tensors: dict[int, torch.Tensor] = {}  # a tensor met twice stays one object (tied weights)
+        self.taken: list[torch.UntypedStorage] = []  # from the pool, to hand back once written
         self.bytes = 0
         self._asynchronous = False
 
     def __call__(self, obj: object) -> object:
+        """The copy of one file's object. Storages and tensors are told apart within this object only: once it is
+        copied the caller may free it, and a later object's storages may then reuse its addresses."""
+        self.copied, self.tensors = {}, {}
         return self._copy(obj)
 
     def finish(self) -> None:
@@ -69,13 +80,13 @@ class Snapshot:
             get_accelerator().synchronize()
 
     def _storage(self, storage: torch.UntypedStorage) -> torch.UntypedStorage:
-        key = (str(storage.device), storage.data_ptr(), storage.nbytes())
+        key = storage._cdata
         host = self.copied.get(key)
         if host is None:
             on_device = storage.device.type != "cpu"
-            if on_device and self.pool is not None:
+            if self.pool is not None:
                 host = self.pool.take(storage.nbytes())
-                self.pinned.append(host)
+                self.taken.append(host)
             else:
                 host = torch.empty(storage.nbytes(), dtype=torch.uint8).untyped_storage()
             host.copy_(storage, non_blocking=on_device)
@@ -99,7 +110,9 @@ class Snapshot:
         if isinstance(obj, _PLAIN):
             return obj
         if isinstance(obj, torch.Tensor):
-            return self._tensor(obj)
+            if id(obj) not in self.tensors:
+                self.tensors[id(obj)] = self._tensor(obj)
+            return self.tensors[id(obj)]
         if isinstance(obj, dict):
             out = copy.copy(obj)  # keeps the type (OrderedDict, defaultdict's factory)
             out.clear()

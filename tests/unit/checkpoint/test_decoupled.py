@@ -1,5 +1,5 @@
 """Decoupled saves on one rank, in process: the snapshot (a host copy with the live object's sharing and bytes,
-untouched by later in-place updates), every save's record (synchronous ones too), a held background write
+untouched by later in-place updates; each engine file's snapshot serializes to the live one's size), every save's record (synchronous ones too), a held background write
 publishing only when it ends, and the ledger's verdict on ``checkpoint.writer``'s keys."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dsrun.checkpoint import decoupled, layout
-from dsrun.checkpoint.snapshot import host_copy
+from dsrun.checkpoint.snapshot import Snapshot, host_copy
 from dsrun.checkpoint.training import TrainingCheckpoints
 
 from .test_training_hooks import _Loader
@@ -21,8 +21,10 @@ from .test_training_hooks import _Loader
 def test_the_snapshot_keeps_sharing_and_bytes_and_ignores_later_updates():
     flat = torch.arange(12.0)
     weight = torch.nn.Parameter(torch.ones(3))
+    tied = torch.ones(4)
     live = collections.OrderedDict(views=[flat[:4].view(2, 2), flat[4:]], whole=(flat, torch.Size([2])),
-                                   nested={"p": weight, "n": 3, "s": "x"}, ints=torch.tensor([1, 2]))
+                                   nested={"p": weight, "n": 3, "s": "x"}, ints=torch.tensor([1, 2]),
+                                   tied=[tied, tied], placeholders=[torch.empty(0), torch.empty(0)])
     saved_live = io.BytesIO()
     torch.save(live, saved_live)
     snap = host_copy(live)
@@ -31,11 +33,47 @@ def test_the_snapshot_keeps_sharing_and_bytes_and_ignores_later_updates():
         weight.add_(1.0)
     assert snap["views"][0].tolist() == [[0.0, 1.0], [2.0, 3.0]] and snap["whole"][0][:3].tolist() == [0.0, 1.0, 2.0]
     assert isinstance(snap["nested"]["p"], torch.nn.Parameter) and snap["nested"]["p"].tolist() == [1.0, 1.0, 1.0]
-    # the views still share one storage, so the file holds each element once, as the live object's would
+    # the views still share one storage, so the file holds each element once, as the live object's would; a
+    # tensor met twice is one object, two empty storages stay two (as torch.save counts them)
     assert snap["views"][1].untyped_storage().data_ptr() == snap["whole"][0].untyped_storage().data_ptr()
+    assert snap["tied"][0] is snap["tied"][1] and snap["placeholders"][0] is not snap["placeholders"][1]
     saved_snap = io.BytesIO()
     torch.save(snap, saved_snap)
     assert len(saved_snap.getvalue()) == len(saved_live.getvalue())
+
+
+def test_a_snapshot_of_several_files_copies_each_whatever_addresses_the_freed_ones_leave():
+    """A save's files are captured one after the other, each object freed once copied: the next one's storages
+    may take the same addresses, which must not make it the earlier copy."""
+    snap, copies = Snapshot(), []
+    for i in range(20):
+        live = {"state": torch.full((64,), float(i), dtype=(torch.float32, torch.float64)[i % 2])}
+        copies.append(snap(live))
+        del live
+    assert [c["state"][0].item() for c in copies] == [float(i) for i in range(20)]
+    assert [c["state"].dtype for c in copies] == [(torch.float32, torch.float64)[i % 2] for i in range(20)]
+
+
+@pytest.mark.usefixtures("single_rank")
+@pytest.mark.parametrize("stage", [0, 3])
+def test_each_file_of_a_save_serializes_from_its_snapshot_to_the_same_size(stage, monkeypatch, tmp_path):
+    from dsrun.checkpoint import atomic
+
+    from .conftest import make_engine, train
+
+    engine, sizes = make_engine(stage), []
+    train(engine, 1)
+
+    def measure(obj, path, rank=0, torn_point=None, pickle_module=None):
+        extra = {} if pickle_module is None else {"pickle_module": pickle_module}
+        live, snap = io.BytesIO(), io.BytesIO()
+        torch.save(obj, live, **extra)
+        torch.save(host_copy(obj), snap, **extra)
+        sizes.append((path.name, len(live.getvalue()), len(snap.getvalue())))
+
+    monkeypatch.setattr(atomic, "save_torch", measure)
+    engine.save_checkpoint(str(tmp_path))
+    assert sizes and all(live == snap for _, live, snap in sizes), sizes
 
 
 @pytest.mark.usefixtures("single_rank")
