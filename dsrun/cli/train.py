@@ -19,6 +19,10 @@ Examples:
                                                 same recipe and overrides (docs/checkpoint.md)
   dsrun train --from outputs/2026-01-31/12-00-00
                                                 resume that run from its newest checkpoint (or run it again)
+  dsrun train train.save_interval=50 checkpoint=decoupled
+                                                decoupled saves: training waits only while each rank copies its
+                                                state to host memory; a background thread writes and publishes
+                                                the checkpoint (ds.checkpoint.writer.decoupled; docs/checkpoint.md)
   dsrun train train.resume=auto train.preemption.grace_s=90
                                                 on SIGTERM/SIGUSR1 (a scheduler's preemption) every rank finishes
                                                 its step and saves a checkpoint there within 90 s, exit code 138;

@@ -86,7 +86,9 @@ class CheckpointWriterConfig(Section):
     written through ``type``'s writer (:func:`dsrun.io.open_writer`): ``FAST`` O_DIRECT writes of
     ``io_buffer_size``-byte buffers through the async I/O op (the ``aio`` section), double-buffered with
     ``io_buffer_double``; ``PYTHON`` a buffered file; ``MOCK`` counts bytes and writes empty files.
-    ``show_statistics`` logs each file's write statistics."""
+    ``show_statistics`` logs each file's write statistics.
+    ``decoupled`` writes and publishes the save in the background (:mod:`dsrun.checkpoint.decoupled`), through
+    the same writer. ``data_parallel`` and ``io_multiplier`` are refused (the support ledger)."""
 
     type: Annotated[Literal["MOCK", "PYTHON", "FAST"], BeforeValidator(_upper)] = "FAST"
     io_buffer_size: NonNegInt = 64 * 1024 ** 2

@@ -508,7 +508,15 @@ class DeepSpeedEngine(torch.nn.Module):
         """Release what the engine holds beyond its Python objects: the ZeRO strategy's autograd and module
         hooks, buckets, swap files and worker threads, the monitors, and the process groups it created
         (DeepSpeed's ``engine.destroy()``). The module keeps its (gathered, for ZeRO-3) weights as plain
-        tensors only where the strategy can give them back; use the engine no further."""
+        tensors only where the strategy can give them back; use the engine no further. A decoupled checkpoint
+        still being written is waited for first (published; its error is raised once all is released)."""
+        from dsrun.checkpoint import decoupled
+
+        failure: Exception | None = None
+        try:
+            decoupled.drain()
+        except Exception as exc:  # noqa: BLE001 - raised below, after the engine let go of what it holds
+            failure = exc
         if self.strategy is not None:
             self.strategy.close()
         self.direct_backward.close()
@@ -519,6 +527,8 @@ class DeepSpeedEngine(torch.nn.Module):
         if self._python_gc_lease is not None:
             python_gc_manager.release(self._python_gc_lease)
             self._python_gc_lease = None
+        if failure is not None:
+            raise failure
 
     def empty_partition_cache(self) -> None:
         """Release the ZeRO-3 parameters kept gathered between uses (persistent or kept for reuse), e.g. at the
