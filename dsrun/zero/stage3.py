@@ -356,6 +356,12 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
     def _local_sq_norm(self) -> torch.Tensor:
         """The sum of squares of this rank's gradients (float64, on the device)."""
         sq = torch.zeros(1, dtype=torch.float64, device=self.ctx.device)
+        if self.keeps_whole and all(store.kind == "device" for store in self.placement.stores):
+            # whole parameters, gradients on the device: stage 0's arithmetic (one fp32 dot per flat gradient,
+            # no temporary), not the stores' float64 chunks
+            for grad in self.step_gradients():
+                sq += torch.dot(grad, grad).double()
+            return sq
         for store in self.placement.stores:
             store.add_sq_norm(sq)
         return sq
