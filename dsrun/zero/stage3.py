@@ -69,8 +69,6 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
 
         if zc.memory_efficient_linear:
             linear.install()
-        if ctx.device.type == "cpu":
-            host_memory.fix_mmap_threshold()  # freed gather buffers go back to the OS at once
         self.params = iter_unique_params([ctx.module])
         # which group each parameter is partitioned over and how it is gathered and reduced: a feature's policy
         # (ZeRO++/MiCS/hpZ: dsrun/zero/zeropp.py) or plain ZeRO-3's
@@ -86,6 +84,10 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
             gathered_together=gathered_together(ctx.module))
         # every parameter partitioned over a group of one: kept whole, no hooks (dsrun/zero/whole_params.py)
         self.keeps_whole = keeps_whole(self.params, self.param_offload)
+        if ctx.device.type == "cpu" and not self.keeps_whole:
+            # freed gather buffers go back to the OS at once (kept whole, nothing is gathered: glibc's own
+            # threshold keeps reusing freed activations and gradients, as at stage 0, without page faults)
+            host_memory.fix_mmap_threshold()
         self.coordinator: ParameterCoordinator | WholeParameters = WholeParameters(ctx.module, self.params) \
             if self.keeps_whole else ParameterCoordinator(
                 ctx.module, prefetch_bucket_size=int(zc.stage3_prefetch_bucket_size),

@@ -7,7 +7,8 @@ keeps them whole instead of running the :class:`~.hooks.ParameterCoordinator`: :
 each parameter's ``.data`` at its shard viewed in the full shape, once, and has the coordinator's interface with
 nothing to do. No module gets a forward hook, no ``_parameters`` dict is replaced, no gather or release runs;
 the strategy puts each finished gradient straight into its sub-group's accumulator (no bucket,
-:mod:`.stage3`). The step updates the shard in place (fp32: the shard is a view of its fp32 master; 16-bit: the
+:mod:`.stage3`), measures the clipping norm as stage 0 does, and ``F.linear`` is torch's own for a whole weight
+(:mod:`.linear`). The step updates the shard in place (fp32: the shard is a view of its fp32 master; 16-bit: the
 store writes it), so ``.data`` is current after every step without a copy.
 
 What DeepSpeed's attributes say of a whole parameter: ``ds_status`` is AVAILABLE, ``ds_tensor`` the shard
