@@ -272,8 +272,9 @@ class EngineMethods:
         starts from them (DeepSpeed leaves the masters as they were)."""
         from dsrun.zero import GatheredParameters
 
-        fetch = [p for p in self._engine.module.parameters()
-                 if fetch_z3_params and is_zero_param(p) and p.ds_status is ParamStatus.NOT_AVAILABLE]
+        # a parameter kept whole (a partition group of one) needs no gather, but the write-back to its master
+        fetch = [p for p in self._engine.module.parameters() if fetch_z3_params and is_zero_param(p)
+                 and (p.ds_status is ParamStatus.NOT_AVAILABLE or getattr(p, "ds_whole", False))]
         with GatheredParameters(fetch, modifier_rank=0):
             state_dict = checkpoint["module"]
             if custom_load_fn is not None:

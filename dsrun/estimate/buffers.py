@@ -17,7 +17,9 @@ follow dsrun's ZeRO strategies:
   full gradients and their rows for the reduce-scatter, ``2 * B * w``, plus the received shards, up to
   ``T/N * w`` with ``overlap_comm`` (they are added up only when backward ends). With one bucket (K = 1)
   that happens once, at the end of backward, after the activations are gone and each module's gathered
-  parameters were released after its gradient; otherwise buckets are launched while they are live.
+  parameters were released after its gradient; otherwise buckets are launched while they are live. Where
+  every partition group is one rank (N = 1 or MiCS shard groups of one, without ``offload_param``) the
+  parameters are kept whole and each gradient goes straight into its accumulator: no bucket, no transient.
 
 Collective temporaries (gloo, ranks on the CPU, N > 1). Measured with torch's gloo backend: an all-reduce
 works in place, but every other collective first copies its data into one flat buffer of the whole
@@ -142,7 +144,9 @@ def buffer_bytes(spec: EstimateInputs) -> BufferBytes:
         if several:
             coll_backward += accumulate
         coll_end += accumulate
-    if spec.zero_stage == 3:
+    # every partition group one rank: parameters kept whole, gradients straight into their accumulators
+    whole = spec.offload_param == "none" and (n == 1 or spec.mics_shard_size == 1)  # zero/whole_params.py
+    if spec.zero_stage == 3 and not whole:
         if n > 1:  # one rank's partition is already the whole model
             gathered = stage3_gathered_elements(spec) * w + spec.largest_layer_params * w
         received = (ceil_div(spec.trainable, n) if spec.overlap_comm else ceil_div(bucket, n)) if n > 1 else 0

@@ -273,8 +273,10 @@ def _sub_groups(**_):
 
 
 def statuses(extra: dict, at: int) -> list[str]:
-    """Each parameter's stage-3 status when the forward reaches layer ``at`` on the second step."""
-    e = engine(merged(zero(3, stage3_param_persistence_threshold=0), extra))
+    """Each parameter's stage-3 status when the forward reaches layer ``at`` on the second step. A world of one
+    keeps ZeRO-3 parameters whole, with nothing to gather (dsrun/zero/whole_params.py); parameter offload keeps
+    them partitioned, so the gathers these keys tune run."""
+    e = engine(merged(zero(3, stage3_param_persistence_threshold=0, offload_param={"device": "cpu"}), extra))
     seen: list[str] = []
     layer = e.module.layers[at]
     layer.register_forward_pre_hook(lambda *a: seen.__setitem__(slice(None), [

@@ -73,7 +73,9 @@ def test_enable_sanity_checks_refuses_a_change_gathered_parameters_would_lose() 
         model = nn.Linear(4, 4)
         config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
                   "zero_optimization": {"stage": 3, "enable_sanity_checks": checks,
-                                        "stage3_param_persistence_threshold": 0}}
+                                        "stage3_param_persistence_threshold": 0,
+                                        # partitioned even in a world of one (else kept whole: nothing to lose)
+                                        "offload_param": {"device": "cpu"}}}
         dsrun.initialize(model=model, config=config)
         with dsrun.zero.GatheredParameters(model.weight):
             assert model.weight.sum() is not None  # a read

@@ -114,8 +114,10 @@ def _stage3_engine(zero: dict) -> tuple[object, Block]:
 
     torch.manual_seed(0)
     model = Block()
+    # parameters offloaded, so a world of one still partitions and hooks them (without, it keeps them whole and
+    # hooks nothing: dsrun/zero/whole_params.py)
     config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
-              "zero_optimization": {"stage": 3, **zero}}
+              "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}, **zero}}
     return dsrun.initialize(model=model, config=config)[0], model
 
 
