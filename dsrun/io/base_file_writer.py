@@ -58,3 +58,24 @@ class BaseFileWriter:
     def _dump_state(self) -> None:
         """Log the statistics on one line (DeepSpeed prints ``stats = {...}``)."""
         logger.info("stats = %s", self.statistics())
+
+
+class OpenFileWriter(BaseFileWriter):
+    """A writer over ``open(file_path, "wb")`` with counted ``close``/``flush`` and no descriptor handed out: what
+    ``PyFileWriter`` and ``MockFileWriter`` share (``close()`` does not fsync: :func:`dsrun.io.open_writer` does)."""
+
+    def __init__(self, file_path: str | os.PathLike[str]) -> None:
+        super().__init__(file_path)
+        self._fp = open(self._file_path, "wb")
+
+    def close(self) -> None:
+        self._incr_stats(CLOSE_COUNT_KEY)
+        self._fp.close()
+
+    def fileno(self) -> int:
+        self._incr_stats(FILENO_COUNT_KEY)
+        return INVALID_FD
+
+    def flush(self) -> None:
+        self._incr_stats(FLUSH_COUNT_KEY)
+        self._fp.flush()

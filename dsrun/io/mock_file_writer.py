@@ -4,31 +4,17 @@ from __future__ import annotations
 
 import os
 
-from .base_file_writer import BaseFileWriter
-from .constants import CLOSE_COUNT_KEY, FILENO_COUNT_KEY, FLUSH_COUNT_KEY, INVALID_FD, SAVE_STORAGE_BYTES_KEY, \
-    SAVE_STORAGE_KEY, STORAGE_OBJ_SIZE, WRITE_BYTES_KEY, WRITE_COUNT_KEY
+from .base_file_writer import OpenFileWriter
+from .constants import SAVE_STORAGE_BYTES_KEY, SAVE_STORAGE_KEY, STORAGE_OBJ_SIZE, WRITE_BYTES_KEY, WRITE_COUNT_KEY
 from .storage import StorageObject, storage_nbytes
 
 
-class MockFileWriter(BaseFileWriter):
+class MockFileWriter(OpenFileWriter):
 
     def __init__(self, file_path: str | os.PathLike[str]) -> None:
         super().__init__(file_path)
-        self._fp = open(self._file_path, "wb")
         self._stats[SAVE_STORAGE_KEY] = 0
         self._stats[SAVE_STORAGE_BYTES_KEY] = 0
-
-    def close(self) -> None:
-        self._incr_stats(CLOSE_COUNT_KEY)
-        self._fp.close()
-
-    def fileno(self) -> int:
-        self._incr_stats(FILENO_COUNT_KEY)
-        return INVALID_FD
-
-    def flush(self) -> None:
-        self._incr_stats(FLUSH_COUNT_KEY)
-        self._fp.flush()
 
     def write(self, buffer: bytes | bytearray | memoryview) -> int:
         return self._write(memoryview(buffer).nbytes)
