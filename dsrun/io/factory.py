@@ -18,7 +18,7 @@ import torch
 
 from dsrun.ops.aio import AsyncIOHandle
 from .base_file_writer import BaseFileWriter
-from .constants import INVALID_FD, WRITE_BYTES_KEY, WRITE_COUNT_KEY
+from .constants import INVALID_FD
 from .fast_file_writer import FastFileWriter, FastFileWriterConfig
 from .mock_file_writer import MockFileWriter
 from .py_file_writer import PyFileWriter
@@ -54,26 +54,6 @@ class WriterSettings:
         return cls(type=writer.type, io_buffer_size=int(writer.io_buffer_size),
                    io_buffer_double=bool(writer.io_buffer_double), show_statistics=bool(writer.show_statistics),
                    aio=aio_items)
-
-
-class _PlainFile(BaseFileWriter):
-    """A buffered file that counts what it writes (the writer when no ``checkpoint.writer`` section is set)."""
-
-    def __init__(self, file_path: str | os.PathLike[str]) -> None:
-        super().__init__(file_path)
-        self._fp = open(self._file_path, "wb")
-
-    def write(self, buffer: bytes | bytearray | memoryview) -> int:
-        n = self._fp.write(buffer)
-        self._incr_stats(WRITE_COUNT_KEY)
-        self._incr_stats(WRITE_BYTES_KEY, n)
-        return n
-
-    def flush(self) -> None:
-        self._fp.flush()
-
-    def close(self) -> None:
-        self._fp.close()
 
 
 class CheckpointFile:
@@ -180,10 +160,8 @@ def _borrow(settings: WriterSettings) -> _FastResources:
 
 
 def open_writer(path: str | os.PathLike[str], settings: WriterSettings | None) -> CheckpointFile:
-    """``path`` created for writing through the writer ``settings`` name (a plain file for None)."""
-    if settings is None:
-        return CheckpointFile(_PlainFile(path), None)
-    if settings.type == "PYTHON":
+    """``path`` created for writing through the writer ``settings`` name (a plain Python file for None)."""
+    if settings is None or settings.type == "PYTHON":
         return CheckpointFile(PyFileWriter(path), settings)
     if settings.type == "MOCK":
         return CheckpointFile(MockFileWriter(path), settings)
