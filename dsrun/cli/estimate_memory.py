@@ -163,8 +163,16 @@ def _recipe_inputs(args: argparse.Namespace) -> tuple[EstimateInputs, dict[str, 
     return spec, info, sources
 
 
+def enabled_monitors(ds_cfg: dict | None) -> list[str]:
+    """The local monitor sections a recipe's DeepSpeed config enables (rank 0 opens them)."""
+    from dsrun.estimate.runtime import PROBED_MONITORS
+
+    ds_cfg = ds_cfg or {}
+    return [s for s in PROBED_MONITORS if isinstance(ds_cfg.get(s), dict) and ds_cfg[s].get("enabled") is True]
+
+
 def _with_process(spec: EstimateInputs, args: argparse.Namespace, sources: dict[str, str], threads: int | None = None,
-                  model_cfg: dict | None = None) -> EstimateInputs:
+                  model_cfg: dict | None = None, ds_cfg: dict | None = None) -> EstimateInputs:
     """Add what the rank process itself holds: the device kind and the idle rank's measured memory
     (with ``threads`` OpenMP threads, default what dsrun's launcher gives each rank on this host, and the
     recipe's model class ``model_cfg``)."""
@@ -175,19 +183,22 @@ def _with_process(spec: EstimateInputs, args: argparse.Namespace, sources: dict[
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     sources["device"] = "--device" if args.device else "this host"
     if args.rank_runtime is not None:
-        runtime = _positive(args.rank_runtime, "--rank-runtime")
+        runtime, monitor_bytes = _positive(args.rank_runtime, "--rank-runtime"), 0  # the whole process, given
         sources["rank_runtime_bytes"] = "--rank-runtime"
     else:
         from dsrun.estimate.model_states import optimizer_state_count
 
         optimizer_state_count(spec.optimizer, spec.optimizer_params)  # an unknown optimizer: one clear error first
         threads = threads or rank_threads(spec.ranks_per_node)
-        probe = measure_rank_runtime(threads, spec.optimizer, model_cfg, spec.precision)
-        runtime = probe.resident
+        monitors = enabled_monitors(ds_cfg)
+        probe = measure_rank_runtime(threads, spec.optimizer, model_cfg, spec.precision, monitors=monitors)
+        runtime, monitor_bytes = probe.resident, probe.monitors
         sources["rank_runtime_bytes"] = (f"measured: a rank with a tiny model of the same class, {spec.optimizer}, "
-                                         f"{spec.precision}, {threads} thread(s); torch {probe.torch} on "
-                                         f"{probe.host} (cached)")
-    return spec.with_(device=device, rank_runtime_bytes=int(runtime))
+                                         f"{spec.precision}, {threads} thread(s)"
+                                         + f"; torch {probe.torch} on {probe.host} (cached)")
+        if monitors:
+            sources["monitor_bytes"] = f"measured: rank 0's monitors ({', '.join(monitors)}) opened by the same probe"
+    return spec.with_(device=device, rank_runtime_bytes=int(runtime), monitor_bytes=int(monitor_bytes))
 
 
 def estimate_recipe(overrides: list[str], recipes_dirs: tuple[str, ...] = (), threads: int | None = None) -> Breakdown:
@@ -199,7 +210,8 @@ def estimate_recipe(overrides: list[str], recipes_dirs: tuple[str, ...] = (), th
     add_arguments(parser)
     args = parser.parse_args([*overrides, *[a for d in recipes_dirs for a in ("--recipes-dir", str(d))]])
     spec, info, sources = _recipe_inputs(args)
-    return estimate_peak_bytes_per_rank(_with_process(spec, args, sources, threads, info.get("config")))
+    return estimate_peak_bytes_per_rank(_with_process(spec, args, sources, threads, info.get("config"),
+                                                      info.get("ds")))
 
 
 def measure_run(overrides: list[str], recipes_dirs: list[str], steps: int, timeout: float,
@@ -260,7 +272,7 @@ def run(args: argparse.Namespace) -> int:
 
     spec, model_info, sources = _cold_inputs(args) if args.total_params is not None else _recipe_inputs(args)
     model_cfg, ds_cfg = model_info.pop("config", None), model_info.pop("ds", None)
-    spec = _with_process(spec, args, sources, model_cfg=model_cfg)
+    spec = _with_process(spec, args, sources, model_cfg=model_cfg, ds_cfg=ds_cfg)
     report = build_report(spec, model_info, sources, detect_budget())
     stages = _pipeline_stages(spec, model_cfg, ds_cfg) if model_cfg is not None else None
     rows = None
@@ -275,11 +287,11 @@ def run(args: argparse.Namespace) -> int:
                                 args.measure_timeout, run_dir)
         else:
             peaks = load_measured_peaks(args.measured)
-        predicted: Any = report.recipe.rank_peak
+        recipe = report.recipe
+        predicted: Any = {r: recipe.rank_peak if r == 0 else recipe.rank_peak_without_monitors for r in peaks}
         if stages is not None:  # rank r holds stage r // (ranks per stage): its own peak replaces the whole model's
             per_stage = max(1, len(peaks) // len(stages))
-            predicted = {r: report.recipe.rank_peak - report.recipe.peak_per_rank + stages[r // per_stage].peak
-                         for r in peaks}
+            predicted = {r: predicted[r] - recipe.peak_per_rank + stages[r // per_stage].peak for r in peaks}
         rows = compare_peaks(predicted, peaks)
     if args.json:
         import json

@@ -36,7 +36,8 @@ class GPTShape:
     (``scaled_dot_product_attention``) that saves no ``seq x seq`` score matrix; False for the explicit
     softmax(QK^T)V that keeps it. ``dropout``: dropout layers active (each keeps a one-byte mask).
     ``rotary``: rotary position embeddings (the rotated queries and keys are new tensors, and the attention
-    output gets copied once more on its way to the output projection).
+    output gets copied once more on its way to the output projection). ``tied_embeddings``: the output head
+    shares the token embedding's weight, whose gradient is then summed at the end of backward.
     """
 
     n_layer: int
@@ -47,6 +48,7 @@ class GPTShape:
     flash_attention: bool = True
     dropout: bool = False
     rotary: bool = False
+    tied_embeddings: bool = False
 
     @property
     def ffn(self) -> int:
@@ -126,7 +128,8 @@ class EstimateInputs:
     device memory *is* the process's RAM) or "cuda" (NCCL); ``rank_runtime_bytes`` (the resident memory of
     an idle rank: interpreter, libraries, process group, optimizer machinery; measured by
     :func:`dsrun.estimate.runtime.measure_rank_runtime`, 0 = not counted); ``data_bytes`` (the data
-    pipeline's resident share: the memory-mapped token array). ``gradient_clipping`` (DeepSpeed's key; > 0
+    pipeline's resident share: the memory-mapped token array); ``monitor_bytes`` (what rank 0's monitors hold,
+    measured by the same probe; 0 on the other ranks). ``gradient_clipping`` (DeepSpeed's key; > 0
     makes the ZeRO-3 step compute the gradient norm, whose temporaries count). ``gradient_accumulation_steps``
     (1 with a 16-bit model: NVMe optimizer offload writes the gradient files in the model dtype).
     ``sequence_parallel_size`` (Ulysses: each rank's activations are 1/P of the sequence's; ZeRO still
@@ -161,6 +164,7 @@ class EstimateInputs:
     device: str = "cuda"
     rank_runtime_bytes: int = 0
     data_bytes: int = 0
+    monitor_bytes: int = 0
     gradient_clipping: float = DEFAULT_CLIPPING
     gradient_accumulation_steps: int = 1
     sequence_parallel_size: int = 1
@@ -203,7 +207,7 @@ class EstimateInputs:
             yield Problem("zero_optimization.offload_param", "needs ZeRO stage 3")
         if self.device not in ("cpu", "cuda"):
             yield Problem("device", f"must be cpu or cuda, got {self.device!r}")
-        for name in ("rank_runtime_bytes", "data_bytes", "runtime_overhead_bytes"):
+        for name in ("rank_runtime_bytes", "data_bytes", "monitor_bytes", "runtime_overhead_bytes"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 yield Problem(name, f"must be an integer >= 0, got {getattr(self, name)!r}")
         for name, key in (("mics_shard_size", "mics_shard_size"), ("hpz_partition_size", "zero_hpz_partition_size")):

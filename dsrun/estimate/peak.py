@@ -7,6 +7,10 @@ A rank's device memory at any moment is its resident model states plus what the 
   collectives launched meanwhile;
 * end of backward: the activations are gone; the pool, ZeRO-3's gathered parameters and reduction buckets
   and the last buckets' collective temporaries;
+* the tied embedding's backward (GPTs whose head shares the token embedding): autograd holds the head's weight
+  gradient from the first backward op to the last, the embedding's own gradient, and their sum, three
+  ``vocab x n_embd`` tensors in the working precision at once (measured: GPT-2 small, 3 x 73.6 MiB in bf16 at
+  every stage), with stage 2's pool and ZeRO-3's gathered parameters;
 * optimizer step: the pool and the optimizer's workspace;
 * parameter all-gather (stages 1-2): the pool and gloo's copy of the gathered model.
 
@@ -23,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dsrun.estimate.activations import ActivationBytes, gpt_activation_bytes
-from dsrun.estimate.buffers import buffer_bytes
+from dsrun.estimate.buffers import buffer_bytes, working_bytes
 from dsrun.estimate.inputs import EstimateInputs
 from dsrun.estimate.model_states import init_bytes_per_rank, model_state_bytes
 
@@ -35,13 +39,16 @@ class Breakdown:
     Device (the accelerator, or the CPU when ranks run on it): ``params`` (working + fp32 master copy),
     ``gradients`` (working + fp32 copy), ``optimizer_states``, ``activations`` (one micro batch; 0 when
     the model shape is unknown, see ``notes``), ``buffers`` (gradient reduction buckets and ZeRO-3
-    gathered parameters at the peak phase), ``optimizer_workspace`` (the step's temporaries),
+    gathered parameters at the peak phase), ``tied_gradients`` (a tied embedding's three gradients at the end of
+    backward), ``optimizer_workspace`` (the step's temporaries),
     ``collective_temporaries`` (gloo's copies of the collectives in that phase; part of ``buffers``),
-    ``peak_phase`` ("forward/backward", "end of backward", "optimizer step" or "parameter all-gather"),
+    ``peak_phase`` ("forward/backward", "end of backward", "tied embedding backward", "optimizer step" or
+    "parameter all-gather"),
     ``peak_per_rank`` (the total at that phase).
     Host: ``rank_runtime`` (the idle rank process, measured), ``data_pipeline`` (its data's resident
-    share), ``offloaded`` (offloaded states and NVMe swap buffers), ``host_per_rank`` (the three together,
-    while training), ``init_per_rank`` (host RAM while building the model), ``host_peak_per_rank`` (the
+    share), ``monitors`` (rank 0's monitors: the figures are rank 0's, the largest; ``rank_peak_without_monitors``
+    is every other rank's), ``offloaded`` (offloaded states and NVMe swap buffers), ``host_per_rank`` (the four
+    together, while training), ``init_per_rank`` (host RAM while building the model), ``host_peak_per_rank`` (the
     larger of the two). ``nvme_per_rank``: bytes offloaded to NVMe. ``rank_peak``: what one rank's
     process peaks at when ranks run on the CPU (``max(peak + host, init)``), else ``peak_per_rank``.
     ``ranks_per_node`` turns these into per-host figures.
@@ -66,6 +73,8 @@ class Breakdown:
     data_pipeline: int = 0
     offloaded: int = 0
     ranks_on_cpu: bool = False
+    tied_gradients: int = 0
+    monitors: int = 0
 
     @property
     def model_states(self) -> int:
@@ -84,6 +93,13 @@ class Breakdown:
         return self.peak_per_rank
 
     @property
+    def rank_peak_without_monitors(self) -> int:
+        """The peak of a rank other than 0 (which opens no monitor)."""
+        if self.ranks_on_cpu:
+            return max(self.peak_per_rank + self.host_per_rank - self.monitors, self.init_per_rank - self.monitors)
+        return self.peak_per_rank
+
+    @property
     def peak_per_host(self) -> int:
         return self.peak_per_rank * self.ranks_per_node
 
@@ -99,7 +115,7 @@ class Breakdown:
         data = asdict(self)
         data["notes"] = list(self.notes)
         data.update(model_states=self.model_states, host_peak_per_rank=self.host_peak_per_rank,
-                    rank_peak=self.rank_peak,
+                    rank_peak=self.rank_peak, rank_peak_without_monitors=self.rank_peak_without_monitors,
                     peak_per_host=self.peak_per_host,
                     host_per_host=self.host_per_host, nvme_per_host=self.nvme_per_host)
         return data
@@ -111,6 +127,15 @@ def activation_bytes(spec: EstimateInputs) -> ActivationBytes | None:
         return None
     return gpt_activation_bytes(spec.model_shape, spec.micro_batch_size, spec.seq_len, spec.precision,
                                 spec.activation_checkpointing, spec.sequence_parallel_size)
+
+
+def tied_gradient_bytes(spec: EstimateInputs) -> int:
+    """The tied embedding's gradients at the end of backward: the head's, the embedding's and their sum
+    (0 when the head has its own weight or the shape is unknown)."""
+    shape = spec.model_shape
+    if shape is None or not shape.tied_embeddings:
+        return 0
+    return 3 * shape.vocab_size * shape.n_embd * working_bytes(spec)
 
 
 def estimate_peak_bytes_per_rank(spec: EstimateInputs) -> Breakdown:
@@ -126,16 +151,18 @@ def estimate_peak_bytes_per_rank(spec: EstimateInputs) -> Breakdown:
         act_total = acts.total
     resident = states.device_total + spec.runtime_overhead_bytes
     step_extra = buffers.persistent + states.device_step_workspace
+    tied, held = tied_gradient_bytes(spec), buffers.persistent + buffers.gathered_params
     # phase -> (bytes on top of the resident states, buffers among them, collective temporaries among them)
     phases = {
         "forward/backward": (act_total + buffers.backward, buffers.backward, buffers.collective_backward),
         "end of backward": (buffers.end_of_backward, buffers.end_of_backward, buffers.collective_end),
+        "tied embedding backward": (tied + held, held, 0),
         "optimizer step": (step_extra, buffers.persistent, 0),
         "parameter all-gather": (buffers.publish, buffers.publish, buffers.collective_publish),
     }
     peak_phase = max(phases, key=lambda name: phases[name][0])  # ties keep the earlier phase
     peak_extra, peak_buffers, peak_collective = phases[peak_phase]
-    process = spec.rank_runtime_bytes + spec.data_bytes
+    process = spec.rank_runtime_bytes + spec.data_bytes + spec.monitor_bytes
     offloaded = states.host + states.host_buffers
     init = init_bytes_per_rank(spec) + process
     return Breakdown(
@@ -158,6 +185,8 @@ def estimate_peak_bytes_per_rank(spec: EstimateInputs) -> Breakdown:
         data_pipeline=spec.data_bytes,
         offloaded=offloaded,
         ranks_on_cpu=spec.device == "cpu",
+        tied_gradients=tied,
+        monitors=spec.monitor_bytes,
     )
 
 

@@ -85,7 +85,8 @@ def gpt_shape_of(model: torch.nn.Module | None, model_cfg: Mapping[str, Any]) ->
             flash = get("flash")
             return GPTShape(**fields, ffn_hidden=get("ffn_hidden") if isinstance(get("ffn_hidden"), int) else None,
                             flash_attention=True if flash is None else bool(flash),
-                            dropout=bool(get("dropout") or 0), rotary=get("positions") == "rotary")
+                            dropout=bool(get("dropout") or 0), rotary=get("positions") == "rotary",
+                            tied_embeddings=bool(get("tie_embeddings")))
     return None
 
 

@@ -13,6 +13,9 @@ subprocess (:mod:`dsrun.probe`) with the rank's environment (``OMP_NUM_THREADS``
    recipe's precision, and the recipe's optimizer through dsrun's registry (which loads the compiled op it
    uses); runs an eval forward and two training steps, so the kernels a real step runs have their library
    code mapped and torch's thread pool started; and one all-reduce;
+4. opens the monitors the recipe enables (CSV, TensorBoard, MLflow, in a temporary folder) and writes one
+   event, as rank 0 does: MLflow's client and its SQLite store hold ~160 MiB of rank 0's memory (``monitors``,
+   counted for rank 0 only);
 
 and reports its resident memory (``VmRSS``) and peak (``VmHWM``). The result is cached under
 ``$DSRUN_CACHE_DIR`` (or ``~/.cache/dsrun``) in ``estimate/`` per host, Python, torch and dsrun version,
@@ -31,9 +34,11 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Sequence
 
 from dsrun.utils.errors import Problem, UserError
 
+PROBED_MONITORS = ("csv_monitor", "tensorboard", "mlflow")  # rank 0's local sinks; wandb and comet need accounts
 MALLOC_MMAP_THRESHOLD = "65536"  # what dsrun's --measure runs use: large blocks go back to the system at once
 
 
@@ -61,7 +66,8 @@ def tiny_model_config(model_cfg: dict | None) -> dict:
 @dataclass(frozen=True)
 class RankRuntime:
     """An idle rank's memory on this host: ``resident`` (VmRSS after start-up, bytes), ``peak`` (VmHWM),
-    and what it was measured with (``threads``, ``optimizer``, ``torch``, ``python``, ``host``)."""
+    ``monitors`` (what opening rank 0's monitors added to VmRSS; the other ranks open none), and what it was
+    measured with (``threads``, ``optimizer``, ``torch``, ``python``, ``host``)."""
 
     resident: int
     peak: int
@@ -70,6 +76,7 @@ class RankRuntime:
     torch: str
     python: str
     host: str
+    monitors: int = 0
 
 
 def _cache_dir() -> Path:
@@ -85,23 +92,26 @@ def _versions() -> tuple[str, str, str, str]:
     return torch.__version__, platform.python_version(), platform.node(), getattr(dsrun, "__version__", "0")
 
 
-def runtime_cache_path(threads: int, optimizer: str, model: dict | None = None, precision: str = "fp32") -> Path:
+def runtime_cache_path(threads: int, optimizer: str, model: dict | None = None, precision: str = "fp32",
+                       monitors: Sequence[str] = ()) -> Path:
     """Where the probe's result for these settings is cached (one small JSON file)."""
     torch_version, python, host, dsrun_version = _versions()
     key = json.dumps([torch_version, python, host, dsrun_version, int(threads), optimizer.lower(),
                       tiny_model_config(model), precision,
-                      malloc_threshold()],
+                      malloc_threshold()] + ([sorted(monitors)] if monitors else []),
                      sort_keys=True, default=str)
     digest = hashlib.sha1(key.encode()).hexdigest()[:16]
     return _cache_dir() / f"rank-runtime-{digest}.json"
 
 
 def measure_rank_runtime(threads: int = 1, optimizer: str = "AdamW", model: dict | None = None,
-                         precision: str = "fp32", refresh: bool = False, timeout: float = 180) -> RankRuntime:
+                         precision: str = "fp32", refresh: bool = False, timeout: float = 180,
+                         monitors: Sequence[str] = ()) -> RankRuntime:
     """The resident memory of an idle rank with ``threads`` OpenMP threads, ``optimizer``, and the class of
-    ``model`` (a Hydra config with ``_target_``; None: a small MLP) in ``precision`` (see the module
-    docstring); from the cache unless ``refresh``."""
-    path = runtime_cache_path(threads, optimizer, model, precision)
+    ``model`` (a Hydra config with ``_target_``; None: a small MLP) in ``precision``, with rank 0's
+    ``monitors`` open (enabled DeepSpeed monitor sections; see the module docstring); from the cache unless
+    ``refresh``."""
+    path = runtime_cache_path(threads, optimizer, model, precision, monitors)
     if not refresh and path.is_file():
         try:
             return RankRuntime(**json.loads(path.read_text()))
@@ -115,7 +125,7 @@ def measure_rank_runtime(threads: int = 1, optimizer: str = "AdamW", model: dict
     try:
         dtype = {"fp16": "float16", "bf16": "bfloat16"}.get(precision, "float32")
         result = subprocess.run([sys.executable, "-m", "dsrun.probe", optimizer,
-                                 json.dumps(tiny_model_config(model)), dtype],
+                                 json.dumps(tiny_model_config(model)), dtype, json.dumps(sorted(monitors))],
                                 env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         raise UserError(Problem("estimate runtime probe", f"did not finish in {timeout:g}s",
@@ -123,7 +133,7 @@ def measure_rank_runtime(threads: int = 1, optimizer: str = "AdamW", model: dict
     lines = [line for line in result.stdout.splitlines() if line.startswith("DSRUN_PROBE ")]
     if (result.returncode != 0 or not lines) and (model or optimizer.lower() != "adamw"):
         # a model class or optimizer the probe cannot run on its own: an idle rank with AdamW and a small MLP
-        generic = measure_rank_runtime(threads, "AdamW", None, precision, refresh, timeout)
+        generic = measure_rank_runtime(threads, "AdamW", None, precision, refresh, timeout, monitors)
         return RankRuntime(**{**asdict(generic), "optimizer": f"{optimizer} (probed as AdamW + MLP)"})
     if result.returncode != 0 or not lines:
         tail = " | ".join((result.stderr or result.stdout).strip().splitlines()[-3:])
@@ -131,8 +141,9 @@ def measure_rank_runtime(threads: int = 1, optimizer: str = "AdamW", model: dict
                                 "pass --rank-runtime to give the figure yourself"))
     status = json.loads(lines[-1].split(" ", 1)[1])
     torch_version, python, host, _ = _versions()
-    runtime = RankRuntime(resident=int(status["VmRSS"]), peak=int(status["VmHWM"]), threads=int(threads),
-                          optimizer=optimizer, torch=torch_version, python=python, host=host)
+    idle = int(status.get("idle", status["VmRSS"]))
+    runtime = RankRuntime(resident=idle, peak=int(status["VmHWM"]), threads=int(threads), optimizer=optimizer,
+                          torch=torch_version, python=python, host=host, monitors=max(0, int(status["VmRSS"]) - idle))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(asdict(runtime)))

@@ -211,3 +211,51 @@ def test_a_rank_does_not_inherit_its_parents_peak(tmp_path):
     above = record["peak_bytes"] - record["start_bytes"]
     assert 60 * 2**20 <= above <= 100 * 2**20, above / 2**20  # the child's 64 MiB tensor, not 768 MiB
     assert record["peak_bytes"] < 700 * 2**20  # torch's libraries, not the parent's 768 MiB
+
+
+def test_a_tied_embedding_holds_three_gradients_at_the_end_of_backward():
+    """The head's weight gradient lives from the first backward op to the embedding's; autograd then sums the
+    two into a third tensor. Counted here from torch's own allocation events on a tiny tied GPT whose
+    vocabulary dominates (so nothing else of that size is live), and placed by the estimator as its own phase."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from dsrun.models.gpt import GPT
+
+    vocab, width = 8192, 64
+    torch.manual_seed(0)
+    model = GPT(vocab_size=vocab, block_size=8, n_layer=1, n_head=2, n_embd=width, tie_embeddings=True)
+    idx = torch.randint(0, vocab, (1, 8))
+    loss = model(idx, idx)
+    loss = loss[1] if isinstance(loss, tuple) else loss
+    grad = vocab * width * 4  # one fp32 vocab x width tensor
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        loss.backward()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak_large = 0
+    for e in events:  # the largest number of gradient-sized tensors alive at once
+        if e.nbytes() == grad:
+            live += 1
+        elif e.nbytes() == -grad:
+            live -= 1
+        peak_large = max(peak_large, live)
+    assert peak_large == 3
+    shape = GPTShape(n_layer=1, n_embd=width, n_head=2, vocab_size=vocab, tied_embeddings=True)
+    s = spec(zero_stage=2, precision="fp32", model_shape=shape, micro_batch_size=1, seq_len=8,
+             total_params=sum(p.numel() for p in model.parameters()), largest_layer_params=vocab * width)
+    b = estimate_peak_bytes_per_rank(s)
+    assert b.tied_gradients == 3 * grad
+    assert b.peak_phase == "tied embedding backward"  # the vocabulary dominates this model
+    untied = estimate_peak_bytes_per_rank(s.with_(model_shape=GPTShape(n_layer=1, n_embd=width, n_head=2,
+                                                                       vocab_size=vocab)))
+    assert untied.tied_gradients == 0 and untied.peak_phase != "tied embedding backward"
+
+
+def test_rank_zero_alone_pays_for_the_monitors():
+    s = spec(zero_stage=2, device="cpu", rank_runtime_bytes=400 * 2**20, monitor_bytes=160 * 2**20)
+    with_monitors = estimate_peak_bytes_per_rank(s)
+    without = estimate_peak_bytes_per_rank(s.with_(monitor_bytes=0))
+    assert with_monitors.monitors == 160 * 2**20
+    assert with_monitors.rank_peak == without.rank_peak + 160 * 2**20
+    assert with_monitors.rank_peak_without_monitors == without.rank_peak

@@ -59,9 +59,11 @@ def test_the_probe_runs_the_recipes_model_class_at_a_tiny_size():
 @pytest.mark.slow
 def test_the_probe_measures_an_idle_rank(tmp_path, monkeypatch):
     monkeypatch.setenv("DSRUN_CACHE_DIR", str(tmp_path))
-    runtime = measure_rank_runtime(1, "AdamW", None, "fp32")
+    runtime = measure_rank_runtime(1, "AdamW", None, "fp32", monitors=["csv_monitor", "mlflow"])
     # torch alone is ~200 MiB resident; its optimizer machinery adds ~70 MiB
     assert 200 * 2**20 < runtime.resident < 1024 * 2**20 and runtime.peak >= runtime.resident
+    # rank 0's MLflow client and its SQLite store (SQLAlchemy, Alembic): ~160 MiB here, never a few MiB
+    assert 50 * 2**20 < runtime.monitors < 1024 * 2**20
     assert list((tmp_path / "estimate").glob("rank-runtime-*.json"))
 
 
