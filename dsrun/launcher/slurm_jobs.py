@@ -87,8 +87,10 @@ def unreachable(environ: Mapping[str, str] | None = None, where: str = f"hydra/l
         return Problem(where, f"Slurm is not reachable: scontrol ping did not answer within {PING_TIMEOUT_S} s",
                        f"check that slurmctld runs and SLURM_CONF names its slurm.conf, {local}")
     if done.returncode != 0 or " is UP" not in done.stdout:
-        said = [line.strip() for line in (done.stderr + "\n" + done.stdout).splitlines() if line.strip()]
-        text = said[-1] if said else f"exit code {done.returncode}"  # scontrol's last word is its conclusion
+        # scontrol's verdict on the controller ("Slurmctld(primary) at HOST is DOWN"), else its last error
+        verdicts = [line.strip() for line in done.stdout.splitlines() if line.startswith("Slurmctld")]
+        errors = [line.strip() for line in done.stderr.splitlines() if line.strip()]
+        text = (verdicts or errors[-1:] or [f"exit code {done.returncode}"])[0]
         conf = environ.get("SLURM_CONF", "/etc/slurm/slurm.conf")
         return Problem(where, f"Slurm is not reachable: scontrol ping says {text!r}",
                        f"start slurmctld or point SLURM_CONF (now {conf}) at your cluster's slurm.conf, {local}")
