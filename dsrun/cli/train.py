@@ -24,6 +24,9 @@ Examples:
                                                 a summary table of the jobs at the end
   dsrun train -m hydra/sweeper=optuna hydra.sweeper.n_trials=20 'optimizer.params.lr=tag(log, interval(1e-5, 1e-2))'
                                                 an Optuna search minimising the final eval loss (docs/sweeps.md)
+  dsrun train -m hydra/launcher=submitit_slurm hydra.launcher.partition=gpu zero=stage2,stage3
+                                                every job a Slurm job (one array), every rank an srun task; the
+                                                time-limit notice saves, requeues, resumes (docs/cluster.md)
 
 Before any rank starts, the run is checked: unset values, data files, the model's shape against the data,
 train.resume, monitor folders, and memory by the estimator (docs/estimate.md).

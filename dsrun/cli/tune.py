@@ -10,7 +10,7 @@ Examples:
   dsrun tune +recipe=gpt_tune autotuning.tuner_type=random autotuning.tuner_num_trials=6
   dsrun tune +recipe=gpt_zero2 autotuning=fast --memory-limit 4GiB
   dsrun tune +recipe=gpt_tune --run                             then train with the best config
-  dsrun tune +recipe=gpt_tune --slurm --srun-args "--partition=gpu --time=20"
+  dsrun tune +recipe=gpt_tune --slurm --srun-args="--partition=gpu --time=20"
                                                                 every trial a Slurm job: srun starts one task
                                                                 per rank (docs/cluster.md, "Slurm")
 Outputs (docs/autotuning.md): RESULTS_DIR/<exp>/{cmd.txt,ds_config.json,exp.json,metrics.json,stdout.log,
@@ -51,7 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run every trial as a Slurm job of its own: srun starts launcher.num_procs tasks on "
                              "each of launcher.num_nodes nodes, each task one rank of the trial's dsrun train")
     parser.add_argument("--srun-args", metavar="ARGS", default="",
-                        help='more srun options for each trial\'s job, with --slurm ("--partition=gpu --time=20")')
+                        help="more srun options for each trial's job, with --slurm: "
+                             '--srun-args="--partition=gpu --time=20"')
     add_compose_arguments(parser)
     parser.parse_args = parser.parse_intermixed_args  # type: ignore[method-assign]  # flags anywhere
 

@@ -121,7 +121,8 @@ def batch_settings(params: dict) -> dict:
     extra.setdefault("signal", f"{NOTICE_SIGNAL}@{params.get('signal_delay_s', 120)}")
     extra.setdefault("requeue", True)
     params["additional_parameters"] = extra
-    params["setup"] = [f"export SUBMITIT_PREEMPT_SIGNAL={NOTICE_SIGNAL}", MASTER_PORT_LINE, *(params.get("setup") or [])]
+    params["setup"] = [f"export SUBMITIT_PREEMPT_SIGNAL={NOTICE_SIGNAL}", MASTER_PORT_LINE,
+                       *(params.get("setup") or [])]
     return params
 
 

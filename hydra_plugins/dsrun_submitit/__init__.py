@@ -1,10 +1,11 @@
 """dsrun's submitit launchers for Hydra: ``hydra/launcher=submitit_slurm|submitit_local`` under ``dsrun train -m``.
 
-They are hydra-submitit-launcher's own (the ``slurm`` extra installs it), with what a dsrun job needs on top
-(:mod:`._launcher`: a private name, so that Hydra's own scan of ``hydra_plugins`` neither imports it nor warns
-where hydra-submitit-launcher is not installed; dsrun registers it itself): the preemption notice as the signal dsrun's ranks save on, requeueing a job whose ranks
-stopped on it, and each job's result handed back to ``dsrun train -m``'s summary table. ``dsrun train`` selects
-them through ``hydra.launcher._target_`` (dsrun.launcher.slurm_jobs); docs/cluster.md, "Slurm".
+They are hydra-submitit-launcher's own (the ``slurm`` extra installs it), with what a dsrun job needs on top: the
+preemption notice as the signal dsrun's ranks save on, requeueing a job whose ranks stopped on it, and each job's
+result handed back to ``dsrun train -m``'s summary table. They live in :mod:`._launcher`, a private name: Hydra's
+own scan of ``hydra_plugins`` skips it (and so does not warn where hydra-submitit-launcher is not installed), and
+dsrun registers them itself. ``dsrun train`` selects them through ``hydra.launcher._target_``
+(dsrun.launcher.slurm_jobs); docs/cluster.md, "Slurm".
 """
 
 

@@ -173,7 +173,8 @@ def test_the_notice_saves_requeues_and_the_requeued_job_resumes(slurm_sweep):
 @pytest.mark.timeout(120)
 def test_slurm_not_reachable_is_one_line_and_exit_code_2(tmp_path):
     """No controller answers (SLURM_CONF names no cluster): one line naming the problem and what to do, exit code 2,
-    no sweep directory, nothing submitted or left running. (No sbatch on PATH: tests/unit/launcher/test_slurm_jobs.py.)"""
+    no sweep directory, nothing submitted or left running. (No sbatch on PATH:
+    tests/unit/launcher/test_slurm_jobs.py.)"""
     require_programs("sbatch", "scontrol")
     conf = write_conf(tmp_path, cpus=1)  # a cluster whose slurmctld was never started: nothing at its port
     done = run_cli("train", "-m", "hydra/launcher=submitit_slurm", "zero=stage1,stage2", "train.max_steps=10",

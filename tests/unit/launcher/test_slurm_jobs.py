@@ -14,7 +14,8 @@ from dsrun.launcher.slurm_jobs import (JobStopped, batch_settings, job_rank, lau
 
 def test_the_launcher_choice_is_the_last_hydra_launcher_override():
     assert launcher_choice(["zero=stage1,stage2"]) is None
-    assert launcher_choice(["hydra/launcher=submitit_local", "x=1", "hydra/launcher=submitit_slurm"]) == "submitit_slurm"
+    picked = launcher_choice(["hydra/launcher=submitit_local", "x=1", "hydra/launcher=submitit_slurm"])
+    assert picked == "submitit_slurm"
 
 
 def test_slurm_settings_ask_one_task_per_rank_the_notice_before_the_ranks_grace_and_requeues():
