@@ -82,9 +82,9 @@ def run(args: argparse.Namespace) -> int:
         composed = compose_runspec(overrides, args.recipes_dir)
         return composed, resolve_run(composed)
 
+    srun = _srun_trials(args, resolved)  # before any output: Slurm not reachable is a mistake of one line
     reporter = Reporter(settings, space, mlflow=resolved.ds.mlflow if resolved.ds.mlflow.enabled else None)
-    tuner = Tuner(settings, space, args.overrides, args.recipes_dir, compose, on_event=reporter.event,
-                  srun=_srun_trials(args, resolved))
+    tuner = Tuner(settings, space, args.overrides, args.recipes_dir, compose, on_event=reporter.event, srun=srun)
     return tune_and_report(tuner, reporter, args.run)
 
 
