@@ -82,12 +82,12 @@ def flat(m: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().float().reshape(-1).cpu() for p in {id(p): p for p in m.parameters()}.values()])
 
 
-def reference(size: int, clip: float = 0.0) -> tuple[list[float], torch.Tensor]:
-    net = model().cuda()
+def reference(size: int, clip: float = 0.0, device: str = "cuda") -> tuple[list[float], torch.Tensor]:
+    net = model().to(device)
     opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WD)
     losses = []
     for step in range(STEPS):
-        loss = net(batch(step, size, torch.device("cuda")))
+        loss = net(batch(step, size, torch.device(device)))
         opt.zero_grad()
         loss.backward()
         if clip:
@@ -165,24 +165,33 @@ def parity_cases() -> dict[str, tuple[dict, float, dict]]:
     return cases
 
 
+def parity_row(name: str, case: tuple[dict, float, dict], refs: dict[float, tuple[list[float], torch.Tensor]],
+               device: str = "cuda") -> dict:
+    """One case against the plain PyTorch loop (computed once per clip value, kept in ``refs``); an exception
+    becomes the row's ``error`` and ``traceback``: one failure must not hide the other cases."""
+    cfg, clip, opts = case
+    row: dict = {"case": name}
+    try:
+        if clip not in refs:
+            refs[clip] = reference(4, clip, device)
+        ref_losses, ref_params = refs[clip]
+        t0 = time.perf_counter()
+        losses, params, info = engine_run(cfg, **opts)
+        row.update(info, seconds=round(time.perf_counter() - t0, 2),
+                   max_rel_loss=max(rel(a, b) for a, b in zip(losses, ref_losses)),
+                   max_rel_param=float((params - ref_params).abs().max() / ref_params.abs().max()),
+                   first_loss=losses[0], last_loss=losses[-1], ref_last_loss=ref_losses[-1])
+    except Exception as exc:
+        row["error"] = f"{type(exc).__name__}: {exc}"
+        row["traceback"] = traceback.format_exc(limit=6)
+    return row
+
+
 def run_parity() -> list[dict]:
     rows = []
     refs: dict[float, tuple[list[float], torch.Tensor]] = {}
-    for name, (cfg, clip, opts) in parity_cases().items():
-        if clip not in refs:
-            refs[clip] = reference(4, clip)
-        ref_losses, ref_params = refs[clip]
-        row = {"case": name}
-        try:
-            t0 = time.perf_counter()
-            losses, params, info = engine_run(cfg, **opts)
-            row.update(info, seconds=round(time.perf_counter() - t0, 2),
-                       max_rel_loss=max(rel(a, b) for a, b in zip(losses, ref_losses)),
-                       max_rel_param=float((params - ref_params).abs().max() / ref_params.abs().max()),
-                       first_loss=losses[0], last_loss=losses[-1], ref_last_loss=ref_losses[-1])
-        except Exception as exc:  # report every case; one failure must not hide the others
-            row["error"] = f"{type(exc).__name__}: {exc}"
-            row["traceback"] = traceback.format_exc(limit=6)
+    for name, case in parity_cases().items():
+        row = parity_row(name, case, refs)
         print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
         if "traceback" in row:
             print(row["traceback"], flush=True)
@@ -190,17 +199,61 @@ def run_parity() -> list[dict]:
     return rows
 
 
-def timed_steps(step, steps: int, warmup: int) -> float:
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_steps(step, steps: int, warmup: int, device: torch.device = torch.device("cuda")) -> float:
     for _ in range(warmup):
         step()
-    torch.cuda.synchronize()
+    synchronize(device)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
         step()
-        torch.cuda.synchronize()
+        synchronize(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def perf_model(layers: int, width: int, seq: int, vocab: int = 50304) -> GPT:
+    """The step-time GPT: ``layers`` blocks ``width`` wide, heads of 64, a ``seq``-token context."""
+    return GPT(width=width, layers=layers, heads=max(1, width // 64), vocab=vocab, seq=seq + 1)
+
+
+def torch_step(net: nn.Module, data: list[torch.Tensor], device: torch.device):
+    """Plain PyTorch's step over ``data`` in turn: bf16 autocast, ``AdamW(fused=True)`` (fused on CUDA only)."""
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=device.type == "cuda")
+    it = iter(range(10 ** 9))
+
+    def step() -> None:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = net(data[next(it) % len(data)])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def perf_config(stage: int, micro: int, **extra) -> dict:
+    """The step-time runs' DeepSpeed config: bf16, AdamW, ZeRO ``stage``; ``extra`` top-level sections."""
+    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": stage},
+            "steps_per_print": 10_000, **extra}
+
+
+def engine_step(engine, data: list[torch.Tensor]):
+    """One engine step (forward, backward, step) over ``data`` in turn."""
+    it = iter(range(10 ** 9))
+
+    def step() -> None:
+        loss = engine(data[next(it) % len(data)])
+        engine.backward(loss)
+        engine.step()
+
+    return step
 
 
 def run_perf(layers: int, width: int, micro: int, seq: int, steps: int) -> dict:
@@ -208,40 +261,22 @@ def run_perf(layers: int, width: int, micro: int, seq: int, steps: int) -> dict:
     import dsrun
 
     vocab = 50304
-    make = lambda: GPT(width=width, layers=layers, heads=width // 64, vocab=vocab, seq=seq + 1)  # noqa: E731
-    data = [batch(i, micro, torch.device("cuda"), vocab, seq + 1) for i in range(4)]
+    make = lambda: perf_model(layers, width, seq, vocab)  # noqa: E731
+    device = torch.device("cuda")
+    data = [batch(i, micro, device, vocab, seq + 1) for i in range(4)]
     out: dict = {"layers": layers, "width": width, "micro": micro, "seq": seq,
                  "params": sum(p.numel() for p in {id(p): p for p in make().parameters()}.values())}
 
     torch.manual_seed(0)
     net = make().cuda()
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=True)
-    it = iter(range(10 ** 9))
-
-    def torch_step() -> None:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = net(data[next(it) % 4])
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    out["torch_fused_adamw_autocast_s"] = timed_steps(torch_step, steps, 3)
-    del net, opt
+    out["torch_fused_adamw_autocast_s"] = timed_steps(torch_step(net, data, device), steps, 3)
+    del net
     torch.cuda.empty_cache()
     for stage in (0, 1, 2, 3):
         torch.manual_seed(0)
-        cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
-               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": stage},
-               "steps_per_print": 10_000}
         try:
-            engine, _, _, _ = dsrun.initialize(model=make(), config=cfg)
-
-            def ds_step() -> None:
-                loss = engine(data[next(it) % 4])
-                engine.backward(loss)
-                engine.step()
-
-            out[f"dsrun_stage{stage}_s"] = timed_steps(ds_step, steps, 3)
+            engine, _, _, _ = dsrun.initialize(model=make(), config=perf_config(stage, micro))
+            out[f"dsrun_stage{stage}_s"] = timed_steps(engine_step(engine, data), steps, 3)
             out[f"dsrun_stage{stage}_ratio"] = out[f"dsrun_stage{stage}_s"] / out["torch_fused_adamw_autocast_s"]
             out[f"dsrun_stage{stage}_peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
             if hasattr(engine, "destroy"):

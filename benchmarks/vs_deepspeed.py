@@ -6,7 +6,11 @@ code is one function for both. A step's time is the slowest rank's forward + bac
 (barrier before, max over ranks after); a run's figure is the median of its measured steps. Two figures
 that a loaded machine disturbs less are printed beside it: the CPU time a rank spends in the step (its
 process time, mean over ranks) and the minor page faults it takes (fresh memory touched for the first
-time: a count, the same on any load).
+time: a count, the same on any load). Each rank's peak RSS over its run is recorded too (``peak_rss``).
+
+The ranks' machinery (:func:`run_once` -> :func:`worker` -> :func:`rank_main`) times any framework whose step
+builder it can import: ``"module:function"`` names one in another benchmark (``benchmarks/vs_fsdp.py`` times
+PyTorch's FSDP2 this way), and ``opts["world"]`` sets the number of ranks (2 by default).
 
 Runs alternate between the two frameworks stage by stage (A B, then B A on the next repeat), each run a
 fresh pair of rank processes, so slow drift of the machine's load hits both alike. The ratio of a stage is
@@ -60,25 +64,51 @@ def ds_config(stage: int, opts: dict) -> dict:
     return cfg
 
 
-def rank_main(rank: int, world: int, port: int, framework: str, stage: int, opts: dict, out: str) -> None:
-    """One rank: build the engine of ``framework`` ("dsrun" or "deepspeed"), time ``steps`` steps."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=str(opts["threads"]))
-    import torch
-
-    torch.set_num_threads(opts["threads"])
+def build_engine_step(framework: str, stage: int, opts: dict):
+    """dsrun's or DeepSpeed's engine (``framework``) on the benchmark GPT at ZeRO ``stage``: returns a function
+    that runs one training step on a batch of tokens and returns its loss."""
     if framework == "dsrun":
         sys.path.insert(0, str(REPO))
         import dsrun as deepspeed
     else:
         import deepspeed
-    import torch.distributed as dist
 
     deepspeed.init_distributed(dist_backend="gloo")
     model = build_gpt(opts["vocab"], opts["seq"], opts["width"], opts["layers"], opts["heads"])
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=ds_config(stage, opts))
+
+    def step(tokens):
+        loss = engine(tokens)
+        engine.backward(loss)
+        engine.step()
+        return loss
+    return step
+
+
+def step_builder(framework: str):
+    """The function that builds ``framework``'s step: dsrun's and DeepSpeed's here; another benchmark's as
+    ``"module:function"`` (a module in benchmarks/, called with the same arguments: vs_fsdp.py's FSDP)."""
+    if ":" not in framework:
+        return build_engine_step
+    import importlib
+
+    module, _, function = framework.partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def rank_main(rank: int, world: int, port: int, framework: str, stage: int, opts: dict, out: str) -> None:
+    """One rank: build ``framework``'s step (:func:`step_builder`), time ``steps`` steps; rank 0 writes the
+    times, losses, CPU times, page faults and every rank's peak RSS."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=str(opts["threads"]))
+    import torch
+
+    torch.set_num_threads(opts["threads"])
+    step = step_builder(framework)(framework, stage, opts)
     import resource
+
+    import torch.distributed as dist
 
     gen = torch.Generator().manual_seed(rank)
     times, losses, cpu, faults = [], [], [], []
@@ -87,9 +117,7 @@ def rank_main(rank: int, world: int, port: int, framework: str, stage: int, opts
         dist.barrier()
         faults0, cpu0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.process_time()
         start = time.perf_counter()
-        loss = engine(tokens)
-        engine.backward(loss)
-        engine.step()
+        loss = step(tokens)
         elapsed = torch.tensor([time.perf_counter() - start])
         work = torch.tensor([time.process_time() - cpu0, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0],
                             dtype=torch.float64)
@@ -100,8 +128,12 @@ def rank_main(rank: int, world: int, port: int, framework: str, stage: int, opts
             times.append(float(elapsed))
             cpu.append(float(work[0]) / world)
             faults.append(float(work[1]) / world)
+    peak = torch.zeros(world, dtype=torch.float64)  # each rank's peak resident set (ru_maxrss: KiB on Linux)
+    peak[rank] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0
+    dist.all_reduce(peak)
     if rank == 0:
-        Path(out).write_text(json.dumps({"times": times, "losses": losses, "cpu": cpu, "faults": faults}))
+        Path(out).write_text(json.dumps({"times": times, "losses": losses, "cpu": cpu, "faults": faults,
+                                         "peak_rss": peak.tolist()}))
     dist.barrier()
     # leave without the interpreter's teardown, which is not measured: DeepSpeed 0.19.8's ranks at stages 1-3
     # abort in it on torch 2.13 ("terminate called without an active exception"), after the results are written
@@ -117,7 +149,8 @@ def worker(framework: str, stage: int, opts: dict, out: str) -> None:
     sys.path.insert(0, str(REPO))
     from dsrun.utils.net import free_port
 
-    mp.start_processes(rank_main, args=(2, free_port(), framework, stage, opts, out), nprocs=2, join=True,
+    world = int(opts.get("world", 2))
+    mp.start_processes(rank_main, args=(world, free_port(), framework, stage, opts, out), nprocs=world, join=True,
                        start_method="spawn")
 
 

@@ -5,9 +5,13 @@ throughput), prints the progress lines, saves checkpoints on schedule, agrees wi
 (a stop signal on any rank), and at the end writes ``metrics.json`` and the run's reports. A preemption (SIGTERM
 or SIGUSR1) saves a checkpoint where the ranks stop, even with periodic saving off, and rank 0 records it in
 ``preempted.json`` (the signal, the step, whether the checkpoint there was saved), also when the grace period
-ran out first. With a
-:class:`~dsrun.profiling.mfu.ModelFlopsMeter` (dsrun's GPT) it says the device's peak once at start and adds
-the model's TFLOP/s per device and MFU to every progress line, the monitors and ``metrics.json``.
+ran out first. Every checkpoint save is recorded (``checkpoint_saves``: the step, the seconds training waited
+for it, the seconds until it was published, its bytes) in ``metrics.json`` and sent to the monitors
+(``Checkpoint/Samples/blocking_s``, ``write_s``, ``bytes``); a decoupled save's write is waited for at the end.
+With a :class:`~dsrun.profiling.mfu.ModelFlopsMeter` (dsrun's GPT) it says the device's peak once at start and adds
+the model's TFLOP/s per device and MFU to every progress line, the monitors and ``metrics.json``. A
+:class:`StepReporter` (Ray Train's, :mod:`dsrun.ray`) is told of each evaluation, each checkpoint (the folder
+saved) and the last step.
 """
 from __future__ import annotations
 
@@ -51,6 +55,17 @@ class StopSignals(Protocol):
         """The checkpoint a preemption asked for is saved: its grace period ends."""
 
 
+class StepReporter(Protocol):
+    """Someone outside the run told of the steps that leave something to keep, on every rank at once: each
+    evaluation, each checkpoint and the step the run ends or stops after (not every step: Ray Train, the one
+    reporter, :mod:`dsrun.ray`, takes one report per look at its workers, every 2 s by default, and a rank
+    reporting faster would wait for it)."""
+
+    def report(self, step: int, metrics: dict[str, float], checkpoint: Path | None) -> None:
+        """``metrics``: the step's number, mean training loss, learning rate (and eval loss when it evaluated);
+        ``checkpoint``: the tag folder saved after this step, complete on every rank, or None."""
+
+
 class RunBook:
     """Everything a rank records about its run besides training itself."""
 
@@ -59,11 +74,13 @@ class RunBook:
                  evaluate: Callable[[], float], report_throughput: Callable[..., tuple[float, float]],
                  step_timers: Callable[..., Any], mean_across_ranks: Callable[[float], float],
                  stop: StopSignals, world_size: int, eval_counts: Callable[[], dict[str, Any]] = dict,
-                 flops_meter: ModelFlopsMeter | None = None):
+                 flops_meter: ModelFlopsMeter | None = None, reporter: StepReporter | None = None,
+                 restart_from: Path | None = None):
         self.engine, self.run_dir, self.max_steps = engine, run_dir, max_steps
         self.tokens_per_step, self.step_flops, self.flops_meter = tokens_per_step, step_flops, flops_meter
         self._evaluate, self._throughput, self._timers = evaluate, report_throughput, step_timers
         self._mean, self._stop, self._eval_counts = mean_across_ranks, stop, eval_counts
+        self._reporter = reporter
         self.rank = engine.global_rank
         self.eval_every = cfg.eval_interval or max_steps
         self.metrics: dict[str, Any] = {
@@ -76,10 +93,11 @@ class RunBook:
         if flops_meter is not None:  # MFU's numerator per step, and its denominator per device
             self.metrics.update(model_flops_per_step=flops_meter.flops_per_step,
                                 peak_flops_per_device=flops_meter.peak.flops, peak_source=flops_meter.peak.source)
-        # checkpoints: resume before the first step (train.resume), save every train.save_interval steps and at
-        # the last one
+        # checkpoints: resume before the first step (train.resume; ``restart_from``: the checkpoint an engine that
+        # restarted the ranks registered), save every train.save_interval steps and at the last one
         self.checkpoints = TrainingCheckpoints(engine, loader, run_dir, cfg.save_interval, cfg.resume, cfg.keep_last,
-                                               last_step=max_steps)
+                                               last_step=max_steps, restart_from=restart_from)
+        self._saves_reported = 0  # records of checkpoint saves already sent to the monitors
         self.first_step = 1
         self.last_step_done = 0  # the last optimizer step that ended (0: none yet)
         self.preempted: dict[str, Any] | None = None  # preempted.json's record, once the ranks agreed to stop
@@ -148,10 +166,26 @@ class RunBook:
             self._record_preemption(stopped_by, step, saved=False)
         # a stopped run saves where it is if saving is on; a preempted one saves there in any case
         self.checkpoints.save_if_due(step, force=bool(stopped_by), always=preempted)
+        self._report_saves()
         if preempted and self.checkpoints.last_saved_step == step:
             self._stop.settle()
             self._record_preemption(stopped_by, step, saved=True)
+        saved = self.checkpoints.saved_at(step)
+        # every rank decides alike: evaluations, saves and stops are agreed by all
+        if self._reporter is not None and (evaluated or saved or stopped_by or step == self.max_steps):
+            reported = {"step": step, "loss": loss, "lr": engine.get_lr()[0]}
+            if evaluated:
+                reported["eval_loss"] = metrics["eval_losses"][-1]["loss"]
+            self._reporter.report(step, reported, saved)
         return bool(stopped_by)
+
+    def _report_saves(self) -> None:
+        """Each save's record to the monitors once it is published (a decoupled save's at a later step)."""
+        for record in self.checkpoints.records[self._saves_reported:]:
+            if not record.settled():
+                break
+            self.engine.monitor.write_events(record.events())
+            self._saves_reported += 1
 
     def _record_preemption(self, signum: int, step: int, saved: bool, boundary: bool = True) -> None:
         """``preempted.json`` (rank 0): the signal, the step the ranks stopped after, whether the checkpoint there
@@ -186,6 +220,9 @@ class RunBook:
                extra_metrics: dict[str, Any] | None = None) -> dict[str, Any]:
         """Close the progress line, write metrics.json (rank 0) and the run's reports; returns the metrics."""
         engine, metrics = self.engine, self.metrics
+        self.checkpoints.wait_for_writes()  # a decoupled save in flight: published before the run says it ended
+        self._report_saves()
+        metrics["checkpoint_saves"] = [record.as_metrics() for record in self.checkpoints.records]
         if stopped_by is not None:
             metrics["stopped_by_signal"] = stopped_by
         if self.preempted is not None:

@@ -1,7 +1,8 @@
 """The rank entry point: a run directory's RunSpec → model and data → ``dsrun.initialize`` → training loop.
 
 ``dsrun train`` writes the run directory and launches ``python -m dsrun.worker --run-dir RUN_DIR`` once per
-rank (under torchrun, srun or mpirun each rank's ``dsrun train`` calls :func:`main` itself: docs/torchrun.md). The loop reads top to bottom and names no feature: the run's workload (:mod:`dsrun.workloads`: the
+rank (under torchrun, srun or mpirun each rank's ``dsrun train`` calls :func:`main` itself: docs/torchrun.md; under
+Ray Train each worker calls :func:`run`: :mod:`dsrun.ray`). The loop reads top to bottom and names no feature: the run's workload (:mod:`dsrun.workloads`: the
 dense GPT, the pipelined GPT or a distillation) builds the model, then for each optimizer step its ``step``
 runs the micro-steps of forward / backward and one ``engine.step()`` (a pipeline: its schedule), the loop
 evaluates now and then, and at the end writes ``metrics.json`` (rank 0). Each rank records its groups and
@@ -33,7 +34,7 @@ from dsrun.estimate.measure import current_rss, record_rank_peak
 from dsrun.launcher.protocol import (EXIT_PREEMPTED, EXIT_STOPPED, PREEMPTION_SIGNALS, STOP_SIGNALS, debug_requested,
                                      exit_without_teardown, report_user_error)
 from dsrun.monitor.run_defaults import PARENT_ENV, apply_run_defaults, flatten, mlflow_parent_key
-from dsrun.run_book import RunBook
+from dsrun.run_book import RunBook, StepReporter
 from dsrun.rundir import RESOLVED_YAML
 from dsrun.runspec import PreemptionSpec
 from dsrun.utils.errors import EXIT_USAGE, find_user_error
@@ -66,8 +67,11 @@ class StopFlag:
         self.on_expiry: Callable[[], str] | None = None  # records the expiry; returns the line that says it
         self._preempted, self._settled = threading.Event(), threading.Event()
         self.since: float | None = None
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, self._handle)
+        # Python lets only the main thread set handlers; a loop run in another thread (Ray Train's worker, dsrun.ray)
+        # leaves the signals to whoever owns that process (docs/cluster.md, "Ray")
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                signal.signal(sig, self._handle)
         threading.Thread(target=self._watch, name="dsrun-preemption-grace", daemon=True).start()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
@@ -167,7 +171,12 @@ def step_timer_ms(engine: DeepSpeedEngine, before: dict[str, float] | None) -> d
     return None if engine.global_steps % every == 0 else {k: v - before[k] for k, v in now.items()}
 
 
-def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
+def train(spec: DictConfig, run_dir: Path, reporter: StepReporter | None = None,
+          restart_from: Path | None = None) -> dict[str, Any]:
+    """Train the run ``spec`` as this rank (the process group is made here unless the caller's engine made it:
+    Ray Train's); ``reporter`` hears of the evaluations, checkpoints and last step, ``restart_from`` is a
+    checkpoint tag folder to resume from
+    (both: dsrun.ray)."""
     import hydra.utils
 
     import dsrun
@@ -208,7 +217,8 @@ def train(spec: DictConfig, run_dir: Path) -> dict[str, Any]:
                    report_throughput=report_throughput, step_timers=step_timer_ms,
                    mean_across_ranks=mean_across_ranks, stop=stop, world_size=world_size,
                    eval_counts=workload.eval_counts,  # tokens and layer-tokens seen at each evaluation
-                   flops_meter=model_flops_meter(engine, model, engine.train_batch_size(), corpus.seq_len, world_size))
+                   flops_meter=model_flops_meter(engine, model, engine.train_batch_size(), corpus.seq_len, world_size),
+                   reporter=reporter, restart_from=restart_from)
     stop.on_expiry = book.grace_expired  # records where the preempted run stood, says so in one line
     book.announce(type(model).__name__, corpus.seq_len)
     first_step = book.resume()
@@ -236,12 +246,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--run-dir", required=True, type=Path, help="the run directory dsrun train wrote")
     parser.add_argument("--local_rank", type=int, default=None, help="set by the launcher (also LOCAL_RANK)")
     args = parser.parse_args(argv)
-    spec = OmegaConf.load(args.run_dir / RESOLVED_YAML)
+    return run(args.run_dir)
+
+
+def run(run_dir: Path, reporter: StepReporter | None = None, restart_from: Path | None = None) -> int:
+    """Train as this rank of the run in ``run_dir`` (:func:`train`'s arguments); returns the rank's exit code."""
+    spec = OmegaConf.load(run_dir / RESOLVED_YAML)
     # dsrun train said it once before the launch (dsrun.cli.preflight.warmup_note), not once per rank
     warnings.filterwarnings("ignore", message=r"total_num_steps \d+ is less than warmup_num_steps")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     try:
-        metrics = train(spec, args.run_dir)
+        metrics = train(spec, run_dir, reporter, restart_from)
     except Exception as err:  # the user's mistake: one line through the launcher, exit code 2, no traceback
         user = find_user_error(err)
         if user is None:

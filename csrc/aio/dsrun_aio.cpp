@@ -11,6 +11,11 @@
 // filesystem accepts it (tmpfs does not: then buffered I/O); the unaligned tail of the last slice always uses
 // buffered I/O, so any byte length round-trips exactly. Errors carry errno text and the file name, and are
 // raised from wait() (or the sync call).
+//
+// A write may also go to a descriptor the caller opened (DeepSpeed's `async_pwrite(buffer, fd, file_offset)`,
+// which its FastFileWriter uses): the bytes land at [file_offset, file_offset + nbytes) of that file, which is
+// neither truncated nor reopened. When the descriptor has O_DIRECT, the offset, the length and the buffer must
+// be 4096-aligned (the kernel refuses anything else), which `get_alignment()` bytes per request guarantee.
 #include <torch/extension.h>
 
 #include <fcntl.h>
@@ -48,6 +53,9 @@ std::string errno_text(const std::string& what, const std::string& file, int err
 struct Request {
     at::Tensor buffer;  // kept alive until the request completes
     std::string file;
+    int fd = -1;               // >= 0: write to this caller-owned descriptor instead of opening `file`
+    bool fd_direct = false;    // that descriptor has O_DIRECT
+    int64_t file_offset = 0;   // where the buffer's first byte goes in the file (descriptor writes)
     bool read = false;
     int64_t nbytes = 0;
     std::atomic<int> remaining{0};
@@ -214,6 +222,20 @@ class AioHandle {
         return 1;
     }
 
+    // Writes into a descriptor the caller opened and closes, at `file_offset` (no truncation).
+    int64_t async_pwrite_fd(const at::Tensor& buffer, int64_t fd, int64_t file_offset) {
+        submit_fd(buffer, fd, file_offset);
+        return 0;
+    }
+    int64_t sync_pwrite_fd(const at::Tensor& buffer, int64_t fd, int64_t file_offset) {
+        auto req = submit_fd(buffer, fd, file_offset);
+        finish(req);
+        return 1;
+    }
+
+    // The byte multiple a descriptor write's length must have so that every worker's slice is O_DIRECT-aligned.
+    int64_t alignment() const { return threads_ * kAlign; }
+
     // Wait for every submitted request; returns how many completed. Raises the first error, if any.
     int64_t wait() {
         std::vector<std::shared_ptr<Request>> reqs;
@@ -245,6 +267,31 @@ class AioHandle {
     int64_t direct_bytes() const { return direct_bytes_.load(); }
 
   private:
+    std::shared_ptr<Request> submit_fd(const at::Tensor& buffer, int64_t fd, int64_t file_offset) {
+        TORCH_CHECK(buffer.device().is_cpu(), "aio buffers must be CPU tensors");
+        TORCH_CHECK(buffer.is_contiguous(), "aio buffers must be contiguous");
+        TORCH_CHECK(fd >= 0, "async_pwrite: invalid file descriptor ", fd);
+        TORCH_CHECK(file_offset >= 0, "async_pwrite: file_offset must be >= 0, got ", file_offset);
+        const int flags = ::fcntl(static_cast<int>(fd), F_GETFL);
+        if (flags < 0) throw std::runtime_error(errno_text("cannot use descriptor", std::to_string(fd), errno));
+        auto req = std::make_shared<Request>();
+        req->buffer = buffer;
+        req->file = "fd " + std::to_string(fd);
+        req->fd = static_cast<int>(fd);
+        req->fd_direct = (flags & O_DIRECT) != 0;
+        req->file_offset = file_offset;
+        req->nbytes = static_cast<int64_t>(buffer.numel()) * static_cast<int64_t>(buffer.element_size());
+        if (req->fd_direct) {
+            const bool aligned = reinterpret_cast<uintptr_t>(buffer.data_ptr()) % kAlign == 0 &&
+                                 file_offset % kAlign == 0 && req->nbytes % alignment() == 0;
+            TORCH_CHECK(aligned, "async_pwrite to an O_DIRECT descriptor needs a 4096-aligned buffer and offset and a ",
+                        "length that is a multiple of get_alignment() (", alignment(), "); got offset ", file_offset,
+                        " and ", req->nbytes, " bytes");
+        }
+        enqueue(req);
+        return req;
+    }
+
     std::shared_ptr<Request> submit(const at::Tensor& buffer, const std::string& file, bool read) {
         TORCH_CHECK(buffer.device().is_cpu(), "aio buffers must be CPU tensors");
         TORCH_CHECK(buffer.is_contiguous(), "aio buffers must be contiguous");
@@ -267,6 +314,12 @@ class AioHandle {
             // 3-5x slower). No O_TRUNC: rewriting a swap file of the same size reuses its blocks.
             if (::ftruncate(fd.get(), req->nbytes) != 0) throw std::runtime_error(errno_text("cannot size", file, errno));
         }
+        enqueue(req);
+        return req;
+    }
+
+    // Split a request into one slice per worker and queue them.
+    void enqueue(const std::shared_ptr<Request>& req) {
         // Slices: block-aligned so every slice but the last is O_DIRECT-eligible.
         const int64_t per = std::max<int64_t>(kAlign, ((req->nbytes + threads_ - 1) / threads_ + kAlign - 1) / kAlign * kAlign);
         std::vector<std::pair<int64_t, int64_t>> slices;
@@ -278,7 +331,6 @@ class AioHandle {
             for (auto& s : slices) tasks_.push_back([this, req, s] { run_slice(*req, s.first, s.second); });
         }
         task_cv_.notify_all();
-        return req;
     }
 
     void finish(const std::shared_ptr<Request>& req) {
@@ -300,6 +352,17 @@ class AioHandle {
 
     void run_slice(Request& req, int64_t offset, int64_t len) {
         char* buf = static_cast<char*>(req.buffer.data_ptr()) + offset;
+        if (req.fd >= 0) {
+            std::string error = move(req.fd, false, buf, req.file_offset + offset, len, req.file);
+            if (error.empty() && req.fd_direct) direct_bytes_ += len;
+            if (!error.empty()) req.fail(error);
+            {
+                std::lock_guard<std::mutex> lock(mutex_);
+                req.remaining.fetch_sub(1);
+            }
+            done_cv_.notify_all();
+            return;
+        }
         const int rw = req.read ? O_RDONLY : O_WRONLY;
         const bool aligned = reinterpret_cast<uintptr_t>(buf) % kAlign == 0 && offset % kAlign == 0;
         const int64_t direct_len = (use_o_direct_ && aligned) ? len / kAlign * kAlign : 0;
@@ -398,6 +461,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("async_pwrite", &AioHandle::async_pwrite, release)
         .def("sync_pread", &AioHandle::sync_pread, release)
         .def("sync_pwrite", &AioHandle::sync_pwrite, release)
+        .def("async_pwrite_fd", &AioHandle::async_pwrite_fd, release, py::arg("buffer"), py::arg("fd"),
+             py::arg("file_offset"))
+        .def("sync_pwrite_fd", &AioHandle::sync_pwrite_fd, release, py::arg("buffer"), py::arg("fd"),
+             py::arg("file_offset"))
+        .def("get_alignment", &AioHandle::alignment)
         .def("wait", &AioHandle::wait, release)
         .def("pending", &AioHandle::pending)
         .def("get_block_size", &AioHandle::block_size)

@@ -55,6 +55,7 @@ PATHS: dict[str, str] = {
     "deepspeed.utils.groups": "dsrun.compat.utils.groups",
     "deepspeed.comm.torch": "dsrun.comm.torch_backend",
     "deepspeed.utils.z3_leaf_module": "dsrun.utils.leaf_modules",
+    "deepspeed.runtime.python_gc": "dsrun.utils.python_gc",
     # dsrun keeps these objects under another name
     "deepspeed.ops.op_builder": "op_builder",
     "deepspeed.launcher.runner": "dsrun.cli.deepspeed_runner",

@@ -75,6 +75,16 @@ def micro_batch_candidates(settings: TuneSettings, accumulation: int, world_size
     return [m for m in sizes if m <= top] or [settings.min_micro_batch]
 
 
+def batch_size_bound(settings: TuneSettings, train_batch_size: int) -> str | None:
+    """Why a configuration of global batch ``train_batch_size`` is pruned before launch (outside
+    ``max_train_batch_size`` / ``min_train_batch_size``), or None."""
+    if settings.max_train_batch_size and train_batch_size > settings.max_train_batch_size:
+        return f"train batch size {train_batch_size} > max_train_batch_size {settings.max_train_batch_size}"
+    if train_batch_size < settings.min_train_batch_size:
+        return f"train batch size {train_batch_size} < min_train_batch_size {settings.min_train_batch_size}"
+    return None
+
+
 @dataclass(frozen=True)
 class SearchSpace:
     dims: dict[str, list[Any]]  # tuned keys, in the order written

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from dsrun.autotuning.memory import MemoryGate
 from dsrun.autotuning.metrics import ProfileError, metric_value, profile_metrics
 from dsrun.autotuning.settings import TuneSettings
-from dsrun.autotuning.space import MICRO_BATCH_KEY, ACCUMULATION_KEY, SearchSpace, override_key
+from dsrun.autotuning.space import MICRO_BATCH_KEY, ACCUMULATION_KEY, SearchSpace, batch_size_bound, override_key
 from dsrun.autotuning.trial import (Experiment, error_summary, launch, measurement_overrides, stop_leftover_launch,
                                     train_command, without_keys)
 from dsrun.utils.errors import Problem, UserError
@@ -396,13 +396,9 @@ class Tuner:
         name = space.experiment_name(config)
         trial.set_user_attr("exp_name", name)
         trial.set_user_attr("tuning_space", space.tuning_space_of(config))
-        tbs = space.train_batch_size(config)
-        if s.max_train_batch_size and tbs > s.max_train_batch_size:
-            return self._finish(trial, PRUNED, pruned=True, reason=f"train batch size {tbs} > "
-                                f"max_train_batch_size {s.max_train_batch_size}")
-        if tbs < s.min_train_batch_size:
-            return self._finish(trial, PRUNED, pruned=True, reason=f"train batch size {tbs} < "
-                                f"min_train_batch_size {s.min_train_batch_size}")
+        bound = batch_size_bound(s, space.train_batch_size(config))  # max/min_train_batch_size
+        if bound is not None:
+            return self._finish(trial, PRUNED, pruned=True, reason=bound)
         self._run_trial(trial, params, config, name)
 
     def _run_trial(self, trial: Trial, params: dict[str, Any], config: dict[str, Any], name: str) -> None:

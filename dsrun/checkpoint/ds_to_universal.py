@@ -25,7 +25,7 @@ import torch
 from dsrun.utils import zero_to_fp32 as z2f
 
 from . import atomic, layout, pipeline_state, reshard
-from .engine_io import rank_optimizer_states, saved_stage, saved_world
+from .saved_tag import rank_optimizer_states, saved_stage, saved_world
 from .reshard import merge_rank_states
 from .safe_load import load_file
 from .universal_checkpoint import CAT_DIM, FP32, LATEST_UNIVERSAL, OPTIMIZER_STATE, PARAM, STEP, UNIVERSAL_DIR

@@ -4,19 +4,24 @@ Save, on every rank (a collective, like DeepSpeed's):
 
 1. the tag (default ``global_step<N>``) is checked to be the same on all ranks (``checkpoint.tag_validation``);
 2. rank 0 creates ``save_dir/.<tag>.staging``; every rank writes its files there (each under a temporary name,
-   fsynced, renamed), then all meet at a barrier;
+   fsynced, renamed), then all meet at a barrier (with ``checkpoint.use_node_local_storage`` each node's local
+   rank 0 does what rank 0 does here and in step 3, in its node's own ``save_dir``, and writes the model states
+   file too: every node's storage holds a whole checkpoint, DeepSpeed's meaning of the key);
 3. rank 0 renames the staging folder to ``save_dir/<tag>`` (a previous copy of the same tag is moved aside to
    ``.<tag>.replaced`` first and deleted after), copies ``zero_to_fp32.py``, and only then rewrites ``latest``
    (temporary file, fsync, rename).
 
 A crash before step 3 leaves ``latest`` and its folder untouched; a crash inside step 3 leaves either the old
-or the new complete folder under the tag (the loader also looks in ``.<tag>.replaced``).
+or the new complete folder under the tag (the loader also looks in ``.<tag>.replaced``). With
+``checkpoint.writer.decoupled`` step 2 captures each rank's files in host memory and a background thread
+writes them, agrees with the other ranks and runs step 3 (:mod:`.decoupled`).
 
 Load restores the module, the ZeRO optimizer state (resharded when the world size or the stage differ), the
 LR scheduler, the loss scale, the step counters and each rank's RNG states, and returns the client state.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -27,14 +32,16 @@ from typing import Any, Callable
 import torch
 
 from dsrun import comm
+from dsrun.io import WriterSettings
 from dsrun.utils import zero_to_fp32 as z2f
 from dsrun.utils.errors import Problem, UserError
 
-from . import atomic, deepspeed_format, experts, layout, reshard, state, universal_checkpoint
+from . import atomic, decoupled, deepspeed_format, experts, layout, reshard, state, universal_checkpoint
 from .engine_view import CheckpointEngine, CheckpointStrategy
 
 Tag = str | int | None  # a checkpoint tag as DeepSpeed takes it (str() of it names the folder; None: the default)
 from .safe_load import load_file
+from .saved_tag import optim_files, rank_optimizer_states, saved_stage, saved_world, stage0_state
 
 log = logging.getLogger("dsrun.checkpoint")
 
@@ -86,21 +93,36 @@ def _validate_tag(engine: CheckpointEngine, tag: str) -> tuple[str, list[str]]:
     return chosen[0], [chosen[0]] * engine.world_size
 
 
+def _node_local(engine: CheckpointEngine) -> bool:
+    return bool(engine._config.checkpoint.use_node_local_storage)
+
+
+def _keeps_the_folder(engine: CheckpointEngine) -> bool:
+    """Whether this rank prepares, commits and cleans the checkpoint folder and writes the files one rank writes:
+    rank 0, or with ``checkpoint.use_node_local_storage`` each node's local rank 0 (DeepSpeed's ``local_rank``
+    then stands for the rank), so that every node's own storage holds a whole checkpoint."""
+    return (engine.local_rank if _node_local(engine) else engine.global_rank) == 0
+
+
 def _on_rank0_then_all(engine: CheckpointEngine, action: Callable[[], object]) -> None:
-    """Run ``action`` on rank 0 while the others wait; if it fails, every rank raises (instead of the others
-    hanging in the next collective)."""
+    """Run ``action`` on rank 0 (with node-local storage: on each node's local rank 0) while the others wait; if
+    it fails, every rank raises (instead of the others hanging in the next collective)."""
     error, failure = None, [None]
-    if engine.global_rank == 0:
+    if _keeps_the_folder(engine):
         try:
             action()
         except Exception as exc:  # re-raised below, after the other ranks have heard of it
             error, failure[0] = exc, f"{type(exc).__name__}: {exc}"
-    if engine.world_size > 1:
+    if engine.world_size > 1 and _node_local(engine):
+        failures: list[Any] = [None] * engine.world_size
+        comm.all_gather_object(failures, failure[0])
+        failure[0] = next((f for f in failures if f is not None), None)
+    elif engine.world_size > 1:
         comm.broadcast_object_list(failure, src=0)
     if error is not None:
         raise error
     if failure[0] is not None:
-        raise RuntimeError(f"checkpoint save failed on rank 0: {failure[0]}")
+        raise RuntimeError(f"checkpoint save failed on {'a node' if _node_local(engine) else 'rank 0'}: {failure[0]}")
 
 
 def _all_ranks_succeeded(engine: CheckpointEngine, error: Exception | None, root: Path, tags: list[str],
@@ -125,9 +147,10 @@ def _all_ranks_succeeded(engine: CheckpointEngine, error: Exception | None, root
         if engine.world_size > 1:
             comm.all_reduce(needed, op=comm.ReduceOp.SUM)
     line: list[str | None] = [None]
-    if engine.global_rank == 0:
+    if _keeps_the_folder(engine):
         for tag in tags:
             atomic.remove_tree(layout.staging_dir(root, tag))
+    if engine.global_rank == 0:
         if flag.item() == 2:
             size = f"{int(needed[0].item()):,} bytes needed" if needed[1].item() == 0 else "size unknown"
             kept = layout.read_latest(root)
@@ -213,7 +236,8 @@ def save_checkpoint(engine: CheckpointEngine, save_dir: str, tag: Tag = None,
     files = _layout(engine)
 
     def write(staging: Path) -> None:
-        if files.writes_model_states(dp_rank):
+        # use_node_local_storage: each node's local rank 0 writes the one-rank files, as DeepSpeed's local_rank
+        if files.writes_model_states(engine.local_rank if _node_local(engine) else dp_rank):
             atomic.save_torch(engine_model_states(engine, client_state or {}, exclude_frozen_parameters, files),
                               staging / files.model_states_name(dp_rank), rank, torn_point="model_states_torn")
         atomic.crash_point("after_model_states", rank)
@@ -246,13 +270,21 @@ def save_optimizer_states(engine: CheckpointEngine, path: Path) -> None:
 def save_staged(engine: CheckpointEngine, save_dir: str, tag: Tag, write_rank_files: Callable[[Path], None],
                 save_latest: bool) -> bool:
     """The save protocol (module docstring): check the tag, stage, let every rank write its files into the
-    staging folder (``write_rank_files(staging)``), agree that all succeeded, commit, update ``latest``."""
+    staging folder (``write_rank_files(staging)``), agree that all succeeded, commit, update ``latest``. With
+    ``checkpoint.writer.decoupled`` the files are captured in host memory instead and written and committed in
+    the background (:mod:`.decoupled`); False when that save was skipped (a write still in flight)."""
     root = _checkpoint_dir(save_dir, "save_checkpoint(save_dir=...)")
     rank = engine.global_rank
     tag = layout.check_tag(str(tag) if tag is not None else layout.default_tag(engine.global_steps))
     tag, all_tags = _validate_tag(engine, tag)
     tags = list(dict.fromkeys(all_tags))  # distinct, rank 0's first
     staging = layout.staging_dir(root, tag)
+    writer = decoupled.writer() if decoupled.enabled(engine._config.checkpoint) else None
+    if writer is not None:
+        skipped = writer.take_turn(engine.device)  # the save in flight first: its staging folder must survive prepare()
+        if skipped is not None:
+            _say(engine, f"warning: checkpoint {tag} skipped: {skipped}", logging.WARNING)
+            return False
 
     def prepare() -> None:
         root.mkdir(parents=True, exist_ok=True)
@@ -268,23 +300,42 @@ def save_staged(engine: CheckpointEngine, save_dir: str, tag: Tag, write_rank_fi
     atomic.crash_point("staging_created", rank)
 
     error = None
-    try:
-        write_rank_files(staging)
-    except Exception as exc:  # e.g. a full disk: every rank must learn of it, or the others wait forever
-        error = exc
+    snapshot = writer.snapshot() if writer is not None else None
+    settings = WriterSettings.from_config(engine._config.checkpoint.writer, engine._config.aio)
+    legacy = not engine._config.checkpoint.checkpoint_serialization  # torch's legacy format, as DeepSpeed's engine
+    capture = atomic.capturing_writes(snapshot) if snapshot is not None else contextlib.nullcontext([])
+    with atomic.writing_with(settings), atomic.legacy_serialization(legacy), capture as captured:
+        try:
+            write_rank_files(staging)
+        except Exception as exc:  # e.g. a full disk: every rank must learn of it, or the others wait forever
+            error = exc
+        if snapshot is not None:
+            snapshot.finish()
     _all_ranks_succeeded(engine, error, root, tags, write_rank_files)
 
     def commit() -> None:
-        atomic.crash_point("before_commit", rank)
-        for each in tags:
-            _commit_tag(root, each, rank)
-        atomic.copy_file(Path(z2f.__file__), root / layout.ZERO_TO_FP32)
-        if save_latest:  # rank 0's tag, as DeepSpeed's rank 0 writes it
-            atomic.write_text(root / layout.LATEST, tags[0], rank, crash_before_rename="latest_tmp_written")
-        atomic.crash_point("after_latest", rank)
+        _publish(root, tags, rank, save_latest)
 
+    def discard() -> None:
+        for each in tags:
+            atomic.remove_tree(layout.staging_dir(root, each))
+
+    if writer is not None:
+        writer.submit(decoupled.SaveJob(tag, root, rank, captured, snapshot, publish=commit, discard=discard))
+        return True
     _on_rank0_then_all(engine, commit)
     return True
+
+
+def _publish(root: Path, tags: list[str], rank: int, save_latest: bool) -> None:
+    """Rank 0's commit: each tag's staging folder into place, ``zero_to_fp32.py``, then ``latest``."""
+    atomic.crash_point("before_commit", rank)
+    for each in tags:
+        _commit_tag(root, each, rank)
+    atomic.copy_file(Path(z2f.__file__), root / layout.ZERO_TO_FP32)
+    if save_latest:  # rank 0's tag, as DeepSpeed's rank 0 writes it
+        atomic.write_text(root / layout.LATEST, tags[0], rank, crash_before_rename="latest_tmp_written")
+    atomic.crash_point("after_latest", rank)
 
 
 def _commit_tag(root: Path, tag: str, rank: int) -> None:
@@ -311,58 +362,12 @@ def _checkpoint_dir(path: str | os.PathLike[str] | None, argument: str) -> Path:
 
 
 # --- load -----------------------------------------------------------------------------------------------
-def saved_world(model_states: dict[str, Any]) -> int:
-    return int(model_states.get("dp_world_size", 1))
-
-
-def saved_stage(model_states: dict[str, Any], tag_dir: Path) -> int:
-    extras = model_states.get("dsrun") or {}
-    if "zero_stage" in extras:
-        return int(extras["zero_stage"])
-    if any(tag_dir.glob("zero_pp_rank_*_model_states.pt")):
-        return 3
-    optim = sorted(tag_dir.glob("*zero_pp_rank_0_*optim_states.pt"))
-    return int(load_file(optim[0])["optimizer_state_dict"]["zero_stage"]) if optim else 0
-
-
-def optim_files(tag_dir: Path, world: int, bf16: bool) -> list[Path]:
-    """The saved ranks' optimizer files, preferring this run's precision prefix (as DeepSpeed does)."""
-    for prefer in (bf16, not bf16):
-        files = [tag_dir / layout.optim_states_name(r, prefer) for r in range(world)]
-        if all(f.is_file() for f in files):
-            return files
-    raise FileNotFoundError(f"{tag_dir}: expected {world} '*_optim_states.pt' files (one per saved rank)")
-
-
 def _refuse_reshard(strategy: CheckpointStrategy, tag_dir: Path, saved: str) -> None:
     """A strategy whose layout cannot be resharded into (MiCS: masters cut over shard groups) refuses."""
     refusal = strategy.checkpoint_layout.reshard_refusal
     if refusal is not None:
         raise RuntimeError(f"{tag_dir}: {refusal} loads only a checkpoint of its own layout (saved: {saved}); load "
                            "the zero_to_fp32 weights into the model instead")
-
-
-def rank_optimizer_states(tag_dir: Path, model_states: dict[str, Any], stage: int, world: int,
-                           bf16: bool, group_shapes: list[Any] | None = None) -> list[dict[str, Any]]:
-    """Every saved rank's optimizer state, as dsrun's strategies read it (DeepSpeed's own files converted;
-    ``group_shapes``: the live strategy's, which a DeepSpeed stage-0 file needs)."""
-    if stage == 0:
-        return [stage0_state(model_states, group_shapes)]
-    states = [deepspeed_format.load_zero_state(path) for path in optim_files(tag_dir, world, bf16)]
-    if int(states[0].get("mics_shard_size", -1)) > 0:
-        raise RuntimeError(f"{tag_dir}: saved under MiCS (mics_shard_size {states[0]['mics_shard_size']}), which "
-                           "loads only into the same layout; rebuild the fp32 model with zero_to_fp32 instead")
-    return states
-
-
-def stage0_state(model_states: dict[str, Any], group_shapes: list[Any] | None) -> dict[str, Any]:
-    sd = model_states["optimizer"]
-    if deepspeed_format.is_deepspeed_stage0(sd):
-        if group_shapes is None:
-            raise RuntimeError("a DeepSpeed stage-0 checkpoint names no parameters: load it into an engine "
-                               "with an optimizer")
-        sd = deepspeed_format.stage0_to_dsrun(sd, group_shapes, model_states["module"])
-    return sd
 
 
 def _load_module(engine: CheckpointEngine, module_sd: dict[str, Any], strict: bool, tag_dir: Path,
@@ -436,8 +441,10 @@ def _restore_strategy(engine: CheckpointEngine, tag_dir: Path, model_states: dic
                                                          load_optimizer_states))
         return
     if load_optimizer_states and same_layout:
+        # node-local storage holds this node's ranks' optimizer files only: this rank's is the one it needs
+        bf16, own_only = engine.bfloat16_enabled(), _node_local(engine)
         own = (stage0_state(model_states, live_shapes) if stage_saved == 0 else deepspeed_format.load_zero_state(
-            optim_files(tag_dir, world_saved, engine.bfloat16_enabled())[dp_rank]))
+            optim_files(tag_dir, world_saved, bf16, only=dp_rank if own_only else None)[0 if own_only else dp_rank]))
         strategy.load_state_dict(own)
         _restore_rank_states(strategy, tag_dir, world_saved, dp_rank, same_layout=True)
         return
@@ -499,7 +506,9 @@ def load_checkpoint(engine: CheckpointEngine, load_dir: str, tag: Tag = None, lo
     ``(load_path, client_state)`` (the model states file read, and the saved keys that are not DeepSpeed's),
     or ``(None, None)`` (with a warning) when ``tag`` is None and ``load_dir`` has no ``latest``. With
     ``checkpoint.load_universal`` a tag-less load reads ``latest_universal`` when there is one.
-    ``custom_load_fn(src=state_dict, dst=module)`` loads the module weights instead of ``load_state_dict``."""
+    ``custom_load_fn(src=state_dict, dst=module)`` loads the module weights instead of ``load_state_dict``. A
+    decoupled save still being written is waited for first (a load after a save sees it)."""
+    decoupled.drain()
     tag_dir = find_tag_dir(engine, load_dir, tag)
     if tag_dir is None:
         return None, None
@@ -521,6 +530,8 @@ def load_checkpoint(engine: CheckpointEngine, load_dir: str, tag: Tag = None, lo
         load_universal = bool(engine._config.checkpoint.load_universal)
         _restore_strategy(engine, tag_dir, model_states, load_optimizer_states and not load_module_only,
                           load_universal, masters_from_module=custom_load_fn is not None)
+        if not engine._config.zero_optimization.load_from_fp32_weights and engine.zero_optimization_stage() > 0:
+            engine.restore_masters_from_model()  # the masters from the 16-bit weights just loaded, as DeepSpeed
     engine.loaded_checkpoint_dp_world_size = saved_world(model_states)
     engine.loaded_checkpoint_mp_world_size = int(model_states.get("mp_world_size", 1))
     if not load_module_only:

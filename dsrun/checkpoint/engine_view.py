@@ -62,6 +62,7 @@ class CheckpointEngine(Protocol):
     lr_scheduler: Any  # the client's or the config's scheduler (DeepSpeed's; any object with state_dict)
     training_dataloader: object | None
     global_rank: int
+    local_rank: int
     world_size: int
     dp_world_size: int
     dp_group: ProcessGroup
@@ -84,6 +85,8 @@ class CheckpointEngine(Protocol):
     def gradient_accumulation_steps(self) -> int: ...
 
     def restore_frozen_shards(self, checkpoint: dict[str, Any]) -> None: ...
+
+    def restore_masters_from_model(self) -> None: ...
 
     def load_module_state_dict(self, checkpoint: dict[str, Any], strict: bool = True,
                                custom_load_fn: Callable[..., Any] | None = None, fetch_z3_params: bool = False

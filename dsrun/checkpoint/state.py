@@ -38,14 +38,17 @@ def buffer_names(module: torch.nn.Module) -> list[str]:
 
 def module_state_cpu(module: torch.nn.Module, exclude_frozen_parameters: bool = False) -> "OrderedDict[str, torch.Tensor]":
     """The module's state dict as independent CPU tensors (no shared flat storage, so the file holds only
-    these elements). Tied aliases stay one tensor."""
+    these elements). Tied aliases stay one tensor. A ZeRO-3 parameter kept whole (``ds_whole``: a partition group
+    of one) is saved as the empty placeholder of a partitioned one: the ZeRO-3 layout holds its values in the
+    fp32 flat groups, whatever the world size."""
     cloned: dict[int, torch.Tensor] = {}
     out: "OrderedDict[str, torch.Tensor]" = OrderedDict()
     for name, value in module.state_dict(keep_vars=True).items():
         if exclude_frozen_parameters and isinstance(value, torch.nn.Parameter) and not value.requires_grad:
             continue
         if id(value) not in cloned:
-            cloned[id(value)] = value.detach().to("cpu", copy=True)
+            whole = getattr(value, "ds_whole", False)
+            cloned[id(value)] = torch.empty(0, dtype=value.dtype) if whole else value.detach().to("cpu", copy=True)
         out[name] = cloned[id(value)]
     return out
 

@@ -6,20 +6,28 @@ its last steps too), keep the newest ``train.keep_last``.
 checkpoint (else starts fresh); a path resumes from that checkpoint folder (the one holding ``latest``), from
 a run directory's ``checkpoints/`` folder, or from one tag's folder (``.../checkpoints/global_step400``), and
 it is an error if there is nothing to resume from. Ranks restarted within a run (elastic training, restarts
-after a failure) resume from the run's own newest checkpoint instead. A preempted run (SIGTERM, SIGUSR1) saves
+after a failure) resume from the run's own newest checkpoint instead, or from the one the engine that restarted
+them registered (Ray Train's, ``restart_from``). A preempted run (SIGTERM, SIGUSR1) saves
 where it stops even with ``train.save_interval=0``.
 The data loader's position travels in the checkpoint's client state, so a resumed run reads the very batches
 the interrupted one would have.
+
+Every save is recorded (:class:`SaveRecord`: the step, how long training waited for it, how long it took to be
+written and published, its bytes). With ``checkpoint.writer.decoupled`` a save returns once the state is in host
+memory (:mod:`.decoupled`); a save at a stop (Ctrl-C, a preemption) and the run's end wait for the write in
+flight to be published.
 """
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from dsrun import comm
 from dsrun.utils.errors import Problem, UserError
 
-from . import atomic, layout
+from . import atomic, decoupled, layout
 
 CHECKPOINTS_DIR = "checkpoints"
 LOADER_KEY = "data_loader"
@@ -117,20 +125,57 @@ class _Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+@dataclass
+class SaveRecord:
+    """One save of the run (``metrics.json``'s ``checkpoint_saves``): the step, the global samples there (the
+    monitors' x axis), ``blocking_s`` (how long training waited: the whole save with the deletion of old ones, or
+    a decoupled save's snapshot and any wait for the write before it), ``write_s`` (until the checkpoint was
+    published: a synchronous save's ``engine.save_checkpoint`` call; a decoupled save's background write and
+    commit, from its snapshot on) and ``bytes`` (the published tag folder, every rank's files; known on rank 0)."""
+
+    step: int
+    samples: int
+    blocking_s: float
+    write_s: float | None = None
+    bytes: int | None = None
+    job: decoupled.SaveJob | None = field(default=None, repr=False)
+
+    def settled(self) -> bool:
+        """Published (or failed): ``write_s`` and ``bytes`` are known."""
+        if self.job is not None and self.job.done.is_set():
+            self.write_s, self.bytes, self.job = self.job.write_s, self.job.bytes, None
+        return self.job is None
+
+    def as_metrics(self) -> dict[str, Any]:
+        return {"step": self.step, "blocking_s": self.blocking_s, "write_s": self.write_s, "bytes": self.bytes}
+
+    def events(self) -> list[tuple[str, float, int]]:
+        """The record for the monitors (CSV, TensorBoard, MLflow ...), at the saved step's samples."""
+        values = {"blocking_s": self.blocking_s, "write_s": self.write_s, "bytes": self.bytes}
+        return [(f"Checkpoint/Samples/{name}", float(value), self.samples) for name, value in values.items()
+                if value is not None]
+
+
 class TrainingCheckpoints:
     """The worker's checkpoint hooks, bound to one engine and its data loader."""
 
     def __init__(self, engine: _Engine, loader: _Stateful, run_dir: Path, save_interval: int, resume: str | None,
-                 keep_last: int, last_step: int | None = None):
+                 keep_last: int, last_step: int | None = None, restart_from: Path | None = None):
         self.engine, self.loader, self.last_step = engine, loader, last_step
         self.save_dir = run_dir / CHECKPOINTS_DIR
         self.save_interval, self.keep_last = int(save_interval or 0), int(keep_last or 0)
         # a run directory is fresh for every run, so checkpoints already in it were saved by this run: its ranks
         # were restarted (an elastic membership change, a restart after a failure) and go on from the newest
-        # one, whatever train.resume named for the first start
+        # one, whatever train.resume named for the first start. An engine that restarts the ranks itself and
+        # keeps its own record of the run's checkpoints (Ray Train: dsrun.ray) names the tag folder
+        # (``restart_from``), which wins
         own = (self.save_dir, None) if layout.read_latest(self.save_dir) else None
-        self.resume_from = own or find_checkpoint(resume, run_dir)
+        restart = (restart_from.parent, restart_from.name) if restart_from is not None else None
+        self.resume_from = restart or own or find_checkpoint(resume, run_dir)
         self.last_saved_step: int | None = None
+        self.records: list[SaveRecord] = []
+        # checkpoint.writer.decoupled: saves return after the snapshot (an engine without a DeepSpeed config: no)
+        self.decoupled = decoupled.enabled(getattr(getattr(engine, "_config", None), "checkpoint", None))
 
     def resume(self) -> int:
         """Load the checkpoint to resume from, if any; returns the optimizer step training continues after."""
@@ -147,24 +192,67 @@ class TrainingCheckpoints:
             print(f"[dsrun] resumed from {path} at step {self.engine.global_steps}", flush=True)
         return self.engine.global_steps
 
+    def saved_at(self, step: int) -> Path | None:
+        """The tag folder of the checkpoint saved after ``step`` (None when none was)."""
+        if self.last_saved_step != step:
+            return None
+        tag = layout.read_latest(self.save_dir)
+        return self.save_dir / tag if tag else None
+
     def save_if_due(self, step: int, force: bool = False, always: bool = False) -> bool:
         """Save after ``step`` when it is a multiple of ``save_interval`` or the run's last step (or ``force``,
         e.g. on Ctrl-C), when saving is on at all, or ``always`` (a preemption: the run must be resumable), and
-        not twice at one step; then delete checkpoints beyond the newest ``keep_last``."""
+        not twice at one step; then delete checkpoints beyond the newest ``keep_last``. A save at a stop
+        (``force``, ``always``) is never skipped for a decoupled write in flight, and returns once it is
+        published. False when nothing was saved."""
         due = always or bool(self.save_interval) and (force or step % self.save_interval == 0
                                                       or step == self.last_step)
         if not due or step == self.last_saved_step:
             return False
-        self.engine.save_checkpoint(str(self.save_dir), client_state={LOADER_KEY: self.loader.state_dict()})
+        started = time.perf_counter()  # training waits from here to the return: blocking_s
+        stopping, writer = force or always, decoupled.active() if self.decoupled else None
+        if stopping and writer is not None:
+            writer.wait()  # however long the write in flight takes (the grace period bounds a preemption)
+        if self.decoupled:  # make room now: the write publishes on its own thread
+            self._prune(room_for_one=True)
+        before = writer.job if writer is not None else None
+        called = time.perf_counter()
+        saved = self.engine.save_checkpoint(str(self.save_dir), client_state={LOADER_KEY: self.loader.state_dict()})
+        if saved is False:  # skipped: a decoupled write still in flight (the engine said so)
+            return False
+        writer = decoupled.active() if self.decoupled else None
+        job = writer.job if writer is not None and writer.job is not before else None
+        record = SaveRecord(step, self.engine.global_samples, 0.0, job=job)
+        if job is None:  # synchronous: written and published within the call
+            record.write_s = time.perf_counter() - called
+            tag = layout.read_latest(self.save_dir) if self.engine.global_rank == 0 else None
+            record.bytes = decoupled.folder_bytes(self.save_dir / tag) if tag else None
+            self._prune()
+        elif stopping:
+            self.wait_for_writes()
+        record.blocking_s = time.perf_counter() - started
+        self.records.append(record)
         self.last_saved_step = step
-        self._prune()
         return True
 
-    def _prune(self) -> None:
-        if self.keep_last and self.engine.global_rank == 0:
+    def wait_for_writes(self) -> None:
+        """Collective: the decoupled write in flight (if any) is durable and published (its error raised here);
+        then checkpoints beyond ``keep_last`` go."""
+        decoupled.drain()
+        for record in self.records:
+            record.settled()
+        self._prune()
+
+    def _prune(self, room_for_one: bool = False) -> None:
+        """Collective: rank 0 deletes all but the newest ``keep_last`` (the one ``latest`` names always survives);
+        ``room_for_one``: before a decoupled save, which counts as one of them once it is published. Nothing is
+        deleted while a decoupled write runs: its thread renames folders and rewrites ``latest``."""
+        writer = decoupled.active()
+        if self.keep_last and self.engine.global_rank == 0 and not (writer is not None and writer.busy()):
             keep = layout.read_latest(self.save_dir)
             tags = [t for t in layout.list_tags(self.save_dir) if t != keep]
-            # the newest keep_last - 1 others survive next to the one `latest` names
-            for tag in tags[: max(0, len(tags) - (self.keep_last - 1))]:
+            others = max(0, self.keep_last - 1 - (1 if room_for_one else 0))
+            # the newest `others` survive next to the one `latest` names
+            for tag in tags[: max(0, len(tags) - others)]:
                 atomic.remove_tree(self.save_dir / tag)
         comm.barrier()

@@ -44,8 +44,10 @@ class RunHandoff:
 
     def _send(self, message: dict) -> None:
         from dsrun import comm
+        from dsrun.comm.comm import comms_logger
 
-        comm.broadcast_object_list([message], src=0)
+        with comms_logger.uncounted():  # the launcher's plumbing: dsrun's own launcher passes it in argv
+            comm.broadcast_object_list([message], src=0)
         self.sent = True
 
     def send_run(self, run_dir: Path) -> None:
@@ -68,9 +70,11 @@ def follow_rank_zero() -> int:
     """A rank other than 0: wait for rank 0's run directory and train as that run's rank; or leave with rank 0's
     exit code when it stopped before starting the run (it said why)."""
     from dsrun import comm
+    from dsrun.comm.comm import comms_logger
 
     message: list = [None]
-    comm.broadcast_object_list(message, src=0)
+    with comms_logger.uncounted():
+        comm.broadcast_object_list(message, src=0)
     if "exit_code" in message[0]:
         return int(message[0]["exit_code"])
     return run_rank(Path(message[0]["run_dir"]), comm.get_rank())

@@ -38,7 +38,8 @@ if TYPE_CHECKING:
 
 NOT_SHAPING = ("train.resume", "train.max_steps", "train.max_tokens", "train.save_interval", "train.keep_last",
                "train.eval_interval", "train.eval_iters", "train.preemption.grace_s", "launcher.master_port",
-               "launcher.master_addr", "launcher.log_dir", "ds.steps_per_print")
+               "launcher.master_addr", "launcher.log_dir", "ds.steps_per_print", "checkpoint",
+               "ds.checkpoint.writer.decoupled")
 CHECKPOINTS = "checkpoints"
 
 

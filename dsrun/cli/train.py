@@ -10,12 +10,19 @@ Examples:
                                                 under torchrun, srun or mpirun: this process becomes that rank;
                                                 rank 0's run directory is every rank's, launcher keys that
                                                 conflict with the outer launcher are refused (docs/torchrun.md)
+  dsrun train launcher=ray launcher.num_procs=2 launcher.max_failures=3 train.save_interval=50
+                                                the ranks are Ray Train workers; a failed worker's group is
+                                                restarted from the last checkpoint (docs/cluster.md, "Ray")
   dsrun train ds_config=my_ds_config.json       your DeepSpeed JSON, merged into the recipe's ds section
   dsrun train train.save_interval=50 train.resume=auto
                                                 resume from the newest checkpoint of an earlier run with the
                                                 same recipe and overrides (docs/checkpoint.md)
   dsrun train --from outputs/2026-01-31/12-00-00
                                                 resume that run from its newest checkpoint (or run it again)
+  dsrun train train.save_interval=50 checkpoint=decoupled
+                                                decoupled saves: training waits only while each rank copies its
+                                                state to host memory; a background thread writes and publishes
+                                                the checkpoint (ds.checkpoint.writer.decoupled; docs/checkpoint.md)
   dsrun train train.resume=auto train.preemption.grace_s=90
                                                 on SIGTERM/SIGUSR1 (a scheduler's preemption) every rank finishes
                                                 its step and saves a checkpoint there within 90 s, exit code 138;
@@ -387,6 +394,8 @@ def _train(resolved: ResolvedRun, run_dir: Path, preflight: Preflight, resume_li
     from dsrun.runspec import WORKER_MODULE
 
     _open_run(resolved, run_dir, preflight, resume_line, record, log)
+    if resolved.plan.ray is not None:
+        return _train_on_ray(resolved, run_dir, log)
     launcher = dict(resolved.runspec.launcher)
     launcher["log_dir"] = launcher.get("log_dir") or str(run_dir / "logs")
     outcome = JobOutcome()
@@ -411,6 +420,36 @@ def _train(resolved: ResolvedRun, run_dir: Path, preflight: Preflight, resume_li
         log.say(f"training failed (exit code {outcome.exit_code}){error}; logs per rank in {short_path(log_dir)}",
                 err=True)
         raise TrainingFailed(f"exit code {outcome.exit_code}{error}", outcome.exit_code)
+    metrics = json.loads((run_dir / METRICS_JSON).read_text())
+    for line in done_lines(resolved, run_dir, metrics):
+        log.say(line)
+    return metrics
+
+
+def _train_on_ray(resolved: ResolvedRun, run_dir: Path, log: LauncherLog) -> dict:
+    """``launcher=ray``: the run's ranks are Ray Train workers (dsrun.ray); return the run's metrics."""
+    import json
+    import os
+
+    from dsrun.cli.outcome import done_lines
+    from dsrun.ray import fit
+    from dsrun.rundir import METRICS_JSON
+
+    ray = resolved.plan.ray
+    if ray.address or os.environ.get("RAY_ADDRESS"):
+        where = f"the Ray cluster at {ray.address or os.environ['RAY_ADDRESS']}"
+    else:
+        where = f"a local Ray on {ray.local_cpus()} CPU(s), stopped at the end"
+    log.say(f"starting {resolved.world_size} Ray Train worker(s) on {where}; up to {ray.max_failures} "
+            "restart(s) after a worker fails, each from the last checkpoint")
+    try:
+        fit(run_dir, ray, keep_last=resolved.train.keep_last)
+    except Exception as err:  # Ray's TrainingFailedError (and its causes): the workers' own lines came before
+        if isinstance(err, UserError):
+            raise
+        log.say(f"training failed on Ray: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
+                err=True)
+        raise TrainingFailed(f"Ray Train: {type(err).__name__}", 1) from None
     metrics = json.loads((run_dir / METRICS_JSON).read_text())
     for line in done_lines(resolved, run_dir, metrics):
         log.say(line)

@@ -143,6 +143,7 @@ class _DestroyAtExit:
 
     def __call__(self) -> None:
         try:
+            _run_before_destroy()
             if is_initialized():
                 dist.destroy_process_group()
             _unpin_world_defaults()  # a world destroyed by the script itself may still be pinned
@@ -208,15 +209,35 @@ def get_backend(group: ProcessGroup = None) -> str:
     return dist.get_backend(group)
 
 
-def new_group(ranks: Sequence[int] | None = None, timeout: timedelta | None = None, local: bool = False) -> ProcessGroup:
+def new_group(ranks: Sequence[int] | None = None, timeout: timedelta | None = None, local: bool = False,
+              backend: str | None = None) -> ProcessGroup:
     """A process group of ``ranks``; every rank of the world must call it, unless ``local`` (then only the
-    members do: torch's ``use_local_synchronization``)."""
+    members do: torch's ``use_local_synchronization``). ``backend``: the world's unless named (``"gloo"``: host
+    tensors, e.g. a group a background thread uses while training runs collectives on the world's)."""
     return dist.new_group(ranks=list(ranks) if ranks is not None else None, timeout=timeout,
-                          use_local_synchronization=local)
+                          use_local_synchronization=local, backend=backend)
+
+
+_before_destroy: list[Callable[[], None]] = []
+
+
+def before_destroy(hook: Callable[[], None]) -> None:
+    """Run ``hook`` (once) before the world is next destroyed (``destroy_process_group()`` without a group, or
+    at exit): a user of a group of its own finishes with it first (a decoupled checkpoint's writer thread
+    waits for its write there)."""
+    if hook not in _before_destroy:
+        _before_destroy.append(hook)
+
+
+def _run_before_destroy() -> None:
+    while _before_destroy:
+        _before_destroy.pop(0)()
 
 
 def destroy_process_group(group: ProcessGroup = None) -> None:
     """Destroy ``group`` (None: every group and the world). The world's threads end here, not at exit."""
+    if group is None:
+        _run_before_destroy()
     if is_initialized():
         dist.destroy_process_group(group)
     if group is None:

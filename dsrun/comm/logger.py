@@ -26,11 +26,13 @@ reduce-scatter, ``algbw`` for broadcast and reduce). Bandwidths are in Gbps (10^
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import datetime
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 COLUMN = 20  # DeepSpeed's summary columns are 20 characters, left-justified
 SUMMARY_HEADER = ["Comm. Op", "Message Size", "Count", "Total Latency(ms)", "Avg Latency(ms)",
@@ -172,6 +174,18 @@ class CommsLogger:
         for (op, ranks), s in sorted(self.by_group.items()):
             out.setdefault(op, {})[",".join(map(str, ranks))] = s.as_dict()
         return out
+
+    @contextlib.contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Collectives inside are plumbing, not the job's traffic (the run directory a rank made by torchrun
+        receives from rank 0): the totals are as they were before it."""
+        saved = copy.deepcopy((self.stats, self.by_size, self.by_group))
+        try:
+            yield
+        finally:
+            for table, before in zip((self.stats, self.by_size, self.by_group), saved):
+                table.clear()
+                table.update(before)
 
     def reset(self) -> None:
         self.stats.clear()

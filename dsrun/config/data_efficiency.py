@@ -94,6 +94,23 @@ class DataCurriculumConfig(Section):
     curriculum_metrics: dict[str, CurriculumMetricConfig] | None = None
 
 
+class DynamicBatchingConfig(Section):
+    """``data_sampling.dynamic_batching`` (DeepSpeed after 0.14): batches packed to ``max_tokens`` summed sequence
+    length and the LR scaled to each batch's size, by the loader and scheduler that
+    ``get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed`` builds
+    (:mod:`dsrun.data_efficiency.data_sampling.variable_batch_size_and_lr`). ``max_tokens`` is required when
+    enabled; ``metrics_path`` is where the Data Analyzer's ``seqlen`` metric is read (or written)."""
+
+    enabled: bool = False
+    metrics_path: str | None = None
+    lr_scaling_method: Literal["linear", "sqrt", "none"] = "linear"
+    min_batch_size: PosInt = 1
+    max_batch_size: PosInt | None = None
+    sequence_picking_order: Literal["dataloader", "random", "seqlen"] = "dataloader"
+    max_tokens: PosInt | None = None
+    verbose: bool = False
+
+
 class DataSamplingConfig(Section):
     """``data_efficiency.data_sampling``: ``num_epochs`` default 1000, ``num_workers`` 0."""
 
@@ -102,6 +119,7 @@ class DataSamplingConfig(Section):
     num_workers: NonNegInt = 0
     pin_memory: bool = False
     curriculum_learning: DataCurriculumConfig = Field(default_factory=DataCurriculumConfig)
+    dynamic_batching: DynamicBatchingConfig = Field(default_factory=DynamicBatchingConfig)
 
 
 class RandomLTDScheduleConfigValues(Section):
@@ -202,6 +220,13 @@ def check_data_efficiency(de: DataEfficiencyConfig, legacy: CurriculumLearningCo
                     value = getattr(metric, key)
                     if value is not None and value > 100:
                         problems.append(Problem(f"{mbase}.{key}", f"got {value}; a percentile is 0..100"))
+
+    batching = de.data_sampling.dynamic_batching
+    bbase = f"{prefix}data_efficiency.data_sampling.dynamic_batching"
+    if batching.enabled and batching.max_tokens is None:
+        problems.append(Problem(f"{bbase}.max_tokens", "required when dynamic batching is enabled (the most summed "
+                                "sequence length a micro-batch holds)", "e.g. max_tokens: 4096"))
+    problems += _min_max(batching.min_batch_size, batching.max_batch_size, bbase, ("min_batch_size", "max_batch_size"))
 
     ltd = de.data_routing.random_ltd
     lbase = f"{prefix}data_efficiency.data_routing.random_ltd"

@@ -10,6 +10,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field
 
+from dsrun.utils.errors import Problem
+
 from .base import DTypeName, Fraction, NonNegInt, OpenDict, PosInt, RawValue, Section, TorchDTypeName
 
 
@@ -80,7 +82,13 @@ def _upper(value: RawValue) -> RawValue:
 
 
 class CheckpointWriterConfig(Section):
-    """``checkpoint.writer``: DeepSpeed's fast (NVMe/GDS) checkpoint writers."""
+    """``checkpoint.writer``: DeepSpeed's checkpoint writers (FastPersist). Present, every checkpoint file is
+    written through ``type``'s writer (:func:`dsrun.io.open_writer`): ``FAST`` O_DIRECT writes of
+    ``io_buffer_size``-byte buffers through the async I/O op (the ``aio`` section), double-buffered with
+    ``io_buffer_double``; ``PYTHON`` a buffered file; ``MOCK`` counts bytes and writes empty files.
+    ``show_statistics`` logs each file's write statistics.
+    ``decoupled`` writes and publishes the save in the background (:mod:`dsrun.checkpoint.decoupled`), through
+    the same writer. ``data_parallel`` and ``io_multiplier`` are refused (the support ledger)."""
 
     type: Annotated[Literal["MOCK", "PYTHON", "FAST"], BeforeValidator(_upper)] = "FAST"
     io_buffer_size: NonNegInt = 64 * 1024 ** 2
@@ -89,3 +97,17 @@ class CheckpointWriterConfig(Section):
     data_parallel: Annotated[Literal["REPLICA", "SOCKET", "MACHINE"] | None, BeforeValidator(_upper)] = None
     decoupled: bool = False
     io_multiplier: PosInt = 1
+
+    def problems(self, prefix: str, aio_threads: int) -> list[Problem]:
+        """The fast writer's O_DIRECT writes are whole multiples of 4096 bytes per aio thread, and the double
+        buffer splits ``io_buffer_size`` in two: it must be a positive multiple of that."""
+        if self.type != "FAST":
+            return []
+        multiple = 4096 * max(1, aio_threads) * (2 if self.io_buffer_double else 1)
+        if self.io_buffer_size > 0 and self.io_buffer_size % multiple == 0:
+            return []
+        why = f"4096 bytes x aio.thread_count {aio_threads}" + (" x 2 halves (io_buffer_double)"
+                                                                  if self.io_buffer_double else "")
+        size = max(multiple, self.io_buffer_size // multiple * multiple)
+        return [Problem(f"{prefix}.io_buffer_size", f"got {self.io_buffer_size}; the fast writer needs a positive "
+                        f"multiple of {multiple} ({why})", f"use {size}")]

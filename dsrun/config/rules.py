@@ -53,11 +53,53 @@ def check_precision(cfg: DSConfig, p: str) -> list[Problem]:
         problems.append(Problem(f"{p}data_types.grad_accum_dtype",
                                 f"got {cfg.data_types.grad_accum_dtype!r}; with amp the gradients accumulate "
                                 "in the model dtype, fp32"))
+    problems += _bf16_master_state_problems(cfg, p)
+    # DeepSpeed's engine asserts that data_types.param_dtype names the dtype fp16/bf16 give the model
+    param_dtype, model_dtype = cfg.data_types.param_dtype, {"fp16": "fp16", "bf16": "bf16"}.get(cfg.precision, "fp32")
+    if param_dtype is not None and param_dtype != model_dtype:
+        problems.append(Problem(f"{p}data_types.param_dtype", f"got {param_dtype!r}, but the enabled precision gives "
+                                f"the model {model_dtype} parameters (DeepSpeed refuses the conflict too)",
+                                "set the matching fp16/bf16 enabled flag, or remove data_types.param_dtype"))
     # DeepSpeed reads the flag only when fp16 is enabled, and then requires ZeRO stage 2.
     if cfg.fp16.enabled and cfg.fp16.fp16_master_weights_and_grads and cfg.zero_optimization.stage != 2:
         problems.append(Problem(f"{p}fp16.fp16_master_weights_and_grads",
                                 f"needs zero_optimization.stage 2, stage is {cfg.zero_optimization.stage}"))
     return problems
+
+
+def _bf16_master_state_problems(cfg: DSConfig, p: str) -> list[Problem]:
+    """``bf16.bf16_master_weights_and_grads`` / ``bf16_optimizer_states`` where dsrun keeps them (docs/precision.md):
+    bf16 enabled, ZeRO stage 1-3 (DeepSpeed's only stages for them), both keys together (DeepSpeed's other
+    supported mix, bf16 masters with fp32 states, needs ZeRO-Offload's CPU Adam), master state on the device."""
+    bf, stage = cfg.bf16, cfg.zero_optimization.stage
+    if not (bf.bf16_master_weights_and_grads or bf.bf16_optimizer_states):
+        return []
+    key = "bf16_master_weights_and_grads" if bf.bf16_master_weights_and_grads else "bf16_optimizer_states"
+    path = f"{p}bf16.{key}"
+    if not bf.enabled:
+        return [Problem(path, "acts only on a bf16 model's master state, and bf16.enabled is false",
+                        "set bf16.enabled to true, or remove the key")]
+    if stage == 0:
+        return [Problem(path, "bf16 master state needs ZeRO stage 1, 2 or 3 (as in DeepSpeed), stage is 0",
+                        "set zero_optimization.stage to 1, 2 or 3, or remove the key (stage 0 keeps fp32 masters)")]
+    if not bf.bf16_master_weights_and_grads:
+        return [Problem(path, f"needs bf16.bf16_master_weights_and_grads (as in DeepSpeed); stage {stage}",
+                        "set bf16.bf16_master_weights_and_grads to true as well")]
+    if not bf.bf16_optimizer_states:
+        return [Problem(path, f"bf16 masters beside fp32 optimizer states (DeepSpeed: ZeRO-Offload with its CPU "
+                        f"Adam) are not implemented in this version of dsrun; stage {stage}",
+                        "set bf16.bf16_optimizer_states to true as well, or remove the key")]
+    opt_type = (cfg.optimizer.type or "").lower() if cfg.optimizer is not None else ""
+    if opt_type in ONE_BIT_OPTIMIZERS:
+        return [Problem(path, f"bf16 master state with {cfg.optimizer.type} (its compressed exchange keeps fp32 "
+                        f"moments and error buffers) is not implemented in this version of dsrun; stage {stage}",
+                        "use Adam/AdamW, Lamb, Lion or Muon, or remove the bf16 master keys")]
+    device = cfg.zero_optimization.offload_optimizer.device
+    if device != "none":
+        return [Problem(path, f"bf16 master state with offload_optimizer.device {device!r} is not implemented in "
+                        f"this version of dsrun (dsrun keeps it on the device); stage {stage}",
+                        "set zero_optimization.offload_optimizer.device to none, or remove the bf16 master keys")]
+    return []
 
 
 def check_zero(cfg: DSConfig, raw: dict[str, Any], p: str) -> tuple[list[Problem], list[str]]:
@@ -93,8 +135,8 @@ def check_zero(cfg: DSConfig, raw: dict[str, Any], p: str) -> tuple[list[Problem
         notes.append(f"{zp}: {', '.join(stage3_keys)} only matter at stage 3 (stage is {z.stage})")
     if "grad_hooks" in zraw and z.stage != 1:
         notes.append(f"{zp}.grad_hooks only matters at stage 1")
-    if z.round_robin_gradients and (z.stage not in (1, 2) or z.offload_optimizer_device != "cpu"):
-        notes.append(f"{zp}.round_robin_gradients only matters at stages 1-2 with CPU optimizer offload")
+    if z.round_robin_gradients and z.stage not in (1, 2):
+        notes.append(f"{zp}.round_robin_gradients only matters at stages 1-2")
     if z.zero_hpz_partition_size > 1 and z.stage != 3:
         notes.append(f"{zp}.zero_hpz_partition_size (hpZ) only matters at stage 3")
     if cfg.gradient_allreduce_op == "sum":  # DeepSpeed's own limits of the summed reduction
@@ -230,6 +272,8 @@ def check_tooling(cfg: DSConfig, raw: dict[str, Any], p: str) -> tuple[list[Prob
                                 "set pipeline.schedule=interleaved or virtual_stages=1"))
 
     problems += cfg.activation_checkpointing.problems(f"{p}activation_checkpointing")
+    if cfg.checkpoint.writer is not None:
+        problems += cfg.checkpoint.writer.problems(f"{p}checkpoint.writer", cfg.aio.thread_count)
 
     sa = cfg.sparse_attention
     if sa is not None:
@@ -264,6 +308,9 @@ def check_rules(cfg: DSConfig, raw: dict[str, Any], prefix: str) -> tuple[list[P
     problems: list[Problem] = []
     notes: list[str] = []
     problems += check_precision(cfg, prefix)
+    if cfg.data_types.buffer_dtype is not None and cfg.precision == "fp32":
+        notes.append(f"{prefix}data_types.buffer_dtype only matters with fp16 or bf16 (DeepSpeed casts buffers only "
+                     "there); the fp32 model's buffers keep their dtype")
     zero_problems, zero_notes = check_zero(cfg, raw, prefix)
     problems += zero_problems
     notes += zero_notes
@@ -274,6 +321,25 @@ def check_rules(cfg: DSConfig, raw: dict[str, Any], prefix: str) -> tuple[list[P
     tool_problems, tool_notes = check_tooling(cfg, raw, prefix)
     problems += tool_problems
     notes += tool_notes
+    z = cfg.zero_optimization
+    if not z.compute_grad_norm:  # DeepSpeed's fast path has no norm for anything to read: its fail-fast rules
+        for wrong, path, hint in (
+                (z.stage not in (1, 2), "zero_optimization.stage", "use ZeRO stage 1 or 2"),
+                (bool(cfg.gradient_clipping), "gradient_clipping", "set gradient_clipping to 0 (clipping needs the "
+                 "norm)"),
+                (z.offload_optimizer_device != "none", "zero_optimization.offload_optimizer.device",
+                 "offload nothing")):
+            if wrong:
+                problems.append(Problem(f"{prefix}zero_optimization.compute_grad_norm", f"false does not go with "
+                                        f"this {path} (DeepSpeed refuses it too)", hint))
+    if not cfg.managed_gradient_accumulation and z.stage == 3 and z.offload_optimizer_device == "nvme":
+        problems.append(Problem(f"{prefix}managed_gradient_accumulation", "false is not supported with ZeRO-3 NVMe "
+                                "optimizer offload (it closes each step's gradient files at the boundary backward, "
+                                "which the caller's step() comes after)", "set it true, or offload to cpu"))
+    if cfg.vocabulary_size and cfg.vocabulary_size % 8:  # DeepSpeed's config check says the same
+        notes.append(f"{prefix}vocabulary_size {cfg.vocabulary_size} is not a multiple of 8: embeddings and the "
+                     "output layer of that width use GPU tensor cores less well (pad the vocabulary to a multiple "
+                     "of 8)")
     problems += check_data_efficiency(cfg.data_efficiency, cfg.curriculum_learning, prefix)
     problems += check_compression(cfg.compression_training, prefix)
     problems += check_quantization_modes(cfg.compression_training, cfg.quantize_training, cfg.eigenvalue,

@@ -118,6 +118,11 @@ class DataEfficiency(Feature):
         self._check_pld_ranks = False
         self.random_ltd_layers: list[RandomLayerTokenDrop] = []
         self.training_dataloader: Any = None  # a curriculum loader from engine.deepspeed_io, when sampling is on
+        # dynamic batching acts through the loader and scheduler a script asks for; enabled and never asked for,
+        # the first step says so (variable_batch_size_and_lr sets this when it builds them)
+        self.dynamic_batching_enabled = de.data_sampling.dynamic_batching.enabled
+        self.dynamic_batching_loader_built = False
+        self._rank = 0
 
     def attach(self, engine: _Engine) -> None:
         """Check the model's forward, take the engine's data-parallel group and (when sampling) its loader."""
@@ -125,6 +130,7 @@ class DataEfficiency(Feature):
         # ZeRO-3 gathers each block's parameters as it runs: every rank must skip the same blocks, so their
         # torch RNG states (which the model's PLD draws come from) are compared once, at the first PLD forward
         self._group = engine.dp_group
+        self._rank = engine.global_rank
         self._check_pld_ranks = (self.progressive_layer_drop is not None and self._zero_stage == 3
                                  and comm.get_world_size(self._group) > 1)
         if self.sampling_enabled:  # the sampler's state goes into checkpoints
@@ -202,6 +208,14 @@ class DataEfficiency(Feature):
     def before_step(self, global_steps: int) -> None:
         if self.progressive_layer_drop is not None:
             self.progressive_layer_drop.update_state(global_steps)
+        if self.dynamic_batching_enabled and not self.dynamic_batching_loader_built:
+            self.dynamic_batching_enabled = False  # said once
+            if self._rank == 0:
+                print("[dsrun] warning: data_efficiency.data_sampling.dynamic_batching is enabled but this run "
+                      "trains without its loader (batches are not packed to max_tokens, the LR is not scaled): "
+                      "build them with get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(dataset, "
+                      "engine, ...) (docs/data_efficiency.md#dynamic-batching), or set enabled: false",
+                      flush=True)
 
     def curriculum_seqlen(self) -> int | None:
         """The legacy seqlen curriculum's current length (None when off)."""

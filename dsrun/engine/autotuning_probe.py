@@ -12,6 +12,13 @@ docs/autotuning.md "What a trial is").
 Without ``metric_path`` the engine trains on: DeepSpeed stops whenever ``autotuning.enabled`` is set, dsrun
 only when the config also says where the measurement goes, so that a tuning recipe (``enabled: true``) still
 trains with ``dsrun train``.
+
+With ``autotuning.enabled`` and ``autotuning.model_info.profile`` the engine only profiles the model, as
+DeepSpeed's does: the first forward runs under :class:`~dsrun.profiling.tensor_memory.SavedTensorBytes` (the
+bytes autograd keeps for backward, exact on any device, where DeepSpeed reads the CUDA allocator), and when
+backward starts rank 0 writes ``num_params``, ``trainable_num_params`` (the model's, times the model-parallel
+size), ``activation_mem_per_gpu`` and ``rank`` as JSON to ``autotuning.model_info_path`` (default
+``./autotuning_model_info.json``) and every rank exits with status 0.
 """
 from __future__ import annotations
 
@@ -29,6 +36,10 @@ class AutotuningProbe:
     def __init__(self, engine: Any, config: Any):
         section = config.autotuning
         self.engine = engine
+        # model_info.profile: the first forward's activation bytes, then the model facts and exit
+        self.profile_model = bool(section.enabled and section.model_info and section.model_info.profile)
+        self.model_info_path = Path(section.model_info_path or Path.cwd() / "autotuning_model_info.json")
+        self._saved: Any = None
         path = section.metric_path
         self.active = bool(section.enabled and path)
         self.path = Path(path) if self.active else None
@@ -37,6 +48,35 @@ class AutotuningProbe:
         self.step_timers_ms: list[dict[str, float] | None] = []
         self._last = time.perf_counter()
         self._totals = {name: 0.0 for name in TIMERS}
+
+    def before_forward(self) -> None:
+        if self.profile_model and self._saved is None:
+            from dsrun.profiling.tensor_memory import SavedTensorBytes
+
+            self._saved = SavedTensorBytes(exclude=self.engine.module.parameters())
+            self._saved.__enter__()
+
+    def before_backward(self) -> None:
+        """Model-info profiling: write the model's facts with the first forward's activation bytes and exit."""
+        if self._saved is None:
+            return
+        from dsrun import comm
+
+        engine = self.engine
+        self._saved.__exit__(None, None, None)
+        params = list(engine.module.parameters())
+        count = sum(getattr(p, "ds_numel", p.numel()) for p in params)  # a ZeRO-3 shard counts whole
+        trainable = sum(getattr(p, "ds_numel", p.numel()) for p in params if p.requires_grad)
+        if engine.global_rank == 0:
+            mp = engine.mp_world_size
+            info = {"num_params": count * mp, "trainable_num_params": trainable * mp,
+                    "activation_mem_per_gpu": self._saved.bytes, "rank": engine.global_rank}
+            self.model_info_path.parent.mkdir(parents=True, exist_ok=True)
+            self.model_info_path.write_text(json.dumps(info) + "\n")
+            print(f"[dsrun] autotuning: model info written to {self.model_info_path}; exiting", flush=True)
+        if comm.is_initialized() and engine.world_size > 1:
+            comm.barrier()
+        sys.exit(0)
 
     def after_step(self, boundary: bool) -> None:
         """Called at the end of ``engine.step()``, before the wall-clock means are printed (and reset)."""

@@ -33,12 +33,14 @@ from dsrun.features import Features
 from dsrun.optim.lr_schedules import build_lr_scheduler
 from dsrun.engine.autotuning_probe import AutotuningProbe
 from dsrun.engine.observer import EngineObserver
-from dsrun.precision.strategy import PrecisionStrategy, build_precision
+from dsrun.precision.strategy import PrecisionStrategy, build_precision, cast_model
 from dsrun.precision.torch_autocast import autocast_if_enabled, init_autocast_params
 from dsrun.profiling.timers import WallClockTimers
 from dsrun.zero.strategies import MemoryBreakdown, StrategyContext, ZeroStrategy, build_zero_strategy
 from dsrun.comm.groups import set_current_groups
 from dsrun.utils.errors import ConfigError, Problem
+from dsrun.utils.logging import set_log_level_from_string
+from dsrun.utils.python_gc import python_gc_manager
 
 if TYPE_CHECKING:
     from dsrun.checkpoint.engine_io import Tag
@@ -70,6 +72,10 @@ class DeepSpeedEngine(torch.nn.Module):
 
     # DeepSpeed's switches and the engine's step state (read and set by engine_methods.py too)
     inside_no_sync_ctxt: bool = False
+    _python_gc_lease: int | None = None  # disable_python_gc's lease, given back at destroy()
+    # managed_gradient_accumulation false: step() is the boundary (True while it runs); backwards since the last
+    _stepping: bool = False
+    _backwards_since_step: int = 0
     _reduction_pending: bool = False  # a boundary backward skipped the reduction (no_sync, or switched off)
     _step_applied: bool = False
     _is_compiled: bool = False
@@ -87,6 +93,8 @@ class DeepSpeedEngine(torch.nn.Module):
                  mpu: DataParallelMpu | None = None, raw_config: Any = None, features: Features | None = None):
         super().__init__()
         self._config = config
+        if config.log_level is not None:  # the "DeepSpeed" logger's level, first thing (as DeepSpeed's engine)
+            set_log_level_from_string(config.log_level)
         self.settings = ConfigView(config, self)  # DeepSpeed's config getters, delegated to (engine_getters.py)
         self.data_efficiency_methods = DataEfficiencyMethods(self)  # DeepSpeed's data-efficiency methods, too
         self.collectives = Collectives(self)  # DeepSpeed's reduction helpers (allreduce_bucket & co.), too
@@ -130,8 +138,8 @@ class DeepSpeedEngine(torch.nn.Module):
 
         self.precision: PrecisionStrategy = build_precision(config.fp16, config.bf16, config.zero_optimization.stage)
         model.to(self.device)
-        if self.precision.model_dtype != torch.float32:
-            model.to(dtype=self.precision.model_dtype)
+        if self.precision.model_dtype != torch.float32:  # data_types.buffer_dtype: the buffers' own cast
+            cast_model(model, self.precision.model_dtype, config.data_types.buffer_dtype)
         self.module = model
         self._broadcast_model()
         if self.torch_autocast_enabled():  # the torch_autocast section: comm dtypes of the safe modules' params
@@ -156,6 +164,9 @@ class DeepSpeedEngine(torch.nn.Module):
         self.monitor = self.observer.monitor
         self.flops_profiler = self.observer.flops_profiler
         self.methods._apply_compile_config()  # the config's compile section (engine_methods.py)
+        self.observer.engine_built()  # memory_breakdown's line; dump_state logs the engine's attributes
+        # disable_python_gc: automatic cyclic GC off while this engine lives (dsrun/utils/python_gc.py)
+        self._python_gc_lease = python_gc_manager.acquire() if config.disable_python_gc else None
 
     # --- construction ---------------------------------------------------------------------------------
     @classmethod
@@ -211,6 +222,7 @@ class DeepSpeedEngine(torch.nn.Module):
 
     # --- the training loop ----------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        self.autotuning_probe.before_forward()  # autotuning.model_info.profile: count the activations
         self.observer.before_forward()
         self.timers.start(FORWARD_TIMER)
         if self.strategy is not None:
@@ -233,6 +245,7 @@ class DeepSpeedEngine(torch.nn.Module):
                           "engine.no_sync() to accumulate without reducing", DeprecationWarning, stacklevel=2)
         if self.scale_wrt_gas is not None:
             scale_wrt_gas = self.scale_wrt_gas
+        self.autotuning_probe.before_backward()  # autotuning.model_info.profile: write the model info, exit
         self.observer.before_backward()
         self.timers.start(BACKWARD_TIMER)
         divisor = self._gas_divisor(scale_wrt_gas)
@@ -261,6 +274,9 @@ class DeepSpeedEngine(torch.nn.Module):
         # no_sync() / enable_backward_allreduce=False: a boundary micro-step accumulates like any other, and the
         # reduction waits for the next boundary backward or allreduce_gradients() (engine_methods.py)
         boundary = self.is_gradient_accumulation_boundary()
+        self._backwards_since_step += 1
+        if not self._config.managed_gradient_accumulation and not self.zero_optimization_partition_gradients():
+            self._reduction_pending = True  # stages 0-1 accumulate; the caller's step() reduces (engine_methods.py)
         if boundary and not self.methods._reduces_in_backward():  # no_sync: the next boundary backward or step reduces
             boundary, self._reduction_pending = False, True
         elif boundary:  # with the switch off the strategy keeps local gradients; allreduce_gradients() may reduce
@@ -285,6 +301,7 @@ class DeepSpeedEngine(torch.nn.Module):
         the scheduler, and advance ``global_steps``/``global_samples``."""
         if self.inside_no_sync_ctxt:
             raise AssertionError("It is illegal to call Engine.step() inside no_sync context manager")
+        self._stepping = True  # managed_gradient_accumulation false: every step() is the boundary
         if self.strategy is not None:
             self.direct_backward.hand_over()  # gradients a loss.backward() left (fp16: refused)
             if self.is_gradient_accumulation_boundary():
@@ -310,12 +327,18 @@ class DeepSpeedEngine(torch.nn.Module):
                 self.lr_scheduler.step(**(lr_kwargs or {}))
             self.features.after_step(overflow)
             self.global_steps += 1
-            self.global_samples += self.train_batch_size()
+            if self._config.managed_gradient_accumulation:
+                self.global_samples += self.train_batch_size()
+            else:  # the micro-batches the caller actually ran, as DeepSpeed counts them
+                self.global_samples += self.train_batch_size() // self.gradient_accumulation_steps() * \
+                    self._backwards_since_step
+            self._backwards_since_step = 0
             self.losses = None
             self._close_comm_window()
             self._report()
         self.micro_steps += 1
         self._boundary_override = None
+        self._stepping = False
         self.timers.stop(STEP_TIMER)
         self.autotuning_probe.after_step(boundary)  # autotuning.metric_path: measure, then stop the run
         self.observer.after_step(boundary)  # monitor events; wall-clock means every steps_per_print
@@ -359,10 +382,15 @@ class DeepSpeedEngine(torch.nn.Module):
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary_override is not None:
             return self._boundary_override
+        if not self._config.managed_gradient_accumulation:  # the caller owns the boundary: its step() calls
+            return self._stepping
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """Force the next backward/step to be (or not be) a boundary; reset after ``step()``."""
+        if not self._config.managed_gradient_accumulation:
+            raise AssertionError("set_gradient_accumulation_boundary() is not supported with "
+                                 "managed_gradient_accumulation=False; every step() is the boundary")
         self._boundary_override = bool(is_boundary)
 
     @property
@@ -480,7 +508,15 @@ class DeepSpeedEngine(torch.nn.Module):
         """Release what the engine holds beyond its Python objects: the ZeRO strategy's autograd and module
         hooks, buckets, swap files and worker threads, the monitors, and the process groups it created
         (DeepSpeed's ``engine.destroy()``). The module keeps its (gathered, for ZeRO-3) weights as plain
-        tensors only where the strategy can give them back; use the engine no further."""
+        tensors only where the strategy can give them back; use the engine no further. A decoupled checkpoint
+        still being written is waited for first (published; its error is raised once all is released)."""
+        from dsrun.checkpoint import decoupled
+
+        failure: Exception | None = None
+        try:
+            decoupled.drain()
+        except Exception as exc:  # noqa: BLE001 - raised below, after the engine let go of what it holds
+            failure = exc
         if self.strategy is not None:
             self.strategy.close()
         self.direct_backward.close()
@@ -488,6 +524,11 @@ class DeepSpeedEngine(torch.nn.Module):
         self.observer.close()
         set_current_groups(None)
         self.groups.destroy()
+        if self._python_gc_lease is not None:
+            python_gc_manager.release(self._python_gc_lease)
+            self._python_gc_lease = None
+        if failure is not None:
+            raise failure
 
     def empty_partition_cache(self) -> None:
         """Release the ZeRO-3 parameters kept gathered between uses (persistent or kept for reuse), e.g. at the

@@ -112,6 +112,9 @@ class ConfigView:
     def dump_state(self) -> bool:
         return bool(self._config.dump_state)
 
+    def log_level(self) -> str | None:
+        return self._config.log_level
+
     def flops_profiler_enabled(self) -> bool:
         return bool(self._config.flops_profiler.enabled or self.autotuning_enabled())
 

@@ -272,8 +272,9 @@ class EngineMethods:
         starts from them (DeepSpeed leaves the masters as they were)."""
         from dsrun.zero import GatheredParameters
 
-        fetch = [p for p in self._engine.module.parameters()
-                 if fetch_z3_params and is_zero_param(p) and p.ds_status is ParamStatus.NOT_AVAILABLE]
+        # a parameter kept whole (a partition group of one) needs no gather, but the write-back to its master
+        fetch = [p for p in self._engine.module.parameters() if fetch_z3_params and is_zero_param(p)
+                 and (p.ds_status is ParamStatus.NOT_AVAILABLE or getattr(p, "ds_whole", False))]
         with GatheredParameters(fetch, modifier_rank=0):
             state_dict = checkpoint["module"]
             if custom_load_fn is not None:
@@ -283,6 +284,11 @@ class EngineMethods:
         self._engine.restore_frozen_shards(checkpoint)
         if not self._engine.zero_optimization_partition_weights():  # ZeRO-3: GatheredParameters wrote the masters
             refresh_masters_from_model(self._engine.module)
+
+    def restore_masters_from_model(self) -> None:
+        """Set every trained parameter's fp32 master from the model's own (16-bit) weights: what a checkpoint load
+        does with ``zero_optimization.load_from_fp32_weights`` false (DeepSpeed's ``_restore_from_bit16_weights``)."""
+        refresh_masters_from_model(self._engine.module)
 
     def restore_frozen_shards(self, checkpoint: dict[str, Any]) -> None:
         """This rank's shards of the frozen parameters from a ZeRO-3 model states file of the same world size:
@@ -322,6 +328,14 @@ class EngineMethods:
             self._engine.compile(backend=section.backend, compile_kwargs=dict(section.kwargs))
 
     # --- small helpers ------------------------------------------------------------------------------------
+    @staticmethod
+    def collect_python_gc() -> int:
+        """Collect Python's reference cycles now (with ``disable_python_gc`` automatic collection is off: call
+        this at a step every rank reaches, e.g. every N steps); returns what ``gc.collect()`` found."""
+        from dsrun.utils.python_gc import python_gc_manager
+
+        return python_gc_manager.collect()
+
     def print_forward_breakdown(self, fwd_time: float) -> None:
         """Rank 0 prints ``fwd_time`` (ms) and the MoE layers' share of the last forward: the layers, their first
         and second all-to-all and their gates' top-k, in ms, summed over layers (recorded with

@@ -14,7 +14,12 @@ lives here, so the engine's own code stays about training. Events use DeepSpeed'
   its text stays in :attr:`EngineObserver.flops_report`;
 * once the model's FLOPs per sample are known (``engine.set_model_flops``, :mod:`dsrun.profiling.mfu`):
   every ``steps_per_print`` steps (unset: every step) ``Train/Samples/tflops_per_device`` and
-  ``Train/Samples/mfu`` over the steps since the last report, and the same on the engine's step line.
+  ``Train/Samples/mfu`` over the steps since the last report, and the same on the engine's step line;
+* with ``memory_breakdown``: DeepSpeed's memory lines (``see_memory_usage``: allocated and peak device memory,
+  host memory in use) on rank 0 once the engine is built and before and after every forward, backward and
+  step, labelled as DeepSpeed labels them (``Engine before forward`` ...);
+* with ``dump_state``: once the engine is built, rank 0 logs every attribute of the engine with its value
+  (DeepSpeed's ``print_configuration(engine, "DeepSpeedEngine")``).
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import torch
 
 from dsrun.monitor import MonitorMaster
 from dsrun.profiling.flops_profiler import FlopsProfiler
+from dsrun.profiling.memory_usage import see_memory_usage
 from dsrun.profiling.mfu import DevicePeak, FlopsRate, ModelFlopsMeter, device_peak
 from dsrun.profiling.wall_clock import BREAKDOWN_TIMERS, breakdown_events, breakdown_line
 
@@ -41,6 +47,7 @@ class EngineObserver:
                                                 recompute_fwd_factor=profiler_cfg.recompute_fwd_factor)
             self.flops_profiler.count_outside_modules = False
         self.flops_report: str | None = None
+        self.memory_breakdown = bool(config.memory_breakdown)  # see_memory_usage at every hook below
         self._profile_phase: str | None = None  # None → "forward" → "backward" → "step" → done
         self._started = 0.0
         self._loss_sum: torch.Tensor | None = None
@@ -76,7 +83,16 @@ class EngineObserver:
         return self._rate[1]
 
     # --- hooks the engine calls -----------------------------------------------------------------------
+    def engine_built(self) -> None:
+        """The end of the engine's construction: the memory line, and with ``dump_state`` the engine's state."""
+        see_memory_usage("DeepSpeed Engine: After configure distributed model", force=self.memory_breakdown)
+        if self.config.dump_state and self.engine.global_rank == 0:
+            from dsrun.utils.logging import print_configuration
+
+            print_configuration(self.engine, "DeepSpeedEngine")
+
     def before_forward(self) -> None:
+        see_memory_usage("Engine before forward", force=self.memory_breakdown)
         prof = self.flops_profiler
         at_profile_step = self.engine.global_steps == self.config.flops_profiler.profile_step
         if (prof is not None and self._profile_phase is None and self.flops_report is None
@@ -86,16 +102,19 @@ class EngineObserver:
             self._started = time.perf_counter()
 
     def after_forward(self) -> None:
+        see_memory_usage("Engine after forward", force=self.memory_breakdown)
         if self._profile_phase == "forward":
             self.flops_profiler.fwd_latency = time.perf_counter() - self._started
             self.flops_profiler.stop_profile()  # the counts stay; nothing more is counted
             self._profile_phase = "backward"
 
     def before_backward(self) -> None:
+        see_memory_usage("Engine before backward", force=self.memory_breakdown)
         if self._profile_phase == "backward":
             self._started = time.perf_counter()
 
     def after_backward(self, loss: torch.Tensor) -> None:
+        see_memory_usage("Engine after backward", force=self.memory_breakdown)
         if self.monitor.enabled:
             value = loss.detach().float()
             self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
@@ -104,11 +123,13 @@ class EngineObserver:
             self._profile_phase = "step"
 
     def before_step(self) -> None:
+        see_memory_usage("Engine before step", force=self.memory_breakdown)
         if self._profile_phase == "step":
             self._started = time.perf_counter()
 
     def after_step(self, boundary: bool) -> None:
         """Called at the end of ``engine.step()``; ``boundary`` says whether the optimizer stepped."""
+        see_memory_usage("Engine after step", force=self.memory_breakdown)
         if not boundary:
             return
         engine = self.engine

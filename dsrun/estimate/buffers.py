@@ -17,7 +17,9 @@ follow dsrun's ZeRO strategies:
   full gradients and their rows for the reduce-scatter, ``2 * B * w``, plus the received shards, up to
   ``T/N * w`` with ``overlap_comm`` (they are added up only when backward ends). With one bucket (K = 1)
   that happens once, at the end of backward, after the activations are gone and each module's gathered
-  parameters were released after its gradient; otherwise buckets are launched while they are live.
+  parameters were released after its gradient; otherwise buckets are launched while they are live. Where
+  every partition group is one rank (N = 1 or MiCS shard groups of one, without ``offload_param``) the
+  parameters are kept whole and each gradient goes straight into its accumulator: no bucket, no transient.
 
 Collective temporaries (gloo, ranks on the CPU, N > 1). Measured with torch's gloo backend: an all-reduce
 works in place, but every other collective first copies its data into one flat buffer of the whole
@@ -41,8 +43,8 @@ reduce-scatters each bucket's rows (``B * w``).
 Two more temporaries of the same kind, on any device (measured): in 16-bit, stage 2 adds each bucket's
 received piece into its fp32 accumulator with ``add_``, which first makes an fp32 copy of the piece
 (``4 * B/N``, when the bucket completes); and stages 1-2 cast the updated fp32 partition to the working
-precision before gathering it (``P/N * w``, also with one rank). They are reported with the collective
-temporaries.
+precision before gathering it (``P/N * w``, also with one rank). Neither exists with bf16 master state (the
+accumulator and the masters are bf16 already). They are reported with the collective temporaries.
 """
 from __future__ import annotations
 
@@ -124,7 +126,8 @@ def buffer_bytes(spec: EstimateInputs) -> BufferBytes:
         received = ceil_div(bucket, n) if spec.offload_optimizer == "none" else 0
         reduce_bucket = (bucket + received) * w * in_flight
     accumulate = 0
-    if spec.zero_stage == 2 and spec.mixed_precision and spec.offload_optimizer == "none":
+    low = spec.bf16_master_state  # bf16 accumulator and masters: no fp32 piece, no cast to publish
+    if spec.zero_stage == 2 and spec.mixed_precision and spec.offload_optimizer == "none" and not low:
         # fp32_accumulator.add_(16-bit received piece) materialises the piece in fp32 first
         accumulate = ceil_div(bucket, n) * 4
     if spec.zero_stage in (1, 2) and gloo:
@@ -136,12 +139,14 @@ def buffer_bytes(spec: EstimateInputs) -> BufferBytes:
         coll_publish = min(spec.total_params, chunk * n) * w
     if spec.zero_stage in (1, 2):
         # the updated partition cast to the working precision before it is gathered (or copied, N = 1)
-        coll_publish += ceil_div(spec.total_params, n) * w if spec.mixed_precision else 0
+        coll_publish += ceil_div(spec.total_params, n) * w if spec.mixed_precision and not low else 0
     if accumulate:
         if several:
             coll_backward += accumulate
         coll_end += accumulate
-    if spec.zero_stage == 3:
+    # every partition group one rank: parameters kept whole, gradients straight into their accumulators
+    whole = spec.offload_param == "none" and (n == 1 or spec.mics_shard_size == 1)  # zero/whole_params.py
+    if spec.zero_stage == 3 and not whole:
         if n > 1:  # one rank's partition is already the whole model
             gathered = stage3_gathered_elements(spec) * w + spec.largest_layer_params * w
         received = (ceil_div(spec.trainable, n) if spec.overlap_comm else ceil_div(bucket, n)) if n > 1 else 0

@@ -134,6 +134,9 @@ class EstimateInputs:
     ZeRO-3 layouts: ``mics_shard_size`` (MiCS: model states partitioned over groups of that many ranks
     instead of all of them; -1 off) and ``hpz_partition_size`` (hpZ: each rank also keeps a secondary
     partition of the parameters over that many ranks; 1 off).
+    bf16 master state (DeepSpeed's ``bf16`` keys; counted where a run keeps it, :attr:`bf16_master_state`):
+    ``bf16_master_weights_and_grads`` (masters and their gradients in bf16) and ``bf16_optimizer_states`` (the
+    optimizer's states in bf16).
     """
 
     total_params: int
@@ -163,6 +166,8 @@ class EstimateInputs:
     sequence_parallel_size: int = 1
     mics_shard_size: int = -1
     hpz_partition_size: int = 1
+    bf16_master_weights_and_grads: bool = False
+    bf16_optimizer_states: bool = False
 
     def __post_init__(self) -> None:
         try:  # stored in its canonical spelling: "none", "full", "every_2", "selective"
@@ -239,6 +244,23 @@ class EstimateInputs:
     @property
     def mixed_precision(self) -> bool:
         return self.precision in ("fp16", "bf16")
+
+    @property
+    def bf16_master_state(self) -> bool:
+        """Whether a run keeps bf16 master state: both keys, bf16, ZeRO 1-3, no optimizer offload (the config layer
+        refuses the keys elsewhere, so a variant outside that, e.g. the option grid's stage 0, keeps fp32 masters)."""
+        return (self.bf16_master_weights_and_grads and self.bf16_optimizer_states and self.precision == "bf16"
+                and self.zero_stage in (1, 2, 3) and self.offload_optimizer == "none")
+
+    @property
+    def master_element_bytes(self) -> int:
+        """Bytes of one element of the optimizer's masters and their gradients: 2 with bf16 master state."""
+        return 2 if self.bf16_master_state else 4
+
+    @property
+    def state_element_bytes(self) -> int:
+        """Bytes of one element of an optimizer state: 2 with bf16 master state."""
+        return 2 if self.bf16_master_state else 4
 
     @property
     def gloo(self) -> bool:

@@ -20,7 +20,13 @@ At stage 3, MiCS (``mics_shard_size`` S) partitions over S ranks: N is S in ever
 INT8 codes plus one fp32 scale per 256 (``dsrun.comm.quantized.message_bytes``) instead of ``w`` bytes each.
 
 Stages 1-2 step an fp32 clone of the partition even in fp32 training; stage 3 in fp32 steps its fp32
-partition directly. ``small`` = parameters below ``stage3_param_persistence_threshold``, kept gathered on
+partition directly.
+
+bf16 master state (``bf16_master_weights_and_grads`` with ``bf16_optimizer_states``, stages 1-3 on the device)
+puts 2 bytes where the table has 4 in the master, gradient and state columns, and drops what only existed to
+hold fp32: stage 1's reduced bf16 piece is the masters' gradient itself (``T*w + wT/N``), and stage 3's bf16
+shards are the masters (no master column). With Adam on one rank, bytes per weight go from 22 to 12 at stage 1,
+18 to 10 at stage 2 and 18 to 8 at stage 3 (without stage 3's gathered small parameters). ``small`` = parameters below ``stage3_param_persistence_threshold``, kept gathered on
 every rank besides their share of the partition. On CUDA the optimizer step adds one fp32 temporary of the
 partition it updates (a multi-tensor step's workspace, e.g. Adam's ``sqrt(v) + eps``), none for stateless
 SGD or an offloaded (fused) step; on the CPU none for the fused compiled Adam/Lion/Adagrad and one of the
@@ -132,11 +138,16 @@ def model_state_bytes(spec: EstimateInputs) -> ModelStates:
     stage = spec.zero_stage
     mixed = spec.mixed_precision
     w = 2 if mixed else FP32
-    # fp32 master copy: always in mixed precision; in fp32 the partitioned stages 1-2 step a clone.
-    master = FP32 if mixed or stage in (1, 2) else 0
+    m = spec.master_element_bytes  # masters and their gradients: fp32, or bf16 with bf16 master state
+    low = spec.bf16_master_state
+    # fp32 master copy: always in mixed precision; in fp32 the partitioned stages 1-2 step a clone. bf16 masters:
+    # a bf16 clone at stages 1-2; at stage 3 the bf16 shards themselves.
+    master = m if mixed or stage in (1, 2) else 0
+    if stage == 3 and low:
+        master = 0
     if stage == 3 and spec.offload_param == "nvme":
         master = FP32  # fp32 too: the model's shards are in files, the optimizer steps an fp32 copy
-    states = FP32 * optimizer_state_count(spec.optimizer, spec.optimizer_params)
+    states = spec.state_element_bytes * optimizer_state_count(spec.optimizer, spec.optimizer_params)
     total, trainable = spec.total_params, spec.trainable
 
     # Parameters: whole below stage 3; at stage 3 the partition plus the small ones kept gathered.
@@ -147,10 +158,12 @@ def model_state_bytes(spec: EstimateInputs) -> ModelStates:
     t_part = ceil_div(trainable, n) if stage >= 1 else trainable
     if stage == 0:
         grad_bytes = trainable * w + (trainable * FP32 if mixed else 0)
+    elif stage == 1 and low:  # whole working gradients and the received piece, which the bf16 masters step on
+        grad_bytes = trainable * w + t_part * w
     elif stage == 1:  # whole working gradients, the fp32 partition, and (16-bit) the received piece
         grad_bytes = trainable * w + t_part * FP32 + (t_part * w if mixed else 0)
-    else:  # only the fp32 partition accumulator
-        grad_bytes = t_part * FP32
+    else:  # only the partition accumulator (fp32, or bf16 with bf16 master state)
+        grad_bytes = t_part * m
 
     host = nvme = host_buffers = 0
     device_params = param_elems * w
@@ -179,14 +192,15 @@ def model_state_bytes(spec: EstimateInputs) -> ModelStates:
         # Adam's sqrt(v) + eps; optimizers without state update in place. On the CPU dsrun steps Adam, Lion
         # and Adagrad with its fused compiled ops (no temporary), and torch's optimizers go tensor by tensor
         # (foreach is off on the CPU): at most one temporary of the largest layer.
+        # (the temporary takes the states' dtype: bf16 with bf16_optimizer_states)
         if not states:
             step_workspace = 0
         elif spec.device == "cuda":
-            step_workspace = t_part * FP32
+            step_workspace = t_part * spec.state_element_bytes
         elif _fused_on_cpu(spec.optimizer):
             step_workspace = 0
         else:
-            step_workspace = min(t_part, spec.largest_layer_params) * FP32
+            step_workspace = min(t_part, spec.largest_layer_params) * spec.state_element_bytes
         if error_feedback_bytes(spec):
             step_workspace = max(step_workspace, 2 * trainable * FP32)  # the compressed exchange's input, output
         if stage == 3 and spec.gradient_clipping > 0:
@@ -226,10 +240,11 @@ def init_bytes_per_rank(spec: EstimateInputs) -> int:
 
 def checkpoint_bytes(spec: EstimateInputs) -> int:
     """Bytes of one checkpoint of the whole run, every rank's files together: the module's weights in the working
-    precision, and for the trainable parameters the fp32 master copy (a tensor of its own in mixed precision and
-    at ZeRO stages 1-3) and the optimizer's states. A lower bound: buffers, RNG states, the 1-bit optimizers'
-    error buffers and the client state are left out. ``dsrun train`` sets it against ``train.preemption.grace_s``."""
+    precision, and for the trainable parameters the master copy (a tensor of its own in mixed precision and at
+    ZeRO stages 1-3; fp32, or bf16 with bf16 master state) and the optimizer's states (in their dtype). A lower
+    bound: buffers, RNG states, the 1-bit optimizers' error buffers and the client state are left out.
+    ``dsrun train`` sets it against ``train.preemption.grace_s``."""
     w = 2 if spec.mixed_precision else FP32
     trainable, states = spec.trainable, optimizer_state_count(spec.optimizer, spec.optimizer_params)
-    master = FP32 * trainable if spec.mixed_precision or spec.zero_stage > 0 else 0
-    return spec.total_params * w + master + FP32 * states * trainable
+    master = spec.master_element_bytes * trainable if spec.mixed_precision or spec.zero_stage > 0 else 0
+    return spec.total_params * w + master + spec.state_element_bytes * states * trainable

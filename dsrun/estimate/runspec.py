@@ -198,6 +198,11 @@ def inputs_from_runspec(cfg: Mapping[str, Any], model: RecipeModel) -> tuple[Est
     buffers = BufferSettings.from_zero_config({**zero.model_dump(), "overlap_comm": zero.overlap_comm
                                                if "overlap_comm" in zero.model_fields_set else None})
     data_bytes, sources["data_bytes"] = data_pipeline_bytes(tree.get("data") or {})
+    bf16 = ds_section(ds, "bf16")  # bf16 master state (docs/precision.md): only where a run keeps it
+    low_masters = precision == "bf16" and bool(bf16.bf16_master_weights_and_grads)
+    low_states = precision == "bf16" and bool(bf16.bf16_optimizer_states)
+    if low_masters or low_states:
+        sources["bf16_master_state"] = "ds.bf16.bf16_master_weights_and_grads / bf16_optimizer_states"
     small = 0
     if model.module is not None:
         small = small_parameter_count(model.module, buffers.stage3_param_persistence_threshold)
@@ -212,5 +217,6 @@ def inputs_from_runspec(cfg: Mapping[str, Any], model: RecipeModel) -> tuple[Est
         model_shape=model.shape, buffers=buffers, data_bytes=data_bytes,
         gradient_clipping=clip,
         gradient_accumulation_steps=gas or 1, sequence_parallel_size=sp,
-        mics_shard_size=int(zero.mics_shard_size), hpz_partition_size=int(zero.zero_hpz_partition_size))
+        mics_shard_size=int(zero.mics_shard_size), hpz_partition_size=int(zero.zero_hpz_partition_size),
+        bf16_master_weights_and_grads=low_masters, bf16_optimizer_states=low_states)
     return inputs, sources

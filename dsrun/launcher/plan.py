@@ -17,6 +17,7 @@ from typing import Any
 from dsrun.launcher.environment import exported_environment
 from dsrun.launcher.hostfile import Pool, apply_filters, parse_core_list, read_hostfile
 from dsrun.launcher.options import DEFAULT_MASTER_PORT, MPI_RUNNERS, LaunchOptions
+from dsrun.launcher.ray_options import RayOptions
 from dsrun.launcher.runners import NodeCommand, build_commands
 from dsrun.utils.errors import Problem, UserError
 from dsrun.utils.net import free_port
@@ -42,6 +43,7 @@ class LaunchPlan:
     notes: list[str] = field(default_factory=list)
     files: dict[str, str] = field(default_factory=dict)  # written before the commands start (mvapich's hosts)
     outer: str | None = None  # an outer launcher started the ranks (dsrun.launcher.outer): its world, described
+    ray: RayOptions | None = None  # Ray Train starts the ranks (launcher=ray, dsrun.launcher.ray_options)
 
     def to_json(self) -> dict[str, Any]:
         """The plan as ``dsrun launch --dry-run`` prints it."""

@@ -1,11 +1,14 @@
 """Where a flat ZeRO partition's optimizer state lives (stages 0-2): on the training device or on the host.
 
 A stage strategy owns the layout (flat groups, partitions, buckets, collectives) and asks its store for the
-rest: the fp32 masters, the fp32 gradient buffers the step reads, each gradient's squared sum, the update,
-and the value of this rank's partition that the all-gather publishes. ``zero_optimization.offload_optimizer``
-picks the store (:func:`flat_store`); the strategy never branches on it.
+rest: the masters, the gradient buffers the step reads, each gradient's squared sum, the update, and the
+value of this rank's partition that the all-gather publishes. Masters and their gradients are fp32, or bf16
+with ``bf16.bf16_master_weights_and_grads`` (the precision strategy's ``master_dtype``; device only).
+``zero_optimization.offload_optimizer`` picks the store (:func:`flat_store`); the strategy never branches on it.
 
-* :class:`DeviceFlatStore`: masters and gradients on the device, ``optimizer.step()``.
+* :class:`DeviceFlatStore`: masters and gradients on the device, ``optimizer.step()``. With bf16 masters of a
+  bf16 model the reduced partitions are the step's gradients themselves (no copy) and the master is gathered
+  as it is (no cast).
 * :class:`HostFlatStore` (``device: cpu``): masters, states and fp32 gradients on the host (pinned when an
   accelerator exists). The update runs on the compiled CPU optimizer tile by tile, each tile's gradient
   reaching the host while the previous one is updated (:class:`~.pipeline.StepPipeline`); with a 16-bit model
@@ -20,28 +23,38 @@ from dsrun.offload.pipeline import PipelineTimes, StepPipeline, tiled_cpu_step
 from dsrun.offload.settings import CPU_TILE_ELEMENTS, OffloadContext, OffloadOptimizerSettings, host_empty, require_cpu_optimizer
 
 
+def chunked_square_sum(g: torch.Tensor) -> torch.Tensor:
+    """Sum of squares of a 16-bit ``g`` (float64, one element), squared in fp32 a chunk at a time."""
+    sq = torch.zeros(1, dtype=torch.float64, device=g.device)
+    for chunk in g.split(CPU_TILE_ELEMENTS):
+        c = chunk.float()
+        sq += torch.dot(c, c).double()
+    return sq
+
+
 class DeviceFlatStore:
     """Masters, gradients and optimizer states on the training device."""
 
     on_device = True  # each rank's whole local gradient can stay until the step (enable_backward_allreduce)
 
-    def __init__(self, model_dtype: torch.dtype, device: torch.device):
-        self.model_dtype, self.device = model_dtype, device
+    def __init__(self, model_dtype: torch.dtype, device: torch.device, master_dtype: torch.dtype = torch.float32):
+        self.model_dtype, self.device, self.master_dtype = model_dtype, device, master_dtype
         self.times: PipelineTimes | None = None  # the last update's tile pipeline (offloaded)
 
     def masters(self, partitions: list[torch.Tensor]) -> list[torch.nn.Parameter]:
-        """fp32 masters of the model's ``partitions`` (views of its flat buffers on the device)."""
-        return [torch.nn.Parameter(part.detach().float().clone()) for part in partitions]
+        """Masters (copies in ``master_dtype``) of the model's ``partitions`` (views of its flat buffers on the
+        device)."""
+        return [torch.nn.Parameter(part.detach().to(self.master_dtype).clone()) for part in partitions]
 
     def gradients(self, sizes: list[int], reduced: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """fp32 gradient buffers of ``sizes`` elements; ``reduced`` (the model-dtype partitions the reduction
-        writes) serves itself when it is already fp32."""
-        if reduced is not None and self.model_dtype == torch.float32:
+        """Gradient buffers of ``sizes`` elements in ``master_dtype``; ``reduced`` (the model-dtype partitions
+        the reduction writes) serves itself when it is already in that dtype."""
+        if reduced is not None and self.model_dtype == self.master_dtype:
             return reduced
-        return [torch.zeros(n, dtype=torch.float32, device=self.device) for n in sizes]
+        return [torch.zeros(n, dtype=self.master_dtype, device=self.device) for n in sizes]
 
     def step_gradients(self, reduced: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """What the step reads, given the ``reduced`` partitions and this store's fp32 ``grads``."""
+        """What the step reads, given the ``reduced`` partitions and this store's ``grads``."""
         if grads is not reduced:
             for grad, part in zip(grads, reduced):
                 grad.copy_(part)
@@ -51,6 +64,8 @@ class DeviceFlatStore:
         """Sum of squares of ``g`` (float64, one element)."""
         if g.dtype == torch.float32:  # flat: a dot product, no temporary
             return torch.dot(g, g).double()
+        if g.dtype == self.master_dtype:  # bf16 master gradients: no fp32 copy of the whole partition either
+            return chunked_square_sum(g)
         return torch.linalg.vector_norm(g, dtype=torch.float32).double().square()
 
     def update(self, optimizer: torch.optim.Optimizer, masters: list[torch.nn.Parameter],
@@ -64,7 +79,7 @@ class DeviceFlatStore:
 
     def published(self, gi: int, master: torch.Tensor, world_size: int) -> torch.Tensor:
         """Partition ``gi``'s updated value in the model's dtype, on the device (the all-gather's input)."""
-        return master.detach() if self.model_dtype == torch.float32 else master.detach().to(self.model_dtype)
+        return master.detach() if self.model_dtype == master.dtype else master.detach().to(self.model_dtype)
 
     def loaded(self, masters: list[torch.nn.Parameter]) -> None:
         """The masters were loaded from a checkpoint (before they are published)."""
@@ -116,11 +131,7 @@ class HostFlatStore(DeviceFlatStore):
     def square_sum(self, g: torch.Tensor) -> torch.Tensor:
         if g.dtype == torch.float32:
             return super().square_sum(g)
-        sq = torch.zeros(1, dtype=torch.float64, device=g.device)
-        for chunk in g.split(CPU_TILE_ELEMENTS):  # 16-bit partitions: square in fp32, a chunk at a time
-            c = chunk.float()
-            sq += torch.dot(c, c).double()
-        return sq
+        return chunked_square_sum(g)
 
     def _host_grad(self, source: list[torch.Tensor], gi: int, a: int, b: int, coef: float) -> torch.Tensor:
         """The host fp32 gradient of elements [a, b) of partition gi, scaled by ``coef``."""
@@ -179,5 +190,5 @@ def flat_store(ctx: OffloadContext) -> DeviceFlatStore:
     settings = OffloadOptimizerSettings.from_context(ctx)
     model_dtype = ctx.precision.model_dtype
     if settings is None:
-        return DeviceFlatStore(model_dtype, ctx.device)
+        return DeviceFlatStore(model_dtype, ctx.device, ctx.precision.master_dtype)
     return HostFlatStore(model_dtype, ctx.device, settings, ctx.optimizer)

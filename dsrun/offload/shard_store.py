@@ -66,10 +66,13 @@ class ShardContext:
 
     device: torch.device  # the training device
     model_dtype: torch.dtype  # the dtype of the model's shards
-    needs_master_weights: bool  # a 16-bit model: the fp32 masters are copies, not the shards themselves
+    needs_master_weights: bool  # a 16-bit model with fp32 masters: they are copies, not the shards themselves
     measure_gradients: bool  # overflow checked or clipping on: NVMe measures each gradient as it is swapped out
     rank: int
     separate_shards: bool = False  # fp32 with an offloaded shard that could not alias its master
+    # the masters' and gradient accumulators' dtype on the device: fp32, or bf16 with
+    # bf16.bf16_master_weights_and_grads (a bf16 model's shards are then the masters themselves)
+    master_dtype: torch.dtype = torch.float32
 
     @property
     def writes_shards(self) -> bool:
@@ -78,9 +81,9 @@ class ShardContext:
         return self.needs_master_weights or self.separate_shards
 
     def alias_shards(self, sg: SubGroup) -> None:
-        """fp32: make the model's shards views of the master, so the step updates them in place; an
-        offloaded shard that lives elsewhere (NVMe, or host memory beside a device master) is written after
-        the step instead."""
+        """Masters in the model's dtype (fp32, or bf16 master state): make the model's shards views of the
+        master, so the step updates them in place; an offloaded shard that lives elsewhere (NVMe, or host memory
+        beside a device master) is written after the step instead."""
         for p, off in zip(sg.params, sg.offsets):
             owner = param_swapper.offload_of(p)
             if owner is not None and not owner.can_alias(p, sg.master):
@@ -93,10 +96,10 @@ def _bytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
-def _flat_shards(sg: SubGroup, device: torch.device) -> torch.Tensor:
-    """The fp32 values of ``sg``'s shards laid end to end, on ``device``."""
-    shards = [param_swapper.shard_value(p).detach().to(device=device, dtype=torch.float32) for p in sg.params]
-    return torch.cat(shards) if shards else torch.zeros(0, device=device)
+def _flat_shards(sg: SubGroup, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The values of ``sg``'s shards laid end to end, in ``dtype`` on ``device``."""
+    shards = [param_swapper.shard_value(p).detach().to(device=device, dtype=dtype) for p in sg.params]
+    return torch.cat(shards) if shards else torch.zeros(0, device=device, dtype=dtype)
 
 
 class DeviceShardStore:
@@ -112,9 +115,10 @@ class DeviceShardStore:
 
     # --- placement ------------------------------------------------------------------------------------------
     def place(self, index: int, sg: SubGroup) -> None:
-        """Give sub-group ``index`` its fp32 master and gradient accumulator here."""
+        """Give sub-group ``index`` its master and gradient accumulator here (``master_dtype``)."""
         self.sub_groups.append((index, sg))
-        sg.master = torch.nn.Parameter(_flat_shards(sg, self.shard_ctx.device))  # cat made a new tensor
+        master = _flat_shards(sg, self.shard_ctx.device, self.shard_ctx.master_dtype)  # cat made a new tensor
+        sg.master = torch.nn.Parameter(master)
         sg.grad = torch.zeros_like(sg.master.data)
         for p, off in zip(sg.params, sg.offsets):
             p.ds_fp32_shard = sg.master.data[off:off + p.ds_partition_numel]  # GatheredParameters writes here

@@ -13,6 +13,10 @@ The ``aio`` keys map to the constructor: ``block_size``, ``queue_depth``, ``thre
 O_DIRECT is used where the buffer and file offsets are 4096-aligned and the filesystem allows it; other
 buffers and the unaligned tail of a file go through the page cache, so any size round-trips exactly.
 
+A write may also target a descriptor the caller opened, at an offset, as DeepSpeed's FastFileWriter does:
+``h.async_pwrite(buf, fd, file_offset)`` (the file is neither truncated nor reopened; with an O_DIRECT
+descriptor the buffer and offset must be 4096-aligned and the length a multiple of ``h.get_alignment()``).
+
 Without a C++ compiler the handle is a pure-Python thread pool (one warning), with the same API.
 """
 from __future__ import annotations
@@ -81,14 +85,21 @@ class AsyncIOHandle:
         """Start reading ``filename`` into ``buffer``; completes at the next :meth:`wait`."""
         return self._impl.async_pread(buffer, os.fspath(filename))
 
-    def async_pwrite(self, buffer: torch.Tensor, filename: str | os.PathLike) -> int:
-        """Start writing ``buffer`` to ``filename`` (created or truncated); completes at the next :meth:`wait`."""
+    def async_pwrite(self, buffer: torch.Tensor, filename: str | os.PathLike | int, file_offset: int = 0) -> int:
+        """Start writing ``buffer`` to ``filename`` (created or sized to the buffer), or to the open descriptor
+        ``filename`` (an int) at ``file_offset``; completes at the next :meth:`wait`."""
+        if isinstance(filename, int):
+            return self._impl.async_pwrite_fd(buffer, filename, int(file_offset))
+        _whole_file_only(file_offset)
         return self._impl.async_pwrite(buffer, os.fspath(filename))
 
     def sync_pread(self, buffer: torch.Tensor, filename: str | os.PathLike) -> int:
         return self._impl.sync_pread(buffer, os.fspath(filename))
 
-    def sync_pwrite(self, buffer: torch.Tensor, filename: str | os.PathLike) -> int:
+    def sync_pwrite(self, buffer: torch.Tensor, filename: str | os.PathLike | int, file_offset: int = 0) -> int:
+        if isinstance(filename, int):
+            return self._impl.sync_pwrite_fd(buffer, filename, int(file_offset))
+        _whole_file_only(file_offset)
         return self._impl.sync_pwrite(buffer, os.fspath(filename))
 
     def pread(self, buffer: torch.Tensor, filename: str | os.PathLike, validate: bool = False,
@@ -158,8 +169,19 @@ class AsyncIOHandle:
         """How many bytes this handle has moved with O_DIRECT (0 where the filesystem refuses it)."""
         return self._impl.get_direct_bytes()
 
+    def get_alignment(self) -> int:
+        """DeepSpeed's: the byte multiple of a write to an O_DIRECT descriptor (4096 per worker thread, so that
+        each thread's slice stays aligned)."""
+        return self._impl.get_alignment()
+
 
 aio_handle = AsyncIOHandle  # DeepSpeed's name
+
+
+def _whole_file_only(file_offset: int) -> None:
+    if file_offset:
+        raise ValueError("file_offset: a write at an offset goes to an open descriptor (pass the fd, not the name); "
+                         "a write by file name replaces the whole file")
 
 
 def _no_async_validate(validate: bool) -> None:
@@ -185,6 +207,12 @@ class _PythonHandle:
         self._pending: list[Future] = []
         self._lock = threading.Lock()
 
+    def _io_fd(self, buffer: torch.Tensor, fd: int, file_offset: int) -> None:
+        view = memoryview(buffer.view(torch.uint8).numpy()) if buffer.numel() else memoryview(b"")
+        done = 0
+        while done < len(view):
+            done += os.pwrite(fd, view[done:done + self._settings[0]], file_offset + done)
+
     def _io(self, buffer: torch.Tensor, filename: str, read: bool) -> None:
         view = memoryview(buffer.view(torch.uint8).numpy()) if buffer.numel() else memoryview(b"")
         block = self._settings[0]
@@ -203,10 +231,13 @@ class _PythonHandle:
         finally:
             os.close(fd)
 
-    def _submit(self, buffer: torch.Tensor, filename: str, read: bool) -> Future:
+    def _submit(self, buffer: torch.Tensor, filename: str | int, read: bool, file_offset: int = 0) -> Future:
         if buffer.device.type != "cpu" or not buffer.is_contiguous():
             raise RuntimeError("aio buffers must be contiguous CPU tensors")
-        future = self._pool.submit(self._io, buffer, filename, read)
+        if isinstance(filename, int):
+            future = self._pool.submit(self._io_fd, buffer, filename, file_offset)
+        else:
+            future = self._pool.submit(self._io, buffer, filename, read)
         with self._lock:
             self._pending.append(future)
         return future
@@ -219,8 +250,15 @@ class _PythonHandle:
         self._submit(buffer, filename, False)
         return 0
 
-    def _sync(self, buffer: torch.Tensor, filename: str, read: bool) -> int:
-        future = self._submit(buffer, filename, read)
+    def async_pwrite_fd(self, buffer: torch.Tensor, fd: int, file_offset: int) -> int:
+        self._submit(buffer, fd, False, file_offset)
+        return 0
+
+    def sync_pwrite_fd(self, buffer: torch.Tensor, fd: int, file_offset: int) -> int:
+        return self._sync(buffer, fd, False, file_offset)
+
+    def _sync(self, buffer: torch.Tensor, filename: str | int, read: bool, file_offset: int = 0) -> int:
+        future = self._submit(buffer, filename, read, file_offset)
         try:
             future.result()
         finally:
@@ -263,3 +301,6 @@ class _PythonHandle:
 
     def get_direct_bytes(self) -> int:
         return 0
+
+    def get_alignment(self) -> int:
+        return self._settings[4] * 4096

@@ -33,8 +33,11 @@ class Lamb(PerParameterOptimizer):
         grad = grad.float()
         if not state:
             state["step"] = 0
-            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+            # fp32 states, except beside bf16 masters (bf16.bf16_optimizer_states), where they follow the masters as
+            # torch's optimizers' states do (fp16 would underflow the second moment)
+            dtype = torch.bfloat16 if p.dtype == torch.bfloat16 else torch.float32
+            state["exp_avg"] = torch.zeros_like(p, dtype=dtype)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype)
         state["step"] = int(state["step"]) + 1  # a DeepSpeed/torch checkpoint stores it as a tensor
         step = state["step"]
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]

@@ -66,6 +66,13 @@ class PipelineEngine(DeepSpeedEngine):
         features = Features.build(config) if features is None else features
         super_kwargs["features"] = Features([self.pipeline, *features])
         super().__init__(*super_args, **super_kwargs)
+        if not self._config.managed_gradient_accumulation:  # train_batch() owns the boundaries, as in DeepSpeed
+            raise ConfigError(Problem("managed_gradient_accumulation", "false is not supported with pipeline "
+                                      "parallelism: train_batch() runs the whole accumulation", "set it true"))
+        if self._config.checkpoint.use_node_local_storage:  # its layer files go where parallel_write puts them
+            raise ConfigError(Problem("checkpoint.use_node_local_storage", "is not supported with pipeline "
+                                      "parallelism: each stage's layer files are written by its own ranks",
+                                      "save to a shared file system"))
         settings.check_module(self.module, self._config)
         self.grid = self.module.mpu()
         self.num_stages = self.grid.get_pipe_parallel_world_size()

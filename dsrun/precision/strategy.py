@@ -1,9 +1,11 @@
-"""Precision strategies: fp32, bf16 (fp32 master weights, no loss scaling) and fp16 (fp32 master weights
-with a static or dynamic loss scale: DeepSpeed's loss scalers, :mod:`dsrun.precision.loss_scaler`).
+"""Precision strategies: fp32, bf16 (fp32 master weights, or bf16 ones with ``bf16_master_weights_and_grads``;
+no loss scaling) and fp16 (fp32 master weights with a static or dynamic loss scale: DeepSpeed's loss scalers,
+:mod:`dsrun.precision.loss_scaler`).
 
-The engine asks its precision strategy four things: which dtype the model runs in, how to scale a loss
-before backward, whether a step must be checked for inf/nan gradients, and what to do with the scale after
-a step (which may have overflowed). The ZeRO strategy does the rest (master copies, unscaling).
+The engine asks its precision strategy five things: which dtype the model runs in, which dtype the optimizer's
+master weights and gradients are kept in, how to scale a loss before backward, whether a step must be checked
+for inf/nan gradients, and what to do with the scale after a step (which may have overflowed). The ZeRO
+strategy does the rest (master copies, unscaling).
 """
 from __future__ import annotations
 
@@ -22,13 +24,18 @@ class PrecisionStrategy:
 
     name = "fp32"
     model_dtype = torch.float32
+    # the dtype of the optimizer's master weights and gradients, and so of the states a torch optimizer keeps
+    # beside them (bf16 with bf16.bf16_master_weights_and_grads; fp32 otherwise)
+    master_dtype = torch.float32
+    optimizer_state_dtype = torch.float32  # bf16 with bf16.bf16_optimizer_states
     checks_overflow = False
     scales_loss = False  # whether backward needs the loss multiplied by a loss scale (only engine.backward does)
 
     @property
     def needs_master_weights(self) -> bool:
-        """True when the optimizer must step fp32 copies rather than the model's own parameters."""
-        return self.model_dtype != torch.float32
+        """True when the optimizer must step master copies in another dtype rather than the model's own
+        parameters (a 16-bit model with fp32 masters)."""
+        return self.model_dtype != self.master_dtype
 
     @property
     def loss_scale(self) -> float:
@@ -54,13 +61,18 @@ class PrecisionStrategy:
 class BF16Precision(PrecisionStrategy):
     """bf16: the model runs in bfloat16; fp32 master weights; no loss scaling (bf16 has fp32's range).
     ``check_overflow``: skip a step whose gradients hold inf/nan (DeepSpeed 0.19's ``bf16.check_grad_overflow``,
-    on by default, which its ZeRO-1/2 optimizer applies; its stage-0 bf16 optimizer and stage 3 do not check)."""
+    on by default, which its ZeRO-1/2 optimizer applies; its stage-0 bf16 optimizer and stage 3 do not check).
+    ``bf16_masters`` (``bf16.bf16_master_weights_and_grads``, ZeRO 1-3): the masters and their gradients are
+    bf16; ``bf16_states`` (``bf16.bf16_optimizer_states``): the optimizer's states too. The config layer allows
+    the first only with the second (docs/precision.md), so no fp32 copy of anything is kept."""
 
     name = "bf16"
     model_dtype = torch.bfloat16
 
-    def __init__(self, check_overflow: bool = False):
+    def __init__(self, check_overflow: bool = False, bf16_masters: bool = False, bf16_states: bool = False):
         self.checks_overflow = check_overflow
+        self.master_dtype = torch.bfloat16 if bf16_masters else torch.float32
+        self.optimizer_state_dtype = torch.bfloat16 if bf16_states else torch.float32
 
 
 class FP16Precision(PrecisionStrategy):
@@ -112,6 +124,24 @@ def _cast_floats(value: object, dtype: torch.dtype) -> Any:
     return value
 
 
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def cast_model(module: torch.nn.Module, dtype: torch.dtype, buffer_dtype: str | None = None) -> None:
+    """Cast ``module`` to the 16-bit ``dtype`` (``module.to``, buffers too). ``data_types.buffer_dtype``
+    (``fp32``/``fp16``/``bf16``) set: every floating-point buffer is then cast to it from its loaded value
+    (DeepSpeed's ``_cast_module_mixed_precision``: with ``fp32`` a rotary table stays exact, never rounded
+    through ``dtype``)."""
+    loaded = dict(module.named_buffers())  # module.to replaces the buffer tensors: these keep the loaded values
+    module.to(dtype=dtype)
+    if buffer_dtype is None:
+        return
+    target = _DTYPES[buffer_dtype]
+    for name, buffer in module.named_buffers():
+        if loaded[name].is_floating_point():
+            buffer.data = loaded[name].to(device=buffer.device, dtype=target)
+
+
 def build_precision(fp16: FP16Config | None = None, bf16: BF16Config | None = None,
                     zero_stage: int = 0) -> PrecisionStrategy:
     """The strategy for a config's ``fp16``/``bf16`` sections (objects with DeepSpeed's key names, or None) at
@@ -130,5 +160,8 @@ def build_precision(fp16: FP16Config | None = None, bf16: BF16Config | None = No
             raise_error_at_min_scale=False), auto_cast)  # dsrun keeps training at the minimum scale
     if bf16 is not None and getattr(bf16, "enabled", False):
         check = bool(getattr(bf16, "check_grad_overflow", True))
-        return BF16Precision(check_overflow=check and zero_stage in (1, 2))
+        # the config layer allows it only at ZeRO 1-3 with bf16_optimizer_states (dsrun/config/rules.py)
+        masters = bool(getattr(bf16, "bf16_master_weights_and_grads", False)) and zero_stage in (1, 2, 3)
+        states = bool(getattr(bf16, "bf16_optimizer_states", False)) and masters
+        return BF16Precision(check_overflow=check and zero_stage in (1, 2), bf16_masters=masters, bf16_states=states)
     return PrecisionStrategy()

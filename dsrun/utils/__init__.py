@@ -1,7 +1,7 @@
 """Small helpers shared by every layer: user-facing errors, suggestions, package paths, a free TCP port.
 
-Also DeepSpeed's ``deepspeed.utils`` names: ``logger``, ``log_dist`` (:mod:`.logging`), ``RepeatingLoader``
-(:mod:`.repeating_loader`) and the helpers for partitioned state, ``safe_get_full_fp32_param`` & co.
+Also DeepSpeed's ``deepspeed.utils`` names: ``logger``, ``log_dist``, ``set_log_level_from_string``
+(:mod:`.logging`), ``RepeatingLoader`` (:mod:`.repeating_loader`) and the helpers for partitioned state, ``safe_get_full_fp32_param`` & co.
 (:mod:`.tensor_fragment`), the ZeRO-3 leaf-module flags, ``set_z3_leaf_modules`` & co. (:mod:`.leaf_modules`,
 DeepSpeed's ``utils.z3_leaf_module``), loaded on first use so ``dsrun.utils.errors`` stays free of torch.
 """
@@ -13,6 +13,7 @@ from typing import Any
 _LAZY = {
     "logger": "dsrun.utils.logging",
     "log_dist": "dsrun.utils.logging",
+    "set_log_level_from_string": "dsrun.utils.logging",
     "RepeatingLoader": "dsrun.utils.repeating_loader",
     "OnDevice": "dsrun.utils.init_on_device",
     "safe_get_full_fp32_param": "dsrun.utils.tensor_fragment",

@@ -12,10 +12,14 @@ done, a zero gradient standing in for an expert that received no tokens (:mod:`d
 
 The flag is an attribute of the module (``_z3_leaf``) and of each parameter under a hooked leaf
 (``ds_z3_leaf_module``), as in DeepSpeed; set it before ``deepspeed.initialize`` builds the ZeRO-3 engine, which
-reads it once. The ``zero_optimization.leaf_module`` config section is not read (the support ledger refuses it).
+reads it once. The config sets it too, when the ZeRO-3 strategy is built (:mod:`dsrun.zero.stage3`):
+``zero_optimization.leaf_module`` names leaves by class, by name and by name suffix
+(:func:`apply_zero_leaf_module_config`), and ``stage3_module_granularity_threshold`` makes a leaf of every
+outermost module whose parameters per layer are at most the threshold (:func:`set_z3_leaf_modules_by_threshold`).
 """
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Iterable, List, Tuple, Type, Union
 
 if TYPE_CHECKING:
@@ -124,3 +128,81 @@ def set_z3_leaf_modules_by_suffix(model: "torch.nn.Module", module_name_suffixes
     if missing and raise_if_not_found:
         raise ValueError(f"No modules matching suffixes {missing} found in model {model}")
     return flagged, missing
+
+
+def apply_zero_leaf_module_config(model: "torch.nn.Module", classes: Iterable[str] = (), names: Iterable[str] = (),
+                                  name_suffixes: Iterable[str] = ()) -> List["torch.nn.Module"]:
+    """``zero_optimization.leaf_module``: flag the modules of ``model`` matching any of ``classes`` (class names,
+    plain or qualified), ``names`` (``named_modules()`` names) or ``name_suffixes``; return them, each once. A name
+    or suffix that matches nothing is logged as a warning, as DeepSpeed does (a class may simply not be in this
+    model)."""
+    from dsrun.utils.logging import logger
+
+    flagged: List["torch.nn.Module"] = []
+
+    def keep(modules: Iterable["torch.nn.Module"]) -> None:
+        flagged.extend(m for m in modules if all(m is not seen for seen in flagged))
+
+    if classes:
+        keep(set_z3_leaf_modules(model, list(classes), raise_if_not_found=False))
+    for what, setter, wanted in (("names", set_z3_leaf_modules_by_name, names),
+                                 ("name suffixes", set_z3_leaf_modules_by_suffix, name_suffixes)):
+        if wanted:
+            modules, missing = setter(model, list(wanted), raise_if_not_found=False)
+            keep(modules)
+            if missing:
+                logger.warning(f"zero_optimization.leaf_module: no module matches the {what} {missing}")
+    return flagged
+
+
+def _granularity(module: "torch.nn.Module", found: dict[int, int]) -> Tuple[int, int]:
+    """(layers, parameter elements) under ``module``; records in ``found`` the granularity of each module that
+    may become a leaf: its elements per layer (itself counted as a layer), DeepSpeed's measure."""
+    import torch
+
+    largest_leaf = 10 ** 9  # a bigger leaf would hold too many parameters gathered at once
+    params = list(module.parameters())
+    if not params:
+        return 0, 0
+    numel = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters(recurse=False))
+    children = list(module.children())
+    if not children:  # a torch layer: hooked anyway, never a leaf of its own
+        return 1, numel
+    layers = 0
+    for child in children:
+        child_layers, child_numel = _granularity(child, found)
+        layers, numel = layers + child_layers, numel + child_numel
+    if type(module).__name__ in torch.nn.modules.container.__all__:  # ModuleList & co. run no forward
+        return layers, numel
+    layers += 1
+    found[id(module)] = numel // layers if numel <= largest_leaf else sys.maxsize
+    return layers, numel
+
+
+def set_z3_leaf_modules_by_threshold(model: "torch.nn.Module", threshold: int) -> List["torch.nn.Module"]:
+    """``stage3_module_granularity_threshold``: flag as leaves the outermost modules of ``model`` whose parameter
+    elements per layer are at most ``threshold`` (a module of many small layers costs a hook and a gather per
+    layer; as a leaf it is gathered at once); return them. Containers (``ModuleList`` ...) and torch layers
+    without children never become leaves. Logs when no module is small enough, as DeepSpeed does."""
+    from dsrun.utils.logging import logger
+
+    found: dict[int, int] = {}
+    _granularity(model, found)
+    flagged: List["torch.nn.Module"] = []
+
+    def visit(module: "torch.nn.Module") -> None:  # parents first: a leaf's children need no flag of their own
+        if not any(True for _ in module.parameters()):
+            return
+        if found.get(id(module), sys.maxsize) <= threshold:
+            set_z3_leaf_module(module, True)
+            flagged.append(module)
+            return
+        for child in module.children():
+            visit(child)
+
+    visit(model)
+    if not flagged:
+        smallest = min(found.values(), default=None)
+        logger.warning(f"stage3_module_granularity_threshold {threshold} makes no leaf: the smallest granularity "
+                       f"(parameter elements per layer) of this model's modules is {smallest}")
+    return flagged

@@ -1,13 +1,14 @@
 """``deepspeed.utils.logging``: the ``logger`` DeepSpeed's client code writes to, and ``log_dist``.
 
 The logger is named ``"DeepSpeed"`` (as in DeepSpeed, so a script's ``logging.getLogger("DeepSpeed")`` settings
-apply) and prints ``[YYYY-MM-DD HH:MM:SS,ms] [LEVEL] [file:line:func] message`` to stdout at INFO.
+apply) and prints ``[YYYY-MM-DD HH:MM:SS,ms] [LEVEL] [file:line:func] message`` to stdout at INFO; the config's
+``log_level`` sets its level when an engine is built (:func:`set_log_level_from_string`, as DeepSpeed's engine does).
 """
 from __future__ import annotations
 
 import logging
 import sys
-from typing import Iterable
+from typing import Any, Iterable
 
 LOGGER_NAME = "DeepSpeed"
 
@@ -52,3 +53,37 @@ def should_log_le(max_log_level_str: str) -> bool:
     if not isinstance(level, int):
         raise ValueError(f"{max_log_level_str} is not one of the logging levels")
     return logger.getEffectiveLevel() <= level
+
+
+LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR,
+              "critical": logging.CRITICAL}
+
+
+def get_log_level_from_string(log_level_str: str) -> int:
+    """The ``logging`` level of ``"debug"``, ``"info"``, ``"warning"``, ``"error"`` or ``"critical"`` (any case)."""
+    level = LOG_LEVELS.get(log_level_str.lower())
+    if level is None:
+        raise ValueError(f"{log_level_str} is not one of the log levels {sorted(LOG_LEVELS)}")
+    return level
+
+
+def set_log_level_from_string(log_level_str: str, custom_logger: logging.Logger | None = None) -> None:
+    """Set ``custom_logger`` (default: the ``DeepSpeed`` logger) and each of its handlers to the level named."""
+    level = get_log_level_from_string(log_level_str)
+    target = logger if custom_logger is None else custom_logger
+    target.setLevel(level)
+    for handler in target.handlers:
+        handler.setLevel(level)
+
+
+def get_current_level() -> int:
+    """The ``DeepSpeed`` logger's effective level."""
+    return logger.getEffectiveLevel()
+
+
+def print_configuration(args: Any, name: str) -> None:
+    """Log ``name:`` then one ``  attribute ..... value`` line per attribute of ``args`` (``vars(args)``, sorted):
+    what DeepSpeed's ``dump_state`` prints of the engine after initialize."""
+    logger.info(f"{name}:")
+    for key in sorted(vars(args)):
+        logger.info(f"  {key} {'.' * (29 - len(key))} {getattr(args, key)}")

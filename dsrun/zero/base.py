@@ -575,7 +575,7 @@ class FlatStrategy(ZeroStrategy):
             "zero_stage": self.stage,
             "partition_count": self.world_size if self.partitioned else 1,
             "base_optimizer_state": self._optimizer.state_dict(),
-            "single_partition_of_fp32_groups": [self._unpadded_master(i).float().clone()
+            "single_partition_of_fp32_groups": [self._unpadded_master(i).clone()
                                                 for i in range(len(self.groups))],
             "group_paddings": [g.partition_padding(g.rank) if self.partitioned else g.padding for g in self.groups],
             "param_shapes": [g.param_shapes() for g in self.groups],

@@ -68,6 +68,8 @@ class BucketQueue:
         for bi, bucket in enumerate(buckets):
             for pi in bucket.param_indices:
                 self.param_buckets.setdefault((bucket.group_index, pi), []).append(bi)
+        # (group, index) of every parameter a backward gave a gradient since the last take_unreceived()
+        self.received: set[tuple[int, int]] = set()
         self._hooks: list[Any] = []
         for gi, group in enumerate(groups):
             for pi, p in enumerate(group.params):
@@ -75,6 +77,7 @@ class BucketQueue:
 
     def _make_hook(self, gi: int, pi: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
+            self.received.add((gi, pi))
             if self.on_accumulated is not None:
                 self.on_accumulated(gi, pi)
             if self.active:
@@ -101,6 +104,13 @@ class BucketQueue:
         while self.next_to_launch < len(self.buckets) and self.buckets[self.next_to_launch].pending <= 0:
             self.launch(self.buckets[self.next_to_launch])
             self.next_to_launch += 1
+
+    def take_unreceived(self) -> list[tuple[int, int]]:
+        """(group, index) of the parameters no backward gave a gradient since the last call; starts anew."""
+        missing = [(gi, pi) for gi, group in enumerate(self.groups) for pi in range(len(group.params))
+                   if (gi, pi) not in self.received]
+        self.received = set()
+        return missing
 
     def flush(self) -> None:
         """Launch what is left (buckets holding unused parameters) and disarm the hooks."""

@@ -59,17 +59,39 @@ class GatheredParameters:
         self.params = _as_param_list(params) if enabled else []
         self.modifier_rank = modifier_rank
         self._was_available: list[bool] = []
+        self._versions: list[tuple[int, int]] | None = None
         if fwd_module is not None:
             for p in self.params:
                 register_external_parameter(fwd_module, p)
 
     def __enter__(self) -> "GatheredParameters":
         self._was_available = gather_exact(self.params)  # exact values, also under qwZ (docs/zeropp.md)
+        # zero_optimization.enable_sanity_checks (set on the parameters by the stage-3 strategy): without a
+        # modifier_rank a change made inside would be lost on exit; DeepSpeed's check catches it
+        checked = self.modifier_rank is None and any(getattr(p, "ds_enable_sanity_checks", False) for p in self.params)
+        self._versions = [(p.data.data_ptr(), p._version) for p in self.params] if checked else None
         return self
+
+    def _refuse_lost_changes(self) -> None:
+        changed = any(p.data.data_ptr() != ptr or p._version != version
+                      for p, (ptr, version) in zip(self.params, self._versions or []))
+        flag = torch.tensor([float(changed)], device=self.params[0].data.device)
+        group = self.params[0].ds_process_group
+        if comm.is_initialized() and comm.get_world_size(group) > 1:
+            comm.all_reduce(flag, op=comm.ReduceOp.MAX, group=group)  # every rank raises, none waits
+        if flag.item() > 0:
+            for p, was in zip(self.params, self._was_available):
+                if not was:
+                    release_param(p)
+            raise RuntimeError("ZeRO-3 parameters were changed in place inside GatheredParameters with "
+                               "modifier_rank=None: the change is lost on exit (zero_optimization."
+                               "enable_sanity_checks); pass modifier_rank=<rank> to keep that rank's values")
 
     def __exit__(self, *exc: object) -> None:
         if not self.params:
             return
+        if self._versions is not None and exc[0] is None:
+            self._refuse_lost_changes()
         if self.modifier_rank is not None:
             with torch.no_grad():
                 for p in self.params:

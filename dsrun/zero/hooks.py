@@ -40,6 +40,7 @@ differs from the trace, prefetch and reuse stop for the rest of that step and th
 """
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Any, Iterable
 
@@ -137,8 +138,11 @@ class ParameterCoordinator:
     """Gathers and releases the partitioned parameters of one model around its modules' passes."""
 
     def __init__(self, root: torch.nn.Module, prefetch_bucket_size: int = 0, max_live_parameters: int = 10**9,
-                 max_reuse_distance: int = 10**9):
+                 max_reuse_distance: int = 10**9, log_trace_cache_warnings: bool = False):
         self.root = root
+        # zero_optimization.log_trace_cache_warnings: say when a pass leaves the recorded order (DeepSpeed's
+        # "Invalidate trace cache" lines); the prefetching stops until the next pass records the order again
+        self.log_trace_cache_warnings = log_trace_cache_warnings
         self.prefetch_bucket_size = int(prefetch_bucket_size)
         self.max_live_parameters = int(max_live_parameters)
         self.max_reuse_distance = int(max_reuse_distance)
@@ -299,11 +303,24 @@ class ParameterCoordinator:
                 self.cursor += 1
                 return
             # The model took another path than the recorded one: stop predicting, record again next step.
+            if self.log_trace_cache_warnings:
+                self._warn_invalidated(module, phase)
             self.following_trace = False
             self.trace_complete = False
             self.trace = []
             self._keep_after = {}
             self._off_trace = True
+
+    def _warn_invalidated(self, module: torch.nn.Module, phase: str) -> None:
+        from dsrun.utils.logging import log_dist
+
+        if self.cursor >= len(self.trace):
+            why = f"cache has only {len(self.trace)} module events"
+        else:
+            expected = self._hooked.get(self.trace[self.cursor][0])
+            why = (f"expected {type(expected).__name__ if expected is not None else 'a module'} "
+                   f"({self.trace[self.cursor][1]}), but got {type(module).__name__} ({phase})")
+        log_dist(f"Invalidate trace cache @ step {self.cursor}: {why}", ranks=[0], level=logging.WARNING)
 
     def _prefetch(self) -> None:
         budget = self.prefetch_bucket_size

@@ -5,7 +5,8 @@ alive from forward to backward, so releasing the parameter after its forward wou
 ZeRO-3 rank would hold every linear weight in full at the end of forward. :class:`ZeroLinearFunction` saves
 the Parameter itself instead; its ``.data`` is the empty placeholder until the backward pre-hook gathers it
 again. :func:`install` routes ``F.linear`` through it for partitioned weights only (other calls are
-untouched), once per process, as DeepSpeed does when ``memory_efficient_linear`` is on (the default).
+untouched), once per process, as DeepSpeed does when ``memory_efficient_linear`` is on (the default). A weight
+kept whole (a partition group of one) is never released, so it takes torch's own ``F.linear``.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import FunctionCtx
 
-from dsrun.zero.partition_params import is_zero_param
+from dsrun.zero.partition_params import WHOLE_ATTR, is_zero_param
 
 _original_linear = F.linear
 
@@ -40,8 +41,10 @@ class ZeroLinearFunction(torch.autograd.Function):
 
 
 def zero3_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, through :class:`ZeroLinearFunction` when ``weight`` is a partitioned parameter."""
-    if torch.is_grad_enabled() and is_zero_param(weight) and (weight.requires_grad or input.requires_grad):
+    """``F.linear``, through :class:`ZeroLinearFunction` when ``weight`` is a partitioned parameter (not one
+    kept whole, :mod:`.whole_params`: nothing is released, so torch's own backward is stage 0's)."""
+    if torch.is_grad_enabled() and is_zero_param(weight) and not getattr(weight, WHOLE_ATTR, False) and (
+            weight.requires_grad or input.requires_grad):
         return ZeroLinearFunction.apply(input, weight, bias)
     return _original_linear(input, weight, bias)
 

@@ -20,6 +20,8 @@ releasing drops the buffer again. Attributes (DeepSpeed's names, so code that in
                      INT8 message (:mod:`.quantized_shards`); ``ds_tensor`` is then an empty placeholder
 ``ds_offload``       with ``offload_param``: the object that owns the shard (:mod:`dsrun.offload.param_swapper`);
                      for NVMe ``ds_tensor`` is then an empty placeholder and the shard lives in a file
+``ds_whole``         True while the stage-3 strategy keeps it whole (a partition group of one: ``.data`` views
+                     ``ds_tensor``, :mod:`.whole_params`); such a parameter is never released
 
 Where the gathers run is set by the stage-3 sharding policy (:mod:`.sharding`; MiCS, hpZ: :mod:`.zeropp`): ``ds_gather_levels`` (a hierarchical gather's
 node-local and cross-node groups) and the hpZ secondary partition ``ds_secondary_tensor`` over
@@ -49,6 +51,7 @@ class ParamStatus(Enum):
 
 
 _ids = itertools.count()
+WHOLE_ATTR = "ds_whole"  # kept whole by the stage-3 strategy (:mod:`.whole_params`)
 _exact_gathers = [False]  # True inside exact_gathers(): quantized parameters gather their exact shards
 
 
@@ -265,7 +268,10 @@ def gather_exact(params: list[torch.nn.Parameter]) -> list[bool]:
 
 
 def release_param(param: torch.nn.Parameter) -> None:
-    """Drop the full tensor; only the shard remains."""
+    """Drop the full tensor; only the shard remains (not for a parameter kept whole: its ``.data`` is its
+    shard)."""
+    if getattr(param, WHOLE_ATTR, False):
+        return
     if param.ds_status is ParamStatus.INFLIGHT:
         param.ds_handle.wait()  # a collective in flight must finish before its buffer can go
     if param.ds_status is ParamStatus.AVAILABLE:

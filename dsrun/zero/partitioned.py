@@ -15,6 +15,8 @@ collective).
 A bucket may cross partition boundaries, so the reduce-scatter gives each rank the piece of the bucket it
 owns, which may be empty (a variable-size reduce-scatter). ``reduce_scatter: false`` all-reduces the
 bucket instead and keeps the owned piece (DeepSpeed's option; twice the traffic).
+``use_multi_rank_bucket_allreduce: false`` reduces each rank's piece to that rank alone (one ``reduce`` per
+owning rank, DeepSpeed's older single-rank path) instead of the one reduce-scatter; the same partitions.
 
 ``engine.offload_states()`` moves what each state names here (:mod:`.offload_states`): ``hp_params`` the fp32
 masters and ``optim_states`` their optimizer state (the store's: on the host already with ``offload_optimizer``),
@@ -22,6 +24,9 @@ masters and ``optim_states`` their optimizer state (the store's: on the host alr
 ``lp_grads`` the gradient buffers (stage 1: the whole flat gradients with each ``.grad`` view, and the reduced
 partitions; stage 2: the fp32 partition accumulators); ``contiguous_grad_buffer`` releases stage 2's pooled
 bucket buffers.
+
+``round_robin_gradients`` lays each flat group out round-robin over the ranks (:func:`round_robin_order`), as
+DeepSpeed does at these stages: the same values, another order of parameters in the buffers and partitions.
 """
 from __future__ import annotations
 
@@ -37,9 +42,24 @@ from dsrun.zero.layout import FlatGradients, FlatGroup
 from dsrun.zero.offload_states import StatesOffload, optimizer_state_tensors
 
 
+def round_robin_order(params: list[torch.nn.Parameter], ranks: int) -> list[torch.nn.Parameter]:
+    """``round_robin_gradients`` (DeepSpeed's ``_round_robin_reorder``): the parameters laid out as every
+    ``ranks``-th one from the first, then from the second ...; consecutive gradients of the model (backward
+    produces them in about the reverse of this order) then fall in different ranks' partitions, so the ranks
+    share the work of receiving them (with CPU offload: copying them to the host) instead of taking turns."""
+    return [p for start in range(min(ranks, len(params))) for p in params[start::ranks]]
+
+
 class PartitionedStrategy(StatesOffload, FlatStrategy):
     alignment_per_rank = 2  # DeepSpeed pads each flat group to a multiple of 2 * world_size
     partitioned = True
+
+    def __init__(self, ctx) -> None:
+        if ctx.zero_config.round_robin_gradients:  # before the flat groups are laid out from the param groups
+            for param_group in ctx.optimizer.param_groups:
+                trainable = [p for p in param_group["params"] if p.requires_grad]
+                param_group["params"] = round_robin_order(param_group["params"], ctx.process_group_of(trainable)[1])
+        super().__init__(ctx)
 
     @property
     def scatters_gradients(self) -> bool:  # type: ignore[override]
@@ -64,6 +84,29 @@ class PartitionedStrategy(StatesOffload, FlatStrategy):
     def _make_store(self, ctx) -> DeviceFlatStore:
         return flat_store(ctx)  # offload_optimizer: the device or the host
 
+    def _begin_step(self) -> None:
+        unreceived = self.queue.take_unreceived()
+        if not self.ctx.zero_config.ignore_unused_parameters:
+            self._refuse_unused_parameters(unreceived)
+        super()._begin_step()
+
+    def _refuse_unused_parameters(self, unreceived: list[tuple[int, int]]) -> None:
+        """``ignore_unused_parameters: false``: a trainable parameter no backward of this step reached is an
+        error on every rank (agreed over the group, so no rank waits in a collective the others left), with
+        DeepSpeed's message and the parameters' names."""
+        names = self._names()
+        unused = [names.get(id(self.groups[gi].params[pi]), f"group {gi} parameter {pi}") for gi, pi in unreceived]
+        flag = torch.tensor([float(len(unused))], device=self.ctx.device)
+        if self.world_size > 1:
+            comm.all_reduce(flag, op=comm.ReduceOp.MAX, group=self.ctx.group)
+        if flag.item() > 0:
+            where = f"on this rank: {unused}" if unused else "on another rank"
+            raise AssertionError(
+                "This assert indicates that your module has parameters that were not used in producing loss. "
+                "You can avoid this assert by (1) enable ignore_unused_parameters option in zero_optimization "
+                "config; (2) making sure all trainable parameters and `forward` function outputs participate in "
+                f"calculating loss. (unused {where})")
+
     def _build_masters(self) -> list[torch.nn.Parameter]:
         return self.store.masters([g.flat_param[slice(*g.partition_range(g.rank))] for g in self.groups])
 
@@ -84,6 +127,13 @@ class PartitionedStrategy(StatesOffload, FlatStrategy):
             bucket.handles.append((comm.all_reduce(target, group=group.process_group, async_op=async_op),
                                    target[lo:hi], out))
             return
+        if not self.ctx.zero_config.use_multi_rank_bucket_allreduce:  # DeepSpeed's single-rank path
+            for r, (a, b) in enumerate(pieces):  # each rank's piece reduced to that rank alone
+                if b > a:
+                    work = comm.reduce(source[a:b], dst=comm.get_global_rank(group.process_group, r),
+                                       group=group.process_group, async_op=async_op)
+                    bucket.handles.append((work, source[a:b], out if r == group.rank else None))
+            return
         target = out if out.dtype == self.comm_dtype else torch.empty(hi - lo, dtype=self.comm_dtype, device=out.device)
         inputs = [source[a:b] for a, b in pieces]
         bucket.handles.append((comm.reduce_scatter(target, inputs, group=group.process_group, async_op=async_op),
@@ -94,6 +144,8 @@ class PartitionedStrategy(StatesOffload, FlatStrategy):
         for handle, result, out in bucket.handles:
             if handle is not None:
                 handle.wait()
+            if out is None:  # another rank's piece, reduced to it (use_multi_rank_bucket_allreduce: false)
+                continue
             if result is not out:
                 out.copy_(result)
             self.averaging.after(out)

@@ -6,8 +6,15 @@ does to ``.grad`` in between: :class:`~.layout.FlatGradients`); on the boundary
 micro-step each bucket of ``reduce_bucket_size`` elements is all-reduced as soon as backward has produced
 all of its gradients (``overlap_comm``: asynchronously, while backward continues), else all buckets are
 all-reduced after backward.
+
+With ``sparse_gradients`` every embedding's weight (``torch.nn.Embedding``/``EmbeddingBag``) is reduced as
+DeepSpeed's sparse all-reduce does, at this stage only (where DeepSpeed reads the key): each rank sends the rows
+of its gradient that hold values (their indices and the rows, gathered from every rank) instead of the whole
+table, and adds up what it received; the sum is the dense all-reduce's (:func:`reduce_rows`).
 """
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -25,6 +32,30 @@ class DataParallelStrategy(FlatStrategy):
     def _build_buffers(self) -> None:
         self.grads = FlatGradients(self.groups)
         self.flat_grads = self.grads.flats
+        self.row_sparse = self._row_sparse_params()
+
+    def _row_sparse_params(self) -> set[tuple[int, int]]:
+        """``sparse_gradients``: (group, index) of every embedding weight, reduced as the rows holding values."""
+        if not self.ctx.config.sparse_gradients:
+            return set()
+        weights = {id(m.weight) for m in self.ctx.module.modules()
+                   if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))}
+        return {(gi, pi) for gi, group in enumerate(self.groups) for pi, p in enumerate(group.params)
+                if id(p) in weights}
+
+    def _row_sparse_pieces(self, bucket: Bucket) -> list[tuple[int, int, int]]:
+        """(start, end, row width) of the row-sparse parameters' pieces in ``bucket`` (relative to its start);
+        a piece that does not start and end on a row boundary is reduced element by element."""
+        group, pieces = self.groups[bucket.group_index], []
+        for pi in bucket.param_indices:
+            if (bucket.group_index, pi) in self.row_sparse:
+                offset, numel = group.offsets[pi], group.numels[pi]
+                lo, hi = max(bucket.start, offset), min(bucket.end, offset + numel)
+                width = group.params[pi].shape[-1]
+                if (lo - offset) % width or (hi - lo) % width:
+                    width = 1
+                pieces.append((lo - bucket.start, hi - bucket.start, width))
+        return pieces
 
     def _on_accumulated(self, gi: int, pi: int) -> None:
         self.grads.adopt(gi, pi)
@@ -54,6 +85,8 @@ class DataParallelStrategy(FlatStrategy):
         group = self.groups[bucket.group_index]
         if group.world_size == 1:
             return
+        for lo, hi, width in self._row_sparse_pieces(bucket):  # sparse_gradients: the rows holding values
+            reduce_rows(grad[lo:hi].view(-1, width), group.process_group)
         runs = self._comm_dtype_runs(bucket)
         if runs is not None:  # torch_autocast: the safe modules' gradients go in the autocast dtype
             for lo, hi, dtype in runs:
@@ -83,13 +116,17 @@ class DataParallelStrategy(FlatStrategy):
 
     def _comm_dtype_runs(self, bucket: Bucket) -> list[tuple[int, int, torch.dtype]] | None:
         """(start, end, dtype) pieces of ``bucket`` (relative to its start) when some of its parameters carry
-        their own ``comm_dtype`` (torch_autocast's safe modules), else None. Padding is left out (zeros)."""
+        their own ``comm_dtype`` (torch_autocast's safe modules) or are reduced as sparse rows (left out here),
+        else None. Padding is left out (zeros)."""
         group = self.groups[bucket.group_index]
         params = [group.params[pi] for pi in bucket.param_indices]
-        if not any(hasattr(p, "comm_dtype") for p in params):
+        sparse = {pi for pi in bucket.param_indices if (bucket.group_index, pi) in self.row_sparse}
+        if not sparse and not any(hasattr(p, "comm_dtype") for p in params):
             return None
         runs: list[tuple[int, int, torch.dtype]] = []
         for pi, param in zip(bucket.param_indices, params):
+            if pi in sparse:
+                continue
             lo = max(bucket.start, group.offsets[pi]) - bucket.start
             hi = min(bucket.end, group.offsets[pi] + group.numels[pi]) - bucket.start
             dtype = getattr(param, "comm_dtype", self.comm_dtype)
@@ -122,3 +159,24 @@ class DataParallelStrategy(FlatStrategy):
         return MemoryBreakdown(parameters=self._param_bytes(), gradients=grads, master_weights=self._master_bytes(),
                                optimizer_states=optimizer_state_bytes(self.optimizer),
                                padding=self._padding_bytes())
+
+
+def reduce_rows(rows: torch.Tensor, group: Any) -> None:
+    """Sum the 2-D ``rows`` over ``group`` in place, moving only the rows that hold values (DeepSpeed's sparse
+    all-reduce): every rank gathers every rank's row indices and those rows, then adds them up in rank order."""
+    index = rows.ne(0).any(dim=1).nonzero().flatten()
+    count = torch.tensor([index.numel()], dtype=torch.long, device=rows.device)
+    counts = [torch.zeros_like(count) for _ in range(comm.get_world_size(group))]
+    comm.all_gather(counts, count, group=group)
+    most = max(int(c.item()) for c in counts)
+    sent_index = torch.zeros(most, dtype=torch.long, device=rows.device)
+    sent_rows = rows.new_zeros(most, rows.shape[1])
+    sent_index[:index.numel()] = index
+    sent_rows[:index.numel()] = rows.index_select(0, index)
+    indices = [torch.empty_like(sent_index) for _ in counts]
+    values = [torch.empty_like(sent_rows) for _ in counts]
+    comm.all_gather(indices, sent_index, group=group)
+    comm.all_gather(values, sent_rows, group=group)
+    rows.zero_()
+    for n, got_index, got_rows in zip(counts, indices, values):
+        rows.index_add_(0, got_index[:int(n.item())], got_rows[:int(n.item())])

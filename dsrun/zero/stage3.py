@@ -3,7 +3,9 @@
 * **Parameters** are split one by one (:mod:`.partition_params`): rank r keeps ``ceil(numel / N)`` elements
   of each. :class:`~.hooks.ParameterCoordinator` all-gathers a submodule's parameters just before its
   forward and again before its backward, and releases them after use (prefetching along the recorded
-  module order, keeping small ``stage3_param_persistence_threshold`` parameters gathered).
+  module order, keeping small ``stage3_param_persistence_threshold`` parameters gathered). Where every
+  parameter is partitioned over a group of one rank (a world of one, MiCS shard groups of one) there is nothing
+  to gather: they are kept whole, with no hooks (:mod:`.whole_params`), and the step costs what stage 0's does.
 * **Gradients** never stay whole: when autograd has finished a parameter's gradient (its post-accumulate
   hook; a ZeRO-3 leaf module's once backward is done, zero for an expert no token reached) the gradient goes
   into a bucket and the full copy is dropped; a bucket of ``reduce_bucket_size`` elements is reduce-scattered
@@ -11,7 +13,9 @@
   accumulator. This happens on every micro-step.
 * **Optimizer**: each param group's shards are laid end to end in fp32 *sub-groups* of at most
   ``sub_group_size`` elements (one optimizer tensor each); the step updates only these, then writes the
-  model-dtype shards. No all-gather follows the step: the next forward gathers what it needs. Each sub-group
+  model-dtype shards (with ``bf16.bf16_master_weights_and_grads`` the sub-groups and their gradient
+  accumulators are bf16 and the bf16 shards are views of them, as DeepSpeed shares them: no copy at all). No
+  all-gather follows the step: the next forward gathers what it needs. Each sub-group
   lives in a store (:mod:`dsrun.offload.shard_store`: the device, or with ``offload_optimizer`` host
   memory or NVMe swap files), which owns its master, gradient, update, write-back, checkpoint entries and bytes.
 
@@ -42,9 +46,11 @@ from dsrun.zero.base import MemoryBreakdown, StrategyContext, ZeroStrategy, opti
 from dsrun.zero import host_memory, linear, quantized_shards
 from dsrun.zero.sharding import ShardingPolicy
 from dsrun.zero.offload_states import StatesOffload
-from dsrun.utils.leaf_modules import z3_leaf_parameter
+from dsrun.utils.leaf_modules import (apply_zero_leaf_module_config, set_z3_leaf_modules_by_threshold,
+                                      z3_leaf_parameter)
 from dsrun.zero.hooks import ParameterCoordinator, gathered_together, iter_unique_params
 from dsrun.zero.partition_params import full_tensor, is_zero_param, partition_param, shard_padding
+from dsrun.zero.whole_params import WholeParameters, keeps_whole
 from dsrun.offload import param_swapper
 from dsrun.offload.pipeline import PipelineTimes
 from dsrun.offload.settings import OffloadOptimizerSettings
@@ -64,10 +70,13 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
         self.sub_group_size = max(1, int(zc.sub_group_size))
         self.gather_16bit_on_save = bool(zc.stage3_gather_16bit_weights_on_model_save)
 
+        # the config's leaf modules (leaf_module, stage3_module_granularity_threshold), before anything is hooked
+        leaf = zc.leaf_module
+        apply_zero_leaf_module_config(ctx.module, leaf.classes, leaf.names, leaf.name_suffixes)
+        if zc.stage3_module_granularity_threshold > 0:
+            set_z3_leaf_modules_by_threshold(ctx.module, int(zc.stage3_module_granularity_threshold))
         if zc.memory_efficient_linear:
             linear.install()
-        if ctx.device.type == "cpu":
-            host_memory.fix_mmap_threshold()  # freed gather buffers go back to the OS at once
         self.params = iter_unique_params([ctx.module])
         # which group each parameter is partitioned over and how it is gathered and reduced: a feature's policy
         # (ZeRO++/MiCS/hpZ: dsrun/zero/zeropp.py) or plain ZeRO-3's
@@ -75,27 +84,40 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
                                                                                                       ctx.group)
         self.norm_group = self.sharding.shard_group  # each shard's gradient is counted once in the norm
         self._partition_all()
+        for p in self.params:  # enable_sanity_checks: GatheredParameters checks for changes it would lose
+            p.ds_enable_sanity_checks = bool(zc.enable_sanity_checks)
         self._mark_persistent(int(zc.stage3_param_persistence_threshold), int(zc.stage3_model_persistence_threshold))
         self.sharding.prepare(self.params)  # quantized gathers and reduce-scatter (ZeRO++)
         # offload_param: shards to host memory or NVMe files (dsrun/offload/param_swapper.py)
         self.param_offload = param_swapper.attach_param_offload(
             self.params, zc.offload_param, ctx.device, self.model_dtype, aio_config=ctx.aio_config, rank=self.rank,
             gathered_together=gathered_together(ctx.module))
-        self.coordinator = ParameterCoordinator(
-            ctx.module, prefetch_bucket_size=int(zc.stage3_prefetch_bucket_size),
-            max_live_parameters=int(zc.stage3_max_live_parameters),
-            max_reuse_distance=int(zc.stage3_max_reuse_distance))
+        # every parameter partitioned over a group of one: kept whole, no hooks (dsrun/zero/whole_params.py)
+        self.keeps_whole = keeps_whole(self.params, self.param_offload)
+        if ctx.device.type == "cpu" and not self.keeps_whole:
+            # freed gather buffers go back to the OS at once (kept whole, nothing is gathered: glibc's own
+            # threshold keeps reusing freed activations and gradients, as at stage 0, without page faults)
+            host_memory.fix_mmap_threshold()
+        self.coordinator: ParameterCoordinator | WholeParameters = WholeParameters(ctx.module, self.params) \
+            if self.keeps_whole else ParameterCoordinator(
+                ctx.module, prefetch_bucket_size=int(zc.stage3_prefetch_bucket_size),
+                max_live_parameters=int(zc.stage3_max_live_parameters),
+                max_reuse_distance=int(zc.stage3_max_reuse_distance),
+                log_trace_cache_warnings=bool(zc.log_trace_cache_warnings))
         if self.param_offload is not None:
             self.coordinator.after_fetch = self.param_offload.after_fetch
 
         self._optimizer = ctx.optimizer
         self.shard_ctx = ShardContext(  # what the stores know of this strategy
             device=ctx.device, model_dtype=self.model_dtype, needs_master_weights=self.precision.needs_master_weights,
-            measure_gradients=self.precision.checks_overflow or ctx.gradient_clipping > 0, rank=self.rank)
+            measure_gradients=self.precision.checks_overflow or ctx.gradient_clipping > 0, rank=self.rank,
+            master_dtype=self.precision.master_dtype)
         self.placement = ShardPlacement(self.shard_ctx, ctx.optimizer, OffloadOptimizerSettings.from_context(ctx))
         self.sub_groups = self._build_sub_groups()
         for store in self.placement.stores:
             store.finish()
+        if self.keeps_whole:  # the shards are where the stores put them (fp32: views of the masters)
+            self.coordinator.keep_whole()
         self.sharding.check_gradient_stores(resident=all(sg.grad is not None for sg in self.sub_groups))
         self.masters = [sg.master for sg in self.sub_groups]
         if self._optimizer.state:
@@ -239,12 +261,26 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
 
     def _queue_gradient(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
         """Put ``grad`` (``param``'s full gradient) in its group's bucket, reduce-scattering a full bucket."""
+        if self.keeps_whole:
+            self._accumulate_whole(param, grad)
+            return
         self.coordinator.release_after_grad(param)
         key = id(param.ds_process_group)
         self._pending.setdefault(key, []).append((param, grad))
         self._pending_numel[key] = self._pending_numel.get(key, 0) + param.ds_partition_numel * param.ds_world_size
         if self._pending_numel[key] >= self.reduce_bucket_numel:
             self._launch_bucket(key)
+
+    def _accumulate_whole(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        """A partition group of one: the full gradient is this rank's shard of it, added to its sub-group's
+        accumulator at once, with the arithmetic a bucket does (the comm dtype, the averaging around the
+        reduction) but no copy into a bucket."""
+        averages = self.averaging.pre_divide != 1.0 or self.averaging.post_scale != 1.0
+        flat = grad.reshape(-1).to(self.comm_dtype, copy=averages)  # a copy when scaled: grad may be the user's
+        self.averaging.before(flat)
+        self.averaging.after(flat)
+        sg, offset = self._slot[id(param)]
+        sg.store.accumulate(sg.index, sg, offset, flat)
 
     def _launch_bucket(self, key: int) -> None:
         items, self._pending[key], self._pending_numel[key] = self._pending[key], [], 0
@@ -334,6 +370,12 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
     def _local_sq_norm(self) -> torch.Tensor:
         """The sum of squares of this rank's gradients (float64, on the device)."""
         sq = torch.zeros(1, dtype=torch.float64, device=self.ctx.device)
+        if self.keeps_whole and all(store.kind == "device" for store in self.placement.stores):
+            # whole parameters, gradients on the device: stage 0's arithmetic (one fp32 dot per flat gradient,
+            # no temporary), not the stores' float64 chunks
+            for grad in self.step_gradients():
+                sq += torch.dot(grad, grad).double()
+            return sq
         for store in self.placement.stores:
             store.add_sq_norm(sq)
         return sq
@@ -377,8 +419,13 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
                    for sg in self.sub_groups if sg.master.device.type != "meta" and any(
                        p.ds_tensor.untyped_storage().data_ptr() == sg.master.untyped_storage().data_ptr()
                        for p in sg.params)]
+        if self.keeps_whole:  # a whole parameter's .data views its shard: it moves with it
+            aliased = [StateTensor(item.tensor, item.views + [p for p in self.params
+                                                             if any(p.ds_tensor is v for v in item.views)])
+                       for item in aliased]
         inside = {id(view) for item in aliased for view in item.views}
-        return aliased + [StateTensor(p.ds_tensor) for p in self.params if id(p.ds_tensor) not in inside]
+        return aliased + [StateTensor(p.ds_tensor, [p] if self.keeps_whole else [])
+                          for p in self.params if id(p.ds_tensor) not in inside]
 
     def gradient_buckets(self) -> list[torch.Tensor]:
         return list(self._bucket_pool)

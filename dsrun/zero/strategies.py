@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib
 
+import torch
+
 from dsrun.optim import optimizer_wrappers
 from dsrun.utils.errors import ConfigError, Problem
 
@@ -35,10 +37,19 @@ def build_zero_strategy(stage: int, ctx: StrategyContext) -> ZeroStrategy:
     its optimizer state where ``ctx.zero_config.offload_optimizer`` says (the device, host memory or NVMe).
     An optimizer that communicates by itself (the 1-bit family) attaches to it as an engine feature
     (``OneBitFeature``, :mod:`dsrun.features`)."""
+    keep_states_in_bf16(ctx)
     strategy = strategy_class(stage)(ctx)
     attach_fragments(strategy)  # per-parameter views for dsrun.utils.safe_get_full_fp32_param & co.
     optimizer_wrappers.register(strategy)  # strategy.deepspeed_wrapper; isinstance(engine.optimizer, ...) follows it
     return strategy
+
+
+def keep_states_in_bf16(ctx: StrategyContext) -> None:
+    """``bf16.bf16_optimizer_states``: a compiled CPU optimizer (``DeepSpeedCPUAdam`` & co.) keeps fp32 states and
+    an fp32 copy of each bf16 parameter unless built with ``fp32_optimizer_states=False``; DeepSpeed's engine builds
+    it so when the key is on, and so does this (torch's optimizers already keep states in the masters' dtype)."""
+    if ctx.precision.optimizer_state_dtype == torch.bfloat16 and hasattr(ctx.optimizer, "fp32_optimizer_states"):
+        ctx.optimizer.fp32_optimizer_states = False
 
 
 __all__ = ["MemoryBreakdown", "STRATEGY_CLASSES", "StepOutcome", "StrategyContext", "ZeroStrategy",

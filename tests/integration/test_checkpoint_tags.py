@@ -37,7 +37,7 @@ def save_failures(rank: int, world: int, root: str) -> dict[str, Any]:
     real_save = atomic.save_torch
 
     def full_disk(obj: Any, path: Any, *args: Any, **kwargs: Any) -> None:
-        if atomic._counting:  # counting what the save needs writes nothing: let it count
+        if atomic._modes.counting:  # counting what the save needs writes nothing: let it count
             return real_save(obj, path, *args, **kwargs)
         raise OSError(28, "No space left on device")
 

@@ -136,6 +136,27 @@ def _compression() -> list[Entry]:
     return entries
 
 
+def _dynamic_batching(prefix: str) -> list[Entry]:
+    """DeepSpeed's variable batch size and LR (after 0.14): the keys act through the loader and scheduler that
+    ``get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed`` builds; enabled and never built, the
+    first step says so."""
+    vb = "tests/unit/runtime/test_variable_batch.py::"
+    keys = f"{vb}test_the_section_s_keys_reach_the_packing_and_the_scheduler"
+    ranks = f"{vb}test_two_ranks_share_each_batch_and_the_lr_follows_its_size"
+    return [
+        done(f"{prefix}.enabled", "batches packed by token count, LR scaled to each batch's size", ranks,
+             f"{vb}test_seqlens_come_from_the_data_analyzer_and_the_first_step_warns_when_unused", traced=False),
+        done(f"{prefix}.max_tokens", "most summed sequence length in a micro-batch", ranks,
+             f"{vb}test_config_refusals", traced=False),
+        done(f"{prefix}.metrics_path", "where the Data Analyzer's seqlen metric is read (or written)",
+             f"{vb}test_seqlens_come_from_the_data_analyzer_and_the_first_step_warns_when_unused", traced=False),
+        *_done(prefix, {"lr_scaling_method": "linear, sqrt or none", "min_batch_size": "fewest samples in a "
+                        "micro-batch", "max_batch_size": "most samples in a micro-batch", "sequence_picking_order":
+                        "dataloader, random (seeded by data_efficiency.seed) or seqlen", "verbose": "logs each "
+                        "batch's packing"}, keys, f"{vb}test_packing_equals_deepspeeds_exhaustive_search"),
+    ]
+
+
 def _data_efficiency() -> list[Entry]:
     de = "data_efficiency"
     sampling = f"{de}.data_sampling"
@@ -165,6 +186,7 @@ def _data_efficiency() -> list[Entry]:
         done(f"{cl}.data_cluster_path", "folder of the difficulty clusters", loader, traced=False),
         *_done(f"{cl}.curriculum_metrics.*", _METRIC, *sampler),
         *_done(f"{cl}.curriculum_metrics.*.schedule_config", _SCHEDULE, *_SCHEDULE_PROOF, *sampler),
+        *_dynamic_batching(f"{sampling}.dynamic_batching"),
         done(f"{de}.data_routing.enabled", "data routing (random-LTD)", *ltd_proof, traced=False),
         *_done(ltd, {
             "enabled": "random layerwise token dropping", "total_layer_num": "layers of the model",

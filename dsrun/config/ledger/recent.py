@@ -1,19 +1,28 @@
 """Ledger entries for the keys DeepSpeed added between 0.14 and 0.19 (dsrun/config/recent.py and the new
-fields of the older sections). ``torch_autocast`` acts; the rest are refused when a config enables them.
+fields of the older sections). ``torch_autocast``, ``gradient_allreduce_op``, ``log_level``,
+``disable_python_gc``, ``managed_gradient_accumulation``, the ZeRO-3 ``leaf_module`` section,
+``checkpoint.checkpoint_serialization`` and the checkpoint writers (``checkpoint.writer.type``, its buffer keys
+and ``decoupled``) act; the rest are refused when a config enables them, each with the reason its feature names.
 """
 from __future__ import annotations
 
 from .entry import Entry, Feature, done, todo
 
 AUTOCAST = "tests/unit/runtime/test_torch_autocast.py::"
-ENGINE = Feature("", "leave the key at its default")
+REPORTING = "tests/unit/runtime/test_config_effects_reporting.py::test_key_changes_behaviour[{key}]"
 ZENFLOW = Feature("ZenFlow (stall-free offloaded optimizer)", "remove zero_optimization.zenflow")
-WRITER = Feature("DeepSpeed's fast checkpoint writers", "remove checkpoint.writer")
+WRITERS = "tests/unit/checkpoint/test_writer_checkpoint.py::"
+# data_parallel/io_multiplier split one file's bytes over ranks into files named <file>-<rank>.<n>, which only
+# DeepSpeed's patched serializer writes and neither its loader nor dsrun's reads back
+SPLIT = Feature("DeepSpeed's data-parallel split of checkpoint writes (part files no loader reads)",
+                "remove checkpoint.writer.data_parallel and io_multiplier")
 AUTOTP = Feature("AutoTP tensor-parallel training", "remove the tensor_parallel section")
 DEEPCOMPILE = Feature("DeepCompile (compiler passes for ZeRO)", "leave the compile key at its default")
 SUPER = Feature("SuperOffload (CPU Adam on reserved cores, superchips)", "leave super_offload false")
-LEAF = Feature("ZeRO-3 leaf modules from the config", "leave zero_optimization.leaf_module empty")
-DTYPES = Feature("separate parameter and buffer dtypes", "use bf16/fp16 sections for the model dtype")
+LEAF_PROOF = "tests/unit/zero3/test_leaf_modules.py::test_the_config_leaf_module_section_flags_leaves_at_stage_3"
+DTYPES = Feature("per-module fp32 buffers (not a DeepSpeed key: its data_types has param_dtype and buffer_dtype)",
+                 "remove keep_in_fp32_modules; data_types.buffer_dtype: fp32 keeps every buffer fp32")
+DTYPES_TESTS = "tests/unit/runtime/test_data_types.py::"
 
 
 def _stage3(cfg) -> bool:
@@ -38,43 +47,76 @@ ENTRIES: list[Entry] = [
          "dtype (their parameters get comm_dtype)", f"{AUTOCAST}test_torch_autocast_dtype_and_safe_modules"),
     done("gradient_allreduce_op", "sum (\"sum\") instead of average (\"mean\") the gradients over ranks",
          "tests/integration/test_config_effects.py::test_key_changes_behaviour[gradient_allreduce_op]"),
-    todo("log_level", "DeepSpeed's logger level", ENGINE),
-    todo("managed_gradient_accumulation", "false: the user's loop accumulates and reduces gradients", ENGINE),
-    todo("disable_python_gc", "turn Python's cyclic GC off, collecting at safe step boundaries", ENGINE),
+    done("log_level", "the level of the \"DeepSpeed\" logger and its handlers, set when an engine is built",
+         REPORTING),
+    done("managed_gradient_accumulation", "false: the caller owns the accumulation boundary: backward only "
+         "accumulates (stages 0-1) and every step() reduces and updates; global_samples counts the backwards run",
+         "tests/unit/runtime/test_config_effects.py::test_key_changes_behaviour[{key}]"),
+    done("disable_python_gc", "automatic cyclic GC off while an engine lives (one collection first; "
+         "engine.collect_python_gc() collects at a step the script picks)", REPORTING),
     todo("expert_parallel", "AutoEP: expert parallelism for Hugging Face MoE models",
          Feature("AutoEP", "remove expert_parallel; use dsrun.moe.layer.MoE")),
     todo("datastates_ckpt", "DataStates asynchronous checkpointing", Feature("DataStates-LLM checkpointing",
          "remove datastates_ckpt"), active=lambda cfg: cfg.datastates_ckpt not in (None, False)),
     done("bf16.check_grad_overflow", "at ZeRO stages 1-2 (where DeepSpeed 0.19 checks): skip a bf16 step whose "
          "gradients hold inf/nan", "tests/unit/runtime/test_config_effects.py::test_key_changes_behaviour[{key}]"),
-    *_section("data_types", DTYPES, {"param_dtype": "dtype of the model's parameters",
-                                     "buffer_dtype": "dtype of the model's buffers",
-                                     "keep_in_fp32_modules": "modules whose buffers stay fp32"}),
+    done("data_types.param_dtype", "the model parameters' dtype: must name the one fp16/bf16 gives them (a "
+         "conflict is refused, as DeepSpeed asserts)", f"{DTYPES_TESTS}test_param_dtype_must_match_the_precision",
+         traced=False),  # checked by the config layer, which the tracer does not count
+    done("data_types.buffer_dtype", "with fp16/bf16: cast every floating-point buffer to this dtype after the "
+         "model's cast (null: buffers take the model's dtype)", f"{DTYPES_TESTS}test_buffer_dtype_casts_the_buffers"),
+    # not a DeepSpeed key: 0.19.6's data_types has grad_accum_dtype, param_dtype and buffer_dtype only
+    todo("data_types.keep_in_fp32_modules", "modules whose buffers stay fp32", DTYPES),
     todo("aio.use_gds", "NVIDIA GPUDirect Storage for NVMe I/O", Feature("GPUDirect Storage (CUDA)",
                                                                         "leave use_gds false")),
     todo("hybrid_engine.enable_cuda_graph", "CUDA graphs in the hybrid engine's generation",
          Feature("the hybrid train/generate engine (DeepSpeed-Chat)", "disable hybrid_engine")),
-    todo("checkpoint.checkpoint_serialization", "false: torch.save without the zipfile format", ENGINE),
-    *_section("checkpoint.writer", WRITER, {
-        "type": "writer: MOCK, PYTHON or FAST", "io_buffer_size": "bytes of the writer's I/O buffer",
-        "io_buffer_double": "double-buffered writes", "show_statistics": "print write statistics",
-        "data_parallel": "which data-parallel ranks write", "decoupled": "write in a separate process",
-        "io_multiplier": "I/O buffer multiplier"}),
+    done("checkpoint.checkpoint_serialization", "false: every checkpoint file in torch.save's legacy (pre-zipfile) "
+         "format", "tests/unit/checkpoint/test_engine_checkpoint.py::test_checkpoint_serialization_false_writes_the_"
+         "legacy_format_and_resumes"),
+    # the writers every checkpoint file goes through (dsrun/io, dsrun.checkpoint.atomic.save_torch)
+    done("checkpoint.writer.type", "the writer of every checkpoint file: FAST (O_DIRECT, aligned buffers through "
+         "async I/O), PYTHON (buffered file) or MOCK (counts bytes, writes empty files)",
+         f"{WRITERS}test_a_checkpoint_written_by_the_fast_writer_resumes_bit_exactly",
+         f"{WRITERS}test_each_writer_type_writes_its_way"),
+    done("checkpoint.writer.io_buffer_size", "bytes of the fast writer's I/O buffer (each O_DIRECT write is a half "
+         "of it, or all of it single-buffered)", f"{WRITERS}test_buffer_size_and_double_buffering_shape_the_writes"),
+    done("checkpoint.writer.io_buffer_double", "fill one half of the buffer while the other is written",
+         f"{WRITERS}test_buffer_size_and_double_buffering_shape_the_writes"),
+    done("checkpoint.writer.show_statistics", "log each file's write statistics",
+         f"{WRITERS}test_each_writer_type_writes_its_way"),
+    # decoupled acts (dsrun/checkpoint/decoupled.py); the fast writers' own keys wait for those writers
+    done("checkpoint.writer.decoupled", "save in the background: training waits only for a host-memory snapshot; "
+         "the checkpoint is published once every rank's files are durable",
+         "tests/integration/test_decoupled_checkpoint.py::test_a_decoupled_save_resumes_bit_exactly_while_training_"
+         "goes_on"),
+    *_section("checkpoint.writer", SPLIT, {"data_parallel": "which data-parallel ranks write",
+                                           "io_multiplier": "I/O buffer multiplier"}),
     # ZeRO
-    todo("zero_optimization.compute_grad_norm", "false: skip the global gradient norm (stages 1-2)", ENGINE),
-    todo("zero_optimization.stage3_allgather_sequential", "gather parameters one at a time", ENGINE,
-         applies=_stage3),
-    todo("zero_optimization.parameter_alignment", "align partition boundaries of each parameter", ENGINE),
-    todo("zero_optimization.enable_sanity_checks", "extra ZeRO consistency checks", ENGINE),
+    done("zero_optimization.compute_grad_norm", "false: no global gradient norm at stages 1-2 "
+         "(get_global_grad_norm() is None); refused, as by DeepSpeed, with gradient_clipping, optimizer offload or "
+         "another stage", "tests/unit/runtime/test_config_effects.py::test_key_changes_behaviour[{key}]",
+         traced=False),  # the config layer's rules read it; dsrun's step measures the norm only to clip
+    # dsrun gathers every stage-3 parameter with an all-gather of its own, what true asks for (DeepSpeed's
+    # _all_gather_sequential); its default, one coalesced all-gather for a module's parameters, dsrun does not have
+    todo("zero_optimization.stage3_allgather_sequential", "gather parameters one at a time (false: coalesced)",
+         Feature("coalescing a module's stage-3 parameter all-gathers into one (dsrun gathers each parameter with "
+                 "its own, what true asks for)", "nothing to do: never refused"), active=lambda cfg: False),
+    todo("zero_optimization.parameter_alignment", "align partition boundaries of each parameter",
+         Feature("partition boundaries aligned to parameters", "leave the key at its default")),
+    done("zero_optimization.enable_sanity_checks", "stage 3: an in-place change inside "
+         "GatheredParameters(modifier_rank=None), which the ranks would not share, raises (DeepSpeed's check)",
+         "tests/unit/zero3/test_api.py::test_enable_sanity_checks_refuses_a_change_gathered_parameters_would_lose"),
     # DeepSpeed reads it only for Muon at stage 3 with NVMe optimizer offload, which dsrun refuses (Muon's matrices
     # must be in memory at the step); everywhere else dsrun keeps the momentum in memory, as the key asks
     todo("zero_optimization.save_muon_momentum_buffer_in_memory", "keep Muon's momentum in memory instead of "
          "swapping it to NVMe with the other optimizer states (ZeRO-3)",
          Feature("Muon with NVMe optimizer offload", "offload the optimizer to cpu"), applies=_muon_on_nvme),
-    *_section("zero_optimization.leaf_module", LEAF, {"classes": "leaf module classes",
-                                                      "names": "leaf module names",
-                                                      "name_suffixes": "leaf module name suffixes"},
-              applies=_stage3),
+    *[done(f"zero_optimization.leaf_module.{key}", f"ZeRO-3 gathers these modules whole, hooking nothing inside "
+           f"them: {meaning} (DeepSpeed's set_z3_leaf_modules from the config)", LEAF_PROOF)
+      for key, meaning in (("classes", "the modules of these classes (plain or qualified names)"),
+                           ("names", "the modules of these named_modules() names"),
+                           ("name_suffixes", "the modules whose names end so"))],
     todo("zero_optimization.offload_optimizer.super_offload", "SuperOffload's CPU optimizer", SUPER),
     todo("zero_optimization.offload_optimizer.cpuadam_cores_perc", "fraction of cores for SuperOffload's CPU "
          "Adam", SUPER, applies=lambda cfg: cfg.zero_optimization.offload_optimizer.super_offload),

@@ -16,6 +16,12 @@ CONFIG = "tests/unit/config/test_support_effects.py::test_key_changes_behaviour[
 STUDY = "tests/unit/autotuning/test_study.py::"
 ZEROPP = "tests/integration/test_zeropp.py::"
 
+BF16_MASTER_TESTS = "tests/unit/runtime/test_bf16_master_state.py::"
+BF16_MASTER = (BF16_MASTER_TESTS + "test_bf16_master_state_holds_bf16_masters_gradients_and_states",
+               BF16_MASTER_TESTS + "test_bf16_master_state_trains_close_to_fp32_masters",
+               BF16_MASTER_TESTS + "test_bf16_master_state_resumes_bit_exactly",
+               "tests/integration/test_bf16_master_ranks.py::test_bf16_master_state_on_two_ranks")
+
 ZERO_PP = Feature("ZeRO++ (quantized weights and gradients, hierarchical partitioning)",
                   "leave these keys at their defaults")
 MICS_PARITY = "tests/integration/test_mics_hpz.py::test_mics_partitions_over_shard_groups_and_matches_zero3"
@@ -33,7 +39,10 @@ def _stage(*stages: int):
 
 
 def _dsrun_grad_accum_dtype(cfg) -> str:
-    """The dtype dsrun accumulates gradients in over micro-steps: the model's at stages 0-1, fp32 at 2-3."""
+    """The dtype dsrun accumulates gradients in over micro-steps: the model's at stages 0-1, fp32 at 2-3 (bf16
+    with bf16 master state, whose gradient accumulators are bf16)."""
+    if cfg.bf16.enabled and cfg.bf16.bf16_master_weights_and_grads and cfg.zero_optimization.stage >= 1:
+        return "bf16"
     if cfg.fp16.enabled or cfg.bf16.enabled:
         return "fp32" if cfg.zero_optimization.stage >= 2 else ("fp16" if cfg.fp16.enabled else "bf16")
     return "fp32"
@@ -77,8 +86,13 @@ ENTRIES: list[Entry] = [
          "gradient_predivide_factor before, the rest after), as DeepSpeed", PAYLOAD),
     done("gradient_predivide_factor", "with prescale_gradients off: the divisor applied before the reduction (a "
          "reduce-scatter: times the world size), the rest of the average after", PAYLOAD),
-    todo("sparse_gradients", "reduce torch.nn.Embedding gradients as sparse tensors", ENGINE),
-    todo("disable_allgather", "skip the parameter all-gather after the step (DeepSpeed internal)", ENGINE),
+    done("sparse_gradients", "at ZeRO stage 0 (where DeepSpeed reads it): reduce every embedding's gradient as "
+         "DeepSpeed's sparse all-reduce, only the rows holding values",
+         "tests/integration/test_config_effects_ranks.py::test_sparse_gradients_reduce_embedding_rows_and_train_the_"
+         "same"),
+    todo("disable_allgather", "skip the parameter all-gather after the step (DeepSpeed internal)",
+         Feature("DeepSpeed 0.19 parses it and reads it nowhere, so it has no effect there either",
+                 "leave the key at its default")),
     # --- precision -------------------------------------------------------------------------------------------
     done("fp16.enabled", "train in float16 with fp32 master weights and a loss scale", UNIT),
     done("fp16.auto_cast", "cast floating-point inputs to float16 before the forward", UNIT),
@@ -91,15 +105,20 @@ ENTRIES: list[Entry] = [
     todo("fp16.fp16_master_weights_and_grads", "keep master weights and gradients in fp16 (ZeRO-2, CUDA)",
          FUSED, applies=lambda cfg: cfg.fp16.enabled),
     done("bf16.enabled", "train in bfloat16 with fp32 master weights", UNIT),
+    # DeepSpeed reads it only in its BF16_Optimizer, the fp32 gradient accumulation of bf16 at stages 0-1, which
+    # dsrun does not have (it accumulates in bf16 there; data_types.grad_accum_dtype fp32 is refused with it)
     todo("bf16.immediate_grad_update", "apply bf16 gradients to the fp32 accumulators inside backward hooks",
-         ENGINE, applies=lambda cfg: cfg.bf16.enabled),
-    todo("bf16.bf16_master_weights_and_grads", "keep master weights and gradients in bf16", ENGINE,
-         applies=lambda cfg: cfg.bf16.enabled),
-    todo("bf16.bf16_optimizer_states", "keep optimizer states in bf16", ENGINE,
-         applies=lambda cfg: cfg.bf16.enabled),
+         Feature("fp32 gradient accumulation of a bf16 model at ZeRO stages 0-1 (DeepSpeed's BF16_Optimizer)",
+                 "leave the key at its default (dsrun accumulates bf16 gradients in bf16 at stages 0-1, in fp32 "
+                 "at stages 2-3)"), applies=lambda cfg: cfg.bf16.enabled),
+    done("bf16.bf16_master_weights_and_grads", "ZeRO 1-3: master weights and gradients in bf16, no fp32 copy "
+         "(with bf16_optimizer_states, on the device; docs/precision.md)", *BF16_MASTER),
+    done("bf16.bf16_optimizer_states", "ZeRO 1-3, with bf16_master_weights_and_grads: the optimizer's states "
+         "(Adam's exp_avg, exp_avg_sq) in bf16", *BF16_MASTER),
     todo("amp.enabled", "Apex automatic mixed precision", APEX),
     todo("data_types.grad_accum_dtype", "dtype gradients accumulate in over micro-steps",
-         Feature("dsrun accumulates in the model's dtype at ZeRO stages 0-1 and in fp32 at stages 2-3",
+         Feature("dsrun accumulates in the model's dtype at ZeRO stages 0-1 and in fp32 at stages 2-3 (bf16 "
+                 "with bf16 master state)",
                  "remove data_types.grad_accum_dtype, or pick the ZeRO stage that accumulates in that dtype"),
          active=_grad_accum_dtype_differs),
     done("gradient_clipping", "clip the global gradient norm to this value (0: off)", UNIT),
@@ -115,24 +134,33 @@ ENTRIES: list[Entry] = [
     done("zero_optimization.reduce_scatter", "reduce gradients with reduce-scatter (false: all-reduce)", RANKS,
          traced=False),  # read only between two ranks or more (a world of one copies its gradients)
     done("zero_optimization.reduce_bucket_size", "elements per gradient reduction", RANKS),
-    todo("zero_optimization.use_multi_rank_bucket_allreduce", "DeepSpeed's multi-rank bucket all-reduce "
-         "(false: its older single-rank path)", ENGINE),
+    done("zero_optimization.use_multi_rank_bucket_allreduce", "stages 1-2: false reduces each rank's piece of a "
+         "bucket to that rank alone (one reduce per owner, DeepSpeed's older single-rank path) instead of one "
+         "reduce-scatter; the same partitions", "tests/integration/test_config_effects_ranks.py::"
+         "test_use_multi_rank_bucket_allreduce_false_reduces_each_piece_to_its_owner",
+         traced=False),  # read only between two ranks or more (a world of one copies its gradients)
     design("zero_optimization.contiguous_gradients", "copy gradients into one contiguous buffer as they are "
            "produced", "dsrun keeps every gradient in flat contiguous buffers at every stage; the key exists in "
            "DeepSpeed to avoid memory fragmentation its non-contiguous path has, which dsrun does not have"),
-    todo("zero_optimization.load_from_fp32_weights", "on load, take the fp32 master weights from the "
-         "checkpoint (false: rebuild them from the 16-bit weights)", ENGINE, applies=_stage(1, 2, 3)),
+    done("zero_optimization.load_from_fp32_weights", "on load, take the fp32 master weights from the "
+         "checkpoint (false: rebuild them from the 16-bit weights; stages 1-3)",
+         "tests/unit/checkpoint/test_engine_checkpoint.py::test_load_from_fp32_weights_false_rebuilds_the_masters_"
+         "from_the_16bit_weights"),
     design("zero_optimization.grad_hooks", "documented for stage 1", "DeepSpeed itself does not read it (its "
            "ZeRO config model has no such field), so it changes nothing in DeepSpeed either"),
-    todo("zero_optimization.round_robin_gradients", "spread gradient copies to CPU over ranks (stages 1-2, CPU "
-         "offload)", ENGINE,
-         applies=lambda cfg: cfg.zero_optimization.stage in (1, 2)
-         and cfg.zero_optimization.offload_optimizer.device == "cpu"),
+    done("zero_optimization.round_robin_gradients", "stages 1-2: lay each flat group out round-robin over the "
+         "ranks, so consecutive gradients land in different ranks' partitions (the same training, another layout)",
+         "tests/integration/test_config_effects_ranks.py::test_round_robin_gradients_reorders_the_layout_and_"
+         "trains_the_same"),
     todo("zero_optimization.elastic_checkpoint", "save stage 1-2 optimizer states in DeepSpeed's elastic layout",
-         ENGINE, applies=_stage(1, 2)),
-    todo("zero_optimization.ignore_unused_parameters", "false: fail when a parameter gets no gradient", ENGINE,
-         applies=_stage(1, 2, 3)),
-    todo("zero_optimization.legacy_stage1", "DeepSpeed's old stage-1 implementation", ENGINE, applies=_stage(1)),
+         Feature("DeepSpeed's elastic optimizer-state layout (dsrun's stage 1-2 checkpoints reshard to any world "
+                 "size without it)", "leave it false: dsrun loads its checkpoints at any world size"),
+         applies=_stage(1, 2)),
+    done("zero_optimization.ignore_unused_parameters", "false: at ZeRO stages 1-2 (where DeepSpeed reads it) a "
+         "step in which a trainable parameter got no gradient fails on every rank, with DeepSpeed's message", UNIT),
+    todo("zero_optimization.legacy_stage1", "DeepSpeed's old stage-1 implementation",
+         Feature("DeepSpeed's stage 1 from before 0.5.8, which DeepSpeed 0.19 refuses too", "leave legacy_stage1 "
+                 "false"), applies=_stage(1)),
     done("zero_optimization.sub_group_size", "elements per optimizer sub-group (stage 3, offload)", UNIT),
     done("zero_optimization.offload_param.device", "where stage-3 parameter shards live: none, cpu or nvme",
          UNIT),
@@ -168,9 +196,13 @@ ENTRIES: list[Entry] = [
     done("zero_optimization.stage3_gather_16bit_weights_on_model_save", "save_16bit_model gathers the full "
          "model (stage 3)", UNIT),
     todo("zero_optimization.stage3_use_all_reduce_for_fetch_params", "gather parameters with all-reduce",
-         ENGINE, applies=_stage(3)),
-    todo("zero_optimization.stage3_module_granularity_threshold", "treat small modules as leaves for "
-         "prefetching", ENGINE, applies=_stage(3)),
+         Feature("gathering ZeRO-3 parameters with an all-reduce of zero-padded shards", "leave the key at its "
+                 "default: the all-gather gives the same parameters"), applies=_stage(3)),
+    done("zero_optimization.stage3_module_granularity_threshold", "ZeRO-3 gathers whole (as leaf modules) the "
+         "outermost modules with at most this many parameter elements per layer (0: off)",
+         "tests/unit/zero3/test_leaf_modules.py::test_stage3_module_granularity_threshold_makes_leaves_through_"
+         "the_config", "tests/unit/zero3/test_leaf_modules.py::test_granularity_threshold_flags_the_outermost_"
+         "small_modules"),
     done("zero_optimization.zero_hpz_partition_size", "hpZ: ranks of the secondary parameter partition that "
          "backward gathers from (stage 3; 1: off)", MICS_HPZ, MICS_HPZ_RESUME),
     done("zero_optimization.zero_quantized_weights", "qwZ: stage-3 parameter all-gathers carry INT8 blocks "
@@ -191,10 +223,12 @@ ENTRIES: list[Entry] = [
     todo("zero_optimization.pipeline_loading_checkpoint", "load checkpoints into a pipeline-parallel ZeRO-3 "
          "model", PIPELINE, applies=_stage(3)),
     todo("zero_optimization.override_module_apply", "zero.Init gathers parameters inside module.apply "
-         "(DeepSpeed's default; dsrun's zero.Init does not, which is what false asks for)", ENGINE,
+         "(DeepSpeed's default; dsrun's zero.Init does not, which is what false asks for)",
+         Feature("gathering ZeRO-3 parameters inside module.apply", "nothing to do: never refused"),
          active=lambda cfg: False),
-    todo("zero_optimization.log_trace_cache_warnings", "log when the stage-3 prefetch trace is invalidated",
-         ENGINE, applies=_stage(3)),
+    done("zero_optimization.log_trace_cache_warnings", "log when a pass leaves the stage-3 prefetch trace "
+         "(DeepSpeed's \"Invalidate trace cache\" line)", "tests/unit/zero3/test_leaf_modules.py::"
+         "test_log_trace_cache_warnings_says_when_a_pass_leaves_the_recorded_order"),
     done("zero_allow_untested_optimizer", "allow ZeRO with an optimizer outside Adam/AdamW/Lamb/Adagrad/Lion",
          UNIT),
     done("zero_force_ds_cpu_optimizer", "optimizer offload requires a DeepSpeed CPU optimizer", UNIT),
@@ -207,8 +241,9 @@ ENTRIES: list[Entry] = [
     done("steps_per_print", "optimizer steps between progress lines (null: no progress line; wall-clock means "
          "every step)", REPORTING),
     done("wall_clock_breakdown", "time forward, backward and step and report the means", REPORTING),
-    todo("dump_state", "print the engine's state after initialize", ENGINE),
-    todo("memory_breakdown", "print memory use at every step", ENGINE),
+    done("dump_state", "log every attribute of the engine once it is built (rank 0)", REPORTING),
+    done("memory_breakdown", "log device and host memory once the engine is built and before and after every "
+         "forward, backward and step (rank 0)", REPORTING),
     # --- monitors --------------------------------------------------------------------------------------------
     done("tensorboard.enabled", "write TensorBoard events", REPORTING),
     done("tensorboard.output_path", "folder of the TensorBoard events (empty: the run directory)", REPORTING),
@@ -252,7 +287,10 @@ ENTRIES: list[Entry] = [
          "tests/integration/test_checkpoint_tags.py::test_save_failures"),
     done("checkpoint.load_universal", "load a checkpoint through the resharding path",
          "tests/unit/checkpoint/test_engine_checkpoint.py::test_load_universal_goes_through_the_reshard_path"),
-    todo("checkpoint.use_node_local_storage", "each node saves to its own local storage", ENGINE),
+    done("checkpoint.use_node_local_storage", "each node's local rank 0 prepares, writes the model states of and "
+         "commits the checkpoint in its node's own save_dir: every node's storage holds a whole checkpoint",
+         "tests/integration/test_config_effects_ranks.py::test_use_node_local_storage_gives_every_node_a_whole_"
+         "checkpoint"),
     done("checkpoint.parallel_write.pipeline_stage", "a pipeline stage's data-parallel ranks share its layer files",
          "tests/integration/test_pipe.py::test_parallel_write_spreads_layer_files_over_data_parallel_ranks",
          traced=False),  # read by the pipeline engine's checkpoint (the tracer's runs have no PipelineModule)
@@ -272,7 +310,8 @@ ENTRIES: list[Entry] = [
     done("autotuning.start_profile_step", "first step of the measured window", CONFIG),
     done("autotuning.end_profile_step", "last step of the measured window", CONFIG),
     done("autotuning.max_train_batch_size", "largest global batch a trial may use", CONFIG),
-    todo("autotuning.min_train_batch_size", "smallest global batch a trial may use", ENGINE),
+    done("autotuning.min_train_batch_size", "smallest global batch a trial may use (a smaller one is pruned "
+         "before launch)", CONFIG),
     done("autotuning.max_train_micro_batch_size_per_gpu", "largest micro batch tried", CONFIG),
     done("autotuning.min_train_micro_batch_size_per_gpu", "smallest micro batch tried", CONFIG),
     done("autotuning.num_tuning_micro_batch_sizes", "how many micro batch sizes are tried", CONFIG),
@@ -285,13 +324,15 @@ ENTRIES: list[Entry] = [
          STUDY + "test_early_stopping_after_trials_without_improvement"),
     done("autotuning.tuner_num_trials", "most trials", STUDY + "test_model_based_never_launches_a_configuration_twice"),
     done("autotuning.arg_mappings", "map DeepSpeed keys to the script's own arguments", CONFIG),
-    todo("autotuning.model_info.profile", "only profile the model, then stop", ENGINE),
+    done("autotuning.model_info.profile", "with autotuning.enabled: the engine only profiles the model (parameter "
+         "counts, the first forward's activation bytes) into model_info_path, then exits", REPORTING),
     done("autotuning.model_info.num_params", "the model's parameter count (skips the profiling run)", CONFIG),
     *[design(f"autotuning.model_info.{key}", meaning, "DeepSpeed's tuner uses it to estimate activation memory; "
              "dsrun tune estimates activations from the model itself (dsrun.estimate), so the value is only "
              "recorded with the model facts") for key, meaning in (("hidden_size", "the model's hidden size"),
                                                                     ("num_layers", "the model's layer count"))],
-    todo("autotuning.model_info_path", "read the model facts from this file", ENGINE),
+    done("autotuning.model_info_path", "where model_info.profile writes the model facts (default "
+         "./autotuning_model_info.json)", REPORTING),
     # --- elasticity (resolved by the config layer's batch arithmetic) --------------------------------------------
     *[done(f"elasticity.{key}", meaning, CONFIG, traced=False) for key, meaning in (
         ("enabled", "compute the batch sizes from the elastic search"),
@@ -316,7 +357,8 @@ ENTRIES: list[Entry] = [
     design("timers.throughput.synchronized", "synchronize the device before timing", "dsrun has no separate "
            "throughput timer (see timers.throughput.enabled)"),
     done("dataloader_drop_last", "drop the last incomplete micro-batch of training_data's loader", UNIT),
-    todo("vocabulary_size", "vocabulary size for DeepSpeed's data-efficiency and profiler helpers", ENGINE),
+    done("vocabulary_size", "the model's vocabulary size: a size that is not a multiple of 8 gets DeepSpeed's "
+         "warning (GPU tensor cores), the one thing DeepSpeed does with it", CONFIG, traced=False),
     todo("graph_harvesting", "capture the step as a CUDA graph", FUSED),
     done("use_data_before_expert_parallelism", "lay MoE expert groups out data-parallel first",
          "tests/unit/moe/test_engine_moe.py::test_use_data_before_expert_parallelism_sets_the_expert_layout",

@@ -1,6 +1,6 @@
-"""``dsrun train`` under a real torchrun becomes torchrun's rank (docs/torchrun.md): the same job as dsrun's own
-launcher trains (same per-step losses, same run directory files), a conflicting launcher key is one line and
-exit code 2, two torchrun nodes in network namespaces (c10d rendezvous) train the same job too, and SIGTERM to one
+"""``dsrun train`` under a real torchrun becomes torchrun's rank (docs/torchrun.md): the ZeRO-3 recipe's job as
+dsrun's own launcher trains it (same per-step losses, same run directory files), a conflicting launcher key is
+one line and exit code 2, two torchrun nodes in network namespaces (c10d rendezvous) train the same job too, and SIGTERM to one
 rank stops both at a step boundary with a checkpoint there (preemption, docs/cluster.md).
 
 torchrun is torch's own (``python -m torch.distributed.run``, what the ``torchrun`` script runs); gloo meets on
@@ -19,7 +19,9 @@ import pytest
 
 from tests.helpers import REPO, free_port, require_programs, run_cli
 
-SHORT = ["train.max_steps=3", "train.eval_iters=1", "train.eval_interval=0", "data.max_bytes=300000"]
+# The issue's job: the ZeRO-3 recipe (parameters partitioned across the ranks torchrun made), briefly.
+SHORT = ["+recipe=gpt_zero3", "train.max_steps=3", "train.eval_iters=1", "train.eval_interval=0",
+         "data.max_bytes=300000"]
 TIMEOUT = 240
 
 
@@ -110,7 +112,7 @@ def test_a_refusal_is_one_line_and_exit_code_2(tmp_path):
     env = {"TORCHELASTIC_RUN_ID": "refusal", "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
            "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port())}
-    done = run_cli("train", "+recipe=gpt_zero3", "launcher.hostfile=myhosts", *SHORT, cwd=tmp_path, env=env,
+    done = run_cli("train", "launcher.hostfile=myhosts", *SHORT, cwd=tmp_path, env=env,
                    timeout=120)
     assert done.returncode == 2
     assert done.stderr.splitlines() == [

@@ -98,7 +98,8 @@ def test_launch_as_deepspeed_gives_every_rank_the_alias(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("import os, deepspeed, dsrun\n"
                       "assert deepspeed.init_distributed is dsrun.init_distributed\n"
-                      "print('rank', os.environ['RANK'], deepspeed.__version__)\n")
+                      # one write per line: torch's tee prefixes each piece an unbuffered print(a, b) writes
+                      "print(f\"rank {os.environ['RANK']} {deepspeed.__version__}\")\n")
     result = run_cli("launch", "--as-deepspeed", "--num_procs", "2", "--no_local_rank", str(script),
                      cwd=tmp_path, timeout=240)
     assert result.returncode == 0, result.stderr

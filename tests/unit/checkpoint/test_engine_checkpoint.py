@@ -214,3 +214,51 @@ def test_an_empty_checkpoint_folder_is_a_value_error(tmp_path, monkeypatch, fold
     with pytest.raises(ValueError, match="load_dir"):
         engine.load_checkpoint(folder)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_checkpoint_serialization_false_writes_the_legacy_format_and_resumes(tmp_path):
+    """checkpoint.checkpoint_serialization false: torch.save's pre-zipfile format for every file, as DeepSpeed's
+    checkpoint engine writes it; the checkpoint loads back exactly."""
+    import zipfile
+
+    formats = []
+    for serialization in (True, False):
+        folder = tmp_path / str(serialization)
+        engine = make_engine(1, extra={"checkpoint": {"checkpoint_serialization": serialization}})
+        train(engine, 2)
+        engine.save_checkpoint(str(folder))
+        formats.append({zipfile.is_zipfile(p) for p in (folder / "global_step2").iterdir()})
+        expected = train(engine, 2, start=2)
+        fresh = make_engine(1)
+        fresh.load_checkpoint(str(folder))
+        assert train(fresh, 2, start=2) == expected
+    assert formats == [{True}, {False}]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_load_from_fp32_weights_false_rebuilds_the_masters_from_the_16bit_weights(tmp_path, stage):
+    """zero_optimization.load_from_fp32_weights (default true) loads the saved fp32 masters; false rebuilds them
+    from the bf16 weights loaded into the model (DeepSpeed's _restore_from_bit16_weights)."""
+    import dsrun
+    from dsrun.utils import safe_get_full_fp32_param
+    from tests.harness.models import checkpoint_gpt
+    from tests.harness.runs import checkpoint_config
+
+    def bf16_engine(from_fp32: bool):
+        model = checkpoint_gpt(0.0)
+        config = checkpoint_config(stage, "bf16", 4, zero={"load_from_fp32_weights": from_fp32})
+        return dsrun.initialize(model=model, config=config)[0]
+
+    engine = bf16_engine(True)
+    train(engine, 3)
+    engine.save_checkpoint(str(tmp_path))
+    saved = {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
+    masters = {}
+    for from_fp32 in (True, False):
+        fresh = bf16_engine(from_fp32)
+        fresh.load_checkpoint(str(tmp_path))
+        masters[from_fp32] = {n: safe_get_full_fp32_param(p) for n, p in fresh.module.named_parameters()}
+    rounded = {n: v.bfloat16().float() for n, v in saved.items()}  # what the bf16 model weights hold
+    assert all(torch.equal(masters[True][n], saved[n]) for n in saved)
+    assert all(torch.equal(masters[False][n], rounded[n]) for n in saved)
+    assert any(not torch.equal(saved[n], rounded[n]) for n in saved)  # the two differ: the key decided

@@ -10,7 +10,7 @@ from typing import Any, Callable
 import pytest
 
 from dsrun.autotuning import Tuner, build_space, profile_metrics, settings_from
-from dsrun.autotuning.space import micro_batch_candidates
+from dsrun.autotuning.space import batch_size_bound, micro_batch_candidates
 from dsrun.config import load_ds_config, validate_ds_config
 from dsrun.config.misc import AutotuningConfig
 from dsrun.utils.errors import ConfigError, UserError
@@ -33,6 +33,15 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 def test_key_changes_behaviour(key: str, tmp_path: Path, capsys) -> None:
     EFFECTS[key](key=key, tmp_path=tmp_path, capsys=capsys)
+
+
+@effect("vocabulary_size")
+def _vocabulary_size(**_):
+    said = [[w for w in load_ds_config({"train_micro_batch_size_per_gpu": 1, "vocabulary_size": size}).warnings
+             if "vocabulary_size" in w] for size in (50304, 50257)]
+    assert said[0] == [] and said[1] == ["vocabulary_size 50257 is not a multiple of 8: embeddings and the output "
+                                         "layer of that width use GPU tensor cores less well (pad the vocabulary to "
+                                         "a multiple of 8)"]
 
 
 # --- autotuning ------------------------------------------------------------------------------------------------------
@@ -101,6 +110,14 @@ def _micro_batches(key, tmp_path, **_):
     candidates = [micro_batch_candidates(tune_settings(tmp_path, **keys), accumulation=2, world_size=2)
                   for keys in ({}, {name: changed})]
     assert candidates[0] == [1, 2, 4] and candidates[1] != candidates[0]
+
+
+@effect("autotuning.min_train_batch_size")
+def _min_train_batch_size(tmp_path, **_):
+    # the study prunes a configuration before launch with this reason (dsrun/autotuning/study.py)
+    reasons = [[batch_size_bound(tune_settings(tmp_path, **keys), size) for size in (1, 4)]
+               for keys in ({}, {"min_train_batch_size": 4})]
+    assert reasons == [[None, None], ["train batch size 1 < min_train_batch_size 4", None]]
 
 
 @effect("autotuning.arg_mappings")

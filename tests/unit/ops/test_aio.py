@@ -142,3 +142,29 @@ def test_python_fallback_handle_round_trips(tmp_path: Path):
         h.sync_pread(back, str(tmp_path / f"p{i}"))
         assert torch.equal(back, t)
     assert os.path.getsize(tmp_path / "p1") == 1023 * 4
+
+
+@pytest.mark.parametrize("python_fallback", [False, True], ids=["op", "python"])
+def test_writes_to_an_open_descriptor_land_at_their_offsets(python_fallback: bool, tmp_path: Path):
+    """DeepSpeed's ``async_pwrite(buffer, fd, file_offset)`` (its FastFileWriter's call): no truncation, each
+    buffer at its offset, O_DIRECT descriptors only with aligned lengths."""
+    h = AsyncIOHandle(block_size=4096, intra_op_parallelism=2)
+    if python_fallback:
+        h._impl = _PythonHandle(4096, 8, False, True, 2)
+    assert h.get_alignment() == 2 * 4096
+    chunks = [h.new_cpu_locked_tensor(8192, torch.empty(0, dtype=torch.uint8)).fill_(i + 1) for i in range(3)]
+    path = tmp_path / "f.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_DIRECT if _filesystem_takes_o_direct(tmp_path) else 0))
+    try:
+        for i in (2, 0, 1):  # out of order: every write goes where its offset says
+            assert h.async_pwrite(chunks[i], fd, i * 8192) == 0
+        assert h.wait() == 3
+        if not python_fallback and _filesystem_takes_o_direct(tmp_path):
+            assert h.get_direct_bytes() == 3 * 8192
+            with pytest.raises(RuntimeError, match="get_alignment"):
+                h.async_pwrite(chunks[0][:4096], fd, 0)
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"".join(bytes([i + 1]) * 8192 for i in range(3))
+    with pytest.raises(ValueError, match="descriptor"):
+        h.async_pwrite(chunks[0], path, file_offset=4096)

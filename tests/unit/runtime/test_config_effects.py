@@ -210,6 +210,62 @@ def _stage(**_):
     assert masters[0] == 0 and masters[1] > 0
 
 
+@effect("zero_optimization.ignore_unused_parameters")
+def _ignore_unused_parameters(**_):
+    from tests.unit.runtime._effects import Net
+
+    for stage in (1, 2):  # where DeepSpeed reads it
+        def with_unused() -> Net:
+            net = Net()
+            net.spare = torch.nn.Parameter(torch.ones(3))  # trainable, never in the forward
+            return net
+
+        step(engine(zero(stage), model=with_unused()), 2)  # the default ignores it
+        strict = engine(zero(stage, ignore_unused_parameters=False), model=with_unused())
+        with pytest.raises(AssertionError, match=r"not used in producing loss.*\['spare'\]"):
+            step(strict)
+        step(engine(zero(stage, ignore_unused_parameters=False)), 2)  # every parameter used: trains
+
+
+@effect("managed_gradient_accumulation")
+def _managed_gradient_accumulation(**_):
+    def backward(e: Any, i: int) -> None:
+        gen = torch.Generator().manual_seed(i)
+        e.backward(F.mse_loss(e(torch.randn(2, 4, generator=gen)).float(), torch.randn(2, 1, generator=gen)))
+
+    for stage in (0, 1, 2, 3):
+        keys = {**zero(stage), "gradient_accumulation_steps": 3}
+        managed, caller = engine(keys), engine({**keys, "managed_gradient_accumulation": False})
+        for i in range(3):  # the engine's boundary: the third step() call
+            backward(managed, i)
+            managed.step()
+        for i in range(3):  # the caller's: three backwards, then its one step()
+            backward(caller, i)
+            assert not caller.is_gradient_accumulation_boundary()
+        caller.step()
+        assert (caller.global_steps, caller.global_samples) == (managed.global_steps, managed.global_samples) == (1, 6)
+        assert torch.equal(first_weight(caller), first_weight(managed)), stage
+        backward(caller, 3), backward(caller, 4), caller.step()  # two micro-batches this time, and it steps
+        assert (caller.global_steps, caller.global_samples) == (2, 10)
+        with pytest.raises(AssertionError, match="managed_gradient_accumulation=False"):
+            caller.set_gradient_accumulation_boundary(True)
+
+
+@effect("zero_optimization.compute_grad_norm")
+def _compute_grad_norm(**_):
+    fast = zero(1, compute_grad_norm=False)
+    with pytest.raises(ConfigError) as err:  # the default clipping needs the norm; stage 0 has no fast path
+        load_ds_config(merged(BASE, zero(0, compute_grad_norm=False)))
+    assert [p.path for p in err.value.problems] == ["zero_optimization.compute_grad_norm"] * 2
+    assert "gradient_clipping to 0" in err.value.problems[1].hint
+    with pytest.raises(ConfigError, match="offload_optimizer"):
+        load_ds_config(merged(BASE, {**zero(1, compute_grad_norm=False, offload_optimizer={"device": "cpu"}),
+                                     "gradient_clipping": 0.0}))
+    e = engine({**fast, "gradient_clipping": 0.0})
+    step(e, 2)
+    assert e.global_steps == 2 and e.get_global_grad_norm() is None  # no norm measured
+
+
 @effect("zero_optimization.sub_group_size")
 def _sub_groups(**_):
     counts = [len(engine(zero(3, sub_group_size=size)).optimizer.param_groups[0]["params"]) for size in (10**9, 40)]
@@ -217,8 +273,10 @@ def _sub_groups(**_):
 
 
 def statuses(extra: dict, at: int) -> list[str]:
-    """Each parameter's stage-3 status when the forward reaches layer ``at`` on the second step."""
-    e = engine(merged(zero(3, stage3_param_persistence_threshold=0), extra))
+    """Each parameter's stage-3 status when the forward reaches layer ``at`` on the second step. A world of one
+    keeps ZeRO-3 parameters whole, with nothing to gather (dsrun/zero/whole_params.py); parameter offload keeps
+    them partitioned, so the gathers these keys tune run."""
+    e = engine(merged(zero(3, stage3_param_persistence_threshold=0, offload_param={"device": "cpu"}), extra))
     seen: list[str] = []
     layer = e.module.layers[at]
     layer.register_forward_pre_hook(lambda *a: seen.__setitem__(slice(None), [

@@ -4,6 +4,7 @@ changes the key and sees what dsrun reports change (a one-rank world, in this pr
 packages are replaced by recording fakes where a real one would need a server or an account)."""
 from __future__ import annotations
 
+import logging
 import sys
 import types
 from typing import Any
@@ -206,3 +207,132 @@ def _flops_profiler(key, tmp_path, **_):
     else:
         text = report(output_file=str(tmp_path / "flops.txt"))
         assert (tmp_path / "flops.txt").read_text() == text
+
+
+class LoggedLines(logging.Handler):
+    """Records the messages of the ``DeepSpeed`` logger (whose handler writes to the stdout it found at import)."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def __enter__(self) -> "LoggedLines":
+        from dsrun.utils.logging import logger
+
+        logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from dsrun.utils.logging import logger
+
+        logger.removeHandler(self)
+
+
+@effect("log_level")
+def _log_level(**_):
+    from dsrun.utils.logging import logger
+
+    saved = [logger.level, *(h.level for h in logger.handlers)]
+    try:
+        engine({})
+        assert logger.getEffectiveLevel() == logging.INFO  # left out: the logger keeps its level
+        engine({"log_level": "error"})
+        assert logger.getEffectiveLevel() == logging.ERROR and all(h.level == logging.ERROR for h in logger.handlers)
+        with LoggedLines() as seen:
+            logger.info("not shown")
+            logger.error("shown")
+        assert seen.lines == ["shown"]
+        assert engine({"log_level": "DEBUG"}).log_level() == "debug" and logger.getEffectiveLevel() == logging.DEBUG
+    finally:
+        logger.setLevel(saved[0])
+        for handler, level in zip(logger.handlers, saved[1:]):
+            handler.setLevel(level)
+
+
+@effect("memory_breakdown")
+def _memory_breakdown(monkeypatch, **_):
+    import dsrun.profiling.memory_usage as memory_usage
+
+    monkeypatch.setattr(memory_usage.gc, "collect", lambda: 0)  # each line collects first: seconds in pytest
+    lines = []
+    for flag in (False, True):
+        with LoggedLines() as seen:
+            step(engine({"memory_breakdown": flag}), 2)
+        lines.append(seen.lines)
+    assert not any("Engine" in line for line in lines[0])
+    assert [line for line in lines[1] if "Engine" in line] == ["DeepSpeed Engine: After configure distributed model"] \
+        + 2 * ["Engine before forward", "Engine after forward", "Engine before backward", "Engine after backward",
+               "Engine before step", "Engine after step"]
+    assert sum(line.startswith("MA ") and "Max_MA" in line for line in lines[1]) == 13
+    assert sum(line.startswith("CPU Virtual Memory:") for line in lines[1]) == 13
+
+
+@effect("dump_state")
+def _dump_state(**_):
+    dumps = []
+    for flag in (False, True):
+        with LoggedLines() as seen:
+            engine({"dump_state": flag})
+        dumps.append(seen.lines)
+    assert "DeepSpeedEngine:" not in dumps[0]
+    state = dumps[1][dumps[1].index("DeepSpeedEngine:") + 1:]
+    assert f"  global_steps {'.' * 17} 0" in state and any(s.startswith("  world_size ..") for s in state)
+
+
+@effect("disable_python_gc")
+def _disable_python_gc(**_):
+    import gc
+    import weakref
+
+    from dsrun.utils.python_gc import python_gc_manager
+
+    class Node:
+        partner: Any = None
+
+    def cycle() -> weakref.ref:
+        a, b = Node(), Node()
+        a.partner, b.partner = b, a
+        return weakref.ref(a)
+
+    assert gc.isenabled()
+    gc.freeze()  # the test process's own objects out of every collection here: each full one would take a second
+    plain = engine({})
+    assert gc.isenabled() and python_gc_manager.active_engines == 0
+    plain.destroy()
+    first, second = engine({"disable_python_gc": True}), engine({"disable_python_gc": True})
+    try:
+        assert not gc.isenabled() and python_gc_manager.active_engines == 2
+        left = cycle()
+        step(first, 3)
+        for _ in range(5000):  # far past gen-0's threshold (700): automatic collection would have found it
+            cycle()
+        assert left() is not None
+        assert first.collect_python_gc() > 0 and left() is None
+        first.destroy()
+        assert not gc.isenabled()  # the second engine still holds its lease
+        second.destroy()
+        assert gc.isenabled() and python_gc_manager.active_engines == 0
+    finally:
+        gc.enable()
+        gc.unfreeze()
+
+
+@effect("autotuning.model_info.profile", "autotuning.model_info_path")
+def _model_info_profile(tmp_path, monkeypatch, **_):
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    step(engine({"autotuning": {"enabled": True}}), 2)  # not profiling: it trains on
+    assert not (tmp_path / "autotuning_model_info.json").exists()
+    for extra, path in (({}, tmp_path / "autotuning_model_info.json"),
+                        ({"model_info_path": str(tmp_path / "info" / "model.json")}, tmp_path / "info" / "model.json")):
+        profiling = engine({"autotuning": {"enabled": True, "model_info": {"profile": True}, **extra}})
+        with pytest.raises(SystemExit) as stop:
+            step(profiling)
+        info = json.loads(path.read_text())
+        assert stop.value.code == 0 and profiling.global_steps == 0  # stopped at the first backward
+        assert info["num_params"] == info["trainable_num_params"] == 4 * 8 + 8 + 8 * 8 + 8 + 8 + 1
+        assert info["activation_mem_per_gpu"] > 0 and info["rank"] == 0

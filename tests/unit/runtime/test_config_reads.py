@@ -130,7 +130,10 @@ def keys_read(world_of_one, tmp_path_factory) -> frozenset[str]:
         run({"fp16": {"enabled": True, "auto_cast": True}, "wall_clock_breakdown": True, "gradient_clipping": 1.0,
              "prescale_gradients": True, "scheduler": {"type": "WarmupLR"}, "dataloader_drop_last": True,
              "comms_logger": {"enabled": True}, "flops_profiler": {"enabled": True, "output_file": str(tmp / "f")},
-             "checkpoint": {"load_universal": True}, **monitors}, seen, tmp, checkpoint=True)
+             "checkpoint": {"load_universal": True, "writer": {
+                 "type": "fast", "io_buffer_size": 65536, "io_buffer_double": False, "show_statistics": True,
+                 "decoupled": True}},
+             **monitors}, seen, tmp, checkpoint=True)
         run({"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}, "communication_data_type": "fp32"},
             seen, tmp)
         run({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}, "torch_autocast": {

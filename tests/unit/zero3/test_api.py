@@ -1,4 +1,5 @@
-"""dsrun.zero's argument handling (no ranks needed)."""
+"""dsrun.zero's argument handling (no ranks needed), and enable_sanity_checks' check in GatheredParameters (a world
+of one)."""
 from __future__ import annotations
 
 import pytest
@@ -61,3 +62,30 @@ def test_init_context_leaves_torch_as_it_found_it() -> None:
     assert nn.Linear.__init__ is linear_init and not hasattr(Defined.__init__, "_ds_original")
     assert {name: getattr(torch.nn.init, name) for name in zero_init._INIT_FUNCTIONS} == before
     assert "__init_subclass__" not in nn.Module.__dict__
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_enable_sanity_checks_refuses_a_change_gathered_parameters_would_lose() -> None:
+    """zero_optimization.enable_sanity_checks: an in-place change inside GatheredParameters(modifier_rank=None),
+    which ranks would not share, raises (DeepSpeed's check); reading, or changing with a modifier_rank, does not."""
+    for checks in (False, True):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 4)
+        config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+                  "zero_optimization": {"stage": 3, "enable_sanity_checks": checks,
+                                        "stage3_param_persistence_threshold": 0,
+                                        # partitioned even in a world of one (else kept whole: nothing to lose)
+                                        "offload_param": {"device": "cpu"}}}
+        dsrun.initialize(model=model, config=config)
+        with dsrun.zero.GatheredParameters(model.weight):
+            assert model.weight.sum() is not None  # a read
+        with dsrun.zero.GatheredParameters(model.weight, modifier_rank=0), torch.no_grad():
+            model.weight.add_(1.0)  # kept: rank 0's values are broadcast
+        changed = []
+        try:
+            with dsrun.zero.GatheredParameters(model.weight), torch.no_grad():
+                model.weight.add_(1.0)
+        except RuntimeError as err:
+            changed.append(str(err))
+        assert bool(changed) is checks and all("modifier_rank=None" in e for e in changed)
+        assert model.weight.ds_status is ParamStatus.NOT_AVAILABLE  # released either way

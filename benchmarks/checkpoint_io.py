@@ -1,0 +1,205 @@
+"""Checkpoint write throughput of each writer as a ratio of the disk's own sequential write bandwidth.
+
+    PYTHONPATH=. python benchmarks/checkpoint_io.py [--dir D] [--model gpt-small | --mb 1200] [--repeats 3]
+                                                    [--buffer-mb 64] [--threads 1] [--block-mb 1] [--json out.json]
+
+The checkpoint is a realistic one: ``--model``'s state dict (dsrun's GPT, fp32) plus Adam's two moments per
+parameter and a step count, as ``engine.save_checkpoint`` holds them at ZeRO-0 on one rank (gpt-small: 124M
+parameters, ~1.49 GB); ``--mb N`` replaces it by N MB of fp32 tensors of 16M elements each.
+
+The disk's bandwidth is measured on the same folder by ``dd if=/dev/zero of=F bs=64M count=N oflag=direct
+conv=fsync`` (N: the checkpoint's size in 64 MiB blocks, rounded up; dd's own seconds and bytes), and by a
+Python loop of 64 MiB ``os.write`` calls from a page-aligned buffer to an O_DIRECT descriptor then ``fsync``
+(the "python O_DIRECT" line); the ratios divide by dd's figure. Each writer then writes the checkpoint with
+``torch.save`` to a new file, timed from opening the file to its ``fsync`` returning (every writer's file is
+durable, as dsrun's atomic saves make it):
+
+* ``torch.save (plain file)``: dsrun without a ``checkpoint.writer`` section (buffered file + fsync);
+* ``python``: DeepSpeed's PyFileWriter (``checkpoint.writer.type: python``), + fsync;
+* ``fast``: the FastFileWriter (``type: fast``), ``--buffer-mb`` of I/O buffer, double-buffered; ``fast
+  (single buffer)`` with ``io_buffer_double: false``;
+* ``mock``: writes nothing (the serialization alone; no ratio to the disk);
+* ``fast (torch CRC32 off)``: the fast writer with ``torch.serialization.set_crc32_options(False)`` for that
+  save only. Not what a checkpoint save does (dsrun keeps torch's default, the CRC32 of every record, which
+  torch computes on the saving thread at ~1 GB/s on a busy core: it and the copy into the I/O buffer bound
+  every writer); it shows what the writer's own I/O path reaches once serialization is out of the way.
+
+The "x mock" column divides each writer by the mock's figure: how close it comes to the serialization's own
+speed, the ceiling of any writer fed by ``torch.save``.
+
+Rounds are interleaved (dd, then each writer, then again) so a machine shared with other work drifts into
+every line alike; the figures are medians over ``--repeats`` rounds, with min-max. GB/s = 1e9 bytes/s.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dsrun.io import WriterSettings, open_writer  # noqa: E402
+from dsrun.ops.aio import AsyncIOHandle  # noqa: E402
+
+BLOCK = 64 * 1024 ** 2
+
+
+def checkpoint_state(model: str | None, mb: int | None) -> dict:
+    """The object a checkpoint save writes: module weights plus Adam's moments (or ``mb`` MB of tensors)."""
+    generator = torch.Generator().manual_seed(0)
+    if mb is not None:
+        numel, chunk = mb * 10 ** 6 // 4, 16 * 2 ** 20
+        return {"module": {f"t{i}": torch.randn(min(chunk, numel - i * chunk), generator=generator)
+                           for i in range((numel + chunk - 1) // chunk)}}
+    from dsrun.models.gpt import GPT
+    from dsrun.models.registry import gpt_config, model_spec
+
+    gpt = GPT(gpt_config(model_spec(model)))
+    moments = {name: {"step": torch.tensor(10.0), "exp_avg": torch.randn(p.shape, generator=generator) * 1e-3,
+                      "exp_avg_sq": torch.rand(p.shape, generator=generator) * 1e-6}
+               for name, p in gpt.named_parameters()}  # one pair per parameter (the tied head shares the embedding's)
+    return {"module": gpt.state_dict(), "optimizer": {"state": moments}, "global_steps": 10}
+
+
+def nbytes_of(state: dict) -> int:
+    """Bytes of the distinct storages ``state`` holds (a tied weight's once, as torch.save writes it)."""
+    storages: dict[int, int] = {}
+    stack: list[object] = [state]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, torch.Tensor):
+            storages[item.untyped_storage().data_ptr()] = item.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def dd_write(path: Path, nbytes: int) -> tuple[float, int]:
+    """dd's seconds and bytes for a new file of ``nbytes`` (rounded up to 64 MiB blocks), O_DIRECT + fsync."""
+    path.unlink(missing_ok=True)
+    count = -(-nbytes // BLOCK)
+    done = subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=64M", f"count={count}", "oflag=direct",
+                           "conv=fsync"], capture_output=True, text=True, check=True)
+    match = re.search(r"^(\d+) bytes.*copied, ([0-9.,]+) s", done.stderr, re.MULTILINE)
+    assert match, done.stderr
+    path.unlink()
+    return float(match.group(2).replace(",", ".")), int(match.group(1))
+
+
+def python_direct_write(path: Path, nbytes: int) -> tuple[float, int]:
+    """64 MiB ``os.write`` calls from a page-aligned buffer to an O_DIRECT descriptor, then fsync."""
+    path.unlink(missing_ok=True)
+    handle = AsyncIOHandle()
+    buffer = handle.new_cpu_locked_tensor(BLOCK, torch.empty(0, dtype=torch.uint8))
+    buffer.fill_(1)
+    view = memoryview(buffer.numpy())
+    count = -(-nbytes // BLOCK)
+    start = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    try:
+        for _ in range(count):
+            os.write(fd, view)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    seconds = time.perf_counter() - start
+    path.unlink()
+    return seconds, count * BLOCK
+
+
+def writer_save(settings: WriterSettings | None, crc32: bool = True) -> Callable[[Path, dict], tuple[float, int]]:
+    def save(path: Path, state: dict) -> tuple[float, int]:
+        path.unlink(missing_ok=True)
+        torch.serialization.set_crc32_options(crc32)
+        start = time.perf_counter()
+        try:
+            with open_writer(path, settings) as fh:
+                torch.save(state, fh)
+        finally:
+            torch.serialization.set_crc32_options(True)
+        seconds = time.perf_counter() - start
+        written = int(fh.writer.statistics()["bytes"])
+        path.unlink()
+        return seconds, written
+    return save
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dir", type=Path, default=None, help="the folder to write in (default: a new one in .)")
+    parser.add_argument("--model", default="gpt-small")
+    parser.add_argument("--mb", type=int, default=None, help="write N MB of plain tensors instead of a model")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--buffer-mb", type=int, default=64, help="checkpoint.writer.io_buffer_size in MiB")
+    parser.add_argument("--threads", type=int, default=1, help="aio.thread_count of the fast writer's handle")
+    parser.add_argument("--block-mb", type=int, default=1, help="aio.block_size in MiB (each request's chunks)")
+    parser.add_argument("--only", default=None, help="comma-separated writer names to run (default: all)")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+
+    folder = Path(tempfile.mkdtemp(prefix="checkpoint_io_", dir=args.dir or Path.cwd()))
+    state = checkpoint_state(None if args.mb else args.model, args.mb)
+    size = nbytes_of(state)
+    aio = (("block_size", args.block_mb * 1024 ** 2), ("thread_count", args.threads))
+    buffer = args.buffer_mb * 1024 ** 2
+    writers: dict[str, Callable[[Path, dict], tuple[float, int]]] = {
+        "torch.save (plain file)": writer_save(None),
+        "python": writer_save(WriterSettings(type="PYTHON")),
+        "fast": writer_save(WriterSettings(type="FAST", io_buffer_size=buffer, aio=aio)),
+        "fast (single buffer)": writer_save(WriterSettings(type="FAST", io_buffer_size=buffer,
+                                                           io_buffer_double=False, aio=aio)),
+        "mock": writer_save(WriterSettings(type="MOCK")),
+        "fast (torch CRC32 off)": writer_save(WriterSettings(type="FAST", io_buffer_size=buffer, aio=aio), crc32=False),
+    }
+    if args.only:
+        writers = {name: run for name, run in writers.items() if name in args.only.split(",")}
+    print(f"checkpoint: {size / 1e9:.2f} GB of tensors ({'--mb' if args.mb else args.model}); folder {folder}; "
+          f"io_buffer_size {args.buffer_mb} MiB, aio.block_size {args.block_mb} MiB, aio.thread_count "
+          f"{args.threads}; {args.repeats} rounds", flush=True)
+    speeds: dict[str, list[float]] = {"dd (O_DIRECT, fsync)": [], "python O_DIRECT loop": [],
+                                      **{name: [] for name in writers}}
+    try:
+        for round_ in range(args.repeats):
+            for name, run in (("dd (O_DIRECT, fsync)", lambda p: dd_write(p, size)),
+                              ("python O_DIRECT loop", lambda p: python_direct_write(p, size)),
+                              *((n, (lambda w: lambda p: w(p, state))(w)) for n, w in writers.items())):
+                seconds, written = run(folder / "f.bin")
+                speeds[name].append(written / seconds / 1e9)
+                print(f"  round {round_ + 1} {name:26s} {written / seconds / 1e9:6.2f} GB/s "
+                      f"({written / 1e9:.2f} GB in {seconds:.2f} s)", flush=True)
+    finally:
+        for leftover in folder.iterdir():
+            leftover.unlink()
+        folder.rmdir()
+    disk = statistics.median(speeds["dd (O_DIRECT, fsync)"])
+    mock = statistics.median(speeds["mock"]) if speeds.get("mock") else None
+    print(f"\n{'writer':28s} {'GB/s (median)':>14s} {'min-max':>13s} {'x disk (dd)':>12s} {'x mock':>7s}")
+    results = {}
+    for name, values in speeds.items():
+        median = statistics.median(values)
+        ratio = None if name == "mock" else median / disk
+        of_mock = median / mock if mock and name not in ("mock", "dd (O_DIRECT, fsync)", "python O_DIRECT loop") \
+            else None
+        results[name] = {"gbps_median": median, "gbps_min": min(values), "gbps_max": max(values), "x_disk": ratio,
+                         "x_mock": of_mock}
+        shown = "-" if ratio is None else f"{ratio:.2f}x"
+        shown_mock = "-" if of_mock is None else f"{of_mock:.2f}x"
+        print(f"{name:28s} {median:14.2f} {min(values):6.2f}-{max(values):<6.2f} {shown:>12s} {shown_mock:>7s}")
+    if args.json:
+        args.json.write_text(json.dumps({"bytes": size, "buffer_mb": args.buffer_mb, "threads": args.threads, "block_mb": args.block_mb,
+                                         "repeats": args.repeats, "results": results}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""The support ledger's proof for more keys whose effect shows only between ranks, on two gloo ranks (one launch
+for all). Keys that change how gradients travel but not what training computes, each training to the same
+weights as without it: ``sparse_gradients`` (at ZeRO stage 0 an embedding's gradient, ``nn.Embedding(sparse=True)``
+here, is reduced as DeepSpeed's sparse all-reduce: only the rows the ranks' tokens touched),
+``round_robin_gradients`` (stages 1-2 lay the flat groups out round-robin over the ranks) and
+``use_multi_rank_bucket_allreduce: false`` (stages 1-2 reduce each rank's piece to it alone). And
+``checkpoint.use_node_local_storage`` (two nodes of one rank each, each with its own folder: each node's storage
+gets a whole checkpoint and resumes from it). SGD throughout: the CPU Adam op would cost seconds per rank to load."""
+from __future__ import annotations
+
+import functools
+import tempfile
+from typing import Any
+
+from tests.helpers import run_ranks
+
+VOCAB, WIDTH = 64, 8
+
+
+def train_both_ways(rank: int, world: int, root: str) -> dict[str, Any]:
+    return {"sparse": sparse_both_ways(rank), "round_robin": zero_keys_both_ways(rank, "round_robin_gradients"),
+            "single_rank": zero_keys_both_ways(rank, "use_multi_rank_bucket_allreduce"),
+            "node_local": node_local_checkpoints(rank, root)}
+
+
+def node_local_checkpoints(rank: int, root: str) -> dict[str, Any]:
+    import os
+    from pathlib import Path
+
+    import torch
+    import torch.nn.functional as F
+
+    import dsrun
+
+    os.environ["LOCAL_RANK"] = "0"  # two nodes of one rank each; each node saves to its own folder
+
+    def build(node_local: bool) -> Any:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+        return dsrun.initialize(model=model, config={
+            "train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000, "zero_optimization": {"stage": 1},
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_allow_untested_optimizer": True,
+            "checkpoint": {"use_node_local_storage": node_local}})[0]
+
+    def train(engine: Any, start: int) -> list[torch.Tensor]:
+        for step in range(start, start + 2):
+            gen = torch.Generator().manual_seed(10 * step + rank)
+            engine.backward(F.mse_loss(engine(torch.randn(2, 4, generator=gen)), torch.randn(2, 4, generator=gen)))
+            engine.step()
+        return [p.detach().clone() for p in engine.module.parameters()]
+
+    out: dict[str, Any] = {}
+    shared = build(False)
+    train(shared, 0)
+    try:  # without the key only rank 0 prepares a folder: rank 1's own folder gets none
+        shared.save_checkpoint(f"{root}/plain{rank}")
+        out["plain"] = "saved"
+    except Exception as err:  # noqa: BLE001 - every rank learns of the failure
+        out["plain"] = type(err).__name__
+    engine = build(True)
+    train(engine, 0)
+    folder = Path(root) / f"node{rank}"
+    engine.save_checkpoint(str(folder))
+    expected = train(engine, 2)
+    out["files"] = sorted(p.name for p in (folder / "global_step2").iterdir()) + [(folder / "latest").read_text()]
+    fresh = build(True)
+    fresh.load_checkpoint(str(folder))
+    out["resumed"] = all(torch.equal(a, b) for a, b in zip(train(fresh, 2), expected))
+    return out
+
+
+def zero_keys_both_ways(rank: int, key: str) -> dict[str, Any]:
+    import torch
+    import torch.nn.functional as F
+
+    import dsrun
+    from dsrun import comm
+
+    out: dict[str, Any] = {}
+    for stage in (1, 2):
+        for flag in (False, True):
+            value = flag if key == "round_robin_gradients" else not flag  # flag: the key away from its default
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(3)))  # six parameters
+            config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000, "gradient_accumulation_steps": 2,
+                      "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_allow_untested_optimizer": True,
+                      "zero_optimization": {"stage": stage, key: value, "reduce_bucket_size": 20}}
+            engine = dsrun.initialize(model=model, config=config)[0]
+            calls: list[str] = []
+            originals = {name: getattr(comm, name) for name in ("reduce", "reduce_scatter")}
+            for name, original in originals.items():
+                setattr(comm, name, lambda *a, _name=name, _original=original, **k: calls.append(_name) or
+                        _original(*a, **k))
+            try:
+                for step in range(4):
+                    gen = torch.Generator().manual_seed(10 * step + rank)
+                    engine.backward(F.mse_loss(engine(torch.randn(2, 4, generator=gen)),
+                                               torch.randn(2, 4, generator=gen)))
+                    engine.step()
+            finally:
+                for name, original in originals.items():
+                    setattr(comm, name, original)
+            out[f"{stage}-{flag}"] = {"weights": [p.detach().clone() for p in model.parameters()],
+                                      "layout": list(engine.strategy.checkpoint_param_shapes()[0]),
+                                      "calls": sorted(set(calls))}
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def results() -> list[dict[str, Any]]:
+    return run_ranks(train_both_ways, 2, tempfile.mkdtemp(prefix="dsrun-node-local-"), timeout=300)
+
+
+def sparse_both_ways(rank: int) -> dict[str, Any]:
+    import torch
+    import torch.nn.functional as F
+
+    import dsrun
+    from dsrun import comm
+
+    out: dict[str, Any] = {}
+    for sparse in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Embedding(VOCAB, WIDTH, sparse=True), torch.nn.Linear(WIDTH, 1))
+        config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000, "sparse_gradients": sparse,
+                  "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_optimization": {"stage": 0}}
+        engine = dsrun.initialize(model=model, config=config)[0]
+        moved: dict[str, int] = {}
+        originals = {name: getattr(comm, name) for name in ("all_reduce", "all_gather")}
+
+        def counted(name: str) -> Any:
+            def call(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+                sent = args[0] if name == "all_gather" else tensor  # all_gather(outputs, input)
+                moved[name] = moved.get(name, 0) + sent.numel()
+                return originals[name](tensor, *args, **kwargs)
+            return call
+
+        for name in originals:
+            setattr(comm, name, counted(name))
+        try:
+            for step in range(3):
+                gen = torch.Generator().manual_seed(10 * step + rank)
+                tokens = torch.randint(0, 6, (2, 3), generator=gen)  # a few rows of the table, per rank
+                loss = F.mse_loss(engine(tokens).squeeze(-1), torch.randn(2, 3, generator=gen))
+                engine.backward(loss)
+                engine.step()
+        finally:
+            for name, original in originals.items():
+                setattr(comm, name, original)
+        out[str(sparse)] = {"weights": [p.detach().clone() for p in model.parameters()], "moved": moved}
+    return out
+
+
+def test_sparse_gradients_reduce_embedding_rows_and_train_the_same() -> None:
+    import torch
+
+    ranks = [r["sparse"] for r in results()]
+    for rank in ranks:
+        dense, sparse = rank["False"], rank["True"]
+        for a, b in zip(dense["weights"], sparse["weights"]):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+        table = VOCAB * WIDTH
+        # dense: the whole table is all-reduced every step; sparse: only at most 6 touched rows travel
+        assert dense["moved"]["all_reduce"] >= 3 * table and "all_gather" not in dense["moved"]
+        assert sparse["moved"]["all_reduce"] == dense["moved"]["all_reduce"] - 3 * table
+        assert 0 < sparse["moved"]["all_gather"] <= 3 * (2 + 6 + 6 * WIDTH)
+    torch.testing.assert_close(ranks[0]["True"]["weights"], ranks[1]["True"]["weights"], rtol=0, atol=0)
+
+
+def test_round_robin_gradients_reorders_the_layout_and_trains_the_same() -> None:
+    import torch
+
+    for stage in (1, 2):
+        plain, spread = (results()[0]["round_robin"][f"{stage}-{flag}"] for flag in (False, True))
+        torch.testing.assert_close(plain["weights"], spread["weights"], rtol=0, atol=1e-6)
+        names = ["0.weight", "0.bias", "1.weight", "1.bias", "2.weight", "2.bias"]
+        assert plain["layout"] == names
+        assert spread["layout"] == names[0::2] + names[1::2]  # rank 0's turn, then rank 1's, as DeepSpeed's
+
+
+def test_use_multi_rank_bucket_allreduce_false_reduces_each_piece_to_its_owner() -> None:
+    import torch
+
+    for stage in (1, 2):
+        plain, single = (results()[0]["single_rank"][f"{stage}-{flag}"] for flag in (False, True))
+        torch.testing.assert_close(plain["weights"], single["weights"], rtol=0, atol=1e-6)
+        assert plain["calls"] == ["reduce_scatter"] and single["calls"] == ["reduce"]
+
+
+def test_use_node_local_storage_gives_every_node_a_whole_checkpoint() -> None:
+    for rank, result in enumerate(r["node_local"] for r in results()):
+        assert result["plain"] != "saved"  # rank 0 alone keeps a folder without the key
+        assert result["files"] == ["mp_rank_00_model_states.pt", f"rng_states_rank_{rank}.pt",
+                                   f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt", "global_step2"]
+        assert result["resumed"]  # each node resumes from its own storage, bit for bit
