@@ -21,19 +21,26 @@ import importlib
 import os
 import sys
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, TYPE_CHECKING, Iterator
 
 from dsrun.launcher.outer import OuterRank
 from dsrun.runspec import WORKER_MODULE
 from dsrun.utils.errors import EXIT_USAGE, UserError
 
+if TYPE_CHECKING:
+    from torch.distributed import Store
 
-def join_world(outer: OuterRank) -> None:
-    """Give this process the variables a rank of dsrun's own launcher has, then meet the other ranks."""
+
+def join_world(outer: OuterRank, store: Store | None = None) -> None:
+    """Give this process the variables a rank of dsrun's own launcher has, then meet the other ranks (on
+    ``store`` when given: a submitted Slurm job's, :mod:`dsrun.cli.submitted`)."""
     import dsrun
 
     os.environ.update(outer.environment())
-    dsrun.init_distributed()
+    if store is None:
+        dsrun.init_distributed()
+    else:
+        dsrun.init_distributed(rank=outer.rank, world_size=outer.world_size, store=store)
 
 
 class RunHandoff:

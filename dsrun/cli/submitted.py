@@ -5,19 +5,23 @@ Before Hydra starts (:func:`prepare_submission`): the launcher is installed and,
 says why not (exit code 2, nothing submitted); dsrun's settings of the launcher join the overrides.
 
 In a job (:class:`JobPlace`): a task of a Slurm job's ``srun`` step is one rank of the run (every task checks the
-recipe against the step, the ranks meet, rank 0 runs the job as ``dsrun train`` does under srun and hands its run
-directory to the others: :mod:`dsrun.cli.outer_rank`); a local submitit job starts its ranks with dsrun's own
-launcher. A job Slurm runs again after it was stopped resumes from its own run directory's checkpoint
+recipe against the step, the ranks meet on the port rank 0 opens once every task arrived,
+:class:`~dsrun.launcher.slurm_jobs.TaskRendezvous`, rank 0 runs the job as ``dsrun train`` does under srun and hands
+its run directory to the others: :mod:`dsrun.cli.outer_rank`); a task that stops before the ranks met says why to
+the others, which leave with that one line instead of waiting; a local submitit job starts its ranks with dsrun's
+own launcher. A job Slurm runs again after it was stopped resumes from its own run directory's checkpoint
 (:func:`dsrun.cli.resume.settle_requeued`); a run stopped by the notice or by preemption raises
 :class:`~dsrun.launcher.slurm_jobs.JobStopped` when the job may be requeued, for the launcher to requeue it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from dsrun.launcher.slurm_jobs import (LOCAL, SLURM, JobStopped, in_submitted_job, job_rank, launcher_choice,
-                                       launcher_overrides, restarts, unreachable)
+from dsrun.launcher.slurm_jobs import (LOCAL, SLURM, JobStopped, TaskRendezvous, TasksApart, in_submitted_job,
+                                       job_rank, launcher_choice, launcher_overrides, restarts, unreachable)
 from dsrun.utils.errors import Problem, UserError
 
 if TYPE_CHECKING:
@@ -51,10 +55,13 @@ def prepare_submission(overrides: Sequence[str], first: DictConfig) -> list[str]
 @dataclass
 class JobPlace:
     """Where a sweep's job runs: ``executor`` ("slurm", "local": a submitted job; None: in ``dsrun train -m``
-    itself); ``rank``: the rank this task of a Slurm job is; ``handoff``: rank 0's, once the ranks met."""
+    itself); ``rank``: the rank this task of a Slurm job is, ``rendezvous`` where the job's tasks meet, ``met``
+    once they did; ``handoff``: rank 0's, once the ranks met."""
 
     executor: str | None
     rank: OuterRank | None = None
+    rendezvous: TaskRendezvous | None = None
+    met: bool = False
     handoff: RunHandoff | None = None
 
     @property
@@ -63,25 +70,49 @@ class JobPlace:
         return self.executor is not None and (self.rank is None or self.rank.rank == 0)
 
     @classmethod
-    def here(cls) -> JobPlace:
+    def here(cls, run_dir: Path) -> JobPlace:
+        """This process's place; ``run_dir``: the job's run directory (every task of a Slurm job composes the
+        same one), where the tasks meet."""
         executor = in_submitted_job()
-        return cls(executor, job_rank() if executor else None)
+        rank = job_rank() if executor else None
+        rendezvous = TaskRendezvous.for_run(run_dir, rank.rank, rank.world_size) if rank is not None else None
+        return cls(executor, rank, rendezvous)
 
     def meet(self) -> bool:
-        """Meet the job's other ranks (after every rank checked the recipe against the step); True on rank 0,
-        which goes on with the run."""
+        """Meet the job's other ranks (after every rank checked the recipe against the step) on the store rank 0
+        opens, at a port the system gave it; True on rank 0, which goes on with the run. Raises
+        :class:`~dsrun.launcher.slurm_jobs.TasksApart` when a task stopped before or did not come in time."""
         from dsrun.cli.outer_rank import RunHandoff, join_world
+        from dsrun.comm.comm import rendezvous_store
 
-        assert self.rank is not None
-        join_world(self.rank)
+        rank, rendezvous = self.rank, self.rendezvous
+        assert rank is not None and rendezvous is not None
+        rendezvous.arrive()
+        limit = timedelta(seconds=rendezvous.timeout_s)
+        host = rank.master_addr or "127.0.0.1"
+        if rank.rank == 0:  # its store listens before the others hear of its port
+            store = rendezvous_store(host, 0, rank.world_size, True, limit)
+            rendezvous.open_port(store.port)
+        else:
+            port = rendezvous.port()
+            try:
+                store = rendezvous_store(host, port, rank.world_size, False, limit)
+            except Exception as err:  # noqa: BLE001 - torch's connect errors differ by version; all mean the same
+                raise TasksApart(f"rank {rank.rank} of {rank.world_size}: rank 0's store at {host}:{port} did not "
+                                 f"answer within {rendezvous.timeout_s:g} s ({(str(err).splitlines() or [''])[0].strip()})") from err
+        join_world(replace(rank, master_port=store.port), store)
+        self.met = True
         if self.rank.rank == 0:
             self.handoff = RunHandoff()
         return self.handoff is not None
 
     def close(self, error: str | None) -> None:
-        """Rank 0: tell the others the job ended before its run when it did (``error``: why)."""
+        """The job ended (``error``: why it failed, None when it did not). Rank 0: tell the others when it ended
+        before its run; a task that stopped before the ranks met: tell the tasks waiting for it."""
         if self.handoff is not None:
             self.handoff.close(RuntimeError(error) if error else None)
+        elif self.rendezvous is not None and not self.met:
+            self.rendezvous.fail(error or "it ended before the ranks met")
 
     def stopped(self, exit_code: int, max_requeues: int) -> str:
         """The run stopped on a signal with ``exit_code``: raise :class:`JobStopped` when Slurm may run the job

@@ -138,6 +138,7 @@ def _run(args: argparse.Namespace, outer: OuterRank | None, handoff: RunHandoff 
                                     unknown_sweep_options, write_job_result)
     from dsrun.cli.resume import RunFinished, from_overrides, settle_from, source_run
     from dsrun.cli.submitted import JobPlace, follow_job_rank_zero, prepare_submission
+    from dsrun.launcher.slurm_jobs import TasksApart
     from dsrun.compose import app_overrides, compose_runspec, finish_runspec, run_app
     from dsrun.config import announce
     from dsrun.runspec import resolve_run
@@ -177,7 +178,7 @@ def _run(args: argparse.Namespace, outer: OuterRank | None, handoff: RunHandoff 
         hydra_cfg = HydraConfig.get()
         run_dir = Path(hydra_cfg.runtime.output_dir)
         # a sweep's job a submitit launcher started (dsrun.cli.submitted), or one in this process
-        place = JobPlace.here() if args.multirun else JobPlace(None)
+        place = JobPlace.here(run_dir) if args.multirun else JobPlace(None)
         max_requeues = int(hydra_cfg.launcher.get("max_num_timeout") or 0) if place.executor else 0
         job = JobResult(hydra_cfg.job.num if place.executor else len(jobs), list(hydra_cfg.overrides.task), run_dir)
         log = LauncherLog(run_dir)
@@ -221,6 +222,15 @@ def _run(args: argparse.Namespace, outer: OuterRank | None, handoff: RunHandoff 
             if place.executor is None:
                 raise KeyboardInterrupt from None  # Ctrl-C stops the sweep, not only its job
             job.error = place.stopped(err.exit_code, max_requeues)  # or JobStopped: the launcher requeues the job
+        except TasksApart as err:  # a submitted job's srun tasks did not meet: one line, the job failed
+            log.say(f"error: {err}", err=True, prefix=False)
+            job.error = str(err)
+        except Exception as err:
+            if place.executor is not None:
+                # Hydra's job runner keeps what a job raised to itself, and submitit then reports the job done:
+                # the job's row and the tasks waiting for this one say it failed, and why
+                job.error = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0].strip()}"
+            raise
         finally:
             log.close()
             place.close(job.error)

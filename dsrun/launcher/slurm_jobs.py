@@ -10,16 +10,20 @@ rank (``tasks_per_node`` = ``launcher.num_procs``, ``nodes`` = ``launcher.num_no
 requeues.
 
 The job side (the submitted function, in the job): :func:`job_rank` is the rank an ``srun`` task of the job is
-(:mod:`dsrun.launcher.outer`'s contract: every task of the step becomes one rank of ``dsrun train``); a run stopped
-by the notice (or by preemption's SIGTERM) raises :class:`JobStopped`, and :func:`requeue` puts the job back in the
-queue once the ranks saved, as ``dsrun export-job --target sbatch``'s script does (``scontrol requeue``).
+(:mod:`dsrun.launcher.outer`'s contract: every task of the step becomes one rank of ``dsrun train``); the tasks of
+one run of the job meet through :class:`TaskRendezvous` (rank 0 opens the port the ranks meet on once every task
+arrived; a task that stops before says why, and the others leave with that line); a run stopped by the notice (or
+by preemption's SIGTERM) raises :class:`JobStopped`, and :func:`requeue` puts the job back in the queue once the
+ranks saved, as ``dsrun export-job --target sbatch``'s script does (``scontrol requeue``).
 """
 from __future__ import annotations
 
 import os
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Mapping, Sequence
 
 from dsrun.launcher.outer import OuterRank, detect_outer_launcher
@@ -39,9 +43,11 @@ DEFAULT_REQUEUES = 3
 # submitit reads the same name in the job (SUBMITIT_PREEMPT_SIGNAL), so a notice that comes before the ranks
 # started requeues the job through submitit's own handler
 NOTICE_SIGNAL = "USR1"
-# each job's ranks meet on a port of the job's own (two array tasks may share a node), as dsrun export-job's script
-MASTER_PORT_LINE = "export MASTER_PORT=$(( 29500 + SLURM_JOB_ID % 1000 ))"
 PING_TIMEOUT_S = 15
+# how long the tasks of a job's run wait for each other before the ranks meet (every task imports torch and composes
+# the recipe first: tens of seconds on a busy node); past it a task stops with one line naming the missing one
+RENDEZVOUS_TIMEOUT_S = 300.0
+RENDEZVOUS_DIR = ".slurm_rendezvous"  # in the run directory, which every task of the job shares
 
 
 class JobStopped(BaseException):
@@ -114,15 +120,14 @@ def launcher_overrides(choice: str, overrides: Sequence[str], num_procs: int, nu
 
 def batch_settings(params: dict) -> dict:
     """hydra-submitit-launcher's Slurm parameters with dsrun's additions: the notice as SIGUSR1 (``--signal``,
-    ``signal_delay_s`` before the time limit), ``--requeue``, and the job's environment lines (submitit's notice
-    signal, the ranks' port) before the user's ``setup`` lines. The user's own ``additional_parameters`` win."""
+    ``signal_delay_s`` before the time limit), ``--requeue``, and submitit's notice signal before the user's
+    ``setup`` lines (the ranks' port is rank 0's pick, :class:`TaskRendezvous`). The user's own ``additional_parameters`` win."""
     params = dict(params)
     extra = dict(params.get("additional_parameters") or {})
     extra.setdefault("signal", f"{NOTICE_SIGNAL}@{params.get('signal_delay_s', 120)}")
     extra.setdefault("requeue", True)
     params["additional_parameters"] = extra
-    params["setup"] = [f"export SUBMITIT_PREEMPT_SIGNAL={NOTICE_SIGNAL}", MASTER_PORT_LINE,
-                       *(params.get("setup") or [])]
+    params["setup"] = [f"export SUBMITIT_PREEMPT_SIGNAL={NOTICE_SIGNAL}", *(params.get("setup") or [])]
     return params
 
 
@@ -162,6 +167,85 @@ def requeue(job_id: str) -> str | None:
     except (OSError, subprocess.TimeoutExpired) as err:
         return str(err)
     return None if done.returncode == 0 else " ".join(done.stderr.split()) or f"exit code {done.returncode}"
+
+
+class TasksApart(Exception):
+    """The tasks of a submitted job's run did not meet: the message is the one line that says which and why."""
+
+
+@dataclass(frozen=True)
+class TaskRendezvous:
+    """How the ``srun`` tasks of one run of a submitted job meet, through files in the run directory they share:
+    each task says it arrived (or, stopping before the ranks met, why); rank 0 waits for every task, then opens
+    the port the ranks meet on, one free on its node now (a port derived from the job's id may be taken there by
+    anything else: another job, another cluster's job of the same id), and the others wait for it. Every wait is
+    bounded (``timeout_s``) and ends early when a task says it stopped: no task waits for one that is gone. The
+    folder is the run's own (the job's id and step, and ``SLURM_RESTART_COUNT``): a requeued job's run never reads
+    its first run's files."""
+
+    folder: Path
+    rank: int
+    world_size: int
+    timeout_s: float = RENDEZVOUS_TIMEOUT_S
+    poll_s: float = 0.2
+
+    @classmethod
+    def for_run(cls, run_dir: Path, rank: int, world_size: int,
+                environ: Mapping[str, str] | None = None) -> TaskRendezvous:
+        environ = os.environ if environ is None else environ
+        name = (f"job{environ.get('SLURM_JOB_ID', '0')}.{environ.get('SLURM_STEP_ID', '0')}"
+                f"-run{restarts(environ)}")
+        return cls(run_dir / RENDEZVOUS_DIR / name, rank, world_size)
+
+    def _write(self, name: str, text: str) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        temporary = self.folder / f".{name}.{os.getpid()}"
+        temporary.write_text(text)
+        os.replace(temporary, self.folder / name)  # a reader sees all of it or nothing
+
+    def arrive(self) -> None:
+        self._write(f"rank{self.rank}.arrived", "")
+
+    def fail(self, why: str) -> None:
+        """This task stops before the ranks met: ``why`` goes to the tasks that wait for it."""
+        self._write(f"rank{self.rank}.failed", " ".join(why.split()) or "it stopped")
+
+    def _failure(self) -> str | None:
+        for path in sorted(self.folder.glob("rank*.failed")):
+            rank = path.name[len("rank"):-len(".failed")]
+            if rank != str(self.rank):
+                return f"rank {rank} stopped before the ranks met: {path.read_text(errors='replace')}"
+        return None
+
+    def _wait(self, ready, waiting_for) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            failure = self._failure()
+            if failure is not None:
+                raise TasksApart(f"rank {self.rank} of {self.world_size}: {failure}")
+            if ready():
+                return
+            if time.monotonic() > deadline:
+                raise TasksApart(f"rank {self.rank} of {self.world_size}: {waiting_for()} within "
+                                 f"{self.timeout_s:g} s (the tasks' output: the job's folder in .submitit/ of "
+                                 "the sweep directory)")
+            time.sleep(self.poll_s)
+
+    def open_port(self, port: int) -> None:
+        """Rank 0: wait for every task, then give them ``port``."""
+        def missing() -> list[int]:
+            return [rank for rank in range(self.world_size)
+                    if not (self.folder / f"rank{rank}.arrived").exists()]
+
+        self._wait(lambda: not missing(),
+                   lambda: f"rank(s) {', '.join(map(str, missing()))} did not reach the rendezvous")
+        self._write("port", str(port))
+
+    def port(self) -> int:
+        """A rank other than 0: the port rank 0 opened."""
+        path = self.folder / "port"
+        self._wait(path.exists, lambda: "rank 0 did not open the port the ranks meet on")
+        return int(path.read_text())
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 Submitting (``launch``, in ``dsrun train -m``): the Slurm parameters get dsrun's additions
 (:func:`dsrun.launcher.slurm_jobs.batch_settings`: the notice as SIGUSR1 ``signal_delay_s`` before the time limit,
 ``--requeue``, the ranks' port); the sweep's jobs go out as one array (submitit's ``map_array``); once they are all
-done, each job's result (its run directory's ``job.json``) goes to ``dsrun train -m``'s summary table.
+done, each job's result (its run directory's ``job.json``, which also says what a failed job raised) goes to
+``dsrun train -m``'s summary table.
 
 In the job (``__call__``): Hydra composes the job's config and runs dsrun's task. When its run stops on the notice
 or on preemption's SIGTERM (the ranks saved at a step boundary: exit code 138; or could not: 143), the task raises
@@ -19,7 +20,7 @@ import gc
 import sys
 from typing import Any, Sequence
 
-from hydra.core.utils import JobReturn
+from hydra.core.utils import JobReturn, JobStatus
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher, SlurmLauncher
 
 from dsrun.launcher.slurm_jobs import JobStopped, batch_settings, requeue, restarts, slurm_job_id
@@ -38,6 +39,11 @@ class _DsrunJobs:
             self.params = batch_settings(self.params)
         returns = super().launch(job_overrides, initial_job_idx)  # type: ignore[misc]
         record_submitted_jobs(returns)
+        for ret in returns:
+            if ret.status is JobStatus.FAILED:
+                # what the job raised is in its row (job.json, read above): a failed job in the table, as for a
+                # job run in this process, not a traceback of Hydra's sweeper
+                ret.status, ret.return_value = JobStatus.COMPLETED, None
         return returns
 
     def __call__(self, *args: Any, **kwargs: Any) -> JobReturn:
