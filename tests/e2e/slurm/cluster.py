@@ -28,6 +28,9 @@ from pathlib import Path
 # the daemons and clients the cluster runs, and munge's: tests skip without them (tests/helpers.SYSTEM_PACKAGES)
 PROGRAMS = ("slurmctld", "slurmd", "sbatch", "srun", "sinfo", "scontrol", "scancel", "squeue", "munged", "mungekey")
 START_TIMEOUT_S = 60
+# the xdist group of every test that uses the cluster (``pytest.mark.xdist_group(SLURM_GROUP)``): the session fixture
+# runs once per worker, and a second cluster would give its jobs the same ids as the first's
+SLURM_GROUP = "slurm"
 
 
 @dataclass

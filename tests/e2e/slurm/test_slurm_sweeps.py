@@ -19,10 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.slurm.cluster import write_conf
+from tests.e2e.slurm.cluster import SLURM_GROUP, write_conf
 from tests.helpers import REPO, require_programs, run_cli
 
-pytestmark = pytest.mark.xdist_group(__name__)  # the name tests/conftest.py gives the module-fixture tests: one worker
+# every test of the real Slurm (tests/e2e/slurm/conftest.py's session cluster) on one xdist worker, so one slurmctld
+# serves them all: tests/conftest.py leaves a test that names its group in it
+pytestmark = pytest.mark.xdist_group(SLURM_GROUP)
 
 TINY = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=32", "data.max_bytes=200000",
         "ds.train_micro_batch_size_per_gpu=2", "train.eval_iters=1", "train.eval_interval=0",
@@ -165,6 +167,8 @@ def test_the_notice_saves_requeues_and_the_requeued_job_resumes(slurm_sweep):
     step = int(stopped.group(1))
     assert 2 <= step < STEPS
     assert f"requeued job: resuming from {run / 'checkpoints' / f'global_step{step}'} at step {step}" in log
+    # each run of the job met on a port its rank 0's store was given, in a rendezvous folder of its own
+    assert sorted(p.name.rsplit("-", 1)[1] for p in (run / ".slurm_rendezvous").iterdir()) == ["run0", "run1"]
     (job_log,) = (run.parent / ".submitit").glob("*_0/*_0_0_log.out")
     assert "stopped (exit code 138); requeued (1 of 3): the run resumes from its checkpoint" in job_log.read_text()
     assert "[dsrun] requeued job: resuming from" not in (job_dirs(slurm_sweep.folder)[1] / "dsrun.log").read_text()
