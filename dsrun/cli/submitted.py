@@ -5,7 +5,7 @@ Before Hydra starts (:func:`prepare_submission`): the launcher is installed and,
 says why not (exit code 2, nothing submitted); dsrun's settings of the launcher join the overrides.
 
 In a job (:class:`JobPlace`): a task of a Slurm job's ``srun`` step is one rank of the run (every task checks the
-recipe against the step, the ranks meet on the port rank 0 opens once every task arrived,
+recipe against the step, the ranks meet on the store rank 0 opens once every task arrived,
 :class:`~dsrun.launcher.slurm_jobs.TaskRendezvous`, rank 0 runs the job as ``dsrun train`` does under srun and hands
 its run directory to the others: :mod:`dsrun.cli.outer_rank`); a task that stops before the ranks met says why to
 the others, which leave with that one line instead of waiting; a local submitit job starts its ranks with dsrun's
@@ -98,8 +98,9 @@ class JobPlace:
             try:
                 store = rendezvous_store(host, port, rank.world_size, False, limit)
             except Exception as err:  # noqa: BLE001 - torch's connect errors differ by version; all mean the same
+                first_line = (str(err).splitlines() or [""])[0].strip()
                 raise TasksApart(f"rank {rank.rank} of {rank.world_size}: rank 0's store at {host}:{port} did not "
-                                 f"answer within {rendezvous.timeout_s:g} s ({(str(err).splitlines() or [''])[0].strip()})") from err
+                                 f"answer within {rendezvous.timeout_s:g} s ({first_line})") from err
         join_world(replace(rank, master_port=store.port), store)
         self.met = True
         if self.rank.rank == 0:

@@ -24,7 +24,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from dsrun.launcher.outer import OuterRank, detect_outer_launcher
 from dsrun.utils.errors import Problem
@@ -121,7 +121,8 @@ def launcher_overrides(choice: str, overrides: Sequence[str], num_procs: int, nu
 def batch_settings(params: dict) -> dict:
     """hydra-submitit-launcher's Slurm parameters with dsrun's additions: the notice as SIGUSR1 (``--signal``,
     ``signal_delay_s`` before the time limit), ``--requeue``, and submitit's notice signal before the user's
-    ``setup`` lines (the ranks' port is rank 0's pick, :class:`TaskRendezvous`). The user's own ``additional_parameters`` win."""
+    ``setup`` lines (no ``MASTER_PORT``: the ranks meet where rank 0 says, :class:`TaskRendezvous`). The user's
+    own ``additional_parameters`` win."""
     params = dict(params)
     extra = dict(params.get("additional_parameters") or {})
     extra.setdefault("signal", f"{NOTICE_SIGNAL}@{params.get('signal_delay_s', 120)}")
@@ -176,9 +177,10 @@ class TasksApart(Exception):
 @dataclass(frozen=True)
 class TaskRendezvous:
     """How the ``srun`` tasks of one run of a submitted job meet, through files in the run directory they share:
-    each task says it arrived (or, stopping before the ranks met, why); rank 0 waits for every task, then opens
-    the port the ranks meet on, one free on its node now (a port derived from the job's id may be taken there by
-    anything else: another job, another cluster's job of the same id), and the others wait for it. Every wait is
+    each task says it arrived (or, stopping before the ranks met, why); rank 0 waits for every task, then gives
+    them the port of the store it listens on, one the system gave it as it bound (a port derived from the job's id
+    may be held on the node by anything else: another job, another cluster's job of the same id), and the others
+    wait for it. Every wait is
     bounded (``timeout_s``) and ends early when a task says it stopped: no task waits for one that is gone. The
     folder is the run's own (the job's id and step, and ``SLURM_RESTART_COUNT``): a requeued job's run never reads
     its first run's files."""
@@ -217,7 +219,7 @@ class TaskRendezvous:
                 return f"rank {rank} stopped before the ranks met: {path.read_text(errors='replace')}"
         return None
 
-    def _wait(self, ready, waiting_for) -> None:
+    def _wait(self, ready: Callable[[], bool], waiting_for: Callable[[], str]) -> None:
         deadline = time.monotonic() + self.timeout_s
         while True:
             failure = self._failure()
@@ -232,7 +234,7 @@ class TaskRendezvous:
             time.sleep(self.poll_s)
 
     def open_port(self, port: int) -> None:
-        """Rank 0: wait for every task, then give them ``port``."""
+        """Rank 0: wait for every task, then give them ``port`` (its store's, listening already)."""
         def missing() -> list[int]:
             return [rank for rank in range(self.world_size)
                     if not (self.folder / f"rank{rank}.arrived").exists()]

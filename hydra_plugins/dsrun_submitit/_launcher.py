@@ -2,7 +2,7 @@
 
 Submitting (``launch``, in ``dsrun train -m``): the Slurm parameters get dsrun's additions
 (:func:`dsrun.launcher.slurm_jobs.batch_settings`: the notice as SIGUSR1 ``signal_delay_s`` before the time limit,
-``--requeue``, the ranks' port); the sweep's jobs go out as one array (submitit's ``map_array``); once they are all
+``--requeue``); the sweep's jobs go out as one array (submitit's ``map_array``); once they are all
 done, each job's result (its run directory's ``job.json``, which also says what a failed job raised) goes to
 ``dsrun train -m``'s summary table.
 
