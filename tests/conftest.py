@@ -77,11 +77,12 @@ def pytest_collection_modifyitems(config, items):
     share one pair of network-namespace hosts (a session fixture, set up once per worker): keep them on one.
     The tests of a module that read a fixture shared beyond one test (module, class or package scope: the
     ``runs`` launches, a trained run, a tuned study) share what it built: keep them on one worker, so it is built
-    once in the suite, not once per worker."""
+    once in the suite, not once per worker. A test that names its group itself keeps it (the real Slurm's tests,
+    ``xdist_group("slurm")``: one worker starts the one cluster they share)."""
     for item in items:
         if item.get_closest_marker("multihost"):
             item.add_marker(pytest.mark.xdist_group("two_hosts"))
-        elif _shares_a_fixture(item):
+        elif _shares_a_fixture(item) and item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 

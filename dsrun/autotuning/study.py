@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from omegaconf import DictConfig
     from optuna.trial import FrozenTrial, Trial, TrialState
 
+    from dsrun.launcher.slurm_jobs import SrunTrials
     from dsrun.runspec import ResolvedRun
 
 STUDY_NAME = "dsrun-tune"
@@ -117,8 +118,10 @@ class Tuner:
     Optuna study."""
 
     def __init__(self, settings: TuneSettings, space: SearchSpace, base_overrides: Sequence[str],
-                 recipes_dirs: Sequence[str], compose: ComposeFn, on_event: EventFn | None = None):
+                 recipes_dirs: Sequence[str], compose: ComposeFn, on_event: EventFn | None = None,
+                 srun: SrunTrials | None = None):
         self.settings = settings
+        self.srun = srun  # dsrun tune --slurm: every launch a Slurm job, srun starting its ranks
         self.space = space
         self.recipes_dirs = list(recipes_dirs)
         self.compose = compose
@@ -219,10 +222,11 @@ class Tuner:
                      *self.space.overrides(config)]
         cfg, resolved = self.compose(overrides)
         measurement = measurement_overrides(1, free_port())
-        exp = Experiment(MODEL_INFO_DIR, s.results_dir / MODEL_INFO_DIR,
-                         train_command([*without_keys(overrides, measurement), *measurement], self.recipes_dirs,
-                                       s.results_dir / MODEL_INFO_DIR / "run"),
-                         ds_for_file(resolved), {"num_gpus": resolved.world_size, "purpose": "model info"})
+        command, env = self._command(train_command([*without_keys(overrides, measurement), *measurement],
+                                                   self.recipes_dirs, s.results_dir / MODEL_INFO_DIR / "run"),
+                                     MODEL_INFO_DIR)
+        exp = Experiment(MODEL_INFO_DIR, s.results_dir / MODEL_INFO_DIR, command, ds_for_file(resolved),
+                         {"num_gpus": resolved.world_size, "purpose": "model info"}, env)
         if exp.run_dir.exists():  # an interrupted attempt
             shutil.rmtree(exp.run_dir)
         exp.write_files(s.exps_dir)
@@ -420,15 +424,18 @@ class Tuner:
         run_dir = s.results_dir / name / "run"
         if run_dir.exists():  # an interrupted attempt of this configuration
             shutil.rmtree(run_dir)
-        exp = Experiment(name, s.results_dir / name,
-                         train_command([*without_keys(overrides, measurement), *measurement], self.recipes_dirs,
-                                       run_dir),
-                         ds_for_file(resolved),
+        command, env = self._command(train_command([*without_keys(overrides, measurement), *measurement],
+                                                   self.recipes_dirs, run_dir), name)
+        exp = Experiment(name, s.results_dir / name, command, ds_for_file(resolved),
                          {"trial": trial.number, "params": params, "overrides": overrides,
                           "num_gpus": resolved.plan.world_size, "num_nodes": len(resolved.plan.hosts),
                           "hostfile": resolved.plan.hostfile, "memory_estimate": memory.breakdown,
-                          "memory_check": memory.reason, "comm_estimate_per_step": memory.comm})
+                          "memory_check": memory.reason, "comm_estimate_per_step": memory.comm}, env)
         self._launch_and_measure(trial, exp)
+
+    def _command(self, command: list[str], name: str) -> tuple[list[str], dict[str, str]]:
+        """A launch's command and what its environment adds: as it is, or a Slurm job's (``dsrun tune --slurm``)."""
+        return self.srun.wrap(command, f"dsrun-tune-{name}") if self.srun is not None else (command, {})
 
     def _launch_and_measure(self, trial: Trial, exp: Experiment) -> None:
         """Write the experiment's files, launch it, and record its profile metric (or its failure)."""

@@ -67,6 +67,7 @@ class Experiment:
     command: list[str]
     ds_config: dict[str, Any]
     info: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)  # what the command's environment adds (a trial under srun)
 
     @property
     def run_dir(self) -> Path:
@@ -140,7 +141,7 @@ def launch(exp: Experiment, timeout: float, env: Mapping[str, str] | None = None
     started = time.monotonic()
     with open(exp.directory / "stdout.log", "w") as out, open(exp.directory / "stderr.log", "w") as err:
         process = subprocess.Popen(exp.command, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                                   env={**os.environ, **(env or {})}, start_new_session=True,
+                                   env={**os.environ, **exp.env, **(env or {})}, start_new_session=True,
                                    preexec_fn=_die_with_parent)
         try:
             if on_start is not None:

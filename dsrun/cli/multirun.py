@@ -4,13 +4,20 @@ saved as ``summary.txt`` in the sweep directory.
 Every job of a sweep is a full launch. A job that fails (a bad value for one combination, a rank that
 crashes) is recorded as failed with its reason, and the sweep goes on with the next job; the table shows
 the finished jobs' results next to the failures, and ``dsrun train -m`` exits non-zero if any job failed.
+
+Jobs that a submitit launcher runs in processes of their own (``hydra/launcher=submitit_slurm|submitit_local``,
+docs/cluster.md) write their row as ``job.json`` in their run directory (:func:`write_job_result`); the launcher
+hands those to ``dsrun train -m`` once the jobs are done (:func:`record_submitted_jobs`, :func:`take_submitted_jobs`).
 """
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
+
+JOB_JSON = "job.json"  # a submitted job's row of the summary table, in its run directory
 
 
 @dataclass
@@ -27,6 +34,43 @@ class JobResult:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+
+def write_job_result(job: JobResult) -> None:
+    """A submitted job's row, for the process that submitted it (``job.json`` in the job's run directory)."""
+    row = {**asdict(job), "run_dir": str(job.run_dir)}
+    job.run_dir.mkdir(parents=True, exist_ok=True)
+    (job.run_dir / JOB_JSON).write_text(json.dumps(row, indent=1) + "\n")
+
+
+def read_job_result(number: int, overrides: list[str], run_dir: Path) -> JobResult:
+    """The row a submitted job wrote; a job that wrote none (it died before its end) is failed, saying where its
+    log is."""
+    try:
+        row = json.loads((run_dir / JOB_JSON).read_text())
+        return JobResult(number, list(row["overrides"]), run_dir, row.get("final_eval_loss"),
+                         row.get("tokens_per_second"), row.get("error"))
+    except (OSError, ValueError, KeyError, TypeError):
+        return JobResult(number, overrides, run_dir, error=f"no result in {short_path(run_dir)} (the submitted "
+                         "job's own log: .submitit/ in the sweep directory)")
+
+
+_SUBMITTED: list[JobResult] = []  # the rows of jobs a submitit launcher ran, until dsrun train -m takes them
+
+
+def record_submitted_jobs(returns: Sequence[Any]) -> None:
+    """Called by dsrun's submitit launchers with Hydra's ``JobReturn`` of each job, once all are done."""
+    for ret in returns:
+        hydra = ret.hydra_cfg.hydra
+        _SUBMITTED.append(read_job_result(int(hydra.job.num), [str(o) for o in ret.overrides],
+                                          Path(str(hydra.runtime.output_dir))))
+
+
+def take_submitted_jobs() -> list[JobResult]:
+    """The rows :func:`record_submitted_jobs` recorded, in job order (and forgets them)."""
+    jobs = sorted(_SUBMITTED, key=lambda job: job.number)
+    _SUBMITTED.clear()
+    return jobs
 
 
 def varying_overrides(jobs: Sequence[JobResult]) -> list[list[str]]:

@@ -3,7 +3,8 @@
 Every rank composes the recipe and checks its ``launcher`` keys against the outer launcher's world
 (:func:`dsrun.launcher.outer.launcher_conflicts`) on its own, so a conflict stops every rank with the same one
 line before any of them waits for another. Then the ranks meet (:func:`join_world`: ``torch.distributed``'s
-``env://`` rendezvous at the outer launcher's ``MASTER_ADDR:MASTER_PORT``) and only rank 0 goes on as ``dsrun
+``env://`` rendezvous at the outer launcher's ``MASTER_ADDR:MASTER_PORT``, or the store a submitted Slurm job's
+rank 0 opened, :mod:`dsrun.cli.submitted`) and only rank 0 goes on as ``dsrun
 train`` does: Hydra makes the run directory (time-stamped, or ``hydra.run.dir``), the checks before launch run,
 the run files are written. Rank 0 hands the directory to the others (:class:`RunHandoff`), so every rank
 uses rank 0's and the others never run Hydra (no second directory, none of rank 0's files written twice); a
@@ -21,19 +22,26 @@ import importlib
 import os
 import sys
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, TYPE_CHECKING, Iterator
 
 from dsrun.launcher.outer import OuterRank
 from dsrun.runspec import WORKER_MODULE
 from dsrun.utils.errors import EXIT_USAGE, UserError
 
+if TYPE_CHECKING:
+    from torch.distributed import Store
 
-def join_world(outer: OuterRank) -> None:
-    """Give this process the variables a rank of dsrun's own launcher has, then meet the other ranks."""
+
+def join_world(outer: OuterRank, store: Store | None = None) -> None:
+    """Give this process the variables a rank of dsrun's own launcher has, then meet the other ranks (on
+    ``store`` when given: a submitted Slurm job's, :mod:`dsrun.cli.submitted`)."""
     import dsrun
 
     os.environ.update(outer.environment())
-    dsrun.init_distributed()
+    if store is None:
+        dsrun.init_distributed()
+    else:
+        dsrun.init_distributed(rank=outer.rank, world_size=outer.world_size, store=store)
 
 
 class RunHandoff:

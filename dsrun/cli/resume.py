@@ -147,6 +147,23 @@ def settle_auto(resolved: ResolvedRun, run_dir: Path, overrides: Sequence[str],
         "same recipe and overrides")
 
 
+def settle_requeued(resolved: ResolvedRun, run_dir: Path) -> tuple[ResolvedRun, str] | None:
+    """A submitted job that a scheduler runs again (requeued after the time-limit notice or a preemption) runs in
+    the same run directory: the run resumes from that directory's newest checkpoint, its own from before it was
+    stopped. None when it holds none (the job's first run)."""
+    folder = run_dir / CHECKPOINTS
+    found = checkpoint_step(folder)
+    if found is None:
+        return None
+    tag, step = found
+    if step is not None and step >= resolved.train.max_steps:
+        raise RunFinished(run_dir, f"requeued job: its run directory's checkpoint {tag} is at step {step} of "
+                          f"train.max_steps={resolved.train.max_steps}; nothing left to train")
+    at = f" at step {step}" if step is not None else ""
+    return with_resume(resolved, str(folder)), (
+        f"requeued job: resuming from {folder / tag}{at}, its own checkpoint from before it was stopped")
+
+
 def source_run(path: str | Path) -> Path:
     """The run directory ``--from`` names, checked to hold dsrun's record of a composition."""
     source = Path(path).expanduser().absolute()

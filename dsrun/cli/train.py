@@ -31,6 +31,9 @@ Examples:
                                                 a summary table of the jobs at the end
   dsrun train -m hydra/sweeper=optuna hydra.sweeper.n_trials=20 'optimizer.params.lr=tag(log, interval(1e-5, 1e-2))'
                                                 an Optuna search minimising the final eval loss (docs/sweeps.md)
+  dsrun train -m hydra/launcher=submitit_slurm hydra.launcher.partition=gpu zero=stage2,stage3
+                                                every job a Slurm job (one array), every rank an srun task; the
+                                                time-limit notice saves, requeues, resumes (docs/cluster.md)
 
 Before any rank starts, the run is checked: unset values, data files, the model's shape against the data,
 train.resume, monitor folders, and memory by the estimator (docs/estimate.md).
@@ -131,8 +134,11 @@ def _run(args: argparse.Namespace, outer: OuterRank | None, handoff: RunHandoff 
 
     # the first line comes before Hydra and torch are imported: they cost seconds of CPU on a busy machine
     say_stage(f"composing {f'the run of {args.from_dir}' if args.from_dir else 'the config'} (Hydra)")
-    from dsrun.cli.multirun import JobResult, first_job_overrides, summary_table, unknown_sweep_options
+    from dsrun.cli.multirun import (JobResult, first_job_overrides, summary_table, take_submitted_jobs,
+                                    unknown_sweep_options, write_job_result)
     from dsrun.cli.resume import RunFinished, from_overrides, settle_from, source_run
+    from dsrun.cli.submitted import JobPlace, follow_job_rank_zero, prepare_submission
+    from dsrun.launcher.slurm_jobs import TasksApart
     from dsrun.compose import app_overrides, compose_runspec, finish_runspec, run_app
     from dsrun.config import announce
     from dsrun.runspec import resolve_run
@@ -158,7 +164,8 @@ def _run(args: argparse.Namespace, outer: OuterRank | None, handoff: RunHandoff 
         problems = unknown_sweep_options(args.overrides, args.recipes_dir)
         if problems:
             raise UserError(problems)
-        compose_runspec(first_job_overrides(args.overrides), args.recipes_dir)
+        first_spec = compose_runspec(first_job_overrides(args.overrides), args.recipes_dir)
+        overrides = prepare_submission(overrides, first_spec)  # hydra/launcher=submitit_*: dsrun's settings
     hydra_overrides = app_overrides(overrides, args.recipes_dir, source=source)
     jobs: list[JobResult] = []  # a sweep's jobs, in the order they ran
 
@@ -170,19 +177,28 @@ def _run(args: argparse.Namespace, outer: OuterRank | None, handoff: RunHandoff 
 
         hydra_cfg = HydraConfig.get()
         run_dir = Path(hydra_cfg.runtime.output_dir)
-        job = JobResult(len(jobs), list(hydra_cfg.overrides.task), run_dir)
+        # a sweep's job a submitit launcher started (dsrun.cli.submitted), or one in this process
+        place = JobPlace.here(run_dir) if args.multirun else JobPlace(None)
+        max_requeues = int(hydra_cfg.launcher.get("max_num_timeout") or 0) if place.executor else 0
+        job = JobResult(hydra_cfg.job.num if place.executor else len(jobs), list(hydra_cfg.overrides.task), run_dir)
         log = LauncherLog(run_dir)
         try:
             with quiet_legacy_notes(not args.multirun):  # the single run's notes were shown already
-                resolved = resolve_run(finish_runspec(cfg, hydra_overrides), reuse=first, outer=outer)  # ds once
+                resolved = resolve_run(finish_runspec(cfg, hydra_overrides), reuse=first,  # ds once
+                                       outer=place.rank or outer)
+            if place.rank is not None and not place.meet():  # an srun task of a Slurm job, not rank 0
+                follow_job_rank_zero(place, max_requeues)
+                return None
             announce(resolved.ds, for_children=True)  # what it runs without: said once, not again by the ranks
             preflight = checked or _check(resolved, args)
-            resolved, resume_line = _settle_resume(resolved, run_dir, job.overrides, args, source, overrides)
+            resolved, resume_line = _settle_resume(resolved, run_dir, job.overrides, args, source, overrides,
+                                                   requeued=place.executor is not None)
             record = Record(command, _lineage(source, job.overrides), preflight.data)
             if args.dry_run:
                 return _dry_run(resolved, run_dir, preflight, resume_line, record)
-            if handoff is not None:
-                metrics = _train_as_rank(resolved, run_dir, preflight, resume_line, record, log, handoff)
+            if (place.handoff or handoff) is not None:
+                metrics = _train_as_rank(resolved, run_dir, preflight, resume_line, record, log,
+                                         place.handoff or handoff)
             else:
                 metrics = _train(resolved, run_dir, preflight, resume_line, record, log)
             job.final_eval_loss, job.tokens_per_second = metrics.get("final_eval_loss"), metrics["tokens_per_second"]
@@ -203,11 +219,25 @@ def _run(args: argparse.Namespace, outer: OuterRank | None, handoff: RunHandoff 
             job.error = "stopped"
             if not args.multirun:
                 sys.exit(err.exit_code)
-            raise KeyboardInterrupt from None  # Ctrl-C stops the sweep, not only its job
+            if place.executor is None:
+                raise KeyboardInterrupt from None  # Ctrl-C stops the sweep, not only its job
+            job.error = place.stopped(err.exit_code, max_requeues)  # or JobStopped: the launcher requeues the job
+        except TasksApart as err:  # a submitted job's srun tasks did not meet: one line, the job failed
+            log.say(f"error: {err}", err=True, prefix=False)
+            job.error = str(err)
+        except Exception as err:
+            if place.executor is not None:
+                # Hydra's job runner keeps what a job raised to itself, and submitit then reports the job done:
+                # the job's row and the tasks waiting for this one say it failed, and why
+                job.error = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0].strip()}"
+            raise
         finally:
             log.close()
+            place.close(job.error)
             jobs.append(job)
-            if args.multirun and not args.dry_run:  # the table so far, kept even if the sweep is killed
+            if place.reports:  # the job's row, for dsrun train -m in the process that submitted it
+                write_job_result(job)
+            elif args.multirun and not args.dry_run:  # the table so far, kept even if the sweep is killed
                 sweep_dir = Path(hydra_cfg.sweep.dir)
                 sweep_dir.mkdir(parents=True, exist_ok=True)
                 (sweep_dir / "summary.txt").write_text(summary_table(jobs, sweep_dir) + "\n")
@@ -215,6 +245,10 @@ def _run(args: argparse.Namespace, outer: OuterRank | None, handoff: RunHandoff 
         return job.final_eval_loss
 
     run_app(task, overrides, args.recipes_dir, multirun=args.multirun, source=source)
+    if args.multirun and not jobs:  # the jobs ran where a submitit launcher put them: their rows came back
+        jobs.extend(take_submitted_jobs())
+        if jobs and not args.dry_run:
+            (jobs[0].run_dir.parent / "summary.txt").write_text(summary_table(jobs, jobs[0].run_dir.parent) + "\n")
     if args.multirun and jobs and not args.dry_run:
         print(summary_table(jobs, jobs[0].run_dir.parent), flush=True)  # a job runs in <sweep dir>/<N>
         return 1 if any(not job.ok for job in jobs) else 0
@@ -253,12 +287,17 @@ def quiet_legacy_notes(quiet: bool) -> Iterator[None]:
 
 
 def _settle_resume(resolved: ResolvedRun, run_dir: Path, job_overrides: list[str], args: argparse.Namespace,
-                   source: Path | None, overrides: list[str]) -> tuple[ResolvedRun, str | None]:
-    """Resolve ``train.resume=auto`` and ``--from`` into a checkpoint folder (or null); check what it names."""
+                   source: Path | None, overrides: list[str], requeued: bool = False) -> tuple[ResolvedRun, str | None]:
+    """Resolve ``train.resume=auto`` and ``--from`` into a checkpoint folder (or null); check what it names.
+    ``requeued``: a submitted job, which a scheduler may run again in the same run directory: a checkpoint there
+    is its own, from before it was stopped, and the run resumes from it."""
     from dsrun.cli.preflight import resume_problems
-    from dsrun.cli.resume import settle_auto, settle_from
+    from dsrun.cli.resume import settle_auto, settle_from, settle_requeued
 
-    if source is not None:
+    again = settle_requeued(resolved, run_dir) if requeued else None
+    if again is not None:
+        resolved, line = again
+    elif source is not None:
         resolved, line = settle_from(resolved, source, overrides)
     elif str(resolved.train.resume).lower() == "auto":
         resolved, line = settle_auto(resolved, run_dir, job_overrides, args.multirun)

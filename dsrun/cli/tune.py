@@ -10,6 +10,9 @@ Examples:
   dsrun tune +recipe=gpt_tune autotuning.tuner_type=random autotuning.tuner_num_trials=6
   dsrun tune +recipe=gpt_zero2 autotuning=fast --memory-limit 4GiB
   dsrun tune +recipe=gpt_tune --run                             then train with the best config
+  dsrun tune +recipe=gpt_tune --slurm --srun-args="--partition=gpu --time=20"
+                                                                every trial a Slurm job: srun starts one task
+                                                                per rank (docs/cluster.md, "Slurm")
 Outputs (docs/autotuning.md): RESULTS_DIR/<exp>/{cmd.txt,ds_config.json,exp.json,metrics.json,stdout.log,
 stderr.log}, summary.txt, ds_config_optimal.json, cmd_optimal.txt, study.db.
 """
@@ -29,6 +32,7 @@ if TYPE_CHECKING:
     from dsrun.autotuning import SearchSpace, Tuner, TuneSettings
     from dsrun.autotuning.results import TrialRow
     from dsrun.config.monitoring import MLflowConfig
+    from dsrun.launcher.slurm_jobs import SrunTrials
     from dsrun.runspec import ResolvedRun
 
 
@@ -43,6 +47,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trial-timeout", metavar="S", type=float, default=None,
                         help="seconds before a trial's launch is stopped and recorded as failed "
                              "(default: tune.trial_timeout, 600)")
+    parser.add_argument("--slurm", action="store_true",
+                        help="run every trial as a Slurm job of its own: srun starts launcher.num_procs tasks on "
+                             "each of launcher.num_nodes nodes, each task one rank of the trial's dsrun train")
+    parser.add_argument("--srun-args", metavar="ARGS", default="",
+                        help="more srun options for each trial's job, with --slurm: "
+                             '--srun-args="--partition=gpu --time=20"')
     add_compose_arguments(parser)
     parser.parse_args = parser.parse_intermixed_args  # type: ignore[method-assign]  # flags anywhere
 
@@ -72,9 +82,30 @@ def run(args: argparse.Namespace) -> int:
         composed = compose_runspec(overrides, args.recipes_dir)
         return composed, resolve_run(composed)
 
+    srun = _srun_trials(args, resolved)  # before any output: Slurm not reachable is a mistake of one line
     reporter = Reporter(settings, space, mlflow=resolved.ds.mlflow if resolved.ds.mlflow.enabled else None)
-    tuner = Tuner(settings, space, args.overrides, args.recipes_dir, compose, on_event=reporter.event)
+    tuner = Tuner(settings, space, args.overrides, args.recipes_dir, compose, on_event=reporter.event, srun=srun)
     return tune_and_report(tuner, reporter, args.run)
+
+
+def _srun_trials(args: argparse.Namespace, resolved: ResolvedRun) -> SrunTrials | None:
+    """``--slurm``: how each trial runs as a Slurm job (:class:`dsrun.launcher.slurm_jobs.SrunTrials`), once Slurm
+    is known to answer; None without it."""
+    import shlex
+
+    from dsrun.launcher.slurm_jobs import SrunTrials, unreachable
+    from dsrun.utils.errors import Problem, UserError
+
+    if not args.slurm:
+        if args.srun_args:
+            raise UserError(Problem("--srun-args", "is for trials run as Slurm jobs", "add --slurm"))
+        return None
+    problem = unreachable(where="--slurm", local="or leave out --slurm to run the trials on this machine",
+                          clients=("srun", "scontrol"))
+    if problem is not None:
+        raise UserError(problem)
+    launcher = resolved.runspec.launcher
+    return SrunTrials(int(launcher.get("num_nodes") or 1), int(launcher.num_procs), tuple(shlex.split(args.srun_args)))
 
 
 def tune_and_report(tuner: Tuner, reporter: "Reporter", run_best: bool) -> int:

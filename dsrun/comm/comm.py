@@ -45,7 +45,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
                      distributed_port: int = 29500, verbose: bool = True,
                      timeout: timedelta = timedelta(seconds=1800), init_method: str | None = None,
                      dist_init_required: bool | None = None, config: dict | None = None,
-                     rank: int = -1, world_size: int = -1) -> None:
+                     rank: int = -1, world_size: int = -1, *, store: dist.Store | None = None) -> None:
     """Initialize torch.distributed, as ``deepspeed.init_distributed`` does.
 
     The backend defaults to the accelerator's (gloo on CPU, NCCL on CUDA). Rank and world size come from the
@@ -53,7 +53,9 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     a single-process world on 127.0.0.1 is created so a plain ``python train.py`` works. ``timeout`` bounds
     every collective: a rank that never joins makes the others fail after it instead of hanging.
     ``config`` may carry a ``comms_logger`` section (a dict or an object with those attributes).
-    ``auto_mpi_discovery`` is accepted for compatibility; MPI launch is not supported.
+    ``auto_mpi_discovery`` is accepted for compatibility; MPI launch is not supported. ``store`` (dsrun's, not
+    DeepSpeed's; with ``rank`` and ``world_size``): meet there instead of at ``MASTER_ADDR:MASTER_PORT``
+    (:func:`rendezvous_store`).
     """
     from dsrun.launcher.protocol import install_user_error_hook
 
@@ -81,6 +83,8 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout}
     if init_method is not None:
         kwargs["init_method"] = init_method
+    if store is not None:
+        kwargs["store"] = store
     if rank >= 0:
         kwargs["rank"] = rank
     if world_size > 0:
@@ -94,6 +98,17 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     if verbose and get_rank() == 0:
         print(f"[dsrun] initialized torch.distributed: backend={backend} world_size={get_world_size()}",
               flush=True)
+
+
+def rendezvous_store(host: str, port: int, world_size: int, is_master: bool, timeout: timedelta,
+                     ops_timeout: timedelta = timedelta(seconds=1800)) -> dist.Store:
+    """The store ranks meet on, for :func:`init_distributed`'s ``store``: rank 0's server (``port`` 0: one the
+    system picks as it binds, read back as ``.port``, so no other process can hold it), or another rank's client
+    of it at ``host:port``, which gives up after ``timeout`` when no server answers there. Once connected, a wait
+    on the store lasts up to ``ops_timeout`` (init_distributed's default for the collectives)."""
+    store = dist.TCPStore(host, port, world_size, is_master, timeout, wait_for_workers=False)
+    store.set_timeout(ops_timeout)
+    return store
 
 
 # torch.distributed.nn.functional declares its collectives with ``group=group.WORLD`` as a default argument, an

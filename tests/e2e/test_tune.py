@@ -218,6 +218,7 @@ def test_impossible_trial_is_pruned_and_a_crash_keeps_its_real_error(tmp_path):
     (["+recipe=gpt_tune", "autotuning.tuner_type=bayes"], "ds.autotuning.tuner_type"),
     (["+recipe=gpt_tune", "+tune.spaces=1"], "tune.spaces: unknown key (did you mean 'space'?)"),
     (["+recipe=gpt_tune", "--memory-limit", "lots"], "--memory-limit: got 'lots'"),
+    (["+recipe=gpt_tune", "--srun-args=--time=5"], "--srun-args: is for trials run as Slurm jobs (add --slurm)"),
 ])
 def test_mistakes_are_one_line_and_exit_2(overrides, message, tmp_path):
     result = run_cli("tune", *overrides, cwd=tmp_path, timeout=60)

@@ -1,0 +1,218 @@
+"""``dsrun train -m hydra/launcher=submitit_slurm|submitit_local`` (docs/cluster.md, "Slurm"), against a real
+one-node Slurm (slurmctld + slurmd + munged of this machine, tests/e2e/slurm/cluster.py) and submitit's local
+executor: a 2-job sweep of 2-rank jobs goes to Slurm as one array, each job's 2 ranks 2 ``srun`` tasks of dsrun
+train (the outer-launcher contract), and trains the same losses as the same sweep run by submitit's local executor,
+where dsrun's own launcher starts ``launcher.num_procs=2`` ranks in each job. A job stopped by the notice (SIGUSR1,
+as ``--signal`` sends it) saves, is requeued and resumes. With no Slurm to reach, one line and exit code 2.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.slurm.cluster import SLURM_GROUP, write_conf
+from tests.helpers import REPO, require_programs, run_cli
+
+# every test of the real Slurm (tests/e2e/slurm/conftest.py's session cluster) on one xdist worker, so one slurmctld
+# serves them all: tests/conftest.py leaves a test that names its group in it
+pytestmark = pytest.mark.xdist_group(SLURM_GROUP)
+
+TINY = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=32", "data.max_bytes=200000",
+        "ds.train_micro_batch_size_per_gpu=2", "train.eval_iters=1", "train.eval_interval=0",
+        "scheduler.params.warmup_num_steps=2", "ds.steps_per_print=1"]
+STEPS = 100  # long enough (seconds) for the notice to land in the middle of job 0
+SWEEP = ["launcher.num_procs=2", "zero=stage1,stage2", f"train.max_steps={STEPS}", *TINY]
+TIMEOUT = 400
+
+
+def losses(run_dir: Path) -> list[tuple[int, float]]:
+    with open(run_dir / "dsrun" / "Train_Samples_train_loss.csv") as handle:
+        return [(int(row["step"]), float(row["train_loss"])) for row in csv.DictReader(handle)]
+
+
+def job_dirs(folder: Path) -> list[Path]:
+    (sweep_dir,) = (folder / "multirun").glob("*/*")
+    return sorted((p for p in sweep_dir.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+
+
+def said(out: str, err: str, folder: Path) -> str:
+    """The sweep's output and its jobs' own logs (submitit's), for a failed assertion."""
+    logs = "\n".join(f"--- {p}\n{p.read_text(errors='replace')[-2500:]}" for p in sorted(folder.rglob("*_log.*")))
+    return f"{out[-3000:]}\n{err[-3000:]}\n{logs}"
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {**os.environ, **(extra or {})}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+    return env
+
+
+@dataclass
+class Sweep:
+    code: int
+    out: str
+    err: str
+    folder: Path
+    seconds: float
+
+    def explain(self) -> str:
+        return said(self.out, self.err, self.folder)
+
+
+@pytest.fixture(scope="module")
+def local_sweep(tmp_path_factory) -> Sweep:
+    """The sweep on submitit's local executor: each job one process of submitit's, dsrun's own launcher starting
+    its launcher.num_procs=2 ranks."""
+    folder = tmp_path_factory.mktemp("submitit_local")
+    started = time.perf_counter()
+    done = run_cli("train", "-m", "hydra/launcher=submitit_local", *SWEEP, cwd=folder, timeout=TIMEOUT)
+    return Sweep(done.returncode, done.stdout, done.stderr, folder, time.perf_counter() - started)
+
+
+@pytest.fixture(scope="module")
+def slurm_sweep(tmp_path_factory, slurm_cluster) -> Sweep:
+    """The sweep on Slurm; job 0 gets the time-limit notice (SIGUSR1 to its step, what ``--signal=USR1@S`` sends)
+    once it trains: its ranks save, rank 0 requeues it, and its second run resumes."""
+    slurm_cluster.wait_idle()
+    folder = tmp_path_factory.mktemp("submitit_slurm")
+    argv = [sys.executable, "-m", "dsrun", "train", "-m", "hydra/launcher=submitit_slurm", *SWEEP]
+    started = time.perf_counter()
+    with subprocess.Popen(argv, cwd=folder, env=_env(slurm_cluster.env({})), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL) as sweep:
+        try:
+            log = _wait_for_text(folder, "multirun/*/*/0/logs/rank0.stdout.log", f"step 2/{STEPS}", sweep)
+            (job,) = [p.name for p in (log.parents[2] / ".submitit").glob("*_0")]  # ARRAYID_0
+            slurm_cluster.run("scancel", "--signal=USR1", job)  # to every process of the job's steps: the ranks
+            out, err = sweep.communicate(timeout=TIMEOUT)
+        finally:
+            if sweep.poll() is None:
+                sweep.kill()
+                out, err = sweep.communicate()
+    return Sweep(sweep.returncode, out, err, folder, time.perf_counter() - started)
+
+
+def _wait_for_text(folder: Path, pattern: str, text: str, process: subprocess.Popen, timeout: float = 300) -> Path:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for path in folder.glob(pattern):
+            if text in path.read_text(errors="replace"):
+                return path
+        if process.poll() is not None:
+            raise AssertionError(f"the sweep ended (exit {process.returncode}) before {text!r} appeared in {pattern}: "
+                                 + said(*process.communicate(), folder))
+        time.sleep(0.2)
+    raise AssertionError(f"{text!r} did not appear in {pattern} within {timeout} s")
+
+
+@pytest.mark.timeout(TIMEOUT + 60)
+def test_submitit_local_runs_both_jobs(local_sweep):
+    sys.stdout.write(f"the submitit_local sweep: {local_sweep.seconds:.1f} s\n")
+    assert local_sweep.code == 0, local_sweep.explain()
+    runs = job_dirs(local_sweep.folder)
+    assert [p.name for p in runs] == ["0", "1"]
+    assert [json.loads((run / "metrics.json").read_text())["steps"] for run in runs] == [STEPS, STEPS]
+    assert [json.loads((run / "ds_config.json").read_text())["zero_optimization"]["stage"] for run in runs] == [1, 2]
+    assert "sweep of 2 job(s): 2 finished, 0 failed" in local_sweep.out, local_sweep.explain()
+    assert (runs[0].parent / "summary.txt").read_text().count(" ok\n") == 2
+
+
+@pytest.mark.timeout(2 * TIMEOUT + 60)
+def test_a_slurm_sweep_is_one_array_of_srun_ranks_that_train_the_local_launchers_losses(slurm_sweep, local_sweep):
+    sys.stdout.write(f"the submitit_slurm sweep, one job requeued: {slurm_sweep.seconds:.1f} s\n")
+    assert slurm_sweep.code == 0, slurm_sweep.explain()
+    runs = job_dirs(slurm_sweep.folder)
+    assert [p.name for p in runs] == ["0", "1"]
+    assert "sweep of 2 job(s): 2 finished, 0 failed" in slurm_sweep.out, slurm_sweep.explain()
+    # one sbatch: an array of two tasks (submitit names their folders ARRAYID_TASK), each asking one task per rank,
+    # SIGUSR1 as the notice before the time limit, requeueable
+    submitted = sorted(p.name for p in (runs[0].parent / ".submitit").iterdir() if p.is_dir() and "_" in p.name)
+    assert len({name.split("_")[0] for name in submitted}) == 1, submitted
+    assert sorted(name.split("_")[1] for name in submitted) == ["0", "1"], submitted
+    (script,) = (runs[0].parent / ".submitit").glob("*/*_submission.sh")  # the array's one batch script
+    text = script.read_text()
+    for line in ("#SBATCH --array=0-1%2", "#SBATCH --ntasks-per-node=2", "#SBATCH --signal=USR1@150",
+                 "#SBATCH --requeue", "export SUBMITIT_PREEMPT_SIGNAL=USR1"):
+        assert line in text, text
+    # every job: two srun tasks were its two ranks (each rank's log, one run directory), and trained the same
+    # losses, step by step, as dsrun's own launcher with launcher.num_procs=2 in the local sweep's job; job 0 across
+    # its requeue
+    for run, local in zip(runs, job_dirs(local_sweep.folder)):
+        assert sorted(p.name for p in (run / "logs").glob("rank*.stdout.log")) == ["rank0.stdout.log",
+                                                                                   "rank1.stdout.log"]
+        assert "training as rank 0 of srun: SLURM_STEP_NUM_TASKS=2" in (run / "dsrun.log").read_text()
+        assert len(losses(run)) == STEPS and losses(run) == losses(local), run
+        metrics = json.loads((run / "metrics.json").read_text())  # the last run's: job 0's went on from its checkpoint
+        assert metrics.get("resumed_from_step", 0) + metrics["steps"] == STEPS
+
+
+@pytest.mark.timeout(2 * TIMEOUT + 60)
+def test_the_notice_saves_requeues_and_the_requeued_job_resumes(slurm_sweep):
+    """Job 0 of the sweep got SIGUSR1 while it trained: both ranks stopped at a step boundary and saved there, rank
+    0 requeued the job, and the job's second run resumed from that checkpoint in the same run directory."""
+    assert slurm_sweep.code == 0, slurm_sweep.explain()
+    run = job_dirs(slurm_sweep.folder)[0]
+    log = (run / "dsrun.log").read_text()  # both runs of the job, one after the other
+    stopped = re.search(rf"\[dsrun\] stopped by SIGUSR1 after step (\d+) of {STEPS}; checkpoint saved at step \1 in "
+                        r"\S+/global_step\1\n", log)
+    assert stopped, log[-3000:]
+    step = int(stopped.group(1))
+    assert 2 <= step < STEPS
+    assert f"requeued job: resuming from {run / 'checkpoints' / f'global_step{step}'} at step {step}" in log
+    # each run of the job met on a port its rank 0's store was given, in a rendezvous folder of its own
+    assert sorted(p.name.rsplit("-", 1)[1] for p in (run / ".slurm_rendezvous").iterdir()) == ["run0", "run1"]
+    (job_log,) = (run.parent / ".submitit").glob("*_0/*_0_0_log.out")
+    assert "stopped (exit code 138); requeued (1 of 3): the run resumes from its checkpoint" in job_log.read_text()
+    assert "[dsrun] requeued job: resuming from" not in (job_dirs(slurm_sweep.folder)[1] / "dsrun.log").read_text()
+
+
+@pytest.mark.timeout(120)
+def test_slurm_not_reachable_is_one_line_and_exit_code_2(tmp_path):
+    """No controller answers (SLURM_CONF names no cluster): one line naming the problem and what to do, exit code 2,
+    no sweep directory, nothing submitted or left running. (No sbatch on PATH:
+    tests/unit/launcher/test_slurm_jobs.py.)"""
+    require_programs("sbatch", "scontrol")
+    conf = write_conf(tmp_path, cpus=1)  # a cluster whose slurmctld was never started: nothing at its port
+    done = run_cli("train", "-m", "hydra/launcher=submitit_slurm", "zero=stage1,stage2", "train.max_steps=10",
+                   cwd=tmp_path, env={"SLURM_CONF": str(conf)}, timeout=110)
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, done.stderr
+    assert re.fullmatch(
+        r"error: hydra/launcher=submitit_slurm: Slurm is not reachable: scontrol ping says 'Slurmctld\(primary\) at "
+        rf"\S+ is DOWN' \(start slurmctld or point SLURM_CONF \(now {re.escape(str(conf))}\) at your cluster's "
+        r"slurm.conf, or run the jobs on this machine with hydra/launcher=submitit_local\)", lines[0]), lines[0]
+    assert not (tmp_path / "multirun").exists()
+
+
+@pytest.mark.slow  # two more Slurm jobs (a minute on a busy machine): beyond the suite's budget for this file
+@pytest.mark.timeout(TIMEOUT + 60)
+def test_dsrun_tune_slurm_runs_every_trial_as_a_slurm_job(tmp_path, slurm_cluster):
+    """``dsrun tune --slurm``: each trial's ``dsrun train`` under ``srun`` (a job of its own, every task a rank),
+    measured as without Slurm."""
+    slurm_cluster.wait_idle()
+    started = time.perf_counter()
+    done = run_cli("tune", "+recipe=gpt_tune", "launcher.num_procs=1", "train.max_steps=3",
+                   "autotuning.tuner_num_trials=2", "+ds.autotuning.model_info.num_params=120576",
+                   "--memory-limit", "1GiB", "--trial-timeout", "200", "--slurm", "--srun-args=--time=10",
+                   cwd=tmp_path, env=slurm_cluster.env(), timeout=TIMEOUT)
+    sys.stdout.write(f"dsrun tune --slurm, 2 trials: {time.perf_counter() - started:.1f} s\n")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = tmp_path / "autotuning_results"
+    trials = [p for p in results.iterdir() if (p / "metrics.json").is_file()]
+    assert len(trials) == 2, done.stdout[-3000:]
+    for trial in trials:
+        command = (trial / "cmd.txt").read_text().split()
+        assert command[:5] == ["srun", f"--job-name=dsrun-tune-{trial.name}", "--nodes=1", "--ntasks-per-node=1",
+                               "--kill-on-bad-exit=1"] and "--time=10" in command
+        assert json.loads((trial / "metrics.json").read_text())["throughput"] > 0
+        # the trial's rank was the srun task: dsrun train ran as srun's rank (no launcher of its own)
+        assert "training as rank 0 of srun" in (trial / "run" / "dsrun.log").read_text()
