@@ -174,7 +174,7 @@ class ZenFlowStore:
                 cols = torch.arange(f.param_start, f.param_start + f.b - f.a) % f.cols
                 scores[at:at + f.cols].index_add_(0, cols, g[f.a:f.b].float().abs())
             at += f.cols
-        if group is not None and comm.get_world_size(group) > 1 or group is None and comm.get_world_size() > 1:
+        if comm.get_world_size(group) > 1:
             comm.all_reduce(scores, group=group)
         picked = []
         for f in layout:
@@ -271,6 +271,10 @@ class ZenFlowStore:
         else:
             self._job, self._job_oldest = self.worker.submit(run), oldest
 
+    def wait(self) -> None:
+        """Wait for an update running in the background (it is still published at the next step's update)."""
+        self._finish_job([m for _, m in self._last_jobs()])
+
     def _finish_job(self, masters: list[torch.nn.Parameter]) -> None:
         if self._job is None:
             return
@@ -295,11 +299,7 @@ class ZenFlowStore:
     # --- checkpoints ----------------------------------------------------------------------------------------
     def state_entries(self) -> dict[str, Any]:
         """The pending window, the selection and an update not yet in the model (finished first)."""
-        if self._job is not None:
-            self._spare = self._job.result()
-            self._job = None
-            masters = [m for _, m in self._last_jobs()]
-            self._settle(masters, self._job_oldest)
+        self.wait()
         state = {"steps": self.steps, "pending": self.pending, "window_start": self.window_start,
                  "last_selection": self.last_selection, "everything_selected": self.everything_selected,
                  "max_staleness": self.max_staleness, "cpu_updates": self.cpu_updates,
@@ -320,7 +320,7 @@ class ZenFlowStore:
         state = sd.get("zenflow")
         if state is None:
             raise ValueError("this checkpoint holds no ZenFlow state (saved without zero_optimization.zenflow)")
-        self._finish_job([m for _, m in self._last_jobs()])
+        self.wait()
         for acc, saved in zip(self.acc, state["accumulated"]):
             if acc.numel() != saved.numel():
                 raise ValueError("ZenFlow's pending gradients were saved with another partition layout")
