@@ -104,6 +104,7 @@ class ZenFlowStore:
         self._unpublished: int | None = None  # oldest gradient step of an update in the masters, not the model
         self._auto_crit: torch.Tensor | None = None
         self._auto_rest: torch.Tensor | None = None
+        self._saved_partitions: list[torch.Tensor] | None = None  # the model's partitions a checkpoint held
         self._pipeline = StepPipeline(overlap=False)  # the job's tiles, all on the thread that runs it
         self.worker = (PinnedWorker(split_cores(process_cores(), settings.training_core_share))
                        if settings.overlap_step else None)
@@ -318,9 +319,14 @@ class ZenFlowStore:
 
     def load_state_entries(self, sd: dict[str, Any]) -> None:
         state = sd.get("zenflow")
-        if state is None:
-            raise ValueError("this checkpoint holds no ZenFlow state (saved without zero_optimization.zenflow)")
         self.wait()
+        if state is None:  # saved without ZenFlow: it starts afresh from the loaded masters
+            for acc in self.acc:
+                acc.zero_()
+            self.selection = [None] * len(self.acc)
+            self.pending, self.last_selection, self.everything_selected, self._unpublished = 0, None, False, None
+            self._auto_crit = self._auto_rest = self._saved_partitions = None
+            return
         for acc, saved in zip(self.acc, state["accumulated"]):
             if acc.numel() != saved.numel():
                 raise ValueError("ZenFlow's pending gradients were saved with another partition layout")
@@ -337,7 +343,7 @@ class ZenFlowStore:
         self._saved_partitions = state.get("model_partitions")
 
     def loaded(self, masters: list[torch.nn.Parameter]) -> None:
-        saved = getattr(self, "_saved_partitions", None)
+        saved = self._saved_partitions
         with torch.no_grad():
             for gi, (part, master) in enumerate(zip(self.inner.partitions, masters)):
                 part.copy_(saved[gi] if saved is not None else master.detach())

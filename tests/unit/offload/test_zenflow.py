@@ -181,14 +181,16 @@ def test_the_optimizer_thread_runs_on_its_share_of_the_cores(keys: dict):
     offload = {k: v for k, v in keys.items() if k != "zenflow"}
     engine = _engine(zenflow, **offload)
     split = split_cores(cores, 0.5)  # either key gives half of the cores to the optimizer
-    for batch in _batches(3):
-        _step(engine, batch)
-    worker = engine.strategy.store.worker
-    assert thread_cores(worker.native_id) == set(split.optimizer)
-    assert thread_cores(main) == set(split.training)
-    if split.isolated:
-        assert torch.get_num_threads() <= len(split.training)
-    engine.destroy()
+    try:
+        for batch in _batches(3):
+            _step(engine, batch)
+        worker = engine.strategy.store.worker
+        assert thread_cores(worker.native_id) == set(split.optimizer)
+        assert thread_cores(main) == set(split.training)
+        if split.isolated:
+            assert torch.get_num_threads() <= len(split.training)
+    finally:
+        engine.destroy()
     assert thread_cores(main) == set(cores)  # everything back as it was
 
 
@@ -229,19 +231,41 @@ def test_bad_zenflow_keys_are_refused_with_one_line(zero: dict, problem: str):
     assert len(lines) == 1, str(err.value)
 
 
-def _two_ranks(rank: int, world: int) -> dict:
-    plain = dsrun.initialize(model=_model(), config=_config(None))[0]
-    zen = dsrun.initialize(model=_model(), config=_config({"topk_ratio": 1.0, "update_interval": 1,
-                                                           **STEP_SELECT}))[0]
-    few = dsrun.initialize(model=_model(), config=_config({"topk_ratio": 0.25, "update_interval": 2,
-                                                           "overlap_step": True, **STEP_SELECT}))[0]
-    for batch in _batches(4, seed=rank + 1):
-        _step(plain, batch), _step(zen, batch), _step(few, batch)
-    equal = all(torch.equal(a, b) for a, b in zip(_params(zen), _params(plain)))
-    return {"equal": equal, "few": [p.sum().item() for p in _params(few)]}
+def test_a_plain_offload_checkpoint_resumes_with_zenflow_starting_afresh(tmp_path: Path):
+    plain = _engine(None)
+    for batch in _batches(2):
+        _step(plain, batch)
+    plain.save_checkpoint(str(tmp_path), tag="plain")
+    zen = _engine({"topk_ratio": 0.25, "update_interval": 2, **STEP_SELECT})
+    zen.load_checkpoint(str(tmp_path), tag="plain")
+    assert all(torch.equal(a, b) for a, b in zip(_params(zen), _params(plain)))
+    _step(zen, _batches(3)[2])
+    assert zen.strategy.store.last_selection == 0 and zen.strategy.store.pending == 1
 
 
-def test_two_ranks_agree_on_the_columns_and_topk_one_equals_plain_offload():
+def test_the_recipe_composes_a_zenflow_run():
+    from dsrun.compose import compose_runspec
+    from dsrun.runspec import resolve_run
+
+    zero = resolve_run(compose_runspec(["+recipe=gpt_zenflow"])).ds.zero_optimization
+    assert zero.stage == 2 and zero.offload_optimizer.device == "cpu"
+    assert zero.zenflow.overlap_step and zero.zenflow.update_interval == 4
+
+
+def _two_ranks(rank: int, world: int) -> list[float]:
+    engine = dsrun.initialize(model=_model(), config=_config({"topk_ratio": 0.25, "update_interval": 2,
+                                                              "overlap_step": True, **STEP_SELECT}))[0]
+    for batch in _batches(4, seed=rank + 1):  # each rank its own batches: the columns come from the reduced gradient
+        _step(engine, batch)
+    store = engine.strategy.store
+    first, idx = store.layouts[0][0], store.selection[0].idx  # the first weight's fragment on this rank
+    mine = idx[(idx >= first.a) & (idx < first.b)]
+    columns = sorted(set(((mine - first.a + first.param_start) % first.cols).tolist()))
+    engine.destroy()
+    return {"columns": columns, "sums": [p.sum().item() for p in engine.module.parameters()]}
+
+
+def test_two_ranks_pick_the_same_columns_and_keep_one_model():
     ranks = run_ranks(_two_ranks, 2)
-    assert all(r["equal"] for r in ranks)
-    assert ranks[0]["few"] == ranks[1]["few"]  # the same columns and updates everywhere: one model
+    assert len(ranks[0]["columns"]) == 4 and ranks[0]["columns"] == ranks[1]["columns"]  # rows split, columns agree
+    assert ranks[0]["sums"] == ranks[1]["sums"]  # each rank's partition updated alike: one model everywhere
