@@ -124,6 +124,7 @@ class ZenFlowStore:
             self.inner.update(optimizer, masters, grads, coef)
             self.steps += 1
             return
+        grads = [g if g.device.type == "cpu" else g.to("cpu") for g in grads]  # on CUDA: the host reads them
         self._finish_job(masters)  # overlap_step: the last window's update, computed during this forward/backward
         if self._unpublished is not None:
             self._publish_masters(masters)
@@ -205,7 +206,7 @@ class ZenFlowStore:
         self.cpu_optimizer.update_tile(group, sel.weights, grad, {"exp_avg": sel.exp_avg,
                                                                   "exp_avg_sq": sel.exp_avg_sq}, sel.step)
         part = self.inner.partitions[gi]
-        part.index_copy_(0, sel.idx, sel.weights.to(part.dtype))
+        part.index_copy_(0, sel.idx.to(part.device), sel.weights.to(part.device, part.dtype))
         if self._job is None:  # a running update owns the masters; they get these values when it is published
             master.detach().index_copy_(0, sel.idx, sel.weights)
 
