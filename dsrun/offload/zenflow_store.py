@@ -158,7 +158,7 @@ class ZenFlowStore:
                 state["exp_avg"].index_copy_(0, old.idx, old.exp_avg)
                 state["exp_avg_sq"].index_copy_(0, old.idx, old.exp_avg_sq)
             idx = self._selected_elements(layout, g, self.process_groups[gi])
-            everything = everything and idx.numel() == g.numel()
+            everything = everything and idx.numel() == sum(f.b - f.a for f in layout)  # padding is never selected
             master = masters[gi].detach()
             self.selection[gi] = _Selection(idx, master.index_select(0, idx), state["exp_avg"].index_select(0, idx),
                                             state["exp_avg_sq"].index_select(0, idx), int(state["step"]))

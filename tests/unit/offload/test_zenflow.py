@@ -71,6 +71,17 @@ def test_topk_one_and_update_interval_one_equal_plain_offload(stage: int):
     assert zen.strategy.store.everything_selected and zen.strategy.store.cpu_updates == 0
 
 
+def test_a_padded_partition_counts_as_everything_selected():
+    torch.manual_seed(0)
+    odd = torch.nn.Linear(5, 3, bias=False)  # 15 elements: the flat partition is padded to 16
+    engine = dsrun.initialize(model=odd, config=_config({"topk_ratio": 1.0, "update_interval": 1, **STEP_SELECT}))[0]
+    assert engine.strategy.groups[0].padding == 1
+    x, y = torch.randn(4, 5), torch.randn(4, 3)
+    engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+    engine.step()
+    assert engine.strategy.store.everything_selected and engine.strategy.store.cpu_updates == 0
+
+
 def test_topk_ratio_picks_the_heaviest_columns():
     batch = _batches(1)[0]
     reference = _model()
