@@ -32,7 +32,8 @@ DROPPING_SECTIONS = frozenset({
     "tensorboard", "wandb", "csv_monitor", "comet",
 })
 # Keys where "auto" is a real value of the key, not a placeholder.
-AUTO_IS_A_VALUE = frozenset({"pipeline.stages"})
+AUTO_IS_A_VALUE = frozenset({"pipeline.stages", *(f"zero_optimization.zenflow.{k}" for k in (
+    "select_strategy", "select_interval", "update_interval"))})
 
 
 def _normalise_key(key: str) -> str:

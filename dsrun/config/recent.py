@@ -30,19 +30,46 @@ class TorchAutocastConfig(Section):
 
 
 class ZenFlowConfig(Section):
-    """``zero_optimization.zenflow``: ZenFlow's stall-free offloaded optimizer (important gradients on the
-    accelerator, the rest updated on the CPU asynchronously)."""
+    """``zero_optimization.zenflow``: ZenFlow's stall-free offloaded optimizer at stages 1-2 with
+    ``offload_optimizer.device: cpu`` (:mod:`dsrun.zero.zenflow`, docs/zenflow.md): each step the
+    ``topk_ratio`` most important gradient columns are updated at once, the rest accumulate and are applied by
+    the CPU optimizer every ``update_interval`` steps ("auto": when they have caught up), in the background
+    during the next forward/backward with ``overlap_step``. Columns are re-selected every ``select_interval``
+    steps (``select_strategy: "step"``) or epochs (``"epoch"``, ``steps_per_epoch`` steps each, else the
+    training data loader's length; ``"auto"`` is every epoch). ``full_warm_up_rounds`` steps of plain
+    offload come first; ``pt_reserved_cores_perc`` of the cores stay with training, the overlapped CPU step
+    runs on the rest; ``offload`` keeps the selected columns' optimizer state in host memory (where a CPU run
+    keeps it anyway; the estimator counts it there)."""
 
-    topk_ratio: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.1
-    select_strategy: str = "auto"
-    select_interval: str | int = "auto"
-    update_interval: str | int = "auto"
+    topk_ratio: Fraction = 0.1
+    select_strategy: Literal["auto", "step", "epoch"] = "auto"
+    select_interval: Literal["auto"] | PosInt = "auto"
+    update_interval: Literal["auto"] | PosInt = "auto"
     overlap_step: bool = False
     offload: bool = False
     auto_ratio: Fraction = 0.99
     full_warm_up_rounds: NonNegInt = 0
     pt_reserved_cores_perc: Fraction = 0.5
     steps_per_epoch: PosInt | None = None
+
+    def problems(self, prefix: str, stage: int, offload_device: str) -> list[Problem]:
+        """What DeepSpeed refuses, and where dsrun has no ZenFlow (stage 0 or 3, no CPU offload)."""
+        out = []
+        if stage not in (1, 2) or offload_device != "cpu":
+            out.append(Problem(prefix, f"ZenFlow runs at ZeRO stages 1-2 with offload_optimizer.device cpu (stage "
+                               f"{stage}, device {offload_device})", "set stage 1 or 2 and offload the optimizer "
+                               "to cpu, or remove zero_optimization.zenflow"))
+        if self.select_strategy == "auto" and self.select_interval != "auto":
+            out.append(Problem(f"{prefix}.select_interval", "select_strategy \"auto\" re-selects every epoch and "
+                               "would override it", "leave select_interval \"auto\" or pick \"step\"/\"epoch\""))
+        if self.select_strategy == "step" and self.select_interval == "auto":
+            out.append(Problem(f"{prefix}.select_interval", "select_strategy \"step\" needs a number of steps",
+                               "e.g. 8"))
+        if self.select_strategy == "step" and isinstance(self.select_interval, int) \
+                and isinstance(self.update_interval, int) and self.select_interval < self.update_interval:
+            out.append(Problem(f"{prefix}.select_interval", f"got {self.select_interval}, below update_interval "
+                               f"{self.update_interval}", "select at most as often as the CPU updates"))
+        return out
 
 
 class LeafModuleConfig(Section):

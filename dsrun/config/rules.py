@@ -139,6 +139,11 @@ def check_zero(cfg: DSConfig, raw: dict[str, Any], p: str) -> tuple[list[Problem
         notes.append(f"{zp}.round_robin_gradients only matters at stages 1-2")
     if z.zero_hpz_partition_size > 1 and z.stage != 3:
         notes.append(f"{zp}.zero_hpz_partition_size (hpZ) only matters at stage 3")
+    if z.zenflow is not None:
+        problems += z.zenflow.problems(f"{zp}.zenflow", z.stage, z.offload_optimizer.device)
+    elif z.offload_optimizer.cpuadam_cores_perc != 0.8 and not z.offload_optimizer.super_offload:
+        notes.append(f"{zp}.offload_optimizer.cpuadam_cores_perc only matters for the overlapped CPU step of "
+                     "zero_optimization.zenflow (and super_offload)")
     if cfg.gradient_allreduce_op == "sum":  # DeepSpeed's own limits of the summed reduction
         where = ("ZeRO stage 3" if z.stage == 3 else "ZenFlow" if z.zenflow is not None
                  else "DeepCompile" if cfg.compile.deepcompile else "")

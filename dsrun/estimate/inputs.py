@@ -140,6 +140,10 @@ class EstimateInputs:
     bf16 master state (DeepSpeed's ``bf16`` keys; counted where a run keeps it, :attr:`bf16_master_state`):
     ``bf16_master_weights_and_grads`` (masters and their gradients in bf16) and ``bf16_optimizer_states`` (the
     optimizer's states in bf16).
+    ZenFlow (``zenflow``, the ``zero_optimization.zenflow`` section, stages 1-2 with cpu optimizer offload):
+    the selected elements' fp32 weights, two moments and int64 indices with the device's optimizer states (in
+    host RAM with its ``offload``), and the window's fp32 gradient accumulator in host RAM (two with
+    ``overlap_step``).
     """
 
     total_params: int
@@ -172,6 +176,7 @@ class EstimateInputs:
     hpz_partition_size: int = 1
     bf16_master_weights_and_grads: bool = False
     bf16_optimizer_states: bool = False
+    zenflow: Any = None  # the zero_optimization.zenflow section (dsrun.config.recent.ZenFlowConfig) or None
 
     def __post_init__(self) -> None:
         try:  # stored in its canonical spelling: "none", "full", "every_2", "selective"

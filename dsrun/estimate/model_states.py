@@ -132,6 +132,12 @@ def _fused_on_cpu(optimizer: str) -> bool:
     return key in {"adam", "adamw", "cpuadam", "deepspeedcpuadam", "lion", "cpulion", "adagrad", "cpuadagrad"}
 
 
+def zenflow_selected_bytes(t_part: int, topk_ratio: float) -> int:
+    """ZenFlow's per-element state of the columns it selects: fp32 weight, two fp32 moments, an int64 index
+    (matrices' columns are ``topk_ratio`` of the elements; 1-D parameters, always selected, are not counted)."""
+    return int(topk_ratio * t_part) * (3 * FP32 + 8)
+
+
 def model_state_bytes(spec: EstimateInputs) -> ModelStates:
     """Model-state bytes per rank for ``spec`` (see the module docstring for the rules)."""
     n = spec.partition_ranks  # MiCS: the shard group
@@ -212,6 +218,11 @@ def model_state_bytes(spec: EstimateInputs) -> ModelStates:
         device_grads = trainable * w if stage == 1 else 0
         if spec.offload_optimizer == "cpu":
             host += t_part * (FP32 + FP32 + states)  # fp32 params, fp32 grads, states
+            if spec.zenflow is not None and stage in (1, 2):  # dsrun.offload.zenflow_store
+                selected = zenflow_selected_bytes(t_part, spec.zenflow.topk_ratio)
+                device_states += 0 if spec.zenflow.offload else selected
+                host += (selected if spec.zenflow.offload else 0) + t_part * FP32 * (2 if spec.zenflow.overlap_step
+                                                                                      else 1)
         else:
             # dsrun.offload.nvme: master, gradient and states of each sub-group in swap files (the
             # gradient in the 16-bit model dtype when each step is one micro-step, else fp32);

@@ -219,5 +219,5 @@ def inputs_from_runspec(cfg: Mapping[str, Any], model: RecipeModel) -> tuple[Est
         gradient_clipping=clip,
         gradient_accumulation_steps=gas or 1, sequence_parallel_size=sp,
         mics_shard_size=int(zero.mics_shard_size), hpz_partition_size=int(zero.zero_hpz_partition_size),
-        bf16_master_weights_and_grads=low_masters, bf16_optimizer_states=low_states)
+        bf16_master_weights_and_grads=low_masters, bf16_optimizer_states=low_states, zenflow=zero.zenflow)
     return inputs, sources

@@ -17,6 +17,8 @@ with ``bf16.bf16_master_weights_and_grads`` (the precision strategy's ``master_d
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from dsrun.offload.pipeline import PipelineTimes, StepPipeline, tiled_cpu_step
@@ -83,6 +85,14 @@ class DeviceFlatStore:
 
     def loaded(self, masters: list[torch.nn.Parameter]) -> None:
         """The masters were loaded from a checkpoint (before they are published)."""
+
+    def state_entries(self) -> dict[str, Any]:
+        """State of this placement beyond the masters and the optimizer's, saved with them (ZenFlow's pending
+        window, :mod:`.zenflow_store`); read before the masters are."""
+        return {}
+
+    def load_state_entries(self, sd: dict[str, Any]) -> None:
+        """Restore :meth:`state_entries` from a saved optimizer state (before :meth:`loaded`)."""
 
     def model_views(self) -> list[torch.Tensor]:
         """Views this store keeps of the model's flat buffers (they follow the buffers ``offload_states`` moves)."""

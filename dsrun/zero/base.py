@@ -413,9 +413,8 @@ class FlatStrategy(ZeroStrategy):
             alignment = self.alignment_per_rank * size if self.alignment_per_rank else 1
             self.groups.append(flatten_params(params, self.model_dtype, ctx.device, alignment, size, group, rank))
         self.store = self._make_store(ctx)  # where the masters, their gradients and states live
-        # MoE experts are reduced over their own (smaller) groups: at stage 0 each rank then holds gradients
-        # the others do not, so the squared norm is summed over the data-parallel group with each group's
-        # copies counted once (see _local_sq_norm)
+        # MoE experts are reduced over their own (smaller) groups: at stage 0 each rank then holds gradients the
+        # others do not, so the squared norm is summed over the data group, each group's copies once (_local_sq_norm)
         self._own_groups = any(g.world_size != self.world_size or g.process_group is not ctx.group
                                for g in self.groups)
         self._build_buffers()
@@ -460,7 +459,6 @@ class FlatStrategy(ZeroStrategy):
 
     def _on_param_ready(self, gi: int, pi: int, buckets: list[Bucket]) -> None:
         """A parameter's gradient is complete (stage 2 copies it out here)."""
-
     _on_accumulated = None  # stages 0-1: (gi, pi) -> None after every accumulation into a .grad
 
     @abstractmethod
@@ -571,6 +569,7 @@ class FlatStrategy(ZeroStrategy):
         return [(g.world_size, g.rank, g.process_group) if self.partitioned else (1, 0, None) for g in self.groups]
 
     def state_dict(self) -> dict[str, Any]:
+        extra = self.store.state_entries()  # first: a store's update still running finishes before masters are read
         sd = {
             "zero_stage": self.stage,
             "partition_count": self.world_size if self.partitioned else 1,
@@ -580,7 +579,7 @@ class FlatStrategy(ZeroStrategy):
             "group_paddings": [g.partition_padding(g.rank) if self.partitioned else g.padding for g in self.groups],
             "param_shapes": [g.param_shapes() for g in self.groups],
         }
-        sd.update(self.precision.state_dict())
+        sd.update(self.precision.state_dict(), **extra)
         return sd
 
     def load_rank_state_dicts(self, states: list[dict[str, Any]]) -> None:
@@ -596,5 +595,6 @@ class FlatStrategy(ZeroStrategy):
                 self.masters[gi].data[: saved.numel()].copy_(saved)
         self._optimizer.load_state_dict(sd["base_optimizer_state"])
         self.precision.load_state_dict(sd)
+        self.store.load_state_entries(sd)
         self.store.loaded(self.masters)
         self._publish()

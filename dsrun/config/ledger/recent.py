@@ -10,7 +10,29 @@ from .entry import Entry, Feature, done, todo
 
 AUTOCAST = "tests/unit/runtime/test_torch_autocast.py::"
 REPORTING = "tests/unit/runtime/test_config_effects_reporting.py::test_key_changes_behaviour[{key}]"
-ZENFLOW = Feature("ZenFlow (stall-free offloaded optimizer)", "remove zero_optimization.zenflow")
+ZF = "tests/unit/offload/test_zenflow.py::"
+ZENFLOW_KEYS = (  # (key, meaning, proofs in ZF)
+    ("topk_ratio", "share of each matrix's gradient columns (by |gradient| summed over rows) updated every step",
+     ("test_topk_one_and_update_interval_one_equal_plain_offload", "test_topk_ratio_picks_the_heaviest_columns")),
+    ("select_strategy", "re-select the columns every select_interval steps (step) or epochs (epoch, auto)",
+     ("test_select_interval_and_epochs_reselect_the_columns",)),
+    ("select_interval", "steps (or epochs) between column selections",
+     ("test_select_interval_and_epochs_reselect_the_columns",)),
+    ("update_interval", "steps between the CPU optimizer's updates of the other columns (auto: when caught up)",
+     ("test_no_update_is_staler_than_update_interval", "test_auto_update_interval_closes_windows_by_the_ratio")),
+    ("overlap_step", "run the CPU update in the background during the next forward/backward",
+     ("test_no_update_is_staler_than_update_interval",)),
+    ("offload", "the selected columns' optimizer state in host memory (the estimator counts it there)",
+     ("test_the_estimate_counts_zenflow_state_where_offload_puts_it",)),
+    ("auto_ratio", "share of matrices that must have caught up before an auto update",
+     ("test_auto_update_interval_closes_windows_by_the_ratio",)),
+    ("full_warm_up_rounds", "steps of plain offload before selection starts",
+     ("test_warm_up_rounds_step_like_plain_offload",)),
+    ("pt_reserved_cores_perc", "share of the cores kept for training; the overlapped CPU update runs on the rest",
+     ("test_the_optimizer_thread_runs_on_its_share_of_the_cores",)),
+    ("steps_per_epoch", "optimizer steps per epoch for epoch selection (else the data loader's length)",
+     ("test_select_interval_and_epochs_reselect_the_columns",)),
+)
 WRITERS = "tests/unit/checkpoint/test_writer_checkpoint.py::"
 # data_parallel/io_multiplier split one file's bytes over ranks into files named <file>-<rank>.<n>, which only
 # DeepSpeed's patched serializer writes and neither its loader nor dsrun's reads back
@@ -117,15 +139,17 @@ ENTRIES: list[Entry] = [
       for key, meaning in (("classes", "the modules of these classes (plain or qualified names)"),
                            ("names", "the modules of these named_modules() names"),
                            ("name_suffixes", "the modules whose names end so"))],
-    todo("zero_optimization.offload_optimizer.super_offload", "SuperOffload's CPU optimizer", SUPER),
-    todo("zero_optimization.offload_optimizer.cpuadam_cores_perc", "fraction of cores for SuperOffload's CPU "
-         "Adam", SUPER, applies=lambda cfg: cfg.zero_optimization.offload_optimizer.super_offload),
-    *_section("zero_optimization.zenflow", ZENFLOW, {
-        "topk_ratio": "share of gradients updated on the accelerator", "select_strategy": "how to pick them",
-        "select_interval": "steps between selections", "update_interval": "steps between CPU updates",
-        "overlap_step": "overlap the CPU step", "offload": "offload the optimizer",
-        "auto_ratio": "the auto update interval's threshold", "full_warm_up_rounds": "full updates first",
-        "pt_reserved_cores_perc": "cores kept for PyTorch", "steps_per_epoch": "steps in an epoch"}),
+    # SuperOffload (ZeRO-3 on superchips) stays refused; its core share acts for ZenFlow's overlapped CPU step
+    todo("zero_optimization.offload_optimizer.super_offload", "SuperOffload's ZeRO-3 CPU optimizer overlapped with "
+         "the accelerator's backward on a superchip (its coherent CPU-GPU link); on a CPU-only run training and the "
+         "optimizer share the cores: ZenFlow (zero_optimization.zenflow) is the overlapped CPU step", SUPER),
+    done("zero_optimization.offload_optimizer.cpuadam_cores_perc", "the CPU optimizer's share of the cores: "
+         "ZenFlow's overlapped step runs on a thread pinned to them, training on the rest (when set, instead of "
+         "1 - zenflow.pt_reserved_cores_perc)", f"{ZF}test_the_optimizer_thread_runs_on_its_share_of_the_cores"),
+    # offload is read by the estimator (dsrun estimate-memory), which the tracer's runs do not cover: a CPU run keeps
+    # the selected columns' state in host memory either way
+    *[done(f"zero_optimization.zenflow.{key}", meaning, *(f"{ZF}{t}" for t in tests), traced=key != "offload")
+      for key, meaning, tests in ZENFLOW_KEYS],
     # AutoTP training
     *_section("tensor_parallel", AUTOTP, {
         "dtype": "dtype of the sharded model", "autotp_size": "tensor-parallel degree",

@@ -142,6 +142,9 @@ def keys_read(world_of_one, tmp_path_factory) -> frozenset[str]:
         run({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp / "p")},
                                    "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp / "o")}}}, seen, tmp)
         run({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}, seen, tmp)
+        run({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "cpuadam_cores_perc": 0.5},
+                                   "zenflow": {"select_strategy": "epoch", "select_interval": 1, "steps_per_epoch": 2,
+                                               "update_interval": 2, "overlap_step": True}}}, seen, tmp)
         # MiCS's keys are the ZeRO++ feature's, read only when one of them is on (a world of one: shard groups of 1)
         run({"zero_optimization": {"stage": 3, "mics_shard_size": 1, "mics_hierarchical_params_gather": True}},
             seen, tmp)

@@ -1,0 +1,116 @@
+"""The CPU-core split between training and an offloaded optimizer (ZenFlow's ``pt_reserved_cores_perc``,
+SuperOffload's ``offload_optimizer.cpuadam_cores_perc``).
+
+The optimizer step runs on a worker thread of its own (:class:`PinnedWorker`) whose CPU affinity is the
+optimizer's share of this process's cores (``os.sched_setaffinity`` on Linux sets the calling thread's mask);
+the OpenMP team the compiled CPU optimizer starts from that thread is created by it and inherits the mask.
+Every other thread of the process (the training thread and torch's intra-op threads) is moved to the rest,
+and torch's intra-op thread count is lowered to match, so forward/backward and the optimizer never compete
+for a core. :meth:`PinnedWorker.close` gives every thread its old mask and torch its old thread count back.
+
+The split follows DeepSpeed's: the first ``ceil(reserved * n)`` cores of the process's mask go to training,
+the rest to the optimizer; when that leaves either side empty (one core, or a share of 0 or 1) both sides
+keep every core (nothing to gain from isolating an empty side).
+"""
+from __future__ import annotations
+
+import math
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class CoreSplit:
+    """Which cores train (``training``) and which step the optimizer (``optimizer``)."""
+
+    training: tuple[int, ...]
+    optimizer: tuple[int, ...]
+
+    @property
+    def isolated(self) -> bool:
+        return not set(self.training) & set(self.optimizer)
+
+
+def split_cores(cores: list[int] | tuple[int, ...], training_share: float) -> CoreSplit:
+    """The first ``ceil(training_share * len(cores))`` of ``cores`` (sorted) train, the rest step the optimizer."""
+    ordered = tuple(sorted(cores))
+    keep = math.ceil(training_share * len(ordered))
+    if 0 < keep < len(ordered):
+        return CoreSplit(ordered[:keep], ordered[keep:])
+    return CoreSplit(ordered, ordered)
+
+
+def process_cores() -> list[int]:
+    """The cores this process may run on (its affinity mask; every core where there is none)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def thread_cores(native_id: int) -> set[int]:
+    """The affinity mask of one thread of this process (``/proc/self/task/<id>/status``'s Cpus_allowed_list)."""
+    text = open(f"/proc/self/task/{native_id}/status").read()
+    line = next(ln for ln in text.splitlines() if ln.startswith("Cpus_allowed_list:"))
+    cores: set[int] = set()
+    for part in line.split(":", 1)[1].strip().split(","):
+        lo, _, hi = part.partition("-")
+        cores.update(range(int(lo), int(hi or lo) + 1))
+    return cores
+
+
+def _process_threads() -> list[int]:
+    try:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return [threading.get_native_id()]
+
+
+class PinnedWorker:
+    """One thread that runs the optimizer's work on ``split.optimizer``'s cores, the rest of the process on
+    ``split.training``'s. ``submit(fn)`` returns a Future; jobs run one at a time, in order."""
+
+    def __init__(self, split: CoreSplit, name: str = "dsrun-optimizer"):
+        self.split = split
+        self.native_id: int | None = None
+        self._saved: dict[int, set[int]] = {}
+        self._threads_before = torch.get_num_threads()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=self._pin_self)
+        self._pool.submit(lambda: None).result()  # the worker exists and is pinned before training is moved
+        self._pin_training()
+
+    def _pin_self(self) -> None:
+        self.native_id = threading.get_native_id()
+        if hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, self.split.optimizer)  # pid 0: this thread only
+        torch.set_num_threads(len(self.split.optimizer))  # this thread's OpenMP team size
+
+    def _pin_training(self) -> None:
+        if not self.split.isolated or not hasattr(os, "sched_setaffinity"):
+            return
+        for tid in _process_threads():
+            if tid == self.native_id:
+                continue
+            try:
+                self._saved[tid] = set(os.sched_getaffinity(tid))
+                os.sched_setaffinity(tid, self.split.training)
+            except OSError:  # the thread ended meanwhile
+                self._saved.pop(tid, None)
+        torch.set_num_threads(min(self._threads_before, len(self.split.training)))
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        return self._pool.submit(fn, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        for tid, cores in self._saved.items():
+            try:
+                os.sched_setaffinity(tid, cores)
+            except OSError:
+                pass
+        self._saved.clear()
+        torch.set_num_threads(self._threads_before)
