@@ -23,6 +23,7 @@ from dsrun import comm
 from dsrun.comm.groups import ProcessGroups
 from dsrun.config import DSConfig
 from dsrun.features import Feature
+from dsrun.moe.layer import MoE
 from dsrun.utils.errors import ConfigError, Problem
 
 from dsrun.zero.step_hooks import BEFORE_UPDATE
@@ -112,6 +113,9 @@ class AutoTPFeature(Feature):
             raise ConfigError(Problem("tensor_parallel.autotp_size", f"is {self.size}, but the run's groups have "
                                       f"a model axis of {groups.size('model')} (a client mpu's)",
                                       "drop mpu=, so dsrun builds the tensor-parallel groups from the world"))
+        if any(isinstance(m, MoE) for m in model.modules()):
+            raise ConfigError(Problem("tensor_parallel.autotp_size", "AutoTP training of a model with MoE layers is "
+                                      "not built (its experts are not split)", "drop tensor_parallel or the MoE layers"))
         group, members = groups.model, groups.members("model")
         with torch.no_grad():  # the ranks of a group must split the same weights
             for tensor in list(model.parameters()) + list(model.buffers()):
