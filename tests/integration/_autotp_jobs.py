@@ -120,15 +120,16 @@ def reference_losses(name: str, dp: int, steps: int, micro: int = 2) -> list[flo
 
 def train_job(rank: int, world: int, names: list[str], tp: int, steps: int) -> dict[str, Any]:
     """For each model: ``steps`` steps at TP=``tp``; the losses, the bytes of the block linears, the first batch
-    this rank read, and (rank 0) the unsplit reference's losses."""
+    this rank read, and (on rank ``index % world``) the unsplit reference's losses."""
     results = {}
-    for name in names:
+    for index, name in enumerate(names):
         engine, loader = _engine(name, tp, world)
         batches = _batches(loader, steps)
         losses = _train(engine, batches)
         results[name] = {"losses": losses, "bytes": split_bytes(engine), "first_batch": batches[0],
                          "tp_rank": engine.groups.coord("model"), "dp_rank": engine.groups.coord("data"),
-                         "reference": reference_losses(name, world // tp, steps) if rank == 0 else None,
+                         # each model's reference on one rank, so the ranks compute them side by side
+                         "reference": reference_losses(name, world // tp, steps) if rank == index % world else None,
                          "whole_bytes": split_bytes_of(causal_lm(name))}
         engine.destroy()
     return results
@@ -137,6 +138,12 @@ def train_job(rank: int, world: int, names: list[str], tp: int, steps: int) -> d
 def split_bytes_of(model: torch.nn.Module) -> dict[str, int]:
     return {f"{m}.{p}": t.numel() * t.element_size() for m, module in model.named_modules()
             if m.split(".")[-1] in SPLIT_NAMES for p, t in module.named_parameters(recurse=False)}
+
+
+def two_rank_job(rank: int, world: int, names: list[str], steps: int, save_dir: str) -> dict[str, Any]:
+    """One launch for the 2-rank tests: :func:`train_job`'s results, and :func:`checkpoint_job`'s under
+    ``"checkpoint"`` (GPT-2)."""
+    return {**train_job(rank, world, names, 2, steps), "checkpoint": checkpoint_job(rank, world, "gpt2", save_dir)}
 
 
 def checkpoint_job(rank: int, world: int, name: str, save_dir: str) -> dict[str, Any]:

@@ -31,14 +31,17 @@ def fp32_bound(steps: int, n: int = 64) -> float:
 
 
 @pytest.fixture(scope="module")
-def tp2_runs():
-    return run_ranks(jobs.train_job, 2, ["gpt2", "llama"], 2, STEPS, timeout=300)
+def tp2_runs(tmp_path_factory):
+    """One 2-rank launch: both models' 20 steps, then GPT-2's checkpoint round trip (saved under ``"dir"``)."""
+    save_dir = tmp_path_factory.mktemp("autotp_checkpoints")
+    ranks = run_ranks(jobs.two_rank_job, 2, ["gpt2", "llama"], STEPS, str(save_dir), timeout=300)
+    return [{**rank, "dir": save_dir} for rank in ranks]
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_gpt2_tp2_zero1_matches_the_unsplit_run_and_holds_half_of_each_split_matrix(tp2_runs, name):
     ranks = [r[name] for r in tp2_runs]
-    reference = torch.tensor(ranks[0]["reference"], dtype=torch.float64)
+    reference = torch.tensor(next(r["reference"] for r in ranks if r["reference"] is not None), dtype=torch.float64)
     for rank in ranks:
         losses = torch.tensor(rank["losses"], dtype=torch.float64)
         assert len(losses) == STEPS
@@ -55,8 +58,8 @@ def test_gpt2_tp2_zero1_matches_the_unsplit_run_and_holds_half_of_each_split_mat
             assert held[key] == (size if row_bias else size // 2), key
 
 
-def test_tp2_checkpoint_resumes_bit_exactly_and_loads_at_tp1(tmp_path):
-    ranks = run_ranks(jobs.checkpoint_job, 2, "gpt2", str(tmp_path), timeout=300)
+def test_tp2_checkpoint_resumes_bit_exactly_and_loads_at_tp1(tp2_runs):
+    ranks, tmp_path = [r["checkpoint"] for r in tp2_runs], tp2_runs[0]["dir"]
     for rank in ranks:
         assert rank["resumed"] == rank["tail"]  # bit-exact: the same losses after the load
         # the unsplit engine holds the merged weights exactly, and computes the split model's logits
