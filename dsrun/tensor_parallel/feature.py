@@ -41,7 +41,8 @@ def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype, config: An
     """DeepSpeed's ``deepspeed.tp_model_init``: record the tensor-parallel degree (and dtype, and a ``tp_group``
     keyword) for the next ``initialize``, which splits the model; returns ``model`` unchanged. A second call must
     agree with the first; ``initialize`` refuses a config whose ``tensor_parallel.autotp_size`` or precision
-    disagrees."""
+    disagrees, and a ``tp_group`` that is not the rank's group of the topology. ``config`` and other keywords
+    are not read (DeepSpeed's record-only ``tp_model_init`` does not read them either)."""
     global _TP_MODEL_INIT_ARGS
     recorded = {"tp_size": int(tp_size), "dtype": dtype, "tp_group": kwargs.get("tp_group")}
     previous = _TP_MODEL_INIT_ARGS
@@ -117,6 +118,11 @@ class AutoTPFeature(Feature):
             raise ConfigError(Problem("tensor_parallel.autotp_size", "AutoTP training of a model with MoE layers is "
                                       "not built (its experts are not split)", "drop tensor_parallel or the MoE layers"))
         group, members = groups.model, groups.members("model")
+        given = (_TP_MODEL_INIT_ARGS or {}).get("tp_group")
+        if given is not None and [comm.get_global_rank(given, r) for r in range(comm.get_world_size(given))] != members:
+            raise ConfigError(Problem("tp_model_init(tp_group=...)", f"this rank's group is not its tensor-parallel "
+                                      f"group {members} (dsrun's layout: {self.size} consecutive ranks)",
+                                      "leave tp_group out: dsrun builds the groups"))
         with torch.no_grad():  # the ranks of a group must split the same weights
             for tensor in list(model.parameters()) + list(model.buffers()):
                 comm.broadcast(tensor.data, src=members[0], group=group)

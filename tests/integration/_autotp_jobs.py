@@ -128,6 +128,7 @@ def train_job(rank: int, world: int, names: list[str], tp: int, steps: int) -> d
         losses = _train(engine, batches)
         results[name] = {"losses": losses, "bytes": split_bytes(engine), "first_batch": batches[0],
                          "tp_rank": engine.groups.coord("model"), "dp_rank": engine.groups.coord("data"),
+                         "autotp_size": engine.autotp_size(),
                          # each model's reference on one rank, so the ranks compute them side by side
                          "reference": reference_losses(name, world // tp, steps) if rank == index % world else None,
                          "whole_bytes": split_bytes_of(causal_lm(name))}
@@ -143,7 +144,25 @@ def split_bytes_of(model: torch.nn.Module) -> dict[str, int]:
 def two_rank_job(rank: int, world: int, names: list[str], steps: int, save_dir: str) -> dict[str, Any]:
     """One launch for the 2-rank tests: :func:`train_job`'s results, and :func:`checkpoint_job`'s under
     ``"checkpoint"`` (GPT-2)."""
-    return {**train_job(rank, world, names, 2, steps), "checkpoint": checkpoint_job(rank, world, "gpt2", save_dir)}
+    return {**train_job(rank, world, names, 2, steps), "checkpoint": checkpoint_job(rank, world, "gpt2", save_dir),
+            "foreign_group": foreign_tp_group(rank, world)}
+
+
+def foreign_tp_group(rank: int, world: int) -> str:
+    """What ``initialize`` says of a ``tp_model_init(tp_group=...)`` that is not the topology's group."""
+    from dsrun import comm
+    from dsrun.tensor_parallel import reset_tp_model_init, tp_model_init
+    from dsrun.utils.errors import ConfigError
+
+    alone = [comm.new_group([r]) for r in range(world)][rank]  # every rank creates every group
+    tp_model_init(causal_lm("gpt2"), tp_size=2, dtype=torch.float32, tp_group=alone)
+    try:
+        _engine("gpt2", 1, world)
+    except ConfigError as err:
+        return str(err)
+    finally:
+        reset_tp_model_init()
+    return "accepted"
 
 
 def checkpoint_job(rank: int, world: int, name: str, save_dir: str) -> dict[str, Any]:

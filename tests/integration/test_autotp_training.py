@@ -48,6 +48,7 @@ def test_gpt2_tp2_zero1_matches_the_unsplit_run_and_holds_half_of_each_split_mat
         assert ((losses - reference).abs() / reference).max() <= fp32_bound(STEPS)
     assert ranks[0]["losses"] == ranks[1]["losses"]  # both ranks of the group compute the same loss
     assert [r["tp_rank"] for r in ranks] == [0, 1] and [r["dp_rank"] for r in ranks] == [0, 0]
+    assert [r["autotp_size"] for r in ranks] == [2, 2]
     assert torch.equal(ranks[0]["first_batch"], ranks[1]["first_batch"])  # one group reads one batch
     whole = ranks[0]["whole_bytes"]
     for rank in ranks:  # every linear of the blocks: the matrices (and column biases) halved, row biases whole
@@ -85,3 +86,9 @@ def test_tp2_by_dp2_on_4_ranks():
     mean = (torch.tensor(runs[0]["losses"], dtype=torch.float64) + torch.tensor(runs[2]["losses"],
                                                                                   dtype=torch.float64)) / 2
     assert ((mean - reference).abs() / reference).max() <= fp32_bound(6)
+
+
+def test_a_tp_group_other_than_the_topologys_is_refused(tp2_runs):
+    for rank in tp2_runs:
+        assert "tp_model_init(tp_group=...): this rank's group is not its tensor-parallel group [0, 1]" in \
+            rank["foreign_group"]
