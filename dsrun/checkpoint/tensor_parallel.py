@@ -4,7 +4,7 @@ Each tensor-parallel rank writes its own files, as DeepSpeed names them: ``mp_ra
 slice of every split parameter, the whole others) and ``zero_pp_rank_<d>_mp_rank_<t>_optim_states.pt``. The
 model states hold ``mp_world_size`` and dsrun's ``tensor_parallel`` entry: for each split parameter the
 dimension it was cut along and its number of fused parts (GPT-2's ``c_attn`` is q|k|v: each rank holds its
-heads of each part). With that, :func:`merge_module_states` puts the ranks' slices back together and
+heads of each part). With that, :func:`merge_module_states` (and ``zero_to_fp32`` for the fp32 masters) puts the ranks' slices back together and
 :func:`slice_dim` cuts a whole tensor for another degree.
 
 A load at the degree the checkpoint was saved at reads the rank's own files (a bit-exact resume). A load at
@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from dsrun.utils.zero_to_fp32 import merge_slices
+
 from . import layout
 from .safe_load import load_file
 
@@ -30,14 +32,6 @@ def slice_dim(tensor: torch.Tensor, dim: int, parts: int, rank: int, size: int) 
     piece = blocks.shape[1] // size
     cut = blocks[:, rank * piece:(rank + 1) * piece].reshape(-1, *moved.shape[1:])
     return cut.movedim(0, dim).contiguous()
-
-
-def merge_slices(slices: list[torch.Tensor], dim: int, parts: int) -> torch.Tensor:
-    """The whole tensor whose rank slices (:func:`slice_dim`, in rank order) are ``slices``."""
-    moved = [s.movedim(dim, 0) for s in slices]
-    blocks = [m.reshape(parts, m.shape[0] // parts, *m.shape[1:]) for m in moved]
-    whole = torch.cat(blocks, dim=1)
-    return whole.reshape(-1, *whole.shape[2:]).movedim(0, dim).contiguous()
 
 
 def splits_of(model_states: dict[str, Any]) -> dict[str, tuple[int, int]]:

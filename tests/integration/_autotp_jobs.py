@@ -169,6 +169,7 @@ def checkpoint_job(rank: int, world: int, name: str, save_dir: str) -> dict[str,
     """TP=2: 4 steps, save, 4 more; a new engine loads the save and runs the same 4. Then an unsplit engine
     (TP=1) loads the weights, and the conversion merges them."""
     from dsrun.checkpoint.tensor_parallel import merge_checkpoint
+    from dsrun.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     engine, loader = _engine(name, 2, world)
     batches = _batches(loader, 8)
@@ -190,4 +191,5 @@ def checkpoint_job(rank: int, world: int, name: str, save_dir: str) -> dict[str,
     whole_tail = _train(whole, batches[4:5])
     whole.destroy()
     return {"tail": tail, "resumed": resumed, "logits": logits, "whole_logits": whole_logits, "loaded": loaded,
-            "merged": merge_checkpoint(save_dir, "step4") if rank == 0 else None, "whole_tail": whole_tail}
+            "merged": merge_checkpoint(save_dir, "step4") if rank == 0 else None, "whole_tail": whole_tail,
+            "fp32": get_fp32_state_dict_from_zero_checkpoint(save_dir, "step4") if rank == 0 else None}

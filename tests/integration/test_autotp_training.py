@@ -67,6 +67,8 @@ def test_tp2_checkpoint_resumes_bit_exactly_and_loads_at_tp1(tp2_runs):
         for key, value in ranks[0]["merged"].items():
             assert torch.equal(rank["loaded"][key], value), key
         torch.testing.assert_close(rank["whole_logits"], rank["logits"], rtol=fp32_bound(1), atol=1e-5)
+    merged, fp32 = ranks[0]["merged"], ranks[0]["fp32"]  # zero_to_fp32 puts the masters' slices together too
+    assert fp32.keys() == merged.keys() and all(torch.equal(fp32[k], merged[k]) for k in merged)
     assert sorted(p.name for p in (tmp_path / "step4").glob("*model_states.pt")) == [
         "mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"]
     assert sorted(p.name for p in (tmp_path / "step4").glob("*optim_states.pt")) == [
