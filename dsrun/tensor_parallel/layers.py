@@ -108,3 +108,9 @@ class RowParallelLinear(TensorParallelLinear):
         if self.tp_size > 1:
             y = reduce_from_group(y, self.group)
         return y if self.bias is None else y + self.bias
+
+
+def is_model_parallel_parameter(p: torch.Tensor) -> bool:
+    """DeepSpeed's ``runtime.utils.is_model_parallel_parameter``: a parameter split over the tensor-parallel group
+    (Megatron's ``model_parallel`` or ``tensor_model_parallel`` mark, which the AutoTP split sets)."""
+    return bool(getattr(p, "model_parallel", False) or getattr(p, "tensor_model_parallel", False))

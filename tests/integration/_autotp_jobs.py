@@ -127,6 +127,7 @@ def train_job(rank: int, world: int, names: list[str], tp: int, steps: int) -> d
         batches = _batches(loader, steps)
         losses = _train(engine, batches)
         results[name] = {"losses": losses, "bytes": split_bytes(engine), "first_batch": batches[0],
+                         "deepspeed_groups": deepspeed_groups(engine),
                          "tp_rank": engine.groups.coord("model"), "dp_rank": engine.groups.coord("data"),
                          "autotp_size": engine.autotp_size(),
                          # each model's reference on one rank, so the ranks compute them side by side
@@ -134,6 +135,21 @@ def train_job(rank: int, world: int, names: list[str], tp: int, steps: int) -> d
                          "whole_bytes": split_bytes_of(causal_lm(name))}
         engine.destroy()
     return results
+
+
+def deepspeed_groups(engine: Any) -> dict[str, Any]:
+    """What DeepSpeed's getters (``deepspeed.utils.groups``, ``deepspeed.runtime.utils``) say of the run."""
+    from dsrun.compat.runtime.utils import is_model_parallel_parameter
+    from dsrun.compat.utils import groups
+
+    module = engine.module
+    block = module.model.layers[0] if hasattr(module, "model") else module.transformer.h[0]
+    linear = block.self_attn.q_proj if hasattr(block, "self_attn") else block.attn.c_attn
+    return {"tp": (groups.get_tensor_model_parallel_world_size(), groups.get_tensor_model_parallel_rank(),
+                   groups.get_tensor_model_parallel_src_rank()),
+            "dp": (groups.get_data_parallel_world_size(), groups.get_data_parallel_rank()),
+            "split": is_model_parallel_parameter(linear.weight),
+            "whole": is_model_parallel_parameter(module.get_input_embeddings().weight)}
 
 
 def split_bytes_of(model: torch.nn.Module) -> dict[str, int]:

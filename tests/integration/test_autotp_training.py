@@ -82,6 +82,10 @@ def test_tp2_by_dp2_on_4_ranks():
     assert torch.equal(runs[0]["first_batch"], runs[1]["first_batch"])
     assert torch.equal(runs[2]["first_batch"], runs[3]["first_batch"])
     assert not torch.equal(runs[0]["first_batch"], runs[2]["first_batch"])  # the data groups read different ones
+    # DeepSpeed's getters (deepspeed.utils.groups, deepspeed.runtime.utils) read the same topology
+    assert [r["deepspeed_groups"]["tp"] for r in runs] == [(2, 0, 0), (2, 1, 0), (2, 0, 2), (2, 1, 2)]
+    assert [r["deepspeed_groups"]["dp"] for r in runs] == [(2, 0), (2, 0), (2, 1), (2, 1)]
+    assert all(r["deepspeed_groups"]["split"] and not r["deepspeed_groups"]["whole"] for r in runs)
     reference = torch.tensor(runs[0]["reference"], dtype=torch.float64)  # the global batch of both data ranks
     for group in ((0, 1), (2, 3)):  # a data rank's loss is its micro-batch's: their mean is the reference's
         assert runs[group[0]]["losses"] == runs[group[1]]["losses"]
