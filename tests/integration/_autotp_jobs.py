@@ -161,7 +161,18 @@ def two_rank_job(rank: int, world: int, names: list[str], steps: int, save_dir: 
     """One launch for the 2-rank tests: :func:`train_job`'s results, and :func:`checkpoint_job`'s under
     ``"checkpoint"`` (GPT-2)."""
     return {**train_job(rank, world, names, 2, steps), "checkpoint": checkpoint_job(rank, world, "gpt2", save_dir),
-            "foreign_group": foreign_tp_group(rank, world)}
+            "foreign_group": foreign_tp_group(rank, world), "stages": other_stages(rank, world)}
+
+
+def other_stages(rank: int, world: int, steps: int = 4) -> dict[int, list[float]]:
+    """GPT-2 at TP=2 under ZeRO stages 0 and 2 (and bf16 at stage 2): the first ``steps`` losses."""
+    out: dict[Any, list[float]] = {}
+    for key, extra in ((0, {}), (2, {}), ("bf16", {"bf16": {"enabled": True}})):
+        stage = 2 if key == "bf16" else key
+        engine, loader = _engine("gpt2", 2, world, zero_optimization={"stage": stage}, **extra)
+        out[key] = _train(engine, _batches(loader, steps))
+        engine.destroy()
+    return out
 
 
 def foreign_tp_group(rank: int, world: int) -> str:

@@ -98,3 +98,16 @@ def test_a_tp_group_other_than_the_topologys_is_refused(tp2_runs):
     for rank in tp2_runs:
         assert "tp_model_init(tp_group=...): this rank's group is not its tensor-parallel group [0, 1]" in \
             rank["foreign_group"]
+
+
+def test_zero_stages_0_and_2_and_bf16_split_the_same_way(tp2_runs):
+    reference = torch.tensor(next(r["gpt2"]["reference"] for r in tp2_runs if r["gpt2"]["reference"])[:4],
+                             dtype=torch.float64)
+    for rank in tp2_runs:
+        for stage in (0, 2):
+            losses = torch.tensor(rank["stages"][stage], dtype=torch.float64)
+            assert ((losses - reference).abs() / reference).max() <= fp32_bound(4)
+        # bf16 weights and activations (fp32 masters): within bf16's rounding of the fp32 run (u = 2^-8)
+        bf16 = torch.tensor(rank["stages"]["bf16"], dtype=torch.float64)
+        assert ((bf16 - reference).abs() / reference).max() <= 4 * 2.0 ** -8
+    assert tp2_runs[0]["stages"] == tp2_runs[1]["stages"]
