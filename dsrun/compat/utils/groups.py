@@ -45,3 +45,8 @@ from dsrun.tensor_parallel.groups import (  # noqa: F401,E402  (AutoTP: the tens
     get_data_parallel_world_size,
     get_data_parallel_rank,
 )
+
+__all__ = ["expert_group_name", "initialize", "get_tensor_model_parallel_group", "get_model_parallel_group",
+           "get_data_parallel_group", "get_tensor_model_parallel_world_size", "get_model_parallel_world_size",
+           "get_tensor_model_parallel_rank", "get_model_parallel_rank", "get_tensor_model_parallel_src_rank",
+           "get_data_parallel_world_size", "get_data_parallel_rank"]
