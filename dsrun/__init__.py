@@ -26,6 +26,7 @@ _LAZY: dict[str, str] = {
     "DeepSpeedTransformerConfig": "dsrun.ops.transformer:DeepSpeedTransformerConfig",
     "DeepSpeedTransformerLayer": "dsrun.ops.transformer:DeepSpeedTransformerLayer",
     "init_inference": "dsrun.inference:init_inference",
+    "tp_model_init": "dsrun.tensor_parallel:tp_model_init",
     "InferenceEngine": "dsrun.inference:InferenceEngine",
     "inference": "dsrun.inference:",
     "elasticity": "dsrun.elasticity:",

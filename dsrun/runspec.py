@@ -136,6 +136,12 @@ def resolve_run(cfg: DictConfig, reuse: ResolvedRun | None = None, outer: OuterR
             problems.append(Problem("model.pipeline_stages", f"{stages} stages do not divide the {world} ranks",
                                     "launch a multiple of model.pipeline_stages ranks"))
         world, source = max(1, world // stages), f"{source}, divided by model.pipeline_stages={stages}"
+    tp = OmegaConf.select(cfg, "ds.tensor_parallel.autotp_size") or 1
+    if isinstance(tp, int) and tp > 1:  # AutoTP: a tensor-parallel group's ranks share their samples too
+        if world % tp:
+            problems.append(Problem("ds.tensor_parallel.autotp_size", f"{tp} does not divide the {world} ranks",
+                                    "launch a multiple of autotp_size ranks"))
+        world, source = max(1, world // tp), f"{source}, divided by ds.tensor_parallel.autotp_size={tp}"
     ds_source = (_section(cfg, "ds"), world, source, _auto_values(cfg))
     if reuse is not None and reuse.ds is not None and reuse.ds_source == ds_source:
         ds = reuse.ds

@@ -193,7 +193,9 @@ def train(spec: DictConfig, run_dir: Path, reporter: StepReporter | None = None,
     # --- model, data, engine: the workload (dense GPT, pipelined GPT or distillation: dsrun/workloads/) ---
     ds_config = apply_run_defaults(OmegaConf.to_container(spec.ds, resolve=True), run_dir)  # monitors → run dir
     # this rank's one parse of the config; what it hands on carries the typed config (dsrun.config)
-    ds_config = load_resolved(ds_config, world_size // pipeline_stages(spec.model))
+    # the batch sizes count data-parallel ranks: not a pipeline's stages, nor an AutoTP group's ranks
+    autotp = max(1, int((ds_config.get("tensor_parallel") or {}).get("autotp_size") or 1))
+    ds_config = load_resolved(ds_config, world_size // pipeline_stages(spec.model) // autotp)
     workload = compose(spec, ds_config, world_size)
     model = workload.build_model()
     corpus = hydra.utils.instantiate(spec.data, _convert_="all")

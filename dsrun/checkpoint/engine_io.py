@@ -37,6 +37,7 @@ from dsrun.utils import zero_to_fp32 as z2f
 from dsrun.utils.errors import Problem, UserError
 
 from . import atomic, decoupled, deepspeed_format, experts, layout, reshard, state, universal_checkpoint
+from . import tensor_parallel as tp
 from .engine_view import CheckpointEngine, CheckpointStrategy
 
 Tag = str | int | None  # a checkpoint tag as DeepSpeed takes it (str() of it names the folder; None: the default)
@@ -232,18 +233,18 @@ def save_checkpoint(engine: CheckpointEngine, save_dir: str, tag: Tag = None,
                     client_state: dict[str, Any] | None = None, save_latest: bool = True,
                     exclude_frozen_parameters: bool = False) -> bool:
     """Save the engine's full training state under ``save_dir/<tag>``; every rank must call it."""
-    rank, dp_rank = engine.global_rank, comm.get_rank(engine.dp_group)
+    rank, dp_rank, mp_rank = engine.global_rank, comm.get_rank(engine.dp_group), engine.groups.coord("model")
     files = _layout(engine)
 
     def write(staging: Path) -> None:
         # use_node_local_storage: each node's local rank 0 writes the one-rank files, as DeepSpeed's local_rank
         if files.writes_model_states(engine.local_rank if _node_local(engine) else dp_rank):
             atomic.save_torch(engine_model_states(engine, client_state or {}, exclude_frozen_parameters, files),
-                              staging / files.model_states_name(dp_rank), rank, torn_point="model_states_torn")
+                              staging / files.model_states_name(dp_rank, mp_rank), rank, torn_point="model_states_torn")
         atomic.crash_point("after_model_states", rank)
         experts.save(engine, staging, rank)  # features' own files: MoE's, one per expert (collective per group)
         if engine.strategy is not None and files.optimizer_file_per_rank:
-            save_optimizer_states(engine, staging / layout.optim_states_name(dp_rank, engine.bfloat16_enabled()))
+            save_optimizer_states(engine, staging / layout.optim_states_name(dp_rank, engine.bfloat16_enabled(), mp_rank))
         rank_state = engine.strategy.rank_state_dict() if engine.strategy is not None else None
         if rank_state is not None:  # optimizer state that differs per data-parallel rank (1-bit error buffers)
             atomic.save_torch(rank_state, staging / layout.rank_states_name(dp_rank), rank)
@@ -444,7 +445,8 @@ def _restore_strategy(engine: CheckpointEngine, tag_dir: Path, model_states: dic
         # node-local storage holds this node's ranks' optimizer files only: this rank's is the one it needs
         bf16, own_only = engine.bfloat16_enabled(), _node_local(engine)
         own = (stage0_state(model_states, live_shapes) if stage_saved == 0 else deepspeed_format.load_zero_state(
-            optim_files(tag_dir, world_saved, bf16, only=dp_rank if own_only else None)[0 if own_only else dp_rank]))
+            optim_files(tag_dir, world_saved, bf16, only=dp_rank if own_only else None,
+                        mp_rank=engine.groups.coord("model"))[0 if own_only else dp_rank]))
         strategy.load_state_dict(own)
         _restore_rank_states(strategy, tag_dir, world_saved, dp_rank, same_layout=True)
         return
@@ -453,7 +455,7 @@ def _restore_strategy(engine: CheckpointEngine, tag_dir: Path, model_states: dic
                      f"{stage_saved}, loading into {live_world} rank(s) at stage {live_stage}")
         full = reshard.merge_rank_states(
             rank_optimizer_states(tag_dir, model_states, stage_saved, world_saved, engine.bfloat16_enabled(),
-                                  live_shapes),
+                                  live_shapes, mp_rank=engine.groups.coord("model")),
             stage_saved, model_states["param_shapes"])
     elif masters_from_module:
         return
@@ -518,9 +520,18 @@ def load_checkpoint(engine: CheckpointEngine, load_dir: str, tag: Tag = None, lo
         own = tag_dir / layout.model_states_name(3, dp_rank)
         model_path = own if own.is_file() else stage_files[0]
     else:
-        model_path = tag_dir / layout.model_states_name(0, 0)
+        model_path = tag_dir / layout.model_states_name(0, 0, engine.groups.coord("model"))
     model_states = load_file(model_path)
     module_sd = model_states["module"]
+    other_degree = tp.saved_degree(model_states) != engine.groups.size("model")
+    if other_degree:  # AutoTP saved at another degree: merged, cut for this rank; the masters follow it
+        if load_optimizer_states and not load_module_only:
+            raise UserError(Problem("load_checkpoint", f"{tag_dir.name} was saved over {tp.saved_degree(model_states)}"
+                                    f" tensor-parallel ranks; this run has {engine.groups.size('model')}: its "
+                                    "optimizer state does not carry over", "load_module_only=True (or "
+                                    "load_optimizer_states=False) loads the weights"))
+        module_sd = tp.module_for_rank(tag_dir, model_states, tp.splits_of(engine.features.checkpoint_entries()),
+                                       engine.groups.coord("model"), engine.groups.size("model"))
     if engine.features.parameter_files():  # parameters in files of their own (MoE: this rank's experts, by id)
         module_sd = experts.module_state(engine, tag_dir, module_sd)
     _load_module(engine, module_sd, load_module_strict, tag_dir, custom_load_fn)
@@ -529,8 +540,9 @@ def load_checkpoint(engine: CheckpointEngine, load_dir: str, tag: Tag = None, lo
     if engine.strategy is not None:
         load_universal = bool(engine._config.checkpoint.load_universal)
         _restore_strategy(engine, tag_dir, model_states, load_optimizer_states and not load_module_only,
-                          load_universal, masters_from_module=custom_load_fn is not None)
-        if not engine._config.zero_optimization.load_from_fp32_weights and engine.zero_optimization_stage() > 0:
+                          load_universal, masters_from_module=custom_load_fn is not None or other_degree)
+        if (other_degree or not engine._config.zero_optimization.load_from_fp32_weights) \
+                and engine.zero_optimization_stage() > 0:
             engine.restore_masters_from_model()  # the masters from the 16-bit weights just loaded, as DeepSpeed
     engine.loaded_checkpoint_dp_world_size = saved_world(model_states)
     engine.loaded_checkpoint_mp_world_size = int(model_states.get("mp_world_size", 1))

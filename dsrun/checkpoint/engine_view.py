@@ -66,6 +66,7 @@ class CheckpointEngine(Protocol):
     world_size: int
     dp_world_size: int
     dp_group: ProcessGroup
+    groups: Any  # dsrun.comm.ProcessGroups: a tensor-parallel rank (the model axis) writes its own files
     device: torch.device
     global_steps: int
     global_samples: int

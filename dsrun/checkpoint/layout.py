@@ -44,8 +44,8 @@ class CheckpointLayout:
     # know), or None when a load may reshard it to any world size or stage
     reshard_refusal: str | None = None
 
-    def model_states_name(self, dp_rank: int) -> str:
-        return model_states_name(3 if self.model_states_every_rank else 0, dp_rank)
+    def model_states_name(self, dp_rank: int, mp_rank: int = 0) -> str:
+        return model_states_name(3 if self.model_states_every_rank else 0, dp_rank, mp_rank)
 
     def writes_model_states(self, dp_rank: int) -> bool:
         return self.model_states_every_rank or dp_rank == 0

@@ -24,23 +24,25 @@ def saved_stage(model_states: dict[str, Any], tag_dir: Path) -> int:
     return int(load_file(optim[0])["optimizer_state_dict"]["zero_stage"]) if optim else 0
 
 
-def optim_files(tag_dir: Path, world: int, bf16: bool, only: int | None = None) -> list[Path]:
-    """The saved ranks' optimizer files (``only``: that rank's alone), preferring this run's precision prefix (as
-    DeepSpeed does)."""
+def optim_files(tag_dir: Path, world: int, bf16: bool, only: int | None = None, mp_rank: int = 0) -> list[Path]:
+    """The saved ranks' optimizer files (``only``: that rank's alone) of tensor-parallel rank ``mp_rank``,
+    preferring this run's precision prefix (as DeepSpeed does)."""
     for prefer in (bf16, not bf16):
-        files = [tag_dir / layout.optim_states_name(r, prefer) for r in (range(world) if only is None else [only])]
+        files = [tag_dir / layout.optim_states_name(r, prefer, mp_rank)
+                 for r in (range(world) if only is None else [only])]
         if all(f.is_file() for f in files):
             return files
     raise FileNotFoundError(f"{tag_dir}: expected {world} '*_optim_states.pt' files (one per saved rank)")
 
 
 def rank_optimizer_states(tag_dir: Path, model_states: dict[str, Any], stage: int, world: int,
-                           bf16: bool, group_shapes: list[Any] | None = None) -> list[dict[str, Any]]:
+                           bf16: bool, group_shapes: list[Any] | None = None, mp_rank: int = 0
+                           ) -> list[dict[str, Any]]:
     """Every saved rank's optimizer state, as dsrun's strategies read it (DeepSpeed's own files converted;
     ``group_shapes``: the live strategy's, which a DeepSpeed stage-0 file needs)."""
     if stage == 0:
         return [stage0_state(model_states, group_shapes)]
-    states = [deepspeed_format.load_zero_state(path) for path in optim_files(tag_dir, world, bf16)]
+    states = [deepspeed_format.load_zero_state(path) for path in optim_files(tag_dir, world, bf16, mp_rank=mp_rank)]
     if int(states[0].get("mics_shard_size", -1)) > 0:
         raise RuntimeError(f"{tag_dir}: saved under MiCS (mics_shard_size {states[0]['mics_shard_size']}), which "
                            "loads only into the same layout; rebuild the fp32 model with zero_to_fp32 instead")

@@ -15,6 +15,7 @@ from dsrun.moe.feature import MoEFeature
 from dsrun.optim.muon import MuonFeature
 from dsrun.optim.onebit import OneBitFeature
 from dsrun.sequence.feature import SequenceParallelFeature
+from dsrun.tensor_parallel import AutoTPFeature
 from dsrun.zero.zenflow import ZenFlowFeature
 from dsrun.zero.zeropp import ZeroPlusPlusFeature
 
@@ -26,6 +27,7 @@ BUILTIN: tuple[type[Feature], ...] = (
     ActivationCheckpointingFeature,  # the activation_checkpointing section, configured at attach
     MoEFeature,  # expert groups, expert param groups, expert checkpoint files
     SequenceParallelFeature,  # Ulysses: the topology's sequence axis
+    AutoTPFeature,  # AutoTP training: the topology's model axis, the model split over it
     ZeroPlusPlusFeature,  # ZeRO++ / MiCS / hpZ: stage 3's sharding policy
     ZenFlowFeature,  # ZenFlow: the selective, overlapped offloaded update of stages 1-2
 )

@@ -446,9 +446,10 @@ class DeepSpeedEngine(torch.nn.Module):
         if self.mpu is not None:
             dp_rank, dp_size = self.mpu.get_data_parallel_rank(), self.mpu.get_data_parallel_world_size()
         else:
-            # a sequence-parallel group reads the same samples (each rank keeps its slice of the sequence)
+            # a sequence-parallel group reads the same samples (each rank keeps its slice of the sequence), and so
+            # does a tensor-parallel group (the ranks of the model axis: AutoTP)
             sp = self.sequence_parallel_size
-            dp_rank, dp_size = self.global_rank // sp, self.world_size // sp
+            dp_rank, dp_size = self.groups.coord("data") // sp, self.groups.size("data") // sp
         if self.data_efficiency.sampling_enabled:  # data efficiency: batches under the curriculum's difficulty
             from dsrun.data_efficiency.data_sampling.data_loader import build_curriculum_loader
 

@@ -226,6 +226,12 @@ class ConfigView:
     def zero_optimization_stage(self) -> int:
         return int(self._config.zero_optimization.stage)
 
+    def autotp_size(self) -> int:
+        """The AutoTP degree: the ranks the model is split over (``tensor_parallel.autotp_size``, or what
+        ``tp_model_init`` recorded; the config's value, 0 by default, when nothing is split)."""
+        live = self._engine.groups.size("model")
+        return live if live > 1 else int(self._config.tensor_parallel.autotp_size)
+
     def zero_optimization_partition_gradients(self) -> bool:
         return self.zero_optimization_stage() >= 2
 

@@ -102,6 +102,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                                       "grid", "leave mpu=None"))
         mpu = model.mpu()
     world = mpu.get_data_parallel_world_size() if mpu is not None else comm.get_world_size()
+    if mpu is None:  # AutoTP: the ranks of a tensor-parallel group share their samples (dsrun/tensor_parallel)
+        world //= _tensor_parallel_degree(source)
     # dsrun train's rank hands over the config it parsed once (dsrun.config.load_resolved), for its world size
     ds_config = source if hasattr(source, "zero_optimization") else typed_config(source)
     if ds_config is None or (isinstance(source, ResolvedDsConfig) and source.world_size != world):
@@ -123,6 +125,18 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     engine.client_optimizer = base_optimizer if optimizer is not None else None
     engine.features.attach(engine)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _tensor_parallel_degree(source: Any) -> int:
+    """The AutoTP degree the config (or ``deepspeed.tp_model_init``) asks for, read before the batch arithmetic
+    (which counts data-parallel ranks only)."""
+    from dsrun.config import load_ds_config, typed_config
+    from dsrun.tensor_parallel import autotp_degree
+
+    typed = source if hasattr(source, "zero_optimization") else typed_config(source)
+    if typed is None:
+        typed = load_ds_config(source, world_size=None)
+    return autotp_degree(int(typed.tensor_parallel.autotp_size))
 
 
 def build_engine_optimizer(config: DSConfig, optimizer: ClientOptimizer | None, params: ModelParameters

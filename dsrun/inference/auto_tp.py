@@ -216,7 +216,7 @@ def _slice_rows(tensor: torch.Tensor | None, parts: int, rank: int, size: int) -
     return blocks[:, rank * piece:(rank + 1) * piece].reshape(-1, *tensor.shape[1:]).clone()
 
 
-def _split_heads_attrs(module: nn.Module, tp: TPGroup, where: str) -> None:
+def split_head_attrs(module: nn.Module, tp: TPGroup, where: str) -> None:
     """Divide a module's head counts and head widths by the group size; split per-head tables by heads."""
     size = tp.size
     heads = {attr: getattr(module, attr) for attr in HEAD_ATTRS + KV_HEAD_ATTRS + WIDTH_ATTRS
@@ -277,7 +277,7 @@ def shard_model(model: nn.Module, tp: TPGroup, policy: Mapping[Any, Any] | None 
             setattr(pair.row.parent, pair.row.attr, pair.row.module)
         if tp.size > 1:
             for module, where in attention_modules.values():
-                _split_heads_attrs(module, tp, where.rsplit(".", 1)[0])
+                split_head_attrs(module, tp, where.rsplit(".", 1)[0])
     return plans
 
 

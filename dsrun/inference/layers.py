@@ -109,16 +109,16 @@ class RowParallelLinear(InferenceLinear):
 
 def is_linear(module: nn.Module) -> bool:
     """``nn.Linear``, or a Hugging Face ``Conv1D`` (GPT-2's linear with a transposed ``[in, out]`` weight)."""
-    return isinstance(module, (nn.Linear, InferenceLinear)) or _is_conv1d(module)
+    return isinstance(module, (nn.Linear, InferenceLinear)) or is_conv1d(module)
 
 
-def _is_conv1d(module: nn.Module) -> bool:
+def is_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and getattr(module, "weight", None) is not None
 
 
 def linear_parts(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(weight [out, in], bias)`` of any linear :func:`is_linear` accepts."""
-    if _is_conv1d(module):
+    if is_conv1d(module):
         return module.weight.t(), module.bias
     return module.weight, module.bias
 

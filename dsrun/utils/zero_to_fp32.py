@@ -203,6 +203,15 @@ def _files(tag_dir: str, suffix: str) -> list[str]:
     return sorted(found, key=natural_key)
 
 
+def merge_slices(slices: list[torch.Tensor], dim: int, parts: int) -> torch.Tensor:
+    """The whole tensor whose tensor-parallel rank slices are ``slices`` (in rank order): each rank holds its
+    piece along ``dim`` of each of ``parts`` equal blocks (GPT-2's fused q|k|v: 3)."""
+    moved = [s.movedim(dim, 0) for s in slices]
+    blocks = [m.reshape(parts, m.shape[0] // parts, *m.shape[1:]) for m in moved]
+    whole = torch.cat(blocks, dim=1)
+    return whole.reshape(-1, *whole.shape[2:]).movedim(0, dim).contiguous()
+
+
 def optimizer_master_tensors(osd: dict[str, Any]) -> list[torch.Tensor]:
     """The fp32 master tensors of one rank's ZeRO optimizer state (stages 0-2: padding removed)."""
     if "fp32_flat_groups" in osd:
@@ -229,11 +238,35 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | Non
                                              lazy_mode: bool = False) -> "OrderedDict[str, torch.Tensor]":
     """The full fp32 state dict (on CPU) of the checkpoint ``checkpoint_dir/tag`` (``tag`` from ``latest``
     when None). Buffers come from the model states; tied aliases share their source's tensor. ``lazy_mode``
-    (DeepSpeed's) is accepted: the tensors are already whole, and ``.contiguous()`` on each returns it."""
+    (DeepSpeed's) is accepted: the tensors are already whole, and ``.contiguous()`` on each returns it. A
+    checkpoint saved over tensor-parallel ranks (AutoTP: ``mp_world_size`` > 1) is rebuilt per rank from its
+    ``mp_rank_XX`` files and the ranks' slices are put back together (docs/autotp.md)."""
     tag_dir = resolve_tag_dir(checkpoint_dir, tag)
-    say = print if verbose else (lambda *_: None)
-    say(f"Processing zero checkpoint '{tag_dir}'")
     model_files = [f for f in _files(tag_dir, MODEL_SUFFIX) if not _is_expert_file(f)]
+    degree = int(load_file(model_files[0]).get("mp_world_size", 1) or 1) if model_files else 1
+    if degree == 1:
+        return _fp32_state_dict(tag_dir, exclude_frozen_parameters, verbose, None)
+    ranks = [_fp32_state_dict(tag_dir, exclude_frozen_parameters, verbose, r) for r in range(degree)]
+    splits = ((load_file(model_files[0]).get("dsrun") or {}).get("tensor_parallel") or {}).get("splits") or {}
+    merged = ranks[0]
+    for name, (dim, parts) in splits.items():
+        if name in merged:
+            merged[name] = merge_slices([state[name] for state in ranks], int(dim), int(parts))
+    return merged
+
+
+def _fp32_state_dict(tag_dir: str, exclude_frozen_parameters: bool, verbose: bool, mp_rank: int | None
+                     ) -> "OrderedDict[str, torch.Tensor]":
+    """One tensor-parallel rank's fp32 state dict (``mp_rank`` None: the files of every rank, no AutoTP)."""
+    say = print if verbose else (lambda *_: None)
+    say(f"Processing zero checkpoint '{tag_dir}'" + (f" (tensor-parallel rank {mp_rank})" if mp_rank is not None
+                                                      else ""))
+
+    def rank_files(suffix: str) -> list[str]:
+        found = [f for f in _files(tag_dir, suffix) if not _is_expert_file(f)]
+        return found if mp_rank is None else [f for f in found if f"mp_rank_{mp_rank:02d}_" in os.path.basename(f)]
+
+    model_files = rank_files(MODEL_SUFFIX)
     if not model_files:
         raise FileNotFoundError(f"no '*_{MODEL_SUFFIX}' files in {tag_dir}")
     first = load_file(model_files[0])
@@ -241,7 +274,7 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | Non
         raise ValueError(f"{model_files[0]} is not a model states file (no 'buffer_names')")
     extras = first.get("dsrun") or {}
     group_shapes = [OrderedDict(g) for g in first.get("param_shapes") or []]
-    optim_files = [f for f in _files(tag_dir, OPTIM_SUFFIX) if not _is_expert_file(f)]
+    optim_files = rank_files(OPTIM_SUFFIX)
     # MoE (any stage): expert groups follow the shared ones and are partitioned over their own expert-data
     # groups; their fp32 masters come whole from the per-expert files, by global id
     expert_fp32 = _expert_masters(tag_dir)

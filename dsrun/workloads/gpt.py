@@ -33,10 +33,10 @@ class DenseGPT(Workload):
         self.shard = engine.sequence_parallel_size > 1 and engine.data_efficiency.curriculum_seqlen() is None
 
     def data_parallel(self, engine: DeepSpeedEngine) -> tuple[int, int]:
-        from dsrun import comm
-
+        """This rank's place among the ranks that read different samples: a sequence group (Ulysses) and a
+        tensor-parallel group (AutoTP, the model axis) each read one rank's."""
         sp = engine.sequence_parallel_size
-        return comm.get_rank() // sp, self.world_size // sp
+        return engine.groups.coord("data") // sp, engine.groups.size("data") // sp
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.engine(inputs, targets, sequence_sharded=True) if self.shard else self.engine(inputs, targets)

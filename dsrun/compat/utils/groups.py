@@ -33,3 +33,20 @@ from dsrun.sequence.groups import (  # noqa: F401,E402  (Ulysses: the sequence-p
     _get_sequence_data_parallel_world_size,
     _get_sequence_data_parallel_rank,
 )
+from dsrun.tensor_parallel.groups import (  # noqa: F401,E402  (AutoTP: the tensor-parallel groups)
+    get_tensor_model_parallel_group,
+    get_model_parallel_group,
+    get_data_parallel_group,
+    get_tensor_model_parallel_world_size,
+    get_model_parallel_world_size,
+    get_tensor_model_parallel_rank,
+    get_model_parallel_rank,
+    get_tensor_model_parallel_src_rank,
+    get_data_parallel_world_size,
+    get_data_parallel_rank,
+)
+
+__all__ = ["expert_group_name", "initialize", "get_tensor_model_parallel_group", "get_model_parallel_group",
+           "get_data_parallel_group", "get_tensor_model_parallel_world_size", "get_model_parallel_world_size",
+           "get_tensor_model_parallel_rank", "get_model_parallel_rank", "get_tensor_model_parallel_src_rank",
+           "get_data_parallel_world_size", "get_data_parallel_rank"]

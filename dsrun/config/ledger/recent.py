@@ -39,6 +39,7 @@ WRITERS = "tests/unit/checkpoint/test_writer_checkpoint.py::"
 SPLIT = Feature("DeepSpeed's data-parallel split of checkpoint writes (part files no loader reads)",
                 "remove checkpoint.writer.data_parallel and io_multiplier")
 AUTOTP = Feature("AutoTP tensor-parallel training", "remove the tensor_parallel section")
+AUTOTP_TESTS = "tests/integration/test_autotp_training.py::"
 DEEPCOMPILE = Feature("DeepCompile (compiler passes for ZeRO)", "leave the compile key at its default")
 SUPER = Feature("SuperOffload (CPU Adam on reserved cores, superchips)", "leave super_offload false")
 LEAF_PROOF = "tests/unit/zero3/test_leaf_modules.py::test_the_config_leaf_module_section_flags_leaves_at_stage_3"
@@ -151,8 +152,11 @@ ENTRIES: list[Entry] = [
     *[done(f"zero_optimization.zenflow.{key}", meaning, *(f"{ZF}{t}" for t in tests), traced=key != "offload")
       for key, meaning, tests in ZENFLOW_KEYS],
     # AutoTP training
+    done("tensor_parallel.autotp_size", "tensor-parallel degree: the model's Transformer blocks split "
+         "column/row-wise over groups of that many ranks (docs/autotp.md)", AUTOTP_TESTS + "test_gpt2_tp2_zero1_"
+         "matches_the_unsplit_run_and_holds_half_of_each_split_matrix", AUTOTP_TESTS + "test_tp2_by_dp2_on_4_ranks"),
     *_section("tensor_parallel", AUTOTP, {
-        "dtype": "dtype of the sharded model", "autotp_size": "tensor-parallel degree",
+        "dtype": "dtype of the sharded model",
         "tp_overlap_comm": "overlap TP communication", "vocab_parallel_lm_head": "shard the LM head",
         "vocab_parallel_ce_backend": "vocab-parallel cross-entropy backend", "tp.tp_size": "TP degree",
         "tp.tp_grain_size": "shard granularity", "tp.mpu": "model-parallel unit", "tp.tp_group": "TP group",

@@ -1,0 +1,140 @@
+"""AutoTP training as a feature of the engine (:mod:`dsrun.features`), and DeepSpeed's ``tp_model_init``.
+
+Built when ``tensor_parallel.autotp_size`` (or a ``deepspeed.tp_model_init(model, tp_size, dtype)`` call before
+``initialize``) asks for more than one rank. It asks the topology for a ``model`` axis of that size
+(``group_sizes``: DeepSpeed's layout, rank = data · M + model, so a tensor-parallel group is M consecutive
+ranks), and when the groups are built (``take_topology``) it starts every rank of a tensor-parallel group from
+its first rank's weights and splits the model's Transformer blocks over the group
+(:func:`dsrun.tensor_parallel.split.split_for_training`). ZeRO then partitions and reduces over the data
+group only: a split parameter's slice is its own on each rank, and every whole parameter gets the same
+gradient on every rank of the group (the row-parallel all-reduce makes the activations equal, the
+column-parallel backward all-reduce the activations' gradients). The checkpoint entries say how the model
+was split (``tensor_parallel``) and DeepSpeed's ``mp_world_size``; each tensor-parallel rank writes its own
+``mp_rank_XX`` files.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from dsrun import comm
+from dsrun.comm.groups import ProcessGroups
+from dsrun.config import DSConfig
+from dsrun.features import Feature
+from dsrun.moe.layer import MoE
+from dsrun.utils.errors import ConfigError, Problem
+
+from dsrun.zero.step_hooks import BEFORE_UPDATE
+
+from .norm import clip_by_tensor_parallel_norm
+from .split import TPLayout, split_for_training
+
+# what deepspeed.tp_model_init recorded (DeepSpeed's _TP_MODEL_INIT_ARGS): merged into the config at initialize
+_TP_MODEL_INIT_ARGS: dict[str, Any] | None = None
+_PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype, config: Any = None, **kwargs: Any
+                  ) -> nn.Module:
+    """DeepSpeed's ``deepspeed.tp_model_init``: record the tensor-parallel degree (and dtype, and a ``tp_group``
+    keyword) for the next ``initialize``, which splits the model; returns ``model`` unchanged. A second call must
+    agree with the first; ``initialize`` refuses a config whose ``tensor_parallel.autotp_size`` or precision
+    disagrees, and a ``tp_group`` that is not the rank's group of the topology. ``config`` and other keywords
+    are not read (DeepSpeed's record-only ``tp_model_init`` does not read them either)."""
+    global _TP_MODEL_INIT_ARGS
+    recorded = {"tp_size": int(tp_size), "dtype": dtype, "tp_group": kwargs.get("tp_group")}
+    previous = _TP_MODEL_INIT_ARGS
+    if previous is not None and (previous["tp_size"], previous["dtype"]) != (recorded["tp_size"], dtype):
+        raise ValueError("Conflicting tp_model_init arguments detected across multiple calls.")
+    _TP_MODEL_INIT_ARGS = recorded
+    return model
+
+
+def reset_tp_model_init() -> None:
+    """Forget what ``tp_model_init`` recorded (DeepSpeed's tests set ``deepspeed._TP_MODEL_INIT_ARGS = None``)."""
+    global _TP_MODEL_INIT_ARGS
+    _TP_MODEL_INIT_ARGS = None
+
+
+def autotp_degree(autotp_size: int) -> int:
+    """The tensor-parallel degree a run trains with: the config's ``tensor_parallel.autotp_size``, else what
+    ``tp_model_init`` recorded; 1 when neither asks for more. Two different sizes are a ConfigError."""
+    recorded = _TP_MODEL_INIT_ARGS
+    if recorded is None:
+        return max(int(autotp_size), 1)
+    if autotp_size and autotp_size != recorded["tp_size"]:
+        raise ConfigError(Problem("tensor_parallel.autotp_size", f"is {autotp_size}, but deepspeed.tp_model_init("
+                                  f"tp_size={recorded['tp_size']}) was called", "make them agree, or drop one"))
+    return max(recorded["tp_size"], 1)
+
+
+def _recorded_dtype_problems(config: DSConfig) -> list[Problem]:
+    recorded = _TP_MODEL_INIT_ARGS
+    wanted = next((dt for name, dt in _PRECISION_DTYPES.items() if getattr(config, name).enabled), None)
+    if recorded is None or wanted is None or wanted == recorded["dtype"]:
+        return []
+    return [Problem("tensor_parallel", f"deepspeed.tp_model_init(dtype={recorded['dtype']}) disagrees with the "
+                    f"config's precision ({wanted})", "make them agree")]
+
+
+class AutoTPFeature(Feature):
+    name = "autotp"
+
+    def __init__(self, config: DSConfig, size: int):
+        self.size = size
+        self.clipping = float(config.gradient_clipping or 0.0)
+        self._group: Any = None
+        self.layout: TPLayout | None = None
+
+    @classmethod
+    def build(cls, config: DSConfig) -> "AutoTPFeature | None":
+        size = autotp_degree(int(config.tensor_parallel.autotp_size))
+        problems = _recorded_dtype_problems(config)
+        if size <= 1:
+            if problems:
+                raise ConfigError(problems)
+            return None
+        if int(config.zero_optimization.stage) == 3:
+            problems.append(Problem("zero_optimization.stage", "AutoTP training composes with ZeRO stages 0-2 "
+                                    "(DeepSpeed's too)", "use stage 1 or 2 with tensor_parallel.autotp_size"))
+        if int(config.sequence_parallel_size) > 1:
+            problems.append(Problem("sequence_parallel_size", "AutoTP training with Ulysses sequence parallelism "
+                                    "is not built", "use one of the two"))
+        if problems:
+            raise ConfigError(problems)
+        return cls(config, size)
+
+    def group_sizes(self) -> dict[str, int]:
+        return {"model": self.size}
+
+    def take_topology(self, model: nn.Module, groups: ProcessGroups) -> None:  # type: ignore[override]
+        if groups.size("model") != self.size:  # a client mpu brought a data-parallel group only
+            raise ConfigError(Problem("tensor_parallel.autotp_size", f"is {self.size}, but the run's groups have "
+                                      f"a model axis of {groups.size('model')} (a client mpu's)",
+                                      "drop mpu=, so dsrun builds the tensor-parallel groups from the world"))
+        if any(isinstance(m, MoE) for m in model.modules()):
+            raise ConfigError(Problem("tensor_parallel.autotp_size", "AutoTP training of a model with MoE layers is "
+                                      "not built (its experts are not split)", "drop tensor_parallel or the MoE layers"))
+        group, members = groups.model, groups.members("model")
+        given = (_TP_MODEL_INIT_ARGS or {}).get("tp_group")
+        if given is not None and [comm.get_global_rank(given, r) for r in range(comm.get_world_size(given))] != members:
+            raise ConfigError(Problem("tp_model_init(tp_group=...)", f"this rank's group is not its tensor-parallel "
+                                      f"group {members} (dsrun's layout: {self.size} consecutive ranks)",
+                                      "leave tp_group out: dsrun builds the groups"))
+        with torch.no_grad():  # the ranks of a group must split the same weights
+            for tensor in list(model.parameters()) + list(model.buffers()):
+                comm.broadcast(tensor.data, src=members[0], group=group)
+        self._group = group
+        self.layout = split_for_training(model, group, groups.coord("model"), self.size)
+
+    def attach(self, engine: Any) -> None:
+        """Gradient clipping by the unsplit model's norm (dsrun/tensor_parallel/norm.py)."""
+        if engine.strategy is not None and self.clipping:
+            engine.strategy.hooks.add(BEFORE_UPDATE, lambda state: clip_by_tensor_parallel_norm(
+                state, self._group, self.clipping))
+
+    def checkpoint_entries(self) -> dict[str, Any]:
+        assert self.layout is not None
+        return {"mp_world_size": self.size, "dsrun": {"tensor_parallel": self.layout.entry()}}

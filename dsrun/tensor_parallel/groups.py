@@ -1,0 +1,49 @@
+"""DeepSpeed's tensor-parallel group getters (``deepspeed.utils.groups.get_tensor_model_parallel_*``), read from the
+run's groups (:func:`dsrun.comm.groups.current_groups`): the tensor-parallel group is the topology's ``model``
+axis, which AutoTP training sizes (docs/autotp.md)."""
+from __future__ import annotations
+
+from dsrun import comm
+from dsrun.comm.comm import ProcessGroup
+from dsrun.moe.groups import _groups
+
+
+def get_tensor_model_parallel_group() -> ProcessGroup:
+    return _groups().model
+
+
+def get_model_parallel_group() -> ProcessGroup:
+    return get_tensor_model_parallel_group()
+
+
+def get_data_parallel_group() -> ProcessGroup:
+    return _groups().data
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    return _groups().size("model")
+
+
+def get_model_parallel_world_size() -> int:
+    return get_tensor_model_parallel_world_size()
+
+
+def get_tensor_model_parallel_rank() -> int:
+    return _groups().coord("model")
+
+
+def get_model_parallel_rank() -> int:
+    return get_tensor_model_parallel_rank()
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    """The global rank of the first rank of this rank's tensor-parallel group."""
+    return _groups().members("model")[0]
+
+
+def get_data_parallel_world_size() -> int:
+    return comm.get_world_size(_groups().data)
+
+
+def get_data_parallel_rank() -> int:
+    return comm.get_rank(_groups().data)

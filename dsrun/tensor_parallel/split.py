@@ -1,0 +1,84 @@
+"""Split a model's Transformer blocks over a tensor-parallel group for training.
+
+Which linears pair up, which are column- and which row-parallel, how a fused projection (GPT-2's ``c_attn`` =
+q|k|v) is cut part by part, and which head counts shrink is read from the module tree exactly as inference reads
+it (:func:`dsrun.inference.auto_tp.check_split`: no per-architecture code; GPT-2's ``Conv1D``, Llama, Qwen2,
+Mistral, OPT and dsrun's own GPT are read alike). Everything outside the pairs (embeddings, norms, the LM head,
+a row-parallel linear's bias) stays whole on every rank.
+
+:func:`split_for_training` cuts each pair's parameters in place (the same ``Parameter`` objects, this rank's
+slice as their data) and returns a :class:`TPLayout`: for each split parameter, the dimension it was cut along
+and the number of fused parts, which is all a checkpoint needs to put the ranks' slices back together
+(:func:`dsrun.checkpoint.tensor_parallel.merge_module_states`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from dsrun.checkpoint.tensor_parallel import slice_dim
+from dsrun.inference.auto_tp import check_split, split_head_attrs
+from dsrun.inference.groups import TPGroup
+from dsrun.inference.layers import is_conv1d
+
+from .layers import ColumnParallelLinear, RowParallelLinear
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+
+@dataclass
+class TPLayout:
+    """How a model was split: ``splits[name] = (dim, parts)`` for each split parameter (by state-dict name)."""
+
+    tp_size: int
+    tp_rank: int
+    splits: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def entry(self) -> dict[str, object]:
+        """The checkpoint entry (plain types)."""
+        return {"tp_size": self.tp_size, "tp_rank": self.tp_rank,
+                "splits": {name: list(cut) for name, cut in self.splits.items()}}
+
+
+def _cut(param: nn.Parameter, dim: int, parts: int, tp: TPGroup) -> None:
+    with torch.no_grad():
+        param.data = slice_dim(param.data, dim, parts, tp.rank, tp.size)
+    # Megatron's marks, which DeepSpeed's is_model_parallel_parameter reads
+    param.tensor_model_parallel = True
+    param.partition_dim, param.partition_stride = dim, parts
+
+
+def split_for_training(model: nn.Module, group: ProcessGroup | None, tp_rank: int, tp_size: int) -> TPLayout:
+    """Replace each pair's linears by this rank's column-/row-parallel slices (in place, keeping the
+    parameters); raises ConfigError when a block does not split over ``tp_size``."""
+    tp = TPGroup(group, tp_rank, tp_size)
+    plans = check_split(model, tp_size)
+    layout = TPLayout(tp_size, tp_rank)
+    for plan in plans:
+        attention: dict[int, tuple[nn.Module, str]] = {}
+        for pair in plan.pairs:
+            for slot, row in [(c, False) for c in pair.columns] + [(pair.row, True)]:
+                module = slot.module
+                transposed = is_conv1d(module)
+                out_dim = 1 if transposed else 0
+                dim = (1 - out_dim) if row else out_dim
+                parts = 1 if row else slot.parts
+                prefix = f"{plan.name}.{slot.name}"
+                _cut(module.weight, dim, parts, tp)
+                layout.splits[f"{prefix}.weight"] = (dim, parts)
+                if module.bias is not None and not row:
+                    _cut(module.bias, 0, parts, tp)
+                    layout.splits[f"{prefix}.bias"] = (0, parts)
+                kind = RowParallelLinear if row else ColumnParallelLinear
+                replacement = kind(module.weight, module.bias, transposed, group, tp_size)
+                setattr(slot.parent, slot.attr, replacement)
+                slot.module = replacement
+                if not row and pair.attention:
+                    attention[id(slot.parent)] = (slot.parent, f"{plan.name}.{slot.name}")
+        for module, where in attention.values():
+            split_head_attrs(module, tp, where.rsplit(".", 1)[0])
+    return layout

@@ -1,0 +1,222 @@
+"""Per-rank jobs of the AutoTP training tests (importable by ``tests.helpers.run_ranks`` ranks).
+
+Every job builds the same small Hugging Face causal LM from its config (same seed: the same weights on every
+rank), trains it through ``dsrun.initialize`` with ZeRO-1 and Adam in fp32 on a fixed token dataset read through
+the engine's loader, and returns what the tests compare: the per-step losses, the bytes of the split matrices
+this rank holds, the batches it read.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tests.integration._inference_models import VOCAB, hf_model
+
+SEQ, SAMPLES = 12, 64
+
+
+def causal_lm(name: str) -> torch.nn.Module:
+    if name == "qwen2":
+        import transformers as t
+
+        torch.manual_seed(0)
+        config = t.Qwen2Config(vocab_size=VOCAB, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                               hidden_size=32, intermediate_size=64, max_position_embeddings=64, bos_token_id=0,
+                               eos_token_id=0, pad_token_id=0)
+        return t.Qwen2ForCausalLM(config)
+    model = hf_model(name).train()
+    for module in model.modules():  # GPT-2's dropout draws different numbers once its heads are split
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
+
+
+class Tokens(torch.utils.data.Dataset):
+    """Fixed random token rows (the same on every rank)."""
+
+    def __init__(self) -> None:
+        self.ids = torch.randint(1, VOCAB, (SAMPLES, SEQ), generator=torch.Generator().manual_seed(7))
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.ids[index]
+
+
+def ds_config(tp: int, dp: int, micro: int = 2) -> dict[str, Any]:
+    config: dict[str, Any] = {"train_batch_size": micro * dp, "train_micro_batch_size_per_gpu": micro,
+                              "zero_optimization": {"stage": 1}, "steps_per_print": 10 ** 6,
+                              "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
+    if tp > 1:
+        config["tensor_parallel"] = {"autotp_size": tp}
+    return config
+
+
+def _engine(name: str, tp: int, world: int, **extra: Any) -> Any:
+    import dsrun
+
+    model = causal_lm(name)
+    engine, _, loader, _ = dsrun.initialize(model=model, config={**ds_config(tp, world // tp), **extra},
+                                            training_data=Tokens())
+    return engine, loader
+
+
+def _train(engine: Any, batches: list[torch.Tensor]) -> list[float]:
+    losses = []
+    for ids in batches:
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _batches(loader: Any, steps: int) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    while len(out) < steps:
+        out += list(loader)
+    return out[:steps]
+
+
+def split_bytes(engine: Any) -> dict[str, int]:
+    """Bytes of each parameter of the (possibly split) linears of the blocks, by name."""
+    from dsrun.tensor_parallel import TensorParallelLinear
+
+    held = {}
+    for module_name, module in engine.module.named_modules():
+        if isinstance(module, TensorParallelLinear) or module_name.split(".")[-1] in SPLIT_NAMES:
+            for pname, p in module.named_parameters(recurse=False):
+                held[f"{module_name}.{pname}"] = p.numel() * p.element_size()
+    return held
+
+
+SPLIT_NAMES = {"c_attn", "c_proj", "c_fc", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+               "down_proj"}
+
+
+def reference_losses(name: str, dp: int, steps: int, micro: int = 2) -> list[float]:
+    """The unsplit model trained in this process alone with torch's Adam and clipping (no dsrun), on the global
+    batches the ``dp`` data-parallel ranks' loaders give."""
+    from dsrun.engine.dataloader import DeepSpeedDataLoader
+
+    model = causal_lm(name)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    loaders = [DeepSpeedDataLoader(Tokens(), micro, data_parallel_world_size=dp, data_parallel_rank=r)
+               for r in range(dp)]
+    rank_batches = [_batches(loader, steps) for loader in loaders]
+    losses = []
+    for step in range(steps):
+        ids = torch.cat([batches[step] for batches in rank_batches])
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def train_job(rank: int, world: int, names: list[str], tp: int, steps: int) -> dict[str, Any]:
+    """For each model: ``steps`` steps at TP=``tp``; the losses, the bytes of the block linears, the first batch
+    this rank read, and (on rank ``index % world``) the unsplit reference's losses."""
+    results = {}
+    for index, name in enumerate(names):
+        engine, loader = _engine(name, tp, world)
+        batches = _batches(loader, steps)
+        losses = _train(engine, batches)
+        results[name] = {"losses": losses, "bytes": split_bytes(engine), "first_batch": batches[0],
+                         "deepspeed_groups": deepspeed_groups(engine),
+                         "tp_rank": engine.groups.coord("model"), "dp_rank": engine.groups.coord("data"),
+                         "autotp_size": engine.autotp_size(),
+                         # each model's reference on one rank, so the ranks compute them side by side
+                         "reference": reference_losses(name, world // tp, steps) if rank == index % world else None,
+                         "whole_bytes": split_bytes_of(causal_lm(name))}
+        engine.destroy()
+    return results
+
+
+def deepspeed_groups(engine: Any) -> dict[str, Any]:
+    """What DeepSpeed's getters (``deepspeed.utils.groups``, ``deepspeed.runtime.utils``) say of the run."""
+    from dsrun.compat.runtime.utils import is_model_parallel_parameter
+    from dsrun.compat.utils import groups
+
+    module = engine.module
+    block = module.model.layers[0] if hasattr(module, "model") else module.transformer.h[0]
+    linear = block.self_attn.q_proj if hasattr(block, "self_attn") else block.attn.c_attn
+    return {"tp": (groups.get_tensor_model_parallel_world_size(), groups.get_tensor_model_parallel_rank(),
+                   groups.get_tensor_model_parallel_src_rank()),
+            "dp": (groups.get_data_parallel_world_size(), groups.get_data_parallel_rank()),
+            "split": is_model_parallel_parameter(linear.weight),
+            "whole": is_model_parallel_parameter(module.get_input_embeddings().weight)}
+
+
+def split_bytes_of(model: torch.nn.Module) -> dict[str, int]:
+    return {f"{m}.{p}": t.numel() * t.element_size() for m, module in model.named_modules()
+            if m.split(".")[-1] in SPLIT_NAMES for p, t in module.named_parameters(recurse=False)}
+
+
+def two_rank_job(rank: int, world: int, names: list[str], steps: int, save_dir: str) -> dict[str, Any]:
+    """One launch for the 2-rank tests: :func:`train_job`'s results, and :func:`checkpoint_job`'s under
+    ``"checkpoint"`` (GPT-2)."""
+    return {**train_job(rank, world, names, 2, steps), "checkpoint": checkpoint_job(rank, world, "gpt2", save_dir),
+            "foreign_group": foreign_tp_group(rank, world), "stages": other_stages(rank, world)}
+
+
+def other_stages(rank: int, world: int, steps: int = 4) -> dict[int, list[float]]:
+    """GPT-2 at TP=2 under ZeRO stages 0 and 2 (and bf16 at stage 2): the first ``steps`` losses."""
+    out: dict[Any, list[float]] = {}
+    for key, extra in ((0, {}), (2, {}), ("bf16", {"bf16": {"enabled": True}})):
+        stage = 2 if key == "bf16" else key
+        engine, loader = _engine("gpt2", 2, world, zero_optimization={"stage": stage}, **extra)
+        out[key] = _train(engine, _batches(loader, steps))
+        engine.destroy()
+    return out
+
+
+def foreign_tp_group(rank: int, world: int) -> str:
+    """What ``initialize`` says of a ``tp_model_init(tp_group=...)`` that is not the topology's group."""
+    from dsrun import comm
+    from dsrun.tensor_parallel import reset_tp_model_init, tp_model_init
+    from dsrun.utils.errors import ConfigError
+
+    alone = [comm.new_group([r]) for r in range(world)][rank]  # every rank creates every group
+    tp_model_init(causal_lm("gpt2"), tp_size=2, dtype=torch.float32, tp_group=alone)
+    try:
+        _engine("gpt2", 1, world)
+    except ConfigError as err:
+        return str(err)
+    finally:
+        reset_tp_model_init()
+    return "accepted"
+
+
+def checkpoint_job(rank: int, world: int, name: str, save_dir: str) -> dict[str, Any]:
+    """TP=2: 4 steps, save, 4 more; a new engine loads the save and runs the same 4. Then an unsplit engine
+    (TP=1) loads the weights, and the conversion merges them."""
+    from dsrun.checkpoint.tensor_parallel import merge_checkpoint
+    from dsrun.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    engine, loader = _engine(name, 2, world)
+    batches = _batches(loader, 8)
+    _train(engine, batches[:4])
+    engine.save_checkpoint(save_dir, tag="step4")
+    with torch.no_grad():
+        logits = engine.module(input_ids=batches[4]).logits.detach().clone()
+    tail = _train(engine, batches[4:])
+    engine.destroy()
+    again, _ = _engine(name, 2, world)
+    again.load_checkpoint(save_dir, tag="step4")
+    resumed = _train(again, batches[4:])
+    again.destroy()
+    whole, _ = _engine(name, 1, world)
+    whole.load_checkpoint(save_dir, tag="step4", load_module_only=True)
+    with torch.no_grad():
+        whole_logits = whole.module(input_ids=batches[4]).logits.detach().clone()
+    loaded = {k: v.detach().clone() for k, v in whole.module.state_dict().items()}
+    whole_tail = _train(whole, batches[4:5])
+    whole.destroy()
+    return {"tail": tail, "resumed": resumed, "logits": logits, "whole_logits": whole_logits, "loaded": loaded,
+            "merged": merge_checkpoint(save_dir, "step4") if rank == 0 else None, "whole_tail": whole_tail,
+            "fp32": get_fp32_state_dict_from_zero_checkpoint(save_dir, "step4") if rank == 0 else None}
