@@ -123,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{len(numa_nodes()) or 1} NUMA node(s); binding {describe(cores_for_ranks(WORLD))}; {args.pairs} pairs of "
           f"{args.steps} steps (load average {min(loads):.1f}-{max(loads):.1f})")
     for name in ("bound", "unbound"):
-        print(f"{name:<9} step {summary[name]['step_s']:.4f} s  CPU {summary[name]['cpu_s']:.4f} s  "
-              f"(runs: {', '.join(f'{r['step_s']:.4f}' for r in runs[name])})")
+        each = ", ".join(f"{r['step_s']:.4f}" for r in runs[name])
+        print(f"{name:<9} step {summary[name]['step_s']:.4f} s  CPU {summary[name]['cpu_s']:.4f} s  (runs: {each})")
     print(f"bound / unbound: step {summary['bound_vs_unbound']:.2f}x, CPU {summary['cpu_bound_vs_unbound']:.2f}x")
     if args.json:
         args.json.write_text(json.dumps({"runs": runs, "summary": summary, "loads": loads}, indent=2))
