@@ -210,6 +210,7 @@ class ParameterCoordinator:
         self._hook_fns = (torch.compiler.disable(self._pre_forward), torch.compiler.disable(self._post_forward))
         self._params_of, self.params = {}, {}
         self.trace, self.trace_complete, self.following_trace, self._keep_after = [], False, False, {}
+        self.in_use.clear()
         self._install()
 
     def _mark_leaf(self, leaf: torch.nn.Module) -> None:
