@@ -392,6 +392,20 @@ def _open_run(resolved: ResolvedRun, run_dir: Path, preflight: Preflight, resume
         log.say(line)
 
 
+def _default_core_binding(resolved: ResolvedRun, launcher: dict, log: LauncherLog) -> None:
+    """``launcher.bind_cores_to_rank: null``: bind each rank to its share of the host's cores when the run offloads
+    and a host runs more than one rank (dsrun/launcher/core_binding.py; the agent prints the binding)."""
+    from dsrun.launcher.core_binding import binds_by_default
+
+    if launcher.get("bind_cores_to_rank") is not None or not resolved.plan.hosts:
+        return
+    ranks_per_host = max(len(slots) for slots in resolved.plan.hosts.values())
+    if binds_by_default(resolved.ds, ranks_per_host):
+        launcher["bind_cores_to_rank"] = True
+        log.say(f"binding each rank to its share of the host's cores (an offload run with {ranks_per_host} ranks "
+                "per host; launcher.bind_cores_to_rank=false turns it off)")
+
+
 def _train(resolved: ResolvedRun, run_dir: Path, preflight: Preflight, resume_line: str | None, record: Record,
            log: LauncherLog) -> dict:
     """Launch the worker on every rank of the plan; return the run's metrics (``metrics.json``)."""
@@ -408,6 +422,7 @@ def _train(resolved: ResolvedRun, run_dir: Path, preflight: Preflight, resume_li
         return _train_on_ray(resolved, run_dir, log)
     launcher = dict(resolved.runspec.launcher)
     launcher["log_dir"] = launcher.get("log_dir") or str(run_dir / "logs")
+    _default_core_binding(resolved, launcher, log)
     outcome = JobOutcome()
     started_ms = int(time.time() * 1000) - 1000
     hosts = ", ".join(resolved.plan.hosts)

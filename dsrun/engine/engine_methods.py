@@ -15,6 +15,7 @@ from typing import Any, Callable, Container, Iterator
 import torch
 
 from dsrun import comm
+from dsrun.zero.compile_regions import compile_model
 from dsrun.zero.fragments import refresh_masters_from_model
 from dsrun.zero.partition_params import ParamStatus, is_zero_param, write_shard
 from dsrun.zero import partition_params, quantized_shards
@@ -310,12 +311,13 @@ class EngineMethods:
 
     # --- compile ----------------------------------------------------------------------------------------
     def compile(self, backend: str = "inductor", compile_kwargs: dict[str, Any] | None = None) -> None:
-        """``torch.compile`` the module in place (``module.compile(backend=..., **compile_kwargs)``); a second
-        call does nothing. The config's ``compile`` section (``enabled``, ``backend``, ``kwargs``) calls it at
-        initialize."""
+        """``torch.compile`` the module in place (``module.compile(backend=..., **compile_kwargs)``; at ZeRO-3
+        each repeated block, with the gather/release hooks outside the graphs: ``dsrun/zero/compile_regions.py``);
+        a second call does nothing. The config's ``compile`` section (``enabled``, ``backend``, ``kwargs``) calls
+        it at initialize."""
         if self._engine._is_compiled:
             return
-        self._engine.module.compile(backend=backend, **(compile_kwargs or {}))
+        compile_model(self._engine.module, self._engine.strategy, backend, dict(compile_kwargs or {}))
         self._engine._is_compiled = True
 
     @property

@@ -50,12 +50,14 @@ _SCHEDULER_RANK_VARIABLES = ("SLURM_NODEID", "OMPI_COMM_WORLD_RANK", "PMI_RANK",
 
 
 def _cores_for_ranks(local_world_size: int, core_list: list[int] | None) -> list[list[int]]:
-    cores = core_list if core_list else sorted(os.sched_getaffinity(0))
-    per_rank = len(cores) // local_world_size
-    if per_rank < 1:
-        raise SystemExit(f"dsrun: --bind_cores_to_rank: {len(cores)} cores cannot be split among "
-                         f"{local_world_size} ranks on this node")
-    return [cores[i * per_rank:(i + 1) * per_rank] for i in range(local_world_size)]
+    from dsrun.launcher.core_binding import cores_for_ranks, describe
+
+    try:
+        groups = cores_for_ranks(local_world_size, core_list)
+    except ValueError as err:
+        raise SystemExit(f"dsrun: --bind_cores_to_rank: {err}") from None
+    print(f"dsrun: binding cores on {os.environ.get('DSRUN_HOST', 'this node')}: {describe(groups)}", flush=True)
+    return groups
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,7 +16,7 @@ The RunSpec mapping (all keys optional)::
       node_rank: null          # required with runner no_ssh
       ssh_port: null
       launcher_args: ""        # extra options for ssh / pdsh / srun / mpirun
-      bind_cores_to_rank: false
+      bind_cores_to_rank: null # null: false, except that dsrun train binds offload runs (core_binding.py)
       bind_core_list: null     # "0-13,14-27"
       max_restarts: null       # null: 0, or 100 with elastic_training (DeepSpeed's)
       log_dir: null            # per-rank log files (--enable_each_rank_log)

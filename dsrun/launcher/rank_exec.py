@@ -24,6 +24,7 @@ import os
 import signal
 import sys
 
+from dsrun.launcher.core_binding import cores_for_ranks
 from dsrun.launcher.protocol import RANK_ENV
 
 _PR_SET_PDEATHSIG = 1
@@ -120,10 +121,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         local_rank, local_size = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_SIZE"])
         if "bind_cores_to_rank" in options:
-            cores = (_parse_core_list(options["bind_core_list"]) if options.get("bind_core_list")
-                     else sorted(os.sched_getaffinity(0)))
-            share = len(cores) // local_size
-            groups = [cores[i * share:(i + 1) * share] for i in range(local_size)] if share else []
+            core_list = _parse_core_list(options["bind_core_list"]) if options.get("bind_core_list") else None
+            try:
+                groups = cores_for_ranks(local_size, core_list)  # NUMA-aware: dsrun/launcher/core_binding.py
+            except ValueError:
+                groups = []
         elif "OMP_NUM_THREADS" not in os.environ:
             os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // max(1, local_size)))
         if options.get("chdir"):

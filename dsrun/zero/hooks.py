@@ -34,6 +34,10 @@ an unavailable parameter during a forward gathers it and registers it as an exte
 innermost hooked module running, so from then on that module's own hooks gather it before its forward and
 its backward (DeepSpeed does the same). Lookups of available parameters cost one status check.
 
+Under ``torch.compile`` (:mod:`.compile_regions`) the hooks are ``torch.compiler.disable``d and the compiled
+blocks are gathered whole, as leaves are but with their gradients reduced as they are ready
+(:meth:`ParameterCoordinator.compile_regions`).
+
 All of this is deterministic given the trace, so every rank issues the same collectives in the same order
 (ZeRO-3 assumes the ranks run the same modules in the same order, as DeepSpeed does). If a step's order
 differs from the trace, prefetch and reuse stop for the rest of that step and the trace is recorded again.
@@ -42,7 +46,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Iterable
+from typing import Any, Collection, Iterable
 
 import torch
 
@@ -91,20 +95,27 @@ def leaf_params(leaf: torch.nn.Module) -> list[torch.nn.Parameter]:
     return list(seen.values())
 
 
-def gathered_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """What the coordinator gathers around ``module``'s passes: a leaf's subtree, another module's own."""
-    return leaf_params(module) if z3_leaf_module(module) else module_params(module)
+def gathered_whole(module: torch.nn.Module, units: Collection[int] = ()) -> bool:
+    """Whether ``module``'s subtree is gathered at once: a leaf, or a compile region (``units``: module ids)."""
+    return z3_leaf_module(module) or id(module) in units
 
 
-def hooked_modules(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """``root.named_modules()`` without the modules inside a leaf (a leaf itself is kept): the modules the
-    coordinator may hook, each with the parameters it gathers being :func:`gathered_params`'s."""
+def gathered_params(module: torch.nn.Module, units: Collection[int] = ()) -> list[torch.nn.Parameter]:
+    """What the coordinator gathers around ``module``'s passes: a leaf's (or compile region's) subtree, another
+    module's own."""
+    return leaf_params(module) if gathered_whole(module, units) else module_params(module)
+
+
+def hooked_modules(root: torch.nn.Module, units: Collection[int] = ()) -> list[tuple[str, torch.nn.Module]]:
+    """``root.named_modules()`` without the modules inside a leaf or a compile region (``units``; the leaf or
+    region itself is kept): the modules the coordinator may hook, each with the parameters it gathers being
+    :func:`gathered_params`'s."""
     kept: list[tuple[str, torch.nn.Module]] = []
     leaves: list[str] = []
     for name, module in root.named_modules():
         if any(leaf == "" or name.startswith(leaf + ".") for leaf in leaves):
             continue
-        if z3_leaf_module(module):
+        if gathered_whole(module, units):
             leaves.append(name)
         kept.append((name, module))
     return kept
@@ -167,12 +178,19 @@ class ParameterCoordinator:
         self._reading: list[torch.nn.Module] = []  # modules whose _parameters gather on read
         self._leaf_of: dict[int, torch.nn.Module] = {}  # a module inside a leaf -> the leaf hooked for it
         self._leaf_params: list[torch.nn.Parameter] = []
-        for _, module in hooked_modules(root):
-            if z3_leaf_module(module):
+        self.units: frozenset[int] = frozenset()  # compile regions gathered whole (compile_regions)
+        self._hook_fns: tuple[Any, Any] = (self._pre_forward, self._post_forward)
+        self._install()
+
+    # --- hooks --------------------------------------------------------------------------------------------
+    def _install(self) -> None:
+        root = self.root
+        for _, module in hooked_modules(root, self.units):
+            if gathered_whole(module, self.units):
                 self._mark_leaf(module)
         self.hook_module(root)  # even without parameters: its forward is where a read has no other owner
-        for _, module in hooked_modules(root):
-            if gathered_params(module):
+        for _, module in hooked_modules(root, self.units):
+            if gathered_params(module, self.units):
                 self.hook_module(module)
         for module in root.modules():  # inside leaves too: a read outside the leaf's forward still gathers
             if any(is_zero_param(p) for p in module._parameters.values()):
@@ -180,11 +198,27 @@ class ParameterCoordinator:
                 self._reading.append(module)
         LIVE_COORDINATORS.add(self)
 
-    # --- hooks --------------------------------------------------------------------------------------------
+    def compile_regions(self, units: Iterable[torch.nn.Module]) -> None:
+        """Get ready for ``torch.compile`` (:mod:`dsrun.zero.compile_regions`): the hooks become opaque to dynamo
+        (``torch.compiler.disable``: their bookkeeping and collectives run eagerly, and a compiled forward that
+        reaches them breaks its graph once there instead of tracing them and guarding on their state), and each
+        module of ``units`` is gathered whole, as a leaf is, so a compiled unit's forward runs with every
+        parameter of its subtree gathered, its children unhooked: no break inside it. The recorded trace starts
+        again. Units are not leaves: their parameters' gradients are reduced as they are ready."""
+        self.remove_hooks()
+        self.units = frozenset(id(u) for u in units)
+        self._hook_fns = (torch.compiler.disable(self._pre_forward), torch.compiler.disable(self._post_forward))
+        self._params_of, self.params = {}, {}
+        self.trace, self.trace_complete, self.following_trace, self._keep_after = [], False, False, {}
+        self.in_use.clear()
+        self._install()
+
     def _mark_leaf(self, leaf: torch.nn.Module) -> None:
         for inner in leaf.modules():
             if inner is not leaf:
                 self._leaf_of.setdefault(id(inner), leaf)
+        if not z3_leaf_module(leaf):
+            return  # a compile region: gathered whole, gradients reduced as usual
         for p in leaf.parameters():  # its own subtree's, as DeepSpeed marks them (not external ones)
             if is_zero_param(p):
                 setattr(p, PARAM_LEAF_ATTR, leaf)
@@ -194,7 +228,7 @@ class ParameterCoordinator:
         """Gather ``module``'s parameters around its passes (again: refresh its list after a registration). A
         module inside a leaf is never hooked: its leaf is, and gathers what was registered on it too."""
         module = self._leaf_of.get(id(module), module)
-        self._params_of[id(module)] = gathered_params(module)
+        self._params_of[id(module)] = gathered_params(module, self.units)
         for p in self._params_of[id(module)]:
             self.params[id(p)] = p
             if p.ds_tensor.device.type == "cpu":  # CUDA's caching allocator reuses memory already
@@ -203,8 +237,9 @@ class ParameterCoordinator:
         if id(module) in self._hooked:
             return
         self._hooked[id(module)] = module
-        self._hooks.append(module.register_forward_pre_hook(self._pre_forward))
-        self._hooks.append(module.register_forward_hook(self._post_forward))
+        pre_forward, post_forward = self._hook_fns
+        self._hooks.append(module.register_forward_pre_hook(pre_forward))
+        self._hooks.append(module.register_forward_hook(post_forward))
 
     def remove_hooks(self) -> None:
         for p in self.params.values():

@@ -289,7 +289,8 @@ ENTRIES: list[Entry] = [
     *_done("compile", {"enabled": "torch.compile the model", "backend": "the compile backend",
                        "kwargs": "torch.compile arguments"},
            "tests/unit/runtime/test_engine_surface.py::test_the_compile_section_compiles_the_module",
-           "tests/unit/runtime/test_engine_surface.py::test_the_compile_sections_backend_and_kwargs_reach_torch_compile"),
+           "tests/unit/runtime/test_engine_surface.py::test_the_compile_sections_backend_and_kwargs_reach_torch_compile",
+           "tests/unit/zero3/test_compile_regions.py::test_stage3_compiles_each_block_with_the_hooks_outside_the_graphs"),
     *_section("nebula", NEBULA, {
         "enabled": "save checkpoints through Nebula", "load_path": "where to load from",
         "enable_nebula_load": "load through Nebula", "persistent_storage_path": "persistent storage",
