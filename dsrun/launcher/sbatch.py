@@ -51,7 +51,9 @@ def batch_script(job: ClusterJob) -> str:
         *mlflow,
         f"# {signal_lead_s(job)} s before the time limit: every rank stops at a step boundary and saves, then the job "
         "requeues",
+        "step=",
         "stop_and_requeue() {",
+        '    [ -n "$step" ] || { stop_pending=1; return; }  # the notice came before srun started: act once it has',
         '    echo "[dsrun] time limit near: stopping the ranks at a step boundary, then requeueing job $SLURM_JOB_ID"',
         '    kill -TERM "$step" 2>/dev/null',
         '    wait "$step"',
@@ -62,6 +64,7 @@ def batch_script(job: ClusterJob) -> str:
         "",
         f"srun --ntasks-per-node={job.procs_per_node} --kill-on-bad-exit=1 {rank} &",
         "step=$!",
+        '[ -z "$stop_pending" ] || stop_and_requeue',
         'wait "$step"',
         'status=$?',
         'exit "$status"',
