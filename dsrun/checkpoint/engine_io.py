@@ -33,6 +33,7 @@ import torch
 
 from dsrun import comm
 from dsrun.io import WriterSettings
+from dsrun.ops.cpu_optimizer import adopting_loaded_state
 from dsrun.utils import zero_to_fp32 as z2f
 from dsrun.utils.errors import Problem, UserError
 
@@ -468,8 +469,10 @@ def _restore_strategy(engine: CheckpointEngine, tag_dir: Path, model_states: dic
 def _load_cut(strategy: CheckpointStrategy, full: reshard.StateSource, stage: int, world: int, dp_rank: int,
               shapes: list[Any], tag_dir: Path, world_saved: int, load_optimizer_states: bool = True) -> None:
     """Load ``full`` cut to this rank's layout into the strategy (and re-cut the per-rank optimizer files)."""
-    strategy.load_state_dict(reshard.state_for_rank(strategy.state_dict(), full, stage, world, dp_rank, shapes,
-                                                    load_optimizer_states=load_optimizer_states))
+    template = reshard.master_sizes_only(strategy.state_dict())
+    with adopting_loaded_state():  # the cut state is this load's alone: the optimizer keeps it, no second copy
+        strategy.load_state_dict(reshard.state_for_rank(template, full, stage, world, dp_rank, shapes,
+                                                        load_optimizer_states=load_optimizer_states))
     if load_optimizer_states:
         _restore_rank_states(strategy, tag_dir, world_saved, dp_rank, same_layout=False)
 

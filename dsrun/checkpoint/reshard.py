@@ -1,10 +1,15 @@
 """Loading ZeRO optimizer state saved by N ranks (any stage) into an engine with M ranks (any stage).
 
-The saved per-rank files are first merged into one *full* state, keyed by parameter name: each parameter's
-fp32 master value and each of its optimizer moments (``exp_avg``…) as flat full-length tensors, plus the
-per-group scalars (``step``) and hyper-parameters. That full state is then cut the way the live strategy lays
-out its own rank's master tensors (:func:`dsrun.utils.zero_to_fp32.master_slots` describes both layouts) and
-handed to ``strategy.load_state_dict`` in the strategy's own format, as if it had been saved by this run.
+The state is seen per parameter, free of world size and stage: each parameter's fp32 master value and each of
+its optimizer moments (``exp_avg``…) as flat full-length values, plus the per-group scalars (``step``) and
+hyper-parameters (a :class:`StateSource`). :func:`state_for_rank` cuts it the way the live strategy lays out
+its own rank's master tensors (:func:`dsrun.utils.zero_to_fp32.master_slots` describes both layouts), reading
+only that rank's elements, and returns it in the strategy's own format, as if it had been saved by this run.
+
+Two kinds of source: :class:`FullOptimizerState`, every value in memory (:func:`merge_rank_states` merges the
+saved ranks' state dicts into one: the conversion to a universal folder, pipelines, experts), and the partial
+readers of :mod:`.partial_state`, which read each asked range from the saved files (the engine's resharded and
+universal loads).
 """
 from __future__ import annotations
 
@@ -164,6 +169,14 @@ def _fill(length: int, slots: list[Any], full: StateSource, key: str | None, dty
     for slot in slots:
         full.copy_range(slot.name, key, slot.full_offset, out[slot.master_offset:slot.master_offset + slot.length])
     return out
+
+
+def master_sizes_only(template: dict[str, Any]) -> dict[str, Any]:
+    """``template`` (a strategy's ``state_dict()``) with its master tensors replaced by meta tensors of their
+    sizes, all :func:`state_for_rank` reads of them: the copies a strategy's ``state_dict()`` makes are freed
+    before the loaded masters are built, so a load holds one set of masters beyond the strategy's own."""
+    key = "fp32_flat_groups" if "fp32_flat_groups" in template else "single_partition_of_fp32_groups"
+    return {**template, key: [torch.empty(t.numel(), device="meta") for t in template[key]]}
 
 
 def state_for_rank(template: dict[str, Any], full: StateSource, stage: int, world_size: int, rank: int,
