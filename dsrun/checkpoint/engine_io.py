@@ -528,7 +528,12 @@ def load_checkpoint(engine: CheckpointEngine, load_dir: str, tag: Tag = None, lo
         model_path = own if own.is_file() else stage_files[0]
     else:
         model_path = tag_dir / layout.model_states_name(0, 0)
-    model_states = load_file(model_path)
+    if custom_load_fn is None and engine.strategy is not None and _layout(engine).module_holds_placeholders \
+            and not engine.features.parameter_files():  # the parameters come through the masters: leave them unread
+        names = {name for name, _ in engine.module.named_parameters(remove_duplicate=False)}
+        model_states = partial_state.model_states_without_parameters(model_path, names)
+    else:
+        model_states = load_file(model_path)
     module_sd = model_states["module"]
     if engine.features.parameter_files():  # parameters in files of their own (MoE: this rank's experts, by id)
         module_sd = experts.module_state(engine, tag_dir, module_sd)

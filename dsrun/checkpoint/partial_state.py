@@ -11,6 +11,9 @@ A resharded load used to merge every saved rank's optimizer file into the whole 
   metadata beyond what DeepSpeed saves is needed. Every saved file's pickled index is still read (small).
 * :class:`PartialUniversalState`: a universal folder's per-parameter files; each rank reads the range of each
   ``fp32.pt``/``exp_avg.pt``... that falls in its partition.
+* :func:`model_states_without_parameters`: a model states file with the module's parameters left unread, for a
+  layout whose parameters come through the masters (ZeRO-3), which reads only the buffers of a full module
+  (a universal folder's, or a stage 0-2 save's).
 
 The values are the merged path's bit for bit (the same slots, the same casts); ``tests/unit/checkpoint/
 test_partial_reads.py`` checks it, and that a rank reads its share.
@@ -172,3 +175,12 @@ class PartialUniversalState:
     def copy_range(self, name: str, key: str | None, full_offset: int, out: torch.Tensor) -> None:
         file, tensor = self._tensor(name, FP32 if key is None else key)
         file.read(tensor, full_offset, out)
+
+
+def model_states_without_parameters(path: Path, parameter_names: set[str]) -> dict[str, Any]:
+    """The model states file ``path`` with every tensor read but the module's entries named in
+    ``parameter_names``, which stay on the meta device (never read)."""
+    with TensorFile(path) as file:
+        module = file.objects.get("module") or {}
+        keep = {id(v) for k, v in module.items() if k in parameter_names and torch.is_tensor(v)}
+        return file.materialise_all(file.objects, keep)

@@ -140,8 +140,8 @@ def _full_read_state(engine, tag_dir):
 
 
 def _load_and_compare(engine, root, tag):
-    """Load ``root/tag`` through the engine; (whether the state equals the full-read path's, bytes read, the
-    rank's share in bytes, the saved optimizer files' bytes)."""
+    """Load ``root/tag`` through the engine and check the state equals the full-read path's; (bytes read beyond
+    the module's buffers, the rank's share in bytes, the saved optimizer files' bytes)."""
     stats = tensor_file.reset_read_stats()
     engine.load_checkpoint(str(root), tag=tag)
     read = stats.bytes_read
@@ -150,6 +150,7 @@ def _load_and_compare(engine, root, tag):
     assert_same(live["fp32_flat_groups"], expected["fp32_flat_groups"])
     assert_same(live["optimizer_state_dict"]["state"], expected["optimizer_state_dict"]["state"])
     share = sum(t.numel() for t in live["fp32_flat_groups"]) * 4 * 3  # fp32 master + Adam's two moments
+    read -= sum(b.numel() * b.element_size() for b in engine.module.buffers())  # the model states' buffers, read
     return read, share, sum(p.stat().st_size for p in (root / tag).glob("*optim_states.pt"))
 
 
