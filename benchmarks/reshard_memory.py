@@ -9,7 +9,8 @@ checkpoint to a universal folder, then loads each into a fresh engine on the oth
 loads now (``partial``: each rank reads its own elements' byte ranges, dsrun/checkpoint/partial_state.py) and
 once as it loaded before (``full``: every saved rank's optimizer file read whole and merged, then cut; the
 benchmark swaps the partial sources for ``reshard.merge_rank_states`` / ``load_universal_state``, which is
-what ``engine_io`` called before, and reads the model states file whole). Cases: 2 -> 1 ranks, 1 -> 2 ranks, universal (saved on 1 rank) -> 2 ranks.
+what ``engine_io`` called before, reads the model states file whole, lets the strategy's ``state_dict()``
+clone its masters for the cut and the CPU optimizer copy the loaded moments, as before). Cases: 2 -> 1 ranks, 1 -> 2 ranks, universal (saved on 1 rank) -> 2 ranks.
 
 Per loading rank, measured around ``engine.load_checkpoint`` alone, in a fresh process whose engine is built
 first: ``peak`` = VmHWM during the load (reset by ``clear_refs`` just before) minus VmRSS before it;
@@ -67,8 +68,9 @@ def _engine(model_name: str):
 
 
 def _use_full_reads() -> None:
-    """The load as it was before partial reads: every saved rank's file loaded whole and merged."""
-    from dsrun.checkpoint import deepspeed_format, partial_state, reshard, universal_checkpoint
+    """The load as it was before partial reads: every saved rank's file loaded whole and merged, the model states
+    file read whole, the strategy's masters cloned for the cut, the optimizer copying the loaded moments."""
+    from dsrun.checkpoint import deepspeed_format, engine_io, partial_state, reshard, universal_checkpoint
     from dsrun.checkpoint.safe_load import load_file
 
     def rank_files(paths, stage, shapes):
@@ -79,6 +81,8 @@ def _use_full_reads() -> None:
     partial_state.PartialUniversalState = lambda tag_dir: contextlib.nullcontext(
         universal_checkpoint.load_universal_state(tag_dir))
     partial_state.model_states_without_parameters = lambda path, names: load_file(path)
+    reshard.master_sizes_only = lambda template: template
+    engine_io.adopting_loaded_state = contextlib.nullcontext
 
 
 def _rank(rank: int, world: int, port: int, job: dict, results) -> None:
