@@ -33,10 +33,11 @@ import torch
 
 from dsrun import comm
 from dsrun.io import WriterSettings
+from dsrun.ops.cpu_optimizer import adopting_loaded_state
 from dsrun.utils import zero_to_fp32 as z2f
 from dsrun.utils.errors import Problem, UserError
 
-from . import atomic, decoupled, deepspeed_format, experts, layout, reshard, state, universal_checkpoint
+from . import atomic, decoupled, deepspeed_format, experts, layout, partial_state, reshard, state, universal_checkpoint
 from . import tensor_parallel as tp
 from .engine_view import CheckpointEngine, CheckpointStrategy
 
@@ -417,11 +418,9 @@ def _restore_strategy(engine: CheckpointEngine, tag_dir: Path, model_states: dic
         _refuse_reshard(strategy, tag_dir, "a universal checkpoint")
         _say(engine, f"loading universal checkpoint {tag_dir.name} (saved by {world_saved} rank(s) at ZeRO stage "
                      f"{stage_saved}) into {live_world} rank(s) at stage {live_stage}")
-        full = universal_checkpoint.load_universal_state(tag_dir)
-        strategy.load_state_dict(reshard.state_for_rank(strategy.state_dict(), full, live_stage, live_world, dp_rank,
-                                                        live_shapes, load_optimizer_states=load_optimizer_states))
-        if load_optimizer_states:
-            _restore_rank_states(strategy, tag_dir, world_saved, dp_rank, same_layout=False)
+        with partial_state.PartialUniversalState(tag_dir) as full:  # this rank's ranges of each parameter's files
+            _load_cut(strategy, full, live_stage, live_world, dp_rank, live_shapes, tag_dir, world_saved,
+                      load_optimizer_states)
         return
     saved_shapes = model_states.get("param_shapes")
     # the same masters, cut the same way (stage 3's sub_group_size may differ between the runs)
@@ -453,19 +452,30 @@ def _restore_strategy(engine: CheckpointEngine, tag_dir: Path, model_states: dic
     if load_optimizer_states and model_states.get("param_shapes") is not None:
         _say(engine, f"resharding checkpoint {tag_dir.name}: saved by {world_saved} rank(s) at ZeRO stage "
                      f"{stage_saved}, loading into {live_world} rank(s) at stage {live_stage}")
-        full = reshard.merge_rank_states(
-            rank_optimizer_states(tag_dir, model_states, stage_saved, world_saved, engine.bfloat16_enabled(),
-                                  live_shapes, mp_rank=engine.groups.coord("model")),
-            stage_saved, model_states["param_shapes"])
+        if stage_saved > 0:  # this rank's elements read from each saved rank's file (docs/checkpoint.md)
+            paths = optim_files(tag_dir, world_saved, engine.bfloat16_enabled(),
+                                mp_rank=engine.groups.coord("model"))
+            with partial_state.PartialRankState(paths, stage_saved, model_states["param_shapes"]) as source:
+                _load_cut(strategy, source, live_stage, live_world, dp_rank, live_shapes, tag_dir, world_saved)
+            return
+        full = reshard.merge_rank_states([stage0_state(model_states, live_shapes)], 0, model_states["param_shapes"])
     elif masters_from_module:
         return
     else:
         # weights only (load_module_only / load_optimizer_states=False): the fp32 master values, optimizer kept
         full = reshard.fp32_as_full_state(z2f.get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag_dir.name))
         load_optimizer_states = False
-    target = reshard.state_for_rank(strategy.state_dict(), full, live_stage, live_world, dp_rank, live_shapes,
-                                    load_optimizer_states=load_optimizer_states)
-    strategy.load_state_dict(target)
+    _load_cut(strategy, full, live_stage, live_world, dp_rank, live_shapes, tag_dir, world_saved,
+              load_optimizer_states)
+
+
+def _load_cut(strategy: CheckpointStrategy, full: reshard.StateSource, stage: int, world: int, dp_rank: int,
+              shapes: list[Any], tag_dir: Path, world_saved: int, load_optimizer_states: bool = True) -> None:
+    """Load ``full`` cut to this rank's layout into the strategy (and re-cut the per-rank optimizer files)."""
+    template = reshard.master_sizes_only(strategy.state_dict())
+    with adopting_loaded_state():  # the cut state is this load's alone: the optimizer keeps it, no second copy
+        strategy.load_state_dict(reshard.state_for_rank(template, full, stage, world, dp_rank, shapes,
+                                                        load_optimizer_states=load_optimizer_states))
     if load_optimizer_states:
         _restore_rank_states(strategy, tag_dir, world_saved, dp_rank, same_layout=False)
 
@@ -521,7 +531,12 @@ def load_checkpoint(engine: CheckpointEngine, load_dir: str, tag: Tag = None, lo
         model_path = own if own.is_file() else stage_files[0]
     else:
         model_path = tag_dir / layout.model_states_name(0, 0, engine.groups.coord("model"))
-    model_states = load_file(model_path)
+    if custom_load_fn is None and engine.strategy is not None and _layout(engine).module_holds_placeholders \
+            and not engine.features.parameter_files():  # the parameters come through the masters: leave them unread
+        names = {name for name, _ in engine.module.named_parameters(remove_duplicate=False)}
+        model_states = partial_state.model_states_without_parameters(model_path, names)
+    else:
+        model_states = load_file(model_path)
     module_sd = model_states["module"]
     other_degree = tp.saved_degree(model_states) != engine.groups.size("model")
     if other_degree:  # AutoTP saved at another degree: merged, cut for this rank; the masters follow it

@@ -1,17 +1,22 @@
 """Loading ZeRO optimizer state saved by N ranks (any stage) into an engine with M ranks (any stage).
 
-The saved per-rank files are first merged into one *full* state, keyed by parameter name: each parameter's
-fp32 master value and each of its optimizer moments (``exp_avg``…) as flat full-length tensors, plus the
-per-group scalars (``step``) and hyper-parameters. That full state is then cut the way the live strategy lays
-out its own rank's master tensors (:func:`dsrun.utils.zero_to_fp32.master_slots` describes both layouts) and
-handed to ``strategy.load_state_dict`` in the strategy's own format, as if it had been saved by this run.
+The state is seen per parameter, free of world size and stage: each parameter's fp32 master value and each of
+its optimizer moments (``exp_avg``…) as flat full-length values, plus the per-group scalars (``step``) and
+hyper-parameters (a :class:`StateSource`). :func:`state_for_rank` cuts it the way the live strategy lays out
+its own rank's master tensors (:func:`dsrun.utils.zero_to_fp32.master_slots` describes both layouts), reading
+only that rank's elements, and returns it in the strategy's own format, as if it had been saved by this run.
+
+Two kinds of source: :class:`FullOptimizerState`, every value in memory (:func:`merge_rank_states` merges the
+saved ranks' state dicts into one: the conversion to a universal folder, pipelines, experts), and the partial
+readers of :mod:`.partial_state`, which read each asked range from the saved files (the engine's resharded and
+universal loads).
 """
 from __future__ import annotations
 
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -20,6 +25,25 @@ from dsrun.utils.zero_to_fp32 import BASE_OPTIMIZER_KEYS, master_slots, optimize
 log = logging.getLogger("dsrun.checkpoint")
 
 _PRECISION_KEYS = ("loss_scaler", "dynamic_loss_scale")
+
+
+class StateSource(Protocol):
+    """Where :func:`state_for_rank` reads the per-parameter state from: a merged :class:`FullOptimizerState`
+    (every value in memory), or the saved files themselves read by byte range (:mod:`.partial_state`)."""
+
+    group_scalars: dict[int, dict[str, Any]]  # param group -> {"step": ...}
+    param_groups: list[dict[str, Any]]  # hyper-parameters, without "params"
+    precision: dict[str, Any]
+
+    def has_master(self, name: str) -> bool: ...
+
+    def moment_keys(self, name: str) -> set[str]: ...
+
+    def moment_dtype(self, name: str, key: str) -> torch.dtype: ...
+
+    def copy_range(self, name: str, key: str | None, full_offset: int, out: torch.Tensor) -> None:
+        """Elements ``[full_offset, full_offset + out.numel())`` of parameter ``name``'s flattened fp32 master
+        (``key`` None) or optimizer state ``key`` into ``out``."""
 
 
 @dataclass
@@ -32,6 +56,19 @@ class FullOptimizerState:
     param_groups: list[dict[str, Any]] = field(default_factory=list)  # hyper-parameters, without "params"
     precision: dict[str, Any] = field(default_factory=dict)
     param_group_of: dict[str, int] = field(default_factory=dict)  # name -> the param group it trains in
+
+    def has_master(self, name: str) -> bool:
+        return name in self.fp32
+
+    def moment_keys(self, name: str) -> set[str]:
+        return set(self.moments.get(name, {}))
+
+    def moment_dtype(self, name: str, key: str) -> torch.dtype:
+        return self.moments[name][key].dtype
+
+    def copy_range(self, name: str, key: str | None, full_offset: int, out: torch.Tensor) -> None:
+        value = self.fp32[name] if key is None else self.moments[name][key]
+        out.copy_(value[full_offset:full_offset + out.numel()])
 
 
 def _base_state(osd: dict[str, Any]) -> dict[str, Any]:
@@ -49,6 +86,60 @@ def _master_to_group(base: dict[str, Any]) -> dict[int, int]:
     return owner
 
 
+@dataclass
+class SavedMaster:
+    """One master tensor of one saved rank: its param group, the flat fp32 master, its per-element optimizer
+    states (flat, the master's length), the rest of its optimizer state (``step``...) and where its
+    parameters' elements sit (:func:`master_slots`)."""
+
+    group: int
+    master: torch.Tensor
+    per_element: dict[str, torch.Tensor]
+    scalars: dict[str, Any]
+    slots: list[Any]
+
+
+def saved_masters(osd: dict[str, Any], stage: int, world: int, rank: int,
+                  group_shapes: list[dict[str, Any]]) -> list[SavedMaster]:
+    """Rank ``rank``'s master tensors in its optimizer state dict ``osd`` (saved by ``world`` ranks at ``stage``)."""
+    slots, lengths = master_slots(stage, world, rank, group_shapes)
+    base = _base_state(osd)
+    owner = _master_to_group(base)
+    out = []
+    for mi, (master, master_slots_) in enumerate(zip(optimizer_master_tensors(osd), slots)):
+        state = base["state"].get(mi, base["state"].get(str(mi), {}))
+        per_element = _per_element(state, lengths[mi])
+        scalars = {k: v for k, v in state.items() if k not in per_element}
+        out.append(SavedMaster(owner.get(mi, 0), master.reshape(-1), {k: v.reshape(-1) for k, v in per_element.items()},
+                               scalars, master_slots_))
+    return out
+
+
+def _per_element(state: dict[str, Any], length: int) -> dict[str, torch.Tensor]:
+    """The optimizer states that hold one value per master element (Adam's moments), as saved."""
+    return {k: v for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0 and v.numel() == length}
+
+
+def bulk_tensors(osd: dict[str, Any], stage: int, world: int, rank: int,
+                 group_shapes: list[dict[str, Any]]) -> list[torch.Tensor]:
+    """The tensors of saved rank ``rank``'s ``osd`` that grow with the model: its masters and per-element
+    optimizer states (the objects in ``osd``; a partial read reads only ranges of them)."""
+    _, lengths = master_slots(stage, world, rank, group_shapes)
+    base = _base_state(osd)
+    masters = list(optimizer_master_tensors(osd))
+    out = list(masters)
+    for mi, length in enumerate(lengths[:len(masters)]):
+        state = base["state"].get(mi, base["state"].get(str(mi), {}))
+        out.extend(_per_element(state, length).values())
+    return out
+
+
+def saved_header(osd: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Saved rank 0's param-group hyper-parameters (without ``params``) and loss-scaler keys."""
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in _base_state(osd)["param_groups"]]
+    return groups, {k: osd[k] for k in _PRECISION_KEYS if k in osd}
+
+
 def merge_rank_states(rank_states: list[dict[str, Any]], stage: int,
                       group_shapes: list[dict[str, Any]]) -> FullOptimizerState:
     """Merge the optimizer state dicts of every saved rank (in rank order) into a :class:`FullOptimizerState`."""
@@ -56,51 +147,53 @@ def merge_rank_states(rank_states: list[dict[str, Any]], stage: int,
     numels = {name: math.prod(shape) for shapes in group_shapes for name, shape in shapes.items()}
     full = FullOptimizerState()
     for rank, osd in enumerate(rank_states):
-        slots, lengths = master_slots(stage, world, rank, group_shapes)
-        base = _base_state(osd)
-        owner = _master_to_group(base)
         if rank == 0:
-            full.param_groups = [{k: v for k, v in g.items() if k != "params"} for g in base["param_groups"]]
-            full.precision = {k: osd[k] for k in _PRECISION_KEYS if k in osd}
-        for mi, (master, master_slots_) in enumerate(zip(optimizer_master_tensors(osd), slots)):
-            state = base["state"].get(mi, base["state"].get(str(mi), {}))
-            per_element = {k: v.reshape(-1) for k, v in state.items()
-                           if torch.is_tensor(v) and v.dim() > 0 and v.numel() == lengths[mi]}
-            if rank == 0 and owner.get(mi, 0) not in full.group_scalars:
-                full.group_scalars[owner.get(mi, 0)] = {k: v for k, v in state.items() if k not in per_element}
-            flat = master.reshape(-1).float()
-            for slot in master_slots_:
-                full.param_group_of[slot.name] = owner.get(mi, 0)
+            full.param_groups, full.precision = saved_header(osd)
+        for saved in saved_masters(osd, stage, world, rank, group_shapes):
+            if rank == 0 and saved.group not in full.group_scalars:
+                full.group_scalars[saved.group] = saved.scalars
+            flat = saved.master.float()
+            for slot in saved.slots:
+                full.param_group_of[slot.name] = saved.group
                 target = full.fp32.setdefault(slot.name, torch.zeros(numels[slot.name]))
                 target[slot.full_offset:slot.full_offset + slot.length] = flat[slot.master_offset:slot.master_offset + slot.length]
-                for key, value in per_element.items():
+                for key, value in saved.per_element.items():
                     moments = full.moments.setdefault(slot.name, {})
                     dest = moments.setdefault(key, torch.zeros(numels[slot.name], dtype=value.dtype))
                     dest[slot.full_offset:slot.full_offset + slot.length] = value[slot.master_offset:slot.master_offset + slot.length]
     return full
 
 
-def _fill(length: int, slots: list[Any], values: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+def _fill(length: int, slots: list[Any], full: StateSource, key: str | None, dtype: torch.dtype) -> torch.Tensor:
     out = torch.zeros(length, dtype=dtype)
     for slot in slots:
-        out[slot.master_offset:slot.master_offset + slot.length] = values[slot.name][slot.full_offset:slot.full_offset + slot.length]
+        full.copy_range(slot.name, key, slot.full_offset, out[slot.master_offset:slot.master_offset + slot.length])
     return out
 
 
-def state_for_rank(template: dict[str, Any], full: FullOptimizerState, stage: int, world_size: int, rank: int,
+def master_sizes_only(template: dict[str, Any]) -> dict[str, Any]:
+    """``template`` (a strategy's ``state_dict()``) with its master tensors replaced by meta tensors of their
+    sizes, all :func:`state_for_rank` reads of them: the copies a strategy's ``state_dict()`` makes are freed
+    before the loaded masters are built, so a load holds one set of masters beyond the strategy's own."""
+    key = "fp32_flat_groups" if "fp32_flat_groups" in template else "single_partition_of_fp32_groups"
+    return {**template, key: [torch.empty(t.numel(), device="meta") for t in template[key]]}
+
+
+def state_for_rank(template: dict[str, Any], full: StateSource, stage: int, world_size: int, rank: int,
                    group_shapes: list[dict[str, Any]], load_optimizer_states: bool = True) -> dict[str, Any]:
     """A state dict in the live strategy's own format (``template`` = its current ``state_dict()``) holding
     ``full`` cut to rank ``rank`` of ``world_size`` at ``stage``. With ``load_optimizer_states=False`` only
-    the master weights are replaced; the optimizer keeps its current state."""
+    the master weights are replaced; the optimizer keeps its current state. Only the rank's own elements are
+    read from ``full`` (a :class:`StateSource`)."""
     slots, lengths = master_slots(stage, world_size, rank, group_shapes)
     master_key = "fp32_flat_groups" if "fp32_flat_groups" in template else "single_partition_of_fp32_groups"
     current = optimizer_master_tensors(template)
-    missing = [name for shapes in group_shapes for name in shapes if name not in full.fp32]
+    missing = [name for shapes in group_shapes for name in shapes if not full.has_master(name)]
     if missing:
         raise KeyError(f"the checkpoint has no value for parameter(s) {missing[:5]}")
     masters = []
     for mi, master_slots_ in enumerate(slots):
-        value = _fill(lengths[mi], master_slots_, full.fp32, torch.float32)
+        value = _fill(lengths[mi], master_slots_, full, None, torch.float32)
         masters.append(value[: current[mi].numel()])  # stages 1-2 keep the padding out of the saved masters
     out = dict(template)
     out[master_key] = masters
@@ -116,14 +209,14 @@ def state_for_rank(template: dict[str, Any], full: FullOptimizerState, stage: in
     state: dict[int, dict[str, Any]] = {}
     for mi, master_slots_ in enumerate(slots):
         names = [s.name for s in master_slots_]
-        keys = sorted({k for n in names for k in full.moments.get(n, {})})
+        keys = sorted({k for n in names for k in full.moment_keys(n)})
         if not keys:
             continue  # the saved optimizer had not stepped yet
         entry = {k: (v.clone() if torch.is_tensor(v) else v)
                  for k, v in full.group_scalars.get(owner.get(mi, 0), {}).items()}
         for key in keys:
-            dtype = next(full.moments[n][key].dtype for n in names if key in full.moments.get(n, {}))
-            entry[key] = _fill(lengths[mi], master_slots_, {n: full.moments[n][key] for n in names}, dtype)
+            dtype = next(full.moment_dtype(n, key) for n in names if key in full.moment_keys(n))
+            entry[key] = _fill(lengths[mi], master_slots_, full, key, dtype)
         state[mi] = entry
     out[base_key] = {"state": state, "param_groups": groups}
     out.update(full.precision)

@@ -19,9 +19,11 @@ copy) of 2 MiB or more its own 2 MiB-aligned mapping advised ``MADV_HUGEPAGE`` (
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
-from typing import Any, Callable, Iterable
+import threading
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -29,6 +31,22 @@ from dsrun.ops.loader import load_op
 
 _EMPTY = torch.empty(0)
 
+
+_LOADING = threading.local()
+
+
+@contextlib.contextmanager
+def adopting_loaded_state() -> Iterator[None]:
+    """Within it (this thread), a CPU optimizer's ``load_state_dict`` keeps each loaded state tensor that is a
+    whole CPU tensor of its own as it is, instead of copying it into its own memory: for a caller that hands over
+    tensors it will not use again (a resharded checkpoint load, dsrun/checkpoint/engine_io.py), so the load holds
+    one copy of the optimizer state, not two. Outside it a load copies (two optimizers never share state)."""
+    before = getattr(_LOADING, "adopt", False)
+    _LOADING.adopt = True
+    try:
+        yield
+    finally:
+        _LOADING.adopt = before
 
 class CPUOptimizer(torch.optim.Optimizer):
     """Base class: subclasses name their op, their state keys, and implement ``_kernel`` and ``_fallback``."""
@@ -59,7 +77,7 @@ class CPUOptimizer(torch.optim.Optimizer):
 
     def _new_state(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """A zero-filled state tensor: in huge-page memory with DSRUN_OPTIM_HUGE_PAGES=1 (see the module doc)."""
-        if self.op is not None and os.environ.get("DSRUN_OPTIM_HUGE_PAGES", "0") == "1":
+        if self._huge_pages():
             return self.op.empty_state(list(shape), dtype)
         return torch.zeros(shape, dtype=dtype)
 
@@ -131,6 +149,19 @@ class CPUOptimizer(torch.optim.Optimizer):
     def _fallback(self, group: dict[str, Any], work: "_GroupWork") -> None:
         raise NotImplementedError
 
+    def _loaded_state(self, value: torch.Tensor) -> torch.Tensor:
+        """A loaded state tensor as this optimizer keeps it: a copy in its own memory (huge pages, above), or,
+        inside :func:`adopting_loaded_state`, the tensor itself when it is a whole CPU tensor of its own."""
+        value = value.detach()
+        whole = (value.device.type == "cpu" and value.is_contiguous() and value.storage_offset() == 0
+                 and value.untyped_storage().nbytes() == value.nbytes)
+        if whole and getattr(_LOADING, "adopt", False) and not self._huge_pages():
+            return value
+        return self._new_state(value.shape, value.dtype).copy_(value)
+
+    def _huge_pages(self) -> bool:
+        return self.op is not None and os.environ.get("DSRUN_OPTIM_HUGE_PAGES", "0") == "1"
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Like torch's, but keeps each state tensor's saved dtype: torch would cast the fp32 master copy and
         states of a bf16 parameter to bf16, losing their precision."""
@@ -142,8 +173,7 @@ class CPUOptimizer(torch.optim.Optimizer):
         for param_id, p in zip(saved_ids, params):
             if param_id not in saved_state:
                 continue
-            self.state[p] = {k: (self._new_state(v.shape, v.dtype).copy_(v.detach()) if torch.is_tensor(v)
-                                 else copy.deepcopy(v))
+            self.state[p] = {k: (self._loaded_state(v) if torch.is_tensor(v) else copy.deepcopy(v))
                              for k, v in saved_state[param_id].items()}
 
 

@@ -1,0 +1,181 @@
+"""Partial reads: a resharded or universal load reads, on each rank, only the elements that rank will own
+(dsrun/checkpoint/partial_state.py), and what it loads is bit for bit what the merged, read-everything path
+gives (reshard.merge_rank_states)."""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+import pytest
+import torch
+
+from dsrun.checkpoint import ds_to_universal, partial_state, reshard, tensor_file
+from dsrun.checkpoint.saved_tag import rank_optimizer_states
+from dsrun.utils.zero_to_fp32 import master_slots
+from tests.helpers import run_ranks
+
+from .conftest import make_engine, train
+
+SHAPES = [OrderedDict([("a", torch.Size([30, 50])), ("b", torch.Size([70])), ("c", torch.Size([20, 20]))]),
+          OrderedDict([("d", torch.Size([110]))])]
+
+
+def assert_same(got, expected, where="state"):
+    """Equal containers and bitwise-equal tensors of the same dtype."""
+    if torch.is_tensor(expected):
+        assert torch.is_tensor(got) and got.dtype == expected.dtype and torch.equal(got, expected), where
+    elif isinstance(expected, dict):
+        assert set(got) == set(expected), where
+        for key in expected:
+            assert_same(got[key], expected[key], f"{where}[{key!r}]")
+    elif isinstance(expected, (list, tuple)):
+        assert len(got) == len(expected), where
+        for i, (a, b) in enumerate(zip(got, expected)):
+            assert_same(a, b, f"{where}[{i}]")
+    else:
+        assert got == expected, where
+
+
+def _saved_ranks(folder, stage, world, moment_dtype=torch.float32, legacy=False):
+    """Each rank's optimizer file of a ``stage``/``world`` save, in the ZeRO layout, from random full values."""
+    gen = torch.Generator().manual_seed(stage * 10 + world)
+    full = {n: torch.randn(math.prod(s), generator=gen) for g in SHAPES for n, s in g.items()}
+    moments = {n: torch.randn(v.numel(), generator=gen).to(moment_dtype) for n, v in full.items()}
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for rank in range(world):
+        slots, lengths = master_slots(stage, world, rank, SHAPES)
+        masters, state = [], {}
+        for mi, (group_slots, length) in enumerate(zip(slots, lengths)):
+            master, m = torch.zeros(length), torch.zeros(length, dtype=moment_dtype)
+            for s in group_slots:
+                master[s.master_offset:s.master_offset + s.length] = full[s.name][s.full_offset:s.full_offset + s.length]
+                m[s.master_offset:s.master_offset + s.length] = moments[s.name][s.full_offset:s.full_offset + s.length]
+            masters.append(master)
+            state[mi] = {"step": torch.tensor(7.0 + mi), "exp_avg": m, "exp_avg_sq": m * 2}
+        groups = [{"lr": 0.1 * (i + 1), "betas": (0.9, 0.99), "params": [i]} for i in range(len(SHAPES))]
+        key, masters_key = (("optimizer_state_dict", "fp32_flat_groups") if stage == 3
+                            else ("base_optimizer_state", "single_partition_of_fp32_groups"))
+        osd = {"zero_stage": stage, "partition_count": world, masters_key: masters,
+               key: {"state": state, "param_groups": groups}, "loss_scaler": {"cur_scale": torch.tensor(8.0)}}
+        path = folder / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+        torch.save({"optimizer_state_dict": osd}, path, _use_new_zipfile_serialization=not legacy)
+        paths.append(path)
+    return paths
+
+
+def _template(stage, world, rank):
+    """What the live strategy's state_dict() holds before the load: its layout, fresh values."""
+    slots, lengths = master_slots(stage, world, rank, SHAPES)
+    key, masters_key = (("optimizer_state_dict", "fp32_flat_groups") if stage == 3
+                        else ("base_optimizer_state", "single_partition_of_fp32_groups"))
+    groups = [{"lr": 1.0, "betas": (0.5, 0.5), "params": [i]} for i in range(len(SHAPES))]
+    return {"zero_stage": stage, "partition_count": world, masters_key: [torch.zeros(n) for n in lengths],
+            key: {"state": {}, "param_groups": groups}}
+
+
+def _share_bytes(stage, world, rank, moment_bytes):
+    """The bytes of the rank's own elements: fp32 masters and two moments."""
+    slots, _ = master_slots(stage, world, rank, SHAPES)
+    return sum(s.length for group in slots for s in group) * (4 + 2 * moment_bytes)
+
+
+@pytest.mark.parametrize("src,dst,moment_dtype", [((3, 2), (3, 1), torch.float32), ((3, 1), (3, 2), torch.float32),
+                                                  ((2, 4), (3, 3), torch.bfloat16), ((3, 3), (1, 2), torch.float32),
+                                                  ((1, 2), (0, 1), torch.float32)])
+def test_partial_reads_load_the_merged_state_reading_the_ranks_share(tmp_path, src, dst, moment_dtype):
+    paths = _saved_ranks(tmp_path, *src, moment_dtype=moment_dtype)
+    merged = reshard.merge_rank_states(rank_optimizer_states(tmp_path, {}, src[0], src[1], False), src[0], SHAPES)
+    total = sum(p.stat().st_size for p in paths)
+    for rank in range(dst[1]):
+        expected = reshard.state_for_rank(_template(*dst, rank), merged, *dst, rank, SHAPES)
+        tensor_file.reset_read_stats()
+        with partial_state.PartialRankState(paths, src[0], SHAPES) as source:
+            index = tensor_file.READ_STATS.bytes_read  # the small tensors (steps, the scale) read at opening
+            stats = tensor_file.reset_read_stats()
+            got = reshard.state_for_rank(_template(*dst, rank), source, *dst, rank, SHAPES)
+        assert_same(got, expected)
+        share = _share_bytes(*dst, rank, moment_dtype.itemsize)
+        assert stats.bytes_read == share and index < 100  # exactly the rank's elements, each once
+        assert stats.whole_files == 0 and share < total / dst[1] + 1024
+
+
+def test_a_legacy_format_file_is_read_whole_with_the_same_result(tmp_path):
+    """checkpoint.checkpoint_serialization false writes files without record offsets: they load whole."""
+    paths = _saved_ranks(tmp_path, 3, 2, legacy=True)
+    merged = reshard.merge_rank_states(rank_optimizer_states(tmp_path, {}, 3, 2, False), 3, SHAPES)
+    stats = tensor_file.reset_read_stats()
+    with partial_state.PartialRankState(paths, 3, SHAPES) as source:
+        got = reshard.state_for_rank(_template(3, 1, 0), source, 3, 1, 0, SHAPES)
+    assert_same(got, reshard.state_for_rank(_template(3, 1, 0), merged, 3, 1, 0, SHAPES))
+    assert stats.whole_files == 2 and stats.bytes_read == sum(p.stat().st_size for p in paths)
+
+
+def test_a_truncated_file_is_an_error_naming_it(tmp_path):
+    path = _saved_ranks(tmp_path, 3, 1)[0]
+    with partial_state.PartialRankState([path], 3, SHAPES) as source:
+        path.write_bytes(path.read_bytes()[:2000])  # cut after the index was read: inside the first tensors
+        with pytest.raises(EOFError, match="truncated"):
+            reshard.state_for_rank(_template(3, 1, 0), source, 3, 1, 0, SHAPES)
+
+
+SLACK = 4096  # the small tensors of the saved files (each master's step, the loss scale), read whole
+
+# --- the engine: ZeRO-3 with Adam, 1 -> 2 and 2 -> 1 ranks, and a universal folder ----------------------
+def _full_read_state(engine, tag_dir):
+    """What today's read-everything path loads into this rank (every saved rank's file merged)."""
+    from dsrun import comm
+    from dsrun.checkpoint.universal_checkpoint import is_universal, load_universal_state
+    from dsrun.checkpoint.saved_tag import saved_world
+
+    strategy = engine.strategy
+    if is_universal(tag_dir):
+        full = load_universal_state(tag_dir)
+    else:
+        sd = torch.load(tag_dir / "zero_pp_rank_0_mp_rank_00_model_states.pt", weights_only=True)
+        world = saved_world(sd)
+        full = reshard.merge_rank_states(rank_optimizer_states(tag_dir, sd, 3, world, False), 3, sd["param_shapes"])
+    return reshard.state_for_rank(strategy.state_dict(), full, 3, engine.dp_world_size,
+                                  comm.get_rank(engine.dp_group), strategy.checkpoint_param_shapes())
+
+
+def _load_and_compare(engine, root, tag):
+    """Load ``root/tag`` through the engine and check the state equals the full-read path's; (bytes read beyond
+    the module's buffers, the rank's share in bytes, the saved optimizer files' bytes)."""
+    stats = tensor_file.reset_read_stats()
+    engine.load_checkpoint(str(root), tag=tag)
+    read = stats.bytes_read
+    live = engine.strategy.state_dict()
+    expected = _full_read_state(engine, root / tag)
+    assert_same(live["fp32_flat_groups"], expected["fp32_flat_groups"])
+    assert_same(live["optimizer_state_dict"]["state"], expected["optimizer_state_dict"]["state"])
+    share = sum(t.numel() for t in live["fp32_flat_groups"]) * 4 * 3  # fp32 master + Adam's two moments
+    read -= sum(b.numel() * b.element_size() for b in engine.module.buffers())  # the model states' buffers, read
+    return read, share, sum(p.stat().st_size for p in (root / tag).glob("*optim_states.pt"))
+
+
+def _two_ranks(rank, world, root):
+    """1 -> 2 (the one-rank save and its universal folder), then a 2-rank save for the 2 -> 1 load."""
+    engine = make_engine(3)
+    out = {"reshard": _load_and_compare(engine, root, "global_step2")}
+    out["universal"] = _load_and_compare(make_engine(3), root, "global_step2_universal")
+    train(engine, 1, start=2)
+    engine.save_checkpoint(str(root / "two"))
+    return out
+
+
+@pytest.mark.usefixtures("single_rank")
+def test_a_zero3_reshard_reads_each_ranks_share_and_loads_what_the_full_read_loads(tmp_path):
+    engine = make_engine(3)
+    train(engine, 2)
+    engine.save_checkpoint(str(tmp_path))
+    ds_to_universal.main(ds_to_universal.parse_arguments(
+        ["--input_folder", str(tmp_path / "global_step2"), "--output_folder", str(tmp_path / "global_step2_universal")]))
+    for rank, out in enumerate(run_ranks(_two_ranks, 2, tmp_path, timeout=240)):
+        read, share, saved = out["reshard"]
+        assert 0.9 * share <= read <= share + SLACK and share < 0.55 * saved  # 1 -> 2: about half of the one saved file
+        read, share, _ = out["universal"]
+        assert 0.9 * share <= read <= share + SLACK
+    one = make_engine(3)
+    read, share, saved = _load_and_compare(one, tmp_path / "two", "global_step3")
+    assert 0.9 * share <= read <= share + SLACK and share < saved  # 2 -> 1: every element once, no file read twice
