@@ -56,6 +56,9 @@ PATHS: dict[str, str] = {
     "deepspeed.comm.torch": "dsrun.comm.torch_backend",
     "deepspeed.utils.z3_leaf_module": "dsrun.utils.leaf_modules",
     "deepspeed.runtime.python_gc": "dsrun.utils.python_gc",
+    "deepspeed.utils.torch": "dsrun.utils.torch_version",
+    "deepspeed.utils.comms_logging": "dsrun.comm.logger",
+    "deepspeed.utils.timer": "dsrun.compat.utils.timer",
     # dsrun keeps these objects under another name
     "deepspeed.ops.op_builder": "op_builder",
     "deepspeed.launcher.runner": "dsrun.cli.deepspeed_runner",

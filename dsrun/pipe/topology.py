@@ -15,6 +15,20 @@ from dsrun.comm.comm import ProcessGroup
 __all__ = ["PipeDataParallelTopology", "PipeModelDataParallelTopology", "PipelineParallelGrid", "ProcessTopology"]
 
 
+def _prime_factors(n: int) -> list[int]:
+    """The prime factorisation of a positive integer, smallest first (``12`` -> ``[2, 2, 3]``, ``1`` -> ``[]``);
+    DeepSpeed's helper for laying out grids."""
+    if n <= 0:
+        raise ValueError("Values must be strictly positive.")
+    primes, candidate = [], 2
+    while n != 1:
+        while n % candidate:
+            candidate += 1
+        primes.append(candidate)
+        n //= candidate
+    return primes
+
+
 class PipelineParallelGrid:
     """The process groups of a pipeline-parallel run, seen from this rank."""
 

@@ -1,9 +1,12 @@
 """``deepspeed.runtime.utils``: the helpers client scripts and tests call, ``set_random_seed`` (home:
-:mod:`dsrun.utils.seeding`), ``see_memory_usage`` (home: :mod:`dsrun.profiling.memory_usage`) and the pipeline's
-layer partitioning, ``partition_uniform(num_items, num_parts)`` and ``partition_balanced(weights, num_parts)``
-(home: :mod:`dsrun.pipe.partition`; the same cuts as DeepSpeed's, as lists of ints)."""
-from dsrun.pipe.partition import partition_balanced, partition_uniform
+:mod:`dsrun.utils.seeding`), ``see_memory_usage`` (home: :mod:`dsrun.profiling.memory_usage`), the pipeline's
+layer partitioning, ``partition_uniform(num_items, num_parts)``, ``partition_balanced(weights, num_parts)`` and
+``prefix_sum_inc`` (home: :mod:`dsrun.pipe.partition`; the same cuts as DeepSpeed's, as lists of ints), and
+``PartitionedTensor`` (home: :mod:`dsrun.pipe.partitioned_tensor`)."""
+from dsrun.pipe.partition import partition_balanced, partition_uniform, prefix_sum_inc
+from dsrun.pipe.partitioned_tensor import PartitionedTensor
 from dsrun.profiling.memory_usage import see_memory_usage
 from dsrun.utils.seeding import set_random_seed
 
-__all__ = ["partition_balanced", "partition_uniform", "see_memory_usage", "set_random_seed"]
+__all__ = ["PartitionedTensor", "partition_balanced", "partition_uniform", "prefix_sum_inc", "see_memory_usage",
+           "set_random_seed"]
