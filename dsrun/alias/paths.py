@@ -29,6 +29,7 @@ PATHS: dict[str, str] = {
     "deepspeed.runtime.sparse_tensor": "dsrun.engine.sparse_tensor",
     "deepspeed.runtime.autotuning_probe": "dsrun.engine.autotuning_probe",
     "deepspeed.runtime.config": "dsrun.config.deepspeed_config",
+    "deepspeed.runtime.config_utils": "dsrun.config.config_utils",
     "deepspeed.runtime.timers": "dsrun.profiling.timers",
     "deepspeed.runtime.lr_schedules": "dsrun.optim.lr_schedules",
     "deepspeed.runtime.optimizer_wrappers": "dsrun.optim.optimizer_wrappers",

@@ -29,6 +29,7 @@ from typing import Any, Mapping
 import torch
 
 from dsrun.ops.loader import load_op
+from op_builder import AsyncIOBuilder  # noqa: F401  (DeepSpeed's deepspeed.ops.aio re-exports its builder)
 
 AIO_DEFAULTS: dict[str, Any] = {
     "block_size": 1048576,

@@ -129,3 +129,35 @@ def _gather_partitions(rank: int, world: int) -> list[bool]:
 
 def test_partitioned_tensor_gathers_even_and_uneven_cuts():
     assert all(all(r) for r in run_ranks(_gather_partitions, 2))
+
+
+def test_config_model_moves_deprecated_fields_and_drops_auto():
+    from pydantic import Field, ValidationError
+
+    DeepSpeedConfigModel = _deepspeed("deepspeed.runtime.config_utils").DeepSpeedConfigModel
+
+    class Conf(DeepSpeedConfigModel):
+        size: int = 0
+        names_old: str | None = Field(None, json_schema_extra={"deprecated": True, "new_param": "names",
+                                                               "new_param_fn": lambda x: [x]})
+        names: list[str] | None = None
+        alias_me: int = Field(0, alias="alias_me_too")
+
+    assert Conf(names_old="DS").names == ["DS"] and Conf(size="auto").size == 0
+    assert Conf(alias_me_too=3).alias_me == 3 == Conf(alias_me=3).alias_me
+    with pytest.raises(AssertionError, match="together"):
+        Conf(names=["DS"], names_old="DS")
+    with pytest.raises(ValidationError):
+        Conf(size_typo=1)
+    with pytest.raises(ValidationError):
+        Conf(strict=True, size="auto")
+
+
+def test_rotary_embedding_rotates_pairs_of_halves_and_passes_the_rest():
+    from dsrun.sequence.layer import apply_rotary_pos_emb
+
+    t = torch.arange(1.0, 7.0).view(1, 6)  # rotate the first 4 features: halves [1, 2] and [3, 4]
+    angle = torch.tensor([[0.0, torch.pi / 2, 0.0, torch.pi / 2]])
+    out = apply_rotary_pos_emb(t, angle.cos(), angle.sin())
+    # feature 0 keeps its angle 0; feature 1 (angle 90 deg) becomes -(its partner 4); 3 keeps; 4 becomes 2
+    assert torch.allclose(out, torch.tensor([[1.0, -4.0, 3.0, 2.0, 5.0, 6.0]]), atol=1e-6)
