@@ -161,3 +161,9 @@ def test_rotary_embedding_rotates_pairs_of_halves_and_passes_the_rest():
     out = apply_rotary_pos_emb(t, angle.cos(), angle.sin())
     # feature 0 keeps its angle 0; feature 1 (angle 90 deg) becomes -(its partner 4); 3 keeps; 4 becomes 2
     assert torch.allclose(out, torch.tensor([[1.0, -4.0, 3.0, 2.0, 5.0, 6.0]]), atol=1e-6)
+
+
+def test_model_checkpoint_name_for_rank():
+    from dsrun.checkpoint.utils import get_model_ckpt_name_for_rank
+
+    assert get_model_ckpt_name_for_rank("ckpt/global_step3", "01") == "ckpt/global_step3/mp_rank_01_model_states.pt"
