@@ -8,6 +8,8 @@ the pipe group the stages talk in, and which global rank holds stage ``s`` of th
 """
 from __future__ import annotations
 
+import math
+
 from dsrun import comm
 from dsrun.comm import PipeDataParallelTopology, PipeModelDataParallelTopology, ProcessGroups, ProcessTopology
 from dsrun.comm.comm import ProcessGroup
@@ -54,6 +56,10 @@ class PipelineParallelGrid:
 
     def topology(self) -> ProcessTopology:
         return self._topo
+
+    def _is_grid_valid(self) -> bool:
+        """Whether the topology's axes multiply out to the world size (DeepSpeed's check)."""
+        return math.prod(self._topo.get_dim(axis) for axis in self._topo.get_axis_names()) == comm.get_world_size()
 
     # --- stages --------------------------------------------------------------------------------------------
     def get_stage_id(self) -> int:

@@ -124,10 +124,13 @@ def _gather_partitions(rank: int, world: int) -> list[bool]:
         rebuilt = PartitionedTensor.from_meta(part.to_meta(), part.data(), part.group)
         checks += [torch.equal(part.full(), full), torch.equal(rebuilt.full(), full),
                    part.local_size()[0] == part.partition[rank + 1] - part.partition[rank]]
+    from dsrun.pipe.topology import PipeDataParallelTopology, PipelineParallelGrid
+
+    checks.append(PipelineParallelGrid(PipeDataParallelTopology(num_pp=2, num_dp=1))._is_grid_valid())
     return checks
 
 
-def test_partitioned_tensor_gathers_even_and_uneven_cuts():
+def test_partitioned_tensor_gathers_even_and_uneven_cuts_and_the_grid_checks_its_size():
     assert all(all(r) for r in run_ranks(_gather_partitions, 2))
 
 
@@ -167,3 +170,16 @@ def test_model_checkpoint_name_for_rank():
     from dsrun.checkpoint.utils import get_model_ckpt_name_for_rank
 
     assert get_model_ckpt_name_for_rank("ckpt/global_step3", "01") == "ckpt/global_step3/mp_rank_01_model_states.pt"
+
+
+@pytest.mark.parametrize("fp16", [{"loss_scale": True}, {"loss_scale": float("inf")}, {"loss_scale": []},
+                                  {"enabled": True, "loss_scale_window": 0}, {"enabled": True, "min_loss_scale": 0},
+                                  {"enabled": True, "loss_scale_window": False}])
+def test_fp16_section_refuses_what_deepspeed_0_19_refuses(fp16):
+    from pydantic import ValidationError
+
+    from dsrun.config.precision import FP16Config
+
+    with pytest.raises(ValidationError, match="fp16"):
+        FP16Config(**fp16)
+    assert FP16Config(enabled=True, loss_scale=128, loss_scale_window=0).loss_scale == 128  # unused by a static scale
