@@ -2,11 +2,13 @@
 :mod:`dsrun.utils.seeding`), ``see_memory_usage`` (home: :mod:`dsrun.profiling.memory_usage`), the pipeline's
 layer partitioning, ``partition_uniform(num_items, num_parts)``, ``partition_balanced(weights, num_parts)`` and
 ``prefix_sum_inc`` (home: :mod:`dsrun.pipe.partition`; the same cuts as DeepSpeed's, as lists of ints), and
-``PartitionedTensor`` (home: :mod:`dsrun.pipe.partitioned_tensor`)."""
+``PartitionedTensor`` (home: :mod:`dsrun.pipe.partitioned_tensor`) and ``call_to_str`` (home:
+:mod:`dsrun.utils.logging`)."""
 from dsrun.pipe.partition import partition_balanced, partition_uniform, prefix_sum_inc
 from dsrun.pipe.partitioned_tensor import PartitionedTensor
 from dsrun.profiling.memory_usage import see_memory_usage
+from dsrun.utils.logging import call_to_str
 from dsrun.utils.seeding import set_random_seed
 
-__all__ = ["PartitionedTensor", "partition_balanced", "partition_uniform", "prefix_sum_inc", "see_memory_usage",
+__all__ = ["PartitionedTensor", "call_to_str", "partition_balanced", "partition_uniform", "prefix_sum_inc", "see_memory_usage",
            "set_random_seed"]

@@ -82,6 +82,9 @@ def test_prime_factors_and_prefix_sums():
     with pytest.raises(ValueError, match="strictly positive"):
         _prime_factors(0)
     assert prefix_sum_inc([3, 4, 5]) == [3, 7, 12] and prefix_sum_inc([]) == []
+    from dsrun.compat.runtime.utils import call_to_str
+
+    assert [call_to_str("int"), call_to_str("f", 3, "jeff", val=3)] == ["int()", "f(3, 'jeff', val=3)"]
 
 
 def test_utils_builder_casts_to_bytes_in_place_and_flattens():
