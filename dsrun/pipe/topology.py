@@ -53,6 +53,11 @@ class PipelineParallelGrid:
         self.stage_id = self.groups.coord("pipe")
         self.data_parallel_id = self.groups.coord("data")
         self.model_parallel_id = self.groups.coord("model")
+        # DeepSpeed's grid keeps these as plain values: flags, and the global ranks of this rank's groups
+        self.is_first_stage = self.stage_id == 0
+        self.is_last_stage = self.stage_id == self.pipe_parallel_size - 1
+        self.pp_group = self.groups.members("pipe")
+        self.dp_group = self.groups.members("data")
 
     def topology(self) -> ProcessTopology:
         return self._topo
@@ -73,12 +78,6 @@ class PipelineParallelGrid:
         coord = self._topo.get_coord(self.global_rank)._asdict()
         coord.update(pipe=stage_id, **kwargs)
         return self._topo.get_rank(**coord)
-
-    def is_first_stage(self) -> bool:
-        return self.stage_id == 0
-
-    def is_last_stage(self) -> bool:
-        return self.stage_id == self.pipe_parallel_size - 1
 
     # --- DeepSpeed's mpu interface ---------------------------------------------------------------------------
     def get_global_rank(self) -> int:

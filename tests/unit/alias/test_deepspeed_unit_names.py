@@ -129,7 +129,9 @@ def _gather_partitions(rank: int, world: int) -> list[bool]:
                    part.local_size()[0] == part.partition[rank + 1] - part.partition[rank]]
     from dsrun.pipe.topology import PipeDataParallelTopology, PipelineParallelGrid
 
-    checks.append(PipelineParallelGrid(PipeDataParallelTopology(num_pp=2, num_dp=1))._is_grid_valid())
+    grid = PipelineParallelGrid(PipeDataParallelTopology(num_pp=2, num_dp=1))
+    checks += [grid._is_grid_valid(), grid.is_first_stage is (rank == 0), grid.is_last_stage is (rank == 1),
+               grid.pp_group == [0, 1], grid.dp_group == [rank]]
     return checks
 
 
