@@ -188,3 +188,26 @@ def test_fp16_section_refuses_what_deepspeed_0_19_refuses(fp16):
     with pytest.raises(ValidationError, match="fp16"):
         FP16Config(**fp16)
     assert FP16Config(enabled=True, loss_scale=128, loss_scale_window=0).loss_scale == 128  # unused by a static scale
+
+
+def test_comms_logger_switches_what_it_profiles():
+    from dsrun.comm.logger import CommsLogger
+
+    logger = CommsLogger()
+    logger.configure(enabled=True, prof_all=False)
+    logger.start_profiling_op(["all_reduce", "broadcast"])
+    assert logger.timing("all_reduce") and not logger.timing("all_gather")
+    logger.stop_profiling_op(["all_reduce"])
+    assert logger.prof_ops == ["broadcast"] and not logger.timing("all_reduce")
+    logger.start_profiling_comms()
+    assert logger.prof_all and logger.timing("all_gather")
+    logger.stop_profiling_comms()
+    assert logger.prof_all is False and not logger.timing("all_gather")
+
+
+def test_inference_moe_flag_becomes_its_section():
+    from dsrun.inference.config import DeepSpeedInferenceConfig, DeepSpeedMoEConfig
+
+    for flag in (True, False):
+        config = DeepSpeedInferenceConfig(moe=flag)
+        assert isinstance(config.moe, DeepSpeedMoEConfig) and config.moe.enabled is flag is config.moe_enabled
