@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dsrun.utils.pin_memory_tracker import track_pinned_memory
+
 
 @dataclass(frozen=True)
 class Accelerator:
@@ -52,7 +54,13 @@ class Accelerator:
         return self.name == "cuda"
 
     def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.pin_memory() if self.pin_memory_enabled() else tensor
+        """``tensor`` in pinned host memory where that helps (counted by :mod:`dsrun.utils.pin_memory_tracker`,
+        as DeepSpeed's accelerators count), else ``tensor`` itself."""
+        if not self.pin_memory_enabled():
+            return tensor
+        pinned = tensor.pin_memory()
+        track_pinned_memory(pinned.nbytes)
+        return pinned
 
     def memory_allocated(self) -> int:
         return torch.cuda.memory_allocated() if self.name == "cuda" else 0

@@ -26,6 +26,7 @@ from op_builder.deepspeed_names import (
     QuantizerBuilder,
     SparseAttnBuilder,
     TransformerBuilder,
+    UtilsBuilder,
 )
 
 ALL_OPS: dict[str, type[OpBuilder]] = {
@@ -42,6 +43,6 @@ def get_builder(name: str) -> OpBuilder:
 
 
 __all__ = ["ALL_OPS", "DEEPSPEED_ONLY", "FusedAdamBuilder", "FusedLambBuilder", "FusedLionBuilder", "InferenceBuilder",
-           "QuantizerBuilder", "SparseAttnBuilder", "TransformerBuilder", "AsyncIOBuilder", "CPUAdagradBuilder", "CPUAdamBuilder", "CPULionBuilder",
+           "QuantizerBuilder", "SparseAttnBuilder", "TransformerBuilder", "UtilsBuilder", "AsyncIOBuilder", "CPUAdagradBuilder", "CPUAdamBuilder", "CPULionBuilder",
            "CompilerUnavailableError", "OpBuildError", "OpBuilder", "cache_root", "compiler", "csrc_root",
            "get_builder", "simd_level"]

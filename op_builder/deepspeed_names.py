@@ -1,13 +1,16 @@
 """DeepSpeed's op-builder names that scripts and tests import (``deepspeed.ops.op_builder.X``).
 
 ``FusedAdamBuilder`` is DeepSpeed's fused Adam; on a CPU it is the CPU Adam kernel (``dsrun.ops.adam.FusedAdam``
-steps with it), so this builder loads the ``cpu_adam`` op. The others name DeepSpeed CUDA ops dsrun does not
+steps with it), so this builder loads the ``cpu_adam`` op. ``UtilsBuilder`` (flatten, unflatten, byte casts) is torch. The others name DeepSpeed CUDA ops dsrun does not
 build: their ``is_compatible()`` is False with the reason, and ``load()`` raises :class:`OpBuildError`, the same
 answer DeepSpeed gives on a machine where the op cannot be built.
 """
 from __future__ import annotations
 
 from types import ModuleType
+
+import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from op_builder.builder import OpBuilder, OpBuildError
 from op_builder.cpu_ops import CPUAdamBuilder
@@ -20,6 +23,29 @@ class FusedAdamBuilder(CPUAdamBuilder):
         builder = CPUAdamBuilder()
         module = builder.load(verbose)
         self.last_load = builder.last_load
+        return module
+
+
+def _cast_to_byte_tensor(tensors: torch.Tensor | list[torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:
+    """Each contiguous tensor's bytes as a 1-D uint8 tensor over the same memory (same ``data_ptr``)."""
+    if isinstance(tensors, (list, tuple)):
+        return [_cast_to_byte_tensor(t) for t in tensors]
+    if not tensors.is_contiguous():
+        raise ValueError("cast_to_byte_tensor needs a contiguous tensor")
+    return tensors.reshape(-1).view(torch.uint8)
+
+
+class UtilsBuilder(OpBuilder):
+    """DeepSpeed's ``utils`` op (``flatten``, ``unflatten``, ``cast_to_byte_tensor``), which DeepSpeed compiles;
+    here the same three functions in torch, so there is nothing to build."""
+
+    NAME = "utils"
+
+    def load(self, verbose: bool = False) -> ModuleType:
+        module = ModuleType("deepspeed.ops.utils_op", self.__doc__)
+        module.flatten = _flatten_dense_tensors
+        module.unflatten = _unflatten_dense_tensors
+        module.cast_to_byte_tensor = _cast_to_byte_tensor
         return module
 
 
@@ -61,4 +87,4 @@ class InferenceBuilder(_Unbuilt):
 
 DEEPSPEED_ONLY: tuple[type[OpBuilder], ...] = (FusedAdamBuilder, FusedLambBuilder, FusedLionBuilder,
                                                 TransformerBuilder, SparseAttnBuilder, QuantizerBuilder,
-                                                InferenceBuilder)
+                                                InferenceBuilder, UtilsBuilder)

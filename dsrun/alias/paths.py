@@ -29,6 +29,7 @@ PATHS: dict[str, str] = {
     "deepspeed.runtime.sparse_tensor": "dsrun.engine.sparse_tensor",
     "deepspeed.runtime.autotuning_probe": "dsrun.engine.autotuning_probe",
     "deepspeed.runtime.config": "dsrun.config.deepspeed_config",
+    "deepspeed.runtime.config_utils": "dsrun.config.config_utils",
     "deepspeed.runtime.timers": "dsrun.profiling.timers",
     "deepspeed.runtime.lr_schedules": "dsrun.optim.lr_schedules",
     "deepspeed.runtime.optimizer_wrappers": "dsrun.optim.optimizer_wrappers",
@@ -56,6 +57,9 @@ PATHS: dict[str, str] = {
     "deepspeed.comm.torch": "dsrun.comm.torch_backend",
     "deepspeed.utils.z3_leaf_module": "dsrun.utils.leaf_modules",
     "deepspeed.runtime.python_gc": "dsrun.utils.python_gc",
+    "deepspeed.utils.torch": "dsrun.utils.torch_version",
+    "deepspeed.utils.comms_logging": "dsrun.comm.logger",
+    "deepspeed.utils.timer": "dsrun.compat.utils.timer",
     # dsrun keeps these objects under another name
     "deepspeed.ops.op_builder": "op_builder",
     "deepspeed.launcher.runner": "dsrun.cli.deepspeed_runner",

@@ -125,6 +125,19 @@ class CommsLogger:
     def _profiled(self, op: str) -> bool:
         return self.prof_all or op in self.prof_ops
 
+    # DeepSpeed's switches of what is profiled: every op, or the named ones
+    def start_profiling_comms(self) -> None:
+        self.prof_all = True
+
+    def stop_profiling_comms(self) -> None:
+        self.prof_all = False
+
+    def start_profiling_op(self, op_name_list: Iterable[str]) -> None:
+        self.prof_ops = list(dict.fromkeys([*self.prof_ops, *op_name_list]))
+
+    def stop_profiling_op(self, op_name_list: Iterable[str]) -> None:
+        self.prof_ops = [op for op in self.prof_ops if op not in set(op_name_list)]
+
     def timing(self, op: str) -> bool:
         """Whether calls of ``op`` are timed synchronously (the logger is on and profiles this op)."""
         return self.enabled and self._profiled(op)

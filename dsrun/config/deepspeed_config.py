@@ -36,6 +36,23 @@ MUON_OPTIMIZER = "muon"  # DeepSpeed 0.18+ (dsrun/optim/muon)
 DEEPSPEED_OPTIMIZERS = [ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAMW_OPTIMIZER, LAMB_OPTIMIZER, ONEBIT_ADAM_OPTIMIZER,
                         ONEBIT_LAMB_OPTIMIZER, ZERO_ONE_ADAM_OPTIMIZER, LION_OPTIMIZER]
 
+# DeepSpeed's raw top-level keys and defaults that its getters below read (deepspeed.runtime.constants)
+LOG_LEVEL = "log_level"
+LOG_LEVEL_DEFAULT = None  # None: the engine leaves the DeepSpeed logger's level as it is
+GRADIENT_CLIPPING = "gradient_clipping"
+GRADIENT_CLIPPING_DEFAULT = DSConfig.model_fields["gradient_clipping"].default  # 1.0, as DeepSpeed 0.19
+
+
+def get_log_level(param_dict: dict) -> str | None:
+    """The config dict's ``log_level`` as written (DeepSpeed's raw getter: no validation), None when absent."""
+    return param_dict.get(LOG_LEVEL, LOG_LEVEL_DEFAULT)
+
+
+def get_gradient_clipping(param_dict: dict) -> float:
+    """The config dict's ``gradient_clipping`` as written, 1.0 when absent (DeepSpeed's raw getter)."""
+    return param_dict.get(GRADIENT_CLIPPING, GRADIENT_CLIPPING_DEFAULT)
+
+
 #: DeepSpeed raises this for a config it cannot use; dsrun's ConfigError (also a ValueError) lists every problem.
 DeepSpeedConfigError = ConfigError
 

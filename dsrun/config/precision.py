@@ -4,11 +4,12 @@ fp16, bf16 and amp exclude one another, and amp excludes ZeRO; those rules live 
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from .base import NonNegFloat, NonNegInt, Section, TorchDTypeName
+from .base import NonNegFloat, NonNegInt, RawValue, Section, TorchDTypeName
 
 
 class FP16Config(Section):
@@ -34,6 +35,40 @@ class FP16Config(Section):
     @property
     def dynamic_loss_scale(self) -> bool:
         return self.loss_scale == 0
+
+    # DeepSpeed 0.19.8's checks: no bool, infinity or NaN slips through as a number (pydantic would read
+    # True as 1), and the dynamic scaler's window and floor are positive when it runs (a window of 0 divides
+    # by zero, a floor of 0 lets the scale collapse).
+    @field_validator("loss_scale", mode="before")
+    @classmethod
+    def _finite_loss_scale(cls, value: RawValue) -> RawValue:
+        if isinstance(value, bool):
+            raise ValueError("fp16.loss_scale must be a number, not bool")
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ValueError("fp16.loss_scale must be a number") from None
+        if not math.isfinite(number):
+            raise ValueError("fp16.loss_scale must be a finite number (not inf/-inf/nan)")
+        return value
+
+    @field_validator("loss_scale_window", "min_loss_scale", mode="before")
+    @classmethod
+    def _finite_scaler_setting(cls, value: RawValue, info: ValidationInfo) -> RawValue:
+        name = f"fp16.{info.field_name}"
+        if isinstance(value, bool):
+            raise ValueError(f"{name} must be a number, not bool")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number (not inf/-inf/nan)")
+        return value
+
+    @model_validator(mode="after")
+    def _dynamic_scaler_settings_positive(self) -> "FP16Config":
+        if self.enabled and self.dynamic_loss_scale:
+            for name in ("loss_scale_window", "min_loss_scale"):
+                if getattr(self, name) <= 0:
+                    raise ValueError(f"fp16.{name} must be > 0 when dynamic loss scaling is enabled (loss_scale=0)")
+        return self
 
 
 class BF16Config(Section):

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import torch
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 from dsrun.utils.errors import ConfigError, Problem, show
 
@@ -155,6 +155,12 @@ class DeepSpeedInferenceConfig(_Config):
     @property
     def checkpoint_base_dir(self) -> str:
         return self.base_dir or self.checkpoint_config.base_dir or ""
+
+    @field_validator("moe")
+    @classmethod
+    def _moe_flag_as_section(cls, value: bool | DeepSpeedMoEConfig) -> bool | DeepSpeedMoEConfig:
+        """DeepSpeed's backward compatibility: ``moe=True`` / ``False`` is ``moe={"enabled": True / False}``."""
+        return DeepSpeedMoEConfig(enabled=value) if isinstance(value, bool) else value
 
     @property
     def moe_enabled(self) -> bool:

@@ -46,6 +46,38 @@ def _expert_sizes() -> dict[str, int]:
     return {} if groups is None else {expert_group_name(size): size for size in groups.expert_sizes()}
 
 
+def _get_expert_parallel_ranks(world_size: int, tensor_parallel_size_: int, expert_parallel_size_: int,
+                               pipeline_parallel_size_: int = 1,
+                               use_data_before_expert_parallel_: bool = False) -> tuple[list[list[int]], list[list[int]]]:
+    """(expert-parallel rank lists, expert-data-parallel rank lists) of a world laid out pipe, data, model
+    (rank = (pipe * D + data) * M + model), without creating any group: DeepSpeed's pure helper.
+
+    Each data-parallel group (one per pipeline stage and model-parallel rank, stages first) is cut into
+    expert-parallel groups of E consecutive members, and the members at the same position in each are an
+    expert-data-parallel group. World 16, M 2, E 4: experts ``[0, 2, 4, 6], [8, 10, 12, 14], [1, 3, 5, 7], ...``,
+    replicas ``[0, 8], [2, 10], ...``. ``use_data_before_expert_parallel_`` orders each data group data-first
+    (an expert's replicas are neighbours, a layer's experts strided) before cutting it.
+    """
+    model, pipe, experts = int(tensor_parallel_size_), int(pipeline_parallel_size_), int(expert_parallel_size_)
+    if world_size % (model * pipe):
+        raise ValueError(f"world size {world_size} is not divisible by model x pipeline parallel {model * pipe}")
+    data = world_size // (model * pipe)
+    if data % experts:
+        raise ValueError(f"data-parallel size {data} is not divisible by expert-parallel size {experts}")
+    stride = data // experts  # expert-data-parallel size
+    expert_groups: list[list[int]] = []
+    replica_groups: list[list[int]] = []
+    for stage_start in range(0, world_size, world_size // pipe):
+        for model_rank in range(model):
+            ranks = [stage_start + model_rank + k * model for k in range(data)]
+            if use_data_before_expert_parallel_:
+                ranks = [ranks[first + k * stride] for first in range(stride) for k in range(experts)]
+            blocks = [ranks[i:i + experts] for i in range(0, data, experts)]
+            expert_groups += blocks
+            replica_groups += [list(members) for members in zip(*blocks)]
+    return expert_groups, replica_groups
+
+
 def _create_expert_and_data_parallel(expert_parallel_size_: int, use_data_before_expert_parallel_: bool = False) -> None:
     """Create (once) the expert-parallel and expert-data-parallel groups of size ``expert_parallel_size_``."""
     size = int(expert_parallel_size_)

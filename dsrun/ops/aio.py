@@ -29,6 +29,7 @@ from typing import Any, Mapping
 import torch
 
 from dsrun.ops.loader import load_op
+from op_builder import AsyncIOBuilder as _AsyncIOBuilder
 
 AIO_DEFAULTS: dict[str, Any] = {
     "block_size": 1048576,
@@ -37,6 +38,7 @@ AIO_DEFAULTS: dict[str, Any] = {
     "single_submit": False,
     "overlap_events": True,
 }
+AsyncIOBuilder = _AsyncIOBuilder  # DeepSpeed's deepspeed.ops.aio re-exports the builder of this op
 
 
 class AsyncIOHandle:

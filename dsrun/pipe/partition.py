@@ -65,6 +65,15 @@ def _prefix_sums(weights: Sequence[float]) -> list[float]:
     return sums
 
 
+def prefix_sum_inc(weights: Sequence[float]) -> list[float]:
+    """The inclusive running totals of ``weights`` (``[3, 4, 5]`` -> ``[3, 7, 12]``), in the weights' own type
+    (DeepSpeed's helper; :func:`partition_balanced` keeps its own, numpy-like sums)."""
+    sums: list[float] = []
+    for w in weights:
+        sums.append(w if not sums else sums[-1] + w)
+    return sums
+
+
 def partition_balanced(weights: Sequence[float], num_parts: int) -> list[int]:
     """DeepSpeed's ``partition_balanced``: the ``num_parts + 1`` boundaries of contiguous, non-empty parts of
     ``weights`` (``partition_uniform`` when there are no more items than parts) whose totals differ the

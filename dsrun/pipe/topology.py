@@ -8,11 +8,27 @@ the pipe group the stages talk in, and which global rank holds stage ``s`` of th
 """
 from __future__ import annotations
 
+import math
+
 from dsrun import comm
 from dsrun.comm import PipeDataParallelTopology, PipeModelDataParallelTopology, ProcessGroups, ProcessTopology
 from dsrun.comm.comm import ProcessGroup
 
 __all__ = ["PipeDataParallelTopology", "PipeModelDataParallelTopology", "PipelineParallelGrid", "ProcessTopology"]
+
+
+def _prime_factors(n: int) -> list[int]:
+    """The prime factorisation of a positive integer, smallest first (``12`` -> ``[2, 2, 3]``, ``1`` -> ``[]``);
+    DeepSpeed's helper for laying out grids."""
+    if n <= 0:
+        raise ValueError("Values must be strictly positive.")
+    primes, candidate = [], 2
+    while n != 1:
+        while n % candidate:
+            candidate += 1
+        primes.append(candidate)
+        n //= candidate
+    return primes
 
 
 class PipelineParallelGrid:
@@ -37,9 +53,18 @@ class PipelineParallelGrid:
         self.stage_id = self.groups.coord("pipe")
         self.data_parallel_id = self.groups.coord("data")
         self.model_parallel_id = self.groups.coord("model")
+        # DeepSpeed's grid keeps these as plain values: flags, and the global ranks of this rank's groups
+        self.is_first_stage = self.stage_id == 0
+        self.is_last_stage = self.stage_id == self.pipe_parallel_size - 1
+        self.pp_group = self.groups.members("pipe")
+        self.dp_group = self.groups.members("data")
 
     def topology(self) -> ProcessTopology:
         return self._topo
+
+    def _is_grid_valid(self) -> bool:
+        """Whether the topology's axes multiply out to the world size (DeepSpeed's check)."""
+        return math.prod(self._topo.get_dim(axis) for axis in self._topo.get_axis_names()) == comm.get_world_size()
 
     # --- stages --------------------------------------------------------------------------------------------
     def get_stage_id(self) -> int:
@@ -53,12 +78,6 @@ class PipelineParallelGrid:
         coord = self._topo.get_coord(self.global_rank)._asdict()
         coord.update(pipe=stage_id, **kwargs)
         return self._topo.get_rank(**coord)
-
-    def is_first_stage(self) -> bool:
-        return self.stage_id == 0
-
-    def is_last_stage(self) -> bool:
-        return self.stage_id == self.pipe_parallel_size - 1
 
     # --- DeepSpeed's mpu interface ---------------------------------------------------------------------------
     def get_global_rank(self) -> int:

@@ -6,6 +6,10 @@ from typing import Any, Mapping
 from dsrun.config import ds_section
 from dsrun.config.precision import BF16Config, FP16Config
 
+#: DeepSpeed's names for the two section models (``DeepSpeedFP16Config(enabled=True, loss_scale=0, ...)``)
+DeepSpeedFP16Config = FP16Config
+DeepSpeedBF16Config = BF16Config
+
 
 def get_bfloat16_config(param_dict: Mapping[str, Any]) -> BF16Config:
     """The ``bf16`` section (DeepSpeed also reads the older name ``bfloat16``), defaults when absent."""

@@ -9,7 +9,8 @@ constant as the sequence and the group grow together (the Ulysses paper's argume
 ``scatter_idx`` is the heads dimension and ``gather_idx`` the sequence dimension of the tensors the caller
 passes, as in ``deepspeed.sequence.layer.DistributedAttention``: the defaults (2, 0) suit Megatron's
 ``[seq, batch, heads, head_dim]`` layout; ``[batch, seq, heads, head_dim]`` takes ``gather_idx=1``. The rank
-order of the group is the order of the sequence shards.
+order of the group is the order of the sequence shards. ``apply_rotary_pos_emb`` is DeepSpeed's rotary position
+embedding of the same module (the torch path; DeepSpeed's optional fused kernel is not used).
 """
 from __future__ import annotations
 
@@ -113,3 +114,22 @@ class DistributedAttention(torch.nn.Module):
         """The local attention over the whole sequence with this rank's heads (before the exchange back)."""
         q, k, v = (single_all_to_all(t, self.scatter_idx, self.gather_idx, self.spg) for t in (query, key, value))
         return self.local_attn(q, k, v, *args, **kwargs)
+
+
+# --- rotary position embedding, as DeepSpeed's sequence layer applies it --------------------------------------
+_torchembed_available = False  # DeepSpeed's fused RoPE kernel (torchembed) is never used here: the torch path
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """The last dimension's halves ``[a, b]`` as ``[-b, a]`` (the sine term's sign change)."""
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def apply_rotary_pos_emb(t: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first ``freqs_cos.shape[-1]`` features of ``t`` (``[seq, ..., dim]``) by the rotary angles
+    whose cosines and sines are given (broadcast against ``t``); the remaining features pass unchanged."""
+    rot_dim = freqs_cos.shape[-1]
+    rotated, passed = t[..., :rot_dim], t[..., rot_dim:]
+    rotated = rotated * freqs_cos + _rotate_half(rotated) * freqs_sin
+    return rotated if passed.shape[-1] == 0 else torch.cat((rotated, passed), dim=-1)

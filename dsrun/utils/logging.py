@@ -87,3 +87,10 @@ def print_configuration(args: Any, name: str) -> None:
     logger.info(f"{name}:")
     for key in sorted(vars(args)):
         logger.info(f"  {key} {'.' * (29 - len(key))} {getattr(args, key)}")
+
+
+def call_to_str(base: str, *args: object, **kwargs: object) -> str:
+    """A call as source text for log lines: ``call_to_str("f", 3, "a", val=1)`` is ``f(3, 'a', val=1)``
+    (DeepSpeed's ``runtime.utils.call_to_str``)."""
+    arguments = [repr(arg) for arg in args] + [f"{key}={value!r}" for key, value in kwargs.items()]
+    return f"{base}({', '.join(arguments)})"

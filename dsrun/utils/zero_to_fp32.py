@@ -212,6 +212,25 @@ def merge_slices(slices: list[torch.Tensor], dim: int, parts: int) -> torch.Tens
     return whole.reshape(-1, *whole.shape[2:]).movedim(0, dim).contiguous()
 
 
+def get_checkpoint_files(checkpoint_dir: str, glob_pattern: str) -> list[str]:
+    """The files of ``checkpoint_dir`` matching ``glob_pattern``, in natural order (``rank_2`` before
+    ``rank_10``); FileNotFoundError when there are none (DeepSpeed's helper)."""
+    found = sorted(glob.glob(os.path.join(checkpoint_dir, glob_pattern)), key=natural_key)
+    if not found:
+        raise FileNotFoundError(f"can't find {glob_pattern} files in directory '{checkpoint_dir}'")
+    return found
+
+
+def get_optim_files(checkpoint_dir: str) -> list[str]:
+    """A tag folder's optimizer-state files (``*_optim_states.pt``), in rank order."""
+    return get_checkpoint_files(checkpoint_dir, "*_optim_states.pt")
+
+
+def get_model_state_files(checkpoint_dir: str) -> list[str]:
+    """A tag folder's model-state files (``*_model_states.pt``), in rank order."""
+    return get_checkpoint_files(checkpoint_dir, "*_model_states.pt")
+
+
 def optimizer_master_tensors(osd: dict[str, Any]) -> list[torch.Tensor]:
     """The fp32 master tensors of one rank's ZeRO optimizer state (stages 0-2: padding removed)."""
     if "fp32_flat_groups" in osd:

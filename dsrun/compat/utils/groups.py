@@ -4,6 +4,7 @@ from dsrun.moe.groups import (  # noqa: F401
     expert_group_name,
     _groups,
     _create_expert_and_data_parallel,
+    _get_expert_parallel_ranks,
     initialize,
     _size_of,
     _get_expert_parallel_group,
