@@ -17,10 +17,10 @@ written as that one file, as DeepSpeed's converter did before (0.15 and older).
 exact fp32 weights the optimizer was stepping. Files are read one at a time and only their master weights
 are kept, so memory stays near the largest file plus the output.
 
-Tied weights (``shared_params`` in the model states): the alias key holds the very same tensor as its source,
-so ``torch.save`` stores it once. safetensors cannot store two names for one tensor: the alias key is left out
-and the file's metadata ``dsrun_shared_params`` (JSON ``{alias: source}``) names it; re-tie after loading or
-load with ``strict=False`` into a model whose weights are tied.
+Tied weights (``shared_params`` in the model states): the alias key holds the very same tensor as its source, so
+``torch.save`` stores it once. safetensors cannot store two names for one tensor: the alias key is left out and
+the file's metadata ``dsrun_shared_params`` (JSON ``{alias: source}``) names it; re-tie after loading or load with
+``strict=False`` into a model whose weights are tied.
 
 Every file is read with ``torch.load(weights_only=True)``: a checkpoint cannot run code while loading.
 """
@@ -161,8 +161,7 @@ DEEPSPEED_GLOBALS: list[tuple[Any, str]] = [
     (PickledObject, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
     (PickledObject, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
     (PickledObject, "deepspeed.utils.tensor_fragment.fragment_address"),
-    (PickledStage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
-]
+    (PickledStage, "deepspeed.runtime.zero.config.ZeroStageEnum")]
 
 
 def load_file(path: str) -> Any:
@@ -198,9 +197,8 @@ def resolve_tag_dir(checkpoint_dir: str, tag: str | None = None) -> str:
     return tag_dir
 
 
-def _files(tag_dir: str, suffix: str) -> list[str]:
-    found = glob.glob(os.path.join(tag_dir, f"*{suffix}"))
-    return sorted(found, key=natural_key)
+def _files(tag_dir: str, suffix: str) -> list[str]:  # the folder's *suffix files in natural order
+    return sorted(glob.glob(os.path.join(tag_dir, f"*{suffix}")), key=natural_key)
 
 
 def merge_slices(slices: list[torch.Tensor], dim: int, parts: int) -> torch.Tensor:
@@ -221,13 +219,11 @@ def get_checkpoint_files(checkpoint_dir: str, glob_pattern: str) -> list[str]:
     return found
 
 
-def get_optim_files(checkpoint_dir: str) -> list[str]:
-    """A tag folder's optimizer-state files (``*_optim_states.pt``), in rank order."""
+def get_optim_files(checkpoint_dir: str) -> list[str]:  # the tag folder's *_optim_states.pt, in rank order
     return get_checkpoint_files(checkpoint_dir, "*_optim_states.pt")
 
 
-def get_model_state_files(checkpoint_dir: str) -> list[str]:
-    """A tag folder's model-state files (``*_model_states.pt``), in rank order."""
+def get_model_state_files(checkpoint_dir: str) -> list[str]:  # the tag folder's *_model_states.pt, in rank order
     return get_checkpoint_files(checkpoint_dir, "*_model_states.pt")
 
 
