@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from dsrun.offload import param_swapper
+from dsrun.offload.chunked_step import chunked_step
 from dsrun.offload.nvme import NORM_CHUNK, SwappedOptimizerState, SwappedShard, SwappedUnit
 from dsrun.offload.pipeline import PipelineTimes, StepPipeline, scatter_to_shards, tiled_cpu_step
 from dsrun.offload.settings import CPU_TILE_ELEMENTS, OffloadOptimizerSettings, host_empty, require_cpu_optimizer
@@ -112,6 +113,7 @@ class DeviceShardStore:
         self.shard_ctx, self.optimizer, self.cpu_optimizer = shard_ctx, optimizer, cpu_optimizer
         self.sub_groups: list[tuple[int, SubGroup]] = []  # (index among the strategy's sub-groups, sub-group)
         self.times = PipelineTimes()  # the last update's pipeline (offloaded stores)
+        self._norm_buffer: torch.Tensor | None = None  # on the CPU: the float64 squares of one norm chunk
 
     # --- placement ------------------------------------------------------------------------------------------
     def place(self, index: int, sg: SubGroup) -> None:
@@ -151,9 +153,17 @@ class DeviceShardStore:
         """Add the sum of squares of these gradients into ``sq`` (float64; shard padding holds zeros), a chunk at
         a time as the NVMe store sums its own: a whole sub-group in float64 would be two temporaries of twice
         its bytes, fresh pages on every step (on CPU, past the C allocator's 32 MiB mmap ceiling)."""
+        on_cpu = self.shard_ctx.device.type == "cpu"
         for _, sg in self.sub_groups:
             for chunk in sg.grad.split(NORM_CHUNK):
-                sq += chunk.double().pow(2).sum().to(sq.device)
+                if on_cpu:  # the float64 squares in one buffer kept across steps: no fresh pages each chunk
+                    if self._norm_buffer is None:
+                        self._norm_buffer = torch.empty(NORM_CHUNK, dtype=torch.float64)
+                    squares = self._norm_buffer[:chunk.numel()]
+                    squares.copy_(chunk).square_()
+                    sq += squares.sum().to(sq.device)
+                else:
+                    sq += chunk.double().pow(2).sum().to(sq.device)
 
     def gradients(self) -> list[torch.Tensor]:
         """The resident fp32 gradients the update reads (for step hooks)."""
@@ -184,7 +194,10 @@ class DeviceShardStore:
             if coef != 1.0:
                 sg.grad.mul_(coef)
             sg.master.grad = sg.grad
-        self.optimizer.step()
+        if self.shard_ctx.device.type == "cpu":  # small temporaries the heap reuses, not fresh pages
+            chunked_step(self.optimizer)
+        else:
+            self.optimizer.step()
         self.publish()
 
     def publish(self) -> None:

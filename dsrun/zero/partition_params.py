@@ -116,6 +116,16 @@ def shard_padding(param: torch.nn.Parameter, rank: int) -> int:
     return max(0, param.ds_partition_numel - max(0, param.ds_numel - start))
 
 
+def _storage_references(tensor: torch.Tensor) -> int:
+    """How many references hold ``tensor``'s memory (tensors and views on it, plus the one this call makes)."""
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+
+
+# what :func:`_storage_references` says of a tensor nothing else refers to (the storage object the call makes
+# counts too: 2, not 1)
+_LONE_TENSOR_REFERENCES = _storage_references(torch.empty(1))
+
+
 class GatherBufferPool:
     """Full-parameter buffers released by their parameters, kept (up to ``limit`` elements in all) for the
     next gather of the same size. On the CPU a fresh buffer costs a page fault per 4 KiB when the all-gather
@@ -139,7 +149,7 @@ class GatherBufferPool:
         numel = buffer.numel()
         if buffer._base is not None or buffer.device.type != "cpu" or self.numel + numel > self.limit:
             return
-        if torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) != 1:
+        if _storage_references(buffer) != _LONE_TENSOR_REFERENCES:
             return  # something else (a saved view) still reads this memory
         self._free.setdefault(numel, []).append(buffer)
         self.numel += numel
