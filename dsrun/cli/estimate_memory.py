@@ -163,14 +163,6 @@ def _recipe_inputs(args: argparse.Namespace) -> tuple[EstimateInputs, dict[str, 
     return spec, info, sources
 
 
-def enabled_monitors(ds_cfg: dict | None) -> list[str]:
-    """The local monitor sections a recipe's DeepSpeed config enables (rank 0 opens them)."""
-    from dsrun.estimate.runtime import PROBED_MONITORS
-
-    ds_cfg = ds_cfg or {}
-    return [s for s in PROBED_MONITORS if isinstance(ds_cfg.get(s), dict) and ds_cfg[s].get("enabled") is True]
-
-
 def _with_process(spec: EstimateInputs, args: argparse.Namespace, sources: dict[str, str], threads: int | None = None,
                   model_cfg: dict | None = None, ds_cfg: dict | None = None) -> EstimateInputs:
     """Add what the rank process itself holds: the device kind and the idle rank's measured memory
@@ -178,7 +170,7 @@ def _with_process(spec: EstimateInputs, args: argparse.Namespace, sources: dict[
     recipe's model class ``model_cfg``)."""
     import torch
 
-    from dsrun.estimate.runtime import measure_rank_runtime, rank_threads
+    from dsrun.estimate.runtime import enabled_monitors, measure_rank_runtime, rank_threads
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     sources["device"] = "--device" if args.device else "this host"

@@ -271,8 +271,10 @@ def _memory(resolved: ResolvedRun, model: RecipeModel, result: Preflight) -> lis
     slots = [len(s) for s in plan.hosts.values()] or [plan.world_size]
     model_cfg = OmegaConf.to_container(resolved.runspec.model, resolve=True)
     spec = spec.with_(nodes=len(slots), ranks_per_node=max(slots))
-    runtime = _cached_rank_runtime(spec, model_cfg)
-    verdict = judge(estimate_peak_bytes_per_rank(spec.with_(rank_runtime_bytes=runtime)), detect_budget())
+    ds_cfg = OmegaConf.to_container(resolved.runspec.ds, resolve=True)
+    runtime, monitors = _cached_rank_runtime(spec, model_cfg, ds_cfg)
+    verdict = judge(estimate_peak_bytes_per_rank(spec.with_(rank_runtime_bytes=runtime, monitor_bytes=monitors)),
+                    detect_budget())
     # the figure is dsrun estimate-memory's once that has measured an idle rank here; until then it says that
     # it leaves the rank's own process out (the same run's two figures used to differ without a word)
     what = (f"estimate incl. each rank's idle process, {runtime / 2**30:.2f} GiB as dsrun estimate-memory "
@@ -357,15 +359,18 @@ def one_rank_too_big(resolved: ResolvedRun, model: RecipeModel) -> str | None:
     return None
 
 
-def _cached_rank_runtime(spec: EstimateInputs, model_cfg: dict[str, Any]) -> int:
-    """An idle rank's measured memory when ``dsrun estimate-memory`` measured it on this host before (the
-    measurement takes seconds, so train does not make it), else 0: the estimate is then a lower bound."""
+def _cached_rank_runtime(spec: EstimateInputs, model_cfg: dict[str, Any], ds_cfg: Any) -> tuple[int, int]:
+    """An idle rank's measured memory and what rank 0's monitors add, when ``dsrun estimate-memory`` measured
+    them on this host before (the measurement takes seconds, so train does not make it), else (0, 0): the
+    estimate is then a lower bound."""
     import json
 
-    from dsrun.estimate.runtime import RankRuntime, rank_threads, runtime_cache_path
+    from dsrun.estimate.runtime import RankRuntime, enabled_monitors, rank_threads, runtime_cache_path
 
-    path = runtime_cache_path(rank_threads(spec.ranks_per_node), spec.optimizer, model_cfg, spec.precision)
+    path = runtime_cache_path(rank_threads(spec.ranks_per_node), spec.optimizer, model_cfg, spec.precision,
+                              enabled_monitors(ds_cfg if isinstance(ds_cfg, dict) else None))
     try:
-        return RankRuntime(**json.loads(path.read_text())).resident
+        runtime = RankRuntime(**json.loads(path.read_text()))
     except (OSError, TypeError, ValueError):
-        return 0
+        return 0, 0
+    return runtime.resident, runtime.monitors

@@ -130,13 +130,17 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
 def _tensor_parallel_degree(source: Any) -> int:
     """The AutoTP degree the config (or ``deepspeed.tp_model_init``) asks for, read before the batch arithmetic
     (which counts data-parallel ranks only)."""
-    from dsrun.config import load_ds_config, typed_config
+    from dsrun.config import typed_config
+    from dsrun.config.sources import read_config_source
     from dsrun.tensor_parallel import autotp_degree
 
     typed = source if hasattr(source, "zero_optimization") else typed_config(source)
-    if typed is None:
-        typed = load_ds_config(source, world_size=None)
-    return autotp_degree(int(typed.tensor_parallel.autotp_size))
+    if typed is not None:
+        return autotp_degree(int(typed.tensor_parallel.autotp_size))
+    # the raw key, not a second parse of the whole config (the batch arithmetic's parse comes next)
+    section = read_config_source(source).get("tensor_parallel")
+    size = section.get("autotp_size") if isinstance(section, dict) else None
+    return autotp_degree(int(size) if isinstance(size, (int, float)) and not isinstance(size, bool) else 0)
 
 
 def build_engine_optimizer(config: DSConfig, optimizer: ClientOptimizer | None, params: ModelParameters

@@ -10,6 +10,9 @@ follow dsrun's ZeRO strategies:
 * stage 2 keeps a pool of a bucket of copied gradients and the received piece, ``(B + B/N) * w``, twice
   when ``overlap_comm`` has a second bucket in flight (K > 1); ``B * w`` with optimizer offload. The pool
   persists from the first backward on, so it is live in every later phase;
+* stage 3 on the CPU keeps released gather buffers for reuse (N > 1), up to ``stage3_prefetch_bucket_size`` elements of
+  the gathered (non-persistent) parameters, ``min(P - small, prefetch) * w``, in every phase (counted with the
+  pool above); the gathered parameters take their buffers out of it;
 * stage 3 holds gathered parameters (N > 1) while the activations are live: the largest layer plus what
   is prefetched ahead, ``min(P, max(L, min(stage3_max_live_parameters, L + stage3_prefetch_bucket_size)))
   * w``, plus the largest layer's full gradient ``L * w`` (with no prefetch: DeepSpeed's
@@ -149,6 +152,12 @@ def buffer_bytes(spec: EstimateInputs) -> BufferBytes:
     if spec.zero_stage == 3 and not whole:
         if n > 1:  # one rank's partition is already the whole model
             gathered = stage3_gathered_elements(spec) * w + spec.largest_layer_params * w
+            # released gather buffers kept for reuse, up to stage3_prefetch_bucket_size elements (hooks.py's
+            # GatherBufferPool): held in every phase; a gather takes its buffer out of the pool
+            pool = min(max(spec.total_params - spec.small_params, 0), b.stage3_prefetch_bucket_size) * w \
+                if spec.device == "cpu" else 0  # CUDA's caching allocator reuses freed blocks itself
+            reduce_bucket += pool
+            gathered = max(gathered - pool, 0)
         received = (ceil_div(spec.trainable, n) if spec.overlap_comm else ceil_div(bucket, n)) if n > 1 else 0
         transient = (2 * bucket + received) * w
         if gloo:

@@ -42,6 +42,12 @@ PROBED_MONITORS = ("csv_monitor", "tensorboard", "mlflow")  # rank 0's local sin
 MALLOC_MMAP_THRESHOLD = "65536"  # what dsrun's --measure runs use: large blocks go back to the system at once
 
 
+def enabled_monitors(ds_cfg: dict | None) -> list[str]:
+    """The local monitor sections a recipe's (resolved) DeepSpeed config enables: rank 0 opens them."""
+    ds_cfg = ds_cfg or {}
+    return [s for s in PROBED_MONITORS if isinstance(ds_cfg.get(s), dict) and ds_cfg[s].get("enabled") is True]
+
+
 def malloc_threshold() -> str:
     """The ``MALLOC_MMAP_THRESHOLD_`` a measured rank runs with: the environment's, else ours."""
     return os.environ.get("MALLOC_MMAP_THRESHOLD_", MALLOC_MMAP_THRESHOLD)

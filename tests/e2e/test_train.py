@@ -86,14 +86,21 @@ def validate_ds_config(path: Path, world_size: int) -> None:
 BRIEF_EXTRA = {"gpt_fp16": ["model.block_size=64", "ds.train_micro_batch_size_per_gpu=4"]}
 
 
+def model_parallel(resolved: Path) -> int:
+    """The ranks of a resolved recipe that hold one data-parallel replica: pipeline stages x AutoTP's ranks."""
+    spec = OmegaConf.load(resolved)
+    stages = spec.model.get("pipeline_stages", 1) or 1
+    return stages * int(OmegaConf.select(spec, "ds.tensor_parallel.autotp_size", default=None) or 1)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", sorted(r for r in list_recipes() if r not in TRAINED_ELSEWHERE))
 def test_every_recipe_runs_briefly(tmp_path, recipe):
     metrics, run_dir = train(tmp_path, f"+recipe={recipe}", *SHORT, *BRIEF_EXTRA.get(recipe, []))
     assert metrics["steps"] == 3 and all(loss == loss for loss in metrics["train_losses"])  # finite, not NaN
-    # DeepSpeed checks the batch sizes against the data-parallel ranks: a pipeline's stages do not count
-    stages = OmegaConf.load(run_dir / "resolved.yaml").model.get("pipeline_stages", 1) or 1
-    validate_ds_config(run_dir / "ds_config.json", metrics["world_size"] // stages)
+    # DeepSpeed checks the batch sizes against the data-parallel ranks: a pipeline's stages and AutoTP's
+    # tensor-parallel ranks do not count
+    validate_ds_config(run_dir / "ds_config.json", metrics["world_size"] // model_parallel(run_dir / "resolved.yaml"))
 
 
 # gpt_elastic trains over the hosts of ./hostfile by SSH; on one machine it resolves with the local runner (still
@@ -112,8 +119,7 @@ def test_every_recipes_deepspeed_config_validates(tmp_path, recipe):
 
     run = resolve_run(compose_runspec([f"+recipe={recipe}", *SINGLE_HOST.get(recipe, [])]))
     written = write_run_files(tmp_path, run)  # what `dsrun train` writes into the run directory
-    stages = OmegaConf.load(written["resolved"]).model.get("pipeline_stages", 1) or 1
-    validate_ds_config(written["ds_config"], run.world_size // stages)
+    validate_ds_config(written["ds_config"], run.world_size // model_parallel(written["resolved"]))
 
 
 @pytest.mark.slow

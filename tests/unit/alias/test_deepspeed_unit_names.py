@@ -38,7 +38,9 @@ def test_pinned_memory_tracker_counts_and_logs_each_doubled_milestone(caplog):
             tracker.track_pinned_memory(100 * gb)  # 130 GB: crosses 32, 64 and 128 in one call
         assert (tracker._tracker._bytes, tracker._tracker._calls) == (130 * gb, 2)
         assert tracker._tracker._next_checkpoint == 256 * gb
-        assert [r.message.split(":")[0] for r in caplog.records if "checkpoint" in r.message] == [
+        records = {id(r): r for r in caplog.records}.values()  # one record reaches caplog twice when another
+        # test left the DeepSpeed logger propagating to a second capturing handler
+        assert [r.message.split(":")[0] for r in records if "checkpoint" in r.message] == [
             f"[pinned-memory checkpoint] crossed {n}.000 GB" for n in (32, 64, 128)]
     finally:
         ds_logger.propagate = propagate

@@ -103,7 +103,7 @@ def test_the_memory_line_says_what_it_counts_and_matches_estimate_memory_once_me
 
     from dsrun.cli.estimate_memory import estimate_recipe
     from dsrun.estimate import verdict
-    from dsrun.estimate.runtime import RankRuntime, rank_threads, runtime_cache_path
+    from dsrun.estimate.runtime import RankRuntime, enabled_monitors, rank_threads, runtime_cache_path
 
     gib = 2**30
     budget = verdict.MemoryBudget(24 * gib, 20 * gib)
@@ -116,7 +116,7 @@ def test_the_memory_line_says_what_it_counts_and_matches_estimate_memory_once_me
 
     resident = 300 * 2**20  # what estimate-memory's probe would have cached for this run's ranks
     path = runtime_cache_path(rank_threads(2), "AdamW", OmegaConf.to_container(run.runspec.model, resolve=True),
-                              "fp32")
+                              "fp32", enabled_monitors(OmegaConf.to_container(run.runspec.ds, resolve=True)))
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps(asdict(RankRuntime(resident, resident, rank_threads(2), "AdamW", "t", "p", "h"))))
     measured = check_before_launch(run).memory

@@ -63,6 +63,7 @@ def _stage3_rank(rank: int, world_size: int) -> dict[str, tuple[dict, dict]]:
     return {name: (_train(3, True, name), _train(3, False, name)) for name in ("gpt", "blockless")}
 
 
+@pytest.mark.usefixtures("world_of_one")  # torn down after the module: later tests start their own world
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_stages_0_to_2_compile_whole_without_a_graph_break(stage: int) -> None:
     compiled, eager = _train(stage, True), _train(stage, False)
