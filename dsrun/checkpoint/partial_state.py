@@ -29,6 +29,7 @@ from . import deepspeed_format, reshard
 from .tensor_file import TensorFile
 from .universal_checkpoint import FP32, OPTIMIZER_STATE, PARAM, STEP, UNIVERSAL_DIR
 from .safe_load import load_file
+from .saved_tag import refuse_mics
 
 
 class _Piece:
@@ -76,7 +77,7 @@ class PartialRankState:
                 file, osd = _open_rank_file(path, stage, world, rank, group_shapes)
                 self.files.append(file)
                 if rank == 0:
-                    _refuse_mics(path, osd)
+                    refuse_mics(path.parent, osd)
                     self.param_groups, self.precision = reshard.saved_header(osd)
                 for saved in reshard.saved_masters(osd, stage, world, rank, group_shapes):
                     if rank == 0 and saved.group not in self.group_scalars:
@@ -109,12 +110,6 @@ class PartialRankState:
     def copy_range(self, name: str, key: str | None, full_offset: int, out: torch.Tensor) -> None:
         for piece in self.pieces[name]:
             piece.copy_range(key, full_offset, out)
-
-
-def _refuse_mics(path: Path, osd: dict[str, Any]) -> None:
-    if int(osd.get("mics_shard_size", -1)) > 0:
-        raise RuntimeError(f"{path.parent}: saved under MiCS (mics_shard_size {osd['mics_shard_size']}), which "
-                           "loads only into the same layout; rebuild the fp32 model with zero_to_fp32 instead")
 
 
 def _value(entry: Any) -> torch.Tensor:

@@ -43,10 +43,15 @@ def rank_optimizer_states(tag_dir: Path, model_states: dict[str, Any], stage: in
     if stage == 0:
         return [stage0_state(model_states, group_shapes)]
     states = [deepspeed_format.load_zero_state(path) for path in optim_files(tag_dir, world, bf16, mp_rank=mp_rank)]
-    if int(states[0].get("mics_shard_size", -1)) > 0:
-        raise RuntimeError(f"{tag_dir}: saved under MiCS (mics_shard_size {states[0]['mics_shard_size']}), which "
-                           "loads only into the same layout; rebuild the fp32 model with zero_to_fp32 instead")
+    refuse_mics(tag_dir, states[0])
     return states
+
+
+def refuse_mics(tag_dir: Path, osd: dict[str, Any]) -> None:
+    """A checkpoint saved under MiCS loads only into its own layout: a reshard of it is refused."""
+    if int(osd.get("mics_shard_size", -1)) > 0:
+        raise RuntimeError(f"{tag_dir}: saved under MiCS (mics_shard_size {osd['mics_shard_size']}), which "
+                           "loads only into the same layout; rebuild the fp32 model with zero_to_fp32 instead")
 
 
 def stage0_state(model_states: dict[str, Any], group_shapes: list[Any] | None) -> dict[str, Any]:
