@@ -363,14 +363,8 @@ def _cached_rank_runtime(spec: EstimateInputs, model_cfg: dict[str, Any], ds_cfg
     """An idle rank's measured memory and what rank 0's monitors add, when ``dsrun estimate-memory`` measured
     them on this host before (the measurement takes seconds, so train does not make it), else (0, 0): the
     estimate is then a lower bound."""
-    import json
+    from dsrun.estimate.runtime import cached_rank_runtime, enabled_monitors, rank_threads
 
-    from dsrun.estimate.runtime import RankRuntime, enabled_monitors, rank_threads, runtime_cache_path
-
-    path = runtime_cache_path(rank_threads(spec.ranks_per_node), spec.optimizer, model_cfg, spec.precision,
-                              enabled_monitors(ds_cfg if isinstance(ds_cfg, dict) else None))
-    try:
-        runtime = RankRuntime(**json.loads(path.read_text()))
-    except (OSError, TypeError, ValueError):
-        return 0, 0
-    return runtime.resident, runtime.monitors
+    runtime = cached_rank_runtime(rank_threads(spec.ranks_per_node), spec.optimizer, model_cfg, spec.precision,
+                                  enabled_monitors(ds_cfg if isinstance(ds_cfg, dict) else None))
+    return (0, 0) if runtime is None else (runtime.resident, runtime.monitors)

@@ -110,6 +110,17 @@ def runtime_cache_path(threads: int, optimizer: str, model: dict | None = None, 
     return _cache_dir() / f"rank-runtime-{digest}.json"
 
 
+def cached_rank_runtime(threads: int, optimizer: str, model: dict | None = None, precision: str = "fp32",
+                        monitors: Sequence[str] = ()) -> RankRuntime | None:
+    """What :func:`measure_rank_runtime` measured before for these settings, or None (never measured, or an
+    old or damaged cache entry)."""
+    try:
+        return RankRuntime(**json.loads(runtime_cache_path(threads, optimizer, model, precision,
+                                                           monitors).read_text()))
+    except (OSError, TypeError, ValueError):
+        return None
+
+
 def measure_rank_runtime(threads: int = 1, optimizer: str = "AdamW", model: dict | None = None,
                          precision: str = "fp32", refresh: bool = False, timeout: float = 180,
                          monitors: Sequence[str] = ()) -> RankRuntime:
@@ -117,12 +128,10 @@ def measure_rank_runtime(threads: int = 1, optimizer: str = "AdamW", model: dict
     ``model`` (a Hydra config with ``_target_``; None: a small MLP) in ``precision``, with rank 0's
     ``monitors`` open (enabled DeepSpeed monitor sections; see the module docstring); from the cache unless
     ``refresh``."""
+    cached = None if refresh else cached_rank_runtime(threads, optimizer, model, precision, monitors)
+    if cached is not None:
+        return cached
     path = runtime_cache_path(threads, optimizer, model, precision, monitors)
-    if not refresh and path.is_file():
-        try:
-            return RankRuntime(**json.loads(path.read_text()))
-        except (TypeError, ValueError):
-            pass  # an old or damaged cache entry: measure again
     # The optimizer's params do not change what it imports or loads: the probe uses its defaults.
     env = {**os.environ, "OMP_NUM_THREADS": str(int(threads)),
            "MALLOC_MMAP_THRESHOLD_": malloc_threshold()}
