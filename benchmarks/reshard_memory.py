@@ -27,7 +27,6 @@ import gc
 import json
 import multiprocessing as mp
 import os
-import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -35,12 +34,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 GiB = 1024 ** 3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _io() -> dict[str, int]:
@@ -123,7 +116,9 @@ def _rank(rank: int, world: int, port: int, job: dict, results) -> None:
 def launch(world: int, job: dict) -> list[dict]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    from dsrun.utils.net import free_port
+
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, world, port, job, results)) for r in range(world)]
     for p in procs:
         p.start()
