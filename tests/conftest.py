@@ -10,6 +10,7 @@ os.environ.setdefault("DSRUN_MLFLOW", "false")
 
 
 ESTIMATE_TABLE_PROPERTY = "dsrun_estimate_table"
+_CORES_AT_START = frozenset(os.sched_getaffinity(0))
 
 
 class _EstimateTables:
@@ -94,6 +95,21 @@ def _shares_a_fixture(item) -> bool:
         return False
     return any(defs and defs[-1].scope in ("module", "class", "package")
                for name, defs in info.name2fixturedefs.items() if name != "module_root")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Errors the test whose run (its fixtures' setup and teardown included) leaves this process bound to other
+    cores than it started on (an engine whose optimizer thread pinned the training threads, never destroyed):
+    every later test of the same pytest-xdist worker, and every process it starts, would inherit the mask."""
+    result = yield
+    now = os.sched_getaffinity(0)
+    if now != _CORES_AT_START:
+        os.sched_setaffinity(0, _CORES_AT_START)
+        raise AssertionError(f"{item.nodeid} (or a fixture it uses) left this process on cores {sorted(now)}; it "
+                             f"started on {sorted(_CORES_AT_START)}: call engine.destroy() so the optimizer's core "
+                             "split gives them back")
+    return result
 
 
 @pytest.fixture

@@ -396,11 +396,17 @@ def _default_core_binding(resolved: ResolvedRun, launcher: dict, log: LauncherLo
     """``launcher.bind_cores_to_rank: null``: bind each rank to its share of the host's cores when the run offloads
     and a host runs more than one rank (dsrun/launcher/core_binding.py; the agent prints the binding)."""
     from dsrun.launcher.core_binding import binds_by_default
+    from dsrun.offload.cores import process_cores
 
     if launcher.get("bind_cores_to_rank") is not None or not resolved.plan.hosts:
         return
     ranks_per_host = max(len(slots) for slots in resolved.plan.hosts.values())
     if binds_by_default(resolved.ds, ranks_per_host):
+        cores = len(process_cores())
+        if cores < ranks_per_host:  # a default never fails a run: the split it would make has an empty share
+            log.say(f"not binding cores: {ranks_per_host} ranks per host share the {cores} core(s) this process "
+                    "may run on, fewer than one each (launcher.bind_cores_to_rank=false says not to try)")
+            return
         launcher["bind_cores_to_rank"] = True
         log.say(f"binding each rank to its share of the host's cores (an offload run with {ranks_per_host} ranks "
                 "per host; launcher.bind_cores_to_rank=false turns it off)")

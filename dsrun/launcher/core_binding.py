@@ -12,8 +12,9 @@ its share (``rank_exec.py``).
 ``dsrun train`` binds by default (``launcher.bind_cores_to_rank: null``) when the run offloads optimizer state
 or parameters (``offload_optimizer``/``offload_param`` to ``cpu`` or ``nvme``) and a host runs more than one
 rank: the CPU optimizer step and the host copies of every rank then compete for the same cores, and DeepSpeed
-measured 15-23% shorter steps with binding (docs/performance.md has dsrun's figures). ``false`` turns it off,
-``true`` binds any run.
+measured 15-23% shorter steps with binding (docs/performance.md has dsrun's figures). When the launching
+process may run on fewer cores than a host has ranks (``taskset``, a container's cpuset) the default does not
+bind and says so; ``false`` turns it off, ``true`` binds any run (and refuses a split with an empty share).
 """
 from __future__ import annotations
 

@@ -64,7 +64,10 @@ def _binding(run: object, launcher: dict) -> tuple[object, str]:
 def test_train_binds_offload_runs_with_several_ranks_per_host_by_default() -> None:
     run = resolve_run(compose_runspec(["offload=cpu", "zero=stage2", "launcher.num_procs=2"]))
     bound, said = _binding(run, run.runspec.launcher)  # the conf's launcher says null: dsrun decides
-    assert bound is True and "binding each rank to its share" in said and "bind_cores_to_rank=false" in said
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert bound is True and "binding each rank to its share" in said and "bind_cores_to_rank=false" in said
+    else:  # a one-core machine: the next test's case
+        assert bound is None and "not binding cores" in said
     # the user's word stands either way
     assert _binding(run, {"bind_cores_to_rank": False}) == (False, "")
     plain = SimpleNamespace(ds=_config({"stage": 2}), plan=run.plan)
@@ -72,6 +75,21 @@ def test_train_binds_offload_runs_with_several_ranks_per_host_by_default() -> No
     assert _binding(plain, {"bind_cores_to_rank": True}) == (True, "")
     one_rank = SimpleNamespace(ds=run.ds, plan=SimpleNamespace(hosts={"localhost": [0]}))
     assert _binding(one_rank, {"bind_cores_to_rank": None}) == (None, "")  # one rank per host
+
+
+def test_the_default_does_not_bind_fewer_cores_than_ranks() -> None:
+    """Under ``taskset -c 0`` (or a one-core cpuset) the default leaves the ranks unbound and says why; it never
+    fails the run, as an explicit ``--bind_cores_to_rank`` does (its split would give a rank no core)."""
+    run = resolve_run(compose_runspec(["offload=cpu", "zero=stage2", "launcher.num_procs=2"]))
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(before)})
+    try:
+        bound, said = _binding(run, run.runspec.launcher)
+    finally:
+        os.sched_setaffinity(0, before)
+    assert bound is None
+    assert said == ("not binding cores: 2 ranks per host share the 1 core(s) this process may run on, fewer than "
+                    "one each (launcher.bind_cores_to_rank=false says not to try)")
 
 
 def _config(zero: dict) -> object:

@@ -93,7 +93,7 @@ def run(config: dict, seen: set[str], tmp: Path, steps: int = 2, checkpoint: boo
             engine.save_checkpoint(str(tmp / "ckpt"))
             engine.load_checkpoint(str(tmp / "ckpt"))
         engine.save_16bit_model(str(tmp / "model"))
-        engine.monitor.close()
+        engine.destroy()  # its monitors, and the cores an optimizer thread was pinned to (cpuadam_cores_perc)
 
 
 def tune(seen: set[str], tmp: Path) -> None:
