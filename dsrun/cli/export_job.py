@@ -106,7 +106,9 @@ def run(args: argparse.Namespace) -> int:
     _notes(resolved, kubernetes and not args.pvc)
     runs_dir = RUNS_MOUNT if kubernetes else args.runs_dir
     job = ClusterJob(name=name, nodes=nodes, procs_per_node=procs,
-                     train_args=train_args(args.overrides, args.recipes_dir, runs_dir), runs_dir=runs_dir,
+                     # sbatch: the batch shell fixes each run's directory (the tasks meet in it: dsrun.launcher.sbatch)
+                     train_args=train_args(args.overrides, args.recipes_dir, runs_dir if kubernetes else None),
+                     runs_dir=runs_dir,
                      resources=NodeResources(args.cpus, args.memory, args.gpus),
                      max_restarts=_given(args.max_restarts, DEFAULT_MAX_RESTARTS),
                      grace_period_s=_given(args.grace_period, rank_grace + 2 * SIGNAL_MARGIN_S), rank_grace_s=rank_grace,
@@ -210,12 +212,11 @@ def _count(launcher: dict, key: str) -> int:
 def _job_world(target: str, name: str, nodes: int, procs: int, master_port: int | None) -> OuterRank:
     """Rank 0 of the exported job as :mod:`dsrun.launcher.outer` will see it: the names in its messages are the
     job's own (``--nproc-per-node``, ``--ntasks-per-node``)."""
-    from dsrun.launcher.cluster_job import RENDEZVOUS_PORT
     from dsrun.launcher.kubernetes import MASTER_PORTS
-    from dsrun.launcher.outer import OuterRank
+    from dsrun.launcher.outer import SYSTEM_PORT, OuterRank
 
-    if target == "sbatch":  # the script exports the recipe's port when it names one
-        port = master_port or RENDEZVOUS_PORT
+    if target == "sbatch":  # the script exports the recipe's port when it names one, else rank 0's store is given one
+        port = master_port or SYSTEM_PORT
         return OuterRank("srun", 0, nodes * procs, 0, procs, 0, nodes, "the step's first node", port,
                          {"local_world_size": "--ntasks-per-node", "num_nodes": "--nodes", "node_rank": "SLURM_NODEID",
                           "master_addr": "MASTER_ADDR", "master_port": "MASTER_PORT"}, planned=True)

@@ -7,7 +7,8 @@ says why not (exit code 2, nothing submitted); dsrun's settings of the launcher 
 In a job (:class:`JobPlace`): a task of a Slurm job's ``srun`` step is one rank of the run (every task checks the
 recipe against the step, the ranks meet on the store rank 0 opens once every task arrived,
 :class:`~dsrun.launcher.slurm_jobs.TaskRendezvous`, rank 0 runs the job as ``dsrun train`` does under srun and hands
-its run directory to the others: :mod:`dsrun.cli.outer_rank`); a task that stops before the ranks met says why to
+its run directory to the others: :mod:`dsrun.cli.outer_rank`; the tasks of ``dsrun export-job --target sbatch``'s
+script meet the same way, :func:`meet_in_run_dir`); a task that stops before the ranks met says why to
 the others, which leave with that one line instead of waiting; a local submitit job starts its ranks with dsrun's
 own launcher. A job Slurm runs again after it was stopped resumes from its own run directory's checkpoint
 (:func:`dsrun.cli.resume.settle_requeued`); a run stopped by the notice or by preemption raises
@@ -80,28 +81,12 @@ class JobPlace:
 
     def meet(self) -> bool:
         """Meet the job's other ranks (after every rank checked the recipe against the step) on the store rank 0
-        opens, at a port the system gave it; True on rank 0, which goes on with the run. Raises
+        opens (:func:`meet_in_run_dir`); True on rank 0, which goes on with the run. Raises
         :class:`~dsrun.launcher.slurm_jobs.TasksApart` when a task stopped before or did not come in time."""
-        from dsrun.cli.outer_rank import RunHandoff, join_world
-        from dsrun.comm.comm import rendezvous_store
+        from dsrun.cli.outer_rank import RunHandoff
 
-        rank, rendezvous = self.rank, self.rendezvous
-        assert rank is not None and rendezvous is not None
-        rendezvous.arrive()
-        limit = timedelta(seconds=rendezvous.timeout_s)
-        host = rank.master_addr or "127.0.0.1"
-        if rank.rank == 0:  # its store listens before the others hear of its port
-            store = rendezvous_store(host, 0, rank.world_size, True, limit)
-            rendezvous.open_port(store.port)
-        else:
-            port = rendezvous.port()
-            try:
-                store = rendezvous_store(host, port, rank.world_size, False, limit)
-            except Exception as err:  # noqa: BLE001 - torch's connect errors differ by version; all mean the same
-                first_line = (str(err).splitlines() or [""])[0].strip()
-                raise TasksApart(f"rank {rank.rank} of {rank.world_size}: rank 0's store at {host}:{port} did not "
-                                 f"answer within {rendezvous.timeout_s:g} s ({first_line})") from err
-        join_world(replace(rank, master_port=store.port), store)
+        assert self.rank is not None and self.rendezvous is not None
+        meet_in_run_dir(self.rank, self.rendezvous)
         self.met = True
         if self.rank.rank == 0:
             self.handoff = RunHandoff()
@@ -123,6 +108,31 @@ class JobPlace:
         why = (f"hydra.launcher.max_num_timeout={max_requeues} requeues done" if self.executor == "slurm"
                else "a local submitit job is not requeued")
         return f"stopped (exit code {exit_code}); not requeued: {why}"
+
+
+def meet_in_run_dir(rank: OuterRank, rendezvous: TaskRendezvous) -> None:
+    """Join the world of the srun tasks that meet through ``rendezvous`` (a submitted sweep's job, ``dsrun export-job
+    --target sbatch``'s script): rank 0's store listens on a port the system gives it, which rank 0 writes in the
+    run directory once every task arrived; the others read it and connect. Raises
+    :class:`~dsrun.launcher.slurm_jobs.TasksApart` when a task stopped before or did not come in time."""
+    from dsrun.cli.outer_rank import join_world
+    from dsrun.comm.comm import rendezvous_store
+
+    rendezvous.arrive()
+    limit = timedelta(seconds=rendezvous.timeout_s)
+    host = rank.master_addr or "127.0.0.1"
+    if rank.rank == 0:  # its store listens before the others hear of its port
+        store = rendezvous_store(host, 0, rank.world_size, True, limit)
+        rendezvous.open_port(store.port)
+    else:
+        port = rendezvous.port()
+        try:
+            store = rendezvous_store(host, port, rank.world_size, False, limit)
+        except Exception as err:  # noqa: BLE001 - torch's connect errors differ by version; all mean the same
+            first_line = (str(err).splitlines() or [""])[0].strip()
+            raise TasksApart(f"rank {rank.rank} of {rank.world_size}: rank 0's store at {host}:{port} did not "
+                             f"answer within {rendezvous.timeout_s:g} s ({first_line})") from err
+    join_world(replace(rank, master_port=store.port), store)
 
 
 def follow_job_rank_zero(place: JobPlace, max_requeues: int) -> None:

@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from dsrun.cli.outer_rank import RunHandoff
     from dsrun.cli.preflight import Preflight
     from dsrun.launcher.outer import OuterRank
+    from dsrun.launcher.slurm_jobs import TaskRendezvous
     from dsrun.rundir import LauncherLog
     from dsrun.runspec import ResolvedRun
 
@@ -104,32 +105,46 @@ class TrainingStopped(Exception):
 
 
 def run(args: argparse.Namespace) -> int:
-    from dsrun.launcher.outer import detect_outer_launcher
+    from dataclasses import replace
+
+    from dsrun.launcher.outer import SYSTEM_PORT, detect_outer_launcher
+    from dsrun.launcher.slurm_jobs import TasksApart, batch_rendezvous
 
     outer = detect_outer_launcher()  # torchrun, srun or mpirun made this process a rank: become it
     if outer is None:
         return _run(args, None)
+    from dsrun import comm
     from dsrun.cli.outer_rank import RunHandoff
 
     if args.multirun or args.dry_run:
         flag = "-m" if args.multirun else "--dry-run"
         raise UserError(Problem(flag, f"is not run as a rank of {outer.launcher} ({outer.variable('rank')})",
                                 f"run dsrun train {flag} outside {outer.launcher}"))
+    rendezvous = batch_rendezvous(outer)  # an srun task of dsrun export-job's sbatch script: meet in the run dir
+    if rendezvous is not None:
+        outer = replace(outer, master_port=SYSTEM_PORT)
     handoff = RunHandoff() if outer.rank == 0 else None
     try:
-        code = _run(args, outer, handoff)
+        code = _run(args, outer, handoff, rendezvous)
+    except TasksApart as err:  # the tasks did not meet: one line, as a submitted job's row says it
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 1
     except BaseException as err:  # rank 0 stopped before the run: the others leave with its exit code
         if handoff is not None:
             handoff.close(err)
+        if rendezvous is not None and not comm.is_initialized():  # the tasks waiting for this one leave at once
+            rendezvous.fail(f"{type(err).__name__}: {(str(err).splitlines() or [''])[0].strip()}")
         raise
     if handoff is not None:
         handoff.close(None)
     return code
 
 
-def _run(args: argparse.Namespace, outer: OuterRank | None, handoff: RunHandoff | None = None) -> int:
+def _run(args: argparse.Namespace, outer: OuterRank | None, handoff: RunHandoff | None = None,
+         rendezvous: TaskRendezvous | None = None) -> int:
     """``dsrun train``; with ``outer``, as that rank of an outer launcher's job (dsrun.cli.outer_rank): every rank
-    checks the recipe, then rank 0 runs Hydra and hands its run directory over ``handoff``."""
+    checks the recipe, then the ranks meet (through ``rendezvous`` when given: dsrun.cli.submitted), rank 0 runs
+    Hydra and hands its run directory over ``handoff``."""
     from dsrun.cli.common import say_stage
 
     # the first line comes before Hydra and torch are imported: they cost seconds of CPU on a busy machine
@@ -153,8 +168,12 @@ def _run(args: argparse.Namespace, outer: OuterRank | None, handoff: RunHandoff 
         first = resolved = resolve_run(compose_runspec(overrides, args.recipes_dir, source=source), outer=outer)
         if outer is not None:  # every rank refused a conflicting launcher key above; now they meet
             from dsrun.cli.outer_rank import follow_rank_zero, join_world
+            from dsrun.cli.submitted import meet_in_run_dir
 
-            join_world(outer)
+            if rendezvous is not None:
+                meet_in_run_dir(outer, rendezvous)
+            else:
+                join_world(outer)
             if handoff is None:
                 return follow_rank_zero()
         checked = _check(resolved, args)

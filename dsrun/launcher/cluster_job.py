@@ -19,7 +19,8 @@ from dsrun.utils.errors import Problem
 RESUME_OVERRIDE = "train.resume=auto"
 # Hydra's own run directory below its outputs/ folder: train.resume=auto reads the runs two levels below one folder
 RUN_DIR_PATTERN = "outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}"
-# the static rendezvous every target uses: node 0 hosts torch's store (torchrun's default port)
+# the static rendezvous of the Kubernetes targets: node 0 hosts torch's store (torchrun's default port); an sbatch
+# script's ranks meet on a port the system gives rank 0 (dsrun.launcher.sbatch)
 RENDEZVOUS_PORT = 29500
 # torchrun's default signals plus SIGUSR1; the seconds each layer (torchrun, the pod, the batch shell) adds to the
 # ranks' train.preemption.grace_s so that the one outside never cuts a save the one inside still allows
@@ -62,7 +63,7 @@ class ClusterJob:
     # Slurm only
     time: str | None = None
     partition: str | None = None
-    master_port: int | None = None      # the recipe's launcher.master_port; None: one derived from the job id
+    master_port: int | None = None      # the recipe's launcher.master_port; None: one the system gives rank 0
 
     @property
     def world_size(self) -> int:

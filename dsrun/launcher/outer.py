@@ -14,7 +14,10 @@ that rank (docs/torchrun.md). :func:`detect_outer_launcher` reads the launcher's
 
 torch elastic's variables win over the others (torchrun started by srun or mpirun, one per node, is the usual
 way), then Open MPI's, then Slurm's. Slurm and Open MPI name no rendezvous: ``MASTER_ADDR``/``MASTER_PORT`` when
-set, else Slurm's first node of the step (one node: 127.0.0.1) and port 29500.
+set, else Slurm's first node of the step (one node: 127.0.0.1) and port 29500. The ``srun`` tasks of a job dsrun
+submitted (``hydra/launcher=submitit_slurm``, ``dsrun export-job --target sbatch``) meet on no fixed port: rank 0's
+store takes one the system gives it (:data:`SYSTEM_PORT`) and tells the others through the run directory
+(:mod:`dsrun.launcher.slurm_jobs`).
 
 :func:`launcher_conflicts` compares a RunSpec's ``launcher:`` mapping with the outer launcher's world: a key
 that asks for something the outer launcher decided otherwise (``num_procs`` against the ranks per node,
@@ -40,6 +43,9 @@ _SLURM_SPECIAL_STEPS = 0xFFFFFFF0
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # the runner of dsrun's own that starts ranks the way each outer launcher does: naming it agrees
 _MATCHING_RUNNER = {"torchrun": "no_ssh", "srun": "slurm", "mpirun": "openmpi"}
+# an OuterRank's master_port when the ranks meet on a port the system gives rank 0's store as it binds (told to the
+# others through the run directory's .slurm_rendezvous/: dsrun.launcher.slurm_jobs), not on one named beforehand
+SYSTEM_PORT = 0
 
 
 @dataclass(frozen=True)
@@ -54,7 +60,7 @@ class OuterRank:
     node_rank: int
     num_nodes: int
     master_addr: str | None   # None: the launcher named none and the job spans nodes
-    master_port: int
+    master_port: int          # SYSTEM_PORT: rank 0's store takes the port the system gives it
     names: Mapping[str, str]  # quantity -> the variable it was read from, for messages ("world_size": "WORLD_SIZE")
     node_sizes: tuple[int, ...] = ()  # ranks on each node when the launcher says (srun); else every node's the same
     planned: bool = False     # rank 0 of a job being written (dsrun export-job), not this process: messages say so
@@ -240,7 +246,11 @@ def launcher_conflicts(mapping: Mapping[str, Any] | None, outer: OuterRank, path
         refuse("master_addr", f"is {show(addr)}, but {by} meets at {outer.master_addr} "
                f"({outer.variable('master_addr')})", f"drop {name('master_addr')}: the outer launcher's rendezvous is used")
     port = mapping.get("master_port")
-    if port is not None and port != outer.master_port:
+    if port is not None and outer.master_port == SYSTEM_PORT:
+        refuse("master_port", f"is {show(port)}, but the {by} tasks of this job meet on a port the system gives rank "
+               "0's store as it binds (told to the other ranks through the run directory's .slurm_rendezvous/), so "
+               "that no other job on the node holds it", f"drop {name('master_port')}: dsrun picks the port itself")
+    elif port is not None and port != outer.master_port:
         refuse("master_port", f"is {show(port)}, but {by} meets at port {outer.master_port} "
                f"({outer.variable('master_port')})", f"drop {name('master_port')}: the outer launcher's rendezvous is used")
     for key, hint in _OWN_LAUNCHER_KEYS.items():

@@ -2,6 +2,13 @@
 rank and each task's ``dsrun train`` becomes that rank (:mod:`dsrun.launcher.outer` reads ``SLURM_PROCID``,
 ``SLURM_STEP_NUM_TASKS``, ``SLURM_STEP_TASKS_PER_NODE``, ... and meets at the step's first node). docs/kubernetes.md.
 
+The ranks meet as the ``srun`` tasks of a ``hydra/launcher=submitit_slurm`` job do
+(:class:`~dsrun.launcher.slurm_jobs.TaskRendezvous`): the batch shell fixes this run's directory
+(``DSRUN_RUN_DIR``, time-stamped as Hydra's, under ``--runs-dir``) before ``srun`` starts the tasks, every task's
+``dsrun train`` runs in it (``hydra.run.dir``), and in its ``.slurm_rendezvous/`` rank 0 tells the others the port
+its store was given by the system as it bound: no port derived from the job id, which another job on the node may
+hold. A recipe's ``launcher.master_port`` is exported as ``MASTER_PORT`` instead, and the ranks meet there.
+
 Preemption and the time limit: ``--signal=B:USR1@S`` tells the batch shell S seconds before the time limit (S: the
 ranks' ``train.preemption.grace_s`` plus 30, so a step and a save fit before Slurm kills the job);
 its trap sends SIGTERM to the step (srun hands it to every task: each rank stops at a step boundary and saves a
@@ -13,7 +20,11 @@ from __future__ import annotations
 
 import shlex
 
-from dsrun.launcher.cluster_job import RENDEZVOUS_PORT, SIGNAL_MARGIN_S, ClusterJob
+from dsrun.launcher.cluster_job import RESUME_OVERRIDE, SIGNAL_MARGIN_S, ClusterJob
+from dsrun.launcher.slurm_jobs import RENDEZVOUS_DIR, RUN_DIR_VARIABLE
+
+# Hydra's run directory name (outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}) as the batch shell's date writes it
+RUN_DIR_DATE = "$(date +%Y-%m-%d/%H-%M-%S)"
 
 
 def signal_lead_s(job: ClusterJob) -> int:
@@ -33,7 +44,10 @@ def batch_script(job: ClusterJob) -> str:
                *([f"--partition={job.partition}"] if job.partition else []),
                f"--signal=B:USR1@{signal_lead_s(job)}", "--requeue", "--open-mode=append",
                "--output=%x-%j.out"]
-    rank = " ".join(shlex.quote(arg) for arg in job.rank_argv())
+    argv = [arg for arg in job.rank_argv() if arg != RESUME_OVERRIDE]
+    # the run directory the batch shell chose, expanded by it (double quotes): every task's, and their meeting place
+    rank = " ".join([*(shlex.quote(arg) for arg in argv), f'"hydra.run.dir=${RUN_DIR_VARIABLE}"', RESUME_OVERRIDE])
+    runs = f"{job.runs_dir.rstrip('/')}/outputs" if job.runs_dir else "outputs"
     store = job.mlflow_store()
     mlflow = (["# the local MLflow store beside the run directories, unless you name one",
                f"export MLFLOW_TRACKING_URI=${{MLFLOW_TRACKING_URI:-{shlex.quote(store)}}}", ""] if store else [])
@@ -43,10 +57,12 @@ def batch_script(job: ClusterJob) -> str:
         "node(s); each srun task becomes one rank of dsrun train",
         *(f"#SBATCH {option}" for option in options),
         "",
-        "# node 0 hosts the ranks' rendezvous (the step's first node)" + ("" if job.master_port else
-                                                                            "; a port of this job's own"),
-        f"export MASTER_PORT={job.master_port}" if job.master_port else
-        f"export MASTER_PORT=$(( {RENDEZVOUS_PORT} + SLURM_JOB_ID % 1000 ))",
+        "# this run's directory, every task's (a requeued run gets one beside it, where train.resume=auto finds its",
+        "# checkpoint)" + (f"; the ranks meet in its {RENDEZVOUS_DIR}/, on a port the system gives rank 0's store"
+                           if not job.master_port else ""),
+        f"export {RUN_DIR_VARIABLE}={shlex.quote(runs)}/{RUN_DIR_DATE}",
+        *(["# the recipe's launcher.master_port: the ranks meet there, on node 0 (the step's first node)",
+           f"export MASTER_PORT={job.master_port}"] if job.master_port else []),
         "",
         *mlflow,
         f"# {signal_lead_s(job)} s before the time limit: every rank stops at a step boundary and saves, then the job "

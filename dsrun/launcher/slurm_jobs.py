@@ -14,7 +14,9 @@ The job side (the submitted function, in the job): :func:`job_rank` is the rank 
 one run of the job meet through :class:`TaskRendezvous` (rank 0 opens the port the ranks meet on once every task
 arrived; a task that stops before says why, and the others leave with that line); a run stopped by the notice (or
 by preemption's SIGTERM) raises :class:`JobStopped`, and :func:`requeue` puts the job back in the queue once the
-ranks saved, as ``dsrun export-job --target sbatch``'s script does (``scontrol requeue``).
+ranks saved, as ``dsrun export-job --target sbatch``'s script does (``scontrol requeue``). That script's tasks meet
+the same way (:func:`batch_rendezvous`): its batch shell fixes the run directory (:data:`RUN_DIR_VARIABLE`) for
+every task before ``srun`` starts them.
 """
 from __future__ import annotations
 
@@ -22,11 +24,11 @@ import os
 import shutil
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from dsrun.launcher.outer import OuterRank, detect_outer_launcher
+from dsrun.launcher.outer import SYSTEM_PORT, OuterRank, detect_outer_launcher
 from dsrun.utils.errors import Problem
 
 SLURM, LOCAL = "submitit_slurm", "submitit_local"
@@ -48,6 +50,9 @@ PING_TIMEOUT_S = 15
 # the recipe first: tens of seconds on a busy node); past it a task stops with one line naming the missing one
 RENDEZVOUS_TIMEOUT_S = 300.0
 RENDEZVOUS_DIR = ".slurm_rendezvous"  # in the run directory, which every task of the job shares
+# dsrun export-job --target sbatch: the run directory its batch shell chose for this run of the job, which every srun
+# task's dsrun train runs in (hydra.run.dir) and meets the others in
+RUN_DIR_VARIABLE = "DSRUN_RUN_DIR"
 
 
 class JobStopped(BaseException):
@@ -142,7 +147,18 @@ def job_rank(environ: Mapping[str, str] | None = None) -> OuterRank | None:
     """The rank this task of a submitted Slurm job is (every ``srun`` task of the step one rank); None outside
     one, and in a local submitit job (dsrun's own launcher starts the ranks there)."""
     environ = os.environ if environ is None else environ
-    return detect_outer_launcher(environ) if in_submitted_job(environ) == "slurm" else None
+    rank = detect_outer_launcher(environ) if in_submitted_job(environ) == "slurm" else None
+    return replace(rank, master_port=SYSTEM_PORT) if rank is not None else None  # TaskRendezvous gives the port
+
+
+def batch_rendezvous(outer: OuterRank | None, environ: Mapping[str, str] | None = None) -> TaskRendezvous | None:
+    """Where the ``srun`` tasks of ``dsrun export-job --target sbatch``'s script meet: the run directory its batch
+    shell fixed (:data:`RUN_DIR_VARIABLE`), as a submitted sweep's jobs do; None for any other rank, and when
+    ``MASTER_PORT`` names the port (the recipe's ``launcher.master_port``, which the script then exports)."""
+    environ = os.environ if environ is None else environ
+    if outer is None or outer.launcher != "srun" or not environ.get(RUN_DIR_VARIABLE) or environ.get("MASTER_PORT"):
+        return None
+    return TaskRendezvous.for_run(Path(environ[RUN_DIR_VARIABLE]), outer.rank, outer.world_size, environ)
 
 
 def restarts(environ: Mapping[str, str] | None = None) -> int:

@@ -43,7 +43,9 @@ def test_sbatch_script_to_a_file(tmp_path, capsys):
     assert subprocess.run(["bash", "-n", str(path)], capture_output=True, timeout=30).returncode == 0
     assert "#SBATCH --nodes=2" in script and "#SBATCH --ntasks-per-node=2" in script
     assert "export MASTER_PORT=29555" in script.splitlines()  # the recipe's port is the one srun's ranks meet at
-    assert f"'hydra.run.dir=/shared/runs/{RUN_DIR}' train.resume=auto &" in script
+    # every task runs in the run directory the batch shell fixed, named as Hydra names its own
+    assert "export DSRUN_RUN_DIR=/shared/runs/outputs/$(date +%Y-%m-%d/%H-%M-%S)" in script.splitlines()
+    assert '"hydra.run.dir=$DSRUN_RUN_DIR" train.resume=auto &' in script
 
 
 @pytest.mark.parametrize("args, line", [

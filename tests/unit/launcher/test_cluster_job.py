@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import re
 import signal
 import subprocess
 import time
@@ -136,7 +137,8 @@ def test_names():
 
 
 def test_the_batch_script_is_valid_bash_with_one_task_per_rank(tmp_path):
-    job = two_nodes(runs_dir="/shared/runs", train_args=train_args(OVERRIDES, ["/shared/recipes"], "/shared/runs"),
+    # the batch shell names each run's directory itself (dsrun export-job gives sbatch no hydra.run.dir)
+    job = two_nodes(runs_dir="/shared/runs", train_args=train_args(OVERRIDES, ["/shared/recipes"], None),
                     resources=NodeResources(cpus="4", memory="64G", gpus=4), time="04:00:00", partition="gpu")
     script = batch_script(job)
     path = tmp_path / "job.sh"
@@ -147,8 +149,11 @@ def test_the_batch_script_is_valid_bash_with_one_task_per_rank(tmp_path):
                  "#SBATCH --partition=gpu", "#SBATCH --signal=B:USR1@150", "#SBATCH --requeue"):
         assert line in script.splitlines()
     assert ("srun --ntasks-per-node=4 --kill-on-bad-exit=1 python -m dsrun train --recipes-dir /shared/recipes "
-            "+recipe=gpt_zero3 train.save_interval=50 'hydra.run.dir=/shared/runs/outputs/${now:%Y-%m-%d}/"
-            "${now:%H-%M-%S}' train.resume=auto &") in script
+            '+recipe=gpt_zero3 train.save_interval=50 "hydra.run.dir=$DSRUN_RUN_DIR" train.resume=auto &') in script
+    # one run directory for every task, fixed before srun starts them: they meet in it on a port the system gives
+    # rank 0's store, none derived from the job id (another job on the node may hold that one)
+    assert "export DSRUN_RUN_DIR=/shared/runs/outputs/$(date +%Y-%m-%d/%H-%M-%S)" in script.splitlines()
+    assert "MASTER_PORT" not in script and "SLURM_JOB_ID %" not in script
     assert "export MLFLOW_TRACKING_URI=${MLFLOW_TRACKING_URI:-sqlite:////shared/runs/mlruns/mlflow.db}" in script
     assert "ssh" not in script.lower()
 
@@ -164,7 +169,8 @@ def test_the_batch_script_stops_the_ranks_then_requeues_on_usr1(tmp_path):
     for stub in bin_dir.iterdir():
         stub.chmod(0o755)
     script = tmp_path / "job.sh"
-    script.write_text(batch_script(two_nodes(nodes=1, procs_per_node=2)))
+    script.write_text(batch_script(two_nodes(nodes=1, procs_per_node=2, runs_dir=None,
+                                             train_args=train_args(OVERRIDES, [], None))))
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242"}
     shell = subprocess.Popen(["bash", str(script)], env=env)
     try:
@@ -177,4 +183,6 @@ def test_the_batch_script_stops_the_ranks_then_requeues_on_usr1(tmp_path):
         shell.kill()
     calls = log.read_text().splitlines()
     assert calls[0].startswith("srun --ntasks-per-node=2 --kill-on-bad-exit=1 python -m dsrun train +recipe=gpt_zero3")
+    # the batch shell gave every task the same run directory, named as Hydra names its own
+    assert re.search(r" hydra\.run\.dir=outputs/\d{4}-\d\d-\d\d/\d\d-\d\d-\d\d train\.resume=auto$", calls[0]), calls[0]
     assert calls[1:] == ["srun got TERM", "scontrol requeue 4242"]

@@ -11,8 +11,9 @@ import threading
 import pytest
 
 from dsrun.cli.submitted import JobPlace
-from dsrun.launcher.slurm_jobs import (JobStopped, TaskRendezvous, TasksApart, batch_settings, job_rank,
-                                       launcher_choice, launcher_overrides, slurm_job_id, unreachable)
+from dsrun.launcher.outer import detect_outer_launcher, launcher_conflicts
+from dsrun.launcher.slurm_jobs import (JobStopped, TaskRendezvous, TasksApart, batch_rendezvous, batch_settings,
+                                       job_rank, launcher_choice, launcher_overrides, slurm_job_id, unreachable)
 
 
 def test_the_launcher_choice_is_the_last_hydra_launcher_override():
@@ -65,6 +66,34 @@ def test_an_srun_task_of_a_submitted_slurm_job_is_a_rank_and_a_local_job_is_not(
     assert (rank.launcher, rank.rank, rank.world_size, rank.local_world_size) == ("srun", 1, 2, 2)
     assert job_rank({**task, "SUBMITIT_EXECUTOR": "local"}) is None
     assert job_rank({k: v for k, v in task.items() if k != "SUBMITIT_EXECUTOR"}) is None
+
+
+def test_a_recipes_master_port_in_a_submitted_job_is_refused_naming_the_port_dsrun_picks():
+    """The tasks of a submitted job meet on the port the system gives rank 0's store (TaskRendezvous), not 29500."""
+    task = {"SUBMITIT_EXECUTOR": "slurm", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2",
+            "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_NODEID": "0", "SLURM_LOCALID": "0", "SLURM_STEP_NUM_NODES": "1"}
+    (problem,) = launcher_conflicts({"master_port": 29555}, job_rank(task))
+    assert str(problem) == (
+        "launcher.master_port: is 29555, but the srun tasks of this job meet on a port the system gives rank 0's "
+        "store as it binds (told to the other ranks through the run directory's .slurm_rendezvous/), so that no "
+        "other job on the node holds it (drop launcher.master_port: dsrun picks the port itself)")
+    assert "29500" not in str(problem)
+
+
+def test_the_tasks_of_an_exported_batch_script_meet_in_the_run_directory_its_shell_fixed(tmp_path):
+    task = {"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2",
+            "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_NODEID": "0", "SLURM_LOCALID": "1", "SLURM_STEP_NUM_NODES": "1",
+            "DSRUN_RUN_DIR": str(tmp_path / "outputs" / "2026-12-06" / "10-00-00")}
+    rendezvous = batch_rendezvous(detect_outer_launcher(task), task)
+    assert (rendezvous.rank, rendezvous.world_size) == (1, 2)
+    assert rendezvous.folder == tmp_path / "outputs" / "2026-12-06" / "10-00-00" / ".slurm_rendezvous" / "job42.0-run0"
+    # the recipe's launcher.master_port, which the script then exports, is where they meet instead; plain srun or
+    # torchrun ranks meet as before
+    assert batch_rendezvous(detect_outer_launcher(task), {**task, "MASTER_PORT": "29555"}) is None
+    plain = {k: v for k, v in task.items() if k != "DSRUN_RUN_DIR"}
+    assert batch_rendezvous(detect_outer_launcher(plain), plain) is None
+    torchrun = {**task, "TORCHELASTIC_RUN_ID": "x", "RANK": "1", "WORLD_SIZE": "2"}
+    assert batch_rendezvous(detect_outer_launcher(torchrun), torchrun) is None
 
 
 def test_a_stopped_slurm_job_is_requeued_until_its_requeues_are_spent(monkeypatch):
