@@ -11,7 +11,10 @@ Each checkpoint dsrun saves (``train.save_interval``) is registered with Ray as 
 (``Checkpoint.from_directory`` of the tag folder, rank 0's report, so the run directory must be one every worker
 reads and writes, as for any multi-node dsrun run). When a worker fails,
 ``FailureConfig(max_failures=N)`` lets Ray restart the group; the new workers resume from the checkpoint Ray
-registered last (``ray.train.get_checkpoint()``), exactly as a resumed dsrun run does.
+registered last (``ray.train.get_checkpoint()``), exactly as a resumed dsrun run does. Ray's preemption notice (a
+node of the group drained: a spot reclaim, ``ray drain-node``) is asked at every step boundary
+(``ray.train.get_preemption_info()``, :meth:`RayReporter.notice`): the ranks stop there, save and register a
+checkpoint, and wait for Ray to restart the group from it (:meth:`RayReporter.hold_until_restarted`).
 
 Your own trainer::
 
@@ -34,9 +37,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
+from dsrun.launcher.protocol import EXIT_PREEMPTED
 from dsrun.launcher.ray_options import INSTALL_HINT, RayOptions
 from dsrun.utils.errors import Problem, UserError
 
@@ -44,6 +49,10 @@ if TYPE_CHECKING:
     from ray.train import Result
 
 RUN_DIR_KEY = "run_dir"  # train_loop_config's key: the prepared run directory
+# Ray Train's own wait for a drain that names no deadline (DEFAULT_PREEMPTION_DEADLINE_S), and the time a worker
+# that saved for the notice waits beyond the drain's deadline for Ray to end its group before it raises
+DRAIN_DEFAULT_DEADLINE_S = 120.0
+HOLD_MARGIN_S = 120.0
 STORAGE_NAME = "ray"     # the folder (under the run directory by default) where Ray keeps what it registers
 
 
@@ -59,11 +68,42 @@ def _import_ray_train() -> Any:
 
 class RayReporter:
     """A :class:`~dsrun.run_book.StepReporter` that tells Ray of the steps the run reports; rank 0 registers each checkpoint
-    (the tag folder, which holds every rank's files once the save returned), under the tag's own name."""
+    (the tag folder, which holds every rank's files once the save returned), under the tag's own name. Its
+    :meth:`notice` is Ray's preemption notice, ``ray.train.get_preemption_info()``: a node of the group drained."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self.train = _import_ray_train()
+        self.preemption: Any = None  # Ray's PreemptionInfo once a node of the group is drained
+
+    def notice(self) -> str | None:
+        """``ray.train.get_preemption_info()`` (a barrier across the workers: every rank asks at every step
+        boundary), as one line: the drained nodes, their ranks and the deadline. None until a node of the group is
+        drained, and with a Ray that has no such call."""
+        ask = getattr(self.train, "get_preemption_info", None)
+        info = ask() if ask is not None else None
+        if info is None:
+            return None
+        self.preemption = info
+        deadline = ("no deadline" if info.deadline_ms is None else
+                    f"reclaimed at {time.strftime('%H:%M:%S', time.localtime(info.deadline_ms / 1000))}")
+        return (f"Ray: node(s) {', '.join(node[:12] for node in info.preempted_node_ids)} drained (ranks "
+                f"{', '.join(map(str, info.preempted_ranks))}; {deadline})")
+
+    def hold_until_restarted(self, margin_s: float = HOLD_MARGIN_S) -> None:
+        """After the checkpoint a drain asked for: train no further and wait for Ray to end the group, which it does
+        once the drain's deadline passed (its own default, 120 s after the notice, when the drain named none; plus
+        ``FailureConfig.preemption_grace_s``), then restarts it from that checkpoint (a preemption, counted against
+        ``FailureConfig.max_preemption_failures``, not ``max_failures``). A worker that returned would end the run as
+        finished, one that raised would count as a failure. Raises if Ray has not ended it ``margin_s`` after that."""
+        info = self.preemption
+        deadline = time.time() + DRAIN_DEFAULT_DEADLINE_S if info.deadline_ms is None else info.deadline_ms / 1000
+        waited = max(0.0, deadline - time.time()) + margin_s
+        print(f"[dsrun] rank {self.rank}: checkpoint saved for Ray's preemption notice; waiting for Ray to restart "
+              "the group from it", flush=True)
+        time.sleep(waited)
+        raise RuntimeError(f"Ray did not restart the preempted group within {waited:.0f} s of the checkpoint its "
+                           "notice asked for (FailureConfig.preemption_grace_s longer than that?)")
 
     def report(self, step: int, metrics: dict[str, float], checkpoint: Path | None) -> None:
         if checkpoint is None:
@@ -94,8 +134,11 @@ def train_loop(config: dict[str, Any]) -> None:
                                 f"are resolved for them)", f"prepare it with num_workers={context.get_world_size()}, "
                                 f"or give the trainer num_workers={prepared}"))
     checkpoint = train.get_checkpoint()
+    reporter = RayReporter(context.get_world_rank())
     with checkpoint.as_directory() if checkpoint is not None else contextlib.nullcontext() as restored:
-        code = worker.run(run_dir, RayReporter(context.get_world_rank()), Path(restored) if restored else None)
+        code = worker.run(run_dir, reporter, Path(restored) if restored else None)
+    if code == EXIT_PREEMPTED and reporter.preemption is not None:  # saved and registered where Ray's notice came
+        reporter.hold_until_restarted()
     if code != 0:
         raise RuntimeError(f"dsrun's worker (rank {context.get_world_rank()}) exited with code {code}; its lines "
                            f"above say why")

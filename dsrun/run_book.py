@@ -8,6 +8,8 @@ or SIGUSR1) saves a checkpoint where the ranks stop, even with periodic saving o
 ran out first. Every checkpoint save is recorded (``checkpoint_saves``: the step, the seconds training waited
 for it, the seconds until it was published, its bytes) in ``metrics.json`` and sent to the monitors
 (``Checkpoint/Samples/blocking_s``, ``write_s``, ``bytes``); a decoupled save's write is waited for at the end.
+An engine's preemption notice (:meth:`StepReporter.notice`: Ray's node drain) stops the ranks as SIGTERM does, and
+``preempted.json`` names it (``notice``).
 With a :class:`~dsrun.profiling.mfu.ModelFlopsMeter` (dsrun's GPT) it says the device's peak once at start and adds
 the model's TFLOP/s per device and MFU to every progress line, the monitors and ``metrics.json``. A
 :class:`StepReporter` (Ray Train's, :mod:`dsrun.ray`) is told of each evaluation, each checkpoint (the folder
@@ -47,6 +49,7 @@ class StopSignals(Protocol):
 
     grace_s: float
     signal: int | None  # the stop signal this rank got itself, if any
+    notice: str | None  # the engine's preemption notice the ranks stopped for (Ray's node drain), if any
 
     def agreed(self) -> int:
         """Collective: 0 to go on, else the signal every rank stops for."""
@@ -64,6 +67,11 @@ class StepReporter(Protocol):
     def report(self, step: int, metrics: dict[str, float], checkpoint: Path | None) -> None:
         """``metrics``: the step's number, mean training loss, learning rate (and eval loss when it evaluated);
         ``checkpoint``: the tag folder saved after this step, complete on every rank, or None."""
+
+    def notice(self) -> str | None:
+        """Collective, asked by every rank at every step boundary before the ranks agree whether to stop: the
+        engine's notice that it takes the ranks' machines back (Ray's node drain), in one line, or None. A notice
+        stops the run as SIGTERM does: a checkpoint at that boundary, then exit code 138."""
 
 
 class RunBook:
@@ -193,6 +201,8 @@ class RunBook:
         tag = layout.read_latest(self.checkpoints.save_dir) if saved else None
         self.preempted = {"signal": signal.Signals(signum).name, "step": step, "saved": saved, "checkpoint": tag,
                           "grace_s": self._stop.grace_s, "reached_boundary": boundary}
+        if self._stop.notice is not None:  # the engine's notice, not a signal, stopped the ranks
+            self.preempted["notice"] = self._stop.notice
         if self.rank == 0:
             atomic_write_text(self.run_dir / PREEMPTED_JSON, json.dumps(self.preempted, indent=2) + "\n")
 

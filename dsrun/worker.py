@@ -52,7 +52,9 @@ if TYPE_CHECKING:
 
 class StopFlag:
     """The stop signals (``STOP_SIGNALS``: SIGINT, SIGTERM, SIGUSR1); the loop checks them between optimizer
-    steps, and the first one this rank gets counts.
+    steps, and the first one this rank gets counts. ``notices``: the engine's preemption notice (Ray's node drain,
+    :meth:`dsrun.run_book.StepReporter.notice`), asked by every rank at every step boundary; a notice counts as
+    SIGTERM.
 
     A preemption signal (SIGTERM, SIGUSR1) starts the grace period, ``train.preemption.grace_s``: a rank that has
     not saved the checkpoint where it stops when the period ends calls ``on_expiry`` (the run's record of it),
@@ -61,9 +63,13 @@ class StopFlag:
     thread that waits on an event the handler sets: nothing but the flag and the event is touched in the handler.
     """
 
-    def __init__(self, grace_s: float = PreemptionSpec().grace_s) -> None:
+    def __init__(self, grace_s: float = PreemptionSpec().grace_s,
+                 notices: Callable[[], str | None] | None = None) -> None:
         self.signal: int | None = None
         self.grace_s = grace_s
+        # the engine's preemption notice (StepReporter.notice: Ray's node drain), asked at every step boundary
+        self.notices = notices
+        self.notice: str | None = None
         self.on_expiry: Callable[[], str] | None = None  # records the expiry; returns the line that says it
         self._preempted, self._settled = threading.Event(), threading.Event()
         self.since: float | None = None
@@ -99,6 +105,11 @@ class StopFlag:
         of it here starts its grace period."""
         from dsrun import comm
 
+        if self.notices is not None:  # collective in the engine's own terms: every rank asks, every step
+            heard = self.notices()  # asked even once heard: every rank calls the collective as often
+            self.notice = self.notice or heard
+            if self.notice is not None and self.signal is None:
+                self.signal = signal.SIGTERM  # the scheduler takes the machine back, as Kubernetes' SIGTERM says
         rank_stop = 0 if self.signal is None else self.signal + (100 if self.signal in PREEMPTION_SIGNALS else 0)
         flag = torch.tensor([float(rank_stop)], device=collective_device())
         comm.all_reduce(flag, op=comm.ReduceOp.MAX)
@@ -184,7 +195,8 @@ def train(spec: DictConfig, run_dir: Path, reporter: StepReporter | None = None,
 
     cfg = spec.train
     # a run directory composed before train.preemption existed (dsrun train --from an old run) has the default
-    stop = StopFlag(PreemptionSpec.model_validate(OmegaConf.to_container(cfg).get("preemption") or {}).grace_s)
+    stop = StopFlag(PreemptionSpec.model_validate(OmegaConf.to_container(cfg).get("preemption") or {}).grace_s,
+                    notices=reporter.notice if reporter is not None else None)
     dsrun.init_distributed()
     rank, world_size = comm.get_rank(), comm.get_world_size()
     set_random_seed(cfg.seed)

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import pytest
 import torch
 
 from dsrun.checkpoint import read_latest
@@ -82,12 +83,17 @@ def preempted_rank(rank: int, world_size: int, run_dir: Path, stop_at: int | Non
     return worker.main(["--run-dir", str(run_dir)]), weights
 
 
-def test_a_run_preempted_five_times_ends_with_the_uninterrupted_weights(tmp_path):
-    started = time.perf_counter()
-    whole = open_run(tmp_path / "uninterrupted", "run")
-    (code0, expected), (code1, _) = run_ranks(preempted_rank, 2, whole, None, 0, (), timeout=300)
+@pytest.fixture(scope="module")
+def expected(tmp_path_factory) -> dict[str, torch.Tensor]:
+    """The final weights of the run uninterrupted (one launch, shared by the tests below)."""
+    whole = open_run(tmp_path_factory.mktemp("uninterrupted"), "run")
+    (code0, weights), (code1, _) = run_ranks(preempted_rank, 2, whole, None, 0, (), timeout=300)
     assert (code0, code1) == (0, 0)
+    return weights
 
+
+def test_a_run_preempted_five_times_ends_with_the_uninterrupted_weights(tmp_path, expected):
+    started = time.perf_counter()
     rng = random.Random(38)
     outputs, at = tmp_path / "preempted" / "outputs", 0
     for attempt in range(5):
@@ -113,3 +119,61 @@ def test_a_run_preempted_five_times_ends_with_the_uninterrupted_weights(tmp_path
     for name, tensor in expected.items():
         assert torch.equal(final[name], tensor), name
     sys.stdout.write(f"7 launches, 5 preemptions at steps up to {at}: {time.perf_counter() - started:.1f} s\n")
+
+
+class EngineNotice:
+    """A :class:`~dsrun.run_book.StepReporter` whose engine gives notice that it takes the machines back at the step
+    boundary after step ``at`` (None: never), as Ray's node drain reaches :class:`dsrun.ray.RayReporter`; it keeps
+    what it was told (the steps reported, with the checkpoint folder when one was saved)."""
+
+    def __init__(self, at: int | None) -> None:
+        self.at, self.asked, self.reported = at, 0, []
+
+    def notice(self) -> str | None:
+        self.asked += 1
+        return "test engine: node-a drained (ranks 0, 1)" if self.at is not None and self.asked >= self.at else None
+
+    def report(self, step: int, metrics: dict[str, float], checkpoint: Path | None) -> None:
+        self.reported.append((step, checkpoint.name if checkpoint is not None else None))
+
+
+def noticed_rank(rank: int, world_size: int, run_dir: Path, notice_at: int | None,
+                 restart_from: Path | None) -> tuple[int, int, list, dict[str, torch.Tensor]]:
+    """The worker's entry as an engine runs it (``dsrun.worker.run`` with its reporter, and the checkpoint it
+    restarts the group from); returns the exit code, how often the notice was asked, what was reported and the
+    final weights."""
+    from dsrun import worker
+    from dsrun.run_book import RunBook
+
+    finish, weights = RunBook.finish, {}
+
+    def finish_and_keep(book: RunBook, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        weights.update({name: t.detach().clone() for name, t in book.engine.module.state_dict().items()})
+        return finish(book, *args, **kwargs)
+
+    RunBook.finish = finish_and_keep
+    reporter = EngineNotice(notice_at)
+    return worker.run(run_dir, reporter, restart_from), reporter.asked, reporter.reported, weights
+
+
+def test_an_engines_preemption_notice_saves_at_that_boundary_and_the_restart_resumes_exactly(tmp_path, expected):
+    """The engine's notice (what ``ray.train.get_preemption_info()`` is to dsrun.ray's reporter) is asked by every
+    rank at every step boundary; once it comes the ranks stop there, save (train.save_interval=0) and report that
+    checkpoint, and exit with 138; the group the engine restarts from that checkpoint ends with the uninterrupted
+    weights."""
+    run_dir = open_run(tmp_path / "outputs", "run")
+    outcomes = run_ranks(noticed_rank, 2, run_dir, 5, None, timeout=300)
+    assert [code for code, *_ in outcomes] == [EXIT_PREEMPTED, EXIT_PREEMPTED]
+    assert [asked for _, asked, *_ in outcomes] == [5, 5]  # once per step boundary, on every rank
+    assert [reported[-1] for _, _, reported, _ in outcomes] == [(5, "global_step5")] * 2
+    record = json.loads((run_dir / "preempted.json").read_text())
+    assert record == {"signal": "SIGTERM", "step": 5, "saved": True, "checkpoint": "global_step5", "grace_s": 120.0,
+                      "reached_boundary": True, "notice": "test engine: node-a drained (ranks 0, 1)"}
+
+    restarted = run_ranks(noticed_rank, 2, run_dir, None, run_dir / "checkpoints" / "global_step5", timeout=300)
+    assert [code for code, *_ in restarted] == [0, 0]
+    assert json.loads((run_dir / "metrics.json").read_text())["resumed_from_step"] == 5
+    final = restarted[0][3]
+    assert final.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(final[name], tensor), name
