@@ -140,6 +140,10 @@ def write_conf(folder: Path, cpus: int) -> Path:
         "MessageTimeout=10",
         "SlurmctldDebug=info",
         "SlurmdDebug=info",
+        # the node's CPUs as this file says, not as slurmd counts them: CPUs is twice the machine's cores, so the two
+        # 2-task jobs of a sweep's array run side by side (a job's ranks wait on each other, and on Slurm, for much of
+        # its time) instead of one after the other
+        "SlurmdParameters=config_overrides",
         f"NodeName=localhost NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=1000 State=UNKNOWN",
         "PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP",
         "",
@@ -166,7 +170,7 @@ def start_cluster(folder: Path) -> SlurmCluster:
     os.chmod(folder, 0o700)  # munged refuses a key or socket folder others can write to
     for sub in ("state", "spool"):
         (folder / sub).mkdir(exist_ok=True)
-    cpus = os.cpu_count() or 1
+    cpus = 2 * (os.cpu_count() or 1)
     cluster = SlurmCluster(folder, write_conf(folder, cpus), cpus)
     devnull = subprocess.DEVNULL
     try:

@@ -1,9 +1,10 @@
 """``dsrun train -m hydra/launcher=submitit_slurm|submitit_local`` (docs/cluster.md, "Slurm"), against a real
 one-node Slurm (slurmctld + slurmd + munged of this machine, tests/e2e/slurm/cluster.py) and submitit's local
 executor: a 2-job sweep of 2-rank jobs goes to Slurm as one array, each job's 2 ranks 2 ``srun`` tasks of dsrun
-train (the outer-launcher contract), and trains the same losses as the same sweep run by submitit's local executor,
-where dsrun's own launcher starts ``launcher.num_procs=2`` ranks in each job. A job stopped by the notice (SIGUSR1,
-as ``--signal`` sends it) saves, is requeued and resumes. With no Slurm to reach, one line and exit code 2.
+train (the outer-launcher contract), and trains the same losses as dsrun's own ranks train the same two jobs (the
+worker's per-rank entry, computed once in this module: ``run_ranks``). A job stopped by the notice (SIGUSR1, as
+``--signal`` sends it) saves, is requeued and resumes. submitit's local executor runs both jobs of a sweep, each
+starting its ranks with dsrun's own launcher. With no Slurm to reach, one line and exit code 2.
 """
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
 from tests.e2e.slurm.cluster import SLURM_GROUP, write_conf
-from tests.helpers import REPO, require_programs, run_cli
+from tests.helpers import REPO, require_programs, run_cli, run_ranks
 
 # every test of the real Slurm (tests/e2e/slurm/conftest.py's session cluster) on one xdist worker, so one slurmctld
 # serves them all: tests/conftest.py leaves a test that names its group in it
@@ -30,7 +32,11 @@ TINY = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_siz
         "ds.train_micro_batch_size_per_gpu=2", "train.eval_iters=1", "train.eval_interval=0",
         "scheduler.params.warmup_num_steps=2", "ds.steps_per_print=1"]
 STEPS = 100  # long enough (seconds) for the notice to land in the middle of job 0
-SWEEP = ["launcher.num_procs=2", "zero=stage1,stage2", f"train.max_steps={STEPS}", *TINY]
+STAGES = ("stage1", "stage2")
+SWEEP = ["launcher.num_procs=2", f"zero={','.join(STAGES)}", f"train.max_steps={STEPS}", *TINY]
+# submitit's local executor: both jobs run, one rank each, a few steps (own_losses is what the Slurm jobs match)
+LOCAL_STEPS = 3
+LOCAL_SWEEP = ["launcher.num_procs=1", f"zero={','.join(STAGES)}", f"train.max_steps={LOCAL_STEPS}", *TINY]
 TIMEOUT = 400
 
 
@@ -68,18 +74,70 @@ class Sweep:
         return said(self.out, self.err, self.folder)
 
 
+@dataclass
+class Started:
+    """A sweep started in the background: its process, folder and start time."""
+
+    process: subprocess.Popen
+    folder: Path
+    started: float
+
+    def wait(self, timeout: float) -> Sweep:
+        try:
+            out, err = self.process.communicate(timeout=timeout)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+                out, err = self.process.communicate()
+        return Sweep(self.process.returncode, out, err, self.folder, time.perf_counter() - self.started)
+
+
 @pytest.fixture(scope="module")
-def local_sweep(tmp_path_factory) -> Sweep:
-    """The sweep on submitit's local executor: each job one process of submitit's, dsrun's own launcher starting
-    its launcher.num_procs=2 ranks."""
+def local_started(tmp_path_factory) -> Iterator[Started]:
+    """The sweep on submitit's local executor, started in the background (it runs while the Slurm sweep's jobs wait
+    on Slurm and on each other): each job one process of submitit's, dsrun's own launcher starting its rank."""
     folder = tmp_path_factory.mktemp("submitit_local")
-    started = time.perf_counter()
-    done = run_cli("train", "-m", "hydra/launcher=submitit_local", *SWEEP, cwd=folder, timeout=TIMEOUT)
-    return Sweep(done.returncode, done.stdout, done.stderr, folder, time.perf_counter() - started)
+    argv = [sys.executable, "-m", "dsrun", "train", "-m", "hydra/launcher=submitit_local", *LOCAL_SWEEP]
+    process = subprocess.Popen(argv, cwd=folder, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, stdin=subprocess.DEVNULL)
+    yield Started(process, folder, time.perf_counter())
+    if process.poll() is None:  # its test was not run: nothing left running
+        process.kill()
+        process.communicate()
 
 
 @pytest.fixture(scope="module")
-def slurm_sweep(tmp_path_factory, slurm_cluster) -> Sweep:
+def local_sweep(local_started) -> Sweep:
+    return local_started.wait(TIMEOUT)
+
+
+def own_rank(rank: int, world_size: int, run_dir: Path) -> int:
+    """One rank of dsrun's own launcher: the worker's per-rank entry, as dsrun's agent starts it."""
+    from dsrun import worker
+
+    return worker.main(["--run-dir", str(run_dir)])
+
+
+@pytest.fixture(scope="module")
+def own_losses(tmp_path_factory) -> dict[str, list[tuple[int, float]]]:
+    """Each job of the sweep (``zero=stage1``, ``zero=stage2``) trained once by two ranks of dsrun's own (the worker's
+    per-rank entry, ``run_ranks``) in a run directory written as ``dsrun train`` writes it: its per-step losses."""
+    from dsrun.compose import compose_runspec
+    from dsrun.rundir import write_run_files
+    from dsrun.runspec import resolve_run
+
+    common = [item for item in SWEEP if not item.startswith("zero=")]
+    got = {}
+    for stage in STAGES:
+        run_dir = tmp_path_factory.mktemp(f"own_{stage}")
+        write_run_files(run_dir, resolve_run(compose_runspec([*common, f"zero={stage}"])))
+        assert run_ranks(own_rank, 2, run_dir, timeout=TIMEOUT) == [0, 0]
+        got[stage] = losses(run_dir)
+    return got
+
+
+@pytest.fixture(scope="module")
+def slurm_sweep(tmp_path_factory, slurm_cluster, local_started) -> Sweep:
     """The sweep on Slurm; job 0 gets the time-limit notice (SIGUSR1 to its step, what ``--signal=USR1@S`` sends)
     once it trains: its ranks save, rank 0 requeues it, and its second run resumes."""
     slurm_cluster.wait_idle()
@@ -113,20 +171,8 @@ def _wait_for_text(folder: Path, pattern: str, text: str, process: subprocess.Po
     raise AssertionError(f"{text!r} did not appear in {pattern} within {timeout} s")
 
 
-@pytest.mark.timeout(TIMEOUT + 60)
-def test_submitit_local_runs_both_jobs(local_sweep):
-    sys.stdout.write(f"the submitit_local sweep: {local_sweep.seconds:.1f} s\n")
-    assert local_sweep.code == 0, local_sweep.explain()
-    runs = job_dirs(local_sweep.folder)
-    assert [p.name for p in runs] == ["0", "1"]
-    assert [json.loads((run / "metrics.json").read_text())["steps"] for run in runs] == [STEPS, STEPS]
-    assert [json.loads((run / "ds_config.json").read_text())["zero_optimization"]["stage"] for run in runs] == [1, 2]
-    assert "sweep of 2 job(s): 2 finished, 0 failed" in local_sweep.out, local_sweep.explain()
-    assert (runs[0].parent / "summary.txt").read_text().count(" ok\n") == 2
-
-
 @pytest.mark.timeout(2 * TIMEOUT + 60)
-def test_a_slurm_sweep_is_one_array_of_srun_ranks_that_train_the_local_launchers_losses(slurm_sweep, local_sweep):
+def test_a_slurm_sweep_is_one_array_of_srun_ranks_that_train_the_own_launchers_losses(slurm_sweep, own_losses):
     sys.stdout.write(f"the submitit_slurm sweep, one job requeued: {slurm_sweep.seconds:.1f} s\n")
     assert slurm_sweep.code == 0, slurm_sweep.explain()
     runs = job_dirs(slurm_sweep.folder)
@@ -143,13 +189,13 @@ def test_a_slurm_sweep_is_one_array_of_srun_ranks_that_train_the_local_launchers
                  "#SBATCH --requeue", "export SUBMITIT_PREEMPT_SIGNAL=USR1"):
         assert line in text, text
     # every job: two srun tasks were its two ranks (each rank's log, one run directory), and trained the same
-    # losses, step by step, as dsrun's own launcher with launcher.num_procs=2 in the local sweep's job; job 0 across
-    # its requeue
-    for run, local in zip(runs, job_dirs(local_sweep.folder)):
+    # losses, step by step, as two ranks of dsrun's own train the same job; job 0 across its requeue
+    for run, stage in zip(runs, STAGES):
+        local = own_losses[stage]
         assert sorted(p.name for p in (run / "logs").glob("rank*.stdout.log")) == ["rank0.stdout.log",
                                                                                    "rank1.stdout.log"]
         assert "training as rank 0 of srun: SLURM_STEP_NUM_TASKS=2" in (run / "dsrun.log").read_text()
-        assert len(losses(run)) == STEPS and losses(run) == losses(local), run
+        assert len(losses(run)) == STEPS and losses(run) == local, run
         metrics = json.loads((run / "metrics.json").read_text())  # the last run's: job 0's went on from its checkpoint
         assert metrics.get("resumed_from_step", 0) + metrics["steps"] == STEPS
 
@@ -172,6 +218,18 @@ def test_the_notice_saves_requeues_and_the_requeued_job_resumes(slurm_sweep):
     (job_log,) = (run.parent / ".submitit").glob("*_0/*_0_0_log.out")
     assert "stopped (exit code 138); requeued (1 of 3): the run resumes from its checkpoint" in job_log.read_text()
     assert "[dsrun] requeued job: resuming from" not in (job_dirs(slurm_sweep.folder)[1] / "dsrun.log").read_text()
+
+
+@pytest.mark.timeout(TIMEOUT + 60)
+def test_submitit_local_runs_both_jobs(local_sweep):
+    sys.stdout.write(f"the submitit_local sweep: {local_sweep.seconds:.1f} s\n")
+    assert local_sweep.code == 0, local_sweep.explain()
+    runs = job_dirs(local_sweep.folder)
+    assert [p.name for p in runs] == ["0", "1"]
+    assert [json.loads((run / "metrics.json").read_text())["steps"] for run in runs] == [LOCAL_STEPS, LOCAL_STEPS]
+    assert [json.loads((run / "ds_config.json").read_text())["zero_optimization"]["stage"] for run in runs] == [1, 2]
+    assert "sweep of 2 job(s): 2 finished, 0 failed" in local_sweep.out, local_sweep.explain()
+    assert (runs[0].parent / "summary.txt").read_text().count(" ok\n") == 2
 
 
 @pytest.mark.timeout(120)
