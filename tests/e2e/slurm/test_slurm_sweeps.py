@@ -69,6 +69,7 @@ class Sweep:
     err: str
     folder: Path
     seconds: float
+    own: dict[str, list[tuple[int, float]]] | None = None  # the Slurm sweep's: each job's losses by dsrun's own ranks
 
     def explain(self) -> str:
         return said(self.out, self.err, self.folder)
@@ -76,34 +77,42 @@ class Sweep:
 
 @dataclass
 class Started:
-    """A sweep started in the background: its process, folder and start time."""
+    """A ``dsrun train -m`` started in the background, its output in files (a pipe nobody reads could fill)."""
 
     process: subprocess.Popen
     folder: Path
     started: float
 
+    @classmethod
+    def start(cls, folder: Path, sweep: list[str], env: dict[str, str]) -> Started:
+        with open(folder / "out.txt", "w") as out, open(folder / "err.txt", "w") as err:
+            process = subprocess.Popen([sys.executable, "-m", "dsrun", "train", "-m", *sweep], cwd=folder, env=env,
+                                       stdout=out, stderr=err, text=True, stdin=subprocess.DEVNULL)
+        return cls(process, folder, time.perf_counter())
+
+    def said(self) -> tuple[str, str]:
+        return (self.folder / "out.txt").read_text(errors="replace"), (self.folder / "err.txt").read_text(errors="replace")
+
     def wait(self, timeout: float) -> Sweep:
         try:
-            out, err = self.process.communicate(timeout=timeout)
+            self.process.wait(timeout=timeout)
         finally:
             if self.process.poll() is None:
                 self.process.kill()
-                out, err = self.process.communicate()
-        return Sweep(self.process.returncode, out, err, self.folder, time.perf_counter() - self.started)
+                self.process.wait()
+        return Sweep(self.process.returncode, *self.said(), self.folder, time.perf_counter() - self.started)
 
 
 @pytest.fixture(scope="module")
 def local_started(tmp_path_factory) -> Iterator[Started]:
     """The sweep on submitit's local executor, started in the background (it runs while the Slurm sweep's jobs wait
     on Slurm and on each other): each job one process of submitit's, dsrun's own launcher starting its rank."""
-    folder = tmp_path_factory.mktemp("submitit_local")
-    argv = [sys.executable, "-m", "dsrun", "train", "-m", "hydra/launcher=submitit_local", *LOCAL_SWEEP]
-    process = subprocess.Popen(argv, cwd=folder, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, stdin=subprocess.DEVNULL)
-    yield Started(process, folder, time.perf_counter())
-    if process.poll() is None:  # its test was not run: nothing left running
-        process.kill()
-        process.communicate()
+    started = Started.start(tmp_path_factory.mktemp("submitit_local"), ["hydra/launcher=submitit_local", *LOCAL_SWEEP],
+                            _env())
+    yield started
+    if started.process.poll() is None:  # its test was not run: nothing left running
+        started.process.kill()
+        started.process.wait()
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +127,6 @@ def own_rank(rank: int, world_size: int, run_dir: Path) -> int:
     return worker.main(["--run-dir", str(run_dir)])
 
 
-@pytest.fixture(scope="module")
 def own_losses(tmp_path_factory) -> dict[str, list[tuple[int, float]]]:
     """Each job of the sweep (``zero=stage1``, ``zero=stage2``) trained once by two ranks of dsrun's own (the worker's
     per-rank entry, ``run_ranks``) in a run directory written as ``dsrun train`` writes it: its per-step losses."""
@@ -139,40 +147,40 @@ def own_losses(tmp_path_factory) -> dict[str, list[tuple[int, float]]]:
 @pytest.fixture(scope="module")
 def slurm_sweep(tmp_path_factory, slurm_cluster, local_started) -> Sweep:
     """The sweep on Slurm; job 0 gets the time-limit notice (SIGUSR1 to its step, what ``--signal=USR1@S`` sends)
-    once it trains: its ranks save, rank 0 requeues it, and its second run resumes."""
+    once it trains: its ranks save, rank 0 requeues it, and its second run resumes. Meanwhile (the requeued job
+    waits on Slurm) each job's losses by dsrun's own ranks are computed here."""
     slurm_cluster.wait_idle()
-    folder = tmp_path_factory.mktemp("submitit_slurm")
-    argv = [sys.executable, "-m", "dsrun", "train", "-m", "hydra/launcher=submitit_slurm", *SWEEP]
-    started = time.perf_counter()
-    with subprocess.Popen(argv, cwd=folder, env=_env(slurm_cluster.env({})), stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL) as sweep:
-        try:
-            log = _wait_for_text(folder, "multirun/*/*/0/logs/rank0.stdout.log", f"step 2/{STEPS}", sweep)
-            (job,) = [p.name for p in (log.parents[2] / ".submitit").glob("*_0")]  # ARRAYID_0
-            slurm_cluster.run("scancel", "--signal=USR1", job)  # to every process of the job's steps: the ranks
-            out, err = sweep.communicate(timeout=TIMEOUT)
-        finally:
-            if sweep.poll() is None:
-                sweep.kill()
-                out, err = sweep.communicate()
-    return Sweep(sweep.returncode, out, err, folder, time.perf_counter() - started)
+    sweep = Started.start(tmp_path_factory.mktemp("submitit_slurm"), ["hydra/launcher=submitit_slurm", *SWEEP],
+                          _env(slurm_cluster.env({})))
+    try:
+        log = _wait_for_text(sweep, "multirun/*/*/0/logs/rank0.stdout.log", f"step 2/{STEPS}")
+        (job,) = [p.name for p in (log.parents[2] / ".submitit").glob("*_0")]  # ARRAYID_0
+        slurm_cluster.run("scancel", "--signal=USR1", job)  # to every process of the job's steps: the ranks
+        own = own_losses(tmp_path_factory)
+    except BaseException:
+        sweep.process.kill()  # nothing left running; submitted jobs: the cluster's teardown cancels them
+        sweep.process.wait()
+        raise
+    done = sweep.wait(TIMEOUT)
+    done.own = own
+    return done
 
 
-def _wait_for_text(folder: Path, pattern: str, text: str, process: subprocess.Popen, timeout: float = 300) -> Path:
+def _wait_for_text(sweep: Started, pattern: str, text: str, timeout: float = 300) -> Path:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for path in folder.glob(pattern):
+        for path in sweep.folder.glob(pattern):
             if text in path.read_text(errors="replace"):
                 return path
-        if process.poll() is not None:
-            raise AssertionError(f"the sweep ended (exit {process.returncode}) before {text!r} appeared in {pattern}: "
-                                 + said(*process.communicate(), folder))
+        if sweep.process.poll() is not None:
+            raise AssertionError(f"the sweep ended (exit {sweep.process.returncode}) before {text!r} appeared in "
+                                 f"{pattern}: " + said(*sweep.said(), sweep.folder))
         time.sleep(0.2)
     raise AssertionError(f"{text!r} did not appear in {pattern} within {timeout} s")
 
 
 @pytest.mark.timeout(2 * TIMEOUT + 60)
-def test_a_slurm_sweep_is_one_array_of_srun_ranks_that_train_the_own_launchers_losses(slurm_sweep, own_losses):
+def test_a_slurm_sweep_is_one_array_of_srun_ranks_that_train_the_own_launchers_losses(slurm_sweep):
     sys.stdout.write(f"the submitit_slurm sweep, one job requeued: {slurm_sweep.seconds:.1f} s\n")
     assert slurm_sweep.code == 0, slurm_sweep.explain()
     runs = job_dirs(slurm_sweep.folder)
@@ -191,7 +199,7 @@ def test_a_slurm_sweep_is_one_array_of_srun_ranks_that_train_the_own_launchers_l
     # every job: two srun tasks were its two ranks (each rank's log, one run directory), and trained the same
     # losses, step by step, as two ranks of dsrun's own train the same job; job 0 across its requeue
     for run, stage in zip(runs, STAGES):
-        local = own_losses[stage]
+        local = slurm_sweep.own[stage]
         assert sorted(p.name for p in (run / "logs").glob("rank*.stdout.log")) == ["rank0.stdout.log",
                                                                                    "rank1.stdout.log"]
         assert "training as rank 0 of srun: SLURM_STEP_NUM_TASKS=2" in (run / "dsrun.log").read_text()
