@@ -14,6 +14,10 @@ killed run) are removed when a new store opens under the same root.
 
 A key's bytes are complete only after a wait that covers its write; reading or rewriting a key whose
 request is still in flight first waits for it, so the store never races with itself.
+
+``store.io`` counts the bytes and requests every read and write moved (:class:`SwapIO`); a step's traffic is
+the difference of two snapshots (``store.io.snapshot()``). Files mapped for a checkpoint (:meth:`SwapStore.mapped`)
+are not counted: they are paged in by whoever reads them, outside the training step.
 """
 from __future__ import annotations
 
@@ -48,6 +52,27 @@ class SwapEntry:
     nbytes: int
     dtype: torch.dtype
     numel: int
+
+
+@dataclass
+class SwapIO:
+    """Bytes and requests a store (or several, added up) moved to and from its files since it opened."""
+
+    read_bytes: int = 0
+    written_bytes: int = 0
+    reads: int = 0
+    writes: int = 0
+
+    def snapshot(self) -> "SwapIO":
+        return SwapIO(self.read_bytes, self.written_bytes, self.reads, self.writes)
+
+    def __add__(self, other: "SwapIO") -> "SwapIO":
+        return SwapIO(self.read_bytes + other.read_bytes, self.written_bytes + other.written_bytes,
+                      self.reads + other.reads, self.writes + other.writes)
+
+    def __sub__(self, other: "SwapIO") -> "SwapIO":
+        return SwapIO(self.read_bytes - other.read_bytes, self.written_bytes - other.written_bytes,
+                      self.reads - other.reads, self.writes - other.writes)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -123,6 +148,7 @@ class SwapStore:
         # "after wait_*(), every write/read started before it is complete" true across threads.
         self._read_lock = threading.RLock()
         self._write_lock = threading.RLock()
+        self.io = SwapIO()
         self._closed = False
         self._finalizer = weakref.finalize(self, _cleanup, self.folder, [self._read_handle, self._write_handle])
 
@@ -152,6 +178,8 @@ class SwapStore:
             self._entries[key] = SwapEntry(tensor.numel() * tensor.element_size(), tensor.dtype, tensor.numel())
             self._writing.add(key)
             self._write_handle.async_pwrite(tensor, path)
+            self.io.written_bytes += self._entries[key].nbytes
+            self.io.writes += 1
 
     def async_read(self, key: str, out: torch.Tensor) -> None:
         """Start reading ``key`` into ``out`` (contiguous, CPU, exactly as many bytes as were written)."""
@@ -167,6 +195,8 @@ class SwapStore:
         with self._read_lock:
             self._reading.add(key)
             self._read_handle.async_pread(out, self.path(key))
+            self.io.read_bytes += nbytes
+            self.io.reads += 1
 
     def write(self, key: str, tensor: torch.Tensor) -> None:
         """Write ``tensor`` as ``key`` and wait for it."""

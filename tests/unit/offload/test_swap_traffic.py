@@ -1,0 +1,72 @@
+"""The NVMe bytes a ZeRO-Infinity step moves, counted by the swap stores, equal what the step must move."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import dsrun
+from dsrun.zero.swap_traffic import SwapTraffic
+
+pytestmark = pytest.mark.usefixtures("world_of_one")
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+
+
+def _config(nvme: Path, **zero) -> dict:
+    return {"train_batch_size": 4, "bf16": {"enabled": True}, "steps_per_print": 1000,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+            "zero_optimization": {
+                "stage": 3, "sub_group_size": 300, "stage3_param_persistence_threshold": 0,
+                # every module's parameters are released after use: each shard is read for forward and backward
+                "stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0,
+                "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme), "buffer_count": 8,
+                                      "fast_init": True},
+                "offload_param": {"device": "nvme", "nvme_path": str(nvme), "buffer_count": 2, "buffer_size": 512,
+                                  "max_in_cpu": 0}, **zero}}
+
+
+def _step(engine, gen: torch.Generator) -> float:
+    x, y = torch.randn(4, 16, generator=gen), torch.randn(4, 4, generator=gen)
+    loss = torch.nn.functional.mse_loss(engine(x.bfloat16()).float(), y)
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+def test_each_step_moves_the_bytes_the_arithmetic_says(tmp_path: Path):
+    """P elements, bf16 model, AdamW, one micro-step: the shards are read for forward and for backward (2 + 2
+    bytes) and written after the step (2); the gradient is written in bf16 (2) and read by the step (2); the
+    fp32 master and the two moments are read (12, none of the moments on the first step: ``fast_init``) and
+    written (12). The counters are the stores' own, and the monitor's events carry them."""
+    engine = dsrun.initialize(model=_model(), config=_config(tmp_path))[0]
+    numel = sum(p.ds_numel for p in engine.module.parameters())
+    swapped = engine.strategy.placement.offloaded.swapped
+    assert sum(u.numel for u in swapped.units) == numel and len(swapped.units) > 1
+    gen = torch.Generator().manual_seed(1)
+    per_step = []
+    for _ in range(3):
+        _step(engine, gen)
+        per_step.append(engine.observer.last_swap_io)
+    for step, io in enumerate(per_step):
+        moments_read = 8 * numel if step > 0 else 0
+        assert io.read_bytes == (2 + 2) * numel + (2 + 4) * numel + moments_read
+        assert io.written_bytes == 2 * numel + 2 * numel + 12 * numel
+    # requests: one per shard per read or write, one per sub-group file
+    params, units = len(list(engine.module.parameters())), len(swapped.units)
+    assert per_step[-1].reads == 2 * params + 4 * units and per_step[-1].writes == params + 4 * units
+    assert SwapTraffic(engine.strategy).total().read_bytes >= sum(io.read_bytes for io in per_step)
+    engine.destroy()
+
+
+def test_no_nvme_offload_counts_nothing():
+    config = {"train_batch_size": 4, "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+              "zero_optimization": {"stage": 3}}
+    engine = dsrun.initialize(model=_model(), config=config)[0]
+    _step(engine, torch.Generator().manual_seed(1))
+    assert not engine.observer.swap_traffic.active and engine.observer.last_swap_io is None
+    engine.destroy()
