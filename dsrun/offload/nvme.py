@@ -278,8 +278,8 @@ class SwappedOptimizerState:
         self.recycle()
         for unit in self.units:
             key = self._key("grad", unit.index)
-            if key in self.store:
-                self.store.delete(key)
+            if key in self.store:  # the file stays: the next step's gradient overwrites its blocks in place
+                self.store.delete(key, keep_blocks=True)
         self.stats = {}
         self._contributed, self._wide = {}, set()
 
