@@ -14,7 +14,8 @@ pool of ``buffer_count`` page-aligned buffers of the largest sub-group's size, s
   the fp32 size; otherwise (gradient accumulation, fp32 reduction or model) it is fp32;
 * **the step**: ``depth`` slots of (master, gradient, states) buffers: the read of sub-group i+1 and the
   write of sub-group i-1 run on the async I/O threads while the CPU optimizer updates sub-group i and writes
-  its 16-bit copy into the model's shards (:func:`~.pipeline.run_swap_pipeline`).
+  its 16-bit copy into the model's shards (:func:`~.pipeline.run_swap_pipeline`). A sub-group's files are
+  read side by side, one read lane of the store each (a deeper queue on the disk than one file at a time).
 
 Resident bytes: ``buffer_count * max_sub_group * 4`` plus, with a 16-bit model, ``depth * max_sub_group * 2``
 for the fused 16-bit output; everything else of the optimizer lives in the files.
@@ -145,7 +146,9 @@ class SwappedOptimizerState:
                                       f"gradient and {len(self.state_keys)} state(s) of one sub-group)",
                                       f"set buffer_count to {3 * self.per_slot} to overlap reads, update and writes"))
         self.depth = min(3, settings.buffer_count // self.per_slot)
-        self.store = SwapStore(settings.nvme_path, settings.aio, rank=rank, pin_memory=settings.pin_memory)
+        # one read lane per file of a sub-group: its master, gradient and states are read side by side
+        self.store = SwapStore(settings.nvme_path, settings.aio, rank=rank, pin_memory=settings.pin_memory,
+                               read_lanes=self.per_slot)
         self.units: list[SwappedUnit] = []
         self.steps: dict[int, int] = {}
         self.pool: BufferPool | None = None
@@ -310,17 +313,17 @@ class SwappedOptimizerState:
         def issue_read(k: int) -> None:
             unit, slot = order[k], slots[k % self.depth]
             n = unit.numel
-            self.store.async_read(self._key("master", unit.index), slot.master[:n])
+            self.store.async_read(self._key("master", unit.index), slot.master[:n], lane=0)
             key = self._key("grad", unit.index)
             if key in self.store:  # a 16-bit file is widened in place before the update
-                self.store.async_read(key, as_dtype(slot.grad, self.store.entry(key).dtype, n))
+                self.store.async_read(key, as_dtype(slot.grad, self.store.entry(key).dtype, n), lane=1)
             else:
                 slot.grad[:n].zero_()  # no gradient reached this sub-group this step
-            for name in self.state_keys:
+            for lane, name in enumerate(self.state_keys, start=2):
                 target = as_dtype(slot.states[name], self.state_dtype, n)
                 key = self._key(name, unit.index)
                 if key in self.store:
-                    self.store.async_read(key, target)
+                    self.store.async_read(key, target, lane=lane)
                 else:
                     target.zero_()  # fast_init: the states start as zeros at the first step
 

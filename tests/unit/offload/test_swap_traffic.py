@@ -73,3 +73,28 @@ def test_no_nvme_offload_counts_nothing():
     _step(engine, torch.Generator().manual_seed(1))
     assert not engine.observer.swap_traffic.active and engine.observer.last_swap_io is None
     engine.destroy()
+
+
+def test_shards_read_ahead_on_lanes_train_bit_identically_to_shards_in_memory(tmp_path: Path):
+    """Parameter shards read ahead on one read lane per pool buffer (each waited for alone) give the same
+    losses and parameters as shards kept in host memory, bit for bit, and the reads ahead are used."""
+    def run(offload_param: dict) -> tuple[list[float], list[torch.Tensor], object]:
+        cfg = _config(tmp_path, offload_optimizer={"device": "cpu"}, offload_param=offload_param)
+        engine = dsrun.initialize(model=_model(), config=cfg)[0]
+        gen = torch.Generator().manual_seed(1)
+        losses = [_step(engine, gen) for _ in range(3)]
+        with dsrun.zero.GatheredParameters(list(engine.module.parameters())):
+            params = [p.detach().clone() for p in engine.module.parameters()]
+        offload = engine.strategy.param_offload
+        stats = offload.stats() if offload.device == "nvme" else None
+        lanes = offload.store.read_lanes if offload.device == "nvme" else None
+        engine.destroy()
+        return losses, params, (stats, lanes)
+
+    nvme = run({"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 3, "buffer_size": 512,
+                "max_in_cpu": 0})
+    host = run({"device": "cpu"})
+    assert nvme[0] == host[0]
+    assert all(torch.equal(a, b) for a, b in zip(nvme[1], host[1]))
+    stats, lanes = nvme[2]
+    assert lanes == 3 and stats["read_ahead_hits"] > 0
