@@ -311,12 +311,20 @@ class NvmeParamOffload(ParamOffload):
 
     def gather_input(self, param: torch.nn.Parameter) -> torch.Tensor:
         """A private copy of the shard on the training device: the pool buffer is free again at once, so
-        asynchronous (prefetched) all-gathers never hold the pool and read-ahead keeps its buffers."""
+        asynchronous (prefetched) all-gathers never hold the pool and read-ahead keeps its buffers. Over a
+        group of one the copy *is* the gathered parameter: it comes from ZeRO-3's gather-buffer pool
+        (``param.ds_buffer_pool``, which takes it back at release) when one of its size is free there, so a
+        host step does not fault in a fresh copy of every shard twice per step."""
         if id(param) not in self.slots:
             return super().gather_input(param)
         shard = self._host_shard(param)
         slot = self.slots[id(param)]
-        private = shard.to(self.compute_device, copy=True)
+        pool = getattr(param, "ds_buffer_pool", None)
+        private = pool.take(slot.numel) if pool is not None and param.ds_world_size == 1 else None
+        if private is None or private.dtype != shard.dtype or private.device != self.compute_device:
+            private = shard.to(self.compute_device, copy=True)
+        else:
+            private.copy_(shard)
         self._finish_use(param, slot)
         return private
 

@@ -76,13 +76,18 @@ def test_no_nvme_offload_counts_nothing():
 
 
 def test_shards_read_ahead_on_lanes_train_bit_identically_to_shards_in_memory(tmp_path: Path):
-    """Parameter shards read ahead on one read lane per pool buffer (each waited for alone) give the same
-    losses and parameters as shards kept in host memory, bit for bit, and the reads ahead are used."""
+    """Parameter shards read ahead on one read lane per pool buffer (each waited for alone) and copied into
+    reused gather buffers give the same losses and parameters as shards kept in host memory, bit for bit,
+    and the reads ahead are used."""
     def run(offload_param: dict) -> tuple[list[float], list[torch.Tensor], object]:
-        cfg = _config(tmp_path, offload_optimizer={"device": "cpu"}, offload_param=offload_param)
+        # a gather-buffer pool: the private copies of the swapped shards are reused from it
+        cfg = _config(tmp_path, offload_optimizer={"device": "cpu"}, offload_param=offload_param,
+                      stage3_prefetch_bucket_size=10_000)
         engine = dsrun.initialize(model=_model(), config=cfg)[0]
         gen = torch.Generator().manual_seed(1)
         losses = [_step(engine, gen) for _ in range(3)]
+        if offload_param["device"] == "nvme":
+            assert engine.strategy.coordinator.buffer_pool.numel > 0  # released copies went back to the pool
         with dsrun.zero.GatheredParameters(list(engine.module.parameters())):
             params = [p.detach().clone() for p in engine.module.parameters()]
         offload = engine.strategy.param_offload
