@@ -18,6 +18,9 @@ lives here, so the engine's own code stays about training. Events use DeepSpeed'
 * with ``memory_breakdown``: DeepSpeed's memory lines (``see_memory_usage``: allocated and peak device memory,
   host memory in use) on rank 0 once the engine is built and before and after every forward, backward and
   step, labelled as DeepSpeed labels them (``Engine before forward`` ...);
+* with NVMe offload (ZeRO-Infinity), every optimizer step: ``Train/Samples/nvme_read_bytes`` and
+  ``Train/Samples/nvme_written_bytes``, this rank's bytes through its swap files since the last step
+  (:mod:`dsrun.zero.swap_traffic`; :attr:`EngineObserver.last_swap_io` keeps the last step's);
 * with ``dump_state``: once the engine is built, rank 0 logs every attribute of the engine with its value
   (DeepSpeed's ``print_configuration(engine, "DeepSpeedEngine")``).
 """
@@ -33,6 +36,8 @@ from dsrun.profiling.flops_profiler import FlopsProfiler
 from dsrun.profiling.memory_usage import see_memory_usage
 from dsrun.profiling.mfu import DevicePeak, FlopsRate, ModelFlopsMeter, device_peak
 from dsrun.profiling.wall_clock import BREAKDOWN_TIMERS, breakdown_events, breakdown_line
+from dsrun.offload.swap_store import SwapIO
+from dsrun.zero.swap_traffic import SwapTraffic
 
 
 class EngineObserver:
@@ -56,6 +61,8 @@ class EngineObserver:
         self.flops_meter: ModelFlopsMeter | None = None
         self._window = (0.0, 0)  # (time, global_samples) at the window's start
         self._rate: tuple[int, FlopsRate | None] = (-1, None)  # (global_steps, the rate then)
+        self.swap_traffic = SwapTraffic(engine.strategy)
+        self.last_swap_io: SwapIO | None = None  # NVMe bytes of the last optimizer step (None: no NVMe offload)
 
     def set_model_flops(self, flops_per_sample: float, peak: DevicePeak | None = None) -> DevicePeak:
         """Count ``flops_per_sample`` model FLOPs (forward + backward, no recompute) per trained sample from now
@@ -135,6 +142,8 @@ class EngineObserver:
         engine = self.engine
         if self._profile_phase == "step":
             self._finish_profile(time.perf_counter() - self._started)
+        if self.swap_traffic.active:
+            self.last_swap_io = self.swap_traffic.step()
         if self.monitor.enabled:
             lrs = engine.get_lr()
             events = [("Train/Samples/lr", float(lrs[0]), engine.global_samples)] if lrs else []
@@ -144,6 +153,10 @@ class EngineObserver:
                 events.append(("Train/Samples/loss_scale", float(engine.cur_scale), engine.global_samples))
             events += [(f"Train/Features/{name}", value, engine.global_samples)  # dsrun/features.py
                        for name, value in engine.features.metrics().items()]
+            if self.last_swap_io is not None:
+                events += [("Train/Samples/nvme_read_bytes", float(self.last_swap_io.read_bytes), engine.global_samples),
+                           ("Train/Samples/nvme_written_bytes", float(self.last_swap_io.written_bytes),
+                            engine.global_samples)]
             self.monitor.write_events(events)
         self._loss_sum = None
         every = engine.steps_per_print() or 1  # None: every step, as DeepSpeed 0.19 logs its timers

@@ -14,7 +14,8 @@ pool of ``buffer_count`` page-aligned buffers of the largest sub-group's size, s
   the fp32 size; otherwise (gradient accumulation, fp32 reduction or model) it is fp32;
 * **the step**: ``depth`` slots of (master, gradient, states) buffers: the read of sub-group i+1 and the
   write of sub-group i-1 run on the async I/O threads while the CPU optimizer updates sub-group i and writes
-  its 16-bit copy into the model's shards (:func:`~.pipeline.run_swap_pipeline`).
+  its 16-bit copy into the model's shards (:func:`~.pipeline.run_swap_pipeline`). A sub-group's files are
+  read side by side, one read lane of the store each (a deeper queue on the disk than one file at a time).
 
 Resident bytes: ``buffer_count * max_sub_group * 4`` plus, with a 16-bit model, ``depth * max_sub_group * 2``
 for the fused 16-bit output; everything else of the optimizer lives in the files.
@@ -70,10 +71,15 @@ def widen_in_place(buffer: torch.Tensor, numel: int, dtype: torch.dtype) -> torc
 
 
 def grad_stats(grad: torch.Tensor) -> tuple[float, bool]:
-    """(sum of squares in float64, all finite) of a flat fp32 gradient, without a full-size temporary."""
+    """(sum of squares in float64, all finite) of a flat fp32 gradient, without a full-size temporary: one
+    float64 chunk buffer is reused (a fresh chunk-sized temporary per chunk costs page faults every time, as
+    ZeRO-3 returns freed blocks of this size to the OS); squaring in place equals ``pow(2)``."""
     sq, finite = 0.0, True
+    scratch = torch.empty(min(NORM_CHUNK, grad.numel()), dtype=torch.float64)
     for chunk in grad.split(NORM_CHUNK):
-        s = float(chunk.double().pow(2).sum())
+        d = scratch[:chunk.numel()]
+        d.copy_(chunk)
+        s = float(d.mul_(d).sum())
         sq += s
         finite = finite and math.isfinite(s)
     return sq, finite
@@ -145,7 +151,9 @@ class SwappedOptimizerState:
                                       f"gradient and {len(self.state_keys)} state(s) of one sub-group)",
                                       f"set buffer_count to {3 * self.per_slot} to overlap reads, update and writes"))
         self.depth = min(3, settings.buffer_count // self.per_slot)
-        self.store = SwapStore(settings.nvme_path, settings.aio, rank=rank, pin_memory=settings.pin_memory)
+        # one read lane per file of a sub-group: its master, gradient and states are read side by side
+        self.store = SwapStore(settings.nvme_path, settings.aio, rank=rank, pin_memory=settings.pin_memory,
+                               read_lanes=self.per_slot)
         self.units: list[SwappedUnit] = []
         self.steps: dict[int, int] = {}
         self.pool: BufferPool | None = None
@@ -278,8 +286,8 @@ class SwappedOptimizerState:
         self.recycle()
         for unit in self.units:
             key = self._key("grad", unit.index)
-            if key in self.store:
-                self.store.delete(key)
+            if key in self.store:  # the file stays: the next step's gradient overwrites its blocks in place
+                self.store.delete(key, keep_blocks=True)
         self.stats = {}
         self._contributed, self._wide = {}, set()
 
@@ -310,17 +318,17 @@ class SwappedOptimizerState:
         def issue_read(k: int) -> None:
             unit, slot = order[k], slots[k % self.depth]
             n = unit.numel
-            self.store.async_read(self._key("master", unit.index), slot.master[:n])
+            self.store.async_read(self._key("master", unit.index), slot.master[:n], lane=0)
             key = self._key("grad", unit.index)
             if key in self.store:  # a 16-bit file is widened in place before the update
-                self.store.async_read(key, as_dtype(slot.grad, self.store.entry(key).dtype, n))
+                self.store.async_read(key, as_dtype(slot.grad, self.store.entry(key).dtype, n), lane=1)
             else:
                 slot.grad[:n].zero_()  # no gradient reached this sub-group this step
-            for name in self.state_keys:
+            for lane, name in enumerate(self.state_keys, start=2):
                 target = as_dtype(slot.states[name], self.state_dtype, n)
                 key = self._key(name, unit.index)
                 if key in self.store:
-                    self.store.async_read(key, target)
+                    self.store.async_read(key, target, lane=lane)
                 else:
                     target.zero_()  # fast_init: the states start as zeros at the first step
 

@@ -135,7 +135,7 @@ class ParamOffload:
 class _Slot:
     """Where one swapped shard is in host memory right now."""
 
-    __slots__ = ("key", "numel", "buffer", "reading", "cached", "ahead")
+    __slots__ = ("key", "numel", "buffer", "reading", "cached", "ahead", "lane")
 
     def __init__(self, key: str, numel: int):
         self.key = key
@@ -144,6 +144,7 @@ class _Slot:
         self.reading = False  # an asynchronous read into ``buffer`` has not been waited for yet
         self.cached: torch.Tensor | None = None  # a private host copy (counts towards max_in_cpu)
         self.ahead = False  # the buffer was filled by read-ahead, before anything asked for it
+        self.lane = 0  # the store's read lane its read went to
 
 
 class NvmeParamOffload(ParamOffload):
@@ -162,7 +163,10 @@ class NvmeParamOffload(ParamOffload):
                                       f"got {buffer_count}; NVMe parameter offload needs at least 1 buffer",
                                       "use the default, 5"))
         try:  # one private folder per process under nvme_path, removed when the store closes
-            self.store = SwapStore(nvme_path, aio_config=aio_config, rank=rank, pin_memory=pin_memory)
+            # one read lane per buffer: a shard needed now waits for its own read, not for the read-ahead
+            # queued behind it, and the reads ahead are on the disk together
+            self.store = SwapStore(nvme_path, aio_config=aio_config, rank=rank, pin_memory=pin_memory,
+                                   read_lanes=buffer_count)
         except OSError as exc:
             raise ConfigError(Problem("zero_optimization.offload_param.nvme_path", str(exc),
                                       "point it at a writable directory on a local drive")) from None
@@ -176,6 +180,7 @@ class NvmeParamOffload(ParamOffload):
         self._allocated = 0
         self._writing: list[torch.Tensor] = []  # buffers of writes not yet waited for
         self._staging: dict[int, list[Any]] = {}  # param id -> [buffer, elements filled] of a shard written in parts
+        self._next_lane = 0
         self.cached_numel = 0
         self.read_bytes = 0
         self.written_bytes = 0
@@ -259,10 +264,12 @@ class NvmeParamOffload(ParamOffload):
             self.cached_numel -= slot.numel
             slot.cached = None
 
-    def _wait_reads(self) -> None:
-        self.store.wait_reads()
+    def _wait_reads(self, lane: int | None = None) -> None:
+        """Wait for every read in flight, or for those of read lane ``lane`` only."""
+        self.store.wait_reads(lane)
         for slot in self.slots.values():
-            slot.reading = False
+            if lane is None or slot.lane == lane:
+                slot.reading = False
 
     def _wait_writes(self) -> None:
         self.store.wait_writes()
@@ -274,7 +281,8 @@ class NvmeParamOffload(ParamOffload):
         slot = self.slots[id(param)]
         if slot.cached is None and slot.buffer is None:
             slot.buffer = self._take_buffer(protect | {id(param)})
-            self.store.async_read(slot.key, self._view(slot.buffer, slot.numel))
+            slot.lane, self._next_lane = self._next_lane, (self._next_lane + 1) % self.store.read_lanes
+            self.store.async_read(slot.key, self._view(slot.buffer, slot.numel), lane=slot.lane)
             slot.reading = True
             self.read_bytes += slot.numel * slot.buffer.element_size()
             # keep the order of read-ahead: the most recently read shard is the first to be given up
@@ -289,7 +297,7 @@ class NvmeParamOffload(ParamOffload):
             self.read_ahead_hits += 1
             slot.ahead = False
         if slot.reading:
-            self._wait_reads()
+            self._wait_reads(slot.lane)
         return self._view(slot.buffer, slot.numel)
 
     def read_copy(self, param: torch.nn.Parameter) -> torch.Tensor:
@@ -303,12 +311,20 @@ class NvmeParamOffload(ParamOffload):
 
     def gather_input(self, param: torch.nn.Parameter) -> torch.Tensor:
         """A private copy of the shard on the training device: the pool buffer is free again at once, so
-        asynchronous (prefetched) all-gathers never hold the pool and read-ahead keeps its buffers."""
+        asynchronous (prefetched) all-gathers never hold the pool and read-ahead keeps its buffers. Over a
+        group of one the copy *is* the gathered parameter: it comes from ZeRO-3's gather-buffer pool
+        (``param.ds_buffer_pool``, which takes it back at release) when one of its size is free there, so a
+        host step does not fault in a fresh copy of every shard twice per step."""
         if id(param) not in self.slots:
             return super().gather_input(param)
         shard = self._host_shard(param)
         slot = self.slots[id(param)]
-        private = shard.to(self.compute_device, copy=True)
+        pool = getattr(param, "ds_buffer_pool", None)
+        private = pool.take(slot.numel) if pool is not None and param.ds_world_size == 1 else None
+        if private is None or private.dtype != shard.dtype or private.device != self.compute_device:
+            private = shard.to(self.compute_device, copy=True)
+        else:
+            private.copy_(shard)
         self._finish_use(param, slot)
         return private
 

@@ -6,14 +6,21 @@
     store.async_read("exp_avg.3", out); store.wait_reads()
     store.close()                                                         # removes the folder (also at normal exit)
 
-Reads and writes go through two :class:`~dsrun.ops.aio.AsyncIOHandle` s built from the ``aio`` section, so a
-pipeline can wait for the reads it needs now while earlier writes keep going (read-ahead and write-behind).
+Reads and writes go through separate :class:`~dsrun.ops.aio.AsyncIOHandle` s built from the ``aio`` section, so
+a pipeline can wait for the reads it needs now while earlier writes keep going (read-ahead and write-behind).
+With ``read_lanes=L`` reads go to L handles (lanes, each its own I/O thread and queue): a read names its lane
+and ``wait_reads(lane)`` waits for that lane only, so a shard needed now is not held up by reads queued for
+later on other lanes, and the lanes keep L requests on the disk at once (a deeper queue reads faster).
 Each store owns one folder named after the host, process id and rank plus a random token: ranks and
 concurrent runs never share files. Folders left behind by processes of this host that no longer exist (a
 killed run) are removed when a new store opens under the same root.
 
 A key's bytes are complete only after a wait that covers its write; reading or rewriting a key whose
 request is still in flight first waits for it, so the store never races with itself.
+
+``store.io`` counts the bytes and requests every read and write moved (:class:`SwapIO`); a step's traffic is
+the difference of two snapshots (``store.io.snapshot()``). Files mapped for a checkpoint (:meth:`SwapStore.mapped`)
+are not counted: they are paged in by whoever reads them, outside the training step.
 """
 from __future__ import annotations
 
@@ -48,6 +55,27 @@ class SwapEntry:
     nbytes: int
     dtype: torch.dtype
     numel: int
+
+
+@dataclass
+class SwapIO:
+    """Bytes and requests a store (or several, added up) moved to and from its files since it opened."""
+
+    read_bytes: int = 0
+    written_bytes: int = 0
+    reads: int = 0
+    writes: int = 0
+
+    def snapshot(self) -> "SwapIO":
+        return SwapIO(self.read_bytes, self.written_bytes, self.reads, self.writes)
+
+    def __add__(self, other: "SwapIO") -> "SwapIO":
+        return SwapIO(self.read_bytes + other.read_bytes, self.written_bytes + other.written_bytes,
+                      self.reads + other.reads, self.writes + other.writes)
+
+    def __sub__(self, other: "SwapIO") -> "SwapIO":
+        return SwapIO(self.read_bytes - other.read_bytes, self.written_bytes - other.written_bytes,
+                      self.reads - other.reads, self.writes - other.writes)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -97,7 +125,7 @@ class SwapStore:
     """
 
     def __init__(self, folder: str | os.PathLike, aio_config: AioSettings = None, rank: int | None = None,
-                 pin_memory: bool = False):
+                 pin_memory: bool = False, read_lanes: int = 1):
         self.root = Path(folder)
         if rank is None:
             rank = int(os.environ.get("RANK", "0") or 0)
@@ -113,18 +141,20 @@ class SwapStore:
         self.folder = base / name
         self.folder.mkdir()
         config = _aio_mapping(aio_config)
-        self._read_handle = AsyncIOHandle.from_config(config)
+        self._read_handles = [AsyncIOHandle.from_config(config) for _ in range(max(1, int(read_lanes)))]
+        self._read_handle = self._read_handles[0]
         self._write_handle = AsyncIOHandle.from_config(config)
         self._entries: dict[str, SwapEntry] = {}
-        self._reading: set[str] = set()
+        self._reading: dict[str, int] = {}  # key -> the lane reading it
         self._writing: set[str] = set()
         # A handle's wait() returns once the requests it found pending are done; a request another thread
         # is already waiting for is not among them. Submitting and waiting under one lock per handle keeps
         # "after wait_*(), every write/read started before it is complete" true across threads.
         self._read_lock = threading.RLock()
         self._write_lock = threading.RLock()
+        self.io = SwapIO()
         self._closed = False
-        self._finalizer = weakref.finalize(self, _cleanup, self.folder, [self._read_handle, self._write_handle])
+        self._finalizer = weakref.finalize(self, _cleanup, self.folder, [*self._read_handles, self._write_handle])
 
     # ------------------------------------------------------------------ buffers
     def aligned_buffer(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -152,9 +182,16 @@ class SwapStore:
             self._entries[key] = SwapEntry(tensor.numel() * tensor.element_size(), tensor.dtype, tensor.numel())
             self._writing.add(key)
             self._write_handle.async_pwrite(tensor, path)
+            self.io.written_bytes += self._entries[key].nbytes
+            self.io.writes += 1
 
-    def async_read(self, key: str, out: torch.Tensor) -> None:
-        """Start reading ``key`` into ``out`` (contiguous, CPU, exactly as many bytes as were written)."""
+    @property
+    def read_lanes(self) -> int:
+        return len(self._read_handles)
+
+    def async_read(self, key: str, out: torch.Tensor, lane: int = 0) -> None:
+        """Start reading ``key`` into ``out`` (contiguous, CPU, exactly as many bytes as were written) on read
+        lane ``lane`` (taken modulo the lanes)."""
         self._check_open()
         out = _checked(out, "async_read")
         entry = self._entry(key)
@@ -165,8 +202,11 @@ class SwapStore:
         if key in self._writing:
             self.wait_writes()
         with self._read_lock:
-            self._reading.add(key)
-            self._read_handle.async_pread(out, self.path(key))
+            lane = lane % len(self._read_handles)
+            self._reading[key] = lane
+            self._read_handles[lane].async_pread(out, self.path(key))
+            self.io.read_bytes += nbytes
+            self.io.reads += 1
 
     def write(self, key: str, tensor: torch.Tensor) -> None:
         """Write ``tensor`` as ``key`` and wait for it."""
@@ -182,13 +222,20 @@ class SwapStore:
         self.wait_reads()
         return out
 
-    def wait_reads(self) -> int:
-        """Block until every started read is done; returns how many completed."""
+    def wait_reads(self, lane: int | None = None) -> int:
+        """Block until every started read (on ``lane`` only, when given) is done; returns how many completed."""
         with self._read_lock:
+            lanes = range(len(self._read_handles)) if lane is None else [lane % len(self._read_handles)]
+            done = 0
             try:
-                return self._read_handle.wait()
+                for i in lanes:
+                    done += self._read_handles[i].wait()
             finally:
-                self._reading.clear()
+                if lane is None:
+                    self._reading.clear()
+                else:
+                    self._reading = {k: v for k, v in self._reading.items() if v not in lanes}
+            return done
 
     def wait_writes(self) -> int:
         """Block until every started write is done (the keys' files are then complete)."""
@@ -230,12 +277,16 @@ class SwapStore:
             return torch.empty(0, dtype=entry.dtype)
         return torch.from_file(str(self.path(key)), shared=False, size=entry.numel, dtype=entry.dtype)
 
-    def delete(self, key: str) -> None:
-        """Forget ``key`` and remove its file."""
+    def delete(self, key: str, keep_blocks: bool = False) -> None:
+        """Forget ``key`` and remove its file; with ``keep_blocks`` the file stays (holding stale bytes, removed
+        with the folder) so that the key's next write of the same size overwrites its blocks in place: on this
+        machine's disk an overwrite runs at about twice the speed of a write that allocates a new file's
+        blocks (docs/zero_infinity.md)."""
         if key in self._reading or key in self._writing:
             self.wait()
         self._entries.pop(key, None)
-        self.path(key).unlink(missing_ok=True)
+        if not keep_blocks:
+            self.path(key).unlink(missing_ok=True)
 
     def close(self) -> None:
         """Wait for pending I/O and remove the store's folder and files. Idempotent."""

@@ -289,7 +289,11 @@ def release_param(param: torch.nn.Parameter) -> None:
         param.ds_status = ParamStatus.NOT_AVAILABLE
         buffer, param.ds_gathered = getattr(param, "ds_gathered", None), None
         pool = getattr(param, "ds_buffer_pool", None)
-        if pool is not None and buffer is not None and param.ds_world_size > 1:
+        # over a group of one the gathered buffer is the shard itself, unless the shard lives in a swap file
+        # (then it is the private copy the offload made for this gather)
+        owner = getattr(param, "ds_offload", None)
+        private = param.ds_world_size > 1 or (owner is not None and owner.swapped(param))
+        if pool is not None and buffer is not None and private:
             pool.give(buffer)
 
 

@@ -250,3 +250,15 @@ def test_fp32_partial_offload_writes_the_nvme_parameter_shards_of_the_sub_groups
     engine = dsrun.initialize(model=_model(), config=config({"device": "cpu", "ratio": 0.5}))[0]
     assert {sg.placement for sg in engine.strategy.sub_groups} == {"cpu", "device"}
     assert _train(engine) == reference
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 29])
+def test_gradient_stats_reuse_one_chunk_buffer_and_equal_the_float64_sum_of_squares(monkeypatch, n: int):
+    from dsrun.offload import nvme
+
+    monkeypatch.setattr(nvme, "NORM_CHUNK", 8)  # several chunks, and a short last one
+    grad = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 1e3
+    expected = sum(float(c.double().pow(2).sum()) for c in grad.split(8))
+    assert nvme.grad_stats(grad) == (expected, True)
+    grad[n // 2] = float("nan")
+    assert nvme.grad_stats(grad)[1] is False

@@ -1,0 +1,105 @@
+"""The NVMe bytes a ZeRO-Infinity step moves, counted by the swap stores, equal what the step must move."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import dsrun
+from dsrun.zero.swap_traffic import SwapTraffic
+
+pytestmark = pytest.mark.usefixtures("world_of_one")
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+
+
+def _config(nvme: Path, **zero) -> dict:
+    return {"train_batch_size": 4, "bf16": {"enabled": True}, "steps_per_print": 1000,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+            "zero_optimization": {
+                "stage": 3, "sub_group_size": 300, "stage3_param_persistence_threshold": 0,
+                # every module's parameters are released after use: each shard is read for forward and backward
+                "stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0,
+                "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme), "buffer_count": 8,
+                                      "fast_init": True},
+                "offload_param": {"device": "nvme", "nvme_path": str(nvme), "buffer_count": 2, "buffer_size": 512,
+                                  "max_in_cpu": 0}, **zero}}
+
+
+def _step(engine, gen: torch.Generator) -> float:
+    x, y = torch.randn(4, 16, generator=gen), torch.randn(4, 4, generator=gen)
+    loss = torch.nn.functional.mse_loss(engine(x.bfloat16()).float(), y)
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+def test_each_step_moves_the_bytes_the_arithmetic_says(tmp_path: Path):
+    """P elements, bf16 model, AdamW, one micro-step: the shards are read for forward and for backward (2 + 2
+    bytes) and written after the step (2); the gradient is written in bf16 (2) and read by the step (2); the
+    fp32 master and the two moments are read (12, none of the moments on the first step: ``fast_init``) and
+    written (12). The counters are the stores' own, and the monitor's events carry them."""
+    engine = dsrun.initialize(model=_model(), config=_config(tmp_path))[0]
+    numel = sum(p.ds_numel for p in engine.module.parameters())
+    swapped = engine.strategy.placement.offloaded.swapped
+    assert sum(u.numel for u in swapped.units) == numel and len(swapped.units) > 1
+    gen = torch.Generator().manual_seed(1)
+    per_step, grad_files = [], []
+    for _ in range(3):
+        _step(engine, gen)
+        per_step.append(engine.observer.last_swap_io)
+        grad_files.append(all(swapped.store.path(f"grad.{u.index}").is_file() for u in swapped.units))
+    # zero_grad forgot the gradients but kept their files: the next step rewrites their blocks in place
+    assert not any(k.startswith("grad.") for k in swapped.store.keys()) and all(grad_files)
+    for step, io in enumerate(per_step):
+        moments_read = 8 * numel if step > 0 else 0
+        assert io.read_bytes == (2 + 2) * numel + (2 + 4) * numel + moments_read
+        assert io.written_bytes == 2 * numel + 2 * numel + 12 * numel
+    # requests: one per shard per read or write, one per sub-group file
+    params, units = len(list(engine.module.parameters())), len(swapped.units)
+    assert per_step[-1].reads == 2 * params + 4 * units and per_step[-1].writes == params + 4 * units
+    assert SwapTraffic(engine.strategy).total().read_bytes >= sum(io.read_bytes for io in per_step)
+    engine.destroy()
+
+
+def test_no_nvme_offload_counts_nothing():
+    config = {"train_batch_size": 4, "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+              "zero_optimization": {"stage": 3}}
+    engine = dsrun.initialize(model=_model(), config=config)[0]
+    _step(engine, torch.Generator().manual_seed(1))
+    assert not engine.observer.swap_traffic.active and engine.observer.last_swap_io is None
+    engine.destroy()
+
+
+def test_shards_read_ahead_on_lanes_train_bit_identically_to_shards_in_memory(tmp_path: Path):
+    """Parameter shards read ahead on one read lane per pool buffer (each waited for alone) and copied into
+    reused gather buffers give the same losses and parameters as shards kept in host memory, bit for bit,
+    and the reads ahead are used."""
+    def run(offload_param: dict) -> tuple[list[float], list[torch.Tensor], object]:
+        # a gather-buffer pool: the private copies of the swapped shards are reused from it
+        cfg = _config(tmp_path, offload_optimizer={"device": "cpu"}, offload_param=offload_param,
+                      stage3_prefetch_bucket_size=10_000)
+        engine = dsrun.initialize(model=_model(), config=cfg)[0]
+        gen = torch.Generator().manual_seed(1)
+        losses = [_step(engine, gen) for _ in range(3)]
+        if offload_param["device"] == "nvme":
+            assert engine.strategy.coordinator.buffer_pool.numel > 0  # released copies went back to the pool
+        with dsrun.zero.GatheredParameters(list(engine.module.parameters())):
+            params = [p.detach().clone() for p in engine.module.parameters()]
+        offload = engine.strategy.param_offload
+        stats = offload.stats() if offload.device == "nvme" else None
+        lanes = offload.store.read_lanes if offload.device == "nvme" else None
+        engine.destroy()
+        return losses, params, (stats, lanes)
+
+    nvme = run({"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 3, "buffer_size": 512,
+                "max_in_cpu": 0})
+    host = run({"device": "cpu"})
+    assert nvme[0] == host[0]
+    assert all(torch.equal(a, b) for a, b in zip(nvme[1], host[1]))
+    stats, lanes = nvme[2]
+    assert lanes == 3 and stats["read_ahead_hits"] > 0
