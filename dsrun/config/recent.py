@@ -72,13 +72,36 @@ class ZenFlowConfig(Section):
         return out
 
 
+# DeepSpeed 0.19's default leaf classes: Hugging Face's MoE blocks, whose experts run data-dependently
+DEFAULT_LEAF_MODULE_CLASSES: list[str] = [
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+]
+DEFAULT_LEAF_MODULE_NAMES: list[str] = []
+DEFAULT_LEAF_MODULE_NAME_SUFFIXES: list[str] = []
+
+
+def _names_once(value: Any) -> Any:
+    """One name may be written as a string; each name counts once, first place kept (as DeepSpeed reads them)."""
+    if isinstance(value, str):
+        value = [value]
+    if isinstance(value, (list, tuple)):
+        return list(dict.fromkeys(str(v) for v in value))
+    return value
+
+
+NameList = Annotated[list[str], BeforeValidator(_names_once)]
+
+
 class LeafModuleConfig(Section):
     """``zero_optimization.leaf_module``: modules ZeRO-3 gathers as a whole (not hooked per submodule);
-    DeepSpeed's ``set_z3_leaf_modules`` from the config."""
+    DeepSpeed's ``set_z3_leaf_modules`` from the config. ``classes`` defaults to DeepSpeed's list,
+    :data:`DEFAULT_LEAF_MODULE_CLASSES` (a class not in the model matches nothing); a string is a list of one."""
 
-    classes: list[str] = Field(default_factory=list)
-    names: list[str] = Field(default_factory=list)
-    name_suffixes: list[str] = Field(default_factory=list)
+    classes: NameList = Field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_CLASSES))
+    names: NameList = Field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_NAMES))
+    name_suffixes: NameList = Field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_NAME_SUFFIXES))
 
 
 class TPConfig(Section):

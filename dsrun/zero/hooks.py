@@ -44,9 +44,10 @@ differs from the trace, prefetch and reuse stop for the rest of that step and th
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
-from typing import Any, Collection, Iterable
+from typing import Any, Collection, Iterable, Iterator
 
 import torch
 
@@ -129,15 +130,19 @@ def gathered_together(root: torch.nn.Module) -> list[tuple[str, list[torch.nn.Pa
 
 class GatheringParameters(dict):
     """A module's ``_parameters`` that gathers a partitioned parameter read while a forward runs (see the
-    module docstring). Pickles and copies as a plain dict."""
+    module docstring); DeepSpeed's ``ZeROOrderedDict`` (``GatheringParameters(parent_module, params)``, as
+    DeepSpeed builds it). It gathers once its ``coordinator`` is set (the coordinator hooking the module sets
+    it); until then it is a plain dict. Pickles and copies as a plain dict."""
 
-    def __init__(self, params: dict, coordinator: "ParameterCoordinator"):
-        super().__init__(params)
-        self.coordinator = coordinator
+    def __init__(self, parent_module: torch.nn.Module | None, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._parent_module = parent_module
+        self.coordinator: ParameterCoordinator | None = None
 
     def __getitem__(self, name: str) -> Any:
         param = dict.__getitem__(self, name)
-        if getattr(param, "ds_status", ParamStatus.AVAILABLE) is not ParamStatus.AVAILABLE:
+        if self.coordinator is not None and \
+                getattr(param, "ds_status", ParamStatus.AVAILABLE) is not ParamStatus.AVAILABLE:
             self.coordinator.gather_on_read(param)
         return param
 
@@ -194,7 +199,8 @@ class ParameterCoordinator:
                 self.hook_module(module)
         for module in root.modules():  # inside leaves too: a read outside the leaf's forward still gathers
             if any(is_zero_param(p) for p in module._parameters.values()):
-                module._parameters = GatheringParameters(module._parameters, self)
+                module._parameters = GatheringParameters(module, module._parameters)
+                module._parameters.coordinator = self
                 self._reading.append(module)
         LIVE_COORDINATORS.add(self)
 
@@ -208,10 +214,25 @@ class ParameterCoordinator:
         self.remove_hooks()
         self.units = frozenset(id(u) for u in units)
         self._hook_fns = (torch.compiler.disable(self._pre_forward), torch.compiler.disable(self._post_forward))
+        self._reinstall()
+
+    def _reinstall(self) -> None:
+        """Hook the model again after :meth:`remove_hooks`, recording the order of the next pass anew."""
         self._params_of, self.params = {}, {}
         self.trace, self.trace_complete, self.following_trace, self._keep_after = [], False, False, {}
         self.in_use.clear()
         self._install()
+
+    @contextlib.contextmanager
+    def unhooked(self) -> Iterator[None]:
+        """No hooks (and no gathering on read) inside: for a caller that gathered every parameter itself
+        (DeepSpeed's ``unwrap_model_for_generation``). The hooks come back on exit; the next pass records its
+        order again, as a pass that left the recorded order would."""
+        self.remove_hooks()
+        try:
+            yield
+        finally:
+            self._reinstall()
 
     def _mark_leaf(self, leaf: torch.nn.Module) -> None:
         for inner in leaf.modules():

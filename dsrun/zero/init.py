@@ -17,8 +17,15 @@ overrides them (``tensor_overrides``; :mod:`dsrun.zero.tensor_creation`).
 
 This module is DeepSpeed's ``deepspeed.runtime.zero.partition_parameters`` (``dsrun/alias/paths.py``): it holds that
 module's names (``Init``, ``GatheredParameters``, ``ZeroParamStatus``, ``zero_wrapper_for_fp_tensor_constructor``,
-``_orig_torch_arange``, ``get_accelerator`` ...), and :class:`Init` looks the constructor wrapper up among its
-globals on entry, so a caller that replaces it here (Hugging Face's ``prevent_arange_dtype_change``) is obeyed.
+``_orig_torch_arange``, ``get_accelerator`` ...; the smaller ones, ``MultipleAllGatherHandles``, ``CUDAQuantizer``,
+``get_allgather_dtype``, ``InsertPostInitMethodToModuleSubClasses`` ..., in :mod:`.partitioner_internals`), and
+:class:`Init` looks the constructor wrapper up among its globals on entry, so a caller that replaces it here
+(Hugging Face's ``prevent_arange_dtype_change``) is obeyed.
+
+With ``memory_efficient_linear`` (the config's, default on) entering an :class:`Init`, or building one with
+``module=``, routes ``F.linear`` through ZeRO-3's linear for the rest of the process, as DeepSpeed's does
+(:mod:`dsrun.zero.linear`). Under a launcher that started several processes, an :class:`Init` whose group has
+one rank (no ``data_parallel_group`` given) raises rather than leave every rank the whole model.
 """
 from __future__ import annotations
 
@@ -36,6 +43,10 @@ from dsrun.comm.comm import ProcessGroup
 from dsrun.zero import host_memory
 from dsrun.zero.partition_params import ParamStatus as ZeroParamStatus
 from dsrun.zero.partition_params import is_zero_param, partition_param
+from dsrun.zero.partitioner_internals import (
+    CUDAQuantizer, InsertPostInitMethodToModuleSubClasses, MultipleAllGatherHandles,
+    _contradicting_single_rank_pg_error, get_allgather_dtype, partitioned_param_data_shape)
+from dsrun.zero.linear import zero3_linear_wrap
 from dsrun.zero.tensor_creation import (
     DEFAULT_TENSOR_OVERRIDES, DeepSpeedTensorOverride, _orig_torch_arange, _orig_torch_empty, _orig_torch_eye,
     _orig_torch_full, _orig_torch_ones, _orig_torch_randn, _orig_torch_tensor, _orig_torch_zeros,
@@ -51,11 +62,13 @@ if TYPE_CHECKING:
     from dsrun.config.zero import AIOConfig, ZeroConfig
 
 # the names of DeepSpeed's partition_parameters module that this module holds (see the module's docstring)
-__all__ = ["DEFAULT_TENSOR_OVERRIDES", "DeepSpeedTensorOverride", "GatheredParameters", "Init", "MiCS_Init",
-           "ZeroParamStatus", "_orig_torch_arange", "_orig_torch_empty", "_orig_torch_eye", "_orig_torch_full",
-           "_orig_torch_ones", "_orig_torch_randn", "_orig_torch_tensor", "_orig_torch_zeros", "get_accelerator",
-           "get_new_tensor_fn_for_dtype", "is_zero_param", "register_external_parameter",
-           "unregister_external_parameter", "zero_wrapper_for_fp_tensor_constructor"]
+__all__ = ["CUDAQuantizer", "DEFAULT_TENSOR_OVERRIDES", "DeepSpeedTensorOverride", "GatheredParameters", "Init",
+           "InsertPostInitMethodToModuleSubClasses", "MiCS_Init", "MultipleAllGatherHandles", "ZeroParamStatus",
+           "_contradicting_single_rank_pg_error", "_orig_torch_arange", "_orig_torch_empty", "_orig_torch_eye",
+           "_orig_torch_full", "_orig_torch_ones", "_orig_torch_randn", "_orig_torch_tensor", "_orig_torch_zeros",
+           "get_accelerator", "get_allgather_dtype", "get_new_tensor_fn_for_dtype", "is_zero_param",
+           "partitioned_param_data_shape", "register_external_parameter", "unregister_external_parameter",
+           "zero3_linear_wrap", "zero_wrapper_for_fp_tensor_constructor"]
 
 # a DeepSpeed config: a dict, the path of a JSON/YAML file, or a typed config (``to_ds_dict``); None: no config
 ConfigSource = Union[dict[str, Any], str, os.PathLike, "Section", None]
@@ -196,7 +209,7 @@ def _uninstall() -> None:
     _saved_init_functions.clear()
 
 
-class Init:
+class Init(InsertPostInitMethodToModuleSubClasses):
     """Partition parameters at construction: ``with dsrun.zero.Init(): model = MyModel()``.
 
     ``module``: partition an already built model now instead (no ``with`` needed). ``data_parallel_group``
@@ -210,8 +223,11 @@ class Init:
     (default: the config's fp16/bf16 precision if ``config_dict_or_path``/``config`` is given, else keep
     each parameter's dtype). ``tensor_overrides`` (DeepSpeed's, default both): with
     ``DeepSpeedTensorOverride.device`` tensors made inside the context without a device land on the accelerator's
-    device, with ``.dtype`` floating ones are cast to ``dtype`` (when there is one). ``enabled=False`` makes it a
-    no-op. Initializes ``dsrun.comm`` if needed.
+    device, with ``.dtype`` floating ones are cast to ``dtype`` (when there is one). ``mem_efficient_linear``
+    (overridden by the config's ``zero_optimization.memory_efficient_linear`` when a config is given): route
+    ``F.linear`` through ZeRO-3's linear on entry (or at once with ``module``), for the rest of the process.
+    ``enabled=False`` makes it a no-op. Initializes ``dsrun.comm`` if needed; with no group given, a one-rank
+    world under a launcher that started several processes raises RuntimeError.
     Only meaningful with ZeRO stage 3: the engine takes the partitioned model as it is.
     """
 
@@ -220,7 +236,7 @@ class Init:
                  config_dict_or_path: ConfigSource = None, config: ConfigSource = None, enabled: bool = True,
                  dtype: torch.dtype | None = None, mpu: DataParallelMpu | None = None,
                  tensor_overrides: tuple[DeepSpeedTensorOverride, ...] | list[DeepSpeedTensorOverride]
-                 = DEFAULT_TENSOR_OVERRIDES,
+                 = DEFAULT_TENSOR_OVERRIDES, mem_efficient_linear: bool = True,
                  **_unused: object):  # DeepSpeed's other keywords, accepted and ignored
         self.enabled = enabled
         if not enabled:
@@ -244,12 +260,16 @@ class Init:
                                       "pass config_dict_or_path= a config whose offload_param sets device: nvme "
                                       "and nvme_path"))
         self.dtype = dtype or _config_dtype(cfg)
+        self.mem_efficient_linear = zero_section.memory_efficient_linear if cfg is not None else mem_efficient_linear
         self.persistence_threshold = int(zero_section.stage3_param_persistence_threshold)
         if not comm.is_initialized():
             comm.init_distributed(verbose=False)
         if data_parallel_group is None and mpu is not None:
             data_parallel_group = mpu.get_data_parallel_group()
         self.group = data_parallel_group
+        contradiction = _contradicting_single_rank_pg_error(comm.get_world_size(self.group), self.group)
+        if contradiction is not None:
+            raise RuntimeError(contradiction)
         self.partition_group = self._partition_group(cfg)  # the data group, or MiCS's shard group
         self.device = torch.device("cpu") if remote_device in ("cpu", "nvme") else get_accelerator().device()
         if self.device.type == "cpu":
@@ -264,6 +284,8 @@ class Init:
                                                rank=comm.get_rank(), dtype=self.dtype)
         self.src = 0 if self.group is None else comm.get_global_rank(self.group, 0)
         if module is not None:
+            if self.mem_efficient_linear:
+                self._enable_mem_efficient_linear()
             self.partition_module(module)
 
     def _partition_group(self, config: dict[str, Any] | DSConfig | None) -> ProcessGroup:
@@ -307,6 +329,8 @@ class Init:
             add_tensor_creation_wrappers(zero_wrapper_for_fp_tensor_constructor, self.dtype,
                                          get_accelerator().device(), self.tensor_overrides)
         _ACTIVE.append(self)
+        if self.mem_efficient_linear:
+            self._enable_mem_efficient_linear()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -324,7 +348,7 @@ class MiCS_Init(Init):  # noqa: N801 - DeepSpeed's name
     ``config``, required) and replicated across them, as the engine then trains them. Rank 0's values are
     broadcast over the whole data-parallel group first, so every replica starts the same. The shard groups are
     the run's (:func:`dsrun.comm.groups.current_groups`, made so when there are none), which the engine then adopts.
-    ``sequence_data_parallel_group`` and ``mem_efficient_linear`` are accepted for DeepSpeed's signature."""
+    ``sequence_data_parallel_group`` is accepted for DeepSpeed's signature."""
 
     def __init__(self, module: torch.nn.Module | None = None, data_parallel_group: ProcessGroup = None,
                  sequence_data_parallel_group: ProcessGroup = None, mem_efficient_linear: bool = True,
@@ -333,7 +357,7 @@ class MiCS_Init(Init):  # noqa: N801 - DeepSpeed's name
                  dtype: torch.dtype | None = None, mpu: DataParallelMpu | None = None):
         super().__init__(module=module, data_parallel_group=data_parallel_group, remote_device=remote_device,
                          pin_memory=pin_memory, config_dict_or_path=config_dict_or_path, config=config,
-                         enabled=enabled, dtype=dtype, mpu=mpu)
+                         enabled=enabled, dtype=dtype, mpu=mpu, mem_efficient_linear=mem_efficient_linear)
 
     def _partition_group(self, config: dict[str, Any] | DSConfig | None) -> ProcessGroup:
         from dsrun.comm.groups import ProcessGroups, current_groups, from_data_group, set_current_groups

@@ -4,9 +4,11 @@
 alive from forward to backward, so releasing the parameter after its forward would free nothing and a
 ZeRO-3 rank would hold every linear weight in full at the end of forward. :class:`ZeroLinearFunction` saves
 the Parameter itself instead; its ``.data`` is the empty placeholder until the backward pre-hook gathers it
-again. :func:`install` routes ``F.linear`` through it for partitioned weights only (other calls are
-untouched), once per process, as DeepSpeed does when ``memory_efficient_linear`` is on (the default). A weight
-kept whole (a partition group of one) is never released, so it takes torch's own ``F.linear``.
+again. :func:`zero3_linear` (DeepSpeed's ``zero3_linear_wrap``) takes it for partitioned weights only (other
+calls are untouched); ``memory_efficient_linear`` (the default) makes it ``F.linear`` for the rest of the process,
+as DeepSpeed does (:func:`dsrun.zero.partitioner_internals.enable_memory_efficient_linear`). A weight kept whole
+(a partition group of one) is never released, so it takes torch's own ``F.linear``.
+:class:`LinearModuleForZeroStage3` is DeepSpeed's ``nn.Linear`` that calls it whatever ``F.linear`` is.
 """
 from __future__ import annotations
 
@@ -49,6 +51,12 @@ def zero3_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return _original_linear(input, weight, bias)
 
 
-def install() -> None:
-    """Route ``torch.nn.functional.linear`` through :func:`zero3_linear` (idempotent)."""
-    F.linear = zero3_linear
+zero3_linear_wrap = zero3_linear  # DeepSpeed's name
+
+
+class LinearModuleForZeroStage3(torch.nn.Linear):
+    """DeepSpeed's ZeRO-3 linear layer: ``torch.nn.Linear`` (the same parameters, initialisation and
+    ``in_features``/``out_features``) whose forward is :func:`zero3_linear` whether or not ``F.linear`` is."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return zero3_linear(input, self.weight, self.bias)

@@ -179,7 +179,9 @@ class GatherHandle:
         self.work = work
         self.refresh_secondary = refresh_secondary
 
-    def wait(self) -> None:
+    def wait(self, handle_dependency: bool = True) -> None:
+        """``handle_dependency``: DeepSpeed's keyword (an accelerator that resolves the buffer's data dependency
+        itself); a gather here always hands its buffer over when it completes."""
         if self.work is not None:
             self.work.wait()
             self.work = None

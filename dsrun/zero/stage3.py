@@ -43,7 +43,8 @@ from dsrun import comm
 
 from dsrun.checkpoint.layout import CheckpointLayout, layout_for_stage
 from dsrun.zero.base import MemoryBreakdown, StrategyContext, ZeroStrategy, optimizer_state_bytes, tensor_bytes
-from dsrun.zero import host_memory, linear, quantized_shards
+from dsrun.zero import host_memory, quantized_shards
+from dsrun.zero.partitioner_internals import enable_memory_efficient_linear
 from dsrun.zero.sharding import ShardingPolicy
 from dsrun.zero.offload_states import StatesOffload
 from dsrun.utils.leaf_modules import (apply_zero_leaf_module_config, set_z3_leaf_modules_by_threshold,
@@ -76,7 +77,7 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
         if zc.stage3_module_granularity_threshold > 0:
             set_z3_leaf_modules_by_threshold(ctx.module, int(zc.stage3_module_granularity_threshold))
         if zc.memory_efficient_linear:
-            linear.install()
+            enable_memory_efficient_linear()
         self.params = iter_unique_params([ctx.module])
         # which group each parameter is partitioned over and how it is gathered and reduced: a feature's policy
         # (ZeRO++/MiCS/hpZ: dsrun/zero/zeropp.py) or plain ZeRO-3's

@@ -12,7 +12,13 @@ Rank 0 prints ``FROZEN {...}`` (the base, gathered after training, against the f
 ``ADAPTERS {...}`` (the trainable names and whether every gathered ``lora_B`` moved off zero), ``SAVED {...}`` (the
 last checkpoint's ``adapter_model.safetensors`` against the gathered trained adapters), ``LOGITS {...}`` (a fresh
 base with the saved adapters loaded against the trained engine's logits, and the loss over the 64 sequences of
-the base alone and with the adapters) and ``LOSSES [...]``."""
+the base alone and with the adapters) and ``LOSSES [...]``.
+
+Then every rank resumes ``checkpoint-2`` in a second Trainer (as ``trainer.train(resume_from_checkpoint=...)`` after
+a restart does: the Trainer loads DeepSpeed's checkpoint without the frozen base, ``load_module_strict=False``)
+into a fresh PEFT model whose adapters start elsewhere (another seed), and rank 0 prints ``RESUMED {...}``: whether
+the fresh ``lora_A`` differed from the saved one, the resumed run's losses and whether its trained adapters equal
+the first run's."""
 import json
 import os
 import sys
@@ -39,15 +45,20 @@ base_file = load_file(os.path.join(base_dir, "model.safetensors"))
 
 ds_config = auto_ds_config({"stage": 3, "stage3_gather_16bit_weights_on_model_save": order == "args-first",
                             "stage3_param_persistence_threshold": 0})
-torch.manual_seed(0)  # the adapters' lora_A initialisation
-if order == "model-first":
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir), LORA)
-    args = training_arguments(output_dir, max_steps, ds_config)
-else:
-    args = training_arguments(output_dir, max_steps, ds_config)
+
+
+def peft_model_and_arguments(seed: int, out: str):
+    torch.manual_seed(seed)  # the adapters' lora_A initialisation
+    if order == "model-first":
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir), LORA)
+        return model, training_arguments(out, max_steps, ds_config)
+    args = training_arguments(out, max_steps, ds_config)
     base = AutoModelForCausalLM.from_pretrained(base_dir)  # inside deepspeed.zero.Init: each rank holds its half
     assert all(p.numel() == 0 and hasattr(p, "ds_id") for p in base.parameters())
-    model = get_peft_model(base, LORA)
+    return get_peft_model(base, LORA), args
+
+
+model, args = peft_model_and_arguments(0, output_dir)
 
 import deepspeed  # noqa: E402  (the alias: the Trainer's arguments imported it already)
 
@@ -95,3 +106,18 @@ if rank == 0:
     print("LOGITS", json.dumps({"max_abs_diff": (reloaded_logits - trained_logits).abs().max().item(),
                                 "base_loss": base_loss, "adapted_loss": adapted_loss}), flush=True)
     print("LOSSES", json.dumps([entry["loss"] for entry in trainer.state.log_history if "loss" in entry]))
+
+# a restart resuming checkpoint-2: its adapters, Adam moments, step, scheduler, data position and RNG
+fresh_model, fresh_args = peft_model_and_arguments(1234, os.path.join(output_dir, "resumed"))
+start = gathered(fresh_model)  # the adapters are whole until the engine partitions them
+resumed = Trainer(model=fresh_model, args=fresh_args, train_dataset=Sequences())
+resumed.train(resume_from_checkpoint=os.path.join(output_dir, "checkpoint-2"))
+after_resume = gathered(fresh_model)
+if rank == 0:
+    first_saved = load_file(os.path.join(output_dir, "checkpoint-2", "adapter_model.safetensors"))
+    print("RESUMED", json.dumps({
+        "start_differs": any(not torch.equal(start[name.replace(".weight", ".default.weight")], value)
+                             for name, value in first_saved.items() if "lora_A" in name),
+        "losses": [entry["loss"] for entry in resumed.state.log_history if "loss" in entry],
+        "adapters_equal": all(torch.equal(after_resume[name], value) for name, value in trained.items()
+                              if "lora_" in name)}), flush=True)

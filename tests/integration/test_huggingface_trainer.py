@@ -104,7 +104,8 @@ def test_peft_lora_under_zero3_trains_the_adapters_and_saves_them(tmp_path, orde
     ``zero.Init`` after them (gather on). The base stays bit-identical to the file it was loaded from, every
     ``lora_B`` moves off its zero init (DeepSpeed users' "lora_B stays zero"), the checkpoint's
     ``adapter_model.safetensors`` holds the 8 adapters equal to the trained ones gathered, and a fresh base with
-    those adapters loaded gives the trained engine's logits."""
+    those adapters loaded gives the trained engine's logits. Resuming ``checkpoint-2`` into a fresh PEFT model whose
+    adapters start elsewhere repeats steps 3-4 bit for bit and ends with the same adapters."""
     # 4 steps: HF's "auto" warmup (0 steps) becomes DeepSpeed's WarmupLR minimum of 2 steps at LR 0, the same in
     # DeepSpeed; the adapters move at steps 3 and 4 (after 2 steps every lora_B is still zero, rightly)
     result = run_cli("launch", "--as-deepspeed", "--num_procs", "2", "--no_local_rank", str(LORA_SCRIPT), order,
@@ -122,3 +123,6 @@ def test_peft_lora_under_zero3_trains_the_adapters_and_saves_them(tmp_path, orde
     (logits,) = _printed(result, "LOGITS")
     assert logits["max_abs_diff"] == 0.0  # the same weights through the same ops: the same bits
     assert logits["adapted_loss"] < logits["base_loss"]  # the adapters learned something over the 64 sequences
+    (resumed,) = _printed(result, "RESUMED")
+    assert resumed["start_differs"]  # so equal results below mean the checkpoint's adapters were loaded
+    assert resumed["losses"][-2:] == _losses(result)[2:] and resumed["adapters_equal"]

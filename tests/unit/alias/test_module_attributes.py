@@ -38,8 +38,8 @@ ENGINE_IMPORTS = ("runtime.utils",)
 # what dsrun does not implement (docs/deepspeed-alias.md says why); each of these is absent, not half there
 NOT_PROVIDED = {
     "module_inject", "runtime.hybrid_engine", "runtime.domino", "runtime.compiler", "runtime.tensor_parallel",
-    "runtime.tensor_parallel.init_utils", "runtime.base_optimizer", "runtime.zero.parameter_offload",
-    "ops.fp_quantizer", "utils.comms_logging", "utils.nvtx", "utils.mixed_precision_linkage", "comm.utils",
+    "runtime.tensor_parallel.init_utils", "runtime.base_optimizer", "ops.fp_quantizer", "utils.comms_logging",
+    "utils.nvtx", "utils.mixed_precision_linkage", "comm.utils",
 }
 # modules whose package's __init__ then imports a function of the same name from them, so in DeepSpeed the
 # attribute is that function (deepspeed/utils/__init__.py: `from .z3_leaf_module import z3_leaf_module`)
