@@ -409,7 +409,8 @@ class Stage2Strategy(PartitionedStrategy):
         return self._step_copies
 
     def zero_grad(self) -> None:
-        self._step_copies = self._step_grads = []
+        if self._step_copies:  # the step's copies in the masters' dtype (grad_accum_dtype) are not kept
+            self._step_copies = self._step_grads = []
         for g in self.master_grads:
             g.zero_()
         for group in self.groups:
