@@ -128,7 +128,8 @@ def _grad_accum_problems(cfg: DSConfig, p: str) -> list[Problem]:
         return [Problem(path, f"got {asked!r} with offload_optimizer.device {device!r}: a gradient accumulation "
                         f"dtype other than {cfg.native_grad_accum_dtype} beside an offloaded optimizer is not "
                         f"implemented in this version of dsrun (its host stores accumulate in fp32); stage {stage}",
-                        "set zero_optimization.offload_optimizer.device to none, or remove data_types.grad_accum_dtype")]
+                        "set zero_optimization.offload_optimizer.device to none, or remove "
+                        "data_types.grad_accum_dtype")]
     opt_type = (cfg.optimizer.type or "").lower() if cfg.optimizer is not None else ""
     if opt_type in ONE_BIT_OPTIMIZERS:
         return [Problem(path, f"got {asked!r} with {cfg.optimizer.type} (its compressed exchange reads each rank's "
