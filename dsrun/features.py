@@ -15,6 +15,9 @@ once it is built and then calls their hooks in registry order:
                                        the model and builds its strategy: wire the model to them (collective)
 ``sharding_policy()``                  when the engine builds a stage-3 strategy: the sharding policy it supplies
                                        (``dsrun.zero.sharding.ShardingPolicy``: ZeRO++/MiCS/hpZ), or None
+``gradient_accumulation()``            when the engine builds its ZeRO strategy: the gradient accumulation it
+                                       supplies (``dsrun.zero.grad_accum.GradientAccumulation``: the dtype
+                                       gradients accumulate in over micro-steps), or None: the stage's own
 ``attach(engine)``                     once, after the engine is built: take its groups and strategy, register
                                        hooks on ``engine.strategy.hooks`` (``dsrun/zero/step_hooks.py``)
 ``forward_kwargs(training, step)``     keyword arguments added to the model's forward
@@ -102,6 +105,12 @@ class Feature:
         each parameter is partitioned over, its gathers, the gradient reduce-scatter), or None: plain ZeRO-3's.
         Called by the engine when it builds its strategy, after ``take_topology``, on every rank (a policy may
         create groups)."""
+        return None
+
+    def gradient_accumulation(self) -> Any:
+        """The gradient accumulation this feature supplies to the ZeRO strategy the engine builds (a
+        ``dsrun.zero.grad_accum.GradientAccumulation``: ``data_types.grad_accum_dtype``), or None: the stage
+        accumulates as it does natively."""
         return None
 
     def attach(self, engine: Any) -> None:
@@ -214,6 +223,13 @@ class Features:
             names = ", ".join(feature.name or type(feature).__name__ for feature, _ in supplied)
             raise ValueError(f"features {names} each supply a stage-3 sharding policy; the strategy takes one")
         return supplied[0][1] if supplied else None
+
+    def gradient_accumulation(self) -> Any:
+        """The one gradient accumulation a feature supplies (None: the stage's own)."""
+        supplied = [a for feature in self._features if (a := feature.gradient_accumulation()) is not None]
+        if len(supplied) > 1:
+            raise ValueError("more than one feature supplies the ZeRO strategy's gradient accumulation")
+        return supplied[0] if supplied else None
 
     def attach(self, engine: Any) -> None:
         for feature in self._features:

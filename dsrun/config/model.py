@@ -241,6 +241,19 @@ class DSConfig(Section):
         return {"fp16": "fp16", "bf16": "bf16"}.get(self.precision, "fp32")
 
     @property
+    def native_grad_accum_dtype(self) -> str:
+        """The dtype dsrun accumulates gradients in over micro-steps when ``data_types.grad_accum_dtype`` is unset:
+        the model's at stages 0-1 (autograd adds into the flat ``.grad`` buffers), the masters' at stages 2-3 (the
+        partition accumulators: fp32, or bf16 with bf16 master state). A set key that names another dtype makes
+        the ZeRO strategy accumulate in that one (``dsrun/zero/grad_accum.py``, docs/precision.md)."""
+        stage = self.zero_optimization.stage
+        if self.bf16.enabled and self.bf16.bf16_master_weights_and_grads and stage >= 1:
+            return "bf16"
+        if stage >= 2:
+            return "fp32"
+        return {"fp16": "fp16", "bf16": "bf16"}.get(self.precision, "fp32")
+
+    @property
     def zero_enabled(self) -> bool:
         return self.zero_optimization.stage > 0
 

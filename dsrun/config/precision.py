@@ -74,9 +74,9 @@ class FP16Config(Section):
 class BF16Config(Section):
     """``bf16``: bfloat16 training; no loss scaling. Needs hardware support on GPUs.
 
-    ``immediate_grad_update`` (undocumented in the seed docs, read by DeepSpeed's bf16 optimizer) and the
-    later-documented ``bf16_master_weights_and_grads`` / ``bf16_optimizer_states`` are accepted because
-    DeepSpeed defines them.
+    ``immediate_grad_update`` (undocumented in the seed docs, read by DeepSpeed's bf16 optimizer: ZeRO 1 with
+    ``data_types.grad_accum_dtype`` fp32, ``dsrun/zero/grad_accum.py``) and the later-documented
+    ``bf16_master_weights_and_grads`` / ``bf16_optimizer_states`` (docs/precision.md).
     """
 
     enabled: bool = False
@@ -106,7 +106,9 @@ class AMPConfig(Section):
 
 class DataTypesConfig(Section):
     """``data_types``: ``grad_accum_dtype`` (None = DeepSpeed decides: fp32 for bf16 without ZeRO, else the
-    model dtype; see :meth:`DSConfig.resolved_grad_accum_dtype`)."""
+    model dtype; see :meth:`DSConfig.resolved_grad_accum_dtype`; dsrun's strategies then accumulate in
+    :attr:`DSConfig.native_grad_accum_dtype`, and in the named dtype when it is another:
+    ``dsrun/zero/grad_accum.py``)."""
 
     grad_accum_dtype: TorchDTypeName | None = Field(default=None)
     param_dtype: TorchDTypeName | None = None

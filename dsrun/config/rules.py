@@ -54,6 +54,7 @@ def check_precision(cfg: DSConfig, p: str) -> list[Problem]:
                                 f"got {cfg.data_types.grad_accum_dtype!r}; with amp the gradients accumulate "
                                 "in the model dtype, fp32"))
     problems += _bf16_master_state_problems(cfg, p)
+    problems += _grad_accum_problems(cfg, p)
     # DeepSpeed's engine asserts that data_types.param_dtype names the dtype fp16/bf16 give the model
     param_dtype, model_dtype = cfg.data_types.param_dtype, {"fp16": "fp16", "bf16": "bf16"}.get(cfg.precision, "fp32")
     if param_dtype is not None and param_dtype != model_dtype:
@@ -99,6 +100,41 @@ def _bf16_master_state_problems(cfg: DSConfig, p: str) -> list[Problem]:
         return [Problem(path, f"bf16 master state with offload_optimizer.device {device!r} is not implemented in "
                         f"this version of dsrun (dsrun keeps it on the device); stage {stage}",
                         "set zero_optimization.offload_optimizer.device to none, or remove the bf16 master keys")]
+    return []
+
+
+def separate_bf16_fp32_accumulation(cfg: DSConfig) -> bool:
+    """ZeRO stage 1 accumulating a bf16 model's gradients in fp32: DeepSpeed's ``BF16_Optimizer``, the one place
+    ``bf16.immediate_grad_update`` chooses when each gradient joins the fp32 accumulator."""
+    return (cfg.bf16.enabled and cfg.zero_optimization.stage == 1 and cfg.data_types.grad_accum_dtype == "fp32"
+            and cfg.native_grad_accum_dtype != "fp32")
+
+
+def _grad_accum_problems(cfg: DSConfig, p: str) -> list[Problem]:
+    """``data_types.grad_accum_dtype`` naming another dtype than the one dsrun accumulates in anyway
+    (``DSConfig.native_grad_accum_dtype``): DeepSpeed 0.19 accepts any dtype at ZeRO 1-3 and, without ZeRO, only
+    the model's (its engine raises NotImplementedError for another); dsrun keeps the separate accumulator on the
+    device, beside optimizers that read the strategy's gradients through its ordinary buffers."""
+    asked, stage = cfg.data_types.grad_accum_dtype, cfg.zero_optimization.stage
+    if asked is None or asked == cfg.native_grad_accum_dtype or cfg.amp.enabled:  # amp: check_precision's rule
+        return []
+    path, model = f"{p}data_types.grad_accum_dtype", {"fp16": "fp16", "bf16": "bf16"}.get(cfg.precision, "fp32")
+    if stage == 0:
+        return [Problem(path, f"got {asked!r}; without ZeRO gradients accumulate in the model's dtype ({model}), "
+                        "and DeepSpeed refuses another (NotImplementedError: unsupported mix); stage is 0",
+                        "set zero_optimization.stage to 1, 2 or 3, or remove data_types.grad_accum_dtype")]
+    device = cfg.zero_optimization.offload_optimizer.device
+    if device != "none":
+        return [Problem(path, f"got {asked!r} with offload_optimizer.device {device!r}: a gradient accumulation "
+                        f"dtype other than {cfg.native_grad_accum_dtype} beside an offloaded optimizer is not "
+                        f"implemented in this version of dsrun (its host stores accumulate in fp32); stage {stage}",
+                        "set zero_optimization.offload_optimizer.device to none, or remove "
+                        "data_types.grad_accum_dtype")]
+    opt_type = (cfg.optimizer.type or "").lower() if cfg.optimizer is not None else ""
+    if opt_type in ONE_BIT_OPTIMIZERS:
+        return [Problem(path, f"got {asked!r} with {cfg.optimizer.type} (its compressed exchange reads each rank's "
+                        "model-dtype gradients) is not implemented in this version of dsrun; stage "
+                        f"{stage}", "remove data_types.grad_accum_dtype")]
     return []
 
 
@@ -158,6 +194,10 @@ def check_zero(cfg: DSConfig, raw: dict[str, Any], p: str) -> tuple[list[Problem
                                "zero_quantized_gradients") if getattr(z, k)]
     if zeropp_keys and z.stage != 3:
         notes.append(f"{zp}: {', '.join(zeropp_keys)} (ZeRO++) only matter at stage 3 (stage is {z.stage})")
+    if cfg.bf16.enabled and cfg.bf16.immediate_grad_update and not separate_bf16_fp32_accumulation(cfg):
+        notes.append(f"{p}bf16.immediate_grad_update only chooses something at ZeRO stage 1 with "
+                     "data_types.grad_accum_dtype fp32 (DeepSpeed's BF16_Optimizer); the other stages add each "
+                     "gradient where it accumulates as its hook fires already")
     uses_nvme = "nvme" in (z.offload_param_device, z.offload_optimizer_device)
     if _given(raw, "aio") and not uses_nvme:
         notes.append(f"{p}aio only matters with NVMe offload")

@@ -16,6 +16,7 @@ from dsrun.optim.muon import MuonFeature
 from dsrun.optim.onebit import OneBitFeature
 from dsrun.sequence.feature import SequenceParallelFeature
 from dsrun.tensor_parallel import AutoTPFeature
+from dsrun.zero.grad_accum import GradientAccumulationFeature
 from dsrun.zero.zenflow import ZenFlowFeature
 from dsrun.zero.zeropp import ZeroPlusPlusFeature
 
@@ -30,6 +31,7 @@ BUILTIN: tuple[type[Feature], ...] = (
     AutoTPFeature,  # AutoTP training: the topology's model axis, the model split over it
     ZeroPlusPlusFeature,  # ZeRO++ / MiCS / hpZ: stage 3's sharding policy
     ZenFlowFeature,  # ZenFlow: the selective, overlapped offloaded update of stages 1-2
+    GradientAccumulationFeature,  # data_types.grad_accum_dtype: the dtype the ZeRO strategy accumulates in
 )
 
 for _feature in BUILTIN:

@@ -202,10 +202,12 @@ class DeepSpeedEngine(torch.nn.Module):
                 comm.broadcast(tensor.data, src=src, group=self.dp_group)
 
     def _strategy_context(self, optimizer: torch.optim.Optimizer) -> StrategyContext:
-        # a feature's stage-3 sharding policy (ZeRO++/MiCS/hpZ; built at stage 3 only), else plain ZeRO-3's
+        # a feature's stage-3 sharding policy (ZeRO++/MiCS/hpZ; built at stage 3 only), else plain ZeRO-3's; a
+        # feature's gradient accumulation (data_types.grad_accum_dtype), else the stage's own
         return StrategyContext(module=self.module, optimizer=optimizer, precision=self.precision,
                                device=self.device, config=self._config, groups=self.groups,
-                               sharding=self.features.sharding_policy())
+                               sharding=self.features.sharding_policy(),
+                               accumulation=self.features.gradient_accumulation())
 
     def _configure_lr_scheduler(self, client_scheduler: Any) -> Any:
         if client_scheduler is not None:

@@ -176,6 +176,7 @@ class EstimateInputs:
     hpz_partition_size: int = 1
     bf16_master_weights_and_grads: bool = False
     bf16_optimizer_states: bool = False
+    grad_accum_dtype: str | None = None  # data_types.grad_accum_dtype ("fp32"/"fp16"/"bf16"; None: the stage's own)
     zenflow: Any = None  # the zero_optimization.zenflow section (dsrun.config.recent.ZenFlowConfig) or None
 
     def __post_init__(self) -> None:
@@ -265,6 +266,19 @@ class EstimateInputs:
     def master_element_bytes(self) -> int:
         """Bytes of one element of the optimizer's masters and their gradients: 2 with bf16 master state."""
         return 2 if self.bf16_master_state else 4
+
+    @property
+    def accumulator_element_bytes(self) -> int | None:
+        """Bytes of one element of the gradient accumulator ``data_types.grad_accum_dtype`` asks for where it is not
+        the stage's own (the model's dtype at stages 0-1, the masters' at 2-3), at ZeRO 1-3 on the device (the config
+        layer refuses it elsewhere); None: the stage accumulates as it does natively."""
+        if self.grad_accum_dtype is None or self.zero_stage == 0 or self.offload_optimizer != "none":
+            return None
+        model = self.precision if self.mixed_precision else "fp32"
+        own = model if self.zero_stage == 1 else ("bf16" if self.bf16_master_state else "fp32")
+        if self.grad_accum_dtype == own:
+            return None
+        return 4 if self.grad_accum_dtype == "fp32" else 2
 
     @property
     def state_element_bytes(self) -> int:

@@ -19,6 +19,11 @@ At stage 3, MiCS (``mics_shard_size`` S) partitions over S ranks: N is S in ever
 ``zero_quantized_nontrainable_weights`` the frozen part of the partition, ``(P-T)/N`` elements, is kept as
 INT8 codes plus one fp32 scale per 256 (``dsrun.comm.quantized.message_bytes``) instead of ``w`` bytes each.
 
+``data_types.grad_accum_dtype`` naming another dtype (``a`` bytes) than the stage's own (ZeRO 1-3, on the device):
+stage 1 adds a whole accumulator, ``T*a``, and holds the reduced partition in that dtype, ``a*T/N`` (plus the
+masters' gradient, ``m*T/N``, when ``a`` is not the masters' ``m``); stages 2-3 hold their partition accumulator
+in it, ``a*T/N`` instead of ``m*T/N``, and the step reads a copy in the masters' dtype (``m*T/N`` of workspace).
+
 Stages 1-2 step an fp32 clone of the partition even in fp32 training; stage 3 in fp32 steps its fp32
 partition directly.
 
@@ -162,7 +167,13 @@ def model_state_bytes(spec: EstimateInputs) -> ModelStates:
     if spec.hpz_ranks:  # hpZ: the secondary partition the backward gathers from
         param_elems += ceil_div(total, spec.hpz_ranks)
     t_part = ceil_div(trainable, n) if stage >= 1 else trainable
-    if stage == 0:
+    a = spec.accumulator_element_bytes  # data_types.grad_accum_dtype's accumulator, where it is not the stage's own
+    if a is not None and stage == 1:  # working gradients, the whole accumulator, its reduced partition in its
+        # dtype, and the masters' gradient when that dtype is not the masters'
+        grad_bytes = trainable * w + trainable * a + t_part * a + (t_part * m if a != m else 0)
+    elif a is not None:  # stages 2-3: the partition accumulator in that dtype
+        grad_bytes = t_part * a
+    elif stage == 0:
         grad_bytes = trainable * w + (trainable * FP32 if mixed else 0)
     elif stage == 1 and low:  # whole working gradients and the received piece, which the bf16 masters step on
         grad_bytes = trainable * w + t_part * w
@@ -209,6 +220,8 @@ def model_state_bytes(spec: EstimateInputs) -> ModelStates:
             step_workspace = min(t_part, spec.largest_layer_params) * spec.state_element_bytes
         if error_feedback_bytes(spec):
             step_workspace = max(step_workspace, 2 * trainable * FP32)  # the compressed exchange's input, output
+        if a is not None and stage >= 2 and a != m:  # the step reads a copy of the accumulator in the masters' dtype
+            step_workspace += t_part * m
         if stage == 3 and spec.gradient_clipping > 0:
             # the ZeRO-3 step's gradient norm: a float64 copy of a chunk of a sub-group's gradient and its square
             step_workspace = max(step_workspace, 16 * min(t_part, spec.buffers.sub_group_size, NORM_CHUNK))

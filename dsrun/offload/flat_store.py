@@ -48,12 +48,15 @@ class DeviceFlatStore:
         device)."""
         return [torch.nn.Parameter(part.detach().to(self.master_dtype).clone()) for part in partitions]
 
-    def gradients(self, sizes: list[int], reduced: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """Gradient buffers of ``sizes`` elements in ``master_dtype``; ``reduced`` (the model-dtype partitions
-        the reduction writes) serves itself when it is already in that dtype."""
-        if reduced is not None and self.model_dtype == self.master_dtype:
+    def gradients(self, sizes: list[int], reduced: list[torch.Tensor] | None = None,
+                  dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        """Gradient buffers of ``sizes`` elements in ``dtype`` (None: ``master_dtype``; another is
+        ``data_types.grad_accum_dtype``'s); ``reduced`` (the partitions the reduction writes) serves itself when
+        it is already in that dtype."""
+        dtype = dtype or self.master_dtype
+        if reduced is not None and all(part.dtype == dtype for part in reduced):
             return reduced
-        return [torch.zeros(n, dtype=self.master_dtype, device=self.device) for n in sizes]
+        return [torch.zeros(n, dtype=dtype, device=self.device) for n in sizes]
 
     def step_gradients(self, reduced: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """What the step reads, given the ``reduced`` partitions and this store's ``grads``."""
@@ -131,7 +134,9 @@ class HostFlatStore(DeviceFlatStore):
             masters.append(torch.nn.Parameter(master))
         return masters
 
-    def gradients(self, sizes: list[int], reduced: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    def gradients(self, sizes: list[int], reduced: list[torch.Tensor] | None = None,
+                  dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        # fp32 on the host (the config refuses another grad_accum_dtype with offload_optimizer)
         self.grads = [torch.zeros(n, dtype=torch.float32, pin_memory=self.settings.pinned) for n in sizes]
         return self.grads
 

@@ -74,6 +74,9 @@ class ShardContext:
     # the masters' and gradient accumulators' dtype on the device: fp32, or bf16 with
     # bf16.bf16_master_weights_and_grads (a bf16 model's shards are then the masters themselves)
     master_dtype: torch.dtype = torch.float32
+    # the gradient accumulators' dtype on the device when data_types.grad_accum_dtype names another than the
+    # masters' (None: the masters'); the step then reads a copy in the masters' dtype
+    grad_dtype: torch.dtype | None = None
 
     @property
     def writes_shards(self) -> bool:
@@ -121,7 +124,7 @@ class DeviceShardStore:
         self.sub_groups.append((index, sg))
         master = _flat_shards(sg, self.shard_ctx.device, self.shard_ctx.master_dtype)  # cat made a new tensor
         sg.master = torch.nn.Parameter(master)
-        sg.grad = torch.zeros_like(sg.master.data)
+        sg.grad = torch.zeros_like(sg.master.data, dtype=self.shard_ctx.grad_dtype or master.dtype)
         for p, off in zip(sg.params, sg.offsets):
             p.ds_fp32_shard = sg.master.data[off:off + p.ds_partition_numel]  # GatheredParameters writes here
         if not self.shard_ctx.needs_master_weights:
@@ -190,14 +193,21 @@ class DeviceShardStore:
 
     def _optimizer_step(self, coef: float) -> None:
         """The optimizer's own step over these sub-groups (scaled by ``coef``), then the write-back."""
+        copies = False
         for _, sg in self.sub_groups:
+            grad = sg.grad
+            if grad.dtype != sg.master.dtype:  # grad_accum_dtype's accumulator: the step reads a copy
+                grad, copies = grad.to(sg.master.dtype), True
             if coef != 1.0:
-                sg.grad.mul_(coef)
-            sg.master.grad = sg.grad
+                grad.mul_(coef)
+            sg.master.grad = grad
         if self.shard_ctx.device.type == "cpu":  # small temporaries the heap reuses, not fresh pages
             chunked_step(self.optimizer)
         else:
             self.optimizer.step()
+        if copies:
+            for _, sg in self.sub_groups:
+                sg.master.grad = None
         self.publish()
 
     def publish(self) -> None:

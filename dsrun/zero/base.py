@@ -1,9 +1,8 @@
 """The ZeRO strategy interface and the machinery stages 0-2 share.
 
-The engine holds one strategy, chosen once at initialize, and talks to it only through
-:class:`ZeroStrategy`: ``before_forward``/``before_backward``/``after_backward`` around the model's passes,
-``step`` at a gradient-accumulation boundary, ``zero_grad``, ``memory_breakdown`` and ``state_dict``. A new
-stage (stage 3) is a new subclass registered in :mod:`dsrun.zero.strategies`; the engine does not change.
+The engine holds one strategy, chosen once at initialize, and talks to it only through :class:`ZeroStrategy`:
+``before_forward``/``before_backward``/``after_backward`` around the model's passes, ``step`` at a boundary,
+``zero_grad``, ``memory_breakdown`` and ``state_dict``. A new stage is a subclass in :mod:`dsrun.zero.strategies`.
 
 :class:`FlatStrategy` implements the shared part of stages 0-2: each optimizer param group is flattened
 (:mod:`.layout`), the optimizer is re-pointed at fp32 master tensors, and ``step`` unscales, checks for
@@ -39,9 +38,9 @@ _COMM_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.flo
 
 @dataclass
 class StrategyContext:
-    """Everything a ZeRO strategy is built from: the live objects, the typed DeepSpeed config (the one source
-    of every setting and default, ``dsrun.config.DSConfig``), the run's process groups and the sharding policy
-    a feature supplies (``Features.sharding_policy()``)."""
+    """Everything a ZeRO strategy is built from: the live objects, the typed DeepSpeed config (the one source of
+    every setting and default, ``dsrun.config.DSConfig``), the run's process groups, and what features supply
+    (``Features.sharding_policy()``, ``Features.gradient_accumulation()``)."""
 
     module: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -50,6 +49,7 @@ class StrategyContext:
     config: Any  # dsrun.config.DSConfig
     groups: Any = None  # dsrun.comm.ProcessGroups; None: the whole world is the data-parallel group
     sharding: Any = None  # stage 3's dsrun.zero.sharding.ShardingPolicy from a feature (ZeRO++); None: plain
+    accumulation: Any = None  # dsrun.zero.grad_accum.GradientAccumulation from a feature; None: the stage's own
 
     @property
     def group(self) -> Any:

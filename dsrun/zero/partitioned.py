@@ -38,6 +38,7 @@ from dsrun.offload.state_moves import OffloadStateTypeEnum, StateTensor
 
 from dsrun.zero.base import FlatStrategy, MemoryBreakdown, optimizer_state_bytes, tensor_bytes
 from dsrun.zero.buckets import Bucket
+from dsrun.zero.grad_accum import SeparateAccumulator
 from dsrun.zero.layout import FlatGradients, FlatGroup
 from dsrun.zero.offload_states import StatesOffload, optimizer_state_tensors
 
@@ -206,7 +207,15 @@ class Stage1Strategy(PartitionedStrategy):
     def _build_buffers(self) -> None:
         self.grads = FlatGradients(self.groups)
         self.flat_grads = self.grads.flats
-        self.partition_grads = [torch.zeros(g.partition_numel, dtype=self.model_dtype, device=self.ctx.device)
+        # data_types.grad_accum_dtype naming another dtype: the micro-steps add up in a whole accumulator of that
+        # dtype, which the boundary reduces (in its reduce dtype) into a partition of that dtype (grad_accum.py)
+        accumulation = self.ctx.accumulation
+        self.accumulator = None if accumulation is None else SeparateAccumulator(
+            self.groups, accumulation, self.grads.flats, self.grads.views)
+        if accumulation is not None:
+            self.comm_dtype = accumulation.reduce_dtype or self.model_dtype
+        held = self.model_dtype if accumulation is None else accumulation.dtype
+        self.partition_grads = [torch.zeros(g.partition_numel, dtype=held, device=self.ctx.device)
                                 for g in self.groups]
         # a second boundary backward before the step (a GAN's real and fake losses): the partition already
         # holds the first reduction, so the next one is added to it and the flat buffer starts from zero
@@ -216,19 +225,27 @@ class Stage1Strategy(PartitionedStrategy):
 
     def _on_accumulated(self, gi: int, pi: int) -> None:
         self.grads.adopt(gi, pi)
+        if self.accumulator is not None:  # immediate: into the accumulator as the hook fires
+            self.accumulator.take_parameter(gi, pi)
 
     def _gradient_tensors(self) -> list[StateTensor]:
         # each parameter's .grad is a view of its group's flat gradient; the fp32 gradients are the reduced
         # partitions themselves in fp32 (repeats move once)
         flats = [StateTensor(flat, views) for flat, views in zip(self.grads.flats, self.grads.views)]
-        return flats + [StateTensor(g) for g in self.partition_grads + self.master_grads]
+        sums = [] if self.accumulator is None else [StateTensor(t) for t in self.accumulator.sums]
+        return flats + sums + [StateTensor(g) for g in self.partition_grads + self.master_grads]
 
     def local_gradients(self) -> list[torch.Tensor]:
-        return self.flat_grads
+        return self.flat_grads if self.accumulator is None else self.accumulator.sums
+
+    def _zero_local(self) -> None:
+        self.grads.zero()
+        if self.accumulator is not None:
+            self.accumulator.zero()
 
     def before_backward(self, boundary: bool) -> None:
         if boundary and self._reduced_since_step:
-            self.grads.zero()
+            self._zero_local()
             self._adding = True
         super().before_backward(boundary)
 
@@ -236,12 +253,17 @@ class Stage1Strategy(PartitionedStrategy):
         reducing = self.queue.active
         super().after_backward(boundary)
         self._reduced_since_step = self._reduced_since_step or reducing
+        if not reducing and self.accumulator is not None:  # a micro-step that reduced nothing: fold it in
+            self.accumulator.take_all()
 
     def _reduce(self, bucket: Bucket, async_op: bool) -> None:
         if bucket.pending > 0:  # parameters this backward did not reach: their .grad may have been replaced
             for pi in bucket.param_indices:
                 self.grads.adopt(bucket.group_index, pi)
-        source = self.flat_grads[bucket.group_index][bucket.start:bucket.end]
+        if self.accumulator is not None:  # the boundary's own gradients join the sum, which is reduced
+            source = self.accumulator.take_range(bucket.group_index, bucket.start, bucket.end)
+        else:
+            source = self.flat_grads[bucket.group_index][bucket.start:bucket.end]
         owned = self._owned_part(self.partition_grads, bucket)
         if self._adding:
             bucket.received = torch.empty_like(owned)
@@ -255,18 +277,19 @@ class Stage1Strategy(PartitionedStrategy):
 
     def _master_grads(self) -> list[torch.Tensor]:
         if not self.reduction.reduced:  # nothing was reduce-scattered: this rank's own part of its gradient
-            for gi, (master_grad, flat) in enumerate(zip(self.master_grads, self.flat_grads)):
+            for gi, (master_grad, flat) in enumerate(zip(self.master_grads, self.local_gradients())):
                 lo, hi = self.groups[gi].partition_range(self.rank)
                 master_grad.copy_(flat[lo:hi])
             return self.master_grads
         return self.store.step_gradients(self.partition_grads, self.master_grads)
 
     def zero_grad(self) -> None:
-        self.grads.zero()
+        self._zero_local()
         self._reduced_since_step = self._adding = False
 
     def memory_breakdown(self) -> MemoryBreakdown:
         grads = sum(tensor_bytes(g) for g in self.flat_grads) + sum(tensor_bytes(g) for g in self.partition_grads)
+        grads += 0 if self.accumulator is None else self.accumulator.nbytes()
         if self.master_grads is not self.partition_grads:
             grads += sum(tensor_bytes(g) for g in self.master_grads)
         states, masters = self._partition_state_bytes()
@@ -285,8 +308,12 @@ class Stage2Strategy(PartitionedStrategy):
     POOLED_BUFFERS_PER_SIZE = 2
 
     def _build_buffers(self) -> None:
-        # fp32 accumulators for this rank's partition: the only gradient storage that outlives a bucket
-        self.master_grads = self.store.gradients([g.partition_numel for g in self.groups])
+        # fp32 accumulators for this rank's partition: the only gradient storage that outlives a bucket (in
+        # data_types.grad_accum_dtype when it names another dtype; the step then reads a copy in the masters')
+        accumulation = self.ctx.accumulation
+        self.master_grads = self.store.gradients([g.partition_numel for g in self.groups],
+                                                 dtype=None if accumulation is None else accumulation.dtype)
+        self._step_copies: list[torch.Tensor] = []
         self._pool: dict[int, list[torch.Tensor]] = {}
         self._ready: set[tuple[int, int]] = set()
         for group in self.groups:
@@ -375,9 +402,15 @@ class Stage2Strategy(PartitionedStrategy):
         bucket.staging = None
 
     def _master_grads(self) -> list[torch.Tensor]:
-        return self.master_grads
+        master_dtype = self.masters[0].dtype if self.masters else self.model_dtype
+        if all(g.dtype == master_dtype for g in self.master_grads):
+            return self.master_grads
+        self._step_copies = [g.to(master_dtype) for g in self.master_grads]  # until zero_grad
+        return self._step_copies
 
     def zero_grad(self) -> None:
+        if self._step_copies:  # the step's copies in the masters' dtype (grad_accum_dtype) are not kept
+            self._step_copies = self._step_grads = []
         for g in self.master_grads:
             g.zero_()
         for group in self.groups:

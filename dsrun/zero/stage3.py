@@ -112,7 +112,7 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
         self.shard_ctx = ShardContext(  # what the stores know of this strategy
             device=ctx.device, model_dtype=self.model_dtype, needs_master_weights=self.precision.needs_master_weights,
             measure_gradients=self.precision.checks_overflow or ctx.gradient_clipping > 0, rank=self.rank,
-            master_dtype=self.precision.master_dtype)
+            master_dtype=self.precision.master_dtype, grad_dtype=getattr(ctx.accumulation, "dtype", None))
         self.placement = ShardPlacement(self.shard_ctx, ctx.optimizer, OffloadOptimizerSettings.from_context(ctx))
         self.sub_groups = self._build_sub_groups()
         for store in self.placement.stores:
@@ -369,9 +369,9 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
         return any(store.overflow() for store in self.placement.stores)
 
     def _local_sq_norm(self) -> torch.Tensor:
-        """The sum of squares of this rank's gradients (float64, on the device)."""
-        sq = torch.zeros(1, dtype=torch.float64, device=self.ctx.device)
-        if self.keeps_whole and all(store.kind == "device" for store in self.placement.stores):
+        sq = torch.zeros(1, dtype=torch.float64, device=self.ctx.device)  # this rank's squares, on the device
+        if self.keeps_whole and self.shard_ctx.grad_dtype in (None, torch.float32) and all(
+                store.kind == "device" for store in self.placement.stores):
             # whole parameters, gradients on the device: stage 0's arithmetic (one fp32 dot per flat gradient,
             # no temporary), not the stores' float64 chunks
             for grad in self.step_gradients():

@@ -16,6 +16,7 @@ CONFIG = "tests/unit/config/test_support_effects.py::test_key_changes_behaviour[
 STUDY = "tests/unit/autotuning/test_study.py::"
 ZEROPP = "tests/integration/test_zeropp.py::"
 
+GRAD_ACCUM = "tests/unit/runtime/test_grad_accum_dtype.py::"
 BF16_MASTER_TESTS = "tests/unit/runtime/test_bf16_master_state.py::"
 BF16_MASTER = (BF16_MASTER_TESTS + "test_bf16_master_state_holds_bf16_masters_gradients_and_states",
                BF16_MASTER_TESTS + "test_bf16_master_state_trains_close_to_fp32_masters",
@@ -36,21 +37,6 @@ ENGINE = Feature("", "leave the key at its default")
 
 def _stage(*stages: int):
     return lambda cfg: cfg.zero_optimization.stage in stages
-
-
-def _dsrun_grad_accum_dtype(cfg) -> str:
-    """The dtype dsrun accumulates gradients in over micro-steps: the model's at stages 0-1, fp32 at 2-3 (bf16
-    with bf16 master state, whose gradient accumulators are bf16)."""
-    if cfg.bf16.enabled and cfg.bf16.bf16_master_weights_and_grads and cfg.zero_optimization.stage >= 1:
-        return "bf16"
-    if cfg.fp16.enabled or cfg.bf16.enabled:
-        return "fp32" if cfg.zero_optimization.stage >= 2 else ("fp16" if cfg.fp16.enabled else "bf16")
-    return "fp32"
-
-
-def _grad_accum_dtype_differs(cfg) -> bool:
-    asked = cfg.data_types.grad_accum_dtype
-    return asked is not None and asked != _dsrun_grad_accum_dtype(cfg)
 
 
 ENTRIES: list[Entry] = [
@@ -105,22 +91,24 @@ ENTRIES: list[Entry] = [
     todo("fp16.fp16_master_weights_and_grads", "keep master weights and gradients in fp16 (ZeRO-2, CUDA)",
          FUSED, applies=lambda cfg: cfg.fp16.enabled),
     done("bf16.enabled", "train in bfloat16 with fp32 master weights", UNIT),
-    # DeepSpeed reads it only in its BF16_Optimizer, the fp32 gradient accumulation of bf16 at stages 0-1, which
-    # dsrun does not have (it accumulates in bf16 there; data_types.grad_accum_dtype fp32 is refused with it)
-    todo("bf16.immediate_grad_update", "apply bf16 gradients to the fp32 accumulators inside backward hooks",
-         Feature("fp32 gradient accumulation of a bf16 model at ZeRO stages 0-1 (DeepSpeed's BF16_Optimizer)",
-                 "leave the key at its default (dsrun accumulates bf16 gradients in bf16 at stages 0-1, in fp32 "
-                 "at stages 2-3)"), applies=lambda cfg: cfg.bf16.enabled),
+    # DeepSpeed reads it only in its BF16_Optimizer (ZeRO-1, a bf16 model accumulating in fp32); the other stages
+    # add each gradient where it accumulates from its hook whatever it says (a config note says so)
+    done("bf16.immediate_grad_update", "ZeRO 1 with data_types.grad_accum_dtype fp32: add each bf16 gradient into "
+         "the fp32 accumulator from its parameter's hook (false: all of them once backward is over)",
+         GRAD_ACCUM + "test_immediate_grad_update_adds_each_gradient_as_its_hook_fires",
+         GRAD_ACCUM + "test_stage1_fp32_accumulation_of_bf16_gradients_equals_the_reference"),
     done("bf16.bf16_master_weights_and_grads", "ZeRO 1-3: master weights and gradients in bf16, no fp32 copy "
          "(with bf16_optimizer_states, on the device; docs/precision.md)", *BF16_MASTER),
     done("bf16.bf16_optimizer_states", "ZeRO 1-3, with bf16_master_weights_and_grads: the optimizer's states "
          "(Adam's exp_avg, exp_avg_sq) in bf16", *BF16_MASTER),
     todo("amp.enabled", "Apex automatic mixed precision", APEX),
-    todo("data_types.grad_accum_dtype", "dtype gradients accumulate in over micro-steps",
-         Feature("dsrun accumulates in the model's dtype at ZeRO stages 0-1 and in fp32 at stages 2-3 (bf16 "
-                 "with bf16 master state)",
-                 "remove data_types.grad_accum_dtype, or pick the ZeRO stage that accumulates in that dtype"),
-         active=_grad_accum_dtype_differs),
+    done("data_types.grad_accum_dtype", "dtype gradients accumulate in over micro-steps: ZeRO 1 a whole "
+         "accumulator of it, ZeRO 2-3 the partition accumulators in it (unset: the model's dtype at stages 0-1, the "
+         "masters' at 2-3; stage 0 takes only the model's, as DeepSpeed; docs/precision.md)",
+         GRAD_ACCUM + "test_stage1_fp32_accumulation_of_bf16_gradients_equals_the_reference",
+         GRAD_ACCUM + "test_stages_2_3_accumulate_in_bf16_as_the_reference_and_hold_half_the_gradient_bytes",
+         GRAD_ACCUM + "test_grad_accum_dtype_is_refused_where_deepspeed_or_dsrun_cannot_run_it",
+         "tests/integration/test_grad_accum_dtype_ranks.py::test_grad_accum_dtype_on_two_ranks_equals_the_reference"),
     done("gradient_clipping", "clip the global gradient norm to this value (0: off)", UNIT),
     # --- ZeRO ------------------------------------------------------------------------------------------------
     done("zero_optimization.stage", "0: data parallel; 1: optimizer states, 2: + gradients, 3: + parameters "

@@ -136,6 +136,8 @@ def keys_read(world_of_one, tmp_path_factory) -> frozenset[str]:
              **monitors}, seen, tmp, checkpoint=True)
         run({"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}, "communication_data_type": "fp32"},
             seen, tmp)
+        run({"bf16": {"enabled": True, "immediate_grad_update": True}, "zero_optimization": {"stage": 1},
+             "data_types": {"grad_accum_dtype": "fp32"}}, seen, tmp)
         run({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}, "torch_autocast": {
                 "enabled": True, "dtype": "bf16", "lower_precision_safe_modules": ["torch.nn.Linear"]},
              "zero_allow_untested_optimizer": True}, seen, tmp)

@@ -42,7 +42,7 @@ def _wrapper_of(config: dict, optimizer=None):
     ({"optimizer": ADAM, "zero_optimization": {"stage": 2}, "fp16": {"enabled": True}}, None, "DeepSpeedZeroOptimizer"),
     ({"optimizer": ADAM, "zero_optimization": {"stage": 1}, "bf16": {"enabled": True},
       "data_types": {"grad_accum_dtype": "fp32"}, "dsrun_allow_unimplemented": True}, None,
-     None),  # DeepSpeed's BF16_Optimizer path (dsrun runs it without the fp32 accumulation, with a warning)
+     None),  # DeepSpeed's BF16_Optimizer path (dsrun accumulates in fp32 there too: dsrun/zero/grad_accum.py)
     ({"optimizer": ADAM, "zero_optimization": {"stage": 3}}, None, "DeepSpeedZeroOptimizer_Stage3"),
 ], ids=["fp32", "bf16", "bf16-torch-adam", "fp16-adam", "fp16-torch-adam", "fp16-lamb", "fp16-client-sgd", "fp16-client-fused",
         "zero1", "zero2-fp16", "zero1-bf16-fp32-accum", "zero3"])
