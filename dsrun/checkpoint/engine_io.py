@@ -419,7 +419,9 @@ def _restore_strategy(engine: CheckpointEngine, tag_dir: Path, model_states: dic
         _say(engine, f"loading universal checkpoint {tag_dir.name} (saved by {world_saved} rank(s) at ZeRO stage "
                      f"{stage_saved}) into {live_world} rank(s) at stage {live_stage}")
         with partial_state.PartialUniversalState(tag_dir) as full:  # this rank's ranges of each parameter's files
-            _load_cut(strategy, full, live_stage, live_world, dp_rank, live_shapes, tag_dir, world_saved,
+            source = tp.universal_rank_source(full, model_states.get("param_shapes"), tp.splits_of(
+                engine.features.checkpoint_entries()), engine.groups.coord("model"), engine.groups.size("model"))
+            _load_cut(strategy, source, live_stage, live_world, dp_rank, live_shapes, tag_dir, world_saved,
                       load_optimizer_states)
         return
     saved_shapes = model_states.get("param_shapes")
@@ -529,24 +531,19 @@ def load_checkpoint(engine: CheckpointEngine, load_dir: str, tag: Tag = None, lo
     if stage_files:
         own = tag_dir / layout.model_states_name(3, dp_rank)
         model_path = own if own.is_file() else stage_files[0]
-    else:
-        model_path = tag_dir / layout.model_states_name(0, 0, engine.groups.coord("model"))
+    else:  # this tensor-parallel rank's file; a checkpoint of fewer (a universal folder: one) has rank 0's
+        own = tag_dir / layout.model_states_name(0, 0, engine.groups.coord("model"))
+        model_path = own if own.is_file() else tag_dir / layout.model_states_name(0, 0)
     if custom_load_fn is None and engine.strategy is not None and _layout(engine).module_holds_placeholders \
             and not engine.features.parameter_files():  # the parameters come through the masters: leave them unread
         names = {name for name, _ in engine.module.named_parameters(remove_duplicate=False)}
         model_states = partial_state.model_states_without_parameters(model_path, names)
     else:
         model_states = load_file(model_path)
-    module_sd = model_states["module"]
-    other_degree = tp.saved_degree(model_states) != engine.groups.size("model")
-    if other_degree:  # AutoTP saved at another degree: merged, cut for this rank; the masters follow it
-        if load_optimizer_states and not load_module_only:
-            raise UserError(Problem("load_checkpoint", f"{tag_dir.name} was saved over {tp.saved_degree(model_states)}"
-                                    f" tensor-parallel ranks; this run has {engine.groups.size('model')}: its "
-                                    "optimizer state does not carry over", "load_module_only=True (or "
-                                    "load_optimizer_states=False) loads the weights"))
-        module_sd = tp.module_for_rank(tag_dir, model_states, tp.splits_of(engine.features.checkpoint_entries()),
-                                       engine.groups.coord("model"), engine.groups.size("model"))
+    # AutoTP saved at another degree: the module merged and cut for this rank; the masters follow it (other_degree)
+    module_sd, other_degree = tp.module_for_live_degree(tag_dir, model_states, tp.splits_of(
+        engine.features.checkpoint_entries()), engine.groups.coord("model"), engine.groups.size("model"),
+        with_optimizer=load_optimizer_states and not load_module_only)
     if engine.features.parameter_files():  # parameters in files of their own (MoE: this rank's experts, by id)
         module_sd = experts.module_state(engine, tag_dir, module_sd)
     _load_module(engine, module_sd, load_module_strict, tag_dir, custom_load_fn)
