@@ -191,3 +191,23 @@ def test_a_zero3_reshard_reads_each_ranks_share_and_loads_what_the_full_read_loa
     one = make_engine(3)
     read, share, saved = _load_and_compare(one, tmp_path / "two", "global_step3")
     assert 0.9 * share <= read <= share + SLACK and share < saved  # 2 -> 1: every element once, no file read twice
+
+
+def test_a_pipeline_reshard_reads_each_stages_files_by_range_as_the_merge_of_the_stages(tmp_path):
+    """Two saved pipeline stages (ZeRO-3 on 2 data ranks, ZeRO-2 on 1) naming the same parameters: the later stage's
+    values win, as pipeline_state.merge_stages merges them, and a rank reads only its share of them."""
+    from dsrun.checkpoint import pipeline_state
+
+    _saved_ranks(tmp_path, 3, 2)
+    for path in _saved_ranks(tmp_path / "later", 2, 1):
+        path.rename(tmp_path / path.name.replace("mp_rank_00", "mp_rank_01"))
+    slices = [{"param_shapes": SHAPES, "dsrun": {"zero_stage": 3}, "dp_world_size": 2},
+              {"param_shapes": SHAPES, "dsrun": {"zero_stage": 2}, "dp_world_size": 1}]
+    merged = pipeline_state.merge_stages(tmp_path, slices, False)
+    for rank in range(2):
+        expected = reshard.state_for_rank(_template(1, 2, rank), merged, 1, 2, rank, SHAPES)
+        with partial_state.PartialStagesState(tmp_path, slices, False) as source:
+            stats = tensor_file.reset_read_stats()
+            got = reshard.state_for_rank(_template(1, 2, rank), source, 1, 2, rank, SHAPES)
+        assert_same(got, expected)
+        assert stats.bytes_read == _share_bytes(1, 2, rank, 4)  # the later stage's files only, the rank's elements
