@@ -43,7 +43,7 @@ from .engine_view import CheckpointEngine, CheckpointStrategy
 
 Tag = str | int | None  # a checkpoint tag as DeepSpeed takes it (str() of it names the folder; None: the default)
 from .safe_load import load_file
-from .saved_tag import optim_files, rank_optimizer_states, saved_stage, saved_world, stage0_state
+from .saved_tag import optim_files, saved_stage, saved_world, stage0_state
 
 log = logging.getLogger("dsrun.checkpoint")
 
@@ -440,9 +440,8 @@ def _restore_strategy(engine: CheckpointEngine, tag_dir: Path, model_states: dic
             raise RuntimeError(f"{tag_dir}: this MoE checkpoint has no 'param_shapes' (saved without a ZeRO "
                                "optimizer): its experts cannot be placed by global id")
         partial_state.read_stage0_state(model_path, model_states)
-        rank_states = rank_optimizer_states(tag_dir, model_states, stage_saved, world_saved, engine.bfloat16_enabled())
-        strategy.load_state_dict(experts.optimizer_state(engine, tag_dir, saved_shapes, rank_states, stage_saved,
-                                                         load_optimizer_states))
+        strategy.load_state_dict(experts.optimizer_state(engine, tag_dir, saved_shapes, model_states, stage_saved,
+                                                         world_saved, load_optimizer_states))
         return
     if load_optimizer_states and same_layout:
         # node-local storage holds this node's ranks' optimizer files only: this rank's is the one it needs
