@@ -10,7 +10,9 @@ loads now (``partial``: each rank reads its own elements' byte ranges, dsrun/che
 once as it loaded before (``full``: every saved rank's optimizer file read whole and merged, then cut; the
 benchmark swaps the partial sources for ``reshard.merge_rank_states`` / ``load_universal_state``, which is
 what ``engine_io`` called before, reads the model states file whole, lets the strategy's ``state_dict()``
-clone its masters for the cut and the CPU optimizer copy the loaded moments, as before). Cases: 2 -> 1 ranks, 1 -> 2 ranks, universal (saved on 1 rank) -> 2 ranks,
+clone its masters for the cut and the CPU optimizer copy the loaded moments, as before; every expert file and
+every pipeline stage's optimizer files read whole and merged, as before). Cases: 2 -> 1 ranks, 1 -> 2 ranks,
+universal (saved on 1 rank) -> 2 ranks,
 and the paths that read whole files before issue 39's second round: a stage-0 save (its optimizer state is in
 the model states file) on 1 rank -> ZeRO-3 on 2 ranks; the MoE GPT (``--model``'s sizes, 2 experts in every
 second block) saved at ZeRO-1 with ep=1 on 1 rank -> ep=2 x ZeRO-1 on 2 ranks (the shared groups' optimizer file
@@ -104,6 +106,7 @@ def _use_full_reads() -> None:
     from dsrun.checkpoint import deepspeed_format, engine_io, experts, partial_state, pipeline_state, reshard
     from dsrun.checkpoint import universal_checkpoint
     from dsrun.checkpoint.safe_load import load_file
+    from dsrun.pipe import checkpoint as pipe_checkpoint
 
     def rank_files(paths, stage, shapes):
         return contextlib.nullcontext(reshard.merge_rank_states(
@@ -132,6 +135,7 @@ def _use_full_reads() -> None:
     experts._ExpertFiles = expert_files
     reshard.master_sizes_only = lambda template: template
     engine_io.adopting_loaded_state = contextlib.nullcontext
+    pipe_checkpoint.adopting_loaded_state = contextlib.nullcontext
 
 
 def _rank(rank: int, world: int, port: int, job: dict, results) -> None:

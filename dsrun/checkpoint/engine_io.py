@@ -440,8 +440,9 @@ def _restore_strategy(engine: CheckpointEngine, tag_dir: Path, model_states: dic
             raise RuntimeError(f"{tag_dir}: this MoE checkpoint has no 'param_shapes' (saved without a ZeRO "
                                "optimizer): its experts cannot be placed by global id")
         partial_state.read_stage0_state(model_path, model_states)
-        strategy.load_state_dict(experts.optimizer_state(engine, tag_dir, saved_shapes, model_states, stage_saved,
-                                                         world_saved, load_optimizer_states))
+        with adopting_loaded_state():  # the cut state is this load's alone: the optimizer keeps it, no second copy
+            strategy.load_state_dict(experts.optimizer_state(engine, tag_dir, saved_shapes, model_states, stage_saved,
+                                                             world_saved, load_optimizer_states))
         return
     if load_optimizer_states and same_layout:
         # node-local storage holds this node's ranks' optimizer files only: this rank's is the one it needs

@@ -199,7 +199,7 @@ def _cut_masters(engine: CheckpointEngine, full: Any, load_optimizer_states: boo
     from . import reshard
 
     strategy = engine.strategy
-    template = strategy.state_dict()
+    template = reshard.master_sizes_only(strategy.state_dict())  # its masters' sizes: no clone of them for the cut
     live_shapes = strategy.checkpoint_param_shapes()
     master_key = next(k for k in ("fp32_flat_groups", "single_partition_of_fp32_groups") if k in template)
     base_key = next(k for k in ("base_optimizer_state", "optimizer_state_dict") if k in template)
