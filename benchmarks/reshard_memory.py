@@ -226,15 +226,19 @@ def main(argv: list[str] | None = None) -> int:
                 job = {"kind": "load", "model": args.model, "dir": str(root / folder), "tag": tag, "mode": mode,
                        **arch["load"]}
                 for rank, r in enumerate(launch(world, job)):
-                    r.update(case=name, mode=mode, rank=rank, ratio=r["peak_bytes"] / (r["share_bytes"] + buffer))
+                    r.update(case=name, mode=mode, rank=rank, ratio=r["peak_bytes"] / (r["share_bytes"] + buffer),
+                             zero3=arch["load"].get("stage", 3) == 3)
                     rows.append(r)
                     print(f"{name:>26} {mode:>8} rank {rank}: peak {r['peak_bytes'] / GiB:6.2f} GiB | share "
                           f"{r['share_bytes'] / GiB:5.2f} GiB | peak/(share+buffer) {r['ratio']:4.2f} | rchar "
                           f"{r['rchar'] / GiB:5.2f} GiB | counted {r['counted'] / GiB:5.2f} GiB", flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=1))
-    worst = max(r["ratio"] for r in rows if r["mode"] == "partial")
-    print(f"partial reads: worst peak/(share + {buffer >> 20} MiB buffer) = {worst:.2f} (bound 1.3)")
+    # the bound is for loads into ZeRO-3, whose module comes through the masters; at ZeRO-1 (the MoE and pipeline
+    # cases) a rank also reads the whole module's weights, which it holds whole (docs/checkpoint.md)
+    bounded = [r["ratio"] for r in rows if r["mode"] == "partial" and r["zero3"]]
+    worst = max(bounded, default=0.0)
+    print(f"partial reads into ZeRO-3: worst peak/(share + {buffer >> 20} MiB buffer) = {worst:.2f} (bound 1.3)")
     return 0 if worst <= 1.3 else 1
 
 
