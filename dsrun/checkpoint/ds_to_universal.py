@@ -25,10 +25,13 @@ import torch
 from dsrun.utils import zero_to_fp32 as z2f
 
 from . import atomic, layout, pipeline_state, reshard
+from . import tensor_parallel as tp
+from .tensor_parallel import TENSOR_PARALLEL_KEY
 from .saved_tag import rank_optimizer_states, saved_stage, saved_world
 from .reshard import merge_rank_states
 from .safe_load import load_file
-from .universal_checkpoint import CAT_DIM, FP32, LATEST_UNIVERSAL, OPTIMIZER_STATE, PARAM, STEP, UNIVERSAL_DIR
+from .universal_checkpoint import (CAT_DIM, FP32, LATEST_UNIVERSAL, OPTIMIZER_STATE, PARAM, PARAM_N_SUB_PARAMS, STEP,
+                                   UNIVERSAL_DIR)
 
 
 def _model_states_file(tag_dir: Path) -> Path:
@@ -98,21 +101,31 @@ def ds_to_universal(input_folder: str, output_folder: str, verbose: bool = True)
                              "it was saved by an engine without optimizer")
         stage, world = saved_stage(model_states, tag_dir), saved_world(model_states)
         bf16 = any(tag_dir.glob("bf16_*optim_states.pt"))
-        say(f"Converting ZeRO-{stage} checkpoint of {world} rank(s) in {tag_dir} to a universal checkpoint in {out_dir}")
-        full = merge_rank_states(rank_optimizer_states(tag_dir, model_states, stage, world, bf16), stage, shapes)
-        module = _full_module(tag_dir, model_states["module"])
+        degree = tp.saved_degree(model_states)
+        say(f"Converting ZeRO-{stage} checkpoint of {world} rank(s)" + (f" x {degree} tensor-parallel ranks" if
+            degree > 1 else "") + f" in {tag_dir} to a universal checkpoint in {out_dir}")
+        if degree > 1:  # AutoTP: every tensor-parallel rank's slices put together (stages 0-2: whole modules)
+            full, shapes = tp.merged_optimizer_state(tag_dir, model_states, stage, world, bf16)
+            module = tp.merged_module_state(tag_dir, model_states)
+        else:
+            full = merge_rank_states(rank_optimizer_states(tag_dir, model_states, stage, world, bf16), stage, shapes)
+            module = _full_module(tag_dir, model_states["module"])
     shape_of = {name: torch.Size(shape) for group in shapes for name, shape in group.items()}
 
     staging = out_dir.parent / f".{out_dir.name}.staging"
     atomic.remove_tree(staging)
     root = staging / UNIVERSAL_DIR
     root.mkdir(parents=True)
+    splits = tp.splits_of(model_states)
     for name, value in full.fp32.items():
         folder = root / name
         folder.mkdir()
-        atomic.save_torch({PARAM: value.view(shape_of[name]), CAT_DIM: 0}, folder / f"{FP32}.pt")
+        # DeepSpeed's keys: a TP-split parameter's dimension and its number of fused parts (GPT-2's q|k|v: 3)
+        dim, parts = splits.get(name, (0, 1))
+        cut = {CAT_DIM: dim, **({PARAM_N_SUB_PARAMS: parts} if parts > 1 else {})}
+        atomic.save_torch({PARAM: value.view(shape_of[name]), **cut}, folder / f"{FP32}.pt")
         for key, moment in full.moments.get(name, {}).items():
-            atomic.save_torch({PARAM: moment.view(shape_of[name]), CAT_DIM: 0}, folder / f"{key}.pt")
+            atomic.save_torch({PARAM: moment.view(shape_of[name]), **cut}, folder / f"{key}.pt")
         step = full.group_scalars.get(full.param_group_of.get(name, 0), {}).get(STEP)
         if step is not None:
             atomic.save_torch(step, folder / f"{STEP}.pt")
@@ -128,6 +141,9 @@ def ds_to_universal(input_folder: str, output_folder: str, verbose: bool = True)
     source = {"zero_stage": stage, "dp_world_size": world}
     if pipeline_state.PIPELINE_KEY in extras:  # the layers are one module now, named by layer
         source[pipeline_state.PIPELINE_KEY] = extras.pop(pipeline_state.PIPELINE_KEY)
+        universal_states["mp_world_size"] = 1
+    if splits:  # the module is whole now: a load cuts it for its own tensor-parallel degree
+        source[TENSOR_PARALLEL_KEY] = {**extras.pop(TENSOR_PARALLEL_KEY), "degree": tp.saved_degree(model_states)}
         universal_states["mp_world_size"] = 1
     universal_states["dsrun"] = {**extras, "universal_from": source}
     atomic.save_torch(universal_states, staging / layout.model_states_name(0, 0))
@@ -157,7 +173,7 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--keep_temp_folder", action="store_true", help="accepted for DeepSpeed compatibility "
                         "(dsrun writes no temporary slice files)")
     parser.add_argument("--no_strict", dest="strict", action="store_false", help="accepted for DeepSpeed "
-                        "compatibility (dsrun has no tensor-parallel patterns to check)")
+                        "compatibility (dsrun reads the tensor-parallel splits from the checkpoint, no patterns)")
     return parser.parse_args(argv)
 
 

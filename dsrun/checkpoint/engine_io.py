@@ -43,7 +43,7 @@ from .engine_view import CheckpointEngine, CheckpointStrategy
 
 Tag = str | int | None  # a checkpoint tag as DeepSpeed takes it (str() of it names the folder; None: the default)
 from .safe_load import load_file
-from .saved_tag import optim_files, rank_optimizer_states, saved_stage, saved_world, stage0_state
+from .saved_tag import optim_files, saved_stage, saved_world, stage0_state
 
 log = logging.getLogger("dsrun.checkpoint")
 
@@ -402,11 +402,12 @@ def _load_module(engine: CheckpointEngine, module_sd: dict[str, Any], strict: bo
 
 
 def _restore_strategy(engine: CheckpointEngine, tag_dir: Path, model_states: dict[str, Any], load_optimizer_states: bool,
-                      load_universal: bool, masters_from_module: bool = False) -> None:
+                      load_universal: bool, masters_from_module: bool, model_path: Path) -> None:
     """Load the ZeRO strategy's masters and optimizer state: the rank's own file when the layout matches,
     else resharded (from every saved rank's file, or from a universal folder's per-parameter files).
     ``masters_from_module``: a weights-only load whose module was filled by the client's ``custom_load_fn``
-    keeps the masters that followed it."""
+    keeps the masters that followed it. A stage-0 save's optimizer state, in ``model_path``, is read whole here
+    where the load needs all of it, else by range."""
     strategy = engine.strategy
     live_stage, live_world = strategy.stage, engine.dp_world_size
     stage_saved, world_saved = saved_stage(model_states, tag_dir), saved_world(model_states)
@@ -419,7 +420,9 @@ def _restore_strategy(engine: CheckpointEngine, tag_dir: Path, model_states: dic
         _say(engine, f"loading universal checkpoint {tag_dir.name} (saved by {world_saved} rank(s) at ZeRO stage "
                      f"{stage_saved}) into {live_world} rank(s) at stage {live_stage}")
         with partial_state.PartialUniversalState(tag_dir) as full:  # this rank's ranges of each parameter's files
-            _load_cut(strategy, full, live_stage, live_world, dp_rank, live_shapes, tag_dir, world_saved,
+            source = tp.universal_rank_source(full, model_states.get("param_shapes"), tp.splits_of(
+                engine.features.checkpoint_entries()), engine.groups.coord("model"), engine.groups.size("model"))
+            _load_cut(strategy, source, live_stage, live_world, dp_rank, live_shapes, tag_dir, world_saved,
                       load_optimizer_states)
         return
     saved_shapes = model_states.get("param_shapes")
@@ -436,13 +439,15 @@ def _restore_strategy(engine: CheckpointEngine, tag_dir: Path, model_states: dic
         if saved_shapes is None:
             raise RuntimeError(f"{tag_dir}: this MoE checkpoint has no 'param_shapes' (saved without a ZeRO "
                                "optimizer): its experts cannot be placed by global id")
-        rank_states = rank_optimizer_states(tag_dir, model_states, stage_saved, world_saved, engine.bfloat16_enabled())
-        strategy.load_state_dict(experts.optimizer_state(engine, tag_dir, saved_shapes, rank_states, stage_saved,
-                                                         load_optimizer_states))
+        partial_state.read_stage0_state(model_path, model_states)
+        with adopting_loaded_state():  # the cut state is this load's alone: the optimizer keeps it, no second copy
+            strategy.load_state_dict(experts.optimizer_state(engine, tag_dir, saved_shapes, model_states, stage_saved,
+                                                             world_saved, load_optimizer_states))
         return
     if load_optimizer_states and same_layout:
         # node-local storage holds this node's ranks' optimizer files only: this rank's is the one it needs
         bf16, own_only = engine.bfloat16_enabled(), _node_local(engine)
+        partial_state.read_stage0_state(model_path, model_states)
         own = (stage0_state(model_states, live_shapes) if stage_saved == 0 else deepspeed_format.load_zero_state(
             optim_files(tag_dir, world_saved, bf16, only=dp_rank if own_only else None,
                         mp_rank=engine.groups.coord("model"))[0 if own_only else dp_rank]))
@@ -452,10 +457,11 @@ def _restore_strategy(engine: CheckpointEngine, tag_dir: Path, model_states: dic
     if load_optimizer_states and model_states.get("param_shapes") is not None:
         _say(engine, f"resharding checkpoint {tag_dir.name}: saved by {world_saved} rank(s) at ZeRO stage "
                      f"{stage_saved}, loading into {live_world} rank(s) at stage {live_stage}")
-        if stage_saved > 0:  # this rank's elements read from each saved rank's file (docs/checkpoint.md)
-            paths = optim_files(tag_dir, world_saved, engine.bfloat16_enabled(),
-                                mp_rank=engine.groups.coord("model"))
-            with partial_state.PartialRankState(paths, stage_saved, model_states["param_shapes"]) as source:
+        if stage_saved > 0 or partial_state.left_unread(model_states):  # this rank's elements read from each saved
+            # rank's file, or from a stage-0 save's model states file (docs/checkpoint.md)
+            paths, key = ((optim_files(tag_dir, world_saved, engine.bfloat16_enabled(), mp_rank=engine.groups.coord(
+                "model")), partial_state.OPTIMIZER_FILE_KEY) if stage_saved else ([model_path], partial_state.STAGE0_KEY))
+            with partial_state.PartialRankState(paths, stage_saved, model_states["param_shapes"], key) as source:
                 _load_cut(strategy, source, live_stage, live_world, dp_rank, live_shapes, tag_dir, world_saved)
             return
         full = reshard.merge_rank_states([stage0_state(model_states, live_shapes)], 0, model_states["param_shapes"])
@@ -529,24 +535,18 @@ def load_checkpoint(engine: CheckpointEngine, load_dir: str, tag: Tag = None, lo
     if stage_files:
         own = tag_dir / layout.model_states_name(3, dp_rank)
         model_path = own if own.is_file() else stage_files[0]
-    else:
-        model_path = tag_dir / layout.model_states_name(0, 0, engine.groups.coord("model"))
+    else:  # this tensor-parallel rank's file; a checkpoint of fewer (a universal folder: one) has rank 0's
+        own = tag_dir / layout.model_states_name(0, 0, engine.groups.coord("model"))
+        model_path = own if own.is_file() else tag_dir / layout.model_states_name(0, 0)
+    unread: set[str] = set()  # a stage-0 save's optimizer state is left unread there too (read by range or whole)
     if custom_load_fn is None and engine.strategy is not None and _layout(engine).module_holds_placeholders \
             and not engine.features.parameter_files():  # the parameters come through the masters: leave them unread
-        names = {name for name, _ in engine.module.named_parameters(remove_duplicate=False)}
-        model_states = partial_state.model_states_without_parameters(model_path, names)
-    else:
-        model_states = load_file(model_path)
-    module_sd = model_states["module"]
-    other_degree = tp.saved_degree(model_states) != engine.groups.size("model")
-    if other_degree:  # AutoTP saved at another degree: merged, cut for this rank; the masters follow it
-        if load_optimizer_states and not load_module_only:
-            raise UserError(Problem("load_checkpoint", f"{tag_dir.name} was saved over {tp.saved_degree(model_states)}"
-                                    f" tensor-parallel ranks; this run has {engine.groups.size('model')}: its "
-                                    "optimizer state does not carry over", "load_module_only=True (or "
-                                    "load_optimizer_states=False) loads the weights"))
-        module_sd = tp.module_for_rank(tag_dir, model_states, tp.splits_of(engine.features.checkpoint_entries()),
-                                       engine.groups.coord("model"), engine.groups.size("model"))
+        unread = {name for name, _ in engine.module.named_parameters(remove_duplicate=False)}
+    model_states = partial_state.model_states_without_parameters(model_path, unread)
+    # AutoTP saved at another degree: the module merged and cut for this rank; the masters follow it (other_degree)
+    module_sd, other_degree = tp.module_for_live_degree(tag_dir, model_states, tp.splits_of(
+        engine.features.checkpoint_entries()), engine.groups.coord("model"), engine.groups.size("model"),
+        with_optimizer=load_optimizer_states and not load_module_only)
     if engine.features.parameter_files():  # parameters in files of their own (MoE: this rank's experts, by id)
         module_sd = experts.module_state(engine, tag_dir, module_sd)
     _load_module(engine, module_sd, load_module_strict, tag_dir, custom_load_fn)
@@ -555,7 +555,7 @@ def load_checkpoint(engine: CheckpointEngine, load_dir: str, tag: Tag = None, lo
     if engine.strategy is not None:
         load_universal = bool(engine._config.checkpoint.load_universal)
         _restore_strategy(engine, tag_dir, model_states, load_optimizer_states and not load_module_only,
-                          load_universal, masters_from_module=custom_load_fn is not None or other_degree)
+                          load_universal, custom_load_fn is not None or other_degree, model_path)
         if (other_degree or not engine._config.zero_optimization.load_from_fp32_weights) \
                 and engine.zero_optimization_stage() > 0:
             engine.restore_masters_from_model()  # the masters from the 16-bit weights just loaded, as DeepSpeed

@@ -19,6 +19,7 @@ saved topology each rank reads its own optimizer file as usual (the experts' sta
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from dsrun.utils.zero_to_fp32 import master_slots
 from . import atomic
 from .engine_view import CheckpointEngine
 from .safe_load import load_file
+from .tensor_file import TensorFile
 
 __all__ = ["MARK", "without_experts", "whole_master_state", "expert_states", "save", "module_state",
            "optimizer_state"]  # MARK: DeepSpeed's expert parameter names hold it (tools filter by it)
@@ -132,27 +134,72 @@ def _split_dense(engine: CheckpointEngine, saved_shapes: list[dict[str, Any]], w
     return dense
 
 
+class _ExpertFiles:
+    """This rank's experts' optimizer files as a :class:`.reshard.StateSource` by local name (their masters and
+    per-element states read by range), the shared groups' state (``shared``) under every other name."""
+
+    def __init__(self, tag_dir: Path, units: Any, shared: Any) -> None:
+        self.shared, self.group_scalars = shared, shared.group_scalars
+        self.param_groups, self.precision = shared.param_groups, shared.precision
+        self.files: list[TensorFile] = []
+        self.entries: dict[str, tuple[TensorFile, torch.Tensor, dict[str, torch.Tensor]]] = {}
+        for unit in units:
+            file = TensorFile(tag_dir / unit.optim_file)
+            self.files.append(file)
+            for name, local in unit.local_names.items():
+                moments = {k: v for k, v in file.objects["optimizer_state"][name].items()
+                           if torch.is_tensor(v) and v.dim() > 0}
+                self.entries[local] = (file, file.objects["fp32"][name], moments)
+
+    def close(self) -> None:
+        for file in self.files:
+            file.close()
+
+    def has_master(self, name: str) -> bool:
+        return name in self.entries or self.shared.has_master(name)
+
+    def moment_keys(self, name: str) -> set[str]:
+        return set(self.entries[name][2]) if name in self.entries else self.shared.moment_keys(name)
+
+    def moment_dtype(self, name: str, key: str) -> torch.dtype:
+        return self.entries[name][2][key].dtype if name in self.entries else self.shared.moment_dtype(name, key)
+
+    def copy_range(self, name: str, key: str | None, full_offset: int, out: torch.Tensor) -> None:
+        if name not in self.entries:
+            self.shared.copy_range(name, key, full_offset, out)
+            return
+        file, fp32, moments = self.entries[name]
+        file.read(fp32 if key is None else moments[key], full_offset, out)
+
+
 def optimizer_state(engine: CheckpointEngine, tag_dir: Path, saved_shapes: list[dict[str, Any]],
-                    rank_states: list[dict[str, Any]], saved_stage: int, load_optimizer_states: bool = True
-                    ) -> dict[str, Any]:
-    """This rank's optimizer state for any saved expert-parallel size and stage: the shared groups merged from
-    every saved rank and cut as this run lays them out (:mod:`.reshard`), each expert's state rebuilt from
-    its files by global id; every master tensor is cut over the ranks it is partitioned over
-    (``strategy.master_partitions()``: the data-parallel group, or an expert-data-parallel group)."""
+                    model_states: dict[str, Any], saved_stage: int, saved_world: int,
+                    load_optimizer_states: bool = True) -> dict[str, Any]:
+    """This rank's optimizer state for any saved expert-parallel size and stage: the shared groups' state (every
+    saved rank's, read by range; a stage-0 save's from ``model_states``) and each of this rank's experts' from its
+    file by global id (read by range), cut as this run lays them out (:mod:`.reshard`); every master tensor is cut
+    over the ranks it is partitioned over (``strategy.master_partitions()``: the data-parallel group, or an
+    expert-data-parallel group)."""
+    from . import partial_state, reshard
+    from .saved_tag import optim_files, stage0_state
+
+    dense = _split_dense(engine, saved_shapes, tag_dir)
+    with contextlib.ExitStack() as opened:
+        if saved_stage > 0:
+            shared: Any = opened.enter_context(partial_state.PartialRankState(
+                optim_files(tag_dir, saved_world, engine.bfloat16_enabled()), saved_stage, saved_shapes[:dense]))
+        else:
+            shared = reshard.merge_rank_states([stage0_state(model_states, None)], 0, saved_shapes[:dense])
+        full = _ExpertFiles(tag_dir, engine.features.parameter_files(), shared)
+        opened.callback(full.close)
+        return _cut_masters(engine, full, load_optimizer_states)
+
+
+def _cut_masters(engine: CheckpointEngine, full: Any, load_optimizer_states: bool) -> dict[str, Any]:
     from . import reshard
 
     strategy = engine.strategy
-    dense = _split_dense(engine, saved_shapes, tag_dir)
-    full = reshard.merge_rank_states(rank_states, saved_stage, saved_shapes[:dense])
-    full.param_groups = [{k: v for k, v in g.items() if k != "params"}
-                         for g in reshard._base_state(rank_states[0])["param_groups"]]
-    for unit in engine.features.parameter_files():
-        saved = load_file(tag_dir / unit.optim_file)
-        for name, local in unit.local_names.items():
-            full.fp32[local] = saved["fp32"][name].reshape(-1).float()
-            full.moments[local] = {k: v.reshape(-1) for k, v in saved["optimizer_state"][name].items()
-                                   if torch.is_tensor(v) and v.dim() > 0}
-    template = strategy.state_dict()
+    template = reshard.master_sizes_only(strategy.state_dict())  # its masters' sizes: no clone of them for the cut
     live_shapes = strategy.checkpoint_param_shapes()
     master_key = next(k for k in ("fp32_flat_groups", "single_partition_of_fp32_groups") if k in template)
     base_key = next(k for k in ("base_optimizer_state", "optimizer_state_dict") if k in template)

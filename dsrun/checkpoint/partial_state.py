@@ -9,11 +9,13 @@ A resharded load used to merge every saved rank's optimizer file into the whole 
   parameter's elements sit in each saved rank's flat master and moments is recomputed from the checkpoint's
   ``param_shapes`` (:func:`dsrun.utils.zero_to_fp32.master_slots`, the layout both frameworks write), so no
   metadata beyond what DeepSpeed saves is needed. Every saved file's pickled index is still read (small).
+* :class:`PartialStagesState`: a pipeline checkpoint's saved stages, each stage's optimizer files read so.
 * :class:`PartialUniversalState`: a universal folder's per-parameter files; each rank reads the range of each
   ``fp32.pt``/``exp_avg.pt``... that falls in its partition.
 * :func:`model_states_without_parameters`: a model states file with the module's parameters left unread, for a
   layout whose parameters come through the masters (ZeRO-3), which reads only the buffers of a full module
-  (a universal folder's, or a stage 0-2 save's).
+  (a universal folder's, or a stage 0-2 save's); and a stage-0 save's optimizer state (kept in that file) left
+  unread, for :class:`PartialRankState` (``key=STAGE0_KEY``) to read the rank's ranges of.
 
 The values are the merged path's bit for bit (the same slots, the same casts); ``tests/unit/checkpoint/
 test_partial_reads.py`` checks it, and that a rank reads its share.
@@ -25,7 +27,7 @@ from typing import Any
 
 import torch
 
-from . import deepspeed_format, reshard
+from . import deepspeed_format, pipeline_state, reshard
 from .tensor_file import TensorFile
 from .universal_checkpoint import FP32, OPTIMIZER_STATE, PARAM, STEP, UNIVERSAL_DIR
 from .safe_load import load_file
@@ -50,22 +52,55 @@ class _Piece:
             self.file.read(source, slot.master_offset + lo - slot.full_offset, out[lo - full_offset:hi - full_offset])
 
 
-def _open_rank_file(path: Path, stage: int, world: int, rank: int,
-                    group_shapes: list[dict[str, Any]]) -> tuple[TensorFile, dict[str, Any]]:
-    """A saved rank's optimizer file opened for partial reads, and its ZeRO state as dsrun's strategies read it
-    (:func:`.deepspeed_format.to_dsrun`) with every tensor read but the masters and per-element states."""
+def _open_rank_file(path: Path, stage: int, world: int, rank: int, group_shapes: list[dict[str, Any]],
+                    key: str) -> tuple[TensorFile, dict[str, Any]]:
+    """A saved rank's optimizer file opened for partial reads, and its ZeRO state (the file's entry ``key``) as
+    dsrun's strategies read it (:func:`.deepspeed_format.to_dsrun`; a stage-0 model states file's ``optimizer``
+    is dsrun's already) with every tensor of it read but the masters and per-element states (and their views)."""
     file = TensorFile(path)
-    raw = file.objects["optimizer_state_dict"]
+    raw = file.objects[key]
     if file.partial:
-        file.materialise_all(file.objects, {id(t) for t in reshard.bulk_tensors(raw, stage, world, rank, group_shapes)})
-    return file, deepspeed_format.to_dsrun(file.objects["optimizer_state_dict"])
+        file.materialise_all(raw, _with_views(raw, reshard.bulk_tensors(raw, stage, world, rank, group_shapes)))
+    return file, (deepspeed_format.to_dsrun(raw) if key == OPTIMIZER_FILE_KEY else raw)
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    """Every tensor in ``obj`` (dicts, lists, tuples, pickled objects' attributes)."""
+    if torch.is_tensor(obj):
+        return [obj]
+    if isinstance(obj, dict):
+        values: Any = obj.values()
+    elif isinstance(obj, (list, tuple)):
+        values = obj
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+        values = vars(obj).values()
+    else:
+        return []
+    return [t for value in values for t in _tensors(value)]
+
+
+def _record(tensor: torch.Tensor) -> int | None:
+    return getattr(tensor.untyped_storage(), "_checkpoint_offset", None)
+
+
+def _with_views(obj: Any, bulk: list[torch.Tensor]) -> set[int]:
+    """The ids of the tensors in ``obj`` stored in the same records as ``bulk`` (the tensors themselves and their
+    views: a stage-0 save's per-parameter DeepSpeed keys view its flat masters and moments)."""
+    records = {_record(t) for t in bulk} - {None}
+    return {id(t) for t in _tensors(obj) if _record(t) in records} | {id(t) for t in bulk}
+
+
+OPTIMIZER_FILE_KEY = "optimizer_state_dict"  # the ZeRO state's entry in a ``*_optim_states.pt`` file
+STAGE0_KEY = "optimizer"  # a stage-0 save's: in its model states file
 
 
 class PartialRankState:
-    """The saved ranks' optimizer files (in rank order) as a :class:`.reshard.StateSource`. Use as a context
-    manager (the files are closed at its end)."""
+    """The saved ranks' optimizer files (in rank order) as a :class:`.reshard.StateSource`; ``key``: where the
+    ZeRO state is in each (:data:`STAGE0_KEY`: a stage-0 save's model states file). Use as a context manager
+    (the files are closed at its end)."""
 
-    def __init__(self, paths: list[Path], stage: int, group_shapes: list[dict[str, Any]]) -> None:
+    def __init__(self, paths: list[Path], stage: int, group_shapes: list[dict[str, Any]],
+                 key: str = OPTIMIZER_FILE_KEY) -> None:
         self.files: list[TensorFile] = []
         self.pieces: dict[str, list[_Piece]] = {}
         self.group_scalars: dict[int, dict[str, Any]] = {}
@@ -74,7 +109,7 @@ class PartialRankState:
         world = len(paths)
         try:
             for rank, path in enumerate(paths):
-                file, osd = _open_rank_file(path, stage, world, rank, group_shapes)
+                file, osd = _open_rank_file(path, stage, world, rank, group_shapes, key)
                 self.files.append(file)
                 if rank == 0:
                     refuse_mics(path.parent, osd)
@@ -110,6 +145,62 @@ class PartialRankState:
     def copy_range(self, name: str, key: str | None, full_offset: int, out: torch.Tensor) -> None:
         for piece in self.pieces[name]:
             piece.copy_range(key, full_offset, out)
+
+
+class PartialStagesState:
+    """Every saved stage of a pipeline checkpoint as one :class:`.reshard.StateSource`, by pipeline parameter
+    name, as :func:`.pipeline_state.merge_stages` merges them (a name saved by two stages, a tied module's, from
+    the later; each group's scalars from the first): a stage saved at ZeRO 1-3 read by range from its optimizer
+    files (:class:`PartialRankState`), one saved at stage 0 from its model states already in memory. Use as a
+    context manager."""
+
+    def __init__(self, tag_dir: Path, slices: list[dict[str, Any]], bf16: bool) -> None:
+        self.group_scalars: dict[int, dict[str, Any]] = {}
+        self.param_groups: list[dict[str, Any]] = []
+        self.precision: dict[str, Any] = {}
+        self._of: dict[str, reshard.StateSource] = {}
+        self._open: list[PartialRankState] = []
+        try:
+            for slice_rank, sd in enumerate(slices):
+                shapes, stage = sd.get("param_shapes"), int(sd["dsrun"]["zero_stage"])
+                if shapes is None:
+                    continue
+                if stage == 0:
+                    part: Any = reshard.merge_rank_states([sd[STAGE0_KEY]], 0, shapes)
+                else:
+                    part = PartialRankState(pipeline_state.stage_optimizer_files(tag_dir, sd, slice_rank, bf16),
+                                            stage, shapes)
+                    self._open.append(part)
+                self._of.update({name: part for group in shapes for name in group})
+                for gi, scalars in part.group_scalars.items():
+                    self.group_scalars.setdefault(gi, scalars)
+                self.param_groups = self.param_groups or part.param_groups
+                self.precision = self.precision or part.precision
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for part in self._open:
+            part.close()
+
+    def __enter__(self) -> "PartialStagesState":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def has_master(self, name: str) -> bool:
+        return name in self._of and self._of[name].has_master(name)
+
+    def moment_keys(self, name: str) -> set[str]:
+        return self._of[name].moment_keys(name) if name in self._of else set()
+
+    def moment_dtype(self, name: str, key: str) -> torch.dtype:
+        return self._of[name].moment_dtype(name, key)
+
+    def copy_range(self, name: str, key: str | None, full_offset: int, out: torch.Tensor) -> None:
+        self._of[name].copy_range(name, key, full_offset, out)
 
 
 def _value(entry: Any) -> torch.Tensor:
@@ -174,8 +265,37 @@ class PartialUniversalState:
 
 def model_states_without_parameters(path: Path, parameter_names: set[str]) -> dict[str, Any]:
     """The model states file ``path`` with every tensor read but the module's entries named in
-    ``parameter_names``, which stay on the meta device (never read)."""
+    ``parameter_names``, which stay on the meta device (never read), and, in a stage-0 save (whose optimizer
+    state is in this file), the optimizer's masters and per-element states: a resharded load reads them by range
+    (:class:`PartialRankState` with :data:`STAGE0_KEY`), a load at the saved layout whole
+    (:func:`read_stage0_state`). Any other file with no names to leave is read whole (:func:`.safe_load.load_file`)."""
     with TensorFile(path) as file:
-        module = file.objects.get("module") or {}
+        objects = file.objects
+        module = objects.get("module") or {}
         keep = {id(v) for k, v in module.items() if k in parameter_names and torch.is_tensor(v)}
-        return file.materialise_all(file.objects, keep)
+        keep |= _stage0_bulk(objects) if file.partial else set()
+        if not keep:
+            return load_file(path) if file.partial else objects  # tensors sharing storage stay shared
+        return file.materialise_all(objects, keep)
+
+
+def _stage0_bulk(objects: dict[str, Any]) -> set[int]:
+    """The ids of a dsrun stage-0 save's optimizer masters and per-element states (with their views); none for
+    another stage's file or DeepSpeed's stage-0 layout (converted whole, :func:`.saved_tag.stage0_state`)."""
+    osd, shapes = objects.get(STAGE0_KEY), objects.get("param_shapes")
+    if not isinstance(osd, dict) or osd.get("zero_stage") != 0 or not shapes:
+        return set()
+    return _with_views(osd, reshard.bulk_tensors(osd, 0, 1, 0, shapes))
+
+
+def left_unread(model_states: dict[str, Any]) -> bool:
+    """Whether :func:`model_states_without_parameters` left a stage-0 save's optimizer state unread."""
+    return any(t.device.type == "meta" for t in _tensors(model_states.get(STAGE0_KEY)))
+
+
+def read_stage0_state(path: Path, model_states: dict[str, Any]) -> None:
+    """Read what :func:`model_states_without_parameters` left unread of the stage-0 optimizer state in
+    ``model_states`` (from the file ``path``), in place."""
+    if left_unread(model_states):
+        with TensorFile(path) as file:
+            file.materialise_all(model_states[STAGE0_KEY], set())

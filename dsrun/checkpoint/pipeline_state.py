@@ -9,7 +9,8 @@ from a pipeline run loads into a pipeline at any number of stages and into the d
 from the dense model loads into a pipeline (:func:`to_layer_name` / :func:`to_pipeline_name`, used both ways).
 
 Reading a pipeline checkpoint: every saved stage's ZeRO state is merged by parameter name
-(:func:`merge_stages`), and the per-layer files become one module state dict by layer name
+(:func:`merge_stages`; a resharded pipeline load reads only its ranges of them instead,
+:class:`.partial_state.PartialStagesState`), and the per-layer files become one module state dict by layer name
 (:func:`layer_module_state`).
 """
 from __future__ import annotations
@@ -96,18 +97,22 @@ def first_layers(tied: dict[str, list[int]]) -> dict[str, int]:
     return {key: min(indices) for key, indices in tied.items()}
 
 
-def stage_optimizer_states(tag_dir: Path, slice_states: dict[str, Any], slice_rank: int,
-                           bf16: bool) -> list[dict[str, Any]]:
-    """The optimizer state dicts of one saved stage, one per saved data-parallel rank."""
-    stage = int(slice_states["dsrun"]["zero_stage"])
-    if stage == 0:
-        return [slice_states["optimizer"]]
+def stage_optimizer_files(tag_dir: Path, slice_states: dict[str, Any], slice_rank: int, bf16: bool) -> list[Path]:
+    """The optimizer files of one saved stage (ZeRO stages 1-3), one per saved data-parallel rank."""
     world = int(slice_states.get("dp_world_size", 1))
     for prefer in (bf16, not bf16):
         paths = [tag_dir / layout.optim_states_name(d, prefer, mp_rank=slice_rank) for d in range(world)]
         if all(p.is_file() for p in paths):
-            return [deepspeed_format.load_zero_state(p) for p in paths]
+            return paths
     raise FileNotFoundError(f"{tag_dir}: the optimizer files of stage slice {slice_rank} are missing")
+
+
+def stage_optimizer_states(tag_dir: Path, slice_states: dict[str, Any], slice_rank: int,
+                           bf16: bool) -> list[dict[str, Any]]:
+    """The optimizer state dicts of one saved stage, one per saved data-parallel rank."""
+    if int(slice_states["dsrun"]["zero_stage"]) == 0:
+        return [slice_states["optimizer"]]
+    return [deepspeed_format.load_zero_state(p) for p in stage_optimizer_files(tag_dir, slice_states, slice_rank, bf16)]
 
 
 def merge_stages(tag_dir: Path, slices: list[dict[str, Any]], bf16: bool) -> reshard.FullOptimizerState:

@@ -128,9 +128,12 @@ def bulk_tensors(osd: dict[str, Any], stage: int, world: int, rank: int,
     base = _base_state(osd)
     masters = list(optimizer_master_tensors(osd))
     out = list(masters)
-    for mi, length in enumerate(lengths[:len(masters)]):
+    for mi, master in enumerate(masters):
         state = base["state"].get(mi, base["state"].get(str(mi), {}))
-        out.extend(_per_element(state, length).values())
+        if mi < len(lengths):
+            out.extend(_per_element(state, lengths[mi]).values())
+        else:  # a master beyond ``group_shapes`` (MoE's experts, read from their own files): none of it is read
+            out.extend(v for v in state.values() if torch.is_tensor(v) and v.dim() > 0 and v.numel() >= master.numel())
     return out
 
 

@@ -11,18 +11,28 @@ A load at the degree the checkpoint was saved at reads the rank's own files (a b
 another degree (TP=2 saved, TP=1 loaded) merges the module and re-cuts it for the live ranks; the ZeRO masters
 then follow the loaded weights and the optimizer state is not carried (it is refused unless the load asks for
 the weights only). :func:`merge_checkpoint` is the conversion: a whole model's state dict from a TP checkpoint.
+
+The optimizer state crosses degrees through a universal checkpoint: :func:`merged_optimizer_state` puts each
+tensor-parallel rank's merged ZeRO state together (split parameters concatenated along their split dimension,
+per fused part, as DeepSpeed's ``ds_to_universal`` merges TP slices; whole ones taken from rank 0), and
+:class:`RankSlices` reads a tensor-parallel rank's slice of each split parameter back out of the universal
+folder's whole values, by element ranges, so the load stays a partial read.
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from dsrun.utils.errors import Problem, UserError
 from dsrun.utils.zero_to_fp32 import merge_slices
 
-from . import layout
+from . import layout, reshard
 from .safe_load import load_file
+from .saved_tag import rank_optimizer_states
+from .universal_checkpoint import is_universal
 
 
 def slice_dim(tensor: torch.Tensor, dim: int, parts: int, rank: int, size: int) -> torch.Tensor:
@@ -34,9 +44,12 @@ def slice_dim(tensor: torch.Tensor, dim: int, parts: int, rank: int, size: int) 
     return cut.movedim(0, dim).contiguous()
 
 
+TENSOR_PARALLEL_KEY = "tensor_parallel"  # the model states' ``dsrun`` entry that records the splits
+
+
 def splits_of(model_states: dict[str, Any]) -> dict[str, tuple[int, int]]:
     """``{name: (dim, parts)}`` of a model states dict saved under AutoTP ({} otherwise)."""
-    entry = (model_states.get("dsrun") or {}).get("tensor_parallel") or {}
+    entry = (model_states.get("dsrun") or {}).get(TENSOR_PARALLEL_KEY) or {}
     return {name: (int(cut[0]), int(cut[1])) for name, cut in (entry.get("splits") or {}).items()}
 
 
@@ -72,6 +85,25 @@ def module_for_rank(tag_dir: Path, model_states: dict[str, Any], live: dict[str,
     return whole
 
 
+def module_for_live_degree(tag_dir: Path, model_states: dict[str, Any], live: dict[str, tuple[int, int]], rank: int,
+                           size: int, with_optimizer: bool) -> tuple[dict[str, Any], bool]:
+    """The module state tensor-parallel rank ``rank`` of ``size`` (its split parameters ``live``) loads from
+    ``model_states``, and whether its ZeRO masters must follow that module (the optimizer state does not carry
+    over). At the saved degree: the saved module, False. At another: merged and cut again; the optimizer state of
+    a TP checkpoint does not carry over (refused, unless ``with_optimizer`` is False), a universal folder's does
+    (:class:`RankSlices`: the masters are read from it, False)."""
+    degree = saved_degree(model_states)
+    if degree == size:
+        return model_states["module"], False
+    universal = is_universal(tag_dir)
+    if with_optimizer and not universal:
+        raise UserError(Problem("load_checkpoint", f"{tag_dir.name} was saved over {degree} tensor-parallel ranks; "
+                                f"this run has {size}: its optimizer state does not carry over", "load_module_only="
+                                "True (or load_optimizer_states=False) loads the weights; or convert it with "
+                                "ds_to_universal and load that (checkpoint.load_universal: true)"))
+    return module_for_rank(tag_dir, model_states, live, rank, size), not (universal and with_optimizer)
+
+
 def merge_checkpoint(checkpoint_dir: str | Path, tag: str | None = None) -> dict[str, Any]:
     """The conversion to TP=1: the whole model's state dict (the model's dtype) of the checkpoint ``tag`` (None:
     the one ``latest`` names) under ``checkpoint_dir``, saved at any tensor-parallel degree; load it into the
@@ -83,3 +115,84 @@ def merge_checkpoint(checkpoint_dir: str | Path, tag: str | None = None) -> dict
     tag_dir = root / str(name)
     model_states = load_file(tag_dir / layout.model_states_name(0, 0, 0))
     return merged_module_state(tag_dir, model_states)
+
+
+def merged_optimizer_state(tag_dir: Path, model_states: dict[str, Any], stage: int, world: int, bf16: bool
+                           ) -> tuple[reshard.FullOptimizerState, list[dict[str, Any]]]:
+    """The whole model's optimizer state (fp32 masters, per-element states, scalars) of a checkpoint saved over
+    ``mp_world_size`` tensor-parallel ranks, each with ``world`` data-parallel ranks at ZeRO ``stage``, and its
+    param groups' whole shapes: every tensor-parallel rank's saved ranks merged, then the split parameters' slices
+    put together along their split dimension (:func:`merge_slices`), the whole ones taken from rank 0 (every
+    rank of a group holds the same)."""
+    splits = splits_of(model_states)
+    states = [model_states] + [load_file(tag_dir / layout.model_states_name(0, 0, t))
+                               for t in range(1, saved_degree(model_states))]
+    shapes = [list(sd["param_shapes"]) for sd in states]
+    fulls = [reshard.merge_rank_states(rank_optimizer_states(tag_dir, sd, stage, world, bf16, mp_rank=t), stage,
+                                       shapes[t]) for t, sd in enumerate(states)]
+    full, whole_shapes = fulls[0], [dict(group) for group in shapes[0]]
+    for gi, group in enumerate(whole_shapes):
+        for name in group:
+            if name not in splits:
+                continue
+            dim, parts = splits[name]
+            rank_shapes = [torch.Size(shapes[t][gi][name]) for t in range(len(fulls))]
+
+            def merged(values: list[torch.Tensor]) -> torch.Tensor:
+                return merge_slices([v.view(s) for v, s in zip(values, rank_shapes)], dim, parts)
+
+            whole = merged([f.fp32[name] for f in fulls])
+            group[name] = whole.shape
+            full.fp32[name] = whole.reshape(-1)
+            for key in full.moments.get(name, {}):
+                full.moments[name][key] = merged([f.moments[name][key] for f in fulls]).reshape(-1)
+    return full, whole_shapes
+
+
+class RankSlices:
+    """A :class:`.reshard.StateSource` of whole values (a universal folder's) seen as tensor-parallel rank
+    ``rank`` of ``size``: each split parameter (``splits``, ``{name: (dim, parts)}``) is that rank's
+    :func:`slice_dim` of the whole value, whose shape ``whole_shapes`` gives; reads go to ``source`` by element
+    ranges, one per run of the slice that is contiguous in the whole value."""
+
+    def __init__(self, source: reshard.StateSource, whole_shapes: list[dict[str, Any]],
+                 splits: dict[str, tuple[int, int]], rank: int, size: int) -> None:
+        self.source, self.splits, self.rank, self.size = source, splits, rank, size
+        self.shapes = {name: torch.Size(shape) for group in whole_shapes for name, shape in group.items()}
+        self.group_scalars, self.param_groups = source.group_scalars, source.param_groups
+        self.precision = source.precision
+
+    def has_master(self, name: str) -> bool:
+        return self.source.has_master(name)
+
+    def moment_keys(self, name: str) -> set[str]:
+        return self.source.moment_keys(name)
+
+    def moment_dtype(self, name: str, key: str) -> torch.dtype:
+        return self.source.moment_dtype(name, key)
+
+    def copy_range(self, name: str, key: str | None, full_offset: int, out: torch.Tensor) -> None:
+        if name not in self.splits:
+            self.source.copy_range(name, key, full_offset, out)
+            return
+        dim, parts = self.splits[name]
+        shape = self.shapes[name]
+        block = shape[dim] // parts
+        piece, inner = block // self.size, math.prod(shape[dim + 1:])
+        run = piece * inner  # the slice: for each index before dim and each part, `run` contiguous elements
+        end = full_offset + out.numel()
+        for index in range(full_offset // run if run else 0, -(-end // run) if run else 0):
+            outer, part = divmod(index, parts)
+            whole_start = (outer * shape[dim] + part * block + self.rank * piece) * inner
+            lo, hi = max(full_offset, index * run), min(end, (index + 1) * run)
+            self.source.copy_range(name, key, whole_start + lo - index * run, out[lo - full_offset:hi - full_offset])
+
+
+def universal_rank_source(source: reshard.StateSource, whole_shapes: list[dict[str, Any]] | None,
+                          splits: dict[str, tuple[int, int]], rank: int, size: int) -> reshard.StateSource:
+    """``source`` (whole values) as tensor-parallel rank ``rank`` of ``size`` reads it: itself at one rank."""
+    if size <= 1 or not splits:
+        return source
+    if not whole_shapes:
+        raise RuntimeError("a universal checkpoint without 'param_shapes' cannot be cut for tensor-parallel ranks")
+    return RankSlices(source, whole_shapes, splits, rank, size)

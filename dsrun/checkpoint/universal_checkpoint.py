@@ -9,7 +9,8 @@ loads at any world size and any ZeRO stage.
     └── zero/
         ├── optimizer_state.pt        param-group hyper-parameters and scalars (step), loss scaler, provenance
         └── <parameter name>/
-            ├── fp32.pt               {"param": the full fp32 master value, "cat_dim": 0}
+            ├── fp32.pt               {"param": the full fp32 master value, "cat_dim": 0} (an AutoTP-split
+            │                         parameter: its split dimension, and "param_n_sub_params" when fused)
             ├── exp_avg.pt, exp_avg_sq.pt ...   each optimizer state, in the same form
             └── step.pt               the optimizer step of the parameter's group
 ```
@@ -33,7 +34,8 @@ UNIVERSAL_DIR = "zero"
 LATEST_UNIVERSAL = "latest_universal"
 OPTIMIZER_STATE = "optimizer_state.pt"
 PARAM = "param"
-CAT_DIM = "cat_dim"
+CAT_DIM = "cat_dim"  # a tensor-parallel split parameter's dimension (DeepSpeed's key; 0 for the others)
+PARAM_N_SUB_PARAMS = "param_n_sub_params"  # its number of fused parts, when more than one (GPT-2's q|k|v: 3)
 FP32 = "fp32"
 STEP = "step"
 

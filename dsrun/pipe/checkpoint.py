@@ -25,9 +25,11 @@ import torch
 from torch import nn
 
 from dsrun import comm
-from dsrun.checkpoint import atomic, engine_io, layout, pipeline_state, reshard, state, universal_checkpoint
+from dsrun.checkpoint import (atomic, engine_io, layout, partial_state, pipeline_state, reshard, state,
+                              universal_checkpoint)
 from dsrun.checkpoint.safe_load import load_file
 from dsrun.checkpoint.utils import clone_tensors_for_torch_save
+from dsrun.ops.cpu_optimizer import adopting_loaded_state
 from dsrun.utils.errors import Problem, UserError
 
 from dsrun.pipe.feature import PipelineFeature, expert_parallel_sizes, tied_layers
@@ -214,10 +216,17 @@ def _restore_optimizer(engine: PipelineCheckpointEngine, tag_dir: Path, slices: 
             strategy.load_state_dict(pipeline_state.stage_optimizer_states(
                 tag_dir, own, _slice_rank(engine), engine.bfloat16_enabled())[dp_rank if strategy.stage else 0])
             return
-        full = pipeline_state.merge_stages(tag_dir, slices, engine.bfloat16_enabled())
-    else:  # the weights just loaded become the masters; the optimizer keeps its state
-        full = reshard.FullOptimizerState(fp32={name: p.detach().reshape(-1).float().cpu()
-                                                for name, p in engine.module.named_parameters()})
+        # every saved stage's state, this rank's ranges of it read from the files (docs/checkpoint.md)
+        # (the masters' sizes only, not a clone of them; the optimizer keeps the cut state: one copy of the share)
+        with partial_state.PartialStagesState(tag_dir, slices, engine.bfloat16_enabled()) as source, \
+                adopting_loaded_state():
+            template = reshard.master_sizes_only(strategy.state_dict())
+            strategy.load_state_dict(reshard.state_for_rank(template, source, strategy.stage, live_world, dp_rank,
+                                                            live_shapes))
+        return
+    # the weights just loaded become the masters; the optimizer keeps its state
+    full = reshard.FullOptimizerState(fp32={name: p.detach().reshape(-1).float().cpu()
+                                            for name, p in engine.module.named_parameters()})
     target = reshard.state_for_rank(strategy.state_dict(), full, strategy.stage, live_world, dp_rank, live_shapes,
                                     load_optimizer_states=load_optimizer_states)
     strategy.load_state_dict(target)

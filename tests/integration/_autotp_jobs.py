@@ -219,4 +219,49 @@ def checkpoint_job(rank: int, world: int, name: str, save_dir: str) -> dict[str,
     whole.destroy()
     return {"tail": tail, "resumed": resumed, "logits": logits, "whole_logits": whole_logits, "loaded": loaded,
             "merged": merge_checkpoint(save_dir, "step4") if rank == 0 else None, "whole_tail": whole_tail,
-            "fp32": get_fp32_state_dict_from_zero_checkpoint(save_dir, "step4") if rank == 0 else None}
+            "fp32": get_fp32_state_dict_from_zero_checkpoint(save_dir, "step4") if rank == 0 else None,
+            **universal_job(rank, name, save_dir, batches[4:])}
+
+
+def universal_job(rank: int, name: str, save_dir: str, tail_batches: list[torch.Tensor]) -> dict[str, Any]:
+    """Rank 0 converts the TP=2 checkpoint ``step4`` to a universal folder; then both ranks load it at TP=1 x
+    DP=2 (``checkpoint.load_universal``) and run the tail's batches, a row each. Returns those losses, and (rank
+    0) the universal folder's per-parameter fp32 files and the checkpoint's splits."""
+    from dsrun import comm
+    from dsrun.checkpoint.ds_to_universal import ds_to_universal
+    from dsrun.checkpoint.safe_load import load_file
+    from dsrun.checkpoint.tensor_parallel import splits_of
+
+    files = None
+    if rank == 0:
+        out = ds_to_universal(f"{save_dir}/step4", f"{save_dir}/step4_universal", verbose=False)
+        files = {"fp32": {p.name: load_file(p / "fp32.pt") for p in (out / "zero").iterdir() if p.is_dir()},
+                 "splits": splits_of(load_file(f"{save_dir}/step4/mp_rank_00_model_states.pt"))}
+    comm.barrier()
+    return {"universal": files, "universal_tp1": universal_tail(name, 1, 2, save_dir, tail_batches)}
+
+
+def universal_tail(name: str, tp: int, world: int, save_dir: str, tail_batches: list[torch.Tensor]) -> list[float]:
+    """An engine at TP=``tp`` on ``world`` ranks loads the universal checkpoint under ``save_dir`` and trains on
+    ``tail_batches``, each data-parallel rank on its row (the global batch stays the 2 rows the save trained on)."""
+    engine, _ = _engine(name, tp, world, train_batch_size=2, train_micro_batch_size_per_gpu=1,
+                        checkpoint={"load_universal": True})
+    engine.load_checkpoint(save_dir)
+    dp = engine.groups.coord("data")
+    losses = _train(engine, [ids[dp:dp + 1] for ids in tail_batches])
+    engine.destroy()
+    return losses
+
+
+def tp2_tail_batches(name: str) -> list[torch.Tensor]:
+    """The batches :func:`checkpoint_job`'s TP=2 run trains after its save (its loader's 5th to 8th)."""
+    from dsrun.engine.dataloader import DeepSpeedDataLoader
+
+    return _batches(DeepSpeedDataLoader(Tokens(), 2, data_parallel_world_size=1, data_parallel_rank=0), 8)[4:]
+
+
+def four_rank_job(rank: int, world: int, names: list[str], tp: int, steps: int, save_dir: str) -> dict[str, Any]:
+    """:func:`train_job`'s results, and the universal checkpoint of :func:`universal_job` loaded at TP=2 x DP=2
+    and trained on the TP=2 run's tail (``"universal_tp2"``)."""
+    return {**train_job(rank, world, names, tp, steps),
+            "universal_tp2": universal_tail("gpt2", 2, world, save_dir, tp2_tail_batches("gpt2"))}

@@ -75,8 +75,33 @@ def test_tp2_checkpoint_resumes_bit_exactly_and_loads_at_tp1(tp2_runs):
         "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_0_mp_rank_01_optim_states.pt"]
 
 
-def test_tp2_by_dp2_on_4_ranks():
-    ranks = run_ranks(jobs.train_job, 4, ["llama"], 2, 6, timeout=300)
+def test_tp2_checkpoint_converts_to_universal_and_resumes_at_tp1(tp2_runs):
+    """DeepSpeed's universal layout of a TP=2 checkpoint: each split parameter whole (its slices concatenated along
+    the split dimension, per fused part), its ``cat_dim`` and ``param_n_sub_params``; loaded at TP=1 x DP=2 with
+    ``checkpoint.load_universal`` it resumes the TP=2 run. The loaded state is the saved one exactly, so the
+    losses differ only by the order of fp32 sums (the split's, and DP=2's mean of two rows' means), the bound of
+    the module docstring: ``S · 2 γ_64`` relative after ``S`` steps."""
+    checkpoint = tp2_runs[0]["checkpoint"]
+    universal, merged = checkpoint["universal"], checkpoint["merged"]
+    splits = universal["splits"]
+    assert splits["transformer.h.0.attn.c_attn.weight"][1] == 3  # GPT-2's fused q|k|v
+    for name, entry in universal["fp32"].items():
+        assert torch.equal(entry["param"], merged[name]), name  # fp32 training: the masters are the weights
+        dim, parts = splits.get(name, (0, 1))
+        assert entry["cat_dim"] == dim and entry.get("param_n_sub_params", 1) == parts, name
+    assert set(merged) - set(universal["fp32"]) == {"lm_head.weight"}  # tied to the embedding: one master
+    tail = torch.tensor(checkpoint["tail"], dtype=torch.float64)
+    rows = torch.tensor([r["checkpoint"]["universal_tp1"] for r in tp2_runs], dtype=torch.float64)
+    assert ((rows.mean(0) - tail).abs() / tail).max() <= fp32_bound(len(tail))
+
+
+def test_tp2_by_dp2_on_4_ranks(tp2_runs):
+    ranks = run_ranks(jobs.four_rank_job, 4, ["llama"], 2, 6, str(tp2_runs[0]["dir"]), timeout=300)
+    # the TP=2 (data-parallel size 1) checkpoint's universal folder, loaded at TP=2 x DP=2: each data rank's row
+    tail = torch.tensor(tp2_runs[0]["checkpoint"]["tail"], dtype=torch.float64)
+    rows = torch.tensor([r["universal_tp2"] for r in ranks], dtype=torch.float64)
+    assert torch.equal(rows[0], rows[1]) and torch.equal(rows[2], rows[3])  # a TP group computes one loss
+    assert ((rows[[0, 2]].mean(0) - tail).abs() / tail).max() <= fp32_bound(len(tail))
     runs = [r["llama"] for r in ranks]
     assert [(r["dp_rank"], r["tp_rank"]) for r in runs] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert torch.equal(runs[0]["first_batch"], runs[1]["first_batch"])

@@ -131,6 +131,9 @@ def _full_read_state(engine, tag_dir):
     strategy = engine.strategy
     if is_universal(tag_dir):
         full = load_universal_state(tag_dir)
+    elif not (tag_dir / "zero_pp_rank_0_mp_rank_00_model_states.pt").is_file():  # stage 0: in the model states
+        sd = torch.load(tag_dir / "mp_rank_00_model_states.pt", weights_only=True)
+        full = reshard.merge_rank_states([sd["optimizer"]], 0, sd["param_shapes"])
     else:
         sd = torch.load(tag_dir / "zero_pp_rank_0_mp_rank_00_model_states.pt", weights_only=True)
         world = saved_world(sd)
@@ -151,7 +154,7 @@ def _load_and_compare(engine, root, tag):
     assert_same(live["optimizer_state_dict"]["state"], expected["optimizer_state_dict"]["state"])
     share = sum(t.numel() for t in live["fp32_flat_groups"]) * 4 * 3  # fp32 master + Adam's two moments
     read -= sum(b.numel() * b.element_size() for b in engine.module.buffers())  # the model states' buffers, read
-    return read, share, sum(p.stat().st_size for p in (root / tag).glob("*optim_states.pt"))
+    return read, share, sum(p.stat().st_size for p in (root / tag).glob("*_states.pt"))
 
 
 def _two_ranks(rank, world, root):
@@ -159,6 +162,9 @@ def _two_ranks(rank, world, root):
     engine = make_engine(3)
     out = {"reshard": _load_and_compare(engine, root, "global_step2")}
     out["universal"] = _load_and_compare(make_engine(3), root, "global_step2_universal")
+    from_stage0 = make_engine(3)  # a stage-0 save: its optimizer state is in the model states file
+    out["stage0"] = _load_and_compare(from_stage0, root / "stage0", "global_step2")
+    from_stage0.destroy()
     train(engine, 1, start=2)
     engine.save_checkpoint(str(root / "two"))
     return out
@@ -171,7 +177,13 @@ def test_a_zero3_reshard_reads_each_ranks_share_and_loads_what_the_full_read_loa
     engine.save_checkpoint(str(tmp_path))
     ds_to_universal.main(ds_to_universal.parse_arguments(
         ["--input_folder", str(tmp_path / "global_step2"), "--output_folder", str(tmp_path / "global_step2_universal")]))
+    stage0 = make_engine(0)
+    train(stage0, 2)
+    stage0.save_checkpoint(str(tmp_path / "stage0"))
+    stage0.destroy()
     for rank, out in enumerate(run_ranks(_two_ranks, 2, tmp_path, timeout=240)):
+        read, share, saved = out["stage0"]  # stage 0 -> 3 on 2 ranks: the rank's half of the model states' optimizer
+        assert 0.9 * share <= read <= share + SLACK and share < 0.55 * saved
         read, share, saved = out["reshard"]
         assert 0.9 * share <= read <= share + SLACK and share < 0.55 * saved  # 1 -> 2: about half of the one saved file
         read, share, _ = out["universal"]
@@ -179,3 +191,23 @@ def test_a_zero3_reshard_reads_each_ranks_share_and_loads_what_the_full_read_loa
     one = make_engine(3)
     read, share, saved = _load_and_compare(one, tmp_path / "two", "global_step3")
     assert 0.9 * share <= read <= share + SLACK and share < saved  # 2 -> 1: every element once, no file read twice
+
+
+def test_a_pipeline_reshard_reads_each_stages_files_by_range_as_the_merge_of_the_stages(tmp_path):
+    """Two saved pipeline stages (ZeRO-3 on 2 data ranks, ZeRO-2 on 1) naming the same parameters: the later stage's
+    values win, as pipeline_state.merge_stages merges them, and a rank reads only its share of them."""
+    from dsrun.checkpoint import pipeline_state
+
+    _saved_ranks(tmp_path, 3, 2)
+    for path in _saved_ranks(tmp_path / "later", 2, 1):
+        path.rename(tmp_path / path.name.replace("mp_rank_00", "mp_rank_01"))
+    slices = [{"param_shapes": SHAPES, "dsrun": {"zero_stage": 3}, "dp_world_size": 2},
+              {"param_shapes": SHAPES, "dsrun": {"zero_stage": 2}, "dp_world_size": 1}]
+    merged = pipeline_state.merge_stages(tmp_path, slices, False)
+    for rank in range(2):
+        expected = reshard.state_for_rank(_template(1, 2, rank), merged, 1, 2, rank, SHAPES)
+        with partial_state.PartialStagesState(tmp_path, slices, False) as source:
+            stats = tensor_file.reset_read_stats()
+            got = reshard.state_for_rank(_template(1, 2, rank), source, 1, 2, rank, SHAPES)
+        assert_same(got, expected)
+        assert stats.bytes_read == _share_bytes(1, 2, rank, 4)  # the later stage's files only, the rank's elements

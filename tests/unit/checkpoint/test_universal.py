@@ -57,3 +57,27 @@ def test_the_cli_refuses_a_folder_that_is_not_a_checkpoint_tag(tmp_path):
     assert missing.returncode == 2 and "is not a folder" in missing.stderr and "Traceback" not in missing.stderr
     empty = run_cli("convert", "ds-to-universal", str(tmp_path), str(tmp_path / "out"))
     assert empty.returncode == 2 and "model_states.pt" in empty.stderr
+
+
+@pytest.mark.parametrize("shape,dim,parts", [((6, 12), 1, 3), ((12, 5), 0, 2), ((8,), 0, 1), ((2, 3, 8), 2, 2)])
+def test_a_tensor_parallel_ranks_slice_of_a_whole_value_is_read_by_ranges(shape, dim, parts):
+    """A universal folder's whole values seen by TP rank r of 2 (tensor_parallel.RankSlices): any element range of
+    the rank's flattened slice is that range of ``slice_dim`` of the whole value (fused parts cut per part)."""
+    from dsrun.checkpoint import reshard, tensor_parallel as tp
+
+    whole = torch.arange(torch.Size(shape).numel(), dtype=torch.float32)
+    source = reshard.FullOptimizerState(fp32={"w": whole, "b": whole.clone()},
+                                        moments={"w": {"exp_avg": -whole}})
+    for rank in range(2):
+        cut = tp.universal_rank_source(source, [{"w": shape, "b": shape}], {"w": (dim, parts)}, rank, 2)
+        expected = tp.slice_dim(whole.view(shape), dim, parts, rank, 2).reshape(-1)
+        for start, count in ((0, expected.numel()), (1, expected.numel() - 2), (expected.numel() // 2, 2), (expected.numel() - 1, 1)):
+            out = torch.empty(count)
+            cut.copy_range("w", None, start, out)
+            assert torch.equal(out, expected[start:start + count]), (rank, start, count)
+            cut.copy_range("w", "exp_avg", start, out)
+            assert torch.equal(out, -expected[start:start + count])
+        out = torch.empty(4)
+        cut.copy_range("b", None, 2, out)  # a whole parameter: the whole value's range
+        assert torch.equal(out, whole[2:6])
+    assert tp.universal_rank_source(source, None, {"w": (dim, parts)}, 0, 1) is source  # one rank: no cut
