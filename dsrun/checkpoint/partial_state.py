@@ -64,7 +64,7 @@ def _open_rank_file(path: Path, stage: int, world: int, rank: int, group_shapes:
     return file, (deepspeed_format.to_dsrun(raw) if key == OPTIMIZER_FILE_KEY else raw)
 
 
-def _tensors(obj: Any) -> list[torch.Tensor]:
+def _tensors(obj: object) -> list[torch.Tensor]:
     """Every tensor in ``obj`` (dicts, lists, tuples, pickled objects' attributes)."""
     if torch.is_tensor(obj):
         return [obj]
@@ -83,7 +83,7 @@ def _record(tensor: torch.Tensor) -> int | None:
     return getattr(tensor.untyped_storage(), "_checkpoint_offset", None)
 
 
-def _with_views(obj: Any, bulk: list[torch.Tensor]) -> set[int]:
+def _with_views(obj: object, bulk: list[torch.Tensor]) -> set[int]:
     """The ids of the tensors in ``obj`` stored in the same records as ``bulk`` (the tensors themselves and their
     views: a stage-0 save's per-parameter DeepSpeed keys view its flat masters and moments)."""
     records = {_record(t) for t in bulk} - {None}

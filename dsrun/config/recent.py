@@ -82,7 +82,7 @@ DEFAULT_LEAF_MODULE_NAMES: list[str] = []
 DEFAULT_LEAF_MODULE_NAME_SUFFIXES: list[str] = []
 
 
-def _names_once(value: Any) -> Any:
+def _names_once(value: object) -> object:
     """One name may be written as a string; each name counts once, first place kept (as DeepSpeed reads them)."""
     if isinstance(value, str):
         value = [value]

@@ -134,7 +134,7 @@ class GatheringParameters(dict):
     DeepSpeed builds it). It gathers once its ``coordinator`` is set (the coordinator hooking the module sets
     it); until then it is a plain dict. Pickles and copies as a plain dict."""
 
-    def __init__(self, parent_module: torch.nn.Module | None, *args: Any, **kwargs: Any):
+    def __init__(self, parent_module: torch.nn.Module | None, *args: object, **kwargs: object):
         super().__init__(*args, **kwargs)
         self._parent_module = parent_module
         self.coordinator: ParameterCoordinator | None = None
