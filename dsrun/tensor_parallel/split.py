@@ -74,7 +74,7 @@ def split_for_training(model: nn.Module, group: ProcessGroup | None, tp_rank: in
                     _cut(module.bias, 0, parts, tp)
                     layout.splits[f"{prefix}.bias"] = (0, parts)
                 kind = RowParallelLinear if row else ColumnParallelLinear
-                replacement = kind(module.weight, module.bias, transposed, group, tp_size)
+                replacement = kind(module.weight, module.bias, transposed, group, tp_size, tp_rank)
                 setattr(slot.parent, slot.attr, replacement)
                 slot.module = replacement
                 if not row and pair.attention:
