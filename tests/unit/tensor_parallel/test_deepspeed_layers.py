@@ -62,6 +62,7 @@ def _layers_on_two_ranks(rank: int, world_size: int) -> None:
     comm.init_distributed(verbose=False)
     try:
         group = comm.new_group([0, 1])
+        assert comm.get_world_size(comm.get_world_group()) == 2  # DeepSpeed's comm.get_world_group (its tests' mpu)
         torch.manual_seed(0)  # the same whole layers and input on both ranks
         whole, x = torch.nn.Linear(8, 7), torch.randn(3, 8, requires_grad=True)
         (x @ whole.weight.t() + whole.bias).pow(2).sum().backward()
