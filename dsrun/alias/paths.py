@@ -61,6 +61,7 @@ PATHS: dict[str, str] = {
     "deepspeed.utils.torch": "dsrun.utils.torch_version",
     "deepspeed.utils.comms_logging": "dsrun.comm.logger",
     "deepspeed.utils.timer": "dsrun.compat.utils.timer",
+    "deepspeed.module_inject": "dsrun.compat.module_inject",
     # dsrun keeps these objects under another name
     "deepspeed.ops.op_builder": "op_builder",
     "deepspeed.launcher.runner": "dsrun.cli.deepspeed_runner",

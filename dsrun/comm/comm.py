@@ -211,6 +211,11 @@ def get_world_size(group: ProcessGroup = None) -> int:
     return dist.get_world_size(group) if is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def get_world_group() -> ProcessGroup:
+    """DeepSpeed's ``comm.get_world_group``: the group of every rank (torch's ``group.WORLD``)."""
+    return dist.group.WORLD
+
+
 def get_global_rank(group: ProcessGroup, group_rank: int) -> int:
     """The global rank of ``group_rank`` within ``group``."""
     return dist.get_global_rank(group, group_rank) if group is not None else group_rank

@@ -118,7 +118,7 @@ def buffer_bytes(spec: EstimateInputs) -> BufferBytes:
     """Communication buffer bytes per rank for ``spec`` (see the module docstring)."""
     w = working_bytes(spec)
     b = spec.buffers
-    n = spec.world_size
+    n = spec.data_parallel_size  # ZeRO's group (with AutoTP, the ranks at one tensor-parallel position)
     bucket = min(b.reduce_bucket_size, spec.trainable)
     several = bucket_count(spec) > 1
     in_flight = 2 if spec.overlap_comm and several else 1

@@ -55,7 +55,7 @@ class CommVolume:
 
 def step_comm_volume(spec: EstimateInputs) -> CommVolume:
     """The comm volume of ``spec``'s run (see the module docstring)."""
-    n, e, g = spec.world_size, ELEMENT_BYTES[spec.precision], spec.gradient_accumulation_steps
+    n, e, g = spec.data_parallel_size, ELEMENT_BYTES[spec.precision], spec.gradient_accumulation_steps
     psi, trainable = spec.total_params, spec.trainable
     leaving = (n - 1) / n if n > 1 else 0.0
     if n == 1:

@@ -134,6 +134,11 @@ class EstimateInputs:
     (1 with a 16-bit model: NVMe optimizer offload writes the gradient files in the model dtype).
     ``sequence_parallel_size`` (Ulysses: each rank's activations are 1/P of the sequence's; ZeRO still
     partitions over every rank).
+    ``tensor_parallel_size`` T (AutoTP, ``tensor_parallel.autotp_size``): groups of T consecutive ranks split the
+    Transformer blocks' matrices (docs/autotp.md). The parameter counts above are then one rank's share (its slices
+    and the whole embeddings, norms and head), ZeRO partitions over the ``world_size / T`` data-parallel ranks,
+    and each block's per-head and MLP-wide activations are 1/T; ``unsplit_params`` is the whole model's count,
+    which every rank builds (and broadcasts) before the split.
     ZeRO-3 layouts: ``mics_shard_size`` (MiCS: model states partitioned over groups of that many ranks
     instead of all of them; -1 off) and ``hpz_partition_size`` (hpZ: each rank also keeps a secondary
     partition of the parameters over that many ranks; 1 off).
@@ -177,6 +182,8 @@ class EstimateInputs:
     bf16_master_weights_and_grads: bool = False
     bf16_optimizer_states: bool = False
     grad_accum_dtype: str | None = None  # data_types.grad_accum_dtype ("fp32"/"fp16"/"bf16"; None: the stage's own)
+    tensor_parallel_size: int = 1
+    unsplit_params: int | None = None
     zenflow: Any = None  # the zero_optimization.zenflow section (dsrun.config.recent.ZenFlowConfig) or None
 
     def __post_init__(self) -> None:
@@ -216,11 +223,17 @@ class EstimateInputs:
         for name in ("rank_runtime_bytes", "data_bytes", "monitor_bytes", "runtime_overhead_bytes"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 yield Problem(name, f"must be an integer >= 0, got {getattr(self, name)!r}")
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or tp < 1 or self.world_size % tp:
+            yield Problem("tensor_parallel.autotp_size", f"got {tp!r}; it must divide the {self.world_size} ranks")
+            return
         for name, key in (("mics_shard_size", "mics_shard_size"), ("hpz_partition_size", "zero_hpz_partition_size")):
             size = getattr(self, name)
-            if size > 1 and self.world_size % size:
-                yield Problem(f"zero_optimization.{key}", f"got {size}; it must divide the {self.world_size} ranks")
-        if self.partition_ranks < self.world_size and self.hpz_ranks:  # as the engine refuses it
+            if size > 1 and self.data_parallel_size % size:
+                yield Problem(f"zero_optimization.{key}", f"got {size}; it must divide the {self.data_parallel_size} "
+                              "ranks" + (f" ZeRO partitions over ({self.world_size} / tensor_parallel.autotp_size "
+                                         f"{tp})" if tp > 1 else ""))
+        if self.partition_ranks < self.data_parallel_size and self.hpz_ranks:  # as the engine refuses it
             yield Problem("zero_optimization.zero_hpz_partition_size", "hpZ and MiCS (mics_shard_size) cannot be "
                           "combined", "set one of them")
         if self.trainable_params is not None and not 0 <= self.trainable_params <= self.total_params:
@@ -235,17 +248,29 @@ class EstimateInputs:
         return self.ranks_per_node * self.nodes
 
     @property
+    def data_parallel_size(self) -> int:
+        """The ranks ZeRO reduces and partitions over: every rank, or with AutoTP the ``world_size / T`` ranks
+        at one position of their tensor-parallel groups."""
+        return self.world_size // max(1, self.tensor_parallel_size)
+
+    @property
     def partition_ranks(self) -> int:
-        """The ranks model states are partitioned over: a MiCS shard group at stage 3, else all of them."""
-        if self.zero_stage == 3 and 0 < self.mics_shard_size < self.world_size:
+        """The ranks model states are partitioned over: a MiCS shard group at stage 3, else all data-parallel
+        ranks."""
+        if self.zero_stage == 3 and 0 < self.mics_shard_size < self.data_parallel_size:
             return self.mics_shard_size
-        return self.world_size
+        return self.data_parallel_size
 
     @property
     def hpz_ranks(self) -> int:
         """The ranks of an hpZ secondary parameter partition (0: none)."""
         size = self.hpz_partition_size
-        return size if self.zero_stage == 3 and 1 < size < self.world_size else 0
+        return size if self.zero_stage == 3 and 1 < size < self.data_parallel_size else 0
+
+    @property
+    def built_params(self) -> int:
+        """The parameters a rank builds before any split: the whole model (``unsplit_params``) with AutoTP."""
+        return self.total_params if self.unsplit_params is None else self.unsplit_params
 
     @property
     def trainable(self) -> int:

@@ -110,7 +110,7 @@ def error_feedback_bytes(spec: EstimateInputs) -> int:
     server error over this rank's chunk (0 for other optimizers)."""
     if spec.optimizer.lower().replace("_", "").replace("-", "") not in ONE_BIT:
         return 0
-    return spec.trainable * FP32 + ceil_div(spec.trainable, spec.world_size) * FP32
+    return spec.trainable * FP32 + ceil_div(spec.trainable, spec.data_parallel_size) * FP32
 
 
 @dataclass(frozen=True)
@@ -255,11 +255,12 @@ def model_state_bytes(spec: EstimateInputs) -> ModelStates:
 
 
 def init_bytes_per_rank(spec: EstimateInputs) -> int:
-    """Host RAM a rank needs while building the model: the whole model in fp32, unless ZeRO-3's
-    ``zero.Init`` partitions it as it is built (then the partition plus one whole layer)."""
+    """Host RAM a rank needs while building the model: the whole model in fp32 (with AutoTP the unsplit model,
+    which is broadcast and then cut), unless ZeRO-3's ``zero.Init`` partitions it as it is built (then the
+    partition plus one whole layer)."""
     if spec.zero_stage == 3 and spec.zero_init:
         return (ceil_div(spec.total_params, spec.partition_ranks) + spec.largest_layer_params) * FP32
-    return spec.total_params * FP32
+    return spec.built_params * FP32
 
 
 def checkpoint_bytes(spec: EstimateInputs) -> int:

@@ -126,7 +126,7 @@ def activation_bytes(spec: EstimateInputs) -> ActivationBytes | None:
     if spec.model_shape is None:
         return None
     return gpt_activation_bytes(spec.model_shape, spec.micro_batch_size, spec.seq_len, spec.precision,
-                                spec.activation_checkpointing, spec.sequence_parallel_size)
+                                spec.activation_checkpointing, spec.sequence_parallel_size, spec.tensor_parallel_size)
 
 
 def tied_gradient_bytes(spec: EstimateInputs) -> int:

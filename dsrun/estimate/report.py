@@ -64,7 +64,9 @@ class MemoryReport:
         data = {
             "model": {**self.model, "total_params": spec.total_params, "trainable_params": spec.trainable,
                       "largest_layer_params": spec.largest_layer_params},
-            "layout": {"nodes": spec.nodes, "ranks_per_node": spec.ranks_per_node, "world_size": spec.world_size},
+            "layout": {"nodes": spec.nodes, "ranks_per_node": spec.ranks_per_node, "world_size": spec.world_size,
+                       **({"tensor_parallel_size": spec.tensor_parallel_size}
+                          if spec.tensor_parallel_size > 1 else {})},
             "inputs": {
                 "zero_stage": spec.zero_stage, "offload_optimizer": spec.offload_optimizer,
                 "offload_param": spec.offload_param, "precision": spec.precision, "optimizer": spec.optimizer,
@@ -95,10 +97,12 @@ def build_report(spec: EstimateInputs, model: dict[str, Any], sources: dict[str,
     recipe = estimate_peak_bytes_per_rank(spec)
     options = estimate_zero_options(spec)
     pick = "with_checkpointing" if spec.checkpoint_mode.enabled else "without_checkpointing"
+    dp_per_node = max(1, spec.ranks_per_node // spec.tensor_parallel_size)
     return MemoryReport(
         inputs=spec, model=model, sources=sources,
-        zero2_table=format_zero2_table(spec.total_params, spec.ranks_per_node, spec.nodes),
-        zero3_table=format_zero3_table(spec.total_params, spec.largest_layer_params, spec.ranks_per_node,
+        # DeepSpeed's formulas over the data-parallel ranks (AutoTP: one rank's share over world / T)
+        zero2_table=format_zero2_table(spec.total_params, dp_per_node, spec.nodes),
+        zero3_table=format_zero3_table(spec.total_params, spec.largest_layer_params, dp_per_node,
                                        spec.nodes),
         recipe=recipe, options=options, budget=budget, verdict=judge(recipe, budget),
         option_verdicts=[judge(getattr(row, pick), budget) for row in options])
@@ -116,7 +120,10 @@ def _summary_lines(report: MemoryReport) -> list[str]:
         + (f" ({model['largest_layer_name']})" if model.get("largest_layer_name") else ""),
         *([f"MoE: {model['moe_total']:,} params over all experts of all ranks, {model['moe_active']:,} active per "
            "token; the counts here are one rank's (its own experts)"] if model.get("moe_total") else []),
-        f"layout: {spec.nodes} node(s) x {spec.ranks_per_node} rank(s) = {spec.world_size} data-parallel ranks",
+        f"layout: {spec.nodes} node(s) x {spec.ranks_per_node} rank(s) = {spec.world_size} "
+        + (f"ranks: {spec.data_parallel_size} data-parallel x {spec.tensor_parallel_size} tensor-parallel (AutoTP; the "
+           f"counts are one rank's share of the split model, whole: {spec.built_params:,})"
+           if spec.tensor_parallel_size > 1 else "data-parallel ranks"),
         f"recipe: ZeRO {spec.zero_stage}, offload optimizer={spec.offload_optimizer} param={spec.offload_param}, "
         f"{spec.precision}, optimizer {spec.optimizer}, micro batch {spec.micro_batch_size}, "
         f"sequence {spec.seq_len}"

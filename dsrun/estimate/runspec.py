@@ -14,6 +14,8 @@ to the inputs, where each one came from (a key path, or "default"), so the repor
   ``block_size``;
 * activation checkpointing: ``train.activation_checkpointing`` / ``model.activation_checkpointing`` /
   ``model.gradient_checkpointing``;
+* tensor parallelism: ``ds.tensor_parallel.autotp_size`` (the model is then counted as one rank's share, split
+  on the meta device by the ``split`` the caller hands :func:`build_recipe_model`);
 * data: the token array's bytes (``data_pipeline_bytes``), which a rank maps from disk;
 * the GPT shape from the built model's ``config`` (``n_layer``, ``n_embd``, ``n_head``, ``vocab_size``,
   optional ``ffn_hidden``, ``dropout``, ``flash`` and ``positions``), else from the same keys under
@@ -22,7 +24,7 @@ to the inputs, where each one came from (a key path, or "default"), so the repor
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import torch
 
@@ -92,16 +94,37 @@ def gpt_shape_of(model: torch.nn.Module | None, model_cfg: Mapping[str, Any]) ->
 
 @dataclass(frozen=True)
 class RecipeModel:
-    """A recipe's model, as the estimator sees it: the meta-device module, its counts and its shape."""
+    """A recipe's model, as the estimator sees it: the meta-device module, its counts and its shape.
+
+    With AutoTP (``tp_size`` > 1) ``module`` and ``counts`` are one rank's split model and ``unsplit_params``
+    the whole model's count; ``tp_size`` 1 is the whole model."""
 
     module: torch.nn.Module | None
     counts: ParameterCounts
     shape: GPTShape | None
     block_size: int | None
+    tp_size: int = 1
+    unsplit_params: int | None = None
 
 
-def build_recipe_model(cfg: Mapping[str, Any]) -> RecipeModel:
-    """Instantiate ``cfg.model`` on the meta device and count it (no weights are allocated)."""
+# splits a meta-device model in place for one rank of a tensor-parallel group of the given size
+# (dsrun.tensor_parallel.split.split_meta_model: the training split, in a room above the estimator)
+TPSplit = Callable[[torch.nn.Module, int], None]
+
+
+def autotp_size_of(cfg: Mapping[str, Any]) -> int:
+    """The run's ``tensor_parallel.autotp_size`` (1 without AutoTP)."""
+    from dsrun.config import ds_section
+
+    ds = _plain(cfg).get("ds") or {}
+    return max(1, int(ds_section(ds, "tensor_parallel").autotp_size or 1))
+
+
+def build_recipe_model(cfg: Mapping[str, Any], split: TPSplit | None = None) -> RecipeModel:
+    """Instantiate ``cfg.model`` on the meta device and count it (no weights are allocated). With
+    ``tensor_parallel.autotp_size`` T > 1 and a ``split``, the model is split as rank 0 of a group of T splits it
+    (every rank's share is the same: the split is even) and counted as that share; without ``split`` it is
+    counted whole (an over-estimate of the model states)."""
     model_cfg = cfg.get("model")
     if not model_cfg or "_target_" not in model_cfg:
         raise ConfigError(Problem("model._target_", "the recipe has no model to build",
@@ -109,7 +132,14 @@ def build_recipe_model(cfg: Mapping[str, Any]) -> RecipeModel:
     module = instantiate_on_meta(model_cfg)
     plain_cfg = _plain(model_cfg)
     block = getattr(getattr(module, "config", None), "block_size", None) or plain_cfg.get("block_size")
-    return RecipeModel(module=module, counts=count_parameters(module), shape=gpt_shape_of(module, plain_cfg),
+    shape = gpt_shape_of(module, plain_cfg)  # the unsplit shape: activations divide it by the degree themselves
+    tp = autotp_size_of(cfg)
+    if tp > 1 and split is not None:
+        unsplit = count_parameters(module).total
+        split(module, tp)
+        return RecipeModel(module=module, counts=count_parameters(module), shape=shape,
+                           block_size=int(block) if block else None, tp_size=tp, unsplit_params=unsplit)
+    return RecipeModel(module=module, counts=count_parameters(module), shape=shape,
                        block_size=int(block) if block else None)
 
 
@@ -172,13 +202,17 @@ def inputs_from_runspec(cfg: Mapping[str, Any], model: RecipeModel) -> tuple[Est
 
     sp = int(ds_section(ds, "sequence_parallel_size"))
     sources["sequence_parallel_size"] = "ds.sequence_parallel_size" if sp > 1 else "default"
+    tp = autotp_size_of(tree)
+    if tp > 1:  # the counts are one rank's when the model was split for the degree, else the whole model's
+        sources["tensor_parallel_size"] = "ds.tensor_parallel.autotp_size" + (
+            " (counts: one rank's split model)" if model.tp_size == tp else " (counts: the whole model)")
     mbs = ds_section(ds, "train_micro_batch_size_per_gpu")  # as given ("auto": None), not resolved
     gas = ds_section(ds, "gradient_accumulation_steps")
     sources["micro_batch_size"] = "ds.train_micro_batch_size_per_gpu"
     if mbs is None and ds_section(ds, "train_batch_size") is not None:
-        mbs = max(1, ds_section(ds, "train_batch_size") // (gas or 1) // max(1, nodes * rpn // sp))
+        mbs = max(1, ds_section(ds, "train_batch_size") // (gas or 1) // max(1, nodes * rpn // sp // tp))
         sources["micro_batch_size"] = ("ds.train_batch_size / gradient_accumulation_steps / (world size / "
-                                       "sequence_parallel_size)")
+                                       "sequence_parallel_size / autotp_size)")
     if mbs is None:
         mbs, sources["micro_batch_size"] = 1, "default"
     seq, sources["seq_len"] = _first(tree, ["data.seq_len", "data.block_size", "data.sequence_length"], None)
@@ -223,5 +257,5 @@ def inputs_from_runspec(cfg: Mapping[str, Any], model: RecipeModel) -> tuple[Est
         gradient_accumulation_steps=gas or 1, sequence_parallel_size=sp,
         mics_shard_size=int(zero.mics_shard_size), hpz_partition_size=int(zero.zero_hpz_partition_size),
         bf16_master_weights_and_grads=low_masters, bf16_optimizer_states=low_states, grad_accum_dtype=grad_accum,
-        zenflow=zero.zenflow)
+        tensor_parallel_size=tp, unsplit_params=model.unsplit_params, zenflow=zero.zenflow)
     return inputs, sources

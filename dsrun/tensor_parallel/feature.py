@@ -28,6 +28,7 @@ from dsrun.utils.errors import ConfigError, Problem
 
 from dsrun.zero.step_hooks import BEFORE_UPDATE
 
+from .deepspeed_layers import set_autotp_mode
 from .norm import clip_by_tensor_parallel_norm
 from .split import TPLayout, split_for_training
 
@@ -92,6 +93,8 @@ class AutoTPFeature(Feature):
     def build(cls, config: DSConfig) -> "AutoTPFeature | None":
         size = autotp_degree(int(config.tensor_parallel.autotp_size))
         problems = _recorded_dtype_problems(config)
+        if size > 1 or _TP_MODEL_INIT_ARGS is not None:  # as DeepSpeed's initialize: AutoTP is for training now
+            set_autotp_mode(training=True)
         if size <= 1:
             if problems:
                 raise ConfigError(problems)

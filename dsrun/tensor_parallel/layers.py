@@ -12,6 +12,10 @@ gradient. The row-parallel bias is added once, after the all-reduce, and is whol
 The layers keep the model's own ``Parameter`` objects (their ``.data`` replaced by this rank's slice) and their
 attribute names, so an optimizer built over ``model.parameters()`` before the split still holds them and the
 state-dict keys stay the model's. A Hugging Face ``Conv1D`` (GPT-2) keeps its ``[in, out]`` layout.
+
+As DeepSpeed's AutoTP layers do, each split parameter carries its layer's ``gather_params(params)`` (the whole
+tensor put back from the group's slices, in place) and ``_tp_partition(params)`` (this rank's slice cut again from
+the whole), which DeepSpeed's tests and its ``GatheredParameters``-style save paths call.
 """
 from __future__ import annotations
 
@@ -22,6 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsrun import comm
+from dsrun.checkpoint.tensor_parallel import slice_dim
+from dsrun.utils.zero_to_fp32 import merge_slices
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -71,12 +77,39 @@ class TensorParallelLinear(nn.Module):
     row_parallel = False
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, transposed: bool,
-                 group: ProcessGroup | None, tp_size: int):
+                 group: ProcessGroup | None, tp_size: int, tp_rank: int = 0):
         super().__init__()
         self.weight, self.bias = weight, bias
-        self.transposed, self.group, self.tp_size = transposed, group, tp_size
+        self.transposed, self.group, self.tp_size, self.tp_rank = transposed, group, tp_size, tp_rank
         in_dim = 0 if transposed else 1
         self.in_features, self.out_features = weight.shape[in_dim], weight.shape[1 - in_dim]
+        for param in (weight, bias):
+            if param is not None and is_model_parallel_parameter(param):
+                # DeepSpeed's AutoTP layers hang these on their parameters
+                param.gather_params, param._tp_partition = self.gather_params, self._tp_partition
+
+    def gather_params(self, params_list: list[nn.Parameter]) -> None:
+        """Put each split parameter of ``params_list`` back whole (its data: the group's slices merged along the
+        dimension it was cut, fused parts kept apart); collective over the tensor-parallel group."""
+        for param in params_list:
+            if not is_model_parallel_parameter(param) or getattr(param, "_tp_gathered", False):
+                continue
+            with torch.no_grad():
+                pieces = [torch.empty_like(param.data) for _ in range(self.tp_size)]
+                comm.all_gather(pieces, param.data.contiguous(), group=self.group)
+                param.data = merge_slices(pieces, param.partition_dim, param.partition_stride)
+            param._tp_gathered = True
+
+    def _tp_partition(self, params_list: list[nn.Parameter]) -> None:
+        """Cut each gathered parameter of ``params_list`` back to this rank's slice (the inverse of
+        :meth:`gather_params`)."""
+        for param in params_list:
+            if not getattr(param, "_tp_gathered", False):
+                continue
+            with torch.no_grad():
+                param.data = slice_dim(param.data, param.partition_dim, param.partition_stride, self.tp_rank,
+                                       self.tp_size)
+            param._tp_gathered = False
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.matmul(x, self.weight) if self.transposed else F.linear(x, self.weight)

@@ -74,7 +74,7 @@ def split_for_training(model: nn.Module, group: ProcessGroup | None, tp_rank: in
                     _cut(module.bias, 0, parts, tp)
                     layout.splits[f"{prefix}.bias"] = (0, parts)
                 kind = RowParallelLinear if row else ColumnParallelLinear
-                replacement = kind(module.weight, module.bias, transposed, group, tp_size)
+                replacement = kind(module.weight, module.bias, transposed, group, tp_size, tp_rank)
                 setattr(slot.parent, slot.attr, replacement)
                 slot.module = replacement
                 if not row and pair.attention:
@@ -82,3 +82,11 @@ def split_for_training(model: nn.Module, group: ProcessGroup | None, tp_rank: in
         for module, where in attention.values():
             split_head_attrs(module, tp, where.rsplit(".", 1)[0])
     return layout
+
+
+def split_meta_model(model: nn.Module, tp_size: int) -> None:
+    """Split a meta-device model in place as rank 0 of a tensor-parallel group of ``tp_size`` splits it (every
+    rank's share has the same shapes): what the memory estimator counts as one rank's model
+    (:func:`dsrun.estimate.runspec.build_recipe_model`'s ``split``). No group is needed: nothing is
+    communicated until a forward."""
+    split_for_training(model, None, 0, tp_size)

@@ -1,4 +1,5 @@
-"""The estimator's measured cases: GPT recipes at ZeRO stages 0-3 on 1, 2 and 4 CPU ranks.
+"""The estimator's measured cases: GPT recipes at ZeRO stages 0-3 on 1, 2 and 4 CPU ranks, and AutoTP's
+``+recipe=gpt_tp`` (TP=2 x ZeRO-1) on 2 ranks (``EXTRA_CASES``).
 
 :func:`measure_cases` does what ``dsrun estimate-memory --measure`` does for each case, minus the
 ``dsrun train`` front end: it composes and validates the recipe and writes its run directory as
@@ -28,6 +29,7 @@ from tests.helpers import CORES, REPO, free_port
 
 RECIPES = ("gpt_zero0", "gpt_zero1", "gpt_zero2", "gpt_zero3")
 RANKS = (1, 2, 4)
+EXTRA_CASES = (("gpt_tp", 2),)  # (recipe, ranks) beyond RECIPES x RANKS: each rank holds half of every split matrix
 SHAPE = ("model.n_layer=2", "model.n_embd=768", "model.block_size=64", "ds.train_micro_batch_size_per_gpu=2")
 STEPS = ("train.max_steps=2", "train.eval_interval=0", "train.eval_iters=1", "train.save_interval=0")
 MAX_PROCS = 4

@@ -37,7 +37,7 @@ ENGINE_IMPORTS = ("runtime.utils",)
 
 # what dsrun does not implement (docs/deepspeed-alias.md says why); each of these is absent, not half there
 NOT_PROVIDED = {
-    "module_inject", "runtime.hybrid_engine", "runtime.domino", "runtime.compiler", "runtime.tensor_parallel",
+    "runtime.hybrid_engine", "runtime.domino", "runtime.compiler", "runtime.tensor_parallel",
     "runtime.tensor_parallel.init_utils", "runtime.base_optimizer", "ops.fp_quantizer", "utils.comms_logging",
     "utils.nvtx", "utils.mixed_precision_linkage", "comm.utils",
 }

@@ -38,3 +38,25 @@ def test_activation_formula_matches_what_the_gpt_saves(positions):
     acts = gpt_activation_bytes(shape, b, s, "fp32", checkpointing=False)
     saved_part = acts.total - acts.workspace - b * s * v * 12  # peak-only terms autograd does not save
     assert abs(saved_part - whole) / whole < 0.01
+
+
+@pytest.mark.parametrize("positions", ["learned", "rotary"])
+def test_a_tensor_parallel_block_saves_its_share_of_the_heads_and_mlp_width(positions):
+    from dsrun.tensor_parallel import TensorParallelLinear
+    from dsrun.tensor_parallel.split import split_for_training
+
+    torch.manual_seed(0)
+    b, s, h, a, v = 3, 64, 64, 4, 256
+    model = gpt.GPT(vocab_size=v, block_size=s, n_layer=1, n_head=a, n_embd=h, positions=positions)
+    shape = gpt_shape_of(model, {})  # the unsplit shape, as the estimator reads it
+    split_for_training(model, None, 0, 2)  # rank 0 of a TP=2 group
+    for layer in model.modules():
+        if isinstance(layer, TensorParallelLinear):
+            # the group's collectives save nothing for backward (an identity forward, or a reduced copy), so one
+            # rank's saved tensors are measured without a group
+            layer.tp_size = 1
+    x = torch.randn(b, s, h, requires_grad=True)
+    block = _saved_bytes(lambda: model.transformer.h[0](x), model)
+    predicted = gpt_activation_bytes(shape, b, s, "fp32", False, tensor_parallel_size=2).per_block
+    assert predicted == gpt_block_activation_bytes(shape, b, s, 4, tp=2) < gpt_block_activation_bytes(shape, b, s, 4)
+    assert abs(predicted - block) / block < 0.01, (predicted, block)

@@ -169,3 +169,32 @@ def test_ds_settings_come_from_the_typed_sections_with_the_estimators_own_choice
     assert sources["optimizer"] == "default" and sources["zero_stage"] == "ds.zero_optimization.stage"
     assert spec.buffers.overlap_comm is None and spec.with_(zero_stage=3).overlap_comm is True
     assert spec.buffers == BufferSettings()  # every other buffer setting: the schema's default, the same numbers
+
+
+def test_autotp_counts_one_ranks_split_model_and_zero_partitions_over_the_data_parallel_ranks() -> None:
+    from dsrun.models.gpt import GPT
+    from dsrun.tensor_parallel.split import split_for_training, split_meta_model
+
+    ds = {"train_batch_size": 8, "zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": 2}}
+    shape = {"vocab_size": 512, "block_size": 64, "n_layer": 2, "n_head": 4, "n_embd": 64}
+    cfg = runspec(model={"_target_": "dsrun.models.gpt.GPT", **shape}, train={}, launcher={"num_procs": 4}, ds=ds)
+    model = build_recipe_model(cfg, split=split_meta_model)
+    real = GPT(**shape)
+    whole, largest = count_parameters(real).total, count_parameters(real).largest_layer
+    split_for_training(real, None, 0, 2)  # what rank 0 of a TP=2 group holds (the slices' bytes, counted)
+    assert (model.tp_size, model.unsplit_params, model.counts.total) == (2, whole, count_parameters(real).total)
+    assert model.counts.total < whole * 0.75  # the blocks' matrices (most of the model) are halved
+    spec, sources = inputs_from_runspec(cfg, model)
+    assert (spec.tensor_parallel_size, spec.data_parallel_size, spec.partition_ranks) == (2, 2, 2)
+    assert spec.micro_batch_size == 4  # 8 samples over 4 / 2 = 2 data-parallel ranks
+    assert sources["tensor_parallel_size"] == "ds.tensor_parallel.autotp_size (counts: one rank's split model)"
+    # the same run counted whole over every rank (what the estimator did before it knew the split)
+    unsplit = replace(spec, total_params=whole, largest_layer_params=largest, tensor_parallel_size=1,
+                      unsplit_params=None, ranks_per_node=2)
+    tp, dp = estimate_peak_bytes_per_rank(spec), estimate_peak_bytes_per_rank(unsplit)
+    assert tp.model_states < dp.model_states and tp.activations < dp.activations
+    # every rank builds (and broadcasts) the whole model before the split
+    assert tp.init_per_rank == dp.init_per_rank
+    # without the split the counts stay whole (an over-estimate), but the layout is still the TP one
+    counted_whole = build_recipe_model(cfg)
+    assert counted_whole.counts.total == whole and inputs_from_runspec(cfg, counted_whole)[0].data_parallel_size == 2

@@ -1,0 +1,145 @@
+"""DeepSpeed's AutoTP layer classes (``deepspeed.module_inject.layers``) on dsrun's column-/row-parallel layers.
+
+``LinearLayer(module, mp_group)`` keeps this rank's rows of an ``nn.Linear`` (its output features, and its bias),
+``LinearAllreduce(module, mp_group)`` its columns (input features; the bias stays whole and is added once after the
+all-reduce), each with DeepSpeed's shard sizes (:func:`dsrun.tensor_parallel.shard_sizes.get_shard_size_list`,
+so an uneven dimension splits as DeepSpeed splits it). The forward and backward are dsrun's
+(:mod:`dsrun.tensor_parallel.layers`); ``gather_output=True`` all-gathers a column-parallel output over the group
+(backward: this rank's slice of the gradient). Like DeepSpeed's, the layers keep the module's own ``Parameter``
+objects, mark them (``tensor_model_parallel``; ``is_model_parallel_parameter`` is true of them) and hang
+``gather_params`` / ``_tp_partition`` on them. ``set_autotp_mode(training=...)`` / ``is_autotp_training_mode()``
+is DeepSpeed's process-wide switch, which ``initialize`` turns on for a run that asks for AutoTP.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from dsrun import comm
+
+from .layers import ColumnParallelLinear, RowParallelLinear
+from .shard_sizes import get_shard_size_list
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+_TRAINING_MODE = False
+
+
+def set_autotp_mode(training: bool = False) -> None:
+    """DeepSpeed's switch between AutoTP for inference (False) and for training (True)."""
+    global _TRAINING_MODE
+    _TRAINING_MODE = bool(training)
+
+
+def is_autotp_training_mode() -> bool:
+    return _TRAINING_MODE
+
+
+def _group_rank_size(group: ProcessGroup | None) -> tuple[int, int]:
+    if group is None or not comm.is_initialized():
+        return 0, 1
+    return comm.get_rank(group=group), comm.get_world_size(group=group)
+
+
+def _gather_uneven(local: torch.Tensor, sizes: list[int], dim: int, group: ProcessGroup | None) -> torch.Tensor:
+    """The whole tensor from every rank's slice along ``dim`` (slice ``r`` has ``sizes[r]`` entries)."""
+    widest = max(sizes)
+    moved = local.movedim(dim, 0).contiguous()
+    padded = torch.zeros(widest, *moved.shape[1:], dtype=moved.dtype, device=moved.device)
+    padded[:moved.shape[0]] = moved
+    pieces = [torch.empty_like(padded) for _ in sizes]
+    comm.all_gather(pieces, padded, group=group)
+    return torch.cat([piece[:size] for piece, size in zip(pieces, sizes)]).movedim(0, dim).contiguous()
+
+
+def _slice(tensor: torch.Tensor, sizes: list[int], rank: int, dim: int) -> torch.Tensor:
+    return tensor.narrow(dim, sum(sizes[:rank]), sizes[rank]).contiguous()
+
+
+class _GatherOutput(torch.autograd.Function):
+    """Forward: the output slices of the group put together along the last dimension. Backward: this rank's
+    slice of the gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, sizes: list[int], rank: int, group: ProcessGroup | None) -> torch.Tensor:
+        ctx.sizes, ctx.rank = sizes, rank
+        return _gather_uneven(x, sizes, x.dim() - 1, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _slice(grad, ctx.sizes, ctx.rank, grad.dim() - 1), None, None, None
+
+
+class _DeepSpeedShards:
+    """What DeepSpeed's two layer classes share: the cut by shard sizes, the marks, gather and re-partition."""
+
+    name: str | None
+    shard_sizes: list[int]
+    tp_rank: int
+    group: ProcessGroup | None
+
+    def _cut(self, param: nn.Parameter, dim: int) -> None:
+        with torch.no_grad():
+            param.data = _slice(param.data, self.shard_sizes, self.tp_rank, dim)
+        param.tensor_model_parallel = True
+        param.partition_dim, param.partition_stride = dim, 1
+
+    def gather_params(self, params_list: list[nn.Parameter]) -> None:
+        """Put each split parameter of ``params_list`` back whole (collective over the group)."""
+        for param in params_list:
+            if not getattr(param, "tensor_model_parallel", False) or getattr(param, "_tp_gathered", False):
+                continue
+            with torch.no_grad():
+                param.data = _gather_uneven(param.data, self.shard_sizes, param.partition_dim, self.group)
+            param._tp_gathered = True
+
+    def _tp_partition(self, params_list: list[nn.Parameter]) -> None:
+        """Cut each gathered parameter of ``params_list`` back to this rank's shard."""
+        for param in params_list:
+            if not getattr(param, "_tp_gathered", False):
+                continue
+            with torch.no_grad():
+                param.data = _slice(param.data, self.shard_sizes, self.tp_rank, param.partition_dim)
+            param._tp_gathered = False
+
+
+class LinearLayer(_DeepSpeedShards, ColumnParallelLinear):
+    """DeepSpeed's column-parallel ``LinearLayer(module, mp_group, skip_partition=False, gather_output=False)``:
+    this rank's output features of ``module`` (an ``nn.Linear``); ``skip_partition`` keeps it whole."""
+
+    def __init__(self, module: nn.Linear, mp_group: ProcessGroup | None, skip_partition: bool = False,
+                 gather_output: bool = False, **kwargs: Any):
+        rank, size = _group_rank_size(mp_group)
+        self.name, self.tp_rank, self.group = kwargs.get("name"), rank, mp_group
+        out_features = module.weight.shape[0]
+        self.shard_sizes = [out_features] if skip_partition else get_shard_size_list(out_features, size, self.name)
+        if skip_partition:
+            rank, size = 0, 1
+            self.tp_rank = 0
+        else:
+            self._cut(module.weight, 0)
+            if module.bias is not None:
+                self._cut(module.bias, 0)
+        super().__init__(module.weight, module.bias, False, mp_group, size, rank)
+        self.gather_output = bool(gather_output)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        if self.gather_output and self.tp_size > 1:
+            y = _GatherOutput.apply(y, self.shard_sizes, self.tp_rank, self.group)
+        return y
+
+
+class LinearAllreduce(_DeepSpeedShards, RowParallelLinear):
+    """DeepSpeed's row-parallel ``LinearAllreduce(module, mp_group)``: this rank's input features of ``module``;
+    the partial outputs are all-reduced, then the whole bias is added."""
+
+    def __init__(self, module: nn.Linear, mp_group: ProcessGroup | None, **kwargs: Any):
+        rank, size = _group_rank_size(mp_group)
+        self.name, self.tp_rank, self.group = kwargs.get("name"), rank, mp_group
+        self.shard_sizes = get_shard_size_list(module.weight.shape[1], size, self.name)
+        self._cut(module.weight, 1)
+        super().__init__(module.weight, module.bias, False, mp_group, size, rank)

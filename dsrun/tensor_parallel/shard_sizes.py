@@ -1,0 +1,92 @@
+"""How DeepSpeed's AutoTP sizes each rank's shard of a dimension (``deepspeed.module_inject.tp_shard``).
+
+A dimension of ``total`` over ``mp_size`` ranks: when the number of key/value heads is known (``set_num_kv_heads``)
+and divides it, whole heads per rank (the first ``heads % mp_size`` ranks one more), except for MLP and MoE-MLP
+projections and the LM head; otherwise in grains of ``tp_grain_size`` (1 by default) as evenly as possible, the
+first ranks taking the extra grains and the last rank the tail that does not fill a grain. The shards always tile
+the dimension. dsrun's own AutoTP split (:mod:`dsrun.tensor_parallel.split`) cuts evenly; these sizes are what
+DeepSpeed's layer classes (:mod:`dsrun.tensor_parallel.deepspeed_layers`) cut by.
+"""
+from __future__ import annotations
+
+from dsrun import comm
+
+_LM_HEADS = ("lm_head", "embed_out")
+_MLP_NAMES = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
+
+num_kv_heads: int | None = None
+num_attention_heads: int | None = None
+n_embd: int | None = None
+tp_grain_size = 1
+
+
+def set_num_kv_heads(num: int | None) -> None:
+    global num_kv_heads
+    num_kv_heads = num
+
+
+def get_num_kv_heads() -> int | None:
+    return num_kv_heads
+
+
+def set_num_attention_heads(num: int | None) -> None:
+    global num_attention_heads
+    num_attention_heads = num
+
+
+def get_num_attention_heads() -> int | None:
+    return num_attention_heads
+
+
+def set_n_embd(num: int | None) -> None:
+    global n_embd
+    n_embd = num
+
+
+def get_n_embd() -> int | None:
+    return n_embd
+
+
+def set_tp_grain_size(num: int) -> None:
+    global tp_grain_size
+    tp_grain_size = int(num)
+
+
+def _by_heads(total: int, name: object, heads: int | None) -> bool:
+    text = str(name)
+    return (heads is not None and total % heads == 0 and "mlp" not in text and text not in _LM_HEADS
+            and not any(part in text for part in _MLP_NAMES))
+
+
+def get_shard_size(total_size: int, mp_size: int, name: object = None, rank: int | None = None,
+                   mp_group: object = None, num_kv_heads: int | None = None) -> int:
+    """The size of rank ``rank``'s shard (its rank *in the tensor-parallel group*; None: read from ``mp_group``, or
+    the world's rank when the world is the group) of a dimension of ``total_size`` over ``mp_size`` ranks."""
+    heads = globals()["num_kv_heads"] if num_kv_heads is None else num_kv_heads
+    if rank is None:
+        if mp_group is not None:
+            rank = comm.get_rank(group=mp_group)
+        elif comm.get_world_size() != mp_size:
+            raise ValueError(f"get_shard_size needs the rank in the tensor-parallel group (rank= or mp_group=) when "
+                             f"mp_size ({mp_size}) is not the world size ({comm.get_world_size()})")
+        else:
+            rank = comm.get_rank()
+    if _by_heads(total_size, name, heads):
+        mine = heads // mp_size + (1 if rank < heads % mp_size else 0)
+        return total_size * mine // heads
+    if total_size < tp_grain_size:
+        return total_size // mp_size + (1 if rank < total_size % mp_size else 0)
+    grains, tail = divmod(total_size, tp_grain_size)
+    size = (grains // mp_size + (1 if rank < grains % mp_size else 0)) * tp_grain_size
+    return size + (tail if rank == mp_size - 1 else 0)
+
+
+def get_shard_size_list(total_size: int, mp_size: int, name: object = None, num_kv_heads: int | None = None
+                        ) -> list[int]:
+    """Every rank's shard size, in rank order; they add up to ``total_size``."""
+    heads = globals()["num_kv_heads"] if num_kv_heads is None else num_kv_heads
+    sizes = [get_shard_size(total_size, mp_size, name, rank, num_kv_heads=heads) for rank in range(mp_size)]
+    if sum(sizes) != total_size:
+        raise ValueError(f"shard sizes {sizes} of {name!r} do not add up to {total_size} over {mp_size} ranks "
+                         f"(tp_grain_size {tp_grain_size}, num_kv_heads {heads})")
+    return sizes
