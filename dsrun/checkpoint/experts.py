@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,6 +34,11 @@ from . import atomic
 from .engine_view import CheckpointEngine
 from .safe_load import load_file
 from .tensor_file import TensorFile
+
+if TYPE_CHECKING:
+    from dsrun.features import ParameterFiles
+
+    from .reshard import StateSource
 
 __all__ = ["MARK", "without_experts", "whole_master_state", "expert_states", "save", "module_state",
            "optimizer_state"]  # MARK: DeepSpeed's expert parameter names hold it (tools filter by it)
@@ -138,7 +143,7 @@ class _ExpertFiles:
     """This rank's experts' optimizer files as a :class:`.reshard.StateSource` by local name (their masters and
     per-element states read by range), the shared groups' state (``shared``) under every other name."""
 
-    def __init__(self, tag_dir: Path, units: Any, shared: Any) -> None:
+    def __init__(self, tag_dir: Path, units: list[ParameterFiles], shared: StateSource) -> None:
         self.shared, self.group_scalars = shared, shared.group_scalars
         self.param_groups, self.precision = shared.param_groups, shared.precision
         self.files: list[TensorFile] = []
@@ -195,7 +200,7 @@ def optimizer_state(engine: CheckpointEngine, tag_dir: Path, saved_shapes: list[
         return _cut_masters(engine, full, load_optimizer_states)
 
 
-def _cut_masters(engine: CheckpointEngine, full: Any, load_optimizer_states: bool) -> dict[str, Any]:
+def _cut_masters(engine: CheckpointEngine, full: StateSource, load_optimizer_states: bool) -> dict[str, Any]:
     from . import reshard
 
     strategy = engine.strategy

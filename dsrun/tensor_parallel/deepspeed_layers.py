@@ -64,12 +64,12 @@ class _GatherOutput(torch.autograd.Function):
     slice of the gradient."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, sizes: list[int], rank: int, group: ProcessGroup | None) -> torch.Tensor:
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, sizes: list[int], rank: int, group: ProcessGroup | None) -> torch.Tensor:
         ctx.sizes, ctx.rank = sizes, rank
         return _gather_uneven(x, sizes, x.dim() - 1, group)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         return _slice(grad, ctx.sizes, ctx.rank, grad.dim() - 1), None, None, None
 
 
