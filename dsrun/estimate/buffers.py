@@ -10,9 +10,9 @@ follow dsrun's ZeRO strategies:
 * stage 2 keeps a pool of a bucket of copied gradients and the received piece, ``(B + B/N) * w``, twice
   when ``overlap_comm`` has a second bucket in flight (K > 1); ``B * w`` with optimizer offload. The pool
   persists from the first backward on, so it is live in every later phase;
-* stage 3 on the CPU keeps released gather buffers for reuse (N > 1), up to ``stage3_prefetch_bucket_size`` elements of
-  the gathered (non-persistent) parameters, ``min(P - small, prefetch) * w``, in every phase (counted with the
-  pool above); the gathered parameters take their buffers out of it;
+* stage 3 on the CPU keeps released gather buffers for reuse (N > 1), up to one module's gathered
+  (non-persistent) parameters, ``min(P - small, L) * w``, in every phase (counted with the pool above); the
+  gathered parameters take their buffers out of it;
 * stage 3 holds gathered parameters (N > 1) while the activations are live: the largest layer plus what
   is prefetched ahead, ``min(P, max(L, min(stage3_max_live_parameters, L + stage3_prefetch_bucket_size)))
   * w``, plus the largest layer's full gradient ``L * w`` (with no prefetch: DeepSpeed's
@@ -20,7 +20,9 @@ follow dsrun's ZeRO strategies:
   full gradients and their rows for the reduce-scatter, ``2 * B * w``, plus the received shards, up to
   ``T/N * w`` with ``overlap_comm`` (they are added up only when backward ends). With one bucket (K = 1)
   that happens once, at the end of backward, after the activations are gone and each module's gathered
-  parameters were released after its gradient; otherwise buckets are launched while they are live. Where
+  parameters were released after its gradient; otherwise buckets are launched while they are live. (On the
+  CPU stage 3 reduce-scatters each module's gradients once backward leaves it, buckets of at most ``L``; the
+  terms here still follow the configured ``B``, an upper bound.) Where
   every partition group is one rank (N = 1 or MiCS shard groups of one, without ``offload_param``) the
   parameters are kept whole and each gradient goes straight into its accumulator: no bucket, no transient.
 
@@ -152,9 +154,9 @@ def buffer_bytes(spec: EstimateInputs) -> BufferBytes:
     if spec.zero_stage == 3 and not whole:
         if n > 1:  # one rank's partition is already the whole model
             gathered = stage3_gathered_elements(spec) * w + spec.largest_layer_params * w
-            # released gather buffers kept for reuse, up to stage3_prefetch_bucket_size elements (hooks.py's
+            # released gather buffers kept for reuse, up to one module's gathered parameters (hooks.py's
             # GatherBufferPool): held in every phase; a gather takes its buffer out of the pool
-            pool = min(max(spec.total_params - spec.small_params, 0), b.stage3_prefetch_bucket_size) * w \
+            pool = min(max(spec.total_params - spec.small_params, 0), spec.largest_layer_params) * w \
                 if spec.device == "cpu" else 0  # CUDA's caching allocator reuses freed blocks itself
             reduce_bucket += pool
             gathered = max(gathered - pool, 0)
