@@ -10,7 +10,10 @@
   hook; a ZeRO-3 leaf module's once backward is done, zero for an expert no token reached) the gradient goes
   into a bucket and the full copy is dropped; a bucket of ``reduce_bucket_size`` elements is reduce-scattered
   (asynchronously with ``overlap_comm``) so each rank receives the sum for its own shards, added into an fp32
-  accumulator. This happens on every micro-step.
+  accumulator. This happens on every micro-step. On the CPU a bucket also goes whenever backward reaches
+  another module, so each module's full gradients are released as FSDP2 releases them (the sum is
+  elementwise: bit-identical), and glibc's mmap threshold is pinned just above one module's temporaries
+  (:mod:`.host_memory`): they come from the heap, reused, instead of fresh pages.
 * **Optimizer**: each param group's shards are laid end to end in fp32 *sub-groups* of at most
   ``sub_group_size`` elements (one optimizer tensor each); the step updates only these, then writes the
   model-dtype shards (with ``bf16.bf16_master_weights_and_grads`` the sub-groups and their gradient
