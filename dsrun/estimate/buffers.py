@@ -20,9 +20,10 @@ follow dsrun's ZeRO strategies:
   full gradients and their rows for the reduce-scatter, ``2 * B * w``, plus the received shards, up to
   ``T/N * w`` with ``overlap_comm`` (they are added up only when backward ends). With one bucket (K = 1)
   that happens once, at the end of backward, after the activations are gone and each module's gathered
-  parameters were released after its gradient; otherwise buckets are launched while they are live. (On the
-  CPU stage 3 reduce-scatters each module's gradients once backward leaves it, buckets of at most ``L``; the
-  terms here still follow the configured ``B``, an upper bound.) Where
+  parameters were released after its gradient; otherwise buckets are launched while they are live. On the
+  CPU stage 3 reduce-scatters each module's gradients once backward leaves it: there the transient is
+  ``(2 * B' + 2 * B'/N) * w`` with ``B' = min(B, L)``, during backward (the gloo temporaries below still
+  follow the configured ``B``, an upper bound). Where
   every partition group is one rank (N = 1 or MiCS shard groups of one, without ``offload_param``) the
   parameters are kept whole and each gradient goes straight into its accumulator: no bucket, no transient.
 
@@ -131,6 +132,7 @@ def buffer_bytes(spec: EstimateInputs) -> BufferBytes:
         received = ceil_div(bucket, n) if spec.offload_optimizer == "none" else 0
         reduce_bucket = (bucket + received) * w * in_flight
     accumulate = 0
+    reduced_during_backward = False  # stage 3 on the CPU: per-module buckets
     low = spec.bf16_master_state  # bf16 accumulator and masters: no fp32 piece, no cast to publish
     if spec.zero_stage == 2 and spec.mixed_precision and spec.offload_optimizer == "none" and not low:
         # fp32_accumulator.add_(16-bit received piece) materialises the piece in fp32 first
@@ -162,9 +164,15 @@ def buffer_bytes(spec: EstimateInputs) -> BufferBytes:
             gathered = max(gathered - pool, 0)
         received = (ceil_div(spec.trainable, n) if spec.overlap_comm else ceil_div(bucket, n)) if n > 1 else 0
         transient = (2 * bucket + received) * w
+        if spec.device == "cpu" and n > 1 and spec.trainable > spec.largest_layer_params:
+            # each module's gradients reduce-scattered once backward leaves it (stage3.py): buckets of at most L,
+            # while the activations are live, each one's received shards added up once two more are in flight
+            per_module = min(bucket, max(1, spec.largest_layer_params))
+            transient = (2 * per_module + ceil_div(per_module, n) * (2 if spec.overlap_comm else 1)) * w
+            reduced_during_backward = True
         if gloo:
             coll_backward = spec.largest_layer_params * w + (bucket * w if several else 0)
             coll_end = bucket * w
     return BufferBytes(reduce_bucket=reduce_bucket, gathered_params=gathered, reduce_transient=transient,
-                       transient_during_backward=spec.zero_stage == 3 and several,
+                       transient_during_backward=spec.zero_stage == 3 and (several or reduced_during_backward),
                        collective_backward=coll_backward, collective_end=coll_end, collective_publish=coll_publish)
