@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -25,6 +24,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from ranks import rank_env, run_ranks  # noqa: E402
 
 
 def model_options(name: str) -> dict:
@@ -35,9 +36,8 @@ def model_options(name: str) -> dict:
     return spec
 
 
-def rank_main(rank: int, world: int, port: int, opts: dict, queue) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def rank_main(rank: int, world: int, port: int, queue, opts: dict) -> None:
+    rank_env(rank, world, port)
     import torch
 
     torch.set_num_threads(opts["threads"])
@@ -109,20 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
-    from dsrun.utils.net import free_port
-
     world = 2
     opts = {"stages": args.stages, "steps": args.steps, "warmup": args.warmup, "model": args.model,
             "micro": args.micro, "backend": args.backend, "threads": max(1, (os.cpu_count() or 2) // world)}
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, world, port, opts, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = queue.get(timeout=3600)
-    for p in procs:
-        p.join()
+    results = run_ranks(rank_main, world, opts, results=1, timeout=3600)[0]  # rank 0's
     print(f"{args.model}, {world} gloo ranks x {opts['threads']} threads, micro batch {args.micro}, backend "
           f"{args.backend}, median of {args.steps} steps (load average {os.getloadavg()[0]:.1f})")
     print(f"{'stage':<7}{'eager s':>9}{'compiled s':>12}{'speedup':>9}{'CPU speedup':>13}{'1st compiled s':>16}"

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -27,21 +26,22 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from ranks import rank_env, run_ranks  # noqa: E402
 
 WORLD = 2
 
 
-def rank_main(rank: int, port: int, opts: dict, bound: bool, queue) -> None:
+def rank_main(rank: int, world: int, port: int, queue, opts: dict, bound: bool) -> None:
     from dsrun.launcher.core_binding import cores_for_ranks
 
     if bound:
-        cores = cores_for_ranks(WORLD)[rank]
+        cores = cores_for_ranks(world)[rank]
         os.sched_setaffinity(0, cores)
         threads = len(cores)
     else:
-        threads = max(1, len(os.sched_getaffinity(0)) // WORLD)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=str(threads))
+        threads = max(1, len(os.sched_getaffinity(0)) // world)
+    rank_env(rank, world, port, OMP_NUM_THREADS=str(threads))
     import torch
     import yaml
 
@@ -82,18 +82,7 @@ def rank_main(rank: int, port: int, opts: dict, bound: bool, queue) -> None:
 
 
 def one_run(opts: dict, bound: bool) -> dict:
-    from dsrun.utils.net import free_port
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, port, opts, bound, queue)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    result = queue.get(timeout=1800)
-    for p in procs:
-        p.join()
-    return result
+    return run_ranks(rank_main, WORLD, opts, bound, results=1)[0]  # rank 0's
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,13 +32,14 @@ import argparse
 import contextlib
 import gc
 import json
-import multiprocessing as mp
 import os
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ranks import rank_env, run_ranks  # noqa: E402
 
 GiB = 1024 ** 3
 
@@ -138,9 +139,8 @@ def _use_full_reads() -> None:
     pipe_checkpoint.adopting_loaded_state = contextlib.nullcontext
 
 
-def _rank(rank: int, world: int, port: int, job: dict, results) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // world)))
+def _rank(rank: int, world: int, port: int, results, job: dict) -> None:
+    rank_env(rank, world, port, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // world)))
     import torch
     from dsrun import comm
     from dsrun.checkpoint import tensor_file
@@ -172,19 +172,10 @@ def _rank(rank: int, world: int, port: int, job: dict, results) -> None:
 
 
 def launch(world: int, job: dict) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    from dsrun.utils.net import free_port
-
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, job, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    out = dict(results.get(timeout=1800) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        if p.exitcode != 0:
-            raise SystemExit(f"a rank of {job} failed (exit code {p.exitcode})")
+    try:
+        out = dict(run_ranks(_rank, world, job))
+    except (RuntimeError, TimeoutError) as error:
+        raise SystemExit(f"a rank of {job} failed: {error}") from error
     return [out[r] for r in range(world)]
 
 

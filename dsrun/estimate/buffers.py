@@ -10,9 +10,9 @@ follow dsrun's ZeRO strategies:
 * stage 2 keeps a pool of a bucket of copied gradients and the received piece, ``(B + B/N) * w``, twice
   when ``overlap_comm`` has a second bucket in flight (K > 1); ``B * w`` with optimizer offload. The pool
   persists from the first backward on, so it is live in every later phase;
-* stage 3 on the CPU keeps released gather buffers for reuse (N > 1), up to ``stage3_prefetch_bucket_size`` elements of
-  the gathered (non-persistent) parameters, ``min(P - small, prefetch) * w``, in every phase (counted with the
-  pool above); the gathered parameters take their buffers out of it;
+* stage 3 on the CPU keeps released gather buffers for reuse (N > 1), up to one module's gathered
+  (non-persistent) parameters, ``min(P - small, L) * w``, in every phase (counted with the pool above); the
+  gathered parameters take their buffers out of it;
 * stage 3 holds gathered parameters (N > 1) while the activations are live: the largest layer plus what
   is prefetched ahead, ``min(P, max(L, min(stage3_max_live_parameters, L + stage3_prefetch_bucket_size)))
   * w``, plus the largest layer's full gradient ``L * w`` (with no prefetch: DeepSpeed's
@@ -20,7 +20,10 @@ follow dsrun's ZeRO strategies:
   full gradients and their rows for the reduce-scatter, ``2 * B * w``, plus the received shards, up to
   ``T/N * w`` with ``overlap_comm`` (they are added up only when backward ends). With one bucket (K = 1)
   that happens once, at the end of backward, after the activations are gone and each module's gathered
-  parameters were released after its gradient; otherwise buckets are launched while they are live. Where
+  parameters were released after its gradient; otherwise buckets are launched while they are live. On the
+  CPU stage 3 reduce-scatters each module's gradients once backward leaves it: there the transient is
+  ``(2 * B' + 2 * B'/N) * w`` with ``B' = min(B, L)``, during backward (the gloo temporaries below still
+  follow the configured ``B``, an upper bound). Where
   every partition group is one rank (N = 1 or MiCS shard groups of one, without ``offload_param``) the
   parameters are kept whole and each gradient goes straight into its accumulator: no bucket, no transient.
 
@@ -129,6 +132,7 @@ def buffer_bytes(spec: EstimateInputs) -> BufferBytes:
         received = ceil_div(bucket, n) if spec.offload_optimizer == "none" else 0
         reduce_bucket = (bucket + received) * w * in_flight
     accumulate = 0
+    reduced_during_backward = False  # stage 3 on the CPU: per-module buckets
     low = spec.bf16_master_state  # bf16 accumulator and masters: no fp32 piece, no cast to publish
     if spec.zero_stage == 2 and spec.mixed_precision and spec.offload_optimizer == "none" and not low:
         # fp32_accumulator.add_(16-bit received piece) materialises the piece in fp32 first
@@ -152,17 +156,23 @@ def buffer_bytes(spec: EstimateInputs) -> BufferBytes:
     if spec.zero_stage == 3 and not whole:
         if n > 1:  # one rank's partition is already the whole model
             gathered = stage3_gathered_elements(spec) * w + spec.largest_layer_params * w
-            # released gather buffers kept for reuse, up to stage3_prefetch_bucket_size elements (hooks.py's
+            # released gather buffers kept for reuse, up to one module's gathered parameters (hooks.py's
             # GatherBufferPool): held in every phase; a gather takes its buffer out of the pool
-            pool = min(max(spec.total_params - spec.small_params, 0), b.stage3_prefetch_bucket_size) * w \
+            pool = min(max(spec.total_params - spec.small_params, 0), spec.largest_layer_params) * w \
                 if spec.device == "cpu" else 0  # CUDA's caching allocator reuses freed blocks itself
             reduce_bucket += pool
             gathered = max(gathered - pool, 0)
         received = (ceil_div(spec.trainable, n) if spec.overlap_comm else ceil_div(bucket, n)) if n > 1 else 0
         transient = (2 * bucket + received) * w
+        if spec.device == "cpu" and n > 1 and spec.trainable > spec.largest_layer_params:
+            # each module's gradients reduce-scattered once backward leaves it (stage3.py): buckets of at most L,
+            # while the activations are live, each one's received shards added up once two more are in flight
+            per_module = min(bucket, max(1, spec.largest_layer_params))
+            transient = (2 * per_module + ceil_div(per_module, n) * (2 if spec.overlap_comm else 1)) * w
+            reduced_during_backward = True
         if gloo:
             coll_backward = spec.largest_layer_params * w + (bucket * w if several else 0)
             coll_end = bucket * w
     return BufferBytes(reduce_bucket=reduce_bucket, gathered_params=gathered, reduce_transient=transient,
-                       transient_during_backward=spec.zero_stage == 3 and several,
+                       transient_during_backward=spec.zero_stage == 3 and (several or reduced_during_backward),
                        collective_backward=coll_backward, collective_end=coll_end, collective_publish=coll_publish)

@@ -123,3 +123,31 @@ class BucketQueue:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+
+
+class FlatBufferPool:
+    """Flat buffers of finished reduce buckets, reused by the next ones (freshly allocated memory costs a page
+    fault per 4 KiB on first touch): ``take`` hands out the smallest kept one that fits (a view of its first
+    ``numel`` elements) or a new one, ``give`` keeps a buffer (its base), at most ``keep`` of them (the smallest
+    goes first). ``buffers`` are the ones kept now."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, keep: int):
+        self.dtype, self.device, self.keep = dtype, device, keep
+        self.buffers: list[torch.Tensor] = []
+
+    def take(self, numel: int) -> torch.Tensor:
+        fits = [i for i, b in enumerate(self.buffers) if b.numel() >= numel]
+        if fits:
+            return self.buffers.pop(min(fits, key=lambda i: self.buffers[i].numel()))[:numel]
+        return torch.empty(numel, dtype=self.dtype, device=self.device)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        base = buffer if buffer._base is None else buffer._base
+        if all(b is not base for b in self.buffers):
+            self.buffers.append(base)
+        if len(self.buffers) > self.keep:
+            self.buffers.sort(key=torch.Tensor.numel)
+            del self.buffers[0]  # the smallest
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)

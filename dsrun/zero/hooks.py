@@ -16,8 +16,10 @@ The first forward+backward records the order modules fetch their parameters (the
 * ``stage3_max_live_parameters``: neither prefetching nor keeping for reuse may push the gathered elements
   beyond this.
 
-On the CPU, released full buffers (up to ``stage3_prefetch_bucket_size`` elements in all) are kept in a
-:class:`~.partition_params.GatherBufferPool` for the next gathers of the same size.
+On the CPU, released full buffers are kept in a :class:`~.partition_params.GatherBufferPool` for the next
+gathers of the same size, up to what one module's fetch gathers (:meth:`ParameterCoordinator.largest_fetch_numel`:
+the exchange between one release and the next fetch; glibc's heap reuses the rest, ZeRO-3 pinning its mmap
+threshold above that size, :mod:`.host_memory`).
 
 A ZeRO-3 *leaf* module (``deepspeed.utils.set_z3_leaf_modules``: :mod:`dsrun.utils.leaf_modules`) is hooked as
 one: its pre-hook gathers every parameter of its subtree (and the external ones registered anywhere in it), its
@@ -178,7 +180,10 @@ class ParameterCoordinator:
         self.prefetched_numel = 0  # statistics: elements gathered ahead of use
         # called after each fetch with the parameters the trace needs next (NVMe offload reads them ahead)
         self.after_fetch: Any = None
-        self.buffer_pool = GatherBufferPool(self.prefetch_bucket_size)
+        # called when backward reaches a module, before its parameters are gathered (the ZeRO-3 strategy
+        # reduces there, on the CPU, the gradients of the modules whose backward is done)
+        self.before_backward: Any = None
+        self.buffer_pool = GatherBufferPool(0)  # sized by hook_module (largest_fetch_numel)
         self._running: list[torch.nn.Module] = []  # hooked modules inside their forward, innermost last
         self._reading: list[torch.nn.Module] = []  # modules whose _parameters gather on read
         self._leaf_of: dict[int, torch.nn.Module] = {}  # a module inside a leaf -> the leaf hooked for it
@@ -255,12 +260,20 @@ class ParameterCoordinator:
             if p.ds_tensor.device.type == "cpu":  # CUDA's caching allocator reuses memory already
                 p.ds_buffer_pool = self.buffer_pool
         self.total_numel = sum(p.ds_numel for p in self.params.values())
+        self.buffer_pool.limit = self.largest_fetch_numel()
         if id(module) in self._hooked:
             return
         self._hooked[id(module)] = module
         pre_forward, post_forward = self._hook_fns
         self._hooks.append(module.register_forward_pre_hook(pre_forward))
         self._hooks.append(module.register_forward_hook(post_forward))
+
+    def largest_fetch_numel(self) -> int:
+        """The most elements one module's fetch gathers (its parameters that are not kept gathered): the
+        released buffers the next fetches reuse, so the CPU buffer pool's size, and the largest gather and
+        per-module gradient bucket, so the mmap threshold ZeRO-3 pins on the CPU (:mod:`.host_memory`)."""
+        return max((sum(p.ds_numel for p in params if not p.ds_persist) for params in self._params_of.values()),
+                   default=0)
 
     def remove_hooks(self) -> None:
         for p in self.params.values():
@@ -322,6 +335,8 @@ class ParameterCoordinator:
         return _gather_before_backward(self, module, output)
 
     def _pre_backward(self, module: torch.nn.Module) -> None:
+        if self.before_backward is not None:
+            self.before_backward()
         params = self._params_of.get(id(module), [])
         if params:
             self._fetch(module, BACKWARD, params)

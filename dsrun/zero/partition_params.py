@@ -137,11 +137,14 @@ class GatherBufferPool:
         self.limit = int(limit)
         self.numel = 0
         self._free: dict[int, list[torch.Tensor]] = {}
+        self.hits = self.misses = 0  # gathers served from the pool, and not
 
     def take(self, numel: int) -> torch.Tensor | None:
         free = self._free.get(numel)
         if not free:
+            self.misses += 1
             return None
+        self.hits += 1
         self.numel -= numel
         return free.pop()
 

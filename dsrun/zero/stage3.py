@@ -10,7 +10,10 @@
   hook; a ZeRO-3 leaf module's once backward is done, zero for an expert no token reached) the gradient goes
   into a bucket and the full copy is dropped; a bucket of ``reduce_bucket_size`` elements is reduce-scattered
   (asynchronously with ``overlap_comm``) so each rank receives the sum for its own shards, added into an fp32
-  accumulator. This happens on every micro-step.
+  accumulator. This happens on every micro-step. On the CPU a bucket also goes whenever backward reaches
+  another module, so each module's full gradients are released as FSDP2 releases them (the sum is
+  elementwise: bit-identical), and glibc's mmap threshold is pinned just above one module's temporaries
+  (:mod:`.host_memory`): they come from the heap, reused, instead of fresh pages.
 * **Optimizer**: each param group's shards are laid end to end in fp32 *sub-groups* of at most
   ``sub_group_size`` elements (one optimizer tensor each); the step updates only these, then writes the
   model-dtype shards (with ``bf16.bf16_master_weights_and_grads`` the sub-groups and their gradient
@@ -42,8 +45,9 @@ import torch
 from dsrun import comm
 
 from dsrun.checkpoint.layout import CheckpointLayout, layout_for_stage
-from dsrun.zero.base import MemoryBreakdown, StrategyContext, ZeroStrategy, optimizer_state_bytes, tensor_bytes
+from dsrun.zero.base import MemoryBreakdown, StrategyContext, ZeroStrategy, optimizer_state_bytes
 from dsrun.zero import host_memory, quantized_shards
+from dsrun.zero.buckets import FlatBufferPool
 from dsrun.zero.partitioner_internals import enable_memory_efficient_linear
 from dsrun.zero.sharding import ShardingPolicy
 from dsrun.zero.offload_states import StatesOffload
@@ -95,10 +99,6 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
             gathered_together=gathered_together(ctx.module))
         # every parameter partitioned over a group of one: kept whole, no hooks (dsrun/zero/whole_params.py)
         self.keeps_whole = keeps_whole(self.params, self.param_offload)
-        if ctx.device.type == "cpu" and not self.keeps_whole:
-            # freed gather buffers go back to the OS at once (kept whole, nothing is gathered: glibc's own
-            # threshold keeps reusing freed activations and gradients, as at stage 0, without page faults)
-            host_memory.fix_mmap_threshold()
         self.coordinator: ParameterCoordinator | WholeParameters = WholeParameters(ctx.module, self.params) \
             if self.keeps_whole else ParameterCoordinator(
                 ctx.module, prefetch_bucket_size=int(zc.stage3_prefetch_bucket_size),
@@ -107,6 +107,15 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
                 log_trace_cache_warnings=bool(zc.log_trace_cache_warnings))
         if self.param_offload is not None:
             self.coordinator.after_fetch = self.param_offload.after_fetch
+        # on the CPU every module's gradients are reduce-scattered once backward moves past it (as FSDP2 does),
+        # so full gradients never pile up towards reduce_bucket_size, which stays the largest bucket; one
+        # module's temporaries then come from glibc's heap, reused without page faults (dsrun/zero/host_memory.py;
+        # kept whole, nothing is gathered: glibc's own threshold serves them, as at stage 0)
+        self.reduce_per_module = ctx.device.type == "cpu" and not self.keeps_whole
+        if self.reduce_per_module:
+            self.coordinator.before_backward = self._reduce_finished_modules
+            largest = self.coordinator.largest_fetch_numel() * torch.empty(0, dtype=self.model_dtype).element_size()
+            host_memory.fix_mmap_threshold(host_memory.threshold_above(largest))
 
         self._optimizer = ctx.optimizer
         self.shard_ctx = ShardContext(  # what the stores know of this strategy
@@ -134,9 +143,8 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
         self._inflight: list[tuple[Any, torch.Tensor, list[tuple[torch.nn.Parameter, int]], torch.Tensor]] = []
         self._armed = False
         self.max_buckets_in_flight = 2
-        # flat buffers of finished buckets, reused by the next ones (freshly allocated memory costs a page
-        # fault per 4 KiB on first touch); at most max_buckets_in_flight + 1 of each kind are kept
-        self._bucket_pool: list[torch.Tensor] = []
+        # flat buffers of finished buckets, reused by the next ones: at most max_buckets_in_flight + 1 of each kind
+        self._bucket_pool = FlatBufferPool(self.comm_dtype, ctx.device, keep=2 * (self.max_buckets_in_flight + 1))
         # a leaf module's parameters (dsrun/utils/leaf_modules.py) are reduced once backward is done, each rank
         # giving a zero gradient for an expert its tokens skipped, so every rank reduces the same buckets
         trainable = [p for p in self.params if p.requires_grad and id(p) in self._slot]
@@ -253,6 +261,13 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
             store.end_micro_step()
 
     # --- gradient reduction -------------------------------------------------------------------------------
+    def _reduce_finished_modules(self) -> None:
+        """Backward reached another module: reduce what the modules behind it left in the buckets (CPU). Every
+        rank runs the same modules in the same order (ZeRO-3's assumption), so the buckets still line up."""
+        if self._armed:
+            for key in [k for k, items in self._pending.items() if items]:
+                self._launch_bucket(key)
+
     def _grad_ready(self, param: torch.nn.Parameter) -> None:
         if not self._armed or param.grad is None:
             return
@@ -287,7 +302,7 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
         items, self._pending[key], self._pending_numel[key] = self._pending[key], [], 0
         group, world = items[0][0].ds_process_group, items[0][0].ds_world_size
         total = sum(p.ds_partition_numel for p, _ in items)
-        rows_flat = self._take_buffer(world * total)
+        rows_flat = self._bucket_pool.take(world * total)
         rows = rows_flat.view(world, total)
         placed: list[tuple[torch.nn.Parameter, int]] = []
         off = 0
@@ -310,11 +325,11 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
         if world == 1:
             self._inflight.append((None, rows[0], placed, rows_flat))
         elif reduce_scatter is not None:  # the policy's own (ZeRO++'s quantized one), synchronous
-            out = self._take_buffer(total)
+            out = self._bucket_pool.take(total)
             reduce_scatter(out, rows_flat)
             self._inflight.append((None, out, placed, rows_flat))
         else:
-            out = self._take_buffer(total)
+            out = self._bucket_pool.take(total)
             work = comm.reduce_scatter_tensor(out, rows_flat, group=group,
                                               async_op=self.ctx.overlap_comm)
             self._inflight.append((work if self.ctx.overlap_comm else None, out, placed, rows_flat))
@@ -325,23 +340,6 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
         while len(self._inflight) > self.max_buckets_in_flight:
             self._complete(self._inflight.pop(0))
 
-    def _take_buffer(self, numel: int) -> torch.Tensor:
-        """A flat buffer of ``numel`` elements (comm dtype, uninitialised): the smallest pooled one that fits,
-        else a new one."""
-        fits = [i for i, b in enumerate(self._bucket_pool) if b.numel() >= numel]
-        if fits:
-            buffer = self._bucket_pool.pop(min(fits, key=lambda i: self._bucket_pool[i].numel()))
-            return buffer[:numel]
-        return torch.empty(numel, dtype=self.comm_dtype, device=self.ctx.device)
-
-    def _give_back(self, buffer: torch.Tensor) -> None:
-        base = buffer if buffer._base is None else buffer._base
-        if all(b is not base for b in self._bucket_pool):
-            self._bucket_pool.append(base)
-        if len(self._bucket_pool) > 2 * (self.max_buckets_in_flight + 1):
-            self._bucket_pool.sort(key=torch.Tensor.numel)
-            del self._bucket_pool[0]  # the smallest
-
     def _complete(self, entry: tuple[Any, torch.Tensor, list[tuple[torch.nn.Parameter, int]], torch.Tensor]) -> None:
         work, out, placed, rows = entry
         if work is not None:
@@ -350,9 +348,9 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
         for p, off in placed:
             sg, sg_off = self._slot[id(p)]
             sg.store.accumulate(sg.index, sg, sg_off, out[off:off + p.ds_partition_numel])
-        self._give_back(rows)
+        self._bucket_pool.give(rows)
         if out.data_ptr() != rows.data_ptr():
-            self._give_back(out)
+            self._bucket_pool.give(out)
 
     def _complete_all(self) -> None:
         for entry in self._inflight:
@@ -361,7 +359,7 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
 
     def bucket_pool_bytes(self) -> int:
         """Bytes of the reduce-scatter buffers kept for reuse between buckets (and steps)."""
-        return sum(tensor_bytes(b) for b in self._bucket_pool)
+        return self._bucket_pool.nbytes()
 
     # --- the optimizer step: each store steps its sub-groups ------------------------------------------------
     def _local_overflow(self) -> bool:
@@ -429,15 +427,15 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
                           for p in self.params if id(p.ds_tensor) not in inside]
 
     def gradient_buckets(self) -> list[torch.Tensor]:
-        return list(self._bucket_pool)
+        return list(self._bucket_pool.buffers)
 
     def release_gradient_buckets(self) -> list[torch.Tensor]:
-        released, self._bucket_pool = self._bucket_pool, []
+        released, self._bucket_pool.buffers = self._bucket_pool.buffers, []
         return released
 
     def keep_gradient_buckets(self, buffers: list[torch.Tensor]) -> None:
         for buffer in buffers:
-            self._give_back(buffer)
+            self._bucket_pool.give(buffer)
 
     def before_offload(self) -> None:
         self.coordinator.invalidate()  # gathered copies (persistent ones too) are gathered again when needed
@@ -454,7 +452,7 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
             handle.remove()
         self._grad_hooks = []
         self.coordinator.remove_hooks()
-        self._bucket_pool = []
+        self._bucket_pool.buffers = []
         if self.param_offload is not None:
             self.param_offload.close()
         for store in self.placement.stores:

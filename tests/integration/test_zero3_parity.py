@@ -45,6 +45,9 @@ CASES = [
                                                           "stage3_prefetch_bucket_size": 50_000_000,
                                                           "stage3_max_reuse_distance": 1_000_000_000})),
     Case("sub_groups", "nanogpt", ds_config(3, 2, 1, zero={"sub_group_size": 3000})),
+    # DeepSpeed's reduce_bucket_size (5e8, the whole model in one bucket): on the CPU each module's gradients are
+    # reduce-scattered once backward moves past it, as with the small buckets
+    Case("one_bucket", "nanogpt", ds_config(3, 2, 1, zero={"reduce_bucket_size": 500_000_000})),
 ]
 LAUNCHES = {world: Launch(world_suite, world, (CASES,), timeout=600) for world in BOTH}
 
@@ -97,6 +100,13 @@ def test_gas_clipping_prefetch_settings_and_sub_groups(runs) -> None:
     # stage 3 ends where stage 0 ends
     t.assert_tracks(results[0]["parity/gpt"], results[0]["account/0"], spread("nanogpt", 4), "stage 3 vs stage 0",
                     against="run")
+
+
+def test_reducing_per_module_under_one_big_bucket_is_bit_identical(runs) -> None:
+    """The reduction is elementwise: where a bucket ends changes no bit of the losses or the parameters."""
+    results = runs[2][0]
+    assert results["one_bucket"]["losses"] == results["parity/gpt"]["losses"]
+    np.testing.assert_array_equal(results["one_bucket"]["params"], results["parity/gpt"]["params"])
 
 
 def test_bf16_tracks_fp32_like_stage_0(runs) -> None:

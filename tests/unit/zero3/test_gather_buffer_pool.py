@@ -29,3 +29,30 @@ def test_a_buffer_still_read_through_a_view_or_past_the_limit_is_not_kept() -> N
     assert pool.numel == 4096
     pool.give(torch.empty(4096))  # 8192 > 6000
     assert pool.numel == 4096
+
+
+def test_the_pool_holds_what_one_module_gathers_not_the_prefetch_bucket() -> None:
+    from torch import nn
+
+    from dsrun.zero.hooks import ParameterCoordinator
+    from dsrun.zero.partition_params import partition_param
+
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 8))
+    for p in model.parameters():
+        partition_param(p)
+    model[0].bias.ds_persist = True  # kept gathered: never released, so never in the pool
+    coordinator = ParameterCoordinator(model, prefetch_bucket_size=50_000_000)
+    # the first Linear's weight (its bias stays gathered), not its 544 elements nor the 50M-element prefetch bucket
+    assert coordinator.largest_fetch_numel() == 32 * 16 == coordinator.buffer_pool.limit
+    coordinator.remove_hooks()
+
+
+def test_the_mmap_pin_sits_just_above_one_modules_temporaries(monkeypatch) -> None:
+    from dsrun.zero import host_memory
+
+    mib = 1 << 20
+    assert host_memory.threshold_above(11_075_584) == 16 * mib  # gpt100m's largest module, fp32
+    assert host_memory.threshold_above(8 * mib) == 16 * mib  # above, not at: a buffer of the pin is mapped
+    assert host_memory.threshold_above(1000) == mib and host_memory.threshold_above(10**9) == 32 * mib
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    assert host_memory.fix_mmap_threshold(16 * mib) is False  # the environment's own threshold stands
