@@ -264,14 +264,10 @@ def warmup_note(resolved: ResolvedRun) -> str | None:
 def _memory(resolved: ResolvedRun, model: RecipeModel, result: Preflight) -> list[Problem]:
     """The estimator's verdict for this run on this machine (all ranks local); "too big" is a problem."""
     from dsrun.estimate import estimate_peak_bytes_per_rank
-    from dsrun.estimate.runspec import inputs_from_runspec
     from dsrun.estimate.verdict import NO_FIT, TIGHT, detect_budget, judge
 
-    plan = resolved.plan
-    spec, _ = inputs_from_runspec(resolved.runspec, model)
-    slots = [len(s) for s in plan.hosts.values()] or [plan.world_size]
+    spec = _host_inputs(resolved, model)
     model_cfg = OmegaConf.to_container(resolved.runspec.model, resolve=True)
-    spec = spec.with_(nodes=len(slots), ranks_per_node=max(slots))
     ds_cfg = OmegaConf.to_container(resolved.runspec.ds, resolve=True)
     runtime, monitors = _cached_rank_runtime(spec, model_cfg, ds_cfg)
     verdict = judge(estimate_peak_bytes_per_rank(spec.with_(rank_runtime_bytes=runtime, monitor_bytes=monitors)),
@@ -339,16 +335,27 @@ def write_rate(where: Path, size: int) -> tuple[float, Path]:
     return written / max(elapsed, 1e-6), folder
 
 
+def _host_inputs(resolved: ResolvedRun, model: RecipeModel) -> EstimateInputs:
+    """The estimator's inputs for this run's plan on this host's device (CUDA where torch sees one, else the
+    CPU), as ``dsrun estimate-memory`` reads them: its CPU-only terms (stage 3's gather pool, gloo's
+    temporaries) count here exactly when they count there."""
+    import torch
+
+    from dsrun.estimate.runspec import inputs_from_runspec
+
+    slots = [len(s) for s in resolved.plan.hosts.values()] or [resolved.plan.world_size]
+    spec, _ = inputs_from_runspec(resolved.runspec, model)
+    return spec.with_(nodes=len(slots), ranks_per_node=max(slots),
+                      device="cuda" if torch.cuda.is_available() else "cpu")
+
+
 def one_rank_too_big(resolved: ResolvedRun, model: RecipeModel) -> str | None:
     """Why one rank of the plan (its share of the model, its optimizer states) does not fit this machine by the
     estimator, or None: ``--dry-run`` builds every rank's engine here, one at a time."""
     from dsrun.estimate import estimate_peak_bytes_per_rank
-    from dsrun.estimate.runspec import inputs_from_runspec
     from dsrun.estimate.verdict import detect_budget
 
-    slots = [len(s) for s in resolved.plan.hosts.values()] or [resolved.world_size]
-    spec, _ = inputs_from_runspec(resolved.runspec, model)
-    rank = estimate_peak_bytes_per_rank(spec.with_(nodes=len(slots), ranks_per_node=max(slots)))
+    rank = estimate_peak_bytes_per_rank(_host_inputs(resolved, model))
     budget, gib = detect_budget(), 2**30
     if budget.device_total is not None and rank.peak_per_rank > budget.device_total:
         return f"one rank needs {rank.peak_per_rank / gib:.2f} GiB of {budget.device_name}'s " \
