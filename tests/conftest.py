@@ -87,6 +87,28 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
+_GROUP_TAG_LOST: list[str] = []
+
+
+def pytest_collection_finish(session):
+    """On a pytest-xdist worker under ``--dist loadgroup``: every test with an ``xdist_group`` must carry its
+    group in its id (``...@group``), which is how the scheduler keeps a group on one worker. A pytest/xdist pair
+    that loses the tag (pytest 9.2 with xdist 3.8) would split every group silently: the Slurm cluster, the
+    two-host namespaces and each shared module fixture built once per worker, the suite far slower. Each such
+    test then fails at setup, saying why (an error raised here would only crash the worker, without a word)."""
+    config = session.config
+    if hasattr(config, "workerinput") and getattr(config.option, "loadgroup", False):  # xdist's own test
+        _GROUP_TAG_LOST.extend(item.nodeid for item in session.items
+                               if item.get_closest_marker("xdist_group") and "@" not in item.nodeid)
+
+
+def pytest_runtest_setup(item):
+    if _GROUP_TAG_LOST and item.nodeid in _GROUP_TAG_LOST:
+        pytest.fail(f"pytest {pytest.__version__} with this pytest-xdist dropped the xdist_group tag from "
+                    f"{len(_GROUP_TAG_LOST)} test ids: their groups are split over the workers; install the pytest "
+                    "the dev extra names (pyproject.toml)", pytrace=False)
+
+
 def _shares_a_fixture(item) -> bool:
     """Whether ``item`` uses a fixture of module, class or package scope (``module_root``, an empty folder,
     alone does not count)."""
