@@ -23,7 +23,7 @@ test_partial_reads.py`` checks it, and that a rank reads its share.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -94,7 +94,20 @@ OPTIMIZER_FILE_KEY = "optimizer_state_dict"  # the ZeRO state's entry in a ``*_o
 STAGE0_KEY = "optimizer"  # a stage-0 save's: in its model states file
 
 
-class PartialRankState:
+class _Closes:
+    """``with`` closes the reader's open files (``close()``) however the block ends."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class PartialRankState(_Closes):
     """The saved ranks' optimizer files (in rank order) as a :class:`.reshard.StateSource`; ``key``: where the
     ZeRO state is in each (:data:`STAGE0_KEY`: a stage-0 save's model states file). Use as a context manager
     (the files are closed at its end)."""
@@ -127,12 +140,6 @@ class PartialRankState:
         for file in self.files:
             file.close()
 
-    def __enter__(self) -> "PartialRankState":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def has_master(self, name: str) -> bool:
         return name in self.pieces
 
@@ -147,7 +154,7 @@ class PartialRankState:
             piece.copy_range(key, full_offset, out)
 
 
-class PartialStagesState:
+class PartialStagesState(_Closes):
     """Every saved stage of a pipeline checkpoint as one :class:`.reshard.StateSource`, by pipeline parameter
     name, as :func:`.pipeline_state.merge_stages` merges them (a name saved by two stages, a tied module's, from
     the later; each group's scalars from the first): a stage saved at ZeRO 1-3 read by range from its optimizer
@@ -184,12 +191,6 @@ class PartialStagesState:
         for part in self._open:
             part.close()
 
-    def __enter__(self) -> "PartialStagesState":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def has_master(self, name: str) -> bool:
         return name in self._of and self._of[name].has_master(name)
 
@@ -207,7 +208,7 @@ def _value(entry: Any) -> torch.Tensor:
     return (entry[PARAM] if isinstance(entry, dict) else entry).reshape(-1)
 
 
-class PartialUniversalState:
+class PartialUniversalState(_Closes):
     """A universal folder (:mod:`.universal_checkpoint`) as a :class:`.reshard.StateSource`: each parameter's
     files are opened (their index read) when first asked for, and only the asked ranges are read."""
 
@@ -242,12 +243,6 @@ class PartialUniversalState:
     def close(self) -> None:
         for file, _ in self._open.values():
             file.close()
-
-    def __enter__(self) -> "PartialUniversalState":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def has_master(self, name: str) -> bool:
         return name in self._states
