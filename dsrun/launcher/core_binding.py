@@ -69,7 +69,9 @@ def cores_for_ranks(local_world_size: int, core_list: Sequence[int] | None = Non
 def _split(cores: list[int], ranks: int) -> list[list[int]]:
     per_rank = len(cores) // ranks
     if per_rank < 1:
-        raise ValueError(f"{len(cores)} cores cannot be split among {ranks} ranks on this node")
+        raise ValueError(f"{len(cores)} cores cannot be split among {ranks} ranks on this node (binding gives each "
+                         "rank at least one core of its own): start fewer ranks per node, list more cores in "
+                         "bind_core_list, or leave bind_cores_to_rank off")
     return [cores[i * per_rank:(i + 1) * per_rank] for i in range(ranks)]
 
 
