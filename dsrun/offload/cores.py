@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -79,15 +80,14 @@ class PinnedWorker:
         self.native_id: int | None = None
         self._saved: dict[int, set[int]] = {}
         self._threads_before = torch.get_num_threads()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=self._pin_self)
+        worker_ids: list[int] = []  # the initializer holds no reference to self, so a dropped worker is collected
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=_pin_worker,
+                                        initargs=(split.optimizer, worker_ids))
         self._pool.submit(lambda: None).result()  # the worker exists and is pinned before training is moved
+        self.native_id = worker_ids[0]
         self._pin_training()
-
-    def _pin_self(self) -> None:
-        self.native_id = threading.get_native_id()
-        if hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, self.split.optimizer)  # pid 0: this thread only
-        torch.set_num_threads(len(self.split.optimizer))  # this thread's OpenMP team size
+        # an engine dropped without destroy() still gives the process its cores back when it is collected
+        self._restore = weakref.finalize(self, _restore_masks, self._saved, self._threads_before)
 
     def _pin_training(self) -> None:
         if not self.split.isolated or not hasattr(os, "sched_setaffinity"):
@@ -107,10 +107,23 @@ class PinnedWorker:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        for tid, cores in self._saved.items():
-            try:
-                os.sched_setaffinity(tid, cores)
-            except OSError:
-                pass
-        self._saved.clear()
-        torch.set_num_threads(self._threads_before)
+        self._restore()
+
+
+def _pin_worker(cores: tuple[int, ...], worker_ids: list[int]) -> None:
+    worker_ids.append(threading.get_native_id())
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cores)  # pid 0: this thread only
+    torch.set_num_threads(len(cores))  # this thread's OpenMP team size
+
+
+def _restore_masks(saved: dict[int, set[int]], threads_before: int) -> None:
+    """Every moved thread's old mask and torch's old thread count (once: :meth:`PinnedWorker.close` or the
+    worker's collection, whichever comes first)."""
+    for tid, cores in saved.items():
+        try:
+            os.sched_setaffinity(tid, cores)
+        except OSError:
+            pass
+    saved.clear()
+    torch.set_num_threads(threads_before)

@@ -2,6 +2,7 @@
 bound, selection, warm-up, exact resume, the core split, the estimate and the refusals."""
 from __future__ import annotations
 
+import gc
 import threading
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import dsrun
 from dsrun.config.recent import ZenFlowConfig
 from dsrun.estimate.inputs import EstimateInputs
 from dsrun.estimate.model_states import model_state_bytes
-from dsrun.offload.cores import process_cores, split_cores, thread_cores
+from dsrun.offload.cores import PinnedWorker, process_cores, split_cores, thread_cores
 from dsrun.offload.zenflow_store import ZenFlowStore
 from dsrun.utils.errors import ConfigError
 from tests.helpers import run_ranks
@@ -203,6 +204,19 @@ def test_the_optimizer_thread_runs_on_its_share_of_the_cores(keys: dict):
     finally:
         engine.destroy()
     assert thread_cores(main) == set(cores)  # everything back as it was
+
+
+def test_a_worker_dropped_without_close_gives_the_cores_back_when_collected():
+    """An engine a script forgets to destroy must not leave the process pinned to the training share."""
+    cores, main, threads = process_cores(), threading.get_native_id(), torch.get_num_threads()
+    split = split_cores(cores, 0.5)
+    worker = PinnedWorker(split)
+    assert worker.submit(threading.get_native_id).result(timeout=30) == worker.native_id
+    assert thread_cores(main) == set(split.training)
+    del worker
+    gc.collect()
+    assert thread_cores(main) == set(cores)
+    assert torch.get_num_threads() == threads
 
 
 def test_the_estimate_counts_zenflow_state_where_offload_puts_it():
