@@ -157,6 +157,7 @@ def run_child(size: str, steps: int, nvme_root: str, threads: int, aio: dict[str
     build_s = time.perf_counter() - t0
     numel = sum(p.ds_numel for p in engine.module.parameters())
     records = []
+    params_read = engine.strategy.param_offload.stats()["read_bytes"]
     try:
         for step in range(steps):
             disk_before = disk_counters(nvme_root)
@@ -171,20 +172,26 @@ def run_child(size: str, steps: int, nvme_root: str, threads: int, aio: dict[str
             disk = [b - a for a, b in zip(disk_before, disk_after)] if disk_before and disk_after else None
             io = engine.observer.last_swap_io
             pipe = engine.strategy.last_step_times
+            offload = engine.strategy.param_offload.stats()
+            params_read, param_read_bytes = offload["read_bytes"], offload["read_bytes"] - params_read
             records.append({"step": step + 1, "loss": float(loss.detach()), "seconds": t_end - t, "forward_s": t_fwd - t,
                             "backward_s": t_bwd - t_fwd, "step_s": t_end - t_bwd,
                             "read_bytes": io.read_bytes, "written_bytes": io.written_bytes,
                             "reads": io.reads, "writes": io.writes,
                             "optimizer_compute_s": pipe.compute if pipe else None,
                             "optimizer_waiting_s": pipe.waiting if pipe else None,
-                            "param_offload": engine.strategy.param_offload.stats(),
+                            "optimizer_waiting_reads_s": pipe.extra.get("waiting_reads") if pipe else None,
+                            "optimizer_waiting_writes_s": pipe.extra.get("waiting_writes") if pipe else None,
+                            "param_offload": offload, "param_read_bytes": param_read_bytes,
                             "disk_busy_s": disk[0] if disk else None,
                             "disk_read_bytes": disk[1] if disk else None,
                             "disk_written_bytes": disk[2] if disk else None})
             print(f"[infinity_disk] {size} step {step + 1}: loss {float(loss.detach()):.4f}, {t_end - t:.1f} s "
                   f"(fwd {t_fwd - t:.1f}, bwd {t_bwd - t_fwd:.1f}, step {t_end - t_bwd:.1f}), read "
-                  f"{io.read_bytes / 1e9:.2f} GB, written {io.written_bytes / 1e9:.2f} GB"
-                  + (f"; disk busy {disk[0]:.1f} s" if disk else ""), flush=True)
+                  f"{io.read_bytes / 1e9:.2f} GB (parameters {param_read_bytes / 1e9:.2f}), written "
+                  f"{io.written_bytes / 1e9:.2f} GB" + (f"; disk busy {disk[0]:.1f} s" if disk else "")
+                  + (f"; optimizer: compute {pipe.compute:.1f} s, waiting on reads {pipe.extra['waiting_reads']:.1f} "
+                     f"s, on writes {pipe.extra['waiting_writes']:.1f} s" if pipe and pipe.extra else ""), flush=True)
     finally:
         engine.destroy()
     return {"size": size, "params": numel, "build_s": build_s, "aio": aio, "steps": records}
