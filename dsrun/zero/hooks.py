@@ -10,7 +10,10 @@ parameters are released during backward as soon as their gradient is complete (t
 The first forward+backward records the order modules fetch their parameters (the *trace*). From then on:
 
 * ``stage3_prefetch_bucket_size``: after a module's fetch, the next modules' parameters in the trace are
-  all-gathered asynchronously, up to that many elements in flight, so communication overlaps compute.
+  all-gathered asynchronously, up to that many elements in flight, so communication overlaps compute. A
+  parameter whose shard is in an NVMe file is gathered ahead only once it has been read: the offload reads
+  ahead, in the trace's order, the shards the coming fetches will read
+  (:meth:`ParameterCoordinator.upcoming_reads`).
 * ``stage3_max_reuse_distance``: a parameter whose next use comes within that many gathered elements is
   not released after a forward (typically the last layers, used again right away by backward).
 * ``stage3_max_live_parameters``: neither prefetching nor keeping for reuse may push the gathered elements
