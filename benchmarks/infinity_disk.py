@@ -19,6 +19,10 @@
    the one that applies; a write that allocates a new file's blocks is reported too. Steps after the first are reported (the first
    records the module trace and, with ``fast_init``, reads no optimizer states).
 
+``--replay-optimizer GROUPS`` adds the NVMe optimizer step's requests alone (no model: sub-groups of
+``--replay-numel`` elements read and written as AdamW's step does, through the same pipeline), to compare pipeline
+depths and ``--aio`` settings on this disk.
+
 Bytes are load-independent; times are not: run it on an idle machine. A size whose files would not fit
 ``--disk-budget-gb`` (16 bytes per parameter) or the free space is refused. The swap folder and the test file
 are deleted at the end.
@@ -119,6 +123,58 @@ def fio_bandwidth(folder: Path, nbytes: int) -> dict[str, Any] | None:
     return result
 
 
+def replay_optimizer_io(folder: Path, groups: int, numel: int, depth: int, rounds: int, compute_s: float,
+                        aio: dict[str, Any]) -> dict[str, Any]:
+    """The NVMe optimizer step's requests without a model: ``groups`` sub-groups of ``numel`` elements, each
+    read as AdamW's step reads it (fp32 master, bf16 gradient, two fp32 moments, one read lane each) and
+    written back (master and moments), through ``SwapStore`` and ``run_swap_pipeline`` at ``depth`` slots
+    (4 buffers each), the update replaced by ``compute_s`` of sleep. GB/s of read + written bytes per round:
+    what the pipeline's shape and the ``aio`` settings get out of this disk."""
+    import torch
+
+    from dsrun.offload.pipeline import run_swap_pipeline
+    from dsrun.offload.swap_store import SwapStore
+
+    store = SwapStore(folder, aio_config=aio or None, read_lanes=4)
+    try:
+        slots = [[store.aligned_buffer(numel) for _ in range(4)] for _ in range(depth)]
+        for buffer in slots[0]:
+            buffer.fill_(1.0)
+        for g in range(groups):
+            for name in ("master", "exp_avg", "exp_avg_sq"):
+                store.async_write(f"{name}.{g}", slots[0][0])
+            store.async_write(f"grad.{g}", slots[0][1].view(torch.bfloat16)[:numel])
+            store.wait_writes()
+
+        def issue_read(g: int) -> None:
+            master, grad, avg, avg_sq = slots[g % depth]
+            store.async_read(f"master.{g}", master, lane=0)
+            store.async_read(f"grad.{g}", grad.view(torch.bfloat16)[:numel], lane=1)
+            store.async_read(f"exp_avg.{g}", avg, lane=2)
+            store.async_read(f"exp_avg_sq.{g}", avg_sq, lane=3)
+
+        def issue_write(g: int) -> None:
+            master, _, avg, avg_sq = slots[g % depth]
+            for name, buffer in (("master", master), ("exp_avg", avg), ("exp_avg_sq", avg_sq)):
+                store.async_write(f"{name}.{g}", buffer)
+
+        moved = groups * numel * (4 + 2 + 8 + 12)
+        figures = []
+        for _ in range(rounds):
+            t = time.perf_counter()
+            times = run_swap_pipeline(groups, depth, issue_read, store.wait_reads, lambda g: time.sleep(compute_s),
+                                      issue_write, store.wait_writes)
+            seconds = time.perf_counter() - t
+            figures.append({"seconds": seconds, "gbps": moved / seconds / 1e9, **times.extra})
+            print(f"[infinity_disk] optimizer I/O replay, {groups} x {numel} elements, depth {depth}, aio {aio}: "
+                  f"{moved / 1e9:.1f} GB in {seconds:.2f} s = {moved / seconds / 1e9:.2f} GB/s (waiting on reads "
+                  f"{times.extra['waiting_reads']:.2f} s, on writes {times.extra['waiting_writes']:.2f} s)", flush=True)
+    finally:
+        store.close()
+    return {"groups": groups, "numel": numel, "depth": depth, "compute_s": compute_s, "aio": aio,
+            "bytes_per_round": moved, "rounds": figures}
+
+
 # --------------------------------------------------------------------------------------------------------
 # 2. the run (in its own process)
 # --------------------------------------------------------------------------------------------------------
@@ -157,6 +213,7 @@ def run_child(size: str, steps: int, nvme_root: str, threads: int, aio: dict[str
     build_s = time.perf_counter() - t0
     numel = sum(p.ds_numel for p in engine.module.parameters())
     records = []
+    params_read = engine.strategy.param_offload.stats()["read_bytes"]
     try:
         for step in range(steps):
             disk_before = disk_counters(nvme_root)
@@ -171,20 +228,26 @@ def run_child(size: str, steps: int, nvme_root: str, threads: int, aio: dict[str
             disk = [b - a for a, b in zip(disk_before, disk_after)] if disk_before and disk_after else None
             io = engine.observer.last_swap_io
             pipe = engine.strategy.last_step_times
+            offload = engine.strategy.param_offload.stats()
+            params_read, param_read_bytes = offload["read_bytes"], offload["read_bytes"] - params_read
             records.append({"step": step + 1, "loss": float(loss.detach()), "seconds": t_end - t, "forward_s": t_fwd - t,
                             "backward_s": t_bwd - t_fwd, "step_s": t_end - t_bwd,
                             "read_bytes": io.read_bytes, "written_bytes": io.written_bytes,
                             "reads": io.reads, "writes": io.writes,
                             "optimizer_compute_s": pipe.compute if pipe else None,
                             "optimizer_waiting_s": pipe.waiting if pipe else None,
-                            "param_offload": engine.strategy.param_offload.stats(),
+                            "optimizer_waiting_reads_s": pipe.extra.get("waiting_reads") if pipe else None,
+                            "optimizer_waiting_writes_s": pipe.extra.get("waiting_writes") if pipe else None,
+                            "param_offload": offload, "param_read_bytes": param_read_bytes,
                             "disk_busy_s": disk[0] if disk else None,
                             "disk_read_bytes": disk[1] if disk else None,
                             "disk_written_bytes": disk[2] if disk else None})
             print(f"[infinity_disk] {size} step {step + 1}: loss {float(loss.detach()):.4f}, {t_end - t:.1f} s "
                   f"(fwd {t_fwd - t:.1f}, bwd {t_bwd - t_fwd:.1f}, step {t_end - t_bwd:.1f}), read "
-                  f"{io.read_bytes / 1e9:.2f} GB, written {io.written_bytes / 1e9:.2f} GB"
-                  + (f"; disk busy {disk[0]:.1f} s" if disk else ""), flush=True)
+                  f"{io.read_bytes / 1e9:.2f} GB (parameters {param_read_bytes / 1e9:.2f}), written "
+                  f"{io.written_bytes / 1e9:.2f} GB" + (f"; disk busy {disk[0]:.1f} s" if disk else "")
+                  + (f"; optimizer: compute {pipe.compute:.1f} s, waiting on reads {pipe.extra['waiting_reads']:.1f} "
+                     f"s, on writes {pipe.extra['waiting_writes']:.1f} s" if pipe and pipe.extra else ""), flush=True)
     finally:
         engine.destroy()
     return {"size": size, "params": numel, "build_s": build_s, "aio": aio, "steps": records}
@@ -225,6 +288,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--aio", default="{}", help="the run's aio section as JSON, e.g. '{\"queue_depth\": 32}' "
                         "(default: DeepSpeed's defaults)")
     parser.add_argument("--skip-run", action="store_true", help="measure the disk only")
+    parser.add_argument("--replay-optimizer", type=int, default=0, metavar="GROUPS",
+                        help="also replay the NVMe optimizer step's I/O alone over GROUPS sub-groups (files: 14 bytes "
+                        "per element; see --replay-numel, --replay-depth, --replay-compute-s; rounds: --rounds)")
+    parser.add_argument("--replay-numel", type=int, default=50_000_000, help="elements per replayed sub-group")
+    parser.add_argument("--replay-depth", type=int, default=2, help="pipeline slots (4 buffers each)")
+    parser.add_argument("--replay-compute-s", type=float, default=0.1, help="seconds standing for each update")
     parser.add_argument("--json", default=None, help="write every figure here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -252,6 +321,14 @@ def main(argv: list[str] | None = None) -> int:
     disk["read_gbps"] = max(f["read_gbps"] for f in disk["aio"].values())
     disk["write_gbps"] = max(f["overwrite_gbps"] for f in disk["aio"].values())
     result: dict[str, Any] = {"disk": disk, "load_before": os.getloadavg()}
+    if args.replay_optimizer:
+        replay_root = Path(tempfile.mkdtemp(prefix="dsrun_infinity_replay_", dir=folder))
+        try:
+            result["optimizer_replay"] = replay_optimizer_io(replay_root, args.replay_optimizer, args.replay_numel,
+                                                             args.replay_depth, args.rounds, args.replay_compute_s,
+                                                             json.loads(args.aio))
+        finally:
+            shutil.rmtree(replay_root, ignore_errors=True)
     if not args.skip_run:
         from scale import num_params
 

@@ -102,7 +102,12 @@ class ParamOffload:
         return shard
 
     def after_fetch(self, upcoming: Iterable[torch.nn.Parameter]) -> None:
-        """A module's parameters were fetched; ``upcoming`` are the next ones in the recorded order."""
+        """A module's parameters were fetched; ``upcoming`` are the next ones whose shards the recorded order
+        reads (:meth:`~dsrun.zero.hooks.ParameterCoordinator.upcoming_reads`)."""
+
+    def in_memory(self, param: torch.nn.Parameter) -> bool:
+        """Is ``param``'s shard in host memory (or being read into it), so a gather needs no read of its own?"""
+        return True
 
     # --- values -------------------------------------------------------------------------------------------
     def read_copy(self, param: torch.nn.Parameter) -> torch.Tensor:
@@ -338,8 +343,12 @@ class NvmeParamOffload(ParamOffload):
         self._free.append(slot.buffer)
         slot.buffer = None
 
+    def in_memory(self, param: torch.nn.Parameter) -> bool:
+        slot = self.slots.get(id(param))
+        return slot is None or slot.cached is not None or slot.buffer is not None
+
     def after_fetch(self, upcoming: Iterable[torch.nn.Parameter]) -> None:
-        """Read ahead the next shards of the recorded order into the free buffers (never evicting)."""
+        """Read ahead the next shards the recorded order reads into the free buffers (never evicting)."""
         for param in upcoming:
             slot = self.slots.get(id(param))
             if slot is None or slot.cached is not None or slot.buffer is not None:

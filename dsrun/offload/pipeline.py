@@ -148,14 +148,19 @@ def run_swap_pipeline(n: int, depth: int, issue_read: Callable[[int], None], wai
     depth 3: read(i+1) and write(i-1) are in flight while compute(i) runs (read-ahead and write-behind);
     depth 2: read(i+1) overlaps compute(i), write(i) overlaps the wait for read(i+1);
     depth 1: read, compute, write one after the other.
+
+    ``times.extra`` splits ``waiting`` into ``waiting_reads`` (blocked until a sub-group's files were read) and
+    ``waiting_writes`` (until a slot's writes had landed, so it could be read into again).
     """
-    times = PipelineTimes(units=n)
+    times = PipelineTimes(units=n, extra={"waiting_reads": 0.0, "waiting_writes": 0.0})
     start = time.perf_counter()
 
     def waited(fn: Callable[[], None]) -> None:
         t = time.perf_counter()
         fn()
-        times.waiting += time.perf_counter() - t
+        spent = time.perf_counter() - t
+        times.waiting += spent
+        times.extra["waiting_reads" if fn is wait_reads else "waiting_writes"] += spent
 
     if n == 0:
         return times

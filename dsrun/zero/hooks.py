@@ -10,7 +10,10 @@ parameters are released during backward as soon as their gradient is complete (t
 The first forward+backward records the order modules fetch their parameters (the *trace*). From then on:
 
 * ``stage3_prefetch_bucket_size``: after a module's fetch, the next modules' parameters in the trace are
-  all-gathered asynchronously, up to that many elements in flight, so communication overlaps compute.
+  all-gathered asynchronously, up to that many elements in flight, so communication overlaps compute. A
+  parameter whose shard is in an NVMe file is gathered ahead only once it has been read: the offload reads
+  ahead, in the trace's order, the shards the coming fetches will read
+  (:meth:`ParameterCoordinator.upcoming_reads`).
 * ``stage3_max_reuse_distance``: a parameter whose next use comes within that many gathered elements is
   not released after a forward (typically the last layers, used again right away by backward).
 * ``stage3_max_live_parameters``: neither prefetching nor keeping for reuse may push the gathered elements
@@ -172,6 +175,7 @@ class ParameterCoordinator:
         self.following_trace = False
         self._off_trace = False  # this pass left the recorded order
         self._keep_after: dict[int, set[int]] = {}  # trace index -> ids of params kept after that forward
+        self._released_after: list[set[int]] = []  # trace index -> ids of params released once it is over
         self._forward_index: dict[int, int] = {}  # module -> its event's index in the trace, during its forward
         self.in_use: dict[int, int] = {}
         self.params: dict[int, torch.nn.Parameter] = {}
@@ -225,6 +229,7 @@ class ParameterCoordinator:
         """Hook the model again after :meth:`remove_hooks`, recording the order of the next pass anew."""
         self._params_of, self.params = {}, {}
         self.trace, self.trace_complete, self.following_trace, self._keep_after = [], False, False, {}
+        self._released_after = []
         self.in_use.clear()
         self._install()
 
@@ -349,12 +354,38 @@ class ParameterCoordinator:
         if self.following_trace and self.prefetch_bucket_size > 0:
             self._prefetch()
         if self.after_fetch is not None and self.following_trace:
-            self.after_fetch(self.upcoming_params())
+            self.after_fetch(self.upcoming_reads())
 
     def upcoming_params(self) -> Iterable[torch.nn.Parameter]:
         """The parameters the recorded trace fetches after the current position, in order."""
         for p, _ in self._upcoming():
             yield p
+
+    def upcoming_reads(self) -> Iterator[torch.nn.Parameter]:
+        """The parameters whose shards the recorded trace will read after the current position, in order: a
+        fetch that finds its parameter still gathered (prefetched, kept for reuse, or a tied one whose gradient
+        is not complete yet) reads nothing. Each parameter is gathered until the release the trace plans for
+        it (:meth:`_plan_releases`), so one that is gathered now, or will be, is read again only after that.
+        NVMe parameter offload reads these ahead: a shard read for a fetch that does not need it holds a pool
+        buffer until a later fetch takes it or a read needed sooner evicts it (then read again)."""
+        gathered = {pid for pid, p in self.params.items() if p.ds_status is not ParamStatus.NOT_AVAILABLE}
+        if 0 < self.cursor <= len(self._released_after):  # the module fetched now releases them after it
+            module_id, phase = self.trace[self.cursor - 1]
+            if phase == FORWARD and self.live_numel() > self.max_live_parameters:
+                gathered -= {id(p) for p in self._params_of.get(module_id, [])}  # too many gathered to keep any
+            else:
+                gathered -= self._released_after[self.cursor - 1]
+        for index in range(self.cursor, len(self.trace)):
+            module_id, phase = self.trace[index]
+            for p in self._params_of.get(module_id, []):
+                if id(p) in gathered or p.ds_persist:
+                    continue
+                gathered.add(id(p))
+                # hpZ: backward gathers from the secondary partition, refreshed by the forward's gather
+                if not (phase == BACKWARD and getattr(p, "ds_secondary_tensor", None) is not None):
+                    yield p
+            if index < len(self._released_after):
+                gathered -= self._released_after[index]
 
     def _upcoming(self) -> Iterable[tuple[torch.nn.Parameter, str]]:
         for index in range(self.cursor, len(self.trace)):
@@ -380,6 +411,7 @@ class ParameterCoordinator:
             self.trace_complete = False
             self.trace = []
             self._keep_after = {}
+            self._released_after = []
             self._off_trace = True
 
     def _warn_invalidated(self, module: torch.nn.Module, phase: str) -> None:
@@ -400,6 +432,12 @@ class ParameterCoordinator:
             if p.ds_status is not ParamStatus.NOT_AVAILABLE:
                 continue
             if budget <= 0 or live + p.ds_numel > self.max_live_parameters:
+                return
+            owner = getattr(p, "ds_offload", None)
+            from_shard = not (phase == BACKWARD and getattr(p, "ds_secondary_valid", False))
+            if owner is not None and from_shard and not owner.in_memory(p):
+                # a shard still in its NVMe file: the offload's read-ahead reads it in the trace's order;
+                # gathering it here would read it out of turn, into a buffer a shard needed sooner holds
                 return
             start_gather(p, async_op=True, secondary=phase == BACKWARD)
             budget -= p.ds_numel
@@ -431,6 +469,7 @@ class ParameterCoordinator:
         if not self.trace_complete and self.trace:
             self.trace_complete = True
             self._plan_reuse()
+            self._plan_releases()
         self.following_trace = False
         self.in_use.clear()
 
@@ -446,6 +485,28 @@ class ParameterCoordinator:
         for p in self.params.values():
             release_param(p)
             mark_stale(p)
+
+    def _plan_releases(self) -> None:
+        """For each event of the trace, the parameters released once it is over: a forward releases its
+        module's parameters unless they are kept for reuse (:meth:`_plan_reuse`); in backward a trainable
+        parameter is released when its gradient is complete, after the last backward that uses it (a tied
+        weight stays gathered from its first backward to its last), a leaf module's or a frozen one only
+        when backward ends."""
+        last_backward: dict[int, int] = {}
+        for index, (module_id, phase) in enumerate(self.trace):
+            if phase == BACKWARD:
+                for p in self._params_of.get(module_id, []):
+                    last_backward[id(p)] = index
+        self._released_after = []
+        for index, (module_id, phase) in enumerate(self.trace):
+            params = self._params_of.get(module_id, [])
+            if phase == FORWARD:
+                keep = self._keep_after.get(index, set())
+                released = {id(p) for p in params if id(p) not in keep}
+            else:
+                released = {id(p) for p in params if last_backward[id(p)] == index and p.requires_grad
+                            and getattr(p, PARAM_LEAF_ATTR, None) is None}
+            self._released_after.append(released)
 
     def _plan_reuse(self) -> None:
         """For each forward event, which of its parameters are used again within ``max_reuse_distance``

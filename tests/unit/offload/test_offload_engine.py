@@ -1,6 +1,7 @@
 """Optimizer offload in one process: which strategy runs, clear errors, the pipelines' ordering, accounting."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -111,7 +112,11 @@ def test_swap_pipeline_overlaps_reads_and_writes_with_compute():
         def issue_write(i): in_flight["w"].append(i); log.append(f"W{i}")
         def wait_writes(): in_flight["w"].clear()
 
-        run_swap_pipeline(4, depth, issue_read, wait_reads, compute, issue_write, wait_writes)
+        times = run_swap_pipeline(4, depth, issue_read, wait_reads, compute, issue_write, wait_writes)
+        # the waits split into reads and writes: the same positive terms summed in two groupings, equal within
+        # one rounding per term (at most 2 per unit + 2)
+        split = times.extra["waiting_reads"] + times.extra["waiting_writes"]
+        assert abs(split - times.waiting) <= (2 * 4 + 2) * sys.float_info.epsilon * times.waiting
         computes = [e for e in log if e.startswith("C")]
         assert len(computes) == 4
         if depth == 3:  # read of i+1 and write of i-1 in flight during compute(i)

@@ -103,3 +103,43 @@ def test_shards_read_ahead_on_lanes_train_bit_identically_to_shards_in_memory(tm
     assert all(torch.equal(a, b) for a, b in zip(nvme[1], host[1]))
     stats, lanes = nvme[2]
     assert lanes == 3 and stats["read_ahead_hits"] > 0
+
+
+def test_each_shard_is_read_once_per_fetch_under_pool_pressure_and_prefetch(tmp_path: Path):
+    """The 4B run's layout at 1/4096 of its size (width 64 for 4096, the vocabulary cut as much, so the token
+    embedding is 3x the largest layer matrix as there; a prefetch bucket just below the attention matrix; a
+    pool of 4 buffers): ZeRO-3's prefetch runs ahead of the read-ahead, and a shard read ahead for a fetch
+    that finds its parameter still gathered used to hold a buffer until evicted and read again (1.69x the
+    bytes here, 1.9x at 4B). Now a forward and a backward read each swapped shard once; the tied embedding is
+    read twice in forward (token embedding, output layer) and stays gathered from the output layer's forward
+    (reuse distance 0: its backward comes next) until its gradient is complete: 4 bytes per swapped bf16
+    element per step, every read but the forward's first one read ahead."""
+    from dsrun.models.gpt import GPT
+
+    torch.manual_seed(0)
+    width, vocab = 64, 785
+    nvme = {"nvme_path": str(tmp_path), "device": "nvme"}
+    config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "steps_per_print": 1000,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {
+                  "stage": 3, "stage3_prefetch_bucket_size": 50_000_000 // 4096,
+                  "stage3_max_reuse_distance": 0, "stage3_param_persistence_threshold": 1000,
+                  "offload_optimizer": {"device": "cpu"},
+                  "offload_param": {**nvme, "buffer_count": 4, "buffer_size": vocab * width, "max_in_cpu": 0}}}
+    with dsrun.zero.Init(config_dict_or_path=config):
+        model = GPT(vocab_size=vocab, block_size=16, n_layer=3, n_head=2, n_embd=width)
+    engine = dsrun.initialize(model=model, config=config)[0]
+    offload = engine.strategy.param_offload
+    swapped = [p for p in engine.module.parameters() if offload.swapped(p)]
+    assert any(p is engine.module.transformer["wte"].weight for p in swapped) and len(swapped) == 2 + 4 * 3
+    tokens = torch.randint(0, vocab, (1, 17), generator=torch.Generator().manual_seed(1))
+    hits = []
+    for _ in range(3):
+        before = offload.read_ahead_hits
+        engine.backward(engine(tokens[:, :-1], tokens[:, 1:]))
+        engine.step()
+        hits.append(offload.read_ahead_hits - before)
+    io = engine.observer.last_swap_io  # the parameter store's only: the optimizer is in memory
+    assert io.read_bytes == 2 * 2 * sum(p.ds_numel for p in swapped)
+    assert io.reads == 2 * len(swapped) and hits[-1] == io.reads - 1
+    engine.destroy()
