@@ -174,11 +174,22 @@ def fit(run_dir: Path, options: RayOptions, keep_last: int = 0) -> Result:
     in the run directory's ``ray/`` (or ``options.storage_path``'s ``DATE_TIME/``, the run directory's last two
     parts), the newest ``keep_last``
     (``train.keep_last``; 0: all). Returns Ray's result; raises Ray's ``TrainingFailedError`` when the workers
-    failed more often than ``options.max_failures`` allows."""
+    failed more often than ``options.max_failures`` allows, or their nodes were drained more often than
+    ``options.max_preemption_failures`` allows."""
+    import inspect
+
     import ray
 
     train = _import_ray_train()
     from ray.train.torch import TorchTrainer
+
+    failures = {"max_failures": options.max_failures}
+    if options.max_preemption_failures != -1:  # Ray's own default: no limit
+        if "max_preemption_failures" not in inspect.signature(train.FailureConfig).parameters:
+            raise UserError(Problem("launcher.max_preemption_failures", f"is {options.max_preemption_failures}, "
+                                    f"but Ray {ray.__version__} has no preemption restarts "
+                                    "(FailureConfig.max_preemption_failures)", "upgrade Ray, or leave it at -1"))
+        failures["max_preemption_failures"] = options.max_preemption_failures
 
     started = not ray.is_initialized()
     if started:
@@ -197,7 +208,7 @@ def fit(run_dir: Path, options: RayOptions, keep_last: int = 0) -> Result:
                                                resources_per_worker=options.resources_per_worker or None),
             run_config=train.RunConfig(
                 name=name, storage_path=str(Path(options.storage_path or run_dir).expanduser().resolve()),
-                failure_config=train.FailureConfig(max_failures=options.max_failures),
+                failure_config=train.FailureConfig(**failures),
                 checkpoint_config=train.CheckpointConfig(num_to_keep=keep_last or None)))
         return trainer.fit()
     finally:

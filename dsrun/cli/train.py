@@ -476,6 +476,11 @@ def _train(resolved: ResolvedRun, run_dir: Path, preflight: Preflight, resume_li
     return metrics
 
 
+def _restarts(limit: int) -> str:
+    """A Ray ``FailureConfig`` limit in words (-1: no limit)."""
+    return "any number of" if limit == -1 else f"up to {limit}"
+
+
 def _train_on_ray(resolved: ResolvedRun, run_dir: Path, log: LauncherLog) -> dict:
     """``launcher=ray``: the run's ranks are Ray Train workers (dsrun.ray); return the run's metrics."""
     import json
@@ -490,8 +495,9 @@ def _train_on_ray(resolved: ResolvedRun, run_dir: Path, log: LauncherLog) -> dic
         where = f"the Ray cluster at {ray.address or os.environ['RAY_ADDRESS']}"
     else:
         where = f"a local Ray on {ray.local_cpus()} CPU(s), stopped at the end"
-    log.say(f"starting {resolved.world_size} Ray Train worker(s) on {where}; up to {ray.max_failures} "
-            "restart(s) after a worker fails, each from the last checkpoint")
+    log.say(f"starting {resolved.world_size} Ray Train worker(s) on {where}; {_restarts(ray.max_failures)} "
+            f"restart(s) after a worker fails, each from the last checkpoint, and "
+            f"{_restarts(ray.max_preemption_failures)} after a node is drained, each from the checkpoint saved for it")
     try:
         fit(run_dir, ray, keep_last=resolved.train.keep_last)
     except Exception as err:  # Ray's TrainingFailedError (and its causes): the workers' own lines came before

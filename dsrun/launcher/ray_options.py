@@ -10,6 +10,8 @@ and a key of dsrun's own launcher (a hostfile, ssh, a master port) does nothing 
       resources_per_worker: null  # e.g. {CPU: 2}; null: Ray's default (1 CPU, or 1 GPU with use_gpu)
       use_gpu: false              # one GPU per worker (ScalingConfig.use_gpu)
       max_failures: 0             # group restarts after a worker fails (FailureConfig.max_failures; -1: no limit)
+      max_preemption_failures: -1 # group restarts after a node drain (FailureConfig.max_preemption_failures;
+                                  # -1: no limit); a drain is not counted in max_failures
       address: null               # a running cluster ("auto", "ray://host:10001", host:port); null: the one
                                   # RAY_ADDRESS names, else a local Ray started for the job on this machine's CPUs
       storage_path: null          # where Ray keeps the checkpoints it registers (RunConfig.storage_path);
@@ -39,6 +41,7 @@ RAY_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
     "resources_per_worker": ((dict,), "a mapping of resource name to amount"),
     "use_gpu": ((bool,), "bool"),
     "max_failures": ((int,), "int"),
+    "max_preemption_failures": ((int,), "int"),
     "address": ((str,), "str"),
     "storage_path": ((str,), "str"),
     "num_cpus": ((int,), "int"),
@@ -53,6 +56,7 @@ class RayOptions:
     resources_per_worker: dict[str, float] = field(default_factory=dict)
     use_gpu: bool = False
     max_failures: int = 0
+    max_preemption_failures: int = -1
     address: str | None = None
     storage_path: str | None = None
     num_cpus: int | None = None
@@ -105,8 +109,9 @@ def _range_problems(values: Mapping[str, Any], path: str) -> list[Problem]:
         found.append(Problem(f"{path}.num_procs", f"must be at least 1, got {values['num_procs']}"))
     if values.get("num_cpus", 1) < 1:
         found.append(Problem(f"{path}.num_cpus", f"must be at least 1, got {values['num_cpus']}"))
-    if values.get("max_failures", 0) < -1:
-        found.append(Problem(f"{path}.max_failures", f"must be -1 (no limit) or more, got {values['max_failures']}"))
+    for key in ("max_failures", "max_preemption_failures"):
+        if values.get(key, 0) < -1:
+            found.append(Problem(f"{path}.{key}", f"must be -1 (no limit) or more, got {values[key]}"))
     for name, amount in (values.get("resources_per_worker") or {}).items():
         if isinstance(amount, bool) or not isinstance(amount, (int, float)) or amount < 0:
             found.append(Problem(f"{path}.resources_per_worker.{name}", f"must be a number 0 or more, got {show(amount)}"))

@@ -1,15 +1,22 @@
-"""Ray Train starts the ranks (docs/cluster.md, "Ray"), on a real local Ray (``ray.init()`` on CPU, 2 workers):
+"""Ray Train starts the ranks (docs/cluster.md, "Ray"), on a real local Ray (CPU, 2 workers):
 
 * ``dsrun train launcher=ray launcher.num_procs=2 launcher.max_failures=2``, one of whose workers is killed (SIGKILL,
   by PID) once Ray has registered the step-5 checkpoint: Ray restarts the whole group, which resumes from the
   checkpoint Ray registered last (the run directory's own are moved away at the kill), trains the local launcher's
   losses (the same overrides, the worker's entry in two ranks: ``run_ranks``) and ends with its weights, bit for bit;
   the checkpoints dsrun saved are registered with Ray;
+* a real node drain: a ``TorchTrainer(dsrun.ray.train_loop)`` whose 2 workers run on a second node of the Ray,
+  which Ray's GCS is asked to drain for preemption with a deadline (``DrainNode``, what ``ray drain-node`` and the
+  autoscaler send) while they begin step 7: both ranks stop at that step's boundary and save, the checkpoint is
+  registered with Ray, Ray ends the group at the deadline and starts it again on the head, from that checkpoint,
+  though ``FailureConfig(max_failures=0)``: a preemption is not a failure; the run ends with the local launcher's
+  losses and weights, and the drained node leaves the cluster;
 * without the package, ``launcher=ray`` is one line naming ``pip install 'dsrun[ray]'`` and exit code 2.
 
-One Ray for the module, started here and shut down at the end; the ``dsrun train`` process joins it
-(``launcher.address``). Every wait is bounded. (Your own ``TorchTrainer(dsrun.ray.train_loop)``: ``dsrun train``
-builds one; ``prepare_run`` is tests/unit/launcher/test_ray_options.py's.)
+One Ray for the module (``ray.cluster_utils.Cluster``: its head node, 4 logical CPUs; the drain test adds a node of
+2 and removes it), started here and shut down at the end; the ``dsrun train`` process joins it
+(``launcher.address``). The local launcher's run, the reference, is made once for both. Every wait is bounded.
+(``prepare_run``'s checks are tests/unit/launcher/test_ray_options.py's.)
 """
 from __future__ import annotations
 
@@ -18,48 +25,84 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import pytest
 import torch
 
 from tests.helpers import REPO, run_cli, run_ranks
 
+if TYPE_CHECKING:
+    from ray.cluster_utils import Cluster
+
 TINY = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=32", "data.max_bytes=200000",
         "ds.train_micro_batch_size_per_gpu=2", "train.eval_iters=1", "train.eval_interval=0", "monitor=none",
         "scheduler.params.warmup_num_steps=2", "train.max_steps=20", "train.save_interval=5", "train.keep_last=2"]
 TIMEOUT = 240
-# Ray Train looks at its workers every 0.5 s (takes a report, notices a dead one: 2 s by default), and gives a
-# worker group on a busy test machine 3 minutes to start (1 by default)
-RAY_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "180"}
+HEAD_CPUS = 4  # the module's Ray: 2 workers and room for the restarted group
+# Ray Train looks at its workers every 0.5 s (takes a report, notices a dead one: 2 s by default) and at the nodes
+# being drained as often (5 s by default), and gives a worker group on a busy test machine 3 minutes to start (1 by
+# default)
+RAY_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.5",
+           "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "180"}
 
 
 @pytest.fixture(scope="module")
-def ray_address() -> Iterator[str]:
-    """A local Ray of this test process: 4 logical CPUs (2 workers and room for the restarted group)."""
+def ray_cluster() -> Iterator[Cluster]:
+    """A local Ray of this test process: a head node of 4 logical CPUs (2 workers and room for the restarted group),
+    this process its driver."""
     import ray
+    from ray.cluster_utils import Cluster
 
     # each worker takes 1 CPU, so Ray gives it one thread (OMP_NUM_THREADS=1), as the local baseline has below;
-    # a value of this process's would reach the workers instead
-    saved = {name: os.environ.pop(name, None) for name in ("OMP_NUM_THREADS", *RAY_ENV)}
+    # a value of this process's would reach the workers instead. The workers import this checkout (the drain
+    # test's worker function is this module's)
+    saved = {name: os.environ.pop(name, None) for name in ("OMP_NUM_THREADS", "PYTHONPATH", *RAY_ENV)}
     os.environ.update(RAY_ENV)  # the trainers started here hand it to their controllers
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), saved["PYTHONPATH"]]))
+    cluster = None
     try:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-        yield ray.get_runtime_context().gcs_address
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": HEAD_CPUS, "include_dashboard": False})
+        ray.init(address=cluster.address, log_to_driver=False)
+        yield cluster
     finally:
         ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
         for name, value in saved.items():
             os.environ.pop(name, None)
             if value is not None:
                 os.environ[name] = value
 
 
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The local launcher's losses and final weights for TINY (the reference of both Ray runs)."""
+    run_dir = tmp_path_factory.mktemp("local") / "run"
+    return local_launcher_losses(run_dir), final_weights(run_dir)
+
+
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     """The model's weights in the run's last checkpoint (step 20)."""
     return torch.load(run_dir / "checkpoints" / "global_step20" / "mp_rank_00_model_states.pt",
                       weights_only=False)["module"]
+
+
+def assert_resumed_exactly(run_dir: Path, resumed: int, local_run: tuple[list[float], dict[str, torch.Tensor]]) -> None:
+    """The run in ``run_dir`` was resumed on 2 ranks from step ``resumed``, trained the local launcher's losses from
+    there and ends with its final weights, bit for bit (so the steps before, which it does not record, had them
+    too, or the weights would differ)."""
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert (metrics.get("resumed_from_step"), metrics["world_size"]) == (resumed, 2)
+    losses, expected = local_run
+    assert metrics["train_losses"] == losses[resumed:]
+    final = final_weights(run_dir)
+    assert final.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(final[name], tensor), name
 
 
 def local_rank_run(rank: int, world_size: int, run_dir: Path) -> int:
@@ -112,12 +155,12 @@ def dsrun_train(*args: str, cwd: Path) -> subprocess.Popen:
                                 stdin=subprocess.DEVNULL)
 
 
-def test_dsrun_train_on_ray_survives_a_killed_worker_with_the_local_launchers_losses_and_weights(ray_address,
-                                                                                                 tmp_path):
+def test_dsrun_train_on_ray_survives_a_killed_worker_with_the_local_launchers_losses_and_weights(ray_cluster,
+                                                                                                 local_run, tmp_path):
     job = tmp_path / "job"
     job.mkdir()
     process = dsrun_train("train", "launcher=ray", "launcher.num_procs=2", "launcher.max_failures=2",
-                          f"launcher.address={ray_address}", *TINY, cwd=job)
+                          f"launcher.address={ray_cluster.address}", *TINY, cwd=job)
     deadline, killed, run_dir = time.monotonic() + TIMEOUT, None, None
     try:
         while killed is None and time.monotonic() < deadline and process.poll() is None:
@@ -140,23 +183,170 @@ def test_dsrun_train_on_ray_survives_a_killed_worker_with_the_local_launchers_lo
     output = (job / "stdout.txt").read_text()[-3000:] + (job / "stderr.txt").read_text()[-3000:]
     assert killed is not None, "the run ended before a worker could be killed\n" + output
     assert code == 0, output
-    metrics = json.loads((run_dir / "metrics.json").read_text())
     # the restarted group resumed from the checkpoint Ray had registered last when the worker died, not from step 0
-    resumed = metrics.get("resumed_from_step")
-    assert resumed in (5, 10, 15) and metrics["world_size"] == 2, resumed
-    # the steps it trained again and after have the local launcher's losses, and the run ends with its weights: the
-    # steps before the kill (which the restarted group does not record) had them too, or the weights would differ
-    local = tmp_path / "local"
-    losses = local_launcher_losses(local)
-    assert metrics["train_losses"] == losses[resumed:]
-    expected, final = final_weights(local), final_weights(run_dir)
-    assert final.keys() == expected.keys()
-    for name, tensor in expected.items():
-        assert torch.equal(final[name], tensor), name
+    resumed = json.loads((run_dir / "metrics.json").read_text()).get("resumed_from_step")
+    assert resumed in (5, 10, 15), resumed
+    assert_resumed_exactly(run_dir, resumed, local_run)
     # every checkpoint dsrun saved was registered with Ray, which keeps the newest train.keep_last in its storage
     assert sorted(p.name for p in (run_dir / "ray").glob("global_step*")) == ["global_step15", "global_step20"]
     assert sorted(p.name for p in (run_dir / "ray" / "global_step20").iterdir()) == \
         sorted(p.name for p in (run_dir / "checkpoints" / "global_step20").iterdir())
+
+
+# the drain test: the step whose boundary the drain's notice reaches; the drain's deadline, which must cover Ray's
+# notice reaching the ranks, that step, the save and Ray's registration of the checkpoint (0.4 to 0.7 s after the
+# drain under load averages of 11 to 21 on the 2-core test machine). Ray ends the group only once it passed (a node
+# that died before it would be a failure to Ray), so the workers wait for it
+DRAIN_AT = 7
+DRAIN_DEADLINE_S = 10
+
+
+def drained_worker(config: dict[str, Any]) -> None:
+    """``dsrun.ray.train_loop`` as the drain test's Ray Train worker. It notes in ``events_rank<R>.jsonl`` (the run
+    directory) where it started (Ray's node, the checkpoint Ray restarted it from) and the step its ranks stopped
+    at (with rank 0's ``preempted.json`` record, which the restarted group's resume removes). The first group holds
+    at the start of step ``drain_at`` until Ray's preemption notice has reached it (the test drains its node once
+    it is there), so that the notice comes at that step's boundary and not at another one."""
+    import ray
+    import ray.train
+
+    import dsrun.ray
+    from dsrun.run_book import RunBook
+
+    rank = ray.train.get_context().get_world_rank()
+    restored = ray.train.get_checkpoint()
+    events = Path(config[dsrun.ray.RUN_DIR_KEY]) / f"events_rank{rank}.jsonl"
+
+    def note(event: str, **fields: Any) -> None:
+        with events.open("a") as out:
+            out.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
+
+    note("start", node=ray.get_runtime_context().get_node_id(),
+         restored=Path(restored.path).name if restored is not None else None)
+    begins, ends = RunBook.step_begins, RunBook.step_ends
+
+    def step_begins(book: RunBook) -> None:
+        begins(book)
+        if restored is None and book.last_step_done + 1 == config["drain_at"]:
+            note("waiting", step=config["drain_at"])
+            waited_until = time.monotonic() + TIMEOUT
+            # rank 0's answer on every rank (a broadcast), so both ranks leave this loop at the same call
+            while ray.train.get_preemption_info() is None:
+                if time.monotonic() > waited_until:
+                    raise RuntimeError(f"no preemption notice from Ray within {TIMEOUT} s of the drain test's wait")
+                time.sleep(0.1)
+
+    def step_ends(book: RunBook, step: int, loss: float) -> bool:
+        stopped = ends(book, step, loss)
+        if stopped:
+            note("stopped", step=step, record=book.preempted)
+        return stopped
+
+    RunBook.step_begins, RunBook.step_ends = step_begins, step_ends
+    dsrun.ray.train_loop(config)
+
+
+def read_events(run_dir: Path, rank: int) -> list[dict[str, Any]]:
+    path = run_dir / f"events_rank{rank}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_a_drained_nodes_workers_save_at_one_step_and_ray_restarts_them_on_the_other_node(ray_cluster, local_run,
+                                                                                         tmp_path):
+    """Two nodes: the module's head and one added here. The head's CPUs are held (a placement group of this test)
+    until the drain, so the group starts on the added node; Ray is asked to drain that one, and the group it
+    restarts can only go to the head."""
+    import ray
+    from ray._raylet import GcsClient
+    from ray.core.generated import autoscaler_pb2
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    import dsrun.ray
+
+    head = ray_cluster.head_node.node_id
+    spot = ray_cluster.add_node(num_cpus=2)
+    held = placement_group([{"CPU": HEAD_CPUS}])  # only the head has as many
+    outcome: dict[str, Any] = {}
+    try:
+        ray.get(held.ready(), timeout=60)
+        config = dsrun.ray.prepare_run(TINY, num_workers=2, run_dir=tmp_path / "run")
+        run_dir = Path(config[dsrun.ray.RUN_DIR_KEY])
+        trainer = TorchTrainer(
+            drained_worker, train_loop_config={**config, "drain_at": DRAIN_AT},
+            scaling_config=ScalingConfig(num_workers=2),
+            # a preemption is charged to max_preemption_failures: with max_failures=0 a restart counted as a
+            # failure would end the run
+            run_config=RunConfig(name="drain", storage_path=str(tmp_path / "ray"),
+                                 failure_config=FailureConfig(max_failures=0, max_preemption_failures=1)))
+
+        def fit() -> None:
+            try:
+                outcome["result"] = trainer.fit()
+            except BaseException as err:  # handed to the test's thread
+                outcome["error"] = err
+
+        fitting, fit_started = threading.Thread(target=fit, daemon=True), time.time()
+        fitting.start()
+        until = time.monotonic() + TIMEOUT
+        while not any(e["event"] == "waiting" for e in read_events(run_dir, 0)) and fitting.is_alive():
+            assert time.monotonic() < until, "the workers did not reach the step to drain at"
+            time.sleep(0.1)
+        assert "error" not in outcome, outcome.get("error")
+        # the drain Ray's autoscaler (and `ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION`) asks of the GCS
+        drained_at = time.time()
+        accepted, why = GcsClient(address=ray_cluster.address).drain_node(
+            spot.node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+            "the drain test: a spot reclaim", int((drained_at + DRAIN_DEADLINE_S) * 1000))
+        assert accepted, why
+        remove_placement_group(held)  # room for the restarted group on the head
+        held = None
+        fitting.join(timeout=max(1.0, until + DRAIN_DEADLINE_S - time.monotonic()))
+        assert not fitting.is_alive(), "the run did not end"
+        fit_ended = time.time()
+        # the drained node leaves the cluster by itself once nothing runs on it (its raylet exits)
+        while time.monotonic() < until and next(n for n in ray.nodes() if n["NodeID"] == spot.node_id)["Alive"]:
+            time.sleep(0.2)
+        drained_node_left = not next(n for n in ray.nodes() if n["NodeID"] == spot.node_id)["Alive"]
+    finally:
+        if held is not None:
+            remove_placement_group(held)
+        ray_cluster.remove_node(spot)
+    assert "error" not in outcome, outcome.get("error")
+    result = outcome["result"]
+
+    events = [read_events(run_dir, rank) for rank in (0, 1)]
+    # the first group ran on the drained node; Ray's notice stopped both ranks at the boundary of the same step,
+    # where each saved (each rank's record: the checkpoint at that step, saved, the notice naming the node and
+    # ranks); the group Ray restarted ran on the head, from that checkpoint
+    for rank in (0, 1):
+        starts = [e for e in events[rank] if e["event"] == "start"]
+        stops = [e for e in events[rank] if e["event"] == "stopped"]
+        assert [(e["node"], e["restored"]) for e in starts] == [(spot.node_id, None),
+                                                              (head, f"global_step{DRAIN_AT}")], events
+        assert [e["step"] for e in stops] == [DRAIN_AT], events
+        record = stops[0]["record"]
+        assert {k: record[k] for k in ("step", "saved", "checkpoint", "reached_boundary")} == \
+            {"step": DRAIN_AT, "saved": True, "checkpoint": f"global_step{DRAIN_AT}", "reached_boundary": True}, record
+        assert record["notice"].startswith(f"Ray: node(s) {spot.node_id[:12]} drained (ranks 0, 1; reclaimed at "), \
+            record
+    # that checkpoint was registered with Ray, every rank's files in it (as in the last one)
+    storage = tmp_path / "ray" / "drain"
+    assert sorted(p.name for p in storage.glob("global_step*")) == \
+        sorted(f"global_step{step}" for step in (5, DRAIN_AT, 10, 15, 20))
+    assert sorted(p.name for p in (storage / f"global_step{DRAIN_AT}").iterdir()) == \
+        sorted(p.name for p in (storage / "global_step20").iterdir())
+    # Ray took the restart for a preemption, not a failure (max_failures=0), and the run for finished
+    assert_resumed_exactly(run_dir, DRAIN_AT, local_run)
+    assert result.error is None and result.metrics["step"] == 20
+    assert drained_node_left
+    at = {e["event"] + str(i): e["time"] for i, e in enumerate(e for e in events[0] if e["event"] == "start")}
+    at.update((e["event"], e["time"]) for e in events[0] if e["event"] != "start")
+    sys.stdout.write(f"the drain test: step {DRAIN_AT} begun {at['waiting'] - fit_started:.1f} s after fit(); the "
+                     f"ranks stopped and saved {at['stopped'] - drained_at:.1f} s after the drain, restarted "
+                     f"{at['start1'] - drained_at:.1f} s after it (deadline {DRAIN_DEADLINE_S} s), the run ended "
+                     f"{fit_ended - drained_at:.1f} s after it\n")
 
 
 def test_launcher_ray_without_the_package_is_one_line_and_exit_code_2(tmp_path):
