@@ -26,18 +26,49 @@ def train(tmp_path: Path, *overrides: str, timeout: float = 600) -> tuple[dict, 
     return json.loads(metrics_path.read_text()), metrics_path.parent
 
 
+# The README's main job at a fifth of its budget: 60 of the default's 300 steps (the warm-up/cosine schedule spans
+# the run's own steps), a checkpoint every 20 so that one is pruned (keep_last 2): the test's CPU 107 s -> 47 s.
+# The learning bound below needs no more: eval 3.11 and 3.10 after 60 steps (seeds 1234 and 7) against 3.41
+LEARN_STEPS, SAVE_EVERY = 60, 20
+
+
+def context_free_floor(run_dir: Path) -> float:
+    """The lowest eval loss (nats per token) any predictor that ignores context can reach on the run's own eval
+    tokens: the empirical entropy of the targets the evaluation scores, H = -sum p ln p over their byte
+    frequencies p (the cross-entropy of a fixed distribution q is H + KL(p || q) >= H, Gibbs' inequality). A loss
+    below it proves the model predicts from the bytes before each target: it learned, whatever the machine."""
+    import math
+    from collections import Counter
+
+    import hydra.utils
+
+    spec = OmegaConf.load(run_dir / "resolved.yaml")
+    corpus = hydra.utils.instantiate(spec.data, _convert_="all")  # as every rank builds it (dsrun.worker)
+    ranks, batch = spec.launcher.num_procs, spec.ds.train_micro_batch_size_per_gpu
+    counts: Counter = Counter()
+    for rank in range(ranks):  # the batches each rank evaluates (dsrun/workloads/gpt.py: evaluate)
+        for _, targets in corpus.eval_loader(batch, rank, ranks, max_batches=spec.train.eval_iters):
+            counts.update(targets.flatten().tolist())
+    total = sum(counts.values())
+    return -sum(n / total * math.log(n / total) for n in counts.values())
+
+
 @pytest.mark.slow
 def test_default_recipe_learns(tmp_path):
-    """The README's main-job command: the default recipe's whole budget, eval loss in nats per byte, and the
-    closing lines that say where its metrics, checkpoints and MLflow run went."""
-    result = run_cli("train", cwd=tmp_path, timeout=600, env={"DSRUN_MLFLOW": "true", "MLFLOW_TRACKING_URI": ""})
+    """The README's main-job command (a shorter budget, above): eval loss in nats per byte falls from ln(256) to
+    below what any context-free predictor scores on the same eval bytes, and the closing lines say where its
+    metrics, checkpoints and MLflow run went."""
+    result = run_cli("train", f"train.max_steps={LEARN_STEPS}", f"train.save_interval={SAVE_EVERY}", cwd=tmp_path,
+                     timeout=600, env={"DSRUN_MLFLOW": "true", "MLFLOW_TRACKING_URI": ""})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     (run_dir,) = tmp_path.glob("outputs/*/*")
     metrics = json.loads((run_dir / "metrics.json").read_text())
     evals = [e["loss"] for e in metrics["eval_losses"]]
     assert metrics["eval_losses"][0]["step"] == 0 and evals[0] > 5.0  # ln(256) = 5.55 at initialisation
-    assert evals[-1] < 2.5, evals
-    assert len(metrics["train_losses"]) == metrics["steps"] == 300
+    floor = context_free_floor(run_dir)
+    assert evals[-1] < floor, (evals, floor)
+    assert metrics["eval_losses"][-1]["step"] == LEARN_STEPS
+    assert len(metrics["train_losses"]) == metrics["steps"] == LEARN_STEPS
     assert metrics["world_size"] == 2 and metrics["tokens_per_second"] > 0
     check = run_cli("config", "--validate", str(run_dir / "ds_config.json"), "--world-size", "2")
     assert check.returncode == 0, check.stderr
@@ -48,8 +79,9 @@ def test_default_recipe_learns(tmp_path):
     assert f"[dsrun] checkpoints: {where / 'checkpoints'}" in result.stdout
     assert (f"[dsrun] mlflow: run '{run_dir.parent.name}/{run_dir.name}' (experiment 'dsrun') in mlruns/mlflow.db; "
             "browse: mlflow ui --backend-store-uri sqlite:///mlruns/mlflow.db") in result.stdout
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.is_dir()) == ["global_step200",
-                                                                                         "global_step300"]
+    # a checkpoint every SAVE_EVERY steps, the last 2 kept (train.keep_last's default)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.is_dir()) == [
+        f"global_step{LEARN_STEPS - SAVE_EVERY}", f"global_step{LEARN_STEPS}"]
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=f"sqlite:///{store}")

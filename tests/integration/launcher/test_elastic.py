@@ -64,20 +64,30 @@ class Output:
         return "".join(self.lines)
 
 
-def _checkpoints(run_dir: Path) -> dict[int, tuple[int, int, int]]:
-    """step -> (world size, samples trained so far, micro-steps run so far) of every saved tag."""
-    found = {}
-    for tag in sorted((run_dir / "checkpoints").glob("global_step*")):
-        files = list(tag.glob("*model_states.pt"))
-        if not files:
-            continue
-        try:
-            states = torch.load(files[0], map_location="cpu", weights_only=False)
-        except Exception:  # noqa: BLE001 - a tag being written right now
-            continue
-        found[int(states["global_steps"])] = (int(states["dp_world_size"]), int(states["global_samples"]),
-                                              int(states["dsrun"]["micro_steps"]))
-    return found
+class Checkpoints:
+    """step -> (world size, samples trained so far, micro-steps run so far) of every saved tag, asked while the job
+    runs: a tag's file read once is remembered (until a new file of that name replaces it), so each look reads only
+    the new tags, not all of up to STEPS files again every half second beside the ranks on the machine's cores."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.read: dict[str, tuple[tuple[int, int], int, tuple[int, int, int]]] = {}  # tag -> (file id, step, record)
+
+    def __call__(self) -> dict[int, tuple[int, int, int]]:
+        for tag in sorted((self.run_dir / "checkpoints").glob("global_step*")):
+            files = list(tag.glob("*model_states.pt"))
+            if not files:
+                continue
+            try:
+                stat = files[0].stat()
+                if self.read.get(tag.name, ((),))[0] == (stat.st_ino, stat.st_mtime_ns):
+                    continue
+                states = torch.load(files[0], map_location="cpu", weights_only=False)
+            except Exception:  # noqa: BLE001 - a tag being written right now
+                continue
+            self.read[tag.name] = ((stat.st_ino, stat.st_mtime_ns), int(states["global_steps"]), (
+                int(states["dp_world_size"]), int(states["global_samples"]), int(states["dsrun"]["micro_steps"])))
+        return {step: record for _, step, record in self.read.values()}
 
 
 def _wait(condition, timeout: float, what: str, process: subprocess.Popen, output: Output):
@@ -121,8 +131,9 @@ def test_elastic_train_loses_host_b_then_takes_it_back(two_hosts, tmp_path, loss
     try:
         run_dir = Path(_wait(lambda: output.find(r"\[dsrun\] run directory (\S+)"), 120, "the run directory",
                              launcher, output).group(1))
+        checkpoints = Checkpoints(run_dir)
         # two steps at world size 2, then host B dies: its agent and rank are killed
-        _wait(lambda: sum(w == 2 for w, _, _ in _checkpoints(run_dir).values()) >= 2, 300,
+        _wait(lambda: sum(w == 2 for w, _, _ in checkpoints().values()) >= 2, 300,
               "two checkpoints at world size 2", launcher, output)
         on_b = [pid for pid in job_processes(tag) if _netns_of(pid) == two_hosts.b.netns_inode]
         assert on_b, "no process of the job runs on host B"
@@ -133,7 +144,7 @@ def test_elastic_train_loses_host_b_then_takes_it_back(two_hosts, tmp_path, loss
         killed_at = time.monotonic()
         # the job goes on alone; the launcher says how to add a node back
         join = _wait(lambda: output.find(r"A node joins with: (.+)$"), 120, "the note that B left", launcher, output)
-        _wait(lambda: any(w == 1 for w, _, _ in _checkpoints(run_dir).values()), 300,
+        _wait(lambda: any(w == 1 for w, _, _ in checkpoints().values()), 300,
               "a checkpoint at world size 1", launcher, output)
         alone_after = time.monotonic() - killed_at
         if loss == "power-off":
@@ -144,8 +155,8 @@ def test_elastic_train_loses_host_b_then_takes_it_back(two_hosts, tmp_path, loss
                                   env=job_env(tag, tmp_path), cwd=job_dir, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True)
         joined = Output(joiner)
-        joined_at, last_step = time.monotonic(), max(_checkpoints(run_dir))
-        _wait(lambda: any(w == 2 and step > last_step for step, (w, _, _) in _checkpoints(run_dir).items()), 300,
+        joined_at, last_step = time.monotonic(), max(checkpoints())
+        _wait(lambda: any(w == 2 and step > last_step for step, (w, _, _) in checkpoints().items()), 300,
               "a checkpoint at world size 2 after the join", launcher, output)
         print(f"{loss}: first step at world size 1 saved {alone_after:.1f} s after host B was lost; first step at world "
               f"size 2 saved {time.monotonic() - joined_at:.1f} s after B's launcher started (load average "
@@ -158,7 +169,7 @@ def test_elastic_train_loses_host_b_then_takes_it_back(two_hosts, tmp_path, loss
             if process is not None and process.poll() is None:
                 process.kill()
         kill_job(tag)
-    history = _checkpoints(run_dir)
+    history = checkpoints()
     assert sorted(history) == list(range(1, STEPS + 1)), "every step has its checkpoint"
     worlds = [history[step][0] for step in sorted(history)]
     # world size 2, then 1 after B was lost, then 2 again once it joined
