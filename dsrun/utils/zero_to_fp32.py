@@ -350,7 +350,7 @@ def _fp32_state_dict(tag_dir: str, exclude_frozen_parameters: bool, verbose: boo
         all_shapes = {k: v for g in group_shapes for k, v in g.items()}
         for master, group_slots in zip(masters, slots):
             total += _copy_slots(out, all_shapes, group_slots, master)
-        del masters
+        del osd, masters  # this rank's file's index and masters, before the next rank's are read
     out.update({n: out[n].view(shape) for shapes in group_shapes for n, shape in shapes.items() if n in out})
     expected = sum(math.prod(s) for g in group_shapes for s in g.values())
     if sources and total != expected:
