@@ -19,6 +19,8 @@ durable, as dsrun's atomic saves make it):
 * ``fast``: the FastFileWriter (``type: fast``), ``--buffer-mb`` of I/O buffer, double-buffered; ``fast
   (single buffer)`` with ``io_buffer_double: false``;
 * ``mock``: writes nothing (the serialization alone; no ratio to the disk);
+* ``fast (legacy format)``: the fast writer with ``checkpoint.checkpoint_serialization: false``, torch's legacy
+  (pre-zipfile) format, which has no CRC32 (a resharded load then reads such files whole: no record offsets);
 * ``fast (torch CRC32 off)``: the fast writer with ``torch.serialization.set_crc32_options(False)`` for that
   save only. Not what a checkpoint save does (dsrun keeps torch's default, the CRC32 of every record, which
   torch computes on the saving thread at ~1 GB/s on a busy core: it and the copy into the I/O buffer bound
@@ -117,14 +119,15 @@ def python_direct_write(path: Path, nbytes: int) -> tuple[float, int]:
     return seconds, count * BLOCK
 
 
-def writer_save(settings: WriterSettings | None, crc32: bool = True) -> Callable[[Path, dict], tuple[float, int]]:
+def writer_save(settings: WriterSettings | None, crc32: bool = True,
+                legacy: bool = False) -> Callable[[Path, dict], tuple[float, int]]:
     def save(path: Path, state: dict) -> tuple[float, int]:
         path.unlink(missing_ok=True)
         torch.serialization.set_crc32_options(crc32)
         start = time.perf_counter()
         try:
             with open_writer(path, settings) as fh:
-                torch.save(state, fh)
+                torch.save(state, fh, _use_new_zipfile_serialization=not legacy)
         finally:
             torch.serialization.set_crc32_options(True)
         seconds = time.perf_counter() - start
@@ -160,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                                                            io_buffer_double=False, aio=aio)),
         "mock": writer_save(WriterSettings(type="MOCK")),
         "fast (torch CRC32 off)": writer_save(WriterSettings(type="FAST", io_buffer_size=buffer, aio=aio), crc32=False),
+        "fast (legacy format)": writer_save(WriterSettings(type="FAST", io_buffer_size=buffer, aio=aio), legacy=True),
     }
     if args.only:
         writers = {name: run for name, run in writers.items() if name in args.only.split(",")}

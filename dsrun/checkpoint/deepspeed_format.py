@@ -219,49 +219,110 @@ def to_dsrun(sd: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _flat_per_group(per_parameter: dict[str, Any], numels: list[list[int]]) -> dict[str, Any]:
-    """The inverse of :func:`_per_parameter`: a torch optimizer state over separate parameters as the state
-    over one flat tensor per group."""
-    state, groups = {}, []
-    for gi, group in enumerate(per_parameter["param_groups"]):
+@dataclass
+class Stage0Parameter:
+    """Where DeepSpeed's stage-0 optimizer state keeps one parameter's elements: its fp32 master and per-element
+    optimizer states (``moments``) hold them from element ``offset`` of each, flattened (a fused wrapper's flat
+    group tensors; 0 for the separate parameters' own tensors)."""
+
+    name: str
+    numel: int
+    master: torch.Tensor
+    moments: dict[str, torch.Tensor]
+    offset: int = 0
+
+
+@dataclass
+class Stage0Group:
+    """One optimizer group of DeepSpeed's stage-0 state: its hyper-parameters (without ``params``), its other
+    optimizer state (``step``: the first parameter's) and its parameters in order; ``stepped``: whether it has
+    optimizer state (DeepSpeed's optimizer keeps some for every parameter, or none)."""
+
+    hyper: dict[str, Any]
+    scalars: dict[str, Any]
+    parameters: list[Stage0Parameter]
+    stepped: bool
+
+
+def _moments(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0}
+
+
+def stage0_groups(sd: dict[str, Any], group_shapes: list[dict[str, Shape]], module_sd: dict[str, torch.Tensor]
+                  ) -> list[Stage0Group]:
+    """DeepSpeed's stage-0 optimizer state ``sd`` seen per parameter, without copying a tensor: fp32, the torch
+    optimizer's per-parameter state (the masters are the saved module's weights); bf16, its unfused wrapper's
+    (per-parameter ``fp32_groups``) or fp16's fused wrapper's (``fp32_groups_flat`` with one flat state per
+    group). ``group_shapes``: the live strategy's ``{name: shape}`` per group (DeepSpeed's stage-0 file names
+    no parameter). The tensors may be left unread (meta: :class:`.tensor_file.TensorFile` reads their ranges)."""
+    numels = [[int(torch.Size(s).numel()) for s in shapes.values()] for shapes in group_shapes]
+    fused = "fp32_groups_flat" in sd
+    base = sd["optimizer_state_dict"] if fused or "fp32_groups" in sd else sd
+    if len(base["param_groups"]) != len(group_shapes):
+        raise RuntimeError(f"this DeepSpeed stage-0 checkpoint has {len(base['param_groups'])} optimizer groups; "
+                           f"the model here trains {len(group_shapes)}")
+    out = []
+    for gi, (group, shapes) in enumerate(zip(base["param_groups"], group_shapes)):
+        names, hyper = list(shapes), {k: v for k, v in group.items() if k != "params"}
+        if fused:
+            master, state = sd["fp32_groups_flat"][gi], base["state"].get(group["params"][0], {})
+            if master.numel() != sum(numels[gi]):
+                raise RuntimeError(f"this DeepSpeed stage-0 checkpoint's group {gi} holds {master.numel()} elements; "
+                                   f"the model here has {sum(numels[gi])}")
+            offsets = [sum(numels[gi][:i]) for i in range(len(names))]
+            parameters = [Stage0Parameter(n, numels[gi][i], master, _moments(state), offsets[i])
+                          for i, n in enumerate(names)]
+            out.append(Stage0Group(hyper, {k: v for k, v in state.items() if k not in _moments(state)}, parameters,
+                                   bool(state)))
+            continue
         ids = list(group["params"])
-        if gi >= len(numels) or len(ids) != len(numels[gi]):
+        if len(ids) != len(names):
             raise RuntimeError(f"this DeepSpeed stage-0 checkpoint has {len(ids)} parameters in optimizer group "
-                               f"{gi}; the model here trains {len(numels[gi]) if gi < len(numels) else 0}")
-        entries = [per_parameter["state"].get(pid, {}) for pid in ids]
-        if entries and all(entries):
-            state[gi] = {k: torch.cat([e[k].reshape(-1) for e in entries]) if torch.is_tensor(v) and v.dim() > 0
-                         else v for k, v in entries[0].items()}
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": [gi]})
-    return {"state": state, "param_groups": groups}
+                               f"{gi}; the model here trains {len(names)}")
+        masters = sd["fp32_groups"][gi] if "fp32_groups" in sd else [module_sd[n] for n in names]
+        entries = [base["state"].get(pid, {}) for pid in ids]
+        stepped = bool(entries) and all(entries)
+        parameters = []
+        for i, name in enumerate(names):
+            if masters[i].numel() != numels[gi][i]:
+                raise RuntimeError(f"this DeepSpeed stage-0 checkpoint's parameter {i} of group {gi} holds "
+                                   f"{masters[i].numel()} elements; the model's {name} has {numels[gi][i]}")
+            parameters.append(Stage0Parameter(name, numels[gi][i], masters[i], _moments(entries[i]) if stepped else {}))
+        scalars = {k: v for k, v in entries[0].items() if k not in _moments(entries[0])} if stepped else {}
+        out.append(Stage0Group(hyper, scalars, parameters, stepped))
+    return out
+
+
+def stage0_scale(sd: dict[str, Any]) -> dict[str, Any]:
+    """A DeepSpeed stage-0 wrapper's loss scale as dsrun's scaler state (fp16; bf16's fixed 1 is ignored)."""
+    if "cur_scale" not in sd:
+        return {}
+    keys = ("cur_scale", "cur_iter", "last_overflow_iter") if sd.get("dynamic_loss_scale") else ("cur_scale",)
+    return {"loss_scaler": {k: sd[k] for k in keys if k in sd}, "dynamic_loss_scale": bool(sd["dynamic_loss_scale"])}
+
+
+def _flat(tensors: list[torch.Tensor], offsets: list[int], numels: list[int]) -> torch.Tensor:
+    """The parameters' elements put together in order, as one flat tensor."""
+    if not tensors:
+        return torch.zeros(0)
+    return torch.cat([t.reshape(-1)[o:o + n] for t, o, n in zip(tensors, offsets, numels)])
 
 
 def stage0_to_dsrun(sd: dict[str, Any], group_shapes: list[dict[str, Shape]], module_sd: dict[str, torch.Tensor]
                     ) -> dict[str, Any]:
-    """DeepSpeed's stage-0 optimizer state as dsrun's stage-0 strategy state: fp32, the torch optimizer's
-    per-parameter state (the masters are the saved module's weights); bf16, its unfused wrapper's (per-parameter
-    ``fp32_groups``) or fused wrapper's (``fp32_groups_flat``). ``group_shapes``: the live strategy's
-    ``{name: shape}`` per group (DeepSpeed's stage-0 file names no parameter)."""
+    """DeepSpeed's stage-0 optimizer state as dsrun's stage-0 strategy state (:func:`stage0_groups` says where
+    DeepSpeed keeps each parameter's elements); any other state is returned as it is."""
     if not is_deepspeed_stage0(sd):
         return sd
-    numels = [[int(torch.Size(s).numel()) for s in shapes.values()] for shapes in group_shapes]
-    if "fp32_groups_flat" in sd:  # fused: already one flat master and torch state per group
-        masters, base = [t.float() for t in sd["fp32_groups_flat"]], sd["optimizer_state_dict"]
-    elif "fp32_groups" in sd:
-        masters = [torch.cat([t.float().reshape(-1) for t in group]) for group in sd["fp32_groups"]]
-        base = _flat_per_group(sd["optimizer_state_dict"], numels)
-    else:
-        masters = [torch.cat([module_sd[name].detach().float().reshape(-1) for name in shapes])
-                   for shapes in group_shapes]
-        base = _flat_per_group(sd, numels)
-    for gi, master in enumerate(masters):
-        if gi >= len(numels) or master.numel() != sum(numels[gi]):
-            raise RuntimeError(f"this DeepSpeed stage-0 checkpoint's group {gi} holds {master.numel()} elements; "
-                               f"the model here has {sum(numels[gi]) if gi < len(numels) else 0}")
-    out = {"zero_stage": 0, "partition_count": 1, "base_optimizer_state": base,
-           "single_partition_of_fp32_groups": masters, "group_paddings": [0] * len(masters),
-           "param_shapes": [list(shapes.values()) for shapes in group_shapes]}
-    if "cur_scale" in sd:  # a wrapper's loss scale, as dsrun's scaler state (fp16; bf16's fixed 1 is ignored)
-        keys = ("cur_scale", "cur_iter", "last_overflow_iter") if sd.get("dynamic_loss_scale") else ("cur_scale",)
-        out.update(loss_scaler={k: sd[k] for k in keys if k in sd}, dynamic_loss_scale=bool(sd["dynamic_loss_scale"]))
-    return out
+    masters, state, groups = [], {}, []
+    for gi, group in enumerate(stage0_groups(sd, group_shapes, module_sd)):
+        params = group.parameters
+        offsets, numels = [p.offset for p in params], [p.numel for p in params]
+        masters.append(_flat([p.master for p in params], offsets, numels).float())
+        if group.stepped:
+            state[gi] = {**group.scalars, **{k: _flat([p.moments[k] for p in params], offsets, numels)
+                                            for k in params[0].moments}}
+        groups.append({**group.hyper, "params": [gi]})
+    return {"zero_stage": 0, "partition_count": 1, "base_optimizer_state": {"state": state, "param_groups": groups},
+            "single_partition_of_fp32_groups": masters, "group_paddings": [0] * len(masters),
+            "param_shapes": [list(shapes.values()) for shapes in group_shapes], **stage0_scale(sd)}

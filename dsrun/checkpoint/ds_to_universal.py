@@ -15,21 +15,20 @@ output appears only when complete (written under ``.<name>.staging``, then renam
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
 from dsrun.utils import zero_to_fp32 as z2f
 
-from . import atomic, layout, pipeline_state, reshard
+from . import atomic, layout, partial_state, pipeline_state, reshard
 from . import tensor_parallel as tp
 from .tensor_parallel import TENSOR_PARALLEL_KEY
-from .saved_tag import rank_optimizer_states, saved_stage, saved_world
-from .reshard import merge_rank_states
-from .safe_load import load_file
+from .saved_tag import saved_stage, saved_world
 from .universal_checkpoint import (CAT_DIM, FP32, LATEST_UNIVERSAL, OPTIMIZER_STATE, PARAM, PARAM_N_SUB_PARAMS, STEP,
                                    UNIVERSAL_DIR)
 
@@ -43,24 +42,18 @@ def _model_states_file(tag_dir: Path) -> Path:
     return plain if plain.is_file() else files[0]
 
 
-def _full_module(tag_dir: Path, saved_module: dict[str, Any]) -> dict[str, Any]:
-    """The module's state dict with full values: a stage-3 checkpoint's placeholders are replaced by its fp32
-    masters (frozen parameters by their gathered fragments), cast to the saved dtype."""
-    empty = [name for name, value in saved_module.items() if torch.is_tensor(value) and value.numel() == 0]
-    if not empty:
-        return dict(saved_module)
-    full = z2f.get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag_dir.name)
-    out = dict(saved_module)
-    for name in empty:
-        if name in full:
-            out[name] = full[name].to(saved_module[name].dtype).clone()
-    return out
+class _Source(reshard.StateSource, Protocol):
+    """The saved state read for the conversion: also each parameter's param group."""
+
+    param_group_of: dict[str, int]
 
 
-def _pipeline_source(tag_dir: Path, say: Callable[[str], object]
-                     ) -> tuple[int, int, reshard.FullOptimizerState, list[dict[str, Any]], dict[str, Any]]:
-    """A pipeline checkpoint's ZeRO stage, data-parallel size, merged optimizer state, parameter shapes and
-    module state, every parameter by its universal name (:class:`.pipeline_state.NameMap`)."""
+def _pipeline_source(tag_dir: Path, say: Callable[[str], object], opened: contextlib.ExitStack
+                     ) -> tuple[int, int, _Source, list[tuple[str, str]], list[dict[str, Any]],
+                                dict[str, Any]]:
+    """A pipeline checkpoint's ZeRO stage, data-parallel size, optimizer state read by range (by pipeline name),
+    its parameters (pipeline name, universal name), their shapes and the module state, by universal name
+    (:class:`.pipeline_state.NameMap`)."""
     slices = pipeline_state.saved_slices(tag_dir)
     tied = pipeline_state.tied_layers(slices[0], tag_dir)
     names = pipeline_state.NameMap(pipeline_state.first_layers(tied),
@@ -72,80 +65,131 @@ def _pipeline_source(tag_dir: Path, say: Callable[[str], object]
     say(f"Converting pipeline checkpoint of {len(slices)} stage(s) x {world} data-parallel rank(s) at ZeRO-{stage} "
         f"in {tag_dir} to a universal checkpoint (parameters by layer name)")
     bf16 = any(tag_dir.glob("bf16_*optim_states.pt"))
-    full = pipeline_state.renamed(pipeline_state.merge_stages(tag_dir, slices, bf16), names.universal)
+    source = opened.enter_context(partial_state.PartialStagesState(tag_dir, slices, bf16))
     shapes: list[dict[str, Any]] = []
+    params: dict[str, str] = {}
     for sd in slices:
         for gi, group in enumerate(sd.get("param_shapes") or []):
             while len(shapes) <= gi:
                 shapes.append({})
             shapes[gi].update({names.universal(n): s for n, s in group.items()})
+            params.update({n: names.universal(n) for n in group})
     module = {names.dense.get(k, k): v for k, v in pipeline_state.layer_module_state(tag_dir, tied).items()}
-    return stage, world, full, shapes, module
+    return stage, world, source, list(params.items()), shapes, module
+
+
+def _plain_source(tag_dir: Path, model_path: Path, model_states: dict[str, Any], say: Callable[[str], object],
+                  out_dir: Path, opened: contextlib.ExitStack
+                  ) -> tuple[int, int, _Source, list[tuple[str, str]], list[dict[str, Any]],
+                             dict[str, Any]]:
+    """A dense checkpoint's ZeRO stage, data-parallel size, optimizer state (every saved rank's files read by
+    range; an AutoTP checkpoint's tensor-parallel ranks merged), its parameters, their shapes and its module."""
+    shapes = model_states.get("param_shapes")
+    if not shapes:
+        raise ValueError(f"{model_path}: the checkpoint has no optimizer state (no param_shapes) to convert; "
+                         "it was saved by an engine without optimizer")
+    stage, world = saved_stage(model_states, tag_dir), saved_world(model_states)
+    bf16 = any(tag_dir.glob("bf16_*optim_states.pt"))
+    degree = tp.saved_degree(model_states)
+    say(f"Converting ZeRO-{stage} checkpoint of {world} rank(s)" + (f" x {degree} tensor-parallel ranks" if
+        degree > 1 else "") + f" in {tag_dir} to a universal checkpoint in {out_dir}")
+    source: _Source
+    if degree > 1:  # AutoTP: every tensor-parallel rank's slices put together (stages 0-2: whole modules)
+        partial_state.read_stage0_state(model_path, model_states)
+        source, shapes = tp.merged_optimizer_state(tag_dir, model_states, stage, world, bf16)
+        module = tp.merged_module_state(tag_dir, model_states)
+    else:
+        source = opened.enter_context(partial_state.saved_state(tag_dir, model_path, stage, world, shapes, False, bf16))
+        module = dict(model_states["module"])
+    return stage, world, source, [(n, n) for group in shapes for n in group], shapes, module
+
+
+def _placeholders(module: dict[str, Any]) -> list[str]:
+    """A stage-3 checkpoint's module entries saved empty (their values are the fp32 masters)."""
+    return [name for name, value in module.items() if torch.is_tensor(value) and value.numel() == 0]
+
+
+def _write_parameters(root: Path, source: _Source, params: list[tuple[str, str]],
+                      shape_of: dict[str, torch.Size], splits: dict[str, tuple[int, int]], module: dict[str, Any]
+                      ) -> dict[str, int]:
+    """One folder per parameter (its fp32 master and optimizer states, read from ``source`` one parameter at a
+    time, so the conversion holds one parameter's state); a placeholder of ``module`` of that name becomes the
+    master, in its saved dtype. Returns each written parameter's param group."""
+    group_of: dict[str, int] = {}
+    for name, written in params:
+        if not source.has_master(name):
+            continue
+        shape = shape_of[written]
+        value = torch.zeros(math.prod(shape))
+        source.copy_range(name, None, 0, value)
+        folder = root / written
+        folder.mkdir()
+        # DeepSpeed's keys: a TP-split parameter's dimension and its number of fused parts (GPT-2's q|k|v: 3)
+        dim, parts = splits.get(written, (0, 1))
+        cut = {CAT_DIM: dim, **({PARAM_N_SUB_PARAMS: parts} if parts > 1 else {})}
+        atomic.save_torch({PARAM: value.view(shape), **cut}, folder / f"{FP32}.pt")
+        if written in module and torch.is_tensor(module[written]) and module[written].numel() == 0:
+            module[written] = value.view(shape).to(module[written].dtype)
+        for key in sorted(source.moment_keys(name)):
+            moment = torch.zeros(value.numel(), dtype=source.moment_dtype(name, key))
+            source.copy_range(name, key, 0, moment)
+            atomic.save_torch({PARAM: moment.view(shape), **cut}, folder / f"{key}.pt")
+        group_of[written] = source.param_group_of.get(name, 0)
+        step = source.group_scalars.get(group_of[written], {}).get(STEP)
+        if step is not None:
+            atomic.save_torch(step, folder / f"{STEP}.pt")
+    return group_of
 
 
 def ds_to_universal(input_folder: str, output_folder: str, verbose: bool = True) -> Path:
     """Write the universal form of the checkpoint tag folder ``input_folder`` to ``output_folder`` and point
-    ``latest_universal`` (in ``output_folder``'s parent) at it; returns the output folder."""
+    ``latest_universal`` (in ``output_folder``'s parent) at it; returns the output folder. The saved optimizer
+    state is read by byte range, one parameter at a time (:mod:`.partial_state`), not merged in memory."""
     say = print if verbose else (lambda *_: None)
     tag_dir, out_dir = Path(input_folder), Path(output_folder)
     if not tag_dir.is_dir():
         raise FileNotFoundError(f"--input_folder {tag_dir} is not a folder")
     model_path = _model_states_file(tag_dir)
-    model_states = load_file(model_path)
-    if pipeline_state.is_pipeline_states(model_states):
-        stage, world, full, shapes, module = _pipeline_source(tag_dir, say)
-    else:
-        shapes = model_states.get("param_shapes")
-        if not shapes:
-            raise ValueError(f"{model_path}: the checkpoint has no optimizer state (no param_shapes) to convert; "
-                             "it was saved by an engine without optimizer")
-        stage, world = saved_stage(model_states, tag_dir), saved_world(model_states)
-        bf16 = any(tag_dir.glob("bf16_*optim_states.pt"))
-        degree = tp.saved_degree(model_states)
-        say(f"Converting ZeRO-{stage} checkpoint of {world} rank(s)" + (f" x {degree} tensor-parallel ranks" if
-            degree > 1 else "") + f" in {tag_dir} to a universal checkpoint in {out_dir}")
-        if degree > 1:  # AutoTP: every tensor-parallel rank's slices put together (stages 0-2: whole modules)
-            full, shapes = tp.merged_optimizer_state(tag_dir, model_states, stage, world, bf16)
-            module = tp.merged_module_state(tag_dir, model_states)
+    # a stage-0 save's optimizer state (in this file) is left unread: read by range below
+    model_states = partial_state.model_states_without_parameters(model_path, set())
+    with contextlib.ExitStack() as opened:
+        if pipeline_state.is_pipeline_states(model_states):
+            stage, world, source, params, shapes, module = _pipeline_source(tag_dir, say, opened)
         else:
-            full = merge_rank_states(rank_optimizer_states(tag_dir, model_states, stage, world, bf16), stage, shapes)
-            module = _full_module(tag_dir, model_states["module"])
-    shape_of = {name: torch.Size(shape) for group in shapes for name, shape in group.items()}
-
-    staging = out_dir.parent / f".{out_dir.name}.staging"
-    atomic.remove_tree(staging)
-    root = staging / UNIVERSAL_DIR
-    root.mkdir(parents=True)
-    splits = tp.splits_of(model_states)
-    for name, value in full.fp32.items():
-        folder = root / name
-        folder.mkdir()
-        # DeepSpeed's keys: a TP-split parameter's dimension and its number of fused parts (GPT-2's q|k|v: 3)
-        dim, parts = splits.get(name, (0, 1))
-        cut = {CAT_DIM: dim, **({PARAM_N_SUB_PARAMS: parts} if parts > 1 else {})}
-        atomic.save_torch({PARAM: value.view(shape_of[name]), **cut}, folder / f"{FP32}.pt")
-        for key, moment in full.moments.get(name, {}).items():
-            atomic.save_torch({PARAM: moment.view(shape_of[name]), **cut}, folder / f"{key}.pt")
-        step = full.group_scalars.get(full.param_group_of.get(name, 0), {}).get(STEP)
-        if step is not None:
-            atomic.save_torch(step, folder / f"{STEP}.pt")
-    meta = {"param_groups": full.param_groups, "group_scalars": full.group_scalars,
-            "param_group_of": full.param_group_of, "precision": full.precision,
-            "zero_stage": stage, "dp_world_size": world, "source": str(tag_dir)}
+            stage, world, source, params, shapes, module = _plain_source(tag_dir, model_path, model_states, say,
+                                                                         out_dir, opened)
+        shape_of = {name: torch.Size(shape) for group in shapes for name, shape in group.items()}
+        staging = out_dir.parent / f".{out_dir.name}.staging"
+        atomic.remove_tree(staging)
+        root = staging / UNIVERSAL_DIR
+        root.mkdir(parents=True)
+        splits = tp.splits_of(model_states)
+        group_of = _write_parameters(root, source, params, shape_of, splits, module)
+        moment_keys = sorted({k for name, _ in params if source.has_master(name) for k in source.moment_keys(name)})
+        meta = {"param_groups": source.param_groups, "group_scalars": source.group_scalars,
+                "param_group_of": group_of, "precision": source.precision,
+                "zero_stage": stage, "dp_world_size": world, "source": str(tag_dir)}
     atomic.save_torch(meta, root / OPTIMIZER_STATE)
+    for alias, tied_to in (model_states.get("shared_params") or {}).items():  # a tied alias: its source's value
+        if alias in _placeholders(module) and tied_to in module and module[tied_to].numel():
+            module[alias] = module[tied_to].clone()
+    empty = _placeholders(module)
+    if empty:  # placeholders without masters (frozen parameters): their gathered fragments
+        full = z2f.get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag_dir.name)
+        module.update({name: full[name].to(module[name].dtype).clone() for name in empty if name in full})
 
     universal_states = {k: v for k, v in model_states.items() if k not in ("optimizer", "frozen_param_fragments")}
     universal_states["module"] = module
     universal_states["param_shapes"] = shapes
     extras = dict(model_states.get("dsrun") or {})
-    source = {"zero_stage": stage, "dp_world_size": world}
+    origin = {"zero_stage": stage, "dp_world_size": world}
     if pipeline_state.PIPELINE_KEY in extras:  # the layers are one module now, named by layer
-        source[pipeline_state.PIPELINE_KEY] = extras.pop(pipeline_state.PIPELINE_KEY)
+        origin[pipeline_state.PIPELINE_KEY] = extras.pop(pipeline_state.PIPELINE_KEY)
         universal_states["mp_world_size"] = 1
     if splits:  # the module is whole now: a load cuts it for its own tensor-parallel degree
-        source[TENSOR_PARALLEL_KEY] = {**extras.pop(TENSOR_PARALLEL_KEY), "degree": tp.saved_degree(model_states)}
+        origin[TENSOR_PARALLEL_KEY] = {**extras.pop(TENSOR_PARALLEL_KEY), "degree": tp.saved_degree(model_states)}
         universal_states["mp_world_size"] = 1
-    universal_states["dsrun"] = {**extras, "universal_from": source}
+    universal_states["dsrun"] = {**extras, "universal_from": origin}
     atomic.save_torch(universal_states, staging / layout.model_states_name(0, 0))
 
     for rank in range(world):  # the 1-bit optimizers' per-rank error buffers, re-cut at load like a reshard
@@ -157,8 +201,7 @@ def ds_to_universal(input_folder: str, output_folder: str, verbose: bool = True)
     atomic.remove_tree(out_dir)
     staging.rename(out_dir)
     atomic.write_text(out_dir.parent / LATEST_UNIVERSAL, out_dir.name)
-    say(f"Wrote {len(full.fp32)} parameters ({elements} elements) with states "
-        f"{sorted({k for m in full.moments.values() for k in m}) or 'none'} to {out_dir}")
+    say(f"Wrote {len(group_of)} parameters ({elements} elements) with states {moment_keys or 'none'} to {out_dir}")
     return out_dir
 
 

@@ -426,6 +426,9 @@ def _restore_strategy(engine: CheckpointEngine, tag_dir: Path, model_states: dic
                       load_optimizer_states)
         return
     saved_shapes = model_states.get("param_shapes")
+    deepspeed_stage0 = stage_saved == 0 and deepspeed_format.is_deepspeed_stage0(model_states.get("optimizer"))
+    if saved_shapes is None and deepspeed_stage0:
+        saved_shapes = live_shapes  # DeepSpeed's stage 0 names no parameter: they are the live model's, in order
     # the same masters, cut the same way (stage 3's sub_group_size may differ between the runs)
     same_grouping = saved_shapes is None or [list(s) for s in saved_shapes] == [list(s) for s in live_shapes]
     same_layout = stage_saved == live_stage and world_saved == live_world and same_grouping and not load_universal
@@ -439,10 +442,9 @@ def _restore_strategy(engine: CheckpointEngine, tag_dir: Path, model_states: dic
         if saved_shapes is None:
             raise RuntimeError(f"{tag_dir}: this MoE checkpoint has no 'param_shapes' (saved without a ZeRO "
                                "optimizer): its experts cannot be placed by global id")
-        partial_state.read_stage0_state(model_path, model_states)
         with adopting_loaded_state():  # the cut state is this load's alone: the optimizer keeps it, no second copy
             strategy.load_state_dict(experts.optimizer_state(engine, tag_dir, saved_shapes, model_states, stage_saved,
-                                                             world_saved, load_optimizer_states))
+                                                             world_saved, model_path, load_optimizer_states))
         return
     if load_optimizer_states and same_layout:
         # node-local storage holds this node's ranks' optimizer files only: this rank's is the one it needs
@@ -454,17 +456,15 @@ def _restore_strategy(engine: CheckpointEngine, tag_dir: Path, model_states: dic
         strategy.load_state_dict(own)
         _restore_rank_states(strategy, tag_dir, world_saved, dp_rank, same_layout=True)
         return
-    if load_optimizer_states and model_states.get("param_shapes") is not None:
+    if load_optimizer_states and saved_shapes is not None:
         _say(engine, f"resharding checkpoint {tag_dir.name}: saved by {world_saved} rank(s) at ZeRO stage "
                      f"{stage_saved}, loading into {live_world} rank(s) at stage {live_stage}")
-        if stage_saved > 0 or partial_state.left_unread(model_states):  # this rank's elements read from each saved
-            # rank's file, or from a stage-0 save's model states file (docs/checkpoint.md)
-            paths, key = ((optim_files(tag_dir, world_saved, engine.bfloat16_enabled(), mp_rank=engine.groups.coord(
-                "model")), partial_state.OPTIMIZER_FILE_KEY) if stage_saved else ([model_path], partial_state.STAGE0_KEY))
-            with partial_state.PartialRankState(paths, stage_saved, model_states["param_shapes"], key) as source:
+        if stage_saved > 0 or partial_state.left_unread(model_states):  # the rank's elements by range (checkpoint.md)
+            with partial_state.saved_state(tag_dir, model_path, stage_saved, world_saved, saved_shapes, deepspeed_stage0,
+                                           engine.bfloat16_enabled(), engine.groups.coord("model")) as source:
                 _load_cut(strategy, source, live_stage, live_world, dp_rank, live_shapes, tag_dir, world_saved)
             return
-        full = reshard.merge_rank_states([stage0_state(model_states, live_shapes)], 0, model_states["param_shapes"])
+        full = reshard.merge_rank_states([stage0_state(model_states, live_shapes)], 0, saved_shapes)
     elif masters_from_module:
         return
     else:

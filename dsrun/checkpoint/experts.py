@@ -178,21 +178,21 @@ class _ExpertFiles:
 
 
 def optimizer_state(engine: CheckpointEngine, tag_dir: Path, saved_shapes: list[dict[str, Any]],
-                    model_states: dict[str, Any], saved_stage: int, saved_world: int,
+                    model_states: dict[str, Any], saved_stage: int, saved_world: int, model_path: Path,
                     load_optimizer_states: bool = True) -> dict[str, Any]:
     """This rank's optimizer state for any saved expert-parallel size and stage: the shared groups' state (every
-    saved rank's, read by range; a stage-0 save's from ``model_states``) and each of this rank's experts' from its
-    file by global id (read by range), cut as this run lays them out (:mod:`.reshard`); every master tensor is cut
-    over the ranks it is partitioned over (``strategy.master_partitions()``: the data-parallel group, or an
-    expert-data-parallel group)."""
+    saved rank's, read by range; a stage-0 save's from its model states file ``model_path``, by range where
+    ``model_states`` left it unread) and each of this rank's experts' from its file by global id (read by range),
+    cut as this run lays them out (:mod:`.reshard`); every master tensor is cut over the ranks it is partitioned
+    over (``strategy.master_partitions()``: the data-parallel group, or an expert-data-parallel group)."""
     from . import partial_state, reshard
-    from .saved_tag import optim_files, stage0_state
+    from .saved_tag import stage0_state
 
     dense = _split_dense(engine, saved_shapes, tag_dir)
     with contextlib.ExitStack() as opened:
-        if saved_stage > 0:
-            shared: Any = opened.enter_context(partial_state.PartialRankState(
-                optim_files(tag_dir, saved_world, engine.bfloat16_enabled()), saved_stage, saved_shapes[:dense]))
+        if saved_stage > 0 or partial_state.left_unread(model_states):
+            shared: Any = opened.enter_context(partial_state.saved_state(
+                tag_dir, model_path, saved_stage, saved_world, saved_shapes[:dense], False, engine.bfloat16_enabled()))
         else:
             shared = reshard.merge_rank_states([stage0_state(model_states, None)], 0, saved_shapes[:dense])
         full = _ExpertFiles(tag_dir, engine.features.parameter_files(), shared)

@@ -9,7 +9,11 @@ A resharded load used to merge every saved rank's optimizer file into the whole 
   parameter's elements sit in each saved rank's flat master and moments is recomputed from the checkpoint's
   ``param_shapes`` (:func:`dsrun.utils.zero_to_fp32.master_slots`, the layout both frameworks write), so no
   metadata beyond what DeepSpeed saves is needed. Every saved file's pickled index is still read (small).
-* :class:`PartialStagesState`: a pipeline checkpoint's saved stages, each stage's optimizer files read so.
+* :class:`PartialStagesState`: a pipeline checkpoint's saved stages, each stage's optimizer files read so (a stage
+  saved at ZeRO stage 0: its model states file's optimizer state).
+* :class:`PartialDeepSpeedStage0State`: DeepSpeed's own stage-0 layout (per-parameter state, or fp16's flat
+  groups), each parameter's range read where DeepSpeed keeps it (:func:`.deepspeed_format.stage0_groups`).
+* :func:`saved_state`: the source a resharded load (or ``ds_to_universal``) reads a checkpoint's saved state from.
 * :class:`PartialUniversalState`: a universal folder's per-parameter files; each rank reads the range of each
   ``fp32.pt``/``exp_avg.pt``... that falls in its partition.
 * :func:`model_states_without_parameters`: a model states file with the module's parameters left unread, for a
@@ -27,11 +31,13 @@ from typing import Any, Self
 
 import torch
 
-from . import deepspeed_format, pipeline_state, reshard
-from .tensor_file import TensorFile
+from dsrun.utils.zero_to_fp32 import Slot
+
+from . import deepspeed_format, layout, reshard
+from .tensor_file import TensorFile, has_unread, read_unread, tensors_in
 from .universal_checkpoint import FP32, OPTIMIZER_STATE, PARAM, STEP, UNIVERSAL_DIR
 from .safe_load import load_file
-from .saved_tag import refuse_mics
+from .saved_tag import optim_files, refuse_mics
 
 
 class _Piece:
@@ -64,21 +70,6 @@ def _open_rank_file(path: Path, stage: int, world: int, rank: int, group_shapes:
     return file, (deepspeed_format.to_dsrun(raw) if key == OPTIMIZER_FILE_KEY else raw)
 
 
-def _tensors(obj: object) -> list[torch.Tensor]:
-    """Every tensor in ``obj`` (dicts, lists, tuples, pickled objects' attributes)."""
-    if torch.is_tensor(obj):
-        return [obj]
-    if isinstance(obj, dict):
-        values: Any = obj.values()
-    elif isinstance(obj, (list, tuple)):
-        values = obj
-    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
-        values = vars(obj).values()
-    else:
-        return []
-    return [t for value in values for t in _tensors(value)]
-
-
 def _record(tensor: torch.Tensor) -> int | None:
     return getattr(tensor.untyped_storage(), "_checkpoint_offset", None)
 
@@ -87,7 +78,7 @@ def _with_views(obj: object, bulk: list[torch.Tensor]) -> set[int]:
     """The ids of the tensors in ``obj`` stored in the same records as ``bulk`` (the tensors themselves and their
     views: a stage-0 save's per-parameter DeepSpeed keys view its flat masters and moments)."""
     records = {_record(t) for t in bulk} - {None}
-    return {id(t) for t in _tensors(obj) if _record(t) in records} | {id(t) for t in bulk}
+    return {id(t) for t in tensors_in(obj) if _record(t) in records} | {id(t) for t in bulk}
 
 
 OPTIMIZER_FILE_KEY = "optimizer_state_dict"  # the ZeRO state's entry in a ``*_optim_states.pt`` file
@@ -119,6 +110,7 @@ class PartialRankState(_Closes):
         self.group_scalars: dict[int, dict[str, Any]] = {}
         self.param_groups: list[dict[str, Any]] = []
         self.precision: dict[str, Any] = {}
+        self.param_group_of: dict[str, int] = {}  # name -> the param group it trains in
         world = len(paths)
         try:
             for rank, path in enumerate(paths):
@@ -131,6 +123,7 @@ class PartialRankState(_Closes):
                     if rank == 0 and saved.group not in self.group_scalars:
                         self.group_scalars[saved.group] = saved.scalars
                     for slot in saved.slots:
+                        self.param_group_of[slot.name] = saved.group
                         self.pieces.setdefault(slot.name, []).append(_Piece(file, saved.master, saved.per_element, slot))
         except BaseException:
             self.close()
@@ -158,13 +151,15 @@ class PartialStagesState(_Closes):
     """Every saved stage of a pipeline checkpoint as one :class:`.reshard.StateSource`, by pipeline parameter
     name, as :func:`.pipeline_state.merge_stages` merges them (a name saved by two stages, a tied module's, from
     the later; each group's scalars from the first): a stage saved at ZeRO 1-3 read by range from its optimizer
-    files (:class:`PartialRankState`), one saved at stage 0 from its model states already in memory. Use as a
-    context manager."""
+    files, one saved at stage 0 from its model states file (``slices`` as :func:`.pipeline_state.saved_slices`
+    opened them, the optimizer state left unread; :class:`PartialRankState` either way). Use as a context
+    manager."""
 
     def __init__(self, tag_dir: Path, slices: list[dict[str, Any]], bf16: bool) -> None:
         self.group_scalars: dict[int, dict[str, Any]] = {}
         self.param_groups: list[dict[str, Any]] = []
         self.precision: dict[str, Any] = {}
+        self.param_group_of: dict[str, int] = {}
         self._of: dict[str, reshard.StateSource] = {}
         self._open: list[PartialRankState] = []
         try:
@@ -172,13 +167,17 @@ class PartialStagesState(_Closes):
                 shapes, stage = sd.get("param_shapes"), int(sd["dsrun"]["zero_stage"])
                 if shapes is None:
                     continue
-                if stage == 0:
-                    part: Any = reshard.merge_rank_states([sd[STAGE0_KEY]], 0, shapes)
+                part: Any
+                if stage == 0 and not left_unread(sd):  # read whole already (a legacy-format file)
+                    part = reshard.merge_rank_states([sd[STAGE0_KEY]], 0, shapes)
                 else:
-                    part = PartialRankState(pipeline_state.stage_optimizer_files(tag_dir, sd, slice_rank, bf16),
-                                            stage, shapes)
+                    paths, key = (([tag_dir / layout.model_states_name(0, 0, mp_rank=slice_rank)], STAGE0_KEY)
+                                  if stage == 0 else (optim_files(tag_dir, int(sd.get("dp_world_size", 1)), bf16,
+                                                                  mp_rank=slice_rank), OPTIMIZER_FILE_KEY))
+                    part = PartialRankState(paths, stage, shapes, key)
                     self._open.append(part)
                 self._of.update({name: part for group in shapes for name in group})
+                self.param_group_of.update(part.param_group_of)
                 for gi, scalars in part.group_scalars.items():
                     self.group_scalars.setdefault(gi, scalars)
                 self.param_groups = self.param_groups or part.param_groups
@@ -202,6 +201,59 @@ class PartialStagesState(_Closes):
 
     def copy_range(self, name: str, key: str | None, full_offset: int, out: torch.Tensor) -> None:
         self._of[name].copy_range(name, key, full_offset, out)
+
+
+class PartialDeepSpeedStage0State(_Closes):
+    """DeepSpeed's own stage-0 layout (its optimizer state in the model states file ``path``, per parameter or in
+    a fused wrapper's flat groups: :func:`.deepspeed_format.stage0_groups`) as a :class:`.reshard.StateSource`
+    that reads the asked ranges of each parameter's master and moments (fp32: the master is the module's
+    weight in the same file). ``group_shapes``: the live strategy's (DeepSpeed's stage-0 file names none), the
+    values those of :func:`.deepspeed_format.stage0_to_dsrun` bit for bit. Use as a context manager."""
+
+    def __init__(self, path: Path, group_shapes: list[dict[str, Any]]) -> None:
+        self.file = TensorFile(path)
+        try:
+            objects = self.file.objects
+            sd = objects[STAGE0_KEY]
+            groups = deepspeed_format.stage0_groups(sd, group_shapes, objects.get("module") or {})
+            self.param_groups = [self.file.materialise_all(g.hyper, set()) for g in groups]
+            self.group_scalars = {gi: self.file.materialise_all(g.scalars, set()) for gi, g in enumerate(groups)}
+            self.precision = deepspeed_format.stage0_scale(sd)
+            self.param_group_of = {p.name: gi for gi, g in enumerate(groups) for p in g.parameters}
+            self.pieces = {p.name: _Piece(self.file, p.master.reshape(-1),
+                                          {k: v.reshape(-1) for k, v in p.moments.items()},
+                                          Slot(p.name, p.offset, 0, p.numel)) for g in groups for p in g.parameters}
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        self.file.close()
+
+    def has_master(self, name: str) -> bool:
+        return name in self.pieces
+
+    def moment_keys(self, name: str) -> set[str]:
+        return set(self.pieces[name].per_element) if name in self.pieces else set()
+
+    def moment_dtype(self, name: str, key: str) -> torch.dtype:
+        return self.pieces[name].per_element[key].dtype
+
+    def copy_range(self, name: str, key: str | None, full_offset: int, out: torch.Tensor) -> None:
+        self.pieces[name].copy_range(key, full_offset, out)
+
+
+def saved_state(tag_dir: Path, model_path: Path, stage: int, world: int, group_shapes: list[dict[str, Any]],
+                deepspeed_stage0: bool, bf16: bool, mp_rank: int = 0
+                ) -> PartialRankState | PartialDeepSpeedStage0State:
+    """A checkpoint's saved optimizer state, read by range: every saved rank's optimizer file (of tensor-parallel
+    rank ``mp_rank``), or a stage-0 save's model states file ``model_path`` (dsrun's flat layout, or DeepSpeed's
+    own, ``deepspeed_stage0``)."""
+    if deepspeed_stage0:
+        return PartialDeepSpeedStage0State(model_path, group_shapes)
+    if stage == 0:
+        return PartialRankState([model_path], 0, group_shapes, STAGE0_KEY)
+    return PartialRankState(optim_files(tag_dir, world, bf16, mp_rank=mp_rank), stage, group_shapes)
 
 
 def _value(entry: Any) -> torch.Tensor:
@@ -275,9 +327,11 @@ def model_states_without_parameters(path: Path, parameter_names: set[str]) -> di
 
 
 def _stage0_bulk(objects: dict[str, Any]) -> set[int]:
-    """The ids of a dsrun stage-0 save's optimizer masters and per-element states (with their views); none for
-    another stage's file or DeepSpeed's stage-0 layout (converted whole, :func:`.saved_tag.stage0_state`)."""
+    """The ids of a stage-0 save's optimizer masters and per-element states (with their views; in DeepSpeed's own
+    layout every tensor of more than one element), none for another stage's file."""
     osd, shapes = objects.get(STAGE0_KEY), objects.get("param_shapes")
+    if deepspeed_format.is_deepspeed_stage0(osd):
+        return {id(t) for t in tensors_in(osd) if t.dim() > 0}
     if not isinstance(osd, dict) or osd.get("zero_stage") != 0 or not shapes:
         return set()
     return _with_views(osd, reshard.bulk_tensors(osd, 0, 1, 0, shapes))
@@ -285,12 +339,11 @@ def _stage0_bulk(objects: dict[str, Any]) -> set[int]:
 
 def left_unread(model_states: dict[str, Any]) -> bool:
     """Whether :func:`model_states_without_parameters` left a stage-0 save's optimizer state unread."""
-    return any(t.device.type == "meta" for t in _tensors(model_states.get(STAGE0_KEY)))
+    return has_unread(model_states.get(STAGE0_KEY))
 
 
 def read_stage0_state(path: Path, model_states: dict[str, Any]) -> None:
     """Read what :func:`model_states_without_parameters` left unread of the stage-0 optimizer state in
     ``model_states`` (from the file ``path``), in place."""
-    if left_unread(model_states):
-        with TensorFile(path) as file:
-            file.materialise_all(model_states[STAGE0_KEY], set())
+    if STAGE0_KEY in model_states:
+        model_states[STAGE0_KEY] = read_unread(path, model_states[STAGE0_KEY])

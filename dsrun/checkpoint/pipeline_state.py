@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from . import deepspeed_format, layout, reshard
+from . import deepspeed_format, layout, partial_state, reshard
 from .safe_load import load_file
+from .saved_tag import optim_files
 
 PIPELINE_KEY = "pipeline"
 TIED_PREFIX = "tied_modules."
@@ -69,10 +70,13 @@ class NameMap:
 
 
 def saved_slices(tag_dir: Path) -> list[dict[str, Any]]:
-    """Every saved stage's model states file (``mp_rank_XX_model_states.pt``), in slice order."""
+    """Every saved stage's model states file (``mp_rank_XX_model_states.pt``), in slice order; a stage saved at
+    ZeRO stage 0 keeps its optimizer state there, which is left unread (a resharded load reads its ranges of it,
+    :class:`.partial_state.PartialStagesState`; :func:`stage_optimizer_states` all of it)."""
     out, index = [], 0
     while (tag_dir / layout.model_states_name(0, 0, mp_rank=index)).is_file():
-        out.append(load_file(tag_dir / layout.model_states_name(0, 0, mp_rank=index)))
+        out.append(partial_state.model_states_without_parameters(tag_dir / layout.model_states_name(
+            0, 0, mp_rank=index), set()))
         index += 1
     if not out:
         raise FileNotFoundError(f"{tag_dir}: no mp_rank_XX_model_states.pt (not a checkpoint?)")
@@ -97,22 +101,15 @@ def first_layers(tied: dict[str, list[int]]) -> dict[str, int]:
     return {key: min(indices) for key, indices in tied.items()}
 
 
-def stage_optimizer_files(tag_dir: Path, slice_states: dict[str, Any], slice_rank: int, bf16: bool) -> list[Path]:
-    """The optimizer files of one saved stage (ZeRO stages 1-3), one per saved data-parallel rank."""
-    world = int(slice_states.get("dp_world_size", 1))
-    for prefer in (bf16, not bf16):
-        paths = [tag_dir / layout.optim_states_name(d, prefer, mp_rank=slice_rank) for d in range(world)]
-        if all(p.is_file() for p in paths):
-            return paths
-    raise FileNotFoundError(f"{tag_dir}: the optimizer files of stage slice {slice_rank} are missing")
-
-
 def stage_optimizer_states(tag_dir: Path, slice_states: dict[str, Any], slice_rank: int,
                            bf16: bool) -> list[dict[str, Any]]:
-    """The optimizer state dicts of one saved stage, one per saved data-parallel rank."""
+    """The optimizer state dicts of one saved stage, one per saved data-parallel rank (stage 0: the one in its
+    model states file, read whole here)."""
     if int(slice_states["dsrun"]["zero_stage"]) == 0:
-        return [slice_states["optimizer"]]
-    return [deepspeed_format.load_zero_state(p) for p in stage_optimizer_files(tag_dir, slice_states, slice_rank, bf16)]
+        partial_state.read_stage0_state(tag_dir / layout.model_states_name(0, 0, mp_rank=slice_rank), slice_states)
+        return [slice_states[partial_state.STAGE0_KEY]]
+    return [deepspeed_format.load_zero_state(p) for p in optim_files(
+        tag_dir, int(slice_states.get("dp_world_size", 1)), bf16, mp_rank=slice_rank)]
 
 
 def merge_stages(tag_dir: Path, slices: list[dict[str, Any]], bf16: bool) -> reshard.FullOptimizerState:
@@ -131,15 +128,6 @@ def merge_stages(tag_dir: Path, slices: list[dict[str, Any]], bf16: bool) -> res
         full.param_groups = full.param_groups or part.param_groups
         full.precision = full.precision or part.precision
     return full
-
-
-def renamed(full: reshard.FullOptimizerState, name_of: Callable[[str], str]) -> reshard.FullOptimizerState:
-    """``full`` with every parameter name ``n`` replaced by ``name_of(n)``."""
-    return reshard.FullOptimizerState(
-        fp32={name_of(n): v for n, v in full.fp32.items()},
-        moments={name_of(n): v for n, v in full.moments.items()},
-        group_scalars=full.group_scalars, param_groups=full.param_groups, precision=full.precision,
-        param_group_of={name_of(n): g for n, g in full.param_group_of.items()})
 
 
 def layer_module_state(tag_dir: Path, tied: dict[str, list[int]]) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -69,6 +69,28 @@ class FullOptimizerState:
     def copy_range(self, name: str, key: str | None, full_offset: int, out: torch.Tensor) -> None:
         value = self.fp32[name] if key is None else self.moments[name][key]
         out.copy_(value[full_offset:full_offset + out.numel()])
+
+
+class RenamedSource:
+    """``source`` (a :class:`StateSource`) asked by other names: ``name_of(name)`` is its name of ``name`` (a
+    pipeline's parameters in a universal folder, by layer name)."""
+
+    def __init__(self, source: StateSource, name_of: Callable[[str], str]) -> None:
+        self.source, self.name_of = source, name_of
+        self.group_scalars, self.param_groups, self.precision = (source.group_scalars, source.param_groups,
+                                                                 source.precision)
+
+    def has_master(self, name: str) -> bool:
+        return self.source.has_master(self.name_of(name))
+
+    def moment_keys(self, name: str) -> set[str]:
+        return self.source.moment_keys(self.name_of(name))
+
+    def moment_dtype(self, name: str, key: str) -> torch.dtype:
+        return self.source.moment_dtype(self.name_of(name), key)
+
+    def copy_range(self, name: str, key: str | None, full_offset: int, out: torch.Tensor) -> None:
+        self.source.copy_range(self.name_of(name), key, full_offset, out)
 
 
 def _base_state(osd: dict[str, Any]) -> dict[str, Any]:

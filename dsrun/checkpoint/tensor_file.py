@@ -34,6 +34,7 @@ class ReadStats:
     """What this process read from checkpoint files through :class:`TensorFile`."""
 
     bytes_read: int = 0  # tensor bytes read by offset (partial reads and small tensors read whole)
+    range_bytes: int = 0  # of those, the bytes read by element range (:meth:`TensorFile.read`: the state a load cuts)
     files_opened: int = 0
     whole_files: int = 0  # files loaded whole (legacy format), their bytes counted in bytes_read
 
@@ -43,7 +44,7 @@ READ_STATS = ReadStats()
 
 def reset_read_stats() -> ReadStats:
     """Zero :data:`READ_STATS` (and return it)."""
-    READ_STATS.bytes_read = READ_STATS.files_opened = READ_STATS.whole_files = 0
+    READ_STATS.bytes_read = READ_STATS.range_bytes = READ_STATS.files_opened = READ_STATS.whole_files = 0
     return READ_STATS
 
 
@@ -107,6 +108,7 @@ class TensorFile:
         if not tensor.is_contiguous():
             out.copy_(self.materialise(tensor).reshape(-1)[start:start + count])
             return
+        READ_STATS.range_bytes += count * tensor.element_size()
         if out.dtype == tensor.dtype and out.is_contiguous():
             self._pread(self._offset(tensor, start), out)
             return
@@ -147,3 +149,32 @@ class TensorFile:
             for key, value in vars(obj).items():
                 setattr(obj, key, self.materialise_all(value, keep))
         return obj
+
+
+def tensors_in(obj: object) -> list[torch.Tensor]:
+    """Every tensor in ``obj`` (dicts, lists, tuples, pickled objects' attributes)."""
+    if torch.is_tensor(obj):
+        return [obj]
+    if isinstance(obj, dict):
+        values: Any = obj.values()
+    elif isinstance(obj, (list, tuple)):
+        values = obj
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+        values = vars(obj).values()
+    else:
+        return []
+    return [t for value in values for t in tensors_in(value)]
+
+
+def has_unread(obj: object) -> bool:
+    """Whether ``obj`` holds a tensor left unread (on the meta device) by a :class:`TensorFile`."""
+    return any(t.device.type == "meta" for t in tensors_in(obj))
+
+
+def read_unread(path: str | os.PathLike[str], obj: object) -> Any:
+    """``obj`` (part of what the file ``path`` holds, opened through a :class:`TensorFile`) with every tensor
+    left unread read whole, in place where the container allows it."""
+    if not has_unread(obj):
+        return obj
+    with TensorFile(path) as file:
+        return file.materialise_all(obj, set())

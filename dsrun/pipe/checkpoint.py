@@ -286,14 +286,18 @@ def _load_universal(engine: PipelineCheckpointEngine, tag_dir: Path, strict: boo
             layer.load_state_dict(sd, strict=strict)
     if engine.strategy is not None:
         strategy = engine.strategy
-        if load_optimizer_states:
-            full = pipeline_state.renamed(universal_checkpoint.load_universal_state(tag_dir), names.pipeline)
+        layout_of = (strategy.stage, engine.dp_world_size, engine.grid.get_data_parallel_rank(),
+                     strategy.checkpoint_param_shapes())
+        if load_optimizer_states:  # this rank's ranges of each parameter's files, asked by pipeline name
+            with partial_state.PartialUniversalState(tag_dir) as universal, adopting_loaded_state():
+                template = reshard.master_sizes_only(strategy.state_dict())
+                strategy.load_state_dict(reshard.state_for_rank(
+                    template, reshard.RenamedSource(universal, names.universal), *layout_of))
         else:
             full = reshard.FullOptimizerState(fp32={n: p.detach().reshape(-1).float().cpu()
                                                     for n, p in module.named_parameters()})
-        strategy.load_state_dict(reshard.state_for_rank(
-            strategy.state_dict(), full, strategy.stage, engine.dp_world_size, engine.grid.get_data_parallel_rank(),
-            strategy.checkpoint_param_shapes(), load_optimizer_states=load_optimizer_states))
+            strategy.load_state_dict(reshard.state_for_rank(strategy.state_dict(), full, *layout_of,
+                                                            load_optimizer_states=False))
     if not load_module_only:
         engine_io.restore_training_state(engine, model_states, tag_dir, load_lr_scheduler_states, same_world=False)
     comm.barrier()

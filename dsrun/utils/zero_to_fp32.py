@@ -14,8 +14,8 @@ written as that one file, as DeepSpeed's converter did before (0.15 and older).
 
 ``CHECKPOINT_DIR`` is the folder holding ``latest`` and the ``global_step*`` tag folders. Stages 0, 1, 2 and
 3 are understood. The fp32 values are the optimizer's master weights, so a bf16/fp16 run converts to the
-exact fp32 weights the optimizer was stepping. Files are read one at a time and only their master weights
-are kept, so memory stays near the largest file plus the output.
+exact fp32 weights the optimizer was stepping. Of each file only the master weights (and the buffers) are
+read, by their byte offsets, so memory stays near the output and the optimizer moments are never read.
 
 Tied weights (``shared_params`` in the model states): the alias key holds the very same tensor as its source, so
 ``torch.save`` stores it once. safetensors cannot store two names for one tensor: the alias key is left out and
@@ -31,7 +31,9 @@ import glob
 import json
 import math
 import os
+import pickle
 import re
+import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -112,8 +114,6 @@ def natural_key(text: str) -> list[Any]:
 def file_problem(path: str) -> str | None:
     """Why ``path`` is not a whole ``torch.save`` file, judged from its zip directory alone (no tensor is
     read): empty, truncated or not a torch file; None when it looks whole."""
-    import zipfile
-
     try:
         if os.path.getsize(path) == 0:
             return "it is empty"
@@ -130,9 +130,6 @@ def file_problem(path: str) -> str | None:
 def corrupt_reason(path: str, exc: BaseException) -> str | None:
     """Why ``torch.load(path)`` failed with ``exc`` when the file itself is damaged (truncated, empty, its
     pickled index unreadable); None when it failed for another reason (a refused global, ...)."""
-    import pickle
-    import zipfile
-
     text = str(exc)
     if "Unsupported global" in text:
         return None
@@ -164,12 +161,14 @@ DEEPSPEED_GLOBALS: list[tuple[Any, str]] = [
     (PickledStage, "deepspeed.runtime.zero.config.ZeroStageEnum")]
 
 
-def load_file(path: str) -> Any:
+def load_file(path: str, index_only: bool = False) -> Any:
     """``torch.load`` on CPU with ``weights_only=True``: tensors, containers and numbers only (and DeepSpeed's
-    few helper classes, as :class:`PickledObject`). A damaged file is a ``ValueError`` naming it."""
+    few helper classes, as :class:`PickledObject`). A damaged file is a ``ValueError`` naming it. ``index_only``: the
+    pickled index alone, every tensor on the meta device (:func:`read_saved` reads one; a legacy-format file: whole)."""
     try:
         with torch.serialization.safe_globals(DEEPSPEED_GLOBALS):
-            return torch.load(path, map_location="cpu", weights_only=True)
+            where = "meta" if index_only and zipfile.is_zipfile(path) else "cpu"
+            return torch.load(path, map_location=where, weights_only=True)
     except Exception as exc:  # an UnpicklingError names the global that was refused
         reason = corrupt_reason(path, exc)
         if reason is not None:
@@ -178,6 +177,19 @@ def load_file(path: str) -> Any:
             raise ValueError(f"{path}: refusing to load: the file holds objects that could run code when "
                              f"unpickled ({str(exc).splitlines()[0]})") from None
         raise
+
+
+def read_saved(path: str, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (from ``load_file(path, index_only=True)``) read from ``path``: only its own bytes, at its
+    storage's record offset (torch's zipfile records are stored uncompressed); a tensor in memory as it is."""
+    if tensor.device.type != "meta" or not tensor.numel():
+        return tensor if tensor.device.type != "meta" else torch.empty(tensor.shape, dtype=tensor.dtype)
+    data = bytearray((1 + sum((n - 1) * st for n, st in zip(tensor.shape, tensor.stride()))) * tensor.element_size())
+    with open(path, "rb") as fh:
+        fh.seek(tensor.untyped_storage()._checkpoint_offset + tensor.storage_offset() * tensor.element_size())
+        if fh.readinto(data) != len(data):
+            raise ValueError(f"{path}: cannot read this checkpoint file: it is truncated")
+    return torch.frombuffer(data, dtype=tensor.dtype).as_strided(tensor.shape, tensor.stride())
 
 
 def resolve_tag_dir(checkpoint_dir: str, tag: str | None = None) -> str:
@@ -236,15 +248,13 @@ def optimizer_master_tensors(osd: dict[str, Any]) -> list[torch.Tensor]:
 
 def _copy_slots(out: dict[str, torch.Tensor], shapes: dict[str, Any], slots: list[Slot],
                 master: torch.Tensor) -> int:
-    copied = 0
     flat = master.reshape(-1)
     for slot in slots:
         if slot.name not in out:
             out[slot.name] = torch.zeros(math.prod(shapes[slot.name]), dtype=torch.float32)
         out[slot.name][slot.full_offset:slot.full_offset + slot.length].copy_(
             flat[slot.master_offset:slot.master_offset + slot.length])
-        copied += slot.length
-    return copied
+    return sum(slot.length for slot in slots)
 
 
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | None = None,
@@ -258,15 +268,15 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | Non
     ``mp_rank_XX`` files and the ranks' slices are put back together (docs/autotp.md)."""
     tag_dir = resolve_tag_dir(checkpoint_dir, tag)
     model_files = [f for f in _files(tag_dir, MODEL_SUFFIX) if not _is_expert_file(f)]
-    degree = int(load_file(model_files[0]).get("mp_world_size", 1) or 1) if model_files else 1
+    degree = int(load_file(model_files[0], index_only=True).get("mp_world_size", 1) or 1) if model_files else 1
     if degree == 1:
         return _fp32_state_dict(tag_dir, exclude_frozen_parameters, verbose, None)
     ranks = [_fp32_state_dict(tag_dir, exclude_frozen_parameters, verbose, r) for r in range(degree)]
-    splits = ((load_file(model_files[0]).get("dsrun") or {}).get("tensor_parallel") or {}).get("splits") or {}
+    extras = load_file(model_files[0], index_only=True).get("dsrun") or {}
+    splits = (extras.get("tensor_parallel") or {}).get("splits") or {}
     merged = ranks[0]
-    for name, (dim, parts) in splits.items():
-        if name in merged:
-            merged[name] = merge_slices([state[name] for state in ranks], int(dim), int(parts))
+    merged.update({name: merge_slices([state[name] for state in ranks], int(dim), int(parts))
+                   for name, (dim, parts) in splits.items() if name in merged})
     return merged
 
 
@@ -274,8 +284,7 @@ def _fp32_state_dict(tag_dir: str, exclude_frozen_parameters: bool, verbose: boo
                      ) -> "OrderedDict[str, torch.Tensor]":
     """One tensor-parallel rank's fp32 state dict (``mp_rank`` None: the files of every rank, no AutoTP)."""
     say = print if verbose else (lambda *_: None)
-    say(f"Processing zero checkpoint '{tag_dir}'" + (f" (tensor-parallel rank {mp_rank})" if mp_rank is not None
-                                                      else ""))
+    say(f"Processing zero checkpoint '{tag_dir}'" + ("" if mp_rank is None else f" (tensor-parallel rank {mp_rank})"))
 
     def rank_files(suffix: str) -> list[str]:
         found = [f for f in _files(tag_dir, suffix) if not _is_expert_file(f)]
@@ -284,7 +293,7 @@ def _fp32_state_dict(tag_dir: str, exclude_frozen_parameters: bool, verbose: boo
     model_files = rank_files(MODEL_SUFFIX)
     if not model_files:
         raise FileNotFoundError(f"no '*_{MODEL_SUFFIX}' files in {tag_dir}")
-    first = load_file(model_files[0])
+    first = load_file(model_files[0], index_only=True)  # tensors read as needed: buffers, stage 0's masters
     if "buffer_names" not in first:
         raise ValueError(f"{model_files[0]} is not a model states file (no 'buffer_names')")
     extras = first.get("dsrun") or {}
@@ -306,12 +315,12 @@ def _fp32_state_dict(tag_dir: str, exclude_frozen_parameters: bool, verbose: boo
     # keep only what the fp32 masters do not provide (buffers, frozen parameters), so the 16-bit or fp32
     # module copy is not held next to the output
     trainable = {name for shapes in group_shapes for name in shapes} | set(shared)
-    module = {k: v for k, v in first.pop("module").items() if k not in trainable}
+    module = {k: read_saved(model_files[0], v) for k, v in first.pop("module").items() if k not in trainable}
     stage0_optimizer = first.pop("optimizer", None)
 
     out: dict[str, torch.Tensor] = {}
     if optim_files:
-        head = load_file(optim_files[0])["optimizer_state_dict"]
+        head = load_file(optim_files[0], index_only=True)["optimizer_state_dict"]
         if "zero_stage" not in head:
             raise ValueError(f"{optim_files[0]} is not a zero checkpoint (no 'zero_stage')")
         stage = int(head["zero_stage"])
@@ -334,19 +343,15 @@ def _fp32_state_dict(tag_dir: str, exclude_frozen_parameters: bool, verbose: boo
 
     total = 0
     for rank, path in sources:
-        osd = stage0_optimizer if path is None else load_file(path)["optimizer_state_dict"]
-        masters = optimizer_master_tensors(osd)
-        del osd  # keep only this rank's master weights, not its Adam moments
+        # only this rank's master weights are read, not its Adam moments (the file's index, then their bytes)
+        osd = stage0_optimizer if path is None else load_file(path, index_only=True)["optimizer_state_dict"]
+        masters = [read_saved(path or model_files[0], m) for m in optimizer_master_tensors(osd)[:len(group_shapes)]]
         slots, _ = master_slots(stage, world, rank, group_shapes)
         all_shapes = {k: v for g in group_shapes for k, v in g.items()}
-        for master, group_slots in zip(masters[:len(group_shapes)], slots):
+        for master, group_slots in zip(masters, slots):
             total += _copy_slots(out, all_shapes, group_slots, master)
-        del masters
-    stage0_optimizer = None
-    for shapes in group_shapes:
-        for name, shape in shapes.items():
-            if name in out:
-                out[name] = out[name].view(shape)
+        del osd, masters  # this rank's file's index and masters, before the next rank's are read
+    out.update({n: out[n].view(shape) for shapes in group_shapes for n, shape in shapes.items() if n in out})
     expected = sum(math.prod(s) for g in group_shapes for s in g.values())
     if sources and total != expected:
         raise ValueError(f"consumed {total} numels out of {expected}: the checkpoint's files do not match its "
@@ -362,9 +367,7 @@ def _fp32_state_dict(tag_dir: str, exclude_frozen_parameters: bool, verbose: boo
             result[name] = out[name]
         elif name in frozen:
             result[name] = frozen[name]
-        elif name in buffers and name in module:
-            result[name] = module[name].float() if module[name].is_floating_point() else module[name]
-        elif name in module and stage != 3 and not exclude_frozen_parameters:
+        elif name in module and (name in buffers or (stage != 3 and not exclude_frozen_parameters)):
             result[name] = module[name].float() if module[name].is_floating_point() else module[name]
     for alias, source in shared.items():
         if source in result:
@@ -397,7 +400,7 @@ def _expert_masters(tag_dir: str) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for path in _files(tag_dir, OPTIM_SUFFIX):
         if _is_expert_file(path):
-            out.update({k: v.float() for k, v in load_file(path)["fp32"].items()})
+            out.update({k: read_saved(path, v).float() for k, v in load_file(path, index_only=True)["fp32"].items()})
     if not out and has_expert_files(tag_dir):  # weights only (no optimizer)
         for path in _files(tag_dir, MODEL_SUFFIX):
             if _is_expert_file(path):
@@ -419,9 +422,9 @@ def _frozen_params(first: dict[str, Any], model_files: list[str], stage: int) ->
         return {}
     pieces: dict[str, list[torch.Tensor]] = {name: [] for name in shapes}
     for path in model_files:
-        fragments = load_file(path).get("frozen_param_fragments") or {}
+        fragments = load_file(path, index_only=True).get("frozen_param_fragments") or {}
         for name in shapes:
-            pieces[name].append(fragments[name].reshape(-1).float())
+            pieces[name].append(read_saved(path, fragments[name]).reshape(-1).float())
     return {name: torch.cat(parts)[: math.prod(shapes[name])].view(shapes[name]) for name, parts in pieces.items()}
 
 
@@ -447,10 +450,9 @@ def parse_shard_size(size: int | str) -> int:
 
 def _is_size(value: object) -> bool:
     try:
-        parse_shard_size(value)  # type: ignore[arg-type]
+        return parse_shard_size(value) >= 0  # type: ignore[arg-type]
     except (ValueError, TypeError):
         return False
-    return True
 
 
 def split_into_shards(state_dict: "OrderedDict[str, torch.Tensor]", weights_name: str,
@@ -548,10 +550,8 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_dir: 
     folder = str(output_dir)
     os.makedirs(folder, exist_ok=True)
     weights_name = SAFE_WEIGHTS_NAME if safe_serialization else WEIGHTS_NAME
-    if max_shard_size is None:
-        files, total = {weights_name: list(state_dict)}, 0
-    else:
-        files, total = split_into_shards(state_dict, weights_name, max_shard_size)
+    files, total = (({weights_name: list(state_dict)}, 0) if max_shard_size is None
+                    else split_into_shards(state_dict, weights_name, max_shard_size))
     for name, keys in files.items():
         if verbose:
             print(f"Saving fp32 state dict to {os.path.join(folder, name)}")

@@ -193,26 +193,48 @@ def export_16bit(rank: int, world: int, save_dir: str, gather: bool) -> dict[str
             "full": {k: v.float().numpy() for k, v in full.items()}}
 
 
-def peak_rss_100m(rank: int, world: int) -> dict[str, Any]:
-    """One training step of a ~100M-parameter GPT built under zero.Init; this rank's peak RSS."""
+def peak_rss_100m(rank: int, world: int, load_dir: str | None = None, save_dir: str | None = None,
+                  step: bool = True) -> dict[str, Any]:
+    """One training step of a ~100M-parameter GPT built under zero.Init; this rank's peak RSS. ``load_dir``:
+    then a ZeRO-3 Adam checkpoint is loaded (resharded when saved at another world size): the load's own peak
+    (VmHWM reset before it, less the RSS before it), this rank's share of the optimizer state (fp32 master and
+    two moments of its own elements) and the bytes it read by range; ``save_dir``: then saved there."""
     import dsrun
     from dsrun import comm
+    from dsrun.checkpoint import tensor_file
     from dsrun.models.gpt import GPT
     from dsrun.engine.initialize import initialize
+    from dsrun.utils.zero_to_fp32 import master_slots
 
     comm.init_distributed(verbose=False)
     cfg = ds_config(3, 1, 1, zero={"reduce_bucket_size": 5_000_000, "stage3_prefetch_bucket_size": 5_000_000})
+    if save_dir is not None:  # the fast writer: its 1.2 GB files in a few seconds (this disk's page cache is slow)
+        cfg["checkpoint"] = {**cfg.get("checkpoint", {}), "writer": {"type": "fast"}}
     torch.manual_seed(0)
     with dsrun.zero.Init(config_dict_or_path=cfg):
         model = GPT(vocab_size=256, block_size=16, n_layer=12, n_head=8, n_embd=832)
     numel = sum(p.ds_numel for p in model.parameters())
     engine, _, _, _ = initialize(model=model, config=cfg)
-    tokens = torch.randint(0, 256, (1, 17))
-    loss = engine((tokens[:, :-1], tokens[:, 1:]))
-    engine.backward(loss)
-    engine.step()
-    return {"numel": numel, "peak_rss": _vm_kib("VmHWM") * 1024, "loss": loss.item(),
-            "memory": engine.memory_breakdown().as_dict()}
+    out: dict[str, Any] = {"numel": numel}
+    if step:
+        tokens = torch.randint(0, 256, (1, 17))
+        loss = engine((tokens[:, :-1], tokens[:, 1:]))
+        engine.backward(loss)
+        engine.step()
+        out.update(peak_rss=_vm_kib("VmHWM") * 1024, loss=loss.item(), memory=engine.memory_breakdown().as_dict())
+    if load_dir is not None:
+        strategy = engine.strategy
+        shapes = strategy.checkpoint_param_shapes()
+        elements = sum(slot.length for mi, (size, place, _) in enumerate(strategy.master_partitions())
+                       for group in master_slots(3, size, place, [shapes[mi]])[0] for slot in group)
+        stats = tensor_file.reset_read_stats()
+        rss_before = _vm_kib("VmRSS")
+        assert reset_peak_rss()
+        engine.load_checkpoint(load_dir)
+        out.update(load_peak=(_vm_kib("VmHWM") - rss_before) * 1024, share=elements * 12, read=stats.range_bytes)
+    if save_dir is not None:
+        engine.save_checkpoint(save_dir)
+    return out
 
 
 def _env_threads() -> None:

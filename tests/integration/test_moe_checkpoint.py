@@ -86,14 +86,29 @@ def ckpt_save_first(rank: int, world: int, root: str) -> dict[str, Any]:
     return out
 
 
+def share_bytes(engine: Any) -> int:
+    """The bytes of this rank's own optimizer state: the elements of each master tensor it holds (cut over the
+    ranks that master is partitioned over, padding left out) x (fp32 master + Adam's two fp32 moments)."""
+    from dsrun.utils.zero_to_fp32 import master_slots
+
+    strategy = engine.strategy
+    shapes = strategy.checkpoint_param_shapes()
+    return 12 * sum(slot.length for mi, (world, rank, _) in enumerate(strategy.master_partitions())
+                    for group in master_slots(strategy.stage, world, rank, [shapes[mi]])[0] for slot in group)
+
+
 def ckpt_load(rank: int, world: int, root: str, loads: list[tuple[str, int, str | None]]) -> dict[str, Any]:
     """Rank entry point: for each (tag, stage, save_tag), an ep=world engine at ``stage`` loads ``tag`` (saving
     it again as ``save_tag``), then takes the third step: its experts when loaded, shared weights, loss, step
-    count."""
+    count, and the optimizer bytes the load read by range against the rank's share."""
+    from dsrun.checkpoint import tensor_file
+
     out = {}
     for tag, stage, save_tag in loads:
         engine = ckpt_engine(world, stage)
+        stats = tensor_file.reset_read_stats()
         engine.load_checkpoint(root, tag=tag)
+        read = (stats.range_bytes, share_bytes(engine))
         loaded = expert_state(engine)
         shared = {n: engine.strategy.full_param_value(p).numpy() for n, p in engine.module.named_parameters()
                   if ".deepspeed_experts." not in n}
@@ -101,7 +116,7 @@ def ckpt_load(rank: int, world: int, root: str, loads: list[tuple[str, int, str 
             engine.save_checkpoint(root, tag=save_tag)
         next_loss = ckpt_step(engine, rank, world, 2)
         out[f"{tag}->zero{stage}"] = {"experts": loaded, "shared": shared, "next_loss": next_loss,
-                                      "global_steps": engine.global_steps}
+                                      "global_steps": engine.global_steps, "read": read}
         engine.destroy()
     return out
 
@@ -366,6 +381,12 @@ def test_save_ep2_load_ep1_and_back(runs) -> None:
               for key in back[0]}
     for key, source in (("b->zero0", "a"), ("z3one->zero3", "z3"), ("b->zero3", "a")):
         check(merged, key, source)
+    # ep 1 -> 2: the optimizer bytes each rank reads by range (the shared groups' elements from the saved
+    # optimizer or stage-0 model states file, its experts' from their files) are exactly its share
+    for rank in range(2):
+        for key in ("b->zero0", "z3one->zero3", "b->zero3"):
+            read, share = back[rank][key]["read"]
+            assert read == share > 0, (rank, key, read, share)
 
 
 def test_zero_1_2_3_resume_with_the_saved_topology(runs) -> None:

@@ -211,3 +211,168 @@ def test_a_pipeline_reshard_reads_each_stages_files_by_range_as_the_merge_of_the
             got = reshard.state_for_rank(_template(1, 2, rank), source, 1, 2, rank, SHAPES)
         assert_same(got, expected)
         assert stats.bytes_read == _share_bytes(1, 2, rank, 4)  # the later stage's files only, the rank's elements
+
+
+def _stage0_model_states(folder, name="mp_rank_00_model_states.pt", shapes=SHAPES, **extra):
+    """A dsrun stage-0 save's model states file: its optimizer state (the flat masters and moments of
+    ``_saved_ranks(.., 0, 1)``) inside, under ``optimizer``."""
+    scratch = folder.parent / f".{folder.name}.{name}.scratch"
+    osd = torch.load(_saved_ranks(scratch, 0, 1)[0], weights_only=True)["optimizer_state_dict"]
+    torch.save({"module": OrderedDict(), "buffer_names": [], "optimizer": osd, "param_shapes": shapes,
+                "dp_world_size": 1, "dsrun": {"zero_stage": 0}, **extra}, folder / name)
+    return osd
+
+
+def test_a_pipeline_stage_saved_at_zero_stage_0_is_read_by_range_as_the_merge_of_the_stages(tmp_path):
+    """A pipeline stage saved at ZeRO stage 0 keeps its optimizer state in its model states file: opening the
+    stages leaves it unread, a reshard reads the rank's ranges of it (the later stage's values win, as
+    pipeline_state.merge_stages merges them), a load at the saved layout all of it."""
+    from dsrun.checkpoint import pipeline_state
+
+    _saved_ranks(tmp_path, 3, 2)
+    torch.save({"module": None, "param_shapes": SHAPES, "dsrun": {"zero_stage": 3}, "dp_world_size": 2},
+               tmp_path / "mp_rank_00_model_states.pt")
+    osd = _stage0_model_states(tmp_path, "mp_rank_01_model_states.pt", module=None)
+    stats = tensor_file.reset_read_stats()
+    slices = pipeline_state.saved_slices(tmp_path)
+    assert stats.bytes_read < 100 and partial_state.left_unread(slices[1])  # the stage-0 masters and moments: unread
+    merged = pipeline_state.merge_stages(tmp_path, pipeline_state.saved_slices(tmp_path), False)
+    for rank in range(2):
+        expected = reshard.state_for_rank(_template(1, 2, rank), merged, 1, 2, rank, SHAPES)
+        with partial_state.PartialStagesState(tmp_path, slices, False) as source:
+            stats = tensor_file.reset_read_stats()
+            got = reshard.state_for_rank(_template(1, 2, rank), source, 1, 2, rank, SHAPES)
+        assert_same(got, expected)
+        assert stats.bytes_read == stats.range_bytes == _share_bytes(1, 2, rank, 4)  # the later stage, its share
+    own = pipeline_state.stage_optimizer_states(tmp_path, slices[1], 1, False)[0]  # the saved layout: whole
+    assert_same(own["single_partition_of_fp32_groups"], osd["single_partition_of_fp32_groups"])
+    assert_same(own["base_optimizer_state"], osd["base_optimizer_state"])
+
+
+def _tag_folder(root, stage, world):
+    """A checkpoint tag folder of ``SHAPES`` saved by ``world`` ranks at ``stage`` (its model states file with
+    the module's placeholders at stage 3, the module's weights otherwise; a stage-0 save's optimizer inside)."""
+    tag_dir = root / "global_step7"
+    tag_dir.mkdir(parents=True)
+    module = OrderedDict((n, torch.empty(0) if stage == 3 else torch.randn(s)) for g in SHAPES for n, s in g.items())
+    states = {"module": module, "buffer_names": [], "param_shapes": SHAPES, "dp_world_size": world,
+              "shared_params": {}, "dsrun": {"zero_stage": stage}}
+    if stage == 0:
+        _stage0_model_states(tag_dir, **{k: v for k, v in states.items() if k not in ("param_shapes", "dsrun")})
+    else:
+        _saved_ranks(tag_dir, stage, world)
+        torch.save(states, tag_dir / ("zero_pp_rank_0_mp_rank_00_model_states.pt" if stage == 3
+                                      else "mp_rank_00_model_states.pt"))
+    (root / "latest").write_text(tag_dir.name)
+    return tag_dir
+
+
+def _state_bytes(paths, stage):
+    """The bytes of the masters and per-element optimizer states in the saved ZeRO state dicts ``paths``."""
+    total = masters = 0
+    for path in paths:
+        sd = torch.load(path, weights_only=True)
+        osd = sd["optimizer"] if stage == 0 else sd["optimizer_state_dict"]
+        for master in osd["fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"]:
+            masters += master.numel() * 4
+        base = osd["optimizer_state_dict" if stage == 3 else "base_optimizer_state"]
+        total += sum(v.numel() * v.element_size() for s in base["state"].values() for v in s.values() if v.dim())
+    return masters, masters + total
+
+
+@pytest.mark.parametrize("stage,world", [(3, 2), (2, 3), (0, 1)])
+def test_the_universal_conversion_reads_each_element_once_one_parameter_at_a_time(tmp_path, monkeypatch, stage,
+                                                                                    world):
+    """ds_to_universal reads the saved state by range, parameter by parameter (never more than one parameter's
+    state between two of its written folders), each element once, and writes what the merged read gives."""
+    from dsrun.checkpoint import atomic, universal_checkpoint
+
+    tag_dir = _tag_folder(tmp_path, stage, world)
+    model_states = torch.load(next(tag_dir.glob("*model_states.pt")), weights_only=True)
+    merged = reshard.merge_rank_states(rank_optimizer_states(tag_dir, model_states, stage, world, False), stage,
+                                       SHAPES)
+    between: list[int] = []  # bytes read since the previous parameter's master was written, at each
+    real_save = atomic.save_torch
+
+    def counting_save(obj, path, *args, **kwargs):
+        if path.name == "fp32.pt":
+            between.append(tensor_file.READ_STATS.range_bytes)
+            tensor_file.READ_STATS.range_bytes = 0
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(atomic, "save_torch", counting_save)
+    stats = tensor_file.reset_read_stats()
+    out = ds_to_universal.ds_to_universal(str(tag_dir), str(tmp_path / "universal"), verbose=False)
+    monkeypatch.undo()
+    total = sum(between) + stats.range_bytes
+    paths = list(tag_dir.glob("*optim_states.pt")) or list(tag_dir.glob("*model_states.pt"))
+    elements = sum(math.prod(s) for g in SHAPES for s in g.values())
+    assert total == elements * 12 and stats.whole_files == 0  # every element of the master and two moments, once
+    assert total <= _state_bytes(paths, stage)[1]  # ... and not the padding
+    largest = max(math.prod(s) for g in SHAPES for s in g.values()) * 12
+    assert all(b <= largest for b in between)  # one parameter's state at a time (its master read before writing)
+    got = universal_checkpoint.load_universal_state(out)
+    assert_same(got.fp32, merged.fp32)
+    assert_same(got.moments, merged.moments)
+    assert_same(got.group_scalars, merged.group_scalars)
+    assert got.param_groups == merged.param_groups
+    universal_module = torch.load(out / "mp_rank_00_model_states.pt", weights_only=True)["module"]
+    for name, value in universal_module.items():  # stage 3's placeholders: the masters; else the saved weights
+        assert_same(value, merged.fp32[name].view(value.shape) if stage == 3 else model_states["module"][name])
+
+
+@pytest.mark.parametrize("stage,world", [(3, 2), (1, 2), (0, 1)])
+def test_zero_to_fp32_reads_only_the_master_weights(tmp_path, monkeypatch, stage, world):
+    """zero_to_fp32 reads each file's index, then only the bytes of its fp32 masters: never the moments."""
+    from dsrun.utils import zero_to_fp32 as z2f
+
+    tag_dir = _tag_folder(tmp_path, stage, world)
+    model_states = torch.load(next(tag_dir.glob("*model_states.pt")), weights_only=True)
+    merged = reshard.merge_rank_states(rank_optimizer_states(tag_dir, model_states, stage, world, False), stage,
+                                       SHAPES)
+    read: list[int] = []
+    real_read = z2f.read_saved
+
+    def counting_read(path, tensor):
+        out = real_read(path, tensor)
+        if tensor.device.type == "meta":
+            read.append(out.numel() * out.element_size())
+        return out
+
+    monkeypatch.setattr(z2f, "read_saved", counting_read)
+    got = z2f.get_fp32_state_dict_from_zero_checkpoint(str(tmp_path))
+    paths = list(tag_dir.glob("*optim_states.pt")) or list(tag_dir.glob("*model_states.pt"))
+    masters, everything = _state_bytes(paths, stage)
+    assert sum(read) == masters and masters < everything / 2  # (nor the module's weights: the masters replace them)
+    assert set(got) == set(merged.fp32)
+    for name, value in got.items():
+        assert_same(value.reshape(-1), merged.fp32[name], name)
+
+
+@pytest.mark.usefixtures("single_rank")
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_deepspeeds_own_stage0_layout_reshards_with_its_optimizer_state_read_by_range(tmp_path, precision):
+    """DeepSpeed's stage-0 file (no param_shapes; the torch optimizer's per-parameter state with the module's
+    weights as masters, bf16's unfused wrapper, fp16's fused flat groups) loaded at ZeRO-3: the optimizer state
+    comes with it, as converting the whole file gives it, and the rank reads exactly its elements by range."""
+    from dsrun.checkpoint import load_file
+    from dsrun.checkpoint.deepspeed_format import stage0_to_dsrun
+
+    from .test_deepspeed_format import write_deepspeed_checkpoint
+
+    engine = make_engine(0, precision)
+    train(engine, 2)
+    write_deepspeed_checkpoint(engine, tmp_path, "global_step2")
+    fresh = make_engine(3, precision)
+    shapes = fresh.strategy.checkpoint_param_shapes()
+    saved = load_file(tmp_path / "global_step2" / "mp_rank_00_model_states.pt")
+    full = reshard.merge_rank_states([stage0_to_dsrun(saved["optimizer"], shapes, saved["module"])], 0, shapes)
+    expected = reshard.state_for_rank(fresh.strategy.state_dict(), full, 3, 1, 0, shapes)
+    stats = tensor_file.reset_read_stats()
+    fresh.load_checkpoint(str(tmp_path))
+    live = fresh.strategy.state_dict()
+    assert_same(live["fp32_flat_groups"], expected["fp32_flat_groups"])
+    assert_same(live["optimizer_state_dict"]["state"], expected["optimizer_state_dict"]["state"])
+    assert live["optimizer_state_dict"]["state"]  # the saved optimizer state, not a weights-only load
+    elements = sum(s.length for group in master_slots(3, 1, 0, shapes)[0] for s in group)
+    assert stats.range_bytes == elements * 12  # fp32 master + Adam's two moments, each element once
