@@ -54,14 +54,20 @@ def _get_hf_tp_plan(model: nn.Module) -> dict[str, str] | None:
     return merged or None
 
 
-def _wildcard_regex(pattern: str) -> str:
-    """A plan's module pattern (``*`` any run of characters) as a regular expression for the weight's name."""
-    body = ".*" + re.escape(pattern).replace(r"\*", ".*")
-    return body + ("$" if body.endswith(r"\.weight") else r"\.weight$")
-
-
 class TPPlanConverter:
     """DeepSpeed's ``deepspeed.module_inject.tp_plan_converter.TPPlanConverter``."""
+
+    @staticmethod
+    def _wildcard_to_regex(pattern: str) -> str:
+        """A plan's module pattern as a regular expression matching anywhere a name ends so (``*``: any run of
+        characters; everything else literal): ``layers.*.q_proj`` is ``.*layers\..*\.q_proj``."""
+        return ".*" + re.escape(pattern).replace(r"\*", ".*")
+
+    @staticmethod
+    def _weight_regex(pattern: str) -> str:
+        """The regular expression of the weight of the modules ``pattern`` names."""
+        body = TPPlanConverter._wildcard_to_regex(pattern)
+        return body + ("$" if body.endswith(r"\.weight") else r"\.weight$")
 
     @staticmethod
     def convert(hf_tp_plan: Mapping[str, str] | None) -> list[TPLayerSpec] | None:
@@ -78,7 +84,7 @@ class TPPlanConverter:
         specs = []
         for pattern, style in hf_tp_plan.items():
             kind, gather = _STYLES[str(style).lower()]
-            specs.append(TPLayerSpec(patterns=[_wildcard_regex(pattern)], partition_type=kind, gather_output=gather,
+            specs.append(TPLayerSpec(patterns=[TPPlanConverter._weight_regex(pattern)], partition_type=kind, gather_output=gather,
                                      grad_allreduce=str(style).lower() == "replicated_with_grad_allreduce"))
         return specs
 
