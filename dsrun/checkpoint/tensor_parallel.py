@@ -35,12 +35,21 @@ from .saved_tag import rank_optimizer_states
 from .universal_checkpoint import is_universal
 
 
+def shard_bounds(total: int, rank: int, size: int) -> tuple[int, int]:
+    """Rank ``rank``'s ``(start, length)`` of ``total`` entries cut over ``size`` ranks as evenly as possible: the
+    first ``total % size`` ranks hold one more (DeepSpeed's AutoTP shard sizes in grains of one). Even when
+    ``size`` divides ``total``."""
+    base, extra = divmod(total, size)
+    return rank * base + min(rank, extra), base + (1 if rank < extra else 0)
+
+
 def slice_dim(tensor: torch.Tensor, dim: int, parts: int, rank: int, size: int) -> torch.Tensor:
-    """Rank ``rank``'s slice along ``dim`` of each of ``parts`` equal blocks of ``tensor``, concatenated."""
+    """Rank ``rank``'s slice (:func:`shard_bounds`) along ``dim`` of each of ``parts`` equal blocks of ``tensor``,
+    concatenated."""
     moved = tensor.movedim(dim, 0)
     blocks = moved.reshape(parts, moved.shape[0] // parts, *moved.shape[1:])
-    piece = blocks.shape[1] // size
-    cut = blocks[:, rank * piece:(rank + 1) * piece].reshape(-1, *moved.shape[1:])
+    start, length = shard_bounds(blocks.shape[1], rank, size)
+    cut = blocks[:, start:start + length].reshape(-1, *moved.shape[1:])
     return cut.movedim(0, dim).contiguous()
 
 
@@ -178,12 +187,13 @@ class RankSlices:
         dim, parts = self.splits[name]
         shape = self.shapes[name]
         block = shape[dim] // parts
-        piece, inner = block // self.size, math.prod(shape[dim + 1:])
+        start, piece = shard_bounds(block, self.rank, self.size)
+        inner = math.prod(shape[dim + 1:])
         run = piece * inner  # the slice: for each index before dim and each part, `run` contiguous elements
         end = full_offset + out.numel()
         for index in range(full_offset // run if run else 0, -(-end // run) if run else 0):
             outer, part = divmod(index, parts)
-            whole_start = (outer * shape[dim] + part * block + self.rank * piece) * inner
+            whole_start = (outer * shape[dim] + part * block + start) * inner
             lo, hi = max(full_offset, index * run), min(end, (index + 1) * run)
             self.source.copy_range(name, key, whole_start + lo - index * run, out[lo - full_offset:hi - full_offset])
 

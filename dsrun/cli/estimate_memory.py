@@ -134,10 +134,10 @@ def _recipe_inputs(args: argparse.Namespace) -> tuple[EstimateInputs, dict[str, 
         raise UserError(Problem("estimate-memory", "recipe composition is not available in this build",
                                 "pass --total-params (and --largest-layer-params) instead")) from None
     from dsrun.estimate.runspec import build_recipe_model, inputs_from_runspec
-    from dsrun.tensor_parallel.split import split_meta_model
+    from dsrun.tensor_parallel.spec_split import meta_split_for
 
     cfg = compose_runspec(list(args.overrides), recipes_dirs=tuple(args.recipes_dir))
-    model = build_recipe_model(cfg, split=split_meta_model)  # with AutoTP: one rank's share
+    model = build_recipe_model(cfg, split=meta_split_for(cfg))  # with AutoTP: one rank's share
     spec, sources = inputs_from_runspec(cfg, model)
     changes: dict[str, Any] = {}
     layout = _planned_layout(cfg)

@@ -112,10 +112,10 @@ def missing_values(spec: DictConfig) -> list[Problem]:
 def _build_model(spec: DictConfig, problems: list[Problem], result: Preflight) -> RecipeModel | None:
     """The recipe's model on the meta device (its constructor checks its shape), or None."""
     from dsrun.estimate.runspec import build_recipe_model
-    from dsrun.tensor_parallel.split import split_meta_model
+    from dsrun.tensor_parallel.spec_split import meta_split_for
 
     try:
-        return build_recipe_model(spec, split=split_meta_model)  # with AutoTP: one rank's share
+        return build_recipe_model(spec, split=meta_split_for(spec))  # with AutoTP: one rank's share
     except Exception as err:  # noqa: BLE001 - a user's model class that cannot be built on meta: the ranks will say
         user = find_user_error(err)
         if user is not None:

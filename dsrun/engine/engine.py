@@ -507,6 +507,18 @@ class DeepSpeedEngine(torch.nn.Module):
 
         return consolidated_16bit_state_dict(self, exclude_frozen_parameters)
 
+    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
+        """DeepSpeed's: the whole weights on rank 0 of a model whose weights are split, by ZeRO-3 (as
+        :meth:`_zero3_consolidated_16bit_state_dict`) or by AutoTP (each split parameter gathered over its
+        tensor-parallel group; None on the other ranks)."""
+        if int(self._config.zero_optimization.stage) == 3:
+            return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+        if self.autotp_size() > 1:
+            from dsrun.tensor_parallel.layers import consolidated_state_dict
+
+            return consolidated_state_dict(self.module)
+        raise ValueError("consolidated_16bit_state_dict is for weights split by ZeRO stage 3 or tensor parallelism")
+
     def destroy(self) -> None:
         """Release what the engine holds beyond its Python objects: the ZeRO strategy's autograd and module
         hooks, buckets, swap files and worker threads, the monitors, and the process groups it created

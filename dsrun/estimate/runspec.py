@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 _MISSING = object()
 
 
-def _plain(value: object) -> Any:
+def plain_config(value: object) -> Any:
     """A DictConfig/ListConfig as plain containers (resolving interpolations); any other value unchanged."""
     try:
         from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -108,7 +108,7 @@ class RecipeModel:
 
 
 # splits a meta-device model in place for one rank of a tensor-parallel group of the given size
-# (dsrun.tensor_parallel.split.split_meta_model: the training split, in a room above the estimator)
+# (dsrun.tensor_parallel.spec_split.meta_split_for: the training split, in a room above the estimator)
 TPSplit = Callable[[torch.nn.Module, int], None]
 
 
@@ -116,21 +116,21 @@ def autotp_size_of(cfg: Mapping[str, Any]) -> int:
     """The run's ``tensor_parallel.autotp_size`` (1 without AutoTP)."""
     from dsrun.config import ds_section
 
-    ds = _plain(cfg).get("ds") or {}
+    ds = plain_config(cfg).get("ds") or {}
     return max(1, int(ds_section(ds, "tensor_parallel").autotp_size or 1))
 
 
 def build_recipe_model(cfg: Mapping[str, Any], split: TPSplit | None = None) -> RecipeModel:
     """Instantiate ``cfg.model`` on the meta device and count it (no weights are allocated). With
     ``tensor_parallel.autotp_size`` T > 1 and a ``split``, the model is split as rank 0 of a group of T splits it
-    (every rank's share is the same: the split is even) and counted as that share; without ``split`` it is
+    (every rank's share is the same, or rank 0's the largest where a rule cuts unevenly) and counted as that share; without ``split`` it is
     counted whole (an over-estimate of the model states)."""
     model_cfg = cfg.get("model")
     if not model_cfg or "_target_" not in model_cfg:
         raise ConfigError(Problem("model._target_", "the recipe has no model to build",
                                   "pick a model (model=...) or pass --total-params"))
     module = instantiate_on_meta(model_cfg)
-    plain_cfg = _plain(model_cfg)
+    plain_cfg = plain_config(model_cfg)
     block = getattr(getattr(module, "config", None), "block_size", None) or plain_cfg.get("block_size")
     shape = gpt_shape_of(module, plain_cfg)  # the unsplit shape: activations divide it by the degree themselves
     tp = autotp_size_of(cfg)
@@ -183,7 +183,7 @@ def inputs_from_runspec(cfg: Mapping[str, Any], model: RecipeModel) -> tuple[Est
     """:class:`EstimateInputs` for a composed RunSpec and its counted model, and each input's source."""
     from dsrun.config import ds_section  # the schema's typed sections: the one source of every default
 
-    tree = _plain(cfg)
+    tree = plain_config(cfg)
     ds = tree.get("ds") or {}
     zero = ds_section(ds, "zero_optimization")  # the legacy boolean form is stage 1, as in a run
     sources: dict[str, str] = {}

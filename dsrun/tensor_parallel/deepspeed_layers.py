@@ -73,6 +73,12 @@ class _GatherOutput(torch.autograd.Function):
         return _slice(grad, ctx.sizes, ctx.rank, grad.dim() - 1), None, None, None
 
 
+def gather_output_slices(y: torch.Tensor, sizes: list[int], rank: int, group: ProcessGroup | None) -> torch.Tensor:
+    """The group's output slices (rank ``r``'s has ``sizes[r]`` features) put together along the last dimension;
+    the backward keeps this rank's slice of the gradient."""
+    return _GatherOutput.apply(y, sizes, rank, group)
+
+
 class _DeepSpeedShards:
     """What DeepSpeed's two layer classes share: the cut by shard sizes, the marks, gather and re-partition."""
 
@@ -106,16 +112,26 @@ class _DeepSpeedShards:
             param._tp_gathered = False
 
 
+def _placement(mp_group: ProcessGroup | None, total: int, kwargs: dict[str, Any]) -> tuple[int, int, list[int]]:
+    """This rank's place in the group and every rank's shard of a dimension of ``total``: DeepSpeed's (the group's
+    rank and size, its shard sizes), or dsrun's split by rules' (``tp_rank``, ``tp_size``, ``shard_sizes``: it cuts
+    without a live group, and by the bounds its checkpoints re-cut by)."""
+    rank, size = _group_rank_size(mp_group)
+    rank, size = int(kwargs.get("tp_rank", rank)), int(kwargs.get("tp_size", size))
+    sizes = kwargs.get("shard_sizes") or get_shard_size_list(total, size, kwargs.get("name"))
+    return rank, size, list(sizes)
+
+
 class LinearLayer(_DeepSpeedShards, ColumnParallelLinear):
     """DeepSpeed's column-parallel ``LinearLayer(module, mp_group, skip_partition=False, gather_output=False)``:
     this rank's output features of ``module`` (an ``nn.Linear``); ``skip_partition`` keeps it whole."""
 
     def __init__(self, module: nn.Linear, mp_group: ProcessGroup | None, skip_partition: bool = False,
                  gather_output: bool = False, **kwargs: Any):
-        rank, size = _group_rank_size(mp_group)
-        self.name, self.tp_rank, self.group = kwargs.get("name"), rank, mp_group
         out_features = module.weight.shape[0]
-        self.shard_sizes = [out_features] if skip_partition else get_shard_size_list(out_features, size, self.name)
+        rank, size, sizes = _placement(mp_group, out_features, kwargs)
+        self.name, self.tp_rank, self.group = kwargs.get("name"), rank, mp_group
+        self.shard_sizes = [out_features] if skip_partition else sizes
         if skip_partition:
             rank, size = 0, 1
             self.tp_rank = 0
@@ -129,7 +145,7 @@ class LinearLayer(_DeepSpeedShards, ColumnParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x)
         if self.gather_output and self.tp_size > 1:
-            y = _GatherOutput.apply(y, self.shard_sizes, self.tp_rank, self.group)
+            y = gather_output_slices(y, self.shard_sizes, self.tp_rank, self.group)
         return y
 
 
@@ -138,8 +154,7 @@ class LinearAllreduce(_DeepSpeedShards, RowParallelLinear):
     the partial outputs are all-reduced, then the whole bias is added."""
 
     def __init__(self, module: nn.Linear, mp_group: ProcessGroup | None, **kwargs: Any):
-        rank, size = _group_rank_size(mp_group)
+        rank, size, self.shard_sizes = _placement(mp_group, module.weight.shape[1], kwargs)
         self.name, self.tp_rank, self.group = kwargs.get("name"), rank, mp_group
-        self.shard_sizes = get_shard_size_list(module.weight.shape[1], size, self.name)
         self._cut(module.weight, 1)
         super().__init__(module.weight, module.bias, False, mp_group, size, rank)

@@ -4,8 +4,12 @@ Built when ``tensor_parallel.autotp_size`` (or a ``deepspeed.tp_model_init(model
 ``initialize``) asks for more than one rank. It asks the topology for a ``model`` axis of that size
 (``group_sizes``: DeepSpeed's layout, rank = data · M + model, so a tensor-parallel group is M consecutive
 ranks), and when the groups are built (``take_topology``) it starts every rank of a tensor-parallel group from
-its first rank's weights and splits the model's Transformer blocks over the group
-(:func:`dsrun.tensor_parallel.split.split_for_training`). ZeRO then partitions and reduces over the data
+its first rank's weights (a parameter split already, a DeepSpeed layer the user built, keeps its own slice) and
+splits the model over the group: by the config's rules (``partition_config`` / ``preset_model``,
+:func:`dsrun.tensor_parallel.spec_split.split_by_specs`), else by the model's Hugging Face ``tp_plan``
+(:mod:`dsrun.tensor_parallel.hf_plan`), else its Transformer blocks read automatically
+(:func:`dsrun.tensor_parallel.split.split_for_training`). ``tp_overlap_comm`` is set on the layers process-wide,
+as DeepSpeed sets it. ZeRO then partitions and reduces over the data
 group only: a split parameter's slice is its own on each rank, and every whole parameter gets the same
 gradient on every rank of the group (the row-parallel all-reduce makes the activations equal, the
 column-parallel backward all-reduce the activations' gradients). The checkpoint entries say how the model
@@ -18,8 +22,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from dsrun import comm
+from dsrun.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 from dsrun.comm.groups import ProcessGroups
 from dsrun.config import DSConfig
 from dsrun.features import Feature
@@ -28,9 +34,13 @@ from dsrun.utils.errors import ConfigError, Problem
 
 from dsrun.zero.step_hooks import BEFORE_UPDATE
 
+from .autotp_config import AutoTPConfig, partition_config_object
 from .deepspeed_layers import set_autotp_mode
+from .hf_plan import rules_from_hf_plan
+from .layers import TensorParallelLinear, is_model_parallel_parameter
 from .norm import clip_by_tensor_parallel_norm
-from .split import TPLayout, split_for_training
+from .spec_split import split_by_specs
+from .split import TPLayout, split_for_training, universal_checkpoint_info
 
 # what deepspeed.tp_model_init recorded (DeepSpeed's _TP_MODEL_INIT_ARGS): merged into the config at initialize
 _TP_MODEL_INIT_ARGS: dict[str, Any] | None = None
@@ -83,18 +93,25 @@ def _recorded_dtype_problems(config: DSConfig) -> list[Problem]:
 class AutoTPFeature(Feature):
     name = "autotp"
 
-    def __init__(self, config: DSConfig, size: int):
+    def __init__(self, config: DSConfig, size: int, rules: AutoTPConfig | None = None):
         self.size = size
+        self.rules = rules  # partition_config / preset_model: split by these rules, not automatically
         self.clipping = float(config.gradient_clipping or 0.0)
         self._group: Any = None
+        self._source = 0  # the global rank of the group's first rank
+        self._input_check: Any = None
         self.layout: TPLayout | None = None
 
     @classmethod
     def build(cls, config: DSConfig) -> "AutoTPFeature | None":
         size = autotp_degree(int(config.tensor_parallel.autotp_size))
         problems = _recorded_dtype_problems(config)
+        section = config.tensor_parallel
+        overlap = bool(section.tp_overlap_comm)
+        rules = partition_config_object(section.partition_config, section.preset_model, size)
         if size > 1 or _TP_MODEL_INIT_ARGS is not None:  # as DeepSpeed's initialize: AutoTP is for training now
             set_autotp_mode(training=True)
+            TensorParallelLinear.overlap_comm = overlap
         if size <= 1:
             if problems:
                 raise ConfigError(problems)
@@ -107,7 +124,7 @@ class AutoTPFeature(Feature):
                                     "is not built", "use one of the two"))
         if problems:
             raise ConfigError(problems)
-        return cls(config, size)
+        return cls(config, size, rules)
 
     def group_sizes(self) -> dict[str, int]:
         return {"model": self.size}
@@ -126,11 +143,39 @@ class AutoTPFeature(Feature):
             raise ConfigError(Problem("tp_model_init(tp_group=...)", f"this rank's group is not its tensor-parallel "
                                       f"group {members} (dsrun's layout: {self.size} consecutive ranks)",
                                       "leave tp_group out: dsrun builds the groups"))
-        with torch.no_grad():  # the ranks of a group must split the same weights
+        with torch.no_grad():  # the ranks of a group must split the same weights (a slice split already is its own)
             for tensor in list(model.parameters()) + list(model.buffers()):
-                comm.broadcast(tensor.data, src=members[0], group=group)
-        self._group = group
-        self.layout = split_for_training(model, group, groups.coord("model"), self.size)
+                if not is_model_parallel_parameter(tensor):
+                    comm.broadcast(tensor.data, src=members[0], group=group)
+        self._group, self._source = group, members[0]
+        self._input_check = model.register_forward_pre_hook(self._check_inputs_agree, with_kwargs=True)
+        rank = groups.coord("model")
+        rules, source = self.rules, "tensor_parallel.partition_config"
+        if rules is None:  # DeepSpeed's order: the config's rules, the model's plan, the automatic reading
+            rules, source = rules_from_hf_plan(model, self.size), "the model's Hugging Face tp_plan"
+        self.layout = (split_for_training(model, group, rank, self.size) if rules is None
+                       else split_by_specs(model, rules, group, rank, self.size, source))
+        setattr(model, UNIVERSAL_CHECKPOINT_INFO, universal_checkpoint_info(model, self.layout))
+
+    def _check_inputs_agree(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """The first forward: the ranks of a tensor-parallel group must read the same batch (DeepSpeed's check,
+        its message; every rank of the group raises)."""
+        self._input_check.remove()
+        tensors = [t.detach() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        layouts: list[Any] = [None] * self.size  # shapes first: a broadcast needs the same shape on every rank
+        comm.all_gather_object(layouts, [(tuple(t.shape), str(t.dtype)) for t in tensors], group=self._group)
+        same = all(layout == layouts[0] for layout in layouts)
+        if same:
+            agree = torch.ones(1, device=tensors[0].device if tensors else None)
+            for tensor in tensors:
+                first = tensor.clone().contiguous()
+                comm.broadcast(first, src=self._source, group=self._group)
+                agree *= float(torch.equal(first, tensor))
+            comm.all_reduce(agree, op=comm.ReduceOp.MIN, group=self._group)
+            same = bool(agree.item())
+        if not same:
+            raise AssertionError("Data inconsistency within the TP group. Please check the Dataloader "
+                                 "implementation to ensure consistency.")
 
     def attach(self, engine: Any) -> None:
         """Gradient clipping by the unsplit model's norm (dsrun/tensor_parallel/norm.py)."""

@@ -9,7 +9,12 @@ from dsrun.moe.groups import _groups
 
 
 def get_tensor_model_parallel_group() -> ProcessGroup:
-    return _groups().model
+    """The rank's tensor-parallel group: the world's group itself when the group spans the world (dsrun's groups
+    say None there, but DeepSpeed's layers read None as no tensor parallelism)."""
+    groups = _groups()
+    if groups.model is None and groups.size("model") > 1:
+        return comm.get_world_group()
+    return groups.model
 
 
 def get_model_parallel_group() -> ProcessGroup:

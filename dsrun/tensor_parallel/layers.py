@@ -62,6 +62,32 @@ class _ReduceFromGroup(torch.autograd.Function):
         return grad, None
 
 
+class _OverlappedColumn(torch.autograd.Function):
+    """A column-parallel matmul (``tp_overlap_comm``): forward ``x W^T + b``; backward starts the all-reduce of the
+    input's gradient, computes the weight's and bias' gradients while it runs, then waits (DeepSpeed's
+    ``AsyncColumnParallel``). The sums are those of :func:`copy_to_group` followed by the matmul's own backward."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None, transposed: bool, group: ProcessGroup | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.transposed, ctx.group, ctx.has_bias = transposed, group, bias is not None
+        y = torch.matmul(x, weight) if transposed else F.linear(x, weight)
+        return y if bias is None else y + bias
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, None, None]:
+        x, weight = ctx.saved_tensors
+        grad_x = (torch.matmul(grad, weight.t()) if ctx.transposed else torch.matmul(grad, weight)).contiguous()
+        pending = comm.all_reduce(grad_x, group=ctx.group, async_op=True)
+        rows, flat_x = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+        grad_weight = flat_x.t().matmul(rows) if ctx.transposed else rows.t().matmul(flat_x)
+        grad_bias = rows.sum(0) if ctx.has_bias else None
+        pending.wait()
+        return grad_x, grad_weight, grad_bias, None, None
+
+
 def copy_to_group(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     return _CopyToGroup.apply(x, group)
 
@@ -70,11 +96,27 @@ def reduce_from_group(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tens
     return _ReduceFromGroup.apply(x, group)
 
 
+def gather_slices(local: torch.Tensor, dim: int, group: ProcessGroup | None, size: int) -> list[torch.Tensor]:
+    """Every rank's slice of a tensor cut along ``dim`` (slices may differ in length: uneven shards), in rank
+    order; collective over ``group``."""
+    lengths = [torch.zeros(1, dtype=torch.long) for _ in range(size)]
+    comm.all_gather(lengths, torch.tensor([local.shape[dim]]), group=group)
+    moved = local.movedim(dim, 0).contiguous()
+    padded = moved.new_zeros(int(max(lengths)), *moved.shape[1:])
+    padded[:moved.shape[0]] = moved
+    pieces = [torch.empty_like(padded) for _ in range(size)]
+    comm.all_gather(pieces, padded, group=group)
+    return [piece[:int(length)].movedim(0, dim) for piece, length in zip(pieces, lengths)]
+
+
 class TensorParallelLinear(nn.Module):
     """One linear of a split pair, holding this rank's slice of the weight (and bias) as the model's own
     parameters. ``transposed``: the weight is stored ``[in, out]`` (a Hugging Face ``Conv1D``)."""
 
     row_parallel = False
+    # DeepSpeed's tensor_parallel.tp_overlap_comm, process-wide as DeepSpeed's TensorParallel_Layer keeps it
+    # (initialize sets it): the column-parallel backward overlaps its all-reduce with the weight's gradient
+    overlap_comm = False
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, transposed: bool,
                  group: ProcessGroup | None, tp_size: int, tp_rank: int = 0):
@@ -95,8 +137,7 @@ class TensorParallelLinear(nn.Module):
             if not is_model_parallel_parameter(param) or getattr(param, "_tp_gathered", False):
                 continue
             with torch.no_grad():
-                pieces = [torch.empty_like(param.data) for _ in range(self.tp_size)]
-                comm.all_gather(pieces, param.data.contiguous(), group=self.group)
+                pieces = gather_slices(param.data, param.partition_dim, self.group, self.tp_size)
                 param.data = merge_slices(pieces, param.partition_dim, param.partition_stride)
             param._tp_gathered = True
 
@@ -124,6 +165,8 @@ class ColumnParallelLinear(TensorParallelLinear):
     """This rank's slice of the output features; the input's gradient is summed over the group."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size > 1 and TensorParallelLinear.overlap_comm:
+            return _OverlappedColumn.apply(x, self.weight, self.bias, self.transposed, self.group)
         if self.tp_size > 1:
             x = copy_to_group(x, self.group)
         y = self._matmul(x)
@@ -147,3 +190,22 @@ def is_model_parallel_parameter(p: torch.Tensor) -> bool:
     """DeepSpeed's ``runtime.utils.is_model_parallel_parameter``: a parameter split over the tensor-parallel group
     (Megatron's ``model_parallel`` or ``tensor_model_parallel`` mark, which the AutoTP split sets)."""
     return bool(getattr(p, "model_parallel", False) or getattr(p, "tensor_model_parallel", False))
+
+
+def consolidated_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
+    """The whole model's parameters on global rank 0 (None elsewhere), CPU copies by name: each module's split
+    parameters are gathered over its group (their ``gather_params``), copied, and cut back (DeepSpeed's
+    ``engine._consolidated_16bit_state_dict`` under AutoTP). Collective: every rank calls it."""
+    keep = comm.get_rank() == 0 if comm.is_initialized() else True
+    state: dict[str, torch.Tensor] | None = {} if keep else None
+    for module_name, module in model.named_modules():
+        params = [(n, p) for n, p in module.named_parameters(recurse=False) if p is not None]
+        split = [p for _, p in params if is_model_parallel_parameter(p) and hasattr(p, "gather_params")]
+        if split:
+            split[0].gather_params(split)
+        if state is not None:
+            for name, param in params:
+                state[f"{module_name}.{name}" if module_name else name] = param.detach().cpu().clone()
+        if split:
+            split[0]._tp_partition(split)
+    return state

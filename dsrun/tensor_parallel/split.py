@@ -13,12 +13,14 @@ and the number of fused parts, which is all a checkpoint needs to put the ranks'
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from dsrun.checkpoint import constants
 from dsrun.checkpoint.tensor_parallel import slice_dim
 from dsrun.inference.auto_tp import check_split, split_head_attrs
 from dsrun.inference.groups import TPGroup
@@ -37,6 +39,12 @@ class TPLayout:
     tp_size: int
     tp_rank: int
     splits: dict[str, tuple[int, int]] = field(default_factory=dict)
+    whole: dict[str, tuple[int, ...]] = field(default_factory=dict)  # each split parameter's unsplit shape
+
+    def record(self, name: str, param: torch.Tensor, dim: int, parts: int) -> None:
+        """Note that ``param`` (still whole) is cut along ``dim`` in ``parts`` fused parts."""
+        self.splits[name] = (dim, parts)
+        self.whole[name] = tuple(param.shape)
 
     def entry(self) -> dict[str, object]:
         """The checkpoint entry (plain types)."""
@@ -44,7 +52,8 @@ class TPLayout:
                 "splits": {name: list(cut) for name, cut in self.splits.items()}}
 
 
-def _cut(param: nn.Parameter, dim: int, parts: int, tp: TPGroup) -> None:
+def cut_parameter(param: nn.Parameter, dim: int, parts: int, tp: TPGroup) -> None:
+    """Keep this rank's slice of ``param`` (in place) and mark it split, as Megatron marks it."""
     with torch.no_grad():
         param.data = slice_dim(param.data, dim, parts, tp.rank, tp.size)
     # Megatron's marks, which DeepSpeed's is_model_parallel_parameter reads
@@ -68,11 +77,11 @@ def split_for_training(model: nn.Module, group: ProcessGroup | None, tp_rank: in
                 dim = (1 - out_dim) if row else out_dim
                 parts = 1 if row else slot.parts
                 prefix = f"{plan.name}.{slot.name}"
-                _cut(module.weight, dim, parts, tp)
-                layout.splits[f"{prefix}.weight"] = (dim, parts)
+                layout.record(f"{prefix}.weight", module.weight, dim, parts)
+                cut_parameter(module.weight, dim, parts, tp)
                 if module.bias is not None and not row:
-                    _cut(module.bias, 0, parts, tp)
-                    layout.splits[f"{prefix}.bias"] = (0, parts)
+                    layout.record(f"{prefix}.bias", module.bias, 0, parts)
+                    cut_parameter(module.bias, 0, parts, tp)
                 kind = RowParallelLinear if row else ColumnParallelLinear
                 replacement = kind(module.weight, module.bias, transposed, group, tp_size, tp_rank)
                 setattr(slot.parent, slot.attr, replacement)
@@ -90,3 +99,41 @@ def split_meta_model(model: nn.Module, tp_size: int) -> None:
     (:func:`dsrun.estimate.runspec.build_recipe_model`'s ``split``). No group is needed: nothing is
     communicated until a forward."""
     split_for_training(model, None, 0, tp_size)
+
+
+def universal_checkpoint_info(model: nn.Module, layout: TPLayout) -> dict[str, object]:
+    """DeepSpeed's model-level ``universal_checkpoint_info`` of a split model (the schema DeepSpeed's
+    ``ds_to_universal`` reads; dsrun's conversion reads the checkpoint's own ``tensor_parallel`` entry instead): the
+    row-parallel weights, the parameters every rank holds whole (row biases, norms, embeddings), the vocabulary-cut
+    ones (an LM head's or embedding's rows) with the whole vocabulary size, and the fused ones with the widths of
+    their parts; each by a ``^name$`` pattern of its first name (a tied parameter is named once)."""
+    first = {id(p): n for n, p in model.named_parameters()}
+    rows, whole, vocab, fused, vocab_size = [], [], [], [], None
+    for module_name, module in model.named_modules():
+        for attr, param in module.named_parameters(recurse=False):
+            name = f"{module_name}.{attr}" if module_name else attr
+            if first.get(id(param)) != name:
+                continue
+            pattern = f"^{re.escape(name)}$"
+            if name not in layout.splits:
+                whole.append(pattern)
+                continue
+            dim, parts = layout.splits[name]
+            if getattr(module, "row_parallel", False) and attr == "weight":
+                rows.append(pattern)
+            full = layout.whole[name][dim]
+            if dim == 0 and parts == 1 and len(layout.whole[name]) == 2 and ("embed" in name or "lm_head" in name):
+                vocab.append(pattern)
+                vocab_size = full if vocab_size is None else vocab_size
+            if parts > 1:
+                shape: list[object] = [-1] * len(layout.whole[name])
+                shape[dim] = tuple([full // parts] * parts)
+                fused.append({"patterns": [pattern], "shape": shape, "partition_dim": dim})
+    info: dict[str, object] = {
+        constants.UNIVERSAL_CHECKPOINT_VERSION_KEY: constants.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+        constants.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: sorted(rows),
+        constants.TP_REPLICATED_PARAMETER_PATTERNS: sorted(whole),
+        constants.VOCABULARY_PARAMETER_PATTERNS: sorted(vocab), constants.PARAMETER_WITH_SUB_PARAMS: fused}
+    if vocab_size is not None:
+        info[constants.ORIGINAL_VOCAB_SIZE] = vocab_size
+    return info

@@ -93,7 +93,7 @@ def split_bytes(engine: Any) -> dict[str, int]:
 
 
 SPLIT_NAMES = {"c_attn", "c_proj", "c_fc", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-               "down_proj"}
+               "down_proj", "lm_head"}
 
 
 def reference_losses(name: str, dp: int, steps: int, micro: int = 2) -> list[float]:
@@ -158,21 +158,56 @@ def split_bytes_of(model: torch.nn.Module) -> dict[str, int]:
 
 
 def two_rank_job(rank: int, world: int, names: list[str], steps: int, save_dir: str) -> dict[str, Any]:
-    """One launch for the 2-rank tests: :func:`train_job`'s results, and :func:`checkpoint_job`'s under
-    ``"checkpoint"`` (GPT-2)."""
+    """One launch for the 2-rank tests: :func:`train_job`'s results, :func:`checkpoint_job`'s under
+    ``"checkpoint"`` (GPT-2), and Llama split by :data:`LLAMA_RULES` (``"rules"``)."""
     return {**train_job(rank, world, names, 2, steps), "checkpoint": checkpoint_job(rank, world, "gpt2", save_dir),
-            "foreign_group": foreign_tp_group(rank, world), "stages": other_stages(rank, world)}
+            "foreign_group": foreign_tp_group(rank, world), "stages": other_stages(rank, world),
+            "inconsistent": inconsistent_batch(rank, world),
+            "rules": rules_job(world, steps)}
+
+
+# tensor_parallel.partition_config: attention split by name, the MLP's gate and up projections column-parallel
+# with their outputs gathered (every rank then holds the whole MLP activation), down_proj matched by no spec (whole)
+LLAMA_RULES = {"use_default_specs": False, "layer_specs": [
+    {"patterns": [r".*\.self_attn\.o_proj\.weight$"], "partition_type": "row"},
+    {"patterns": [r".*\.self_attn\.[qkv]_proj\.weight$"], "partition_type": "column"},
+    {"patterns": [r".*\.mlp\.(gate|up)_proj\.weight$"], "partition_type": "column", "gather_output": True},
+    {"patterns": [r".*\.input_layernorm\.weight$"], "partition_type": "skip"}]}
+
+
+def rules_job(world: int, steps: int) -> dict[str, Any]:
+    """Llama at TP=2 split by :data:`LLAMA_RULES`: ``steps`` steps' losses and the bytes of the block linears.
+    (``preset_model: llama`` cuts exactly the automatic split's slices: tests/unit/tensor_parallel.)"""
+    engine, loader = _engine("llama", 2, world, tensor_parallel={"autotp_size": 2, "partition_config": LLAMA_RULES})
+    losses = _train(engine, _batches(loader, steps))
+    held = split_bytes(engine)
+    engine.destroy()
+    return {"losses": losses, "bytes": held}
 
 
 def other_stages(rank: int, world: int, steps: int = 4) -> dict[int, list[float]]:
     """GPT-2 at TP=2 under ZeRO stages 0 and 2 (and bf16 at stage 2): the first ``steps`` losses."""
     out: dict[Any, list[float]] = {}
-    for key, extra in ((0, {}), (2, {}), ("bf16", {"bf16": {"enabled": True}})):
-        stage = 2 if key == "bf16" else key
+    for key, extra in ((0, {}), (2, {}), ("bf16", {"bf16": {"enabled": True}}),
+                       ("overlap", {"tensor_parallel": {"autotp_size": 2, "tp_overlap_comm": True}})):
+        stage = key if isinstance(key, int) else 2 if key == "bf16" else 1
         engine, loader = _engine("gpt2", 2, world, zero_optimization={"stage": stage}, **extra)
         out[key] = _train(engine, _batches(loader, steps))
         engine.destroy()
     return out
+
+
+def inconsistent_batch(rank: int, world: int) -> str:
+    """What the first forward of a TP=2 engine says when the two ranks of its group are given different batches."""
+    engine, loader = _engine("gpt2", 2, world)
+    ids = next(iter(loader))
+    try:
+        engine(input_ids=ids + rank, labels=ids)
+    except AssertionError as err:
+        return str(err)
+    finally:
+        engine.destroy()
+    return "accepted"
 
 
 def foreign_tp_group(rank: int, world: int) -> str:

@@ -40,6 +40,7 @@ SPLIT = Feature("DeepSpeed's data-parallel split of checkpoint writes (part file
                 "remove checkpoint.writer.data_parallel and io_multiplier")
 AUTOTP = Feature("AutoTP tensor-parallel training", "remove the tensor_parallel section")
 AUTOTP_TESTS = "tests/integration/test_autotp_training.py::"
+AUTOTP_UNIT = "tests/unit/tensor_parallel/test_autotp_split.py::"
 DEEPCOMPILE = Feature("DeepCompile (compiler passes for ZeRO)", "leave the compile key at its default")
 SUPER = Feature("SuperOffload (CPU Adam on reserved cores, superchips)", "leave super_offload false")
 LEAF_PROOF = "tests/unit/zero3/test_leaf_modules.py::test_the_config_leaf_module_section_flags_leaves_at_stage_3"
@@ -152,16 +153,26 @@ ENTRIES: list[Entry] = [
     *[done(f"zero_optimization.zenflow.{key}", meaning, *(f"{ZF}{t}" for t in tests), traced=key != "offload")
       for key, meaning, tests in ZENFLOW_KEYS],
     # AutoTP training
-    done("tensor_parallel.autotp_size", "tensor-parallel degree: the model's Transformer blocks split "
-         "column/row-wise over groups of that many ranks (docs/autotp.md)", AUTOTP_TESTS + "test_gpt2_tp2_zero1_"
+    done("tensor_parallel.autotp_size", "tensor-parallel degree: the model split column/row-wise over groups of "
+         "that many ranks (by partition_config / preset_model, else its Hugging Face tp_plan, else its Transformer "
+         "blocks read automatically; docs/autotp.md)", AUTOTP_TESTS + "test_gpt2_tp2_zero1_"
          "matches_the_unsplit_run_and_holds_half_of_each_split_matrix", AUTOTP_TESTS + "test_tp2_by_dp2_on_4_ranks"),
+    done("tensor_parallel.partition_config", "DeepSpeed's layer specs: linears named by regex split column-wise, "
+         "row-wise (fused parts by shape, gathered outputs by gather_output) or kept whole; unmatched linears whole; "
+         "the first match wins (docs/autotp.md)", AUTOTP_TESTS + "test_partition_config_rules_split_llama_and_train_"
+         "as_the_unsplit_run", AUTOTP_UNIT + "test_rules_naming_the_automatic_split_cut_the_same_slices"),
+    done("tensor_parallel.preset_model", "a built-in family's layer specs (llama, qwen2, bloom, chatglm, mixtral, "
+         "deepseek_v2, phi3), merged after partition_config's when it keeps use_default_specs",
+         AUTOTP_UNIT + "test_rules_naming_the_automatic_split_cut_the_same_slices"),
+    done("tensor_parallel.tp_overlap_comm", "the column-parallel backward starts the input gradient's all-reduce "
+         "and computes the weight's gradient while it runs",
+         AUTOTP_TESTS + "test_zero_stages_0_and_2_bf16_and_tp_overlap_comm_split_the_same_way"),
     *_section("tensor_parallel", AUTOTP, {
         "dtype": "dtype of the sharded model",
-        "tp_overlap_comm": "overlap TP communication", "vocab_parallel_lm_head": "shard the LM head",
+        "vocab_parallel_lm_head": "shard the LM head",
         "vocab_parallel_ce_backend": "vocab-parallel cross-entropy backend", "tp.tp_size": "TP degree",
         "tp.tp_grain_size": "shard granularity", "tp.mpu": "model-parallel unit", "tp.tp_group": "TP group",
-        "injection_policy_tuple": "layer injection policy", "partition_config": "partitioning rules",
-        "preset_model": "a preset model's rules", "keep_module_on_host": "keep shards on the host",
+        "injection_policy_tuple": "layer injection policy", "keep_module_on_host": "keep shards on the host",
         "kernel_inject": "inject inference kernels"}),
     # DeepCompile
     *_section("compile", DEEPCOMPILE, {

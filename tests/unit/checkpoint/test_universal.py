@@ -59,10 +59,12 @@ def test_the_cli_refuses_a_folder_that_is_not_a_checkpoint_tag(tmp_path):
     assert empty.returncode == 2 and "model_states.pt" in empty.stderr
 
 
-@pytest.mark.parametrize("shape,dim,parts", [((6, 12), 1, 3), ((12, 5), 0, 2), ((8,), 0, 1), ((2, 3, 8), 2, 2)])
+@pytest.mark.parametrize("shape,dim,parts", [((6, 12), 1, 3), ((12, 5), 0, 2), ((8,), 0, 1), ((2, 3, 8), 2, 2),
+                                             ((5, 7), 1, 1), ((9, 4), 0, 3)])
 def test_a_tensor_parallel_ranks_slice_of_a_whole_value_is_read_by_ranges(shape, dim, parts):
     """A universal folder's whole values seen by TP rank r of 2 (tensor_parallel.RankSlices): any element range of
-    the rank's flattened slice is that range of ``slice_dim`` of the whole value (fused parts cut per part)."""
+    the rank's flattened slice is that range of ``slice_dim`` of the whole value (fused parts cut per part; an
+    uneven cut, 7 columns or 3 rows per part over 2 ranks, gives the first rank one more)."""
     from dsrun.checkpoint import reshard, tensor_parallel as tp
 
     whole = torch.arange(torch.Size(shape).numel(), dtype=torch.float32)

@@ -11,8 +11,10 @@ from dsrun.checkpoint.tensor_parallel import merge_module_states, merge_slices, 
 from dsrun.compose import compose_runspec
 from dsrun.config import load_ds_config
 from dsrun.runspec import resolve_run
-from dsrun.tensor_parallel import (AutoTPFeature, ColumnParallelLinear, RowParallelLinear, reset_tp_model_init,
-                                   split_for_training, tp_model_init)
+from dsrun.tensor_parallel import (AutoTPConfig, AutoTPFeature, ColumnParallelLinear, RowParallelLinear,
+                                   TensorParallelLinear, reset_tp_model_init, split_by_specs, split_for_training,
+                                   tp_model_init)
+from dsrun.tensor_parallel.split import universal_checkpoint_info
 from dsrun.utils.errors import ConfigError
 from tests.integration._inference_models import dsrun_gpt, hf_model
 
@@ -103,3 +105,161 @@ def test_the_gpt_tp_recipe_counts_data_parallel_ranks_only():
     assert run.ds.train_batch_size == 2 * run.ds.train_micro_batch_size_per_gpu
     with pytest.raises(ConfigError, match="ds.tensor_parallel.autotp_size: 2 does not divide the 3 ranks"):
         resolve_run(compose_runspec(["+recipe=gpt_tp", "launcher.num_procs=3"]))
+
+
+# ------------------------------------------------------------------ partition_config / preset_model (split by rules)
+GPT2_RULES = {"use_default_specs": False, "layer_specs": [
+    {"patterns": [r".*\.attn\.c_attn\.weight$"], "partition_type": "column", "shape": [3, -1], "partition_dim": 0},
+    {"patterns": [r".*\.(attn|mlp)\.c_proj\.weight$"], "partition_type": "row"},
+    {"patterns": [r".*\.mlp\.c_fc\.weight$"], "partition_type": "column"}]}
+
+
+def _split_by(model: torch.nn.Module, rules, size: int = 2):
+    shards, layouts = [], []
+    for rank in range(size):
+        shard = copy.deepcopy(model)
+        layouts.append(split_by_specs(shard, rules, None, rank, size))
+        shards.append(shard)
+    return shards, layouts
+
+
+@pytest.mark.parametrize("name,section", [("llama", {"preset_model": "llama"}),
+                                          ("gpt2", {"partition_config": GPT2_RULES})])
+def test_rules_naming_the_automatic_split_cut_the_same_slices(name, section):
+    """A preset (Llama) or custom rules (GPT-2's Conv1D, its fused q|k|v as ``shape: [3, -1]``) that name what the
+    automatic split finds cut every rank's parameters exactly as it does, and halve the heads alike."""
+    pytest.importorskip("transformers")
+    model = hf_model(name)
+    feature = AutoTPFeature.build(_config(tensor_parallel={"autotp_size": 2, **section}))
+    assert isinstance(feature.rules, AutoTPConfig) and feature.rules.tp_size == 2
+    by_rules, rule_layouts = _split_by(model, feature.rules)
+    automatic, auto_layouts = _split(model)
+    assert rule_layouts[0].splits == auto_layouts[0].splits and rule_layouts[0].splits
+    for ours, theirs in zip(by_rules, automatic):
+        mine, other = ours.state_dict(), theirs.state_dict()
+        assert mine.keys() == other.keys() and all(torch.equal(mine[k], other[k]) for k in mine)
+        kinds = [[(n, m.row_parallel) for n, m in shard.named_modules() if isinstance(m, TensorParallelLinear)]
+                 for shard in (ours, theirs)]
+        assert kinds[0] == kinds[1] and kinds[0]
+    if name == "gpt2":
+        assert by_rules[1].transformer.h[0].attn.num_heads == 2
+        info = universal_checkpoint_info(by_rules[0], rule_layouts[0])  # DeepSpeed's model-level schema
+        assert {"patterns": [r"^transformer\.h\.0\.attn\.c_attn\.weight$"], "shape": [-1, (32, 32, 32)],
+                "partition_dim": 1} in info["parameter_with_sub_params"]
+        assert r"^transformer\.h\.1\.mlp\.c_proj\.weight$" in info["parameter_with_row_parallelism_patterns"]
+        assert r"^transformer\.h\.1\.mlp\.c_proj\.bias$" in info["tp_replicated_parameter_patterns"]
+
+
+def test_rules_leave_unmatched_and_skipped_linears_whole_and_gather_outputs():
+    """No Transformer blocks needed: a skip-all rule keeps every linear whole; a column rule with gather_output
+    puts the whole output back on each rank (one process: the group of one rank gathers nothing); strict_mode
+    refuses a linear no rule names."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 4))
+    skip_all = AutoTPConfig.from_dict({"layer_specs": [{"patterns": [r".*\.weight$"], "partition_type": "skip"}]})
+    shards, layouts = _split_by(model, skip_all)
+    assert layouts[0].splits == {} and all(torch.equal(a, b) for a, b in zip(shards[1].parameters(),
+                                                                            model.parameters()))
+    gathered = AutoTPConfig.from_dict({"layer_specs": [{"patterns": ["0.weight"], "gather_output": True}]})
+    shards, layouts = _split_by(model, gathered)
+    assert layouts[1].splits == {"0.weight": (0, 1), "0.bias": (0, 1)}
+    assert shards[1][0].weight.shape == (3, 8) and torch.equal(shards[1][0].weight, model[0].weight[3:])
+    assert shards[1][2].weight.shape == (4, 6)  # matched by no rule: whole
+    with pytest.raises(ConfigError, match="partition_config: 2.weight: no layer spec matches this linear"):
+        split_by_specs(copy.deepcopy(model), AutoTPConfig.from_dict({"strict_mode": True, "layer_specs": [
+            {"patterns": ["0.weight"]}]}), None, 0, 2)
+
+
+@pytest.mark.parametrize("section,message", [
+    ({"preset_model": "lama"}, "tensor_parallel.preset_model: got 'lama'; one of"),
+    ({"partition_config": {"layer_spec": []}}, "tensor_parallel.partition_config.layer_spec: is not a key"),
+    ({"partition_config": {"layer_specs": [{"patterns": ["x"], "partition_type": "diagonal"}]}},
+     r"partition_config.layer_specs\[0\].partition_type: got 'diagonal'"),
+    ({"partition_config": {"layer_specs": [{"patterns": ["("]}]}}, "is not a regular expression"),
+    ({"partition_config": {"layer_specs": [{"patterns": ["x"], "shape": [2, 0]}]}}, "shape: entry 0"),
+    ({"partition_config": {"layer_specs": [{"patterns": ["x"], "grad_allreduce": True}]}},
+     "grad_allreduce: applies to skip specs only")])
+def test_bad_partition_config_values_are_refused_naming_the_key(section, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        AutoTPFeature.build(_config(tensor_parallel={"autotp_size": 2, **section}))
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("spec,size,message", [
+    ({"patterns": ["0.weight"], "shape": [[4, 2], -1]}, 2, "sub-parameters of unequal sizes"),
+    ({"patterns": ["0.weight"], "shape": [2, -1, 8]}, 2, "logical shapes of more than"),
+    ({"patterns": ["2.weight"], "partition_type": "row", "shape": [5, -1]}, 2, "does not fit its weight"),
+    ({"patterns": ["0.weight"], "shape": [4, -1]}, 2, "do not split into 4 equal sub-parameters"),
+    ({"patterns": ["2.weight"]}, 5, r"its 4 output features in 1 part\(s\) leave some of tp_size=5 ranks nothing"),
+    ({"patterns": ["0.weight"], "shape": [2, -1], "gather_output": True}, 2, "gather_output with fused"),
+    ({"patterns": ["attn.q.weight"]}, 2, "would split a head of 2"),
+    ({"patterns": ["emb.weight"]}, 2, "a split embedding"),
+    ({"patterns": ["head.weight"]}, 2, "is tied to emb.weight")])
+def test_rules_a_split_cannot_follow_are_refused_naming_the_linear(spec, size, message):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 4))
+    model.emb, model.head, model.attn = torch.nn.Embedding(5, 8), torch.nn.Linear(8, 5, bias=False), torch.nn.Module()
+    model.head.weight = model.emb.weight
+    model.attn.head_dim, model.attn.q = 2, torch.nn.Linear(8, 6)  # 3 heads of 2: 3 features a rank would cut one
+    with pytest.raises(ConfigError, match=message):
+        split_by_specs(model, AutoTPConfig.from_dict({"layer_specs": [spec]}), None, 0, size)
+
+
+def test_an_uneven_cut_gives_the_first_ranks_one_more_and_merges_back():
+    """DeepSpeed's shard sizes in grains of one: 4 output features over 3 ranks are 2, 1, 1; the slices merge
+    back into the weight, and the gathered layer knows every rank's width."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 4))
+    rules = AutoTPConfig.from_dict({"layer_specs": [{"patterns": ["2.weight"], "gather_output": True}]})
+    shards, layouts = _split_by(model, rules, size=3)
+    assert [s[2].weight.shape[0] for s in shards] == [2, 1, 1] and shards[0][2].shard_sizes == [2, 1, 1]
+    merged = merge_module_states([s.state_dict() for s in shards], layouts[0].splits)
+    assert all(torch.equal(merged[k], v) for k, v in model.state_dict().items())
+    for rank in range(3):
+        assert torch.equal(slice_dim(model[2].weight, 0, 1, rank, 3), shards[rank][2].weight)
+
+
+def test_a_hugging_face_tp_plan_is_read_and_converted_as_deepspeed_does():
+    """Llama's plan (its config's ``base_model_tp_plan`` and the class's ``lm_head``) splits the blocks as the
+    automatic split does and cuts the LM head's vocabulary (97 rows: 49 and 48), gathering its output; a
+    ``model.``-prefixed duplicate of a pattern given already is dropped; an unknown style refuses the plan."""
+    pytest.importorskip("transformers")
+    from dsrun.compat.module_inject.tp_plan_converter import TPPlanConverter
+    from dsrun.compat.runtime.tensor_parallel.config import _get_hf_tp_plan
+    from dsrun.tensor_parallel.hf_plan import rules_from_hf_plan
+
+    model = hf_model("llama")
+    plan = _get_hf_tp_plan(model)
+    assert plan["layers.*.self_attn.q_proj"] == "colwise" and plan["lm_head"] == "colwise_gather_output"
+    shards, layouts = _split_by(model, rules_from_hf_plan(model, 2))
+    automatic = _split(model)[1][0].splits
+    assert layouts[0].splits == {**automatic, "lm_head.weight": (0, 1)}
+    assert [s.lm_head.weight.shape[0] for s in shards] == [49, 48] and shards[1].lm_head.shard_sizes == [49, 48]
+    merged = merge_module_states([s.state_dict() for s in shards], layouts[0].splits)
+    assert all(torch.equal(merged[k], v) for k, v in model.state_dict().items())
+    info = universal_checkpoint_info(shards[1], layouts[1])
+    assert info["vocabulary_parameter_patterns"] == [r"^lm_head\.weight$"] and info["original_vocab_size"] == 97
+    assert r"^model\.layers\.0\.self_attn\.o_proj\.weight$" in info["parameter_with_row_parallelism_patterns"]
+    assert r"^model\.norm\.weight$" in info["tp_replicated_parameter_patterns"]
+    model._tp_plan = {"model.layers.*.mlp.up_proj": "rowwise", "lm_head": "colwise"}
+    assert _get_hf_tp_plan(model)["lm_head"] == "colwise" and "model.layers.*.mlp.up_proj" not in _get_hf_tp_plan(model)
+    specs = TPPlanConverter.convert({"layers.*.q": "colwise_rep", "norm": "replicated_with_grad_allreduce"})
+    assert specs[0].gather_output and specs[0].matches("model.layers.3.q.weight")
+    assert specs[1].grad_allreduce and specs[1].patterns == [r".*norm\.weight$"]
+    with pytest.raises(ValueError, match="local_colwise"):
+        TPPlanConverter.convert({"layers.*.q": "local_colwise"})
+
+
+def test_deepspeeds_rule_objects_through_the_alias():
+    """``deepspeed.module_inject.autotp_config``'s names, as DeepSpeed's tests build them."""
+    from dsrun.compat.module_inject.autotp_config import (AutoTPConfig as Config, AutoTPPresets, PartitionType,
+                                                          TPLayerSpec, merge_autotp_configs)
+
+    spec = TPLayerSpec(patterns=[r".*\.qkv\.weight$"], partition_type="column", shape=[[4, 2, 2], -1])
+    assert spec.partition_type is PartitionType.COLUMN and spec.shape == ((4, 2, 2), -1)
+    assert spec.get_sub_param_sizes() == (4, 2, 2) and spec.get_num_sub_params() == 3
+    assert TPLayerSpec(patterns=["x"], partition_type=PartitionType.ROW).get_partition_dim() == 1
+    custom = Config(tp_size=2, layer_specs=[spec], use_default_specs=True)
+    merged = merge_autotp_configs(AutoTPPresets.llama(), custom)
+    assert merged.layer_specs[0] is spec and merged.tp_size == 2
+    assert merged.find_matching_spec("model.layers.3.mlp.down_proj.weight").partition_type is PartitionType.ROW
+    assert merged.find_matching_spec("model.layers.3.mlp.down_proj.weight", "llama") is not None
+    assert TPLayerSpec(patterns=["x"], model_types=["qwen2"]).matches("x", "llama") is False
+    assert AutoTPPresets.get_preset("nope") is None and AutoTPPresets.get_preset("Phi3") is not None

@@ -1,0 +1,245 @@
+"""Split a model for training by DeepSpeed's configurable AutoTP rules (``tensor_parallel.partition_config`` /
+``preset_model``: :class:`dsrun.tensor_parallel.autotp_config.AutoTPConfig`).
+
+Every linear of the model (``nn.Linear``, GPT-2's ``Conv1D``) is named by its weight (``<module>.weight``) and
+split as the first matching spec says: ``column`` keeps this rank's slice of the output features (and of the bias),
+``row`` its slice of the input features (the bias stays whole, added once after the all-reduce), ``skip`` or no
+match keeps it whole (``strict_mode`` refuses a linear no spec names). A spec's ``shape`` splits fused
+sub-parameters each on its own, as the automatic split cuts GPT-2's q|k|v; ``gather_output`` all-gathers a column's
+output slices so every rank gets the whole output (an untied LM head); ``grad_allreduce`` sums a whole parameter's
+gradient over the group. An attention module whose projections are split column-wise has its head counts and
+widths divided as in the automatic split (:func:`dsrun.inference.auto_tp.split_head_attrs`), so the module's own
+forward reshapes by the heads this rank holds. Linears already split (DeepSpeed's ``LinearLayer`` built by the
+user) are left as they are.
+
+A plain ``nn.Linear`` becomes DeepSpeed's ``LinearLayer`` / ``LinearAllreduce``
+(:mod:`dsrun.tensor_parallel.deepspeed_layers`, on the automatic split's layers), a Conv1D or a fused weight the
+automatic split's column/row layers (:mod:`dsrun.tensor_parallel.layers`); the parameters keep their objects and
+names, and the returned :class:`~dsrun.tensor_parallel.split.TPLayout` is the same record, so checkpoints, their
+merge and the universal conversion read a split by rules as they read the automatic one. A dimension that does not
+divide evenly is cut as DeepSpeed cuts it in grains of one (the first ``n % T`` ranks one more,
+:func:`dsrun.checkpoint.tensor_parallel.shard_bounds`; an attention module's projections only on whole heads).
+Not built (refused with the layer named): sub-parameters of unequal sizes, logical shapes of more than two
+dimensions, ``gather_output`` with a shape, a split embedding.
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+import torch
+from torch import nn
+
+from dsrun import comm
+from dsrun.checkpoint.tensor_parallel import shard_bounds
+from dsrun.inference.auto_tp import HEAD_ATTRS, HEAD_DIM_ATTRS, WIDTH_ATTRS, split_head_attrs
+from dsrun.inference.groups import TPGroup
+from dsrun.inference.layers import is_conv1d, is_linear, out_in
+from dsrun.utils.errors import ConfigError, Problem
+
+from .autotp_config import AutoTPConfig, PartitionType, TPLayerSpec, partition_config_object
+from .deepspeed_layers import LinearAllreduce, LinearLayer, gather_output_slices
+from .hf_plan import rules_from_hf_plan
+from .layers import ColumnParallelLinear, RowParallelLinear, TensorParallelLinear
+from .split import TPLayout, cut_parameter, split_meta_model
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+log = logging.getLogger("DeepSpeed")
+
+
+class GatheredColumnParallelLinear(ColumnParallelLinear):
+    """A column-parallel linear whose output slices (``sizes``: each rank's width, uneven allowed) are all-gathered
+    over the group (``gather_output``): every rank gets the whole output; the backward keeps this rank's slice of
+    the output's gradient."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, transposed: bool,
+                 group: ProcessGroup | None, tp_size: int, tp_rank: int, sizes: list[int]):
+        super().__init__(weight, bias, transposed, group, tp_size, tp_rank)
+        self.shard_sizes = sizes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        if self.tp_size == 1:
+            return y
+        return gather_output_slices(y, self.shard_sizes, self.tp_rank, self.group)
+
+
+def model_type_of(model: nn.Module) -> str | None:
+    """The model's ``config.model_type`` (what a spec's ``model_types`` names), lower-case."""
+    value = getattr(getattr(model, "config", None), "model_type", None)
+    return str(value).lower() if value else None
+
+
+def _parts(spec: TPLayerSpec, name: str, out_features: int, in_features: int, tp_size: int) -> int:
+    """The number of equal fused sub-parameters along the split dimension, checked against the weight."""
+    split_dim = 0 if spec.partition_type is PartitionType.COLUMN else 1
+    dims = (out_features, in_features)
+    parts = 1
+    if spec.shape is not None:
+        if len(spec.shape) != 2:
+            raise ConfigError(Problem(name, f"shape {list(spec.shape)}: logical shapes of more than the weight's "
+                                      "(out, in) dimensions are not built"))
+        if spec.get_partition_dim() != split_dim:
+            raise ConfigError(Problem(name, f"partition_dim {spec.get_partition_dim()} for a "
+                                      f"{spec.partition_type.value} split (which cuts dimension {split_dim})"))
+        for index, entry in enumerate(spec.shape):
+            if index != split_dim and isinstance(entry, int) and entry not in (-1, dims[index]):
+                raise ConfigError(Problem(name, f"shape {list(spec.shape)} does not fit its weight {list(dims)}"))
+        sizes = spec.get_sub_param_sizes()
+        if sizes is not None and len(set(sizes)) > 1:
+            raise ConfigError(Problem(name, f"sub-parameters of unequal sizes {list(sizes)} are not built",
+                                      "give equal parts, or split the fused projection into separate linears"))
+        if sizes is not None and sum(sizes) != dims[split_dim]:
+            raise ConfigError(Problem(name, f"sub-parameter sizes {list(sizes)} do not add up to {dims[split_dim]}"))
+        parts = spec.get_num_sub_params() or 1
+    what = "output" if split_dim == 0 else "input"
+    if parts > 1 and spec.gather_output:
+        raise ConfigError(Problem(name, "gather_output with fused sub-parameters (shape) is not built (nor in "
+                                  "DeepSpeed)"))
+    if dims[split_dim] % parts:
+        raise ConfigError(Problem(name, f"its {dims[split_dim]} {what} features do not split into {parts} equal "
+                                  "sub-parameters"))
+    if dims[split_dim] // parts < tp_size:
+        raise ConfigError(Problem(name, f"its {dims[split_dim]} {what} features in {parts} part(s) leave some of "
+                                  f"tp_size={tp_size} ranks nothing"))
+    return parts
+
+
+def _check_heads(parent: nn.Module, name: str, features: int, parts: int, tp_size: int) -> None:
+    """An attention module's projections are cut on whole heads (its ``head_dim``): an uneven cut inside a head is
+    refused."""
+    head_dim = next((v for a in HEAD_DIM_ATTRS if isinstance(v := getattr(parent, a, None), int) and v > 0), None)
+    if head_dim is None:
+        return
+    block = features // parts
+    lengths = {shard_bounds(block, rank, tp_size)[1] for rank in range(tp_size)}
+    if any(length % head_dim for length in lengths):
+        raise ConfigError(Problem(name, f"cutting its {block} features over tp_size={tp_size} would split a head of "
+                                  f"{head_dim}", "pick a tp_size that divides the heads"))
+
+
+def _weight_owners(model: nn.Module) -> dict[int, list[tuple[str, nn.Module]]]:
+    """The modules holding each weight, by the weight's id (a tied LM head and its embedding share one)."""
+    owners: dict[int, list[tuple[str, nn.Module]]] = {}
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor):
+            owners.setdefault(id(weight), []).append((name, module))
+    return owners
+
+
+def _summed_over(group: ProcessGroup | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The gradient hook of a ``grad_allreduce`` parameter: its gradient summed over the group."""
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous().clone()
+        comm.all_reduce(grad, group=group)
+        return grad
+    return hook
+
+
+def _parallel_layer(module: nn.Module, row: bool, dim: int, parts: int, gather: bool, group: ProcessGroup | None,
+                    tp: TPGroup, sizes: list[int], name: str) -> nn.Module:
+    """The split layer of ``module`` (its weight cut along ``dim``): DeepSpeed's ``LinearLayer`` /
+    ``LinearAllreduce`` for a plain ``nn.Linear`` (so ``isinstance`` checks against DeepSpeed's classes hold), cut
+    by ``sizes``; dsrun's column/row layers for a Conv1D or fused sub-parameters, cut part by part."""
+    if isinstance(module, nn.Linear) and parts == 1:
+        placement = {"tp_rank": tp.rank, "tp_size": tp.size, "shard_sizes": sizes, "name": name}
+        if row:
+            return LinearAllreduce(module, group, **placement)
+        return LinearLayer(module, group, gather_output=gather, **placement)
+    cut_parameter(module.weight, dim, parts, tp)
+    if module.bias is not None and not row:
+        cut_parameter(module.bias, 0, parts, tp)
+    if gather and not row:
+        return GatheredColumnParallelLinear(module.weight, module.bias, is_conv1d(module), group, tp.size, tp.rank,
+                                           sizes)
+    kind = RowParallelLinear if row else ColumnParallelLinear
+    return kind(module.weight, module.bias, is_conv1d(module), group, tp.size, tp.rank)
+
+
+def split_by_specs(model: nn.Module, config: AutoTPConfig, group: ProcessGroup | None, tp_rank: int,
+                   tp_size: int, source: str = "tensor_parallel.partition_config") -> TPLayout:
+    """Replace each linear a spec splits by this rank's column-/row-parallel slice (in place, keeping the
+    parameters); returns the layout. ConfigError (``source``, where the rules came from, and the linear named)
+    when a spec cannot act on its linear."""
+    tp = TPGroup(group, tp_rank, tp_size)
+    layout = TPLayout(tp_size, tp_rank)
+    model_type = model_type_of(model)
+    attention: dict[int, tuple[nn.Module, str]] = {}
+    plan: list[tuple[nn.Module, str, str, nn.Module, TPLayerSpec]] = []
+    for parent_name, parent in model.named_modules():
+        if isinstance(parent, TensorParallelLinear):
+            continue
+        for attr, child in parent.named_children():
+            name = f"{parent_name}.{attr}" if parent_name else attr
+            if isinstance(child, TensorParallelLinear):
+                continue  # split already (a DeepSpeed layer the user built)
+            spec = config.find_matching_spec(f"{name}.weight", model_type)
+            if isinstance(child, nn.Embedding) and spec is not None and spec.partition_type is not PartitionType.SKIP:
+                raise ConfigError(Problem(f"{source}: {name}", "a split embedding "
+                                          "(vocabulary-parallel) is not built", "skip it, or leave it unmatched"))
+            if not is_linear(child):
+                continue
+            if spec is None:
+                if config.strict_mode:
+                    raise ConfigError(Problem(f"{source}: {name}.weight", "no layer spec "
+                                              "matches this linear (strict_mode)", "add a spec, or a skip spec"))
+                continue
+            plan.append((parent, attr, name, child, spec))
+    owners = _weight_owners(model)
+    for parent, attr, name, module, spec in plan:
+        if spec.partition_type is PartitionType.SKIP:
+            continue
+        tied = next((other for other, holder in owners.get(id(module.weight), []) if holder is not module), None)
+        if tied is not None:
+            if spec.partition_type is PartitionType.COLUMN and spec.gather_output:
+                log.warning("AutoTP: %s.weight is tied to %s.weight; both stay whole (a vocabulary-parallel "
+                            "embedding is not built)", name, tied)
+                continue
+            raise ConfigError(Problem(f"{source}: {name}.weight", f"is tied to "
+                                      f"{tied}.weight, which would be cut with it", "skip it"))
+        where = f"{source}: {name}"
+        out_features, in_features = out_in(module)
+        parts = _parts(spec, where, out_features, in_features, tp_size)
+        row = spec.partition_type is PartitionType.ROW
+        out_dim = 1 if is_conv1d(module) else 0  # a Conv1D stores [in, out]
+        dim = (1 - out_dim) if row else out_dim
+        _check_heads(parent, where, in_features if row else out_features, parts, tp_size)
+        layout.record(f"{name}.weight", module.weight, dim, parts)
+        if module.bias is not None and not row:
+            layout.record(f"{name}.bias", module.bias, 0, parts)
+        sizes = [shard_bounds(in_features if row else out_features, r, tp_size)[1] for r in range(tp_size)]
+        setattr(parent, attr, _parallel_layer(module, row, dim, parts, spec.gather_output, group, tp, sizes, name))
+        if not row and not spec.gather_output and any(isinstance(getattr(parent, a, None), int)
+                                                      for a in HEAD_ATTRS + WIDTH_ATTRS):
+            attention[id(parent)] = (parent, name.rsplit(".", 1)[0])
+    for parent, where in attention.values():
+        split_head_attrs(parent, tp, where)
+    for param_name, param in model.named_parameters():
+        spec = config.find_matching_spec(param_name, model_type)
+        if spec is not None and spec.grad_allreduce and tp_size > 1:
+            param.register_hook(_summed_over(group))
+    return layout
+
+
+def meta_split_for(cfg: Mapping[str, Any]) -> Callable[[nn.Module, int], None]:
+    """How the memory estimator splits a recipe's meta-device model for one rank (``cfg``: the composed run, its
+    ``ds`` section), as training splits it: by the run's ``partition_config`` / ``preset_model`` rules, else the
+    model's Hugging Face plan, else automatically (:func:`dsrun.tensor_parallel.split.split_meta_model`)."""
+    from dsrun.config import ds_section
+    from dsrun.estimate.runspec import plain_config
+
+    section = ds_section(plain_config(cfg).get("ds") or {}, "tensor_parallel")
+    configured = partition_config_object(section.partition_config, section.preset_model, 1)
+
+    def split(model: nn.Module, tp_size: int) -> None:
+        if configured is not None:
+            split_by_specs(model, configured, None, 0, tp_size)
+        elif (planned := rules_from_hf_plan(model, tp_size)) is not None:
+            split_by_specs(model, planned, None, 0, tp_size, "the model's Hugging Face tp_plan")
+        else:
+            split_meta_model(model, tp_size)
+
+    return split
