@@ -213,3 +213,29 @@ def test_inference_moe_flag_becomes_its_section():
     for flag in (True, False):
         config = DeepSpeedInferenceConfig(moe=flag)
         assert isinstance(config.moe, DeepSpeedMoEConfig) and config.moe.enabled is flag is config.moe_enabled
+
+
+def test_torch_checkpoint_engine_round_trips_a_file_in_the_format_deepspeed_writes(tmp_path):
+    import zipfile
+
+    engines = _deepspeed("deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine")
+    state = {"w": torch.arange(6.0).view(2, 3), "step": 3}
+    legacy, zipped = engines.TorchCheckpointEngine(), engines.TorchCheckpointEngine(
+        type("Config", (), {"checkpoint_config": {}})())  # DeepSpeed's config object: zip-file format by default
+    for engine, name in ((legacy, "legacy.pt"), (zipped, "zip.pt")):
+        engine.save(state, str(tmp_path / name))
+        loaded = engine.load(str(tmp_path / name))
+        assert torch.equal(loaded["w"], state["w"]) and loaded["step"] == 3
+    assert not zipfile.is_zipfile(tmp_path / "legacy.pt") and zipfile.is_zipfile(tmp_path / "zip.pt")
+    info = _deepspeed("deepspeed.runtime.checkpoint_engine").CheckpointCommitInfo("tag", str(tmp_path), True)
+    assert legacy.commit(info) is True and legacy.is_data_parallel_writer(0) and not legacy.is_data_parallel_writer(1)
+
+
+def test_zenflow_names_split_cores_as_deepspeed():
+    split = _deepspeed("deepspeed.runtime.zenflow.zenflow_utils")._split_affinity
+    assert split([0, 1, 2, 3, 4, 5, 6, 7], 0.1) == ([1, 2, 3, 4, 5, 6, 7], [0])  # ceil(0.8) = 1 core trains
+    assert split([10, 11], 0.5) == ([11], [10])
+    assert split([3, 1, 2], 0.0) == ([3, 1, 2], [3, 1, 2])  # nothing to isolate: both share every core, in order
+    config = _deepspeed("deepspeed.runtime.zero.config").DeepSpeedZeroConfig(stage=2, zenflow={"topk_ratio": 0.25})
+    assert isinstance(config.zenflow, _deepspeed("deepspeed.runtime.zenflow.zenflow_config").ZenFlowConfig)
+    assert _deepspeed("deepspeed.runtime.swap_tensor").MIN_SWAPPABLE_BYTES == 1024 ** 2
