@@ -3,8 +3,9 @@
 DeepSpeed's engine wraps the optimizer according to the ZeRO stage and precision, and ``engine.optimizer`` is
 the wrapper: ``DeepSpeedZeroOptimizer`` (stages 1-2), ``DeepSpeedZeroOptimizer_Stage3`` (stage 3),
 ``FP16_Optimizer`` (fp16 or bf16 without ZeRO over a fused Adam: the config's Adam/AdamW unless
-``torch_adam``, a client ``FusedAdam``, 1-bit Adam or 0/1 Adam) and ``FP16_UnfusedOptimizer`` (fp16 or bf16
-without ZeRO over any other optimizer), as DeepSpeed 0.19 chooses. In dsrun that role belongs to the ZeRO strategy (:mod:`dsrun.zero.strategies`), which steps the
+``torch_adam``, a client ``FusedAdam``, 1-bit Adam or 0/1 Adam), ``FP16_UnfusedOptimizer`` (fp16 or bf16
+without ZeRO over any other optimizer) and ``BF16_Optimizer`` (a bf16 model at ZeRO stage 1 accumulating in fp32
+without offload, or bf16 in a pipeline without ZeRO), as DeepSpeed 0.19 chooses. In dsrun that role belongs to the ZeRO strategy (:mod:`dsrun.zero.strategies`), which steps the
 client's own optimizer, and ``engine.optimizer`` stays that torch optimizer. These classes keep DeepSpeed's
 names at DeepSpeed's module paths for code that branches on them: ``isinstance(engine.optimizer,
 DeepSpeedZeroOptimizer)`` is true exactly when a ZeRO stage 1 or 2 strategy steps that optimizer, and so on,
@@ -51,9 +52,8 @@ def register(strategy: SteppingStrategy) -> None:
 
 
 def wrapper_name(strategy: SteppingStrategy) -> str | None:
-    """The class DeepSpeed's engine would wrap this strategy's optimizer in, among the four kept here; None
-    where DeepSpeed keeps the bare optimizer (fp32 without ZeRO) or uses another wrapper (``BF16_Optimizer``:
-    bf16 ZeRO-1 accumulating in fp32, bf16 in a pipeline)."""
+    """The class DeepSpeed's engine would wrap this strategy's optimizer in, among the five kept here; None
+    where DeepSpeed keeps the bare optimizer (fp32 without ZeRO)."""
     config, stage = strategy.ctx.config, strategy.stage
     accumulate = config.data_types.grad_accum_dtype  # None: the model's dtype
     if stage == 3:
@@ -61,12 +61,12 @@ def wrapper_name(strategy: SteppingStrategy) -> str | None:
     if stage in (1, 2):
         bf16_fp32_accumulation = (stage == 1 and config.precision == "bf16" and accumulate == "fp32"
                                   and config.zero_optimization.offload_optimizer_device == "none")
-        return None if bf16_fp32_accumulation else "DeepSpeedZeroOptimizer"
+        return "BF16_Optimizer" if bf16_fp32_accumulation else "DeepSpeedZeroOptimizer"
     # without ZeRO DeepSpeed wraps fp16 and bf16 alike (its "DDP bf16")
     if config.precision == "fp32" or accumulate not in (None, config.precision):
         return None
     if config.precision == "bf16" and strategy.ctx.pipelined:
-        return None
+        return "BF16_Optimizer"
     from dsrun.ops.adam import FusedAdam
 
     name = (config.optimizer.type or "").lower() if config.optimizer is not None else ""
