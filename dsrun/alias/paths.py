@@ -44,6 +44,7 @@ PATHS: dict[str, str] = {
     "deepspeed.runtime.zero.stage_1_and_2": "dsrun.compat.runtime.zero.stage_1_and_2",
     "deepspeed.runtime.zero.mics": "dsrun.compat.runtime.zero.mics",
     "deepspeed.runtime.zero.leaf_module_config": "dsrun.compat.runtime.zero.leaf_module_config",
+    "deepspeed.runtime.zero.utils": "dsrun.compat.runtime.zero.utils",
     "deepspeed.runtime.zero.muon": "dsrun.optim.muon",
     "deepspeed.runtime.zero.muon.original_muon": "dsrun.optim.muon.optimizer",
     "deepspeed.runtime.zero.muon.muon_optimizer": "dsrun.optim.muon.optimizer",
