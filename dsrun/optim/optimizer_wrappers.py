@@ -75,15 +75,27 @@ def wrapper_name(strategy: SteppingStrategy) -> str | None:
     return "FP16_Optimizer" if fused else "FP16_UnfusedOptimizer"
 
 
+ZERO_WRAPPERS = ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3", "BF16_Optimizer")
+ALL_WRAPPERS = (*ZERO_WRAPPERS, "FP16_Optimizer", "FP16_UnfusedOptimizer")
+
+
 class OptimizerWrapperKind(type):
-    """Metaclass of the four names: an instance is an optimizer that the matching strategy steps."""
+    """Metaclass of the names: an instance is an optimizer that the matching strategy steps. A class stands for
+    the wrappers in its ``deepspeed_wrappers`` (DeepSpeed's base classes ``ZeROOptimizer`` and
+    ``DeepSpeedOptimizer`` stand for their subclasses), else for the one of its own name."""
+
+    def _covers(cls) -> tuple[str, ...]:
+        return vars(cls).get("deepspeed_wrappers", (cls.__name__,))
 
     def __instancecheck__(cls, obj: object) -> bool:
         try:
             strategy = _STEPPED_BY.get(obj)
         except TypeError:  # not weakly referenceable: no strategy steps it
             return False
-        return strategy is not None and strategy.deepspeed_wrapper == cls.__name__
+        return strategy is not None and strategy.deepspeed_wrapper in cls._covers()
+
+    def __subclasscheck__(cls, sub: type) -> bool:  # DeepSpeedZeroOptimizer is a ZeROOptimizer, as in DeepSpeed
+        return isinstance(sub, OptimizerWrapperKind) and set(sub._covers()) <= set(cls._covers())
 
     def __call__(cls, *args: object, **kwargs: object) -> Any:
         raise TypeError(f"{cls.__name__} is built by the engine in DeepSpeed; in dsrun, dsrun.initialize builds the "

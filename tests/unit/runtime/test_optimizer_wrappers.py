@@ -53,6 +53,21 @@ def test_isinstance_answers_as_deepspeeds_engine(world_of_one, config, optimizer
     assert _wrapper_of(config, optimizer) == expected
 
 
+def test_deepspeeds_base_classes_stand_for_their_subclasses(world_of_one):
+    from dsrun.compat.runtime.base_optimizer import DeepSpeedOptimizer, ZeROOptimizer
+
+    def optimizer_of(section: dict):
+        model = torch.nn.Linear(4, 2)
+        return dsrun.initialize(model=model, model_parameters=model.parameters(),
+                                config={"train_batch_size": 1, "optimizer": ADAM, **section})[0].optimizer
+
+    zero1, fp16 = optimizer_of({"zero_optimization": {"stage": 1}}), optimizer_of({"fp16": {"enabled": True}})
+    assert isinstance(zero1, ZeROOptimizer) and isinstance(zero1, DeepSpeedOptimizer)
+    assert not isinstance(fp16, ZeROOptimizer) and isinstance(fp16, DeepSpeedOptimizer)
+    assert issubclass(DeepSpeedZeroOptimizer, ZeROOptimizer) and issubclass(BF16_Optimizer, ZeROOptimizer)
+    assert issubclass(FP16_Optimizer, DeepSpeedOptimizer) and not issubclass(FP16_Optimizer, ZeROOptimizer)
+
+
 def test_a_torch_optimizer_no_engine_steps_is_none_of_them():
     optimizer = torch.optim.Adam(torch.nn.Linear(2, 2).parameters())
     assert not any(isinstance(optimizer, cls) for cls in WRAPPERS) and not isinstance(3, DeepSpeedZeroOptimizer)
