@@ -63,6 +63,9 @@ PATHS: dict[str, str] = {
     "deepspeed.utils.comms_logging": "dsrun.comm.logger",
     "deepspeed.utils.timer": "dsrun.compat.utils.timer",
     "deepspeed.module_inject": "dsrun.compat.module_inject",
+    "deepspeed.autotuning.autotuner": "dsrun.autotuning.deepspeed_api",
+    "deepspeed.autotuning.scheduler": "dsrun.autotuning.deepspeed_api",
+    "deepspeed.autotuning.utils": "dsrun.autotuning.deepspeed_api",
     # dsrun keeps these objects under another name
     "deepspeed.ops.op_builder": "op_builder",
     "deepspeed.launcher.runner": "dsrun.cli.deepspeed_runner",

@@ -239,3 +239,35 @@ def test_zenflow_names_split_cores_as_deepspeed():
     config = _deepspeed("deepspeed.runtime.zero.config").DeepSpeedZeroConfig(stage=2, zenflow={"topk_ratio": 0.25})
     assert isinstance(config.zenflow, _deepspeed("deepspeed.runtime.zenflow.zenflow_config").ZenFlowConfig)
     assert _deepspeed("deepspeed.runtime.swap_tensor").MIN_SWAPPABLE_BYTES == 1024 ** 2
+
+
+def test_autotuner_plans_deepspeeds_resources_and_tunes_through_dsrun_launch(tmp_path, monkeypatch):
+    import json
+    import subprocess
+
+    from dsrun.cli.deepspeed_runner import parse_args
+
+    api = _deepspeed("deepspeed.autotuning.autotuner")
+    assert api is _deepspeed("deepspeed.autotuning.scheduler") is _deepspeed("deepspeed.autotuning.utils")
+    exp = {"optimizer": {"type": "Adam"}, "zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
+    assert api.get_val_by_key(exp, "device") == "cpu" and api.get_val_by_key(exp, "missing") is None
+    api.set_val_by_key(exp, "device", "nvme")
+    assert exp["zero_optimization"]["offload_optimizer"]["device"] == "nvme"
+    rm = api.ResourceManager(None, ["w0"], 4, None, None, {" train_batch_size ": " -tbs ", "train_batch_size": "-x"})
+    assert rm.arg_mappings == {"train_batch_size": "-tbs"} and rm.nodes[0].reserve_slots(3) == [0, 1, 2]
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"autotuning": {"enabled": True, "exps_dir": str(tmp_path / "exps"),
+                                                 "results_dir": str(tmp_path / "results")}}))
+    args = parse_args(["--autotuning", "tune", "--num_gpus", "2", "train.py", "--deepspeed_config", str(config)])
+    tuner = api.Autotuner(args, {"w0": [0, 1, 2, 3], "w1": [0, 1, 2]})
+    assert (tuner.exp_num_nodes, tuner.exp_num_gpus, tuner.rm.num_gpus_per_node) == (2, 2, 3)
+    assert (tmp_path / "exps").is_dir() and (tmp_path / "results").is_dir()
+    ran = []
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: ran.append(cmd) or subprocess.CompletedProcess(cmd, 0))
+    (tmp_path / "results" / "cmd_optimal.txt").write_text("python train.py --deepspeed_config best.json")
+    tuner.tune()
+    assert ran[0][2:] == ["dsrun", "launch", "--autotuning", "tune", "--num_nodes", "2", "--num_gpus", "2",
+                          "train.py", "--deepspeed_config", str(config)]
+    assert tuner.run_after_tuning() == 0 and ran[1] == ["python", "train.py", "--deepspeed_config", "best.json"]
+    with pytest.raises(Exception, match="--num_gpus"):
+        api.Autotuner(parse_args(["--num_gpus", "8", "train.py", "--deepspeed_config", str(config)]), {"w0": [0]})
