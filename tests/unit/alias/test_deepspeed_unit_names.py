@@ -271,3 +271,21 @@ def test_autotuner_plans_deepspeeds_resources_and_tunes_through_dsrun_launch(tmp
     assert tuner.run_after_tuning() == 0 and ran[1] == ["python", "train.py", "--deepspeed_config", "best.json"]
     with pytest.raises(Exception, match="--num_gpus"):
         api.Autotuner(parse_args(["--num_gpus", "8", "train.py", "--deepspeed_config", str(config)]), {"w0": [0]})
+
+
+def test_fused_lion_is_the_cpu_lion_kernel_with_deepspeeds_signature():
+    lion = _deepspeed("deepspeed.ops.lion")
+    torch.manual_seed(0)
+    fused, cpu = torch.nn.Parameter(torch.randn(300)), torch.nn.Parameter(torch.randn(300))
+    cpu.data.copy_(fused.data)
+    a, b = lion.FusedLion([fused], lr=0.01, weight_decay=0.1), lion.DeepSpeedCPULion([cpu], lr=0.01, weight_decay=0.1)
+    for _ in range(3):
+        grad = torch.randn(300)
+        fused.grad, cpu.grad = grad.clone(), grad.clone()
+        a.step()
+        b.step()
+    assert torch.equal(fused, cpu)  # the same kernel on the same values
+    a.zero_grad()
+    keep = lion.FusedLion([cpu], set_grad_none=False)
+    keep.zero_grad()
+    assert fused.grad is None and torch.equal(cpu.grad, torch.zeros(300))
