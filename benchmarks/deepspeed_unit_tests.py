@@ -257,8 +257,8 @@ def main() -> None:
     parser.add_argument("--reuse", type=Path, help="results of an earlier --json: a file and side found there is "
                         "not run again (e.g. DeepSpeed's side, benchmarks/deepspeed_unit_results.json)")
     parser.add_argument("--json", type=Path, help="write every result here (with those of --reuse)")
-    parser.add_argument("--batch", action="store_true",
-                        help="run the files in one pytest process per side (results split per file)")
+    parser.add_argument("--batch", type=int, nargs="?", const=8, default=0, metavar="N",
+                        help="run the files N to a pytest process (default 8; results split per file)")
     parser.add_argument("--collect-only", action="store_true",
                         help="only whether each file collects (one pytest --collect-only per side, nothing runs)")
     args = parser.parse_args()
@@ -275,9 +275,11 @@ def main() -> None:
     if args.batch:  # one process per side for the files not stored yet; then reported below as if run one by one
         for side in sides:
             todo = [name for name in names if side not in stored.get(name, {})]
-            if todo:
-                for name, r in run_batch(args.tests, todo, args.timeout, *envs[side]).items():
+            for start in range(0, len(todo), args.batch):
+                for name, r in run_batch(args.tests, todo[start:start + args.batch], args.timeout,
+                                         *envs[side]).items():
                     stored.setdefault(name, {})[side] = r
+                    print(f"  {name[5:]:48} {side}: {r['passed']} passed (one process of {args.batch})", flush=True)
     for name in names:
         for side in sides:
             r = stored.get(name, {}).get(side) or run_file(args.tests, name, args.timeout, *envs[side])
