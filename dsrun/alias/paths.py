@@ -44,6 +44,7 @@ PATHS: dict[str, str] = {
     "deepspeed.runtime.zero.stage_1_and_2": "dsrun.compat.runtime.zero.stage_1_and_2",
     "deepspeed.runtime.zero.mics": "dsrun.compat.runtime.zero.mics",
     "deepspeed.runtime.zero.leaf_module_config": "dsrun.compat.runtime.zero.leaf_module_config",
+    "deepspeed.runtime.zero.utils": "dsrun.compat.runtime.zero.utils",
     "deepspeed.runtime.zero.muon": "dsrun.optim.muon",
     "deepspeed.runtime.zero.muon.original_muon": "dsrun.optim.muon.optimizer",
     "deepspeed.runtime.zero.muon.muon_optimizer": "dsrun.optim.muon.optimizer",
@@ -62,6 +63,9 @@ PATHS: dict[str, str] = {
     "deepspeed.utils.comms_logging": "dsrun.comm.logger",
     "deepspeed.utils.timer": "dsrun.compat.utils.timer",
     "deepspeed.module_inject": "dsrun.compat.module_inject",
+    "deepspeed.autotuning.autotuner": "dsrun.autotuning.deepspeed_api",
+    "deepspeed.autotuning.scheduler": "dsrun.autotuning.deepspeed_api",
+    "deepspeed.autotuning.utils": "dsrun.autotuning.deepspeed_api",
     # dsrun keeps these objects under another name
     "deepspeed.ops.op_builder": "op_builder",
     "deepspeed.launcher.runner": "dsrun.cli.deepspeed_runner",

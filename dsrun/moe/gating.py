@@ -11,10 +11,12 @@ the logits:
   (``top2_2nd_expert_sampling``, else the second best). Capacity uses ``2 * capacity_factor``; first choices
   take their slots before second choices, each in token order. The two weights are renormalised to sum to 1.
 * **k > 2**: the k best experts; capacity uses ``k * capacity_factor``; an over-full expert keeps the tokens
-  with the highest gate probability; the kept weights are renormalised.
+  with the highest gate probability (``drop_policy='probs'``) or the first ones in token order
+  (``drop_policy='position'``); the kept weights are renormalised.
 
-Capacity is clamped below by ``min_capacity`` and above by the number of tokens (an expert cannot receive
-more, and DeepSpeed's ``topk`` over more tokens than exist crashed). With ``drop_tokens=False`` the capacity
+Capacity is clamped below by ``min_capacity``; as in DeepSpeed 0.19 it may exceed the number of tokens (the
+buffers are that wide, padded with zeros: a tensor-parallel split of them needs that width), while the choice
+of which tokens an over-full expert keeps selects at most the number of tokens. With ``drop_tokens=False`` the capacity
 is the largest number of tokens any expert of the expert-parallel group receives (an all-reduce MAX that every
 rank of the group makes, so every rank sizes its all-to-all buffers alike). ``Jitter`` multiplies the gate's
 input by uniform noise in [1 - 1e-2, 1 + 1e-2] while training.
@@ -24,8 +26,11 @@ and ``f_i`` the fraction of tokens whose first choice is i (all k choices for k 
 computes it. ``exp_counts`` counts the tokens routed to each expert before any is dropped.
 
 :func:`top1gating`, :func:`top2gating` and :func:`topkgating` return DeepSpeed's dense tuple
-``(l_aux, combine_weights [S, E, C], dispatch_mask [S, E, C], exp_counts)``; the layer itself works on the
-sparse :class:`Routing` (k slots per token), which holds the same information.
+``(l_aux, combine_weights [S, E, C], dispatch_mask [S, E, C], exp_counts)``, or with ``sparse_routes=True``
+DeepSpeed 0.19's per-route tuple ``(l_aux, capacity, num_experts, indices [k, S], locations [k, S], gates [k, S],
+exp_counts)`` (a dropped route has index -1, location and gate 0), which :func:`_route_slots`,
+:func:`_sparse_encode` and :func:`_sparse_decode` (DeepSpeed's names) turn into the expert buffer and back. The
+layer itself works on the sparse :class:`Routing` (k slots per token), which holds the same information.
 """
 from __future__ import annotations
 
@@ -93,9 +98,9 @@ class Routing:
 
 
 def capacity(num_tokens: int, num_experts: int, capacity_factor: float, min_capacity: int) -> int:
-    """``ceil(num_tokens / num_experts * capacity_factor)``, at least ``min_capacity``, at most ``num_tokens``."""
-    cap = math.ceil(num_tokens * float(capacity_factor) / num_experts)
-    return max(0, min(max(cap, int(min_capacity)), int(num_tokens)))
+    """``ceil(num_tokens / num_experts * capacity_factor)`` (in DeepSpeed's order of operations, so the float
+    rounds alike), at least ``min_capacity``."""
+    return max(0, math.ceil((num_tokens / num_experts) * float(capacity_factor)), int(min_capacity))
 
 
 def multiplicative_jitter(x: torch.Tensor, device: torch.device | str | None = None,
@@ -149,6 +154,7 @@ def _first_in_order(mask: torch.Tensor, offset: torch.Tensor | int, cap: int) ->
 
 def _keep_top(mask: torch.Tensor, scores: torch.Tensor, cap: int) -> torch.Tensor:
     """Per expert, keep the ``cap`` routed tokens with the highest ``scores`` (S, E) -> bool (S, E)."""
+    cap = min(cap, mask.shape[0])  # a capacity above the number of tokens keeps them all
     if cap <= 0:
         return torch.zeros_like(mask, dtype=torch.bool)
     masked = torch.where(mask.bool(), scores, torch.full_like(scores, -1.0))
@@ -210,18 +216,24 @@ def route_top2(logits: torch.Tensor, capacity_factor: float, min_capacity: int, 
                    l_aux=l_aux, exp_counts=exp_counts, num_experts=E)
 
 
+DROP_POLICIES = ("probs", "position")
+
+
 def route_topk(logits: torch.Tensor, k: int, capacity_factor: float, min_capacity: int,
                used_token: torch.Tensor | None = None, drop_tokens: bool = True,
-               ep_group: ExpertGroup = None) -> Routing:
+               ep_group: ExpertGroup = None, drop_policy: str = "probs") -> Routing:
     S, E = logits.shape
     gates = F.softmax(logits, dim=1)
     experts = torch.topk(gates, k, dim=1).indices
     mask = _apply_used(torch.zeros_like(gates, dtype=torch.int64).scatter_(1, experts, 1), used_token)
     exp_counts = mask.sum(0)
     l_aux = torch.mean(gates.mean(0) * mask.float().mean(0)) * E * E / k
+    if drop_policy not in DROP_POLICIES:
+        raise ValueError(f"MoE drop_policy={drop_policy!r}: expected one of {', '.join(DROP_POLICIES)}")
     if drop_tokens:
         cap = capacity(S, E, k * capacity_factor, min_capacity)
-        keep = _keep_top(mask, gates.detach(), cap)
+        keep = (_keep_top(mask, gates.detach(), cap) if drop_policy == "probs"
+                else _first_in_order(mask, 0, cap)[1])
     else:
         cap = _agreed_capacity(exp_counts, ep_group)
         keep = mask.bool()
@@ -238,25 +250,74 @@ def _dense(r: Routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.
     return r.l_aux, combine, dispatch, r.exp_counts
 
 
+def _gate_output(r: Routing, sparse_routes: bool) -> tuple:
+    """The dense tuple, or DeepSpeed's per-route one: ``(l_aux, capacity, num_experts, indices, locations, gates,
+    exp_counts)``, each of the last three (k, S) with route j of every token in row j, a dropped route's index
+    -1 and its location and gate 0."""
+    if not sparse_routes:
+        return _dense(r)
+    indices = torch.where(r.kept, r.experts, torch.full_like(r.experts, -1))
+    locations = torch.where(r.kept, r.locations, torch.zeros_like(r.locations))
+    return (r.l_aux, torch.tensor(r.capacity, dtype=torch.int64), r.num_experts, indices.t().to(torch.int32),
+            locations.t().to(torch.int32), r.weights.t().contiguous(), r.exp_counts)
+
+
+def _route_slots(indices: torch.Tensor, locations: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
+    """Each route's row in the flat ``(num_experts * capacity)`` expert buffer; a dropped route (index -1) gets
+    the one extra row after it, which encode leaves at zero and decode reads as zero."""
+    rows = indices.long() * capacity + locations.long()
+    return rows.masked_fill(indices < 0, num_experts * capacity)
+
+
+def _sparse_encode(tokens: torch.Tensor, slots: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
+    """The ``(num_experts, capacity, model_dim)`` buffer with each kept route's token in its row (unused rows
+    zero): what the dense ``einsum("sec,sm->ecm", dispatch_mask, tokens)`` gives, without the (S, E, C) mask."""
+    num_tokens, model_dim = tokens.shape
+    token_of_route = torch.arange(num_tokens, device=slots.device).expand_as(slots).reshape(-1)
+    buffer = tokens.new_zeros(num_experts * capacity + 1, model_dim)
+    buffer = buffer.index_put((slots.reshape(-1),), tokens[token_of_route])  # dropped routes land on the last row
+    return buffer[:-1].view(num_experts, capacity, model_dim)
+
+
+def _sparse_decode(expert_output: torch.Tensor, slots: torch.Tensor, gates: torch.Tensor,
+                   num_tokens: int) -> torch.Tensor:
+    """Each token's gate-weighted sum of its routes' rows of ``expert_output`` ``(num_experts * capacity,
+    model_dim)``, summed in the gates' precision (fp32) and returned in the experts' dtype."""
+    rows = torch.cat([expert_output, expert_output.new_zeros(1, expert_output.shape[-1])])
+    total = torch.zeros(num_tokens, expert_output.shape[-1], dtype=torch.promote_types(gates.dtype,
+                                                                                       expert_output.dtype),
+                        device=expert_output.device)
+    for route_rows, route_gates in zip(slots.long(), gates):
+        total = total + route_gates.unsqueeze(1) * rows[route_rows]
+    return total.to(expert_output.dtype)
+
+
 def top1gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, used_token: torch.Tensor | None = None,
                noisy_gate_policy: str | None = None, drop_tokens: bool = True, use_rts: bool = True,
-               ep_group: ExpertGroup = None, use_tutel: bool = False) -> tuple[torch.Tensor, ...]:
-    """DeepSpeed's ``top1gating``: ``(l_aux, combine_weights, dispatch_mask, exp_counts)``."""
-    return _dense(route_top1(logits.float(), capacity_factor, min_capacity, used_token, noisy_gate_policy,
-                             drop_tokens, use_rts, ep_group))
+               ep_group: ExpertGroup = None, sparse_routes: bool = False,
+               use_tutel: bool = False) -> tuple[torch.Tensor, ...]:
+    """DeepSpeed's ``top1gating``: ``(l_aux, combine_weights, dispatch_mask, exp_counts)`` (``sparse_routes``:
+    the per-route tuple, :func:`_gate_output`)."""
+    return _gate_output(route_top1(logits.float(), capacity_factor, min_capacity, used_token, noisy_gate_policy,
+                                   drop_tokens, use_rts, ep_group), sparse_routes)
 
 
 def top2gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, drop_tokens: bool = True,
-               ep_group: ExpertGroup = None, top2_2nd_expert_sampling: bool = True) -> tuple[torch.Tensor, ...]:
-    """DeepSpeed's ``top2gating``: ``(l_aux, combine_weights, dispatch_mask, exp_counts)``."""
-    return _dense(route_top2(logits.float(), capacity_factor, min_capacity, None, drop_tokens, ep_group,
-                             top2_2nd_expert_sampling))
+               ep_group: ExpertGroup = None, top2_2nd_expert_sampling: bool = True,
+               sparse_routes: bool = False) -> tuple[torch.Tensor, ...]:
+    """DeepSpeed's ``top2gating``: ``(l_aux, combine_weights, dispatch_mask, exp_counts)`` (``sparse_routes``:
+    the per-route tuple)."""
+    return _gate_output(route_top2(logits.float(), capacity_factor, min_capacity, None, drop_tokens, ep_group,
+                                   top2_2nd_expert_sampling), sparse_routes)
 
 
 def topkgating(logits: torch.Tensor, k: int, capacity_factor: float, min_capacity: int, drop_tokens: bool = True,
-               ep_group: ExpertGroup = None) -> tuple[torch.Tensor, ...]:
-    """DeepSpeed's ``topkgating`` (k > 2): ``(l_aux, combine_weights, dispatch_mask, exp_counts)``."""
-    return _dense(route_topk(logits.float(), k, capacity_factor, min_capacity, None, drop_tokens, ep_group))
+               ep_group: ExpertGroup = None, drop_policy: str = "probs",
+               sparse_routes: bool = False) -> tuple[torch.Tensor, ...]:
+    """DeepSpeed's ``topkgating``: ``(l_aux, combine_weights, dispatch_mask, exp_counts)`` (``sparse_routes``:
+    the per-route tuple)."""
+    return _gate_output(route_topk(logits.float(), k, capacity_factor, min_capacity, None, drop_tokens, ep_group,
+                                   drop_policy), sparse_routes)
 
 
 class TopKGate(torch.nn.Module):
@@ -317,7 +378,8 @@ class TopKGate(torch.nn.Module):
                               self.top2_2nd_expert_sampling and self.training)
         return route_topk(logits, self.k, cf, self.min_capacity, used_token, drop, self.ep_group)
 
-    def forward(self, input: torch.Tensor, used_token: torch.Tensor | None = None,
+    def forward(self, input: torch.Tensor, used_token: torch.Tensor | None = None, sparse_routes: bool = False,
                 use_tutel: bool = False) -> tuple[torch.Tensor, ...]:
-        """DeepSpeed's gate output: ``(l_aux, combine_weights, dispatch_mask, exp_counts)``."""
-        return _dense(self.route(input, used_token))
+        """DeepSpeed's gate output: ``(l_aux, combine_weights, dispatch_mask, exp_counts)`` (``sparse_routes``:
+        the per-route tuple)."""
+        return _gate_output(self.route(input, used_token), sparse_routes)

@@ -28,8 +28,11 @@ from torch.autograd.function import FunctionCtx
 from dsrun import comm
 
 from .experts import Experts
-from .gating import (ExpertGroup, Routing, TopKGate, WORLD, as_comm_group, gumbel_rsample, timed_into,  # noqa: F401
-                     multiplicative_jitter, top1gating, top2gating, topkgating)
+from .gating import (ExpertGroup, Routing, TopKGate, WORLD, as_comm_group, gumbel_rsample, timed_into,
+                     multiplicative_jitter, top1gating, top2gating, topkgating, _route_slots, _sparse_decode,
+                     _sparse_encode)
+
+dist = comm  # DeepSpeed's name for the comm module in this one (its tests patch ``sharded_moe.dist.all_reduce``)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -99,6 +102,8 @@ class MOELayer(torch.nn.Module):
         if self.ep_size == 1:
             return x
         with timed_into(self, timer):
+            if output_splits is None and input_splits is None:  # DeepSpeed's call, (group, input)
+                return _AllToAll.apply(self.ep_group, x)
             return _AllToAll.apply(self.ep_group, x, output_splits, input_splits)
 
     def forward(self, *input: torch.Tensor, **kwargs: torch.Tensor | None) -> torch.Tensor:
@@ -175,3 +180,7 @@ class MOELayer(torch.nn.Module):
         per_choice = x.new_zeros(expert_of.numel(), M).index_copy(0, order, returned)
         slot = torch.arange(expert_of.numel(), device=x.device).reshape(routing.experts.shape)
         return combine(per_choice, routing, slot)
+
+
+__all__ = ["MOELayer", "TopKGate", "combine", "dist", "gumbel_rsample", "multiplicative_jitter", "top1gating",
+           "top2gating", "topkgating", "_AllToAll", "_route_slots", "_sparse_decode", "_sparse_encode"]

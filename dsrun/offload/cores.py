@@ -39,11 +39,18 @@ class CoreSplit:
 
 def split_cores(cores: list[int] | tuple[int, ...], training_share: float) -> CoreSplit:
     """The first ``ceil(training_share * len(cores))`` of ``cores`` (sorted) train, the rest step the optimizer."""
-    ordered = tuple(sorted(cores))
-    keep = math.ceil(training_share * len(ordered))
-    if 0 < keep < len(ordered):
-        return CoreSplit(ordered[:keep], ordered[keep:])
-    return CoreSplit(ordered, ordered)
+    optimizer, training = _split_affinity(sorted(cores), training_share)
+    return CoreSplit(tuple(training), tuple(optimizer))
+
+
+def _split_affinity(cores: list[int], pt_reserved_cores_perc: float) -> tuple[list[int], list[int]]:
+    """DeepSpeed's ZenFlow helper (``runtime.zenflow.zenflow_utils``): ``(optimizer cores, training cores)``, the
+    first ``ceil(pt_reserved_cores_perc * len(cores))`` of ``cores``, in their order, training. When that is none
+    or all of them, both sides get every core (nothing to isolate)."""
+    keep = math.ceil(pt_reserved_cores_perc * len(cores))
+    if 0 < keep < len(cores):
+        return list(cores[keep:]), list(cores[:keep])
+    return list(cores), list(cores)
 
 
 def process_cores() -> list[int]:

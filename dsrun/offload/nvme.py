@@ -40,6 +40,9 @@ if TYPE_CHECKING:
 
 NORM_CHUNK = 1 << 20
 CONVERT_CHUNK = 1 << 20
+# DeepSpeed's ``runtime.swap_tensor.MIN_SWAPPABLE_BYTES``: the smallest tensor (1 MiB) its swapper sends to NVMe, a
+# size its tests build models from. dsrun's swap stores take tensors of any size, so here it is only that number.
+MIN_SWAPPABLE_BYTES = 1 << 20
 
 
 def narrow_in_place(buffer: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch
 
 from dsrun.config.optim import offload_optimizer_problem
 from dsrun.config.zero import AIOConfig, ZeroConfig
-from dsrun.utils.errors import ConfigError
+from dsrun.utils.errors import ZeRORuntimeException
 
 if TYPE_CHECKING:
     from dsrun.ops.cpu_optimizer import CPUOptimizer
@@ -84,12 +84,12 @@ def host_empty(numel: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
 def require_cpu_optimizer(optimizer: torch.optim.Optimizer, settings: OffloadOptimizerSettings) -> CPUOptimizer | None:
     """The offloaded step needs one of DeepSpeed's CPU optimizers (DeepSpeedCPUAdam/Adagrad/Lion); returns it,
     or None when ``zero_force_ds_cpu_optimizer: false`` lets another optimizer step the host tensors (CPU
-    offload only). Raises a one-line ConfigError otherwise."""
+    offload only). Raises a one-line ConfigError otherwise (DeepSpeed's ZeRORuntimeException)."""
     from dsrun.ops.cpu_optimizer import CPUOptimizer
 
     if isinstance(optimizer, CPUOptimizer):
         return optimizer
     problem = offload_optimizer_problem(type(optimizer).__name__, settings.device, settings.force_ds_cpu_optimizer)
-    if problem is not None:  # the rule config --validate runs on optimizer.type
-        raise ConfigError(problem)
+    if problem is not None:  # the rule config --validate runs on optimizer.type; DeepSpeed's exception class
+        raise ZeRORuntimeException(problem)
     return None

@@ -254,6 +254,12 @@ class DeviceShardStore:
         """Set elements ``[offset, offset + len)`` of sub-group ``index``'s optimizer state ``key``."""
         self.state_of(index, sg)[key].reshape(-1)[offset:offset + values.numel()].copy_(values)
 
+    def write_grad(self, index: int, sg: SubGroup, offset: int, values: torch.Tensor) -> None:
+        """Set elements ``[offset, offset + len)`` of sub-group ``index``'s gradient accumulator (as stored)."""
+        if sg.grad is None:
+            raise ValueError("no gradient to set yet: call safe_set_*_grad after backward and before step()")
+        sg.grad[offset:offset + values.numel()].copy_(values.to(sg.grad.device, sg.grad.dtype))
+
     # --- engine.offload_states (dsrun/zero/offload_states.py) ----------------------------------------------
     def state_tensors(self, state: OffloadStateTypeEnum) -> list[StateTensor]:
         """The tensors of these sub-groups that ``state`` names: ``hp_params`` each master (with the shard views
@@ -454,6 +460,10 @@ class NvmeShardStore(DeviceShardStore):
 
     def state_tensors(self, state: OffloadStateTypeEnum) -> list[StateTensor]:
         return []  # masters, states and gradients are in swap files: nothing of them is in device memory
+
+    def write_grad(self, index: int, sg: SubGroup, offset: int, values: torch.Tensor) -> None:
+        raise ValueError("safe_set_full_grad/safe_set_local_grad: gradients offloaded to NVMe live in swap files, "
+                         "which dsrun does not write outside the step; offload the optimizer to 'cpu' instead")
 
     def write_state(self, index: int, sg: SubGroup, key: str, offset: int, values: torch.Tensor) -> None:
         entry = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in self.state_of(index, sg).items()}

@@ -48,3 +48,19 @@ class DeepSpeedCPULion(CPUOptimizer):
             _write_back((param, p), (work.states["exp_avg"][i], m))
             if work.low_precision[i].numel():
                 work.low_precision[i].copy_(p)
+
+
+class FusedLion(DeepSpeedCPULion):
+    """DeepSpeed's ``FusedLion`` signature on dsrun's fused path, the ``cpu_lion`` kernel (CPU parameters).
+
+    DeepSpeed's ``FusedLion`` is its multi-tensor CUDA Lion; here the SIMD + OpenMP kernel updates every parameter
+    of a group in one call, with the same update. ``set_grad_none`` makes ``zero_grad()`` set gradients to None
+    (else zero them)."""
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 weight_decay: float = 0.0, set_grad_none: bool = True):
+        super().__init__(params, lr=lr, betas=betas, weight_decay=weight_decay)
+        self.set_grad_none = set_grad_none
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)

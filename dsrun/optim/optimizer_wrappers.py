@@ -3,8 +3,9 @@
 DeepSpeed's engine wraps the optimizer according to the ZeRO stage and precision, and ``engine.optimizer`` is
 the wrapper: ``DeepSpeedZeroOptimizer`` (stages 1-2), ``DeepSpeedZeroOptimizer_Stage3`` (stage 3),
 ``FP16_Optimizer`` (fp16 or bf16 without ZeRO over a fused Adam: the config's Adam/AdamW unless
-``torch_adam``, a client ``FusedAdam``, 1-bit Adam or 0/1 Adam) and ``FP16_UnfusedOptimizer`` (fp16 or bf16
-without ZeRO over any other optimizer), as DeepSpeed 0.19 chooses. In dsrun that role belongs to the ZeRO strategy (:mod:`dsrun.zero.strategies`), which steps the
+``torch_adam``, a client ``FusedAdam``, 1-bit Adam or 0/1 Adam), ``FP16_UnfusedOptimizer`` (fp16 or bf16
+without ZeRO over any other optimizer) and ``BF16_Optimizer`` (a bf16 model at ZeRO stage 1 accumulating in fp32
+without offload, or bf16 in a pipeline without ZeRO), as DeepSpeed 0.19 chooses. In dsrun that role belongs to the ZeRO strategy (:mod:`dsrun.zero.strategies`), which steps the
 client's own optimizer, and ``engine.optimizer`` stays that torch optimizer. These classes keep DeepSpeed's
 names at DeepSpeed's module paths for code that branches on them: ``isinstance(engine.optimizer,
 DeepSpeedZeroOptimizer)`` is true exactly when a ZeRO stage 1 or 2 strategy steps that optimizer, and so on,
@@ -51,9 +52,8 @@ def register(strategy: SteppingStrategy) -> None:
 
 
 def wrapper_name(strategy: SteppingStrategy) -> str | None:
-    """The class DeepSpeed's engine would wrap this strategy's optimizer in, among the four kept here; None
-    where DeepSpeed keeps the bare optimizer (fp32 without ZeRO) or uses another wrapper (``BF16_Optimizer``:
-    bf16 ZeRO-1 accumulating in fp32, bf16 in a pipeline)."""
+    """The class DeepSpeed's engine would wrap this strategy's optimizer in, among the five kept here; None
+    where DeepSpeed keeps the bare optimizer (fp32 without ZeRO)."""
     config, stage = strategy.ctx.config, strategy.stage
     accumulate = config.data_types.grad_accum_dtype  # None: the model's dtype
     if stage == 3:
@@ -61,12 +61,12 @@ def wrapper_name(strategy: SteppingStrategy) -> str | None:
     if stage in (1, 2):
         bf16_fp32_accumulation = (stage == 1 and config.precision == "bf16" and accumulate == "fp32"
                                   and config.zero_optimization.offload_optimizer_device == "none")
-        return None if bf16_fp32_accumulation else "DeepSpeedZeroOptimizer"
+        return "BF16_Optimizer" if bf16_fp32_accumulation else "DeepSpeedZeroOptimizer"
     # without ZeRO DeepSpeed wraps fp16 and bf16 alike (its "DDP bf16")
     if config.precision == "fp32" or accumulate not in (None, config.precision):
         return None
     if config.precision == "bf16" and strategy.ctx.pipelined:
-        return None
+        return "BF16_Optimizer"
     from dsrun.ops.adam import FusedAdam
 
     name = (config.optimizer.type or "").lower() if config.optimizer is not None else ""
@@ -75,15 +75,27 @@ def wrapper_name(strategy: SteppingStrategy) -> str | None:
     return "FP16_Optimizer" if fused else "FP16_UnfusedOptimizer"
 
 
+ZERO_WRAPPERS = ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3", "BF16_Optimizer")
+ALL_WRAPPERS = (*ZERO_WRAPPERS, "FP16_Optimizer", "FP16_UnfusedOptimizer")
+
+
 class OptimizerWrapperKind(type):
-    """Metaclass of the four names: an instance is an optimizer that the matching strategy steps."""
+    """Metaclass of the names: an instance is an optimizer that the matching strategy steps. A class stands for
+    the wrappers in its ``deepspeed_wrappers`` (DeepSpeed's base classes ``ZeROOptimizer`` and
+    ``DeepSpeedOptimizer`` stand for their subclasses), else for the one of its own name."""
+
+    def _covers(cls) -> tuple[str, ...]:
+        return vars(cls).get("deepspeed_wrappers", (cls.__name__,))
 
     def __instancecheck__(cls, obj: object) -> bool:
         try:
             strategy = _STEPPED_BY.get(obj)
         except TypeError:  # not weakly referenceable: no strategy steps it
             return False
-        return strategy is not None and strategy.deepspeed_wrapper == cls.__name__
+        return strategy is not None and strategy.deepspeed_wrapper in cls._covers()
+
+    def __subclasscheck__(cls, sub: type) -> bool:  # DeepSpeedZeroOptimizer is a ZeROOptimizer, as in DeepSpeed
+        return isinstance(sub, OptimizerWrapperKind) and set(sub._covers()) <= set(cls._covers())
 
     def __call__(cls, *args: object, **kwargs: object) -> Any:
         raise TypeError(f"{cls.__name__} is built by the engine in DeepSpeed; in dsrun, dsrun.initialize builds the "

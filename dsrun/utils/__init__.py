@@ -26,6 +26,9 @@ _LAZY = {
     "safe_set_full_optimizer_state": "dsrun.utils.tensor_fragment",
     "safe_set_local_fp32_param": "dsrun.utils.tensor_fragment",
     "safe_set_local_optimizer_state": "dsrun.utils.tensor_fragment",
+    "safe_set_full_grad": "dsrun.utils.tensor_fragment",
+    "safe_set_local_grad": "dsrun.utils.tensor_fragment",
+    "safe_update_full_grad_vectorized": "dsrun.utils.tensor_fragment",
     **{name: "dsrun.utils.leaf_modules" for name in (
         "set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module", "z3_leaf_parameter",
         "set_z3_leaf_module", "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix")},

@@ -48,6 +48,12 @@ class ConfigError(UserError, ValueError):
     """The configuration is invalid. Also a ValueError, as DeepSpeed raises for bad configs."""
 
 
+class ZeRORuntimeException(ConfigError):
+    """DeepSpeed's ``runtime.zero.utils.ZeRORuntimeException``: what ZeRO refuses at ``initialize``, e.g. offloading
+    a client optimizer that is not a DeepSpeed CPU optimizer while ``zero_force_ds_cpu_optimizer`` is on. A
+    ConfigError too (one line, exit code 2)."""
+
+
 def show(value: object, limit: int = 60) -> str:
     """Render a user's value (any object) for an error message, shortened if long."""
     text = repr(value)

@@ -9,6 +9,8 @@ functions only dispatch to it, so this module needs nothing from the layers abov
   data-parallel group must call them, for the same parameters in the same order, or the job hangs.
 * ``safe_set_full_*`` take the whole value (the same on every rank) and change training exactly as
   assigning it in plain PyTorch would: the master, the optimizer state and the model's copy all follow.
+* ``safe_set_full_grad`` / ``safe_set_local_grad`` / ``safe_update_full_grad_vectorized`` replace the gradient
+  the next step applies (between backward and ``step()``), in the same units the getters give.
 * ``safe_get_local_*`` / ``safe_set_local_*`` read or write this rank's piece only (not collective): the whole
   parameter at stage 0, the part inside this rank's partition at stages 1-2, the shard (with its zero
   padding) at stage 3.
@@ -19,7 +21,7 @@ functions only dispatch to it, so this module needs nothing from the layers abov
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -38,6 +40,8 @@ class TensorFragment(Protocol):
     def full_optimizer_state(self, key: str) -> torch.Tensor: ...
     def local_optimizer_state(self, key: str) -> torch.Tensor: ...
     def set_full_optimizer_state(self, value: torch.Tensor, key: str) -> None: ...
+    def set_full_grad(self, value: torch.Tensor) -> None: ...
+    def set_local_grad(self, value: torch.Tensor) -> None: ...
     def set_local_optimizer_state(self, value: torch.Tensor, key: str) -> None: ...
 
 
@@ -85,6 +89,33 @@ def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
     return fragment.full_grad()
 
 
+def safe_set_full_grad(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Set the full averaged gradient of ``param`` the next step applies to ``value`` (full shape, the same on
+    every rank): DeepSpeed's setter, e.g. for clipping or masking gradients between backward and step."""
+    fragment = _fragment(param)
+    if fragment is None and getattr(param, "grad", None) is not None:
+        param.grad.copy_(value)
+        return
+    _require(param, "safe_set_full_grad").set_full_grad(value)
+
+
+def safe_set_local_grad(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Set this rank's piece of ``param``'s averaged gradient (the shape :func:`safe_get_local_grad` gives)."""
+    _require(param, "safe_set_local_grad").set_local_grad(value)
+
+
+def safe_update_full_grad_vectorized(param_list: list[torch.Tensor],
+                                     update_func: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+    """For each parameter, set its full gradient to ``update_func(full_gradient, param)`` (collective, as the
+    full getter: every rank calls it with the same list). A frozen parameter is left alone."""
+    for param in param_list:
+        fragment = _fragment(param)
+        if fragment is not None:
+            fragment.set_full_grad(update_func(fragment.full_grad(), param))
+        elif getattr(param, "grad", None) is not None:
+            param.grad.copy_(update_func(param.grad, param))
+
+
 def safe_get_local_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
     """This rank's piece of ``param``'s fp32 master, flat."""
     fragment = _fragment(param)
@@ -119,5 +150,6 @@ def safe_set_local_optimizer_state(param: torch.Tensor, value: torch.Tensor, opt
 
 __all__ = ["safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
            "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
-           "safe_set_full_fp32_param", "safe_set_full_optimizer_state", "safe_set_local_fp32_param",
-           "safe_set_local_optimizer_state"]
+           "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state",
+           "safe_set_local_fp32_param", "safe_set_local_grad", "safe_set_local_optimizer_state",
+           "safe_update_full_grad_vectorized"]

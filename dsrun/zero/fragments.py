@@ -151,6 +151,24 @@ class ParamFragment:
         piece = grad[self.store_offset:self.store_offset + self.store_length_local]
         return piece.float() * self._grad_scale()
 
+    def set_full_grad(self, value: torch.Tensor) -> None:
+        flat = self._check_full(value).float()
+        with torch.no_grad():
+            self._write_grad(flat[self.full_offset:self.full_offset + self.length])
+
+    def set_local_grad(self, value: torch.Tensor) -> None:
+        with torch.no_grad():
+            self._write_grad(self._check_local(value).float())
+
+    def _write_grad(self, values: torch.Tensor) -> None:
+        """Put this rank's piece of the gradient (plain averaged values) where the next step reads it, as the
+        strategy stores it (times the loss scale)."""
+        grad = self._grad()
+        if grad is None:
+            raise ValueError("no gradient to set yet: call safe_set_*_grad after backward and before step()")
+        piece = grad[self.store_offset:self.store_offset + values.numel()]
+        piece.copy_((values / self._grad_scale()).to(piece.device, piece.dtype))
+
     def full_optimizer_state(self, key: str) -> torch.Tensor:
         return self._gather(self._piece(self._state_or_error(key)).clone())
 
@@ -272,6 +290,9 @@ class ShardFragment(ParamFragment):
 
     def _write_state(self, key: str, values: torch.Tensor) -> None:
         self.sg.store.write_state(self.index, self.sg, key, self.store_offset, values)
+
+    def _write_grad(self, values: torch.Tensor) -> None:
+        self.sg.store.write_grad(self.index, self.sg, self.store_offset, values / self._grad_scale())
 
     def _shard(self, values: torch.Tensor) -> torch.Tensor:
         shard = torch.zeros(self.store_length, dtype=torch.float32)

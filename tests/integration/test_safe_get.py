@@ -10,7 +10,10 @@ to a few roundings (rtol 1e-6).
 A small MLP (``surface_mlp``) trains three AdamW steps on a fixed global batch per step (each rank takes its
 slice). After the second backward the full gradients are read; after the second step the fp32 weights and
 Adam moments (full and local pieces); then ``safe_set_full_fp32_param`` gives the first layer's weight a new
-value and ``safe_set_full_optimizer_state`` zeroes the last layer's ``exp_avg``, and a third step runs."""
+value and ``safe_set_full_optimizer_state`` zeroes the last layer's ``exp_avg``, and a third step runs, whose
+gradients are changed between backward and step: ``safe_set_full_grad`` gives the last bias a new gradient,
+``safe_set_local_grad`` halves each rank's piece of the first bias's, ``safe_update_full_grad_vectorized`` doubles
+the last weight's (powers of two and a set value: exact in fp32, so each agrees as the unchanged ones do)."""
 from __future__ import annotations
 
 from typing import Any
@@ -34,6 +37,11 @@ def new_weight(dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return (torch.arange(60, dtype=torch.float64).reshape(10, 6) / 60 - 0.5).to(dtype)
 
 
+def new_bias_grad(dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The gradient safe_set_full_grad gives the last layer's bias at the third step."""
+    return torch.tensor([0.25, -0.5, 0.125], dtype=dtype)
+
+
 def reference() -> dict[str, Any]:
     """The same three steps in plain PyTorch, one process, float64."""
     model = build_model("surface_mlp").to(torch.float64)
@@ -49,6 +57,10 @@ def reference() -> dict[str, Any]:
         loss.backward()
         if step == 1:
             out["grad"] = {n: _np(p.grad) for n, p in model.named_parameters()}
+        if step == 2:
+            model[2].bias.grad.copy_(new_bias_grad(torch.float64))
+            model[0].bias.grad.mul_(0.5)
+            model[2].weight.grad.mul_(2.0)
         if step == 2:
             out["loss3"] = loss.item()
         opt.step()
@@ -75,8 +87,9 @@ def _one_stage(rank: int, world: int, stage: int) -> dict[str, Any]:
     import dsrun
     from dsrun import comm
     from dsrun.utils import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
-                             safe_get_local_fp32_param, safe_get_local_optimizer_state, safe_set_full_fp32_param,
-                             safe_set_full_optimizer_state)
+                             safe_get_local_fp32_param, safe_get_local_grad, safe_get_local_optimizer_state,
+                             safe_set_full_fp32_param, safe_set_full_grad, safe_set_full_optimizer_state,
+                             safe_set_local_grad, safe_update_full_grad_vectorized)
 
     model = build_model("surface_mlp")
     zero: dict[str, Any] = {"allgather_bucket_size": 50}
@@ -101,6 +114,10 @@ def _one_stage(rank: int, world: int, stage: int) -> dict[str, Any]:
         if step == 1:
             out["grad"] = {n: _np(safe_get_full_grad(params[n])) for n in names}
         if step == 2:
+            safe_set_full_grad(params["2.bias"], new_bias_grad())
+            out["grad_after_set"] = _np(safe_get_full_grad(params["2.bias"]))
+            safe_set_local_grad(params["0.bias"], safe_get_local_grad(params["0.bias"]) * 0.5)
+            safe_update_full_grad_vectorized([params["2.weight"]], lambda grad, param: grad * 2.0)
             mean = loss.detach().double().reshape(1)
             comm.all_reduce(mean)
             out["loss3"] = mean.item() / world
@@ -142,7 +159,9 @@ def test_set_full_values_change_training_like_plain_pytorch(runs, stage):
     ranks, ref = runs
     for rank in ranks:
         np.testing.assert_array_equal(rank[stage]["after_set"], new_weight().double().numpy())
-        # the third step's forward used the new weight (the loss) and its update the zeroed moment (the weights)
+        np.testing.assert_array_equal(rank[stage]["grad_after_set"], new_bias_grad().double().numpy())
+        # the third step's forward used the new weight (the loss) and its update the zeroed moment and the
+        # changed gradients (the weights)
         assert rank[stage]["loss3"] == pytest.approx(ref["loss3"], rel=1e-5)
         for name, value in ref["final"].items():
             np.testing.assert_allclose(rank[stage]["final"][name], value, rtol=1e-5, atol=1e-6, err_msg=name)

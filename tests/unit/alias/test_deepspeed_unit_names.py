@@ -213,3 +213,79 @@ def test_inference_moe_flag_becomes_its_section():
     for flag in (True, False):
         config = DeepSpeedInferenceConfig(moe=flag)
         assert isinstance(config.moe, DeepSpeedMoEConfig) and config.moe.enabled is flag is config.moe_enabled
+
+
+def test_torch_checkpoint_engine_round_trips_a_file_in_the_format_deepspeed_writes(tmp_path):
+    import zipfile
+
+    engines = _deepspeed("deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine")
+    state = {"w": torch.arange(6.0).view(2, 3), "step": 3}
+    legacy, zipped = engines.TorchCheckpointEngine(), engines.TorchCheckpointEngine(
+        type("Config", (), {"checkpoint_config": {}})())  # DeepSpeed's config object: zip-file format by default
+    for engine, name in ((legacy, "legacy.pt"), (zipped, "zip.pt")):
+        engine.save(state, str(tmp_path / name))
+        loaded = engine.load(str(tmp_path / name))
+        assert torch.equal(loaded["w"], state["w"]) and loaded["step"] == 3
+    assert not zipfile.is_zipfile(tmp_path / "legacy.pt") and zipfile.is_zipfile(tmp_path / "zip.pt")
+    info = _deepspeed("deepspeed.runtime.checkpoint_engine").CheckpointCommitInfo("tag", str(tmp_path), True)
+    assert legacy.commit(info) is True and legacy.is_data_parallel_writer(0) and not legacy.is_data_parallel_writer(1)
+
+
+def test_zenflow_names_split_cores_as_deepspeed():
+    split = _deepspeed("deepspeed.runtime.zenflow.zenflow_utils")._split_affinity
+    assert split([0, 1, 2, 3, 4, 5, 6, 7], 0.1) == ([1, 2, 3, 4, 5, 6, 7], [0])  # ceil(0.8) = 1 core trains
+    assert split([10, 11], 0.5) == ([11], [10])
+    assert split([3, 1, 2], 0.0) == ([3, 1, 2], [3, 1, 2])  # nothing to isolate: both share every core, in order
+    config = _deepspeed("deepspeed.runtime.zero.config").DeepSpeedZeroConfig(stage=2, zenflow={"topk_ratio": 0.25})
+    assert isinstance(config.zenflow, _deepspeed("deepspeed.runtime.zenflow.zenflow_config").ZenFlowConfig)
+    assert _deepspeed("deepspeed.runtime.swap_tensor").MIN_SWAPPABLE_BYTES == 1024 ** 2
+
+
+def test_autotuner_plans_deepspeeds_resources_and_tunes_through_dsrun_launch(tmp_path, monkeypatch):
+    import json
+    import subprocess
+
+    from dsrun.cli.deepspeed_runner import parse_args
+
+    api = _deepspeed("deepspeed.autotuning.autotuner")
+    assert api is _deepspeed("deepspeed.autotuning.scheduler") is _deepspeed("deepspeed.autotuning.utils")
+    exp = {"optimizer": {"type": "Adam"}, "zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
+    assert api.get_val_by_key(exp, "device") == "cpu" and api.get_val_by_key(exp, "missing") is None
+    api.set_val_by_key(exp, "device", "nvme")
+    assert exp["zero_optimization"]["offload_optimizer"]["device"] == "nvme"
+    rm = api.ResourceManager(None, ["w0"], 4, None, None, {" train_batch_size ": " -tbs ", "train_batch_size": "-x"})
+    assert rm.arg_mappings == {"train_batch_size": "-tbs"} and rm.nodes[0].reserve_slots(3) == [0, 1, 2]
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"autotuning": {"enabled": True, "exps_dir": str(tmp_path / "exps"),
+                                                 "results_dir": str(tmp_path / "results")}}))
+    args = parse_args(["--autotuning", "tune", "--num_gpus", "2", "train.py", "--deepspeed_config", str(config)])
+    tuner = api.Autotuner(args, {"w0": [0, 1, 2, 3], "w1": [0, 1, 2]})
+    assert (tuner.exp_num_nodes, tuner.exp_num_gpus, tuner.rm.num_gpus_per_node) == (2, 2, 3)
+    assert (tmp_path / "exps").is_dir() and (tmp_path / "results").is_dir()
+    ran = []
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: ran.append(cmd) or subprocess.CompletedProcess(cmd, 0))
+    (tmp_path / "results" / "cmd_optimal.txt").write_text("python train.py --deepspeed_config best.json")
+    tuner.tune()
+    assert ran[0][2:] == ["dsrun", "launch", "--autotuning", "tune", "--num_nodes", "2", "--num_gpus", "2",
+                          "train.py", "--deepspeed_config", str(config)]
+    assert tuner.run_after_tuning() == 0 and ran[1] == ["python", "train.py", "--deepspeed_config", "best.json"]
+    with pytest.raises(Exception, match="--num_gpus"):
+        api.Autotuner(parse_args(["--num_gpus", "8", "train.py", "--deepspeed_config", str(config)]), {"w0": [0]})
+
+
+def test_fused_lion_is_the_cpu_lion_kernel_with_deepspeeds_signature():
+    lion = _deepspeed("deepspeed.ops.lion")
+    torch.manual_seed(0)
+    fused, cpu = torch.nn.Parameter(torch.randn(300)), torch.nn.Parameter(torch.randn(300))
+    cpu.data.copy_(fused.data)
+    a, b = lion.FusedLion([fused], lr=0.01, weight_decay=0.1), lion.DeepSpeedCPULion([cpu], lr=0.01, weight_decay=0.1)
+    for _ in range(3):
+        grad = torch.randn(300)
+        fused.grad, cpu.grad = grad.clone(), grad.clone()
+        a.step()
+        b.step()
+    assert torch.equal(fused, cpu)  # the same kernel on the same values
+    a.zero_grad()
+    keep = lion.FusedLion([cpu], set_grad_none=False)
+    keep.zero_grad()
+    assert fused.grad is None and torch.equal(cpu.grad, torch.zeros(300))

@@ -34,7 +34,7 @@ def reference_in_order(choices: list[list[int]], cap: int) -> tuple[list[list[bo
 def test_top1_capacity_and_drops_equal_a_reference_loop(cf: float, min_cap: int) -> None:
     lg = logits()
     r = gating.route_top1(lg, cf, min_cap, use_rts=False)
-    cap = min(S, max(math.ceil(S / E * cf), min_cap))  # clamped to the tokens: min_cap 40 > 23 tokens
+    cap = max(math.ceil(S / E * cf), min_cap)  # DeepSpeed 0.19: min_cap 40 > 23 tokens is the width
     assert r.capacity == cap
     choices = [[int(i)] for i in lg.softmax(1).argmax(1)]
     kept, slot = reference_in_order(choices, cap)
@@ -60,7 +60,7 @@ def test_top1_random_token_selection_keeps_the_highest_random_scores() -> None:
 def test_top2_slots_and_renormalised_weights_equal_a_reference_loop() -> None:
     lg = logits(2)
     r = gating.route_top2(lg, 0.5, 1, top2_2nd_expert_sampling=False)
-    assert r.capacity == min(S, max(math.ceil(S * 2 * 0.5 / E), 1))
+    assert r.capacity == max(math.ceil(S * 2 * 0.5 / E), 1)
     probs = lg.softmax(1)
     choices = [[int(i) for i in torch.topk(probs[s], 2).indices] for s in range(S)]
     kept, slot = reference_in_order(choices, r.capacity)
@@ -77,7 +77,7 @@ def test_top3_keeps_the_most_probable_tokens_per_expert() -> None:
     lg = logits(3)
     r = gating.route_topk(lg, 3, 0.5, 1)
     probs = lg.softmax(1)
-    assert r.capacity == min(S, max(math.ceil(S * 3 * 0.5 / E), 1))
+    assert r.capacity == max(math.ceil(S * 3 * 0.5 / E), 1)
     for e in range(E):
         routed = [s for s in range(S) if e in r.experts[s].tolist()]
         want = set(sorted(routed, key=lambda s: -float(probs[s, e]))[:r.capacity])
@@ -126,7 +126,41 @@ def test_noise_policies_act_only_while_training() -> None:
 def test_capacity_larger_than_the_tokens_does_not_crash() -> None:
     layer = MoE(8, torch.nn.Linear(8, 8), num_experts=4, k=1, min_capacity=100)
     out, _, _ = layer(torch.randn(3, 8))
-    assert out.shape == (3, 8) and layer.deepspeed_moe.last_routing.capacity == 3
+    # DeepSpeed 0.19's width (min_capacity), every token kept: an expert cannot be sent more than all 3
+    assert out.shape == (3, 8) and layer.deepspeed_moe.last_routing.capacity == 100
+    assert bool(layer.deepspeed_moe.last_routing.kept.all())
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_sparse_routes_encode_and_decode_as_the_dense_masks(k: int) -> None:
+    lg, hidden = logits(6), torch.randn(S, 5, generator=torch.Generator().manual_seed(7))
+    args = dict(top2_2nd_expert_sampling=False) if k == 2 else dict(use_rts=False) if k == 1 else {}
+    gate = {1: gating.top1gating, 2: gating.top2gating}.get(k, lambda *a, **kw: gating.topkgating(a[0], k, *a[1:], **kw))
+    _, combine, dispatch, counts = gate(lg, 0.5, 1, **args)
+    _, cap, n_exp, indices, locations, gates, sparse_counts = gate(lg, 0.5, 1, sparse_routes=True, **args)
+    assert (int(cap), n_exp) == (combine.shape[2], E) and indices.shape == (k, S) and torch.equal(counts, sparse_counts)
+    assert int((indices >= 0).sum()) == int(dispatch.sum())  # a dropped route is -1
+    slots = gating._route_slots(indices, locations, E, int(cap))
+    # each kept route copies one token (x * 1.0 plus zeros is exact) and decode sums k fp32 products per token
+    assert torch.equal(gating._sparse_encode(hidden, slots, E, int(cap)),
+                       torch.einsum("sec,sm->ecm", dispatch.float(), hidden))
+    out = torch.randn(E * int(cap), 5)
+    expected = torch.einsum("sec,ecm->sm", combine, out.view(E, int(cap), 5))
+    # each side sums at most k products |gate| <= 1 times |out| <= max, each rounding within max * eps
+    atol = 2 * k * float(out.abs().max()) * torch.finfo(torch.float32).eps
+    assert torch.allclose(gating._sparse_decode(out, slots, gates, S), expected, rtol=0, atol=atol)
+
+
+def test_topk_drop_policy_position_keeps_token_order() -> None:
+    lg = logits(8)
+    r = gating.route_topk(lg, 3, 0.5, 1, drop_policy="position")
+    choices = [sorted(torch.topk(lg.softmax(1)[s], 3).indices.tolist()) for s in range(S)]
+    for e in range(E):  # per expert, the first `capacity` tokens routed to it in token order
+        routed = [s for s in range(S) if e in choices[s]]
+        got = [s for s in routed if r.kept[s, r.experts[s].tolist().index(e)]]
+        assert got == routed[:r.capacity]
+    with pytest.raises(ValueError, match="drop_policy"):
+        gating.route_topk(lg, 3, 0.5, 1, drop_policy="random")
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])

@@ -1,18 +1,21 @@
 """DeepSpeed's optimizer-wrapper names (``DeepSpeedZeroOptimizer``, ``DeepSpeedZeroOptimizer_Stage3``,
-``FP16_Optimizer``, ``FP16_UnfusedOptimizer``) answer ``isinstance(engine.optimizer, ...)`` as DeepSpeed's
-engine (0.19) does for the same config: one wrapper per stage/precision/optimizer, none for fp32 without ZeRO."""
+``FP16_Optimizer``, ``FP16_UnfusedOptimizer``, ``BF16_Optimizer``) answer ``isinstance(engine.optimizer, ...)``
+as DeepSpeed's engine (0.19) does for the same config: one wrapper per stage/precision/optimizer, none for fp32
+without ZeRO."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 import dsrun
+from dsrun.compat.runtime.bf16_optimizer import BF16_Optimizer
 from dsrun.compat.runtime.fp16.fused_optimizer import FP16_Optimizer
 from dsrun.compat.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 from dsrun.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from dsrun.compat.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-WRAPPERS = (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3, FP16_Optimizer, FP16_UnfusedOptimizer)
+WRAPPERS = (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3, FP16_Optimizer, FP16_UnfusedOptimizer,
+            BF16_Optimizer)
 ADAM = {"type": "Adam", "params": {"lr": 0.01}}
 
 
@@ -42,12 +45,27 @@ def _wrapper_of(config: dict, optimizer=None):
     ({"optimizer": ADAM, "zero_optimization": {"stage": 2}, "fp16": {"enabled": True}}, None, "DeepSpeedZeroOptimizer"),
     ({"optimizer": ADAM, "zero_optimization": {"stage": 1}, "bf16": {"enabled": True},
       "data_types": {"grad_accum_dtype": "fp32"}, "dsrun_allow_unimplemented": True}, None,
-     None),  # DeepSpeed's BF16_Optimizer path (dsrun accumulates in fp32 there too: dsrun/zero/grad_accum.py)
+     "BF16_Optimizer"),  # DeepSpeed's BF16_Optimizer (dsrun accumulates in fp32 there too: dsrun/zero/grad_accum.py)
     ({"optimizer": ADAM, "zero_optimization": {"stage": 3}}, None, "DeepSpeedZeroOptimizer_Stage3"),
 ], ids=["fp32", "bf16", "bf16-torch-adam", "fp16-adam", "fp16-torch-adam", "fp16-lamb", "fp16-client-sgd", "fp16-client-fused",
         "zero1", "zero2-fp16", "zero1-bf16-fp32-accum", "zero3"])
 def test_isinstance_answers_as_deepspeeds_engine(world_of_one, config, optimizer, expected):
     assert _wrapper_of(config, optimizer) == expected
+
+
+def test_deepspeeds_base_classes_stand_for_their_subclasses(world_of_one):
+    from dsrun.compat.runtime.base_optimizer import DeepSpeedOptimizer, ZeROOptimizer
+
+    def optimizer_of(section: dict):
+        model = torch.nn.Linear(4, 2)
+        return dsrun.initialize(model=model, model_parameters=model.parameters(),
+                                config={"train_batch_size": 1, "optimizer": ADAM, **section})[0].optimizer
+
+    zero1, fp16 = optimizer_of({"zero_optimization": {"stage": 1}}), optimizer_of({"fp16": {"enabled": True}})
+    assert isinstance(zero1, ZeROOptimizer) and isinstance(zero1, DeepSpeedOptimizer)
+    assert not isinstance(fp16, ZeROOptimizer) and isinstance(fp16, DeepSpeedOptimizer)
+    assert issubclass(DeepSpeedZeroOptimizer, ZeROOptimizer) and issubclass(BF16_Optimizer, ZeROOptimizer)
+    assert issubclass(FP16_Optimizer, DeepSpeedOptimizer) and not issubclass(FP16_Optimizer, ZeROOptimizer)
 
 
 def test_a_torch_optimizer_no_engine_steps_is_none_of_them():
