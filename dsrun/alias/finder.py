@@ -25,7 +25,7 @@ EAGER: tuple[str, ...] = (
     "runtime.dataloader", "runtime.hybrid_engine", "runtime.pipe.engine", "inference.engine", "inference.config",
     "runtime.lr_schedules", "runtime.config", "runtime.activation_checkpointing.checkpointing", "ops.transformer",
     "utils", "comm.comm", "runtime.zero", "runtime.domino", "runtime.compiler", "pipe", "git_version_info",
-    "runtime.tensor_parallel.init_utils",
+    "runtime.tensor_parallel", "runtime.tensor_parallel.init_utils",
     # runtime.engine's own helpers, which scripts reach through the attribute (issue 43)
     "runtime.utils",
     # ops/__init__.py, runtime/zero/__init__.py, runtime/pipe/__init__.py, utils/__init__.py, comm/__init__.py
