@@ -94,10 +94,9 @@ def side_env(side: str, bin_dir: Path, deepspeed_python: str) -> tuple[str, dict
     return deepspeed_python, env
 
 
-def run_file(tests: Path, name: str, timeout: int, python: str, env: dict) -> dict:
-    cmd = [python, "-m", "pytest", name, "-q", "-rfEs", "-p", "no:cacheprovider", "--color=no",
-           "-o", "addopts=", "--durations=0"]
-    # its own process group, so that a timeout ends the ranks and pool workers a DistributedTest started too
+def _pytest_output(cmd: list[str], tests: Path, env: dict, timeout: int) -> str:
+    """A pytest run's stdout without colour codes, ``TIMEOUT`` appended when it ran past ``timeout``. It runs in a
+    process group of its own, so that a timeout ends the ranks and pool workers a DistributedTest started too."""
     proc = subprocess.Popen(cmd, cwd=tests, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             start_new_session=True)
     try:
@@ -105,7 +104,13 @@ def run_file(tests: Path, name: str, timeout: int, python: str, env: dict) -> di
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out = proc.communicate()[0] + "\nTIMEOUT"
-    out = re.sub(r"\x1b\[[0-9;]*m", "", out)  # DeepSpeed's conftest forces colour
+    return re.sub(r"\x1b\[[0-9;]*m", "", out)  # DeepSpeed's conftest forces colour
+
+
+def run_file(tests: Path, name: str, timeout: int, python: str, env: dict) -> dict:
+    cmd = [python, "-m", "pytest", name, "-q", "-rfEs", "-p", "no:cacheprovider", "--color=no",
+           "-o", "addopts=", "--durations=0"]
+    out = _pytest_output(cmd, tests, env, timeout)
     summary = next((line for line in reversed(out.splitlines()) if re.search(r"\d+ (passed|failed|skipped|error)",
                                                                               line)), "")
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)\b", summary)}
@@ -141,14 +146,7 @@ def run_batch(tests: Path, names: list[str], timeout: int, python: str, env: dic
     fast), split per file from pytest's verbose progress lines, its collection errors and its summary lines."""
     cmd = [python, "-m", "pytest", *names, "-q", "-rfEs", "-p", "no:cacheprovider", "--color=no", "-o", "addopts=",
            "--continue-on-collection-errors"]
-    proc = subprocess.Popen(cmd, cwd=tests, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            start_new_session=True)
-    try:
-        out = proc.communicate(timeout=timeout)[0]
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out = proc.communicate()[0] + "\nTIMEOUT"
-    out = re.sub(r"\x1b\[[0-9;]*m", "", out)
+    out = _pytest_output(cmd, tests, env, timeout)
     results = {}
     for name in names:
         mine = [m for m in re.findall(r"^(unit/\S+?\.py)::\S+.*?\b(PASSED|FAILED|SKIPPED|ERROR)\b", out, re.M)

@@ -204,13 +204,19 @@ def test_a_pipeline_reshard_reads_each_stages_files_by_range_as_the_merge_of_the
     slices = [{"param_shapes": SHAPES, "dsrun": {"zero_stage": 3}, "dp_world_size": 2},
               {"param_shapes": SHAPES, "dsrun": {"zero_stage": 2}, "dp_world_size": 1}]
     merged = pipeline_state.merge_stages(tmp_path, slices, False)
+    _each_rank_reads_its_share_of_the_later_stage(tmp_path, slices, merged)
+
+
+def _each_rank_reads_its_share_of_the_later_stage(folder, slices, merged):
+    """Each of 2 ranks resharding ``folder``'s stages (as one stage over 2 data ranks) gets what the whole-file
+    merge ``merged`` gives it, reading by range only its elements of the later stage's files."""
     for rank in range(2):
         expected = reshard.state_for_rank(_template(1, 2, rank), merged, 1, 2, rank, SHAPES)
-        with partial_state.PartialStagesState(tmp_path, slices, False) as source:
+        with partial_state.PartialStagesState(folder, slices, False) as source:
             stats = tensor_file.reset_read_stats()
             got = reshard.state_for_rank(_template(1, 2, rank), source, 1, 2, rank, SHAPES)
         assert_same(got, expected)
-        assert stats.bytes_read == _share_bytes(1, 2, rank, 4)  # the later stage's files only, the rank's elements
+        assert stats.bytes_read == stats.range_bytes == _share_bytes(1, 2, rank, 4)
 
 
 def _stage0_model_states(folder, name="mp_rank_00_model_states.pt", shapes=SHAPES, **extra):
@@ -236,14 +242,8 @@ def test_a_pipeline_stage_saved_at_zero_stage_0_is_read_by_range_as_the_merge_of
     stats = tensor_file.reset_read_stats()
     slices = pipeline_state.saved_slices(tmp_path)
     assert stats.bytes_read < 100 and partial_state.left_unread(slices[1])  # the stage-0 masters and moments: unread
-    merged = pipeline_state.merge_stages(tmp_path, pipeline_state.saved_slices(tmp_path), False)
-    for rank in range(2):
-        expected = reshard.state_for_rank(_template(1, 2, rank), merged, 1, 2, rank, SHAPES)
-        with partial_state.PartialStagesState(tmp_path, slices, False) as source:
-            stats = tensor_file.reset_read_stats()
-            got = reshard.state_for_rank(_template(1, 2, rank), source, 1, 2, rank, SHAPES)
-        assert_same(got, expected)
-        assert stats.bytes_read == stats.range_bytes == _share_bytes(1, 2, rank, 4)  # the later stage, its share
+    _each_rank_reads_its_share_of_the_later_stage(
+        tmp_path, slices, pipeline_state.merge_stages(tmp_path, pipeline_state.saved_slices(tmp_path), False))
     own = pipeline_state.stage_optimizer_states(tmp_path, slices[1], 1, False)[0]  # the saved layout: whole
     assert_same(own["single_partition_of_fp32_groups"], osd["single_partition_of_fp32_groups"])
     assert_same(own["base_optimizer_state"], osd["base_optimizer_state"])
