@@ -8,12 +8,12 @@ adjustment) and :func:`trim` returns free heap pages now. Both are no-ops off gl
 alone where the environment sets glibc's own ``MALLOC_MMAP_THRESHOLD_`` (the user's, or a measured run's
 ``dsrun estimate-memory --measure``).
 
-A mapping costs a page fault per 4 KiB each time it is first written: a pin below the temporaries of every
-module (its gathered parameters, gloo's flat copy of an all-gather's output and of a reduce-scatter's
-input, autograd's full weight gradients) makes each of them fault in afresh, the system time that made
-ZeRO-3 slower than FSDP2 on the CPU (docs/performance.md). The stage-3 strategy pins the threshold just
-above the largest of them (:func:`threshold_above` of one module's gathered bytes): they come from the heap,
-reused step after step, and only larger buffers (a whole bucket past its size) are mapped.
+A mapping costs a page fault per 4 KiB each time it is first written, so the stage-3 strategy on the CPU could pin
+the threshold above one module's temporaries (its gathered parameters, gloo's flat copies, autograd's full
+weight gradients) and serve them from the heap: 14-16% faster steps on the 100M GPT, but their freed pages
+stayed resident, about a whole gathered model per rank under the step's peak (+25-36% peak RSS, and the peak
+stopped falling as 1/N with the ranks). The strategy pins 1 MiB (:data:`MMAP_THRESHOLD_BYTES`): memory first
+(docs/performance.md).
 """
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ from typing import Any
 
 _M_MMAP_THRESHOLD = -3  # mallopt parameter number in glibc's malloc.h
 MMAP_THRESHOLD_BYTES = 1 << 20
-MAX_MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's ceiling on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX): mallopt refuses more
 
 
 def _libc() -> Any:
@@ -36,11 +35,6 @@ def _libc() -> Any:
 
 
 _LIBC = _libc()
-
-
-def threshold_above(nbytes: int) -> int:
-    """The smallest power of two above ``nbytes``, within ``[MMAP_THRESHOLD_BYTES, MAX_MMAP_THRESHOLD_BYTES]``."""
-    return min(MAX_MMAP_THRESHOLD_BYTES, max(MMAP_THRESHOLD_BYTES, 1 << int(nbytes).bit_length()))
 
 
 def fix_mmap_threshold(nbytes: int = MMAP_THRESHOLD_BYTES) -> bool:

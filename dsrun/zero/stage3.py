@@ -108,14 +108,14 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
         if self.param_offload is not None:
             self.coordinator.after_fetch = self.param_offload.after_fetch
         # on the CPU every module's gradients are reduce-scattered once backward moves past it (as FSDP2 does),
-        # so full gradients never pile up towards reduce_bucket_size, which stays the largest bucket; one
-        # module's temporaries then come from glibc's heap, reused without page faults (dsrun/zero/host_memory.py;
-        # kept whole, nothing is gathered: glibc's own threshold serves them, as at stage 0)
+        # so full gradients never pile up towards reduce_bucket_size, which stays the largest bucket (kept
+        # whole, nothing is gathered: glibc's own threshold serves the temporaries, as at stage 0)
         self.reduce_per_module = ctx.device.type == "cpu" and not self.keeps_whole
         if self.reduce_per_module:
             self.coordinator.before_backward = self._reduce_finished_modules
-            largest = self.coordinator.largest_fetch_numel() * torch.empty(0, dtype=self.model_dtype).element_size()
-            host_memory.fix_mmap_threshold(host_memory.threshold_above(largest))
+            # 1 MiB, not above one module's temporaries: a higher pin kept their freed pages in the heap, about a
+            # whole gathered model per rank under the step's peak (docs/performance.md, "The mmap pin")
+            host_memory.fix_mmap_threshold()
 
         self._optimizer = ctx.optimizer
         self.shard_ctx = ShardContext(  # what the stores know of this strategy
