@@ -16,7 +16,7 @@ from op_builder.builder import (
     csrc_root,
     simd_level,
 )
-from op_builder.cpu_ops import AsyncIOBuilder, CPUAdagradBuilder, CPUAdamBuilder, CPULionBuilder
+from op_builder.cpu_ops import AsyncIOBuilder, CPUAdagradBuilder, CPUAdamBuilder, CPULionBuilder, HostCacheBuilder
 from op_builder.deepspeed_names import (
     DEEPSPEED_ONLY,
     FusedAdamBuilder,
@@ -30,7 +30,7 @@ from op_builder.deepspeed_names import (
 )
 
 ALL_OPS: dict[str, type[OpBuilder]] = {
-    b.NAME: b for b in (CPUAdamBuilder, CPUAdagradBuilder, CPULionBuilder, AsyncIOBuilder)
+    b.NAME: b for b in (CPUAdamBuilder, CPUAdagradBuilder, CPULionBuilder, AsyncIOBuilder, HostCacheBuilder)
 }
 
 
@@ -44,5 +44,6 @@ def get_builder(name: str) -> OpBuilder:
 
 __all__ = ["ALL_OPS", "DEEPSPEED_ONLY", "FusedAdamBuilder", "FusedLambBuilder", "FusedLionBuilder", "InferenceBuilder",
            "QuantizerBuilder", "SparseAttnBuilder", "TransformerBuilder", "UtilsBuilder", "AsyncIOBuilder", "CPUAdagradBuilder", "CPUAdamBuilder", "CPULionBuilder",
+           "HostCacheBuilder",
            "CompilerUnavailableError", "OpBuildError", "OpBuilder", "cache_root", "compiler", "csrc_root",
            "get_builder", "simd_level"]

@@ -23,6 +23,14 @@ class CPULionBuilder(OpBuilder):
     SOURCES = ("lion/cpu_lion.cpp",)
 
 
+class HostCacheBuilder(OpBuilder):
+    """The capped cache of large host blocks in front of torch's CPU allocator (:mod:`dsrun.zero.host_memory`)."""
+
+    NAME = "host_cache"
+    SOURCES = ("host_cache/host_cache.cpp",)
+    INCLUDES = ()
+
+
 def libaio_available() -> bool:
     """Whether libaio's header and library are installed (Debian/Ubuntu: ``apt install libaio-dev``)."""
     include_dirs = ["/usr/include", "/usr/local/include",

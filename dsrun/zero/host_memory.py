@@ -14,6 +14,12 @@ weight gradients) and serve them from the heap: 14-16% faster steps on the 100M 
 stayed resident, about a whole gathered model per rank under the step's peak (+25-36% peak RSS, and the peak
 stopped falling as 1/N with the ranks). The strategy pins 1 MiB (:data:`MMAP_THRESHOLD_BYTES`): memory first
 (docs/performance.md).
+
+The temporaries recur with the same sizes module after module, so :func:`cache_large_blocks` puts a capped cache
+in front of torch's CPU allocator (the compiled ``host_cache`` op): a freed block of 1 MiB or more is kept for the
+next request of its size while the cache holds at most ``cap_bytes``, so a step re-faults only what the cap cannot
+hold, and the peak grows by at most the cap (:func:`host_cache_stats` counts hits and misses).
+``DSRUN_HOST_CACHE_MB`` overrides the cap (0: no cache).
 """
 from __future__ import annotations
 
@@ -21,6 +27,8 @@ import ctypes
 import ctypes.util
 import os
 from typing import Any
+
+from dsrun.utils.errors import ConfigError
 
 _M_MMAP_THRESHOLD = -3  # mallopt parameter number in glibc's malloc.h
 MMAP_THRESHOLD_BYTES = 1 << 20
@@ -48,3 +56,44 @@ def fix_mmap_threshold(nbytes: int = MMAP_THRESHOLD_BYTES) -> bool:
 def trim() -> bool:
     """Return free heap pages to the OS now."""
     return bool(_LIBC is not None and _LIBC.malloc_trim(0))
+
+
+def cache_large_blocks(cap_bytes: int) -> bool:
+    """Keep freed host blocks of at least :data:`MMAP_THRESHOLD_BYTES`, up to ``cap_bytes`` in all, for the next
+    request of the same size (``DSRUN_HOST_CACHE_MB`` overrides the cap; 0 turns the cache off). False when the
+    cache is off or the op cannot be built (no C++ compiler: one warning, as every op's fallback)."""
+    override = os.environ.get("DSRUN_HOST_CACHE_MB")
+    if override not in (None, ""):
+        try:
+            cap_bytes = int(float(override) * (1 << 20))
+        except ValueError:
+            raise ConfigError(f"DSRUN_HOST_CACHE_MB={override!r}: expected a size in MiB (0 turns the host cache "
+                              "off)") from None
+        if cap_bytes < 0:
+            raise ConfigError(f"DSRUN_HOST_CACHE_MB={override!r}: expected a size >= 0 in MiB")
+    op = _host_cache_op() if cap_bytes > 0 or _installed() else None
+    if op is None:
+        return False
+    op.install(int(cap_bytes), MMAP_THRESHOLD_BYTES)
+    return cap_bytes > 0
+
+
+def host_cache_stats() -> dict[str, int]:
+    """The cache's counters (``hits``, ``misses``, ``cached_bytes``, ``peak_cached_bytes``, ``cap_bytes``...);
+    empty when it was never installed."""
+    return dict(_host_cache_op().stats()) if _installed() else {}
+
+
+_OP: list[Any] = []
+
+
+def _installed() -> bool:
+    return bool(_OP) and _OP[0] is not None and bool(_OP[0].stats()["installed"])
+
+
+def _host_cache_op() -> Any:
+    if not _OP:
+        from dsrun.ops.loader import load_op
+
+        _OP.append(load_op("host_cache"))
+    return _OP[0]

@@ -11,7 +11,7 @@ def test_report_lists_every_op_and_the_environment():
     proc = run_cli("report", "--no-color")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    for op in ("cpu_adam", "cpu_adagrad", "cpu_lion", "async_io"):
+    for op in ("cpu_adam", "cpu_adagrad", "cpu_lion", "async_io", "host_cache"):
         assert op in out
     for item in ("dsrun", "torch", "python", "C++ compiler", "accelerator", "op cache", "CPU SIMD level"):
         assert item in out
