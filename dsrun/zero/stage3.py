@@ -64,12 +64,6 @@ from dsrun.offload.state_moves import OffloadStateTypeEnum, StateTensor
 from dsrun.optim.optimizer_wrappers import OptimizerWrapperKind
 
 
-# the host cache's cap on the CPU, in modules' gathered bytes: a module's gathered parameters, the collectives'
-# flat copies and autograd's full weight gradients (the 100M GPT: faults per step 374k -> 175k at 6 modules,
-# 198k at 3, 265k at 1.5, docs/performance.md)
-HOST_CACHE_MODULES = 6
-
-
 class Stage3Strategy(StatesOffload, ZeroStrategy):
     stage = 3
     scatters_gradients = True
@@ -122,9 +116,8 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
             # 1 MiB, not above one module's temporaries: a higher pin kept their freed pages in the heap, about a
             # whole gathered model per rank under the step's peak (docs/performance.md, "The mmap pin")
             host_memory.fix_mmap_threshold()
-            # the temporaries recur module after module: a few modules' worth of freed blocks kept for reuse
-            host_memory.cache_large_blocks(HOST_CACHE_MODULES * self.coordinator.largest_fetch_numel()
-                                           * self.model_dtype.itemsize)
+            host_memory.cache_large_blocks(host_memory.HOST_CACHE_MODULES  # the temporaries recur module by module
+                                           * self.coordinator.largest_fetch_numel() * self.model_dtype.itemsize)
 
         self._optimizer = ctx.optimizer
         self.shard_ctx = ShardContext(  # what the stores know of this strategy
