@@ -1,7 +1,7 @@
 """Fixtures for the launcher's integration tests.
 
-``two_hosts`` builds two "machines" out of network namespaces: a veth pair joins namespace A
-(10.213.77.1/24) and B (10.213.77.2/24), its ends named ``dsrun0`` on both sides (so one
+``two_hosts`` builds two "machines" out of network namespaces (tests/namespaces.py): a veth pair joins
+namespace A (10.213.77.1/24) and B (10.213.77.2/24), its ends named ``dsrun0`` on both sides (so one
 ``GLOO_SOCKET_IFNAME`` fits every host), and each runs its own sshd on its own address with a generated host
 key and one authorized root key, all in a temporary directory. The launcher under test runs inside A and
 reaches both hosts over ssh (A to itself, A to B). Everything is torn down at the end of the session,
@@ -16,23 +16,15 @@ import shutil
 import signal
 import subprocess
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import require_programs
+from tests.namespaces import INTERFACE, Host, veth_pair
 
 SUBNET = "10.213.77"
-INTERFACE = "dsrun0"
-
-
-@dataclass
-class Host:
-    namespace: str
-    address: str
-    netns_inode: str
 
 
 @dataclass
@@ -57,15 +49,11 @@ class TwoHosts:
         return path
 
     def in_namespace(self, host: Host, argv: list[str]) -> list[str]:
-        return ["ip", "netns", "exec", host.namespace, *argv]
+        return host.enter(argv)
 
 
 def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, check=check, timeout=30)
-
-
-def _netns_inode(namespace: str) -> str:
-    return _run("ip", "netns", "exec", namespace, "readlink", "/proc/self/ns/net").stdout.strip()
 
 
 def _write_sshd_config(folder: Path, address: str) -> Path:
@@ -96,56 +84,38 @@ def two_hosts(tmp_path_factory: pytest.TempPathFactory):
     if os.geteuid() != 0:
         pytest.skip("multi-host tests need root for network namespaces (CI runs them as root)")
     sshd = require_programs("ip", "ssh", "ssh-keygen", "sshd")["sshd"]
-    tag = uuid.uuid4().hex[:6]
-    ns_a, ns_b = f"dsrun-{tag}-a", f"dsrun-{tag}-b"
-    veth_a, veth_b = f"dsr{tag}a", f"dsr{tag}b"
     folder = tmp_path_factory.mktemp("two_hosts")
     sshd_processes: list[subprocess.Popen] = []
-    created: list[str] = []
-    try:
-        for namespace in (ns_a, ns_b):
-            _run("ip", "netns", "add", namespace)
-            created.append(namespace)
-        _run("ip", "link", "add", veth_a, "type", "veth", "peer", "name", veth_b)
-        for namespace, veth, address in ((ns_a, veth_a, f"{SUBNET}.1"), (ns_b, veth_b, f"{SUBNET}.2")):
-            _run("ip", "link", "set", veth, "netns", namespace)
-            _run("ip", "-n", namespace, "link", "set", veth, "name", INTERFACE)
-            _run("ip", "-n", namespace, "addr", "add", f"{address}/24", "dev", INTERFACE)
-            _run("ip", "-n", namespace, "link", "set", INTERFACE, "up")
-            _run("ip", "-n", namespace, "link", "set", "lo", "up")
-        _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(folder / "host_key"))
-        _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(folder / "id_ed25519"))
-        shutil.copy(folder / "id_ed25519.pub", folder / "authorized_keys")
-        ssh_config = folder / "ssh_config"
-        ssh_config.write_text("\n".join([
-            "Host *", f"  IdentityFile {folder}/id_ed25519", "  IdentitiesOnly yes", "  User root",
-            "  StrictHostKeyChecking no", "  UserKnownHostsFile /dev/null", "  LogLevel ERROR",
-            "  BatchMode yes", "",
-        ]))
-        os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege-separation directory
-        hosts = TwoHosts(a=Host(ns_a, f"{SUBNET}.1", _netns_inode(ns_a)),
-                         b=Host(ns_b, f"{SUBNET}.2", _netns_inode(ns_b)),
-                         ssh_config=ssh_config, workdir=folder)
-        for host in (hosts.a, hosts.b):
-            config = _write_sshd_config(folder, host.address)
-            _run(sshd, "-t", "-f", str(config))
-            with open(folder / f"sshd_{host.address}.log", "w") as log:  # the child keeps its own copy
-                sshd_processes.append(subprocess.Popen(
-                    ["ip", "netns", "exec", host.namespace, sshd, "-D", "-e", "-f", str(config)],
-                    stdout=subprocess.DEVNULL, stderr=log))
-        deadline = time.monotonic() + 30
-        for host in (hosts.a, hosts.b):
-            _wait_for_ssh(hosts, host, deadline)
-        yield hosts
-    finally:
-        for process in sshd_processes:  # `ip netns exec` execs sshd, so this PID is sshd itself
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in sshd_processes:
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=10)
-        for namespace in created:
-            _run("ip", "netns", "del", namespace, check=False)
+    with veth_pair(SUBNET) as (host_a, host_b):
+        try:
+            _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(folder / "host_key"))
+            _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(folder / "id_ed25519"))
+            shutil.copy(folder / "id_ed25519.pub", folder / "authorized_keys")
+            ssh_config = folder / "ssh_config"
+            ssh_config.write_text("\n".join([
+                "Host *", f"  IdentityFile {folder}/id_ed25519", "  IdentitiesOnly yes", "  User root",
+                "  StrictHostKeyChecking no", "  UserKnownHostsFile /dev/null", "  LogLevel ERROR",
+                "  BatchMode yes", "",
+            ]))
+            os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege-separation directory
+            hosts = TwoHosts(a=host_a, b=host_b, ssh_config=ssh_config, workdir=folder)
+            for host in (hosts.a, hosts.b):
+                config = _write_sshd_config(folder, host.address)
+                _run(sshd, "-t", "-f", str(config))
+                with open(folder / f"sshd_{host.address}.log", "w") as log:  # the child keeps its own copy
+                    sshd_processes.append(subprocess.Popen(host.enter([sshd, "-D", "-e", "-f", str(config)]),
+                                                           stdout=subprocess.DEVNULL, stderr=log))
+            deadline = time.monotonic() + 30
+            for host in (hosts.a, hosts.b):
+                _wait_for_ssh(hosts, host, deadline)
+            yield hosts
+        finally:
+            for process in sshd_processes:  # `ip netns exec` execs sshd, so this PID is sshd itself
+                if process.poll() is None:
+                    process.send_signal(signal.SIGTERM)
+            for process in sshd_processes:
+                try:
+                    process.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait(timeout=10)
