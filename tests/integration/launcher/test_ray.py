@@ -1,22 +1,23 @@
 """Ray Train starts the ranks (docs/cluster.md, "Ray"), on a real local Ray (CPU, 2 workers):
 
-* ``dsrun train launcher=ray launcher.num_procs=2 launcher.max_failures=2``, one of whose workers is killed (SIGKILL,
-  by PID) once Ray has registered the step-5 checkpoint: Ray restarts the whole group, which resumes from the
-  checkpoint Ray registered last (the run directory's own are moved away at the kill), trains the local launcher's
-  losses (the same overrides, the worker's entry in two ranks: ``run_ranks``) and ends with its weights, bit for bit;
-  the checkpoints dsrun saved are registered with Ray;
-* a real node drain: a ``TorchTrainer(dsrun.ray.train_loop)`` whose 2 workers run on a second node of the Ray,
-  which Ray's GCS is asked to drain for preemption with a deadline (``DrainNode``, what ``ray drain-node`` and the
-  autoscaler send) while they begin step 7: both ranks stop at that step's boundary and save, the checkpoint is
-  registered with Ray, Ray ends the group at the deadline and starts it again on the head, from that checkpoint,
-  though ``FailureConfig(max_failures=0)``: a preemption is not a failure; the run ends with the local launcher's
-  losses and weights, and the drained node leaves the cluster;
+* your own ``TorchTrainer(dsrun.ray.train_loop)`` (the run prepared by ``dsrun.ray.prepare_run``) with
+  ``FailureConfig(max_failures=2)``, one of whose workers is killed (SIGKILL, by PID) once Ray has registered the
+  step-5 checkpoint: Ray restarts the whole group, which resumes from the checkpoint Ray registered last (the run
+  directory's own are moved away at the kill), trains the local launcher's losses (the same overrides, the worker's
+  entry in two ranks: ``run_ranks``) and ends with its weights, bit for bit;
+* a real node drain under ``dsrun train launcher=ray launcher.max_failures=0 launcher.max_preemption_failures=1``:
+  its 2 workers run on a second node of the Ray, which Ray's GCS is asked to drain for preemption with a deadline
+  (``DrainNode``, what ``ray drain-node`` and the autoscaler send) while they begin step 7: both ranks stop at that
+  step's boundary and save, the checkpoint is registered with Ray, Ray ends the group at the deadline and starts it
+  again on the head, from that checkpoint, though ``max_failures=0``: a preemption is not a failure; the run ends
+  with exit code 0, the local launcher's losses and weights, Ray's storage holds the newest ``train.keep_last`` of
+  dsrun's checkpoints, and the drained node leaves the cluster;
 * without the package, ``launcher=ray`` is one line naming ``pip install 'dsrun[ray]'`` and exit code 2.
 
 One Ray for the module (``ray.cluster_utils.Cluster``: its head node, 4 logical CPUs; the drain test adds a node of
 2 and removes it), started here and shut down at the end; the ``dsrun train`` process joins it
 (``launcher.address``). The local launcher's run, the reference, is made once for both. Every wait is bounded.
-(``prepare_run``'s checks are tests/unit/launcher/test_ray_options.py's.)
+(``prepare_run``'s checks and ``launcher=ray``'s keys are tests/unit/launcher/test_ray_options.py's.)
 """
 from __future__ import annotations
 
@@ -155,42 +156,52 @@ def dsrun_train(*args: str, cwd: Path) -> subprocess.Popen:
                                 stdin=subprocess.DEVNULL)
 
 
-def test_dsrun_train_on_ray_survives_a_killed_worker_with_the_local_launchers_losses_and_weights(ray_cluster,
-                                                                                                 local_run, tmp_path):
-    job = tmp_path / "job"
-    job.mkdir()
-    process = dsrun_train("train", "launcher=ray", "launcher.num_procs=2", "launcher.max_failures=2",
-                          f"launcher.address={ray_cluster.address}", *TINY, cwd=job)
-    deadline, killed, run_dir = time.monotonic() + TIMEOUT, None, None
-    try:
-        while killed is None and time.monotonic() < deadline and process.poll() is None:
-            # Ray rewrites its record of the registered checkpoints at each registration
-            registered = list(job.glob("outputs/*/*/ray/checkpoint_manager_snapshot.json"))
-            if registered and "global_step5" in registered[0].read_text():
-                workers = ray_workers()
-                if workers:
-                    killed = workers[-1]
-                    os.kill(killed, signal.SIGKILL)
-                    # the run directory's own checkpoints out of the way: the new group finds Ray's, or none
-                    run_dir = registered[0].parents[1]
-                    (run_dir / "checkpoints").rename(run_dir / "checkpoints_before_the_kill")
-            time.sleep(0.02)
-        code = process.wait(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(timeout=30)
-    output = (job / "stdout.txt").read_text()[-3000:] + (job / "stderr.txt").read_text()[-3000:]
-    assert killed is not None, "the run ended before a worker could be killed\n" + output
-    assert code == 0, output
+def test_your_own_trainer_of_train_loop_survives_a_killed_worker_with_the_local_launchers_losses_and_weights(
+        ray_cluster, local_run, tmp_path):
+    """``TorchTrainer(dsrun.ray.train_loop)`` with ``FailureConfig(max_failures=2)``, the run prepared by
+    ``dsrun.ray.prepare_run``: one worker killed once Ray registered the step-5 checkpoint, the group restarted from
+    Ray's checkpoint (the run directory's own are moved away)."""
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    import dsrun.ray
+
+    config = dsrun.ray.prepare_run(TINY, num_workers=2, run_dir=tmp_path / "run")
+    run_dir = Path(config[dsrun.ray.RUN_DIR_KEY])
+    trainer = TorchTrainer(dsrun.ray.train_loop, train_loop_config=config, scaling_config=ScalingConfig(num_workers=2),
+                           run_config=RunConfig(name="killed", storage_path=str(tmp_path / "ray"),
+                                                failure_config=FailureConfig(max_failures=2)))
+    outcome: dict[str, Any] = {}
+
+    def fit() -> None:
+        try:
+            outcome["result"] = trainer.fit()
+        except BaseException as err:  # handed to the test's thread
+            outcome["error"] = err
+
+    fitting = threading.Thread(target=fit, daemon=True)  # this process is Ray's driver
+    fitting.start()
+    # Ray rewrites its record of the registered checkpoints at each registration
+    registered = tmp_path / "ray" / "killed" / "checkpoint_manager_snapshot.json"
+    deadline, killed = time.monotonic() + TIMEOUT, None
+    while killed is None and time.monotonic() < deadline and fitting.is_alive():
+        if registered.exists() and "global_step5" in registered.read_text():
+            workers = ray_workers()
+            if workers:
+                killed = workers[-1]
+                os.kill(killed, signal.SIGKILL)
+                # the run directory's own checkpoints out of the way: the new group finds Ray's, or none
+                (run_dir / "checkpoints").rename(run_dir / "checkpoints_before_the_kill")
+        time.sleep(0.02)
+    fitting.join(timeout=max(1.0, deadline - time.monotonic()))
+    assert not fitting.is_alive(), "the run did not end"
+    assert killed is not None, "the run ended before a worker could be killed"
+    assert "error" not in outcome, outcome.get("error")
     # the restarted group resumed from the checkpoint Ray had registered last when the worker died, not from step 0
     resumed = json.loads((run_dir / "metrics.json").read_text()).get("resumed_from_step")
     assert resumed in (5, 10, 15), resumed
     assert_resumed_exactly(run_dir, resumed, local_run)
-    # every checkpoint dsrun saved was registered with Ray, which keeps the newest train.keep_last in its storage
-    assert sorted(p.name for p in (run_dir / "ray").glob("global_step*")) == ["global_step15", "global_step20"]
-    assert sorted(p.name for p in (run_dir / "ray" / "global_step20").iterdir()) == \
-        sorted(p.name for p in (run_dir / "checkpoints" / "global_step20").iterdir())
+    assert outcome["result"].error is None and outcome["result"].metrics["step"] == 20
 
 
 # the drain test: the step whose boundary the drain's notice reaches; the drain's deadline, which must cover Ray's
@@ -199,51 +210,10 @@ def test_dsrun_train_on_ray_survives_a_killed_worker_with_the_local_launchers_lo
 # that died before it would be a failure to Ray), so the workers wait for it
 DRAIN_AT = 7
 DRAIN_DEADLINE_S = 10
-
-
-def drained_worker(config: dict[str, Any]) -> None:
-    """``dsrun.ray.train_loop`` as the drain test's Ray Train worker. It notes in ``events_rank<R>.jsonl`` (the run
-    directory) where it started (Ray's node, the checkpoint Ray restarted it from) and the step its ranks stopped
-    at (with rank 0's ``preempted.json`` record, which the restarted group's resume removes). The first group holds
-    at the start of step ``drain_at`` until Ray's preemption notice has reached it (the test drains its node once
-    it is there), so that the notice comes at that step's boundary and not at another one."""
-    import ray
-    import ray.train
-
-    import dsrun.ray
-    from dsrun.run_book import RunBook
-
-    rank = ray.train.get_context().get_world_rank()
-    restored = ray.train.get_checkpoint()
-    events = Path(config[dsrun.ray.RUN_DIR_KEY]) / f"events_rank{rank}.jsonl"
-
-    def note(event: str, **fields: Any) -> None:
-        with events.open("a") as out:
-            out.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
-
-    note("start", node=ray.get_runtime_context().get_node_id(),
-         restored=Path(restored.path).name if restored is not None else None)
-    begins, ends = RunBook.step_begins, RunBook.step_ends
-
-    def step_begins(book: RunBook) -> None:
-        begins(book)
-        if restored is None and book.last_step_done + 1 == config["drain_at"]:
-            note("waiting", step=config["drain_at"])
-            waited_until = time.monotonic() + TIMEOUT
-            # rank 0's answer on every rank (a broadcast), so both ranks leave this loop at the same call
-            while ray.train.get_preemption_info() is None:
-                if time.monotonic() > waited_until:
-                    raise RuntimeError(f"no preemption notice from Ray within {TIMEOUT} s of the drain test's wait")
-                time.sleep(0.1)
-
-    def step_ends(book: RunBook, step: int, loss: float) -> bool:
-        stopped = ends(book, step, loss)
-        if stopped:
-            note("stopped", step=step, record=book.preempted)
-        return stopped
-
-    RunBook.step_begins, RunBook.step_ends = step_begins, step_ends
-    dsrun.ray.train_loop(config)
+# on the drained node only: its Python processes run this folder's sitecustomize, the ranks' notes and their hold at
+# step DRAIN_AT until Ray's notice came (the only thing the test adds to the workers: it fixes the step the drain
+# lands on, so that the test can name it)
+HOLD = Path(__file__).parent / "ray_hold"
 
 
 def read_events(run_dir: Path, rank: int) -> list[dict[str, Any]]:
@@ -251,49 +221,35 @@ def read_events(run_dir: Path, rank: int) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def test_a_drained_nodes_workers_save_at_one_step_and_ray_restarts_them_on_the_other_node(ray_cluster, local_run,
-                                                                                         tmp_path):
-    """Two nodes: the module's head and one added here. The head's CPUs are held (a placement group of this test)
-    until the drain, so the group starts on the added node; Ray is asked to drain that one, and the group it
-    restarts can only go to the head."""
+def test_dsrun_train_on_ray_a_drained_nodes_ranks_save_at_one_step_and_ray_restarts_them_on_the_head(
+        ray_cluster, local_run, tmp_path):
+    """``dsrun train launcher=ray launcher.max_failures=0 launcher.max_preemption_failures=1`` on two nodes: the
+    module's head and one added here. The head's CPUs are held (a placement group of this test) until the drain, so
+    the group starts on the added node; Ray is asked to drain that one (``DrainNode``, what ``ray drain-node`` and
+    the autoscaler send) while the ranks begin step 7, and the group it restarts can only go to the head."""
     import ray
     from ray._raylet import GcsClient
     from ray.core.generated import autoscaler_pb2
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    import dsrun.ray
-
-    head = ray_cluster.head_node.node_id
-    spot = ray_cluster.add_node(num_cpus=2)
+    spot = ray_cluster.add_node(num_cpus=2, env_vars={
+        "PYTHONPATH": os.pathsep.join([str(HOLD), os.environ["PYTHONPATH"]]), "DSRUN_TEST_HOLD_AT": str(DRAIN_AT)})
     held = placement_group([{"CPU": HEAD_CPUS}])  # only the head has as many
-    outcome: dict[str, Any] = {}
+    job = tmp_path / "job"
+    job.mkdir()
+    process = None
     try:
         ray.get(held.ready(), timeout=60)
-        config = dsrun.ray.prepare_run(TINY, num_workers=2, run_dir=tmp_path / "run")
-        run_dir = Path(config[dsrun.ray.RUN_DIR_KEY])
-        trainer = TorchTrainer(
-            drained_worker, train_loop_config={**config, "drain_at": DRAIN_AT},
-            scaling_config=ScalingConfig(num_workers=2),
-            # a preemption is charged to max_preemption_failures: with max_failures=0 a restart counted as a
-            # failure would end the run
-            run_config=RunConfig(name="drain", storage_path=str(tmp_path / "ray"),
-                                 failure_config=FailureConfig(max_failures=0, max_preemption_failures=1)))
-
-        def fit() -> None:
-            try:
-                outcome["result"] = trainer.fit()
-            except BaseException as err:  # handed to the test's thread
-                outcome["error"] = err
-
-        fitting, fit_started = threading.Thread(target=fit, daemon=True), time.time()
-        fitting.start()
+        process = dsrun_train("train", "launcher=ray", "launcher.num_procs=2", "launcher.max_failures=0",
+                              "launcher.max_preemption_failures=1", f"launcher.address={ray_cluster.address}", *TINY,
+                              cwd=job)
+        started = time.time()
         until = time.monotonic() + TIMEOUT
-        while not any(e["event"] == "waiting" for e in read_events(run_dir, 0)) and fitting.is_alive():
+        while not any(e["event"] == "waiting" for path in job.glob("outputs/*/*")
+                      for e in read_events(path, 0)) and process.poll() is None:
             assert time.monotonic() < until, "the workers did not reach the step to drain at"
             time.sleep(0.1)
-        assert "error" not in outcome, outcome.get("error")
+        (run_dir,) = job.glob("outputs/*/*")
         # the drain Ray's autoscaler (and `ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION`) asks of the GCS
         drained_at = time.time()
         accepted, why = GcsClient(address=ray_cluster.address).drain_node(
@@ -302,51 +258,49 @@ def test_a_drained_nodes_workers_save_at_one_step_and_ray_restarts_them_on_the_o
         assert accepted, why
         remove_placement_group(held)  # room for the restarted group on the head
         held = None
-        fitting.join(timeout=max(1.0, until + DRAIN_DEADLINE_S - time.monotonic()))
-        assert not fitting.is_alive(), "the run did not end"
-        fit_ended = time.time()
+        code = process.wait(timeout=max(1.0, until + DRAIN_DEADLINE_S - time.monotonic()))
+        ended = time.time()
         # the drained node leaves the cluster by itself once nothing runs on it (its raylet exits)
         while time.monotonic() < until and next(n for n in ray.nodes() if n["NodeID"] == spot.node_id)["Alive"]:
             time.sleep(0.2)
         drained_node_left = not next(n for n in ray.nodes() if n["NodeID"] == spot.node_id)["Alive"]
     finally:
+        if process is not None and process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
         if held is not None:
             remove_placement_group(held)
         ray_cluster.remove_node(spot)
-    assert "error" not in outcome, outcome.get("error")
-    result = outcome["result"]
+    output = (job / "stdout.txt").read_text()[-3000:] + (job / "stderr.txt").read_text()[-3000:]
+    # Ray took the restart for a preemption, not a failure (max_failures=0), and the run for finished
+    assert code == 0, output
 
     events = [read_events(run_dir, rank) for rank in (0, 1)]
-    # the first group ran on the drained node; Ray's notice stopped both ranks at the boundary of the same step,
-    # where each saved (each rank's record: the checkpoint at that step, saved, the notice naming the node and
-    # ranks); the group Ray restarted ran on the head, from that checkpoint
+    # the first group ran on the drained node (the only one noting: the hold is that node's); Ray's notice stopped
+    # both ranks at the boundary of the same step, where each saved (each rank's record: the checkpoint at that
+    # step, saved, the notice naming the node and ranks)
     for rank in (0, 1):
-        starts = [e for e in events[rank] if e["event"] == "start"]
+        assert [(e["node"], e["restored"]) for e in events[rank] if e["event"] == "start"] == [(spot.node_id, None)]
         stops = [e for e in events[rank] if e["event"] == "stopped"]
-        assert [(e["node"], e["restored"]) for e in starts] == [(spot.node_id, None),
-                                                              (head, f"global_step{DRAIN_AT}")], events
         assert [e["step"] for e in stops] == [DRAIN_AT], events
         record = stops[0]["record"]
         assert {k: record[k] for k in ("step", "saved", "checkpoint", "reached_boundary")} == \
             {"step": DRAIN_AT, "saved": True, "checkpoint": f"global_step{DRAIN_AT}", "reached_boundary": True}, record
         assert record["notice"].startswith(f"Ray: node(s) {spot.node_id[:12]} drained (ranks 0, 1; reclaimed at "), \
             record
-    # that checkpoint was registered with Ray, every rank's files in it (as in the last one)
-    storage = tmp_path / "ray" / "drain"
-    assert sorted(p.name for p in storage.glob("global_step*")) == \
-        sorted(f"global_step{step}" for step in (5, DRAIN_AT, 10, 15, 20))
-    assert sorted(p.name for p in (storage / f"global_step{DRAIN_AT}").iterdir()) == \
-        sorted(p.name for p in (storage / "global_step20").iterdir())
-    # Ray took the restart for a preemption, not a failure (max_failures=0), and the run for finished
-    assert_resumed_exactly(run_dir, DRAIN_AT, local_run)
-    assert result.error is None and result.metrics["step"] == 20
+    # the group Ray restarted (on the head: the drained node takes no new work and left) resumed from that
+    # checkpoint, which Ray registered (it hands a restarted group the one it registered last), and ends with the
+    # local launcher's losses and weights
     assert drained_node_left
-    at = {e["event"] + str(i): e["time"] for i, e in enumerate(e for e in events[0] if e["event"] == "start")}
-    at.update((e["event"], e["time"]) for e in events[0] if e["event"] != "start")
-    sys.stdout.write(f"the drain test: step {DRAIN_AT} begun {at['waiting'] - fit_started:.1f} s after fit(); the "
-                     f"ranks stopped and saved {at['stopped'] - drained_at:.1f} s after the drain, restarted "
-                     f"{at['start1'] - drained_at:.1f} s after it (deadline {DRAIN_DEADLINE_S} s), the run ended "
-                     f"{fit_ended - drained_at:.1f} s after it\n")
+    assert_resumed_exactly(run_dir, DRAIN_AT, local_run)
+    # every checkpoint dsrun saved was registered with Ray, which keeps the newest train.keep_last in its storage
+    assert sorted(p.name for p in (run_dir / "ray").glob("global_step*")) == ["global_step15", "global_step20"]
+    assert sorted(p.name for p in (run_dir / "ray" / "global_step20").iterdir()) == \
+        sorted(p.name for p in (run_dir / "checkpoints" / "global_step20").iterdir())
+    at = {e["event"]: e["time"] for e in events[0]}
+    sys.stdout.write(f"the drain test: step {DRAIN_AT} begun {at['waiting'] - started:.1f} s after dsrun train "
+                     f"started; the ranks stopped and saved {at['stopped'] - drained_at:.1f} s after the drain "
+                     f"(deadline {DRAIN_DEADLINE_S} s), dsrun train ended {ended - drained_at:.1f} s after it\n")
 
 
 def test_launcher_ray_without_the_package_is_one_line_and_exit_code_2(tmp_path):
