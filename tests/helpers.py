@@ -22,9 +22,7 @@ CORES = os.cpu_count() or 1
 # The programs some tests run and the Debian package of each; tests/run installs these packages (as root).
 SYSTEM_PACKAGES = {"sshd": "openssh-server", "ssh": "openssh-client", "ssh-keygen": "openssh-client",
                    "ip": "iproute2", "mpirun": "openmpi-bin",
-                   # a machine of its own in a network namespace (tests/namespaces.py); Debian's essential set has it
-                   "nsenter": "util-linux", "unshare": "util-linux",
-                   # a real Slurm cluster (tests/e2e/slurm): its daemons and clients, and munge's
+                   # a real one-node Slurm cluster (tests/e2e/slurm): its daemons and clients, and munge's
                    "slurmctld": "slurm-wlm", "slurmd": "slurm-wlm", "sbatch": "slurm-wlm", "srun": "slurm-wlm",
                    "sinfo": "slurm-wlm", "scontrol": "slurm-wlm", "scancel": "slurm-wlm", "squeue": "slurm-wlm",
                    "munged": "munge", "mungekey": "munge"}

@@ -13,6 +13,7 @@ namespace of its own), so a node name resolves to that node's address, as on a r
 from __future__ import annotations
 
 import contextlib
+import shutil
 import subprocess
 import uuid
 from dataclasses import dataclass
@@ -20,7 +21,19 @@ from pathlib import Path
 from typing import Iterator
 
 INTERFACE = "dsrun0"
-PROGRAMS = ("ip", "nsenter", "unshare")
+
+
+def require_namespace_programs() -> None:
+    """Skips the calling test without ``ip`` (iproute2, which tests/run installs) or ``nsenter``/``unshare``
+    (util-linux, in Debian's essential set), naming the package."""
+    import pytest
+
+    from tests.helpers import require_programs
+
+    require_programs("ip")
+    missing = [name for name in ("nsenter", "unshare") if shutil.which(name) is None]
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)}: apt-get install util-linux")
 
 
 def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:

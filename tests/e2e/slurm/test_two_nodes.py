@@ -27,8 +27,7 @@ import pytest
 
 from tests.e2e.slurm.cluster import SLURM_GROUP, Node, SlurmCluster, missing_programs, start_cluster
 from tests.helpers import REPO, require_programs, run_ranks
-from tests.namespaces import PROGRAMS as NAMESPACE_PROGRAMS
-from tests.namespaces import veth_pair
+from tests.namespaces import require_namespace_programs, veth_pair
 
 # the Slurm tests' worker (one Slurm job at a time on this machine)
 pytestmark = pytest.mark.xdist_group(SLURM_GROUP)
@@ -46,7 +45,7 @@ NODES = ["launcher.num_nodes=2", "launcher.num_procs=1"]  # one rank on each nod
 def two_node_cluster(tmp_path_factory) -> Iterator[SlurmCluster]:
     if missing_programs():
         require_programs(*missing_programs())  # skips, naming the packages
-    require_programs(*NAMESPACE_PROGRAMS)
+    require_namespace_programs()
     if os.geteuid() != 0:
         pytest.skip("the two-node Slurm runs its nodes in network namespaces and its daemons as root: run as root")
     folder = tmp_path_factory.mktemp("slurm2")
