@@ -138,6 +138,25 @@ def _grad_accum_problems(cfg: DSConfig, p: str) -> list[Problem]:
     return []
 
 
+def _super_offload_problems(cfg: DSConfig, zp: str) -> list[Problem]:
+    """``offload_optimizer.super_offload`` steps each NVMe sub-group during backward (dsrun/offload/backward_step.py):
+    only where that update equals the step's, with no global norm or loss scale to wait for."""
+    z, key = cfg.zero_optimization, f"{zp}.offload_optimizer.super_offload"
+    if not z.offload_optimizer.super_offload:
+        return []
+    if z.stage != 3 or z.offload_optimizer.device != "nvme":
+        return [Problem(key, f"is implemented for ZeRO stage 3 with offload_optimizer.device 'nvme' (got stage "
+                        f"{z.stage}, device {z.offload_optimizer.device!r}); on the CPU the overlapped step is ZenFlow",
+                        "leave super_offload false, or use zero_optimization.zenflow")]
+    if cfg.gradient_clipping:
+        return [Problem(key, f"steps sub-groups before the global gradient norm exists; gradient_clipping is "
+                        f"{cfg.gradient_clipping}", "set gradient_clipping to 0, or leave super_offload false")]
+    if cfg.fp16.enabled:
+        return [Problem(key, "steps sub-groups before the overflow check and the loss scale are known; fp16 is on",
+                        "use bf16, or leave super_offload false")]
+    return []
+
+
 def check_zero(cfg: DSConfig, raw: dict[str, Any], p: str) -> tuple[list[Problem], list[str]]:
     z = cfg.zero_optimization
     zp = f"{p}zero_optimization"
@@ -157,6 +176,7 @@ def check_zero(cfg: DSConfig, raw: dict[str, Any], p: str) -> tuple[list[Problem
             problems.append(Problem(f"{zp}.offload_optimizer.device",
                                     f"NVMe optimizer offload needs ZeRO stage 3, stage is {z.stage}",
                                     "use device 'cpu' or stage 3"))
+        problems += _super_offload_problems(cfg, zp)
         if opt.ratio < 1.0 and z.stage != 3:
             problems.append(Problem(f"{zp}.offload_optimizer.ratio",
                                     f"got {opt.ratio}; partial offload (ratio < 1) needs ZeRO stage 3, stage is {z.stage}"))

@@ -31,6 +31,7 @@ import torch
 
 from dsrun.utils.errors import ConfigError, Problem
 
+from dsrun.offload.backward_step import BackwardSteps, Publish
 from dsrun.offload.pipeline import PipelineTimes, run_swap_pipeline
 from dsrun.offload.settings import KEY, OffloadOptimizerSettings
 from dsrun.offload.swap_store import SwapStore
@@ -125,6 +126,10 @@ class BufferPool:
     def give(self, buffer: torch.Tensor) -> None:
         self.free.append(buffer)
 
+    def available(self) -> int:
+        """Buffers :meth:`take` can still hand out."""
+        return len(self.free) + self.count - self.allocated
+
     @property
     def nbytes(self) -> int:
         return self.allocated * self.numel * 4
@@ -173,6 +178,12 @@ class SwappedOptimizerState:
         self._boundary = True
         self.stats: dict[int, tuple[float, bool]] = {}
         self.last_times = PipelineTimes()
+        self.backward_steps: BackwardSteps | None = None  # super_offload: sub-groups stepped during backward
+
+    def step_during_backward(self, param_group: Callable[[int], dict[str, Any]], publish: Publish) -> None:
+        """``super_offload``: step each sub-group during the boundary's backward once its gradient is final
+        (:mod:`.backward_step`); ``publish`` as :meth:`step`'s, but writing without a copy."""
+        self.backward_steps = BackwardSteps(self, param_group, publish)
 
     # ------------------------------------------------------------------ construction
     def add_unit(self, unit: SwappedUnit, master: torch.Tensor) -> None:
@@ -200,12 +211,20 @@ class SwappedOptimizerState:
     def begin_micro_step(self, boundary: bool) -> None:
         self._boundary = boundary
         self._remaining = {u.index: u.params_per_step for u in self.units}
+        if self.backward_steps is not None:
+            self.backward_steps.begin(boundary)
+
+    def as_state(self, buffer: torch.Tensor, numel: int) -> torch.Tensor:
+        """A pool buffer as one optimizer state of ``numel`` elements."""
+        return as_dtype(buffer, self.state_dtype, numel)
 
     def _take_buffer(self) -> torch.Tensor:
         assert self.pool is not None
         buffer = self.pool.take()
         if buffer is None and self._writing:
             self.recycle()
+            buffer = self.pool.take()
+        if buffer is None and self.backward_steps is not None and self.backward_steps.give_up_read_ahead():
             buffer = self.pool.take()
         if buffer is None:  # every buffer holds an open gradient: write the oldest one out early
             oldest = next(iter(self._open))
@@ -249,6 +268,10 @@ class SwappedOptimizerState:
     def _close(self, index: int, final: bool) -> None:
         buffer = self._open.pop(index)
         grad = buffer[:self._unit_by_index[index].numel]
+        if final and self._boundary and self.backward_steps is not None:
+            self.backward_steps.closed(index)
+            if self.backward_steps.try_step(index, buffer):
+                return
         if final and self._boundary and self.measure_gradients:
             self.stats[index] = grad_stats(grad)
         if self.narrow_dtype is not None and index not in self._wide:  # exact in the model dtype: half the bytes
@@ -315,8 +338,9 @@ class SwappedOptimizerState:
              publish: Callable[[int, torch.Tensor], None]) -> PipelineTimes:
         """Update every swapped sub-group: gradient scaled by ``coef``; ``publish(index, values)`` receives the
         updated values (16-bit when the model is, else the fp32 master) to write into the model's shards."""
+        done = self.backward_steps.finish(coef) if self.backward_steps is not None else set()
         slots = self._slots()
-        order = self.units
+        order = [u for u in self.units if u.index not in done]
 
         def issue_read(k: int) -> None:
             unit, slot = order[k], slots[k % self.depth]

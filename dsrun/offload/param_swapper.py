@@ -118,6 +118,15 @@ class ParamOffload:
         with torch.no_grad():
             param.ds_tensor.copy_(values)
 
+    def write_borrowed(self, param: torch.nn.Parameter, values: torch.Tensor) -> bool:
+        """As :meth:`write_shard`, but a file write may read ``values`` itself until :meth:`settle_borrowed`;
+        True when one does."""
+        self.write_shard(param, values)
+        return False
+
+    def settle_borrowed(self) -> None:
+        """Wait for the writes :meth:`write_borrowed` left reading their callers' buffers."""
+
     def flush(self) -> None:
         """Wait until every write started by :meth:`write_shard` has landed."""
 
@@ -184,6 +193,7 @@ class NvmeParamOffload(ParamOffload):
         self._free: list[torch.Tensor] = []
         self._allocated = 0
         self._writing: list[torch.Tensor] = []  # buffers of writes not yet waited for
+        self._borrowed = False  # writes in flight from callers' buffers (write_borrowed)
         self._staging: dict[int, list[Any]] = {}  # param id -> [buffer, elements filled] of a shard written in parts
         self._next_lane = 0
         self.cached_numel = 0
@@ -384,6 +394,27 @@ class NvmeParamOffload(ParamOffload):
                 slot.cached.copy_(values.reshape(-1))
             self._write(slot, values)
 
+    def write_borrowed(self, param: torch.nn.Parameter, values: torch.Tensor) -> bool:
+        """Write the whole shard straight from ``values`` (the optimizer's staging buffer during backward, when
+        this pool's buffers hold backward's read-ahead: taking one would evict a shard backward reads next)."""
+        slot = self.slots.get(id(param))
+        if slot is None or values.numel() != slot.numel or values.dtype != (self.dtype or values.dtype):
+            self.write_shard(param, values) if slot is not None else super().write_shard(param, values)
+            return False
+        with torch.no_grad():
+            self._forget_old_value(slot)
+            if slot.cached is not None:
+                slot.cached.copy_(values.reshape(-1))
+            self.store.async_write(slot.key, values.reshape(-1))
+        self.written_bytes += slot.numel * values.element_size()
+        self._borrowed = True
+        return True
+
+    def settle_borrowed(self) -> None:
+        if self._borrowed:
+            self._wait_writes()
+            self._borrowed = False
+
     def write_range(self, param: torch.nn.Parameter, lo: int, hi: int, values: torch.Tensor) -> None:
         """Set elements ``[lo, hi)`` of ``param``'s shard (an optimizer that steps in tiles): the parts
         are staged in a pool buffer and the file is written once the whole shard has arrived."""
@@ -409,8 +440,9 @@ class NvmeParamOffload(ParamOffload):
     def flush(self) -> None:
         if self._staging:
             raise RuntimeError(f"NVMe parameter offload: {len(self._staging)} shard(s) were only partly written")
-        if self._writing:
+        if self._writing or self._borrowed:
             self._wait_writes()
+            self._borrowed = False
 
     # --- accounting ---------------------------------------------------------------------------------------
     def offloaded_bytes(self) -> int:

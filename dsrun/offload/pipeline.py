@@ -189,10 +189,13 @@ def run_swap_pipeline(n: int, depth: int, issue_read: Callable[[int], None], wai
 
 
 def scatter_to_shards(params: list[torch.nn.Parameter], offsets: list[int], start: int,
-                      values: torch.Tensor) -> None:
+                      values: torch.Tensor, borrowed: bool = False) -> set[Any]:
     """Copy ``values`` (elements ``[start, start + len)`` of a sub-group) into the shards (``ds_tensor``) of
-    the parameters laid out at ``offsets`` in that sub-group."""
+    the parameters laid out at ``offsets`` in that sub-group. ``borrowed``: a whole shard in NVMe files is
+    written straight from ``values``; returns the parameter offloads whose writes still read it (to
+    ``settle_borrowed()`` before ``values`` changes)."""
     end = start + values.numel()
+    readers: set[Any] = set()
     with torch.no_grad():
         for p, off in zip(params, offsets):
             lo, hi = max(off, start), min(off + p.ds_partition_numel, end)
@@ -200,8 +203,14 @@ def scatter_to_shards(params: list[torch.nn.Parameter], offsets: list[int], star
                 continue
             owner = getattr(p, "ds_offload", None)
             if owner is not None and owner.swapped(p):  # offload_param nvme: staged, written once complete
-                owner.write_range(p, lo - off, hi - off, values[lo - start:hi - start])
+                piece = values[lo - start:hi - start]
+                if borrowed and hi - lo == p.ds_partition_numel:
+                    if owner.write_borrowed(p, piece):
+                        readers.add(owner)
+                else:
+                    owner.write_range(p, lo - off, hi - off, piece)
                 continue
             target, source = p.ds_tensor[lo - off:hi - off], values[lo - start:hi - start]
             if target.data_ptr() != source.data_ptr():  # an aliased fp32 shard is the master itself
                 target.copy_(source, non_blocking=True)
+    return readers

@@ -56,6 +56,8 @@ class OffloadOptimizerSettings:
     aio: AIOConfig | Mapping[str, Any] | None
     sub_group_size: int
     force_ds_cpu_optimizer: bool
+    # nvme: step each sub-group during backward once its gradient is final (dsrun/offload/backward_step.py)
+    super_offload: bool = False
 
     @classmethod
     def from_context(cls, ctx: OffloadContext) -> "OffloadOptimizerSettings | None":
@@ -68,7 +70,7 @@ class OffloadOptimizerSettings:
         return cls(device=str(section.device), nvme_path=section.nvme_path, pin_memory=bool(section.pin_memory),
                    buffer_count=int(section.buffer_count), fast_init=bool(section.fast_init),
                    ratio=float(section.ratio), aio=ctx.aio_config, sub_group_size=max(1, int(zero.sub_group_size)),
-                   force_ds_cpu_optimizer=ctx.force_ds_cpu_optimizer)
+                   force_ds_cpu_optimizer=ctx.force_ds_cpu_optimizer, super_offload=bool(section.super_offload))
 
     @property
     def pinned(self) -> bool:

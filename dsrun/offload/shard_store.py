@@ -392,6 +392,12 @@ class NvmeShardStore(DeviceShardStore):
 
     def finish(self) -> None:
         self.swapped.finish_setup()
+        if self.swapped.settings.super_offload:  # each sub-group stepped during backward (offload/backward_step.py)
+            by_index = dict(self.sub_groups)
+            self.swapped.step_during_backward(
+                lambda gi: self.optimizer.param_groups[gi],
+                lambda index, values: scatter_to_shards(by_index[index].params, by_index[index].offsets, 0, values,
+                                                        borrowed=True))
 
     def begin_micro_step(self, boundary: bool) -> None:
         self.swapped.begin_micro_step(boundary)
@@ -450,6 +456,11 @@ class NvmeShardStore(DeviceShardStore):
 
     def grad_of(self, index: int, sg: SubGroup) -> torch.Tensor | None:
         key = self.swapped._key("grad", index)
+        steps = self.swapped.backward_steps
+        if steps is not None and steps.holds_gradient_of(index):
+            raise ValueError("safe_get_full_grad/safe_get_local_grad: offload_optimizer.super_offload stepped this "
+                             "parameter's sub-group during backward and kept no gradient; read gradients with "
+                             "super_offload off")
         if key not in self.swapped.store:
             return torch.zeros(sg.numel)  # no gradient written since the last step
         self.swapped.recycle()

@@ -42,7 +42,7 @@ AUTOTP = Feature("AutoTP tensor-parallel training", "remove the tensor_parallel 
 AUTOTP_TESTS = "tests/integration/test_autotp_training.py::"
 AUTOTP_UNIT = "tests/unit/tensor_parallel/test_autotp_split.py::"
 DEEPCOMPILE = Feature("DeepCompile (compiler passes for ZeRO)", "leave the compile key at its default")
-SUPER = Feature("SuperOffload (CPU Adam on reserved cores, superchips)", "leave super_offload false")
+SWAP = "tests/unit/offload/test_swap_traffic.py::"
 LEAF_PROOF = "tests/unit/zero3/test_leaf_modules.py::test_the_config_leaf_module_section_flags_leaves_at_stage_3"
 DTYPES = Feature("per-module fp32 buffers (not a DeepSpeed key: its data_types has param_dtype and buffer_dtype)",
                  "remove keep_in_fp32_modules; data_types.buffer_dtype: fp32 keeps every buffer fp32")
@@ -141,10 +141,12 @@ ENTRIES: list[Entry] = [
       for key, meaning in (("classes", "the modules of these classes (plain or qualified names)"),
                            ("names", "the modules of these named_modules() names"),
                            ("name_suffixes", "the modules whose names end so"))],
-    # SuperOffload (ZeRO-3 on superchips) stays refused; its core share acts for ZenFlow's overlapped CPU step
-    todo("zero_optimization.offload_optimizer.super_offload", "SuperOffload's ZeRO-3 CPU optimizer overlapped with "
-         "the accelerator's backward on a superchip (its coherent CPU-GPU link); on a CPU-only run training and the "
-         "optimizer share the cores: ZenFlow (zero_optimization.zenflow) is the overlapped CPU step", SUPER),
+    # SuperOffload's overlap, for NVMe sub-groups: each stepped during backward once its gradient is final (its CPU form
+    # on superchips is not built: refused with device cpu, where ZenFlow is the overlapped step)
+    done("zero_optimization.offload_optimizer.super_offload", "ZeRO-3 with NVMe optimizer offload: each sub-group "
+         "stepped during backward as soon as its gradient is final (state read ahead, writes drained behind, no "
+         "gradient file), as SuperOffload steps its CPU sub-groups; needs gradient_clipping 0 and no fp16",
+         f"{SWAP}test_super_offload_steps_during_backward_bit_identically_with_fewer_bytes"),
     done("zero_optimization.offload_optimizer.cpuadam_cores_perc", "the CPU optimizer's share of the cores: "
          "ZenFlow's overlapped step runs on a thread pinned to them, training on the rest (when set, instead of "
          "1 - zenflow.pt_reserved_cores_perc)", f"{ZF}test_the_optimizer_thread_runs_on_its_share_of_the_cores"),

@@ -143,3 +143,69 @@ def test_each_shard_is_read_once_per_fetch_under_pool_pressure_and_prefetch(tmp_
     assert io.read_bytes == 2 * 2 * sum(p.ds_numel for p in swapped)
     assert io.reads == 2 * len(swapped) and hits[-1] == io.reads - 1
     engine.destroy()
+
+
+def test_super_offload_steps_during_backward_bit_identically_with_fewer_bytes(tmp_path: Path):
+    """``offload_optimizer.super_offload`` on the 1/4096 copy of the 4B layout (tied embedding: its sub-group's
+    gradient stays open through backward; several sub-groups; both offloads on NVMe): every sub-group is stepped
+    during backward, from the second step on with its state read ahead in the order the first step closed them;
+    the losses and the parameters after 3 steps equal the step-after-backward run's bit for bit; each step reads
+    and writes exactly the bf16 gradient file less (2 + 2 bytes per element), everything else the same. A second
+    boundary backward before step(), and the settings it cannot honour, are refused."""
+    from dsrun.models.gpt import GPT
+    from dsrun.utils.errors import ConfigError
+
+    width, vocab = 64, 785
+    nvme = {"nvme_path": str(tmp_path), "device": "nvme"}
+
+    def config(super_offload: bool, **top) -> dict:
+        return {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "steps_per_print": 1000,
+                "gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, **top,
+                "zero_optimization": {
+                    "stage": 3, "sub_group_size": 3 * width * width, "stage3_max_reuse_distance": 0,
+                    "stage3_prefetch_bucket_size": 50_000_000 // 4096, "stage3_param_persistence_threshold": 1000,
+                    "offload_optimizer": {**nvme, "buffer_count": 8, "fast_init": True,
+                                          "super_offload": super_offload},
+                    "offload_param": {**nvme, "buffer_count": 4, "buffer_size": vocab * width, "max_in_cpu": 0}}}
+
+    tokens = torch.randint(0, vocab, (1, 17), generator=torch.Generator().manual_seed(1))
+
+    def run(super_offload: bool):
+        torch.manual_seed(0)
+        with dsrun.zero.Init(config_dict_or_path=config(super_offload)):
+            model = GPT(vocab_size=vocab, block_size=16, n_layer=3, n_head=2, n_embd=width)
+        engine = dsrun.initialize(model=model, config=config(super_offload))[0]
+        swapped = engine.strategy.placement.offloaded.swapped
+        losses, traffic, stepped = [], [], []
+        for _ in range(3):
+            loss = engine(tokens[:, :-1], tokens[:, 1:])
+            engine.backward(loss)
+            if super_offload:
+                stepped.append(set(swapped.backward_steps.stepped))
+            engine.step()
+            losses.append(loss.item())
+            traffic.append(engine.observer.last_swap_io)
+        with dsrun.zero.GatheredParameters(list(engine.module.parameters())):
+            params = [p.detach().clone() for p in engine.module.parameters()]
+        if super_offload:
+            engine.backward(engine(tokens[:, :-1], tokens[:, 1:]))
+            with pytest.raises(RuntimeError, match="second boundary backward before step"):
+                engine.backward(engine(tokens[:, :-1], tokens[:, 1:]))
+        units = {u.index: u.numel for u in swapped.units}
+        hits = swapped.backward_steps.read_ahead_hits if super_offload else None
+        engine.destroy()
+        return losses, traffic, params, stepped, units, hits
+
+    after, during = run(False), run(True)
+    units = during[4]
+    assert len(units) >= 4 and all(s == set(units) for s in during[3])  # each sub-group stepped inside backward
+    assert during[5] >= 2 * (len(units) - 1)  # steps 2 and 3: all but the first read ahead (step 1: no order yet)
+    assert during[0] == after[0] and all(torch.equal(a, b) for a, b in zip(during[2], after[2]))
+    numel = sum(units.values())  # the optimizer's elements: each one's gradient went through a bf16 file
+    for plain, overlapped in zip(after[1], during[1]):
+        assert overlapped.read_bytes == plain.read_bytes - 2 * numel
+        assert overlapped.written_bytes == plain.written_bytes - 2 * numel
+    for top, match in (({"gradient_clipping": 1.0}, "gradient_clipping"), ({"bf16": {"enabled": False},
+                                                                             "fp16": {"enabled": True}}, "fp16")):
+        with pytest.raises(ConfigError, match=f"super_offload.*{match}"):
+            dsrun.initialize(model=torch.nn.Linear(4, 4), config=config(True, **top))
