@@ -189,7 +189,8 @@ def disk_counters(folder: str) -> tuple[float, int, int] | None:
     return int(fields[9]) / 1e3, int(fields[2]) * 512, int(fields[6]) * 512
 
 
-def run_child(size: str, steps: int, nvme_root: str, threads: int, aio: dict[str, Any]) -> dict[str, Any]:
+def run_child(size: str, steps: int, nvme_root: str, threads: int, aio: dict[str, Any],
+              super_offload: bool = False, gradient_clipping: float | None = None) -> dict[str, Any]:
     import torch
 
     import dsrun
@@ -205,6 +206,9 @@ def run_child(size: str, steps: int, nvme_root: str, threads: int, aio: dict[str
     config = ds_config("infinity", kwargs, nvme_root)
     if aio:
         config["aio"] = aio
+    if gradient_clipping is not None:
+        config["gradient_clipping"] = gradient_clipping
+    config["zero_optimization"]["offload_optimizer"]["super_offload"] = super_offload
     t0 = time.perf_counter()
     dsrun.init_distributed(verbose=False)
     with dsrun.zero.Init(config_dict_or_path=config):
@@ -215,17 +219,25 @@ def run_child(size: str, steps: int, nvme_root: str, threads: int, aio: dict[str
     records = []
     params_read = engine.strategy.param_offload.stats()["read_bytes"]
     try:
+        backward_steps = engine.strategy.placement.offloaded.swapped.backward_steps
         for step in range(steps):
-            disk_before = disk_counters(nvme_root)
+            marks = [disk_counters(nvme_root)]  # the disk before forward, backward, the step, and after
             t = time.perf_counter()
             loss = engine(inputs, targets)
             t_fwd = time.perf_counter()
+            marks.append(disk_counters(nvme_root))
             engine.backward(loss)
             t_bwd = time.perf_counter()
+            marks.append(disk_counters(nvme_root))
             engine.step()
             t_end = time.perf_counter()
-            disk_after = disk_counters(nvme_root)
-            disk = [b - a for a, b in zip(disk_before, disk_after)] if disk_before and disk_after else None
+            marks.append(disk_counters(nvme_root))
+            disk = [b - a for a, b in zip(marks[0], marks[-1])] if all(marks) else None
+            # per phase: (disk busy s, bytes read, bytes written) of forward, backward, step
+            phases = {name: [b - a for a, b in zip(marks[k], marks[k + 1])] for k, name in
+                      enumerate(("forward", "backward", "step"))} if all(marks) else None
+            in_backward = dict(backward_steps.times, read_ahead_hits=backward_steps.read_ahead_hits) \
+                if backward_steps is not None else None
             io = engine.observer.last_swap_io
             pipe = engine.strategy.last_step_times
             offload = engine.strategy.param_offload.stats()
@@ -241,16 +253,24 @@ def run_child(size: str, steps: int, nvme_root: str, threads: int, aio: dict[str
                             "param_offload": offload, "param_read_bytes": param_read_bytes,
                             "disk_busy_s": disk[0] if disk else None,
                             "disk_read_bytes": disk[1] if disk else None,
-                            "disk_written_bytes": disk[2] if disk else None})
+                            "disk_written_bytes": disk[2] if disk else None, "disk_phases": phases,
+                            "super_offload_in_backward": in_backward})
             print(f"[infinity_disk] {size} step {step + 1}: loss {float(loss.detach()):.4f}, {t_end - t:.1f} s "
                   f"(fwd {t_fwd - t:.1f}, bwd {t_bwd - t_fwd:.1f}, step {t_end - t_bwd:.1f}), read "
                   f"{io.read_bytes / 1e9:.2f} GB (parameters {param_read_bytes / 1e9:.2f}), written "
                   f"{io.written_bytes / 1e9:.2f} GB" + (f"; disk busy {disk[0]:.1f} s" if disk else "")
                   + (f"; optimizer: compute {pipe.compute:.1f} s, waiting on reads {pipe.extra['waiting_reads']:.1f} "
-                     f"s, on writes {pipe.extra['waiting_writes']:.1f} s" if pipe and pipe.extra else ""), flush=True)
+                     f"s, on writes {pipe.extra['waiting_writes']:.1f} s" if pipe and pipe.extra else "")
+                  + (f"; in backward: compute {in_backward['compute']:.1f} s, waiting on reads "
+                     f"{in_backward['waiting_reads']:.1f} s, on writes {in_backward['waiting_writes']:.1f} s"
+                     if in_backward else "")
+                  + ("; disk per phase (busy s, GB read, GB written): " + ", ".join(
+                      f"{k} {v[0]:.1f}/{v[1] / 1e9:.2f}/{v[2] / 1e9:.2f}" for k, v in phases.items())
+                     if phases else ""), flush=True)
     finally:
         engine.destroy()
-    return {"size": size, "params": numel, "build_s": build_s, "aio": aio, "steps": records}
+    return {"size": size, "params": numel, "build_s": build_s, "aio": aio, "super_offload": super_offload,
+            "gradient_clipping": config.get("gradient_clipping"), "steps": records}
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -288,6 +308,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--aio", default="{}", help="the run's aio section as JSON, e.g. '{\"queue_depth\": 32}' "
                         "(default: DeepSpeed's defaults)")
     parser.add_argument("--skip-run", action="store_true", help="measure the disk only")
+    parser.add_argument("--super-offload", action="store_true", help="offload_optimizer.super_offload: each "
+                        "sub-group stepped during backward (needs --gradient-clipping 0, which it sets)")
+    parser.add_argument("--gradient-clipping", type=float, default=None,
+                        help="the run's gradient_clipping (default: the config's, 1.0; 0 for a baseline of "
+                        "--super-offload)")
+    parser.add_argument("--disk-json", default=None, help="no disk probe: use the disk figures of this earlier result "
+                        "JSON of the script (alternating runs share one probe)")
     parser.add_argument("--replay-optimizer", type=int, default=0, metavar="GROUPS",
                         help="also replay the NVMe optimizer step's I/O alone over GROUPS sub-groups (files: 14 bytes "
                         "per element; see --replay-numel, --replay-depth, --replay-compute-s; rounds: --rounds)")
@@ -301,20 +328,23 @@ def main(argv: list[str] | None = None) -> int:
     folder = Path(args.nvme_path)
     if args.child:
         Path(args.out).write_text(json.dumps(run_child(args.size, args.steps, str(folder), args.threads,
-                                                       json.loads(args.aio))))
+                                                       json.loads(args.aio), args.super_offload,
+                                                       args.gradient_clipping)))
         return 0
 
     folder.mkdir(parents=True, exist_ok=True)
     nbytes = int(args.disk_gib * (1 << 30)) // (1 << 20) * (1 << 20)
-    disk: dict[str, Any] = {"folder": str(folder), "probe_bytes": nbytes,
-                            "aio": {label: aio_bandwidth(folder, nbytes, args.rounds, aio)
-                                    for label, aio in PROBE_AIO.items()},
-                            "dd": dd_bandwidth(folder, nbytes, args.rounds), "fio": fio_bandwidth(folder, nbytes)}
+    if args.super_offload and args.gradient_clipping is None:
+        args.gradient_clipping = 0.0
+    disk = json.loads(Path(args.disk_json).read_text())["disk"] if args.disk_json else {
+        "folder": str(folder), "probe_bytes": nbytes,
+        "aio": {label: aio_bandwidth(folder, nbytes, args.rounds, aio) for label, aio in PROBE_AIO.items()},
+        "dd": dd_bandwidth(folder, nbytes, args.rounds), "fio": fio_bandwidth(folder, nbytes)}
     for label, fig in disk["aio"].items():
         print(f"[infinity_disk] disk, dsrun's op, {label}: write (new file) {fig['write_new_gbps']:.2f} GB/s, "
               f"overwrite {fig['overwrite_gbps']:.2f} GB/s, read {fig['read_gbps']:.2f} GB/s", flush=True)
     for name in ("dd", "fio"):
-        if disk[name]:
+        if disk.get(name):
             print(f"[infinity_disk] disk, {name} (O_DIRECT, bs=1M): write {disk[name]['write_gbps']:.2f} GB/s, "
                   f"read {disk[name]['read_gbps']:.2f} GB/s", flush=True)
     # the disk's bandwidth: the best any probe reached (a step rewrites its files in place after the first)
@@ -344,7 +374,9 @@ def main(argv: list[str] | None = None) -> int:
             env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO)}
             subprocess.run([sys.executable, __file__, "--child", "--size", args.size, "--steps", str(args.steps),
                             "--nvme-path", str(swap_root), "--threads", str(args.threads), "--out", str(out),
-                            "--aio", args.aio],
+                            "--aio", args.aio] + (["--super-offload"] if args.super_offload else [])
+                           + (["--gradient-clipping", str(args.gradient_clipping)]
+                              if args.gradient_clipping is not None else []),
                            check=True, env=env)
             run = json.loads(out.read_text())
         finally:

@@ -22,6 +22,7 @@ without it (its gradient written) and is stepped by ``step()``; so is one no bac
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 import torch
@@ -32,7 +33,18 @@ Publish = Callable[[int, torch.Tensor], "set[Any]"]
 
 
 def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in group.items() if k != "params"}
+    """A param group's settings as they are now (a tensor ``lr`` copied: a scheduler may change it in place)."""
+    return {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in group.items() if k != "params"}
+
+
+def _changed(used: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """The settings that differ between two :func:`_hyperparameters`."""
+    def same(a: Any, b: Any) -> bool:
+        if torch.is_tensor(a) or torch.is_tensor(b):
+            return torch.is_tensor(a) and torch.is_tensor(b) and torch.equal(a, b)
+        return a == b
+
+    return sorted(k for k in set(used) | set(now) if not same(used.get(k), now.get(k)))
 
 
 class BackwardSteps:
@@ -56,6 +68,8 @@ class BackwardSteps:
         self._staging_busy = [False, False]
         self._next_staging = 0
         self.read_ahead_hits = 0  # sub-groups whose state had been read ahead when their gradient became final
+        # the last boundary backward's seconds inside these steps: updating, blocked on reads, on writes
+        self.times = {"compute": 0.0, "waiting_reads": 0.0, "waiting_writes": 0.0}
 
     # ------------------------------------------------------------------ backward
     def begin(self, boundary: bool) -> None:
@@ -65,6 +79,8 @@ class BackwardSteps:
                                "after each boundary backward, or leave super_offload off)")
         self.active = boundary and self.enabled
         self._closing = []
+        if self.active:
+            self.times = dict.fromkeys(self.times, 0.0)
         if self.active:
             self._read_ahead(keep=self.GRADIENT_BUFFERS)
 
@@ -85,7 +101,9 @@ class BackwardSteps:
             if buffers is None:
                 return False
             self._read(index, buffers)
+        t = time.perf_counter()
         state.store.wait_reads()
+        self.times["waiting_reads"] += time.perf_counter() - t
         self._read_ahead(keep=0)  # the next one's reads run under this update and the backward after it
         unit = state._unit_by_index[index]
         n = unit.numel
@@ -93,8 +111,10 @@ class BackwardSteps:
         low = self._staging_buffer(n)
         group = self.param_group(unit.group_index)
         state.steps[index] += 1
+        t = time.perf_counter()
         state.optimizer.update_tile(group, master, grad_buffer[:n], states, state.steps[index], low_precision=low)
         self._borrowers |= self.publish(index, low if low is not None else master)
+        self.times["compute"] += time.perf_counter() - t
         self.stepped[index] = _hyperparameters(group)
         state.pool.give(grad_buffer)
         key = state._key("grad", index)
@@ -132,9 +152,8 @@ class BackwardSteps:
                                f"backward, but step() scales the gradients by {coef} (a step hook changed the "
                                "coefficient); leave super_offload off with such hooks")
         for index, used in stepped.items():
-            now = _hyperparameters(self.param_group(self.state._unit_by_index[index].group_index))
-            if now != used:
-                changed = sorted(k for k in set(now) | set(used) if now.get(k) != used.get(k))
+            changed = _changed(used, _hyperparameters(self.param_group(self.state._unit_by_index[index].group_index)))
+            if changed:
                 raise RuntimeError(f"offload_optimizer.super_offload: the param group's {', '.join(changed)} changed "
                                    "between backward and step(); sub-groups already stepped with the old values "
                                    "during backward (change them before backward, or leave super_offload off)")
@@ -157,6 +176,7 @@ class BackwardSteps:
         return [pool.take() for _ in range(count)]
 
     def _drain(self) -> None:
+        t = time.perf_counter()
         self._settle_borrowed()  # an fp32 model's shards are written from the master buffers
         if self._writing:
             self.state.store.wait_writes()
@@ -164,6 +184,7 @@ class BackwardSteps:
                 for b in buffers:
                     self.state.pool.give(b)
             self._writing = []
+        self.times["waiting_writes"] += time.perf_counter() - t
 
     def _settle_borrowed(self) -> None:
         for owner in self._borrowers:

@@ -151,7 +151,8 @@ def test_super_offload_steps_during_backward_bit_identically_with_fewer_bytes(tm
     during backward, from the second step on with its state read ahead in the order the first step closed them;
     the losses and the parameters after 3 steps equal the step-after-backward run's bit for bit; each step reads
     and writes exactly the bf16 gradient file less (2 + 2 bytes per element), everything else the same. A second
-    boundary backward before step(), and the settings it cannot honour, are refused."""
+    boundary backward before step() or a learning rate changed between backward and step() is an error, and the
+    settings it cannot honour are refused."""
     from dsrun.models.gpt import GPT
     from dsrun.utils.errors import ConfigError
 
@@ -191,6 +192,9 @@ def test_super_offload_steps_during_backward_bit_identically_with_fewer_bytes(tm
             engine.backward(engine(tokens[:, :-1], tokens[:, 1:]))
             with pytest.raises(RuntimeError, match="second boundary backward before step"):
                 engine.backward(engine(tokens[:, :-1], tokens[:, 1:]))
+            engine.strategy.optimizer.param_groups[0]["lr"] = 0.5  # after backward stepped with 1e-3
+            with pytest.raises(RuntimeError, match="param group's lr changed between backward and step"):
+                engine.step()
         units = {u.index: u.numel for u in swapped.units}
         hits = swapped.backward_steps.read_ahead_hits if super_offload else None
         engine.destroy()
