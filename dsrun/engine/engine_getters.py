@@ -272,6 +272,10 @@ class ConfigView:
     def zero_partial_offload(self) -> float:
         return float(self._zc().offload_optimizer.ratio)
 
+    def super_offload(self) -> bool:
+        """``offload_optimizer.super_offload`` (DeepSpeed's getter): NVMe sub-groups stepped during backward."""
+        return bool(self._zc().offload_optimizer.super_offload)
+
     def zero_has_nvme_offload(self) -> bool:
         return "nvme" in (self._zc().offload_optimizer.device, self._zc().offload_param.device)
 

@@ -8,8 +8,8 @@ reduced shard has arrived), inside backward, as DeepSpeed's SuperOffload steps i
 * the gradient is the open fp32 buffer itself: it is never written to ``grad.i`` nor read back (4 bytes per
   parameter less through the files with a 16-bit model);
 * the master and states of the sub-group expected to close next (the order the last boundary closed them in)
-  are read ahead, and each stepped sub-group's writes drain behind, while backward computes: at most two
-  (master, states) slots from the same ``buffer_count`` pool, after the gradients' own buffers;
+  are read ahead (one sub-group at a time), and each stepped sub-group's writes drain behind, while backward
+  computes; all from the same ``buffer_count`` pool, two of whose buffers are left to the gradients;
 * the updated 16-bit shards go to the parameter files straight from the step's staging buffer (no copy
   through the parameter pool, whose buffers hold backward's read-ahead).
 
@@ -51,7 +51,6 @@ class BackwardSteps:
     """The sub-groups of one :class:`~.nvme.SwappedOptimizerState` (``state``, which owns this object: typed
     ``Any`` so the two modules do not import each other) stepped during backward."""
 
-    SLOTS = 2  # (master, states) buffer sets: the one being stepped or written, the one read ahead
     GRADIENT_BUFFERS = 2  # left to backward: a gradient kept open across it (a tied embedding's) and the filling one
 
     def __init__(self, state: Any, param_group: Callable[[int], dict[str, Any]], publish: Publish):
@@ -81,7 +80,6 @@ class BackwardSteps:
         self._closing = []
         if self.active:
             self.times = dict.fromkeys(self.times, 0.0)
-        if self.active:
             self._read_ahead(keep=self.GRADIENT_BUFFERS)
 
     def closed(self, index: int) -> None:

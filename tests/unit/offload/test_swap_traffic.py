@@ -176,6 +176,7 @@ def test_super_offload_steps_during_backward_bit_identically_with_fewer_bytes(tm
         with dsrun.zero.Init(config_dict_or_path=config(super_offload)):
             model = GPT(vocab_size=vocab, block_size=16, n_layer=3, n_head=2, n_embd=width)
         engine = dsrun.initialize(model=model, config=config(super_offload))[0]
+        assert engine.super_offload() is super_offload  # DeepSpeed's getter
         swapped = engine.strategy.placement.offloaded.swapped
         losses, traffic, stepped = [], [], []
         for _ in range(3):
