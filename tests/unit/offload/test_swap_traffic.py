@@ -150,7 +150,8 @@ def test_super_offload_steps_during_backward_bit_identically_with_fewer_bytes(tm
     gradient stays open through backward; several sub-groups; both offloads on NVMe): every sub-group is stepped
     during backward, from the second step on with its state read ahead in the order the first step closed them;
     the losses and the parameters after 3 steps equal the step-after-backward run's bit for bit; each step reads
-    and writes exactly the bf16 gradient file less (2 + 2 bytes per element), everything else the same. A second
+    and writes exactly the bf16 gradient file less (2 + 2 bytes per element), everything else the same; with
+    two micro-steps per step too (the boundary's gradient read back, added to, stepped at once). A second
     boundary backward before step() or a learning rate changed between backward and step() is an error, and the
     settings it cannot honour are refused."""
     from dsrun.models.gpt import GPT
@@ -171,15 +172,16 @@ def test_super_offload_steps_during_backward_bit_identically_with_fewer_bytes(tm
 
     tokens = torch.randint(0, vocab, (1, 17), generator=torch.Generator().manual_seed(1))
 
-    def run(super_offload: bool):
+    def run(super_offload: bool, gas: int = 1):
         torch.manual_seed(0)
-        with dsrun.zero.Init(config_dict_or_path=config(super_offload)):
+        cfg = config(super_offload, gradient_accumulation_steps=gas)
+        with dsrun.zero.Init(config_dict_or_path=cfg):
             model = GPT(vocab_size=vocab, block_size=16, n_layer=3, n_head=2, n_embd=width)
-        engine = dsrun.initialize(model=model, config=config(super_offload))[0]
+        engine = dsrun.initialize(model=model, config=cfg)[0]
         assert engine.super_offload() is super_offload  # DeepSpeed's getter
         swapped = engine.strategy.placement.offloaded.swapped
         losses, traffic, stepped = [], [], []
-        for _ in range(3):
+        for _ in range(3 if gas == 1 else 2 * gas):
             loss = engine(tokens[:, :-1], tokens[:, 1:])
             engine.backward(loss)
             if super_offload:
@@ -189,7 +191,7 @@ def test_super_offload_steps_during_backward_bit_identically_with_fewer_bytes(tm
             traffic.append(engine.observer.last_swap_io)
         with dsrun.zero.GatheredParameters(list(engine.module.parameters())):
             params = [p.detach().clone() for p in engine.module.parameters()]
-        if super_offload:
+        if super_offload and gas == 1:
             engine.backward(engine(tokens[:, :-1], tokens[:, 1:]))
             with pytest.raises(RuntimeError, match="second boundary backward before step"):
                 engine.backward(engine(tokens[:, :-1], tokens[:, 1:]))
@@ -210,6 +212,10 @@ def test_super_offload_steps_during_backward_bit_identically_with_fewer_bytes(tm
     for plain, overlapped in zip(after[1], during[1]):
         assert overlapped.read_bytes == plain.read_bytes - 2 * numel
         assert overlapped.written_bytes == plain.written_bytes - 2 * numel
+    # two micro-steps per step: the first writes its fp32 gradient, the boundary's adds to it and steps at once
+    after, during = run(False, gas=2), run(True, gas=2)
+    assert during[3] == [set(), set(units)] * 2
+    assert during[0] == after[0] and all(torch.equal(a, b) for a, b in zip(during[2], after[2]))
     for top, match in (({"gradient_clipping": 1.0}, "gradient_clipping"), ({"bf16": {"enabled": False},
                                                                              "fp16": {"enabled": True}}, "fp16")):
         with pytest.raises(ConfigError, match=f"super_offload.*{match}"):
