@@ -398,8 +398,8 @@ class NvmeParamOffload(ParamOffload):
         """Write the whole shard straight from ``values`` (the optimizer's staging buffer during backward, when
         this pool's buffers hold backward's read-ahead: taking one would evict a shard backward reads next)."""
         slot = self.slots.get(id(param))
-        if slot is None or values.numel() != slot.numel or values.dtype != (self.dtype or values.dtype):
-            self.write_shard(param, values) if slot is not None else super().write_shard(param, values)
+        if slot is None or values.numel() != slot.numel or values.dtype != self.dtype:  # copied, as ever
+            self.write_shard(param, values)
             return False
         with torch.no_grad():
             self._forget_old_value(slot)
