@@ -195,7 +195,7 @@ def save_torch(obj: object, path: Path, rank: int = 0, torn_point: str | None = 
     tmp = _tmp_name(path)
     try:
         with open_writer(tmp, writer_in_effect()) as fh:  # closing it makes the file durable (fsync)
-            torch.save(obj, fh, **extra)
+            fh.save(obj, **extra)
         if torn_point is not None and crash_armed(torn_point, rank):
             os.truncate(tmp, max(1, tmp.stat().st_size // 2))
             crash_point(torn_point, rank)

@@ -6,15 +6,21 @@ tuples, configs as plain dicts) but the few helper classes DeepSpeed's own files
 ``ZeroStageEnum``, ``fragment_address``), which are mapped by name to inert stand-ins
 (``zero_to_fp32.DEEPSPEED_GLOBALS``) so a DeepSpeed checkpoint loads too; the list is short; :func:`add_safe_globals` extends it for a user's own
 ``client_state`` types. A file that needs anything more fails with :class:`UnsafeCheckpointError`.
+
+torch.load does not check the CRC32 torch.save stores for every record of its zip format: a flipped byte in a
+tensor loads as a wrong value. :func:`load_file` checks them before a whole load (:func:`check_records`; a file
+written with torch's CRC32 off, every CRC 0, has none to check) and names the first damaged record in one line.
 """
 from __future__ import annotations
 
 import collections
 import os
+import zipfile
 from typing import Any, Callable, Union
 
 import torch
 
+from dsrun.io.zip_crc import crc32_mismatches
 from dsrun.utils.errors import Problem, UserError
 from dsrun.utils.zero_to_fp32 import DEEPSPEED_GLOBALS, corrupt_reason
 
@@ -41,11 +47,34 @@ def safe_globals() -> list[Any]:
     return list(_ALLOWED) + list(DEEPSPEED_GLOBALS)
 
 
-def load_file(path: str | os.PathLike, map_location: MapLocation = "cpu") -> Any:
-    """Load one checkpoint file with ``weights_only=True`` and the allow-list."""
+def check_records(path: str | os.PathLike) -> None:
+    """Raise :class:`CorruptCheckpointError` naming the first record of the zip-format file ``path`` whose bytes
+    do not match its stored CRC32 (torch.load never checks them); a legacy-format file has none to check."""
+    if not zipfile.is_zipfile(path):
+        return
     try:
+        bad = crc32_mismatches(path)
+    except ValueError as exc:  # the zip structure itself: torch.load's own error says it no better
+        raise CorruptCheckpointError(Problem(str(path), f"cannot read this checkpoint file: {exc}",
+                                             "resume from another tag, or start fresh")) from None
+    if bad:
+        name, stored, computed = bad[0]
+        more = f" and {len(bad) - 1} more record(s)" if len(bad) > 1 else ""
+        raise CorruptCheckpointError(Problem(str(path), f"record {name}{more} fails its CRC32 check (stored "
+                                             f"{stored:#010x}, the bytes give {computed:#010x}): the file is damaged",
+                                             "resume from another tag, or start fresh"))
+
+
+def load_file(path: str | os.PathLike, map_location: MapLocation = "cpu") -> Any:
+    """Load one checkpoint file with ``weights_only=True`` and the allow-list. A whole load (any
+    ``map_location`` but ``"meta"``, which reads only the index) first checks every record's CRC32."""
+    try:
+        if map_location != "meta":
+            check_records(path)
         with torch.serialization.safe_globals(safe_globals()):
             return torch.load(path, map_location=map_location, weights_only=True)
+    except CorruptCheckpointError:
+        raise
     except Exception as exc:
         reason = corrupt_reason(str(path), exc)
         if reason is not None:

@@ -21,6 +21,8 @@ AIO_FILL_BUFFER_SEC_KEY = "fill_buffer_secs"
 AIO_FILL_BUFFER_COUNT_KEY = "fill_buffer_count"
 AIO_FILL_BUFFER_SPEED_KEY = "fill_buffer_GB/s"
 
+CRC_LATE_BLOCKS_KEY = "crc32_late_blocks"  # 4 KiB blocks written again to fill a CRC32 known only after them
+
 SAVE_STORAGE_KEY = "save_storage"
 SAVE_STORAGE_BYTES_KEY = "save_storage_bytes"
 SAVE_STORAGE_SEC_KEY = "save_storage_secs"

@@ -6,6 +6,10 @@ None (no ``checkpoint.writer`` section) a plain buffered file; ``PYTHON`` DeepSp
 as DeepSpeed's writer factory does); ``MOCK`` its ``MockFileWriter`` (the file is left empty). Whatever the
 writer, closing the object leaves the file durable (fsynced), which the atomic saves rely on, and with
 ``show_statistics`` logs the writer's statistics.
+
+:meth:`CheckpointFile.save` is ``torch.save`` into it; through the fast writer with torch's own CRC32 off for that
+save (the writer computes every record's CRC32 on other threads and fills it in: the same bytes, see
+:mod:`.zip_crc`).
 """
 from __future__ import annotations
 
@@ -68,6 +72,33 @@ class CheckpointFile:
 
     def write(self, buffer: bytes | bytearray | memoryview) -> int:
         return self.writer.write(buffer)
+
+    def save(self, obj: object, **torch_save_kwargs: Any) -> None:
+        """``torch.save(obj, self, **torch_save_kwargs)``. The fast writer fills in the zip records' CRC32s
+        itself: torch's is switched off from here to the first byte written (torch reads the switch when it
+        opens its zip writer), under a lock so two saves never see each other's setting."""
+        fills = isinstance(self.writer, FastFileWriter) and self.writer.fills_crc32
+        if not fills or not torch_save_kwargs.get("_use_new_zipfile_serialization", True):
+            torch.save(obj, self, **torch_save_kwargs)
+            return
+        _crc_switch.acquire()
+        previous = torch.serialization.get_crc32_options()
+        restored = False
+
+        def restore() -> None:
+            nonlocal restored
+            if not restored:
+                restored = True
+                torch.serialization.set_crc32_options(previous)
+                _crc_switch.release()
+
+        torch.serialization.set_crc32_options(False)
+        self.writer.before_first_write = restore
+        try:
+            torch.save(obj, self, **torch_save_kwargs)
+        finally:
+            self.writer.before_first_write = None
+            restore()
 
     def flush(self) -> None:
         self.writer.flush()
@@ -140,6 +171,7 @@ class _FastResources:
             self.busy = False
 
 
+_crc_switch = threading.Lock()  # held while torch's CRC32 switch is off for one fast save
 _pool: dict[WriterSettings, list[_FastResources]] = {}
 _pool_lock = threading.Lock()
 
@@ -169,7 +201,7 @@ def open_writer(path: str | os.PathLike[str], settings: WriterSettings | None) -
     try:
         config = FastFileWriterConfig(dnvme_handle=resources.handle, pinned_tensor=resources.buffer,
                                       double_buffer=settings.io_buffer_double)
-        return CheckpointFile(FastFileWriter(path, config), settings, release=resources)
+        return CheckpointFile(FastFileWriter(path, config, fill_crc32=True), settings, release=resources)
     except BaseException:
         resources.release()
         raise

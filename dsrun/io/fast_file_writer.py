@@ -18,21 +18,26 @@ from __future__ import annotations
 import errno
 import os
 import time
+from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from .base_file_writer import BaseFileWriter, logger
 from .constants import (AIO_FILL_BUFFER_COUNT_KEY, AIO_FILL_BUFFER_SEC_KEY, AIO_FILL_BUFFER_SPEED_KEY,
-                        AIO_SPEED_KEY, AIO_WRITE_BYTES_KEY, AIO_WRITE_SEC_KEY, CLOSE_COUNT_KEY, FILENO_COUNT_KEY,
+                        AIO_SPEED_KEY, AIO_WRITE_BYTES_KEY, AIO_WRITE_SEC_KEY, CLOSE_COUNT_KEY, CRC_LATE_BLOCKS_KEY,
+                        FILENO_COUNT_KEY,
                         FLUSH_COUNT_KEY, INVALID_FD, SAVE_STORAGE_BYTES_KEY, SAVE_STORAGE_KEY, SLOW_WRITE_BYTES_KEY,
                         SLOW_WRITE_SEC_KEY, WRITE_BYTES_KEY, WRITE_COUNT_KEY, WRITE_SEC_KEY)
 from .io_buffer import Double_IO_Buffer, DrainHandle, Single_IO_Buffer
 from .storage import StorageObject, storage_bytes
+from .zip_crc import Record, RecordCrcFiller, fill_crc32_from_file, patch_crc, submit_crc
 
 FASTIO_STAT_KEYS = [AIO_WRITE_SEC_KEY, AIO_WRITE_BYTES_KEY, AIO_SPEED_KEY, SLOW_WRITE_BYTES_KEY, SLOW_WRITE_SEC_KEY,
                     AIO_FILL_BUFFER_COUNT_KEY, AIO_FILL_BUFFER_SEC_KEY, AIO_FILL_BUFFER_SPEED_KEY, SAVE_STORAGE_KEY,
-                    SAVE_STORAGE_BYTES_KEY]
+                    SAVE_STORAGE_BYTES_KEY, CRC_LATE_BLOCKS_KEY]
 _refused_direct: set[str] = set()  # folders whose filesystem refused O_DIRECT (said once per folder)
 
 
@@ -68,9 +73,21 @@ def open_direct(path: str) -> tuple[int, bool]:
 
 
 class FastFileWriter(BaseFileWriter):
+    """``fill_crc32``: the stream is a ``torch.save`` written with torch's own CRC32 off
+    (:meth:`dsrun.io.CheckpointFile.save` arranges it); the writer computes every record's CRC32 from its I/O
+    buffer on the CRC threads while the halves are written, and fills the CRC fields, so the file is byte for
+    byte torch's default (:mod:`.zip_crc`)."""
 
-    def __init__(self, file_path: str | os.PathLike[str], config: FastFileWriterConfig) -> None:
+    def __init__(self, file_path: str | os.PathLike[str], config: FastFileWriterConfig,
+                 fill_crc32: bool = False) -> None:
         super().__init__(file_path)
+        self._crc = RecordCrcFiller(self._resolve_crcs) if fill_crc32 else None
+        self._received = 0  # bytes handed to write() so far (the stream offset of the next byte)
+        self._crc_batches: deque[list[Future[int]]] = deque()  # the CRC jobs of each half drained, in order
+        self._next_target = 0  # targets before it lie wholly in drained halves
+        self._late_blocks: dict[int, bytearray] = {}  # 4 KiB blocks on disk whose CRC field was not yet known
+        self._late_targets: list[tuple[int, Record]] = []
+        self.before_first_write: Callable[[], None] | None = None
         self._handle = config.dnvme_handle
         self._alignment = self._handle.get_alignment()
         buffer_type = Double_IO_Buffer if config.double_buffer else Single_IO_Buffer
@@ -85,10 +102,21 @@ class FastFileWriter(BaseFileWriter):
         for key in FASTIO_STAT_KEYS:
             self._stats[key] = 0
 
+    @property
+    def fills_crc32(self) -> bool:
+        return self._crc is not None
+
     # ------------------------------------------------------------------ the file object torch.save writes to
     def write(self, buffer: bytes | bytearray | memoryview) -> int:
+        if self.before_first_write is not None:
+            self.before_first_write()
+            self.before_first_write = None
         view = memoryview(buffer).cast("B")
         start = time.perf_counter()
+        if self._crc is not None and self._crc.following:
+            self._crc.feed(view, self._received)
+            view = self._with_known_crcs(view)
+        self._received += len(view)
         written = self._write_view(view)
         self._incr_stats(WRITE_COUNT_KEY)
         self._incr_stats(WRITE_BYTES_KEY, written)
@@ -116,6 +144,7 @@ class FastFileWriter(BaseFileWriter):
             return
         try:
             self._io_buffer.complete_ongoing_drain()
+            self._wait_crc_batches(0)  # the CRC jobs read the buffer the pool lends to the next writer
         except Exception:  # the write in flight failed too; the save is failing anyway
             pass
         finally:
@@ -172,30 +201,144 @@ class FastFileWriter(BaseFileWriter):
         if self._file_offset + num_bytes > self._sized:
             self._sized = self._file_offset + num_bytes + self._size_step
             os.ftruncate(self._aio_fd, self._sized)
+        following = self._crc is not None and self._crc.following
+        if following:
+            self._crc_before_drain(self._half_view(num_bytes), self._file_offset)
         self._io_buffer.drain(num_bytes, self._aio_fd, self._file_offset)
         self._file_offset += num_bytes
+        if following:  # the half filled next must not be read by CRC jobs any more
+            self._wait_crc_batches(1 if isinstance(self._io_buffer, Double_IO_Buffer) else 0)
         self._incr_stats(AIO_WRITE_SEC_KEY, time.perf_counter() - start)
         self._incr_stats(AIO_WRITE_BYTES_KEY, num_bytes)
 
     def _fini(self) -> None:
         start = time.perf_counter()
+        filling = self._crc is not None and self._crc.zip
+        if filling and self._crc.complete:  # every CRC is known: fill those still in the buffer
+            self._crc_before_drain(self._half_view(self._io_buffer.get_offset()), self._file_offset)
         aligned = self._io_buffer.get_aligned_num_bytes()
         tail = bytes(self._io_buffer.get_buffer()[aligned:self._io_buffer.get_offset()].numpy())
         try:
             if aligned:
                 self._drain(aligned)
             self._io_buffer.complete_ongoing_drain()
+            if filling and self._crc.complete:
+                self._write_late_blocks()
             self._incr_stats(AIO_WRITE_SEC_KEY, time.perf_counter() - start)
             if self._sized != self._file_offset + len(tail):
                 os.ftruncate(self._aio_fd, self._file_offset + len(tail))
             if tail:
                 self._write_tail(tail)
+            if filling and self._received and not self._crc.complete:
+                self._fill_crc32_from_file()
             os.fsync(self._aio_fd)
         finally:
             self._io_buffer.reset()
             fd, self._aio_fd = self._aio_fd, INVALID_FD
             os.close(fd)
         self._incr_stats(WRITE_SEC_KEY, time.perf_counter() - start)
+
+    # ------------------------------------------------------------------ the records' CRC32 (fill_crc32)
+    def _half_view(self, num_bytes: int) -> memoryview:
+        return memoryview(self._io_buffer.get_buffer().numpy())[:num_bytes]
+
+    def _with_known_crcs(self, view: memoryview) -> memoryview:
+        """``view``, copied with the CRC fields it holds filled where their records' CRC32 is known now (and the
+        serialization id's replaced digits)."""
+        assert self._crc is not None
+        start, end, copy = self._received, self._received + len(view), None
+        while self._crc.replacements and self._crc.replacements[0][0] < end:
+            where, data = self._crc.replacements.pop(0)
+            copy = copy if copy is not None else memoryview(bytearray(view))
+            copy[where - start:where - start + len(data)] = data
+        for target, record in reversed(self._crc.targets):
+            if target + 4 <= start:
+                break
+            if target < end and record.final():
+                if copy is None:
+                    copy = memoryview(bytearray(view))
+                patch_crc(copy, start, target, record.crc())
+        return view if copy is None else copy
+
+    def _crc_before_drain(self, half: memoryview, start: int) -> None:
+        """Before the bytes ``half`` (stream offset ``start``) go to disk: hand their data segments to the CRC
+        threads, fill the CRC fields in them whose value is known, keep a copy of the 4 KiB blocks holding
+        the others (filled and rewritten at close)."""
+        assert self._crc is not None
+        end = start + len(half)
+        self._crc_batches.append(self._submit_segments(half, start))
+        targets = self._crc.targets
+        index = self._next_target
+        while index < len(targets) and targets[index][0] < end:
+            target, record = targets[index]
+            if target + 4 <= start:  # a field found only after its bytes went to disk (not torch's stream)
+                self._crc.lost = f"the CRC field at byte {target} was found after it was written"
+                return
+            if record.final():
+                patch_crc(half, start, target, record.crc())
+            else:
+                for block in range(max(target, start) // 4096 * 4096, min(target + 4, end), 4096):
+                    if block not in self._late_blocks:
+                        self._late_blocks[block] = bytearray(half[block - start:block - start + 4096])
+                self._late_targets.append((target, record))
+            if target + 4 > end:
+                break  # the field goes on in the next half: seen again at its drain
+            index += 1
+        self._next_target = index
+
+    def _submit_segments(self, half: memoryview, start: int) -> list[Future[int]]:
+        """CRC jobs for the data segments in ``half`` (stream offset ``start``) not yet handed out."""
+        assert self._crc is not None
+        batch: list[Future[int]] = []
+        for record, first, stop in self._crc.take_segments(start + len(half)):
+            pieces = submit_crc(half[first - start:stop - start])
+            record.pieces.extend(pieces)
+            batch.extend(job for _, job in pieces)
+        return batch
+
+    def _wait_crc_batches(self, keep: int) -> None:
+        while len(self._crc_batches) > keep:
+            for job in self._crc_batches.popleft():
+                job.result()
+
+    def _resolve_crcs(self) -> None:
+        """The central directory begins: every record's data has passed. CRC the data still in the buffer and
+        wait for every job, so each record's CRC32 is known."""
+        assert self._crc is not None
+        self._crc_batches.append(self._submit_segments(self._half_view(self._io_buffer.get_offset()),
+                                                       self._file_offset))
+        self._wait_crc_batches(0)
+
+    def _write_late_blocks(self) -> None:
+        """Fill the CRC fields of blocks already written and write those blocks again (O_DIRECT, from the I/O
+        buffer, aligned)."""
+        if not self._late_blocks:
+            return
+        staging = memoryview(self._io_buffer.get_buffer().numpy())[:4096]
+        self._incr_stats(CRC_LATE_BLOCKS_KEY, len(self._late_blocks))
+        for block, data in sorted(self._late_blocks.items()):
+            view = memoryview(data)
+            for target, record in self._late_targets:
+                if target < block + 4096 and target + 4 > block:
+                    patch_crc(view, block, target, record.crc())
+            staging[:] = view
+            done = 0
+            while done < 4096:
+                done += os.pwrite(self._aio_fd, staging[done:], block + done)
+        self._late_blocks.clear()
+
+    def _fill_crc32_from_file(self) -> None:
+        """The stream was not followed to its end: fill the CRC fields from the file's own bytes."""
+        assert self._crc is not None
+        logger.warning("the fast writer could not follow torch.save's stream of %s (%s); its records' CRC32s were "
+                       "computed by reading the file back", self._file_path, self._crc.lost or "it ended early")
+        os.fsync(self._aio_fd)
+        fd = os.open(self._file_path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+        try:
+            fill_crc32_from_file(fd)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def _write_tail(self, tail: bytes) -> None:
         """The last bytes (less than the alignment) through the page cache, at their offset, durably."""

@@ -82,8 +82,8 @@ def test_buffer_size_and_double_buffering_shape_the_writes(tmp_path, monkeypatch
         sizes.append(num_bytes)
         real_drain(self, num_bytes)
 
-    def init(self, path, config):
-        real_init(self, path, config)
+    def init(self, path, config, **options):
+        real_init(self, path, config, **options)
         buffers.append(type(self._io_buffer).__name__)
 
     monkeypatch.setattr(fast_file_writer.FastFileWriter, "_drain", drain)
