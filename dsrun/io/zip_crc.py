@@ -442,11 +442,19 @@ def crc32_mismatches(path: str | os.PathLike[str]) -> list[tuple[str, int, int]]
 
 
 def fill_crc32_from_file(fd: int) -> None:
-    """Fill every record's CRC32 fields (data descriptor and central directory) from the file's own bytes
-    (``fd`` readable and writable): the fast writer's way when it could not follow the stream."""
+    """Fill every record's CRC32 fields (data descriptor and central directory) and the CRC half of torch's
+    serialization id from the file's own bytes (``fd`` readable and writable): the fast writer's way when it
+    could not follow the stream."""
     entries = zip_entries(fd)
-    for name, crc in record_crcs(fd, entries).items():
-        entry = next(e for e in entries if e.name == name)
+    crcs = record_crcs(fd, entries)
+    for index, entry in enumerate(entries):
+        if entry.name.endswith(SERIALIZATION_ID) and entry.size == 40:
+            data = _read_at(fd, entry.data_start, 40)
+            earlier = [crcs[e.name] for e in entries[:index] if e.size]
+            if data.isdigit() and int(data[20:]) == _crc_hash([0] * len(earlier)):
+                data = data[:20] + str(_crc_hash(earlier)).zfill(20).encode()
+                os.pwrite(fd, data, entry.data_start)
+                crcs[entry.name] = zlib.crc32(data)
         for where in (entry.entry_offset + 16, entry.descriptor_crc):
             if where is not None:
-                os.pwrite(fd, struct.pack("<I", crc), where)
+                os.pwrite(fd, struct.pack("<I", crcs[entry.name]), where)

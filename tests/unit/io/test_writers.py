@@ -1,18 +1,22 @@
 """deepspeed.io's writers: torch.save through each one gives the same bytes as an in-memory save, for sizes
 around and past the I/O buffer; the fast writer writes with O_DIRECT where the filesystem allows it and falls
-back with one logged line where it does not; the mock writer counts and writes nothing."""
+back with one logged line where it does not, and (through ``CheckpointFile.save``) fills in the records' CRC32s
+torch did not compute; the mock writer counts and writes nothing."""
 from __future__ import annotations
 
 import errno
 import io
 import logging
 import os
+import random
+import zlib
 
 import pytest
 import torch
 
 from dsrun.io import FastFileWriter, FastFileWriterConfig, MockFileWriter, PyFileWriter, WriterSettings, open_writer
-from dsrun.io import fast_file_writer
+from dsrun.io import fast_file_writer, zip_crc
+from dsrun.io.zip_crc import crc32_combine, crc32_mismatches
 from dsrun.ops.aio import AsyncIOHandle
 
 BUFFER = 4 * 4096  # two 8 KiB halves: the larger objects below span many buffers
@@ -152,3 +156,60 @@ def test_a_full_disk_reaches_the_save_as_the_os_error_it_is(tmp_path, monkeypatc
     assert disk_full(err.value)
     writer.abort()
     assert writer._aio_fd == fast_file_writer.INVALID_FD
+
+
+def _records_object() -> dict:
+    """Records past the inline size (CRC'd on the pool, across many halves), tiny, empty, and many small ones."""
+    generator = torch.Generator().manual_seed(0)
+    return {"big": torch.randn(300_000, generator=generator), "small": torch.arange(5.0), "empty": torch.empty(0),
+            "many": [torch.randn(i * 7 + 1, generator=generator) for i in range(40)], "tail": torch.randn(3)}
+
+
+@pytest.mark.parametrize("double", [True, False])
+def test_the_fast_writer_fills_in_the_crc32s_torch_left_out_giving_torchs_own_bytes(tmp_path, double):
+    obj = _records_object()
+    with open_writer(tmp_path / "f", WriterSettings(type="FAST", io_buffer_size=BUFFER, io_buffer_double=double)) as fh:
+        fh.save(obj)
+    assert fh.writer.fills_crc32 and torch.serialization.get_crc32_options()  # torch's switch is back on
+    # every CRC field and the serialization id's CRC half as torch.save with its CRC32 on writes them
+    assert (tmp_path / "f").read_bytes() == _in_memory(obj)
+    assert fh.writer.statistics()["crc32_late_blocks"] >= 1  # a field already on disk when its CRC was known
+    assert crc32_mismatches(tmp_path / "f") == []
+    with open_writer(tmp_path / "legacy", WriterSettings(type="FAST", io_buffer_size=BUFFER)) as fh:
+        fh.save(obj, _use_new_zipfile_serialization=False)  # no zip records, nothing to fill
+    assert (tmp_path / "legacy").read_bytes()[:2] == b"\x80\x02"
+
+
+def test_a_stream_the_fast_writer_cannot_follow_gets_its_crc32s_from_the_file_with_one_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(zip_crc, "DESCRIPTOR", b"PK\x07\x09")  # no descriptor is where it is expected any more
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    fast_file_writer.logger.addHandler(handler)
+    try:
+        obj = _records_object()
+        with open_writer(tmp_path / "f", WriterSettings(type="FAST", io_buffer_size=BUFFER)) as fh:
+            fh.save(obj)
+    finally:
+        fast_file_writer.logger.removeHandler(handler)
+    assert (tmp_path / "f").read_bytes() == _in_memory(obj)
+    assert len([line for line in lines if "could not follow" in line and "no data descriptor" in line]) == 1, lines
+
+
+def test_a_fast_written_file_is_read_by_range(tmp_path):
+    from dsrun.checkpoint.tensor_file import TensorFile
+
+    obj = _records_object()
+    with open_writer(tmp_path / "f", WriterSettings(type="FAST", io_buffer_size=BUFFER)) as fh:
+        fh.save(obj)
+    with TensorFile(tmp_path / "f") as saved:
+        out = torch.empty(1000)
+        saved.read(saved.objects["big"], 123_456, out)
+    assert saved.partial and torch.equal(out, obj["big"][123_456:124_456])
+
+
+def test_crc32_combine_is_the_crc32_of_the_concatenation():
+    rng = random.Random(0)
+    for size_a, size_b in ((0, 0), (0, 7), (9, 0), (1, 1), (4096, 3), (1000, 123_457)):
+        a, b = rng.randbytes(size_a), rng.randbytes(size_b)
+        assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
