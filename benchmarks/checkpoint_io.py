@@ -16,15 +16,19 @@ durable, as dsrun's atomic saves make it):
 
 * ``torch.save (plain file)``: dsrun without a ``checkpoint.writer`` section (buffered file + fsync);
 * ``python``: DeepSpeed's PyFileWriter (``checkpoint.writer.type: python``), + fsync;
-* ``fast``: the FastFileWriter (``type: fast``), ``--buffer-mb`` of I/O buffer, double-buffered; ``fast
-  (single buffer)`` with ``io_buffer_double: false``;
-* ``mock``: writes nothing (the serialization alone; no ratio to the disk);
+* ``fast``: the FastFileWriter (``type: fast``) as a checkpoint save uses it, ``--buffer-mb`` of I/O buffer,
+  double-buffered, filling in every record's CRC32 from its buffer on other threads; ``fast (single buffer)``
+  with ``io_buffer_double: false``;
+* ``fast (torch's CRC32)``: the same fast writer fed by a plain ``torch.save`` that computes every record's
+  CRC32 itself, on the saving thread (~1-1.5 GB/s on one core), before the bytes reach the writer: what the fast
+  writer was before it computed them on other threads;
+* ``mock``: writes nothing, with torch's CRC32 off (the serialization alone, the ceiling of any writer
+  ``torch.save`` feeds; no ratio to the disk); ``mock (torch's CRC32)``: the same with torch's CRC32;
 * ``fast (legacy format)``: the fast writer with ``checkpoint.checkpoint_serialization: false``, torch's legacy
-  (pre-zipfile) format, which has no CRC32 (a resharded load then reads such files whole: no record offsets);
-* ``fast (torch CRC32 off)``: the fast writer with ``torch.serialization.set_crc32_options(False)`` for that
-  save only. Not what a checkpoint save does (dsrun keeps torch's default, the CRC32 of every record, which
-  torch computes on the saving thread at ~1 GB/s on a busy core: it and the copy into the I/O buffer bound
-  every writer); it shows what the writer's own I/O path reaches once serialization is out of the way.
+  (pre-zipfile) format, which has no CRC32 (a resharded load then reads such files whole: no record offsets).
+
+After each ``fast`` save the file's CRC32s are checked as a whole load checks them (every record read back and
+compared with its stored CRC32): the run fails if one is missing or wrong, and the check's speed is printed.
 
 The "x mock" column divides each writer by the mock's figure: how close it comes to the serialization's own
 speed, the ceiling of any writer fed by ``torch.save``.
@@ -51,6 +55,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsrun.io import WriterSettings, open_writer  # noqa: E402
+from dsrun.io.zip_crc import crc32_mismatches, zip_entries  # noqa: E402
 from dsrun.ops.aio import AsyncIOHandle  # noqa: E402
 
 BLOCK = 64 * 1024 ** 2
@@ -119,22 +124,44 @@ def python_direct_write(path: Path, nbytes: int) -> tuple[float, int]:
     return seconds, count * BLOCK
 
 
-def writer_save(settings: WriterSettings | None, crc32: bool = True,
-                legacy: bool = False) -> Callable[[Path, dict], tuple[float, int]]:
+def writer_save(settings: WriterSettings | None, torch_crc32: bool | None = None,
+                legacy: bool = False, checks: list[float] | None = None) -> Callable[[Path, dict], tuple[float, int]]:
+    """``torch_crc32`` None: a save as ``dsrun.checkpoint.atomic.save_torch`` makes it (``CheckpointFile.save``:
+    through the fast writer torch's CRC32 is off and the writer fills it in); True: plain ``torch.save`` into the
+    writer, torch computing every CRC32 on the saving thread (the fast writer before it filled them); False: with
+    torch's CRC32 off (the mock's serialization alone). ``checks``: append the seconds of the load-side CRC32
+    check of the file written (``dsrun.checkpoint.safe_load.check_records``)."""
     def save(path: Path, state: dict) -> tuple[float, int]:
         path.unlink(missing_ok=True)
-        torch.serialization.set_crc32_options(crc32)
+        kwargs = {"_use_new_zipfile_serialization": not legacy}
         start = time.perf_counter()
+        torch.serialization.set_crc32_options(torch_crc32 is not False)
         try:
             with open_writer(path, settings) as fh:
-                torch.save(state, fh, _use_new_zipfile_serialization=not legacy)
+                if torch_crc32 is None:
+                    fh.save(state, **kwargs)
+                else:
+                    torch.save(state, fh, **kwargs)
         finally:
             torch.serialization.set_crc32_options(True)
         seconds = time.perf_counter() - start
         written = int(fh.writer.statistics()["bytes"])
+        if checks is not None:
+            start = time.perf_counter()
+            bad = crc32_mismatches(path)
+            checks.append(time.perf_counter() - start)
+            assert not bad and any(entry.crc for entry in _entries(path)), f"{path}: CRC32s not filled: {bad}"
         path.unlink()
         return seconds, written
     return save
+
+
+def _entries(path: Path) -> list:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return zip_entries(fd)
+    finally:
+        os.close(fd)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,21 +182,24 @@ def main(argv: list[str] | None = None) -> int:
     size = nbytes_of(state)
     aio = (("block_size", args.block_mb * 1024 ** 2), ("thread_count", args.threads))
     buffer = args.buffer_mb * 1024 ** 2
+    fast = WriterSettings(type="FAST", io_buffer_size=buffer, aio=aio)
+    checks: list[float] = []
     writers: dict[str, Callable[[Path, dict], tuple[float, int]]] = {
         "torch.save (plain file)": writer_save(None),
         "python": writer_save(WriterSettings(type="PYTHON")),
-        "fast": writer_save(WriterSettings(type="FAST", io_buffer_size=buffer, aio=aio)),
+        "fast": writer_save(fast, checks=checks),
         "fast (single buffer)": writer_save(WriterSettings(type="FAST", io_buffer_size=buffer,
                                                            io_buffer_double=False, aio=aio)),
-        "mock": writer_save(WriterSettings(type="MOCK")),
-        "fast (torch CRC32 off)": writer_save(WriterSettings(type="FAST", io_buffer_size=buffer, aio=aio), crc32=False),
-        "fast (legacy format)": writer_save(WriterSettings(type="FAST", io_buffer_size=buffer, aio=aio), legacy=True),
+        "fast (torch's CRC32)": writer_save(fast, torch_crc32=True),
+        "mock": writer_save(WriterSettings(type="MOCK"), torch_crc32=False),
+        "mock (torch's CRC32)": writer_save(WriterSettings(type="MOCK"), torch_crc32=True),
+        "fast (legacy format)": writer_save(fast, legacy=True),
     }
     if args.only:
         writers = {name: run for name, run in writers.items() if name in args.only.split(",")}
     print(f"checkpoint: {size / 1e9:.2f} GB of tensors ({'--mb' if args.mb else args.model}); folder {folder}; "
           f"io_buffer_size {args.buffer_mb} MiB, aio.block_size {args.block_mb} MiB, aio.thread_count "
-          f"{args.threads}; {args.repeats} rounds", flush=True)
+          f"{args.threads}; {args.repeats} rounds; load average {os.getloadavg()[0]:.2f}", flush=True)
     speeds: dict[str, list[float]] = {"dd (O_DIRECT, fsync)": [], "python O_DIRECT loop": [],
                                       **{name: [] for name in writers}}
     try:
@@ -185,13 +215,14 @@ def main(argv: list[str] | None = None) -> int:
         for leftover in folder.iterdir():
             leftover.unlink()
         folder.rmdir()
+    print(f"load average at the end {os.getloadavg()[0]:.2f} (above ~1.5 on this 2-core VM: a loaded machine)")
     disk = statistics.median(speeds["dd (O_DIRECT, fsync)"])
     mock = statistics.median(speeds["mock"]) if speeds.get("mock") else None
     print(f"\n{'writer':28s} {'GB/s (median)':>14s} {'min-max':>13s} {'x disk (dd)':>12s} {'x mock':>7s}")
     results = {}
     for name, values in speeds.items():
         median = statistics.median(values)
-        ratio = None if name == "mock" else median / disk
+        ratio = None if name.startswith("mock") else median / disk
         of_mock = median / mock if mock and name not in ("mock", "dd (O_DIRECT, fsync)", "python O_DIRECT loop") \
             else None
         results[name] = {"gbps_median": median, "gbps_min": min(values), "gbps_max": max(values), "x_disk": ratio,
@@ -199,6 +230,11 @@ def main(argv: list[str] | None = None) -> int:
         shown = "-" if ratio is None else f"{ratio:.2f}x"
         shown_mock = "-" if of_mock is None else f"{of_mock:.2f}x"
         print(f"{name:28s} {median:14.2f} {min(values):6.2f}-{max(values):<6.2f} {shown:>12s} {shown_mock:>7s}")
+    if checks:
+        check = statistics.median(checks)
+        results["load CRC32 check"] = {"seconds_median": check, "gbps_median": size / check / 1e9}
+        print(f"\nthe load-side CRC32 check of the fast writer's file (read back, every record): "
+              f"{size / check / 1e9:.2f} GB/s ({check:.2f} s, median)")
     if args.json:
         args.json.write_text(json.dumps({"bytes": size, "buffer_mb": args.buffer_mb, "threads": args.threads, "block_mb": args.block_mb,
                                          "repeats": args.repeats, "results": results}, indent=1) + "\n")

@@ -88,6 +88,13 @@ def crc_pool() -> ThreadPoolExecutor:
     return _pool
 
 
+def _forget_pool() -> None:
+    global _pool
+    _pool = None  # a forked child has none of the parent's threads: it starts its own pool when it needs one
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
 Piece = Union[int, "Future[int]"]
 
 
