@@ -108,6 +108,7 @@ class Record:
     length: int = -1  # -1 until the data has passed
     pieces: list[tuple[int, Piece]] = field(default_factory=list)  # (bytes, crc32 or its job) in order
     unsubmitted: int = 0  # data segments registered and not yet handed to the pool
+    _value: tuple[int, int] | None = None  # (pieces combined, their CRC32)
 
     def final(self) -> bool:
         """Whether every piece's CRC32 is known now (without waiting)."""
@@ -115,10 +116,13 @@ class Record:
                 and all(isinstance(crc, int) or crc.done() for _, crc in self.pieces))
 
     def crc(self) -> int:
-        value = 0
-        for nbytes, crc in self.pieces:
-            value = crc32_combine(value, crc if isinstance(crc, int) else crc.result(), nbytes)
-        return value
+        """The record's CRC32 (waits for its jobs; asked only once the data has passed)."""
+        if self._value is None or self._value[0] != len(self.pieces):
+            value = 0
+            for nbytes, crc in self.pieces:
+                value = crc32_combine(value, crc if isinstance(crc, int) else crc.result(), nbytes)
+            self._value = (len(self.pieces), value)
+        return self._value[1]
 
 
 class Lost(Exception):
