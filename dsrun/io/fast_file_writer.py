@@ -85,8 +85,8 @@ class FastFileWriter(BaseFileWriter):
         self._received = 0  # bytes handed to write() so far (the stream offset of the next byte)
         self._crc_batches: deque[list[Future[int]]] = deque()  # the CRC jobs of each half drained, in order
         self._next_target = 0  # targets before it lie wholly in drained halves
-        self._late_blocks: dict[int, bytearray] = {}  # 4 KiB blocks on disk whose CRC field was not yet known
-        self._late_targets: list[tuple[int, Record]] = []
+        # 4 KiB blocks already on disk holding a CRC field not known when they went: their bytes and fields
+        self._late_blocks: dict[int, tuple[bytearray, list[tuple[int, Record]]]] = {}
         self.before_first_write: Callable[[], None] | None = None
         self._handle = config.dnvme_handle
         self._alignment = self._handle.get_alignment()
@@ -279,8 +279,8 @@ class FastFileWriter(BaseFileWriter):
             else:
                 for block in range(max(target, start) // 4096 * 4096, min(target + 4, end), 4096):
                     if block not in self._late_blocks:
-                        self._late_blocks[block] = bytearray(half[block - start:block - start + 4096])
-                self._late_targets.append((target, record))
+                        self._late_blocks[block] = (bytearray(half[block - start:block - start + 4096]), [])
+                    self._late_blocks[block][1].append((target, record))
             if target + 4 > end:
                 break  # the field goes on in the next half: seen again at its drain
             index += 1
@@ -316,11 +316,10 @@ class FastFileWriter(BaseFileWriter):
             return
         staging = memoryview(self._io_buffer.get_buffer().numpy())[:4096]
         self._incr_stats(CRC_LATE_BLOCKS_KEY, len(self._late_blocks))
-        for block, data in sorted(self._late_blocks.items()):
+        for block, (data, fields) in sorted(self._late_blocks.items()):
             view = memoryview(data)
-            for target, record in self._late_targets:
-                if target < block + 4096 and target + 4 > block:
-                    patch_crc(view, block, target, record.crc())
+            for target, record in fields:
+                patch_crc(view, block, target, record.crc())
             staging[:] = view
             done = 0
             while done < 4096:
