@@ -11,9 +11,9 @@ is off, when both CRC fields are written as 0 (``torch.load`` loads such a file:
 
 :class:`RecordCrcFiller` follows that stream as the fast writer passes it on (with torch's CRC32 off): it finds
 each record's data, has its CRC32 computed on a thread pool (``zlib.crc32`` releases the GIL) from the writer's
-own copy in its I/O buffer, combines the pieces (:func:`crc32_combine`) and names the CRC fields to fill (and the half of torch's
-``.data/serialization_id`` that hashes the CRC32s), so the file comes out byte for byte what ``torch.save`` with
-its CRC32 on writes. Should the stream ever not be what
+own copy in its I/O buffer, combines the pieces (:func:`crc32_combine`) and names the CRC fields to fill (and
+the half of torch's ``.data/serialization_id`` that hashes the CRC32s), so the file comes out byte for byte what
+``torch.save`` with its CRC32 on writes. Should the stream ever not be what
 this expects, the filler says it is lost and the writer fills the fields from the file once written
 (:func:`fill_crc32_from_file`).
 
@@ -233,9 +233,9 @@ class RecordCrcFiller:
 
     def _serialization_id(self, record: Record, data: bytes, start: int) -> None:
         """torch's ``.data/serialization_id``: 20 digits hashing the record names, then 20 hashing the records'
-        CRC32s (``c10::hash_combine`` over each non-empty record's, in order), all 0 here. Those 20 are recomputed from the CRC32s
-        (every earlier record's is resolved first) when the digits written are what the zeros give; otherwise the
-        id is left as torch wrote it."""
+        CRC32s (``c10::hash_combine`` over each non-empty record's, in order), all 0 here. Those 20 are
+        recomputed from the CRC32s (every earlier record's is resolved first) when the digits written are what
+        the zeros give; otherwise the id is left as torch wrote it."""
         self._resolve_all()
         earlier = [r for r in self.records if r is not record and r.length]  # torch skips empty records
         if len(data) == 40 and data.isdigit() and int(data[20:]) == _crc_hash([0] * len(earlier)):

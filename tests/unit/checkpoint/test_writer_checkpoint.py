@@ -1,6 +1,7 @@
 """``checkpoint.writer``: every file of an engine's save goes through the writer it names. A checkpoint the fast
-writer wrote resumes bit-exactly, and a damaged byte in it is refused at load naming the file and record; the mock writer leaves empty files; the buffer keys shape the O_DIRECT
-writes; statistics are logged when asked; bad values are refused in one line each."""
+writer wrote resumes bit-exactly, and a damaged byte in it is refused at load naming the file and record; the
+mock writer leaves empty files; the buffer keys shape the O_DIRECT writes; statistics are logged when asked;
+bad values are refused in one line each."""
 from __future__ import annotations
 
 import logging
