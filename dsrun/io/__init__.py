@@ -6,7 +6,9 @@
 * :class:`MockFileWriter`: counts the bytes and writes nothing.
 
 ``torch.save(obj, writer); writer.close()``. The ``checkpoint.writer`` config section picks the writer every
-checkpoint file goes through (:func:`open_writer`, called by ``dsrun.checkpoint.atomic.save_torch``).
+checkpoint file goes through (:func:`open_writer`, called by ``dsrun.checkpoint.atomic.save_torch``, which saves
+with ``CheckpointFile.save``: through the fast writer, torch's CRC32 of every record is computed by the writer
+on other threads instead, :mod:`.zip_crc`).
 """
 from __future__ import annotations
 
