@@ -10,7 +10,8 @@ computes each record's CRC32 on the saving thread before the bytes reach the fil
 is off, when both CRC fields are written as 0 (``torch.load`` loads such a file: it never checks a CRC).
 
 :class:`RecordCrcFiller` follows that stream as the fast writer passes it on (with torch's CRC32 off): it finds
-each record's data, has its CRC32 computed on a thread pool (``zlib.crc32`` releases the GIL) from the writer's
+each record's data, has its CRC32 computed on a thread pool (ISA-L's CRC32 where the ``isal`` package is
+installed, a dependency, else zlib's; both release the GIL) from the writer's
 own copy in its I/O buffer, combines the pieces (:func:`crc32_combine`) and names the CRC fields to fill (and
 the half of torch's ``.data/serialization_id`` that hashes the CRC32s), so the file comes out byte for byte what
 ``torch.save`` with its CRC32 on writes. Should the stream ever not be what
@@ -24,10 +25,14 @@ from __future__ import annotations
 
 import os
 import struct
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Union
+
+try:  # ISA-L's CRC32 (SIMD folding): the same values as zlib's, ~6-8x as fast; releases the GIL as zlib's does
+    from isal.isal_zlib import crc32
+except ImportError:  # pragma: no cover - a platform without isal's wheel
+    from zlib import crc32
 
 LOCAL, DESCRIPTOR, CENTRAL = b"PK\x03\x04", b"PK\x07\x08", b"PK\x01\x02"
 ZIP64_END, ZIP64_LOCATOR, END = b"PK\x06\x06", b"PK\x06\x07", b"PK\x05\x06"
@@ -224,7 +229,7 @@ class RecordCrcFiller:
         if whole and record.name.endswith(SERIALIZATION_ID):
             self._serialization_id(record, bytes(view[at:at + nbytes]), offset + at)
         elif whole and nbytes <= INLINE_BYTES:
-            record.pieces.append((nbytes, zlib.crc32(view[at:at + nbytes])))
+            record.pieces.append((nbytes, crc32(view[at:at + nbytes])))
         elif nbytes:
             self.segments.append((record, offset + at, offset + at + nbytes))
             record.unsubmitted += 1
@@ -241,7 +246,7 @@ class RecordCrcFiller:
         if len(data) == 40 and data.isdigit() and int(data[20:]) == _crc_hash([0] * len(earlier)):
             data = data[:20] + str(_crc_hash([r.crc() for r in earlier])).zfill(20).encode()
             self.replacements.append((start, data))
-        record.pieces.append((len(data), zlib.crc32(data)))
+        record.pieces.append((len(data), crc32(data)))
 
     def _parse(self, end: int) -> None:
         """``self._acc`` holds the ``self._need`` bytes that end at stream offset ``end``."""
@@ -365,7 +370,7 @@ def patch_crc(memory: memoryview, memory_start: int, target: int, value: int) ->
 def submit_crc(memory: memoryview) -> list[tuple[int, "Future[int]"]]:
     """CRC32 jobs over ``memory`` in pieces of at most ``JOB_BYTES``: (bytes, job) in order."""
     pool = crc_pool()
-    return [(len(memory[at:at + JOB_BYTES]), pool.submit(zlib.crc32, memory[at:at + JOB_BYTES]))
+    return [(len(memory[at:at + JOB_BYTES]), pool.submit(crc32, memory[at:at + JOB_BYTES]))
             for at in range(0, len(memory), JOB_BYTES)]
 
 
@@ -428,7 +433,7 @@ def _file_crc(fd: int, start: int, size: int, chunk: int = 16 << 20) -> int:
     value = 0
     for at in range(start, start + size, chunk):
         data = _read_at(fd, at, min(chunk, start + size - at))
-        value = zlib.crc32(data, value)
+        value = crc32(data, value)
     return value
 
 
@@ -465,7 +470,7 @@ def fill_crc32_from_file(fd: int) -> None:
             if data.isdigit() and int(data[20:]) == _crc_hash([0] * len(earlier)):
                 data = data[:20] + str(_crc_hash(earlier)).zfill(20).encode()
                 os.pwrite(fd, data, entry.data_start)
-                crcs[entry.name] = zlib.crc32(data)
+                crcs[entry.name] = crc32(data)
         for where in (entry.entry_offset + 16, entry.descriptor_crc):
             if where is not None:
                 os.pwrite(fd, struct.pack("<I", crcs[entry.name]), where)
