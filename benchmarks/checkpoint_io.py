@@ -30,8 +30,9 @@ durable, as dsrun's atomic saves make it):
 After each ``fast`` save the file's CRC32s are checked as a whole load checks them (every record read back and
 compared with its stored CRC32): the run fails if one is missing or wrong, and the check's speed is printed.
 
-The "x mock" column divides each writer by the mock's figure: how close it comes to the serialization's own
-speed, the ceiling of any writer fed by ``torch.save``.
+Each line also gives the CPU seconds the writer used per GB written (every thread of the process, or dd's own
+process): on a machine whose cores are busy with other work a writer's speed falls with the CPU it needs, so
+this is the figure that does not depend on the load.
 
 Rounds are interleaved (dd, then each writer, then again) so a machine shared with other work drifts into
 every line alike; the figures are medians over ``--repeats`` rounds, with min-max. GB/s = 1e9 bytes/s.
@@ -42,6 +43,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -91,19 +93,27 @@ def nbytes_of(state: dict) -> int:
     return sum(storages.values())
 
 
-def dd_write(path: Path, nbytes: int) -> tuple[float, int]:
-    """dd's seconds and bytes for a new file of ``nbytes`` (rounded up to 64 MiB blocks), O_DIRECT + fsync."""
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def dd_write(path: Path, nbytes: int) -> tuple[float, int, float]:
+    """dd's seconds and bytes for a new file of ``nbytes`` (rounded up to 64 MiB blocks), O_DIRECT + fsync, and
+    its CPU seconds."""
     path.unlink(missing_ok=True)
     count = -(-nbytes // BLOCK)
+    cpu = _children_cpu()
     done = subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=64M", f"count={count}", "oflag=direct",
                            "conv=fsync"], capture_output=True, text=True, check=True)
     match = re.search(r"^(\d+) bytes.*copied, ([0-9.,]+) s", done.stderr, re.MULTILINE)
     assert match, done.stderr
+    cpu = _children_cpu() - cpu
     path.unlink()
-    return float(match.group(2).replace(",", ".")), int(match.group(1))
+    return float(match.group(2).replace(",", ".")), int(match.group(1)), cpu
 
 
-def python_direct_write(path: Path, nbytes: int) -> tuple[float, int]:
+def python_direct_write(path: Path, nbytes: int) -> tuple[float, int, float]:
     """64 MiB ``os.write`` calls from a page-aligned buffer to an O_DIRECT descriptor, then fsync."""
     path.unlink(missing_ok=True)
     handle = AsyncIOHandle()
@@ -111,7 +121,7 @@ def python_direct_write(path: Path, nbytes: int) -> tuple[float, int]:
     buffer.fill_(1)
     view = memoryview(buffer.numpy())
     count = -(-nbytes // BLOCK)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
     try:
         for _ in range(count):
@@ -119,22 +129,23 @@ def python_direct_write(path: Path, nbytes: int) -> tuple[float, int]:
         os.fsync(fd)
     finally:
         os.close(fd)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     path.unlink()
-    return seconds, count * BLOCK
+    return seconds, count * BLOCK, cpu
 
 
 def writer_save(settings: WriterSettings | None, torch_crc32: bool | None = None,
-                legacy: bool = False, checks: list[float] | None = None) -> Callable[[Path, dict], tuple[float, int]]:
+                legacy: bool = False, checks: list[float] | None = None
+                ) -> Callable[[Path, dict], tuple[float, int, float]]:
     """``torch_crc32`` None: a save as ``dsrun.checkpoint.atomic.save_torch`` makes it (``CheckpointFile.save``:
     through the fast writer torch's CRC32 is off and the writer fills it in); True: plain ``torch.save`` into the
     writer, torch computing every CRC32 on the saving thread (the fast writer before it filled them); False: with
     torch's CRC32 off (the mock's serialization alone). ``checks``: append the seconds of the load-side CRC32
     check of the file written (``dsrun.checkpoint.safe_load.check_records``)."""
-    def save(path: Path, state: dict) -> tuple[float, int]:
+    def save(path: Path, state: dict) -> tuple[float, int, float]:
         path.unlink(missing_ok=True)
         kwargs = {"_use_new_zipfile_serialization": not legacy}
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         torch.serialization.set_crc32_options(torch_crc32 is not False)
         try:
             with open_writer(path, settings) as fh:
@@ -144,7 +155,7 @@ def writer_save(settings: WriterSettings | None, torch_crc32: bool | None = None
                     torch.save(state, fh, **kwargs)
         finally:
             torch.serialization.set_crc32_options(True)
-        seconds = time.perf_counter() - start
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
         written = int(fh.writer.statistics()["bytes"])
         if checks is not None:
             start = time.perf_counter()
@@ -152,7 +163,7 @@ def writer_save(settings: WriterSettings | None, torch_crc32: bool | None = None
             checks.append(time.perf_counter() - start)
             assert not bad and any(entry.crc for entry in _entries(path)), f"{path}: CRC32s not filled: {bad}"
         path.unlink()
-        return seconds, written
+        return seconds, written, cpu
     return save
 
 
@@ -184,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     buffer = args.buffer_mb * 1024 ** 2
     fast = WriterSettings(type="FAST", io_buffer_size=buffer, aio=aio)
     checks: list[float] = []
-    writers: dict[str, Callable[[Path, dict], tuple[float, int]]] = {
+    writers: dict[str, Callable[[Path, dict], tuple[float, int, float]]] = {
         "torch.save (plain file)": writer_save(None),
         "python": writer_save(WriterSettings(type="PYTHON")),
         "fast": writer_save(fast, checks=checks),
@@ -202,34 +213,33 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.threads}; {args.repeats} rounds; load average {os.getloadavg()[0]:.2f}", flush=True)
     speeds: dict[str, list[float]] = {"dd (O_DIRECT, fsync)": [], "python O_DIRECT loop": [],
                                       **{name: [] for name in writers}}
+    cpus: dict[str, list[float]] = {name: [] for name in speeds}  # CPU seconds per GB written (all threads)
     try:
         for round_ in range(args.repeats):
             for name, run in (("dd (O_DIRECT, fsync)", lambda p: dd_write(p, size)),
                               ("python O_DIRECT loop", lambda p: python_direct_write(p, size)),
                               *((n, (lambda w: lambda p: w(p, state))(w)) for n, w in writers.items())):
-                seconds, written = run(folder / "f.bin")
+                seconds, written, cpu = run(folder / "f.bin")
                 speeds[name].append(written / seconds / 1e9)
+                cpus[name].append(cpu / (written / 1e9))
                 print(f"  round {round_ + 1} {name:26s} {written / seconds / 1e9:6.2f} GB/s "
-                      f"({written / 1e9:.2f} GB in {seconds:.2f} s)", flush=True)
+                      f"({written / 1e9:.2f} GB in {seconds:.2f} s, {cpu:.2f} CPU s)", flush=True)
     finally:
         for leftover in folder.iterdir():
             leftover.unlink()
         folder.rmdir()
     print(f"load average at the end {os.getloadavg()[0]:.2f} (above ~1.5 on this 2-core VM: a loaded machine)")
     disk = statistics.median(speeds["dd (O_DIRECT, fsync)"])
-    mock = statistics.median(speeds["mock"]) if speeds.get("mock") else None
-    print(f"\n{'writer':28s} {'GB/s (median)':>14s} {'min-max':>13s} {'x disk (dd)':>12s} {'x mock':>7s}")
+    print(f"\n{'writer':28s} {'GB/s (median)':>14s} {'min-max':>13s} {'x disk (dd)':>12s} {'CPU s/GB':>9s}")
     results = {}
     for name, values in speeds.items():
         median = statistics.median(values)
         ratio = None if name.startswith("mock") else median / disk
-        of_mock = median / mock if mock and name not in ("mock", "dd (O_DIRECT, fsync)", "python O_DIRECT loop") \
-            else None
+        cpu = statistics.median(cpus[name])
         results[name] = {"gbps_median": median, "gbps_min": min(values), "gbps_max": max(values), "x_disk": ratio,
-                         "x_mock": of_mock}
+                         "cpu_s_per_gb": cpu}
         shown = "-" if ratio is None else f"{ratio:.2f}x"
-        shown_mock = "-" if of_mock is None else f"{of_mock:.2f}x"
-        print(f"{name:28s} {median:14.2f} {min(values):6.2f}-{max(values):<6.2f} {shown:>12s} {shown_mock:>7s}")
+        print(f"{name:28s} {median:14.2f} {min(values):6.2f}-{max(values):<6.2f} {shown:>12s} {cpu:9.2f}")
     if checks:
         check = statistics.median(checks)
         results["load CRC32 check"] = {"seconds_median": check, "gbps_median": size / check / 1e9}
