@@ -100,7 +100,8 @@ ENTRIES: list[Entry] = [
          "legacy_format_and_resumes"),
     # the writers every checkpoint file goes through (dsrun/io, dsrun.checkpoint.atomic.save_torch)
     done("checkpoint.writer.type", "the writer of every checkpoint file: FAST (O_DIRECT, aligned buffers through "
-         "async I/O), PYTHON (buffered file) or MOCK (counts bytes, writes empty files)",
+         "async I/O, the records' CRC32s computed off the saving thread), PYTHON (buffered file) or MOCK (counts "
+         "bytes, writes empty files)",
          f"{WRITERS}test_a_checkpoint_written_by_the_fast_writer_resumes_bit_exactly",
          f"{WRITERS}test_each_writer_type_writes_its_way"),
     done("checkpoint.writer.io_buffer_size", "bytes of the fast writer's I/O buffer (each O_DIRECT write is a half "
