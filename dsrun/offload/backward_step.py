@@ -39,7 +39,7 @@ def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
 
 def _changed(used: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """The settings that differ between two :func:`_hyperparameters`."""
-    def same(a: Any, b: Any) -> bool:
+    def same(a: object, b: object) -> bool:
         if torch.is_tensor(a) or torch.is_tensor(b):
             return torch.is_tensor(a) and torch.is_tensor(b) and torch.equal(a, b)
         return a == b
