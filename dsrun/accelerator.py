@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsrun.utils.pin_memory import get_active_native_pinned_memory
 from dsrun.utils.pin_memory_tracker import track_pinned_memory
 
 
@@ -53,14 +54,33 @@ class Accelerator:
         """Pinned host memory only speeds up host-to-CUDA copies; on CPU it is pointless."""
         return self.name == "cuda"
 
-    def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
+    def pin_memory(self, tensor: torch.Tensor, make_copy: bool = True, match_shape: bool = True) -> torch.Tensor:
         """``tensor`` in pinned host memory where that helps (counted by :mod:`dsrun.utils.pin_memory_tracker`,
-        as DeepSpeed's accelerators count), else ``tensor`` itself."""
+        as DeepSpeed's accelerators count), else ``tensor`` itself. With ``DS_PIN_MEMORY_BACKEND=native``, on
+        any device, a page-locked copy from DeepSpeed's native manager (``dsrun/utils/pin_memory.py``;
+        ``make_copy``/``match_shape`` as there)."""
+        pins = get_active_native_pinned_memory()
+        if pins is not None:
+            track_pinned_memory(tensor.nbytes)
+            return pins.pin(tensor, make_copy=make_copy, match_shape=match_shape)
         if not self.pin_memory_enabled():
             return tensor
         pinned = tensor.pin_memory()
         track_pinned_memory(pinned.nbytes)
         return pinned
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        """Page-locked by the native manager (when active) or by torch."""
+        pins = get_active_native_pinned_memory()
+        if pins is not None and pins.is_pinned(tensor):
+            return True
+        return self.name == "cuda" and tensor.is_pinned()
+
+    def unpin_memory(self, tensor: torch.Tensor) -> bool | None:
+        """Free a native pin now (True if a block was freed); None with torch's pinning, which frees with the
+        tensor."""
+        pins = get_active_native_pinned_memory()
+        return pins.unpin(tensor) if pins is not None else None
 
     def memory_allocated(self) -> int:
         return torch.cuda.memory_allocated() if self.name == "cuda" else 0

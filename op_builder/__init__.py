@@ -23,6 +23,7 @@ from op_builder.deepspeed_names import (
     FusedLambBuilder,
     FusedLionBuilder,
     InferenceBuilder,
+    PinMemoryBuilder,
     QuantizerBuilder,
     SparseAttnBuilder,
     TransformerBuilder,
@@ -42,7 +43,7 @@ def get_builder(name: str) -> OpBuilder:
         raise ValueError(f"unknown op {name!r}; expected one of {', '.join(ALL_OPS)}") from None
 
 
-__all__ = ["ALL_OPS", "DEEPSPEED_ONLY", "FusedAdamBuilder", "FusedLambBuilder", "FusedLionBuilder", "InferenceBuilder",
+__all__ = ["ALL_OPS", "DEEPSPEED_ONLY", "FusedAdamBuilder", "FusedLambBuilder", "FusedLionBuilder", "InferenceBuilder", "PinMemoryBuilder",
            "QuantizerBuilder", "SparseAttnBuilder", "TransformerBuilder", "UtilsBuilder", "AsyncIOBuilder", "CPUAdagradBuilder", "CPUAdamBuilder", "CPULionBuilder",
            "HostCacheBuilder",
            "CompilerUnavailableError", "OpBuildError", "OpBuilder", "cache_root", "compiler", "csrc_root",

@@ -1,7 +1,8 @@
 """DeepSpeed's op-builder names that scripts and tests import (``deepspeed.ops.op_builder.X``).
 
 ``FusedAdamBuilder`` is DeepSpeed's fused Adam; on a CPU it is the CPU Adam kernel (``dsrun.ops.adam.FusedAdam``
-steps with it), so this builder loads the ``cpu_adam`` op. ``UtilsBuilder`` (flatten, unflatten, byte casts) is torch. The others name DeepSpeed CUDA ops dsrun does not
+steps with it), so this builder loads the ``cpu_adam`` op. ``UtilsBuilder`` (flatten, unflatten, byte casts) is torch; ``PinMemoryBuilder``'s
+page-locked allocator is libc's ``posix_memalign`` + ``mlock`` through ctypes (``dsrun/utils/pin_memory.py``). The others name DeepSpeed CUDA ops dsrun does not
 build: their ``is_compatible()`` is False with the reason, and ``load()`` raises :class:`OpBuildError`, the same
 answer DeepSpeed gives on a machine where the op cannot be built.
 """
@@ -49,6 +50,20 @@ class UtilsBuilder(OpBuilder):
         return module
 
 
+class PinMemoryBuilder(OpBuilder):
+    """DeepSpeed's ``pin_memory`` op: ``load().pin_handle()`` is the process's page-locked host allocator
+    (``new_cpu_locked_tensor``, ``free_cpu_locked_tensor``, ``is_pinned``), nothing to build."""
+
+    NAME = "pin_memory"
+
+    def load(self, verbose: bool = False) -> ModuleType:
+        from dsrun.utils.pin_memory import pin_handle
+
+        module = ModuleType("deepspeed.ops.pin_memory.pin_memory_op", self.__doc__)
+        module.pin_handle = pin_handle
+        return module
+
+
 class _Unbuilt(OpBuilder):
     """A DeepSpeed op dsrun does not build; ``WHAT`` says what to use instead."""
 
@@ -87,4 +102,4 @@ class InferenceBuilder(_Unbuilt):
 
 DEEPSPEED_ONLY: tuple[type[OpBuilder], ...] = (FusedAdamBuilder, FusedLambBuilder, FusedLionBuilder,
                                                 TransformerBuilder, SparseAttnBuilder, QuantizerBuilder,
-                                                InferenceBuilder, UtilsBuilder)
+                                                InferenceBuilder, UtilsBuilder, PinMemoryBuilder)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from dsrun.offload.pipeline import PipelineTimes, StepPipeline, tiled_cpu_step
-from dsrun.offload.settings import CPU_TILE_ELEMENTS, OffloadContext, OffloadOptimizerSettings, host_empty, require_cpu_optimizer
+from dsrun.offload.settings import CPU_TILE_ELEMENTS, OffloadContext, HostBuffers, OffloadOptimizerSettings, require_cpu_optimizer
 
 
 def chunked_square_sum(g: torch.Tensor) -> torch.Tensor:
@@ -114,6 +114,7 @@ class HostFlatStore(DeviceFlatStore):
                  optimizer: torch.optim.Optimizer):
         super().__init__(model_dtype, device)
         self.settings = settings
+        self.host = HostBuffers(settings)
         self.cpu_optimizer = require_cpu_optimizer(optimizer, settings)
         self.tile = max(1, min(settings.sub_group_size, CPU_TILE_ELEMENTS))
         self.pipeline = StepPipeline()
@@ -126,10 +127,10 @@ class HostFlatStore(DeviceFlatStore):
     def masters(self, partitions: list[torch.Tensor]) -> list[torch.nn.Parameter]:
         self.partitions = partitions
         if self.model_dtype != torch.float32 and not self.direct_low_precision:
-            self._lp_staging = [host_empty(p.numel(), self.model_dtype, self.settings.pinned) for p in partitions]
+            self._lp_staging = [self.host.empty(p.numel(), self.model_dtype) for p in partitions]
         masters = []
         for part in partitions:
-            master = host_empty(part.numel(), torch.float32, self.settings.pinned)
+            master = self.host.empty(part.numel(), torch.float32)
             master.copy_(part)
             masters.append(torch.nn.Parameter(master))
         return masters
@@ -137,7 +138,7 @@ class HostFlatStore(DeviceFlatStore):
     def gradients(self, sizes: list[int], reduced: list[torch.Tensor] | None = None,
                   dtype: torch.dtype | None = None) -> list[torch.Tensor]:
         # fp32 on the host (the config refuses another grad_accum_dtype with offload_optimizer)
-        self.grads = [torch.zeros(n, dtype=torch.float32, pin_memory=self.settings.pinned) for n in sizes]
+        self.grads = [self.host.zeros(n, torch.float32) for n in sizes]
         return self.grads
 
     def step_gradients(self, reduced: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -198,6 +199,7 @@ class HostFlatStore(DeviceFlatStore):
 
     def close(self) -> None:
         self.pipeline.close()
+        self.host.release()
 
 
 def flat_store(ctx: OffloadContext) -> DeviceFlatStore:

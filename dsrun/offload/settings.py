@@ -9,6 +9,8 @@ import torch
 from dsrun.config.optim import offload_optimizer_problem
 from dsrun.config.zero import AIOConfig, ZeroConfig
 from dsrun.utils.errors import ZeRORuntimeException
+from dsrun.utils.pin_memory import get_active_native_pinned_memory
+from dsrun.utils.pin_memory_tracker import track_pinned_memory
 
 if TYPE_CHECKING:
     from dsrun.ops.cpu_optimizer import CPUOptimizer
@@ -78,9 +80,36 @@ class OffloadOptimizerSettings:
         return self.pin_memory and torch.cuda.is_available()
 
 
-def host_empty(numel: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
-    """An uninitialised 1-D host tensor, page-locked when ``pinned``."""
-    return torch.empty(int(numel), dtype=dtype, pin_memory=pinned)
+class HostBuffers:
+    """The host tensors one store allocates, page-locked as ``offload_optimizer.pin_memory`` asks: by torch where
+    an accelerator exists to copy from them, or by DeepSpeed's native manager under ``DS_PIN_MEMORY_BACKEND=native``
+    (any device, docs/offload.md); :meth:`release` (the store's ``close``, so ``engine.destroy()``) releases
+    the native pins, as DeepSpeed's optimizer does at destroy."""
+
+    def __init__(self, settings: OffloadOptimizerSettings) -> None:
+        self.settings = settings
+        self.native: list[torch.Tensor] = []  # the buffers the native manager pinned, until released
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised 1-D host tensor."""
+        pins = get_active_native_pinned_memory() if self.settings.pin_memory else None
+        if pins is None:
+            return torch.empty(int(numel), dtype=dtype, pin_memory=self.settings.pinned)
+        shape_only = torch.empty(int(numel), dtype=dtype, device="meta")  # no bytes: nothing to copy
+        track_pinned_memory(shape_only.nbytes)
+        buffer = pins.pin(shape_only, make_copy=False)
+        self.native.append(buffer)
+        return buffer
+
+    def zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.empty(numel, dtype).zero_()
+
+    def release(self) -> None:
+        pins = get_active_native_pinned_memory()
+        for buffer in self.native:
+            if pins is not None:
+                pins.unpin(buffer)
+        self.native.clear()
 
 
 def require_cpu_optimizer(optimizer: torch.optim.Optimizer, settings: OffloadOptimizerSettings) -> CPUOptimizer | None:

@@ -28,7 +28,7 @@ from dsrun.offload import param_swapper
 from dsrun.offload.chunked_step import chunked_step
 from dsrun.offload.nvme import NORM_CHUNK, SwappedOptimizerState, SwappedShard, SwappedUnit
 from dsrun.offload.pipeline import PipelineTimes, StepPipeline, scatter_to_shards, tiled_cpu_step
-from dsrun.offload.settings import CPU_TILE_ELEMENTS, OffloadOptimizerSettings, host_empty, require_cpu_optimizer
+from dsrun.offload.settings import CPU_TILE_ELEMENTS, HostBuffers, OffloadOptimizerSettings, require_cpu_optimizer
 from dsrun.offload.state_moves import OffloadStateTypeEnum, StateTensor
 
 if TYPE_CHECKING:
@@ -299,6 +299,7 @@ class HostShardStore(DeviceShardStore):
                  settings: OffloadOptimizerSettings):
         super().__init__(shard_ctx, optimizer, cpu_optimizer)
         self.settings = settings
+        self.host = HostBuffers(settings)
         self.pipeline = StepPipeline()
         self.tile = max(1, min(settings.sub_group_size, CPU_TILE_ELEMENTS))
         self._lp_staging: list[torch.Tensor] = []
@@ -311,11 +312,11 @@ class HostShardStore(DeviceShardStore):
     def place(self, index: int, sg: SubGroup) -> None:
         self.sub_groups.append((index, sg))
         flat = _flat_shards(sg, HOST)
-        master = host_empty(sg.numel, torch.float32, self.settings.pinned)
+        master = self.host.empty(sg.numel, torch.float32)
         master.copy_(flat)
         del flat
         sg.master = torch.nn.Parameter(master)
-        sg.grad = torch.zeros(sg.numel, dtype=torch.float32, pin_memory=self.settings.pinned)
+        sg.grad = self.host.zeros(sg.numel, torch.float32)
         for p, off in zip(sg.params, sg.offsets):
             p.ds_fp32_shard = sg.master.data[off:off + p.ds_partition_numel]
         if self.aliased():
@@ -324,7 +325,7 @@ class HostShardStore(DeviceShardStore):
     def finish(self) -> None:
         if self.shard_ctx.model_dtype != torch.float32 and self.sub_groups:
             largest = max(sg.numel for _, sg in self.sub_groups)
-            self._lp_staging = [host_empty(min(self.tile, largest), self.shard_ctx.model_dtype, self.settings.pinned)
+            self._lp_staging = [self.host.empty(min(self.tile, largest), self.shard_ctx.model_dtype)
                                 for _ in range(2)]
 
     def update(self, coef: float) -> None:
@@ -368,6 +369,7 @@ class HostShardStore(DeviceShardStore):
 
     def close(self) -> None:
         self.pipeline.close()
+        self.host.release()
 
 
 class NvmeShardStore(DeviceShardStore):
