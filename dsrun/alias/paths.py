@@ -66,6 +66,8 @@ PATHS: dict[str, str] = {
     "deepspeed.autotuning.autotuner": "dsrun.autotuning.deepspeed_api",
     "deepspeed.autotuning.scheduler": "dsrun.autotuning.deepspeed_api",
     "deepspeed.autotuning.utils": "dsrun.autotuning.deepspeed_api",
+    "deepspeed.runtime.rollout.base": "dsrun.inference.rollout",
+    "deepspeed.runtime.rollout.hybrid_engine_rollout": "dsrun.inference.rollout",
     # dsrun keeps these objects under another name
     "deepspeed.ops.op_builder": "op_builder",
     "deepspeed.launcher.runner": "dsrun.cli.deepspeed_runner",
