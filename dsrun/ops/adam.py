@@ -1,6 +1,7 @@
 """``DeepSpeedCPUAdam``: Adam/AdamW on CPU tensors through the ``cpu_adam`` SIMD kernel.
 
-Numerically it follows ``torch.optim.AdamW`` (``adamw_mode=True``, decoupled weight decay) or
+``ZenFlowSelectiveAdamW`` / ``ZenFlowSelectiveAdamW_stage3`` (``dsrun/ops/zenflow_adam.py``) are served here, as
+DeepSpeed's ``deepspeed.ops.adam`` holds them. Numerically it follows ``torch.optim.AdamW`` (``adamw_mode=True``, decoupled weight decay) or
 ``torch.optim.Adam`` (``adamw_mode=False``, L2 weight decay added to the gradient). See
 :mod:`dsrun.ops.cpu_optimizer` for parameter/state dtypes and ``fp32_optimizer_states``.
 """
@@ -12,6 +13,7 @@ from typing import Any, Iterable
 import torch
 
 from dsrun.ops.cpu_optimizer import CPUOptimizer, _GroupWork
+from dsrun.ops.zenflow_adam import ZenFlowSelectiveAdamW, ZenFlowSelectiveAdamW_stage3  # DeepSpeed's names here
 
 
 class DeepSpeedCPUAdam(CPUOptimizer):
@@ -93,3 +95,6 @@ class FusedAdam(DeepSpeedCPUAdam):
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
+
+
+__all__ = ["DeepSpeedCPUAdam", "FusedAdam", "ZenFlowSelectiveAdamW", "ZenFlowSelectiveAdamW_stage3"]
