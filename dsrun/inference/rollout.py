@@ -7,7 +7,8 @@ out, ``SamplingConfig``) and one abstract class, ``RolloutEngine`` (``generate``
 ``HybridEngineRollout`` generates with the training engine's own module (Hugging Face ``generate``), so the
 samples always come from the current weights and ``sync_weights`` has nothing to push; under ZeRO-3 each
 forward gathers its parameters as in training. ``use_graph_capture`` (DeepSpeed's CUDA-graph decode) is refused:
-dsrun captures no CUDA graphs.
+dsrun captures no CUDA graphs. ``HybridEngineRollout._sample_top_p`` is DeepSpeed's temperature and nucleus
+sampling of one token per row.
 """
 from __future__ import annotations
 
@@ -23,6 +24,13 @@ from dsrun.utils.errors import ConfigError
 @dataclass
 class RolloutConfig:
     engine: str = "hybrid_engine"
+    use_graph_capture: bool = False
+
+
+@dataclass
+class HybridEngineRolloutConfig:
+    """``HybridEngineRollout``'s own options (``RolloutConfig`` carries the same flag)."""
+
     use_graph_capture: bool = False
 
 
@@ -109,12 +117,26 @@ class HybridEngineRollout(RolloutEngine):
 
     name = "hybrid_engine"
 
-    def __init__(self, engine: _TrainingEngine, tokenizer: _Tokenizer, cfg: RolloutConfig | None = None):
-        if cfg is not None and getattr(cfg, "use_graph_capture", False):
+    def __init__(self, engine: _TrainingEngine, tokenizer: _Tokenizer,
+                 cfg: RolloutConfig | HybridEngineRolloutConfig | None = None):
+        self.use_graph_capture = bool(getattr(cfg, "use_graph_capture", False))
+        if self.use_graph_capture:
             raise ConfigError("rollout use_graph_capture: DeepSpeed's CUDA-graph decode is not provided by dsrun; "
                               "set it to False (generation runs Hugging Face generate)")
         self.engine = engine
         self.tokenizer = tokenizer
+
+    @staticmethod
+    def _sample_top_p(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0) -> torch.Tensor:
+        """One token per row of ``logits`` [B, V] ([B, 1]): softmax at ``temperature``, sampled from the
+        smallest set of most likely tokens whose probability reaches ``top_p`` (DeepSpeed's helper)."""
+        probs = torch.softmax(logits / temperature, dim=-1)
+        if top_p >= 1.0:
+            return torch.multinomial(probs, 1)
+        sorted_probs, order = torch.sort(probs, descending=True, dim=-1)
+        outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p  # the mass before a token already reaches top_p
+        sorted_probs = sorted_probs.masked_fill(outside, 0.0)
+        return order.gather(1, torch.multinomial(sorted_probs, 1))
 
     @torch.no_grad()
     def generate(self, request: RolloutRequest, sampling: SamplingConfig) -> RolloutBatch:
@@ -151,5 +173,5 @@ def build_rollout(rollout_cfg: RolloutConfig, student_engine: _TrainingEngine | 
     raise ValueError(f"Unknown rollout engine {name!r}; choose from 'hybrid_engine'")
 
 
-__all__ = ["HybridEngineRollout", "RolloutBatch", "RolloutConfig", "RolloutEngine", "RolloutRequest",
+__all__ = ["HybridEngineRollout", "HybridEngineRolloutConfig", "RolloutBatch", "RolloutConfig", "RolloutEngine", "RolloutRequest",
            "SamplingConfig", "build_rollout"]

@@ -57,3 +57,12 @@ def test_hybrid_engine_rollout_generates_with_the_training_weights():
     again = rollout.generate(RolloutRequest(prompts, mask), SamplingConfig(max_new_tokens=4, temperature=0.0))
     assert torch.equal(again.input_ids, model.generate(prompts, attention_mask=mask, max_new_tokens=4,
                                                        do_sample=False, pad_token_id=0))
+
+
+def test_nucleus_sampling_keeps_the_smallest_set_reaching_top_p():
+    torch.manual_seed(0)
+    logits = torch.tensor([0.5, 0.3, 0.2]).log().expand(400, 3)
+    tokens = HybridEngineRollout._sample_top_p(logits, top_p=0.6)  # 0.5 < 0.6 <= 0.8: the first two tokens
+    assert tokens.shape == (400, 1) and set(tokens.flatten().tolist()) == {0, 1}
+    assert set(HybridEngineRollout._sample_top_p(logits).flatten().tolist()) == {0, 1, 2}
+    assert HybridEngineRollout._sample_top_p(torch.tensor([[1.0, 10.0, 2.0]]), temperature=1e-10).item() == 1
