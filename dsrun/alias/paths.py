@@ -66,6 +66,7 @@ PATHS: dict[str, str] = {
     "deepspeed.autotuning.autotuner": "dsrun.autotuning.deepspeed_api",
     "deepspeed.autotuning.scheduler": "dsrun.autotuning.deepspeed_api",
     "deepspeed.autotuning.utils": "dsrun.autotuning.deepspeed_api",
+    "deepspeed.runtime.sequence_parallel.ulysses_sp": "dsrun.sequence.tiled_compute",
     "deepspeed.runtime.rollout.base": "dsrun.inference.rollout",
     "deepspeed.runtime.rollout.hybrid_engine_rollout": "dsrun.inference.rollout",
     # dsrun keeps these objects under another name

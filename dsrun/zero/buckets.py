@@ -80,7 +80,9 @@ class BucketQueue:
             self.received.add((gi, pi))
             if self.on_accumulated is not None:
                 self.on_accumulated(gi, pi)
-            if self.active:
+            # DeepSpeed's ``ds_grad_is_ready`` False: more accumulations into .grad follow in this backward (tiled
+            # compute's slices, dsrun/sequence/tiled_compute.py); the bucket counts the parameter at the last one
+            if self.active and getattr(param, "ds_grad_is_ready", True):
                 self._param_ready(gi, pi)
         return hook
 

@@ -271,8 +271,8 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
                 self._launch_bucket(key)
 
     def _grad_ready(self, param: torch.nn.Parameter) -> None:
-        if not self._armed or param.grad is None:
-            return
+        if not self._armed or param.grad is None or not getattr(param, "ds_grad_is_ready", True):
+            return  # (DeepSpeed's ``ds_grad_is_ready`` False: more accumulations follow, as in buckets.py)
         grad = param.grad
         param.grad = None
         self._queue_gradient(param, grad)
