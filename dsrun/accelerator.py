@@ -77,8 +77,8 @@ class Accelerator:
         return self.name == "cuda" and tensor.is_pinned()
 
     def unpin_memory(self, tensor: torch.Tensor) -> bool | None:
-        """Free a native pin now (True if a block was freed); None with torch's pinning, which frees with the
-        tensor."""
+        """Release a native pin now (True if the tensor was pinned by it); None with torch's pinning, which is
+        released with the tensor."""
         pins = get_active_native_pinned_memory()
         return pins.unpin(tensor) if pins is not None else None
 

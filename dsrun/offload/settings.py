@@ -9,7 +9,7 @@ import torch
 from dsrun.config.optim import offload_optimizer_problem
 from dsrun.config.zero import AIOConfig, ZeroConfig
 from dsrun.utils.errors import ZeRORuntimeException
-from dsrun.utils.pin_memory import get_active_native_pinned_memory
+from dsrun.utils.pin_memory import get_active_native_pinned_memory, get_native_pinned_memory
 from dsrun.utils.pin_memory_tracker import track_pinned_memory
 
 if TYPE_CHECKING:
@@ -105,10 +105,9 @@ class HostBuffers:
         return self.empty(numel, dtype).zero_()
 
     def release(self) -> None:
-        pins = get_active_native_pinned_memory()
+        pins = get_native_pinned_memory()  # the manager that pinned them, whatever the environment says now
         for buffer in self.native:
-            if pins is not None:
-                pins.unpin(buffer)
+            pins.unpin(buffer)
         self.native.clear()
 
 
