@@ -122,8 +122,14 @@ def run_cli(*args: str, cwd: str | Path | None = None, env: dict[str, str] | Non
 # is whatever the test that started it had, so each rank writes its output to a file of its launch, which the
 # caller prints (pytest shows it with the test's output) and quotes when a rank fails. torch._dynamo too: the
 # first optimizer a rank builds imports it (torch.optim's _disable_dynamo), seconds of CPU per rank; importing it
-# starts no thread either.
-_PRELOAD = ["torch", "torch._dynamo"]
+# starts no thread either. And dsrun's rank side, which every rank would import again (~300 modules, 0.5-0.8 s
+# of CPU per rank; measured: tests/integration/test_preemption.py's 18 ranks 25.6 -> 12.3 CPU-s, loaded): the
+# worker, the engine with its built-in features and ZeRO strategies, the data and optimizer modules. A dsrun
+# module reads the environment only when called, never at import (tests/unit/test_architecture.py), so a rank
+# still sees its own, and starts no thread.
+_PRELOAD = ["torch", "torch._dynamo", "dsrun.worker", "dsrun.engine.initialize", "dsrun.engine.engine",
+            "dsrun.engine.builtin_features", "dsrun.zero.strategies", "dsrun.data.corpus", "dsrun.data.sampler",
+            "dsrun.optim.lr_schedules", "dsrun.ops.adam"]
 
 
 def _rank_context() -> Any:

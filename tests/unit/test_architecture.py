@@ -192,3 +192,39 @@ def test_one_class_per_deepspeed_config_name() -> None:
                    for node in ast.walk(ast.parse(path.read_text()))
                    if isinstance(node, ast.ClassDef) and node.name == class_name]
         assert len(defined) == 1, f"class {class_name} defined in {defined}"
+
+
+def import_time_environment_reads(path: Path) -> list[int]:
+    """Lines of ``path`` that read the environment (``os.environ``, ``os.getenv``) when the module is imported:
+    at module level, in a class body, a decorator or a default argument; a function body runs only when called."""
+    found: list[int] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            for part in [*getattr(node, "decorator_list", []), *node.args.defaults,
+                         *(d for d in node.args.kw_defaults if d is not None)]:
+                visit(part)
+            return
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "os" \
+                and node.attr in ("environ", "getenv", "environb"):
+            found.append(node.lineno)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return found
+
+
+def test_no_module_reads_the_environment_when_imported() -> None:
+    """The test ranks are forked from a server that imported dsrun once (tests/helpers.py, ``_PRELOAD``), each with
+    its own environment put back after the fork: a value read at import would be the server's, not the rank's."""
+    reads = {str(path.relative_to(REPO)): lines for root in (PACKAGE, REPO / "op_builder")
+             for path in root.rglob("*.py") if (lines := import_time_environment_reads(path))}
+    assert not reads, f"environment read at import (read it inside the function that needs it): {reads}"
+
+
+def test_the_environment_check_sees_an_import_time_read(tmp_path) -> None:
+    module = tmp_path / "module.py"
+    module.write_text("import os\nA = os.environ.get('X')\nclass C:\n    B = os.getenv('Y')\n"
+                      "def f(c=os.environ['Z']):\n    return os.environ.get('W')\n")
+    assert import_time_environment_reads(module) == [2, 4, 5]
