@@ -23,7 +23,8 @@ import json
 import sys
 from typing import TYPE_CHECKING
 
-from dsrun.launcher.options import DEFAULT_LAST_CALL_TIMEOUT, DEFAULT_MASTER_PORT, RUNNERS, options_from_args
+from dsrun.launcher.options import (DEFAULT_KEEP_ALIVE_INTERVAL, DEFAULT_LAST_CALL_TIMEOUT, DEFAULT_MASTER_PORT,
+                                   KEEP_ALIVE_MISSES, RUNNERS, options_from_args)
 
 if TYPE_CHECKING:
     from dsrun.launcher.outer import OuterRank
@@ -88,6 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="most nodes to train on (default: the nodes planned)")
     elastic.add_argument("--rdzv_last_call_timeout", type=float, default=DEFAULT_LAST_CALL_TIMEOUT, metavar="S",
                          help="seconds a rendezvous with enough nodes waits for more (default %(default)g)")
+    elastic.add_argument("--rdzv_keep_alive_interval", type=int, default=None, metavar="S",
+                         help=f"seconds between a node's rendezvous heartbeats; {KEEP_ALIVE_MISSES} missed in a row: "
+                              f"the node left (default {DEFAULT_KEEP_ALIVE_INTERVAL})")
     parser.add_argument("--autotuning", choices=["tune", "run"], default=None,
                         help="tune the script's DeepSpeed config (its 'autotuning' section) with dsrun's tuner; run: "
                              "then launch it with the best config (docs/autotuning.md)")

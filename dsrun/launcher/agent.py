@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max_elastic_nodes", type=int, default=-1, help="-1: the nodes of --world_info")
     parser.add_argument("--rdzv_last_call_timeout", type=float, default=30.0,
                         help="seconds a round with enough nodes waits for more")
+    parser.add_argument("--rdzv_keep_alive_interval", type=int, default=5,
+                        help="seconds between this node's rendezvous heartbeats (3 missed: a node left)")
     parser.add_argument("target")
     parser.add_argument("target_args", nargs=argparse.REMAINDER)
     return parser
@@ -222,7 +224,7 @@ def _run_node(ns: argparse.Namespace, hosts: dict[str, list[int]], node_rank: in
             local_addr=host.split("@", 1)[-1], is_host=node_rank == 0, min_nodes=ns.min_elastic_nodes,
             max_nodes=ns.max_elastic_nodes if ns.max_elastic_nodes > 0 else max(nnodes, ns.min_elastic_nodes),
             max_restarts=ns.max_restarts, rdzv_timeout=ns.rdzv_timeout, last_call_timeout=ns.rdzv_last_call_timeout,
-            monitor_interval=MONITOR_INTERVAL)
+            keep_alive_interval=ns.rdzv_keep_alive_interval, monitor_interval=MONITOR_INTERVAL)
         agent = ElasticNodeAgent(spec, RankLogs(str(log_dir)), host=host, host_names=host_names,
                                  node_rank=node_rank, save_pid=ns.save_pid, shutdown_grace=SHUTDOWN_GRACE,
                                  stop_grace=ns.stop_grace)

@@ -9,8 +9,8 @@ ranks afresh. The ranks of every node of the round start with the new ``WORLD_SI
 
 - **A node leaves** (its machine dies, its agent is killed): the other nodes' ranks fail in their next
   collective, or, when no connection error reaches them (power loss, a pulled cable), their agents notice
-  that the node stopped its rendezvous heartbeats (15 s: torch's 5 s keep-alive, 3 misses) and stop their
-  ranks themselves, as DeepSpeed's agent does. Either way they restart the group (one of ``--max_restarts``,
+  that the node stopped its rendezvous heartbeats (3 missed: 15 s at ``--rdzv_keep_alive_interval``'s default
+  5 s, torch's) and stop their ranks themselves, as DeepSpeed's agent does. Either way they restart the group (one of ``--max_restarts``,
   DeepSpeed's 100 by default) and the next round goes on without it.
 - **A node joins** (``dsrun launch --elastic_training --no_ssh --node_rank N ...`` on it): it waits in the
   rendezvous; the running agents see it within a monitor tick and restart their ranks (not counted as a
@@ -33,6 +33,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
+from dsrun.launcher.options import KEEP_ALIVE_MISSES
 from dsrun.launcher.supervision import NodeAgent, RankLogs
 
 EXIT_BARRIER_TIMEOUT = 300  # seconds the agents of a finished round wait for each other (torch elastic's default)
@@ -40,17 +41,19 @@ EXIT_BARRIER_TIMEOUT = 300  # seconds the agents of a finished round wait for ea
 
 def build_elastic_spec(*, rank_exec: list[str], command: list[str], local_world_size: int, master_addr: str,
                        master_port: int, job_id: str, local_addr: str, is_host: bool, min_nodes: int, max_nodes: int,
-                       max_restarts: int, rdzv_timeout: int, last_call_timeout: float,
+                       max_restarts: int, rdzv_timeout: int, last_call_timeout: float, keep_alive_interval: int,
                        monitor_interval: float) -> WorkerSpec:
     """The worker spec of an elastic node: like :func:`~dsrun.launcher.supervision.build_spec`, over a dynamic
-    c10d rendezvous whose store ``is_host`` hosts; ``local_addr`` is how the other nodes reach this one."""
+    c10d rendezvous whose store ``is_host`` hosts; ``local_addr`` is how the other nodes reach this one. A node
+    that sends no heartbeat for ``KEEP_ALIVE_MISSES`` x ``keep_alive_interval`` seconds has left its round."""
     # torch shares the rendezvous store with the ranks unless told not to, but then publishes the ranks' master
     # address only in the first round a node is rank 0: a node joining in a later round waits for it forever
     # (torch 2.13). Each round's rank 0 publishes a fresh address and port when sharing is off.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     params = RendezvousParameters(backend="c10d", endpoint=f"{master_addr}:{master_port}", run_id=job_id,
                                   min_nodes=min_nodes, max_nodes=max_nodes, local_addr=local_addr, is_host=is_host,
-                                  join_timeout=rdzv_timeout, last_call_timeout=last_call_timeout)
+                                  join_timeout=rdzv_timeout, last_call_timeout=last_call_timeout,
+                                  keep_alive_interval=keep_alive_interval, keep_alive_max_attempt=KEEP_ALIVE_MISSES)
     backend, store = create_backend(params)  # node 0: a TCPStore server, with its thread
     try:
         handler = create_handler(store, backend, params)
@@ -78,7 +81,7 @@ class ElasticNodeAgent(NodeAgent):
 
     def _participants(self) -> int | None:
         """Nodes of the current round still sending heartbeats, as this agent last synced the rendezvous state
-        (torch's handler drops a node 15 s after its last heartbeat); None if torch keeps it elsewhere."""
+        (torch's handler drops a node 3 keep-alive intervals after its last heartbeat); None if torch keeps it elsewhere."""
         holder = getattr(self._worker_group.spec.rdzv_handler, "_state_holder", None)
         participants = getattr(getattr(holder, "state", None), "participants", None)
         return len(participants) if participants is not None else None

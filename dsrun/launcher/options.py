@@ -25,6 +25,7 @@ The RunSpec mapping (all keys optional)::
       min_elastic_nodes: null  # null: 1
       max_elastic_nodes: null  # null: the nodes planned
       rdzv_last_call_timeout: 30  # seconds an elastic rendezvous waits for more nodes once it has enough
+      rdzv_keep_alive_interval: null  # seconds between an elastic node's heartbeats (null: 5); 3 missed: it left
       comment: null            # srun --comment (slurm)
       account: null            # srun --account (slurm)
 
@@ -49,6 +50,10 @@ ELASTIC_RUNNERS: tuple[str, ...] = ("local", "ssh", "pdsh", "no_ssh")
 DEFAULT_MASTER_PORT = 29500
 ELASTIC_MAX_RESTARTS = 100  # DeepSpeed's elastic agent allows 100 restarts
 DEFAULT_LAST_CALL_TIMEOUT = 30.0  # torch elastic's default
+# seconds between an elastic node's rendezvous heartbeats (torch elastic's default); a node that misses
+# KEEP_ALIVE_MISSES of them in a row has left its round
+DEFAULT_KEEP_ALIVE_INTERVAL = 5
+KEEP_ALIVE_MISSES = 3
 # with a stop grace (dsrun train's train.preemption.grace_s): each supervisor waits this much beyond the one below
 # it before it kills (a rank's own grace ends first, then the agent's, then the launcher's)
 STOP_MARGIN = 5.0
@@ -75,6 +80,7 @@ MAPPING_KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
     "min_elastic_nodes": ("min_elastic_nodes", (int,)),
     "max_elastic_nodes": ("max_elastic_nodes", (int,)),
     "rdzv_last_call_timeout": ("rdzv_last_call_timeout", (int, float)),
+    "rdzv_keep_alive_interval": ("rdzv_keep_alive_interval", (int,)),
     "comment": ("comment", (str,)),
     "account": ("account", (str,)),
 }
@@ -111,6 +117,7 @@ class LaunchOptions:
     min_elastic_nodes: int | None = None   # None or -1: 1
     max_elastic_nodes: int | None = None   # None or -1: the number of nodes planned
     rdzv_last_call_timeout: float = DEFAULT_LAST_CALL_TIMEOUT
+    rdzv_keep_alive_interval: int | None = None  # None: DEFAULT_KEEP_ALIVE_INTERVAL
     comment: str | None = None
     account: str | None = None
     # seconds the ranks have to stop after a stop signal (dsrun train: train.preemption.grace_s); the agents kill
@@ -168,6 +175,7 @@ class LaunchOptions:
         found: list[Problem] = []
         given = [f"--{name}" for name in ("min_elastic_nodes", "max_elastic_nodes")
                  if getattr(self, name) not in (None, -1)]
+        given += ["--rdzv_keep_alive_interval"] if self.rdzv_keep_alive_interval is not None else []
         if not self.elastic_training:
             if given:
                 found.append(Problem(given[0], "needs --elastic_training", "add --elastic_training"))
@@ -187,7 +195,15 @@ class LaunchOptions:
         if self.rdzv_last_call_timeout < 1:  # torch's rendezvous counts whole seconds and refuses 0
             found.append(Problem("--rdzv_last_call_timeout", f"must be at least 1 second, got "
                                  f"{self.rdzv_last_call_timeout}", "use 1 for the shortest wait for more nodes"))
+        if self.rdzv_keep_alive_interval is not None and self.rdzv_keep_alive_interval < 1:  # whole seconds
+            found.append(Problem("--rdzv_keep_alive_interval", f"must be a whole number of seconds, at least 1, got "
+                                 f"{self.rdzv_keep_alive_interval}", "use 1 for the quickest notice of a lost node"))
         return found
+
+    def keep_alive_interval(self) -> int:
+        """Seconds between an elastic node's rendezvous heartbeats: as given, else torch elastic's 5."""
+        return self.rdzv_keep_alive_interval if self.rdzv_keep_alive_interval is not None \
+            else DEFAULT_KEEP_ALIVE_INTERVAL
 
     def restarts(self) -> int:
         """Group restarts the agents allow: as given, else 0 (or DeepSpeed's 100 for elastic training)."""
@@ -265,6 +281,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         save_pid=args.save_pid, max_restarts=args.max_restarts, force_multi=args.force_multi,
         elastic_training=args.elastic_training, min_elastic_nodes=args.min_elastic_nodes,
         max_elastic_nodes=args.max_elastic_nodes, rdzv_last_call_timeout=args.rdzv_last_call_timeout,
+        rdzv_keep_alive_interval=args.rdzv_keep_alive_interval,
         comment=args.comment, account=args.account)
 
 

@@ -200,6 +200,7 @@ _OWN_LAUNCHER_KEYS: dict[str, str] = {
     "elastic_training": "elasticity is the outer launcher's (torchrun --nnodes MIN:MAX)",
     "min_elastic_nodes": "elasticity is the outer launcher's (torchrun --nnodes MIN:MAX)",
     "max_elastic_nodes": "elasticity is the outer launcher's (torchrun --nnodes MIN:MAX)",
+    "rdzv_keep_alive_interval": "the rendezvous is the outer launcher's (torchrun --rdzv-conf keep_alive_interval=S)",
     "max_restarts": "restarts are the outer launcher's (torchrun --max-restarts)",
     "comment": "give it to srun/sbatch itself (--comment)",
     "account": "give it to srun/sbatch itself (--account)",

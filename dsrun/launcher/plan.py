@@ -69,7 +69,8 @@ class LaunchPlan:
         o = self.options
         low, high = o.elastic_range(len(self.hosts))
         words = ["dsrun", "launch", "--elastic_training", f"--min_elastic_nodes={low}", f"--max_elastic_nodes={high}",
-                 f"--rdzv_last_call_timeout={o.rdzv_last_call_timeout:g}", "--no_ssh", "--node_rank", "NODE_RANK",
+                 f"--rdzv_last_call_timeout={o.rdzv_last_call_timeout:g}",
+                 f"--rdzv_keep_alive_interval={o.keep_alive_interval()}", "--no_ssh", "--node_rank", "NODE_RANK",
                  f"--master_addr={self.master_addr}", f"--master_port={self.master_port}"]
         if self.hostfile:
             words.append(f"--hostfile={os.path.join(o.cwd, self.hostfile)}")

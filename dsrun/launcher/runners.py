@@ -81,7 +81,8 @@ def agent_argv(options: LaunchOptions, hosts: dict[str, list[int]], node_rank: i
     if options.elastic_training:
         low, high = options.elastic_range(len(hosts))
         argv += ["--elastic_training", f"--min_elastic_nodes={low}", f"--max_elastic_nodes={high}",
-                 f"--rdzv_last_call_timeout={options.rdzv_last_call_timeout:g}"]
+                 f"--rdzv_last_call_timeout={options.rdzv_last_call_timeout:g}",
+                 f"--rdzv_keep_alive_interval={options.keep_alive_interval()}"]
     if options.log_dir:
         argv.append(f"--log_dir={options.log_dir}")
     if options.stop_grace is not None:

@@ -35,6 +35,8 @@ OVERRIDES = [
     "+recipe=gpt_elastic", f"train.max_steps={STEPS}", "train.save_interval=1", "train.keep_last=0",
     "train.eval_interval=0", "train.eval_iters=1", "data.max_bytes=200000", "data.seq_len=32",
     "ds.steps_per_print=1", "launcher.rdzv_last_call_timeout=2",
+    # a heartbeat every 2 s: a lost node leaves the rendezvous 6 s after its last one, not torch's 15
+    "launcher.rdzv_keep_alive_interval=2",
     # 16 samples per step: micro batch 4 with 2 accumulation steps on 2 ranks, 4 steps on 1
     f"ds.elasticity.max_train_batch_size={GLOBAL_BATCH}", "ds.elasticity.micro_batch_sizes=[4]",
     "ds.elasticity.max_gpus=2",

@@ -36,20 +36,24 @@ def test_elastic_training_reaches_every_agent_with_deepspeeds_defaults(job):
         flags = _agent_flags(command.argv)
         assert (flags["min_elastic_nodes"], flags["max_elastic_nodes"], flags["max_restarts"]) == ("1", "3", "100")
         assert "elastic_training" in flags and flags["rdzv_last_call_timeout"] == "30"
+        assert flags["rdzv_keep_alive_interval"] == "5"  # torch elastic's
     p = _plan(job, elastic_training=True, min_elastic_nodes=2, max_elastic_nodes=5, max_restarts=0, runner="pdsh",
-              rdzv_last_call_timeout=2.5)
+              rdzv_last_call_timeout=2.5, rdzv_keep_alive_interval=2)
     flags = _agent_flags(p.commands[0].argv)
-    assert (flags["min_elastic_nodes"], flags["max_elastic_nodes"], flags["rdzv_last_call_timeout"]) == ("2", "5", "2.5")
+    assert (flags["min_elastic_nodes"], flags["max_elastic_nodes"], flags["rdzv_last_call_timeout"],
+            flags["rdzv_keep_alive_interval"]) == ("2", "5", "2.5", "2")
     assert "max_restarts" not in flags  # 0 restarts: the agent's default
 
 
 def test_the_plan_says_how_a_node_joins(job):
-    plan = _plan(job, elastic_training=True, runner="ssh", module=True, master_port=29700).to_json()
+    plan = _plan(job, elastic_training=True, runner="ssh", module=True, master_port=29700,
+                 rdzv_keep_alive_interval=2).to_json()
     assert plan["elastic"]["min_nodes"] == 1 and plan["elastic"]["max_nodes"] == 3
     join = shlex.split(plan["elastic"]["join"])
     assert join[:3] == ["dsrun", "launch", "--elastic_training"]
     assert ["--node_rank", "NODE_RANK"] == join[join.index("--node_rank"):join.index("--node_rank") + 2]
     assert "--no_ssh" in join and "--master_addr=worker-0" in join and "--master_port=29700" in join
+    assert "--rdzv_keep_alive_interval=2" in join  # the joining node beats as often as the others
     assert f"--hostfile={job / 'hostfile'}" in join and join[-2:] == ["--module", "train.py"]
 
 
@@ -60,6 +64,8 @@ def test_the_plan_says_how_a_node_joins(job):
     ({"elastic_training": True, "min_elastic_nodes": 3, "max_elastic_nodes": 2}, "--max_elastic_nodes", "below"),
     ({"elastic_training": True, "max_elastic_nodes": 2}, "--max_elastic_nodes", "starts on 3 nodes"),
     ({"elastic_training": True, "rdzv_last_call_timeout": 0.5}, "--rdzv_last_call_timeout", "at least 1 second"),
+    ({"elastic_training": True, "rdzv_keep_alive_interval": 0}, "--rdzv_keep_alive_interval", "at least 1"),
+    ({"rdzv_keep_alive_interval": 2}, "--rdzv_keep_alive_interval", "needs --elastic_training"),
     ({"comment": "x"}, "--comment", "slurm runner only"),
     ({"account": "a", "runner": "ssh"}, "--account", "slurm runner only"),
 ])
@@ -82,8 +88,10 @@ def test_force_multi_uses_ssh_for_one_host(job):
 
 def test_mapping_takes_the_new_keys(job):
     options = options_from_mapping({"elastic_training": True, "min_elastic_nodes": 1, "max_elastic_nodes": 4,
-                                    "rdzv_last_call_timeout": 5, "force_multi": False, "comment": None}, "t.py")
+                                    "rdzv_last_call_timeout": 5, "rdzv_keep_alive_interval": 2, "force_multi": False,
+                                    "comment": None}, "t.py")
     assert (options.elastic_training, options.elastic_range(2), options.restarts()) == (True, (1, 4), 100)
+    assert options.keep_alive_interval() == 2
 
 
 def test_autotuning_needs_the_scripts_config(job):
