@@ -16,7 +16,8 @@ pdsh | no_ssh | slurm | openmpi | mpich | impi | mvapich | jsrun), ``num_procs``
 ``include``, ``exclude``, ``master_addr``, ``master_port``, ``node_rank``, ``ssh_port``, ``launcher_args``,
 ``bind_cores_to_rank``, ``bind_core_list``, ``max_restarts``, ``log_dir``, ``force_multi``,
 ``elastic_training``, ``min_elastic_nodes``, ``max_elastic_nodes``, ``rdzv_last_call_timeout``,
-``rdzv_keep_alive_interval``, ``comment``, ``account``; ``runner: ray`` (``launcher=ray``) takes Ray Train's keys instead (:mod:`~dsrun.launcher.ray_options`).
+``rdzv_keep_alive_interval``, ``comment``, ``account``; ``runner: ray`` (``launcher=ray``) takes Ray Train's keys
+instead (:mod:`~dsrun.launcher.ray_options`).
 
 Each rank gets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
 ``MASTER_PORT``, ``CROSS_RANK`` (node index), ``CROSS_SIZE`` (node count) and ``--local_rank=N`` (unless

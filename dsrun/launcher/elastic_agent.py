@@ -10,8 +10,8 @@ ranks afresh. The ranks of every node of the round start with the new ``WORLD_SI
 - **A node leaves** (its machine dies, its agent is killed): the other nodes' ranks fail in their next
   collective, or, when no connection error reaches them (power loss, a pulled cable), their agents notice
   that the node stopped its rendezvous heartbeats (3 missed: 15 s at ``--rdzv_keep_alive_interval``'s default
-  5 s, torch's) and stop their ranks themselves, as DeepSpeed's agent does. Either way they restart the group (one of ``--max_restarts``,
-  DeepSpeed's 100 by default) and the next round goes on without it.
+  5 s, torch's) and stop their ranks themselves, as DeepSpeed's agent does. Either way they restart the group
+  (one of ``--max_restarts``, DeepSpeed's 100 by default) and the next round goes on without it.
 - **A node joins** (``dsrun launch --elastic_training --no_ssh --node_rank N ...`` on it): it waits in the
   rendezvous; the running agents see it within a monitor tick and restart their ranks (not counted as a
   restart) in a round that includes it.
@@ -81,7 +81,8 @@ class ElasticNodeAgent(NodeAgent):
 
     def _participants(self) -> int | None:
         """Nodes of the current round still sending heartbeats, as this agent last synced the rendezvous state
-        (torch's handler drops a node 3 keep-alive intervals after its last heartbeat); None if torch keeps it elsewhere."""
+        (torch's handler drops a node 3 keep-alive intervals after its last heartbeat); None if torch keeps it
+        elsewhere."""
         holder = getattr(self._worker_group.spec.rdzv_handler, "_state_holder", None)
         participants = getattr(getattr(holder, "state", None), "participants", None)
         return len(participants) if participants is not None else None
