@@ -10,7 +10,8 @@
 // request of that size takes the block back (no fault, no zeroing: torch.empty's memory is uninitialised anyway).
 // A free that would take the cache past its cap returns the block to the OS. Smaller requests go to the
 // allocator that was installed before. `release()` empties the cache. Thread-safe (autograd's and the process
-// group's threads allocate too).
+// group's threads allocate too). Allocations and frees are reported to torch.profiler as torch's own allocator
+// reports them (the size asked for).
 #include <torch/extension.h>
 
 #include <c10/core/CPUAllocator.h>
@@ -62,6 +63,7 @@ struct HostCache final : public c10::Allocator {
       live.emplace(ptr, size);
       live_bytes += size;
     }
+    c10::profiledCPUMemoryReporter().New(ptr, nbytes);  // torch.profiler's memory events, as torch's allocator
     return {ptr, ptr, &HostCache::Delete, c10::Device(c10::DeviceType::CPU)};
   }
 
@@ -74,6 +76,7 @@ struct HostCache final : public c10::Allocator {
       if (it == live.end()) {
         return false;
       }
+      c10::profiledCPUMemoryReporter().Delete(ptr);
       size = it->second;
       live.erase(it);
       live_bytes -= size;

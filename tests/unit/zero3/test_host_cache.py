@@ -102,3 +102,15 @@ def test_zero3_on_the_cpu_reuses_blocks_and_trains_bit_for_bit_as_without() -> N
         assert stats["hits"] > 0, stats  # the second and third steps reuse the first one's blocks
         assert cached["losses"] == plain["losses"]
         assert all(torch.equal(a, b) for a, b in zip(cached["weights"], plain["weights"]))
+
+
+def test_torch_profiler_sees_the_caches_blocks_come_and_go(cache) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        block = torch.empty(MIB // 2)
+        del block  # kept by the cache, but freed for the profiler as for torch's own allocator
+        block = torch.empty(MIB // 2)  # a hit: allocated again
+        del block
+    sizes = [e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    assert sizes.count(2 * MIB) == 2 and sizes.count(-2 * MIB) == 2, sizes
