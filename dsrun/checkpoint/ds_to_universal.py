@@ -110,7 +110,7 @@ def _placeholders(module: dict[str, Any]) -> list[str]:
 
 
 def _write_parameters(root: Path, source: _Source, params: list[tuple[str, str]],
-                      shape_of: dict[str, torch.Size], splits: dict[str, tuple[int, int]], module: dict[str, Any]
+                      shape_of: dict[str, torch.Size], splits: dict[str, tuple[int, tp.Parts]], module: dict[str, Any]
                       ) -> dict[str, int]:
     """One folder per parameter (its fp32 master and optimizer states, read from ``source`` one parameter at a
     time, so the conversion holds one parameter's state); a placeholder of ``module`` of that name becomes the
@@ -126,7 +126,8 @@ def _write_parameters(root: Path, source: _Source, params: list[tuple[str, str]]
         folder.mkdir()
         # DeepSpeed's keys: a TP-split parameter's dimension and its number of fused parts (GPT-2's q|k|v: 3)
         dim, parts = splits.get(written, (0, 1))
-        cut = {CAT_DIM: dim, **({PARAM_N_SUB_PARAMS: parts} if parts > 1 else {})}
+        count = tp.part_count(parts)
+        cut = {CAT_DIM: dim, **({PARAM_N_SUB_PARAMS: count} if count > 1 else {})}
         atomic.save_torch({PARAM: value.view(shape), **cut}, folder / f"{FP32}.pt")
         if written in module and torch.is_tensor(module[written]) and module[written].numel() == 0:
             module[written] = value.view(shape).to(module[written].dtype)

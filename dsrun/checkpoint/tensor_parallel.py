@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 import torch
 
@@ -43,10 +43,41 @@ def shard_bounds(total: int, rank: int, size: int) -> tuple[int, int]:
     return rank * base + min(rank, extra), base + (1 if rank < extra else 0)
 
 
-def slice_dim(tensor: torch.Tensor, dim: int, parts: int, rank: int, size: int) -> torch.Tensor:
-    """Rank ``rank``'s slice (:func:`shard_bounds`) along ``dim`` of each of ``parts`` equal blocks of ``tensor``,
-    concatenated."""
+Widths = tuple[tuple[int, ...], ...]  # per fused part, each tensor-parallel rank's length along the split dim
+Parts = Union[int, Widths]  # a split's parts: a count of equal parts cut evenly (shard_bounds), or explicit widths
+
+
+def part_count(parts: Parts) -> int:
+    """How many fused parts a split has."""
+    return parts if isinstance(parts, int) else len(parts)
+
+
+def rank_widths(length: int, parts: Parts, size: int) -> Widths:
+    """The widths of a split whose parts are ``parts`` along a dimension of ``length``: explicit widths as they
+    are, ``n`` equal parts each cut by :func:`shard_bounds`."""
+    if not isinstance(parts, int):
+        return tuple(tuple(int(w) for w in part) for part in parts)
+    block = length // parts
+    return tuple(tuple(shard_bounds(block, rank, size)[1] for rank in range(size)) for _ in range(parts))
+
+
+def as_parts(value: Any) -> Parts:
+    """A checkpoint entry's parts (JSON: an int or a list of lists) as :data:`Parts`."""
+    if isinstance(value, (list, tuple)):
+        return tuple(tuple(int(w) for w in part) for part in value)
+    return int(value)
+
+
+def slice_dim(tensor: torch.Tensor, dim: int, parts: Parts, rank: int, size: int) -> torch.Tensor:
+    """Rank ``rank``'s slice along ``dim``: of each of ``parts`` equal blocks of ``tensor`` its
+    :func:`shard_bounds`, or with explicit widths its width of each part, concatenated."""
     moved = tensor.movedim(dim, 0)
+    if not isinstance(parts, int):
+        pieces, start = [], 0
+        for part in parts:
+            pieces.append(moved[start + sum(part[:rank]):start + sum(part[:rank + 1])])
+            start += sum(part)
+        return torch.cat(pieces).movedim(0, dim).contiguous()
     blocks = moved.reshape(parts, moved.shape[0] // parts, *moved.shape[1:])
     start, length = shard_bounds(blocks.shape[1], rank, size)
     cut = blocks[:, start:start + length].reshape(-1, *moved.shape[1:])
@@ -56,17 +87,17 @@ def slice_dim(tensor: torch.Tensor, dim: int, parts: int, rank: int, size: int) 
 TENSOR_PARALLEL_KEY = "tensor_parallel"  # the model states' ``dsrun`` entry that records the splits
 
 
-def splits_of(model_states: dict[str, Any]) -> dict[str, tuple[int, int]]:
+def splits_of(model_states: dict[str, Any]) -> dict[str, tuple[int, Parts]]:
     """``{name: (dim, parts)}`` of a model states dict saved under AutoTP ({} otherwise)."""
     entry = (model_states.get("dsrun") or {}).get(TENSOR_PARALLEL_KEY) or {}
-    return {name: (int(cut[0]), int(cut[1])) for name, cut in (entry.get("splits") or {}).items()}
+    return {name: (int(cut[0]), as_parts(cut[1])) for name, cut in (entry.get("splits") or {}).items()}
 
 
 def saved_degree(model_states: dict[str, Any]) -> int:
     return int(model_states.get("mp_world_size", 1) or 1)
 
 
-def merge_module_states(states: list[dict[str, Any]], splits: dict[str, tuple[int, int]]) -> dict[str, Any]:
+def merge_module_states(states: list[dict[str, Any]], splits: dict[str, tuple[int, Parts]]) -> dict[str, Any]:
     """The whole module state from every tensor-parallel rank's (in rank order)."""
     merged = dict(states[0])
     for name, (dim, parts) in splits.items():
@@ -83,7 +114,7 @@ def merged_module_state(tag_dir: Path, model_states: dict[str, Any]) -> dict[str
     return merge_module_states(states, splits_of(model_states))
 
 
-def module_for_rank(tag_dir: Path, model_states: dict[str, Any], live: dict[str, tuple[int, int]], rank: int,
+def module_for_rank(tag_dir: Path, model_states: dict[str, Any], live: dict[str, tuple[int, Parts]], rank: int,
                     size: int) -> dict[str, Any]:
     """Tensor-parallel rank ``rank`` of ``size``'s module state (its split parameters ``live``) from a checkpoint
     saved at another degree: merged, then cut again."""
@@ -94,7 +125,7 @@ def module_for_rank(tag_dir: Path, model_states: dict[str, Any], live: dict[str,
     return whole
 
 
-def module_for_live_degree(tag_dir: Path, model_states: dict[str, Any], live: dict[str, tuple[int, int]], rank: int,
+def module_for_live_degree(tag_dir: Path, model_states: dict[str, Any], live: dict[str, tuple[int, Parts]], rank: int,
                            size: int, with_optimizer: bool) -> tuple[dict[str, Any], bool]:
     """The module state tensor-parallel rank ``rank`` of ``size`` (its split parameters ``live``) loads from
     ``model_states``, and whether its ZeRO masters must follow that module (the optimizer state does not carry
@@ -165,7 +196,7 @@ class RankSlices:
     ranges, one per run of the slice that is contiguous in the whole value."""
 
     def __init__(self, source: reshard.StateSource, whole_shapes: list[dict[str, Any]],
-                 splits: dict[str, tuple[int, int]], rank: int, size: int) -> None:
+                 splits: dict[str, tuple[int, Parts]], rank: int, size: int) -> None:
         self.source, self.splits, self.rank, self.size = source, splits, rank, size
         self.shapes = {name: torch.Size(shape) for group in whole_shapes for name, shape in group.items()}
         self.group_scalars, self.param_groups = source.group_scalars, source.param_groups
@@ -186,20 +217,27 @@ class RankSlices:
             return
         dim, parts = self.splits[name]
         shape = self.shapes[name]
-        block = shape[dim] // parts
-        start, piece = shard_bounds(block, self.rank, self.size)
+        widths = rank_widths(shape[dim], parts, self.size)
         inner = math.prod(shape[dim + 1:])
-        run = piece * inner  # the slice: for each index before dim and each part, `run` contiguous elements
+        # for each index before dim, the rank's piece of each part: (start in the whole row, length), in elements
+        pieces, begin = [], 0
+        for part in widths:
+            pieces.append(((begin + sum(part[:self.rank])) * inner, part[self.rank] * inner))
+            begin += sum(part)
+        row = sum(length for _, length in pieces)  # the slice's elements per index before dim
         end = full_offset + out.numel()
-        for index in range(full_offset // run if run else 0, -(-end // run) if run else 0):
-            outer, part = divmod(index, parts)
-            whole_start = (outer * shape[dim] + part * block + start) * inner
-            lo, hi = max(full_offset, index * run), min(end, (index + 1) * run)
-            self.source.copy_range(name, key, whole_start + lo - index * run, out[lo - full_offset:hi - full_offset])
+        for outer in range(full_offset // row if row else 0, -(-end // row) if row else 0):
+            at = outer * row  # where this row of the slice starts, in the slice
+            for whole_start, length in pieces:
+                lo, hi = max(full_offset, at), min(end, at + length)
+                if lo < hi:
+                    self.source.copy_range(name, key, outer * shape[dim] * inner + whole_start + lo - at,
+                                           out[lo - full_offset:hi - full_offset])
+                at += length
 
 
 def universal_rank_source(source: reshard.StateSource, whole_shapes: list[dict[str, Any]] | None,
-                          splits: dict[str, tuple[int, int]], rank: int, size: int) -> reshard.StateSource:
+                          splits: dict[str, tuple[int, Parts]], rank: int, size: int) -> reshard.StateSource:
     """``source`` (whole values) as tensor-parallel rank ``rank`` of ``size`` reads it: itself at one rank."""
     if size <= 1 or not splits:
         return source

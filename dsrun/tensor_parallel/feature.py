@@ -39,6 +39,7 @@ from .deepspeed_layers import set_autotp_mode
 from .hf_plan import rules_from_hf_plan
 from .layers import TensorParallelLinear, is_model_parallel_parameter
 from .norm import clip_by_tensor_parallel_norm
+from .shard_sizes import set_tp_grain_size
 from .spec_split import split_by_specs
 from .split import TPLayout, split_for_training, universal_checkpoint_info
 
@@ -97,6 +98,7 @@ class AutoTPFeature(Feature):
         self.size = size
         self.rules = rules  # partition_config / preset_model: split by these rules, not automatically
         self.clipping = float(config.gradient_clipping or 0.0)
+        self.grain = int(config.tensor_parallel.tp.tp_grain_size)  # the cut of what is not attention
         self._group: Any = None
         self._source = 0  # the global rank of the group's first rank
         self._input_check: Any = None
@@ -112,6 +114,10 @@ class AutoTPFeature(Feature):
         if size > 1 or _TP_MODEL_INIT_ARGS is not None:  # as DeepSpeed's initialize: AutoTP is for training now
             set_autotp_mode(training=True)
             TensorParallelLinear.overlap_comm = overlap
+            set_tp_grain_size(section.tp.tp_grain_size)  # process-wide, as DeepSpeed sets it
+        if section.tp.tp_size not in (1, size):
+            problems.append(Problem("tensor_parallel.tp.tp_size", f"is {section.tp.tp_size}, but the "
+                                    f"tensor-parallel degree is {size}", "leave it out, or make it autotp_size"))
         if size <= 1:
             if problems:
                 raise ConfigError(problems)
@@ -153,8 +159,8 @@ class AutoTPFeature(Feature):
         rules, source = self.rules, "tensor_parallel.partition_config"
         if rules is None:  # DeepSpeed's order: the config's rules, the model's plan, the automatic reading
             rules, source = rules_from_hf_plan(model, self.size), "the model's Hugging Face tp_plan"
-        self.layout = (split_for_training(model, group, rank, self.size) if rules is None
-                       else split_by_specs(model, rules, group, rank, self.size, source))
+        self.layout = (split_for_training(model, group, rank, self.size, self.grain) if rules is None
+                       else split_by_specs(model, rules, group, rank, self.size, source, self.grain))
         setattr(model, UNIVERSAL_CHECKPOINT_INFO, universal_checkpoint_info(model, self.layout))
 
     def _check_inputs_agree(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -109,6 +109,12 @@ def gather_slices(local: torch.Tensor, dim: int, group: ProcessGroup | None, siz
     return [piece[:int(length)].movedim(0, dim) for piece, length in zip(pieces, lengths)]
 
 
+def _parts_of(param: nn.Parameter) -> Any:
+    """How a split parameter was cut: its explicit widths (an uneven or unequal-parts cut), else its fused parts."""
+    widths = getattr(param, "partition_widths", None)
+    return widths if widths is not None else param.partition_stride
+
+
 class TensorParallelLinear(nn.Module):
     """One linear of a split pair, holding this rank's slice of the weight (and bias) as the model's own
     parameters. ``transposed``: the weight is stored ``[in, out]`` (a Hugging Face ``Conv1D``)."""
@@ -138,7 +144,7 @@ class TensorParallelLinear(nn.Module):
                 continue
             with torch.no_grad():
                 pieces = gather_slices(param.data, param.partition_dim, self.group, self.tp_size)
-                param.data = merge_slices(pieces, param.partition_dim, param.partition_stride)
+                param.data = merge_slices(pieces, param.partition_dim, _parts_of(param))
             param._tp_gathered = True
 
     def _tp_partition(self, params_list: list[nn.Parameter]) -> None:
@@ -148,7 +154,7 @@ class TensorParallelLinear(nn.Module):
             if not getattr(param, "_tp_gathered", False):
                 continue
             with torch.no_grad():
-                param.data = slice_dim(param.data, param.partition_dim, param.partition_stride, self.tp_rank,
+                param.data = slice_dim(param.data, param.partition_dim, _parts_of(param), self.tp_rank,
                                        self.tp_size)
             param._tp_gathered = False
 

@@ -4,8 +4,9 @@ A dimension of ``total`` over ``mp_size`` ranks: when the number of key/value he
 and divides it, whole heads per rank (the first ``heads % mp_size`` ranks one more), except for MLP and MoE-MLP
 projections and the LM head; otherwise in grains of ``tp_grain_size`` (1 by default) as evenly as possible, the
 first ranks taking the extra grains and the last rank the tail that does not fill a grain. The shards always tile
-the dimension. dsrun's own AutoTP split (:mod:`dsrun.tensor_parallel.split`) cuts evenly; these sizes are what
-DeepSpeed's layer classes (:mod:`dsrun.tensor_parallel.deepspeed_layers`) cut by.
+the dimension. DeepSpeed's layer classes (:mod:`dsrun.tensor_parallel.deepspeed_layers`) cut by these sizes; dsrun's
+splits cut by :func:`grain_widths` too (attention on whole heads, the rest in grains of ``tensor_parallel.tp.tp_grain_size``,
+which ``initialize`` also sets here, as DeepSpeed does).
 """
 from __future__ import annotations
 
@@ -74,11 +75,23 @@ def get_shard_size(total_size: int, mp_size: int, name: object = None, rank: int
     if _by_heads(total_size, name, heads):
         mine = heads // mp_size + (1 if rank < heads % mp_size else 0)
         return total_size * mine // heads
-    if total_size < tp_grain_size:
-        return total_size // mp_size + (1 if rank < total_size % mp_size else 0)
-    grains, tail = divmod(total_size, tp_grain_size)
-    size = (grains // mp_size + (1 if rank < grains % mp_size else 0)) * tp_grain_size
-    return size + (tail if rank == mp_size - 1 else 0)
+    return grain_shard(total_size, rank, mp_size, tp_grain_size)
+
+
+def grain_shard(total: int, rank: int, size: int, grain: int) -> int:
+    """Rank ``rank``'s share of ``total`` over ``size`` ranks in grains of ``grain``: the grains as evenly as
+    possible (the first ranks one more), the tail that fills no grain to the last rank; a dimension smaller than
+    one grain in grains of one (DeepSpeed's ``get_shard_size`` without heads)."""
+    if total < grain:
+        return total // size + (1 if rank < total % size else 0)
+    grains, tail = divmod(total, grain)
+    share = (grains // size + (1 if rank < grains % size else 0)) * grain
+    return share + (tail if rank == size - 1 else 0)
+
+
+def grain_widths(total: int, size: int, grain: int) -> tuple[int, ...]:
+    """Every rank's :func:`grain_shard`, in rank order (they add up to ``total``)."""
+    return tuple(grain_shard(total, rank, size, grain) for rank in range(size))
 
 
 def get_shard_size_list(total_size: int, mp_size: int, name: object = None, num_kv_heads: int | None = None

@@ -31,8 +31,8 @@ import torch
 from torch import nn
 
 from dsrun import comm
-from dsrun.checkpoint.tensor_parallel import shard_bounds
-from dsrun.inference.auto_tp import HEAD_ATTRS, HEAD_DIM_ATTRS, WIDTH_ATTRS, split_head_attrs
+from dsrun.checkpoint.tensor_parallel import Parts, part_count, rank_widths
+from dsrun.inference.auto_tp import HEAD_ATTRS, WIDTH_ATTRS, split_head_attrs
 from dsrun.inference.groups import TPGroup
 from dsrun.inference.layers import is_conv1d, is_linear, out_in
 from dsrun.utils.errors import ConfigError, Problem
@@ -41,7 +41,7 @@ from .autotp_config import AutoTPConfig, PartitionType, TPLayerSpec, partition_c
 from .deepspeed_layers import LinearAllreduce, LinearLayer, gather_output_slices
 from .hf_plan import rules_from_hf_plan
 from .layers import ColumnParallelLinear, RowParallelLinear, TensorParallelLinear
-from .split import TPLayout, cut_parameter, split_meta_model
+from .split import TPLayout, cut_parameter, cut_widths, head_dim_of, split_meta_model
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -72,52 +72,36 @@ def model_type_of(model: nn.Module) -> str | None:
     return str(value).lower() if value else None
 
 
-def _parts(spec: TPLayerSpec, name: str, out_features: int, in_features: int, tp_size: int) -> int:
-    """The number of equal fused sub-parameters along the split dimension, checked against the weight."""
+def _part_sizes(spec: TPLayerSpec, name: str, out_features: int, in_features: int) -> list[int]:
+    """The sizes of the fused sub-parameters along the split dimension (one part: the whole dimension), checked
+    against the weight: ``shape: [n, -1]`` n equal parts, ``shape: [[q, k, v], -1]`` parts of those sizes."""
     split_dim = 0 if spec.partition_type is PartitionType.COLUMN else 1
     dims = (out_features, in_features)
-    parts = 1
-    if spec.shape is not None:
-        if len(spec.shape) != 2:
-            raise ConfigError(Problem(name, f"shape {list(spec.shape)}: logical shapes of more than the weight's "
-                                      "(out, in) dimensions are not built"))
-        if spec.get_partition_dim() != split_dim:
-            raise ConfigError(Problem(name, f"partition_dim {spec.get_partition_dim()} for a "
-                                      f"{spec.partition_type.value} split (which cuts dimension {split_dim})"))
-        for index, entry in enumerate(spec.shape):
-            if index != split_dim and isinstance(entry, int) and entry not in (-1, dims[index]):
-                raise ConfigError(Problem(name, f"shape {list(spec.shape)} does not fit its weight {list(dims)}"))
-        sizes = spec.get_sub_param_sizes()
-        if sizes is not None and len(set(sizes)) > 1:
-            raise ConfigError(Problem(name, f"sub-parameters of unequal sizes {list(sizes)} are not built",
-                                      "give equal parts, or split the fused projection into separate linears"))
-        if sizes is not None and sum(sizes) != dims[split_dim]:
-            raise ConfigError(Problem(name, f"sub-parameter sizes {list(sizes)} do not add up to {dims[split_dim]}"))
-        parts = spec.get_num_sub_params() or 1
-    what = "output" if split_dim == 0 else "input"
-    if parts > 1 and spec.gather_output:
+    if spec.shape is None:
+        return [dims[split_dim]]
+    if len(spec.shape) != 2:
+        raise ConfigError(Problem(name, f"shape {list(spec.shape)}: logical shapes of more than the weight's "
+                                  "(out, in) dimensions are not built"))
+    if spec.get_partition_dim() != split_dim:
+        raise ConfigError(Problem(name, f"partition_dim {spec.get_partition_dim()} for a "
+                                  f"{spec.partition_type.value} split (which cuts dimension {split_dim})"))
+    for index, entry in enumerate(spec.shape):
+        if index != split_dim and isinstance(entry, int) and entry not in (-1, dims[index]):
+            raise ConfigError(Problem(name, f"shape {list(spec.shape)} does not fit its weight {list(dims)}"))
+    if spec.gather_output and (spec.get_num_sub_params() or 1) > 1:
         raise ConfigError(Problem(name, "gather_output with fused sub-parameters (shape) is not built (nor in "
                                   "DeepSpeed)"))
+    sizes = spec.get_sub_param_sizes()
+    if sizes is not None:
+        if sum(sizes) != dims[split_dim]:
+            raise ConfigError(Problem(name, f"sub-parameter sizes {list(sizes)} do not add up to {dims[split_dim]}"))
+        return list(sizes)
+    parts = spec.get_num_sub_params() or 1
+    what = "output" if split_dim == 0 else "input"
     if dims[split_dim] % parts:
         raise ConfigError(Problem(name, f"its {dims[split_dim]} {what} features do not split into {parts} equal "
                                   "sub-parameters"))
-    if dims[split_dim] // parts < tp_size:
-        raise ConfigError(Problem(name, f"its {dims[split_dim]} {what} features in {parts} part(s) leave some of "
-                                  f"tp_size={tp_size} ranks nothing"))
-    return parts
-
-
-def _check_heads(parent: nn.Module, name: str, features: int, parts: int, tp_size: int) -> None:
-    """An attention module's projections are cut on whole heads (its ``head_dim``): an uneven cut inside a head is
-    refused."""
-    head_dim = next((v for a in HEAD_DIM_ATTRS if isinstance(v := getattr(parent, a, None), int) and v > 0), None)
-    if head_dim is None:
-        return
-    block = features // parts
-    lengths = {shard_bounds(block, rank, tp_size)[1] for rank in range(tp_size)}
-    if any(length % head_dim for length in lengths):
-        raise ConfigError(Problem(name, f"cutting its {block} features over tp_size={tp_size} would split a head of "
-                                  f"{head_dim}", "pick a tp_size that divides the heads"))
+    return [dims[split_dim] // parts] * parts
 
 
 def _weight_owners(model: nn.Module) -> dict[int, list[tuple[str, nn.Module]]]:
@@ -139,12 +123,12 @@ def _summed_over(group: ProcessGroup | None) -> Callable[[torch.Tensor], torch.T
     return hook
 
 
-def _parallel_layer(module: nn.Module, row: bool, dim: int, parts: int, gather: bool, group: ProcessGroup | None,
+def _parallel_layer(module: nn.Module, row: bool, dim: int, parts: Parts, gather: bool, group: ProcessGroup | None,
                     tp: TPGroup, sizes: list[int], name: str) -> nn.Module:
     """The split layer of ``module`` (its weight cut along ``dim``): DeepSpeed's ``LinearLayer`` /
     ``LinearAllreduce`` for a plain ``nn.Linear`` (so ``isinstance`` checks against DeepSpeed's classes hold), cut
     by ``sizes``; dsrun's column/row layers for a Conv1D or fused sub-parameters, cut part by part."""
-    if isinstance(module, nn.Linear) and parts == 1:
+    if isinstance(module, nn.Linear) and part_count(parts) == 1:
         placement = {"tp_rank": tp.rank, "tp_size": tp.size, "shard_sizes": sizes, "name": name}
         if row:
             return LinearAllreduce(module, group, **placement)
@@ -160,10 +144,11 @@ def _parallel_layer(module: nn.Module, row: bool, dim: int, parts: int, gather: 
 
 
 def split_by_specs(model: nn.Module, config: AutoTPConfig, group: ProcessGroup | None, tp_rank: int,
-                   tp_size: int, source: str = "tensor_parallel.partition_config") -> TPLayout:
+                   tp_size: int, source: str = "tensor_parallel.partition_config", grain: int = 1) -> TPLayout:
     """Replace each linear a spec splits by this rank's column-/row-parallel slice (in place, keeping the
-    parameters); returns the layout. ConfigError (``source``, where the rules came from, and the linear named)
-    when a spec cannot act on its linear."""
+    parameters); returns the layout. Attention projections are cut on whole heads, the rest in grains of
+    ``grain`` (:func:`dsrun.tensor_parallel.split.cut_widths`). ConfigError (``source``, where the rules came
+    from, and the linear named) when a spec cannot act on its linear."""
     tp = TPGroup(group, tp_rank, tp_size)
     layout = TPLayout(tp_size, tp_rank)
     model_type = model_type_of(model)
@@ -202,15 +187,16 @@ def split_by_specs(model: nn.Module, config: AutoTPConfig, group: ProcessGroup |
                                       f"{tied}.weight, which would be cut with it", "skip it"))
         where = f"{source}: {name}"
         out_features, in_features = out_in(module)
-        parts = _parts(spec, where, out_features, in_features, tp_size)
         row = spec.partition_type is PartitionType.ROW
+        parts = cut_widths(_part_sizes(spec, where, out_features, in_features), tp_size, head_dim_of(parent), grain,
+                           where)
         out_dim = 1 if is_conv1d(module) else 0  # a Conv1D stores [in, out]
         dim = (1 - out_dim) if row else out_dim
-        _check_heads(parent, where, in_features if row else out_features, parts, tp_size)
         layout.record(f"{name}.weight", module.weight, dim, parts)
         if module.bias is not None and not row:
             layout.record(f"{name}.bias", module.bias, 0, parts)
-        sizes = [shard_bounds(in_features if row else out_features, r, tp_size)[1] for r in range(tp_size)]
+        widths = rank_widths(in_features if row else out_features, parts, tp_size)
+        sizes = [sum(part[r] for part in widths) for r in range(tp_size)]
         setattr(parent, attr, _parallel_layer(module, row, dim, parts, spec.gather_output, group, tp, sizes, name))
         if not row and not spec.gather_output and any(isinstance(getattr(parent, a, None), int)
                                                       for a in HEAD_ATTRS + WIDTH_ATTRS):
@@ -233,13 +219,14 @@ def meta_split_for(cfg: Mapping[str, Any]) -> Callable[[nn.Module, int], None]:
 
     section = ds_section(plain_config(cfg).get("ds") or {}, "tensor_parallel")
     configured = partition_config_object(section.partition_config, section.preset_model, 1)
+    grain = int(section.tp.tp_grain_size)
 
     def split(model: nn.Module, tp_size: int) -> None:
         if configured is not None:
-            split_by_specs(model, configured, None, 0, tp_size)
+            split_by_specs(model, configured, None, 0, tp_size, grain=grain)
         elif (planned := rules_from_hf_plan(model, tp_size)) is not None:
-            split_by_specs(model, planned, None, 0, tp_size, "the model's Hugging Face tp_plan")
+            split_by_specs(model, planned, None, 0, tp_size, "the model's Hugging Face tp_plan", grain)
         else:
-            split_meta_model(model, tp_size)
+            split_meta_model(model, tp_size, grain)
 
     return split

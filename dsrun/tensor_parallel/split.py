@@ -21,12 +21,14 @@ import torch
 from torch import nn
 
 from dsrun.checkpoint import constants
-from dsrun.checkpoint.tensor_parallel import slice_dim
-from dsrun.inference.auto_tp import check_split, split_head_attrs
+from dsrun.checkpoint.tensor_parallel import Parts, part_count, rank_widths, slice_dim
+from dsrun.inference.auto_tp import HEAD_DIM_ATTRS, check_split, split_head_attrs
 from dsrun.inference.groups import TPGroup
 from dsrun.inference.layers import is_conv1d
+from dsrun.utils.errors import ConfigError, Problem
 
 from .layers import ColumnParallelLinear, RowParallelLinear
+from .shard_sizes import grain_widths
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -38,11 +40,12 @@ class TPLayout:
 
     tp_size: int
     tp_rank: int
-    splits: dict[str, tuple[int, int]] = field(default_factory=dict)
+    splits: dict[str, tuple[int, Parts]] = field(default_factory=dict)
     whole: dict[str, tuple[int, ...]] = field(default_factory=dict)  # each split parameter's unsplit shape
 
-    def record(self, name: str, param: torch.Tensor, dim: int, parts: int) -> None:
-        """Note that ``param`` (still whole) is cut along ``dim`` in ``parts`` fused parts."""
+    def record(self, name: str, param: torch.Tensor, dim: int, parts: Parts) -> None:
+        """Note that ``param`` (still whole) is cut along ``dim`` in ``parts`` (a count of equal fused parts cut
+        evenly, or the explicit widths: :data:`dsrun.checkpoint.tensor_parallel.Parts`)."""
         self.splits[name] = (dim, parts)
         self.whole[name] = tuple(param.shape)
 
@@ -52,18 +55,51 @@ class TPLayout:
                 "splits": {name: list(cut) for name, cut in self.splits.items()}}
 
 
-def cut_parameter(param: nn.Parameter, dim: int, parts: int, tp: TPGroup) -> None:
+def head_dim_of(module: nn.Module) -> int | None:
+    """The head width of an attention module (``head_dim`` ...), None for any other module."""
+    return next((v for a in HEAD_DIM_ATTRS if isinstance(v := getattr(module, a, None), int) and v > 0), None)
+
+
+def cut_widths(sizes: list[int], tp_size: int, head_dim: int | None, grain: int, where: str) -> Parts:
+    """How a linear's split dimension, fused parts of ``sizes``, is cut over ``tp_size`` ranks: an attention
+    module's projections (``head_dim`` known) on whole heads, each part's heads evenly (a ConfigError when they do
+    not divide: DeepSpeed would leave ranks with fewer heads, which dsrun does not build); the rest in grains of
+    ``grain`` (``tensor_parallel.tp.tp_grain_size``, DeepSpeed's cut). A ConfigError when a rank would hold
+    nothing of a part. The count of parts when the cut is the even one (:func:`rank_widths`), else the widths."""
+    if head_dim is not None:
+        for size in sizes:
+            if size % head_dim or (size // head_dim) % tp_size:
+                heads = f"{size // head_dim} heads of {head_dim}" if size % head_dim == 0 else \
+                    f"{size} features (not whole heads of {head_dim})"
+                raise ConfigError(Problem(where, f"its {heads} do not split over tensor_parallel.autotp_size="
+                                          f"{tp_size} (attention is cut on whole heads, the same number per rank)",
+                                          "pick an autotp_size that divides the attention and key/value heads"))
+    widths = tuple(grain_widths(size, tp_size, head_dim or grain) for size in sizes)
+    if any(0 in part for part in widths):
+        what = "in grains of %d " % grain if head_dim is None and grain > 1 else ""
+        raise ConfigError(Problem(where, f"its {sum(sizes)} features in {len(sizes)} part(s) cut {what}over "
+                                  f"tp_size={tp_size} leave some ranks nothing", "a smaller tp_size or "
+                                  "tp_grain_size"))
+    if len(set(sizes)) == 1 and widths == rank_widths(sum(sizes), len(sizes), tp_size):
+        return len(sizes)
+    return widths
+
+
+def cut_parameter(param: nn.Parameter, dim: int, parts: Parts, tp: TPGroup) -> None:
     """Keep this rank's slice of ``param`` (in place) and mark it split, as Megatron marks it."""
     with torch.no_grad():
         param.data = slice_dim(param.data, dim, parts, tp.rank, tp.size)
-    # Megatron's marks, which DeepSpeed's is_model_parallel_parameter reads
+    # Megatron's marks, which DeepSpeed's is_model_parallel_parameter reads; the explicit widths, when not even
     param.tensor_model_parallel = True
-    param.partition_dim, param.partition_stride = dim, parts
+    param.partition_dim, param.partition_stride = dim, part_count(parts)
+    param.partition_widths = None if isinstance(parts, int) else parts
 
 
-def split_for_training(model: nn.Module, group: ProcessGroup | None, tp_rank: int, tp_size: int) -> TPLayout:
+def split_for_training(model: nn.Module, group: ProcessGroup | None, tp_rank: int, tp_size: int,
+                       grain: int = 1) -> TPLayout:
     """Replace each pair's linears by this rank's column-/row-parallel slices (in place, keeping the
-    parameters); raises ConfigError when a block does not split over ``tp_size``."""
+    parameters); raises ConfigError when a block does not split over ``tp_size``. Attention is cut on whole
+    heads, the MLP in grains of ``grain`` (:func:`cut_widths`)."""
     tp = TPGroup(group, tp_rank, tp_size)
     plans = check_split(model, tp_size)
     layout = TPLayout(tp_size, tp_rank)
@@ -75,8 +111,11 @@ def split_for_training(model: nn.Module, group: ProcessGroup | None, tp_rank: in
                 transposed = is_conv1d(module)
                 out_dim = 1 if transposed else 0
                 dim = (1 - out_dim) if row else out_dim
-                parts = 1 if row else slot.parts
                 prefix = f"{plan.name}.{slot.name}"
+                length = module.weight.shape[dim]
+                count = 1 if row else slot.parts
+                parts = cut_widths([length // count] * count, tp_size,
+                                   head_dim_of(slot.parent) if pair.attention else None, grain, prefix)
                 layout.record(f"{prefix}.weight", module.weight, dim, parts)
                 cut_parameter(module.weight, dim, parts, tp)
                 if module.bias is not None and not row:
@@ -93,12 +132,12 @@ def split_for_training(model: nn.Module, group: ProcessGroup | None, tp_rank: in
     return layout
 
 
-def split_meta_model(model: nn.Module, tp_size: int) -> None:
+def split_meta_model(model: nn.Module, tp_size: int, grain: int = 1) -> None:
     """Split a meta-device model in place as rank 0 of a tensor-parallel group of ``tp_size`` splits it (every
     rank's share has the same shapes): what the memory estimator counts as one rank's model
     (:func:`dsrun.estimate.runspec.build_recipe_model`'s ``split``). No group is needed: nothing is
     communicated until a forward."""
-    split_for_training(model, None, 0, tp_size)
+    split_for_training(model, None, 0, tp_size, grain)
 
 
 def universal_checkpoint_info(model: nn.Module, layout: TPLayout) -> dict[str, object]:
@@ -109,6 +148,7 @@ def universal_checkpoint_info(model: nn.Module, layout: TPLayout) -> dict[str, o
     their parts; each by a ``^name$`` pattern of its first name (a tied parameter is named once)."""
     first = {id(p): n for n, p in model.named_parameters()}
     rows, whole, vocab, fused, vocab_size = [], [], [], [], None
+    shard_widths: dict[str, list[list[int]]] = {}
     for module_name, module in model.named_modules():
         for attr, param in module.named_parameters(recurse=False):
             name = f"{module_name}.{attr}" if module_name else attr
@@ -122,13 +162,17 @@ def universal_checkpoint_info(model: nn.Module, layout: TPLayout) -> dict[str, o
             if getattr(module, "row_parallel", False) and attr == "weight":
                 rows.append(pattern)
             full = layout.whole[name][dim]
-            if dim == 0 and parts == 1 and len(layout.whole[name]) == 2 and ("embed" in name or "lm_head" in name):
+            count = part_count(parts)
+            if dim == 0 and count == 1 and len(layout.whole[name]) == 2 and ("embed" in name or "lm_head" in name):
                 vocab.append(pattern)
                 vocab_size = full if vocab_size is None else vocab_size
-            if parts > 1:
+            if count > 1:
+                widths = rank_widths(full, parts, layout.tp_size)
                 shape: list[object] = [-1] * len(layout.whole[name])
-                shape[dim] = tuple([full // parts] * parts)
+                shape[dim] = tuple(sum(part) for part in widths)
                 fused.append({"patterns": [pattern], "shape": shape, "partition_dim": dim})
+                if not isinstance(parts, int):  # DeepSpeed's per-rank widths of each sub-parameter (UCP 0.4)
+                    shard_widths[pattern] = [list(part) for part in widths]
     info: dict[str, object] = {
         constants.UNIVERSAL_CHECKPOINT_VERSION_KEY: constants.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
         constants.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: sorted(rows),
@@ -136,4 +180,6 @@ def universal_checkpoint_info(model: nn.Module, layout: TPLayout) -> dict[str, o
         constants.VOCABULARY_PARAMETER_PATTERNS: sorted(vocab), constants.PARAMETER_WITH_SUB_PARAMS: fused}
     if vocab_size is not None:
         info[constants.ORIGINAL_VOCAB_SIZE] = vocab_size
+    if shard_widths:
+        info[constants.SUB_PARAM_SHARD_WIDTHS] = shard_widths
     return info

@@ -159,11 +159,111 @@ def split_bytes_of(model: torch.nn.Module) -> dict[str, int]:
 
 def two_rank_job(rank: int, world: int, names: list[str], steps: int, save_dir: str) -> dict[str, Any]:
     """One launch for the 2-rank tests: :func:`train_job`'s results, :func:`checkpoint_job`'s under
-    ``"checkpoint"`` (GPT-2), and Llama split by :data:`LLAMA_RULES` (``"rules"``)."""
+    ``"checkpoint"`` (GPT-2), Llama split by :data:`LLAMA_RULES` (``"rules"``) and the fused GQA model of
+    :func:`gqa_job` (``"gqa"``)."""
     return {**train_job(rank, world, names, 2, steps), "checkpoint": checkpoint_job(rank, world, "gpt2", save_dir),
             "foreign_group": foreign_tp_group(rank, world), "stages": other_stages(rank, world),
             "inconsistent": inconsistent_batch(rank, world),
-            "rules": rules_job(world, steps)}
+            "rules": rules_job(world, steps), "gqa": gqa_job(rank, steps, save_dir)}
+
+
+class FusedGQA(torch.nn.Module):
+    """Grouped-query attention with one fused ``qkv_proj`` (q|k|v of unequal widths: ``heads`` query heads and
+    ``kv_heads`` key/value heads of ``head_dim``), causal; its forward reads its own head counts (which the split
+    divides)."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_key_value_heads, self.head_dim = heads, kv_heads, head_dim
+        self.qkv_proj = torch.nn.Linear(hidden, (heads + 2 * kv_heads) * head_dim)
+        self.o_proj = torch.nn.Linear(heads * head_dim, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q_width, kv_width = self.num_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_width, kv_width, kv_width], dim=-1)
+        q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        group = self.num_heads // self.num_key_value_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class GatedMLP(torch.nn.Module):
+    def __init__(self, hidden: int, width: int) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj = torch.nn.Linear(hidden, width), torch.nn.Linear(hidden, width)
+        self.down_proj = torch.nn.Linear(width, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class FusedGQAModel(torch.nn.Module):
+    """A one-block causal LM: 4 query heads and 2 key/value heads of 4 in a fused q|k|v (widths 16, 8, 8), an MLP
+    of 48 (cut in grains of 32: 32 and 16), untied head; ``forward(ids)`` is the next-token loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.embed = torch.nn.Embedding(VOCAB, 16)
+        self.norm1, self.norm2 = torch.nn.LayerNorm(16), torch.nn.LayerNorm(16)
+        self.attn, self.mlp = FusedGQA(16, 4, 2, 4), GatedMLP(16, 48)
+        self.lm_head = torch.nn.Linear(16, VOCAB, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        x = x + self.attn(self.norm1(x))
+        x = x + self.mlp(self.norm2(x))
+        logits = self.lm_head(x)
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+
+
+# the fused q|k|v as three sub-parameters of unequal widths, each cut on whole heads; the MLP in grains of 32
+GQA_TP = {"autotp_size": 2, "tp": {"tp_grain_size": 32}, "partition_config": {"use_default_specs": False, "layer_specs": [
+    {"patterns": [r".*\.qkv_proj\.weight$"], "partition_type": "column", "shape": [[16, 8, 8], -1],
+     "partition_dim": 0},
+    {"patterns": [r".*\.(o_proj|down_proj)\.weight$"], "partition_type": "row"},
+    {"patterns": [r".*\.(gate_proj|up_proj)\.weight$"], "partition_type": "column"}]}}
+
+
+def gqa_job(rank: int, steps: int, save_dir: str) -> dict[str, Any]:
+    """:class:`FusedGQAModel` at TP=2 split by :data:`GQA_TP` (ZeRO-1, Adam): ``steps`` losses, the split
+    parameters' shapes, a checkpoint's merge (rank 0: ``merge_checkpoint`` and ``zero_to_fp32``) against the
+    weights all-gathered live (``_consolidated_16bit_state_dict``); rank 0 also trains the unsplit model with
+    torch's Adam (the reference)."""
+    import dsrun
+    from dsrun.checkpoint.tensor_parallel import merge_checkpoint
+    from dsrun.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    config = {**ds_config(2, 1), "tensor_parallel": GQA_TP, "gradient_clipping": 1.0}
+    engine, _, loader, _ = dsrun.initialize(model=FusedGQAModel(), config=config, training_data=Tokens())
+    batches = _batches(loader, steps)
+    losses = []
+    for ids in batches:
+        loss = engine(ids)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    shapes = {n: tuple(p.shape) for n, p in engine.module.named_parameters()}
+    engine.save_checkpoint(save_dir, tag="gqa")
+    live = engine._consolidated_16bit_state_dict()
+    engine.destroy()
+    out: dict[str, Any] = {"losses": losses, "shapes": shapes, "reference": None}
+    if rank == 0:
+        out.update(live=live, merged=merge_checkpoint(save_dir, "gqa"),
+                   fp32=get_fp32_state_dict_from_zero_checkpoint(save_dir, "gqa"))
+        model = FusedGQAModel()
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        out["reference"] = []
+        for ids in batches:
+            loss = model(ids)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+            out["reference"].append(loss.item())
+    return out
 
 
 # tensor_parallel.partition_config: attention split by name, the MLP's gate and up projections column-parallel

@@ -85,6 +85,30 @@ def test_partition_config_rules_split_llama_and_train_as_the_unsplit_run(tp2_run
     assert tp2_runs[0]["rules"]["losses"] == tp2_runs[1]["rules"]["losses"]
 
 
+def test_a_fused_gqa_model_split_per_part_and_in_grains_trains_as_the_unsplit_run(tp2_runs):
+    """``_autotp_jobs.GQA_TP``: a fused q|k|v of unequal parts (16, 8, 8: 4 query and 2 key/value heads of 4) cut
+    per part on whole heads, the MLP's 48 features in grains of 32 (32 and 16). The longest sum the split
+    reorders is the MLP input's gradient (gate's and up's 48 outputs each: 96 terms, under the docstring's
+    ``n = 97``), so the losses stay within the module's bound of the unsplit run; each rank holds its widths (the
+    bytes: q|k|v 16 of 32 rows, the MLP 32 or 16 of 48); the checkpoint's merge (``merge_checkpoint``,
+    ``zero_to_fp32``) equals the weights all-gathered live, bit for bit."""
+    ranks = [r["gqa"] for r in tp2_runs]
+    reference = torch.tensor(ranks[0]["reference"], dtype=torch.float64)
+    for rank, run in enumerate(ranks):
+        losses = torch.tensor(run["losses"], dtype=torch.float64)
+        assert len(losses) == STEPS and ((losses - reference).abs() / reference).max() <= fp32_bound(STEPS)
+        shapes = run["shapes"]
+        assert shapes["attn.qkv_proj.weight"] == (16, 16) and shapes["attn.o_proj.weight"] == (16, 8)
+        assert shapes["mlp.gate_proj.weight"] == ((32, 16), (16, 16))[rank]
+        assert shapes["mlp.down_proj.weight"] == ((16, 32), (16, 16))[rank]
+        assert shapes["lm_head.weight"] == (VOCAB, 16)  # matched by no rule: whole
+    assert ranks[0]["losses"] == ranks[1]["losses"]
+    live, merged, fp32 = ranks[0]["live"], ranks[0]["merged"], ranks[0]["fp32"]
+    assert merged["attn.qkv_proj.weight"].shape == (32, 16) and merged["mlp.down_proj.weight"].shape == (16, 48)
+    assert live.keys() == merged.keys() and all(torch.equal(live[k], merged[k]) for k in live)
+    assert all(torch.equal(fp32[k], merged[k]) for k in fp32)
+
+
 def test_tp2_checkpoint_resumes_bit_exactly_and_loads_at_tp1(tp2_runs):
     ranks, tmp_path = [r["checkpoint"] for r in tp2_runs], tp2_runs[0]["dir"]
     for rank in ranks:

@@ -170,11 +170,19 @@ ENTRIES: list[Entry] = [
     done("tensor_parallel.tp_overlap_comm", "the column-parallel backward starts the input gradient's all-reduce "
          "and computes the weight's gradient while it runs",
          AUTOTP_TESTS + "test_zero_stages_0_and_2_bf16_and_tp_overlap_comm_split_the_same_way"),
+    done("tensor_parallel.tp.tp_grain_size", "the cut of what is not attention (MLP, LM head) in grains of that "
+         "many features, as evenly as possible, the tail that fills no grain to the last rank (DeepSpeed's); "
+         "attention is cut on whole heads", AUTOTP_UNIT + "test_a_fused_gqa_projection_is_cut_per_part_on_whole_"
+         "heads_and_the_mlp_in_grains", AUTOTP_TESTS + "test_a_fused_gqa_model_split_per_part_and_in_grains_trains_"
+         "as_the_unsplit_run"),
+    done("tensor_parallel.tp.tp_size", "the tensor-parallel degree again: 1 or autotp_size, anything else refused "
+         "(as DeepSpeed)", AUTOTP_UNIT + "test_a_fused_gqa_projection_is_cut_per_part_on_whole_heads_and_the_mlp_"
+         "in_grains"),
     *_section("tensor_parallel", AUTOTP, {
         "dtype": "dtype of the sharded model",
         "vocab_parallel_lm_head": "shard the LM head",
-        "vocab_parallel_ce_backend": "vocab-parallel cross-entropy backend", "tp.tp_size": "TP degree",
-        "tp.tp_grain_size": "shard granularity", "tp.mpu": "model-parallel unit", "tp.tp_group": "TP group",
+        "vocab_parallel_ce_backend": "vocab-parallel cross-entropy backend",
+        "tp.mpu": "model-parallel unit", "tp.tp_group": "TP group",
         "injection_policy_tuple": "layer injection policy", "keep_module_on_host": "keep shards on the host",
         "kernel_inject": "inject inference kernels"}),
     # DeepCompile

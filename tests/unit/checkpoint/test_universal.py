@@ -60,12 +60,15 @@ def test_the_cli_refuses_a_folder_that_is_not_a_checkpoint_tag(tmp_path):
 
 
 @pytest.mark.parametrize("shape,dim,parts", [((6, 12), 1, 3), ((12, 5), 0, 2), ((8,), 0, 1), ((2, 3, 8), 2, 2),
-                                             ((5, 7), 1, 1), ((9, 4), 0, 3)])
+                                             ((5, 7), 1, 1), ((9, 4), 0, 3), ((32, 5), 0, ((8, 8), (4, 4), (4, 4))),
+                                             ((3, 48), 1, ((32, 16),)), ((2, 14, 3), 1, ((4, 2), (5, 3)))])
 def test_a_tensor_parallel_ranks_slice_of_a_whole_value_is_read_by_ranges(shape, dim, parts):
     """A universal folder's whole values seen by TP rank r of 2 (tensor_parallel.RankSlices): any element range of
     the rank's flattened slice is that range of ``slice_dim`` of the whole value (fused parts cut per part; an
-    uneven cut, 7 columns or 3 rows per part over 2 ranks, gives the first rank one more)."""
+    uneven cut, 7 columns or 3 rows per part over 2 ranks, gives the first rank one more; explicit widths: a
+    fused q|k|v of unequal parts, a cut in grains of 32, unequal parts cut unevenly)."""
     from dsrun.checkpoint import reshard, tensor_parallel as tp
+    from dsrun.utils.zero_to_fp32 import merge_slices as z2f_merge
 
     whole = torch.arange(torch.Size(shape).numel(), dtype=torch.float32)
     source = reshard.FullOptimizerState(fp32={"w": whole, "b": whole.clone()},
@@ -73,6 +76,9 @@ def test_a_tensor_parallel_ranks_slice_of_a_whole_value_is_read_by_ranges(shape,
     for rank in range(2):
         cut = tp.universal_rank_source(source, [{"w": shape, "b": shape}], {"w": (dim, parts)}, rank, 2)
         expected = tp.slice_dim(whole.view(shape), dim, parts, rank, 2).reshape(-1)
+        if not isinstance(parts, int):  # the ranks' slices put back together are the whole value
+            assert torch.equal(z2f_merge([tp.slice_dim(whole.view(shape), dim, parts, r, 2) for r in range(2)], dim,
+                                         parts), whole.view(shape))
         for start, count in ((0, expected.numel()), (1, expected.numel() - 2), (expected.numel() // 2, 2), (expected.numel() - 1, 1)):
             out = torch.empty(count)
             cut.copy_range("w", None, start, out)

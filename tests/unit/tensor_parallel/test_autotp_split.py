@@ -185,13 +185,16 @@ def test_bad_partition_config_values_are_refused_naming_the_key(section, message
 
 
 @pytest.mark.parametrize("spec,size,message", [
-    ({"patterns": ["0.weight"], "shape": [[4, 2], -1]}, 2, "sub-parameters of unequal sizes"),
+    ({"patterns": ["0.weight"], "shape": [[5, 1], -1]}, 2, r"its 6 features in 2 part\(s\) cut over tp_size=2 leave "
+     "some ranks nothing"),
+    ({"patterns": ["0.weight"], "shape": [[4, 3], -1]}, 2, "sub-parameter sizes \\[4, 3\\] do not add up to 6"),
     ({"patterns": ["0.weight"], "shape": [2, -1, 8]}, 2, "logical shapes of more than"),
     ({"patterns": ["2.weight"], "partition_type": "row", "shape": [5, -1]}, 2, "does not fit its weight"),
     ({"patterns": ["0.weight"], "shape": [4, -1]}, 2, "do not split into 4 equal sub-parameters"),
-    ({"patterns": ["2.weight"]}, 5, r"its 4 output features in 1 part\(s\) leave some of tp_size=5 ranks nothing"),
+    ({"patterns": ["2.weight"]}, 5, r"its 4 features in 1 part\(s\) cut over tp_size=5 leave some ranks nothing"),
     ({"patterns": ["0.weight"], "shape": [2, -1], "gather_output": True}, 2, "gather_output with fused"),
-    ({"patterns": ["attn.q.weight"]}, 2, "would split a head of 2"),
+    ({"patterns": ["attn.q.weight"]}, 2, "attn.q: its 3 heads of 2 do not split over tensor_parallel.autotp_size=2 "
+     "\\(attention is cut on whole heads"),
     ({"patterns": ["emb.weight"]}, 2, "a split embedding"),
     ({"patterns": ["head.weight"]}, 2, "is tied to emb.weight")])
 def test_rules_a_split_cannot_follow_are_refused_naming_the_linear(spec, size, message):
@@ -263,3 +266,59 @@ def test_deepspeeds_rule_objects_through_the_alias():
     assert merged.find_matching_spec("model.layers.3.mlp.down_proj.weight", "llama") is not None
     assert TPLayerSpec(patterns=["x"], model_types=["qwen2"]).matches("x", "llama") is False
     assert AutoTPPresets.get_preset("nope") is None and AutoTPPresets.get_preset("Phi3") is not None
+
+
+def test_a_fused_gqa_projection_is_cut_per_part_on_whole_heads_and_the_mlp_in_grains():
+    """``shape: [[16, 8, 8], -1]`` (4 query and 2 key/value heads of 4 in one q|k|v): each rank keeps its heads of
+    each part (q 8, k 4, v 4 rows) and its head counts halve; ``tp.tp_grain_size: 32`` cuts the MLP's 48 features
+    32 and 16 (the tail that fills no grain to the last rank, DeepSpeed's cut), the row projection alike; the
+    slices merge back into the model; the universal info carries DeepSpeed's per-rank sub-parameter widths. At
+    TP=4 the 2 key/value heads do not split: refused naming them."""
+    from tests.integration._autotp_jobs import GQA_TP, FusedGQAModel
+
+    model = FusedGQAModel()
+    feature = AutoTPFeature.build(_config(tensor_parallel=GQA_TP))
+    assert feature.grain == 32
+    shards = []
+    for rank in range(2):
+        shard = copy.deepcopy(model)
+        layout = split_by_specs(shard, feature.rules, None, rank, 2, grain=feature.grain)
+        shards.append((shard, layout))
+    qkv = model.attn.qkv_proj.weight
+    for rank, (shard, layout) in enumerate(shards):
+        mine = shard.attn.qkv_proj.weight
+        assert mine.shape == (16, 16) and (shard.attn.num_heads, shard.attn.num_key_value_heads) == (2, 1)
+        assert torch.equal(mine, torch.cat([qkv[8 * rank:8 * rank + 8], qkv[16 + 4 * rank:20 + 4 * rank],
+                                            qkv[24 + 4 * rank:28 + 4 * rank]]))
+        width = (32, 16)[rank]
+        assert shard.mlp.up_proj.weight.shape == (width, 16) and shard.mlp.down_proj.weight.shape == (16, width)
+        assert shard.mlp.gate_proj.shard_sizes == [32, 16]
+    splits = shards[0][1].splits
+    assert splits["attn.qkv_proj.weight"] == (0, ((8, 8), (4, 4), (4, 4)))
+    assert splits["mlp.down_proj.weight"] == (1, ((32, 16),)) and "lm_head.weight" not in splits
+    merged = merge_module_states([s.state_dict() for s, _ in shards], splits)
+    assert all(torch.equal(merged[k], v) for k, v in model.state_dict().items())
+    info = universal_checkpoint_info(shards[1][0], shards[1][1])
+    assert info["sub_param_shard_widths"] == {rf"^attn\.qkv_proj\.{p}$": [[8, 8], [4, 4], [4, 4]]
+                                              for p in ("weight", "bias")}
+    assert {"patterns": [r"^attn\.qkv_proj\.weight$"], "shape": [(16, 8, 8), -1], "partition_dim": 0} in \
+        info["parameter_with_sub_params"]
+    with pytest.raises(ConfigError, match=r"attn.qkv_proj: its 2 heads of 4 do not split over "
+                                          r"tensor_parallel.autotp_size=4"):
+        split_by_specs(copy.deepcopy(model), feature.rules, None, 0, 4)
+    with pytest.raises(ConfigError, match="tensor_parallel.tp.tp_size: is 4, but the tensor-parallel degree is 2"):
+        AutoTPFeature.build(_config(tensor_parallel={"autotp_size": 2, "tp": {"tp_size": 4}}))
+
+
+def test_llama_at_more_ranks_than_key_value_heads_is_refused_naming_the_heads():
+    """Llama's 2 key/value heads (of 8) over 4 ranks: DeepSpeed would leave two ranks without attention; dsrun
+    refuses, by the Hugging Face plan and by the automatic reading alike."""
+    pytest.importorskip("transformers")
+    from dsrun.tensor_parallel.hf_plan import rules_from_hf_plan
+
+    model = hf_model("llama")
+    message = r"model.layers.0.self_attn.k_proj: its 2 heads of 8 do not split over tensor_parallel.autotp_size=4"
+    with pytest.raises(ConfigError, match=message):
+        split_by_specs(copy.deepcopy(model), rules_from_hf_plan(model, 4), None, 0, 4)
+    with pytest.raises(ConfigError, match="do not split over"):
+        split_for_training(copy.deepcopy(model), None, 0, 4)
