@@ -122,9 +122,6 @@ class AutoTPFeature(Feature):
             if problems:
                 raise ConfigError(problems)
             return None
-        if int(config.zero_optimization.stage) == 3:
-            problems.append(Problem("zero_optimization.stage", "AutoTP training composes with ZeRO stages 0-2 "
-                                    "(DeepSpeed's too)", "use stage 1 or 2 with tensor_parallel.autotp_size"))
         if int(config.sequence_parallel_size) > 1:
             problems.append(Problem("sequence_parallel_size", "AutoTP training with Ulysses sequence parallelism "
                                     "is not built", "use one of the two"))

@@ -24,18 +24,26 @@ if TYPE_CHECKING:
 
 def squared_norms(strategy: Any) -> torch.Tensor:
     """``[split, whole]``: this rank's sums of squares of the split and of the whole parameters' gradients
-    (float64), summed over the data-parallel group where the strategy partitions them (stages 1-2)."""
-    grads = strategy.step_gradients()
-    partitioned = bool(getattr(strategy, "partitioned", False))
-    sums = torch.zeros(2, dtype=torch.float64, device=grads[0].device if grads else None)
-    for flat, local in zip(strategy.groups, grads):
-        start = flat.partition_range(flat.rank)[0] if partitioned else 0
-        for param, offset, numel in zip(flat.params, flat.offsets, flat.numels):
-            lo, hi = max(offset, start), min(offset + numel, start + local.numel())
-            if lo < hi:
-                piece = local[lo - start:hi - start].double()
-                sums[0 if getattr(param, "tensor_model_parallel", False) else 1] += torch.dot(piece, piece)
-    if partitioned and strategy.world_size > 1:
+    (float64), summed over the data-parallel group where the strategy partitions them (stages 1-3)."""
+    if hasattr(strategy, "sub_groups"):  # stage 3: each sub-group's gradient holds its parameters' shards in order
+        pieces = [(param, sg.grad.narrow(0, offset, param.ds_partition_numel)) for sg in strategy.sub_groups
+                  if sg.grad is not None for param, offset in zip(sg.params, sg.offsets)]
+        partitioned = True
+    else:
+        grads = strategy.step_gradients()
+        partitioned = bool(getattr(strategy, "partitioned", False))
+        pieces = []
+        for flat, local in zip(strategy.groups, grads):
+            start = flat.partition_range(flat.rank)[0] if partitioned else 0
+            for param, offset, numel in zip(flat.params, flat.offsets, flat.numels):
+                lo, hi = max(offset, start), min(offset + numel, start + local.numel())
+                if lo < hi:
+                    pieces.append((param, local[lo - start:hi - start]))
+    sums = torch.zeros(2, dtype=torch.float64, device=pieces[0][1].device if pieces else None)
+    for param, piece in pieces:
+        piece = piece.double()
+        sums[0 if getattr(param, "tensor_model_parallel", False) else 1] += torch.dot(piece, piece)
+    if partitioned and comm.get_world_size(strategy.norm_group) > 1:
         comm.all_reduce(sums, group=strategy.norm_group)
     return sums
 

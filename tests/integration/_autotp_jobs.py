@@ -400,3 +400,14 @@ def four_rank_job(rank: int, world: int, names: list[str], tp: int, steps: int, 
     and trained on the TP=2 run's tail (``"universal_tp2"``)."""
     return {**train_job(rank, world, names, tp, steps),
             "universal_tp2": universal_tail("gpt2", 2, world, save_dir, tp2_tail_batches("gpt2"))}
+
+
+def zero3_job(rank: int, world: int, steps: int) -> dict[str, Any]:
+    """Llama at TP=2 with ZeRO-3 (clipping at 1.0): ``steps`` losses, the bytes of the split parameters this rank
+    holds (its ZeRO-3 shard of its tensor-parallel slice), and (rank 0) the unsplit reference."""
+    engine, loader = _engine("llama", 2, world, zero_optimization={"stage": 3}, gradient_clipping=1.0)
+    losses = _train(engine, _batches(loader, steps))
+    shards = {n: p.ds_tensor.numel() * p.ds_tensor.element_size() for n, p in engine.module.named_parameters()}
+    engine.destroy()
+    return {"losses": losses, "shards": shards,
+            "reference": reference_losses("llama", world // 2, steps) if rank == 0 else None}

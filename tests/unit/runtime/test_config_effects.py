@@ -116,6 +116,12 @@ def test_gradient_clipping_left_out_clips_at_one_as_deepspeed_does():
     # fp32 rounds the update and the difference: at most one ulp of the largest weight per element
     bound = after.numel() ** 0.5 * after.abs().max().item() * 2.0 ** -23
     assert moved == pytest.approx(0.1 * norm / (norm + 1e-6), abs=bound)
+    # DeepSpeed's ZeRO-1/2 wrapper keeps the norm as optimizer._global_grad_norm; its bare fp32 optimizer does not
+    assert not hasattr(e.optimizer, "_global_grad_norm")
+    zero1 = engine({**sgd, "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True})
+    zero1.backward(F.mse_loss(zero1(x), y))
+    zero1.step()
+    assert zero1.optimizer._global_grad_norm == zero1.get_global_grad_norm() == pytest.approx(norm)
 
 
 def first_weights(e: Any) -> list[torch.Tensor]:
