@@ -4,7 +4,8 @@ Each tensor-parallel rank writes its own files, as DeepSpeed names them: ``mp_ra
 slice of every split parameter, the whole others) and ``zero_pp_rank_<d>_mp_rank_<t>_optim_states.pt``. The
 model states hold ``mp_world_size`` and dsrun's ``tensor_parallel`` entry: for each split parameter the
 dimension it was cut along and its number of fused parts (GPT-2's ``c_attn`` is q|k|v: each rank holds its
-heads of each part). With that, :func:`merge_module_states` (and ``zero_to_fp32`` for the fp32 masters) puts the ranks' slices back together and
+heads of each part), or for a cut that is not the even one (unequal parts, grains) its widths, per part each rank's
+length (:data:`Parts`). With that, :func:`merge_module_states` (and ``zero_to_fp32`` for the fp32 masters) puts the ranks' slices back together and
 :func:`slice_dim` cuts a whole tensor for another degree.
 
 A load at the degree the checkpoint was saved at reads the rank's own files (a bit-exact resume). A load at

@@ -16,11 +16,11 @@ A plain ``nn.Linear`` becomes DeepSpeed's ``LinearLayer`` / ``LinearAllreduce``
 (:mod:`dsrun.tensor_parallel.deepspeed_layers`, on the automatic split's layers), a Conv1D or a fused weight the
 automatic split's column/row layers (:mod:`dsrun.tensor_parallel.layers`); the parameters keep their objects and
 names, and the returned :class:`~dsrun.tensor_parallel.split.TPLayout` is the same record, so checkpoints, their
-merge and the universal conversion read a split by rules as they read the automatic one. A dimension that does not
-divide evenly is cut as DeepSpeed cuts it in grains of one (the first ``n % T`` ranks one more,
-:func:`dsrun.checkpoint.tensor_parallel.shard_bounds`; an attention module's projections only on whole heads).
-Not built (refused with the layer named): sub-parameters of unequal sizes, logical shapes of more than two
-dimensions, ``gather_output`` with a shape, a split embedding.
+merge and the universal conversion read a split by rules as they read the automatic one. An attention module's
+projections are cut on whole heads, each fused part's evenly (``shape: [[q, k, v], -1]``: unequal parts, each on its
+own heads); the rest as DeepSpeed cuts it in grains of ``tensor_parallel.tp.tp_grain_size``
+(:func:`dsrun.tensor_parallel.split.cut_widths`). Not built (refused with the layer named): heads that do not divide
+by the degree, logical shapes of more than two dimensions, ``gather_output`` with a shape, a split embedding.
 """
 from __future__ import annotations
 
