@@ -532,8 +532,8 @@ def load_checkpoint(engine: CheckpointEngine, load_dir: str, tag: Tag = None, lo
         return None, None
     stage_files = sorted(tag_dir.glob("zero_pp_rank_*_model_states.pt"), key=lambda p: z2f.natural_key(p.name))
     dp_rank = comm.get_rank(engine.dp_group)
-    if stage_files:
-        own = tag_dir / layout.model_states_name(3, dp_rank)
+    if stage_files:  # this data rank's file of this tensor-parallel rank
+        own = tag_dir / layout.model_states_name(3, dp_rank, engine.groups.coord("model"))
         model_path = own if own.is_file() else stage_files[0]
     else:  # this tensor-parallel rank's file; a checkpoint of fewer (a universal folder: one) has rank 0's
         own = tag_dir / layout.model_states_name(0, 0, engine.groups.coord("model"))

@@ -29,6 +29,7 @@ from dsrun.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 from dsrun.comm.groups import ProcessGroups
 from dsrun.config import DSConfig
 from dsrun.features import Feature
+from dsrun.inference.groups import TPGroup
 from dsrun.moe.layer import MoE
 from dsrun.utils.errors import ConfigError, Problem
 
@@ -42,6 +43,7 @@ from .norm import clip_by_tensor_parallel_norm
 from .shard_sizes import set_tp_grain_size
 from .spec_split import split_by_specs
 from .split import TPLayout, split_for_training, universal_checkpoint_info
+from .vocab_parallel import split_vocabulary
 
 # what deepspeed.tp_model_init recorded (DeepSpeed's _TP_MODEL_INIT_ARGS): merged into the config at initialize
 _TP_MODEL_INIT_ARGS: dict[str, Any] | None = None
@@ -99,6 +101,7 @@ class AutoTPFeature(Feature):
         self.rules = rules  # partition_config / preset_model: split by these rules, not automatically
         self.clipping = float(config.gradient_clipping or 0.0)
         self.grain = int(config.tensor_parallel.tp.tp_grain_size)  # the cut of what is not attention
+        self.vocab_parallel = bool(config.tensor_parallel.vocab_parallel_lm_head)
         self._group: Any = None
         self._source = 0  # the global rank of the group's first rank
         self._input_check: Any = None
@@ -119,6 +122,9 @@ class AutoTPFeature(Feature):
             problems.append(Problem("tensor_parallel.tp.tp_size", f"is {section.tp.tp_size}, but the "
                                     f"tensor-parallel degree is {size}", "leave it out, or make it autotp_size"))
         if size <= 1:
+            if section.vocab_parallel_lm_head:
+                problems.append(Problem("tensor_parallel.vocab_parallel_lm_head", "cuts the vocabulary over the "
+                                        "tensor-parallel ranks, and autotp_size asks for none", "set autotp_size"))
             if problems:
                 raise ConfigError(problems)
             return None
@@ -153,11 +159,16 @@ class AutoTPFeature(Feature):
         self._group, self._source = group, members[0]
         self._input_check = model.register_forward_pre_hook(self._check_inputs_agree, with_kwargs=True)
         rank = groups.coord("model")
+        vocabulary = TPLayout(self.size, rank)
+        if self.vocab_parallel:  # first: the rules then leave the cut head and embedding as they are
+            split_vocabulary(model, group, TPGroup(group, rank, self.size), self.grain, vocabulary)
         rules, source = self.rules, "tensor_parallel.partition_config"
         if rules is None:  # DeepSpeed's order: the config's rules, the model's plan, the automatic reading
             rules, source = rules_from_hf_plan(model, self.size), "the model's Hugging Face tp_plan"
         self.layout = (split_for_training(model, group, rank, self.size, self.grain) if rules is None
                        else split_by_specs(model, rules, group, rank, self.size, source, self.grain))
+        self.layout.splits.update(vocabulary.splits)
+        self.layout.whole.update(vocabulary.whole)
         setattr(model, UNIVERSAL_CHECKPOINT_INFO, universal_checkpoint_info(model, self.layout))
 
     def _check_inputs_agree(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

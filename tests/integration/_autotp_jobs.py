@@ -164,7 +164,25 @@ def two_rank_job(rank: int, world: int, names: list[str], steps: int, save_dir: 
     return {**train_job(rank, world, names, 2, steps), "checkpoint": checkpoint_job(rank, world, "gpt2", save_dir),
             "foreign_group": foreign_tp_group(rank, world), "stages": other_stages(rank, world),
             "inconsistent": inconsistent_batch(rank, world),
-            "rules": rules_job(world, steps), "gqa": gqa_job(rank, steps, save_dir)}
+            "rules": rules_job(world, steps), "gqa": gqa_job(rank, steps, save_dir), "vocab": vocab_job(world)}
+
+
+def vocab_job(world: int, steps: int = 6) -> dict[str, Any]:
+    """Llama (untied head) and GPT-2 (head tied to its embedding) at TP=2 with ``vocab_parallel_lm_head``: the
+    first ``steps`` losses, the rows of the embedding and the LM head this rank holds, the logits' shape."""
+    out = {}
+    for name in ("llama", "gpt2"):
+        engine, loader = _engine(name, 2, world, tensor_parallel={"autotp_size": 2, "vocab_parallel_lm_head": True})
+        batches = _batches(loader, steps)
+        losses = _train(engine, batches)
+        module = engine.module
+        with torch.no_grad():
+            logits = module(input_ids=batches[0]).logits
+        out[name] = {"losses": losses, "logits": tuple(logits.shape),
+                     "rows": (module.get_input_embeddings().weight.shape[0], module.lm_head.weight.shape[0]),
+                     "tied": module.get_input_embeddings().weight is module.lm_head.weight}
+        engine.destroy()
+    return out
 
 
 class FusedGQA(torch.nn.Module):
@@ -402,12 +420,20 @@ def four_rank_job(rank: int, world: int, names: list[str], tp: int, steps: int, 
             "universal_tp2": universal_tail("gpt2", 2, world, save_dir, tp2_tail_batches("gpt2"))}
 
 
-def zero3_job(rank: int, world: int, steps: int) -> dict[str, Any]:
-    """Llama at TP=2 with ZeRO-3 (clipping at 1.0): ``steps`` losses, the bytes of the split parameters this rank
-    holds (its ZeRO-3 shard of its tensor-parallel slice), and (rank 0) the unsplit reference."""
-    engine, loader = _engine("llama", 2, world, zero_optimization={"stage": 3}, gradient_clipping=1.0)
-    losses = _train(engine, _batches(loader, steps))
+def zero3_job(rank: int, world: int, steps: int, save_dir: str) -> dict[str, Any]:
+    """Llama at TP=2 with ZeRO-3 over the data ranks: ``steps`` losses, the bytes of each parameter's ZeRO-3 shard
+    this rank holds (of its tensor-parallel slice), the losses of the last 2 steps again after a save at
+    ``steps - 2`` is loaded into a new engine, and (rank 0) the unsplit reference."""
+    engine, loader = _engine("llama", 2, world, zero_optimization={"stage": 3})
+    batches = _batches(loader, steps)
+    losses = _train(engine, batches[:-2])
+    engine.save_checkpoint(save_dir, tag="zero3")
+    losses += _train(engine, batches[-2:])
     shards = {n: p.ds_tensor.numel() * p.ds_tensor.element_size() for n, p in engine.module.named_parameters()}
     engine.destroy()
-    return {"losses": losses, "shards": shards,
+    again, _ = _engine("llama", 2, world, zero_optimization={"stage": 3})
+    again.load_checkpoint(save_dir, tag="zero3")
+    resumed = _train(again, batches[-2:])
+    again.destroy()
+    return {"losses": losses, "shards": shards, "resumed": resumed,
             "reference": reference_losses("llama", world // 2, steps) if rank == 0 else None}

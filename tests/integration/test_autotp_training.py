@@ -109,6 +109,25 @@ def test_a_fused_gqa_model_split_per_part_and_in_grains_trains_as_the_unsplit_ru
     assert all(torch.equal(fp32[k], merged[k]) for k in fp32)
 
 
+def test_vocab_parallel_embedding_and_loss_train_as_the_unsplit_run_without_whole_logits(tp2_runs):
+    """``tensor_parallel.vocab_parallel_lm_head``: Llama's embedding and untied head, and GPT-2's tied pair, cut by
+    vocabulary (97 rows: 49 and 48); every rank's logits are its slice only, and the vocabulary-parallel
+    cross-entropy (the maximum and the sum of exponentials all-reduced) trains within the module's bound of the
+    unsplit run (the longest reordered sum is still the vocabulary's, now split 49 + 48)."""
+    for name in ("llama", "gpt2"):
+        reference = torch.tensor(next(r[name]["reference"] for r in tp2_runs if r[name]["reference"]),
+                                 dtype=torch.float64)
+        runs = [r["vocab"][name] for r in tp2_runs]
+        for rank, run in enumerate(runs):
+            rows = shard_bounds(VOCAB, rank, 2)[1]
+            assert run["rows"] == (rows, rows) and run["logits"][-1] == rows
+            assert run["tied"] == (name == "gpt2")  # a tied pair is cut once and stays tied
+            losses = torch.tensor(run["losses"], dtype=torch.float64)
+            steps = len(losses)
+            assert ((losses - reference[:steps]).abs() / reference[:steps]).max() <= fp32_bound(steps), name
+        assert runs[0]["losses"] == runs[1]["losses"]
+
+
 def test_tp2_checkpoint_resumes_bit_exactly_and_loads_at_tp1(tp2_runs):
     ranks, tmp_path = [r["checkpoint"] for r in tp2_runs], tp2_runs[0]["dir"]
     for rank in ranks:

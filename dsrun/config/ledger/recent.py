@@ -178,10 +178,15 @@ ENTRIES: list[Entry] = [
     done("tensor_parallel.tp.tp_size", "the tensor-parallel degree again: 1 or autotp_size, anything else refused "
          "(as DeepSpeed)", AUTOTP_UNIT + "test_a_fused_gqa_projection_is_cut_per_part_on_whole_heads_and_the_mlp_"
          "in_grains"),
+    done("tensor_parallel.vocab_parallel_lm_head", "a Hugging Face causal LM's input embedding and LM head (tied "
+         "or not) cut by vocabulary rows, its logits left cut and its loss the vocabulary-parallel cross-entropy: no "
+         "rank holds the whole vocabulary's logits", AUTOTP_TESTS + "test_vocab_parallel_embedding_and_loss_train_"
+         "as_the_unsplit_run_without_whole_logits"),
+    done("tensor_parallel.vocab_parallel_ce_backend", "the vocabulary-parallel cross-entropy's kernel: torch's ops",
+         AUTOTP_TESTS + "test_vocab_parallel_embedding_and_loss_train_as_the_unsplit_run_without_whole_logits",
+         refused_values={"liger": "Liger's fused kernel is a Triton (GPU) kernel"}),
     *_section("tensor_parallel", AUTOTP, {
         "dtype": "dtype of the sharded model",
-        "vocab_parallel_lm_head": "shard the LM head",
-        "vocab_parallel_ce_backend": "vocab-parallel cross-entropy backend",
         "tp.mpu": "model-parallel unit", "tp.tp_group": "TP group",
         "injection_policy_tuple": "layer injection policy", "keep_module_on_host": "keep shards on the host",
         "kernel_inject": "inject inference kernels"}),
