@@ -62,7 +62,7 @@ def rank_widths(length: int, parts: Parts, size: int) -> Widths:
     return tuple(tuple(shard_bounds(block, rank, size)[1] for rank in range(size)) for _ in range(parts))
 
 
-def as_parts(value: Any) -> Parts:
+def as_parts(value: object) -> Parts:
     """A checkpoint entry's parts (JSON: an int or a list of lists) as :data:`Parts`."""
     if isinstance(value, (list, tuple)):
         return tuple(tuple(int(w) for w in part) for part in value)

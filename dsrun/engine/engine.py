@@ -320,6 +320,8 @@ class DeepSpeedEngine(torch.nn.Module):
             if self.strategy is not None:
                 outcome = self.strategy.step(float(self._config.gradient_clipping or 0.0))
                 overflow = outcome.overflow
+                if self.strategy.deepspeed_wrapper is not None:  # DeepSpeed's wrappers keep the norm there
+                    self.optimizer._global_grad_norm = outcome.grad_norm
                 self.precision.update(overflow)
                 self.strategy.zero_grad()
             self._step_applied = self.strategy is not None and not overflow

@@ -18,7 +18,7 @@ ranks: 49 and 48; in grains of ``tensor_parallel.tp.tp_grain_size``), recorded i
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -61,7 +61,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token cross-entropy of logits cut by vocabulary (``[N, V_r]``, this rank's columns from ``start``)."""
 
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, start: int, group: ProcessGroup | None
+    def forward(ctx: torch.autograd.function.FunctionCtx, logits: torch.Tensor, target: torch.Tensor, start: int, group: ProcessGroup | None
                 ) -> torch.Tensor:
         peak = logits.max(dim=-1).values
         comm.all_reduce(peak, op=comm.ReduceOp.MAX, group=group)
@@ -79,7 +79,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return total.log() - picked
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         softmax, local, mine = ctx.saved_tensors
         softmax.scatter_add_(-1, local.unsqueeze(-1), -mine.to(softmax.dtype).unsqueeze(-1))
         return softmax * grad.unsqueeze(-1), None, None, None
@@ -101,7 +101,7 @@ class causal_lm_loss:  # noqa: N801 - a callable standing in for a Hugging Face 
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int | None = None,
                  num_items_in_batch: torch.Tensor | int | None = None, ignore_index: int = -100,
-                 shift_labels: torch.Tensor | None = None, **_: Any) -> torch.Tensor:
+                 shift_labels: torch.Tensor | None = None, **_: object) -> torch.Tensor:
         if shift_labels is None:
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         target = shift_labels.reshape(-1).to(logits.device)

@@ -213,19 +213,14 @@ def _files(tag_dir: str, suffix: str) -> list[str]:  # the folder's *suffix file
     return sorted(glob.glob(os.path.join(tag_dir, f"*{suffix}")), key=natural_key)
 
 
-def merge_slices(slices: list[torch.Tensor], dim: int, parts: Any) -> torch.Tensor:
-    """The whole tensor whose tensor-parallel rank slices are ``slices`` (in rank order): each rank holds its
-    piece along ``dim`` of each fused part. ``parts``: the number of equal parts (GPT-2's fused q|k|v: 3), each
-    rank's piece as long as its slice's share; or the explicit widths, per part each rank's length (unequal
-    parts, head- or grain-granular cuts: the checkpoint's ``tensor_parallel`` entry records them)."""
+def merge_slices(slices: list[torch.Tensor], dim: int, parts: int | list | tuple) -> torch.Tensor:
+    """The whole tensor from tensor-parallel ranks' slices along ``dim``: ``parts`` equal parts or per-part widths."""
     moved = [s.movedim(dim, 0) for s in slices]
     if isinstance(parts, int):
-        blocks = [m.reshape(parts, m.shape[0] // parts, *m.shape[1:]) for m in moved]
-        whole = torch.cat(blocks, dim=1)
+        whole = torch.cat([m.reshape(parts, m.shape[0] // parts, *m.shape[1:]) for m in moved], dim=1)
         return whole.reshape(-1, *whole.shape[2:]).movedim(0, dim).contiguous()
     pieces = [m.split([int(part[rank]) for part in parts]) for rank, m in enumerate(moved)]
-    whole = torch.cat([pieces[rank][index] for index in range(len(parts)) for rank in range(len(moved))])
-    return whole.movedim(0, dim).contiguous()
+    return torch.cat([p[i] for i in range(len(parts)) for p in pieces]).movedim(0, dim).contiguous()
 
 
 def get_checkpoint_files(checkpoint_dir: str, glob_pattern: str) -> list[str]:
@@ -278,11 +273,10 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | Non
     if degree == 1:
         return _fp32_state_dict(tag_dir, exclude_frozen_parameters, verbose, None)
     ranks = [_fp32_state_dict(tag_dir, exclude_frozen_parameters, verbose, r) for r in range(degree)]
-    extras = load_file(model_files[0], index_only=True).get("dsrun") or {}
-    splits = (extras.get("tensor_parallel") or {}).get("splits") or {}
+    splits = ((load_file(model_files[0], index_only=True).get("dsrun") or {}).get("tensor_parallel") or {})
     merged = ranks[0]
-    merged.update({name: merge_slices([state[name] for state in ranks], int(dim), parts if isinstance(parts, list)
-                                      else int(parts)) for name, (dim, parts) in splits.items() if name in merged})
+    merged.update({name: merge_slices([state[name] for state in ranks], int(dim), parts)
+                   for name, (dim, parts) in (splits.get("splits") or {}).items() if name in merged})
     return merged
 
 

@@ -249,7 +249,7 @@ class ZeroStrategy(ABC):
         parameters current; the step hooks run around the update."""
         self._begin_step()
         if self.precision.checks_overflow and self._overflow_on_any_rank():
-            self._record_norm(None)
+            self.global_grad_norm = None
             return StepOutcome(overflow=True, grad_norm=None)
         # One multiply removes the loss scale and clips.
         coef = 1.0 / self.precision.loss_scale
@@ -261,18 +261,11 @@ class ZeroStrategy(ABC):
                 coef *= clip_coef
         state = StepState(strategy=self, coef=coef, grad_norm=norm, step=self.steps_taken)
         self.hooks.run(BEFORE_UPDATE, state)
-        self._record_norm(state.grad_norm)  # a hook may measure it anew (Muon: over its updates)
+        self.global_grad_norm = state.grad_norm  # a hook may measure it anew (Muon: over its updates)
         self._apply_update(state.coef)
         self.steps_taken += 1
         self.hooks.run(AFTER_UPDATE, state)
         return StepOutcome(overflow=False, grad_norm=state.grad_norm)
-
-    def _record_norm(self, norm: float | None) -> None:
-        """The last step's global norm; also as DeepSpeed's wrappers keep it, ``optimizer._global_grad_norm``, on
-        the optimizer ``initialize`` returns when DeepSpeed would return a wrapper there (ZeRO, 16-bit)."""
-        self.global_grad_norm = norm
-        if self.deepspeed_wrapper is not None:
-            self.optimizer._global_grad_norm = norm
 
     def _begin_step(self) -> None:
         """Bring the gradients to where the step reads them (stages 0-2: the fp32 master gradients)."""
