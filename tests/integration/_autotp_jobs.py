@@ -414,19 +414,23 @@ def tp2_tail_batches(name: str) -> list[torch.Tensor]:
 
 
 def four_rank_job(rank: int, world: int, names: list[str], tp: int, steps: int, save_dir: str) -> dict[str, Any]:
-    """:func:`train_job`'s results, and the universal checkpoint of :func:`universal_job` loaded at TP=2 x DP=2
-    and trained on the TP=2 run's tail (``"universal_tp2"``)."""
+    """:func:`train_job`'s results, the universal checkpoint of :func:`universal_job` loaded at TP=2 x DP=2 and
+    trained on the TP=2 run's tail (``"universal_tp2"``), and :func:`zero3_job` at TP=2 x DP=2 (``"zero3"``)."""
     return {**train_job(rank, world, names, tp, steps),
-            "universal_tp2": universal_tail("gpt2", 2, world, save_dir, tp2_tail_batches("gpt2"))}
+            "universal_tp2": universal_tail("gpt2", 2, world, save_dir, tp2_tail_batches("gpt2")),
+            "zero3": zero3_job(rank, world, steps, f"{save_dir}/zero3")}
 
 
 def zero3_job(rank: int, world: int, steps: int, save_dir: str) -> dict[str, Any]:
-    """Llama at TP=2 with ZeRO-3 over the data ranks: ``steps`` losses, the bytes of each parameter's ZeRO-3 shard
-    this rank holds (of its tensor-parallel slice), the losses of the last 2 steps again after a save at
-    ``steps - 2`` is loaded into a new engine, and (rank 0) the unsplit reference."""
+    """Llama at TP=2 with ZeRO-3 over the data ranks: ``steps`` losses and the first step's global norm, the bytes
+    of each parameter's ZeRO-3 shard this rank holds (of its tensor-parallel slice), the losses of the last 2 steps
+    again after a save at ``steps - 2`` is loaded into a new engine, and (rank 0) the unsplit reference's losses and
+    first norm."""
     engine, loader = _engine("llama", 2, world, zero_optimization={"stage": 3})
     batches = _batches(loader, steps)
-    losses = _train(engine, batches[:-2])
+    losses = _train(engine, batches[:1])
+    norm = engine.get_global_grad_norm()
+    losses += _train(engine, batches[1:-2])
     engine.save_checkpoint(save_dir, tag="zero3")
     losses += _train(engine, batches[-2:])
     shards = {n: p.ds_tensor.numel() * p.ds_tensor.element_size() for n, p in engine.module.named_parameters()}
@@ -435,5 +439,14 @@ def zero3_job(rank: int, world: int, steps: int, save_dir: str) -> dict[str, Any
     again.load_checkpoint(save_dir, tag="zero3")
     resumed = _train(again, batches[-2:])
     again.destroy()
-    return {"losses": losses, "shards": shards, "resumed": resumed,
-            "reference": reference_losses("llama", world // 2, steps) if rank == 0 else None}
+    out = {"losses": losses, "norm": norm, "shards": shards, "resumed": resumed, "reference": None}
+    if rank == 0:
+        out["reference"] = reference_losses("llama", world // 2, steps)
+        model = causal_lm("llama")  # the unsplit model's first norm, on the global batch of the data ranks
+        from dsrun.engine.dataloader import DeepSpeedDataLoader
+
+        ids = torch.cat([next(iter(DeepSpeedDataLoader(Tokens(), 2, data_parallel_world_size=world // 2,
+                                                       data_parallel_rank=r))) for r in range(world // 2)])
+        model(input_ids=ids, labels=ids).loss.backward()
+        out["reference_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+    return out

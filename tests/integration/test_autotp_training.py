@@ -186,6 +186,20 @@ def test_tp2_by_dp2_on_4_ranks(tp2_runs):
     mean = (torch.tensor(runs[0]["losses"], dtype=torch.float64) + torch.tensor(runs[2]["losses"],
                                                                                   dtype=torch.float64)) / 2
     assert ((mean - reference).abs() / reference).max() <= fp32_bound(6)
+    # AutoTP with ZeRO-3 over the data ranks (DeepSpeed's too): the same bound of the unsplit run, the unsplit
+    # model's norm (the split parameters' squares summed over the TP group, the stage-3 shards over the data group),
+    # each rank holding half of its TP slice of every split matrix (a quarter), a bit-exact resume
+    zero3 = [r["zero3"] for r in ranks]
+    reference = torch.tensor(zero3[0]["reference"], dtype=torch.float64)
+    mean = (torch.tensor(zero3[0]["losses"], dtype=torch.float64) + torch.tensor(zero3[2]["losses"],
+                                                                                   dtype=torch.float64)) / 2
+    assert ((mean - reference).abs() / reference).max() <= fp32_bound(6)
+    for run in zero3:
+        assert abs(run["norm"] - zero3[0]["reference_norm"]) <= fp32_bound(1) * zero3[0]["reference_norm"]
+        assert run["resumed"] == run["losses"][-2:]
+        assert run["shards"]["model.layers.0.self_attn.q_proj.weight"] == 32 * 32 * 4 // 4
+        assert run["shards"]["model.layers.0.mlp.down_proj.weight"] == 32 * 64 * 4 // 4
+        assert run["shards"]["model.norm.weight"] == 32 * 4 // 2  # whole over TP, halved by ZeRO-3
 
 
 def test_a_tp_group_other_than_the_topologys_is_refused(tp2_runs):

@@ -84,8 +84,10 @@ def _config(**extra):
 def test_the_config_and_tp_model_init_agree_or_are_refused():
     assert AutoTPFeature.build(_config()).group_sizes() == {"model": 2}
     assert AutoTPFeature.build(load_ds_config({"train_batch_size": 2}, world_size=1)) is None
-    with pytest.raises(ConfigError, match="zero_optimization.stage"):
-        AutoTPFeature.build(_config(zero_optimization={"stage": 3}))
+    assert AutoTPFeature.build(_config(zero_optimization={"stage": 3})).size == 2  # with ZeRO-3 too (DeepSpeed's)
+    with pytest.raises(ConfigError, match="vocab_parallel_lm_head: cuts the vocabulary over the tensor-parallel "
+                                          "ranks, and autotp_size asks for none"):
+        AutoTPFeature.build(_config(tensor_parallel={"vocab_parallel_lm_head": True}))
     model = torch.nn.Linear(2, 2)
     assert tp_model_init(model, tp_size=2, dtype=torch.bfloat16) is model  # records; splits at initialize
     with pytest.raises(ValueError, match="Conflicting tp_model_init"):
