@@ -1,6 +1,6 @@
 """Tensor-parallel training (DeepSpeed's AutoTP for training: ``tensor_parallel.autotp_size``,
 ``deepspeed.tp_model_init``): a model's Transformer blocks split column/row-wise over a tensor-parallel group,
-composed with ZeRO 0-2 over the data-parallel group. docs/autotp.md."""
+composed with ZeRO 0-3 over the data-parallel group. docs/autotp.md."""
 from .autotp_config import AutoTPConfig, AutoTPPresets, PartitionType, TPLayerSpec
 from .feature import AutoTPFeature, autotp_degree, reset_tp_model_init, tp_model_init
 from .layers import ColumnParallelLinear, RowParallelLinear, TensorParallelLinear, is_model_parallel_parameter

@@ -9,7 +9,7 @@ splits the model over the group: by the config's rules (``partition_config`` / `
 :func:`dsrun.tensor_parallel.spec_split.split_by_specs`), else by the model's Hugging Face ``tp_plan``
 (:mod:`dsrun.tensor_parallel.hf_plan`), else its Transformer blocks read automatically
 (:func:`dsrun.tensor_parallel.split.split_for_training`). ``tp_overlap_comm`` is set on the layers process-wide,
-as DeepSpeed sets it. ZeRO then partitions and reduces over the data
+as DeepSpeed sets it. ZeRO (stages 0-3) then partitions and reduces over the data
 group only: a split parameter's slice is its own on each rank, and every whole parameter gets the same
 gradient on every rank of the group (the row-parallel all-reduce makes the activations equal, the
 column-parallel backward all-reduce the activations' gradients). The checkpoint entries say how the model
