@@ -112,17 +112,18 @@ class AutoTPFeature(Feature):
         size = autotp_degree(int(config.tensor_parallel.autotp_size))
         problems = _recorded_dtype_problems(config)
         section = config.tensor_parallel
-        overlap = bool(section.tp_overlap_comm)
+        overlap, grain = bool(section.tp_overlap_comm), int(section.tp.tp_grain_size)
         rules = partition_config_object(section.partition_config, section.preset_model, size)
         if size > 1 or _TP_MODEL_INIT_ARGS is not None:  # as DeepSpeed's initialize: AutoTP is for training now
             set_autotp_mode(training=True)
             TensorParallelLinear.overlap_comm = overlap
-            set_tp_grain_size(section.tp.tp_grain_size)  # process-wide, as DeepSpeed sets it
+            set_tp_grain_size(grain)  # process-wide, as DeepSpeed sets it
         if section.tp.tp_size not in (1, size):
             problems.append(Problem("tensor_parallel.tp.tp_size", f"is {section.tp.tp_size}, but the "
                                     f"tensor-parallel degree is {size}", "leave it out, or make it autotp_size"))
+        vocab_parallel = bool(section.vocab_parallel_lm_head)
         if size <= 1:
-            if section.vocab_parallel_lm_head:
+            if vocab_parallel:
                 problems.append(Problem("tensor_parallel.vocab_parallel_lm_head", "cuts the vocabulary over the "
                                         "tensor-parallel ranks, and autotp_size asks for none", "set autotp_size"))
             if problems:
