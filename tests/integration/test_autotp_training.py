@@ -112,7 +112,8 @@ def test_a_fused_gqa_model_split_per_part_and_in_grains_trains_as_the_unsplit_ru
 def test_vocab_parallel_embedding_and_loss_train_as_the_unsplit_run_without_whole_logits(tp2_runs):
     """``tensor_parallel.vocab_parallel_lm_head``: Llama's embedding and untied head, and GPT-2's tied pair, cut by
     vocabulary (97 rows: 49 and 48); every rank's logits are its slice only, and the vocabulary-parallel
-    cross-entropy (the maximum and the sum of exponentials all-reduced) trains within the module's bound of the
+    cross-entropy (``vocab_parallel_ce_backend: torch``: the maximum and the sum of exponentials all-reduced, in
+    torch's ops; ``liger`` is refused, tests/unit/tensor_parallel) trains within the module's bound of the
     unsplit run (the longest reordered sum is still the vocabulary's, now split 49 + 48)."""
     for name in ("llama", "gpt2"):
         reference = torch.tensor(next(r[name]["reference"] for r in tp2_runs if r[name]["reference"]),

@@ -184,7 +184,7 @@ ENTRIES: list[Entry] = [
          "as_the_unsplit_run_without_whole_logits"),
     done("tensor_parallel.vocab_parallel_ce_backend", "the vocabulary-parallel cross-entropy's kernel: torch's ops",
          AUTOTP_TESTS + "test_vocab_parallel_embedding_and_loss_train_as_the_unsplit_run_without_whole_logits",
-         traced=False,  # one value acts (torch); the schema and the refused value decide, nothing reads it later
+         AUTOTP_UNIT + "test_bad_partition_config_values_are_refused_naming_the_key", traced=False,  # one value acts (torch); the schema and the refused value decide, nothing reads it later
          refused_values={"liger": "Liger's fused kernel is a Triton (GPU) kernel"}),
     *_section("tensor_parallel", AUTOTP, {
         "dtype": "dtype of the sharded model",

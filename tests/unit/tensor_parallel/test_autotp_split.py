@@ -179,7 +179,9 @@ def test_rules_leave_unmatched_and_skipped_linears_whole_and_gather_outputs():
     ({"partition_config": {"layer_specs": [{"patterns": ["("]}]}}, "is not a regular expression"),
     ({"partition_config": {"layer_specs": [{"patterns": ["x"], "shape": [2, 0]}]}}, "shape: entry 0"),
     ({"partition_config": {"layer_specs": [{"patterns": ["x"], "grad_allreduce": True}]}},
-     "grad_allreduce: applies to skip specs only")])
+     "grad_allreduce: applies to skip specs only"),
+    ({"vocab_parallel_ce_backend": "liger"}, "tensor_parallel.vocab_parallel_ce_backend: got 'liger': Liger's fused "
+     "kernel is a Triton")])
 def test_bad_partition_config_values_are_refused_naming_the_key(section, message):
     with pytest.raises(ConfigError, match=message) as err:
         AutoTPFeature.build(_config(tensor_parallel={"autotp_size": 2, **section}))
