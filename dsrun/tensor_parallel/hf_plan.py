@@ -59,7 +59,7 @@ class TPPlanConverter:
 
     @staticmethod
     def _wildcard_to_regex(pattern: str) -> str:
-        """A plan's module pattern as a regular expression matching anywhere a name ends so (``*``: any run of
+        r"""A plan's module pattern as a regular expression matching anywhere a name ends so (``*``: any run of
         characters; everything else literal): ``layers.*.q_proj`` is ``.*layers\..*\.q_proj``."""
         return ".*" + re.escape(pattern).replace(r"\*", ".*")
 
