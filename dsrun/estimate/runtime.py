@@ -18,7 +18,7 @@ subprocess (:mod:`dsrun.probe`) with the rank's environment (``OMP_NUM_THREADS``
    counted for rank 0 only);
 
 and reports its resident memory (``VmRSS``) and peak (``VmHWM``). The result is cached under
-``$DSRUN_CACHE_DIR`` (or ``~/.cache/dsrun``) in ``estimate/`` per host, Python, torch and dsrun version,
+``$DSRUN_CACHE_DIR`` (or ``~/.cache/dsrun``) in ``estimate/`` per host, Python and its environment, torch and dsrun version,
 thread count, allocator setting, optimizer, model class and precision, so later estimates cost nothing.
 What it does not see grows with the model and is estimated term by term (model states, activations,
 buffers, collective temporaries, the data pipeline). The estimate uses the
@@ -102,7 +102,9 @@ def runtime_cache_path(threads: int, optimizer: str, model: dict | None = None, 
                        monitors: Sequence[str] = ()) -> Path:
     """Where the probe's result for these settings is cached (one small JSON file)."""
     torch_version, python, host, dsrun_version = _versions()
-    key = json.dumps([torch_version, python, host, dsrun_version, int(threads), optimizer.lower(),
+    # sys.prefix: the same torch freshly installed in another venv maps more of its library pages at import
+    # (measured: +54 MiB RSS after `import torch` in a new venv), so a probe never stands for another environment
+    key = json.dumps([torch_version, python, sys.prefix, host, dsrun_version, int(threads), optimizer.lower(),
                       tiny_model_config(model), precision,
                       malloc_threshold()] + ([sorted(monitors)] if monitors else []),
                      sort_keys=True, default=str)
