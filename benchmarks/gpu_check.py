@@ -362,11 +362,11 @@ def section_main(name: str, smoke: bool, deadline: float, out: str) -> None:
             torch.distributed.destroy_process_group()
 
 
-def run_section(name: str, smoke: bool, started: float, budget: float) -> dict:
-    """Fork the section's process with its time box; its rows, status (ok | failed | timed_out | skipped),
-    seconds and reason."""
+def run_section(name: str, smoke: bool, started: float, budget: float, box_scale: float = 1.0) -> dict:
+    """Fork the section's process with its time box (``box_scale`` times the section's cap); its rows, status
+    (ok | failed | timed_out | skipped), seconds and reason."""
     _, need, cap = SECTIONS[name]
-    need_s, cap_s = need[1 if smoke else 0], cap[1 if smoke else 0]
+    need_s, cap_s = need[1 if smoke else 0], cap[1 if smoke else 0] * box_scale
     left = budget - (time.monotonic() - started)
     if left < need_s:
         return {"status": "skipped", "reason": f"budget: {left:.0f} s of {budget:.0f} s left, needs ~{need_s:.0f} s",
@@ -476,6 +476,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="on the CPU (gloo), tiny sizes, fp32/bf16 parity")
     parser.add_argument("--budget", type=float, help="seconds for everything (default 440 on a GPU, 55 --smoke)")
     parser.add_argument("--only", help=f"comma-separated sections of {','.join(SECTIONS)}")
+    parser.add_argument("--box-scale", type=float, default=1.0, metavar="F",
+                        help="multiply every section's time box by F (a slow or busy machine; default 1)")
     parser.add_argument("--fetch-wheels", type=Path, metavar="DIR", help="download the wheels the GPU image lacks")
     args = parser.parse_args(argv)
     if args.fetch_wheels:
@@ -483,6 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     budget = args.budget or (55.0 if args.smoke else 440.0)
     chosen = {"env", *args.only.split(",")} if args.only else set(SECTIONS)  # env is every run's preflight
+    if args.box_scale <= 0:
+        parser.error(f"--box-scale must be > 0, got {args.box_scale}")
     unknown = chosen - set(SECTIONS)
     if unknown:
         parser.error(f"unknown section(s) {sorted(unknown)}; choose from {list(SECTIONS)}")
@@ -502,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
             report["sections"][name] = {"status": "skipped", "reason": f"env {env['status']}: {env.get('reason')}",
                                         "rows": []}
             continue
-        report["sections"][name] = run_section(name, args.smoke, started, budget)
+        report["sections"][name] = run_section(name, args.smoke, started, budget, args.box_scale)
     report["elapsed_s"] = round(time.monotonic() - started, 1)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
