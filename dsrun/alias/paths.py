@@ -69,6 +69,12 @@ PATHS: dict[str, str] = {
     "deepspeed.runtime.sequence_parallel.ulysses_sp": "dsrun.sequence.tiled_compute",
     "deepspeed.runtime.rollout.base": "dsrun.inference.rollout",
     "deepspeed.runtime.rollout.hybrid_engine_rollout": "dsrun.inference.rollout",
+    # inference v2 (FastGen): EXAONE 4.0 and 4.5 share one module, as do the two model bases
+    "deepspeed.inference.v2.model_implementations.exaone4": "dsrun.inference.v2.model_implementations.exaone",
+    "deepspeed.inference.v2.model_implementations.exaone4_5": "dsrun.inference.v2.model_implementations.exaone",
+    "deepspeed.inference.v2.model_implementations.inference_model_base":
+    "dsrun.inference.v2.model_implementations.inference_transformer_base",
+    "deepspeed.inference.v2.modules.module_registry": "dsrun.inference.v2.modules.ds_module",
     # dsrun keeps these objects under another name
     "deepspeed.ops.op_builder": "op_builder",
     "deepspeed.launcher.runner": "dsrun.cli.deepspeed_runner",
