@@ -279,3 +279,12 @@ def test_cuda_only_names_are_refused_with_one_line_and_deepspeed_paths_reach_dsr
                        ("deepspeed.inference.v2.ragged.blocked_allocator", "BlockedAllocator"),
                        ("deepspeed.inference.v2.model_implementations.sharding", "shard_qkv_param")]:
         assert hasattr(importlib.import_module(target_of(path)), name), path
+
+
+def test_megatron_qkv_layouts_are_reordered_to_all_q_then_all_k_then_all_v():
+    from dsrun.inference.v2.model_implementations.common_parameters import (megatron_qkv_reshape,
+                                                                            transform_gqa_megatron)
+    rows = torch.arange(12.0).view(12, 1)  # 2 heads of 2 rows: q0 k0 v0 q1 k1 v1
+    assert megatron_qkv_reshape(rows, 2, 2).flatten().tolist() == [0, 1, 6, 7, 2, 3, 8, 9, 4, 5, 10, 11]
+    grouped = torch.arange(8.0).view(8, 1)  # 1 kv group, 2 q heads of 2 rows: q0 q1 k v
+    assert transform_gqa_megatron(grouped, 2, 2, 1).tolist() == list(range(8))
