@@ -24,12 +24,11 @@ class InferenceParameter(torch.Tensor):
     def to(self, *args, **kwargs):
         new_tensor = super().to(*args, **kwargs)
         aux = dict(getattr(self, "_aux_attrs", {}))
+        moves = _names_a_device(args, kwargs)  # a device move takes the auxiliary tensors along; a dtype cast not
+        for name, attr in aux.items():
+            aux[name] = attr.to(*args, **kwargs) if moves else attr
+            setattr(new_tensor, name, aux[name])
         new_tensor._aux_attrs = aux
-        if _names_a_device(args, kwargs):  # a device move takes the auxiliary tensors along; a dtype cast does not
-            for name, attr in list(aux.items()):
-                moved = attr.to(*args, **kwargs)
-                setattr(new_tensor, name, moved)
-                aux[name] = moved
         return new_tensor
 
     @classmethod

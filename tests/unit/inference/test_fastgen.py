@@ -288,3 +288,13 @@ def test_megatron_qkv_layouts_are_reordered_to_all_q_then_all_k_then_all_v():
     assert megatron_qkv_reshape(rows, 2, 2).flatten().tolist() == [0, 1, 6, 7, 2, 3, 8, 9, 4, 5, 10, 11]
     grouped = torch.arange(8.0).view(8, 1)  # 1 kv group, 2 q heads of 2 rows: q0 q1 k v
     assert transform_gqa_megatron(grouped, 2, 2, 1).tolist() == list(range(8))
+
+
+def test_inference_parameter_aux_tensors_follow_device_moves_but_not_dtype_casts():
+    weight = InferenceParameter.initialize(torch.ones(4, 2), scales=torch.ones(4))
+    with pytest.raises(ValueError, match="already exists"):
+        InferenceParameter.initialize(torch.ones(1), shape=torch.ones(1))
+    moved = weight.to("meta")
+    assert moved.device.type == "meta" and moved.scales.device.type == "meta" and moved.aux_attrs["scales"] is moved.scales
+    cast = weight.to(torch.float16)
+    assert cast.dtype == torch.float16 and cast.scales.dtype == torch.float32
