@@ -11,22 +11,12 @@ inference, ``dsrun.init_inference`` (docs/inference.md).
 from __future__ import annotations
 
 from .config_v2 import DeepSpeedTPConfig, QuantizationConfig, RaggedInferenceEngineConfig
-from .kernels import NotOnCPUError, cuda_kernel
+from .kernels import NotOnCPUError, cuda_function, cuda_kernel
 
-InferenceEngineV2 = cuda_kernel("inference.v2.engine_v2.InferenceEngineV2")
+_ENGINE = "FastGen's engine runs DeepSpeed's CUDA kernels (blocked flash attention, ragged embedding)"
+InferenceEngineV2 = cuda_kernel("inference.v2.engine_v2.InferenceEngineV2", _ENGINE)
+build_hf_engine = cuda_function("inference.v2.build_hf_engine", _ENGINE)
+build_engine_from_ds_checkpoint = cuda_function("inference.v2.build_engine_from_ds_checkpoint", _ENGINE)
 
-
-def _engine_refusal(name: str):
-    def build(path: str, engine_config: RaggedInferenceEngineConfig, debug_level: int = 20) -> None:
-        raise NotOnCPUError(f"deepspeed.inference.v2.{name}: FastGen's engine runs DeepSpeed's CUDA kernels "
-                            "(blocked flash attention, ragged embedding), which dsrun does not provide (not on CPU); "
-                            "use dsrun.init_inference (docs/inference.md)")
-    build.__name__ = name
-    return build
-
-
-build_hf_engine = _engine_refusal("build_hf_engine")
-build_engine_from_ds_checkpoint = _engine_refusal("build_engine_from_ds_checkpoint")
-
-__all__ = ["DeepSpeedTPConfig", "InferenceEngineV2", "QuantizationConfig", "RaggedInferenceEngineConfig",
-           "build_engine_from_ds_checkpoint", "build_hf_engine"]
+__all__ = ["DeepSpeedTPConfig", "InferenceEngineV2", "NotOnCPUError", "QuantizationConfig",
+           "RaggedInferenceEngineConfig", "build_engine_from_ds_checkpoint", "build_hf_engine"]

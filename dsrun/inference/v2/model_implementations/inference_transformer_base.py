@@ -17,7 +17,7 @@ from dsrun import comm as dist
 
 from ..config_v2 import RaggedInferenceEngineConfig
 from ..inference_utils import ActivationType, DtypeEnum, ceil_div, is_gated
-from ..kernels import NotOnCPUError
+from ..kernels import not_on_cpu
 from ..modules.configs import NormTypeEnum, PositionalEmbeddingType, RotateHalfConfig
 from ..ragged import BaseSequenceDescriptor, KVCacheConfig
 from .sharding import get_local_heads
@@ -143,9 +143,8 @@ class DSTransformerModelBase(DSInferenceModelBase):
     def __init__(self, config: "PretrainedConfig", engine_config: RaggedInferenceEngineConfig,
                  base_mp_group: Optional["ProcessGroup"]) -> None:
         super().__init__(config, engine_config, base_mp_group)
-        raise NotOnCPUError(f"deepspeed.inference.v2: {type(self).__name__} runs on DeepSpeed's CUDA kernels "
-                            "(blocked attention, norms, embedding), which dsrun does not provide (not on CPU); "
-                            "dsrun.init_inference runs Hugging Face models on CPU (docs/inference.md)")
+        raise not_on_cpu(f"inference.v2.model_implementations.{type(self).__name__}",
+                         "its layers are DeepSpeed's CUDA kernels (blocked attention, norms, embedding)")
 
     # the KV cache, for an autoregressive dense attention pattern
     def get_kv_requirements(self, sequence: BaseSequenceDescriptor, max_new_tokens: int,

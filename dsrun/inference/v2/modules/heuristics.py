@@ -3,14 +3,10 @@ quantized one when the engine config asks for ``wf6af16``; every other layer of 
 embedding, norms, MoE, unembedding, the cuBLAS linear) is a CUDA kernel and is refused here."""
 from __future__ import annotations
 
-from typing import Optional
-
-import torch
-
-from dsrun.config.config_utils import DeepSpeedConfigModel
+from typing import Callable, NoReturn
 
 from ..config_v2 import RaggedInferenceEngineConfig
-from ..kernels import NotOnCPUError
+from ..kernels import cuda_function, not_on_cpu
 from .configs import DSLinearConfig
 from .ds_module import ConfigBundle
 from .interfaces import DSLinearBase, DSLinearRegistry
@@ -20,18 +16,14 @@ def instantiate_linear(config: DSLinearConfig, engine_config: RaggedInferenceEng
     mode = engine_config.quantization.quantization_mode
     if mode == "wf6af16":
         return DSLinearRegistry.instantiate_config(ConfigBundle(name="quantized_wf6af16_linear", config=config))
-    raise NotOnCPUError(f"deepspeed.inference.v2.modules.heuristics.instantiate_linear: quantization_mode={mode!r} "
-                        "takes DeepSpeed's cuBLAS linear, a CUDA kernel dsrun does not provide (not on CPU); "
-                        "quantization_mode='wf6af16' has a torch path")
+    raise not_on_cpu("inference.v2.modules.heuristics.instantiate_linear",
+                     f"quantization_mode={mode!r} takes DeepSpeed's cuBLAS linear, a CUDA kernel ('wf6af16' has a "
+                     "torch path)")
 
 
-def _refused(layer: str):
-    def instantiate(config: DeepSpeedConfigModel,
-                    engine_config: Optional[RaggedInferenceEngineConfig] = None) -> torch.nn.Module:
-        raise NotOnCPUError(f"deepspeed.inference.v2.modules.heuristics.instantiate_{layer}: DeepSpeed's {layer} "
-                            "modules are CUDA kernels, which dsrun does not provide (not on CPU)")
-    instantiate.__name__ = f"instantiate_{layer}"
-    return instantiate
+def _refused(layer: str) -> Callable[..., NoReturn]:
+    return cuda_function(f"inference.v2.modules.heuristics.instantiate_{layer}",
+                         f"DeepSpeed's {layer} modules are CUDA kernels")
 
 
 instantiate_attention = _refused("attention")
