@@ -3,7 +3,7 @@ descriptors. DeepSpeed's state manager, KV cache and ragged batch wrapper keep t
 are not provided (docs/inference.md)."""
 from .blocked_allocator import BlockedAllocator
 from .manager_configs import AllocationMode, DSStateManagerConfig, KVCacheConfig, KVCacheType, MemoryConfig
-from .sequence_descriptor import BaseSequenceDescriptor, DSSequenceDescriptor, PlaceholderSequenceDescriptor
+from .sequence_descriptor import BaseSequenceDescriptor, PlaceholderSequenceDescriptor
 
-__all__ = ["AllocationMode", "BaseSequenceDescriptor", "BlockedAllocator", "DSSequenceDescriptor",
-           "DSStateManagerConfig", "KVCacheConfig", "KVCacheType", "MemoryConfig", "PlaceholderSequenceDescriptor"]
+__all__ = ["AllocationMode", "BaseSequenceDescriptor", "BlockedAllocator", "DSStateManagerConfig", "KVCacheConfig",
+           "KVCacheType", "MemoryConfig", "PlaceholderSequenceDescriptor"]

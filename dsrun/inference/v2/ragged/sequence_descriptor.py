@@ -41,5 +41,3 @@ class PlaceholderSequenceDescriptor(BaseSequenceDescriptor):
     def kv_blocks_ptr(self) -> int:
         return self._kv_blocks_ptr
 
-
-DSSequenceDescriptor = BaseSequenceDescriptor  # the type models annotate with (DeepSpeed's tracked one: GPU-side)
