@@ -7,15 +7,22 @@ strides and storage offset, and its storage carries the record's byte offset in 
 (``untyped_storage()._checkpoint_offset``, which torch sets for exactly this use). :class:`TensorFile` then
 reads any element range of such a tensor with ``os.preadv`` straight into the caller's tensor, so a resharded
 load holds the rank's own share and no copy of the file (the bytes pass through the page cache, not the
-process). A file in torch's legacy format (``checkpoint.checkpoint_serialization: false``) has no record
-offsets and is loaded whole, as before.
+process). A file in torch's legacy format (``checkpoint.checkpoint_serialization: false``) is read the same way:
+its pickled index is unpickled through torch's own allow-list unpickler with every storage left on the meta
+device, and each storage's byte offset is found by walking the data section that follows the index (each storage
+is an 8-byte element count, then its bytes, in the order of the key list pickled after the index), so it has
+record offsets too (:func:`legacy_index`). Only a legacy file that does not have that layout (a big-endian
+machine's, or a pre-1.0 tar archive, which the allow-list loader refuses anyway) is loaded whole, with one
+warning naming it.
 
 Every byte read is counted in :data:`READ_STATS` (the partial-read tests and ``benchmarks/reshard_memory.py``
 bound it).
 """
 from __future__ import annotations
 
+import logging
 import os
+import struct
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +30,9 @@ from typing import Any
 
 import torch
 
-from .safe_load import load_file
+from .safe_load import load_file, safe_globals
+
+log = logging.getLogger("dsrun.checkpoint")
 
 # a cast (a bf16 master read into fp32) goes through a buffer of at most this many bytes
 CAST_BUFFER_BYTES = 64 << 20
@@ -36,7 +45,7 @@ class ReadStats:
     bytes_read: int = 0  # tensor bytes read by offset (partial reads and small tensors read whole)
     range_bytes: int = 0  # of those, the bytes read by element range (:meth:`TensorFile.read`: the state a load cuts)
     files_opened: int = 0
-    whole_files: int = 0  # files loaded whole (legacy format), their bytes counted in bytes_read
+    whole_files: int = 0  # files loaded whole (a legacy file without record offsets), their bytes in bytes_read
 
 
 READ_STATS = ReadStats()
@@ -58,8 +67,14 @@ class TensorFile:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        self.partial = zipfile.is_zipfile(self.path)
-        self.objects: Any = load_file(self.path, map_location="meta" if self.partial else "cpu")
+        self.partial = True
+        if zipfile.is_zipfile(self.path):
+            self.objects: Any = load_file(self.path, map_location="meta")
+        else:
+            self.objects = legacy_index(self.path)
+            if self.objects is _NOT_RANGED:
+                self.partial = False
+                self.objects = load_file(self.path)
         self._fd: int | None = None
         READ_STATS.files_opened += 1
         if not self.partial:
@@ -178,3 +193,77 @@ def read_unread(path: str | os.PathLike[str], obj: object) -> Any:
         return obj
     with TensorFile(path) as file:
         return file.materialise_all(obj, set())
+
+
+# --- torch's legacy (non-zip) format ----------------------------------------------------------------------
+_LEGACY_MAGIC, _LEGACY_PROTOCOL = 0x1950A86A20F9469CFC6C, 1001  # torch.serialization's MAGIC_NUMBER, PROTOCOL_VERSION
+_NOT_RANGED = object()
+_warned: set[str] = set()
+
+
+def _whole(path: Path, why: str) -> object:
+    if str(path) not in _warned:
+        _warned.add(str(path))
+        log.warning("%s: %s; this legacy-format file is read whole", path, why)
+    return _NOT_RANGED
+
+
+def legacy_index(path: Path) -> Any:
+    """What the legacy-format (``_use_new_zipfile_serialization=False``) file ``path`` holds, every tensor on the
+    meta device with its storage's byte offset in the file (``_checkpoint_offset``, as torch sets it for a zip
+    file), read without any tensor's bytes; :data:`_NOT_RANGED` (after one warning naming the file) where the
+    file is not laid out as that format's little-endian writer lays it out.
+
+    The format (``torch.serialization._legacy_save``): four pickles (the magic number, the protocol version, the
+    system info, the object whose storages are persistent ids ``("storage", type, key, location, numel,
+    view)``), the sorted list of storage keys pickled, then every storage in that order as its element count
+    (8 bytes, little-endian) followed by its bytes. Unpickled by torch's own ``weights_only`` unpickler (the
+    allow-list of :func:`.safe_load.load_file`); the walk over the data section reads 8 bytes per storage and
+    checks each count against the index's."""
+    unpickler_module = getattr(torch, "_weights_only_unpickler", None)
+    if unpickler_module is None or not hasattr(unpickler_module, "Unpickler"):
+        return _whole(path, "this torch has no weights-only unpickler to read its index with")
+    storages: dict[str, tuple[torch.UntypedStorage, torch.dtype, int]] = {}  # key -> (meta storage, dtype, numel)
+
+    def persistent_load(saved_id: Any) -> Any:
+        typename, storage_type, key, _location, numel, view = saved_id
+        if torch.serialization._maybe_decode_ascii(typename) != "storage":
+            raise ValueError(f"a persistent id of type {typename!r}")
+        dtype, key = storage_type.dtype, str(torch.serialization._maybe_decode_ascii(key))
+        if key not in storages:
+            storages[key] = (torch.UntypedStorage(numel * torch._utils._element_size(dtype), device="meta"),
+                             dtype, int(numel))
+        if view is not None:  # a view of another storage: only torch before 1.x wrote these
+            raise ValueError("a storage view (written by a torch older than 1.x)")
+        return torch.storage.TypedStorage(wrap_storage=storages[key][0], dtype=dtype, _internal=True)
+
+    try:
+        with open(path, "rb") as handle, torch.serialization.safe_globals(safe_globals()):
+            def unpickle() -> Any:
+                unpickler = unpickler_module.Unpickler(handle, encoding="utf-8")
+                unpickler.persistent_load = persistent_load
+                return unpickler.load()
+
+            if unpickle() != _LEGACY_MAGIC or unpickle() != _LEGACY_PROTOCOL:
+                return _whole(path, "its header is not torch's legacy format's (a pre-1.0 tar archive?)")
+            sys_info = unpickle()
+            if not (isinstance(sys_info, dict) and sys_info.get("little_endian", True)):
+                return _whole(path, "it was written on a big-endian machine (its bytes need swapping)")
+            result = unpickle()
+            keys = [str(torch.serialization._maybe_decode_ascii(k)) for k in unpickle()]
+            position, size = handle.tell(), path.stat().st_size
+            header = bytearray(8)
+            for key in keys:
+                storage, dtype, numel = storages[key]
+                handle.seek(position)
+                if handle.readinto(header) != 8 or struct.unpack("<q", header)[0] != numel:
+                    return _whole(path, f"storage {key}'s element count in the data section is not the index's")
+                storage._checkpoint_offset = position + 8
+                position += 8 + numel * torch._utils._element_size(dtype)
+            if position > size:
+                return _whole(path, f"it is {size} bytes, shorter than its storages ({position} bytes): truncated?")
+    except Exception as exc:  # noqa: BLE001 - anything unexpected: the whole load says what is wrong, or works
+        if "Unsupported global" in str(exc) or "weights_only" in str(exc):
+            load_file(path)  # the allow-list refusal, in load_file's one line
+        return _whole(path, f"its index could not be read by range ({type(exc).__name__}: {exc})")
+    return result

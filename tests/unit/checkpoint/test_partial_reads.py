@@ -100,15 +100,35 @@ def test_partial_reads_load_the_merged_state_reading_the_ranks_share(tmp_path, s
         assert stats.whole_files == 0 and share < total / dst[1] + 1024
 
 
-def test_a_legacy_format_file_is_read_whole_with_the_same_result(tmp_path):
-    """checkpoint.checkpoint_serialization false writes files without record offsets: they load whole."""
+def test_a_legacy_format_file_is_read_by_range_with_the_same_result(tmp_path):
+    """checkpoint.checkpoint_serialization false writes torch's legacy format: its storages' offsets are found by
+    walking its data section (8 bytes per storage), and each rank reads exactly its share, as from a zip file."""
     paths = _saved_ranks(tmp_path, 3, 2, legacy=True)
     merged = reshard.merge_rank_states(rank_optimizer_states(tmp_path, {}, 3, 2, False), 3, SHAPES)
-    stats = tensor_file.reset_read_stats()
-    with partial_state.PartialRankState(paths, 3, SHAPES) as source:
-        got = reshard.state_for_rank(_template(3, 1, 0), source, 3, 1, 0, SHAPES)
-    assert_same(got, reshard.state_for_rank(_template(3, 1, 0), merged, 3, 1, 0, SHAPES))
-    assert stats.whole_files == 2 and stats.bytes_read == sum(p.stat().st_size for p in paths)
+    for rank in range(2):
+        expected = reshard.state_for_rank(_template(3, 2, rank), merged, 3, 2, rank, SHAPES)
+        tensor_file.reset_read_stats()
+        with partial_state.PartialRankState(paths, 3, SHAPES) as source:
+            index = tensor_file.READ_STATS.bytes_read
+            stats = tensor_file.reset_read_stats()
+            got = reshard.state_for_rank(_template(3, 2, rank), source, 3, 2, rank, SHAPES)
+        assert_same(got, expected)
+        assert stats.bytes_read == _share_bytes(3, 2, rank, 4) and index < 100 and stats.whole_files == 0
+
+
+def test_a_legacy_file_that_cannot_be_ranged_is_read_whole_after_one_warning_naming_it(tmp_path, caplog):
+    path = _saved_ranks(tmp_path, 3, 1, legacy=True)[0]
+    data = bytearray(path.read_bytes())
+    index = tensor_file.legacy_index(path)
+    first = min(t.untyped_storage()._checkpoint_offset for t in tensor_file.tensors_in(index))
+    data[first - 8:first] = (12345).to_bytes(8, "little")  # the first storage's element count, not the index's
+    path.write_bytes(bytes(data))
+    with pytest.raises(Exception, match="zero_pp_rank_0"):  # the whole load's own error, naming the file
+        tensor_file.TensorFile(path)
+    with pytest.raises(Exception, match="zero_pp_rank_0"):
+        tensor_file.TensorFile(path)
+    warned = [r.getMessage() for r in caplog.records if "read whole" in r.getMessage()]
+    assert len(warned) == 1 and str(path) in warned[0] and "element count" in warned[0]
 
 
 def test_a_truncated_file_is_an_error_naming_it(tmp_path):
