@@ -131,6 +131,42 @@ def test_a_legacy_file_that_cannot_be_ranged_is_read_whole_after_one_warning_nam
     assert len(warned) == 1 and str(path) in warned[0] and "element count" in warned[0]
 
 
+def test_a_zip64_file_with_a_record_past_4_gib_is_read_by_range(tmp_path):
+    """Records over 4 GiB and offsets past 4 GiB (zip64: the sizes and offsets in extra fields) are read at the
+    right bytes. The file is sparse (torch.save under skip_data seeks over the data: ~10 KB on disk) and the
+    tensor it saves is a sparse file mapped, not memory; the values are then written into the holes."""
+    import os
+    import zipfile
+    numel = (4 << 30) // 4 + 1024  # one fp32 record of 4 GiB + 4 KiB
+    backing = tmp_path / "sparse.bin"
+    with open(backing, "wb") as handle:
+        handle.truncate(numel * 4)
+    big = torch.from_file(str(backing), shared=True, size=numel, dtype=torch.float32)
+    path = tmp_path / "zip64.pt"
+    with torch.serialization.skip_data():
+        torch.save({"big": big, "small": torch.zeros(8)}, path)
+    del big
+    backing.unlink()
+    records = {info.filename.split("/", 1)[1]: info for info in zipfile.ZipFile(path).infolist()}
+    assert records["data/0"].file_size > 1 << 32 and records["data/1"].header_offset > 1 << 32  # zip64 both ways
+    with tensor_file.TensorFile(path) as file:
+        big_meta, small_meta = file.objects["big"], file.objects["small"]
+        past = 2**30 + 5  # element 2^30 + 5 of the big record: byte 4 GiB + 20 into it
+        values, tail = torch.arange(16, dtype=torch.float32) + 0.5, torch.arange(8, dtype=torch.float32) - 3.25
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, values.numpy().tobytes(), big_meta.untyped_storage()._checkpoint_offset + past * 4)
+            os.pwrite(fd, tail.numpy().tobytes(), small_meta.untyped_storage()._checkpoint_offset)
+        finally:
+            os.close(fd)
+        stats = tensor_file.reset_read_stats()
+        out = torch.full((20,), float("nan"))
+        file.read(big_meta, past - 2, out)
+        assert torch.equal(out, torch.cat([torch.zeros(2), values, torch.zeros(2)]))
+        assert torch.equal(file.materialise(small_meta), tail)
+        assert stats.bytes_read == (20 + 8) * 4  # those bytes only, not the 4 GiB record
+
+
 def test_a_truncated_file_is_an_error_naming_it(tmp_path):
     path = _saved_ranks(tmp_path, 3, 1)[0]
     with partial_state.PartialRankState([path], 3, SHAPES) as source:
