@@ -487,13 +487,14 @@ def _load_cut(strategy: CheckpointStrategy, full: reshard.StateSource, stage: in
 
 
 def _restore_rank_states(strategy: CheckpointStrategy, tag_dir: Path, saved_world: int, dp_rank: int, same_layout: bool) -> None:
-    """The per-rank optimizer state (``optimizer_rank_states_<r>.pt``): this rank's own file when the layout is
-    the same, every saved rank's otherwise (the optimizer re-cuts them); none saved: an empty list."""
+    """The per-rank optimizer state: this rank's file at the same layout, else every saved rank's, read by range."""
     files = [tag_dir / layout.rank_states_name(r) for r in range(saved_world)]
-    if not all(f.is_file() for f in files):
-        strategy.load_rank_state_dicts([])
+    saved_all = all(f.is_file() for f in files)
+    if same_layout or not saved_all:
+        strategy.load_rank_state_dicts([load_file(files[dp_rank])] if saved_all else [])
         return
-    strategy.load_rank_state_dicts([load_file(files[dp_rank])] if same_layout else [load_file(f) for f in files])
+    with partial_state.PartialRankStates(files) as saved:
+        strategy.load_rank_state_dicts(saved.states, saved.read)
 
 
 def find_tag_dir(engine: CheckpointEngine, load_dir: str, tag: Tag) -> Path | None:

@@ -10,6 +10,7 @@ from torch import nn
 
 from dsrun.comm.comm import ProcessGroup
 from dsrun.features import Features
+from dsrun.optim.rank_state import RangeRead
 
 from .layout import CheckpointLayout
 
@@ -48,7 +49,7 @@ class CheckpointStrategy(Protocol):
 
     def rank_state_dict(self) -> dict[str, Any] | None: ...
 
-    def load_rank_state_dicts(self, states: list[dict[str, Any]]) -> None: ...
+    def load_rank_state_dicts(self, states: list[dict[str, Any]], read: RangeRead = ...) -> None: ...
 
 
 class CheckpointEngine(Protocol):

@@ -16,6 +16,8 @@ A resharded load used to merge every saved rank's optimizer file into the whole 
 * :func:`saved_state`: the source a resharded load (or ``ds_to_universal``) reads a checkpoint's saved state from.
 * :class:`PartialUniversalState`: a universal folder's per-parameter files; each rank reads the range of each
   ``fp32.pt``/``exp_avg.pt``... that falls in its partition.
+* :class:`PartialRankStates`: the saved ranks' per-rank optimizer files (1-bit error buffers), each tensor's
+  ranges read by the optimizer that re-cuts them (:mod:`dsrun.optim.rank_state`).
 * :func:`model_states_without_parameters`: a model states file with the module's parameters left unread, for a
   layout whose parameters come through the masters (ZeRO-3), which reads only the buffers of a full module
   (a universal folder's, or a stage 0-2 save's); and a stage-0 save's optimizer state (kept in that file) left
@@ -308,6 +310,40 @@ class PartialUniversalState(_Closes):
     def copy_range(self, name: str, key: str | None, full_offset: int, out: torch.Tensor) -> None:
         file, tensor = self._tensor(name, FP32 if key is None else key)
         file.read(tensor, full_offset, out)
+
+
+class PartialRankStates(_Closes):
+    """Every saved rank's per-rank optimizer file (``optimizer_rank_states_<r>.pt``: the 1-bit error buffers,
+    0/1 Adam's local weights, Muon's momentum) for a load at another layout: ``states`` holds what each file
+    holds with every tensor of more than one element left unread, and :meth:`read` (a
+    :data:`dsrun.optim.rank_state.RangeRead`) reads any element range of one of them, so the optimizer's re-cut
+    reads only the elements it keeps. Use as a context manager."""
+
+    def __init__(self, paths: list[Path]) -> None:
+        self.files: list[TensorFile] = []
+        self._file_of: dict[int, TensorFile] = {}  # id of an unread tensor -> its file
+        try:
+            for path in paths:
+                file = TensorFile(path)
+                self.files.append(file)
+                bulk = {id(t) for t in tensors_in(file.objects) if t.numel() > 1} if file.partial else set()
+                file.materialise_all(file.objects, bulk)
+                self._file_of.update({id(t): file for t in tensors_in(file.objects) if id(t) in bulk})
+        except BaseException:
+            self.close()
+            raise
+        self.states: list[dict[str, Any]] = [file.objects for file in self.files]
+
+    def close(self) -> None:
+        for file in self.files:
+            file.close()
+
+    def read(self, tensor: torch.Tensor, start: int, out: torch.Tensor) -> None:
+        file = self._file_of.get(id(tensor))
+        if file is None:  # read at opening (a scalar) or already in memory
+            out.copy_(tensor.reshape(-1)[start:start + out.numel()])
+        else:
+            file.read(tensor, start, out)
 
 
 def model_states_without_parameters(path: Path, parameter_names: set[str]) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from dsrun import comm
 from dsrun.comm.groups import expert_parallel_size_of
 from dsrun.utils.errors import ConfigError, Problem
 from dsrun.checkpoint.layout import CheckpointLayout, layout_for_stage
+from dsrun.optim.rank_state import RangeRead, read_in_memory
 from dsrun.offload.flat_store import DeviceFlatStore
 from dsrun.offload.pipeline import PipelineTimes
 from dsrun.precision.strategy import PrecisionStrategy
@@ -333,12 +334,11 @@ class ZeroStrategy(ABC):
         own = getattr(self.optimizer, "rank_state_dict", None)
         return own() if own is not None else None
 
-    def load_rank_state_dicts(self, states: list[dict[str, Any]]) -> None:
-        """Restore :meth:`rank_state_dict` from this rank's saved one (same world size and layout) or from every
-        saved rank's (the optimizer re-cuts them); after the optimizer state itself was loaded."""
+    def load_rank_state_dicts(self, states: list[dict[str, Any]], read: RangeRead = read_in_memory) -> None:
+        """Restore :meth:`rank_state_dict`: this rank's own, or every saved rank's re-cut (ranges via ``read``)."""
         load = getattr(self.optimizer, "load_rank_state_dicts", None)
         if load is not None:
-            load(states)
+            load(states, read)
 
     # --- checkpoints: what this strategy saves and in which files -------------------------------------
     @property
@@ -582,8 +582,8 @@ class FlatStrategy(ZeroStrategy):
         sd.update(self.precision.state_dict(), **extra)
         return sd
 
-    def load_rank_state_dicts(self, states: list[dict[str, Any]]) -> None:
-        super().load_rank_state_dicts(states)
+    def load_rank_state_dicts(self, states: list[dict[str, Any]], read: RangeRead = read_in_memory) -> None:
+        super().load_rank_state_dicts(states, read)
         self._publish()  # the rank state may hold this rank's own weights (0/1 Adam between synchronisations)
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:

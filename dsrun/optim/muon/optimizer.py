@@ -13,6 +13,8 @@ from typing import Any, Callable
 
 import torch
 
+from dsrun.optim.rank_state import RangeRead, read_in_memory
+
 from .newton_schulz import (NS_METHODS, adam_update, muon_update, zeropower_via_gram_newtonschulz,
                             zeropower_via_newtonschulz5)
 
@@ -91,9 +93,9 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
     def rank_state_dict(self) -> dict[str, Any] | None:
         return self.binding.rank_state_dict() if self.binding is not None else None
 
-    def load_rank_state_dicts(self, states: list[dict[str, Any]]) -> None:
+    def load_rank_state_dicts(self, states: list[dict[str, Any]], read: RangeRead = read_in_memory) -> None:
         if self.binding is not None:
-            self.binding.load_rank_state_dicts(states)
+            self.binding.load_rank_state_dicts(states, read)
 
 
 SingleDeviceMuonWithAuxAdam = MuonWithAuxAdam  # DeepSpeed's non-distributed name: the same class, unbound

@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator, Protocol
 import torch
 
 from dsrun import comm
+from dsrun.optim.rank_state import RangeRead, read_in_memory, read_whole
 from dsrun.utils.errors import ConfigError, Problem
 
 from .newton_schulz import muon_update
@@ -186,14 +187,14 @@ class ZeroMuon:
     def rank_state_dict(self) -> dict[str, Any]:
         return {"muon_momentum": {name: t.detach().cpu().clone() for name, t in self.momentum.items()}}
 
-    def load_rank_state_dicts(self, states: list[dict[str, Any]]) -> None:
+    def load_rank_state_dicts(self, states: list[dict[str, Any]], read: RangeRead = read_in_memory) -> None:
         """This rank's own saved state, or every saved rank's (a different world size): the momentum of the
-        matrices this rank now owns, by name."""
+        matrices this rank now owns, by name (only those read, through ``read``)."""
         saved: dict[str, torch.Tensor] = {}
         for state in states:
             saved.update(state.get("muon_momentum", {}))
         device = self.strategy.ctx.device
-        self.momentum = {m.name: saved[m.name].to(device=device, dtype=torch.float32).clone()
+        self.momentum = {m.name: read_whole(read, saved[m.name]).to(device=device, dtype=torch.float32)
                          for m in self.matrix_list() if m.owned() and m.name in saved}
 
     def close(self) -> None:

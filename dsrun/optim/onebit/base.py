@@ -35,8 +35,8 @@ import torch
 
 from dsrun import comm
 from dsrun.comm.comm import ProcessGroup
-from dsrun.comm.compressed import (CompressedBackend, CompressedLayout, CompressedResult, check_backend_name,
-                                   merge_server_errors, split_server_error)
+from dsrun.optim.rank_state import RangeRead, mean_into, read_in_memory, read_whole
+from dsrun.comm.compressed import CompressedBackend, CompressedLayout, CompressedResult, check_backend_name
 from dsrun.utils.errors import ConfigError, Problem, show
 from dsrun.utils.zero_to_fp32 import Slot, master_slots
 
@@ -342,9 +342,11 @@ class OneBitOptimizer(torch.optim.Optimizer):
                 "worker_errors": [None if e is None else e.detach().cpu().clone() for e in self.worker_errors],
                 "server_errors": [None if e is None else e.detach().cpu().clone() for e in self.server_errors]}
 
-    def load_rank_state_dicts(self, states: list[dict[str, Any]]) -> None:
+    def load_rank_state_dicts(self, states: list[dict[str, Any]], read: RangeRead = read_in_memory) -> None:
         """Restore :meth:`rank_state_dict`: ``states`` is this rank's own (same world size and layout) or every
-        saved rank's in rank order (re-cut as the module docstring says). Empty: errors start at zero."""
+        saved rank's in rank order (re-cut as the module docstring says), their tensors read through ``read``
+        (:mod:`dsrun.optim.rank_state`: a re-cut reads only the elements this rank keeps). Empty: errors start
+        at zero."""
         self.worker_errors = [None] * len(self.layouts)
         self.server_errors = [None] * len(self.layouts)
         states = [s for s in states if s.get("optimizer") == type(self).__name__]
@@ -353,19 +355,18 @@ class OneBitOptimizer(torch.optim.Optimizer):
             for gi in range(len(self.layouts)):
                 device = self.param_groups[gi]["params"][0].device
                 if states[0]["worker_errors"][gi] is not None:
-                    self.worker_errors[gi] = states[0]["worker_errors"][gi].to(device)
-                    self.server_errors[gi] = states[0]["server_errors"][gi].to(device)
+                    self.worker_errors[gi] = read_whole(read, states[0]["worker_errors"][gi]).to(device)
+                    self.server_errors[gi] = read_whole(read, states[0]["server_errors"][gi]).to(device)
         elif states and len(states) == states[0]["world_size"]:
-            worker, server = merged_errors(states)
+            places = saved_places(states)
+            rank = self.strategy.rank if self.strategy is not None else 0
             for gi, layout in enumerate(self.layouts):
-                if not worker:
+                if not places:
                     break
                 device = self.param_groups[gi]["params"][0].device
-                self.worker_errors[gi] = named_to_flat(worker, layout.shapes, layout.compressed.numel).to(device)
-                full = named_to_flat(server, layout.shapes, layout.compressed.numel)
-                rank = self.strategy.rank if self.strategy is not None else 0
-                self.server_errors[gi] = split_server_error(full, layout.compressed, rank).to(device)
-        self.load_rank_extras(states, exact)
+                worker, server = recut_errors(states, places, layout.shapes, layout.compressed, rank, read)
+                self.worker_errors[gi], self.server_errors[gi] = worker.to(device), server.to(device)
+        self.load_rank_extras(states, exact, read)
 
     def exact_match(self, states: list[dict[str, Any]]) -> bool:
         """Whether ``states`` is this rank's own, saved with this world size and master layout."""
@@ -375,50 +376,65 @@ class OneBitOptimizer(torch.optim.Optimizer):
                 and [list(s.items()) for s in own["param_shapes"]] == [list(l.shapes.items()) for l in self.layouts]
                 and own["chunks"] == [l.compressed.chunk for l in self.layouts])
 
-    def load_rank_extras(self, states: list[dict[str, Any]], exact: bool) -> None:
-        """Subclasses restore their own rank state here."""
+    def load_rank_extras(self, states: list[dict[str, Any]], exact: bool, read: RangeRead) -> None:
+        """Subclasses restore their own rank state here (tensors through ``read``)."""
 
 
 def shape_numel(shape: Any) -> int:
     return math.prod(int(d) for d in shape)
 
 
-def merged_errors(states: list[dict[str, Any]]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Every saved rank's errors (rank order) by parameter name: the worker errors' mean over ranks, and the
-    servers' errors laid end to end."""
-    worker: dict[str, list[torch.Tensor]] = {}
-    server: dict[str, torch.Tensor] = {}
+def saved_places(states: list[dict[str, Any]]) -> dict[str, tuple[int, int, int]]:
+    """Where each parameter's errors are in the saved ranks' flat groups: ``{name: (group, offset, numel)}``,
+    for the groups every saved rank has errors of (parameters end to end, as stages 0-1 lay them out)."""
+    places = {}
     for k, shapes in enumerate(states[0]["param_shapes"]):
         if any(s["worker_errors"][k] is None for s in states):
             continue
-        for state in states:
-            for name, piece in flat_to_named(state["worker_errors"][k], shapes).items():
-                worker.setdefault(name, []).append(piece)
-        numel = sum(shape_numel(shape) for shape in shapes.values())
-        server.update(flat_to_named(merge_server_errors([s["server_errors"][k] for s in states], numel), shapes))
-    return {name: torch.stack(pieces).mean(dim=0) for name, pieces in worker.items()}, server
+        offset = 0
+        for name, shape in shapes.items():
+            places[name] = (k, offset, shape_numel(shape))
+            offset += shape_numel(shape)
+    return places
 
 
-def flat_to_named(flat: torch.Tensor, shapes: "OrderedDict[str, Any]") -> dict[str, torch.Tensor]:
-    """A flat group's values (parameters end to end, as stages 0-1 lay them out) by parameter name."""
-    out, offset = {}, 0
-    flat = flat.reshape(-1).float().cpu()
+def recut_errors(states: list[dict[str, Any]], places: dict[str, tuple[int, int, int]],
+                 shapes: "OrderedDict[str, Any]", compressed: CompressedLayout, rank: int, read: RangeRead
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's worker and server errors (fp32, CPU) for a live master of ``shapes`` cut by ``compressed``,
+    from every saved rank's ``states`` (in rank order), matched by parameter name: the worker error the saved
+    ranks' mean, the server error this rank's chunk of the saved servers' errors laid end to end. Only those
+    elements are read (``read``); a name the saved groups lack, or whose saved elements fall outside a saved
+    buffer, is zeros."""
+    worker, server = torch.zeros(compressed.numel), torch.zeros(compressed.chunk)
+    low = rank * compressed.chunk
+    high = low + compressed.valid(rank)
+    offset = 0
     for name, shape in shapes.items():
         n = shape_numel(shape)
-        out[name] = flat[offset:offset + n].clone() if offset + n <= flat.numel() else torch.zeros(n)
+        if name in places and offset + n <= compressed.numel:
+            k, saved_offset, saved_n = places[name]
+            count = min(n, saved_n)
+            rows = [s["worker_errors"][k] for s in states]
+            mean_into(worker[offset:offset + count],
+                      [(t, saved_offset) if saved_offset + saved_n <= t.numel() else None for t in rows], read)
+            pieces = [s["server_errors"][k] for s in states]
+            laid = min(sum(t.numel() for t in pieces), sum(shape_numel(v) for v in states[0]["param_shapes"][k].values()))
+            lo, hi = max(offset, low), min(offset + count, high)
+            if lo < hi and saved_offset + saved_n <= laid:
+                _read_laid(pieces, saved_offset + lo - offset, server[lo - low:hi - low], read)
         offset += n
-    return out
+    return worker, server
 
 
-def named_to_flat(named: dict[str, torch.Tensor] | None, shapes: "OrderedDict[str, Any]", numel: int) -> torch.Tensor:
-    """The inverse of :func:`flat_to_named` (names it lacks are zeros), ``numel`` elements long."""
-    out, offset = torch.zeros(numel), 0
-    for name, shape in shapes.items():
-        n = shape_numel(shape)
-        if named is not None and name in named and offset + n <= numel:
-            out[offset:offset + n] = named[name].reshape(-1)[:n]
-        offset += n
-    return out
+def _read_laid(pieces: list[torch.Tensor], start: int, out: torch.Tensor, read: RangeRead) -> None:
+    """Elements ``[start, start + out.numel())`` of ``pieces`` laid end to end, into ``out``."""
+    first = 0
+    for piece in pieces:
+        lo, hi = max(start, first), min(start + out.numel(), first + piece.numel())
+        if lo < hi:
+            read(piece, lo - first, out[lo - start:hi - start])
+        first += piece.numel()
 
 
 def bias_corrections(bias_correction: bool, beta1: float, beta2: float, step: int, variance_updates: int

@@ -34,6 +34,7 @@ from dsrun.utils.errors import ConfigError
 
 from dsrun.optim.onebit.base import (PARAMS, OneBitOptimizer, adam_denominator, bias_corrections, check_common, check_step_count,
                    require, shape_numel)
+from dsrun.optim.rank_state import RangeRead
 
 
 class _Segment(NamedTuple):
@@ -269,7 +270,7 @@ class OnebitLamb(OneBitOptimizer):
         out["lamb_scaling_frozen"] = self.scaling_frozen
         return out
 
-    def load_rank_extras(self, states: list[dict[str, Any]], exact: bool) -> None:
+    def load_rank_extras(self, states: list[dict[str, Any]], exact: bool, read: RangeRead) -> None:
         """The coefficients are the same on every rank: the first saved rank's (none saved: they restart, as
         DeepSpeed restarts them on every load)."""
         self.coeffs = {name: dict(values) for name, values in (states[0].get("lamb", {}) if states else {}).items()}

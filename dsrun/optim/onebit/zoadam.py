@@ -43,6 +43,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from dsrun.optim.onebit.base import OneBitOptimizer, adam_denominator, bias_corrections, check_common, check_step_count
+from dsrun.optim.rank_state import RangeRead, mean_into
 
 
 class ZeroOneAdam(OneBitOptimizer):
@@ -176,7 +177,7 @@ class ZeroOneAdam(OneBitOptimizer):
         out["local"] = local
         return out
 
-    def load_rank_extras(self, states: list[dict[str, Any]], exact: bool) -> None:
+    def load_rank_extras(self, states: list[dict[str, Any]], exact: bool, read: RangeRead) -> None:
         if not states:
             return
         for gi, group in enumerate(self.param_groups):
@@ -184,6 +185,6 @@ class ZeroOneAdam(OneBitOptimizer):
             saved = [s["local"][gi] for s in states if gi < len(s.get("local", [])) and s["local"][gi] is not None]
             if not saved or saved[0]["param"].numel() != p.numel() or "synced_param" not in self.state.get(p, {}):
                 continue
-            # same world: this rank's own; another world size: the saved ranks' mean
-            p.data.copy_(torch.stack([s["param"] for s in saved]).mean(0).view_as(p))
-            self.state[p]["exp_avg"].copy_(torch.stack([s["exp_avg"] for s in saved]).mean(0).view_as(p))
+            # same world: this rank's own; another world size: the saved ranks' mean (read a chunk at a time)
+            mean_into(p.data.view(-1), [(s["param"], 0) for s in saved], read)
+            mean_into(self.state[p]["exp_avg"].view(-1), [(s["exp_avg"], 0) for s in saved], read)

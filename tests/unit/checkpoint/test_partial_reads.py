@@ -432,3 +432,45 @@ def test_deepspeeds_own_stage0_layout_reshards_with_its_optimizer_state_read_by_
     assert live["optimizer_state_dict"]["state"]  # the saved optimizer state, not a weights-only load
     elements = sum(s.length for group in master_slots(3, 1, 0, shapes)[0] for s in group)
     assert stats.range_bytes == elements * 12  # fp32 master + Adam's two moments, each element once
+
+
+# --- the 1-bit optimizers' per-rank error buffers, re-cut for another world size ---------------------------
+def test_onebit_error_buffers_are_recut_reading_only_what_the_rank_keeps(tmp_path, monkeypatch):
+    """3 saved ranks -> 2: each new rank's worker error is the saved ranks' mean by name (every saved worker
+    element is needed: read once each, a few elements at a time), its server error its own chunk of the saved
+    servers' errors laid end to end (only that chunk read); bit for bit the whole-read arithmetic."""
+    from dsrun.comm.compressed import CompressedLayout, merge_server_errors, split_server_error
+    from dsrun.optim import rank_state
+    from dsrun.optim.onebit.base import recut_errors, saved_places
+    monkeypatch.setattr(rank_state, "MEAN_CHUNK_ELEMENTS", 37)  # several chunks per parameter
+    saved_shapes = OrderedDict([("a", torch.Size([30, 5])), ("b", torch.Size([70])), ("c", torch.Size([9, 11]))])
+    numel = sum(math.prod(s) for s in saved_shapes.values())
+    saved_layout, gen = CompressedLayout.of(numel, 3), torch.Generator().manual_seed(3)
+    paths = []
+    for rank in range(3):
+        path = tmp_path / f"optimizer_rank_states_{rank}.pt"
+        torch.save({"optimizer": "OneBitAdam", "world_size": 3, "rank": rank, "param_shapes": [saved_shapes],
+                    "chunks": [saved_layout.chunk], "worker_errors": [torch.randn(numel, generator=gen)],
+                    "server_errors": [torch.randn(saved_layout.chunk, generator=gen)]}, path)
+        paths.append(path)
+    whole = [torch.load(p, weights_only=True) for p in paths]
+    live_shapes = OrderedDict((name, saved_shapes[name]) for name in ("c", "a", "b"))  # another order
+    live = CompressedLayout.of(numel, 2)
+    # the whole-read arithmetic: every rank's buffers in memory, by name, stacked
+    offsets = dict(zip(saved_shapes, [0, 150, 220]))
+    full_server = merge_server_errors([s["server_errors"][0] for s in whole], numel)
+    worker, server_flat, at = torch.zeros(live.numel), torch.zeros(live.numel), 0
+    for name, shape in live_shapes.items():
+        n, so = math.prod(shape), offsets[name]
+        worker[at:at + n] = torch.stack([s["worker_errors"][0][so:so + n].clone() for s in whole]).mean(dim=0)
+        server_flat[at:at + n] = full_server[so:so + n]
+        at += n
+    for rank in range(2):
+        stats = tensor_file.reset_read_stats()
+        with partial_state.PartialRankStates(paths) as saved:
+            opened = stats.bytes_read
+            got_worker, got_server = recut_errors(saved.states, saved_places(saved.states), live_shapes, live,
+                                                  rank, saved.read)
+        assert torch.equal(got_worker, worker)
+        assert torch.equal(got_server, split_server_error(server_flat, live, rank))
+        assert opened == 0 and stats.bytes_read == (3 * numel + live.valid(rank)) * 4  # each needed element once
