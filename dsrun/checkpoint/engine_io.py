@@ -43,6 +43,7 @@ from .engine_view import CheckpointEngine, CheckpointStrategy
 
 Tag = str | int | None  # a checkpoint tag as DeepSpeed takes it (str() of it names the folder; None: the default)
 from .safe_load import load_file
+from .tensor_file import has_unread, read_unread
 from .saved_tag import optim_files, saved_stage, saved_world, stage0_state
 
 log = logging.getLogger("dsrun.checkpoint")
@@ -373,7 +374,7 @@ def _refuse_reshard(strategy: CheckpointStrategy, tag_dir: Path, saved: str) -> 
 
 
 def _load_module(engine: CheckpointEngine, module_sd: dict[str, Any], strict: bool, tag_dir: Path,
-                 custom_load_fn: Callable[..., object] | None = None) -> None:
+                 custom_load_fn: Callable[..., object] | None = None, model_path: Path | None = None) -> None:
     if custom_load_fn is not None:
         # the client's loader gets full values: a stage-3 checkpoint's placeholders are its fp32 masters
         empty = [n for n, v in module_sd.items() if torch.is_tensor(v) and v.numel() == 0]
@@ -390,6 +391,8 @@ def _load_module(engine: CheckpointEngine, module_sd: dict[str, Any], strict: bo
                 if name in module_sd:
                     buf.copy_(module_sd[name])
         return
+    if model_path is not None and has_unread(module_sd):  # each tensor into its live tensor, no second copy
+        module_sd = partial_state.read_module_into(engine.module, module_sd, model_path)
     live = engine.module.state_dict()
     params_missing = [n for n, v in module_sd.items() if v.numel() == 0 and n in live and live[n].numel() > 0]
     if params_missing:  # a stage-3 checkpoint: placeholders only; the weights come with the master weights
@@ -454,7 +457,7 @@ def _restore_strategy(engine: CheckpointEngine, tag_dir: Path, model_states: dic
             optim_files(tag_dir, world_saved, bf16, only=dp_rank if own_only else None,
                         mp_rank=engine.groups.coord("model"))[0 if own_only else dp_rank]))
         strategy.load_state_dict(own)
-        _restore_rank_states(strategy, tag_dir, world_saved, dp_rank, same_layout=True)
+        partial_state.restore_rank_states(strategy, tag_dir, world_saved, dp_rank, same_layout=True)
         return
     if load_optimizer_states and saved_shapes is not None:
         _say(engine, f"resharding checkpoint {tag_dir.name}: saved by {world_saved} rank(s) at ZeRO stage "
@@ -483,18 +486,7 @@ def _load_cut(strategy: CheckpointStrategy, full: reshard.StateSource, stage: in
         strategy.load_state_dict(reshard.state_for_rank(template, full, stage, world, dp_rank, shapes,
                                                         load_optimizer_states=load_optimizer_states))
     if load_optimizer_states:
-        _restore_rank_states(strategy, tag_dir, world_saved, dp_rank, same_layout=False)
-
-
-def _restore_rank_states(strategy: CheckpointStrategy, tag_dir: Path, saved_world: int, dp_rank: int, same_layout: bool) -> None:
-    """The per-rank optimizer state: this rank's file at the same layout, else every saved rank's, read by range."""
-    files = [tag_dir / layout.rank_states_name(r) for r in range(saved_world)]
-    saved_all = all(f.is_file() for f in files)
-    if same_layout or not saved_all:
-        strategy.load_rank_state_dicts([load_file(files[dp_rank])] if saved_all else [])
-        return
-    with partial_state.PartialRankStates(files) as saved:
-        strategy.load_rank_state_dicts(saved.states, saved.read)
+        partial_state.restore_rank_states(strategy, tag_dir, world_saved, dp_rank, same_layout=False)
 
 
 def find_tag_dir(engine: CheckpointEngine, load_dir: str, tag: Tag) -> Path | None:
@@ -543,14 +535,18 @@ def load_checkpoint(engine: CheckpointEngine, load_dir: str, tag: Tag = None, lo
     if custom_load_fn is None and engine.strategy is not None and _layout(engine).module_holds_placeholders \
             and not engine.features.parameter_files():  # the parameters come through the masters: leave them unread
         unread = {name for name, _ in engine.module.named_parameters(remove_duplicate=False)}
-    model_states = partial_state.model_states_without_parameters(model_path, unread)
+    # stages 0-2: the module's tensors are read straight into the live module's (_load_module), not copied twice
+    module_unread = not unread and custom_load_fn is None and partial_state.reads_into(engine.module)
+    model_states = partial_state.model_states_without_parameters(model_path, unread, module_unread)
+    if module_unread and tp.saved_degree(model_states) != engine.groups.size("model"):  # merged and cut again
+        model_states["module"] = read_unread(model_path, model_states["module"])
     # AutoTP saved at another degree: the module merged and cut for this rank; the masters follow it (other_degree)
     module_sd, other_degree = tp.module_for_live_degree(tag_dir, model_states, tp.splits_of(
         engine.features.checkpoint_entries()), engine.groups.coord("model"), engine.groups.size("model"),
         with_optimizer=load_optimizer_states and not load_module_only)
     if engine.features.parameter_files():  # parameters in files of their own (MoE: this rank's experts, by id)
         module_sd = experts.module_state(engine, tag_dir, module_sd)
-    _load_module(engine, module_sd, load_module_strict, tag_dir, custom_load_fn)
+    _load_module(engine, module_sd, load_module_strict, tag_dir, custom_load_fn, model_path)
     if _layout(engine).module_holds_placeholders and saved_world(model_states) == engine.dp_world_size:
         engine.restore_frozen_shards(model_states)  # frozen shards: not in the masters, restored from this file
     if engine.strategy is not None:

@@ -32,13 +32,15 @@ from pathlib import Path
 from typing import Any, Self
 
 import torch
+from torch import nn
 
 from dsrun.utils.zero_to_fp32 import Slot
 
 from . import deepspeed_format, layout, reshard
+from .engine_view import CheckpointStrategy
 from .tensor_file import TensorFile, has_unread, read_unread, tensors_in
 from .universal_checkpoint import FP32, OPTIMIZER_STATE, PARAM, STEP, UNIVERSAL_DIR
-from .safe_load import load_file
+from .safe_load import check_records, load_file
 from .saved_tag import optim_files, refuse_mics
 
 
@@ -346,20 +348,74 @@ class PartialRankStates(_Closes):
             file.read(tensor, start, out)
 
 
-def model_states_without_parameters(path: Path, parameter_names: set[str]) -> dict[str, Any]:
+def restore_rank_states(strategy: CheckpointStrategy, tag_dir: Path, saved_world: int, dp_rank: int,
+                        same_layout: bool) -> None:
+    """The per-rank optimizer state (``optimizer_rank_states_<r>.pt``): this rank's own file when the layout is
+    the same, every saved rank's otherwise (:class:`PartialRankStates`: the optimizer re-cuts them, reading the
+    ranges it keeps); none saved: an empty list."""
+    files = [tag_dir / layout.rank_states_name(r) for r in range(saved_world)]
+    if not all(f.is_file() for f in files):
+        strategy.load_rank_state_dicts([])
+    elif same_layout:
+        strategy.load_rank_state_dicts([load_file(files[dp_rank])])
+    else:
+        with PartialRankStates(files) as saved:
+            strategy.load_rank_state_dicts(saved.states, saved.read)
+
+
+def model_states_without_parameters(path: Path, parameter_names: set[str], module_unread: bool = False
+                                    ) -> dict[str, Any]:
     """The model states file ``path`` with every tensor read but the module's entries named in
-    ``parameter_names``, which stay on the meta device (never read), and, in a stage-0 save (whose optimizer
-    state is in this file), the optimizer's masters and per-element states: a resharded load reads them by range
+    ``parameter_names`` (all of them with ``module_unread``), which stay on the meta device (never read here;
+    :func:`read_module_into` reads them into the live module), and, in a stage-0 save (whose optimizer state is
+    in this file), the optimizer's masters and per-element states: a resharded load reads them by range
     (:class:`PartialRankState` with :data:`STAGE0_KEY`), a load at the saved layout whole
     (:func:`read_stage0_state`). Any other file with no names to leave is read whole (:func:`.safe_load.load_file`)."""
     with TensorFile(path) as file:
         objects = file.objects
         module = objects.get("module") or {}
-        keep = {id(v) for k, v in module.items() if k in parameter_names and torch.is_tensor(v)}
+        keep = {id(v) for k, v in module.items() if (module_unread or k in parameter_names) and torch.is_tensor(v)}
         keep |= _stage0_bulk(objects) if file.partial else set()
         if not keep:
             return load_file(path) if file.partial else objects  # tensors sharing storage stay shared
         return file.materialise_all(objects, keep)
+
+
+def reads_into(module: nn.Module) -> bool:
+    """Whether :func:`read_module_into` can read a saved module straight into ``module``: no submodule changes
+    what ``load_state_dict`` does with its entries (a pre-hook or its own ``_load_from_state_dict``)."""
+    return all(not m._load_state_dict_pre_hooks and type(m)._load_from_state_dict is nn.Module._load_from_state_dict
+               for m in module.modules())
+
+
+def read_module_into(module: nn.Module, module_sd: dict[str, Any], path: Path) -> dict[str, Any]:
+    """``module_sd`` (the module of the model states file ``path``, its tensors left unread by
+    :func:`model_states_without_parameters`) for ``module.load_state_dict``: each entry whose live tensor has its
+    shape is read straight into that tensor (cast as ``copy_`` casts; a tensor on another device through one
+    tensor-sized buffer) and becomes the live tensor itself, so ``load_state_dict``'s copy is a no-op and its
+    checks run as before; any other entry is read whole. The load holds no second copy of the module. The
+    file's CRC32s are checked first, as a whole load checks them (read through the page cache, bounded)."""
+    check_records(path)
+    live = module.state_dict(keep_vars=True)
+    out, done = dict(module_sd), set()
+    with TensorFile(path) as file:
+        for name, saved in module_sd.items():
+            if not torch.is_tensor(saved) or saved.device.type != "meta":
+                continue
+            target = live.get(name)
+            if target is None or target.shape != saved.shape:
+                out[name] = file.materialise(saved)  # load_state_dict says what is wrong with it
+                continue
+            where = (target.data_ptr(), _record(saved), saved.storage_offset(), saved.stride())
+            if where not in done:  # a tied weight saved under two names: read once
+                done.add(where)
+                with torch.no_grad():
+                    if target.device.type == "cpu" and target.is_contiguous():
+                        file.read(saved, 0, target.detach().view(-1))
+                    else:
+                        target.copy_(file.materialise(saved))
+            out[name] = target
+    return out
 
 
 def _stage0_bulk(objects: dict[str, Any]) -> set[int]:
@@ -380,6 +436,9 @@ def left_unread(model_states: dict[str, Any]) -> bool:
 
 def read_stage0_state(path: Path, model_states: dict[str, Any]) -> None:
     """Read what :func:`model_states_without_parameters` left unread of the stage-0 optimizer state in
-    ``model_states`` (from the file ``path``), in place."""
+    ``model_states`` (from the file ``path``), in place; and the module's, in DeepSpeed's own stage-0 layout
+    (whose fp32 masters are the module's weights)."""
     if STAGE0_KEY in model_states:
         model_states[STAGE0_KEY] = read_unread(path, model_states[STAGE0_KEY])
+        if deepspeed_format.is_deepspeed_stage0(model_states[STAGE0_KEY]) and model_states.get("module"):
+            model_states["module"] = read_unread(path, model_states["module"])

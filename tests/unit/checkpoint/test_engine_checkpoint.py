@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsrun.checkpoint import DS_KEYS, load_file, read_latest
+from dsrun.checkpoint import DS_KEYS, load_file, partial_state, read_latest, tensor_file
 from dsrun.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 from .conftest import make_engine, train
@@ -43,7 +43,8 @@ def test_layout_and_keys(tmp_path, stage, precision):
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no staging left behind
 
 
-def test_resume_restores_everything(tmp_path):
+def test_resume_restores_everything(tmp_path, monkeypatch):
+    """Bitwise; the module read straight into the live module's tensors, each saved byte once."""
     engine = make_engine(2, "fp32", dropout=0.1)
     train(engine, 3)
     engine.save_checkpoint(str(tmp_path), client_state={"data": {"step": 3}})
@@ -52,7 +53,15 @@ def test_resume_restores_everything(tmp_path):
 
     fresh = make_engine(2, "fp32", dropout=0.1)
     torch.manual_seed(999)  # a different RNG state that the load must overwrite
+    handed = []  # what load_state_dict gets: the live tensors themselves, read in place (no second module copy)
+    monkeypatch.setattr(partial_state, "read_module_into",
+                        lambda *a, into=partial_state.read_module_into: handed.append(into(*a)) or handed[-1])
+    stats = tensor_file.reset_read_stats()
     path, client = fresh.load_checkpoint(str(tmp_path))
+    live = fresh.module.state_dict(keep_vars=True)
+    assert handed and all(handed[0][k] is live[k] for k in live)
+    unique = {t.data_ptr(): t.numel() * t.element_size() for t in live.values()}  # the tied head read once
+    assert stats.range_bytes == sum(unique.values()) and stats.whole_files == 0
     assert path.endswith("global_step3/mp_rank_00_model_states.pt")
     assert client == {"data": {"step": 3}} and not set(client) & DS_KEYS
     assert (fresh.global_steps, fresh.global_samples, fresh.micro_steps) == (3, 12, 3)
