@@ -483,3 +483,15 @@ def test_onebit_error_buffers_are_recut_reading_only_what_the_rank_keeps(tmp_pat
         assert torch.equal(got_worker, worker)
         assert torch.equal(got_server, split_server_error(server_flat, live, rank))
         assert opened == 0 and stats.bytes_read == (3 * numel + live.valid(rank)) * 4  # each needed element once
+
+
+class _NotAllowed:
+    """A class no allow-list names."""
+
+
+def test_a_legacy_file_holding_a_class_off_the_allow_list_is_refused_in_one_line(tmp_path):
+    from dsrun.checkpoint.safe_load import UnsafeCheckpointError
+    path = tmp_path / "unsafe.pt"
+    torch.save({"x": torch.ones(3), "obj": _NotAllowed()}, path, _use_new_zipfile_serialization=False)
+    with pytest.raises(UnsafeCheckpointError, match="unsafe.pt: refusing to load"):
+        tensor_file.TensorFile(path)
