@@ -391,7 +391,7 @@ def reads_into(module: nn.Module) -> bool:
 def read_module_into(module: nn.Module, module_sd: dict[str, Any], path: Path) -> dict[str, Any]:
     """``module_sd`` (the module of the model states file ``path``, its tensors left unread by
     :func:`model_states_without_parameters`) for ``module.load_state_dict``: each entry whose live tensor has its
-    shape is read straight into that tensor (cast as ``copy_`` casts; a tensor on another device through one
+    shape is read straight into that tensor (:meth:`.TensorFile.read_into`: a cast or another device through one
     tensor-sized buffer) and becomes the live tensor itself, so ``load_state_dict``'s copy is a no-op and its
     checks run as before; any other entry is read whole. The load holds no second copy of the module. The
     file's CRC32s are checked first, as a whole load checks them (read through the page cache, bounded)."""
@@ -409,11 +409,7 @@ def read_module_into(module: nn.Module, module_sd: dict[str, Any], path: Path) -
             where = (target.data_ptr(), _record(saved), saved.storage_offset(), saved.stride())
             if where not in done:  # a tied weight saved under two names: read once
                 done.add(where)
-                with torch.no_grad():
-                    if target.device.type == "cpu" and target.is_contiguous():
-                        file.read(saved, 0, target.detach().view(-1))
-                    else:
-                        target.copy_(file.materialise(saved))
+                file.read_into(saved, target)
             out[name] = target
     return out
 

@@ -44,6 +44,7 @@ class ReadStats:
 
     bytes_read: int = 0  # tensor bytes read by offset (partial reads and small tensors read whole)
     range_bytes: int = 0  # of those, the bytes read by element range (:meth:`TensorFile.read`: the state a load cuts)
+    module_bytes: int = 0  # of those, the bytes read straight into a live module's tensors (:meth:`TensorFile.read_into`)
     files_opened: int = 0
     whole_files: int = 0  # files loaded whole (a legacy file without record offsets), their bytes in bytes_read
 
@@ -53,7 +54,8 @@ READ_STATS = ReadStats()
 
 def reset_read_stats() -> ReadStats:
     """Zero :data:`READ_STATS` (and return it)."""
-    READ_STATS.bytes_read = READ_STATS.range_bytes = READ_STATS.files_opened = READ_STATS.whole_files = 0
+    READ_STATS.bytes_read = READ_STATS.range_bytes = READ_STATS.module_bytes = 0
+    READ_STATS.files_opened = READ_STATS.whole_files = 0
     return READ_STATS
 
 
@@ -133,6 +135,19 @@ class TensorFile:
             part = buffer[:min(chunk, count - first)]
             self._pread(self._offset(tensor, start + first), part)
             out[first:first + part.numel()].copy_(part)
+
+    def read_into(self, tensor: torch.Tensor, out: torch.Tensor) -> None:
+        """The whole ``tensor`` (one of ``objects``' tensors) into ``out``, a tensor of its shape on any device, as
+        ``out.copy_`` casts: straight into ``out``'s memory where it is a contiguous CPU tensor of the same dtype,
+        else through one buffer of the tensor's size."""
+        before = READ_STATS.bytes_read
+        with torch.no_grad():
+            if (tensor.device.type == "meta" and tensor.is_contiguous() and out.device.type == "cpu"
+                    and out.is_contiguous() and out.dtype == tensor.dtype and tensor.numel()):
+                self._pread(self._offset(tensor, 0), out.detach())
+            else:
+                out.copy_(self.materialise(tensor))
+        READ_STATS.module_bytes += READ_STATS.bytes_read - before
 
     def materialise(self, tensor: torch.Tensor) -> torch.Tensor:
         """The whole ``tensor`` read into CPU memory (its own storage, its shape and strides)."""
