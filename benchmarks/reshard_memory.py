@@ -116,7 +116,7 @@ def _use_full_reads() -> None:
     partial_state.PartialRankState = rank_files
     partial_state.PartialUniversalState = lambda tag_dir: contextlib.nullcontext(
         universal_checkpoint.load_universal_state(tag_dir))
-    partial_state.model_states_without_parameters = lambda path, names: load_file(path)
+    partial_state.model_states_without_parameters = lambda path, names, module_unread=False: load_file(path)
     partial_state.PartialStagesState = lambda tag_dir, slices, bf16: contextlib.nullcontext(
         pipeline_state.merge_stages(tag_dir, slices, bf16))
 
