@@ -536,7 +536,8 @@ def load_checkpoint(engine: CheckpointEngine, load_dir: str, tag: Tag = None, lo
             and not engine.features.parameter_files():  # the parameters come through the masters: leave them unread
         unread = {name for name, _ in engine.module.named_parameters(remove_duplicate=False)}
     # stages 0-2: the module's tensors are read straight into the live module's (_load_module), not copied twice
-    module_unread = not unread and custom_load_fn is None and partial_state.reads_into(engine.module)
+    module_unread = (custom_load_fn is None and not _layout(engine).module_holds_placeholders
+                     and partial_state.reads_into(engine.module))
     model_states = partial_state.model_states_without_parameters(model_path, unread, module_unread)
     if module_unread and tp.saved_degree(model_states) != engine.groups.size("model"):  # merged and cut again
         model_states["module"] = read_unread(model_path, model_states["module"])
