@@ -495,3 +495,33 @@ def test_a_legacy_file_holding_a_class_off_the_allow_list_is_refused_in_one_line
     torch.save({"x": torch.ones(3), "obj": _NotAllowed()}, path, _use_new_zipfile_serialization=False)
     with pytest.raises(UnsafeCheckpointError, match="unsafe.pt: refusing to load"):
         tensor_file.TensorFile(path)
+
+
+def test_a_module_read_in_place_loads_what_load_state_dict_loads(tmp_path):
+    """Stages 0-2's in-place module read against load_state_dict of the whole file: a bf16 save into fp32 (the
+    cast through one buffer), a tied weight read once, a shape mismatch refused with load_state_dict's error."""
+    def net():
+        torch.manual_seed(5)
+        model = torch.nn.Sequential(torch.nn.Embedding(11, 6), torch.nn.Linear(6, 11), torch.nn.LayerNorm(11))
+        model[1].weight = model[0].weight  # tied
+        return model
+
+    saved = net()
+    path = tmp_path / "mp_rank_00_model_states.pt"
+    torch.save({"module": saved.to(torch.bfloat16).state_dict()}, path)  # the tie saved once
+    expected, got = net(), net()
+    expected.load_state_dict(tensor_file.load_file(path)["module"])
+    for p in got.parameters():
+        p.data.zero_()
+    assert partial_state.reads_into(got)
+    module = partial_state.model_states_without_parameters(path, set(), module_unread=True)["module"]
+    assert all(t.device.type == "meta" for t in module.values())
+    stats = tensor_file.reset_read_stats()
+    got.load_state_dict(partial_state.read_module_into(got, module, path))
+    assert_same(got.state_dict(), expected.state_dict())
+    assert stats.module_bytes == sum(v.numel() * v.element_size() for k, v in module.items() if k != "1.weight")
+    wrong = net()
+    wrong[1] = torch.nn.Linear(6, 12)
+    with pytest.raises(RuntimeError, match="size mismatch for 1.bias"):
+        wrong.load_state_dict(partial_state.read_module_into(wrong, module, path))
+    assert not partial_state.reads_into(torch.nn.Sequential(torch.nn.BatchNorm1d(3)))  # its own _load_from_state_dict
