@@ -227,10 +227,10 @@ def test_an_empty_checkpoint_folder_is_a_value_error(tmp_path, monkeypatch, fold
 
 def test_checkpoint_serialization_false_writes_the_legacy_format_and_resumes(tmp_path):
     """checkpoint.checkpoint_serialization false: torch.save's pre-zipfile format for every file, as DeepSpeed's
-    checkpoint engine writes it; the checkpoint loads back exactly."""
+    checkpoint engine writes it; the checkpoint loads back exactly, and into ZeRO-3 as the zip files do."""
     import zipfile
 
-    formats = []
+    formats, resharded_losses = [], []
     for serialization in (True, False):
         folder = tmp_path / str(serialization)
         engine = make_engine(1, extra={"checkpoint": {"checkpoint_serialization": serialization}})
@@ -241,7 +241,11 @@ def test_checkpoint_serialization_false_writes_the_legacy_format_and_resumes(tmp
         fresh = make_engine(1)
         fresh.load_checkpoint(str(folder))
         assert train(fresh, 2, start=2) == expected
+        resharded = make_engine(3)  # 1 -> 3: the legacy files read by range (tensor_file.legacy_index)
+        resharded.load_checkpoint(str(folder))
+        resharded_losses.append(train(resharded, 2, start=2))
     assert formats == [{True}, {False}]
+    assert resharded_losses[0] == resharded_losses[1]  # bitwise: the same state from either format
 
 
 @pytest.mark.parametrize("stage", [1, 3])
