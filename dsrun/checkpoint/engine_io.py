@@ -546,7 +546,7 @@ def load_checkpoint(engine: CheckpointEngine, load_dir: str, tag: Tag = None, lo
         engine.features.checkpoint_entries()), engine.groups.coord("model"), engine.groups.size("model"),
         with_optimizer=load_optimizer_states and not load_module_only)
     if engine.features.parameter_files():  # parameters in files of their own (MoE: this rank's experts, by id)
-        module_sd = experts.module_state(engine, tag_dir, module_sd)
+        module_sd = experts.module_state(engine, tag_dir, module_sd, unread=module_unread)
     _load_module(engine, module_sd, load_module_strict, tag_dir, custom_load_fn, model_path)
     if _layout(engine).module_holds_placeholders and saved_world(model_states) == engine.dp_world_size:
         engine.restore_frozen_shards(model_states)  # frozen shards: not in the masters, restored from this file

@@ -114,15 +114,21 @@ def save(engine: CheckpointEngine, staging: Path, rank: int) -> None:
         atomic.save_torch({"fp32": fp32, "optimizer_state": optimizer_state}, staging / unit.optim_file, rank)
 
 
-def module_state(engine: CheckpointEngine, tag_dir: Path, module_sd: dict[str, Any]) -> dict[str, Any]:
-    """``module_sd`` with this rank's experts added back (local names) from their files."""
+def module_state(engine: CheckpointEngine, tag_dir: Path, module_sd: dict[str, Any], unread: bool = False
+                 ) -> dict[str, Any]:
+    """``module_sd`` with this rank's experts added back (local names) from their files; ``unread``: left unread
+    (on the meta device), for :func:`.partial_state.read_module_into` to read into the live experts."""
     out = without_experts(engine, module_sd)
     for unit in engine.features.parameter_files():
         if not (tag_dir / unit.model_file).is_file():
             raise FileNotFoundError(f"{tag_dir}: no {unit.model_file}: this MoE checkpoint has no per-expert "
                                     "files (an older dsrun saved ZeRO-3 without them); load it with the dsrun that "
                                     "saved it, at the saved topology")
-        saved = load_file(tag_dir / unit.model_file)
+        if unread:
+            with TensorFile(tag_dir / unit.model_file) as file:
+                saved = file.objects
+        else:
+            saved = load_file(tag_dir / unit.model_file)
         for name, local in unit.local_names.items():
             out[local] = saved[name]
     return out

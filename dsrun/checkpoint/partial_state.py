@@ -390,27 +390,34 @@ def reads_into(module: nn.Module) -> bool:
 
 def read_module_into(module: nn.Module, module_sd: dict[str, Any], path: Path) -> dict[str, Any]:
     """``module_sd`` (the module of the model states file ``path``, its tensors left unread by
-    :func:`model_states_without_parameters`) for ``module.load_state_dict``: each entry whose live tensor has its
-    shape is read straight into that tensor (:meth:`.TensorFile.read_into`: a cast or another device through one
-    tensor-sized buffer) and becomes the live tensor itself, so ``load_state_dict``'s copy is a no-op and its
-    checks run as before; any other entry is read whole. The load holds no second copy of the module. The
-    file's CRC32s are checked first, as a whole load checks them (read through the page cache, bounded)."""
-    check_records(path)
+    :func:`model_states_without_parameters`; MoE's experts left unread in their own files) for
+    ``module.load_state_dict``: each entry whose live tensor has its shape is read straight into that tensor
+    (:meth:`.TensorFile.read_into`: a cast or another device through one tensor-sized buffer) and becomes the
+    live tensor itself, so ``load_state_dict``'s copy is a no-op and its checks run as before; any other entry
+    is read whole. The load holds no second copy of the module. Each file's CRC32s are checked first, as a whole
+    load checks them (read through the page cache, bounded)."""
     live = module.state_dict(keep_vars=True)
-    out, done = dict(module_sd), set()
-    with TensorFile(path) as file:
+    out, done, files = dict(module_sd), set(), {}
+    try:
         for name, saved in module_sd.items():
             if not torch.is_tensor(saved) or saved.device.type != "meta":
                 continue
-            target = live.get(name)
+            where = Path(getattr(saved.untyped_storage(), "_checkpoint_path", path))
+            if where not in files:
+                check_records(where)
+                files[where] = TensorFile(where, index=False)
+            file, target = files[where], live.get(name)
             if target is None or target.shape != saved.shape:
                 out[name] = file.materialise(saved)  # load_state_dict says what is wrong with it
                 continue
-            where = (target.data_ptr(), _record(saved), saved.storage_offset(), saved.stride())
-            if where not in done:  # a tied weight saved under two names: read once
-                done.add(where)
+            key = (target.data_ptr(), where, _record(saved), saved.storage_offset(), saved.stride())
+            if key not in done:  # a tied weight saved under two names: read once
+                done.add(key)
                 file.read_into(saved, target)
             out[name] = target
+    finally:
+        for file in files.values():
+            file.close()
     return out
 
 

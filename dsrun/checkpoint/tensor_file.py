@@ -65,11 +65,17 @@ def _flat_bytes(tensor: torch.Tensor) -> memoryview:
 
 class TensorFile:
     """One checkpoint file opened for partial reads. ``objects`` is what the file holds, every tensor on the
-    meta device (or, for a legacy-format file, on the CPU: then reads slice it in memory)."""
+    meta device, its storage carrying the record's offset and the file's path (``_checkpoint_path``); a legacy
+    file that cannot be ranged is loaded whole (on the CPU: then reads slice it in memory). ``index=False``:
+    a reader of the tensors an earlier ``TensorFile(path)`` gave, without reading the index again."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], index: bool = True) -> None:
         self.path = Path(path)
         self.partial = True
+        self._fd: int | None = None
+        if not index:  # a reader of tensors an earlier TensorFile of this path left unread
+            self.objects = None
+            return
         if zipfile.is_zipfile(self.path):
             self.objects: Any = load_file(self.path, map_location="meta")
         else:
@@ -77,8 +83,9 @@ class TensorFile:
             if self.objects is _NOT_RANGED:
                 self.partial = False
                 self.objects = load_file(self.path)
-        self._fd: int | None = None
         READ_STATS.files_opened += 1
+        for tensor in tensors_in(self.objects) if self.partial else []:  # each unread storage knows its file
+            tensor.untyped_storage()._checkpoint_path = self.path
         if not self.partial:
             READ_STATS.whole_files += 1
             READ_STATS.bytes_read += self.path.stat().st_size

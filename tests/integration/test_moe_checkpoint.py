@@ -100,7 +100,8 @@ def share_bytes(engine: Any) -> int:
 def ckpt_load(rank: int, world: int, root: str, loads: list[tuple[str, int, str | None]]) -> dict[str, Any]:
     """Rank entry point: for each (tag, stage, save_tag), an ep=world engine at ``stage`` loads ``tag`` (saving
     it again as ``save_tag``), then takes the third step: its experts when loaded, shared weights, loss, step
-    count, and the optimizer bytes the load read by range against the rank's share."""
+    count, the optimizer bytes the load read by range against the rank's share, and the module's bytes read into
+    the live module against its size (ZeRO 0-2)."""
     from dsrun.checkpoint import tensor_file
 
     out = {}
@@ -109,6 +110,8 @@ def ckpt_load(rank: int, world: int, root: str, loads: list[tuple[str, int, str 
         stats = tensor_file.reset_read_stats()
         engine.load_checkpoint(root, tag=tag)
         read = (stats.range_bytes, share_bytes(engine))
+        live = {t.data_ptr(): t.numel() * t.element_size() for t in engine.module.state_dict().values()}
+        module_read = (stats.module_bytes, sum(live.values()) if stage < 3 else 0)  # ZeRO-3: through the masters
         loaded = expert_state(engine)
         shared = {n: engine.strategy.full_param_value(p).numpy() for n, p in engine.module.named_parameters()
                   if ".deepspeed_experts." not in n}
@@ -116,7 +119,7 @@ def ckpt_load(rank: int, world: int, root: str, loads: list[tuple[str, int, str 
             engine.save_checkpoint(root, tag=save_tag)
         next_loss = ckpt_step(engine, rank, world, 2)
         out[f"{tag}->zero{stage}"] = {"experts": loaded, "shared": shared, "next_loss": next_loss,
-                                      "global_steps": engine.global_steps, "read": read}
+                                      "global_steps": engine.global_steps, "read": read, "module_read": module_read}
         engine.destroy()
     return out
 
@@ -387,6 +390,10 @@ def test_save_ep2_load_ep1_and_back(runs) -> None:
         for key in ("b->zero0", "z3one->zero3", "b->zero3"):
             read, share = back[rank][key]["read"]
             assert read == share > 0, (rank, key, read, share)
+            # and the module at ZeRO-0 (shared weights and this rank's experts, from their files) straight into the
+            # live module, each of its bytes once
+            module_read, module_bytes = back[rank][key]["module_read"]
+            assert module_read == module_bytes and (module_bytes > 0) == key.endswith("zero0"), (rank, key, module_read)
 
 
 def test_zero_1_2_3_resume_with_the_saved_topology(runs) -> None:
