@@ -216,22 +216,26 @@ def _slice_rows(tensor: torch.Tensor | None, parts: int, rank: int, size: int) -
     return blocks[:, rank * piece:(rank + 1) * piece].reshape(-1, *tensor.shape[1:]).clone()
 
 
-def split_head_attrs(module: nn.Module, tp: TPGroup, where: str) -> None:
-    """Divide a module's head counts and head widths by the group size; split per-head tables by heads."""
-    size = tp.size
+def split_head_attrs(module: nn.Module, tp: TPGroup, where: str,
+                     share: tuple[int, int, int] | None = None) -> None:
+    """Divide a module's head counts and head widths by the group size; split per-head tables by heads.
+    ``share = (start, count, total)``: this rank holds ``count`` of ``total`` key/value groups from group
+    ``start`` (AutoTP's uneven cut on whole heads), so each count is scaled by ``count / total``; the default is
+    the even cut, ``(rank, 1, size)``."""
+    start, count, total = share if share is not None else (tp.rank, 1, tp.size)
     heads = {attr: getattr(module, attr) for attr in HEAD_ATTRS + KV_HEAD_ATTRS + WIDTH_ATTRS
              if isinstance(getattr(module, attr, None), int) and not isinstance(getattr(module, attr), bool)}
     for attr, value in heads.items():
-        if value % size:
-            raise ConfigError(Problem(f"{where}.{attr}", f"{value} does not split over tp_size={size}"))
+        if value % total:
+            raise ConfigError(Problem(f"{where}.{attr}", f"{value} does not split over tp_size={tp.size}"))
     head_counts = {heads[a] for a in HEAD_ATTRS if a in heads}
     for attr, child in list(module.named_children()):
         if isinstance(child, nn.Embedding) and child.embedding_dim in head_counts:
-            width = child.embedding_dim // size
-            table = child.weight.detach()[:, tp.rank * width:(tp.rank + 1) * width].clone()
+            unit = child.embedding_dim // total
+            table = child.weight.detach()[:, start * unit:(start + count) * unit].clone()
             setattr(module, attr, nn.Embedding.from_pretrained(table, freeze=True))
     for attr, value in heads.items():
-        setattr(module, attr, value // size)
+        setattr(module, attr, value // total * count)
 
 
 def check_split(model: nn.Module, tp_size: int, policy: Mapping[Any, Any] | None = None) -> list[BlockPlan]:

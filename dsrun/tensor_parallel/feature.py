@@ -3,9 +3,11 @@
 Built when ``tensor_parallel.autotp_size`` (or a ``deepspeed.tp_model_init(model, tp_size, dtype)`` call before
 ``initialize``) asks for more than one rank. It asks the topology for a ``model`` axis of that size
 (``group_sizes``: DeepSpeed's layout, rank = data · M + model, so a tensor-parallel group is M consecutive
-ranks), and when the groups are built (``take_topology``) it starts every rank of a tensor-parallel group from
-its first rank's weights (a parameter split already, a DeepSpeed layer the user built, keeps its own slice) and
-splits the model over the group: by the config's rules (``partition_config`` / ``preset_model``,
+ranks), and when the groups are built (``take_topology``) it splits the model over the group, each rank cutting
+its slices from the weights it holds (DeepSpeed's semantics: ranks whose weights differ train the model their
+slices gather into), and then gives every parameter and buffer that stays whole the group's first rank's value
+(DeepSpeed leaves those as each rank holds them, which lets the ranks of a group silently compute different
+models). The split is the config's rules (``partition_config`` / ``preset_model``,
 :func:`dsrun.tensor_parallel.spec_split.split_by_specs`), else by the model's Hugging Face ``tp_plan``
 (:mod:`dsrun.tensor_parallel.hf_plan`), else its Transformer blocks read automatically
 (:func:`dsrun.tensor_parallel.split.split_for_training`). ``tp_overlap_comm`` is set on the layers process-wide,
@@ -153,10 +155,8 @@ class AutoTPFeature(Feature):
             raise ConfigError(Problem("tp_model_init(tp_group=...)", f"this rank's group is not its tensor-parallel "
                                       f"group {members} (dsrun's layout: {self.size} consecutive ranks)",
                                       "leave tp_group out: dsrun builds the groups"))
-        with torch.no_grad():  # the ranks of a group must split the same weights (a slice split already is its own)
-            for tensor in list(model.parameters()) + list(model.buffers()):
-                if not is_model_parallel_parameter(tensor):
-                    comm.broadcast(tensor.data, src=members[0], group=group)
+        # what every rank of the group holds whole before the split (a slice split already is its own)
+        whole = {id(t) for t in list(model.parameters()) + list(model.buffers()) if not is_model_parallel_parameter(t)}
         self._group, self._source = group, members[0]
         self._input_check = model.register_forward_pre_hook(self._check_inputs_agree, with_kwargs=True)
         rank = groups.coord("model")
@@ -168,6 +168,13 @@ class AutoTPFeature(Feature):
             rules, source = rules_from_hf_plan(model, self.size), "the model's Hugging Face tp_plan"
         self.layout = (split_for_training(model, group, rank, self.size, self.grain) if rules is None
                        else split_by_specs(model, rules, group, rank, self.size, source, self.grain))
+        # DeepSpeed cuts each rank's slices from the weights that rank holds (its engine broadcasts over the data
+        # group only); what stays whole is made the group's first rank's, so the group computes one model: the
+        # one its slices gather into (gather_params, the checkpoint's merge)
+        with torch.no_grad():
+            for tensor in list(model.parameters()) + list(model.buffers()):
+                if id(tensor) in whole and not is_model_parallel_parameter(tensor):
+                    comm.broadcast(tensor.data, src=members[0], group=group)
         self.layout.splits.update(vocabulary.splits)
         self.layout.whole.update(vocabulary.whole)
         setattr(model, UNIVERSAL_CHECKPOINT_INFO, universal_checkpoint_info(model, self.layout))

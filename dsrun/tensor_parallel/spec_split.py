@@ -41,7 +41,7 @@ from .autotp_config import AutoTPConfig, PartitionType, TPLayerSpec, partition_c
 from .deepspeed_layers import LinearAllreduce, LinearLayer, gather_output_slices
 from .hf_plan import rules_from_hf_plan
 from .layers import ColumnParallelLinear, RowParallelLinear, TensorParallelLinear
-from .split import TPLayout, cut_parameter, cut_widths, head_dim_of, split_meta_model
+from .split import TPLayout, cut_parameter, cut_widths, head_dim_of, kv_head_shares, model_num_kv_heads, split_meta_model
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -174,6 +174,11 @@ def split_by_specs(model: nn.Module, config: AutoTPConfig, group: ProcessGroup |
                 continue
             plan.append((parent, attr, name, child, spec))
     owners = _weight_owners(model)
+    kv_heads = model_num_kv_heads(model)
+    share = None  # this rank's key/value groups when they do not divide evenly (DeepSpeed's uneven head cut)
+    if kv_heads and kv_heads % tp_size:
+        shares = kv_head_shares(kv_heads, tp_size)
+        share = (sum(shares[:tp_rank]), shares[tp_rank], kv_heads)
     for parent, attr, name, module, spec in plan:
         if spec.partition_type is PartitionType.SKIP:
             continue
@@ -189,7 +194,7 @@ def split_by_specs(model: nn.Module, config: AutoTPConfig, group: ProcessGroup |
         out_features, in_features = out_in(module)
         row = spec.partition_type is PartitionType.ROW
         parts = cut_widths(_part_sizes(spec, where, out_features, in_features), tp_size, head_dim_of(parent), grain,
-                           where)
+                           where, kv_heads)
         out_dim = 1 if is_conv1d(module) else 0  # a Conv1D stores [in, out]
         dim = (1 - out_dim) if row else out_dim
         layout.record(f"{name}.weight", module.weight, dim, parts)
@@ -202,7 +207,7 @@ def split_by_specs(model: nn.Module, config: AutoTPConfig, group: ProcessGroup |
                                                       for a in HEAD_ATTRS + WIDTH_ATTRS):
             attention[id(parent)] = (parent, name.rsplit(".", 1)[0])
     for parent, where in attention.values():
-        split_head_attrs(parent, tp, where)
+        split_head_attrs(parent, tp, where, share)
     for param_name, param in model.named_parameters():
         spec = config.find_matching_spec(param_name, model_type)
         if spec is not None and spec.grad_allreduce and tp_size > 1:

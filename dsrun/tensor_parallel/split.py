@@ -22,7 +22,7 @@ from torch import nn
 
 from dsrun.checkpoint import constants
 from dsrun.checkpoint.tensor_parallel import Parts, part_count, rank_widths, slice_dim
-from dsrun.inference.auto_tp import HEAD_DIM_ATTRS, check_split, split_head_attrs
+from dsrun.inference.auto_tp import HEAD_DIM_ATTRS, check_split, plan_model, split_head_attrs
 from dsrun.inference.groups import TPGroup
 from dsrun.inference.layers import is_conv1d
 from dsrun.utils.errors import ConfigError, Problem
@@ -60,20 +60,36 @@ def head_dim_of(module: nn.Module) -> int | None:
     return next((v for a in HEAD_DIM_ATTRS if isinstance(v := getattr(module, a, None), int) and v > 0), None)
 
 
-def cut_widths(sizes: list[int], tp_size: int, head_dim: int | None, grain: int, where: str) -> Parts:
+def kv_head_shares(kv_heads: int, tp_size: int) -> tuple[int, ...]:
+    """DeepSpeed's cut of ``kv_heads`` key/value heads over ``tp_size`` ranks (``tp_shard.get_shard_size`` with
+    ``num_kv_heads`` set): as evenly as possible, the first ranks one more; a rank past the head count holds none."""
+    return tuple(kv_heads // tp_size + (1 if rank < kv_heads % tp_size else 0) for rank in range(tp_size))
+
+
+def cut_widths(sizes: list[int], tp_size: int, head_dim: int | None, grain: int, where: str,
+               kv_heads: int | None = None) -> Parts:
     """How a linear's split dimension, fused parts of ``sizes``, is cut over ``tp_size`` ranks: an attention
-    module's projections (``head_dim`` known) on whole heads, each part's heads evenly (a ConfigError when they do
-    not divide: DeepSpeed would leave ranks with fewer heads, which dsrun does not build); the rest in grains of
-    ``grain`` (``tensor_parallel.tp.tp_grain_size``, DeepSpeed's cut). A ConfigError when a rank would hold
-    nothing of a part. The count of parts when the cut is the even one (:func:`rank_widths`), else the widths."""
-    if head_dim is not None:
-        for size in sizes:
-            if size % head_dim or (size // head_dim) % tp_size:
-                heads = f"{size // head_dim} heads of {head_dim}" if size % head_dim == 0 else \
-                    f"{size} features (not whole heads of {head_dim})"
-                raise ConfigError(Problem(where, f"its {heads} do not split over tensor_parallel.autotp_size="
-                                          f"{tp_size} (attention is cut on whole heads, the same number per rank)",
-                                          "pick an autotp_size that divides the attention and key/value heads"))
+    module's projections (``head_dim`` known) on whole heads, each part's heads evenly; where ``tp_size`` does
+    not divide a part's heads and the model's key/value head count ``kv_heads`` is known, DeepSpeed's cut by
+    key/value groups (:func:`kv_head_shares`: 8 key/value heads over 3 ranks are 3/3/2, and each part, the query
+    heads too, is cut in the same proportion; a rank past the head count holds no heads); a ConfigError when
+    neither fits (a cut inside a head). The rest in grains of ``grain`` (``tensor_parallel.tp.tp_grain_size``,
+    DeepSpeed's cut), a ConfigError when a rank would hold nothing of a part. The count of parts when the cut is
+    the even one (:func:`rank_widths`), else the widths."""
+    if head_dim is not None and kv_heads and all(size % (kv_heads * head_dim) == 0 for size in sizes):
+        shares = kv_head_shares(kv_heads, tp_size)  # the even cut when tp_size divides the key/value heads
+        widths = tuple(tuple(size // kv_heads * share for share in shares) for size in sizes)
+        return len(sizes) if len(set(sizes)) == 1 and widths == rank_widths(sum(sizes), len(sizes), tp_size) \
+            else widths
+    if head_dim is not None and any(size % head_dim or (size // head_dim) % tp_size for size in sizes):
+        size = next(size for size in sizes if size % head_dim or (size // head_dim) % tp_size)
+        heads = f"{size // head_dim} heads of {head_dim}" if size % head_dim == 0 else \
+            f"{size} features (not whole heads of {head_dim})"
+        groups = f"nor into the model's {kv_heads} key/value groups" if kv_heads else \
+            "and the model's config names no key/value head count"
+        raise ConfigError(Problem(where, f"its {heads} do not split over tensor_parallel.autotp_size={tp_size} "
+                                  f"({groups}; attention is cut on whole heads)",
+                                  "pick an autotp_size that divides the attention and key/value heads"))
     widths = tuple(grain_widths(size, tp_size, head_dim or grain) for size in sizes)
     if any(0 in part for part in widths):
         what = "in grains of %d " % grain if head_dim is None and grain > 1 else ""
@@ -83,6 +99,20 @@ def cut_widths(sizes: list[int], tp_size: int, head_dim: int | None, grain: int,
     if len(set(sizes)) == 1 and widths == rank_widths(sum(sizes), len(sizes), tp_size):
         return len(sizes)
     return widths
+
+
+def model_num_kv_heads(model: nn.Module) -> int | None:
+    """The model's key/value head count as DeepSpeed's ``AutoTP.get_model_num_kv_heads`` reads its config (its
+    ``text_config`` when it has one): the first of ``multi_query_group_num``, ``num_kv_heads``,
+    ``num_key_value_heads``, ``num_attention_heads``, ``n_heads``, ``attention_heads`` that is set."""
+    config = getattr(model, "config", None)
+    config = getattr(config, "text_config", None) or config
+    for name in ("multi_query_group_num", "num_kv_heads", "num_key_value_heads", "num_attention_heads", "n_heads",
+                 "attention_heads"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 def cut_parameter(param: nn.Parameter, dim: int, parts: Parts, tp: TPGroup) -> None:
@@ -99,9 +129,17 @@ def split_for_training(model: nn.Module, group: ProcessGroup | None, tp_rank: in
                        grain: int = 1) -> TPLayout:
     """Replace each pair's linears by this rank's column-/row-parallel slices (in place, keeping the
     parameters); raises ConfigError when a block does not split over ``tp_size``. Attention is cut on whole
-    heads, the MLP in grains of ``grain`` (:func:`cut_widths`)."""
+    heads, the MLP in grains of ``grain`` (:func:`cut_widths`); when ``tp_size`` does not divide the model's
+    key/value heads, by DeepSpeed's key/value groups (the head counts scaled to this rank's share)."""
     tp = TPGroup(group, tp_rank, tp_size)
-    plans = check_split(model, tp_size)
+    kv_heads = model_num_kv_heads(model)
+    share = None
+    if kv_heads and kv_heads % tp_size:  # DeepSpeed's uneven cut by key/value groups: cut_widths checks each cut
+        shares = kv_head_shares(kv_heads, tp_size)
+        share = (sum(shares[:tp_rank]), shares[tp_rank], kv_heads)
+        plans = plan_model(model)
+    else:
+        plans = check_split(model, tp_size)
     layout = TPLayout(tp_size, tp_rank)
     for plan in plans:
         attention: dict[int, tuple[nn.Module, str]] = {}
@@ -115,7 +153,7 @@ def split_for_training(model: nn.Module, group: ProcessGroup | None, tp_rank: in
                 length = module.weight.shape[dim]
                 count = 1 if row else slot.parts
                 parts = cut_widths([length // count] * count, tp_size,
-                                   head_dim_of(slot.parent) if pair.attention else None, grain, prefix)
+                                   head_dim_of(slot.parent) if pair.attention else None, grain, prefix, kv_heads)
                 layout.record(f"{prefix}.weight", module.weight, dim, parts)
                 cut_parameter(module.weight, dim, parts, tp)
                 if module.bias is not None and not row:
@@ -128,7 +166,7 @@ def split_for_training(model: nn.Module, group: ProcessGroup | None, tp_rank: in
                 if not row and pair.attention:
                     attention[id(slot.parent)] = (slot.parent, f"{plan.name}.{slot.name}")
         for module, where in attention.values():
-            split_head_attrs(module, tp, where.rsplit(".", 1)[0])
+            split_head_attrs(module, tp, where.rsplit(".", 1)[0], share)
     return layout
 
 

@@ -16,6 +16,7 @@ from dsrun.tensor_parallel import (AutoTPConfig, AutoTPFeature, ColumnParallelLi
                                    tp_model_init)
 from dsrun.tensor_parallel.split import universal_checkpoint_info
 from dsrun.utils.errors import ConfigError
+from tests.helpers import run_ranks
 from tests.integration._inference_models import dsrun_gpt, hf_model
 
 
@@ -198,7 +199,7 @@ def test_bad_partition_config_values_are_refused_naming_the_key(section, message
     ({"patterns": ["2.weight"]}, 5, r"its 4 features in 1 part\(s\) cut over tp_size=5 leave some ranks nothing"),
     ({"patterns": ["0.weight"], "shape": [2, -1], "gather_output": True}, 2, "gather_output with fused"),
     ({"patterns": ["attn.q.weight"]}, 2, "attn.q: its 3 heads of 2 do not split over tensor_parallel.autotp_size=2 "
-     "\\(attention is cut on whole heads"),
+     "\\(and the model.s config names no key/value head count; attention is cut on whole heads"),
     ({"patterns": ["emb.weight"]}, 2, "a split embedding"),
     ({"patterns": ["head.weight"]}, 2, "is tied to emb.weight")])
 def test_rules_a_split_cannot_follow_are_refused_naming_the_linear(spec, size, message):
@@ -314,15 +315,111 @@ def test_a_fused_gqa_projection_is_cut_per_part_on_whole_heads_and_the_mlp_in_gr
         AutoTPFeature.build(_config(tensor_parallel={"autotp_size": 2, "tp": {"tp_size": 4}}))
 
 
-def test_llama_at_more_ranks_than_key_value_heads_is_refused_naming_the_heads():
-    """Llama's 2 key/value heads (of 8) over 4 ranks: DeepSpeed would leave two ranks without attention; dsrun
-    refuses, by the Hugging Face plan and by the automatic reading alike."""
+def test_heads_that_do_not_divide_are_cut_by_key_value_groups_as_deepspeed_cuts_them():
+    """Llama's 2 key/value heads (of 4 query heads, 8 wide) over 4 ranks: DeepSpeed's cut by key/value groups
+    gives ranks 0 and 1 one group each (2 query heads, 1 key/value head) and ranks 2 and 3 none, by the Hugging
+    Face plan and by the automatic reading alike; the row projection's input is cut the same way, the MLP
+    evenly, and the slices merge back into the model. A model whose config names no key/value head count has its
+    attention refused where its heads do not divide (a cut inside a head)."""
     pytest.importorskip("transformers")
     from dsrun.tensor_parallel.hf_plan import rules_from_hf_plan
+    from tests.integration._autotp_jobs import GQA_TP, FusedGQAModel
 
     model = hf_model("llama")
-    message = r"model.layers.0.self_attn.k_proj: its 2 heads of 8 do not split over tensor_parallel.autotp_size=4"
-    with pytest.raises(ConfigError, match=message):
-        split_by_specs(copy.deepcopy(model), rules_from_hf_plan(model, 4), None, 0, 4)
-    with pytest.raises(ConfigError, match="do not split over"):
-        split_for_training(copy.deepcopy(model), None, 0, 4)
+    for split in (lambda m, r: split_by_specs(m, rules_from_hf_plan(m, 4), None, r, 4),
+                  lambda m, r: split_for_training(m, None, r, 4)):
+        shards, layouts = [], []
+        for rank in range(4):
+            shards.append(copy.deepcopy(model))
+            layouts.append(split(shards[-1], rank))
+            attn = shards[-1].model.layers[0].self_attn
+            rows = (16, 16, 0, 0)[rank]
+            assert attn.q_proj.weight.shape == (rows, 32) and attn.k_proj.weight.shape == (rows // 2, 32)
+            assert attn.o_proj.weight.shape == (32, rows) and shards[-1].model.layers[0].mlp.up_proj.weight.shape == (16, 32)
+        assert layouts[0].splits["model.layers.0.self_attn.k_proj.weight"] == (0, ((8, 8, 0, 0),))
+        merged = merge_module_states([s.state_dict() for s in shards], layouts[0].splits)
+        assert all(torch.equal(merged[k], v) for k, v in model.state_dict().items())
+    from dsrun.tensor_parallel.shard_sizes import set_tp_grain_size
+
+    feature = AutoTPFeature.build(_config(tensor_parallel=GQA_TP))
+    set_tp_grain_size(1)  # build sets the grain process-wide, as DeepSpeed does
+    with pytest.raises(ConfigError, match=r"attn.qkv_proj: its 4 heads of 4 do not split over "
+                                          r"tensor_parallel.autotp_size=3 \(and the model's config names no"):
+        split_by_specs(copy.deepcopy(FusedGQAModel()), feature.rules, None, 0, 3)
+
+
+def _qwen3_on_three_ranks(rank: int, world_size: int) -> dict[int, dict[str, object]]:
+    """Qwen3 (8 query heads, 4 or 2 key/value heads of 4) at TP=3, each rank's model drawn from its own seed
+    (DeepSpeed's tests leave the ranks unseeded): what each rank holds, and the group's forward and backward
+    against the unsplit model its slices gather into."""
+    import transformers
+
+    import dsrun
+
+    out: dict[int, dict[str, object]] = {}
+    for kv in (4, 2):
+        config = transformers.Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=20, num_hidden_layers=1,
+                                          num_attention_heads=8, num_key_value_heads=kv, head_dim=4,
+                                          max_position_embeddings=16)
+        torch.manual_seed(rank)  # a different model on every rank
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        own = {name: p.detach().clone() for name, p in model.named_parameters()}
+        engine, *_ = dsrun.initialize(model=model, config={
+            "train_micro_batch_size_per_gpu": 1, "tensor_parallel": {"autotp_size": 3},
+            "zero_optimization": {"stage": 0}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+        splits = engine.features.get(AutoTPFeature).layout.splits
+        params = dict(model.named_parameters())
+        attn = model.model.layers[0].self_attn
+        ids = torch.randint(0, 32, (1, 8), generator=torch.Generator().manual_seed(1))
+        result = engine(input_ids=ids, labels=ids)
+        engine.backward(result.loss)
+        grads = {name: p.grad.clone() for name, p in params.items()}
+        rows = (attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0], attn.o_proj.weight.shape[1],
+                model.model.layers[0].mlp.up_proj.weight.shape[0])
+        mine = {name: p.detach().clone() for name, p in params.items()}
+        for name in splits:
+            params[name].gather_params([params[name]])
+        whole = {name: p.detach().clone() for name, p in params.items()}
+        unsplit = transformers.AutoModelForCausalLM.from_config(config)
+        unsplit.load_state_dict(model.state_dict())
+        reference = unsplit(input_ids=ids, labels=ids)
+        reference.loss.backward()
+        ref_grads = {name: p.grad for name, p in unsplit.named_parameters()}
+        out[kv] = {
+            "rows": rows,
+            "num_key_value_groups": attn.num_key_value_groups,
+            "own_slices": all(torch.equal(mine[n], slice_dim(own[n], dim, parts, rank, 3))
+                              for n, (dim, parts) in splits.items()),
+            "whole": {n: whole[n] for n in params if n not in splits},
+            "own_embedding": own["model.embed_tokens.weight"].sum().item(),
+            "logits": (result.logits - reference.logits).abs().max().item(),
+            "grads": max((grads[n] - (slice_dim(ref_grads[n], *splits[n], rank, 3) if n in splits else ref_grads[n]))
+                         .abs().amax(dim=None).item() if grads[n].numel() else 0.0 for n in params),
+            "scale": max(reference.logits.abs().max().item(), max(g.abs().max().item() for g in ref_grads.values()))}
+        engine.destroy()
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_qwen3_at_three_ranks_cuts_whole_heads_unevenly_and_each_rank_slices_its_own_weights():
+    """DeepSpeed's ``TestQwen3UnevenTPPlan`` in small, and its ``test_tp_plan_basic_training`` semantics: 4
+    key/value groups over 3 ranks are 2/1/1 (query rows 16/8/8, 4 query heads of width 4 per group, the output projection's input alike),
+    2 over 3 are 1/1/0 (the third rank holds no attention and still computes: its all-reduce adds zeros); the MLP
+    of 20 is 7/7/6. Each rank's slices are cut from the weights it holds (its own seed), what stays whole is the
+    group's first rank's, and the group computes the model its slices gather into: logits and every gradient
+    within the fp32 bound of that unsplit model (a reordered sum of at most 32 terms: 2 x 32 x 2^-24 relative to
+    the largest magnitude, 4e-6)."""
+    pytest.importorskip("transformers")
+    ranks = run_ranks(_qwen3_on_three_ranks, 3, timeout=220)
+    rows = {4: [(16, 8, 16, 7), (8, 4, 8, 7), (8, 4, 8, 6)], 2: [(16, 4, 16, 7), (16, 4, 16, 7), (0, 0, 0, 6)]}
+    bound = 2 * 32 * 2.0 ** -24
+    for kv in (4, 2):
+        for rank, result in enumerate(ranks):
+            assert result[kv]["rows"] == rows[kv][rank] and result[kv]["num_key_value_groups"] == 8 // kv
+            assert result[kv]["own_slices"]
+            assert result[kv]["logits"] <= bound * result[kv]["scale"]
+            assert result[kv]["grads"] <= bound * result[kv]["scale"]
+            for name, value in result[kv]["whole"].items():
+                assert torch.equal(value, ranks[0][kv]["whole"][name]), name
+        # the ranks drew different models: the first rank's copy is what made their whole weights equal
+        assert len({result[kv]["own_embedding"] for result in ranks}) == 3
