@@ -13,8 +13,9 @@ forward reshapes by the heads this rank holds. Linears already split (DeepSpeed'
 user) are left as they are.
 
 A plain ``nn.Linear`` becomes DeepSpeed's ``LinearLayer`` / ``LinearAllreduce``
-(:mod:`dsrun.tensor_parallel.deepspeed_layers`, on the automatic split's layers), a Conv1D or a fused weight the
-automatic split's column/row layers (:mod:`dsrun.tensor_parallel.layers`); the parameters keep their objects and
+(:mod:`dsrun.tensor_parallel.deepspeed_layers`, on the automatic split's layers), one with fused sub-parameters
+(``shape``) its ``SubParamLinearLayer`` / ``SubParamLinearAllreduce`` (:mod:`dsrun.tensor_parallel.subparam_layers`),
+a Conv1D the automatic split's column/row layers (:mod:`dsrun.tensor_parallel.layers`); the parameters keep their objects and
 names, and the returned :class:`~dsrun.tensor_parallel.split.TPLayout` is the same record, so checkpoints, their
 merge and the universal conversion read a split by rules as they read the automatic one. An attention module's
 projections are cut on whole heads, each fused part's evenly (``shape: [[q, k, v], -1]``: unequal parts, each on its
@@ -42,6 +43,7 @@ from .deepspeed_layers import LinearAllreduce, LinearLayer, gather_output_slices
 from .hf_plan import rules_from_hf_plan
 from .layers import ColumnParallelLinear, RowParallelLinear, TensorParallelLinear
 from .split import TPLayout, cut_parameter, cut_widths, head_dim_of, kv_head_shares, model_num_kv_heads, split_meta_model
+from .subparam_layers import SubParamLinearAllreduce, SubParamLinearLayer
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -133,6 +135,13 @@ def _parallel_layer(module: nn.Module, row: bool, dim: int, parts: Parts, gather
         if row:
             return LinearAllreduce(module, group, **placement)
         return LinearLayer(module, group, gather_output=gather, **placement)
+    if isinstance(module, nn.Linear):  # fused sub-parameters: DeepSpeed's SubParam layers, cut by dsrun's widths
+        widths = rank_widths(module.weight.shape[dim], parts, tp.size)
+        sub = tuple(sum(part) for part in widths)
+        placement = {"tp_rank": tp.rank, "tp_size": tp.size, "subparam_shard_widths": widths, "name": name}
+        if row:
+            return SubParamLinearAllreduce(module, group, shape=(-1, sub), partition_dim=1, **placement)
+        return SubParamLinearLayer(module, group, shape=(sub, -1), partition_dim=0, **placement)
     cut_parameter(module.weight, dim, parts, tp)
     if module.bias is not None and not row:
         cut_parameter(module.bias, 0, parts, tp)

@@ -99,8 +99,142 @@ def _layers_on_two_ranks(rank: int, world_size: int) -> None:
         assert torch.equal(fused.data, before)
         fused._tp_partition([fused])
         assert fused.shape == (before.shape[0] // 2, before.shape[1])
+        _fused_layers_autotp_and_head_tables(rank, group)
     finally:
         comm.destroy_process_group()
+
+
+def _fused_layers_autotp_and_head_tables(rank: int, group: object) -> None:
+    """DeepSpeed's fused-weight layers, its AutoTP driver and ALiBi helpers over the two ranks of ``group``."""
+    from torch import nn
+
+    from dsrun.tensor_parallel.head_shard import (build_bloom_alibi_tensor, build_mpt_alibi_tensor, get_alibi_mask,
+                                                  install_head_sharded_helper)
+    from dsrun.tensor_parallel.subparam_layers import (GateUpPack_LinearLayer, SubParamLinearAllreduce,
+                                                       SubParamLinearLayer, fused_LinearLayer)
+
+    torch.manual_seed(1)
+    x = torch.randn(3, 8)
+    # a fused q|k|v of 8, 4, 4 rows: each rank its half of each part, the output the whole layer's part slices
+    qkv = nn.Linear(8, 16)
+    layer = SubParamLinearLayer(copy.deepcopy(qkv), group, shape=((8, 4, 4), -1), partition_dim=0, name="qkv_proj")
+    assert layer._subparam_sizes == (8, 4, 4) and layer._subparam_shard_widths == [[4, 4], [2, 2], [2, 2]]
+    rows = torch.cat([torch.arange(4 * rank, 4 * rank + 4), 8 + torch.arange(2 * rank, 2 * rank + 2),
+                      12 + torch.arange(2 * rank, 2 * rank + 2)])
+    assert torch.equal(layer.weight.data, qkv.weight.data[rows]) and torch.equal(layer.bias.data, qkv.bias.data[rows])
+    torch.testing.assert_close(layer(x), qkv(x)[:, rows])
+    shard = layer.weight.detach().clone()
+    layer.gather_params([layer.weight, layer.bias])  # the bias told apart by identity
+    assert torch.equal(layer.weight.data, qkv.weight.data) and torch.equal(layer.bias.data, qkv.bias.data)
+    layer._tp_partition([layer.weight, layer.bias])
+    assert torch.equal(layer.weight.data, shard)
+    # the row-parallel one: the input features cut per part, the partial outputs summed, the whole bias once
+    out = nn.Linear(16, 5)
+    row = SubParamLinearAllreduce(copy.deepcopy(out), group, shape=(-1, (8, 4, 4)), partition_dim=1, name="o_proj")
+    torch.testing.assert_close(row(torch.randn(3, 16, generator=torch.Generator().manual_seed(2))[:, rows]),
+                               out(torch.randn(3, 16, generator=torch.Generator().manual_seed(2))))
+    assert row.bias.shape == (5,) and row.weight.shape == (5, 8)
+    # with 3 key/value heads set, each part of 12 is cut 8/4 (whole heads of 4), and gathered back by those widths
+    shard_sizes.set_num_kv_heads(3)
+    try:
+        three = nn.Linear(8, 36)
+        cut = SubParamLinearLayer(copy.deepcopy(three), group, shape=((12, 12, 12), -1), name="self_attn.qkv_proj")
+        assert cut._subparam_shard_widths == [[8, 4]] * 3 and cut.weight.shape == ((24, 12)[rank], 8)
+        cut.gather_params([cut.weight, cut.bias])
+        assert torch.equal(cut.weight.data, three.weight.data) and torch.equal(cut.bias.data, three.bias.data)
+        # ChatGLM's packed gate|up: each half cut as an MLP weight (evenly, not by heads), put back in order
+        pack = nn.Linear(4, 12, bias=False)
+        gate_up = GateUpPack_LinearLayer(copy.deepcopy(pack), group)
+        assert gate_up.weight.shape == (6, 4) and torch.equal(gate_up.weight.data, torch.cat(
+            [pack.weight.data[3 * rank:3 * rank + 3], pack.weight.data[6 + 3 * rank:9 + 3 * rank]]))
+        fresh = nn.Parameter(gate_up.weight.data.clone())
+        gate_up.gather_params([fresh, None])
+        assert torch.equal(fresh.data, pack.weight.data)
+    finally:
+        shard_sizes.set_num_kv_heads(None)
+
+    class GLMBlock(nn.Module):  # a fused q|k|v in GLM's layout: q, k, v thirds
+        pass
+
+    glm = nn.Linear(8, 12)
+    fused = fused_LinearLayer(copy.deepcopy(glm), group, fused_module=GLMBlock())
+    assert fused._subparam_sizes == (4, 4, 4) and torch.equal(fused.weight.data, glm.weight.data[
+        torch.cat([torch.arange(2 * rank, 2 * rank + 2) + 4 * p for p in range(3)])])
+
+    class CodeGenBlock(nn.Module):
+        pass
+
+    with pytest.raises(ValueError, match=r"the codegentype fused q\|k\|v layout \(interleaved or replicated "
+                                         r"blocks\) is not built"):
+        fused_LinearLayer(copy.deepcopy(glm), group, fused_module=CodeGenBlock())
+
+    # ALiBi: 5 heads over 2 ranks are 3 and 2 (DeepSpeed's cut); each rank's table rows are its own heads'
+    class Mpt(nn.Module):
+        def build_mpt_alibi_tensor(self, heads, sequence_length, alibi_bias_max=8, device=None):
+            return torch.arange(heads, dtype=torch.float32).view(heads, 1, 1).expand(heads, 1, sequence_length)
+
+    mpt, plain = Mpt(), Mpt()
+    install_head_sharded_helper(mpt, "build_mpt_alibi_tensor", build_mpt_alibi_tensor, group, num_heads=5,
+                                num_kv_heads=5)
+    shard_sizes.set_num_kv_heads(1)  # a later process-wide setting does not move the frozen cut
+    try:
+        mine = mpt.build_mpt_alibi_tensor((3, 2)[rank], 4)
+    finally:
+        shard_sizes.set_num_kv_heads(None)
+    assert torch.equal(mine[:, 0, 0], torch.arange((0, 3)[rank], (3, 5)[rank], dtype=torch.float32))
+    assert plain.build_mpt_alibi_tensor(5, 4).shape[0] == 5  # another instance keeps its own method
+    # BLOOM's slopes for 4 heads are 2^-2h (h = 1..4), times the positions 0..3; rank r keeps heads 2r, 2r+1
+    local = build_bloom_alibi_tensor(torch.ones(1, 4), 2, torch.float32, group, [2, 2], 4)
+    heads = torch.arange(2 * rank + 1, 2 * rank + 3, dtype=torch.float32)
+    assert torch.equal(local, (2.0 ** (-2 * heads))[:, None, None] * torch.arange(4.0)[None, None, :])
+    uneven = build_bloom_alibi_tensor(torch.ones(2, 3), (4, 2)[rank], torch.float32, group, [4, 2], 6)
+    assert uneven.shape == (2 * (4, 2)[rank], 1, 3)
+
+    class Baichuan(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.n_head = 5
+
+        def get_alibi_mask(self, tensor, sequence_length):
+            return torch.arange(self.n_head, dtype=torch.float32).view(-1, 1, 1).expand(-1, sequence_length,
+                                                                                       sequence_length)
+
+    # DeepSpeed's AutoTP driver: rules name a row, a column and a fused q|k|v (SubParamLinearLayer) linear
+    from dsrun.tensor_parallel.autotp_config import AutoTPConfig
+    from dsrun.tensor_parallel.deepspeed_autotp import AutoTP
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 24), nn.Linear(8, 8))
+    whole_model = copy.deepcopy(model)
+    rules = AutoTPConfig.from_dict({"use_default_specs": False, "layer_specs": [
+        {"patterns": [r"0\.weight$"], "partition_type": "row"}, {"patterns": [r"1\.weight$"], "partition_type": "column"},
+        {"patterns": [r"2\.weight$"], "partition_type": "column", "shape": [[8, 8, 8], -1], "partition_dim": 0}]})
+    autotp = AutoTP(module=model, all_reduce_linears=[], prefix="", state_dict=None, linear_layer_setting=None,
+                    orig_layer_impl=None, partition_config=rules)
+    autotp.set_tensor_parallel_config(2, group)
+    autotp.update_linear_policies()
+    autotp._replace_module(model)
+    assert [type(m).__name__ for m in model] == ["LinearAllreduce", "LinearLayer", "SubParamLinearLayer", "Linear"]
+    assert model[2]._subparam_sizes == (8, 8, 8) and model[2].weight.shape == (12, 8)
+    torch.testing.assert_close(model[0](x[:, 4 * rank:4 * rank + 4]), whole_model[0](x))
+    with pytest.raises(ValueError, match="is not a linear class dsrun's split cuts"):
+        AutoTP(model, [], "", None, (nn.LayerNorm,), None).update_linear_policies()
+    shard_sizes.set_num_kv_heads(3)  # 12 heads in 3 key/value groups over 2 ranks: 8 and 4; an MLP's 12: 6 and 6
+    try:
+        attention, mlp = nn.Module(), nn.Module()
+        attention.num_heads = mlp.hidden_size = 12
+        autotp.update_mp_params(attention, "model.layers.0.self_attn")
+        autotp.update_mp_params(mlp, "model.layers.0.mlp")
+        autotp.update_mp_params(attention, "model.layers.0.self_attn")  # once per module
+    finally:
+        shard_sizes.set_num_kv_heads(None)
+    assert (attention.num_heads, mlp.hidden_size) == ((8, 4)[rank], 6)
+    assert AutoTP.get_model_num_kv_heads(type("C", (), {"num_key_value_heads": 2, "num_attention_heads": 8})()) == 2
+
+    baichuan = Baichuan()
+    install_head_sharded_helper(baichuan, "get_alibi_mask", get_alibi_mask, group, num_heads=5, num_kv_heads=5)
+    baichuan.n_head = (3, 2)[rank]  # AutoTP's per-rank head count; the original still builds all 5 heads
+    mask = baichuan.get_alibi_mask(None, 3)
+    assert mask.shape == ((3, 2)[rank], 3, 3) and mask[0, 0, 0] == (0, 3)[rank]
 
 
 @pytest.mark.timeout(120)
