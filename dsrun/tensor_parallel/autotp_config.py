@@ -94,8 +94,8 @@ class TPLayerSpec:
         for index, entry in enumerate(shape):
             if isinstance(entry, tuple):
                 if index != dim:
-                    raise ConfigError(Problem("shape", f"sub-parameter sizes are allowed at partition_dim {dim} "
-                                              f"only, not at {index}"))
+                    raise ConfigError(Problem("shape", f"nested tuple only allowed at partition_dim={dim} "
+                                              f"(sub-parameter sizes), not at {index}"))
                 if not entry or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in entry):
                     raise ConfigError(Problem("shape", f"sub-parameter sizes {list(entry)} must be positive ints "
                                               "(one level of nesting)"))

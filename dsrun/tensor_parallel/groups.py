@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dsrun import comm
 from dsrun.comm.comm import ProcessGroup
+from dsrun.comm.groups import ProcessGroups, current_groups, set_current_groups
 from dsrun.moe.groups import _groups
 
 
@@ -52,3 +53,21 @@ def get_data_parallel_world_size() -> int:
 
 def get_data_parallel_rank() -> int:
     return comm.get_rank(_groups().data)
+
+
+def _init_tp_mesh_device(tensor_model_parallel_size: int = 1, data_parallel_size: int | None = None
+                         ) -> tuple[ProcessGroup, ProcessGroup] | None:
+    """DeepSpeed's builder of the tensor- and data-parallel groups without an engine (its tests split a model by
+    hand after it): the run's groups get a ``model`` axis of ``tensor_model_parallel_size`` consecutive ranks
+    (collective: every rank calls it). Nothing when tensor-parallel groups exist already, as in DeepSpeed; returns
+    the (data, tensor) groups it built. A size that does not tile the world is a ValueError."""
+    existing = current_groups()
+    if existing is not None and existing.size("model") > 1:
+        return None
+    world, tp = comm.get_world_size(), int(tensor_model_parallel_size)
+    dp = world // tp if data_parallel_size is None else int(data_parallel_size)
+    if tp < 1 or tp * dp != world:
+        raise ValueError(f"_init_tp_mesh_device: tensor_model_parallel_size {tp} x data_parallel_size {dp} is not "
+                         f"the world size {world}")
+    set_current_groups(ProcessGroups(model=tp))
+    return get_data_parallel_group(), get_tensor_model_parallel_group()

@@ -12,7 +12,8 @@ widths divided as in the automatic split (:func:`dsrun.inference.auto_tp.split_h
 forward reshapes by the heads this rank holds. Linears already split (DeepSpeed's ``LinearLayer`` built by the
 user) are left as they are.
 
-A plain ``nn.Linear`` becomes DeepSpeed's ``LinearLayer`` / ``LinearAllreduce``
+A plain ``nn.Linear`` (or a module a rule names that holds a 2-D ``weight`` and computes ``x @ weight.T + bias``,
+as DeepSpeed replaces it) becomes DeepSpeed's ``LinearLayer`` / ``LinearAllreduce``
 (:mod:`dsrun.tensor_parallel.deepspeed_layers`, on the automatic split's layers), one with fused sub-parameters
 (``shape``) its ``SubParamLinearLayer`` / ``SubParamLinearAllreduce`` (:mod:`dsrun.tensor_parallel.subparam_layers`),
 a Conv1D the automatic split's column/row layers (:mod:`dsrun.tensor_parallel.layers`); the parameters keep their objects and
@@ -116,6 +117,15 @@ def _weight_owners(model: nn.Module) -> dict[int, list[tuple[str, nn.Module]]]:
     return owners
 
 
+def _linear_like(module: nn.Module) -> bool:
+    """A module a rule may split as a linear although it is not ``nn.Linear`` (DeepSpeed's AutoTP replaces any
+    matched module with a weight): a 2-D ``weight`` ``[out, in]``, no bias or one of ``out``, no submodules; its
+    forward must be ``x @ weight.T + bias``, which the split layer computes."""
+    weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+    return (isinstance(weight, nn.Parameter) and weight.dim() == 2 and not any(True for _ in module.children())
+            and (bias is None or isinstance(bias, nn.Parameter) and tuple(bias.shape) == (weight.shape[0],)))
+
+
 def _summed_over(group: ProcessGroup | None) -> Callable[[torch.Tensor], torch.Tensor]:
     """The gradient hook of a ``grad_allreduce`` parameter: its gradient summed over the group."""
     def hook(grad: torch.Tensor) -> torch.Tensor:
@@ -130,12 +140,12 @@ def _parallel_layer(module: nn.Module, row: bool, dim: int, parts: Parts, gather
     """The split layer of ``module`` (its weight cut along ``dim``): DeepSpeed's ``LinearLayer`` /
     ``LinearAllreduce`` for a plain ``nn.Linear`` (so ``isinstance`` checks against DeepSpeed's classes hold), cut
     by ``sizes``; dsrun's column/row layers for a Conv1D or fused sub-parameters, cut part by part."""
-    if isinstance(module, nn.Linear) and part_count(parts) == 1:
+    if not is_conv1d(module) and part_count(parts) == 1:
         placement = {"tp_rank": tp.rank, "tp_size": tp.size, "shard_sizes": sizes, "name": name}
         if row:
             return LinearAllreduce(module, group, **placement)
         return LinearLayer(module, group, gather_output=gather, **placement)
-    if isinstance(module, nn.Linear):  # fused sub-parameters: DeepSpeed's SubParam layers, cut by dsrun's widths
+    if not is_conv1d(module):  # fused sub-parameters: DeepSpeed's SubParam layers, cut by dsrun's widths
         widths = rank_widths(module.weight.shape[dim], parts, tp.size)
         sub = tuple(sum(part) for part in widths)
         placement = {"tp_rank": tp.rank, "tp_size": tp.size, "subparam_shard_widths": widths, "name": name}
@@ -174,7 +184,8 @@ def split_by_specs(model: nn.Module, config: AutoTPConfig, group: ProcessGroup |
             if isinstance(child, nn.Embedding) and spec is not None and spec.partition_type is not PartitionType.SKIP:
                 raise ConfigError(Problem(f"{source}: {name}", "a split embedding "
                                           "(vocabulary-parallel) is not built", "skip it, or leave it unmatched"))
-            if not is_linear(child):
+            if not (is_linear(child) or _linear_like(child) and spec is not None
+                    and spec.partition_type is not PartitionType.SKIP):
                 continue
             if spec is None:
                 if config.strict_mode:

@@ -35,6 +35,7 @@ from dsrun.sequence.groups import (  # noqa: F401,E402  (Ulysses: the sequence-p
     _get_sequence_data_parallel_rank,
 )
 from dsrun.tensor_parallel.groups import (  # noqa: F401,E402  (AutoTP: the tensor-parallel groups)
+    _init_tp_mesh_device,
     get_tensor_model_parallel_group,
     get_model_parallel_group,
     get_data_parallel_group,

@@ -179,6 +179,8 @@ def test_rules_leave_unmatched_and_skipped_linears_whole_and_gather_outputs():
      r"partition_config.layer_specs\[0\].partition_type: got 'diagonal'"),
     ({"partition_config": {"layer_specs": [{"patterns": ["("]}]}}, "is not a regular expression"),
     ({"partition_config": {"layer_specs": [{"patterns": ["x"], "shape": [2, 0]}]}}, "shape: entry 0"),
+    ({"partition_config": {"layer_specs": [{"patterns": ["x"], "shape": [2, [1, 1]]}]}},
+     "shape: nested tuple only allowed at partition_dim=0"),
     ({"partition_config": {"layer_specs": [{"patterns": ["x"], "grad_allreduce": True}]}},
      "grad_allreduce: applies to skip specs only"),
     ({"vocab_parallel_ce_backend": "liger"}, "tensor_parallel.vocab_parallel_ce_backend: got 'liger': Liger's fused "

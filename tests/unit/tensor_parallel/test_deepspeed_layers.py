@@ -203,19 +203,34 @@ def _fused_layers_autotp_and_head_tables(rank: int, group: object) -> None:
     from dsrun.tensor_parallel.autotp_config import AutoTPConfig
     from dsrun.tensor_parallel.deepspeed_autotp import AutoTP
 
-    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 24), nn.Linear(8, 8))
+    from dsrun.tensor_parallel import groups as tp_groups
+
+    class Custom(nn.Module):  # a linear that is not nn.Linear: a rule naming it splits it as one (DeepSpeed's)
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight, self.bias = nn.Parameter(torch.randn(6, 8)), nn.Parameter(torch.randn(6))
+
+        def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+            return inputs @ self.weight.t() + self.bias
+
+    _, tp_group = tp_groups._init_tp_mesh_device(tensor_model_parallel_size=2)  # DeepSpeed's groups, no engine
+    assert tp_groups.get_tensor_model_parallel_world_size() == 2 and tp_groups._init_tp_mesh_device(2) is None
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 24), nn.Linear(8, 8), Custom())
     whole_model = copy.deepcopy(model)
     rules = AutoTPConfig.from_dict({"use_default_specs": False, "layer_specs": [
-        {"patterns": [r"0\.weight$"], "partition_type": "row"}, {"patterns": [r"1\.weight$"], "partition_type": "column"},
+        {"patterns": [r"0\.weight$"], "partition_type": "row"},
+        {"patterns": [r"1\.weight$", r"4\.weight$"], "partition_type": "column"},
         {"patterns": [r"2\.weight$"], "partition_type": "column", "shape": [[8, 8, 8], -1], "partition_dim": 0}]})
     autotp = AutoTP(module=model, all_reduce_linears=[], prefix="", state_dict=None, linear_layer_setting=None,
                     orig_layer_impl=None, partition_config=rules)
-    autotp.set_tensor_parallel_config(2, group)
+    autotp.set_tensor_parallel_config(2, tp_group)
     autotp.update_linear_policies()
     autotp._replace_module(model)
-    assert [type(m).__name__ for m in model] == ["LinearAllreduce", "LinearLayer", "SubParamLinearLayer", "Linear"]
+    assert [type(m).__name__ for m in model] == ["LinearAllreduce", "LinearLayer", "SubParamLinearLayer", "Linear",
+                                                 "LinearLayer"]
     assert model[2]._subparam_sizes == (8, 8, 8) and model[2].weight.shape == (12, 8)
     torch.testing.assert_close(model[0](x[:, 4 * rank:4 * rank + 4]), whole_model[0](x))
+    torch.testing.assert_close(model[4](x), whole_model[4](x)[:, 3 * rank:3 * rank + 3])
     with pytest.raises(ValueError, match="is not a linear class dsrun's split cuts"):
         AutoTP(model, [], "", None, (nn.LayerNorm,), None).update_linear_policies()
     shard_sizes.set_num_kv_heads(3)  # 12 heads in 3 key/value groups over 2 ranks: 8 and 4; an MLP's 12: 6 and 6
