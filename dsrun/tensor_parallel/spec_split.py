@@ -43,7 +43,8 @@ from .autotp_config import AutoTPConfig, PartitionType, TPLayerSpec, partition_c
 from .deepspeed_layers import LinearAllreduce, LinearLayer, gather_output_slices
 from .hf_plan import rules_from_hf_plan
 from .layers import ColumnParallelLinear, RowParallelLinear, TensorParallelLinear
-from .split import TPLayout, cut_parameter, cut_widths, head_dim_of, kv_head_shares, model_num_kv_heads, split_meta_model
+from .split import (TPLayout, cut_parameter, cut_widths, head_dim_of, model_num_kv_heads, split_meta_model,
+                    uneven_kv_share)
 from .subparam_layers import SubParamLinearAllreduce, SubParamLinearLayer
 
 if TYPE_CHECKING:
@@ -195,10 +196,7 @@ def split_by_specs(model: nn.Module, config: AutoTPConfig, group: ProcessGroup |
             plan.append((parent, attr, name, child, spec))
     owners = _weight_owners(model)
     kv_heads = model_num_kv_heads(model)
-    share = None  # this rank's key/value groups when they do not divide evenly (DeepSpeed's uneven head cut)
-    if kv_heads and kv_heads % tp_size:
-        shares = kv_head_shares(kv_heads, tp_size)
-        share = (sum(shares[:tp_rank]), shares[tp_rank], kv_heads)
+    share = uneven_kv_share(kv_heads, tp_size, tp_rank)  # this rank's key/value groups when they do not divide
     for parent, attr, name, module, spec in plan:
         if spec.partition_type is PartitionType.SKIP:
             continue

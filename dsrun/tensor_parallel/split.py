@@ -13,6 +13,7 @@ and the number of fused parts, which is all a checkpoint needs to put the ranks'
 """
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -32,6 +33,8 @@ from .shard_sizes import grain_widths
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+
+log = logging.getLogger("DeepSpeed")
 
 
 @dataclass
@@ -64,6 +67,19 @@ def kv_head_shares(kv_heads: int, tp_size: int) -> tuple[int, ...]:
     """DeepSpeed's cut of ``kv_heads`` key/value heads over ``tp_size`` ranks (``tp_shard.get_shard_size`` with
     ``num_kv_heads`` set): as evenly as possible, the first ranks one more; a rank past the head count holds none."""
     return tuple(kv_heads // tp_size + (1 if rank < kv_heads % tp_size else 0) for rank in range(tp_size))
+
+
+def uneven_kv_share(kv_heads: int | None, tp_size: int, tp_rank: int) -> tuple[int, int, int] | None:
+    """This rank's key/value groups ``(first, count, total)`` when ``tp_size`` does not divide the model's
+    ``kv_heads`` (DeepSpeed's uneven cut; warned, as DeepSpeed warns, when some ranks hold no heads), else None."""
+    if not kv_heads or kv_heads % tp_size == 0:
+        return None
+    if tp_size > kv_heads:
+        log.warning("AutoTP: autotp_size (%d) exceeds the model's key-value head count (%d); ranks beyond the head "
+                    "count hold no attention shard and attention throughput will not scale past that point",
+                    tp_size, kv_heads)
+    shares = kv_head_shares(kv_heads, tp_size)
+    return sum(shares[:tp_rank]), shares[tp_rank], kv_heads
 
 
 def cut_widths(sizes: list[int], tp_size: int, head_dim: int | None, grain: int, where: str,
@@ -133,13 +149,9 @@ def split_for_training(model: nn.Module, group: ProcessGroup | None, tp_rank: in
     key/value heads, by DeepSpeed's key/value groups (the head counts scaled to this rank's share)."""
     tp = TPGroup(group, tp_rank, tp_size)
     kv_heads = model_num_kv_heads(model)
-    share = None
-    if kv_heads and kv_heads % tp_size:  # DeepSpeed's uneven cut by key/value groups: cut_widths checks each cut
-        shares = kv_head_shares(kv_heads, tp_size)
-        share = (sum(shares[:tp_rank]), shares[tp_rank], kv_heads)
-        plans = plan_model(model)
-    else:
-        plans = check_split(model, tp_size)
+    share = uneven_kv_share(kv_heads, tp_size, tp_rank)
+    # DeepSpeed's uneven cut by key/value groups: cut_widths checks each cut
+    plans = check_split(model, tp_size) if share is None else plan_model(model)
     layout = TPLayout(tp_size, tp_rank)
     for plan in plans:
         attention: dict[int, tuple[nn.Module, str]] = {}
