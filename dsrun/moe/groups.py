@@ -152,6 +152,16 @@ def _get_max_expert_size_name() -> str | None:
     return None if size is None else expert_group_name(size)
 
 
+def _get_max_expert_parallel_group() -> Any:
+    """The expert-parallel group of the largest expert-parallel size created (where an overflow in any
+    expert shows up)."""
+    name = _get_max_expert_size_name()
+    if name is None:
+        raise RuntimeError("expert parallel group is not initialized: create one first "
+                           "(groups._create_expert_and_data_parallel(ep_size), or build an MoE layer)")
+    return _get_expert_parallel_group(name)
+
+
 def _get_data_parallel_group() -> Any:
     return _groups().data
 

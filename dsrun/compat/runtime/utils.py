@@ -3,13 +3,17 @@
 layer partitioning, ``partition_uniform(num_items, num_parts)``, ``partition_balanced(weights, num_parts)`` and
 ``prefix_sum_inc`` (home: :mod:`dsrun.pipe.partition`; the same cuts as DeepSpeed's, as lists of ints),
 ``PartitionedTensor`` (home: :mod:`dsrun.pipe.partitioned_tensor`), ``call_to_str`` (home:
-:mod:`dsrun.utils.logging`) and ``is_model_parallel_parameter`` (home: :mod:`dsrun.tensor_parallel.layers`)."""
+:mod:`dsrun.utils.logging`), ``is_model_parallel_parameter`` (home: :mod:`dsrun.tensor_parallel.layers`) and the
+gradient helpers ``clip_grad_norm_``, ``get_weight_norm``, ``CheckOverflow``, ``count_used_parameters_in_backward``
+(home: :mod:`dsrun.utils.gradients`)."""
 from dsrun.pipe.partition import partition_balanced, partition_uniform, prefix_sum_inc
 from dsrun.pipe.partitioned_tensor import PartitionedTensor
 from dsrun.profiling.memory_usage import see_memory_usage
 from dsrun.tensor_parallel.layers import is_model_parallel_parameter
+from dsrun.utils.gradients import CheckOverflow, clip_grad_norm_, count_used_parameters_in_backward, get_weight_norm
 from dsrun.utils.logging import call_to_str
 from dsrun.utils.seeding import set_random_seed
 
-__all__ = ["PartitionedTensor", "call_to_str", "is_model_parallel_parameter", "partition_balanced", "partition_uniform",
+__all__ = ["CheckOverflow", "PartitionedTensor", "call_to_str", "clip_grad_norm_", "count_used_parameters_in_backward",
+           "get_weight_norm", "is_model_parallel_parameter", "partition_balanced", "partition_uniform",
            "prefix_sum_inc", "see_memory_usage", "set_random_seed"]

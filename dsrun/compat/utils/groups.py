@@ -19,6 +19,7 @@ from dsrun.moe.groups import (  # noqa: F401
     _get_expert_parallel_src_rank,
     _get_max_expert_size,
     _get_max_expert_size_name,
+    _get_max_expert_parallel_group,
     _get_data_parallel_group,
     _get_data_parallel_world_size,
     _get_data_parallel_rank,
