@@ -19,7 +19,7 @@ import math
 import sys
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, PrivateAttr, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, PrivateAttr, model_validator
 
 from .base import DTypeName, NonNegFloat, PosInt, RawValue, Section, lower_text
 from .misc import (
@@ -55,6 +55,16 @@ from .zero import AIOConfig, ZeroConfig
 
 def _section(model: type[Section]) -> Any:
     return Field(default_factory=model)
+
+
+_LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def _logging_level_name(value: str | None) -> str | None:
+    """A logging level's name in any case, kept as written."""
+    if value is not None and value.lower() not in _LOG_LEVELS:
+        raise ValueError(f"expected one of {', '.join(_LOG_LEVELS)} (in any case)")
+    return value
 
 
 def _never_as_max_steps(value: RawValue) -> RawValue:
@@ -114,8 +124,8 @@ class DSConfig(Section):
     wall_clock_breakdown: bool = False
     dump_state: bool = False
     memory_breakdown: bool = False
-    log_level: Annotated[Literal["debug", "info", "warning", "error", "critical"] | None,
-                         BeforeValidator(lower_text)] = None
+    # kept as written ("ERROR"): DeepSpeed's engine.log_level() returns it so; compared case-insensitively
+    log_level: Annotated[str | None, AfterValidator(_logging_level_name)] = None
 
     # monitors and profilers
     tensorboard: TensorBoardConfig = _section(TensorBoardConfig)

@@ -25,10 +25,12 @@ class FP16Config(Section):
     auto_cast: bool = False
     loss_scale: NonNegFloat = 0.0
     initial_scale_power: NonNegInt = 16
-    loss_scale_window: NonNegInt = 1000
+    # any number while unused (a static scale, or fp16 off), as DeepSpeed 0.19.8 takes them; > 0 once the
+    # dynamic scaler runs (the model validator below)
+    loss_scale_window: int = 1000
     hysteresis: NonNegInt = 2
     consecutive_hysteresis: bool = False
-    min_loss_scale: NonNegFloat = 1.0
+    min_loss_scale: float = 1.0
     # Undocumented but read by DeepSpeed; requires ZeRO stage 2 (see rules).
     fp16_master_weights_and_grads: bool = False
 

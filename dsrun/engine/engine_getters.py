@@ -49,7 +49,10 @@ def facade(engine_cls: type, attr: str, part: type) -> None:
 def _delegated_method(attr: str, name: str, member: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(member)
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        return getattr(getattr(self, attr), name)(*args, **kwargs)
+        part = getattr(self, attr, None)
+        if part is None:  # called unbound on a stand-in holding the part's own state (DeepSpeed's `_config`)
+            return member(self, *args, **kwargs)
+        return getattr(part, name)(*args, **kwargs)
     return method
 
 

@@ -25,6 +25,7 @@ from torch import nn
 
 from dsrun.accelerator import get_accelerator
 from dsrun.utils.errors import ConfigError, Problem, UserError
+from dsrun.utils.logging import logger
 
 from . import moe
 from .auto_tp import BlockPlan, quantize_blocks, shard_model
@@ -40,6 +41,34 @@ def _is_dsrun_gpt(model: nn.Module) -> bool:
     return isinstance(model, GPT)
 
 
+# The layers DeepSpeed v1's kernel injection replaces (its ``replace_policies``/``generic_policies``, by the module
+# and class each policy names): on a model holding one, DeepSpeed swaps in CUDA kernels, which dsrun does not have.
+KERNEL_INJECTION_LAYERS = frozenset({
+    "transformers.models.bert.modeling_bert.BertLayer", "transformers.models.roberta.modeling_roberta.RobertaLayer",
+    "transformers.models.distilbert.modeling_distilbert.TransformerBlock",
+    "transformers.models.gpt2.modeling_gpt2.GPT2Block", "transformers.models.gptj.modeling_gptj.GPTJBlock",
+    "transformers.models.gpt_neo.modeling_gpt_neo.GPTNeoBlock",
+    "transformers.models.gpt_neox.modeling_gpt_neox.GPTNeoXLayer",
+    "transformers.models.bloom.modeling_bloom.BloomBlock", "transformers.models.opt.modeling_opt.OPTDecoderLayer",
+    "transformers.models.clip.modeling_clip.CLIPEncoderLayer", "transformers.models.llama.modeling_llama.LlamaDecoderLayer",
+    "llama.model.TransformerBlock", "megatron.model.transformer.ParallelTransformerLayer",
+    "diffusers.models.unet_2d_condition.UNet2DConditionModel",
+    "diffusers.models.unets.unet_2d_condition.UNet2DConditionModel",
+    "diffusers.models.autoencoders.autoencoder_kl.AutoencoderKL", "diffusers.models.vae.AutoencoderKL",
+    "diffusers.models.autoencoder_kl.AutoencoderKL"})
+
+
+def kernel_injection_layer(model: nn.Module) -> str | None:
+    """The first layer class of ``model`` that DeepSpeed's kernel injection would replace (None: none is there,
+    and DeepSpeed's injection leaves the model as it is); InternLM's decoder layers are matched by name, as
+    DeepSpeed finds them in whatever remote-code module holds them."""
+    for module in model.modules():
+        cls = type(module)
+        if f"{cls.__module__}.{cls.__qualname__}" in KERNEL_INJECTION_LAYERS or cls.__name__ == "InternLMDecoderLayer":
+            return cls.__name__
+    return None
+
+
 class InferenceEngine(nn.Module):
     """A model prepared for inference: split, quantized, fused as its config says."""
 
@@ -51,10 +80,12 @@ class InferenceEngine(nn.Module):
         self._config = config
         device = get_accelerator().device()
         problems = refusals(config, device.type)
-        if config.replace_with_kernel_inject and not _is_dsrun_gpt(model):
-            problems.append(Problem("init_inference.replace_with_kernel_inject", f"the fused path exists for "
-                                    f"dsrun's GPT, not {type(model).__name__}", "leave it false: automatic "
-                                    "tensor parallelism splits any Transformer"))
+        injected = kernel_injection_layer(model) if config.replace_with_kernel_inject else None
+        if injected is not None and not _is_dsrun_gpt(model):
+            problems.append(Problem("init_inference.replace_with_kernel_inject", f"DeepSpeed would swap CUDA kernels "
+                                    f"into {type(model).__name__}'s {injected} layers; dsrun's fused path exists for "
+                                    f"dsrun's GPT only", "leave it false: automatic tensor parallelism splits any "
+                                    "Transformer"))
         problems += moe.check(model, config)
         if problems:
             raise ConfigError(problems)
@@ -75,8 +106,11 @@ class InferenceEngine(nn.Module):
             param.requires_grad_(False)
         self.module = model.to(device).eval()
         fused = None
-        if config.replace_with_kernel_inject:
+        if config.replace_with_kernel_inject and _is_dsrun_gpt(model):
             fused = FusedGPT(model, config.max_out_tokens, config.min_out_tokens, config.triangular_masking)
+        elif config.replace_with_kernel_inject:  # no layer a kernel policy names: DeepSpeed replaces nothing either
+            logger.info(f"init_inference: replace_with_kernel_inject: {type(model).__name__} has no layer a "
+                        f"kernel-injection policy replaces; its own forward runs, as under DeepSpeed")
         self.__dict__["fused"] = fused  # not a submodule: it holds the module's own weights, not copies
 
     # ------------------------------------------------------------------------------------------- set-up

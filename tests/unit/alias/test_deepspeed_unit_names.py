@@ -112,6 +112,11 @@ def test_config_getters_read_the_raw_dict():
     assert get_gradient_clipping({}) == GRADIENT_CLIPPING_DEFAULT == 1.0
     assert get_gradient_clipping({"gradient_clipping": 0.5}) == 0.5
     assert DeepSpeedFP16Config(enabled=True, loss_scale=0).dynamic_loss_scale
+    # the dynamic scaler's window and floor: any number while unused (static scale, fp16 off), > 0 once it runs
+    assert DeepSpeedFP16Config(enabled=True, loss_scale=128, loss_scale_window=-1).loss_scale_window == -1
+    assert DeepSpeedFP16Config(enabled=False, min_loss_scale=-1).min_loss_scale == -1
+    with pytest.raises(ValueError, match="min_loss_scale must be > 0"):
+        DeepSpeedFP16Config(enabled=True, loss_scale=0, min_loss_scale=-1)
     assert _deepspeed("deepspeed.utils.timer").trim_mean([3.0, 1.0, 2.0], 0.1) == 2.0
     assert _deepspeed("deepspeed.utils.comms_logging").CommsLogger is not None
 

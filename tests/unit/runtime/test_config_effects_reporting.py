@@ -245,7 +245,11 @@ def _log_level(**_):
             logger.info("not shown")
             logger.error("shown")
         assert seen.lines == ["shown"]
-        assert engine({"log_level": "DEBUG"}).log_level() == "debug" and logger.getEffectiveLevel() == logging.DEBUG
+        # kept as written, as DeepSpeed's getter returns it; any case is a level, anything else is refused
+        assert engine({"log_level": "DEBUG"}).log_level() == "DEBUG" and logger.getEffectiveLevel() == logging.DEBUG
+        from dsrun.utils.errors import ConfigError
+        with pytest.raises(ConfigError, match="log_level: got 'loud'; .*expected one of debug, info"):
+            engine({"log_level": "loud"})
     finally:
         logger.setLevel(saved[0])
         for handler, level in zip(logger.handlers, saved[1:]):

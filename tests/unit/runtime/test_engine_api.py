@@ -48,6 +48,16 @@ def test_signatures_match_deepspeed() -> None:
     assert list(backward) == ["loss", "allreduce_gradients", "release_loss", "retain_graph", "scale_wrt_gas"]
 
 
+def test_config_getters_called_unbound_read_a_stand_ins_config() -> None:
+    """DeepSpeed's getters read ``self._config``: called on the class with a stand-in holding only that, they
+    answer from it (DeepSpeed's own tests do so)."""
+    import types
+
+    stand_in = types.SimpleNamespace(_config=types.SimpleNamespace(log_level="ERROR", gradient_clipping=0.5))
+    assert dsrun.DeepSpeedEngine.log_level(stand_in) == "ERROR"
+    assert dsrun.DeepSpeedEngine.gradient_clipping(stand_in) == 0.5
+
+
 def test_initialize_returns_engine_optimizer_loader_scheduler() -> None:
     data = torch.utils.data.TensorDataset(*_batch(6))
     engine, optimizer, loader, scheduler = dsrun.initialize(
