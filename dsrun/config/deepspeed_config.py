@@ -15,6 +15,7 @@ from typing import Protocol
 
 from dsrun.config import DSConfig
 from dsrun.config import load_ds_config
+from dsrun.config.batch import resolve_batch
 from dsrun.config.sources import read_config_source
 from dsrun.config.monitoring import DeepSpeedMonitorConfig
 from dsrun.utils.errors import ConfigError
@@ -111,6 +112,18 @@ class DeepSpeedConfig:
         self.flops_profiler_config = c.flops_profiler
         self.monitor_config = DeepSpeedMonitorConfig(tensorboard=c.tensorboard, wandb=c.wandb,
                                                      csv_monitor=c.csv_monitor, comet=c.comet)
+
+    def _configure_train_batch_size(self) -> None:
+        """DeepSpeed's batch arithmetic over the three attributes as they are now (a caller may have set any to
+        None): fills in the missing ones as :func:`dsrun.config.batch.resolve_batch` does and raises
+        AssertionError, as DeepSpeed's bare asserts do, where they cannot be made consistent."""
+        resolved, problems = resolve_batch(self.train_batch_size, self.train_micro_batch_size_per_gpu,
+                                           self.gradient_accumulation_steps, self.world_size, "torch.distributed")
+        if problems:
+            raise AssertionError("; ".join(str(problem) for problem in problems))
+        self.train_batch_size = resolved.train_batch_size
+        self.train_micro_batch_size_per_gpu = resolved.train_micro_batch_size_per_gpu
+        self.gradient_accumulation_steps = resolved.gradient_accumulation_steps
 
     def print(self, name: str) -> None:
         """Log every setting, as DeepSpeed's ``DeepSpeedConfig.print`` does."""

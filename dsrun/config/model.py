@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import AfterValidator, BeforeValidator, Field, PrivateAttr, model_validator
 
@@ -55,6 +55,13 @@ from .zero import AIOConfig, ZeroConfig
 
 def _section(model: type[Section]) -> Any:
     return Field(default_factory=model)
+
+
+def _allreduce_op_name(value: str) -> str:
+    """``mean`` or ``sum`` (DeepSpeed's words for a bad one: "Invalid gradient_allreduce_op")."""
+    if value not in ("mean", "sum"):
+        raise ValueError("Invalid gradient_allreduce_op: expected 'mean' or 'sum'")
+    return value
 
 
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -101,7 +108,7 @@ class DSConfig(Section):
     gradient_predivide_factor: NonNegFloat = 1.0
     sparse_gradients: bool = False
     disable_allgather: bool = False
-    gradient_allreduce_op: Annotated[Literal["mean", "sum"], BeforeValidator(lower_text)] = "mean"
+    gradient_allreduce_op: Annotated[str, BeforeValidator(lower_text), AfterValidator(_allreduce_op_name)] = "mean"
 
     # precision
     fp16: FP16Config = _section(FP16Config)

@@ -26,6 +26,16 @@ def test_deepspeed_config_resolves_the_batch_and_exposes_deepspeeds_flat_names()
     assert config._param_dict["train_batch_size"] == 8
     with pytest.raises(DeepSpeedConfigError, match="zero_optimization.stage"):
         DeepSpeedConfig({"train_batch_size": 8, "zero_optimization": {"stage": 7}})
+    with pytest.raises(DeepSpeedConfigError, match="Invalid gradient_allreduce_op: expected 'mean' or 'sum'"):
+        DeepSpeedConfig({"train_batch_size": 8, "gradient_allreduce_op": "max"})
+    # DeepSpeed's batch arithmetic again over the attributes as a caller left them (None: fill it in)
+    config.world_size = 2
+    config.train_batch_size, config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps = 32, 8, None
+    config._configure_train_batch_size()
+    assert config.gradient_accumulation_steps == 2
+    config.train_batch_size, config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps = 32, 18, 1
+    with pytest.raises(AssertionError, match="train_batch_size 32 != train_micro_batch_size_per_gpu 18"):
+        config._configure_train_batch_size()
 
 
 def test_set_random_seed_makes_every_generator_repeat():
