@@ -3,12 +3,14 @@ flags and torch version; built ahead of time with ``dsrun ops build`` or ``DSRUN
 
 ``ALL_OPS`` maps each op name to its builder class; ``get_builder(name)`` returns a fresh builder.
 ``DEEPSPEED_ONLY`` are DeepSpeed's builder names (``FusedAdamBuilder`` loads the CPU Adam op; the CUDA ones say
-they are not built here), for ``deepspeed.ops.op_builder`` imports and ``deepspeed.ops.__compatible_ops__``.
+they are not built here; ``CUDAOpBuilder`` computes DeepSpeed's CUDA build plan, as ``EvoformerAttnBuilder``'s
+CUTLASS search does, without building), for ``deepspeed.ops.op_builder`` imports and ``deepspeed.ops.__compatible_ops__``.
 """
 from __future__ import annotations
 
 from op_builder.builder import (
     CompilerUnavailableError,
+    CUDAOpBuilder,
     OpBuilder,
     OpBuildError,
     cache_root,
@@ -16,6 +18,7 @@ from op_builder.builder import (
     csrc_root,
     simd_level,
 )
+from op_builder.evoformer_attn import EvoformerAttnBuilder
 from op_builder.cpu_ops import AsyncIOBuilder, CPUAdagradBuilder, CPUAdamBuilder, CPULionBuilder, HostCacheBuilder
 from op_builder.deepspeed_names import (
     DEEPSPEED_ONLY,
@@ -43,7 +46,7 @@ def get_builder(name: str) -> OpBuilder:
         raise ValueError(f"unknown op {name!r}; expected one of {', '.join(ALL_OPS)}") from None
 
 
-__all__ = ["ALL_OPS", "DEEPSPEED_ONLY", "FusedAdamBuilder", "FusedLambBuilder", "FusedLionBuilder", "InferenceBuilder", "PinMemoryBuilder",
+__all__ = ["ALL_OPS", "CUDAOpBuilder", "DEEPSPEED_ONLY", "EvoformerAttnBuilder", "FusedAdamBuilder", "FusedLambBuilder", "FusedLionBuilder", "InferenceBuilder", "PinMemoryBuilder",
            "QuantizerBuilder", "SparseAttnBuilder", "TransformerBuilder", "UtilsBuilder", "AsyncIOBuilder", "CPUAdagradBuilder", "CPUAdamBuilder", "CPULionBuilder",
            "HostCacheBuilder",
            "CompilerUnavailableError", "OpBuildError", "OpBuilder", "cache_root", "compiler", "csrc_root",

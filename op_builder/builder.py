@@ -274,6 +274,110 @@ class OpBuilder:
         return module
 
 
+# DeepSpeed's default CUDA targets when TORCH_CUDA_ARCH_LIST and the caller name none (before the toolkit's own)
+DEFAULT_COMPUTE_CAPABILITIES = "6.0;6.1;7.0"
+
+
+def installed_cuda_version() -> tuple[int, int]:
+    """The CUDA toolkit's (major, minor) from ``nvcc -V`` under torch's ``CUDA_HOME``; OpBuildError without one."""
+    from torch.utils import cpp_extension
+
+    if cpp_extension.CUDA_HOME is None:
+        raise OpBuildError("CUDA_HOME does not exist, unable to compile CUDA op(s)")
+    nvcc = os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc")
+    try:
+        words = subprocess.check_output([nvcc, "-V"], text=True).split()
+    except (OSError, subprocess.SubprocessError) as err:
+        raise OpBuildError(f"unable to run {nvcc}, unable to compile CUDA op(s): {err}") from None
+    major, minor = words[words.index("release") + 1].rstrip(",").split(".")[:2]
+    return int(major), int(minor)
+
+
+class CUDAOpBuilder(OpBuilder):
+    """A DeepSpeed CUDA op: DeepSpeed's build plan for it (the target compute capabilities each op keeps,
+    ``compute_capability_args``' ``-gencode`` flags, ``nvcc_args``, the header search a subclass does), which
+    dsrun computes as DeepSpeed does but never builds: dsrun compiles CPU ops only, so ``is_compatible()`` is
+    False with the reason and ``load()`` raises :class:`OpBuildError`."""
+
+    def __init__(self, name: str | None = None) -> None:
+        super().__init__()
+        self.name = self.NAME if name is None else name
+        self.error_log: str | None = None
+        self.enable_bf16 = False
+
+    def warning(self, msg: str) -> None:
+        """DeepSpeed's builder warning: kept as ``error_log`` and printed."""
+        self.error_log = msg
+        print(f"[WARNING] {msg}", file=sys.stderr, flush=True)
+
+    @staticmethod
+    def is_rocm_pytorch() -> bool:
+        import torch
+
+        return getattr(torch.version, "hip", None) is not None
+
+    def cuda_capability_major(self) -> int | None:
+        """Device 0's compute-capability major, only where a CUDA context already exists (probing would create
+        one, which a forked child could not use); None otherwise."""
+        import torch
+
+        if not torch.cuda.is_initialized() or getattr(torch.cuda, "_is_in_bad_fork", lambda: False)():
+            return None
+        return torch.cuda.get_device_properties(0).major
+
+    def include_paths(self) -> list[str]:
+        return []
+
+    def filter_ccs(self, ccs: list[str]) -> list[list[str]]:
+        """The targets this op keeps, each split as ``[major, minor]`` (``"8.0+PTX"`` -> ``["8", "0+PTX"]``);
+        a subclass drops those its kernels cannot run on, and says which."""
+        return [cc.split(".") for cc in ccs]
+
+    def compute_capability_args(self, cross_compile_archs: str | None = None) -> list[str]:
+        """One ``-gencode ... code=sm_XY`` flag per target (and a ``compute_XY`` PTX flag where any spelling of
+        it asks for ``+PTX``), sorted and without duplicates; the targets are ``TORCH_CUDA_ARCH_LIST`` (``;`` or
+        spaces), else ``cross_compile_archs``, else DeepSpeed's defaults, then :meth:`filter_ccs`."""
+        archs = os.environ.get("TORCH_CUDA_ARCH_LIST")
+        archs = archs.replace(" ", ";") if archs is not None else (cross_compile_archs or DEFAULT_COMPUTE_CAPABILITIES)
+        ccs = self.filter_ccs([cc.strip() for cc in archs.split(";") if cc.strip()])
+        if not ccs:
+            raise RuntimeError(f"Unable to load {self.name} op due to no compute capabilities remaining after "
+                               "filtering")
+        ptx: dict[tuple[int, int], bool] = {}
+        for major, minor in ccs:
+            key = (int(major), int(minor.split("+")[0]))
+            ptx[key] = ptx.get(key, False) or minor.endswith("+PTX")
+        self.enable_bf16 = all(major > 7 for major, _ in ptx)
+        args = []
+        for (major, minor), has_ptx in sorted(ptx.items()):
+            args.append(f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}")
+            if has_ptx:
+                args.append(f"-gencode=arch=compute_{major}{minor},code=compute_{major}{minor}")
+        return args
+
+    def nvcc_args(self) -> list[str]:
+        """DeepSpeed's nvcc flags for this op; none where there is no CUDA toolkit (DeepSpeed then builds the
+        op's C++ part only)."""
+        try:
+            cuda_major, cuda_minor = installed_cuda_version()
+        except OpBuildError:
+            return []
+        std = "-std=c++14" if cuda_major <= 10 else "-std=c++20" if (cuda_major, cuda_minor) >= (12, 5) else "-std=c++17"
+        threads = os.environ.get("DS_NVCC_THREADS", "")
+        threads = int(threads) if threads.isdigit() and int(threads) > 0 else min(os.cpu_count() or 1, 8)
+        args = ["-O3", "--use_fast_math", std, "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
+                "-U__CUDA_NO_HALF2_OPERATORS__", f"--threads={threads}"]
+        if os.environ.get("DS_DEBUG_CUDA_BUILD", "0") == "1":
+            args.append("--ptxas-options=-v")
+        return args + self.compute_capability_args()
+
+    def is_compatible(self, verbose: bool = False) -> tuple[bool, str]:
+        return False, f"op '{self.name}' is a DeepSpeed CUDA kernel dsrun does not build (dsrun compiles CPU ops only)"
+
+    def load(self, verbose: bool = False) -> ModuleType:
+        raise OpBuildError(self.is_compatible()[1])
+
+
 def announce_build(name: str, build_dir: Path) -> bool:
     """Say that op ``name`` is being compiled (30-60 s on first use, so a quiet pause is not mistaken for a
     hang), once per machine: the ranks of a node build it together, and only local rank 0 says so."""

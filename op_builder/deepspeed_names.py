@@ -15,6 +15,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from op_builder.builder import OpBuilder, OpBuildError
 from op_builder.cpu_ops import CPUAdamBuilder
+from op_builder.evoformer_attn import EvoformerAttnBuilder
 
 
 class FusedAdamBuilder(CPUAdamBuilder):
@@ -102,4 +103,4 @@ class InferenceBuilder(_Unbuilt):
 
 DEEPSPEED_ONLY: tuple[type[OpBuilder], ...] = (FusedAdamBuilder, FusedLambBuilder, FusedLionBuilder,
                                                 TransformerBuilder, SparseAttnBuilder, QuantizerBuilder,
-                                                InferenceBuilder, UtilsBuilder, PinMemoryBuilder)
+                                                InferenceBuilder, UtilsBuilder, PinMemoryBuilder, EvoformerAttnBuilder)
