@@ -31,6 +31,7 @@ _LAZY: dict[str, str] = {
     "inference": "dsrun.inference:",
     "elasticity": "dsrun.elasticity:",
     "moe": "dsrun.moe:",
+    "linear": "dsrun.linear:",
     # DeepSpeed's other top-level names (deepspeed/__init__.py)
     "DeepSpeedConfig": "dsrun.config.deepspeed_config:DeepSpeedConfig",
     "DeepSpeedConfigError": "dsrun.config.deepspeed_config:DeepSpeedConfigError",

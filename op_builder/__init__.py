@@ -22,6 +22,7 @@ from op_builder.evoformer_attn import EvoformerAttnBuilder
 from op_builder.cpu_ops import AsyncIOBuilder, CPUAdagradBuilder, CPUAdamBuilder, CPULionBuilder, HostCacheBuilder
 from op_builder.deepspeed_names import (
     DEEPSPEED_ONLY,
+    FPQuantizerBuilder,
     FusedAdamBuilder,
     FusedLambBuilder,
     FusedLionBuilder,
@@ -46,7 +47,7 @@ def get_builder(name: str) -> OpBuilder:
         raise ValueError(f"unknown op {name!r}; expected one of {', '.join(ALL_OPS)}") from None
 
 
-__all__ = ["ALL_OPS", "CUDAOpBuilder", "DEEPSPEED_ONLY", "EvoformerAttnBuilder", "FusedAdamBuilder", "FusedLambBuilder", "FusedLionBuilder", "InferenceBuilder", "PinMemoryBuilder",
+__all__ = ["ALL_OPS", "CUDAOpBuilder", "DEEPSPEED_ONLY", "EvoformerAttnBuilder", "FPQuantizerBuilder", "FusedAdamBuilder", "FusedLambBuilder", "FusedLionBuilder", "InferenceBuilder", "PinMemoryBuilder",
            "QuantizerBuilder", "SparseAttnBuilder", "TransformerBuilder", "UtilsBuilder", "AsyncIOBuilder", "CPUAdagradBuilder", "CPUAdamBuilder", "CPULionBuilder",
            "HostCacheBuilder",
            "CompilerUnavailableError", "OpBuildError", "OpBuilder", "cache_root", "compiler", "csrc_root",

@@ -13,7 +13,7 @@ from types import ModuleType
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from op_builder.builder import OpBuilder, OpBuildError
+from op_builder.builder import CUDAOpBuilder, OpBuilder, OpBuildError
 from op_builder.cpu_ops import CPUAdamBuilder
 from op_builder.evoformer_attn import EvoformerAttnBuilder
 
@@ -101,6 +101,24 @@ class InferenceBuilder(_Unbuilt):
     NAME, WHAT = "transformer_inference", "dsrun.init_inference runs plain torch modules"
 
 
+class FPQuantizerBuilder(CUDAOpBuilder):
+    """DeepSpeed's FP6/FP8/FP12 quantizer (``deepspeed.linear``'s quantized weights): a CUDA kernel for compute
+    capability 8.0 and above, never built by dsrun."""
+
+    NAME = "fp_quantizer"
+
+    def absolute_name(self) -> str:
+        return f"deepspeed.ops.fp_quantizer.{self.NAME}_op"
+
+    def filter_ccs(self, ccs: list[str]) -> list[list[str]]:
+        split = [cc.split(".") for cc in ccs]
+        pruned = [cc for cc in split if int(cc[0]) < 8]
+        if pruned:
+            self.warning(f"Filtered compute capabilities {pruned}")
+        return [cc for cc in split if int(cc[0]) >= 8]
+
+
 DEEPSPEED_ONLY: tuple[type[OpBuilder], ...] = (FusedAdamBuilder, FusedLambBuilder, FusedLionBuilder,
                                                 TransformerBuilder, SparseAttnBuilder, QuantizerBuilder,
-                                                InferenceBuilder, UtilsBuilder, PinMemoryBuilder, EvoformerAttnBuilder)
+                                                InferenceBuilder, UtilsBuilder, PinMemoryBuilder, EvoformerAttnBuilder,
+                                                FPQuantizerBuilder)

@@ -195,6 +195,8 @@ class DeepSpeedEngine(torch.nn.Module):
         src = 0 if self.dp_group is None else comm.get_global_rank(self.dp_group, 0)
         with torch.no_grad():
             for param in self.module.parameters():
+                if hasattr(param, "ds_optim_param"):  # OptimizedLinear's base-weight shard: each rank's own
+                    continue
                 members = self.groups.members_of_param(param)
                 if len(members) > 1:
                     comm.broadcast(param.data, src=members[0], group=self.groups.group_of_param(param))

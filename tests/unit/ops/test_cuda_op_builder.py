@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from op_builder import CUDAOpBuilder, EvoformerAttnBuilder, OpBuildError
+from op_builder import CUDAOpBuilder, EvoformerAttnBuilder, FPQuantizerBuilder, OpBuildError
 
 
 def _cutlass(root: Path) -> Path:
@@ -38,6 +38,9 @@ def test_gencode_flags_keep_the_targets_each_op_can_run_on(bare_env, capsys):
         "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_80,code=compute_80",
         "-gencode=arch=compute_90,code=sm_90"]
     assert evoformer.enable_bf16 and "excluding targets below SM 7.0: [['6', '0']]" in capsys.readouterr().err
+    bare_env.setenv("TORCH_CUDA_ARCH_LIST", "7.5;8.6")
+    assert FPQuantizerBuilder().compute_capability_args() == ["-gencode=arch=compute_86,code=sm_86"]  # 8.0 and up
+    assert "Filtered compute capabilities [['7', '5']]" in capsys.readouterr().err
     bare_env.setenv("TORCH_CUDA_ARCH_LIST", "6.1")
     with pytest.raises(RuntimeError, match="no compute capabilities remaining"):
         evoformer.compute_capability_args()
