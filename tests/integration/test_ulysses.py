@@ -1,6 +1,7 @@
 """DeepSpeed-Ulysses ``DistributedAttention`` on gloo ranks: each rank's output shard and its q/k/v gradients
 equal single-process attention over the whole sequence (sliced), in both layouts, and each exchange moves
-exactly (P - 1)/P of the tensor per rank."""
+exactly (P - 1)/P of the tensor per rank. In the refusal's launch, AutoSP's ViT wrapper over uneven shards
+(output and patch gradients as one process's) and its LLaVA splice."""
 from __future__ import annotations
 
 import math
@@ -81,8 +82,21 @@ def test_output_and_gradients_equal_single_process_attention(dtype_name, seq_dim
         assert got["traffic"] == 8 * got["shard_bytes"] * (world - 1) // world
 
 
-def heads_not_divisible(rank: int, world: int) -> str:
+def vit_attention(x: torch.Tensor) -> torch.Tensor:
+    """Non-causal softmax self-attention over the whole sequence (a ViT block's, without weights)."""
+    return (x @ x.transpose(-1, -2) / math.sqrt(x.shape[-1])).softmax(-1) @ x
+
+
+def vit_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(11)
+    return torch.randn(2, 1 + 5, 4, generator=gen, dtype=torch.float64), torch.randn(2, 6, 4, generator=gen,
+                                                                                     dtype=torch.float64)
+
+
+def refusal_and_autosp(rank: int, world: int) -> dict:
     from dsrun import comm
+    from dsrun.sequence.autosp_fusion import LlavaFusionAdapter
+    from dsrun.sequence.autosp_vit import UlyssesSPViTAttention
     from dsrun.sequence.layer import DistributedAttention
 
     comm.init_distributed(dist_backend="gloo")
@@ -90,13 +104,45 @@ def heads_not_divisible(rank: int, world: int) -> str:
         x = torch.zeros(4, 1, 3, 2)  # 3 heads over 2 ranks
         try:
             DistributedAttention(lambda a, b, c: a, None)(x, x, x)
+            message = "no error"
         except ValueError as err:
-            return str(err)
-        return "no error"
+            message = str(err)
+        # AutoSP: 5 patches and a [CLS] token over 2 ranks (3 + 2 patches), through a non-causal attention
+        full, dout = vit_inputs()
+        start, count = (0, 3) if rank == 0 else (3, 2)
+        pick = [0, *range(1 + start, 1 + start + count)]
+        local = full[:, pick].clone().requires_grad_()
+        attention = type("Attention", (torch.nn.Module,), {"forward": lambda self, h: vit_attention(h)})()
+        out = UlyssesSPViTAttention(attention, None, has_cls_token=True)(local)
+        (out * dout[:, pick]).sum().backward()
+        # LLaVA: 2 visual tokens per rank spliced at the placeholder of 6 text tokens: 9 fused, padded to 10
+        visual = torch.arange(16, dtype=torch.float64).reshape(1, 4, 4)
+        text, ids = -torch.ones(1, 6, 4, dtype=torch.float64), torch.zeros(1, 6, dtype=torch.long)
+        ids[0, 1] = -200
+        fused = LlavaFusionAdapter(torch.nn.Identity(), None)(visual[:, 2 * rank:2 * rank + 2], text, ids)
+        return {"message": message, "out": out.detach().numpy(), "patch_grad": local.grad[:, 1:].numpy(),
+                "fused": fused.numpy()}
     finally:
         comm.destroy_process_group()
 
 
-def test_heads_that_do_not_split_over_the_group_are_refused():
-    for message in run_ranks(heads_not_divisible, 2, timeout=60):
-        assert "size 3 does not split over 2 sequence-parallel ranks" in message
+def test_heads_that_do_not_split_over_the_group_are_refused_and_autosp_gathers_uneven_shards():
+    ranks = run_ranks(refusal_and_autosp, 2, timeout=60)
+    for got in ranks:
+        assert "size 3 does not split over 2 sequence-parallel ranks" in got["message"]
+    # the reference: one process, the whole sequence; each rank's output is the [CLS] row and its patches, and
+    # the [CLS] output is used on both ranks (so counted twice in the loss)
+    full, dout = vit_inputs()
+    x = full.clone().requires_grad_()
+    y = vit_attention(x)
+    ((y * dout).sum() + (y[:, :1] * dout[:, :1]).sum()).backward()
+    for rank, (start, count) in enumerate([(0, 3), (3, 2)]):
+        pick = [0, *range(1 + start, 1 + start + count)]
+        # the same float64 arithmetic on the same numbers: only the gather's concatenation differs (exact)
+        assert np.allclose(ranks[rank]["out"], y.detach()[:, pick].numpy(), rtol=0, atol=1e-12)
+        # every rank's output reaches the patches it came from: the gradient sums both ranks' shares
+        assert np.allclose(ranks[rank]["patch_grad"], x.grad[:, 1 + start:1 + start + count].numpy(), rtol=0,
+                           atol=1e-12)
+    visual = torch.arange(16, dtype=torch.float64).reshape(1, 4, 4)
+    want = torch.cat([-torch.ones(1, 1, 4), visual, -torch.ones(1, 4, 4), torch.zeros(1, 1, 4)], dim=1)
+    assert np.array_equal(np.concatenate([got["fused"] for got in ranks], axis=1), want.numpy())
