@@ -48,7 +48,7 @@ class Init:
         class OptimizedLinearFactory:
             """``torch.nn.Linear`` while the context is open: each call builds an OptimizedLinear."""
 
-            def __new__(cls, *args: Any, **kwargs: Any) -> torch.nn.Module:
+            def __new__(cls, *args: object, **kwargs: object) -> torch.nn.Module:
                 for torch_name, name in (("in_features", "input_dim"), ("out_features", "output_dim")):
                     if torch_name in kwargs:  # nn.Linear's keyword names
                         kwargs[name] = kwargs.pop(torch_name)

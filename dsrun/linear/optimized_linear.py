@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import is_dataclass
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,7 +30,7 @@ class OptimizedLinear(nn.Module):
     quantization config alone, else ``linear_cls`` (a plain linear)."""
 
     def __new__(cls, input_dim: int, output_dim: int, bias: bool = False, lora_config: LoRAConfig | None = None,
-                quantization_config: QuantizationConfig | None = None, device: Any = None,
+                quantization_config: QuantizationConfig | None = None, device: torch.device | str | None = None,
                 dtype: torch.dtype = torch.bfloat16, linear_cls: type[nn.Module] = nn.Linear) -> nn.Module:
         if quantization_config is not None and not is_dataclass(quantization_config):
             raise ValueError(f"Expecting QuantizationConfig but received {type(quantization_config)}")
@@ -53,7 +51,7 @@ class LoRAOptimizedLinear(nn.Module):
     module docstring. ``bias`` must be False, as in DeepSpeed."""
 
     def __init__(self, input_dim: int, output_dim: int, bias: bool = False, lora_config: LoRAConfig | None = None,
-                 quantization_config: QuantizationConfig | None = None, device: Any = None,
+                 quantization_config: QuantizationConfig | None = None, device: torch.device | str | None = None,
                  dtype: torch.dtype = torch.bfloat16, linear_cls: type[nn.Module] = nn.Linear):
         super().__init__()
         if lora_config is None:
@@ -115,7 +113,7 @@ class LoRAOptimizedLinear(nn.Module):
         self.lora_weight_1.weight.requires_grad = True
         self.lora_weight_2.weight.requires_grad = True
 
-    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any) -> None:
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: object) -> None:
         if not any(target in prefix for target in self.lora_config.target_mods):
             self.disable()  # not a LoRA target: a plain linear with the full weight
         elif self.zero_shards > 1:

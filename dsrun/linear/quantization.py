@@ -10,7 +10,7 @@ quantized whenever it is on the accelerator in another dtype than ``q_dtype`` (a
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -21,11 +21,22 @@ from dsrun.accelerator import get_accelerator
 from .config import QuantizationConfig
 
 
+class Quantizer(Protocol):
+    """DeepSpeed's ``deepspeed.ops.fp_quantizer.Quantizer`` methods a ``QuantizedParameter`` calls."""
+
+    def quantize(self, tensor: torch.Tensor, q_bits: int, q_mantisa_bits: int) -> torch.Tensor: ...
+
+    def dequantize(self, tensor: torch.Tensor, q_bits: int, q_mantisa_bits: int) -> torch.Tensor: ...
+
+    def to(self, *args: object, **kwargs: object) -> object: ...
+
+
 class QuantizedParameter(nn.Parameter):
     """A frozen parameter stored quantized; ``dequantized()`` gives the weight to compute with."""
 
     def __new__(cls, data: torch.Tensor | None = None, requires_grad: bool = False,
-                quantization_config: QuantizationConfig | None = None, quantizer: Any = None) -> "QuantizedParameter":
+                quantization_config: QuantizationConfig | None = None,
+                quantizer: Quantizer | None = None) -> "QuantizedParameter":
         if requires_grad:
             raise ValueError("requires_grad=True is not supported with QuantizedParameter (its weight is frozen)")
         if quantizer is None:
@@ -53,7 +64,7 @@ class QuantizedParameter(nn.Parameter):
             return self.quantizer.dequantize(self.data, q_bits=config.q_bits, q_mantisa_bits=config.mantissa_bits)
         return self.data
 
-    def to(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def to(self, *args: object, **kwargs: object) -> torch.Tensor:
         """Move, then quantize where it landed on the accelerator (the quantizer moves along)."""
         tensor = super().to(*args, **kwargs)
         self.quantizer.to(*args, **kwargs)
@@ -67,7 +78,7 @@ class QuantizedLinear(nn.Linear):
 
     def __init__(self, input_dim: int, output_dim: int, bias: bool = False,
                  quantization_config: QuantizationConfig | None = None, dtype: torch.dtype = torch.bfloat16,
-                 quantizer: Any = None):
+                 quantizer: Quantizer | None = None):
         if dtype != torch.bfloat16:
             raise ValueError(f"QuantizedLinear supports dtype=torch.bfloat16 only, got {dtype}")
         super().__init__(input_dim, output_dim, bias=bias, dtype=dtype)

@@ -13,8 +13,6 @@ of every rank's output reaches the patches it came from (:func:`gather_sequence`
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -68,7 +66,7 @@ class UlyssesSPViTAttention(nn.Module):
         self.world_size = comm.get_world_size(process_group)
         self.has_cls_token = has_cls_token
 
-    def forward(self, hidden_states: torch.Tensor, **kwargs: Any) -> Any:
+    def forward(self, hidden_states: torch.Tensor, **kwargs: object) -> torch.Tensor | tuple:
         cls_token = hidden_states[:, :1] if self.has_cls_token else None
         patches = hidden_states[:, 1:] if self.has_cls_token else hidden_states
         lengths = shard_lengths(patches, self.process_group)

@@ -5,12 +5,12 @@ layer partitioning, ``partition_uniform(num_items, num_parts)``, ``partition_bal
 ``PartitionedTensor`` (home: :mod:`dsrun.pipe.partitioned_tensor`), ``call_to_str`` (home:
 :mod:`dsrun.utils.logging`), ``is_model_parallel_parameter`` (home: :mod:`dsrun.tensor_parallel.layers`) and the
 gradient helpers ``clip_grad_norm_``, ``get_weight_norm``, ``CheckOverflow``, ``count_used_parameters_in_backward``
-(home: :mod:`dsrun.utils.gradients`)."""
+(home: :mod:`dsrun.tensor_parallel.megatron_grads`)."""
 from dsrun.pipe.partition import partition_balanced, partition_uniform, prefix_sum_inc
 from dsrun.pipe.partitioned_tensor import PartitionedTensor
 from dsrun.profiling.memory_usage import see_memory_usage
 from dsrun.tensor_parallel.layers import is_model_parallel_parameter
-from dsrun.utils.gradients import CheckOverflow, clip_grad_norm_, count_used_parameters_in_backward, get_weight_norm
+from dsrun.tensor_parallel.megatron_grads import CheckOverflow, clip_grad_norm_, count_used_parameters_in_backward, get_weight_norm
 from dsrun.utils.logging import call_to_str
 from dsrun.utils.seeding import set_random_seed
 

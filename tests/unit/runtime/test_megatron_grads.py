@@ -1,6 +1,7 @@
-"""DeepSpeed's gradient helpers of ``runtime.utils`` (``dsrun/utils/gradients.py``) in a one-rank gloo world:
-the clip equals torch's where there is one rank, the overflow check sees an inf in an expert gradient, the weight
-norm marks inf as -1, and the backward counter counts only the parameters the running backward reaches."""
+"""DeepSpeed's gradient helpers of ``runtime.utils`` (``dsrun/tensor_parallel/megatron_grads.py``) in a one-rank
+gloo world: the clip equals torch's where there is one rank, the overflow check sees an inf in an expert gradient,
+the weight norm marks inf as -1, and the backward counter counts only the parameters the running backward
+reaches."""
 from __future__ import annotations
 
 import math

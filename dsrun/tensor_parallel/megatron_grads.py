@@ -4,13 +4,14 @@ whose expert gradients differ clip by the same factor), ``get_weight_norm``, ``C
 any rank's expert gradients is every rank's overflow) and ``count_used_parameters_in_backward``.
 
 dsrun's engine does not call them: its strategies compute the norm and the overflow over their own shards
-(:mod:`dsrun.zero.base`). ``mpu`` is Megatron's model-parallel unit, read as DeepSpeed reads it
-(``get_model_parallel_group``, ``get_model_parallel_rank``, and ``get_tensor_model_parallel_rank`` where it has one).
+(:mod:`dsrun.zero.base`; the tensor-parallel norm is :mod:`dsrun.tensor_parallel.norm`). ``mpu`` is Megatron's
+model-parallel unit, read as DeepSpeed reads it (``get_model_parallel_group``, ``get_model_parallel_rank``, and
+``get_tensor_model_parallel_rank`` where it has one).
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Sequence
+from typing import Iterable, Protocol, Sequence
 
 import torch
 
@@ -22,11 +23,27 @@ from dsrun.tensor_parallel.layers import is_model_parallel_parameter
 PIPE_REPLICATED = "ds_pipe_replicated"
 
 
+class ModelParallelUnit(Protocol):
+    """Megatron's ``mpu``, as far as these helpers read it."""
+
+    def get_model_parallel_group(self) -> comm.ProcessGroup: ...
+
+    def get_model_parallel_rank(self) -> int: ...
+
+    def get_data_parallel_group(self) -> comm.ProcessGroup: ...
+
+
+class EngineFlags(Protocol):
+    """The engine's switch ``CheckOverflow`` reads: whether gradients are all-reduced in backward."""
+
+    enable_backward_allreduce: bool
+
+
 def _as_list(parameters: Iterable[torch.Tensor] | torch.Tensor) -> list[torch.Tensor]:
     return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
 
 
-def _tensor_model_parallel_rank(mpu: Any) -> int:
+def _tensor_model_parallel_rank(mpu: ModelParallelUnit | None) -> int:
     if mpu is None:
         return 0
     if hasattr(mpu, "get_tensor_model_parallel_rank"):
@@ -39,7 +56,7 @@ def _finite_or_minus_one(norm: float) -> float:
 
 
 def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2,
-                    mpu: Any = None) -> torch.Tensor:
+                    mpu: ModelParallelUnit | None = None) -> torch.Tensor:
     """Scale the gradients in place so their total ``norm_type``-norm is at most ``max_norm``; returns the norm.
 
     With ``mpu``, a replicated (non model-parallel) parameter counts on model-parallel rank 0 only and the norm
@@ -70,7 +87,7 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
 
 
 def get_weight_norm(parameters: Iterable[torch.Tensor] | torch.Tensor, norm_type: float = 2,
-                    mpu: Any = None) -> float:
+                    mpu: ModelParallelUnit | None = None) -> float:
     """The ``norm_type``-norm of the tensors themselves (DeepSpeed passes flattened gradients here), summed over
     the model-parallel group; ``-1`` where it is inf or NaN. A pipeline-replicated tensor, and a replicated one on
     a tensor-parallel rank other than 0, is not counted twice."""
@@ -101,8 +118,8 @@ class CheckOverflow:
     with ``mpu`` (also over the data-parallel group when ``deepspeed``, an engine, does not all-reduce in
     backward)."""
 
-    def __init__(self, param_groups: Sequence[Sequence[torch.Tensor]] | None = None, mpu: Any = None,
-                 zero_reduce_scatter: bool = False, deepspeed: Any = None):
+    def __init__(self, param_groups: Sequence[Sequence[torch.Tensor]] | None = None, mpu: ModelParallelUnit | None = None,
+                 zero_reduce_scatter: bool = False, deepspeed: EngineFlags | None = None):
         self.mpu = mpu
         self.zero_reduce_scatter = zero_reduce_scatter
         self.deepspeed = deepspeed
