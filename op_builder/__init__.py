@@ -23,6 +23,7 @@ from op_builder.cpu_ops import AsyncIOBuilder, CPUAdagradBuilder, CPUAdamBuilder
 from op_builder.deepspeed_names import (
     DEEPSPEED_ONLY,
     FPQuantizerBuilder,
+    GDSBuilder,
     FusedAdamBuilder,
     FusedLambBuilder,
     FusedLionBuilder,
@@ -47,7 +48,7 @@ def get_builder(name: str) -> OpBuilder:
         raise ValueError(f"unknown op {name!r}; expected one of {', '.join(ALL_OPS)}") from None
 
 
-__all__ = ["ALL_OPS", "CUDAOpBuilder", "DEEPSPEED_ONLY", "EvoformerAttnBuilder", "FPQuantizerBuilder", "FusedAdamBuilder", "FusedLambBuilder", "FusedLionBuilder", "InferenceBuilder", "PinMemoryBuilder",
+__all__ = ["ALL_OPS", "CUDAOpBuilder", "DEEPSPEED_ONLY", "EvoformerAttnBuilder", "FPQuantizerBuilder", "GDSBuilder", "FusedAdamBuilder", "FusedLambBuilder", "FusedLionBuilder", "InferenceBuilder", "PinMemoryBuilder",
            "QuantizerBuilder", "SparseAttnBuilder", "TransformerBuilder", "UtilsBuilder", "AsyncIOBuilder", "CPUAdagradBuilder", "CPUAdamBuilder", "CPULionBuilder",
            "HostCacheBuilder",
            "CompilerUnavailableError", "OpBuildError", "OpBuilder", "cache_root", "compiler", "csrc_root",

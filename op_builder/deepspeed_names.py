@@ -118,7 +118,17 @@ class FPQuantizerBuilder(CUDAOpBuilder):
         return [cc for cc in split if int(cc[0]) >= 8]
 
 
+class GDSBuilder(CUDAOpBuilder):
+    """DeepSpeed's GPUDirect Storage I/O (NVIDIA's cuFile: NVMe to GPU memory without a host bounce), never built
+    by dsrun; dsrun's NVMe path is the async I/O op through host buffers (``AsyncIOBuilder``)."""
+
+    NAME = "gds"
+
+    def absolute_name(self) -> str:
+        return f"deepspeed.ops.gds.{self.NAME}_op"
+
+
 DEEPSPEED_ONLY: tuple[type[OpBuilder], ...] = (FusedAdamBuilder, FusedLambBuilder, FusedLionBuilder,
                                                 TransformerBuilder, SparseAttnBuilder, QuantizerBuilder,
                                                 InferenceBuilder, UtilsBuilder, PinMemoryBuilder, EvoformerAttnBuilder,
-                                                FPQuantizerBuilder)
+                                                FPQuantizerBuilder, GDSBuilder)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from op_builder import CUDAOpBuilder, EvoformerAttnBuilder, FPQuantizerBuilder, OpBuildError
+from op_builder import CUDAOpBuilder, EvoformerAttnBuilder, FPQuantizerBuilder, GDSBuilder, OpBuildError
 
 
 def _cutlass(root: Path) -> Path:
@@ -47,7 +47,7 @@ def test_gencode_flags_keep_the_targets_each_op_can_run_on(bare_env, capsys):
     bare_env.setenv("DS_EVOFORMER_GPU_ARCH", "80")
     evoformer.nvcc_args()
     assert "DS_EVOFORMER_GPU_ARCH is deprecated and ignored" in capsys.readouterr().err
-    assert not evoformer.is_compatible()[0]
+    assert not evoformer.is_compatible()[0] and not GDSBuilder().is_compatible()[0]
     with pytest.raises(OpBuildError, match="'evoformer_attn' is a DeepSpeed CUDA kernel dsrun does not build"):
         evoformer.load()
 
