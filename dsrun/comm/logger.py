@@ -58,11 +58,14 @@ class OpStats:
 
 @dataclass
 class SizeStats:
-    """Calls of one op with one message size: how many, their traffic, and each timed call's latency."""
+    """Calls of one op with one message size: how many, their traffic, and each timed call's latency (ms) with
+    its algorithm and bus bandwidths (Gbps): DeepSpeed's record ``[count, latencies, algbws, busbws]``."""
 
     count: int = 0
     traffic_bytes: float = 0.0
-    latencies_s: list[float] = field(default_factory=list)
+    latencies_ms: list[float] = field(default_factory=list)
+    algbws: list[float] = field(default_factory=list)
+    busbws: list[float] = field(default_factory=list)
     caller: str = ""
 
 
@@ -161,7 +164,9 @@ class CommsLogger:
             stats.latency_s += latency_s
             stats.timed_calls += 1
             if self.timing(op):
-                per_size.latencies_s.append(latency_s)
+                per_size.latencies_ms.append(latency_s * 1e3)
+                per_size.algbws.append(gbps(message_bytes, latency_s))
+                per_size.busbws.append(gbps(traffic_bytes, latency_s))
         if self.enabled and self.debug and not per_size.caller:
             per_size.caller = _caller()
         if self.enabled and self.verbose and self._profiled(op) and latency_s is not None:
@@ -219,13 +224,12 @@ class CommsLogger:
             totals = self.stats[op]
             entry = ops.setdefault(op, {"count": totals.count, "message_bytes": totals.message_bytes,
                                         "traffic_bytes": totals.traffic_bytes, "sizes": []})
-            traffic_per_call = s.traffic_bytes / s.count
             row = {"message_bytes": size, "count": s.count,
-                   "total_latency_ms": sum(s.latencies_s) * 1e3,
-                   "avg_latency_ms": trim_mean(s.latencies_s) * 1e3,
-                   "algbw_gbps": trim_mean([gbps(size, t) for t in s.latencies_s]),
-                   "busbw_gbps": trim_mean([gbps(traffic_per_call, t) for t in s.latencies_s]),
-                   "timed_calls": len(s.latencies_s)}
+                   "total_latency_ms": sum(s.latencies_ms),
+                   "avg_latency_ms": trim_mean(s.latencies_ms),
+                   "algbw_gbps": trim_mean(s.algbws),
+                   "busbw_gbps": trim_mean(s.busbws),
+                   "timed_calls": len(s.latencies_ms)}
             if s.caller:
                 row["caller"] = s.caller
             entry["sizes"].append(row)
@@ -233,10 +237,63 @@ class CommsLogger:
 
     def latencies(self) -> dict[str, list[float]]:
         """Each timed call's latency per ``"op|size"`` key (what the straggler analysis compares)."""
-        return {f"{op}|{size}": list(s.latencies_s) for (op, size), s in self.by_size.items() if s.latencies_s}
+        return {f"{op}|{size}": [t / 1e3 for t in s.latencies_ms] for (op, size), s in self.by_size.items()
+                if s.latencies_ms}
 
     def summary(self) -> str:
         return format_summary(self.summary_data())
+
+    # DeepSpeed's record API: ``comms_dict`` is {op: {message size: [count, [latency ms], [algbw], [busbw]]}}
+    @property
+    def comms_dict(self) -> dict[str, dict[int, list]]:
+        """The records in DeepSpeed's layout (fresh lists: changing them changes nothing here)."""
+        out: dict[str, dict[int, list]] = {}
+        for (op, size), s in sorted(self.by_size.items()):
+            out.setdefault(op, {})[size] = [s.count, list(s.latencies_ms), list(s.algbws), list(s.busbws)]
+        return out
+
+    @comms_dict.setter
+    def comms_dict(self, records: dict[str, dict[int, list]]) -> None:
+        """Replace the records with ones in DeepSpeed's layout (a saved ``get_raw_data()``); the traffic of a
+        call is what its bus bandwidth and latency give back."""
+        self.reset()
+        for op, sizes in records.items():
+            for size, (count, latencies, algbws, busbws) in sizes.items():
+                traffic = sum(bw * 1e9 / 8 * t / 1e3 for bw, t in zip(busbws, latencies))
+                self.by_size[(op, int(size))] = SizeStats(int(count), traffic, list(latencies), list(algbws),
+                                                          list(busbws))
+                stats = self.stats.setdefault(op, OpStats())
+                stats.count += int(count)
+                stats.message_bytes += int(size) * int(count)
+                stats.traffic_bytes += traffic
+                stats.latency_s += sum(latencies) / 1e3
+                stats.timed_calls += len(latencies)
+
+    def get_raw_data(self) -> dict[str, dict[int, list]]:
+        return self.comms_dict
+
+    def has_data(self) -> bool:
+        return bool(self.by_size)
+
+    def reset_data(self) -> None:
+        self.reset()
+
+    def get_operation_names(self) -> list[str]:
+        return list(dict.fromkeys(op for op, _ in sorted(self.by_size)))
+
+    def get_total_operations(self) -> int:
+        return sum(s.count for s in self.by_size.values())
+
+    def get_operation_summary(self, operation_name: str) -> dict[int, dict[str, float | int | str]] | None:
+        """Per message size of one op: count, total and (10%-trimmed) mean latency in ms, mean algorithm and bus
+        bandwidth in Gbps, the size in bytes and as DeepSpeed prints it; None for an op never recorded."""
+        rows = {size: s for (op, size), s in sorted(self.by_size.items()) if op == operation_name}
+        if not rows:
+            return None
+        return {size: {"count": s.count, "total_latency_ms": sum(s.latencies_ms),
+                       "avg_latency_ms": trim_mean(s.latencies_ms), "tput_avg_gbps": trim_mean(s.algbws),
+                       "busbw_avg_gbps": trim_mean(s.busbws), "msg_size_bytes": size,
+                       "msg_size_str": convert_size(size)} for size, s in rows.items()}
 
 
 def _cells(values: Sequence[Any]) -> str:
