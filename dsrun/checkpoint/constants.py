@@ -51,7 +51,6 @@ PARAM_SLICE_MAPPINGS = "param_slice_mappings"
 CAT_DIM = "cat_dim"
 PARAM_N_SUB_PARAMS = "param_n_sub_params"
 SUB_PARAM_SHAPE = "sub_param_shape"
-SUB_PARAM_SHARD_WIDTHS = "sub_param_shard_widths"
 SUB_PARAMS_SHAPE = "sub_params_shape"
 VOCABULARY_PARAMETER_PATTERNS = "vocabulary_parameter_patterns"
 PIPELINE_REPLICATED_PARAMETER_PATTERNS = "pipeline_replicated_parameter_patterns"
@@ -60,3 +59,20 @@ PARAMETER_WITH_ROW_PARALLELISM_PATTERNS = "parameter_with_row_parallelism_patter
 TP_REPLICATED_PARAMETER_PATTERNS = "tp_replicated_parameter_patterns"
 PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0 = "parameter_with_2_sub_params_cat_dim_0"
 PARAMETER_WITH_SUB_PARAMS = "parameter_with_sub_params"
+SUB_PARAM_SHARD_WIDTHS = "sub_param_shard_widths"  # UCP 0.4: each sub-parameter's width on each TP rank
+# the attribute an AutoTP parameter carries its split in (dsrun.checkpoint.autotp_meta), and the model-level
+# patterns of parameters whose split the universal conversion cannot undo (with the reason)
+DS_AUTOTP_UC_META = "ds_autotp_universal_checkpoint_meta"
+AUTOTP_UNSUPPORTED_PARAMETER_PATTERNS = "autotp_unsupported_parameter_patterns"
+EP_IS_EXPERT_PARAM = "is_expert_param"
+EP_NUM_EXPERTS = "ep_num_experts"
+EXPERT_PARAMETER_PATTERNS = "expert_parameter_patterns"
+
+# DeepSpeed's AutoEP: the model states' record of its expert layers
+AUTOEP_LAYERS_KEY = "ds_autoep_layers"
+AUTOEP_LAYERS_KEY_LEGACY = "autoep_layers"
+AUTOEP_EXPERT_KEY_PREFIX = "expert_key_prefix"
+AUTOEP_NUM_EXPERTS = "num_experts"
+AUTOEP_NUM_LOCAL_EXPERTS = "num_local_experts"
+AUTOEP_EP_SIZE = "ep_size"
+AUTOEP_ZERO12_REQUIRED_FIELDS = (AUTOEP_EXPERT_KEY_PREFIX, AUTOEP_NUM_EXPERTS, AUTOEP_NUM_LOCAL_EXPERTS, AUTOEP_EP_SIZE)

@@ -19,6 +19,7 @@ from dsrun.comm import ProcessGroups
 from dsrun.comm.comm import ProcessGroup
 from dsrun.config import DSConfig
 from dsrun.accelerator import get_accelerator
+from dsrun.checkpoint.deepspeed_checkpoint import _checkpoint_parallel_metadata  # noqa: F401  (DeepSpeed's runtime.engine name)
 from dsrun.optim import check_zero_optimizer
 from dsrun.data_efficiency.engine_api import DataEfficiencyMethods
 from dsrun.compression.feature import CompressionFeature
