@@ -92,7 +92,7 @@ def mark_split(param: torch.Tensor, *, row: bool, dim: int, whole_shape: Sequenc
     fused = len(widths) > 1 or dim != plain_dim
     sub_shape = None
     if fused:
-        spec: list[Any] = list(whole_shape)
+        spec: list[Any] = [-1] * len(whole_shape)  # a view spec, as DeepSpeed's layers record it
         spec[dim] = sizes
         sub_shape = tuple(spec)
     setattr(param, DS_AUTOTP_UC_META, _build_param_uc_restore_meta(

@@ -27,13 +27,18 @@ from dsrun.utils import zero_to_fp32 as z2f
 
 from . import atomic, layout, partial_state, pipeline_state, reshard
 from . import tensor_parallel as tp
-from .deepspeed_checkpoint import _aggregate_autoep_zero12_metadata  # noqa: F401  (DeepSpeed's names here)
-from .tp_slices import (_group_per_tp_shapes, _merge_zero_shards, _validate_autotp_conversion_support,  # noqa: F401
+from .deepspeed_checkpoint import _aggregate_autoep_zero12_metadata
+from .tp_slices import (_group_per_tp_shapes, _merge_zero_shards, _validate_autotp_conversion_support,
                         dump_param_fragment, merge_tp_slices)
 from .tensor_parallel import TENSOR_PARALLEL_KEY
 from .saved_tag import saved_stage, saved_world
 from .universal_checkpoint import (CAT_DIM, FP32, LATEST_UNIVERSAL, OPTIMIZER_STATE, PARAM, PARAM_N_SUB_PARAMS, STEP,
                                    UNIVERSAL_DIR)
+
+# DeepSpeed's names in its ds_to_universal module (the slice-file merge: tp_slices.py)
+__all__ = ["_aggregate_autoep_zero12_metadata", "_group_per_tp_shapes", "_merge_zero_shards",
+           "_validate_autotp_conversion_support", "ds_to_universal", "dump_param_fragment", "main", "merge_tp_slices",
+           "parse_arguments"]
 
 
 def _model_states_file(tag_dir: Path) -> Path:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from dsrun import comm
+from dsrun.checkpoint.autotp_meta import mark_replicated, mark_split
 
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .shard_sizes import get_shard_size_list
@@ -79,19 +80,60 @@ def gather_output_slices(y: torch.Tensor, sizes: list[int], rank: int, group: Pr
     return _GatherOutput.apply(y, sizes, rank, group)
 
 
+def _shape_before_zero3_partition(param: torch.Tensor) -> tuple[int, ...]:
+    """``param``'s shape before ZeRO-3 emptied its data (its ``ds_shape``), else its shape."""
+    return tuple(getattr(param, "ds_shape", None) or param.shape)
+
+
+def _subparam_shard_widths(subparam_sizes: list[int] | tuple[int, ...], tp_world_size: int,
+                           name: str | None = None) -> list[list[int]]:
+    """Each fused sub-parameter's per-rank widths, each cut by DeepSpeed's shard sizes (so a fused attention
+    weight is cut on head boundaries; with more ranks than heads some ranks hold none of a part)."""
+    return [list(get_shard_size_list(size, tp_world_size, name)) for size in subparam_sizes]
+
+
 class _DeepSpeedShards:
-    """What DeepSpeed's two layer classes share: the cut by shard sizes, the marks, gather and re-partition."""
+    """What DeepSpeed's two layer classes share: the cut by shard sizes, the marks, gather and re-partition, and
+    the universal-checkpoint metadata of each parameter (``_mark_uc_metadata``)."""
 
     name: str | None
     shard_sizes: list[int]
     tp_rank: int
+    tp_world_size: int
     group: ProcessGroup | None
+    _orig_weight_shape: tuple[int, ...]
+    _partition_sizes: tuple[int, ...]
+
+    @property
+    def tp_index(self) -> int:  # DeepSpeed's name for this rank's place in the group
+        return self.tp_rank
+
+    @tp_index.setter
+    def tp_index(self, value: int) -> None:
+        self.tp_rank = value
+
+    def _freeze_partition_sizes(self, total_size: int) -> tuple[int, ...]:
+        """This layer's cut of ``total_size`` over its ``tp_world_size`` ranks (DeepSpeed's shard sizes), resolved
+        once: later changes of the process-wide shard settings do not move it."""
+        self._partition_sizes = tuple(get_shard_size_list(total_size, self.tp_world_size, self.name))
+        self.shard_sizes = list(self._partition_sizes)
+        return self._partition_sizes
 
     def _cut(self, param: nn.Parameter, dim: int) -> None:
-        with torch.no_grad():
-            param.data = _slice(param.data, self.shard_sizes, self.tp_rank, dim)
+        if self.tp_world_size > 1:  # one rank (or DeepSpeed's metadata-only build without a group) keeps it whole
+            with torch.no_grad():
+                param.data = _slice(param.data, self.shard_sizes, self.tp_rank, dim)
         param.tensor_model_parallel = True
         param.partition_dim, param.partition_stride = dim, 1
+
+    def _mark_split(self, param: nn.Parameter | None, dim: int, row: bool, is_bias: bool = False) -> None:
+        if param is None:
+            return
+        whole = list(_shape_before_zero3_partition(param))
+        if self.tp_world_size > 1 and param.numel():
+            whole[dim] = sum(self._partition_sizes)
+        mark_split(param, row=row, dim=dim, whole_shape=tuple(whole), widths=[list(self._partition_sizes)],
+                   is_bias=is_bias)
 
     def gather_params(self, params_list: list[nn.Parameter]) -> None:
         """Put each split parameter of ``params_list`` back whole (collective over the group)."""
@@ -128,19 +170,27 @@ class LinearLayer(_DeepSpeedShards, ColumnParallelLinear):
 
     def __init__(self, module: nn.Linear, mp_group: ProcessGroup | None, skip_partition: bool = False,
                  gather_output: bool = False, **kwargs: Any):
-        out_features = module.weight.shape[0]
+        self._orig_weight_shape = _shape_before_zero3_partition(module.weight)
+        out_features = self._orig_weight_shape[0]
         rank, size, sizes = _placement(mp_group, out_features, kwargs)
-        self.name, self.tp_rank, self.group = kwargs.get("name"), rank, mp_group
-        self.shard_sizes = [out_features] if skip_partition else sizes
+        self.name, self.tp_rank, self.group, self.tp_world_size = kwargs.get("name"), rank, mp_group, size
+        self.shard_sizes, self._partition_sizes = list(sizes), tuple(sizes)
         if skip_partition:
             rank, size = 0, 1
-            self.tp_rank = 0
+            self.tp_rank, self.tp_world_size = 0, 1
+            self.shard_sizes, self._partition_sizes = [out_features], (out_features,)
         else:
             self._cut(module.weight, 0)
             if module.bias is not None:
                 self._cut(module.bias, 0)
         super().__init__(module.weight, module.bias, False, mp_group, size, rank)
         self.gather_output = bool(gather_output)
+        self._mark_uc_metadata()
+
+    def _mark_uc_metadata(self) -> None:
+        """Each parameter's universal-checkpoint metadata: weight and bias cut along dim 0 (column-parallel)."""
+        self._mark_split(self.weight, 0, row=False)
+        self._mark_split(self.bias, 0, row=False, is_bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x)
@@ -154,7 +204,17 @@ class LinearAllreduce(_DeepSpeedShards, RowParallelLinear):
     the partial outputs are all-reduced, then the whole bias is added."""
 
     def __init__(self, module: nn.Linear, mp_group: ProcessGroup | None, **kwargs: Any):
-        rank, size, self.shard_sizes = _placement(mp_group, module.weight.shape[1], kwargs)
-        self.name, self.tp_rank, self.group = kwargs.get("name"), rank, mp_group
+        self._orig_weight_shape = _shape_before_zero3_partition(module.weight)
+        rank, size, sizes = _placement(mp_group, self._orig_weight_shape[1], kwargs)
+        self.name, self.tp_rank, self.group, self.tp_world_size = kwargs.get("name"), rank, mp_group, size
+        self.shard_sizes, self._partition_sizes = list(sizes), tuple(sizes)
         self._cut(module.weight, 1)
         super().__init__(module.weight, module.bias, False, mp_group, size, rank)
+        self._mark_uc_metadata()
+
+    def _mark_uc_metadata(self) -> None:
+        """Each parameter's universal-checkpoint metadata: the weight cut along dim 1 (row-parallel), the bias
+        whole on every rank."""
+        self._mark_split(self.weight, 1, row=True)
+        if self.bias is not None:
+            mark_replicated(self.bias, row=True)

@@ -130,7 +130,8 @@ class TensorParallelLinear(nn.Module):
         self.weight, self.bias = weight, bias
         self.transposed, self.group, self.tp_size, self.tp_rank = transposed, group, tp_size, tp_rank
         in_dim = 0 if transposed else 1
-        self.in_features, self.out_features = weight.shape[in_dim], weight.shape[1 - in_dim]
+        shape = tuple(getattr(weight, "ds_shape", None) or weight.shape)  # ZeRO-3 leaves its data empty
+        self.in_features, self.out_features = shape[in_dim], shape[1 - in_dim]
         for param in (weight, bias):
             if param is not None and is_model_parallel_parameter(param):
                 # DeepSpeed's AutoTP layers hang these on their parameters

@@ -14,14 +14,13 @@ and the number of fused parts, which is all a checkpoint needs to put the ranks'
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from dsrun.checkpoint import constants
+from dsrun.checkpoint.autotp_meta import collect_autotp_universal_checkpoint_info, mark_split
 from dsrun.checkpoint.tensor_parallel import Parts, part_count, rank_widths, slice_dim
 from dsrun.inference.auto_tp import HEAD_DIM_ATTRS, check_split, plan_model, split_head_attrs
 from dsrun.inference.groups import TPGroup
@@ -191,45 +190,19 @@ def split_meta_model(model: nn.Module, tp_size: int, grain: int = 1) -> None:
 
 
 def universal_checkpoint_info(model: nn.Module, layout: TPLayout) -> dict[str, object]:
-    """DeepSpeed's model-level ``universal_checkpoint_info`` of a split model (the schema DeepSpeed's
-    ``ds_to_universal`` reads; dsrun's conversion reads the checkpoint's own ``tensor_parallel`` entry instead): the
-    row-parallel weights, the parameters every rank holds whole (row biases, norms, embeddings), the vocabulary-cut
-    ones (an LM head's or embedding's rows) with the whole vocabulary size, and the fused ones with the widths of
-    their parts; each by a ``^name$`` pattern of its first name (a tied parameter is named once)."""
-    first = {id(p): n for n, p in model.named_parameters()}
-    rows, whole, vocab, fused, vocab_size = [], [], [], [], None
-    shard_widths: dict[str, list[list[int]]] = {}
-    for module_name, module in model.named_modules():
-        for attr, param in module.named_parameters(recurse=False):
-            name = f"{module_name}.{attr}" if module_name else attr
-            if first.get(id(param)) != name:
-                continue
-            pattern = f"^{re.escape(name)}$"
-            if name not in layout.splits:
-                whole.append(pattern)
-                continue
-            dim, parts = layout.splits[name]
-            if getattr(module, "row_parallel", False) and attr == "weight":
-                rows.append(pattern)
-            full = layout.whole[name][dim]
-            count = part_count(parts)
-            if dim == 0 and count == 1 and len(layout.whole[name]) == 2 and ("embed" in name or "lm_head" in name):
-                vocab.append(pattern)
-                vocab_size = full if vocab_size is None else vocab_size
-            if count > 1:
-                widths = rank_widths(full, parts, layout.tp_size)
-                shape: list[object] = [-1] * len(layout.whole[name])
-                shape[dim] = tuple(sum(part) for part in widths)
-                fused.append({"patterns": [pattern], "shape": shape, "partition_dim": dim})
-                if not isinstance(parts, int):  # DeepSpeed's per-rank widths of each sub-parameter (UCP 0.4)
-                    shard_widths[pattern] = [list(part) for part in widths]
-    info: dict[str, object] = {
-        constants.UNIVERSAL_CHECKPOINT_VERSION_KEY: constants.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
-        constants.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: sorted(rows),
-        constants.TP_REPLICATED_PARAMETER_PATTERNS: sorted(whole),
-        constants.VOCABULARY_PARAMETER_PATTERNS: sorted(vocab), constants.PARAMETER_WITH_SUB_PARAMS: fused}
-    if vocab_size is not None:
-        info[constants.ORIGINAL_VOCAB_SIZE] = vocab_size
-    if shard_widths:
-        info[constants.SUB_PARAM_SHARD_WIDTHS] = shard_widths
-    return info
+    """DeepSpeed's model-level ``universal_checkpoint_info`` of a split model: each split parameter of ``layout``
+    is marked with DeepSpeed's per-parameter metadata (:func:`dsrun.checkpoint.autotp_meta.mark_split`: its
+    dimension, whole shape, each rank's widths per fused part, row or column), then
+    :func:`~dsrun.checkpoint.autotp_meta.collect_autotp_universal_checkpoint_info` reads the model (the row-parallel
+    weights, the parameters every rank holds whole, the vocabulary-cut ones with the vocabulary size, the fused
+    ones with their widths; dsrun's own conversion reads the checkpoint's ``tensor_parallel`` entry instead)."""
+    params = dict(model.named_parameters())
+    for name, (dim, parts) in layout.splits.items():
+        param = params.get(name)
+        if param is None:
+            continue
+        owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        whole = layout.whole[name]
+        mark_split(param, row=bool(getattr(owner, "row_parallel", False)), dim=dim, whole_shape=whole,
+                   widths=rank_widths(whole[dim], parts, layout.tp_size), is_bias=name.endswith(".bias"))
+    return collect_autotp_universal_checkpoint_info(model)
