@@ -27,7 +27,11 @@ from dsrun.utils import zero_to_fp32 as z2f
 
 from . import atomic, layout, partial_state, pipeline_state, reshard
 from . import tensor_parallel as tp
-from .deepspeed_checkpoint import _aggregate_autoep_zero12_metadata
+from .constants import UNIVERSAL_CHECKPOINT_INFO
+from .deepspeed_checkpoint import DeepSpeedCheckpoint, _aggregate_autoep_zero12_metadata
+from .deepspeed_universal import (_filter_zero3_optim_files, _get_optim_files, _get_zero_stage, _inject_missing_state,
+                                  convert_zero3)
+from .safe_load import load_file
 from .tp_slices import (_group_per_tp_shapes, _merge_zero_shards, _validate_autotp_conversion_support,
                         dump_param_fragment, merge_tp_slices)
 from .tensor_parallel import TENSOR_PARALLEL_KEY
@@ -36,7 +40,8 @@ from .universal_checkpoint import (CAT_DIM, FP32, LATEST_UNIVERSAL, OPTIMIZER_ST
                                    UNIVERSAL_DIR)
 
 # DeepSpeed's names in its ds_to_universal module (the slice-file merge: tp_slices.py)
-__all__ = ["_aggregate_autoep_zero12_metadata", "_group_per_tp_shapes", "_merge_zero_shards",
+__all__ = ["DeepSpeedCheckpoint", "_aggregate_autoep_zero12_metadata", "_filter_zero3_optim_files",
+           "_get_optim_files", "_get_zero_stage", "_group_per_tp_shapes", "_inject_missing_state", "_merge_zero_shards",
            "_validate_autotp_conversion_support", "ds_to_universal", "dump_param_fragment", "main", "merge_tp_slices",
            "parse_arguments"]
 
@@ -224,14 +229,43 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num_merge_workers", type=int, default=2, help="accepted for DeepSpeed compatibility")
     parser.add_argument("--keep_temp_folder", action="store_true", help="accepted for DeepSpeed compatibility "
                         "(dsrun writes no temporary slice files)")
-    parser.add_argument("--no_strict", dest="strict", action="store_false", help="accepted for DeepSpeed "
-                        "compatibility (dsrun reads the tensor-parallel splits from the checkpoint, no patterns)")
+    parser.add_argument("--no_strict", dest="strict", action="store_false", help="a DeepSpeed-written ZeRO-3 "
+                        "AutoTP checkpoint: warn, not fail, when a universal_checkpoint_info pattern names no "
+                        "parameter (dsrun's own checkpoints record their splits: no patterns)")
+    parser.add_argument("--inject_missing_state", action="store_true", help="a DeepSpeed-written ZeRO-1/2 "
+                        "checkpoint without universal_checkpoint_info: give it a minimal one")
     return parser.parse_args(argv)
 
 
+def _written_by_dsrun(tag_dir: Path) -> bool:
+    """Whether the tag folder's model states carry dsrun's entry (only the file's index is read)."""
+    try:
+        return "dsrun" in load_file(_model_states_file(tag_dir), map_location="meta")
+    except FileNotFoundError:
+        return False
+
+
 def main(args: argparse.Namespace | None = None) -> None:
-    """DeepSpeed's entry point: ``main(args)`` with ``args.input_folder`` and ``args.output_folder``."""
+    """DeepSpeed's entry point: ``main(args)`` with ``args.input_folder`` and ``args.output_folder``. A folder
+    dsrun wrote is converted by :func:`ds_to_universal`. One DeepSpeed wrote goes through DeepSpeed's steps:
+    its ZeRO stage from the optimizer files; at stage 3 DeepSpeed's conversion of the ``tp x dp`` grid
+    (:func:`.deepspeed_universal.convert_zero3`); at stages 1-2 its ``universal_checkpoint_info`` (a minimal one
+    injected with ``--inject_missing_state``) is checked for AutoTP layouts no merge can undo before
+    :func:`ds_to_universal` converts it."""
     args = parse_arguments() if args is None else args
+    if not _written_by_dsrun(Path(args.input_folder)):
+        optim_files = _get_optim_files(args.input_folder)
+        zero3_files = _filter_zero3_optim_files(optim_files)
+        if _get_zero_stage(zero3_files or optim_files) > 2:
+            convert_zero3(args.input_folder, args.output_folder, zero3_files or optim_files,
+                          getattr(args, "strict", True), getattr(args, "keep_temp_folder", False))
+            return
+        checkpoint = DeepSpeedCheckpoint(args.input_folder)
+        if getattr(args, "inject_missing_state", False):
+            _inject_missing_state(checkpoint)
+        info = checkpoint.get_checkpoint_info(UNIVERSAL_CHECKPOINT_INFO)
+        if info is not None:
+            _validate_autotp_conversion_support(info)
     ds_to_universal(args.input_folder, args.output_folder)
 
 

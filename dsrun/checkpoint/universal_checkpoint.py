@@ -36,7 +36,7 @@ from .reshard import FullOptimizerState
 from .safe_load import add_safe_globals, load_file
 
 __all__ = ["CAT_DIM", "FP32", "LATEST_UNIVERSAL", "OPTIMIZER_STATE", "PARAM", "PARAM_N_SUB_PARAMS", "STEP",
-           "UNIVERSAL_DIR", "SubparamShape", "_get_param_uc_restore_meta", "_narrow_sub_params",
+           "UNIVERSAL_DIR", "SubparamShape", "UniversalCheckpointGroups", "_get_param_uc_restore_meta", "_narrow_sub_params",
            "_resolve_autotp_partition", "enable_universal_checkpoint", "is_universal", "load_hp_checkpoint_state",
            "load_universal_state", "read_latest_universal"]
 
@@ -182,3 +182,23 @@ def enable_universal_checkpoint(param_list: list[torch.Tensor]) -> None:
     """Give each parameter DeepSpeed's ``load_hp_checkpoint_state`` method."""
     for param in param_list:
         param.load_hp_checkpoint_state = types.MethodType(load_hp_checkpoint_state, param)
+
+
+class UniversalCheckpointGroups:
+    """DeepSpeed's optimizer-wrapper methods for universal checkpoints, over the 16-bit parameter groups the
+    class names in ``lp_groups_attr``: :meth:`_enable_universal_checkpoint` gives every parameter
+    ``load_hp_checkpoint_state`` and keeps the first model-level ``universal_checkpoint_info`` a parameter
+    carries (the AutoTP info), which :meth:`_get_universal_checkpoint_info` returns afterwards."""
+
+    lp_groups_attr = "bit16_groups"
+
+    def _enable_universal_checkpoint(self) -> None:
+        self._universal_checkpoint_info = None
+        for group in getattr(self, self.lp_groups_attr):
+            if self._universal_checkpoint_info is None:
+                self._universal_checkpoint_info = next(
+                    (info for p in group if (info := getattr(p, "universal_checkpoint_info", None)) is not None), None)
+            enable_universal_checkpoint(group)
+
+    def _get_universal_checkpoint_info(self) -> dict[str, Any] | None:
+        return getattr(self, "_universal_checkpoint_info", None)

@@ -4,8 +4,11 @@ strategy steps the client's optimizer itself; ``isinstance(engine.optimizer, BF1
 is the case (:mod:`dsrun.optim.optimizer_wrappers`)."""
 from __future__ import annotations
 
+from dsrun.checkpoint.universal_checkpoint import UniversalCheckpointGroups
 from dsrun.optim.optimizer_wrappers import OptimizerWrapperKind
 
 
-class BF16_Optimizer(metaclass=OptimizerWrapperKind):  # noqa: N801 - DeepSpeed's name
+class BF16_Optimizer(UniversalCheckpointGroups, metaclass=OptimizerWrapperKind):  # noqa: N801 - DeepSpeed's name
     """An optimizer stepped where DeepSpeed's engine would use its bf16 wrapper."""
+
+    lp_groups_attr = "bf16_groups"  # the groups its universal-checkpoint methods walk
