@@ -107,10 +107,9 @@ def _plain_source(tag_dir: Path, model_path: Path, model_states: dict[str, Any],
     say(f"Converting ZeRO-{stage} checkpoint of {world} rank(s)" + (f" x {degree} tensor-parallel ranks" if
         degree > 1 else "") + f" in {tag_dir} to a universal checkpoint in {out_dir}")
     source: _Source
-    if degree > 1:  # AutoTP: every tensor-parallel rank's slices put together (stages 0-2: whole modules)
-        partial_state.read_stage0_state(model_path, model_states)
-        source, shapes = tp.merged_optimizer_state(tag_dir, model_states, stage, world, bf16)
-        module = tp.merged_module_state(tag_dir, model_states)
+    if degree > 1:  # AutoTP: each split parameter read from every tensor-parallel rank's slice, by range
+        source, shapes = tp.merged_optimizer_state(tag_dir, model_states, stage, world, bf16, opened)
+        module = tp.merged_module_state(tag_dir, model_states)  # ZeRO-3's placeholders stay: filled from masters
     else:
         source = opened.enter_context(partial_state.saved_state(tag_dir, model_path, stage, world, shapes, False, bf16))
         module = dict(model_states["module"])

@@ -32,7 +32,7 @@ from dsrun.utils.zero_to_fp32 import merge_slices
 
 from . import layout, reshard
 from .safe_load import load_file
-from .saved_tag import rank_optimizer_states
+from .partial_state import model_states_without_parameters, saved_state
 from .universal_checkpoint import is_universal
 
 
@@ -102,7 +102,7 @@ def merge_module_states(states: list[dict[str, Any]], splits: dict[str, tuple[in
     """The whole module state from every tensor-parallel rank's (in rank order)."""
     merged = dict(states[0])
     for name, (dim, parts) in splits.items():
-        if name in merged:
+        if name in merged and merged[name].numel():  # a ZeRO-3 placeholder stays empty: its master is the value
             merged[name] = merge_slices([s[name] for s in states], dim, parts)
     return merged
 
@@ -110,8 +110,10 @@ def merge_module_states(states: list[dict[str, Any]], splits: dict[str, tuple[in
 def merged_module_state(tag_dir: Path, model_states: dict[str, Any]) -> dict[str, Any]:
     """The whole module of a checkpoint saved over ``mp_world_size`` tensor-parallel ranks."""
     degree = saved_degree(model_states)
-    states = [model_states["module"]] + [load_file(tag_dir / layout.model_states_name(0, 0, r))["module"]
-                                         for r in range(1, degree)]
+    # the other ranks' modules (a stage-0 save's optimizer state in the same files is left unread)
+    states = [model_states["module"]] + [
+        model_states_without_parameters(tag_dir / layout.model_states_name(0, 0, r), set())["module"]
+        for r in range(1, degree)]
     return merge_module_states(states, splits_of(model_states))
 
 
@@ -158,36 +160,31 @@ def merge_checkpoint(checkpoint_dir: str | Path, tag: str | None = None) -> dict
     return merged_module_state(tag_dir, model_states)
 
 
-def merged_optimizer_state(tag_dir: Path, model_states: dict[str, Any], stage: int, world: int, bf16: bool
-                           ) -> tuple[reshard.FullOptimizerState, list[dict[str, Any]]]:
+def merged_optimizer_state(tag_dir: Path, model_states: dict[str, Any], stage: int, world: int, bf16: bool,
+                           opened: Any) -> tuple[MergedRanks, list[dict[str, Any]]]:
     """The whole model's optimizer state (fp32 masters, per-element states, scalars) of a checkpoint saved over
-    ``mp_world_size`` tensor-parallel ranks, each with ``world`` data-parallel ranks at ZeRO ``stage``, and its
-    param groups' whole shapes: every tensor-parallel rank's saved ranks merged, then the split parameters' slices
-    put together along their split dimension (:func:`merge_slices`), the whole ones taken from rank 0 (every
-    rank of a group holds the same)."""
+    ``mp_world_size`` tensor-parallel ranks, each with ``world`` data-parallel ranks at ZeRO ``stage`` (0-3), and
+    its param groups' whole shapes. Nothing is merged in memory: each tensor-parallel rank's saved files are
+    opened for reads by range (``opened``, an ExitStack, closes them) and :class:`MergedRanks` reads each split
+    parameter's whole value from the ranks' slices, a whole one from rank 0."""
     splits = splits_of(model_states)
-    states = [model_states] + [load_file(tag_dir / layout.model_states_name(0, 0, t))
-                               for t in range(1, saved_degree(model_states))]
-    shapes = [list(sd["param_shapes"]) for sd in states]
-    fulls = [reshard.merge_rank_states(rank_optimizer_states(tag_dir, sd, stage, world, bf16, mp_rank=t), stage,
-                                       shapes[t]) for t, sd in enumerate(states)]
-    full, whole_shapes = fulls[0], [dict(group) for group in shapes[0]]
+    degree = saved_degree(model_states)
+    paths = [tag_dir / layout.model_states_name(0, 0, t) for t in range(degree)]
+    shapes = [list(model_states["param_shapes"])] + [list(load_file(paths[t], map_location="meta")["param_shapes"])
+                                                     for t in range(1, degree)]
+    sources = [opened.enter_context(saved_state(tag_dir, paths[t], stage, world, shapes[t], False, bf16, mp_rank=t))
+               for t in range(degree)]
+    whole_shapes = [dict(group) for group in shapes[0]]
     for gi, group in enumerate(whole_shapes):
         for name in group:
-            if name not in splits:
-                continue
-            dim, parts = splits[name]
-            rank_shapes = [torch.Size(shapes[t][gi][name]) for t in range(len(fulls))]
-
-            def merged(values: list[torch.Tensor]) -> torch.Tensor:
-                return merge_slices([v.view(s) for v, s in zip(values, rank_shapes)], dim, parts)
-
-            whole = merged([f.fp32[name] for f in fulls])
-            group[name] = whole.shape
-            full.fp32[name] = whole.reshape(-1)
-            for key in full.moments.get(name, {}):
-                full.moments[name][key] = merged([f.moments[name][key] for f in fulls]).reshape(-1)
-    return full, whole_shapes
+            if name in splits:
+                dim, parts = splits[name]
+                rank_shapes = [torch.Size(shapes[t][gi][name]) for t in range(degree)]
+                whole = list(rank_shapes[0])
+                whole[dim] = sum(s[dim] for s in rank_shapes)
+                group[name] = torch.Size(whole)
+    merged = MergedRanks(sources, splits, {n: torch.Size(s) for g in whole_shapes for n, s in g.items()})
+    return merged, whole_shapes
 
 
 class RankSlices:
@@ -235,6 +232,62 @@ class RankSlices:
                     self.source.copy_range(name, key, outer * shape[dim] * inner + whole_start + lo - at,
                                            out[lo - full_offset:hi - full_offset])
                 at += length
+
+
+def whole_runs(shape: torch.Size, dim: int, widths: Widths, rank: int, start: int, end: int
+               ) -> list[tuple[int, int, int]]:
+    """Where tensor-parallel rank ``rank``'s slice (``widths`` per fused part along ``dim``) lies in the whole
+    value of ``shape``, restricted to the whole value's elements ``[start, end)``: ``(whole offset, slice offset,
+    length)`` per contiguous run, in order."""
+    inner = math.prod(shape[dim + 1:])
+    row = shape[dim] * inner  # the whole value's elements per index before dim
+    mine = sum(part[rank] for part in widths) * inner  # the slice's
+    runs = []
+    for outer in range(start // row if row else 0, -(-end // row) if row else 0):
+        at, taken = outer * row, outer * mine
+        for part in widths:
+            lo = at + sum(part[:rank]) * inner
+            hi = lo + part[rank] * inner
+            if max(lo, start) < min(hi, end):
+                runs.append((max(lo, start), taken + max(lo, start) - lo, min(hi, end) - max(lo, start)))
+            at += sum(part) * inner
+            taken += part[rank] * inner
+    return runs
+
+
+class MergedRanks:
+    """The whole model's optimizer state of a checkpoint saved over several tensor-parallel ranks, as a
+    :class:`.reshard.StateSource`, without merging anything in memory: ``sources[t]`` is rank ``t``'s saved state
+    (its files read by range, :mod:`.partial_state`); a split parameter's whole-value range is read from each
+    rank's slice where it lies (:func:`whole_runs`), a whole parameter from rank 0 (every rank holds the same)."""
+
+    def __init__(self, sources: list[Any], splits: dict[str, tuple[int, Parts]],
+                 whole_shapes: dict[str, torch.Size]) -> None:
+        self.sources, self.splits, self.shapes = sources, splits, whole_shapes
+        first = sources[0]
+        self.group_scalars, self.param_groups, self.precision = first.group_scalars, first.param_groups, first.precision
+        self.param_group_of = first.param_group_of
+
+    def has_master(self, name: str) -> bool:
+        return self.sources[0].has_master(name)
+
+    def moment_keys(self, name: str) -> set[str]:
+        return self.sources[0].moment_keys(name)
+
+    def moment_dtype(self, name: str, key: str) -> torch.dtype:
+        return self.sources[0].moment_dtype(name, key)
+
+    def copy_range(self, name: str, key: str | None, full_offset: int, out: torch.Tensor) -> None:
+        if name not in self.splits:
+            self.sources[0].copy_range(name, key, full_offset, out)
+            return
+        dim, parts = self.splits[name]
+        shape = self.shapes[name]
+        widths = rank_widths(shape[dim], parts, len(self.sources))
+        end = full_offset + out.numel()
+        for rank, source in enumerate(self.sources):
+            for whole_at, slice_at, length in whole_runs(shape, dim, widths, rank, full_offset, end):
+                source.copy_range(name, key, slice_at, out[whole_at - full_offset:whole_at - full_offset + length])
 
 
 def universal_rank_source(source: reshard.StateSource, whole_shapes: list[dict[str, Any]] | None,

@@ -89,3 +89,24 @@ def test_a_tensor_parallel_ranks_slice_of_a_whole_value_is_read_by_ranges(shape,
         cut.copy_range("b", None, 2, out)  # a whole parameter: the whole value's range
         assert torch.equal(out, whole[2:6])
     assert tp.universal_rank_source(source, None, {"w": (dim, parts)}, 0, 1) is source  # one rank: no cut
+    # the reverse (a TP checkpoint's conversion, tensor_parallel.MergedRanks): any range of the whole value read
+    # from the ranks' slices, each slice element read once when the whole value is read
+    slices = [tp.slice_dim(whole.view(shape), dim, parts, r, 2).reshape(-1) for r in range(2)]
+    reads = [0, 0]
+
+    class Counted(reshard.FullOptimizerState):
+        def copy_range(self, name, key, full_offset, out):
+            reads[self.rank] += out.numel()
+            super().copy_range(name, key, full_offset, out)
+
+    sources = []
+    for r in range(2):
+        sources.append(Counted(fp32={"w": slices[r], "b": whole.clone()}))
+        sources[-1].rank = r
+    merged = tp.MergedRanks(sources, {"w": (dim, parts)}, {"w": torch.Size(shape), "b": torch.Size(shape)})
+    for start, count in ((0, whole.numel()), (1, whole.numel() - 2), (whole.numel() // 3, 5)):
+        out = torch.empty(count)
+        merged.copy_range("w", None, start, out)
+        assert torch.equal(out, whole[start:start + count]), (start, count)
+        if start == 0:
+            assert reads == [s.numel() for s in slices]
