@@ -63,6 +63,13 @@ def model_states_name(stage: int, dp_rank: int, mp_rank: int = 0) -> str:
     return f"mp_rank_{mp_rank:02d}_model_states.pt"
 
 
+def rank_model_states(tag_dir: Path, mp_rank: int) -> Path:
+    """Tensor-parallel rank ``mp_rank``'s model states file in ``tag_dir``: ``mp_rank_XX`` (stages 0-2), else the
+    stage-3 file of its data rank 0 (every data rank's holds the same module entries and shapes)."""
+    plain = Path(tag_dir) / model_states_name(0, 0, mp_rank)
+    return plain if plain.is_file() else Path(tag_dir) / model_states_name(3, 0, mp_rank)
+
+
 def optim_states_name(dp_rank: int, bf16: bool, mp_rank: int = 0) -> str:
     prefix = "bf16_" if bf16 else ""
     return f"{prefix}zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"

@@ -112,7 +112,7 @@ def merged_module_state(tag_dir: Path, model_states: dict[str, Any]) -> dict[str
     degree = saved_degree(model_states)
     # the other ranks' modules (a stage-0 save's optimizer state in the same files is left unread)
     states = [model_states["module"]] + [
-        model_states_without_parameters(tag_dir / layout.model_states_name(0, 0, r), set())["module"]
+        model_states_without_parameters(layout.rank_model_states(tag_dir, r), set())["module"]
         for r in range(1, degree)]
     return merge_module_states(states, splits_of(model_states))
 
@@ -144,6 +144,12 @@ def module_for_live_degree(tag_dir: Path, model_states: dict[str, Any], live: di
                                 f"this run has {size}: its optimizer state does not carry over", "load_module_only="
                                 "True (or load_optimizer_states=False) loads the weights; or convert it with "
                                 "ds_to_universal and load that (checkpoint.load_universal: true)"))
+    if not universal and any(torch.is_tensor(v) and not v.numel() for k, v in model_states["module"].items()
+                             if k in splits_of(model_states)):
+        raise UserError(Problem("load_checkpoint", f"{tag_dir.name} is a ZeRO-3 checkpoint over {degree} "
+                                f"tensor-parallel ranks; this run has {size}: its module holds no weights (the ZeRO-3 "
+                                "masters do)", "convert it with ds_to_universal and load that "
+                                "(checkpoint.load_universal: true)"))
     return module_for_rank(tag_dir, model_states, live, rank, size), not (universal and with_optimizer)
 
 
@@ -156,7 +162,7 @@ def merge_checkpoint(checkpoint_dir: str | Path, tag: str | None = None) -> dict
     if name is None:
         raise FileNotFoundError(f"{root}: no 'latest' file; pass the tag")
     tag_dir = root / str(name)
-    model_states = load_file(tag_dir / layout.model_states_name(0, 0, 0))
+    model_states = load_file(layout.rank_model_states(tag_dir, 0))
     return merged_module_state(tag_dir, model_states)
 
 
@@ -169,7 +175,7 @@ def merged_optimizer_state(tag_dir: Path, model_states: dict[str, Any], stage: i
     parameter's whole value from the ranks' slices, a whole one from rank 0."""
     splits = splits_of(model_states)
     degree = saved_degree(model_states)
-    paths = [tag_dir / layout.model_states_name(0, 0, t) for t in range(degree)]
+    paths = [layout.rank_model_states(tag_dir, t) for t in range(degree)]
     shapes = [list(model_states["param_shapes"])] + [list(load_file(paths[t], map_location="meta")["param_shapes"])
                                                      for t in range(1, degree)]
     sources = [opened.enter_context(saved_state(tag_dir, paths[t], stage, world, shapes[t], False, bf16, mp_rank=t))

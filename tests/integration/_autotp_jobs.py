@@ -422,6 +422,27 @@ def four_rank_job(rank: int, world: int, names: list[str], tp: int, steps: int, 
             "zero3": zero3_job(rank, world, steps, f"{save_dir}/zero3")}
 
 
+def zero3_universal_tp1(rank: int, world: int, steps: int, save_dir: str) -> list[float]:
+    """The TP=2 x DP=2 ZeRO-3 save converted to a universal folder (rank 0), loaded at TP=1 x DP=``world`` (ZeRO-3)
+    and trained on the save's last 2 global batches, each data rank on one row of them: this rank's losses."""
+    from dsrun import comm
+    from dsrun.checkpoint.ds_to_universal import ds_to_universal
+    from dsrun.engine.dataloader import DeepSpeedDataLoader
+
+    if rank == 0:
+        ds_to_universal(f"{save_dir}/zero3", f"{save_dir}/zero3_universal", verbose=False)
+    comm.barrier()
+    dp = world // 2  # the saved run's data ranks, each with 2 rows a step
+    rows = [torch.cat(step) for step in zip(*[_batches(DeepSpeedDataLoader(
+        Tokens(), 2, data_parallel_world_size=dp, data_parallel_rank=r), steps)[-2:] for r in range(dp)])]
+    engine, _ = _engine("llama", 1, world, zero_optimization={"stage": 3}, train_batch_size=world,
+                        train_micro_batch_size_per_gpu=1, checkpoint={"load_universal": True})
+    engine.load_checkpoint(save_dir)
+    losses = _train(engine, [ids[rank:rank + 1] for ids in rows])
+    engine.destroy()
+    return losses
+
+
 def zero3_job(rank: int, world: int, steps: int, save_dir: str) -> dict[str, Any]:
     """Llama at TP=2 with ZeRO-3 over the data ranks: ``steps`` losses and the first step's global norm, the bytes
     of each parameter's ZeRO-3 shard this rank holds (of its tensor-parallel slice), the losses of the last 2 steps
@@ -440,7 +461,8 @@ def zero3_job(rank: int, world: int, steps: int, save_dir: str) -> dict[str, Any
     again.load_checkpoint(save_dir, tag="zero3")
     resumed = _train(again, batches[-2:])
     again.destroy()
-    out = {"losses": losses, "norm": norm, "shards": shards, "resumed": resumed, "reference": None}
+    out = {"losses": losses, "norm": norm, "shards": shards, "resumed": resumed, "reference": None,
+           "universal_tp1": zero3_universal_tp1(rank, world, steps, save_dir)}
     if rank == 0:
         out["reference"] = reference_losses("llama", world // 2, steps)
         model = causal_lm("llama")  # the unsplit model's first norm, on the global batch of the data ranks

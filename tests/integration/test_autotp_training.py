@@ -195,6 +195,12 @@ def test_tp2_by_dp2_on_4_ranks(tp2_runs):
     mean = (torch.tensor(zero3[0]["losses"], dtype=torch.float64) + torch.tensor(zero3[2]["losses"],
                                                                                    dtype=torch.float64)) / 2
     assert ((mean - reference).abs() / reference).max() <= fp32_bound(6)
+    # its universal folder (each split parameter merged from the 2 x 2 ZeRO-3 files by range) loaded at TP=1 x DP=4
+    # at ZeRO-3: the 4 rows' mean loss is the saved run's last 2 losses (the two data ranks' mean) within the bound
+    saved_tail = (torch.tensor(zero3[0]["losses"][-2:], dtype=torch.float64) +
+                  torch.tensor(zero3[2]["losses"][-2:], dtype=torch.float64)) / 2
+    tp1_rows = torch.tensor([run["universal_tp1"] for run in zero3], dtype=torch.float64)
+    assert ((tp1_rows.mean(0) - saved_tail).abs() / saved_tail).max() <= fp32_bound(2)
     for run in zero3:
         assert abs(run["norm"] - zero3[0]["reference_norm"]) <= fp32_bound(1) * zero3[0]["reference_norm"]
         assert run["resumed"] == run["losses"][-2:]
