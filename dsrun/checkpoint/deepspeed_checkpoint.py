@@ -320,7 +320,7 @@ class DeepSpeedCheckpoint:
                 f"{dir} seems a bogus DeepSpeed checkpoint folder: Cannot find {prefix}* files in there."
 
 
-def _checkpoint_parallel_metadata(mpu: Any) -> dict[str, dict[str, int]]:
+def _checkpoint_parallel_metadata(mpu: object) -> dict[str, dict[str, int]]:
     """The model states' ``checkpoint_parallel_dimensions`` entry for a run whose model-parallel unit is ``mpu``
     (DeepSpeed's ``runtime.engine`` helper): its pipeline and tensor degrees, 1 without an mpu, each read by the
     first of the method names DeepSpeed's backward-compatible helpers try."""

@@ -24,6 +24,7 @@ from . import atomic
 from .constants import (FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT, PARAM_GROUPS, PARAM_SHAPES,
                         UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY,
                         UNIVERSAL_CHECKPOINT_VERSION_VALUE, ZERO_STAGE)
+from .deepspeed_checkpoint import DeepSpeedCheckpoint
 from .safe_load import load_file
 from .tp_slices import _merge_zero_shards, _save, _validate_autotp_conversion_support, dump_param_fragment, \
     merge_tp_slices
@@ -60,14 +61,14 @@ def _get_zero_stage(optim_files: list[str]) -> int:
     return int(load_file(optim_files[0])[OPTIMIZER_STATE_DICT].get(ZERO_STAGE, 1))
 
 
-def _inject_missing_state(ds_checkpoint: Any) -> None:
+def _inject_missing_state(ds_checkpoint: DeepSpeedCheckpoint) -> None:
     """Give a checkpoint without ``universal_checkpoint_info`` a minimal one (the current version only)."""
     if ds_checkpoint.get_checkpoint_info(UNIVERSAL_CHECKPOINT_INFO) is None:
         ds_checkpoint.global_state[UNIVERSAL_CHECKPOINT_INFO] = {
             UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}
 
 
-def _check_for_required_state(ds_checkpoint: Any) -> None:
+def _check_for_required_state(ds_checkpoint: DeepSpeedCheckpoint) -> None:
     info = ds_checkpoint.get_checkpoint_info(UNIVERSAL_CHECKPOINT_INFO)
     assert info is not None, (f"Required {UNIVERSAL_CHECKPOINT_INFO} state is missing in checkpoint. Verify that "
                               "client creates this state.")

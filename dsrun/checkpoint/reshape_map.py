@@ -78,7 +78,7 @@ def partition_data(data_list: list[Any], num_partitions: int) -> list[list[Any]]
     return [data_list[i:i + size] for i in range(0, len(data_list), size)]
 
 
-def merge_state(state_a: Any, state_b: Any, key_list: list[str] | None = None) -> Any:
+def merge_state(state_a: object, state_b: object, key_list: list[str] | None = None) -> object:
     """Two ranks' states as one: tensors concatenated along dim 0, dicts merged key by key, lists item by item,
     anything else taken from ``state_a``."""
     keys = list(key_list or [])

@@ -21,6 +21,7 @@ folder's whole values, by element ranges, so the load stays a partial read.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 from typing import Any, Union
@@ -167,7 +168,7 @@ def merge_checkpoint(checkpoint_dir: str | Path, tag: str | None = None) -> dict
 
 
 def merged_optimizer_state(tag_dir: Path, model_states: dict[str, Any], stage: int, world: int, bf16: bool,
-                           opened: Any) -> tuple[MergedRanks, list[dict[str, Any]]]:
+                           opened: contextlib.ExitStack) -> tuple[MergedRanks, list[dict[str, Any]]]:
     """The whole model's optimizer state (fp32 masters, per-element states, scalars) of a checkpoint saved over
     ``mp_world_size`` tensor-parallel ranks, each with ``world`` data-parallel ranks at ZeRO ``stage`` (0-3), and
     its param groups' whole shapes. Nothing is merged in memory: each tensor-parallel rank's saved files are

@@ -34,7 +34,7 @@ from .universal_checkpoint import SubparamShape
 MERGED_STATES = ("fp32", "exp_avg", "exp_avg_sq")
 
 
-def _save(obj: Any, path: str) -> None:
+def _save(obj: object, path: str) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     atomic.save_torch(obj, Path(path))
 
@@ -43,7 +43,7 @@ def dp_index_to_str(dp_index: int) -> str:
     return f"{dp_index:0>2d}"
 
 
-def dump_param_fragment(dir: str, tp_index: int, dp_index: int, state_name: str, state_flat_tensor: Any,
+def dump_param_fragment(dir: str, tp_index: int, dp_index: int, state_name: str, state_flat_tensor: torch.Tensor | int,
                         param_name: str, offset: int, numel: int) -> None:
     """Write ``numel`` elements of ``state_flat_tensor`` from ``offset`` (a step as it is) as the fragment of
     ``param_name`` held by ranks ``(tp_index, dp_index)``."""
