@@ -16,7 +16,7 @@ DeepSpeed's layer classes (:mod:`dsrun.tensor_parallel.deepspeed_layers`) both r
 from __future__ import annotations
 
 import re
-from typing import Any, Sequence
+from typing import Any, Sequence, Union
 
 import torch
 from torch import nn
@@ -25,6 +25,27 @@ from .constants import (AUTOTP_UNSUPPORTED_PARAMETER_PATTERNS, DS_AUTOTP_UC_META
                         PARAMETER_WITH_ROW_PARALLELISM_PATTERNS, PARAMETER_WITH_SUB_PARAMS, SUB_PARAM_SHARD_WIDTHS,
                         TP_REPLICATED_PARAMETER_PATTERNS, UNIVERSAL_CHECKPOINT_VERSION_KEY,
                         UNIVERSAL_CHECKPOINT_VERSION_VALUE, VOCABULARY_PARAMETER_PATTERNS)
+
+
+def shard_bounds(total: int, rank: int, size: int) -> tuple[int, int]:
+    """Rank ``rank``'s ``(start, length)`` of ``total`` entries cut over ``size`` ranks as evenly as possible: the
+    first ``total % size`` ranks hold one more (DeepSpeed's AutoTP shard sizes in grains of one). Even when
+    ``size`` divides ``total``."""
+    base, extra = divmod(total, size)
+    return rank * base + min(rank, extra), base + (1 if rank < extra else 0)
+
+
+Widths = tuple[tuple[int, ...], ...]  # per fused part, each tensor-parallel rank's length along the split dim
+Parts = Union[int, Widths]  # a split's parts: a count of equal parts cut evenly (shard_bounds), or explicit widths
+
+
+def rank_widths(length: int, parts: Parts, size: int) -> Widths:
+    """The widths of a split whose parts are ``parts`` along a dimension of ``length``: explicit widths as they
+    are, ``n`` equal parts each cut by :func:`shard_bounds`."""
+    if not isinstance(parts, int):
+        return tuple(tuple(int(w) for w in part) for part in parts)
+    block = length // parts
+    return tuple(tuple(shard_bounds(block, rank, size)[1] for rank in range(size)) for _ in range(parts))
 
 
 def _normalize_uc_shape(value: Sequence[Any] | None) -> tuple[Any, ...] | None:
@@ -110,6 +131,27 @@ def mark_replicated(param: torch.Tensor, *, row: bool, is_bias: bool = True) -> 
         original_shape=shape, is_bias=is_bias, replicated=True))
 
 
+def _meta_from_marks(module: nn.Module, param: torch.Tensor) -> dict[str, Any] | None:
+    """A split parameter that records no metadata but carries Megatron's marks (``tensor_model_parallel``, its
+    ``partition_dim``, and either explicit ``partition_widths`` or ``partition_stride`` equal parts cut evenly over
+    its layer's ``tp_size``): its metadata recorded from them, so it is never taken for a replicated one."""
+    if not getattr(param, "tensor_model_parallel", False) or getattr(param, "partition_dim", None) is None:
+        return None
+    dim, widths = int(param.partition_dim), getattr(param, "partition_widths", None)
+    shape = list(getattr(param, "ds_shape", None) or param.shape)
+    if widths is None:
+        size, parts = int(getattr(module, "tp_size", 1)), int(getattr(param, "partition_stride", 1) or 1)
+        if size <= 1:
+            return None
+        shape[dim] *= size  # an even cut: every rank holds the same length
+        widths = rank_widths(shape[dim], parts, size)
+    else:
+        shape[dim] = sum(sum(part) for part in widths)
+    mark_split(param, row=bool(getattr(module, "row_parallel", False)), dim=dim, whole_shape=tuple(shape),
+               widths=[list(part) for part in widths], is_bias=param is getattr(module, "bias", None))
+    return _get_param_uc_conversion_meta(param)
+
+
 def collect_autotp_universal_checkpoint_info(model: nn.Module) -> dict[str, Any]:
     """DeepSpeed's model-level ``universal_checkpoint_info`` of an AutoTP model, from its parameters' conversion
     views (a module's ``_mark_uc_metadata()`` is called first, to record the current state). Each parameter is
@@ -130,7 +172,7 @@ def collect_autotp_universal_checkpoint_info(model: nn.Module) -> dict[str, Any]
             if first.get(id(param), name) != name:
                 continue
             pattern = f"^{re.escape(name)}$"
-            meta = _get_param_uc_conversion_meta(param)
+            meta = _get_param_uc_conversion_meta(param) or _meta_from_marks(module, param)
             if not meta:
                 whole.append(pattern)
                 continue

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import math
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import torch
 
@@ -33,34 +33,14 @@ from dsrun.utils.zero_to_fp32 import merge_slices
 
 from . import layout, reshard
 from .safe_load import load_file
+from .autotp_meta import Parts, Widths, rank_widths, shard_bounds
 from .partial_state import model_states_without_parameters, saved_state
 from .universal_checkpoint import is_universal
-
-
-def shard_bounds(total: int, rank: int, size: int) -> tuple[int, int]:
-    """Rank ``rank``'s ``(start, length)`` of ``total`` entries cut over ``size`` ranks as evenly as possible: the
-    first ``total % size`` ranks hold one more (DeepSpeed's AutoTP shard sizes in grains of one). Even when
-    ``size`` divides ``total``."""
-    base, extra = divmod(total, size)
-    return rank * base + min(rank, extra), base + (1 if rank < extra else 0)
-
-
-Widths = tuple[tuple[int, ...], ...]  # per fused part, each tensor-parallel rank's length along the split dim
-Parts = Union[int, Widths]  # a split's parts: a count of equal parts cut evenly (shard_bounds), or explicit widths
 
 
 def part_count(parts: Parts) -> int:
     """How many fused parts a split has."""
     return parts if isinstance(parts, int) else len(parts)
-
-
-def rank_widths(length: int, parts: Parts, size: int) -> Widths:
-    """The widths of a split whose parts are ``parts`` along a dimension of ``length``: explicit widths as they
-    are, ``n`` equal parts each cut by :func:`shard_bounds`."""
-    if not isinstance(parts, int):
-        return tuple(tuple(int(w) for w in part) for part in parts)
-    block = length // parts
-    return tuple(tuple(shard_bounds(block, rank, size)[1] for rank in range(size)) for _ in range(parts))
 
 
 def as_parts(value: object) -> Parts:

@@ -167,3 +167,27 @@ def test_load_hp_checkpoint_state_fills_this_ranks_fragment_and_the_optimizer_na
     (tmp_path / "step.pt").unlink()
     assert plain.load_hp_checkpoint_state(str(tmp_path), tp_rank=1, tp_world_size=2) is None
     assert torch.equal(master2, whole.chunk(2, dim=1)[1].flatten())
+
+
+def test_a_split_layer_without_metadata_is_described_from_its_megatron_marks():
+    """A layer that cuts its parameters with Megatron's marks but records no metadata (dsrun's split layers before
+    ``universal_checkpoint_info`` marks them): collect derives the metadata from the marks, never calling the
+    parameter replicated."""
+    from dsrun.inference.groups import TPGroup
+    from dsrun.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from dsrun.tensor_parallel.split import cut_parameter
+
+    model = nn.Module()
+    fused, plain, row = nn.Linear(4, 12), nn.Linear(4, 12), nn.Linear(6, 4)
+    cut_parameter(fused.weight, 0, ((4, 2), (2, 1), (2, 1)), TPGroup(None, 1, 2))  # explicit widths
+    cut_parameter(plain.weight, 0, 3, TPGroup(None, 1, 2))  # 3 equal parts cut evenly
+    cut_parameter(row.weight, 1, 1, TPGroup(None, 1, 2))
+    model.fused = ColumnParallelLinear(fused.weight, None, False, None, 2, 1)
+    model.plain = ColumnParallelLinear(plain.weight, None, False, None, 2, 1)
+    model.row = RowParallelLinear(row.weight, row.bias, False, None, 2, 1)
+    info = collect_autotp_universal_checkpoint_info(model)
+    assert info[C.SUB_PARAM_SHARD_WIDTHS] == {r"^fused\.weight$": [[4, 2], [2, 1], [2, 1]],
+                                              r"^plain\.weight$": [[2, 2], [2, 2], [2, 2]]}
+    assert info[C.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS] == [r"^row\.weight$"]
+    assert info[C.TP_REPLICATED_PARAMETER_PATTERNS] == [r"^row\.bias$"]  # never cut: whole on every rank
+    assert getattr(model.row.weight, C.DS_AUTOTP_UC_META)["logical_shape"] == (4, 6)
