@@ -105,7 +105,8 @@ class SubparamShape:
     partition_dim: int
 
 
-add_safe_globals(SubparamShape)  # a merged fused parameter's fp32.pt holds one
+# a merged fused parameter's fp32.pt holds one: written here, or by DeepSpeed under its module's name
+add_safe_globals(SubparamShape, (SubparamShape, "deepspeed.checkpoint.universal_checkpoint.SubparamShape"))
 
 
 def _tp_slice_of(param: torch.Tensor, ckpt: dict[str, Any], full: torch.Tensor, tp_rank: int, tp_world_size: int,

@@ -15,6 +15,7 @@ from dsrun.checkpoint import constants as C
 from dsrun.checkpoint.autotp_meta import (_build_param_uc_restore_meta, _resolve_autotp_partition,
                                           collect_autotp_universal_checkpoint_info, mark_split)
 from dsrun.checkpoint.ds_to_universal import main as convert
+from dsrun.checkpoint.safe_load import load_file
 from dsrun.checkpoint.tp_slices import _validate_autotp_conversion_support, dump_param_fragment, merge_tp_slices
 from dsrun.checkpoint.universal_checkpoint import SubparamShape, enable_universal_checkpoint
 from dsrun.compat.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
@@ -78,7 +79,7 @@ def test_a_fused_parameter_merges_part_by_part_and_each_rank_restores_its_slice(
     assert info[C.SUB_PARAM_SHARD_WIDTHS] == {r"^qkv\.weight$": widths}
     merge_tp_slices(info, str(tmp_path / "out"), str(tmp_path / "slices"), tp,
                     ("qkv.weight", [tuple(s.shape) for s in rank_slices]))
-    saved = torch.load(tmp_path / "out" / "qkv.weight" / "fp32.pt", weights_only=False)
+    saved = load_file(tmp_path / "out" / "qkv.weight" / "fp32.pt")  # the safe loader takes the SubparamShape
     assert torch.equal(saved[C.PARAM], whole * 5) and isinstance(saved[C.SUB_PARAM_SHAPE], SubparamShape)
     for rank in range(tp):  # the restore cuts back exactly what each rank held
         assert torch.equal(_resolve_autotp_partition(model.qkv.weight, saved, whole, rank, tp),
