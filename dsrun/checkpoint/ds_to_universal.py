@@ -253,7 +253,11 @@ def main(args: argparse.Namespace | None = None) -> None:
     :func:`ds_to_universal` converts it."""
     args = parse_arguments() if args is None else args
     if not _written_by_dsrun(Path(args.input_folder)):
-        optim_files = _get_optim_files(args.input_folder)
+        try:
+            optim_files = _get_optim_files(args.input_folder)
+        except FileNotFoundError:  # a stage-0 save: its optimizer state is in the model states (read below)
+            ds_to_universal(args.input_folder, args.output_folder)
+            return
         zero3_files = _filter_zero3_optim_files(optim_files)
         if _get_zero_stage(zero3_files or optim_files) > 2:
             convert_zero3(args.input_folder, args.output_folder, zero3_files or optim_files,
