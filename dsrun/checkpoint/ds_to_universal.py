@@ -27,7 +27,7 @@ from dsrun.utils import zero_to_fp32 as z2f
 
 from . import atomic, layout, partial_state, pipeline_state, reshard
 from . import tensor_parallel as tp
-from .constants import UNIVERSAL_CHECKPOINT_INFO
+from .constants import CHECKPOINT_PARALLEL_DIMS, UNIVERSAL_CHECKPOINT_INFO
 from .deepspeed_checkpoint import DeepSpeedCheckpoint, _aggregate_autoep_zero12_metadata
 from .deepspeed_universal import (_filter_zero3_optim_files, _get_optim_files, _get_zero_stage, _inject_missing_state,
                                   convert_zero3)
@@ -202,6 +202,7 @@ def ds_to_universal(input_folder: str, output_folder: str, verbose: bool = True)
     if splits:  # the module is whole now: a load cuts it for its own tensor-parallel degree
         origin[TENSOR_PARALLEL_KEY] = {**extras.pop(TENSOR_PARALLEL_KEY), "degree": tp.saved_degree(model_states)}
         universal_states["mp_world_size"] = 1
+        universal_states.pop(CHECKPOINT_PARALLEL_DIMS, None)  # one whole module now
     universal_states["dsrun"] = {**extras, "universal_from": origin}
     atomic.save_torch(universal_states, staging / layout.model_states_name(0, 0))
 

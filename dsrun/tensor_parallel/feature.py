@@ -27,7 +27,8 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from dsrun import comm
-from dsrun.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+from dsrun.checkpoint.constants import (CHECKPOINT_PARALLEL_DIMS, CHECKPOINT_PP_DEGREE, CHECKPOINT_TP_DEGREE,
+                                        UNIVERSAL_CHECKPOINT_INFO)
 from dsrun.comm.groups import ProcessGroups
 from dsrun.config import DSConfig
 from dsrun.features import Feature
@@ -108,6 +109,7 @@ class AutoTPFeature(Feature):
         self._source = 0  # the global rank of the group's first rank
         self._input_check: Any = None
         self.layout: TPLayout | None = None
+        self.uc_info: dict[str, Any] = {}  # the split model's universal_checkpoint_info (take_topology)
 
     @classmethod
     def build(cls, config: DSConfig) -> "AutoTPFeature | None":
@@ -177,7 +179,8 @@ class AutoTPFeature(Feature):
                     comm.broadcast(tensor.data, src=members[0], group=group)
         self.layout.splits.update(vocabulary.splits)
         self.layout.whole.update(vocabulary.whole)
-        setattr(model, UNIVERSAL_CHECKPOINT_INFO, universal_checkpoint_info(model, self.layout))
+        self.uc_info = universal_checkpoint_info(model, self.layout)
+        setattr(model, UNIVERSAL_CHECKPOINT_INFO, self.uc_info)
 
     def _check_inputs_agree(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """The first forward: the ranks of a tensor-parallel group must read the same batch (DeepSpeed's check,
@@ -207,4 +210,7 @@ class AutoTPFeature(Feature):
 
     def checkpoint_entries(self) -> dict[str, Any]:
         assert self.layout is not None
-        return {"mp_world_size": self.size, "dsrun": {"tensor_parallel": self.layout.entry()}}
+        # DeepSpeed's entries too: the model's universal_checkpoint_info and the degrees its checkpoint readers take
+        return {"mp_world_size": self.size, UNIVERSAL_CHECKPOINT_INFO: self.uc_info,
+                CHECKPOINT_PARALLEL_DIMS: {CHECKPOINT_PP_DEGREE: 1, CHECKPOINT_TP_DEGREE: self.size},
+                "dsrun": {"tensor_parallel": self.layout.entry()}}

@@ -382,6 +382,7 @@ def universal_job(rank: int, name: str, save_dir: str, tail_batches: list[torch.
     DP=2 (``checkpoint.load_universal``) and run the tail's batches, a row each. Returns those losses, and (rank
     0) the universal folder's per-parameter fp32 files and the checkpoint's splits."""
     from dsrun import comm
+    from dsrun.checkpoint import UNIVERSAL_CHECKPOINT_INFO, DeepSpeedCheckpoint
     from dsrun.checkpoint.ds_to_universal import ds_to_universal
     from dsrun.checkpoint.safe_load import load_file
     from dsrun.checkpoint.tensor_parallel import splits_of
@@ -389,8 +390,11 @@ def universal_job(rank: int, name: str, save_dir: str, tail_batches: list[torch.
     files = None
     if rank == 0:
         out = ds_to_universal(f"{save_dir}/step4", f"{save_dir}/step4_universal", verbose=False)
+        saved = load_file(f"{save_dir}/step4/mp_rank_00_model_states.pt")
         files = {"fp32": {p.name: load_file(p / "fp32.pt") for p in (out / "zero").iterdir() if p.is_dir()},
-                 "splits": splits_of(load_file(f"{save_dir}/step4/mp_rank_00_model_states.pt"))}
+                 "splits": splits_of(saved), "uc_info": saved[UNIVERSAL_CHECKPOINT_INFO],
+                 "degrees": [(c.pp_degree, c.tp_degree, c.dp_degree)
+                             for c in [DeepSpeedCheckpoint(f"{save_dir}/step4")]]}
     comm.barrier()
     return {"universal": files, "universal_tp1": universal_tail(name, 1, 2, save_dir, tail_batches)}
 

@@ -160,6 +160,14 @@ def test_tp2_checkpoint_converts_to_universal_and_resumes_at_tp1(tp2_runs):
         dim, parts = splits.get(name, (0, 1))
         assert entry["cat_dim"] == dim and entry.get("param_n_sub_params", 1) == parts, name
     assert set(merged) - set(universal["fp32"]) == {"lm_head.weight"}  # tied to the embedding: one master
+    # DeepSpeed's entries in each TP rank's model states: the model's universal_checkpoint_info (GPT-2's Conv1D
+    # weights, cut along a dimension DeepSpeed's converter would not concatenate along, published as sub-parameters
+    # with their widths) and the recorded degrees, which DeepSpeedCheckpoint reads (pp 1, tp 2, dp 1)
+    info = universal["uc_info"]
+    assert r"^transformer\.h\.0\.ln_1\.weight$" in info["tp_replicated_parameter_patterns"]
+    fused = {e["patterns"][0]: e for e in info["parameter_with_sub_params"]}
+    assert fused[r"^transformer\.h\.0\.attn\.c_attn\.weight$"]["partition_dim"] == 1
+    assert universal["degrees"] == [(1, 2, 1)]
     tail = torch.tensor(checkpoint["tail"], dtype=torch.float64)
     rows = torch.tensor([r["checkpoint"]["universal_tp1"] for r in tp2_runs], dtype=torch.float64)
     assert ((rows.mean(0) - tail).abs() / tail).max() <= fp32_bound(len(tail))
