@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 from torch import nn
 
+from dsrun.checkpoint.autotp_meta import mark_split
+
 from .deepspeed_layers import LinearLayer, _group_rank_size
 from .layers import ColumnParallelLinear, RowParallelLinear, gather_slices
 from .shard_sizes import get_n_embd, get_num_attention_heads, get_num_kv_heads, get_shard_size_list
@@ -281,6 +283,14 @@ class SubParamColumnParallel(LinearLayer):
                 param.data = partition_logical(param.data, 0, self._subparam_shard_widths, self.tp_rank).contiguous()
         param.tensor_model_parallel = True
         param.partition_dim, param.partition_stride = 0, len(self._subparam_sizes)
+
+    def _mark_uc_metadata(self) -> None:
+        """Each parameter's universal-checkpoint metadata: cut along dim 0 sub-parameter by sub-parameter, with each
+        one's per-rank widths (not LinearLayer's plain cut, which a merge would put back in rank order)."""
+        for param, whole in ((self.weight, self._orig_weight_shape), (self.bias, self._orig_bias_shape)):
+            if param is not None and whole is not None:
+                mark_split(param, row=False, dim=0, whole_shape=whole, widths=self._subparam_shard_widths,
+                           is_bias=param is self.bias)
 
     def gather_params(self, params_list: list[torch.Tensor | None]) -> None:
         """Each parameter of ``params_list`` back whole, sub-parameter by sub-parameter (not in rank order)."""

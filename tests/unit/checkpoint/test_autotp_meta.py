@@ -192,3 +192,16 @@ def test_a_split_layer_without_metadata_is_described_from_its_megatron_marks():
     assert info[C.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS] == [r"^row\.weight$"]
     assert info[C.TP_REPLICATED_PARAMETER_PATTERNS] == [r"^row\.bias$"]  # never cut: whole on every rank
     assert getattr(model.row.weight, C.DS_AUTOTP_UC_META)["logical_shape"] == (4, 6)
+
+
+def test_deepspeeds_fused_layers_record_each_sub_parameters_widths():
+    """GateUpPack_LinearLayer (gate|up of 6 each over 2 ranks): recorded per sub-parameter, not as a plain cut."""
+    from dsrun.tensor_parallel.subparam_layers import GateUpPack_LinearLayer
+
+    model = nn.Module()
+    model.up = GateUpPack_LinearLayer(nn.Linear(4, 12), None, tp_rank=1, tp_size=2, name="dense_h_to_4h")
+    info = collect_autotp_universal_checkpoint_info(model)
+    assert info[C.SUB_PARAM_SHARD_WIDTHS][r"^up\.weight$"] == [[3, 3], [3, 3]]
+    whole = torch.arange(48.).view(12, 4)
+    assert torch.equal(_resolve_autotp_partition(model.up.weight, {}, whole, 1, 2),
+                       torch.cat([whole[3:6], whole[9:12]]).flatten())
