@@ -97,6 +97,22 @@ class Accelerator:
         if self.name == "cuda":
             torch.cuda.empty_cache()
 
+    def total_memory(self) -> int:
+        """Bytes of device memory (DeepSpeed's name): the GPU's; on the CPU the host's physical memory."""
+        if self.name == "cuda":
+            return torch.cuda.mem_get_info()[1]
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+    def available_memory(self) -> int:
+        """Bytes free now (DeepSpeed's name): the GPU's free memory; on the CPU the host's ``MemAvailable``."""
+        if self.name == "cuda":
+            return torch.cuda.mem_get_info()[0]
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
     def device_count(self) -> int:
         """Devices on this node: the CUDA GPUs; on the CPU, as DeepSpeed's CPU accelerator, the node's rank
         count ``LOCAL_SIZE`` when a launcher set it (every rank is a CPU "device"), else 1."""

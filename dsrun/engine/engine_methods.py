@@ -310,15 +310,36 @@ class EngineMethods:
                     write_shard(p, fragments[name].to(device=p.ds_tensor.device, dtype=p.ds_tensor.dtype))
 
     # --- compile ----------------------------------------------------------------------------------------
-    def compile(self, backend: str = "inductor", compile_kwargs: dict[str, Any] | None = None) -> None:
+    def compile(self, backend: str = "inductor", compile_kwargs: dict[str, Any] | None = None,
+                schedule: list[tuple[int, list[Any]]] | None = None) -> None:
         """``torch.compile`` the module in place (``module.compile(backend=..., **compile_kwargs)``; at ZeRO-3
         each repeated block, with the gather/release hooks outside the graphs: ``dsrun/zero/compile_regions.py``);
-        a second call does nothing. The config's ``compile`` section (``enabled``, ``backend``, ``kwargs``) calls
-        it at initialize."""
+        with ``compile.deepcompile`` at ZeRO-3, DeepCompile's passes on ``schedule`` (DeepSpeed's
+        ``[(step, [pass names])]``; None: its default) put ZeRO-3 in the graph (``dsrun/compile``); a second call
+        does nothing. The config's ``compile`` section (``enabled``, ``backend``, ``kwargs``) calls it at
+        initialize."""
         if self._engine._is_compiled:
             return
-        compile_model(self._engine.module, self._engine.strategy, backend, dict(compile_kwargs or {}))
+        kwargs = dict(compile_kwargs or {})
+        if self._engine._config.compile.deepcompile:
+            from dsrun.compile.init import compiles_in_graph, init_z3, log_rank0
+
+            fallback = compiles_in_graph(self._engine.strategy)
+            if fallback is None:
+                init_z3(self._engine, backend, kwargs, schedule)
+                self._engine._is_compiled = True
+                return
+            log_rank0(f"the torch compiler instead: {fallback}")
+        compile_model(self._engine.module, self._engine.strategy, backend, kwargs)
         self._engine._is_compiled = True
+
+    def is_deepcompile_enabled(self) -> bool:
+        """DeepSpeed's name: ``compile.deepcompile`` is set."""
+        return bool(self._engine._config.compile.deepcompile)
+
+    def is_deepcompile_active(self) -> bool:
+        """DeepSpeed's name: the module was compiled with DeepCompile's ZeRO-3 passes."""
+        return self._engine._is_compiled and hasattr(self._engine, "launch_compile_passes")
 
     @property
     def is_compiled(self) -> bool:

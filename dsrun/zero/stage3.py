@@ -6,33 +6,23 @@
   module order, keeping small ``stage3_param_persistence_threshold`` parameters gathered). Where every
   parameter is partitioned over a group of one rank (a world of one, MiCS shard groups of one) there is nothing
   to gather: they are kept whole, with no hooks (:mod:`.whole_params`), and the step costs what stage 0's does.
-* **Gradients** never stay whole: when autograd has finished a parameter's gradient (its post-accumulate
-  hook; a ZeRO-3 leaf module's once backward is done, zero for an expert no token reached) the gradient goes
-  into a bucket and the full copy is dropped; a bucket of ``reduce_bucket_size`` elements is reduce-scattered
-  (asynchronously with ``overlap_comm``) so each rank receives the sum for its own shards, added into an fp32
-  accumulator. This happens on every micro-step. On the CPU a bucket also goes whenever backward reaches
-  another module, so each module's full gradients are released as FSDP2 releases them (the sum is
-  elementwise: bit-identical), and glibc's mmap threshold is pinned just above one module's temporaries
-  (:mod:`.host_memory`): they come from the heap, reused, instead of fresh pages.
-* **Optimizer**: each param group's shards are laid end to end in fp32 *sub-groups* of at most
-  ``sub_group_size`` elements (one optimizer tensor each); the step updates only these, then writes the
-  model-dtype shards (with ``bf16.bf16_master_weights_and_grads`` the sub-groups and their gradient
-  accumulators are bf16 and the bf16 shards are views of them, as DeepSpeed shares them: no copy at all). No
-  all-gather follows the step: the next forward gathers what it needs. Each sub-group
-  lives in a store (:mod:`dsrun.offload.shard_store`: the device, or with ``offload_optimizer`` host
-  memory or NVMe swap files), which owns its master, gradient, update, write-back, checkpoint entries and bytes.
+* **Gradients** never stay whole: a finished gradient (its post-accumulate hook; a ZeRO-3 leaf module's once
+  backward is done, zero for an expert no token reached) goes into a bucket, the full copy dropped; a bucket of
+  ``reduce_bucket_size`` elements is reduce-scattered (asynchronously with ``overlap_comm``) into each rank's fp32
+  accumulator, every micro-step. On the CPU a bucket also goes whenever backward reaches another module (FSDP2's
+  release; bit-identical), with glibc's mmap threshold pinned above one module's temporaries (:mod:`.host_memory`).
+* **Optimizer**: each param group's shards lie end to end in fp32 *sub-groups* of at most ``sub_group_size``
+  elements (one optimizer tensor each); the step updates these, then writes the model-dtype shards (with
+  ``bf16.bf16_master_weights_and_grads`` the sub-groups and accumulators are bf16 and the shards views of them).
+  No all-gather follows the step. Each sub-group lives in a store (:mod:`dsrun.offload.shard_store`: the device,
+  or with ``offload_optimizer`` host memory or NVMe), which owns its master, gradient, update, checkpoint, bytes.
 
-Which group each parameter is partitioned over, how it is gathered, how a gradient bucket is reduce-scattered
-and what a boundary adds to it are the *sharding policy*'s (:mod:`.sharding`): plain ZeRO-3's by default, or the
-one a feature supplies through ``StrategyContext.sharding`` (ZeRO++/MiCS/hpZ: :mod:`.zeropp`).
-
-``engine.offload_states()`` (:mod:`.offload_states`) asks each store for the masters, optimizer states and
-gradient accumulators it holds (``hp_params``, ``optim_states``, ``lp_grads``), moves the model's shards
-(``lp_params``; at fp32 they are views of the masters, so either state moves both), releases the reduce-scatter
-buffers kept for reuse (``contiguous_grad_buffer``) and, first, the gathered parameters.
-
-Per step this moves 3 * psi * (N - 1) / N elements per rank (gather in forward, gather in backward,
-reduce-scatter), 1.5 times stage 0's all-reduce, as the ZeRO paper says.
+The *sharding policy* (:mod:`.sharding`; ZeRO++/MiCS/hpZ's: :mod:`.zeropp`) says which group each parameter is
+partitioned over, how it is gathered, how a bucket is reduce-scattered and what a boundary adds.
+``engine.offload_states()`` (:mod:`.offload_states`) moves each store's ``hp_params``, ``optim_states``,
+``lp_grads``, the model's shards (``lp_params``) and frees the kept reduce-scatter buffers and gathered parameters.
+Per step 3 * psi * (N - 1) / N elements move per rank (two gathers, one reduce-scatter), 1.5x stage 0's.
+DeepCompile (``dsrun/compile``) takes the gathers and the reduction into the graph: :meth:`hand_over_to_compiler`.
 """
 from __future__ import annotations
 
@@ -261,6 +251,15 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
         self.coordinator.end_backward()
         for store in self.placement.stores:
             store.end_micro_step()
+
+    def hand_over_to_compiler(self) -> Any:
+        """DeepCompile gathers and reduces in its graphs: hooks off, all released; returns the bucket's intake."""
+        self.coordinator.remove_hooks()
+        for handle in self._grad_hooks:
+            handle.remove()
+        self._grad_hooks, self._leaf_params = [], []  # the graph reduces a leaf's parameters like any other
+        self.coordinator.release_all(keep_persistent=False)  # the compiler's selective gather decides persistence
+        return self._queue_gradient
 
     # --- gradient reduction -------------------------------------------------------------------------------
     def _reduce_finished_modules(self) -> None:

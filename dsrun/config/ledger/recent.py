@@ -41,7 +41,9 @@ SPLIT = Feature("DeepSpeed's data-parallel split of checkpoint writes (part file
 AUTOTP = Feature("AutoTP tensor-parallel training", "remove the tensor_parallel section")
 AUTOTP_TESTS = "tests/integration/test_autotp_training.py::"
 AUTOTP_UNIT = "tests/unit/tensor_parallel/test_autotp_split.py::"
-DEEPCOMPILE = Feature("DeepCompile (compiler passes for ZeRO)", "leave the compile key at its default")
+DEEPCOMPILE = Feature("this DeepCompile option (dsrun's DeepCompile: the ZeRO-3 gather/release, reduce, prefetch and "
+                      "selective-gather passes)", "leave the compile key at its default")
+DC = "tests/unit/compile/test_deepcompile.py::"
 SWAP = "tests/unit/offload/test_swap_traffic.py::"
 LEAF_PROOF = "tests/unit/zero3/test_leaf_modules.py::test_the_config_leaf_module_section_flags_leaves_at_stage_3"
 DTYPES = Feature("per-module fp32 buffers (not a DeepSpeed key: its data_types has param_dtype and buffer_dtype)",
@@ -192,12 +194,18 @@ ENTRIES: list[Entry] = [
         "injection_policy_tuple": "layer injection policy", "keep_module_on_host": "keep shards on the host",
         "kernel_inject": "inject inference kernels"}),
     # DeepCompile
+    done("compile.deepcompile", "ZeRO-3 inside the compiled graph: DeepCompile's gather/release, reduce, prefetch "
+         "and selective-gather passes (stages 1-2, and ZeRO-3 kept whole, use the torch compiler)",
+         f"{DC}test_zero3_in_the_graph_trains_as_eager_zero3", f"{DC}test_deepcompile_falls_back_where_deepspeed_does",
+         traced=False),  # read by engine.compile(), which a config without compile.enabled never calls
+    done("compile.debug_log", "print each graph after DeepCompile's passes (rank 0)",
+         f"{DC}test_debug_log_prints_the_graphs_after_the_passes", traced=False),
     *_section("compile", DEEPCOMPILE, {
-        "deepcompile": "DeepCompile's ZeRO passes", "autoep_non_moe": "AutoEP on non-MoE layers",
+        "autoep_non_moe": "AutoEP on non-MoE layers",
         "free_activation": "free activations early", "free_activation_threshold": "bytes above which to free",
         "offload_activation": "offload activations", "offload_activation_pin_memory": "pin offloaded "
         "activations", "offload_opt_states": "offload optimizer states", "double_buffer": "double-buffer "
-        "prefetches", "symmetric_memory": "symmetric-memory all-gathers", "debug_log": "DeepCompile debug log",
+        "prefetches", "symmetric_memory": "symmetric-memory all-gathers",
         "offload_parameters": "offload parameters", "sync_before_reduce": "synchronize before reductions",
         "sync_after_reduce": "synchronize after reductions", "sync_before_allgather": "synchronize before "
         "all-gathers", "sync_after_allgather": "synchronize after all-gathers", "keep_int_input_tensors":

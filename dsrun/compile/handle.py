@@ -1,0 +1,167 @@
+"""DeepCompile's runtime at ZeRO-3: what the compiled graph's gather, release and reduce ops act on.
+
+DeepSpeed keeps this state in a C++ object (``DeepCompileBuilder``'s handle, CUDA). dsrun's is this Python class
+over its own partitioned parameters (:mod:`dsrun.zero.partition_params`: ``ds_tensor`` shards, ``ds_shape``) and
+its stage-3 strategy's gradient buckets, reached by the ops of :mod:`.ops`:
+
+* ``allgather_param`` all-gathers one parameter's shards into a fresh buffer owned by the graph (the
+  parameter's own ``.data`` stays the empty placeholder: the graph never changes it); a prefetch started earlier
+  (``prefetch_param``, asynchronous) is waited for instead; a parameter made persistent (selective gather) is
+  served from its kept copy, refreshed after each optimizer step.
+* ``release_param`` marks the gathered buffer's last reader: its memory goes when the graph drops its last
+  reference, which the FX interpreter and inductor's code do right there; the handle counts what is live.
+* ``reduce_grad`` hands a full gradient to the strategy's reduce-scatter buckets (a copy: the compiled graph
+  may reuse its buffer), as the eager ZeRO-3 gradient hook does.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from dsrun import comm
+
+
+@dataclass
+class GatherStats:
+    """Counts since the last :meth:`DeepCompileHandle.reset_stats`: what a test or a benchmark reads."""
+
+    gathers: int = 0  # collectives run (synchronous or prefetched)
+    prefetched: int = 0  # of those, started ahead by ``prefetch_param``
+    persistent_hits: int = 0  # served from a kept copy, no collective
+    releases: int = 0
+    reduced: int = 0  # gradients handed to the strategy
+    live_numel: int = 0  # gathered elements whose release has not been seen
+    peak_live_numel: int = 0
+    order: list[tuple[str, int]] = field(default_factory=list)  # (op, ds_id), in the order they ran
+
+
+class DeepCompileHandle:
+    """The parameters a compiled graph gathers, by ``ds_id``; the strategy its gradients go to."""
+
+    def __init__(self) -> None:
+        self.params: dict[int, torch.nn.Parameter] = {}
+        self.persistent: set[int] = set()
+        self._kept: dict[int, torch.Tensor] = {}  # persistent parameters' gathered copies
+        self._inflight: dict[int, tuple[torch.Tensor, Any]] = {}  # prefetches: (buffer, work)
+        self.reduce: Callable[[torch.nn.Parameter, torch.Tensor], None] | None = None
+        self.graphs: dict[int, list[int]] = {}  # graph id -> ds_ids it gathers (DeepSpeed's register_graph_z3)
+        self.stats = GatherStats()
+        self.gather_seconds: dict[int, float] = {}  # the last synchronous all-gather of each parameter (selective gather)
+        self.record_order = False
+
+    # --- registration (DeepSpeed's ``dc.init``, ``register_z3_param``, ``register_graph_z3``) --------------
+    def init(self, reduce: Callable[[torch.nn.Parameter, torch.Tensor], None] | None) -> None:
+        self.reduce = reduce
+
+    def register_z3_param(self, param: torch.nn.Parameter) -> None:
+        self.params[param.ds_id] = param
+
+    def register_graph_z3(self, graph_id: int, ds_ids: list[int]) -> None:
+        self.graphs[graph_id] = list(ds_ids)
+
+    def set_persistent(self, ds_id: int) -> None:
+        """Keep ``ds_id`` gathered between uses (selective gather): one collective per optimizer step."""
+        self.persistent.add(ds_id)
+
+    def reset(self) -> None:
+        """Forget every parameter and kept copy (a new schedule step or a new engine)."""
+        self.wait_all()
+        self.params.clear()
+        self.persistent.clear()
+        self._kept.clear()
+        self.graphs.clear()
+        self.reduce = None
+        self.reset_stats()
+
+    def reset_graphs(self) -> None:
+        """The graphs are compiled again (a new schedule step): their records and the kept copies go."""
+        self.wait_all()
+        self.graphs.clear()
+        self._kept.clear()
+
+    def reset_stats(self) -> None:
+        self.stats = GatherStats()
+
+    def invalidate(self) -> None:
+        """The shards changed (an optimizer step): kept copies are stale."""
+        self._kept.clear()
+
+    # --- what the ops call --------------------------------------------------------------------------------
+    def shape_of(self, ds_id: int) -> tuple[torch.Size, torch.dtype]:
+        param = self.params[ds_id]
+        return param.ds_shape, param.ds_tensor.dtype
+
+    def _start(self, param: torch.nn.Parameter, async_op: bool) -> tuple[torch.Tensor, Any]:
+        shard = param.ds_tensor
+        world = param.ds_world_size
+        if world == 1:
+            return shard.clone(), None
+        buffer = torch.empty(shard.numel() * world, dtype=shard.dtype, device=shard.device)
+        work = comm.all_gather_into_tensor(buffer, shard, group=param.ds_process_group, async_op=async_op)
+        self.stats.gathers += 1
+        return buffer, work if async_op else None
+
+    def prefetch(self, ds_id: int) -> None:
+        """Start gathering ``ds_id`` without waiting (the prefetch pass puts this ahead of its use)."""
+        if ds_id in self._inflight or ds_id in self._kept:
+            return
+        self._inflight[ds_id] = self._start(self.params[ds_id], async_op=True)
+        self.stats.prefetched += 1
+        self._note("prefetch", ds_id)
+
+    def allgather(self, ds_id: int) -> torch.Tensor:
+        """The full value of parameter ``ds_id``, in a buffer no one else holds."""
+        param = self.params[ds_id]
+        if ds_id in self._kept:
+            self.stats.persistent_hits += 1
+            full = self._kept[ds_id].clone()  # the graph may write into what an op returns
+        else:
+            inflight = self._inflight.pop(ds_id, None)
+            started = time.perf_counter()
+            buffer, work = inflight or self._start(param, async_op=False)
+            if work is not None:
+                work.wait()
+            if inflight is None:
+                self.gather_seconds[ds_id] = time.perf_counter() - started
+            full = buffer[:param.ds_numel].view(param.ds_shape)
+            if ds_id in self.persistent:
+                self._kept[ds_id] = full.clone()
+        self.stats.live_numel += param.ds_numel
+        self.stats.peak_live_numel = max(self.stats.peak_live_numel, self.stats.live_numel)
+        self._note("gather", ds_id)
+        return full
+
+    def release(self, ds_id: int) -> None:
+        self.stats.releases += 1
+        self.stats.live_numel = max(0, self.stats.live_numel - self.params[ds_id].ds_numel)
+        self._note("release", ds_id)
+
+    def reduce_grad(self, ds_id: int, grad: torch.Tensor) -> None:
+        param = self.params[ds_id]
+        if self.reduce is None or not param.requires_grad:
+            return
+        self.stats.reduced += 1
+        self._note("reduce", ds_id)
+        self.reduce(param, grad.detach().clone())  # a copy: the compiled graph may reuse the gradient's buffer
+
+    def wait_all(self) -> None:
+        """Finish prefetches no graph used (a forward that raised)."""
+        for _, work in self._inflight.values():
+            if work is not None:
+                work.wait()
+        self._inflight.clear()
+
+    def _note(self, op: str, ds_id: int) -> None:
+        if self.record_order:
+            self.stats.order.append((op, ds_id))
+
+
+_HANDLE = DeepCompileHandle()
+
+
+def get_deepcompile_handle() -> DeepCompileHandle:
+    """The process's DeepCompile handle (DeepSpeed's name; there one C++ object per process too)."""
+    return _HANDLE

@@ -1,0 +1,134 @@
+"""Turning DeepCompile on for an engine (DeepSpeed's ``init_z3``/``init_z1_and_2`` and the engine's
+``get_deepcompile_backend``): ``compile: {deepcompile: true}`` and ``engine.compile()``.
+
+At ZeRO-3 over more than one rank the stage-3 strategy hands its gathers and its gradient intake to the graph
+(:meth:`dsrun.zero.stage3.Stage3Strategy.hand_over_to_compiler`), every parameter is registered with the handle,
+and the module's forward is compiled through :class:`.backend.DeepCompileBackend` on the schedule (DeepSpeed's
+default unless given: ``zero3_compile`` from step 0; from step 5 also ``prefetch`` and ``selective_gather``).
+Where DeepSpeed falls back to the torch compiler, dsrun does too, saying why: stage 0, stages 1-2 (the
+stage's gradient hooks reduce what the compiled backward returns: :mod:`.passes.zero_1_and_2_compile`) and a
+ZeRO-3 whose parameters are kept whole (a partition group of one: nothing to gather).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+
+from dsrun.compile.backend import DeepCompileBackend, gathered_forward, init_schedule, launch_compile_passes, log_rank0
+from dsrun.compile.handle import get_deepcompile_handle
+from dsrun.compile.passes import (offload_adam_states, offload_parameters, prefetch, selective_gather,
+                                  zero_1_and_2_compile, zero3_compile)
+from dsrun.compile.passes.contract import PassContract, register_pass_contract, validate_schedule
+from dsrun.utils.errors import ConfigError, Problem
+
+
+
+class CompilingEngine(Protocol):
+    """What DeepCompile reads of the engine."""
+
+    module: torch.nn.Module
+    strategy: Any
+    global_steps: int
+    _config: Any
+
+
+WARMUP = 5  # DeepSpeed's: steps before the profile-driven passes join
+
+opt_passes: dict[str, Callable] = {}  # name -> pass (DeepSpeed's ``backend.opt_passes``)
+
+
+def register_compile_pass(name: str, pass_fn: Callable, contract: PassContract | None = None) -> None:
+    """Make ``pass_fn`` schedulable by ``name``, with its contract (None: unconstrained)."""
+    opt_passes[name] = pass_fn
+    register_pass_contract(name, contract)
+
+
+register_compile_pass(zero3_compile.NAME, zero3_compile.add_z3_gather_release, zero3_compile.CONTRACT)
+register_compile_pass(prefetch.NAME, prefetch.schedule_prefetch, prefetch.CONTRACT)
+register_compile_pass(selective_gather.NAME, selective_gather.selective_gather, selective_gather.CONTRACT)
+register_compile_pass(offload_parameters.NAME, offload_parameters.offload_parameter_fwd, offload_parameters.CONTRACT)
+register_compile_pass(zero_1_and_2_compile.NAME_Z1, zero_1_and_2_compile.add_z1_reduce, zero_1_and_2_compile.CONTRACT_Z1)
+register_compile_pass(zero_1_and_2_compile.NAME_Z2, zero_1_and_2_compile.add_z2_reduce, zero_1_and_2_compile.CONTRACT_Z2)
+register_compile_pass(offload_adam_states.NAME, offload_adam_states.move_opt_states, offload_adam_states.CONTRACT)
+register_compile_pass(offload_adam_states.NAME_SYNC, offload_adam_states.move_opt_states_sync,
+                      offload_adam_states.CONTRACT_SYNC)
+register_compile_pass(offload_adam_states.NAME_FOR_INIT, offload_adam_states.offload_adam_states_for_init,
+                      offload_adam_states.CONTRACT_FOR_INIT)
+
+
+def default_schedule() -> list[tuple[int, list[Callable]]]:
+    return [(0, [zero3_compile.add_z3_gather_release]),
+            (WARMUP, [zero3_compile.add_z3_gather_release, prefetch.schedule_prefetch,
+                      selective_gather.selective_gather])]
+
+
+def resolve_schedule(schedule: Sequence[tuple[int, list]] | None) -> list[tuple[int, list[Callable]]]:
+    """A user's schedule validated against the contracts, names turned into the passes."""
+    if schedule is None:
+        return default_schedule()
+    validate_schedule(schedule, opt_passes)
+    resolved = []
+    for step, passes in schedule:
+        for p in passes:
+            if not callable(p) and p not in opt_passes:
+                raise ConfigError(Problem("compile schedule", f"unknown pass {p!r}", f"one of {sorted(opt_passes)}"))
+        resolved.append((step, [p if callable(p) else opt_passes[p] for p in passes]))
+    return resolved
+
+
+def compiles_in_graph(strategy: object) -> str | None:
+    """None when DeepCompile's ZeRO-3 graph path applies to ``strategy``; else why the torch compiler is used."""
+    stage = getattr(strategy, "stage", 0)
+    if strategy is None or stage == 0:
+        return "DeepCompile needs ZeRO stage 1, 2 or 3"
+    if stage in (1, 2):
+        return f"at ZeRO stage {stage} the stage's gradient hooks reduce what the compiled backward returns"
+    if getattr(strategy, "keeps_whole", False):
+        return "every parameter is kept whole (a partition group of one): nothing to gather"
+    return None
+
+
+def refusal(strategy: object) -> Problem | None:
+    """What DeepCompile at ZeRO-3 does not combine with in dsrun."""
+    if getattr(strategy, "param_offload", None) is not None:
+        return Problem("zero_optimization.offload_param", "cannot be combined with compile.deepcompile in dsrun",
+                       "drop offload_param, or compile.deepcompile (eager ZeRO-3 offloads parameters)")
+    if type(strategy.sharding).__name__ != "ShardingPolicy" or any(
+            getattr(p, "ds_quantized_gather", None) for p in strategy.params):
+        return Problem("zero_optimization", "ZeRO++/MiCS/hpZ cannot be combined with compile.deepcompile in dsrun",
+                       "drop the ZeRO++ keys or compile.deepcompile")
+    return None
+
+
+def init_z3(engine: CompilingEngine, backend: str, compile_kwargs: dict[str, Any],
+            schedule: Sequence[tuple[int, list]] | None = None) -> None:
+    """Compile ``engine.module`` with DeepCompile's ZeRO-3 passes (``engine.compile`` calls this)."""
+    strategy = engine.strategy
+    problem = refusal(strategy)
+    if problem is not None:
+        raise ConfigError(problem)
+    resolved = resolve_schedule(schedule)
+    zc = engine._config.zero_optimization
+    prefetch.bucket_numel[0] = max(1, int(zc.stage3_prefetch_bucket_size))
+    handle = get_deepcompile_handle()
+    handle.reset()
+    handle.init(strategy.hand_over_to_compiler())
+    for p in strategy.params:
+        p.ds_persist = False
+        handle.register_z3_param(p)
+    strategy.hooks.add("after_update", lambda state: handle.invalidate())  # new shards: kept copies are stale
+    init_schedule(resolved)
+    module = engine.module
+    names = {id(p): name for name, p in module.named_parameters()}
+    compiled = torch.compile(gathered_forward(module), backend=DeepCompileBackend(backend, names, bool(engine._config.compile.debug_log)),
+                             **compile_kwargs)
+    owned: set = set()
+
+    def call(*args: object, **kwargs: object) -> Any:
+        launch_compile_passes(engine.global_steps, owned_frames=owned)
+        return compiled(*args, **kwargs)
+
+    module._compiled_call_impl = call
+    engine.launch_compile_passes = lambda steps: launch_compile_passes(steps, owned_frames=owned)
+    log_rank0(f"ZeRO-3 in the graph, backend {backend}, {len(strategy.params)} parameters")

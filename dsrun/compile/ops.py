@@ -1,0 +1,106 @@
+"""DeepCompile's graph ops (DeepSpeed's ``torch.ops.dc.*``, there C++/CUDA): ``torch.ops.dsrun_dc.*``.
+
+Opaque custom ops over :class:`.handle.DeepCompileHandle`, so dynamo and inductor see them as single nodes:
+
+``allgather_param(placeholder, ds_id) -> full``  the parameter's full value (its fake form has
+    ``ds_shape``: the graph is traced at full shape while the parameter itself stays the empty placeholder).
+    Its gradient is ``reduce_grad``: the backward reduce-scatters the full gradient into the strategy's
+    buckets and gives the placeholder no gradient (``None``), as DeepSpeed's reduce does.
+``prefetch_param(placeholder, ds_id) -> token``  start the gather early (the prefetch pass), and
+``wait_allgather(placeholder, ds_id, token) -> full`` in place of the ``allgather_param`` it serves: the token
+    (an empty tensor) ties the two, so no compiler can move the use before the start.
+``release_param(full, ds_id)``  the gathered value's last reader has run (side effect: never removed).
+``reduce_grad(grad, ds_id)``    hand the full gradient to ZeRO-3's reduction (side effect: never removed).
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy
+
+from dsrun.compile.handle import get_deepcompile_handle
+
+LIB = "dsrun_dc"
+
+
+@torch.library.custom_op(f"{LIB}::allgather_param", mutates_args=())
+def allgather_param(placeholder: torch.Tensor, ds_id: int) -> torch.Tensor:
+    return get_deepcompile_handle().allgather(ds_id)
+
+
+@allgather_param.register_fake
+def _allgather_param_fake(placeholder: torch.Tensor, ds_id: int) -> torch.Tensor:
+    shape, dtype = get_deepcompile_handle().shape_of(ds_id)
+    return placeholder.new_empty(shape, dtype=dtype)
+
+
+@torch.library.custom_op(f"{LIB}::wait_allgather", mutates_args=())
+def wait_allgather(placeholder: torch.Tensor, ds_id: int, token: torch.Tensor) -> torch.Tensor:
+    return get_deepcompile_handle().allgather(ds_id)
+
+
+@wait_allgather.register_fake
+def _wait_allgather_fake(placeholder: torch.Tensor, ds_id: int, token: torch.Tensor) -> torch.Tensor:
+    shape, dtype = get_deepcompile_handle().shape_of(ds_id)
+    return placeholder.new_empty(shape, dtype=dtype)
+
+
+@torch.library.custom_op(f"{LIB}::prefetch_param", mutates_args=())
+def prefetch_param(placeholder: torch.Tensor, ds_id: int) -> torch.Tensor:
+    get_deepcompile_handle().prefetch(ds_id)
+    return placeholder.new_empty(0)
+
+
+@prefetch_param.register_fake
+def _prefetch_param_fake(placeholder: torch.Tensor, ds_id: int) -> torch.Tensor:
+    return placeholder.new_empty(0)
+
+
+@torch.library.custom_op(f"{LIB}::release_param", mutates_args=())
+def release_param(full: torch.Tensor, ds_id: int) -> None:
+    get_deepcompile_handle().release(ds_id)
+
+
+@release_param.register_fake
+def _release_param_fake(full: torch.Tensor, ds_id: int) -> None:
+    return None
+
+
+@torch.library.custom_op(f"{LIB}::reduce_grad", mutates_args=())
+def reduce_grad(grad: torch.Tensor, ds_id: int) -> None:
+    get_deepcompile_handle().reduce_grad(ds_id, grad)
+
+
+@reduce_grad.register_fake
+def _reduce_grad_fake(grad: torch.Tensor, ds_id: int) -> None:
+    return None
+
+
+def _setup_context(ctx, inputs, output) -> None:  # noqa: ANN001 - torch.library's signature
+    ctx.ds_id = inputs[1]
+
+
+def _allgather_backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN201
+    torch.ops.dsrun_dc.reduce_grad(grad, ctx.ds_id)
+    return None, None
+
+
+allgather_param.register_autograd(_allgather_backward, setup_context=_setup_context)
+
+# outputs nobody reads, effects that matter: dead-code elimination (FX's, inductor's) keeps them
+torch.fx.node.has_side_effect(torch.ops.dsrun_dc.release_param.default)
+torch.fx.node.has_side_effect(torch.ops.dsrun_dc.reduce_grad.default)
+
+ALLGATHER = torch.ops.dsrun_dc.allgather_param.default
+WAIT_ALLGATHER = torch.ops.dsrun_dc.wait_allgather.default
+GATHERS = (ALLGATHER, WAIT_ALLGATHER)
+PREFETCH = torch.ops.dsrun_dc.prefetch_param.default
+RELEASE = torch.ops.dsrun_dc.release_param.default
+REDUCE = torch.ops.dsrun_dc.reduce_grad.default
+
+
+def tag_gathers_for_recompute(graph: torch.fx.Graph) -> None:
+    """On the joint graph, before the partitioner cuts it: the backward gathers a parameter again rather than
+    keeping the forward's full value alive until backward (ZeRO-3's memory: only shards live between them)."""
+    for node in graph.nodes:
+        if node.target is ALLGATHER:
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
