@@ -199,7 +199,7 @@ ENTRIES: list[Entry] = [
          f"{DC}test_zero3_in_the_graph_trains_as_eager_zero3", f"{DC}test_deepcompile_falls_back_where_deepspeed_does",
          traced=False),  # read by engine.compile(), which a config without compile.enabled never calls
     done("compile.debug_log", "print each graph after DeepCompile's passes (rank 0)",
-         f"{DC}test_debug_log_prints_the_graphs_after_the_passes", traced=False),
+         f"{DC}test_the_passes_put_zero3_in_the_graph", traced=False),
     *_section("compile", DEEPCOMPILE, {
         "autoep_non_moe": "AutoEP on non-MoE layers",
         "free_activation": "free activations early", "free_activation_threshold": "bytes above which to free",

@@ -1,0 +1,199 @@
+"""DeepCompile (``dsrun/compile``): ZeRO-3 inside the compiled graph, its passes, schedule and fallbacks.
+
+The backend is driven directly in this process (parameters partitioned over a one-rank world, whose shards are
+the whole values: the graph's gathers, releases and reduces run as on many ranks), and once through the engine
+on two ranks against eager ZeRO-3. Dynamo's ``eager`` backend (AOT autograd, the passes, the FX interpreter):
+the same graphs inductor gets, without its seconds of code generation.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dsrun
+from dsrun.compile import backend as backend_mod
+from dsrun.compile.handle import get_deepcompile_handle
+from dsrun.compile.init import resolve_schedule
+from dsrun.compile.passes import prefetch, selective_gather, zero3_compile
+from dsrun.utils.errors import ConfigError
+from tests.helpers import run_ranks
+
+STEPS = 7  # DeepSpeed's schedule switches at step 5; step 6 runs what selective gather kept
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 16)
+        self.b = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x))).pow(2).sum()
+
+
+def _compiled_mlp(schedule: list) -> tuple[torch.nn.Module, torch.nn.Module, dict[str, torch.Tensor], object]:
+    """A reference MLP, its twin partitioned and compiled through DeepCompile's backend, and where the twin's
+    reduced gradients land (by parameter name)."""
+    from dsrun.zero.partition_params import partition_param
+
+    torch.manual_seed(0)
+    reference, model = _MLP(), _MLP()
+    model.load_state_dict(reference.state_dict())
+    names = {}
+    handle = get_deepcompile_handle()
+    handle.reset()
+    for name, p in model.named_parameters():
+        partition_param(p)
+        handle.register_z3_param(p)
+        names[id(p)] = name
+    grads: dict[str, torch.Tensor] = {}
+    handle.init(lambda p, g: grads.__setitem__(names[id(p)], g.reshape(p.ds_shape)))
+    backend_mod.init_schedule(schedule)
+    torch._dynamo.reset()
+    backend = backend_mod.DeepCompileBackend("eager", names, debug_log=True)
+    compiled = torch.compile(backend_mod.gathered_forward(model), backend=backend)
+    return reference, compiled, grads, backend
+
+
+def test_the_passes_put_zero3_in_the_graph(world_of_one, monkeypatch) -> None:
+    from torch._dynamo.utils import counters
+
+    reference, compiled, grads, backend = _compiled_mlp([(0, [zero3_compile.add_z3_gather_release])])
+    handle = get_deepcompile_handle()
+    handle.record_order = True
+    x = torch.randn(3, 8)
+    counters.clear()
+    logged: list[str] = []
+    monkeypatch.setattr(backend_mod, "log_rank0", logged.append)
+    loss = compiled(x)
+    loss.backward()
+    assert int(sum(counters["graph_break"].values())) == 0 and counters["stats"]["unique_graphs"] == 1
+    expected = reference(x)
+    expected.backward()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    for name, p in reference.named_parameters():  # every gradient reached the reduction, whole
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-6, atol=1e-7)
+    order = handle.stats.order
+    forward, backward = order[:8], order[8:]  # four parameters, each gathered and released once
+    # each parameter gathered just before its layer and released after it: never both layers whole at once
+    assert forward == [("gather", 0), ("gather", 1), ("release", 1), ("release", 0),
+                       ("gather", 2), ("gather", 3), ("release", 3), ("release", 2)]
+    assert handle.stats.peak_live_numel == 8 * 16 + 16  # the larger layer
+    assert handle.stats.gathers == 0  # a world of one copies its shard: no collective
+    assert handle.stats.reduced == 4
+    # the backward gathers again what it reads (b's weight: nothing whole kept from the forward), releases it,
+    # and each gradient is reduced right where the graph computes it
+    assert backward[:2] == [("gather", 2), ("release", 2)]
+    assert sorted(backward[2:]) == [("reduce", 0), ("reduce", 1), ("reduce", 2), ("reduce", 3)]
+    from dsrun.compile.ops import REDUCE
+
+    bwd = backend.profiling_results[0].bwd_graph
+    assert all(n.prev is n.args[0] for n in bwd.nodes if n.target is REDUCE)
+    assert backend.graph_order == [(0, True)]
+    assert "forward graph 0 after ['add_z3_gather_release']" in logged[0]  # compile.debug_log
+    assert "release_param" in logged[0] and "backward graph 0" in logged[1]
+
+
+def test_prefetch_and_selective_gather_from_their_step(world_of_one) -> None:
+    reference, compiled, grads, backend = _compiled_mlp([(0, [zero3_compile.add_z3_gather_release]),
+                                                         (1, [zero3_compile.add_z3_gather_release,
+                                                              prefetch.schedule_prefetch,
+                                                              selective_gather.selective_gather])])
+    handle = get_deepcompile_handle()
+    x = torch.randn(3, 8)
+    for step in range(3):
+        backend_mod.launch_compile_passes(step)
+        handle.reset_stats()
+        compiled(x).backward()
+        if step == 0:
+            assert handle.stats.prefetched == 0 and not handle.persistent
+        handle.invalidate()  # what the optimizer step does
+    # from step 1: every gather but each graph's first was started ahead; all four parameters fit the host's
+    # memory less the margin, so they are kept: the backward's gathers are served from the kept copies
+    assert handle.stats.prefetched >= 3
+    assert handle.persistent == set(handle.params)
+    assert handle.stats.persistent_hits > 0
+    assert backend.profiling_results[max(backend.profiling_results)].bwd_mem  # profiled after each pass
+
+
+def test_schedules_are_checked_against_the_contracts() -> None:
+    assert resolve_schedule(None)[1][0] == 5  # DeepSpeed's default: the profile-driven passes from step 5
+    with pytest.raises(ValueError, match="requires"):
+        resolve_schedule([(0, ["prefetch"])])  # prefetch needs the gathers zero3_compile places
+    with pytest.raises(ConfigError, match="unknown pass 'prefetchh'"):
+        resolve_schedule([(0, ["zero3_compile", "prefetchh"])])
+    with pytest.raises(ConfigError, match="zero1_compile"):  # refused with its reason when it runs
+        resolve_schedule([(0, ["zero1_compile"])])[0][1][0](None, 0, [], {}, None, 0.0, {}, True)
+
+
+def test_the_persistence_budget_leaves_the_transient_peak_and_a_margin() -> None:
+    budget = selective_gather._compute_persistence_budget([[("a", 700, 0, 980)], [("b", 720, 20, 800)], []],
+                                                           total_mem=1000, mem_margin=0.1)
+    assert budget == {"usable_mem": 900, "peak_resident_alloc": 720, "transient_peak": 980, "available_mem": 0,
+                      "profiled_list_count": 2}
+    assert selective_gather._compute_persistence_budget([[("a", 100, 0, 300)]], 1000, 0.1)["available_mem"] == 600
+
+
+def test_the_host_memory_figures_the_budget_reads() -> None:
+    from dsrun.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    assert 0 < accelerator.available_memory() <= accelerator.total_memory()
+
+
+def _train(deepcompile: bool, stage: int = 3) -> dict:
+    from dsrun.models.gpt import GPT
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = GPT(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": stage},
+              "compile": {"enabled": deepcompile, "deepcompile": deepcompile, "backend": "eager"}}
+    torch._dynamo.reset()
+    engine, *_ = dsrun.initialize(model=model, model_parameters=model.parameters(), config=config)
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1 + dsrun.comm.get_rank()))
+    handle = get_deepcompile_handle()
+    out = {"losses": [], "breaks": [], "graphs": [], "stats": [], "active": engine.is_deepcompile_active()}
+    for _ in range(STEPS):
+        counters.clear()
+        handle.reset_stats()
+        loss = engine(x, x)
+        engine.backward(loss)
+        engine.step()
+        out["losses"].append(loss.item())
+        out["breaks"].append(int(sum(counters["graph_break"].values())))
+        out["graphs"].append(int(counters["stats"]["unique_graphs"]))
+        s = handle.stats
+        out["stats"].append((s.gathers, s.prefetched, s.persistent_hits, s.releases, s.reduced, s.peak_live_numel))
+    out["numel"] = sum(p.ds_numel for p in engine.strategy.params) if stage == 3 else 0
+    out["trainable"] = sum(1 for p in model.parameters() if p.requires_grad)
+    engine.destroy()
+    return out
+
+
+def _two_rank_runs(rank: int, world_size: int) -> tuple[dict, dict]:
+    return _train(True), _train(False)
+
+
+def test_zero3_in_the_graph_trains_as_eager_zero3() -> None:
+    compiled, eager = run_ranks(_two_rank_runs, 2)[0]
+    assert compiled["active"] and not eager["active"]
+    assert compiled["losses"] == eager["losses"]  # the same ops, gathered and reduced by the graph
+    assert compiled["breaks"] == [0] * STEPS  # none: the gathers are ops in the graph, not hooks
+    assert compiled["graphs"] == [1, 0, 0, 0, 0, 1, 0]  # compiled at step 0 and again at step 5's passes
+    for step, (gathers, prefetched, hits, releases, reduced, peak) in enumerate(compiled["stats"]):
+        assert reduced == compiled["trainable"]  # every gradient reduce-scattered from the graph
+        assert gathers + hits == releases  # each gathered value released
+        assert gathers > 0 and peak < compiled["numel"]  # never the whole model gathered at once
+        assert (prefetched > 0) == (step >= 5)  # DeepSpeed's schedule: prefetch from step 5
+        assert (hits > 0) == (step >= 6)  # selective gather decides at step 5's backward compile
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_deepcompile_falls_back_where_deepspeed_does() -> None:
+    # stage 1: the stage's hooks reduce; ZeRO-3 over one rank keeps parameters whole: the torch compiler
+    for stage in (1, 3):
+        run = _train(True, stage)
+        assert not run["active"] and run["breaks"][0] == 0
+        assert run["losses"] == _train(False, stage)["losses"]
