@@ -18,7 +18,9 @@ from dsrun.compile.passes import prefetch, selective_gather, zero3_compile
 from dsrun.utils.errors import ConfigError
 from tests.helpers import run_ranks
 
-STEPS = 7  # DeepSpeed's schedule switches at step 5; step 6 runs what selective gather kept
+STEPS = 3
+# DeepSpeed's default schedule with its step 5 brought forward: step 2 runs what selective gather kept at step 1
+SCHEDULE = [(0, ["zero3_compile"]), (1, ["zero3_compile", "prefetch", "selective_gather"])]
 
 
 class _MLP(torch.nn.Module):
@@ -149,9 +151,11 @@ def _train(deepcompile: bool, stage: int = 3) -> dict:
     model = GPT(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
     config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
               "zero_optimization": {"stage": stage},
-              "compile": {"enabled": deepcompile, "deepcompile": deepcompile, "backend": "eager"}}
+              "compile": {"deepcompile": deepcompile}}
     torch._dynamo.reset()
     engine, *_ = dsrun.initialize(model=model, model_parameters=model.parameters(), config=config)
+    if deepcompile:
+        engine.compile(backend="eager", schedule=SCHEDULE)  # DeepSpeed's way: deepcompile, then compile()
     x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1 + dsrun.comm.get_rank()))
     handle = get_deepcompile_handle()
     out = {"losses": [], "breaks": [], "graphs": [], "stats": [], "active": engine.is_deepcompile_active()}
@@ -181,13 +185,13 @@ def test_zero3_in_the_graph_trains_as_eager_zero3() -> None:
     assert compiled["active"] and not eager["active"]
     assert compiled["losses"] == eager["losses"]  # the same ops, gathered and reduced by the graph
     assert compiled["breaks"] == [0] * STEPS  # none: the gathers are ops in the graph, not hooks
-    assert compiled["graphs"] == [1, 0, 0, 0, 0, 1, 0]  # compiled at step 0 and again at step 5's passes
+    assert compiled["graphs"] == [1, 1, 0]  # compiled at step 0 and again at step 1's passes
     for step, (gathers, prefetched, hits, releases, reduced, peak) in enumerate(compiled["stats"]):
         assert reduced == compiled["trainable"]  # every gradient reduce-scattered from the graph
         assert gathers + hits == releases  # each gathered value released
         assert gathers > 0 and peak < compiled["numel"]  # never the whole model gathered at once
-        assert (prefetched > 0) == (step >= 5)  # DeepSpeed's schedule: prefetch from step 5
-        assert (hits > 0) == (step >= 6)  # selective gather decides at step 5's backward compile
+        assert (prefetched > 0) == (step >= 1)  # the schedule: prefetch from step 1
+        assert (hits > 0) == (step >= 2)  # selective gather decides at step 1's backward compile
 
 
 @pytest.mark.usefixtures("world_of_one")
@@ -195,5 +199,5 @@ def test_deepcompile_falls_back_where_deepspeed_does() -> None:
     # stage 1: the stage's hooks reduce; ZeRO-3 over one rank keeps parameters whole: the torch compiler
     for stage in (1, 3):
         run = _train(True, stage)
-        assert not run["active"] and run["breaks"][0] == 0
+        assert not run["active"] and run["graphs"][0] == 1 and run["breaks"][0] == 0
         assert run["losses"] == _train(False, stage)["losses"]
