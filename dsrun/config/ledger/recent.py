@@ -41,8 +41,8 @@ SPLIT = Feature("DeepSpeed's data-parallel split of checkpoint writes (part file
 AUTOTP = Feature("AutoTP tensor-parallel training", "remove the tensor_parallel section")
 AUTOTP_TESTS = "tests/integration/test_autotp_training.py::"
 AUTOTP_UNIT = "tests/unit/tensor_parallel/test_autotp_split.py::"
-DEEPCOMPILE = Feature("this DeepCompile option (dsrun's DeepCompile: the ZeRO-3 gather/release, reduce, prefetch and "
-                      "selective-gather passes)", "leave the compile key at its default")
+DEEPCOMPILE = Feature("this DeepCompile option (dsrun's DeepCompile has the ZeRO-3 passes: docs/deepcompile.md)",
+                      "leave the compile key at its default")
 DC = "tests/unit/compile/test_deepcompile.py::"
 SWAP = "tests/unit/offload/test_swap_traffic.py::"
 LEAF_PROOF = "tests/unit/zero3/test_leaf_modules.py::test_the_config_leaf_module_section_flags_leaves_at_stage_3"

@@ -33,13 +33,21 @@ class _MLP(torch.nn.Module):
         return self.b(torch.relu(self.a(x))).pow(2).sum()
 
 
-def _compiled_mlp(schedule: list) -> tuple[torch.nn.Module, torch.nn.Module, dict[str, torch.Tensor], object]:
+class _BrokenMLP(_MLP):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.relu(self.a(x))
+        torch._dynamo.graph_break()
+        return self.b(hidden).pow(2).sum()
+
+
+def _compiled_mlp(schedule: list, cls: type = _MLP) -> tuple[torch.nn.Module, torch.nn.Module,
+                                                             dict[str, torch.Tensor], object]:
     """A reference MLP, its twin partitioned and compiled through DeepCompile's backend, and where the twin's
     reduced gradients land (by parameter name)."""
     from dsrun.zero.partition_params import partition_param
 
     torch.manual_seed(0)
-    reference, model = _MLP(), _MLP()
+    reference, model = cls(), cls()
     model.load_state_dict(reference.state_dict())
     names = {}
     handle = get_deepcompile_handle()
@@ -94,6 +102,24 @@ def test_the_passes_put_zero3_in_the_graph(world_of_one, monkeypatch) -> None:
     assert backend.graph_order == [(0, True)]
     assert "forward graph 0 after ['add_z3_gather_release']" in logged[0]  # compile.debug_log
     assert "release_param" in logged[0] and "backward graph 0" in logged[1]
+
+
+def test_a_graph_break_keeps_the_gradients_and_loses_the_memory_saving(world_of_one) -> None:
+    from torch._dynamo.utils import counters
+
+    reference, compiled, grads, _ = _compiled_mlp([(0, [zero3_compile.add_z3_gather_release])], _BrokenMLP)
+    handle = get_deepcompile_handle()
+    x = torch.randn(3, 8)
+    counters.clear()
+    compiled(x).backward()
+    reference(x).backward()
+    assert int(sum(counters["graph_break"].values())) == 1  # the one the model asks for, none of dsrun's
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-6, atol=1e-7)
+    # the graph before the break gathers every parameter (the forward reads them all up front) and hands the
+    # values on: whole until the last graph that reads them, no release (docs/deepcompile.md)
+    assert handle.stats.peak_live_numel == sum(p.numel() for p in reference.parameters())
+    assert handle.stats.releases == 0 and handle.stats.reduced == 4
 
 
 def test_prefetch_and_selective_gather_from_their_step(world_of_one) -> None:
