@@ -36,6 +36,7 @@ _schedule: list[tuple[int, list[Callable]]] = []
 current_passes: list[Callable] = []
 frames_needing_bwd: set = set()  # DeepSpeed's: frames whose backward is still to be compiled
 _generation = [0]  # bumped by each launch: the graphs a backend knew are gone
+_launched = [-1]  # the scheduled step launched last
 
 
 def log_rank0(message: str) -> None:
@@ -47,15 +48,18 @@ def init_schedule(schedule: Sequence[tuple[int, list[Callable]]]) -> None:
     global current_passes
     _schedule[:] = sorted(((int(step), list(passes)) for step, passes in schedule), key=lambda e: e[0])
     current_passes = list(_schedule[0][1]) if _schedule and _schedule[0][0] == 0 else []
+    _launched[0] = 0 if _schedule and _schedule[0][0] == 0 else -1  # step 0's passes are in place already
 
 
 def launch_compile_passes(global_steps: int, owned_frames: set | None = None) -> bool:
-    """Reaching a scheduled step: its passes from now on, dynamo reset (every graph compiles again) and the
-    handle's state dropped. Returns whether that happened."""
+    """Reaching a scheduled step (once, whatever the micro-steps of gradient accumulation): its passes from now
+    on, dynamo reset (every graph compiles again) and the handle's graph state dropped. Returns whether that
+    happened."""
     global current_passes
     entry = next((passes for step, passes in _schedule if step == global_steps), None)
-    if entry is None or (global_steps == 0 and current_passes == entry and not frames_needing_bwd):
+    if entry is None or _launched[0] == global_steps:
         return False
+    _launched[0] = global_steps
     current_passes = list(entry)
     if owned_frames is not None:
         frames_needing_bwd.difference_update(owned_frames)
