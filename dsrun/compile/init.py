@@ -101,6 +101,22 @@ def refusal(strategy: object) -> Problem | None:
     return None
 
 
+def _reducer(queue: Callable, launch_pending: Callable, flush_numel: int) -> Callable:
+    """Gradients into the strategy's buckets; on the CPU (``flush_numel``: the largest module's elements) the
+    pending buckets go out each time that much arrived, as eager ZeRO-3 reduces module by module, so the
+    reduce-scatters overlap the rest of the backward instead of all waiting for its end."""
+    pending = [0]
+
+    def reduce(param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        queue(param, grad)
+        pending[0] += param.ds_numel
+        if flush_numel and pending[0] >= flush_numel:
+            pending[0] = 0
+            launch_pending()
+
+    return reduce
+
+
 def init_z3(engine: CompilingEngine, backend: str, compile_kwargs: dict[str, Any],
             schedule: Sequence[tuple[int, list]] | None = None) -> None:
     """Compile ``engine.module`` with DeepCompile's ZeRO-3 passes (``engine.compile`` calls this)."""
@@ -113,7 +129,9 @@ def init_z3(engine: CompilingEngine, backend: str, compile_kwargs: dict[str, Any
     prefetch.bucket_numel[0] = max(1, int(zc.stage3_prefetch_bucket_size))
     handle = get_deepcompile_handle()
     handle.reset()
-    handle.init(strategy.hand_over_to_compiler())
+    module_numel = strategy.coordinator.largest_fetch_numel() if strategy.reduce_per_module else 0
+    queue, launch_pending = strategy.hand_over_to_compiler()
+    handle.init(_reducer(queue, launch_pending, module_numel))
     for p in strategy.params:
         p.ds_persist = False
         handle.register_z3_param(p)

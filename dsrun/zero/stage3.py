@@ -253,13 +253,14 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
             store.end_micro_step()
 
     def hand_over_to_compiler(self) -> Any:
-        """DeepCompile gathers and reduces in its graphs: hooks off, all released; returns the bucket's intake."""
+        """DeepCompile gathers and reduces in its graphs: hooks off, all released; returns the buckets' intake and
+        what launches the pending buckets (eager ZeRO-3 does it as backward reaches each module, on the CPU)."""
         self.coordinator.remove_hooks()
         for handle in self._grad_hooks:
             handle.remove()
         self._grad_hooks, self._leaf_params = [], []  # the graph reduces a leaf's parameters like any other
         self.coordinator.release_all(keep_persistent=False)  # the compiler's selective gather decides persistence
-        return self._queue_gradient
+        return self._queue_gradient, self._reduce_finished_modules
 
     # --- gradient reduction -------------------------------------------------------------------------------
     def _reduce_finished_modules(self) -> None:
