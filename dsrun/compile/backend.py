@@ -86,6 +86,7 @@ class DeepCompileBackend:
         self.profiling_results: dict[int, ProfilingResult] = {}
         self.param_manager: dict[int, DSGraphParamManager] = {}
         self._generation = _generation[0]
+        self.frames_partitioned: set[int] = set()  # graphs whose joint graph was cut (DeepSpeed's name)
 
     def __call__(self, gm: GraphModule, example_inputs: list[Any]) -> Callable:
         if self._generation != _generation[0]:  # compiling again from the captured code: a fresh graph order
@@ -108,14 +109,24 @@ class DeepCompileBackend:
         from torch._dynamo.backends.common import aot_autograd
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
+        from dsrun.compile.inductor import _patch_deepcompile_aot_kwargs
+
+        def make_graph(fx: GraphModule, inputs: Sequence[torch.Tensor]) -> GraphModule:
+            return self.apply_passes(graph_id, fx, passes)
+
         def partition(joint: GraphModule, joint_inputs: Sequence[torch.Tensor], **kwargs: object) -> Any:
             self._joint(graph_id, joint.graph)
             return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
-        def compiler(fx: GraphModule, inputs: Sequence[torch.Tensor]) -> Callable:
-            return make_boxed_func(self.apply_passes(graph_id, fx, passes))
+        def run_as_is(fx: GraphModule, inputs: Sequence[torch.Tensor]) -> Callable:  # the FX interpreter's code
+            return make_boxed_func(fx)
 
-        return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=partition)(gm, example_inputs)
+        kwargs = {"fw_compiler": run_as_is, "partition_fn": partition}
+        _patch_deepcompile_aot_kwargs(kwargs, graph_id=graph_id, z3_partition=bool(indices), make_fw_graph=make_graph,
+                                      make_bw_graph=make_graph, real_inputs=example_inputs, param_indices=indices,
+                                      param_manager=self.param_manager, frame_id=graph_id,
+                                      frames_partitioned=self.frames_partitioned)
+        return aot_autograd(**kwargs)(gm, example_inputs)
 
     def _inductor(self, gm: GraphModule, example_inputs: list[Any], graph_id: int, passes: list[Callable]) -> Callable:
         from torch._inductor.compile_fx import compile_fx

@@ -229,3 +229,37 @@ def test_deepcompile_falls_back_where_deepspeed_does() -> None:
         run = _train(True, stage)
         assert not run["active"] and run["graphs"][0] == 1 and run["breaks"][0] == 0
         assert run["losses"] == _train(False, stage)["losses"]
+
+
+def test_the_aot_arguments_run_the_graph_maker_then_the_compiler() -> None:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from dsrun.compile.inductor import _patch_deepcompile_aot_kwargs
+    from dsrun.compile.ops import ALLGATHER
+
+    calls: list[str] = []
+
+    def maker(tag: str):
+        return lambda gm, inputs: calls.append(f"make {tag}") or gm.graph
+
+    def compiler(gm, inputs):
+        calls.append("compile")
+        return gm
+
+    partitioned: set[int] = set()
+    kwargs = {"fw_compiler": compiler, "partition_fn": lambda joint, *a, **k: (joint, joint)}
+    common = dict(graph_id=3, z3_partition=True, make_fw_graph=maker("fw"), make_bw_graph=maker("bw"),
+                  real_inputs=(), param_indices=[], param_manager={}, frame_id=9, frames_partitioned=partitioned)
+    assert _patch_deepcompile_aot_kwargs(kwargs, **common)
+    assert kwargs["inference_compiler"] is kwargs["fw_compiler"]
+    graph = torch.fx.Graph()
+    gather = graph.call_function(ALLGATHER, (graph.placeholder("p"), 0))
+    graph.output(gather)
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    kwargs["fw_compiler"](gm, [])
+    kwargs["bw_compiler"](gm, [])  # none was given: the forward's compiler, after the backward's maker
+    assert calls == ["make fw", "compile", "make bw", "compile"]
+    kwargs["partition_fn"](gm, [])
+    assert gather.meta["recompute"] is CheckpointPolicy.MUST_RECOMPUTE and partitioned == {9}
+    untouched = {"fw_compiler": compiler}  # no partitioner (torch_xla's shape): left as it is
+    assert not _patch_deepcompile_aot_kwargs(untouched, **common) and untouched == {"fw_compiler": compiler}

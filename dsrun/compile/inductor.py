@@ -1,0 +1,67 @@
+"""How DeepCompile's graph makers reach AOT autograd's compilers (DeepSpeed's ``deepspeed.compile.inductor``).
+
+AOT autograd is built from keyword arguments (``fw_compiler``, ``bw_compiler``, ``inference_compiler``,
+``partition_fn``). :func:`_patch_deepcompile_aot_kwargs` wraps them: each compiler first runs DeepCompile's graph
+maker on the graph (the passes, :mod:`.backend`), then the compiler it had; the partitioner first tags the joint
+graph (ZeRO-3: the gathers recomputed in backward) and records the frame it cut. A backward compiler that was not
+given is the forward's. Arguments without a partitioner (a backend such as torch_xla's, which partitions
+nothing) are left as they are. dsrun's ``eager`` DeepCompile backend is built this way; its ``inductor`` backend
+reaches the same graphs through inductor's custom-pass hooks instead.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.fx import GraphModule
+
+from dsrun.compile.ops import tag_gathers_for_recompute
+
+
+def patch_compiler(original_compiler: Callable, dc_compiler: Callable, z3_partition: bool, graph_id: int,
+                   graph_param_manager: object, bwd: bool) -> Callable:
+    """``original_compiler`` run on what ``dc_compiler(gm, inputs)`` made of the graph (a graph, or a module)."""
+
+    def wrapped_compiler(gm: GraphModule, inputs: Sequence[torch.Tensor]) -> Any:
+        made = dc_compiler(gm, inputs)
+        if isinstance(made, torch.fx.Graph) and made is not gm.graph:
+            gm.graph = made
+            gm.recompile()
+        elif isinstance(made, GraphModule):
+            gm = made
+        return original_compiler(gm, inputs)
+
+    return wrapped_compiler
+
+
+def wrap_partition_fn(z3_partition: bool, partition_fn: Callable, real_inputs: Sequence[object],
+                      param_indices: Sequence[tuple],
+                      frame_id: int, frames_partitioned: set[int]) -> Callable:
+    """``partition_fn`` after tagging the joint graph's gathers for recomputation (``z3_partition``); the frame
+    is recorded in ``frames_partitioned``."""
+
+    def wrapped_partition_fn(joint: GraphModule, *args: object, **kwargs: object) -> Any:
+        if z3_partition:
+            tag_gathers_for_recompute(joint.graph)
+        frames_partitioned.add(frame_id)
+        return partition_fn(joint, *args, **kwargs)
+
+    return wrapped_partition_fn
+
+
+def _patch_deepcompile_aot_kwargs(kwargs: dict[str, Any], *, graph_id: int, z3_partition: bool,
+                                  make_fw_graph: Callable, make_bw_graph: Callable, real_inputs: Sequence[object],
+                                  param_indices: Sequence[tuple], param_manager: object, frame_id: int,
+                                  frames_partitioned: set[int]) -> bool:
+    """Wrap AOT autograd's ``kwargs`` in place; False (nothing changed) without a forward compiler and a
+    partitioner."""
+    forward, partition = kwargs.get("fw_compiler"), kwargs.get("partition_fn")
+    if not forward or not partition:
+        return False
+    backward = kwargs.get("bw_compiler") or forward
+    kwargs["fw_compiler"] = patch_compiler(forward, make_fw_graph, z3_partition, graph_id, param_manager, bwd=False)
+    kwargs["bw_compiler"] = patch_compiler(backward, make_bw_graph, z3_partition, graph_id, param_manager, bwd=True)
+    kwargs["inference_compiler"] = kwargs["fw_compiler"]
+    kwargs["partition_fn"] = wrap_partition_fn(z3_partition, partition, real_inputs, param_indices, frame_id,
+                                               frames_partitioned)
+    return True
