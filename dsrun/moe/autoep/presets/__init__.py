@@ -101,7 +101,7 @@ def _retarget_transformers_output_recorders_for_modules(
             continue
         key = str(module.__class__)
         own = getattr(module, "_can_record_outputs", None)
-        base = own if isinstance(own, dict) else registry.get(key)
+        base = own if isinstance(own, dict) else dict.get(registry, key)
         if not isinstance(base, dict) or "router_logits" not in base:
             continue
         outputs = dict(base, router_logits=make_output_recorder(output_capturing.OutputRecorder))
@@ -119,20 +119,22 @@ def _retarget_transformers_output_recorders_for_modules(
                 module._output_capturing_hooks_installed = False
         model._output_capturing_hooks_installed = False
         missing = object()
-        saved = {key: registry.get(key, missing) for key in entries}
+        # plain dict access by class name: Transformers' registry (a dict subclass) overrides get/[]= to take a
+        # model instead of its key in newer releases
+        saved = {key: dict.get(registry, key, missing) for key in entries}
         try:
-            registry.update(entries)
+            dict.update(registry, entries)
             install(model)
         finally:
             for key, value in saved.items():
                 if value is missing:
-                    registry.pop(key, None)
+                    dict.pop(registry, key, None)
                 else:
-                    registry[key] = value
+                    dict.__setitem__(registry, key, value)
         return len(entries)
     if recorder_key not in retargeted_keys:  # older hook API: the registry itself carries the new entry
         retargeted_keys.add(recorder_key)
-        registry.update(entries)
+        dict.update(registry, entries)
         if getattr(model, "_output_capturing_hooks_installed", False):
             remove_output_capture_hooks(model)
         model._output_capturing_hooks_installed = False
