@@ -11,6 +11,7 @@ from dsrun.activation_checkpointing.settings import ActivationCheckpointingFeatu
 from dsrun.compression.feature import CompressionFeature
 from dsrun.data_efficiency.features import DataEfficiency
 from dsrun.features import Feature, register_feature
+from dsrun.moe.autoep.feature import AutoEPFeature
 from dsrun.moe.feature import MoEFeature
 from dsrun.optim.muon import MuonFeature
 from dsrun.optim.onebit import OneBitFeature
@@ -26,6 +27,7 @@ BUILTIN: tuple[type[Feature], ...] = (
     OneBitFeature,  # binds a 1-bit optimizer to the ZeRO strategy's step
     MuonFeature,  # Muon: marks use_muon before the optimizer; the whole-matrix update at the ZeRO step
     ActivationCheckpointingFeature,  # the activation_checkpointing section, configured at attach
+    AutoEPFeature,  # expert_parallel: Hugging Face MoE blocks replaced by expert-parallel layers (before MoE's split)
     MoEFeature,  # expert groups, expert param groups, expert checkpoint files
     SequenceParallelFeature,  # Ulysses: the topology's sequence axis
     AutoTPFeature,  # AutoTP training: the topology's model axis, the model split over it

@@ -80,8 +80,11 @@ ENTRIES: list[Entry] = [
          "tests/unit/runtime/test_config_effects.py::test_key_changes_behaviour[{key}]"),
     done("disable_python_gc", "automatic cyclic GC off while an engine lives (one collection first; "
          "engine.collect_python_gc() collects at a step the script picks)", REPORTING),
-    todo("expert_parallel", "AutoEP: expert parallelism for Hugging Face MoE models",
-         Feature("AutoEP", "remove expert_parallel; use dsrun.moe.layer.MoE")),
+    done("expert_parallel", "AutoEP: a Hugging Face MoE model's expert blocks become expert-parallel layers "
+         "(docs/moe.md lists the section's keys; load_balance_coeff, expert_tensor_parallel_size > 1 and folding "
+         "over tensor_parallel.autotp_size > 1 are refused)",
+         "tests/unit/moe/test_autoep.py::test_engine_replaces_blocks_and_trains",
+         "tests/unit/moe/test_autoep.py::test_config_refusals"),
     todo("datastates_ckpt", "DataStates asynchronous checkpointing", Feature("DataStates-LLM checkpointing",
          "remove datastates_ckpt"), active=lambda cfg: cfg.datastates_ckpt not in (None, False)),
     done("bf16.check_grad_overflow", "at ZeRO stages 1-2 (where DeepSpeed 0.19 checks): skip a bf16 step whose "
