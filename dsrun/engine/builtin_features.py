@@ -27,8 +27,8 @@ BUILTIN: tuple[type[Feature], ...] = (
     OneBitFeature,  # binds a 1-bit optimizer to the ZeRO strategy's step
     MuonFeature,  # Muon: marks use_muon before the optimizer; the whole-matrix update at the ZeRO step
     ActivationCheckpointingFeature,  # the activation_checkpointing section, configured at attach
-    AutoEPFeature,  # expert_parallel: Hugging Face MoE blocks replaced by expert-parallel layers (before MoE's split)
     MoEFeature,  # expert groups, expert param groups, expert checkpoint files
+    AutoEPFeature,  # expert_parallel: Hugging Face MoE blocks replaced by expert-parallel layers
     SequenceParallelFeature,  # Ulysses: the topology's sequence axis
     AutoTPFeature,  # AutoTP training: the topology's model axis, the model split over it
     ZeroPlusPlusFeature,  # ZeRO++ / MiCS / hpZ: stage 3's sharding policy

@@ -1,0 +1,200 @@
+"""AutoEP (dsrun/moe/autoep): config, routing, weight repacking, the replacement layer against the block it
+replaces, detection, the rank layout with AutoTP, and the engine's ``expert_parallel`` section on one rank.
+(Expert parallelism across ranks against one rank holding every expert: tests/integration/test_moe_parity.py.)"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsrun.moe.autoep import layer as autoep_layer
+from dsrun.moe.autoep.config import AutoEPConfig, parse_autoep_config, validate_autoep_config, \
+    validate_autoep_post_detection
+from dsrun.moe.autoep.detect import AutoEP
+from dsrun.moe.autoep.folding import build_folding_spec, expected_folding_group_tables
+from dsrun.moe.autoep.layer import AutoEPMoELayer, compute_split_plan
+from dsrun.moe.autoep.repack import classify_fused_gate_up_layout, repack_expert_weights
+from dsrun.moe.autoep.router import TokenChoiceTopKRouter
+from dsrun.utils.errors import ConfigError
+
+H, FFN, E, K = 8, 12, 4, 2
+U = 2.0 ** -24
+
+
+class Experts(nn.Module):  # Transformers >= 5's fused expert storage
+    def __init__(self):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(E, 2 * FFN, H) * 0.3)
+        self.down_proj = nn.Parameter(torch.randn(E, H, FFN) * 0.3)
+
+
+class Block(nn.Module):
+    """A Mixtral-style MoE block, computed expert by expert: the reference the AutoEP layer replaces."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(H, E, bias=False)
+        self.experts = Experts()
+
+    def forward(self, x):
+        flat = x.reshape(-1, H)
+        scores = torch.softmax(self.gate(flat), dim=-1)
+        top, idx = torch.topk(scores, K, dim=-1)
+        top = top / top.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(flat)
+        for e in range(E):
+            tok, slot = (idx == e).nonzero(as_tuple=True)
+            gate, up = (flat[tok] @ self.experts.gate_up_proj[e].T).chunk(2, dim=-1)
+            out.index_add_(0, tok, (F.silu(gate) * up) @ self.experts.down_proj[e].T * top[tok, slot, None])
+        return out.reshape(x.shape)
+
+
+class Config:
+    model_type = "mixtral"
+    num_local_experts = E
+    num_experts_per_tok = K
+
+
+class Model(nn.Module):
+    def __init__(self, layers: int = 2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.config = Config()
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleList(nn.Module() for _ in range(layers))
+        for layer in self.model.layers:
+            layer.mlp = Block()
+        self.head = nn.Linear(H, 1)
+
+    def forward(self, x):
+        for layer in self.model.layers:
+            x = x + layer.mlp(x)
+        return self.head(x).pow(2).mean()
+
+
+def _replace(model: nn.Module, **overrides) -> list:
+    auto_ep = AutoEP(model, parse_autoep_config({"enabled": True, "use_grouped_mm": False, **overrides}))
+    specs = auto_ep.ep_parser()
+    auto_ep.replace_moe_layers(specs, ep_size=1, ep_rank=0)
+    return specs
+
+
+def test_layer_matches_the_block_it_replaces_forward_and_backward() -> None:
+    model = Model(layers=1)
+    reference = Model(layers=1)
+    specs = _replace(model)
+    assert [s.moe_module_name for s in specs] == ["model.layers.0.mlp"] and specs[0].model_family == "mixtral"
+    assert (specs[0].hidden_size, specs[0].ffn_hidden_size, specs[0].num_experts, specs[0].top_k) == (H, FFN, E, K)
+    layer = model.model.layers[0].mlp
+    assert isinstance(layer, AutoEPMoELayer)
+    x = torch.randn(3, 5, H)
+    got, want = model(x), reference(x)
+    got.backward()
+    want.backward()
+    # the same fp32 terms summed in another order: each output sums K experts' FFN-long dot products
+    assert abs(float(got) - float(want)) <= 4 * FFN * K * U * max(1.0, abs(float(want)))
+    ref = reference.model.layers[0].mlp
+    torch.testing.assert_close(layer.router.gate.weight.grad, ref.gate.weight.grad, rtol=1e-4, atol=1e-6)
+    gate_up_grad = torch.cat((layer.experts.w1.grad, layer.experts.w3.grad), dim=1)
+    torch.testing.assert_close(gate_up_grad, ref.experts.gate_up_proj.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(layer.experts.w2.grad, ref.experts.down_proj.grad, rtol=1e-4, atol=1e-6)
+    # expert weights carry DeepSpeed's MoE marks (reduced over their expert-data-parallel group)
+    assert all(not p.allreduce and p.group_name == "ep_size_1" for p in layer.experts.parameters())
+
+
+def test_router_top_k_normalisation_scale_and_group_limit() -> None:
+    router = TokenChoiceTopKRouter(2, 4, None, None, 2, "softmax", True, 2.5, False)
+    with torch.no_grad():
+        router.gate.weight.copy_(torch.tensor([[1.0, 0], [0, 1], [2, 0], [0, 0.5]]))
+    scores, experts, counts = router(torch.tensor([[1.0, 0.0]]))
+    assert sorted(experts[0].tolist()) == [0, 2]
+    assert abs(float(scores.sum()) - 2.5) <= 1e-6  # normalised to 1, then scaled
+    assert counts.tolist() == [1, 0, 1, 0] and counts.dtype == torch.int32
+    # two groups {0,1} {2,3}, one allowed: the group scored by its best two experts wins
+    grouped = TokenChoiceTopKRouter(2, 4, 2, 1, 2, "softmax", False, 1.0, False)
+    grouped.load_state_dict(router.state_dict())
+    x = torch.tensor([[0.0, 3.0]])  # logits [0, 3, 0, 1.5]: the best two are 1 and 3, the best pair is {0, 1}
+    assert set(router(x)[1][0].tolist()) == {1, 3}
+    assert set(grouped(x)[1][0].tolist()) == {0, 1}
+
+
+def test_split_plan_is_one_exchange_of_the_count_matrix(monkeypatch) -> None:
+    # two EP ranks, two local experts each; this is rank 1 and rank 0 routed [1, 2, 3, 0] to the global experts
+    sent = []
+
+    def exchange(output, input_, group=None):
+        sent.append(input_.clone())
+        output.copy_(torch.tensor([3, 0, 4, 5], dtype=torch.int32))  # rows: from rank 0, from rank 1 (itself)
+
+    monkeypatch.setattr(autoep_layer.dist, "all_to_all_single", exchange)
+    selected = torch.tensor([[0, 2], [3, 3], [3, 3], [2, 2], [2, 3]])  # histogram [1, 0, 4, 5]
+    plan = compute_split_plan(selected, num_experts=4, ep_size=2, num_local_experts=2, ep_group=None)
+    assert len(sent) == 1 and sent[0].tolist() == [1, 0, 4, 5]
+    assert plan.input_splits == [1, 9] and plan.output_splits == [3, 9]
+    assert plan.local_counts.tolist() == [7, 5] and plan.local_counts_by_source.tolist() == [[3, 0], [4, 5]]
+
+
+def test_repack_reads_both_fused_layouts_and_module_lists_alike() -> None:
+    block = Block()
+    spec = _replace(Model(layers=1))[0]
+    w1, w2, w3 = repack_expert_weights(block.experts, spec, ep_rank=1, ep_size=2)  # experts 2 and 3
+    torch.testing.assert_close(torch.cat((w1, w3), 1), block.experts.gate_up_proj.data[2:])
+    torch.testing.assert_close(w2, block.experts.down_proj.data[2:])
+    assert classify_fused_gate_up_layout((E, 2 * FFN, H), (E, H, FFN)).layout == "gate_up_first"
+    hidden_first = classify_fused_gate_up_layout((E, H, 2 * FFN), (E, FFN, H))
+    assert (hidden_first.layout, hidden_first.hidden_size, hidden_first.ffn_hidden_size) == ("hidden_first", H, FFN)
+    assert classify_fused_gate_up_layout((E, H, H), (E, H, H)) is None
+    block.experts.gate_up_proj = nn.Parameter(block.experts.gate_up_proj.data.transpose(1, 2).contiguous())
+    block.experts.down_proj = nn.Parameter(block.experts.down_proj.data.transpose(1, 2).contiguous())
+    v1, v2, v3 = repack_expert_weights(block.experts, spec, ep_rank=1, ep_size=2)
+    assert torch.equal(v1, w1) and torch.equal(v2, w2) and torch.equal(v3, w3)
+
+
+def test_config_refusals() -> None:
+    with pytest.raises(ValueError, match="load_balance_coeff=0.01 is not supported"):
+        parse_autoep_config({"enabled": True, "load_balance_coeff": 0.01})
+    with pytest.raises(ValueError, match="must divide the stage size"):
+        validate_autoep_config(AutoEPConfig(enabled=True, autoep_size=3), world_size=8, pp_size=1, tp_size=1,
+                               sp_size=1)
+    with pytest.raises(ValueError, match="expert_tensor_parallel_size=2 is reserved"):
+        validate_autoep_config(AutoEPConfig(enabled=True, autoep_size=2, expert_tensor_parallel_size=2),
+                               world_size=4, pp_size=1, tp_size=1, sp_size=1)
+    spec = _replace(Model(layers=1))[0]
+    with pytest.raises(ValueError, match="Valid autoep_size values"):
+        validate_autoep_post_detection(AutoEPConfig(enabled=True, autoep_size=8), [spec])
+    from dsrun.moe.autoep.feature import AutoEPFeature
+    from dsrun.config import load_ds_config
+
+    cfg = load_ds_config({"train_batch_size": 1, "expert_parallel": {"enabled": True, "autoep_sise": 2}})
+    with pytest.raises(ConfigError, match="expert_parallel.autoep_sise.*autoep_size"):
+        AutoEPFeature.build(cfg)
+
+
+def test_folding_layout_with_autotp() -> None:
+    spec = build_folding_spec(world_size=8, pp_size=1, tp_size=2, ep_size=4)
+    assert (spec.dp_size, spec.edp_size) == (4, 2)
+    tables = expected_folding_group_tables(spec)
+    assert tables.tp_groups == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert tables.ep_groups == ((0, 1, 2, 3), (4, 5, 6, 7)) and tables.edp_groups[0] == (0, 4)
+
+
+def test_engine_replaces_blocks_and_trains(world_of_one) -> None:
+    import dsrun
+
+    model = Model()
+    cfg = {"train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+           "expert_parallel": {"enabled": True, "autoep_size": 1, "preset_model": "mixtral", "use_grouped_mm": False}}
+    engine, _, _, _ = dsrun.initialize(model=model, config=cfg)
+    layers = [m for m in engine.module.modules() if isinstance(m, AutoEPMoELayer)]
+    assert len(layers) == 2 and engine.has_moe_layers
+    before = layers[0].experts.w1.detach().clone()
+    x = torch.randn(2, 3, H)
+    losses = []
+    for _ in range(3):
+        loss = engine(x)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    assert losses[-1] < losses[0] and not torch.equal(before, layers[0].experts.w1)
+    engine.destroy()
