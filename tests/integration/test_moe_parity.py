@@ -147,13 +147,71 @@ def engine_suite(rank: int, world: int) -> dict[str, Any]:
     return {f"zero{stage}": engine_case(rank, world, stage) for stage in (0, 1, 2, 3)}
 
 
+# --- AutoEP's layer (dsrun/moe/autoep): dropless token-choice routing over the same all-to-all ------------------
+def autoep_block() -> nn.Module:
+    """A Mixtral-style block (fused 3-D expert weights, Transformers >= 5) inside a model AutoEP can parse."""
+    gen = torch.Generator().manual_seed(7)
+    block = nn.Module()
+    block.gate = nn.Linear(D, EXPERTS, bias=False)
+    block.gate.weight.data = torch.randn(EXPERTS, D, generator=gen)
+    block.experts = nn.Module()
+    block.experts.gate_up_proj = nn.Parameter(torch.randn(EXPERTS, 2 * D, D, generator=gen) * 0.3)
+    block.experts.down_proj = nn.Parameter(torch.randn(EXPERTS, D, D, generator=gen) * 0.3)
+    return block
+
+
+def autoep_layer(ep: int, rank: int) -> nn.Module:
+    from dsrun.moe.autoep.config import parse_autoep_config
+    from dsrun.moe.autoep.detect import AutoEP
+    from dsrun.moe.autoep.layer import AutoEPMoELayer
+
+    model = nn.Module()
+    model.config = type("Cfg", (), {"num_local_experts": EXPERTS, "num_experts_per_tok": 2})()
+    model.model = nn.Module()
+    model.model.layers = nn.ModuleList([nn.Module()])
+    model.model.layers[0].mlp = autoep_block()
+    config = parse_autoep_config({"enabled": True, "autoep_size": ep, "preset_model": "mixtral",
+                                  "use_grouped_mm": False})
+    spec = AutoEP(model, config).ep_parser()[0]
+    layer = AutoEPMoELayer(spec, model.model.layers[0].mlp, ep_size=ep, ep_rank=rank, config=config)
+    if ep > 1:
+        layer.set_deepspeed_parallelism()
+    return layer
+
+
+def autoep_case(rank: int, world: int) -> dict[str, Any]:
+    """AutoEP's layer with ep=world on this rank's shard vs ep=1 on every shard: outputs and the gradients of
+    the mean of the per-rank losses (this rank's experts against the same experts of the ep=1 layer)."""
+    from dsrun import comm
+
+    layer = autoep_layer(world, rank)
+    out = layer(shard_tokens(rank).reshape(1, TOKENS, D))
+    (out.reshape(TOKENS, D) * cotangent(rank)).sum().div(world).backward()
+    comm.all_reduce(layer.router.gate.weight.grad)  # replicated: reduced over the data-parallel group
+    ref = autoep_layer(1, 0)
+    total = 0.0
+    for r in range(world):
+        o = ref(shard_tokens(r).reshape(1, TOKENS, D)).reshape(TOKENS, D)
+        total = total + (o * cotangent(r)).sum() / world
+        if r == rank:
+            ref_out = o.detach()
+    total.backward()
+    local = slice(rank * EXPERTS // world, (rank + 1) * EXPERTS // world)
+    grads = {n: p.grad for n, p in layer.named_parameters()}
+    ref_grads = {n: p.grad[local] if n.startswith("experts.") else p.grad for n, p in ref.named_parameters()}
+    return {"out": out.detach().reshape(TOKENS, D).numpy(), "ref_out": ref_out.numpy(),
+            "grads": {n: g.numpy() for n, g in grads.items()}, "ref_grads": {n: g.numpy() for n, g in ref_grads.items()},
+            "local_experts": layer.num_local_experts}
+
+
 def moe_suite(rank: int, world: int) -> dict[str, Any]:
-    """Rank entry point: the layer cases, then the engine's."""
+    """Rank entry point: the layer cases, AutoEP's layer, then the engine's."""
     from dsrun import comm
 
     torch.set_num_threads(1)
     comm.init_distributed()
-    return {"layer": layer_suite(rank, world), "engine": engine_suite(rank, world)}
+    return {"layer": layer_suite(rank, world), "autoep": autoep_case(rank, world),
+            "engine": engine_suite(rank, world)}
 
 
 def analytic_a2a_bytes(tokens: int, k: int, ep: int, capacity_factor: float = 1.0, min_capacity: int = 1) -> int:
@@ -187,6 +245,16 @@ def test_layer_output_aux_and_gradients_match_ep1(runs) -> None:
             assert set(case["grads"]) == set(case["ref_grads"]), key
             for name, grad in case["grads"].items():
                 _close(grad, case["ref_grads"][name], n_terms, f"rank {rank} {key} grad {name}")
+
+
+def test_autoep_layer_output_and_gradients_match_ep1(runs) -> None:
+    for rank, result in enumerate(runs):
+        case = result["autoep"]
+        assert case["local_experts"] == EXPERTS // 2
+        _close(case["out"], case["ref_out"], 2 + 1, f"rank {rank} AutoEP output")  # k=2 expert outputs summed
+        assert set(case["grads"]) == set(case["ref_grads"])
+        for name, grad in case["grads"].items():
+            _close(grad, case["ref_grads"][name], 2 * TOKENS * 2, f"rank {rank} AutoEP grad {name}")
 
 
 def test_skewed_routing_without_dropping_agrees_on_capacity_and_matches_dropless(runs) -> None:
