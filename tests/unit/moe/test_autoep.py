@@ -74,16 +74,17 @@ class Model(nn.Module):
 
 
 def _replace(model: nn.Module, **overrides) -> list:
-    auto_ep = AutoEP(model, parse_autoep_config({"enabled": True, "use_grouped_mm": False, **overrides}))
+    auto_ep = AutoEP(model, parse_autoep_config({"enabled": True, "use_grouped_mm": False} | overrides))
     specs = auto_ep.ep_parser()
     auto_ep.replace_moe_layers(specs, ep_size=1, ep_rank=0)
     return specs
 
 
-def test_layer_matches_the_block_it_replaces_forward_and_backward() -> None:
+@pytest.mark.parametrize("grouped_mm", [False, True])
+def test_layer_matches_the_block_it_replaces_forward_and_backward(grouped_mm: bool) -> None:
     model = Model(layers=1)
     reference = Model(layers=1)
-    specs = _replace(model)
+    specs = _replace(model, use_grouped_mm=grouped_mm)  # True: torch._grouped_mm, False: a loop over experts
     assert [s.moe_module_name for s in specs] == ["model.layers.0.mlp"] and specs[0].model_family == "mixtral"
     assert (specs[0].hidden_size, specs[0].ffn_hidden_size, specs[0].num_experts, specs[0].top_k) == (H, FFN, E, K)
     layer = model.model.layers[0].mlp
@@ -93,7 +94,7 @@ def test_layer_matches_the_block_it_replaces_forward_and_backward() -> None:
     got.backward()
     want.backward()
     # the same fp32 terms summed in another order: each output sums K experts' FFN-long dot products
-    assert abs(float(got) - float(want)) <= 4 * FFN * K * U * max(1.0, abs(float(want)))
+    assert abs(got.item() - want.item()) <= 4 * FFN * K * U * max(1.0, abs(want.item()))
     ref = reference.model.layers[0].mlp
     torch.testing.assert_close(layer.router.gate.weight.grad, ref.gate.weight.grad, rtol=1e-4, atol=1e-6)
     gate_up_grad = torch.cat((layer.experts.w1.grad, layer.experts.w3.grad), dim=1)
@@ -109,7 +110,7 @@ def test_router_top_k_normalisation_scale_and_group_limit() -> None:
         router.gate.weight.copy_(torch.tensor([[1.0, 0], [0, 1], [2, 0], [0, 0.5]]))
     scores, experts, counts = router(torch.tensor([[1.0, 0.0]]))
     assert sorted(experts[0].tolist()) == [0, 2]
-    assert abs(float(scores.sum()) - 2.5) <= 1e-6  # normalised to 1, then scaled
+    assert abs(scores.sum().item() - 2.5) <= 1e-6  # normalised to 1, then scaled
     assert counts.tolist() == [1, 0, 1, 0] and counts.dtype == torch.int32
     # two groups {0,1} {2,3}, one allowed: the group scored by its best two experts wins
     grouped = TokenChoiceTopKRouter(2, 4, 2, 1, 2, "softmax", False, 1.0, False)
@@ -195,6 +196,6 @@ def test_engine_replaces_blocks_and_trains(world_of_one) -> None:
         loss = engine(x)
         engine.backward(loss)
         engine.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     assert losses[-1] < losses[0] and not torch.equal(before, layers[0].experts.w1)
     engine.destroy()
