@@ -11,7 +11,7 @@ from dsrun.activation_checkpointing.settings import ActivationCheckpointingFeatu
 from dsrun.compression.feature import CompressionFeature
 from dsrun.data_efficiency.features import DataEfficiency
 from dsrun.features import Feature, register_feature
-from dsrun.moe.autoep.feature import AutoEPFeature
+from dsrun.autoep.feature import AutoEPFeature
 from dsrun.moe.feature import MoEFeature
 from dsrun.optim.muon import MuonFeature
 from dsrun.optim.onebit import OneBitFeature

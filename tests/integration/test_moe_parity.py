@@ -147,7 +147,7 @@ def engine_suite(rank: int, world: int) -> dict[str, Any]:
     return {f"zero{stage}": engine_case(rank, world, stage) for stage in (0, 1, 2, 3)}
 
 
-# --- AutoEP's layer (dsrun/moe/autoep): dropless token-choice routing over the same all-to-all ------------------
+# --- AutoEP's layer (dsrun/autoep): dropless token-choice routing over the same all-to-all ------------------
 def autoep_block() -> nn.Module:
     """A Mixtral-style block (fused 3-D expert weights, Transformers >= 5) inside a model AutoEP can parse."""
     gen = torch.Generator().manual_seed(7)
@@ -161,9 +161,9 @@ def autoep_block() -> nn.Module:
 
 
 def autoep_layer(ep: int, rank: int) -> nn.Module:
-    from dsrun.moe.autoep.config import parse_autoep_config
-    from dsrun.moe.autoep.detect import AutoEP
-    from dsrun.moe.autoep.layer import AutoEPMoELayer
+    from dsrun.autoep.config import parse_autoep_config
+    from dsrun.autoep.detect import AutoEP
+    from dsrun.autoep.layer import AutoEPMoELayer
 
     model = nn.Module()
     model.config = type("Cfg", (), {"num_local_experts": EXPERTS, "num_experts_per_tok": 2})()

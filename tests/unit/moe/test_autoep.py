@@ -1,4 +1,4 @@
-"""AutoEP (dsrun/moe/autoep): config, routing, weight repacking, the replacement layer against the block it
+"""AutoEP (dsrun/autoep): config, routing, weight repacking, the replacement layer against the block it
 replaces, detection, the rank layout with AutoTP, and the engine's ``expert_parallel`` section on one rank.
 (Expert parallelism across ranks against one rank holding every expert: tests/integration/test_moe_parity.py.)"""
 from __future__ import annotations
@@ -8,14 +8,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsrun.moe.autoep import layer as autoep_layer
-from dsrun.moe.autoep.config import AutoEPConfig, parse_autoep_config, validate_autoep_config, \
+from dsrun.autoep import layer as autoep_layer
+from dsrun.autoep.config import AutoEPConfig, parse_autoep_config, validate_autoep_config, \
     validate_autoep_post_detection
-from dsrun.moe.autoep.detect import AutoEP
-from dsrun.moe.autoep.folding import build_folding_spec, expected_folding_group_tables
-from dsrun.moe.autoep.layer import AutoEPMoELayer, compute_split_plan
-from dsrun.moe.autoep.repack import classify_fused_gate_up_layout, repack_expert_weights
-from dsrun.moe.autoep.router import TokenChoiceTopKRouter
+from dsrun.autoep.detect import AutoEP
+from dsrun.autoep.folding import build_folding_spec, expected_folding_group_tables
+from dsrun.autoep.layer import AutoEPMoELayer, compute_split_plan
+from dsrun.autoep.repack import classify_fused_gate_up_layout, repack_expert_weights
+from dsrun.autoep.router import TokenChoiceTopKRouter
 from dsrun.utils.errors import ConfigError
 
 H, FFN, E, K = 8, 12, 4, 2
@@ -164,7 +164,7 @@ def test_config_refusals() -> None:
     spec = _replace(Model(layers=1))[0]
     with pytest.raises(ValueError, match="Valid autoep_size values"):
         validate_autoep_post_detection(AutoEPConfig(enabled=True, autoep_size=8), [spec])
-    from dsrun.moe.autoep.feature import AutoEPFeature
+    from dsrun.autoep.feature import AutoEPFeature
     from dsrun.config import load_ds_config
 
     cfg = load_ds_config({"train_batch_size": 1, "expert_parallel": {"enabled": True, "autoep_sise": 2}})

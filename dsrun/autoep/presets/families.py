@@ -10,9 +10,9 @@ from dataclasses import replace
 
 import torch.nn as nn
 
-from dsrun.moe.autoep.presets import AutoEPPresetAdapter, TransformersTopLevelRouterLogitsAdapter, \
+from dsrun.autoep.presets.adapters import AutoEPPresetAdapter, TransformersTopLevelRouterLogitsAdapter, \
     _retarget_transformers_output_recorders_for_modules
-from dsrun.moe.autoep.spec import AutoEPConfig, ForwardContract, GroupRoutingConfig, MoEModelPreset
+from dsrun.autoep.spec import AutoEPConfig, ForwardContract, GroupRoutingConfig, MoEModelPreset
 
 _COMMON = dict(moe_layer_pattern=r"model\.layers\.\d+\.mlp", router_pattern="gate", experts_pattern="experts",
                expert_storage="fused_3d", expert_w1="gate_up_proj", expert_w2="down_proj", expert_w3=None,

@@ -1,4 +1,4 @@
-"""Find a model's MoE blocks and replace them with :class:`~dsrun.moe.autoep.layer.AutoEPMoELayer`
+"""Find a model's MoE blocks and replace them with :class:`~dsrun.autoep.layer.AutoEPMoELayer`
 (DeepSpeed's ``module_inject.auto_ep.AutoEP``).
 
 A block is a module whose path matches the preset's ``moe_layer_pattern`` and that has the preset's router and
@@ -15,11 +15,11 @@ from typing import Literal
 import torch
 import torch.nn as nn
 
-from dsrun.moe.autoep.config import fill_autoep_config_from_hf
-from dsrun.moe.autoep.presets import (apply_config_overrides, get_preset_adapter, preset_name_for_hf_model_type,
+from dsrun.autoep.config import fill_autoep_config_from_hf
+from dsrun.autoep.presets import (apply_config_overrides, get_preset_adapter, preset_name_for_hf_model_type,
                                       resolve_preset_candidates, unsupported_preset_for_hf_model_type)
-from dsrun.moe.autoep.repack import classify_fused_gate_up_layout
-from dsrun.moe.autoep.spec import AutoEPConfig, ForwardContract, MoELayerSpec, MoEModelPreset
+from dsrun.autoep.repack import classify_fused_gate_up_layout
+from dsrun.autoep.spec import AutoEPConfig, ForwardContract, MoELayerSpec, MoEModelPreset
 from dsrun.utils.logging import logger
 from dsrun.zero.partition_params import is_zero_param
 
@@ -245,7 +245,7 @@ class AutoEP:
             router_logits_capture_mode=contract.router_logits_capture_mode, moe_output_shape=contract.moe_output_shape)
 
     def _replace_moe_layer_without_retarget(self, spec: MoELayerSpec, ep_size: int, ep_rank: int) -> nn.Module:
-        from dsrun.moe.autoep.layer import AutoEPMoELayer
+        from dsrun.autoep.layer import AutoEPMoELayer
 
         parent_name, _, child = spec.moe_module_name.rpartition(".")
         parent = self.model.get_submodule(parent_name)

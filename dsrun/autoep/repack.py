@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 import torch.nn as nn
 
-from dsrun.moe.autoep.spec import MoELayerSpec
+from dsrun.autoep.spec import MoELayerSpec
 from dsrun.zero import GatheredParameters
 from dsrun.zero.partition_params import is_zero_param
 

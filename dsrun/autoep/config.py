@@ -2,9 +2,9 @@
 detected layers, and fill what the Hugging Face model config says (DeepSpeed's ``auto_ep_config``)."""
 from __future__ import annotations
 
-from dsrun.moe.autoep.folding import build_folding_spec, validate_folding_global
-from dsrun.moe.autoep.presets import PRESET_MODELS, available_preset_names, resolve_autoep_config_defaults
-from dsrun.moe.autoep.spec import _UNSET, AutoEPConfig, MoELayerSpec, MoEModelPreset, _raise_unsupported_load_balance_coeff
+from dsrun.autoep.folding import build_folding_spec, validate_folding_global
+from dsrun.autoep.presets import PRESET_MODELS, available_preset_names, resolve_autoep_config_defaults
+from dsrun.autoep.spec import _UNSET, AutoEPConfig, MoELayerSpec, MoEModelPreset, _raise_unsupported_load_balance_coeff
 from dsrun.utils.logging import logger
 
 __all__ = ["_UNSET", "AutoEPConfig", "MoELayerSpec", "MoEModelPreset", "PRESET_MODELS", "parse_autoep_config",

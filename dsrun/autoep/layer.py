@@ -13,12 +13,12 @@ import torch
 import torch.nn as nn
 
 from dsrun import comm as dist
-from dsrun.moe.autoep.experts import GroupedExperts, permute_by_local_expert, unpermute_by_local_expert  # noqa: F401
-from dsrun.moe.autoep.folding import mark_autoep_folding_router_parameter
-from dsrun.moe.autoep.presets import resolve_autoep_config_defaults
-from dsrun.moe.autoep.repack import _gather_source_zero_params, repack_expert_requires_grad_flags, repack_expert_weights
-from dsrun.moe.autoep.router import TokenChoiceTopKRouter, count_tokens_per_expert
-from dsrun.moe.autoep.spec import AutoEPConfig, MoELayerSpec
+from dsrun.autoep.experts import GroupedExperts, permute_by_local_expert, unpermute_by_local_expert  # noqa: F401
+from dsrun.autoep.folding import mark_autoep_folding_router_parameter
+from dsrun.autoep.presets import resolve_autoep_config_defaults
+from dsrun.autoep.repack import _gather_source_zero_params, repack_expert_requires_grad_flags, repack_expert_weights
+from dsrun.autoep.router import TokenChoiceTopKRouter, count_tokens_per_expert
+from dsrun.autoep.spec import AutoEPConfig, MoELayerSpec
 
 
 class RouterOutput(NamedTuple):

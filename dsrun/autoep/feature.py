@@ -1,7 +1,7 @@
 """AutoEP as a feature of the engine (:mod:`dsrun.features`): the ``expert_parallel`` config section.
 
 ``wrap_model`` (before the optimizer sees the parameters) finds the model's MoE blocks and replaces each with an
-:class:`~dsrun.moe.autoep.layer.AutoEPMoELayer` holding this rank's ``num_experts / autoep_size`` experts; the
+:class:`~dsrun.autoep.layer.AutoEPMoELayer` holding this rank's ``num_experts / autoep_size`` experts; the
 rank's place among its expert-parallel group follows the groups dsrun builds (:func:`dsrun.moe.groups.
 _get_expert_parallel_ranks`, DeepSpeed's layout). The expert weights are tagged as DeepSpeed's MoE experts are
 (``allreduce=False``, ``group_name="ep_size_E"``), so every ZeRO stage reduces (and at stage 3 partitions) them
@@ -19,10 +19,10 @@ from torch import nn
 
 from dsrun import comm
 from dsrun.features import Feature, ParameterFiles
-from dsrun.moe.autoep.config import AUTOEP_KEYS, parse_autoep_config, validate_autoep_config, \
+from dsrun.autoep.config import AUTOEP_KEYS, parse_autoep_config, validate_autoep_config, \
     validate_autoep_post_detection
-from dsrun.moe.autoep.detect import AutoEP
-from dsrun.moe.autoep.layer import AutoEPMoELayer
+from dsrun.autoep.detect import AutoEP
+from dsrun.autoep.layer import AutoEPMoELayer
 from dsrun.utils.errors import ConfigError, Problem
 
 if TYPE_CHECKING:
@@ -62,9 +62,7 @@ class AutoEPFeature(Feature):
         return feature if feature.autoep.enabled else None
 
     def _sizes(self) -> tuple[int, int, int]:
-        from dsrun.tensor_parallel import autotp_degree
-
-        tp = autotp_degree(int(self._config.tensor_parallel.autotp_size or 0))
+        tp = max(int(self._config.tensor_parallel.autotp_size or 0), 1)
         sp = int(getattr(self._config, "sequence_parallel_size", 1) or 1)
         return comm.get_world_size(), tp, sp
 
