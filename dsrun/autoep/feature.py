@@ -13,7 +13,7 @@ expert-data-parallel group), so a run resumes at the same ``autoep_size``.
 from __future__ import annotations
 
 import difflib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import nn
 
@@ -27,6 +27,15 @@ from dsrun.utils.errors import ConfigError, Problem
 
 if TYPE_CHECKING:
     from dsrun.config import DSConfig
+
+
+class _Engine(Protocol):
+    """What the feature reads of the engine it attaches to."""
+
+    module: nn.Module
+    groups: Any  # dsrun.comm.ProcessGroups
+    global_rank: int
+    has_moe_layers: bool
 
 
 def autoep_layers(model: nn.Module) -> list[tuple[str, AutoEPMoELayer]]:
@@ -45,7 +54,7 @@ class AutoEPFeature(Feature):
     def __init__(self, config: "DSConfig", section: dict[str, Any]) -> None:
         self._config = config
         self.autoep = parse_autoep_config(section)
-        self._engine: Any = None
+        self._engine: _Engine | None = None
 
     @classmethod
     def build(cls, config: "DSConfig") -> "AutoEPFeature | None":
@@ -131,7 +140,7 @@ class AutoEPFeature(Feature):
                 raise RuntimeError(f"AutoEP: {name} holds the experts of expert-parallel rank {planned}, but this rank "
                                    f"is rank {comm.get_rank(group=layer.ep_group)} of its expert-parallel group")
 
-    def attach(self, engine: Any) -> None:
+    def attach(self, engine: _Engine) -> None:  # type: ignore[override]
         """DeepSpeed's ZeRO placement record on each parameter: its family (``autoep_expert`` or ``replicated``)
         and the group it is reduced (at stage 3: partitioned) over, with its rank and size there."""
         self._engine = engine
