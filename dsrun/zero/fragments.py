@@ -36,9 +36,13 @@ class ParamFragment:
     """Where this rank's piece of one trained parameter lives in its strategy's flat tensors."""
 
     def __init__(self, strategy: ZeroStrategy, param: torch.nn.Parameter, full_offset: int, length: int,
-                 store_offset: int, store_length: int):
+                 store_offset: int, store_length: int, group: Any = None, group_size: int | None = None):
         self.strategy = strategy
         self.param = param
+        # the ranks the parameter is partitioned over: the data-parallel group, or an MoE expert's
+        # expert-data-parallel group (whose ranks hold the same experts)
+        self.group = strategy.ctx.group if group is None else group
+        self.group_size = strategy.world_size if group_size is None else group_size
         self.full_offset = full_offset  # first element of this rank's piece in the flattened full parameter
         self.length = length  # real elements of the piece
         self.store_offset = store_offset  # where the piece starts in the strategy's flat tensors
@@ -51,7 +55,7 @@ class ParamFragment:
 
     @property
     def partitioned(self) -> bool:
-        return self.strategy.world_size > 1
+        return self.group_size > 1
 
     def _master(self) -> torch.Tensor:
         raise NotImplementedError
@@ -81,7 +85,7 @@ class ParamFragment:
         full = torch.zeros(self.full_shape.numel(), dtype=piece.dtype, device=device)
         full[self.full_offset:self.full_offset + self.length] = piece.to(device)
         if self.partitioned:
-            comm.all_reduce(full, group=self.strategy.ctx.group)
+            comm.all_reduce(full, group=self.group)
         return full.view(self.full_shape)
 
     def _check_full(self, value: torch.Tensor) -> torch.Tensor:
@@ -201,17 +205,15 @@ class FlatFragment(ParamFragment):
     def __init__(self, strategy: FlatStrategy, gi: int, pi: int):
         group = strategy.groups[gi]
         param, off, n = group.params[pi], group.offsets[pi], group.numels[pi]
-        lo, hi = group.partition_range(strategy.rank) if strategy.partitioned else (0, group.padded_numel)
+        # the flat group's own rank and group: an expert's group is its expert-data-parallel group
+        lo, hi = group.partition_range(group.rank) if strategy.partitioned else (0, group.padded_numel)
         a, b = max(off, lo), min(off + n, hi)
         length = max(0, b - a)
         super().__init__(strategy, param, full_offset=a - off if length else 0, length=length,
-                         store_offset=a - lo if length else 0, store_length=length)
+                         store_offset=a - lo if length else 0, store_length=length, group=group.process_group,
+                         group_size=group.world_size if strategy.partitioned else 1)
         self.gi = gi
         self.flat_start = a  # this piece in the group's flat model buffer
-
-    @property
-    def partitioned(self) -> bool:
-        return bool(self.strategy.partitioned) and self.strategy.world_size > 1
 
     def _master(self) -> torch.Tensor:
         return self.strategy.masters[self.gi].detach()
@@ -258,10 +260,13 @@ class ShardFragment(ParamFragment):
     def __init__(self, strategy: "Stage3Strategy", index: int, sg: "SubGroup", offset: int,
                  param: torch.nn.Parameter):
         part = param.ds_partition_numel
-        start = strategy.rank * part
+        group = getattr(param, "ds_process_group", None)  # an MoE expert: its expert-data-parallel group
+        rank = comm.get_rank(group) if group is not None else strategy.rank
+        size = comm.get_world_size(group) if group is not None else strategy.world_size
+        start = rank * part
         length = max(0, min(part, param.ds_numel - start))
         super().__init__(strategy, param, full_offset=start if length else 0, length=length, store_offset=offset,
-                         store_length=part)
+                         store_length=part, group=group, group_size=size)
         self.index, self.sg = index, sg
 
     @property

@@ -4,7 +4,8 @@ One launch runs every case (``moe_suite``): the MoE layer alone for k = 1, 2, 3 
 ``drop_tokens=False`` and with the dropless path (outputs, ``l_aux``, every gradient, the logged all-to-all
 bytes), a deliberately skewed routing with ``drop_tokens=False`` (ranks need different capacities: they must
 agree, not hang), and the engine at ZeRO stages 0-3 (one SGD step of the harness's ``moe_net/ep2``; the new
-weights equal those of ``moe_net/ep1`` stepped by ``reference_run`` on both shards). Tolerances come from fp32
+weights, and the weights minus ``safe_get_full_grad`` read before the step, equal those of ``moe_net/ep1``
+stepped by ``reference_run`` on both shards). Tolerances come from fp32
 arithmetic (``tests.tolerance.fp32_sum_bound``): the two sides sum the same terms in a different order.
 """
 from __future__ import annotations
@@ -122,14 +123,20 @@ def engine_case(rank: int, world: int, stage: int) -> dict[str, Any]:
     """One SGD step (lr 1) of the ep=world engine vs the ep=1 model stepped on the mean of the per-rank
     losses: the new weights differ by the gradients' difference (plus one rounding of w - g)."""
     import dsrun
+    from dsrun.utils import safe_get_full_grad
 
     # the reference steps by the raw mean gradient: no clipping
     cfg = ds_config(stage, TOKENS, 1, bucket=64, zero={"allgather_bucket_size": 64,
                                                       "stage3_param_persistence_threshold": 0},
                     client_optimizer=True, zero_allow_untested_optimizer=True)
     engine, _, _, _ = dsrun.initialize(model=build_model(f"moe_net/ep{world}"), config=cfg, optimizer=sgd)
+    before = full_moe_params(engine)
     loss = engine(moe_shard(rank))
     engine.backward(loss)
+    # DeepSpeed's safe_get_full_grad, read before the step: an expert's is gathered over its expert-data group
+    ids = engine.module.moe.global_expert_ids()
+    read = {global_expert_name(n, ids): safe_get_full_grad(p).detach().float()
+            for n, p in engine.module.named_parameters()}
     engine.step()
     got = full_moe_params(engine)
     engine.destroy()
@@ -140,7 +147,8 @@ def engine_case(rank: int, world: int, stage: int) -> dict[str, Any]:
 
     ref = reference_run("moe_net/ep1", 1, world * TOKENS, parts=world, optimizer=sgd, batch_at=shards,
                         flat=lambda model: {n: p.detach().clone() for n, p in model.named_parameters()})["params"]
-    return {"got": {n: t.numpy() for n, t in got.items()}, "ref": {n: ref[n].numpy() for n in got}}
+    return {"got": {n: t.numpy() for n, t in got.items()}, "ref": {n: ref[n].numpy() for n in got},
+            "stepped_by_read_grad": {n: (before[n] - read[n]).numpy() for n in got}}  # SGD, lr 1: w - g
 
 
 def engine_suite(rank: int, world: int) -> dict[str, Any]:
@@ -283,3 +291,5 @@ def test_engine_step_matches_ep1_reference(runs, stage: int) -> None:
         assert set(case["got"]) == set(case["ref"])
         for name, value in case["got"].items():
             _close(value, case["ref"][name], 2 * TOKENS * 2, f"rank {rank} ZeRO-{stage} {name}")
+            _close(case["stepped_by_read_grad"][name], case["ref"][name], 2 * TOKENS * 2,
+                   f"rank {rank} ZeRO-{stage} {name}: safe_get_full_grad")
