@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dsrun import comm
+from dsrun.comm.comm import ProcessGroup
 from dsrun.offload.param_swapper import shard_value
 from dsrun.utils.tensor_fragment import FRAGMENT_ATTR
 
@@ -36,7 +37,8 @@ class ParamFragment:
     """Where this rank's piece of one trained parameter lives in its strategy's flat tensors."""
 
     def __init__(self, strategy: ZeroStrategy, param: torch.nn.Parameter, full_offset: int, length: int,
-                 store_offset: int, store_length: int, group: Any = None, group_size: int | None = None):
+                 store_offset: int, store_length: int, group: ProcessGroup | None = None,
+                 group_size: int | None = None):
         self.strategy = strategy
         self.param = param
         # the ranks the parameter is partitioned over: the data-parallel group, or an MoE expert's
