@@ -11,8 +11,9 @@ from typing import Iterable
 import torch
 
 from dsrun import comm
+from dsrun.zero.eager_fallback import CONTEXT_DEPTH_ATTR, OWNER_ATTR, gather_param, partition_param
 from dsrun.zero.hooks import LIVE_COORDINATORS, add_external_param
-from dsrun.zero.partition_params import (gather_exact, is_zero_param, release_param,
+from dsrun.zero.partition_params import (ParamStatus, gather_exact, is_zero_param, release_param,
                                                  write_full_value)
 
 def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
@@ -60,12 +61,29 @@ class GatheredParameters:
         self.modifier_rank = modifier_rank
         self._was_available: list[bool] = []
         self._versions: list[tuple[int, int]] | None = None
+        self._fallback_owners: dict[int, object] = {}
         if fwd_module is not None:
             for p in self.params:
                 register_external_parameter(fwd_module, p)
 
     def __enter__(self) -> "GatheredParameters":
-        self._was_available = gather_exact(self.params)  # exact values, also under qwZ (docs/zeropp.md)
+        if not self.params:
+            return self
+        held = [p.ds_id for p in self.params if getattr(p, CONTEXT_DEPTH_ATTR, 0)]
+        if held:  # refused before gathering anything: the outer block decides when they are released
+            raise RuntimeError(f"Nested GatheredParameters contexts cannot overlap parameters; parameter ds_ids "
+                               f"already gathered by an outer context: {held}; gather them in one block")
+        if "all_gather" in self.params[0].__dict__:  # DeepSpeed's per-parameter method, where one is set
+            self._was_available = [p.ds_status is ParamStatus.AVAILABLE for p in self.params]
+            gather_param(self.params[0], self.params)
+        else:
+            self._was_available = gather_exact(self.params)  # exact values, also under qwZ (docs/zeropp.md)
+        for p in self.params:
+            setattr(p, CONTEXT_DEPTH_ATTR, getattr(p, CONTEXT_DEPTH_ATTR, 0) + 1)
+            owner = getattr(p, OWNER_ATTR, None)  # gathered by DeepCompile's eager fallback: adopted here
+            if owner is not None:
+                self._fallback_owners[p.ds_id] = owner
+                owner.record_user_context_claim(p)
         # zero_optimization.enable_sanity_checks (set on the parameters by the stage-3 strategy): without a
         # modifier_rank a change made inside would be lost on exit; DeepSpeed's check catches it
         checked = self.modifier_rank is None and any(getattr(p, "ds_enable_sanity_checks", False) for p in self.params)
@@ -90,6 +108,35 @@ class GatheredParameters:
     def __exit__(self, *exc: object) -> None:
         if not self.params:
             return
+        try:
+            self._exit(exc)
+        finally:
+            for p in self.params:
+                depth = getattr(p, CONTEXT_DEPTH_ATTR, 0)
+                if depth > 1:
+                    setattr(p, CONTEXT_DEPTH_ATTR, depth - 1)
+                elif hasattr(p, CONTEXT_DEPTH_ATTR):
+                    delattr(p, CONTEXT_DEPTH_ATTR)
+            for p in self.params:
+                owner = self._fallback_owners.get(p.ds_id)
+                if owner is not None:
+                    owner.release_user_context_claim(p)
+
+    def _to_release(self) -> list[torch.nn.Parameter]:
+        """What the exit releases: what it gathered and what DeepCompile's eager fallback had gathered (the
+        fallback's copy is transient), except what a compiled forward still needs for its backward."""
+        out = []
+        for p, was in zip(self.params, self._was_available):
+            owner = self._fallback_owners.get(p.ds_id)
+            if owner is not None and owner.has_outstanding_graph_claim(p):
+                if self.modifier_rank is not None:
+                    owner.record_deferred_user_update(p)  # written back when the forward releases it
+                continue
+            if not was or owner is not None:
+                out.append(p)
+        return out
+
+    def _exit(self, exc: tuple[object, ...]) -> None:
         if self._versions is not None and exc[0] is None:
             self._refuse_lost_changes()
         if self.modifier_rank is not None:
@@ -99,9 +146,13 @@ class GatheredParameters:
                     src = self.modifier_rank if group is None else comm.get_global_rank(group, self.modifier_rank)
                     if p.ds_world_size > 1:
                         comm.broadcast(p.data, src=src, group=group)
-                    write_full_value(p, p.data)
-        for p, was in zip(self.params, self._was_available):
-            if not was:
+                    if "partition" not in p.__dict__:
+                        write_full_value(p, p.data)
+        release = self._to_release()
+        if release and "partition" in release[0].__dict__:
+            partition_param(release[0], release, has_been_updated=self.modifier_rank is not None)
+        else:
+            for p in release:
                 release_param(p)
 
 

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import weakref
 from typing import Any, Collection, Iterable, Iterator
 
@@ -143,11 +144,19 @@ class GatheringParameters(dict):
         super().__init__(*args, **kwargs)
         self._parent_module = parent_module
         self.coordinator: ParameterCoordinator | None = None
+        self._in_forward = False  # set by DeepCompile's ZeRO-3 eager fallback (dsrun.zero.eager_fallback)
 
     def __getitem__(self, name: str) -> Any:
         param = dict.__getitem__(self, name)
-        if self.coordinator is not None and \
-                getattr(param, "ds_status", ParamStatus.AVAILABLE) is not ParamStatus.AVAILABLE:
+        if param is None or not hasattr(param, "ds_status"):
+            return param
+        if self._in_forward and not torch.compiler.is_compiling():
+            # DeepCompile's ZeRO-3 eager fallback owns reads inside a compiled forward; only its module sets
+            # _in_forward (it is loaded whenever one is active)
+            fallback = sys.modules.get("dsrun.zero.eager_fallback")
+            if fallback is not None and fallback.get_active_z3_eager_fallback() is not None:
+                return fallback.read_param(param)
+        if self.coordinator is not None and param.ds_status is not ParamStatus.AVAILABLE:
             self.coordinator.gather_on_read(param)
         return param
 

@@ -54,6 +54,8 @@ from dsrun.zero.tensor_creation import (
     zero_wrapper_for_fp_tensor_constructor)
 from dsrun.utils.errors import ConfigError, Problem
 
+from .eager_fallback import CONTEXT_DEPTH_ATTR as DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR
+from .eager_fallback import OWNER_ATTR as DS_Z3_EAGER_FALLBACK_OWNER_ATTR
 from .gathered import GatheredParameters, register_external_parameter, unregister_external_parameter
 
 if TYPE_CHECKING:
@@ -62,7 +64,8 @@ if TYPE_CHECKING:
     from dsrun.config.zero import AIOConfig, ZeroConfig
 
 # the names of DeepSpeed's partition_parameters module that this module holds (see the module's docstring)
-__all__ = ["CUDAQuantizer", "DEFAULT_TENSOR_OVERRIDES", "DeepSpeedTensorOverride", "GatheredParameters", "Init",
+__all__ = ["CUDAQuantizer", "DEFAULT_TENSOR_OVERRIDES", "DS_Z3_EAGER_FALLBACK_OWNER_ATTR",
+           "DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR", "DeepSpeedTensorOverride", "GatheredParameters", "Init",
            "InsertPostInitMethodToModuleSubClasses", "MiCS_Init", "MultipleAllGatherHandles", "ZeroParamStatus",
            "_contradicting_single_rank_pg_error", "_orig_torch_arange", "_orig_torch_empty", "_orig_torch_eye",
            "_orig_torch_full", "_orig_torch_ones", "_orig_torch_randn", "_orig_torch_tensor", "_orig_torch_zeros",

@@ -9,12 +9,15 @@ What scripts and DeepSpeed's tests take from here is the parameter dict:
   read inside a forward and makes it an external parameter of the module running.
 * :func:`ensure_zero_ordered_dict` wraps a module's plain ``_parameters`` in one (idempotent). A dict made so
   gathers nothing until a coordinator adopts it: dsrun's hook the modules a model held when the engine was built.
+* :func:`print_rank_0` is the trace line a read inside DeepCompile's ZeRO-3 eager fallback writes
+  (:mod:`dsrun.compile.z3_eager_fallback`): printed on rank 0 with ``force=True``, else logged at debug level.
 """
 from __future__ import annotations
 
+from dsrun.utils.logging import log_dist, logger
 from dsrun.zero.hooks import GatheringParameters
 
-__all__ = ["ZeROOrderedDict", "ensure_zero_ordered_dict"]
+__all__ = ["ZeROOrderedDict", "ensure_zero_ordered_dict", "print_rank_0"]
 
 ZeROOrderedDict = GatheringParameters
 
@@ -29,3 +32,11 @@ def ensure_zero_ordered_dict(module: object) -> None:
     if not hasattr(module, "_original_parameters"):
         module._original_parameters = params  # type: ignore[attr-defined]
     module._parameters = ZeROOrderedDict(module, params)  # type: ignore[attr-defined]
+
+
+def print_rank_0(message: str, debug: bool = False, force: bool = False) -> None:
+    """DeepSpeed's parameter-offload trace line: on rank 0 when ``debug`` or ``force``, else a debug log."""
+    if debug or force:
+        log_dist(message, ranks=[0])
+    else:
+        logger.debug(message)

@@ -5,7 +5,9 @@ layer partitioning, ``partition_uniform(num_items, num_parts)``, ``partition_bal
 ``PartitionedTensor`` (home: :mod:`dsrun.pipe.partitioned_tensor`), ``call_to_str`` (home:
 :mod:`dsrun.utils.logging`), ``is_model_parallel_parameter`` (home: :mod:`dsrun.tensor_parallel.layers`) and the
 gradient helpers ``clip_grad_norm_``, ``get_weight_norm``, ``CheckOverflow``, ``count_used_parameters_in_backward``
-(home: :mod:`dsrun.tensor_parallel.megatron_grads`)."""
+(home: :mod:`dsrun.tensor_parallel.megatron_grads`), ``register_output_backward_hooks`` and
+``OutputBackwardHookManager`` (home: :mod:`dsrun.engine.output_hooks`)."""
+from dsrun.engine.output_hooks import OutputBackwardHookManager, register_output_backward_hooks
 from dsrun.pipe.partition import partition_balanced, partition_uniform, prefix_sum_inc
 from dsrun.pipe.partitioned_tensor import PartitionedTensor
 from dsrun.profiling.memory_usage import see_memory_usage
@@ -14,6 +16,6 @@ from dsrun.tensor_parallel.megatron_grads import CheckOverflow, clip_grad_norm_,
 from dsrun.utils.logging import call_to_str
 from dsrun.utils.seeding import set_random_seed
 
-__all__ = ["CheckOverflow", "PartitionedTensor", "call_to_str", "clip_grad_norm_", "count_used_parameters_in_backward",
+__all__ = ["CheckOverflow", "OutputBackwardHookManager", "register_output_backward_hooks", "PartitionedTensor", "call_to_str", "clip_grad_norm_", "count_used_parameters_in_backward",
            "get_weight_norm", "is_model_parallel_parameter", "partition_balanced", "partition_uniform",
            "prefix_sum_inc", "see_memory_usage", "set_random_seed"]
