@@ -28,14 +28,14 @@ class OutputBackwardHookManager:
             self.preprocess_once_fn()
         return grad if self.preprocess_per_tensor_fn is None else self.preprocess_per_tensor_fn(grad)
 
-    def _tensors(self, outputs: Any) -> list[torch.Tensor]:
+    def _tensors(self, outputs: object) -> list[torch.Tensor]:
         if isinstance(outputs, torch.Tensor):
             return [outputs] if outputs.grad_fn is not None else []
         items = outputs.values() if isinstance(outputs, dict) else outputs if isinstance(outputs, (tuple, list)) \
             else ()
         return [t for item in items for t in self._tensors(item)]
 
-    def register_hooks_on_outputs(self, outputs: Any) -> None:
+    def register_hooks_on_outputs(self, outputs: object) -> None:
         self.preprocess_done = False
         self.remove_hooks()
         tensors = self._tensors(outputs)
@@ -55,7 +55,7 @@ class OutputBackwardHookManager:
         self.preprocess_done = False
 
 
-def register_output_backward_hooks(outputs: Any, preprocess_once_fn: Callable[[], Any],
+def register_output_backward_hooks(outputs: object, preprocess_once_fn: Callable[[], Any],
                                    preprocess_per_tensor_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
                                    ) -> OutputBackwardHookManager:
     """Hook ``outputs`` (see the module docstring); returns the manager."""

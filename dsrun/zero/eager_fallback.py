@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Iterator, Protocol
 
 import torch
 
@@ -31,6 +31,12 @@ OWNER_ATTR = "_ds_z3_eager_fallback_owner"  # the fallback that gathered a param
 CONTEXT_DEPTH_ATTR = "_ds_z3_gathered_param_context_depth"  # GatheredParameters blocks holding it
 
 _ACTIVE_FALLBACK: Any = None
+
+
+class FallbackEngine(Protocol):
+    """What the fallback reads of the engine it serves."""
+
+    module: torch.nn.Module
 
 
 def get_active_z3_eager_fallback() -> Any:
@@ -103,10 +109,11 @@ def read_param(param: torch.nn.Parameter) -> torch.nn.Parameter:
 
 
 @contextmanager
-def deepcompile_z3_forward_context(engine: Any) -> Iterator[Any]:
+def deepcompile_z3_forward_context(engine: object) -> Iterator[Any]:
     """Around an engine's forward: the engine's fallback while DeepCompile runs with ZeRO-3 (else None)."""
     fallback = getattr(engine, "_deepcompile_z3_eager_fallback", None)
-    if fallback is None or not engine.is_deepcompile_active() or not engine.zero_optimization_partition_weights():
+    if fallback is None or not getattr(engine, "is_deepcompile_active")() or \
+            not getattr(engine, "zero_optimization_partition_weights")():
         yield None
         return
     with fallback.forward_context():
@@ -125,7 +132,7 @@ class DeepCompileZ3EagerFallback:
     """The eager ZeRO-3 gathers of one engine's compiled forwards, released when no forward or context needs
     them (see the module docstring)."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: FallbackEngine | None):
         self.engine = engine
         self._depth = 0
         self._tracked: dict[int, torch.nn.Parameter] = {}  # ds_id -> a parameter this fallback gathered

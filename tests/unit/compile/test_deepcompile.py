@@ -123,6 +123,56 @@ def test_a_graph_break_keeps_the_gradients_and_loses_the_memory_saving(world_of_
     assert handle.stats.releases == 0 and handle.stats.reduced == 4
 
 
+def test_the_eager_fallback_holds_what_a_forward_read_until_its_backward(world_of_one) -> None:
+    """DeepSpeed's z3_eager_fallback on dsrun's partitioned parameters: an eager forward (the code a graph break
+    leaves out of the graphs) gathers each parameter on read; they stay gathered until that forward's backward
+    completed, then are released; a guard's read gathers nothing; GatheredParameters over a parameter the forward
+    still needs leaves it gathered, and an overlapping nested block is refused before gathering."""
+    from dsrun.engine.output_hooks import register_output_backward_hooks
+    from dsrun.zero import eager_fallback
+    from dsrun.zero.gathered import GatheredParameters
+    from dsrun.zero.partition_params import ParamStatus, partition_param
+
+    torch.manual_seed(0)
+    reference, model = _MLP(), _MLP()
+    model.load_state_dict(reference.state_dict())
+    for p in model.parameters():
+        partition_param(p)
+    ids = [p.ds_id for p in model.parameters()]
+
+    class Engine:
+        module = model
+        is_deepcompile_active = zero_optimization_partition_weights = staticmethod(lambda: True)
+
+    engine = Engine()
+    fallback = engine._deepcompile_z3_eager_fallback = eager_fallback.DeepCompileZ3EagerFallback(engine)
+    x = torch.randn(3, 8)
+    with eager_fallback.deepcompile_z3_forward_context(engine) as active:
+        guard = {"__name__": "torch._dynamo.guards", "m": model}
+        exec("seen = m.a.weight", guard)  # as dynamo's guard code reads it: the shard, no gather
+        assert guard["seen"].ds_status is ParamStatus.NOT_AVAILABLE and guard["seen"].numel() == 0
+        loss = model(x)
+    assert active is fallback and fallback.stats()["last_guard_suppressed_param_ids"] == [ids[0]]
+    graph = fallback.record_forward_graph()
+    register_output_backward_hooks(loss, lambda: fallback.record_backward_start(graph))
+    assert fallback.stats()["param_graph_claim_ids"] == {i: [graph] for i in ids}
+    assert all(p.ds_status is ParamStatus.AVAILABLE for p in model.parameters())
+    with GatheredParameters([model.b.weight]):  # the forward's backward still needs it: not released here
+        with pytest.raises(RuntimeError, match=rf"cannot overlap parameters.*\[{ids[2]}\]"):
+            with GatheredParameters([model.b.bias, model.b.weight]):
+                pass
+    assert model.b.weight.ds_status is ParamStatus.AVAILABLE and model.b.bias.ds_status is ParamStatus.AVAILABLE
+    loss.backward()
+    expected = reference(x)
+    expected.backward()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+    fallback.complete_backward()  # the engine's post-backward hook in DeepSpeed
+    assert fallback.stats()["last_released_param_ids"] == ids and fallback.stats()["tracked_param_ids"] == []
+    assert all(p.ds_status is ParamStatus.NOT_AVAILABLE and p.numel() == 0 for p in model.parameters())
+
+
 def test_prefetch_and_selective_gather_from_their_step(world_of_one) -> None:
     reference, compiled, grads, backend = _compiled_mlp([(0, [zero3_compile.add_z3_gather_release]),
                                                          (1, [zero3_compile.add_z3_gather_release,
