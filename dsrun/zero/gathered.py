@@ -140,20 +140,26 @@ class GatheredParameters:
         if self._versions is not None and exc[0] is None:
             self._refuse_lost_changes()
         if self.modifier_rank is not None:
-            with torch.no_grad():
-                for p in self.params:
-                    group = p.ds_process_group
-                    src = self.modifier_rank if group is None else comm.get_global_rank(group, self.modifier_rank)
-                    if p.ds_world_size > 1:
-                        comm.broadcast(p.data, src=src, group=group)
-                    if "partition" not in p.__dict__:
-                        write_full_value(p, p.data)
+            keep_modified(self.params, self.modifier_rank)
         release = self._to_release()
         if release and "partition" in release[0].__dict__:
             partition_param(release[0], release, has_been_updated=self.modifier_rank is not None)
         else:
             for p in release:
                 release_param(p)
+
+
+def keep_modified(params: list[torch.nn.Parameter], modifier_rank: int) -> None:
+    """Gathered ``params`` changed on ``modifier_rank``: broadcast its values and write them to every rank's shard
+    (a parameter with DeepSpeed's own ``partition`` method writes them when partitioned)."""
+    with torch.no_grad():
+        for p in params:
+            group = p.ds_process_group
+            src = modifier_rank if group is None else comm.get_global_rank(group, modifier_rank)
+            if p.ds_world_size > 1:
+                comm.broadcast(p.data, src=src, group=group)
+            if "partition" not in p.__dict__:
+                write_full_value(p, p.data)
 
 
 def zero_params(params: Iterable[torch.Tensor]) -> list[torch.nn.Parameter]:

@@ -56,7 +56,7 @@ from dsrun.utils.errors import ConfigError, Problem
 
 from .eager_fallback import CONTEXT_DEPTH_ATTR as DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR
 from .eager_fallback import OWNER_ATTR as DS_Z3_EAGER_FALLBACK_OWNER_ATTR
-from .gathered import GatheredParameters, register_external_parameter, unregister_external_parameter
+from .gathered import GatheredParameters, keep_modified, register_external_parameter, unregister_external_parameter
 
 if TYPE_CHECKING:
     from dsrun.config import DSConfig
@@ -178,6 +178,10 @@ def _zero_aware_init(original: Callable) -> Callable:
     @functools.wraps(original)
     def init_fn(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if isinstance(tensor, torch.nn.Parameter) and is_zero_param(tensor):
+            if getattr(tensor, DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR, 0):  # a user's block holds it gathered
+                original(tensor, *args, **kwargs)
+                keep_modified([tensor], 0)
+                return tensor
             with GatheredParameters(tensor, modifier_rank=0):
                 original(tensor, *args, **kwargs)
             return tensor

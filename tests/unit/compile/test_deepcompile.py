@@ -171,6 +171,12 @@ def test_the_eager_fallback_holds_what_a_forward_read_until_its_backward(world_o
     fallback.complete_backward()  # the engine's post-backward hook in DeepSpeed
     assert fallback.stats()["last_released_param_ids"] == ids and fallback.stats()["tracked_param_ids"] == []
     assert all(p.ds_status is ParamStatus.NOT_AVAILABLE and p.numel() == 0 for p in model.parameters())
+    # zero.Init's torch.nn.init interception inside a user's block over the same parameter: not a refused
+    # overlap; the new values reach the shard
+    with dsrun.zero.Init(), GatheredParameters([model.a.bias]):
+        torch.nn.init.constant_(model.a.bias, 0.5)
+    with GatheredParameters([model.a.bias]):
+        assert torch.equal(model.a.bias.detach(), torch.full((16,), 0.5))
 
 
 def test_prefetch_and_selective_gather_from_their_step(world_of_one) -> None:
