@@ -374,7 +374,8 @@ def _refuse_reshard(strategy: CheckpointStrategy, tag_dir: Path, saved: str) -> 
 
 
 def _load_module(engine: CheckpointEngine, module_sd: dict[str, Any], strict: bool, tag_dir: Path,
-                 custom_load_fn: Callable[..., object] | None = None, model_path: Path | None = None) -> None:
+                 custom_load_fn: Callable[..., object] | None = None, model_path: Path | None = None,
+                 model_states: dict[str, Any] | None = None) -> None:
     if custom_load_fn is not None:
         # the client's loader gets full values: a stage-3 checkpoint's placeholders are its fp32 masters
         empty = [n for n, v in module_sd.items() if torch.is_tensor(v) and v.numel() == 0]
@@ -398,10 +399,11 @@ def _load_module(engine: CheckpointEngine, module_sd: dict[str, Any], strict: bo
     if params_missing:  # a stage-3 checkpoint: placeholders only; the weights come with the master weights
         module_sd = {k: v for k, v in module_sd.items() if k not in params_missing}
         strict = False
-        if engine.strategy is None:  # no optimizer to carry them: consolidate the fp32 masters here
-            full = z2f.get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag_dir.name)
-            module_sd.update({k: full[k].to(live[k].dtype) for k in params_missing if k in full})
     engine.module.load_state_dict(module_sd, strict=strict)
+    if params_missing and engine.strategy is None:  # no optimizer to carry them: the fp32 masters, by range
+        with partial_state.saved_fp32(tag_dir, model_path or tag_dir, model_states or {}, engine.bfloat16_enabled(),
+                                      engine.groups.coord("model")) as masters:
+            partial_state.read_fp32_into(engine.module, params_missing, masters)
 
 
 def _restore_strategy(engine: CheckpointEngine, tag_dir: Path, model_states: dict[str, Any], load_optimizer_states: bool,
@@ -470,10 +472,11 @@ def _restore_strategy(engine: CheckpointEngine, tag_dir: Path, model_states: dic
         full = reshard.merge_rank_states([stage0_state(model_states, live_shapes)], 0, saved_shapes)
     elif masters_from_module:
         return
-    else:
-        # weights only (load_module_only / load_optimizer_states=False): the fp32 master values, optimizer kept
-        full = reshard.fp32_as_full_state(z2f.get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag_dir.name))
-        load_optimizer_states = False
+    else:  # weights only (load_module_only / load_optimizer_states=False): the fp32 masters by range, optimizer kept
+        with partial_state.saved_fp32(tag_dir, model_path, model_states, engine.bfloat16_enabled(),
+                                      engine.groups.coord("model")) as masters:
+            _load_cut(strategy, masters, live_stage, live_world, dp_rank, live_shapes, tag_dir, world_saved, False)
+        return
     _load_cut(strategy, full, live_stage, live_world, dp_rank, live_shapes, tag_dir, world_saved,
               load_optimizer_states)
 
@@ -547,7 +550,7 @@ def load_checkpoint(engine: CheckpointEngine, load_dir: str, tag: Tag = None, lo
         with_optimizer=load_optimizer_states and not load_module_only)
     if engine.features.parameter_files():  # parameters in files of their own (MoE: this rank's experts, by id)
         module_sd = experts.module_state(engine, tag_dir, module_sd, unread=module_unread)
-    _load_module(engine, module_sd, load_module_strict, tag_dir, custom_load_fn, model_path)
+    _load_module(engine, module_sd, load_module_strict, tag_dir, custom_load_fn, model_path, model_states)
     if _layout(engine).module_holds_placeholders and saved_world(model_states) == engine.dp_world_size:
         engine.restore_frozen_shards(model_states)  # frozen shards: not in the masters, restored from this file
     if engine.strategy is not None:

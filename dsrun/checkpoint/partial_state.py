@@ -28,12 +28,15 @@ test_partial_reads.py`` checks it, and that a rank reads its share.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Self
 
 import torch
 from torch import nn
 
+from dsrun.utils import zero_to_fp32 as z2f
 from dsrun.utils.zero_to_fp32 import Slot
 
 from . import deepspeed_format, layout, reshard
@@ -41,7 +44,7 @@ from .engine_view import CheckpointStrategy
 from .tensor_file import TensorFile, has_unread, read_unread, tensors_in
 from .universal_checkpoint import FP32, OPTIMIZER_STATE, PARAM, STEP, UNIVERSAL_DIR
 from .safe_load import check_records, load_file
-from .saved_tag import optim_files, refuse_mics
+from .saved_tag import optim_files, refuse_mics, saved_stage, saved_world
 
 
 class _Piece:
@@ -258,6 +261,44 @@ def saved_state(tag_dir: Path, model_path: Path, stage: int, world: int, group_s
     if stage == 0:
         return PartialRankState([model_path], 0, group_shapes, STAGE0_KEY)
     return PartialRankState(optim_files(tag_dir, world, bf16, mp_rank=mp_rank), stage, group_shapes)
+
+
+@contextmanager
+def saved_fp32(tag_dir: Path, model_path: Path, model_states: dict[str, Any], bf16: bool, mp_rank: int = 0
+               ) -> Iterator[reshard.StateSource]:
+    """The checkpoint's fp32 master weights for a weights-only load (``load_module_only``,
+    ``load_optimizer_states=False``) as a :class:`.reshard.StateSource`: read by range from the saved ranks'
+    optimizer files (or a stage-0 save's model states file, its optimizer state left unread there), so a rank
+    reads only the ranges it asks for (:class:`PartialRankState`); the values are ``zero_to_fp32``'s bit for bit
+    (the same masters, the same slots). A checkpoint whose masters are not in ZeRO's flat layout (no optimizer
+    saved, DeepSpeed's own stage-0 layout, a legacy stage-0 file read whole) is consolidated by
+    ``zero_to_fp32``, as before."""
+    shapes, stage = model_states.get("param_shapes"), saved_stage(model_states, tag_dir)
+    if shapes is None or deepspeed_format.is_deepspeed_stage0(model_states.get(STAGE0_KEY)) \
+            or not (stage > 0 or left_unread(model_states)):
+        yield reshard.fp32_as_full_state(z2f.get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent),
+                                                                                     tag_dir.name))
+        return
+    with saved_state(tag_dir, model_path, stage, saved_world(model_states), shapes, False, bf16, mp_rank) as source:
+        yield source
+
+
+def read_fp32_into(module: nn.Module, names: list[str], source: reshard.StateSource) -> None:
+    """Each parameter ``names`` of ``module`` (a stage-3 save's placeholders, loaded into a module with no
+    optimizer to carry its masters) read from ``source`` (:func:`saved_fp32`), one parameter at a time: straight
+    into the live tensor where it is a contiguous fp32 CPU tensor, else through one fp32 buffer of its size, cast
+    as ``load_state_dict`` casts. A name the checkpoint has no master for is left as it is."""
+    live = module.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for name in names:
+            target = live.get(name)
+            if target is None or not source.has_master(name):
+                continue
+            direct = target.dtype == torch.float32 and target.device.type == "cpu" and target.is_contiguous()
+            buffer = target.detach().view(-1) if direct else torch.empty(target.numel(), dtype=torch.float32)
+            source.copy_range(name, None, 0, buffer)
+            if not direct:
+                target.copy_(buffer.view(target.shape))
 
 
 def _value(entry: Any) -> torch.Tensor:

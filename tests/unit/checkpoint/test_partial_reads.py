@@ -222,10 +222,36 @@ def _load_and_compare(engine, root, tag):
     return read, share, sum(p.stat().st_size for p in (root / tag).glob("*_states.pt"))
 
 
+def _weights_only(root, tag, load_module_only=True):
+    """A weights-only load of ``root/tag`` into a fresh ZeRO-3 engine: its masters must be bit for bit what
+    zero_to_fp32's consolidated state dict cuts to (today's path, read whole), the optimizer state left as it
+    was; (bytes read beyond the module's buffers, the rank's share of the fp32 masters in bytes)."""
+    from dsrun import comm
+    from dsrun.utils import zero_to_fp32 as z2f
+
+    engine = make_engine(3)
+    strategy = engine.strategy
+    before = strategy.state_dict()["optimizer_state_dict"]["state"]
+    stats = tensor_file.reset_read_stats()
+    engine.load_checkpoint(str(root), tag=tag, load_module_only=load_module_only,
+                           load_optimizer_states=load_module_only)  # either way: the weights only
+    read = stats.bytes_read - sum(b.numel() * b.element_size() for b in engine.module.buffers())
+    live = strategy.state_dict()
+    full = reshard.fp32_as_full_state(z2f.get_fp32_state_dict_from_zero_checkpoint(str(root), tag))
+    expected = reshard.state_for_rank(live, full, 3, engine.dp_world_size, comm.get_rank(engine.dp_group),
+                                      strategy.checkpoint_param_shapes(), load_optimizer_states=False)
+    assert_same(live["fp32_flat_groups"], expected["fp32_flat_groups"])
+    assert_same(live["optimizer_state_dict"]["state"], before)
+    share = sum(t.numel() for t in live["fp32_flat_groups"]) * 4
+    engine.destroy()
+    return read, share
+
+
 def _two_ranks(rank, world, root):
     """1 -> 2 (the one-rank save and its universal folder), then a 2-rank save for the 2 -> 1 load."""
     engine = make_engine(3)
     out = {"reshard": _load_and_compare(engine, root, "global_step2")}
+    out["weights"] = _weights_only(root, "global_step2")
     out["universal"] = _load_and_compare(make_engine(3), root, "global_step2_universal")
     from_stage0 = make_engine(3)  # a stage-0 save: its optimizer state is in the model states file
     out["stage0"] = _load_and_compare(from_stage0, root / "stage0", "global_step2")
@@ -253,9 +279,13 @@ def test_a_zero3_reshard_reads_each_ranks_share_and_loads_what_the_full_read_loa
         assert 0.9 * share <= read <= share + SLACK and share < 0.55 * saved  # 1 -> 2: about half of the one saved file
         read, share, _ = out["universal"]
         assert 0.9 * share <= read <= share + SLACK
+        read, share = out["weights"]  # weights only, 1 -> 2: the rank's half of the masters, never the whole model
+        assert 0.9 * share <= read <= share + SLACK
     one = make_engine(3)
     read, share, saved = _load_and_compare(one, tmp_path / "two", "global_step3")
     assert 0.9 * share <= read <= share + SLACK and share < saved  # 2 -> 1: every element once, no file read twice
+    read, share = _weights_only(tmp_path / "two", "global_step3", load_module_only=False)  # 2 -> 1, weights only
+    assert 0.9 * share <= read <= share + SLACK
 
 
 def test_a_pipeline_reshard_reads_each_stages_files_by_range_as_the_merge_of_the_stages(tmp_path):
