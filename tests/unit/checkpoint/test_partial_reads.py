@@ -286,6 +286,30 @@ def test_a_zero3_reshard_reads_each_ranks_share_and_loads_what_the_full_read_loa
     assert 0.9 * share <= read <= share + SLACK and share < saved  # 2 -> 1: every element once, no file read twice
     read, share = _weights_only(tmp_path / "two", "global_step3", load_module_only=False)  # 2 -> 1, weights only
     assert 0.9 * share <= read <= share + SLACK
+    # no optimizer to carry the masters (stage 0, inference): each parameter read into the module by range, the
+    # values zero_to_fp32's; the rank reads the whole module's masters once (it holds the whole module)
+    read, share = _into_a_module_without_optimizer(tmp_path / "two", "global_step3")
+    assert 0.9 * share <= read <= share + SLACK
+
+
+def _into_a_module_without_optimizer(root, tag):
+    import dsrun
+    from dsrun.utils import zero_to_fp32 as z2f
+    from tests.harness.models import checkpoint_gpt
+    from tests.harness.runs import checkpoint_config
+
+    config = {k: v for k, v in checkpoint_config(0, "fp32", 4).items() if k not in ("optimizer", "scheduler")}
+    engine, *_ = dsrun.initialize(model=checkpoint_gpt(0.0, False), config=config)
+    assert engine.strategy is None
+    stats = tensor_file.reset_read_stats()
+    engine.load_checkpoint(str(root), tag=tag, load_module_only=True)
+    read = stats.bytes_read - stats.module_bytes  # the placeholders and buffers read into the module
+    full = z2f.get_fp32_state_dict_from_zero_checkpoint(str(root), tag)
+    params = dict(engine.module.named_parameters())
+    for name, value in params.items():
+        assert_same(value.detach(), full[name].to(value.dtype), name)
+    engine.destroy()
+    return read, sum(v.numel() for v in params.values()) * 4
 
 
 def test_a_pipeline_reshard_reads_each_stages_files_by_range_as_the_merge_of_the_stages(tmp_path):
