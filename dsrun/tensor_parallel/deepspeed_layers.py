@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 from dsrun import comm
-from dsrun.checkpoint.autotp_meta import mark_replicated, mark_split
+from dsrun.checkpoint.autotp_meta import DS_AUTOTP_UC_META, _build_param_uc_restore_meta, mark_replicated, mark_split
 
-from .layers import ColumnParallelLinear, RowParallelLinear
-from .shard_sizes import get_shard_size_list
+from .layers import ColumnParallelLinear, RowParallelLinear, reduce_from_group
+from .shard_sizes import get_num_kv_heads, get_shard_size_list
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -218,3 +218,112 @@ class LinearAllreduce(_DeepSpeedShards, RowParallelLinear):
         self._mark_split(self.weight, 1, row=True)
         if self.bias is not None:
             mark_replicated(self.bias, row=True)
+
+
+# --- Yuan 2's shared-QK attention, and the LM head cut by its input features ---
+
+_YUAN_UNSUPPORTED = ("Yuan shared-QK tensor parallelism selects noncontiguous head groups that universal checkpoint "
+                     "conversion cannot currently describe")
+
+
+def share_qk_heads(num_heads: int, rank: int, world_size: int) -> list[int]:
+    """The heads of Yuan 2's value (and output-projection) weights that rank ``rank`` of ``world_size`` holds
+    (DeepSpeed's ``shard_value_with_share_qk``): the model packs query and key heads so that each rank's query heads
+    pair up, two by two, with one value head from the first half and the same one from the second half. A
+    ValueError when the heads do not divide over the ranks or there are fewer than two per rank."""
+    if num_heads % world_size:
+        raise ValueError(f"Yuan shared-QK AutoTP: {num_heads} heads do not divide over {world_size} ranks; use a "
+                         "tensor-parallel size that divides the head count")
+    if world_size > num_heads // 2:
+        raise ValueError(f"Yuan shared-QK AutoTP: world_size {world_size} is larger than half of num_heads "
+                         f"{num_heads}; use at most {num_heads // 2} ranks")
+    per_rank = num_heads // world_size
+    start = rank * per_rank
+    first = [(start + 2 * i) // 2 for i in range((per_rank + 1) // 2)]
+    return first + [head + num_heads // 2 for head in first]
+
+
+def _share_qk_cut(param: torch.Tensor, dim: int, rank: int, world_size: int) -> torch.Tensor:
+    heads = get_num_kv_heads()
+    if heads is None:
+        raise ValueError("Yuan shared-QK AutoTP: the number of heads is not set; call "
+                         "deepspeed.module_inject.tp_shard.set_num_kv_heads(n) before building the layer")
+    width = param.shape[dim] // heads
+    index = torch.cat([torch.arange(h * width, (h + 1) * width) for h in share_qk_heads(heads, rank, world_size)])
+    return param.index_select(dim, index.to(param.device)).contiguous()
+
+
+class _YuanShareQK:
+    """What DeepSpeed's two Yuan layers share: the cut by :func:`share_qk_heads` (the value heads' rows of a column
+    weight and bias, the same heads' columns of a row weight; a row bias stays whole), no gather (RuntimeError, as
+    in DeepSpeed: the heads a rank holds are not contiguous), metadata naming the layout unsupported."""
+
+    tp_rank: int
+    tp_world_size: int
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+    _orig_weight_shape: tuple[int, ...]
+
+    def _cut(self, param: nn.Parameter, dim: int) -> None:
+        if self.tp_world_size > 1:
+            with torch.no_grad():
+                param.data = _share_qk_cut(param.data, dim, self.tp_rank, self.tp_world_size)
+        param.tensor_model_parallel = True
+        param.partition_dim, param.partition_stride = dim, 1
+
+    def gather_params(self, params_list: list[nn.Parameter]) -> None:
+        raise RuntimeError(_YUAN_UNSUPPORTED)
+
+    def _tp_partition(self, params_list: list[nn.Parameter | None]) -> None:
+        """Cut each whole parameter of ``params_list`` (weight first, then the bias) to this rank's heads."""
+        row = isinstance(self, RowParallelLinear)
+        for param in params_list:
+            if param is not None and not (row and param is self.bias):
+                self._cut(param, 1 if row and param is self.weight else 0)
+
+    def _mark_uc_metadata(self) -> None:
+        row = isinstance(self, RowParallelLinear)
+        for param in (self.weight, self.bias):
+            if param is None:
+                continue
+            shape = self._orig_weight_shape if param is self.weight else tuple(_shape_before_zero3_partition(param))
+            if param is self.bias and not row:
+                shape = (self._orig_weight_shape[0],)
+            dim = (1 if row else 0) if param is self.weight or not row else None
+            setattr(param, DS_AUTOTP_UC_META, _build_param_uc_restore_meta(
+                partition_type="row" if row else "column", partition_dim=dim, logical_shape=shape,
+                original_shape=shape, is_bias=param is self.bias, unsupported_reason=_YUAN_UNSUPPORTED))
+
+
+class Yuan_LinearLayer(_YuanShareQK, LinearLayer):  # noqa: N801 (DeepSpeed's name)
+    """DeepSpeed's column-parallel layer of Yuan 2's value projection: each rank keeps its value heads' rows
+    (:func:`share_qk_heads`; the head count from ``tp_shard.set_num_kv_heads``)."""
+
+
+class Yuan_LinearAllreduce(_YuanShareQK, LinearAllreduce):  # noqa: N801 (DeepSpeed's name)
+    """DeepSpeed's row-parallel layer of Yuan 2's output projection: each rank keeps the columns of its value heads
+    (:func:`share_qk_heads`); the partial outputs are all-reduced, then the whole bias is added."""
+
+
+class LmHeadLinearAllreduce(LinearAllreduce):
+    """DeepSpeed's LM head cut by its input features: built on fresh copies of the module's weight and bias (a
+    tied input embedding stays whole), named ``lm_head`` for the shard sizes; the forward takes the whole hidden
+    state and keeps this rank's features by the sizes frozen at construction (a later model's shard settings do not
+    move them), then all-reduces the partial logits over the group and adds the bias."""
+
+    def __init__(self, module: nn.Linear, mp_group: ProcessGroup | None, **kwargs: Any):
+        module.weight = nn.Parameter(module.weight.detach().clone())
+        if getattr(module, "bias", None) is not None:
+            module.bias = nn.Parameter(module.bias.detach().clone())
+        super().__init__(module, mp_group, **{**kwargs, "name": "lm_head"})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        sizes = self._partition_sizes
+        if sum(sizes) != x.shape[-1]:
+            raise ValueError(f"lm_head was partitioned for an input of {sum(sizes)} features, got {x.shape[-1]}; "
+                             "pass the whole hidden state")
+        start = sum(sizes[:self.tp_rank])
+        y = torch.matmul(x[..., start:start + sizes[self.tp_rank]], self.weight.transpose(-1, -2))
+        if self.group is not None and self.tp_world_size > 1:
+            y = reduce_from_group(y, self.group)
+        return y if self.bias is None else y + self.bias

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 from torch import nn
 
-from dsrun.checkpoint.autotp_meta import mark_split
+from dsrun.checkpoint.autotp_meta import DS_AUTOTP_UC_META, _build_param_uc_restore_meta
 
 from .deepspeed_layers import LinearLayer, _group_rank_size
 from .layers import ColumnParallelLinear, RowParallelLinear, gather_slices
@@ -162,6 +162,38 @@ class _SubParamShards:
     def tp_index(self) -> int:  # DeepSpeed's name for this rank's place in the group
         return self.tp_rank
 
+    @tp_index.setter
+    def tp_index(self, value: int) -> None:
+        self.tp_rank = value
+
+    def _mark_uc_metadata(self) -> None:
+        """Each parameter's universal-checkpoint metadata, as DeepSpeed's sub-parameter layers record it: the weight
+        cut along ``partition_dim`` of its logical shape, the view spec as given, the sub-parameters' sizes and
+        per-rank widths; the bias along its own cut dimension with a resolved spec, or whole (replicated) when the
+        input is cut."""
+        row = isinstance(self, RowParallelLinear)
+        widths = [list(part) for part in self._subparam_shard_widths]
+        setattr(self.weight, DS_AUTOTP_UC_META, _build_param_uc_restore_meta(
+            partition_type="row" if row else "column", partition_dim=self.partition_dim,
+            logical_shape=self._logical_shape, output_shape=self._output_shape, sub_param_shape=self.shape,
+            sub_param_sizes=self._subparam_sizes, sub_param_shard_widths=widths,
+            target_partition_shape=tuple(self.weight.shape), original_shape=self._orig_weight_shape))
+        if self.bias is None:
+            return
+        dim = self._bias_partition_dim
+        spec = None
+        if dim is not None:
+            spec = list(self._output_shape)
+            if self._subparam_sizes is not None:
+                spec[dim] = tuple(self._subparam_sizes)
+            spec = tuple(spec)
+        setattr(self.bias, DS_AUTOTP_UC_META, _build_param_uc_restore_meta(
+            partition_type="row" if row else "column", partition_dim=dim, logical_shape=self._output_shape,
+            output_shape=self._output_shape, sub_param_shape=spec,
+            sub_param_sizes=self._subparam_sizes if dim is not None else None,
+            sub_param_shard_widths=widths if dim is not None else None, target_partition_shape=tuple(self.bias.shape),
+            original_shape=self._orig_bias_shape, is_bias=True, replicated=dim is None))
+
     def _is_bias_param(self, param: torch.Tensor) -> bool:
         return self.bias is not None and param is self.bias
 
@@ -233,12 +265,15 @@ class SubParamLinearLayer(_SubParamShards, ColumnParallelLinear):
 
     def __init__(self, module: nn.Module, mp_group: ProcessGroup | None, shape: ShapeSpec, partition_dim: int = 0,
                  **kwargs: object):
-        if partition_dim >= len(_as_tuple(shape)) - 1:
+        _, size = _group_rank_size(mp_group)
+        if partition_dim >= len(_as_tuple(shape)) - 1 and int(kwargs.get("tp_size", size)) > 1:
             raise ValueError(f"{_label(kwargs.get('name'))}: a column-parallel sub-parameter layer cuts an output "
-                             f"dimension; partition_dim {partition_dim} is the input (use SubParamLinearAllreduce)")
+                             f"dimension over more than one rank; partition_dim {partition_dim} is the input (use "
+                             "SubParamLinearAllreduce)")
         self._setup(module, mp_group, shape, partition_dim, kwargs)
         ColumnParallelLinear.__init__(self, module.weight, getattr(module, "bias", None), False, mp_group,
                                       self.tp_world_size, self.tp_rank)
+        self._mark_uc_metadata()
 
 
 class SubParamLinearAllreduce(_SubParamShards, RowParallelLinear):
@@ -253,14 +288,18 @@ class SubParamLinearAllreduce(_SubParamShards, RowParallelLinear):
         self._setup(module, mp_group, shape, partition_dim, kwargs)
         RowParallelLinear.__init__(self, module.weight, getattr(module, "bias", None), False, mp_group,
                                    self.tp_world_size, self.tp_rank)
+        self._mark_uc_metadata()
 
 
 class SubParamColumnParallel(LinearLayer):
     """DeepSpeed's base of the ``LinearLayer`` subclasses that cut a fused weight per sub-parameter: a subclass sets
     ``_subparam_layout_spec = (sizes, shard_name)`` before this constructor runs (``shard_name`` is the name the
-    shard sizes are asked with: ``"mlp"`` cuts evenly, not by heads)."""
+    shard sizes are asked with: ``"mlp"`` cuts evenly, not by heads). ``sizes`` None is a layout no per-part
+    description fits (interleaved or replicated blocks): such a layer is built only whole (one rank, or
+    ``skip_partition``), its metadata records ``_unsupported_uc_reason`` and ``gather_params`` refuses."""
 
-    _subparam_layout_spec: tuple[tuple[int, ...], str | None]
+    _subparam_layout_spec: tuple[tuple[int, ...] | None, str | None]
+    _unsupported_uc_reason = "its tensor parallel layout cannot be described per sub-parameter"
 
     def __init__(self, module: nn.Linear, mp_group: ProcessGroup | None, skip_partition: bool = False,
                  **kwargs: object):
@@ -268,32 +307,65 @@ class SubParamColumnParallel(LinearLayer):
             raise ValueError(f"{_label(kwargs.get('name'))}: gather_output with fused sub-parameters is not built "
                              "(nor in DeepSpeed)")
         sizes, shard_name = self._subparam_layout_spec
-        rank, size = _group_rank_size(mp_group)
-        size = int(kwargs.get("tp_size", size))
-        self._subparam_sizes = tuple(sizes)
-        self._subparam_shard_widths = subparam_shard_widths(sizes, 1 if skip_partition else size, shard_name)
+        _, size = _group_rank_size(mp_group)
+        size = 1 if skip_partition else int(kwargs.get("tp_size", size))
         self._orig_weight_shape = tuple(module.weight.shape)
         self._orig_bias_shape = tuple(module.bias.shape) if module.bias is not None else None
-        per_rank = [sum(part[r] for part in self._subparam_shard_widths) for r in range(len(self._subparam_shard_widths[0]))]
-        super().__init__(module, mp_group, skip_partition, **{**kwargs, "shard_sizes": per_rank})
+        if sizes is None and size > 1:
+            raise ValueError(f"{_label(kwargs.get('name'))}: {self._unsupported_uc_reason}; this layout is not cut "
+                             "(build it with skip_partition=True, or give partition_config a shape for it)")
+        self._set_subparam_widths(size)
+        super().__init__(module, mp_group, skip_partition, **{**kwargs, "shard_sizes": self._per_rank()})
+
+    def _set_subparam_widths(self, size: int) -> None:
+        sizes, shard_name = self._subparam_layout_spec
+        self._subparam_sizes = tuple(sizes) if sizes is not None else None
+        self._subparam_shard_widths = subparam_shard_widths(sizes, size, shard_name) if sizes is not None else None
+
+    def _per_rank(self) -> list[int]:
+        if self._subparam_shard_widths is None:
+            return [self._orig_weight_shape[0]]
+        return [sum(part[r] for part in self._subparam_shard_widths) for r in range(len(self._subparam_shard_widths[0]))]
+
+    def _freeze_partition_sizes(self, total_size: int) -> tuple[int, ...]:
+        """The sub-parameters' widths over the current ``tp_world_size``, resolved once (DeepSpeed's)."""
+        self._set_subparam_widths(self.tp_world_size)
+        self._partition_sizes = tuple(self._per_rank()) if self._subparam_sizes is not None else \
+            tuple(get_shard_size_list(total_size, self.tp_world_size, self.name))
+        self.shard_sizes = list(self._partition_sizes)
+        return self._partition_sizes
 
     def _cut(self, param: nn.Parameter, dim: int) -> None:
         if len(self.shard_sizes) > 1:
             with torch.no_grad():
                 param.data = partition_logical(param.data, 0, self._subparam_shard_widths, self.tp_rank).contiguous()
         param.tensor_model_parallel = True
-        param.partition_dim, param.partition_stride = 0, len(self._subparam_sizes)
+        param.partition_dim, param.partition_stride = 0, len(self._subparam_sizes or (0,))
 
     def _mark_uc_metadata(self) -> None:
         """Each parameter's universal-checkpoint metadata: cut along dim 0 sub-parameter by sub-parameter, with each
-        one's per-rank widths (not LinearLayer's plain cut, which a merge would put back in rank order)."""
+        one's per-rank widths and the whole sizes in the other dimensions (not LinearLayer's plain cut, which a
+        merge would put back in rank order); a layout without sub-parameters records why it cannot be converted."""
         for param, whole in ((self.weight, self._orig_weight_shape), (self.bias, self._orig_bias_shape)):
-            if param is not None and whole is not None:
-                mark_split(param, row=False, dim=0, whole_shape=whole, widths=self._subparam_shard_widths,
-                           is_bias=param is self.bias)
+            if param is None or whole is None:
+                continue
+            if self._subparam_sizes is None:
+                meta = _build_param_uc_restore_meta(partition_type="column", partition_dim=0, logical_shape=whole,
+                                                    original_shape=whole, is_bias=param is self.bias,
+                                                    unsupported_reason=self._unsupported_uc_reason)
+            else:
+                spec = (tuple(self._subparam_sizes),) + tuple(whole[1:])
+                meta = _build_param_uc_restore_meta(
+                    partition_type="column", partition_dim=0, logical_shape=whole, output_shape=(whole[0],),
+                    sub_param_shape=spec, sub_param_sizes=self._subparam_sizes,
+                    sub_param_shard_widths=[list(part) for part in self._subparam_shard_widths],
+                    target_partition_shape=tuple(param.shape), original_shape=whole, is_bias=param is self.bias)
+            setattr(param, DS_AUTOTP_UC_META, meta)
 
     def gather_params(self, params_list: list[torch.Tensor | None]) -> None:
         """Each parameter of ``params_list`` back whole, sub-parameter by sub-parameter (not in rank order)."""
+        if self._subparam_sizes is None:
+            raise RuntimeError(self._unsupported_uc_reason)
         for param in params_list:
             if param is None or len(self.shard_sizes) == 1:
                 continue
@@ -303,6 +375,8 @@ class SubParamColumnParallel(LinearLayer):
                                             self.group).contiguous()
 
     def _tp_partition(self, params_list: list[torch.Tensor | None]) -> None:
+        if self._subparam_sizes is None:
+            raise RuntimeError(self._unsupported_uc_reason)
         for param in params_list:
             if param is not None and len(self.shard_sizes) > 1:
                 with torch.no_grad():
@@ -384,10 +458,11 @@ class fused_LinearLayer(SubParamColumnParallel):  # noqa: N801 (DeepSpeed's name
             raise ValueError("fused_LinearLayer: 'fused_module' (the block holding the fused q|k|v) is required")
         self.fused_module = FusedModuleWrapper(block)
         sizes = fused_qkv_subparam_sizes(block, tuple(module.weight.shape))
-        if sizes is None:
-            raise ValueError(f"fused_LinearLayer: the {fused_qkv_type(block)} fused q|k|v layout (interleaved or "
-                             "replicated blocks) is not built; give partition_config a shape for this projection")
         self._subparam_layout_spec = (sizes, None)
+        if sizes is None:
+            self._unsupported_uc_reason = (f"the {fused_qkv_type(block)} fused qkv layout interleaves or replicates "
+                                           "blocks across tensor parallel ranks, so the original parameter cannot be "
+                                           "reassembled from the shards")
         super().__init__(module, mp_group, skip_partition, **kwargs)
         if fused_qkv_type(block) == "qwentype" and not skip_partition:
             width = self._subparam_shard_widths[0][self.tp_rank]
