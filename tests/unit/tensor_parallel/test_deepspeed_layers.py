@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dsrun import comm
+from dsrun.checkpoint.constants import DS_AUTOTP_UC_META
 from dsrun.alias.paths import target_of
 from dsrun.config import load_ds_config
 from dsrun.tensor_parallel import AutoTPFeature, reset_tp_model_init
@@ -104,6 +105,42 @@ def _layers_on_two_ranks(rank: int, world_size: int) -> None:
         comm.destroy_process_group()
 
 
+def _yuan_and_lm_head(rank: int, group: object) -> None:
+    """Yuan 2's shared-QK layers and the LM head cut by its input, over the two ranks of ``group``."""
+    from torch import nn
+
+    from dsrun.tensor_parallel.deepspeed_layers import LmHeadLinearAllreduce, Yuan_LinearAllreduce, Yuan_LinearLayer
+
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(3))
+    value, o_proj = nn.Linear(8, 8), nn.Linear(8, 5)
+    # 4 heads of 2 over 2 ranks: rank r holds heads r and r + 2 (its query pair's value head in each half)
+    rows = torch.tensor([2 * rank, 2 * rank + 1, 4 + 2 * rank, 5 + 2 * rank])
+    set_num_kv_heads(4)
+    try:
+        column = Yuan_LinearLayer(copy.deepcopy(value), group, name="v_proj")
+        row = Yuan_LinearAllreduce(copy.deepcopy(o_proj), group, name="o_proj")
+    finally:
+        set_num_kv_heads(None)
+    assert torch.equal(column.weight.data, value.weight.data[rows]) and torch.equal(column.bias.data,
+                                                                                    value.bias.data[rows])
+    torch.testing.assert_close(column(x), value(x)[:, rows])
+    torch.testing.assert_close(row(x[:, rows]), o_proj(x))  # the heads' partial outputs summed, the bias once
+    for layer in (column, row):
+        assert "noncontiguous head groups" in getattr(layer.bias, DS_AUTOTP_UC_META)["conversion"][
+            "unsupported_reason"]
+        with pytest.raises(RuntimeError, match="noncontiguous head groups"):
+            layer.gather_params([layer.weight, layer.bias])
+    # the LM head: fresh parameters (a tied embedding stays whole), the whole hidden state in, 7 features as 4 | 3
+    head = nn.Linear(7, 5)
+    tied, bias = head.weight, head.bias.detach().clone()
+    lm_head = LmHeadLinearAllreduce(head, group)
+    assert lm_head.weight is not tied and tied.shape == (5, 7) and lm_head._partition_sizes == (4, 3)
+    assert torch.equal(lm_head.weight.data, tied.data[:, (slice(0, 4), slice(4, 7))[rank]])
+    hidden = torch.randn(2, 3, 7, generator=torch.Generator().manual_seed(4))
+    reference = hidden @ tied.data.t() + bias
+    torch.testing.assert_close(lm_head(hidden), reference)
+
+
 def _fused_layers_autotp_and_head_tables(rank: int, group: object) -> None:
     """DeepSpeed's fused-weight layers, its AutoTP driver and ALiBi helpers over the two ranks of ``group``."""
     from torch import nn
@@ -128,12 +165,20 @@ def _fused_layers_autotp_and_head_tables(rank: int, group: object) -> None:
     assert torch.equal(layer.weight.data, qkv.weight.data) and torch.equal(layer.bias.data, qkv.bias.data)
     layer._tp_partition([layer.weight, layer.bias])
     assert torch.equal(layer.weight.data, shard)
+    # its universal-checkpoint metadata, recorded at construction as DeepSpeed records it
+    meta, bias_meta = (getattr(p, DS_AUTOTP_UC_META) for p in (layer.weight, layer.bias))
+    assert (meta["sub_param_sizes"], meta["sub_param_shard_widths"], meta["target_partition_shape"]) == \
+        ((8, 4, 4), [[4, 4], [2, 2], [2, 2]], (8, 8))
+    assert (bias_meta["partition_dim"], bias_meta["sub_param_shape"], bias_meta["target_partition_shape"]) == \
+        (0, ((8, 4, 4),), (8,))
     # the row-parallel one: the input features cut per part, the partial outputs summed, the whole bias once
     out = nn.Linear(16, 5)
     row = SubParamLinearAllreduce(copy.deepcopy(out), group, shape=(-1, (8, 4, 4)), partition_dim=1, name="o_proj")
     torch.testing.assert_close(row(torch.randn(3, 16, generator=torch.Generator().manual_seed(2))[:, rows]),
                                out(torch.randn(3, 16, generator=torch.Generator().manual_seed(2))))
     assert row.bias.shape == (5,) and row.weight.shape == (5, 8)
+    assert getattr(row.bias, DS_AUTOTP_UC_META)["replicated"] and getattr(row.weight, DS_AUTOTP_UC_META)[
+        "partition_type"] == "row"
     # with 3 key/value heads set, each part of 12 is cut 8/4 (whole heads of 4), and gathered back by those widths
     shard_sizes.set_num_kv_heads(3)
     try:
@@ -150,6 +195,8 @@ def _fused_layers_autotp_and_head_tables(rank: int, group: object) -> None:
         fresh = nn.Parameter(gate_up.weight.data.clone())
         gate_up.gather_params([fresh, None])
         assert torch.equal(fresh.data, pack.weight.data)
+        gate_meta = getattr(gate_up.weight, DS_AUTOTP_UC_META)  # the whole sizes outside the cut, as DeepSpeed's
+        assert (gate_meta["sub_param_shape"], gate_meta["sub_param_shard_widths"]) == (((6, 6), 4), [[3, 3], [3, 3]])
     finally:
         shard_sizes.set_num_kv_heads(None)
 
@@ -164,9 +211,15 @@ def _fused_layers_autotp_and_head_tables(rank: int, group: object) -> None:
     class CodeGenBlock(nn.Module):
         pass
 
-    with pytest.raises(ValueError, match=r"the codegentype fused q\|k\|v layout \(interleaved or replicated "
-                                         r"blocks\) is not built"):
+    # CodeGen's interleaved layout: not cut over two ranks; built whole, its metadata says why no merge undoes it
+    with pytest.raises(ValueError, match=r"codegentype fused qkv layout interleaves or replicates blocks"):
         fused_LinearLayer(copy.deepcopy(glm), group, fused_module=CodeGenBlock())
+    whole = fused_LinearLayer(copy.deepcopy(glm), group, skip_partition=True, fused_module=CodeGenBlock())
+    assert torch.equal(whole.weight.data, glm.weight.data)
+    assert "interleaves" in getattr(whole.weight, DS_AUTOTP_UC_META)["conversion"]["unsupported_reason"]
+    with pytest.raises(RuntimeError, match="interleaves"):
+        whole.gather_params([whole.weight])
+    _yuan_and_lm_head(rank, group)
 
     # ALiBi: 5 heads over 2 ranks are 3 and 2 (DeepSpeed's cut); each rank's table rows are its own heads'
     class Mpt(nn.Module):
