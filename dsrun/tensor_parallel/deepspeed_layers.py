@@ -8,7 +8,9 @@ so an uneven dimension splits as DeepSpeed splits it). The forward and backward 
 (backward: this rank's slice of the gradient). Like DeepSpeed's, the layers keep the module's own ``Parameter``
 objects, mark them (``tensor_model_parallel``; ``is_model_parallel_parameter`` is true of them) and hang
 ``gather_params`` / ``_tp_partition`` on them. ``set_autotp_mode(training=...)`` / ``is_autotp_training_mode()``
-is DeepSpeed's process-wide switch, which ``initialize`` turns on for a run that asks for AutoTP.
+is DeepSpeed's process-wide switch, which ``initialize`` turns on for a run that asks for AutoTP. Also here:
+Yuan 2's shared-QK layers (``Yuan_LinearLayer``, ``Yuan_LinearAllreduce``: whole heads picked by
+:func:`share_qk_heads`, never gathered) and ``LmHeadLinearAllreduce`` (the LM head cut by its input features).
 """
 from __future__ import annotations
 
@@ -311,7 +313,7 @@ class LmHeadLinearAllreduce(LinearAllreduce):
     state and keeps this rank's features by the sizes frozen at construction (a later model's shard settings do not
     move them), then all-reduces the partial logits over the group and adds the bias."""
 
-    def __init__(self, module: nn.Linear, mp_group: ProcessGroup | None, **kwargs: Any):
+    def __init__(self, module: nn.Linear, mp_group: ProcessGroup | None, **kwargs: object):
         module.weight = nn.Parameter(module.weight.detach().clone())
         if getattr(module, "bias", None) is not None:
             module.bias = nn.Parameter(module.bias.detach().clone())

@@ -18,8 +18,11 @@ its piece of every part, concatenated.
 Each layer records ``_subparam_sizes``, ``_subparam_shard_widths`` (per part, every rank's width), the original
 shapes; ``gather_params(params)`` puts the whole tensor back (collective over the group) by those widths, and
 ``_tp_partition(params)`` cuts this rank's pieces again; the bias is told apart by identity, as in DeepSpeed. The
-forward and backward are dsrun's column-/row-parallel ones (:mod:`dsrun.tensor_parallel.layers`). Not built
-(refused in one line): CodeGen's interleaved and GPT-BigCode's replicated q|k|v layouts.
+forward and backward are dsrun's column-/row-parallel ones (:mod:`dsrun.tensor_parallel.layers`). Each records
+DeepSpeed's universal-checkpoint metadata at construction (``_mark_uc_metadata``). CodeGen's interleaved and
+GPT-BigCode's replicated q|k|v layouts are built only whole (their cut over several ranks is refused in one line),
+their metadata recording why no merge undoes them. A column layer may name the input dimension only when built on
+one rank (DeepSpeed's metadata-only build).
 """
 from __future__ import annotations
 
