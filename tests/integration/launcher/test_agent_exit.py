@@ -26,8 +26,11 @@ def _threads_at_exit():
         return  # a rank
     names = []
     for task in sorted(os.listdir("/proc/self/task"), key=int):
-        with open(f"/proc/self/task/{task}/comm") as handle:
-            names.append(handle.read().strip())
+        try:
+            with open(f"/proc/self/task/{task}/comm") as handle:
+                names.append(handle.read().strip())
+        except FileNotFoundError:  # a thread already joined whose task ended after the listing: it is gone
+            continue
     with open(os.path.join(os.environ["THREADS_AT_EXIT_DIR"], f"agent-{os.getpid()}.txt"), "w") as handle:
         handle.write("\\n".join(names))
 
