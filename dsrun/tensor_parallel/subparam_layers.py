@@ -35,7 +35,7 @@ from torch import nn
 
 from dsrun.checkpoint.autotp_meta import DS_AUTOTP_UC_META, _build_param_uc_restore_meta
 
-from .deepspeed_layers import LinearLayer, _group_rank_size
+from .deepspeed_layers import LinearLayer, _group_rank_size, _subparam_shard_widths
 from .layers import ColumnParallelLinear, RowParallelLinear, gather_slices
 from .shard_sizes import get_n_embd, get_num_attention_heads, get_num_kv_heads, get_shard_size_list
 
@@ -118,7 +118,7 @@ def infer_subparam_logical_shapes(weight_shape: Sequence[int], shape: ShapeSpec,
 def subparam_shard_widths(sizes: Sequence[int], tp_size: int, name: str | None = None) -> list[list[int]]:
     """Each sub-parameter's per-rank widths, each cut by DeepSpeed's shard sizes (a rank may hold none of a part
     when there are fewer heads than ranks: logged once, as DeepSpeed warns)."""
-    widths = [list(get_shard_size_list(size, tp_size, name)) for size in sizes]
+    widths = _subparam_shard_widths(sizes, tp_size, name)
     if any(0 in part for part in widths):
         log.warning("AutoTP: a sub-parameter of %s splits over %d ranks as %s, so some ranks hold none of it",
                     name, tp_size, widths)
