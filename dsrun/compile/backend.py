@@ -12,10 +12,17 @@ after each pass (:mod:`.profilers.graph_profile`).
 The schedule (:func:`init_schedule`) is DeepSpeed's ``[(step, [passes])]``: :func:`launch_compile_passes`, called
 before each forward with the engine's step, switches to a step's passes when it is reached and resets dynamo so
 the graphs are compiled again from the captured code.
+
+A pass's ``create_inputs_fn`` gives the graph's real inputs, as DeepSpeed's: for a forward the example inputs the
+backend got (:func:`_get_fw_real_inputs`; kept as metadata by :class:`.input_storage.InputStorage` for a second
+compile), for a backward those its first call received, captured by :mod:`.patch_compiled_func` for the frames
+still waiting for their backward (``frames_needing_bwd``: ``(backend, graph id)``, each engine's own set in
+``owned_frames``; released when the backward is compiled, at a new schedule step, or by the engine's ``destroy``).
 """
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from typing import Any, Callable, Sequence
 
 import torch
@@ -23,7 +30,10 @@ from torch.fx import GraphModule
 
 from dsrun.compile.graph_param import DSGraphParamManager
 from dsrun.compile.handle import get_deepcompile_handle
+from dsrun.compile.input_storage import InputStorage
 from dsrun.compile.ops import ALLGATHER, GATHERS, tag_gathers_for_recompute
+from dsrun.compile.patch_compiled_func import (clear_backward_inputs, patch_compiled_func, pop_backward_input,
+                                               register_backward_frame, unpatch_compiled_func)
 from dsrun.compile.passes import run_opt_passes
 from dsrun.compile.passes.graph_edit import is_backward
 from dsrun.compile.profilers import ProfilingResult
@@ -32,11 +42,10 @@ from dsrun.utils.logging import log_dist
 
 SUPPORTED_BACKENDS = ("inductor", "eager", "aot_eager")
 
-_schedule: list[tuple[int, list[Callable]]] = []
+remaining_schedule: deque = deque()  # the scheduled steps not reached yet
 current_passes: list[Callable] = []
 frames_needing_bwd: set = set()  # DeepSpeed's: frames whose backward is still to be compiled
 _generation = [0]  # bumped by each launch: the graphs a backend knew are gone
-_launched = [-1]  # the scheduled step launched last
 
 
 def log_rank0(message: str) -> None:
@@ -46,36 +55,88 @@ def log_rank0(message: str) -> None:
 def init_schedule(schedule: Sequence[tuple[int, list[Callable]]]) -> None:
     """Set the schedule (sorted by step); the passes of step 0 apply until :func:`launch_compile_passes` moves on."""
     global current_passes
-    _schedule[:] = sorted(((int(step), list(passes)) for step, passes in schedule), key=lambda e: e[0])
-    current_passes = list(_schedule[0][1]) if _schedule and _schedule[0][0] == 0 else []
-    _launched[0] = 0 if _schedule and _schedule[0][0] == 0 else -1  # step 0's passes are in place already
+    for step, passes in schedule:
+        if not isinstance(step, int) or not isinstance(passes, list):
+            raise TypeError(f"a compile schedule is [(step: int, [passes])], not an entry ({step!r}, {passes!r})")
+    remaining_schedule.clear()
+    remaining_schedule.extend(sorted(((step, list(passes)) for step, passes in schedule), key=lambda e: e[0]))
+    current_passes = list(remaining_schedule[0][1]) if remaining_schedule and remaining_schedule[0][0] == 0 else []
+
+
+def cleanup_compiled_backward_state(frame_id: Any = None, owned_frames: set | None = None) -> None:
+    """Release the frames whose backward is awaited: ``frame_id`` alone, else ``owned_frames`` (one engine's,
+    emptied), else all; their captured inputs go, and torch's ``autograd.Function`` is restored once no frame is
+    left (DeepSpeed's name)."""
+    if frame_id is not None:
+        released = {frame_id}
+        frames_needing_bwd.discard(frame_id)
+        if owned_frames is not None:
+            owned_frames.discard(frame_id)
+    elif owned_frames is not None:
+        released = set(owned_frames)
+        frames_needing_bwd.difference_update(owned_frames)
+        owned_frames.clear()
+    else:
+        released = set(frames_needing_bwd)
+        frames_needing_bwd.clear()
+    clear_backward_inputs(released)
+    if not frames_needing_bwd:
+        unpatch_compiled_func()
 
 
 def launch_compile_passes(global_steps: int, owned_frames: set | None = None) -> bool:
-    """Reaching a scheduled step (once, whatever the micro-steps of gradient accumulation): its passes from now
-    on, dynamo reset (every graph compiles again) and the handle's graph state dropped. Returns whether that
-    happened."""
+    """Reaching the next scheduled step (once, whatever the micro-steps of gradient accumulation): its passes
+    from now on, dynamo reset (every graph compiles again), the handle's graph state dropped and the frames
+    ``owned_frames`` awaited released. Returns whether that happened."""
     global current_passes
-    entry = next((passes for step, passes in _schedule if step == global_steps), None)
-    if entry is None or _launched[0] == global_steps:
+    if not remaining_schedule or remaining_schedule[0][0] != global_steps:
         return False
-    _launched[0] = global_steps
-    current_passes = list(entry)
-    if owned_frames is not None:
-        frames_needing_bwd.difference_update(owned_frames)
-        owned_frames.clear()
-    frames_needing_bwd.clear()
+    _, current_passes = remaining_schedule.popleft()
+    log_rank0(f"step {global_steps}: passes {[getattr(p, '__name__', p) for p in current_passes]}")
     torch._dynamo.reset()
     _generation[0] += 1
-    get_deepcompile_handle().reset_graphs()
-    log_rank0(f"step {global_steps}: passes {[getattr(p, '__name__', p) for p in current_passes]}")
+    get_deepcompile_handle().reset()
+    cleanup_compiled_backward_state(owned_frames=owned_frames)
     return True
+
+
+def _get_fw_real_inputs(local_real_inputs: deque, input_storage: InputStorage, graph_id: int,
+                        debug_log: bool = False) -> Any:
+    """A forward graph's real inputs: those the backend got (once), else tensors like them from
+    ``input_storage``; ``RuntimeError`` when neither has any."""
+    if local_real_inputs:
+        return local_real_inputs.popleft()
+    if input_storage.has_data():
+        if debug_log:
+            log_rank0(f"graph {graph_id}: real inputs rebuilt from their stored metadata")
+        return input_storage.get()
+    raise RuntimeError(f"No real inputs available for graph_id {graph_id}: the local queue is empty and "
+                       "the input storage holds none")
+
+
+def _real_tensors(inputs: Sequence[Any]) -> Callable[[], tuple]:
+    """``create_inputs_fn`` over ``inputs``; fake tensors among them (a backward compiled ahead of its first call)
+    become tensors of ones of their layout, built outside any fake mode."""
+    from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
+
+    def create() -> tuple:
+        with unset_fake_temporarily():
+            fake = [i for i, v in enumerate(inputs) if isinstance(v, torch.Tensor) and is_fake(v)]
+            if not fake:
+                return tuple(inputs)
+            storage = InputStorage()
+            storage.put([inputs[i] for i in fake])
+            made = dict(zip(fake, storage.get()))
+            return tuple(made.get(i, v) for i, v in enumerate(inputs))
+
+    return create
 
 
 class DeepCompileBackend:
     """The backend object ``torch.compile`` is given. ``names``: ``id(param)`` -> the parameter's name."""
 
-    def __init__(self, backend: str, names: dict[int, str], debug_log: bool = False):
+    def __init__(self, backend: str, names: dict[int, str], debug_log: bool = False,
+                 owned_frames: set | None = None):
         if backend not in SUPPORTED_BACKENDS:
             raise ValueError(f"DeepCompile's backend is one of {SUPPORTED_BACKENDS}, not {backend!r}")
         self.backend = backend
@@ -87,6 +148,7 @@ class DeepCompileBackend:
         self.param_manager: dict[int, DSGraphParamManager] = {}
         self._generation = _generation[0]
         self.frames_partitioned: set[int] = set()  # graphs whose joint graph was cut (DeepSpeed's name)
+        self.owned_frames = owned_frames if owned_frames is not None else set()  # (self, graph id) awaited here
 
     def __call__(self, gm: GraphModule, example_inputs: list[Any]) -> Callable:
         if self._generation != _generation[0]:  # compiling again from the captured code: a fresh graph order
@@ -103,32 +165,61 @@ class DeepCompileBackend:
         self.profiling_results[graph_id] = ProfilingResult(param_indices=indices)
         self.graph_order.append((graph_id, False))
         passes = list(current_passes)
+        make_fw_graph, make_bw_graph = self._graph_makers(graph_id, example_inputs, passes)
         if self.backend == "inductor":
-            return self._inductor(gm, example_inputs, graph_id, passes)
+            return self._inductor(gm, example_inputs, graph_id, passes, make_fw_graph, make_bw_graph)
         from functorch.compile import make_boxed_func
         from torch._dynamo.backends.common import aot_autograd
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-        from dsrun.compile.inductor import _patch_deepcompile_aot_kwargs
-
-        def make_graph(fx: GraphModule, inputs: Sequence[torch.Tensor]) -> GraphModule:
-            return self.apply_passes(graph_id, fx, passes)
-
-        def partition(joint: GraphModule, joint_inputs: Sequence[torch.Tensor], **kwargs: object) -> Any:
-            self._joint(graph_id, joint.graph)
-            return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        from dsrun.compile.inductor import patch_create_aot_dispatcher_function
 
         def run_as_is(fx: GraphModule, inputs: Sequence[torch.Tensor]) -> Callable:  # the FX interpreter's code
             return make_boxed_func(fx)
 
-        kwargs = {"fw_compiler": run_as_is, "partition_fn": partition}
-        _patch_deepcompile_aot_kwargs(kwargs, graph_id=graph_id, z3_partition=bool(indices), make_fw_graph=make_graph,
-                                      make_bw_graph=make_graph, real_inputs=example_inputs, param_indices=indices,
-                                      param_manager=self.param_manager, frame_id=graph_id,
-                                      frames_partitioned=self.frames_partitioned)
-        return aot_autograd(**kwargs)(gm, example_inputs)
+        # the graph makers and the recompute tagging reach AOT autograd's compilers as DeepSpeed's do: through
+        # the AotAutograd constructor, patched for this graph only
+        restore = patch_create_aot_dispatcher_function(graph_id, bool(indices), make_fw_graph, make_bw_graph,
+                                                       example_inputs, indices, self.param_manager, graph_id,
+                                                       self.frames_partitioned)
+        try:
+            aot = aot_autograd(fw_compiler=run_as_is, partition_fn=min_cut_rematerialization_partition)
+        finally:
+            restore()
+        return aot(gm, example_inputs)
 
-    def _inductor(self, gm: GraphModule, example_inputs: list[Any], graph_id: int, passes: list[Callable]) -> Callable:
+    def _graph_makers(self, graph_id: int, example_inputs: list[Any], passes: list[Callable]) -> tuple[Callable, Callable]:
+        """DeepSpeed's ``make_fw_graph``/``make_bw_graph`` for one graph: the passes, each given the graph's real
+        inputs; a forward whose joint graph was cut registers its frame for the capture of its backward's
+        inputs, which the backward's maker takes and then releases the frame."""
+        frame_key = (self, graph_id)
+        storage = InputStorage()
+        storage.put(example_inputs)
+        local = deque([example_inputs])
+
+        def make_fw_graph(fx: GraphModule, sample_inputs: Sequence[Any]) -> GraphModule:
+            if graph_id in self.frames_partitioned:  # the joint graph was cut: a backward will follow
+                self._mark_needs_backward(graph_id)
+                if not frames_needing_bwd:
+                    patch_compiled_func()
+                frames_needing_bwd.add(frame_key)
+                self.owned_frames.add(frame_key)
+                register_backward_frame(frame_key)
+            real = tuple(_get_fw_real_inputs(local, storage, graph_id, self.debug_log))
+            return self.apply_passes(graph_id, fx, passes, _real_tensors(real + tuple(sample_inputs[len(real):])))
+
+        def make_bw_graph(fx: GraphModule, sample_inputs: Sequence[Any]) -> GraphModule:
+            captured = pop_backward_input(frame_key)
+            try:
+                return self.apply_passes(graph_id, fx, passes,
+                                         _real_tensors(captured if captured is not None else sample_inputs))
+            finally:
+                cleanup_compiled_backward_state(frame_key, self.owned_frames)
+
+        return make_fw_graph, make_bw_graph
+
+    def _inductor(self, gm: GraphModule, example_inputs: list[Any], graph_id: int, passes: list[Callable],
+                  make_fw_graph: Callable, make_bw_graph: Callable) -> Callable:
         from torch._inductor.compile_fx import compile_fx
         from torch._inductor.custom_graph_pass import CustomGraphPass
 
@@ -137,14 +228,16 @@ class DeepCompileBackend:
 
         class Joint(CustomGraphPass):
             def __call__(self, graph: torch.fx.Graph) -> None:
-                backend._joint(graph_id, graph)
+                tag_gathers_for_recompute(graph)
+                backend.frames_partitioned.add(graph_id)
 
             def uuid(self) -> str:
                 return key + "-joint"
 
-        class Post(CustomGraphPass):
+        class Post(CustomGraphPass):  # inductor's graphs after its own passes: the inputs are the real ones
             def __call__(self, graph: torch.fx.Graph) -> None:
-                backend.apply_passes(graph_id, graph.owning_module, passes)
+                make = make_bw_graph if is_backward(graph) else make_fw_graph
+                make(graph.owning_module, [])
 
             def uuid(self) -> str:
                 return key + "-post"
@@ -154,12 +247,12 @@ class DeepCompileBackend:
             return compile_fx(gm, example_inputs, config_patches={
                 "joint_custom_pre_pass": Joint(), "post_grad_custom_post_pass": Post(), "fx_graph_cache": False})
 
-    def _joint(self, graph_id: int, graph: torch.fx.Graph) -> None:
-        tag_gathers_for_recompute(graph)
+    def _mark_needs_backward(self, graph_id: int) -> None:
         self.graph_order = [(g, needs or g == graph_id) for g, needs in self.graph_order]
         self.profiling_results[graph_id].needs_backward = True
 
-    def apply_passes(self, graph_id: int, gm: GraphModule, passes: list[Callable]) -> GraphModule:
+    def apply_passes(self, graph_id: int, gm: GraphModule, passes: list[Callable],
+                     create_inputs_fn: Callable[[], tuple] | None = None) -> GraphModule:
         bwd = is_backward(gm.graph)
         profile = self.profiling_results[graph_id]
         if bwd:
@@ -168,8 +261,8 @@ class DeepCompileBackend:
             profile.fwd_graph = gm.graph
         self._profile(profile, gm, bwd)
         for opt_pass in passes:
-            gm = run_opt_passes(graph_id, gm, [(opt_pass, 0.0)], self.graph_order, self.profiling_results, None,
-                                self.param_manager, bwd)
+            gm = run_opt_passes(graph_id, gm, [(opt_pass, 0.0)], self.graph_order, self.profiling_results,
+                                create_inputs_fn, self.param_manager, bwd)
             self._profile(profile, gm, bwd)
         get_deepcompile_handle().register_graph_z3(graph_id, [n.args[1] for n in gm.graph.nodes
                                                               if n.target in GATHERS])

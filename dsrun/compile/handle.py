@@ -11,7 +11,8 @@ its stage-3 strategy's gradient buckets, reached by the ops of :mod:`.ops`:
 * ``release_param`` marks the gathered buffer's last reader: its memory goes when the graph drops its last
   reference, which the FX interpreter and inductor's code do right there; the handle counts what is live.
 * ``reduce_grad`` hands a full gradient to the strategy's reduce-scatter buckets (a copy: the compiled graph
-  may reuse its buffer), as the eager ZeRO-3 gradient hook does.
+  may reuse its buffer), as the eager ZeRO-3 gradient hook does, cast to the parameter's expected gradient dtype
+  (:func:`dsrun.compile.init._resolve_expected_grad_dtype`: torch's ``grad_dtype`` contract).
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ class DeepCompileHandle:
 
     def __init__(self) -> None:
         self.params: dict[int, torch.nn.Parameter] = {}
+        self.expected_grad_dtype: dict[int, torch.dtype | None] = {}
         self.persistent: set[int] = set()
         self._kept: dict[int, torch.Tensor] = {}  # persistent parameters' gathered copies
         self._inflight: dict[int, tuple[torch.Tensor, Any]] = {}  # prefetches: (buffer, work)
@@ -56,8 +58,10 @@ class DeepCompileHandle:
     def init(self, reduce: Callable[[torch.nn.Parameter, torch.Tensor], None] | None) -> None:
         self.reduce = reduce
 
-    def register_z3_param(self, param: torch.nn.Parameter) -> None:
+    def register_z3_param(self, param: torch.nn.Parameter, expected_grad_dtype: torch.dtype | None = None) -> None:
+        """``expected_grad_dtype``: the dtype a gradient is cast to before its reduction (None: as it comes)."""
         self.params[param.ds_id] = param
+        self.expected_grad_dtype[param.ds_id] = expected_grad_dtype
 
     def register_graph_z3(self, graph_id: int, ds_ids: list[int]) -> None:
         self.graphs[graph_id] = list(ds_ids)
@@ -67,20 +71,20 @@ class DeepCompileHandle:
         self.persistent.add(ds_id)
 
     def reset(self) -> None:
-        """Forget every parameter and kept copy (a new schedule step or a new engine)."""
+        """The graphs are compiled again (a new schedule step): their records and the kept copies go (DeepSpeed's
+        ``reset``: its graph executors)."""
         self.wait_all()
-        self.params.clear()
-        self.persistent.clear()
-        self._kept.clear()
         self.graphs.clear()
+        self._kept.clear()
+
+    def cleanup(self) -> None:
+        """Forget every parameter, kept copy and the gradient intake (a new engine, or ``engine.destroy()``)."""
+        self.reset()
+        self.params.clear()
+        self.expected_grad_dtype.clear()
+        self.persistent.clear()
         self.reduce = None
         self.reset_stats()
-
-    def reset_graphs(self) -> None:
-        """The graphs are compiled again (a new schedule step): their records and the kept copies go."""
-        self.wait_all()
-        self.graphs.clear()
-        self._kept.clear()
 
     def reset_stats(self) -> None:
         self.stats = GatherStats()
@@ -145,7 +149,9 @@ class DeepCompileHandle:
             return
         self.stats.reduced += 1
         self._note("reduce", ds_id)
-        self.reduce(param, grad.detach().clone())  # a copy: the compiled graph may reuse the gradient's buffer
+        dtype = self.expected_grad_dtype.get(ds_id)
+        grad = grad.detach()  # a copy below: the compiled graph may reuse the gradient's buffer
+        self.reduce(param, grad.clone() if dtype is None or grad.dtype == dtype else grad.to(dtype))
 
     def wait_all(self) -> None:
         """Finish prefetches no graph used (a forward that raised)."""

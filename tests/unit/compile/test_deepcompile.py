@@ -14,6 +14,7 @@ import dsrun
 from dsrun.compile import backend as backend_mod
 from dsrun.compile.handle import get_deepcompile_handle
 from dsrun.compile.init import resolve_schedule
+from dsrun.compile.patch_compiled_func import get_backward_inputs
 from dsrun.compile.passes import prefetch, selective_gather, zero3_compile
 from dsrun.utils.errors import ConfigError
 from tests.helpers import run_ranks
@@ -51,7 +52,7 @@ def _compiled_mlp(schedule: list, cls: type = _MLP) -> tuple[torch.nn.Module, to
     model.load_state_dict(reference.state_dict())
     names = {}
     handle = get_deepcompile_handle()
-    handle.reset()
+    handle.cleanup()
     for name, p in model.named_parameters():
         partition_param(p)
         handle.register_z3_param(p)
@@ -180,19 +181,38 @@ def test_the_eager_fallback_holds_what_a_forward_read_until_its_backward(world_o
 
 
 def test_prefetch_and_selective_gather_from_their_step(world_of_one) -> None:
-    reference, compiled, grads, backend = _compiled_mlp([(0, [zero3_compile.add_z3_gather_release]),
+    """Also: a pass's ``create_inputs_fn`` gives the graph's real inputs, the backward's captured from its first
+    call while ``torch.autograd.Function`` is patched, which ends with the backward's compile."""
+    seen: list[tuple[bool, list[torch.Tensor], bool, set]] = []
+    original_function = torch.autograd.Function
+
+    def record_inputs(gm, graph_id, graph_order, profiling_results, create_inputs_fn, mem_budget, param_manager, bwd):
+        seen.append((bwd, list(create_inputs_fn()), torch.autograd.Function is original_function,
+                     set(backend_mod.frames_needing_bwd)))
+        return gm
+
+    reference, compiled, grads, backend = _compiled_mlp([(0, [zero3_compile.add_z3_gather_release, record_inputs]),
                                                          (1, [zero3_compile.add_z3_gather_release,
                                                               prefetch.schedule_prefetch,
                                                               selective_gather.selective_gather])])
     handle = get_deepcompile_handle()
     x = torch.randn(3, 8)
     for step in range(3):
-        assert backend_mod.launch_compile_passes(step) == (step == 1)  # step 0's passes are in place at init
+        assert backend_mod.launch_compile_passes(step) == (step < 2)  # DeepSpeed's: each scheduled step, 0 too
         assert not backend_mod.launch_compile_passes(step)  # another micro-step of the same step: no recompile
         handle.reset_stats()
         compiled(x).backward()
         if step == 0:
             assert handle.stats.prefetched == 0 and not handle.persistent
+            (fwd, fwd_inputs, fwd_unpatched, awaited), (bwd, bwd_inputs, bwd_unpatched, _) = seen
+            assert not fwd and bwd and not fwd_unpatched and awaited == {(backend, 0)}
+            assert any(t is x for t in fwd_inputs)  # the very tensors the step ran on
+            # the backward's: the saved relu output, at its real values, and the loss's gradient, 1
+            assert any(t.shape == (3, 16) and torch.equal(t, torch.relu(x @ reference.a.weight.T + reference.a.bias))
+                       for t in bwd_inputs)
+            assert any(t.shape == () and t.item() == 1.0 for t in bwd_inputs)
+            assert torch.autograd.Function is original_function and not backend_mod.frames_needing_bwd
+            assert not backend.owned_frames and not get_backward_inputs()
         handle.invalidate()  # what the optimizer step does
     # from step 1: every gather but each graph's first was started ahead; all four parameters fit the host's
     # memory less the margin, so they are kept: the backward's gathers are served from the kept copies
