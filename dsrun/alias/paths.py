@@ -42,6 +42,7 @@ PATHS: dict[str, str] = {
     "deepspeed.runtime.zero": "dsrun.zero",
     "deepspeed.runtime.zero.partition_parameters": "dsrun.zero.init",
     "deepspeed.compile.z3_eager_fallback": "dsrun.zero.eager_fallback",
+    "deepspeed.compile.init_z3": "dsrun.compile.init",
     "deepspeed.runtime.zero.stage_1_and_2": "dsrun.compat.runtime.zero.stage_1_and_2",
     "deepspeed.runtime.zero.mics": "dsrun.compat.runtime.zero.mics",
     "deepspeed.runtime.zero.leaf_module_config": "dsrun.compat.runtime.zero.leaf_module_config",

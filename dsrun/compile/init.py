@@ -11,11 +11,13 @@ ZeRO-3 whose parameters are kept whole (a partition group of one: nothing to gat
 """
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-from dsrun.compile.backend import DeepCompileBackend, gathered_forward, init_schedule, launch_compile_passes, log_rank0
+from dsrun.compile.backend import (DeepCompileBackend, cleanup_compiled_backward_state, gathered_forward, init_schedule,
+                                   launch_compile_passes, log_rank0)
 from dsrun.compile.handle import get_deepcompile_handle
 from dsrun.compile.passes import (offload_adam_states, offload_parameters, prefetch, selective_gather,
                                   zero_1_and_2_compile, zero3_compile)
@@ -117,6 +119,70 @@ def _reducer(queue: Callable, launch_pending: Callable, flush_numel: int) -> Cal
     return reduce
 
 
+_MISSING = object()
+_DYNAMO_CONFIG_NAMES = ("force_parameter_static_shapes", "force_nn_module_property_static_shapes")
+_dynamo_config_owners: dict[int, dict[str, Any]] = {}  # id(dynamo config) -> its saved values and owners
+_dynamo_config_lock = threading.Lock()
+
+
+def _allow_dynamo_dynamic_parameter_shapes_for_z3(compile_kwargs: dict[str, Any]) -> Callable[[], None] | None:
+    """Dynamo's static-shape forcing for parameters and module properties off while a ZeRO-3 DeepCompile engine
+    lives (DeepSpeed's: its parameters are placeholders whose shape is not the traced one); returns the release
+    (None where dynamo has neither setting). The settings are process-wide: the first owner saves them, every
+    owner turns them off, and they come back only when the last owner releases; a release counts once."""
+    dynamo = getattr(torch, "_dynamo", None)
+    if dynamo is None:
+        import torch._dynamo as dynamo
+    config = getattr(dynamo, "config", None)
+    if config is None:
+        return None
+    token = object()
+    with _dynamo_config_lock:
+        state = _dynamo_config_owners.get(id(config))
+        if state is None or state["config"] is not config:
+            saved = {name: getattr(config, name) for name in _DYNAMO_CONFIG_NAMES if hasattr(config, name)}
+            if not saved:
+                return None
+            state = {"config": config, "saved": saved, "owners": set()}
+            _dynamo_config_owners[id(config)] = state
+        state["owners"].add(token)
+        for name in state["saved"]:
+            setattr(config, name, False)
+
+    def restore() -> None:
+        with _dynamo_config_lock:
+            if state is not _dynamo_config_owners.get(id(config)) or token not in state["owners"]:
+                return
+            state["owners"].discard(token)
+            if state["owners"]:
+                return
+            for name, value in state["saved"].items():
+                setattr(config, name, value)
+            del _dynamo_config_owners[id(config)]
+
+    return restore
+
+
+def _resolve_expected_grad_dtype(param: Any) -> torch.dtype | None:
+    """The dtype a parameter's gradient is reduced in, by torch's leaf contract: its ``grad_dtype`` where set
+    (None: whatever dtype the gradient has), else its own dtype."""
+    grad_dtype = getattr(param, "grad_dtype", _MISSING)
+    return param.dtype if grad_dtype is _MISSING else grad_dtype
+
+
+def release_engine_state(engine: Any) -> None:
+    """What an engine holds of DeepCompile's process-wide state, given back (its ``destroy()``, or DeepCompile
+    switched off): the frames whose backward it awaits (and their captured inputs) and its share of dynamo's
+    settings. Safe on an engine that never compiled, and twice."""
+    owned = getattr(engine, "_deepcompile_owned_frames", None)
+    if owned:
+        cleanup_compiled_backward_state(owned_frames=owned)
+    restore = getattr(engine, "_deepcompile_dynamo_config_restore", None)
+    if restore is not None:
+        restore()
+        del engine._deepcompile_dynamo_config_restore
+
+
 def init_z3(engine: CompilingEngine, backend: str, compile_kwargs: dict[str, Any],
             schedule: Sequence[tuple[int, list]] | None = None) -> None:
     """Compile ``engine.module`` with DeepCompile's ZeRO-3 passes (``engine.compile`` calls this)."""
@@ -128,20 +194,23 @@ def init_z3(engine: CompilingEngine, backend: str, compile_kwargs: dict[str, Any
     zc = engine._config.zero_optimization
     prefetch.bucket_numel[0] = max(1, int(zc.stage3_prefetch_bucket_size))
     handle = get_deepcompile_handle()
-    handle.reset()
+    handle.cleanup()
     module_numel = strategy.coordinator.largest_fetch_numel() if strategy.reduce_per_module else 0
     queue, launch_pending = strategy.hand_over_to_compiler()
     handle.init(_reducer(queue, launch_pending, module_numel))
     for p in strategy.params:
         p.ds_persist = False
-        handle.register_z3_param(p)
+        handle.register_z3_param(p, _resolve_expected_grad_dtype(p))
     strategy.hooks.add("after_update", lambda state: handle.invalidate())  # new shards: kept copies are stale
     init_schedule(resolved)
     module = engine.module
     names = {id(p): name for name, p in module.named_parameters()}
-    compiled = torch.compile(gathered_forward(module), backend=DeepCompileBackend(backend, names, bool(engine._config.compile.debug_log)),
+    release_engine_state(engine)  # compiled before: what it held of the process-wide state first
+    owned: set = set()  # the frames whose backward this engine awaits
+    engine._deepcompile_owned_frames = owned
+    compiled = torch.compile(gathered_forward(module),
+                             backend=DeepCompileBackend(backend, names, bool(engine._config.compile.debug_log), owned),
                              **compile_kwargs)
-    owned: set = set()
 
     def call(*args: object, **kwargs: object) -> Any:
         launch_compile_passes(engine.global_steps, owned_frames=owned)
@@ -149,4 +218,7 @@ def init_z3(engine: CompilingEngine, backend: str, compile_kwargs: dict[str, Any
 
     module._compiled_call_impl = call
     engine.launch_compile_passes = lambda steps: launch_compile_passes(steps, owned_frames=owned)
+    restore = _allow_dynamo_dynamic_parameter_shapes_for_z3(compile_kwargs)
+    if restore is not None:
+        engine._deepcompile_dynamo_config_restore = restore
     log_rank0(f"ZeRO-3 in the graph, backend {backend}, {len(strategy.params)} parameters")

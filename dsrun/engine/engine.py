@@ -80,6 +80,7 @@ class DeepSpeedEngine(torch.nn.Module):
     _reduction_pending: bool = False  # a boundary backward skipped the reduction (no_sync, or switched off)
     _step_applied: bool = False
     _is_compiled: bool = False
+    _deepcompile_active: bool = False  # the module runs DeepCompile's graphs (engine.compile)
     pipeline_parallelism = False  # the pipeline engine's is True
     scale_wrt_gas: bool | None = None  # when set, overrides backward(scale_wrt_gas=...)
     loaded_checkpoint_dp_world_size: int | None = None  # set by load_checkpoint
@@ -531,7 +532,13 @@ class DeepSpeedEngine(torch.nn.Module):
         tensors only where the strategy can give them back; use the engine no further. A decoupled checkpoint
         still being written is waited for first (published; its error is raised once all is released)."""
         from dsrun.checkpoint import decoupled
+        from dsrun.compile.handle import get_deepcompile_handle
 
+        if self.is_deepcompile_active():
+            get_deepcompile_handle().cleanup()  # one DeepCompile engine at a time: the handle is this one's
+        self._set_deepcompile_active(False)  # the rest of DeepCompile's process-wide state it holds
+        if "_config" not in vars(self):  # never initialized (DeepSpeed's tests build one so): nothing else held
+            return
         failure: Exception | None = None
         try:
             decoupled.drain()
@@ -549,6 +556,19 @@ class DeepSpeedEngine(torch.nn.Module):
             self._python_gc_lease = None
         if failure is not None:
             raise failure
+
+    def is_deepcompile_active(self) -> bool:
+        """DeepSpeed's name: the module runs DeepCompile's graphs (``engine.compile()`` with ``compile.deepcompile``)."""
+        return self._deepcompile_active
+
+    def _set_deepcompile_active(self, active: bool) -> None:
+        """DeepSpeed's: off gives back what the engine holds of DeepCompile's process-wide state (the frames whose
+        backward it awaits, its share of dynamo's settings: :func:`dsrun.compile.init.release_engine_state`)."""
+        if not active:
+            from dsrun.compile.init import release_engine_state
+
+            release_engine_state(self)
+        self._deepcompile_active = active
 
     def empty_partition_cache(self) -> None:
         """Release the ZeRO-3 parameters kept gathered between uses (persistent or kept for reuse), e.g. at the

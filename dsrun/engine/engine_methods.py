@@ -326,7 +326,12 @@ class EngineMethods:
 
             fallback = compiles_in_graph(self._engine.strategy)
             if fallback is None:
-                init_z3(self._engine, backend, kwargs, schedule)
+                try:
+                    init_z3(self._engine, backend, kwargs, schedule)
+                except BaseException:
+                    self._engine._set_deepcompile_active(False)  # what it took of the process-wide state back
+                    raise
+                self._engine._set_deepcompile_active(True)
                 self._engine._is_compiled = True
                 return
             log_rank0(f"the torch compiler instead: {fallback}")
@@ -336,10 +341,6 @@ class EngineMethods:
     def is_deepcompile_enabled(self) -> bool:
         """DeepSpeed's name: ``compile.deepcompile`` is set."""
         return bool(self._engine._config.compile.deepcompile)
-
-    def is_deepcompile_active(self) -> bool:
-        """DeepSpeed's name: the module was compiled with DeepCompile's ZeRO-3 passes."""
-        return self._engine._is_compiled and hasattr(self._engine, "launch_compile_passes")
 
     @property
     def is_compiled(self) -> bool:
