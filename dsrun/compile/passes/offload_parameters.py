@@ -4,16 +4,11 @@ memory or NVMe with ``offload_param`` (eager ZeRO-3); with DeepCompile the pass,
 are refused."""
 from __future__ import annotations
 
-from torch.fx import GraphModule
-
+from dsrun.compile.passes import refused_pass
 from dsrun.compile.passes.contract import CAP_Z3_GATHER_RELEASE, PassContract
-from dsrun.utils.errors import ConfigError, Problem
 
 NAME = "offload_parameters"
 CONTRACT = PassContract(requires=frozenset({CAP_Z3_GATHER_RELEASE}))
 
-
-def offload_parameter_fwd(gm: GraphModule, graph_id: int, graph_order, profiling_results, create_inputs_fn,
-                          mem_budget: float, param_manager, bwd: bool) -> GraphModule:
-    raise ConfigError(Problem(f"compile schedule pass '{NAME}'", "DeepCompile's parameter offload is not in dsrun",
-                              "use zero_optimization.offload_param with eager ZeRO-3"))
+offload_parameter_fwd = refused_pass("offload_parameter_fwd", NAME, "DeepCompile's parameter offload is not in dsrun",
+                                     "use zero_optimization.offload_param with eager ZeRO-3")

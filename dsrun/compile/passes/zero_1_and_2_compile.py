@@ -7,10 +7,8 @@ schedule naming these passes is refused with that reason.
 """
 from __future__ import annotations
 
-from torch.fx import GraphModule
-
+from dsrun.compile.passes import refused_pass
 from dsrun.compile.passes.contract import PassContract
-from dsrun.utils.errors import ConfigError, Problem
 
 NAME_Z1 = "zero1_compile"
 NAME_Z2 = "zero2_compile"
@@ -19,18 +17,5 @@ CONTRACT_Z2 = PassContract(conflicts_with=frozenset({"zero3_compile", NAME_Z1}))
 REASON = ("dsrun's ZeRO-1/2 gradients are reduced by the stage's hooks, which the compiled backward feeds: "
           "DeepCompile runs no reduce pass at stages 1-2")
 
-
-def _refuse(name: str) -> None:
-    raise ConfigError(Problem(f"compile schedule pass '{name}'", REASON, "leave it out of the schedule"))
-
-
-def add_z1_reduce(gm: GraphModule, graph_id: int, graph_order, profiling_results, create_inputs_fn,
-                  mem_budget: float, param_manager, bwd: bool) -> GraphModule:
-    _refuse(NAME_Z1)
-    return gm
-
-
-def add_z2_reduce(gm: GraphModule, graph_id: int, graph_order, profiling_results, create_inputs_fn,
-                  mem_budget: float, param_manager, bwd: bool) -> GraphModule:
-    _refuse(NAME_Z2)
-    return gm
+add_z1_reduce = refused_pass("add_z1_reduce", NAME_Z1, REASON, "leave it out of the schedule")
+add_z2_reduce = refused_pass("add_z2_reduce", NAME_Z2, REASON, "leave it out of the schedule")

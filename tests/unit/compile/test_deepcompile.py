@@ -228,8 +228,16 @@ def test_schedules_are_checked_against_the_contracts() -> None:
         resolve_schedule([(0, ["prefetch"])])  # prefetch needs the gathers zero3_compile places
     with pytest.raises(ConfigError, match="unknown pass 'prefetchh'"):
         resolve_schedule([(0, ["zero3_compile", "prefetchh"])])
-    with pytest.raises(ConfigError, match="zero1_compile"):  # refused with its reason when it runs
-        resolve_schedule([(0, ["zero1_compile"])])[0][1][0](None, 0, [], {}, None, 0.0, {}, True)
+    # DeepSpeed's passes dsrun refuses: scheduled by name, each refused with its reason when it runs
+    for name, function, reason in [("zero1_compile", "add_z1_reduce", "stage's hooks"),
+                                   ("zero2_compile", "add_z2_reduce", "stage's hooks"),
+                                   ("offload_parameters", "offload_parameter_fwd", "parameter offload"),
+                                   ("offload_adam_states_for_init", "offload_adam_states_for_init", "state offload")]:
+        steps = [(0, ["zero3_compile", name])] if name == "offload_parameters" else [(0, [name])]
+        refused = resolve_schedule(steps)[0][1][-1]
+        assert refused.__name__ == function
+        with pytest.raises(ConfigError, match=f"pass '{name}'.*{reason}"):
+            refused(None, 0, [], {}, None, 0.0, {}, True)
 
 
 def test_the_persistence_budget_leaves_the_transient_peak_and_a_margin() -> None:
