@@ -31,9 +31,10 @@ from torch.fx import GraphModule
 from dsrun.compile.graph_param import DSGraphParamManager
 from dsrun.compile.handle import get_deepcompile_handle
 from dsrun.compile.input_storage import InputStorage
-from dsrun.compile.ops import ALLGATHER, GATHERS, tag_gathers_for_recompute
+from dsrun.compile.ops import ALLGATHER, GATHERS
 from dsrun.compile.patch_compiled_func import (clear_backward_inputs, patch_compiled_func, pop_backward_input,
                                                register_backward_frame, unpatch_compiled_func)
+from dsrun.compile.partitioner import _recompute_param_aliases
 from dsrun.compile.passes import run_opt_passes
 from dsrun.compile.passes.graph_edit import is_backward
 from dsrun.compile.profilers import ProfilingResult
@@ -167,7 +168,7 @@ class DeepCompileBackend:
         passes = list(current_passes)
         make_fw_graph, make_bw_graph = self._graph_makers(graph_id, example_inputs, passes)
         if self.backend == "inductor":
-            return self._inductor(gm, example_inputs, graph_id, passes, make_fw_graph, make_bw_graph)
+            return self._inductor(gm, example_inputs, graph_id, passes, indices, make_fw_graph, make_bw_graph)
         from functorch.compile import make_boxed_func
         from torch._dynamo.backends.common import aot_autograd
         from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -219,7 +220,7 @@ class DeepCompileBackend:
         return make_fw_graph, make_bw_graph
 
     def _inductor(self, gm: GraphModule, example_inputs: list[Any], graph_id: int, passes: list[Callable],
-                  make_fw_graph: Callable, make_bw_graph: Callable) -> Callable:
+                  indices: list[tuple], make_fw_graph: Callable, make_bw_graph: Callable) -> Callable:
         from torch._inductor.compile_fx import compile_fx
         from torch._inductor.custom_graph_pass import CustomGraphPass
 
@@ -228,7 +229,7 @@ class DeepCompileBackend:
 
         class Joint(CustomGraphPass):
             def __call__(self, graph: torch.fx.Graph) -> None:
-                tag_gathers_for_recompute(graph)
+                _recompute_param_aliases(graph, indices)
                 backend.frames_partitioned.add(graph_id)
 
             def uuid(self) -> str:

@@ -3,7 +3,7 @@
 AOT autograd is built from keyword arguments (``fw_compiler``, ``bw_compiler``, ``inference_compiler``,
 ``partition_fn``). :func:`_patch_deepcompile_aot_kwargs` wraps them: each compiler first runs DeepCompile's graph
 maker on the graph (the passes, :mod:`.backend`), then the compiler it had; the partitioner first tags the joint
-graph (ZeRO-3: the gathers recomputed in backward) and records the frame it cut. A backward compiler that was not
+graph (ZeRO-3: the full parameter values and their aliases recomputed in backward) and records the frame it cut. A backward compiler that was not
 given is the forward's. Arguments without a partitioner (a backend such as torch_xla's, which partitions
 nothing) are left as they are. :func:`patch_create_aot_dispatcher_function` applies that to every ``AotAutograd``
 built while one graph compiles: dsrun's ``eager`` DeepCompile backend is built this way; its ``inductor`` backend
@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.fx import GraphModule
 
-from dsrun.compile.ops import tag_gathers_for_recompute
+from dsrun.compile.partitioner import get_wrapped_partitioner
 
 
 def patch_compiler(original_compiler: Callable, dc_compiler: Callable, z3_partition: bool, graph_id: int,
@@ -38,16 +38,10 @@ def patch_compiler(original_compiler: Callable, dc_compiler: Callable, z3_partit
 def wrap_partition_fn(z3_partition: bool, partition_fn: Callable, real_inputs: Sequence[object],
                       param_indices: Sequence[tuple],
                       frame_id: int, frames_partitioned: set[int]) -> Callable:
-    """``partition_fn`` after tagging the joint graph's gathers for recomputation (``z3_partition``); the frame
-    is recorded in ``frames_partitioned``."""
-
-    def wrapped_partition_fn(joint: GraphModule, *args: object, **kwargs: object) -> Any:
-        if z3_partition:
-            tag_gathers_for_recompute(joint.graph)
-        frames_partitioned.add(frame_id)
-        return partition_fn(joint, *args, **kwargs)
-
-    return wrapped_partition_fn
+    """``partition_fn`` after the full parameter values and their aliases are marked for recomputation
+    (``z3_partition``; :func:`dsrun.compile.partitioner.get_wrapped_partitioner`); the frame is recorded in
+    ``frames_partitioned``."""
+    return get_wrapped_partitioner(z3_partition, param_indices, partition_fn, frame_id, frames_partitioned)
 
 
 def _patch_deepcompile_aot_kwargs(kwargs: dict[str, Any], *, graph_id: int, z3_partition: bool,

@@ -15,7 +15,6 @@ Opaque custom ops over :class:`.handle.DeepCompileHandle`, so dynamo and inducto
 from __future__ import annotations
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy
 
 from dsrun.compile.handle import get_deepcompile_handle
 
@@ -96,11 +95,3 @@ GATHERS = (ALLGATHER, WAIT_ALLGATHER)
 PREFETCH = torch.ops.dsrun_dc.prefetch_param.default
 RELEASE = torch.ops.dsrun_dc.release_param.default
 REDUCE = torch.ops.dsrun_dc.reduce_grad.default
-
-
-def tag_gathers_for_recompute(graph: torch.fx.Graph) -> None:
-    """On the joint graph, before the partitioner cuts it: the backward gathers a parameter again rather than
-    keeping the forward's full value alive until backward (ZeRO-3's memory: only shards live between them)."""
-    for node in graph.nodes:
-        if node.target is ALLGATHER:
-            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE

@@ -3,7 +3,7 @@ released after its last, each gradient reduced as soon as the backward has compu
 
 The compiled forward (:mod:`..backend`) reads every parameter through ``allgather_param``, whose gradient is
 ``reduce_grad``; dynamo and AOT autograd trace them where the forward asked, all gathers first. This pass, on the
-partitioned forward and backward graphs (the backward gathers again: :func:`..ops.tag_gathers_for_recompute`):
+partitioned forward and backward graphs (the backward gathers again: :func:`..partitioner._recompute_param_aliases`):
 
 * moves each ``allgather_param`` to just before the first node that reads it;
 * inserts ``release_param`` after the last node that reads the gathered value or a view of it (the memory goes

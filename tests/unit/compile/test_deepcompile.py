@@ -338,12 +338,22 @@ def test_the_aot_arguments_run_the_graph_maker_then_the_compiler() -> None:
     assert kwargs["inference_compiler"] is kwargs["fw_compiler"]
     graph = torch.fx.Graph()
     gather = graph.call_function(ALLGATHER, (graph.placeholder("p"), 0))
-    graph.output(gather)
+    activation = graph.placeholder("x")
+    # the full parameter's view and that view's downcast would hold its memory if saved for backward
+    view = graph.call_function(torch.ops.aten.t.default, (gather,))
+    cast = graph.call_function(torch.ops.prims.convert_element_type.default, (view, torch.bfloat16))
+    product = graph.call_function(torch.ops.aten.mm.default, (activation, cast))  # a new value: min-cut's choice
+    saved = graph.call_function(torch.ops.aten.neg.default, (activation,))
+    saved.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+    graph.output((product, saved))
     gm = torch.fx.GraphModule(torch.nn.Module(), graph)
     kwargs["fw_compiler"](gm, [])
     kwargs["bw_compiler"](gm, [])  # none was given: the forward's compiler, after the backward's maker
     assert calls == ["make fw", "compile", "make bw", "compile"]
     kwargs["partition_fn"](gm, [])
     assert gather.meta["recompute"] is CheckpointPolicy.MUST_RECOMPUTE and partitioned == {9}
+    assert view.meta["recompute"] is cast.meta["recompute"] is CheckpointPolicy.MUST_RECOMPUTE
+    assert "recompute" not in product.meta and saved.meta["recompute"] is CheckpointPolicy.MUST_SAVE
+    assert all(n.meta["ac_graph_id"] == 1 for n in graph.nodes)  # what min-cut reads of a recomputed node
     untouched = {"fw_compiler": compiler}  # no partitioner (torch_xla's shape): left as it is
     assert not _patch_deepcompile_aot_kwargs(untouched, **common) and untouched == {"fw_compiler": compiler}
