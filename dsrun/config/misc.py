@@ -12,7 +12,7 @@ Defaults that follow DeepSpeed rather than the documentation (config-keys.md §6
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BeforeValidator, Field
 
@@ -205,6 +205,8 @@ class HybridEngineConfig(Section):
 class CompileConfig(Section):
     """``compile`` (undocumented): ``torch.compile`` the engine's module with ``backend`` and ``kwargs``."""
 
+    # DeepSpeed's way is engine.compile() with deepcompile and enabled unset: its keys count then too
+    also_enabled_by: ClassVar[tuple[str, ...]] = ("deepcompile",)
     enabled: bool = False
     backend: str = "inductor"
     kwargs: OpenDict = Field(default_factory=dict)
@@ -226,7 +228,7 @@ class CompileConfig(Section):
     sync_after_allgather: bool = False
     keep_int_input_tensors: bool = True
     keep_all_input_tensors: bool = False
-    passes: list[str] | None = None
+    passes: list[Literal["z1", "z3", "autosp", "autotp"]] | None = None  # DeepSpeed's pass names
 
 
 class ThroughputTimerConfig(Section):

@@ -87,7 +87,9 @@ class Unimplemented:
 def _own_gate(section: BaseModel, pattern: str, path: str) -> tuple[_Gate, bool] | None:
     fields = type(section).model_fields
     if "enabled" in fields and isinstance(getattr(section, "enabled"), bool):
-        return _Gate(f"{path}enabled", f"{pattern}enabled", path), bool(section.enabled)
+        # a section another switch also turns on (compile: engine.compile() with deepcompile, enabled unset)
+        on = section.enabled or any(getattr(section, f) for f in getattr(type(section), "also_enabled_by", ()))
+        return _Gate(f"{path}enabled", f"{pattern}enabled", path), bool(on)
     shared = getattr(section, "shared_parameters", None) if "shared_parameters" in fields else None
     if isinstance(shared, BaseModel) and "enabled" in type(shared).model_fields:
         return _Gate(f"{path}shared_parameters.enabled", f"{pattern}shared_parameters.enabled", path), \
@@ -159,9 +161,11 @@ def refused_values(cfg: DSConfig, prefix: str) -> list[Problem]:
     problems = []
     for path, pattern, _, value in _leaves(cfg, "", "", ()):
         entry = LEDGER.get(pattern)
-        if entry is not None and entry.refused_values and isinstance(value, str) \
-                and value.lower() in entry.refused_values:
-            problems.append(Problem(f"{prefix}{path}", f"got {show(value)}: {entry.refused_values[value.lower()]}"))
+        if entry is None or not entry.refused_values:
+            continue
+        for item in value if isinstance(value, list) else [value]:  # a list key: each of its values
+            if isinstance(item, str) and item.lower() in entry.refused_values:
+                problems.append(Problem(f"{prefix}{path}", f"got {show(item)}: {entry.refused_values[item.lower()]}"))
     return problems
 
 

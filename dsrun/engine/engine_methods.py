@@ -317,10 +317,14 @@ class EngineMethods:
         with ``compile.deepcompile`` at ZeRO-3, DeepCompile's passes on ``schedule`` (DeepSpeed's
         ``[(step, [pass names])]``; None: its default) put ZeRO-3 in the graph (``dsrun/compile``); a second call
         does nothing. The config's ``compile`` section (``enabled``, ``backend``, ``kwargs``) calls it at
-        initialize."""
+        initialize. ``compile.passes: ["autotp"]`` compiles an AutoTP-split model as one graph with its
+        tensor-parallel collectives in it (:mod:`dsrun.tensor_parallel.compile_pass`)."""
         if self._engine._is_compiled:
             return
         kwargs = dict(compile_kwargs or {})
+        section = self._engine._config.compile
+        if section.deepcompile and "autotp" in (section.passes or ()) and self._compile_autotp(backend, kwargs):
+            return
         if self._engine._config.compile.deepcompile:
             from dsrun.compile.init import compiles_in_graph, init_z3, log_rank0
 
@@ -337,6 +341,24 @@ class EngineMethods:
             log_rank0(f"the torch compiler instead: {fallback}")
         compile_model(self._engine.module, self._engine.strategy, backend, kwargs)
         self._engine._is_compiled = True
+
+    def _compile_autotp(self, backend: str, kwargs: dict[str, Any]) -> bool:
+        """The AutoTP compile pass (DeepSpeed's ``get_autotp_backend``): False (the torch compiler then) without
+        tensor parallelism."""
+        from dsrun.compile.init import log_rank0
+        from dsrun.tensor_parallel.compile_pass import init_autotp
+        from dsrun.utils.errors import ConfigError, Problem
+
+        if self._engine.autotp_size() <= 1:
+            log_rank0("the AutoTP compile pass needs tensor_parallel.autotp_size > 1: the torch compiler instead")
+            return False
+        if self._engine.zero_optimization_stage() == 3:
+            raise ConfigError(Problem("compile.passes", "'autotp' at ZeRO stage 3: its gathers are module hooks, "
+                                      "which a full graph cannot hold", "ZeRO stage 0-2, or drop 'autotp'"))
+        self._engine.module.compile(backend=init_autotp(self._engine.module, backend), **{**kwargs, "fullgraph": True})
+        self._engine._set_deepcompile_active(True)
+        self._engine._is_compiled = True
+        return True
 
     def is_deepcompile_enabled(self) -> bool:
         """DeepSpeed's name: ``compile.deepcompile`` is set."""

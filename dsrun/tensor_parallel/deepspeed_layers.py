@@ -22,6 +22,7 @@ from torch import nn
 from dsrun import comm
 from dsrun.checkpoint.autotp_meta import DS_AUTOTP_UC_META, _build_param_uc_restore_meta, mark_replicated, mark_split
 
+from .graph_collectives import GATHER_OUTPUT_OP
 from .layers import ColumnParallelLinear, RowParallelLinear, reduce_from_group
 from .shard_sizes import get_num_kv_heads, get_shard_size_list
 
@@ -197,6 +198,8 @@ class LinearLayer(_DeepSpeedShards, ColumnParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x)
         if self.gather_output and self.tp_size > 1:
+            if self.defer_collectives_to_compiler:  # traced: the graph op (it changes the width downstream sees)
+                return GATHER_OUTPUT_OP(y, list(self.shard_sizes))
             y = gather_output_slices(y, self.shard_sizes, self.tp_rank, self.group)
         return y
 

@@ -123,6 +123,16 @@ class TensorParallelLinear(nn.Module):
     # DeepSpeed's tensor_parallel.tp_overlap_comm, process-wide as DeepSpeed's TensorParallel_Layer keeps it
     # (initialize sets it): the column-parallel backward overlaps its all-reduce with the weight's gradient
     overlap_comm = False
+    # the AutoTP compile pass (compile.passes: ["autotp"]) emits this layer's collectives into the graph instead
+    defer_collectives_to_compiler = False
+
+    @property
+    def mp_group(self) -> ProcessGroup | None:  # DeepSpeed's name for the layer's group
+        return self.group
+
+    @mp_group.setter
+    def mp_group(self, group: ProcessGroup | None) -> None:
+        self.group = group
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, transposed: bool,
                  group: ProcessGroup | None, tp_size: int, tp_rank: int = 0):
@@ -172,9 +182,10 @@ class ColumnParallelLinear(TensorParallelLinear):
     """This rank's slice of the output features; the input's gradient is summed over the group."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_size > 1 and TensorParallelLinear.overlap_comm:
+        deferred = self.defer_collectives_to_compiler
+        if self.tp_size > 1 and TensorParallelLinear.overlap_comm and not deferred:
             return _OverlappedColumn.apply(x, self.weight, self.bias, self.transposed, self.group)
-        if self.tp_size > 1:
+        if self.tp_size > 1 and not deferred:
             x = copy_to_group(x, self.group)
         y = self._matmul(x)
         return y if self.bias is None else y + self.bias
@@ -188,7 +199,7 @@ class RowParallelLinear(TensorParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._matmul(x)
-        if self.tp_size > 1:
+        if self.tp_size > 1 and not self.defer_collectives_to_compiler:
             y = reduce_from_group(y, self.group)
         return y if self.bias is None else y + self.bias
 

@@ -44,6 +44,7 @@ AUTOTP_UNIT = "tests/unit/tensor_parallel/test_autotp_split.py::"
 DEEPCOMPILE = Feature("this DeepCompile option (dsrun's DeepCompile has the ZeRO-3 passes: docs/deepcompile.md)",
                       "leave the compile key at its default")
 DC = "tests/unit/compile/test_deepcompile.py::"
+TP_COMPILE = "tests/unit/tensor_parallel/test_compile_pass.py::"
 SWAP = "tests/unit/offload/test_swap_traffic.py::"
 LEAF_PROOF = "tests/unit/zero3/test_leaf_modules.py::test_the_config_leaf_module_section_flags_leaves_at_stage_3"
 DTYPES = Feature("per-module fp32 buffers (not a DeepSpeed key: its data_types has param_dtype and buffer_dtype)",
@@ -203,6 +204,16 @@ ENTRIES: list[Entry] = [
          traced=False),  # read by engine.compile(), which a config without compile.enabled never calls
     done("compile.debug_log", "print each graph after DeepCompile's passes (rank 0)",
          f"{DC}test_the_passes_put_zero3_in_the_graph", traced=False),
+    done("compile.passes", "DeepCompile's parallelization passes: [\"autotp\"] compiles an AutoTP-split model as one "
+         "graph with its tensor-parallel collectives in the graph (compile.deepcompile and tensor_parallel.autotp_size "
+         "> 1; otherwise the torch compiler)", TP_COMPILE + "test_the_autotp_pass_puts_the_collectives_in_the_graph",
+         traced=False,  # read by engine.compile()
+         refused_values={"z1": "DeepSpeed reads it only to refuse it beside 'autotp'; dsrun's ZeRO passes follow "
+                         "zero_optimization.stage with compile.deepcompile",
+                         "z3": "DeepSpeed reads it only to refuse it beside 'autotp'; dsrun's ZeRO passes follow "
+                         "zero_optimization.stage with compile.deepcompile",
+                         "autosp": "DeepCompile's AutoSP pass (sequence parallelism in the graph) is not in dsrun; "
+                         "sequence_parallel_size runs Ulysses"}),
     *_section("compile", DEEPCOMPILE, {
         "autoep_non_moe": "AutoEP on non-MoE layers",
         "free_activation": "free activations early", "free_activation_threshold": "bytes above which to free",
@@ -212,6 +223,6 @@ ENTRIES: list[Entry] = [
         "offload_parameters": "offload parameters", "sync_before_reduce": "synchronize before reductions",
         "sync_after_reduce": "synchronize after reductions", "sync_before_allgather": "synchronize before "
         "all-gathers", "sync_after_allgather": "synchronize after all-gathers", "keep_int_input_tensors":
-        "keep integer inputs", "keep_all_input_tensors": "keep all inputs", "passes": "DeepCompile passes"},
+        "keep integer inputs", "keep_all_input_tensors": "keep all inputs"},
         applies=lambda cfg: cfg.compile.enabled or cfg.compile.deepcompile),
 ]

@@ -101,8 +101,31 @@ def _layers_on_two_ranks(rank: int, world_size: int) -> None:
         fused._tp_partition([fused])
         assert fused.shape == (before.shape[0] // 2, before.shape[1])
         _fused_layers_autotp_and_head_tables(rank, group)
+        _autotp_compile_pass(rank, group)
     finally:
         comm.destroy_process_group()
+
+
+def _autotp_compile_pass(rank: int, group: object) -> None:
+    """The AutoTP compile pass over two ranks: a column/row pair and a gathering head compiled as one graph whose
+    collectives are graph ops compute the whole block's output and the gradients the uncompiled layers compute."""
+    from tests.unit.tensor_parallel.test_compile_pass import compile_with_pass, split_block
+    from dsrun.tensor_parallel.graph_collectives import GATHER_OUTPUT_OP
+
+    whole, reference = split_block(group, seed=2)
+    _, model = split_block(group, seed=2)
+    compiled, graphs = compile_with_pass(model)
+    torch.manual_seed(3)  # the same input on both ranks
+    x = torch.randn(3, 8, requires_grad=True)
+    xc = x.detach().clone().requires_grad_()
+    out = compiled(xc)
+    torch.testing.assert_close(out, whole(x.detach()))  # the whole block's output, gathered on every rank
+    out.pow(2).sum().backward()
+    reference(x).pow(2).sum().backward()
+    torch.testing.assert_close(xc.grad, x.grad)  # the input's gradient summed over the group, as the layers do
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    assert [n.target for n in graphs[0].graph.nodes].count(GATHER_OUTPUT_OP) == 1 and len(graphs) == 1
 
 
 def _yuan_and_lm_head(rank: int, group: object) -> None:
