@@ -64,7 +64,7 @@ def init_schedule(schedule: Sequence[tuple[int, list[Callable]]]) -> None:
     current_passes = list(remaining_schedule[0][1]) if remaining_schedule and remaining_schedule[0][0] == 0 else []
 
 
-def cleanup_compiled_backward_state(frame_id: Any = None, owned_frames: set | None = None) -> None:
+def cleanup_compiled_backward_state(frame_id: object = None, owned_frames: set | None = None) -> None:
     """Release the frames whose backward is awaited: ``frame_id`` alone, else ``owned_frames`` (one engine's,
     emptied), else all; their captured inputs go, and torch's ``autograd.Function`` is restored once no frame is
     left (DeepSpeed's name)."""

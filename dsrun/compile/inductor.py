@@ -80,7 +80,7 @@ def patch_create_aot_dispatcher_function(graph_id: int, z3_partition: bool, make
     original_init = AotAutograd.__init__
 
     @functools.wraps(original_init)
-    def patched_init(self: Any, **kwargs: Any) -> None:
+    def patched_init(self: object, **kwargs: object) -> None:
         _patch_deepcompile_aot_kwargs(kwargs, graph_id=graph_id, z3_partition=z3_partition,
                                       make_fw_graph=make_fw_graph, make_bw_graph=make_bw_graph,
                                       real_inputs=real_inputs, param_indices=param_indices,

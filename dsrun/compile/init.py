@@ -163,14 +163,14 @@ def _allow_dynamo_dynamic_parameter_shapes_for_z3(compile_kwargs: dict[str, Any]
     return restore
 
 
-def _resolve_expected_grad_dtype(param: Any) -> torch.dtype | None:
+def _resolve_expected_grad_dtype(param: torch.Tensor) -> torch.dtype | None:
     """The dtype a parameter's gradient is reduced in, by torch's leaf contract: its ``grad_dtype`` where set
     (None: whatever dtype the gradient has), else its own dtype."""
     grad_dtype = getattr(param, "grad_dtype", _MISSING)
     return param.dtype if grad_dtype is _MISSING else grad_dtype
 
 
-def release_engine_state(engine: Any) -> None:
+def release_engine_state(engine: object) -> None:
     """What an engine holds of DeepCompile's process-wide state, given back (its ``destroy()``, or DeepCompile
     switched off): the frames whose backward it awaits (and their captured inputs) and its share of dynamo's
     settings. Safe on an engine that never compiled, and twice."""

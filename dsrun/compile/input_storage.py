@@ -46,7 +46,7 @@ class InputStorage:
     def _keeps_values(self, tensor: torch.Tensor) -> bool:
         return self._keep_all_input_tensors or (self._keep_int_input_tensors and tensor.dtype in _INTEGER_DTYPES)
 
-    def _store(self, value: Any) -> Any:
+    def _store(self, value: object) -> Any:
         if isinstance(value, torch.Tensor):
             return TensorMetadata(tuple(value.shape), value.dtype, value.device, tuple(value.stride()),
                                   value.storage_offset(), value.requires_grad, value.layout,
@@ -72,7 +72,7 @@ class InputStorage:
             values = strided.copy_(values)
         return values.to(meta.device).requires_grad_(meta.requires_grad and values.is_floating_point())
 
-    def _materialize(self, stored: Any) -> Any:
+    def _materialize(self, stored: object) -> Any:
         if isinstance(stored, TensorMetadata):
             return self._tensor(stored)
         if isinstance(stored, tuple):
@@ -83,7 +83,7 @@ class InputStorage:
             return {k: self._materialize(v) for k, v in stored.items()}
         return stored
 
-    def put(self, real_inputs: Any) -> None:
+    def put(self, real_inputs: object) -> None:
         """Keep ``real_inputs`` (replacing what was kept)."""
         self._stored = self._store(real_inputs)
         self._has_data = True

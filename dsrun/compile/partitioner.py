@@ -84,7 +84,7 @@ def get_wrapped_partitioner(z3_partition: bool, param_indices: Sequence[tuple[in
     """``partition_fn`` after :func:`_recompute_param_aliases` (``z3_partition``); the frame is recorded in
     ``frames_partitioned`` (a backward will follow) with its forward's output count."""
 
-    def partition(joint_module: GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
+    def partition(joint_module: GraphModule, joint_inputs: Sequence[Any], **kwargs: object) -> Any:
         frames_partitioned.add(frame_id)
         if "num_fwd_outputs" in kwargs:
             _num_fwd_outputs_by_frame[frame_id] = kwargs["num_fwd_outputs"]

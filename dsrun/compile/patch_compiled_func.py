@@ -14,7 +14,7 @@ id never see each other's inputs. :func:`unpatch_compiled_func` puts torch's cla
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Hashable
+from typing import Any, Hashable, Iterable
 
 import torch
 
@@ -27,7 +27,7 @@ original_grad_fn: type | None = None
 _base_meta = type(torch.autograd.Function)
 
 
-def _unwrap_staticmethod(method: Any) -> Any:
+def _unwrap_staticmethod(method: object) -> Any:
     # a staticmethod descriptor is not callable before Python 3.10
     return method.__func__ if isinstance(method, staticmethod) else method
 
@@ -41,7 +41,7 @@ class FunctionMeta(_base_meta):
         original = _unwrap_staticmethod(namespace["_backward_impl"])
         frame_key = backward_frame_keys.popleft() if backward_frame_keys else None
 
-        def _backward_impl(ctx: Any, all_args: Any) -> Any:
+        def _backward_impl(ctx: object, all_args: list) -> Any:
             if enabled_patched_func and frame_key is not None and frame_key not in _taken:
                 backward_inputs.setdefault(frame_key, []).append(all_args)
             return original(ctx, all_args)
@@ -96,7 +96,7 @@ def pop_backward_input(frame_key: Hashable) -> Any:
     return inputs
 
 
-def clear_backward_inputs(frame_keys: Any = None) -> None:
+def clear_backward_inputs(frame_keys: Iterable[Hashable] | None = None) -> None:
     """Drop the captures and pending registrations of ``frame_keys`` (None: of every frame)."""
     if frame_keys is None:
         backward_inputs.clear()

@@ -38,16 +38,16 @@ UNSUPPORTED_LAYERS = (LmHeadLinearAllreduce,)  # slices its own input: no matmul
 _MATMUL_TARGETS = {torch.matmul, torch.ops.aten.matmul.default, torch.ops.aten.linear.default, torch._C._nn.linear}
 
 
-def _in_family(layer_type: Any, family: tuple[type, ...]) -> bool:
+def _in_family(layer_type: object, family: tuple[type, ...]) -> bool:
     return isinstance(layer_type, type) and not issubclass(layer_type, UNSUPPORTED_LAYERS) and \
         issubclass(layer_type, family)
 
 
-def _is_column_parallel(layer_type: Any) -> bool:
+def _is_column_parallel(layer_type: object) -> bool:
     return _in_family(layer_type, COLUMN_PARALLEL_LAYERS)
 
 
-def _is_row_parallel(layer_type: Any) -> bool:
+def _is_row_parallel(layer_type: object) -> bool:
     return _in_family(layer_type, ROW_PARALLEL_LAYERS)
 
 
