@@ -78,15 +78,24 @@ def _originating_layer_type(node: Node) -> type | None:
     return list(stack.values())[-1][1] if stack else None
 
 
+def _originating_layer(node: Node) -> str | None:
+    """The innermost module ``node`` was traced from, by its path in the model, or None."""
+    stack = node.meta.get("nn_module_stack")
+    return list(stack.values())[-1][0] if stack else None
+
+
 def pass_insert_tp_collectives(gm: GraphModule, real_inputs: Sequence[Any]) -> None:
     """``reduce_from_tp_region`` after each row-parallel matmul, ``copy_to_tp_region`` before the column-parallel
     matmuls of each activation (a gather_output layer's gather is already in the graph: its forward emits it)."""
     graph = gm.graph
     column_readers: dict[Node, list[Node]] = {}
+    layers = {_originating_layer(n) for n in graph.nodes if _is_column_parallel(_originating_layer_type(n))
+              or _is_row_parallel(_originating_layer_type(n))}
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in _MATMUL_TARGETS:
             continue
         layer_type = _originating_layer_type(node)
+        layers.discard(_originating_layer(node))
         if _is_row_parallel(layer_type):
             with graph.inserting_after(node):
                 reduced = graph.call_function(ROW_PARALLEL_OP, (node,))
@@ -94,6 +103,9 @@ def pass_insert_tp_collectives(gm: GraphModule, real_inputs: Sequence[Any]) -> N
             node.replace_all_uses_with(reduced, delete_user_cb=lambda user: user is not reduced)
         elif _is_column_parallel(layer_type):
             column_readers.setdefault(node.args[0], []).append(node)
+    if layers:  # its matmul went through something else (a replaced F.linear): its collective would be lost
+        raise RuntimeError(f"AutoTP compile pass found no matmul of the split layer {sorted(layers)[0]!r} in the graph "
+                           "to put its collective at; compile without 'autotp' in compile.passes")
     for activation, readers in column_readers.items():
         with graph.inserting_before(readers[0]):
             copied = graph.call_function(COLUMN_PARALLEL_OP, (activation,))

@@ -170,7 +170,11 @@ class TensorParallelLinear(nn.Module):
             param._tp_gathered = False
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.matmul(x, self.weight) if self.transposed else F.linear(x, self.weight)
+        if self.transposed:
+            return torch.matmul(x, self.weight)
+        # the AutoTP compile pass finds torch's linear in the graph: not a replacement of F.linear (ZeRO-3's
+        # memory-efficient linear stays installed for the rest of the process once a stage-3 run put it there)
+        return (torch._C._nn.linear if self.defer_collectives_to_compiler else F.linear)(x, self.weight)
 
     def extra_repr(self) -> str:
         kind = "row" if self.row_parallel else "column"

@@ -49,7 +49,11 @@ def compile_with_pass(model: torch.nn.Module) -> tuple[torch.nn.Module, list[tor
     return torch.compile(model, backend=keep, fullgraph=True), graphs
 
 
-def test_the_autotp_pass_puts_the_collectives_in_the_graph(world_of_one) -> None:
+def test_the_autotp_pass_puts_the_collectives_in_the_graph(world_of_one, monkeypatch) -> None:
+    from dsrun.zero.linear import zero3_linear_wrap
+
+    # as after any ZeRO-3 run in the process: F.linear is ZeRO-3's memory-efficient linear (an autograd function)
+    monkeypatch.setattr(torch.nn.functional, "linear", zero3_linear_wrap)
     group = comm.new_group([0])
     _, reference = split_block(group)
     _, model = split_block(group)
@@ -70,6 +74,10 @@ def test_the_autotp_pass_puts_the_collectives_in_the_graph(world_of_one) -> None
     assert GATHER_OUTPUT_OP not in targets  # one rank's slice is the whole width (two ranks: the two-rank run)
     reduce_node = next(n for n in gm.graph.nodes if n.target is ROW_PARALLEL_OP)
     assert reduce_node.args[0].target in compile_pass._MATMUL_TARGETS  # the partial sums, before the bias
+    # a split layer whose matmul the pass does not recognise is refused, not left without its collective
+    monkeypatch.setattr(compile_pass, "_MATMUL_TARGETS", set())
+    with pytest.raises(RuntimeError, match="found no matmul of the split layer"):
+        compile_pass.pass_insert_tp_collectives(gm, [])
 
 
 def test_a_layer_the_pass_cannot_rewrite_leaves_every_layer_alone(world_of_one) -> None:
