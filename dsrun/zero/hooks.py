@@ -53,6 +53,7 @@ import contextlib
 import logging
 import sys
 import weakref
+from itertools import groupby
 from typing import Any, Collection, Iterable, Iterator
 
 import torch
@@ -62,8 +63,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from dsrun.utils.leaf_modules import PARAM_LEAF_ATTR, z3_leaf_module
 from dsrun.zero import recompute
-from dsrun.zero.partition_params import (GatherBufferPool, ParamStatus, gather_params, is_zero_param, mark_stale, release_param,
-                               start_gather)
+from dsrun.zero.coalesced_gather import FetchMode, gather_params_with, start_gathers
+from dsrun.zero.partition_params import (GatherBufferPool, ParamStatus, gather_params, is_zero_param, mark_stale,
+                                         release_param)
 
 EXTERNAL_ATTR = "_ds_external_params"
 FORWARD, BACKWARD = "fwd", "bwd"
@@ -168,7 +170,8 @@ class ParameterCoordinator:
     """Gathers and releases the partitioned parameters of one model around its modules' passes."""
 
     def __init__(self, root: torch.nn.Module, prefetch_bucket_size: int = 0, max_live_parameters: int = 10**9,
-                 max_reuse_distance: int = 10**9, log_trace_cache_warnings: bool = False):
+                 max_reuse_distance: int = 10**9, log_trace_cache_warnings: bool = False,
+                 coalesced: bool = False, all_reduce: bool = False):
         self.root = root
         # zero_optimization.log_trace_cache_warnings: say when a pass leaves the recorded order (DeepSpeed's
         # "Invalidate trace cache" lines); the prefetching stops until the next pass records the order again
@@ -197,6 +200,9 @@ class ParameterCoordinator:
         # reduces there, on the CPU, the gradients of the modules whose backward is done)
         self.before_backward: Any = None
         self.buffer_pool = GatherBufferPool(0)  # sized by hook_module (largest_fetch_numel)
+        # stage3_allgather_sequential false: one collective per fetch, its flat output from a pool of its own
+        # (a fetch's and a prefetch's in flight at once); stage3_use_all_reduce_for_fetch_params: an all-reduce
+        self.fetch_mode = FetchMode(coalesced=coalesced, all_reduce=all_reduce, scratch=GatherBufferPool(0))
         self._running: list[torch.nn.Module] = []  # hooked modules inside their forward, innermost last
         self._reading: list[torch.nn.Module] = []  # modules whose _parameters gather on read
         self._leaf_of: dict[int, torch.nn.Module] = {}  # a module inside a leaf -> the leaf hooked for it
@@ -275,6 +281,7 @@ class ParameterCoordinator:
                 p.ds_buffer_pool = self.buffer_pool
         self.total_numel = sum(p.ds_numel for p in self.params.values())
         self.buffer_pool.limit = self.largest_fetch_numel()
+        self.fetch_mode.scratch.limit = 2 * self.buffer_pool.limit
         if id(module) in self._hooked:
             return
         self._hooked[id(module)] = module
@@ -294,6 +301,7 @@ class ParameterCoordinator:
             if getattr(p, "ds_buffer_pool", None) is self.buffer_pool:
                 p.ds_buffer_pool = None
         self.buffer_pool.clear()
+        self.fetch_mode.scratch.clear()
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
@@ -359,7 +367,7 @@ class ParameterCoordinator:
     def _fetch(self, module: torch.nn.Module, phase: str, params: list[torch.nn.Parameter]) -> None:
         self._record(module, phase)
         # backward (and a recompute inside it) gathers from the hpZ secondary partitions where there are any
-        gather_params(params, secondary=phase == BACKWARD or torch._C._current_graph_task_id() != -1)
+        gather_params_with(params, phase == BACKWARD or torch._C._current_graph_task_id() != -1, self.fetch_mode)
         if self.following_trace and self.prefetch_bucket_size > 0:
             self._prefetch()
         if self.after_fetch is not None and self.following_trace:
@@ -437,21 +445,27 @@ class ParameterCoordinator:
     def _prefetch(self) -> None:
         budget = self.prefetch_bucket_size
         live = self.live_numel()
+        bucket: list[tuple[torch.nn.Parameter, str]] = []  # gathered after the loop, in one go
+        seen: set[int] = set()
         for p, phase in self._upcoming():
-            if p.ds_status is not ParamStatus.NOT_AVAILABLE:
+            if p.ds_status is not ParamStatus.NOT_AVAILABLE or id(p) in seen:
                 continue
             if budget <= 0 or live + p.ds_numel > self.max_live_parameters:
-                return
+                break
             owner = getattr(p, "ds_offload", None)
             from_shard = not (phase == BACKWARD and getattr(p, "ds_secondary_valid", False))
             if owner is not None and from_shard and not owner.in_memory(p):
                 # a shard still in its NVMe file: the offload's read-ahead reads it in the trace's order;
                 # gathering it here would read it out of turn, into a buffer a shard needed sooner holds
-                return
-            start_gather(p, async_op=True, secondary=phase == BACKWARD)
+                break
+            bucket.append((p, phase))
+            seen.add(id(p))
             budget -= p.ds_numel
             live += p.ds_numel
             self.prefetched_numel += p.ds_numel
+        # in runs of one phase (backward reads hpZ's secondary partitions): one collective each when coalesced
+        for phase, run in groupby(bucket, key=lambda item: item[1]):
+            start_gathers([p for p, _ in run], async_op=True, secondary=phase == BACKWARD, mode=self.fetch_mode)
 
     def live_numel(self) -> int:
         """Elements currently gathered (or being gathered)."""

@@ -65,6 +65,11 @@ def exact_gathers():
         _exact_gathers[0] = before
 
 
+def gathers_exact() -> bool:
+    """Inside :func:`exact_gathers`?"""
+    return _exact_gathers[0]
+
+
 def is_zero_param(param: torch.Tensor) -> bool:
     return hasattr(param, "ds_id")
 

@@ -92,9 +92,9 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
         self.coordinator: ParameterCoordinator | WholeParameters = WholeParameters(ctx.module, self.params) \
             if self.keeps_whole else ParameterCoordinator(
                 ctx.module, prefetch_bucket_size=int(zc.stage3_prefetch_bucket_size),
-                max_live_parameters=int(zc.stage3_max_live_parameters),
-                max_reuse_distance=int(zc.stage3_max_reuse_distance),
-                log_trace_cache_warnings=bool(zc.log_trace_cache_warnings))
+                max_live_parameters=int(zc.stage3_max_live_parameters), max_reuse_distance=int(zc.stage3_max_reuse_distance),
+                log_trace_cache_warnings=bool(zc.log_trace_cache_warnings), coalesced=not zc.stage3_allgather_sequential,
+                all_reduce=bool(zc.stage3_use_all_reduce_for_fetch_params))
         if self.param_offload is not None:
             self.coordinator.after_fetch = self.param_offload.after_fetch
         # on the CPU every module's gradients are reduce-scattered once backward moves past it (as FSDP2 does),

@@ -59,9 +59,11 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def config(bf16: bool = False, **zero: Any) -> dict[str, Any]:
     """Stage 3 with nothing persistent and overlapped communication, DeepSpeed's default buckets, AdamW at
-    1e-3 (its default weight decay), no clipping key; ``zero``: the ZeRO++ keys."""
+    1e-3 (its default weight decay), no clipping key; ``zero``: the ZeRO++ keys. Each parameter is gathered on
+    its own (stage3_allgather_sequential), so the plain runs' message sizes are the quantized ones' units."""
     return ds_config(3, MICRO, 1, zero={"reduce_bucket_size": None, "allgather_bucket_size": None,
-                                        "stage3_param_persistence_threshold": 0, "overlap_comm": True, **zero},
+                                        "stage3_param_persistence_threshold": 0, "overlap_comm": True,
+                                        "stage3_allgather_sequential": True, **zero},
                      optimizer={"type": "AdamW", "params": {"lr": 1e-3}}, gradient_clipping=None,
                      bf16={"enabled": bf16})
 

@@ -128,11 +128,10 @@ ENTRIES: list[Entry] = [
          "(get_global_grad_norm() is None); refused, as by DeepSpeed, with gradient_clipping, optimizer offload or "
          "another stage", "tests/unit/runtime/test_config_effects.py::test_key_changes_behaviour[{key}]",
          traced=False),  # the config layer's rules read it; dsrun's step measures the norm only to clip
-    # dsrun gathers every stage-3 parameter with an all-gather of its own, what true asks for (DeepSpeed's
-    # _all_gather_sequential); its default, one coalesced all-gather for a module's parameters, dsrun does not have
-    todo("zero_optimization.stage3_allgather_sequential", "gather parameters one at a time (false: coalesced)",
-         Feature("coalescing a module's stage-3 parameter all-gathers into one (dsrun gathers each parameter with "
-                 "its own, what true asks for)", "nothing to do: never refused"), active=lambda cfg: False),
+    done("zero_optimization.stage3_allgather_sequential", "stage 3: true gathers each parameter with a collective "
+         "of its own; false (the default) one all-gather per fetch (a module's, a prefetch bucket's) over the "
+         "concatenated shards (qwZ, MiCS hierarchical and offloaded shards gather one by one)",
+         "tests/integration/test_config_effects.py::test_key_changes_behaviour[{key}]"),
     todo("zero_optimization.parameter_alignment", "align partition boundaries of each parameter",
          Feature("partition boundaries aligned to parameters", "leave the key at its default")),
     done("zero_optimization.enable_sanity_checks", "stage 3: an in-place change inside "

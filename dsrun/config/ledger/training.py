@@ -183,9 +183,9 @@ ENTRIES: list[Entry] = [
          "(stage 3)", UNIT),
     done("zero_optimization.stage3_gather_16bit_weights_on_model_save", "save_16bit_model gathers the full "
          "model (stage 3)", UNIT),
-    todo("zero_optimization.stage3_use_all_reduce_for_fetch_params", "gather parameters with all-reduce",
-         Feature("gathering ZeRO-3 parameters with an all-reduce of zero-padded shards", "leave the key at its "
-                 "default: the all-gather gives the same parameters"), applies=_stage(3)),
+    done("zero_optimization.stage3_use_all_reduce_for_fetch_params", "stage 3: a fetch's parameters gathered by "
+         "one all-reduce of a zeroed flat buffer holding this rank's shards at their offsets (not for hpZ's "
+         "secondary or quantized gathers)", RANKS),
     done("zero_optimization.stage3_module_granularity_threshold", "ZeRO-3 gathers whole (as leaf modules) the "
          "outermost modules with at most this many parameter elements per layer (0: off)",
          "tests/unit/zero3/test_leaf_modules.py::test_stage3_module_granularity_threshold_makes_leaves_through_"
