@@ -21,7 +21,7 @@ from torch import nn
 
 import dsrun
 from dsrun.checkpoint import load_file
-from dsrun.zero import hooks, partition_params
+from dsrun.zero import coalesced_gather, hooks, partition_params
 from dsrun.zero.partition_params import ParamStatus
 from tests.helpers import run_ranks
 
@@ -62,8 +62,8 @@ class _Counts:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch):
         self.calls = {"gather": 0, "release": 0}
-        for module, name, kind in ((partition_params, "start_gather", "gather"), (hooks, "start_gather", "gather"),
-                                   (hooks, "release_param", "release")):
+        for module, name, kind in ((partition_params, "start_gather", "gather"), (hooks, "start_gathers", "gather"),
+                                   (coalesced_gather, "start_gather", "gather"), (hooks, "release_param", "release")):
             monkeypatch.setattr(module, name, self._counting(getattr(module, name), kind))
 
     def _counting(self, fn, kind: str):
