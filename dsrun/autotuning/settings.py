@@ -96,6 +96,7 @@ class TuneSettings:
     trial_timeout: float = DEFAULT_TRIAL_TIMEOUT
     seed: int = DEFAULT_SEED
     comm_tolerance: float = 0.0
+    mp_size: int = 1  # autotuning.mp_size: the tuned job's model-parallel degree (its data-parallel size: world / it)
 
     @property
     def direction(self) -> str:
@@ -211,4 +212,4 @@ def settings_from(autotuning: AutotuningConfig, raw_autotuning: Mapping[str, Any
         arg_mappings=mappings, model_info=at.model_info.model_dump() if at.model_info else None,
         space=clean_space, memory_limit=limit, trial_timeout=timeout,
         seed=int(tune.get("seed", DEFAULT_SEED) if tune.get("seed") is not None else DEFAULT_SEED),
-        comm_tolerance=tolerance)
+        comm_tolerance=tolerance, mp_size=at.mp_size)

@@ -64,13 +64,14 @@ def _initials(key: str) -> str:
     return "".join(word[:1] for word in key.split(".")[-1].split("_") if word)
 
 
-def micro_batch_candidates(settings: TuneSettings, accumulation: int, world_size: int) -> list[int]:
+def micro_batch_candidates(settings: TuneSettings, accumulation: int, data_parallel_size: int) -> list[int]:
     """Without a list in the space: ``num_tuning_micro_batch_sizes`` powers of two from
     ``min_train_micro_batch_size_per_gpu``, at most ``max_train_micro_batch_size_per_gpu`` and what
-    ``max_train_batch_size`` allows."""
+    ``max_train_batch_size`` allows over the ``data_parallel_size`` ranks that take different samples (DeepSpeed:
+    ``max_train_batch_size * mp_size // gpus``)."""
     top = settings.max_micro_batch
     if settings.max_train_batch_size:
-        top = min(top, settings.max_train_batch_size // (accumulation * world_size))
+        top = min(top, settings.max_train_batch_size // (accumulation * data_parallel_size))
     sizes = [settings.min_micro_batch * 2**i for i in range(settings.num_tuning_micro_batch_sizes)]
     return [m for m in sizes if m <= top] or [settings.min_micro_batch]
 
@@ -92,6 +93,12 @@ class SearchSpace:
     base: dict[str, Any]  # the recipe's stage / micro batch / accumulation, for names and batch sizes
     world_size: int
     ignored: tuple[str, ...] = ()  # keys fast mode left at the recipe's value
+    mp_size: int = 1  # autotuning.mp_size: ranks that share one model replica
+
+    @property
+    def data_parallel_size(self) -> int:
+        """The ranks that take different samples: ``world_size / mp_size`` (DeepSpeed's autotuner)."""
+        return self.world_size // self.mp_size
 
     @property
     def size(self) -> int:
@@ -141,7 +148,7 @@ class SearchSpace:
 
     def train_batch_size(self, config: Mapping[str, Any]) -> int:
         return int(self.value(config, MICRO_BATCH_KEY)) * int(self.value(config, ACCUMULATION_KEY) or 1) \
-            * self.world_size
+            * self.data_parallel_size
 
     def experiment_name(self, config: Mapping[str, Any]) -> str:
         extras = [f"{_initials(k)}{_name_value(v)}" for k, v in config.items()
@@ -173,8 +180,30 @@ class SearchSpace:
         return text
 
 
-def build_space(settings: TuneSettings, base_ds: Mapping[str, Any], world_size: int) -> SearchSpace:
-    """The search space of ``settings`` over the recipe's resolved DeepSpeed config ``base_ds``."""
+def _model_parallel_problem(mp: int, base_ds: Mapping[str, Any], world_size: int, script: bool) -> Problem | None:
+    """``autotuning.mp_size`` must divide the ranks and, for a recipe, be the model parallelism it trains with
+    (dsrun's is AutoTP: ``tensor_parallel.autotp_size``); a script may split its model itself (its mpu)."""
+    if world_size % mp:
+        return Problem("autotuning.mp_size", f"got {mp}; it must divide the {world_size} ranks of a trial",
+                       f"use a divisor of {world_size}")
+    autotp = int(ds_section(base_ds, "tensor_parallel").autotp_size or 1)
+    if autotp > 1 and autotp != mp:
+        return Problem("autotuning.mp_size", f"got {mp}, but the config splits the model over tensor_parallel."
+                       f"autotp_size={autotp} ranks", f"set autotuning.mp_size to {autotp}")
+    if not script and mp > 1 and autotp == 1:
+        return Problem("autotuning.mp_size", f"got {mp}, but the recipe trains without model parallelism",
+                       f"set ds.tensor_parallel.autotp_size={mp} (dsrun's model parallelism), or leave mp_size at 1")
+    return None
+
+
+def build_space(settings: TuneSettings, base_ds: Mapping[str, Any], world_size: int,
+                script: bool = False) -> SearchSpace:
+    """The search space of ``settings`` over the recipe's resolved DeepSpeed config ``base_ds`` (``script``: a
+    script's config, whose model parallelism the script may make itself)."""
+    mp = int(settings.mp_size)
+    problem = _model_parallel_problem(mp, base_ds, world_size, script)
+    if problem is not None:
+        raise UserError(problem)
     base = {STAGE_KEY: int(ds_section(base_ds, "zero_optimization").stage),
             MICRO_BATCH_KEY: ds_section(base_ds, MICRO_BATCH_KEY) or 1,  # the values given (None: not given)
             ACCUMULATION_KEY: ds_section(base_ds, ACCUMULATION_KEY) or 1}
@@ -185,7 +214,7 @@ def build_space(settings: TuneSettings, base_ds: Mapping[str, Any], world_size: 
                                 "tune DeepSpeed keys or model./data./train./launcher. keys"))
     if MICRO_BATCH_KEY not in space and space:
         space[MICRO_BATCH_KEY] = micro_batch_candidates(
-            settings, int(space.get(ACCUMULATION_KEY, [base[ACCUMULATION_KEY]])[0]), world_size)
+            settings, int(space.get(ACCUMULATION_KEY, [base[ACCUMULATION_KEY]])[0]), world_size // mp)
     ignored: tuple[str, ...] = ()
     if settings.fast:
         ignored = tuple(k for k in space if k not in FAST_KEYS)
@@ -198,4 +227,4 @@ def build_space(settings: TuneSettings, base_ds: Mapping[str, Any], world_size: 
                                    "train_micro_batch_size_per_gpu)" if settings.fast else ""),
                                 "pick a space with autotuning=fast or autotuning=full, or set "
                                 "tune.space.KEY=[v1,v2]"))
-    return SearchSpace(dims=dims, fixed=fixed, base=base, world_size=world_size, ignored=ignored)
+    return SearchSpace(dims=dims, fixed=fixed, base=base, world_size=world_size, ignored=ignored, mp_size=mp)

@@ -51,7 +51,7 @@ def run(args: argparse.Namespace, world_size: int, add_arguments: Callable[[argp
     section = load_ds_config(path, world_size=None, world_size_source="dsrun launch --autotuning").autotuning
     # the keys the user set, as settings_from reads them (an unset overwrite is False there, as before)
     settings = settings_from(section, section.model_dump(exclude_unset=True), space_mapping(user_ds, bool(section.fast)), Path.cwd())
-    space = build_space(settings, {k: v for k, v in user_ds.items() if v != "auto"}, world_size)
+    space = build_space(settings, {k: v for k, v in user_ds.items() if v != "auto"}, world_size, script=True)
     tuner: Any = ScriptTuner(settings, space, user_ds, launcher_flags(args, add_arguments), args.script, args.script_args)
     reporter = Reporter(settings, space)
     tuner.on_event = reporter.event

@@ -303,8 +303,9 @@ ENTRIES: list[Entry] = [
     done("autotuning.max_train_micro_batch_size_per_gpu", "largest micro batch tried", CONFIG),
     done("autotuning.min_train_micro_batch_size_per_gpu", "smallest micro batch tried", CONFIG),
     done("autotuning.num_tuning_micro_batch_sizes", "how many micro batch sizes are tried", CONFIG),
-    todo("autotuning.mp_size", "model-parallel size of the tuned job", Feature("model parallelism in the tuner",
-         "leave mp_size at 1")),
+    done("autotuning.mp_size", "model-parallel size of the tuned job: trials' data-parallel size (global batch, "
+         "micro-batch bound) is ranks / mp_size; a recipe must train with that AutoTP size (tensor_parallel."
+         "autotp_size), whose split the memory pruning counts", CONFIG),
     done("autotuning.tuner_type", "gridsearch, random or model_based",
          STUDY + "test_grid_search_decides_every_configuration_once",
          STUDY + "test_model_based_never_launches_a_configuration_twice"),

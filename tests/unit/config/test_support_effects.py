@@ -107,9 +107,28 @@ def _micro_batches(key, tmp_path, **_):
     name = key.split(".")[1]
     changed = {"max_train_batch_size": 8, "max_train_micro_batch_size_per_gpu": 2,
                "min_train_micro_batch_size_per_gpu": 2, "num_tuning_micro_batch_sizes": 2}[name]
-    candidates = [micro_batch_candidates(tune_settings(tmp_path, **keys), accumulation=2, world_size=2)
+    candidates = [micro_batch_candidates(tune_settings(tmp_path, **keys), accumulation=2, data_parallel_size=2)
                   for keys in ({}, {name: changed})]
     assert candidates[0] == [1, 2, 4] and candidates[1] != candidates[0]
+
+
+@effect("autotuning.mp_size")
+def _mp_size(tmp_path, **_):
+    # DeepSpeed's autotuner: the data-parallel size is ranks / mp_size, so a trial's global batch is micro x
+    # accumulation x (4 / 2) and the micro-batch bound is max_train_batch_size * mp_size // ranks (32 * 2 // 4)
+    recipe = {**RECIPE, "gradient_accumulation_steps": 1, "tensor_parallel": {"autotp_size": 2}}
+    space = {"zero_optimization": {"stage": [0, 1]}}
+    spaces = [build_space(tune_settings(tmp_path, space=space, max_train_batch_size=32, num_tuning_micro_batch_sizes=6,
+                                        mp_size=mp), cfg, 4, script=script)
+              for mp, cfg, script in ((1, RECIPE, True), (2, recipe, False))]
+    config = {"train_micro_batch_size_per_gpu": 4}
+    assert [s.train_batch_size(config) for s in spaces] == [4 * 2 * 4, 4 * 1 * 2]
+    assert [max(s.dims["train_micro_batch_size_per_gpu"]) for s in spaces] == [4, 16]  # 32 // (2 x 4); 32 * 2 // 4
+    for mp, cfg, script, said in ((3, RECIPE, True, "must divide the 4 ranks"),
+                                  (2, RECIPE, False, "set ds.tensor_parallel.autotp_size=2"),
+                                  (1, recipe, False, "set autotuning.mp_size to 2")):
+        with pytest.raises(UserError, match=said):
+            build_space(tune_settings(tmp_path, space=space, mp_size=mp), cfg, 4, script=script)
 
 
 @effect("autotuning.min_train_batch_size")
