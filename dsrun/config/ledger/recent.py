@@ -34,10 +34,13 @@ ZENFLOW_KEYS = (  # (key, meaning, proofs in ZF)
      ("test_select_interval_and_epochs_reselect_the_columns",)),
 )
 WRITERS = "tests/unit/checkpoint/test_writer_checkpoint.py::"
-# data_parallel/io_multiplier split one file's bytes over ranks into files named <file>-<rank>.<n>, which only
-# DeepSpeed's patched serializer writes and neither its loader nor dsrun's reads back
-SPLIT = Feature("DeepSpeed's data-parallel split of checkpoint writes (part files no loader reads)",
-                "remove checkpoint.writer.data_parallel and io_multiplier")
+# DeepSpeed 0.19.8 (model_checkpointing/writer_factory.py, io/fast_file_writer.py): with data_parallel set, each
+# data-parallel writer of a stage 0-2 file writes <file>-<dp rank>.<dp size x io_multiplier> and never <file>; its
+# byte split (_save_storage_list) runs only under a torch that calls save_torch_storage_object_list (stock torch
+# never does: each rank then writes the whole file to its own name), and FastCheckpointEngine.load reads <file>, so
+# no loader reads what it writes. dsrun's own loadable split (each rank its byte range of <file>) is not built yet
+SPLIT = Feature("DeepSpeed's data-parallel split of checkpoint writes (its part files <file>-<rank>.<n> are read "
+                "by no loader, DeepSpeed's included)", "remove checkpoint.writer.data_parallel and io_multiplier")
 AUTOTP = Feature("AutoTP tensor-parallel training", "remove the tensor_parallel section")
 AUTOTP_TESTS = "tests/integration/test_autotp_training.py::"
 AUTOTP_UNIT = "tests/unit/tensor_parallel/test_autotp_split.py::"
@@ -132,8 +135,14 @@ ENTRIES: list[Entry] = [
          "of its own; false (the default) one all-gather per fetch (a module's, a prefetch bucket's) over the "
          "concatenated shards (qwZ, MiCS hierarchical and offloaded shards gather one by one)",
          "tests/integration/test_config_effects.py::test_key_changes_behaviour[{key}]"),
-    todo("zero_optimization.parameter_alignment", "align partition boundaries of each parameter",
-         Feature("partition boundaries aligned to parameters", "leave the key at its default")),
+    # DeepSpeed 0.19.8 (stage_1_and_2.py): zero padding between the parameters of each ZeRO-1/2 flat buffer so
+    # each starts 16-byte aligned, recorded as param_alignment_paddings in the optimizer state (zero_to_fp32 and
+    # its loader honour them). dsrun's flat layout, checkpoints, resharding and zero_to_fp32 pack end to end
+    todo("zero_optimization.parameter_alignment", "stages 1-2: pad the flat buffer between parameters so each "
+         "starts at a 16-byte-aligned address", Feature("16-byte-aligned parameter starts in the ZeRO-1/2 flat "
+                                                        "buffers (dsrun packs them end to end)",
+                                                        "leave the key at its default"),
+         applies=lambda cfg: cfg.zero_optimization.stage in (1, 2)),  # DeepSpeed reads it there only
     done("zero_optimization.enable_sanity_checks", "stage 3: an in-place change inside "
          "GatheredParameters(modifier_rank=None), which the ranks would not share, raises (DeepSpeed's check)",
          "tests/unit/zero3/test_api.py::test_enable_sanity_checks_refuses_a_change_gathered_parameters_would_lose"),

@@ -148,10 +148,10 @@ def test_defaults_and_disabled_sections_stay_silent():
     }) == []
 
 
-def test_a_key_deepspeed_reads_only_at_stage_3_is_refused_only_there():
-    key = "stage3_use_all_reduce_for_fetch_params"
-    assert paths({"zero_optimization": {"stage": 1, key: True}}) == []
-    assert paths({"zero_optimization": {"stage": 3, key: True}}) == [f"zero_optimization.{key}"]
+def test_a_key_deepspeed_reads_only_at_some_stages_is_refused_only_there():
+    key = "parameter_alignment"  # DeepSpeed's ZeRO-1/2 flat buffers
+    assert paths({"zero_optimization": {"stage": 3, key: True}}) == []
+    assert paths({"zero_optimization": {"stage": 1, key: True}}) == [f"zero_optimization.{key}"]
 
 
 def test_grad_accum_dtype_is_refused_where_dsrun_accumulates_otherwise():
