@@ -10,6 +10,11 @@ optimizer step; the table reports medians over the measured steps.
 Targets (issue 3): stage 0 <= 1.05x DDP, stages 1-2 <= 1.15x DDP. Issue 4: stage 3 <= 1.4x DDP, with and
 without ``stage3_prefetch_bucket_size`` (prefetch on uses DeepSpeed's default 5e7 elements), with
 DeepSpeed's default ``stage3_max_reuse_distance`` and with 0.
+
+``--zero3-gather`` compares only stage 3's parameter gathers instead (reuse distance 0, so backward gathers
+again): ``stage3_allgather_sequential`` true (one all-gather per parameter) against false (DeepSpeed's
+default: one per fetch) and ``stage3_use_all_reduce_for_fetch_params``. The CPU column is each rank's process
+time in the step, the mean over ranks.
 """
 from __future__ import annotations
 
@@ -95,6 +100,10 @@ def rank_main(rank: int, world: int, port: int, opts: dict, queue) -> None:
     no_prefetch, no_reuse = {"stage3_prefetch_bucket_size": 0}, {"stage3_max_reuse_distance": 0}
     variants = [(0, "", {}), (1, "", {}), (2, "", {}), (3, "", {}), (3, " no prefetch", no_prefetch),
                 (3, " reuse 0", no_reuse), (3, " reuse 0, no prefetch", {**no_reuse, **no_prefetch})]
+    if opts["zero3_gather"]:
+        variants = [(3, " sequential gathers", {**no_reuse, "stage3_allgather_sequential": True}),
+                    (3, " coalesced gathers", no_reuse),
+                    (3, " all-reduce fetch", {**no_reuse, "stage3_use_all_reduce_for_fetch_params": True})]
     for stage, label, extra in variants:
         # gradient_clipping 0: DDP's loop does not clip (dsrun, as DeepSpeed 0.19, clips at 1.0 when left out)
         cfg = {"train_micro_batch_size_per_gpu": opts["micro"], "steps_per_print": 10**6, "gradient_clipping": 0.0,
@@ -113,23 +122,27 @@ def rank_main(rank: int, world: int, port: int, opts: dict, queue) -> None:
 
     gen = torch.Generator().manual_seed(rank)
     times = {name: [] for name in runners}
+    cpu = {name: [] for name in runners}
     comm_bytes = {}
     for it in range(opts["warmup"] + opts["steps"]):
         tokens = torch.randint(0, opts["vocab"], (opts["micro"], opts["seq"]), generator=gen)
         for name, run in runners.items():
             comm.barrier()
             before = comm.comms_logger.total_traffic_bytes()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             run(tokens)
             elapsed = torch.tensor([time.perf_counter() - start])
+            used = torch.tensor([time.process_time() - start_cpu])
+            comm.all_reduce(used)
             if name.startswith("dsrun"):  # DDP calls torch.distributed itself; the logger does not see it
                 comm_bytes[name] = comm.comms_logger.total_traffic_bytes() - before
             comm.all_reduce(elapsed, op=comm.ReduceOp.MAX)
             if it >= opts["warmup"]:
                 times[name].append(float(elapsed))
+                cpu[name].append(float(used) / 2)
     memory = {f"dsrun stage {s}": e.memory_breakdown().as_dict() for s, e in engines.items()}
     if rank == 0:
-        queue.put({"times": times, "numel": numel, "comm_bytes": comm_bytes, "memory": memory})
+        queue.put({"times": times, "cpu": cpu, "numel": numel, "comm_bytes": comm_bytes, "memory": memory})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,10 +160,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     parser.add_argument("--compiled-adam", action="store_true",
                         help="let dsrun use DeepSpeedCPUAdam when built (default: torch's AdamW, as DDP uses)")
+    parser.add_argument("--zero3-gather", action="store_true",
+                        help="only stage 3, sequential vs coalesced vs all-reduce parameter gathers")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     opts = {k: getattr(args, k) for k in ("steps", "warmup", "layers", "width", "heads", "vocab", "seq", "micro",
-                                          "bucket_elements", "threads", "compiled_adam")}
+                                          "bucket_elements", "threads", "compiled_adam", "zero3_gather")}
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     from dsrun.utils.net import free_port
@@ -172,13 +187,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"GPT {result['numel'] / 1e6:.1f}M params, 2 gloo ranks x {args.threads} thread(s), micro-batch "
           f"{args.micro} x {args.seq} tokens, {args.steps} measured steps (median); load avg "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    print(f"{'config':<36}{'median ms':>12}{'min ms':>10}{'vs DDP':>9}{'comm MB/step/rank':>20}")
+    print(f"{'config':<36}{'median ms':>12}{'min ms':>10}{'CPU ms':>9}{'vs DDP':>9}{'comm MB/step/rank':>20}")
     rows = {}
     for name, values in result["times"].items():
-        med = statistics.median(values)
+        med, cpu = statistics.median(values), statistics.median(result["cpu"][name])
         comm_mb = result["comm_bytes"].get(name)
-        rows[name] = {"median_s": med, "min_s": min(values), "ratio": med / base, "comm_bytes": comm_mb}
-        print(f"{name:<36}{med * 1e3:>12.1f}{min(values) * 1e3:>10.1f}{med / base:>8.2f}x"
+        rows[name] = {"median_s": med, "min_s": min(values), "cpu_s": cpu, "ratio": med / base, "comm_bytes": comm_mb}
+        print(f"{name:<36}{med * 1e3:>12.1f}{min(values) * 1e3:>10.1f}{cpu * 1e3:>9.1f}{med / base:>8.2f}x"
               f"{(f'{comm_mb / 2**20:.1f}' if comm_mb is not None else '-'):>20}")
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "numel": result["numel"], "memory": result["memory"],

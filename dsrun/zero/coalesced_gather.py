@@ -71,9 +71,10 @@ class _CoalescedWork:
             pieces = self.flat.view(self.world, -1)
             for buffer, offset, part in self.slots:
                 buffer.view(self.world, part).copy_(pieces[:, offset:offset + part])
-            if self.scratch is not None:
-                self.scratch.give(self.flat)
-        self.done, self.work, self.flat, self.slots = True, None, None, []
+            del pieces  # the pool keeps a buffer only when nothing else refers to its memory
+        flat, self.done, self.work, self.flat, self.slots = self.flat, True, None, None, []
+        if self.scratch is not None and flat is not None:
+            self.scratch.give(flat)
 
 
 def _take(pool: GatherBufferPool | None, numel: int, like: torch.Tensor) -> torch.Tensor:

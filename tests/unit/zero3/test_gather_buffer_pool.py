@@ -53,3 +53,21 @@ def test_the_environments_mmap_threshold_stands(monkeypatch) -> None:
     mib = 1 << 20
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     assert host_memory.fix_mmap_threshold(16 * mib) is False  # the environment's own threshold stands
+
+
+def test_a_coalesced_gather_copies_each_parameter_out_of_the_ranks_pieces_and_keeps_its_flat_output() -> None:
+    """stage3_allgather_sequential false: rank r's piece of the one all-gather holds its shard of each parameter
+    in turn; each parameter's buffer gets its shards in rank order, and the flat output returns to the scratch
+    pool for the next fetch of that size."""
+    from dsrun.zero.coalesced_gather import _CoalescedWork
+
+    scratch = GatherBufferPool(limit=100)
+    flat = torch.arange(12.0)  # 2 ranks x (a shard of 2 of one parameter, then a shard of 4 of another)
+    first, second = torch.empty(4), torch.empty(8)
+    work = _CoalescedWork(None, flat, 2, [(first, 0, 2), (second, 2, 4)], scratch)
+    address = flat.data_ptr()
+    del flat
+    work.wait()
+    work.wait()  # a second parameter's handle asking again changes nothing
+    assert first.tolist() == [0, 1, 6, 7] and second.tolist() == [2, 3, 4, 5, 8, 9, 10, 11]
+    assert scratch.take(12).data_ptr() == address
