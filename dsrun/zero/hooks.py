@@ -6,6 +6,7 @@ through :class:`_GatherBeforeBackward`, an identity whose backward gathers them 
 reaches the module's own backward (whose saved tensors then see the full ``.data``). Trainable
 parameters are released during backward as soon as their gradient is complete (the ZeRO-3 strategy calls
 :meth:`ParameterCoordinator.release_after_grad`); anything still gathered is released when backward ends.
+A fetch's (and a prefetch bucket's) parameters travel in one collective (:mod:`.coalesced_gather`).
 
 The first forward+backward records the order modules fetch their parameters (the *trace*). From then on:
 

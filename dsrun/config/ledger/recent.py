@@ -39,8 +39,8 @@ WRITERS = "tests/unit/checkpoint/test_writer_checkpoint.py::"
 # byte split (_save_storage_list) runs only under a torch that calls save_torch_storage_object_list (stock torch
 # never does: each rank then writes the whole file to its own name), and FastCheckpointEngine.load reads <file>, so
 # no loader reads what it writes. dsrun's own loadable split (each rank its byte range of <file>) is not built yet
-SPLIT = Feature("DeepSpeed's data-parallel split of checkpoint writes (its part files <file>-<rank>.<n> are read "
-                "by no loader, DeepSpeed's included)", "remove checkpoint.writer.data_parallel and io_multiplier")
+SPLIT = Feature("DeepSpeed's data-parallel split of checkpoint writes (part files no loader reads, DeepSpeed's "
+                "included)", "remove checkpoint.writer.data_parallel and io_multiplier")
 AUTOTP = Feature("AutoTP tensor-parallel training", "remove the tensor_parallel section")
 AUTOTP_TESTS = "tests/integration/test_autotp_training.py::"
 AUTOTP_UNIT = "tests/unit/tensor_parallel/test_autotp_split.py::"
