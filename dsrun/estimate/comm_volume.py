@@ -21,7 +21,9 @@ group (the same message bytes, ``(S - 1) / S`` of them leave the rank; qgZ is on
 and each step all-reduces the fp32 gradient partition, ``4 psi_t / S``, across the R replicas
 (``replica_bytes``). hpZ (secondary groups of H ranks): the backward gathers read the secondary partition,
 so ``(H - 1) / H`` of their bytes leave the rank instead of ``(N - 1) / N``. MiCS's hierarchical gather
-(``mics_hierarchical_params_gather``) is counted as one gather.
+(``mics_hierarchical_params_gather``) is counted as one gather. ``stage3_use_all_reduce_for_fetch_params``
+fetches the exactly gathered elements (not qwZ's, not the frozen INT8 share, not hpZ's secondary backward
+gathers) with an all-reduce of the same message bytes, ``2 (S - 1) / S`` of which leave the rank.
 
 Parameters are counted as one flat vector: per-parameter padding to N shards and block rounding are left
 out, and so are the estimator's other approximations (a stage-3 parameter reused between forward and
@@ -77,6 +79,9 @@ def step_comm_volume(spec: EstimateInputs) -> CommVolume:
     s, h = spec.partition_ranks, spec.hpz_ranks  # MiCS shard group (else N); hpZ secondary group (0: none)
     in_shard = (s - 1) / s
     gather_traffic = forward * per_gathered * in_shard + backward * per_gathered * ((h - 1) / h if h else in_shard)
+    if spec.buffers.stage3_use_all_reduce_for_fetch_params and not spec.buffers.zero_quantized_weights:
+        exact = e * (1 - frozen_share)  # bytes per fetched element an all-reduce carries: it sends them twice
+        gather_traffic += (forward + (0 if h else backward)) * exact * in_shard
     replicas = n // s  # MiCS: each step all-reduces the fp32 gradient partition across the shard groups
     replica = -(-trainable // s) * 4 if replicas > 1 else 0
     replica_traffic = 2 * replica * (replicas - 1) / replicas if replicas > 1 else 0.0

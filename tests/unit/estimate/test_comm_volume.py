@@ -65,3 +65,14 @@ def test_quantized_nontrainable_weights_gather_the_frozen_share_at_int8() -> Non
                           buffers=BufferSettings.from_zero_config({"zero_quantized_nontrainable_weights": True}))
     base = step_comm_volume(EstimateInputs(**{**half.__dict__, "buffers": BufferSettings()}))
     assert step_comm_volume(half).gather_bytes == pytest.approx(base.gather_bytes / 2 * (1 + (1 + 4 / 256) / 4))
+
+
+def test_an_all_reduce_fetch_sends_the_gathered_bytes_twice() -> None:
+    """stage3_use_all_reduce_for_fetch_params: the same message bytes, twice the traffic of the gathers (an
+    all-reduce leaves 2 (N-1)/N of its tensor), except hpZ's secondary backward gathers, which stay all-gathers."""
+    plain, reduced = step_comm_volume(spec()), step_comm_volume(spec(stage3_use_all_reduce_for_fetch_params=True))
+    assert reduced.gather_bytes == plain.gather_bytes == 2 * PSI * 4
+    assert reduced.traffic_bytes == pytest.approx(plain.traffic_bytes + 2 * PSI * 4 * 3 / 4)
+    hpz = {**spec(per_node=8, stage3_use_all_reduce_for_fetch_params=True).__dict__, "hpz_partition_size": 2}
+    assert step_comm_volume(EstimateInputs(**hpz)).traffic_bytes == pytest.approx(
+        2 * PSI * 4 * 7 / 8 + PSI * 4 / 2 + PSI * 4 * 7 / 8)  # the forward's all-reduce adds its bytes once more
