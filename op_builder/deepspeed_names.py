@@ -1,7 +1,8 @@
 """DeepSpeed's op-builder names that scripts and tests import (``deepspeed.ops.op_builder.X``).
 
 ``FusedAdamBuilder`` is DeepSpeed's fused Adam; on a CPU it is the CPU Adam kernel (``dsrun.ops.adam.FusedAdam``
-steps with it), so this builder loads the ``cpu_adam`` op. ``UtilsBuilder`` (flatten, unflatten, byte casts) is torch; ``PinMemoryBuilder``'s
+steps with it), so this builder loads the ``cpu_adam`` op. ``UtilsBuilder`` (flatten, unflatten, byte casts) and
+``RaggedUtilsBuilder`` (inference v2's host buffers and byte views) are torch; ``PinMemoryBuilder``'s
 page-locked allocator is libc's ``posix_memalign`` + ``mlock`` through ctypes (``dsrun/utils/pin_memory.py``). The others name DeepSpeed CUDA ops dsrun does not
 build: their ``is_compatible()`` is False with the reason, and ``load()`` raises :class:`OpBuildError`, the same
 answer DeepSpeed gives on a machine where the op cannot be built.
@@ -62,6 +63,31 @@ class PinMemoryBuilder(OpBuilder):
 
         module = ModuleType("deepspeed.ops.pin_memory.pin_memory_op", self.__doc__)
         module.pin_handle = pin_handle
+        return module
+
+
+def _allocate_fast_host_buffer(like: torch.Tensor) -> torch.Tensor:
+    from dsrun.inference.v2.ragged.ragged_manager import fast_host_buffer
+    return fast_host_buffer(like)
+
+
+class RaggedUtilsBuilder(OpBuilder):
+    """DeepSpeed's ``ragged_device_ops`` host helpers for inference v2: ``allocate_fast_host_buffer(t)`` (a host
+    tensor shaped as ``t``, pinned where the accelerator pins), ``allocate_view_on(t, buffer, offset)`` and
+    ``allocate_view_like(shape, strides, dummy, buffer, offset)`` (a tensor of ``t``'s, or the given, dtype,
+    shape and strides over the bytes of a flat uint8 ``buffer``); torch here, nothing to build."""
+
+    NAME = "ragged_device_ops"
+
+    def load(self, verbose: bool = False) -> ModuleType:
+        module = ModuleType("deepspeed.ops.ragged_device_ops_op", self.__doc__)
+        from dsrun.inference.v2.allocator import view_on_bytes
+
+        module.allocate_fast_host_buffer = _allocate_fast_host_buffer
+        module.allocate_view_on = lambda tensor, buffer, offset: view_on_bytes(
+            tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, buffer, offset)
+        module.allocate_view_like = lambda shape, strides, dummy, buffer, offset: view_on_bytes(
+            tuple(shape), tuple(strides), dummy.dtype, buffer, offset)
         return module
 
 
@@ -130,5 +156,5 @@ class GDSBuilder(CUDAOpBuilder):
 
 DEEPSPEED_ONLY: tuple[type[OpBuilder], ...] = (FusedAdamBuilder, FusedLambBuilder, FusedLionBuilder,
                                                 TransformerBuilder, SparseAttnBuilder, QuantizerBuilder,
-                                                InferenceBuilder, UtilsBuilder, PinMemoryBuilder, EvoformerAttnBuilder,
-                                                FPQuantizerBuilder, GDSBuilder)
+                                                InferenceBuilder, UtilsBuilder, PinMemoryBuilder, RaggedUtilsBuilder,
+                                                EvoformerAttnBuilder, FPQuantizerBuilder, GDSBuilder)

@@ -1,4 +1,5 @@
-"""``deepspeed.inference.v2.allocator``: views of preallocated buffers (``empty_from``) and ``on_device``."""
+"""``deepspeed.inference.v2.allocator``: views of preallocated buffers (``empty_from``, ``view_on_bytes``) and
+``on_device``."""
 from __future__ import annotations
 
 import functools
@@ -29,6 +30,17 @@ class Allocator:
 
 
 empty_from = Allocator.empty_from
+
+
+def view_on_bytes(shape: tuple, strides: tuple, dtype: torch.dtype, buffer: torch.Tensor, offset: int) -> torch.Tensor:
+    """A ``dtype`` tensor of ``shape`` and ``strides`` over the bytes of the flat uint8 ``buffer`` from byte
+    ``offset`` (DeepSpeed's ``allocate_view_on``/``allocate_view_like``); ValueError if it does not fit."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(shape, strides)) if all(shape) else 0
+    if offset % itemsize != 0 or offset + extent * itemsize > buffer.numel():
+        raise ValueError(f"a {dtype} view of {extent} elements at byte {offset} does not fit a {buffer.numel()}-byte "
+                         "buffer on its element boundary")
+    return buffer[offset:offset + extent * itemsize].view(dtype).as_strided(tuple(shape), tuple(strides))
 
 
 def on_device(method: Callable) -> Callable:

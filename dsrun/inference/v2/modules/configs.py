@@ -65,5 +65,18 @@ class DSNormConfig(DSModuleConfig):
     eps: float = 1e-5
 
 
-__all__ = ["ActivationType", "DSLinearConfig", "DSNormConfig", "DSSelfAttentionConfig", "MaskingType",
+class DSMoEConfig(DSModuleConfig):
+    model_dim: int
+    intermediate_features: int
+    """Input features of the second expert linear (a gated activation's first linear has twice as many outputs)."""
+    n_experts: int
+    top_k: int = 1
+    input_dtype: DtypeEnum = DtypeEnum.fp16
+    output_dtype: DtypeEnum = DtypeEnum.fp16
+    activation: ActivationType = ActivationType.IDENTITY
+    normalize_scores: bool = False
+    """Rescale each token's top-k gate scores to sum to 1."""
+
+
+__all__ = ["DSMoEConfig", "ActivationType", "DSLinearConfig", "DSNormConfig", "DSSelfAttentionConfig", "MaskingType",
            "NormTypeEnum", "PositionalEmbeddingType", "RotateHalfConfig"]
