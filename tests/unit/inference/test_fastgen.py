@@ -20,7 +20,8 @@ from dsrun.inference.v2 import RaggedInferenceEngineConfig, build_hf_engine
 from dsrun.inference.v2.inference_parameter import InferenceParameter
 from dsrun.inference.v2.inference_utils import ActivationType, DtypeEnum
 from dsrun.inference.v2.kernels import NotOnCPUError, fp6
-from dsrun.inference.v2.kernels.core_ops import CUDAGatedActivation, CUDARMSNorm
+from dsrun.inference.v2.kernels.core_ops import CUDAGatedActivation
+from dsrun.inference.v2.kernels.cutlass_ops import MixedGEMM
 from dsrun.inference.v2.model_implementations import LayerContainer, ParameterBase, ParamList
 from dsrun.inference.v2.model_implementations.common_parameters import UnfusedMoEMLP1Parameter
 from dsrun.inference.v2.model_implementations.exaone.model import (Exaone4_5InferenceModel,
@@ -269,15 +270,19 @@ def test_exaone4_5_caps_sequences_at_the_window_and_schedules_kv_blocks_within_i
 
 
 def test_cuda_only_names_are_refused_with_one_line_and_deepspeed_paths_reach_dsruns_modules():
-    with pytest.raises(NotOnCPUError, match=r"^deepspeed\.inference\.v2\.kernels\.core_ops\.CUDARMSNorm: a CUDA kernel"):
-        CUDARMSNorm(128, torch.float16)
+    with pytest.raises(NotOnCPUError, match=r"^deepspeed\.inference\.v2\.kernels\.cutlass_ops\.MixedGEMM: a CUTLASS"):
+        MixedGEMM(DtypeEnum.fp16, ActivationType.GELU, 4)
     with pytest.raises(NotOnCPUError, match="build_hf_engine"):
         build_hf_engine("any/model", RaggedInferenceEngineConfig())
     for path, name in [("deepspeed.inference.v2.model_implementations.exaone4_5.model", "Exaone4_5InferenceModel"),
                        ("deepspeed.inference.v2.model_implementations.exaone4.model", "Exaone4InferenceModel"),
                        ("deepspeed.inference.v2.modules.module_registry", "ConfigBundle"),
                        ("deepspeed.inference.v2.ragged.blocked_allocator", "BlockedAllocator"),
-                       ("deepspeed.inference.v2.model_implementations.sharding", "shard_qkv_param")]:
+                       ("deepspeed.inference.v2.model_implementations.sharding", "shard_qkv_param"),
+                       ("deepspeed.inference.v2.kernels.ragged_ops", "BlockedFlashAttn"),
+                       ("deepspeed.inference.v2.model_implementations.flat_model_helpers", "flatten_inference_model"),
+                       ("deepspeed.inference.v2.modules.implementations", "cuda_post_ln"),
+                       ("deepspeed.ops.op_builder", "RaggedUtilsBuilder")]:
         assert hasattr(importlib.import_module(target_of(path)), name), path
 
 
@@ -298,3 +303,240 @@ def test_inference_parameter_aux_tensors_follow_device_moves_but_not_dtype_casts
     assert moved.device.type == "meta" and moved.scales.device.type == "meta" and moved.aux_attrs["scales"] is moved.scales
     cast = weight.to(torch.float16)
     assert cast.dtype == torch.float16 and cast.scales.dtype == torch.float32
+
+
+# --- the ragged batch, the state manager and the torch kernels (DeepSpeed's CUDA ones) ---------------------------
+
+def _manager_and_batch(seq_params, head_size=64, n_kv=1, block_size=4, blocks=16, padding=False):
+    """A state manager whose cache is filled with a sentinel, and a batch of sequences (tokens, seen before): each
+    sequence has seen its history (post_forward) and holds the blocks it needs, taken out of order."""
+    from dsrun.inference.v2.ragged import (AllocationMode, DSStateManager, KVCacheConfig, MemoryConfig,
+                                           RaggedBatchWrapper)
+    config = DSStateManagerConfig(max_tracked_sequences=8, max_ragged_sequence_count=8, max_ragged_batch_size=128,
+                                  memory_config=MemoryConfig(mode=AllocationMode.ALLOCATE, size=blocks))
+    kv_config = KVCacheConfig(block_size=block_size, cache_shape=(1, n_kv, head_size), cache_dtype=torch.float16)
+    manager = DSStateManager(config, (kv_config, ))
+    manager.get_cache(0).fill_(-7.0)
+    manager.allocate_blocks(1)  # so a sequence's blocks are not 0, 1, 2, ...
+    batch = RaggedBatchWrapper(config)
+    descs = []
+    for uid, (n_tokens, seen) in enumerate(seq_params):
+        desc = manager.get_or_create_sequence(uid)
+        desc.pre_forward(seen)
+        desc.post_forward()
+        desc.extend_kv_cache(manager.allocate_blocks(-(-(n_tokens + seen) // block_size)))
+        batch.insert_sequence(desc, torch.arange(n_tokens) + 100 * uid)
+        desc.pre_forward(n_tokens)
+        descs.append(desc)
+    batch.finalize(padding=padding)
+    return manager, batch, descs
+
+
+def test_ragged_batch_holds_deepspeeds_metadata_and_the_state_manager_tracks_blocks():
+    from dsrun.inference.v2.ragged.sequence_descriptor import block_ids_at
+    manager, batch, descs = _manager_and_batch([(3, 0), (1, 5), (2, 2)], padding=True)
+    assert (batch.current_tokens, batch.current_sequences, batch.tensor_toks) == (6, 3, 64)
+    assert batch.input_ids()[:6].tolist() == [0, 1, 2, 100, 200, 201] and set(batch.input_ids()[6:].tolist()) == {-1}
+    assert batch.tokens_to_seq()[:6].tolist() == [0, 0, 0, 1, 2, 2] and batch.batch_metadata_buffer().tolist() == [6, 3]
+    assert batch.inflight_seq_descriptors().tolist() == [[0, 3, 0, 0], [3, 1, 5, 0], [4, 2, 2, 0]]
+    for ptr, desc in zip(batch.kv_ptrs().tolist(), descs):  # each address reads back the sequence's blocks
+        assert torch.equal(block_ids_at(ptr)[0, :desc.cur_allocated_blocks], desc.all_block_ids())
+    assert [d.cur_allocated_blocks for d in descs] == [1, 2, 1] and manager.free_blocks == [16 - 1 - 4]
+    with pytest.raises(ValueError, match="not a tracked sequence's block table"):
+        block_ids_at(12345)
+    with pytest.raises(RuntimeError, match="capacity limit"):
+        batch.insert_sequence(PlaceholderSequenceDescriptor(), torch.zeros(200, dtype=torch.int64))
+    manager.flush_sequence(1)
+    assert manager.free_blocks == [16 - 1 - 2] and manager.get_sequence(1) is None
+    batch.clear()
+    assert (batch.current_tokens, batch.current_sequences) == (0, 0)
+
+
+def _rotate_half_reference(x, positions, inv_freq):
+    """Plain rotate-half RoPE in float64: x [tokens, heads, head] rotated by positions * inv_freq."""
+    angles = positions.double().view(-1, 1, 1) * inv_freq.double().view(1, 1, -1)
+    cos, sin = torch.cat([angles.cos(), angles.cos()], -1), torch.cat([angles.sin(), angles.sin()], -1)
+    half = x.shape[-1] // 2
+    return x.double() * cos + torch.cat([-x[..., half:], x[..., :half]], -1).double() * sin
+
+
+@pytest.mark.parametrize("trained", [False, True])
+def test_kv_copy_rotates_queries_and_keys_and_writes_each_token_to_its_block(trained):
+    from dsrun.inference.v2.kernels.ragged_ops import (BlockedRotaryEmbeddings, BlockedTrainedRotaryEmbeddings,
+                                                       LinearBlockedKVCopy)
+    head, n_q, n_kv = 64, 2, 1  # a GQA group of two query heads
+    manager, batch, descs = _manager_and_batch([(5, 0), (2, 6)], head_size=head, n_kv=n_kv)
+    kv_cache = manager.get_cache(0)
+    qkv = torch.randn(7, (n_q + 2 * n_kv) * head, generator=torch.Generator().manual_seed(3)).half()
+    original = qkv.clone()
+    positions = torch.tensor([0, 1, 2, 3, 4, 6, 7])
+    inv_freq = 1.0 / 10000.0**(torch.arange(0, head, 2, dtype=torch.float32) / head)
+    if trained:
+        inv_freq = inv_freq * 1.5
+        BlockedTrainedRotaryEmbeddings(head, n_q, n_kv, torch.float16)(kv_cache, qkv, batch, inv_freq)
+        q_freq, k_freq = [inv_freq, inv_freq], inv_freq
+    else:
+        BlockedRotaryEmbeddings(head, n_q, n_kv, torch.float16, head, 10000.0)(kv_cache, qkv, batch)
+        rounded = inv_freq.half().float()  # DeepSpeed's kernel: keys and each group's first query head
+        q_freq, k_freq = [rounded, inv_freq], rounded
+    q = original[:, :n_q * head].view(7, n_q, head)
+    for h in range(n_q):
+        expect = _rotate_half_reference(q[:, h:h + 1], positions, q_freq[h]).half()
+        # float32 math rounded to fp16: at most one fp16 step (2**-10 relative) from the float64 reference
+        torch.testing.assert_close(qkv[:, h * head:(h + 1) * head], expect.view(7, head), rtol=2**-10, atol=1e-3)
+    k_expect = _rotate_half_reference(original[:, n_q * head:(n_q + 1) * head].view(7, 1, head), positions, k_freq)
+    tables = [d.all_block_ids().tolist() for d in descs]
+    slots = [(tables[0][p // 4], p % 4) for p in range(5)] + [(tables[1][p // 4], p % 4) for p in (6, 7)]
+    for t, (block, row) in enumerate(slots):
+        torch.testing.assert_close(kv_cache[block, row, 0], k_expect[t].half(), rtol=2**-10, atol=1e-3)
+        assert torch.equal(kv_cache[block, row, 1, 0], original[t, (n_q + 1) * head:])
+    written = {slot for slot in slots}
+    untouched = [(b, r) for b in range(16) for r in range(4) if (b, r) not in written]
+    assert all(bool((kv_cache[b, r] == -7.0).all()) for b, r in untouched)
+    with pytest.raises(ValueError, match="Unsupported head size"):
+        LinearBlockedKVCopy(48, 2, 1, torch.float16)
+
+
+def test_blocked_attention_is_causal_attention_over_each_sequences_cached_history():
+    from dsrun.inference.v2.modules.configs import DSSelfAttentionConfig
+    from dsrun.inference.v2.modules.interfaces import DSSelfAttentionRegistry
+    from dsrun.inference.v2.kernels.ragged_ops import LinearBlockedKVCopy
+    from dsrun.inference.v2.ragged import RaggedBatchWrapper
+    head, n_q, n_kv = 64, 4, 2
+    gen = torch.Generator().manual_seed(5)
+    # first pass: two prompts fill the cache; second pass: a 3-token continuation of each
+    config = DSSelfAttentionConfig(max_tokens=64, n_heads_q=n_q, n_heads_kv=n_kv, head_size=head, max_sequences=8,
+                                   scale_factor=0.125)
+    attn = DSSelfAttentionRegistry.instantiate_config(ConfigBundle(name="dense_blocked_attention", config=config))
+    block = attn.kv_block_size  # the cache's block size is the attention's choice (128 for 64-channel heads)
+    manager, batch, descs = _manager_and_batch([(6, 0), (3, 0)], head_size=head, n_kv=n_kv, block_size=block,
+                                               blocks=6)
+    first = torch.randn(9, (n_q + 2 * n_kv) * head, generator=gen).half()
+    LinearBlockedKVCopy(head, n_q, n_kv, torch.float16)(manager.get_cache(0), first, batch)
+    second_batch = RaggedBatchWrapper(DSStateManagerConfig(max_ragged_sequence_count=8, max_ragged_batch_size=64))
+    for uid, desc in enumerate(descs):
+        desc.post_forward()
+        second_batch.insert_sequence(desc, torch.zeros(3, dtype=torch.int64))
+        desc.pre_forward(3)
+    second_batch.finalize()
+    second = torch.randn(6, (n_q + 2 * n_kv) * head, generator=gen).half()
+    attn.build_atoms(second_batch)
+    out = attn(second.clone(), manager.get_cache(0), second_batch)
+    for rows_old, rows_new in ((slice(0, 6), slice(0, 3)), (slice(6, 9), slice(3, 6))):
+        kv = torch.cat([first[rows_old, n_q * head:], second[rows_new, n_q * head:]]).double()
+        k = kv[:, :n_kv * head].view(-1, n_kv, head).repeat_interleave(n_q // n_kv, 1).transpose(0, 1)
+        v = kv[:, n_kv * head:].view(-1, n_kv, head).repeat_interleave(n_q // n_kv, 1).transpose(0, 1)
+        q = second[rows_new, :n_q * head].double().view(3, n_q, head).transpose(0, 1)
+        seen = k.shape[1] - 3
+        mask = torch.arange(k.shape[1]).view(1, -1) <= (seen + torch.arange(3)).view(-1, 1)
+        expect = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125).transpose(0, 1).reshape(3, -1)
+        torch.testing.assert_close(out[rows_new], expect.half(), rtol=2**-10, atol=1e-3)
+
+
+def test_ragged_embedding_adds_positions_and_logits_gather_takes_each_sequences_last_token():
+    from dsrun.inference.v2.kernels.ragged_ops import RaggedEmbeddingKernel, RaggedLogitsGather
+    _, batch, _ = _manager_and_batch([(3, 0), (2, 4)], padding=True)
+    vocab = torch.randn(300, 8)
+    positions_table = torch.randn(16, 8)
+    out = torch.full((batch.tensor_toks, 8), 9.0)
+    RaggedEmbeddingKernel(torch.float32, torch.int64, 8)(out, batch, vocab, positions_table, 2)
+    ids, positions = torch.tensor([0, 1, 2, 100, 101]), torch.tensor([0, 1, 2, 4, 5])
+    assert torch.equal(out[:5], vocab[ids] + positions_table[positions + 2])
+    assert bool((out[5:] == 9.0).all())  # padding rows are left alone
+    last = torch.empty(2, 8)
+    RaggedLogitsGather(8, torch.float32)(last, out, batch)
+    assert torch.equal(last, out[[2, 4]])
+    with pytest.raises(ValueError, match="aligned to 16 bytes"):
+        RaggedEmbeddingKernel(torch.float16, torch.int32, 4)
+
+
+def test_moe_module_routes_each_token_through_its_top_k_experts():
+    from dsrun.inference.v2.kernels.ragged_ops import RaggedTopKGating
+    from dsrun.inference.v2.modules.configs import DSMoEConfig
+    from dsrun.inference.v2.modules.interfaces import DSMoERegistry
+    tokens, dim, hidden, experts, k = 5, 16, 8, 4, 2
+    _, batch, _ = _manager_and_batch([(tokens, 0)])
+    gen = torch.Generator().manual_seed(11)
+    x, gate = torch.randn(tokens, dim, generator=gen).half(), torch.randn(experts, dim, generator=gen).half()
+    w1, w2 = torch.randn(experts, hidden, dim, generator=gen).half(), torch.randn(experts, dim, hidden, generator=gen).half()
+    config = DSMoEConfig(max_tokens=32, model_dim=dim, intermediate_features=hidden, n_experts=experts, top_k=k,
+                         activation=ActivationType.RELU, normalize_scores=True)
+    moe = DSMoERegistry.instantiate_config(ConfigBundle(name="cutlass_multi_gemm_moe", config=config,
+                                                        implementation_config={"weight_dtype": DtypeEnum.fp16}))
+    out = moe(x, batch, moe.transform_gate_param(gate), moe.transform_moe_mlp_1_param(w1),
+              moe.transform_moe_mlp_2_param(w2))
+    logits = (x.float() @ gate.float().t()).half().float()
+    scores, chosen = logits.softmax(-1).topk(k, dim=-1)
+    scores = scores / scores.sum(-1, keepdim=True)
+    for t in range(tokens):
+        mid = [F.relu((x[t].float() @ w1[e].float().t()).half().float()).half().float() for e in chosen[t].tolist()]
+        expect = sum(s * (m @ w2[e].float().t()).half().float() for s, m, e in zip(scores[t], mid, chosen[t].tolist()))
+        torch.testing.assert_close(out[t].float(), expect, rtol=2**-9, atol=2e-3)
+    # ties go to the lower expert; each expert's tokens get slots 0, 1, ... in order; padding is unassigned
+    counts, scores_out = torch.zeros(4, dtype=torch.int32), torch.empty(3, 1)
+    assignments, offsets = torch.empty(3, 1, dtype=torch.int32), torch.empty(3, 1, dtype=torch.int32)
+    _, tie_batch, _ = _manager_and_batch([(2, 0)])
+    RaggedTopKGating(DtypeEnum.fp16)(counts, scores_out, assignments, offsets,
+                                     torch.tensor([[0, 1, 1, 0], [1, 0, 0, 1], [5, 5, 5, 5]]).half(), tie_batch)
+    assert assignments.flatten().tolist() == [1, 0, -1] and offsets.flatten().tolist() == [0, 0, -1]
+    assert counts.tolist() == [1, 1, 0, 0]
+
+
+@pytest.mark.parametrize("name, norm", [("cuda_pre_ln", "layer_norm"), ("cuda_pre_rms", "rms_norm"),
+                                        ("cuda_post_ln", "layer_norm")])
+def test_norm_modules_add_the_residual_and_normalize(name, norm):
+    from dsrun.inference.v2.modules.configs import DSNormConfig
+    from dsrun.inference.v2.modules.interfaces import DSPostNormRegistry, DSPreNormRegistry
+    config = DSNormConfig(max_tokens=16, type=norm, channels=8, residual_dtype=torch.float32,
+                          input_dtype=torch.float32, output_dtype=torch.float32, eps=1e-5)
+    registry = DSPostNormRegistry if name == "cuda_post_ln" else DSPreNormRegistry
+    module = registry.instantiate_config(ConfigBundle(name=name, config=config))
+    gen = torch.Generator().manual_seed(2)
+    residual, hidden, gamma, beta = (torch.randn(3, 8, generator=gen), torch.randn(3, 8, generator=gen),
+                                     torch.randn(8, generator=gen), torch.randn(8, generator=gen))
+    total = residual + hidden
+    if norm == "layer_norm":
+        expect = F.layer_norm(total, (8, ), gamma, beta, 1e-5)
+        res_out, hid_out = module(residual, hidden, module.transform_param(gamma), module.transform_param(beta))
+    else:
+        expect = total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-5) * gamma
+        res_out, hid_out = module(residual, hidden, module.transform_param(gamma))
+    assert torch.equal(res_out, expect if name == "cuda_post_ln" else total)
+    torch.testing.assert_close(hid_out, expect, rtol=1e-6, atol=1e-6)  # float32 math both sides
+    with pytest.raises(ValueError, match="not supported"):  # residual, input and output must share a dtype
+        registry.instantiate_config(ConfigBundle(name=name, config=config.model_copy(update={"input_dtype":
+                                                                                              torch.float16})))
+
+
+def test_flat_model_helpers_round_trip_parameters_through_one_aligned_buffer():
+    from dsrun.inference.v2.model_implementations.flat_model_helpers import (flatten_inference_model,
+                                                                             restore_inference_model)
+
+    class Weight(ParameterBase):
+        param: torch.Tensor
+
+        def finalize(self) -> torch.Tensor:
+            return InferenceParameter.initialize(self.param, scales=torch.arange(3.0))
+
+    class Layer(LayerContainer):
+        PARAM_MAPPING = {"w": "w.param", "b": "b.param"}
+        w: Weight
+        b: Weight
+
+    model = SimpleNamespace()
+    layers = [Layer(model) for _ in range(2)]
+    head = Layer(model)
+    values = {}
+    for i, layer in enumerate(layers + [head]):
+        values[i] = (torch.randn(4, 6).t(), torch.randn(5).half())  # a transposed weight keeps its strides
+        layer.set_dependency("w", values[i][0])
+        layer.set_dependency("b", values[i][1])
+    buffer, metadata = flatten_inference_model(layers, head, "TestPolicy")
+    offsets = [p.core_param.offset for layer in metadata.layers.values() for p in layer.params.values()]
+    assert all(o % 256 == 0 for o in offsets) and len(set(offsets)) == len(offsets)
+    restored_layers, restored_head = [Layer(model) for _ in range(2)], Layer(model)
+    restore_inference_model(buffer, metadata, restored_layers, restored_head)
+    for i, layer in enumerate(restored_layers + [restored_head]):
+        assert torch.equal(layer.w, values[i][0]) and layer.w.stride() == (1, 6) and torch.equal(layer.b, values[i][1])
+        assert torch.equal(layer.w.scales, torch.arange(3.0))
+        assert layer.w.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()  # views, no copy

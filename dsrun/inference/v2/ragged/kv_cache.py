@@ -16,7 +16,7 @@ from dsrun.accelerator import get_accelerator
 from dsrun.comm import comm as dist
 
 from ..allocator import current_device
-from ..inference_utils import elem_size
+from ..inference_utils import DtypeEnum, elem_size
 from .blocked_allocator import BlockedAllocator
 from .manager_configs import AllocationMode, KVCacheConfig, MemoryConfig
 
@@ -45,13 +45,13 @@ class BlockedKVCache:
             num_blocks = memory_config.size
         self._caches = tuple(
             torch.empty((config.cache_shape[0], num_blocks, config.block_size, 2, config.cache_shape[1],
-                         config.cache_shape[2]), dtype=config.cache_dtype.value, device=current_device())
+                         config.cache_shape[2]), dtype=DtypeEnum(config.cache_dtype).value, device=current_device())
             for config in configs)
         self._allocators = tuple(BlockedAllocator(num_blocks) for _ in configs)
 
     def _blocks_that_fit(self, mp_group: Optional[Any]) -> int:
         bytes_per_block = sum(
-            math.prod(config.cache_shape) * config.block_size * 2 * elem_size(config.cache_dtype.value)
+            math.prod(config.cache_shape) * config.block_size * 2 * elem_size(DtypeEnum(config.cache_dtype).value)
             for config in self._configs)
         get_accelerator().empty_cache()
         available = get_accelerator().available_memory() - self._memory_config.size

@@ -89,10 +89,7 @@ class RaggedBatchWrapper:
             self._token_to_seq_storage_shadow[:tokens].copy_(torch.tensor(self._token_to_seq_buf, dtype=torch.int32))
             self._kv_ptrs_shadow[:sequences].copy_(torch.tensor(self._kv_blocks_ptr_buf, dtype=torch.int64))
         self._batch_metadata_storage_shadow.copy_(torch.tensor([tokens, sequences], dtype=torch.int32))
-        padded = to_padded(tokens) if padding else tokens
-        if padded > self._config.max_ragged_batch_size:
-            raise RuntimeError(f"The padded batch ({padded} tokens) exceeds max_ragged_batch_size "
-                               f"({self._config.max_ragged_batch_size})")
+        padded = to_padded(tokens) if padding else tokens  # past max_ragged_batch_size the buffers clip it
         self._input_ids_shadow[tokens:padded].fill_(-1)
         self._token_to_seq_storage_shadow[tokens:padded].fill_(-1)
         self._is_padded = bool(padding)

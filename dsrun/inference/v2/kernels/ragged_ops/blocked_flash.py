@@ -101,6 +101,9 @@ class BlockedFlashAttn(DSKernelBase):
         host_atoms = atoms.cpu()
         ptrs = host_atoms[:, :2].contiguous().view(torch.int64).flatten().tolist()
         for ptr, (q_start, q_len, kv_blocks, extent, first_pos) in zip(ptrs, host_atoms[:, 2:7].tolist()):
+            if kv_blocks != -(-extent // block_size):
+                raise ValueError(f"an atom spans {kv_blocks} KV blocks for {extent} tokens, the cache holds {block_size} "
+                                 "tokens a block: build the atoms with the cache's block size (kv_block_size)")
             blocks = block_ids_at(ptr).flatten()[:kv_blocks].long().to(k.device)
             keys = k[blocks].reshape(-1, n_kv, head)[:extent].float().repeat_interleave(n_q // n_kv, dim=1)
             values = v[blocks].reshape(-1, n_kv, head)[:extent].float().repeat_interleave(n_q // n_kv, dim=1)
