@@ -1,5 +1,5 @@
-"""``deepspeed.inference.v2.kernels``: the kernel base class, and the refusal of DeepSpeed's CUDA kernels that
-have no torch path here (:func:`cuda_kernel`)."""
+"""``deepspeed.inference.v2.kernels``: the kernel base class, and the refusal of the few DeepSpeed CUDA kernels and
+FastGen parts that have no torch path here (:func:`cuda_kernel`, :func:`cuda_function`)."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
