@@ -42,8 +42,10 @@ def token_kv_slots(batch: RaggedBatchWrapper, block_size: int) -> Tuple[torch.Te
     block it is written to."""
     seqs, positions = token_positions(batch)
     tables = block_tables(batch.kv_ptrs())
-    blocks = tables[seqs, positions // block_size]
-    if bool((blocks < 0).any()):
-        raise ValueError("a token of the batch lies past the KV-cache blocks its sequence holds (extend_kv_cache "
-                         "before the forward pass)")
+    block_index = positions // block_size
+    if bool((block_index >= tables.shape[1]).any()) or bool((tables[seqs, block_index.clamp(
+            max=tables.shape[1] - 1)] < 0).any()):
+        raise ValueError("a token of the batch lies past the blocks its sequence's block table can hold "
+                         "(KVCacheConfig.max_blocks_per_allocation_group)")
+    blocks = tables[seqs, block_index]
     return positions, blocks, positions % block_size
