@@ -503,6 +503,13 @@ def test_norm_modules_add_the_residual_and_normalize(name, norm):
         res_out, hid_out = module(residual, hidden, module.transform_param(gamma))
     assert torch.equal(res_out, expect if name == "cuda_post_ln" else total)
     torch.testing.assert_close(hid_out, expect, rtol=1e-6, atol=1e-6)  # float32 math both sides
+    if name != "cuda_post_ln":  # no hidden states: the residual alone is normalized (CUDAFPLN, CUDARMSNorm)
+        params = [module.transform_param(gamma)] + ([module.transform_param(beta)] if norm == "layer_norm" else [])
+        alone_res, alone_hid = module(residual.clone(), None, *params)
+        alone = (F.layer_norm(residual, (8, ), gamma, beta, 1e-5) if norm == "layer_norm" else
+                 residual * torch.rsqrt(residual.pow(2).mean(-1, keepdim=True) + 1e-5) * gamma)
+        assert torch.equal(alone_res, residual)
+        torch.testing.assert_close(alone_hid, alone, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="not supported"):  # residual, input and output must share a dtype
         registry.instantiate_config(ConfigBundle(name=name, config=config.model_copy(update={"input_dtype":
                                                                                               torch.float16})))
