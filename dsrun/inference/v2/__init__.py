@@ -12,7 +12,7 @@ from __future__ import annotations
 from .config_v2 import DeepSpeedTPConfig, QuantizationConfig, RaggedInferenceEngineConfig
 from .kernels import NotOnCPUError, cuda_function, cuda_kernel
 
-_ENGINE = "FastGen's engine, whose models need DeepSpeed's embedding, unembedding and cuBLAS linear modules"
+_ENGINE = "FastGen's engine, whose models need DeepSpeed's embedding and unembedding modules"
 InferenceEngineV2 = cuda_kernel("inference.v2.engine_v2.InferenceEngineV2", _ENGINE)
 build_hf_engine = cuda_function("inference.v2.build_hf_engine", _ENGINE)
 build_engine_from_ds_checkpoint = cuda_function("inference.v2.build_engine_from_ds_checkpoint", _ENGINE)

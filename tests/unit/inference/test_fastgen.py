@@ -547,3 +547,17 @@ def test_flat_model_helpers_round_trip_parameters_through_one_aligned_buffer():
         assert torch.equal(layer.w, values[i][0]) and layer.w.stride() == (1, 6) and torch.equal(layer.b, values[i][1])
         assert torch.equal(layer.w.scales, torch.arange(3.0))
         assert layer.w.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()  # views, no copy
+
+
+def test_blas_fp_linear_is_the_default_linear_and_gates_its_doubled_output():
+    from dsrun.inference.v2.modules.heuristics import instantiate_linear
+    config = DSLinearConfig(max_tokens=16, in_channels=8, out_channels=8, activation=ActivationType.SiGLU)
+    linear = instantiate_linear(config, RaggedInferenceEngineConfig())  # no quantization: DeepSpeed's blas_fp_linear
+    assert linear.name() == "blas_fp_linear"
+    gen = torch.Generator().manual_seed(4)
+    x, w, b = (torch.randn(3, 8, generator=gen).half(), torch.randn(16, 8, generator=gen).half(),
+               torch.randn(16, generator=gen).half())
+    out = linear(x, linear.transform_param(w), linear.transform_param(b))
+    staged = (x.float() @ w.float().t()).half().float() + b.float()  # the GEMM's fp16 output, then bias + gate
+    expect = (F.silu(staged[:, ::2]) * staged[:, 1::2]).half()
+    torch.testing.assert_close(out, expect, rtol=2**-10, atol=1e-3)

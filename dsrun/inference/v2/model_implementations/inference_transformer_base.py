@@ -144,7 +144,7 @@ class DSTransformerModelBase(DSInferenceModelBase):
                  base_mp_group: Optional["ProcessGroup"]) -> None:
         super().__init__(config, engine_config, base_mp_group)
         raise not_on_cpu(f"inference.v2.model_implementations.{type(self).__name__}",
-                         "its layers include DeepSpeed's embedding, unembedding and cuBLAS linear modules")
+                         "its layers include DeepSpeed's embedding and unembedding modules")
 
     # the KV cache, for an autoregressive dense attention pattern
     def get_kv_requirements(self, sequence: BaseSequenceDescriptor, max_new_tokens: int,

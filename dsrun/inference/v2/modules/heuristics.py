@@ -1,13 +1,13 @@
 """``deepspeed.inference.v2.modules.heuristics``: which implementation a model's layer gets: dense blocked
-attention, the multi-GEMM MoE, the layer/RMS pre-norm by norm type, the post layer norm, and the FP6 quantized
-linear when the engine config asks for ``wf6af16``. DeepSpeed's cuBLAS linear module, embedding and unembedding
-modules are not provided (refused with one line)."""
+attention, the multi-GEMM MoE, the layer/RMS pre-norm by norm type, the post layer norm, the fp16/bf16 linear or
+the FP6 quantized one when the engine config asks for ``wf6af16``. DeepSpeed's embedding and unembedding modules
+are not provided (refused with one line)."""
 from __future__ import annotations
 
 from typing import Callable, NoReturn
 
 from ..config_v2 import RaggedInferenceEngineConfig
-from ..kernels import cuda_function, not_on_cpu
+from ..kernels import cuda_function
 from .configs import DSLinearConfig, DSMoEConfig, DSNormConfig, DSSelfAttentionConfig, NormTypeEnum
 from .ds_module import ConfigBundle
 from .interfaces import (DSLinearBase, DSLinearRegistry, DSMoEBase, DSMoERegistry, DSPostNormBase,
@@ -22,12 +22,11 @@ def instantiate_attention(attention_config: DSSelfAttentionConfig,
 
 
 def instantiate_linear(config: DSLinearConfig, engine_config: RaggedInferenceEngineConfig) -> DSLinearBase:
+    """``blas_fp_linear``, or the FP6 quantized linear when the engine asks for ``wf6af16``. DeepSpeed allows
+    ``wf6af16`` only on an Ampere GPU; its torch path here runs anywhere."""
     mode = engine_config.quantization.quantization_mode
-    if mode == "wf6af16":
-        return DSLinearRegistry.instantiate_config(ConfigBundle(name="quantized_wf6af16_linear", config=config))
-    raise not_on_cpu("inference.v2.modules.heuristics.instantiate_linear",
-                     f"quantization_mode={mode!r} takes DeepSpeed's cuBLAS linear module (blas_fp_linear), which "
-                     "dsrun does not provide ('wf6af16' has a torch path)")
+    name = "quantized_wf6af16_linear" if mode == "wf6af16" else "blas_fp_linear"
+    return DSLinearRegistry.instantiate_config(ConfigBundle(name=name, config=config))
 
 
 def instantiate_moe(moe_config: DSMoEConfig, engine_config: RaggedInferenceEngineConfig) -> DSMoEBase:

@@ -1,5 +1,6 @@
-"""``deepspeed.inference.v2.modules.implementations.linear``: the FP6 quantized linear (DeepSpeed's cuBLAS
-``BlasFPLinear`` is a CUDA kernel and not provided)."""
+"""``deepspeed.inference.v2.modules.implementations.linear``: the fp16/bf16 linear (``blas_fp_linear``) and the
+FP6 weight-only quantized linear (``quantized_wf6af16_linear``)."""
+from .blas_fp_linear import BlasFPLinear
 from .quantized_linear import QuantizedWf6Af16Linear
 
-__all__ = ["QuantizedWf6Af16Linear"]
+__all__ = ["BlasFPLinear", "QuantizedWf6Af16Linear"]
