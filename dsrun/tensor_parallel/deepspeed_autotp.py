@@ -14,8 +14,10 @@ tree (:func:`dsrun.tensor_parallel.split.split_for_training`), and returns the s
 ``update_mp_params(child, name)`` is DeepSpeed's rewrite of a module's head counts and widths to this rank's share
 (each by DeepSpeed's shard sizes under the module's name, so an MLP's attributes follow its weights' even cut and an
 attention's the key/value groups'); ``get_model_num_kv_heads(config)`` reads the key/value head count as DeepSpeed
-does. Not built: ``_slice_embedding`` (DeepSpeed's inference-time embedding cut; dsrun's vocabulary cut for
-training is ``tensor_parallel.vocab_parallel_lm_head``).
+does. ``_slice_embedding(child, name, conv_linear_layer)`` is DeepSpeed's cut of an embedding's hidden columns
+(:func:`dsrun.tensor_parallel.spec_split.slice_embedding`, with its row-partition metadata; ``_replace_module`` with a
+``partition_config`` applies it to the embeddings a rule names; dsrun's vocabulary cut for training is
+``tensor_parallel.vocab_parallel_lm_head``).
 """
 from __future__ import annotations
 
@@ -67,18 +69,29 @@ class AutoTP:
 
     def update_linear_policies(self) -> None:
         """Which module classes the split replaces (DeepSpeed's ``linear_policies``): ``linear_layer_setting``'s
-        classes, else ``nn.Linear`` and ``nn.Embedding`` (a GPT-2 block policy: ``Conv1D``). dsrun's split cuts
-        ``nn.Linear`` and ``Conv1D`` and keeps embeddings whole; another linear class is refused (ValueError)."""
+        classes, else ``nn.Linear`` and ``nn.Embedding`` (a GPT-2 block policy: ``Conv1D``); an embedding class maps
+        to :meth:`_slice_embedding`. dsrun's automatic split cuts ``nn.Linear`` and ``Conv1D`` and keeps embeddings
+        whole (rules cut the embeddings they name); another linear class is refused (ValueError)."""
         self.conv_linear_layer = getattr(self.orig_layer_impl, "__name__", None) == "GPT2Block"
         classes = tuple(self.linear_layer_setting or (nn.Linear, nn.Embedding))
         for cls in classes:
             if not (isinstance(cls, type) and (issubclass(cls, (nn.Linear, nn.Embedding)) or cls.__name__ == "Conv1D")):
                 raise ValueError(f"AutoTP linear_layer_setting: {cls!r} is not a linear class dsrun's split cuts "
                                  "(nn.Linear, transformers' Conv1D; nn.Embedding stays whole)")
-        self.linear_policies = {cls: ("embedding" if issubclass(cls, nn.Embedding) else "linear") for cls in classes}
+        self.linear_policies = {cls: (self._slice_embedding if issubclass(cls, nn.Embedding) else "linear")
+                                for cls in classes}
 
     def _rank(self) -> int:
         return comm.get_rank(group=self.mp_group) if self.mp_group is not None else 0
+
+    def _slice_embedding(self, child: nn.Embedding, name: str, conv_linear_layer: bool = False) -> nn.Embedding | None:
+        """This rank's slice of ``child``'s hidden columns as a new ``nn.Embedding`` (DeepSpeed's shard sizes under
+        ``name``; the weight records DeepSpeed's row-partition metadata); None when ``child`` was replaced already."""
+        from .spec_split import slice_embedding
+
+        if getattr(child, "replaced", False):
+            return None
+        return slice_embedding(child, name, self.mp_group, self._rank(), int(self.mp_size or 1))
 
     def _replace_module(self, r_module: nn.Module, prev_name: str = "", prev_class_name: str = "") -> nn.Module:
         """Split ``r_module`` over the group set by :meth:`set_tensor_parallel_config` (in place); returns it."""

@@ -117,7 +117,8 @@ def _parts_of(param: nn.Parameter) -> Any:
 
 class TensorParallelLinear(nn.Module):
     """One linear of a split pair, holding this rank's slice of the weight (and bias) as the model's own
-    parameters. ``transposed``: the weight is stored ``[in, out]`` (a Hugging Face ``Conv1D``)."""
+    parameters. ``transposed``: the weight is stored ``[in, out]`` (a Hugging Face ``Conv1D``); ``name``: the
+    module's path in the model (DeepSpeed's layers' ``name``, None when built outside a split)."""
 
     row_parallel = False
     # DeepSpeed's tensor_parallel.tp_overlap_comm, process-wide as DeepSpeed's TensorParallel_Layer keeps it
@@ -135,10 +136,12 @@ class TensorParallelLinear(nn.Module):
         self.group = group
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, transposed: bool,
-                 group: ProcessGroup | None, tp_size: int, tp_rank: int = 0):
+                 group: ProcessGroup | None, tp_size: int, tp_rank: int = 0, name: str | None = None):
         super().__init__()
         self.weight, self.bias = weight, bias
         self.transposed, self.group, self.tp_size, self.tp_rank = transposed, group, tp_size, tp_rank
+        # DeepSpeed's layer name (the module's path), which its shard sizes are asked under; a subclass may set it first
+        self.name = name if name is not None else getattr(self, "name", None)
         in_dim = 0 if transposed else 1
         shape = tuple(getattr(weight, "ds_shape", None) or weight.shape)  # ZeRO-3 leaves its data empty
         self.in_features, self.out_features = shape[in_dim], shape[1 - in_dim]

@@ -22,7 +22,9 @@ merge and the universal conversion read a split by rules as they read the automa
 projections are cut on whole heads, each fused part's evenly (``shape: [[q, k, v], -1]``: unequal parts, each on its
 own heads); the rest as DeepSpeed cuts it in grains of ``tensor_parallel.tp.tp_grain_size``
 (:func:`dsrun.tensor_parallel.split.cut_widths`). Not built (refused with the layer named): heads that do not divide
-by the degree, logical shapes of more than two dimensions, ``gather_output`` with a shape, a split embedding.
+by the degree, logical shapes of more than two dimensions, ``gather_output`` with a shape, a split embedding tied to
+another module's weight. An ``nn.Embedding`` a column or row spec names is cut as DeepSpeed's AutoTP cuts it, along
+its hidden columns (:func:`slice_embedding`: each rank's output is its slice of the hidden features).
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ import torch
 from torch import nn
 
 from dsrun import comm
+from dsrun.checkpoint.autotp_meta import DS_AUTOTP_UC_META, _build_param_uc_restore_meta
 from dsrun.checkpoint.tensor_parallel import Parts, part_count, rank_widths
 from dsrun.inference.auto_tp import HEAD_ATTRS, WIDTH_ATTRS, split_head_attrs
 from dsrun.inference.groups import TPGroup
@@ -43,6 +46,7 @@ from .autotp_config import AutoTPConfig, PartitionType, TPLayerSpec, partition_c
 from .deepspeed_layers import LinearAllreduce, LinearLayer, gather_output_slices
 from .hf_plan import rules_from_hf_plan
 from .layers import ColumnParallelLinear, RowParallelLinear, TensorParallelLinear
+from .shard_sizes import get_shard_size_list
 from .split import (TPLayout, cut_parameter, cut_widths, head_dim_of, model_num_kv_heads, split_meta_model,
                     uneven_kv_share)
 from .subparam_layers import SubParamLinearAllreduce, SubParamLinearLayer
@@ -59,8 +63,8 @@ class GatheredColumnParallelLinear(ColumnParallelLinear):
     the output's gradient."""
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, transposed: bool,
-                 group: ProcessGroup | None, tp_size: int, tp_rank: int, sizes: list[int]):
-        super().__init__(weight, bias, transposed, group, tp_size, tp_rank)
+                 group: ProcessGroup | None, tp_size: int, tp_rank: int, sizes: list[int], name: str | None = None):
+        super().__init__(weight, bias, transposed, group, tp_size, tp_rank, name)
         self.shard_sizes = sizes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -127,6 +131,33 @@ def _linear_like(module: nn.Module) -> bool:
             and (bias is None or isinstance(bias, nn.Parameter) and tuple(bias.shape) == (weight.shape[0],)))
 
 
+def slice_embedding(child: nn.Embedding, name: str, group: ProcessGroup | None, tp_rank: int, tp_size: int
+                    ) -> nn.Embedding:
+    """DeepSpeed's AutoTP cut of an embedding (``AutoTP._slice_embedding``): its hidden columns (dim 1) cut by
+    DeepSpeed's shard sizes under ``name``, this rank keeping its slice in a new ``nn.Embedding`` (every row of the
+    vocabulary, ``hidden/tp`` wide), whose weight records DeepSpeed's row-partition metadata (``partition_dim`` 1, the
+    whole shape, every rank's width). Each rank's output is its slice of the hidden features, for a row-parallel
+    consumer. The weight keeps its ``Parameter`` object (an optimizer built before still holds it) and the embedding
+    its ``padding_idx``; ``max_norm`` would renormalize slices, not rows, and is refused (ValueError)."""
+    if child.max_norm is not None:
+        raise ValueError(f"AutoTP: embedding {name} has max_norm={child.max_norm}; a column slice cannot be "
+                         "renormalized as a whole row (drop max_norm, or leave the embedding unsplit)")
+    weight = child.weight
+    whole = tuple(weight.shape)
+    sizes = get_shard_size_list(whole[1], tp_size, name)
+    with torch.no_grad():
+        weight.data = weight.data.narrow(1, sum(sizes[:tp_rank]), sizes[tp_rank]).clone()
+    sliced = nn.Embedding(whole[0], sizes[tp_rank], padding_idx=child.padding_idx,
+                          scale_grad_by_freq=child.scale_grad_by_freq, sparse=child.sparse, device="meta")
+    sliced.weight = weight  # the meta weight it was built with is dropped
+    sliced.tp_size, sliced.tp_rank, sliced.group, sliced.name = tp_size, tp_rank, group, name
+    setattr(weight, DS_AUTOTP_UC_META, _build_param_uc_restore_meta(
+        partition_type="row", partition_dim=1, logical_shape=whole, output_shape=whole, partition_sizes=sizes,
+        target_partition_shape=tuple(weight.shape), original_shape=whole))
+    child.replaced = True
+    return sliced
+
+
 def _summed_over(group: ProcessGroup | None) -> Callable[[torch.Tensor], torch.Tensor]:
     """The gradient hook of a ``grad_allreduce`` parameter: its gradient summed over the group."""
     def hook(grad: torch.Tensor) -> torch.Tensor:
@@ -158,9 +189,9 @@ def _parallel_layer(module: nn.Module, row: bool, dim: int, parts: Parts, gather
         cut_parameter(module.bias, 0, parts, tp)
     if gather and not row:
         return GatheredColumnParallelLinear(module.weight, module.bias, is_conv1d(module), group, tp.size, tp.rank,
-                                           sizes)
+                                           sizes, name)
     kind = RowParallelLinear if row else ColumnParallelLinear
-    return kind(module.weight, module.bias, is_conv1d(module), group, tp.size, tp.rank)
+    return kind(module.weight, module.bias, is_conv1d(module), group, tp.size, tp.rank, name)
 
 
 def split_by_specs(model: nn.Module, config: AutoTPConfig, group: ProcessGroup | None, tp_rank: int,
@@ -174,6 +205,7 @@ def split_by_specs(model: nn.Module, config: AutoTPConfig, group: ProcessGroup |
     model_type = model_type_of(model)
     attention: dict[int, tuple[nn.Module, str]] = {}
     plan: list[tuple[nn.Module, str, str, nn.Module, TPLayerSpec]] = []
+    embeddings: list[tuple[nn.Module, str, str, nn.Embedding]] = []
     for parent_name, parent in model.named_modules():
         if isinstance(parent, TensorParallelLinear):
             continue
@@ -183,8 +215,8 @@ def split_by_specs(model: nn.Module, config: AutoTPConfig, group: ProcessGroup |
                 continue  # split already (a DeepSpeed layer the user built)
             spec = config.find_matching_spec(f"{name}.weight", model_type)
             if isinstance(child, nn.Embedding) and spec is not None and spec.partition_type is not PartitionType.SKIP:
-                raise ConfigError(Problem(f"{source}: {name}", "a split embedding "
-                                          "(vocabulary-parallel) is not built", "skip it, or leave it unmatched"))
+                embeddings.append((parent, attr, name, child))
+                continue
             if not (is_linear(child) or _linear_like(child) and spec is not None
                     and spec.partition_type is not PartitionType.SKIP):
                 continue
@@ -226,6 +258,14 @@ def split_by_specs(model: nn.Module, config: AutoTPConfig, group: ProcessGroup |
             attention[id(parent)] = (parent, name.rsplit(".", 1)[0])
     for parent, where in attention.values():
         split_head_attrs(parent, tp, where, share)
+    for parent, attr, name, embedding in embeddings:  # DeepSpeed's cut of its hidden columns
+        tied = next((other for other, holder in owners.get(id(embedding.weight), []) if holder is not embedding), None)
+        if tied is not None:
+            raise ConfigError(Problem(f"{source}: {name}.weight", f"is tied to {tied}.weight, which would be cut "
+                                      "with it along its hidden columns", "skip it"))
+        sizes = get_shard_size_list(embedding.weight.shape[1], tp_size, name)
+        layout.record(f"{name}.weight", embedding.weight, 1, (tuple(sizes),))
+        setattr(parent, attr, slice_embedding(embedding, name, group, tp_rank, tp_size))
     for param_name, param in model.named_parameters():
         spec = config.find_matching_spec(param_name, model_type)
         if spec is not None and spec.grad_allreduce and tp_size > 1:

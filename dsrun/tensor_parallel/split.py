@@ -171,7 +171,7 @@ def split_for_training(model: nn.Module, group: ProcessGroup | None, tp_rank: in
                     layout.record(f"{prefix}.bias", module.bias, 0, parts)
                     cut_parameter(module.bias, 0, parts, tp)
                 kind = RowParallelLinear if row else ColumnParallelLinear
-                replacement = kind(module.weight, module.bias, transposed, group, tp_size, tp_rank)
+                replacement = kind(module.weight, module.bias, transposed, group, tp_size, tp_rank, name=prefix)
                 setattr(slot.parent, slot.attr, replacement)
                 slot.module = replacement
                 if not row and pair.attention:
@@ -203,6 +203,7 @@ def universal_checkpoint_info(model: nn.Module, layout: TPLayout) -> dict[str, o
             continue
         owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
         whole = layout.whole[name]
-        mark_split(param, row=bool(getattr(owner, "row_parallel", False)), dim=dim, whole_shape=whole,
+        row = bool(getattr(owner, "row_parallel", False)) or isinstance(owner, nn.Embedding)  # its hidden columns
+        mark_split(param, row=row, dim=dim, whole_shape=whole,
                    widths=rank_widths(whole[dim], parts, layout.tp_size), is_bias=name.endswith(".bias"))
     return collect_autotp_universal_checkpoint_info(model)

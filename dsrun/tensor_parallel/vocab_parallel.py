@@ -143,5 +143,6 @@ def split_vocabulary(model: nn.Module, group: ProcessGroup | None, tp: TPGroup, 
         cut_parameter(embedding.weight, 0, parts, tp)
     model.set_input_embeddings(VocabParallelEmbedding(embedding.weight, start, embedding.padding_idx, group,
                                                       tp.size))
-    model.set_output_embeddings(ColumnParallelLinear(head.weight, None, False, group, tp.size, tp.rank))
+    model.set_output_embeddings(ColumnParallelLinear(head.weight, None, False, group, tp.size, tp.rank,
+                                                     name=names[id(head)]))
     model.loss_function = causal_lm_loss(start, group)

@@ -191,6 +191,44 @@ def test_bad_partition_config_values_are_refused_naming_the_key(section, message
     assert "\n" not in str(err.value)
 
 
+def test_an_embedding_a_rule_names_is_cut_along_its_hidden_columns_as_deepspeed_cuts_it():
+    """DeepSpeed's ``_slice_embedding``: an embedding of 10 rows, 7 wide, over 2 ranks keeps every row and
+    DeepSpeed's shard sizes of its hidden columns (4 and 3) with the row-partition metadata; a row-parallel linear
+    after it sums the ranks' partial outputs into the whole model's output; the slices merge back; the layers are
+    named by their module path; ``AutoTP._slice_embedding`` cuts the same and leaves a replaced module alone."""
+    from dsrun.checkpoint.autotp_meta import collect_autotp_universal_checkpoint_info
+    from dsrun.compat.module_inject.auto_tp import AutoTP
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 7, padding_idx=0), torch.nn.Linear(7, 5))
+    rules = AutoTPConfig.from_dict({"use_default_specs": False, "layer_specs": [
+        {"patterns": [r"^0\.weight$"], "partition_type": "column"},
+        {"patterns": [r"^1\.weight$"], "partition_type": "row"}]})
+    shards, layouts = _split_by(model, rules)
+    ids = torch.tensor([[0, 3, 9, 4]])
+    partial = [torch.nn.functional.linear(shard[0](ids), shard[1].weight) for shard in shards]
+    torch.testing.assert_close(partial[0] + partial[1] + model[1].bias, model(ids), rtol=1e-6, atol=1e-6)
+    for rank, shard in enumerate(shards):
+        assert isinstance(shard[0], torch.nn.Embedding) and shard[0].weight.shape == (10, (4, 3)[rank])
+        assert shard[0].padding_idx == 0 and shard[1].name == "1" and shard[0].name == "0"
+        info = collect_autotp_universal_checkpoint_info(shard)
+        assert "^0\\.weight$" in info["parameter_with_row_parallelism_patterns"]
+        assert "^0\\.weight$" not in info["tp_replicated_parameter_patterns"]
+    assert layouts[0].splits["0.weight"] == (1, ((4, 3),))
+    merged = merge_module_states([s.state_dict() for s in shards], layouts[0].splits)
+    assert all(torch.equal(merged[k], v) for k, v in model.state_dict().items())
+
+    autotp = object.__new__(AutoTP)  # as DeepSpeed's test builds it: only the group and its size
+    autotp.mp_group, autotp.mp_size = None, 2
+    embedding = copy.deepcopy(model[0])
+    sliced = autotp._slice_embedding(embedding, "embed_tokens", False)
+    assert torch.equal(sliced.weight, model[0].weight[:, :4]) and autotp._slice_embedding(embedding, "x") is None
+    meta = sliced.weight.ds_autotp_universal_checkpoint_meta
+    assert (meta["partition_type"], meta["partition_dim"], meta["partition_sizes"]) == ("row", 1, (4, 3))
+    with pytest.raises(ValueError, match="embedding e has max_norm=1.0"):
+        autotp._slice_embedding(torch.nn.Embedding(4, 4, max_norm=1.0), "e")
+
+
 @pytest.mark.parametrize("spec,size,message", [
     ({"patterns": ["0.weight"], "shape": [[5, 1], -1]}, 2, r"its 6 features in 2 part\(s\) cut over tp_size=2 leave "
      "some ranks nothing"),
@@ -202,7 +240,8 @@ def test_bad_partition_config_values_are_refused_naming_the_key(section, message
     ({"patterns": ["0.weight"], "shape": [2, -1], "gather_output": True}, 2, "gather_output with fused"),
     ({"patterns": ["attn.q.weight"]}, 2, "attn.q: its 3 heads of 2 do not split over tensor_parallel.autotp_size=2 "
      "\\(and the model.s config names no key/value head count; attention is cut on whole heads"),
-    ({"patterns": ["emb.weight"]}, 2, "a split embedding"),
+    ({"patterns": ["emb.weight"]}, 2, "emb.weight: is tied to head.weight, which would be cut with it along its "
+     "hidden columns"),
     ({"patterns": ["head.weight"]}, 2, "is tied to emb.weight")])
 def test_rules_a_split_cannot_follow_are_refused_naming_the_linear(spec, size, message):
     model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 4))
@@ -338,6 +377,9 @@ def test_heads_that_do_not_divide_are_cut_by_key_value_groups_as_deepspeed_cuts_
             rows = (16, 16, 0, 0)[rank]
             assert attn.q_proj.weight.shape == (rows, 32) and attn.k_proj.weight.shape == (rows // 2, 32)
             assert attn.o_proj.weight.shape == (32, rows) and shards[-1].model.layers[0].mlp.up_proj.weight.shape == (16, 32)
+            # DeepSpeed's layer name: the module's path, which its shard sizes are asked under
+            assert attn.q_proj.name == "model.layers.0.self_attn.q_proj"
+            assert shards[-1].model.layers[0].mlp.down_proj.name == "model.layers.0.mlp.down_proj"
         assert layouts[0].splits["model.layers.0.self_attn.k_proj.weight"] == (0, ((8, 8, 0, 0),))
         merged = merge_module_states([s.state_dict() for s in shards], layouts[0].splits)
         assert all(torch.equal(merged[k], v) for k, v in model.state_dict().items())
