@@ -92,6 +92,7 @@ PATHS: dict[str, str] = {
     "deepspeed.moe.ep_experts": "dsrun.autoep.experts",
     "deepspeed.moe.ep_kernels": "dsrun.autoep.experts",
     "deepspeed.moe.ep_repack": "dsrun.autoep.repack",
+    "deepspeed.moe.ep_tp_dispatch": "dsrun.autoep.ep_tp_dispatch",
     "deepspeed.moe.fused_expert_layout": "dsrun.autoep.repack",
     "deepspeed.autotuning.autotuner": "dsrun.autotuning.deepspeed_api",
     "deepspeed.autotuning.scheduler": "dsrun.autotuning.deepspeed_api",

@@ -76,3 +76,20 @@ AUTOEP_NUM_EXPERTS = "num_experts"
 AUTOEP_NUM_LOCAL_EXPERTS = "num_local_experts"
 AUTOEP_EP_SIZE = "ep_size"
 AUTOEP_ZERO12_REQUIRED_FIELDS = (AUTOEP_EXPERT_KEY_PREFIX, AUTOEP_NUM_EXPERTS, AUTOEP_NUM_LOCAL_EXPERTS, AUTOEP_EP_SIZE)
+
+# AutoEP folded over AutoTP: the record of the rank layout a checkpoint was written under (checkpoint.autoep_universal)
+FOLDING_METADATA_KEY = "folding"
+FOLDING_METADATA_VERSION = 1
+FOLDING_TP_SIZE = "tp_size"
+FOLDING_TP_RANK = "tp_rank"
+FOLDING_EP_SIZE = "ep_size"
+FOLDING_EP_RANK = "ep_rank"
+FOLDING_ETP_SIZE = "etp_size"
+FOLDING_ETP_RANK = "etp_rank"
+FOLDING_ZERO_PARTITION_GROUP = "zero_partition_group"
+FOLDING_ZERO_PARTITION_RANK = "zero_partition_rank"
+FOLDING_ZERO_PARTITION_COUNT = "zero_partition_count"
+FOLDING_DISPATCH_STRATEGY = "dispatch_strategy"
+FOLDING_SHARED_EXPERT_PLACEMENT = "shared_expert_placement"
+FOLDING_FAMILY = "family"
+FOLDING_PARAM_FAMILIES = "param_families"

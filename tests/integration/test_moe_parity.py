@@ -212,6 +212,61 @@ def autoep_case(rank: int, world: int) -> dict[str, Any]:
             "local_experts": layer.num_local_experts}
 
 
+def folded_dispatch_case(rank: int, world: int) -> dict[str, Any]:
+    """AutoEP's dispatch folded over AutoTP (``dsrun.autoep.ep_tp_dispatch``), the world as the TP group: every
+    rank routes the same 6 tokens to top-2 of 4 experts; each keeps its share of the assignments, the outputs are
+    restored over the group. Against the unpartitioned combine on every rank: the restored output, and the
+    gradients of the per-rank losses (summed over the group) of the expert outputs and of the router's scores;
+    and a payload one rank routes differently is refused on every rank."""
+    from dsrun.autoep.ep_tp_dispatch import (RoutedAssignmentPayload, assert_tp_payload_consistent,
+                                             assignment_ordinals_by_expert, dispatch_counters, partition_assignments,
+                                             restore_combined)
+    from dsrun.autoep.layer import combine_from_routed
+    from dsrun import comm
+
+    gen = torch.Generator().manual_seed(7)  # the same routing on every rank, as folded TP ranks have it
+    tokens, top_k, experts, hidden = 6, 2, 4, 3
+    scores = torch.softmax(torch.randn(tokens, experts, generator=gen), -1)
+    top_scores, top_experts = torch.topk(scores, top_k, -1)
+    order = torch.argsort(top_experts.reshape(-1), stable=True)  # flat (token, slot) rows sorted by expert
+    expert_of_row = top_experts.reshape(-1)[order]
+    expert_out = torch.randn(order.numel(), hidden, generator=gen)
+
+    def payload(weights: torch.Tensor) -> Any:
+        return RoutedAssignmentPayload(
+            token_indices=order // top_k, expert_indices=expert_of_row,
+            assignment_indices=assignment_ordinals_by_expert(expert_of_row), capacity_slots=order % top_k,
+            combine_weights=weights.reshape(-1).index_select(0, order),
+            drop_mask=torch.zeros(order.numel(), dtype=torch.bool), pad_mask=torch.zeros(order.numel(), dtype=torch.bool),
+            input_splits=torch.bincount(expert_of_row, minlength=experts).tolist(),
+            output_splits=torch.bincount(expert_of_row, minlength=experts).tolist(),
+            extra={"destination_ranks": expert_of_row, "num_tokens": torch.tensor(tokens)})
+
+    ref_out, ref_scores = expert_out.clone().requires_grad_(), top_scores.clone().requires_grad_()
+    reference = combine_from_routed(ref_out, ref_scores, order, top_k, "post", "weighted_sum", (1, tokens, hidden))
+    sum((reference * (r + 1)).square().sum() for r in range(world)).backward()
+
+    out, weights = expert_out.clone().requires_grad_(), top_scores.clone().requires_grad_()
+    routed = payload(weights)
+    assert_tp_payload_consistent(routed, tp_group=None, tp_size=world)
+    local, ctx = partition_assignments(routed, tp_group=None, tp_rank=rank, tp_size=world)
+    restored = restore_combined(out.index_select(0, ctx.local_indices), ctx, tp_group=None, validate_coverage=True)
+    (restored * (rank + 1)).square().sum().backward()
+    out_grad, score_grad = out.grad.clone(), weights.grad.clone()
+    comm.all_reduce(out_grad)
+    comm.all_reduce(score_grad)
+    skewed = payload(top_scores + (0.25 if rank == 1 else 0.0))
+    try:
+        assert_tp_payload_consistent(skewed, tp_group=None, tp_size=world)
+        refused = ""
+    except RuntimeError as err:
+        refused = str(err)
+    return {"restored": restored.detach().numpy(), "reference": reference.detach().reshape(tokens, hidden).numpy(),
+            "out_grad": out_grad.numpy(), "ref_out_grad": ref_out.grad.numpy(), "score_grad": score_grad.numpy(),
+            "ref_score_grad": ref_scores.grad.numpy(), "counters": dispatch_counters(ctx),
+            "local_experts": local.expert_indices.tolist(), "refused": refused}
+
+
 def moe_suite(rank: int, world: int) -> dict[str, Any]:
     """Rank entry point: the layer cases, AutoEP's layer, then the engine's."""
     from dsrun import comm
@@ -219,7 +274,7 @@ def moe_suite(rank: int, world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     comm.init_distributed()
     return {"layer": layer_suite(rank, world), "autoep": autoep_case(rank, world),
-            "engine": engine_suite(rank, world)}
+            "folded": folded_dispatch_case(rank, world), "engine": engine_suite(rank, world)}
 
 
 def analytic_a2a_bytes(tokens: int, k: int, ep: int, capacity_factor: float = 1.0, min_capacity: int = 1) -> int:
@@ -263,6 +318,21 @@ def test_autoep_layer_output_and_gradients_match_ep1(runs) -> None:
         assert set(case["grads"]) == set(case["ref_grads"])
         for name, grad in case["grads"].items():
             _close(grad, case["ref_grads"][name], 2 * TOKENS * 2, f"rank {rank} AutoEP grad {name}")
+
+
+def test_folded_dispatch_restores_the_unpartitioned_combine(runs) -> None:
+    """Each (token, expert) assignment computed by exactly one TP rank; the restored output equal bit for bit to the
+    unpartitioned combine (the same products added slot by slot); the summed gradients of the expert outputs and
+    router scores within fp32's bound of the reference's; a divergent routing refused on both ranks."""
+    kept = [r["folded"]["counters"]["assignments_local"] for r in runs]
+    assert sum(kept) == runs[0]["folded"]["counters"]["assignments_total"] == 6 * 2 and min(kept) > 0
+    for rank, result in enumerate(runs):
+        case = result["folded"]
+        np.testing.assert_array_equal(case["restored"], case["reference"])
+        # a gradient sums the 2 ranks' loss terms, each a product of a few fp32 factors
+        _close(case["out_grad"], case["ref_out_grad"], 2 * 4, f"rank {rank} folded expert-output grad")
+        _close(case["score_grad"], case["ref_score_grad"], 2 * 4, f"rank {rank} folded router-score grad")
+        assert "routing decisions differ across tensor-parallel lanes" in case["refused"], case["refused"]
 
 
 def test_skewed_routing_without_dropping_agrees_on_capacity_and_matches_dropless(runs) -> None:

@@ -180,6 +180,59 @@ def test_folding_layout_with_autotp() -> None:
     assert tables.ep_groups == ((0, 1, 2, 3), (4, 5, 6, 7)) and tables.edp_groups[0] == (0, 4)
 
 
+def test_folded_checkpoint_record_is_written_and_checked_field_by_field() -> None:
+    """``checkpoint.autoep_universal``'s folding record: what it writes, and a resume under another layout refused
+    naming the field (the sizes always, the rest when the caller names them)."""
+    from dsrun.checkpoint.autoep_universal import make_folding_metadata, validate_folding_metadata
+
+    record = make_folding_metadata(tp_size=2, tp_rank=1, ep_size=4, ep_rank=3, zero_partition_group="edp",
+                                   zero_partition_rank=0, zero_partition_count=2, family="routed_expert",
+                                   param_families={"w1": {"family": "routed_expert"}})
+    assert (record["etp_size"], record["dispatch_strategy"], record["shared_expert_placement"]) == (
+        1, "route_full_partition_dispatch", "tp_sharded")
+    state = {"folding": record}
+    assert validate_folding_metadata(state, tp_size=2, ep_size=4, tp_rank=1, family="routed_expert") is record
+    with pytest.raises(RuntimeError, match="mismatch for ep_size: saved=4 runtime=2"):
+        validate_folding_metadata(state, tp_size=2, ep_size=2)
+    with pytest.raises(RuntimeError, match="mismatch for zero_partition_group: saved=edp runtime=dense_dp"):
+        validate_folding_metadata(state, tp_size=2, ep_size=4, zero_partition_group="dense_dp")
+    with pytest.raises(RuntimeError, match="Missing AutoEP\\+AutoTP folding metadata"):
+        validate_folding_metadata({}, tp_size=2, ep_size=4)
+    with pytest.raises(RuntimeError, match="Unsupported folding metadata version: 7"):
+        validate_folding_metadata({"folding": {**record, "version": 7}}, tp_size=2, ep_size=4)
+
+
+def test_folded_dispatch_partitions_each_experts_assignments_over_the_tp_lanes() -> None:
+    """``moe.ep_tp_dispatch`` on one process: ordinals restart per expert; over 2 TP lanes each active assignment
+    lands on exactly one, an expert's rows alternating, the all-to-all splits recounted per lane; dropped and
+    padding rows go nowhere; the restore at one lane is the weighted per-token sum, and a lost row is caught."""
+    from dsrun.autoep.ep_tp_dispatch import (RoutedAssignmentPayload, assignment_ordinals_by_expert,
+                                             dispatch_counters, partition_assignments, restore_combined)
+
+    experts = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2])
+    assert assignment_ordinals_by_expert(experts).tolist() == [0, 1, 2, 0, 1, 0, 1, 2, 3]
+    payload = RoutedAssignmentPayload(
+        token_indices=torch.tensor([0, 1, 2, 0, 3, 1, 2, 3, 4]), expert_indices=experts,
+        assignment_indices=assignment_ordinals_by_expert(experts), capacity_slots=torch.arange(9),
+        combine_weights=torch.linspace(0.1, 0.9, 9), drop_mask=torch.zeros(9, dtype=torch.bool),
+        pad_mask=torch.zeros(9, dtype=torch.bool), input_splits=[3, 2, 4], output_splits=[3, 2, 4],
+        extra={"destination_ranks": experts, "num_tokens": torch.tensor(5)})
+    lanes = [partition_assignments(payload, tp_group=None, tp_rank=r, tp_size=2) for r in range(2)]
+    assert [lane.input_splits for lane, _ in lanes] == [[2, 1, 2], [1, 1, 2]]
+    rows = [set(ctx.local_indices.tolist()) for _, ctx in lanes]
+    assert rows[0].isdisjoint(rows[1]) and rows[0] | rows[1] == set(range(9))
+    payload.drop_mask[1], payload.pad_mask[6] = True, True
+    local, ctx = partition_assignments(payload, tp_group=None, tp_rank=0, tp_size=1)
+    assert dispatch_counters(ctx) == {"assignments_total": 7, "assignments_local": 7, "padded": 1, "dropped": 1,
+                                      "split_sum_in": 7, "split_sum_out": 7}
+    values = torch.randn(7, 3)
+    expected = torch.zeros(5, 3).index_add(0, local.token_indices, values * local.combine_weights[:, None])
+    torch.testing.assert_close(restore_combined(values, ctx, tp_group=None), expected, rtol=1e-6, atol=1e-6)
+    ctx.local_indices = ctx.local_indices[:-1]
+    with pytest.raises(RuntimeError, match="restore coverage mismatch: 6 assignments gathered, 7 routed"):
+        restore_combined(values[:-1], ctx, tp_group=None, validate_coverage=True)
+
+
 def test_engine_replaces_blocks_and_trains(world_of_one) -> None:
     import dsrun
 
