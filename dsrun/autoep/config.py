@@ -4,38 +4,13 @@ from __future__ import annotations
 
 from dsrun.autoep.folding import build_folding_spec, validate_folding_global
 from dsrun.autoep.presets import PRESET_MODELS, available_preset_names, resolve_autoep_config_defaults
-from dsrun.autoep.spec import _UNSET, AutoEPConfig, MoELayerSpec, MoEModelPreset, _raise_unsupported_load_balance_coeff
+from dsrun.autoep.spec import _UNSET, AutoEPConfig, MoELayerSpec, MoEModelPreset
+from dsrun.config.expert_parallel import AUTOEP_KEYS, _raise_unsupported_load_balance_coeff, parse_autoep_config
 from dsrun.utils.logging import logger
 
 __all__ = ["_UNSET", "AutoEPConfig", "MoELayerSpec", "MoEModelPreset", "PRESET_MODELS", "parse_autoep_config",
            "resolve_autoep_config_defaults", "validate_autoep_config", "validate_autoep_post_detection",
            "fill_autoep_config_from_hf", "AUTOEP_KEYS"]
-
-# key -> default, in the order docs/moe.md lists them (expert_w3 and load_balance_coeff are read apart)
-_DEFAULTS = {"enabled": False, "autoep_size": 1, "expert_tensor_parallel_size": 1, "validate_folding_routing": False,
-             "preset_model": None, "moe_layer_pattern": None, "expert_pattern": None, "router_pattern": None,
-             "use_grouped_mm": True, "disable_triton_grouped_mm": False, "route_norm": None, "route_scale": 1.0,
-             "score_apply": "auto", "combine_impl": "auto", "num_expert_groups": None, "num_limited_groups": None,
-             "score_func": "auto", "top_k": "auto", "routed_scaling_factor": "auto", "expert_w1": None,
-             "expert_w2": None, "num_experts_attr": None, "top_k_attr": None, "has_shared_experts": None,
-             "shared_experts_pattern": None, "shared_experts_gate_pattern": None}
-AUTOEP_KEYS = tuple(_DEFAULTS) + ("expert_w3", "load_balance_coeff")
-
-
-def parse_autoep_config(param_dict: dict) -> AutoEPConfig:
-    """An :class:`AutoEPConfig` from the ``expert_parallel`` dict (absent keys take their defaults)."""
-    config = AutoEPConfig()
-    if not param_dict:
-        return config
-    for key, default in _DEFAULTS.items():
-        setattr(config, key, param_dict.get(key, default))
-    # absent: the preset's name; null: gate and up are fused in w1; a string: that attribute
-    config.expert_w3 = param_dict["expert_w3"] if "expert_w3" in param_dict else _UNSET
-    if "load_balance_coeff" in param_dict and param_dict["load_balance_coeff"] is not None:
-        _raise_unsupported_load_balance_coeff(param_dict["load_balance_coeff"])
-    config.load_balance_coeff = None
-    config._load_balance_coeff_explicit = "load_balance_coeff" in param_dict
-    return config
 
 
 def _check_choice(name: str, value, allowed: tuple) -> None:

@@ -22,11 +22,17 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
+from torch.autograd.function import FunctionCtx
 
 from dsrun import comm as dist
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+Group = Optional["ProcessGroup"]  # the TP group; None: the world's (or no process group at tp_size 1)
 
 # two primes below 2**31: a digest's products stay inside int64
 _PRIME_A = 2_147_483_647
@@ -103,11 +109,11 @@ def _splits_by_destination(payload: RoutedAssignmentPayload) -> list[int]:
     return [int(n) for n in counts[:len(payload.input_splits)].tolist()]
 
 
-def _as_int(value: Any) -> int:
+def _as_int(value: torch.Tensor | int | None) -> int:
     return int(value.item()) if torch.is_tensor(value) else int(value or 0)
 
 
-def partition_assignments(payload: RoutedAssignmentPayload, *, tp_group: Any, tp_rank: int,
+def partition_assignments(payload: RoutedAssignmentPayload, *, tp_group: Group, tp_rank: int,
                           tp_size: int) -> tuple[RoutedAssignmentPayload, RestoreContext]:
     """This TP rank's share of the active assignments (those whose ordinal is ``tp_rank`` modulo ``tp_size``; all
     of them at ``tp_size`` 1) with the all-to-all splits recounted for it, and the context to restore from."""
@@ -171,7 +177,7 @@ def _payload_digest(payload: RoutedAssignmentPayload) -> torch.Tensor:
     return digest
 
 
-def _differing_fields(payload: RoutedAssignmentPayload, tp_group: Any) -> list[str]:
+def _differing_fields(payload: RoutedAssignmentPayload, tp_group: Group) -> list[str]:
     """The fields whose digests differ over the group (collective: one MAX and one MIN all-reduce per field)."""
     differing = []
     for index, (name, tensor) in enumerate(_field_tensors(payload).items(), start=1):
@@ -184,7 +190,7 @@ def _differing_fields(payload: RoutedAssignmentPayload, tp_group: Any) -> list[s
     return differing
 
 
-def assert_tp_payload_consistent(payload: RoutedAssignmentPayload, *, tp_group: Any, tp_size: int) -> None:
+def assert_tp_payload_consistent(payload: RoutedAssignmentPayload, *, tp_group: Group, tp_size: int) -> None:
     """RuntimeError unless every rank of ``tp_group`` holds the same payload (collective; nothing to check at
     ``tp_size`` 1 or without a process group)."""
     if tp_size <= 1 or not dist.is_initialized():
@@ -210,7 +216,7 @@ def _padded(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([tensor, tensor.new_zeros((rows - tensor.shape[0], *tensor.shape[1:]))])
 
 
-def _gather_padded(tensor: torch.Tensor, group: Any, counts: tuple[int, ...]) -> torch.Tensor:
+def _gather_padded(tensor: torch.Tensor, group: Group, counts: tuple[int, ...]) -> torch.Tensor:
     """Every rank's rows (``counts[r]`` of them), concatenated in rank order."""
     width = max(counts)
     pieces = [tensor.new_empty((width, *tensor.shape[1:])) for _ in counts]
@@ -223,19 +229,19 @@ class _GatherRows(torch.autograd.Function):
     summed over the group, this rank's rows kept (the ``tp_size`` factor the module docstring explains)."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, group: Any, counts: tuple[int, ...]) -> torch.Tensor:
+    def forward(ctx: FunctionCtx, tensor: torch.Tensor, group: Group, counts: tuple[int, ...]) -> torch.Tensor:
         ctx.group, ctx.counts, ctx.rank = group, counts, dist.get_rank(group=group)
         return _gather_padded(tensor, group, counts)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         width = max(ctx.counts)
         blocks = torch.stack([_padded(part, width) for part in torch.split(grad, list(ctx.counts))])
         dist.all_reduce(blocks, group=ctx.group)  # one collective for every rank's block
         return blocks[ctx.rank, :ctx.counts[ctx.rank]].contiguous(), None, None
 
 
-def _gather_rows(tensor: torch.Tensor, group: Any, tp_size: int) -> torch.Tensor:
+def _gather_rows(tensor: torch.Tensor, group: Group, tp_size: int) -> torch.Tensor:
     """Every TP rank's rows of ``tensor`` (row counts may differ), differentiable when ``tensor`` needs a
     gradient; ``tensor`` itself at ``tp_size`` 1 or without a process group."""
     if tp_size <= 1 or not dist.is_initialized():
@@ -265,7 +271,7 @@ def _check_coverage(payload: RoutedAssignmentPayload, gathered: torch.Tensor) ->
                            f"unexpected={sorted(got - want)[:5]}")
 
 
-def restore_combined(local_combined: torch.Tensor, ctx: RestoreContext, *, tp_group: Any,
+def restore_combined(local_combined: torch.Tensor, ctx: RestoreContext, *, tp_group: Group,
                      validate_coverage: bool = False) -> torch.Tensor:
     """``[num_tokens, hidden]``: each token's expert outputs (this rank's rows in ``local_combined``, the other TP
     ranks' gathered) weighted by their router scores and summed slot by slot in top-k order, the same on every TP

@@ -7,16 +7,14 @@ all the replacement layer is built from.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, NoReturn
+from typing import Any, Literal
 
-# "not set in the config: use the preset's value" (None means something: expert_w3=None is a fused gate+up)
-_UNSET = object()
+# the expert_parallel section itself is the config's (dsrun.config.expert_parallel): re-exported here
+from dsrun.config.expert_parallel import _UNSET, AutoEPConfig, _raise_unsupported_load_balance_coeff
 
+__all__ = ["_UNSET", "AutoEPConfig", "_raise_unsupported_load_balance_coeff", "MoEModelPreset", "MoELayerSpec",
+           "GroupRoutingConfig", "ForwardContract"]
 
-def _raise_unsupported_load_balance_coeff(value: object) -> NoReturn:
-    raise ValueError(f"load_balance_coeff={value!r} is not supported in this AutoEP build (would register "
-                     "expert_bias and route through unsupported auxiliary-loss-free load balancing). Set "
-                     "load_balance_coeff to null or omit the key.")
 
 
 @dataclass
@@ -86,46 +84,6 @@ class MoELayerSpec:
     preset_adapter: str = "default"
     router_logits_capture_mode: Literal["raw", "post_score"] = "post_score"
     moe_output_shape: Literal["batched", "flat"] = "batched"
-
-
-@dataclass
-class AutoEPConfig:
-    """The ``expert_parallel`` config section (docs/moe.md lists each key)."""
-
-    enabled: bool = False
-    autoep_size: int = 1
-    expert_tensor_parallel_size: int = 1
-    validate_folding_routing: bool = False
-    preset_model: str | None = None
-    moe_layer_pattern: str | None = None
-    expert_pattern: str | None = None
-    router_pattern: str | None = None
-    use_grouped_mm: bool = True
-    disable_triton_grouped_mm: bool = False
-    route_norm: bool | None = None
-    route_scale: float = 1.0
-    score_apply: Literal["auto", "pre", "post"] = "auto"
-    combine_impl: Literal["auto", "weighted_sum", "legacy_bmm"] = "auto"
-    num_expert_groups: int | None = None
-    num_limited_groups: int | None = None
-    score_func: Literal["auto", "softmax", "sigmoid"] = "auto"
-    top_k: int | str = "auto"
-    load_balance_coeff: float | None | object = _UNSET
-    routed_scaling_factor: float | str = "auto"
-    expert_w1: str | None = None
-    expert_w2: str | None = None
-    expert_w3: object = _UNSET
-    num_experts_attr: str | None = None
-    top_k_attr: str | None = None
-    has_shared_experts: bool | None = None
-    shared_experts_pattern: str | None = None
-    shared_experts_gate_pattern: str | None = None
-    _load_balance_coeff_explicit: bool = field(default=False, init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self._load_balance_coeff_explicit = self.load_balance_coeff is not _UNSET
-        if self.load_balance_coeff is _UNSET:
-            self.load_balance_coeff = None
 
 
 @dataclass(frozen=True)

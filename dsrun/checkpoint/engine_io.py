@@ -38,7 +38,7 @@ from dsrun.utils import zero_to_fp32 as z2f
 from dsrun.utils.errors import Problem, UserError
 
 from . import atomic, decoupled, deepspeed_format, experts, layout, partial_state, reshard, state, universal_checkpoint
-from . import tensor_parallel as tp
+from . import autoep_universal, tensor_parallel as tp
 from .engine_view import CheckpointEngine, CheckpointStrategy
 
 Tag = str | int | None  # a checkpoint tag as DeepSpeed takes it (str() of it names the folder; None: the default)
@@ -517,11 +517,10 @@ def load_checkpoint(engine: CheckpointEngine, load_dir: str, tag: Tag = None, lo
                     load_module_only: bool = False, custom_load_fn: Callable[..., object] | None = None
                     ) -> tuple[str | None, dict[str, Any] | None]:
     """Restore a checkpoint saved by :func:`save_checkpoint` (or converted by ``ds_to_universal``); returns
-    ``(load_path, client_state)`` (the model states file read, and the saved keys that are not DeepSpeed's),
-    or ``(None, None)`` (with a warning) when ``tag`` is None and ``load_dir`` has no ``latest``. With
-    ``checkpoint.load_universal`` a tag-less load reads ``latest_universal`` when there is one.
-    ``custom_load_fn(src=state_dict, dst=module)`` loads the module weights instead of ``load_state_dict``. A
-    decoupled save still being written is waited for first (a load after a save sees it)."""
+    ``(load_path, client_state)`` (the model states file read, the saved keys not DeepSpeed's), or ``(None, None)``
+    (a warning) when ``tag`` is None and ``load_dir`` has no ``latest``; ``checkpoint.load_universal``: a tag-less load
+    reads ``latest_universal`` if any. ``custom_load_fn(src=state_dict, dst=module)`` loads the module instead of
+    ``load_state_dict``. A decoupled save being written is waited for; a folded AutoEP-over-AutoTP save is refused."""
     decoupled.drain()
     tag_dir = find_tag_dir(engine, load_dir, tag)
     if tag_dir is None:
@@ -542,6 +541,7 @@ def load_checkpoint(engine: CheckpointEngine, load_dir: str, tag: Tag = None, lo
     module_unread = (custom_load_fn is None and not _layout(engine).module_holds_placeholders
                      and partial_state.reads_into(engine.module))
     model_states = partial_state.model_states_without_parameters(model_path, unread, module_unread)
+    autoep_universal.check_folding_record(model_states, folding_spec=None)  # dsrun does not fold AutoEP over AutoTP
     if module_unread and tp.saved_degree(model_states) != engine.groups.size("model"):  # merged and cut again
         model_states["module"] = read_unread(model_path, model_states["module"])
     # AutoTP saved at another degree: the module merged and cut for this rank; the masters follow it (other_degree)

@@ -18,6 +18,7 @@ from dsrun.config import load_ds_config
 from dsrun.config.batch import resolve_batch
 from dsrun.config.sources import read_config_source
 from dsrun.config.monitoring import DeepSpeedMonitorConfig
+from dsrun.config.expert_parallel import parse_autoep_config
 from dsrun.utils.errors import ConfigError
 
 
@@ -110,6 +111,8 @@ class DeepSpeedConfig:
         self.dataloader_drop_last = c.dataloader_drop_last
         self.activation_checkpointing_config = c.activation_checkpointing
         self.flops_profiler_config = c.flops_profiler
+        # AutoEP's section, parsed as DeepSpeed parses it (a load_balance_coeff other than null: ValueError)
+        self.expert_parallel_config = parse_autoep_config(self._param_dict.get("expert_parallel") or {})
         self.monitor_config = DeepSpeedMonitorConfig(tensorboard=c.tensorboard, wandb=c.wandb,
                                                      csv_monitor=c.csv_monitor, comet=c.comet)
 

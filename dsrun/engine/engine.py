@@ -577,6 +577,14 @@ class DeepSpeedEngine(torch.nn.Module):
         if release is not None:
             release()
 
+    @staticmethod
+    def _validate_autoep_folding_checkpoint_metadata(state: object, **expected: object) -> None:
+        """DeepSpeed's check of a checkpoint's AutoEP-over-AutoTP folding record against the runtime's layout
+        (:func:`dsrun.checkpoint.autoep_universal.check_folding_record`)."""
+        from dsrun.checkpoint.autoep_universal import check_folding_record
+
+        check_folding_record(state, **expected)
+
     def save_fp16_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
         """Deprecated name of :meth:`save_16bit_model`."""
         return self.save_16bit_model(save_dir, save_filename)

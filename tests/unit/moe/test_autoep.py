@@ -202,6 +202,70 @@ def test_folded_checkpoint_record_is_written_and_checked_field_by_field() -> Non
         validate_folding_metadata({"folding": {**record, "version": 7}}, tp_size=2, ep_size=4)
 
 
+@pytest.mark.parametrize("data_first,order", [(False, [0, 2, 1, 3]), (True, [0, 1, 2, 3])])
+def test_deepspeeds_autoep_checkpoints_consolidate_into_the_universal_layout(tmp_path, data_first, order) -> None:
+    """``checkpoint.autoep_universal``'s readers of DeepSpeed's AutoEP files: ZeRO-1/2 fragments of 4 data-parallel
+    ranks (EP 2) gathered per expert-parallel rank in DeepSpeed's rank layout (ranks 0, 2 hold EP rank 0's experts;
+    data-first: ranks 0, 1), one file per expert stacked per weight, Adam moments of the expert-parallel ranks' files
+    concatenated; a missing fragment, inconsistent steps and AutoTP-cut (folded) expert shards refused."""
+    from dsrun.checkpoint.autoep_universal import (_zero12_fragment_path, consolidate_autoep_expert_files,
+                                                   consolidate_autoep_optimizer_states,
+                                                   consolidate_autoep_zero12_expert_states,
+                                                   get_autoep_zero12_expert_param_info, make_folding_metadata)
+
+    tmp, out, name = str(tmp_path / "tmp"), str(tmp_path / "universal"), "model.layers.0.mlp.experts.w1"
+    (tmp_path / "tmp" / name / "0").mkdir(parents=True)
+    for state, base in (("fp32", 0), ("exp_avg", 10), ("exp_avg_sq", 20)):
+        for rank in range(4):
+            torch.save(torch.tensor([base + rank], dtype=torch.float32), _zero12_fragment_path(tmp, name, state, rank))
+    for rank in range(4):
+        torch.save(torch.tensor(7), _zero12_fragment_path(tmp, name, "step", rank))
+    info = get_autoep_zero12_expert_param_info([{"expert_key_prefix": "model.layers.0.mlp.experts", "num_experts": 4,
+                                                  "num_local_experts": 2, "ep_size": 2}])
+    assert sorted(info) == [f"model.layers.0.mlp.experts.{w}" for w in ("w1", "w2", "w3")]
+    consolidate_autoep_zero12_expert_states(tmp, out, {name: info[name]}, {name: (2, 1)}, 4, 1, data_first)
+    for state, base in (("fp32", 0), ("exp_avg", 10), ("exp_avg_sq", 20)):
+        saved = torch.load(tmp_path / "universal" / "zero" / name / f"{state}.pt", weights_only=False)
+        assert saved["param"].view(-1).tolist() == [float(base + r) for r in order]
+        assert (saved["cat_dim"], saved["is_expert_param"], saved["ep_num_experts"]) == (0, True, 4)
+    assert int(torch.load(tmp_path / "universal" / "zero" / name / "step.pt", weights_only=False)) == 7
+    torch.save(torch.tensor(8), _zero12_fragment_path(tmp, name, "step", 3))
+    with pytest.raises(RuntimeError, match="Inconsistent AutoEP optimizer steps"):
+        consolidate_autoep_zero12_expert_states(tmp, out, {name: info[name]}, {name: (2, 1)}, 4, 1, data_first)
+    (tmp_path / "tmp" / name / "0" / f"fp32.{order[1]:02d}").unlink()  # half of EP rank 0's slice
+    with pytest.raises(RuntimeError, match="fp32 fragment size mismatch .* EP rank 0: got 1, expected 2"):
+        consolidate_autoep_zero12_expert_states(tmp, out, {name: info[name]}, {name: (2, 1)}, 4, 1, data_first)
+    (tmp_path / "tmp" / name / "0" / f"fp32.{order[0]:02d}").unlink()
+    with pytest.raises(RuntimeError, match="Missing AutoEP fp32 fragments"):
+        consolidate_autoep_zero12_expert_states(tmp, out, {name: info[name]}, {name: (2, 1)}, 4, 1, data_first)
+
+    if data_first:
+        return  # the per-expert files once
+    ckpt, layers = tmp_path / "ckpt", [{"moe_layer_id": 0, "num_experts": 2, "num_local_experts": 1,
+                                        "expert_key_prefix": "experts"}]
+    ckpt.mkdir()
+    for e in range(2):
+        torch.save({f"experts.{w}.{e}": torch.full((2, 3), 10.0 * e + i) for i, w in enumerate(("w1", "w2", "w3"))},
+                   ckpt / f"layer_0_expert_{e}_mp_rank_00_model_states.pt")
+        torch.save({"optimizer": {"state": {0: {"exp_avg": torch.full((1, 2, 3), float(e)),
+                                                "exp_avg_sq": torch.full((1, 2, 3), e + 0.5)}},
+                                  "param_groups": [{"params": [0], "param_names": ["experts.w2"]}]}},
+                   ckpt / f"expp_rank_{e}_mp_rank_00_optim_states.pt")
+    consolidate_autoep_expert_files(str(ckpt), out, layers)
+    consolidate_autoep_optimizer_states(str(ckpt), out, layers, ep_size=2)
+    w2 = torch.load(tmp_path / "universal" / "zero" / "experts.w2" / "fp32.pt", weights_only=False)["param"]
+    assert w2.shape == (2, 2, 3) and w2[:, 0, 0].tolist() == [1.0, 11.0]
+    avg = torch.load(tmp_path / "universal" / "zero" / "experts.w2" / "exp_avg.pt", weights_only=False)["param"]
+    assert avg.shape == (2, 2, 3) and avg[:, 0, 0].tolist() == [0.0, 1.0]
+    for tp_rank in range(2):  # the same expert cut over 2 TP lanes: only a folded runtime reads it
+        torch.save({"folding": make_folding_metadata(tp_size=2, tp_rank=tp_rank, ep_size=2, ep_rank=0,
+                                                     zero_partition_group="edp", zero_partition_rank=0,
+                                                     zero_partition_count=1, family="routed_expert")},
+                   ckpt / f"layer_0_expert_0_mp_rank_0{tp_rank}_model_states.pt")
+    with pytest.raises(NotImplementedError, match="folded AutoEP\\+AutoTP expert shards"):
+        consolidate_autoep_expert_files(str(ckpt), out, layers)
+
+
 def test_folded_dispatch_partitions_each_experts_assignments_over_the_tp_lanes() -> None:
     """``moe.ep_tp_dispatch`` on one process: ordinals restart per expert; over 2 TP lanes each active assignment
     lands on exactly one, an expert's rows alternating, the all-to-all splits recounted per lane; dropped and
@@ -233,7 +297,7 @@ def test_folded_dispatch_partitions_each_experts_assignments_over_the_tp_lanes()
         restore_combined(values[:-1], ctx, tp_group=None, validate_coverage=True)
 
 
-def test_engine_replaces_blocks_and_trains(world_of_one) -> None:
+def test_engine_replaces_blocks_and_trains(world_of_one, tmp_path) -> None:
     import dsrun
 
     model = Model()
@@ -251,4 +315,17 @@ def test_engine_replaces_blocks_and_trains(world_of_one) -> None:
         engine.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0] and not torch.equal(before, layers[0].experts.w1)
+    # DeepSpeed's DeepSpeedConfig reads the section as AutoEP does; a checkpoint written by DeepSpeed's AutoEP
+    # folded over AutoTP is refused at load, naming why (dsrun does not fold AutoEP over AutoTP)
+    from dsrun.config.deepspeed_config import DeepSpeedConfig
+
+    assert DeepSpeedConfig(cfg).expert_parallel_config.autoep_size == 1
+    with pytest.raises(ValueError, match="load_balance_coeff=0.02 is not supported.*null or omit"):
+        DeepSpeedConfig({**cfg, "expert_parallel": {**cfg["expert_parallel"], "load_balance_coeff": 0.02}})
+    engine.save_checkpoint(str(tmp_path), tag="t")
+    states = tmp_path / "t" / "mp_rank_00_model_states.pt"
+    saved = torch.load(states, weights_only=False)
+    torch.save({**saved, "folding": {"version": 1, "tp_size": 2, "ep_size": 2}}, states)
+    with pytest.raises(RuntimeError, match="Folded AutoEP\\+AutoTP checkpoint requires a folded runtime"):
+        engine.load_checkpoint(str(tmp_path), tag="t")
     engine.destroy()
