@@ -53,7 +53,9 @@ def set_tp_grain_size(num: int) -> None:
     tp_grain_size = int(num)
 
 
-def _by_heads(total: int, name: object, heads: int | None) -> bool:
+def by_kv_heads(total: int, name: object, heads: int | None) -> bool:
+    """Whether DeepSpeed cuts a dimension of ``total`` under ``name`` by key/value groups: ``heads`` known and
+    dividing it, and the name not an MLP projection's or the LM head's."""
     text = str(name)
     return (heads is not None and total % heads == 0 and "mlp" not in text and text not in _LM_HEADS
             and not any(part in text for part in _MLP_NAMES))
@@ -72,7 +74,7 @@ def get_shard_size(total_size: int, mp_size: int, name: object = None, rank: int
                              f"mp_size ({mp_size}) is not the world size ({comm.get_world_size()})")
         else:
             rank = comm.get_rank()
-    if _by_heads(total_size, name, heads):
+    if by_kv_heads(total_size, name, heads):
         mine = heads // mp_size + (1 if rank < heads % mp_size else 0)
         return total_size * mine // heads
     return grain_shard(total_size, rank, mp_size, tp_grain_size)

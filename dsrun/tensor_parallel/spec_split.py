@@ -244,7 +244,7 @@ def split_by_specs(model: nn.Module, config: AutoTPConfig, group: ProcessGroup |
         out_features, in_features = out_in(module)
         row = spec.partition_type is PartitionType.ROW
         parts = cut_widths(_part_sizes(spec, where, out_features, in_features), tp_size, head_dim_of(parent), grain,
-                           where, kv_heads)
+                           where, kv_heads, name=name)
         out_dim = 1 if is_conv1d(module) else 0  # a Conv1D stores [in, out]
         dim = (1 - out_dim) if row else out_dim
         layout.record(f"{name}.weight", module.weight, dim, parts)

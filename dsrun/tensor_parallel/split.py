@@ -28,7 +28,7 @@ from dsrun.inference.layers import is_conv1d
 from dsrun.utils.errors import ConfigError, Problem
 
 from .layers import ColumnParallelLinear, RowParallelLinear
-from .shard_sizes import grain_widths
+from .shard_sizes import by_kv_heads, grain_widths
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -82,16 +82,21 @@ def uneven_kv_share(kv_heads: int | None, tp_size: int, tp_rank: int) -> tuple[i
 
 
 def cut_widths(sizes: list[int], tp_size: int, head_dim: int | None, grain: int, where: str,
-               kv_heads: int | None = None) -> Parts:
+               kv_heads: int | None = None, name: str | None = None) -> Parts:
     """How a linear's split dimension, fused parts of ``sizes``, is cut over ``tp_size`` ranks: an attention
     module's projections (``head_dim`` known) on whole heads, each part's heads evenly; where ``tp_size`` does
     not divide a part's heads and the model's key/value head count ``kv_heads`` is known, DeepSpeed's cut by
     key/value groups (:func:`kv_head_shares`: 8 key/value heads over 3 ranks are 3/3/2, and each part, the query
     heads too, is cut in the same proportion; a rank past the head count holds no heads); a ConfigError when
     neither fits (a cut inside a head). The rest in grains of ``grain`` (``tensor_parallel.tp.tp_grain_size``,
-    DeepSpeed's cut), a ConfigError when a rank would hold nothing of a part. The count of parts when the cut is
-    the even one (:func:`rank_widths`), else the widths."""
-    if head_dim is not None and kv_heads and all(size % (kv_heads * head_dim) == 0 for size in sizes):
+    DeepSpeed's cut), a ConfigError when a rank would hold nothing of a part; except that, as DeepSpeed's
+    ``get_shard_size`` does, a linear outside attention whose ``name`` (its module path) is not an MLP's or the LM
+    head's, with every part a whole number of the model's ``kv_heads``, is cut by key/value groups too (6 groups of
+    a 384-wide projection over 4 ranks: 128/128/64/64; the even cut whenever ``tp_size`` divides them). The count of
+    parts when the cut is the even one (:func:`rank_widths`), else the widths."""
+    by_groups = head_dim is None and kv_heads and name is not None and all(by_kv_heads(size, name, kv_heads)
+                                                                           for size in sizes)
+    if by_groups or head_dim is not None and kv_heads and all(size % (kv_heads * head_dim) == 0 for size in sizes):
         shares = kv_head_shares(kv_heads, tp_size)  # the even cut when tp_size divides the key/value heads
         widths = tuple(tuple(size // kv_heads * share for share in shares) for size in sizes)
         return len(sizes) if len(set(sizes)) == 1 and widths == rank_widths(sum(sizes), len(sizes), tp_size) \
@@ -164,7 +169,8 @@ def split_for_training(model: nn.Module, group: ProcessGroup | None, tp_rank: in
                 length = module.weight.shape[dim]
                 count = 1 if row else slot.parts
                 parts = cut_widths([length // count] * count, tp_size,
-                                   head_dim_of(slot.parent) if pair.attention else None, grain, prefix, kv_heads)
+                                   head_dim_of(slot.parent) if pair.attention else None, grain, prefix, kv_heads,
+                                   name=prefix)
                 layout.record(f"{prefix}.weight", module.weight, dim, parts)
                 cut_parameter(module.weight, dim, parts, tp)
                 if module.bias is not None and not row:

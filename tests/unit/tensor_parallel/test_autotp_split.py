@@ -383,6 +383,19 @@ def test_heads_that_do_not_divide_are_cut_by_key_value_groups_as_deepspeed_cuts_
         assert layouts[0].splits["model.layers.0.self_attn.k_proj.weight"] == (0, ((8, 8, 0, 0),))
         merged = merge_module_states([s.state_dict() for s in shards], layouts[0].splits)
         assert all(torch.equal(merged[k], v) for k, v in model.state_dict().items())
+    # projections of a module naming no head width, the model's config 6 key/value heads: DeepSpeed's
+    # get_shard_size cuts them by key/value groups too (2/2/1/1 groups of 4 rows), the MLP in grains
+    gqa, block = torch.nn.Module(), torch.nn.Module()
+    gqa.config, gqa.layers = type("C", (), {"num_key_value_heads": 6})(), torch.nn.ModuleList([block])
+    block.self_attn, block.mlp = torch.nn.Module(), torch.nn.Module()
+    block.self_attn.q_proj, block.self_attn.o_proj = (torch.nn.Linear(24, 24, bias=False) for _ in range(2))
+    block.mlp.up_proj, block.mlp.down_proj = (torch.nn.Linear(24, 24, bias=False) for _ in range(2))
+    for rank in range(4):
+        shard = copy.deepcopy(gqa)
+        split_for_training(shard, None, rank, 4)
+        attn, mlp = shard.layers[0].self_attn, shard.layers[0].mlp
+        assert attn.q_proj.weight.shape == ((8, 8, 4, 4)[rank], 24) == attn.o_proj.weight.shape[::-1]
+        assert mlp.up_proj.weight.shape == (6, 24) == mlp.down_proj.weight.shape[::-1]
     from dsrun.tensor_parallel.shard_sizes import set_tp_grain_size
 
     feature = AutoTPFeature.build(_config(tensor_parallel=GQA_TP))
