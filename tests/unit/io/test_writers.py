@@ -10,7 +10,6 @@ import logging
 import os
 import random
 import threading
-import time
 import zlib
 
 import pytest
@@ -169,14 +168,24 @@ def _records_object() -> dict:
 
 @pytest.mark.parametrize("double", [True, False])
 def test_the_fast_writer_fills_in_the_crc32s_torch_left_out_giving_torchs_own_bytes(tmp_path, double, monkeypatch):
-    real_crc32 = zip_crc.crc32
+    real_crc32, real_before_drain = zip_crc.crc32, FastFileWriter._crc_before_drain
+    draining = threading.Event()  # set while no half is being prepared for its drain
+    draining.set()
 
-    def slow_on_the_pool(data, value=0):  # a job is never done the moment its half is drained: late blocks happen
-        if threading.current_thread().name.startswith("dsrun-crc32"):
-            time.sleep(0.002)
+    def before_drain(self, half, start):
+        draining.clear()
+        try:
+            return real_before_drain(self, half, start)
+        finally:
+            draining.set()
+
+    def held_on_the_pool(data, value=0):  # a job handed out for a half never ends before that half's CRC fields
+        if threading.current_thread().name.startswith("dsrun-crc32"):  # are looked at: late blocks happen,
+            assert draining.wait(timeout=60)  # whatever the load (a timed sleep did not hold at load 15)
         return real_crc32(data, value)
 
-    monkeypatch.setattr(zip_crc, "crc32", slow_on_the_pool)
+    monkeypatch.setattr(zip_crc, "crc32", held_on_the_pool)
+    monkeypatch.setattr(FastFileWriter, "_crc_before_drain", before_drain)
     obj = _records_object()
     with open_writer(tmp_path / "f", WriterSettings(type="FAST", io_buffer_size=BUFFER, io_buffer_double=double)) as fh:
         fh.save(obj)
