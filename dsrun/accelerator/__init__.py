@@ -6,6 +6,7 @@ engine is written once against this interface.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -15,9 +16,10 @@ from dsrun.utils.pin_memory import get_active_native_pinned_memory
 from dsrun.utils.pin_memory_tracker import track_pinned_memory
 
 
-@dataclass(frozen=True)
+@dataclass(unsafe_hash=True)
 class Accelerator:
-    """A device family (``cpu`` or ``cuda``) and the choices that follow from it."""
+    """A device family (``cpu`` or ``cuda``) and the choices that follow from it. Not frozen, as DeepSpeed's
+    accelerators are not: a test may patch a method of the process's accelerator (``monkeypatch.setattr``)."""
 
     name: str
 
@@ -176,6 +178,21 @@ class Accelerator:
     def Event(self, **kwargs):  # noqa: N802 - DeepSpeed's name
         """A CUDA event; on the CPU None (there is no asynchronous work to mark)."""
         return torch.cuda.Event(**kwargs) if self.name == "cuda" else None
+
+    def current_stream(self, device_index: int | None = None):
+        """The CUDA stream work is queued on now; on the CPU None (DeepSpeed's CPU accelerator's answer)."""
+        return torch.cuda.current_stream(device_index) if self.name == "cuda" else None
+
+    def default_stream(self, device_index: int | None = None):
+        """The device's default CUDA stream; on the CPU None."""
+        return torch.cuda.default_stream(device_index) if self.name == "cuda" else None
+
+    def stream(self, stream):
+        """A context that queues work on ``stream`` (CUDA); on the CPU, or for ``None``, a context that does
+        nothing."""
+        if self.name == "cuda" and stream is not None:
+            return torch.cuda.stream(stream)
+        return contextlib.nullcontext()
 
 
 _ACCELERATOR: Accelerator | None = None
