@@ -67,6 +67,7 @@ PATHS: dict[str, str] = {
     "deepspeed.checkpointing": "dsrun.activation_checkpointing.api",
     "deepspeed.utils.groups": "dsrun.compat.utils.groups",
     "deepspeed.comm.torch": "dsrun.comm.torch_backend",
+    "deepspeed.runtime.comm.coalesced_collectives": "dsrun.comm.coalesced",
     "deepspeed.utils.z3_leaf_module": "dsrun.utils.leaf_modules",
     "deepspeed.runtime.python_gc": "dsrun.utils.python_gc",
     "deepspeed.utils.torch": "dsrun.utils.torch_version",

@@ -50,7 +50,41 @@ def collectives(rank: int, world: int, node_sizes: tuple[int, ...]) -> dict[str,
         result = torch.empty(rows[0].shape[1])
         reducer(result, rows[rank])
         out[f"reduce/{node}"] = (result, reducer.hierarchical)
+    out["coalesced"] = coalesced(rank, world, min(node_sizes))
     return out
+
+
+def coalesced_inputs(world: int) -> tuple[list, torch.Tensor, list]:
+    """reduce_scatter_coalesced's tensors (integers: every average is exact), all_to_all_quant_reduce's 2-D
+    tensor (its size a multiple of 2 * world) and its two fallbacks, per rank."""
+    g = torch.Generator().manual_seed(11)
+    plain = [[torch.randint(-50, 50, shape, generator=g).float() for shape in ((7,), (2, 4), (1,))]
+             for _ in range(world)]
+    quant = [torch.randn(2 * world, 35, generator=g) for _ in range(world)]
+    fallback = [[torch.randn(6, generator=g), torch.randn(7, 7, generator=g)] for _ in range(world)]
+    return plain, quant, fallback
+
+
+def coalesced(rank: int, world: int, node: int) -> dict[str, Any]:
+    """DeepSpeed's coalesced reduce-scatters (dsrun/comm/coalesced.py), with ``node`` ranks per node."""
+    import os
+
+    from dsrun import comm
+    from dsrun.comm.coalesced import all_to_all_quant_reduce, reduce_scatter_coalesced
+
+    os.environ["LOCAL_SIZE"] = str(node)  # the accelerator's device_count: the ranks of a node
+    plain, quant, fallback = coalesced_inputs(world)
+    groups = {}
+    for i in range(world // node):  # DeepSpeed's all2all groups, created in the same order on every rank
+        groups[f"local_{i}"] = comm.new_group(list(range(i * node, (i + 1) * node)))
+    for j in range(node):
+        groups[f"global_{j}"] = comm.new_group(list(range(j, world, node)))
+    single = torch.arange(4.0 * world) * (rank + 1)
+    single_out = reduce_scatter_coalesced([single])[0]
+    return {"plain": [t.clone() for t in reduce_scatter_coalesced([t.clone() for t in plain[rank]])],
+            "single": single_out.clone(), "single_in_place": single_out.data_ptr() == single[4 * rank:].data_ptr(),
+            "quant": all_to_all_quant_reduce([quant[rank].clone()], groups)[0],
+            "fallback": [t.clone() for t in all_to_all_quant_reduce([t.clone() for t in fallback[rank]], groups)]}
 
 
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,6 +255,25 @@ def _check_collectives(results: list[dict], world: int, node_sizes: tuple[int, .
             result, hierarchical = out[f"reduce/{node}"]
             assert hierarchical == (node < world)
             assert torch.equal(result, simulate_reduce_scatter(rows, node)[rank])
+        _check_coalesced(out["coalesced"], rank, world, min(node_sizes))
+
+
+def _check_coalesced(out: dict, rank: int, world: int, node: int) -> None:
+    plain, quant, fallback = coalesced_inputs(world)
+    for got, parts in zip(out["plain"], zip(*plain)):
+        mean = (sum(p / world for p in parts)).reshape(-1)  # pre-divided integers: exact in any order
+        size = -(-mean.numel() // world)
+        assert torch.equal(got, mean[rank * size:(rank + 1) * size])  # the last ranks' parts shorter or empty
+    assert torch.equal(out["single"], (torch.arange(4.0 * world) * sum(range(1, world + 1)) / world)[4 * rank:][:4])
+    assert out["single_in_place"]  # one tensor that the world divides: divided in place, the output a view of it
+    rows = [t.reshape(world, -1) for t in quant]
+    block = quant[0].numel() // max(2 * world, 35, world)  # DeepSpeed's group count per tensor
+    assert torch.equal(out["quant"], simulate_reduce_scatter(rows, node, bits=4, block=block)[rank] / world)
+    for got, parts in zip(out["fallback"], zip(*fallback)):  # 1-D, and 49 elements: not a multiple of 2 * world
+        mean = sum(p.reshape(-1) / world for p in parts)
+        size = -(-mean.numel() // world)
+        torch.testing.assert_close(got, mean[rank * size:(rank + 1) * size], rtol=0,
+                                   atol=4 * world * torch.finfo(torch.float32).eps * float(mean.abs().max()))
 
 
 def test_collectives_equal_the_plain_torch_simulation(ranks: list[dict]) -> None:
