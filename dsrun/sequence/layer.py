@@ -9,7 +9,9 @@ constant as the sequence and the group grow together (the Ulysses paper's argume
 ``scatter_idx`` is the heads dimension and ``gather_idx`` the sequence dimension of the tensors the caller
 passes, as in ``deepspeed.sequence.layer.DistributedAttention``: the defaults (2, 0) suit Megatron's
 ``[seq, batch, heads, head_dim]`` layout; ``[batch, seq, heads, head_dim]`` takes ``gather_idx=1``. The rank
-order of the group is the order of the sequence shards. ``apply_rotary_pos_emb`` is DeepSpeed's rotary position
+order of the group is the order of the sequence shards. Heads that P does not divide split unevenly (the first
+``heads % P`` ranks take one more, as DeepSpeed's uneven-heads path). ``_SeqAllToAll`` and ``single_all_to_all``
+keep DeepSpeed's signatures (``batch_dim_idx``: DeepSpeed's layout rule for 4-D tensors). ``apply_rotary_pos_emb`` is DeepSpeed's rotary position
 embedding of the same module (the torch path; DeepSpeed's optional fused kernel is not used).
 """
 from __future__ import annotations
@@ -23,9 +25,24 @@ from dsrun import comm
 from dsrun.sequence.recompute import ExchangedFromSource
 
 
-def _all_to_all(x: torch.Tensor, group: comm.ProcessGroup, scatter_idx: int, gather_idx: int) -> torch.Tensor:
+_uneven_num_heads: int | None = None  # the last uneven head count split (DeepSpeed's num_kv_heads for Ulysses)
+
+
+def head_split(num_heads: int, world: int) -> list[int]:
+    """Heads per rank when ``world`` does not divide ``num_heads``: the first ``num_heads % world`` ranks take one
+    more (DeepSpeed's ``get_shard_size_list`` of the heads)."""
+    return [num_heads // world + (1 if r < num_heads % world else 0) for r in range(world)]
+
+
+def _all_to_all(x: torch.Tensor, group: comm.ProcessGroup, scatter_idx: int, gather_idx: int,
+                num_heads: int | None = None) -> torch.Tensor:
     """Split ``x`` into P pieces along ``scatter_idx``, send piece j to rank j of ``group``, and concatenate
-    the pieces received along ``gather_idx`` in rank order."""
+    the pieces received along ``gather_idx`` in rank order.
+
+    Pieces are equal unless heads split unevenly: scattering a heads dimension that P does not divide sends
+    rank j its :func:`head_split` share (and records the head count); gathering heads, a rank with its share of
+    ``num_heads`` (default: the recorded count, for heads at dimension 2) receives each rank's share."""
+    global _uneven_num_heads
     world = comm.get_world_size(group)
     if world == 1:
         return x
@@ -33,40 +50,80 @@ def _all_to_all(x: torch.Tensor, group: comm.ProcessGroup, scatter_idx: int, gat
     scatter_idx, gather_idx = scatter_idx % dims, gather_idx % dims
     if scatter_idx == gather_idx:
         raise ValueError(f"scatter_idx and gather_idx must differ, both are {scatter_idx}")
-    if x.shape[scatter_idx] % world:
-        raise ValueError(f"dimension {scatter_idx} of size {x.shape[scatter_idx]} does not split over "
-                         f"{world} sequence-parallel ranks: make it a multiple of {world}")
-    front = x.movedim(scatter_idx, 0)  # the pieces to send lie along dim 0
-    pieces = front.reshape(world, front.shape[0] // world, *front.shape[1:]).contiguous()
-    received = torch.empty_like(pieces)
-    comm.all_to_all_single(received, pieces, group=group)
-    gather = gather_idx + 1 if gather_idx < scatter_idx else gather_idx  # its place in ``front``
-    # received: [P, piece, ...] with the gathered dimension at gather + 1; put P just before it and merge them
-    moved = received.movedim(0, gather)
-    shape = list(moved.shape)
-    merged = moved.reshape(*shape[:gather], shape[gather] * shape[gather + 1], *shape[gather + 2:])
-    return merged.movedim(0, scatter_idx)
+    me = comm.get_rank(group)
+    size = x.shape[scatter_idx]
+    scatter_sizes, gather_sizes = [size // world] * world, [x.shape[gather_idx]] * world
+    # the recorded count applies where heads are, dimension 2 (DeepSpeed's layouts and DistributedAttention's)
+    total = num_heads if num_heads is not None else (_uneven_num_heads if gather_idx == 2 else None)
+    if size % world:
+        if size < world:
+            raise ValueError(f"dimension {scatter_idx} of size {size} does not split over {world} "
+                             f"sequence-parallel ranks: it needs at least {world} (one head per rank)")
+        scatter_sizes = head_split(size, world)  # uneven heads
+        _uneven_num_heads = size
+    elif total is not None and total % world and head_split(total, world)[me] == x.shape[gather_idx]:
+        gather_sizes = head_split(total, world)  # gathering heads split unevenly
+    front = x.movedim(scatter_idx, 0)
+    rest = front.shape[1:]
+    per_row = rest.numel()
+    send = front.contiguous().view(-1)
+    share = scatter_sizes[me]
+    at = gather_idx + 1 if gather_idx < scatter_idx else gather_idx  # the gathered dim's place in ``front``
+    shapes = []
+    for g in gather_sizes:
+        shape = [share, *rest]
+        shape[at] = g
+        shapes.append(shape)
+    recv_sizes = [torch.Size(shape).numel() for shape in shapes]
+    received = torch.empty(sum(recv_sizes), dtype=x.dtype, device=x.device)
+    comm.all_to_all_single(received, send, output_split_sizes=recv_sizes,
+                           input_split_sizes=[n * per_row for n in scatter_sizes], group=group)
+    pieces = [piece.view(shape) for piece, shape in zip(received.split(recv_sizes), shapes)]
+    return torch.cat(pieces, dim=at).movedim(0, scatter_idx)
+
+
+def _layout(x: torch.Tensor, scatter_idx: int, gather_idx: int, batch_dim_idx: int | None) -> tuple[int, int]:
+    """The (scatter, gather) dimensions: as given, or with DeepSpeed's ``batch_dim_idx`` for a 4-D
+    ``[batch, seq, heads, dim]`` / ``[seq, batch, heads, dim]`` tensor: heads are dimension 2 and the sequence is
+    the other of 0 and 1; ``scatter_idx`` >= 2 scatters the heads and gathers the sequence, < 2 the reverse."""
+    if batch_dim_idx is None or x.dim() != 4:
+        return scatter_idx, gather_idx
+    if batch_dim_idx not in (0, 1):
+        raise ValueError(f"batch_dim_idx must be 0 or 1, got {batch_dim_idx}")
+    seq = 1 - batch_dim_idx
+    return (2, seq) if scatter_idx >= 2 else (seq, 2)
 
 
 class _SeqAllToAll(torch.autograd.Function):
-    """The all-to-all as an autograd function: its gradient is the all-to-all that swaps the two dims."""
+    """The all-to-all as an autograd function (DeepSpeed's signature): its gradient is the all-to-all that swaps
+    the two dims. ``stream``/``handle``/``type``/``is_fwd`` are DeepSpeed's overlap switches: the exchanges run
+    on the current stream, in order."""
 
     @staticmethod
-    def forward(ctx: FunctionCtx, group: comm.ProcessGroup, x: torch.Tensor, scatter_idx: int,
-                gather_idx: int) -> torch.Tensor:
+    def forward(ctx: FunctionCtx, group: comm.ProcessGroup, x: torch.Tensor, scatter_idx: int, gather_idx: int,
+                batch_dim_idx: int | None = None, stream: object = None, handle: object = None, type: object = None,
+                is_fwd: bool = True) -> torch.Tensor:
+        scatter_idx, gather_idx = _layout(x, scatter_idx, gather_idx, batch_dim_idx)
         ctx.group, ctx.scatter_idx, ctx.gather_idx = group, scatter_idx, gather_idx
+        ctx.num_heads = x.shape[scatter_idx]  # what the backward gathers back (uneven heads)
         return _all_to_all(x, group, scatter_idx, gather_idx)
 
     @staticmethod
-    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[None, torch.Tensor, None, None]:
-        return None, _all_to_all(grad.contiguous(), ctx.group, ctx.gather_idx, ctx.scatter_idx), None, None
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple:
+        back = _all_to_all(grad.contiguous(), ctx.group, ctx.gather_idx, ctx.scatter_idx, num_heads=ctx.num_heads)
+        return (None, back) + (None,) * 7
 
 
-def single_all_to_all(x: torch.Tensor, scatter_idx: int, gather_idx: int,
-                      group: comm.ProcessGroup = None) -> torch.Tensor:
-    """Differentiable all-to-all over ``group``: ``x`` split along ``scatter_idx``, gathered along
-    ``gather_idx`` (the sequence-parallel exchange)."""
-    return _SeqAllToAll.apply(group, x, scatter_idx, gather_idx)
+def single_all_to_all(x: torch.Tensor, scatter_idx: int, gather_idx: int, batch_dim_idx: int | None = None,
+                      group: comm.ProcessGroup = None, async_op: bool = False, handle: object = None,
+                      type: object = None) -> torch.Tensor:
+    """Differentiable all-to-all over ``group`` (DeepSpeed's signature): ``x`` split along ``scatter_idx``,
+    gathered along ``gather_idx`` (``batch_dim_idx``: DeepSpeed's layout rule for 4-D tensors, :func:`_layout`).
+    ``async_op`` is refused: the exchange runs synchronously."""
+    if async_op:
+        raise ValueError("single_all_to_all(async_op=True): dsrun runs the sequence exchange synchronously; "
+                         "pass async_op=False")
+    return _SeqAllToAll.apply(group, x, scatter_idx, gather_idx, batch_dim_idx)
 
 
 class DistributedAttention(torch.nn.Module):
@@ -92,7 +149,7 @@ class DistributedAttention(torch.nn.Module):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: object,
                 **kwargs: object) -> torch.Tensor:
         return single_all_to_all(self._attend(query, key, value, *args, **kwargs), self.gather_idx,
-                                 self.scatter_idx, self.spg)
+                                 self.scatter_idx, None, self.spg)
 
     def forward_projected(self, projection: Callable[[torch.Tensor], torch.Tensor], query: torch.Tensor,
                           key: torch.Tensor, value: torch.Tensor, *args: object, **kwargs: object) -> Any:
@@ -101,7 +158,7 @@ class DistributedAttention(torch.nn.Module):
         kept as the attention output before the exchange back, which the local attention saves already, and
         backward runs that exchange again (:mod:`dsrun.sequence.recompute`). The values are the same."""
         context = self._attend(query, key, value, *args, **kwargs)
-        output = single_all_to_all(context, self.gather_idx, self.scatter_idx, self.spg).contiguous()
+        output = single_all_to_all(context, self.gather_idx, self.scatter_idx, None, self.spg).contiguous()
 
         def redo(source: torch.Tensor) -> torch.Tensor:
             return _all_to_all(source, self.spg, self.gather_idx, self.scatter_idx).contiguous()
@@ -112,7 +169,7 @@ class DistributedAttention(torch.nn.Module):
     def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: object,
                 **kwargs: object) -> torch.Tensor:
         """The local attention over the whole sequence with this rank's heads (before the exchange back)."""
-        q, k, v = (single_all_to_all(t, self.scatter_idx, self.gather_idx, self.spg) for t in (query, key, value))
+        q, k, v = (single_all_to_all(t, self.scatter_idx, self.gather_idx, None, self.spg) for t in (query, key, value))
         return self.local_attn(q, k, v, *args, **kwargs)
 
 

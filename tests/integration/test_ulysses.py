@@ -1,7 +1,8 @@
 """DeepSpeed-Ulysses ``DistributedAttention`` on gloo ranks: each rank's output shard and its q/k/v gradients
 equal single-process attention over the whole sequence (sliced), in both layouts, and each exchange moves
-exactly (P - 1)/P of the tensor per rank. In the refusal's launch, AutoSP's ViT wrapper over uneven shards
-(output and patch gradients as one process's) and its LLaVA splice."""
+exactly (P - 1)/P of the tensor per rank. In the refusal's launch, 3 heads over 2 ranks (DeepSpeed's uneven
+heads: output and gradients as one process's), AutoSP's ViT wrapper over uneven shards (output and patch
+gradients as one process's) and its LLaVA splice."""
 from __future__ import annotations
 
 import math
@@ -93,6 +94,11 @@ def vit_inputs() -> tuple[torch.Tensor, torch.Tensor]:
                                                                                      dtype=torch.float64)
 
 
+def uneven_inputs() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(13)
+    return [torch.randn(6, 2, 3, 4, generator=gen, dtype=torch.float64) for _ in range(4)]  # q k v, dout
+
+
 def refusal_and_autosp(rank: int, world: int) -> dict:
     from dsrun import comm
     from dsrun.sequence.autosp_fusion import LlavaFusionAdapter
@@ -101,12 +107,18 @@ def refusal_and_autosp(rank: int, world: int) -> dict:
 
     comm.init_distributed(dist_backend="gloo")
     try:
-        x = torch.zeros(4, 1, 3, 2)  # 3 heads over 2 ranks
         try:
+            x = torch.zeros(4, 1, 1, 2)  # 1 head over 2 ranks
             DistributedAttention(lambda a, b, c: a, None)(x, x, x)
             message = "no error"
         except ValueError as err:
             message = str(err)
+        # 3 heads over 2 ranks: 2 + 1 (DeepSpeed's uneven heads), output and gradients as one process's
+        q, k, v, d = uneven_inputs()
+        shard = q.shape[0] // world
+        piece = [t[rank * shard:(rank + 1) * shard].clone().requires_grad_() for t in (q, k, v)]
+        uneven = DistributedAttention(lambda a, b, c: causal_attention(a, b, c, 0), None)(*piece)
+        (uneven * d[rank * shard:(rank + 1) * shard]).sum().backward()
         # AutoSP: 5 patches and a [CLS] token over 2 ranks (3 + 2 patches), through a non-causal attention
         full, dout = vit_inputs()
         start, count = (0, 3) if rank == 0 else (3, 2)
@@ -121,15 +133,23 @@ def refusal_and_autosp(rank: int, world: int) -> dict:
         ids[0, 1] = -200
         fused = LlavaFusionAdapter(torch.nn.Identity(), None)(visual[:, 2 * rank:2 * rank + 2], text, ids)
         return {"message": message, "out": out.detach().numpy(), "patch_grad": local.grad[:, 1:].numpy(),
-                "fused": fused.numpy()}
+                "fused": fused.numpy(), "uneven": uneven.detach().numpy(), "uneven_grads": [p.grad.numpy() for p in piece]}
     finally:
         comm.destroy_process_group()
 
 
-def test_heads_that_do_not_split_over_the_group_are_refused_and_autosp_gathers_uneven_shards():
+def test_uneven_heads_split_fewer_heads_than_ranks_are_refused_and_autosp_gathers_uneven_shards():
     ranks = run_ranks(refusal_and_autosp, 2, timeout=60)
     for got in ranks:
-        assert "size 3 does not split over 2 sequence-parallel ranks" in got["message"]
+        assert "size 1 does not split over 2 sequence-parallel ranks: it needs at least 2" in got["message"]
+    q, k, v, d = (t.clone().requires_grad_() for t in uneven_inputs())
+    ref = causal_attention(q, k, v, 0)
+    (ref * d).sum().backward()
+    for rank, got in enumerate(ranks):  # float64, the same arithmetic per head: exact up to summation order
+        rows = slice(3 * rank, 3 * rank + 3)
+        assert np.allclose(got["uneven"], ref.detach()[rows].numpy(), rtol=0, atol=1e-12)
+        for g, r in zip(got["uneven_grads"], (q, k, v)):
+            assert np.allclose(g, r.grad[rows].numpy(), rtol=0, atol=1e-12)
     # the reference: one process, the whole sequence; each rank's output is the [CLS] row and its patches, and
     # the [CLS] output is used on both ranks (so counted twice in the loss)
     full, dout = vit_inputs()
