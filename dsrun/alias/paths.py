@@ -99,7 +99,9 @@ PATHS: dict[str, str] = {
     "deepspeed.autotuning.scheduler": "dsrun.autotuning.deepspeed_api",
     "deepspeed.autotuning.utils": "dsrun.autotuning.deepspeed_api",
     "deepspeed.runtime.sequence_parallel.ulysses_sp": "dsrun.sequence.tiled_compute",
+    "deepspeed.runtime.sequence_parallel.parallel_state_sp": "dsrun.sequence.parallel_state_sp",
     "deepspeed.sequence.autosp_detector": "dsrun.sequence.auto_sp",
+    "deepspeed.sequence.fpdt_layer": "dsrun.sequence.fpdt",
     "deepspeed.runtime.rollout.base": "dsrun.inference.rollout",
     "deepspeed.runtime.rollout.hybrid_engine_rollout": "dsrun.inference.rollout",
     # inference v2 (FastGen): EXAONE 4.0 and 4.5 share one module, as do the two model bases

@@ -109,6 +109,10 @@ def _analyse(
                                     f"world size {world_size}", "pick a divisor of the number of ranks"))
             batch_failed = {"sequence_parallel_size"}
         world_size, world_size_source = world_size // sp, f"{world_size_source} / sequence_parallel_size {sp}"
+    if world_size is not None and model.data_parallel_size is not None and model.data_parallel_size != world_size:
+        problems.append(Problem(f"{prefix}data_parallel_size", f"is {model.data_parallel_size}, but the world holds "
+                                f"{world_size} data-parallel replicas ({world_size_source})",
+                                f"set it to {world_size}, or drop it (the mesh is data x sequence_parallel_size)"))
     if world_size is None:  # the data-parallel size is not known here (dsrun launch): initialize checks it
         auto_batch = []
     elif not batch_failed:

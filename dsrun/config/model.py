@@ -96,6 +96,8 @@ class DSConfig(Section):
     gradient_accumulation_steps: PosInt | None = None
     # Ulysses: ranks sharing one sample's sequence; the batch counts world / sequence_parallel_size replicas
     sequence_parallel_size: PosInt = 1
+    # DeepSpeed's data x sequence mesh: with sequence_parallel_size, the data-parallel replicas (world / sp)
+    data_parallel_size: PosInt | None = None
 
     # Always present (type None when the config has no such section), so callers can read .type/.params.
     optimizer: OptimizerConfig = _section(OptimizerConfig)

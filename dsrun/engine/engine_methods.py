@@ -118,9 +118,26 @@ class EngineMethods:
 
     @property
     def mp_world_size(self) -> int:
-        if self._engine.mpu is not None and hasattr(self._engine.mpu, "get_model_parallel_world_size"):
-            return int(self._engine.mpu.get_model_parallel_world_size())
+        """Model-parallel ranks: the client mpu's, except a sequence-parallel mpu's (DeepSpeed counts 1 there: its
+        model-parallel getters are the sequence's), else the topology's model axis."""
+        from dsrun.sequence.parallel_state_sp import is_sequence_parallel_mpu
+
+        mpu = self._engine.mpu
+        if is_sequence_parallel_mpu(mpu):
+            return 1
+        if mpu is not None and hasattr(mpu, "get_model_parallel_world_size"):
+            return int(mpu.get_model_parallel_world_size())
         return self._engine.groups.size("model")
+
+    @property
+    def checkpoint_mp_rank(self) -> int:
+        """The model-parallel rank in checkpoint names (``mp_rank_XX``): 0 without model parallelism."""
+        if self.mp_world_size == 1:
+            return 0
+        mpu = self._engine.mpu
+        if mpu is not None and hasattr(mpu, "get_model_parallel_rank"):
+            return int(mpu.get_model_parallel_rank())
+        return comm.get_rank(self._engine.groups.model)
 
     def get_data_parallel_group(self) -> Any:
         """The data-parallel process group ZeRO partitions over (None: the whole world)."""

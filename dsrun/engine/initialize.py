@@ -54,6 +54,36 @@ def _resolve_config_source(args: Any, config: Any, config_params: Any) -> Any:
     return source
 
 
+def _mesh_config(source: Any, mesh_param: Any) -> Any:
+    """The config with DeepSpeed's ``mesh_param=(data_parallel_size, sequence_parallel_size)`` put in (a dict)."""
+    if mesh_param is None:
+        return source
+    if len(tuple(mesh_param)) != 2:
+        raise ConfigError(Problem("initialize(mesh_param=...)", f"got {mesh_param!r}",
+                                  "pass (data_parallel_size, sequence_parallel_size)"))
+    if not isinstance(source, dict):
+        raise ConfigError(Problem("initialize(mesh_param=...)", "needs the config as a dict",
+                                  "set data_parallel_size and sequence_parallel_size in the config file instead"))
+    dp, sp = (int(n) for n in mesh_param)
+    for key, value in (("data_parallel_size", dp), ("sequence_parallel_size", sp)):
+        if key in source and int(source[key]) != value:
+            raise ConfigError(Problem(key, f"is {source[key]}, but mesh_param sets {value}",
+                                      "give the mesh once: drop the key or mesh_param"))
+    return {**source, "data_parallel_size": dp, "sequence_parallel_size": sp}
+
+
+def _data_parallel_world(mpu: Any) -> int:
+    """The ranks the batch is counted over: the world's, or a client mpu's data-parallel size; DeepSpeed's
+    sequence-parallel mpu (``parallel_state_sp``, no data-parallel getters) counts world / its sequence size."""
+    from dsrun.sequence.parallel_state_sp import is_sequence_parallel_mpu
+
+    if mpu is None:
+        return comm.get_world_size()
+    if is_sequence_parallel_mpu(mpu) and not hasattr(mpu, "get_data_parallel_world_size"):
+        return comm.get_world_size() // mpu.get_sequence_parallel_world_size()
+    return mpu.get_data_parallel_world_size()
+
+
 def _refuse_pipeline_settings(ds_config: DSConfig) -> None:
     """The ``pipeline`` section drives a PipelineModule's engine; for any other model a non-default value
     would be ignored, so it is refused."""
@@ -70,13 +100,14 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                model_parameters: ModelParameters | None = None, training_data: torch.utils.data.Dataset | None = None,
                lr_scheduler: Any = None, distributed_port: int = 29500, mpu: DataParallelMpu | None = None,
                dist_init_required: bool | None = None, collate_fn: Callable | None = None, config: Any = None,
-               config_params: Any = None) -> tuple[Any, Any, Any, Any]:
+               config_params: Any = None, mesh_param: tuple[int, int] | None = None) -> tuple[Any, Any, Any, Any]:
     """Build the training engine; returns ``(engine, optimizer, training_dataloader, lr_scheduler)``.
 
     ``optimizer`` (an optimizer or a callable on the parameters) overrides the config's; ``lr_scheduler``
     (an object or a callable on the optimizer) overrides the config's; ``training_data`` (a Dataset) gives a
     distributed loader. ``config`` is a dict or a path (``config_params`` is its old name; ``args.deepspeed_config``
-    works too). Initializes torch.distributed if needed (gloo on CPU, NCCL on CUDA).
+    works too). Initializes torch.distributed if needed (gloo on CPU, NCCL on CUDA). ``mesh_param=(dp, sp)`` is
+    DeepSpeed's data x sequence mesh: the config's ``data_parallel_size`` and ``sequence_parallel_size``.
     """
     from dsrun.config import (RANK_WORLD_SOURCE, ResolvedDsConfig, announce,  # the config layer, loaded only
                               load_ds_config, typed_config)  # when training starts
@@ -87,7 +118,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     install_user_error_hook()  # under dsrun's launcher: a config mistake is one line, not a traceback per rank
     if model is None:
         raise ConfigError(Problem("initialize(model=...)", "a model is required", "pass model=<torch.nn.Module>"))
-    source = _resolve_config_source(args, config, config_params)
+    source = _mesh_config(_resolve_config_source(args, config, config_params), mesh_param)
     if dist_init_required is not False and not comm.is_initialized():
         comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required,
                               verbose=False)
@@ -101,7 +132,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
             raise ConfigError(Problem("initialize(mpu=...)", f"a {type(model).__name__} brings its own process "
                                       "grid", "leave mpu=None"))
         mpu = model.mpu()
-    world = mpu.get_data_parallel_world_size() if mpu is not None else comm.get_world_size()
+    world = _data_parallel_world(mpu)
     if mpu is None:  # AutoTP: the ranks of a tensor-parallel group share their samples (dsrun/tensor_parallel)
         world //= _tensor_parallel_degree(source)
     # dsrun train's rank hands over the config it parsed once (dsrun.config.load_resolved), for its world size

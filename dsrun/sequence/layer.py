@@ -39,9 +39,10 @@ def _all_to_all(x: torch.Tensor, group: comm.ProcessGroup, scatter_idx: int, gat
     """Split ``x`` into P pieces along ``scatter_idx``, send piece j to rank j of ``group``, and concatenate
     the pieces received along ``gather_idx`` in rank order.
 
-    Pieces are equal unless heads split unevenly: scattering a heads dimension that P does not divide sends
-    rank j its :func:`head_split` share (and records the head count); gathering heads, a rank with its share of
-    ``num_heads`` (default: the recorded count, for heads at dimension 2) receives each rank's share."""
+    Pieces are equal unless heads split unevenly: scattering a dimension that P does not divide (heads) sends
+    rank j its :func:`head_split` share and records the count (an evenly split scatter of dimension 2 clears it);
+    gathering heads split from ``num_heads`` (default: the recorded count, for heads at dimension 2) receives
+    each rank's share. Every rank makes the same calls, so the record is the same on all of them."""
     global _uneven_num_heads
     world = comm.get_world_size(group)
     if world == 1:
@@ -53,7 +54,6 @@ def _all_to_all(x: torch.Tensor, group: comm.ProcessGroup, scatter_idx: int, gat
     me = comm.get_rank(group)
     size = x.shape[scatter_idx]
     scatter_sizes, gather_sizes = [size // world] * world, [x.shape[gather_idx]] * world
-    # the recorded count applies where heads are, dimension 2 (DeepSpeed's layouts and DistributedAttention's)
     total = num_heads if num_heads is not None else (_uneven_num_heads if gather_idx == 2 else None)
     if size % world:
         if size < world:
@@ -61,8 +61,14 @@ def _all_to_all(x: torch.Tensor, group: comm.ProcessGroup, scatter_idx: int, gat
                              f"sequence-parallel ranks: it needs at least {world} (one head per rank)")
         scatter_sizes = head_split(size, world)  # uneven heads
         _uneven_num_heads = size
-    elif total is not None and total % world and head_split(total, world)[me] == x.shape[gather_idx]:
-        gather_sizes = head_split(total, world)  # gathering heads split unevenly
+    else:
+        if scatter_idx == 2:
+            _uneven_num_heads = None
+        if total is not None and total % world:  # gathering heads that were split unevenly
+            gather_sizes = head_split(total, world)
+            if gather_sizes[me] != x.shape[gather_idx]:
+                raise ValueError(f"gathering {total} heads split unevenly over {world} ranks: rank {me} holds "
+                                 f"{x.shape[gather_idx]} along dimension {gather_idx}, expected {gather_sizes[me]}")
     front = x.movedim(scatter_idx, 0)
     rest = front.shape[1:]
     per_row = rest.numel()
@@ -102,28 +108,29 @@ class _SeqAllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, group: comm.ProcessGroup, x: torch.Tensor, scatter_idx: int, gather_idx: int,
                 batch_dim_idx: int | None = None, stream: object = None, handle: object = None, type: object = None,
-                is_fwd: bool = True) -> torch.Tensor:
+                is_fwd: bool = True, num_heads: int | None = None) -> torch.Tensor:
         scatter_idx, gather_idx = _layout(x, scatter_idx, gather_idx, batch_dim_idx)
         ctx.group, ctx.scatter_idx, ctx.gather_idx = group, scatter_idx, gather_idx
         ctx.num_heads = x.shape[scatter_idx]  # what the backward gathers back (uneven heads)
-        return _all_to_all(x, group, scatter_idx, gather_idx)
+        return _all_to_all(x, group, scatter_idx, gather_idx, num_heads=num_heads)
 
     @staticmethod
     def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple:
         back = _all_to_all(grad.contiguous(), ctx.group, ctx.gather_idx, ctx.scatter_idx, num_heads=ctx.num_heads)
-        return (None, back) + (None,) * 7
+        return (None, back) + (None,) * 8
 
 
 def single_all_to_all(x: torch.Tensor, scatter_idx: int, gather_idx: int, batch_dim_idx: int | None = None,
                       group: comm.ProcessGroup = None, async_op: bool = False, handle: object = None,
-                      type: object = None) -> torch.Tensor:
+                      type: object = None, *, num_heads: int | None = None) -> torch.Tensor:
     """Differentiable all-to-all over ``group`` (DeepSpeed's signature): ``x`` split along ``scatter_idx``,
-    gathered along ``gather_idx`` (``batch_dim_idx``: DeepSpeed's layout rule for 4-D tensors, :func:`_layout`).
+    gathered along ``gather_idx`` (``batch_dim_idx``: DeepSpeed's layout rule for 4-D tensors, :func:`_layout`;
+    ``num_heads``: the head count a gather of heads split unevenly comes from, default the last uneven split's).
     ``async_op`` is refused: the exchange runs synchronously."""
     if async_op:
         raise ValueError("single_all_to_all(async_op=True): dsrun runs the sequence exchange synchronously; "
                          "pass async_op=False")
-    return _SeqAllToAll.apply(group, x, scatter_idx, gather_idx, batch_dim_idx)
+    return _SeqAllToAll.apply(group, x, scatter_idx, gather_idx, batch_dim_idx, None, None, None, True, num_heads)
 
 
 class DistributedAttention(torch.nn.Module):
@@ -149,7 +156,7 @@ class DistributedAttention(torch.nn.Module):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: object,
                 **kwargs: object) -> torch.Tensor:
         return single_all_to_all(self._attend(query, key, value, *args, **kwargs), self.gather_idx,
-                                 self.scatter_idx, None, self.spg)
+                                 self.scatter_idx, None, self.spg, num_heads=query.shape[self.scatter_idx])
 
     def forward_projected(self, projection: Callable[[torch.Tensor], torch.Tensor], query: torch.Tensor,
                           key: torch.Tensor, value: torch.Tensor, *args: object, **kwargs: object) -> Any:
@@ -158,10 +165,12 @@ class DistributedAttention(torch.nn.Module):
         kept as the attention output before the exchange back, which the local attention saves already, and
         backward runs that exchange again (:mod:`dsrun.sequence.recompute`). The values are the same."""
         context = self._attend(query, key, value, *args, **kwargs)
-        output = single_all_to_all(context, self.gather_idx, self.scatter_idx, None, self.spg).contiguous()
+        heads = query.shape[self.scatter_idx]
+        output = single_all_to_all(context, self.gather_idx, self.scatter_idx, None, self.spg,
+                                   num_heads=heads).contiguous()
 
         def redo(source: torch.Tensor) -> torch.Tensor:
-            return _all_to_all(source, self.spg, self.gather_idx, self.scatter_idx).contiguous()
+            return _all_to_all(source, self.spg, self.gather_idx, self.scatter_idx, num_heads=heads).contiguous()
 
         with ExchangedFromSource(output, context, redo):
             return projection(output)

@@ -99,6 +99,56 @@ def uneven_inputs() -> list[torch.Tensor]:
     return [torch.randn(6, 2, 3, 4, generator=gen, dtype=torch.float64) for _ in range(4)]  # q k v, dout
 
 
+FPDT_LEN, FPDT_BATCH, FPDT_HEADS, FPDT_HEAD_DIM, FPDT_CHUNK = 16, 2, 4, 4, 4  # 4 chunks of 2 tokens per rank
+
+
+class FpdtArgs:
+    ds_sequence_parallel_fpdt_chunk_size = FPDT_CHUNK
+
+
+def fpdt_inputs() -> list[torch.Tensor]:
+    """x [L, b, hidden], the qkv weight and bias, the output gradient [b, L, heads, head_dim], rotary cos/sin."""
+    gen = torch.Generator().manual_seed(17)
+    hidden = FPDT_HEADS * FPDT_HEAD_DIM
+    x = torch.randn(FPDT_LEN, FPDT_BATCH, hidden, generator=gen, dtype=torch.float64)
+    weight = torch.randn(3 * hidden, hidden, generator=gen, dtype=torch.float64) / hidden ** 0.5
+    bias = torch.randn(3 * hidden, generator=gen, dtype=torch.float64)
+    dout = torch.randn(FPDT_BATCH, FPDT_LEN, FPDT_HEADS, FPDT_HEAD_DIM, generator=gen, dtype=torch.float64)
+    angles = torch.arange(FPDT_LEN, dtype=torch.float64)[:, None] * torch.tensor([1.0, 0.3, 1.0, 0.3])
+    return [x, weight, bias, dout, angles.cos().view(FPDT_LEN, 1, 1, -1), angles.sin().view(FPDT_LEN, 1, 1, -1)]
+
+
+def fpdt_reference() -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Causal attention over the whole sequence, one process: the output [b, L, h, d] and the gradients of x,
+    the weight and the bias for the loss sum(out * dout)."""
+    from dsrun.sequence.layer import apply_rotary_pos_emb
+
+    x, weight, bias, dout, cos, sin = fpdt_inputs()
+    x, weight, bias = (t.clone().requires_grad_() for t in (x, weight, bias))
+    q, k, v = (t.reshape(FPDT_LEN, FPDT_BATCH, FPDT_HEADS, FPDT_HEAD_DIM).transpose(0, 1)
+               for t in (x @ weight.t() + bias).chunk(3, dim=-1))
+    q, k = (apply_rotary_pos_emb(t, cos.permute(1, 0, 2, 3), sin.permute(1, 0, 2, 3)) for t in (q, k))
+    out = causal_attention(q, k, v, seq_dim=1)
+    (out * dout).sum().backward()
+    return out.detach(), [x.grad, weight.grad, bias.grad]
+
+
+def fpdt_rank(rank: int, world: int) -> dict:
+    """FPDT's chunked, offloaded attention on this rank's load-balanced share (DeepSpeed's layout)."""
+    from dsrun.sequence.fpdt import FPDT_InputConstruct, _FPDTGPUOffloadingAttentionImpl_
+
+    x, weight, bias, dout, cos, sin = fpdt_inputs()
+    share = lambda t: FPDT_InputConstruct(t, None, None, None, None, FpdtArgs(), world, rank).generate()[0]  # noqa
+    local = share(x.transpose(0, 1)).transpose(0, 1).contiguous().requires_grad_()
+    weight, bias = weight.clone().requires_grad_(), bias.clone().requires_grad_()
+    hidden = FPDT_HEADS * FPDT_HEAD_DIM
+    chunks = local.shape[0] * world // FPDT_CHUNK
+    out = _FPDTGPUOffloadingAttentionImpl_.apply(local, None, None, (cos, sin), None, 2, 0, hidden, hidden,
+                                                 FPDT_HEAD_DIM, hidden, weight, bias, 0, chunks, True)
+    (out * share(dout)).sum().backward()
+    return {"out": out.detach(), "x_grad": local.grad, "weight_grad": weight.grad, "bias_grad": bias.grad}
+
+
 def refusal_and_autosp(rank: int, world: int) -> dict:
     from dsrun import comm
     from dsrun.sequence.autosp_fusion import LlavaFusionAdapter
@@ -133,7 +183,8 @@ def refusal_and_autosp(rank: int, world: int) -> dict:
         ids[0, 1] = -200
         fused = LlavaFusionAdapter(torch.nn.Identity(), None)(visual[:, 2 * rank:2 * rank + 2], text, ids)
         return {"message": message, "out": out.detach().numpy(), "patch_grad": local.grad[:, 1:].numpy(),
-                "fused": fused.numpy(), "uneven": uneven.detach().numpy(), "uneven_grads": [p.grad.numpy() for p in piece]}
+                "fused": fused.numpy(), "uneven": uneven.detach().numpy(), "uneven_grads": [p.grad.numpy() for p in piece],
+                "fpdt": fpdt_rank(rank, world)}
     finally:
         comm.destroy_process_group()
 
@@ -163,6 +214,18 @@ def test_uneven_heads_split_fewer_heads_than_ranks_are_refused_and_autosp_gather
         # every rank's output reaches the patches it came from: the gradient sums both ranks' shares
         assert np.allclose(ranks[rank]["patch_grad"], x.grad[:, 1 + start:1 + start + count].numpy(), rtol=0,
                            atol=1e-12)
+    # FPDT: each rank's load-balanced share of the output and of x's gradient, and the ranks' weight and bias
+    # gradients summed, equal one process's (float64; only the summation order differs)
+    from dsrun.sequence.fpdt import FPDT_InputConstruct
+
+    out, (x_grad, weight_grad, bias_grad) = fpdt_reference()
+    for rank, got in enumerate(ranks):
+        share = lambda t: FPDT_InputConstruct(t, None, None, None, None, FpdtArgs(), 2, rank).generate()[0]  # noqa
+        torch.testing.assert_close(got["fpdt"]["out"], share(out), rtol=0, atol=1e-12)
+        torch.testing.assert_close(got["fpdt"]["x_grad"], share(x_grad.transpose(0, 1)).transpose(0, 1), rtol=0,
+                                   atol=1e-12)
+    torch.testing.assert_close(sum(got["fpdt"]["weight_grad"] for got in ranks), weight_grad, rtol=0, atol=1e-11)
+    torch.testing.assert_close(sum(got["fpdt"]["bias_grad"] for got in ranks), bias_grad, rtol=0, atol=1e-11)
     visual = torch.arange(16, dtype=torch.float64).reshape(1, 4, 4)
     want = torch.cat([-torch.ones(1, 1, 4), visual, -torch.ones(1, 4, 4), torch.zeros(1, 1, 4)], dim=1)
     assert np.array_equal(np.concatenate([got["fused"] for got in ranks], axis=1), want.numpy())

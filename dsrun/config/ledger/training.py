@@ -48,6 +48,10 @@ ENTRIES: list[Entry] = [
          "tests/integration/test_ulysses_gpt.py::test_sequence_parallel_gpt_matches_one_process",
          "tests/unit/config/test_sequence_parallel_config.py::test_batch_counts_world_over_sequence_parallel_size",
          traced=False),
+    done("data_parallel_size", "DeepSpeed's data x sequence mesh (with sequence_parallel_size; initialize's "
+         "mesh_param): checked to be world / sequence_parallel_size",
+         "tests/unit/config/test_sequence_parallel_config.py::test_data_parallel_size_is_the_replica_count_of_the_mesh",
+         traced=False),
     # --- optimizer and scheduler ---------------------------------------------------------------------------
     done("optimizer.type", "the optimizer: a DeepSpeed name (any case) or a torch.optim class", UNIT,
          "tests/unit/runtime/test_onebit_optimizers.py::test_onebit_adam_warmup_matches_torch_adamw",

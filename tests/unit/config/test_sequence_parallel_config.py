@@ -23,3 +23,10 @@ def test_batch_counts_world_over_sequence_parallel_size():
 def test_size_not_dividing_the_world_is_refused():
     with pytest.raises(ConfigError, match="sequence_parallel_size: 3 does not divide the data-parallel world size 8"):
         load_ds_config({"train_micro_batch_size_per_gpu": 2, "sequence_parallel_size": 3}, world_size=8)
+
+
+def test_data_parallel_size_is_the_replica_count_of_the_mesh():
+    mesh = {"train_batch_size": 8, "data_parallel_size": 2, "sequence_parallel_size": 2}
+    assert load_ds_config(mesh, world_size=4).train_micro_batch_size_per_gpu == 4  # 2 replicas of 2 ranks
+    with pytest.raises(ConfigError, match=r"data_parallel_size: is 3, but the world holds 2 data-parallel replicas"):
+        load_ds_config({**mesh, "data_parallel_size": 3}, world_size=4)
