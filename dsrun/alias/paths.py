@@ -98,7 +98,6 @@ PATHS: dict[str, str] = {
     "deepspeed.autotuning.autotuner": "dsrun.autotuning.deepspeed_api",
     "deepspeed.autotuning.scheduler": "dsrun.autotuning.deepspeed_api",
     "deepspeed.autotuning.utils": "dsrun.autotuning.deepspeed_api",
-    "deepspeed.runtime.sequence_parallel.ulysses_sp": "dsrun.sequence.tiled_compute",
     "deepspeed.runtime.sequence_parallel.parallel_state_sp": "dsrun.sequence.parallel_state_sp",
     "deepspeed.sequence.autosp_detector": "dsrun.sequence.auto_sp",
     "deepspeed.sequence.fpdt_layer": "dsrun.sequence.fpdt",

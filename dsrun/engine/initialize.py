@@ -54,7 +54,7 @@ def _resolve_config_source(args: Any, config: Any, config_params: Any) -> Any:
     return source
 
 
-def _mesh_config(source: Any, mesh_param: Any) -> Any:
+def _mesh_config(source: object, mesh_param: tuple[int, int] | None) -> object:
     """The config with DeepSpeed's ``mesh_param=(data_parallel_size, sequence_parallel_size)`` put in (a dict)."""
     if mesh_param is None:
         return source
@@ -72,7 +72,7 @@ def _mesh_config(source: Any, mesh_param: Any) -> Any:
     return {**source, "data_parallel_size": dp, "sequence_parallel_size": sp}
 
 
-def _data_parallel_world(mpu: Any) -> int:
+def _data_parallel_world(mpu: object) -> int:
     """The ranks the batch is counted over: the world's, or a client mpu's data-parallel size; DeepSpeed's
     sequence-parallel mpu (``parallel_state_sp``, no data-parallel getters) counts world / its sequence size."""
     from dsrun.sequence.parallel_state_sp import is_sequence_parallel_mpu

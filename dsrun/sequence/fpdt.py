@@ -26,9 +26,10 @@ sequence (``tests/integration/test_ulysses.py`` compares with one process). ``dr
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
+from torch.autograd.function import FunctionCtx
+
+from dsrun import comm
 
 from dsrun.accelerator import get_accelerator
 from dsrun.sequence.layer import apply_rotary_pos_emb, single_all_to_all
@@ -49,7 +50,7 @@ def apply_rotary_pos_emb_backward(grad_output: torch.Tensor, freqs_cos: torch.Te
 
 
 def update_out_and_lse(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor,
-                       block_lse: torch.Tensor, slice_: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       block_lse: torch.Tensor, slice_: slice | tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge one key block's attention into the running result: ``out`` ``[b, s, h, d]`` (fp32) and ``lse``
     ``[b, s, h, 1]`` so far, ``block_out`` ``[b, s, h, d]`` and ``block_lse`` ``[b, h, s]`` (flash-attn's layout),
     in fp32 (fp64 for fp64 blocks).
@@ -77,7 +78,8 @@ class FPDT_InputConstruct(torch.nn.Module):
     attention mask as given (DeepSpeed's outputs)."""
 
     def __init__(self, tokens: torch.Tensor, labels: torch.Tensor | None, loss_mask: torch.Tensor | None,
-                 attention_mask: Any, position_ids: torch.Tensor | None, args: Any, sp_size: int,
+                 attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None, args: object,
+                 sp_size: int,
                  sp_rank: int) -> None:
         super().__init__()
         self.tokens, self.labels, self.loss_mask = tokens, labels, loss_mask
@@ -111,7 +113,7 @@ class SequenceChunk:
     """One chunk kept for later: on an accelerator a host copy (pinned through the accelerator), on the device
     only between :meth:`load_to_gpu` and :meth:`offload`; a host tensor is kept as it is."""
 
-    def __init__(self, chunk: torch.Tensor, device: Any = None, is_in_use: bool = False) -> None:
+    def __init__(self, chunk: torch.Tensor, device: torch.device | str | None = None, is_in_use: bool = False) -> None:
         self.chunk_shape, self.chunk_dtype = chunk.shape, chunk.dtype
         self.device = chunk.device if device is None else torch.device(device)
         accelerator = get_accelerator()
@@ -194,8 +196,9 @@ class _FPDTGPUOffloadingAttentionImpl_(torch.autograd.Function):
     qkv_linear_weight, qkv_linear_bias, dropout (0), num_chunks, cpu_offloading)`` -> ``[b, l, heads, head_dim]``."""
 
     @staticmethod
-    def forward(ctx: Any, layernorm_output: torch.Tensor, attention_mask: Any, inference_params: Any,
-                rotary_pos_emb: Any, spg: Any, scatter_idx: int, gather_idx: int, hidden_size: int,
+    def forward(ctx: FunctionCtx, layernorm_output: torch.Tensor, attention_mask: torch.Tensor | None,
+                inference_params: object, rotary_pos_emb: tuple[torch.Tensor, torch.Tensor] | None,
+                spg: comm.ProcessGroup, scatter_idx: int, gather_idx: int, hidden_size: int,
                 projection_size: int, hidden_size_per_attention_head: int, kv_projection_size: int,
                 qkv_linear_weight: torch.Tensor, qkv_linear_bias: torch.Tensor, dropout: float, num_chunks: int = 8,
                 cpu_offloading: bool = True) -> torch.Tensor:
@@ -240,7 +243,7 @@ class _FPDTGPUOffloadingAttentionImpl_(torch.autograd.Function):
         return torch.cat(final, dim=1)
 
     @staticmethod
-    def _project(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, index: int) -> tuple:
+    def _project(ctx: FunctionCtx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, index: int) -> tuple:
         """Local chunk ``index``'s q, k, v ``[b, P * c, heads / P, head_dim]`` (exchanged: global block
         ``index``; its rotary positions applied)."""
         projection, kv_projection, head_dim = ctx.sizes
@@ -256,7 +259,7 @@ class _FPDTGPUOffloadingAttentionImpl_(torch.autograd.Function):
         return q, k, v
 
     @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple:
+    def backward(ctx: FunctionCtx, grad_output: torch.Tensor) -> tuple:
         weight, bias = ctx.saved_tensors
         inputs, qs, ks, vs, outs, lses = ctx.saved
         n, chunk = ctx.num_chunks, grad_output.shape[1] // ctx.num_chunks

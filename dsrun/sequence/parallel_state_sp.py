@@ -82,7 +82,7 @@ get_model_parallel_world_size = get_sequence_parallel_world_size
 get_model_parallel_group = get_sequence_parallel_group
 
 
-def is_sequence_parallel_mpu(mpu: Any) -> bool:
+def is_sequence_parallel_mpu(mpu: object) -> bool:
     """Whether ``mpu`` is a sequence-parallel mpu like this module (DeepSpeed's test: it has
     ``initialize_sequence_parallel``), whose model-parallel getters are the sequence's."""
     return mpu is not None and hasattr(mpu, "initialize_sequence_parallel")

@@ -9,8 +9,8 @@ twice). ``TiledFusedLogitsLoss`` does its backward inside the forward (the loss 
 whole and the forward runs once. Each function calls ``fn`` on a slice like the block's own ``forward``; the
 parameters' gradients accumulate over the slices into ``param.grad``; ``compute_params`` lists those parameters, as
 in DeepSpeed: each is marked ``ds_grad_is_ready = False`` until the last slice, which tells ZeRO's gradient hooks
-(stages 1-2's buckets, stage 3's) to wait for the whole gradient instead of reducing the first slice's. ``UlyssesSPAttentionHF`` and the rest of DeepSpeed's ``ulysses_sp`` are not provided
-(dsrun's Ulysses is ``dsrun.sequence``'s ``DistributedAttention``, docs/sequence_parallel.md).
+(stages 1-2's buckets, stage 3's) to wait for the whole gradient instead of reducing the first slice's. ``UlyssesSPAttentionHF`` and ``UlyssesSPDataLoaderAdapter``, the rest of DeepSpeed's ``ulysses_sp``, are
+:mod:`dsrun.sequence.ulysses_hf`.
 """
 from __future__ import annotations
 

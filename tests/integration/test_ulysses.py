@@ -149,6 +149,46 @@ def fpdt_rank(rank: int, world: int) -> dict:
     return {"out": out.detach(), "x_grad": local.grad, "weight_grad": weight.grad, "bias_grad": bias.grad}
 
 
+def hf_llama() -> torch.nn.Module:
+    """A 2-layer Llama (4 query heads, 1 key/value head: repeated over the 2 ranks), float64."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=1, vocab_size=32, max_position_embeddings=64, attn_implementation="sdpa")
+    return LlamaForCausalLM(config).double()
+
+
+HF_IDS = [[1, 5, 7, 9, 11, 3, 2, 4], [1, 20, 20, 20, 2, 2, 6, 6]]
+
+
+def ulysses_hf_rank(rank: int, world: int) -> dict:
+    """ALST's Hugging Face Ulysses: the adapter's shards of rank 0's sample, and the loss and a gradient of a Llama
+    through the wrapped sdpa attention (each rank's share of the token-weighted loss; gradients summed)."""
+    from dsrun import comm
+    from dsrun.sequence.ulysses_hf import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
+
+    model = hf_llama()
+    ids = torch.tensor(HF_IDS)
+    data = torch.utils.data.TensorDataset(ids, torch.arange(8).repeat(2, 1))
+    collate = lambda b: {"input_ids": b[0][0][None], "position_ids": b[0][1][None], "labels": b[0][0][None]}  # noqa
+    mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", world, 1, seq_length_is_variable=True)
+    loader = UlyssesSPDataLoaderAdapter(torch.utils.data.DataLoader(data, batch_size=1, collate_fn=collate),
+                                        mpu.get_sequence_parallel_rank(), mpu.get_sequence_parallel_group(), world,
+                                        "cpu")
+    batch = next(loader)
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+    loss = model.loss_function(logits=logits, labels=None, shift_labels=batch["shift_labels"], vocab_size=32)
+    good = (batch["shift_labels"] != -100).sum()
+    total = good.clone()
+    comm.all_reduce(total)
+    share = loss * good / total
+    share.backward()
+    grad = model.model.layers[0].self_attn.q_proj.weight.grad.clone()
+    comm.all_reduce(grad)
+    return {"batch": batch, "loss_share": share.detach(), "grad": grad, "length": len(loader)}
+
+
 def refusal_and_autosp(rank: int, world: int) -> dict:
     from dsrun import comm
     from dsrun.sequence.autosp_fusion import LlavaFusionAdapter
@@ -184,7 +224,7 @@ def refusal_and_autosp(rank: int, world: int) -> dict:
         fused = LlavaFusionAdapter(torch.nn.Identity(), None)(visual[:, 2 * rank:2 * rank + 2], text, ids)
         return {"message": message, "out": out.detach().numpy(), "patch_grad": local.grad[:, 1:].numpy(),
                 "fused": fused.numpy(), "uneven": uneven.detach().numpy(), "uneven_grads": [p.grad.numpy() for p in piece],
-                "fpdt": fpdt_rank(rank, world)}
+                "fpdt": fpdt_rank(rank, world), "hf": ulysses_hf_rank(rank, world)}
     finally:
         comm.destroy_process_group()
 
@@ -226,6 +266,22 @@ def test_uneven_heads_split_fewer_heads_than_ranks_are_refused_and_autosp_gather
                                    atol=1e-12)
     torch.testing.assert_close(sum(got["fpdt"]["weight_grad"] for got in ranks), weight_grad, rtol=0, atol=1e-11)
     torch.testing.assert_close(sum(got["fpdt"]["bias_grad"] for got in ranks), bias_grad, rtol=0, atol=1e-11)
+    # ALST's Hugging Face Ulysses: rank r holds half of rank 0's sample, labels shifted before the cut; the token-
+    # weighted loss shares add up to one process's loss, and the q projection's gradient (summed) equals its
+    model = hf_llama()
+    ids = torch.tensor(HF_IDS[:1])
+    ref = model(input_ids=ids, position_ids=torch.arange(8)[None], labels=ids)
+    ref.loss.backward()
+    shifted = torch.tensor([[5, 7, 9, 11, 3, 2, 4, -100]])
+    for rank, got in enumerate(ranks):
+        half = slice(4 * rank, 4 * rank + 4)
+        assert torch.equal(got["hf"]["batch"]["input_ids"], ids[:, half]) and got["hf"]["length"] == 4
+        assert torch.equal(got["hf"]["batch"]["position_ids"], torch.arange(8)[None, half])
+        assert torch.equal(got["hf"]["batch"]["shift_labels"], shifted[:, half])
+    torch.testing.assert_close(sum(got["hf"]["loss_share"] for got in ranks), ref.loss.detach(), rtol=0, atol=1e-12)
+    for got in ranks:
+        torch.testing.assert_close(got["hf"]["grad"], model.model.layers[0].self_attn.q_proj.weight.grad, rtol=0,
+                                   atol=1e-12)
     visual = torch.arange(16, dtype=torch.float64).reshape(1, 4, 4)
     want = torch.cat([-torch.ones(1, 1, 4), visual, -torch.ones(1, 4, 4), torch.zeros(1, 1, 4)], dim=1)
     assert np.array_equal(np.concatenate([got["fused"] for got in ranks], axis=1), want.numpy())
