@@ -30,3 +30,14 @@ def test_data_parallel_size_is_the_replica_count_of_the_mesh():
     assert load_ds_config(mesh, world_size=4).train_micro_batch_size_per_gpu == 4  # 2 replicas of 2 ranks
     with pytest.raises(ConfigError, match=r"data_parallel_size: is 3, but the world holds 2 data-parallel replicas"):
         load_ds_config({**mesh, "data_parallel_size": 3}, world_size=4)
+
+
+def test_mesh_param_is_the_config_keys_given_once():
+    from dsrun.engine.initialize import _mesh_config
+
+    assert _mesh_config({"train_batch_size": 8}, (2, 2)) == {"train_batch_size": 8, "data_parallel_size": 2,
+                                                             "sequence_parallel_size": 2}
+    with pytest.raises(ConfigError, match="sequence_parallel_size: is 4, but mesh_param sets 2"):
+        _mesh_config({"sequence_parallel_size": 4}, (2, 2))
+    with pytest.raises(ConfigError, match=r"initialize\(mesh_param=...\): needs the config as a dict"):
+        _mesh_config("ds_config.json", (2, 2))
