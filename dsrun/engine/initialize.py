@@ -100,7 +100,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                model_parameters: ModelParameters | None = None, training_data: torch.utils.data.Dataset | None = None,
                lr_scheduler: Any = None, distributed_port: int = 29500, mpu: DataParallelMpu | None = None,
                dist_init_required: bool | None = None, collate_fn: Callable | None = None, config: Any = None,
-               config_params: Any = None, mesh_param: tuple[int, int] | None = None) -> tuple[Any, Any, Any, Any]:
+               mesh_param: tuple[int, int] | None = None, config_params: Any = None) -> tuple[Any, Any, Any, Any]:
     """Build the training engine; returns ``(engine, optimizer, training_dataloader, lr_scheduler)``.
 
     ``optimizer`` (an optimizer or a callable on the parameters) overrides the config's; ``lr_scheduler``

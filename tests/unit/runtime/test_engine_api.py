@@ -40,7 +40,7 @@ def _train_step(engine) -> torch.Tensor:
 def test_signatures_match_deepspeed() -> None:
     assert list(inspect.signature(dsrun.initialize).parameters) == [
         "args", "model", "optimizer", "model_parameters", "training_data", "lr_scheduler", "distributed_port",
-        "mpu", "dist_init_required", "collate_fn", "config", "config_params"]
+        "mpu", "dist_init_required", "collate_fn", "config", "mesh_param", "config_params"]
     params = inspect.signature(dsrun.init_distributed).parameters
     assert list(params)[:3] == ["dist_backend", "auto_mpi_discovery", "distributed_port"]
     assert params["timeout"].default.total_seconds() == 1800
