@@ -28,6 +28,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.fx import GraphModule
 
+from dsrun import comm as dist
+from dsrun.accelerator import get_accelerator
 from dsrun.compile.graph_param import DSGraphParamManager
 from dsrun.compile.handle import get_deepcompile_handle
 from dsrun.compile.input_storage import InputStorage
@@ -38,7 +40,7 @@ from dsrun.compile.partitioner import _recompute_param_aliases
 from dsrun.compile.passes import run_opt_passes
 from dsrun.compile.passes.graph_edit import is_backward
 from dsrun.compile.profilers import ProfilingResult
-from dsrun.compile.profilers.graph_profile import memory_records
+from dsrun.compile.profilers.graph_profile import annotate, memory_records
 from dsrun.utils.logging import log_dist
 
 SUPPORTED_BACKENDS = ("inductor", "eager", "aot_eager")
@@ -51,6 +53,19 @@ _generation = [0]  # bumped by each launch: the graphs a backend knew are gone
 
 def log_rank0(message: str) -> None:
     log_dist(f"DeepCompile: {message}", ranks=[0])
+
+
+def _sync_memory_profile_complete(profile_complete: bool) -> bool:
+    """Whether every rank's profile of a graph is complete (a MIN over the ranks; this rank's alone without a
+    process group): a planning pass must take the same decision on all of them, or their collectives part."""
+    if not dist.is_initialized():
+        return profile_complete
+    device = get_accelerator().current_device()
+    if isinstance(device, int):  # an index (dsrun's accelerator, as DeepSpeed's): its device by name
+        device = get_accelerator().current_device_name()
+    flag = torch.tensor([1 if profile_complete else 0], device=torch.device(device))
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def init_schedule(schedule: Sequence[tuple[int, list[Callable]]]) -> None:
@@ -256,10 +271,6 @@ class DeepCompileBackend:
                      create_inputs_fn: Callable[[], tuple] | None = None) -> GraphModule:
         bwd = is_backward(gm.graph)
         profile = self.profiling_results[graph_id]
-        if bwd:
-            profile.bwd_graph = gm.graph
-        else:
-            profile.fwd_graph = gm.graph
         self._profile(profile, gm, bwd)
         for opt_pass in passes:
             gm = run_opt_passes(graph_id, gm, [(opt_pass, 0.0)], self.graph_order, self.profiling_results,
@@ -274,10 +285,16 @@ class DeepCompileBackend:
 
     @staticmethod
     def _profile(profile: ProfilingResult, gm: GraphModule, bwd: bool) -> None:
+        """The graph as it is now (a pass may give a new one: the list scheduler does), its memory records and
+        each node's profile keys; complete on this rank when every node has its record, and on all only if so
+        on every rank."""
+        records = memory_records(gm.graph)
+        annotate(gm.graph, records)
+        complete = _sync_memory_profile_complete(len(records) == len(gm.graph.nodes))
         if bwd:
-            profile.bwd_mem = memory_records(gm.graph)
+            profile.bwd_graph, profile.bwd_mem, profile.bwd_mem_complete = gm.graph, records, complete
         else:
-            profile.fwd_mem = memory_records(gm.graph)
+            profile.fwd_graph, profile.fwd_mem, profile.fwd_mem_complete = gm.graph, records, complete
 
 
 def gathered_forward(module: torch.nn.Module) -> Callable:

@@ -11,9 +11,11 @@ from __future__ import annotations
 from torch.fx import GraphModule
 
 from dsrun.compile.handle import get_deepcompile_handle
+from dsrun.compile.util import print_rank_0
 from dsrun.compile.ops import ALLGATHER, PREFETCH, WAIT_ALLGATHER
 from dsrun.compile.passes.contract import CAP_Z3_GATHER_RELEASE, PassContract
 from dsrun.compile.passes.graph_edit import nodes_of
+from dsrun.compile.profilers.graph_profile import is_profile_incomplete
 
 NAME = "prefetch"
 CONTRACT = PassContract(requires=frozenset({CAP_Z3_GATHER_RELEASE}))
@@ -52,6 +54,14 @@ def insert_prefetches(gm: GraphModule, budget: int) -> int:
 
 def schedule_prefetch(gm: GraphModule, graph_id: int, graph_order, profiling_results, create_inputs_fn,
                       mem_budget: float, param_manager, bwd: bool) -> GraphModule:
+    """The pass; a graph whose profile is incomplete (DeepSpeed's rule: on any rank) is left as it is."""
+    profile = profiling_results.get(graph_id)
+    if profile is not None:
+        graph = profile.bwd_graph if bwd else profile.fwd_graph
+        complete = profile.bwd_mem_complete if bwd else profile.fwd_mem_complete
+        if is_profile_incomplete(graph) or not complete:
+            print_rank_0(f"schedule_prefetch graph_id={graph_id} incomplete profiling data; skipping prefetch")
+            return gm
     insert_prefetches(gm, bucket_numel[0])
     gm.graph.lint()
     gm.recompile()

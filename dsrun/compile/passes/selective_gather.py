@@ -16,10 +16,10 @@ from torch.fx import GraphModule
 from dsrun import comm as dist
 from dsrun.accelerator import get_accelerator
 from dsrun.compile.handle import get_deepcompile_handle
+from dsrun.compile.util import print_rank_0
 from dsrun.compile.passes.contract import CAP_Z3_GATHER_RELEASE, PassContract
 from dsrun.compile.profilers import ProfilingResult
 from dsrun.compile.profilers.graph_profile import is_profile_incomplete
-from dsrun.utils.logging import log_dist
 
 NAME = "selective_gather"
 CONTRACT = PassContract(requires=frozenset({CAP_Z3_GATHER_RELEASE}))
@@ -43,17 +43,13 @@ def _incomplete(result: ProfilingResult) -> bool:
             or not result.fwd_mem_complete or (result.needs_backward and not result.bwd_mem_complete))
 
 
-def _log(message: str) -> None:
-    log_dist(f"selective_gather: {message}", ranks=[0])
-
-
 def selective_gather(gm: GraphModule, graph_id: int, graph_order: list[tuple[int, bool]], profiling_results,
                      create_inputs_fn, mem_budget: float, param_manager, bwd: bool) -> GraphModule:
     first_backward = next((g for g, needs_backward in graph_order if needs_backward), None)
     if not bwd or graph_id != first_backward:
         return gm
     if any(_incomplete(r) for r in profiling_results.values()):
-        _log("the memory profile does not cover every graph; persistence unchanged")
+        print_rank_0(f"selective_gather graph_id={graph_id}: incomplete profiling data; persistence unchanged")
         return gm
     records = [mem for r in profiling_results.values() for mem in (r.fwd_mem, r.bwd_mem)]
     size: dict[int, int] = {}
@@ -74,7 +70,7 @@ def selective_gather(gm: GraphModule, graph_id: int, graph_order: list[tuple[int
     dist.all_reduce(figures, dist.ReduceOp.MIN)
     budget = _compute_persistence_budget(records, int(figures[0].item()), MEM_MARGIN)
     if not budget["profiled_list_count"] or not candidates or not budget["available_mem"]:
-        _log(f"nothing to keep (budget {budget}, {len(candidates)} candidates)")
+        print_rank_0(f"selective_gather: nothing to keep (budget {budget}, {len(candidates)} candidates)")
         return gm
     kept = 0
     for ds_id in candidates:
@@ -82,5 +78,6 @@ def selective_gather(gm: GraphModule, graph_id: int, graph_order: list[tuple[int
             break
         kept += size[ds_id]
         handle.set_persistent(ds_id)
-    _log(f"{kept} bytes kept gathered of {sum(size[d] for d in candidates)} (budget {budget['available_mem']})")
+    print_rank_0(f"selective_gather: {kept} bytes kept gathered of {sum(size[d] for d in candidates)} "
+                 f"(budget {budget['available_mem']})")
     return gm

@@ -11,12 +11,16 @@ partitioned forward and backward graphs (the backward gathers again: :func:`..pa
 * moves each ``reduce_grad`` to just after the node that produced its gradient, so the reduce-scatter buckets
   fill during the backward instead of at its end.
 
+Then the list scheduler (:mod:`..list_schedule`, as DeepSpeed's pass) reorders the graph so that each gathered
+parameter is released as soon after its gather as the graph allows.
+
 Without it the whole model is gathered at the top of each graph: correct, but no ZeRO-3 memory saving.
 """
 from __future__ import annotations
 
 from torch.fx import GraphModule
 
+from dsrun.compile.list_schedule import fast_free_order, reorder_in_place
 from dsrun.compile.ops import ALLGATHER, REDUCE, RELEASE, WAIT_ALLGATHER
 from dsrun.compile.passes.contract import CAP_Z3_GATHER_RELEASE, PassContract
 from dsrun.compile.passes.graph_edit import aliases, first_reader, last_reader, nodes_of, returns_output
@@ -59,6 +63,6 @@ def add_z3_gather_release(gm: GraphModule, graph_id: int, graph_order, profiling
     place_gathers_and_releases(gm)
     if bwd:
         reduce_early(gm)
-    gm.graph.lint()
+    reorder_in_place(gm.graph, fast_free_order(gm.graph))
     gm.recompile()
     return gm

@@ -32,6 +32,36 @@ def memory_records(graph: Graph) -> list[tuple[str, int, int, int]]:
     return records
 
 
+# what a profiled node carries (DeepSpeed's keys): bytes of its output, resident and peak bytes after it, its
+# time. dsrun's profile is from shapes and times nothing: the times are 0 (the list scheduler then orders by memory)
+PROFILE_META_DEFAULTS = {"device_time": 0.0, "wall_time": 0.0, "tensor_size": 0, "alloc_mem": 0, "max_mem": 0}
+INCOMPLETE = "profile_incomplete"
+
+
+def annotate(graph: Graph, records: list[tuple[str, int, int, int]]) -> None:
+    """Each node's profile keys from its :func:`memory_records` row; a node without a row is left without them
+    (and the graph is then incomplete: :func:`_backfill_missing_profile_metadata`)."""
+    by_name = {name: (resident, peak) for name, resident, _, peak in records}
+    for node in graph.nodes:
+        if node.name in by_name:
+            node.meta["tensor_size"] = 0 if _is_view(node) else tensor_bytes(node)
+            node.meta["alloc_mem"], node.meta["max_mem"] = by_name[node.name]
+            node.meta.setdefault("device_time", 0.0)
+            node.meta.setdefault("wall_time", 0.0)
+    _backfill_missing_profile_metadata(graph, profile_complete=len(by_name) == len(graph.nodes))
+
+
+def _backfill_missing_profile_metadata(graph: Graph, profile_complete: bool = True) -> None:
+    """A profile that missed nodes (or ``profile_complete`` False) marks every node of the graph incomplete, then
+    gives each missing key its default, so the planning passes can read any node and skip the graph."""
+    if not profile_complete or any(key not in n.meta for n in graph.nodes for key in PROFILE_META_DEFAULTS):
+        for node in graph.nodes:
+            node.meta[INCOMPLETE] = True
+    for node in graph.nodes:
+        for key, default in PROFILE_META_DEFAULTS.items():
+            node.meta.setdefault(key, default)
+
+
 def is_profile_incomplete(graph: Graph | None) -> bool:
     """A graph some of whose nodes the profile did not reach (their ``meta["profile_incomplete"]``)."""
-    return graph is not None and any(getattr(n, "meta", {}).get("profile_incomplete") for n in graph.nodes)
+    return graph is not None and any(getattr(n, "meta", {}).get(INCOMPLETE) for n in graph.nodes)
