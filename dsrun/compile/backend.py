@@ -48,6 +48,7 @@ SUPPORTED_BACKENDS = ("inductor", "eager", "aot_eager")
 remaining_schedule: deque = deque()  # the scheduled steps not reached yet
 current_passes: list[Callable] = []
 frames_needing_bwd: set = set()  # DeepSpeed's: frames whose backward is still to be compiled
+_lowered = [False]  # register_custom_ops has run
 _generation = [0]  # bumped by each launch: the graphs a backend knew are gone
 
 
@@ -238,6 +239,12 @@ class DeepCompileBackend:
                   indices: list[tuple], make_fw_graph: Callable, make_bw_graph: Callable) -> Callable:
         from torch._inductor.compile_fx import compile_fx
         from torch._inductor.custom_graph_pass import CustomGraphPass
+
+        from dsrun.compile.inductor import register_custom_ops
+
+        if not _lowered[0]:  # once per process: the ops' lowerings with their no-reuse marks
+            register_custom_ops()
+            _lowered[0] = True
 
         backend = self
         key = f"dsrun-deepcompile-{graph_id}-{[getattr(p, '__name__', str(p)) for p in passes]}"

@@ -53,3 +53,28 @@ def test_an_incomplete_profile_is_marked_and_filled() -> None:
     _backfill_missing_profile_metadata(graph)  # the nodes lack their times: the profile did not reach them
     assert is_profile_incomplete(graph) and all(node.meta["device_time"] == 0.0 for node in graph.nodes)
     assert _sync_memory_profile_complete(True) and not _sync_memory_profile_complete(False)  # no process group
+
+
+def test_deepcompile_ops_are_lowered_as_kernels_whose_buffers_are_not_reused() -> None:
+    from types import SimpleNamespace
+
+    from torch._inductor.lowering import lowerings
+
+    from dsrun.compile import inductor
+    from dsrun.compile.ops import GATHERS, PREFETCH, REDUCE
+
+    inductor.register_custom_ops()
+    for op in (*GATHERS, PREFETCH, RELEASE, REDUCE, inductor._get_graphsafe_run_with_rng_state()):
+        assert op in lowerings and op in inductor.fallbacks
+
+    class Buffer(inductor.IRNode):
+        def get_name(self) -> str:
+            return "buf0"
+
+    graph = SimpleNamespace(never_reuse_buffers=set())
+    with inductor.V.set_graph_handler(graph):
+        assert inductor._mark_output_never_reuse(3, enabled=True) == 3  # not a buffer: as it is
+        inductor._mark_output_never_reuse(Buffer(), enabled=False)
+        assert graph.never_reuse_buffers == set()
+        inductor._mark_output_never_reuse(Buffer(), enabled=True)
+    assert graph.never_reuse_buffers == {"buf0"}
