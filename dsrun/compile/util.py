@@ -34,20 +34,21 @@ def _deepspeed_op(name: str) -> object | None:
         return None
 
 
-def _targets(dsrun_op: object, name: str) -> set:
-    return {op for op in (dsrun_op, _deepspeed_op(name)) if op is not None}
+def _is_op(node: Node, dsrun_op: object, name: str) -> bool:
+    """``node`` calls dsrun's op, or DeepSpeed's ``dc.<name>`` (told by its name: no lookup per node)."""
+    return node.op == "call_function" and (node.target is dsrun_op or str(node.target) == f"dc.{name}.default")
 
 
 def is_allgather_node(node: Node) -> bool:
-    return node.op == "call_function" and node.target in _targets(ALLGATHER, "allgather_param")
+    return _is_op(node, ALLGATHER, "allgather_param")
 
 
 def is_release_node(node: Node) -> bool:
-    return node.op == "call_function" and node.target in _targets(RELEASE, "release_param")
+    return _is_op(node, RELEASE, "release_param")
 
 
 def is_reduce_node(node: Node) -> bool:
-    return node.op == "call_function" and node.target in _targets(REDUCE, "reduce_grad")
+    return _is_op(node, REDUCE, "reduce_grad")
 
 
 def ds_id_of(node: Node) -> int:
@@ -59,7 +60,7 @@ def ds_id_of(node: Node) -> int:
 def get_no_copy_ops() -> set:
     """The ops whose output may alias an input: the waits for a gather, and every aten overload whose schema
     returns an aliased tensor (views and in-place ops; conservative where only some inputs are aliased)."""
-    ops = {WAIT_ALLGATHER} | _targets(WAIT_ALLGATHER, "wait_allgather")
+    ops = {op for op in (WAIT_ALLGATHER, _deepspeed_op("wait_allgather")) if op is not None}
     for name in torch.ops.aten:
         packet = getattr(torch.ops.aten, name)
         for overload in packet:
