@@ -9,8 +9,9 @@ tests drive to split a model by hand, on dsrun's split.
 
 ``_replace_module`` splits the model over the group: by ``partition_config``'s rules when it was given
 (:func:`dsrun.tensor_parallel.spec_split.split_by_specs`: DeepSpeed's ``LinearLayer``/``LinearAllreduce`` and,
-for a ``shape``, its ``SubParamLinearLayer``/``SubParamLinearAllreduce``), else by dsrun's reading of the module
-tree (:func:`dsrun.tensor_parallel.split.split_for_training`), and returns the split layout.
+for a ``shape``, its ``SubParamLinearLayer``/``SubParamLinearAllreduce``) over the layers DeepSpeed's walk hands
+to ``_replace_with_config`` under their full names, else by dsrun's reading of the module tree
+(:func:`dsrun.tensor_parallel.split.split_for_training`); the split layout is kept as ``autotp.layout``.
 ``update_mp_params(child, name)`` is DeepSpeed's rewrite of a module's head counts and widths to this rank's share
 (each by DeepSpeed's shard sizes under the module's name, so an MLP's attributes follow its weights' even cut and an
 attention's the key/value groups'); ``get_model_num_kv_heads(config)`` reads the key/value head count as DeepSpeed
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Sequence
 
+import torch
 from torch import nn
 
 from dsrun import comm
@@ -94,18 +96,55 @@ class AutoTP:
         return slice_embedding(child, name, self.mp_group, self._rank(), int(self.mp_size or 1))
 
     def _replace_module(self, r_module: nn.Module, prev_name: str = "", prev_class_name: str = "") -> nn.Module:
-        """Split ``r_module`` over the group set by :meth:`set_tensor_parallel_config` (in place); returns it."""
-        if self.mp_size is None:
-            raise ValueError("AutoTP._replace_module: call set_tensor_parallel_config(mp_size, mp_group) first")
+        """Split ``r_module`` over the group set by :meth:`set_tensor_parallel_config` (in place); returns it.
+
+        With ``partition_config`` this walks the tree as DeepSpeed does: each child holding a 2-D weight is handed
+        to :meth:`_replace_with_config` under its full dotted name (``layers.0.self_attn.q_proj``); a module it
+        returns in the child's place replaces the child. The split itself is dsrun's whole-model cut over the
+        names chosen (:func:`~dsrun.tensor_parallel.spec_split.split_by_specs`: whole heads, key/value groups, a
+        gathered column output tied to an embedding left whole), done once after the walk."""
         from .spec_split import split_by_specs
 
-        rank, grain = self._rank(), shard_sizes.tp_grain_size
         if self.partition_config is not None:
-            self.layout = split_by_specs(r_module, self.partition_config, self.mp_group, rank, self.mp_size,
-                                         "AutoTP(partition_config)", grain)
-        else:
+            self._chosen: set[str] = set()
+            self._walk(r_module, prev_name)
+            if not self._chosen:  # nothing left to cut (an override of _replace_with_config replaced or kept all)
+                return r_module
+        if self.mp_size is None:
+            raise ValueError("AutoTP._replace_module: call set_tensor_parallel_config(mp_size, mp_group) first")
+        rank, grain = self._rank(), shard_sizes.tp_grain_size
+        if self.partition_config is None:
             self.layout = split_for_training(r_module, self.mp_group, rank, self.mp_size, grain)
+            return r_module
+        self.layout = split_by_specs(r_module, self.partition_config, self.mp_group, rank, self.mp_size,
+                                     "AutoTP(partition_config)", grain, only=self._chosen)
         return r_module
+
+    def _walk(self, module: nn.Module, path: str) -> None:
+        for name, child in module.named_children():
+            full_name = f"{path}.{name}" if path else name
+            weight = getattr(child, "weight", None)
+            if isinstance(child, nn.Embedding):  # chosen when a rule names it: the split refuses to cut it
+                if self.partition_config.find_matching_spec(f"{full_name}.weight", self._get_model_type()):
+                    self._chosen.add(full_name)
+            elif isinstance(weight, torch.Tensor) and weight.dim() == 2:
+                new_child = self._replace_with_config(child, full_name)
+                if new_child is not None and new_child is not child:
+                    setattr(module, name, new_child)
+            else:
+                self._walk(child, full_name)
+
+    def _replace_with_config(self, child: nn.Module, name: str) -> nn.Module:
+        """DeepSpeed's per-layer step of the ``partition_config`` walk: here it chooses ``child`` (its name) for
+        the one split after the walk and returns it unchanged (a subclass may return a layer of its own)."""
+        self._chosen.add(name)
+        return child
+
+    def _get_model_type(self) -> str | None:
+        """The model's ``config.model_type``, lower-case (what a spec's ``model_types`` names)."""
+        from .spec_split import model_type_of
+
+        return model_type_of(self.module)
 
     def update_mp_params(self, child: nn.Module, name: str | None = None) -> None:
         """Rewrite ``child``'s head counts and widths to this rank's share, each cut by DeepSpeed's shard sizes under

@@ -195,11 +195,13 @@ def _parallel_layer(module: nn.Module, row: bool, dim: int, parts: Parts, gather
 
 
 def split_by_specs(model: nn.Module, config: AutoTPConfig, group: ProcessGroup | None, tp_rank: int,
-                   tp_size: int, source: str = "tensor_parallel.partition_config", grain: int = 1) -> TPLayout:
+                   tp_size: int, source: str = "tensor_parallel.partition_config", grain: int = 1,
+                   only: set[str] | None = None) -> TPLayout:
     """Replace each linear a spec splits by this rank's column-/row-parallel slice (in place, keeping the
     parameters); returns the layout. Attention projections are cut on whole heads, the rest in grains of
     ``grain`` (:func:`dsrun.tensor_parallel.split.cut_widths`). ConfigError (``source``, where the rules came
-    from, and the linear named) when a spec cannot act on its linear."""
+    from, and the linear named) when a spec cannot act on its linear. ``only``: the module names that may be
+    split (DeepSpeed's ``AutoTP`` walk chose them); None: every one a spec matches."""
     tp = TPGroup(group, tp_rank, tp_size)
     layout = TPLayout(tp_size, tp_rank)
     model_type = model_type_of(model)
@@ -211,8 +213,8 @@ def split_by_specs(model: nn.Module, config: AutoTPConfig, group: ProcessGroup |
             continue
         for attr, child in parent.named_children():
             name = f"{parent_name}.{attr}" if parent_name else attr
-            if isinstance(child, TensorParallelLinear):
-                continue  # split already (a DeepSpeed layer the user built)
+            if isinstance(child, TensorParallelLinear) or only is not None and name not in only:
+                continue  # split already (a DeepSpeed layer the user built), or not chosen
             spec = config.find_matching_spec(f"{name}.weight", model_type)
             if isinstance(child, nn.Embedding) and spec is not None and spec.partition_type is not PartitionType.SKIP:
                 embeddings.append((parent, attr, name, child))

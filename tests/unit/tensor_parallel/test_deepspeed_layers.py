@@ -48,6 +48,54 @@ def test_deepspeeds_module_paths_reach_them():
                                                                                     "mp_rank_")
 
 
+def test_autotp_walk_hands_each_layer_its_full_name_and_splits_what_it_chose():
+    """DeepSpeed's ``partition_config`` walk: ``_replace_with_config(child, full_name)`` per 2-D weight; a module an
+    override returns replaces the child; the default chooses the layer for the split (a gathered column output
+    stays whole when tied to the embedding, is a ``LinearLayer`` cut 51|50 over two ranks otherwise)."""
+    from torch import nn
+
+    from dsrun.compat.module_inject.auto_tp import AutoTP, AutoTPConfig, PartitionType, TPLayerSpec
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.Module()
+            self.attn.q_proj, self.attn.o_proj = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    class Model(nn.Module):
+        def __init__(self, tied: bool):
+            super().__init__()
+            self.embed_tokens, self.layers = nn.Embedding(101, 8), nn.ModuleList([Block(), Block()])
+            self.lm_head = nn.Linear(8, 101, bias=False)
+            if tied:
+                self.lm_head.weight = self.embed_tokens.weight
+
+    rules = AutoTPConfig(layer_specs=[TPLayerSpec(patterns=[r".*lm_head\.weight$"], partition_type=PartitionType.COLUMN,
+                                                  gather_output=True)])
+    seen, marker = [], nn.Identity()
+
+    class Recording(AutoTP):
+        def _replace_with_config(self, child, name):
+            seen.append(name)
+            return marker if name == "layers.1.attn.o_proj" else None
+
+    model = Model(tied=False)
+    Recording(model, [], "model", None, None, None, partition_config=rules)._replace_module(model)
+    assert seen == ["layers.0.attn.q_proj", "layers.0.attn.o_proj", "layers.1.attn.q_proj", "layers.1.attn.o_proj",
+                    "lm_head"]  # not the embedding: DeepSpeed slices those apart
+    assert model.layers[1].attn.o_proj is marker and isinstance(model.lm_head, nn.Linear)
+    for tied, mp_size in ((False, 2), (True, 2)):
+        model = Model(tied)
+        autotp = AutoTP(model, [], "", None, None, None, partition_config=rules)
+        autotp.set_tensor_parallel_config(mp_size, None)
+        autotp._replace_module(model)
+        if tied:  # a vocabulary-parallel embedding is not built: both stay whole
+            assert type(model.lm_head) is nn.Linear and model.lm_head.weight is model.embed_tokens.weight
+        else:
+            assert isinstance(model.lm_head, LinearLayer) and model.lm_head.gather_output
+            assert model.lm_head.weight.shape == (51, 8) and type(model.layers[0].attn.q_proj) is nn.Linear
+
+
 def test_initialize_with_autotp_turns_on_training_mode():
     set_autotp_mode(training=False)
     reset_tp_model_init()
