@@ -32,6 +32,7 @@ from op_builder.deepspeed_names import (
     QuantizerBuilder,
     RaggedUtilsBuilder,
     SparseAttnBuilder,
+    SpatialInferenceBuilder,
     TransformerBuilder,
     UtilsBuilder,
 )
@@ -50,7 +51,7 @@ def get_builder(name: str) -> OpBuilder:
 
 
 __all__ = ["ALL_OPS", "CUDAOpBuilder", "DEEPSPEED_ONLY", "EvoformerAttnBuilder", "FPQuantizerBuilder", "GDSBuilder", "FusedAdamBuilder", "FusedLambBuilder", "FusedLionBuilder", "InferenceBuilder", "PinMemoryBuilder",
-           "QuantizerBuilder", "RaggedUtilsBuilder", "SparseAttnBuilder", "TransformerBuilder", "UtilsBuilder", "AsyncIOBuilder", "CPUAdagradBuilder", "CPUAdamBuilder", "CPULionBuilder",
+           "QuantizerBuilder", "RaggedUtilsBuilder", "SparseAttnBuilder", "SpatialInferenceBuilder", "TransformerBuilder", "UtilsBuilder", "AsyncIOBuilder", "CPUAdagradBuilder", "CPUAdamBuilder", "CPULionBuilder",
            "HostCacheBuilder",
            "CompilerUnavailableError", "OpBuildError", "OpBuilder", "cache_root", "compiler", "csrc_root",
            "get_builder", "simd_level"]

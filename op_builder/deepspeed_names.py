@@ -1,8 +1,9 @@
 """DeepSpeed's op-builder names that scripts and tests import (``deepspeed.ops.op_builder.X``).
 
 ``FusedAdamBuilder`` is DeepSpeed's fused Adam; on a CPU it is the CPU Adam kernel (``dsrun.ops.adam.FusedAdam``
-steps with it), so this builder loads the ``cpu_adam`` op. ``UtilsBuilder`` (flatten, unflatten, byte casts) and
-``RaggedUtilsBuilder`` (inference v2's host buffers and byte views) are torch; ``PinMemoryBuilder``'s
+steps with it), so this builder loads the ``cpu_adam`` op. ``UtilsBuilder`` (flatten, unflatten, byte casts),
+``RaggedUtilsBuilder`` (inference v2's host buffers and byte views), ``InferenceBuilder`` and
+``SpatialInferenceBuilder`` (v1 inference's element-wise and norm kernels) are torch; ``PinMemoryBuilder``'s
 page-locked allocator is libc's ``posix_memalign`` + ``mlock`` through ctypes (``dsrun/utils/pin_memory.py``). The others name DeepSpeed CUDA ops dsrun does not
 build: their ``is_compatible()`` is False with the reason, and ``load()`` raises :class:`OpBuildError`, the same
 answer DeepSpeed gives on a machine where the op cannot be built.
@@ -123,8 +124,29 @@ class QuantizerBuilder(_Unbuilt):
     NAME, WHAT = "quantizer", "dsrun's quantizers are plain torch"
 
 
-class InferenceBuilder(_Unbuilt):
-    NAME, WHAT = "transformer_inference", "dsrun.init_inference runs plain torch modules"
+class InferenceBuilder(OpBuilder):
+    """DeepSpeed's v1 inference kernels (``transformer_inference``: bias adds and activations, the norms, the
+    residual adds, PR-MoE's residual mix), which DeepSpeed compiles for CUDA; here their math in torch
+    (``dsrun/ops/transformer/inference/kernels.py``) under the binding's names, so there is nothing to build. The
+    GEMM and attention kernels of the binding (``qkv_gemm_*``, ``softmax_context_*`` ...) are not among them."""
+
+    NAME = "transformer_inference"
+
+    def load(self, verbose: bool = False) -> ModuleType:
+        from dsrun.ops.transformer.inference.kernels import inference_module
+
+        return inference_module()
+
+
+class SpatialInferenceBuilder(OpBuilder):
+    """DeepSpeed's ``spatial_inference`` op (the NHWC bias adds of Stable Diffusion's UNet/VAE) in torch."""
+
+    NAME = "spatial_inference"
+
+    def load(self, verbose: bool = False) -> ModuleType:
+        from dsrun.ops.transformer.inference.kernels import spatial_module
+
+        return spatial_module()
 
 
 class FPQuantizerBuilder(CUDAOpBuilder):
@@ -156,5 +178,5 @@ class GDSBuilder(CUDAOpBuilder):
 
 DEEPSPEED_ONLY: tuple[type[OpBuilder], ...] = (FusedAdamBuilder, FusedLambBuilder, FusedLionBuilder,
                                                 TransformerBuilder, SparseAttnBuilder, QuantizerBuilder,
-                                                InferenceBuilder, UtilsBuilder, PinMemoryBuilder, RaggedUtilsBuilder,
-                                                EvoformerAttnBuilder, FPQuantizerBuilder, GDSBuilder)
+                                                InferenceBuilder, SpatialInferenceBuilder, UtilsBuilder, PinMemoryBuilder,
+                                                RaggedUtilsBuilder, EvoformerAttnBuilder, FPQuantizerBuilder, GDSBuilder)

@@ -138,6 +138,10 @@ class Accelerator:
     def is_fp16_supported(self) -> bool:
         return True  # CPU kernels for half exist in torch; CUDA has had fp16 since compute capability 5.3
 
+    def is_triton_supported(self) -> bool:
+        """Whether Triton kernels run here: a CUDA device of compute capability 8.0 or newer (DeepSpeed's test)."""
+        return self.name == "cuda" and torch.cuda.get_device_capability()[0] >= 8
+
     def supported_dtypes(self) -> list[torch.dtype]:
         return [torch.float32] + [t for t, ok in ((torch.bfloat16, self.is_bf16_supported()),
                                                   (torch.float16, self.is_fp16_supported())) if ok]

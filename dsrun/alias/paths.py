@@ -109,6 +109,19 @@ PATHS: dict[str, str] = {
     "deepspeed.inference.v2.model_implementations.inference_model_base":
     "dsrun.inference.v2.model_implementations.inference_transformer_base",
     "deepspeed.inference.v2.modules.module_registry": "dsrun.inference.v2.modules.ds_module",
+    # v1 inference kernels: DeepSpeed's one module per op class are one module here, its NHWC bias add a kernel
+    "deepspeed.ops.transformer.inference.op_binding.base": "dsrun.ops.transformer.inference.op_binding",
+    "deepspeed.ops.transformer.inference.op_binding.bias_add": "dsrun.ops.transformer.inference.op_binding",
+    "deepspeed.ops.transformer.inference.op_binding.bias_gelu": "dsrun.ops.transformer.inference.op_binding",
+    "deepspeed.ops.transformer.inference.op_binding.bias_relu": "dsrun.ops.transformer.inference.op_binding",
+    "deepspeed.ops.transformer.inference.op_binding.gated_activation": "dsrun.ops.transformer.inference.op_binding",
+    "deepspeed.ops.transformer.inference.op_binding.layer_norm": "dsrun.ops.transformer.inference.op_binding",
+    "deepspeed.ops.transformer.inference.op_binding.moe_res_matmul": "dsrun.ops.transformer.inference.op_binding",
+    "deepspeed.ops.transformer.inference.op_binding.pre_rms_norm": "dsrun.ops.transformer.inference.op_binding",
+    "deepspeed.ops.transformer.inference.op_binding.rms_norm": "dsrun.ops.transformer.inference.op_binding",
+    "deepspeed.ops.transformer.inference.op_binding.residual_add": "dsrun.ops.transformer.inference.op_binding",
+    "deepspeed.ops.transformer.inference.op_binding.vector_add": "dsrun.ops.transformer.inference.op_binding",
+    "deepspeed.ops.transformer.inference.bias_add": "dsrun.ops.transformer.inference.kernels",
     # dsrun keeps these objects under another name
     "deepspeed.ops.op_builder": "op_builder",
     "deepspeed.launcher.runner": "dsrun.cli.deepspeed_runner",
