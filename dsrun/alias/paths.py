@@ -122,6 +122,10 @@ PATHS: dict[str, str] = {
     "deepspeed.ops.transformer.inference.op_binding.residual_add": "dsrun.ops.transformer.inference.op_binding",
     "deepspeed.ops.transformer.inference.op_binding.vector_add": "dsrun.ops.transformer.inference.op_binding",
     "deepspeed.ops.transformer.inference.bias_add": "dsrun.ops.transformer.inference.kernels",
+    # DeepSpeed-Inference's group-wise weight quantization: its three modules are one here
+    "deepspeed.inference.quantization.utils": "dsrun.inference.quantization.groupwise",
+    "deepspeed.inference.quantization.layers": "dsrun.inference.quantization.groupwise",
+    "deepspeed.inference.quantization.quantization": "dsrun.inference.quantization.groupwise",
     # dsrun keeps these objects under another name
     "deepspeed.ops.op_builder": "op_builder",
     "deepspeed.launcher.runner": "dsrun.cli.deepspeed_runner",

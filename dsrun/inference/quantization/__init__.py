@@ -1,0 +1,6 @@
+"""``deepspeed.inference.quantization``: DeepSpeed's group-wise INT4/INT8 weight quantization of a model's linears
+and embeddings (:mod:`.groupwise`, which serves DeepSpeed's ``utils``, ``layers`` and ``quantization`` modules)."""
+from dsrun.inference.quantization.groupwise import (DeQuantizer, QuantizedEmbedding, QuantizedLinear, Quantizer,
+                                                    _init_group_wise_weight_quantization)
+
+__all__ = ["DeQuantizer", "QuantizedEmbedding", "QuantizedLinear", "Quantizer", "_init_group_wise_weight_quantization"]
