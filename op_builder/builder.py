@@ -174,6 +174,17 @@ class OpBuilder:
         """Whether this op can run here (it may still need building); the reason when it cannot."""
         return True, ""
 
+    @staticmethod
+    def installed_rocm_version() -> tuple[int, int]:
+        """The ROCm (major, minor) torch was built for; (0, 0) for a CUDA or CPU torch (DeepSpeed's check)."""
+        import torch
+
+        hip = getattr(torch.version, "hip", None)
+        if not hip:
+            return 0, 0
+        major, minor = (hip.split(".") + ["0"])[:2]
+        return int(major), int(minor)
+
     def backend(self) -> str:
         """A short description of what the op uses (the SIMD level for the optimizers)."""
         return self.simd_level().upper()

@@ -198,6 +198,19 @@ class Accelerator:
             return torch.cuda.stream(stream)
         return contextlib.nullcontext()
 
+    def create_graph(self) -> "torch.cuda.CUDAGraph":
+        """A CUDA graph to capture into; on the CPU a RuntimeError (there are no graphs to replay)."""
+        if self.name != "cuda":
+            raise RuntimeError("CUDA graphs need the CUDA accelerator; this process runs on the CPU")
+        return torch.cuda.CUDAGraph()
+
+    def capture_to_graph(self, graph: "torch.cuda.CUDAGraph", pool: object = None, stream: object = None):
+        """The context that records the work it runs into ``graph`` (``torch.cuda.graph``)."""
+        return torch.cuda.graph(graph, pool, stream)
+
+    def replay_graph(self, graph: "torch.cuda.CUDAGraph") -> None:
+        graph.replay()
+
 
 _ACCELERATOR: Accelerator | None = None
 

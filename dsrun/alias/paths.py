@@ -103,6 +103,7 @@ PATHS: dict[str, str] = {
     "deepspeed.sequence.fpdt_layer": "dsrun.sequence.fpdt",
     "deepspeed.runtime.rollout.base": "dsrun.inference.rollout",
     "deepspeed.runtime.rollout.hybrid_engine_rollout": "dsrun.inference.rollout",
+    "deepspeed.runtime.hybrid_engine_graph": "dsrun.inference.decode_graphs",
     # inference v2 (FastGen): EXAONE 4.0 and 4.5 share one module, as do the two model bases
     "deepspeed.inference.v2.model_implementations.exaone4": "dsrun.inference.v2.model_implementations.exaone",
     "deepspeed.inference.v2.model_implementations.exaone4_5": "dsrun.inference.v2.model_implementations.exaone",

@@ -116,7 +116,7 @@ def test_nhwc_bias_add_keeps_channels_last():
 
 
 def test_the_builders_load_the_kernels_under_deepspeeds_names():
-    from op_builder import InferenceBuilder, SpatialInferenceBuilder
+    from op_builder import InferenceBuilder, OpBuilder, SpatialInferenceBuilder
 
     from dsrun.ops import compatible_ops
 
@@ -134,6 +134,9 @@ def test_the_builders_load_the_kernels_under_deepspeeds_names():
                  "deepspeed.ops.transformer.inference.op_binding.rms_norm"):
         assert importlib.import_module(target_of(path)) is ops
     assert target_of("deepspeed.ops.transformer.inference.bias_add") == "dsrun.ops.transformer.inference.kernels"
+    # DeepSpeed's tests skip ROCm builds by this: (0, 0) unless torch was built for ROCm
+    hip = getattr(torch.version, "hip", None)
+    assert OpBuilder.installed_rocm_version() == ((0, 0) if not hip else tuple(map(int, hip.split(".")[:2])))
 
 
 def test_inference_config_keeps_deepspeeds_defaults():
