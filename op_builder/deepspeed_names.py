@@ -151,12 +151,28 @@ class SpatialInferenceBuilder(OpBuilder):
 
 class FPQuantizerBuilder(CUDAOpBuilder):
     """DeepSpeed's FP6/FP8/FP12 quantizer (``deepspeed.linear``'s quantized weights): a CUDA kernel for compute
-    capability 8.0 and above, never built by dsrun."""
+    capability 8.0 and above, never built by dsrun; its quantizer in torch is ``dsrun.ops.fp_quantizer``."""
 
     NAME = "fp_quantizer"
 
     def absolute_name(self) -> str:
         return f"deepspeed.ops.fp_quantizer.{self.NAME}_op"
+
+    @staticmethod
+    def get_default_quant_dtype():
+        import torch
+
+        return torch.uint8
+
+    @staticmethod
+    def get_quant_range(q_bits: int) -> float:
+        """The magnitude a group's largest value is scaled to: 480 for FP8 (E4M3), 510 FP12, 28 FP6, 6 FP4."""
+        from dsrun.ops.fp_quantizer.quantize import Q_RANGE
+
+        mantissa = {8: 3, 12: 4, 6: 2, 4: 1}.get(q_bits)
+        if mantissa is None:
+            raise ValueError(f"FPQuantizerBuilder.get_quant_range: q_bits={q_bits}; expected 8, 12, 6 or 4")
+        return Q_RANGE[(q_bits, mantissa)]
 
     def filter_ccs(self, ccs: list[str]) -> list[list[str]]:
         split = [cc.split(".") for cc in ccs]

@@ -123,6 +123,7 @@ PATHS: dict[str, str] = {
     "deepspeed.ops.transformer.inference.op_binding.residual_add": "dsrun.ops.transformer.inference.op_binding",
     "deepspeed.ops.transformer.inference.op_binding.vector_add": "dsrun.ops.transformer.inference.op_binding",
     "deepspeed.ops.transformer.inference.bias_add": "dsrun.ops.transformer.inference.kernels",
+    "deepspeed.ops.fp_quantizer.fp8_gemm": "dsrun.ops.fp_quantizer.quantize",
     # DeepSpeed-Inference's group-wise weight quantization: its three modules are one here
     "deepspeed.inference.quantization.utils": "dsrun.inference.quantization.groupwise",
     "deepspeed.inference.quantization.layers": "dsrun.inference.quantization.groupwise",
