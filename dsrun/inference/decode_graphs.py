@@ -14,12 +14,19 @@ piece of it a caller can wrap its own generation forward with.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol
 
 import torch
 
 from dsrun.accelerator import get_accelerator
 from dsrun.utils.logging import logger
+
+
+class HybridEngineSettings(Protocol):
+    """The two settings of DeepSpeed's ``hybrid_engine`` section that decide whether graphs can be used."""
+
+    release_inference_cache: bool
+    inference_tp_size: int
 
 
 def _tensor_kwargs(kwargs: Mapping[str, Any]) -> list[str]:
@@ -93,7 +100,7 @@ class DecodeGraphCache:
         self._disabled, self._use_graphs = True, False
         return self._forward(*args, **kwargs)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: object, **kwargs: object) -> Any:
         input_ids = kwargs.get("input_ids")
         decode_step = input_ids is not None and input_ids.dim() == 2 and input_ids.shape[1] == 1
         if not self._use_graphs or not decode_step:
@@ -125,7 +132,7 @@ def decode_steps_from_generate_kwargs(kwargs: Mapping[str, Any]) -> int | None:
     return int(max_new) - 1
 
 
-def validate_cuda_graph_support(config: Any, zero_stage: int) -> str | None:
+def validate_cuda_graph_support(config: HybridEngineSettings, zero_stage: int) -> str | None:
     """Why a hybrid-engine configuration (``release_inference_cache``, ``inference_tp_size``) at ``zero_stage``
     cannot replay decode graphs, or None when it can."""
     accelerator = get_accelerator()

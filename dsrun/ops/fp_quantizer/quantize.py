@@ -17,7 +17,7 @@ CUDA build's. The inputs may be any float dtype (the kernel takes bfloat16 only)
 from __future__ import annotations
 
 import abc
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -83,6 +83,12 @@ def _unpack(data: torch.Tensor, q_bits: int) -> torch.Tensor:
     return (bits << torch.arange(q_bits, device=data.device)).sum(-1, dtype=torch.int32)
 
 
+class GroupSized(Protocol):
+    """What ``FP_Quantize`` reads of its config (``deepspeed.linear.QuantizationConfig``): values per scale."""
+
+    group_size: int
+
+
 class Quantizer(abc.ABC):
     """DeepSpeed's interface of a group quantizer (``group_size`` values per scale)."""
 
@@ -101,7 +107,7 @@ class Quantizer(abc.ABC):
 class FP_Quantize(Quantizer):  # noqa: N801 (DeepSpeed's name)
     """Group-wise FP8/FP12/FP6/FP4 quantization (``quantization_config.group_size`` values per scale)."""
 
-    def __init__(self, quantization_config: Any) -> None:
+    def __init__(self, quantization_config: GroupSized) -> None:
         super().__init__(group_size=quantization_config.group_size)
         self.q_config = quantization_config
         self.orig_dtype: torch.dtype | None = None
@@ -132,7 +138,7 @@ class FP_Quantize(Quantizer):  # noqa: N801 (DeepSpeed's name)
             return data.reshape(input.shape), scale
         return torch.cat([data, scale], dim=-1)
 
-    def to(self, *args: Any, **kwargs: Any) -> None:
+    def to(self, *args: object, **kwargs: object) -> None:
         if self.scale is not None:
             self.scale = self.scale.to(*args, **kwargs)
 
