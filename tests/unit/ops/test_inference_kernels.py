@@ -127,6 +127,11 @@ def test_the_builders_load_the_kernels_under_deepspeeds_names():
                  "_layer_norm_residual", "layer_norm_residual_store_pre_ln_res", "rms_norm", "pre_rms_norm",
                  "gated_activation", "moe_res_matmul", "_vector_add"):
         assert callable(getattr(module, name)), name
+    # INT8 weights: each of the groups (row-major, equal) times its scale, in the kernel's dtype
+    weight, scale = torch.randint(-127, 128, (6, 8), dtype=torch.int8, generator=GEN), torch.rand(4, 1, generator=GEN)
+    exact = (weight.double().reshape(4, -1) * scale.double()).reshape(6, 8)
+    assert close(module.dequantize_fp16(weight, scale, 4), exact, torch.float16)
+    assert close(module.dequantize_fp32(weight, scale, 4), exact, torch.float32)
     x, b = rand(1, 2, 4, 4, dtype=torch.float32), rand(2, dtype=torch.float32)
     assert torch.equal(SpatialInferenceBuilder().load().nhwc_bias_add(x, b), x + b.reshape(1, -1, 1, 1))
     # DeepSpeed's paths: one module per op class there, the one op_binding package here

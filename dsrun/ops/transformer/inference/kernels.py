@@ -8,10 +8,12 @@ and there is nothing to build. ``InferenceBuilder().load()`` and ``SpatialInfere
 * element-wise ops on half inputs compute in float32 and round once to the input's dtype;
 * the norms accumulate mean and variance in float32 and return ``gamma``'s dtype;
 * ``residual_add_bias`` writes its result into ``residual`` (in place) and returns it;
-* the NHWC bias adds keep the activation's memory format (``torch.channels_last`` in, channels-last out).
+* the NHWC bias adds keep the activation's memory format (``torch.channels_last`` in, channels-last out);
+* ``dequantize_*`` multiplies each row-major group of an INT8 weight by its scale.
 """
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 
 import torch
@@ -122,6 +124,12 @@ def residual_add_bias(hidden_state: torch.Tensor, residual: torch.Tensor, attent
     return residual
 
 
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, groups: int, dtype: torch.dtype = _F32) -> torch.Tensor:
+    """An INT8 ``weight`` split into ``groups`` equal row-major groups, each times its ``scale`` (``[groups, 1]``),
+    in ``dtype`` (DeepSpeed's ``dequantize_fp16``/``_bf16``/``_fp32``, the weights of its INT8 inference)."""
+    return (weight.reshape(groups, -1).to(_F32) * scale.to(_F32)).reshape(weight.shape).to(dtype)
+
+
 def _nhwc(result: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     fmt = torch.channels_last if like.dim() == 4 and like.is_contiguous(memory_format=torch.channels_last) \
         else torch.contiguous_format
@@ -156,6 +164,8 @@ def inference_module() -> ModuleType:
             setattr(module, f"{name}_{suffix}", fn)
     for name, fn in _ONCE.items():
         setattr(module, name, fn)
+    for suffix, dtype in (("fp32", torch.float32), ("fp16", torch.float16), ("bf16", torch.bfloat16)):
+        setattr(module, f"dequantize_{suffix}", functools.partial(dequantize, dtype=dtype))
     return module
 
 
