@@ -124,7 +124,7 @@ class AutoTP:
         for name, child in module.named_children():
             full_name = f"{path}.{name}" if path else name
             weight = getattr(child, "weight", None)
-            if isinstance(child, nn.Embedding):  # chosen when a rule names it: the split refuses to cut it
+            if isinstance(child, nn.Embedding):  # chosen when a rule names it: the split cuts it (_slice_embedding)
                 if self.partition_config.find_matching_spec(f"{full_name}.weight", self._get_model_type()):
                     self._chosen.add(full_name)
             elif isinstance(weight, torch.Tensor) and weight.dim() == 2:
