@@ -12,32 +12,16 @@ partitioner and records the frame that was cut and the forward's output count.
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, Sequence
 
 import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.utils.checkpoint import CheckpointPolicy
 
-from dsrun.compile.ops import GATHERS, WAIT_ALLGATHER
+from dsrun.compile.ops import GATHERS
+from dsrun.compile.util import get_no_copy_ops
 
 _num_fwd_outputs_by_frame: dict[int, int] = {}  # frame -> how many forward outputs the caller receives
-
-
-@functools.lru_cache(maxsize=1)
-def get_no_copy_ops() -> frozenset:
-    """The ops whose result aliases an input: every aten overload whose schema says so (or has no schema: assumed
-    to), and ``wait_allgather`` (its result is the prefetched buffer)."""
-    ops = {WAIT_ALLGATHER}
-    for op_name in torch.ops.aten:
-        packet = getattr(torch.ops.aten, op_name)
-        for overload in packet:
-            op = getattr(packet, overload)
-            schema = getattr(op, "_schema", None)
-            if schema is None or any(isinstance(r.type, torch.TensorType) and r.alias_info is not None
-                                     for r in schema.returns):
-                ops.add(op)
-    return frozenset(ops)
 
 
 def is_cast_op(node: Node) -> tuple[bool, torch.dtype | None]:

@@ -57,7 +57,7 @@ def ds_id_of(node: Node) -> int:
 
 
 @functools.lru_cache
-def get_no_copy_ops() -> set:
+def get_no_copy_ops() -> frozenset:
     """The ops whose output may alias an input: the waits for a gather, and every aten overload whose schema
     returns an aliased tensor (views and in-place ops; conservative where only some inputs are aliased)."""
     ops = {op for op in (WAIT_ALLGATHER, _deepspeed_op("wait_allgather")) if op is not None}
@@ -69,7 +69,7 @@ def get_no_copy_ops() -> set:
             if schema is None or any(isinstance(r.type, torch.TensorType) and r.alias_info is not None
                                      for r in schema.returns):
                 ops.add(op)  # no schema: it may alias, assume it does
-    return ops
+    return frozenset(ops)  # cached: never handed out mutable
 
 
 def get_last_uses(graph: Graph) -> tuple[dict[Node, Node], dict[Node, list[Node]]]:

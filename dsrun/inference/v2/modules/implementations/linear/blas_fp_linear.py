@@ -15,6 +15,18 @@ from ...configs import DSLinearConfig
 from ...interfaces import DSLinearBase, DSLinearRegistry
 
 
+def activation_supported(config: DSLinearConfig) -> bool:
+    """Whether the activation kernel after the GEMM (gated or bias-plus-activation) takes ``config``."""
+    try:
+        if is_gated(config.activation):
+            CUDAGatedActivation(config.out_channels, config.output_dtype, config.activation)
+        else:
+            CUDABiasActivation(config.out_channels, config.output_dtype, config.activation)
+    except ValueError:
+        return False
+    return True
+
+
 @DSLinearRegistry.register_module
 class BlasFPLinear(DSLinearBase):
 
@@ -26,14 +38,7 @@ class BlasFPLinear(DSLinearBase):
     def supports_config(config: DSLinearConfig) -> bool:
         if config.input_dtype != config.output_dtype or config.input_dtype not in (torch.float16, torch.bfloat16):
             return False
-        try:
-            if is_gated(config.activation):
-                CUDAGatedActivation(config.out_channels, config.output_dtype, config.activation)
-            else:
-                CUDABiasActivation(config.out_channels, config.output_dtype, config.activation)
-        except ValueError:
-            return False
-        return True
+        return activation_supported(config)
 
     def __init__(self, config: DSLinearConfig, implementation_config: Dict[str, Any]) -> None:
         super().__init__(config, implementation_config)

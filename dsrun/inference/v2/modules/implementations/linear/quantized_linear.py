@@ -16,6 +16,7 @@ from ....kernels import fp6
 from ....kernels.core_ops import CUDABiasActivation, CUDAGatedActivation, CUDAWf6Af16Linear
 from ...configs import DSLinearConfig
 from ...interfaces import DSLinearBase, DSLinearRegistry
+from .blas_fp_linear import activation_supported
 
 
 def fp_quantize(input: torch.Tensor, num_bits: int = 6, exp_bits: int = 3, min_value: torch.Tensor = None,
@@ -57,14 +58,7 @@ class QuantizedWf6Af16Linear(DSLinearBase):
     def supports_config(config: DSLinearConfig) -> bool:
         if config.input_dtype != config.output_dtype or config.input_dtype != torch.float16:
             return False
-        try:
-            if is_gated(config.activation):
-                CUDAGatedActivation(config.out_channels, config.output_dtype, config.activation)
-            else:
-                CUDABiasActivation(config.out_channels, config.output_dtype, config.activation)
-        except ValueError:
-            return False
-        return True
+        return activation_supported(config)
 
     def __init__(self, config: DSLinearConfig, implementation_config: Dict[str, Any]) -> None:
         super().__init__(config, implementation_config)
