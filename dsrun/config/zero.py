@@ -9,6 +9,11 @@ Defaults follow DeepSpeed's behaviour where it differs from the documentation (c
   later, when it first swaps).
 * D12: ``stage3_param_persistence_threshold`` is 1e5. D13: ``ignore_unused_parameters`` is ``True``.
 
+One default is dsrun's own: ``stage3_allgather_sequential`` left unset is ``false`` (DeepSpeed's: one coalesced
+all-gather per fetch) on CUDA, but ``true`` (one per parameter) when ZeRO-3 runs on the CPU, where coalescing
+measured no faster over gloo and raised a rank's peak (the flat output and its copy-out; docs/zero3.md). Set,
+it acts as written on either device.
+
 DeepSpeed also accepts the stage-3 keys without their ``stage3_`` prefix (``prefetch_bucket_size``...);
 :mod:`.migrate` renames them to the documented names, which are the attribute names here.
 """
@@ -125,7 +130,7 @@ class ZeroConfig(Section):
     log_trace_cache_warnings: bool = False
     # DeepSpeed 0.15-0.19
     compute_grad_norm: bool = True
-    stage3_allgather_sequential: bool = False
+    stage3_allgather_sequential: bool | None = None  # unset: false on CUDA, true on the CPU (module docstring)
     parameter_alignment: bool = False
     enable_sanity_checks: bool = False
     save_muon_momentum_buffer_in_memory: bool = False

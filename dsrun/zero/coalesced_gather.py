@@ -41,6 +41,13 @@ class FetchMode:
 SEQUENTIAL = FetchMode()
 
 
+def coalesces(sequential: bool | None, device: torch.device) -> bool:
+    """Whether fetches coalesce, for ``stage3_allgather_sequential`` as set; unset: not on the CPU (coalescing
+    measured no faster over gloo and raised a rank's peak by its flat output, docs/zero3.md), else DeepSpeed's
+    default (coalesced)."""
+    return device.type != "cpu" if sequential is None else not sequential
+
+
 def _plain_source(param: torch.nn.Parameter, secondary: bool) -> tuple[torch.Tensor, object, int, bool] | None:
     """(shard, group, ranks, from the secondary partition) when ``param``'s gather is a plain all-gather of an
     in-memory shard, else None (it is gathered on its own)."""

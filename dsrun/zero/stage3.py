@@ -36,7 +36,7 @@ from dsrun import comm
 
 from dsrun.checkpoint.layout import CheckpointLayout, layout_for_stage
 from dsrun.zero.base import MemoryBreakdown, StrategyContext, ZeroStrategy, optimizer_state_bytes
-from dsrun.zero import host_memory, quantized_shards
+from dsrun.zero import coalesced_gather, host_memory, quantized_shards
 from dsrun.zero.buckets import FlatBufferPool
 from dsrun.zero.partitioner_internals import enable_memory_efficient_linear
 from dsrun.zero.sharding import ShardingPolicy
@@ -93,8 +93,8 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
             if self.keeps_whole else ParameterCoordinator(
                 ctx.module, prefetch_bucket_size=int(zc.stage3_prefetch_bucket_size),
                 max_live_parameters=int(zc.stage3_max_live_parameters), max_reuse_distance=int(zc.stage3_max_reuse_distance),
-                log_trace_cache_warnings=bool(zc.log_trace_cache_warnings), coalesced=not zc.stage3_allgather_sequential,
-                all_reduce=bool(zc.stage3_use_all_reduce_for_fetch_params))
+                log_trace_cache_warnings=bool(zc.log_trace_cache_warnings), all_reduce=bool(zc.stage3_use_all_reduce_for_fetch_params),
+                coalesced=coalesced_gather.coalesces(zc.stage3_allgather_sequential, ctx.device))
         if self.param_offload is not None:
             self.coordinator.after_fetch = self.param_offload.after_fetch
         # on the CPU every module's gradients are reduce-scattered once backward moves past it (as FSDP2 does),

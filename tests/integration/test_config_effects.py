@@ -26,8 +26,9 @@ CASES: dict[str, tuple[dict, dict]] = {  # key -> (zero_optimization changes, to
                                    "gradient_allreduce_op": "sum"}),
     # ZeRO-3 over two steps (the second prefetches along the recorded trace), nothing persistent
     "base3": (dict(STAGE3, stage3_allgather_sequential=True), {}),
-    "zero_optimization.stage3_allgather_sequential": (STAGE3, {}),  # false: one collective per fetch
-    "zero_optimization.stage3_use_all_reduce_for_fetch_params": (dict(STAGE3, stage3_use_all_reduce_for_fetch_params=True), {}),
+    "zero_optimization.stage3_allgather_sequential": (dict(STAGE3, stage3_allgather_sequential=False), {}),  # one per fetch
+    "zero_optimization.stage3_use_all_reduce_for_fetch_params": (dict(STAGE3, stage3_use_all_reduce_for_fetch_params=True,
+                                                                   stage3_allgather_sequential=False), {}),
 }
 WRAPPED = ("all_reduce", "reduce_scatter", "all_gather", "all_gather_into_tensor")
 

@@ -132,8 +132,9 @@ ENTRIES: list[Entry] = [
          "another stage", "tests/unit/runtime/test_config_effects.py::test_key_changes_behaviour[{key}]",
          traced=False),  # the config layer's rules read it; dsrun's step measures the norm only to clip
     done("zero_optimization.stage3_allgather_sequential", "stage 3: true gathers each parameter with a collective "
-         "of its own; false (the default) one all-gather per fetch (a module's, a prefetch bucket's) over the "
-         "concatenated shards (qwZ, MiCS hierarchical and offloaded shards gather one by one)",
+         "of its own; false (DeepSpeed's default, dsrun's when unset on CUDA; unset on the CPU is true) one "
+         "all-gather per fetch (a module's, a prefetch bucket's) over the concatenated shards (qwZ, MiCS "
+         "hierarchical and offloaded shards gather one by one)",
          "tests/integration/test_config_effects.py::test_key_changes_behaviour[{key}]"),
     # DeepSpeed 0.19.8 (stage_1_and_2.py): zero padding between the parameters of each ZeRO-1/2 flat buffer so
     # each starts 16-byte aligned, recorded as param_alignment_paddings in the optimizer state (zero_to_fp32 and
