@@ -61,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="resident memory of an idle rank (interpreter, torch, dsrun, process group, "
                               "optimizer machinery); default: measured once on this host by a small "
                               "subprocess and cached; 0 leaves it out")
+    process.add_argument("--refresh-runtime", action="store_true",
+                         help="measure the idle rank again instead of using the cached figure (--measure does "
+                              "this itself: it compares with a run made now)")
     process.add_argument("--device", choices=("cpu", "cuda"),
                          help="where ranks compute (default: cuda if this host has it, else cpu)")
     parser.add_argument("--recipes-dir", action="append", default=[], metavar="DIR",
@@ -168,7 +171,7 @@ def _with_process(spec: EstimateInputs, args: argparse.Namespace, sources: dict[
                   model_cfg: dict | None = None, ds_cfg: dict | None = None) -> EstimateInputs:
     """Add what the rank process itself holds: the device kind and the idle rank's measured memory
     (with ``threads`` OpenMP threads, default what dsrun's launcher gives each rank on this host, and the
-    recipe's model class ``model_cfg``)."""
+    recipe's model class ``model_cfg``; probed afresh with ``--refresh-runtime`` or ``--measure``)."""
     import torch
 
     from dsrun.estimate.runtime import enabled_monitors, measure_rank_runtime, rank_threads
@@ -184,11 +187,13 @@ def _with_process(spec: EstimateInputs, args: argparse.Namespace, sources: dict[
         optimizer_state_count(spec.optimizer, spec.optimizer_params)  # an unknown optimizer: one clear error first
         threads = threads or rank_threads(spec.ranks_per_node)
         monitors = enabled_monitors(ds_cfg)
-        probe = measure_rank_runtime(threads, spec.optimizer, model_cfg, spec.precision, monitors=monitors)
+        refresh = bool(getattr(args, "refresh_runtime", False) or getattr(args, "measure", False))
+        probe = measure_rank_runtime(threads, spec.optimizer, model_cfg, spec.precision, refresh=refresh,
+                                     monitors=monitors)
         runtime, monitor_bytes = probe.resident, probe.monitors
         sources["rank_runtime_bytes"] = (f"measured: a rank with a tiny model of the same class, {spec.optimizer}, "
                                          f"{spec.precision}, {threads} thread(s)"
-                                         + f"; torch {probe.torch} on {probe.host} (cached)")
+                                         + f"; torch {probe.torch} on {probe.host} ({probe.age_text()})")
         if monitors:
             sources["monitor_bytes"] = f"measured: rank 0's monitors ({', '.join(monitors)}) opened by the same probe"
     return spec.with_(device=device, rank_runtime_bytes=int(runtime), monitor_bytes=int(monitor_bytes))

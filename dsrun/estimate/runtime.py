@@ -19,7 +19,11 @@ subprocess (:mod:`dsrun.probe`) with the rank's environment (``OMP_NUM_THREADS``
 
 and reports its resident memory (``VmRSS``) and peak (``VmHWM``). The result is cached under
 ``$DSRUN_CACHE_DIR`` (or ``~/.cache/dsrun``) in ``estimate/`` per host, Python and its environment, torch and dsrun version,
-thread count, allocator setting, optimizer, model class and precision, so later estimates cost nothing.
+thread count, allocator setting, optimizer, model class and precision, so later estimates cost nothing; each
+entry records when it was measured (the estimate's sources line shows its age). The same code measures a few
+percent apart on one host hours apart (how much of torch's libraries a start-up maps depends on the page
+cache), so ``dsrun estimate-memory --measure`` probes afresh before comparing with a run it makes now, and
+``--refresh-runtime`` does so on request.
 What it does not see grows with the model and is estimated term by term (model states, activations,
 buffers, collective temporaries, the data pipeline). The estimate uses the
 resident figure: a rank's peak comes long after start-up, when import-time transients are gone.
@@ -32,6 +36,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
@@ -72,8 +77,9 @@ def tiny_model_config(model_cfg: dict | None) -> dict:
 @dataclass(frozen=True)
 class RankRuntime:
     """An idle rank's memory on this host: ``resident`` (VmRSS after start-up, bytes), ``peak`` (VmHWM),
-    ``monitors`` (what opening rank 0's monitors added to VmRSS; the other ranks open none), and what it was
-    measured with (``threads``, ``optimizer``, ``torch``, ``python``, ``host``)."""
+    ``monitors`` (what opening rank 0's monitors added to VmRSS; the other ranks open none), what it was
+    measured with (``threads``, ``optimizer``, ``torch``, ``python``, ``host``) and when (``measured_at``,
+    seconds since the epoch; 0 for entries cached before it was recorded)."""
 
     resident: int
     peak: int
@@ -83,6 +89,17 @@ class RankRuntime:
     python: str
     host: str
     monitors: int = 0
+    measured_at: float = 0.0
+
+    def age_text(self, now: float | None = None) -> str:
+        """How long ago the probe ran, for the estimate's sources line ("measured 3 h ago")."""
+        if not self.measured_at:
+            return "cached, age unknown"
+        age = max(0.0, (time.time() if now is None else now) - self.measured_at)
+        for unit, seconds in (("d", 86400), ("h", 3600), ("min", 60)):
+            if age >= seconds:
+                return f"measured {age / seconds:.0f} {unit} ago"
+        return "measured just now"
 
 
 def _cache_dir() -> Path:
@@ -160,7 +177,8 @@ def measure_rank_runtime(threads: int = 1, optimizer: str = "AdamW", model: dict
     torch_version, python, host, _ = _versions()
     idle = int(status.get("idle", status["VmRSS"]))
     runtime = RankRuntime(resident=idle, peak=int(status["VmHWM"]), threads=int(threads), optimizer=optimizer,
-                          torch=torch_version, python=python, host=host, monitors=max(0, int(status["VmRSS"]) - idle))
+                          torch=torch_version, python=python, host=host, monitors=max(0, int(status["VmRSS"]) - idle),
+                          measured_at=time.time())
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(asdict(runtime)))

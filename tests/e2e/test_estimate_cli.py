@@ -102,6 +102,9 @@ def test_recipe_mode_composes_builds_on_meta_and_estimates(fake_compose, capsys)
     assert data["sources"]["rank_runtime_bytes"].startswith("measured")
     assert data["recipe"]["rank_runtime"] > 50 * 2**20
     assert data["recipe"]["rank_peak"] >= data["recipe"]["peak_per_rank"] + data["recipe"]["rank_runtime"]
+    # --refresh-runtime probes again (as --measure does) and the sources line says how old the figure is
+    assert main(["estimate-memory", "ds.zero_optimization.stage=3", "--json", "--refresh-runtime"]) == 0
+    assert json.loads(capsys.readouterr().out)["sources"]["rank_runtime_bytes"].endswith("(measured just now)")
 
 
 def test_flags_override_the_recipe_and_say_so(fake_compose, capsys):

@@ -29,7 +29,11 @@ CASES_TIMEOUT = float(os.environ.get("DSRUN_ESTIMATE_CASES_TIMEOUT", "560"))
 
 @pytest.mark.slow
 @pytest.mark.timeout(CASES_TIMEOUT + 40)
-def test_predicted_peak_is_within_15_percent_for_stages_0_to_3_on_1_2_4_ranks(tmp_path, estimate_table_log):
+def test_predicted_peak_is_within_15_percent_for_stages_0_to_3_on_1_2_4_ranks(tmp_path, estimate_table_log,
+                                                                              monkeypatch):
+    # the rank runtime is probed now, as `--measure` does, not read from an earlier session's cache (the same
+    # code on one host measured 616 and 639 MiB five hours apart)
+    monkeypatch.setenv("DSRUN_CACHE_DIR", str(tmp_path / "cache"))
     cases = measure_cases([prepare(recipe, n, tmp_path) for n in RANKS for recipe in RECIPES]
                           + [prepare(recipe, n, tmp_path) for recipe, n in EXTRA_CASES], timeout=CASES_TIMEOUT)
     header = (f"{'case':<13} {'rank':>4} {'predicted':>10} {'measured':>10} {'error':>7} {'above-rt err':>12} "

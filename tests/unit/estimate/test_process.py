@@ -45,6 +45,12 @@ def test_the_runtime_probe_result_is_cached_per_settings(tmp_path, monkeypatch):
 
     monkeypatch.setattr(subprocess, "run", no_subprocess)
     assert measure_rank_runtime(2, "AdamW", gpt, "bf16") == cached
+    assert cached.age_text() == "cached, age unknown"  # an entry from before measured_at was recorded
+    with pytest.raises(AssertionError, match="must not start"):  # refresh (--measure, --refresh-runtime) probes
+        measure_rank_runtime(2, "AdamW", gpt, "bf16", refresh=True)
+    aged = RankRuntime(**{**cached.__dict__, "measured_at": 1_000_000.0})
+    assert aged.age_text(now=1_000_000.0 + 5 * 3600 + 60) == "measured 5 h ago"
+    assert aged.age_text(now=1_000_010.0) == "measured just now"
 
 
 def test_the_probe_runs_the_recipes_model_class_at_a_tiny_size():
