@@ -43,6 +43,7 @@ PATHS: dict[str, str] = {
     "deepspeed.runtime.zero.partition_parameters": "dsrun.zero.init",
     "deepspeed.compile.z3_eager_fallback": "dsrun.zero.eager_fallback",
     "deepspeed.compile.init_z3": "dsrun.compile.init",
+    "deepspeed.runtime.domino": "dsrun.tensor_parallel.domino",
     "deepspeed.compile.init_tp": "dsrun.tensor_parallel.compile_pass",
     "deepspeed.compile.passes.tp_compile": "dsrun.tensor_parallel.compile_pass",
     "deepspeed.compile.custom_ops": "dsrun.compat.compile.custom_ops",
