@@ -1,6 +1,6 @@
 """Reduce-scatters of several tensors in one collective (DeepSpeed's
 ``deepspeed.runtime.comm.coalesced_collectives``): ``reduce_scatter_coalesced`` and qgZ's
-``all_to_all_quant_reduce``.
+``all_to_all_quant_reduce`` and ``all_to_all_loco_quant_reduce``.
 
 **reduce_scatter_coalesced(tensors, group)** averages each tensor over the ranks of ``group`` and gives each rank
 its partition: rank r's part of a tensor of n elements is elements ``[r * c, r * c + c)`` of the flattened tensor
@@ -16,6 +16,10 @@ the ranks with local index j (nodes of ``accelerator.device_count()`` ranks). A 
 ``2 * world`` does not divide, takes ``reduce_scatter_coalesced`` over the world instead (as DeepSpeed, which warns).
 On one node the exchange is one quantized all-to-all over the world. Quantization blocks: DeepSpeed's group count,
 ``max(rows, columns, world)`` groups per tensor.
+
+**all_to_all_loco_quant_reduce(params, groups, loco_param)** is that exchange of each parameter's ``.grad`` with
+LoCo's error feedback (``{"err_beta", "reset_T"}``): each parameter keeps its quantization errors
+(``ds_loco_feedback``, INT8 between calls) and adds them to its next gradient before quantizing.
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ from typing import Sequence
 import torch
 
 from dsrun.comm import comm
-from dsrun.comm.quantized import QuantizedReduceScatter
+from dsrun.comm.quantized import LocoFeedback, QuantizedReduceScatter
 from dsrun.utils.logging import logger
 
 
@@ -61,6 +65,25 @@ def reduce_scatter_coalesced(tensors: Sequence[torch.Tensor], group: comm.Proces
 def all_to_all_quant_reduce(tensors: Sequence[torch.Tensor], groups: dict) -> list[torch.Tensor]:
     """Each tensor averaged over the world through INT4 quantized all-to-alls, this rank's partition of each
     (module docstring)."""
+    return _quant_reduce(tensors, groups, [None] * len(tensors))
+
+
+@torch.no_grad()
+def all_to_all_loco_quant_reduce(params: Sequence[torch.Tensor], groups: dict,
+                                 loco_param: dict | None = None) -> list[torch.Tensor]:
+    """:func:`all_to_all_quant_reduce` of each parameter's ``.grad`` with LoCo's error feedback
+    (``loco_param``: ``{"err_beta", "reset_T"}``; :class:`dsrun.comm.quantized.LocoFeedback`): each parameter
+    keeps its quantization errors (``ds_loco_feedback``) and sends them with its next gradient."""
+    feedbacks = []
+    for p in params:
+        if getattr(p, "ds_loco_feedback", None) is None:
+            p.ds_loco_feedback = LocoFeedback(**(loco_param or {}))
+        feedbacks.append(p.ds_loco_feedback)
+    return _quant_reduce([p.grad for p in params], groups, feedbacks)
+
+
+def _quant_reduce(tensors: Sequence[torch.Tensor], groups: dict,
+                  feedbacks: Sequence[LocoFeedback | None]) -> list[torch.Tensor]:
     from dsrun.accelerator import get_accelerator
 
     world = comm.get_world_size()
@@ -68,7 +91,7 @@ def all_to_all_quant_reduce(tensors: Sequence[torch.Tensor], groups: dict) -> li
     local = get_accelerator().device_count()
     nodes = world // local if local <= world else 1
     outputs = []
-    for tensor in tensors:
+    for tensor, feedback in zip(tensors, feedbacks):
         if tensor.dim() == 1 or tensor.numel() % (2 * world):
             if tensor.dim() > 1:
                 logger.warning(f"qgZ falls back to reduce_scatter because tensor size = {tensor.numel()} is not "
@@ -80,11 +103,11 @@ def all_to_all_quant_reduce(tensors: Sequence[torch.Tensor], groups: dict) -> li
         if nodes > 1:
             exchange = QuantizedReduceScatter(intra=_node_group(groups, f"local_{rank // local}"),
                                               inter=_node_group(groups, f"global_{rank % local}"), bits=4,
-                                              block=block)
+                                              block=block, loco=feedback)
         else:
-            exchange = QuantizedReduceScatter(bits=4, block=block)
+            exchange = QuantizedReduceScatter(bits=4, block=block, loco=feedback)
         summed = torch.empty(tensor.numel() // world, dtype=torch.float32, device=tensor.device)
-        exchange(summed, tensor.reshape(world, -1))
+        exchange(summed, tensor.reshape(world, -1), "grad" if feedback is not None else None)
         outputs.append(summed.div_(world).to(tensor.dtype))
     return outputs
 

@@ -23,11 +23,21 @@ rank ``l``; (2) that rank dequantizes and sums what its L node-mates sent (the n
 chunks it serves), re-quantizes them per destination node and (3) one all-to-all across nodes (the ranks
 with the same local index) delivers each chunk to its owner, who dequantizes and sums. On one node (M = 1)
 stage 3 collapses: one quantized all-to-all, then dequantize and sum.
+
+**LoCo** (:class:`LocoFeedback`, ``zeropp_loco_param``: ``{"err_beta": b, "reset_T": T}``) adds error feedback
+to each quantization of the reduce-scatter, as DeepSpeed's LoCo kernels do: before quantizing, the value gets
+the error buffer of that message added (``v = x + e``); after, the buffer becomes ``e = b * e + (1 - b) * (v -
+deQ(Q(v)))``. Stage 1 keeps one buffer the size of the rows, stage 2 (hierarchical only) one the size of the
+node's partial sums. With ``b = 0`` the error a step leaves is sent with the next one, so the sum of T steps'
+outputs is off by one quantization error instead of T. The buffers live between steps as INT8 blocks (what
+DeepSpeed keeps too), one pair per bucket of parameters (its ``key``); a bucket's buffers start from zero
+after ``reset_T`` uses, when its values overflow (inf/nan: DeepSpeed drops them on an fp16 overflow), and are
+scaled with the loss scale when it changes.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -150,6 +160,74 @@ def all_gather_messages(output: torch.Tensor, message: torch.Tensor, n: int, gro
 
 # --- qgZ ------------------------------------------------------------------------------------------------
 @dataclass
+class _ErrorBuffer:
+    """One quantization's error, kept as INT8 codes and block scales (``None``: zero)."""
+
+    codes: torch.Tensor | None = None
+    scales: torch.Tensor | None = None
+
+    def value(self, n: int, device: torch.device) -> torch.Tensor:
+        if self.codes is None or self.codes.numel() != n:
+            return torch.zeros(n, dtype=torch.float32, device=device)
+        return dequantize(self.codes, self.scales, GRAD_BLOCK)
+
+    def store(self, err: torch.Tensor) -> None:
+        self.codes, self.scales = quantize(err, 8, GRAD_BLOCK)
+
+
+@dataclass
+class LocoFeedback:
+    """LoCo's error feedback for qgZ (the module docstring): ``err_beta`` in [0, 1), buffers restarted after
+    ``reset_T`` uses. Its state is per bucket key: stage-1 and stage-2 errors, uses, and the loss scale they
+    are in."""
+
+    err_beta: float = 0.8
+    reset_T: int = 1024
+    buffers: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not 0.0 <= float(self.err_beta) < 1.0:
+            raise ValueError(f"zeropp_loco_param.err_beta must be in [0, 1), got {self.err_beta}")
+        if int(self.reset_T) < 1:
+            raise ValueError(f"zeropp_loco_param.reset_T must be a positive number of steps, got {self.reset_T}")
+
+    def state(self, key: object, scale: float) -> dict:
+        """The key's buffers for this use: restarted after ``reset_T`` uses, rescaled to ``scale``."""
+        entry = self.buffers.get(key)
+        if entry is None or entry["uses"] >= int(self.reset_T):
+            entry = self.buffers[key] = {"stages": {}, "uses": 0, "scale": scale}
+        elif entry["scale"] != scale:
+            ratio = scale / entry["scale"]
+            for buf in entry["stages"].values():
+                if buf.scales is not None:
+                    buf.scales = buf.scales * ratio
+            entry["scale"] = scale
+        entry["uses"] += 1
+        return entry
+
+    def encode_with_feedback(self, entry: dict, stage: str, slabs: torch.Tensor, bits: int, block: int) -> torch.Tensor:
+        """The messages of ``slabs`` ((P, n): one per peer) with the stage's error added before quantizing;
+        the buffer then takes this quantization's error (what the peers will decode, exactly)."""
+        peers, n = slabs.shape
+        buf = entry["stages"].setdefault(stage, _ErrorBuffer())
+        err = buf.value(peers * n, slabs.device).view(peers, n)
+        v = slabs.float() + err
+        messages = torch.stack([encode(v[p], bits, block) for p in range(peers)])
+        if not bool(torch.isfinite(v).all()):  # an overflowing step: its error is no use to the next one
+            entry["stages"][stage] = _ErrorBuffer()
+            return messages
+        new = v - torch.stack([decode(messages[p], n, bits, block) for p in range(peers)])
+        beta = float(self.err_beta)
+        buf.store(new if beta == 0 else beta * err + (1.0 - beta) * new)
+        return messages
+
+    def nbytes(self) -> int:
+        """Bytes of the INT8 error buffers held."""
+        return sum(b.codes.numel() + 4 * b.scales.numel() for e in self.buffers.values()
+                   for b in e["stages"].values() if b.codes is not None)
+
+
+@dataclass
 class QuantizedReduceScatter:
     """Reduce-scatter over ``group`` (N ranks) through quantized all-to-all, hierarchical when an ``intra``
     group is given (N = L * M; ``intra``: this rank's L node-mates, ``inter``: the M ranks with its local index,
@@ -160,33 +238,41 @@ class QuantizedReduceScatter:
     inter: Any = None
     bits: int = 4
     block: int = GRAD_BLOCK
+    loco: LocoFeedback | None = None
 
     @property
     def hierarchical(self) -> bool:
         """Whether it runs in two levels (inside each node, then across nodes)."""
         return self.intra is not None
 
-    def __call__(self, output: torch.Tensor, rows: torch.Tensor) -> None:
+    def __call__(self, output: torch.Tensor, rows: torch.Tensor, key: object = None, scale: float = 1.0) -> None:
         """``rows``: (N, C), row r for rank r; ``output`` (C elements) gets the sum over ranks of this
-        rank's row, quantization error included."""
+        rank's row, quantization error included. With LoCo, ``key`` names the bucket (the same parameters in
+        the same order from step to step) whose error buffers apply, and ``scale`` is the loss scale its
+        gradients carry."""
         world = comm.get_world_size(self.group)
         rows = rows.reshape(world, -1)
+        entry = self.loco.state(key, scale) if self.loco is not None and key is not None else None
         if not self.hierarchical:
-            out = self._exchange(rows.unsqueeze(1), self.group)
+            out = self._exchange(rows.unsqueeze(1), self.group, entry, "intra")
         else:
             local = comm.get_world_size(self.intra)
             nodes = world // local
             by_local = rows.view(nodes, local, -1).transpose(0, 1)  # [l, m] = the row of rank m * L + l
-            partial = self._exchange(by_local, self.intra)  # (M, C): this node's sums for ranks m * L + mine
-            out = self._exchange(partial.unsqueeze(1), self.inter)
+            partial = self._exchange(by_local, self.intra, entry, "intra")  # (M, C): this node's sums for m * L + mine
+            out = self._exchange(partial.unsqueeze(1), self.inter, entry, "inter")
         output.copy_(out.reshape(-1))
 
-    def _exchange(self, slabs: torch.Tensor, group: comm.ProcessGroup) -> torch.Tensor:
+    def _exchange(self, slabs: torch.Tensor, group: comm.ProcessGroup, entry: dict | None = None,
+                  stage: str = "") -> torch.Tensor:
         """``slabs``: (P, K, C), slab p for peer p of ``group``; returns the fp32 (K, C) sum of the slabs
-        the P peers sent to this rank."""
+        the P peers sent to this rank. ``entry``: LoCo's state for this bucket (its ``stage`` buffer applies)."""
         peers, k, c = slabs.shape
         n = k * c
-        messages = torch.stack([encode(slabs[p], self.bits, self.block) for p in range(peers)])
+        if entry is not None:
+            messages = self.loco.encode_with_feedback(entry, stage, slabs.reshape(peers, n), self.bits, self.block)
+        else:
+            messages = torch.stack([encode(slabs[p], self.bits, self.block) for p in range(peers)])
         received = torch.empty_like(messages)
         comm.all_to_all_single(received, messages, group=group)
         total = torch.zeros(n, dtype=torch.float32, device=slabs.device)
@@ -208,16 +294,18 @@ def hierarchical_node_size(group: comm.ProcessGroup = None, node_size: int | Non
 
 
 def make_reduce_scatter(group: comm.ProcessGroup = None, node_size: int | None = None, bits: int = 4,
-                        block: int = GRAD_BLOCK, groups: ProcessGroups | None = None) -> QuantizedReduceScatter:
+                        block: int = GRAD_BLOCK, groups: ProcessGroups | None = None,
+                        loco: LocoFeedback | None = None) -> QuantizedReduceScatter:
     """A :class:`QuantizedReduceScatter` over ``group``, hierarchical where :func:`hierarchical_node_size` says
     so. Its node and cross-node groups are the run's: ``groups`` (the engine's :class:`ProcessGroups`, whose
     data-parallel group ``group`` is then; default: the world's) cuts ``group`` into nodes
     (:meth:`ProcessGroups.shard_node_groups`: every node's group, then every cross-node group, in a fixed
-    order, cached there). Collective when hierarchical: every rank of the world calls it in the same order."""
+    order, cached there). Collective when hierarchical: every rank of the world calls it in the same order.
+    ``loco``: LoCo's error feedback (None: plain qgZ)."""
     _check_bits(bits)
     node = hierarchical_node_size(group, node_size)
     if node is None:
-        return QuantizedReduceScatter(group=group, bits=bits, block=block)
+        return QuantizedReduceScatter(group=group, bits=bits, block=block, loco=loco)
     groups = groups if groups is not None else ProcessGroups()  # the world's: creates no group of its own
     intra, inter = groups.shard_node_groups(comm.get_world_size(group), node)
-    return QuantizedReduceScatter(group=group, intra=intra, inter=inter, bits=bits, block=block)
+    return QuantizedReduceScatter(group=group, intra=intra, inter=inter, bits=bits, block=block, loco=loco)

@@ -211,9 +211,11 @@ def check_zero(cfg: DSConfig, raw: dict[str, Any], p: str) -> tuple[list[Problem
     elif z.mics_hierarchical_params_gather and z.mics_shard_size < 1:
         notes.append(f"{zp}.mics_hierarchical_params_gather only matters with mics_shard_size set (MiCS)")
     zeropp_keys = [k for k in ("zero_quantized_weights", "zero_quantized_nontrainable_weights",
-                               "zero_quantized_gradients") if getattr(z, k)]
+                               "zero_quantized_gradients", "zeropp_loco_param") if getattr(z, k)]
     if zeropp_keys and z.stage != 3:
         notes.append(f"{zp}: {', '.join(zeropp_keys)} (ZeRO++) only matter at stage 3 (stage is {z.stage})")
+    if z.zeropp_loco_param is not None:
+        problems += _loco_problems(z.zeropp_loco_param, f"{zp}.zeropp_loco_param", z.stage, z.zero_quantized_gradients)
     if cfg.bf16.enabled and cfg.bf16.immediate_grad_update and not separate_bf16_fp32_accumulation(cfg):
         notes.append(f"{p}bf16.immediate_grad_update only chooses something at ZeRO stage 1 with "
                      "data_types.grad_accum_dtype fp32 (DeepSpeed's BF16_Optimizer); the other stages add each "
@@ -222,6 +224,27 @@ def check_zero(cfg: DSConfig, raw: dict[str, Any], p: str) -> tuple[list[Problem
     if _given(raw, "aio") and not uses_nvme:
         notes.append(f"{p}aio only matters with NVMe offload")
     return problems, notes
+
+
+def _loco_problems(loco: dict, key: str, stage: int, qgz: bool) -> list[Problem]:
+    """LoCo (``zeropp_loco_param``: ``{"err_beta": 0 <= b < 1, "reset_T": steps > 0}``) is error feedback for
+    qgZ's quantized reduce-scatter: nothing to act on without it (DeepSpeed ignores it there)."""
+    if not isinstance(loco, dict):
+        return [Problem(key, f"must be a mapping, got {loco!r}", 'use {"err_beta": 0.8, "reset_T": 1024}')]
+    unknown = sorted(set(loco) - {"err_beta", "reset_T"})
+    if unknown:
+        return [Problem(f"{key}.{unknown[0]}", "is not a LoCo setting", "use err_beta and reset_T")]
+    problems = []
+    beta, reset = loco.get("err_beta", 0.8), loco.get("reset_T", 1024)
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta < 1:
+        problems.append(Problem(f"{key}.err_beta", f"must be a number in [0, 1), got {beta!r}", "DeepSpeed uses 0.8"))
+    if isinstance(reset, bool) or not isinstance(reset, int) or reset < 1:
+        problems.append(Problem(f"{key}.reset_T", f"must be a positive number of steps, got {reset!r}",
+                                "DeepSpeed uses 1024"))
+    if stage == 3 and not qgz:
+        problems.append(Problem(key, "LoCo is error feedback for qgZ's quantized gradients, which are off",
+                                "set zero_optimization.zero_quantized_gradients: true, or remove zeropp_loco_param"))
+    return problems
 
 
 def check_optimizer_rules(cfg: DSConfig, p: str) -> list[Problem]:

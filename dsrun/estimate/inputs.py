@@ -79,6 +79,7 @@ class BufferSettings:
     zero_quantized_gradients: bool = False  # ZeRO++ qgZ: the gradient reduce-scatter is an INT4 all-to-all
     zero_quantized_nontrainable_weights: bool = False  # frozen stage-3 shards kept (and gathered) as INT8 blocks
     stage3_use_all_reduce_for_fetch_params: bool = False  # exact stage-3 fetches as all-reduces: twice the traffic
+    zeropp_loco: bool = False  # LoCo's INT8 error buffers beside qgZ (zeropp_loco_param)
 
     @classmethod
     def from_zero_config(cls, zero: Mapping[str, Any]) -> "BufferSettings":
@@ -107,6 +108,7 @@ class BufferSettings:
             zero_quantized_gradients=bool(typed.zero_quantized_gradients),
             zero_quantized_nontrainable_weights=bool(typed.zero_quantized_nontrainable_weights),
             stage3_use_all_reduce_for_fetch_params=bool(typed.stage3_use_all_reduce_for_fetch_params),
+            zeropp_loco=typed.zeropp_loco_param is not None and bool(typed.zero_quantized_gradients),
         )
 
 

@@ -18,6 +18,8 @@ At stage 3, MiCS (``mics_shard_size`` S) partitions over S ranks: N is S in ever
 (``zero_hpz_partition_size`` H) adds the secondary parameter partition, ``P*w/H``. With
 ``zero_quantized_nontrainable_weights`` the frozen part of the partition, ``(P-T)/N`` elements, is kept as
 INT8 codes plus one fp32 scale per 256 (``dsrun.comm.quantized.message_bytes``) instead of ``w`` bytes each.
+LoCo (``zeropp_loco_param`` beside qgZ) adds its INT8 error buffers to the gradient column: about ``T`` bytes
+(every bucket's rows), and ``nodes*T/N`` more across nodes (:func:`loco_error_bytes`).
 
 ``data_types.grad_accum_dtype`` naming another dtype (``a`` bytes) than the stage's own (ZeRO 1-3, on the device):
 stage 1 adds a whole accumulator, ``T*a``, and holds the reduced partition in that dtype, ``a*T/N`` (plus the
@@ -58,7 +60,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from dsrun.comm.quantized import WEIGHT_BLOCK, message_bytes
+from dsrun.comm.quantized import GRAD_BLOCK, WEIGHT_BLOCK, message_bytes
 from dsrun.estimate.inputs import EstimateInputs, ceil_div
 from dsrun.offload.nvme import NORM_CHUNK
 from dsrun.utils.errors import ConfigError, Problem
@@ -111,6 +113,17 @@ def error_feedback_bytes(spec: EstimateInputs) -> int:
     if spec.optimizer.lower().replace("_", "").replace("-", "") not in ONE_BIT:
         return 0
     return spec.trainable * FP32 + ceil_div(spec.trainable, spec.data_parallel_size) * FP32
+
+
+def loco_error_bytes(spec: EstimateInputs, n: int, t_part: int) -> int:
+    """LoCo's error buffers beside qgZ (stage 3, ``zeropp_loco_param``): INT8 codes and fp32 block scales of
+    every bucket's rows (``n`` x its partition: ``n * T/n`` elements) and, across several nodes, of the node's
+    partial sums (``nodes * T/n``)."""
+    if spec.zero_stage != 3 or not spec.buffers.zeropp_loco or n == 1:
+        return 0
+    two_stage = spec.nodes > 1 and n == spec.data_parallel_size  # hierarchical only over the whole world
+    elems = n * t_part + (spec.nodes * t_part if two_stage else 0)
+    return message_bytes(elems, 8, GRAD_BLOCK)
 
 
 @dataclass(frozen=True)
@@ -249,6 +262,7 @@ def model_state_bytes(spec: EstimateInputs) -> ModelStates:
             if mixed:
                 slots = max(1, min(3, count // (2 + states // FP32)))
                 host_buffers += slots * chunk * w
+    device_grads += loco_error_bytes(spec, n, t_part)
     return ModelStates(device_params=device_params, device_master_params=device_master,
                        device_gradients=device_grads, device_optimizer_states=device_states,
                        device_step_workspace=step_workspace, host=host, nvme=nvme, host_buffers=host_buffers)

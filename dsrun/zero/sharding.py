@@ -19,8 +19,9 @@ from dsrun.comm.comm import ProcessGroup
 from dsrun.comm.groups import ProcessGroups, expert_parallel_size_of
 from dsrun.utils.errors import ConfigError, Problem
 
-# a reduce-scatter the policy runs instead of the plain one: (output of C elements, rows (N, C) flat)
-ReduceScatter = Callable[[torch.Tensor, torch.Tensor], None]
+# a reduce-scatter the policy runs instead of the plain one: (output of C elements, rows (N, C) flat, the bucket's
+# key (its parameters, the same from step to step), the loss scale its gradients carry)
+ReduceScatter = Callable[[torch.Tensor, torch.Tensor, tuple, float], None]
 
 
 class ShardingPolicy:

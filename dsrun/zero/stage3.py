@@ -328,7 +328,7 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
             self._inflight.append((None, rows[0], placed, rows_flat))
         elif reduce_scatter is not None:  # the policy's own (ZeRO++'s quantized one), synchronous
             out = self._bucket_pool.take(total)
-            reduce_scatter(out, rows_flat)
+            reduce_scatter(out, rows_flat, tuple(id(p) for p, _ in placed), self.precision.loss_scale)
             self._inflight.append((None, out, placed, rows_flat))
         else:
             out = self._bucket_pool.take(total)

@@ -27,7 +27,8 @@ axis of its own) and, when the engine builds its stage-3 strategy, hands it a :c
   ``offload_param`` holds them).
 * **qgZ** (``zero_quantized_gradients``) replaces the reduce-scatter over the shard group with the
   hierarchical INT4 all-to-all (synchronous: ``overlap_comm`` does not overlap it), whose node and cross-node
-  groups come from the same process groups.
+  groups come from the same process groups; ``zeropp_loco_param`` adds LoCo's error feedback to it
+  (:class:`dsrun.comm.quantized.LocoFeedback`: each bucket's quantization error is carried to its next step).
 
 The saved optimizer state keeps DeepSpeed's layout keys (``partition_count``, ``mics_shard_size``).
 """
@@ -155,7 +156,9 @@ class ZeroPlusPlusSharding(ShardingPolicy):
                 if frozen and keep_frozen:
                     quantized_shards.store_quantized(p, quantized.WEIGHT_BLOCK)
         if zero.zero_quantized_gradients:
-            self._qgz = quantized.make_reduce_scatter(self.shard_group, groups=self.groups)
+            loco = zero.zeropp_loco_param
+            feedback = None if loco is None else quantized.LocoFeedback(**loco)  # checked by config.rules
+            self._qgz = quantized.make_reduce_scatter(self.shard_group, groups=self.groups, loco=feedback)
 
     def reduce_scatter_for(self, group: ProcessGroup) -> ReduceScatter | None:
         return self._qgz if self._qgz is not None and group is self._qgz.group else None

@@ -50,8 +50,27 @@ def collectives(rank: int, world: int, node_sizes: tuple[int, ...]) -> dict[str,
         result = torch.empty(rows[0].shape[1])
         reducer(result, rows[rank])
         out[f"reduce/{node}"] = (result, reducer.hierarchical)
+        out[f"loco/{node}"] = loco_sums(rows[rank], node)
     out["coalesced"] = coalesced(rank, world, min(node_sizes))
     return out
+
+
+LOCO_STEPS = 8
+
+
+def loco_sums(rows: torch.Tensor, node: int) -> dict[str, torch.Tensor]:
+    """The sum of LOCO_STEPS reduce-scatters of the same ``rows``, plain qgZ and with LoCo's error feedback at
+    err_beta 0 (each step sends the error the last one left)."""
+    sums = {}
+    for name, loco in (("plain", None), ("loco", q.LocoFeedback(err_beta=0.0, reset_T=1000))):
+        reducer = q.make_reduce_scatter(None, node_size=node, loco=loco)
+        total = torch.zeros(rows.shape[1])
+        for _ in range(LOCO_STEPS):
+            result = torch.empty(rows.shape[1])
+            reducer(result, rows, ("bucket",), 1.0)
+            total += result
+        sums[name] = total
+    return sums
 
 
 def coalesced_inputs(world: int) -> tuple[list, torch.Tensor, list]:
@@ -70,7 +89,7 @@ def coalesced(rank: int, world: int, node: int) -> dict[str, Any]:
     import os
 
     from dsrun import comm
-    from dsrun.comm.coalesced import all_to_all_quant_reduce, reduce_scatter_coalesced
+    from dsrun.comm.coalesced import all_to_all_loco_quant_reduce, all_to_all_quant_reduce, reduce_scatter_coalesced
 
     os.environ["LOCAL_SIZE"] = str(node)  # the accelerator's device_count: the ranks of a node
     plain, quant, fallback = coalesced_inputs(world)
@@ -84,7 +103,15 @@ def coalesced(rank: int, world: int, node: int) -> dict[str, Any]:
     return {"plain": [t.clone() for t in reduce_scatter_coalesced([t.clone() for t in plain[rank]])],
             "single": single_out.clone(), "single_in_place": single_out.data_ptr() == single[4 * rank:].data_ptr(),
             "quant": all_to_all_quant_reduce([quant[rank].clone()], groups)[0],
+            "loco": _loco_twice(all_to_all_loco_quant_reduce, quant[rank], groups),
             "fallback": [t.clone() for t in all_to_all_quant_reduce([t.clone() for t in fallback[rank]], groups)]}
+
+
+def _loco_twice(reduce, tensor: torch.Tensor, groups: dict) -> list[torch.Tensor]:
+    """DeepSpeed's all_to_all_loco_quant_reduce on one parameter whose gradient is ``tensor``, two steps."""
+    param = torch.nn.Parameter(torch.zeros_like(tensor))
+    param.grad = tensor.clone()
+    return [reduce([param], groups, {"err_beta": 0.0, "reset_T": 10})[0].clone() for _ in range(2)]
 
 
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,6 +135,7 @@ CASES = [Case(key, model, cfg, worlds=(WORLD,), steps=STEPS) for key, model, cfg
     ("plain", "zeropp_mlp", config(sequential=True)),
     ("qwz", "zeropp_mlp", config(**QWZ)),
     ("qgz", "zeropp_mlp", config(**QGZ)),
+    ("qgz_loco", "zeropp_mlp", config(**QGZ, zeropp_loco_param={"err_beta": 0.8, "reset_T": 1024})),
     ("both", "zeropp_mlp", config(**QWZ, **QGZ)),
     ("plain_bf16", "zeropp_mlp", config(bf16=True, sequential=True)),
     ("both_bf16", "zeropp_mlp", config(bf16=True, **QWZ, **QGZ)),
@@ -255,6 +283,13 @@ def _check_collectives(results: list[dict], world: int, node_sizes: tuple[int, .
             result, hierarchical = out[f"reduce/{node}"]
             assert hierarchical == (node < world)
             assert torch.equal(result, simulate_reduce_scatter(rows, node)[rank])
+            # LoCo at err_beta 0: the sum of T steps' outputs telescopes to T * exact + (the error the last step
+            # left, within half a quantization step) + the INT8 rounding of the stored errors (1/127 of that
+            # per step), where plain qgZ repeats the same rounding T times: about 1/T + T/254 of its error
+            exact = sum(r[rank] for r in rows) * LOCO_STEPS
+            sums = out[f"loco/{node}"]
+            loco_err, plain_err = (float((sums[k] - exact).abs().mean()) for k in ("loco", "plain"))
+            assert loco_err <= (1 / LOCO_STEPS + LOCO_STEPS / 254 + 0.15) * plain_err, (node, loco_err, plain_err)
         _check_coalesced(out["coalesced"], rank, world, min(node_sizes))
 
 
@@ -269,6 +304,11 @@ def _check_coalesced(out: dict, rank: int, world: int, node: int) -> None:
     rows = [t.reshape(world, -1) for t in quant]
     block = quant[0].numel() // max(2 * world, 35, world)  # DeepSpeed's group count per tensor
     assert torch.equal(out["quant"], simulate_reduce_scatter(rows, node, bits=4, block=block)[rank] / world)
+    first, second = out["loco"]  # LoCo: the first step has no error to send, the second sends the first's
+    assert torch.equal(first, out["quant"]) and not torch.equal(second, first)
+    exact = sum(r[rank] for r in rows) / world
+    # two steps: 2 * exact - (the second's error) against plain's 2 * (the same rounding): about half of it
+    assert float((first + second - 2 * exact).abs().mean()) <= 0.75 * float((2 * first - 2 * exact).abs().mean())
     for got, parts in zip(out["fallback"], zip(*fallback)):  # 1-D, and 49 elements: not a multiple of 2 * world
         mean = sum(p.reshape(-1) / world for p in parts)
         size = -(-mean.numel() // world)
@@ -350,6 +390,19 @@ def test_quantized_gradients_int4_all_to_all(ranks: list[dict]) -> None:
             ratio = expected / _bytes(rank[base], "reduce_scatter")
             assert ratio <= 0.3, (base, ratio)
         assert rank["qgz"]["losses"][1:] != rank["plain"]["losses"][1:]  # the update used the quantized sum
+
+
+def test_loco_feeds_the_quantization_error_back(ranks: list[dict]) -> None:
+    """zeropp_loco_param: the same messages as qgZ (LoCo changes what is quantized, not how much), the same
+    first forward, then other updates (the second step's gradients carry the first one's error); and close
+    to plain ZeRO-3. The error feedback's arithmetic is test_collectives_equal_the_plain_torch_simulation's."""
+    for rank in ranks:
+        loco, qgz, plain = rank["qgz_loco"], rank["qgz"], rank["plain"]
+        assert loco["sizes"] == qgz["sizes"]
+        assert loco["losses"][:2] == qgz["losses"][:2]  # step 1's update has no error to feed back yet
+        assert loco["losses"][2:] != qgz["losses"][2:]
+        for a, b in zip(loco["losses"], plain["losses"]):
+            assert abs(a - b) <= 0.02 * abs(b)
 
 
 def test_nontrainable_weights_gather_quantized(ranks: list[dict]) -> None:

@@ -23,8 +23,6 @@ BF16_MASTER = (BF16_MASTER_TESTS + "test_bf16_master_state_holds_bf16_masters_gr
                BF16_MASTER_TESTS + "test_bf16_master_state_resumes_bit_exactly",
                "tests/integration/test_bf16_master_ranks.py::test_bf16_master_state_on_two_ranks")
 
-ZERO_PP = Feature("ZeRO++ (quantized weights and gradients, hierarchical partitioning)",
-                  "leave these keys at their defaults")
 MICS_PARITY = "tests/integration/test_mics_hpz.py::test_mics_partitions_over_shard_groups_and_matches_zero3"
 MICS_HPZ = "tests/integration/test_mics_hpz.py::test_hpz_backward_gathers_stay_in_the_secondary_group"
 MICS_HPZ_RESUME = "tests/integration/test_mics_hpz.py::test_mics_and_hpz_checkpoints_resume"
@@ -205,7 +203,10 @@ ENTRIES: list[Entry] = [
          ZEROPP + "test_nontrainable_weights_resume_exactly"),
     done("zero_optimization.zero_quantized_gradients", "qgZ: the stage-3 gradient reduce-scatter is a "
          "hierarchical INT4 all-to-all", ZEROPP + "test_quantized_gradients_int4_all_to_all"),
-    todo("zero_optimization.zeropp_loco_param", "LoCo error feedback for qgZ", ZERO_PP, applies=_stage(3)),
+    done("zero_optimization.zeropp_loco_param", "LoCo: qgZ's quantization error carried to the bucket's next "
+         "step ({err_beta, reset_T}; needs zero_quantized_gradients)", ZEROPP + "test_loco_feeds_the_quantization_error_back",
+         ZEROPP + "test_collectives_equal_the_plain_torch_simulation",
+         ZEROPP + "test_hierarchical_reduce_scatter_on_two_nodes_of_two"),
     done("zero_optimization.mics_shard_size", "MiCS: ranks per shard group, replicated across groups (stage 3; "
          "-1: off)", MICS_PARITY, MICS_HPZ_RESUME),
     done("zero_optimization.mics_hierarchical_params_gather", "MiCS: gather inside each node, then across nodes",

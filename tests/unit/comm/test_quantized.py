@@ -105,3 +105,29 @@ def test_one_stage_simulation_is_within_the_block_bound_of_the_exact_sum() -> No
         exact = sum(rows[s][r].double() for s in range(world))
         bound = sum(q.quantize(rows[s][r], 4, 64)[1].repeat_interleave(64)[:c].double() / 2 for s in range(world))
         assert bool(((out[r].double() - exact).abs() <= bound * (1 + 16 * EPS32) + 16 * EPS32 * exact.abs()).all())
+
+
+def test_loco_feedback_keeps_each_buckets_error_and_restarts_it() -> None:
+    loco = q.LocoFeedback(err_beta=0.0, reset_T=2)
+    slabs = torch.linspace(-1, 1, 2 * 300).view(2, 300)
+    entry = loco.state(("a",), 1.0)
+    plain = torch.stack([q.encode(slabs[p], 4, q.GRAD_BLOCK) for p in range(2)])
+    assert torch.equal(loco.encode_with_feedback(entry, "intra", slabs, 4, q.GRAD_BLOCK), plain)  # no error yet
+    sent = torch.stack([q.decode(plain[p], 300, 4, q.GRAD_BLOCK) for p in range(2)])
+    kept = entry["stages"]["intra"].value(600, slabs.device).view(2, 300)
+    # the kept error is this quantization's, stored as INT8: within half an INT8 step of it
+    error = slabs - sent
+    assert float((kept - error).abs().max()) <= float(error.abs().max()) / 127 / 2 + 1e-7
+    assert 0 < loco.nbytes() <= 600 + 4 * 3
+    second = loco.encode_with_feedback(loco.state(("a",), 1.0), "intra", slabs, 4, q.GRAD_BLOCK)
+    assert not torch.equal(second, plain)  # the error went out with it
+    assert loco.state(("a",), 1.0)["stages"] == {}  # the third use restarts (reset_T 2)
+    loco = q.LocoFeedback(err_beta=0.5, reset_T=10)
+    entry = loco.state(("b",), 1.0)
+    loco.encode_with_feedback(entry, "intra", slabs, 4, q.GRAD_BLOCK)
+    before = entry["stages"]["intra"].value(600, slabs.device)  # the loss scale grows 4x: so does the error
+    assert torch.allclose(loco.state(("b",), 4.0)["stages"]["intra"].value(600, slabs.device), 4 * before)
+    loco.encode_with_feedback(entry, "intra", slabs * float("inf"), 4, q.GRAD_BLOCK)  # an overflowing step
+    assert entry["stages"]["intra"].codes is None
+    with pytest.raises(ValueError, match="err_beta"):
+        q.LocoFeedback(err_beta=1.0)

@@ -3,10 +3,12 @@ values, notes, and the resolved dict."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from dsrun.config import DSConfig, load_ds_config, validate_ds_config
+from dsrun.utils.errors import ConfigError
 
 MBS = {"train_micro_batch_size_per_gpu": 1}
 
@@ -163,6 +165,18 @@ def test_notes_for_keys_without_effect():
     assert "zero_quantized_weights (ZeRO++) only matter at stage 3" in notes
     assert "grad_hooks only matters at stage 1" in notes
     assert "aio only matters with NVMe offload" in notes
+
+
+@pytest.mark.parametrize("zero, message", [
+    ({"zeropp_loco_param": {"err_beta": 0.8, "reset_T": 1024}}, "error feedback for qgZ's quantized gradients"),
+    ({"zero_quantized_gradients": True, "zeropp_loco_param": {"err_beta": 1.0}}, "err_beta: must be a number in [0, 1)"),
+    ({"zero_quantized_gradients": True, "zeropp_loco_param": {"reset_T": 0}}, "reset_T: must be a positive"),
+    ({"zero_quantized_gradients": True, "zeropp_loco_param": {"beta": 0.5}}, "zeropp_loco_param.beta: is not a LoCo"),
+])
+def test_loco_needs_qgz_and_its_two_settings(zero, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load({"zero_optimization": {"stage": 3, **zero}})
+    load({"zero_optimization": {"stage": 3, "zero_quantized_gradients": True, "zeropp_loco_param": {}}})
 
 
 def test_to_ds_dict_keeps_only_set_keys_and_omits_grad_hooks():

@@ -190,3 +190,18 @@ def test_quantized_nontrainable_weights_keep_the_frozen_partition_int8():
     for kw in ({"zero_stage": 3}, {"zero_stage": 2, "trainable_params": P // 2},
                {"zero_stage": 3, "trainable_params": P // 2, "offload_param": "cpu"}):
         assert model_state_bytes(spec(**kw, buffers=on)) == model_state_bytes(spec(**kw))
+
+
+def test_loco_error_buffers_add_int8_bytes_of_the_gradient_rows():
+    from dsrun.comm import quantized as q
+
+    def grads(nodes: int, **zero) -> int:
+        zero = {"zero_quantized_gradients": True, **zero}
+        s = EstimateInputs(total_params=1_000_000, largest_layer_params=100_000, ranks_per_node=4, nodes=nodes,
+                           zero_stage=3, precision="bf16", buffers=BufferSettings.from_zero_config(zero))
+        return model_state_bytes(s).device_gradients
+
+    part = 1_000_000 // 4
+    assert grads(1, zeropp_loco_param={}) - grads(1) == q.message_bytes(4 * part, 8, q.GRAD_BLOCK)
+    part = 1_000_000 // 8  # two nodes: the node's partial sums get their own buffer
+    assert grads(2, zeropp_loco_param={}) - grads(2) == q.message_bytes((8 + 2) * part, 8, q.GRAD_BLOCK)
