@@ -14,9 +14,7 @@ Save, on every rank (a collective, like DeepSpeed's):
 A crash before step 3 leaves ``latest`` and its folder untouched; a crash inside step 3 leaves either the old
 or the new complete folder under the tag (the loader also looks in ``.<tag>.replaced``). With
 ``checkpoint.writer.decoupled`` step 2 captures each rank's files in host memory and a background thread
-writes them, agrees with the other ranks and runs step 3 (:mod:`.decoupled`).
-
-Load restores the module, the ZeRO optimizer state (resharded when the world size or the stage differ), the
+writes them, agrees with the other ranks and runs step 3 (:mod:`.decoupled`). Load restores the module, the ZeRO optimizer state (resharded when the world size or the stage differ), the
 LR scheduler, the loss scale, the step counters and each rank's RNG states, and returns the client state.
 """
 from __future__ import annotations
@@ -43,6 +41,7 @@ from .engine_view import CheckpointEngine, CheckpointStrategy
 
 Tag = str | int | None  # a checkpoint tag as DeepSpeed takes it (str() of it names the folder; None: the default)
 from .safe_load import load_file
+from .serial_load import one_local_rank_at_a_time
 from .tensor_file import has_unread, read_unread
 from .saved_tag import optim_files, saved_stage, saved_world, stage0_state
 
@@ -407,7 +406,7 @@ def _load_module(engine: CheckpointEngine, module_sd: dict[str, Any], strict: bo
 
 
 def _restore_strategy(engine: CheckpointEngine, tag_dir: Path, model_states: dict[str, Any], load_optimizer_states: bool,
-                      load_universal: bool, masters_from_module: bool, model_path: Path) -> None:
+                      masters_from_module: bool, model_path: Path) -> None:
     """Load the ZeRO strategy's masters and optimizer state: the rank's own file when the layout matches,
     else resharded (from every saved rank's file, or from a universal folder's per-parameter files).
     ``masters_from_module``: a weights-only load whose module was filled by the client's ``custom_load_fn``
@@ -436,7 +435,8 @@ def _restore_strategy(engine: CheckpointEngine, tag_dir: Path, model_states: dic
         saved_shapes = live_shapes  # DeepSpeed's stage 0 names no parameter: they are the live model's, in order
     # the same masters, cut the same way (stage 3's sub_group_size may differ between the runs)
     same_grouping = saved_shapes is None or [list(s) for s in saved_shapes] == [list(s) for s in live_shapes]
-    same_layout = stage_saved == live_stage and world_saved == live_world and same_grouping and not load_universal
+    same_layout = (stage_saved == live_stage and world_saved == live_world and same_grouping
+                   and not engine._config.checkpoint.load_universal)
     # each rank's own file holds the state of the features' own files (experts) only if it sits where it did
     same_layout = same_layout and engine.features.checkpoint_layout_matches(model_states)
     if not (same_layout and load_optimizer_states) and not (masters_from_module and not load_optimizer_states):
@@ -554,9 +554,9 @@ def load_checkpoint(engine: CheckpointEngine, load_dir: str, tag: Tag = None, lo
     if _layout(engine).module_holds_placeholders and saved_world(model_states) == engine.dp_world_size:
         engine.restore_frozen_shards(model_states)  # frozen shards: not in the masters, restored from this file
     if engine.strategy is not None:
-        load_universal = bool(engine._config.checkpoint.load_universal)
-        _restore_strategy(engine, tag_dir, model_states, load_optimizer_states and not load_module_only,
-                          load_universal, custom_load_fn is not None or other_degree, model_path)
+        with one_local_rank_at_a_time(bool(engine._config.zero_optimization.pipeline_loading_checkpoint)):
+            _restore_strategy(engine, tag_dir, model_states, load_optimizer_states and not load_module_only,
+                              custom_load_fn is not None or other_degree, model_path)
         if (other_degree or not engine._config.zero_optimization.load_from_fp32_weights) \
                 and engine.zero_optimization_stage() > 0:
             engine.restore_masters_from_model()  # the masters from the 16-bit weights just loaded, as DeepSpeed

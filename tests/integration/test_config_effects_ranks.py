@@ -20,7 +20,66 @@ VOCAB, WIDTH = 64, 8
 def train_both_ways(rank: int, world: int, root: str) -> dict[str, Any]:
     return {"sparse": sparse_both_ways(rank), "round_robin": zero_keys_both_ways(rank, "round_robin_gradients"),
             "single_rank": zero_keys_both_ways(rank, "use_multi_rank_bucket_allreduce"),
+            "serial_load": serial_load(rank, root),  # before node_local, which makes each rank a node of its own
             "node_local": node_local_checkpoints(rank, root)}
+
+
+def serial_load(rank: int, root: str) -> dict[str, Any]:
+    """ZeRO-3 saved on 2 ranks of one node, loaded with and without ``pipeline_loading_checkpoint``: when each
+    rank's optimizer-state restore ran (wall clock, same host), the hand-over messages, the resumed weights."""
+    import time
+
+    import torch
+    import torch.nn.functional as F
+
+    import dsrun
+    from dsrun import comm
+    from dsrun.checkpoint import engine_io
+
+    def build(serial: bool) -> Any:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+        return dsrun.initialize(model=model, config={
+            "train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
+            "zero_optimization": {"stage": 3, "pipeline_loading_checkpoint": serial},
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_allow_untested_optimizer": True})[0]
+
+    def train(engine: Any, start: int) -> list[float]:
+        losses = []
+        for step in range(start, start + 2):
+            gen = torch.Generator().manual_seed(10 * step + rank)
+            loss = F.mse_loss(engine(torch.randn(2, 4, generator=gen)), torch.randn(2, 4, generator=gen))
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss))
+        return losses
+
+    engine = build(False)
+    train(engine, 0)
+    engine.save_checkpoint(f"{root}/serial")
+    expected = train(engine, 2)
+    restore, windows = engine_io._restore_strategy, []
+
+    def timed(*args: Any, **kwargs: Any) -> None:
+        start = time.time()
+        time.sleep(0.2)  # a restore long enough that two running at once would overlap
+        restore(*args, **kwargs)
+        windows.append((start, time.time()))
+
+    engine_io._restore_strategy = timed
+    out: dict[str, Any] = {}
+    try:
+        for serial in (False, True):
+            fresh = build(serial)
+            comm.barrier()
+            comm.reset_comms_stats()
+            fresh.load_checkpoint(f"{root}/serial")
+            stats = comm.get_comms_stats()
+            out[serial] = {"window": windows[-1], "send": stats.get("send", {}).get("count", 0),
+                           "recv": stats.get("recv", {}).get("count", 0), "resumed": train(fresh, 2) == expected}
+    finally:
+        engine_io._restore_strategy = restore
+    return out
 
 
 def node_local_checkpoints(rank: int, root: str) -> dict[str, Any]:
@@ -193,3 +252,14 @@ def test_use_node_local_storage_gives_every_node_a_whole_checkpoint() -> None:
         assert result["files"] == ["mp_rank_00_model_states.pt", f"rng_states_rank_{rank}.pt",
                                    f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt", "global_step2"]
         assert result["resumed"]  # each node resumes from its own storage, bit for bit
+
+
+def test_pipeline_loading_checkpoint_restores_one_local_rank_at_a_time() -> None:
+    """zero_optimization.pipeline_loading_checkpoint: local rank 1 starts restoring its ZeRO-3 optimizer state
+    only once rank 0 has finished (a one-element hand-over); without it the two restores run at once."""
+    first, second = (r["serial_load"] for r in results())
+    assert first[True]["window"][1] <= second[True]["window"][0]
+    assert (first[True]["send"], first[True]["recv"], second[True]["send"], second[True]["recv"]) == (1, 0, 0, 1)
+    assert max(first[False]["window"][0], second[False]["window"][0]) < min(first[False]["window"][1],
+                                                                             second[False]["window"][1])
+    assert all(r[k]["resumed"] for r in (first, second) for k in (False, True))

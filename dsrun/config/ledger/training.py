@@ -26,7 +26,6 @@ BF16_MASTER = (BF16_MASTER_TESTS + "test_bf16_master_state_holds_bf16_masters_gr
 MICS_PARITY = "tests/integration/test_mics_hpz.py::test_mics_partitions_over_shard_groups_and_matches_zero3"
 MICS_HPZ = "tests/integration/test_mics_hpz.py::test_hpz_backward_gathers_stay_in_the_secondary_group"
 MICS_HPZ_RESUME = "tests/integration/test_mics_hpz.py::test_mics_and_hpz_checkpoints_resume"
-PIPELINE = Feature("pipeline parallelism", "train without the pipeline keys")
 APEX = Feature("it needs NVIDIA Apex on CUDA",
                "use \"bf16\": {\"enabled\": true} or \"fp16\": {\"enabled\": true} instead")
 FUSED = Feature("a DeepSpeed CUDA kernel path", "leave the key at its default")
@@ -213,8 +212,10 @@ ENTRIES: list[Entry] = [
          MICS_PARITY),
     done("zero_optimization.memory_efficient_linear", "stage-3 linear layers do not keep the gathered weight "
          "for backward", UNIT),
-    todo("zero_optimization.pipeline_loading_checkpoint", "load checkpoints into a pipeline-parallel ZeRO-3 "
-         "model", PIPELINE, applies=_stage(3)),
+    done("zero_optimization.pipeline_loading_checkpoint", "ZeRO-3: a node's ranks restore their optimizer state "
+         "one after another (DeepSpeed's serial load; not pipeline parallelism)",
+         "tests/integration/test_config_effects_ranks.py::"
+         "test_pipeline_loading_checkpoint_restores_one_local_rank_at_a_time"),
     todo("zero_optimization.override_module_apply", "zero.Init gathers parameters inside module.apply "
          "(DeepSpeed's default; dsrun's zero.Init does not, which is what false asks for)",
          Feature("gathering ZeRO-3 parameters inside module.apply", "nothing to do: never refused"),

@@ -148,7 +148,8 @@ def keys_read(world_of_one, tmp_path_factory) -> frozenset[str]:
                                    "zenflow": {"select_strategy": "epoch", "select_interval": 1, "steps_per_epoch": 2,
                                                "update_interval": 2, "overlap_step": True}}}, seen, tmp)
         # MiCS's keys are the ZeRO++ feature's, read only when one of them is on (a world of one: shard groups of 1)
-        run({"zero_optimization": {"stage": 3, "mics_shard_size": 1, "mics_hierarchical_params_gather": True}},
+        run({"zero_optimization": {"stage": 3, "mics_shard_size": 1, "mics_hierarchical_params_gather": True,
+                                   "zero_quantized_gradients": True, "zeropp_loco_param": {"err_beta": 0.5}}},
             seen, tmp)
         tune(seen, tmp)
     finally:
