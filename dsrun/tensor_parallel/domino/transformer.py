@@ -123,16 +123,16 @@ class CoreAttention(DominoModule):
         self.attn_mask_type = attn_mask_type
         self.hidden_size_per_partition = projection // tp_world_size
         self.attention_dropout_rate = config.attention_dropout
-        self._checked_masks: set = set()
 
-    def _check_mask(self, mask: torch.Tensor | None, seq: int) -> None:
-        if mask is None or (id(mask), seq) in self._checked_masks:
+    @staticmethod
+    def _check_mask(mask: torch.Tensor | None, seq: int) -> None:
+        """Every call (a mask may change from batch to batch): the attention is causal, so a mask must be."""
+        if mask is None:
             return
         causal = torch.ones(seq, seq, dtype=torch.bool, device=mask.device).triu(1)  # True: masked (Megatron)
         ok = mask.dtype == torch.bool and mask.shape[-2:] == (seq, seq) and bool((mask == causal).all())
         _require(ok, "attention_mask is not the causal mask",
                  "None or Megatron's causal mask (True above the diagonal): Domino's attention is causal only")
-        self._checked_masks.add((id(mask), seq))
 
     def forward(self, query_layer, key_layer, value_layer, attention_mask):
         self._check_mask(attention_mask, query_layer.shape[2])
