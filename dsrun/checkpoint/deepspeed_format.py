@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from dsrun.utils.zero_to_fp32 import PickledObject
+from dsrun.utils.zero_to_fp32 import PickledObject, alignment_paddings
 
 from .safe_load import load_file
 
@@ -213,9 +213,11 @@ def to_dsrun(sd: dict[str, Any]) -> dict[str, Any]:
         out["partition_count"] = max(int(c) for c in count)
     if isinstance(out.get("loss_scaler"), PickledObject):
         out["loss_scaler"] = _scaler_state(out["loss_scaler"])
-    if any(any(pads) for pads in out.pop("param_alignment_paddings", None) or []):
-        raise RuntimeError("this DeepSpeed checkpoint pads parameters to zero_optimization.parameter_alignment, "
-                           "which dsrun does not implement; save it without parameter_alignment")
+    # zero_optimization.parameter_alignment's gaps between parameters; DeepSpeed writes the key (all zeros) even
+    # without it, dsrun only with it: a layout without gaps is the packed one either way
+    paddings = alignment_paddings(out.pop("param_alignment_paddings", None))
+    if paddings is not None:
+        out["param_alignment_paddings"] = paddings
     return out
 
 

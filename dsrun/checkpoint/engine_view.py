@@ -26,6 +26,7 @@ class CheckpointStrategy(Protocol):
     stage: int
     masters: list[torch.Tensor]
     deepspeed_wrapper: str | None
+    param_alignment_paddings: list[list[int]] | None  # zero_optimization.parameter_alignment's gaps, per master
 
     @property
     def optimizer(self) -> torch.optim.Optimizer: ...

@@ -70,7 +70,8 @@ def whole_master_state(engine: CheckpointEngine, mi: int) -> tuple[dict[str, tor
             pieces[key] = out
     values: dict[Any, dict[str, torch.Tensor]] = {key: {} for key in pieces}
     for r in range(world):
-        slots, _ = master_slots(strategy.stage, world, r, [shapes])
+        gaps = strategy.param_alignment_paddings  # zero_optimization.parameter_alignment's, per master
+        slots, _ = master_slots(strategy.stage, world, r, [shapes], None if gaps is None else [gaps[mi]])
         for key, t in pieces.items():
             own = t[r * master.numel():(r + 1) * master.numel()].cpu()
             for slot in slots[0]:
@@ -217,10 +218,12 @@ def _cut_masters(engine: CheckpointEngine, full: StateSource, load_optimizer_sta
     base = template[base_key]
     owner = reshard._master_to_group(base)  # master tensor -> its param group (stage 3: several per group)
     masters, states = [], {}
+    gaps = template.get("param_alignment_paddings")  # zero_optimization.parameter_alignment's, per master
     for mi, (world, rank, _) in enumerate(strategy.master_partitions()):
         sub = {**template, master_key: [template[master_key][mi]],
                base_key: {"state": {0: base["state"][mi]} if mi in base["state"] else {},
-                          "param_groups": [{**base["param_groups"][owner[mi]], "params": [0]}]}}
+                          "param_groups": [{**base["param_groups"][owner[mi]], "params": [0]}]},
+               **({"param_alignment_paddings": [gaps[mi]]} if gaps else {})}
         cut = reshard.state_for_rank(sub, full, strategy.stage, world, rank, [live_shapes[mi]],
                                      load_optimizer_states=load_optimizer_states)
         masters.append(cut[master_key][0])

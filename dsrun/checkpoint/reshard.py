@@ -20,7 +20,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from dsrun.utils.zero_to_fp32 import BASE_OPTIMIZER_KEYS, master_slots, optimizer_master_tensors
+from dsrun.utils.zero_to_fp32 import BASE_OPTIMIZER_KEYS, alignment_paddings, master_slots, optimizer_master_tensors
 
 log = logging.getLogger("dsrun.checkpoint")
 
@@ -124,7 +124,7 @@ class SavedMaster:
 def saved_masters(osd: dict[str, Any], stage: int, world: int, rank: int,
                   group_shapes: list[dict[str, Any]]) -> list[SavedMaster]:
     """Rank ``rank``'s master tensors in its optimizer state dict ``osd`` (saved by ``world`` ranks at ``stage``)."""
-    slots, lengths = master_slots(stage, world, rank, group_shapes)
+    slots, lengths = master_slots(stage, world, rank, group_shapes, _paddings(osd))
     base = _base_state(osd)
     owner = _master_to_group(base)
     out = []
@@ -137,6 +137,18 @@ def saved_masters(osd: dict[str, Any], stage: int, world: int, rank: int,
     return out
 
 
+def _paddings(osd: dict[str, Any]) -> list[list[int]] | None:
+    """The gaps ``zero_optimization.parameter_alignment`` left between the parameters of ``osd``'s masters."""
+    return alignment_paddings(osd.get("param_alignment_paddings"))
+
+
+def same_gaps(osd: dict[str, Any], strategy: Any) -> bool:
+    """Whether ``osd`` (a saved rank's ZeRO state) has the live ``strategy``'s ``parameter_alignment`` gaps (then
+    its partitions are the live ones); saved with others, a load re-cuts it (:func:`state_for_rank`), and the
+    strategy's ``load_state_dict`` refuses it."""
+    return _paddings(osd) == alignment_paddings(strategy.param_alignment_paddings)
+
+
 def _per_element(state: dict[str, Any], length: int) -> dict[str, torch.Tensor]:
     """The optimizer states that hold one value per master element (Adam's moments), as saved."""
     return {k: v for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0 and v.numel() == length}
@@ -146,7 +158,7 @@ def bulk_tensors(osd: dict[str, Any], stage: int, world: int, rank: int,
                  group_shapes: list[dict[str, Any]]) -> list[torch.Tensor]:
     """The tensors of saved rank ``rank``'s ``osd`` that grow with the model: its masters and per-element
     optimizer states (the objects in ``osd``; a partial read reads only ranges of them)."""
-    _, lengths = master_slots(stage, world, rank, group_shapes)
+    _, lengths = master_slots(stage, world, rank, group_shapes, _paddings(osd))
     base = _base_state(osd)
     masters = list(optimizer_master_tensors(osd))
     out = list(masters)
@@ -210,7 +222,7 @@ def state_for_rank(template: dict[str, Any], full: StateSource, stage: int, worl
     ``full`` cut to rank ``rank`` of ``world_size`` at ``stage``. With ``load_optimizer_states=False`` only
     the master weights are replaced; the optimizer keeps its current state. Only the rank's own elements are
     read from ``full`` (a :class:`StateSource`)."""
-    slots, lengths = master_slots(stage, world_size, rank, group_shapes)
+    slots, lengths = master_slots(stage, world_size, rank, group_shapes, _paddings(template))
     master_key = "fp32_flat_groups" if "fp32_flat_groups" in template else "single_partition_of_fp32_groups"
     current = optimizer_master_tensors(template)
     missing = [name for shapes in group_shapes for name in shapes if not full.has_master(name)]

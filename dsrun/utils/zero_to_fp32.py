@@ -59,23 +59,26 @@ class Slot:
     length: int
 
 
-def _aligned(numel: int, alignment: int) -> int:
-    return -(-numel // alignment) * alignment
+def alignment_paddings(paddings: Any) -> list[list[int]] | None:
+    """DeepSpeed's ``param_alignment_paddings`` (per master, the zeros after each parameter) as int lists; None
+    where nothing is padded (saved without ``zero_optimization.parameter_alignment``): the packed layout."""
+    padded = bool(paddings) and any(int(p) for group in paddings for p in group)
+    return [[int(p) for p in group] for group in paddings] if padded else None
 
 
-def master_slots(stage: int, world_size: int, rank: int,
-                 group_shapes: list[dict[str, Any]]) -> tuple[list[list[Slot]], list[int]]:
+def master_slots(stage: int, world_size: int, rank: int, group_shapes: list[dict[str, Any]],
+                 paddings: list[list[int]] | None = None) -> tuple[list[list[Slot]], list[int]]:
     """Where each parameter's elements sit in rank ``rank``'s master tensors, one list per master tensor
     (a param group at stages 0-2, a sub-group at stage 3), and each master tensor's padded length.
 
     Stages 0-2 flatten a group end to end (stages 1-2 pad it to a multiple of ``2 * world_size`` and give
-    rank r the r-th equal slice); stage 3 splits every parameter on its own into ``ceil(numel / world)``
-    elements per rank and lays this rank's shards end to end.
-    """
+    rank r the r-th equal slice; ``paddings``, DeepSpeed's ``param_alignment_paddings``: the zeros after each
+    parameter); stage 3 splits every parameter into ``ceil(numel / world)`` per rank, this rank's end to end."""
     slots: list[list[Slot]] = []
     lengths: list[int] = []
-    for shapes in group_shapes:
+    for gi, shapes in enumerate(group_shapes):
         numels = [(name, math.prod(shape)) for name, shape in shapes.items()]
+        gaps = paddings[gi] if paddings is not None and gi < len(paddings) else [0] * len(numels)
         group_slots = []
         if stage == 3:
             offset = 0
@@ -87,19 +90,18 @@ def master_slots(stage: int, world_size: int, rank: int,
                 offset += part
             lengths.append(offset)
         else:
-            total = sum(n for _, n in numels)
+            total = sum(n for _, n in numels) + sum(gaps)
             if stage == 0:
-                padded, lo, hi = max(total, 1), 0, max(total, 1)
+                lo, hi = 0, max(total, 1)
             else:
-                padded = _aligned(max(total, 1), 2 * world_size)
-                part = padded // world_size
+                part = -(-max(total, 1) // (2 * world_size)) * 2  # padded to a multiple of 2 * world_size
                 lo, hi = rank * part, (rank + 1) * part
             offset = 0
-            for name, numel in numels:
+            for (name, numel), gap in zip(numels, gaps, strict=True):  # a mismatch: ValueError
                 start, end = max(offset, lo), min(offset + numel, hi)
                 if end > start:
                     group_slots.append(Slot(name, start - lo, start - offset, end - start))
-                offset += numel
+                offset += numel + gap
             lengths.append(hi - lo)
         slots.append(group_slots)
     return slots, lengths
@@ -346,7 +348,8 @@ def _fp32_state_dict(tag_dir: str, exclude_frozen_parameters: bool, verbose: boo
         # only this rank's master weights are read, not its Adam moments (the file's index, then their bytes)
         osd = stage0_optimizer if path is None else load_file(path, index_only=True)["optimizer_state_dict"]
         masters = [read_saved(path or model_files[0], m) for m in optimizer_master_tensors(osd)[:len(group_shapes)]]
-        slots, _ = master_slots(stage, world, rank, group_shapes)
+        paddings = alignment_paddings(osd.get("param_alignment_paddings"))  # DeepSpeed's parameter_alignment
+        slots, _ = master_slots(stage, world, rank, group_shapes, paddings)
         all_shapes = {k: v for g in group_shapes for k, v in g.items()}
         for master, group_slots in zip(masters, slots):
             total += _copy_slots(out, all_shapes, group_slots, master)
@@ -500,15 +503,11 @@ def _save_atomically(state_dict: dict[str, torch.Tensor], path: str, safe_serial
     if safe_serialization:
         from safetensors.torch import save_file
 
-        sources: dict[int, str] = {}
-        tensors: dict[str, torch.Tensor] = {}
-        aliases: dict[str, str] = {}
+        sources: dict[int, str] = {}  # each tensor's first name; a later one is an alias of it
         for name, tensor in state_dict.items():
-            if id(tensor) in sources:
-                aliases[name] = sources[id(tensor)]
-                continue
-            sources[id(tensor)] = name
-            tensors[name] = tensor.contiguous()
+            sources.setdefault(id(tensor), name)
+        aliases = {name: sources[id(t)] for name, t in state_dict.items() if sources[id(t)] != name}
+        tensors = {name: t.contiguous() for name, t in state_dict.items() if name not in aliases}
         save_file(tensors, tmp, metadata={**(metadata or {}), SHARED_PARAMS_METADATA: json.dumps(aliases)})
     else:
         torch.save(state_dict, tmp)

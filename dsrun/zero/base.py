@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,7 +30,9 @@ from dsrun.precision.strategy import PrecisionStrategy
 
 from dsrun.zero.averaging import gradient_averaging
 from dsrun.zero.buckets import Bucket, BucketQueue, plan_buckets
-from dsrun.zero.layout import FlatGroup, flatten_params
+from dsrun.zero.layout import FlatGroup, flatten_params, parameter_alignment
+from dsrun.zero.memory import MemoryBreakdown, tensor_bytes
+from dsrun.utils.zero_to_fp32 import alignment_paddings
 from dsrun.zero.step_hooks import AFTER_UPDATE, BEFORE_UPDATE, GradientReduction, StepHooks, StepState
 
 
@@ -145,39 +147,6 @@ class StepOutcome:
     grad_norm: float | None
 
 
-@dataclass
-class MemoryBreakdown:
-    """Bytes this rank holds for model state. ``padding`` counts the alignment padding inside the flat
-    buffers (parameters and, at stages 1-2, the partitions); it is included in the other numbers."""
-
-    parameters: int
-    gradients: int
-    master_weights: int
-    optimizer_states: int
-    padding: int
-    buffers: int = 0  # reusable communication staging buffers (bounded by the bucket sizes)
-
-    @property
-    def total(self) -> int:
-        return self.parameters + self.gradients + self.master_weights + self.optimizer_states + self.buffers
-
-    def as_dict(self) -> dict[str, int]:
-        return {**asdict(self), "total": self.total}
-
-
-def tensor_bytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
-
-
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    total = 0
-    for state in optimizer.state.values():
-        for value in state.values():
-            if torch.is_tensor(value) and value.dim() > 0:
-                total += tensor_bytes(value)
-    return total
-
-
 class ZeroStrategy(ABC):
     """What the engine needs from a ZeRO stage, and the one optimizer-step path every stage shares."""
 
@@ -188,6 +157,7 @@ class ZeroStrategy(ABC):
     supports_local_gradients = False
     deepspeed_wrapper: str | None = None  # DeepSpeed's optimizer wrapper here (dsrun.optim.optimizer_wrappers)
     scatters_gradients = False  # reduced by a reduce-scatter (else an all-reduce): the averaging rule differs
+    param_alignment_paddings: list[list[int]] | None = None  # DeepSpeed's, per master (parameter_alignment)
 
     def __init__(self, ctx: StrategyContext):
         self.ctx = ctx
@@ -402,6 +372,9 @@ class FlatStrategy(ZeroStrategy):
         self._optimizer = ctx.optimizer
         self.groups: list[FlatGroup] = []
         seen: set[int] = set()
+        # zero_optimization.parameter_alignment (stages 1-2): each parameter starts 16-byte aligned (layout.py)
+        aligned = self.partitioned and ctx.zero_config.parameter_alignment
+        starts = parameter_alignment(self.model_dtype) if aligned else 1
         for param_group in self._optimizer.param_groups:
             params = []
             for p in param_group["params"]:
@@ -411,7 +384,10 @@ class FlatStrategy(ZeroStrategy):
                 params.append(p)
             group, size, rank = ctx.process_group_of(params)
             alignment = self.alignment_per_rank * size if self.alignment_per_rank else 1
-            self.groups.append(flatten_params(params, self.model_dtype, ctx.device, alignment, size, group, rank))
+            self.groups.append(flatten_params(params, self.model_dtype, ctx.device, alignment, size, group, rank,
+                                              starts))
+        if starts > 1:
+            self.param_alignment_paddings = [list(g.paddings) for g in self.groups]
         self.store = self._make_store(ctx)  # where the masters, their gradients and states live
         # MoE experts are reduced over their own (smaller) groups: at stage 0 each rank then holds gradients the
         # others do not, so the squared norm is summed over the data group, each group's copies once (_local_sq_norm)
@@ -579,6 +555,8 @@ class FlatStrategy(ZeroStrategy):
             "group_paddings": [g.partition_padding(g.rank) if self.partitioned else g.padding for g in self.groups],
             "param_shapes": [g.param_shapes() for g in self.groups],
         }
+        if self.param_alignment_paddings is not None:
+            sd["param_alignment_paddings"] = self.param_alignment_paddings
         sd.update(self.precision.state_dict(), **extra)
         return sd
 
@@ -590,6 +568,9 @@ class FlatStrategy(ZeroStrategy):
         if sd.get("partition_count", 1) != (self.world_size if self.partitioned else 1):
             raise RuntimeError("ZeRO optimizer state was saved with a different data-parallel world size "
                                f"({sd.get('partition_count')}) than this run ({self.world_size})")
+        if alignment_paddings(sd.get("param_alignment_paddings")) != alignment_paddings(self.param_alignment_paddings):
+            raise RuntimeError("ZeRO optimizer state was saved with another zero_optimization.parameter_alignment "
+                               "layout than this run's; load it through load_checkpoint, which re-lays it out")
         with torch.no_grad():
             for gi, saved in enumerate(sd["single_partition_of_fp32_groups"]):
                 self.masters[gi].data[: saved.numel()].copy_(saved)

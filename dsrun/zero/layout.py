@@ -5,9 +5,17 @@ become views into the flat buffer, so writing the buffer (an all-gather, a maste
 model without a copy per tensor. For ZeRO stages 1-2 the buffer is padded to a multiple of
 ``2 * world_size`` (DeepSpeed's alignment rule) and split into ``world_size`` equal, contiguous partitions:
 rank r owns elements ``[r * P, (r + 1) * P)``; the padding sits at the end, in the last ranks' partitions.
+
+``zero_optimization.parameter_alignment`` (stages 1-2) also pads between parameters, as DeepSpeed does: each
+parameter but the last is followed by the zeros that bring the next one's start to a multiple of 16 bytes
+(:func:`parameter_alignment` elements of the model's dtype), recorded per parameter (``FlatGroup.paddings``,
+DeepSpeed's ``param_alignment_paddings``). The gaps hold zeros in the weights, gradients and optimizer state, so
+they never enter the update or the norm.
 """
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -20,9 +28,30 @@ def aligned(numel: int, alignment: int) -> int:
     return -(-numel // alignment) * alignment
 
 
+def parameter_alignment(dtype: torch.dtype) -> int:
+    """Elements of ``dtype`` in 16 bytes (DeepSpeed's ``16 // gcd(16, element_size)``): 4 for fp32, 8 for bf16."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return 16 // math.gcd(16, size)
+
+
+def aligned_offsets(numels: list[int], alignment: int) -> tuple[list[int], list[int], int]:
+    """Each parameter's start, the padding after it (none after the last) and the end of the last one, with
+    every start a multiple of ``alignment`` elements (1: packed end to end)."""
+    offsets, paddings, end = [], [], 0
+    for i, n in enumerate(numels):
+        offsets.append(end)
+        end += n
+        pad = 0 if i == len(numels) - 1 else -end % alignment
+        paddings.append(pad)
+        end += pad
+    return offsets, paddings, end
+
+
 @dataclass
 class FlatGroup:
-    """One param group flattened: ``params`` in order, their ``offsets`` and sizes, and the flat buffer."""
+    """One param group flattened: ``params`` in order, their ``offsets`` and sizes, and the flat buffer.
+    ``numel`` is where the last parameter ends (the gaps of ``paddings`` included), ``padded_numel`` the buffer's
+    length."""
 
     params: list[torch.nn.Parameter]
     offsets: list[int]
@@ -36,10 +65,17 @@ class FlatGroup:
     # it: the data-parallel group, or an expert-data-parallel group for MoE experts
     process_group: ProcessGroup = None
     rank: int = 0
+    paddings: list[int] = field(default_factory=list)  # zeros after each parameter (parameter_alignment)
+
+    @functools.cached_property
+    def gaps(self) -> list[tuple[int, int]]:
+        """The ranges of the zeros between parameters (none when packed)."""
+        return [(off + n, off + n + pad) for off, n, pad in zip(self.offsets, self.numels, self.paddings) if pad]
 
     @property
     def padding(self) -> int:
-        return self.padded_numel - self.numel
+        """Every element that is no parameter's: the end's and the gaps between parameters."""
+        return self.padded_numel - sum(self.numels)
 
     @property
     def partition_numel(self) -> int:
@@ -59,13 +95,12 @@ class FlatGroup:
 
 
 def flatten_params(params: list[torch.nn.Parameter], dtype: torch.dtype, device: torch.device,
-                   alignment: int, world_size: int, process_group: ProcessGroup = None, rank: int = 0) -> FlatGroup:
-    """Copy ``params`` into a new flat buffer (padded to ``alignment``) and re-point each at its slice."""
+                   alignment: int, world_size: int, process_group: ProcessGroup = None, rank: int = 0,
+                   param_alignment: int = 1) -> FlatGroup:
+    """Copy ``params`` into a new flat buffer (padded to ``alignment``) and re-point each at its slice, each
+    starting at a multiple of ``param_alignment`` elements."""
     numels = [p.numel() for p in params]
-    offsets, total = [], 0
-    for n in numels:
-        offsets.append(total)
-        total += n
+    offsets, paddings, total = aligned_offsets(numels, param_alignment)
     padded = aligned(max(total, 1), alignment)
     flat = torch.zeros(padded, dtype=dtype, device=device)
     with torch.no_grad():
@@ -74,7 +109,8 @@ def flatten_params(params: list[torch.nn.Parameter], dtype: torch.dtype, device:
             view.copy_(p.data)
             p.data = view
     return FlatGroup(params=params, offsets=offsets, numels=numels, numel=total, padded_numel=padded,
-                     world_size=world_size, flat_param=flat, process_group=process_group, rank=rank)
+                     world_size=world_size, flat_param=flat, process_group=process_group, rank=rank,
+                     paddings=paddings)
 
 
 class FlatGradients:

@@ -36,7 +36,8 @@ from dsrun import comm
 from dsrun.offload.flat_store import DeviceFlatStore, flat_store
 from dsrun.offload.state_moves import OffloadStateTypeEnum, StateTensor
 
-from dsrun.zero.base import FlatStrategy, MemoryBreakdown, optimizer_state_bytes, tensor_bytes
+from dsrun.zero.base import FlatStrategy
+from dsrun.zero.memory import MemoryBreakdown, optimizer_state_bytes, tensor_bytes
 from dsrun.zero.buckets import Bucket
 from dsrun.zero.grad_accum import SeparateAccumulator
 from dsrun.zero.layout import FlatGradients, FlatGroup
@@ -351,6 +352,10 @@ class Stage2Strategy(PartitionedStrategy):
             group = self.groups[bucket.group_index]
             if bucket.end > group.numel:  # the alignment padding at the end of the group
                 bucket.staging[max(0, group.numel - bucket.start):].zero_()
+            for lo, hi in group.gaps:  # parameter_alignment's zeros between parameters
+                lo, hi = max(lo, bucket.start), min(hi, bucket.end)
+                if hi > lo:
+                    bucket.staging[lo - bucket.start:hi - bucket.start].zero_()
         return bucket.staging
 
     def before_backward(self, boundary: bool) -> None:

@@ -20,7 +20,8 @@ import torch
 
 from dsrun import comm
 
-from dsrun.zero.base import FlatStrategy, MemoryBreakdown, optimizer_state_bytes, tensor_bytes
+from dsrun.zero.base import FlatStrategy
+from dsrun.zero.memory import MemoryBreakdown, optimizer_state_bytes, tensor_bytes
 from dsrun.zero.buckets import Bucket
 from dsrun.zero.layout import FlatGradients
 

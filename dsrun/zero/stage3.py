@@ -33,9 +33,9 @@ from typing import Any
 import torch
 
 from dsrun import comm
-
 from dsrun.checkpoint.layout import CheckpointLayout, layout_for_stage
-from dsrun.zero.base import MemoryBreakdown, StrategyContext, ZeroStrategy, optimizer_state_bytes
+from dsrun.zero.base import StrategyContext, ZeroStrategy
+from dsrun.zero.memory import MemoryBreakdown, optimizer_state_bytes
 from dsrun.zero import coalesced_gather, host_memory, quantized_shards
 from dsrun.zero.buckets import FlatBufferPool
 from dsrun.zero.partitioner_internals import enable_memory_efficient_linear

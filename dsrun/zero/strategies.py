@@ -11,7 +11,8 @@ import torch
 from dsrun.optim import optimizer_wrappers
 from dsrun.utils.errors import ConfigError, Problem
 
-from dsrun.zero.base import MemoryBreakdown, StepOutcome, StrategyContext, ZeroStrategy
+from dsrun.zero.base import StepOutcome, StrategyContext, ZeroStrategy
+from dsrun.zero.memory import MemoryBreakdown
 from dsrun.zero.fragments import attach_fragments
 
 # stage -> "module:class", imported on first use so a stage's module is only loaded when it is chosen

@@ -136,14 +136,14 @@ ENTRIES: list[Entry] = [
          "all-gather per fetch (a module's, a prefetch bucket's) over the concatenated shards (qwZ, MiCS "
          "hierarchical and offloaded shards gather one by one)",
          "tests/integration/test_config_effects.py::test_key_changes_behaviour[{key}]"),
-    # DeepSpeed 0.19.8 (stage_1_and_2.py): zero padding between the parameters of each ZeRO-1/2 flat buffer so
-    # each starts 16-byte aligned, recorded as param_alignment_paddings in the optimizer state (zero_to_fp32 and
-    # its loader honour them). dsrun's flat layout, checkpoints, resharding and zero_to_fp32 pack end to end
-    todo("zero_optimization.parameter_alignment", "stages 1-2: pad the flat buffer between parameters so each "
-         "starts at a 16-byte-aligned address", Feature("16-byte-aligned parameter starts in the ZeRO-1/2 flat "
-                                                        "buffers (dsrun packs them end to end)",
-                                                        "leave the key at its default"),
-         applies=lambda cfg: cfg.zero_optimization.stage in (1, 2)),  # DeepSpeed reads it there only
+    # DeepSpeed 0.19.8 (stage_1_and_2.py) reads it at stages 1-2 only, as dsrun does (dsrun/zero/layout.py)
+    done("zero_optimization.parameter_alignment", "stages 1-2: zeros between the parameters of each flat buffer so "
+         "each starts 16-byte aligned, counted into the partitions and saved as param_alignment_paddings as "
+         "DeepSpeed does (resharding, zero_to_fp32 and DeepSpeed's files follow them); the same training",
+         "tests/integration/test_config_effects_ranks.py::test_parameter_alignment_aligns_each_parameter_and_"
+         "trains_bitwise_the_same",
+         "tests/integration/test_config_effects_ranks.py::test_parameter_alignment_checkpoint_resumes_and_"
+         "reshards_to_one_rank"),
     done("zero_optimization.enable_sanity_checks", "stage 3: an in-place change inside "
          "GatheredParameters(modifier_rank=None), which the ranks would not share, raises (DeepSpeed's check)",
          "tests/unit/zero3/test_api.py::test_enable_sanity_checks_refuses_a_change_gathered_parameters_would_lose"),

@@ -74,6 +74,7 @@ class BoundStrategy(Protocol):
     hooks: _StepHooks
     supports_local_gradients: bool
     enable_backward_allreduce: bool
+    param_alignment_paddings: list[list[int]] | None
 
     @property
     def optimizer(self) -> torch.optim.Optimizer: ...
@@ -166,6 +167,9 @@ class OneBitOptimizer(torch.optim.Optimizer):
                                       f"optimizer offload (got stage {strategy.stage}"
                                       f"{', offloaded' if strategy.stage in self.supported_stages else ''})",
                                       f"set zero_optimization.stage to {stages}; docs/onebit.md says why"))
+        if strategy.param_alignment_paddings is not None:  # its compressed buffers lay the parameters end to end
+            raise ConfigError(Problem("zero_optimization.parameter_alignment", f"{name} lays the parameters end to "
+                                      "end; the key leaves gaps between them", "leave parameter_alignment false"))
         self.strategy = strategy
         world, rank = strategy.world_size, strategy.rank
         shapes = strategy.checkpoint_param_shapes()
