@@ -18,7 +18,12 @@ DeepSpeed is not a dependency of dsrun: install it in a side environment (see ``
 pass its interpreter::
 
     DSRUN_DEEPSPEED_PYTHON=/path/dsvenv/bin/python python benchmarks/cross_checkpoint.py \
-        [--stages 0 1 2 3] [--precisions fp32 bf16] [--worlds 1 2] [--steps 4] [--more 4]
+        [--stages 0 1 2 3] [--precisions fp32 bf16] [--worlds 1 2] [--steps 4] [--more 4] [--parameter-alignment]
+
+``--parameter-alignment`` sets ``zero_optimization.parameter_alignment`` in both frameworks (stages 1-2: the flat
+buffers' gaps between parameters, saved as ``param_alignment_paddings``) and trains a GPT of odd sizes (width 30,
+vocabulary 125), whose parameters are not all multiples of 16 bytes, so there are gaps; the table's last column is
+the number of gap elements each framework laid out (the same in both: DeepSpeed's rule).
 """
 from __future__ import annotations
 
@@ -37,13 +42,21 @@ DS_PYTHON_ENV = "DSRUN_DEEPSPEED_PYTHON"
 from engine_step import build_gpt  # noqa: E402  (benchmarks/ is the script's folder; stdlib-only import)
 
 MODEL = {"vocab": 128, "seq": 16, "width": 32, "layers": 2, "heads": 2}
+ODD_MODEL = {"vocab": 125, "seq": 15, "width": 30, "layers": 2, "heads": 2}  # --parameter-alignment: gaps
 
 
-def ds_config(stage: int, bf16: bool) -> dict:
+def _gaps(engine) -> int:
+    """Elements of the gaps parameter_alignment left between the parameters of the engine's flat groups."""
+    paddings = (getattr(engine.optimizer, "round_robin_bit16_padding", None)  # DeepSpeed's ZeRO-1/2 optimizer
+                or getattr(getattr(engine, "strategy", None), "param_alignment_paddings", None) or [])  # dsrun's
+    return sum(sum(group) for group in paddings)
+
+
+def ds_config(stage: int, bf16: bool, aligned: bool = False) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
            "gradient_clipping": 1.0,
            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}},
-           "zero_optimization": {"stage": stage}}
+           "zero_optimization": {"stage": stage, **({"parameter_alignment": True} if aligned else {})}}
     if bf16:
         cfg["bf16"] = {"enabled": True}
     return cfg
@@ -73,13 +86,14 @@ def rank_main(rank: int, world: int, port: int, job: dict) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     other = "deepspeed" if framework == "dsrun" else "dsrun"
     results = {}
+    shape = ODD_MODEL if job.get("aligned") else MODEL
     for stage, bf16 in job["configs"]:
         name = _name(stage, bf16)
         try:
             torch.manual_seed(0)
-            model = build_gpt(**MODEL)
+            model = build_gpt(**shape)
             engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                              config=ds_config(stage, bf16))
+                                              config=ds_config(stage, bf16, job.get("aligned", False)))
             first = 0
             if job["mode"] == "load":
                 path, _ = engine.load_checkpoint(os.path.join(job["dir"], f"{other}_{name}"))
@@ -91,7 +105,7 @@ def rank_main(rank: int, world: int, port: int, job: dict) -> None:
                 if job["mode"] == "save" and step == job["steps"]:
                     engine.save_checkpoint(os.path.join(job["dir"], f"{framework}_{name}"))
                 gen = torch.Generator().manual_seed(1000 * step + rank)
-                tokens = torch.randint(0, MODEL["vocab"], (2, MODEL["seq"]), generator=gen)
+                tokens = torch.randint(0, shape["vocab"], (2, shape["seq"]), generator=gen)
                 loss = engine(tokens)
                 engine.backward(loss)
                 engine.step()
@@ -99,6 +113,7 @@ def rank_main(rank: int, world: int, port: int, job: dict) -> None:
                 dist.all_reduce(value)
                 losses.append(float(value) / world)
             results[name] = losses
+            results[f"{name}/gaps"] = _gaps(engine)
             del engine, model
         except Exception as exc:  # reported in the table; the next config still runs
             results[name] = f"{type(exc).__name__}: {exc}"[-1500:]
@@ -129,11 +144,12 @@ def run_phase(python: str, world: int, job: dict, timeout: float) -> dict:
     return json.loads(Path(job["out"]).read_text())
 
 
-def cross(pythons: dict, configs: list, world: int, steps: int, more: int, timeout: float) -> list[dict]:
+def cross(pythons: dict, configs: list, world: int, steps: int, more: int, timeout: float,
+          aligned: bool = False) -> list[dict]:
     """Both frameworks train every config and save mid-way (their uninterrupted runs), then each loads the
     other's checkpoints and trains on."""
     with tempfile.TemporaryDirectory() as tmp:
-        common = {"configs": configs, "dir": tmp, "steps": steps, "more": more}
+        common = {"configs": configs, "dir": tmp, "steps": steps, "more": more, "aligned": aligned}
         full, crossed = {}, {}
         for mode, store in (("save", full), ("load", crossed)):
             for fw in ("dsrun", "deepspeed"):
@@ -152,6 +168,7 @@ def cross(pythons: dict, configs: list, world: int, steps: int, more: int, timeo
                     row[f"{src}->{dst} vs {ref}"] = after if isinstance(after, str) else reference
                 else:
                     row[f"{src}->{dst} vs {ref}"] = max(abs(a - b) for a, b in zip(after, reference[steps:]))
+        row["gaps"] = {fw: full[fw].get(f"{name}/gaps") for fw in full}
         row["full"] = full
         rows.append(row)
     return rows
@@ -170,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4, help="steps before the save")
     parser.add_argument("--more", type=int, default=4, help="steps after the load")
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--parameter-alignment", action="store_true", help="zero_optimization.parameter_alignment")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     ds_python = args.deepspeed_python or os.environ.get(DS_PYTHON_ENV)
@@ -186,11 +204,11 @@ def main(argv: list[str] | None = None) -> int:
         return f"{value:>{width}.2e}" if isinstance(value, float) else f"{'FAILED':>{width}}"
 
     for world in args.worlds:
-        for row in cross(pythons, configs, world, args.steps, args.more, args.timeout):
+        for row in cross(pythons, configs, world, args.steps, args.more, args.timeout, args.parameter_alignment):
             table.append(row)
             print(f"{world:>5} {row['stage']:>5} {row['precision']:>5}  {cell(row['dsrun->deepspeed vs dsrun'], 18)} "
                   f"{cell(row['dsrun->deepspeed vs deepspeed'], 9)}  {cell(row['deepspeed->dsrun vs deepspeed'], 15)} "
-                  f"{cell(row['deepspeed->dsrun vs dsrun'], 9)}", flush=True)
+                  f"{cell(row['deepspeed->dsrun vs dsrun'], 9)}  gaps {row['gaps']}", flush=True)
             for key, value in row.items():
                 if isinstance(value, str) and key not in ("precision",):
                     print(f"      {key}: {value[-600:]}", flush=True)

@@ -345,6 +345,9 @@ class ConfigView:
     def zero_round_robin_gradients(self) -> bool:
         return bool(self._zc().round_robin_gradients)
 
+    def zero_parameter_alignment(self) -> bool:
+        return bool(self._zc().parameter_alignment)
+
     def zero_hpz_partition_size(self) -> int:
         return int(self._zc().zero_hpz_partition_size)
 

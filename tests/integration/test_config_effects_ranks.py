@@ -5,7 +5,10 @@ here, is reduced as DeepSpeed's sparse all-reduce: only the rows the ranks' toke
 ``round_robin_gradients`` (stages 1-2 lay the flat groups out round-robin over the ranks) and
 ``use_multi_rank_bucket_allreduce: false`` (stages 1-2 reduce each rank's piece to it alone). And
 ``checkpoint.use_node_local_storage`` (two nodes of one rank each, each with its own folder: each node's storage
-gets a whole checkpoint and resumes from it). SGD throughout: the CPU Adam op would cost seconds per rank to load."""
+gets a whole checkpoint and resumes from it). ``zero_optimization.parameter_alignment`` (stages 1-2: gaps between
+the parameters of the flat buffers) trains bit for bit as without it, and its checkpoint resumes, loads into the
+packed layout at the same world size and, in the test process, at one rank. SGD throughout: the CPU Adam op would
+cost seconds per rank to load."""
 from __future__ import annotations
 
 import functools
@@ -21,7 +24,81 @@ def train_both_ways(rank: int, world: int, root: str) -> dict[str, Any]:
     return {"sparse": sparse_both_ways(rank), "round_robin": zero_keys_both_ways(rank, "round_robin_gradients"),
             "single_rank": zero_keys_both_ways(rank, "use_multi_rank_bucket_allreduce"),
             "serial_load": serial_load(rank, root),  # before node_local, which makes each rank a node of its own
-            "node_local": node_local_checkpoints(rank, root)}
+            "alignment": alignment_both_ways(rank, root), "node_local": node_local_checkpoints(rank, root)}
+
+
+def aligned_engine(stage: int, aligned: bool) -> Any:
+    """Parameters of 15, 3, 21, 7, 14 and 2 elements (none a multiple of 4 but the last's gap), SGD with momentum
+    and weight decay (per-element state), clipping (the norm), two micro-steps and 20-element buckets that cross
+    the gaps and the partition boundary."""
+    import torch
+
+    import dsrun
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Tanh(), torch.nn.Linear(3, 7), torch.nn.Linear(7, 2))
+    return dsrun.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000, "gradient_accumulation_steps": 2,
+        "gradient_clipping": 0.05, "zero_allow_untested_optimizer": True,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": stage, "parameter_alignment": aligned, "reduce_bucket_size": 20}})[0]
+
+
+def aligned_steps(engine: Any, rank: int, first: int, steps: int, step: bool = True) -> list[float]:
+    import torch
+    import torch.nn.functional as F
+
+    losses, last = [], 2 * (first + steps) - 1
+    for micro in range(2 * first, last + 1):
+        gen = torch.Generator().manual_seed(100 * micro + rank)
+        loss = F.mse_loss(engine(torch.randn(2, 5, generator=gen)), torch.randn(2, 2, generator=gen))
+        engine.backward(loss)
+        if step or micro < last:  # step=False: the last (boundary) backward's gradients stay unapplied
+            engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def alignment_both_ways(rank: int, root: str) -> dict[str, Any]:
+    """Per stage: the packed and the aligned run's losses and weights, the aligned layout (offsets, addresses,
+    the gaps' values in the masters, the momentum and the step's gradients); then a checkpoint of the aligned run
+    after 2 steps, resumed aligned and loaded packed, each trained 2 more steps."""
+    import torch
+
+    out: dict[str, Any] = {}
+    for stage in (1, 2):
+        runs = {}
+        for aligned in (False, True):
+            engine = aligned_engine(stage, aligned)
+            runs[aligned] = {"losses": aligned_steps(engine, rank, 0, 4),
+                             "weights": [p.detach().clone() for p in engine.module.parameters()]}
+        group, strategy = engine.strategy.groups[0], engine.strategy
+        aligned_steps(engine, rank, 4, 1, step=False)  # a boundary's backward: the step's gradients, unapplied
+        lo, hi = group.partition_range(group.rank)
+        own = [(max(a, lo) - lo, min(b, hi) - lo) for a, b in group.gaps if min(b, hi) > max(a, lo)]
+        momentum = strategy.optimizer.state[strategy.masters[0]]["momentum_buffer"]
+        runs["layout"] = {"offsets": group.offsets, "paddings": group.paddings, "numel": group.numel,
+                          "padded_numel": group.padded_numel, "flat_ptr": group.flat_param.data_ptr(),
+                          "ptrs": [p.data_ptr() for p in group.params], "element_size": group.flat_param.element_size(),
+                          "own_gaps": own, "saved": strategy.state_dict()["param_alignment_paddings"],
+                          "gap_values": [float(t[a:b].abs().sum()) for t in (strategy.masters[0], momentum,
+                                                                             strategy._master_grads()[0])
+                                         for a, b in own]}
+        engine.zero_grad()
+        out[f"{stage}"] = runs
+        saved = f"{root}/aligned{stage}"
+        engine = aligned_engine(stage, True)
+        aligned_steps(engine, rank, 0, 2)
+        engine.save_checkpoint(saved)
+        out[f"{stage}-saved"] = {"path": saved, "weights": [p.detach().clone() for p in engine.module.parameters()]}
+        expected = aligned_steps(engine, rank, 2, 2), [p.detach().clone() for p in engine.module.parameters()]
+        for aligned in (True, False):
+            fresh = aligned_engine(stage, aligned)
+            fresh.load_checkpoint(saved)
+            got = aligned_steps(fresh, rank, 2, 2), [p.detach().clone() for p in fresh.module.parameters()]
+            out[f"{stage}-resumed-{aligned}"] = got[0] == expected[0] and all(
+                torch.equal(a, b) for a, b in zip(got[1], expected[1]))
+    return out
 
 
 def serial_load(rank: int, root: str) -> dict[str, Any]:
@@ -224,6 +301,69 @@ def test_sparse_gradients_reduce_embedding_rows_and_train_the_same() -> None:
         assert sparse["moved"]["all_reduce"] == dense["moved"]["all_reduce"] - 3 * table
         assert 0 < sparse["moved"]["all_gather"] <= 3 * (2 + 6 + 6 * WIDTH)
     torch.testing.assert_close(ranks[0]["True"]["weights"], ranks[1]["True"]["weights"], rtol=0, atol=0)
+
+
+def test_parameter_alignment_aligns_each_parameter_and_trains_bitwise_the_same() -> None:
+    import torch
+
+    for stage in ("1", "2"):
+        for rank, result in enumerate(r["alignment"][stage] for r in results()):
+            packed, aligned, layout = result[False], result[True], result["layout"]
+            # the gaps hold zeros nobody reads: the same losses and weights, bit for bit (clipping included)
+            assert packed["losses"] == aligned["losses"]
+            assert all(torch.equal(a, b) for a, b in zip(packed["weights"], aligned["weights"]))
+            # fp32: 4 elements = 16 bytes; every parameter starts on a 16-byte address (the buffer's own start
+            # is at least that aligned), DeepSpeed's paddings: none after the last parameter
+            assert layout["element_size"] == 4 and layout["flat_ptr"] % 16 == 0
+            assert layout["offsets"] == [0, 16, 20, 44, 52, 68] and layout["paddings"] == [1, 1, 3, 1, 2, 0]
+            assert [(ptr - layout["flat_ptr"]) // 4 for ptr in layout["ptrs"]] == layout["offsets"]
+            assert all(ptr % 16 == 0 for ptr in layout["ptrs"])
+            assert layout["saved"] == [layout["paddings"]]
+            # the gaps count into the partitions: 70 elements padded to a multiple of 2 * 2 ranks
+            assert layout["numel"] == 70 and layout["padded_numel"] == 72
+            # this rank's partition [36 r, 36 (r + 1)) holds gaps whose master, momentum and gradient stay 0
+            assert layout["own_gaps"] == ([(15, 16), (19, 20)] if rank == 0 else [(5, 8), (15, 16), (30, 32)])
+            assert layout["gap_values"] == [0.0] * 3 * len(layout["own_gaps"])
+
+
+def test_parameter_alignment_checkpoint_resumes_and_reshards_to_one_rank(monkeypatch) -> None:
+    import torch
+
+    from dsrun import comm
+    from dsrun.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from tests.helpers import free_port
+
+    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(key, value)  # a one-rank gloo group in this process for the loads at one rank
+    comm.init_distributed(dist_backend="gloo", verbose=False)
+    try:
+        check_alignment_checkpoints(torch, get_fp32_state_dict_from_zero_checkpoint)
+    finally:
+        comm.destroy_process_group()
+
+
+def check_alignment_checkpoints(torch: Any, to_fp32: Any) -> None:
+    for stage in ("1", "2"):
+        for result in results():
+            assert result["alignment"][f"{stage}-resumed-True"]  # aligned -> aligned, 2 ranks: bit for bit
+            assert result["alignment"][f"{stage}-resumed-False"]  # aligned -> packed, re-cut: bit for bit
+        saved = results()[0]["alignment"][f"{stage}-saved"]
+        names = ["0.weight", "0.bias", "2.weight", "2.bias", "3.weight", "3.bias"]
+        # zero_to_fp32 follows the saved gaps
+        fp32 = to_fp32(saved["path"])
+        assert all(torch.equal(fp32[n], w) for n, w in zip(names, saved["weights"]))
+        # one rank, aligned and packed: the masters and momenta re-cut from the two saved partitions, so one more
+        # step on the same batch gives the same weights in both layouts
+        after = []
+        for aligned in (True, False):
+            engine = aligned_engine(int(stage), aligned)
+            engine.load_checkpoint(saved["path"])
+            assert all(torch.equal(p, w) for p, w in zip(engine.module.parameters(), saved["weights"]))
+            aligned_steps(engine, 0, 2, 1)
+            after.append([p.detach().clone() for p in engine.module.parameters()])
+            engine.destroy()
+        assert all(torch.equal(a, b) for a, b in zip(*after))
 
 
 def test_round_robin_gradients_reorders_the_layout_and_trains_the_same() -> None:
