@@ -458,7 +458,7 @@ def _restore_strategy(engine: CheckpointEngine, tag_dir: Path, model_states: dic
         own = (stage0_state(model_states, live_shapes) if stage_saved == 0 else deepspeed_format.load_zero_state(
             optim_files(tag_dir, world_saved, bf16, only=dp_rank if own_only else None,
                         mp_rank=engine.groups.coord("model"))[0 if own_only else dp_rank]))
-        if reshard.same_gaps(own, strategy) or engine.features.parameter_files():  # else re-cut below
+        if reshard.same_gaps(own, strategy.param_alignment_paddings) or engine.features.parameter_files():
             strategy.load_state_dict(own)
             return partial_state.restore_rank_states(strategy, tag_dir, world_saved, dp_rank, same_layout=True)
     if load_optimizer_states and saved_shapes is not None:

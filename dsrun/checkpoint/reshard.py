@@ -142,11 +142,11 @@ def _paddings(osd: dict[str, Any]) -> list[list[int]] | None:
     return alignment_paddings(osd.get("param_alignment_paddings"))
 
 
-def same_gaps(osd: dict[str, Any], strategy: Any) -> bool:
-    """Whether ``osd`` (a saved rank's ZeRO state) has the live ``strategy``'s ``parameter_alignment`` gaps (then
-    its partitions are the live ones); saved with others, a load re-cuts it (:func:`state_for_rank`), and the
-    strategy's ``load_state_dict`` refuses it."""
-    return _paddings(osd) == alignment_paddings(strategy.param_alignment_paddings)
+def same_gaps(osd: dict[str, Any], live: list[list[int]] | None) -> bool:
+    """Whether ``osd`` (a saved rank's ZeRO state) has the live strategy's ``parameter_alignment`` gaps ``live``
+    (then its partitions are the live ones); saved with others, a load re-cuts it (:func:`state_for_rank`), and
+    the strategy's ``load_state_dict`` refuses it."""
+    return _paddings(osd) == alignment_paddings(live)
 
 
 def _per_element(state: dict[str, Any], length: int) -> dict[str, torch.Tensor]:

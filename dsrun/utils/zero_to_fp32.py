@@ -59,7 +59,7 @@ class Slot:
     length: int
 
 
-def alignment_paddings(paddings: Any) -> list[list[int]] | None:
+def alignment_paddings(paddings: list[list[int]] | None) -> list[list[int]] | None:
     """DeepSpeed's ``param_alignment_paddings`` (per master, the zeros after each parameter) as int lists; None
     where nothing is padded (saved without ``zero_optimization.parameter_alignment``): the packed layout."""
     padded = bool(paddings) and any(int(p) for group in paddings for p in group)
