@@ -81,9 +81,8 @@ def alignment_both_ways(rank: int, root: str) -> dict[str, Any]:
                           "padded_numel": group.padded_numel, "flat_ptr": group.flat_param.data_ptr(),
                           "ptrs": [p.data_ptr() for p in group.params], "element_size": group.flat_param.element_size(),
                           "own_gaps": own, "saved": strategy.state_dict()["param_alignment_paddings"],
-                          "gap_values": [float(t[a:b].abs().sum()) for t in (strategy.masters[0], momentum,
-                                                                             strategy._master_grads()[0])
-                                         for a, b in own]}
+                          "gap_values": [float(t[a:b].abs().sum()) for t in (strategy.masters[0].detach(), momentum,
+                                                                             strategy.master_grads[0]) for a, b in own]}
         engine.zero_grad()
         out[f"{stage}"] = runs
         saved = f"{root}/aligned{stage}"
