@@ -191,8 +191,9 @@ def check_zero(cfg: DSConfig, raw: dict[str, Any], p: str) -> tuple[list[Problem
         notes.append(f"{zp}: {', '.join(stage3_keys)} only matter at stage 3 (stage is {z.stage})")
     if "grad_hooks" in zraw and z.stage != 1:
         notes.append(f"{zp}.grad_hooks only matters at stage 1")
-    if z.round_robin_gradients and z.stage not in (1, 2):
-        notes.append(f"{zp}.round_robin_gradients only matters at stages 1-2")
+    for key in ("round_robin_gradients", "parameter_alignment"):  # DeepSpeed's stage_1_and_2.py reads them
+        if getattr(z, key) and z.stage not in (1, 2):
+            notes.append(f"{zp}.{key} only matters at stages 1-2")
     if z.zero_hpz_partition_size > 1 and z.stage != 3:
         notes.append(f"{zp}.zero_hpz_partition_size (hpZ) only matters at stage 3")
     if z.zenflow is not None:

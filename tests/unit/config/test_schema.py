@@ -165,6 +165,8 @@ def test_notes_for_keys_without_effect():
     assert "zero_quantized_weights (ZeRO++) only matter at stage 3" in notes
     assert "grad_hooks only matters at stage 1" in notes
     assert "aio only matters with NVMe offload" in notes
+    at_stage3 = "\n".join(load({"zero_optimization": {"stage": 3, "parameter_alignment": True}}).warnings)
+    assert "parameter_alignment only matters at stages 1-2" in at_stage3
 
 
 @pytest.mark.parametrize("zero, message", [
