@@ -8,8 +8,12 @@ parameters of the one module being constructed (as in DeepSpeed).
 
 A parent that re-initialises its children's weights after they were built (``GPT.reset_parameters``,
 Hugging Face's ``_init_weights``) keeps working: inside the context, the ``torch.nn.init`` functions gather a
-partitioned parameter, apply the init on rank 0, and re-partition the result. Writing ``param.data``
-directly does not; use :class:`~dsrun.zero.GatheredParameters` with ``modifier_rank=0`` for that.
+partitioned parameter, apply the init on rank 0, and re-partition the result. And with
+``zero_optimization.override_module_apply`` (DeepSpeed's default, on) ``module.apply(fn)`` inside the context
+gathers each module's own partitioned parameters around ``fn`` and re-partitions rank 0's result, so ``fn`` may
+write ``param.data`` too (DeepSpeed's ``apply_with_gather``); with it off ``fn`` sees the partitioned
+parameters (empty ``data``), as in DeepSpeed: what it writes through ``data`` is lost. Writing ``param.data``
+outside ``apply`` is not intercepted; use :class:`~dsrun.zero.GatheredParameters` with ``modifier_rank=0``.
 
 Tensors made inside the context by torch's constructors (``torch.zeros``, ``torch.arange``, ...) land on the
 accelerator's device and, when the context has a dtype, floating ones are cast to it, as DeepSpeed's ``Init``
@@ -89,6 +93,7 @@ _ACTIVE: list["Init"] = []  # the Init contexts entered, innermost last
 _saved_init_functions: dict[str, Callable] = {}
 _wrapped_classes: dict[type, Callable] = {}
 _saved_init_subclass: list[Any] = []  # torch.nn.Module's own __init_subclass__, if it ever has one
+_saved_apply: list[Callable] = []  # torch.nn.Module.apply while the outermost context overrides it
 _RUNNING = "_ds_init_running"
 
 
@@ -189,7 +194,35 @@ def _zero_aware_init(original: Callable) -> Callable:
     return init_fn
 
 
-def _install() -> None:
+def _gathering(fn: Callable[[torch.nn.Module], None]) -> Callable[[torch.nn.Module], None]:
+    """``fn`` run on a module with its own partitioned parameters gathered; rank 0's values are then kept by
+    every rank's shard (DeepSpeed's ``get_wrapped_fn_to_apply``: gather, call, broadcast, re-partition)."""
+    if getattr(fn, "wrapped", False):  # DeepSpeed's mark: Module.apply recursing into the children
+        return fn
+
+    @functools.wraps(fn)
+    def gathered_fn(module: torch.nn.Module) -> None:
+        # a parameter a user's GatheredParameters block already holds stays that block's to release
+        params = [p for p in module.parameters(recurse=False)
+                  if is_zero_param(p) and not getattr(p, DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR, 0)]
+        with GatheredParameters(params, modifier_rank=0):
+            fn(module)
+
+    gathered_fn.wrapped = True  # type: ignore[attr-defined]
+    return gathered_fn
+
+
+def _apply_with_gather(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def apply(self: torch.nn.Module, fn: Callable[[torch.nn.Module], None]) -> torch.nn.Module:
+        return original(self, _gathering(fn))
+    return apply
+
+
+def _install(override_module_apply: bool) -> None:
+    if override_module_apply:
+        _saved_apply[:] = [torch.nn.Module.apply]
+        torch.nn.Module.apply = _apply_with_gather(torch.nn.Module.apply)  # type: ignore[method-assign]
     for cls in _all_module_classes():
         if cls is not torch.nn.Module:
             _wrap_module_init(cls)
@@ -202,6 +235,8 @@ def _install() -> None:
 
 
 def _uninstall() -> None:
+    if _saved_apply:
+        torch.nn.Module.apply = _saved_apply.pop()  # type: ignore[method-assign]
     for cls, original in _wrapped_classes.items():
         cls.__init__ = original
     _wrapped_classes.clear()
@@ -234,9 +269,14 @@ class Init(InsertPostInitMethodToModuleSubClasses):
     (overridden by the config's ``zero_optimization.memory_efficient_linear`` when a config is given): route
     ``F.linear`` through ZeRO-3's linear on entry (or at once with ``module``), for the rest of the process.
     ``enabled=False`` makes it a no-op. Initializes ``dsrun.comm`` if needed; with no group given, a one-rank
-    world under a launcher that started several processes raises RuntimeError.
+    world under a launcher that started several processes raises RuntimeError. ``override_module_apply`` (the
+    config's ``zero_optimization.override_module_apply`` when a config is given, else this class attribute, as
+    in DeepSpeed; default True): ``module.apply(fn)`` inside the outermost context gathers each module's
+    parameters around ``fn`` (module docstring).
     Only meaningful with ZeRO stage 3: the engine takes the partitioned model as it is.
     """
+
+    override_module_apply = True  # DeepSpeed's class attribute (its default)
 
     def __init__(self, module: torch.nn.Module | None = None, data_parallel_group: ProcessGroup = None,
                  remote_device: str | None = None, pin_memory: bool = False,
@@ -269,6 +309,8 @@ class Init(InsertPostInitMethodToModuleSubClasses):
         self.dtype = dtype or _config_dtype(cfg)
         self.mem_efficient_linear = zero_section.memory_efficient_linear if cfg is not None else mem_efficient_linear
         self.persistence_threshold = int(zero_section.stage3_param_persistence_threshold)
+        if cfg is not None:
+            self.override_module_apply = zero_section.override_module_apply
         if not comm.is_initialized():
             comm.init_distributed(verbose=False)
         if data_parallel_group is None and mpu is not None:
@@ -331,7 +373,7 @@ class Init(InsertPostInitMethodToModuleSubClasses):
         if not self.enabled:
             return self
         if not _ACTIVE:  # the outermost context's overrides hold for the whole build, as in DeepSpeed
-            _install()
+            _install(self.override_module_apply)
             # the wrapper is this module's global as it is now, not as imported: a caller may have replaced it
             add_tensor_creation_wrappers(zero_wrapper_for_fp_tensor_constructor, self.dtype,
                                          get_accelerator().device(), self.tensor_overrides)

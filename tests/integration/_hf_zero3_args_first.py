@@ -30,6 +30,10 @@ pretrained.save_pretrained(pretrained_dir)
 saved = {name: value.detach().clone() for name, value in pretrained.state_dict().items()}
 del pretrained
 
+# the same model built whole with the seed the ZeRO-3 build below uses (its _init_weights run on full tensors)
+torch.manual_seed(0)
+whole = {name: value.detach().clone() for name, value in AutoModelForCausalLM.from_config(config).named_parameters()}
+
 ds_config = auto_ds_config({"stage": 3, "stage3_gather_16bit_weights_on_model_save": True,
                             "stage3_param_persistence_threshold": 0})
 # the arguments first: from here on transformers builds every model inside deepspeed.zero.Init
@@ -72,7 +76,9 @@ print("PARTITION", json.dumps({"rank": rank, "from_config": init_report, "from_p
 if rank == 0:
     wte = init_weights["transformer.wte.weight"]
     print("INIT", json.dumps({"wte_std": wte.std().item(), "ln_weight_mean": init_weights[
-        "transformer.ln_f.weight"].mean().item(), "tied": init_weights.keys() == loaded.keys()}), flush=True)
+        "transformer.ln_f.weight"].mean().item(), "tied": init_weights.keys() == loaded.keys(),
+        "c_proj_std": init_weights["transformer.h.0.attn.c_proj.weight"].std().item(),
+        "equals_whole": sorted(name for name in whole if torch.equal(whole[name], init_weights[name]))}), flush=True)
     print("RESIZED", resized.shape == (72, 32) and torch.equal(resized[:64], wte), flush=True)
     print("LOADED", all(torch.equal(loaded[name], saved[name]) for name in loaded), flush=True)
 

@@ -169,6 +169,75 @@ def external_parameter(rank: int, world: int, register: bool) -> dict[str, Any]:
     return {"losses": losses, "ref": ref}
 
 
+class AppliedInit(nn.Module):
+    """Initialised by its owner's ``model.apply(fn)`` that writes ``param.data`` (Hugging Face's older
+    ``_init_weights`` style): nothing ``torch.nn.init`` could intercept."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.norm = nn.LayerNorm(8)
+        self.mix = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        logits = self.head(torch.tanh(self.mix(self.norm(self.emb(idx)))))
+        return F.cross_entropy(logits, (idx + 1) % 10)
+
+
+def custom_init(module: nn.Module, seen: list[int] | None = None) -> None:
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        if seen is not None:
+            seen.append(module.weight.numel())  # what fn sees of the weight: whole, or the empty partitioned data
+        module.weight.data.normal_(mean=0.0, std=0.3)
+    if isinstance(module, nn.Linear):
+        module.bias.data.fill_(0.05)
+    if isinstance(module, nn.LayerNorm):
+        module.weight.data.fill_(1.5)
+
+
+def module_apply(rank: int, world: int, override: bool) -> dict[str, Any]:
+    """``model.apply(custom_init)`` inside ``zero.Init`` (``zero_optimization.override_module_apply``
+    ``override``), then 3 ZeRO-3 steps on the same batch on every rank; beside it the model built whole with the
+    same seed (``custom_init`` applied when ``override``, as the partitioned build should then equal it; not
+    applied otherwise, as DeepSpeed then loses what ``fn`` writes) and trained with torch's AdamW."""
+    import dsrun
+    from dsrun.engine.initialize import initialize
+
+    cfg = ds_config(3, 2, 1, zero={"override_module_apply": override})
+    seen: list[int] = []
+    torch_apply = nn.Module.apply
+    torch.manual_seed(0)
+    with dsrun.zero.Init(config_dict_or_path=cfg):
+        model = AppliedInit()
+        model.apply(lambda m: custom_init(m, seen))
+        patched = nn.Module.apply is not torch_apply
+    torch.manual_seed(0)
+    ref_model = AppliedInit()
+    if override:
+        ref_model.apply(custom_init)
+    initial = {k: v.numpy() for k, v in dsrun.zero.full_state_dict(model).items()}
+    engine, _, _, _ = initialize(model=model, config=cfg)
+    idx = torch.arange(12) % 10
+    losses = []
+    for _ in range(3):
+        loss = engine(idx)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    ref_initial = {k: v.detach().numpy().copy() for k, v in ref_model.state_dict().items()}
+    opt = torch.optim.AdamW(ref_model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    ref = []
+    for _ in range(3):
+        loss = ref_model(idx)  # every rank uses the same batch, so the average gradient is this one
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ref.append(loss.item())
+    return {"seen": seen, "initial": initial, "ref_initial": ref_initial, "losses": losses, "ref": ref,
+            "patched": patched, "restored": nn.Module.apply is torch_apply}
+
+
 def export_16bit(rank: int, world: int, save_dir: str, gather: bool) -> dict[str, Any]:
     import dsrun
     from dsrun.engine.initialize import initialize
@@ -248,5 +317,7 @@ def api_suite(rank: int, world: int, save_dir: str) -> dict[str, Any]:
             "gathered/bf16": gathered_modifier(rank, world, "bf16"),
             "external/unregistered": external_parameter(rank, world, register=False),
             "external/registered": external_parameter(rank, world, register=True),
+            "apply/on": module_apply(rank, world, override=True),
+            "apply/off": module_apply(rank, world, override=False),
             "export/off": export_16bit(rank, world, os.path.join(save_dir, "off"), gather=False),
             "export/on": export_16bit(rank, world, os.path.join(save_dir, "on"), gather=True)}

@@ -72,7 +72,8 @@ def test_zero3_arguments_first_builds_the_model_inside_zero_init(tmp_path):
     ``from_config``/``from_pretrained``, which transformers builds inside ``deepspeed.zero.Init`` (patching
     ``partition_parameters.zero_wrapper_for_fp_tensor_constructor`` on the way). Each rank holds half of every
     model after load; the from-config weights are initialised (GPT-2's std 0.02) and the pretrained ones loaded
-    exactly through ``GatheredParameters`` (and ``resize_token_embeddings`` keeps the old rows); the Trainer
+    exactly through ``GatheredParameters`` (and ``resize_token_embeddings`` keeps the old rows; ``_init_weights`` gave
+    the residual projections GPT-2's scaled std and every bias and norm the whole build's value); the Trainer
     trains, writes a ``model.safetensors`` equal to the gathered weights (``stage3_gather_16bit_weights_on_model_save``)
     and resumes with the same next losses."""
     out = tmp_path / "out"
@@ -86,6 +87,13 @@ def test_zero3_arguments_first_builds_the_model_inside_zero_init(tmp_path):
             assert report[built]["local_bytes"] * 2 == report[built]["full_bytes"] > 0
     (init,) = _printed(result, "INIT")
     assert abs(init["wte_std"] - 0.02) < 0.002 and init["ln_weight_mean"] == 1.0
+    # _init_weights reached the partitioned weights (transformers 5 runs it inside GatheredParameters after the
+    # build): GPT-2's residual projections get std 0.02 / sqrt(2 * n_layer) = 0.01, not Conv1D's own 0.02 (the
+    # sample std of 1024 draws is within 0.01 / sqrt(2 * 1024) = 2.2e-4 per sigma: 1e-3 is 4.5 sigma); every
+    # constant it writes (biases, norms) equals the model built whole; the random draws come in another order
+    assert abs(init["c_proj_std"] - 0.01) < 1e-3
+    assert len(init["equals_whole"]) == 18 and all(name.endswith(("bias", "ln_1.weight", "ln_2.weight", "ln_f.weight"))
+                                                   for name in init["equals_whole"])
     assert "LOADED True" in result.stdout and "RESIZED True" in result.stdout
     (saved,) = _printed(result, "SAFETENSORS")
     assert saved["equal"] and "transformer.wte.weight" in saved["names"] and len(saved["names"]) == 28

@@ -61,6 +61,28 @@ def test_external_parameter_trains_like_pytorch_registered_or_not() -> None:
             np.testing.assert_allclose(r[key]["losses"], r[key]["ref"], rtol=1e-6)
 
 
+def test_module_apply_inside_zero_init_follows_override_module_apply() -> None:
+    # on (DeepSpeed's default): apply's fn sees each module's parameters whole and what it writes through .data
+    # is every rank's; the model equals one built whole with the same seed (bit for bit: the same draws, rank 0's
+    # kept) and trains as it does (same batch on both ranks: the averaged gradient is the one-process gradient;
+    # 1e-6: AdamW's update computed in another order, a few ulp per step, over 3 steps)
+    for r in api(2):
+        on, off = r["apply/on"], r["apply/off"]
+        assert on["patched"] and on["restored"] and not off["patched"] and off["restored"]
+        assert on["seen"] == [80, 64, 80]  # emb 10x8, mix 8x8, head 10x8: whole inside fn
+        assert set(on["initial"]) == set(on["ref_initial"])
+        for name, value in on["ref_initial"].items():
+            np.testing.assert_array_equal(on["initial"][name], value, err_msg=name)
+        np.testing.assert_array_equal(on["initial"]["norm.weight"], np.full(8, 1.5, dtype=np.float32))
+        np.testing.assert_allclose(on["losses"], on["ref"], rtol=1e-6)
+        # off: fn sees the partitioned parameters (empty data), so what it writes is lost, as in DeepSpeed: the
+        # model holds its constructors' values (the reference built whole without the apply)
+        assert off["seen"] == [0, 0, 0]
+        for name, value in off["ref_initial"].items():
+            np.testing.assert_array_equal(off["initial"][name], value, err_msg=name)
+        np.testing.assert_allclose(off["losses"], off["ref"], rtol=1e-6)
+
+
 def test_save_16bit_model_needs_gather_flag_and_writes_the_full_model() -> None:
     results = api(2)
     for r in results:

@@ -216,10 +216,11 @@ ENTRIES: list[Entry] = [
          "one after another (DeepSpeed's serial load; not pipeline parallelism)",
          "tests/integration/test_config_effects_ranks.py::"
          "test_pipeline_loading_checkpoint_restores_one_local_rank_at_a_time"),
-    todo("zero_optimization.override_module_apply", "zero.Init gathers parameters inside module.apply "
-         "(DeepSpeed's default; dsrun's zero.Init does not, which is what false asks for)",
-         Feature("gathering ZeRO-3 parameters inside module.apply", "nothing to do: never refused"),
-         active=lambda cfg: False),
+    done("zero_optimization.override_module_apply", "inside zero.Init (given this config), module.apply(fn) "
+         "gathers each module's partitioned parameters around fn and keeps rank 0's result (DeepSpeed's default); "
+         "false: fn sees them partitioned, and what it writes through .data is lost, as in DeepSpeed",
+         "tests/integration/test_zero3_api.py::test_module_apply_inside_zero_init_follows_override_module_apply",
+         traced=False),
     done("zero_optimization.log_trace_cache_warnings", "log when a pass leaves the stage-3 prefetch trace "
          "(DeepSpeed's \"Invalidate trace cache\" line)", "tests/unit/zero3/test_leaf_modules.py::"
          "test_log_trace_cache_warnings_says_when_a_pass_leaves_the_recorded_order"),
