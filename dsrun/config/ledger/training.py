@@ -77,9 +77,9 @@ ENTRIES: list[Entry] = [
          "DeepSpeed's sparse all-reduce, only the rows holding values",
          "tests/integration/test_config_effects_ranks.py::test_sparse_gradients_reduce_embedding_rows_and_train_the_"
          "same"),
-    todo("disable_allgather", "skip the parameter all-gather after the step (DeepSpeed internal)",
-         Feature("DeepSpeed 0.19 parses it and reads it nowhere, so it has no effect there either",
-                 "leave the key at its default")),
+    design("disable_allgather", "skip the parameter all-gather after the step (DeepSpeed internal)",
+           "DeepSpeed parses it into DeepSpeedConfig.disable_allgather and reads it nowhere (no engine getter, no "
+           "optimizer argument; checked in its tree of 2026-08-22), so it changes nothing in DeepSpeed either"),
     # --- precision -------------------------------------------------------------------------------------------
     done("fp16.enabled", "train in float16 with fp32 master weights and a loss scale", UNIT),
     done("fp16.auto_cast", "cast floating-point inputs to float16 before the forward", UNIT),

@@ -59,7 +59,8 @@ def test_an_implemented_key_names_tests_that_exist_and_change_it(key):
 
 def test_keys_without_effect_are_few_and_justified():
     by_design = {k: e for k, e in LEDGER.items() if e.status == Status.BY_DESIGN}
-    assert len(by_design) <= 15, sorted(by_design)  # 15 of ~500: the two quantizer kernels, related_modules x3
+    # 16 of ~430: the two quantizer kernels, related_modules x3, disable_allgather (DeepSpeed reads it nowhere) ...
+    assert len(by_design) <= 16, sorted(by_design)
     for key, entry in by_design.items():
         assert len(entry.reason) >= 40, f"{key}: say why it needs no effect"
 
