@@ -147,11 +147,16 @@ ENTRIES: list[Entry] = [
     done("zero_optimization.enable_sanity_checks", "stage 3: an in-place change inside "
          "GatheredParameters(modifier_rank=None), which the ranks would not share, raises (DeepSpeed's check)",
          "tests/unit/zero3/test_api.py::test_enable_sanity_checks_refuses_a_change_gathered_parameters_would_lose"),
-    # DeepSpeed reads it only for Muon at stage 3 with NVMe optimizer offload, which dsrun refuses (Muon's matrices
-    # must be in memory at the step); everywhere else dsrun keeps the momentum in memory, as the key asks
+    # DeepSpeed reads it only for Muon at stage 3 with NVMe optimizer offload (stage3.py: the momentum of a swapped
+    # sub-group is then a resident buffer, not swapped with the Adam states), which dsrun refuses (the config rule
+    # on offload_optimizer.device: NVMe steps swapped tiles with a DeepSpeed CPU optimizer; and
+    # dsrun/optim/muon/zero.py: a Muon matrix's gradient is in a swap file at the step); dsrun's Muon momentum (ZeroMuon.momentum, whole matrices on their owner rank) is never part
+    # of the swapped optimizer state, so everywhere else it is in memory, as the key asks
     todo("zero_optimization.save_muon_momentum_buffer_in_memory", "keep Muon's momentum in memory instead of "
          "swapping it to NVMe with the other optimizer states (ZeRO-3)",
-         Feature("Muon with NVMe optimizer offload", "offload the optimizer to cpu"), applies=_muon_on_nvme),
+         Feature("Muon with NVMe optimizer offload, refused whatever this key says (the swapped step runs a "
+                 "DeepSpeed CPU optimizer over tiles read from the swap files, and Muon needs each matrix's whole "
+                 "gradient in memory)", "offload the optimizer to cpu"), applies=_muon_on_nvme),
     *[done(f"zero_optimization.leaf_module.{key}", f"ZeRO-3 gathers these modules whole, hooking nothing inside "
            f"them: {meaning} (DeepSpeed's set_z3_leaf_modules from the config)", LEAF_PROOF)
       for key, meaning in (("classes", "the modules of these classes (plain or qualified names)"),
