@@ -61,11 +61,39 @@ def check_precision(cfg: DSConfig, p: str) -> list[Problem]:
         problems.append(Problem(f"{p}data_types.param_dtype", f"got {param_dtype!r}, but the enabled precision gives "
                                 f"the model {model_dtype} parameters (DeepSpeed refuses the conflict too)",
                                 "set the matching fp16/bf16 enabled flag, or remove data_types.param_dtype"))
-    # DeepSpeed reads the flag only when fp16 is enabled, and then requires ZeRO stage 2.
-    if cfg.fp16.enabled and cfg.fp16.fp16_master_weights_and_grads and cfg.zero_optimization.stage != 2:
-        problems.append(Problem(f"{p}fp16.fp16_master_weights_and_grads",
-                                f"needs zero_optimization.stage 2, stage is {cfg.zero_optimization.stage}"))
+    problems += _fp16_master_problems(cfg, p)
     return problems
+
+
+def _fp16_master_problems(cfg: DSConfig, p: str) -> list[Problem]:
+    """``fp16.fp16_master_weights_and_grads`` (read only with fp16 enabled) where DeepSpeed runs it: ZeRO stage 1-3
+    with the optimizer offloaded and stepped by its CPU Adam (``_configure_master_weights``' assertions); dsrun
+    keeps the fp16 masters in host memory (not in NVMe swap files), all of them (offload ratio 1), without ZenFlow."""
+    z = cfg.zero_optimization
+    if not (cfg.fp16.enabled and cfg.fp16.fp16_master_weights_and_grads):
+        return []
+    path, stage, device = f"{p}fp16.fp16_master_weights_and_grads", z.stage, z.offload_optimizer.device
+    if stage == 0:
+        return [Problem(path, "fp16 master weights and gradients need ZeRO stage 1, 2 or 3 (as in DeepSpeed), "
+                        "stage is 0", "set zero_optimization.stage to 1, 2 or 3, or remove the key")]
+    if device == "none":
+        return [Problem(path, f"needs the optimizer offloaded to the CPU and stepped by DeepSpeedCPUAdam (DeepSpeed "
+                        f"asserts it); stage {stage}, offload_optimizer.device is none",
+                        "set zero_optimization.offload_optimizer.device to cpu, or remove the key")]
+    name = (cfg.optimizer.type or "").lower() if cfg.optimizer is not None else ""
+    torch_adam = bool((cfg.optimizer.params or {}).get("torch_adam")) if cfg.optimizer is not None else False
+    if cfg.optimizer is not None and (name not in ("adam", "adamw") or torch_adam):
+        return [Problem(path, f"fp16 masters are stepped by ZeRO-Offload's DeepSpeedCPUAdam (as DeepSpeed requires); "
+                        f"optimizer.type is {cfg.optimizer.type}" + (" with torch_adam" if torch_adam else ""),
+                        "use optimizer type Adam or AdamW, or remove the key")]
+    unsupported = ("offload_optimizer.device 'nvme' (fp16 masters in swap files)" if device == "nvme" else
+                   f"offload_optimizer.ratio {z.offload_optimizer.ratio} (fp16 masters on the device)"
+                   if z.offload_optimizer.ratio < 1.0 else "zero_optimization.zenflow" if z.zenflow is not None
+                   else None)
+    if unsupported:
+        return [Problem(path, f"fp16 master state with {unsupported} is not implemented in this version of dsrun; "
+                        f"stage {stage}", "offload the whole optimizer to cpu, or remove the key")]
+    return []
 
 
 def _bf16_master_state_problems(cfg: DSConfig, p: str) -> list[Problem]:

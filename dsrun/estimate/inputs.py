@@ -148,7 +148,9 @@ class EstimateInputs:
     partition of the parameters over that many ranks; 1 off).
     bf16 master state (DeepSpeed's ``bf16`` keys; counted where a run keeps it, :attr:`bf16_master_state`):
     ``bf16_master_weights_and_grads`` (masters and their gradients in bf16) and ``bf16_optimizer_states`` (the
-    optimizer's states in bf16).
+    optimizer's states in bf16). fp16 master state (``fp16_master_weights_and_grads``, counted where a run keeps it,
+    :attr:`fp16_master_state`: fp16, ZeRO 1-3, the optimizer offloaded to cpu): the host masters and their gradients
+    in fp16, the moments fp32.
     ZenFlow (``zenflow``, the ``zero_optimization.zenflow`` section, stages 1-2 with cpu optimizer offload):
     the selected elements' fp32 weights, two moments and int64 indices with the device's optimizer states (in
     host RAM with its ``offload``), and the window's fp32 gradient accumulator in host RAM (two with
@@ -185,6 +187,7 @@ class EstimateInputs:
     hpz_partition_size: int = 1
     bf16_master_weights_and_grads: bool = False
     bf16_optimizer_states: bool = False
+    fp16_master_weights_and_grads: bool = False
     grad_accum_dtype: str | None = None  # data_types.grad_accum_dtype ("fp32"/"fp16"/"bf16"; None: the stage's own)
     tensor_parallel_size: int = 1
     unsplit_params: int | None = None
@@ -290,6 +293,13 @@ class EstimateInputs:
         refuses the keys elsewhere, so a variant outside that, e.g. the option grid's stage 0, keeps fp32 masters)."""
         return (self.bf16_master_weights_and_grads and self.bf16_optimizer_states and self.precision == "bf16"
                 and self.zero_stage in (1, 2, 3) and self.offload_optimizer == "none")
+
+    @property
+    def fp16_master_state(self) -> bool:
+        """Whether a run keeps fp16 host masters and gradients: the key, fp16, ZeRO 1-3, optimizer offload to cpu
+        (where the config layer allows it)."""
+        return (self.fp16_master_weights_and_grads and self.precision == "fp16" and self.zero_stage in (1, 2, 3)
+                and self.offload_optimizer == "cpu")
 
     @property
     def master_element_bytes(self) -> int:

@@ -47,6 +47,10 @@ error, ``4T/N`` (this rank's chunk). Their states are Adam's two moments, plus 0
 weights or 1-bit LAMB's fresh variance (3); their compressed exchange builds two fp32 temporaries of the
 whole flat group (the compensated input and its decoded copy), ``8T``, counted as step workspace.
 
+fp16 master state (``fp16_master_weights_and_grads``: fp16, stages 1-3, optimizer offload to cpu) keeps the host
+masters and their gradients in fp16 (2 bytes each where the offload below has 4; the moments stay fp32); at
+stage 3 on a CPU device the fp16 shards are views of the masters (no master column).
+
 Optimizer offload moves master copy, fp32 gradients and states to host RAM (cpu) or NVMe; the CPU
 optimizer needs an fp32 copy of the partition even in fp32 training; with it, stage 2/3 gradients leave
 the device bucket by bucket. NVMe keeps master, states and gradients in files; host RAM then holds only
@@ -242,7 +246,12 @@ def model_state_bytes(spec: EstimateInputs) -> ModelStates:
         device_master = device_states = 0
         # Stage 1 accumulates whole gradients on the device; stages 2-3 stream them out per bucket.
         device_grads = trainable * w if stage == 1 else 0
-        if spec.offload_optimizer == "cpu":
+        if spec.offload_optimizer == "cpu" and spec.fp16_master_state:
+            # fp16 masters and gradients, fp32 moments; at stage 3 on a CPU device the fp16 shards are views of
+            # the masters (dsrun.offload.shard_store: aliased), so the masters' bytes are the parameters'
+            aliased = stage == 3 and spec.device == "cpu" and spec.offload_param == "none"
+            host += t_part * ((0 if aliased else 2) + 2 + states)
+        elif spec.offload_optimizer == "cpu":
             host += t_part * (FP32 + FP32 + states)  # fp32 params, fp32 grads, states
             if spec.zenflow is not None and stage in (1, 2):  # dsrun.offload.zenflow_store
                 selected = zenflow_selected_bytes(t_part, spec.zenflow.topk_ratio)

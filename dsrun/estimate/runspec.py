@@ -238,6 +238,9 @@ def inputs_from_runspec(cfg: Mapping[str, Any], model: RecipeModel) -> tuple[Est
     low_states = precision == "bf16" and bool(bf16.bf16_optimizer_states)
     if low_masters or low_states:
         sources["bf16_master_state"] = "ds.bf16.bf16_master_weights_and_grads / bf16_optimizer_states"
+    fp16_masters = precision == "fp16" and bool(ds_section(ds, "fp16").fp16_master_weights_and_grads)
+    if fp16_masters:
+        sources["fp16_master_state"] = "ds.fp16.fp16_master_weights_and_grads"
     grad_accum = ds_section(ds, "data_types").grad_accum_dtype  # its accumulator, where not the stage's own
     if grad_accum is not None:
         sources["grad_accum_dtype"] = "ds.data_types.grad_accum_dtype"
@@ -256,6 +259,7 @@ def inputs_from_runspec(cfg: Mapping[str, Any], model: RecipeModel) -> tuple[Est
         gradient_clipping=clip,
         gradient_accumulation_steps=gas or 1, sequence_parallel_size=sp,
         mics_shard_size=int(zero.mics_shard_size), hpz_partition_size=int(zero.zero_hpz_partition_size),
-        bf16_master_weights_and_grads=low_masters, bf16_optimizer_states=low_states, grad_accum_dtype=grad_accum,
+        bf16_master_weights_and_grads=low_masters, bf16_optimizer_states=low_states,
+        fp16_master_weights_and_grads=fp16_masters, grad_accum_dtype=grad_accum,
         tensor_parallel_size=tp, unsplit_params=model.unsplit_params, zenflow=zero.zenflow)
     return inputs, sources

@@ -3,7 +3,8 @@
 A stage strategy owns the layout (flat groups, partitions, buckets, collectives) and asks its store for the
 rest: the masters, the gradient buffers the step reads, each gradient's squared sum, the update, and the
 value of this rank's partition that the all-gather publishes. Masters and their gradients are fp32, or bf16
-with ``bf16.bf16_master_weights_and_grads`` (the precision strategy's ``master_dtype``; device only).
+with ``bf16.bf16_master_weights_and_grads`` (the precision strategy's ``master_dtype``; device only), or fp16 with
+``fp16.fp16_master_weights_and_grads`` (host only: ZeRO-Offload with DeepSpeed's CPU Adam, whose moments stay fp32).
 ``zero_optimization.offload_optimizer`` picks the store (:func:`flat_store`); the strategy never branches on it.
 
 * :class:`DeviceFlatStore`: masters and gradients on the device, ``optimizer.step()``. With bf16 masters of a
@@ -22,7 +23,8 @@ from typing import Any
 import torch
 
 from dsrun.offload.pipeline import PipelineTimes, StepPipeline, tiled_cpu_step
-from dsrun.offload.settings import CPU_TILE_ELEMENTS, OffloadContext, HostBuffers, OffloadOptimizerSettings, require_cpu_optimizer
+from dsrun.offload.settings import (CPU_TILE_ELEMENTS, HostBuffers, OffloadContext, OffloadOptimizerSettings,
+                                    require_cpu_optimizer, require_master_optimizer)
 
 
 def chunked_square_sum(g: torch.Tensor) -> torch.Tensor:
@@ -111,11 +113,12 @@ class HostFlatStore(DeviceFlatStore):
     on_device = False  # the step reads the reduced partition only
 
     def __init__(self, model_dtype: torch.dtype, device: torch.device, settings: OffloadOptimizerSettings,
-                 optimizer: torch.optim.Optimizer):
-        super().__init__(model_dtype, device)
+                 optimizer: torch.optim.Optimizer, master_dtype: torch.dtype = torch.float32):
+        super().__init__(model_dtype, device, master_dtype)
         self.settings = settings
         self.host = HostBuffers(settings)
         self.cpu_optimizer = require_cpu_optimizer(optimizer, settings)
+        require_master_optimizer(self.cpu_optimizer, master_dtype)
         self.tile = max(1, min(settings.sub_group_size, CPU_TILE_ELEMENTS))
         self.pipeline = StepPipeline()
         self.times = PipelineTimes()
@@ -126,19 +129,19 @@ class HostFlatStore(DeviceFlatStore):
 
     def masters(self, partitions: list[torch.Tensor]) -> list[torch.nn.Parameter]:
         self.partitions = partitions
-        if self.model_dtype != torch.float32 and not self.direct_low_precision:
+        if self.model_dtype != self.master_dtype and not self.direct_low_precision:
             self._lp_staging = [self.host.empty(p.numel(), self.model_dtype) for p in partitions]
         masters = []
         for part in partitions:
-            master = self.host.empty(part.numel(), torch.float32)
+            master = self.host.empty(part.numel(), self.master_dtype)
             master.copy_(part)
             masters.append(torch.nn.Parameter(master))
         return masters
 
     def gradients(self, sizes: list[int], reduced: list[torch.Tensor] | None = None,
                   dtype: torch.dtype | None = None) -> list[torch.Tensor]:
-        # fp32 on the host (the config refuses another grad_accum_dtype with offload_optimizer)
-        self.grads = [self.host.zeros(n, torch.float32) for n in sizes]
+        # the masters' dtype on the host (the config refuses another grad_accum_dtype with offload_optimizer)
+        self.grads = [self.host.zeros(n, self.master_dtype) for n in sizes]
         return self.grads
 
     def step_gradients(self, reduced: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -150,7 +153,7 @@ class HostFlatStore(DeviceFlatStore):
         return chunked_square_sum(g)
 
     def _host_grad(self, source: list[torch.Tensor], gi: int, a: int, b: int, coef: float) -> torch.Tensor:
-        """The host fp32 gradient of elements [a, b) of partition gi, scaled by ``coef``."""
+        """The host gradient (the masters' dtype) of elements [a, b) of partition gi, scaled by ``coef``."""
         tile = self.grads[gi][a:b]
         if source[gi] is not self.grads[gi]:
             tile.copy_(source[gi][a:b])
@@ -167,13 +170,15 @@ class HostFlatStore(DeviceFlatStore):
             for part, master in zip(self.partitions, masters):
                 part.copy_(master.detach())
             return
+        same_dtype = self.model_dtype == self.master_dtype  # fp32, or fp16 masters of an fp16 model
+
         def low(u: int, gi: int, a: int, b: int) -> torch.Tensor | None:
-            if self.model_dtype == torch.float32:
+            if same_dtype:
                 return None
             return (self.partitions[gi] if self.direct_low_precision else self._lp_staging[gi])[a:b]
 
         def store(u: int, gi: int, a: int, b: int) -> None:
-            if self.model_dtype == torch.float32:
+            if same_dtype:
                 self.partitions[gi][a:b].copy_(masters[gi].detach()[a:b], non_blocking=True)
             elif not self.direct_low_precision:
                 self.partitions[gi][a:b].copy_(self._lp_staging[gi][a:b], non_blocking=True)
@@ -208,4 +213,4 @@ def flat_store(ctx: OffloadContext) -> DeviceFlatStore:
     model_dtype = ctx.precision.model_dtype
     if settings is None:
         return DeviceFlatStore(model_dtype, ctx.device, ctx.precision.master_dtype)
-    return HostFlatStore(model_dtype, ctx.device, settings, ctx.optimizer)
+    return HostFlatStore(model_dtype, ctx.device, settings, ctx.optimizer, ctx.precision.master_dtype)

@@ -111,7 +111,8 @@ TileFn = Callable[[int, int, int, int], Any]  # (unit, job, a, b)
 def tiled_cpu_step(pipeline: StepPipeline, cpu_optimizer: CPUOptimizer, jobs: Sequence[tuple[dict, torch.Tensor]],
                    tile: int, grad: TileFn, low: Optional[TileFn] = None,
                    store: Optional[TileFn] = None) -> PipelineTimes:
-    """One step of the compiled CPU optimizer over host fp32 masters, ``tile`` elements at a time.
+    """One step of the compiled CPU optimizer over host masters (fp32, or fp16 ones updated directly with fp32
+    moments: ``fp16.fp16_master_weights_and_grads``), ``tile`` elements at a time.
 
     ``jobs`` are (param group, master) pairs; every master's step count advances once. Each unit is one tile
     [a, b) of job j: ``grad(u, j, a, b)`` returns its fp32 gradient (run ahead on the pipeline's worker),
@@ -119,7 +120,7 @@ def tiled_cpu_step(pipeline: StepPipeline, cpu_optimizer: CPUOptimizer, jobs: Se
     ``store(u, j, a, b)`` sends the updated tile on (run behind on the worker)."""
     states, units = [], []
     for j, (_, master) in enumerate(jobs):
-        state = cpu_optimizer.state_for(master)
+        state = cpu_optimizer.state_for(master, master_copy=False)  # the master is what the tiles update
         state["step"] += 1
         states.append(state)
         units += [(j, a, b) for a, b in tiles(master.numel(), tile)]

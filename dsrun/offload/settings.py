@@ -8,7 +8,7 @@ import torch
 
 from dsrun.config.optim import offload_optimizer_problem
 from dsrun.config.zero import AIOConfig, ZeroConfig
-from dsrun.utils.errors import ZeRORuntimeException
+from dsrun.utils.errors import ConfigError, Problem, ZeRORuntimeException
 from dsrun.utils.pin_memory import get_active_native_pinned_memory, get_native_pinned_memory
 from dsrun.utils.pin_memory_tracker import track_pinned_memory
 
@@ -123,3 +123,16 @@ def require_cpu_optimizer(optimizer: torch.optim.Optimizer, settings: OffloadOpt
     if problem is not None:  # the rule config --validate runs on optimizer.type; DeepSpeed's exception class
         raise ZeRORuntimeException(problem)
     return None
+
+
+def require_master_optimizer(cpu_optimizer: CPUOptimizer | None, master_dtype: torch.dtype) -> None:
+    """fp16 host masters (``fp16.fp16_master_weights_and_grads``) are stepped by DeepSpeed's CPU Adam only, as
+    DeepSpeed asserts ("Master weights feature requires ZeRO-Offload with DeepSpeedCPUAdam"); a one-line
+    ConfigError for another optimizer object (the config rule catches an ``optimizer.type``)."""
+    from dsrun.ops.adam import DeepSpeedCPUAdam
+
+    if master_dtype != torch.float32 and not isinstance(cpu_optimizer, DeepSpeedCPUAdam):
+        raise ConfigError(Problem("fp16.fp16_master_weights_and_grads", "fp16 masters are stepped by ZeRO-Offload's "
+                                  f"DeepSpeedCPUAdam (as DeepSpeed requires); the optimizer is "
+                                  f"{type(cpu_optimizer).__name__}", "use optimizer type Adam or AdamW, or remove "
+                                  "the key"))

@@ -28,7 +28,8 @@ from dsrun.offload import param_swapper
 from dsrun.offload.chunked_step import chunked_step
 from dsrun.offload.nvme import NORM_CHUNK, SwappedOptimizerState, SwappedShard, SwappedUnit
 from dsrun.offload.pipeline import PipelineTimes, StepPipeline, scatter_to_shards, tiled_cpu_step
-from dsrun.offload.settings import CPU_TILE_ELEMENTS, HostBuffers, OffloadOptimizerSettings, require_cpu_optimizer
+from dsrun.offload.settings import (CPU_TILE_ELEMENTS, HostBuffers, OffloadOptimizerSettings, require_cpu_optimizer,
+                                    require_master_optimizer)
 from dsrun.offload.state_moves import OffloadStateTypeEnum, StateTensor
 
 if TYPE_CHECKING:
@@ -71,8 +72,9 @@ class ShardContext:
     measure_gradients: bool  # overflow checked or clipping on: NVMe measures each gradient as it is swapped out
     rank: int
     separate_shards: bool = False  # fp32 with an offloaded shard that could not alias its master
-    # the masters' and gradient accumulators' dtype on the device: fp32, or bf16 with
-    # bf16.bf16_master_weights_and_grads (a bf16 model's shards are then the masters themselves)
+    # the masters' and gradient accumulators' dtype: fp32, or bf16 with bf16.bf16_master_weights_and_grads (on the
+    # device: a bf16 model's shards are then the masters themselves), or fp16 with fp16.fp16_master_weights_and_grads
+    # (in host memory: on a CPU device the fp16 shards are then views of them)
     master_dtype: torch.dtype = torch.float32
     # the gradient accumulators' dtype on the device when data_types.grad_accum_dtype names another than the
     # masters' (None: the masters'); the step then reads a copy in the masters' dtype
@@ -298,6 +300,8 @@ class HostShardStore(DeviceShardStore):
     def __init__(self, shard_ctx: ShardContext, optimizer: torch.optim.Optimizer, cpu_optimizer: CPUOptimizer | None,
                  settings: OffloadOptimizerSettings):
         super().__init__(shard_ctx, optimizer, cpu_optimizer)
+        # fp32 masters, or fp16 ones of an fp16 model (fp16.fp16_master_weights_and_grads; moments stay fp32)
+        require_master_optimizer(cpu_optimizer, shard_ctx.master_dtype)
         self.settings = settings
         self.host = HostBuffers(settings)
         self.pipeline = StepPipeline()
@@ -312,18 +316,18 @@ class HostShardStore(DeviceShardStore):
     def place(self, index: int, sg: SubGroup) -> None:
         self.sub_groups.append((index, sg))
         flat = _flat_shards(sg, HOST)
-        master = self.host.empty(sg.numel, torch.float32)
+        master = self.host.empty(sg.numel, self.shard_ctx.master_dtype)
         master.copy_(flat)
         del flat
         sg.master = torch.nn.Parameter(master)
-        sg.grad = self.host.zeros(sg.numel, torch.float32)
+        sg.grad = self.host.zeros(sg.numel, self.shard_ctx.master_dtype)
         for p, off in zip(sg.params, sg.offsets):
             p.ds_fp32_shard = sg.master.data[off:off + p.ds_partition_numel]
         if self.aliased():
             self.shard_ctx.alias_shards(sg)
 
     def finish(self) -> None:
-        if self.shard_ctx.model_dtype != torch.float32 and self.sub_groups:
+        if self.shard_ctx.model_dtype != self.shard_ctx.master_dtype and self.sub_groups:  # 16-bit model, fp32 masters
             largest = max(sg.numel for _, sg in self.sub_groups)
             self._lp_staging = [self.host.empty(min(self.tile, largest), self.shard_ctx.model_dtype)
                                 for _ in range(2)]

@@ -81,11 +81,11 @@ class CPUOptimizer(torch.optim.Optimizer):
             return self.op.empty_state(list(shape), dtype)
         return torch.zeros(shape, dtype=dtype)
 
-    def _init_state(self, p: torch.Tensor) -> dict[str, Any]:
+    def _init_state(self, p: torch.Tensor, master_copy: bool = True) -> dict[str, Any]:
         state = self.state[p]
         if not state:
             state["step"] = 0
-            if p.dtype != torch.float32 and self.fp32_optimizer_states:
+            if p.dtype != torch.float32 and self.fp32_optimizer_states and master_copy:
                 state["master_param"] = self._new_state(p.shape, torch.float32).copy_(p.detach())
             for key in self.STATE_KEYS:
                 state[key] = self._new_state(p.shape, self._state_dtype())
@@ -119,9 +119,10 @@ class CPUOptimizer(torch.optim.Optimizer):
         return loss
 
     # --- tiles: what ZeRO-Offload steps (a slice of a flat fp32 master, its gradient and its states) -------
-    def state_for(self, p: torch.Tensor) -> dict[str, Any]:
-        """``p``'s state, created (step 0, zero moments) if it has none yet."""
-        return self._init_state(p)
+    def state_for(self, p: torch.Tensor, master_copy: bool = True) -> dict[str, Any]:
+        """``p``'s state, created (step 0, zero moments) if it has none yet. ``master_copy=False``: a 16-bit ``p``
+        is itself the master the tiles update (ZeRO-Offload's fp16 masters): no fp32 copy of it is made."""
+        return self._init_state(p, master_copy)
 
     @torch.no_grad()
     def update_tile(self, group: dict[str, Any], param: torch.Tensor, grad: torch.Tensor,

@@ -1,6 +1,6 @@
 """Precision strategies: fp32, bf16 (fp32 master weights, or bf16 ones with ``bf16_master_weights_and_grads``;
-no loss scaling) and fp16 (fp32 master weights with a static or dynamic loss scale: DeepSpeed's loss scalers,
-:mod:`dsrun.precision.loss_scaler`).
+no loss scaling) and fp16 (fp32 master weights, or fp16 ones with ``fp16_master_weights_and_grads``, with a static
+or dynamic loss scale: DeepSpeed's loss scalers, :mod:`dsrun.precision.loss_scaler`).
 
 The engine asks its precision strategy five things: which dtype the model runs in, which dtype the optimizer's
 master weights and gradients are kept in, how to scale a loss before backward, whether a step must be checked
@@ -78,16 +78,20 @@ class BF16Precision(PrecisionStrategy):
 class FP16Precision(PrecisionStrategy):
     """fp16: the model runs in float16; fp32 master weights; the loss is multiplied by the loss scale before
     backward, gradients are divided by it before the step, and a step whose gradients hold inf/nan on any
-    rank is skipped on every rank."""
+    rank is skipped on every rank. ``fp16_masters`` (``fp16.fp16_master_weights_and_grads``): fp16 masters and
+    master gradients instead (DeepSpeed's; the offloaded stores keep them, docs/precision.md)."""
 
     name = "fp16"
     model_dtype = torch.float16
     checks_overflow = True
     scales_loss = True
 
-    def __init__(self, scaler: DynamicLossScaler | LossScaler, auto_cast: bool = False):
+    def __init__(self, scaler: DynamicLossScaler | LossScaler, auto_cast: bool = False, fp16_masters: bool = False):
         self.scaler = scaler
         self.auto_cast = auto_cast
+        # fp16.fp16_master_weights_and_grads (ZeRO 1-3 with CPU optimizer offload and its CPU Adam, which the
+        # config layer requires): the host masters and their gradients are fp16, the Adam moments stay fp32
+        self.master_dtype = torch.float16 if fp16_masters else torch.float32
 
     def prepare_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if not self.auto_cast:
@@ -149,15 +153,17 @@ def build_precision(fp16: FP16Config | None = None, bf16: BF16Config | None = No
     if fp16 is not None and getattr(fp16, "enabled", False):
         loss_scale = float(getattr(fp16, "loss_scale", 0.0) or 0.0)
         auto_cast = bool(getattr(fp16, "auto_cast", False))
+        # the config layer allows it only at ZeRO 1-3 with CPU optimizer offload (dsrun/config/rules.py)
+        masters = bool(getattr(fp16, "fp16_master_weights_and_grads", False)) and zero_stage in (1, 2, 3)
         if loss_scale > 0:
-            return FP16Precision(LossScaler(loss_scale), auto_cast)
+            return FP16Precision(LossScaler(loss_scale), auto_cast, masters)
         return FP16Precision(DynamicLossScaler(
             init_scale=2.0 ** int(getattr(fp16, "initial_scale_power", 16)),
             scale_window=int(getattr(fp16, "loss_scale_window", 1000)),
             min_scale=float(getattr(fp16, "min_loss_scale", 1)),
             delayed_shift=int(getattr(fp16, "hysteresis", 2)),
             consecutive_hysteresis=bool(getattr(fp16, "consecutive_hysteresis", False)),
-            raise_error_at_min_scale=False), auto_cast)  # dsrun keeps training at the minimum scale
+            raise_error_at_min_scale=False), auto_cast, masters)  # dsrun keeps training at the minimum scale
     if bf16 is not None and getattr(bf16, "enabled", False):
         check = bool(getattr(bf16, "check_grad_overflow", True))
         # the config layer allows it only at ZeRO 1-3 with bf16_optimizer_states (dsrun/config/rules.py)

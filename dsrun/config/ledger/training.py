@@ -23,6 +23,11 @@ BF16_MASTER = (BF16_MASTER_TESTS + "test_bf16_master_state_holds_bf16_masters_gr
                BF16_MASTER_TESTS + "test_bf16_master_state_resumes_bit_exactly",
                "tests/integration/test_bf16_master_ranks.py::test_bf16_master_state_on_two_ranks")
 
+FP16_MASTER_TESTS = "tests/unit/runtime/test_fp16_master_state.py::"
+FP16_MASTER = (FP16_MASTER_TESTS + "test_fp16_master_state_halves_the_host_master_and_gradient_bytes",
+               FP16_MASTER_TESTS + "test_fp16_master_state_trains_close_to_fp32_masters",
+               FP16_MASTER_TESTS + "test_fp16_master_state_resumes_bit_exactly")
+
 MICS_PARITY = "tests/integration/test_mics_hpz.py::test_mics_partitions_over_shard_groups_and_matches_zero3"
 MICS_HPZ = "tests/integration/test_mics_hpz.py::test_hpz_backward_gathers_stay_in_the_secondary_group"
 MICS_HPZ_RESUME = "tests/integration/test_mics_hpz.py::test_mics_and_hpz_checkpoints_resume"
@@ -89,8 +94,9 @@ ENTRIES: list[Entry] = [
     done("fp16.hysteresis", "overflows absorbed before the scale halves", UNIT),
     done("fp16.consecutive_hysteresis", "refill the hysteresis on every clean step", UNIT),
     done("fp16.min_loss_scale", "the dynamic loss scale never goes below this", UNIT),
-    todo("fp16.fp16_master_weights_and_grads", "keep master weights and gradients in fp16 (ZeRO-2, CUDA)",
-         FUSED, applies=lambda cfg: cfg.fp16.enabled),
+    done("fp16.fp16_master_weights_and_grads", "with fp16 enabled: fp16 master weights and master gradients in host "
+         "memory, Adam's moments fp32 (DeepSpeed's ZeRO 1-3 with CPU optimizer offload and its CPU Adam, which it "
+         "requires; other combinations refused)", *FP16_MASTER),
     done("bf16.enabled", "train in bfloat16 with fp32 master weights", UNIT),
     # DeepSpeed reads it only in its BF16_Optimizer (ZeRO-1, a bf16 model accumulating in fp32); the other stages
     # add each gradient where it accumulates from its hook whatever it says (a config note says so)
