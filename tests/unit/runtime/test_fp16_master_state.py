@@ -14,6 +14,7 @@ from dsrun.checkpoint.safe_load import load_file
 from dsrun.config import validate_ds_config
 from dsrun.estimate.inputs import EstimateInputs
 from dsrun.estimate.model_states import model_state_bytes
+from dsrun.utils.errors import ConfigError
 
 pytestmark = pytest.mark.usefixtures("world_of_one")
 
@@ -83,6 +84,21 @@ def test_fp16_master_state_halves_the_host_master_and_gradient_bytes(stage):
     assert saved == (before.total - before.buffers) - (after.total - after.buffers)
 
 
+def test_the_estimator_reads_the_key_from_a_run_config():
+    from omegaconf import OmegaConf
+
+    from dsrun.estimate.runspec import build_recipe_model, inputs_from_runspec
+
+    model = build_recipe_model(OmegaConf.create({"model": {"_target_": "torch.nn.Linear", "in_features": 64,
+                                                           "out_features": 64}}))
+    ds = {"fp16": {"enabled": True, "fp16_master_weights_and_grads": True},
+          "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    spec, sources = inputs_from_runspec(OmegaConf.create({"ds": ds}), model)
+    assert spec.fp16_master_state and sources["fp16_master_state"] == "ds.fp16.fp16_master_weights_and_grads"
+    fp32 = model_state_bytes(spec.with_(fp16_master_weights_and_grads=False))
+    assert fp32.host - model_state_bytes(spec).host == 4 * (64 * 64 + 64)  # 2 + 2 bytes per trainable parameter
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_fp16_master_state_trains_close_to_fp32_masters(stage):
     """The bound, as for bf16 master state (test_bf16_master_state.py) with fp16's unit roundoff u = 2^-11: both runs
@@ -150,3 +166,10 @@ def test_combinations_deepspeed_or_dsrun_does_not_run_are_refused_with_one_line(
     assert "'nvme'" in nvme and "not implemented" in nvme
     (partial,) = _refusal({"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}})
     assert "ratio 0.5" in partial and "not implemented" in partial
+    # a client optimizer object that is not DeepSpeedCPUAdam (torch's, on the host: zero_force_ds_cpu_optimizer false)
+    model = _model()
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_force_ds_cpu_optimizer": False,
+              "fp16": {"enabled": True, "fp16_master_weights_and_grads": True},
+              "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    with pytest.raises(ConfigError, match="fp16.fp16_master_weights_and_grads: .*DeepSpeedCPUAdam.* AdamW"):
+        dsrun.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=config)
