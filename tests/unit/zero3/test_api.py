@@ -47,10 +47,11 @@ def test_init_context_leaves_torch_as_it_found_it() -> None:
     import dsrun.zero.init as zero_init
 
     before = {name: getattr(torch.nn.init, name) for name in zero_init._INIT_FUNCTIONS}
-    linear_init = nn.Linear.__init__
-    zero_init._install()
+    linear_init, module_apply = nn.Linear.__init__, nn.Module.apply
+    zero_init._install(override_module_apply=True)
     try:
         assert nn.Linear.__init__ is not linear_init
+        assert nn.Module.apply is not module_apply  # zero_optimization.override_module_apply: gathers around fn
 
         class Defined(nn.Module):  # a class defined while the context is active is wrapped too
             def __init__(self) -> None:
@@ -60,6 +61,7 @@ def test_init_context_leaves_torch_as_it_found_it() -> None:
     finally:
         zero_init._uninstall()
     assert nn.Linear.__init__ is linear_init and not hasattr(Defined.__init__, "_ds_original")
+    assert nn.Module.apply is module_apply
     assert {name: getattr(torch.nn.init, name) for name in zero_init._INIT_FUNCTIONS} == before
     assert "__init_subclass__" not in nn.Module.__dict__
 
