@@ -16,6 +16,8 @@ op is libc through ctypes, so there is nothing to compile.
 * ``get_active_native_pinned_memory()`` is the process-wide manager when ``DS_PIN_MEMORY_BACKEND=native``, else
   None; the accelerator's ``pin_memory`` / ``is_pinned`` / ``unpin_memory`` route through it, and the offloaded
   optimizer's host buffers (``offload_optimizer.pin_memory``) are pinned by it and released at ``engine.destroy()``.
+  It takes its handle from ``op_builder.PinMemoryBuilder().load()`` as DeepSpeed's does, and raises RuntimeError
+  naming the op where that fails (no silent fall back to torch's pinning).
 """
 from __future__ import annotations
 
@@ -123,7 +125,15 @@ class NativePinnedMemory:
     def __init__(self) -> None:
         self._ranges: dict[int, int] = {}  # block address -> end of the pinned bytes
         self._finalizers: dict[int, weakref.finalize] = {}
-        self._handle = pin_handle()
+        # through the op builder, as DeepSpeed: a handle that cannot be had fails here, naming the op, rather
+        # than falling back to torch's pinning unasked
+        try:
+            from op_builder import PinMemoryBuilder
+
+            self._handle = PinMemoryBuilder().load().pin_handle()
+        except Exception as e:
+            raise RuntimeError(f"{BACKEND_ENV}=native needs the pin_memory op, which could not be loaded ({e}); "
+                               f"unset {BACKEND_ENV} for torch's pinning") from e
 
     def pin(self, tensor: torch.Tensor, make_copy: bool = True, match_shape: bool = True) -> torch.Tensor:
         """A page-locked tensor of ``tensor``'s dtype and size: its values (``make_copy``), its shape
@@ -176,15 +186,15 @@ class NativePinnedMemory:
         handle.free_cpu_locked_tensor_by_ptr(begin)
 
 
-_shared: NativePinnedMemory | None = None
+_shared_native_pins: NativePinnedMemory | None = None  # DeepSpeed's name
 
 
 def get_native_pinned_memory() -> NativePinnedMemory:
     """The process-wide manager (one, so that every component agrees on what is pinned)."""
-    global _shared
-    if _shared is None:
-        _shared = NativePinnedMemory()
-    return _shared
+    global _shared_native_pins
+    if _shared_native_pins is None:
+        _shared_native_pins = NativePinnedMemory()
+    return _shared_native_pins
 
 
 def get_active_native_pinned_memory() -> NativePinnedMemory | None:

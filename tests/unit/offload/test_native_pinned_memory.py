@@ -77,6 +77,24 @@ def test_accelerator_routes_through_the_manager_only_when_native(monkeypatch):
     assert accelerator.unpin_memory(pinned) is True and not accelerator.is_pinned(pinned)
 
 
+def test_native_backend_fails_naming_the_op_when_it_cannot_load(monkeypatch):
+    """The manager takes its handle from the op builder, as DeepSpeed's does: a load that fails is a RuntimeError
+    naming the op, never a quiet fall back to torch's pinning."""
+    import op_builder
+    import dsrun.utils.pin_memory as pin_memory
+
+    class FailingBuilder:
+        def load(self):
+            raise OSError("no libc here")
+
+    monkeypatch.setenv("DS_PIN_MEMORY_BACKEND", "native")
+    monkeypatch.setattr(pin_memory, "_shared_native_pins", None)
+    monkeypatch.setattr(op_builder, "PinMemoryBuilder", FailingBuilder)
+    with pytest.raises(RuntimeError, match="pin_memory op.*no libc here"):
+        get_active_native_pinned_memory()
+    assert pin_memory._shared_native_pins is None  # nothing half-built is kept
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_offloaded_optimizer_buffers_are_natively_pinned_and_released_at_destroy(stage, monkeypatch, world_of_one):
     monkeypatch.setenv("DS_PIN_MEMORY_BACKEND", "native")
