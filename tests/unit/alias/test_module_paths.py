@@ -115,9 +115,10 @@ def test_on_device_builds_on_meta_in_the_given_dtype():
 
 
 def test_accelerator_has_deepspeeds_cpu_methods():
-    from dsrun.accelerator import Accelerator, is_current_accelerator_supported
+    from dsrun.accelerator import is_current_accelerator_supported
+    from dsrun.accelerator.cpu_accelerator import CPU_Accelerator
 
-    cpu = Accelerator("cpu")
+    cpu = CPU_Accelerator()
     assert is_current_accelerator_supported()
     assert cpu.device_count() == 1 and cpu.current_device_name() == "cpu" and cpu.is_synchronized_device()
     assert torch.bfloat16 in cpu.supported_dtypes()

@@ -28,9 +28,10 @@ def fresh_configuration():
 @pytest.fixture
 def cpu_accelerator(monkeypatch):
     """The tracker draws from the device generator: the host's on a CPU rank (also on a machine with a GPU)."""
-    import dsrun.accelerator
+    from dsrun.accelerator import real_accelerator
+    from dsrun.accelerator.cpu_accelerator import CPU_Accelerator
 
-    monkeypatch.setattr(dsrun.accelerator, "_ACCELERATOR", dsrun.accelerator.Accelerator("cpu"))
+    monkeypatch.setattr(real_accelerator, "ds_accelerator", CPU_Accelerator())
 
 
 def test_deepspeed_names_and_signatures():
