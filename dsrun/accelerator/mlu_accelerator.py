@@ -1,6 +1,6 @@
-"""``deepspeed.accelerator.mlu_accelerator``: Cambricon MLUs through ``torch.mlu``, which ``torch_mlu`` adds to torch; ranks
-over CNCL. Without ``torch_mlu`` the class still builds: ``is_available()`` is False and device calls raise a
-RuntimeError naming the package."""
+"""``deepspeed.accelerator.mlu_accelerator``: Cambricon MLUs through ``torch.mlu``, which ``torch_mlu`` adds to
+torch; ranks over CNCL. Without ``torch_mlu`` the class still builds: ``is_available()`` is False and device calls
+raise a RuntimeError naming the package."""
 from __future__ import annotations
 
 from dsrun.accelerator.device import Accelerator

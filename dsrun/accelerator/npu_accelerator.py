@@ -1,6 +1,6 @@
-"""``deepspeed.accelerator.npu_accelerator``: Huawei Ascend NPUs through ``torch.npu``, which ``torch_npu`` adds to torch; ranks
-over HCCL. Without ``torch_npu`` the class still builds: ``is_available()`` is False and device calls raise a
-RuntimeError naming the package."""
+"""``deepspeed.accelerator.npu_accelerator``: Huawei Ascend NPUs through ``torch.npu``, which ``torch_npu`` adds to
+torch; ranks over HCCL. Without ``torch_npu`` the class still builds: ``is_available()`` is False and device calls
+raise a RuntimeError naming the package."""
 from __future__ import annotations
 
 from dsrun.accelerator.device import Accelerator

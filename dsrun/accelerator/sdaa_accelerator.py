@@ -1,6 +1,6 @@
-"""``deepspeed.accelerator.sdaa_accelerator``: Tecorigin SDAAs through ``torch.sdaa``, which ``torch_sdaa`` adds to torch; ranks
-over TCCL. Without ``torch_sdaa`` the class still builds: ``is_available()`` is False and device calls raise a
-RuntimeError naming the package."""
+"""``deepspeed.accelerator.sdaa_accelerator``: Tecorigin SDAAs through ``torch.sdaa``, which ``torch_sdaa`` adds to
+torch; ranks over TCCL. Without ``torch_sdaa`` the class still builds: ``is_available()`` is False and device
+calls raise a RuntimeError naming the package."""
 from __future__ import annotations
 
 from dsrun.accelerator.device import Accelerator

@@ -1,6 +1,6 @@
-"""``deepspeed.accelerator.supa_accelerator``: Biren SUPA GPUs through ``torch.supa``, which ``torch_supa`` adds to torch; ranks
-over BCCL. Without ``torch_supa`` the class still builds: ``is_available()`` is False and device calls raise a
-RuntimeError naming the package."""
+"""``deepspeed.accelerator.supa_accelerator``: Biren SUPA GPUs through ``torch.supa``, which ``torch_supa`` adds to
+torch; ranks over BCCL. Without ``torch_supa`` the class still builds: ``is_available()`` is False and device
+calls raise a RuntimeError naming the package."""
 from __future__ import annotations
 
 from dsrun.accelerator.device import Accelerator
