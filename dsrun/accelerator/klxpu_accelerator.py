@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 
-from dsrun.accelerator.cuda_accelerator import CUDA_Accelerator
+from dsrun.accelerator.cuda_accelerator import CUDA_Accelerator as CudaAccelerator  # one *_Accelerator name here
 
 
-class KLXPU_Accelerator(CUDA_Accelerator):  # noqa: N801 - DeepSpeed's name
+class KLXPU_Accelerator(CudaAccelerator):  # noqa: N801 - DeepSpeed's name
     supports_nvtx_domain = False
     package = "torch_xmlir"
     launcher_envs = ("BKCL", "XPU", "XMLIR", "LD_LIBRARY", "PATH")

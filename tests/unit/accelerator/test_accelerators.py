@@ -98,6 +98,8 @@ def test_ds_accelerator_selects_as_deepspeed_does(fresh_choice, monkeypatch):
     assert accel.get_accelerator() == CPU_Accelerator()
 
 
-def test_the_deepspeed_paths_reach_the_same_classes():
-    module = importlib.import_module("dsrun.accelerator.xpu_accelerator")
-    assert [n for n in dir(module) if n.endswith("_Accelerator")] == ["XPU_Accelerator"]
+@pytest.mark.parametrize("name", ["xpu", "klxpu"])
+def test_each_family_module_holds_one_accelerator_class(name):
+    """DeepSpeed's test of its modules finds a module's class by the one name ending in ``_Accelerator``."""
+    module = importlib.import_module(f"dsrun.accelerator.{name}_accelerator")
+    assert [n for n in dir(module) if n.endswith("_Accelerator")] == [f"{name.upper()}_Accelerator"]
