@@ -125,10 +125,9 @@ PATHS: dict[str, str] = {
     "deepspeed.ops.transformer.inference.op_binding.vector_add": "dsrun.ops.transformer.inference.op_binding",
     "deepspeed.ops.transformer.inference.bias_add": "dsrun.ops.transformer.inference.kernels",
     "deepspeed.ops.fp_quantizer.fp8_gemm": "dsrun.ops.fp_quantizer.quantize",
-    # DeepSpeed's Triton ops, as torch: its three modules are the package itself
+    # DeepSpeed's Triton ops, as torch: its availability check and SwiGLU modules are the package itself
     "deepspeed.ops.triton_ops._triton": "dsrun.ops.triton_ops",
     "deepspeed.ops.triton_ops.swiglu_triton": "dsrun.ops.triton_ops",
-    "deepspeed.ops.triton_ops.group_gemm_triton": "dsrun.ops.triton_ops",
     # DeepSpeed-Inference's group-wise weight quantization: its three modules are one here
     "deepspeed.inference.quantization.utils": "dsrun.inference.quantization.groupwise",
     "deepspeed.inference.quantization.layers": "dsrun.inference.quantization.groupwise",

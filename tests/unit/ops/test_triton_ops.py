@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from dsrun.ops import triton_ops
-from dsrun.ops.triton_ops import _group_meta, group_gemm_triton, is_triton_available, swiglu
+from dsrun.ops.triton_ops import group_gemm_triton, is_triton_available, swiglu
+from dsrun.ops.triton_ops.group_gemm_triton import _GROUP_META_BLOCK, _group_meta
 
 EPS32 = torch.finfo(torch.float32).eps
 
@@ -59,7 +60,7 @@ def test_swiglu_gradients_are_the_formulas():
 
 
 def test_group_meta_is_each_groups_first_row_and_size():
-    counts = torch.randint(0, 5, (3 * triton_ops._GROUP_META_BLOCK + 7, ), dtype=torch.int32)
+    counts = torch.randint(0, 5, (3 * _GROUP_META_BLOCK + 7, ), dtype=torch.int32)
     counts[:3] = torch.tensor([0, 0, 4])
     starts, sizes = _group_meta(torch.cumsum(counts, 0).to(torch.int32))
     assert starts.dtype == sizes.dtype == torch.int32 and torch.equal(sizes, counts)
