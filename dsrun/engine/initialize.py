@@ -96,6 +96,10 @@ def _refuse_pipeline_settings(ds_config: DSConfig) -> None:
                            for k in changed])
 
 
+class ModelRequiredError(ConfigError, AssertionError):
+    """``initialize`` was given no model: a ConfigError, and also the AssertionError DeepSpeed raises there."""
+
+
 def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer: ClientOptimizer | None = None,
                model_parameters: ModelParameters | None = None, training_data: torch.utils.data.Dataset | None = None,
                lr_scheduler: Any = None, distributed_port: int = 29500, mpu: DataParallelMpu | None = None,
@@ -117,7 +121,11 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
 
     install_user_error_hook()  # under dsrun's launcher: a config mistake is one line, not a traceback per rank
     if model is None:
-        raise ConfigError(Problem("initialize(model=...)", "a model is required", "pass model=<torch.nn.Module>"))
+        slip = isinstance(args, torch.nn.Module)  # initialize(model, ...): DeepSpeed's first parameter is args
+        raise ModelRequiredError(Problem(
+            "initialize(model=...)", "a model is required" + (", and the first positional argument is args, which "
+                                                             "got a torch.nn.Module" if slip else ""),
+            "pass model=<torch.nn.Module> by keyword"))
     source = _mesh_config(_resolve_config_source(args, config, config_params), mesh_param)
     if dist_init_required is not False and not comm.is_initialized():
         comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required,

@@ -48,6 +48,16 @@ def test_signatures_match_deepspeed() -> None:
     assert list(backward) == ["loss", "allreduce_gradients", "release_loss", "retain_graph", "scale_wrt_gas"]
 
 
+def test_no_model_is_refused_as_deepspeed_refuses_it() -> None:
+    """No model: a ConfigError naming the argument, and the AssertionError DeepSpeed raises; passing the model
+    positionally (DeepSpeed's first parameter is ``args``) says so."""
+    with pytest.raises(AssertionError, match="a model is required") as no_model:
+        dsrun.initialize(model=None, config=_config())
+    assert isinstance(no_model.value, ConfigError) and "args" not in str(no_model.value)
+    with pytest.raises(ConfigError, match="first positional argument is args"):
+        dsrun.initialize(_model(), config=_config())
+
+
 def test_config_getters_called_unbound_read_a_stand_ins_config() -> None:
     """DeepSpeed's getters read ``self._config``: called on the class with a stand-in holding only that, they
     answer from it (DeepSpeed's own tests do so)."""
