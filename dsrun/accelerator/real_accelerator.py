@@ -1,8 +1,8 @@
 """``deepspeed.accelerator.real_accelerator``: which accelerator this process uses, chosen as DeepSpeed chooses.
 
 ``DS_ACCELERATOR`` (dsrun's older ``DSRUN_ACCELERATOR`` too) names one of ``SUPPORTED_ACCELERATOR_LIST``; the
-named family's package must be importable (``torch_npu`` for ``npu``, ...), else a ValueError says which is
-missing. Unset, the first family present in DeepSpeed's order is taken: XPU, NPU, SDAA, MPS, HPU, MLU, SUPA,
+named family's package must be importable (``torch_npu`` for ``npu``, ...), else a ConfigError (a ValueError, as
+DeepSpeed's) says which is missing. Unset, the first family present in DeepSpeed's order is taken: XPU, NPU, SDAA, MPS, HPU, MLU, SUPA,
 KLXPU, CUDA, and the CPU when none is. ``set_accelerator`` replaces the choice (an accelerator object, or dsrun's
 shorthand, a family's name).
 """
@@ -16,6 +16,7 @@ import os
 import torch
 
 from dsrun.accelerator.abstract_accelerator import DeepSpeedAccelerator
+from dsrun.utils.errors import ConfigError, Problem
 
 logger = logging.getLogger("DeepSpeed")
 
@@ -44,15 +45,19 @@ def _mps_present() -> bool:
     return True
 
 
+def _refuse(message: str) -> ConfigError:
+    """A user's error (one line, exit code 2) that is also the ValueError DeepSpeed raises here."""
+    return ConfigError(Problem("DS_ACCELERATOR", message, "unset it to detect the device, or name another family"))
+
+
 def _check_present(name: str) -> None:
-    """ValueError, DeepSpeed's, when the named family cannot run in this installation."""
+    """Refuse a named family that cannot run in this installation, as DeepSpeed does."""
     if name == "xpu" and not (hasattr(torch, "xpu") and torch.xpu.is_available()):
-        raise ValueError("XPU_Accelerator requires PyTorch with XPU support (torch.xpu), and no XPU is available")
+        raise _refuse("XPU_Accelerator requires PyTorch with XPU support (torch.xpu), and no XPU is available")
     if name == "mps" and not _mps_present():
-        raise ValueError("MPS_Accelerator requires torch.mps, which is not installed on this system.")
+        raise _refuse("MPS_Accelerator requires torch.mps, which is not installed on this system")
     if name in _PACKAGES and not _importable(_PACKAGES[name]):
-        raise ValueError(f"{name.upper()}_Accelerator requires {_PACKAGES[name]}, which is not installed on this "
-                         f"system.")
+        raise _refuse(f"{name.upper()}_Accelerator requires {_PACKAGES[name]}, which is not installed on this system")
 
 
 def _detect() -> str:
@@ -82,8 +87,7 @@ def _detect() -> str:
 def accelerator_class(name: str) -> type[DeepSpeedAccelerator]:
     """The class of the family ``name`` (``"cuda"`` -> ``CUDA_Accelerator``)."""
     if name not in SUPPORTED_ACCELERATOR_LIST:
-        raise ValueError(f'DS_ACCELERATOR must be one of {SUPPORTED_ACCELERATOR_LIST}. Value "{name}" is not '
-                         f'supported')
+        raise _refuse(f'must be one of {SUPPORTED_ACCELERATOR_LIST}; value "{name}" is not supported')
     module = importlib.import_module(f"dsrun.accelerator.{name}_accelerator")
     return getattr(module, f"{name.upper()}_Accelerator")
 
@@ -92,8 +96,8 @@ def _wanted() -> str | None:
     named = {key: os.environ[key].strip().lower() for key in ("DS_ACCELERATOR", "DSRUN_ACCELERATOR")
              if os.environ.get(key, "").strip()}
     if len(set(named.values())) > 1:
-        raise ValueError(f"DS_ACCELERATOR={named['DS_ACCELERATOR']!r} and DSRUN_ACCELERATOR="
-                         f"{named['DSRUN_ACCELERATOR']!r} disagree; set one of them")
+        raise _refuse(f"{named['DS_ACCELERATOR']!r} and DSRUN_ACCELERATOR={named['DSRUN_ACCELERATOR']!r} "
+                      f"disagree; set one of them")
     return next(iter(named.values()), None)
 
 

@@ -13,6 +13,7 @@ from dsrun.accelerator import DeepSpeedAccelerator, real_accelerator
 from dsrun.accelerator.cpu_accelerator import CPU_Accelerator
 from dsrun.accelerator.cuda_accelerator import CUDA_Accelerator
 from dsrun.accelerator.npu_accelerator import NPU_Accelerator
+from dsrun.utils.errors import ConfigError
 
 BUILDS_WITHOUT_ITS_DEVICE = ["cpu", "cuda", "xpu", "npu", "mlu", "sdaa", "supa", "mps", "klxpu"]
 
@@ -78,11 +79,11 @@ def test_ds_accelerator_selects_as_deepspeed_does(fresh_choice, monkeypatch):
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     assert type(accel.get_accelerator()) is CPU_Accelerator and accel.is_current_accelerator_supported()
     monkeypatch.setattr(real_accelerator, "ds_accelerator", None)
-    monkeypatch.setenv("DS_ACCELERATOR", "npu")  # named but not installed: DeepSpeed's ValueError
-    with pytest.raises(ValueError, match="NPU_Accelerator requires torch_npu"):
+    monkeypatch.setenv("DS_ACCELERATOR", "npu")  # named but not installed: DeepSpeed's ValueError, a user's error
+    with pytest.raises(ConfigError, match="NPU_Accelerator requires torch_npu"):
         accel.get_accelerator()
     monkeypatch.setenv("DS_ACCELERATOR", "tpu")
-    with pytest.raises(ValueError, match="DS_ACCELERATOR must be one of"):
+    with pytest.raises(ValueError, match="DS_ACCELERATOR: must be one of"):
         accel.get_accelerator()
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     monkeypatch.setenv("DSRUN_ACCELERATOR", "cuda")
