@@ -1,10 +1,10 @@
 """``deepspeed.accelerator.real_accelerator``: which accelerator this process uses, chosen as DeepSpeed chooses.
 
-``DS_ACCELERATOR`` (dsrun's older ``DSRUN_ACCELERATOR`` too) names one of ``SUPPORTED_ACCELERATOR_LIST``; the
-named family's package must be importable (``torch_npu`` for ``npu``, ...), else a ConfigError (a ValueError, as
-DeepSpeed's) says which is missing. Unset, the first family present in DeepSpeed's order is taken: XPU, NPU, SDAA, MPS, HPU, MLU, SUPA,
-KLXPU, CUDA, and the CPU when none is. ``set_accelerator`` replaces the choice (an accelerator object, or dsrun's
-shorthand, a family's name).
+``DS_ACCELERATOR`` (dsrun's older ``DSRUN_ACCELERATOR`` too) names one of ``SUPPORTED_ACCELERATOR_LIST``; the named
+family's package must be importable (``torch_npu`` for ``npu``, ...), else a ConfigError (a ValueError, as
+DeepSpeed's) says which is missing. Unset, the first family present in DeepSpeed's order is taken: XPU, NPU, SDAA,
+MPS, HPU, MLU, SUPA, KLXPU, CUDA, and the CPU when none is. ``set_accelerator`` replaces the choice (an accelerator
+object, or dsrun's shorthand, a family's name).
 """
 from __future__ import annotations
 
