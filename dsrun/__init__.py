@@ -36,6 +36,7 @@ _LAZY: dict[str, str] = {
     "DeepSpeedConfig": "dsrun.config.deepspeed_config:DeepSpeedConfig",
     "DeepSpeedConfigError": "dsrun.config.deepspeed_config:DeepSpeedConfigError",
     "DeepSpeedEngine": "dsrun.engine.engine:DeepSpeedEngine",
+    "DeepSpeedHybridEngine": "dsrun.engine.hybrid_engine:DeepSpeedHybridEngine",
     "OnDevice": "dsrun.utils.init_on_device:OnDevice",
     "get_accelerator": "dsrun.accelerator:get_accelerator",
     "log_dist": "dsrun.utils.logging:log_dist",

@@ -105,6 +105,7 @@ PATHS: dict[str, str] = {
     "deepspeed.runtime.rollout.base": "dsrun.inference.rollout",
     "deepspeed.runtime.rollout.hybrid_engine_rollout": "dsrun.inference.rollout",
     "deepspeed.runtime.hybrid_engine_graph": "dsrun.inference.decode_graphs",
+    "deepspeed.runtime.hybrid_engine": "dsrun.engine.hybrid_engine",
     # inference v2 (FastGen): EXAONE 4.0 and 4.5 share one module, as do the two model bases
     "deepspeed.inference.v2.model_implementations.exaone4": "dsrun.inference.v2.model_implementations.exaone",
     "deepspeed.inference.v2.model_implementations.exaone4_5": "dsrun.inference.v2.model_implementations.exaone",

@@ -11,6 +11,7 @@ from dsrun.activation_checkpointing.settings import ActivationCheckpointingFeatu
 from dsrun.compression.feature import CompressionFeature
 from dsrun.data_efficiency.features import DataEfficiency
 from dsrun.features import Feature, register_feature
+from dsrun.hybrid_engine import HybridEngineFeature
 from dsrun.autoep.feature import AutoEPFeature
 from dsrun.moe.feature import MoEFeature
 from dsrun.optim.muon import MuonFeature
@@ -34,6 +35,7 @@ BUILTIN: tuple[type[Feature], ...] = (
     ZeroPlusPlusFeature,  # ZeRO++ / MiCS / hpZ: stage 3's sharding policy
     ZenFlowFeature,  # ZenFlow: the selective, overlapped offloaded update of stages 1-2
     GradientAccumulationFeature,  # data_types.grad_accum_dtype: the dtype the ZeRO strategy accumulates in
+    HybridEngineFeature,  # hybrid_engine: DeepSpeed-Chat's generate on the training engine
 )
 
 for _feature in BUILTIN:

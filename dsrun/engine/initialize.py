@@ -151,6 +151,12 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         announce(ds_config, rank=comm.get_rank())
     if engine_class is DeepSpeedEngine:
         _refuse_pipeline_settings(ds_config)
+        if ds_config.hybrid_engine.enabled:  # DeepSpeed-Chat's train/generate engine (dsrun/hybrid_engine.py)
+            from dsrun.engine.hybrid_engine import DeepSpeedHybridEngine
+            engine_class = DeepSpeedHybridEngine
+    elif ds_config.hybrid_engine.enabled:
+        raise ConfigError(Problem("hybrid_engine.enabled", f"a {type(model).__name__} runs its own engine",
+                                  "drop hybrid_engine for a pipeline model"))
     engine_class.prepare_model(model, ds_config)
     features = Features.build(ds_config)  # dsrun/features.py: each wraps the model before the optimizer
     model, model_parameters = features.wrap_model(model, model_parameters, optimizer)

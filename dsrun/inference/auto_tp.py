@@ -257,31 +257,47 @@ def check_split(model: nn.Module, tp_size: int, policy: Mapping[Any, Any] | None
     return plans
 
 
+def parallel_linears(pair: Pair, tp: TPGroup) -> list[tuple[LinearSlot, nn.Module]]:
+    """This rank's column- and row-parallel slices of ``pair``'s linears (copies; the pair's modules, read whole,
+    are left as they are), each with the slot it replaces."""
+    out: list[tuple[LinearSlot, nn.Module]] = []
+    for column in pair.columns:
+        weight, bias = linear_parts(column.module)
+        out.append((column, ColumnParallelLinear(
+            _slice_rows(weight.detach(), column.parts, tp.rank, tp.size),
+            _slice_rows(None if bias is None else bias.detach(), column.parts, tp.rank, tp.size))))
+    weight, bias = linear_parts(pair.row.module)
+    piece = weight.shape[1] // tp.size
+    row_weight = weight.detach()[:, tp.rank * piece:(tp.rank + 1) * piece].clone()
+    out.append((pair.row, RowParallelLinear(row_weight, None if bias is None else bias.detach().clone(), tp.group,
+                                            tp.size)))
+    return out
+
+
+def attention_modules(plan: BlockPlan) -> list[tuple[nn.Module, str]]:
+    """The modules whose head counts a split divides (the parents of attention pairs' column linears), with
+    their qualified names."""
+    found: dict[int, tuple[nn.Module, str]] = {}
+    for pair in plan.pairs:
+        if pair.attention:
+            for column in pair.columns:
+                found[id(column.parent)] = (column.parent, f"{plan.name}.{column.name}".rsplit(".", 1)[0])
+    return list(found.values())
+
+
 def shard_model(model: nn.Module, tp: TPGroup, policy: Mapping[Any, Any] | None = None) -> list[BlockPlan]:
     """Replace each pair's linears by this rank's column- and row-parallel slices (in place); returns the
     plan. With ``tp.size == 1`` the linears are replaced by whole ones (so they can be quantized)."""
     plans = check_split(model, tp.size, policy)
     for plan in plans:
-        attention_modules: dict[int, tuple[nn.Module, str]] = {}
+        attention = attention_modules(plan)
         for pair in plan.pairs:
-            for column in pair.columns:
-                weight, bias = linear_parts(column.module)
-                new = ColumnParallelLinear(_slice_rows(weight.detach(), column.parts, tp.rank, tp.size),
-                                           _slice_rows(None if bias is None else bias.detach(), column.parts,
-                                                       tp.rank, tp.size))
-                setattr(column.parent, column.attr, new)
-                column.module = new  # the plan must not keep the whole weight alive
-                if pair.attention:
-                    attention_modules[id(column.parent)] = (column.parent, f"{plan.name}.{column.name}")
-            weight, bias = linear_parts(pair.row.module)
-            piece = weight.shape[1] // tp.size
-            row_weight = weight.detach()[:, tp.rank * piece:(tp.rank + 1) * piece].clone()
-            pair.row.module = RowParallelLinear(row_weight, None if bias is None else bias.detach().clone(),
-                                                tp.group, tp.size)
-            setattr(pair.row.parent, pair.row.attr, pair.row.module)
+            for slot, new in parallel_linears(pair, tp):
+                setattr(slot.parent, slot.attr, new)
+                slot.module = new  # the plan must not keep the whole weight alive
         if tp.size > 1:
-            for module, where in attention_modules.values():
-                split_head_attrs(module, tp, where.rsplit(".", 1)[0])
+            for module, where in attention:
+                split_head_attrs(module, tp, where)
     return plans
 
 

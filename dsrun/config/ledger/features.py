@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from .entry import Entry, Feature, design, done, todo
 
-HYBRID = Feature("the hybrid train/generate engine (DeepSpeed-Chat)", "disable hybrid_engine")
+HE = "tests/integration/test_hybrid_engine.py::"
 NEBULA = Feature("Nebula checkpointing (Azure)", "disable nebula")
 INFERENCE_QUANT = Feature("DeepSpeed-Inference weight quantization in a training config",
                           "remove weight_quantization (dsrun.init_inference takes quantization arguments)")
@@ -281,11 +281,23 @@ ENTRIES: list[Entry] = [
                         "virtual_stages": "model chunks per rank with the interleaved schedule (dsrun's)"},
            f"{PIPE}test_pipeline_schedule_picks_the_schedule", f"{PIPE_RANKS}test_every_schedule_trains_the_same_model",
            f"{PIPE_RANKS}test_interleaving_cuts_the_model_into_stages_times_virtual_stages"),
-    *_section("hybrid_engine", HYBRID, {
-        "enabled": "switch between training and generation engines", "max_out_tokens": "longest generation",
-        "inference_tp_size": "tensor parallelism while generating", "release_inference_cache": "free the "
-        "KV cache after generating", "pin_parameters": "pin gathered parameters", "tp_gather_partition_size":
-        "partitions gathered at once"}),
+    done("hybrid_engine.enabled", "DeepSpeedHybridEngine: the training engine also generates (Hugging Face's "
+         "generate on its module; at ZeRO-3 the parameters gathered once per call)", f"{HE}test_generate_at_zero3_"
+         "matches_the_whole_model_and_gathers_each_parameter_once", f"{HE}test_training_between_generations_equals_"
+         "a_plain_zero3_engine", traced=False),
+    done("hybrid_engine.max_out_tokens", "prompt + new tokens a generate may hold: the inference workspace's (a "
+         "static key/value cache's) positions; more is refused", f"{HE}test_max_out_tokens_sizes_the_workspace_"
+         "and_bounds_the_generation", traced=False),
+    done("hybrid_engine.inference_tp_size", "generate with the gathered blocks split over groups of this many "
+         "consecutive ranks (ZeRO-3 with pin_parameters only, as in DeepSpeed)", f"{HE}test_inference_tp_splits_"
+         "the_blocks_and_generates_the_same_tokens", traced=False),
+    done("hybrid_engine.release_inference_cache", "free the inference workspace after every generate",
+         f"{HE}test_max_out_tokens_sizes_the_workspace_and_bounds_the_generation", traced=False),
+    done("hybrid_engine.pin_parameters", "ZeRO-3: gather every parameter once per generate (false: each layer "
+         "at every forward, through the hooks)", f"{HE}test_pin_parameters_false_gathers_each_layer_at_every_"
+         "forward", traced=False),
+    done("hybrid_engine.tp_gather_partition_size", "blocks gathered at once while splitting them for "
+         "inference_tp_size", f"{HE}test_inference_tp_splits_the_blocks_and_generates_the_same_tokens", traced=False),
     *_done("compile", {"enabled": "torch.compile the model", "backend": "the compile backend",
                        "kwargs": "torch.compile arguments"},
            "tests/unit/runtime/test_engine_surface.py::test_the_compile_section_compiles_the_module",

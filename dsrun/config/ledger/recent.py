@@ -102,8 +102,10 @@ ENTRIES: list[Entry] = [
     todo("data_types.keep_in_fp32_modules", "modules whose buffers stay fp32", DTYPES),
     todo("aio.use_gds", "NVIDIA GPUDirect Storage for NVMe I/O", Feature("GPUDirect Storage (CUDA)",
                                                                         "leave use_gds false")),
-    todo("hybrid_engine.enable_cuda_graph", "CUDA graphs in the hybrid engine's generation",
-         Feature("the hybrid train/generate engine (DeepSpeed-Chat)", "disable hybrid_engine")),
+    done("hybrid_engine.enable_cuda_graph", "replay the decode steps of a generate from CUDA graphs; refused with "
+         "the reason where they cannot run (a CPU, ZeRO-3, release_inference_cache, inference_tp_size > 1)",
+         "tests/unit/runtime/test_hybrid_engine_settings.py::test_enable_cuda_graph_is_refused_with_the_reason",
+         traced=False),
     done("checkpoint.checkpoint_serialization", "false: every checkpoint file in torch.save's legacy (pre-zipfile) "
          "format", "tests/unit/checkpoint/test_engine_checkpoint.py::test_checkpoint_serialization_false_writes_the_"
          "legacy_format_and_resumes"),

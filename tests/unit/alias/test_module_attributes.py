@@ -37,7 +37,7 @@ ENGINE_IMPORTS = ("runtime.utils",)
 
 # what dsrun does not implement (docs/deepspeed-alias.md says why); each of these is absent, not half there
 NOT_PROVIDED = {
-    "runtime.hybrid_engine", "runtime.compiler", "runtime.tensor_parallel.init_utils", "ops.fp_quantizer", "utils.comms_logging",
+    "runtime.compiler", "runtime.tensor_parallel.init_utils", "ops.fp_quantizer", "utils.comms_logging",
     "utils.nvtx", "utils.mixed_precision_linkage", "comm.utils",
 }
 # modules whose package's __init__ then imports a function of the same name from them, so in DeepSpeed the
