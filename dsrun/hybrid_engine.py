@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from contextlib import ExitStack, contextmanager
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
 import torch
 from torch import nn
@@ -33,7 +33,7 @@ from dsrun import comm
 from dsrun.accelerator import get_accelerator
 from dsrun.features import Feature
 from dsrun.inference.auto_tp import (HEAD_ATTRS, KV_HEAD_ATTRS, WIDTH_ATTRS, BlockPlan, attention_modules,
-                                     check_split, parallel_linears, split_head_attrs)
+                                     check_split, find_blocks, parallel_linears, split_head_attrs)
 from dsrun.inference.decode_graphs import (DecodeGraphCache, decode_steps_from_generate_kwargs,
                                            validate_cuda_graph_support)
 from dsrun.inference.groups import TPGroup, model_parallel_group
@@ -42,8 +42,21 @@ from dsrun.zero.gathered import GatheredParameters
 from dsrun.zero.generation import unwrap_model_for_generation
 from dsrun.zero.hooks import ParameterCoordinator
 
+if TYPE_CHECKING:
+    from dsrun.config import DSConfig
+    from dsrun.config.misc import HybridEngineConfig
+
 __all__ = ["HybridEngineFeature"]
 _CACHE_KWARGS = ("past_key_values", "cache", "use_cache")
+
+
+class HybridEngineHost(Protocol):
+    """What the feature reads of the engine it attaches to (a ``DeepSpeedHybridEngine``)."""
+
+    module: nn.Module
+    strategy: object | None
+    mpu: object | None
+    device: torch.device
 
 
 class HybridEngineFeature(Feature):
@@ -51,22 +64,22 @@ class HybridEngineFeature(Feature):
 
     name = "hybrid_engine"
 
-    def __init__(self, section: Any, zero_stage: int):
+    def __init__(self, section: HybridEngineConfig, zero_stage: int):
         self.section, self.zero_stage = section, zero_stage
-        self.engine: Any = None
+        self.engine: HybridEngineHost | None = None
         self.tp = TPGroup(None, 0, 1)
         self.plans: list[BlockPlan] = []
         self.graphs: DecodeGraphCache | None = None
         self.workspace: Any = None  # the StaticCache of max_out_tokens positions
         self._workspace_batch: int | None = None
-        self._generate: Any = None  # the module's own generate
+        self._generate: Callable[..., Any] | None = None  # the module's own generate
         # what the last generate did: layers per gather (one entry per gather of blocks), and its latencies
         self.gather_groups: list[int] = []
         self.gather_latency = self.generate_latency = 0.0
         self.total_batch_size: int | None = None
 
     @classmethod
-    def build(cls, config: Any) -> "HybridEngineFeature | None":
+    def build(cls, config: DSConfig) -> "HybridEngineFeature | None":
         section = config.hybrid_engine
         if not section.enabled:
             changed = sorted(k for k in section.model_fields_set if k != "enabled"
@@ -83,7 +96,7 @@ class HybridEngineFeature(Feature):
         coordinator = getattr(getattr(self.engine, "strategy", None), "coordinator", None)
         return self.zero_stage == 3 and isinstance(coordinator, ParameterCoordinator)
 
-    def attach(self, engine: Any) -> None:
+    def attach(self, engine: HybridEngineHost) -> None:
         self.engine, section = engine, self.section
         if section.enable_cuda_graph:
             reason = validate_cuda_graph_support(section, self.zero_stage)
@@ -102,7 +115,7 @@ class HybridEngineFeature(Feature):
             self._generate = engine.module.generate
             engine.module.generate = self.generate
 
-    def _attach_tensor_parallel(self, engine: Any) -> None:
+    def _attach_tensor_parallel(self, engine: HybridEngineHost) -> None:
         size, where = int(self.section.inference_tp_size), "hybrid_engine.inference_tp_size"
         if self.zero_stage != 3 or not self.section.pin_parameters:
             raise ConfigError(Problem(where, f"{size} splits the layers it gathers for generation, which happens "
@@ -118,7 +131,7 @@ class HybridEngineFeature(Feature):
             self.plans = check_split(engine.module, size)
 
     # --- generate ---------------------------------------------------------------------------------------
-    def generate(self, *inputs: Any, **kwargs: Any) -> Any:
+    def generate(self, *inputs: torch.Tensor, **kwargs: object) -> Any:
         """The module's ``generate`` with the layout the section asks for (collective at ZeRO-3)."""
         if self._generate is None:
             raise UserError(Problem("hybrid_engine.enabled", f"the {type(self.engine.module).__name__} model has "
@@ -147,7 +160,7 @@ class HybridEngineFeature(Feature):
         self.generate_latency = time.time() - start - self.gather_latency
         return out
 
-    def _check_budget(self, prompt: Any, kwargs: dict[str, Any]) -> None:
+    def _check_budget(self, prompt: object, kwargs: dict[str, Any]) -> None:
         """Prompt plus new tokens must fit ``max_out_tokens`` (DeepSpeed's workspace length)."""
         if not torch.is_tensor(prompt):
             return
@@ -163,8 +176,6 @@ class HybridEngineFeature(Feature):
                                     "ask for fewer tokens or raise hybrid_engine.max_out_tokens"))
 
     def _blocks(self) -> list[nn.Module]:
-        from dsrun.inference.auto_tp import find_blocks
-
         return [block for _, block in find_blocks(self.engine.module)]
 
     def _run(self, inputs: tuple, kwargs: dict[str, Any]) -> Any:

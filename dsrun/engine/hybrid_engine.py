@@ -8,6 +8,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import torch
+
 from dsrun import comm
 from dsrun.engine.engine import DeepSpeedEngine
 from dsrun.hybrid_engine import HybridEngineFeature
@@ -53,7 +55,7 @@ class DeepSpeedHybridEngine(DeepSpeedEngine):
     def _generate_latency(self) -> float:
         return self.hybrid.generate_latency
 
-    def generate(self, *inputs: Any, **kwargs: Any) -> Any:
+    def generate(self, *inputs: torch.Tensor, **kwargs: object) -> Any:
         """The module's ``generate`` as the ``hybrid_engine`` section arranges it (collective at ZeRO-3)."""
         return self.hybrid.generate(*inputs, **kwargs)
 

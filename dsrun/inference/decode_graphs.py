@@ -9,8 +9,8 @@ from the length a ``generate`` call pins (:func:`decode_steps_from_generate_kwar
 CPU there are no graphs) or inputs whose shapes change turn the cache off for good and run eagerly, with one warning.
 :func:`validate_cuda_graph_support` says why a hybrid-engine configuration cannot use graphs.
 
-dsrun's engine does not build DeepSpeed's hybrid engine (the ``hybrid_engine`` section is refused); this is the
-piece of it a caller can wrap its own generation forward with.
+The hybrid engine (:mod:`dsrun.hybrid_engine`, ``hybrid_engine.enable_cuda_graph``) wraps its module's forward with
+it while generating; a caller can wrap its own generation forward the same way.
 """
 from __future__ import annotations
 
