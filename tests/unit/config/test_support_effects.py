@@ -205,8 +205,8 @@ def _ignore_batch_info(**_):
 # --- dsrun's own ---------------------------------------------------------------------------------------------------
 @effect("dsrun_allow_unimplemented")
 def _allow(capsys, **_):
-    config = {"train_micro_batch_size_per_gpu": 1, "hybrid_engine": {"enabled": True}}
-    assert [p.path for p in validate_ds_config(config)] == ["hybrid_engine.enabled"]
+    config = {"train_micro_batch_size_per_gpu": 1, "nebula": {"enabled": True}}
+    assert [p.path for p in validate_ds_config(config)] == ["nebula.enabled"]
     cfg = load_ds_config({**config, "dsrun_allow_unimplemented": True})
-    assert cfg.unimplemented == ["hybrid_engine.enabled"]
-    assert cfg.unimplemented_warnings[0].startswith("warning: hybrid_engine.enabled: not implemented")
+    assert cfg.unimplemented == ["nebula.enabled"]
+    assert cfg.unimplemented_warnings[0].startswith("warning: nebula.enabled: not implemented")

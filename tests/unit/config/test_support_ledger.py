@@ -87,7 +87,7 @@ def paths(config: dict, **kwargs) -> list[str]:
 
 ENABLED = {  # what dsrun does not implement (yet)
     "amp": {"enabled": True},
-    "hybrid_engine": {"enabled": True, "max_out_tokens": 256},
+    "aio": {"use_gds": True},
     "nebula": {"enabled": True},
     "data_efficiency": {"enabled": True, "seed": 7, "data_routing": {"enabled": True, "random_ltd": {
         "enabled": True, "total_layer_num": 12, "random_ltd_layer_num": 2, "random_ltd_layer_id": [1, 2],
@@ -96,11 +96,12 @@ ENABLED = {  # what dsrun does not implement (yet)
                                 "schedule_config": {"require_steps": 10, "seq_per_step": 8}},
         "layer_token_lr_schedule": {"enabled": True, "total_layer_tokens": 100}}}},
 }
-REFUSED = ["amp.enabled", "hybrid_engine.enabled", "nebula.enabled",
+REFUSED = ["amp.enabled", "aio.use_gds", "nebula.enabled",
            "data_efficiency.data_routing.random_ltd.layer_token_lr_schedule.enabled"]
 # what the features merged since the ledger began make act: enabling them is no longer refused
 IMPLEMENTED_FEATURES = {
     "compile": {"enabled": True, "backend": "inductor"},
+    "hybrid_engine": {"enabled": True, "max_out_tokens": 256},
     "activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True},
     "compression_training": {"weight_quantization": {"shared_parameters": {"enabled": True,
                                                                            "quantize_weight_in_forward": True},
