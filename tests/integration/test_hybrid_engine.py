@@ -1,8 +1,8 @@
 """DeepSpeed-Chat's hybrid engine on 2 gloo ranks at ZeRO-3 (``hybrid_engine.*``, docs/hybrid_engine.md).
 
-One launch runs DeepSpeed-Chat's loop (generate, train on the answers, generate again) for Hugging Face GPT-2 and
-Llama built from small configs, four ways: ``pin_parameters`` (every parameter gathered once per generate),
-``inference_tp_size: 2`` with ``tp_gather_partition_size: 1`` and ``release_inference_cache``, Llama's grouped-query
+With ``hybrid_engine.enabled`` ``initialize`` returns a ``DeepSpeedHybridEngine``. One launch runs DeepSpeed-Chat's
+loop (generate, train on the answers, generate again) for Hugging Face GPT-2 and Llama built from small configs,
+four ways: ``pin_parameters`` (every parameter gathered once per generate), ``inference_tp_size: 2`` with ``tp_gather_partition_size: 1`` and ``release_inference_cache``, Llama's grouped-query
 attention split over 2 ranks, and ``pin_parameters: false`` (each layer gathered by its hooks at every forward).
 Each rank generates its own prompts; the tokens must equal the whole model's greedy ``generate`` at the same
 weights, and the training losses a plain ZeRO-3 engine's on the same sequences (bit for bit: the generation

@@ -184,7 +184,7 @@ def test_deepspeedexamples_vit_random_ltd_config_validates():
 def test_explain_gives_type_default_status_and_meaning():
     text = explain("ds.zero_optimization.reduce_bucket_size")
     assert "int >= 0" in text and "500000000" in text and "implemented (proof: tests/" in text
-    assert "not implemented: refused when enabled" in explain("hybrid_engine.max_out_tokens")
+    assert "not implemented: refused when enabled" in explain("nebula.persistent_time_interval")
     assert "implemented (proof: tests/unit/compression/" in explain(
         "compression_training.weight_quantization.different_groups.my_group.params.start_bits")
     assert "no effect by design" in explain("zero_optimization.contiguous_gradients")
