@@ -106,7 +106,8 @@ class HybridEngineFeature(Feature):
             self.graphs = DecodeGraphCache(engine.module.forward, max_positions=section.max_out_tokens)
         if section.inference_tp_size > 1:
             self._attach_tensor_parallel(engine)
-        # every rank samples alike (DeepSpeed broadcasts rank 0's generator state): a TP group's ranks must
+        # every rank samples alike (DeepSpeed broadcasts rank 0's generator state): a TP group's ranks sample one
+        # batch together and must draw the same tokens
         rng = get_accelerator().get_rng_state().to(engine.device)
         if comm.get_world_size() > 1:
             comm.broadcast(rng, 0)
