@@ -8,11 +8,11 @@ from pathlib import Path
 from tests.helpers import free_port, run_cli
 
 FEATURES = {  # what dsrun does not implement (yet); the features that act now are in tests/unit/config/
-    "amp": {"enabled": True},
+    "aio": {"use_gds": True},
     "graph_harvesting": True,
     "nebula": {"enabled": True},
 }
-KEYS = {"amp.enabled", "graph_harvesting", "nebula.enabled"}
+KEYS = {"aio.use_gds", "graph_harvesting", "nebula.enabled"}
 SHORT = ["train.max_steps=2", "train.eval_iters=1", "train.eval_interval=0", "data.max_bytes=200000"]
 
 
