@@ -100,7 +100,7 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
-def _linears(block: nn.Module) -> Iterator[tuple[str, nn.Module, str, nn.Module]]:
+def block_linears(block: nn.Module) -> Iterator[tuple[str, nn.Module, str, nn.Module]]:
     """(name in block, parent, attribute, linear) in registration order; a linear is not entered."""
     def walk(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module, str, nn.Module]]:
         for attr, child in module.named_children():
@@ -147,7 +147,7 @@ def plan_block(name: str, block: nn.Module, policy: Mapping[Any, Any] | None = N
     plan = BlockPlan(name, block)
     pending: list[LinearSlot] = []
     hint = f"pass injection_policy={{{type(block).__name__}: (<the row-parallel linears>,)}}"
-    for lname, parent, attr, module in _linears(block):
+    for lname, parent, attr, module in block_linears(block):
         slot = LinearSlot(lname, parent, attr, module, _is_row(lname, parent, attr, rows))
         if not slot.row:
             pending.append(slot)

@@ -31,7 +31,7 @@ from dsrun import comm
 
 from . import shard_sizes
 from .autotp_config import AutoTPConfig
-from .split import TPLayout, model_num_kv_heads, split_for_training
+from .split import TPLayout, model_num_kv_heads, set_keep_module_on_host, split_for_training
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -53,6 +53,7 @@ class AutoTP:
         self.module, self.all_reduce_linears, self.prefix, self.state_dict = module, all_reduce_linears, prefix, state_dict
         self.linear_layer_setting, self.orig_layer_impl = linear_layer_setting, orig_layer_impl
         self.keep_module_on_host, self.partition_config = keep_module_on_host, partition_config
+        set_keep_module_on_host(keep_module_on_host)  # process-wide, as DeepSpeed's AutoTP sets its layers' flag
         self.mp_size: int | None = None
         self.mp_group: ProcessGroup | None = None
         self.linear_policies: dict[type, Any] | None = None

@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from dsrun import comm
+from dsrun.accelerator import get_accelerator
 from dsrun.checkpoint.constants import (CHECKPOINT_PARALLEL_DIMS, CHECKPOINT_PP_DEGREE, CHECKPOINT_TP_DEGREE,
                                         UNIVERSAL_CHECKPOINT_INFO)
 from dsrun.comm.groups import ProcessGroups
@@ -45,7 +46,7 @@ from .layers import TensorParallelLinear, is_model_parallel_parameter
 from .norm import clip_by_tensor_parallel_norm
 from .shard_sizes import set_tp_grain_size
 from .spec_split import split_by_specs
-from .split import TPLayout, split_for_training, universal_checkpoint_info
+from .split import POLICY_KEY, TPLayout, set_keep_module_on_host, split_for_training, universal_checkpoint_info
 from .vocab_parallel import split_vocabulary
 
 # what deepspeed.tp_model_init recorded (DeepSpeed's _TP_MODEL_INIT_ARGS): merged into the config at initialize
@@ -96,12 +97,90 @@ def _recorded_dtype_problems(config: DSConfig) -> list[Problem]:
                     f"config's precision ({wanted})", "make them agree")]
 
 
+_DTYPE_NAMES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _dtype_problems(config: DSConfig) -> list[Problem]:
+    """``tensor_parallel.dtype``, when the config gives it: the dtype the split model trains in. DeepSpeed's engine
+    casts the model by the precision section (fp16, bf16, else fp32) and refuses a ``tp_model_init`` dtype that
+    disagrees with the key; a value the run would not train in is refused here rather than left unread."""
+    section = config.tensor_parallel
+    dtype = section.dtype
+    if "dtype" not in section.model_fields_set:  # its default (fp16) is no request
+        return []
+    wanted = next((name for name in ("bf16", "fp16") if getattr(config, name).enabled), "fp32")
+    problems = []
+    if dtype != wanted:
+        hint = "drop the key" if wanted != "fp32" else f"enable the {dtype} section, or drop the key"
+        problems.append(Problem("tensor_parallel.dtype", f"is {dtype}, but the run trains the split model in "
+                                f"{wanted} (the precision section casts the model, as DeepSpeed's engine does)",
+                                f"set it to {wanted}; or {hint}"))
+    recorded = _TP_MODEL_INIT_ARGS
+    if recorded is not None and recorded["dtype"] != _DTYPE_NAMES[dtype]:
+        problems.append(Problem("tensor_parallel.dtype", f"Conflicting tensor_parallel.dtype in config "
+                                f"({dtype}) and tp_model_init ({recorded['dtype']})", "make them agree"))
+    return problems
+
+
+GROUP_KEY, MPU_KEY = "tensor_parallel.tp.tp_group", "tensor_parallel.tp.mpu"
+
+
+def _given_group(config: DSConfig) -> tuple[Any, str | None, list[Problem]]:
+    """The tensor-parallel group the caller gives, with the name it was given under: the config's
+    ``tensor_parallel.tp.tp_group``, the model-parallel group of its ``tensor_parallel.tp.mpu``
+    (``get_model_parallel_group()``, as DeepSpeed's AutoTP reads an mpu), or ``tp_model_init(tp_group=...)``;
+    (None, None) when none is. DeepSpeed's conflicts are refused: a group beside an mpu, two different groups."""
+    tp = config.tensor_parallel.tp
+    recorded = (_TP_MODEL_INIT_ARGS or {}).get("tp_group")
+    problems = []
+    if tp.mpu is not None and (tp.tp_group is not None or recorded is not None):
+        problems.append(Problem(MPU_KEY, "is given beside a tp_group (tensor_parallel.tp.tp_group or tp_model_init's)",
+                                "give the tensor-parallel group once: the group, or the mpu"))
+    if tp.tp_group is not None and recorded is not None and tp.tp_group is not recorded:
+        problems.append(Problem(GROUP_KEY, "Conflicting tensor_parallel.tp.tp_group in config and tp_model_init",
+                                "pass the same group to both, or to one"))
+    if tp.mpu is not None and not callable(getattr(tp.mpu, "get_model_parallel_group", None)):
+        problems.append(Problem(MPU_KEY, f"a {type(tp.mpu).__name__} has no get_model_parallel_group()",
+                                "pass a model-parallel unit with DeepSpeed's mpu getters, or tensor_parallel.tp.tp_group"))
+    if problems:
+        return None, None, problems
+    if tp.tp_group is not None:
+        return tp.tp_group, GROUP_KEY, []
+    if tp.mpu is not None:
+        return tp.mpu.get_model_parallel_group(), MPU_KEY, []
+    if recorded is not None:
+        return recorded, "tp_model_init(tp_group=...)", []
+    return None, None, []
+
+
+def _members(group: Any) -> list[int] | None:
+    """The global ranks of ``group`` in its order (None when it is not a process group of this world)."""
+    try:
+        return [comm.get_global_rank(group, r) for r in range(comm.get_world_size(group))]
+    except (RuntimeError, ValueError, TypeError, AttributeError):
+        return None
+
+
+def _policy_rows(value: Any) -> tuple[tuple[str, ...] | None, list[Problem]]:
+    if value is None:
+        return None, []
+    names = (value,) if isinstance(value, str) else tuple(value)
+    if not names or not all(isinstance(name, str) and name for name in names):
+        return None, [Problem(POLICY_KEY, f"got {value!r}; expected the names of each block's row-parallel linears",
+                              "e.g. [\"attn.c_proj\", \"mlp.c_proj\"]")]
+    return names, []
+
+
 class AutoTPFeature(Feature):
     name = "autotp"
 
-    def __init__(self, config: DSConfig, size: int, rules: AutoTPConfig | None = None):
+    def __init__(self, config: DSConfig, size: int, rules: AutoTPConfig | None = None, given: Any = None,
+                 given_as: str | None = None, rows: tuple[str, ...] | None = None):
         self.size = size
         self.rules = rules  # partition_config / preset_model: split by these rules, not automatically
+        self.given, self.given_as = given, given_as  # the caller's tensor-parallel group, and the key it came by
+        self.given_mpu = config.tensor_parallel.tp.mpu if given_as == MPU_KEY else None
+        self.rows = rows  # injection_policy_tuple: each block's row-parallel linears
         self.clipping = float(config.gradient_clipping or 0.0)
         self.grain = int(config.tensor_parallel.tp.tp_grain_size)  # the cut of what is not attention
         self.vocab_parallel = bool(config.tensor_parallel.vocab_parallel_lm_head)
@@ -114,14 +193,22 @@ class AutoTPFeature(Feature):
     @classmethod
     def build(cls, config: DSConfig) -> "AutoTPFeature | None":
         size = autotp_degree(int(config.tensor_parallel.autotp_size))
-        problems = _recorded_dtype_problems(config)
+        problems = _recorded_dtype_problems(config) + _dtype_problems(config)
         section = config.tensor_parallel
         overlap, grain = bool(section.tp_overlap_comm), int(section.tp.tp_grain_size)
+        keep_on_host = bool(section.keep_module_on_host)
         rules = partition_config_object(section.partition_config, section.preset_model, size)
+        given, given_as, group_problems = _given_group(config)
+        rows, row_problems = _policy_rows(section.injection_policy_tuple)
+        problems += group_problems + row_problems
+        if rows is not None and rules is not None:
+            problems.append(Problem(POLICY_KEY, "names the row-parallel linears beside partition_config / "
+                                    "preset_model's rules", "split by one of them"))
         if size > 1 or _TP_MODEL_INIT_ARGS is not None:  # as DeepSpeed's initialize: AutoTP is for training now
             set_autotp_mode(training=True)
             TensorParallelLinear.overlap_comm = overlap
             set_tp_grain_size(grain)  # process-wide, as DeepSpeed sets it
+            set_keep_module_on_host(keep_on_host)  # process-wide too (DeepSpeed's AutoTP sets it)
         if section.tp.tp_size not in (1, size):
             problems.append(Problem("tensor_parallel.tp.tp_size", f"is {section.tp.tp_size}, but the "
                                     f"tensor-parallel degree is {size}", "leave it out, or make it autotp_size"))
@@ -138,7 +225,7 @@ class AutoTPFeature(Feature):
                                     "is not built", "use one of the two"))
         if problems:
             raise ConfigError(problems)
-        return cls(config, size, rules)
+        return cls(config, size, rules, given, given_as, rows)
 
     def group_sizes(self) -> dict[str, int]:
         return {"model": self.size}
@@ -151,12 +238,7 @@ class AutoTPFeature(Feature):
         if any(isinstance(m, MoE) for m in model.modules()):
             raise ConfigError(Problem("tensor_parallel.autotp_size", "AutoTP training of a model with MoE layers is "
                                       "not built (its experts are not split)", "drop tensor_parallel or the MoE layers"))
-        group, members = groups.model, groups.members("model")
-        given = (_TP_MODEL_INIT_ARGS or {}).get("tp_group")
-        if given is not None and [comm.get_global_rank(given, r) for r in range(comm.get_world_size(given))] != members:
-            raise ConfigError(Problem("tp_model_init(tp_group=...)", f"this rank's group is not its tensor-parallel "
-                                      f"group {members} (dsrun's layout: {self.size} consecutive ranks)",
-                                      "leave tp_group out: dsrun builds the groups"))
+        group, members = self._split_group(groups)
         # what every rank of the group holds whole before the split (a slice split already is its own)
         whole = {id(t) for t in list(model.parameters()) + list(model.buffers()) if not is_model_parallel_parameter(t)}
         self._group, self._source = group, members[0]
@@ -166,9 +248,10 @@ class AutoTPFeature(Feature):
         if self.vocab_parallel:  # first: the rules then leave the cut head and embedding as they are
             split_vocabulary(model, group, TPGroup(group, rank, self.size), self.grain, vocabulary)
         rules, source = self.rules, "tensor_parallel.partition_config"
-        if rules is None:  # DeepSpeed's order: the config's rules, the model's plan, the automatic reading
+        if rules is None and self.rows is None:  # DeepSpeed's order: the config's rules (partition_config or the
+            # injection policy), the model's plan, the automatic reading
             rules, source = rules_from_hf_plan(model, self.size), "the model's Hugging Face tp_plan"
-        self.layout = (split_for_training(model, group, rank, self.size, self.grain) if rules is None
+        self.layout = (split_for_training(model, group, rank, self.size, self.grain, self.rows) if rules is None
                        else split_by_specs(model, rules, group, rank, self.size, source, self.grain))
         # DeepSpeed cuts each rank's slices from the weights that rank holds (its engine broadcasts over the data
         # group only); what stays whole is made the group's first rank's, so the group computes one model: the
@@ -181,6 +264,37 @@ class AutoTPFeature(Feature):
         self.layout.whole.update(vocabulary.whole)
         self.uc_info = universal_checkpoint_info(model, self.layout)
         setattr(model, UNIVERSAL_CHECKPOINT_INFO, self.uc_info)
+
+    def _split_group(self, groups: ProcessGroups) -> tuple[Any, list[int]]:
+        """The group the split communicates over, and its ranks: the caller's (``tensor_parallel.tp.tp_group``,
+        ``tp.mpu``'s, ``tp_model_init``'s), which must hold exactly this rank's tensor-parallel ranks of the
+        topology (and an mpu's data-parallel group its data-parallel ranks), else the topology's own. The ranks
+        agree before any refuses, so that none waits in the split's collectives for one that stopped."""
+        members = groups.members("model")
+        if self.given is None:
+            return groups.model, members
+        problem = None
+        held = _members(self.given)
+        if held != members:
+            what = "is not a process group of this world" if held is None else f"holds ranks {held}"
+            problem = Problem(self.given_as or GROUP_KEY, f"this rank's group {what}, not its tensor-parallel group "
+                              f"{members} (dsrun's layout: {self.size} consecutive ranks)",
+                              f"pass the group of ranks {members}, or leave it out: dsrun builds the groups")
+        mpu = self.given_mpu
+        if problem is None and mpu is not None and callable(getattr(mpu, "get_data_parallel_group", None)):
+            data = _members(mpu.get_data_parallel_group())
+            if data != groups.members("data"):
+                problem = Problem(MPU_KEY, f"its data-parallel group holds ranks {data}, not this rank's data-parallel "
+                                  f"ranks {groups.members('data')}", "give the mpu of dsrun's layout, or only its "
+                                  "tensor-parallel group as tensor_parallel.tp.tp_group")
+        agree = torch.tensor([0.0 if problem else 1.0], device=get_accelerator().current_device_name())
+        comm.all_reduce(agree, op=comm.ReduceOp.MIN)
+        if problem is not None:
+            raise ConfigError(problem)
+        if not agree.item():
+            raise ConfigError(Problem(self.given_as or GROUP_KEY, "another rank's tensor-parallel group is not its "
+                                      "group of the topology", "see that rank's error"))
+        return self.given, members
 
     def _check_inputs_agree(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """The first forward: the ranks of a tensor-parallel group must read the same batch (DeepSpeed's check,

@@ -22,7 +22,8 @@ from torch import nn
 
 from dsrun.checkpoint.autotp_meta import collect_autotp_universal_checkpoint_info, mark_split
 from dsrun.checkpoint.tensor_parallel import Parts, part_count, rank_widths, slice_dim
-from dsrun.inference.auto_tp import HEAD_DIM_ATTRS, check_split, plan_model, split_head_attrs
+from dsrun.inference.auto_tp import (HEAD_DIM_ATTRS, block_linears, check_split, find_blocks, plan_model,
+                                    split_head_attrs)
 from dsrun.inference.groups import TPGroup
 from dsrun.inference.layers import is_conv1d
 from dsrun.utils.errors import ConfigError, Problem
@@ -135,27 +136,80 @@ def model_num_kv_heads(model: nn.Module) -> int | None:
     return None
 
 
+# DeepSpeed's tensor_parallel.keep_module_on_host (its TensorParallel_Layer.keep_module_on_host), process-wide as
+# DeepSpeed keeps it: where a cut slice goes (set_keep_module_on_host)
+_KEEP_ON_HOST = False
+
+
+def set_keep_module_on_host(value: bool) -> None:
+    """DeepSpeed's ``TensorParallel_Layer.set_keep_module_on_host``: false (the default), each slice the split cuts
+    is a tensor of its own on the accelerator (a copy: the whole weight it came from is not kept alive, and on
+    a CUDA rank the slices are on the device as they are cut); true, a slice stays on the host where the model
+    is, not copied (a cut along the first dimension is a view of the whole weight), until the engine moves the
+    module to the device."""
+    global _KEEP_ON_HOST
+    _KEEP_ON_HOST = bool(value)
+
+
+def keep_module_on_host() -> bool:
+    return _KEEP_ON_HOST
+
+
+def _placed(cut: torch.Tensor) -> torch.Tensor:
+    """A cut slice where ``keep_module_on_host`` puts it (DeepSpeed's ``TensorParallel_Layer.move``; a meta
+    tensor stays meta)."""
+    if cut.is_meta or _KEEP_ON_HOST:
+        return cut
+    from dsrun.accelerator import get_accelerator
+
+    return cut.to(get_accelerator().current_device_name(), copy=True)
+
+
 def cut_parameter(param: nn.Parameter, dim: int, parts: Parts, tp: TPGroup) -> None:
-    """Keep this rank's slice of ``param`` (in place) and mark it split, as Megatron marks it."""
+    """Keep this rank's slice of ``param`` (in place, placed as ``keep_module_on_host`` says) and mark it split,
+    as Megatron marks it."""
     with torch.no_grad():
-        param.data = slice_dim(param.data, dim, parts, tp.rank, tp.size)
+        param.data = _placed(slice_dim(param.data, dim, parts, tp.rank, tp.size))
     # Megatron's marks, which DeepSpeed's is_model_parallel_parameter reads; the explicit widths, when not even
     param.tensor_model_parallel = True
     param.partition_dim, param.partition_stride = dim, part_count(parts)
     param.partition_widths = None if isinstance(parts, int) else parts
 
 
+POLICY_KEY = "tensor_parallel.injection_policy_tuple"
+
+
+def injection_policy(model: nn.Module, rows: tuple[str, ...] | None) -> dict[type, tuple[str, ...]] | None:
+    """DeepSpeed's injection policy tuple applied to every block the reading finds: ``rows`` names each block's
+    row-parallel (all-reduced) linears, by their path in the block or its tail (``attn.c_proj``, ``c_proj``); the
+    block's other linears are column-parallel. None when ``rows`` is None. A name that matches no linear of any
+    block is a ConfigError (DeepSpeed's "Injection policy layer ... not valid")."""
+    if rows is None:
+        return None
+    blocks = find_blocks(model)
+    names = {name for _, block in blocks for name, *_ in block_linears(block)}
+    for row in rows:
+        if not any(name == row or name.endswith("." + row) for name in names):
+            raise ConfigError(Problem(POLICY_KEY, f"{row!r} names no linear of the model's blocks (they hold "
+                                      f"{', '.join(sorted(names)) or 'none'})", "name each block's row-parallel "
+                                      "linears by their path in the block, e.g. 'attn.c_proj'"))
+    return {type(block): rows for _, block in blocks}
+
+
 def split_for_training(model: nn.Module, group: ProcessGroup | None, tp_rank: int, tp_size: int,
-                       grain: int = 1) -> TPLayout:
+                       grain: int = 1, rows: tuple[str, ...] | None = None) -> TPLayout:
     """Replace each pair's linears by this rank's column-/row-parallel slices (in place, keeping the
     parameters); raises ConfigError when a block does not split over ``tp_size``. Attention is cut on whole
     heads, the MLP in grains of ``grain`` (:func:`cut_widths`); when ``tp_size`` does not divide the model's
-    key/value heads, by DeepSpeed's key/value groups (the head counts scaled to this rank's share)."""
+    key/value heads, by DeepSpeed's key/value groups (the head counts scaled to this rank's share). ``rows``:
+    the config's ``injection_policy_tuple``, each block's row-parallel linears (:func:`injection_policy`)
+    instead of the automatic reading's."""
     tp = TPGroup(group, tp_rank, tp_size)
     kv_heads = model_num_kv_heads(model)
     share = uneven_kv_share(kv_heads, tp_size, tp_rank)
+    policy = injection_policy(model, rows)
     # DeepSpeed's uneven cut by key/value groups: cut_widths checks each cut
-    plans = check_split(model, tp_size) if share is None else plan_model(model)
+    plans = check_split(model, tp_size, policy) if share is None else plan_model(model, policy)
     layout = TPLayout(tp_size, tp_rank)
     for plan in plans:
         attention: dict[int, tuple[nn.Module, str]] = {}
@@ -187,12 +241,12 @@ def split_for_training(model: nn.Module, group: ProcessGroup | None, tp_rank: in
     return layout
 
 
-def split_meta_model(model: nn.Module, tp_size: int, grain: int = 1) -> None:
+def split_meta_model(model: nn.Module, tp_size: int, grain: int = 1, rows: tuple[str, ...] | None = None) -> None:
     """Split a meta-device model in place as rank 0 of a tensor-parallel group of ``tp_size`` splits it (every
     rank's share has the same shapes): what the memory estimator counts as one rank's model
     (:func:`dsrun.estimate.runspec.build_recipe_model`'s ``split``). No group is needed: nothing is
     communicated until a forward."""
-    split_for_training(model, None, 0, tp_size, grain)
+    split_for_training(model, None, 0, tp_size, grain, rows)
 
 
 def universal_checkpoint_info(model: nn.Module, layout: TPLayout) -> dict[str, object]:

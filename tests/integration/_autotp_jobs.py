@@ -163,6 +163,7 @@ def two_rank_job(rank: int, world: int, names: list[str], steps: int, save_dir: 
     :func:`gqa_job` (``"gqa"``)."""
     return {**train_job(rank, world, names, 2, steps), "checkpoint": checkpoint_job(rank, world, "gpt2", save_dir),
             "foreign_group": foreign_tp_group(rank, world), "stages": other_stages(rank, world),
+            "given_groups": given_groups_job(rank, world), "policy": policy_job(rank, world),
             "inconsistent": inconsistent_batch(rank, world),
             "rules": rules_job(world, steps), "gqa": gqa_job(rank, steps, save_dir), "vocab": vocab_job(world)}
 
@@ -307,8 +308,10 @@ def rules_job(world: int, steps: int) -> dict[str, Any]:
 def other_stages(rank: int, world: int, steps: int = 4) -> dict[int, list[float]]:
     """GPT-2 at TP=2 under ZeRO stages 0 and 2 (and bf16 at stage 2): the first ``steps`` losses."""
     out: dict[Any, list[float]] = {}
-    for key, extra in ((0, {}), (2, {}), ("bf16", {"bf16": {"enabled": True}}),
-                       ("overlap", {"tensor_parallel": {"autotp_size": 2, "tp_overlap_comm": True}})):
+    for key, extra in ((0, {}), (2, {}),
+                       ("bf16", {"bf16": {"enabled": True}, "tensor_parallel": {"autotp_size": 2, "dtype": "bf16"}}),
+                       ("overlap", {"tensor_parallel": {"autotp_size": 2, "tp_overlap_comm": True,
+                                                        "keep_module_on_host": True}})):
         stage = key if isinstance(key, int) else 2 if key == "bf16" else 1
         engine, loader = _engine("gpt2", 2, world, zero_optimization={"stage": stage}, **extra)
         out[key] = _train(engine, _batches(loader, steps))
@@ -329,21 +332,89 @@ def inconsistent_batch(rank: int, world: int) -> str:
     return "accepted"
 
 
-def foreign_tp_group(rank: int, world: int) -> str:
-    """What ``initialize`` says of a ``tp_model_init(tp_group=...)`` that is not the topology's group."""
+def foreign_tp_group(rank: int, world: int) -> dict[str, str]:
+    """What ``initialize`` says of a tensor-parallel group that is not the topology's: given by
+    ``tp_model_init(tp_group=...)``, by ``tensor_parallel.tp.tp_group``, and an mpu whose data-parallel group is
+    not the layout's (``tensor_parallel.tp.mpu``)."""
     from dsrun import comm
     from dsrun.tensor_parallel import reset_tp_model_init, tp_model_init
     from dsrun.utils.errors import ConfigError
 
     alone = [comm.new_group([r]) for r in range(world)][rank]  # every rank creates every group
-    tp_model_init(causal_lm("gpt2"), tp_size=2, dtype=torch.float32, tp_group=alone)
-    try:
-        _engine("gpt2", 1, world)
-    except ConfigError as err:
-        return str(err)
-    finally:
-        reset_tp_model_init()
-    return "accepted"
+    both = comm.new_group(list(range(world)))
+    said = {}
+    for key, extra in (("tp_model_init", {}), ("tp_group", {"tp": {"tp_group": alone}}),
+                       ("mpu", {"tp": {"mpu": GivenMpu(both, both)}})):
+        if key == "tp_model_init":
+            tp_model_init(causal_lm("gpt2"), tp_size=2, dtype=torch.float32, tp_group=alone)
+        try:
+            _engine("gpt2", 1 if key == "tp_model_init" else 2, world,
+                    **({"tensor_parallel": {"autotp_size": 2, **extra}} if extra else {}))
+            said[key] = "accepted"
+        except ConfigError as err:
+            said[key] = str(err)
+        finally:
+            reset_tp_model_init()
+    return said
+
+
+class GivenMpu:
+    """A model-parallel unit (DeepSpeed's mpu getters) over groups the script made."""
+
+    def __init__(self, model_group: Any, data_group: Any) -> None:
+        self.model_group, self.data_group = model_group, data_group
+
+    def get_model_parallel_group(self) -> Any:
+        return self.model_group
+
+    def get_data_parallel_group(self) -> Any:
+        return self.data_group
+
+
+def given_groups_job(rank: int, world: int, steps: int = 4) -> dict[str, Any]:
+    """GPT-2 at TP=2 given its tensor-parallel group by the script: as ``tensor_parallel.tp.tp_group``, and as the
+    model-parallel group of a ``tensor_parallel.tp.mpu``; the first ``steps`` losses, and whether the split layers
+    and the feature communicate over that very group."""
+    from dsrun import comm
+    from dsrun.tensor_parallel import AutoTPFeature, TensorParallelLinear
+
+    model_group = comm.new_group(list(range(world)))
+    data_group = [comm.new_group([r]) for r in range(world)][rank]
+    out = {}
+    for key, tp in (("tp_group", {"tp_group": model_group}), ("mpu", {"mpu": GivenMpu(model_group, data_group)})):
+        engine, loader = _engine("gpt2", 2, world, tensor_parallel={"autotp_size": 2, "tp": tp})
+        layers = [m for m in engine.module.modules() if isinstance(m, TensorParallelLinear)]
+        feature = engine.features.get(AutoTPFeature)
+        out[key] = {"losses": _train(engine, _batches(loader, steps)),
+                    "uses_it": bool(layers) and all(m.group is model_group for m in layers)
+                    and feature._group is model_group}
+        engine.destroy()
+    return out
+
+
+def policy_job(rank: int, world: int, steps: int = 4) -> dict[str, Any]:
+    """GPT-J (whose Hugging Face plan also cuts and gathers its LM head) at TP=2 split by
+    ``tensor_parallel.injection_policy_tuple``: out_proj and fc_out row-parallel, the blocks' other linears
+    column-parallel, the rest (the LM head) whole. The losses, the unsplit reference's (rank 0), each block-0 and
+    head parameter's bytes held and whole."""
+    from dsrun.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    engine, loader = _engine("gptj", 2, world, tensor_parallel={"autotp_size": 2,
+                                                                "injection_policy_tuple": ["attn.out_proj", "mlp.fc_out"]})
+    losses = _train(engine, _batches(loader, steps))
+    block = engine.module.transformer.h[0]
+    kinds = {name: ("row" if isinstance(m, RowParallelLinear) else "column" if isinstance(m, ColumnParallelLinear)
+                    else "whole") for name, m in list(block.named_modules()) + [("lm_head", engine.module.lm_head)]
+             if name.endswith(("proj", "fc_in", "fc_out", "lm_head"))}
+    held = {f"{n}.{p}": t.numel() * t.element_size() for n, m in list(block.named_modules()) +
+            [("lm_head", engine.module.lm_head)] if n in kinds for p, t in m.named_parameters(recurse=False)}
+    engine.destroy()
+    whole_model = causal_lm("gptj")
+    whole_block = whole_model.transformer.h[0]
+    whole = {f"{n}.{p}": t.numel() * t.element_size() for n, m in list(whole_block.named_modules()) +
+             [("lm_head", whole_model.lm_head)] if n in kinds for p, t in m.named_parameters(recurse=False)}
+    return {"losses": losses, "kinds": kinds, "held": held, "whole": whole,
+            "reference": reference_losses("gptj", 1, steps) if rank == 0 else None}
 
 
 def checkpoint_job(rank: int, world: int, name: str, save_dir: str) -> dict[str, Any]:

@@ -26,6 +26,8 @@ def hf_model(name: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
         "llama": (t.LlamaConfig, t.LlamaForCausalLM, dict(num_hidden_layers=2, num_attention_heads=4,
                                                           num_key_value_heads=2, hidden_size=32, intermediate_size=64,
                                                           max_position_embeddings=64, **decoder)),
+        "gptj": (t.GPTJConfig, t.GPTJForCausalLM, dict(n_layer=2, n_head=4, n_embd=32, n_positions=64, rotary_dim=4,
+                                                       **decoder)),
         "mistral": (t.MistralConfig, t.MistralForCausalLM, dict(num_hidden_layers=2, num_attention_heads=4,
                                                                 num_key_value_heads=2, hidden_size=32,
                                                                 intermediate_size=64, max_position_embeddings=64,

@@ -217,10 +217,27 @@ def test_tp2_by_dp2_on_4_ranks(tp2_runs):
         assert run["shards"]["model.norm.weight"] == 32 * 4 // 2  # whole over TP, halved by ZeRO-3
 
 
-def test_a_tp_group_other_than_the_topologys_is_refused(tp2_runs):
+def test_a_given_tp_group_or_mpu_is_the_group_the_split_uses(tp2_runs):
+    """``tensor_parallel.tp.tp_group`` and ``tensor_parallel.tp.mpu`` (its model-parallel group): every split layer
+    and the feature communicate over the script's group object, and the run is the one whose group dsrun builds,
+    bit for bit (the same ranks, the same sums in the same order)."""
     for rank in tp2_runs:
-        assert "tp_model_init(tp_group=...): this rank's group is not its tensor-parallel group [0, 1]" in \
-            rank["foreign_group"]
+        for key in ("tp_group", "mpu"):
+            run = rank["given_groups"][key]
+            assert run["uses_it"], key
+            assert run["losses"] == rank["gpt2"]["losses"][:4], key
+
+
+def test_a_tp_group_other_than_the_topologys_is_refused(tp2_runs):
+    for index, rank in enumerate(tp2_runs):
+        said = rank["foreign_group"]
+        assert f"tp_model_init(tp_group=...): this rank's group holds ranks [{index}], not its tensor-parallel group " \
+            "[0, 1]" in said["tp_model_init"]
+        assert f"tensor_parallel.tp.tp_group: this rank's group holds ranks [{index}], not its tensor-parallel group " \
+            "[0, 1]" in said["tp_group"]
+        assert f"tensor_parallel.tp.mpu: its data-parallel group holds ranks [0, 1], not this rank's data-parallel " \
+            f"ranks [{index}]" in said["mpu"]
+        assert all(message.count("\n") == 0 for message in said.values())  # one line each
         # the first forward checks that a group's ranks read one batch (DeepSpeed's check, on every rank)
         assert rank["inconsistent"].startswith("Data inconsistency within the TP group.")
 
@@ -236,3 +253,20 @@ def test_zero_stages_0_and_2_bf16_and_tp_overlap_comm_split_the_same_way(tp2_run
         bf16 = torch.tensor(rank["stages"]["bf16"], dtype=torch.float64)
         assert ((bf16 - reference).abs() / reference).max() <= 4 * 2.0 ** -8
     assert tp2_runs[0]["stages"] == tp2_runs[1]["stages"]
+
+
+def test_injection_policy_tuple_names_the_row_parallel_linears_of_each_block(tp2_runs):
+    """GPT-J with ``injection_policy_tuple: ["attn.out_proj", "mlp.fc_out"]``: those two are row-parallel in every
+    block, the blocks' other linears column-parallel, the LM head whole (the model's own Hugging Face plan, which
+    the tuple replaces, would cut it); each rank holds half of every split matrix. The losses stay within the fp32
+    bound of the unsplit run; its longest reordered sum is fc_out's, over the MLP's 128 features."""
+    reference = torch.tensor(tp2_runs[0]["policy"]["reference"], dtype=torch.float64)
+    for rank in tp2_runs:
+        run = rank["policy"]
+        assert run["kinds"] == {"attn.q_proj": "column", "attn.k_proj": "column", "attn.v_proj": "column",
+                                "attn.out_proj": "row", "mlp.fc_in": "column", "mlp.fc_out": "row", "lm_head": "whole"}
+        for key, size in run["whole"].items():
+            whole = key.startswith("lm_head.") or key == "mlp.fc_out.bias"  # a row bias is added once, whole
+            assert run["held"][key] == (size if whole else size // 2), key
+        losses = torch.tensor(run["losses"], dtype=torch.float64)
+        assert ((losses - reference).abs() / reference).max() <= fp32_bound(4, 128)

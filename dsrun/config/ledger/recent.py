@@ -208,11 +208,35 @@ ENTRIES: list[Entry] = [
          AUTOTP_TESTS + "test_vocab_parallel_embedding_and_loss_train_as_the_unsplit_run_without_whole_logits",
          AUTOTP_UNIT + "test_bad_partition_config_values_are_refused_naming_the_key", traced=False,  # one value acts (torch); the schema and the refused value decide, nothing reads it later
          refused_values={"liger": "Liger's fused kernel is a Triton (GPU) kernel"}),
-    *_section("tensor_parallel", AUTOTP, {
-        "dtype": "dtype of the sharded model",
-        "tp.mpu": "model-parallel unit", "tp.tp_group": "TP group",
-        "injection_policy_tuple": "layer injection policy", "keep_module_on_host": "keep shards on the host",
-        "kernel_inject": "inject inference kernels"}),
+    done("tensor_parallel.tp.tp_group", "the tensor-parallel group the split communicates over (a process "
+         "group object, in a dict config): it must hold this rank's tensor-parallel ranks of dsrun's layout (T "
+         "consecutive ranks), else refused; beside tp.mpu, or unlike tp_model_init's group, refused (DeepSpeed's rules)",
+         AUTOTP_TESTS + "test_a_given_tp_group_or_mpu_is_the_group_the_split_uses",
+         AUTOTP_TESTS + "test_a_tp_group_other_than_the_topologys_is_refused",
+         AUTOTP_UNIT + "test_given_groups_deepspeed_refuses_together_are_refused"),
+    done("tensor_parallel.tp.mpu", "a model-parallel unit: its get_model_parallel_group() is the tensor-parallel "
+         "group the split uses (as DeepSpeed's AutoTP reads an mpu), its get_data_parallel_group(), when it has one, "
+         "must be the layout's data-parallel group; either refused when it is not",
+         AUTOTP_TESTS + "test_a_given_tp_group_or_mpu_is_the_group_the_split_uses",
+         AUTOTP_TESTS + "test_a_tp_group_other_than_the_topologys_is_refused",
+         AUTOTP_UNIT + "test_given_groups_deepspeed_refuses_together_are_refused"),
+    done("tensor_parallel.dtype", "the dtype the split model trains in, when given: it must be the one the precision "
+         "section gives the model (fp16, bf16, else fp32; DeepSpeed's engine casts by that section) and "
+         "tp_model_init's dtype; a conflict is refused (DeepSpeed refuses the tp_model_init one)",
+         AUTOTP_UNIT + "test_tensor_parallel_dtype_must_be_the_dtype_the_run_trains_in",
+         AUTOTP_TESTS + "test_zero_stages_0_and_2_bf16_and_tp_overlap_comm_split_the_same_way"),
+    done("tensor_parallel.injection_policy_tuple", "DeepSpeed's injection policy tuple: the row-parallel (all-reduced) "
+         "linears of every Transformer block, by their path in the block; the block's other linears column-parallel, "
+         "the rest of the model whole; instead of the model's Hugging Face plan and the automatic reading (refused "
+         "beside partition_config / preset_model, or naming no linear)",
+         AUTOTP_UNIT + "test_the_injection_policy_tuple_splits_each_block_by_its_row_parallel_names",
+         AUTOTP_TESTS + "test_injection_policy_tuple_names_the_row_parallel_linears_of_each_block"),
+    done("tensor_parallel.keep_module_on_host", "true: the split's slices stay on the host where the model is, not "
+         "copied (a cut along the first dimension is a view of the whole weight), until the engine moves the module; "
+         "false: each slice is a copy of its own on the accelerator as it is cut (DeepSpeed's TensorParallel_Layer.move)",
+         AUTOTP_UNIT + "test_keep_module_on_host_keeps_the_slices_as_views_of_the_host_weights",
+         AUTOTP_TESTS + "test_zero_stages_0_and_2_bf16_and_tp_overlap_comm_split_the_same_way"),
+    *_section("tensor_parallel", AUTOTP, {"kernel_inject": "inject inference kernels"}),
     # DeepCompile
     done("compile.deepcompile", "ZeRO-3 inside the compiled graph: DeepCompile's gather/release, reduce, prefetch "
          "and selective-gather passes (stages 1-2, and ZeRO-3 kept whole, use the torch compiler)",
