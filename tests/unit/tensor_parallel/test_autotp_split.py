@@ -14,7 +14,7 @@ from dsrun.runspec import resolve_run
 from dsrun.tensor_parallel import (AutoTPConfig, AutoTPFeature, ColumnParallelLinear, RowParallelLinear,
                                    TensorParallelLinear, reset_tp_model_init, split_by_specs, split_for_training,
                                    tp_model_init)
-from dsrun.tensor_parallel.split import universal_checkpoint_info
+from dsrun.tensor_parallel.split import set_keep_module_on_host, universal_checkpoint_info
 from dsrun.utils.errors import ConfigError
 from tests.helpers import run_ranks
 from tests.integration._inference_models import dsrun_gpt, hf_model
@@ -25,6 +25,7 @@ def _forget_tp_model_init():
     reset_tp_model_init()
     yield
     reset_tp_model_init()
+    set_keep_module_on_host(False)  # process-wide, as DeepSpeed keeps it
 
 
 def _split(model: torch.nn.Module, size: int = 2):
@@ -98,6 +99,118 @@ def test_the_config_and_tp_model_init_agree_or_are_refused():
     assert AutoTPFeature.build(load_ds_config({"train_batch_size": 2, "bf16": {"enabled": True}})).size == 2
     with pytest.raises(ConfigError, match="tp_model_init\\(tp_size=2\\)"):
         AutoTPFeature.build(_config(tensor_parallel={"autotp_size": 4}))
+
+
+def test_tensor_parallel_dtype_must_be_the_dtype_the_run_trains_in():
+    """``tensor_parallel.dtype``: given, it must name the dtype the precision section gives the split model (fp32
+    without fp16/bf16) and tp_model_init's dtype; left out, its default (fp16) asks for nothing."""
+    assert AutoTPFeature.build(_config(bf16={"enabled": True})).size == 2  # the default: no request
+    assert AutoTPFeature.build(_config(tensor_parallel={"autotp_size": 2, "dtype": "fp32"})).size == 2
+    assert AutoTPFeature.build(_config(tensor_parallel={"autotp_size": 2, "dtype": "bf16"},
+                                       bf16={"enabled": True})).size == 2
+    with pytest.raises(ConfigError, match=r"^tensor_parallel.dtype: is bf16, but the run trains the split model in "
+                                          r"fp32 .*enable the bf16 section, or drop the key\)$"):
+        AutoTPFeature.build(_config(tensor_parallel={"autotp_size": 2, "dtype": "bf16"}))
+    with pytest.raises(ConfigError, match="tensor_parallel.dtype: is fp16, but the run trains the split model in bf16"):
+        AutoTPFeature.build(_config(tensor_parallel={"autotp_size": 2, "dtype": "fp16"}, bf16={"enabled": True}))
+    tp_model_init(torch.nn.Linear(2, 2), tp_size=2, dtype=torch.float16)
+    with pytest.raises(ConfigError, match=r"Conflicting tensor_parallel.dtype in config \(fp32\) and tp_model_init "
+                                          r"\(torch.float16\)"):
+        AutoTPFeature.build(_config(tensor_parallel={"autotp_size": 2, "dtype": "fp32"}))
+
+
+class _Mpu:
+    def __init__(self, group=None):
+        self.group = group
+
+    def get_model_parallel_group(self):
+        return self.group
+
+
+def test_given_groups_deepspeed_refuses_together_are_refused():
+    """``tensor_parallel.tp.tp_group`` / ``tp.mpu`` (objects, in a dict config): kept as given for the split (which
+    checks them against the layout: tests/integration/test_autotp_training.py); a group beside an mpu, a group
+    unlike tp_model_init's and an mpu without DeepSpeed's getter are refused, one line each."""
+    group, other = object(), object()
+    feature = AutoTPFeature.build(_config(tensor_parallel={"autotp_size": 2, "tp": {"tp_group": group}}))
+    assert feature.given is group and feature.given_as == "tensor_parallel.tp.tp_group"
+    mpu = _Mpu(group)
+    feature = AutoTPFeature.build(_config(tensor_parallel={"autotp_size": 2, "tp": {"mpu": mpu}}))
+    assert feature.given is group and feature.given_mpu is mpu
+    with pytest.raises(ConfigError, match=r"^tensor_parallel.tp.mpu: is given beside a tp_group"):
+        AutoTPFeature.build(_config(tensor_parallel={"autotp_size": 2, "tp": {"mpu": mpu, "tp_group": group}}))
+    with pytest.raises(ConfigError, match=r"^tensor_parallel.tp.mpu: a object has no get_model_parallel_group\(\)"):
+        AutoTPFeature.build(_config(tensor_parallel={"autotp_size": 2, "tp": {"mpu": object()}}))
+    tp_model_init(torch.nn.Linear(2, 2), tp_size=2, dtype=torch.float32, tp_group=other)
+    with pytest.raises(ConfigError, match="Conflicting tensor_parallel.tp.tp_group in config and tp_model_init"):
+        AutoTPFeature.build(_config(tensor_parallel={"autotp_size": 2, "tp": {"tp_group": group}}))
+    assert AutoTPFeature.build(_config()).given is other  # tp_model_init's own group, as before
+
+
+def test_the_injection_policy_tuple_splits_each_block_by_its_row_parallel_names():
+    """``injection_policy_tuple`` (DeepSpeed's policy tuple): the linears it names are each block's row-parallel
+    ones, the block's others column-parallel, the rest of the model whole. GPT-J's MLP output is ``fc_out``, which
+    the automatic reading does not take for an output projection; named, it splits, and the slices merge back."""
+    pytest.importorskip("transformers")
+    model = hf_model("gptj")
+    with pytest.raises(ConfigError, match="mlp.fc_in: no output projection follows this linear"):
+        split_for_training(copy.deepcopy(model), None, 0, 2)
+    rows = AutoTPFeature.build(_config(tensor_parallel={"autotp_size": 2, "injection_policy_tuple": [
+        "attn.out_proj", "fc_out"]})).rows  # a name's tail names it too
+    assert rows == ("attn.out_proj", "fc_out")
+    shards, layouts = [], []
+    for rank in range(2):
+        shard = copy.deepcopy(model)
+        layouts.append(split_for_training(shard, None, rank, 2, rows=rows))
+        shards.append(shard)
+    block = shards[0].transformer.h[1]
+    assert isinstance(block.attn.out_proj, RowParallelLinear) and isinstance(block.mlp.fc_out, RowParallelLinear)
+    assert all(isinstance(m, ColumnParallelLinear) for m in (block.attn.q_proj, block.attn.k_proj, block.attn.v_proj,
+                                                             block.mlp.fc_in))
+    assert type(shards[0].lm_head) is torch.nn.Linear and "lm_head.weight" not in layouts[0].splits
+    assert block.mlp.fc_in.weight.shape == (64, 32) and block.mlp.fc_out.weight.shape == (32, 64)
+    merged = merge_module_states([s.state_dict() for s in shards], layouts[0].splits)
+    assert all(torch.equal(merged[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(ConfigError, match=r"^tensor_parallel.injection_policy_tuple: 'mlp.down_proj' names no linear "
+                                          r"of the model's blocks \(they hold attn.k_proj, "):
+        split_for_training(copy.deepcopy(model), None, 0, 2, rows=("attn.out_proj", "mlp.down_proj"))
+    with pytest.raises(ConfigError, match="injection_policy_tuple: got \\[3\\]; expected the names"):
+        AutoTPFeature.build(_config(tensor_parallel={"autotp_size": 2, "injection_policy_tuple": [3]}))
+    with pytest.raises(ConfigError, match="injection_policy_tuple: names the row-parallel linears beside "
+                                          "partition_config / preset_model's rules"):
+        AutoTPFeature.build(_config(tensor_parallel={"autotp_size": 2, "injection_policy_tuple": ["o_proj"],
+                                                     "preset_model": "llama"}))
+
+
+def test_keep_module_on_host_keeps_the_slices_as_views_of_the_host_weights():
+    """``keep_module_on_host`` (DeepSpeed's ``TensorParallel_Layer.move``), on a CPU where the host is the
+    accelerator: false, every slice is a tensor of its own, exactly its bytes, and no slice keeps the whole weight
+    it was cut from alive; true, the slices stay where the model is, not copied: a cut along the first dimension
+    (GPT-2's row-parallel ``Conv1D`` weights: their input rows) is a view of the whole weight, materialising no
+    bytes (and keeping the whole weight's), until the engine moves the module."""
+    pytest.importorskip("transformers")
+    model = hf_model("gpt2")
+    held = {}
+    for keep in (False, True):
+        AutoTPFeature.build(_config(tensor_parallel={"autotp_size": 2, "keep_module_on_host": keep}))
+        shard = copy.deepcopy(model)
+        before = {n: p.untyped_storage().data_ptr() for n, p in shard.named_parameters()}
+        layout = split_for_training(shard, None, 1, 2)
+        params = dict(shard.named_parameters())
+        new_bytes = sum(params[n].untyped_storage().nbytes() for n in layout.splits
+                        if params[n].untyped_storage().data_ptr() != before[n])
+        views = {n for n in layout.splits if params[n].untyped_storage().data_ptr() == before[n]}
+        held[keep] = (new_bytes, views, {params[n].device.type for n in layout.splits})
+        if not keep:
+            assert all(params[n].untyped_storage().nbytes() == params[n].numel() * 4 for n in layout.splits)
+    split_bytes = sum(torch.Size(layout.whole[n]).numel() * 4 // 2 for n in layout.splits)
+    assert held[False] == (split_bytes, set(), {"cpu"})
+    # cut along their first dimension, in one part: the row-parallel weights' input rows, c_fc's bias (c_attn's
+    # q|k|v parts are cut one by one and put together: a tensor of its own either way)
+    first = {f"transformer.h.{i}.{m}.c_proj.weight" for i in range(2) for m in ("attn", "mlp")} | \
+        {f"transformer.h.{i}.mlp.c_fc.bias" for i in range(2)}
+    assert held[True][1] == first and held[True][2] == {"cpu"}
+    assert held[True][0] == split_bytes - sum(torch.Size(layout.whole[n]).numel() * 4 // 2 for n in first)
 
 
 def test_the_gpt_tp_recipe_counts_data_parallel_ranks_only():
