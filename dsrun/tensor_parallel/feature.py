@@ -20,7 +20,7 @@ was split (``tensor_parallel``) and DeepSpeed's ``mp_world_size``; each tensor-p
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -125,7 +125,7 @@ def _dtype_problems(config: DSConfig) -> list[Problem]:
 GROUP_KEY, MPU_KEY = "tensor_parallel.tp.tp_group", "tensor_parallel.tp.mpu"
 
 
-def _given_group(config: DSConfig) -> tuple[Any, str | None, list[Problem]]:
+def _given_group(config: DSConfig) -> tuple[object, str | None, list[Problem]]:
     """The tensor-parallel group the caller gives, with the name it was given under: the config's
     ``tensor_parallel.tp.tp_group``, the model-parallel group of its ``tensor_parallel.tp.mpu``
     (``get_model_parallel_group()``, as DeepSpeed's AutoTP reads an mpu), or ``tp_model_init(tp_group=...)``;
@@ -153,7 +153,7 @@ def _given_group(config: DSConfig) -> tuple[Any, str | None, list[Problem]]:
     return None, None, []
 
 
-def _members(group: Any) -> list[int] | None:
+def _members(group: object) -> list[int] | None:
     """The global ranks of ``group`` in its order (None when it is not a process group of this world)."""
     try:
         return [comm.get_global_rank(group, r) for r in range(comm.get_world_size(group))]
@@ -161,7 +161,7 @@ def _members(group: Any) -> list[int] | None:
         return None
 
 
-def _policy_rows(value: Any) -> tuple[tuple[str, ...] | None, list[Problem]]:
+def _policy_rows(value: Sequence[object] | str | None) -> tuple[tuple[str, ...] | None, list[Problem]]:
     if value is None:
         return None, []
     names = (value,) if isinstance(value, str) else tuple(value)
@@ -174,7 +174,7 @@ def _policy_rows(value: Any) -> tuple[tuple[str, ...] | None, list[Problem]]:
 class AutoTPFeature(Feature):
     name = "autotp"
 
-    def __init__(self, config: DSConfig, size: int, rules: AutoTPConfig | None = None, given: Any = None,
+    def __init__(self, config: DSConfig, size: int, rules: AutoTPConfig | None = None, given: object = None,
                  given_as: str | None = None, rows: tuple[str, ...] | None = None):
         self.size = size
         self.rules = rules  # partition_config / preset_model: split by these rules, not automatically
@@ -265,7 +265,7 @@ class AutoTPFeature(Feature):
         self.uc_info = universal_checkpoint_info(model, self.layout)
         setattr(model, UNIVERSAL_CHECKPOINT_INFO, self.uc_info)
 
-    def _split_group(self, groups: ProcessGroups) -> tuple[Any, list[int]]:
+    def _split_group(self, groups: ProcessGroups) -> tuple[object, list[int]]:
         """The group the split communicates over, and its ranks: the caller's (``tensor_parallel.tp.tp_group``,
         ``tp.mpu``'s, ``tp_model_init``'s), which must hold exactly this rank's tensor-parallel ranks of the
         topology (and an mpu's data-parallel group its data-parallel ranks), else the topology's own. The ranks

@@ -277,18 +277,22 @@ def split_by_specs(model: nn.Module, config: AutoTPConfig, group: ProcessGroup |
 
 def meta_split_for(cfg: Mapping[str, Any]) -> Callable[[nn.Module, int], None]:
     """How the memory estimator splits a recipe's meta-device model for one rank (``cfg``: the composed run, its
-    ``ds`` section), as training splits it: by the run's ``partition_config`` / ``preset_model`` rules, else the
-    model's Hugging Face plan, else automatically (:func:`dsrun.tensor_parallel.split.split_meta_model`)."""
+    ``ds`` section), as training splits it: by the run's ``partition_config`` / ``preset_model`` rules, or its
+    ``injection_policy_tuple``, else the model's Hugging Face plan, else automatically (:func:`dsrun.tensor_parallel.split.split_meta_model`)."""
     from dsrun.config import ds_section
     from dsrun.estimate.runspec import plain_config
 
     section = ds_section(plain_config(cfg).get("ds") or {}, "tensor_parallel")
     configured = partition_config_object(section.partition_config, section.preset_model, 1)
     grain = int(section.tp.tp_grain_size)
+    policy = section.injection_policy_tuple  # each block's row-parallel linears (the feature checks the value)
+    rows = None if policy is None else (policy,) if isinstance(policy, str) else tuple(policy)
 
     def split(model: nn.Module, tp_size: int) -> None:
         if configured is not None:
             split_by_specs(model, configured, None, 0, tp_size, grain=grain)
+        elif rows is not None:
+            split_meta_model(model, tp_size, grain, rows)
         elif (planned := rules_from_hf_plan(model, tp_size)) is not None:
             split_by_specs(model, planned, None, 0, tp_size, "the model's Hugging Face tp_plan", grain)
         else:

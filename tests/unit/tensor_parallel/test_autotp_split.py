@@ -14,6 +14,7 @@ from dsrun.runspec import resolve_run
 from dsrun.tensor_parallel import (AutoTPConfig, AutoTPFeature, ColumnParallelLinear, RowParallelLinear,
                                    TensorParallelLinear, reset_tp_model_init, split_by_specs, split_for_training,
                                    tp_model_init)
+from dsrun.tensor_parallel.spec_split import meta_split_for
 from dsrun.tensor_parallel.split import set_keep_module_on_host, universal_checkpoint_info
 from dsrun.utils.errors import ConfigError
 from tests.helpers import run_ranks
@@ -171,6 +172,11 @@ def test_the_injection_policy_tuple_splits_each_block_by_its_row_parallel_names(
     assert block.mlp.fc_in.weight.shape == (64, 32) and block.mlp.fc_out.weight.shape == (32, 64)
     merged = merge_module_states([s.state_dict() for s in shards], layouts[0].splits)
     assert all(torch.equal(merged[k], v) for k, v in model.state_dict().items())
+    # the memory estimator splits a meta-device model by the tuple too (GPT-J's own plan would cut its LM head)
+    with torch.device("meta"):
+        meta = type(model)(model.config)
+    meta_split_for({"ds": {"tensor_parallel": {"autotp_size": 2, "injection_policy_tuple": list(rows)}}})(meta, 2)
+    assert isinstance(meta.transformer.h[0].mlp.fc_out, RowParallelLinear) and type(meta.lm_head) is torch.nn.Linear
     with pytest.raises(ConfigError, match=r"^tensor_parallel.injection_policy_tuple: 'mlp.down_proj' names no linear "
                                           r"of the model's blocks \(they hold attn.k_proj, "):
         split_for_training(copy.deepcopy(model), None, 0, 2, rows=("attn.out_proj", "mlp.down_proj"))
