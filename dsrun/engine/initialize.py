@@ -140,6 +140,9 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
             raise ConfigError(Problem("initialize(mpu=...)", f"a {type(model).__name__} brings its own process "
                                       "grid", "leave mpu=None"))
         mpu = model.mpu()
+    from dsrun.tensor_parallel import refuse_group_beside_mpu
+
+    refuse_group_beside_mpu(mpu)  # tp_model_init's tp_group and an mpu (DeepSpeed's rule)
     world = _data_parallel_world(mpu)
     if mpu is None:  # AutoTP: the ranks of a tensor-parallel group share their samples (dsrun/tensor_parallel)
         world //= _tensor_parallel_degree(source)

@@ -70,6 +70,14 @@ def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype, config: An
     return model
 
 
+def refuse_group_beside_mpu(mpu: object) -> None:
+    """DeepSpeed's rule for ``initialize(mpu=...)`` after ``tp_model_init(..., tp_group=...)``: the two name the
+    tensor-parallel group twice, refused (a ValueError, as DeepSpeed raises)."""
+    if mpu is not None and (_TP_MODEL_INIT_ARGS or {}).get("tp_group") is not None:
+        raise ConfigError(Problem("initialize(mpu=...)", "tp_model_init provided tp_group; deepspeed.initialize must "
+                                  "not receive mpu", "drop one of the two"))
+
+
 def reset_tp_model_init() -> None:
     """Forget what ``tp_model_init`` recorded (DeepSpeed's tests set ``deepspeed._TP_MODEL_INIT_ARGS = None``)."""
     global _TP_MODEL_INIT_ARGS

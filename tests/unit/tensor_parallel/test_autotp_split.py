@@ -12,8 +12,8 @@ from dsrun.compose import compose_runspec
 from dsrun.config import load_ds_config
 from dsrun.runspec import resolve_run
 from dsrun.tensor_parallel import (AutoTPConfig, AutoTPFeature, ColumnParallelLinear, RowParallelLinear,
-                                   TensorParallelLinear, reset_tp_model_init, split_by_specs, split_for_training,
-                                   tp_model_init)
+                                   TensorParallelLinear, refuse_group_beside_mpu, reset_tp_model_init,
+                                   split_by_specs, split_for_training, tp_model_init)
 from dsrun.tensor_parallel.spec_split import meta_split_for
 from dsrun.tensor_parallel.split import set_keep_module_on_host, universal_checkpoint_info
 from dsrun.utils.errors import ConfigError
@@ -146,6 +146,9 @@ def test_given_groups_deepspeed_refuses_together_are_refused():
     with pytest.raises(ConfigError, match="Conflicting tensor_parallel.tp.tp_group in config and tp_model_init"):
         AutoTPFeature.build(_config(tensor_parallel={"autotp_size": 2, "tp": {"tp_group": group}}))
     assert AutoTPFeature.build(_config()).given is other  # tp_model_init's own group, as before
+    with pytest.raises(ValueError, match="tp_model_init provided tp_group; deepspeed.initialize must not receive mpu"):
+        refuse_group_beside_mpu(_Mpu(other))  # initialize(mpu=...) after it: DeepSpeed's ValueError
+    refuse_group_beside_mpu(None)
 
 
 def test_the_injection_policy_tuple_splits_each_block_by_its_row_parallel_names():
