@@ -149,7 +149,8 @@ def _given_group(config: DSConfig) -> tuple[object, str | None, list[Problem]]:
                                 "pass the same group to both, or to one"))
     if tp.mpu is not None and not callable(getattr(tp.mpu, "get_model_parallel_group", None)):
         problems.append(Problem(MPU_KEY, f"a {type(tp.mpu).__name__} has no get_model_parallel_group()",
-                                "pass a model-parallel unit with DeepSpeed's mpu getters, or tensor_parallel.tp.tp_group"))
+                                "pass a model-parallel unit with DeepSpeed's mpu getters, or "
+                                "tensor_parallel.tp.tp_group"))
     if problems:
         return None, None, problems
     if tp.tp_group is not None:

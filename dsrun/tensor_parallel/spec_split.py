@@ -278,7 +278,8 @@ def split_by_specs(model: nn.Module, config: AutoTPConfig, group: ProcessGroup |
 def meta_split_for(cfg: Mapping[str, Any]) -> Callable[[nn.Module, int], None]:
     """How the memory estimator splits a recipe's meta-device model for one rank (``cfg``: the composed run, its
     ``ds`` section), as training splits it: by the run's ``partition_config`` / ``preset_model`` rules, or its
-    ``injection_policy_tuple``, else the model's Hugging Face plan, else automatically (:func:`dsrun.tensor_parallel.split.split_meta_model`)."""
+    ``injection_policy_tuple``, else the model's Hugging Face plan, else automatically
+    (:func:`dsrun.tensor_parallel.split.split_meta_model`)."""
     from dsrun.config import ds_section
     from dsrun.estimate.runspec import plain_config
 

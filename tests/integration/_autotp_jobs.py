@@ -399,8 +399,8 @@ def policy_job(rank: int, world: int, steps: int = 4) -> dict[str, Any]:
     head parameter's bytes held and whole."""
     from dsrun.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-    engine, loader = _engine("gptj", 2, world, tensor_parallel={"autotp_size": 2,
-                                                                "injection_policy_tuple": ["attn.out_proj", "mlp.fc_out"]})
+    policy = ["attn.out_proj", "mlp.fc_out"]
+    engine, loader = _engine("gptj", 2, world, tensor_parallel={"autotp_size": 2, "injection_policy_tuple": policy})
     losses = _train(engine, _batches(loader, steps))
     block = engine.module.transformer.h[0]
     kinds = {name: ("row" if isinstance(m, RowParallelLinear) else "column" if isinstance(m, ColumnParallelLinear)

@@ -210,7 +210,8 @@ ENTRIES: list[Entry] = [
          refused_values={"liger": "Liger's fused kernel is a Triton (GPU) kernel"}),
     done("tensor_parallel.tp.tp_group", "the tensor-parallel group the split communicates over (a process "
          "group object, in a dict config): it must hold this rank's tensor-parallel ranks of dsrun's layout (T "
-         "consecutive ranks), else refused; beside tp.mpu, or unlike tp_model_init's group, refused (DeepSpeed's rules)",
+         "consecutive ranks), else refused; beside tp.mpu, or unlike tp_model_init's group, refused (DeepSpeed's "
+         "rules)",
          AUTOTP_TESTS + "test_a_given_tp_group_or_mpu_is_the_group_the_split_uses",
          AUTOTP_TESTS + "test_a_tp_group_other_than_the_topologys_is_refused",
          AUTOTP_UNIT + "test_given_groups_deepspeed_refuses_together_are_refused"),
@@ -233,7 +234,8 @@ ENTRIES: list[Entry] = [
          AUTOTP_TESTS + "test_injection_policy_tuple_names_the_row_parallel_linears_of_each_block"),
     done("tensor_parallel.keep_module_on_host", "true: the split's slices stay on the host where the model is, not "
          "copied (a cut along the first dimension is a view of the whole weight), until the engine moves the module; "
-         "false: each slice is a copy of its own on the accelerator as it is cut (DeepSpeed's TensorParallel_Layer.move)",
+         "false: each slice is a copy of its own on the accelerator as it is cut (DeepSpeed's "
+         "TensorParallel_Layer.move)",
          AUTOTP_UNIT + "test_keep_module_on_host_keeps_the_slices_as_views_of_the_host_weights",
          AUTOTP_TESTS + "test_zero_stages_0_and_2_bf16_and_tp_overlap_comm_split_the_same_way"),
     *_section("tensor_parallel", AUTOTP, {"kernel_inject": "inject inference kernels"}),
