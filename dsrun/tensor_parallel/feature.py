@@ -101,8 +101,8 @@ def _recorded_dtype_problems(config: DSConfig) -> list[Problem]:
     wanted = next((dt for name, dt in _PRECISION_DTYPES.items() if getattr(config, name).enabled), None)
     if recorded is None or wanted is None or wanted == recorded["dtype"]:
         return []
-    return [Problem("tensor_parallel", f"deepspeed.tp_model_init(dtype={recorded['dtype']}) disagrees with the "
-                    f"config's precision ({wanted})", "make them agree")]
+    return [Problem("tensor_parallel", f"Conflicting dtype: config uses {wanted} but tp_model_init requested "
+                    f"{recorded['dtype']}", "make them agree")]
 
 
 _DTYPE_NAMES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}

@@ -95,7 +95,8 @@ def test_the_config_and_tp_model_init_agree_or_are_refused():
     assert tp_model_init(model, tp_size=2, dtype=torch.bfloat16) is model  # records; splits at initialize
     with pytest.raises(ValueError, match="Conflicting tp_model_init"):
         tp_model_init(model, tp_size=4, dtype=torch.bfloat16)
-    with pytest.raises(ConfigError, match="disagrees with the config's precision"):
+    with pytest.raises(ConfigError, match="Conflicting dtype: config uses torch.float16 but tp_model_init requested "
+                                          "torch.bfloat16"):
         AutoTPFeature.build(_config(fp16={"enabled": True}))
     assert AutoTPFeature.build(load_ds_config({"train_batch_size": 2, "bf16": {"enabled": True}})).size == 2
     with pytest.raises(ConfigError, match="tp_model_init\\(tp_size=2\\)"):
