@@ -233,7 +233,8 @@ ENTRIES: list[Entry] = [
          AUTOTP_UNIT + "test_the_injection_policy_tuple_splits_each_block_by_its_row_parallel_names",
          AUTOTP_TESTS + "test_injection_policy_tuple_names_the_row_parallel_linears_of_each_block"),
     done("tensor_parallel.keep_module_on_host", "true: the split's slices stay on the host where the model is, not "
-         "copied (a cut along the first dimension is a view of the whole weight), until the engine moves the module; "
+         "copied (a cut along the first dimension is a view of the whole weight), until the engine moves the module "
+         "or ZeRO copies it into its flat buffer; "
          "false: each slice is a copy of its own on the accelerator as it is cut (DeepSpeed's "
          "TensorParallel_Layer.move)",
          AUTOTP_UNIT + "test_keep_module_on_host_keeps_the_slices_as_views_of_the_host_weights",
