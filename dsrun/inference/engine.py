@@ -10,7 +10,9 @@ The engine prepares a model once, in this order:
    ``tensor_parallel.tp_size > 1`` (or a user ``injection_policy`` / INT8 asks for the block plan);
 5. quantize the blocks' linears to INT8 (weight-only) with ``dtype=torch.int8``;
 6. with ``replace_with_kernel_inject`` on a dsrun GPT, swap in the fused KV-cache forward
-   (:class:`~dsrun.inference.fused_gpt.FusedGPT`).
+   (:class:`~dsrun.inference.fused_gpt.FusedGPT`); on a Hugging Face model whose blocks a kernel-injection policy
+   names, replace those blocks by DeepSpeed's injected layer (:mod:`~dsrun.inference.injection`), cut over the
+   model-parallel group in place of step 4's split.
 
 ``engine(*inputs, **kwargs)`` runs the forward without autograd; ``engine.generate(...)`` is the model's
 own ``generate`` (the fused one with kernel injection); other attributes read through to the model, so the
@@ -32,6 +34,7 @@ from .auto_tp import BlockPlan, quantize_blocks, shard_model
 from .config import DeepSpeedInferenceConfig, InferenceConfigSource, merge_config, refusals
 from .fused_gpt import FusedGPT
 from .groups import TPGroup, model_parallel_group
+from .injection import inject, policy_for
 from .loading import load_weights
 
 
@@ -42,7 +45,8 @@ def _is_dsrun_gpt(model: nn.Module) -> bool:
 
 
 # The layers DeepSpeed v1's kernel injection replaces (its ``replace_policies``/``generic_policies``, by the module
-# and class each policy names): on a model holding one, DeepSpeed swaps in CUDA kernels, which dsrun does not have.
+# and class each policy names); those with a policy in dsrun.inference.injection.policies are injected, the others
+# refused (DeepSpeed would swap in a layer dsrun does not have).
 KERNEL_INJECTION_LAYERS = frozenset({
     "transformers.models.bert.modeling_bert.BertLayer", "transformers.models.roberta.modeling_roberta.RobertaLayer",
     "transformers.models.distilbert.modeling_distilbert.TransformerBlock",
@@ -69,6 +73,21 @@ def kernel_injection_layer(model: nn.Module) -> str | None:
     return None
 
 
+def _injection_refusals(config: DeepSpeedInferenceConfig) -> list[Problem]:
+    """Settings the injected layer cannot honour, one line each."""
+    p = "init_inference."
+    out = []
+    if config.dtype == torch.int8:
+        out.append(Problem(p + "dtype", "INT8 with kernel injection is DeepSpeed's CUDA INT8 GEMM, which dsrun does not "
+                           "have", "use dtype=torch.int8 without replace_with_kernel_inject (weight-only INT8 over "
+                           "automatic tensor parallelism)"))
+    if config.injection_policy or config.injection_policy_tuple:
+        out.append(Problem(p + "injection_policy", "names the blocks automatic tensor parallelism splits; with "
+                           "replace_with_kernel_inject the policies of dsrun.inference.injection pick the blocks",
+                           "give one of the two"))
+    return out
+
+
 class InferenceEngine(nn.Module):
     """A model prepared for inference: split, quantized, fused as its config says."""
 
@@ -81,11 +100,14 @@ class InferenceEngine(nn.Module):
         device = get_accelerator().device()
         problems = refusals(config, device.type)
         injected = kernel_injection_layer(model) if config.replace_with_kernel_inject else None
-        if injected is not None and not _is_dsrun_gpt(model):
-            problems.append(Problem("init_inference.replace_with_kernel_inject", f"DeepSpeed would swap CUDA kernels "
-                                    f"into {type(model).__name__}'s {injected} layers; dsrun's fused path exists for "
-                                    f"dsrun's GPT only", "leave it false: automatic tensor parallelism splits any "
-                                    "Transformer"))
+        injecting = injected is not None and any(policy_for(m) is not None for m in model.modules())
+        if injected is not None and not injecting and not _is_dsrun_gpt(model):
+            problems.append(Problem("init_inference.replace_with_kernel_inject", f"DeepSpeed would swap its "
+                                    f"injected layer into {type(model).__name__}'s {injected} layers; dsrun injects "
+                                    "GPT-2, GPT-Neo, GPT-J, OPT, BERT/RoBERTa and Llama blocks only",
+                                    "leave it false: automatic tensor parallelism splits any Transformer"))
+        if injecting:
+            problems += _injection_refusals(config)
         problems += moe.check(model, config)
         if problems:
             raise ConfigError(problems)
@@ -96,7 +118,8 @@ class InferenceEngine(nn.Module):
         self.tp: TPGroup = model_parallel_group(config.tp_size, config.tensor_parallel.tp_group,
                                                 config.tensor_parallel.mpu or config.mpu)
         self.block_plans: list[BlockPlan] = []
-        if self.tp.size > 1 or policy or config.dtype == torch.int8:
+        self.injected_layers = inject(model, config, self.tp) if injecting else 0
+        if not injecting and (self.tp.size > 1 or policy or config.dtype == torch.int8):
             self.block_plans = shard_model(model, self.tp, policy)
         self.quantized_linears = 0
         if config.dtype == torch.int8 and config.quant.enabled and config.quant.weight.enabled:
@@ -108,7 +131,7 @@ class InferenceEngine(nn.Module):
         fused = None
         if config.replace_with_kernel_inject and _is_dsrun_gpt(model):
             fused = FusedGPT(model, config.max_out_tokens, config.min_out_tokens, config.triangular_masking)
-        elif config.replace_with_kernel_inject:  # no layer a kernel policy names: DeepSpeed replaces nothing either
+        elif config.replace_with_kernel_inject and not injecting:  # no layer a policy names: DeepSpeed replaces none
             logger.info(f"init_inference: replace_with_kernel_inject: {type(model).__name__} has no layer a "
                         f"kernel-injection policy replaces; its own forward runs, as under DeepSpeed")
         self.__dict__["fused"] = fused  # not a submodule: it holds the module's own weights, not copies
