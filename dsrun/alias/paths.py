@@ -125,6 +125,16 @@ PATHS: dict[str, str] = {
     "deepspeed.ops.transformer.inference.op_binding.residual_add": "dsrun.ops.transformer.inference.op_binding",
     "deepspeed.ops.transformer.inference.op_binding.vector_add": "dsrun.ops.transformer.inference.op_binding",
     "deepspeed.ops.transformer.inference.bias_add": "dsrun.ops.transformer.inference.kernels",
+    # v1 kernel injection: the injected layer (one class per family, one module), the policies (DeepSpeed's policy,
+    # replace_policy and the containers' policy classes), the replacement
+    "deepspeed.model_implementations": "dsrun.inference.injection",
+    "deepspeed.model_implementations.transformers": "dsrun.inference.injection",
+    **{f"deepspeed.model_implementations.transformers.{name}": "dsrun.inference.injection.layer"
+       for name in ("ds_transformer", "ds_gpt", "ds_bert", "ds_opt", "ds_llama2", "ds_megatron_gpt")},
+    "deepspeed.module_inject.replace_module": "dsrun.inference.injection.replace",
+    "deepspeed.module_inject.policy": "dsrun.inference.injection.policies",
+    "deepspeed.module_inject.replace_policy": "dsrun.inference.injection.policies",
+    "deepspeed.module_inject.containers": "dsrun.inference.injection.policies",
     "deepspeed.ops.fp_quantizer.fp8_gemm": "dsrun.ops.fp_quantizer.quantize",
     # DeepSpeed's Triton ops, as torch: its availability check and SwiGLU modules are the package itself
     "deepspeed.ops.triton_ops._triton": "dsrun.ops.triton_ops",
