@@ -246,3 +246,28 @@ def group_sources(rank: int, world: int) -> dict[str, Any]:
         out[name] = {"logits": engine(ids).numpy(), "tp": (engine.tp.rank, engine.tp.size),
                      "all_reduce": comm.get_comms_stats()["all_reduce"]["count"]}
     return out
+
+
+def injected_split(rank: int, world: int, names: list[str], new_tokens: int = 6) -> dict[str, Any]:
+    """Kernel injection over the ranks (``replace_with_kernel_inject`` with ``tp_size=world``): per architecture,
+    the whole model's fp32 logits and greedy generation, the injected split model's, and each injected layer's
+    share of the query/key/value columns."""
+    import dsrun
+    from dsrun.inference.injection import DeepSpeedTransformerInference
+
+    out: dict[str, Any] = {}
+    ids = prompt()
+    for name in names:
+        model = build(name)
+        entry: dict[str, Any] = {"longest_sum": max(max(p.shape) for p in model.parameters()
+                                                    if p.dim() == 2 and max(p.shape) < VOCAB)}
+        entry["reference"] = _logits(model, name, ids).numpy()
+        entry["generated"] = _generate(model, name, ids, new_tokens).numpy()
+        engine = dsrun.init_inference(model, tensor_parallel={"tp_size": world}, dtype=torch.float32,
+                                      replace_with_kernel_inject=True)
+        layers = [m for m in engine.module.modules() if isinstance(m, DeepSpeedTransformerInference)]
+        entry["qkv_columns"] = [tuple(layer.attention.attn_qkvw.shape) for layer in layers]
+        entry["split"] = _logits(engine, name, ids).numpy()
+        entry["generated_split"] = _generate(engine, name, ids, new_tokens).numpy()
+        out[name] = entry
+    return out

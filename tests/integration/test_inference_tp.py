@@ -13,7 +13,7 @@ import pytest
 
 from tests.helpers import run_ranks
 from tests.integration._inference_models import (HF_NAMES, allreduce_per_token, compare_split, fp32_bound,
-                                                  user_model_split)
+                                                  injected_split, user_model_split)
 
 DSRUN_NAMES = ("dsrun-gpt", "dsrun-gpt-rotary")
 
@@ -66,6 +66,21 @@ def test_allreduce_bytes_per_generated_token_equal_the_analytic_count():
     assert plain["message_bytes"] == per_position * sum(length + k for k in range(new))
     assert plain["count"] == 2 * layers * new
     np.testing.assert_array_equal(result["fused"]["tokens"], result["plain"]["tokens"])
+
+
+def test_kernel_injection_split_over_two_ranks_matches_the_whole_model():
+    pytest.importorskip("transformers")
+    results = run_ranks(injected_split, 2, ["gpt2", "llama"], timeout=240)
+    for result in results:
+        for name, qkv_columns in (("gpt2", 3 * 32 // 2), ("llama", (4 + 2 * 2) * 8 // 2)):  # this rank's heads
+            entry = result[name]
+            assert entry["qkv_columns"] == [(32, qkv_columns)] * 2
+            # fp32, 2 blocks of 6 products in a row and the head; the split changes only the summation order
+            unit = np.finfo(np.float32).eps / 2
+            bound = 2 * 13 * entry["longest_sum"] * unit * max(1.0, np.abs(entry["reference"]).max())
+            assert np.abs(entry["split"] - entry["reference"]).max() <= bound
+            np.testing.assert_array_equal(entry["generated_split"], entry["generated"])
+    np.testing.assert_array_equal(results[0]["gpt2"]["split"], results[1]["gpt2"]["split"])
 
 
 def test_injection_policy_splits_a_user_model_whose_names_auto_tp_does_not_know():

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dsrun import comm
 from dsrun.inference.groups import TPGroup, model_parallel_group
 from dsrun.ops.transformer.inference.config import DeepSpeedInferenceConfig as KernelConfig
 from dsrun.utils.errors import Problem, UserError
@@ -97,7 +98,10 @@ def build_layer(policy: TransformerPolicy, config: Any, tp: TPGroup, returns_ten
     if "triangular_masking" in settings:  # an encoder's attention sees both ways whatever the engine's setting
         kernel_config.triangular_masking = settings.pop("triangular_masking")
     kernel_config.__dict__.update(settings)
-    layer = _LAYER_CLASS.get(type(policy), DeepSpeedGPTInference)(kernel_config, tp.group if tp.size > 1 else None)
+    mp_group = None
+    if tp.size > 1:  # TPGroup's None is the whole world; the layer's None is no group at all (DeepSpeed's)
+        mp_group = tp.group if tp.group is not None else comm.get_world_group()
+    layer = _LAYER_CLASS.get(type(policy), DeepSpeedGPTInference)(kernel_config, mp_group)
     linear = policy.linear_layer
     qkvw, qkvb, ow, ob = policy.attention()
     head_dim = hidden // heads
