@@ -265,8 +265,8 @@ def refusals(config: DeepSpeedInferenceConfig, device_type: str) -> list[Problem
         out.append(Problem(p + "return_tuple", "dsrun keeps the model's own return convention",
                            "leave it true"))
     if not config.triangular_masking and not config.replace_with_kernel_inject:
-        out.append(Problem(p + "triangular_masking", "acts only on the fused path (replace_with_kernel_inject)",
-                           "leave it true, or turn kernel injection on for a dsrun GPT"))
+        out.append(Problem(p + "triangular_masking", "acts only with replace_with_kernel_inject (the fused path, "
+                           "the injected layers)", "leave it true, or turn kernel injection on"))
     if config.save_mp_checkpoint_path or config.checkpoint_config.save_mp_checkpoint_path:
         out.append(Problem(p + "save_mp_checkpoint_path", "saving tensor-parallel shards is not implemented yet; "
                            "dsrun reshards a whole checkpoint at load time instead", "leave it unset"))

@@ -101,7 +101,7 @@ REFUSED = [
     ({"moe_type": "residual"}, NO_MOE),
     ({"training_mp_size": 2}, "training_mp_size"), ({"replace_method": "layer"}, "replace_method"),
     ({"args": {"n_layer": 2}}, "init_inference.config"), ({"return_tuple": False}, "return_tuple"),
-    ({"triangular_masking": False}, "triangular_masking: acts only on the fused path"),
+    ({"triangular_masking": False}, "triangular_masking: acts only with replace_with_kernel_inject"),
     ({"save_mp_checkpoint_path": "/tmp/x"}, "save_mp_checkpoint_path"),
     ({"checkpoint_config": {"save_mp_checkpoint_path": "/tmp/x"}}, "save_mp_checkpoint_path"),
     ({"min_out_tokens": 9, "max_out_tokens": 8}, "min_out_tokens"),
