@@ -27,6 +27,7 @@ _LAZY: dict[str, str] = {
     "DeepSpeedTransformerLayer": "dsrun.ops.transformer:DeepSpeedTransformerLayer",
     "init_inference": "dsrun.inference:init_inference",
     "tp_model_init": "dsrun.tensor_parallel:tp_model_init",
+    "replace_transformer_layer": "dsrun.inference.injection:replace_transformer_layer",
     "InferenceEngine": "dsrun.inference:InferenceEngine",
     "inference": "dsrun.inference:",
     "elasticity": "dsrun.elasticity:",

@@ -115,3 +115,20 @@ def test_a_family_without_a_policy_and_int8_injection_are_refused():
         dsrun.init_inference(transformers.GPTNeoXForCausalLM(config), kernel_inject=True)
     with pytest.raises(ConfigError, match="init_inference.dtype: INT8 with kernel injection"):
         dsrun.init_inference(build("gpt2"), kernel_inject=True, dtype=torch.int8)
+
+
+def test_replace_transformer_layer_injects_the_named_block_class_only():
+    from dsrun.inference.config import merge_config
+
+    model = build("gpt2")
+    ids = prompt()
+    with torch.no_grad():
+        reference = model(ids).logits
+    block = type(model.transformer.h[0])
+    assert dsrun.replace_transformer_layer(torch.nn.LayerNorm, model, None, merge_config(None)) is model
+    assert type(model.transformer.h[0]) is block  # a class no policy names: nothing replaced
+    dsrun.replace_transformer_layer(block, model, None, merge_config(None, dtype=torch.float32))
+    assert all(isinstance(layer, DeepSpeedTransformerInference) for layer in model.transformer.h)
+    with torch.no_grad():
+        got = model(ids).logits
+    assert (got - reference).abs().max().item() <= fp32_bound(model, reference)
