@@ -132,6 +132,8 @@ PATHS: dict[str, str] = {
     **{f"deepspeed.model_implementations.transformers.{name}": "dsrun.inference.injection.layer"
        for name in ("ds_transformer", "ds_gpt", "ds_bert", "ds_opt", "ds_llama2", "ds_megatron_gpt")},
     "deepspeed.module_inject.replace_module": "dsrun.inference.injection.replace",
+    "deepspeed.ops.transformer.inference.ds_attention": "dsrun.inference.injection.attention",
+    "deepspeed.ops.transformer.inference.ds_mlp": "dsrun.inference.injection.mlp",
     "deepspeed.module_inject.policy": "dsrun.inference.injection.policies",
     "deepspeed.module_inject.replace_policy": "dsrun.inference.injection.policies",
     "deepspeed.module_inject.containers": "dsrun.inference.injection.policies",

@@ -78,8 +78,8 @@ def _injection_refusals(config: DeepSpeedInferenceConfig) -> list[Problem]:
     p = "init_inference."
     out = []
     if config.dtype == torch.int8:
-        out.append(Problem(p + "dtype", "INT8 with kernel injection is DeepSpeed's CUDA INT8 GEMM, which dsrun does not "
-                           "have", "use dtype=torch.int8 without replace_with_kernel_inject (weight-only INT8 over "
+        out.append(Problem(p + "dtype", "INT8 with kernel injection is DeepSpeed's CUDA INT8 GEMM, which dsrun does "
+                           "not have", "use dtype=torch.int8 without replace_with_kernel_inject (weight-only INT8 over "
                            "automatic tensor parallelism)"))
     if config.injection_policy or config.injection_policy_tuple:
         out.append(Problem(p + "injection_policy", "names the blocks automatic tensor parallelism splits; with "

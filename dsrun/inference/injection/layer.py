@@ -14,19 +14,25 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from typing import Any
+from typing import Union
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from dsrun.ops.transformer.inference import kernels
 from dsrun.ops.transformer.inference.config import DeepSpeedInferenceConfig
-from dsrun.ops.transformer.inference.ds_attention import DeepSpeedSelfAttention
-from dsrun.ops.transformer.inference.ds_mlp import DeepSpeedMLP
 from dsrun.ops.transformer.inference.op_binding import LayerNormOp
 from dsrun.utils.errors import Problem, UserError
 from dsrun.utils.logging import log_dist
 from dsrun.utils.types import NormType
+
+from .attention import DeepSpeedSelfAttention, Mask, Past
+from .mlp import DeepSpeedMLP
+
+Tensor = Union[torch.Tensor, None]
+#: what the layer returns: the hidden states, with the keys and values or the mask when asked
+Output = Union[torch.Tensor, tuple[object, ...]]
 
 _LIVE: "weakref.WeakSet[DeepSpeedTransformerInference]" = weakref.WeakSet()
 
@@ -39,8 +45,9 @@ class DeepSpeedTransformerInference(nn.Module):
 
     layer_id = 0
 
-    def __init__(self, config: DeepSpeedInferenceConfig, mp_group: Any = None, quantize_scales: Any = None,
-                 quantize_groups: int = 1, merge_count: int = 1, mlp_extra_grouping: bool = False):
+    def __init__(self, config: DeepSpeedInferenceConfig, mp_group: ProcessGroup | None = None,
+                 quantize_scales: torch.Tensor | None = None, quantize_groups: int = 1, merge_count: int = 1,
+                 mlp_extra_grouping: bool = False):
         super().__init__()
         if config.bigscience_bloom:
             raise UserError(Problem("DeepSpeedInferenceConfig.bigscience_bloom", "BLOOM's ALiBi attention layer is "
@@ -62,7 +69,7 @@ class DeepSpeedTransformerInference(nn.Module):
         else:
             self.norm_w = nn.Parameter(torch.empty(config.hidden_size, dtype=dtype), requires_grad=False)
             self.norm_b = nn.Parameter(torch.empty(config.hidden_size, dtype=dtype), requires_grad=False)
-        self.layer_past: Any = None
+        self.layer_past: Past = None
         self.layer_norm = LayerNormOp()
         self.cache_index = 0  # the block's place in its model, for a Hugging Face Cache (set by the injection)
         self.client_signature: inspect.Signature | None = None  # the replaced block's forward (set by the injection)
@@ -75,7 +82,7 @@ class DeepSpeedTransformerInference(nn.Module):
         for layer in list(_LIVE):
             layer.layer_past = None
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: object, **kwargs: object) -> Output:
         """DeepSpeed's arguments (:meth:`ds_forward`); positional arguments past the first mean what they meant to
         the block this layer replaced (``client_signature``: Hugging Face's GPT-2 passes its cache second)."""
         if len(args) > 1 and self.client_signature is not None:
@@ -86,12 +93,16 @@ class DeepSpeedTransformerInference(nn.Module):
             return self.ds_forward(**bound)
         return self.ds_forward(*args, **kwargs)
 
-    def ds_forward(self, input: Any = None, input_mask: Any = None, attention_mask: Any = None, attn_mask: Any = None,
-                head_mask: Any = None, layer_past: Any = None, get_key_value: bool = False, get_present: bool = False,
-                encoder_output: Any = None, enc_dec_attn_mask: Any = None, x: Any = None,
-                encoder_hidden_states: Any = None, encoder_attention_mask: Any = None, use_cache: bool = False,
-                alibi: Any = None, output_attentions: bool = False, layer_head_mask: Any = None,
-                past_key_value: Any = None, **kwargs: Any) -> Any:
+    def ds_forward(self, input: torch.Tensor | tuple[torch.Tensor, Mask] | None = None, input_mask: Mask = None,
+                   attention_mask: Mask = None, attn_mask: Mask = None, head_mask: Tensor = None,
+                   layer_past: Past = None, get_key_value: bool = False, get_present: bool = False,
+                   encoder_output: Tensor = None, enc_dec_attn_mask: Mask = None, x: Tensor = None,
+                   encoder_hidden_states: Tensor = None, encoder_attention_mask: Mask = None,
+                   use_cache: bool | None = False, alibi: Tensor = None, output_attentions: bool | None = False,
+                   layer_head_mask: Tensor = None, past_key_value: Past = None, **kwargs: object) -> Output:
+        """DeepSpeed's layer forward: ``input`` (or ``x``, ``hidden_states``) the hidden states, the mask under any
+        of its names, the earlier keys and values as ``layer_past``/``past_key_value`` or a Hugging Face
+        ``cache``/``past_key_values``; ``position_ids`` place rotary positions."""
         if x is not None:
             input = x
         input = kwargs.pop("hidden_states", input)
@@ -112,6 +123,12 @@ class DeepSpeedTransformerInference(nn.Module):
         if past is None:
             past = cache if cache is not None else self.layer_past
         head_mask = layer_head_mask if layer_head_mask is not None else head_mask
+        for name, value in (("head_mask", head_mask), ("encoder_hidden_states", encoder_hidden_states),
+                            ("encoder_output", encoder_output), ("output_attentions", output_attentions or None)):
+            if value is not None:  # DeepSpeed's kernels take them and ignore them; dsrun says so
+                raise UserError(Problem(f"{type(self).__name__}({name}=...)", "the injected layer has no head mask, "
+                                        "cross-attention or attention-weights output", "call the model without it, "
+                                        "or without replace_with_kernel_inject"))
         input_type = input.dtype
         if self.config.dtype in (torch.float16, torch.bfloat16, torch.int8) and input.dtype == torch.float:
             input = input.to(torch.half if self.config.dtype == torch.int8 else self.config.dtype)
@@ -159,7 +176,7 @@ class DeepSpeedLlama2Inference(DeepSpeedTransformerInference):
     """The injected layer of Meta's own Llama 2 code (``llama.model.TransformerBlock``): always keeps its keys and
     values (DeepSpeed's ``get_present``) and returns the hidden states alone."""
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: object, **kwargs: object) -> Output:
         kwargs.setdefault("use_cache", True)
         out = super().forward(*args[:1], **kwargs)
         return out[0] if isinstance(out, tuple) else out

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from dsrun import comm
+from dsrun.inference.config import DeepSpeedInferenceConfig, merge_config
 from dsrun.inference.groups import TPGroup, model_parallel_group
 from dsrun.ops.transformer.inference.config import DeepSpeedInferenceConfig as KernelConfig
 from dsrun.utils.errors import Problem, UserError
@@ -83,7 +84,8 @@ def _check_shape(policy: TransformerPolicy, hidden: int, heads: int, settings: d
                                 "leave replace_with_kernel_inject off (automatic tensor parallelism splits it)"))
 
 
-def build_layer(policy: TransformerPolicy, config: Any, tp: TPGroup, returns_tensor: bool) -> DeepSpeedTransformerInference:
+def build_layer(policy: TransformerPolicy, config: DeepSpeedInferenceConfig, tp: TPGroup,
+                returns_tensor: bool) -> DeepSpeedTransformerInference:
     """The injected layer for ``policy``'s block, its weights copied in (this rank's share)."""
     hidden, heads, eps, intermediate = policy.get_hidden_heads()
     settings = policy.layer_settings()
@@ -135,7 +137,7 @@ def build_layer(policy: TransformerPolicy, config: Any, tp: TPGroup, returns_ten
     return layer
 
 
-def inject(model: nn.Module, config: Any, tp: TPGroup, only: type | None = None) -> int:
+def inject(model: nn.Module, config: DeepSpeedInferenceConfig, tp: TPGroup, only: type | None = None) -> int:
     """Replace every block of ``model`` a policy names (only those of class ``only`` when given) by an injected
     layer; the number replaced."""
     replaced = 0
@@ -158,13 +160,11 @@ def inject(model: nn.Module, config: Any, tp: TPGroup, only: type | None = None)
     return replaced
 
 
-def replace_transformer_layer(orig_layer_impl: type | None, model: nn.Module, checkpoint_dict: Any = None,
-                              config: Any = None, model_config: Any = None) -> nn.Module:
+def replace_transformer_layer(orig_layer_impl: type | None, model: nn.Module, checkpoint_dict: object = None,
+                              config: DeepSpeedInferenceConfig | None = None, model_config: object = None) -> nn.Module:
     """DeepSpeed's entry: inject the layers of ``model`` (those of class ``orig_layer_impl``, or every policy's
     when None) with ``config`` (``init_inference``'s settings); ``checkpoint_dict`` must be None (load the
     checkpoint into the model first: ``init_inference(checkpoint=...)`` does)."""
-    from dsrun.inference.config import merge_config
-
     if checkpoint_dict is not None:
         raise UserError(Problem("replace_transformer_layer(checkpoint_dict=...)", "loading a checkpoint during "
                                 "injection is not implemented", "load it into the model, or pass checkpoint= to "

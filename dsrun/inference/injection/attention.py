@@ -3,26 +3,41 @@
 :class:`DeepSpeedSelfAttention` holds a layer's fused query/key/value weight ``attn_qkvw`` (``[hidden, q + k + v]``,
 input-major as DeepSpeed keeps it, this rank's heads only under tensor parallelism), its bias ``attn_qkvb`` and the
 output projection ``attn_ow`` (``[hidden / mp, hidden]``); the output bias ``attn_ob`` is added later, in the
-block's residual add (:class:`~.op_binding.ResidualAddOp`), as DeepSpeed's kernels do. The forward is the math of
-DeepSpeed's ``qkv_gemm`` (the input's norm fused in with Pre-LN), ``softmax_context`` (rotary positions, the KV
-cache, the causal and the local-window masks, softmax in float32) and ``vector_matmul`` kernels.
+block's residual add (``ResidualAddOp``), as DeepSpeed's kernels do. The forward is the math of DeepSpeed's
+``qkv_gemm`` (the input's norm fused in with Pre-LN), ``softmax_context`` (rotary positions, the KV cache, the
+causal and the local-window masks, softmax in float32) and ``vector_matmul`` kernels, on the torch kernels of
+:mod:`dsrun.ops.transformer.inference`. Served as DeepSpeed's ``ops.transformer.inference.ds_attention``.
 """
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Optional, Protocol, Union
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from dsrun import comm as dist
 from dsrun.accelerator import get_accelerator
+from dsrun.ops.transformer.inference import kernels
+from dsrun.ops.transformer.inference.config import DeepSpeedInferenceConfig
 from dsrun.utils.types import NormType
 
-from . import kernels
-from .config import DeepSpeedInferenceConfig
-
 minus_inf = -10000.0
+
+
+class KVCache(Protocol):
+    """What the attention asks of a Hugging Face ``Cache``."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
+               layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def get_seq_length(self, layer_idx: int = 0) -> int: ...
+
+
+#: a layer's earlier keys and values: DeepSpeed's ``(key, value)`` pair, a Hugging Face ``Cache``, or none
+Past = Optional[Union[tuple[torch.Tensor, torch.Tensor], KVCache]]
+Mask = Union[torch.Tensor, bool, None]
 
 
 def rotate(x: torch.Tensor, rotary_dim: int, positions: torch.Tensor, theta: float, half: bool) -> torch.Tensor:
@@ -41,7 +56,7 @@ def rotate(x: torch.Tensor, rotary_dim: int, positions: torch.Tensor, theta: flo
     return torch.cat([(rot * cos + turned * sin).to(x.dtype), rest], dim=-1)
 
 
-def keep_mask(mask: Any, batch: int, queries: int, keys: int) -> torch.Tensor | None:
+def keep_mask(mask: Mask, batch: int, queries: int, keys: int) -> torch.Tensor | None:
     """A caller's attention mask as booleans ``[b, 1|heads, q, k]`` (True: attend), or None. Accepted: Hugging
     Face's 4-D boolean (True attends) or additive float masks, and DeepSpeed's 2-D ``[b, k]`` int64 masks (1
     attends; a float 2-D mask is additive, as DeepSpeed adds it)."""
@@ -64,8 +79,8 @@ class DeepSpeedSelfAttention(nn.Module):
 
     num_layers = 0
 
-    def __init__(self, config: DeepSpeedInferenceConfig, mp_group: Any = None, q_scales: Any = None,
-                 q_groups: int = 1, merge_count: int = 1):
+    def __init__(self, config: DeepSpeedInferenceConfig, mp_group: ProcessGroup | None = None,
+                 q_scales: torch.Tensor | None = None, q_groups: int = 1, merge_count: int = 1):
         super().__init__()
         self.config = config
         self.config.layer_id = DeepSpeedSelfAttention.num_layers
@@ -121,9 +136,9 @@ class DeepSpeedSelfAttention(nn.Module):
         q, k, v = qkv.split([h * d, kv * d, kv * d], dim=-1)
         return tuple(t.reshape(b, s, -1, d).transpose(1, 2) for t in (q, k, v))  # type: ignore[return-value]
 
-    def _softmax_context(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_mask: Any,
-                         layer_past: Any, positions: torch.Tensor | None, cache_index: int | None,
-                         alibi: torch.Tensor | None) -> tuple[torch.Tensor, Any, Any]:
+    def _softmax_context(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_mask: Mask,
+                         layer_past: Past, positions: torch.Tensor | None, cache_index: int,
+                         alibi: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Attention of the new queries over the cached and new keys: ``(context [b, s, h*d], key, value)``."""
         config = self.config
         b, _, s, _ = q.shape
@@ -168,23 +183,26 @@ class DeepSpeedSelfAttention(nn.Module):
         return context.transpose(1, 2).reshape(b, s, -1), key, value
 
     # ------------------------------------------------------------------------------------------- forward
-    def forward(self, input: torch.Tensor, input_mask: Any, head_mask: Any = None, layer_past: Any = None,
-                get_present: bool = False, encoder_hidden_states: Any = None, encoder_attention_mask: Any = None,
+    def forward(self, input: torch.Tensor, input_mask: Mask, head_mask: torch.Tensor | None = None,
+                layer_past: Past = None, get_present: bool = False,
+                encoder_hidden_states: torch.Tensor | None = None, encoder_attention_mask: Mask = None,
                 output_attentions: bool = False, norm_w: torch.Tensor | None = None,
                 norm_b: torch.Tensor | None = None, alibi: torch.Tensor | None = None,
-                **kwargs: Any) -> tuple[torch.Tensor, Any, Any, torch.Tensor, torch.Tensor]:
+                **kwargs: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(output, key, value, context, normed input)``; ``output`` is the projection without its bias, summed
         over the model-parallel group when the MLP follows the attention. ``layer_past`` is a ``(key, value)`` pair
         or a Hugging Face ``Cache`` (updated at ``kwargs["cache_index"]``); ``kwargs["position_ids"]`` places the
         rotary positions."""
         qkv, normed = self._qkv_gemm(input, norm_w, norm_b)
         q, k, v = self._heads(qkv)
-        context, key, value = self._softmax_context(q, k, v, input_mask, layer_past, kwargs.get("position_ids"),
-                                                    kwargs.get("cache_index"), alibi)
+        positions = kwargs.get("position_ids")
+        context, key, value = self._softmax_context(q, k, v, input_mask, layer_past,
+                                                    positions if torch.is_tensor(positions) else None,
+                                                    int(kwargs.get("cache_index", 0)), alibi)
         output = torch.matmul(context.to(self.attn_ow.dtype), self.attn_ow)
         if self.config.mlp_after_attn and self.mp_group is not None and dist.get_world_size(group=self.mp_group) > 1:
             dist.all_reduce(output, group=self.mp_group)
         return output, key, value, context, normed
 
 
-__all__ = ["DeepSpeedSelfAttention", "keep_mask", "minus_inf", "rotate"]
+__all__ = ["DeepSpeedSelfAttention", "KVCache", "Mask", "Past", "keep_mask", "minus_inf", "rotate"]

@@ -4,25 +4,23 @@
 output weights (``inter_w`` ``[hidden, intermediate / mp]``, twice as wide for a gated activation with the value
 half first, ``output_w`` ``[intermediate / mp, hidden]``) and their biases. Its forward is DeepSpeed's
 ``mlp_gemm`` (residual add of the attention output, norm, intermediate GEMM, activation, output GEMM) followed
-by the block's residual add (:class:`~.op_binding.ResidualAddOp`), summed over the model-parallel group. Without
-``attn_nw`` (GPT-J: attention and MLP side by side) the MLP reads the attention's normed input instead
-(DeepSpeed's ``fused_gemm_gelu``).
+by the block's residual add (``ResidualAddOp``), summed over the model-parallel group. Without ``attn_nw``
+(GPT-J: attention and MLP side by side) the MLP reads the attention's normed input instead (DeepSpeed's
+``fused_gemm_gelu``). Served as DeepSpeed's ``ops.transformer.inference.ds_mlp``.
 """
 from __future__ import annotations
 
 import math
-from typing import Any
-
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from dsrun import comm as dist
 from dsrun.accelerator import get_accelerator
+from dsrun.ops.transformer.inference import kernels
+from dsrun.ops.transformer.inference.config import DeepSpeedInferenceConfig
+from dsrun.ops.transformer.inference.op_binding import ResidualAddOp
 from dsrun.utils.types import GATED_ACTIVATION_TYPES, ActivationFuncType, NormType
-
-from . import kernels
-from .config import DeepSpeedInferenceConfig
-from .op_binding import ResidualAddOp
 
 
 def activate(values: torch.Tensor, bias: torch.Tensor | None, kind: ActivationFuncType) -> torch.Tensor:
@@ -42,8 +40,9 @@ def activate(values: torch.Tensor, bias: torch.Tensor | None, kind: ActivationFu
 class DeepSpeedMLP(nn.Module):
     """A v1 inference layer's MLP (DeepSpeed's arguments; the quantization ones are kept as attributes)."""
 
-    def __init__(self, config: DeepSpeedInferenceConfig, mp_group: Any = None, q_scales: Any = None,
-                 q_groups: int = 1, merge_count: int = 1, mlp_extra_grouping: bool = False):
+    def __init__(self, config: DeepSpeedInferenceConfig, mp_group: ProcessGroup | None = None,
+                 q_scales: torch.Tensor | None = None, q_groups: int = 1, merge_count: int = 1,
+                 mlp_extra_grouping: bool = False):
         super().__init__()
         self.config = config
         dtype = config.dtype
