@@ -107,12 +107,18 @@ class DeepSpeedSelfAttention(nn.Module):
             self.attn_ob = empty(config.hidden_size)
         self.mp_group = mp_group
         self.q_scales, self.q_groups, self.merge_count = q_scales, q_groups, int(math.log2(merge_count))
-        # DeepSpeed scales query and key each by 1 / norm_factor: sqrt(sqrt(head_dim)), or sqrt(head_dim) with muP
-        self.norm_factor = math.sqrt(head_dim)
-        if not config.use_mup:
-            self.norm_factor = math.sqrt(self.norm_factor)
-        if config.scale_attn_by_inverse_layer_idx:
-            self.norm_factor *= math.sqrt(config.layer_id + 1)
+        self.norm_factor = self.scale_for(config.layer_id)
+
+    def scale_for(self, layer_id: int) -> float:
+        """DeepSpeed scales query and key each by 1 / norm_factor: sqrt(sqrt(head_dim)), or sqrt(head_dim) with muP;
+        with ``scale_attn_by_inverse_layer_idx`` (GPT-2) also by 1 / sqrt(layer_id + 1). DeepSpeed counts layers
+        over the process; the injection gives each layer its index in its model (:func:`~.replace.build_layer`)."""
+        norm_factor = math.sqrt(self.hidden_size_per_attention_head)
+        if not self.config.use_mup:
+            norm_factor = math.sqrt(norm_factor)
+        if self.config.scale_attn_by_inverse_layer_idx:
+            norm_factor *= math.sqrt(layer_id + 1)
+        return norm_factor
 
     # ------------------------------------------------------------------------------------------- kernels
     def _qkv_gemm(self, input: torch.Tensor, norm_w: torch.Tensor | None,

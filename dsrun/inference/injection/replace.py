@@ -149,6 +149,7 @@ def inject(model: nn.Module, config: DeepSpeedInferenceConfig, tp: TPGroup, only
             if policy is not None and (only is None or type(child) is only):
                 layer = build_layer(policy(child), config, tp, _returns_tensor(child))
                 layer.cache_index = _cache_index(child, replaced)
+                layer.attention.norm_factor = layer.attention.scale_for(layer.cache_index)
                 signature = inspect.signature(type(child).forward)
                 layer.client_signature = signature.replace(parameters=list(signature.parameters.values())[1:])
                 setattr(parent, name, layer)

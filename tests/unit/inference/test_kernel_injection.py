@@ -26,6 +26,9 @@ def build(family: str) -> torch.nn.Module:
     configs = {
         "gpt2": lambda: t.GPT2LMHeadModel(t.GPT2Config(n_layer=LAYERS, n_head=4, n_embd=32, n_positions=64,
                                                        **decoder)),
+        # scores scaled by 1 / (layer index + 1): the index in the model, not a count over the process
+        "gpt2-layer-scaled": lambda: t.GPT2LMHeadModel(t.GPT2Config(n_layer=LAYERS, n_head=4, n_embd=32, n_positions=64,
+                                                                    scale_attn_by_inverse_layer_idx=True, **decoder)),
         "opt": lambda: t.OPTForCausalLM(t.OPTConfig(num_hidden_layers=LAYERS, num_attention_heads=4, hidden_size=32,
                                                     ffn_dim=64, max_position_embeddings=64, word_embed_proj_dim=32,
                                                     **decoder)),
@@ -59,7 +62,7 @@ def prompt(batch: int = 2, length: int = 7) -> torch.Tensor:
     return torch.randint(1, VOCAB, (batch, length), generator=torch.Generator().manual_seed(1))
 
 
-@pytest.mark.parametrize("family", ["gpt2", "opt", "llama", "gptneo", "gptj", "bert"])
+@pytest.mark.parametrize("family", ["gpt2", "gpt2-layer-scaled", "opt", "llama", "gptneo", "gptj", "bert"])
 def test_injected_blocks_give_the_original_logits(family):
     model = build(family)
     original = type(next(m for m in model.modules() if type(m).__name__.endswith(("Block", "Layer"))))
