@@ -41,7 +41,6 @@ WRITERS = "tests/unit/checkpoint/test_writer_checkpoint.py::"
 # no loader reads what it writes. dsrun's own loadable split (each rank its byte range of <file>) is not built yet
 SPLIT = Feature("DeepSpeed's data-parallel split of checkpoint writes (part files no loader reads, DeepSpeed's "
                 "included)", "remove checkpoint.writer.data_parallel and io_multiplier")
-AUTOTP = Feature("AutoTP tensor-parallel training", "remove the tensor_parallel section")
 AUTOTP_TESTS = "tests/integration/test_autotp_training.py::"
 AUTOTP_UNIT = "tests/unit/tensor_parallel/test_autotp_split.py::"
 DEEPCOMPILE = Feature("this DeepCompile option (dsrun's DeepCompile has the ZeRO-3 passes: docs/deepcompile.md)",
