@@ -36,7 +36,7 @@ from dsrun.compile.input_storage import InputStorage
 from dsrun.compile.ops import ALLGATHER, GATHERS
 from dsrun.compile.patch_compiled_func import (clear_backward_inputs, patch_compiled_func, pop_backward_input,
                                                register_backward_frame, unpatch_compiled_func)
-from dsrun.compile.partitioner import _recompute_param_aliases
+from dsrun.compile.partitioner import _recompute_param_aliases, get_num_fwd_outputs
 from dsrun.compile.passes import run_opt_passes
 from dsrun.compile.passes.graph_edit import is_backward
 from dsrun.compile.profilers import ProfilingResult
@@ -222,6 +222,7 @@ class DeepCompileBackend:
                 frames_needing_bwd.add(frame_key)
                 self.owned_frames.add(frame_key)
                 register_backward_frame(frame_key)
+            self.profiling_results[graph_id].num_fwd_outputs = get_num_fwd_outputs(graph_id)
             real = tuple(_get_fw_real_inputs(local, storage, graph_id, self.debug_log))
             return self.apply_passes(graph_id, fx, passes, _real_tensors(real + tuple(sample_inputs[len(real):])))
 

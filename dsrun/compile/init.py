@@ -19,8 +19,8 @@ import torch
 from dsrun.compile.backend import (DeepCompileBackend, cleanup_compiled_backward_state, gathered_forward, init_schedule,
                                    launch_compile_passes, log_rank0)
 from dsrun.compile.handle import get_deepcompile_handle
-from dsrun.compile.passes import (offload_adam_states, offload_parameters, prefetch, selective_gather,
-                                  zero_1_and_2_compile, zero3_compile)
+from dsrun.compile.passes import (offload_activation, offload_adam_states, offload_parameters, prefetch,
+                                  selective_gather, zero_1_and_2_compile, zero3_compile)
 from dsrun.compile.passes.contract import PassContract, register_pass_contract, validate_schedule
 from dsrun.utils.errors import ConfigError, Problem
 
@@ -57,6 +57,9 @@ register_compile_pass(offload_adam_states.NAME_SYNC, offload_adam_states.move_op
                       offload_adam_states.CONTRACT_SYNC)
 register_compile_pass(offload_adam_states.NAME_FOR_INIT, offload_adam_states.offload_adam_states_for_init,
                       offload_adam_states.CONTRACT_FOR_INIT)
+register_compile_pass(offload_activation.NAME, offload_activation.offload_activation, offload_activation.CONTRACT)
+register_compile_pass(offload_activation.FLOOR_NAME, offload_activation.offload_activation_floor,
+                      offload_activation.CONTRACT)
 
 
 def default_schedule() -> list[tuple[int, list[Callable]]]:
@@ -183,14 +186,46 @@ def release_engine_state(engine: object) -> None:
         del engine._deepcompile_dynamo_config_restore
 
 
-def init_z3(engine: CompilingEngine, backend: str, compile_kwargs: dict[str, Any],
+def _check_offload_targets(engine: Any, compile_config: Any) -> None:
+    """DeepSpeed's refusals, before anything of the engine changes: ``offload_opt_states`` beside ZeRO's own
+    optimizer offload (both would own the same states), and more than one offload target."""
+    if compile_config.offload_opt_states and engine.zero_use_cpu_optimizer():
+        raise ConfigError(Problem("compile.offload_opt_states", "cannot be combined with "
+                                  "zero_optimization.offload_optimizer on cpu or nvme: both manage the optimizer's "
+                                  "states (ZeRO keeps them on the host for the whole step, the pass moves them around "
+                                  "the graph)", "enable one of them"))
+    if compile_config.offload_activation and (compile_config.offload_parameters or compile_config.offload_opt_states):
+        raise ConfigError(Problem("compile.offload_activation", "cannot be combined with offload_parameters or "
+                                  "offload_opt_states: each plans against the whole memory budget on its own",
+                                  "choose one offload target per run"))
+
+
+def schedule_for(compile_config: Any) -> list[tuple[int, list[Callable]]]:
+    """The default schedule the ``compile`` keys pick (DeepSpeed's ``init_z3``): ``offload_opt_states`` moves the
+    optimizer's states from step 1 (they exist after step 0's update; emptied before the profile),
+    ``offload_activation`` moves activations from step 0 and plans what stays from ``WARMUP``; else gather/release,
+    then prefetch and selective gather from ``WARMUP``."""
+    z3 = zero3_compile.add_z3_gather_release
+    if compile_config.offload_opt_states:
+        return [(0, [z3]), (1, [offload_adam_states.offload_adam_states_for_init, z3,
+                                offload_adam_states.move_opt_states])]
+    if compile_config.offload_activation:
+        return [(0, [z3, offload_activation.offload_activation_floor]),
+                (WARMUP, [z3, offload_activation.offload_activation_floor, offload_activation.offload_activation])]
+    return default_schedule()
+
+
+def init_z3(engine: CompilingEngine, backend: str, compile_config: Any, compile_kwargs: dict[str, Any],
             schedule: Sequence[tuple[int, list]] | None = None) -> None:
-    """Compile ``engine.module`` with DeepCompile's ZeRO-3 passes (``engine.compile`` calls this)."""
+    """Compile ``engine.module`` with DeepCompile's ZeRO-3 passes (``engine.compile`` calls this, with the
+    config's ``compile`` section); ``schedule`` None: the one the section's keys pick (:func:`schedule_for`)."""
+    _check_offload_targets(engine, compile_config)
+    offload_activation.pin_memory = bool(getattr(compile_config, "offload_activation_pin_memory", True))
     strategy = engine.strategy
     problem = refusal(strategy)
     if problem is not None:
         raise ConfigError(problem)
-    resolved = resolve_schedule(schedule)
+    resolved = schedule_for(compile_config) if schedule is None else resolve_schedule(schedule)
     zc = engine._config.zero_optimization
     prefetch.bucket_numel[0] = max(1, int(zc.stage3_prefetch_bucket_size))
     handle = get_deepcompile_handle()
@@ -202,6 +237,10 @@ def init_z3(engine: CompilingEngine, backend: str, compile_kwargs: dict[str, Any
         p.ds_persist = False
         handle.register_z3_param(p, _resolve_expected_grad_dtype(p))
     strategy.hooks.add("after_update", lambda state: handle.invalidate())  # new shards: kept copies are stale
+    opt_state_passes = {offload_adam_states.move_opt_states, offload_adam_states.move_opt_states_sync,
+                        offload_adam_states.offload_adam_states_for_init}
+    if any(p in opt_state_passes for _, passes in resolved for p in passes):
+        offload_adam_states.init_offload_opt_states(offload_adam_states.ZeroOptimizerStates(strategy), handle)
     init_schedule(resolved)
     module = engine.module
     names = {id(p): name for name, p in module.named_parameters()}

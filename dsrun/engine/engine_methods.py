@@ -348,7 +348,7 @@ class EngineMethods:
             fallback = compiles_in_graph(self._engine.strategy)
             if fallback is None:
                 try:
-                    init_z3(self._engine, backend, kwargs, schedule)
+                    init_z3(self._engine, backend, section, kwargs, schedule)
                 except BaseException:
                     self._engine._set_deepcompile_active(False)  # what it took of the process-wide state back
                     raise

@@ -76,6 +76,14 @@ def _repoint(moved: _Moved, storage: torch.Tensor) -> None:
         view.data = storage.as_strided(size, stride, storage.storage_offset() + offset)
 
 
+def move_storage(item: StateTensor, storage: torch.Tensor) -> None:
+    """Copy ``item.tensor`` into ``storage`` (same size and layout) and re-point it and its views there: what
+    held the old storage lets it go (DeepCompile's optimizer-state offload moves a master this way)."""
+    record = _Moved(item.tensor, item.tensor.device, _views_of(item))
+    storage.copy_(item.tensor.detach())
+    _repoint(record, storage)
+
+
 class HostCopies:
     """The tensors of a strategy's states that ``offload_states`` moved to host memory, until ``reload``."""
 
@@ -151,4 +159,4 @@ class HostCopies:
         self._pinned = {}
 
 
-__all__ = ["HOST", "HostCopies", "OffloadDeviceEnum", "OffloadStateTypeEnum", "StateTensor"]
+__all__ = ["HOST", "HostCopies", "OffloadDeviceEnum", "OffloadStateTypeEnum", "StateTensor", "move_storage"]

@@ -119,6 +119,12 @@ class StatesOffload:
             self._host_copies.close()
 
 
+def _make_offload_state_key(key: str) -> str:
+    """The key of the host buffer a state ``key`` is offloaded into, beside it in the optimizer's state
+    (DeepSpeed's name; DeepCompile's optimizer-state offload keeps Adam's moments there)."""
+    return f"{key}_offload_buffer"
+
+
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor]) -> list[StateTensor]:
     """Every tensor in ``optimizer``'s state of ``params`` (Adam's ``exp_avg``, ``exp_avg_sq``, a tensor step)."""
     return [StateTensor(value) for p in params for value in optimizer.state.get(p, {}).values()

@@ -27,7 +27,9 @@ def refused_pass(function_name: str, pass_name: str, reason: str, suggestion: st
 def run_opt_passes(graph_id: int, gm: GraphModule, opt_passes: list[tuple[Callable, float]], graph_order,
                    profiling_results, create_inputs_fn, param_manager, bwd: bool) -> GraphModule:
     for opt_pass, mem_budget in opt_passes:
-        gm = opt_pass(gm, graph_id, graph_order, profiling_results, create_inputs_fn, mem_budget, param_manager, bwd)
+        made = opt_pass(gm, graph_id, graph_order, profiling_results, create_inputs_fn, mem_budget, param_manager, bwd)
+        if made is not None:  # None (DeepSpeed's): the pass changed the graph in place, or not at all
+            gm = made
         gm.graph.lint()
         gm.recompile()
     return gm

@@ -19,3 +19,5 @@ class ProfilingResult:
     fwd_mem_complete: bool = True
     bwd_mem_complete: bool = True
     param_indices: list[tuple[int, int, Any]] = field(default_factory=list)  # (input index, ds_id, ds_shape)
+    num_fwd_outputs: int | None = None  # the forward's outputs the caller receives (the rest are saved); None: unknown
+    bwd_time: list[tuple[str, float, float]] = field(default_factory=list)  # (node, device ms, wall ms): not timed

@@ -255,7 +255,21 @@ def test_the_host_memory_figures_the_budget_reads() -> None:
     assert 0 < accelerator.available_memory() <= accelerator.total_memory()
 
 
-def _train(deepcompile: bool, stage: int = 3) -> dict:
+# both offload passes in one run (their keys are exclusive; a schedule may hold both): activations moved from step
+# 0, the optimizer's states from step 1, when they exist (DeepSpeed's for_init empties them before the profile)
+OFFLOAD_SCHEDULE = [(0, ["zero3_compile", "offload_activation_floor"]),
+                    (1, ["offload_adam_states_for_init", "zero3_compile", "offload_adam_states",
+                         "offload_activation_floor"])]
+
+
+def _resident_moments(engine) -> int:
+    """Bytes of Adam's moments the optimizer holds now (its host buffers not counted)."""
+    return sum(v.nbytes for state in engine.optimizer.state.values() for k, v in state.items()
+               if k in ("exp_avg", "exp_avg_sq"))
+
+
+def _train(deepcompile: bool, stage: int = 3, offload: bool = False) -> dict:
+    from dsrun.compile.passes import offload_activation, offload_adam_states
     from dsrun.models.gpt import GPT
     from torch._dynamo.utils import counters
 
@@ -266,16 +280,21 @@ def _train(deepcompile: bool, stage: int = 3) -> dict:
               "compile": {"deepcompile": deepcompile}}
     torch._dynamo.reset()
     engine, *_ = dsrun.initialize(model=model, model_parameters=model.parameters(), config=config)
-    if deepcompile:
-        engine.compile(backend="eager", schedule=SCHEDULE)  # DeepSpeed's way: deepcompile, then compile()
+    if deepcompile:  # DeepSpeed's way: deepcompile, then compile()
+        engine.compile(backend="eager", schedule=OFFLOAD_SCHEDULE if offload else SCHEDULE)
     x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1 + dsrun.comm.get_rank()))
     handle = get_deepcompile_handle()
-    out = {"losses": [], "breaks": [], "graphs": [], "stats": [], "active": engine.is_deepcompile_active()}
+    out = {"losses": [], "breaks": [], "graphs": [], "stats": [], "active": engine.is_deepcompile_active(),
+           "moments": []}
+    offload_adam_states.reset_offload_op_stats()
+    offload_activation.reset_offload_activation_stats()
     for _ in range(STEPS):
         counters.clear()
         handle.reset_stats()
         loss = engine(x, x)
+        moments_in_forward = _resident_moments(engine)
         engine.backward(loss)
+        out["moments"].append((moments_in_forward, _resident_moments(engine)))
         engine.step()
         out["losses"].append(loss.item())
         out["breaks"].append(int(sum(counters["graph_break"].values())))
@@ -284,16 +303,23 @@ def _train(deepcompile: bool, stage: int = 3) -> dict:
         out["stats"].append((s.gathers, s.prefetched, s.persistent_hits, s.releases, s.reduced, s.peak_live_numel))
     out["numel"] = sum(p.ds_numel for p in engine.strategy.params) if stage == 3 else 0
     out["trainable"] = sum(1 for p in model.parameters() if p.requires_grad)
+    out["offload"] = (offload_adam_states.get_offload_op_stats(), offload_activation.get_offload_activation_stats())
     engine.destroy()
     return out
 
 
-def _two_rank_runs(rank: int, world_size: int) -> tuple[dict, dict]:
-    return _train(True), _train(False)
+def _two_rank_runs(rank: int, world_size: int) -> tuple[dict, dict, dict]:
+    import os
+
+    os.environ.update(DS_DC_OFFLOAD_OPT_BUDGET_GB="0", DS_DC_OFFLOAD_ACT_BUDGET_GB="0",
+                      DS_DC_OFFLOAD_ACT_MIN_SIZE_MB="0")  # a budget of 0: every state and activation moves
+    return _train(True), _train(False), _train(True, offload=True)
 
 
 def test_zero3_in_the_graph_trains_as_eager_zero3() -> None:
-    compiled, eager = run_ranks(_two_rank_runs, 2)[0]
+    """Also DeepCompile's two offload passes (one run): the same losses, bit for bit, with Adam's moments gone
+    from the optimizer from the forward's start until the backward brings them back, and activations moved."""
+    compiled, eager, offloaded = run_ranks(_two_rank_runs, 2)[0]
     assert compiled["active"] and not eager["active"]
     assert compiled["losses"] == eager["losses"]  # the same ops, gathered and reduced by the graph
     assert compiled["breaks"] == [0] * STEPS  # none: the gathers are ops in the graph, not hooks
@@ -304,6 +330,14 @@ def test_zero3_in_the_graph_trains_as_eager_zero3() -> None:
         assert gathers > 0 and peak < compiled["numel"]  # never the whole model gathered at once
         assert (prefetched > 0) == (step >= 1)  # the schedule: prefetch from step 1
         assert (hits > 0) == (step >= 2)  # selective gather decides at step 1's backward compile
+    assert offloaded["losses"] == eager["losses"]  # moving states and activations changes no arithmetic
+    # AdamW's two fp32 moments of this rank's half of the parameters, in the optimizer after each backward;
+    # between the forward's start and the backward's reload none from step 1 (step 0 has no states yet)
+    moments = 2 * 4 * offloaded["numel"] // 2
+    assert offloaded["moments"] == [(0, 0), (0, moments), (0, moments)]
+    (opt_ops, act) = offloaded["offload"]
+    assert opt_ops == {"launches": 2 * 2, "reloads": 2 * 2}  # both moments (fp32: the master stays), steps 1, 2
+    assert act["offload_nodes"] > 0 and act["reload_nodes"] == act["offload_nodes"]
 
 
 @pytest.mark.usefixtures("world_of_one")
