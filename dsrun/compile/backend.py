@@ -38,6 +38,7 @@ from dsrun.compile.patch_compiled_func import (clear_backward_inputs, patch_comp
                                                register_backward_frame, unpatch_compiled_func)
 from dsrun.compile.partitioner import _recompute_param_aliases, get_num_fwd_outputs
 from dsrun.compile.passes import run_opt_passes
+from dsrun.compile.passes.free_activation import add_free_activations, get_activation_node_names
 from dsrun.compile.passes.graph_edit import is_backward
 from dsrun.compile.profilers import ProfilingResult
 from dsrun.compile.profilers.graph_profile import annotate, memory_records
@@ -153,7 +154,7 @@ class DeepCompileBackend:
     """The backend object ``torch.compile`` is given. ``names``: ``id(param)`` -> the parameter's name."""
 
     def __init__(self, backend: str, names: dict[int, str], debug_log: bool = False,
-                 owned_frames: set | None = None):
+                 owned_frames: set | None = None, free_activation_threshold: int | None = None):
         if backend not in SUPPORTED_BACKENDS:
             raise ValueError(f"DeepCompile's backend is one of {SUPPORTED_BACKENDS}, not {backend!r}")
         self.backend = backend
@@ -166,6 +167,7 @@ class DeepCompileBackend:
         self._generation = _generation[0]
         self.frames_partitioned: set[int] = set()  # graphs whose joint graph was cut (DeepSpeed's name)
         self.owned_frames = owned_frames if owned_frames is not None else set()  # (self, graph id) awaited here
+        self.free_activation_threshold = free_activation_threshold  # compile.free_activation's; None: off
 
     def __call__(self, gm: GraphModule, example_inputs: list[Any]) -> Callable:
         if self._generation != _generation[0]:  # compiling again from the captured code: a fresh graph order
@@ -284,6 +286,9 @@ class DeepCompileBackend:
             gm = run_opt_passes(graph_id, gm, [(opt_pass, 0.0)], self.graph_order, self.profiling_results,
                                 create_inputs_fn, self.param_manager, bwd)
             self._profile(profile, gm, bwd)
+        if bwd and self.free_activation_threshold is not None:
+            add_free_activations(graph_id, gm.graph, get_activation_node_names(gm.graph), self.free_activation_threshold)
+            gm.recompile()
         get_deepcompile_handle().register_graph_z3(graph_id, [n.args[1] for n in gm.graph.nodes
                                                               if n.target in GATHERS])
         if self.debug_log:  # compile.debug_log

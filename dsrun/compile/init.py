@@ -220,7 +220,11 @@ def init_z3(engine: CompilingEngine, backend: str, compile_config: Any, compile_
     """Compile ``engine.module`` with DeepCompile's ZeRO-3 passes (``engine.compile`` calls this, with the
     config's ``compile`` section); ``schedule`` None: the one the section's keys pick (:func:`schedule_for`)."""
     _check_offload_targets(engine, compile_config)
-    offload_activation.pin_memory = bool(getattr(compile_config, "offload_activation_pin_memory", True))
+    if compile_config.free_activation and backend == "inductor":
+        raise ConfigError(Problem("compile.free_activation", "acts with the eager and aot_eager backends (inductor "
+                                  "frees its own buffers; DeepSpeed skips the key there)",
+                                  "engine.compile(backend='eager'), or drop compile.free_activation"))
+    offload_activation.configure(compile_config)
     strategy = engine.strategy
     problem = refusal(strategy)
     if problem is not None:
@@ -247,8 +251,10 @@ def init_z3(engine: CompilingEngine, backend: str, compile_config: Any, compile_
     release_engine_state(engine)  # compiled before: what it held of the process-wide state first
     owned: set = set()  # the frames whose backward this engine awaits
     engine._deepcompile_owned_frames = owned
+    free_threshold = compile_config.free_activation_threshold if compile_config.free_activation else None
     compiled = torch.compile(gathered_forward(module),
-                             backend=DeepCompileBackend(backend, names, bool(engine._config.compile.debug_log), owned),
+                             backend=DeepCompileBackend(backend, names, bool(compile_config.debug_log), owned,
+                                                        free_threshold),
                              **compile_kwargs)
 
     def call(*args: object, **kwargs: object) -> Any:

@@ -18,8 +18,8 @@ right before the reader). Two halves, scheduled by ``init_z3``:
 Eligible: a saved floating-point value the caller does not also receive, saved once, not a parameter nor a view
 (a view frees nothing), of a static shape (a host buffer is kept per value and reused each step), at least
 ``MIN_OFFLOAD_SIZE`` bytes (``DS_DC_OFFLOAD_ACT_MIN_SIZE_MB``), and not on the host while the graph computes
-elsewhere (small index and mask tensors). Host buffers are pinned (``compile.offload_activation_pin_memory``)
-through the accelerator's ``pin_memory``. On a CPU the host buffer is a second buffer in the same memory: the
+elsewhere (small index and mask tensors). Host buffers are pinned on CUDA (``compile.offload_activation_pin_memory``,
+through the accelerator's ``pin_memory``); a CPU's stay plain, as page-locking speeds only host-to-device copies. On a CPU the host buffer is a second buffer in the same memory: the
 values the backward receives are the host copies and the training-time tensors go after their forward use, as on
 CUDA, but the process's memory does not drop. dsrun copies on the compute stream: the waits end each copy.
 """
@@ -35,6 +35,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from dsrun import comm as dist
 from dsrun.accelerator import get_accelerator
+from dsrun.compile.ops import GATHERS
 from dsrun.compile.passes.contract import PassContract
 from dsrun.compile.util import get_no_copy_ops, print_rank_0
 
@@ -73,7 +74,7 @@ def _host_buffer(tensor: torch.Tensor, graph_id: int, value_id: int) -> torch.Te
     buffer = _host_buffers.get((graph_id, value_id))
     if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
         buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
-        if pin_memory:
+        if pin_memory and get_accelerator().pin_memory_enabled():  # page-locking speeds host-to-device copies
             buffer = get_accelerator().pin_memory(buffer)
         _host_buffers[(graph_id, value_id)] = buffer
     return buffer
@@ -90,6 +91,12 @@ def _reload_tensor(host: torch.Tensor, graph_id: int, value_id: int) -> torch.Te
 def _wait(tensor: torch.Tensor, graph_id: int, value_id: int) -> torch.Tensor:
     get_accelerator().synchronize()  # the copies run on the compute stream: nothing else to wait for
     return tensor
+
+
+def configure(compile_config: Any) -> None:
+    """The ``compile`` section's settings for this pass (``offload_activation_pin_memory``)."""
+    global pin_memory
+    pin_memory = bool(getattr(compile_config, "offload_activation_pin_memory", True))
 
 
 def register_activation_offload_ops() -> None:
@@ -226,7 +233,8 @@ def _eligible_activations(graph: Graph, graph_id: int, num_fwd_outputs: int | No
     candidates = []
     for node in dict.fromkeys(saved):
         val = node.meta.get("val")
-        if saved.count(node) > 1 or node in to_caller or node.name in params or node.target in no_copy:
+        if saved.count(node) > 1 or node in to_caller or node.name in params or node.target in no_copy \
+                or any(user.target in GATHERS for user in node.users):  # a ZeRO-3 parameter's placeholder
             continue
         if not isinstance(val, torch.Tensor) or not val.is_floating_point():
             continue

@@ -46,6 +46,10 @@ AUTOTP_UNIT = "tests/unit/tensor_parallel/test_autotp_split.py::"
 DEEPCOMPILE = Feature("this DeepCompile option (dsrun's DeepCompile has the ZeRO-3 passes: docs/deepcompile.md)",
                       "leave the compile key at its default")
 DC = "tests/unit/compile/test_deepcompile.py::"
+OFFLOAD_PARAMETERS = Feature("DeepCompile's parameter offload (each ZeRO-3 shard moved to the host after its last "
+                             "use in a graph and back at the graph's start; not built: dsrun's shards are read by "
+                             "the gathers and written in place by the stage-3 step, which the moves would have to "
+                             "follow)", "zero_optimization.offload_param with eager ZeRO-3")
 TP_COMPILE = "tests/unit/tensor_parallel/test_compile_pass.py::"
 SWAP = "tests/unit/offload/test_swap_traffic.py::"
 LEAF_PROOF = "tests/unit/zero3/test_leaf_modules.py::test_the_config_leaf_module_section_flags_leaves_at_stage_3"
@@ -258,13 +262,28 @@ ENTRIES: list[Entry] = [
                          "zero_optimization.stage with compile.deepcompile",
                          "autosp": "DeepCompile's AutoSP pass (sequence parallelism in the graph) is not in dsrun; "
                          "sequence_parallel_size runs Ulysses"}),
+    done("compile.offload_opt_states", "DeepCompile's optimizer-state offload (from step 1): Adam's moments and the "
+         "fp32 masters the shards do not alias leave for host buffers at the forward's start and come back in the "
+         "backward, keeping resident what the budget allows (refused beside offload_optimizer cpu/nvme)",
+         f"{DC}test_zero3_in_the_graph_trains_as_eager_zero3", f"{DC}test_schedules_are_checked_against_the_contracts",
+         traced=False),  # read by engine.compile()
+    done("compile.offload_activation", "DeepCompile's activation offload: saved values to host buffers after their "
+         "last forward use, back before their first backward reader; from step 5 what fits the budget stays",
+         f"{DC}test_offload_activation_moves_saved_values_out_and_back", traced=False),
+    done("compile.offload_activation_pin_memory", "page-locked host buffers of the activation offload (with an "
+         "accelerator)", f"{DC}test_offload_activation_moves_saved_values_out_and_back", traced=False),
+    done("compile.free_activation", "free each saved activation right after its last backward reader (eager and "
+         "aot_eager backends; refused with inductor)",
+         f"{DC}test_free_activation_releases_saved_values_after_their_last_backward_use", traced=False),
+    done("compile.free_activation_threshold", "bytes from which compile.free_activation frees a value",
+         f"{DC}test_free_activation_releases_saved_values_after_their_last_backward_use", traced=False),
+    todo("compile.offload_parameters", "DeepCompile's parameter offload", OFFLOAD_PARAMETERS,
+         applies=lambda cfg: cfg.compile.enabled or cfg.compile.deepcompile),
     *_section("compile", DEEPCOMPILE, {
         "autoep_non_moe": "AutoEP on non-MoE layers",
-        "free_activation": "free activations early", "free_activation_threshold": "bytes above which to free",
-        "offload_activation": "offload activations", "offload_activation_pin_memory": "pin offloaded "
-        "activations", "offload_opt_states": "offload optimizer states", "double_buffer": "double-buffer "
+        "double_buffer": "double-buffer "
         "prefetches", "symmetric_memory": "symmetric-memory all-gathers",
-        "offload_parameters": "offload parameters", "sync_before_reduce": "synchronize before reductions",
+        "sync_before_reduce": "synchronize before reductions",
         "sync_after_reduce": "synchronize after reductions", "sync_before_allgather": "synchronize before "
         "all-gathers", "sync_after_allgather": "synchronize after all-gathers", "keep_int_input_tensors":
         "keep integer inputs", "keep_all_input_tensors": "keep all inputs"},

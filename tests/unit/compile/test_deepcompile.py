@@ -222,6 +222,110 @@ def test_prefetch_and_selective_gather_from_their_step(world_of_one) -> None:
     assert backend.profiling_results[max(backend.profiling_results)].bwd_mem  # profiled after each pass
 
 
+def test_offload_activation_moves_saved_values_out_and_back(world_of_one, monkeypatch) -> None:
+    """``compile.offload_activation``'s schedule: from step 0 each saved value goes to a host buffer after its
+    last forward use and comes back just before its first backward reader (the backward receives the host
+    copies, the gradients do not change); from WARMUP the planner keeps on the device what the budget holds."""
+    from dsrun.compile.init import WARMUP, schedule_for
+    from dsrun.compile.passes import offload_activation as act
+    from dsrun.config.misc import CompileConfig
+
+    monkeypatch.setenv("DS_DC_OFFLOAD_ACT_MIN_SIZE_MB", "0")  # the MLP's values are far below 5 MB
+    monkeypatch.setenv("DS_DC_OFFLOAD_ACT_BUDGET_GB", "0")  # no room: everything moves
+    monkeypatch.setattr(act, "_h2d_bandwidth", lambda: 10e9)  # not measured: the plan does not need it here
+    received: list[list[torch.Tensor]] = []
+
+    def record_backward_inputs(gm, graph_id, graph_order, profiling_results, create_inputs_fn, mem_budget,
+                               param_manager, bwd):
+        if bwd:
+            received.append(list(create_inputs_fn()))
+        return gm
+
+    section = CompileConfig(deepcompile=True, offload_activation=True)
+    act.configure(section)
+    schedule = [(step, passes + [record_backward_inputs]) for step, passes in schedule_for(section)]
+    assert [step for step, _ in schedule] == [0, WARMUP]
+    assert act.pin_memory  # offload_activation_pin_memory's default: page-locked (with an accelerator)
+    act.configure(CompileConfig(deepcompile=True, offload_activation=True, offload_activation_pin_memory=False))
+    assert not act.pin_memory
+    act.configure(section)
+    act.reset_offload_activation_stats()
+    act._host_buffers.clear()
+    reference, compiled, grads, backend = _compiled_mlp(schedule)
+    x = torch.randn(3, 8)
+    assert backend_mod.launch_compile_passes(0)
+    compiled(x).backward()
+    reference(x).backward()
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-6, atol=1e-7)
+    fwd, bwd = backend.profiling_results[0].fwd_graph, backend.profiling_results[0].bwd_graph
+    moved = [n.args[0] for n in fwd.nodes if n.target is torch.ops.dc.offload_tensor.default]
+    assert moved and all(n.next.target is torch.ops.dc.wait_offload.default for n in fwd.nodes
+                         if n.target is torch.ops.dc.offload_tensor.default)
+    output = next(n for n in fwd.nodes if n.op == "output").args[0]
+    assert not set(moved) & set(output)  # the graph hands the backward the waits' host copies, not the values
+    for value in moved:  # each copy starts right after the value's last forward reader
+        readers = [u for u in value.users if u.target is not torch.ops.dc.offload_tensor.default]
+        assert max(list(fwd.nodes).index(u) for u in readers) + 1 == list(fwd.nodes).index(
+            next(u for u in value.users if u.target is torch.ops.dc.offload_tensor.default))
+    reloads = [n for n in bwd.nodes if n.target is torch.ops.dc.wait_reload.default]
+    assert len(reloads) == len(moved) and all(n.users for n in reloads)
+    stats = act.get_offload_activation_stats()
+    assert stats["offload_nodes"] == stats["reload_nodes"] == len(moved)
+    buffers = {id(b) for b in act._host_buffers.values()}
+    assert len(buffers) == len(moved) and sum(id(t) in buffers for t in received[0]) == len(moved)
+    hidden = torch.relu(x @ reference.a.weight.T + reference.a.bias)  # the MLP's saved activation, at its value
+    assert any(b.shape == hidden.shape and torch.equal(b, hidden) for b in act._host_buffers.values())
+    # from WARMUP the planner: with room for everything, every value stays and the reloads go
+    monkeypatch.setenv("DS_DC_OFFLOAD_ACT_BUDGET_GB", "100")
+    assert backend_mod.launch_compile_passes(WARMUP)
+    for p in reference.parameters():
+        p.grad = None
+    compiled(x).backward()
+    reference(x).backward()
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-6, atol=1e-7)
+    result = backend.profiling_results[max(backend.profiling_results)]  # compiled again: the next graph id
+    fwd, bwd = result.fwd_graph, result.bwd_graph
+    assert not [n for n in list(fwd.nodes) + list(bwd.nodes) if str(n.target).startswith(("dc.offload", "dc.wait",
+                                                                                             "dc.reload"))]
+    assert act.get_offload_activation_stats()["planned_offloads"] == 0
+
+
+def test_free_activation_releases_saved_values_after_their_last_backward_use(world_of_one) -> None:
+    """``compile.free_activation``: the backward frees each saved activation of at least the threshold's bytes
+    right after its last reader (its storage is gone before the backward returns); the caller's own input, saved
+    too, is never freed; gradients unchanged. A threshold above every value frees nothing."""
+    from dsrun.compile.passes import free_activation
+
+    for threshold, expect_freed in ((0, True), (10 * 1024 * 1024, False)):
+        received: list[torch.Tensor] = []
+
+        def record(gm, graph_id, graph_order, profiling_results, create_inputs_fn, mem_budget, param_manager, bwd):
+            if bwd:
+                received.extend(create_inputs_fn())
+            return gm
+
+        reference, compiled, grads, backend = _compiled_mlp([(0, [zero3_compile.add_z3_gather_release, record])])
+        backend.free_activation_threshold = threshold  # what init_z3 gives it from the compile section
+        free_activation.freed.update(tensors=0, bytes=0)
+        x = torch.randn(3, 8)
+        compiled(x).backward()
+        reference(x).backward()
+        for name, p in reference.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-6, atol=1e-7)
+        hidden = [t for t in received if t is not x and t.shape != ()]  # the saved relu output and its kin
+        frees = [n for n in backend.profiling_results[0].bwd_graph.nodes
+                 if n.target is torch.ops.dc.free_tensors.default]
+        assert x.numel() == 24  # the input is the caller's: kept
+        if expect_freed:
+            assert frees and free_activation.freed["tensors"] == sum(len(n.args[0]) for n in frees) > 0
+            assert free_activation.freed["bytes"] >= 3 * 16 * 4  # the relu output at least
+            assert any(t.numel() == 0 for t in hidden)  # released before the backward returned
+        else:
+            assert not frees and free_activation.freed["tensors"] == 0
+
+
 def test_schedules_are_checked_against_the_contracts() -> None:
     assert resolve_schedule(None)[1][0] == 5  # DeepSpeed's default: the profile-driven passes from step 5
     with pytest.raises(ValueError, match="requires"):
@@ -231,13 +335,30 @@ def test_schedules_are_checked_against_the_contracts() -> None:
     # DeepSpeed's passes dsrun refuses: scheduled by name, each refused with its reason when it runs
     for name, function, reason in [("zero1_compile", "add_z1_reduce", "stage's hooks"),
                                    ("zero2_compile", "add_z2_reduce", "stage's hooks"),
-                                   ("offload_parameters", "offload_parameter_fwd", "parameter offload"),
-                                   ("offload_adam_states_for_init", "offload_adam_states_for_init", "state offload")]:
+                                   ("offload_parameters", "offload_parameter_fwd", "parameter offload")]:
         steps = [(0, ["zero3_compile", name])] if name == "offload_parameters" else [(0, [name])]
         refused = resolve_schedule(steps)[0][1][-1]
         assert refused.__name__ == function
         with pytest.raises(ConfigError, match=f"pass '{name}'.*{reason}"):
             refused(None, 0, [], {}, None, 0.0, {}, True)
+    # the offload keys pick DeepSpeed's schedules, and init_z3 refuses, before touching the engine, the
+    # optimizer-state pass beside ZeRO's optimizer offload, and two offload targets
+    from types import SimpleNamespace
+
+    from dsrun.compile.init import init_z3, schedule_for
+    from dsrun.compile.passes import offload_adam_states
+    from dsrun.config.misc import CompileConfig
+
+    opt = schedule_for(CompileConfig(deepcompile=True, offload_opt_states=True))
+    assert [step for step, _ in opt] == [0, 1] and opt[1][1][0] is offload_adam_states.offload_adam_states_for_init
+    assert opt[1][1][-1] is offload_adam_states.move_opt_states
+    for keys, cpu_optimizer, bad in [({"offload_opt_states": True}, True, "offload_opt_states"),
+                                     ({"offload_activation": True, "offload_opt_states": True}, False,
+                                      "offload_activation"),
+                                     ({"free_activation": True}, False, "free_activation")]:
+        engine = SimpleNamespace(zero_use_cpu_optimizer=lambda: cpu_optimizer)  # nothing else is reached
+        with pytest.raises(ConfigError, match=f"compile.{bad}"):
+            init_z3(engine, "inductor", CompileConfig(deepcompile=True, **keys), {})
 
 
 def test_the_persistence_budget_leaves_the_transient_peak_and_a_margin() -> None:
@@ -255,13 +376,6 @@ def test_the_host_memory_figures_the_budget_reads() -> None:
     assert 0 < accelerator.available_memory() <= accelerator.total_memory()
 
 
-# both offload passes in one run (their keys are exclusive; a schedule may hold both): activations moved from step
-# 0, the optimizer's states from step 1, when they exist (DeepSpeed's for_init empties them before the profile)
-OFFLOAD_SCHEDULE = [(0, ["zero3_compile", "offload_activation_floor"]),
-                    (1, ["offload_adam_states_for_init", "zero3_compile", "offload_adam_states",
-                         "offload_activation_floor"])]
-
-
 def _resident_moments(engine) -> int:
     """Bytes of Adam's moments the optimizer holds now (its host buffers not counted)."""
     return sum(v.nbytes for state in engine.optimizer.state.values() for k, v in state.items()
@@ -269,7 +383,7 @@ def _resident_moments(engine) -> int:
 
 
 def _train(deepcompile: bool, stage: int = 3, offload: bool = False) -> dict:
-    from dsrun.compile.passes import offload_activation, offload_adam_states
+    from dsrun.compile.passes import offload_adam_states
     from dsrun.models.gpt import GPT
     from torch._dynamo.utils import counters
 
@@ -277,17 +391,16 @@ def _train(deepcompile: bool, stage: int = 3, offload: bool = False) -> dict:
     model = GPT(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
     config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
               "zero_optimization": {"stage": stage},
-              "compile": {"deepcompile": deepcompile}}
+              "compile": {"deepcompile": deepcompile, "offload_opt_states": offload}}
     torch._dynamo.reset()
     engine, *_ = dsrun.initialize(model=model, model_parameters=model.parameters(), config=config)
-    if deepcompile:  # DeepSpeed's way: deepcompile, then compile()
-        engine.compile(backend="eager", schedule=OFFLOAD_SCHEDULE if offload else SCHEDULE)
+    if deepcompile:  # DeepSpeed's way: deepcompile, then compile(); the offload key picks its own schedule
+        engine.compile(backend="eager", schedule=None if offload else SCHEDULE)
     x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1 + dsrun.comm.get_rank()))
     handle = get_deepcompile_handle()
     out = {"losses": [], "breaks": [], "graphs": [], "stats": [], "active": engine.is_deepcompile_active(),
            "moments": []}
     offload_adam_states.reset_offload_op_stats()
-    offload_activation.reset_offload_activation_stats()
     for _ in range(STEPS):
         counters.clear()
         handle.reset_stats()
@@ -303,7 +416,7 @@ def _train(deepcompile: bool, stage: int = 3, offload: bool = False) -> dict:
         out["stats"].append((s.gathers, s.prefetched, s.persistent_hits, s.releases, s.reduced, s.peak_live_numel))
     out["numel"] = sum(p.ds_numel for p in engine.strategy.params) if stage == 3 else 0
     out["trainable"] = sum(1 for p in model.parameters() if p.requires_grad)
-    out["offload"] = (offload_adam_states.get_offload_op_stats(), offload_activation.get_offload_activation_stats())
+    out["offload"] = offload_adam_states.get_offload_op_stats()
     engine.destroy()
     return out
 
@@ -311,14 +424,13 @@ def _train(deepcompile: bool, stage: int = 3, offload: bool = False) -> dict:
 def _two_rank_runs(rank: int, world_size: int) -> tuple[dict, dict, dict]:
     import os
 
-    os.environ.update(DS_DC_OFFLOAD_OPT_BUDGET_GB="0", DS_DC_OFFLOAD_ACT_BUDGET_GB="0",
-                      DS_DC_OFFLOAD_ACT_MIN_SIZE_MB="0")  # a budget of 0: every state and activation moves
+    os.environ["DS_DC_OFFLOAD_OPT_BUDGET_GB"] = "0"  # a budget of 0: every state moves
     return _train(True), _train(False), _train(True, offload=True)
 
 
 def test_zero3_in_the_graph_trains_as_eager_zero3() -> None:
-    """Also DeepCompile's two offload passes (one run): the same losses, bit for bit, with Adam's moments gone
-    from the optimizer from the forward's start until the backward brings them back, and activations moved."""
+    """Also ``compile.offload_opt_states`` (DeepCompile's optimizer-state offload, from step 1): the same losses, bit
+    for bit, with Adam's moments gone from the optimizer from the forward's start until the backward's reload."""
     compiled, eager, offloaded = run_ranks(_two_rank_runs, 2)[0]
     assert compiled["active"] and not eager["active"]
     assert compiled["losses"] == eager["losses"]  # the same ops, gathered and reduced by the graph
@@ -330,14 +442,13 @@ def test_zero3_in_the_graph_trains_as_eager_zero3() -> None:
         assert gathers > 0 and peak < compiled["numel"]  # never the whole model gathered at once
         assert (prefetched > 0) == (step >= 1)  # the schedule: prefetch from step 1
         assert (hits > 0) == (step >= 2)  # selective gather decides at step 1's backward compile
-    assert offloaded["losses"] == eager["losses"]  # moving states and activations changes no arithmetic
+    assert offloaded["losses"] == eager["losses"]  # moving states changes no arithmetic
     # AdamW's two fp32 moments of this rank's half of the parameters, in the optimizer after each backward;
     # between the forward's start and the backward's reload none from step 1 (step 0 has no states yet)
     moments = 2 * 4 * offloaded["numel"] // 2
     assert offloaded["moments"] == [(0, 0), (0, moments), (0, moments)]
-    (opt_ops, act) = offloaded["offload"]
-    assert opt_ops == {"launches": 2 * 2, "reloads": 2 * 2}  # both moments (fp32: the master stays), steps 1, 2
-    assert act["offload_nodes"] > 0 and act["reload_nodes"] == act["offload_nodes"]
+    # the graph's ops ran: both moments (fp32: the master is the shards' storage, it stays) at steps 1 and 2
+    assert offloaded["offload"] == {"launches": 2 * 2, "reloads": 2 * 2}
 
 
 @pytest.mark.usefixtures("world_of_one")
