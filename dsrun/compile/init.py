@@ -22,6 +22,7 @@ from dsrun.compile.handle import get_deepcompile_handle
 from dsrun.compile.passes import (offload_activation, offload_adam_states, offload_parameters, prefetch,
                                   selective_gather, zero_1_and_2_compile, zero3_compile)
 from dsrun.compile.passes.contract import PassContract, register_pass_contract, validate_schedule
+from dsrun.config.misc import CompileConfig
 from dsrun.utils.errors import ConfigError, Problem
 
 
@@ -186,7 +187,7 @@ def release_engine_state(engine: object) -> None:
         del engine._deepcompile_dynamo_config_restore
 
 
-def _check_offload_targets(engine: Any, compile_config: Any) -> None:
+def _check_offload_targets(engine: CompilingEngine, compile_config: CompileConfig) -> None:
     """DeepSpeed's refusals, before anything of the engine changes: ``offload_opt_states`` beside ZeRO's own
     optimizer offload (both would own the same states), and more than one offload target."""
     if compile_config.offload_opt_states and engine.zero_use_cpu_optimizer():
@@ -200,7 +201,7 @@ def _check_offload_targets(engine: Any, compile_config: Any) -> None:
                                   "choose one offload target per run"))
 
 
-def schedule_for(compile_config: Any) -> list[tuple[int, list[Callable]]]:
+def schedule_for(compile_config: CompileConfig) -> list[tuple[int, list[Callable]]]:
     """The default schedule the ``compile`` keys pick (DeepSpeed's ``init_z3``): ``offload_opt_states`` moves the
     optimizer's states from step 1 (they exist after step 0's update; emptied before the profile),
     ``offload_activation`` moves activations from step 0 and plans what stays from ``WARMUP``; else gather/release,
@@ -215,7 +216,7 @@ def schedule_for(compile_config: Any) -> list[tuple[int, list[Callable]]]:
     return default_schedule()
 
 
-def init_z3(engine: CompilingEngine, backend: str, compile_config: Any, compile_kwargs: dict[str, Any],
+def init_z3(engine: CompilingEngine, backend: str, compile_config: CompileConfig, compile_kwargs: dict[str, Any],
             schedule: Sequence[tuple[int, list]] | None = None) -> None:
     """Compile ``engine.module`` with DeepCompile's ZeRO-3 passes (``engine.compile`` calls this, with the
     config's ``compile`` section); ``schedule`` None: the one the section's keys pick (:func:`schedule_for`)."""

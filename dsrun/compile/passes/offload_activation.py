@@ -28,16 +28,21 @@ from __future__ import annotations
 import os
 import time
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch.fx import Graph, GraphModule, Node
 
 from dsrun import comm as dist
-from dsrun.accelerator import get_accelerator
+from dsrun.accelerator import Accelerator, get_accelerator
 from dsrun.compile.ops import GATHERS
+from dsrun.compile.graph_param import DSGraphParamManager
+from dsrun.compile.profilers import ProfilingResult
 from dsrun.compile.passes.contract import PassContract
 from dsrun.compile.util import get_no_copy_ops, print_rank_0
+
+if TYPE_CHECKING:
+    from dsrun.config.misc import CompileConfig
 
 NAME = "offload_activation"
 FLOOR_NAME = "offload_activation_floor"
@@ -93,7 +98,7 @@ def _wait(tensor: torch.Tensor, graph_id: int, value_id: int) -> torch.Tensor:
     return tensor
 
 
-def configure(compile_config: Any) -> None:
+def configure(compile_config: CompileConfig) -> None:
     """The ``compile`` section's settings for this pass (``offload_activation_pin_memory``)."""
     global pin_memory
     pin_memory = bool(getattr(compile_config, "offload_activation_pin_memory", True))
@@ -128,14 +133,14 @@ def _get_mem_usage_out_of_torch() -> int:
     return max(0, total - free - torch.cuda.memory_reserved())
 
 
-def _memory_reserved(accelerator: Any) -> int:
+def _memory_reserved(accelerator: Accelerator) -> int:
     reserved = getattr(accelerator, "memory_reserved", None)
     if reserved is not None:
         return reserved()
     return torch.cuda.memory_reserved() if torch.cuda.is_available() else accelerator.memory_allocated()
 
 
-def _measured_margin(accelerator: Any) -> float:
+def _measured_margin(accelerator: Accelerator) -> float:
     """The share of the device the allocator holds unused, clamped (``DS_DC_OFFLOAD_ACT_MARGIN`` overrides)."""
     override = os.environ.get("DS_DC_OFFLOAD_ACT_MARGIN")
     if override is not None:
@@ -218,7 +223,7 @@ def _copy_meta(src: Node, dst: Node) -> None:
 
 
 def _eligible_activations(graph: Graph, graph_id: int, num_fwd_outputs: int | None,
-                          param_manager: Any) -> list[tuple[Node, int]]:
+                          param_manager: dict[int, DSGraphParamManager]) -> list[tuple[Node, int]]:
     """The saved values this pass may move, largest first (the module's docstring says which)."""
     outputs = _output_node(graph).args[0]
     if num_fwd_outputs is None or not isinstance(outputs, (list, tuple)):
@@ -257,8 +262,8 @@ def _after_last_use(graph: Graph, node: Node) -> Node:
     return nodes[at]
 
 
-def _offload_everything_fwd(gm: GraphModule, graph_id: int, profiling_results: Any,
-                            param_manager: Any) -> GraphModule | None:
+def _offload_everything_fwd(gm: GraphModule, graph_id: int, profiling_results: dict[int, ProfilingResult],
+                            param_manager: dict[int, DSGraphParamManager]) -> GraphModule | None:
     graph = gm.graph
     _offload_plans[graph_id] = OrderedDict()  # a compile phase plans again from the uncompiled graph
     selected = _eligible_activations(graph, graph_id, profiling_results[graph_id].num_fwd_outputs, param_manager)
@@ -296,7 +301,7 @@ def _unlink(graph: Graph, name: str, copy_prefix: str, wait_prefix: str) -> None
     graph.erase_node(copy)
 
 
-def _plan_against_floor_fwd(gm: GraphModule, graph_id: int, profiling_results: Any) -> None:
+def _plan_against_floor_fwd(gm: GraphModule, graph_id: int, profiling_results: dict[int, ProfilingResult]) -> None:
     plan = _offload_plans.get(graph_id)
     if not plan:
         return None
@@ -320,7 +325,7 @@ def _plan_against_floor_fwd(gm: GraphModule, graph_id: int, profiling_results: A
 
 
 # --- the backward: what comes back, and when ------------------------------------------------------------------
-def _reload_activation_bwd(gm: GraphModule, graph_id: int, profiling_results: Any) -> None:
+def _reload_activation_bwd(gm: GraphModule, graph_id: int, profiling_results: dict[int, ProfilingResult]) -> None:
     plan = _offload_plans.get(graph_id)
     if not plan:
         return None
@@ -381,7 +386,7 @@ def _drop_reloads_for_resident_bwd(gm: GraphModule, graph_id: int) -> None:
 
 
 def offload_activation_floor(gm: GraphModule, graph_id: int, graph_order: list[tuple[int, bool]],
-                             profiling_results: Any, create_inputs_fn: Any, mem_budget: float, param_manager: Any,
+                             profiling_results: dict[int, ProfilingResult], create_inputs_fn: Callable[[], tuple] | None, mem_budget: float, param_manager: dict[int, DSGraphParamManager],
                              bwd: bool) -> GraphModule | None:
     """Every eligible value out in the forward, each back in the backward (runs correctly on its own)."""
     register_activation_offload_ops()
@@ -390,8 +395,8 @@ def offload_activation_floor(gm: GraphModule, graph_id: int, graph_order: list[t
     return _offload_everything_fwd(gm, graph_id, profiling_results, param_manager)
 
 
-def offload_activation(gm: GraphModule, graph_id: int, graph_order: list[tuple[int, bool]], profiling_results: Any,
-                       create_inputs_fn: Any, mem_budget: float, param_manager: Any, bwd: bool) -> None:
+def offload_activation(gm: GraphModule, graph_id: int, graph_order: list[tuple[int, bool]], profiling_results: dict[int, ProfilingResult],
+                       create_inputs_fn: Callable[[], tuple] | None, mem_budget: float, param_manager: dict[int, DSGraphParamManager], bwd: bool) -> None:
     """After the floor: keep on the device what the budget has room for; the backward drops their reloads."""
     register_activation_offload_ops()
     if bwd:

@@ -29,13 +29,15 @@ from __future__ import annotations
 import copy
 import os
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch.fx import Graph, GraphModule
 
 from dsrun import comm as dist
 from dsrun.accelerator import get_accelerator
+from dsrun.compile.graph_param import DSGraphParamManager
+from dsrun.compile.profilers import ProfilingResult
 from dsrun.compile.passes.contract import CAP_OPT_STATES_EVICTED, PassContract
 from dsrun.offload.state_moves import StateTensor, move_storage
 from dsrun.zero.offload_states import _make_offload_state_key
@@ -44,6 +46,10 @@ try:
     from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
 except ImportError:  # a torch without the effects registry: FX's side-effect mark alone
     _register_effectful_op = None
+
+if TYPE_CHECKING:
+    from dsrun.compile.handle import DeepCompileHandle
+    from dsrun.zero.stage3 import Stage3Strategy
 
 NAME = "offload_adam_states"
 NAME_SYNC = "offload_adam_states_sync"
@@ -67,7 +73,7 @@ class ZeroOptimizerStates:
     optimizer's state dict of each sub-group master, in order), ``fp32_partitioned_groups_flat`` (the masters)
     and ``hp_params_pin_buffers`` (a host buffer per master, None for a master the shards alias)."""
 
-    def __init__(self, strategy: Any) -> None:
+    def __init__(self, strategy: Stage3Strategy) -> None:
         from dsrun.offload.state_moves import OffloadStateTypeEnum
 
         self.masters: list[StateTensor] = [item for item in strategy.state_tensors(OffloadStateTypeEnum.hp_params)
@@ -304,8 +310,8 @@ def _list_tasks() -> None:
                                   master.dtype))
 
 
-def offload_opt_states_inc(graph: Graph, graph_id: int, graph_order: list[tuple[int, bool]], profiling_results: Any,
-                           mem_budget: float, param_manager: Any, bwd: bool) -> Graph:
+def offload_opt_states_inc(graph: Graph, graph_id: int, graph_order: list[tuple[int, bool]], profiling_results: dict[int, ProfilingResult],
+                           mem_budget: float, param_manager: dict[int, DSGraphParamManager], bwd: bool) -> Graph:
     """Insert the launches (forward) or the reloads (backward) of the states the budget cannot keep."""
     global _empty_cache_pending, offload_tasks_inserted, reload_tasks_remaining, total_reload_mem
     register_offload_ops()
@@ -367,14 +373,14 @@ def offload_opt_states_inc(graph: Graph, graph_id: int, graph_order: list[tuple[
     return graph
 
 
-def move_opt_states(gm: GraphModule, graph_id: int, graph_order: list[tuple[int, bool]], profiling_results: Any,
-                    create_inputs_fn: Any, mem_budget: float, param_manager: Any, bwd: bool) -> GraphModule:
+def move_opt_states(gm: GraphModule, graph_id: int, graph_order: list[tuple[int, bool]], profiling_results: dict[int, ProfilingResult],
+                    create_inputs_fn: Callable[[], tuple] | None, mem_budget: float, param_manager: dict[int, DSGraphParamManager], bwd: bool) -> GraphModule:
     offload_opt_states_inc(gm.graph, graph_id, graph_order, profiling_results, mem_budget, param_manager, bwd)
     return gm
 
 
-def move_opt_states_sync(gm: GraphModule, graph_id: int, graph_order: list[tuple[int, bool]], profiling_results: Any,
-                         create_inputs_fn: Any, mem_budget: float, param_manager: Any, bwd: bool) -> GraphModule:
+def move_opt_states_sync(gm: GraphModule, graph_id: int, graph_order: list[tuple[int, bool]], profiling_results: dict[int, ProfilingResult],
+                         create_inputs_fn: Callable[[], tuple] | None, mem_budget: float, param_manager: dict[int, DSGraphParamManager], bwd: bool) -> GraphModule:
     """Everything out at the head of the first forward graph, back before the last backward graph's output."""
     graph = gm.graph
     if bwd and graph_id == [g for g, needs_backward in graph_order if needs_backward][0]:
@@ -387,7 +393,7 @@ def move_opt_states_sync(gm: GraphModule, graph_id: int, graph_order: list[tuple
 
 
 def offload_adam_states_for_init(gm: GraphModule, graph_id: int, graph_order: list[tuple[int, bool]],
-                                 profiling_results: Any, create_inputs_fn: Any, mem_budget: float, param_manager: Any,
+                                 profiling_results: dict[int, ProfilingResult], create_inputs_fn: Callable[[], tuple] | None, mem_budget: float, param_manager: dict[int, DSGraphParamManager],
                                  bwd: bool) -> None:
     """Every state out before the first forward graph is profiled (None: the graph is not changed)."""
     if not bwd and graph_id == graph_order[0][0]:
@@ -395,7 +401,7 @@ def offload_adam_states_for_init(gm: GraphModule, graph_id: int, graph_order: li
             offload_adam_states_sync()
 
 
-def init_offload_opt_states(adam_optimizer: Any, handle: Any) -> None:
+def init_offload_opt_states(adam_optimizer: ZeroOptimizerStates, handle: DeepCompileHandle) -> None:
     """The states these passes move (a :class:`ZeroOptimizerStates`, or DeepSpeed's optimizer) and the handle."""
     global optimizer, device, nz3
     register_offload_ops()
