@@ -34,6 +34,8 @@ class GatherStats:
     persistent_hits: int = 0  # served from a kept copy, no collective
     releases: int = 0
     reduced: int = 0  # gradients handed to the strategy
+    backward_ends: int = 0  # end_backward ops run
+    bucket_releases: int = 0  # of those, the ones that launched the pending buckets
     live_numel: int = 0  # gathered elements whose release has not been seen
     peak_live_numel: int = 0
     order: list[tuple[str, int]] = field(default_factory=list)  # (op, ds_id), in the order they ran
@@ -49,14 +51,18 @@ class DeepCompileHandle:
         self._kept: dict[int, torch.Tensor] = {}  # persistent parameters' gathered copies
         self._inflight: dict[int, tuple[torch.Tensor, Any]] = {}  # prefetches: (buffer, work)
         self.reduce: Callable[[torch.nn.Parameter, torch.Tensor], None] | None = None
+        self.release_buckets: Callable[[], None] | None = None
         self.graphs: dict[int, list[int]] = {}  # graph id -> ds_ids it gathers (DeepSpeed's register_graph_z3)
         self.stats = GatherStats()
         self.gather_seconds: dict[int, float] = {}  # the last synchronous all-gather of each parameter (selective gather)
         self.record_order = False
 
     # --- registration (DeepSpeed's ``dc.init``, ``register_z3_param``, ``register_graph_z3``) --------------
-    def init(self, reduce: Callable[[torch.nn.Parameter, torch.Tensor], None] | None) -> None:
+    def init(self, reduce: Callable[[torch.nn.Parameter, torch.Tensor], None] | None,
+             release_buckets: Callable[[], None] | None = None) -> None:
+        """``reduce`` takes each gradient; ``release_buckets`` launches the buckets still pending."""
         self.reduce = reduce
+        self.release_buckets = release_buckets
 
     def register_z3_param(self, param: torch.nn.Parameter, expected_grad_dtype: torch.dtype | None = None) -> None:
         """``expected_grad_dtype``: the dtype a gradient is cast to before its reduction (None: as it comes)."""
@@ -84,6 +90,7 @@ class DeepCompileHandle:
         self.expected_grad_dtype.clear()
         self.persistent.clear()
         self.reduce = None
+        self.release_buckets = None
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -152,6 +159,15 @@ class DeepCompileHandle:
         dtype = self.expected_grad_dtype.get(ds_id)
         grad = grad.detach()  # a copy below: the compiled graph may reuse the gradient's buffer
         self.reduce(param, grad.clone() if dtype is None or grad.dtype == dtype else grad.to(dtype))
+
+    def end_backward(self, graph_id: int, release_reduce_buckets: bool) -> None:
+        """A backward graph's reductions have all run (DeepSpeed's ``end_backward``); the last backward graph of a
+        step launches the pending buckets (``release_reduce_buckets``)."""
+        self.stats.backward_ends += 1
+        self._note("end_backward", graph_id)
+        if release_reduce_buckets and self.release_buckets is not None:
+            self.stats.bucket_releases += 1
+            self.release_buckets()
 
     def wait_all(self) -> None:
         """Finish prefetches no graph used (a forward that raised)."""

@@ -107,20 +107,24 @@ def refusal(strategy: object) -> Problem | None:
     return None
 
 
-def _reducer(queue: Callable, launch_pending: Callable, flush_numel: int) -> Callable:
-    """Gradients into the strategy's buckets; on the CPU (``flush_numel``: the largest module's elements) the
-    pending buckets go out each time that much arrived, as eager ZeRO-3 reduces module by module, so the
-    reduce-scatters overlap the rest of the backward instead of all waiting for its end."""
+def _reducer(queue: Callable, launch_pending: Callable, flush_numel: int) -> tuple[Callable, Callable]:
+    """Gradients into the strategy's buckets, and what launches the pending ones (the backward's
+    ``end_backward``). On the CPU (``flush_numel``: the largest module's elements) the pending buckets also go out
+    each time that much arrived, as eager ZeRO-3 reduces module by module, so the reduce-scatters overlap the rest
+    of the backward instead of all waiting for its end."""
     pending = [0]
+
+    def release() -> None:
+        pending[0] = 0
+        launch_pending()
 
     def reduce(param: torch.nn.Parameter, grad: torch.Tensor) -> None:
         queue(param, grad)
         pending[0] += param.ds_numel
         if flush_numel and pending[0] >= flush_numel:
-            pending[0] = 0
-            launch_pending()
+            release()
 
-    return reduce
+    return reduce, release
 
 
 _MISSING = object()
@@ -237,7 +241,7 @@ def init_z3(engine: CompilingEngine, backend: str, compile_config: CompileConfig
     handle.cleanup()
     module_numel = strategy.coordinator.largest_fetch_numel() if strategy.reduce_per_module else 0
     queue, launch_pending = strategy.hand_over_to_compiler()
-    handle.init(_reducer(queue, launch_pending, module_numel))
+    handle.init(*_reducer(queue, launch_pending, module_numel))
     for p in strategy.params:
         p.ds_persist = False
         handle.register_z3_param(p, _resolve_expected_grad_dtype(p))

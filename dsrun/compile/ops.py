@@ -11,6 +11,12 @@ Opaque custom ops over :class:`.handle.DeepCompileHandle`, so dynamo and inducto
     (an empty tensor) ties the two, so no compiler can move the use before the start.
 ``release_param(full, ds_id)``  the gathered value's last reader has run (side effect: never removed).
 ``reduce_grad(grad, ds_id)``    hand the full gradient to ZeRO-3's reduction (side effect: never removed).
+``end_backward(deps, graph_id, release_reduce_buckets)``  a backward graph's reductions have all run (``deps``:
+    the reduce nodes, so it comes after them); with ``release_reduce_buckets`` the pending buckets are launched.
+
+:func:`define_deepspeed_ops` gives DeepSpeed's own ``torch.ops.dc.reduce_grad`` and ``dc.end_backward`` (its C++
+library's schemas) the same meaning, where no library defined them: graphs written against DeepSpeed's ops
+(``deepspeed.compile.fx``) then run on dsrun's handle.
 """
 from __future__ import annotations
 
@@ -85,6 +91,44 @@ def _allgather_backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN201
 
 allgather_param.register_autograd(_allgather_backward, setup_context=_setup_context)
 
+# DeepSpeed's schema (its deps are whatever the reductions return: None for dsrun's), hence a raw definition
+_END_BACKWARD_SCHEMA = "end_backward(Any deps, int graph_id, bool release_reduce_buckets) -> ()"
+_LIBRARIES: list[torch.library.Library] = []  # a Library's definitions live as long as the object
+
+
+def _end_backward(deps: object, graph_id: int, release_reduce_buckets: bool) -> None:
+    get_deepcompile_handle().end_backward(graph_id, release_reduce_buckets)
+
+
+def _define(namespace: str, schemas: dict[str, tuple[str, object]]) -> None:
+    library = torch.library.Library(namespace, "FRAGMENT")
+    for name, (schema, kernel) in schemas.items():
+        library.define(schema)
+        library.impl(name, kernel, "CompositeExplicitAutograd")
+        torch.fx.node.has_side_effect(getattr(torch.ops, namespace).__getattr__(name).default)
+    _LIBRARIES.append(library)
+
+
+_define(LIB, {"end_backward": (_END_BACKWARD_SCHEMA, _end_backward)})
+
+
+def _deepspeed_reduce_grad(grad: torch.Tensor, graph_id: int, ds_id: int) -> torch.Tensor:
+    get_deepcompile_handle().reduce_grad(ds_id, grad)
+    return grad.new_empty(0)  # DeepSpeed's returns an undefined tensor: nothing to read
+
+
+def define_deepspeed_ops() -> bool:
+    """Define ``torch.ops.dc.reduce_grad`` and ``dc.end_backward`` (DeepSpeed's schemas) over dsrun's handle;
+    False, defining nothing, where some library (DeepSpeed's C++ one) has them already."""
+    try:
+        torch.ops.dc.reduce_grad.default
+        return False
+    except (AttributeError, RuntimeError):
+        pass
+    _define("dc", {"reduce_grad": ("reduce_grad(Tensor a, int graph_id, int id) -> Tensor", _deepspeed_reduce_grad),
+                   "end_backward": (_END_BACKWARD_SCHEMA, _end_backward)})
+    return True
+
 # outputs nobody reads, effects that matter: dead-code elimination (FX's, inductor's) keeps them
 torch.fx.node.has_side_effect(torch.ops.dsrun_dc.release_param.default)
 torch.fx.node.has_side_effect(torch.ops.dsrun_dc.reduce_grad.default)
@@ -95,3 +139,4 @@ GATHERS = (ALLGATHER, WAIT_ALLGATHER)
 PREFETCH = torch.ops.dsrun_dc.prefetch_param.default
 RELEASE = torch.ops.dsrun_dc.release_param.default
 REDUCE = torch.ops.dsrun_dc.reduce_grad.default
+END_BACKWARD = torch.ops.dsrun_dc.end_backward.default

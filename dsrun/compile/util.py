@@ -17,8 +17,35 @@ import torch
 from torch.fx import Graph, Node
 from torch.fx.node import map_arg
 
-from dsrun.compile.ops import ALLGATHER, REDUCE, RELEASE, WAIT_ALLGATHER
+from dsrun.compile.handle import DeepCompileHandle
+from dsrun.compile.handle import get_deepcompile_handle as _handle
+from dsrun.compile.ops import ALLGATHER, REDUCE, RELEASE, WAIT_ALLGATHER, define_deepspeed_ops
 from dsrun.utils.logging import log_dist
+from dsrun.utils.torch_version import required_torch_version
+
+# AutoSP's graph edits, which DeepSpeed keeps in this module: dsrun's are in dsrun.compile.autosp
+_AUTOSP_NAMES = frozenset({"get_sdpa_nodes", "get_input_id_node", "get_label_id_node", "get_position_id_node",
+                           "create_shard_offsets", "create_symbolic_slice_indices", "shard_tensor_node"})
+
+
+def __getattr__(name: str) -> object:
+    if name in _AUTOSP_NAMES:
+        from dsrun.compile import autosp
+        return getattr(autosp, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def is_deepcompile_supported() -> bool:
+    """Whether DeepCompile runs here: torch 2.6 or later (DeepSpeed's bound). dsrun's ops are Python over its own
+    ZeRO-3, so unlike DeepSpeed's CUDA library they run on a CPU too."""
+    return required_torch_version(min_version=2.6)
+
+
+def get_deepcompile_handle() -> DeepCompileHandle:
+    """The process's DeepCompile handle; as DeepSpeed's (which loads its C++ ops here), DeepSpeed's
+    ``torch.ops.dc.reduce_grad`` and ``dc.end_backward`` exist after it (:func:`.ops.define_deepspeed_ops`)."""
+    define_deepspeed_ops()
+    return _handle()
 
 
 def print_rank_0(message: str) -> None:
@@ -120,4 +147,8 @@ def get_real_uses(graph: Graph) -> dict[Node, list[Node]]:
 
 
 def get_output_node(graph: Graph) -> Node:
-    return next(n for n in reversed(graph.nodes) if n.op == "output")
+    """The graph's output node (``ValueError`` when it has none)."""
+    for node in reversed(graph.nodes):
+        if node.op == "output":
+            return node
+    raise ValueError("No output node found")

@@ -9,7 +9,8 @@ partitioned forward and backward graphs (the backward gathers again: :func:`..pa
 * inserts ``release_param`` after the last node that reads the gathered value or a view of it (the memory goes
   with the graph's last reference there; the handle counts what is live);
 * moves each ``reduce_grad`` to just after the node that produced its gradient, so the reduce-scatter buckets
-  fill during the backward instead of at its end.
+  fill during the backward instead of at its end, and ends the backward with ``end_backward`` after all of them
+  (:func:`..fx.add_end_backward`): the step's last backward graph launches the buckets still pending.
 
 Then the list scheduler (:mod:`..list_schedule`, as DeepSpeed's pass) reorders the graph so that each gathered
 parameter is released as soon after its gather as the graph allows.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 from torch.fx import GraphModule
 
+from dsrun.compile.fx import add_end_backward, should_release_reduce_buckets
 from dsrun.compile.list_schedule import fast_free_order, reorder_in_place
 from dsrun.compile.ops import ALLGATHER, REDUCE, RELEASE, WAIT_ALLGATHER
 from dsrun.compile.passes.contract import CAP_Z3_GATHER_RELEASE, PassContract
@@ -59,10 +61,12 @@ def reduce_early(gm: GraphModule) -> None:
 
 def add_z3_gather_release(gm: GraphModule, graph_id: int, graph_order, profiling_results, create_inputs_fn,
                           mem_budget: float, param_manager, bwd: bool) -> GraphModule:
-    """The pass, with DeepSpeed's signature (the arguments after ``gm`` and ``bwd`` are not needed here)."""
+    """The pass, with DeepSpeed's signature (of the arguments after ``gm``, ``graph_id``, ``graph_order`` and
+    ``bwd`` are read)."""
     place_gathers_and_releases(gm)
     if bwd:
         reduce_early(gm)
+        add_end_backward(gm.graph, graph_id, should_release_reduce_buckets(graph_order, graph_id))
     reorder_in_place(gm.graph, fast_free_order(gm.graph))
     gm.recompile()
     return gm
