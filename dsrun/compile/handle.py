@@ -164,7 +164,6 @@ class DeepCompileHandle:
         """A backward graph's reductions have all run (DeepSpeed's ``end_backward``); the last backward graph of a
         step launches the pending buckets (``release_reduce_buckets``)."""
         self.stats.backward_ends += 1
-        self._note("end_backward", graph_id)
         if release_reduce_buckets and self.release_buckets is not None:
             self.stats.bucket_releases += 1
             self.release_buckets()

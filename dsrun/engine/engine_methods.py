@@ -340,7 +340,15 @@ class EngineMethods:
             return
         kwargs = dict(compile_kwargs or {})
         section = self._engine._config.compile
-        if section.deepcompile and "autotp" in (section.passes or ()) and self._compile_autotp(backend, kwargs):
+        passes = section.passes or ()
+        if section.deepcompile and {"autotp", "autosp"} <= set(passes):
+            from dsrun.utils.errors import ConfigError, Problem
+
+            raise ConfigError(Problem("compile.passes", "'autotp' and 'autosp' together: the two passes do not "
+                                      "compose yet (as in DeepSpeed)", "one of them"))
+        if section.deepcompile and "autotp" in passes and self._compile_autotp(backend, kwargs):
+            return
+        if section.deepcompile and "autosp" in passes and self._compile_autosp(backend, kwargs):
             return
         if self._engine._config.compile.deepcompile:
             from dsrun.compile.init import compiles_in_graph, init_z3, log_rank0
@@ -373,6 +381,25 @@ class EngineMethods:
             raise ConfigError(Problem("compile.passes", "'autotp' at ZeRO stage 3: its gathers are module hooks, "
                                       "which a full graph cannot hold", "ZeRO stage 0-2, or drop 'autotp'"))
         self._engine.module.compile(backend=init_autotp(self._engine.module, backend), **{**kwargs, "fullgraph": True})
+        self._engine._set_deepcompile_active(True)
+        self._engine._is_compiled = True
+        return True
+
+    def _compile_autosp(self, backend: str, kwargs: dict[str, Any]) -> bool:
+        """The AutoSP pass (DeepSpeed's ``get_autosp_backend``: :mod:`dsrun.compile.autosp`): the model compiled
+        as one graph that splits the sequence over ``sequence_parallel_size`` ranks; False (the torch compiler
+        then, with a log line) at ZeRO stage 2-3, as DeepSpeed."""
+        from dsrun.compile.autosp import init_autosp
+        from dsrun.compile.init import log_rank0
+        from dsrun.compile.sp_mesh import extract_mesh_size
+
+        if self._engine.zero_optimization_stage() >= 2:
+            log_rank0("AutoSP does not compose with ZeRO stage 2 and 3: the torch compiler instead")
+            return False
+        sp_size, dp_size = extract_mesh_size({"sequence_parallel_size": self._engine._config.sequence_parallel_size})
+        debug = bool(self._engine._config.compile.debug_log)
+        self._engine.module.compile(backend=init_autosp(sp_size, dp_size, backend, debug),
+                                    **{**kwargs, "fullgraph": True})
         self._engine._set_deepcompile_active(True)
         self._engine._is_compiled = True
         return True

@@ -259,9 +259,7 @@ ENTRIES: list[Entry] = [
          refused_values={"z1": "DeepSpeed reads it only to refuse it beside 'autotp'; dsrun's ZeRO passes follow "
                          "zero_optimization.stage with compile.deepcompile",
                          "z3": "DeepSpeed reads it only to refuse it beside 'autotp'; dsrun's ZeRO passes follow "
-                         "zero_optimization.stage with compile.deepcompile",
-                         "autosp": "DeepCompile's AutoSP pass (sequence parallelism in the graph) is not in dsrun; "
-                         "sequence_parallel_size runs Ulysses"}),
+                         "zero_optimization.stage with compile.deepcompile"}),
     done("compile.offload_opt_states", "DeepCompile's optimizer-state offload (from step 1): Adam's moments and the "
          "fp32 masters the shards do not alias leave for host buffers at the forward's start and come back in the "
          "backward, keeping resident what the budget allows (refused beside offload_optimizer cpu/nvme)",

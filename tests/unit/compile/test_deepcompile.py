@@ -72,6 +72,8 @@ def test_the_passes_put_zero3_in_the_graph(world_of_one, monkeypatch) -> None:
     reference, compiled, grads, backend = _compiled_mlp([(0, [zero3_compile.add_z3_gather_release])])
     handle = get_deepcompile_handle()
     handle.record_order = True
+    launched: list[int] = []
+    handle.release_buckets = lambda: launched.append(handle.stats.reduced)
     x = torch.randn(3, 8)
     counters.clear()
     logged: list[str] = []
@@ -97,10 +99,14 @@ def test_the_passes_put_zero3_in_the_graph(world_of_one, monkeypatch) -> None:
     # and each gradient is reduced right where the graph computes it
     assert backward[:2] == [("gather", 2), ("release", 2)]
     assert sorted(backward[2:]) == [("reduce", 0), ("reduce", 1), ("reduce", 2), ("reduce", 3)]
-    from dsrun.compile.ops import REDUCE
+    from dsrun.compile.ops import END_BACKWARD, REDUCE
 
     bwd = backend.profiling_results[0].bwd_graph
     assert all(n.prev is n.args[0] for n in bwd.nodes if n.target is REDUCE)
+    # the backward ends after its four reductions, and (the step's only backward graph) launches the buckets
+    (end,) = [n for n in bwd.nodes if n.target is END_BACKWARD]
+    assert [n.target for n in end.args[0]] == [REDUCE] * 4 and end.args[1:] == (0, True)
+    assert launched == [4] and handle.stats.backward_ends == handle.stats.bucket_releases == 1
     assert backend.graph_order == [(0, True)]
     assert "forward graph 0 after ['add_z3_gather_release']" in logged[0]  # compile.debug_log
     assert "release_param" in logged[0] and "backward graph 0" in logged[1]
