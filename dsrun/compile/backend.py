@@ -154,7 +154,8 @@ class DeepCompileBackend:
     """The backend object ``torch.compile`` is given. ``names``: ``id(param)`` -> the parameter's name."""
 
     def __init__(self, backend: str, names: dict[int, str], debug_log: bool = False,
-                 owned_frames: set | None = None, free_activation_threshold: int | None = None):
+                 owned_frames: set | None = None, free_activation_threshold: int | None = None,
+                 keep_int_input_tensors: bool = True, keep_all_input_tensors: bool = False):
         if backend not in SUPPORTED_BACKENDS:
             raise ValueError(f"DeepCompile's backend is one of {SUPPORTED_BACKENDS}, not {backend!r}")
         self.backend = backend
@@ -168,11 +169,15 @@ class DeepCompileBackend:
         self.frames_partitioned: set[int] = set()  # graphs whose joint graph was cut (DeepSpeed's name)
         self.owned_frames = owned_frames if owned_frames is not None else set()  # (self, graph id) awaited here
         self.free_activation_threshold = free_activation_threshold  # compile.free_activation's; None: off
+        # compile.keep_int_input_tensors / keep_all_input_tensors: which inputs' values the stores keep
+        self._keep = {"keep_int_input_tensors": keep_int_input_tensors, "keep_all_input_tensors": keep_all_input_tensors}
+        self.input_storages: dict[int, InputStorage] = {}  # graph id -> its forward's stored example inputs
 
     def __call__(self, gm: GraphModule, example_inputs: list[Any]) -> Callable:
         if self._generation != _generation[0]:  # compiling again from the captured code: a fresh graph order
             self._generation = _generation[0]
             self.graph_order, self.profiling_results, self.param_manager = [], {}, {}
+            self.input_storages = {}
         graph_id = next(self._ids)
         manager = DSGraphParamManager()
         indices = []
@@ -212,7 +217,7 @@ class DeepCompileBackend:
         inputs; a forward whose joint graph was cut registers its frame for the capture of its backward's
         inputs, which the backward's maker takes and then releases the frame."""
         frame_key = (self, graph_id)
-        storage = InputStorage()
+        storage = self.input_storages[graph_id] = InputStorage(**self._keep)
         storage.put(example_inputs)
         local = deque([example_inputs])
 

@@ -13,6 +13,12 @@ its stage-3 strategy's gradient buckets, reached by the ops of :mod:`.ops`:
 * ``reduce_grad`` hands a full gradient to the strategy's reduce-scatter buckets (a copy: the compiled graph
   may reuse its buffer), as the eager ZeRO-3 gradient hook does, cast to the parameter's expected gradient dtype
   (:func:`dsrun.compile.init._resolve_expected_grad_dtype`: torch's ``grad_dtype`` contract).
+
+``compile.sync_before_reduce``/``sync_after_reduce``/``sync_before_allgather``/``sync_after_allgather`` (DeepSpeed's
+debugging switches, :meth:`DeepCompileHandle.set_sync_points`) synchronize the accelerator around each
+``reduce_grad`` and each gathering op, as DeepSpeed's handle calls ``device_synchronize`` there: on CUDA the
+device's queued work finishes first; on a CPU there is no queue (the call returns at once), so what shows is the
+count, ``stats.syncs``.
 """
 from __future__ import annotations
 
@@ -34,6 +40,7 @@ class GatherStats:
     persistent_hits: int = 0  # served from a kept copy, no collective
     releases: int = 0
     reduced: int = 0  # gradients handed to the strategy
+    syncs: int = 0  # accelerator synchronizations at the compile.sync_* points
     backward_ends: int = 0  # end_backward ops run
     bucket_releases: int = 0  # of those, the ones that launched the pending buckets
     live_numel: int = 0  # gathered elements whose release has not been seen
@@ -56,6 +63,7 @@ class DeepCompileHandle:
         self.stats = GatherStats()
         self.gather_seconds: dict[int, float] = {}  # the last synchronous all-gather of each parameter (selective gather)
         self.record_order = False
+        self.sync_points: frozenset[str] = frozenset()
 
     # --- registration (DeepSpeed's ``dc.init``, ``register_z3_param``, ``register_graph_z3``) --------------
     def init(self, reduce: Callable[[torch.nn.Parameter, torch.Tensor], None] | None,
@@ -71,6 +79,22 @@ class DeepCompileHandle:
 
     def register_graph_z3(self, graph_id: int, ds_ids: list[int]) -> None:
         self.graphs[graph_id] = list(ds_ids)
+
+    SYNC_POINTS = ("before_reduce", "after_reduce", "before_allgather", "after_allgather")
+
+    def set_sync_points(self, **points: bool) -> None:
+        """Where to synchronize the accelerator: ``before_reduce=True`` etc. (the ``compile.sync_*`` keys)."""
+        unknown = set(points) - set(self.SYNC_POINTS)
+        if unknown:
+            raise ValueError(f"sync points are {self.SYNC_POINTS}, not {sorted(unknown)}")
+        self.sync_points = frozenset(p for p, on in points.items() if on)
+
+    def _sync(self, point: str) -> None:
+        if point in self.sync_points:
+            from dsrun.accelerator import get_accelerator
+
+            get_accelerator().synchronize()
+            self.stats.syncs += 1
 
     def set_persistent(self, ds_id: int) -> None:
         """Keep ``ds_id`` gathered between uses (selective gather): one collective per optimizer step."""
@@ -91,6 +115,7 @@ class DeepCompileHandle:
         self.persistent.clear()
         self.reduce = None
         self.release_buckets = None
+        self.sync_points = frozenset()
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -126,6 +151,7 @@ class DeepCompileHandle:
     def allgather(self, ds_id: int) -> torch.Tensor:
         """The full value of parameter ``ds_id``, in a buffer no one else holds."""
         param = self.params[ds_id]
+        self._sync("before_allgather")
         if ds_id in self._kept:
             self.stats.persistent_hits += 1
             full = self._kept[ds_id].clone()  # the graph may write into what an op returns
@@ -143,6 +169,7 @@ class DeepCompileHandle:
         self.stats.live_numel += param.ds_numel
         self.stats.peak_live_numel = max(self.stats.peak_live_numel, self.stats.live_numel)
         self._note("gather", ds_id)
+        self._sync("after_allgather")
         return full
 
     def release(self, ds_id: int) -> None:
@@ -154,11 +181,13 @@ class DeepCompileHandle:
         param = self.params[ds_id]
         if self.reduce is None or not param.requires_grad:
             return
+        self._sync("before_reduce")
         self.stats.reduced += 1
         self._note("reduce", ds_id)
         dtype = self.expected_grad_dtype.get(ds_id)
         grad = grad.detach()  # a copy below: the compiled graph may reuse the gradient's buffer
         self.reduce(param, grad.clone() if dtype is None or grad.dtype == dtype else grad.to(dtype))
+        self._sync("after_reduce")
 
     def end_backward(self, graph_id: int, release_reduce_buckets: bool) -> None:
         """A backward graph's reductions have all run (DeepSpeed's ``end_backward``); the last backward graph of a

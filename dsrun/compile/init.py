@@ -242,6 +242,7 @@ def init_z3(engine: CompilingEngine, backend: str, compile_config: CompileConfig
     module_numel = strategy.coordinator.largest_fetch_numel() if strategy.reduce_per_module else 0
     queue, launch_pending = strategy.hand_over_to_compiler()
     handle.init(*_reducer(queue, launch_pending, module_numel))
+    handle.set_sync_points(**{point: getattr(compile_config, f"sync_{point}") for point in handle.SYNC_POINTS})
     for p in strategy.params:
         p.ds_persist = False
         handle.register_z3_param(p, _resolve_expected_grad_dtype(p))
@@ -259,7 +260,9 @@ def init_z3(engine: CompilingEngine, backend: str, compile_config: CompileConfig
     free_threshold = compile_config.free_activation_threshold if compile_config.free_activation else None
     compiled = torch.compile(gathered_forward(module),
                              backend=DeepCompileBackend(backend, names, bool(compile_config.debug_log), owned,
-                                                        free_threshold),
+                                                        free_threshold,
+                                                        keep_int_input_tensors=compile_config.keep_int_input_tensors,
+                                                        keep_all_input_tensors=compile_config.keep_all_input_tensors),
                              **compile_kwargs)
 
     def call(*args: object, **kwargs: object) -> Any:

@@ -51,6 +51,7 @@ OFFLOAD_PARAMETERS = Feature("DeepCompile's parameter offload (each ZeRO-3 shard
                              "the gathers and written in place by the stage-3 step, which the moves would have to "
                              "follow)", "zero_optimization.offload_param with eager ZeRO-3")
 TP_COMPILE = "tests/unit/tensor_parallel/test_compile_pass.py::"
+GRAPH_EDITS = "tests/unit/compile/test_graph_edits.py::"
 SWAP = "tests/unit/offload/test_swap_traffic.py::"
 LEAF_PROOF = "tests/unit/zero3/test_leaf_modules.py::test_the_config_leaf_module_section_flags_leaves_at_stage_3"
 DTYPES = Feature("per-module fp32 buffers (not a DeepSpeed key: its data_types has param_dtype and buffer_dtype)",
@@ -254,7 +255,10 @@ ENTRIES: list[Entry] = [
          f"{DC}test_the_passes_put_zero3_in_the_graph", traced=False),
     done("compile.passes", "DeepCompile's parallelization passes: [\"autotp\"] compiles an AutoTP-split model as one "
          "graph with its tensor-parallel collectives in the graph (compile.deepcompile and tensor_parallel.autotp_size "
-         "> 1; otherwise the torch compiler)", TP_COMPILE + "test_the_autotp_pass_puts_the_collectives_in_the_graph",
+         "> 1; otherwise the torch compiler); [\"autosp\"] compiles the model as one graph that splits the tagged "
+         "inputs' sequence over sequence_parallel_size ranks with Ulysses all-to-alls around each SDPA (ZeRO stage "
+         "0-1; otherwise the torch compiler)", TP_COMPILE + "test_the_autotp_pass_puts_the_collectives_in_the_graph",
+         GRAPH_EDITS + "test_autosp_trains_with_the_losses_of_the_unsplit_model",
          traced=False,  # read by engine.compile()
          refused_values={"z1": "DeepSpeed reads it only to refuse it beside 'autotp'; dsrun's ZeRO passes follow "
                          "zero_optimization.stage with compile.deepcompile",
@@ -277,13 +281,24 @@ ENTRIES: list[Entry] = [
          f"{DC}test_free_activation_releases_saved_values_after_their_last_backward_use", traced=False),
     todo("compile.offload_parameters", "DeepCompile's parameter offload", OFFLOAD_PARAMETERS,
          applies=lambda cfg: cfg.compile.enabled or cfg.compile.deepcompile),
-    *_section("compile", DEEPCOMPILE, {
-        "autoep_non_moe": "AutoEP on non-MoE layers",
-        "double_buffer": "double-buffer "
-        "prefetches", "symmetric_memory": "symmetric-memory all-gathers",
-        "sync_before_reduce": "synchronize before reductions",
-        "sync_after_reduce": "synchronize after reductions", "sync_before_allgather": "synchronize before "
-        "all-gathers", "sync_after_allgather": "synchronize after all-gathers", "keep_int_input_tensors":
-        "keep integer inputs", "keep_all_input_tensors": "keep all inputs"},
+    *[done(f"compile.sync_{point}_{op}", f"synchronize the accelerator {point} each {what} of DeepCompile's graph "
+           "(DeepSpeed's debugging switch; on a CPU there is no queued device work: a count, the handle's stats.syncs)",
+           f"{DC}test_the_passes_put_zero3_in_the_graph", f"{DC}test_zero3_in_the_graph_trains_as_eager_zero3",
+           traced=False)  # read by engine.compile()
+      for point in ("before", "after") for op, what in (("reduce", "gradient reduction"), ("allgather", "gather"))],
+    done("compile.keep_int_input_tensors", "keep the values of a compiled graph's integer and bool inputs for a "
+         "pass that runs the graph again (else tensors of ones of their layout)",
+         f"{DC}test_prefetch_and_selective_gather_from_their_step", traced=False),
+    done("compile.keep_all_input_tensors", "keep the values of all of a compiled graph's inputs for a pass that "
+         "runs the graph again", f"{DC}test_the_passes_put_zero3_in_the_graph", traced=False),
+    todo("compile.double_buffer", "double-buffer DeepCompile's reduce buckets", Feature(
+        "DeepSpeed's double-buffered reduce buckets in its C++ handle (dsrun's DeepCompile hands gradients to the "
+        "ZeRO-3 strategy's buckets, whose overlap zero_optimization.overlap_comm sets)",
+        "leave compile.double_buffer at its default; zero_optimization.overlap_comm overlaps the reductions"),
+        applies=lambda cfg: cfg.compile.enabled or cfg.compile.deepcompile),
+    todo("compile.symmetric_memory", "all-gather through CUDA symmetric memory", Feature(
+        "CUDA symmetric-memory all-gathers (torch.distributed._symmetric_memory: CUDA and NCCL only)",
+        "leave compile.symmetric_memory false"), applies=lambda cfg: cfg.compile.enabled or cfg.compile.deepcompile),
+    *_section("compile", DEEPCOMPILE, {"autoep_non_moe": "AutoEP on non-MoE layers"},
         applies=lambda cfg: cfg.compile.enabled or cfg.compile.deepcompile),
 ]

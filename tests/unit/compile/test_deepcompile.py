@@ -41,8 +41,8 @@ class _BrokenMLP(_MLP):
         return self.b(hidden).pow(2).sum()
 
 
-def _compiled_mlp(schedule: list, cls: type = _MLP) -> tuple[torch.nn.Module, torch.nn.Module,
-                                                             dict[str, torch.Tensor], object]:
+def _compiled_mlp(schedule: list, cls: type = _MLP, **keep: bool) -> tuple[torch.nn.Module, torch.nn.Module,
+                                                                          dict[str, torch.Tensor], object]:
     """A reference MLP, its twin partitioned and compiled through DeepCompile's backend, and where the twin's
     reduced gradients land (by parameter name)."""
     from dsrun.zero.partition_params import partition_param
@@ -61,7 +61,7 @@ def _compiled_mlp(schedule: list, cls: type = _MLP) -> tuple[torch.nn.Module, to
     handle.init(lambda p, g: grads.__setitem__(names[id(p)], g.reshape(p.ds_shape)))
     backend_mod.init_schedule(schedule)
     torch._dynamo.reset()
-    backend = backend_mod.DeepCompileBackend("eager", names, debug_log=True)
+    backend = backend_mod.DeepCompileBackend("eager", names, debug_log=True, **keep)
     compiled = torch.compile(backend_mod.gathered_forward(model), backend=backend)
     return reference, compiled, grads, backend
 
@@ -69,9 +69,11 @@ def _compiled_mlp(schedule: list, cls: type = _MLP) -> tuple[torch.nn.Module, to
 def test_the_passes_put_zero3_in_the_graph(world_of_one, monkeypatch) -> None:
     from torch._dynamo.utils import counters
 
-    reference, compiled, grads, backend = _compiled_mlp([(0, [zero3_compile.add_z3_gather_release])])
+    reference, compiled, grads, backend = _compiled_mlp([(0, [zero3_compile.add_z3_gather_release])],
+                                                        keep_all_input_tensors=True)
     handle = get_deepcompile_handle()
     handle.record_order = True
+    handle.set_sync_points(before_allgather=True, after_reduce=True)  # compile.sync_before_allgather, ...
     launched: list[int] = []
     handle.release_buckets = lambda: launched.append(handle.stats.reduced)
     x = torch.randn(3, 8)
@@ -107,6 +109,11 @@ def test_the_passes_put_zero3_in_the_graph(world_of_one, monkeypatch) -> None:
     (end,) = [n for n in bwd.nodes if n.target is END_BACKWARD]
     assert [n.target for n in end.args[0]] == [REDUCE] * 4 and end.args[1:] == (0, True)
     assert launched == [4] and handle.stats.backward_ends == handle.stats.bucket_releases == 1
+    # a synchronization before each gather and after each reduction
+    assert handle.stats.syncs == [op for op, _ in handle.stats.order].count("gather") + 4
+    # compile.keep_all_input_tensors: the stored inputs a pass may run the graph on again are x itself, not ones
+    (stored_x,) = [t for t in backend.input_storages[0].get() if isinstance(t, torch.Tensor) and t.shape == x.shape]
+    assert torch.equal(stored_x, x)
     assert backend.graph_order == [(0, True)]
     assert "forward graph 0 after ['add_z3_gather_release']" in logged[0]  # compile.debug_log
     assert "release_param" in logged[0] and "backward graph 0" in logged[1]
@@ -213,6 +220,10 @@ def test_prefetch_and_selective_gather_from_their_step(world_of_one) -> None:
             (fwd, fwd_inputs, fwd_unpatched, awaited), (bwd, bwd_inputs, bwd_unpatched, _) = seen
             assert not fwd and bwd and not fwd_unpatched and awaited == {(backend, 0)}
             assert any(t is x for t in fwd_inputs)  # the very tensors the step ran on
+            # compile.keep_int_input_tensors (default) keeps integer inputs' values only: a float input is stored
+            # as its layout, rebuilt as ones
+            assert any(t.shape == x.shape and torch.equal(t, torch.ones_like(x))
+                       for t in backend.input_storages[0].get() if isinstance(t, torch.Tensor))
             # the backward's: the saved relu output, at its real values, and the loss's gradient, 1
             assert any(t.shape == (3, 16) and torch.equal(t, torch.relu(x @ reference.a.weight.T + reference.a.bias))
                        for t in bwd_inputs)
@@ -403,7 +414,8 @@ def _train(deepcompile: bool, stage: int = 3, offload: bool = False) -> dict:
     model = GPT(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
     config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
               "zero_optimization": {"stage": stage},
-              "compile": {"deepcompile": deepcompile, "offload_opt_states": offload}}
+              "compile": {"deepcompile": deepcompile, "offload_opt_states": offload,
+                          "sync_before_allgather": deepcompile}}
     torch._dynamo.reset()
     engine, *_ = dsrun.initialize(model=model, model_parameters=model.parameters(), config=config)
     if deepcompile:  # DeepSpeed's way: deepcompile, then compile()
@@ -425,7 +437,8 @@ def _train(deepcompile: bool, stage: int = 3, offload: bool = False) -> dict:
         out["breaks"].append(int(sum(counters["graph_break"].values())))
         out["graphs"].append(int(counters["stats"]["unique_graphs"]))
         s = handle.stats
-        out["stats"].append((s.gathers, s.prefetched, s.persistent_hits, s.releases, s.reduced, s.peak_live_numel))
+        out["stats"].append((s.gathers, s.prefetched, s.persistent_hits, s.releases, s.reduced, s.peak_live_numel,
+                             s.syncs))
     out["numel"] = sum(p.ds_numel for p in engine.strategy.params) if stage == 3 else 0
     out["trainable"] = sum(1 for p in model.parameters() if p.requires_grad)
     out["offload"] = offload_adam_states.get_offload_op_stats()
@@ -449,9 +462,10 @@ def test_zero3_in_the_graph_trains_as_eager_zero3() -> None:
     assert compiled["losses"] == eager["losses"]  # the same ops, gathered and reduced by the graph
     assert compiled["breaks"] == [0] * STEPS  # none: the gathers are ops in the graph, not hooks
     assert compiled["graphs"] == [1, 1, 0]  # compiled at step 0 and again at step 1's passes
-    for step, (gathers, prefetched, hits, releases, reduced, peak) in enumerate(compiled["stats"]):
+    for step, (gathers, prefetched, hits, releases, reduced, peak, syncs) in enumerate(compiled["stats"]):
         assert reduced == compiled["trainable"]  # every gradient reduce-scattered from the graph
         assert gathers + hits == releases  # each gathered value released
+        assert syncs == releases  # compile.sync_before_allgather: one synchronization per gathered value
         assert gathers > 0 and peak < compiled["numel"]  # never the whole model gathered at once
         assert (prefetched > 0) == (step >= 1)  # the schedule: prefetch from step 1
         assert (hits > 0) == (step >= 2)  # selective gather decides at step 1's backward compile
