@@ -47,7 +47,6 @@ PATHS: dict[str, str] = {
     "deepspeed.compile.init_tp": "dsrun.tensor_parallel.compile_pass",
     "deepspeed.compile.passes.tp_compile": "dsrun.tensor_parallel.compile_pass",
     "deepspeed.compile.custom_ops": "dsrun.compat.compile.custom_ops",
-    "deepspeed.compile.constants": "dsrun.compile.autosp",
     "deepspeed.compile.passes.sp_compile": "dsrun.compile.autosp",
     "deepspeed.compile.custom_ops.sp_dp_registry": "dsrun.compile.sp_mesh",
     "deepspeed.compile.custom_ops.tp_collectives": "dsrun.tensor_parallel.graph_collectives",

@@ -1,5 +1,6 @@
-"""FX graph edits DeepCompile's passes share (DeepSpeed's ``deepspeed.compile.fx``): finding nodes (the output, by
-name, by a tensor's tag), rewiring users, and the end of a backward.
+"""FX graph edits DeepCompile's passes share (DeepSpeed's ``deepspeed.compile.fx``): the end of a backward; finding
+nodes (the output, by name, by a tensor's tag) and rewiring users, which live in :mod:`.util` and are named here
+as DeepSpeed's module has them.
 
 ``add_end_backward`` puts an ``end_backward`` op before a backward graph's output that reads every gradient
 reduction of the graph, so it runs after all of them: with ``release_reduce_buckets`` (the last backward graph
@@ -9,11 +10,12 @@ DeepSpeed's (``torch.ops.dc``), each graph with its own library's ``end_backward
 """
 from __future__ import annotations
 
-from torch.fx import Graph, GraphModule, Node
+from torch.fx import Graph, Node
 from torch.fx.node import map_aggregate
 
 from dsrun.compile.ops import END_BACKWARD
-from dsrun.compile.util import _deepspeed_op, get_output_node, is_reduce_node
+from dsrun.compile.util import (_deepspeed_op, find_node_by_name, find_node_by_tag, get_node_shape_meta,
+                                get_output_node, is_reduce_node, replace_node_users)
 
 __all__ = ["get_output_node", "should_release_reduce_buckets", "add_end_backward", "replace_reduce_outputs_with_none",
            "find_node_by_name", "get_node_shape_meta", "find_node_by_tag", "replace_node_users"]
@@ -45,29 +47,3 @@ def replace_reduce_outputs_with_none(graph: Graph) -> None:
     """A reduction's value never leaves the graph: where the output names one, it returns None there."""
     output = get_output_node(graph)
     output.args = (map_aggregate(output.args[0], lambda v: None if isinstance(v, Node) and is_reduce_node(v) else v),)
-
-
-def find_node_by_name(gm: GraphModule, name: str) -> Node | None:
-    return next((node for node in gm.graph.nodes if node.name == name), None)
-
-
-def get_node_shape_meta(node: Node):
-    """The fake value the tracer recorded for ``node`` (``val`` from AOT autograd, ``example_value`` from dynamo)."""
-    return node.meta.get("val") or node.meta.get("example_value")
-
-
-def find_node_by_tag(gm: GraphModule, tag: str) -> Node | None:
-    """The first node whose traced tensor carried the attribute ``tag`` = ``tag`` (dynamo copies a tensor's
-    ``__dict__`` into ``meta['tensor_dict']``): how AutoSP finds the input ids, labels and positions."""
-    for node in gm.graph.nodes:
-        tensor_dict = node.meta.get("tensor_dict")
-        if tensor_dict and tensor_dict.get("tag") == tag:
-            return node
-    return None
-
-
-def replace_node_users(node: Node, replacement: Node, exclude: list[Node] | None = None) -> None:
-    """Every user of ``node`` but those in ``exclude`` reads ``replacement`` instead."""
-    skip = set(exclude or ())
-    for user in [u for u in node.users if u not in skip]:
-        user.replace_input_with(node, replacement)

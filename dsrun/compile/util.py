@@ -1,5 +1,6 @@
-"""What DeepCompile's passes ask of a graph (DeepSpeed's ``deepspeed.compile.util``): which nodes are its ops, and
-where each value is last used.
+"""What DeepCompile's passes ask of a graph (DeepSpeed's ``deepspeed.compile.util``): which nodes are its ops, where
+each value is last used, nodes by name or tag, and AutoSP's slicing of a tagged input to this rank's part of the
+sequence (:func:`shard_tensor_node`; the rest of AutoSP is :mod:`.autosp`).
 
 A graph may hold dsrun's ops (``torch.ops.dsrun_dc``: the parameter's id is their second argument) or DeepSpeed's
 (``torch.ops.dc``, where another library defined them: graph id, then parameter id); both are read alike.
@@ -11,29 +12,23 @@ A value is alive until its *last use*. An op whose output aliases an input (a vi
 from __future__ import annotations
 
 import functools
+import operator
 from collections import defaultdict
 
 import torch
-from torch.fx import Graph, Node
+import torch.nn.functional as F
+from torch.fx import Graph, GraphModule, Node
 from torch.fx.node import map_arg
+
+from dsrun import comm
+from dsrun.compile import sp_mesh
+from dsrun.compile.constants import AUTOSP_INPUT_ID_KEY, AUTOSP_LABEL_ID_KEY, AUTOSP_POSITION_ID_KEY
 
 from dsrun.compile.handle import DeepCompileHandle
 from dsrun.compile.handle import get_deepcompile_handle as _handle
 from dsrun.compile.ops import ALLGATHER, REDUCE, RELEASE, WAIT_ALLGATHER, define_deepspeed_ops
 from dsrun.utils.logging import log_dist
 from dsrun.utils.torch_version import required_torch_version
-
-# AutoSP's graph edits, which DeepSpeed keeps in this module: dsrun's are in dsrun.compile.autosp
-_AUTOSP_NAMES = frozenset({"get_sdpa_nodes", "get_input_id_node", "get_label_id_node", "get_position_id_node",
-                           "create_shard_offsets", "create_symbolic_slice_indices", "shard_tensor_node"})
-
-
-def __getattr__(name: str) -> object:
-    if name in _AUTOSP_NAMES:
-        from dsrun.compile import autosp
-        return getattr(autosp, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 def is_deepcompile_supported() -> bool:
     """Whether DeepCompile runs here: torch 2.6 or later (DeepSpeed's bound). dsrun's ops are Python over its own
@@ -152,3 +147,104 @@ def get_output_node(graph: Graph) -> Node:
         if node.op == "output":
             return node
     raise ValueError("No output node found")
+
+
+def find_node_by_name(gm: GraphModule, name: str) -> Node | None:
+    return next((node for node in gm.graph.nodes if node.name == name), None)
+
+
+def get_node_shape_meta(node: Node):
+    """The fake value the tracer recorded for ``node`` (``val`` from AOT autograd, ``example_value`` from dynamo)."""
+    return node.meta.get("val") or node.meta.get("example_value")
+
+
+def find_node_by_tag(gm: GraphModule, tag: str) -> Node | None:
+    """The first node whose traced tensor carried the attribute ``tag`` = ``tag`` (dynamo copies a tensor's
+    ``__dict__`` into ``meta['tensor_dict']``): how AutoSP finds the input ids, labels and positions."""
+    for node in gm.graph.nodes:
+        tensor_dict = node.meta.get("tensor_dict")
+        if tensor_dict and tensor_dict.get("tag") == tag:
+            return node
+    return None
+
+
+def replace_node_users(node: Node, replacement: Node, exclude: list[Node] | None = None) -> None:
+    """Every user of ``node`` but those in ``exclude`` reads ``replacement`` instead."""
+    skip = set(exclude or ())
+    for user in [u for u in node.users if u not in skip]:
+        user.replace_input_with(node, replacement)
+
+
+# --- AutoSP's graph edits (DeepSpeed keeps them here) -------------------------------------------------------------
+def get_sdpa_nodes(gm: GraphModule) -> list[Node]:
+    """The graph's ``F.scaled_dot_product_attention`` calls: where AutoSP puts its all-to-alls."""
+    return list(gm.graph.find_nodes(op="call_function", target=F.scaled_dot_product_attention))
+
+
+def _tagged(gm: GraphModule, tag: str, what: str) -> Node:
+    node = find_node_by_tag(gm, tag)
+    if node is None:
+        raise RuntimeError(f"Failed to find a node for the {what} (a graph input whose tensor has tag={tag!r}: "
+                           "prepare_autosp_inputs tags it)")
+    return node
+
+
+def get_input_id_node(gm: GraphModule) -> Node:
+    return _tagged(gm, AUTOSP_INPUT_ID_KEY, "input sequence")
+
+
+def get_label_id_node(gm: GraphModule) -> Node:
+    return _tagged(gm, AUTOSP_LABEL_ID_KEY, "label")
+
+
+def get_position_id_node(gm: GraphModule) -> Node | None:
+    """The positions' node, or None (positions are optional)."""
+    return find_node_by_tag(gm, AUTOSP_POSITION_ID_KEY)
+
+
+def create_shard_offsets(gm: GraphModule, s0_node: Node) -> tuple[Node, Node]:
+    """Nodes after the sequence length ``s0_node``: ``chunk = s0 // sp``, ``start = rank * chunk``,
+    ``end = start + chunk`` (this rank's place in its sequence-parallel group); returns ``(start, end)``."""
+    sp = sp_mesh.sp_size()
+    sp_rank = comm.get_rank() % sp_mesh.sp_size()
+    graph = gm.graph
+    with graph.inserting_after(s0_node):
+        chunk = graph.call_function(operator.floordiv, args=(s0_node, sp))
+    with graph.inserting_after(chunk):
+        start = graph.call_function(operator.mul, args=(sp_rank, chunk))
+    with graph.inserting_after(start):
+        end = graph.call_function(operator.add, args=(start, chunk))
+    return start, end
+
+
+def create_symbolic_slice_indices(gm: GraphModule, sym_seq_dim_node: Node) -> tuple[Node, Node]:
+    """``slice(None)`` for the batch and ``slice(start, end)`` for this rank's part of the sequence."""
+    start, end = create_shard_offsets(gm, sym_seq_dim_node)
+    with gm.graph.inserting_after(end):
+        slice_all = gm.graph.call_function(slice, args=(None, None, None))
+    with gm.graph.inserting_after(slice_all):
+        slice_range = gm.graph.call_function(slice, args=(start, end, None))
+    return slice_all, slice_range
+
+
+def shard_tensor_node(gm: GraphModule, tensor_node: Node) -> Node:
+    """Every reader of ``tensor_node`` (``[batch, sequence, ...]``, its sequence length symbolic) reads this rank's
+    slice of the sequence instead; returns the slice's node."""
+    value = get_node_shape_meta(tensor_node)
+    if value is None:
+        raise ValueError(f"node {tensor_node.name} has no shape metadata")
+    seq_len = value.shape[1]
+    if not isinstance(seq_len, torch.SymInt):
+        raise ValueError(f"{tensor_node.name}'s sequence dimension is {seq_len!r}, not symbolic: mark it dynamic "
+                         "(prepare_autosp_inputs) or compile with dynamic=True")
+    seq_node = find_node_by_name(gm, str(seq_len))
+    if seq_node is None:
+        raise ValueError(f"no graph node holds {tensor_node.name}'s sequence length {seq_len}")
+    slice_all, slice_range = create_symbolic_slice_indices(gm, seq_node)
+    position = {node: i for i, node in enumerate(gm.graph.nodes)}
+    # after both the tensor and the slice (the length's placeholder may come after the tensor's)
+    anchor = slice_range if position[slice_range] > position[tensor_node] else tensor_node
+    with gm.graph.inserting_after(anchor):
+        sliced = gm.graph.call_function(operator.getitem, args=(tensor_node, (slice_all, slice_range)))
+    replace_node_users(tensor_node, sliced, exclude=[sliced])
+    return sliced

@@ -340,6 +340,9 @@ class EngineMethods:
             return
         kwargs = dict(compile_kwargs or {})
         section = self._engine._config.compile
+        if section.autoep_non_moe:
+            self._compile_autoep_non_moe(backend, kwargs, schedule)
+            return
         passes = section.passes or ()
         if section.deepcompile and {"autotp", "autosp"} <= set(passes):
             from dsrun.utils.errors import ConfigError, Problem
@@ -384,6 +387,29 @@ class EngineMethods:
         self._engine._set_deepcompile_active(True)
         self._engine._is_compiled = True
         return True
+
+    def _compile_autoep_non_moe(self, backend: str, kwargs: dict[str, Any], schedule: list | None) -> None:
+        """``compile.autoep_non_moe``: the blocks around the AutoEP layers compiled, the layers eager
+        (:mod:`dsrun.autoep.regional_compile`); refused, naming why, where DeepSpeed refuses it."""
+        from dsrun.autoep.regional_compile import compile_autoep_non_moe_regions
+        from dsrun.utils.errors import ConfigError, Problem
+
+        engine = self._engine
+        offloaded = engine.zero_offload_optimizer() is not None or engine.zero_offload_param() is not None
+        for bad, why in ((engine._config.compile.deepcompile, "uses the torch compiler: not with compile.deepcompile"),
+                         (engine.autotp_size() > 1, "does not support AutoEP folded over AutoTP yet"),
+                         (int(engine._config.sequence_parallel_size) > 1, "does not support sequence parallelism yet"),
+                         (engine.pipeline_parallelism, "does not support pipeline parallelism yet"),
+                         (engine.zero_optimization_partition_weights(), "does not support ZeRO stage 3 yet"),
+                         (offloaded, "does not support optimizer or parameter offload yet"),
+                         (schedule is not None, "does not take a DeepCompile schedule")):
+            if bad:
+                raise ConfigError(Problem("compile.autoep_non_moe", why, "set compile.autoep_non_moe to false"))
+        regions = compile_autoep_non_moe_regions(engine.module, backend, kwargs)
+        from dsrun.compile.init import log_rank0
+
+        log_rank0(f"AutoEP regional compile: {len(regions)} modules around the AutoEP layers, backend {backend}")
+        engine._is_compiled = True
 
     def _compile_autosp(self, backend: str, kwargs: dict[str, Any]) -> bool:
         """The AutoSP pass (DeepSpeed's ``get_autosp_backend``: :mod:`dsrun.compile.autosp`): the model compiled

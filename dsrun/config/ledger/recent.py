@@ -299,6 +299,9 @@ ENTRIES: list[Entry] = [
     todo("compile.symmetric_memory", "all-gather through CUDA symmetric memory", Feature(
         "CUDA symmetric-memory all-gathers (torch.distributed._symmetric_memory: CUDA and NCCL only)",
         "leave compile.symmetric_memory false"), applies=lambda cfg: cfg.compile.enabled or cfg.compile.deepcompile),
-    *_section("compile", DEEPCOMPILE, {"autoep_non_moe": "AutoEP on non-MoE layers"},
+    done("compile.autoep_non_moe", "engine.compile() compiles the modules around the AutoEP layers and keeps the "
+         "AutoEP layers eager (refused with DeepCompile, AutoTP folding, sequence or pipeline parallelism, ZeRO-3, "
+         "offload)", "tests/unit/moe/test_autoep.py::test_autoep_non_moe_compiles_the_blocks_and_keeps_the_moe_layers"
+         "_eager", traced=False),  # read by engine.compile()
         applies=lambda cfg: cfg.compile.enabled or cfg.compile.deepcompile),
 ]

@@ -329,3 +329,60 @@ def test_engine_replaces_blocks_and_trains(world_of_one, tmp_path) -> None:
     with pytest.raises(RuntimeError, match="Folded AutoEP\\+AutoTP checkpoint requires a folded runtime"):
         engine.load_checkpoint(str(tmp_path), tag="t")
     engine.destroy()
+
+
+class _Layer(nn.Module):
+    """A block that calls its MoE layer (a region ``compile.autoep_non_moe`` compiles)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(H)
+        self.mlp = Block()
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+class _LayeredModel(Model):
+    def __init__(self):
+        super().__init__()
+        self.model.layers = nn.ModuleList(_Layer() for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.model.layers:
+            x = layer(x)
+        return self.head(x).pow(2).mean()
+
+
+def test_autoep_non_moe_compiles_the_blocks_and_keeps_the_moe_layers_eager(world_of_one) -> None:
+    import dsrun
+    from dsrun.utils.errors import ConfigError
+
+    def train(**compile_section) -> tuple[object, list[float]]:
+        torch.manual_seed(1)
+        model = _LayeredModel()
+        cfg = {"train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+               "expert_parallel": {"enabled": True, "autoep_size": 1, "preset_model": "mixtral",
+                                   "use_grouped_mm": False}, "compile": compile_section}
+        engine, *_ = dsrun.initialize(model=model, config=cfg)
+        if compile_section:
+            engine.compile(backend="eager")
+        x = torch.randn(2, 3, H, generator=torch.Generator().manual_seed(2))
+        losses = []
+        for _ in range(2):
+            loss = engine(x)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        return engine, losses
+
+    eager_engine, eager = train()
+    eager_engine.destroy()
+    engine, compiled = train(autoep_non_moe=True)
+    layers = engine.module.model.layers
+    assert all(layer._compiled_call_impl is not None for layer in layers)  # the blocks are compiled regions
+    assert all(getattr(layer.mlp.forward, "_torchdynamo_disable", False) for layer in layers)  # the MoE eager
+    assert compiled == pytest.approx(eager, rel=1e-6)  # the same ops (the eager backend), one graph per region
+    engine.destroy()
+    with pytest.raises(ConfigError, match="compile.autoep_non_moe.*compile.deepcompile"):
+        train(autoep_non_moe=True, deepcompile=True)
