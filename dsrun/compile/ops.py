@@ -100,16 +100,22 @@ def _end_backward(deps: object, graph_id: int, release_reduce_buckets: bool) -> 
     get_deepcompile_handle().end_backward(graph_id, release_reduce_buckets)
 
 
-def _define(namespace: str, schemas: dict[str, tuple[str, object]]) -> None:
+def _define(namespace: str, schemas: dict[str, tuple[str, object, object]]) -> None:
+    """Each op's schema, its kernel, and its fake form (what tracing and compiling run: never the side effect)."""
     library = torch.library.Library(namespace, "FRAGMENT")
-    for name, (schema, kernel) in schemas.items():
+    for name, (schema, kernel, fake) in schemas.items():
         library.define(schema)
         library.impl(name, kernel, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"{namespace}::{name}", fake, lib=library)
         torch.fx.node.has_side_effect(getattr(torch.ops, namespace).__getattr__(name).default)
     _LIBRARIES.append(library)
 
 
-_define(LIB, {"end_backward": (_END_BACKWARD_SCHEMA, _end_backward)})
+def _end_backward_fake(deps: object, graph_id: int, release_reduce_buckets: bool) -> None:
+    return None
+
+
+_define(LIB, {"end_backward": (_END_BACKWARD_SCHEMA, _end_backward, _end_backward_fake)})
 
 
 def _deepspeed_reduce_grad(grad: torch.Tensor, graph_id: int, ds_id: int) -> torch.Tensor:
@@ -125,8 +131,9 @@ def define_deepspeed_ops() -> bool:
         return False
     except (AttributeError, RuntimeError):
         pass
-    _define("dc", {"reduce_grad": ("reduce_grad(Tensor a, int graph_id, int id) -> Tensor", _deepspeed_reduce_grad),
-                   "end_backward": (_END_BACKWARD_SCHEMA, _end_backward)})
+    _define("dc", {"reduce_grad": ("reduce_grad(Tensor a, int graph_id, int id) -> Tensor", _deepspeed_reduce_grad,
+                                   lambda grad, graph_id, ds_id: grad.new_empty(0)),
+                   "end_backward": (_END_BACKWARD_SCHEMA, _end_backward, _end_backward_fake)})
     return True
 
 # outputs nobody reads, effects that matter: dead-code elimination (FX's, inductor's) keeps them

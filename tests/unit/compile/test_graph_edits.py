@@ -75,6 +75,11 @@ def test_end_backward_follows_every_reduction_and_launches_the_buckets() -> None
     torch.ops.dsrun_dc.end_backward([None, None], 3, False)
     torch.ops.dsrun_dc.end_backward([None, None], 3, True)
     assert launched == [1] and handle.stats.backward_ends == 2
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():  # what tracing and inductor's compile run: the fake form, never the launch
+        torch.ops.dsrun_dc.end_backward([None, None], 3, True)
+    assert launched == [1] and handle.stats.backward_ends == 2
     # no reduction, no end; DeepSpeed's dc ops once its handle was asked for, each end in its own library
     assert add_end_backward(Graph(), 0) is None
     deepspeed_handle()
