@@ -43,8 +43,6 @@ SPLIT = Feature("DeepSpeed's data-parallel split of checkpoint writes (part file
                 "included)", "remove checkpoint.writer.data_parallel and io_multiplier")
 AUTOTP_TESTS = "tests/integration/test_autotp_training.py::"
 AUTOTP_UNIT = "tests/unit/tensor_parallel/test_autotp_split.py::"
-DEEPCOMPILE = Feature("this DeepCompile option (dsrun's DeepCompile has the ZeRO-3 passes: docs/deepcompile.md)",
-                      "leave the compile key at its default")
 DC = "tests/unit/compile/test_deepcompile.py::"
 OFFLOAD_PARAMETERS = Feature("DeepCompile's parameter offload (each ZeRO-3 shard moved to the host after its last "
                              "use in a graph and back at the graph's start; not built: dsrun's shards are read by "
@@ -303,5 +301,4 @@ ENTRIES: list[Entry] = [
          "AutoEP layers eager (refused with DeepCompile, AutoTP folding, sequence or pipeline parallelism, ZeRO-3, "
          "offload)", "tests/unit/moe/test_autoep.py::test_autoep_non_moe_compiles_the_blocks_and_keeps_the_moe_layers"
          "_eager", traced=False),  # read by engine.compile()
-        applies=lambda cfg: cfg.compile.enabled or cfg.compile.deepcompile),
 ]
