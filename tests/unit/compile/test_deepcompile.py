@@ -415,7 +415,8 @@ def _train(deepcompile: bool, stage: int = 3, offload: bool = False) -> dict:
     config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
               "zero_optimization": {"stage": stage},
               "compile": {"deepcompile": deepcompile, "offload_opt_states": offload,
-                          "sync_before_allgather": deepcompile}}
+                          "sync_before_allgather": deepcompile, "sync_after_allgather": deepcompile,
+                          "sync_before_reduce": deepcompile, "sync_after_reduce": deepcompile}}
     torch._dynamo.reset()
     engine, *_ = dsrun.initialize(model=model, model_parameters=model.parameters(), config=config)
     if deepcompile:  # DeepSpeed's way: deepcompile, then compile()
@@ -465,7 +466,7 @@ def test_zero3_in_the_graph_trains_as_eager_zero3() -> None:
     for step, (gathers, prefetched, hits, releases, reduced, peak, syncs) in enumerate(compiled["stats"]):
         assert reduced == compiled["trainable"]  # every gradient reduce-scattered from the graph
         assert gathers + hits == releases  # each gathered value released
-        assert syncs == releases  # compile.sync_before_allgather: one synchronization per gathered value
+        assert syncs == 2 * releases + 2 * reduced  # compile.sync_*: one before and one after each gather, reduce
         assert gathers > 0 and peak < compiled["numel"]  # never the whole model gathered at once
         assert (prefetched > 0) == (step >= 1)  # the schedule: prefetch from step 1
         assert (hits > 0) == (step >= 2)  # selective gather decides at step 1's backward compile
