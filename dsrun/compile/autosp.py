@@ -65,7 +65,8 @@ def all_to_all(input: torch.Tensor, scatter_idx: int, gather_idx: int, name: str
 
     if not sp_mesh.is_setup():
         raise RuntimeError("autosp::all_to_all before AutoSP's mesh was set up (sp_mesh.populate_registry)")
-    return single_all_to_all(input.contiguous(), scatter_idx, gather_idx, group=sp_mesh.my_group())
+    # contiguous, as the fake form says: inductor checks a custom op's real strides against its fake ones
+    return single_all_to_all(input.contiguous(), scatter_idx, gather_idx, group=sp_mesh.my_group()).contiguous()
 
 
 def _unsplit(dim: object, factor: int) -> object:
