@@ -43,11 +43,11 @@ def _batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(x, torch.tanh(x @ teacher)) for x in xs]
 
 
-def _train(engine, batches) -> list[float]:
-    """One loss per micro-batch (two micro-batches per optimizer step)."""
+def _train(engine, batches, dtype: torch.dtype = torch.bfloat16) -> list[float]:
+    """One loss per micro-batch (two micro-batches per optimizer step), the inputs in the model's ``dtype``."""
     losses = []
     for x, y in batches:
-        loss = torch.nn.functional.mse_loss(engine(x.bfloat16()).float(), y)
+        loss = torch.nn.functional.mse_loss(engine(x.to(dtype)).float(), y)
         engine.backward(loss)
         engine.step()
         losses.append(float(loss.detach()))

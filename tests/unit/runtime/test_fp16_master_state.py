@@ -15,16 +15,12 @@ from dsrun.config import validate_ds_config
 from dsrun.estimate.inputs import EstimateInputs
 from dsrun.estimate.model_states import model_state_bytes
 from dsrun.utils.errors import ConfigError
+from tests.unit.runtime.test_bf16_master_state import _batches, _model
+from tests.unit.runtime.test_bf16_master_state import _train as _train_in
 
 pytestmark = pytest.mark.usefixtures("world_of_one")
 
 UNIT_ROUNDOFF = 2.0 ** -11  # fp16 keeps 11 significant bits: round-to-nearest is off by at most 2^-11 |w|
-
-
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 64), torch.nn.GELU(),
-                               torch.nn.Linear(64, 4))
 
 
 def _engine(stage: int, fp16_masters: bool):
@@ -37,22 +33,8 @@ def _engine(stage: int, fp16_masters: bool):
     return dsrun.initialize(model=_model(), config=config)[0]
 
 
-def _batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(1)
-    teacher = torch.randn(16, 4, generator=gen)
-    xs = [torch.randn(8, 16, generator=gen) for _ in range(2 * steps)]
-    return [(x, torch.tanh(x @ teacher)) for x in xs]
-
-
 def _train(engine, batches) -> list[float]:
-    """One loss per micro-batch (two micro-batches per optimizer step)."""
-    losses = []
-    for x, y in batches:
-        loss = torch.nn.functional.mse_loss(engine(x.half()).float(), y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(float(loss.detach()))
-    return losses
+    return _train_in(engine, batches, torch.float16)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
