@@ -112,6 +112,23 @@ def stage3_gathered_elements(spec: EstimateInputs) -> int:
     return min(spec.total_params, max(largest, ahead))
 
 
+def host_cache_bytes(spec: EstimateInputs) -> int:
+    """ZeRO-3 on the CPU with its parameters partitioned: the cache of freed host blocks in front of torch's
+    allocator (dsrun/zero/host_memory.py) may hold up to its cap in every phase: ``HOST_CACHE_MODULES`` modules'
+    gathered bytes (the largest layer's), or ``DSRUN_HOST_CACHE_MB`` when the environment sets it."""
+    import os
+
+    from dsrun.zero.host_memory import HOST_CACHE_MODULES
+
+    override = os.environ.get("DSRUN_HOST_CACHE_MB")
+    if override not in (None, ""):
+        try:
+            return max(0, int(float(override) * (1 << 20)))
+        except ValueError:
+            pass  # the run refuses it; the estimate keeps the default
+    return HOST_CACHE_MODULES * spec.largest_layer_params * working_bytes(spec)
+
+
 def bucket_count(spec: EstimateInputs) -> int:
     """How many reduce buckets one backward fills: ``ceil(T / reduce_bucket_size)`` (at least 1)."""
     return max(1, ceil_div(spec.trainable, max(1, spec.buffers.reduce_bucket_size)))
@@ -160,7 +177,7 @@ def buffer_bytes(spec: EstimateInputs) -> BufferBytes:
             # GatherBufferPool): held in every phase; a gather takes its buffer out of the pool
             pool = min(max(spec.total_params - spec.small_params, 0), spec.largest_layer_params) * w \
                 if spec.device == "cpu" else 0  # CUDA's caching allocator reuses freed blocks itself
-            reduce_bucket += pool
+            reduce_bucket += pool + host_cache_bytes(spec) if spec.device == "cpu" else pool
             gathered = max(gathered - pool, 0)
         received = (ceil_div(spec.trainable, n) if spec.overlap_comm else ceil_div(bucket, n)) if n > 1 else 0
         transient = (2 * bucket + received) * w
