@@ -118,7 +118,7 @@ def host_cache_bytes(spec: EstimateInputs) -> int:
     gathered bytes (the largest layer's), or ``DSRUN_HOST_CACHE_MB`` when the environment sets it."""
     import os
 
-    from dsrun.zero.host_memory import HOST_CACHE_MODULES
+    from dsrun.constants import ZERO3_HOST_CACHE_MODULES
 
     override = os.environ.get("DSRUN_HOST_CACHE_MB")
     if override not in (None, ""):
@@ -126,7 +126,7 @@ def host_cache_bytes(spec: EstimateInputs) -> int:
             return max(0, int(float(override) * (1 << 20)))
         except ValueError:
             pass  # the run refuses it; the estimate keeps the default
-    return HOST_CACHE_MODULES * spec.largest_layer_params * working_bytes(spec)
+    return ZERO3_HOST_CACHE_MODULES * spec.largest_layer_params * working_bytes(spec)
 
 
 def bucket_count(spec: EstimateInputs) -> int:

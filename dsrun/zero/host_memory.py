@@ -28,14 +28,15 @@ import ctypes.util
 import os
 from typing import Any
 
+from dsrun.constants import ZERO3_HOST_CACHE_MODULES
 from dsrun.utils.errors import ConfigError
 
 _M_MMAP_THRESHOLD = -3  # mallopt parameter number in glibc's malloc.h
 MMAP_THRESHOLD_BYTES = 1 << 20
 # ZeRO-3's host cache cap on the CPU, in modules' gathered bytes: a module's gathered parameters, the collectives'
 # flat copies and autograd's full weight gradients (the 100M GPT: faults per step 369k -> 174k at about 6
-# modules, 198k at 3, 265k at 1.5; docs/performance.md)
-HOST_CACHE_MODULES = 6
+# modules, 198k at 3, 265k at 1.5; docs/performance.md); in dsrun.constants, which the estimator reads too
+HOST_CACHE_MODULES = ZERO3_HOST_CACHE_MODULES
 
 
 def _libc() -> Any:
