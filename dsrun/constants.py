@@ -12,3 +12,23 @@ CROSS_SIZE = "CROSS_SIZE"
 #: parameters, the collectives' flat copies and autograd's full weight gradients; dsrun/zero/host_memory.py, which
 #: the memory estimator counts too)
 ZERO3_HOST_CACHE_MODULES = 6
+
+
+def zero3_host_cache_cap(default_bytes: int) -> int:
+    """The host cache's cap in bytes: ``DSRUN_HOST_CACHE_MB`` (MiB, 0 turns the cache off) when the environment
+    sets it, else ``default_bytes``; a value that is not a size >= 0 is a ConfigError."""
+    import os
+
+    from dsrun.utils.errors import ConfigError
+
+    override = os.environ.get("DSRUN_HOST_CACHE_MB")
+    if override in (None, ""):
+        return int(default_bytes)
+    try:
+        cap = int(float(override) * (1 << 20))
+    except ValueError:
+        raise ConfigError(f"DSRUN_HOST_CACHE_MB={override!r}: expected a size in MiB (0 turns the host cache "
+                          "off)") from None
+    if cap < 0:
+        raise ConfigError(f"DSRUN_HOST_CACHE_MB={override!r}: expected a size >= 0 in MiB")
+    return cap

@@ -114,19 +114,16 @@ def stage3_gathered_elements(spec: EstimateInputs) -> int:
 
 def host_cache_bytes(spec: EstimateInputs) -> int:
     """ZeRO-3 on the CPU with its parameters partitioned: the cache of freed host blocks in front of torch's
-    allocator (dsrun/zero/host_memory.py) may hold up to its cap in every phase: ``HOST_CACHE_MODULES`` modules'
+    allocator (dsrun/zero/host_memory.py) may hold up to its cap in every phase: ``ZERO3_HOST_CACHE_MODULES`` modules'
     gathered bytes (the largest layer's), or ``DSRUN_HOST_CACHE_MB`` when the environment sets it."""
-    import os
+    from dsrun.constants import ZERO3_HOST_CACHE_MODULES, zero3_host_cache_cap
+    from dsrun.utils.errors import ConfigError
 
-    from dsrun.constants import ZERO3_HOST_CACHE_MODULES
-
-    override = os.environ.get("DSRUN_HOST_CACHE_MB")
-    if override not in (None, ""):
-        try:
-            return max(0, int(float(override) * (1 << 20)))
-        except ValueError:
-            pass  # the run refuses it; the estimate keeps the default
-    return ZERO3_HOST_CACHE_MODULES * spec.largest_layer_params * working_bytes(spec)
+    default = ZERO3_HOST_CACHE_MODULES * spec.largest_layer_params * working_bytes(spec)
+    try:
+        return zero3_host_cache_cap(default)
+    except ConfigError:  # the run refuses the value; the estimate keeps the default
+        return default
 
 
 def bucket_count(spec: EstimateInputs) -> int:

@@ -28,8 +28,7 @@ import ctypes.util
 import os
 from typing import Any
 
-from dsrun.constants import ZERO3_HOST_CACHE_MODULES
-from dsrun.utils.errors import ConfigError
+from dsrun.constants import ZERO3_HOST_CACHE_MODULES, zero3_host_cache_cap
 
 _M_MMAP_THRESHOLD = -3  # mallopt parameter number in glibc's malloc.h
 MMAP_THRESHOLD_BYTES = 1 << 20
@@ -67,15 +66,7 @@ def cache_large_blocks(cap_bytes: int) -> bool:
     """Keep freed host blocks of at least :data:`MMAP_THRESHOLD_BYTES`, up to ``cap_bytes`` in all, for the next
     request of the same size (``DSRUN_HOST_CACHE_MB`` overrides the cap; 0 turns the cache off). False when the
     cache is off or the op cannot be built (no C++ compiler: one warning, as every op's fallback)."""
-    override = os.environ.get("DSRUN_HOST_CACHE_MB")
-    if override not in (None, ""):
-        try:
-            cap_bytes = int(float(override) * (1 << 20))
-        except ValueError:
-            raise ConfigError(f"DSRUN_HOST_CACHE_MB={override!r}: expected a size in MiB (0 turns the host cache "
-                              "off)") from None
-        if cap_bytes < 0:
-            raise ConfigError(f"DSRUN_HOST_CACHE_MB={override!r}: expected a size >= 0 in MiB")
+    cap_bytes = zero3_host_cache_cap(cap_bytes)
     op = _host_cache_op() if cap_bytes > 0 or _installed() else None
     if op is None:
         return False
