@@ -150,23 +150,35 @@ def external_parameter(rank: int, world: int, register: bool) -> dict[str, Any]:
         dsrun.zero.register_external_parameter(engine.module, engine.module.emb.weight)
     idx = torch.arange(8) % 10
     try:
-        losses = []
-        for _ in range(3):
-            loss = engine(idx)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+        losses = _engine_losses(engine, idx)
     except RuntimeError as exc:
         return {"error": str(exc).splitlines()[0]}
+    return {"losses": losses, "ref": _reference_losses(ref_model, idx)}
+
+
+def _engine_losses(engine: Any, idx: torch.Tensor, steps: int = 3) -> list[float]:
+    """The engine's losses over ``steps`` steps on the batch ``idx``."""
+    losses = []
+    for _ in range(steps):
+        loss = engine(idx)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _reference_losses(ref_model: nn.Module, idx: torch.Tensor, steps: int = 3) -> list[float]:
+    """torch's AdamW on the whole model over the same steps (every rank uses the same batch, so the average
+    gradient is this one)."""
     opt = torch.optim.AdamW(ref_model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     ref = []
-    for _ in range(3):
-        loss = ref_model(idx)  # every rank uses the same batch, so the average gradient is this one
+    for _ in range(steps):
+        loss = ref_model(idx)
         opt.zero_grad()
         loss.backward()
         opt.step()
         ref.append(loss.item())
-    return {"losses": losses, "ref": ref}
+    return ref
 
 
 class AppliedInit(nn.Module):
@@ -219,21 +231,9 @@ def module_apply(rank: int, world: int, override: bool) -> dict[str, Any]:
     initial = {k: v.numpy() for k, v in dsrun.zero.full_state_dict(model).items()}
     engine, _, _, _ = initialize(model=model, config=cfg)
     idx = torch.arange(12) % 10
-    losses = []
-    for _ in range(3):
-        loss = engine(idx)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses = _engine_losses(engine, idx)
     ref_initial = {k: v.detach().numpy().copy() for k, v in ref_model.state_dict().items()}
-    opt = torch.optim.AdamW(ref_model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-    ref = []
-    for _ in range(3):
-        loss = ref_model(idx)  # every rank uses the same batch, so the average gradient is this one
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        ref.append(loss.item())
+    ref = _reference_losses(ref_model, idx)
     return {"seen": seen, "initial": initial, "ref_initial": ref_initial, "losses": losses, "ref": ref,
             "patched": patched, "restored": nn.Module.apply is torch_apply}
 
