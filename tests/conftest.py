@@ -1,4 +1,6 @@
+import faulthandler
 import os
+import sys
 
 import pytest
 
@@ -35,8 +37,54 @@ class _EstimateTables:
 
 def pytest_configure(config):
     config.pluginmanager.register(_EstimateTables(), "dsrun-estimate-tables")
+    config.pluginmanager.register(_HangWatchdog(), "dsrun-hang-watchdog")
     if not hasattr(config, "workerinput"):  # the xdist controller, or the one process of -n 0
         config.pluginmanager.register(_RepositoryUntouched(), "dsrun-repository-untouched")
+
+
+class _HangWatchdog:
+    """Bounds what pytest-timeout cannot. Its signal reaches a test only when the test's thread runs Python: one
+    stuck in C++ (a collective whose peer is gone, a destructor joining its threads) would hold its worker, and CI,
+    until CI's own limit, printing nothing. faulthandler's watchdog is a thread of its own: ``MARGIN_S`` after the
+    test's time limit (pytest-timeout's, which covers its setup, call and teardown) it prints every thread's stack
+    to the run's stderr and ends the process (pytest-xdist reports the worker's crash, which ends the run:
+    pyproject.toml's ``--max-worker-restart=0``). The process's own exit, after the last test, gets ``EXIT_S``
+    (threads that never end, ``atexit`` hooks). ``DSRUN_TESTS_HANG_MARGIN_S`` sets the margin (the watchdog's own
+    test, tests/unit/test_repo.py)."""
+
+    MARGIN_S = float(os.environ.get("DSRUN_TESTS_HANG_MARGIN_S", 120))
+    EXIT_S = 300
+
+    def __init__(self) -> None:
+        # the run's own stderr (pytest_configure runs between capture's start and its first test), not the capture
+        # file a test's output goes to, which is dropped when the process ends
+        self.stderr = os.fdopen(os.dup(2), "w")
+
+    @staticmethod
+    def limit(item) -> float:
+        """The test's pytest-timeout limit (its marker, ``--timeout``, pyproject's ``timeout``); 0 for none, and
+        under a debugger (``--pdb``, a trace function), where a test may stop for as long as its user likes."""
+        config = item.config
+        if config.getoption("usepdb", False) or sys.gettrace() is not None:
+            return 0.0
+        marker = item.get_closest_marker("timeout")
+        if marker is not None and (marker.args or "timeout" in marker.kwargs):
+            return float(marker.args[0] if marker.args else marker.kwargs["timeout"])
+        given = config.getoption("timeout", None)
+        return float(given if given is not None else config.getini("timeout") or 0)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_protocol(self, item, nextitem):
+        limit = self.limit(item)
+        if limit > 0:
+            faulthandler.dump_traceback_later(limit + self.MARGIN_S, exit=True, file=self.stderr)
+        try:
+            return (yield)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+
+    def pytest_unconfigure(self, config) -> None:
+        faulthandler.dump_traceback_later(self.EXIT_S, exit=True, file=self.stderr)
 
 
 class _RepositoryUntouched:

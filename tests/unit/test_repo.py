@@ -109,3 +109,42 @@ def test_the_readme_status_reports_the_gpu_runs_docs_cuda_records():
     gpu = re.search(r"\*\*NVIDIA (\w+)", (REPO / "docs" / "cuda.md").read_text()).group(1)
     assert "(docs/cuda.md)" in status and gpu in status
     assert "no cuda machine" not in status.lower()
+
+
+STUCK_IN_C = """
+import ctypes
+import time
+
+import pytest
+
+
+@pytest.mark.timeout(1)
+def test_stuck_in_c():  # a normal mutex locked twice: a futex wait that pytest-timeout's signal never ends
+    mutex = ctypes.create_string_buffer(64)
+    ctypes.CDLL(None).pthread_mutex_lock(mutex)
+    ctypes.CDLL(None).pthread_mutex_lock(mutex)
+
+
+@pytest.mark.parametrize("i", range(4))
+def test_others(i):
+    time.sleep(0.2)
+"""
+
+
+def test_a_test_stuck_in_c_ends_its_worker_with_its_stack_and_the_run_names_it(tmp_path):
+    """What hung CI until its own limit: a test stuck where pytest-timeout's signal cannot reach it, on a
+    pytest-xdist worker under ``--dist loadgroup``. The watchdog (tests/conftest.py) prints the stuck thread's stack
+    and ends the worker; the run then ends, failing that test by name (no replacement worker to wait for)."""
+    (tmp_path / "test_stuck.py").write_text(STUCK_IN_C)
+    (tmp_path / "conftest.py").write_text("from tests.conftest import _HangWatchdog\n\n\n"
+                                          "def pytest_configure(config):\n"
+                                          "    config.pluginmanager.register(_HangWatchdog(), 'hang-watchdog')\n")
+    addopts = re.search(r'^addopts = "([^"]+)"', (REPO / "pyproject.toml").read_text(), re.M).group(1)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-c", os.devnull,
+                           "--rootdir", str(tmp_path), *addopts.split(), "test_stuck.py"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "DSRUN_TESTS_HANG_MARGIN_S": "1", "PYTHONPATH": str(REPO)})
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert re.search(r'File ".*test_stuck.py", line \d+ in test_stuck_in_c', done.stderr), done.stderr[-3000:]
+    assert "crashed while running 'test_stuck.py::test_stuck_in_c'" in done.stdout, done.stdout[-3000:]
+    assert re.search(r"1 failed, \d passed", done.stdout), done.stdout[-3000:]
