@@ -125,14 +125,20 @@ def launcher_overrides(choice: str, overrides: Sequence[str], num_procs: int, nu
 
 def batch_settings(params: dict) -> dict:
     """hydra-submitit-launcher's Slurm parameters with dsrun's additions: the notice as SIGUSR1 (``--signal``,
-    ``signal_delay_s`` before the time limit), ``--requeue``, and submitit's notice signal before the user's
-    ``setup`` lines (no ``MASTER_PORT``: the ranks meet where rank 0 says, :class:`TaskRendezvous`). The user's
-    own ``additional_parameters`` win."""
+    ``signal_delay_s`` before the time limit), ``--requeue``, logs opened for appending (``--open-mode=append``, on
+    sbatch and on srun: a requeued job's run writes after its first run's lines, which Slurm's default would
+    truncate), and submitit's notice signal before the user's ``setup`` lines (no ``MASTER_PORT``: the ranks meet
+    where rank 0 says, :class:`TaskRendezvous`). The user's own ``additional_parameters`` and ``srun_args`` win."""
     params = dict(params)
     extra = dict(params.get("additional_parameters") or {})
     extra.setdefault("signal", f"{NOTICE_SIGNAL}@{params.get('signal_delay_s', 120)}")
     extra.setdefault("requeue", True)
+    extra.setdefault("open_mode", "append")
     params["additional_parameters"] = extra
+    srun = list(params.get("srun_args") or [])
+    if not any(arg.startswith("--open-mode") for arg in srun):
+        srun.append(f"--open-mode={extra['open_mode']}")
+    params["srun_args"] = srun
     params["setup"] = [f"export SUBMITIT_PREEMPT_SIGNAL={NOTICE_SIGNAL}", *(params.get("setup") or [])]
     return params
 

@@ -224,7 +224,11 @@ def test_the_notice_saves_requeues_and_the_requeued_job_resumes(slurm_sweep):
     # each run of the job met on a port its rank 0's store was given, in a rendezvous folder of its own
     assert sorted(p.name.rsplit("-", 1)[1] for p in (run / ".slurm_rendezvous").iterdir()) == ["run0", "run1"]
     (job_log,) = (run.parent / ".submitit").glob("*_0/*_0_0_log.out")
-    assert "stopped (exit code 138); requeued (1 of 3): the run resumes from its checkpoint" in job_log.read_text()
+    # one log for both runs of the job (--open-mode=append): the first run's requeue line, then the second run
+    text = job_log.read_text()
+    first, _, second = text.partition("stopped (exit code 138); requeued (1 of 3): the run resumes from its checkpoint")
+    assert second, text[-3000:]
+    assert first.count("Starting with JobEnvironment") == 1 and second.count("Starting with JobEnvironment") == 1, text
     assert "[dsrun] requeued job: resuming from" not in (job_dirs(slurm_sweep.folder)[1] / "dsrun.log").read_text()
 
 

@@ -38,12 +38,17 @@ def test_slurm_settings_ask_one_task_per_rank_the_notice_before_the_ranks_grace_
 def test_batch_settings_add_the_usr1_notice_and_requeue_before_the_users_setup():
     params = batch_settings({"signal_delay_s": 150, "setup": ["module load x"],
                              "additional_parameters": {"mail-type": "END"}})
-    assert params["additional_parameters"] == {"mail-type": "END", "signal": "USR1@150", "requeue": True}
+    assert params["additional_parameters"] == {"mail-type": "END", "signal": "USR1@150", "requeue": True,
+                                               "open_mode": "append"}
+    # a requeued job's second run appends to the first run's logs (sbatch's and srun's), where Slurm would truncate
+    assert params["srun_args"] == ["--open-mode=append"]
     # no MASTER_PORT: a port derived from the job's id may be taken on the node; rank 0 opens one (TaskRendezvous)
     assert params["setup"] == ["export SUBMITIT_PREEMPT_SIGNAL=USR1", "module load x"]
     # a signal the user asks for themselves is theirs
     assert batch_settings({"additional_parameters": {"signal": "B:USR1@300"}})["additional_parameters"]["signal"] == \
         "B:USR1@300"
+    own = batch_settings({"additional_parameters": {"open_mode": "truncate"}, "srun_args": ["--open-mode=truncate"]})
+    assert own["additional_parameters"]["open_mode"] == "truncate" and own["srun_args"] == ["--open-mode=truncate"]
 
 
 def test_no_slurm_client_on_path_is_one_problem_naming_it_and_the_local_launcher(tmp_path):
