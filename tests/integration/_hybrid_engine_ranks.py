@@ -41,34 +41,42 @@ def _whole_generate(engine: Any, ids: torch.Tensor) -> torch.Tensor:
         return type(engine.module).generate(engine.module, ids, max_new_tokens=NEW_TOKENS, do_sample=False)
 
 
-def rlhf_loop(rank: int, world: int, name: str, hybrid: dict[str, Any]) -> dict[str, Any]:
+def rlhf_loop(rank: int, world: int, name: str, hybrid: dict[str, Any],
+              references: dict[str, list[tuple[torch.Tensor, float]]]) -> dict[str, Any]:
     """Generate, train on the answers, generate again: the hybrid engine beside a plain ZeRO-3 engine (the same
-    steps on the same sequences) and the whole model's generate."""
+    steps on the same sequences) and the whole model's generate. The plain engine's generations and losses are
+    the same for every case of one model (same weights, seeds and prompts; the test checks each case's tokens
+    against them): ``references`` keeps them per model, computed by its first case."""
     import dsrun
 
     torch.manual_seed(0)
     model = hf_model(name).train()
-    reference = copy.deepcopy(model)
     ids = prompt(BATCH, PROMPT) + rank  # each rank its own prompts
+    plain = None
+    if name not in references:
+        plain, *_ = dsrun.initialize(model=copy.deepcopy(model), config=_config())
+        references[name] = []
     engine, *_ = dsrun.initialize(model=model, config=_config(**hybrid))
-    plain, *_ = dsrun.initialize(model=reference, config=_config())
     out: dict[str, Any] = {"engine": type(engine).__name__, "generated": [], "whole": [], "gathers": [],
                            "groups": [], "workspace": [], "losses": [], "plain_losses": []}
-    for _ in range(STEPS):
+    for step in range(STEPS):
         engine.eval()
         generated, gathers = _all_gathers(lambda: engine.module.generate(ids, max_new_tokens=NEW_TOKENS,
                                                                           do_sample=False))
+        if plain is not None:  # the plain engine's generate, then its step on the same sequences
+            whole = _whole_generate(plain, ids)
+            plain.train()
+            torch.manual_seed(1)
+            references[name].append((whole, _loss(plain, generated)))
         out["generated"].append(generated)
-        out["whole"].append(_whole_generate(plain, ids))
+        out["whole"].append(references[name][step][0])
+        out["plain_losses"].append(references[name][step][1])
         out["gathers"].append(gathers)
         out["groups"].append(list(engine.hybrid.gather_groups))
         out["workspace"].append(engine.hybrid.workspace_bytes())
         engine.train()
-        plain.train()
         torch.manual_seed(1)
         out["losses"].append(_loss(engine, generated))
-        torch.manual_seed(1)
-        out["plain_losses"].append(_loss(plain, generated))
     out["workspace_after_training"] = engine.hybrid.workspace_bytes()
     out["parameters"] = sum(1 for _ in model.parameters())
     out["layers"] = model.config.num_hidden_layers
@@ -81,9 +89,11 @@ def rlhf_loop(rank: int, world: int, name: str, hybrid: dict[str, Any]) -> dict[
     except Exception as err:  # noqa: BLE001 - the test reads the error's type and text
         out["over_budget"] = f"{type(err).__name__}: {err}"
     engine.destroy()
-    plain.destroy()
+    if plain is not None:
+        plain.destroy()
     return out
 
 
 def cases(rank: int, world: int, runs: dict[str, tuple[str, dict[str, Any]]]) -> dict[str, Any]:
-    return {case: rlhf_loop(rank, world, name, hybrid) for case, (name, hybrid) in runs.items()}
+    references: dict[str, list[tuple[torch.Tensor, float]]] = {}
+    return {case: rlhf_loop(rank, world, name, hybrid, references) for case, (name, hybrid) in runs.items()}
