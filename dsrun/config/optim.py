@@ -214,8 +214,8 @@ def offload_optimizer_problem(optimizer_name: str, device: str, force_ds_cpu_opt
     """The problem with offloading (ZeRO-Offload to ``device``) an optimizer that is not one of DeepSpeed's CPU
     optimizers, else None: one rule for the config check (on ``optimizer.type``) and the engine (on the optimizer
     it built or was given). Muon, which DeepSpeed builds from the config and steps on the host, offloads to the
-    CPU (not to NVMe: its matrices' gradients must be in memory at the step)."""
-    if optimizer_name.lower() in MUON_OPTIMIZER_NAMES and device == "cpu":
+    CPU and (ZeRO-3) to NVMe, whose swapped step applies its updates tile by tile (dsrun/optim/muon/zero.py)."""
+    if optimizer_name.lower() in MUON_OPTIMIZER_NAMES and device in ("cpu", "nvme"):
         return None
     if device == "nvme":
         return Problem(f"{prefix}zero_optimization.offload_optimizer.device", "NVMe optimizer offload steps swapped "

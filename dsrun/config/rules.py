@@ -17,6 +17,7 @@ from .model import DSConfig
 from .optim import (
     CPU_OPTIMIZER_TYPES,
     DYNAMIC_LOSS_SCALE_OPTIMIZERS,
+    MUON_OPTIMIZER_NAMES,
     NATIVE_OPTIMIZERS,
     ONE_BIT_OPTIMIZERS,
     ZERO_TESTED_OPTIMIZERS,
@@ -182,6 +183,9 @@ def _super_offload_problems(cfg: DSConfig, zp: str) -> list[Problem]:
     if cfg.fp16.enabled:
         return [Problem(key, "steps sub-groups before the overflow check and the loss scale are known; fp16 is on",
                         "use bf16, or leave super_offload false")]
+    if cfg.optimizer is not None and (cfg.optimizer.type or "").lower() in MUON_OPTIMIZER_NAMES:
+        return [Problem(key, "steps sub-groups during backward, before Muon's whole-matrix updates exist (they need "
+                        "every rank's gradient of each matrix); the optimizer is Muon", "leave super_offload false")]
     return []
 
 

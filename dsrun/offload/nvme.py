@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
@@ -105,6 +106,7 @@ class SwappedUnit:
     numel: int
     params_per_step: int
     group_index: int
+    state_keys: tuple[str, ...] = ()  # the optimizer states of its param group (set by ``add_unit``)
 
 
 class BufferPool:
@@ -188,12 +190,16 @@ class SwappedOptimizerState:
     # ------------------------------------------------------------------ construction
     def add_unit(self, unit: SwappedUnit, master: torch.Tensor) -> None:
         """Write sub-group ``unit``'s initial fp32 master (and, unless ``fast_init``, zero states) to files."""
+        # an optimizer whose groups keep different states names them per group (Muon's: none for a Muon group)
+        per_group = getattr(self.optimizer, "tile_state_keys", None)
+        unit.state_keys = (tuple(per_group(self.optimizer.param_groups[unit.group_index])) if per_group is not None
+                           else self.state_keys)
         self.units.append(unit)
         self.steps[unit.index] = 0
         self.store.write(self._key("master", unit.index), master.detach().float().contiguous())
         if not self.settings.fast_init:
             zeros = torch.zeros(unit.numel, dtype=self.state_dtype)
-            for key in self.state_keys:
+            for key in unit.state_keys:
                 self.store.async_write(self._key(key, unit.index), zeros)
             self.store.wait_writes()
         # fast_init: no state files yet; the first step starts from zeros in its buffers
@@ -286,6 +292,23 @@ class SwappedOptimizerState:
         self.store.read(self._key("grad", index), as_dtype(buffer, dtype, numel))
         return widen_in_place(buffer, numel, dtype)
 
+    @contextmanager
+    def gradient_in_memory(self, index: int) -> Iterator[torch.Tensor]:
+        """Sub-group ``index``'s gradient for the coming step, read into a pool buffer as fp32 (zeros where no
+        gradient reached it); what the caller leaves there is written back to ``grad.index`` (fp32), which the
+        step then reads: for a step hook that rewrites gradients (Muon's binding writes its updates there). The
+        norm and overflow were measured before, on the gradient as backward left it."""
+        self.recycle()
+        buffer = self._take_buffer()
+        try:
+            key = self._key("grad", index)
+            grad = (self._read_grad(index, buffer) if key in self.store
+                    else buffer[:self._unit_by_index[index].numel].zero_())
+            yield grad
+            self.store.write(key, grad)
+        finally:
+            self.pool.give(buffer)
+
     def end_micro_step(self) -> None:
         """Backward is over: write out every gradient still open (parameters without a gradient this pass)."""
         for index in list(self._open):
@@ -351,7 +374,7 @@ class SwappedOptimizerState:
                 self.store.async_read(key, as_dtype(slot.grad, self.store.entry(key).dtype, n), lane=1)
             else:
                 slot.grad[:n].zero_()  # no gradient reached this sub-group this step
-            for lane, name in enumerate(self.state_keys, start=2):
+            for lane, name in enumerate(unit.state_keys, start=2):
                 target = as_dtype(slot.states[name], self.state_dtype, n)
                 key = self._key(name, unit.index)
                 if key in self.store:
@@ -370,7 +393,7 @@ class SwappedOptimizerState:
             low = slot.low_precision[:n] if slot.low_precision is not None else None
             self.optimizer.update_tile(param_group(unit.group_index), slot.master[:n], grad,
                                        {name: as_dtype(slot.states[name], self.state_dtype, n)
-                                        for name in self.state_keys},
+                                        for name in unit.state_keys},
                                        self.steps[unit.index], low_precision=low)
             publish(unit.index, low if low is not None else slot.master[:n])
 
@@ -378,7 +401,7 @@ class SwappedOptimizerState:
             unit, slot = order[k], slots[k % self.depth]
             n = unit.numel
             self.store.async_write(self._key("master", unit.index), slot.master[:n])
-            for name in self.state_keys:
+            for name in unit.state_keys:
                 self.store.async_write(self._key(name, unit.index), as_dtype(slot.states[name], self.state_dtype, n))
 
         try:
@@ -397,26 +420,28 @@ class SwappedOptimizerState:
         return self.store.mapped(self._key("master", index))
 
     def state_entry(self, index: int) -> dict[str, Any] | None:
-        """The optimizer state of sub-group ``index`` as the CPU optimizer keeps it (None before a step)."""
-        if self.steps.get(index, 0) == 0:
+        """The optimizer state of sub-group ``index`` as the CPU optimizer keeps it (None before a step, and for a
+        group without states: a Muon group's, as its in-memory step leaves it)."""
+        if self.steps.get(index, 0) == 0 or not self._unit_by_index[index].state_keys:
             return None
         entry: dict[str, Any] = {"step": self.steps[index]}
-        for name in self.state_keys:
+        for name in self._unit_by_index[index].state_keys:
             entry[name] = self.store.mapped(self._key(name, index))
         return entry
 
     def load(self, index: int, master: torch.Tensor, state: dict[str, Any] | None) -> None:
         """Replace sub-group ``index``'s master and optimizer state (from a checkpoint)."""
         self.store.write(self._key("master", index), master.detach().float().contiguous())
+        keys = self._unit_by_index[index].state_keys
         if state:
             self.steps[index] = int(state.get("step", 0))
-            for name in self.state_keys:
+            for name in keys:
                 self.store.async_write(self._key(name, index), state[name].detach().to(self.state_dtype).contiguous()
                                        .reshape(-1))
             self.store.wait_writes()
         else:
             self.steps[index] = 0
-            for name in self.state_keys:
+            for name in keys:
                 key = self._key(name, index)
                 if key in self.store:
                     self.store.delete(key)

@@ -19,8 +19,9 @@ dtype, the precision facts they act on) and the :class:`SubGroup` s it places.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
@@ -33,6 +34,7 @@ from dsrun.offload.settings import (CPU_TILE_ELEMENTS, HostBuffers, OffloadOptim
 from dsrun.offload.state_moves import OffloadStateTypeEnum, StateTensor
 
 if TYPE_CHECKING:
+    from dsrun.offload.swap_store import SwapStore
     from dsrun.ops.cpu_optimizer import CPUOptimizer
 
 HOST = torch.device("cpu")
@@ -112,6 +114,8 @@ class DeviceShardStore:
     """Sub-groups with master, gradient and states on the training device."""
 
     kind = "device"
+    swap_files: SwapStore | None = None  # an NVMe store's files (where Muon's binding swaps its momentum)
+    steps_during_backward = False  # super_offload: sub-groups updated before the step hooks run
 
     def __init__(self, shard_ctx: ShardContext, optimizer: torch.optim.Optimizer,
                  cpu_optimizer: CPUOptimizer | None = None):
@@ -173,6 +177,12 @@ class DeviceShardStore:
     def gradients(self) -> list[torch.Tensor]:
         """The resident fp32 gradients the update reads (for step hooks)."""
         return [sg.grad for _, sg in self.sub_groups]
+
+    @contextmanager
+    def gradient_in_memory(self, index: int, sg: SubGroup) -> Iterator[torch.Tensor]:
+        """Sub-group ``index``'s gradient as the update will read it, for a step hook that rewrites it (Muon's
+        binding): here the resident accumulator itself; an NVMe store reads its file and writes it back."""
+        yield sg.grad
 
     def update(self, coef: float) -> None:
         """Scale the gradients by ``coef``, step, and write the new values into the model's shards."""
@@ -425,6 +435,17 @@ class NvmeShardStore(DeviceShardStore):
 
     def gradients(self) -> list[torch.Tensor]:
         return []
+
+    def gradient_in_memory(self, index: int, sg: SubGroup) -> Any:
+        return self.swapped.gradient_in_memory(index)
+
+    @property
+    def swap_files(self) -> SwapStore:  # type: ignore[override]
+        return self.swapped.store
+
+    @property
+    def steps_during_backward(self) -> bool:  # type: ignore[override]
+        return self.swapped.backward_steps is not None
 
     def update(self, coef: float) -> None:
         by_index = dict(self.sub_groups)

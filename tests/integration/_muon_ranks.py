@@ -102,12 +102,18 @@ def reference(dtype: torch.dtype, parts: int, reverse: bool, ns_method: str, wor
         newton_schulz.NEWTON_SCHULZ_DTYPE = previous
 
 
-def ds_config(stage: int, ns_method: str) -> dict[str, Any]:
+def ds_config(stage: int, ns_method: str, nvme_path: str | None = None,
+              momentum_in_memory: bool = False) -> dict[str, Any]:
+    """``nvme_path``: ZeRO-3 with the optimizer offloaded to NVMe swap files there (``momentum_in_memory``:
+    ``save_muon_momentum_buffer_in_memory``)."""
+    zero: dict[str, Any] = {"stage": stage, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 100}
+    if nvme_path is not None:
+        zero.update(offload_optimizer={"device": "nvme", "nvme_path": nvme_path},
+                    save_muon_momentum_buffer_in_memory=momentum_in_memory)
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": CLIP,
             "optimizer": {"type": "Muon", "params": {"lr": LR, "adam_lr": ADAM_LR, "weight_decay": WEIGHT_DECAY,
                                                      "momentum": MOMENTUM, "ns_method": ns_method}},
-            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
-                                  "reduce_bucket_size": 100}}
+            "zero_optimization": zero}
 
 
 def _full_params(engine: Any) -> np.ndarray:
@@ -126,10 +132,24 @@ def _train(engine: Any, steps: list[tuple[torch.Tensor, torch.Tensor]], rank: in
     return losses, norms
 
 
+def _swap_bytes(engine: Any) -> dict[str, int]:
+    """What the NVMe run holds where: its swap files (bytes, keys; Muon's momentum files' bytes), and the momentum
+    bytes in memory."""
+    from dsrun.optim.muon.zero import MOMENTUM_FILE
+    from dsrun.zero.swap_traffic import swap_stores
+
+    stores = swap_stores(engine.strategy)
+    prefix = MOMENTUM_FILE.format(name="")
+    return {"files": sum(s.nbytes() for s in stores), "keys": sorted(k for s in stores for k in s.keys()),
+            "momentum_files": sum(s.nbytes(k) for s in stores for k in s.keys() if k.startswith(prefix)),
+            "momentum_memory": engine.features.get(MuonFeature).binding.momentum_bytes()}
+
+
 def stages_and_resume(rank: int, world: int, save_dir: str) -> dict[str, Any]:
-    """ZeRO 0-3 with Muon over the same batches (fp32 Newton-Schulz, as the reference); then, at stage 3, a
-    checkpoint after 2 steps resumed by a new engine, against the run that went on (the momentum is per-rank
-    state by matrix name at every stage: one stage is enough)."""
+    """ZeRO 0-3 with Muon over the same batches (fp32 Newton-Schulz, as the reference); ZeRO-3 with NVMe
+    optimizer offload, the momentum kept in memory, then swapped, with a checkpoint after 2 steps (saving changes
+    nothing); that checkpoint resumed by a new engine at ZeRO-3 in memory and by one with NVMe offload (the
+    momentum is per-rank state by matrix name at every stage: one stage is enough)."""
     import dsrun
 
     newton_schulz.NEWTON_SCHULZ_DTYPE = torch.float32
@@ -142,17 +162,23 @@ def stages_and_resume(rank: int, world: int, save_dir: str) -> dict[str, Any]:
                                 "groups": [(g["name"], len(g["params"])) for g in engine.optimizer.param_groups],
                                 "owned": sorted(engine.features.get(MuonFeature).binding.momentum)}
         engine.destroy()
-    for stage in (3,):
-        path = os.path.join(save_dir, f"stage{stage}")
-        engine, *_ = dsrun.initialize(model=build(), config=ds_config(stage, "gram"))
-        _train(engine, data[:2], rank)
-        engine.save_checkpoint(path, tag="t")
-        went_on = _train(engine, data[2:], rank)[0], _full_params(engine)
+    path = os.path.join(save_dir, "ckpt")
+    nvme = {key: ds_config(3, "standard", os.path.join(save_dir, f"nvme-{key}"), key) for key in (True, False)}
+    for in_memory in (True, False):
+        engine, *_ = dsrun.initialize(model=build(), config=nvme[in_memory])
+        first = _train(engine, data[:2], rank)
+        if not in_memory:
+            engine.save_checkpoint(path, tag="t")
+        rest = _train(engine, data[2:], rank)
+        out[f"nvme_in_memory={in_memory}"] = {"losses": first[0] + rest[0], "norms": first[1] + rest[1],
+                                              "params": _full_params(engine), "bytes": _swap_bytes(engine)}
         engine.destroy()
-        engine, *_ = dsrun.initialize(model=build(), config=ds_config(stage, "gram"))
+    went_on = out["nvme_in_memory=False"]
+    out["resume"] = {"went_on": (went_on["losses"][2:], went_on["params"]),
+                     "files": sorted(f for f in os.listdir(os.path.join(path, "t")) if "rank_states" in f)}
+    for name, config in (("memory", ds_config(3, "standard")), ("nvme", nvme[False])):
+        engine, *_ = dsrun.initialize(model=build(), config=config)
         engine.load_checkpoint(path, tag="t")
-        resumed = _train(engine, data[2:], rank)[0], _full_params(engine)
-        out[f"resume{stage}"] = {"went_on": went_on, "resumed": resumed,
-                                 "files": sorted(f for f in os.listdir(os.path.join(path, "t")) if "rank_states" in f)}
+        out["resume"][name] = _train(engine, data[2:], rank)[0], _full_params(engine)
         engine.destroy()
     return out

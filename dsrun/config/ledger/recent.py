@@ -57,15 +57,6 @@ DTYPES = Feature("per-module fp32 buffers (not a DeepSpeed key: its data_types h
 DTYPES_TESTS = "tests/unit/runtime/test_data_types.py::"
 
 
-def _stage3(cfg) -> bool:
-    return cfg.zero_optimization.stage == 3
-
-
-def _muon_on_nvme(cfg) -> bool:
-    return (cfg.optimizer is not None and (cfg.optimizer.type or "").lower() == "muon" and _stage3(cfg)
-            and cfg.zero_optimization.offload_optimizer_device == "nvme")
-
-
 def _section(prefix: str, feature: Feature, keys: dict[str, str], **kwargs) -> list[Entry]:
     return [todo(f"{prefix}.{key}", meaning, feature, **kwargs) for key, meaning in keys.items()]
 
@@ -151,16 +142,14 @@ ENTRIES: list[Entry] = [
     done("zero_optimization.enable_sanity_checks", "stage 3: an in-place change inside "
          "GatheredParameters(modifier_rank=None), which the ranks would not share, raises (DeepSpeed's check)",
          "tests/unit/zero3/test_api.py::test_enable_sanity_checks_refuses_a_change_gathered_parameters_would_lose"),
-    # DeepSpeed reads it only for Muon at stage 3 with NVMe optimizer offload (stage3.py: the momentum of a swapped
-    # sub-group is then a resident buffer, not swapped with the Adam states), which dsrun refuses (the config rule
-    # on offload_optimizer.device: NVMe steps swapped tiles with a DeepSpeed CPU optimizer; and
-    # dsrun/optim/muon/zero.py: a Muon matrix's gradient is in a swap file at the step); dsrun's Muon momentum (ZeroMuon.momentum, whole matrices on their owner rank) is never part
-    # of the swapped optimizer state, so everywhere else it is in memory, as the key asks
-    todo("zero_optimization.save_muon_momentum_buffer_in_memory", "keep Muon's momentum in memory instead of "
-         "swapping it to NVMe with the other optimizer states (ZeRO-3)",
-         Feature("Muon with NVMe optimizer offload, refused whatever this key says (the swapped step runs a "
-                 "DeepSpeed CPU optimizer over tiles read from the swap files, and Muon needs each matrix's whole "
-                 "gradient in memory)", "offload the optimizer to cpu"), applies=_muon_on_nvme),
+    # DeepSpeed 0.19.8 reads it only for Muon at stage 3 with NVMe optimizer offload (stage3.py: the momentum of a
+    # swapped sub-group is then a resident buffer, not swapped with its other states); everywhere else the momentum
+    # is in memory whatever the key says, in DeepSpeed and in dsrun (dsrun/optim/muon/zero.py)
+    done("zero_optimization.save_muon_momentum_buffer_in_memory", "ZeRO-3 with NVMe optimizer offload and Muon: "
+         "keep Muon's momentum in memory instead of in the swap files beside the sub-group's master and gradient "
+         "(the same training; the swap files hold that many bytes less)",
+         "tests/integration/test_muon_zero.py::test_nvme_offload_trains_bit_exactly_like_memory_and_the_key_keeps_"
+         "momentum_in_memory"),
     *[done(f"zero_optimization.leaf_module.{key}", f"ZeRO-3 gathers these modules whole, hooking nothing inside "
            f"them: {meaning} (DeepSpeed's set_z3_leaf_modules from the config)", LEAF_PROOF)
       for key, meaning in (("classes", "the modules of these classes (plain or qualified names)"),

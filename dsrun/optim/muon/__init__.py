@@ -24,18 +24,23 @@ MUON_NAMES = frozenset({"muon"})  # optimizer.type, lower-cased
 class MuonFeature(Feature):
     """With ``optimizer.type: Muon`` marks the model's parameters ``use_muon`` by DeepSpeed's rule before the
     optimizer is built (as ``deepspeed.initialize`` does); once the engine is built, binds a
-    :class:`MuonWithAuxAdam` (the config's or the client's) to the ZeRO strategy (:class:`ZeroMuon`)."""
+    :class:`MuonWithAuxAdam` (the config's or the client's) to the ZeRO strategy (:class:`ZeroMuon`), its
+    momentum in memory or, at ZeRO-3 with NVMe optimizer offload, swapped unless ``momentum_in_memory``
+    (``zero_optimization.save_muon_momentum_buffer_in_memory``)."""
 
     name = "muon"
 
-    def __init__(self, marks_parameters: bool):
+    def __init__(self, marks_parameters: bool, momentum_in_memory: bool = False):
         self.marks_parameters = marks_parameters
+        self.momentum_in_memory = momentum_in_memory
         self.binding: ZeroMuon | None = None
 
     @classmethod
     def build(cls, config: DSConfig) -> "MuonFeature":
         optimizer = config.optimizer
-        return cls(optimizer is not None and (optimizer.type or "").lower() in MUON_NAMES)
+        # the key applies to a client's MuonWithAuxAdam too (attach binds whichever the strategy steps)
+        return cls(optimizer is not None and (optimizer.type or "").lower() in MUON_NAMES,
+                   config.zero_optimization.save_muon_momentum_buffer_in_memory)
 
     def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         if self.marks_parameters:
@@ -50,7 +55,7 @@ class MuonFeature(Feature):
                     "optimizer.type", "is Muon, but the model has MoE expert parameters, and dsrun's Muon is not "
                     "proved against a reference on them (each expert-parallel rank's updates, the clip norm across "
                     "them)", "train a MoE model with Adam or AdamW"))
-            self.binding = ZeroMuon(strategy)
+            self.binding = ZeroMuon(strategy, self.momentum_in_memory)
 
     def metrics(self) -> dict[str, float]:
         """``update_norm``: the Frobenius norm of the last step's Muon updates together (before clipping)."""

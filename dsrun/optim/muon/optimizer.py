@@ -74,8 +74,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                 state["momentum_buffer"] = torch.zeros_like(p)
             update = muon_update(p.grad, state["momentum_buffer"], beta=group["momentum"],
                                  ns_method=group["ns_method"], is_expert_group=getattr(p, "is_expert_group", False))
-        p.mul_(1 - group["lr"] * group["weight_decay"])
-        p.add_(update.reshape(p.shape), alpha=-group["lr"])
+        _apply(p, update, group)
 
     def _adam(self, p: torch.Tensor, group: dict[str, Any]) -> None:
         state = self.state[p]
@@ -86,8 +85,35 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         state["step"] = int(state["step"]) + 1
         update = adam_update(p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], group["betas"],
                              group["eps"])
-        p.mul_(1 - group["lr"] * group["weight_decay"])
-        p.add_(update, alpha=-group["lr"])
+        _apply(p, update, group)
+
+    # --- flat tiles: what ZeRO-Infinity's NVMe step updates (dsrun/offload/nvme.py, as a CPU optimizer's) ------
+    STATE_KEYS = ("exp_avg", "exp_avg_sq")  # every state a tile may have (the auxiliary Adam's)
+
+    def tile_state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+        """The states a flat tile of ``group`` is stepped with: Adam's two moments, none for a Muon group (the
+        binding left its update in the gradient and keeps the momentum itself)."""
+        return () if group["use_muon"] else self.STATE_KEYS
+
+    def _state_dtype(self) -> torch.dtype:
+        return torch.float32
+
+    @torch.no_grad()
+    def update_tile(self, group: dict[str, Any], param: torch.Tensor, grad: torch.Tensor,
+                    states: dict[str, torch.Tensor], step: int, low_precision: torch.Tensor | None = None) -> None:
+        """One update of a flat fp32 tile of ``group`` (the same arithmetic as :meth:`step` on a parameter): a
+        Muon tile applies the update the binding wrote into ``grad``; an Adam tile steps ``states`` at ``step``
+        (already incremented). ``low_precision``: also receives the new values, rounded."""
+        if group["use_muon"]:
+            if self.binding is None:
+                raise RuntimeError("MuonWithAuxAdam.update_tile: a Muon tile needs the update a ZeRO binding "
+                                   "computes on whole matrices (dsrun.optim.muon.zero.ZeroMuon)")
+            update = grad
+        else:
+            update = adam_update(grad, states["exp_avg"], states["exp_avg_sq"], step, group["betas"], group["eps"])
+        _apply(param, update, group)
+        if low_precision is not None:
+            low_precision.copy_(param)
 
     # --- the momentum a binding keeps per rank (checkpoints: optimizer_rank_states_<r>.pt) ---------------
     def rank_state_dict(self) -> dict[str, Any] | None:
@@ -96,6 +122,12 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
     def load_rank_state_dicts(self, states: list[dict[str, Any]], read: RangeRead = read_in_memory) -> None:
         if self.binding is not None:
             self.binding.load_rank_state_dicts(states, read)
+
+
+def _apply(p: torch.Tensor, update: torch.Tensor, group: dict[str, Any]) -> None:
+    """Decoupled weight decay, then the step: ``p *= 1 - lr * weight_decay; p -= lr * update``."""
+    p.mul_(1 - group["lr"] * group["weight_decay"])
+    p.add_(update.reshape(p.shape), alpha=-group["lr"])
 
 
 SingleDeviceMuonWithAuxAdam = MuonWithAuxAdam  # DeepSpeed's non-distributed name: the same class, unbound

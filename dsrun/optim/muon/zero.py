@@ -21,10 +21,20 @@ the fp16 loss-scaled one), so a dynamic loss scale changes nothing but overflow 
 
 The momentum buffers differ per rank (each rank keeps its own matrices'): they are the strategy's per-rank
 optimizer state, ``optimizer_rank_states_<r>.pt``, re-cut by matrix name when the world size changes.
+
+ZeRO-3 with NVMe optimizer offload (ZeRO-Infinity): a sub-group's gradient is in its swap file at the step, so
+step 1 reads each Muon sub-group's gradient into one of the store's buffers, and step 3 writes the updates back
+to that file, which the swapped step then reads (:meth:`~dsrun.offload.nvme.SwappedOptimizerState.
+gradient_in_memory`); the step applies them tile by tile (``MuonWithAuxAdam.update_tile``). The momentum of a
+matrix whose sub-group is swapped lives in that store's files too (``muon_momentum.<name>``, read in for its
+update and written back), unless ``zero_optimization.save_muon_momentum_buffer_in_memory`` keeps it in memory
+(DeepSpeed's key; everywhere else the momentum is in memory whatever it says, as in DeepSpeed).
 """
 from __future__ import annotations
 
+import itertools
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol
 
@@ -37,6 +47,7 @@ from dsrun.utils.errors import ConfigError, Problem
 from .newton_schulz import muon_update
 
 BEFORE_UPDATE = "before_update"  # dsrun.zero.step_hooks' point (a layer above: named, not imported)
+MOMENTUM_FILE = "muon_momentum.{name}"  # a swapped matrix's momentum in its sub-group's swap store
 
 
 class MuonStrategy(Protocol):
@@ -60,9 +71,14 @@ class Matrix:
     process_group: Any  # the data-parallel group its partitions live on (None: the world)
     expert: bool = False
     owner: int = 0  # the rank in process_group that computes it
+    files: Any = None  # the swap store (dsrun.offload.swap_store.SwapStore) its momentum lives in; None: memory
 
     def owned(self) -> bool:
         return comm.get_rank(self.process_group) == self.owner
+
+    @property
+    def momentum_key(self) -> str:
+        return MOMENTUM_FILE.format(name=self.name)
 
 
 class _Flat:
@@ -105,49 +121,60 @@ class _Flat:
 
 
 class _Shards:
-    """Stage 3: each Muon parameter's gradient shard is ``sg.grad[offset:offset + ds_partition_numel]``, rank
-    r's piece of the parameter's flat ``[r * P, (r + 1) * P)``."""
+    """Stage 3: each Muon parameter's gradient shard is ``[offset, offset + ds_partition_numel)`` of its
+    sub-group's gradient, rank r's piece of the parameter's flat ``[r * P, (r + 1) * P)``. The sub-group's store
+    hands the gradient over (an NVMe store reads it from its file and writes back what the binding left), one
+    sub-group at a time; a swapped sub-group's matrices keep their momentum in its files unless
+    ``momentum_in_memory``."""
 
-    def __init__(self, strategy: Any, names: dict[int, str]):
+    def __init__(self, strategy: Any, names: dict[int, str], momentum_in_memory: bool):
         self.entries: list[tuple[Matrix, Any, Any, int]] = []  # (matrix, sub-group, param, offset)
         for sg in strategy.sub_groups:
             group = strategy.optimizer.param_groups[sg.group_index]
             if not group.get("use_muon"):
                 continue
-            if sg.grad is None:
-                raise ConfigError(Problem("zero_optimization.offload_optimizer.device", "Muon needs each "
-                                          "matrix's gradient in memory at the step; NVMe offload swaps it out",
-                                          "offload to cpu, or use another optimizer"))
+            if sg.store.steps_during_backward:
+                raise ConfigError(Problem("zero_optimization.offload_optimizer.super_offload", "steps sub-groups "
+                                          "during backward, before Muon's whole-matrix updates exist (they need "
+                                          "every rank's gradient of each matrix)", "leave super_offload false"))
+            files = None if momentum_in_memory else sg.store.swap_files
             for p, off in zip(sg.params, sg.offsets):
                 self.entries.append((Matrix(names[id(p)], p.ds_shape, p.ds_numel, group, p.ds_process_group,
-                                            getattr(p, "is_expert_group", False)), sg, p, off))
+                                            getattr(p, "is_expert_group", False), files=files), sg, p, off))
 
     def matrices(self) -> Iterator[tuple[Matrix, torch.Tensor, Callable[[torch.Tensor], None]]]:
-        for matrix, sg, p, off in self.entries:
-            part = p.ds_partition_numel
-            local = sg.grad[off:off + part]
-            world = comm.get_world_size(matrix.process_group)
-            whole = local
-            if world > 1:
-                whole = torch.empty(part * world, dtype=local.dtype, device=local.device)
-                comm.all_gather_into_tensor(whole, local, group=matrix.process_group)
-            start = comm.get_rank(matrix.process_group) * part
-            yield matrix, whole[:matrix.numel].view(matrix.shape), _Flat._writer(local, start, 0, matrix.numel)
+        for _, entries in itertools.groupby(self.entries, key=lambda entry: id(entry[1])):
+            entries = list(entries)
+            sg = entries[0][1]
+            with sg.store.gradient_in_memory(sg.index, sg) as grad:
+                for matrix, _, p, off in entries:
+                    part = p.ds_partition_numel
+                    local = grad[off:off + part]
+                    world = comm.get_world_size(matrix.process_group)
+                    whole = local
+                    if world > 1:
+                        whole = torch.empty(part * world, dtype=local.dtype, device=local.device)
+                        comm.all_gather_into_tensor(whole, local, group=matrix.process_group)
+                    start = comm.get_rank(matrix.process_group) * part
+                    yield matrix, whole[:matrix.numel].view(matrix.shape), _Flat._writer(local, start, 0,
+                                                                                          matrix.numel)
 
 
 class ZeroMuon:
     """A :class:`MuonWithAuxAdam` bound to the ZeRO strategy that steps it (see the module docstring)."""
 
-    def __init__(self, strategy: MuonStrategy):
+    def __init__(self, strategy: MuonStrategy, momentum_in_memory: bool = False):
         self.strategy = strategy
         names = {id(p): n for n, p in strategy.ctx.module.named_parameters()}
-        self.layout = _Shards(strategy, names) if hasattr(strategy, "sub_groups") else _Flat(strategy, names)
+        self.layout = (_Shards(strategy, names, momentum_in_memory) if hasattr(strategy, "sub_groups")
+                       else _Flat(strategy, names))
         counts: dict[int, int] = {}
         for matrix in self.matrix_list():
             key = id(matrix.process_group)
             matrix.owner = counts.get(key, 0) % comm.get_world_size(matrix.process_group)
             counts[key] = counts.get(key, 0) + 1
-        self.momentum: dict[str, torch.Tensor] = {}  # name -> whole-matrix fp32 momentum (matrices this rank owns)
+        # name -> whole-matrix fp32 momentum of the matrices this rank owns, those in memory (Matrix.files None)
+        self.momentum: dict[str, torch.Tensor] = {}
         self.last_update_sq_norm = 0.0  # the Muon updates' squared norm at the last step (the feature's metric)
         strategy.optimizer.binding = self
         self.handle = strategy.hooks.add(BEFORE_UPDATE, self.before_update)
@@ -162,9 +189,9 @@ class ZeroMuon:
             grad = whole.float() / loss_scale  # a new tensor: muon_update overwrites its input
             grad_sq += float(grad.double().square().sum())
             if matrix.owned():
-                momentum = self.momentum.setdefault(matrix.name, torch.zeros_like(grad))
-                update = muon_update(grad, momentum, beta=matrix.group["momentum"],
-                                     ns_method=matrix.group["ns_method"], is_expert_group=matrix.expert).float()
+                with self._momentum(matrix, grad) as momentum:
+                    update = muon_update(grad, momentum, beta=matrix.group["momentum"],
+                                         ns_method=matrix.group["ns_method"], is_expert_group=matrix.expert).float()
             else:
                 update = torch.empty_like(grad)
             if comm.get_world_size(matrix.process_group) > 1:
@@ -183,9 +210,30 @@ class ZeroMuon:
             state.coef = min(1.0, clipping / (norm + 1e-6)) / loss_scale
             state.grad_norm = norm
 
+    @contextmanager
+    def _momentum(self, matrix: Matrix, like: torch.Tensor) -> Iterator[torch.Tensor]:
+        """``matrix``'s momentum (zeros at first) to update in place: the tensor in memory, or one read from its
+        swap file and written back after the update."""
+        if matrix.files is None:
+            yield self.momentum.setdefault(matrix.name, torch.zeros_like(like))
+            return
+        key = matrix.momentum_key
+        host = matrix.files.read(key) if key in matrix.files else torch.zeros(like.numel(), dtype=torch.float32)
+        momentum = host.view(like.shape).to(like.device)
+        yield momentum
+        matrix.files.write(key, momentum.reshape(-1).cpu())
+
+    def momentum_bytes(self) -> int:
+        """Bytes of momentum this rank holds in memory (the swapped matrices' are in their swap files)."""
+        return sum(t.numel() * t.element_size() for t in self.momentum.values())
+
     # --- per-rank optimizer state ---------------------------------------------------------------------------
     def rank_state_dict(self) -> dict[str, Any]:
-        return {"muon_momentum": {name: t.detach().cpu().clone() for name, t in self.momentum.items()}}
+        momentum = {name: t.detach().cpu().clone() for name, t in self.momentum.items()}
+        for m in self.matrix_list():  # swapped: mapped from the file, paged in as the checkpoint writes it
+            if m.files is not None and m.owned() and m.momentum_key in m.files:
+                momentum[m.name] = m.files.mapped(m.momentum_key).view(m.shape)
+        return {"muon_momentum": momentum}
 
     def load_rank_state_dicts(self, states: list[dict[str, Any]], read: RangeRead = read_in_memory) -> None:
         """This rank's own saved state, or every saved rank's (a different world size): the momentum of the
@@ -194,8 +242,17 @@ class ZeroMuon:
         for state in states:
             saved.update(state.get("muon_momentum", {}))
         device = self.strategy.ctx.device
-        self.momentum = {m.name: read_whole(read, saved[m.name]).to(device=device, dtype=torch.float32)
-                         for m in self.matrix_list() if m.owned() and m.name in saved}
+        self.momentum = {}
+        for m in self.matrix_list():
+            if not m.owned():
+                continue
+            if m.files is None:
+                if m.name in saved:
+                    self.momentum[m.name] = read_whole(read, saved[m.name]).to(device=device, dtype=torch.float32)
+            elif m.name in saved:
+                m.files.write(m.momentum_key, read_whole(read, saved[m.name]).float().reshape(-1).contiguous())
+            elif m.momentum_key in m.files:
+                m.files.delete(m.momentum_key)
 
     def close(self) -> None:
         self.handle.remove()

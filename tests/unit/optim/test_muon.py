@@ -137,6 +137,11 @@ def test_config_names_muon_keys_and_offload_rules() -> None:
             load_ds_config({**base, "optimizer": {"type": "Muon", "params": params}})
     cpu = {**base, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
     assert load_ds_config(cpu).zero_optimization.offload_optimizer.device == "cpu"  # DeepSpeed offloads Muon
-    nvme = {**base, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}}
-    with pytest.raises(ConfigError, match="offload_optimizer.device"):
+    nvme = {**base, "gradient_clipping": 0, "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"},
+        "save_muon_momentum_buffer_in_memory": True}}  # ZeRO-Infinity with Muon (tests/integration/test_muon_zero.py)
+    assert load_ds_config(nvme).zero_optimization.save_muon_momentum_buffer_in_memory
+    nvme["zero_optimization"]["offload_optimizer"]["super_offload"] = True  # steps before the updates exist
+    with pytest.raises(ConfigError, match=r"offload_optimizer\.super_offload: steps sub-groups during backward, "
+                                          "before Muon's whole-matrix updates exist"):
         load_ds_config(nvme)
