@@ -128,6 +128,7 @@ class _Shards:
     ``momentum_in_memory``."""
 
     def __init__(self, strategy: Any, names: dict[int, str], momentum_in_memory: bool):
+        self.device = strategy.ctx.device  # where the matrices are computed (an NVMe store's gradient is on the host)
         self.entries: list[tuple[Matrix, Any, Any, int]] = []  # (matrix, sub-group, param, offset)
         for sg in strategy.sub_groups:
             group = strategy.optimizer.param_groups[sg.group_index]
@@ -151,10 +152,10 @@ class _Shards:
                     part = p.ds_partition_numel
                     local = grad[off:off + part]
                     world = comm.get_world_size(matrix.process_group)
-                    whole = local
+                    whole = local.to(self.device)
                     if world > 1:
-                        whole = torch.empty(part * world, dtype=local.dtype, device=local.device)
-                        comm.all_gather_into_tensor(whole, local, group=matrix.process_group)
+                        whole = torch.empty(part * world, dtype=local.dtype, device=self.device)
+                        comm.all_gather_into_tensor(whole, local.to(self.device), group=matrix.process_group)
                     start = comm.get_rank(matrix.process_group) * part
                     yield matrix, whole[:matrix.numel].view(matrix.shape), _Flat._writer(local, start, 0,
                                                                                           matrix.numel)
