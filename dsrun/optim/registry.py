@@ -72,8 +72,10 @@ def _adam(params: Iterable[Any], kwargs: dict[str, Any], force_w_mode: bool, on_
         return compiled(params, bias_correction=bias_correction, adamw_mode=adam_w_mode, **kwargs)
     if bias_correction:
         cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
-        if cls is torch.optim.AdamW:
-            kwargs.setdefault("weight_decay", 0.0)  # torch's AdamW defaults to 0.01; DeepSpeed's to 0
+        if cls is torch.optim.AdamW and not torch_adam:
+            # standing in for DeepSpeed's FusedAdam/CPU Adam, whose weight decay defaults to 0; with torch_adam
+            # DeepSpeed builds torch.optim.AdamW itself, with torch's default of 0.01
+            kwargs.setdefault("weight_decay", 0.0)
         return cls(params, **kwargs)
     return Adam(params, bias_correction=False, adam_w_mode=adam_w_mode, **kwargs)
 

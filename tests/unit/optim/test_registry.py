@@ -36,6 +36,10 @@ def test_adam_modes_follow_deepspeed() -> None:
     assert build_optimizer("AdamW", _params(), {}).defaults["weight_decay"] == 0.0
     assert type(build_optimizer("Adam", _params(), {"bias_correction": False})) is Adam
     assert type(build_optimizer("Adam", _params(), {"torch_adam": True})) is torch.optim.AdamW
+    # weight decay left out: 0 where dsrun stands in for DeepSpeed's FusedAdam / CPU Adam (their default), torch's
+    # 0.01 with torch_adam, where DeepSpeed builds torch.optim.AdamW itself
+    assert build_optimizer("AdamW", _params(), {"torch_adam": True}).defaults["weight_decay"] == 0.01
+    assert build_optimizer("Adam", _params(), {"torch_adam": True}).defaults["weight_decay"] == 0.01
 
 
 def test_unknown_and_unbuildable_names_are_config_errors() -> None:

@@ -266,7 +266,7 @@ class _WithUnused(torch.nn.Module):
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_unused_parameters_do_not_stall_or_skew_the_step(stage: int) -> None:
     engine = dsrun.initialize(model=_WithUnused(), config={
-        "train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "torch_adam": True}},
+        "train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.0, "torch_adam": True}},
         "zero_optimization": {"stage": stage, "overlap_comm": True, "reduce_bucket_size": 8},
         "gradient_clipping": 0.0})[0]  # against unclipped torch AdamW
     reference = _WithUnused()
