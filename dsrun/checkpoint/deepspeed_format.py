@@ -50,6 +50,8 @@ Shape = Sequence[int]  # a torch.Size, or the list a JSON-like state holds
 
 VERSION = "0.19.8"  # the DeepSpeed release whose checkpoint reader these files were checked against
 _LOSS_SCALER_MODULE = "deepspeed.runtime.fp16.loss_scaler"
+ELASTIC_STEP = "base_optimizer_state_step"  # the step count of an elastic layout (:func:`elastic_layout`)
+ELASTIC_GROUPS = "base_optimizer_param_groups"  # its param groups' hyper-parameters (dsrun's; DeepSpeed has none)
 
 
 # --- writing objects of DeepSpeed's classes without DeepSpeed ----------------------------------------------
@@ -100,16 +102,50 @@ def _scaler_object(scaler: LossScalerBase | None = None) -> ForeignObject:
     return ForeignObject(_LOSS_SCALER_MODULE, type(scaler).__name__, dict(vars(scaler)), newobj=True)
 
 
-def zero_state_for_deepspeed(sd: dict[str, Any], precision: str, clip_grad: float, scaler: LossScalerBase | None = None
-                             ) -> dict[str, Any]:
+def zero_state_for_deepspeed(sd: dict[str, Any], precision: str, clip_grad: float, scaler: LossScalerBase | None = None,
+                             elastic: bool = False) -> dict[str, Any]:
     """A stage 1-3 strategy state with the keys DeepSpeed's ZeRO optimizers read added; ``scaler``: the fp16
-    engine's loss scaler (dsrun reads its own state back from the same object)."""
-    out = dict(sd)
+    engine's loss scaler (dsrun reads its own state back from the same object); ``elastic``
+    (``zero_optimization.elastic_checkpoint``): stages 1-2 write the optimizer state in DeepSpeed's elastic
+    layout (:func:`elastic_layout`)."""
+    out = elastic_layout(sd) if elastic and "single_partition_of_fp32_groups" in sd else dict(sd)
     out.update(ds_version=VERSION, loss_scaler=_scaler_object(scaler if precision == "fp16" else None),
                dynamic_loss_scale=bool(precision == "fp16" and scaler is not None and scaler.dynamic),
                clip_grad=float(clip_grad))
     out.setdefault("overflow", False)
     return out
+
+
+def elastic_layout(sd: dict[str, Any]) -> dict[str, Any]:
+    """A stage 1-2 strategy state in DeepSpeed's elastic layout (``zero_optimization.elastic_checkpoint``):
+    ``base_optimizer_state`` is a list, one entry per param group holding the state of its flat master with the
+    partition's padding (the last rank's) cut off, so the saved ranks' entries put end to end are the group's
+    whole state, which a load at any world size re-cuts. ``base_optimizer_state_step`` is the step count:
+    DeepSpeed writes it only when its optimizer keeps the step in its param groups (FusedAdam) but its elastic
+    load asserts it is there, so it is written whatever the optimizer. The layout has no place for the param
+    groups' hyper-parameters (a WarmupLR's current lr): dsrun adds them as ``base_optimizer_param_groups``,
+    which DeepSpeed does not read (docs/checkpoint.md)."""
+    base, paddings = sd["base_optimizer_state"], sd["group_paddings"]
+    groups = []
+    for gi, group in enumerate(base["param_groups"]):
+        state = base["state"].get(group["params"][0], {})  # stages 1-2: one flat master per param group
+        groups.append({k: v[:v.numel() - paddings[gi]] if torch.is_tensor(v) and v.dim() > 0 else v
+                       for k, v in state.items()})
+    step = next((int(s["step"]) for s in groups if "step" in s), 0)
+    hyper = [{k: v for k, v in group.items() if k != "params"} for group in base["param_groups"]]
+    return {**sd, "base_optimizer_state": groups, ELASTIC_STEP: step, ELASTIC_GROUPS: hyper}
+
+
+def _rigid(groups: list[dict[str, Any]], step: int | None, hyper: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """An elastic ``base_optimizer_state`` (:func:`elastic_layout`) as the torch optimizer state dsrun reads: the
+    per-element states stay as saved (the last rank's unpadded; the readers take either length), a step count
+    kept only in ``base_optimizer_state_step`` (DeepSpeed's FusedAdam) joins each group's state, and the param
+    groups carry the hyper-parameters dsrun saved beside them; DeepSpeed saves none, and then a load keeps the
+    live ones, as DeepSpeed's elastic load does."""
+    state = {gi: ({**s, "step": int(step)} if s and "step" not in s and step is not None else dict(s))
+             for gi, s in enumerate(groups)}
+    hyper = hyper if hyper is not None and len(hyper) == len(groups) else [{} for _ in groups]
+    return {"state": state, "param_groups": [{**h, "params": [gi]} for gi, h in enumerate(hyper)]}
 
 
 def _scale_keys(scaler: LossScalerBase | None, steps: int) -> dict[str, Any]:
@@ -204,8 +240,12 @@ def load_zero_state(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def to_dsrun(sd: dict[str, Any]) -> dict[str, Any]:
-    """A stage 1-3 ZeRO optimizer state that DeepSpeed (or dsrun) wrote, as dsrun's strategies load it."""
-    out = {k: v for k, v in sd.items() if k not in ("param_slice_mappings", "ds_version")}
+    """A stage 1-3 ZeRO optimizer state that DeepSpeed (or dsrun) wrote, as dsrun's strategies load it; one in
+    the elastic layout is marked ``elastic`` (:func:`dsrun.checkpoint.reshard.loads_as_saved`: it is re-cut)."""
+    out = {k: v for k, v in sd.items() if k not in ("param_slice_mappings", "ds_version", ELASTIC_STEP, ELASTIC_GROUPS)}
+    if isinstance(out.get("base_optimizer_state"), list):  # DeepSpeed's elastic layout
+        out.update(base_optimizer_state=_rigid(out["base_optimizer_state"], sd.get(ELASTIC_STEP),
+                                               sd.get(ELASTIC_GROUPS)), elastic=True)
     if isinstance(out.get("zero_stage"), int):
         out["zero_stage"] = int(out["zero_stage"])
     count = out.get("partition_count")

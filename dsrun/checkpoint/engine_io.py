@@ -263,7 +263,7 @@ def save_optimizer_states(engine: CheckpointEngine, path: Path) -> None:
     """This rank's ZeRO optimizer file, with the keys DeepSpeed's ZeRO optimizers also read (its loss scaler
     is written as a reference to DeepSpeed's class, see :mod:`.deepspeed_format`)."""
     sd = deepspeed_format.zero_state_for_deepspeed(engine.strategy.state_dict(), engine.precision.name, _clip(engine),
-                                                   getattr(engine.precision, "scaler", None))
+                                                   getattr(engine.precision, "scaler", None), engine.zero_elastic_checkpoint())
     optim = {"optimizer_state_dict": sd, "ds_config": state.plain_config(engine), "ds_version": DS_VERSION}
     pickler = deepspeed_format.PICKLE_MODULE if deepspeed_format.holds_foreign(sd) else None
     atomic.save_torch(optim, path, engine.global_rank, pickle_module=pickler)
@@ -458,7 +458,7 @@ def _restore_strategy(engine: CheckpointEngine, tag_dir: Path, model_states: dic
         own = (stage0_state(model_states, live_shapes) if stage_saved == 0 else deepspeed_format.load_zero_state(
             optim_files(tag_dir, world_saved, bf16, only=dp_rank if own_only else None,
                         mp_rank=engine.groups.coord("model"))[0 if own_only else dp_rank]))
-        if reshard.same_gaps(own, strategy.param_alignment_paddings) or engine.features.parameter_files():
+        if reshard.loads_as_saved(own, strategy.param_alignment_paddings) or engine.features.parameter_files():
             strategy.load_state_dict(own)
             return partial_state.restore_rank_states(strategy, tag_dir, world_saved, dp_rank, same_layout=True)
     if load_optimizer_states and saved_shapes is not None:

@@ -130,7 +130,7 @@ def saved_masters(osd: dict[str, Any], stage: int, world: int, rank: int,
     out = []
     for mi, (master, master_slots_) in enumerate(zip(optimizer_master_tensors(osd), slots)):
         state = base["state"].get(mi, base["state"].get(str(mi), {}))
-        per_element = _per_element(state, lengths[mi])
+        per_element = _per_element(state, lengths[mi], master.numel())
         scalars = {k: v for k, v in state.items() if k not in per_element}
         out.append(SavedMaster(owner.get(mi, 0), master.reshape(-1), {k: v.reshape(-1) for k, v in per_element.items()},
                                scalars, master_slots_))
@@ -142,16 +142,19 @@ def _paddings(osd: dict[str, Any]) -> list[list[int]] | None:
     return alignment_paddings(osd.get("param_alignment_paddings"))
 
 
-def same_gaps(osd: dict[str, Any], live: list[list[int]] | None) -> bool:
-    """Whether ``osd`` (a saved rank's ZeRO state) has the live strategy's ``parameter_alignment`` gaps ``live``
-    (then its partitions are the live ones); saved with others, a load re-cuts it (:func:`state_for_rank`), and
-    the strategy's ``load_state_dict`` refuses it."""
-    return _paddings(osd) == alignment_paddings(live)
+def loads_as_saved(osd: dict[str, Any], live: list[list[int]] | None) -> bool:
+    """Whether the strategy loads ``osd`` (a saved rank's ZeRO state at the live stage and world size) as it is:
+    it has the live strategy's ``parameter_alignment`` gaps ``live`` (then its partitions are the live ones) and
+    DeepSpeed's rigid layout. Else a load re-cuts it (:func:`state_for_rank`): saved with other gaps (the
+    strategy's ``load_state_dict`` refuses it), or elastic (``zero_optimization.elastic_checkpoint``: the last
+    rank's states lack the padding and the param groups their hyper-parameters)."""
+    return _paddings(osd) == alignment_paddings(live) and not osd.get("elastic")
 
 
-def _per_element(state: dict[str, Any], length: int) -> dict[str, torch.Tensor]:
-    """The optimizer states that hold one value per master element (Adam's moments), as saved."""
-    return {k: v for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0 and v.numel() == length}
+def _per_element(state: dict[str, Any], length: int, unpadded: int) -> dict[str, torch.Tensor]:
+    """The optimizer states that hold one value per master element (Adam's moments), as saved: ``length`` (the
+    padded master's) or ``unpadded`` values (the master's without its padding: DeepSpeed's elastic layout)."""
+    return {k: v for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0 and v.numel() in (length, unpadded)}
 
 
 def bulk_tensors(osd: dict[str, Any], stage: int, world: int, rank: int,
@@ -165,7 +168,7 @@ def bulk_tensors(osd: dict[str, Any], stage: int, world: int, rank: int,
     for mi, master in enumerate(masters):
         state = base["state"].get(mi, base["state"].get(str(mi), {}))
         if mi < len(lengths):
-            out.extend(_per_element(state, lengths[mi]).values())
+            out.extend(_per_element(state, lengths[mi], master.numel()).values())
         else:  # a master beyond ``group_shapes`` (MoE's experts, read from their own files): none of it is read
             out.extend(v for v in state.values() if torch.is_tensor(v) and v.dim() > 0 and v.numel() >= master.numel())
     return out

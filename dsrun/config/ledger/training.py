@@ -147,10 +147,12 @@ ENTRIES: list[Entry] = [
          "ranks, so consecutive gradients land in different ranks' partitions (the same training, another layout)",
          "tests/integration/test_config_effects_ranks.py::test_round_robin_gradients_reorders_the_layout_and_"
          "trains_the_same"),
-    todo("zero_optimization.elastic_checkpoint", "save stage 1-2 optimizer states in DeepSpeed's elastic layout",
-         Feature("DeepSpeed's elastic optimizer-state layout (dsrun's stage 1-2 checkpoints reshard to any world "
-                 "size without it)", "leave it false: dsrun loads its checkpoints at any world size"),
-         applies=_stage(1, 2)),
+    done("zero_optimization.elastic_checkpoint", "stages 1-2: save the optimizer state in DeepSpeed's elastic "
+         "layout (per param group, without the partition's padding, the step beside it; false: each rank's torch "
+         "optimizer state dict); either layout loads at any world size",
+         "tests/unit/checkpoint/test_engine_checkpoint.py::test_elastic_checkpoint_switches_the_optimizer_layout_"
+         "and_either_resumes_bit_exactly",
+         "tests/integration/test_checkpoint_reshard.py::test_elastic_checkpoint_continues_on_another_world_size"),
     done("zero_optimization.ignore_unused_parameters", "false: at ZeRO stages 1-2 (where DeepSpeed reads it) a "
          "step in which a trainable parameter got no gradient fails on every rank, with DeepSpeed's message", UNIT),
     todo("zero_optimization.legacy_stage1", "DeepSpeed's old stage-1 implementation",

@@ -21,14 +21,15 @@ def single_rank():
             os.environ[key] = value
 
 
-def make_engine(stage: int = 1, precision: str = "fp32", dropout: float = 0.0, frozen: bool = False, extra=None):
+def make_engine(stage: int = 1, precision: str = "fp32", dropout: float = 0.0, frozen: bool = False, extra=None,
+                zero=None):
     import dsrun
     from tests.harness.models import checkpoint_gpt
     from tests.harness.runs import checkpoint_config
 
     model = checkpoint_gpt(dropout, frozen)
     engine, *_ = dsrun.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                  config=checkpoint_config(stage, precision, 4, extra))
+                                  config=checkpoint_config(stage, precision, 4, extra, zero))
     return engine
 
 

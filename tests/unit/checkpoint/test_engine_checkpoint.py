@@ -69,6 +69,28 @@ def test_resume_restores_everything(tmp_path, monkeypatch):
     assert fresh.get_lr() == lr_after and fresh.global_steps == steps_after
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_elastic_checkpoint_switches_the_optimizer_layout_and_either_resumes_bit_exactly(tmp_path, stage):
+    """zero_optimization.elastic_checkpoint: on, the optimizer state is DeepSpeed's elastic layout (a list of
+    per-group states, the step count beside it); off, the torch optimizer's state dict. A run with the other
+    setting loads either and continues bit for bit (the multi-rank reshard: test_checkpoint_reshard.py)."""
+    layouts = {}
+    for elastic in (False, True):
+        engine = make_engine(stage, zero={"elastic_checkpoint": elastic})
+        train(engine, 2)
+        engine.save_checkpoint(str(tmp_path / str(elastic)))
+        expected = train(engine, 2, start=2)
+        sd = load_file(tmp_path / str(elastic) / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+        base = sd["optimizer_state_dict"]["base_optimizer_state"]
+        layouts[elastic] = (type(base).__name__, sd["optimizer_state_dict"].get("base_optimizer_state_step"))
+        state = base[0] if elastic else base["state"][0]
+        assert state["exp_avg"].shape == sd["optimizer_state_dict"]["single_partition_of_fp32_groups"][0].shape
+        fresh = make_engine(stage, zero={"elastic_checkpoint": not elastic})
+        fresh.load_checkpoint(str(tmp_path / str(elastic)))
+        assert train(fresh, 2, start=2) == expected and fresh.get_lr() == engine.get_lr()
+    assert layouts == {False: ("dict", None), True: ("list", 2)}
+
+
 def test_load_without_latest_returns_none(tmp_path, capsys):
     engine = make_engine(1)
     assert engine.load_checkpoint(str(tmp_path)) == (None, None)
