@@ -24,6 +24,14 @@ pass its interpreter::
 buffers' gaps between parameters, saved as ``param_alignment_paddings``) and trains a GPT of odd sizes (width 30,
 vocabulary 125), whose parameters are not all multiples of 16 bytes, so there are gaps; the table's last column is
 the number of gap elements each framework laid out (the same in both: DeepSpeed's rule).
+
+``--elastic`` sets ``zero_optimization.elastic_checkpoint`` in both (stages 1-2: DeepSpeed's elastic optimizer
+layout); ``--load-world M`` loads at M ranks what ``--worlds N`` saved, with the global batch kept (``--global-batch``,
+each rank training its slice of one batch per step), so the N-rank uninterrupted run is the reference. Each load
+phase also loads its own framework's checkpoint (``/self`` in the JSON). DeepSpeed refuses optimizer states
+saved at another data-parallel size; it then loads the weights alone (``load_optimizer_states=False``, its
+elastic merge of the fp32 masters) and the refusal is reported: that row's losses after the first step follow
+fresh Adam moments, so only its first loss (the loaded weights' own) is expected to match.
 """
 from __future__ import annotations
 
@@ -52,11 +60,12 @@ def _gaps(engine) -> int:
     return sum(sum(group) for group in paddings)
 
 
-def ds_config(stage: int, bf16: bool, aligned: bool = False) -> dict:
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
+def ds_config(stage: int, bf16: bool, aligned: bool = False, elastic: bool = False, micro: int = 2) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
            "gradient_clipping": 1.0,
            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}},
-           "zero_optimization": {"stage": stage, **({"parameter_alignment": True} if aligned else {})}}
+           "zero_optimization": {"stage": stage, **({"parameter_alignment": True} if aligned else {}),
+                                 **({"elastic_checkpoint": True} if elastic else {})}}
     if bf16:
         cfg["bf16"] = {"enabled": True}
     return cfg
@@ -87,41 +96,69 @@ def rank_main(rank: int, world: int, port: int, job: dict) -> None:
     other = "deepspeed" if framework == "dsrun" else "dsrun"
     results = {}
     shape = ODD_MODEL if job.get("aligned") else MODEL
+    batch = job.get("global_batch")  # None: 2 samples per rank, seeded by (step, rank)
+    loading = job["mode"] == "load"
+    sources = ([other] + ([framework] if job.get("elastic") else [])) if loading else [framework]
     for stage, bf16 in job["configs"]:
         name = _name(stage, bf16)
-        try:
-            torch.manual_seed(0)
-            model = build_gpt(**shape)
-            engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                              config=ds_config(stage, bf16, job.get("aligned", False)))
-            first = 0
-            if job["mode"] == "load":
-                path, _ = engine.load_checkpoint(os.path.join(job["dir"], f"{other}_{name}"))
-                assert path is not None, "nothing loaded"
-                assert engine.global_steps == job["steps"], ("global_steps after load", engine.global_steps)
-                first = job["steps"]
-            losses = []
-            for step in range(first, job["steps"] + job["more"]):
-                if job["mode"] == "save" and step == job["steps"]:
-                    engine.save_checkpoint(os.path.join(job["dir"], f"{framework}_{name}"))
-                gen = torch.Generator().manual_seed(1000 * step + rank)
-                tokens = torch.randint(0, shape["vocab"], (2, shape["seq"]), generator=gen)
-                loss = engine(tokens)
-                engine.backward(loss)
-                engine.step()
-                value = loss.detach().float().reshape(1)
-                dist.all_reduce(value)
-                losses.append(float(value) / world)
-            results[name] = losses
-            results[f"{name}/gaps"] = _gaps(engine)
-            del engine, model
-        except Exception as exc:  # reported in the table; the next config still runs
-            results[name] = f"{type(exc).__name__}: {exc}"[-1500:]
-        dist.barrier()
+        for source in sources:
+            key = f"{name}/self" if loading and source == framework else name
+            try:
+                losses, gaps, note = _train(deepspeed, rank, world, job, stage, bf16, shape, batch,
+                                            os.path.join(job["dir"], f"{source}_{name}"))
+                results[key], results[f"{key}/gaps"] = losses, gaps
+                if note:
+                    results[f"{key}/refused"] = note
+            except Exception as exc:  # reported in the table; the next config still runs
+                results[key] = f"{type(exc).__name__}: {exc}"[-1500:]
+            dist.barrier()
     if rank == 0:
         Path(job["out"]).write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _train(deepspeed, rank: int, world: int, job: dict, stage: int, bf16: bool, shape: dict, batch: int | None,
+           folder: str) -> tuple[list[float], int, str]:
+    """One engine of one config: the save phase trains and saves at ``steps``, the load phase loads ``folder``
+    and trains on; the losses, the gap elements and DeepSpeed's refusal of the optimizer states (if any)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = build_gpt(**shape)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=ds_config(stage, bf16, job.get("aligned", False), job.get("elastic", False),
+                                                       batch // world if batch else 2))
+    first, note = 0, ""
+    if job["mode"] == "load":
+        try:
+            path, _ = engine.load_checkpoint(folder)
+        except Exception as exc:  # DeepSpeed: optimizer states saved at another data-parallel size
+            if "world size" not in str(exc):
+                raise
+            note = f"{type(exc).__name__}: {exc}"
+            path, _ = engine.load_checkpoint(folder, load_optimizer_states=False)
+        assert path is not None, "nothing loaded"
+        assert engine.global_steps == job["steps"], ("global_steps after load", engine.global_steps)
+        first = job["steps"]
+    losses = []
+    for step in range(first, job["steps"] + job["more"]):
+        if job["mode"] == "save" and step == job["steps"]:
+            engine.save_checkpoint(folder)
+        if batch:  # one global batch per step, each rank its slice: the same data at any world size
+            tokens = torch.randint(0, shape["vocab"], (batch, shape["seq"]), generator=torch.Generator().manual_seed(
+                1000 * step)).chunk(world)[rank]
+        else:
+            gen = torch.Generator().manual_seed(1000 * step + rank)
+            tokens = torch.randint(0, shape["vocab"], (2, shape["seq"]), generator=gen)
+        loss = engine(tokens)
+        engine.backward(loss)
+        engine.step()
+        value = loss.detach().float().reshape(1)
+        dist.all_reduce(value)
+        losses.append(float(value) / world)
+    return losses, _gaps(engine), note
 
 
 def worker(world: int, job: dict) -> None:
@@ -145,15 +182,18 @@ def run_phase(python: str, world: int, job: dict, timeout: float) -> dict:
 
 
 def cross(pythons: dict, configs: list, world: int, steps: int, more: int, timeout: float,
-          aligned: bool = False) -> list[dict]:
+          aligned: bool = False, elastic: bool = False, load_world: int | None = None,
+          global_batch: int | None = None) -> list[dict]:
     """Both frameworks train every config and save mid-way (their uninterrupted runs), then each loads the
-    other's checkpoints and trains on."""
+    other's checkpoints (at ``load_world`` ranks) and trains on."""
     with tempfile.TemporaryDirectory() as tmp:
-        common = {"configs": configs, "dir": tmp, "steps": steps, "more": more, "aligned": aligned}
+        common = {"configs": configs, "dir": tmp, "steps": steps, "more": more, "aligned": aligned,
+                  "elastic": elastic, "global_batch": global_batch}
         full, crossed = {}, {}
         for mode, store in (("save", full), ("load", crossed)):
             for fw in ("dsrun", "deepspeed"):
-                store[fw] = run_phase(pythons[fw], world, {**common, "framework": fw, "mode": mode,
+                ranks = world if mode == "save" else (load_world or world)
+                store[fw] = run_phase(pythons[fw], ranks, {**common, "framework": fw, "mode": mode,
                                                            "out": f"{tmp}/{fw}_{mode}.json"}, timeout)
     rows = []
     for stage, bf16 in configs:
@@ -168,8 +208,16 @@ def cross(pythons: dict, configs: list, world: int, steps: int, more: int, timeo
                     row[f"{src}->{dst} vs {ref}"] = after if isinstance(after, str) else reference
                 else:
                     row[f"{src}->{dst} vs {ref}"] = max(abs(a - b) for a, b in zip(after, reference[steps:]))
+                    row[f"{src}->{dst} vs {ref} first"] = abs(after[0] - reference[steps])  # the loaded weights'
         row["gaps"] = {fw: full[fw].get(f"{name}/gaps") for fw in full}
-        row["full"] = full
+        for fw in crossed:  # --elastic: each framework's load of its own checkpoint, and DeepSpeed's refusals
+            own = crossed[fw].get(f"{name}/self")
+            if own is not None:
+                row[f"{fw}->{fw} vs {fw}"] = own if isinstance(own, str) else max(
+                    abs(a - b) for a, b in zip(own, full[fw][name][steps:]))
+            row.setdefault("refused", {}).update({f"{fw}: {k}": v for k, v in crossed[fw].items()
+                                                  if k.startswith(name + "/") and k.endswith("/refused")})
+        row["full"], row["crossed"] = full, crossed
         rows.append(row)
     return rows
 
@@ -188,6 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--more", type=int, default=4, help="steps after the load")
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--parameter-alignment", action="store_true", help="zero_optimization.parameter_alignment")
+    parser.add_argument("--elastic", action="store_true", help="zero_optimization.elastic_checkpoint")
+    parser.add_argument("--load-world", type=int, default=None, help="ranks of the load phases (default: the same)")
+    parser.add_argument("--global-batch", type=int, default=None,
+                        help="one global batch per step, sliced over the ranks (needed with --load-world)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     ds_python = args.deepspeed_python or os.environ.get(DS_PYTHON_ENV)
@@ -204,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         return f"{value:>{width}.2e}" if isinstance(value, float) else f"{'FAILED':>{width}}"
 
     for world in args.worlds:
-        for row in cross(pythons, configs, world, args.steps, args.more, args.timeout, args.parameter_alignment):
+        for row in cross(pythons, configs, world, args.steps, args.more, args.timeout, args.parameter_alignment,
+                         args.elastic, args.load_world, args.global_batch):
             table.append(row)
             print(f"{world:>5} {row['stage']:>5} {row['precision']:>5}  {cell(row['dsrun->deepspeed vs dsrun'], 18)} "
                   f"{cell(row['dsrun->deepspeed vs deepspeed'], 9)}  {cell(row['deepspeed->dsrun vs deepspeed'], 15)} "
@@ -212,6 +265,10 @@ def main(argv: list[str] | None = None) -> int:
             for key, value in row.items():
                 if isinstance(value, str) and key not in ("precision",):
                     print(f"      {key}: {value[-600:]}", flush=True)
+                elif key.endswith(" first") or key in ("dsrun->dsrun vs dsrun", "deepspeed->deepspeed vs deepspeed"):
+                    print(f"      {key}: {cell(value, 9)}", flush=True)
+            for key, value in row.get("refused", {}).items():
+                print(f"      refused, loaded the weights alone: {key}: {value[-300:]}", flush=True)
     print(f"max |loss difference| over the {args.more} steps after the load, against the uninterrupted run of the "
           f"named framework; {args.steps} steps before the save; {time.time() - started:.0f} s, load avg "
           f"{load:.1f} -> {os.getloadavg()[0]:.1f}")

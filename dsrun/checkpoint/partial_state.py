@@ -72,10 +72,10 @@ def _open_rank_file(path: Path, stage: int, world: int, rank: int, group_shapes:
     is dsrun's already) with every tensor of it read but the masters and per-element states (and their views)."""
     file = TensorFile(path)
     raw = file.objects[key]
-    osd = deepspeed_format.to_dsrun(raw) if key == OPTIMIZER_FILE_KEY else raw  # the same tensor objects as raw's
-    if file.partial:
-        file.materialise_all(raw, _with_views(raw, reshard.bulk_tensors(osd, stage, world, rank, group_shapes)))
-    return file, osd
+    ours = (lambda: deepspeed_format.to_dsrun(raw)) if key == OPTIMIZER_FILE_KEY else (lambda: raw)
+    if file.partial:  # the bulk found in dsrun's form (the same tensor objects), then read in place into raw
+        file.materialise_all(raw, _with_views(raw, reshard.bulk_tensors(ours(), stage, world, rank, group_shapes)))
+    return file, ours()
 
 
 def _record(tensor: torch.Tensor) -> int | None:

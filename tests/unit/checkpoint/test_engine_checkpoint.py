@@ -7,6 +7,8 @@ import torch
 from dsrun.checkpoint import DS_KEYS, load_file, partial_state, read_latest, tensor_file
 from dsrun.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+from tests.harness.runs import LR
+
 from .conftest import make_engine, train
 
 pytestmark = pytest.mark.usefixtures("single_rank")
@@ -69,14 +71,16 @@ def test_resume_restores_everything(tmp_path, monkeypatch):
     assert fresh.get_lr() == lr_after and fresh.global_steps == steps_after
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_elastic_checkpoint_switches_the_optimizer_layout_and_either_resumes_bit_exactly(tmp_path, stage):
+@pytest.mark.parametrize("stage,torch_adam", [(1, True), (2, False)])
+def test_elastic_checkpoint_switches_the_optimizer_layout_and_either_resumes_bit_exactly(tmp_path, stage, torch_adam):
     """zero_optimization.elastic_checkpoint: on, the optimizer state is DeepSpeed's elastic layout (a list of
     per-group states, the step count beside it); off, the torch optimizer's state dict. A run with the other
-    setting loads either and continues bit for bit (the multi-rank reshard: test_checkpoint_reshard.py)."""
+    setting loads either and continues bit for bit (the multi-rank reshard: test_checkpoint_reshard.py). torch's
+    AdamW keeps its step as a tensor, dsrun's CPU Adam as an int: both cross."""
     layouts = {}
+    optimizer = {"optimizer": {"type": "AdamW", "params": {"lr": LR, "torch_adam": torch_adam}}}
     for elastic in (False, True):
-        engine = make_engine(stage, zero={"elastic_checkpoint": elastic})
+        engine = make_engine(stage, zero={"elastic_checkpoint": elastic}, extra=optimizer)
         train(engine, 2)
         engine.save_checkpoint(str(tmp_path / str(elastic)))
         expected = train(engine, 2, start=2)
@@ -85,7 +89,7 @@ def test_elastic_checkpoint_switches_the_optimizer_layout_and_either_resumes_bit
         layouts[elastic] = (type(base).__name__, sd["optimizer_state_dict"].get("base_optimizer_state_step"))
         state = base[0] if elastic else base["state"][0]
         assert state["exp_avg"].shape == sd["optimizer_state_dict"]["single_partition_of_fp32_groups"][0].shape
-        fresh = make_engine(stage, zero={"elastic_checkpoint": not elastic})
+        fresh = make_engine(stage, zero={"elastic_checkpoint": not elastic}, extra=optimizer)
         fresh.load_checkpoint(str(tmp_path / str(elastic)))
         assert train(fresh, 2, start=2) == expected and fresh.get_lr() == engine.get_lr()
     assert layouts == {False: ("dict", None), True: ("list", 2)}
