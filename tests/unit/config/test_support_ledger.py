@@ -151,7 +151,7 @@ def test_defaults_and_disabled_sections_stay_silent():
 
 
 def test_a_key_deepspeed_reads_only_at_some_stages_is_refused_only_there():
-    key = "elastic_checkpoint"  # DeepSpeed's ZeRO-1/2 optimizer-state layout
+    key = "legacy_stage1"  # DeepSpeed's stage 1 from before 0.5.8
     assert paths({"zero_optimization": {"stage": 3, key: True}}) == []
     assert paths({"zero_optimization": {"stage": 1, key: True}}) == [f"zero_optimization.{key}"]
 
