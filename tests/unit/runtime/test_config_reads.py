@@ -134,8 +134,9 @@ def keys_read(world_of_one, tmp_path_factory) -> frozenset[str]:
                  "type": "fast", "io_buffer_size": 65536, "io_buffer_double": False, "show_statistics": True,
                  "decoupled": True}},
              **monitors}, seen, tmp, checkpoint=True)
+        # a stage-2 save reads zero_optimization.elastic_checkpoint (the layout of its optimizer files)
         run({"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}, "communication_data_type": "fp32"},
-            seen, tmp)
+            seen, tmp, checkpoint=True)
         run({"bf16": {"enabled": True, "immediate_grad_update": True}, "zero_optimization": {"stage": 1},
              "data_types": {"grad_accum_dtype": "fp32"}}, seen, tmp)
         run({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}, "torch_autocast": {
