@@ -63,11 +63,9 @@ def _gaps(engine) -> int:
 def ds_config(stage: int, bf16: bool, aligned: bool = False, elastic: bool = False, micro: int = 2) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
            "gradient_clipping": 1.0,
-           "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True,
-                                                     # the elastic layout holds no hyper-parameters (the loading
-                                                     # run's apply): the same in both; DeepSpeed's torch AdamW takes
-                                                     # torch's 0.01 where dsrun's takes 0
-                                                     **({"weight_decay": 0.01} if elastic else {})}},
+           # torch's AdamW in both, its weight decay left out: torch's 0.01 in both (the elastic layout holds no
+           # hyper-parameters: the loading run's apply, the same in both)
+           "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}},
            "zero_optimization": {"stage": stage, **({"parameter_alignment": True} if aligned else {}),
                                  **({"elastic_checkpoint": True} if elastic else {})}}
     if bf16:
