@@ -19,6 +19,13 @@ debugging switches, :meth:`DeepCompileHandle.set_sync_points`) synchronize the a
 ``reduce_grad`` and each gathering op, as DeepSpeed's handle calls ``device_synchronize`` there: on CUDA the
 device's queued work finishes first; on a CPU there is no queue (the call returns at once), so what shows is the
 count, ``stats.syncs``.
+
+``compile.double_buffer`` (DeepSpeed's ``DoubleBufferedReduceBucket``: two reduce buffers per dtype, swapped at each
+flush, the next gradient's copy into a buffer waiting for that buffer's last reduce-scatter) sets how many of the
+strategy's bucket reductions may be in flight when a gradient arrives: on, the bucket just launched keeps running
+while the next one fills (two in flight right after a launch, the one before waited for); off, a gradient waits
+for every reduction in flight first (one at most). ``stats.peak_reduces_in_flight`` counts it. Only the moment of
+each wait changes: the buckets complete and accumulate in launch order either way (bit-identical gradients).
 """
 from __future__ import annotations
 
@@ -41,6 +48,7 @@ class GatherStats:
     releases: int = 0
     reduced: int = 0  # gradients handed to the strategy
     syncs: int = 0  # accelerator synchronizations at the compile.sync_* points
+    peak_reduces_in_flight: int = 0  # the most bucket reductions launched and not yet waited for at once
     backward_ends: int = 0  # end_backward ops run
     bucket_releases: int = 0  # of those, the ones that launched the pending buckets
     live_numel: int = 0  # gathered elements whose release has not been seen
@@ -59,6 +67,9 @@ class DeepCompileHandle:
         self._inflight: dict[int, tuple[torch.Tensor, Any]] = {}  # prefetches: (buffer, work)
         self.reduce: Callable[[torch.nn.Parameter, torch.Tensor], None] | None = None
         self.release_buckets: Callable[[], None] | None = None
+        self.wait_reduces: Callable[[int], None] | None = None
+        self.reduces_in_flight: Callable[[], int] | None = None
+        self.reduce_buffers = 2  # compile.double_buffer: 2 on, 1 off
         self.graphs: dict[int, list[int]] = {}  # graph id -> ds_ids it gathers (DeepSpeed's register_graph_z3)
         self.stats = GatherStats()
         self.gather_seconds: dict[int, float] = {}  # the last synchronous all-gather of each parameter (selective gather)
@@ -67,10 +78,17 @@ class DeepCompileHandle:
 
     # --- registration (DeepSpeed's ``dc.init``, ``register_z3_param``, ``register_graph_z3``) --------------
     def init(self, reduce: Callable[[torch.nn.Parameter, torch.Tensor], None] | None,
-             release_buckets: Callable[[], None] | None = None) -> None:
-        """``reduce`` takes each gradient; ``release_buckets`` launches the buckets still pending."""
+             release_buckets: Callable[[], None] | None = None, wait_reduces: Callable[[int], None] | None = None,
+             reduces_in_flight: Callable[[], int] | None = None, double_buffer: bool = True) -> None:
+        """``reduce`` takes each gradient; ``release_buckets`` launches the buckets still pending;
+        ``wait_reduces(n)`` finishes the oldest reductions until ``n`` are in flight, ``reduces_in_flight()`` counts
+        them; ``double_buffer`` (``compile.double_buffer``): whether a launched bucket's reduction may run on while
+        the next bucket fills."""
         self.reduce = reduce
         self.release_buckets = release_buckets
+        self.wait_reduces = wait_reduces
+        self.reduces_in_flight = reduces_in_flight
+        self.reduce_buffers = 2 if double_buffer else 1
 
     def register_z3_param(self, param: torch.nn.Parameter, expected_grad_dtype: torch.dtype | None = None) -> None:
         """``expected_grad_dtype``: the dtype a gradient is cast to before its reduction (None: as it comes)."""
@@ -115,6 +133,8 @@ class DeepCompileHandle:
         self.persistent.clear()
         self.reduce = None
         self.release_buckets = None
+        self.wait_reduces = self.reduces_in_flight = None
+        self.reduce_buffers = 2
         self.sync_points = frozenset()
         self.reset_stats()
 
@@ -186,7 +206,10 @@ class DeepCompileHandle:
         self._note("reduce", ds_id)
         dtype = self.expected_grad_dtype.get(ds_id)
         grad = grad.detach()  # a copy below: the compiled graph may reuse the gradient's buffer
+        if self.wait_reduces is not None:  # the buffer this gradient fills: its last reduction done first
+            self.wait_reduces(self.reduce_buffers - 1)
         self.reduce(param, grad.clone() if dtype is None or grad.dtype == dtype else grad.to(dtype))
+        self._count_reduces_in_flight()
         self._sync("after_reduce")
 
     def end_backward(self, graph_id: int, release_reduce_buckets: bool) -> None:
@@ -196,6 +219,11 @@ class DeepCompileHandle:
         if release_reduce_buckets and self.release_buckets is not None:
             self.stats.bucket_releases += 1
             self.release_buckets()
+            self._count_reduces_in_flight()
+
+    def _count_reduces_in_flight(self) -> None:
+        if self.reduces_in_flight is not None:
+            self.stats.peak_reduces_in_flight = max(self.stats.peak_reduces_in_flight, self.reduces_in_flight())
 
     def wait_all(self) -> None:
         """Finish prefetches no graph used (a forward that raised)."""

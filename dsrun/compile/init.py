@@ -240,8 +240,9 @@ def init_z3(engine: CompilingEngine, backend: str, compile_config: CompileConfig
     handle = get_deepcompile_handle()
     handle.cleanup()
     module_numel = strategy.coordinator.largest_fetch_numel() if strategy.reduce_per_module else 0
-    queue, launch_pending = strategy.hand_over_to_compiler()
-    handle.init(*_reducer(queue, launch_pending, module_numel))
+    intake = strategy.hand_over_to_compiler()
+    handle.init(*_reducer(intake.queue, intake.launch_pending, module_numel), wait_reduces=intake.wait_reduces,
+                reduces_in_flight=intake.reduces_in_flight, double_buffer=bool(compile_config.double_buffer))
     handle.set_sync_points(**{point: getattr(compile_config, f"sync_{point}") for point in handle.SYNC_POINTS})
     for p in strategy.params:
         p.ds_persist = False

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -52,6 +52,15 @@ from dsrun.offload.settings import OffloadOptimizerSettings
 from dsrun.offload.shard_store import ShardContext, ShardPlacement, SubGroup
 from dsrun.offload.state_moves import OffloadStateTypeEnum, StateTensor
 from dsrun.optim.optimizer_wrappers import OptimizerWrapperKind
+
+
+class CompilerIntake(NamedTuple):
+    """What :meth:`Stage3Strategy.hand_over_to_compiler` gives DeepCompile's handle."""
+
+    queue: Callable[[torch.nn.Parameter, torch.Tensor], None]  # a full gradient into its group's bucket
+    launch_pending: Callable[[], None]  # reduce-scatter the buckets still filling
+    wait_reduces: Callable[[int], None]  # finish the oldest reductions until at most that many are in flight
+    reduces_in_flight: Callable[[], int]
 
 
 class Stage3Strategy(StatesOffload, ZeroStrategy):
@@ -252,15 +261,17 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
         for store in self.placement.stores:
             store.end_micro_step()
 
-    def hand_over_to_compiler(self) -> Any:
-        """DeepCompile gathers and reduces in its graphs: hooks off, all released; returns the buckets' intake and
-        what launches the pending buckets (eager ZeRO-3 does it as backward reaches each module, on the CPU)."""
+    def hand_over_to_compiler(self) -> CompilerIntake:
+        """DeepCompile gathers and reduces in its graphs: hooks off, all released; returns the buckets' intake, what
+        launches the pending buckets (eager ZeRO-3 does it as backward reaches each module, on the CPU) and what
+        waits for the reductions in flight (``compile.double_buffer``)."""
         self.coordinator.remove_hooks()
         for handle in self._grad_hooks:
             handle.remove()
         self._grad_hooks, self._leaf_params = [], []  # the graph reduces a leaf's parameters like any other
         self.coordinator.release_all(keep_persistent=False)  # the compiler's selective gather decides persistence
-        return self._queue_gradient, self._reduce_finished_modules
+        return CompilerIntake(self._queue_gradient, self._reduce_finished_modules, self.wait_reduces,
+                              lambda: len(self._inflight))
 
     # --- gradient reduction -------------------------------------------------------------------------------
     def _reduce_finished_modules(self) -> None:
@@ -353,6 +364,11 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
         self._bucket_pool.give(rows)
         if out.data_ptr() != rows.data_ptr():
             self._bucket_pool.give(out)
+
+    def wait_reduces(self, keep: int) -> None:
+        """Finish the oldest bucket reductions until at most ``keep`` are in flight (launched, not waited for)."""
+        while len(self._inflight) > keep:
+            self._complete(self._inflight.pop(0))
 
     def _complete_all(self) -> None:
         for entry in self._inflight:

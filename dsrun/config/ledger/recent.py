@@ -278,11 +278,10 @@ ENTRIES: list[Entry] = [
          f"{DC}test_prefetch_and_selective_gather_from_their_step", traced=False),
     done("compile.keep_all_input_tensors", "keep the values of all of a compiled graph's inputs for a pass that "
          "runs the graph again", f"{DC}test_the_passes_put_zero3_in_the_graph", traced=False),
-    todo("compile.double_buffer", "double-buffer DeepCompile's reduce buckets", Feature(
-        "DeepSpeed's double-buffered reduce buckets in its C++ handle (dsrun's DeepCompile hands gradients to the "
-        "ZeRO-3 strategy's buckets, whose overlap zero_optimization.overlap_comm sets)",
-        "leave compile.double_buffer at its default; zero_optimization.overlap_comm overlaps the reductions"),
-        applies=lambda cfg: cfg.compile.enabled or cfg.compile.deepcompile),
+    done("compile.double_buffer", "a launched reduce bucket's reduce-scatter runs on while the next bucket fills "
+         "(two in flight at most); false: each gradient waits for the reduction in flight (one at most; the handle's "
+         "stats.peak_reduces_in_flight; no effect with zero_optimization.overlap_comm false: nothing is in flight)",
+         f"{DC}test_zero3_in_the_graph_trains_as_eager_zero3", traced=False),  # read by engine.compile()
     todo("compile.symmetric_memory", "all-gather through CUDA symmetric memory", Feature(
         "CUDA symmetric-memory all-gathers (torch.distributed._symmetric_memory: CUDA and NCCL only)",
         "leave compile.symmetric_memory false"), applies=lambda cfg: cfg.compile.enabled or cfg.compile.deepcompile),

@@ -405,7 +405,8 @@ OFFLOAD_SCHEDULE = [(0, ["zero3_compile"]), (1, ["offload_adam_states_for_init",
                                                  "offload_adam_states", "prefetch", "selective_gather"])]
 
 
-def _train(deepcompile: bool, stage: int = 3, offload: bool = False) -> dict:
+def _train(deepcompile: bool, stage: int = 3, offload: bool = False, double_buffer: bool = True,
+           schedule: list | None = None) -> dict:
     from dsrun.compile.passes import offload_adam_states
     from dsrun.models.gpt import GPT
     from torch._dynamo.utils import counters
@@ -413,14 +414,15 @@ def _train(deepcompile: bool, stage: int = 3, offload: bool = False) -> dict:
     torch.manual_seed(0)
     model = GPT(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
     config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-              "zero_optimization": {"stage": stage},
-              "compile": {"deepcompile": deepcompile, "offload_opt_states": offload,
+              # buckets of 4096 elements: several per backward (the model has about 28k), for compile.double_buffer
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": 4096},
+              "compile": {"deepcompile": deepcompile, "offload_opt_states": offload, "double_buffer": double_buffer,
                           "sync_before_allgather": deepcompile, "sync_after_allgather": deepcompile,
                           "sync_before_reduce": deepcompile, "sync_after_reduce": deepcompile}}
     torch._dynamo.reset()
     engine, *_ = dsrun.initialize(model=model, model_parameters=model.parameters(), config=config)
     if deepcompile:  # DeepSpeed's way: deepcompile, then compile()
-        engine.compile(backend="eager", schedule=OFFLOAD_SCHEDULE if offload else SCHEDULE)
+        engine.compile(backend="eager", schedule=schedule or (OFFLOAD_SCHEDULE if offload else SCHEDULE))
     x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1 + dsrun.comm.get_rank()))
     handle = get_deepcompile_handle()
     out = {"losses": [], "breaks": [], "graphs": [], "stats": [], "active": engine.is_deepcompile_active(),
@@ -439,7 +441,7 @@ def _train(deepcompile: bool, stage: int = 3, offload: bool = False) -> dict:
         out["graphs"].append(int(counters["stats"]["unique_graphs"]))
         s = handle.stats
         out["stats"].append((s.gathers, s.prefetched, s.persistent_hits, s.releases, s.reduced, s.peak_live_numel,
-                             s.syncs))
+                             s.syncs, s.peak_reduces_in_flight))
     out["numel"] = sum(p.ds_numel for p in engine.strategy.params) if stage == 3 else 0
     out["trainable"] = sum(1 for p in model.parameters() if p.requires_grad)
     out["offload"] = offload_adam_states.get_offload_op_stats()
@@ -451,19 +453,27 @@ def _two_rank_runs(rank: int, world_size: int) -> tuple[dict, dict]:
     import os
 
     os.environ["DS_DC_OFFLOAD_OPT_BUDGET_GB"] = "0"  # a budget of 0: every state moves
-    return _train(True, offload=True), _train(False)
+    # compile.double_buffer off: compiled once (its waits are in the gradient intake, not in a pass)
+    return (_train(True, offload=True), _train(False),
+            _train(True, double_buffer=False, schedule=[(0, ["zero3_compile"])]))
 
 
 def test_zero3_in_the_graph_trains_as_eager_zero3() -> None:
     """With ``compile.offload_opt_states`` (DeepCompile's optimizer-state offload, from step 1): the same losses,
     bit for bit, with Adam's moments gone from the optimizer from the forward's start until the backward's reload
-    (the key's own schedule, without prefetch: ``test_schedules_are_checked_against_the_contracts``)."""
-    compiled, eager = run_ranks(_two_rank_runs, 2)[0]
+    (the key's own schedule, without prefetch: ``test_schedules_are_checked_against_the_contracts``). With
+    ``compile.double_buffer: false`` a gradient waits for the reduction in flight: one at most, not two; the same
+    losses."""
+    compiled, eager, single = run_ranks(_two_rank_runs, 2, timeout=180)[0]
     assert compiled["active"] and not eager["active"]
-    assert compiled["losses"] == eager["losses"]  # the same ops, gathered and reduced by the graph
+    assert compiled["losses"] == eager["losses"] == single["losses"]  # the same ops, gathered and reduced by the graph
+    # double-buffered (the default): the bucket launched runs on while the next fills, the one before waited for
+    assert [stats[-1] for stats in compiled["stats"]] == [2] * STEPS
+    assert [stats[-1] for stats in single["stats"]] == [1] * STEPS
+    assert [stats[4] for stats in single["stats"]] == [single["trainable"]] * STEPS
     assert compiled["breaks"] == [0] * STEPS  # none: the gathers are ops in the graph, not hooks
     assert compiled["graphs"] == [1, 1, 0]  # compiled at step 0 and again at step 1's passes
-    for step, (gathers, prefetched, hits, releases, reduced, peak, syncs) in enumerate(compiled["stats"]):
+    for step, (gathers, prefetched, hits, releases, reduced, peak, syncs, _) in enumerate(compiled["stats"]):
         assert reduced == compiled["trainable"]  # every gradient reduce-scattered from the graph
         assert gathers + hits == releases  # each gathered value released
         assert syncs == 2 * releases + 2 * reduced  # compile.sync_*: one before and one after each gather, reduce
