@@ -4,12 +4,13 @@ A bucket is a range of a flat group. Buckets are laid out from the end of the mo
 in which backward produces gradients. Each parameter's post-accumulate hook counts down the buckets it
 overlaps; a bucket whose count reaches zero is handed to ``launch`` — but only after every earlier bucket,
 so all ranks issue their collectives in the same order even when a parameter is unused on some rank (such
-buckets are launched by :meth:`BucketQueue.flush` at the end of backward).
+buckets are launched by :meth:`BucketQueue.flush` at the end of backward). Also the buffers buckets reuse
+(:class:`FlatBufferPool`) and what ZeRO-3's buckets hand DeepCompile (:class:`CompilerIntake`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -125,6 +126,15 @@ class BucketQueue:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+
+
+class CompilerIntake(NamedTuple):
+    """What :meth:`Stage3Strategy.hand_over_to_compiler` gives DeepCompile's handle."""
+
+    queue: Callable[[torch.nn.Parameter, torch.Tensor], None]  # a full gradient into its group's bucket
+    launch_pending: Callable[[], None]  # reduce-scatter the buckets still filling
+    wait_reduces: Callable[[int], None]  # finish the oldest reductions until at most that many are in flight
+    reduces_in_flight: Callable[[], int]
 
 
 class FlatBufferPool:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from typing import Any, Callable, NamedTuple
+from typing import Any
 
 import torch
 
@@ -37,7 +37,7 @@ from dsrun.checkpoint.layout import CheckpointLayout, layout_for_stage
 from dsrun.zero.base import StrategyContext, ZeroStrategy
 from dsrun.zero.memory import MemoryBreakdown, optimizer_state_bytes
 from dsrun.zero import coalesced_gather, host_memory, quantized_shards
-from dsrun.zero.buckets import FlatBufferPool
+from dsrun.zero.buckets import CompilerIntake, FlatBufferPool
 from dsrun.zero.partitioner_internals import enable_memory_efficient_linear
 from dsrun.zero.sharding import ShardingPolicy
 from dsrun.zero.offload_states import StatesOffload
@@ -52,15 +52,6 @@ from dsrun.offload.settings import OffloadOptimizerSettings
 from dsrun.offload.shard_store import ShardContext, ShardPlacement, SubGroup
 from dsrun.offload.state_moves import OffloadStateTypeEnum, StateTensor
 from dsrun.optim.optimizer_wrappers import OptimizerWrapperKind
-
-
-class CompilerIntake(NamedTuple):
-    """What :meth:`Stage3Strategy.hand_over_to_compiler` gives DeepCompile's handle."""
-
-    queue: Callable[[torch.nn.Parameter, torch.Tensor], None]  # a full gradient into its group's bucket
-    launch_pending: Callable[[], None]  # reduce-scatter the buckets still filling
-    wait_reduces: Callable[[int], None]  # finish the oldest reductions until at most that many are in flight
-    reduces_in_flight: Callable[[], int]
 
 
 class Stage3Strategy(StatesOffload, ZeroStrategy):
@@ -253,7 +244,7 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
                 self._grad_ready(p)
         for key in [k for k, items in self._pending.items() if items]:
             self._launch_bucket(key)
-        self._complete_all()
+        self.wait_reduces(0)
         if boundary:  # what the policy adds once per step (MiCS: the other shard groups' sums)
             self.sharding.after_boundary_reduction([sg.grad for sg in self.sub_groups])
         self._armed = False
@@ -346,12 +337,9 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
             work = comm.reduce_scatter_tensor(out, rows_flat, group=group,
                                               async_op=self.ctx.overlap_comm)
             self._inflight.append((work if self.ctx.overlap_comm else None, out, placed, rows_flat))
-        if not self.ctx.overlap_comm:
-            self._complete_all()
         # each bucket in flight holds N x its size of gradients: bound them, or a whole model's gradient
         # would pile up until the end of backward
-        while len(self._inflight) > self.max_buckets_in_flight:
-            self._complete(self._inflight.pop(0))
+        self.wait_reduces(self.max_buckets_in_flight if self.ctx.overlap_comm else 0)
 
     def _complete(self, entry: tuple[Any, torch.Tensor, list[tuple[torch.nn.Parameter, int]], torch.Tensor]) -> None:
         work, out, placed, rows = entry
@@ -369,11 +357,6 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
         """Finish the oldest bucket reductions until at most ``keep`` are in flight (launched, not waited for)."""
         while len(self._inflight) > keep:
             self._complete(self._inflight.pop(0))
-
-    def _complete_all(self) -> None:
-        for entry in self._inflight:
-            self._complete(entry)
-        self._inflight = []
 
     def bucket_pool_bytes(self) -> int:
         """Bytes of the reduce-scatter buffers kept for reuse between buckets (and steps)."""
