@@ -449,7 +449,7 @@ def _train(deepcompile: bool, stage: int = 3, offload: bool = False, double_buff
     return out
 
 
-def _two_rank_runs(rank: int, world_size: int) -> tuple[dict, dict]:
+def _two_rank_runs(rank: int, world_size: int) -> tuple[dict, dict, dict]:
     import os
 
     os.environ["DS_DC_OFFLOAD_OPT_BUDGET_GB"] = "0"  # a budget of 0: every state moves
