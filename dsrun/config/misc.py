@@ -286,3 +286,36 @@ class QuantizeTrainingConfig(Section):
     quantize_groups: PosInt = 1
     quantize_algo: QuantizeAlgo = Field(default_factory=QuantizeAlgo)
     fp16_mixed_quantize: FP16MixedQuantizeLegacy = Field(default_factory=FP16MixedQuantizeLegacy)
+
+
+def _empty_is_unset(value: RawValue) -> RawValue:
+    return None if value == {} else value  # DeepSpeed's default for quantized_initialization is {}: off
+
+
+class GroupWiseQuantRule(Section):
+    """One group-wise weight quantization rule of ``weight_quantization`` (DeepSpeed reads all four keys; it
+    supports asymmetric quantization only). Each group of ``group_size`` values along ``group_dim`` of a weight
+    gets its own minimum and scale."""
+
+    num_bits: Literal[4, 8]
+    group_size: PosInt
+    group_dim: NonNegInt
+    symmetric: Literal[False] = False
+
+
+class WeightQuantConfig(Section):
+    """``weight_quantization`` (DeepSpeed's ``WeightQuantConfig``, ZeRO-Inference's weight quantization; what each
+    key does: docs/inference.md). ``quantized_initialization``: every ``nn.Linear``/``nn.Embedding`` weight is
+    stored quantized from the moment it is built (``zero.Init`` with this config, before partitioning) or, for a
+    model built without it, when ``dsrun.initialize`` takes the model. ``post_init_quant``: the layers whose name
+    contains a key are replaced by quantized layers (``_init_group_wise_weight_quantization``; ``dsrun.initialize``
+    applies it too). ``enabled: false`` turns both off (DeepSpeed reads neither ``enabled`` nor the section's own
+    ``num_bits``/``q_type``/``q_groups``, which dsrun refuses as unknown keys)."""
+
+    enabled: bool = True
+    quantized_initialization: Annotated[GroupWiseQuantRule | None, BeforeValidator(_empty_is_unset)] = None
+    post_init_quant: dict[str, GroupWiseQuantRule] = Field(default_factory=dict)
+
+    @property
+    def active(self) -> bool:
+        return self.enabled and (self.quantized_initialization is not None or bool(self.post_init_quant))

@@ -35,6 +35,7 @@ from .misc import (
     QuantizeTrainingConfig,
     SparseAttentionConfig,
     TimersConfig,
+    WeightQuantConfig,
 )
 from .compression import CompressionConfig
 from .data_efficiency import CurriculumLearningConfig, DataEfficiencyConfig, ProgressiveLayerDropConfig
@@ -164,7 +165,7 @@ class DSConfig(Section):
     compile: CompileConfig = _section(CompileConfig)
     timers: TimersConfig = _section(TimersConfig)
     nebula: NebulaConfig = _section(NebulaConfig)
-    weight_quantization: dict[str, Any] | None = None
+    weight_quantization: WeightQuantConfig | None = None
     dataloader_drop_last: bool = False
     vocabulary_size: PosInt | None = None
     graph_harvesting: bool = False

@@ -12,6 +12,7 @@ from dsrun.compression.feature import CompressionFeature
 from dsrun.data_efficiency.features import DataEfficiency
 from dsrun.features import Feature, register_feature
 from dsrun.hybrid_engine import HybridEngineFeature
+from dsrun.inference.quantization.feature import WeightQuantizationFeature
 from dsrun.autoep.feature import AutoEPFeature
 from dsrun.moe.feature import MoEFeature
 from dsrun.optim.muon import MuonFeature
@@ -25,6 +26,7 @@ from dsrun.zero.zeropp import ZeroPlusPlusFeature
 BUILTIN: tuple[type[Feature], ...] = (
     DataEfficiency,  # curriculum / random-LTD: the batch a step sees (always built: DeepSpeed's getters read it)
     CompressionFeature,  # wraps layers before the optimizer sees their parameters
+    WeightQuantizationFeature,  # weight_quantization: weights stored quantized before the optimizer sees them
     OneBitFeature,  # binds a 1-bit optimizer to the ZeRO strategy's step
     MuonFeature,  # Muon: marks use_muon before the optimizer; the whole-matrix update at the ZeRO step
     ActivationCheckpointingFeature,  # the activation_checkpointing section, configured at attach

@@ -44,6 +44,8 @@ import torch
 from dsrun import comm
 from dsrun.accelerator import get_accelerator
 from dsrun.comm.comm import ProcessGroup
+from dsrun.ops.groupwise_quant import (QUANTIZED_ATTR, WEIGHT_QUANTIZATION_LAYERS, _quantize_param,
+                                       install_quantized_functionals)
 from dsrun.zero import host_memory
 from dsrun.zero.partition_params import ParamStatus as ZeroParamStatus
 from dsrun.zero.partition_params import is_zero_param, partition_param
@@ -122,6 +124,16 @@ def _zero_section(config: dict[str, Any] | DSConfig | None) -> ZeroConfig:
     from dsrun.config import ds_section
 
     return ds_section(config, "zero_optimization")
+
+
+def _quantized_initialization(config: dict[str, Any] | DSConfig | None) -> dict[str, Any] | None:
+    """``weight_quantization.quantized_initialization`` as the quantizer's dict, or None (unset or disabled)."""
+    from dsrun.config import ds_section
+
+    section = ds_section(config, "weight_quantization")
+    if section is None or not section.enabled or section.quantized_initialization is None:
+        return None
+    return section.quantized_initialization.model_dump()
 
 
 def _aio_section(config: dict[str, Any] | DSConfig | None) -> AIOConfig:
@@ -309,6 +321,7 @@ class Init(InsertPostInitMethodToModuleSubClasses):
         self.dtype = dtype or _config_dtype(cfg)
         self.mem_efficient_linear = zero_section.memory_efficient_linear if cfg is not None else mem_efficient_linear
         self.persistence_threshold = int(zero_section.stage3_param_persistence_threshold)
+        self.quantized_initialization = _quantized_initialization(cfg)  # the rule dict, or None
         if cfg is not None:
             self.override_module_apply = zero_section.override_module_apply
         if not comm.is_initialized():
@@ -335,6 +348,8 @@ class Init(InsertPostInitMethodToModuleSubClasses):
         if module is not None:
             if self.mem_efficient_linear:
                 self._enable_mem_efficient_linear()
+            if self.quantized_initialization:
+                install_quantized_functionals()
             self.partition_module(module)
 
     def _partition_group(self, config: dict[str, Any] | DSConfig | None) -> ProcessGroup:
@@ -350,6 +365,9 @@ class Init(InsertPostInitMethodToModuleSubClasses):
         """Partition every parameter of ``module`` not partitioned yet (rank 0's values win)."""
         seen: set[int] = set()
         freed = 0
+        # weight_quantization.quantized_initialization: these layers' weights are stored quantized from now on
+        quantize = {id(m.weight) for m in module.modules() if type(m) in WEIGHT_QUANTIZATION_LAYERS
+                    } if self.quantized_initialization else set()
         with torch.no_grad():
             for p in module.parameters():
                 if id(p) in seen or is_zero_param(p) or p.is_meta:
@@ -359,6 +377,8 @@ class Init(InsertPostInitMethodToModuleSubClasses):
                     p.data = p.data.to(self.dtype)
                 if comm.get_world_size(self.group) > 1:
                     comm.broadcast(p.data, src=self.src, group=self.group)
+                if id(p) in quantize and not getattr(p, QUANTIZED_ATTR, False):
+                    _quantize_param(p, self.quantized_initialization)  # rank 0's values, before partitioning
                 freed += p.numel() * p.element_size()
                 partition_param(p, self.partition_group, device=self.device)
                 if self.offload is not None and p.ds_numel >= self.persistence_threshold \
@@ -380,6 +400,8 @@ class Init(InsertPostInitMethodToModuleSubClasses):
         _ACTIVE.append(self)
         if self.mem_efficient_linear:
             self._enable_mem_efficient_linear()
+        if self.quantized_initialization:  # over ZeRO-3's linear, as DeepSpeed wraps it
+            install_quantized_functionals()
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -15,8 +15,6 @@ from .entry import Entry, Feature, design, done, todo
 
 HE = "tests/integration/test_hybrid_engine.py::"
 NEBULA = Feature("Nebula checkpointing (Azure)", "disable nebula")
-INFERENCE_QUANT = Feature("DeepSpeed-Inference weight quantization in a training config",
-                          "remove weight_quantization (dsrun.init_inference takes quantization arguments)")
 LAYER_TOKEN_LR = Feature("random-LTD's layer-token learning-rate schedule (DeepSpeed raises NotImplementedError "
                          "too)", "disable layer_token_lr_schedule")
 
@@ -203,6 +201,26 @@ def _data_efficiency() -> list[Entry]:
     ]
 
 
+def _weight_quantization() -> list[Entry]:
+    """ZeRO-Inference's top-level ``weight_quantization`` (docs/inference.md)."""
+    wq, test = "weight_quantization", "tests/unit/inference/test_weight_quantization.py::"
+    init = f"{test}test_quantized_initialization_at_initialize_stores_bits_and_computes_within_a_step"
+    zero_init = f"{test}test_zero_init_quantizes_each_weight_before_partitioning_it"
+    post = f"{test}test_post_init_quant_at_initialize_replaces_the_named_layers_in_the_engine_dtype"
+    refused = f"{test}test_unknown_or_unsupported_keys_are_refused_with_one_line_each"
+    rule = {"num_bits": "bits per weight value (4 or 8)", "group_size": "values sharing one scale and minimum",
+            "group_dim": "the weight dimension the groups run along",
+            "symmetric": "false: asymmetric min/scale quantization (true is refused, as DeepSpeed asserts)"}
+    entries = [done(f"{wq}.enabled", "false: nothing is quantized (DeepSpeed does not read it)", init, traced=False)]
+    entries += [done(f"{wq}.quantized_initialization.{key}", f"every nn.Linear/nn.Embedding weight stored quantized "
+                     f"from its build (zero.Init) or at initialize: {meaning}", init, zero_init, refused, traced=False)
+                for key, meaning in rule.items()]
+    entries += [done(f"{wq}.post_init_quant.*.{key}", f"the layers whose name holds the key replaced by quantized "
+                     f"layers at initialize: {meaning}", post, refused, traced=False) for key, meaning in rule.items()]
+    return entries
+
+
+
 def _quantize_training() -> list[Entry]:
     proof = (f"{ENGINE}test_moq_bit_schedule_through_the_engine",
              f"{ENGINE}test_moq_type_rounding_and_mixing_change_the_stored_weights",
@@ -307,5 +325,6 @@ ENTRIES: list[Entry] = [
         "enabled": "save checkpoints through Nebula", "load_path": "where to load from",
         "enable_nebula_load": "load through Nebula", "persistent_storage_path": "persistent storage",
         "persistent_time_interval": "seconds between persists", "num_of_version_in_retention": "versions kept"}),
-    todo("weight_quantization", "DeepSpeed-Inference weight quantization settings", INFERENCE_QUANT),
+    *_weight_quantization(),
 ]
+
