@@ -86,7 +86,8 @@ class DSConfig(Section):
     ``zero_force_ds_cpu_optimizer``, ``memory_breakdown``, ``disable_allgather``, ``dataloader_drop_last``,
     ``vocabulary_size``, ``seq_parallel_comm_data_type``, ``graph_harvesting``,
     ``use_data_before_expert_parallelism``, and the sections ``eigenvalue``, ``progressive_layer_drop``,
-    ``pipeline``, ``quantize_training``, ``hybrid_engine``, ``compile``, ``timers``, ``nebula``, ``weight_quantization``).
+    ``pipeline``, ``quantize_training``, ``hybrid_engine``, ``compile``, ``timers``, ``nebula``, ``weight_quantization``;
+    the last is None unless the config has it, like ``sparse_attention``).
     ``mlflow`` is dsrun's own monitor section and ``dsrun_allow_unimplemented`` dsrun's own key; both are left
     out of :meth:`to_ds_dict` unless set (DeepSpeed ignores unknown top-level keys).
     """
