@@ -12,8 +12,9 @@ and ``weight.dequantizer`` to restore it; a forward dequantizes into a temporary
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ from torch import Tensor, nn
 
 QUANTIZED_ATTR = "weight_quantized"  # DeepSpeed's mark on a parameter holding the layout above
 FULL_SHAPE_ATTR = "ds_quantized_from_shape"  # the shape of the float weight it was quantized from
+_AS_FLOAT_ATTR = "ds_quantized_as_float"  # inside float_weights: the parameter holds its float weight for now
 STORAGE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # the layers whose ``weight`` zero.Init's quantized_initialization quantizes (their exact types, as DeepSpeed's)
 WEIGHT_QUANTIZATION_LAYERS = (nn.Linear, nn.Embedding)
@@ -148,6 +150,24 @@ def _quantize_param(param: nn.Parameter, quant_config: Mapping[str, Any]) -> Non
     setattr(param, FULL_SHAPE_ATTR, getattr(compat, FULL_SHAPE_ATTR))
     param.requires_grad_(False)
     setattr(param, QUANTIZED_ATTR, True)
+
+
+@contextlib.contextmanager
+def float_weights(params: Iterable[Tensor]) -> Iterator[None]:
+    """Inside the block each quantized parameter of ``params`` (whole: gathered, if ZeRO-3 partitioned it) holds its
+    dequantized float weight, and is quantized again from what the block left there on exit: an initialisation
+    that writes a quantized layer's weight (a ``torch.nn.init`` function, ``module.apply``) sets the values it
+    means instead of overwriting the codes' bytes. Other parameters are untouched."""
+    quantized = [p for p in params if getattr(p, QUANTIZED_ATTR, False) and not getattr(p, _AS_FLOAT_ATTR, False)]
+    for param in quantized:  # (one already inside an outer block stays that block's)
+        param.data = dequantized(param)
+        setattr(param, _AS_FLOAT_ATTR, True)
+    try:
+        yield
+    finally:
+        for param in quantized:
+            param.data = quantized_compat(param.data, param.quantizer, return_param=False)
+            delattr(param, _AS_FLOAT_ATTR)
 
 
 def wrap_quantized_functional(f: Callable[..., Tensor]) -> Callable[..., Tensor]:

@@ -44,7 +44,7 @@ import torch
 from dsrun import comm
 from dsrun.accelerator import get_accelerator
 from dsrun.comm.comm import ProcessGroup
-from dsrun.ops.groupwise_quant import (QUANTIZED_ATTR, WEIGHT_QUANTIZATION_LAYERS, _quantize_param,
+from dsrun.ops.groupwise_quant import (QUANTIZED_ATTR, WEIGHT_QUANTIZATION_LAYERS, _quantize_param, float_weights,
                                        install_quantized_functionals)
 from dsrun.zero import host_memory
 from dsrun.zero.partition_params import ParamStatus as ZeroParamStatus
@@ -196,10 +196,11 @@ def _zero_aware_init(original: Callable) -> Callable:
     def init_fn(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if isinstance(tensor, torch.nn.Parameter) and is_zero_param(tensor):
             if getattr(tensor, DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR, 0):  # a user's block holds it gathered
-                original(tensor, *args, **kwargs)
+                with float_weights([tensor]):  # a quantized weight takes the values, re-quantized
+                    original(tensor, *args, **kwargs)
                 keep_modified([tensor], 0)
                 return tensor
-            with GatheredParameters(tensor, modifier_rank=0):
+            with GatheredParameters(tensor, modifier_rank=0), float_weights([tensor]):
                 original(tensor, *args, **kwargs)
             return tensor
         return original(tensor, *args, **kwargs)
@@ -217,7 +218,7 @@ def _gathering(fn: Callable[[torch.nn.Module], None]) -> Callable[[torch.nn.Modu
         # a parameter a user's GatheredParameters block already holds stays that block's to release
         params = [p for p in module.parameters(recurse=False)
                   if is_zero_param(p) and not getattr(p, DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR, 0)]
-        with GatheredParameters(params, modifier_rank=0):
+        with GatheredParameters(params, modifier_rank=0), float_weights(params):  # quantized: re-quantized after
             fn(module)
 
     gathered_fn.wrapped = True  # type: ignore[attr-defined]

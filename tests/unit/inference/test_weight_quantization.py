@@ -152,3 +152,25 @@ def test_unknown_or_unsupported_keys_are_refused_with_one_line_each():
         (problem,) = validate_ds_config({**base, "weight_quantization": section})
         assert problem.path == path
     assert validate_ds_config({**base, "weight_quantization": {"quantized_initialization": {}}}) == []
+
+
+def test_an_initialisation_after_build_sets_a_quantized_weights_values():
+    """A parent that re-initialises its layers after they were built (``reset_parameters``, Hugging Face's
+    ``_init_weights`` through ``module.apply``) sets the values it means: the codes are re-quantized from them."""
+    from dsrun.zero import GatheredParameters, Init
+
+    class Parent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(32, 4)
+            nn.init.constant_(self.fc.weight, 0.5)  # each group constant: comes back exactly
+            self.apply(lambda m: m.weight.data[:, :16].fill_(-2.0) if isinstance(m, nn.Linear) else None)
+
+    config = {"zero_optimization": {"stage": 3},
+              "weight_quantization": {"quantized_initialization": {"num_bits": 4, **RULE}}}
+    with Init(config_dict_or_path=config):
+        model = Parent()
+    with GatheredParameters(model.fc.weight):
+        assert model.fc.weight.weight_quantized
+        assert torch.equal(dequantized(model.fc.weight)[:, :16], torch.full((4, 16), -2.0))
+        assert torch.equal(dequantized(model.fc.weight)[:, 16:], torch.full((4, 16), 0.5))
