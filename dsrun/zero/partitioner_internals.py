@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from dsrun.comm import quantized
+from dsrun.ops.groupwise_quant import wrap_quantized_functional
 from dsrun.precision.torch_autocast import get_comm_dtype, has_comm_dtype
 from dsrun.zero import linear
 
@@ -159,7 +160,13 @@ def enable_memory_efficient_linear() -> None:
     ``InsertPostInitMethodToModuleSubClasses.linear_bk``, and ``F.linear`` is replaced only while it is still that
     function, so a wrapper installed over ZeRO-3's linear since (weight quantization's) is kept. Idempotent."""
     base = InsertPostInitMethodToModuleSubClasses
+    current = F.linear
+    # weight quantization's wrapper over torch's linear (an engine without ZeRO-3 installed it): ZeRO-3's linear
+    # goes under it, so quantized weights are still dequantized
+    quantized_over = current.__wrapped__ if getattr(current, "_ds_quantized", False) else None
     if not hasattr(base, "linear_bk"):
-        base.linear_bk = F.linear
-    if F.linear is base.linear_bk:
+        base.linear_bk = quantized_over or current
+    if current is base.linear_bk:
         F.linear = linear.zero3_linear_wrap
+    elif quantized_over is not None and quantized_over is base.linear_bk:
+        F.linear = wrap_quantized_functional(linear.zero3_linear_wrap)

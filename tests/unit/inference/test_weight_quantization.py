@@ -174,3 +174,22 @@ def test_an_initialisation_after_build_sets_a_quantized_weights_values():
         assert model.fc.weight.weight_quantized
         assert torch.equal(dequantized(model.fc.weight)[:, :16], torch.full((4, 16), -2.0))
         assert torch.equal(dequantized(model.fc.weight)[:, 16:], torch.full((4, 16), 0.5))
+
+
+def test_a_checkpoint_resumes_the_codes_at_stages_0_and_3(tmp_path):
+    """The quantized layout is saved and loaded as it is (not quantized twice), and a ZeRO-3 engine after one
+    without ZeRO-3 in the same process still dequantizes (ZeRO-3's linear goes under the quantized wrapper)."""
+    ids = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(0))
+    for stage in (0, 3):
+        config = _config({"quantized_initialization": {"num_bits": 4, **RULE}}, zero_optimization={"stage": stage})
+        torch.manual_seed(0)
+        engine = dsrun.initialize(model=Net(), config=config)[0]
+        engine.backward(engine(ids))
+        engine.step()
+        engine.save_checkpoint(str(tmp_path / str(stage)), tag="t")
+        torch.manual_seed(1)
+        resumed = dsrun.initialize(model=Net(), config=config)[0]
+        resumed.load_checkpoint(str(tmp_path / str(stage)), tag="t")
+        for saved, loaded in zip(engine.module.state_dict().values(), resumed.module.state_dict().values()):
+            assert torch.equal(saved.view(torch.uint8), loaded.view(torch.uint8))
+        assert torch.equal(engine(ids), resumed(ids))
