@@ -12,7 +12,7 @@ Defaults that follow DeepSpeed rather than the documentation (config-keys.md §6
 """
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BeforeValidator, Field
 
@@ -319,3 +319,9 @@ class WeightQuantConfig(Section):
     @property
     def active(self) -> bool:
         return self.enabled and (self.quantized_initialization is not None or bool(self.post_init_quant))
+
+    def to_ds_dict(self) -> dict[str, Any]:
+        out = super().to_ds_dict()
+        if "quantized_initialization" in out and out["quantized_initialization"] is None:
+            out["quantized_initialization"] = {}  # DeepSpeed's "off" (its field is a dict: null fails there)
+        return out

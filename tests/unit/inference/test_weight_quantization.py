@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dsrun
-from dsrun.config import validate_ds_config
+from dsrun.config import load_ds_config, validate_ds_config
 from dsrun.inference.quantization import QuantizedLinear
 from dsrun.ops.groupwise_quant import dequantized
 from dsrun.zero.partitioner_internals import InsertPostInitMethodToModuleSubClasses
@@ -152,6 +152,8 @@ def test_unknown_or_unsupported_keys_are_refused_with_one_line_each():
         (problem,) = validate_ds_config({**base, "weight_quantization": section})
         assert problem.path == path
     assert validate_ds_config({**base, "weight_quantization": {"quantized_initialization": {}}}) == []
+    written = load_ds_config({**base, "weight_quantization": {"quantized_initialization": {}}}, 1).to_ds_dict()
+    assert written["weight_quantization"] == {"quantized_initialization": {}}  # DeepSpeed's "off": a dict, not null
 
 
 def test_an_initialisation_after_build_sets_a_quantized_weights_values():
