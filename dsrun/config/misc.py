@@ -293,13 +293,14 @@ def _empty_is_unset(value: RawValue) -> RawValue:
 
 
 class GroupWiseQuantRule(Section):
-    """One group-wise weight quantization rule of ``weight_quantization`` (DeepSpeed reads all four keys; it
-    supports asymmetric quantization only). Each group of ``group_size`` values along ``group_dim`` of a weight
-    gets its own minimum and scale."""
+    """One group-wise weight quantization rule of ``weight_quantization`` (DeepSpeed supports asymmetric
+    quantization only). Each group of ``group_size`` values along ``group_dim`` of a weight gets its own minimum and
+    scale. DeepSpeed's quantizer needs ``group_dim`` too (a KeyError without it); dsrun defaults it to 1, a
+    weight's last dimension (along its input features), which DeepSpeed's examples use and its CUDA kernel needs."""
 
     num_bits: Literal[4, 8]
     group_size: PosInt
-    group_dim: NonNegInt
+    group_dim: NonNegInt = 1
     symmetric: Literal[False] = False
 
 

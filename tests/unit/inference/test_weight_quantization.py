@@ -152,6 +152,8 @@ def test_unknown_or_unsupported_keys_are_refused_with_one_line_each():
         (problem,) = validate_ds_config({**base, "weight_quantization": section})
         assert problem.path == path
     assert validate_ds_config({**base, "weight_quantization": {"quantized_initialization": {}}}) == []
+    (missing,) = validate_ds_config({**base, "weight_quantization": {"post_init_quant": {"fc": {"num_bits": 8}}}})
+    assert missing.path == "weight_quantization.post_init_quant.fc.group_size"  # group_dim defaults to 1
     written = load_ds_config({**base, "weight_quantization": {"quantized_initialization": {}}}, 1).to_ds_dict()
     assert written["weight_quantization"] == {"quantized_initialization": {}}  # DeepSpeed's "off": a dict, not null
 
