@@ -310,10 +310,15 @@ class WeightQuantConfig(Section):
     stored quantized from the moment it is built (``zero.Init`` with this config, before partitioning) or, for a
     model built without it, when ``dsrun.initialize`` takes the model. ``post_init_quant``: the layers whose name
     contains a key are replaced by quantized layers (``_init_group_wise_weight_quantization``; ``dsrun.initialize``
-    applies it too). ``enabled: false`` turns both off (DeepSpeed reads neither ``enabled`` nor the section's own
-    ``num_bits``/``q_type``/``q_groups``, which dsrun refuses as unknown keys)."""
+    applies it too). ``enabled: false`` turns both off (DeepSpeed does not read it). The section's own ``num_bits``/``q_type``/
+    ``q_groups`` (DeepSpeed's ``BaseQuantConfig``) are accepted and, as in DeepSpeed, act nowhere: the rules' keys
+    do."""
 
     enabled: bool = True
+    # BaseQuantConfig's: DeepSpeed reads them into this section and uses them nowhere (each rule has its own)
+    num_bits: PosInt = 8
+    q_type: Literal["symmetric", "asymmetric"] = "symmetric"
+    q_groups: PosInt = 1
     quantized_initialization: Annotated[GroupWiseQuantRule | None, BeforeValidator(_empty_is_unset)] = None
     post_init_quant: dict[str, GroupWiseQuantRule] = Field(default_factory=dict)
 

@@ -212,6 +212,11 @@ def _weight_quantization() -> list[Entry]:
             "group_dim": "the weight dimension the groups run along",
             "symmetric": "false: asymmetric min/scale quantization (true is refused, as DeepSpeed asserts)"}
     entries = [done(f"{wq}.enabled", "false: nothing is quantized (DeepSpeed does not read it)", init, traced=False)]
+    unused = ("DeepSpeed reads it into WeightQuantConfig (its BaseQuantConfig field) and uses it nowhere: the bits "
+              "and groups are each rule's (quantized_initialization.*, post_init_quant.*.*)")
+    entries += [design(f"{wq}.{key}", meaning, unused) for key, meaning in (
+        ("num_bits", "bits of the section (unused)"), ("q_type", "symmetric or asymmetric (unused)"),
+        ("q_groups", "groups of the section (unused)"))]
     entries += [done(f"{wq}.quantized_initialization.{key}", f"every nn.Linear/nn.Embedding weight stored quantized "
                      f"from its build (zero.Init) or at initialize: {meaning}", init, zero_init, refused, traced=False)
                 for key, meaning in rule.items()]

@@ -59,8 +59,9 @@ def test_an_implemented_key_names_tests_that_exist_and_change_it(key):
 
 def test_keys_without_effect_are_few_and_justified():
     by_design = {k: e for k, e in LEDGER.items() if e.status == Status.BY_DESIGN}
-    # 16 of ~430: the two quantizer kernels, related_modules x3, disable_allgather (DeepSpeed reads it nowhere) ...
-    assert len(by_design) <= 16, sorted(by_design)
+    # 19 of ~440: the two quantizer kernels, related_modules x3, disable_allgather (DeepSpeed reads it nowhere),
+    # weight_quantization's num_bits/q_type/q_groups (DeepSpeed reads them into its section and uses them nowhere) ...
+    assert len(by_design) <= 19, sorted(by_design)
     for key, entry in by_design.items():
         assert len(entry.reason) >= 40, f"{key}: say why it needs no effect"
 

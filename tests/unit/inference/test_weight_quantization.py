@@ -142,7 +142,7 @@ def test_zero_init_quantizes_each_weight_before_partitioning_it():
 def test_unknown_or_unsupported_keys_are_refused_with_one_line_each():
     base = {"train_micro_batch_size_per_gpu": 1}
     rule = {"num_bits": 8, **RULE}
-    for section, path in [({"num_bits": 8}, "weight_quantization.num_bits"),
+    for section, path in [({"bits": 8}, "weight_quantization.bits"),
                           ({"quantized_initialization": {**rule, "bits": 8}},
                            "weight_quantization.quantized_initialization.bits"),
                           ({"post_init_quant": {"fc": {**rule, "num_bits": 3}}},
