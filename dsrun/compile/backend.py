@@ -28,8 +28,6 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.fx import GraphModule
 
-from dsrun import comm as dist
-from dsrun.accelerator import get_accelerator
 from dsrun.compile.graph_param import DSGraphParamManager
 from dsrun.compile.handle import get_deepcompile_handle
 from dsrun.compile.input_storage import InputStorage
@@ -42,6 +40,7 @@ from dsrun.compile.passes.free_activation import add_free_activations, get_activ
 from dsrun.compile.passes.graph_edit import is_backward
 from dsrun.compile.profilers import ProfilingResult
 from dsrun.compile.profilers.graph_profile import annotate, memory_records
+from dsrun.compile.util import reduce_over_ranks
 from dsrun.utils.logging import log_dist
 
 SUPPORTED_BACKENDS = ("inductor", "eager", "aot_eager")
@@ -60,14 +59,7 @@ def log_rank0(message: str) -> None:
 def _sync_memory_profile_complete(profile_complete: bool) -> bool:
     """Whether every rank's profile of a graph is complete (a MIN over the ranks; this rank's alone without a
     process group): a planning pass must take the same decision on all of them, or their collectives part."""
-    if not dist.is_initialized():
-        return profile_complete
-    device = get_accelerator().current_device()
-    if isinstance(device, int):  # an index (dsrun's accelerator, as DeepSpeed's): its device by name
-        device = get_accelerator().current_device_name()
-    flag = torch.tensor([1 if profile_complete else 0], device=torch.device(device))
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+    return bool(reduce_over_ranks([int(profile_complete)], "MIN", torch.int64)[0])
 
 
 def init_schedule(schedule: Sequence[tuple[int, list[Callable]]]) -> None:

@@ -33,13 +33,12 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from dsrun import comm as dist
 from dsrun.accelerator import Accelerator, get_accelerator
 from dsrun.compile.ops import GATHERS
 from dsrun.compile.graph_param import DSGraphParamManager
 from dsrun.compile.profilers import ProfilingResult
 from dsrun.compile.passes.contract import PassContract
-from dsrun.compile.util import get_no_copy_ops, print_rank_0
+from dsrun.compile.util import get_no_copy_ops, print_rank_0, reduce_over_ranks
 
 if TYPE_CHECKING:
     from dsrun.config.misc import CompileConfig
@@ -152,35 +151,17 @@ def _measured_margin(accelerator: Accelerator) -> float:
     return min(max(slack, MIN_MEASURED_MARGIN), MAX_MEASURED_MARGIN)
 
 
-def _device() -> torch.device:
-    accelerator = get_accelerator()
-    device = accelerator.current_device()
-    if isinstance(device, int):  # an index (dsrun's accelerator, as DeepSpeed's): the device by name
-        name = getattr(accelerator, "current_device_name", None)
-        device = name() if name is not None else (f"cuda:{device}" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def _all_reduce(value: float, op_name: str) -> float:
-    """``value`` reduced over the ranks with ``ReduceOp.<op_name>`` (this rank's alone without a process group)."""
-    if not dist.is_initialized():
-        return float(value)
-    flag = torch.tensor([float(value)], device=_device())
-    dist.all_reduce(flag, getattr(dist.ReduceOp, op_name))
-    return flag[0].item()
-
-
 def _memory_budget() -> float:
     override = os.environ.get("DS_DC_OFFLOAD_ACT_BUDGET_GB")
     if override is not None:
         return float(override) * 1e9
     accelerator = get_accelerator()
-    return _all_reduce(accelerator.total_memory() * (1 - _measured_margin(accelerator)), "MIN")
+    return reduce_over_ranks([accelerator.total_memory() * (1 - _measured_margin(accelerator))], "MIN")[0]
 
 
 def _agree_on_floor_peak(floor_peak: int) -> float:
     """The busiest rank's floor: every rank must make the same plan."""
-    return _all_reduce(floor_peak, "MAX")
+    return reduce_over_ranks([floor_peak], "MAX")[0]
 
 
 def _min_offload_size() -> int:

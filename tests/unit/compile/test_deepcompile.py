@@ -539,3 +539,19 @@ def test_the_aot_arguments_run_the_graph_maker_then_the_compiler() -> None:
     assert all(n.meta["ac_graph_id"] == 1 for n in graph.nodes)  # what min-cut reads of a recomputed node
     untouched = {"fw_compiler": compiler}  # no partitioner (torch_xla's shape): left as it is
     assert not _patch_deepcompile_aot_kwargs(untouched, **common) and untouched == {"fw_compiler": compiler}
+
+
+def test_planning_figures_agree_over_the_ranks_without_a_collective_under_the_fake_mode(world_of_one) -> None:
+    """The passes reduce their figures (profile complete, memory budgets) while a graph compiles, under the
+    compiler's fake mode: they come back as plain numbers, and a world of one sends nothing (a gloo all-reduce
+    dispatched through the fake mode hung this file's free_activation test in CI)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dsrun import comm
+    from dsrun.compile.util import reduce_over_ranks
+
+    before = comm.get_comms_stats().get("all_reduce", {}).get("count", 0)
+    with FakeTensorMode():
+        assert reduce_over_ranks([3, 1], "MIN", torch.int64) == [3, 1]
+        assert backend_mod._sync_memory_profile_complete(False) is False
+    assert comm.get_comms_stats().get("all_reduce", {}).get("count", 0) == before
