@@ -152,10 +152,10 @@ class _Shards:
                     part = p.ds_partition_numel
                     local = grad[off:off + part]
                     world = comm.get_world_size(matrix.process_group)
-                    whole = local.to(self.device)
+                    whole = on_device = local.to(self.device)
                     if world > 1:
                         whole = torch.empty(part * world, dtype=local.dtype, device=self.device)
-                        comm.all_gather_into_tensor(whole, local.to(self.device), group=matrix.process_group)
+                        comm.all_gather_into_tensor(whole, on_device, group=matrix.process_group)
                     start = comm.get_rank(matrix.process_group) * part
                     yield matrix, whole[:matrix.numel].view(matrix.shape), _Flat._writer(local, start, 0,
                                                                                           matrix.numel)
