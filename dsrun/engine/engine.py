@@ -140,8 +140,9 @@ class DeepSpeedEngine(torch.nn.Module):
 
         self.precision: PrecisionStrategy = build_precision(config.fp16, config.bf16, config.zero_optimization.stage)
         model.to(self.device)
-        if self.precision.model_dtype != torch.float32:  # data_types.buffer_dtype: the buffers' own cast
-            cast_model(model, self.precision.model_dtype, config.data_types.buffer_dtype)
+        # data_types.buffer_dtype and keep_in_fp32_modules: the casts' own rules (dsrun/precision/keep_fp32.py)
+        self.fp32_islands = None if self.precision.model_dtype == torch.float32 else cast_model(
+            model, self.precision.model_dtype, config.data_types.buffer_dtype, config.data_types.keep_in_fp32_modules)
         self.module = model
         self._broadcast_model()
         if self.torch_autocast_enabled():  # the torch_autocast section: comm dtypes of the safe modules' params

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dsrun.precision.keep_fp32 import Fp32Islands, keep_fp32, kept_names
 from dsrun.precision.loss_scaler import DynamicLossScaler, LossScaler
 
 if TYPE_CHECKING:
@@ -131,19 +132,26 @@ def _cast_floats(value: object, dtype: torch.dtype) -> Any:
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def cast_model(module: torch.nn.Module, dtype: torch.dtype, buffer_dtype: str | None = None) -> None:
+def cast_model(module: torch.nn.Module, dtype: torch.dtype, buffer_dtype: str | None = None,
+               keep_in_fp32: str | list[str] = "auto") -> Fp32Islands | None:
     """Cast ``module`` to the 16-bit ``dtype`` (``module.to``, buffers too). ``data_types.buffer_dtype``
     (``fp32``/``fp16``/``bf16``) set: every floating-point buffer is then cast to it from its loaded value
     (DeepSpeed's ``_cast_module_mixed_precision``: with ``fp32`` a rotary table stays exact, never rounded
-    through ``dtype``)."""
-    loaded = dict(module.named_buffers())  # module.to replaces the buffer tensors: these keep the loaded values
+    through ``dtype``). The parameters and buffers ``keep_in_fp32`` names (``data_types.keep_in_fp32_modules``,
+    :mod:`dsrun.precision.keep_fp32`) then get their loaded values back in fp32; the modules a list makes wholly
+    fp32 get the forward hooks returned (None for "auto", which the model's own code serves)."""
+    kept = kept_names(module, keep_in_fp32, dtype)
+    # module.to replaces the buffer tensors: these keep the loaded values
+    loaded = dict(module.named_buffers(remove_duplicate=False))
+    loaded.update((n, p.detach().clone()) for n, p in module.named_parameters(remove_duplicate=False) if n in kept)
     module.to(dtype=dtype)
-    if buffer_dtype is None:
-        return
-    target = _DTYPES[buffer_dtype]
-    for name, buffer in module.named_buffers():
-        if loaded[name].is_floating_point():
-            buffer.data = loaded[name].to(device=buffer.device, dtype=target)
+    if buffer_dtype is not None:
+        target = _DTYPES[buffer_dtype]
+        for name, buffer in module.named_buffers():
+            if loaded[name].is_floating_point():
+                buffer.data = loaded[name].to(device=buffer.device, dtype=target)
+    keep_fp32(module, kept, loaded)
+    return Fp32Islands(module, kept, dtype) if kept and keep_in_fp32 != "auto" else None
 
 
 def build_precision(fp16: FP16Config | None = None, bf16: BF16Config | None = None,

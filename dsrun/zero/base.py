@@ -26,6 +26,7 @@ from dsrun.checkpoint.layout import CheckpointLayout, layout_for_stage
 from dsrun.optim.rank_state import RangeRead, read_in_memory
 from dsrun.offload.flat_store import DeviceFlatStore
 from dsrun.offload.pipeline import PipelineTimes
+from dsrun.precision.keep_fp32 import split_kept
 from dsrun.precision.strategy import PrecisionStrategy
 
 from dsrun.zero.averaging import gradient_averaging
@@ -375,6 +376,7 @@ class FlatStrategy(ZeroStrategy):
         # zero_optimization.parameter_alignment (stages 1-2): each parameter starts 16-byte aligned (layout.py)
         aligned = self.partitioned and ctx.zero_config.parameter_alignment
         starts = parameter_alignment(self.model_dtype) if aligned else 1
+        param_groups = []
         for param_group in self._optimizer.param_groups:
             params = []
             for p in param_group["params"]:
@@ -384,8 +386,11 @@ class FlatStrategy(ZeroStrategy):
                 params.append(p)
             group, size, rank = ctx.process_group_of(params)
             alignment = self.alignment_per_rank * size if self.alignment_per_rank else 1
-            self.groups.append(flatten_params(params, self.model_dtype, ctx.device, alignment, size, group, rank,
-                                              starts))
+            # data_types.keep_in_fp32_modules: the kept parameters flat in fp32, in a param group of their own
+            for dtype, subset in split_kept(params, self.model_dtype):
+                self.groups.append(flatten_params(subset, dtype, ctx.device, alignment, size, group, rank, starts))
+                param_groups.append({**param_group, "params": subset})
+        self._optimizer.param_groups[:] = param_groups
         if starts > 1:
             self.param_alignment_paddings = [list(g.paddings) for g in self.groups]
         self.store = self._make_store(ctx)  # where the masters, their gradients and states live
@@ -477,6 +482,10 @@ class FlatStrategy(ZeroStrategy):
                 self._reduce(bucket, async_op=False)
         for bucket in self.queue.buckets:
             self._complete(bucket)
+
+    def _comm_dtype_of(self, group: FlatGroup) -> torch.dtype:
+        """The dtype ``group``'s gradients are reduced in: fp32 for fp32-kept parameters (keep_in_fp32_modules)."""
+        return self.comm_dtype if group.flat_param.dtype == self.model_dtype else torch.float32
 
     def _divide_before_reduce(self, tensor: torch.Tensor) -> None:
         self.averaging.before(tensor)

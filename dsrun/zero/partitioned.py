@@ -121,8 +121,9 @@ class PartitionedStrategy(StatesOffload, FlatStrategy):
             bucket.handles.append((None, out, out))
             return
         pieces = self._owned_slices(group, bucket)
-        if self.comm_dtype != source.dtype:
-            source = source.to(self.comm_dtype)
+        comm_dtype = self._comm_dtype_of(group)
+        if comm_dtype != source.dtype:
+            source = source.to(comm_dtype)
         lo, hi = pieces[group.rank]
         if not self.ctx.reduce_scatter:
             target = source
@@ -136,7 +137,7 @@ class PartitionedStrategy(StatesOffload, FlatStrategy):
                                        group=group.process_group, async_op=async_op)
                     bucket.handles.append((work, source[a:b], out if r == group.rank else None))
             return
-        target = out if out.dtype == self.comm_dtype else torch.empty(hi - lo, dtype=self.comm_dtype, device=out.device)
+        target = out if out.dtype == comm_dtype else torch.empty(hi - lo, dtype=comm_dtype, device=out.device)
         inputs = [source[a:b] for a, b in pieces]
         bucket.handles.append((comm.reduce_scatter(target, inputs, group=group.process_group, async_op=async_op),
                                target, out))
@@ -157,7 +158,8 @@ class PartitionedStrategy(StatesOffload, FlatStrategy):
         with torch.no_grad():
             for gi, (group, master) in enumerate(zip(self.groups, self.masters)):
                 chunk = max(1, int(self.ctx.allgather_bucket_size) // group.world_size)
-                part = self.store.published(gi, master, group.world_size)
+                part = self.store.published(gi, master, group.world_size) if group.flat_param.dtype == \
+                    self.model_dtype else master.detach().to(group.flat_param.device, group.flat_param.dtype)
                 if group.world_size == 1:
                     if part.data_ptr() != group.flat_param.data_ptr():
                         group.flat_param.copy_(part)
@@ -215,9 +217,8 @@ class Stage1Strategy(PartitionedStrategy):
             self.groups, accumulation, self.grads.flats, self.grads.views)
         if accumulation is not None:
             self.comm_dtype = accumulation.reduce_dtype or self.model_dtype
-        held = self.model_dtype if accumulation is None else accumulation.dtype
-        self.partition_grads = [torch.zeros(g.partition_numel, dtype=held, device=self.ctx.device)
-                                for g in self.groups]
+        self.partition_grads = [torch.zeros(g.partition_numel, dtype=g.flat_param.dtype if accumulation is None
+                                            else accumulation.dtype, device=self.ctx.device) for g in self.groups]
         # a second boundary backward before the step (a GAN's real and fake losses): the partition already
         # holds the first reduction, so the next one is added to it and the flat buffer starts from zero
         self._reduced_since_step = False
@@ -315,7 +316,7 @@ class Stage2Strategy(PartitionedStrategy):
         self.master_grads = self.store.gradients([g.partition_numel for g in self.groups],
                                                  dtype=None if accumulation is None else accumulation.dtype)
         self._step_copies: list[torch.Tensor] = []
-        self._pool: dict[int, list[torch.Tensor]] = {}
+        self._pool: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
         self._ready: set[tuple[int, int]] = set()
         for group in self.groups:
             for p in group.params:
@@ -335,21 +336,21 @@ class Stage2Strategy(PartitionedStrategy):
         for buffer in buffers:
             self._give_back(buffer)
 
-    def _take(self, numel: int) -> torch.Tensor:
-        free = self._pool.get(numel)
-        return free.pop() if free else torch.empty(numel, dtype=self.model_dtype, device=self.ctx.device)
+    def _take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        free = self._pool.get((numel, dtype))
+        return free.pop() if free else torch.empty(numel, dtype=dtype, device=self.ctx.device)
 
     def _give_back(self, buffer: torch.Tensor | None) -> None:
         if buffer is not None:
-            free = self._pool.setdefault(buffer.numel(), [])
+            free = self._pool.setdefault((buffer.numel(), buffer.dtype), [])
             if len(free) < self.POOLED_BUFFERS_PER_SIZE:
                 free.append(buffer)
 
     def _staging(self, bucket: Bucket) -> torch.Tensor:
         if bucket.staging is None:
             # contiguous_gradients: each bucket's gradients are packed into one buffer as they arrive
-            bucket.staging = self._take(bucket.numel)
             group = self.groups[bucket.group_index]
+            bucket.staging = self._take(bucket.numel, group.flat_param.dtype)
             if bucket.end > group.numel:  # the alignment padding at the end of the group
                 bucket.staging[max(0, group.numel - bucket.start):].zero_()
             for lo, hi in group.gaps:  # parameter_alignment's zeros between parameters
@@ -392,7 +393,8 @@ class Stage2Strategy(PartitionedStrategy):
                         piece.copy_(param.grad.reshape(-1)[lo - off:hi - off])
                         if off >= bucket.start:  # buckets run from the end: this is its last piece
                             param.grad = None
-        bucket.received = self._take(self._owned_part(self.master_grads, bucket).numel())
+        bucket.received = self._take(self._owned_part(self.master_grads, bucket).numel(),
+                                     self.groups[bucket.group_index].flat_param.dtype)
         self._reduce_bucket(bucket, staging, bucket.received, async_op=async_op)
 
     def _complete(self, bucket: Bucket) -> None:

@@ -47,6 +47,7 @@ from dsrun.zero.hooks import ParameterCoordinator, gathered_together, iter_uniqu
 from dsrun.zero.partition_params import full_tensor, is_zero_param, partition_param, shard_padding
 from dsrun.zero.whole_params import WholeParameters, keeps_whole
 from dsrun.offload import param_swapper
+from dsrun.precision.keep_fp32 import is_kept
 from dsrun.offload.pipeline import PipelineTimes
 from dsrun.offload.settings import OffloadOptimizerSettings
 from dsrun.offload.shard_store import ShardContext, ShardPlacement, SubGroup
@@ -151,7 +152,7 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
         wanted = self.ctx.zero_config.offload_param.device
         for p in self.params:
             floating = p.is_floating_point() or (is_zero_param(p) and p.ds_tensor.is_floating_point())
-            dtype = self.model_dtype if floating else None
+            dtype = (torch.float32 if is_kept(p) else self.model_dtype) if floating else None  # keep_in_fp32_modules
             if is_zero_param(p):
                 owner = param_swapper.offload_of(p)
                 if owner is not None:  # built under zero.Init(remote_device=...): its shard is offloaded

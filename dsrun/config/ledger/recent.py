@@ -52,8 +52,6 @@ TP_COMPILE = "tests/unit/tensor_parallel/test_compile_pass.py::"
 GRAPH_EDITS = "tests/unit/compile/test_graph_edits.py::"
 SWAP = "tests/unit/offload/test_swap_traffic.py::"
 LEAF_PROOF = "tests/unit/zero3/test_leaf_modules.py::test_the_config_leaf_module_section_flags_leaves_at_stage_3"
-DTYPES = Feature("per-module fp32 buffers (not a DeepSpeed key: its data_types has param_dtype and buffer_dtype)",
-                 "remove keep_in_fp32_modules; data_types.buffer_dtype: fp32 keeps every buffer fp32")
 DTYPES_TESTS = "tests/unit/runtime/test_data_types.py::"
 
 
@@ -91,8 +89,14 @@ ENTRIES: list[Entry] = [
          traced=False),  # checked by the config layer, which the tracer does not count
     done("data_types.buffer_dtype", "with fp16/bf16: cast every floating-point buffer to this dtype after the "
          "model's cast (null: buffers take the model's dtype)", f"{DTYPES_TESTS}test_buffer_dtype_casts_the_buffers"),
-    # not a DeepSpeed key: 0.19.6's data_types has grad_accum_dtype, param_dtype and buffer_dtype only
-    todo("data_types.keep_in_fp32_modules", "modules whose buffers stay fp32", DTYPES),
+    # not a DeepSpeed key (0.19's data_types has grad_accum_dtype, param_dtype and buffer_dtype only): Hugging Face's
+    # _keep_in_fp32_modules, matched as transformers matches it (dsrun/precision/keep_fp32.py)
+    done("data_types.keep_in_fp32_modules", "with fp16/bf16: the parameters and buffers whose names match an entry "
+         "(Hugging Face's rule) stay fp32 through the model's cast and the ZeRO stages' copies; \"auto\": the "
+         "model's own _keep_in_fp32_modules(_strict), as Hugging Face applies them; a listed module wholly fp32 "
+         "computes in fp32 and returns its caller's dtype",
+         f"{DTYPES_TESTS}test_keep_in_fp32_modules_keeps_the_listed_modules_fp32",
+         "tests/integration/test_keep_in_fp32_modules.py::test_kept_modules_train_fp32_at_zero_stages"),
     todo("aio.use_gds", "NVIDIA GPUDirect Storage for NVMe I/O", Feature("GPUDirect Storage (CUDA)",
                                                                         "leave use_gds false")),
     done("hybrid_engine.enable_cuda_graph", "replay the decode steps of a generate from CUDA graphs; refused with "

@@ -45,3 +45,65 @@ def test_buffer_dtype_casts_the_buffers():
     assert torch.equal(kept.module.inv_freq, WithBuffers().inv_freq)  # exact, not a bf16 round trip
     assert kept.module.mask.dtype == torch.bool  # not floating point: never cast
     assert _engine({"buffer_dtype": "bf16"}, "fp16").module.inv_freq.dtype == torch.bfloat16
+
+
+class Island(torch.nn.Module):
+    """A module wholly kept fp32: it records the dtype its forward receives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.register_buffer("scale", torch.full((4,), 1.0 + 2.0 ** -12))  # rounds to 1.0 in bf16
+        self.seen: list[torch.dtype] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(x.dtype)
+        return self.proj(x) * self.scale
+
+
+class WithIsland(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.mid, self.last = torch.nn.Linear(4, 4), Island(), torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(self.mid(self.first(x)))
+
+
+def _t5():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    return T5ForConditionalGeneration(T5Config(vocab_size=32, d_model=8, d_kv=4, d_ff=16, num_layers=1,
+                                               num_heads=2, decoder_start_token_id=0))
+
+
+def test_keep_in_fp32_modules_keeps_the_listed_modules_fp32():
+    from dsrun.utils.errors import ConfigError
+
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "bf16": {"enabled": True}, "data_types": {"keep_in_fp32_modules": ["mid"]}}
+    model = WithIsland()
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine = dsrun.initialize(model=model, config=config)[0]
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    assert dtypes == {"first.weight": torch.bfloat16, "first.bias": torch.bfloat16, "mid.proj.weight": torch.float32,
+                      "mid.proj.bias": torch.float32, "last.weight": torch.bfloat16, "last.bias": torch.bfloat16}
+    assert torch.equal(model.mid.proj.weight, initial["mid.proj.weight"])  # the loaded values, not a bf16 trip
+    assert model.mid.scale.dtype == torch.float32 and model.mid.scale[0] != 1.0
+    out = engine(torch.randn(3, 4, dtype=torch.bfloat16))
+    assert model.mid.seen == [torch.float32] and out.dtype == torch.bfloat16  # fp32 inside, the caller's outside
+    # Hugging Face's match: an entry is searched in the names; one that matches none is refused with the nearest
+    with pytest.raises(ConfigError) as refused:
+        dsrun.initialize(model=WithIsland(), config={**config, "data_types": {"keep_in_fp32_modules": ["mdi"]}})
+    assert str(refused.value).count("\n") == 0 and "'mdi'" in str(refused.value) and "mid" in str(refused.value)
+    # "auto": the model's own lists where Hugging Face applies them (T5's ["wo"]: under fp16, not bf16)
+    auto = {**config, "data_types": {}}
+    t5 = _t5()
+    dsrun.initialize(model=t5, config=auto)
+    assert {p.dtype for p in t5.parameters()} == {torch.bfloat16}
+    t5 = _t5()
+    dsrun.initialize(model=t5, config={**auto, "bf16": {"enabled": False}, "fp16": {"enabled": True}})
+    kept = {n for n, p in t5.named_parameters() if p.dtype == torch.float32}
+    assert kept and all(".wo." in n for n in kept) and len(kept) == 2  # the encoder's and the decoder's wo
+    assert {p.dtype for n, p in t5.named_parameters() if n not in kept} == {torch.float16}
