@@ -43,11 +43,13 @@ class DeviceFlatStore:
 
     def __init__(self, model_dtype: torch.dtype, device: torch.device, master_dtype: torch.dtype = torch.float32):
         self.model_dtype, self.device, self.master_dtype = model_dtype, device, master_dtype
+        self.partition_dtypes: list[torch.dtype] = []  # the model's partitions' (fp32 where keep_in_fp32_modules)
         self.times: PipelineTimes | None = None  # the last update's tile pipeline (offloaded)
 
     def masters(self, partitions: list[torch.Tensor]) -> list[torch.nn.Parameter]:
         """Masters (copies in ``master_dtype``) of the model's ``partitions`` (views of its flat buffers on the
         device)."""
+        self.partition_dtypes = [part.dtype for part in partitions]
         return [torch.nn.Parameter(part.detach().to(self.master_dtype).clone()) for part in partitions]
 
     def gradients(self, sizes: list[int], reduced: list[torch.Tensor] | None = None,
@@ -86,7 +88,8 @@ class DeviceFlatStore:
 
     def published(self, gi: int, master: torch.Tensor, world_size: int) -> torch.Tensor:
         """Partition ``gi``'s updated value in the model's dtype, on the device (the all-gather's input)."""
-        return master.detach() if self.model_dtype == master.dtype else master.detach().to(self.model_dtype)
+        dtype = self.partition_dtypes[gi]
+        return master.detach() if dtype == master.dtype else master.detach().to(dtype)
 
     def loaded(self, masters: list[torch.nn.Parameter]) -> None:
         """The masters were loaded from a checkpoint (before they are published)."""
@@ -128,9 +131,9 @@ class HostFlatStore(DeviceFlatStore):
         self._lp_staging: list[torch.Tensor] = []
 
     def masters(self, partitions: list[torch.Tensor]) -> list[torch.nn.Parameter]:
-        self.partitions = partitions
+        self.partitions, self.partition_dtypes = partitions, [part.dtype for part in partitions]
         if self.model_dtype != self.master_dtype and not self.direct_low_precision:
-            self._lp_staging = [self.host.empty(p.numel(), self.model_dtype) for p in partitions]
+            self._lp_staging = [self.host.empty(p.numel(), p.dtype) for p in partitions]
         masters = []
         for part in partitions:
             master = self.host.empty(part.numel(), self.master_dtype)
@@ -170,15 +173,16 @@ class HostFlatStore(DeviceFlatStore):
             for part, master in zip(self.partitions, masters):
                 part.copy_(master.detach())
             return
-        same_dtype = self.model_dtype == self.master_dtype  # fp32, or fp16 masters of an fp16 model
+        # fp32, or fp16 masters of an fp16 model (per partition: keep_in_fp32_modules' are fp32)
+        same_dtype = [dtype == self.master_dtype for dtype in self.partition_dtypes]
 
         def low(u: int, gi: int, a: int, b: int) -> torch.Tensor | None:
-            if same_dtype:
+            if same_dtype[gi]:
                 return None
             return (self.partitions[gi] if self.direct_low_precision else self._lp_staging[gi])[a:b]
 
         def store(u: int, gi: int, a: int, b: int) -> None:
-            if same_dtype:
+            if same_dtype[gi]:
                 self.partitions[gi][a:b].copy_(masters[gi].detach()[a:b], non_blocking=True)
             elif not self.direct_low_precision:
                 self.partitions[gi][a:b].copy_(self._lp_staging[gi][a:b], non_blocking=True)

@@ -107,6 +107,7 @@ class SwappedUnit:
     params_per_step: int
     group_index: int
     state_keys: tuple[str, ...] = ()  # the optimizer states of its param group (set by ``add_unit``)
+    kept_fp32: bool = False  # its shards are fp32 (data_types.keep_in_fp32_modules): they take the master itself
 
 
 class BufferPool:
@@ -390,7 +391,7 @@ class SwappedOptimizerState:
             if coef != 1.0:
                 grad.mul_(coef)
             self.steps[unit.index] += 1
-            low = slot.low_precision[:n] if slot.low_precision is not None else None
+            low = slot.low_precision[:n] if slot.low_precision is not None and not unit.kept_fp32 else None
             self.optimizer.update_tile(param_group(unit.group_index), slot.master[:n], grad,
                                        {name: as_dtype(slot.states[name], self.state_dtype, n)
                                         for name in unit.state_keys},

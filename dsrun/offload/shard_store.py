@@ -32,6 +32,7 @@ from dsrun.offload.pipeline import PipelineTimes, StepPipeline, scatter_to_shard
 from dsrun.offload.settings import (CPU_TILE_ELEMENTS, HostBuffers, OffloadOptimizerSettings, require_cpu_optimizer,
                                     require_master_optimizer)
 from dsrun.offload.state_moves import OffloadStateTypeEnum, StateTensor
+from dsrun.precision.keep_fp32 import is_kept
 
 if TYPE_CHECKING:
     from dsrun.offload.swap_store import SwapStore
@@ -57,6 +58,16 @@ class SubGroup:
     def placement(self) -> str:
         """``device``, ``cpu`` or ``nvme``."""
         return self.store.kind
+
+    @property
+    def kept_fp32(self) -> bool:
+        """Its parameters are fp32-kept ones (``data_types.keep_in_fp32_modules``): never mixed with others."""
+        return bool(self.params) and is_kept(self.params[0])
+
+    def takes(self, param: torch.nn.Parameter, size: int) -> bool:
+        """Whether ``param`` joins this sub-group of at most ``size`` elements (an empty one takes any)."""
+        fits = not self.numel or self.numel + param.ds_partition_numel <= size
+        return fits and (not self.params or is_kept(param) == self.kept_fp32)
 
     def add(self, param: torch.nn.Parameter) -> None:
         self.params.append(param)
@@ -357,12 +368,15 @@ class HostShardStore(DeviceShardStore):
 
         def store(u: int, j: int, a: int, b: int) -> None:
             sg = subs[j]
-            if self._lp_staging:
+            if self._lp_staging and not sg.kept_fp32:
                 scatter_to_shards(sg.params, sg.offsets, a, self._lp_staging[u % 2][:b - a])
             elif not self.aliased():
                 scatter_to_shards(sg.params, sg.offsets, a, sg.master.detach()[a:b])
 
-        low = (lambda u, j, a, b: self._lp_staging[u % 2][:b - a]) if self._lp_staging else None
+        def low(u: int, j: int, a: int, b: int) -> torch.Tensor | None:  # fp32-kept shards take the master itself
+            return None if subs[j].kept_fp32 else self._lp_staging[u % 2][:b - a]
+
+        low = low if self._lp_staging else None
         jobs = [(self.optimizer.param_groups[sg.group_index], sg.master) for sg in subs]
         self.times = tiled_cpu_step(self.pipeline, self.cpu_optimizer, jobs, self.tile, grad, low, store)
         if self.shard_ctx.device.type == "cuda":
@@ -399,7 +413,8 @@ class NvmeShardStore(DeviceShardStore):
 
     def place(self, index: int, sg: SubGroup) -> None:
         self.sub_groups.append((index, sg))
-        self.swapped.add_unit(SwappedUnit(index, sg.numel, len(sg.params), sg.group_index), _flat_shards(sg, HOST))
+        self.swapped.add_unit(SwappedUnit(index, sg.numel, len(sg.params), sg.group_index, kept_fp32=sg.kept_fp32),
+                              _flat_shards(sg, HOST))
         for p, off in zip(sg.params, sg.offsets):  # GatheredParameters writes through to the file
             p.ds_fp32_shard = SwappedShard(self.swapped, index, off, p.ds_partition_numel)
         # the optimizer's param is a placeholder with the right size and no storage

@@ -147,11 +147,13 @@ class FlatBufferPool:
         self.dtype, self.device, self.keep = dtype, device, keep
         self.buffers: list[torch.Tensor] = []
 
-    def take(self, numel: int) -> torch.Tensor:
-        fits = [i for i, b in enumerate(self.buffers) if b.numel() >= numel]
+    def take(self, numel: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``numel`` elements of ``dtype`` (None: the pool's; fp32 for keep_in_fp32_modules' gradients)."""
+        dtype = dtype or self.dtype
+        fits = [i for i, b in enumerate(self.buffers) if b.numel() >= numel and b.dtype == dtype]
         if fits:
             return self.buffers.pop(min(fits, key=lambda i: self.buffers[i].numel()))[:numel]
-        return torch.empty(numel, dtype=self.dtype, device=self.device)
+        return torch.empty(numel, dtype=dtype, device=self.device)
 
     def give(self, buffer: torch.Tensor) -> None:
         base = buffer if buffer._base is None else buffer._base

@@ -158,8 +158,7 @@ class PartitionedStrategy(StatesOffload, FlatStrategy):
         with torch.no_grad():
             for gi, (group, master) in enumerate(zip(self.groups, self.masters)):
                 chunk = max(1, int(self.ctx.allgather_bucket_size) // group.world_size)
-                part = self.store.published(gi, master, group.world_size) if group.flat_param.dtype == \
-                    self.model_dtype else master.detach().to(group.flat_param.device, group.flat_param.dtype)
+                part = self.store.published(gi, master, group.world_size)
                 if group.world_size == 1:
                     if part.data_ptr() != group.flat_param.data_ptr():
                         group.flat_param.copy_(part)

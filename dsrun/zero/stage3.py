@@ -130,8 +130,8 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
             for p, off in zip(sg.params, sg.offsets):
                 self._slot[id(p)] = (sg, off)
         # gradients waiting for a bucket, per group they are reduced over (experts: their expert-data group)
-        self._pending: dict[int, list[tuple[torch.nn.Parameter, torch.Tensor]]] = {}
-        self._pending_numel: dict[int, int] = {}
+        self._pending: dict[tuple[int, bool], list[tuple[torch.nn.Parameter, torch.Tensor]]] = {}
+        self._pending_numel: dict[tuple[int, bool], int] = {}  # (group, fp32-kept): those reduce in fp32
         # (work, output, [(param, offset)], input kept alive until the collective completes)
         self._inflight: list[tuple[Any, torch.Tensor, list[tuple[torch.nn.Parameter, int]], torch.Tensor]] = []
         self._armed = False
@@ -185,13 +185,13 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
         for gi, param_group in enumerate(self._optimizer.param_groups):
             current: SubGroup | None = None
             masters = []
-            for p in param_group["params"]:
+            for p in sorted(param_group["params"], key=is_kept):  # keep_in_fp32_modules: fp32 in sub-groups apart
                 if id(p) in seen or not p.requires_grad:
                     continue
                 if id(p) not in names:
                     raise ValueError("ZeRO stage 3: the optimizer holds a parameter that is not part of the model")
                 seen.add(id(p))
-                if current is None or (current.numel and current.numel + p.ds_partition_numel > self.sub_group_size):
+                if current is None or not current.takes(p, self.sub_group_size):
                     current = SubGroup(gi)
                     sub_groups.append(current)
                     masters.append(current)
@@ -286,7 +286,7 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
             self._accumulate_whole(param, grad)
             return
         self.coordinator.release_after_grad(param)
-        key = id(param.ds_process_group)
+        key = (id(param.ds_process_group), is_kept(param))
         self._pending.setdefault(key, []).append((param, grad))
         self._pending_numel[key] = self._pending_numel.get(key, 0) + param.ds_partition_numel * param.ds_world_size
         if self._pending_numel[key] >= self.reduce_bucket_numel:
@@ -297,17 +297,17 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
         accumulator at once, with the arithmetic a bucket does (the comm dtype, the averaging around the
         reduction) but no copy into a bucket."""
         averages = self.averaging.pre_divide != 1.0 or self.averaging.post_scale != 1.0
-        flat = grad.reshape(-1).to(self.comm_dtype, copy=averages)  # a copy when scaled: grad may be the user's
+        flat = grad.reshape(-1).to(torch.float32 if is_kept(param) else self.comm_dtype, copy=averages)  # copy: user's
         self.averaging.before(flat)
         self.averaging.after(flat)
         sg, offset = self._slot[id(param)]
         sg.store.accumulate(sg.index, sg, offset, flat)
 
-    def _launch_bucket(self, key: int) -> None:
+    def _launch_bucket(self, key: tuple[int, bool]) -> None:
         items, self._pending[key], self._pending_numel[key] = self._pending[key], [], 0
         group, world = items[0][0].ds_process_group, items[0][0].ds_world_size
         total = sum(p.ds_partition_numel for p, _ in items)
-        rows_flat = self._bucket_pool.take(world * total)
+        rows_flat = self._bucket_pool.take(world * total, torch.float32 if key[1] else None)
         rows = rows_flat.view(world, total)
         placed: list[tuple[torch.nn.Parameter, int]] = []
         off = 0
@@ -330,11 +330,11 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
         if world == 1:
             self._inflight.append((None, rows[0], placed, rows_flat))
         elif reduce_scatter is not None:  # the policy's own (ZeRO++'s quantized one), synchronous
-            out = self._bucket_pool.take(total)
+            out = self._bucket_pool.take(total, rows_flat.dtype)
             reduce_scatter(out, rows_flat, tuple(id(p) for p, _ in placed), self.precision.loss_scale)
             self._inflight.append((None, out, placed, rows_flat))
         else:
-            out = self._bucket_pool.take(total)
+            out = self._bucket_pool.take(total, rows_flat.dtype)
             work = comm.reduce_scatter_tensor(out, rows_flat, group=group,
                                               async_op=self.ctx.overlap_comm)
             self._inflight.append((work if self.ctx.overlap_comm else None, out, placed, rows_flat))

@@ -97,6 +97,11 @@ def test_keep_in_fp32_modules_keeps_the_listed_modules_fp32():
     with pytest.raises(ConfigError) as refused:
         dsrun.initialize(model=WithIsland(), config={**config, "data_types": {"keep_in_fp32_modules": ["mdi"]}})
     assert str(refused.value).count("\n") == 0 and "'mdi'" in str(refused.value) and "mid" in str(refused.value)
+    # 16-bit masters would step the kept tensors (proj.weight, proj.bias, scale) in 16 bits: refused
+    bf16_masters = {**config, "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True, "bf16": {
+        "enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}}
+    with pytest.raises(ConfigError, match="keep_in_fp32_modules: keeps 3 parameters and buffers fp32, but the master"):
+        dsrun.initialize(model=WithIsland(), config=bf16_masters)
     # "auto": the model's own lists where Hugging Face applies them (T5's ["wo"]: under fp16, not bf16)
     auto = {**config, "data_types": {}}
     t5 = _t5()
