@@ -94,7 +94,7 @@ def split_kept(params: list[torch.nn.Parameter], dtype: torch.dtype) -> list[tup
     return ([(dtype, rest)] if rest else []) + [(torch.float32, kept)]
 
 
-def _cast(value: Any, dtype: torch.dtype) -> Any:
+def _cast(value: object, dtype: torch.dtype) -> Any:
     if torch.is_tensor(value):
         return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
     if isinstance(value, (list, tuple)):
@@ -104,7 +104,7 @@ def _cast(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
-def _first_float_dtype(value: Any) -> torch.dtype | None:
+def _first_float_dtype(value: object) -> torch.dtype | None:
     if torch.is_tensor(value):
         return value.dtype if value.is_floating_point() else None
     items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
@@ -140,7 +140,7 @@ class Fp32Islands:
         self._came_in.append(_first_float_dtype((args, kwargs)) or self.model_dtype)
         return _cast(args, torch.float32), _cast(kwargs, torch.float32)
 
-    def _after(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    def _after(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: object) -> Any:
         return _cast(output, self._came_in.pop())
 
     def remove(self) -> None:
