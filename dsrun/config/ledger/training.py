@@ -33,7 +33,19 @@ MICS_HPZ = "tests/integration/test_mics_hpz.py::test_hpz_backward_gathers_stay_i
 MICS_HPZ_RESUME = "tests/integration/test_mics_hpz.py::test_mics_and_hpz_checkpoints_resume"
 APEX = Feature("it needs NVIDIA Apex on CUDA",
                "use \"bf16\": {\"enabled\": true} or \"fp16\": {\"enabled\": true} instead")
-FUSED = Feature("a DeepSpeed CUDA kernel path", "leave the key at its default")
+# DeepSpeed 0.19 (fp16/fused_optimizer.py step_fused_adam): the step is handed grads=, output_params=, scale= and
+# grad_norms=, the signature of Apex's pre-2019 FusedAdam alone (a CUDA kernel; DeepSpeed's own FusedAdam and torch's
+# optimizers take none of them)
+LEGACY_FUSION = Feature("the step signature of Apex's legacy FusedAdam (CUDA), which DeepSpeed's fp16 optimizer "
+                        "calls with the gradients, fp16 outputs and scale; no optimizer dsrun builds takes them",
+                        "leave legacy_fusion false")
+# DeepSpeed 0.19 (runtime/utils.py graph_process, bf16_optimizer.py): the bf16 stage-0 optimizer's gradient copy,
+# norm and clipping captured once and replayed; CPU_Accelerator's create_graph/capture_to_graph/replay_graph are
+# no-ops, so on a CPU DeepSpeed runs them on the first step only (later steps keep its cached norm buffer and
+# fp32 gradients from then)
+GRAPH_HARVESTING = Feature("CUDA graphs of DeepSpeed's bf16 stage-0 optimizer (gradient copy, norm, clipping "
+                           "replayed from a capture; CUDA-only, DeepSpeed's own CPU path replays nothing)",
+                           "leave graph_harvesting false")
 ENGINE = Feature("", "leave the key at its default")
 
 
@@ -63,7 +75,7 @@ ENTRIES: list[Entry] = [
                    "to initialize(optimizer=...))"
              for name in ("muadam", "muadamw", "musgd")}),
     done("optimizer.params", "the optimizer's constructor arguments", UNIT),
-    todo("optimizer.legacy_fusion", "DeepSpeed's legacy fused fp16 optimizer path (CUDA)", FUSED,
+    todo("optimizer.legacy_fusion", "DeepSpeed's legacy fused fp16 optimizer path (CUDA)", LEGACY_FUSION,
          applies=lambda cfg: cfg.fp16.enabled),
     done("scheduler.type", "the learning-rate schedule: a DeepSpeed schedule or a torch.optim.lr_scheduler class",
          UNIT),
@@ -363,7 +375,7 @@ ENTRIES: list[Entry] = [
     done("dataloader_drop_last", "drop the last incomplete micro-batch of training_data's loader", UNIT),
     done("vocabulary_size", "the model's vocabulary size: a size that is not a multiple of 8 gets DeepSpeed's "
          "warning (GPU tensor cores), the one thing DeepSpeed does with it", CONFIG, traced=False),
-    todo("graph_harvesting", "capture the step as a CUDA graph", FUSED),
+    todo("graph_harvesting", "capture the step as a CUDA graph", GRAPH_HARVESTING),
     done("use_data_before_expert_parallelism", "lay MoE expert groups out data-parallel first",
          "tests/unit/moe/test_engine_moe.py::test_use_data_before_expert_parallelism_sets_the_expert_layout",
          traced=False),  # read when the engine attaches MoE layers (the tracer's model has none)
