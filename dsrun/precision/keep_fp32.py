@@ -94,13 +94,15 @@ def split_kept(params: list[torch.nn.Parameter], dtype: torch.dtype) -> list[tup
     return ([(dtype, rest)] if rest else []) + [(torch.float32, kept)]
 
 
-def _cast(value: object, dtype: torch.dtype) -> Any:
+def cast_floats(value: object, dtype: torch.dtype) -> Any:
+    """``value`` (any object) with every floating-point tensor (also inside lists, tuples and dicts) cast to
+    ``dtype``."""
     if torch.is_tensor(value):
         return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
     if isinstance(value, (list, tuple)):
-        return type(value)(_cast(v, dtype) for v in value)
+        return type(value)(cast_floats(v, dtype) for v in value)
     if isinstance(value, dict):
-        return {k: _cast(v, dtype) for k, v in value.items()}
+        return {k: cast_floats(v, dtype) for k, v in value.items()}
     return value
 
 
@@ -138,10 +140,10 @@ class Fp32Islands:
 
     def _before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self._came_in.append(_first_float_dtype((args, kwargs)) or self.model_dtype)
-        return _cast(args, torch.float32), _cast(kwargs, torch.float32)
+        return cast_floats(args, torch.float32), cast_floats(kwargs, torch.float32)
 
     def _after(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: object) -> Any:
-        return _cast(output, self._came_in.pop())
+        return cast_floats(output, self._came_in.pop())
 
     def remove(self) -> None:
         for handle in self.handles:

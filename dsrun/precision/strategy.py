@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dsrun.precision.keep_fp32 import KEY as KEEP_KEY, Fp32Islands, keep_fp32, kept_names
+from dsrun.precision.keep_fp32 import KEY as KEEP_KEY, Fp32Islands, cast_floats, keep_fp32, kept_names
 from dsrun.utils.errors import ConfigError, Problem
 from dsrun.precision.loss_scaler import DynamicLossScaler, LossScaler
 
@@ -98,7 +98,7 @@ class FP16Precision(PrecisionStrategy):
     def prepare_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if not self.auto_cast:
             return args, kwargs
-        return _cast_floats(args, self.model_dtype), _cast_floats(kwargs, self.model_dtype)
+        return cast_floats(args, self.model_dtype), cast_floats(kwargs, self.model_dtype)
 
     @property
     def loss_scale(self) -> float:
@@ -116,18 +116,6 @@ class FP16Precision(PrecisionStrategy):
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         if "loss_scaler" in sd:
             self.scaler.load_state_dict(sd["loss_scaler"])
-
-
-def _cast_floats(value: object, dtype: torch.dtype) -> Any:
-    """``value`` (any object) with every floating-point tensor (also inside lists, tuples and dicts) cast to
-    ``dtype``."""
-    if torch.is_tensor(value):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, (list, tuple)):
-        return type(value)(_cast_floats(v, dtype) for v in value)
-    if isinstance(value, dict):
-        return {k: _cast_floats(v, dtype) for k, v in value.items()}
-    return value
 
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
