@@ -122,21 +122,19 @@ class Fp32Islands:
 
     def __init__(self, module: torch.nn.Module, kept: set[str], model_dtype: torch.dtype):
         self.model_dtype = model_dtype
-        self.modules: list[str] = []
         self.handles: list[Any] = []
-        names = {id(t): n for n, t in [*module.named_parameters(remove_duplicate=False),
-                                       *module.named_buffers(remove_duplicate=False)]}
+        kept_ids = {id(t) for n, t in [*module.named_parameters(remove_duplicate=False),
+                                       *module.named_buffers(remove_duplicate=False)] if n in kept}
         inside: set[str] = set()  # an island's submodules run inside its fp32 forward
         for name, sub in module.named_modules():
             if any(not prefix or name.startswith(prefix + ".") for prefix in inside):
                 continue
             tensors = [t for t in [*sub.parameters(), *sub.buffers()] if t.is_floating_point()]
-            if tensors and all(names.get(id(t)) in kept for t in tensors):
+            if tensors and all(id(t) in kept_ids for t in tensors):
                 inside.add(name)
-                self.modules.append(name)
                 self.handles.append(sub.register_forward_pre_hook(self._before, with_kwargs=True))
                 self.handles.append(sub.register_forward_hook(self._after, with_kwargs=True))
-        self._came_in: list[torch.dtype] = []
+        self._came_in: list[torch.dtype] = []  # per running island, the dtype its inputs came in
 
     def _before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self._came_in.append(_first_float_dtype((args, kwargs)) or self.model_dtype)
@@ -144,8 +142,3 @@ class Fp32Islands:
 
     def _after(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: object) -> Any:
         return cast_floats(output, self._came_in.pop())
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
