@@ -10,6 +10,9 @@ its stage-3 strategy's gradient buckets, reached by the ops of :mod:`.ops`:
   served from its kept copy, refreshed after each optimizer step.
 * ``release_param`` marks the gathered buffer's last reader: its memory goes when the graph drops its last
   reference, which the FX interpreter and inductor's code do right there; the handle counts what is live.
+* ``reload_parameter``/``offload_parameter`` (``compile.offload_parameters``) move a parameter's shard between the
+  training device and its host buffer (:attr:`DeepCompileHandle.param_moves`, a :class:`.shard_moves.ShardMoves`);
+  a gather that finds its shard on the host brings it back first.
 * ``reduce_grad`` hands a full gradient to the strategy's reduce-scatter buckets (a copy: the compiled graph
   may reuse its buffer), as the eager ZeRO-3 gradient hook does, cast to the parameter's expected gradient dtype
   (:func:`dsrun.compile.init._resolve_expected_grad_dtype`: torch's ``grad_dtype`` contract).
@@ -31,11 +34,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from dsrun import comm
+
+if TYPE_CHECKING:
+    from dsrun.compile.shard_moves import ShardMoves
 
 
 @dataclass
@@ -75,6 +81,7 @@ class DeepCompileHandle:
         self.gather_seconds: dict[int, float] = {}  # the last synchronous all-gather of each parameter (selective gather)
         self.record_order = False
         self.sync_points: frozenset[str] = frozenset()
+        self.param_moves: ShardMoves | None = None  # compile.offload_parameters' shards, when that pass runs
 
     # --- registration (DeepSpeed's ``dc.init``, ``register_z3_param``, ``register_graph_z3``) --------------
     def init(self, reduce: Callable[[torch.nn.Parameter, torch.Tensor], None] | None,
@@ -136,6 +143,9 @@ class DeepCompileHandle:
         self.wait_reduces = self.reduces_in_flight = None
         self.reduce_buffers = 2
         self.sync_points = frozenset()
+        if self.param_moves is not None:
+            self.param_moves.close()  # every shard back where the strategy keeps it
+            self.param_moves = None
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -151,6 +161,8 @@ class DeepCompileHandle:
         return param.ds_shape, param.ds_tensor.dtype
 
     def _start(self, param: torch.nn.Parameter, async_op: bool) -> tuple[torch.Tensor, Any]:
+        if self.param_moves is not None:
+            self.param_moves.ensure_resident(param.ds_id)
         shard = param.ds_tensor
         world = param.ds_world_size
         if world == 1:
@@ -196,6 +208,16 @@ class DeepCompileHandle:
         self.stats.releases += 1
         self.stats.live_numel = max(0, self.stats.live_numel - self.params[ds_id].ds_numel)
         self._note("release", ds_id)
+
+    def reload_param(self, ds_id: int) -> None:
+        if self.param_moves is not None:
+            self.param_moves.reload(ds_id)
+            self._note("reload", ds_id)
+
+    def offload_param(self, ds_id: int) -> None:
+        if self.param_moves is not None:
+            self.param_moves.offload(ds_id)
+            self._note("offload", ds_id)
 
     def reduce_grad(self, ds_id: int, grad: torch.Tensor) -> None:
         param = self.params[ds_id]

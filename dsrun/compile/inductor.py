@@ -26,7 +26,8 @@ from torch._inductor.lowering import add_needs_realized_inputs, fallbacks, regis
 from torch._inductor.scheduler import Scheduler
 from torch._inductor.virtualized import V
 
-from dsrun.compile.ops import ALLGATHER, END_BACKWARD, PREFETCH, REDUCE, RELEASE, WAIT_ALLGATHER
+from dsrun.compile.ops import (ALLGATHER, END_BACKWARD, OFFLOAD_PARAM, PREFETCH, REDUCE, RELEASE, RELOAD_PARAM,
+                               WAIT_ALLGATHER)
 from dsrun.compile.partitioner import get_wrapped_partitioner
 from dsrun.compile.util import _deepspeed_op
 
@@ -36,7 +37,8 @@ __all__ = ["patch_compiler", "wrap_partition_fn", "patch_create_aot_dispatcher_f
 
 # (op, its inputs' buffers never reused, its outputs' never reused): dsrun's ops, then DeepSpeed's where defined
 _DSRUN_OPS = ((ALLGATHER, False, True), (PREFETCH, False, True), (WAIT_ALLGATHER, True, True),
-              (RELEASE, True, False), (REDUCE, True, True), (END_BACKWARD, True, False))
+              (RELEASE, True, False), (REDUCE, True, True), (END_BACKWARD, True, False), (RELOAD_PARAM, False, False),
+              (OFFLOAD_PARAM, False, False))
 _DEEPSPEED_OPS = (("allgather_param", False, True), ("wait_allgather", True, True), ("release_param", True, False),
                   ("reduce_grad", True, True), ("free_tensors", True, True), ("offload_tensor", False, True),
                   ("wait_offload", True, True), ("reload_tensor", True, True), ("wait_reload", True, True),

@@ -22,6 +22,7 @@ from dsrun.compile.handle import get_deepcompile_handle
 from dsrun.compile.passes import (offload_activation, offload_adam_states, offload_parameters, prefetch,
                                   selective_gather, zero_1_and_2_compile, zero3_compile)
 from dsrun.compile.passes.contract import PassContract, register_pass_contract, validate_schedule
+from dsrun.compile.shard_moves import ShardMoves
 from dsrun.config.misc import CompileConfig
 from dsrun.utils.errors import ConfigError, Problem
 
@@ -99,7 +100,8 @@ def refusal(strategy: object) -> Problem | None:
     """What DeepCompile at ZeRO-3 does not combine with in dsrun."""
     if getattr(strategy, "param_offload", None) is not None:
         return Problem("zero_optimization.offload_param", "cannot be combined with compile.deepcompile in dsrun",
-                       "drop offload_param, or compile.deepcompile (eager ZeRO-3 offloads parameters)")
+                       "drop offload_param: compile.offload_parameters moves the shards to the host between their "
+                       "uses in the graphs (or drop compile.deepcompile: eager ZeRO-3 offloads parameters)")
     if type(strategy.sharding).__name__ != "ShardingPolicy" or any(
             getattr(p, "ds_quantized_gather", None) for p in strategy.params):
         return Problem("zero_optimization", "ZeRO++/MiCS/hpZ cannot be combined with compile.deepcompile in dsrun",
@@ -199,6 +201,10 @@ def _check_offload_targets(engine: CompilingEngine, compile_config: CompileConfi
                                   "zero_optimization.offload_optimizer on cpu or nvme: both manage the optimizer's "
                                   "states (ZeRO keeps them on the host for the whole step, the pass moves them around "
                                   "the graph)", "enable one of them"))
+    if compile_config.offload_parameters and compile_config.offload_opt_states:
+        raise ConfigError(Problem("compile.offload_parameters", "cannot be combined with offload_opt_states: one "
+                                  "offload target per run (DeepSpeed's refusal; at fp32 both would move the masters, "
+                                  "which are the shards' storage)", "enable one of them"))
     if compile_config.offload_activation and (compile_config.offload_parameters or compile_config.offload_opt_states):
         raise ConfigError(Problem("compile.offload_activation", "cannot be combined with offload_parameters or "
                                   "offload_opt_states: each plans against the whole memory budget on its own",
@@ -206,11 +212,14 @@ def _check_offload_targets(engine: CompilingEngine, compile_config: CompileConfi
 
 
 def schedule_for(compile_config: CompileConfig) -> list[tuple[int, list[Callable]]]:
-    """The default schedule the ``compile`` keys pick (DeepSpeed's ``init_z3``): ``offload_opt_states`` moves the
+    """The default schedule the ``compile`` keys pick (DeepSpeed's ``init_z3``): ``offload_parameters`` moves each
+    shard around its uses from step 0 (no prefetch nor selective gather: DeepSpeed's), ``offload_opt_states`` moves the
     optimizer's states from step 1 (they exist after step 0's update; emptied before the profile),
     ``offload_activation`` moves activations from step 0 and plans what stays from ``WARMUP``; else gather/release,
     then prefetch and selective gather from ``WARMUP``."""
     z3 = zero3_compile.add_z3_gather_release
+    if compile_config.offload_parameters:
+        return [(0, [z3, offload_parameters.offload_parameter_fwd])]
     if compile_config.offload_opt_states:
         return [(0, [z3]), (1, [offload_adam_states.offload_adam_states_for_init, z3,
                                 offload_adam_states.move_opt_states])]
@@ -235,6 +244,11 @@ def init_z3(engine: CompilingEngine, backend: str, compile_config: CompileConfig
     if problem is not None:
         raise ConfigError(problem)
     resolved = schedule_for(compile_config) if schedule is None else resolve_schedule(schedule)
+    moves_params = any(p is offload_parameters.offload_parameter_fwd for _, passes in resolved for p in passes)
+    if compile_config.offload_parameters and not moves_params:
+        raise ConfigError(Problem("compile.offload_parameters", "the schedule given to engine.compile() has no "
+                                  "'offload_parameters' pass, so the key would do nothing",
+                                  "add 'offload_parameters' after 'zero3_compile', or leave the schedule out"))
     zc = engine._config.zero_optimization
     prefetch.bucket_numel[0] = max(1, int(zc.stage3_prefetch_bucket_size))
     handle = get_deepcompile_handle()
@@ -248,6 +262,9 @@ def init_z3(engine: CompilingEngine, backend: str, compile_config: CompileConfig
         p.ds_persist = False
         handle.register_z3_param(p, _resolve_expected_grad_dtype(p))
     strategy.hooks.add("after_update", lambda state: handle.invalidate())  # new shards: kept copies are stale
+    if moves_params:  # compile.offload_parameters: the shards move around their uses; the step gets them back
+        handle.param_moves = ShardMoves.for_strategy(strategy)
+        strategy.recall_shards = handle.param_moves.recall
     opt_state_passes = {offload_adam_states.move_opt_states, offload_adam_states.move_opt_states_sync,
                         offload_adam_states.offload_adam_states_for_init}
     if any(p in opt_state_passes for _, passes in resolved for p in passes):

@@ -11,6 +11,9 @@ Opaque custom ops over :class:`.handle.DeepCompileHandle`, so dynamo and inducto
     (an empty tensor) ties the two, so no compiler can move the use before the start.
 ``release_param(full, ds_id)``  the gathered value's last reader has run (side effect: never removed).
 ``reduce_grad(grad, ds_id)``    hand the full gradient to ZeRO-3's reduction (side effect: never removed).
+``reload_parameter(placeholder, graph_id, ds_id)``, ``offload_parameter(placeholder, graph_id, ds_id)``  bring the
+    parameter's shard back to the training device before its gather, move it to its host buffer after the gather's
+    last use (``compile.offload_parameters``: :mod:`.shard_moves`; side effects, never removed).
 ``end_backward(deps, graph_id, release_reduce_buckets)``  a backward graph's reductions have all run (``deps``:
     the reduce nodes, so it comes after them); with ``release_reduce_buckets`` the pending buckets are launched.
 
@@ -80,6 +83,26 @@ def _reduce_grad_fake(grad: torch.Tensor, ds_id: int) -> None:
     return None
 
 
+@torch.library.custom_op(f"{LIB}::reload_parameter", mutates_args=())
+def reload_parameter(placeholder: torch.Tensor, graph_id: int, ds_id: int) -> None:
+    get_deepcompile_handle().reload_param(ds_id)
+
+
+@reload_parameter.register_fake
+def _reload_parameter_fake(placeholder: torch.Tensor, graph_id: int, ds_id: int) -> None:
+    return None
+
+
+@torch.library.custom_op(f"{LIB}::offload_parameter", mutates_args=())
+def offload_parameter(placeholder: torch.Tensor, graph_id: int, ds_id: int) -> None:
+    get_deepcompile_handle().offload_param(ds_id)
+
+
+@offload_parameter.register_fake
+def _offload_parameter_fake(placeholder: torch.Tensor, graph_id: int, ds_id: int) -> None:
+    return None
+
+
 def _setup_context(ctx, inputs, output) -> None:  # noqa: ANN001 - torch.library's signature
     ctx.ds_id = inputs[1]
 
@@ -139,6 +162,8 @@ def define_deepspeed_ops() -> bool:
 # outputs nobody reads, effects that matter: dead-code elimination (FX's, inductor's) keeps them
 torch.fx.node.has_side_effect(torch.ops.dsrun_dc.release_param.default)
 torch.fx.node.has_side_effect(torch.ops.dsrun_dc.reduce_grad.default)
+torch.fx.node.has_side_effect(torch.ops.dsrun_dc.reload_parameter.default)
+torch.fx.node.has_side_effect(torch.ops.dsrun_dc.offload_parameter.default)
 
 ALLGATHER = torch.ops.dsrun_dc.allgather_param.default
 WAIT_ALLGATHER = torch.ops.dsrun_dc.wait_allgather.default
@@ -147,3 +172,5 @@ PREFETCH = torch.ops.dsrun_dc.prefetch_param.default
 RELEASE = torch.ops.dsrun_dc.release_param.default
 REDUCE = torch.ops.dsrun_dc.reduce_grad.default
 END_BACKWARD = torch.ops.dsrun_dc.end_backward.default
+RELOAD_PARAM = torch.ops.dsrun_dc.reload_parameter.default
+OFFLOAD_PARAM = torch.ops.dsrun_dc.offload_parameter.default

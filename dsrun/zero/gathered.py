@@ -2,10 +2,12 @@
 
 ``GatheredParameters`` gathers partitioned parameters for the length of a ``with`` block; with
 ``modifier_rank`` that rank's values are broadcast on exit and every rank keeps its shard of them.
-``register_external_parameter`` makes a module gather a parameter it uses but does not own.
+``register_external_parameter`` makes a module gather a parameter it uses but does not own. :func:`full_state_dict`
+is the model's state dict with every partitioned parameter gathered.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Iterable
 
 import torch
@@ -13,7 +15,7 @@ import torch
 from dsrun import comm
 from dsrun.zero.eager_fallback import CONTEXT_DEPTH_ATTR, OWNER_ATTR, gather_param, partition_param
 from dsrun.zero.hooks import LIVE_COORDINATORS, add_external_param
-from dsrun.zero.partition_params import (ParamStatus, gather_exact, is_zero_param, release_param,
+from dsrun.zero.partition_params import (ParamStatus, full_tensor, gather_exact, is_zero_param, release_param,
                                                  write_full_value)
 
 def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
@@ -164,3 +166,20 @@ def keep_modified(params: list[torch.nn.Parameter], modifier_rank: int) -> None:
 
 def zero_params(params: Iterable[torch.Tensor]) -> list[torch.nn.Parameter]:
     return _as_param_list(list(params))
+
+
+def full_state_dict(module: torch.nn.Module, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
+    """``module.state_dict()`` with every partitioned parameter gathered to its full value (on CPU, in the
+    model's dtype). Collective: every rank must call it; every rank gets the result."""
+    gathered: dict[int, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = OrderedDict()
+    for name, value in module.state_dict(keep_vars=True).items():
+        if isinstance(value, torch.nn.Parameter) and exclude_frozen_parameters and not value.requires_grad:
+            continue
+        if is_zero_param(value):
+            if id(value) not in gathered:
+                gathered[id(value)] = full_tensor(value).cpu()
+            out[name] = gathered[id(value)]
+        else:
+            out[name] = value.detach().cpu().clone()
+    return out

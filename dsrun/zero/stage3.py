@@ -22,13 +22,16 @@ partitioned over, how it is gathered, how a bucket is reduce-scattered and what 
 ``engine.offload_states()`` (:mod:`.offload_states`) moves each store's ``hp_params``, ``optim_states``,
 ``lp_grads``, the model's shards (``lp_params``) and frees the kept reduce-scatter buffers and gathered parameters.
 Per step 3 * psi * (N - 1) / N elements move per rank (two gathers, one reduce-scatter), 1.5x stage 0's.
-DeepCompile (``dsrun/compile``) takes the gathers and the reduction into the graph: :meth:`hand_over_to_compiler`.
+DeepCompile (``dsrun/compile``) takes the gathers and the reduction into the graph: :meth:`hand_over_to_compiler`;
+its parameter offload (``compile.offload_parameters``) moves the shards to host buffers between their uses in the
+graphs and sets :attr:`Stage3Strategy.recall_shards`, which brings them back before anything here reads or writes
+them (the step, a checkpoint's save or load, a gather of the whole model, ``offload_states``).
 """
 from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -43,6 +46,7 @@ from dsrun.zero.sharding import ShardingPolicy
 from dsrun.zero.offload_states import StatesOffload
 from dsrun.utils.leaf_modules import (apply_zero_leaf_module_config, set_z3_leaf_modules_by_threshold,
                                       z3_leaf_parameter)
+from dsrun.zero.gathered import full_state_dict  # noqa: F401 - also served from here (dsrun.zero, tests)
 from dsrun.zero.hooks import ParameterCoordinator, gathered_together, iter_unique_params
 from dsrun.zero.partition_params import full_tensor, is_zero_param, partition_param, shard_padding
 from dsrun.zero.whole_params import WholeParameters, keeps_whole
@@ -58,6 +62,7 @@ from dsrun.optim.optimizer_wrappers import OptimizerWrapperKind
 class Stage3Strategy(StatesOffload, ZeroStrategy):
     stage = 3
     scatters_gradients = True
+    recall_shards: Callable[[], None] | None = None  # DeepCompile's parameter offload: every shard back home
 
     def __init__(self, ctx: StrategyContext):
         super().__init__(ctx)
@@ -364,6 +369,13 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
         return self._bucket_pool.nbytes()
 
     # --- the optimizer step: each store steps its sub-groups ------------------------------------------------
+    def _shards_home(self) -> None:
+        if self.recall_shards is not None:
+            self.recall_shards()
+
+    def _begin_step(self) -> None:
+        self._shards_home()  # the step updates the shards (fp32: their masters) in place
+
     def _local_overflow(self) -> bool:
         """Whether this rank's gradients hold an inf or nan."""
         return any(store.overflow() for store in self.placement.stores)
@@ -440,6 +452,7 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
             self._bucket_pool.give(buffer)
 
     def before_offload(self) -> None:
+        self._shards_home()
         self.coordinator.invalidate()  # gathered copies (persistent ones too) are gathered again when needed
         self.coordinator.buffer_pool.clear()
 
@@ -532,6 +545,7 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
         return layout
 
     def state_dict(self) -> dict[str, Any]:
+        self._shards_home()
         names = {id(p): n for n, p in self.ctx.module.named_parameters()}
         sd = {
             "zero_stage": 3,
@@ -556,6 +570,7 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
         if sd.get("partition_count") != self.sharding.shard_size:
             raise RuntimeError("ZeRO-3 state was saved partitioned over a different number of ranks "
                                f"({sd.get('partition_count')}) than this run's ({self.sharding.shard_size})")
+        self._shards_home()
         osd = sd["optimizer_state_dict"]
         state = {int(k): v for k, v in osd["state"].items()}
         with torch.no_grad():
@@ -575,24 +590,8 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
 
     def full_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
         """Every parameter gathered, whatever the save flag says (collective; see the base class)."""
+        self._shards_home()
         return full_state_dict(self.ctx.module, exclude_frozen_parameters=exclude_frozen_parameters)
-
-
-def full_state_dict(module: torch.nn.Module, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
-    """``module.state_dict()`` with every partitioned parameter gathered to its full value (on CPU, in the
-    model's dtype). Collective: every rank must call it; every rank gets the result."""
-    gathered: dict[int, torch.Tensor] = {}
-    out: dict[str, torch.Tensor] = OrderedDict()
-    for name, value in module.state_dict(keep_vars=True).items():
-        if isinstance(value, torch.nn.Parameter) and exclude_frozen_parameters and not value.requires_grad:
-            continue
-        if is_zero_param(value):
-            if id(value) not in gathered:
-                gathered[id(value)] = full_tensor(value).cpu()
-            out[name] = gathered[id(value)]
-        else:
-            out[name] = value.detach().cpu().clone()
-    return out
 
 
 class DeepSpeedZeroOptimizer_Stage3(metaclass=OptimizerWrapperKind):  # noqa: N801 - DeepSpeed's name

@@ -343,6 +343,75 @@ def test_free_activation_releases_saved_values_after_their_last_backward_use(wor
             assert not frees and free_activation.freed["tensors"] == 0
 
 
+def test_offload_parameters_moves_each_shard_out_after_its_last_use(world_of_one, monkeypatch) -> None:
+    """``compile.offload_parameters``' pass: in both graphs each shard comes back just before its gather and goes to
+    its host buffer right after the gathered value's release; its storage on the training device is freed there
+    (at most one layer's shards resident at once, none between the graphs), the host copies hold its values, and
+    the gradients are the plain model's, over two steps. A gather that finds its shard on the host reloads it."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from dsrun.compile.ops import ALLGATHER, OFFLOAD_PARAM, RELEASE, RELOAD_PARAM
+    from dsrun.compile.passes import offload_parameters
+
+    reference, compiled, grads, backend = _compiled_mlp([(0, [zero3_compile.add_z3_gather_release,
+                                                              offload_parameters.offload_parameter_fwd])])
+    handle = get_deepcompile_handle()
+    handle.record_order = True
+    params = list(handle.params.values())  # a.weight, a.bias, b.weight, b.bias
+    total = sum(p.ds_numel for p in params) * 4
+    x = torch.randn(3, 8)
+    resident: list[int] = []  # the shard bytes on the device after each move
+    device_storages = [StorageWeakRef(p.ds_tensor.untyped_storage()) for p in params]  # where they start
+
+    def watch(moves, name: str) -> None:
+        original = getattr(moves, name)
+
+        def move(ds_id: int) -> None:
+            original(ds_id)
+            resident.append(moves.resident_bytes())
+            if name == "reload":
+                device_storages.append(StorageWeakRef(handle.params[ds_id].ds_tensor.untyped_storage()))
+
+        monkeypatch.setattr(moves, name, move)
+
+    for step in range(2):
+        loss = compiled(x)
+        moves = handle.param_moves  # made by the pass: each registered shard a unit of its own
+        if step == 0:
+            watch(moves, "offload")
+            watch(moves, "reload")
+        assert moves.resident_bytes() == 0 and moves.host_bytes() == total  # none left between the graphs
+        assert all(ref.expired() for ref in device_storages)  # every device copy of a shard was freed
+        loss.backward()
+        assert moves.resident_bytes() == 0 and all(ref.expired() for ref in device_storages)
+        reference(x).backward()
+        for name, p in reference.named_parameters():  # the same as the plain model's, step after step
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-6, atol=1e-7)
+            p.grad = None
+        for p, ref in zip(params, reference.parameters()):  # the round trips kept every shard's value
+            assert torch.equal(p.ds_tensor, ref.detach().reshape(-1))
+    # each step: the forward's four shards and the backward's one (b's weight, for the relu's gradient) go out;
+    # back come those five, less the forward's four at step 0 (on the device already)
+    assert (moves.stats.offloads, moves.stats.reloads, moves.stats.late_reloads) == (2 * 5, 2 * 5 - 4, 0)
+    assert max(resident) <= (8 * 16 + 16) * 4  # at most the larger layer's shards on the device at once
+    for graph in (backend.profiling_results[0].fwd_graph, backend.profiling_results[0].bwd_graph):
+        for gather in [n for n in graph.nodes if n.target is ALLGATHER]:
+            reload = gather.prev  # just before the gather, for the same parameter
+            assert reload.target is RELOAD_PARAM and reload.args[2] == gather.args[1]
+            (release,) = [u for u in gather.users if u.target is RELEASE]
+            assert release.next.target is OFFLOAD_PARAM and release.next.args[2] == gather.args[1]
+    ids = [p.ds_id for p in params]
+    order = [(op, ids.index(ds_id)) for op, ds_id in handle.stats.order]
+    for i in range(4):  # the forward's first steps: each shard back, gathered, released, out
+        ops = [op for op, j in order if j == i][:4]
+        assert ops == ["reload", "gather", "release", "offload"]
+    # a gather that finds its shard on the host (a pass ordered its readers first) brings it back itself
+    assert torch.equal(handle.allgather(params[0].ds_id), reference.a.weight.detach())
+    assert moves.stats.late_reloads == 1 and moves.resident_bytes() == params[0].ds_numel * 4
+    handle.cleanup()  # every shard back where it was, the host buffers gone
+    assert all(p.ds_tensor.untyped_storage().data_ptr() != 0 for p in params) and handle.param_moves is None
+
+
 def test_schedules_are_checked_against_the_contracts() -> None:
     assert resolve_schedule(None)[1][0] == 5  # DeepSpeed's default: the profile-driven passes from step 5
     with pytest.raises(ValueError, match="requires"):
