@@ -193,9 +193,17 @@ def release_engine_state(engine: object) -> None:
         del engine._deepcompile_dynamo_config_restore
 
 
-def _check_offload_targets(engine: CompilingEngine, compile_config: CompileConfig) -> None:
+def _check_offload_targets(engine: CompilingEngine, compile_config: CompileConfig,
+                           schedule: Sequence[tuple[int, list]] | None) -> None:
     """DeepSpeed's refusals, before anything of the engine changes: ``offload_opt_states`` beside ZeRO's own
-    optimizer offload (both would own the same states), and more than one offload target."""
+    optimizer offload (both would own the same states), and more than one offload target; and dsrun's:
+    ``offload_parameters`` with a schedule that leaves its pass out (DeepSpeed then ignores the key)."""
+    named = {getattr(p, "__name__", p) for _, passes in (schedule or []) for p in passes}
+    if compile_config.offload_parameters and schedule is not None and not named & {
+            offload_parameters.NAME, offload_parameters.offload_parameter_fwd.__name__}:
+        raise ConfigError(Problem("compile.offload_parameters", "the schedule given to engine.compile() has no "
+                                  "'offload_parameters' pass, so the key would do nothing",
+                                  "add 'offload_parameters' after 'zero3_compile', or leave the schedule out"))
     if compile_config.offload_opt_states and engine.zero_use_cpu_optimizer():
         raise ConfigError(Problem("compile.offload_opt_states", "cannot be combined with "
                                   "zero_optimization.offload_optimizer on cpu or nvme: both manage the optimizer's "
@@ -233,7 +241,7 @@ def init_z3(engine: CompilingEngine, backend: str, compile_config: CompileConfig
             schedule: Sequence[tuple[int, list]] | None = None) -> None:
     """Compile ``engine.module`` with DeepCompile's ZeRO-3 passes (``engine.compile`` calls this, with the
     config's ``compile`` section); ``schedule`` None: the one the section's keys pick (:func:`schedule_for`)."""
-    _check_offload_targets(engine, compile_config)
+    _check_offload_targets(engine, compile_config, schedule)
     if compile_config.free_activation and backend == "inductor":
         raise ConfigError(Problem("compile.free_activation", "acts with the eager and aot_eager backends (inductor "
                                   "frees its own buffers; DeepSpeed skips the key there)",
@@ -245,10 +253,6 @@ def init_z3(engine: CompilingEngine, backend: str, compile_config: CompileConfig
         raise ConfigError(problem)
     resolved = schedule_for(compile_config) if schedule is None else resolve_schedule(schedule)
     moves_params = any(p is offload_parameters.offload_parameter_fwd for _, passes in resolved for p in passes)
-    if compile_config.offload_parameters and not moves_params:
-        raise ConfigError(Problem("compile.offload_parameters", "the schedule given to engine.compile() has no "
-                                  "'offload_parameters' pass, so the key would do nothing",
-                                  "add 'offload_parameters' after 'zero3_compile', or leave the schedule out"))
     zc = engine._config.zero_optimization
     prefetch.bucket_numel[0] = max(1, int(zc.stage3_prefetch_bucket_size))
     handle = get_deepcompile_handle()

@@ -39,22 +39,36 @@ def _moves() -> ShardMoves:
     return handle.param_moves
 
 
-def add_offload_parameter(graph_id: int, gm: GraphModule, node: Node, ds_id: int, placeholder: Node) -> Node:
-    """An ``offload_parameter`` of ``ds_id``'s shard right after ``node`` (before the output, if that is it)."""
+def get_ds_id(node: Node) -> int:
+    """The parameter id of a gather node (DeepSpeed's helper)."""
+    assert node.op == "call_function" and node.target in (ALLGATHER, WAIT_ALLGATHER), node
+    return ds_id_of(node)
+
+
+def _param_input(gm: GraphModule, ds_id: int) -> Node:
+    return next(n.args[0] for n in gm.graph.nodes if n.op == "call_function" and n.target in _SHARD_READERS
+                and ds_id_of(n) == ds_id)
+
+
+def add_offload_parameter(graph_id: int, gm: GraphModule, node: Node, ds_id: int,
+                          param: Node | None = None) -> Node:
+    """An ``offload_parameter`` of ``ds_id``'s shard right after ``node`` (the gathered value's last use; before the
+    output if that is it), reading ``param``, the parameter's graph input (None: the one its gather reads)."""
     graph = gm.graph
+    param = param if param is not None else _param_input(gm, ds_id)
     context = graph.inserting_before(node) if node.op == "output" else graph.inserting_after(node)
     with context:
-        made = graph.create_node("call_function", OFFLOAD_PARAM, (placeholder, graph_id, ds_id), {},
-                                 name="offload_parameter")
+        made = graph.create_node("call_function", OFFLOAD_PARAM, (param, graph_id, ds_id), {}, name="offload_parameter")
     made.meta["val"] = None
     return made
 
 
-def add_reload_parameter(graph_id: int, gm: GraphModule, node: Node, ds_id: int) -> Node:
-    """A ``reload_parameter`` of ``ds_id``'s shard just before ``node``, the first reader of its graph input."""
-    with gm.graph.inserting_before(node):
-        made = gm.graph.create_node("call_function", RELOAD_PARAM, (node.args[0], graph_id, ds_id), {},
-                                    name="reload_parameter")
+def add_reload_parameter(graph_id: int, gm: GraphModule, node: Node, ds_id: int, before: Node | None = None) -> Node:
+    """A ``reload_parameter`` of ``ds_id``'s shard reading ``node``, the parameter's graph input: right after it
+    (DeepSpeed's place), or just before ``before`` (the pass's: the shard's first reader)."""
+    context = gm.graph.inserting_before(before) if before is not None else gm.graph.inserting_after(node)
+    with context:
+        made = gm.graph.create_node("call_function", RELOAD_PARAM, (node, graph_id, ds_id), {}, name="reload_parameter")
     made.meta["val"] = None
     return made
 
@@ -80,8 +94,8 @@ def offload_parameter_fwd(gm: GraphModule, graph_id: int, graph_order, profiling
             end = last_use.get(node, node)
             if unit not in last or position[end] > position[last[unit][0]]:
                 last[unit] = (end, node)
-    for node in first.values():
-        add_reload_parameter(graph_id, gm, node, ds_id_of(node))
+    for reader in first.values():
+        add_reload_parameter(graph_id, gm, reader.args[0], ds_id_of(reader), before=reader)
     for end, gather in last.values():
         add_offload_parameter(graph_id, gm, end, ds_id_of(gather), gather.args[0])
     gm.graph.lint()

@@ -44,10 +44,6 @@ SPLIT = Feature("DeepSpeed's data-parallel split of checkpoint writes (part file
 AUTOTP_TESTS = "tests/integration/test_autotp_training.py::"
 AUTOTP_UNIT = "tests/unit/tensor_parallel/test_autotp_split.py::"
 DC = "tests/unit/compile/test_deepcompile.py::"
-OFFLOAD_PARAMETERS = Feature("DeepCompile's parameter offload (each ZeRO-3 shard moved to the host after its last "
-                             "use in a graph and back at the graph's start; not built: dsrun's shards are read by "
-                             "the gathers and written in place by the stage-3 step, which the moves would have to "
-                             "follow)", "zero_optimization.offload_param with eager ZeRO-3")
 TP_COMPILE = "tests/unit/tensor_parallel/test_compile_pass.py::"
 GRAPH_EDITS = "tests/unit/compile/test_graph_edits.py::"
 SWAP = "tests/unit/offload/test_swap_traffic.py::"
@@ -275,8 +271,13 @@ ENTRIES: list[Entry] = [
          f"{DC}test_free_activation_releases_saved_values_after_their_last_backward_use", traced=False),
     done("compile.free_activation_threshold", "bytes from which compile.free_activation frees a value",
          f"{DC}test_free_activation_releases_saved_values_after_their_last_backward_use", traced=False),
-    todo("compile.offload_parameters", "DeepCompile's parameter offload", OFFLOAD_PARAMETERS,
-         applies=lambda cfg: cfg.compile.enabled or cfg.compile.deepcompile),
+    done("compile.offload_parameters", "DeepCompile's parameter offload: in each graph a ZeRO-3 shard (fp32: its "
+         "sub-group's master, which the shards are views of) comes back from its host buffer just before its "
+         "gather and goes there after the gathered value's last use; every shard back before the step and a "
+         "checkpoint (refused beside offload_opt_states, offload_activation, or a schedule without the pass)",
+         f"{DC}test_offload_parameters_moves_each_shard_out_after_its_last_use",
+         f"{DC}test_zero3_in_the_graph_trains_as_eager_zero3", f"{DC}test_schedules_are_checked_against_the_contracts",
+         traced=False),  # read by engine.compile()
     *[done(f"compile.sync_{point}_{op}", f"synchronize the accelerator {point} each {what} of DeepCompile's graph "
            "(DeepSpeed's debugging switch; on a CPU there is no queued device work: a count, the handle's stats.syncs)",
            f"{DC}test_the_passes_put_zero3_in_the_graph", f"{DC}test_zero3_in_the_graph_trains_as_eager_zero3",

@@ -420,10 +420,8 @@ def test_schedules_are_checked_against_the_contracts() -> None:
         resolve_schedule([(0, ["zero3_compile", "prefetchh"])])
     # DeepSpeed's passes dsrun refuses: scheduled by name, each refused with its reason when it runs
     for name, function, reason in [("zero1_compile", "add_z1_reduce", "stage's hooks"),
-                                   ("zero2_compile", "add_z2_reduce", "stage's hooks"),
-                                   ("offload_parameters", "offload_parameter_fwd", "parameter offload")]:
-        steps = [(0, ["zero3_compile", name])] if name == "offload_parameters" else [(0, [name])]
-        refused = resolve_schedule(steps)[0][1][-1]
+                                   ("zero2_compile", "add_z2_reduce", "stage's hooks")]:
+        refused = resolve_schedule([(0, [name])])[0][1][-1]
         assert refused.__name__ == function
         with pytest.raises(ConfigError, match=f"pass '{name}'.*{reason}"):
             refused(None, 0, [], {}, None, 0.0, {}, True)
@@ -438,13 +436,28 @@ def test_schedules_are_checked_against_the_contracts() -> None:
     opt = schedule_for(CompileConfig(deepcompile=True, offload_opt_states=True))
     assert [step for step, _ in opt] == [0, 1] and opt[1][1][0] is offload_adam_states.offload_adam_states_for_init
     assert opt[1][1][-1] is offload_adam_states.move_opt_states
+    from dsrun.compile.passes import offload_parameters
+
+    assert schedule_for(CompileConfig(deepcompile=True, offload_parameters=True)) == [  # DeepSpeed's, from step 0
+        (0, [zero3_compile.add_z3_gather_release, offload_parameters.offload_parameter_fwd])]
+    with pytest.raises(ValueError, match="conflicts"):  # one offload target per schedule (the contracts)
+        resolve_schedule([(0, ["zero3_compile", "offload_parameters", "offload_adam_states_sync"])])
     for keys, cpu_optimizer, bad in [({"offload_opt_states": True}, True, "offload_opt_states"),
                                      ({"offload_activation": True, "offload_opt_states": True}, False,
+                                      "offload_activation"),
+                                     ({"offload_parameters": True, "offload_opt_states": True}, False,
+                                      "offload_parameters"),
+                                     ({"offload_activation": True, "offload_parameters": True}, False,
                                       "offload_activation"),
                                      ({"free_activation": True}, False, "free_activation")]:
         engine = SimpleNamespace(zero_use_cpu_optimizer=lambda: cpu_optimizer)  # nothing else is reached
         with pytest.raises(ConfigError, match=f"compile.{bad}"):
             init_z3(engine, "inductor", CompileConfig(deepcompile=True, **keys), {})
+    # the key with a schedule that leaves its pass out would do nothing: refused before the engine changes
+    engine = SimpleNamespace(zero_use_cpu_optimizer=lambda: False)
+    with pytest.raises(ConfigError, match="compile.offload_parameters.*no 'offload_parameters' pass"):
+        init_z3(engine, "eager", CompileConfig(deepcompile=True, offload_parameters=True), {},
+                schedule=[(0, ["zero3_compile"])])
 
 
 def test_the_persistence_budget_leaves_the_transient_peak_and_a_margin() -> None:
@@ -475,7 +488,7 @@ OFFLOAD_SCHEDULE = [(0, ["zero3_compile"]), (1, ["offload_adam_states_for_init",
 
 
 def _train(deepcompile: bool, stage: int = 3, offload: bool = False, double_buffer: bool = True,
-           schedule: list | None = None) -> dict:
+           schedule: list | None = None, offload_parameters: bool = False) -> dict:
     from dsrun.compile.passes import offload_adam_states
     from dsrun.models.gpt import GPT
     from torch._dynamo.utils import counters
@@ -486,25 +499,36 @@ def _train(deepcompile: bool, stage: int = 3, offload: bool = False, double_buff
               # buckets of 4096 elements: several per backward (the model has about 28k), for compile.double_buffer
               "zero_optimization": {"stage": stage, "reduce_bucket_size": 4096},
               "compile": {"deepcompile": deepcompile, "offload_opt_states": offload, "double_buffer": double_buffer,
+                          "offload_parameters": offload_parameters,
                           "sync_before_allgather": deepcompile, "sync_after_allgather": deepcompile,
                           "sync_before_reduce": deepcompile, "sync_after_reduce": deepcompile}}
+    if offload_parameters:  # fp32: the shards are views of their sub-group's master, which moves: several here
+        config["zero_optimization"]["sub_group_size"] = 4096
     torch._dynamo.reset()
     engine, *_ = dsrun.initialize(model=model, model_parameters=model.parameters(), config=config)
-    if deepcompile:  # DeepSpeed's way: deepcompile, then compile()
+    if offload_parameters:  # the key's own schedule (DeepSpeed's): zero3_compile and offload_parameters from step 0
+        engine.compile(backend="eager")
+    elif deepcompile:  # DeepSpeed's way: deepcompile, then compile()
         engine.compile(backend="eager", schedule=schedule or (OFFLOAD_SCHEDULE if offload else SCHEDULE))
     x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1 + dsrun.comm.get_rank()))
     handle = get_deepcompile_handle()
     out = {"losses": [], "breaks": [], "graphs": [], "stats": [], "active": engine.is_deepcompile_active(),
-           "moments": []}
+           "moments": [], "shard_bytes": []}
     offload_adam_states.reset_offload_op_stats()
-    for _ in range(STEPS):
+    moves = handle.param_moves  # compile.offload_parameters' units
+    shard_bytes = (lambda: moves.resident_bytes()) if moves is not None else (lambda: None)
+    for step in range(STEPS):
         counters.clear()
         handle.reset_stats()
         loss = engine(x, x)
-        moments_in_forward = _resident_moments(engine)
+        moments_in_forward, shards_in_forward = _resident_moments(engine), shard_bytes()
         engine.backward(loss)
         out["moments"].append((moments_in_forward, _resident_moments(engine)))
+        shards_after_backward = shard_bytes()
+        if stage == 3 and step == STEPS - 1:  # a checkpoint's masters, taken before the step (shards out, if moved)
+            out["masters"] = torch.cat(engine.strategy.state_dict()["fp32_flat_groups"])
         engine.step()
+        out["shard_bytes"].append((shards_in_forward, shards_after_backward, shard_bytes()))
         out["losses"].append(loss.item())
         out["breaks"].append(int(sum(counters["graph_break"].values())))
         out["graphs"].append(int(counters["stats"]["unique_graphs"]))
@@ -512,8 +536,11 @@ def _train(deepcompile: bool, stage: int = 3, offload: bool = False, double_buff
         out["stats"].append((s.gathers, s.prefetched, s.persistent_hits, s.releases, s.reduced, s.peak_live_numel,
                              s.syncs, s.peak_reduces_in_flight))
     out["numel"] = sum(p.ds_numel for p in engine.strategy.params) if stage == 3 else 0
+    out["shard_numel"] = sum(p.ds_partition_numel for p in engine.strategy.params) if stage == 3 else 0
     out["trainable"] = sum(1 for p in model.parameters() if p.requires_grad)
     out["offload"] = offload_adam_states.get_offload_op_stats()
+    if moves is not None:
+        out["units"], out["unit_bytes"], out["moves"] = len(moves.units), moves.total_bytes(), moves.stats
     engine.destroy()
     return out
 
@@ -522,9 +549,9 @@ def _two_rank_runs(rank: int, world_size: int) -> tuple[dict, dict, dict]:
     import os
 
     os.environ["DS_DC_OFFLOAD_OPT_BUDGET_GB"] = "0"  # a budget of 0: every state moves
-    # compile.double_buffer off: compiled once (its waits are in the gradient intake, not in a pass)
-    return (_train(True, offload=True), _train(False),
-            _train(True, double_buffer=False, schedule=[(0, ["zero3_compile"])]))
+    # compile.double_buffer off, with compile.offload_parameters: compiled once (the key's schedule; the
+    # double buffer's waits are in the gradient intake, not in a pass)
+    return _train(True, offload=True), _train(False), _train(True, double_buffer=False, offload_parameters=True)
 
 
 def test_zero3_in_the_graph_trains_as_eager_zero3() -> None:
@@ -536,6 +563,14 @@ def test_zero3_in_the_graph_trains_as_eager_zero3() -> None:
     compiled, eager, single = run_ranks(_two_rank_runs, 2, timeout=180)[0]
     assert compiled["active"] and not eager["active"]
     assert compiled["losses"] == eager["losses"] == single["losses"]  # the same ops, gathered and reduced by the graph
+    # compile.offload_parameters (the third engine): every shard's master (several sub-groups) on the host between
+    # the forward and the backward and after the backward, none of its device storage left; all back for the step
+    # and for a checkpoint, whose masters are eager ZeRO-3's, bit for bit
+    assert single["units"] > 1 and single["unit_bytes"] == 4 * single["shard_numel"]
+    assert single["shard_bytes"] == [(0, 0, single["unit_bytes"])] * STEPS
+    assert single["moves"].late_reloads == 0 and single["moves"].recalls == single["units"] * STEPS
+    assert single["moves"].offloads > single["units"] * STEPS  # each unit out in the forward, and again in the backward
+    assert torch.equal(single["masters"], eager["masters"]) and torch.equal(compiled["masters"], eager["masters"])
     # double-buffered (the default): the bucket launched runs on while the next fills, the one before waited for
     assert [stats[-1] for stats in compiled["stats"]] == [2] * STEPS
     assert [stats[-1] for stats in single["stats"]] == [1] * STEPS
