@@ -15,11 +15,12 @@ What moves is a *unit* (:meth:`ShardMoves.for_strategy`): where the shards are v
 alone. A unit leaves only after the last use of every gather of its shards in the graph, and comes back before
 the first.
 
-DeepSpeed keeps the shards on the host between graphs (its ``offload_param: cpu`` home) and its step writes them
-there. dsrun's stage-3 step writes them in place on the training device (at fp32 they are the optimizer's
-masters), so :meth:`ShardMoves.recall` brings every unit back before the step, a checkpoint's save or load, an
-eager gather of the whole model and ``engine.offload_states()`` (the strategy calls it: ``recall_shards``); the
-saving is inside the forward and backward graphs, after each last use, and between them.
+Between graphs a shard stays on the host, as DeepSpeed's (its ``offload_param: cpu`` home): the stage-3 step
+writes a 16-bit shard where it is. Where the shards are views of a master, the optimizer steps that master in
+place on the training device, so :meth:`ShardMoves.recall` brings those units back before the step (they leave
+again after their last use in the next forward); every unit comes back before a gather of the whole model and
+``engine.offload_states()``, and is where a checkpoint's save or load finds it (the same tensors, wherever they
+are). The strategy calls it (``recall_shards``).
 
 On a CPU the host buffer is a second buffer in the same memory: the shard's training-time storage is freed at
 each offload (what the pass does), but the process's total memory does not drop.
@@ -42,19 +43,24 @@ class ShardMoveStats:
     reloads: int = 0  # units moved back by a reload op
     late_reloads: int = 0  # units a gather found on the host and moved back itself
     recalls: int = 0  # units moved back for the step, a checkpoint, an eager gather
+    peak_resident_bytes: int = 0  # the most shard bytes on the training device at once
 
 
 class ShardMoves:
     """The units whose shards DeepCompile's graphs move, by ``ds_id``."""
 
-    def __init__(self, units: list[StateTensor], ds_ids: list[list[int]], pin_memory: bool = True) -> None:
+    def __init__(self, units: list[StateTensor], ds_ids: list[list[int]], pin_memory: bool = True,
+                 masters: list[bool] | None = None) -> None:
         self.units = units
+        self.masters = masters or [False] * len(units)  # units the optimizer steps in place (on the device)
         self.homes = [unit.tensor.device for unit in units]
         self.unit_by_id = {ds_id: index for index, ids in enumerate(ds_ids) for ds_id in ids}
         self.out = [False] * len(units)
+        self.unit_bytes = [unit.tensor.numel() * unit.tensor.element_size() for unit in units]
+        self._resident = sum(self.unit_bytes)
         self.pin_memory = pin_memory and torch.cuda.is_available()  # page-locking needs a device driver
         self._host: dict[int, torch.Tensor] = {}  # unit -> its host buffer, made at its first offload
-        self.stats = ShardMoveStats()
+        self.stats = ShardMoveStats(peak_resident_bytes=self._resident)
 
     @classmethod
     def for_params(cls, params: Iterable[torch.nn.Parameter], pin_memory: bool = True) -> "ShardMoves":
@@ -77,7 +83,9 @@ class ShardMoves:
             if index is not None:
                 ds_ids[index].append(p.ds_id)
         kept = [i for i, ids in enumerate(ds_ids) if ids]
-        return cls([units[i] for i in kept], [ds_ids[i] for i in kept], pin_memory)
+        masters = {id(sg.master) for sg in strategy.sub_groups}
+        return cls([units[i] for i in kept], [ds_ids[i] for i in kept], pin_memory,
+                   [id(units[i].tensor) in masters for i in kept])
 
     # --- the moves --------------------------------------------------------------------------------------------
     def unit_of(self, ds_id: int) -> int | None:
@@ -95,6 +103,7 @@ class ShardMoves:
             self._host[index] = host
         move_storage(unit, host)
         self.out[index] = True
+        self._resident -= self.unit_bytes[index]
         self.stats.offloads += 1
 
     def _bring_back(self, index: int) -> bool:
@@ -102,6 +111,8 @@ class ShardMoves:
             return False
         move_storage(self.units[index], torch.empty_like(self._host[index], device=self.homes[index]))
         self.out[index] = False
+        self._resident += self.unit_bytes[index]
+        self.stats.peak_resident_bytes = max(self.stats.peak_resident_bytes, self._resident)
         return True
 
     def reload(self, ds_id: int) -> None:
@@ -116,10 +127,11 @@ class ShardMoves:
         if index is not None and self._bring_back(index):
             self.stats.late_reloads += 1
 
-    def recall(self) -> None:
-        """Every unit back on the training device (before anything outside the graphs reads or writes them)."""
+    def recall(self, masters_only: bool = False) -> None:
+        """Every unit back on the training device (before anything outside the graphs reads or writes them); with
+        ``masters_only`` those the optimizer steps (the step writes the other shards where they are)."""
         for index in range(len(self.units)):
-            if self._bring_back(index):
+            if (self.masters[index] or not masters_only) and self._bring_back(index):
                 self.stats.recalls += 1
 
     def close(self) -> None:
@@ -130,15 +142,14 @@ class ShardMoves:
     # --- what tests and benchmarks read -------------------------------------------------------------------------
     def resident_bytes(self) -> int:
         """Bytes of the units on the training device now."""
-        return sum(unit.tensor.numel() * unit.tensor.element_size()
-                   for unit, out in zip(self.units, self.out) if not out)
+        return self._resident
 
     def total_bytes(self) -> int:
-        return sum(unit.tensor.numel() * unit.tensor.element_size() for unit in self.units)
+        return sum(self.unit_bytes)
 
     def host_bytes(self) -> int:
         """Bytes of the host buffers made so far (kept between steps)."""
         return sum(host.numel() * host.element_size() for host in self._host.values())
 
     def reset_stats(self) -> None:
-        self.stats = ShardMoveStats()
+        self.stats = ShardMoveStats(peak_resident_bytes=self._resident)

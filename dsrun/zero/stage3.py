@@ -24,8 +24,8 @@ partitioned over, how it is gathered, how a bucket is reduce-scattered and what 
 Per step 3 * psi * (N - 1) / N elements move per rank (two gathers, one reduce-scatter), 1.5x stage 0's.
 DeepCompile (``dsrun/compile``) takes the gathers and the reduction into the graph: :meth:`hand_over_to_compiler`;
 its parameter offload (``compile.offload_parameters``) moves the shards to host buffers between their uses in the
-graphs and sets :attr:`Stage3Strategy.recall_shards`, which brings them back before anything here reads or writes
-them (the step, a checkpoint's save or load, a gather of the whole model, ``offload_states``).
+graphs and sets :attr:`Stage3Strategy.recall_shards`, which brings them back where they must be on the device (the
+masters the step updates, a gather of the whole model, ``offload_states``, a checkpoint's save and load).
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ from dsrun.optim.optimizer_wrappers import OptimizerWrapperKind
 class Stage3Strategy(StatesOffload, ZeroStrategy):
     stage = 3
     scatters_gradients = True
-    recall_shards: Callable[[], None] | None = None  # DeepCompile's parameter offload: every shard back home
+    recall_shards: Callable[..., None] | None = None  # DeepCompile's parameter offload: shards back home
 
     def __init__(self, ctx: StrategyContext):
         super().__init__(ctx)
@@ -369,12 +369,12 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
         return self._bucket_pool.nbytes()
 
     # --- the optimizer step: each store steps its sub-groups ------------------------------------------------
-    def _shards_home(self) -> None:
+    def _shards_home(self, masters_only: bool = False) -> None:
         if self.recall_shards is not None:
-            self.recall_shards()
+            self.recall_shards(masters_only=masters_only)
 
     def _begin_step(self) -> None:
-        self._shards_home()  # the step updates the shards (fp32: their masters) in place
+        self._shards_home(masters_only=True)  # the step updates the masters in place (the shards, at fp32)
 
     def _local_overflow(self) -> bool:
         """Whether this rank's gradients hold an inf or nan."""

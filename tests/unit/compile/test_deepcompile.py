@@ -347,7 +347,8 @@ def test_offload_parameters_moves_each_shard_out_after_its_last_use(world_of_one
     """``compile.offload_parameters``' pass: in both graphs each shard comes back just before its gather and goes to
     its host buffer right after the gathered value's release; its storage on the training device is freed there
     (at most one layer's shards resident at once, none between the graphs), the host copies hold its values, and
-    the gradients are the plain model's, over two steps. A gather that finds its shard on the host reloads it."""
+    the gradients are the plain model's, over two steps, the second after values written into the shards on the
+    host (as the stage-3 step writes 16-bit shards). A gather that finds its shard on the host reloads it."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
     from dsrun.compile.ops import ALLGATHER, OFFLOAD_PARAM, RELEASE, RELOAD_PARAM
@@ -360,40 +361,42 @@ def test_offload_parameters_moves_each_shard_out_after_its_last_use(world_of_one
     params = list(handle.params.values())  # a.weight, a.bias, b.weight, b.bias
     total = sum(p.ds_numel for p in params) * 4
     x = torch.randn(3, 8)
-    resident: list[int] = []  # the shard bytes on the device after each move
     device_storages = [StorageWeakRef(p.ds_tensor.untyped_storage()) for p in params]  # where they start
 
-    def watch(moves, name: str) -> None:
-        original = getattr(moves, name)
+    def watch_reloads(moves) -> None:  # the storage each reload makes on the device
+        reload = moves.reload
 
         def move(ds_id: int) -> None:
-            original(ds_id)
-            resident.append(moves.resident_bytes())
-            if name == "reload":
-                device_storages.append(StorageWeakRef(handle.params[ds_id].ds_tensor.untyped_storage()))
+            reload(ds_id)
+            device_storages.append(StorageWeakRef(handle.params[ds_id].ds_tensor.untyped_storage()))
 
-        monkeypatch.setattr(moves, name, move)
+        monkeypatch.setattr(moves, "reload", move)
 
     for step in range(2):
         loss = compiled(x)
         moves = handle.param_moves  # made by the pass: each registered shard a unit of its own
         if step == 0:
-            watch(moves, "offload")
-            watch(moves, "reload")
+            watch_reloads(moves)
         assert moves.resident_bytes() == 0 and moves.host_bytes() == total  # none left between the graphs
         assert all(ref.expired() for ref in device_storages)  # every device copy of a shard was freed
         loss.backward()
         assert moves.resident_bytes() == 0 and all(ref.expired() for ref in device_storages)
+        if step == 0:
+            moves.reset_stats()  # counted from here: step 1 starts with every shard on the host
         reference(x).backward()
         for name, p in reference.named_parameters():  # the same as the plain model's, step after step
             torch.testing.assert_close(grads[name], p.grad, rtol=1e-6, atol=1e-7)
             p.grad = None
-        for p, ref in zip(params, reference.parameters()):  # the round trips kept every shard's value
-            assert torch.equal(p.ds_tensor, ref.detach().reshape(-1))
-    # each step: the forward's four shards and the backward's one (b's weight, for the relu's gradient) go out;
-    # back come those five, less the forward's four at step 0 (on the device already)
-    assert (moves.stats.offloads, moves.stats.reloads, moves.stats.late_reloads) == (2 * 5, 2 * 5 - 4, 0)
-    assert max(resident) <= (8 * 16 + 16) * 4  # at most the larger layer's shards on the device at once
+        with torch.no_grad():
+            for p, ref in zip(params, reference.parameters()):  # the round trips kept every shard's value
+                assert torch.equal(p.ds_tensor, ref.detach().reshape(-1))
+                # a step writes each (16-bit) shard where it is, on the host here: the next forward reads it
+                p.ds_tensor.mul_(0.5)
+                ref.mul_(0.5)
+    # a step: the forward's four shards and the backward's one (b's weight, for the relu's gradient) come back and
+    # go out
+    assert (moves.stats.offloads, moves.stats.reloads, moves.stats.late_reloads) == (5, 5, 0)  # at step 1
+    assert moves.stats.peak_resident_bytes == (8 * 16 + 16) * 4  # at most the larger layer's shards at once
     for graph in (backend.profiling_results[0].fwd_graph, backend.profiling_results[0].bwd_graph):
         for gather in [n for n in graph.nodes if n.target is ALLGATHER]:
             reload = gather.prev  # just before the gather, for the same parameter
