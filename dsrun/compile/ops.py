@@ -11,9 +11,12 @@ Opaque custom ops over :class:`.handle.DeepCompileHandle`, so dynamo and inducto
     (an empty tensor) ties the two, so no compiler can move the use before the start.
 ``release_param(full, ds_id)``  the gathered value's last reader has run (side effect: never removed).
 ``reduce_grad(grad, ds_id)``    hand the full gradient to ZeRO-3's reduction (side effect: never removed).
-``reload_parameter(placeholder, graph_id, ds_id)``, ``offload_parameter(placeholder, graph_id, ds_id)``  bring the
-    parameter's shard back to the training device before its gather, move it to its host buffer after the gather's
-    last use (``compile.offload_parameters``: :mod:`.shard_moves`; side effects, never removed).
+``reload_parameter(placeholder, after, graph_id, ds_id) -> token``  bring the parameter's shard back to the training
+    device (``compile.offload_parameters``: :mod:`.shard_moves`); the gather reads the token (an empty tensor) in
+    place of the placeholder, so no compiler can run the gather first, and ``after`` (the value computed just
+    before it, or nothing) keeps a compiler from running the reload earlier.
+``offload_parameter(full, graph_id, ds_id)``  move the shard to its host buffer; it reads the gathered value, so it
+    runs after the gather (side effects, never removed).
 ``end_backward(deps, graph_id, release_reduce_buckets)``  a backward graph's reductions have all run (``deps``:
     the reduce nodes, so it comes after them); with ``release_reduce_buckets`` the pending buckets are launched.
 
@@ -84,22 +87,24 @@ def _reduce_grad_fake(grad: torch.Tensor, ds_id: int) -> None:
 
 
 @torch.library.custom_op(f"{LIB}::reload_parameter", mutates_args=())
-def reload_parameter(placeholder: torch.Tensor, graph_id: int, ds_id: int) -> None:
+def reload_parameter(placeholder: torch.Tensor, after: list[torch.Tensor], graph_id: int, ds_id: int) -> torch.Tensor:
     get_deepcompile_handle().reload_param(ds_id)
+    return placeholder.new_empty(0)
 
 
 @reload_parameter.register_fake
-def _reload_parameter_fake(placeholder: torch.Tensor, graph_id: int, ds_id: int) -> None:
-    return None
+def _reload_parameter_fake(placeholder: torch.Tensor, after: list[torch.Tensor], graph_id: int,
+                           ds_id: int) -> torch.Tensor:
+    return placeholder.new_empty(0)
 
 
 @torch.library.custom_op(f"{LIB}::offload_parameter", mutates_args=())
-def offload_parameter(placeholder: torch.Tensor, graph_id: int, ds_id: int) -> None:
+def offload_parameter(full: torch.Tensor, graph_id: int, ds_id: int) -> None:
     get_deepcompile_handle().offload_param(ds_id)
 
 
 @offload_parameter.register_fake
-def _offload_parameter_fake(placeholder: torch.Tensor, graph_id: int, ds_id: int) -> None:
+def _offload_parameter_fake(full: torch.Tensor, graph_id: int, ds_id: int) -> None:
     return None
 
 

@@ -399,10 +399,10 @@ def test_offload_parameters_moves_each_shard_out_after_its_last_use(world_of_one
     assert moves.stats.peak_resident_bytes == (8 * 16 + 16) * 4  # at most the larger layer's shards at once
     for graph in (backend.profiling_results[0].fwd_graph, backend.profiling_results[0].bwd_graph):
         for gather in [n for n in graph.nodes if n.target is ALLGATHER]:
-            reload = gather.prev  # just before the gather, for the same parameter
-            assert reload.target is RELOAD_PARAM and reload.args[2] == gather.args[1]
-            (release,) = [u for u in gather.users if u.target is RELEASE]
-            assert release.next.target is OFFLOAD_PARAM and release.next.args[2] == gather.args[1]
+            reload = gather.prev  # just before the gather, for the same parameter, whose token the gather reads
+            assert reload.target is RELOAD_PARAM and reload.args[3] == gather.args[1] and gather.args[0] is reload
+            (release,) = [u for u in gather.users if u.target is RELEASE]  # right after the release, reading the value
+            assert release.next.target is OFFLOAD_PARAM and release.next.args[::2] == (gather, gather.args[1])
     ids = [p.ds_id for p in params]
     order = [(op, ids.index(ds_id)) for op, ds_id in handle.stats.order]
     for i in range(4):  # the forward's first steps: each shard back, gathered, released, out
