@@ -48,25 +48,29 @@ def print_rank_0(message: str) -> None:
     log_dist(message, ranks=[0])
 
 
-def reduce_over_ranks(values: list, op: str, dtype: torch.dtype = torch.float64) -> list:
+def reduce_over_ranks(values: list, op: str, dtype: torch.dtype = torch.float64, dist=None, accelerator=None) -> list:
     """``values`` reduced over the ranks with ``ReduceOp.<op>`` (MIN, MAX, SUM): a planning pass's figures, which
     every rank must agree on or their collectives part. This rank's own without a process group or in a world of
     one. The passes run while a graph compiles, under the compiler's fake mode: the figures are made and reduced
     outside it, as real tensors on the accelerator's device (a collective dispatched through the fake mode hung
-    in gloo, seen twice on a one-rank world)."""
-    if not comm.is_initialized() or comm.get_world_size() == 1:
+    in gloo, seen twice on a one-rank world). ``dist``/``accelerator``: the calling pass's module names (DeepSpeed's
+    tests patch a pass's ``dist`` and ``get_accelerator``); dsrun's comm and accelerator by default."""
+    dist = comm if dist is None else dist
+    world_size = getattr(dist, "get_world_size", None)  # a stand-in without it is asked, as DeepSpeed's passes ask
+    if not dist.is_initialized() or (world_size is not None and world_size() == 1):
         return list(values)
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    from dsrun.accelerator import get_accelerator
+    if accelerator is None:
+        from dsrun.accelerator import get_accelerator
 
-    accelerator = get_accelerator()
+        accelerator = get_accelerator()
     device = accelerator.current_device()
     if isinstance(device, int):  # an index (dsrun's accelerator, as DeepSpeed's): the device by name
         device = accelerator.current_device_name()
     with unset_fake_temporarily():
         figures = torch.tensor(values, dtype=dtype, device=torch.device(device))
-        comm.all_reduce(figures, getattr(comm.ReduceOp, op))
+        dist.all_reduce(figures, op=getattr(dist.ReduceOp, op))
         return figures.tolist()
 
 

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch.fx import Graph, GraphModule, Node
 
+from dsrun import comm as dist  # DeepSpeed's module name (its tests patch it)
 from dsrun.accelerator import Accelerator, get_accelerator
 from dsrun.compile.ops import GATHERS
 from dsrun.compile.graph_param import DSGraphParamManager
@@ -156,12 +157,13 @@ def _memory_budget() -> float:
     if override is not None:
         return float(override) * 1e9
     accelerator = get_accelerator()
-    return reduce_over_ranks([accelerator.total_memory() * (1 - _measured_margin(accelerator))], "MIN")[0]
+    return reduce_over_ranks([accelerator.total_memory() * (1 - _measured_margin(accelerator))], "MIN", dist=dist,
+                             accelerator=accelerator)[0]
 
 
 def _agree_on_floor_peak(floor_peak: int) -> float:
     """The busiest rank's floor: every rank must make the same plan."""
-    return reduce_over_ranks([floor_peak], "MAX")[0]
+    return reduce_over_ranks([floor_peak], "MAX", dist=dist, accelerator=get_accelerator())[0]
 
 
 def _min_offload_size() -> int:
