@@ -170,9 +170,13 @@ def _all_ranks_succeeded(engine: CheckpointEngine, error: Exception | None, root
 
 
 def _layout(engine: CheckpointEngine) -> layout.CheckpointLayout:
-    """The strategy's own file layout (an engine without an optimizer: its configured stage's)."""
+    """The strategy's own file layout (an engine without an optimizer: its configured stage's); refused for
+    ZeRO-Inference's engine, whose partitioned weights no file of that layout would carry (no masters)."""
     if engine.strategy is not None:
         return engine.strategy.checkpoint_layout
+    if getattr(engine, "parameter_offload", None) is not None:
+        raise UserError(Problem("save_checkpoint/load_checkpoint", "a ZeRO-3 engine without an optimizer has no master "
+                                "weights to save or load", "use save_16bit_model; load weights before initialize"))
     return layout.layout_for_stage(engine.zero_optimization_stage())
 
 
@@ -190,7 +194,7 @@ def engine_model_states(engine: CheckpointEngine, client_state: dict[str, Any], 
         # stage 0 has no per-rank optimizer files: its (full) optimizer state lives here, as DeepSpeed does
         "optimizer": (deepspeed_format.stage0_for_deepspeed(strategy.state_dict(), engine.precision.name,
                                                             engine.global_steps, strategy.deepspeed_wrapper,
-                                                            getattr(engine.precision, "scaler", None), _clip(engine))
+                                                            getattr(engine.precision, "scaler", None), float(engine.gradient_clipping()))
                       if strategy is not None and files.optimizer_in_model_states else None),
         "param_shapes": strategy.checkpoint_param_shapes() if strategy is not None else None,
         "shared_params": state.shared_params(engine.module),
@@ -255,14 +259,10 @@ def save_checkpoint(engine: CheckpointEngine, save_dir: str, tag: Tag = None,
     return save_staged(engine, save_dir, tag, write, save_latest)
 
 
-def _clip(engine: CheckpointEngine) -> float:
-    return float(engine.gradient_clipping())
-
-
 def save_optimizer_states(engine: CheckpointEngine, path: Path) -> None:
     """This rank's ZeRO optimizer file, with the keys DeepSpeed's ZeRO optimizers also read (its loss scaler
     is written as a reference to DeepSpeed's class, see :mod:`.deepspeed_format`)."""
-    sd = deepspeed_format.zero_state_for_deepspeed(engine.strategy.state_dict(), engine.precision.name, _clip(engine),
+    sd = deepspeed_format.zero_state_for_deepspeed(engine.strategy.state_dict(), engine.precision.name, float(engine.gradient_clipping()),
                                                    getattr(engine.precision, "scaler", None), engine.zero_elastic_checkpoint())
     optim = {"optimizer_state_dict": sd, "ds_config": state.plain_config(engine), "ds_version": DS_VERSION}
     pickler = deepspeed_format.PICKLE_MODULE if deepspeed_format.holds_foreign(sd) else None

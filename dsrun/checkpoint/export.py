@@ -38,8 +38,9 @@ def save_16bit_model(engine: _Engine, save_dir: str, save_filename: str = "pytor
     weights are gathered (the strategy's ``consolidated_16bit_state_dict``), and nothing is written (returns
     False) unless ``stage3_gather_16bit_weights_on_model_save`` is on, as in DeepSpeed. Tensors are copied
     out of the flat training buffers, so the file holds only the weights, and a tied weight is stored once."""
-    if engine.strategy is not None:
-        state_dict = engine.strategy.consolidated_16bit_state_dict(exclude_frozen_parameters)
+    holder = _weights_holder(engine)
+    if holder is not None:
+        state_dict = holder.consolidated_16bit_state_dict(exclude_frozen_parameters)
     else:
         state_dict = state.module_state_cpu(engine.module, exclude_frozen_parameters)
     if state_dict is None:
@@ -61,11 +62,18 @@ def consolidated_16bit_state_dict(engine: _Engine, exclude_frozen_parameters: bo
     gathers whatever ``stage3_gather_16bit_weights_on_model_save`` says: accelerate's ``get_state_dict`` checks
     the flag itself, and the Trainer saves a PEFT model's adapters under ZeRO-3 through this call
     (``exclude_frozen_parameters=True``) with the flag off too."""
-    if engine.strategy is not None:
-        state_dict = engine.strategy.full_16bit_state_dict(exclude_frozen_parameters)
+    holder = _weights_holder(engine)
+    if holder is not None:
+        state_dict = holder.full_16bit_state_dict(exclude_frozen_parameters)
     else:
         state_dict = state.module_state_cpu(engine.module, exclude_frozen_parameters)
     return _independent_cpu_copy(engine, state_dict) if engine.global_rank == 0 else {}
+
+
+def _weights_holder(engine: _Engine) -> _Strategy | None:
+    """What gathers the weights: the ZeRO strategy, or at stage 3 without an optimizer the engine's
+    ``parameter_offload`` (ZeRO-Inference); None: the module holds them whole."""
+    return engine.strategy if engine.strategy is not None else getattr(engine, "parameter_offload", None)
 
 
 def _independent_cpu_copy(engine: _Engine, state_dict: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -37,7 +37,8 @@ from dsrun.engine.observer import EngineObserver
 from dsrun.precision.strategy import PrecisionStrategy, build_precision, cast_model
 from dsrun.precision.torch_autocast import autocast_if_enabled, init_autocast_params
 from dsrun.profiling.timers import WallClockTimers
-from dsrun.zero.strategies import MemoryBreakdown, StrategyContext, ZeroStrategy, build_zero_strategy
+from dsrun.zero.strategies import (DeepSpeedZeRoOffload, MemoryBreakdown, StrategyContext, ZeroStrategy,
+                                   build_zero_strategy)
 from dsrun.comm.groups import set_current_groups
 from dsrun.utils.errors import ConfigError, Problem
 from dsrun.utils.logging import set_log_level_from_string
@@ -81,6 +82,7 @@ class DeepSpeedEngine(torch.nn.Module):
     _step_applied: bool = False
     _is_compiled: bool = False
     _deepcompile_active: bool = False  # the module runs DeepCompile's graphs (engine.compile)
+    parameter_offload: DeepSpeedZeRoOffload | None = None  # stage 3 without an optimizer (dsrun/zero/parameter_offload.py)
     pipeline_parallelism = False  # the pipeline engine's is True
     scale_wrt_gas: bool | None = None  # when set, overrides backward(scale_wrt_gas=...)
     loaded_checkpoint_dp_world_size: int | None = None  # set by load_checkpoint
@@ -151,11 +153,13 @@ class DeepSpeedEngine(torch.nn.Module):
 
         self.strategy: ZeroStrategy | None = None
         self.optimizer: torch.optim.Optimizer | None = None
+        stage = int(config.zero_optimization.stage)
         if optimizer is not None:
-            stage = int(config.zero_optimization.stage)
             check_zero_optimizer(optimizer, stage, bool(config.zero_allow_untested_optimizer))
             self.strategy = build_zero_strategy(stage, self._strategy_context(optimizer))
             self.optimizer = self.strategy.optimizer
+        elif stage == 3:  # ZeRO-Inference: the parameters partitioned, gathered by pass
+            self.parameter_offload = DeepSpeedZeRoOffload.for_inference(self._strategy_context(None))
         self.direct_backward = DirectBackward(self)  # backward passes engine.backward() did not run
         self.lr_scheduler = self._configure_lr_scheduler(lr_scheduler)
         self.training_dataloader = (self.deepspeed_io(training_data, collate_fn=collate_fn)
@@ -207,7 +211,7 @@ class DeepSpeedEngine(torch.nn.Module):
             for tensor in self.module.buffers():
                 comm.broadcast(tensor.data, src=src, group=self.dp_group)
 
-    def _strategy_context(self, optimizer: torch.optim.Optimizer) -> StrategyContext:
+    def _strategy_context(self, optimizer: torch.optim.Optimizer | None) -> StrategyContext:
         # a feature's stage-3 sharding policy (ZeRO++/MiCS/hpZ; built at stage 3 only), else plain ZeRO-3's; a
         # feature's gradient accumulation (data_types.grad_accum_dtype), else the stage's own
         return StrategyContext(module=self.module, optimizer=optimizer, precision=self.precision,
@@ -429,9 +433,7 @@ class DeepSpeedEngine(torch.nn.Module):
         return [group["lr"] for group in self.optimizer.param_groups] if self.optimizer is not None else []
 
     def get_mom(self) -> list[Any]:
-        if self.optimizer is None:
-            return []
-        return [group.get("betas", group.get("momentum")) for group in self.optimizer.param_groups]
+        return [group.get("betas", group.get("momentum")) for group in getattr(self.optimizer, "param_groups", ())]
 
     def get_global_grad_norm(self) -> float | None:
         """The global gradient norm of the last step (computed when gradient_clipping is on)."""
@@ -546,8 +548,8 @@ class DeepSpeedEngine(torch.nn.Module):
             decoupled.drain()
         except Exception as exc:  # noqa: BLE001 - raised below, after the engine let go of what it holds
             failure = exc
-        if self.strategy is not None:
-            self.strategy.close()
+        for holder in filter(None, (self.strategy, self.parameter_offload)):  # ZeRO's strategy, or ZeRO-Inference's
+            holder.close()
         self.direct_backward.close()
         self.features.close()
         self.observer.close()
@@ -575,7 +577,7 @@ class DeepSpeedEngine(torch.nn.Module):
     def empty_partition_cache(self) -> None:
         """Release the ZeRO-3 parameters kept gathered between uses (persistent or kept for reuse), e.g. at the
         end of training; they are gathered again when next needed. A no-op at stages 0-2."""
-        release = getattr(self.strategy, "empty_partition_cache", None)
+        release = getattr(self.strategy or self.parameter_offload, "empty_partition_cache", None)
         if release is not None:
             release()
 

@@ -32,7 +32,8 @@ EngineT = TypeVar("EngineT", bound=_Engine)
 def unwrap_model_for_generation(model: EngineT) -> Iterator[EngineT]:
     """Gather every parameter of ``model`` (a DeepSpeed engine) and lift its ZeRO-3 hooks for the block;
     yields ``model``. Collective at ZeRO-3: every rank enters it."""
-    coordinator = getattr(model.strategy, "coordinator", None)
+    # the ZeRO-3 strategy's coordinator, or an engine's without an optimizer (ZeRO-Inference)
+    coordinator = getattr(model.strategy or getattr(model, "parameter_offload", None), "coordinator", None)
     with GatheredParameters(list(model.module.parameters())):
         if not isinstance(coordinator, ParameterCoordinator):
             yield model

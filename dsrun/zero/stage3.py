@@ -39,17 +39,13 @@ from dsrun import comm
 from dsrun.checkpoint.layout import CheckpointLayout, layout_for_stage
 from dsrun.zero.base import StrategyContext, ZeroStrategy
 from dsrun.zero.memory import MemoryBreakdown, optimizer_state_bytes
-from dsrun.zero import coalesced_gather, host_memory, quantized_shards
+from dsrun.zero import host_memory, quantized_shards
 from dsrun.zero.buckets import CompilerIntake, FlatBufferPool
-from dsrun.zero.partitioner_internals import enable_memory_efficient_linear
-from dsrun.zero.sharding import ShardingPolicy
 from dsrun.zero.offload_states import StatesOffload
-from dsrun.utils.leaf_modules import (apply_zero_leaf_module_config, set_z3_leaf_modules_by_threshold,
-                                      z3_leaf_parameter)
+from dsrun.utils.leaf_modules import z3_leaf_parameter
 from dsrun.zero.gathered import full_state_dict  # noqa: F401 - also served from here (dsrun.zero, tests)
-from dsrun.zero.hooks import ParameterCoordinator, gathered_together, iter_unique_params
-from dsrun.zero.partition_params import full_tensor, is_zero_param, partition_param, shard_padding
-from dsrun.zero.whole_params import WholeParameters, keeps_whole
+from dsrun.zero.parameter_offload import DeepSpeedZeRoOffload
+from dsrun.zero.partition_params import full_tensor, shard_padding
 from dsrun.offload import param_swapper
 from dsrun.precision.keep_fp32 import is_kept
 from dsrun.offload.pipeline import PipelineTimes
@@ -71,38 +67,13 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
         self.sub_group_size = max(1, int(zc.sub_group_size))
         self.gather_16bit_on_save = bool(zc.stage3_gather_16bit_weights_on_model_save)
 
-        # the config's leaf modules (leaf_module, stage3_module_granularity_threshold), before anything is hooked
-        leaf = zc.leaf_module
-        apply_zero_leaf_module_config(ctx.module, leaf.classes, leaf.names, leaf.name_suffixes)
-        if zc.stage3_module_granularity_threshold > 0:
-            set_z3_leaf_modules_by_threshold(ctx.module, int(zc.stage3_module_granularity_threshold))
-        if zc.memory_efficient_linear:
-            enable_memory_efficient_linear()
-        self.params = iter_unique_params([ctx.module])
-        # which group each parameter is partitioned over and how it is gathered and reduced: a feature's policy
-        # (ZeRO++/MiCS/hpZ: dsrun/zero/zeropp.py) or plain ZeRO-3's
-        self.sharding: ShardingPolicy = ctx.sharding if ctx.sharding is not None else ShardingPolicy(ctx.groups,
-                                                                                                      ctx.group)
+        # the parameters partitioned, their gathers and offload: the parameter side, as DeepSpeed's stage-3
+        # optimizer holds a DeepSpeedZeRoOffload (dsrun/zero/parameter_offload.py)
+        self.parameter_offload = DeepSpeedZeRoOffload(ctx)
+        self.params, self.sharding = self.parameter_offload.params, self.parameter_offload.sharding
+        self.param_offload, self.keeps_whole = self.parameter_offload.param_offload, self.parameter_offload.keeps_whole
+        self.coordinator = self.parameter_offload.coordinator
         self.norm_group = self.sharding.shard_group  # each shard's gradient is counted once in the norm
-        self._partition_all()
-        for p in self.params:  # enable_sanity_checks: GatheredParameters checks for changes it would lose
-            p.ds_enable_sanity_checks = bool(zc.enable_sanity_checks)
-        self._mark_persistent(int(zc.stage3_param_persistence_threshold), int(zc.stage3_model_persistence_threshold))
-        self.sharding.prepare(self.params)  # quantized gathers and reduce-scatter (ZeRO++)
-        # offload_param: shards to host memory or NVMe files (dsrun/offload/param_swapper.py)
-        self.param_offload = param_swapper.attach_param_offload(
-            self.params, zc.offload_param, ctx.device, self.model_dtype, aio_config=ctx.aio_config, rank=self.rank,
-            gathered_together=gathered_together(ctx.module))
-        # every parameter partitioned over a group of one: kept whole, no hooks (dsrun/zero/whole_params.py)
-        self.keeps_whole = keeps_whole(self.params, self.param_offload)
-        self.coordinator: ParameterCoordinator | WholeParameters = WholeParameters(ctx.module, self.params) \
-            if self.keeps_whole else ParameterCoordinator(
-                ctx.module, prefetch_bucket_size=int(zc.stage3_prefetch_bucket_size),
-                max_live_parameters=int(zc.stage3_max_live_parameters), max_reuse_distance=int(zc.stage3_max_reuse_distance),
-                log_trace_cache_warnings=bool(zc.log_trace_cache_warnings), all_reduce=bool(zc.stage3_use_all_reduce_for_fetch_params),
-                coalesced=coalesced_gather.coalesces(zc.stage3_allgather_sequential, ctx.device))
-        if self.param_offload is not None:
-            self.coordinator.after_fetch = self.param_offload.after_fetch
         # on the CPU every module's gradients are reduce-scattered once backward moves past it (as FSDP2 does),
         # so full gradients never pile up towards reduce_bucket_size, which stays the largest bucket (kept
         # whole, nothing is gathered: glibc's own threshold serves the temporaries, as at stage 0)
@@ -124,8 +95,7 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
         self.sub_groups = self._build_sub_groups()
         for store in self.placement.stores:
             store.finish()
-        if self.keeps_whole:  # the shards are where the stores put them (fp32: views of the masters)
-            self.coordinator.keep_whole()
+        self.parameter_offload.keep_whole()  # the shards are where the stores put them (fp32: views of the masters)
         self.sharding.check_gradient_stores(resident=all(sg.grad is not None for sg in self.sub_groups))
         self.masters = [sg.master for sg in self.sub_groups]
         if self._optimizer.state:
@@ -151,38 +121,6 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
                             for p in trainable if not z3_leaf_parameter(p)]
 
     # --- construction -------------------------------------------------------------------------------------
-    def _partition_all(self) -> None:
-        """Partition every parameter (those built under ``zero.Init`` already are: bring their shards to the
-        engine's device and dtype)."""
-        wanted = self.ctx.zero_config.offload_param.device
-        for p in self.params:
-            floating = p.is_floating_point() or (is_zero_param(p) and p.ds_tensor.is_floating_point())
-            dtype = (torch.float32 if is_kept(p) else self.model_dtype) if floating else None  # keep_in_fp32_modules
-            if is_zero_param(p):
-                owner = param_swapper.offload_of(p)
-                if owner is not None:  # built under zero.Init(remote_device=...): its shard is offloaded
-                    if owner.device == wanted and (dtype is None or p.ds_tensor.dtype == dtype):
-                        continue
-                    owner.release(p)  # elsewhere or another dtype: bring it back, offload again later
-                    if not owner.params:
-                        owner.close()
-                if (dtype is not None and p.ds_tensor.dtype != dtype) or p.ds_tensor.device != self.ctx.device:
-                    p.ds_tensor = p.ds_tensor.to(device=self.ctx.device, dtype=dtype or p.ds_tensor.dtype)
-                    p.data = torch.empty(0, dtype=p.ds_tensor.dtype, device=self.ctx.device)
-                continue
-            # MoE experts are partitioned over their expert-data-parallel group, everything else over the
-            # policy's shard group (the data group; with MiCS this rank's shard group)
-            partition_param(p, self.sharding.group_of(p), dtype=dtype, device=self.ctx.device)
-        for p in self.params:
-            self.sharding.attach(p)
-
-    def _mark_persistent(self, threshold: int, model_threshold: int) -> None:
-        budget = model_threshold
-        for p in self.params:
-            if p.ds_numel < threshold and p.ds_numel <= budget:
-                p.ds_persist = True
-                budget -= p.ds_numel
-
     def _build_sub_groups(self) -> list[SubGroup]:
         names = {id(p): n for n, p in self.ctx.module.named_parameters(remove_duplicate=True)}
         sub_groups: list[SubGroup] = []
@@ -466,16 +404,14 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
         for handle in self._grad_hooks:
             handle.remove()
         self._grad_hooks = []
-        self.coordinator.remove_hooks()
+        self.parameter_offload.close()
         self._bucket_pool.buffers = []
-        if self.param_offload is not None:
-            self.param_offload.close()
         for store in self.placement.stores:
             store.close()
 
     def empty_partition_cache(self) -> None:
         """Release every gathered parameter, persistent ones included (``engine.empty_partition_cache()``)."""
-        self.coordinator.invalidate()
+        self.parameter_offload.empty_partition_cache()
 
     def zero_grad(self) -> None:
         for store in self.placement.stores:

@@ -14,6 +14,7 @@ from dsrun.utils.errors import ConfigError, Problem
 from dsrun.zero.base import StepOutcome, StrategyContext, ZeroStrategy
 from dsrun.zero.memory import MemoryBreakdown
 from dsrun.zero.fragments import attach_fragments
+from dsrun.zero.parameter_offload import DeepSpeedZeRoOffload  # stage 3's parameter side; alone without an optimizer
 
 # stage -> "module:class", imported on first use so a stage's module is only loaded when it is chosen
 STRATEGY_CLASSES: dict[int, str] = {
@@ -53,5 +54,5 @@ def keep_states_in_bf16(ctx: StrategyContext) -> None:
         ctx.optimizer.fp32_optimizer_states = False
 
 
-__all__ = ["MemoryBreakdown", "STRATEGY_CLASSES", "StepOutcome", "StrategyContext", "ZeroStrategy",
+__all__ = ["DeepSpeedZeRoOffload", "MemoryBreakdown", "STRATEGY_CLASSES", "StepOutcome", "StrategyContext", "ZeroStrategy",
            "build_zero_strategy", "strategy_class"]
