@@ -306,6 +306,46 @@ def peak_rss_100m(rank: int, world: int, load_dir: str | None = None, save_dir: 
     return out
 
 
+def zero_inference(rank: int, world: int, variant: str) -> dict[str, Any]:
+    """ZeRO-Inference's flow: dsrun's GPT built under zero.Init (``variant``: plain, ``offload_param`` cpu, or
+    ``quantized_initialization``), ``initialize`` with no optimizer; its logits through ``engine(...)`` and
+    ``engine.module(...)`` and a greedy ``generate`` beside the unpartitioned model holding the same (for quantized
+    weights: the dequantized) values, this rank's share of the elements, and what stays gathered after a pass."""
+    import dsrun
+    from dsrun.models.gpt import GPT
+    from dsrun.ops.groupwise_quant import dequantized
+    from tests.harness.models import GPT_KW
+
+    zero: dict[str, Any] = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    cfg: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero}
+    if variant == "offload":
+        zero["offload_param"] = {"device": "cpu"}
+    if variant == "quantized":
+        cfg["weight_quantization"] = {"quantized_initialization": {"num_bits": 8, "group_size": 16, "group_dim": 1}}
+    torch.manual_seed(0)
+    with dsrun.zero.Init(config_dict_or_path=cfg):
+        model = GPT(**GPT_KW)
+    engine, optimizer, _, _ = dsrun.initialize(model=model, config=cfg)
+    params = list(engine.module.parameters())
+    with dsrun.zero.GatheredParameters(params):
+        values = [dequantized(p) if getattr(p, "weight_quantized", False) else p for p in params]
+        state = {n: v.detach().clone() for n, v in zip((n for n, _ in engine.module.named_parameters()), values)}
+    reference = GPT(**GPT_KW)
+    reference.load_state_dict(state, strict=False)  # lm_head is wte's (tied)
+    idx = torch.randint(0, GPT_KW["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = reference(idx)
+        out = {"optimizer": optimizer, "engine": torch.equal(engine(idx), expected),
+               "module": torch.equal(engine.module(idx), expected),
+               "generate": torch.equal(engine.module.generate(idx, 4, temperature=0.0),
+                                       reference.generate(idx, 4, temperature=0.0))}
+    out.update(shard=sum(p.ds_tensor.numel() for p in params if p.ds_tensor.is_floating_point()),
+               numel=sum(p.ds_numel for p in params), count=len(params), gathered_after=sum(p.numel() for p in params),
+               quantized=sum(bool(getattr(p, "weight_quantized", False)) for p in params))
+    engine.destroy()
+    return out
+
+
 def _env_threads() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -320,4 +360,5 @@ def api_suite(rank: int, world: int, save_dir: str) -> dict[str, Any]:
             "apply/on": module_apply(rank, world, override=True),
             "apply/off": module_apply(rank, world, override=False),
             "export/off": export_16bit(rank, world, os.path.join(save_dir, "off"), gather=False),
-            "export/on": export_16bit(rank, world, os.path.join(save_dir, "on"), gather=True)}
+            "export/on": export_16bit(rank, world, os.path.join(save_dir, "on"), gather=True),
+            **{f"inference/{v}": zero_inference(rank, world, v) for v in ("plain", "offload", "quantized")}}

@@ -1,6 +1,7 @@
 """The ZeRO-3 user API across ranks: zero.Init never holds more than a rank's share (plus the module being
 built), GatheredParameters(modifier_rank=0) changes reach every rank, external parameters, the 16-bit
-export and the full state dict, and peak RSS per rank falling with N for a 100M-parameter GPT."""
+export and the full state dict, ZeRO-Inference (initialize without an optimizer), and peak RSS per rank falling
+with N for a 100M-parameter GPT."""
 from __future__ import annotations
 
 import functools
@@ -108,6 +109,24 @@ def test_save_16bit_model_needs_gather_flag_and_writes_the_full_model() -> None:
     model = build_model("nanogpt")
     model.load_state_dict({k: v.float() for k, v in saved.items()})
     assert model.lm_head.weight is model.transformer["wte"].weight
+
+
+def test_zero_inference_gathers_a_zero_init_model_for_forward_and_generate_on_every_rank() -> None:
+    # initialize without an optimizer at stage 3 (ZeRO-Inference): the partitioned model's forward, called through
+    # the engine or its module, and its greedy generate equal the unpartitioned model's bit for bit (the gather
+    # copies the shards' bytes, the forward runs the same ops); with quantized_initialization the reference holds
+    # the dequantized weights (the 1-rank test, tests/unit/zero3/test_zero_inference.py, bounds those)
+    for rank, r in enumerate(api(2)):
+        for variant in ("plain", "offload", "quantized"):
+            out = r[f"inference/{variant}"]
+            assert out["optimizer"] is None
+            assert (out["engine"], out["module"], out["generate"]) == (True, True, True), (rank, variant)
+            assert out["gathered_after"] == 0, (rank, variant)  # every parameter released after each pass
+        for variant in ("plain", "offload"):  # a rank holds ceil(numel / 2) of each parameter
+            out = r[f"inference/{variant}"]
+            assert out["numel"] / 2 <= out["shard"] <= (out["numel"] + out["count"]) / 2, (rank, variant)
+        # every Linear and Embedding weight stored quantized: wte, wpe and 4 per block of 2 (lm_head is wte, tied)
+        assert r["inference/quantized"]["quantized"] == 2 + 4 * 2
 
 
 def _tensor_records(path) -> list[bytes]:
