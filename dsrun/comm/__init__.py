@@ -8,9 +8,9 @@ run's topology and process groups (:mod:`.topology`, :mod:`.groups`), and the po
 DeepSpeed's capability-checked forms (``allgather_fn``, ``reduce_scatter_fn``, ``has_all_gather_into_tensor``,
 ``has_reduce_scatter_tensor``) and its ``TorchBackend`` (:mod:`.torch_backend`, ``deepspeed.comm.torch``) too.
 """
-from .comm import (P2POp, ReduceOp, all_gather, all_gather_into_tensor, allgather_fn, all_gather_object, all_reduce,
+from .comm import (CollectiveTimeout, P2POp, ReduceOp, all_gather, all_gather_into_tensor, allgather_fn, all_gather_object, all_reduce,
                    all_to_all_single, barrier, batch_isend_irecv, before_destroy, broadcast, broadcast_object_list,
-                   comms_logger, comms_report, configure, destroy_at_exit, destroy_process_group, get_backend, get_comms_group_stats,
+                   comms_logger, comms_report, configure, default_pg_timeout, destroy_at_exit, destroy_process_group, get_backend, get_comms_group_stats,
                    get_comms_stats, get_global_rank, get_local_rank, get_rank, get_world_group, get_world_size,
                    group_ranks,
                    has_all_gather_into_tensor, has_reduce_scatter_tensor, init_distributed, irecv, is_initialized,
@@ -23,10 +23,11 @@ from .topology import PipeDataParallelTopology, PipeModelDataParallelTopology, P
 from .torch_backend import TorchBackend
 
 __all__ = [
-    "P2POp", "ReduceOp", "all_gather", "all_gather_hierarchical", "all_gather_into_tensor", "all_gather_object",
+    "CollectiveTimeout", "P2POp", "ReduceOp", "all_gather", "all_gather_hierarchical", "all_gather_into_tensor", "all_gather_object",
     "all_reduce", "all_to_all_single", "allgather_fn", "has_all_gather_into_tensor", "has_reduce_scatter_tensor",
     "reduce_scatter_fn", "TorchBackend",
     "barrier", "before_destroy", "broadcast", "batch_isend_irecv", "broadcast_object_list", "comms_logger", "comms_report", "configure",
+    "default_pg_timeout",
     "destroy_at_exit", "destroy_process_group", "get_backend", "get_comms_group_stats", "group_ranks",
     "get_comms_stats", "get_global_rank", "get_local_rank", "get_rank", "get_world_group", "get_world_size",
     "init_distributed",

@@ -7,12 +7,13 @@ follow ``deepspeed.comm`` (which follows ``torch.distributed``), so code written
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib
 import os
 import sys
 import types
 from datetime import timedelta
-from typing import Any, Callable, Optional, Protocol, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Optional, Protocol, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,7 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True,
                      distributed_port: int = 29500, verbose: bool = True,
-                     timeout: timedelta = timedelta(seconds=1800), init_method: str | None = None,
+                     timeout: timedelta | None = None, init_method: str | None = None,
                      dist_init_required: bool | None = None, config: dict | None = None,
                      rank: int = -1, world_size: int = -1, *, store: dist.Store | None = None) -> None:
     """Initialize torch.distributed, as ``deepspeed.init_distributed`` does.
@@ -51,7 +52,9 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     The backend defaults to the accelerator's (gloo on CPU, NCCL on CUDA). Rank and world size come from the
     arguments or the ``RANK``/``WORLD_SIZE`` environment (set by ``dsrun`` and ``torchrun``); without either,
     a single-process world on 127.0.0.1 is created so a plain ``python train.py`` works. ``timeout`` bounds
-    every collective: a rank that never joins makes the others fail after it instead of hanging.
+    every collective: a rank that never joins (it failed, or took another path) makes the others fail after it
+    with one line naming the collective (:class:`CollectiveTimeout`) instead of hanging; None is DeepSpeed's
+    default, ``DEEPSPEED_TIMEOUT`` minutes (10 when unset: :func:`default_pg_timeout`).
     ``config`` may carry a ``comms_logger`` section (a dict or an object with those attributes).
     ``auto_mpi_discovery`` is accepted for compatibility; MPI launch is not supported. ``store`` (dsrun's, not
     DeepSpeed's; with ``rank`` and ``world_size``): meet there instead of at ``MASTER_ADDR:MASTER_PORT``
@@ -80,7 +83,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(distributed_port))
     backend = dist_backend or get_accelerator().communication_backend_name()
-    kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout}
+    kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout or default_pg_timeout()}
     if init_method is not None:
         kwargs["init_method"] = init_method
     if store is not None:
@@ -100,14 +103,28 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
               flush=True)
 
 
+def default_pg_timeout() -> timedelta:
+    """DeepSpeed's ``deepspeed.constants.default_pg_timeout``: ``DEEPSPEED_TIMEOUT`` minutes, 10 when unset (read
+    when asked, not at import)."""
+    value = os.environ.get("DEEPSPEED_TIMEOUT", "10")
+    try:
+        return timedelta(minutes=float(value))
+    except ValueError:
+        raise ValueError(f"DEEPSPEED_TIMEOUT={value!r}: expected minutes (a number), e.g. DEEPSPEED_TIMEOUT=10") from None
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective this rank entered timed out: a rank of its group never reached it."""
+
+
 def rendezvous_store(host: str, port: int, world_size: int, is_master: bool, timeout: timedelta,
-                     ops_timeout: timedelta = timedelta(seconds=1800)) -> dist.Store:
+                     ops_timeout: timedelta | None = None) -> dist.Store:
     """The store ranks meet on, for :func:`init_distributed`'s ``store``: rank 0's server (``port`` 0: one the
     system picks as it binds, read back as ``.port``, so no other process can hold it), or another rank's client
     of it at ``host:port``, which gives up after ``timeout`` when no server answers there. Once connected, a wait
     on the store lasts up to ``ops_timeout`` (init_distributed's default for the collectives)."""
     store = dist.TCPStore(host, port, world_size, is_master, timeout, wait_for_workers=False)
-    store.set_timeout(ops_timeout)
+    store.set_timeout(ops_timeout or default_pg_timeout())
     return store
 
 
@@ -282,12 +299,26 @@ def _run(op: str, message_bytes: int, traffic: float, call: Callable[[], Any], a
         work = call()
         comms_logger.record(op, message_bytes, traffic, group=ranks)
         return work
-    with Timer() as t:
+    with Timer() as t, _named_timeout(op, ranks):
         work = call()
         if async_op:  # the comms logger times every logged op to completion, as DeepSpeed does
             work.wait()
     comms_logger.record(op, message_bytes, traffic, t.elapsed, group=ranks)
     return work
+
+
+@contextlib.contextmanager
+def _named_timeout(op: str, ranks: Sequence[int]) -> Iterator[None]:
+    """A backend's timeout inside as one line naming the collective and its ranks (gloo's names a socket buffer)."""
+    try:
+        yield
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        if "timed out" not in first.lower():
+            raise
+        raise CollectiveTimeout(f"rank {get_rank()}: {op} over ranks {list(ranks)} timed out ({first}): a rank of the "
+                                "group never reached it (an exception there, or another code path); DEEPSPEED_TIMEOUT "
+                                "(minutes) or init_distributed(timeout=...) sets the bound") from None
 
 
 def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup = None,
@@ -482,7 +513,7 @@ def broadcast_object_list(object_list: list, src: int = 0, group: ProcessGroup =
 def barrier(group: ProcessGroup = None) -> None:
     if get_world_size(group) == 1 and not is_initialized():
         return
-    with Timer() as t:
+    with Timer() as t, _named_timeout("barrier", group_ranks(group)):
         dist.barrier(group=group)
     comms_logger.record("barrier", 0, 0, t.elapsed)
 

@@ -51,3 +51,4 @@ def test_hung_rank_fails_within_bounded_time() -> None:
         run_ranks(hang_ranks, 2, timeout=90)
     assert "rank 0 failed" in str(info.value) and "did not finish" not in str(info.value)
     assert "timed out waiting 5000ms" in str(info.value).lower()
+    assert "over ranks [0, 1] timed out" in str(info.value) and "never reached it" in str(info.value)  # one line
