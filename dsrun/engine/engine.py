@@ -441,10 +441,11 @@ class DeepSpeedEngine(torch.nn.Module):
 
     def memory_breakdown(self) -> MemoryBreakdown:
         """This rank's bytes of parameters, gradients, master weights, optimizer states and padding."""
-        if self.strategy is None:
+        holder = self.strategy or self.parameter_offload  # ZeRO-Inference's: the shards, no optimizer state
+        if holder is None:
             size = sum(p.numel() * p.element_size() for p in self.module.parameters())
             return MemoryBreakdown(parameters=size, gradients=0, master_weights=0, optimizer_states=0, padding=0)
-        return self.strategy.memory_breakdown()
+        return holder.memory_breakdown()
 
     def comm_stats_last_step(self) -> dict[str, dict[str, float]]:
         """Collectives of the last optimizer step on this rank: {op: {count, message_bytes, traffic_bytes,

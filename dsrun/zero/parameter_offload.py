@@ -27,10 +27,12 @@ from dsrun.offload import param_swapper
 from dsrun.precision.keep_fp32 import is_kept
 from dsrun.utils.leaf_modules import apply_zero_leaf_module_config, set_z3_leaf_modules_by_threshold
 from dsrun.utils.logging import log_dist, logger
-from dsrun.zero import coalesced_gather
+from dsrun import comm
+from dsrun.zero import coalesced_gather, quantized_shards
 from dsrun.zero.gathered import full_state_dict
 from dsrun.zero.hooks import GatheringParameters, ParameterCoordinator, gathered_together, iter_unique_params
-from dsrun.zero.partition_params import is_zero_param, partition_param
+from dsrun.zero.memory import MemoryBreakdown
+from dsrun.zero.partition_params import is_zero_param, partition_param, shard_padding
 from dsrun.zero.partitioner_internals import enable_memory_efficient_linear
 from dsrun.zero.sharding import ShardingPolicy
 from dsrun.zero.whole_params import WholeParameters, keeps_whole
@@ -162,6 +164,18 @@ class DeepSpeedZeRoOffload:
     def full_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
         """Every parameter gathered (collective; every rank gets it)."""
         return full_state_dict(self.ctx.module, exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def memory_breakdown(self) -> MemoryBreakdown:
+        """Without an optimizer: this rank's shards plus the full copies of persistent parameters, their padding,
+        and the gather and offload buffers; no gradients, masters or optimizer states."""
+        shards = sum(quantized_shards.stored_bytes(p) for p in self.params) + self.sharding.secondary_bytes(self.params)
+        persistent = sum(p.ds_numel * p.ds_tensor.element_size() for p in self.params if p.ds_persist)
+        padding = sum(shard_padding(p, comm.get_rank(p.ds_process_group))  # MoE experts: their group's rank
+                      * (1 if quantized_shards.message_of(p) is not None else p.ds_tensor.element_size())  # INT8 codes
+                      for p in self.params)
+        pool = self.param_offload.buffer_bytes() if self.param_offload is not None else 0
+        return MemoryBreakdown(parameters=shards + persistent, gradients=0, master_weights=0, optimizer_states=0,
+                               padding=int(padding), buffers=pool + self.coordinator.buffer_pool.nbytes)
 
     def close(self) -> None:
         """Hooks off (the coordinator's and, for inference, its own), offloaded shards' files and buffers given back."""

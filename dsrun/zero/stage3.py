@@ -425,24 +425,19 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
         partitions resident in memory (host-offloaded ones included, swapped ones not: their swap buffers are
         ``buffers``); the optimizer state. ``padding`` counts the zero tail of this rank's shards (in memory, in
         all of them; offloaded, in the shards only)."""
-        shards = sum(quantized_shards.stored_bytes(p) for p in self.params) + self.sharding.secondary_bytes(self.params)
-        persistent = sum(p.ds_numel * p.ds_tensor.element_size() for p in self.params if p.ds_persist)
+        base = self.parameter_offload.memory_breakdown()  # the shards, persistent copies, their padding, gathers
         stores = self.placement.stores
         grads = sum(store.grad_bytes() for store in stores)
         masters = sum(store.master_bytes() for store in stores)
         states = optimizer_state_bytes(self._optimizer)
         trainable_elems = sum(sg.numel for sg in self.sub_groups) if self.placement.offloaded is None else 0
         per_elem = (grads + masters + states) / trainable_elems if trainable_elems else 0.0
-        padding = 0.0
-        for p in self.params:
-            pad = shard_padding(p, comm.get_rank(p.ds_process_group))  # MoE experts: their group's rank
-            element = 1 if quantized_shards.message_of(p) is not None else p.ds_tensor.element_size()  # INT8 codes
-            padding += pad * element + (pad * per_elem if id(p) in self._slot else 0)
+        padding = base.padding + per_elem * sum(shard_padding(p, comm.get_rank(p.ds_process_group))
+                                                for p in self.params if id(p) in self._slot)
         # NVMe parameter offload: the shards are in files (ds_tensor is empty); the read/write pool and the
         # shards cached in host memory (max_in_cpu) count as buffers
-        pool = self.param_offload.buffer_bytes() if self.param_offload is not None else 0
-        pool += self.bucket_pool_bytes() + self.coordinator.buffer_pool.nbytes + sum(s.buffer_bytes() for s in stores)
-        return MemoryBreakdown(parameters=shards + persistent, gradients=grads, master_weights=masters,
+        pool = base.buffers + self.bucket_pool_bytes() + sum(s.buffer_bytes() for s in stores)
+        return MemoryBreakdown(parameters=base.parameters, gradients=grads, master_weights=masters,
                                optimizer_states=states, padding=int(padding), buffers=pool)
 
     # --- checkpoints and exports --------------------------------------------------------------------------

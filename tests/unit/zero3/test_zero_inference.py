@@ -91,6 +91,8 @@ def test_a_zero_init_model_without_an_optimizer_gives_the_unpartitioned_outputs(
     assert offload_side.keeps_whole is (offload == "none")
     assert _outputs(engine, _reference(weights)) == {"engine": True, "module": True, "generate": True}
     params = list(engine.module.parameters())
+    memory = engine.memory_breakdown()  # the shards (a world of one: each whole), nothing of an optimizer
+    assert memory.parameters == sum(p.ds_tensor.numel() * 4 for p in params) and memory.optimizer_states == 0
     if offload == "cpu":
         assert all(p.ds_status is ParamStatus.NOT_AVAILABLE and p.numel() == 0 for p in params)  # released after use
         # each root forward starts a pass (DeepSpeed's reset_step): the first forward-only pass was recorded, the
