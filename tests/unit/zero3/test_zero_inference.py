@@ -89,15 +89,19 @@ def test_a_zero_init_model_without_an_optimizer_gives_the_unpartitioned_outputs(
     offload_side = engine.parameter_offload
     # a world of one without offload keeps every parameter whole (no hooks); offloaded, the coordinator gathers
     assert offload_side.keeps_whole is (offload == "none")
-    assert _outputs(engine, _reference(weights)) == {"engine": True, "module": True, "generate": True}
+    reference = _reference(weights)
+    assert _outputs(engine, reference) == {"engine": True, "module": True, "generate": True}
     params = list(engine.module.parameters())
-    memory = engine.memory_breakdown()  # the shards (a world of one: each whole), nothing of an optimizer
-    assert memory.parameters == sum(p.ds_tensor.numel() * 4 for p in params) and memory.optimizer_states == 0
     if offload == "cpu":
         assert all(p.ds_status is ParamStatus.NOT_AVAILABLE and p.numel() == 0 for p in params)  # released after use
         # each root forward starts a pass (DeepSpeed's reset_step): the first forward-only pass was recorded, the
         # later ones prefetch along it
         assert offload_side.coordinator.trace_complete and offload_side.coordinator.prefetched_numel > 0
+    with dsrun.zero.unwrap_model_for_generation(engine):  # gathered once for the block, the hooks lifted
+        assert _outputs(engine, reference) == {"engine": True, "module": True, "generate": True}
+        assert all(p.numel() == p.ds_numel for p in params)  # no pass released them
+    memory = engine.memory_breakdown()  # the shards (a world of one: each whole), nothing of an optimizer
+    assert memory.parameters == sum(p.ds_tensor.numel() * 4 for p in params) and memory.optimizer_states == 0
     # no optimizer to take a gradient (DeepSpeed's engine fails there too, with an AttributeError): refused
     loss = engine(torch.zeros(1, 4, dtype=torch.long)).logits.float().square().mean()
     with pytest.raises(RuntimeError, match="without an optimizer"):
