@@ -37,8 +37,7 @@ from dsrun.engine.observer import EngineObserver
 from dsrun.precision.strategy import PrecisionStrategy, build_precision, cast_model
 from dsrun.precision.torch_autocast import autocast_if_enabled, init_autocast_params
 from dsrun.profiling.timers import WallClockTimers
-from dsrun.zero.strategies import (DeepSpeedZeRoOffload, MemoryBreakdown, StrategyContext, ZeroStrategy,
-                                   build_zero_strategy)
+from dsrun.zero.strategies import DeepSpeedZeRoOffload, MemoryBreakdown, StrategyContext, ZeroStrategy, build_zero_strategy
 from dsrun.comm.groups import set_current_groups
 from dsrun.utils.errors import ConfigError, Problem
 from dsrun.utils.logging import set_log_level_from_string
@@ -180,8 +179,7 @@ class DeepSpeedEngine(torch.nn.Module):
     @classmethod
     def prepare_model(cls, model: torch.nn.Module, config: DSConfig) -> None:
         """Called by :func:`dsrun.initialize` before the optimizer is built over the model's parameters, on the
-        engine class the model names (``model.engine_class()``), which may re-cut it. Nothing to do for a plain
-        model."""
+        engine class the model names (``model.engine_class()``), which may re-cut it. A plain model: nothing."""
 
     def _process_groups(self, mpu: DataParallelMpu | None) -> ProcessGroups:
         """The run's groups: the whole world data-parallel, with the axes the features ask for (Ulysses: sequence
