@@ -37,7 +37,7 @@ from dsrun.engine.observer import EngineObserver
 from dsrun.precision.strategy import PrecisionStrategy, build_precision, cast_model
 from dsrun.precision.torch_autocast import autocast_if_enabled, init_autocast_params
 from dsrun.profiling.timers import WallClockTimers
-from dsrun.zero.strategies import DeepSpeedZeRoOffload, MemoryBreakdown, StrategyContext, ZeroStrategy, build_zero_strategy
+from dsrun.zero.strategies import DeepSpeedZeRoOffload, MemoryBreakdown, StrategyContext, ZeroStrategy, build_zero_inference, build_zero_strategy
 from dsrun.comm.groups import set_current_groups
 from dsrun.utils.errors import ConfigError, Problem
 from dsrun.utils.logging import set_log_level_from_string
@@ -158,7 +158,7 @@ class DeepSpeedEngine(torch.nn.Module):
             self.strategy = build_zero_strategy(stage, self._strategy_context(optimizer))
             self.optimizer = self.strategy.optimizer
         elif stage == 3:  # ZeRO-Inference: the parameters partitioned, gathered by pass
-            self.parameter_offload = DeepSpeedZeRoOffload.for_inference(self._strategy_context(None))
+            self.parameter_offload = build_zero_inference(self._strategy_context(None))
         self.direct_backward = DirectBackward(self)  # backward passes engine.backward() did not run
         self.lr_scheduler = self._configure_lr_scheduler(lr_scheduler)
         self.training_dataloader = (self.deepspeed_io(training_data, collate_fn=collate_fn)

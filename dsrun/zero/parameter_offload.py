@@ -19,7 +19,7 @@ names scripts take from that module for a module's parameter dict.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -29,7 +29,6 @@ from dsrun.utils.leaf_modules import apply_zero_leaf_module_config, set_z3_leaf_
 from dsrun.utils.logging import log_dist, logger
 from dsrun import comm
 from dsrun.zero import coalesced_gather, quantized_shards
-from dsrun.zero.gathered import full_state_dict
 from dsrun.zero.hooks import GatheringParameters, ParameterCoordinator, gathered_together, iter_unique_params
 from dsrun.zero.memory import MemoryBreakdown
 from dsrun.zero.partition_params import is_zero_param, partition_param, shard_padding
@@ -55,6 +54,8 @@ class DeepSpeedZeRoOffload:
     marked, small ones kept gathered (``stage3_param_persistence_threshold``), ``offload_param``'s shards placed,
     and the coordinator that gathers them (``coordinator``). Once the caller has placed the shards for good (the
     strategy's stores view fp32 ones), :meth:`keep_whole` points parameters kept whole at them."""
+
+    gather_state_dict: Callable[..., dict[str, torch.Tensor]] | None = None  # ZeRO-Inference's 16-bit exports
 
     def __init__(self, ctx: StrategyContext):
         zc = ctx.zero_config
@@ -94,11 +95,15 @@ class DeepSpeedZeRoOffload:
         self._inference_hooks: list[Any] = []
 
     @classmethod
-    def for_inference(cls, ctx: StrategyContext) -> "DeepSpeedZeRoOffload":
+    def for_inference(cls, ctx: StrategyContext, gather_state_dict: Callable[..., dict[str, torch.Tensor]]
+                      ) -> "DeepSpeedZeRoOffload":
         """What an engine built at stage 3 without an optimizer holds (DeepSpeed's ``_configure_zero_optimizer``
-        with ``optimizer=None``): every pass starts at the root module's forward, and gradients are refused."""
+        with ``optimizer=None``): every pass starts at the root module's forward, and gradients are refused.
+        ``gather_state_dict(module, exclude_frozen_parameters=...)`` gathers the module for its 16-bit exports
+        (:func:`dsrun.zero.gathered.full_state_dict`, handed in: that module imports this one)."""
         log_dist("Creating ZeRO Offload", ranks=[0])
         offload = cls(ctx)
+        offload.gather_state_dict = gather_state_dict
         offload.keep_whole()
         # before the coordinator's own root hook, which records the root as running
         offload._inference_hooks.append(ctx.module.register_forward_pre_hook(offload._start_pass, prepend=True))
@@ -166,7 +171,7 @@ class DeepSpeedZeRoOffload:
 
     def full_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
         """Every parameter gathered (collective; every rank gets it)."""
-        return full_state_dict(self.ctx.module, exclude_frozen_parameters=exclude_frozen_parameters)
+        return self.gather_state_dict(self.ctx.module, exclude_frozen_parameters=exclude_frozen_parameters)
 
     def memory_breakdown(self) -> MemoryBreakdown:
         """Without an optimizer: this rank's shards plus the full copies of persistent parameters, their padding,

@@ -14,6 +14,7 @@ from dsrun.utils.errors import ConfigError, Problem
 from dsrun.zero.base import StepOutcome, StrategyContext, ZeroStrategy
 from dsrun.zero.memory import MemoryBreakdown
 from dsrun.zero.fragments import attach_fragments
+from dsrun.zero.gathered import full_state_dict
 from dsrun.zero.parameter_offload import DeepSpeedZeRoOffload  # stage 3's parameter side; alone without an optimizer
 
 # stage -> "module:class", imported on first use so a stage's module is only loaded when it is chosen
@@ -46,6 +47,12 @@ def build_zero_strategy(stage: int, ctx: StrategyContext) -> ZeroStrategy:
     return strategy
 
 
+def build_zero_inference(ctx: StrategyContext) -> DeepSpeedZeRoOffload:
+    """Stage 3 without an optimizer (ZeRO-Inference): the parameter side alone, its 16-bit exports gathering the
+    whole module."""
+    return DeepSpeedZeRoOffload.for_inference(ctx, gather_state_dict=full_state_dict)
+
+
 def keep_states_in_bf16(ctx: StrategyContext) -> None:
     """``bf16.bf16_optimizer_states``: a compiled CPU optimizer (``DeepSpeedCPUAdam`` & co.) keeps fp32 states and
     an fp32 copy of each bf16 parameter unless built with ``fp32_optimizer_states=False``; DeepSpeed's engine builds
@@ -55,4 +62,4 @@ def keep_states_in_bf16(ctx: StrategyContext) -> None:
 
 
 __all__ = ["DeepSpeedZeRoOffload", "MemoryBreakdown", "STRATEGY_CLASSES", "StepOutcome", "StrategyContext", "ZeroStrategy",
-           "build_zero_strategy", "strategy_class"]
+           "build_zero_inference", "build_zero_strategy", "strategy_class"]
