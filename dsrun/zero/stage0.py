@@ -94,8 +94,8 @@ class DataParallelStrategy(FlatStrategy):
                 piece = grad[lo:hi].to(dtype) if dtype != grad.dtype else grad[lo:hi]
                 bucket.handles.append(comm.all_reduce(piece, group=group.process_group, async_op=async_op))
                 bucket.staged_runs.append((lo, piece))
-        elif self._comm_dtype_of(group) != grad.dtype:
-            bucket.staging = grad.to(self._comm_dtype_of(group))
+        elif (comm_dtype := self._comm_dtype_of(group)) != grad.dtype:
+            bucket.staging = grad.to(comm_dtype)
             bucket.handles.append(comm.all_reduce(bucket.staging, group=group.process_group, async_op=async_op))
         else:
             bucket.handles.append(comm.all_reduce(grad, group=group.process_group, async_op=async_op))
