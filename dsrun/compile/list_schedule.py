@@ -10,6 +10,15 @@ are placed, the gather with the fewest gathered bytes before its release first. 
 with the fewest other gathers still ahead of their last use. A reduce, or an output, is placed as soon as the
 gathers it needs are, a release as soon as the last reader of its value is. The rest keeps its order.
 
+dsrun's one departure, in that fallback: when the chosen gather's path to its release needs a gather that is no
+candidate (its own last use needs more gathers: a value read again much later, as a token embedding tied to the
+output head), that gather is placed first, up to itself, and the choice is made again; its path is then free.
+DeepSpeed's rule placed the chosen gather alone, and since the long-lived gather never becomes a candidate before
+the end, every other gather in turn: the whole model gathered at the forward's start (docs/deepcompile.md, "The
+list scheduler and tied embeddings"). The long-lived value is gathered there either way (the candidate's release
+needs it), and stays gathered to its last reader either way; where every blocker is a candidate, DeepSpeed's rule
+is kept as it is.
+
 Node costs are ``meta["tensor_size"]`` (bytes; 0 where the profile did not reach) and ``meta["device_time"]``
 (dsrun's profile is from shapes and times nothing: 0, the order is then by memory alone).
 
@@ -74,6 +83,13 @@ def _free_path_key(task: AllgatherTask) -> tuple:
 
 def _fallback_key(task: AllgatherTask) -> tuple:
     return task.free_acc_mem, task.n_scheduled_ags, task.allgather_acc_mem, task.free_cost, task.node.name
+
+
+def _long_lived_blockers(chosen: AllgatherTask, tasks: list[AllgatherTask]) -> list[Node]:
+    """The gathers on ``chosen``'s path to its release that are no candidate: each one's last use needs more
+    gathers than any candidate's (a value read again later, as the tied embedding by the output head)."""
+    candidates = {t.node for t in tasks}
+    return [n for n in chosen.schedule_until_free if util.is_allgather_node(n) and n not in candidates]
 
 
 def _time(nodes: list[Node]) -> float:
@@ -149,6 +165,17 @@ def fast_free_order(graph: Graph) -> list[Node]:
         if isinstance(util.get_output_node(graph).args[0], (list, tuple)) else []
     waiting.update({n: gathers_needed(n) for n in outputs})
 
+    def settle(gather: Node) -> None:  # ``gather`` placed: what waited on it may go
+        pending.remove(gather)
+        ahead_of_last_use.pop(gather)
+        for needed in ahead_of_last_use.values():
+            needed.discard(gather)
+        for node, needed in list(waiting.items()):  # a reduce or an output whose gathers are all placed
+            needed.discard(gather)
+            if not needed:
+                place(_requirements(node, placed, real_uses))
+                del waiting[node]
+
     while pending:
         counts = {ag: len(ahead_of_last_use[ag]) for ag in pending}
         tasks: list[AllgatherTask] = []
@@ -170,18 +197,16 @@ def fast_free_order(graph: Graph) -> list[Node]:
         if free_paths:
             chosen = min(free_paths, key=_free_path_key)
             place(chosen.schedule_until_free)
-        else:
-            chosen = min(tasks, key=_fallback_key)
+            settle(chosen.node)
+            continue
+        chosen = min(tasks, key=_fallback_key)
+        long_lived = _long_lived_blockers(chosen, tasks)
+        for gather in long_lived:  # dsrun's rule: the gathers read again later first, the choice's path then free
+            place(_requirements(gather, placed, real_uses))
+            settle(gather)
+        if not long_lived:  # DeepSpeed's fallback: the choice's gather alone
             place(chosen.schedule_until_ag)
-        pending.remove(chosen.node)
-        ahead_of_last_use.pop(chosen.node)
-        for needed in ahead_of_last_use.values():
-            needed.discard(chosen.node)
-        for node, needed in list(waiting.items()):  # a reduce or an output whose gathers are all placed
-            needed.discard(chosen.node)
-            if not needed:
-                place(_requirements(node, placed, real_uses))
-                del waiting[node]
+            settle(chosen.node)
 
     place([n for n in graph.nodes if n not in placed])
     return scheduled
