@@ -110,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="gpt-nano")
     parser.add_argument("--micro", type=int, default=16)
     parser.add_argument("--backend", default="eager", choices=["eager", "aot_eager", "inductor"])
-    parser.add_argument("--untied", action="store_true", help="the GPT with its own output head (the list scheduler "
-                        "gathers the tied model's every parameter at the forward's start: docs/deepcompile.md)")
+    parser.add_argument("--untied", action="store_true", help="the GPT with its own output head (the tied head's "
+                        "shard stays on the device from the forward's start to the head: docs/deepcompile.md)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     world = 2
