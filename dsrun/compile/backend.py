@@ -28,6 +28,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.fx import GraphModule
 
+from dsrun import comm as dist  # DeepSpeed's module name (its tests patch it)
+from dsrun.accelerator import get_accelerator
 from dsrun.compile.graph_param import DSGraphParamManager
 from dsrun.compile.handle import get_deepcompile_handle
 from dsrun.compile.input_storage import InputStorage
@@ -59,7 +61,8 @@ def log_rank0(message: str) -> None:
 def _sync_memory_profile_complete(profile_complete: bool) -> bool:
     """Whether every rank's profile of a graph is complete (a MIN over the ranks; this rank's alone without a
     process group): a planning pass must take the same decision on all of them, or their collectives part."""
-    return bool(reduce_over_ranks([int(profile_complete)], "MIN", torch.int64)[0])
+    return bool(reduce_over_ranks([int(profile_complete)], "MIN", torch.int64, dist=dist,
+                                  accelerator=get_accelerator(), ask_world_size=False)[0])
 
 
 def init_schedule(schedule: Sequence[tuple[int, list[Callable]]]) -> None:

@@ -48,16 +48,24 @@ def print_rank_0(message: str) -> None:
     log_dist(message, ranks=[0])
 
 
-def reduce_over_ranks(values: list, op: str, dtype: torch.dtype = torch.float64, dist=None, accelerator=None) -> list:
+def reduce_over_ranks(values: list, op: str, dtype: torch.dtype = torch.float64, dist=None, accelerator=None,
+                      ask_world_size: bool = True) -> list:
     """``values`` reduced over the ranks with ``ReduceOp.<op>`` (MIN, MAX, SUM): a planning pass's figures, which
     every rank must agree on or their collectives part. This rank's own without a process group or in a world of
     one. The passes run while a graph compiles, under the compiler's fake mode: the figures are made and reduced
     outside it, as real tensors on the accelerator's device (a collective dispatched through the fake mode hung
     in gloo, seen twice on a one-rank world). ``dist``/``accelerator``: the calling pass's module names (DeepSpeed's
-    tests patch a pass's ``dist`` and ``get_accelerator``); dsrun's comm and accelerator by default."""
+    tests patch a pass's ``dist`` and ``get_accelerator``); dsrun's comm and accelerator by default.
+    ``ask_world_size=False``: a world of one is told by the default process group itself, not by asking ``dist``
+    (DeepSpeed's backend asks its ``dist`` nothing but ``is_initialized`` before its profile flag's reduce)."""
     dist = comm if dist is None else dist
-    world_size = getattr(dist, "get_world_size", None)  # a stand-in without it is asked, as DeepSpeed's passes ask
-    if not dist.is_initialized() or (world_size is not None and world_size() == 1):
+    if not dist.is_initialized():
+        return list(values)
+    if ask_world_size:  # a stand-in without get_world_size is not asked, as DeepSpeed's passes do not ask it
+        world_size = getattr(dist, "get_world_size", None)
+        if world_size is not None and world_size() == 1:
+            return list(values)
+    elif torch.distributed.is_initialized() and torch.distributed.get_world_size() == 1:
         return list(values)
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule
 
+from dsrun import comm as dist  # DeepSpeed's module name (its tests patch it)
 from dsrun.accelerator import get_accelerator
 from dsrun.compile.handle import get_deepcompile_handle
 from dsrun.compile.util import print_rank_0, reduce_over_ranks
@@ -65,7 +66,8 @@ def selective_gather(gm: GraphModule, graph_id: int, graph_order: list[tuple[int
     candidates.sort(key=lambda d: seconds.get(d, 0.0) / size[d] if size[d] else 0.0, reverse=True)
 
     accelerator = get_accelerator()
-    total, _ = reduce_over_ranks([accelerator.total_memory(), accelerator.available_memory()], "MIN", torch.int64)
+    total, _ = reduce_over_ranks([accelerator.total_memory(), accelerator.available_memory()], "MIN", torch.int64,
+                                 dist=dist, accelerator=accelerator)
     budget = _compute_persistence_budget(records, int(total), MEM_MARGIN)
     if not budget["profiled_list_count"] or not candidates or not budget["available_mem"]:
         print_rank_0(f"selective_gather: nothing to keep (budget {budget}, {len(candidates)} candidates)")
