@@ -231,7 +231,7 @@ def _link_followers(model: nn.Module) -> None:
             continue
         c = layers.make_compressed(module, name)
         c.weight_owner = first
-        from dsrun.zero.hooks import add_external_param
+        from dsrun.zero.module_gathers import add_external_param
 
         for p in first.parameters(recurse=False):  # ZeRO-3: the owner's scores are gathered for this module too
             if p is not module.weight:

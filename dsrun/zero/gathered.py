@@ -14,7 +14,8 @@ import torch
 
 from dsrun import comm
 from dsrun.zero.eager_fallback import CONTEXT_DEPTH_ATTR, OWNER_ATTR, gather_param, partition_param
-from dsrun.zero.hooks import LIVE_COORDINATORS, add_external_param
+from dsrun.zero.hooks import LIVE_COORDINATORS
+from dsrun.zero.module_gathers import EXTERNAL_ATTR, add_external_param
 from dsrun.zero.partition_params import (ParamStatus, full_tensor, gather_exact, is_zero_param, release_param,
                                                  write_full_value)
 
@@ -32,7 +33,7 @@ def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Par
 
 def unregister_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
     """Undo :func:`register_external_parameter`."""
-    getattr(module, "_ds_external_params", {}).pop(id(parameter), None)
+    getattr(module, EXTERNAL_ATTR, {}).pop(id(parameter), None)
 
 
 def _as_param_list(params: torch.Tensor | Iterable[torch.Tensor] | None) -> list[torch.nn.Parameter]:

@@ -7,6 +7,7 @@ reaches the module's own backward (whose saved tensors then see the full ``.data
 parameters are released during backward as soon as their gradient is complete (the ZeRO-3 strategy calls
 :meth:`ParameterCoordinator.release_after_grad`); anything still gathered is released when backward ends.
 A fetch's (and a prefetch bucket's) parameters travel in one collective (:mod:`.coalesced_gather`).
+Which parameters each module gathers (its own, external ones, a leaf's subtree) is :mod:`.module_gathers`.
 
 The first forward+backward records the order modules fetch their parameters (the *trace*). From then on:
 
@@ -55,7 +56,7 @@ import logging
 import sys
 import weakref
 from itertools import groupby
-from typing import Any, Collection, Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -65,76 +66,15 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from dsrun.utils.leaf_modules import PARAM_LEAF_ATTR, z3_leaf_module
 from dsrun.zero import recompute
 from dsrun.zero.coalesced_gather import FetchMode, gather_params_with, start_gathers
+from dsrun.zero.module_gathers import add_external_param, gathered_params, gathered_whole, hooked_modules
 from dsrun.zero.partition_params import (GatherBufferPool, ParamStatus, gather_params, is_zero_param, mark_stale,
                                          release_param)
 
-EXTERNAL_ATTR = "_ds_external_params"
 FORWARD, BACKWARD = "fwd", "bwd"
 
 # coordinators alive in this process, so a late register_external_parameter can hook its module
 LIVE_COORDINATORS: "weakref.WeakSet[ParameterCoordinator]" = weakref.WeakSet()
 recompute.register(LIVE_COORDINATORS)  # activation-checkpoint recomputes keep what was gathered
-
-
-def external_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
-    return list(getattr(module, EXTERNAL_ATTR, {}).values())
-
-
-def add_external_param(module: torch.nn.Module, param: torch.nn.Parameter) -> None:
-    registry = module.__dict__.setdefault(EXTERNAL_ATTR, {})
-    registry[id(param)] = param
-
-
-def module_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """The partitioned parameters ``module`` needs for its own computation: its direct parameters and the
-    external ones registered on it (each once)."""
-    seen: dict[int, torch.nn.Parameter] = {}
-    for p in list(module.parameters(recurse=False)) + external_params(module):
-        if is_zero_param(p):
-            seen.setdefault(id(p), p)
-    return list(seen.values())
-
-
-def leaf_params(leaf: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """The partitioned parameters a leaf module gathers at once: those of its whole subtree and the external
-    ones registered on any module in it (each once)."""
-    seen: dict[int, torch.nn.Parameter] = {}
-    for module in leaf.modules():
-        for p in module_params(module):
-            seen.setdefault(id(p), p)
-    return list(seen.values())
-
-
-def gathered_whole(module: torch.nn.Module, units: Collection[int] = ()) -> bool:
-    """Whether ``module``'s subtree is gathered at once: a leaf, or a compile region (``units``: module ids)."""
-    return z3_leaf_module(module) or id(module) in units
-
-
-def gathered_params(module: torch.nn.Module, units: Collection[int] = ()) -> list[torch.nn.Parameter]:
-    """What the coordinator gathers around ``module``'s passes: a leaf's (or compile region's) subtree, another
-    module's own."""
-    return leaf_params(module) if gathered_whole(module, units) else module_params(module)
-
-
-def hooked_modules(root: torch.nn.Module, units: Collection[int] = ()) -> list[tuple[str, torch.nn.Module]]:
-    """``root.named_modules()`` without the modules inside a leaf or a compile region (``units``; the leaf or
-    region itself is kept): the modules the coordinator may hook, each with the parameters it gathers being
-    :func:`gathered_params`'s."""
-    kept: list[tuple[str, torch.nn.Module]] = []
-    leaves: list[str] = []
-    for name, module in root.named_modules():
-        if any(leaf == "" or name.startswith(leaf + ".") for leaf in leaves):
-            continue
-        if gathered_whole(module, units):
-            leaves.append(name)
-        kept.append((name, module))
-    return kept
-
-
-def gathered_together(root: torch.nn.Module) -> list[tuple[str, list[torch.nn.Parameter]]]:
-    """``(module name, the parameters its hooks gather at once)`` for each module of ``root`` that could be
-    hooked (NVMe parameter offload checks each set fits its buffers)."""
-    return [(name or "root", gathered_params(module)) for name, module in hooked_modules(root)]
 
 
 class GatheringParameters(dict):
@@ -590,10 +530,3 @@ def _gather_before_backward(coordinator: ParameterCoordinator, module: torch.nn.
         leaves[i] = t
     return tree_unflatten(leaves, spec)
 
-
-def iter_unique_params(modules: Iterable[torch.nn.Module]) -> list[torch.nn.Parameter]:
-    seen: dict[int, torch.nn.Parameter] = {}
-    for module in modules:
-        for p in module.parameters():
-            seen.setdefault(id(p), p)
-    return list(seen.values())

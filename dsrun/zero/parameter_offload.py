@@ -29,7 +29,8 @@ from dsrun.utils.leaf_modules import apply_zero_leaf_module_config, set_z3_leaf_
 from dsrun.utils.logging import log_dist, logger
 from dsrun import comm
 from dsrun.zero import coalesced_gather, quantized_shards
-from dsrun.zero.hooks import GatheringParameters, ParameterCoordinator, gathered_together, iter_unique_params
+from dsrun.zero.hooks import GatheringParameters, ParameterCoordinator
+from dsrun.zero.module_gathers import gathered_together, iter_unique_params
 from dsrun.zero.memory import MemoryBreakdown
 from dsrun.zero.partition_params import is_zero_param, partition_param, shard_padding
 from dsrun.zero.partitioner_internals import enable_memory_efficient_linear

@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsrun.zero.hooks import ParameterCoordinator, add_external_param, module_params
+from dsrun.zero.hooks import ParameterCoordinator
+from dsrun.zero.module_gathers import add_external_param, module_params
 from dsrun.zero.partition_params import ParamStatus, partition_param
 
 

@@ -10,7 +10,8 @@ from torch import nn
 from dsrun.utils import (get_z3_leaf_modules, set_z3_leaf_modules, set_z3_leaf_modules_by_name,
                          set_z3_leaf_modules_by_suffix, unset_z3_leaf_modules, z3_leaf_module, z3_leaf_parameter)
 from dsrun.utils.leaf_modules import set_z3_leaf_modules_by_threshold
-from dsrun.zero.hooks import ParameterCoordinator, gathered_together
+from dsrun.zero.hooks import ParameterCoordinator
+from dsrun.zero.module_gathers import gathered_together
 from dsrun.zero.partition_params import ParamStatus, partition_param
 
 
