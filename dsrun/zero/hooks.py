@@ -150,6 +150,7 @@ class ParameterCoordinator:
         self._leaf_params: list[torch.nn.Parameter] = []
         self.units: frozenset[int] = frozenset()  # compile regions gathered whole (compile_regions)
         self._hook_fns: tuple[Any, Any] = (self._pre_forward, self._post_forward)
+        self.lifted = False  # inside unhooked(): the caller holds every parameter gathered
         self._install()
 
     # --- hooks --------------------------------------------------------------------------------------------
@@ -192,12 +193,16 @@ class ParameterCoordinator:
     @contextlib.contextmanager
     def unhooked(self) -> Iterator[None]:
         """No hooks (and no gathering on read) inside: for a caller that gathered every parameter itself
-        (DeepSpeed's ``unwrap_model_for_generation``). The hooks come back on exit; the next pass records its
-        order again, as a pass that left the recorded order would."""
+        (DeepSpeed's ``unwrap_model_for_generation``). The pass boundaries inside (an engine's forward or backward:
+        :meth:`begin_forward`, :meth:`release_after_grad`, :meth:`end_backward`) release nothing and record no
+        order, so what the caller gathered stays gathered for the block. The hooks come back on exit; the next
+        pass records its order again, as a pass that left the recorded order would."""
         self.remove_hooks()
+        self.lifted = True
         try:
             yield
         finally:
+            self.lifted = False
             self._reinstall()
 
     def _mark_leaf(self, leaf: torch.nn.Module) -> None:
@@ -417,6 +422,8 @@ class ParameterCoordinator:
     # --- pass boundaries (called by the strategy) ---------------------------------------------------------
     def begin_forward(self) -> None:
         """A new forward starts: release what an earlier pass kept, and follow the trace if there is one."""
+        if self.lifted:
+            return
         self.release_all(keep_persistent=True)
         self.cursor = 0
         self.following_trace = self.trace_complete
@@ -424,11 +431,13 @@ class ParameterCoordinator:
         self._running = []  # a forward that raised left its modules here
 
     def release_after_grad(self, param: torch.nn.Parameter) -> None:
-        if not param.ds_persist:
+        if not param.ds_persist and not self.lifted:
             release_param(param)
 
     def end_backward(self) -> None:
         """Backward finished: release everything not persistent; the first time, finish the trace."""
+        if self.lifted:
+            return
         self.release_all(keep_persistent=True)
         if not self.trace_complete and self.trace:
             self.trace_complete = True
@@ -445,10 +454,13 @@ class ParameterCoordinator:
                 release_param(p)
 
     def invalidate(self) -> None:
-        """The shards changed (an optimizer step): every gathered copy, persistent ones included, is stale."""
+        """The shards changed (an optimizer step): every gathered copy, persistent ones included, is stale. Inside
+        :meth:`unhooked` what the caller held gathered is gathered again, with the new values."""
+        held = [p for p in self.params.values() if self.lifted and p.ds_status is not ParamStatus.NOT_AVAILABLE]
         for p in self.params.values():
             release_param(p)
             mark_stale(p)
+        gather_params(held)
 
     def _plan_releases(self) -> None:
         """For each event of the trace, the parameters released once it is over: a forward releases its

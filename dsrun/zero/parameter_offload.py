@@ -114,10 +114,8 @@ class DeepSpeedZeRoOffload:
 
     def _start_pass(self, module: torch.nn.Module, inputs: object) -> None:
         """DeepSpeed's ``reset_step`` at the root's forward: a pass that had no backward (inference) finished at
-        the next one's start; its order, recorded, is what the next ones prefetch along. Not while the coordinator's
-        hooks are lifted (``unwrap_model_for_generation``: every parameter stays gathered for the block)."""
-        if not getattr(self.coordinator, "_hooks", None):
-            return
+        the next one's start; its order, recorded, is what the next ones prefetch along (while the coordinator's
+        hooks are lifted, ``unwrap_model_for_generation``, neither boundary releases or records anything)."""
         self.coordinator.end_backward()
         self.coordinator.begin_forward()
 

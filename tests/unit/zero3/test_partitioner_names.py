@@ -15,7 +15,7 @@ from torch import nn
 
 from dsrun.zero import partitioner_internals as internals
 from dsrun.zero.hooks import ParameterCoordinator
-from dsrun.zero.partition_params import ParamStatus, partition_param, start_gather
+from dsrun.zero.partition_params import ParamStatus, partition_param, start_gather, write_shard
 
 
 def _deepspeed(path: str):
@@ -148,10 +148,22 @@ def test_unwrap_for_generation_gathers_everything_and_lifts_the_hooks():
         assert all(not isinstance(m._parameters, coordinator_dict()) for m in model.modules())
         torch.testing.assert_close(model(x), expected)
         torch.testing.assert_close(model(x), expected)  # no hook released anything between the two
+        # an engine's pass boundaries inside the block (a forward, a gradient, backward's end) release nothing
+        coordinator.begin_forward()
+        coordinator.release_after_grad(model[0].weight)
+        coordinator.end_backward()
+        assert all(p.ds_status is ParamStatus.AVAILABLE for p in model.parameters())
+        assert not coordinator.trace_complete  # the pass before the block (forward only) was not made the trace
+        # an optimizer step inside (new shards, the gathered copies invalidated): gathered again, with the new values
+        bias = model[2].bias.detach().clone()
+        write_shard(model[2].bias, torch.zeros(2))
+        coordinator.invalidate()
+        assert torch.equal(model[2].bias, torch.zeros(2))
+        torch.testing.assert_close(model(x), expected - bias)  # one fp32 rounding apart: the default tolerance
     assert all(p.ds_status is ParamStatus.NOT_AVAILABLE for p in model.parameters())
     assert coordinator._hooks and not coordinator.trace  # hooked again; the next pass records its order anew
     coordinator.begin_forward()
-    torch.testing.assert_close(model(x), expected)
+    torch.testing.assert_close(model(x), expected - bias)  # the step's values, gathered by the hooks again
     whole = nn.Linear(2, 2)  # another stage's model: whole already, nothing to lift
     with unwrap_model_for_generation(SimpleNamespace(module=whole, strategy=None)):
         with GatheredParameters(list(whole.parameters())):

@@ -138,3 +138,45 @@ def test_quantized_initialization_computes_with_weights_within_half_a_step():
     state["lm_head.weight"] = state["transformer.wte.weight"]
     assert _outputs(engine, _reference(state)) == {"engine": True, "module": True, "generate": True}
     engine.destroy()
+
+
+def _training_gpt2() -> nn.Module:
+    """``_gpt2``'s model without dropout: its losses depend on the weights alone, not on the random stream."""
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
+                                      eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def _train(engine, ids: torch.Tensor, steps: int) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("offload", [{}, {"offload_param": {"device": "cpu"}},
+                                     {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}],
+                         ids=["none", "param", "param+optimizer"])
+def test_a_training_engine_generates_inside_unwrap_model_for_generation_and_trains_on_unchanged(offload):
+    # TRL's RLHF loop: train, generate inside the block, train on. With offload_param the coordinator gathers (a world
+    # of one otherwise keeps the parameters whole): the engine's forward inside the block used to start a pass that
+    # released what the block gathered ('weight' must be 2-D)
+    config = {**_config(**offload), "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}}
+    ids = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(1))
+    engine, twin = (dsrun.initialize(model=_training_gpt2(), config=config)[0] for _ in range(2))
+    first = _train(engine, ids, 1)
+    reference = _reference(dsrun.zero.full_state_dict(engine.module))  # the trained model, unpartitioned
+    with torch.no_grad():
+        tokens = reference.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        with dsrun.zero.unwrap_model_for_generation(engine):
+            engine.eval()
+            assert torch.equal(engine(input_ids=ids).logits, reference(ids).logits)
+            assert torch.equal(engine.module.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0), tokens)
+            engine.train()
+    # the block changed nothing the training sees: the same losses as an engine that never entered it
+    assert first + _train(engine, ids, 2) == _train(twin, ids, 3)
+    engine.destroy()
+    twin.destroy()
