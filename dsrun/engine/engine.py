@@ -151,14 +151,14 @@ class DeepSpeedEngine(torch.nn.Module):
             init_autocast_params(self, self.torch_autocast_dtype(), self.torch_autocast_lower_precision_safe_modules())
 
         self.strategy: ZeroStrategy | None = None
-        self.optimizer: torch.optim.Optimizer | None = None
+        self.optimizer: torch.optim.Optimizer | DeepSpeedZeRoOffload | None = None
         stage = int(config.zero_optimization.stage)
         if optimizer is not None:
             check_zero_optimizer(optimizer, stage, bool(config.zero_allow_untested_optimizer))
             self.strategy = build_zero_strategy(stage, self._strategy_context(optimizer))
             self.optimizer = self.strategy.optimizer
-        elif stage == 3:  # ZeRO-Inference: the parameters partitioned, gathered by pass
-            self.parameter_offload = build_zero_inference(self._strategy_context(None))
+        elif stage > 0:  # ZeRO-Inference at 3 (engine.optimizer: its DeepSpeedZeRoOffload, as DeepSpeed's); 1-2: refused
+            self.optimizer = self.parameter_offload = build_zero_inference(self._strategy_context(None))
         self.direct_backward = DirectBackward(self)  # backward passes engine.backward() did not run
         self.lr_scheduler = self._configure_lr_scheduler(lr_scheduler)
         self.training_dataloader = (self.deepspeed_io(training_data, collate_fn=collate_fn)
@@ -225,7 +225,7 @@ class DeepSpeedEngine(torch.nn.Module):
         scheduler = self._config.scheduler
         if scheduler is None or scheduler.type is None:
             return None
-        if self.optimizer is None:
+        if self.strategy is None:  # no optimizer (ZeRO-Inference's engine.optimizer steps nothing)
             raise ConfigError(Problem("scheduler", "a scheduler needs an optimizer",
                                       "add an \"optimizer\" section or pass optimizer= to initialize"))
         return build_lr_scheduler(scheduler.type, self.optimizer, scheduler.params)
@@ -311,6 +311,8 @@ class DeepSpeedEngine(torch.nn.Module):
         the scheduler, and advance ``global_steps``/``global_samples``."""
         if self.inside_no_sync_ctxt:
             raise AssertionError("It is illegal to call Engine.step() inside no_sync context manager")
+        if self.parameter_offload is not None:
+            self.parameter_offload.step()  # ZeRO-Inference: no optimizer, refused
         self._stepping = True  # managed_gradient_accumulation false: every step() is the boundary
         if self.strategy is not None:
             self.direct_backward.hand_over()  # gradients a loss.backward() left (fp16: refused)
@@ -426,12 +428,6 @@ class DeepSpeedEngine(torch.nn.Module):
     def cur_scale(self) -> float:
         """The loss scale in use now (fp16's dynamic scale; 1.0 otherwise). ``loss_scale()`` is the config's."""
         return self.precision.loss_scale
-
-    def get_lr(self) -> list[float]:
-        return [group["lr"] for group in self.optimizer.param_groups] if self.optimizer is not None else []
-
-    def get_mom(self) -> list[Any]:
-        return [group.get("betas", group.get("momentum")) for group in getattr(self.optimizer, "param_groups", ())]
 
     def get_global_grad_norm(self) -> float | None:
         """The global gradient norm of the last step (computed when gradient_clipping is on)."""

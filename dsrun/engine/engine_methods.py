@@ -156,9 +156,11 @@ class EngineMethods:
     # --- what DeepSpeed keeps as attributes -------------------------------------------------------------
 
     @property
-    def basic_optimizer(self) -> Any:
-        """The client's (or the config's) optimizer; ZeRO re-points it at the fp32 masters."""
-        return self._engine.optimizer
+    def basic_optimizer(self) -> torch.optim.Optimizer | None:
+        """The client's (or the config's) optimizer; ZeRO re-points it at the fp32 masters. None without one (then
+        ``engine.optimizer`` is ZeRO-Inference's ``DeepSpeedZeRoOffload`` at stage 3, as in DeepSpeed)."""
+        strategy = self._engine.strategy
+        return strategy.optimizer if strategy is not None else None
 
     @property
     def param_names(self) -> dict[torch.nn.Parameter, str]:
@@ -217,9 +219,14 @@ class EngineMethods:
 
     # --- optimizer ----------------------------------------------------------------------------------------
     def _get_optimizer_param(self, name: str) -> list[Any]:
-        if self._engine.optimizer is None:
-            return []
-        return [group.get(name, 0.0) for group in self._engine.optimizer.param_groups]
+        return [group.get(name, 0.0) for group in getattr(self.basic_optimizer, "param_groups", ())]
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in getattr(self.basic_optimizer, "param_groups", ())]
+
+    def get_mom(self) -> list[Any]:
+        groups = getattr(self.basic_optimizer, "param_groups", ())
+        return [group.get("betas", group.get("momentum")) for group in groups]
 
     def get_type(self) -> list[Any]:
         return self._get_optimizer_param("type")
@@ -231,13 +238,14 @@ class EngineMethods:
             holder["step"] = (torch.tensor(step, dtype=old.dtype, device=old.device) if torch.is_tensor(old)
                               else step)
 
-        if self._engine.optimizer is None:
+        optimizer = self.basic_optimizer
+        if optimizer is None:
             return
-        for group in self._engine.optimizer.param_groups:
+        for group in optimizer.param_groups:
             if "step" in group:
                 set_step(group)
             for p in group["params"]:
-                state = self._engine.optimizer.state.get(p)
+                state = optimizer.state.get(p)
                 if state and "step" in state:
                     set_step(state)
         if self._engine.strategy is not None:  # counters kept outside the optimizer (NVMe-swapped sub-groups)

@@ -44,9 +44,10 @@ __all__ = ["DeepSpeedZeRoOffload", "ZeROOrderedDict", "ensure_zero_ordered_dict"
 
 ZeROOrderedDict = GatheringParameters
 
-NO_OPTIMIZER_BACKWARD = ("a gradient reached a parameter of a ZeRO-3 engine built without an optimizer (ZeRO-Inference: "
-                         "forward and generate only); pass optimizer= to deepspeed.initialize or add an \"optimizer\" "
-                         "section to train")
+NO_OPTIMIZER = ("a ZeRO-3 engine built without an optimizer (ZeRO-Inference: forward and generate only); pass "
+                "optimizer= to deepspeed.initialize or add an \"optimizer\" section to train")
+NO_OPTIMIZER_BACKWARD = "a gradient reached a parameter of " + NO_OPTIMIZER
+NO_OPTIMIZER_STEP = "step() on " + NO_OPTIMIZER
 
 
 class DeepSpeedZeRoOffload:
@@ -111,6 +112,11 @@ class DeepSpeedZeRoOffload:
         offload._inference_hooks += [p.register_post_accumulate_grad_hook(_refuse_gradient)
                                      for p in offload.params if p.requires_grad]
         return offload
+
+    def step(self, *args: object, **kwargs: object) -> None:
+        """Refused: ZeRO-Inference's holder is ``engine.optimizer`` (as DeepSpeed's engine sets it), but there is no
+        optimizer to step (DeepSpeed's object has no ``step``)."""
+        raise RuntimeError(NO_OPTIMIZER_STEP)
 
     def _start_pass(self, module: torch.nn.Module, inputs: object) -> None:
         """DeepSpeed's ``reset_step`` at the root's forward: a pass that had no backward (inference) finished at

@@ -49,7 +49,13 @@ def build_zero_strategy(stage: int, ctx: StrategyContext) -> ZeroStrategy:
 
 def build_zero_inference(ctx: StrategyContext) -> DeepSpeedZeRoOffload:
     """Stage 3 without an optimizer (ZeRO-Inference): the parameter side alone, its 16-bit exports gathering the
-    whole module."""
+    whole module. Stages 1-2 without an optimizer are refused, as DeepSpeed's engine asserts."""
+    stage = int(ctx.zero_config.stage)
+    if stage != 3:
+        raise ConfigError(Problem("zero_optimization.stage", f"stage {stage} partitions an optimizer's states and "
+                                  f"needs an optimizer (DeepSpeed: 'zero stage {stage} requires an optimizer')",
+                                  "pass optimizer= to deepspeed.initialize or add an \"optimizer\" section; to run "
+                                  "without one, use stage 3 (ZeRO-Inference) or 0"))
     return DeepSpeedZeRoOffload.for_inference(ctx, gather_state_dict=full_state_dict)
 
 

@@ -119,7 +119,7 @@ def test_zero_inference_gathers_a_zero_init_model_for_forward_and_generate_on_ev
     for rank, r in enumerate(api(2)):
         for variant in ("plain", "offload", "quantized"):
             out = r[f"inference/{variant}"]
-            assert out["optimizer"] is None
+            assert out["optimizer"] == "DeepSpeedZeRoOffload"  # engine.optimizer, as DeepSpeed's engine sets it
             assert (out["engine"], out["module"], out["generate"]) == (True, True, True), (rank, variant)
             assert out["gathered_after"] == 0, (rank, variant)  # every parameter released after each pass
         for variant in ("plain", "offload"):  # a rank holds ceil(numel / 2) of each parameter

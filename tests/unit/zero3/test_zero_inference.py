@@ -85,8 +85,10 @@ def test_a_zero_init_model_without_an_optimizer_gives_the_unpartitioned_outputs(
         model = _gpt2()
     weights = dsrun.zero.full_state_dict(model)
     engine, optimizer, _, _ = dsrun.initialize(model=model, config=config)
-    assert optimizer is None and engine.strategy is None and engine.parameter_offload is not None
     offload_side = engine.parameter_offload
+    # DeepSpeed's engine.optimizer (and initialize's second value) is its DeepSpeedZeRoOffload; no torch optimizer
+    assert optimizer is engine.optimizer is offload_side and engine.strategy is None and engine.basic_optimizer is None
+    assert engine.get_lr() == [] and engine.get_mom() == []
     # a world of one without offload keeps every parameter whole (no hooks); offloaded, the coordinator gathers
     assert offload_side.keeps_whole is (offload == "none")
     reference = _reference(weights)
@@ -106,6 +108,10 @@ def test_a_zero_init_model_without_an_optimizer_gives_the_unpartitioned_outputs(
     loss = engine(torch.zeros(1, 4, dtype=torch.long)).logits.float().square().mean()
     with pytest.raises(RuntimeError, match="without an optimizer"):
         engine.backward(loss)
+    for step in (engine.step, optimizer.step):  # nothing to step, and no step counted
+        with pytest.raises(RuntimeError, match=r"step\(\) on a ZeRO-3 engine built without an optimizer"):
+            step()
+    assert engine.global_steps == 0
     with pytest.raises(UserError, match="no master weights"):
         engine.save_checkpoint(str(tmp_path))
     assert engine.save_16bit_model(str(tmp_path), "model.bin")  # gathered, whole
@@ -176,7 +182,22 @@ def test_a_training_engine_generates_inside_unwrap_model_for_generation_and_trai
             assert torch.equal(engine(input_ids=ids).logits, reference(ids).logits)
             assert torch.equal(engine.module.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0), tokens)
             engine.train()
+            with torch.enable_grad():  # training inside the block too: the second forward reads the regathered weights
+                first += _train(engine, ids, 2)
     # the block changed nothing the training sees: the same losses as an engine that never entered it
-    assert first + _train(engine, ids, 2) == _train(twin, ids, 3)
+    assert first + _train(engine, ids, 1) == _train(twin, ids, 4)
     engine.destroy()
     twin.destroy()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stages_one_and_two_without_an_optimizer_are_refused_as_deepspeed_asserts(stage):
+    with pytest.raises(UserError, match=rf"zero_optimization.stage: stage {stage} .* needs an optimizer"):
+        dsrun.initialize(model=nn.Linear(4, 4), config={"train_micro_batch_size_per_gpu": 1,
+                                                        "zero_optimization": {"stage": stage}})
+
+
+def test_a_scheduler_without_an_optimizer_is_refused_at_stage_three_too():
+    # engine.optimizer is ZeRO-Inference's DeepSpeedZeRoOffload there, which no scheduler can step
+    with pytest.raises(UserError, match="a scheduler needs an optimizer"):
+        dsrun.initialize(model=nn.Linear(4, 4), config={**_config(), "scheduler": {"type": "WarmupLR"}})
