@@ -346,6 +346,44 @@ def zero_inference(rank: int, world: int, variant: str) -> dict[str, Any]:
     return out
 
 
+def unwrap_training(rank: int, world: int) -> dict[str, Any]:
+    """TRL's loop on a ZeRO-3 training engine without offload (at two ranks the coordinator gathers): a step, then
+    inside ``unwrap_model_for_generation`` the engine's logits and a greedy generate beside the unpartitioned model,
+    then a step; the losses beside a twin engine that never entered the block."""
+    import dsrun
+    from dsrun.models.gpt import GPT
+    from tests.harness.models import GPT_KW
+
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    idx, targets = torch.randint(0, GPT_KW["vocab_size"], (2, 2, 8), generator=torch.Generator().manual_seed(3))
+    engines = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        engines.append(dsrun.initialize(model=GPT(**GPT_KW), config=cfg)[0])
+    engine, twin = engines
+
+    def step(e: Any) -> float:
+        loss = e(idx, targets)
+        e.backward(loss)
+        e.step()
+        return loss.item()
+
+    losses = [step(engine)]
+    reference = GPT(**GPT_KW)
+    reference.load_state_dict(dsrun.zero.full_state_dict(engine.module), strict=False)  # lm_head is wte's (tied)
+    with torch.no_grad():
+        expected, tokens = reference(idx), reference.generate(idx, 4, temperature=0.0)
+        with dsrun.zero.unwrap_model_for_generation(engine):
+            out: dict[str, Any] = {"logits": torch.equal(engine(idx), expected),
+                                   "generate": torch.equal(engine.module.generate(idx, 4, temperature=0.0), tokens)}
+    losses.append(step(engine))
+    out.update(losses=losses, twin=[step(twin) for _ in range(2)])
+    engine.destroy()
+    twin.destroy()
+    return out
+
+
 def _env_threads() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -361,4 +399,5 @@ def api_suite(rank: int, world: int, save_dir: str) -> dict[str, Any]:
             "apply/off": module_apply(rank, world, override=False),
             "export/off": export_16bit(rank, world, os.path.join(save_dir, "off"), gather=False),
             "export/on": export_16bit(rank, world, os.path.join(save_dir, "on"), gather=True),
-            **{f"inference/{v}": zero_inference(rank, world, v) for v in ("plain", "offload", "quantized")}}
+            **{f"inference/{v}": zero_inference(rank, world, v) for v in ("plain", "offload", "quantized")},
+            "unwrap/training": unwrap_training(rank, world)}

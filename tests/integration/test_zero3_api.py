@@ -129,6 +129,15 @@ def test_zero_inference_gathers_a_zero_init_model_for_forward_and_generate_on_ev
         assert r["inference/quantized"]["quantized"] == 2 + 4 * 2
 
 
+def test_a_training_engine_generates_inside_unwrap_model_for_generation_on_every_rank() -> None:
+    # without offload_param too the coordinator gathers at two ranks: the engine's forward inside the block used to
+    # start a pass that released what the block gathered ('weight' must be 2-D). Bit for bit, as the inference test
+    for rank, r in enumerate(api(2)):
+        out = r["unwrap/training"]
+        assert (out["logits"], out["generate"]) == (True, True), rank
+        assert out["losses"] == out["twin"], rank  # the block changed nothing the training sees
+
+
 def _tensor_records(path) -> list[bytes]:
     """The digests of a torch.save file's tensor records (its ``data/`` entries), in record order."""
     import hashlib
