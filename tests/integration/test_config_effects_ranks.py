@@ -302,15 +302,25 @@ def test_sparse_gradients_reduce_embedding_rows_and_train_the_same() -> None:
     torch.testing.assert_close(ranks[0]["True"]["weights"], ranks[1]["True"]["weights"], rtol=0, atol=0)
 
 
-def test_parameter_alignment_aligns_each_parameter_and_trains_bitwise_the_same() -> None:
+def test_parameter_alignment_aligns_each_parameter_and_trains_the_same() -> None:
     import torch
 
     for stage in ("1", "2"):
         for rank, result in enumerate(r["alignment"][stage] for r in results()):
             packed, aligned, layout = result[False], result[True], result["layout"]
-            # the gaps hold zeros nobody reads: the same losses and weights, bit for bit (clipping included)
-            assert packed["losses"] == aligned["losses"]
-            assert all(torch.equal(a, b) for a, b in zip(packed["weights"], aligned["weights"]))
+            # The gaps hold zeros nobody reads (checked exactly below). What moves with them is the order in which
+            # the global norm's fp32 dot product adds the squares: a vector kernel's lanes shift with the offsets
+            # (bitwise equal on an AVX2 CPU, not on an AVX-512 one). Any order of n additions is within
+            # gamma_n = n u / (1 - n u) of the exact sum (u = 2^-24, n = 36 squares per partition), so the clip
+            # coefficient moves by at most ~gamma_n = 2.1e-6 relative. Clipped to a norm of 0.05, each applied
+            # gradient element is at most 0.05; through momentum 0.9 (at most 10x) and lr 0.1 a step's update
+            # then moves by at most 0.05 * 2.1e-6 * 10 * 0.1 = 1.1e-7, 4 steps 4.2e-7, plus a last-bit rounding
+            # of each weight (|w| < 2: 1.2e-7) per step. 2e-6 bounds both with room; a gap read as a value, or
+            # a missed one, moves the coefficient by whole percents.
+            torch.testing.assert_close(packed["losses"], aligned["losses"], rtol=2e-6, atol=0)
+            for a, b in zip(packed["weights"], aligned["weights"]):
+                assert float(a.abs().max()) < 2
+                torch.testing.assert_close(a, b, rtol=0, atol=2e-6)
             # fp32: 4 elements = 16 bytes; every parameter starts on a 16-byte address (the buffer's own start
             # is at least that aligned), DeepSpeed's paddings: none after the last parameter
             assert layout["element_size"] == 4 and layout["flat_ptr"] % 16 == 0
