@@ -141,7 +141,7 @@ ENTRIES: list[Entry] = [
          "each starts 16-byte aligned, counted into the partitions and saved as param_alignment_paddings as "
          "DeepSpeed does (resharding, zero_to_fp32 and DeepSpeed's files follow them); the same training",
          "tests/integration/test_config_effects_ranks.py::test_parameter_alignment_aligns_each_parameter_and_"
-         "trains_bitwise_the_same",
+         "trains_the_same",
          "tests/integration/test_config_effects_ranks.py::test_parameter_alignment_checkpoint_resumes_and_"
          "reshards_to_one_rank"),
     done("zero_optimization.enable_sanity_checks", "stage 3: an in-place change inside "
