@@ -121,8 +121,9 @@ def run_cli(*args: str, cwd: str | Path | None = None, env: dict[str, str] | Non
 # exit handlers itself (a forked child ends with os._exit, skipping them). The server's standard output
 # is whatever the test that started it had, so each rank writes its output to a file of its launch, which the
 # caller prints (pytest shows it with the test's output) and quotes when a rank fails. torch._dynamo too: the
-# first optimizer a rank builds imports it (torch.optim's _disable_dynamo), seconds of CPU per rank; importing it
-# starts no thread either. And dsrun's rank side, which every rank would import again (~300 modules, 0.5-0.8 s
+# first torch optimizer a rank builds imports it (torch.optim's _disable_dynamo; dsrun's own do not:
+# dsrun/utils/dynamo_free.py), ~1.2 s of CPU per rank; importing it starts no thread either. And dsrun's rank
+# side, which every rank would import again (~300 modules, 0.5-0.8 s
 # of CPU per rank; measured: tests/integration/test_preemption.py's 18 ranks 25.6 -> 12.3 CPU-s, loaded): the
 # worker, the engine with its built-in features and ZeRO strategies, the data and optimizer modules. A dsrun
 # module reads the environment only when called, never at import (tests/unit/test_architecture.py), so a rank

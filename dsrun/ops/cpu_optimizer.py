@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from dsrun.ops.loader import load_op
+from dsrun.utils.dynamo_free import DynamoFreeOptimizer
 
 _EMPTY = torch.empty(0)
 
@@ -48,7 +49,7 @@ def adopting_loaded_state() -> Iterator[None]:
     finally:
         _LOADING.adopt = before
 
-class CPUOptimizer(torch.optim.Optimizer):
+class CPUOptimizer(DynamoFreeOptimizer):
     """Base class: subclasses name their op, their state keys, and implement ``_kernel`` and ``_fallback``."""
 
     OP_NAME = ""

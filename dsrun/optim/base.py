@@ -5,8 +5,10 @@ from typing import Any, Callable
 
 import torch
 
+from dsrun.utils.dynamo_free import DynamoFreeOptimizer
 
-class PerParameterOptimizer(torch.optim.Optimizer):
+
+class PerParameterOptimizer(DynamoFreeOptimizer):
     """Subclasses implement :meth:`update` for one parameter; ``step`` handles the closure and the loop."""
 
     def update(self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:

@@ -16,7 +16,8 @@ so the steps are quick: GPT, 2 layers x 768 (14.4M parameters), micro batch 2 x 
 would not do: the optimizer's states exist only from step 1's update on, and step 2's forward/backward raises
 the peak (each rank's VmHWM after step 1 and after step 2, logged once: +25.5 MiB for gpt_zero0 and gpt_zero2 on
 1 rank, +80 MiB for gpt_zero3 on 2, +0-2 MiB for ZeRO-1/2 on 2 and 4). A rank's CPU goes mostly to its imports
-(~5 s: torch 2.1 s, torch._dynamo 2.0 s, which the first torch optimizer imports, dsrun 0.9 s), not the steps.
+(torch ~1.3 s, dsrun ~0.9 s; not torch._dynamo, which only torch's own optimizers import: dsrun's CPU Adam leaves
+it out, dsrun/utils/dynamo_free.py), not the steps: 4.5 s per rank in all (5.9 s with torch._dynamo).
 """
 from __future__ import annotations
 

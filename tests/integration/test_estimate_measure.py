@@ -21,9 +21,10 @@ TOLERANCE_PCT = 15.0
 ABOVE_RUNTIME_TOLERANCE_PCT = 25.0  # the modelled part alone (model states, activations, buffers, data)
 MIN_MODEL_STATE_SHARE_PCT = 8.0
 MiB = 2**20
-# ~210 s of CPU in all (measured: 30 rank start-ups, each importing torch and its optimizer machinery, plus
-# the steps), so about 100 s on 2 idle cores; 11 minutes at load average 15-20 on the shared development
-# machine. On a loaded machine raise the limit: DSRUN_ESTIMATE_CASES_TIMEOUT=SECONDS.
+# ~150 s of CPU in all (measured 2026-12-07: the 30 ranks 135 s, 4.5 s each, mostly their imports; the probes
+# 5 s), so about 75 s on 2 idle cores; 11 minutes at load average 15-20 on the shared development machine (before
+# dsrun's optimizers stopped importing torch._dynamo: 188 s). On a loaded machine raise the limit:
+# DSRUN_ESTIMATE_CASES_TIMEOUT=SECONDS.
 CASES_TIMEOUT = float(os.environ.get("DSRUN_ESTIMATE_CASES_TIMEOUT", "560"))
 
 

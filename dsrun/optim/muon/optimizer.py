@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 
 from dsrun.optim.rank_state import RangeRead, read_in_memory
+from dsrun.utils.dynamo_free import DynamoFreeOptimizer
 
 from .newton_schulz import (NS_METHODS, adam_update, muon_update, zeropower_via_gram_newtonschulz,
                             zeropower_via_newtonschulz5)
@@ -35,7 +36,7 @@ def _checked_group(group: dict[str, Any]) -> dict[str, Any]:
     return group
 
 
-class MuonWithAuxAdam(torch.optim.Optimizer):
+class MuonWithAuxAdam(DynamoFreeOptimizer):
     """Muon (momentum, Newton-Schulz orthogonalisation) for ``use_muon`` groups, Adam for the others.
 
     Muon groups' params are ordered by size, largest first (DeepSpeed's distributed order)."""

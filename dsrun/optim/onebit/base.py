@@ -39,6 +39,7 @@ from dsrun.optim.rank_state import RangeRead, mean_into, read_in_memory, read_wh
 from dsrun.comm.compressed import CompressedBackend, CompressedLayout, CompressedResult, check_backend_name
 from dsrun.utils.errors import ConfigError, Problem, show
 from dsrun.utils.zero_to_fp32 import Slot, master_slots
+from dsrun.utils.dynamo_free import DynamoFreeOptimizer
 
 PARAMS = "optimizer.params"
 
@@ -120,7 +121,7 @@ class MasterLayout:
     compressed: CompressedLayout
 
 
-class OneBitOptimizer(torch.optim.Optimizer):
+class OneBitOptimizer(DynamoFreeOptimizer):
     """Base of the 1-bit family (module docstring). Subclasses implement :meth:`step`."""
 
     supported_stages: tuple[int, ...] = (0, 1)
