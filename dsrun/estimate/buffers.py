@@ -9,7 +9,10 @@ follow dsrun's ZeRO strategies:
   straight into the flat parameter buffer: no buffers of their own;
 * stage 2 keeps a pool of a bucket of copied gradients and the received piece, ``(B + B/N) * w``, twice
   when ``overlap_comm`` has a second bucket in flight (K > 1); ``B * w`` with optimizer offload. The pool
-  persists from the first backward on, so it is live in every later phase;
+  persists from the first backward on, so it is live in every later phase. Parameters kept fp32
+  (``data_types.keep_in_fp32_modules``, ``Kt`` trainable elements) fill fp32 buckets of their own: ``B`` is then
+  ``min(reduce_bucket_size, T - Kt)`` and the pool holds ``(Bk + Bk/N) * 4`` more, ``Bk = min(reduce_bucket_size,
+  Kt)`` (elsewhere kept gradients are counted as the others are, at ``w``);
 * stage 3 on the CPU keeps released gather buffers for reuse (N > 1), up to one module's gathered
   (non-persistent) parameters, ``min(P - small, L) * w``, in every phase (counted with the pool above); the
   gathered parameters take their buffers out of it;
@@ -142,9 +145,13 @@ def buffer_bytes(spec: EstimateInputs) -> BufferBytes:
     reduce_bucket = gathered = transient = 0
     coll_backward = coll_end = coll_publish = 0
     gloo = spec.gloo and n > 1
+    # data_types.keep_in_fp32_modules: the kept gradients fill buckets of their own, in fp32
+    kept = spec.kept_trainable if spec.mixed_precision else 0
+    kept_bucket, rest_bucket = min(b.reduce_bucket_size, kept), min(b.reduce_bucket_size, spec.trainable - kept)
     if spec.zero_stage == 2:
-        received = ceil_div(bucket, n) if spec.offload_optimizer == "none" else 0
-        reduce_bucket = (bucket + received) * w * in_flight
+        for elements, size in ((rest_bucket, w), (kept_bucket, 4)):
+            received = ceil_div(elements, n) if spec.offload_optimizer == "none" else 0
+            reduce_bucket += (elements + received) * size * in_flight
     accumulate = 0
     reduced_during_backward = False  # stage 3 on the CPU: per-module buckets
     low = spec.bf16_master_state  # bf16 accumulator and masters: no fp32 piece, no cast to publish

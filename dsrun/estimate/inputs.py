@@ -155,6 +155,9 @@ class EstimateInputs:
     the selected elements' fp32 weights, two moments and int64 indices with the device's optimizer states (in
     host RAM with its ``offload``), and the window's fp32 gradient accumulator in host RAM (two with
     ``overlap_step``).
+    Kept fp32 (``data_types.keep_in_fp32_modules`` with fp16/bf16): ``kept_fp32_params`` elements of the parameters
+    stay fp32, ``kept_fp32_trainable`` of them trainable (None: all); their parameters and model-dtype gradients
+    take 4 bytes each instead of 2.
     """
 
     total_params: int
@@ -192,6 +195,8 @@ class EstimateInputs:
     tensor_parallel_size: int = 1
     unsplit_params: int | None = None
     zenflow: Any = None  # the zero_optimization.zenflow section (dsrun.config.recent.ZenFlowConfig) or None
+    kept_fp32_params: int = 0  # data_types.keep_in_fp32_modules: elements of the parameters kept fp32
+    kept_fp32_trainable: int | None = None  # ... of those, the trainable ones (None: all)
 
     def __post_init__(self) -> None:
         try:  # stored in its canonical spelling: "none", "full", "every_2", "selective"
@@ -245,6 +250,11 @@ class EstimateInputs:
                           "combined", "set one of them")
         if self.trainable_params is not None and not 0 <= self.trainable_params <= self.total_params:
             yield Problem("trainable_params", f"must be between 0 and total_params, got {self.trainable_params}")
+        if not 0 <= self.kept_fp32_params <= self.total_params:
+            yield Problem("kept_fp32_params", f"must be between 0 and total_params, got {self.kept_fp32_params}")
+        elif not 0 <= self.kept_trainable <= min(self.kept_fp32_params, self.trainable):
+            yield Problem("kept_fp32_trainable", f"must be between 0 and kept_fp32_params and the trainable "
+                          f"parameters, got {self.kept_trainable}")
 
     @property
     def checkpoint_mode(self) -> CheckpointMode:
@@ -282,6 +292,10 @@ class EstimateInputs:
     @property
     def trainable(self) -> int:
         return self.total_params if self.trainable_params is None else self.trainable_params
+
+    @property
+    def kept_trainable(self) -> int:
+        return self.kept_fp32_params if self.kept_fp32_trainable is None else self.kept_fp32_trainable
 
     @property
     def mixed_precision(self) -> bool:

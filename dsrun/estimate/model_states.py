@@ -51,6 +51,12 @@ fp16 master state (``fp16_master_weights_and_grads``: fp16, stages 1-3, optimize
 masters and their gradients in fp16 (2 bytes each where the offload below has 4; the moments stay fp32); at
 stage 3 on a CPU device the fp16 shards are views of the masters (no master column).
 
+Parameters kept fp32 (``data_types.keep_in_fp32_modules`` under fp16/bf16: K elements, ``Kt`` of them trainable)
+take 4 bytes where the table has ``w`` in the parameter column (stage 3: their partition ``K/N``, hpZ's secondary
+``K/H``, an offloaded partition) and in the 16-bit gradients (stages 0-1: ``Kt``; stage 1's received piece
+``Kt/N``; NVMe's gradient files): :func:`kept_fp32_extra_bytes`. Their masters, fp32 gradients and states are as
+every other parameter's.
+
 Optimizer offload moves master copy, fp32 gradients and states to host RAM (cpu) or NVMe; the CPU
 optimizer needs an fp32 copy of the partition even in fp32 training; with it, stage 2/3 gradients leave
 the device bucket by bucket. NVMe keeps master, states and gradients in files; host RAM then holds only
@@ -272,9 +278,35 @@ def model_state_bytes(spec: EstimateInputs) -> ModelStates:
                 slots = max(1, min(3, count // (2 + states // FP32)))
                 host_buffers += slots * chunk * w
     device_grads += loco_error_bytes(spec, n, t_part)
+    extra = kept_fp32_extra_bytes(spec)
+    device_params += extra["device_params"]
+    device_grads += extra["device_gradients"]
+    host, nvme = host + extra["host"], nvme + extra["nvme"]
     return ModelStates(device_params=device_params, device_master_params=device_master,
                        device_gradients=device_grads, device_optimizer_states=device_states,
                        device_step_workspace=step_workspace, host=host, nvme=nvme, host_buffers=host_buffers)
+
+
+def kept_fp32_extra_bytes(spec: EstimateInputs) -> dict[str, int]:
+    """What the parameters kept fp32 (``kept_fp32_params``) add over the table's 16-bit counting: 2 more bytes per
+    element where a 16-bit model holds them at ``w`` (see the module docstring), by where they live."""
+    extra = {"device_params": 0, "device_gradients": 0, "host": 0, "nvme": 0}
+    if not spec.mixed_precision or not spec.kept_fp32_params:
+        return extra
+    x, stage, n = FP32 - 2, spec.zero_stage, spec.partition_ranks
+    kept, kept_t = spec.kept_fp32_params, spec.kept_trainable
+    kept_part = ceil_div(kept, n) if stage == 3 else kept
+    where = {"none": "device_params", "cpu": "host", "nvme": "nvme"}[spec.offload_param if stage == 3 else "none"]
+    extra[where] += kept_part * x
+    if stage == 3 and spec.hpz_ranks:
+        extra["device_params"] += ceil_div(kept, spec.hpz_ranks) * x
+    if stage in (0, 1):  # the whole 16-bit gradients: the kept ones fp32
+        extra["device_gradients"] += kept_t * x
+    if stage == 1 and spec.offload_optimizer == "none" and spec.accumulator_element_bytes is None:
+        extra["device_gradients"] += ceil_div(kept_t, n) * x  # the received piece: fp32 for the kept group
+    if spec.offload_optimizer == "nvme" and spec.gradient_accumulation_steps == 1:  # gradient files in the model
+        extra["nvme"] += ceil_div(kept_t, n) * x  # dtype: fp32 for the kept
+    return extra
 
 
 def init_bytes_per_rank(spec: EstimateInputs) -> int:
@@ -295,4 +327,5 @@ def checkpoint_bytes(spec: EstimateInputs) -> int:
     w = 2 if spec.mixed_precision else FP32
     trainable, states = spec.trainable, optimizer_state_count(spec.optimizer, spec.optimizer_params)
     master = spec.master_element_bytes * trainable if spec.mixed_precision or spec.zero_stage > 0 else 0
-    return spec.total_params * w + master + spec.state_element_bytes * states * trainable
+    kept = spec.kept_fp32_params * (FP32 - w)  # keep_in_fp32_modules: those weights are saved in fp32
+    return spec.total_params * w + kept + master + spec.state_element_bytes * states * trainable

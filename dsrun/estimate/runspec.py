@@ -74,6 +74,17 @@ def small_parameter_count(model: torch.nn.Module, threshold: int) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values() if p.numel() < threshold)
 
 
+def kept_fp32_parameter_counts(model: torch.nn.Module, setting: str | list[str], precision: str) -> tuple[int, int]:
+    """(all, trainable) elements of the parameters ``data_types.keep_in_fp32_modules`` (``setting``) keeps fp32 in
+    ``model`` under ``precision`` (each counted once; none in fp32), by the rule the engine's cast applies."""
+    from dsrun.precision.keep_fp32 import kept_names
+
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision, torch.float32)
+    names = kept_names(model, setting, dtype)
+    kept = {id(p): p for n, p in model.named_parameters(remove_duplicate=False) if n in names}.values()
+    return sum(p.numel() for p in kept), sum(p.numel() for p in kept if p.requires_grad)
+
+
 def gpt_shape_of(model: torch.nn.Module | None, model_cfg: Mapping[str, Any]) -> GPTShape | None:
     """The GPT shape of ``model`` (its ``config`` attribute) or of its config keys; None if not a GPT."""
     sources: list[Any] = []
@@ -244,9 +255,14 @@ def inputs_from_runspec(cfg: Mapping[str, Any], model: RecipeModel) -> tuple[Est
     grad_accum = ds_section(ds, "data_types").grad_accum_dtype  # its accumulator, where not the stage's own
     if grad_accum is not None:
         sources["grad_accum_dtype"] = "ds.data_types.grad_accum_dtype"
-    small = 0
+    small = kept = kept_trainable = 0
     if model.module is not None:
         small = small_parameter_count(model.module, buffers.stage3_param_persistence_threshold)
+        keep = ds_section(ds, "data_types").keep_in_fp32_modules
+        kept, kept_trainable = kept_fp32_parameter_counts(model.module, keep, precision)
+        if kept:
+            sources["kept_fp32_params"] = "ds.data_types.keep_in_fp32_modules" + (" (auto: the model's lists)"
+                                                                                 if keep == "auto" else "")
     inputs = EstimateInputs(
         total_params=model.counts.total, largest_layer_params=model.counts.largest_layer,
         trainable_params=model.counts.trainable, small_params=small,
@@ -261,5 +277,6 @@ def inputs_from_runspec(cfg: Mapping[str, Any], model: RecipeModel) -> tuple[Est
         mics_shard_size=int(zero.mics_shard_size), hpz_partition_size=int(zero.zero_hpz_partition_size),
         bf16_master_weights_and_grads=low_masters, bf16_optimizer_states=low_states,
         fp16_master_weights_and_grads=fp16_masters, grad_accum_dtype=grad_accum,
-        tensor_parallel_size=tp, unsplit_params=model.unsplit_params, zenflow=zero.zenflow)
+        tensor_parallel_size=tp, unsplit_params=model.unsplit_params, zenflow=zero.zenflow,
+        kept_fp32_params=kept, kept_fp32_trainable=kept_trainable)
     return inputs, sources

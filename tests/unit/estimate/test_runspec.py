@@ -198,3 +198,40 @@ def test_autotp_counts_one_ranks_split_model_and_zero_partitions_over_the_data_p
     # without the split the counts stay whole (an over-estimate), but the layout is still the TP one
     counted_whole = build_recipe_model(cfg)
     assert counted_whole.counts.total == whole and inputs_from_runspec(cfg, counted_whole)[0].data_parallel_size == 2
+
+
+def test_kept_fp32_modules_count_4_bytes_per_parameter_and_16_bit_gradient() -> None:
+    """data_types.keep_in_fp32_modules: the kept elements, counted from the model's shapes as the engine's cast
+    matches them (a regular expression searched in each name), take 4 bytes where a bf16 model holds 2: the
+    parameters (stage 3: this rank's partition), stages 0-1's whole gradients and stage 1's received piece, stage 2's
+    bucket pool (fp32 buckets of their own); masters and states as any other parameter's."""
+    from dsrun.estimate.buffers import buffer_bytes
+    from dsrun.estimate.model_states import checkpoint_bytes, model_state_bytes
+
+    ds = {"train_micro_batch_size_per_gpu": 3, "bf16": {"enabled": True}, "optimizer": {"type": "AdamW"},
+          "zero_optimization": {"stage": 3}, "data_types": {"keep_in_fp32_modules": ["c_fc", "ln_"]}}
+    cfg = runspec(ds=ds)  # TinyGPT: 2 layers, n_embd 64, biases; 2 nodes x 4 ranks
+    spec, sources = inputs_from_runspec(cfg, build_recipe_model(cfg))
+    e = 64
+    kept = 2 * (e * 4 * e + 4 * e + 2 * (2 * e)) + 2 * e  # per layer c_fc and ln_1, ln_2; then ln_f
+    assert (spec.kept_fp32_params, spec.kept_trainable) == (kept, kept)
+    assert sources["kept_fp32_params"] == "ds.data_types.keep_in_fp32_modules"
+    plain = replace(spec, kept_fp32_params=0, kept_fp32_trainable=None)
+    n = spec.data_parallel_size
+    part = -(-kept // n)
+    for stage, params, grads in ((0, 2 * kept, 2 * kept), (1, 2 * kept, 2 * kept + 2 * part), (2, 2 * kept, 0),
+                                 (3, 2 * part, 0)):
+        with_kept, without = model_state_bytes(spec.with_(zero_stage=stage)), model_state_bytes(
+            plain.with_(zero_stage=stage))
+        assert with_kept.device_params - without.device_params == params, stage
+        assert with_kept.device_gradients - without.device_gradients == grads, stage
+        assert (with_kept.device_master_params, with_kept.device_optimizer_states) == (
+            without.device_master_params, without.device_optimizer_states), stage
+    # stage 2's pool: a bucket (all of the rest, all of the kept) and its received piece, in bf16 and in fp32
+    rest = spec.trainable - kept
+    pool = (rest + -(-rest // n)) * 2 + (kept + part) * 4
+    assert buffer_bytes(spec.with_(zero_stage=2)).reduce_bucket == pool
+    assert checkpoint_bytes(spec) - checkpoint_bytes(plain) == 2 * kept
+    # fp32 training keeps everything fp32 already: nothing is added
+    fp32 = inputs_from_runspec(runspec(ds={**ds, "bf16": {"enabled": False}}), build_recipe_model(cfg))[0]
+    assert fp32.kept_fp32_params == 0
