@@ -130,7 +130,7 @@ class DataParallelStrategy(FlatStrategy):
                 continue
             lo = max(bucket.start, group.offsets[pi]) - bucket.start
             hi = min(bucket.end, group.offsets[pi] + group.numels[pi]) - bucket.start
-            dtype = getattr(param, "comm_dtype", self.comm_dtype)
+            dtype = getattr(param, "comm_dtype", self._comm_dtype_of(group))  # kept fp32 groups: fp32
             if runs and runs[-1][1] == lo and runs[-1][2] == dtype:
                 runs[-1] = (runs[-1][0], hi, dtype)
             else:

@@ -269,7 +269,8 @@ class Stage3Strategy(StatesOffload, ZeroStrategy):
             placed.append((p, off))
             off += part
         self.averaging.before(rows)
-        reduce_scatter = self.sharding.reduce_scatter_for(group) if world > 1 else None
+        # keep_in_fp32_modules: kept gradients reduce-scatter exactly in fp32 (never through qgZ's INT4)
+        reduce_scatter = self.sharding.reduce_scatter_for(group) if world > 1 and not key[1] else None
         if world == 1:
             self._inflight.append((None, rows[0], placed, rows_flat))
         elif reduce_scatter is not None:  # the policy's own (ZeRO++'s quantized one), synchronous

@@ -24,11 +24,12 @@ axis of its own) and, when the engine builds its stage-3 strategy, hands it a :c
 * **qwZ** (``zero_quantized_weights``) gathers parameters as INT8 blocks with per-block scales
   (:mod:`dsrun.comm.quantized`); ``zero_quantized_nontrainable_weights`` does so for frozen parameters and
   keeps their shards as INT8 blocks and scales (:mod:`.quantized_shards`, gathered as they are; not when
-  ``offload_param`` holds them).
+  ``offload_param`` holds them). Parameters kept fp32 (``data_types.keep_in_fp32_modules``) gather exactly.
 * **qgZ** (``zero_quantized_gradients``) replaces the reduce-scatter over the shard group with the
   hierarchical INT4 all-to-all (synchronous: ``overlap_comm`` does not overlap it), whose node and cross-node
   groups come from the same process groups; ``zeropp_loco_param`` adds LoCo's error feedback to it
   (:class:`dsrun.comm.quantized.LocoFeedback`: each bucket's quantization error is carried to its next step).
+  The fp32-kept parameters' gradients reduce-scatter exactly (the stage-3 strategy leaves them out of qgZ).
 
 The saved optimizer state keeps DeepSpeed's layout keys (``partition_count``, ``mics_shard_size``).
 """
@@ -47,6 +48,7 @@ from dsrun.comm.groups import ProcessGroups, expert_parallel_size_of
 from dsrun.config import DSConfig
 from dsrun.config.zero import ZeroConfig, shard_size_problem
 from dsrun.features import Feature
+from dsrun.precision.keep_fp32 import is_kept
 from dsrun.utils.errors import ConfigError, Problem
 
 from dsrun.zero import quantized_shards
@@ -145,13 +147,14 @@ class ZeroPlusPlusSharding(ShardingPolicy):
 
     def prepare(self, params: list[nn.Parameter]) -> None:
         """Mark the parameters whose gathers are quantized (qwZ: all; nontrainable: the frozen ones, whose
-        shards are then kept quantized too, unless ``offload_param`` holds them); build qgZ's quantized
+        shards are then kept quantized too, unless ``offload_param`` holds them; neither: the fp32-kept); build qgZ's quantized
         reduce-scatter over the shard group (collective: it may create node groups)."""
         zero = self.zero
         keep_frozen = zero.zero_quantized_nontrainable_weights and zero.offload_param.device == "none"
         for p in params:
             frozen = zero.zero_quantized_nontrainable_weights and not p.requires_grad
-            if (zero.zero_quantized_weights or frozen) and p.ds_tensor.is_floating_point():
+            # keep_in_fp32_modules: a kept parameter is gathered (and stored) exactly, in fp32
+            if (zero.zero_quantized_weights or frozen) and p.ds_tensor.is_floating_point() and not is_kept(p):
                 p.ds_quantized_gather = quantized.WEIGHT_BLOCK
                 if frozen and keep_frozen:
                     quantized_shards.store_quantized(p, quantized.WEIGHT_BLOCK)
