@@ -63,7 +63,19 @@ def check_precision(cfg: DSConfig, p: str) -> list[Problem]:
                                 f"the model {model_dtype} parameters (DeepSpeed refuses the conflict too)",
                                 "set the matching fp16/bf16 enabled flag, or remove data_types.param_dtype"))
     problems += _fp16_master_problems(cfg, p)
+    if cfg.torch_autocast.enabled and cfg.data_types.keep_in_fp32_modules not in ("auto", []):
+        problems.append(keep_fp32_autocast_problem(p))
     return problems
+
+
+def keep_fp32_autocast_problem(p: str) -> Problem:
+    """``data_types.keep_in_fp32_modules`` keeping tensors beside ``torch_autocast``, which would run the kept modules'
+    forward in its 16-bit dtype (and reduce its safe modules' gradients in it): the config check refuses a listed
+    module, the engine's cast what "auto" keeps."""
+    return Problem(f"{p}data_types.keep_in_fp32_modules", "keeps modules fp32, but torch_autocast.enabled runs their "
+                   "forward in the autocast dtype too (and reduces its safe modules' gradients in it)",
+                   "turn torch_autocast off (bf16 or fp16 alone keeps the listed modules fp32), or set "
+                   "data_types.keep_in_fp32_modules to []")
 
 
 def _fp16_master_problems(cfg: DSConfig, p: str) -> list[Problem]:

@@ -144,7 +144,7 @@ class DeepSpeedEngine(torch.nn.Module):
         # data_types.buffer_dtype and keep_in_fp32_modules: the casts' own rules (dsrun/precision/keep_fp32.py)
         self.fp32_islands = None if self.precision.model_dtype == torch.float32 else cast_model(
             model, self.precision.model_dtype, config.data_types.buffer_dtype, config.data_types.keep_in_fp32_modules,
-            self.precision.master_dtype)
+            self.precision.master_dtype, config.torch_autocast.enabled)
         self.module = model
         self._broadcast_model()
         if self.torch_autocast_enabled():  # the torch_autocast section: comm dtypes of the safe modules' params

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dsrun.config.rules import keep_fp32_autocast_problem
 from dsrun.precision.keep_fp32 import KEY as KEEP_KEY, Fp32Islands, cast_floats, keep_fp32, kept_names
 from dsrun.utils.errors import ConfigError, Problem
 from dsrun.precision.loss_scaler import DynamicLossScaler, LossScaler
@@ -122,15 +123,19 @@ _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def cast_model(module: torch.nn.Module, dtype: torch.dtype, buffer_dtype: str | None = None,
-               keep_in_fp32: str | list[str] = "auto", master_dtype: torch.dtype = torch.float32) -> Fp32Islands | None:
+               keep_in_fp32: str | list[str] = "auto", master_dtype: torch.dtype = torch.float32,
+               autocast: bool = False) -> Fp32Islands | None:
     """Cast ``module`` to the 16-bit ``dtype`` (``module.to``, buffers too). ``data_types.buffer_dtype``
     (``fp32``/``fp16``/``bf16``) set: every floating-point buffer is then cast to it from its loaded value
     (DeepSpeed's ``_cast_module_mixed_precision``: with ``fp32`` a rotary table stays exact, never rounded
     through ``dtype``). The parameters and buffers ``keep_in_fp32`` names (``data_types.keep_in_fp32_modules``,
     :mod:`dsrun.precision.keep_fp32`) then get their loaded values back in fp32; the modules a list makes wholly
     fp32 get the forward hooks returned (None for "auto", which the model's own code serves). The masters'
-    ``master_dtype`` must then be fp32 (16-bit masters would step the kept parameters in 16 bits)."""
+    ``master_dtype`` must then be fp32 (16-bit masters would step the kept parameters in 16 bits), and
+    ``torch_autocast`` off (``autocast``: it would run the kept modules' forward in 16 bits)."""
     kept = kept_names(module, keep_in_fp32, dtype)
+    if kept and autocast:
+        raise ConfigError(keep_fp32_autocast_problem(""))
     if kept and master_dtype != torch.float32:
         raise ConfigError(Problem(KEEP_KEY, f"keeps {len(kept)} parameters and buffers fp32, but the master weights "
                                   f"are {str(master_dtype).replace('torch.', '')} (bf16.bf16_master_weights_and_grads "

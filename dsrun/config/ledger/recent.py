@@ -97,7 +97,9 @@ ENTRIES: list[Entry] = [
          "model's own _keep_in_fp32_modules(_strict), as Hugging Face applies them; a listed module wholly fp32 "
          "computes in fp32 and returns its caller's dtype",
          f"{DTYPES_TESTS}test_keep_in_fp32_modules_keeps_the_listed_modules_fp32",
-         "tests/integration/test_keep_in_fp32_modules.py::test_kept_modules_train_fp32_at_zero_stages"),
+         "tests/integration/test_keep_in_fp32_modules.py::test_kept_modules_train_fp32_at_zero_stages",
+         "tests/integration/test_keep_in_fp32_features.py::test_kept_modules_train_fp32_beside_the_feature",
+         f"{DTYPES_TESTS}test_keep_in_fp32_modules_beside_torch_autocast_is_refused"),
     todo("aio.use_gds", "NVIDIA GPUDirect Storage for NVMe I/O", Feature("GPUDirect Storage (CUDA)",
                                                                         "leave use_gds false")),
     done("hybrid_engine.enable_cuda_graph", "replay the decode steps of a generate from CUDA graphs; refused with "

@@ -112,3 +112,23 @@ def test_keep_in_fp32_modules_keeps_the_listed_modules_fp32():
     kept = {n for n, p in t5.named_parameters() if p.dtype == torch.float32}
     assert kept and all(".wo." in n for n in kept) and len(kept) == 2  # the encoder's and the decoder's wo
     assert {p.dtype for n, p in t5.named_parameters() if n not in kept} == {torch.float16}
+
+
+def test_keep_in_fp32_modules_beside_torch_autocast_is_refused():
+    """torch_autocast would run the kept modules' forward in its 16-bit dtype (and reduce its safe modules'
+    gradients in it): a listed module is refused by the config check, what "auto" keeps by the engine's cast."""
+    from dsrun.utils.errors import ConfigError
+
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "torch_autocast": {"enabled": True}, "data_types": {"keep_in_fp32_modules": ["mid"]}}
+    for precision in ({}, {"bf16": {"enabled": True}}):  # an fp32 model too: autocast would compute it in bf16
+        problems = validate_ds_config({**config, **precision})
+        assert [str(p) for p in problems] == [
+            "data_types.keep_in_fp32_modules: keeps modules fp32, but torch_autocast.enabled runs their forward in "
+            "the autocast dtype too (and reduces its safe modules' gradients in it) (turn torch_autocast off (bf16 "
+            "or fp16 alone keeps the listed modules fp32), or set data_types.keep_in_fp32_modules to [])"]
+    auto = {**config, "fp16": {"enabled": True}, "data_types": {}}
+    with pytest.raises(ConfigError, match="keep_in_fp32_modules: keeps modules fp32, but torch_autocast"):
+        dsrun.initialize(model=_t5(), config=auto)  # T5's own ["wo"] under fp16
+    engine = dsrun.initialize(model=WithIsland(), config=auto)[0]  # "auto" keeping nothing: autocast as usual
+    assert engine.torch_autocast_enabled() and {p.dtype for p in engine.module.parameters()} == {torch.float16}
