@@ -147,8 +147,8 @@ class ZeroPlusPlusSharding(ShardingPolicy):
 
     def prepare(self, params: list[nn.Parameter]) -> None:
         """Mark the parameters whose gathers are quantized (qwZ: all; nontrainable: the frozen ones, whose
-        shards are then kept quantized too, unless ``offload_param`` holds them; neither: the fp32-kept); build qgZ's quantized
-        reduce-scatter over the shard group (collective: it may create node groups)."""
+        shards are then kept quantized too, unless ``offload_param`` holds them; neither: the fp32-kept); build
+        qgZ's quantized reduce-scatter over the shard group (collective: it may create node groups)."""
         zero = self.zero
         keep_frozen = zero.zero_quantized_nontrainable_weights and zero.offload_param.device == "none"
         for p in params:
