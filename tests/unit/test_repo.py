@@ -53,7 +53,7 @@ def run_test_command(tmp_path, uid: int, installed: list[str]) -> tuple[subproce
 def test_the_test_command_installs_what_is_missing_then_the_project_the_ops_and_runs_pytest(tmp_path):
     everything = ["openssh-server", "openssh-client", "iproute2", "libaio-dev", "openmpi-bin", "slurm-wlm", "munge"]
     after = ["python -m pip install -q torch==2.13.0", "python -m pip install -q -e .[dev]",
-             "python -m dsrun ops build --all", "python -m pytest -q -ra -m not slow"]
+             "python -m dsrun ops build --all", "python -m compileall -q dsrun", "python -m pytest -q -ra -m not slow"]
     # root on a fresh machine: apt-get update first, then only the packages that are not there
     done, calls = run_test_command(tmp_path, 0, ["openssh-client", "libaio-dev"])
     assert done.returncode == 0, done.stderr
