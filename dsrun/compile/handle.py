@@ -29,9 +29,16 @@ strategy's bucket reductions may be in flight when a gradient arrives: on, the b
 while the next one fills (two in flight right after a launch, the one before waited for); off, a gradient waits
 for every reduction in flight first (one at most). ``stats.peak_reduces_in_flight`` counts it. Only the moment of
 each wait changes: the buckets complete and accumulate in launch order either way (bit-identical gradients).
+
+While a profiler runs a graph on real inputs (:meth:`DeepCompileHandle.enable_profiling`, DeepSpeed's switch of
+the same name; :mod:`.profilers.graph_profile`'s interpreters) each op runs several times: ``reduce_grad`` and
+``end_backward`` then hand nothing to the strategy (as DeepSpeed's handle skips its reduce while profiling), and the
+counts are put back as they were when profiling ends. ``clear_all_gathered_params`` drops what a run that raised
+left gathered (prefetches in flight; the persistent copies stay, as DeepSpeed's keeps them).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
@@ -82,6 +89,7 @@ class DeepCompileHandle:
         self.record_order = False
         self.sync_points: frozenset[str] = frozenset()
         self.param_moves: ShardMoves | None = None  # compile.offload_parameters' shards, when that pass runs
+        self._stats_before_profiling: GatherStats | None = None  # set while profiling (enable_profiling)
 
     # --- registration (DeepSpeed's ``dc.init``, ``register_z3_param``, ``register_graph_z3``) --------------
     def init(self, reduce: Callable[[torch.nn.Parameter, torch.Tensor], None] | None,
@@ -143,10 +151,31 @@ class DeepCompileHandle:
         self.wait_reduces = self.reduces_in_flight = None
         self.reduce_buffers = 2
         self.sync_points = frozenset()
+        self._stats_before_profiling = None
         if self.param_moves is not None:
             self.param_moves.close()  # every shard back where the strategy keeps it
             self.param_moves = None
         self.reset_stats()
+
+    def enable_profiling(self, enabled: bool) -> None:
+        """A profiler starts (``True``) or stops running graphs: meanwhile nothing is reduced and the counts taken
+        are dropped at the end (a profiled op runs once per warm-up and timed iteration, not once per step)."""
+        if enabled and self._stats_before_profiling is None:
+            # the step's counts are put aside untouched; the profiled runs count on a copy, dropped at the end
+            self._stats_before_profiling = self.stats
+            self.stats = dataclasses.replace(self.stats, order=list(self.stats.order))
+        elif not enabled and self._stats_before_profiling is not None:
+            self.stats, self._stats_before_profiling = self._stats_before_profiling, None
+
+    @property
+    def profiling(self) -> bool:
+        return self._stats_before_profiling is not None
+
+    def clear_all_gathered_params(self) -> None:
+        """What a profiled run that raised left gathered goes: its prefetches are finished and dropped, nothing is
+        counted live; the persistent parameters' kept copies stay."""
+        self.wait_all()
+        self.stats.live_numel = 0
 
     def reset_stats(self) -> None:
         self.stats = GatherStats()
@@ -221,7 +250,7 @@ class DeepCompileHandle:
 
     def reduce_grad(self, ds_id: int, grad: torch.Tensor) -> None:
         param = self.params[ds_id]
-        if self.reduce is None or not param.requires_grad:
+        if self.reduce is None or self.profiling or not param.requires_grad:
             return
         self._sync("before_reduce")
         self.stats.reduced += 1
@@ -238,7 +267,7 @@ class DeepCompileHandle:
         """A backward graph's reductions have all run (DeepSpeed's ``end_backward``); the last backward graph of a
         step launches the pending buckets (``release_reduce_buckets``)."""
         self.stats.backward_ends += 1
-        if release_reduce_buckets and self.release_buckets is not None:
+        if release_reduce_buckets and self.release_buckets is not None and not self.profiling:
             self.stats.bucket_releases += 1
             self.release_buckets()
             self._count_reduces_in_flight()

@@ -99,6 +99,12 @@ def is_allgather_node(node: Node) -> bool:
     return _is_op(node, ALLGATHER, "allgather_param")
 
 
+def is_comm_op(node: Node) -> bool:
+    """A node a pass marked as a collective (``node.meta["comm"]``, DeepSpeed's mark): a profiler times it between
+    barriers, so that the time is the collective's and not the wait for the slowest rank."""
+    return bool(node.meta.get("comm", False))
+
+
 def is_release_node(node: Node) -> bool:
     return _is_op(node, RELEASE, "release_param")
 
