@@ -198,17 +198,18 @@ def _check_offload_targets(engine: CompilingEngine, compile_config: CompileConfi
     """DeepSpeed's refusals, before anything of the engine changes: ``offload_opt_states`` beside ZeRO's own
     optimizer offload (both would own the same states), and more than one offload target; and dsrun's:
     ``offload_parameters`` with a schedule that leaves its pass out (DeepSpeed then ignores the key)."""
+    # DeepSpeed's first check comes first: its tests call init_z3 with a config that has only the keys it reads
+    if compile_config.offload_opt_states and engine.zero_use_cpu_optimizer():
+        raise ConfigError(Problem("compile.offload_opt_states", "cannot be combined with "
+                                  "zero_optimization.offload_optimizer on cpu or nvme: both manage the optimizer's "
+                                  "states (ZeRO keeps them on the host for the whole step, the pass moves them around "
+                                  "the graph)", "enable one of them"))
     named = {getattr(p, "__name__", p) for _, passes in (schedule or []) for p in passes}
     if compile_config.offload_parameters and schedule is not None and not named & {
             offload_parameters.NAME, offload_parameters.offload_parameter_fwd.__name__}:
         raise ConfigError(Problem("compile.offload_parameters", "the schedule given to engine.compile() has no "
                                   "'offload_parameters' pass, so the key would do nothing",
                                   "add 'offload_parameters' after 'zero3_compile', or leave the schedule out"))
-    if compile_config.offload_opt_states and engine.zero_use_cpu_optimizer():
-        raise ConfigError(Problem("compile.offload_opt_states", "cannot be combined with "
-                                  "zero_optimization.offload_optimizer on cpu or nvme: both manage the optimizer's "
-                                  "states (ZeRO keeps them on the host for the whole step, the pass moves them around "
-                                  "the graph)", "enable one of them"))
     if compile_config.offload_parameters and compile_config.offload_opt_states:
         raise ConfigError(Problem("compile.offload_parameters", "cannot be combined with offload_opt_states: one "
                                   "offload target per run (DeepSpeed's refusal; at fp32 both would move the masters, "
