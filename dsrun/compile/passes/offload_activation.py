@@ -105,16 +105,24 @@ def configure(compile_config: CompileConfig) -> None:
 
 
 def register_activation_offload_ops() -> None:
-    """The four ops in DeepSpeed's ``dc`` namespace, with a Meta kernel each, once."""
+    """The four ops in DeepSpeed's ``dc`` namespace, with a Meta kernel each, once. An op another library defined
+    already (DeepSpeed's extension, or a test's schema-only stub of ``dc``) is not defined again: only the kernels it
+    lacks are added."""
     global _activation_ops_lib
     if _activation_ops_lib is not None:
         return
     lib = torch.library.Library("dc", "FRAGMENT")
     for name, impl in zip(_ACTIVATION_OFFLOAD_OPS, (_offload_tensor, _wait, _reload_tensor, _wait)):
-        alias = "(a)" if name.startswith("wait_") else ""  # a wait hands its input on
-        lib.define(f"{name}(Tensor{alias} tensor, int graph_id, int value_id) -> Tensor{alias}")
-        lib.impl(name, impl, "CompositeExplicitAutograd")
-        lib.impl(name, lambda tensor, graph_id, value_id: torch.empty_like(tensor), "Meta")
+        try:
+            alias = "(a)" if name.startswith("wait_") else ""  # a wait hands its input on
+            lib.define(f"{name}(Tensor{alias} tensor, int graph_id, int value_id) -> Tensor{alias}")
+        except RuntimeError as defined:  # the schema is there already: only its missing kernels are added below
+            if "multiple times" not in str(defined):
+                raise
+        for key, kernel in (("CompositeExplicitAutograd", impl),
+                            ("Meta", lambda tensor, graph_id, value_id: torch.empty_like(tensor))):
+            if not torch._C._dispatch_has_kernel_for_dispatch_key(f"dc::{name}", key):
+                lib.impl(name, kernel, key)
     _activation_ops_lib = lib
 
 
