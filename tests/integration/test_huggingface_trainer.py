@@ -67,6 +67,14 @@ def _printed(result, tag: str):
             or line.startswith(f"{tag} ")]
 
 
+def _printed_once(result, tag: str):
+    """The one ``tag {json}`` line; when it is missing or repeated, the run's exit code and output's end say why."""
+    found = _printed(result, tag)
+    assert len(found) == 1, (f"{len(found)} {tag} lines; exit code {result.returncode}\n--- stdout (end) ---\n"
+                             f"{result.stdout[-4000:]}\n--- stderr (end) ---\n{result.stderr[-4000:]}")
+    return found[0]
+
+
 def test_zero3_arguments_first_builds_the_model_inside_zero_init(tmp_path):
     """Hugging Face's documented ZeRO-3 order: ``TrainingArguments(deepspeed=<stage 3>)`` first, then
     ``from_config``/``from_pretrained``, which transformers builds inside ``deepspeed.zero.Init`` (patching
@@ -85,7 +93,7 @@ def test_zero3_arguments_first_builds_the_model_inside_zero_init(tmp_path):
     for report in partitions:
         for built in ("from_config", "from_pretrained"):
             assert report[built]["local_bytes"] * 2 == report[built]["full_bytes"] > 0
-    (init,) = _printed(result, "INIT")
+    init = _printed_once(result, "INIT")
     assert abs(init["wte_std"] - 0.02) < 0.002 and init["ln_weight_mean"] == 1.0
     # _init_weights reached the partitioned weights (transformers 5 runs it inside GatheredParameters after the
     # build): GPT-2's residual projections get std 0.02 / sqrt(2 * n_layer) = 0.01, not Conv1D's own 0.02 (the
@@ -95,7 +103,7 @@ def test_zero3_arguments_first_builds_the_model_inside_zero_init(tmp_path):
     assert len(init["equals_whole"]) == 18 and all(name.endswith(("bias", "ln_1.weight", "ln_2.weight", "ln_f.weight"))
                                                    for name in init["equals_whole"])
     assert "LOADED True" in result.stdout and "RESIZED True" in result.stdout
-    (saved,) = _printed(result, "SAFETENSORS")
+    saved = _printed_once(result, "SAFETENSORS")
     assert saved["equal"] and "transformer.wte.weight" in saved["names"] and len(saved["names"]) == 28
     assert len(first) == 4 and first[-1] < first[0]
     resumed = _losses(run_cli(*launch, "4", str(out / "checkpoint-2"), cwd=tmp_path, timeout=300))
@@ -119,18 +127,18 @@ def test_peft_lora_under_zero3_trains_the_adapters_and_saves_them(tmp_path, orde
     result = run_cli("launch", "--as-deepspeed", "--num_procs", "2", "--no_local_rank", str(LORA_SCRIPT), order,
                      str(tmp_path / "out"), "4", cwd=tmp_path, timeout=300)
     assert len(_losses(result)) == 4
-    (frozen,) = _printed(result, "FROZEN")
+    frozen = _printed_once(result, "FROZEN")
     assert frozen == {"count": 28, "identical": True}  # every base tensor (the head is tied to the embedding)
-    (adapters,) = _printed(result, "ADAPTERS")
+    adapters = _printed_once(result, "ADAPTERS")
     modules = [f"base_model.model.transformer.h.{layer}.attn.{name}" for layer in (0, 1)
                for name in ("c_attn", "c_proj")]
     assert adapters["trainable"] == sorted(f"{m}.lora_{ab}.default.weight" for m in modules for ab in "AB")
     assert adapters["lora_B_count"] == 4 and adapters["lora_B_all_nonzero"]
-    (saved,) = _printed(result, "SAVED")
+    saved = _printed_once(result, "SAVED")
     assert saved["equal"] and saved["names"] == sorted(f"{m}.lora_{ab}.weight" for m in modules for ab in "AB")
-    (logits,) = _printed(result, "LOGITS")
+    logits = _printed_once(result, "LOGITS")
     assert logits["max_abs_diff"] == 0.0  # the same weights through the same ops: the same bits
     assert logits["adapted_loss"] < logits["base_loss"]  # the adapters learned something over the 64 sequences
-    (resumed,) = _printed(result, "RESUMED")
+    resumed = _printed_once(result, "RESUMED")
     assert resumed["start_differs"]  # so equal results below mean the checkpoint's adapters were loaded
     assert resumed["losses"][-2:] == _losses(result)[2:] and resumed["adapters_equal"]
